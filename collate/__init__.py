@@ -1,0 +1,9 @@
+"""prealign collators: aligned THD/BSHD batches, CP sharding and its inverse."""
+from .bshd import BSHDCollator
+from .indices import cu_seqlens_to_lengths, lengths_to_cu_seqlens
+from .inverse import unpack_bshd, unpack_thd, unshard_bshd, unshard_cp
+from .megatron import PackedSeqConvention, to_packed_seq_params
+from .thd import THDCollator
+
+__all__ = ["THDCollator", "BSHDCollator", "unshard_cp", "unpack_thd", "unshard_bshd", "unpack_bshd",
+           "to_packed_seq_params", "PackedSeqConvention", "lengths_to_cu_seqlens", "cu_seqlens_to_lengths"]

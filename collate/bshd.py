@@ -1,0 +1,67 @@
+"""BSHD collation: one sequence per row, rows padded to a common aligned length ``S``.
+
+>>> from schemas import ParallelLayout, causal_lm_schema
+>>> coll = BSHDCollator(schema=causal_lm_schema(), layout=ParallelLayout(cp=2), cp_rank=0)
+>>> b = coll([{"input_ids": torch.tensor([1, 2, 3, 4, 5])}, {"input_ids": torch.tensor([6, 7, 8])}])
+>>> b["input_ids"].tolist(), b["attention_mask"].tolist()
+([[1, 2, 0, 0], [6, 7, 0, 0]], [[True, True, False, False], [True, True, False, False]])
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from schemas.layout import CPLayout, ParallelLayout
+from schemas.schema import BatchSchema
+from .assemble import token_fields
+from .indices import Chunks, cp_chunks, gather_plan
+from .samples import flatten
+
+
+def bshd_chunks(batch_size: int, seq_len: int, layout: ParallelLayout, cp_rank: int | None) -> Chunks:
+    """Chunks of a ``[B, S]`` batch held by ``cp_rank``: zigzag per row as megatron-core's
+    ``get_batch_on_this_cp_rank``; contiguous keeps columns ``[r*S/cp, (r+1)*S/cp)`` of every row."""
+    padded = torch.full((batch_size,), seq_len, dtype=torch.int64)
+    if cp_rank is None or layout.cp == 1 or layout.cp_layout is CPLayout.ZIGZAG:
+        return cp_chunks(padded, layout, cp_rank)
+    local = seq_len // layout.cp
+    return Chunks(torch.arange(batch_size), torch.full_like(padded, cp_rank * local), torch.full_like(padded, local))
+
+
+@dataclass(frozen=True, kw_only=True)
+class BSHDCollator:
+    """``collate_fn`` producing ``[B, S_out, *dense]`` rows (``S_out = S/cp`` for a CP rank).
+
+    ``S`` is the longest sequence rounded up to :meth:`ParallelLayout.bshd_multiple` (then
+    ``min_local_rows`` and length buckets). Fields as :class:`~collate.THDCollator`, plus
+    ``attention_mask`` bool ``[B, S_out]`` (True on real tokens, the verl/HF convention) and
+    ``cu_seqlens`` int32 ``[B+1]`` of the true lengths.
+    """
+
+    schema: BatchSchema
+    layout: ParallelLayout
+    cp_rank: int | None = None
+    check_values: bool = True
+
+    def __post_init__(self):
+        if self.cp_rank is not None and not 0 <= self.cp_rank < self.layout.cp:
+            raise ValueError(f"cp_rank must be None or in [0, {self.layout.cp}), got {self.cp_rank}")
+
+    def __call__(self, batch) -> dict:
+        flat = flatten(batch, self.schema, check_values=self.check_values)
+        b = flat.lengths.numel()
+        s = self.layout.bshd_length(int(flat.lengths.max()), b)
+        plan = gather_plan(flat.lengths, bshd_chunks(b, s, self.layout, self.cp_rank), flat.cu_seqlens)
+        whole = (lambda: gather_plan(flat.lengths, bshd_chunks(b, s, self.layout, None), flat.cu_seqlens))
+        out = {}
+        for name, v in token_fields(self.schema, flat, plan, whole).items():
+            td = self.schema[name].token_dim
+            out[name] = v.unflatten(td, (b, v.shape[td] // b))
+        out["attention_mask"] = ~plan.is_pad.view(b, -1)
+        out["cu_seqlens"] = flat.cu_seqlens.to(torch.int32)
+        out.update(flat.sequence)
+        out.update(flat.media)
+        out["cp_rank"] = -1 if self.cp_rank is None else self.cp_rank
+        out["cp_size"] = self.layout.cp
+        return out

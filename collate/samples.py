@@ -1,0 +1,268 @@
+"""Turn a list of sample dicts (or verl's dict of jagged nested tensors) into flat per-field tensors.
+
+Validation is "fast check, slow diagnosis": the happy path costs one ``torch.cat`` and a few
+metadata checks per field; only when something is off does a per-sample loop run to name the
+sample, the field, what was expected and what came.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+import numpy as np
+import torch
+
+from schemas.errors import SampleError
+from schemas.schema import BatchSchema, FieldSpec, Role, Source, dtype_name
+from .indices import lengths_to_cu_seqlens
+
+
+@dataclass
+class FlatBatch:
+    """A batch with every field concatenated over samples.
+
+    ``token[key]`` is ``[*leading, sum(L) + 1, *dense]``: all samples' rows, then one pad row.
+    """
+
+    lengths: torch.Tensor  # int64 [N]
+    cu_seqlens: torch.Tensor  # int64 [N+1]
+    token: dict[str, torch.Tensor] = field(default_factory=dict)
+    sequence: dict[str, torch.Tensor] = field(default_factory=dict)
+    media: dict[str, torch.Tensor] = field(default_factory=dict)
+    dims: dict[str, int] = field(default_factory=dict)  # named dense dims seen (e.g. K)
+
+    @property
+    def num_real(self) -> int:
+        return int(self.cu_seqlens[-1])
+
+
+def _sample_keys_read(schema: BatchSchema) -> list[tuple[str, FieldSpec]]:
+    """(sample key candidates' owner spec) for every TOKEN field that reads sample data."""
+    specs = [f for f in schema.of_role(Role.TOKEN) if f.source in (Source.SAMPLE, Source.NEXT_TOKEN)]
+    if "loss_mask" not in schema or schema["loss_mask"].source is not Source.SAMPLE:
+        specs.append(FieldSpec(name="loss_mask", dtypes=("float32", "bool", "int64", "int32", "uint8", "bfloat16"),
+                               pad_value=0, required=False))
+    return [(f.name, f) for f in specs]
+
+
+def resolve_key(spec: FieldSpec, present: Sequence[str]) -> str | None:
+    """First of ``spec.sample_keys`` present in the sample, or None."""
+    for key in spec.sample_keys:
+        if key in present:
+            return key
+    return None
+
+
+# ------------------------------------------------------------------------------------------------
+def flatten(batch, schema: BatchSchema, *, check_values: bool = True) -> FlatBatch:
+    """A list of sample dicts, or a dict of jagged nested tensors, -> :class:`FlatBatch`."""
+    if isinstance(batch, Mapping):
+        return _flatten_nested(batch, schema, check_values)
+    if not isinstance(batch, Sequence) or isinstance(batch, (str, bytes)):
+        raise SampleError(sample=None, field=None, expected="a list of sample dicts or a dict of nested tensors",
+                          actual=type(batch).__name__)
+    if len(batch) == 0:
+        raise SampleError(sample=None, field=None, expected="at least one sample", actual="an empty batch")
+    for i, s in enumerate(batch):
+        if not isinstance(s, Mapping):
+            raise SampleError(sample=i, field=None, expected="a dict of fields", actual=type(s).__name__)
+    ids = [_as_tensor(s.get("input_ids"), i, "input_ids") for i, s in enumerate(batch)]
+    lengths = torch.from_numpy(np.fromiter((t.shape[0] if t.ndim else 0 for t in ids), np.int64, len(ids)))
+    _check_lengths(lengths, ids)
+    flat = FlatBatch(lengths=lengths, cu_seqlens=lengths_to_cu_seqlens(lengths, torch.int64))
+    present = batch[0].keys()
+    done: set[str] = set()
+    for _, spec in _sample_keys_read(schema):
+        key = resolve_key(spec, present)
+        if key is None:
+            _missing(spec, batch)
+            continue
+        if key in done:
+            continue
+        done.add(key)
+        tensors = ids if key == "input_ids" else [_as_tensor(_get(s, key, i), i, key) for i, s in enumerate(batch)]
+        flat.token[key] = _cat_token(tensors, spec, key, flat, check_values)
+    for spec in schema.of_role(Role.SEQUENCE) + schema.of_role(Role.MEDIA):
+        if spec.name not in present:
+            _missing(spec, batch)
+            continue
+        tensors = [_as_tensor(_get(s, spec.name, i), i, spec.name) for i, s in enumerate(batch)]
+        target = flat.sequence if spec.role is Role.SEQUENCE else flat.media
+        target[spec.name] = _join_other(tensors, spec, flat, check_values)
+    return flat
+
+
+def _flatten_nested(batch: Mapping, schema: BatchSchema, check_values: bool) -> FlatBatch:
+    """verl's engine format: ``{field: torch.nested jagged tensor [B, j, *dense]}``."""
+    nt = batch.get("input_ids")
+    if nt is None or not getattr(nt, "is_nested", False):
+        raise SampleError(sample=None, field="input_ids", expected="a jagged nested tensor",
+                          actual=type(nt).__name__ if nt is not None else "missing")
+    offsets = nt.offsets().to(torch.int64)
+    lengths = offsets.diff()
+    if lengths.numel() == 0:
+        raise SampleError(sample=None, field=None, expected="at least one sample", actual="an empty batch")
+    _check_lengths(lengths, None)
+    flat = FlatBatch(lengths=lengths, cu_seqlens=offsets)
+    for _, spec in _sample_keys_read(schema):
+        key = resolve_key(spec, batch.keys())
+        if key is None:
+            if spec.required:
+                raise SampleError(sample=None, field=spec.name, expected=f"one of {list(spec.sample_keys)}",
+                                  actual=f"fields {sorted(batch.keys())}")
+            continue
+        if key in flat.token:
+            continue
+        t = batch[key]
+        if not getattr(t, "is_nested", False) or not torch.equal(t.offsets().to(torch.int64), offsets):
+            raise SampleError(sample=None, field=key, expected="a jagged nested tensor with input_ids' offsets",
+                              actual="a dense tensor" if not getattr(t, "is_nested", False) else "other offsets")
+        values = t.values()
+        pad = torch.full((1, *values.shape[1:]), spec.pad_value, dtype=values.dtype)
+        flat.token[key] = _check_token(torch.cat((values, pad)), spec, key, flat, check_values, None)
+    for spec in schema.of_role(Role.SEQUENCE) + schema.of_role(Role.MEDIA):
+        if spec.name in batch:
+            target = flat.sequence if spec.role is Role.SEQUENCE else flat.media
+            target[spec.name] = batch[spec.name]
+    return flat
+
+
+# ------------------------------------------------------------------------------------------------
+def _get(sample: Mapping, key: str, i: int):
+    try:
+        return sample[key]
+    except KeyError:
+        raise SampleError(sample=i, field=key, expected="the field present (sample 0 has it)",
+                          actual=f"fields {sorted(sample.keys())}") from None
+
+
+def _as_tensor(value, i: int, key: str) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value
+    if value is None:
+        raise SampleError(sample=i, field=key, expected="a tensor", actual="missing")
+    try:
+        return torch.as_tensor(np.asarray(value))
+    except (TypeError, ValueError) as exc:
+        raise SampleError(sample=i, field=key, expected="a tensor, array or list of numbers",
+                          actual=f"{type(value).__name__} ({exc})") from None
+
+
+def _check_lengths(lengths: torch.Tensor, ids: list | None) -> None:
+    if bool((lengths > 0).all()):
+        return
+    i = int(torch.argmin(lengths))
+    shape = tuple(ids[i].shape) if ids is not None else (0,)
+    raise SampleError(sample=i, field="input_ids", expected="a non-empty 1-D token tensor", actual=f"shape {shape}")
+
+
+def _missing(spec: FieldSpec, batch: list) -> None:
+    """An absent field: an error when required, else it must be absent from every sample."""
+    has = [i for i, s in enumerate(batch) if any(k in s for k in spec.sample_keys)]
+    if spec.required:
+        i = next(i for i, s in enumerate(batch) if not any(k in s for k in spec.sample_keys))
+        raise SampleError(sample=i, field=spec.name, expected=f"one of {list(spec.sample_keys)}",
+                          actual=f"fields {sorted(batch[i].keys())}")
+    if has:
+        raise SampleError(sample=0, field=spec.name, expected="the field (sample %d has it)" % has[0], actual="missing")
+
+
+def _cat_token(tensors: list, spec: FieldSpec, key: str, flat: FlatBatch, check_values: bool) -> torch.Tensor:
+    first = tensors[0]
+    pad_shape = list(first.shape)
+    if len(pad_shape) <= spec.token_dim:
+        _diagnose_token(tensors, spec, key, flat)
+    pad_shape[spec.token_dim] = 1
+    pad = torch.full(pad_shape, spec.pad_value, dtype=first.dtype)
+    try:
+        cat = torch.cat((*tensors, pad), dim=spec.token_dim)
+    except (RuntimeError, TypeError):
+        _diagnose_token(tensors, spec, key, flat)
+        raise
+    return _check_token(cat, spec, key, flat, check_values, tensors)
+
+
+def _check_token(cat: torch.Tensor, spec: FieldSpec, key: str, flat: FlatBatch, check_values: bool,
+                 tensors: list | None) -> torch.Tensor:
+    """Cheap whole-batch checks of a concatenated token field; diagnose per sample on failure."""
+    td = spec.token_dim
+    declared = (*spec.leading_shape, "T", *spec.dense_shape)
+    ok = (cat.ndim == len(declared) and cat.shape[td] == flat.num_real + 1
+          and dtype_name(cat.dtype) in spec.dtypes)
+    if ok:
+        for d, size in zip(declared, cat.shape):
+            if d == "T":
+                continue
+            if isinstance(d, int) and size != d or isinstance(d, str) and flat.dims.setdefault(d, size) != size:
+                ok = False
+    if not ok:
+        if tensors is not None:
+            _diagnose_token(tensors, spec, key, flat)
+        raise SampleError(sample=None, field=key, expected=f"shape {declared} and dtype in {list(spec.dtypes)}",
+                          actual=f"shape {tuple(cat.shape)} dtype {dtype_name(cat.dtype)} (dims {flat.dims})")
+    if check_values:
+        _check_values(cat.narrow(td, 0, flat.num_real), spec, key, flat)
+    return cat
+
+
+def _diagnose_token(tensors: list, spec: FieldSpec, key: str, flat: FlatBatch) -> None:
+    dims = dict(flat.dims)
+    lengths = flat.lengths.tolist()
+    for i, t in enumerate(tensors):
+        declared = (*spec.leading_shape, lengths[i], *spec.dense_shape)
+        shape = tuple(t.shape)
+        bad = len(shape) != len(declared)
+        for d, size in zip(declared, shape):
+            bad = bad or (isinstance(d, int) and size != d) or (isinstance(d, str) and dims.setdefault(d, size) != size)
+        if bad:
+            named = {d: dims[d] for d in declared if isinstance(d, str) and d in dims}
+            raise SampleError(sample=i, field=key, expected=f"shape {declared} {named or ''}".strip(),
+                              actual=f"shape {shape}",
+                              hint="every token field must have input_ids' length and constant dense dims")
+        if dtype_name(t.dtype) not in spec.dtypes:
+            raise SampleError(sample=i, field=key, expected=f"dtype in {list(spec.dtypes)}", actual=dtype_name(t.dtype))
+
+
+def _check_values(values: torch.Tensor, spec: FieldSpec, key: str, flat: FlatBatch) -> None:
+    """finite / min / max declared on the spec, in one reduction pass."""
+    lo, hi = (spec.min_value, spec.max_value)
+    if lo is None and hi is None and not spec.finite:
+        return
+    if values.numel() == 0:
+        return
+    mn, mx = torch.aminmax(values.float() if values.dtype in (torch.bool, torch.bfloat16, torch.float16) else values)
+    mn, mx = float(mn), float(mx)
+    finite = np.isfinite(mn) and np.isfinite(mx)
+    if (spec.finite and not finite) or (lo is not None and not mn >= lo) or (hi is not None and not mx <= hi):
+        v = values.float()
+        bad = ~torch.isfinite(v) if spec.finite else torch.zeros_like(v, dtype=torch.bool)
+        if lo is not None:
+            bad |= ~(v >= lo)
+        if hi is not None:
+            bad |= ~(v <= hi)
+        td = spec.token_dim
+        row_bad = bad.movedim(td, 0).reshape(bad.shape[td], -1).any(1)
+        row = int(torch.nonzero(row_bad)[0])
+        i = int(torch.searchsorted(flat.cu_seqlens, row, right=True)) - 1
+        value = v.movedim(td, 0)[row].reshape(-1)[bad.movedim(td, 0)[row].reshape(-1)][0].item()
+        rng = f"[{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
+        raise SampleError(sample=i, field=key, expected=f"{'finite ' if spec.finite else ''}values in {rng}",
+                          actual=f"{value} at token {row - int(flat.cu_seqlens[i])}")
+
+
+def _join_other(tensors: list, spec: FieldSpec, flat: FlatBatch, check_values: bool) -> torch.Tensor:
+    """SEQUENCE fields are stacked to ``[N, ...]``; MEDIA fields concatenated on dim 0."""
+    for i, t in enumerate(tensors):
+        if dtype_name(t.dtype) not in spec.dtypes:
+            raise SampleError(sample=i, field=spec.name, expected=f"dtype in {list(spec.dtypes)}", actual=dtype_name(t.dtype))
+    try:
+        out = torch.stack(tensors) if spec.role is Role.SEQUENCE else torch.cat(tensors, 0)
+    except RuntimeError:
+        ref = tuple(tensors[0].shape[(0 if spec.role is Role.SEQUENCE else 1):])
+        for i, t in enumerate(tensors):
+            got = tuple(t.shape[(0 if spec.role is Role.SEQUENCE else 1):])
+            if got != ref:
+                raise SampleError(sample=i, field=spec.name, expected=f"trailing shape {ref} (as sample 0)",
+                                  actual=f"{got}") from None
+        raise
+    return out

@@ -1,0 +1,70 @@
+"""THD (packed) collation: every sequence padded per the layout and packed into ``[1, T]``.
+
+>>> from schemas import ParallelLayout, causal_lm_schema
+>>> coll = THDCollator(schema=causal_lm_schema(), layout=ParallelLayout(cp=2), cp_rank=1)
+>>> b = coll([{"input_ids": torch.tensor([1, 2, 3, 4, 5])}, {"input_ids": torch.tensor([6, 7, 8])}])
+>>> b["input_ids"].tolist(), b["cu_seqlens_padded"].tolist()
+([[3, 4, 5, 0, 7, 8]], [0, 8, 12])
+>>> b["position_ids"].tolist(), b["labels"].tolist()
+([[2, 3, 4, 5, 1, 2]], [[4, 5, -100, -100, 8, -100]])
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from schemas.layout import ParallelLayout
+from schemas.schema import BatchSchema
+from .assemble import token_fields
+from .indices import cp_chunks, gather_plan, lengths_to_cu_seqlens
+from .samples import flatten
+
+
+def _add_batch_dim(values: torch.Tensor, token_dim: int) -> torch.Tensor:
+    return values.unsqueeze(token_dim)
+
+
+@dataclass(frozen=True, kw_only=True)
+class THDCollator:
+    """``collate_fn`` producing a Megatron-ready packed batch (picklable, stateless).
+
+    Input: a list of sample dicts (``input_ids`` int64 ``[L]``, optional ``labels`` ``[L]`` aligned
+    with the tokens, ``loss_mask`` ``[L]``, any TOKEN field of the schema ``[L, *dense]``) or verl's
+    dict of jagged nested tensors. Output (``T_out = T/cp`` for a CP rank, ``T`` for ``cp_rank=None``):
+
+    - every TOKEN field: ``[1, T_out, *dense]`` (``[*leading, 1, T_out]`` for leading dims), pads
+      holding the field's pad value; ``labels[j]`` is the next token of the same sequence,
+      ``ignore_index`` on each sequence's last token and on pads; ``position_ids`` the global
+      position of the slot inside its padded sequence (pads continue ``L, L+1, ...``);
+      ``padding_mask`` bool, True on pads.
+    - ``cu_seqlens`` (true) and ``cu_seqlens_padded`` (global), int32 ``[N+1]``; ``max_seqlen``
+      int32 ``[1]`` (the longest padded sequence); ``cp_rank`` / ``cp_size`` ints (``cp_rank`` -1
+      when unsharded).
+    - SEQUENCE fields stacked ``[N, ...]``; MEDIA fields concatenated on dim 0.
+    """
+
+    schema: BatchSchema
+    layout: ParallelLayout
+    cp_rank: int | None = None
+    check_values: bool = True
+
+    def __post_init__(self):
+        if self.cp_rank is not None and not 0 <= self.cp_rank < self.layout.cp:
+            raise ValueError(f"cp_rank must be None or in [0, {self.layout.cp}), got {self.cp_rank}")
+
+    def __call__(self, batch) -> dict:
+        flat = flatten(batch, self.schema, check_values=self.check_values)
+        padded = self.layout.padded_lengths(flat.lengths)
+        plan = gather_plan(flat.lengths, cp_chunks(padded, self.layout, self.cp_rank), flat.cu_seqlens)
+        whole = (lambda: gather_plan(flat.lengths, cp_chunks(padded, self.layout, None), flat.cu_seqlens))
+        out = {name: _add_batch_dim(v, self.schema[name].token_dim)
+               for name, v in token_fields(self.schema, flat, plan, whole).items()}
+        out["cu_seqlens"] = flat.cu_seqlens.to(torch.int32)
+        out["cu_seqlens_padded"] = lengths_to_cu_seqlens(padded)
+        out["max_seqlen"] = padded.max().to(torch.int32).reshape(1)
+        out.update(flat.sequence)
+        out.update(flat.media)
+        out["cp_rank"] = -1 if self.cp_rank is None else self.cp_rank
+        out["cp_size"] = self.layout.cp
+        return out

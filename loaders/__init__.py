@@ -1,0 +1,1 @@
+"""prealign loaders: sources, token-budget micro-batch planning, DP-balanced packed loading."""

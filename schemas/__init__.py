@@ -1,0 +1,12 @@
+"""prealign schemas: parallel layouts, declared batch schemas and their validation."""
+from .errors import (BatchValidationError, BucketOverflowError, LayoutError, PrealignError, SampleError,
+                     SchemaError, StartupMismatchError)
+from .layout import CPLayout, FP8Recipe, PadPolicy, ParallelLayout, round_up
+from .schema import IGNORE_INDEX, BatchSchema, FieldSpec, Role, Source, causal_lm_schema, rl_schema, topk_fields
+from .validate import Violation, validate_batch
+from .distributed import check_startup
+
+__all__ = ["ParallelLayout", "PadPolicy", "FP8Recipe", "CPLayout", "round_up", "BatchSchema", "FieldSpec", "Role",
+           "Source", "causal_lm_schema", "rl_schema", "topk_fields", "IGNORE_INDEX", "validate_batch", "Violation",
+           "check_startup", "PrealignError", "LayoutError", "SchemaError", "SampleError", "BucketOverflowError",
+           "BatchValidationError", "StartupMismatchError"]

@@ -1,0 +1,84 @@
+"""The one module that reads ``torch.distributed`` / ``megatron.core.parallel_state``.
+
+Everything else takes ranks and sizes as plain ints, so multi-rank logic is testable in one process.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+
+import torch.distributed as dist
+
+from .errors import BatchValidationError, StartupMismatchError
+from .layout import ParallelLayout
+from .schema import BatchSchema
+
+
+def _group_size_rank(group) -> tuple[int, int]:
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def megatron_parallel_sizes(pg_collection=None) -> dict[str, int]:
+    """``{"tp", "cp", "dp", "tp_rank", "cp_rank", "dp_rank"}`` from megatron-core.
+
+    Reads ``pg_collection`` (a megatron-core ``ProcessGroupCollection``, the API newer releases pass
+    around) when given, else the initialised ``parallel_state`` (0.x), falling back to
+    ``ProcessGroupCollection.use_mpu_process_groups()`` where the getters moved.
+    """
+    if pg_collection is None:
+        from megatron.core import parallel_state as ps
+
+        if hasattr(ps, "get_tensor_model_parallel_world_size") and ps.model_parallel_is_initialized():
+            return {"tp": ps.get_tensor_model_parallel_world_size(), "cp": ps.get_context_parallel_world_size(),
+                    "dp": ps.get_data_parallel_world_size(), "tp_rank": ps.get_tensor_model_parallel_rank(),
+                    "cp_rank": ps.get_context_parallel_rank(), "dp_rank": ps.get_data_parallel_rank()}
+        try:
+            from megatron.core.process_groups_config import ProcessGroupCollection
+        except ImportError:
+            raise RuntimeError("megatron-core parallel state is not initialised; call "
+                               "parallel_state.initialize_model_parallel(...) first or pass sizes as ints") from None
+        pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+    (tp, tp_rank), (cp, cp_rank), (dp, dp_rank) = (
+        _group_size_rank(getattr(pg_collection, name)) for name in ("tp", "cp", "dp"))
+    return {"tp": tp, "cp": cp, "dp": dp, "tp_rank": tp_rank, "cp_rank": cp_rank, "dp_rank": dp_rank}
+
+
+def layout_fingerprint(schema: BatchSchema, layout: ParallelLayout) -> str:
+    """16-hex-digit digest of schema + layout: equal on every rank that builds the same batches."""
+    text = json.dumps({"schema": json.loads(schema.to_json()), "layout": layout.to_dict()}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def check_startup(batch: dict, schema: BatchSchema, layout: ParallelLayout, group=None) -> str:
+    """Validate a first batch on every rank, then compare schema+layout fingerprints across ranks.
+
+    Every rank takes part in one ``all_gather_object`` whatever its local outcome, so a bad batch or
+    a mismatched config on one rank raises :class:`StartupMismatchError` on **every** rank (no rank is
+    left waiting in a later collective). Without an initialised process group it only validates.
+    Returns the fingerprint.
+    """
+    from .validate import validate_batch
+
+    violations = validate_batch(batch, schema, layout, raise_on_error=False)
+    fingerprint = layout_fingerprint(schema, layout)
+    local = {"rank": dist.get_rank() if dist.is_initialized() else 0, "fingerprint": fingerprint,
+             "violations": [str(v) for v in violations[:20]], "num_violations": len(violations)}
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        gathered: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, local, group=group)
+    else:
+        if violations:
+            raise BatchValidationError(violations)
+        return fingerprint
+    problems = []
+    prints = {g["fingerprint"] for g in gathered}
+    if len(prints) > 1:
+        by_print = {p: [g["rank"] for g in gathered if g["fingerprint"] == p] for p in sorted(prints)}
+        problems.append(f"schema/layout fingerprints differ across ranks: {by_print} "
+                        f"(this rank {local['rank']}: {schema.name}, {layout.to_dict()})")
+    for g in gathered:
+        if g["num_violations"]:
+            problems.append(f"rank {g['rank']}: {g['num_violations']} violation(s): " + "; ".join(g["violations"]))
+    if problems:
+        raise StartupMismatchError("startup check failed on every rank:\n  " + "\n  ".join(problems))
+    return fingerprint

@@ -1,0 +1,46 @@
+"""Typed errors. Every one is a ``ValueError`` so existing ``except ValueError`` handlers keep working."""
+from __future__ import annotations
+
+
+class PrealignError(ValueError):
+    """Base class of every error prealign raises on bad input or configuration."""
+
+
+class LayoutError(PrealignError):
+    """An invalid :class:`~schemas.ParallelLayout` (tp/cp sizes, FP8 recipe, length buckets)."""
+
+
+class SchemaError(PrealignError):
+    """An invalid schema declaration (duplicate field, unknown dtype, bad dense dim)."""
+
+
+class SampleError(PrealignError):
+    """One sample of a batch is malformed.
+
+    Attributes name the sample index, the field, what was expected and what came, so a data
+    pipeline can log or skip exactly that sample.
+    """
+
+    def __init__(self, *, sample: int | None, field: str | None, expected: str, actual: str, hint: str = ""):
+        self.sample, self.field, self.expected, self.actual = sample, field, expected, actual
+        where = "batch" if sample is None else f"sample {sample}"
+        what = f"{where}, field {field!r}" if field else where
+        msg = f"{what}: expected {expected}, got {actual}"
+        super().__init__(f"{msg}. {hint}" if hint else msg)
+
+
+class BucketOverflowError(PrealignError):
+    """A batch's aligned length exceeds the largest configured length bucket."""
+
+
+class BatchValidationError(PrealignError):
+    """``validate_batch`` found violations; ``.violations`` lists every one."""
+
+    def __init__(self, violations):
+        self.violations = list(violations)
+        lines = "\n".join(f"  - {v}" for v in self.violations)
+        super().__init__(f"{len(self.violations)} batch schema violation(s):\n{lines}")
+
+
+class StartupMismatchError(PrealignError):
+    """Ranks disagree on schema/layout fingerprints, or some rank's batch failed validation."""

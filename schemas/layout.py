@@ -1,0 +1,244 @@
+"""Parallel layout: how Megatron/TE will split a batch, and the padding that split requires.
+
+Notation (see README): ``L_i`` true length of sequence i, ``P_i`` its padded length,
+``T = sum(P_i)`` the global packed length, ``T_local = T / cp`` what one CP rank holds.
+
+    PadPolicy.MINIMAL (default)            PadPolicy.PER_SEQUENCE (verl / Megatron-Bridge)
+    P_i = round_up(L_i, 2*cp) if cp > 1    P_i = round_up(L_i, 2*cp*tp) if cp > 1
+          else L_i                                else round_up(L_i, tp)
+    then, for both, only the LAST sequence grows, by the least amount, until
+      T % total_multiple == 0   (T_local % tp under SP, T_local % FP8 multiple)
+      T >= cp * min_local_rows
+      T == smallest length bucket >= T   (when buckets are configured)
+"""
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .errors import BucketOverflowError, LayoutError
+
+
+def round_up(n: int, multiple: int) -> int:
+    """Smallest multiple of ``multiple`` that is >= ``n`` (adds nothing when already aligned).
+
+    >>> round_up(5, 4), round_up(8, 4), round_up(0, 4)
+    (8, 8, 0)
+    """
+    if multiple < 1:
+        raise LayoutError(f"round_up: multiple must be >= 1, got {multiple}")
+    return -(-n // multiple) * multiple
+
+
+def round_up_tensor(n: torch.Tensor, multiple: int) -> torch.Tensor:
+    """Element-wise :func:`round_up` of an integer tensor (one op when ``multiple == 1``: none)."""
+    if multiple == 1:
+        return n
+    return torch.div(n + (multiple - 1), multiple, rounding_mode="floor") * multiple
+
+
+class PadPolicy(enum.Enum):
+    """How much each sequence is padded. See the module docstring."""
+
+    MINIMAL = "minimal"
+    PER_SEQUENCE = "per_sequence"
+
+
+class FP8Recipe(enum.Enum):
+    """FP8/FP4 recipe; the value is the multiple the local token count must respect."""
+
+    NONE = 1
+    FP8 = 16  # delayed / tensor-wise scaling
+    MXFP8 = 32  # also NVFP4
+    BLOCKWISE = 128
+
+    @classmethod
+    def coerce(cls, value) -> "FP8Recipe":
+        if isinstance(value, cls):
+            return value
+        if value is None or value is False:
+            return cls.NONE
+        by_name = {"none": cls.NONE, "fp8": cls.FP8, "delayed": cls.FP8, "tensorwise": cls.FP8,
+                   "mxfp8": cls.MXFP8, "fp4": cls.MXFP8, "nvfp4": cls.MXFP8, "blockwise": cls.BLOCKWISE}
+        if isinstance(value, str) and value.lower() in by_name:
+            return by_name[value.lower()]
+        if isinstance(value, int) and not isinstance(value, bool):
+            for recipe in cls:
+                if recipe.value == value:
+                    return recipe
+        raise LayoutError(f"fp8: expected one of none/16/32/128 or {[r.name.lower() for r in cls]}, got {value!r}")
+
+
+class CPLayout(enum.Enum):
+    """How packed rows are split over CP ranks.
+
+    ZIGZAG: each padded sequence is cut into ``2*cp`` chunks; rank r keeps chunks r and 2cp-1-r
+    (Megatron/TE default, load-balanced for causal attention). CONTIGUOUS: rank r keeps rows
+    ``[r*T_local, (r+1)*T_local)`` of the global padded buffer (verl's ``cp_layout="contiguous"``).
+    """
+
+    ZIGZAG = "zigzag"
+    CONTIGUOUS = "contiguous"
+
+
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise LayoutError(f"{name}: expected a positive int, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelLayout:
+    """The model-parallel shape constraints a batch must satisfy. Validated at construction.
+
+    >>> lay = ParallelLayout(tp=2, cp=2)
+    >>> lay.seq_multiple, lay.local_multiple, lay.total_multiple
+    (4, 2, 4)
+    >>> lay.padded_lengths(torch.tensor([5, 3])).tolist()
+    [8, 4]
+    """
+
+    tp: int = 1
+    """Tensor-parallel size."""
+    cp: int = 1
+    """Context-parallel size."""
+    sp: bool | None = None
+    """Sequence parallel; ``None`` means ``tp > 1`` (Megatron's usual setting)."""
+    fp8: FP8Recipe = FP8Recipe.NONE
+    """FP8/FP4 recipe: the local token count must be a multiple of ``fp8.value``."""
+    pad_policy: PadPolicy = PadPolicy.MINIMAL
+    length_buckets: tuple[int, ...] | None = None
+    """Allowed global padded lengths T (THD) or S (BSHD), e.g. for CUDA graphs; sorted ascending."""
+    min_local_rows: int = 0
+    """Every CP rank holds at least this many rows (``T >= cp * min_local_rows``)."""
+    cp_layout: CPLayout = CPLayout.ZIGZAG
+
+    def __post_init__(self):
+        _positive_int("tp", self.tp)
+        _positive_int("cp", self.cp)
+        set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731  (frozen dataclass)
+        set_("sp", self.tp > 1 if self.sp is None else bool(self.sp))
+        set_("fp8", FP8Recipe.coerce(self.fp8))
+        try:
+            set_("pad_policy", PadPolicy(self.pad_policy))
+            set_("cp_layout", CPLayout(self.cp_layout))
+        except ValueError as exc:
+            raise LayoutError(str(exc)) from None
+        if isinstance(self.min_local_rows, bool) or not isinstance(self.min_local_rows, int) or self.min_local_rows < 0:
+            raise LayoutError(f"min_local_rows: expected an int >= 0, got {self.min_local_rows!r}")
+        if self.length_buckets is not None:
+            buckets = tuple(sorted(_positive_int("length_buckets[*]", b) for b in self.length_buckets))
+            if not buckets:
+                raise LayoutError("length_buckets: expected at least one bucket or None, got ()")
+            bad = [b for b in buckets if b % self.total_multiple]
+            if bad:
+                raise LayoutError(
+                    f"length_buckets: every bucket must be a multiple of the total multiple "
+                    f"{self.total_multiple} (tp={self.tp}, cp={self.cp}, sp={self.sp}, fp8={self.fp8.name}), "
+                    f"got {bad}; use e.g. {[round_up(b, self.total_multiple) for b in bad]}"
+                )
+            set_("length_buckets", buckets)
+
+    # ---- derived multiples -------------------------------------------------------------------
+    @property
+    def zigzag(self) -> bool:
+        return self.cp > 1 and self.cp_layout is CPLayout.ZIGZAG
+
+    @property
+    def seq_multiple(self) -> int:
+        """Every ``P_i`` is a multiple of this."""
+        if self.pad_policy is PadPolicy.MINIMAL:
+            return 2 * self.cp if self.zigzag else 1
+        align = self.tp * self.cp * (2 if self.zigzag else 1)
+        return math.lcm(align, self.fp8.value) if self.fp8 is not FP8Recipe.NONE else align
+
+    @property
+    def local_multiple(self) -> int:
+        """``T_local`` is a multiple of this: ``tp`` under SP, and the FP8 multiple."""
+        return math.lcm(self.tp if self.sp else 1, self.fp8.value)
+
+    @property
+    def total_multiple(self) -> int:
+        """``T`` is a multiple of this (and so is every length bucket)."""
+        return math.lcm(self.seq_multiple, self.cp * self.local_multiple)
+
+    # ---- THD ------------------------------------------------------------------------------------
+    def aligned_length(self, length: int) -> int:
+        """``P_i`` before the last-sequence extension."""
+        return round_up(length, self.seq_multiple)
+
+    def total_length(self, aligned_sum: int) -> int:
+        """Global padded length ``T`` of a THD batch whose aligned lengths sum to ``aligned_sum``."""
+        total = max(round_up(aligned_sum, self.total_multiple), round_up(self.cp * self.min_local_rows, self.total_multiple))
+        return self._bucket(total)
+
+    def padded_lengths(self, lengths: torch.Tensor) -> torch.Tensor:
+        """int64 ``[N]`` true lengths -> int64 ``[N]`` padded lengths ``P`` (a fixed number of ops)."""
+        padded = round_up_tensor(lengths.to(torch.int64), self.seq_multiple)
+        aligned_sum = int(padded.sum())
+        extra = self.total_length(aligned_sum) - aligned_sum
+        if extra:
+            padded = padded.clone()
+            padded[-1] += extra
+        return padded
+
+    # ---- BSHD -----------------------------------------------------------------------------------
+    def bshd_multiple(self, batch_size: int) -> int:
+        """The padded row length ``S`` is a multiple of this for a batch of ``batch_size`` rows."""
+        if self.pad_policy is PadPolicy.PER_SEQUENCE:
+            align = self.tp * self.cp * 2 if self.cp > 1 else self.tp
+        else:
+            align = math.lcm(2 * self.cp if self.cp > 1 else 1, self.cp * (self.tp if self.sp else 1))
+        fp8 = self.fp8.value
+        # B * S / cp must be a multiple of the FP8 multiple.
+        return math.lcm(align, self.cp * fp8 // math.gcd(batch_size, fp8)) if fp8 > 1 else align
+
+    def bshd_length(self, max_length: int, batch_size: int) -> int:
+        """Padded row length ``S`` for a BSHD batch whose longest sequence has ``max_length`` tokens."""
+        multiple = self.bshd_multiple(batch_size)
+        s = max(round_up(max_length, multiple), round_up(self.cp * self.min_local_rows, multiple))
+        s = self._bucket(s)
+        if s % multiple:
+            raise LayoutError(f"length bucket {s} is not a multiple of {multiple}, required for BSHD with "
+                              f"batch size {batch_size} under {self}")
+        return s
+
+    # ---- helpers ----------------------------------------------------------------------------------
+    def _bucket(self, length: int) -> int:
+        if self.length_buckets is None:
+            return length
+        for bucket in self.length_buckets:
+            if bucket >= length:
+                return bucket
+        raise BucketOverflowError(
+            f"aligned length {length} exceeds the largest length bucket {self.length_buckets[-1]}; "
+            f"add a larger bucket or lower the token budget"
+        )
+
+    def to_dict(self) -> dict:
+        """JSON-friendly description (used in fingerprints and loader state)."""
+        return {"tp": self.tp, "cp": self.cp, "sp": self.sp, "fp8": self.fp8.value,
+                "pad_policy": self.pad_policy.value, "cp_layout": self.cp_layout.value,
+                "length_buckets": list(self.length_buckets) if self.length_buckets else None,
+                "min_local_rows": self.min_local_rows}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ParallelLayout":
+        data = dict(data)
+        if data.get("length_buckets") is not None:
+            data["length_buckets"] = tuple(data["length_buckets"])
+        return cls(**data)
+
+    @classmethod
+    def from_megatron(cls, **overrides) -> "ParallelLayout":
+        """Read tp/cp sizes from megatron-core's initialised ``parallel_state``.
+
+        ``overrides`` set the fields megatron-core does not know (``sp``, ``fp8``, ``pad_policy``...).
+        """
+        from .distributed import megatron_parallel_sizes
+
+        sizes = megatron_parallel_sizes()
+        return cls(**{"tp": sizes["tp"], "cp": sizes["cp"], **overrides})

@@ -1,0 +1,225 @@
+"""Declared batch schemas: what every field of a collated batch is, its dtype, dims and padding.
+
+A schema is data (JSON round trip, stable fingerprint) so that every rank can prove at startup that
+it builds the same batches (:func:`schemas.check_startup`).
+"""
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+from dataclasses import dataclass, field
+
+import torch
+
+from .errors import SchemaError
+
+IGNORE_INDEX = -100
+
+_DTYPES = {"int64": torch.int64, "int32": torch.int32, "float32": torch.float32, "bfloat16": torch.bfloat16,
+           "float16": torch.float16, "bool": torch.bool, "uint8": torch.uint8}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """``"int64"`` -> ``torch.int64`` (only the dtypes batches use)."""
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise SchemaError(f"unknown dtype {name!r}; expected one of {sorted(_DTYPES)}") from None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class Role(enum.Enum):
+    """What a field is indexed by."""
+
+    TOKEN = "token"  # one entry per token; padded and CP-sharded like input_ids
+    SEQUENCE = "sequence"  # one entry per sample, stacked to [N, ...]
+    MEDIA = "media"  # ragged per sample (pixel_values), concatenated over the batch, never sharded
+    META = "meta"  # produced by the collator: cu_seqlens*, max_seqlen
+
+
+class Source(enum.Enum):
+    """Where a TOKEN field's values come from."""
+
+    SAMPLE = "sample"  # the sample's own field, as given
+    NEXT_TOKEN = "next_token"  # the sample's field shifted left by one inside its sequence (labels)
+    LOSS_MASK = "loss_mask"  # 1.0 where the output label is not the ignore index (times sample loss_mask)
+    POSITIONS = "positions"  # each slot's position inside its (padded) sequence
+    PADDING_MASK = "padding_mask"  # True on pad slots (Megatron convention)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FieldSpec:
+    """One field of a batch.
+
+    For a TOKEN field a sample holds ``[L, *dense_shape]`` (or ``[*leading_shape, L]``) and the THD
+    batch ``[1, T_local, *dense_shape]`` (or ``[*leading_shape, 1, T_local]``); BSHD ``[B, S_local, ...]``.
+    Dense dims are ints or names (``"K"``) that must agree across the batch.
+    """
+
+    name: str
+    role: Role = Role.TOKEN
+    dtypes: tuple[str, ...] = ("int64",)
+    """Accepted dtypes; the first is the default when the collator creates the field."""
+    dense_shape: tuple[int | str, ...] = ()
+    """Trailing dims after the token dim (top-k ``("K",)``, router ``("layers", "K")``)."""
+    leading_shape: tuple[int | str, ...] = ()
+    """Dims before the token dim (mRoPE ``(3,)``); a field has leading or trailing dims, not both."""
+    pad_value: float | int | bool = 0
+    source: Source = Source.SAMPLE
+    sample_keys: tuple[str, ...] = ()
+    """Sample fields to read, first present wins (default: ``(name,)``)."""
+    required: bool = True
+    cp_sharded: bool = True
+    """TOKEN fields only: split over CP ranks like the tokens (False: keep the full sequence)."""
+    finite: bool = False
+    """Values must be finite (checked on the real tokens at collate time)."""
+    min_value: float | None = None
+    max_value: float | None = None
+    """Inclusive bounds on the real tokens' values (e.g. log-probs <= 0, ids < vocab)."""
+
+    def __post_init__(self):
+        set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731
+        set_("role", Role(self.role))
+        set_("source", Source(self.source))
+        set_("dtypes", tuple(self.dtypes))
+        for d in self.dtypes:
+            torch_dtype(d)
+        if not self.dtypes:
+            raise SchemaError(f"field {self.name!r}: dtypes must not be empty")
+        set_("dense_shape", tuple(self.dense_shape))
+        set_("leading_shape", tuple(self.leading_shape))
+        set_("sample_keys", tuple(self.sample_keys) or (self.name,))
+        if self.dense_shape and self.leading_shape:
+            raise SchemaError(f"field {self.name!r}: declare leading_shape or dense_shape, not both")
+        for d in (*self.dense_shape, *self.leading_shape):
+            if not (isinstance(d, str) and d) and not (isinstance(d, int) and not isinstance(d, bool) and d > 0):
+                raise SchemaError(f"field {self.name!r}: a dim must be a positive int or a name, got {d!r}")
+        if self.source is not Source.SAMPLE and self.role is not Role.TOKEN:
+            raise SchemaError(f"field {self.name!r}: source {self.source.value} needs role token")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch_dtype(self.dtypes[0])
+
+    @property
+    def token_dim(self) -> int:
+        """Index of the token dim in a sample tensor (0, or after the leading dims)."""
+        return len(self.leading_shape)
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "role": self.role.value, "dtypes": list(self.dtypes),
+                "dense_shape": list(self.dense_shape), "leading_shape": list(self.leading_shape),
+                "pad_value": self.pad_value, "source": self.source.value, "sample_keys": list(self.sample_keys),
+                "required": self.required, "cp_sharded": self.cp_sharded, "finite": self.finite,
+                "min_value": self.min_value, "max_value": self.max_value}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "FieldSpec":
+        d = dict(d)
+        for k in ("dtypes", "dense_shape", "leading_shape", "sample_keys"):
+            d[k] = tuple(d.get(k, ()))
+        return cls(**d)
+
+
+@dataclass(frozen=True, kw_only=True)
+class BatchSchema:
+    """An ordered set of :class:`FieldSpec` plus the batch-wide conventions."""
+
+    name: str
+    fields: tuple[FieldSpec, ...]
+    ignore_index: int = IGNORE_INDEX
+    by_name: dict = field(init=False, repr=False, compare=False, hash=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "fields", tuple(self.fields))
+        names = [f.name for f in self.fields]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise SchemaError(f"schema {self.name!r}: duplicate field(s) {dup}")
+        if "input_ids" not in names:
+            raise SchemaError(f"schema {self.name!r}: a batch needs an 'input_ids' token field")
+        object.__setattr__(self, "by_name", {f.name: f for f in self.fields})
+
+    def __getitem__(self, name: str) -> FieldSpec:
+        return self.by_name[name]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.by_name
+
+    def of_role(self, role: Role) -> tuple[FieldSpec, ...]:
+        return tuple(f for f in self.fields if f.role is role)
+
+    def with_fields(self, *extra: FieldSpec, name: str | None = None) -> "BatchSchema":
+        """A copy with more fields (e.g. a per-token ``mm_token_type_ids``)."""
+        return BatchSchema(name=name or self.name, fields=(*self.fields, *extra), ignore_index=self.ignore_index)
+
+    def to_json(self) -> str:
+        return json.dumps({"name": self.name, "ignore_index": self.ignore_index,
+                           "fields": [f.to_dict() for f in self.fields]}, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "BatchSchema":
+        d = json.loads(text)
+        return cls(name=d["name"], ignore_index=d["ignore_index"], fields=tuple(FieldSpec.from_dict(f) for f in d["fields"]))
+
+    def fingerprint(self) -> str:
+        """Stable 16-hex-digit digest of the JSON form (same schema -> same string, any process)."""
+        return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
+
+
+# ---- built-in schemas -----------------------------------------------------------------------------
+def _core_token_fields(pad_token_id: int, ignore_index: int) -> tuple[FieldSpec, ...]:
+    return (
+        FieldSpec(name="input_ids", pad_value=pad_token_id),
+        FieldSpec(name="labels", source=Source.NEXT_TOKEN, sample_keys=("labels", "input_ids"), pad_value=ignore_index),
+        FieldSpec(name="loss_mask", dtypes=("float32",), source=Source.LOSS_MASK, pad_value=0.0, required=False),
+        FieldSpec(name="position_ids", source=Source.POSITIONS),
+        FieldSpec(name="padding_mask", dtypes=("bool",), source=Source.PADDING_MASK, pad_value=True),
+    )
+
+
+def topk_fields(topk: int | str = "K", vocab_size: int | None = None) -> tuple[FieldSpec, ...]:
+    """Teacher top-k fields ``[L, K]``: log-probs (float32 or bf16, finite, <= 0, pad 0.0) and
+    ids (int64 in ``[0, vocab_size)``, pad 0). They are aligned with the tokens (the teacher's
+    distribution at position j predicts token j+1, like the student's logits at j): not shifted.
+    """
+    return (
+        FieldSpec(name="teacher_topk_log_probs", dtypes=("float32", "bfloat16"), dense_shape=(topk,), pad_value=0.0,
+                  finite=True, max_value=0.0),
+        FieldSpec(name="teacher_topk_ids", dtypes=("int64",), dense_shape=(topk,), pad_value=0, min_value=0,
+                  max_value=None if vocab_size is None else vocab_size - 1),
+    )
+
+
+def causal_lm_schema(*, pad_token_id: int = 0, topk: int | str | None = None, vocab_size: int | None = None,
+                     ignore_index: int = IGNORE_INDEX) -> BatchSchema:
+    """SFT / pre-training: input_ids, next-token labels, loss_mask, position_ids, padding_mask.
+
+    ``topk`` (an int, or ``"K"`` for any constant K) adds ``teacher_topk_log_probs`` / ``teacher_topk_ids``.
+
+    >>> causal_lm_schema(topk=64)["teacher_topk_ids"].dense_shape
+    (64,)
+    """
+    fields = _core_token_fields(pad_token_id, ignore_index)
+    if topk is not None:
+        fields += topk_fields(topk, vocab_size)
+    return BatchSchema(name="causal_lm" if topk is None else "causal_lm_topk", fields=fields, ignore_index=ignore_index)
+
+
+def rl_schema(*, pad_token_id: int = 0, ignore_index: int = IGNORE_INDEX) -> BatchSchema:
+    """RL (PPO/GRPO): the causal-LM fields plus per-token ``old_log_probs``, ``ref_log_probs``,
+    ``advantages`` (float32, aligned with the labels) and ``response_mask`` (bool), each as given by
+    the sample (no shift), and optional per-sequence ``rewards``.
+    """
+    per_token = tuple(
+        FieldSpec(name=n, dtypes=("float32",), pad_value=0.0, required=n != "ref_log_probs")
+        for n in ("old_log_probs", "ref_log_probs", "advantages")
+    )
+    fields = (*_core_token_fields(pad_token_id, ignore_index), *per_token,
+              FieldSpec(name="response_mask", dtypes=("bool",), pad_value=False),
+              FieldSpec(name="rewards", role=Role.SEQUENCE, dtypes=("float32",), required=False))
+    return BatchSchema(name="rl", fields=fields, ignore_index=ignore_index)

@@ -1,0 +1,234 @@
+"""``validate_batch``: check a collated batch against its schema and layout, reporting every
+violation at once (path, expected, actual). Format (THD or BSHD) is read from the batch:
+a THD batch has ``cu_seqlens_padded``, a BSHD batch ``attention_mask``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .errors import BatchValidationError
+from .layout import ParallelLayout
+from .schema import BatchSchema, Role, Source, dtype_name
+
+
+@dataclass(frozen=True)
+class Violation:
+    path: str
+    expected: str
+    actual: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: expected {self.expected}, got {self.actual}"
+
+
+def validate_batch(batch: dict, schema: BatchSchema, layout: ParallelLayout, *,
+                   raise_on_error: bool = True) -> list[Violation]:
+    """All violations of ``batch`` (empty when valid); raises :class:`BatchValidationError` listing
+    them when ``raise_on_error``."""
+    v = _Checker(batch, schema, layout)
+    v.run()
+    if v.violations and raise_on_error:
+        raise BatchValidationError(v.violations)
+    return v.violations
+
+
+class _Checker:
+    def __init__(self, batch: dict, schema: BatchSchema, layout: ParallelLayout):
+        self.batch, self.schema, self.layout = batch, schema, layout
+        self.violations: list[Violation] = []
+        self.dims: dict[str, int] = {}
+
+    def bad(self, path: str, expected, actual) -> None:
+        self.violations.append(Violation(path, str(expected), str(actual)))
+
+    # ------------------------------------------------------------------------------------------
+    def run(self) -> None:
+        b = self.batch
+        if "cu_seqlens_padded" in b:
+            plan_shape = self.check_thd_meta()
+        elif "attention_mask" in b:
+            plan_shape = self.check_bshd_meta()
+        else:
+            self.bad("batch", "a THD batch (cu_seqlens_padded) or a BSHD batch (attention_mask)", sorted(b))
+            return
+        if plan_shape is None:
+            return
+        plan, out_shape = plan_shape
+        for spec in self.schema.fields:
+            self.check_field(spec, plan, out_shape)
+
+    def offsets(self, key: str) -> torch.Tensor | None:
+        cu = self.batch.get(key)
+        if not isinstance(cu, torch.Tensor):
+            self.bad(key, "int32 tensor [N+1]", type(cu).__name__)
+            return None
+        ok = True
+        if cu.dtype != torch.int32 or cu.ndim != 1 or cu.numel() < 2:
+            self.bad(key, "int32 1-D tensor [N+1], N >= 1", f"{dtype_name(cu.dtype)} {tuple(cu.shape)}")
+            ok = False
+        elif int(cu[0]) != 0:
+            self.bad(f"{key}[0]", 0, int(cu[0]))
+            ok = False
+        elif not bool((cu.diff() > 0).all()):
+            i = int(torch.nonzero(cu.diff() <= 0)[0])
+            self.bad(key, "strictly increasing offsets (no empty sequence)", f"{int(cu[i])} -> {int(cu[i + 1])} at {i}")
+            ok = False
+        return cu.to(torch.int64) if ok else None
+
+    def check_thd_meta(self):
+        from collate.indices import cp_chunks, gather_plan  # lazy: schemas must not import collate at load
+
+        lay, b = self.layout, self.batch
+        cu, cup = self.offsets("cu_seqlens"), self.offsets("cu_seqlens_padded")
+        if cu is None or cup is None:
+            return None
+        if cu.numel() != cup.numel():
+            self.bad("cu_seqlens_padded", f"{cu.numel()} offsets like cu_seqlens", cup.numel())
+            return None
+        lengths, padded = cu.diff(), cup.diff()
+        short = torch.nonzero(padded < lengths).flatten()
+        if short.numel():
+            i = int(short[0])
+            self.bad(f"cu_seqlens_padded gap {i}", f">= true length {int(lengths[i])}", int(padded[i]))
+        m = lay.seq_multiple
+        off = torch.nonzero(padded % m).flatten()
+        if off.numel():
+            i = int(off[0])
+            self.bad(f"cu_seqlens_padded gap {i}", f"a multiple of {m} ({lay.pad_policy.value}, cp={lay.cp})",
+                     int(padded[i]))
+        total = int(cup[-1])
+        if total % lay.total_multiple:
+            self.bad("T (cu_seqlens_padded[-1])", f"a multiple of {lay.total_multiple} (T/cp % {lay.local_multiple}: "
+                     f"tp={lay.tp} sp={lay.sp} fp8={lay.fp8.name})", total)
+        if total < lay.cp * lay.min_local_rows:
+            self.bad("T (cu_seqlens_padded[-1])", f">= cp * min_local_rows = {lay.cp * lay.min_local_rows}", total)
+        if lay.length_buckets and total not in lay.length_buckets:
+            self.bad("T (cu_seqlens_padded[-1])", f"one of the length buckets {list(lay.length_buckets)}", total)
+        ms = b.get("max_seqlen")
+        if not isinstance(ms, torch.Tensor) or ms.dtype != torch.int32 or ms.numel() != 1 or int(ms) != int(padded.max()):
+            self.bad("max_seqlen", f"int32 [1] == {int(padded.max())}", ms if not isinstance(ms, torch.Tensor) else
+                     f"{dtype_name(ms.dtype)} {ms.tolist()}")
+        if self.violations:
+            return None
+        cp_rank = b.get("cp_rank", -1)
+        rank = None if cp_rank in (-1, None) else int(cp_rank)
+        if rank is not None and b.get("cp_size", lay.cp) != lay.cp:
+            self.bad("cp_size", lay.cp, b.get("cp_size"))
+            return None
+        plan = gather_plan(lengths, cp_chunks(padded, lay, rank), cu)
+        n_out = plan.positions.numel()
+        return plan, lambda spec: (*spec.leading_shape, 1, n_out, *spec.dense_shape)
+
+    def check_bshd_meta(self):
+        from collate.bshd import bshd_chunks
+        from collate.indices import gather_plan
+
+        lay, b = self.layout, self.batch
+        mask = b["attention_mask"]
+        cu = self.offsets("cu_seqlens")
+        if cu is None:
+            return None
+        if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.ndim != 2:
+            self.bad("attention_mask", "bool [B, S_local]", f"{getattr(mask, 'dtype', type(mask))} "
+                     f"{tuple(getattr(mask, 'shape', ()))}")
+            return None
+        n, s_out = mask.shape
+        lengths = cu.diff()
+        if lengths.numel() != n:
+            self.bad("cu_seqlens", f"{n + 1} offsets (B={n})", lengths.numel() + 1)
+            return None
+        cp_rank = b.get("cp_rank", -1)
+        rank = None if cp_rank in (-1, None) else int(cp_rank)
+        s = s_out * (lay.cp if rank is not None else 1)
+        multiple = lay.bshd_multiple(n)
+        if s % multiple:
+            self.bad("S (attention_mask.shape[1] * cp)", f"a multiple of {multiple} (tp={lay.tp} cp={lay.cp} "
+                     f"sp={lay.sp} fp8={lay.fp8.name}, B={n})", s)
+        if int(lengths.max()) > s:
+            self.bad("S", f">= the longest sequence {int(lengths.max())}", s)
+        if lay.length_buckets and s not in lay.length_buckets:
+            self.bad("S", f"one of the length buckets {list(lay.length_buckets)}", s)
+        if self.violations:
+            return None
+        plan = gather_plan(lengths, bshd_chunks(n, s, lay, rank), cu)
+        if not torch.equal(mask.reshape(-1), ~plan.is_pad):
+            self.bad("attention_mask", "True exactly on real tokens", f"{int((mask.reshape(-1) == plan.is_pad).sum())} "
+                     "slots wrong")
+        return plan, lambda spec: (*spec.leading_shape, n, s_out, *spec.dense_shape)
+
+    # ------------------------------------------------------------------------------------------
+    def check_field(self, spec, plan, out_shape) -> None:
+        name, b = spec.name, self.batch
+        if name not in b:
+            if spec.required or spec.source not in (spec.source.SAMPLE, spec.source.NEXT_TOKEN):
+                self.bad(name, "present", "missing")
+            return
+        t = b[name]
+        if not isinstance(t, torch.Tensor):
+            self.bad(name, "a tensor", type(t).__name__)
+            return
+        if dtype_name(t.dtype) not in spec.dtypes:
+            self.bad(f"{name}.dtype", " or ".join(spec.dtypes), dtype_name(t.dtype))
+        if spec.role is Role.TOKEN:
+            expected = out_shape(spec)
+        elif spec.role is Role.SEQUENCE:
+            n = plan.src.numel() and (int(self.batch["cu_seqlens"].numel()) - 1)
+            expected = (n, *spec.dense_shape)
+        else:
+            return  # MEDIA: ragged, checked by the producer
+        if t.ndim != len(expected):
+            self.bad(f"{name}.shape", _shape_str(expected), tuple(t.shape))
+            return
+        for d, (want, got) in enumerate(zip(expected, t.shape)):
+            if isinstance(want, str):
+                want = self.dims.setdefault(want, got)
+            if want != got:
+                self.bad(f"{name}.shape[{d}]", f"{want} (shape {_shape_str(expected)})", f"{got} (shape {tuple(t.shape)})")
+                return
+        if spec.role is Role.TOKEN:
+            self.check_token_values(spec, t, plan)
+
+    def check_token_values(self, spec, t: torch.Tensor, plan) -> None:
+        name = spec.name
+        flat = t.flatten(spec.token_dim, spec.token_dim + 1).movedim(spec.token_dim, 0)  # [T_out, ...]
+        if spec.source is Source.POSITIONS:
+            wrong = flat != plan.positions
+            if bool(wrong.any()):
+                k = int(torch.nonzero(wrong)[0])
+                self.bad(f"{name}[slot {k}]", f"{int(plan.positions[k])} (position in its sequence)", int(flat[k]))
+            return
+        if spec.source is Source.PADDING_MASK:
+            if not torch.equal(flat.bool(), plan.is_pad):
+                self.bad(name, "True exactly on pad slots", f"{int((flat.bool() != plan.is_pad).sum())} slots wrong")
+            return
+        pads = flat[plan.is_pad]
+        if pads.numel() and not bool((pads == spec.pad_value).all()):
+            self.bad(f"{name}[pad slots]", f"pad value {spec.pad_value}", f"{pads[pads != spec.pad_value][0].item()}")
+        if spec.source is Source.NEXT_TOKEN:
+            last = (plan.src_next == plan.num_real) & ~plan.is_pad
+            if bool((flat[last] != spec.pad_value).any()):
+                k = int(torch.nonzero(last & (flat != spec.pad_value))[0])
+                self.bad(f"{name}[slot {k}]", f"{spec.pad_value} on a sequence's last token (labels never cross "
+                         "a sequence boundary)", int(flat[k]))
+            self.check_labels_follow_tokens(spec, flat, plan)
+
+    def check_labels_follow_tokens(self, spec, labels: torch.Tensor, plan) -> None:
+        """Where the next token of a sequence sits in the next local slot, the label is that token
+        (or the ignore index)."""
+        ids = self.batch.get("input_ids")
+        if not isinstance(ids, torch.Tensor) or ids.numel() != labels.numel() or spec.sample_keys[-1] != "input_ids":
+            return
+        ids = ids.reshape(-1)
+        local_next = (plan.src_next[:-1] == plan.src[1:]) & (plan.src_next[:-1] != plan.num_real)
+        lab = labels[:-1]
+        wrong = local_next & (lab != ids[1:]) & (lab != self.schema.ignore_index)
+        if bool(wrong.any()):
+            k = int(torch.nonzero(wrong)[0])
+            self.bad(f"{spec.name}[slot {k}]", f"the next token {int(ids[k + 1])} or {self.schema.ignore_index}",
+                     int(lab[k]))
+
+
+def _shape_str(shape) -> str:
+    return "[" + ", ".join(str(d) for d in shape) + "]"
