@@ -17,7 +17,7 @@ import torch
 from schemas.layout import ParallelLayout
 from schemas.schema import BatchSchema
 from .assemble import token_fields
-from .indices import cp_chunks, gather_plan, lengths_to_cu_seqlens
+from .indices import cp_chunks, gather_plan, global_slots, lengths_to_cu_seqlens
 from .samples import flatten
 
 
@@ -48,6 +48,10 @@ class THDCollator:
     layout: ParallelLayout
     cp_rank: int | None = None
     check_values: bool = True
+    defer_cp_shard: bool = False
+    """VLM path: with a ``cp_rank``, emit the whole aligned batch ``[1, T]`` plus ``cp_gather_index``
+    int64 ``[T/cp]``, the rows this rank keeps, for one ``index_select`` in the forward after the
+    vision embeddings are merged into the sequence."""
 
     def __post_init__(self):
         if self.cp_rank is not None and not 0 <= self.cp_rank < self.layout.cp:
@@ -56,7 +60,8 @@ class THDCollator:
     def __call__(self, batch) -> dict:
         flat = flatten(batch, self.schema, check_values=self.check_values)
         padded = self.layout.padded_lengths(flat.lengths)
-        plan = gather_plan(flat.lengths, cp_chunks(padded, self.layout, self.cp_rank), flat.cu_seqlens)
+        shard_rank = None if self.defer_cp_shard else self.cp_rank
+        plan = gather_plan(flat.lengths, cp_chunks(padded, self.layout, shard_rank), flat.cu_seqlens)
         whole = (lambda: gather_plan(flat.lengths, cp_chunks(padded, self.layout, None), flat.cu_seqlens))
         out = {name: _add_batch_dim(v, self.schema[name].token_dim)
                for name, v in token_fields(self.schema, flat, plan, whole).items()}
@@ -65,6 +70,8 @@ class THDCollator:
         out["max_seqlen"] = padded.max().to(torch.int32).reshape(1)
         out.update(flat.sequence)
         out.update(flat.media)
-        out["cp_rank"] = -1 if self.cp_rank is None else self.cp_rank
+        if self.defer_cp_shard and self.cp_rank is not None:
+            out["cp_gather_index"] = global_slots(cp_chunks(padded, self.layout, self.cp_rank), out["cu_seqlens_padded"])
+        out["cp_rank"] = -1 if shard_rank is None else shard_rank
         out["cp_size"] = self.layout.cp
         return out
