@@ -1,7 +1,9 @@
 """Build every TOKEN field of a schema from a :class:`FlatBatch` and a :class:`GatherPlan`.
 
-One ``index_select`` per sample-backed field; derived fields (positions, padding mask, loss mask)
-come from the plan itself. Outputs have the token dim flat: ``[*leading, T_out, *dense]``.
+One ``torch.cat`` and one ``index_select`` per sample-backed field; derived fields (positions,
+padding mask, loss mask) come from the plan itself. Outputs have the token dim flat:
+``[*leading, T_out, *dense]``. A large field sharded over CP ranks is gathered block by block
+(runs of whole sequences) so the transient concatenation stays about half the output's size.
 """
 from __future__ import annotations
 
@@ -11,7 +13,9 @@ import torch
 
 from schemas.schema import BatchSchema, Role, Source
 from .indices import GatherPlan
-from .samples import FlatBatch, resolve_key
+from .samples import FlatBatch, TokenSource, check_value_bounds, resolve_key
+
+BLOCK_MIN_BYTES = 4 << 20  # below this, one concatenation is cheaper than blocks
 
 
 def token_fields(schema: BatchSchema, flat: FlatBatch, plan: GatherPlan,
@@ -29,10 +33,10 @@ def token_fields(schema: BatchSchema, flat: FlatBatch, plan: GatherPlan,
             key = resolve_key(spec, flat.token.keys())
             if key is None:
                 continue  # optional and absent from every sample (flatten checked that)
-            nxt = spec.source is Source.NEXT_TOKEN
-            values = flat.token[key].index_select(spec.token_dim, p.src_next if nxt else p.src)
-            if nxt and key != spec.name:  # e.g. labels read from input_ids: the pad row holds another value
-                values.masked_fill_(p.src_next == p.num_real, spec.pad_value)
+            index = p.src_next if spec.source is Source.NEXT_TOKEN else p.src
+            values = gather(flat.token[key], index, p, flat)
+            if flat.check_values:
+                check_value_bounds(values, spec, key, index, flat)
             out[spec.name] = values
         elif spec.source is Source.POSITIONS:
             out[spec.name] = p.positions.to(spec.dtype)
@@ -43,11 +47,30 @@ def token_fields(schema: BatchSchema, flat: FlatBatch, plan: GatherPlan,
     return out
 
 
+def gather(source: TokenSource, index: torch.Tensor, plan: GatherPlan, flat: FlatBatch) -> torch.Tensor:
+    """``source`` rows (then its two pad rows) selected by ``index`` along the token dim."""
+    td = source.token_dim
+    if (source.parts is None or td != 0 or index.numel() >= flat.num_real
+            or source.nbytes < BLOCK_MIN_BYTES):
+        return source.rows().index_select(td, index)
+    first = source.parts[0]
+    out = torch.empty((index.numel(), *first.shape[1:]), dtype=first.dtype)
+    cu = flat.cu_seqlens.tolist()
+    for s0, s1, o0, o1 in plan.blocks(flat.cu_seqlens, max(index.numel() // 2, 1)):
+        if o0 == o1:
+            continue
+        idx = index[o0:o1]
+        # real rows shift by the block's first row; the two pad rows follow the block's own rows
+        local = torch.where(idx >= flat.num_real, idx - flat.num_real + (cu[s1] - cu[s0]), idx - cu[s0])
+        torch.index_select(source.rows(s0, s1), 0, local, out=out[o0:o1])
+    return out
+
+
 def _loss_mask(spec, schema: BatchSchema, flat: FlatBatch, plan: GatherPlan, labels: torch.Tensor | None):
     """1.0 where a label is trained on: label != ignore_index and not a pad, times the sample's own
     ``loss_mask`` (aligned with its tokens, so shifted like the labels) when it has one."""
     mask = (labels != schema.ignore_index) if labels is not None else ~plan.is_pad
     sample_mask = flat.token.get("loss_mask")
     if sample_mask is not None:
-        mask = mask & sample_mask.index_select(0, plan.src_next).bool()
+        mask = mask & gather(sample_mask, plan.src_next, plan, flat).bool()
     return mask.to(spec.dtype)

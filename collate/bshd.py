@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from schemas.layout import CPLayout, ParallelLayout
@@ -22,11 +23,12 @@ from .samples import flatten
 def bshd_chunks(batch_size: int, seq_len: int, layout: ParallelLayout, cp_rank: int | None) -> Chunks:
     """Chunks of a ``[B, S]`` batch held by ``cp_rank``: zigzag per row as megatron-core's
     ``get_batch_on_this_cp_rank``; contiguous keeps columns ``[r*S/cp, (r+1)*S/cp)`` of every row."""
-    padded = torch.full((batch_size,), seq_len, dtype=torch.int64)
+    padded = np.full(batch_size, seq_len, dtype=np.int64)
     if cp_rank is None or layout.cp == 1 or layout.cp_layout is CPLayout.ZIGZAG:
         return cp_chunks(padded, layout, cp_rank)
     local = seq_len // layout.cp
-    return Chunks(torch.arange(batch_size), torch.full_like(padded, cp_rank * local), torch.full_like(padded, local))
+    return Chunks(np.arange(batch_size, dtype=np.int64), np.full_like(padded, cp_rank * local),
+                  np.full_like(padded, local))
 
 
 @dataclass(frozen=True, kw_only=True)

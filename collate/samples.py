@@ -1,7 +1,8 @@
 """Turn a list of sample dicts (or verl's dict of jagged nested tensors) into flat per-field tensors.
 
-Validation is "fast check, slow diagnosis": the happy path costs one ``torch.cat`` and a few
-metadata checks per field; only when something is off does a per-sample loop run to name the
+Validation is "fast check, slow diagnosis": the happy path reads each sample's shape and dtype
+once per field (no tensor op) and value bounds are checked on the gathered output in one reduction
+(see ``collate.assemble``); only when something is off does a per-sample loop run to name the
 sample, the field, what was expected and what came.
 """
 from __future__ import annotations
@@ -18,22 +19,69 @@ from .indices import lengths_to_cu_seqlens
 
 
 @dataclass
-class FlatBatch:
-    """A batch with every field concatenated over samples.
+class TokenSource:
+    """One token field's rows before gathering: per-sample ``parts`` (list input) or one flat
+    ``values`` tensor (nested input), plus ``pad``: two rows, the field's pad value then the value of
+    a slot with no next token (what a next-token field such as ``labels`` holds there)."""
 
-    ``token[key]`` is ``[*leading, sum(L) + 1, *dense]``: all samples' rows, then one pad row.
-    """
+    parts: list[torch.Tensor] | None
+    values: torch.Tensor | None
+    pad: torch.Tensor  # [*leading, 2, *dense]
+    token_dim: int
+    _all_rows: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def nbytes(self) -> int:
+        if self.parts is not None:
+            return sum(t.numel() for t in self.parts) * self.pad.element_size()
+        return self.values.numel() * self.values.element_size()
+
+    def rows(self, first: int = 0, end: int | None = None) -> torch.Tensor:
+        """Rows of sequences ``[first, end)`` then the two pad rows, in one ``torch.cat``
+        (nested input: all rows)."""
+        if first == 0 and end is None:  # the whole batch: built once, shared by fields reading this key
+            if self._all_rows is None:
+                self._all_rows = torch.cat((*self.parts, self.pad) if self.parts is not None
+                                           else (self.values, self.pad), self.token_dim)
+            return self._all_rows
+        return torch.cat((*self.parts[first:end], self.pad), self.token_dim)
+
+
+@dataclass
+class FlatBatch:
+    """A batch's fields, checked and ready to gather: ``token[key]`` a :class:`TokenSource`,
+    SEQUENCE fields stacked ``[N, ...]``, MEDIA fields concatenated on dim 0."""
 
     lengths: torch.Tensor  # int64 [N]
     cu_seqlens: torch.Tensor  # int64 [N+1]
-    token: dict[str, torch.Tensor] = field(default_factory=dict)
+    token: dict[str, TokenSource] = field(default_factory=dict)
     sequence: dict[str, torch.Tensor] = field(default_factory=dict)
     media: dict[str, torch.Tensor] = field(default_factory=dict)
     dims: dict[str, int] = field(default_factory=dict)  # named dense dims seen (e.g. K)
+    check_values: bool = True
 
     @property
     def num_real(self) -> int:
         return int(self.cu_seqlens[-1])
+
+
+def _next_pad_values(schema: BatchSchema) -> dict[str, float]:
+    """sample key -> pad value of the next-token field reading it (``input_ids`` -> labels' -100)."""
+    out: dict[str, float] = {}
+    for f in schema.of_role(Role.TOKEN):
+        if f.source is Source.NEXT_TOKEN:
+            for key in f.sample_keys:
+                out.setdefault(key, f.pad_value)
+    return out
+
+
+def _pad_rows(like: torch.Tensor, spec: FieldSpec, next_pad) -> torch.Tensor:
+    """``[*leading, 2, *dense]``: the field's pad value, then the no-next-token value."""
+    shape = list(like.shape)
+    shape[spec.token_dim] = 1
+    rows = (torch.full(shape, spec.pad_value, dtype=like.dtype),
+            torch.full(shape, spec.pad_value if next_pad is None else next_pad, dtype=like.dtype))
+    return torch.cat(rows, spec.token_dim)
 
 
 def _sample_keys_read(schema: BatchSchema) -> list[tuple[str, FieldSpec]]:
@@ -69,7 +117,9 @@ def flatten(batch, schema: BatchSchema, *, check_values: bool = True) -> FlatBat
     ids = [_as_tensor(s.get("input_ids"), i, "input_ids") for i, s in enumerate(batch)]
     lengths = torch.from_numpy(np.fromiter((t.shape[0] if t.ndim else 0 for t in ids), np.int64, len(ids)))
     _check_lengths(lengths, ids)
-    flat = FlatBatch(lengths=lengths, cu_seqlens=lengths_to_cu_seqlens(lengths, torch.int64))
+    flat = FlatBatch(lengths=lengths, cu_seqlens=lengths_to_cu_seqlens(lengths, torch.int64),
+                     check_values=check_values)
+    next_pads = _next_pad_values(schema)
     present = batch[0].keys()
     done: set[str] = set()
     for _, spec in _sample_keys_read(schema):
@@ -81,7 +131,9 @@ def flatten(batch, schema: BatchSchema, *, check_values: bool = True) -> FlatBat
             continue
         done.add(key)
         tensors = ids if key == "input_ids" else [_as_tensor(_get(s, key, i), i, key) for i, s in enumerate(batch)]
-        flat.token[key] = _cat_token(tensors, spec, key, flat, check_values)
+        _check_token_parts(tensors, spec, key, flat)
+        flat.token[key] = TokenSource(parts=tensors, values=None, pad=_pad_rows(tensors[0], spec, next_pads.get(key)),
+                                      token_dim=spec.token_dim)
     for spec in schema.of_role(Role.SEQUENCE) + schema.of_role(Role.MEDIA):
         if spec.name not in present:
             _missing(spec, batch)
@@ -103,7 +155,8 @@ def _flatten_nested(batch: Mapping, schema: BatchSchema, check_values: bool) -> 
     if lengths.numel() == 0:
         raise SampleError(sample=None, field=None, expected="at least one sample", actual="an empty batch")
     _check_lengths(lengths, None)
-    flat = FlatBatch(lengths=lengths, cu_seqlens=offsets)
+    flat = FlatBatch(lengths=lengths, cu_seqlens=offsets, check_values=check_values)
+    next_pads = _next_pad_values(schema)
     for _, spec in _sample_keys_read(schema):
         key = resolve_key(spec, batch.keys())
         if key is None:
@@ -118,8 +171,9 @@ def _flatten_nested(batch: Mapping, schema: BatchSchema, check_values: bool) -> 
             raise SampleError(sample=None, field=key, expected="a jagged nested tensor with input_ids' offsets",
                               actual="a dense tensor" if not getattr(t, "is_nested", False) else "other offsets")
         values = t.values()
-        pad = torch.full((1, *values.shape[1:]), spec.pad_value, dtype=values.dtype)
-        flat.token[key] = _check_token(torch.cat((values, pad)), spec, key, flat, check_values, None)
+        _check_token_shape(values.shape, values.dtype, spec, key, flat, None)
+        flat.token[key] = TokenSource(parts=None, values=values, pad=_pad_rows(values[:1], spec, next_pads.get(key)),
+                                      token_dim=spec.token_dim)
     for spec in schema.of_role(Role.SEQUENCE) + schema.of_role(Role.MEDIA):
         if spec.name in batch:
             target = flat.sequence if spec.role is Role.SEQUENCE else flat.media
@@ -149,9 +203,10 @@ def _as_tensor(value, i: int, key: str) -> torch.Tensor:
 
 
 def _check_lengths(lengths: torch.Tensor, ids: list | None) -> None:
-    if bool((lengths > 0).all()):
+    lengths = lengths.numpy()
+    if lengths.min() > 0:
         return
-    i = int(torch.argmin(lengths))
+    i = int(np.argmin(lengths))
     shape = tuple(ids[i].shape) if ids is not None else (0,)
     raise SampleError(sample=i, field="input_ids", expected="a non-empty 1-D token tensor", actual=f"shape {shape}")
 
@@ -167,30 +222,30 @@ def _missing(spec: FieldSpec, batch: list) -> None:
         raise SampleError(sample=0, field=spec.name, expected="the field (sample %d has it)" % has[0], actual="missing")
 
 
-def _cat_token(tensors: list, spec: FieldSpec, key: str, flat: FlatBatch, check_values: bool) -> torch.Tensor:
+def _check_token_parts(tensors: list, spec: FieldSpec, key: str, flat: FlatBatch) -> None:
+    """Metadata-only checks of one token field over all samples (no tensor op): token-dim sizes equal
+    input_ids' lengths, one dtype, equal other dims matching the declaration. torch.cat would
+    promote mixed dtypes and only see the total length, so these are checked here."""
     first = tensors[0]
-    pad_shape = list(first.shape)
-    if len(pad_shape) <= spec.token_dim:
-        _diagnose_token(tensors, spec, key, flat)
-    pad_shape[spec.token_dim] = 1
-    pad = torch.full(pad_shape, spec.pad_value, dtype=first.dtype)
-    try:
-        cat = torch.cat((*tensors, pad), dim=spec.token_dim)
-    except (RuntimeError, TypeError):
-        _diagnose_token(tensors, spec, key, flat)
-        raise
-    return _check_token(cat, spec, key, flat, check_values, tensors)
-
-
-def _check_token(cat: torch.Tensor, spec: FieldSpec, key: str, flat: FlatBatch, check_values: bool,
-                 tensors: list | None) -> torch.Tensor:
-    """Cheap whole-batch checks of a concatenated token field; diagnose per sample on failure."""
     td = spec.token_dim
+    if first.ndim <= td:
+        _diagnose_token(tensors, spec, key, flat)
+    if key != "input_ids":
+        sizes = np.fromiter((t.shape[td] if t.ndim > td else -1 for t in tensors), np.int64, len(tensors))
+        if not np.array_equal(sizes, flat.lengths.numpy()):
+            _diagnose_token(tensors, spec, key, flat)
+    other = first.shape[:td] + first.shape[td + 1:]
+    if any(t.dtype != first.dtype or t.shape[:td] + t.shape[td + 1:] != other for t in tensors):
+        _diagnose_token(tensors, spec, key, flat)
+    _check_token_shape(first.shape, first.dtype, spec, key, flat, tensors)
+
+
+def _check_token_shape(shape, dtype, spec: FieldSpec, key: str, flat: FlatBatch, tensors: list | None) -> None:
+    """One representative shape/dtype against the declaration (named dims recorded in ``flat.dims``)."""
     declared = (*spec.leading_shape, "T", *spec.dense_shape)
-    ok = (cat.ndim == len(declared) and cat.shape[td] == flat.num_real + 1
-          and dtype_name(cat.dtype) in spec.dtypes)
+    ok = len(shape) == len(declared) and dtype_name(dtype) in spec.dtypes
     if ok:
-        for d, size in zip(declared, cat.shape):
+        for d, size in zip(declared, shape):
             if d == "T":
                 continue
             if isinstance(d, int) and size != d or isinstance(d, str) and flat.dims.setdefault(d, size) != size:
@@ -199,10 +254,7 @@ def _check_token(cat: torch.Tensor, spec: FieldSpec, key: str, flat: FlatBatch, 
         if tensors is not None:
             _diagnose_token(tensors, spec, key, flat)
         raise SampleError(sample=None, field=key, expected=f"shape {declared} and dtype in {list(spec.dtypes)}",
-                          actual=f"shape {tuple(cat.shape)} dtype {dtype_name(cat.dtype)} (dims {flat.dims})")
-    if check_values:
-        _check_values(cat.narrow(td, 0, flat.num_real), spec, key, flat)
-    return cat
+                          actual=f"shape {tuple(shape)} dtype {dtype_name(dtype)} (dims {flat.dims})")
 
 
 def _diagnose_token(tensors: list, spec: FieldSpec, key: str, flat: FlatBatch) -> None:
@@ -223,31 +275,33 @@ def _diagnose_token(tensors: list, spec: FieldSpec, key: str, flat: FlatBatch) -
             raise SampleError(sample=i, field=key, expected=f"dtype in {list(spec.dtypes)}", actual=dtype_name(t.dtype))
 
 
-def _check_values(values: torch.Tensor, spec: FieldSpec, key: str, flat: FlatBatch) -> None:
-    """finite / min / max declared on the spec, in one reduction pass."""
-    lo, hi = (spec.min_value, spec.max_value)
-    if lo is None and hi is None and not spec.finite:
-        return
-    if values.numel() == 0:
+def check_value_bounds(values: torch.Tensor, spec: FieldSpec, key: str, src: torch.Tensor, flat: FlatBatch) -> None:
+    """finite / min / max declared on the spec, on gathered output ``values`` ``[*leading, T_out,
+    *dense]`` in one reduction; on failure the slot's row ``src`` names the sample and token."""
+    lo, hi = spec.min_value, spec.max_value
+    if (lo is None and hi is None and not spec.finite) or values.numel() == 0:
         return
     mn, mx = torch.aminmax(values.float() if values.dtype in (torch.bool, torch.bfloat16, torch.float16) else values)
     mn, mx = float(mn), float(mx)
     finite = np.isfinite(mn) and np.isfinite(mx)
-    if (spec.finite and not finite) or (lo is not None and not mn >= lo) or (hi is not None and not mx <= hi):
-        v = values.float()
-        bad = ~torch.isfinite(v) if spec.finite else torch.zeros_like(v, dtype=torch.bool)
-        if lo is not None:
-            bad |= ~(v >= lo)
-        if hi is not None:
-            bad |= ~(v <= hi)
-        td = spec.token_dim
-        row_bad = bad.movedim(td, 0).reshape(bad.shape[td], -1).any(1)
-        row = int(torch.nonzero(row_bad)[0])
-        i = int(torch.searchsorted(flat.cu_seqlens, row, right=True)) - 1
-        value = v.movedim(td, 0)[row].reshape(-1)[bad.movedim(td, 0)[row].reshape(-1)][0].item()
-        rng = f"[{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
-        raise SampleError(sample=i, field=key, expected=f"{'finite ' if spec.finite else ''}values in {rng}",
-                          actual=f"{value} at token {row - int(flat.cu_seqlens[i])}")
+    if not ((spec.finite and not finite) or (lo is not None and not mn >= lo) or (hi is not None and not mx <= hi)):
+        return
+    v = values.float().movedim(spec.token_dim, 0).reshape(src.numel(), -1)
+    bad = ~torch.isfinite(v) if spec.finite else torch.zeros_like(v, dtype=torch.bool)
+    if lo is not None:
+        bad |= ~(v >= lo)
+    if hi is not None:
+        bad |= ~(v <= hi)
+    bad &= (src < flat.num_real).unsqueeze(1)  # pad slots hold the declared pad value
+    if not bool(bad.any()):
+        return
+    slot = int(torch.nonzero(bad.any(1))[0])
+    row = int(src[slot])
+    i = int(torch.searchsorted(flat.cu_seqlens, row, right=True)) - 1
+    value = v[slot][bad[slot]][0].item()
+    rng = f"[{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
+    raise SampleError(sample=i, field=key, expected=f"{'finite ' if spec.finite else ''}values in {rng}",
+                      actual=f"{value} at token {row - int(flat.cu_seqlens[i])}")
 
 
 def _join_other(tensors: list, spec: FieldSpec, flat: FlatBatch, check_values: bool) -> torch.Tensor:

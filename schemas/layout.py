@@ -17,6 +17,7 @@ import enum
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .errors import BucketOverflowError, LayoutError
@@ -175,23 +176,23 @@ class ParallelLayout:
         total = max(round_up(aligned_sum, self.total_multiple), round_up(self.cp * self.min_local_rows, self.total_multiple))
         return self._bucket(total)
 
-    def padded_lengths(self, lengths: torch.Tensor) -> torch.Tensor:
-        """int64 ``[N]`` true lengths -> int64 ``[N]`` padded lengths ``P`` (a fixed number of ops)."""
-        padded = round_up_tensor(lengths.to(torch.int64), self.seq_multiple)
+    def padded_lengths(self, lengths) -> torch.Tensor:
+        """``[N]`` true lengths (tensor, array or list) -> int64 tensor ``[N]`` of padded lengths ``P``."""
+        lengths = lengths.detach().cpu().numpy() if isinstance(lengths, torch.Tensor) else np.asarray(lengths)
+        m = self.seq_multiple
+        padded = -(-lengths.astype(np.int64) // m) * m
         aligned_sum = int(padded.sum())
-        extra = self.total_length(aligned_sum) - aligned_sum
-        if extra:
-            padded = padded.clone()
-            padded[-1] += extra
-        return padded
+        padded[-1] += self.total_length(aligned_sum) - aligned_sum
+        return torch.from_numpy(padded)
 
     # ---- BSHD -----------------------------------------------------------------------------------
     def bshd_multiple(self, batch_size: int) -> int:
         """The padded row length ``S`` is a multiple of this for a batch of ``batch_size`` rows."""
+        # zigzag cuts every row into 2*cp chunks; contiguous only into cp (columns [r*S/cp, (r+1)*S/cp))
         if self.pad_policy is PadPolicy.PER_SEQUENCE:
-            align = self.tp * self.cp * 2 if self.cp > 1 else self.tp
+            align = self.tp * self.cp * (2 if self.zigzag else 1)
         else:
-            align = math.lcm(2 * self.cp if self.cp > 1 else 1, self.cp * (self.tp if self.sp else 1))
+            align = math.lcm(2 * self.cp if self.zigzag else 1, self.cp * (self.tp if self.sp else 1))
         fp8 = self.fp8.value
         # B * S / cp must be a multiple of the FP8 multiple.
         return math.lcm(align, self.cp * fp8 // math.gcd(batch_size, fp8)) if fp8 > 1 else align

@@ -77,6 +77,19 @@ class _Checker:
             ok = False
         return cu.to(torch.int64) if ok else None
 
+    def cp_rank(self) -> int | None | bool:
+        """The batch's CP rank (None: unsharded), or False after recording a violation."""
+        cp_rank, cp_size = self.batch.get("cp_rank", -1), self.batch.get("cp_size", self.layout.cp)
+        if cp_rank in (-1, None):
+            return None
+        if cp_size != self.layout.cp:
+            self.bad("cp_size", self.layout.cp, cp_size)
+            return False
+        if isinstance(cp_rank, bool) or not isinstance(cp_rank, int) or not 0 <= cp_rank < self.layout.cp:
+            self.bad("cp_rank", f"-1 (unsharded) or an int in [0, {self.layout.cp})", repr(cp_rank))
+            return False
+        return cp_rank
+
     def check_thd_meta(self):
         from collate.indices import cp_chunks, gather_plan  # lazy: schemas must not import collate at load
 
@@ -112,10 +125,8 @@ class _Checker:
                      f"{dtype_name(ms.dtype)} {ms.tolist()}")
         if self.violations:
             return None
-        cp_rank = b.get("cp_rank", -1)
-        rank = None if cp_rank in (-1, None) else int(cp_rank)
-        if rank is not None and b.get("cp_size", lay.cp) != lay.cp:
-            self.bad("cp_size", lay.cp, b.get("cp_size"))
+        rank = self.cp_rank()
+        if rank is False:
             return None
         plan = gather_plan(lengths, cp_chunks(padded, lay, rank), cu)
         n_out = plan.positions.numel()
@@ -139,8 +150,9 @@ class _Checker:
         if lengths.numel() != n:
             self.bad("cu_seqlens", f"{n + 1} offsets (B={n})", lengths.numel() + 1)
             return None
-        cp_rank = b.get("cp_rank", -1)
-        rank = None if cp_rank in (-1, None) else int(cp_rank)
+        rank = self.cp_rank()
+        if rank is False:
+            return None
         s = s_out * (lay.cp if rank is not None else 1)
         multiple = lay.bshd_multiple(n)
         if s % multiple:
@@ -206,13 +218,42 @@ class _Checker:
         pads = flat[plan.is_pad]
         if pads.numel() and not bool((pads == spec.pad_value).all()):
             self.bad(f"{name}[pad slots]", f"pad value {spec.pad_value}", f"{pads[pads != spec.pad_value][0].item()}")
+        if spec.finite or spec.min_value is not None or spec.max_value is not None:
+            self.check_bounds(spec, flat, plan)
+        if spec.source is Source.LOSS_MASK:
+            self.check_loss_mask(spec, flat)
         if spec.source is Source.NEXT_TOKEN:
-            last = (plan.src_next == plan.num_real) & ~plan.is_pad
+            last = (plan.src_next >= plan.num_real) & ~plan.is_pad
             if bool((flat[last] != spec.pad_value).any()):
                 k = int(torch.nonzero(last & (flat != spec.pad_value))[0])
                 self.bad(f"{name}[slot {k}]", f"{spec.pad_value} on a sequence's last token (labels never cross "
                          "a sequence boundary)", int(flat[k]))
             self.check_labels_follow_tokens(spec, flat, plan)
+
+    def check_bounds(self, spec, flat: torch.Tensor, plan) -> None:
+        """The declared finite / min / max on the real slots (e.g. teacher log-probs finite and <= 0)."""
+        v = flat[~plan.is_pad].float()
+        bad = ~torch.isfinite(v) if spec.finite else torch.zeros_like(v, dtype=torch.bool)
+        if spec.min_value is not None:
+            bad |= ~(v >= spec.min_value)
+        if spec.max_value is not None:
+            bad |= ~(v <= spec.max_value)
+        if bool(bad.any()):
+            k = int(torch.nonzero(~plan.is_pad)[int(torch.nonzero(bad.reshape(v.shape[0], -1).any(1))[0])])
+            lo = "-inf" if spec.min_value is None else spec.min_value
+            hi = "inf" if spec.max_value is None else spec.max_value
+            self.bad(f"{spec.name}[slot {k}]", f"{'finite ' if spec.finite else ''}values in [{lo}, {hi}] "
+                     f"({int(bad.sum())} bad)", v[bad][0].item())
+
+    def check_loss_mask(self, spec, mask: torch.Tensor) -> None:
+        """0 wherever the label is the ignore index (a pad or a sequence's last token included)."""
+        labels = next((self.batch.get(f.name) for f in self.schema.fields if f.source is Source.NEXT_TOKEN), None)
+        if not isinstance(labels, torch.Tensor) or labels.numel() != mask.numel():
+            return
+        wrong = (labels.reshape(-1) == self.schema.ignore_index) & (mask != 0)
+        if bool(wrong.any()):
+            k = int(torch.nonzero(wrong)[0])
+            self.bad(f"{spec.name}[slot {k}]", f"0 where the label is {self.schema.ignore_index}", mask[k].item())
 
     def check_labels_follow_tokens(self, spec, labels: torch.Tensor, plan) -> None:
         """Where the next token of a sequence sits in the next local slot, the label is that token
@@ -221,7 +262,7 @@ class _Checker:
         if not isinstance(ids, torch.Tensor) or ids.numel() != labels.numel() or spec.sample_keys[-1] != "input_ids":
             return
         ids = ids.reshape(-1)
-        local_next = (plan.src_next[:-1] == plan.src[1:]) & (plan.src_next[:-1] != plan.num_real)
+        local_next = (plan.src_next[:-1] == plan.src[1:]) & (plan.src_next[:-1] < plan.num_real)
         lab = labels[:-1]
         wrong = local_next & (lab != ids[1:]) & (lab != self.schema.ignore_index)
         if bool(wrong.any()):

@@ -1,0 +1,175 @@
+"""Collate speed and memory, side by side in one run: prealign vs verl vs a torch.cat floor.
+
+For B in {8, 64, 256, 1024} sequences of 16..1024 tokens, tp=2 cp=2, CP rank 0:
+  ours         THDCollator(cp_rank=0) on a list of sample dicts (all fields: ids, labels,
+               loss_mask, positions, padding mask [+ teacher top-k log-probs/ids, K=64])
+  ours-nested  the same collator on verl's input format (dict of jagged nested tensors)
+  verl         verl 0.9.1 preprocess_thd_engine applied to each input field (nested tensors)
+  floor        torch.cat of the same input tensors + one memcpy of as many bytes as our output
+  peak/out     peak extra resident memory of one collate call / bytes of its output
+               (measured in a fresh subprocess with /proc/self/clear_refs + VmHWM)
+Ratios are what matter; absolute times depend on the machine. One thread, like one DataLoader worker.
+
+    python benchmarks/bench_collate.py            # full table
+    python benchmarks/bench_collate.py --quick    # B in {8, 64, 256}, fewer repeats
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+warnings.filterwarnings("ignore")
+
+from collate import THDCollator  # noqa: E402
+from schemas import ParallelLayout, causal_lm_schema  # noqa: E402
+
+K = 64
+LAYOUT = ParallelLayout(tp=2, cp=2)
+
+
+def make_samples(batch_size: int, topk: bool, seed: int = 0) -> list[dict]:
+    g = torch.Generator().manual_seed(seed + batch_size)
+    lengths = torch.randint(16, 1025, (batch_size,), generator=g).tolist()
+    samples = []
+    for n in lengths:
+        s = {"input_ids": torch.randint(0, 32000, (n,), generator=g)}
+        if topk:
+            s["teacher_topk_log_probs"] = -torch.rand(n, K, generator=g)
+            s["teacher_topk_ids"] = torch.randint(0, 32000, (n, K), generator=g)
+        samples.append(s)
+    return samples
+
+
+def fields_of(samples: list[dict]) -> list[str]:
+    return list(samples[0].keys())
+
+
+def nested(samples: list[dict]) -> dict:
+    return {k: torch.nested.nested_tensor([s[k] for s in samples], layout=torch.jagged) for k in fields_of(samples)}
+
+
+def out_bytes(batch: dict) -> int:
+    return sum(v.numel() * v.element_size() for v in batch.values() if isinstance(v, torch.Tensor))
+
+
+def timeit(fn, repeat: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _rss(key: str) -> int:
+    return int(re.search(rf"{key}:\s+(\d+) kB", open("/proc/self/status").read()).group(1)) * 1024
+
+
+def memory_probe(batch_size: int, topk: bool) -> None:
+    """Run in a fresh process: print peak extra RSS of one collate call and its output size."""
+    samples = make_samples(batch_size, topk)
+    coll = THDCollator(schema=causal_lm_schema(topk=K if topk else None), layout=LAYOUT, cp_rank=0)
+    coll(make_samples(8, topk, seed=1))  # warm up code paths on a small batch
+    gc.collect()
+    base = _rss("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    batch = coll(samples)
+    print(_rss("VmHWM") - base, out_bytes(batch))
+
+
+def peak_ratio(batch_size: int, topk: bool) -> float | None:
+    try:
+        res = subprocess.run([sys.executable, __file__, "--memory-probe", str(batch_size), str(int(topk))],
+                             capture_output=True, text=True, timeout=300, check=True)
+        peak, out = map(int, res.stdout.split()[-2:])
+        return peak / out
+    except (subprocess.SubprocessError, ValueError, OSError):
+        return None
+
+
+def run(batch_sizes, repeat: int) -> list[dict]:
+    try:
+        from verl_reference import load_verl_mcore_util, patched_parallel_state
+        verl = load_verl_mcore_util()
+    except ImportError as exc:
+        print(f"(verl not available: {exc}; its column is empty)")
+        verl = None
+    rows = []
+    for topk in (False, True):
+        schema = causal_lm_schema(topk=K if topk else None)
+        coll = THDCollator(schema=schema, layout=LAYOUT, cp_rank=0)
+        for b in batch_sizes:
+            samples = make_samples(b, topk)
+            nt = nested(samples)
+            batch = coll(samples)
+            nbytes = out_bytes(batch)
+            src = torch.empty(nbytes, dtype=torch.uint8)
+
+            def floor():
+                for k in fields_of(samples):
+                    torch.cat([s[k] for s in samples])
+                torch.empty_like(src).copy_(src)
+
+            row = {"B": b, "case": "top-k K=64" if topk else "tokens", "T_local": batch["input_ids"].shape[1],
+                   "out_MiB": nbytes / 2**20,
+                   "ours": timeit(lambda: coll(samples), repeat),
+                   "ours_nested": timeit(lambda: coll(nt), repeat),
+                   "floor": timeit(floor, repeat)}
+            if verl is not None and (b <= 256 or repeat > 3):
+                def run_verl():
+                    with patched_parallel_state(verl, tp=LAYOUT.tp, cp=LAYOUT.cp, cp_rank=0):
+                        for k in fields_of(samples):
+                            verl.preprocess_thd_engine(nt[k], pre_process=True)
+                row["verl"] = timeit(run_verl, max(1, repeat // 4) if b >= 256 else repeat)
+            row["peak/out"] = peak_ratio(b, topk)
+            rows.append(row)
+            print_row(row)
+    return rows
+
+
+HEADER = (f"{'B':>5} {'case':>11} {'T_local':>8} {'out MiB':>8} {'ours ms':>8} {'nested ms':>9} {'verl ms':>9} "
+          f"{'floor ms':>8} {'verl/ours':>9} {'ours/floor':>10} {'peak/out':>8}")
+
+
+def print_row(r: dict) -> None:
+    verl, peak = r.get("verl"), r.get("peak/out")
+    verl_ms = "-" if verl is None else f"{verl * 1e3:.2f}"
+    speedup = "-" if verl is None else f"{verl / r['ours']:.0f}x"
+    peak_s = "-" if peak is None else f"{peak:.2f}x"
+    print(f"{r['B']:>5} {r['case']:>11} {r['T_local']:>8} {r['out_MiB']:>8.2f} {r['ours'] * 1e3:>8.3f} "
+          f"{r['ours_nested'] * 1e3:>9.3f} {verl_ms:>9} {r['floor'] * 1e3:>8.3f} {speedup:>9} "
+          f"{r['ours'] / r['floor']:>9.2f}x {peak_s:>8}", flush=True)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="B in {8, 64, 256} and fewer repeats")
+    p.add_argument("--repeat", type=int, default=None, help="timed repeats per cell (median)")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--memory-probe", nargs=2, type=int, metavar=("B", "TOPK"), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if args.memory_probe:
+        memory_probe(args.memory_probe[0], bool(args.memory_probe[1]))
+        return
+    sizes = (8, 64, 256) if args.quick else (8, 64, 256, 1024)
+    print(f"torch {torch.__version__}, {args.threads} thread(s), layout tp={LAYOUT.tp} cp={LAYOUT.cp} (rank 0), "
+          f"lengths 16..1024")
+    print(HEADER)
+    run(sizes, args.repeat or (5 if args.quick else 11))
+
+
+if __name__ == "__main__":
+    main()
