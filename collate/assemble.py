@@ -34,10 +34,11 @@ def token_fields(schema: BatchSchema, flat: FlatBatch, plan: GatherPlan,
             if key is None:
                 continue  # optional and absent from every sample (flatten checked that)
             index = p.src_next if spec.source is Source.NEXT_TOKEN else p.src
-            values = gather(flat.token[key], index, p, flat)
-            if flat.check_values:
-                check_value_bounds(values, spec, key, index, flat)
-            out[spec.name] = values
+            # bounds are checked on every row, not only this CP rank's: a bad token held by another
+            # rank must fail here too, or this rank would go on into the next collective alone
+            check = (lambda rows, first, spec=spec, key=key: check_value_bounds(rows, spec, key, flat, first)) \
+                if flat.check_values and spec.has_bounds else None
+            out[spec.name] = gather(flat.token[key], index, p, flat, check)
         elif spec.source is Source.POSITIONS:
             out[spec.name] = p.positions.to(spec.dtype)
         elif spec.source is Source.PADDING_MASK:
@@ -47,22 +48,32 @@ def token_fields(schema: BatchSchema, flat: FlatBatch, plan: GatherPlan,
     return out
 
 
-def gather(source: TokenSource, index: torch.Tensor, plan: GatherPlan, flat: FlatBatch) -> torch.Tensor:
-    """``source`` rows (then its two pad rows) selected by ``index`` along the token dim."""
+def gather(source: TokenSource, index: torch.Tensor, plan: GatherPlan, flat: FlatBatch,
+           check: Callable[[torch.Tensor, int], None] | None = None) -> torch.Tensor:
+    """``source`` rows (then its two pad rows) selected by ``index`` along the token dim.
+
+    ``check(rows, first_row)`` sees every real row once (all sequences, whatever ``index`` keeps).
+    """
     td = source.token_dim
     if (source.parts is None or td != 0 or index.numel() >= flat.num_real
             or source.nbytes < BLOCK_MIN_BYTES):
-        return source.rows().index_select(td, index)
+        rows = source.rows()
+        if check is not None:
+            check(rows.narrow(td, 0, flat.num_real), 0)
+        return rows.index_select(td, index)
     first = source.parts[0]
     out = torch.empty((index.numel(), *first.shape[1:]), dtype=first.dtype)
     cu = flat.cu_seqlens.tolist()
     for s0, s1, o0, o1 in plan.blocks(flat.cu_seqlens, max(index.numel() // 2, 1)):
-        if o0 == o1:
+        if o0 == o1 and check is None:
             continue
+        rows, n = source.rows(s0, s1), cu[s1] - cu[s0]
+        if check is not None:
+            check(rows.narrow(0, 0, n), cu[s0])
         idx = index[o0:o1]
         # real rows shift by the block's first row; the two pad rows follow the block's own rows
-        local = torch.where(idx >= flat.num_real, idx - flat.num_real + (cu[s1] - cu[s0]), idx - cu[s0])
-        torch.index_select(source.rows(s0, s1), 0, local, out=out[o0:o1])
+        local = torch.where(idx >= flat.num_real, idx - flat.num_real + n, idx - cu[s0])
+        torch.index_select(rows, 0, local, out=out[o0:o1])
     return out
 
 

@@ -7,8 +7,9 @@ sample, the field, what was expected and what came.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -28,6 +29,8 @@ class TokenSource:
     values: torch.Tensor | None
     pad: torch.Tensor  # [*leading, 2, *dense]
     token_dim: int
+    diagnose: "Callable[[], None] | None" = field(default=None, repr=False)
+    """Called when concatenating ``parts`` fails: raises a :class:`SampleError` naming the sample."""
     _all_rows: torch.Tensor | None = field(default=None, repr=False)
 
     @property
@@ -41,10 +44,18 @@ class TokenSource:
         (nested input: all rows)."""
         if first == 0 and end is None:  # the whole batch: built once, shared by fields reading this key
             if self._all_rows is None:
-                self._all_rows = torch.cat((*self.parts, self.pad) if self.parts is not None
-                                           else (self.values, self.pad), self.token_dim)
+                self._all_rows = self._cat((*self.parts, self.pad) if self.parts is not None
+                                           else (self.values, self.pad))
             return self._all_rows
-        return torch.cat((*self.parts[first:end], self.pad), self.token_dim)
+        return self._cat((*self.parts[first:end], self.pad))
+
+    def _cat(self, tensors) -> torch.Tensor:
+        try:
+            return torch.cat(tensors, self.token_dim)
+        except RuntimeError:
+            if self.diagnose is not None:
+                self.diagnose()
+            raise
 
 
 @dataclass
@@ -111,34 +122,44 @@ def flatten(batch, schema: BatchSchema, *, check_values: bool = True) -> FlatBat
                           actual=type(batch).__name__)
     if len(batch) == 0:
         raise SampleError(sample=None, field=None, expected="at least one sample", actual="an empty batch")
-    for i, s in enumerate(batch):
-        if not isinstance(s, Mapping):
-            raise SampleError(sample=i, field=None, expected="a dict of fields", actual=type(s).__name__)
-    ids = [_as_tensor(s.get("input_ids"), i, "input_ids") for i, s in enumerate(batch)]
-    lengths = torch.from_numpy(np.fromiter((t.shape[0] if t.ndim else 0 for t in ids), np.int64, len(ids)))
+    if not all(type(s) is dict for s in batch):  # fast path for plain dicts; else name the culprit
+        for i, s in enumerate(batch):
+            if not isinstance(s, Mapping):
+                raise SampleError(sample=i, field=None, expected="a dict of fields", actual=type(s).__name__)
+    ids = _column(batch, "input_ids")
+    try:
+        lengths = torch.from_numpy(np.fromiter((t.shape[0] for t in ids), np.int64, len(ids)))
+    except IndexError:  # a 0-d tensor has no token dim
+        i = next(i for i, t in enumerate(ids) if t.ndim == 0)
+        raise SampleError(sample=i, field="input_ids", expected="a non-empty 1-D token tensor",
+                          actual="a 0-d tensor") from None
     _check_lengths(lengths, ids)
     flat = FlatBatch(lengths=lengths, cu_seqlens=lengths_to_cu_seqlens(lengths, torch.int64),
                      check_values=check_values)
     next_pads = _next_pad_values(schema)
     present = batch[0].keys()
+    uniform = all(s.keys() == present for s in batch)  # then a field absent from sample 0 is absent everywhere
     done: set[str] = set()
     for _, spec in _sample_keys_read(schema):
         key = resolve_key(spec, present)
         if key is None:
-            _missing(spec, batch)
+            if spec.required or not uniform:
+                _missing(spec, batch)
             continue
         if key in done:
             continue
         done.add(key)
-        tensors = ids if key == "input_ids" else [_as_tensor(_get(s, key, i), i, key) for i, s in enumerate(batch)]
+        tensors = ids if key == "input_ids" else _column(batch, key)
         _check_token_parts(tensors, spec, key, flat)
         flat.token[key] = TokenSource(parts=tensors, values=None, pad=_pad_rows(tensors[0], spec, next_pads.get(key)),
-                                      token_dim=spec.token_dim)
+                                      token_dim=spec.token_dim,
+                                      diagnose=functools.partial(_diagnose_token, tensors, spec, key, flat))
     for spec in schema.of_role(Role.SEQUENCE) + schema.of_role(Role.MEDIA):
         if spec.name not in present:
-            _missing(spec, batch)
+            if spec.required or not uniform:
+                _missing(spec, batch)
             continue
-        tensors = [_as_tensor(_get(s, spec.name, i), i, spec.name) for i, s in enumerate(batch)]
+        tensors = _column(batch, spec.name)
         target = flat.sequence if spec.role is Role.SEQUENCE else flat.media
         target[spec.name] = _join_other(tensors, spec, flat, check_values)
     return flat
@@ -178,10 +199,26 @@ def _flatten_nested(batch: Mapping, schema: BatchSchema, check_values: bool) -> 
         if spec.name in batch:
             target = flat.sequence if spec.role is Role.SEQUENCE else flat.media
             target[spec.name] = batch[spec.name]
+        elif spec.required:  # as the list input: a required per-sample field may not be left out
+            raise SampleError(sample=None, field=spec.name, expected="the field present",
+                              actual=f"fields {sorted(batch.keys())}")
     return flat
 
 
 # ------------------------------------------------------------------------------------------------
+def _column(batch: Sequence[Mapping], key: str) -> list[torch.Tensor]:
+    """``[sample[key] for sample in batch]`` as tensors; a missing or non-numeric value is named."""
+    try:
+        col = [s[key] for s in batch]
+    except KeyError:
+        i = next(i for i, s in enumerate(batch) if key not in s)
+        raise SampleError(sample=i, field=key, expected="the field present (sample 0 has it)",
+                          actual=f"fields {sorted(batch[i].keys())}") from None
+    if all(type(t) is torch.Tensor for t in col):
+        return col
+    return [_as_tensor(v, i, key) for i, v in enumerate(col)]
+
+
 def _get(sample: Mapping, key: str, i: int):
     try:
         return sample[key]
@@ -234,9 +271,9 @@ def _check_token_parts(tensors: list, spec: FieldSpec, key: str, flat: FlatBatch
         sizes = np.fromiter((t.shape[td] if t.ndim > td else -1 for t in tensors), np.int64, len(tensors))
         if not np.array_equal(sizes, flat.lengths.numpy()):
             _diagnose_token(tensors, spec, key, flat)
-    other = first.shape[:td] + first.shape[td + 1:]
-    if any(t.dtype != first.dtype or t.shape[:td] + t.shape[td + 1:] != other for t in tensors):
+    if len({(t.dtype, t.ndim) for t in tensors}) != 1:
         _diagnose_token(tensors, spec, key, flat)
+    # other dims differing between samples make torch.cat fail; TokenSource.rows diagnoses that
     _check_token_shape(first.shape, first.dtype, spec, key, flat, tensors)
 
 
@@ -275,40 +312,42 @@ def _diagnose_token(tensors: list, spec: FieldSpec, key: str, flat: FlatBatch) -
             raise SampleError(sample=i, field=key, expected=f"dtype in {list(spec.dtypes)}", actual=dtype_name(t.dtype))
 
 
-def check_value_bounds(values: torch.Tensor, spec: FieldSpec, key: str, src: torch.Tensor, flat: FlatBatch) -> None:
-    """finite / min / max declared on the spec, on gathered output ``values`` ``[*leading, T_out,
-    *dense]`` in one reduction; on failure the slot's row ``src`` names the sample and token."""
+def check_value_bounds(rows: torch.Tensor, spec: FieldSpec, key: str, flat: FlatBatch, first_row: int = 0) -> None:
+    """finite / min / max declared on the spec, over real ``rows`` ``[*leading, n, *dense]`` (global
+    rows ``first_row ..``), in one reduction; on failure the first bad row names sample and token."""
     lo, hi = spec.min_value, spec.max_value
-    if (lo is None and hi is None and not spec.finite) or values.numel() == 0:
+    if (lo is None and hi is None and not spec.finite) or rows.numel() == 0:
         return
-    mn, mx = torch.aminmax(values.float() if values.dtype in (torch.bool, torch.bfloat16, torch.float16) else values)
+    mn, mx = torch.aminmax(rows.float() if rows.dtype in (torch.bool, torch.bfloat16, torch.float16) else rows)
     mn, mx = float(mn), float(mx)
     finite = np.isfinite(mn) and np.isfinite(mx)
     if not ((spec.finite and not finite) or (lo is not None and not mn >= lo) or (hi is not None and not mx <= hi)):
         return
-    v = values.float().movedim(spec.token_dim, 0).reshape(src.numel(), -1)
+    v = rows.float().movedim(spec.token_dim, 0)
+    v = v.reshape(v.shape[0], -1)
     bad = ~torch.isfinite(v) if spec.finite else torch.zeros_like(v, dtype=torch.bool)
     if lo is not None:
         bad |= ~(v >= lo)
     if hi is not None:
         bad |= ~(v <= hi)
-    bad &= (src < flat.num_real).unsqueeze(1)  # pad slots hold the declared pad value
-    if not bool(bad.any()):
-        return
-    slot = int(torch.nonzero(bad.any(1))[0])
-    row = int(src[slot])
+    local = int(torch.nonzero(bad.any(1))[0])
+    row = first_row + local
     i = int(torch.searchsorted(flat.cu_seqlens, row, right=True)) - 1
-    value = v[slot][bad[slot]][0].item()
+    value = v[local][bad[local]][0].item()
     rng = f"[{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
     raise SampleError(sample=i, field=key, expected=f"{'finite ' if spec.finite else ''}values in {rng}",
                       actual=f"{value} at token {row - int(flat.cu_seqlens[i])}")
 
 
 def _join_other(tensors: list, spec: FieldSpec, flat: FlatBatch, check_values: bool) -> torch.Tensor:
-    """SEQUENCE fields are stacked to ``[N, ...]``; MEDIA fields concatenated on dim 0."""
+    """SEQUENCE fields are stacked to ``[N, ...]``; MEDIA fields concatenated on dim 0. One dtype
+    across the batch (torch.cat would silently promote bf16 + float32 to float32)."""
+    first = tensors[0].dtype
     for i, t in enumerate(tensors):
-        if dtype_name(t.dtype) not in spec.dtypes:
-            raise SampleError(sample=i, field=spec.name, expected=f"dtype in {list(spec.dtypes)}", actual=dtype_name(t.dtype))
+        if dtype_name(t.dtype) not in spec.dtypes or t.dtype != first:
+            raise SampleError(sample=i, field=spec.name,
+                              expected=f"dtype in {list(spec.dtypes)}, the same as sample 0 ({dtype_name(first)})",
+                              actual=dtype_name(t.dtype))
     try:
         out = torch.stack(tensors) if spec.role is Role.SEQUENCE else torch.cat(tensors, 0)
     except RuntimeError:

@@ -1,1 +1,22 @@
-"""prealign loaders: sources, token-budget micro-batch planning, DP-balanced packed loading."""
+"""prealign loaders: sources, token-budget micro-batch planning, DP-balanced packed loading.
+
+Flow: source (:class:`HFSource`, :class:`WebDatasetSource`) -> index pass (lengths, locations,
+bad-data policy) -> planner (:func:`plan_microbatches`, same plan on every rank) -> this rank's
+micro-batches -> DataLoader workers read, transform and collate -> :class:`PackedLoader` batches,
+resumable with ``state_dict`` / ``load_state_dict``.
+"""
+from .conformance import assert_resumes_exactly
+from .errors import (BadSampleError, CorruptShardError, MissingMemberError, OversizeSampleError, PlanError,
+                     ResumeError, SourceChangedError, TooManyBadSamplesError, UnsafeMemberError)
+from .index import SampleIndex, build_index
+from .loader import PackedLoader
+from .planner import MicrobatchPlan, PlannerConfig, PlanStats, microbatch_capacity, plan_microbatches
+from .policy import BadDataPolicy, BadDataReport, BadSampleWarning, OnBadSample, Oversize, PackStrategy
+from .sources import HFSource, Source
+from .webdataset_source import WebDatasetSource, numpy_fields
+
+__all__ = ["PackedLoader", "plan_microbatches", "microbatch_capacity", "MicrobatchPlan", "PlannerConfig", "PlanStats",
+           "HFSource", "WebDatasetSource", "Source", "numpy_fields", "SampleIndex", "build_index", "assert_resumes_exactly",
+           "PackStrategy", "Oversize", "OnBadSample", "BadDataPolicy", "BadDataReport", "BadSampleWarning",
+           "PlanError", "OversizeSampleError", "BadSampleError", "UnsafeMemberError", "MissingMemberError",
+           "CorruptShardError", "TooManyBadSamplesError", "ResumeError", "SourceChangedError"]

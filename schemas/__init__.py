@@ -5,8 +5,10 @@ from .layout import CPLayout, FP8Recipe, PadPolicy, ParallelLayout, round_up
 from .schema import IGNORE_INDEX, BatchSchema, FieldSpec, Role, Source, causal_lm_schema, rl_schema, topk_fields
 from .validate import Violation, validate_batch
 from .distributed import check_startup
+from .vlm import VisionTokens, media_violations, validate_vlm_batch, vlm_schema
 
 __all__ = ["ParallelLayout", "PadPolicy", "FP8Recipe", "CPLayout", "round_up", "BatchSchema", "FieldSpec", "Role",
            "Source", "causal_lm_schema", "rl_schema", "topk_fields", "IGNORE_INDEX", "validate_batch", "Violation",
            "check_startup", "PrealignError", "LayoutError", "SchemaError", "SampleError", "BucketOverflowError",
            "BatchValidationError", "StartupMismatchError"]
+__all__ += ["vlm_schema", "VisionTokens", "validate_vlm_batch", "media_violations"]

@@ -43,6 +43,38 @@ def megatron_parallel_sizes(pg_collection=None) -> dict[str, int]:
     return {"tp": tp, "cp": cp, "dp": dp, "tp_rank": tp_rank, "cp_rank": cp_rank, "dp_rank": dp_rank}
 
 
+def data_parallel_info() -> dict[str, int]:
+    """``{"dp", "dp_rank", "cp", "cp_rank", "tp", "tp_rank"}`` of this process, for data loaders.
+
+    megatron-core's ``parallel_state`` when initialised; else ``torch.distributed`` (every rank a DP
+    rank, tp = cp = 1); else a single process.
+    """
+    try:
+        return megatron_parallel_sizes()
+    except (RuntimeError, ImportError, AssertionError):
+        pass
+    if dist.is_available() and dist.is_initialized():
+        return {"dp": dist.get_world_size(), "dp_rank": dist.get_rank(), "cp": 1, "cp_rank": 0, "tp": 1, "tp_rank": 0}
+    return {"dp": 1, "dp_rank": 0, "cp": 1, "cp_rank": 0, "tp": 1, "tp_rank": 0}
+
+
+def all_gather_objects(obj, group=None) -> list:
+    """Every rank's ``obj`` (picklable, produced by this library, never by data), in rank order;
+    ``[obj]`` without an initialised process group."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return [obj]
+    out: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def process_rank_world(group=None) -> tuple[int, int]:
+    """(rank, world size) in ``group``; (0, 1) without an initialised process group."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
 def layout_fingerprint(schema: BatchSchema, layout: ParallelLayout) -> str:
     """16-hex-digit digest of schema + layout: equal on every rank that builds the same batches."""
     text = json.dumps({"schema": json.loads(schema.to_json()), "layout": layout.to_dict()}, sort_keys=True)
@@ -57,13 +89,19 @@ def check_startup(batch: dict, schema: BatchSchema, layout: ParallelLayout, grou
     left waiting in a later collective). Without an initialised process group it only validates.
     Returns the fingerprint.
     """
-    from .validate import validate_batch
+    from .validate import Violation, validate_batch
 
-    violations = validate_batch(batch, schema, layout, raise_on_error=False)
     fingerprint = layout_fingerprint(schema, layout)
+    collective = dist.is_initialized() and dist.get_world_size(group) > 1
+    try:
+        violations = validate_batch(batch, schema, layout, raise_on_error=False)
+    except Exception as exc:  # noqa: BLE001 - a batch bad enough to break the checker must not skip the collective
+        if not collective:
+            raise
+        violations = [Violation("batch", "a batch the validator can read", f"{type(exc).__name__}: {exc}")]
     local = {"rank": dist.get_rank() if dist.is_initialized() else 0, "fingerprint": fingerprint,
              "violations": [str(v) for v in violations[:20]], "num_violations": len(violations)}
-    if dist.is_initialized() and dist.get_world_size(group) > 1:
+    if collective:
         gathered: list = [None] * dist.get_world_size(group)
         dist.all_gather_object(gathered, local, group=group)
     else:

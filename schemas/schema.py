@@ -106,6 +106,11 @@ class FieldSpec:
         return torch_dtype(self.dtypes[0])
 
     @property
+    def has_bounds(self) -> bool:
+        """Whether values are checked (``finite`` / ``min_value`` / ``max_value``)."""
+        return self.finite or self.min_value is not None or self.max_value is not None
+
+    @property
     def token_dim(self) -> int:
         """Index of the token dim in a sample tensor (0, or after the leading dims)."""
         return len(self.leading_shape)

@@ -1,0 +1,159 @@
+"""A small synthetic multimodal webdataset with teacher top-k, for ``prealign demo`` and the tests.
+
+Synthetic but shaped like the real thing: chat samples (a user turn with 0-2 ``<image>``
+placeholders and a question, an assistant reply of 1-6 generated sentences), PIL images of varied
+sizes and aspect ratios (JPEG and PNG), and teacher top-k ``[L, K]`` whose rows match the
+*expanded* token sequence (the builder counts vision tokens with the Qwen2-VL processor's own
+resize rule). Deterministic for a seed.
+
+Shard layout (one tar member per field, webdataset naming ``<key>.<field>``)::
+
+    demo-000000.tar
+      s000000.json                         {"messages": [...], "images": ["0.jpg", "1.png"]}
+      s000000.0.jpg, s000000.1.png
+      s000000.teacher_topk_log_probs.npy   float32 [L, K], sorted descending, finite, < 0
+      s000000.teacher_topk_ids.npy         int64   [L, K], distinct per row, column 0 = next token
+
+``bad`` plants deliberately broken samples (one of each :class:`~loaders.vlm.MediaProblem` asked
+for) so a loader's error policy can be seen to skip and count them.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import tarfile
+from dataclasses import dataclass
+
+import numpy as np
+
+from .demo_tokenizer import ByteTokenizer
+from .teacher_topk import encode_npy
+from .vlm import MediaProblem, image_processor, render_chat
+
+_WORDS = ("the a small large red blue green bright dark round square tall narrow old new quiet busy "
+          "cat dog bird tree house river road window table cup book chart plot graph city field cloud "
+          "sits stands shows holds crosses follows rises falls near under above beside behind inside "
+          "morning evening light shadow line point curve corner edge center pattern color shape").split()
+_QUESTIONS = ("What is in the picture?", "Describe the image.", "Compare the two images.", "What changed?",
+              "Summarise the scene in one paragraph.", "Which object is largest?", "Explain the chart.")
+BAD_KINDS = (MediaProblem.CORRUPT_IMAGE, MediaProblem.MISSING_IMAGE, MediaProblem.PLACEHOLDER_MISMATCH)
+
+
+@dataclass(frozen=True)
+class DemoDataset:
+    """What :func:`build_demo_dataset` wrote."""
+
+    shards: tuple[str, ...]
+    """Paths of the tar shards, in order."""
+    num_samples: int
+    """Samples written, bad ones included."""
+    bad: dict
+    """Key of each planted bad sample -> its :class:`~loaders.vlm.MediaProblem` value."""
+    topk: int
+    vocab_size: int
+
+
+def _sentence(rng: np.random.Generator) -> str:
+    words = rng.choice(_WORDS, size=int(rng.integers(4, 14)))
+    return " ".join(words).capitalize() + "."
+
+
+def _image(rng: np.random.Generator, fmt: str) -> tuple[bytes, tuple[int, int]]:
+    """A PIL drawing (gradient background, a few shapes) of a random size, encoded; returns (bytes, (w, h))."""
+    from PIL import Image, ImageDraw
+
+    w, h = (int(v) for v in rng.integers(48, 360, size=2))
+    x = np.linspace(0, 1, w, dtype=np.float32)[None, :, None]
+    y = np.linspace(0, 1, h, dtype=np.float32)[:, None, None]
+    c0, c1 = rng.random(3, dtype=np.float32), rng.random(3, dtype=np.float32)
+    pixels = ((c0 * (1 - x) + c1 * y) * 0.5 + 0.25) * 255
+    img = Image.fromarray(pixels.clip(0, 255).astype(np.uint8), "RGB")
+    draw = ImageDraw.Draw(img)
+    for _ in range(int(rng.integers(1, 5))):
+        x0, x1 = sorted(int(v) for v in rng.integers(0, w, 2))
+        y0, y1 = sorted(int(v) for v in rng.integers(0, h, 2))
+        fill = tuple(int(v) for v in rng.integers(0, 256, 3))
+        (draw.ellipse if rng.random() < 0.5 else draw.rectangle)((x0, y0, x1 + 1, y1 + 1), fill=fill)
+    buf = io.BytesIO()
+    img.save(buf, format="JPEG" if fmt == "jpg" else "PNG", **({"quality": 85} if fmt == "jpg" else {}))
+    return buf.getvalue(), (w, h)
+
+
+def synthetic_teacher(input_ids: np.ndarray, topk: int, vocab_size: int, rng: np.random.Generator
+                      ) -> tuple[np.ndarray, np.ndarray]:
+    """Plausible teacher top-k for a token sequence: float32 ``[L, K]`` log-probs (descending, < 0,
+    total mass < 1) and int64 ``[L, K]`` distinct ids whose first column is the next token."""
+    n = input_ids.size
+    nxt = np.append(input_ids[1:], ByteTokenizer.eos_token_id)
+    stride = rng.integers(1, max(2, vocab_size // topk), size=(n, 1))
+    ids = (nxt[:, None] + stride * np.arange(topk)) % vocab_size
+    logits = np.sort(rng.normal(0.0, 2.0, size=(n, topk + 1)).astype(np.float32), axis=1)[:, ::-1]
+    logits[:, -1] += 1.0  # the "rest of the vocabulary" bucket keeps the top-k mass below 1
+    log_probs = logits - np.logaddexp.reduce(logits, axis=1, keepdims=True)
+    return np.ascontiguousarray(log_probs[:, :topk], dtype=np.float32), ids.astype(np.int64)
+
+
+def _sample(rng: np.random.Generator, key: str, topk: int, tok: ByteTokenizer, processor, bad: MediaProblem | None
+            ) -> dict[str, bytes]:
+    n_images = int(rng.choice([0, 1, 1, 1, 2]))
+    if bad is not None:
+        n_images = max(n_images, 1)
+    members: dict[str, bytes] = {}
+    names, tokens = [], []
+    for i in range(n_images):
+        fmt = "jpg" if rng.random() < 0.6 else "png"
+        data, (w, h) = _image(rng, fmt)
+        names.append(f"{i}.{fmt}")
+        members[names[-1]] = data
+        tokens.append(processor.get_number_of_image_patches(h, w) // tok.spatial_merge_size ** 2)
+    question = str(rng.choice(_QUESTIONS))
+    user = "".join("<image>\n" for _ in range(n_images)) + question
+    reply = " ".join(_sentence(rng) for _ in range(int(rng.integers(1, 7))))
+    meta = {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": reply}], "images": names}
+    ids, _ = render_chat(meta, tok, tokens, sample=key)
+    log_probs, top_ids = synthetic_teacher(ids, topk, tok.vocab_size, rng)
+    if bad is MediaProblem.CORRUPT_IMAGE:
+        members[names[0]] = members[names[0]][:64] + b"\x00 not an image" * 8
+    elif bad is MediaProblem.MISSING_IMAGE:
+        del members[names[0]]
+    elif bad is MediaProblem.PLACEHOLDER_MISMATCH:
+        meta["messages"][0]["content"] = "<image>\n" + user
+    members["json"] = json.dumps(meta).encode()
+    members["teacher_topk_log_probs.npy"] = encode_npy(log_probs)
+    members["teacher_topk_ids.npy"] = encode_npy(top_ids)
+    return members
+
+
+def build_demo_dataset(out_dir: str, *, num_samples: int = 240, samples_per_shard: int = 60, topk: int = 8,
+                       seed: int = 0, bad: tuple[MediaProblem, ...] = BAD_KINDS,
+                       tokenizer: ByteTokenizer | None = None) -> DemoDataset:
+    """Write ``ceil(num_samples / samples_per_shard)`` tar shards under ``out_dir`` (created).
+
+    The planted bad samples sit at evenly spread positions. Takes ~0.5 s per 100 samples.
+    """
+    if num_samples < 1 or samples_per_shard < 1 or topk < 1:
+        raise ValueError(f"build_demo_dataset: num_samples, samples_per_shard and topk must be >= 1, got "
+                         f"{num_samples}, {samples_per_shard}, {topk}")
+    tok = tokenizer or ByteTokenizer()
+    processor = image_processor()
+    rng = np.random.default_rng(seed)
+    bad_at = {int(p): kind for p, kind in zip(np.linspace(num_samples // 7, num_samples - 1, len(bad)), bad)} \
+        if bad else {}
+    os.makedirs(out_dir, exist_ok=True)
+    shards, planted = [], {}
+    for first in range(0, num_samples, samples_per_shard):
+        path = os.path.join(out_dir, f"demo-{first // samples_per_shard:06d}.tar")
+        with tarfile.open(path, "w") as tar:
+            for i in range(first, min(first + samples_per_shard, num_samples)):
+                key = f"s{i:06d}"
+                kind = bad_at.get(i)
+                if kind is not None:
+                    planted[key] = kind.value
+                for name, data in _sample(rng, key, topk, tok, processor, kind).items():
+                    info = tarfile.TarInfo(f"{key}.{name}")
+                    info.size, info.mtime, info.mode = len(data), 0, 0o644
+                    tar.addfile(info, io.BytesIO(data))
+        shards.append(path)
+    return DemoDataset(shards=tuple(shards), num_samples=num_samples, bad=planted, topk=topk,
+                       vocab_size=tok.vocab_size)

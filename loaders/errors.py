@@ -1,0 +1,80 @@
+"""Typed errors of the loader layer. All subclass :class:`schemas.errors.PrealignError` (a ``ValueError``);
+per-sample problems subclass :class:`~schemas.errors.SampleError` and name the sample, the field,
+what was expected and what came."""
+from __future__ import annotations
+
+from schemas.errors import PrealignError, SampleError
+
+
+class PlanError(PrealignError):
+    """Invalid planner input or configuration (lengths, budget, dp size, buffer)."""
+
+
+class OversizeSampleError(SampleError):
+    """A sample does not fit a micro-batch of the token budget even alone (``Oversize.ERROR``)."""
+
+
+class BadSampleError(SampleError):
+    """A sample could not be decoded, transformed or validated against the schema.
+
+    ``reason`` is the key a skipped sample is counted under in the
+    :class:`~loaders.policy.BadDataReport` (``"bad_sample"`` unless a subclass or the caller says
+    more, e.g. ``"corrupt_image"``); an explicit ``reason`` also prefixes the message, so the cause
+    survives being reported as text.
+    """
+
+    reason: str = "bad_sample"
+
+    def __init__(self, *, sample, field: str | None, expected: str, actual: str, hint: str = "",
+                 reason: str | None = None):
+        super().__init__(sample=sample, field=field, expected=expected, actual=actual, hint=hint)
+        if reason is not None and reason != type(self).reason:
+            self.reason = reason
+            self.args = (f"{reason}: {self.args[0]}",)
+
+
+class UnsafeMemberError(BadSampleError):
+    """A webdataset member whose format can execute code when loaded (pickle, ``.pth``): refused."""
+
+    reason = "unsafe_member"
+
+
+class MissingMemberError(BadSampleError):
+    """A webdataset sample lacks a member the source declares as required."""
+
+    reason = "missing_member"
+
+
+def reason_of(exc: BaseException) -> str:
+    """The cause a bad sample is counted under: a :class:`~schemas.errors.SampleError`'s ``reason``
+    (a non-empty ``str`` or an enum with such a value, e.g. :class:`loaders.vlm.MediaError`'s
+    :class:`~loaders.vlm.MediaProblem`), else ``"bad_sample"``.
+
+    >>> reason_of(MissingMemberError(sample="k", field="jpg", expected="a member", actual="none"))
+    'missing_member'
+    >>> reason_of(KeyError("text")), reason_of(BadSampleError(sample=1, field=None, expected="x", actual="y"))
+    ('bad_sample', 'bad_sample')
+    """
+    reason = getattr(exc, "reason", None) if isinstance(exc, SampleError) else None
+    reason = getattr(reason, "value", reason)  # an enum member -> its value
+    return reason if isinstance(reason, str) and reason else BadSampleError.reason
+
+
+class CorruptShardError(PrealignError):
+    """A shard could not be read past some byte offset (truncated or corrupt tar, unreadable URL)."""
+
+    def __init__(self, shard: str, offset: int, cause: str):
+        self.shard, self.offset, self.cause = shard, offset, cause
+        super().__init__(f"shard {shard}: unreadable at byte {offset}: {cause}")
+
+
+class TooManyBadSamplesError(PrealignError):
+    """More consecutive bad samples than ``BadDataPolicy.max_consecutive`` allows."""
+
+
+class ResumeError(PrealignError):
+    """A loader state that cannot be resumed here (other version, dp size, layout, schema, data)."""
+
+
+class SourceChangedError(PrealignError):
+    """A sample read for a batch no longer matches what the index recorded (data changed on disk)."""

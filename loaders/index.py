@@ -1,0 +1,275 @@
+"""The length index: one pass over a source that learns every sample's token length and location.
+
+    shards ──split by worker (DataLoader workers)──► scan ─► transform ─► validate against the schema
+                                                                            │ good: (location, length)
+                                                                            │ bad: failure record
+    main process: merge shards in order ─► bad-data policy (raise / skip+count) ─► SampleIndex
+
+Validation is the collator's own (``flatten`` of a one-sample batch), so a sample that enters the
+index is one the collator accepts. The policy runs in the main process over the records in shard
+order, so its consecutive-failure count and its error are the same whatever the number of workers.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from collate.samples import flatten
+from schemas.errors import PrealignError, SampleError
+from schemas.schema import BatchSchema, Role
+from .errors import BadSampleError, CorruptShardError, reason_of
+from .policy import BadDataGate, BadDataPolicy, BadDataReport
+from .sources import Skip, Source
+
+
+@dataclass(frozen=True, kw_only=True)
+class SampleIndex:
+    """Every good sample of a source, in canonical order (shard by shard, stream order inside).
+
+    ``lengths`` int64 ``[N]`` token lengths; ``locations`` int64 ``[N, K]`` (a source location per
+    row); ``shards`` int64 ``[N]`` shard of each sample; ``report`` what was skipped and why (counts
+    by cause: ``bad_sample``, ``corrupt_image``, ``corrupt_shard``, ...); ``media`` bool ``[N]``
+    whether the sample carries media (a MEDIA-role field, e.g. ``pixel_values``, with at least one
+    row): such a sample is never truncated (``None``: not recorded, e.g. an index built elsewhere).
+    """
+
+    lengths: np.ndarray
+    locations: np.ndarray
+    shards: np.ndarray
+    report: BadDataReport
+    media: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return int(self.lengths.shape[0])
+
+    @property
+    def digest(self) -> str:
+        """16 hex digits over lengths, locations and (when any sample has media) the media flags:
+        changes when the data does."""
+        h = hashlib.sha256()
+        arrays = [self.lengths, self.locations, self.shards]
+        if self.media is not None and bool(np.any(self.media)):  # text-only data: the same digest as before
+            arrays.append(self.media)
+        for a in arrays:
+            h.update(np.ascontiguousarray(a, dtype=np.int64).tobytes())
+        return h.hexdigest()[:16]
+
+    def save(self, path: str) -> None:
+        """Write as ``.npz`` (arrays only, no pickle) for reuse across runs."""
+        extra = {} if self.media is None else {"media": np.asarray(self.media, dtype=bool)}
+        np.savez(path, lengths=self.lengths, locations=self.locations, shards=self.shards,
+                 report=np.frombuffer(json.dumps(self.report.to_dict()).encode(), dtype=np.uint8), **extra)
+
+    @classmethod
+    def load(cls, path: str) -> "SampleIndex":
+        with np.load(path, allow_pickle=False) as z:
+            rep = json.loads(bytes(z["report"]).decode())
+            report = BadDataReport(counts=dict(rep["counts"]), examples=[tuple(e) for e in rep["examples"]])
+            return cls(lengths=z["lengths"], locations=z["locations"], shards=z["shards"], report=report,
+                       media=z["media"] if "media" in z.files else None)
+
+
+def _freeze(exc: Exception) -> dict:
+    """An exception as plain data (typed errors do not survive pickling through DataLoader workers);
+    a sample's keeps its cause (:func:`~loaders.errors.reason_of`) and its message."""
+    if isinstance(exc, CorruptShardError):
+        return {"type": "shard", "shard": exc.shard, "offset": exc.offset, "cause": exc.cause}
+    if not isinstance(exc, SampleError):
+        exc = BadSampleError(sample=None, field=None, expected="a readable sample",
+                             actual=f"{type(exc).__name__}: {exc}")
+    return {"type": "sample", "cls": type(exc).__name__, "sample": exc.sample, "field": exc.field,
+            "expected": exc.expected, "actual": exc.actual, "reason": reason_of(exc), "message": str(exc)}
+
+
+def _thaw(rec: dict) -> PrealignError:
+    if rec["type"] == "shard":
+        return CorruptShardError(rec["shard"], rec["offset"], rec["cause"])
+    from . import errors
+
+    cls = getattr(errors, rec["cls"], None)
+    if not (isinstance(cls, type) and issubclass(cls, SampleError)):
+        cls = SampleError if rec["cls"] == "SampleError" else BadSampleError
+    err = cls(sample=rec["sample"], field=rec["field"], expected=rec["expected"], actual=rec["actual"])
+    err.reason = _reason(rec)
+    if rec.get("message"):
+        err.args = (rec["message"],)
+    return err
+
+
+def _reason(rec: dict) -> str:
+    """The cause a record is counted under in the bad-data report."""
+    if rec["type"] == "shard":
+        return "corrupt_shard"
+    return rec.get("reason") or BadSampleError.reason
+
+
+def _name(source: Source, shard: int, loc, item) -> str:
+    """The most telling name of a scan record: ``url:key`` for webdataset, else the source's."""
+    if isinstance(item, SampleError) and isinstance(item.sample, str):
+        return item.sample
+    return source.sample_name(item, loc) if loc is not None else f"shard {shard}"
+
+
+def media_keys(schema: BatchSchema) -> tuple[str, ...]:
+    """Sample keys of the schema's MEDIA fields (``pixel_values``, ``image_grid_thw``, ...)."""
+    return tuple(spec.name for spec in schema.of_role(Role.MEDIA))
+
+
+def has_media(sample: dict, keys: tuple[str, ...]) -> bool:
+    """True when a MEDIA field (``keys``, see :func:`media_keys`) of ``sample`` has at least one row
+    (an image, a video, ...); a text-only VLM sample (``pixel_values [0, patch_dim]``) has none."""
+    for key in keys:
+        value = sample.get(key)
+        if value is None:
+            continue
+        shape = getattr(value, "shape", None)
+        shape = tuple(np.shape(value)) if shape is None else tuple(shape)
+        if not shape or shape[0] > 0:
+            return True
+    return False
+
+
+_CHUNK = 64
+
+
+def _validated_lengths(samples: list[dict], schema: BatchSchema) -> list[int | SampleError]:
+    """Token length of each sample, or the collator's error for it. One ``flatten`` for the whole
+    chunk on the happy path; one per sample only when the chunk has a bad sample (or samples whose
+    tensors differ in dtype or rank, which a concatenation would hide by type promotion)."""
+    if not samples:
+        return []
+    first = samples[0]
+    sig = {k: (v.dtype, v.ndim) for k, v in first.items() if isinstance(v, torch.Tensor)}
+    if all(len(s) == len(first) and all(isinstance(s.get(k), torch.Tensor) and (s[k].dtype, s[k].ndim) == d
+                                        for k, d in sig.items()) for s in samples):
+        try:
+            return flatten(samples, schema).lengths.tolist()
+        except SampleError:
+            pass
+    out: list[int | SampleError] = []
+    for s in samples:
+        try:
+            out.append(int(flatten([s], schema).lengths[0]))
+        except SampleError as exc:
+            out.append(exc)
+    return out
+
+
+def index_shard(source: Source, schema: BatchSchema, shard: int) -> dict:
+    """Scan one shard: ``{"shard", "locations", "lengths", "media", "events"}``; events are, in stream
+    order, ``["ok"]``, ``["bad", where, frozen error]`` or ``["skip", reason, where, message]``."""
+    locations, lengths, media, events = [], [], [], []
+    keys = media_keys(schema)
+    pending: list[tuple[tuple, str, dict]] = []  # transformed samples waiting for chunked validation
+
+    def flush() -> None:
+        for (loc, where, transformed), result in zip(pending, _validated_lengths([p[2] for p in pending], schema)):
+            if isinstance(result, SampleError):  # the collator's checks name sample 0 of a one-sample batch
+                err = BadSampleError(sample=where, field=result.field, expected=result.expected, actual=result.actual)
+                events.append(["bad", where, _freeze(err)])
+            else:
+                locations.append(list(loc))
+                lengths.append(result)
+                media.append(has_media(transformed, keys))
+                events.append(["ok"])
+        pending.clear()
+
+    for loc, item in source.scan(shard):
+        if isinstance(item, Skip):
+            flush()
+            events.append(["skip", item.reason, item.where, item.message])
+            continue
+        where = _name(source, shard, loc, item)
+        if isinstance(item, Exception):
+            flush()
+            events.append(["bad", where, _freeze(item)])
+            continue
+        try:
+            sample = source.apply_transform(item, loc)
+        except SampleError as exc:
+            flush()
+            events.append(["bad", where, _freeze(exc)])
+            continue
+        pending.append((loc, where, sample))
+        if len(pending) >= _CHUNK:
+            flush()
+    flush()
+    return {"shard": shard, "locations": locations, "lengths": lengths, "media": media, "events": events}
+
+
+class _ShardScan(IterableDataset):
+    """Shards split over DataLoader workers (worker w takes shards w, w+W, ...)."""
+
+    def __init__(self, source: Source, schema: BatchSchema, shards: list[int]):
+        self.source, self.schema, self.shards = source, schema, shards
+
+    def __iter__(self):
+        info = get_worker_info()
+        mine = self.shards if info is None else self.shards[info.id::info.num_workers]
+        for shard in mine:
+            yield index_shard(self.source, self.schema, shard)
+
+
+def scan_shards(source: Source, schema: BatchSchema, shards: list[int], *, num_workers: int = 0) -> list[dict]:
+    """:func:`index_shard` over ``shards`` with ``num_workers`` DataLoader workers, in shard order."""
+    loader = DataLoader(_ShardScan(source, schema, shards), batch_size=None, num_workers=min(num_workers, len(shards)))
+    results = {r["shard"]: r for r in loader}
+    return [results[s] for s in shards]
+
+
+def merge_shards(results: list[dict], policy: BadDataPolicy, width: int) -> SampleIndex:
+    """Apply the bad-data policy over the records in shard order and build the index."""
+    gate = BadDataGate(policy)
+    for res in results:
+        for ev in res["events"]:
+            if ev[0] == "ok":
+                gate.good()
+            elif ev[0] == "skip":
+                gate.report.add(ev[1], ev[2], ev[3])
+            else:
+                gate.bad(_reason(ev[2]), ev[1], _thaw(ev[2]))
+    n = sum(len(r["lengths"]) for r in results)
+    locs = [loc for r in results for loc in r["locations"]]
+    width = max((len(loc) for loc in locs), default=width)
+    return SampleIndex(lengths=np.fromiter((x for r in results for x in r["lengths"]), np.int64, n),
+                       locations=np.asarray(locs, dtype=np.int64).reshape(n, width),
+                       shards=np.fromiter((r["shard"] for r in results for _ in r["lengths"]), np.int64, n),
+                       report=gate.report,
+                       media=np.fromiter((bool(m) for r in results for m in r["media"]), bool, n))
+
+
+def build_index(source: Source, schema: BatchSchema, *, policy: BadDataPolicy | None = None,
+                num_workers: int = 0, distributed: bool = False, group=None) -> SampleIndex:
+    """Index every shard of ``source`` (see the module docstring). Raises the first bad sample's
+    typed error under ``OnBadSample.RAISE``; counts it under ``SKIP``.
+
+    ``distributed=True`` with an initialised process group splits the pass by node: rank ``r`` of
+    ``W`` (in ``group``) scans shards ``r, r+W, ...`` (the shard split ``split_dataset_by_node``
+    makes) and the ranks exchange their records, so every rank ends with the same full index.
+    """
+    from schemas.distributed import all_gather_objects, process_rank_world
+
+    rank, world = process_rank_world(group) if distributed else (0, 1)
+    shards = list(range(source.num_shards))
+    try:
+        mine: dict = {"results": scan_shards(source, schema, shards[rank::world], num_workers=num_workers)}
+    except Exception as exc:  # every rank must reach the exchange, or the others would wait forever
+        if world == 1:
+            raise
+        mine = {"error": f"rank {rank}: {type(exc).__name__}: {exc}"}
+    parts = all_gather_objects(mine, group) if world > 1 else [mine]
+    failed = [p["error"] for p in parts if "error" in p]
+    if failed:
+        raise BadSampleError(sample=None, field=None, expected="the index pass to succeed on every rank",
+                             actual="; ".join(failed))
+    results = sorted((r for p in parts for r in p["results"]), key=lambda r: r["shard"])
+    index = merge_shards(results, policy or BadDataPolicy(), width=1)
+    if len(index) == 0:
+        raise BadSampleError(sample=None, field=None, expected="at least one good sample in the source",
+                             actual=f"none ({index.report.to_dict()['counts']})")
+    return index

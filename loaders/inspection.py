@@ -1,0 +1,121 @@
+"""Stream a source through :class:`~loaders.PackedLoader` on every CP rank at once, validate every
+batch, and keep only what the report and the picture need (batches are dropped as they go).
+
+    source ──index pass (once, bad-data policy)──► SampleIndex
+        └─► PackedLoader(cp_rank=0) ┐
+            PackedLoader(cp_rank=1) ┼─ zip: the same micro-batch on every CP rank ─► validate each
+            ...                     ┘        ─► BatchStats, first panels for the PNG
+"""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from collate.thd import THDCollator
+from schemas.layout import ParallelLayout
+from schemas.schema import BatchSchema
+from schemas.vlm import IMAGE_TOKEN_TYPE, validate_vlm_batch
+from .index import SampleIndex, build_index
+from .loader import PackedLoader
+from .plot import Panel
+from .policy import BadDataPolicy, BadDataReport
+from .report import BatchStats, batch_stats
+from .sources import Source
+
+
+@dataclass
+class Inspection:
+    """What :func:`inspect_source` saw."""
+
+    stats: list[BatchStats]
+    panels: list[Panel]
+    report: BadDataReport
+    num_samples: int
+    """Good samples in the index."""
+    index_seconds: float
+    load_seconds: float
+    """Wall time of loading, collating and validating every micro-batch on every CP rank."""
+    first_violations: list[str] = field(default_factory=list)
+
+
+class Progress:
+    """``label: done/total`` on one self-overwriting stderr line (a line per 10% when not a TTY)."""
+
+    def __init__(self, label: str, total: int | None, stream=None):
+        self.label, self.total, self.stream = label, total, stream or sys.stderr
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.done, self._shown = 0, -1
+
+    def step(self, n: int = 1) -> None:
+        self.done += n
+        tenth = 10 * self.done // self.total if self.total else self.done // 100
+        if self.tty or tenth != self._shown:
+            self._shown = tenth
+            total = f"/{self.total}" if self.total else ""
+            self.stream.write(f"\r{self.label}: {self.done}{total}" + ("" if self.tty else "\n"))
+            self.stream.flush()
+
+    def close(self, note: str = "") -> None:
+        self.stream.write(f"\r{self.label}: {self.done} done{note}\n" if self.tty else f"{self.label}: done{note}\n")
+        self.stream.flush()
+
+
+def _panel(index: int, rank_batches: list[dict]) -> Panel:
+    """The whole micro-batch's layout from its CP ranks' batches (image tokens un-sharded)."""
+    from collate.inverse import unshard_cp
+
+    b0 = rank_batches[0]
+    types = None
+    if "mm_token_type_ids" in b0:
+        if "cp_gather_index" in b0 or b0.get("cp_rank", -1) == -1:
+            types = b0["mm_token_type_ids"].reshape(-1)
+        else:
+            types = unshard_cp([b["mm_token_type_ids"] for b in rank_batches],
+                               cu_seqlens_padded=b0["cu_seqlens_padded"]).reshape(-1)
+    n = int(b0["cu_seqlens"].numel() - 1)
+    return Panel(b0["cu_seqlens"], b0["cu_seqlens_padded"],
+                 None if types is None else types == IMAGE_TOKEN_TYPE,
+                 title=f"micro-batch {index}: {n} sequences, T = {int(b0['cu_seqlens_padded'][-1])}")
+
+
+def inspect_source(source: Source, *, schema: BatchSchema, layout: ParallelLayout, token_budget: int,
+                   num_workers: int = 0, seed: int = 0, defer_cp_shard: bool = False,
+                   bad_data: BadDataPolicy | None = None, index: SampleIndex | None = None,
+                   panels: int = 3, limit: int | None = None,
+                   validate: Callable[[dict], list] | None = None, progress: bool = True) -> Inspection:
+    """Index ``source`` once, then load one epoch on every CP rank of DP rank 0 in lockstep."""
+    policy = bad_data or BadDataPolicy(on_error="skip", warn=False)
+    validate = validate or (lambda b: validate_vlm_batch(b, schema, layout, raise_on_error=False))
+    t0 = time.perf_counter()
+    if index is None:
+        if progress:
+            sys.stderr.write("indexing (decode, transform and validate every sample once)...\n")
+        index = build_index(source, schema, policy=policy, num_workers=num_workers)
+    t1 = time.perf_counter()
+    loaders = [PackedLoader(source, schema=schema, layout=layout, token_budget=token_budget, cp_rank=r,
+                            num_workers=num_workers, seed=seed, bad_data=policy, index=index,
+                            collator=THDCollator(schema=schema, layout=layout, cp_rank=r,
+                                                 defer_cp_shard=defer_cp_shard))
+               for r in range(layout.cp)]
+    total = len(loaders[0]) if limit is None else min(limit, len(loaders[0]))
+    bar = Progress(f"loading micro-batches on {layout.cp} CP rank(s)", total) if progress else None
+    stats, kept, first_bad = [], [], []
+    for i, rank_batches in enumerate(zip(*loaders)):
+        if i >= total:
+            break
+        bad = [v for b in rank_batches for v in validate(b)]
+        first_bad += [str(v) for v in bad[: max(0, 5 - len(first_bad))]]
+        stats.append(batch_stats(i, list(rank_batches), len(bad)))
+        if len(kept) < panels:
+            kept.append(_panel(i, list(rank_batches)))
+        if bar:
+            bar.step()
+    t2 = time.perf_counter()
+    if bar:
+        bar.close(f" in {t2 - t1:.1f} s")
+    report = loaders[0].report
+    return Inspection(stats=stats, panels=kept, report=report, num_samples=len(index), index_seconds=t1 - t0,
+                      load_seconds=t2 - t1, first_violations=first_bad)
+

@@ -1,0 +1,351 @@
+"""``PackedLoader``: planned, DP-balanced, exactly resumable packed batches on a torch DataLoader.
+
+    source ──index pass (once)──► lengths ──planner (main process, every rank the same plan)──►
+    this rank's micro-batches ──Request──► DataLoader workers: read + transform + collate ──► batch
+
+Workers only load and collate the sample lists the planner chose, so the order of batches does not
+depend on the number of workers, and the state is just ``(epoch, position)``: resuming replays the
+plan and skips the first ``position`` micro-batches (nothing prefetched is lost or repeated).
+
+Ranks: TP ranks of a DP group build identical batches (nothing here depends on the TP rank); CP
+ranks of a DP group get complementary shards of the same micro-batch (the collator's ``cp_rank``);
+DP ranks get disjoint micro-batches that together hold every sample once per epoch, the same number
+on every rank in every step.
+"""
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader
+
+from collate.thd import THDCollator
+from schemas.layout import ParallelLayout
+from schemas.schema import BatchSchema, Role, Source as FieldSource
+from .errors import BadSampleError, PlanError, SourceChangedError
+from .index import SampleIndex, build_index, has_media, media_keys
+from .planner import MicrobatchPlan, PlannerConfig, microbatch_capacity
+from .policy import BadDataPolicy, BadDataReport, BadSampleWarning, Oversize
+from .schedule import Request, Schedule
+from .sources import Source
+from .state import LoaderState
+from .transport import PackedBatch, pack_batch, unpack_batch
+
+
+def _token_keys(schema: BatchSchema) -> list[tuple[str, int]]:
+    """(sample key, token dim) of every sample field the collator reads per token."""
+    out = {}
+    for spec in schema.of_role(Role.TOKEN):
+        if spec.source in (FieldSource.SAMPLE, FieldSource.NEXT_TOKEN):
+            for key in spec.sample_keys:
+                out.setdefault(key, spec.token_dim)
+    out.setdefault("loss_mask", 0)
+    return list(out.items())
+
+
+def truncate_sample(sample: dict, schema: BatchSchema, length: int) -> dict:
+    """A copy of ``sample`` with every token field cut to its first ``length`` tokens.
+
+    Refuses (:class:`BadSampleError`, reason ``oversize_media``) to cut a sample that carries media
+    (a MEDIA field with rows): its ``pixel_values`` / ``image_grid_thw`` would no longer match its
+    image tokens. The planner leaves such samples out instead (``MicrobatchPlan.skipped_media``).
+    """
+    out = dict(sample)
+    mkeys = media_keys(schema)
+    for key, dim in _token_keys(schema):
+        if key in out and out[key] is not None:
+            t = torch.as_tensor(np.asarray(out[key])) if not isinstance(out[key], torch.Tensor) else out[key]
+            if t.shape[dim] > length and mkeys and has_media(sample, mkeys):
+                raise BadSampleError(sample=sample.get("__key__"), field=key, reason="oversize_media",
+                                     expected=f"at most {length} tokens (a sample carrying media is never cut)",
+                                     actual=f"{t.shape[dim]} tokens")
+            out[key] = t.narrow(dim, 0, min(length, t.shape[dim]))
+    return out
+
+
+def filler_sample(sample: dict, schema: BatchSchema, length: int) -> dict:
+    """A sample shaped like ``sample`` but ``length`` pad tokens long, labels all ``ignore_index``
+    (so its loss mask is zero), sequence fields zero and media fields empty (no images: a VLM
+    filler has ``pixel_values [0, patch_dim]``, ``image_grid_thw [0, 3]``, text-only token types
+    and zero ``mrope_position_ids``, consistent for :func:`schemas.vlm.validate_vlm_batch`)."""
+    out = dict(sample)
+    for spec in schema.of_role(Role.MEDIA):  # first: then the cut below never sees media
+        if spec.name in out:
+            out[spec.name] = torch.as_tensor(out[spec.name])[:0]
+    out = truncate_sample(out, schema, length)
+    for spec in schema.of_role(Role.TOKEN):
+        if spec.source not in (FieldSource.SAMPLE, FieldSource.NEXT_TOKEN):
+            continue
+        for key in spec.sample_keys:
+            if key in out:
+                out[key] = torch.full_like(torch.as_tensor(out[key]), spec.pad_value)
+        if spec.source is FieldSource.NEXT_TOKEN:
+            ids = torch.as_tensor(out["input_ids"])
+            out[spec.sample_keys[0]] = torch.full_like(ids, schema.ignore_index)
+    if "loss_mask" in out:
+        out["loss_mask"] = torch.zeros_like(torch.as_tensor(out["loss_mask"]))
+    for spec in schema.of_role(Role.SEQUENCE):
+        if spec.name in out:
+            out[spec.name] = torch.zeros_like(torch.as_tensor(out[spec.name]))
+    return out
+
+
+def _with_media_flags(index: SampleIndex, source: Source, schema: BatchSchema, max_len: int) -> SampleIndex:
+    """``index`` with ``media`` filled in, for an index that lacks it (built by other code): only the
+    samples the planner would cut (longer than ``max_len``) are loaded, to see whether they carry media."""
+    keys = media_keys(schema)
+    media = np.zeros(len(index), dtype=bool)
+    for i in np.nonzero(index.lengths > max_len)[0]:
+        media[i] = has_media(source.load(tuple(index.locations[i].tolist())), keys)
+    return dataclasses.replace(index, media=media)
+
+
+class _PlannedSamples:
+    """What DataLoader workers hold: the source, the index locations and the truncation length."""
+
+    def __init__(self, source: Source, index: SampleIndex, schema: BatchSchema, max_len: int, filler_len: int):
+        self.source, self.schema, self.max_len, self.filler_len = source, schema, max_len, filler_len
+        self.locations, self.lengths = index.locations, index.lengths
+
+    def __len__(self) -> int:
+        return int(self.lengths.shape[0])
+
+    def _load(self, i: int) -> dict:
+        sample = self.source.load(tuple(self.locations[i].tolist()))
+        n = int(self.lengths[i])
+        ids = sample.get("input_ids")
+        got = len(ids) if ids is not None and hasattr(ids, "__len__") else None
+        if got != n:
+            raise SourceChangedError(f"sample {i} ({self.source.where(tuple(self.locations[i].tolist()))}): "
+                                     f"indexed with {n} tokens, loaded with {got}; the data or the transform "
+                                     f"is not deterministic")
+        return truncate_sample(sample, self.schema, self.max_len) if n > self.max_len else sample
+
+    def __getitems__(self, request: Request) -> tuple[Request, list[dict]]:
+        if request.indices:
+            return request, [self._load(i) for i in request.indices]
+        return request, [filler_sample(self._load(request.filler_of), self.schema, self.filler_len)]
+
+
+@dataclass(frozen=True)
+class _CollatePlanned:
+    """collate_fn: the collator's batch plus ``sample_index`` int64 ``[N]`` (index rows; empty for a
+    filler), ``is_filler`` bool, ``epoch`` and ``microbatch`` ints."""
+
+    collator: Callable
+    pack: bool = False
+    """In worker processes: hand the batch over as one buffer (:mod:`loaders.transport`)."""
+
+    def __call__(self, fetched: tuple[Request, list[dict]]):
+        request, samples = fetched
+        batch = self.collator(samples)
+        batch["sample_index"] = torch.tensor(request.indices, dtype=torch.int64)
+        batch["is_filler"] = not request.indices
+        batch["epoch"] = request.epoch
+        batch["microbatch"] = request.position
+        return pack_batch(batch) if self.pack else batch
+
+
+class _Requests:
+    """batch_sampler whose content is set before each epoch (so persistent workers can be reused)."""
+
+    def __init__(self):
+        self.requests: list[Request] = []
+
+    def __iter__(self):
+        return iter(self.requests)
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+
+class PackedLoader:
+    """Iterable of collated, token-budgeted micro-batches for one (DP rank, CP rank).
+
+    Iterating yields the rest of the current epoch and then moves to the next; :meth:`set_epoch`
+    jumps to an epoch (a no-op for the epoch in progress, so a resumed position is kept).
+    Each batch is the collator's output (``THDCollator(schema, layout, cp_rank)`` by default: token
+    fields ``[1, T/cp, *dense]`` with ``T <= token_budget``, ``cu_seqlens*`` ...) plus
+    ``sample_index`` int64 ``[N]`` (rows of :attr:`index`), ``is_filler`` bool, ``epoch`` and
+    ``microbatch`` ints.
+
+    ``token_budget``: global padded THD length of one micro-batch (one CP group; each CP rank holds
+    ``budget / cp``). ``planner``: :class:`PlannerConfig` (strategy, buffer, oversize policy, ``k``
+    micro-batches per step). ``bad_data``: policy for samples that fail to decode / transform /
+    validate during the index pass. ``distributed_index``: with an initialised process group, split the
+index pass over all ranks and exchange the records (collective: every rank must build its loader).
+``index``: a prebuilt :class:`SampleIndex` or a path to one
+    saved with :meth:`SampleIndex.save` (skips the index pass). ``collator``: another collate callable
+    (e.g. ``THDCollator(..., defer_cp_shard=True)``) that pads exactly as ``layout`` says.
+    ``shuffle_window``: block size of the in-shard shuffle of sequential sources.
+    """
+
+    def __init__(self, source: Source, *, schema: BatchSchema, layout: ParallelLayout, token_budget: int,
+                 dp_rank: int = 0, dp_size: int = 1, cp_rank: int | None = None, num_workers: int = 0, seed: int = 0,
+                 shuffle: bool = True, planner: PlannerConfig | None = None, bad_data: BadDataPolicy | None = None,
+                 collator: Callable | None = None, index: SampleIndex | str | None = None,
+                 index_workers: int | None = None, distributed_index: bool = True, shuffle_window: int = 1024,
+                 pin_memory: bool = False,
+                 prefetch_factor: int | None = None, persistent_workers: bool = False,
+                 multiprocessing_context=None, timeout: float = 0):
+        if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
+            raise PlanError(f"dp_size: expected an int >= 1, got {dp_size!r}")
+        if isinstance(dp_rank, bool) or not isinstance(dp_rank, int) or not 0 <= dp_rank < dp_size:
+            raise PlanError(f"dp_rank: expected an int in [0, {dp_size}), got {dp_rank!r}")
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+            raise PlanError(f"num_workers: expected an int >= 0, got {num_workers!r}")
+        self.source, self.schema, self.layout, self.token_budget = source, schema, layout, token_budget
+        self.dp_rank, self.dp_size, self.cp_rank = dp_rank, dp_size, cp_rank
+        self.seed, self.shuffle, self.shuffle_window = int(seed), bool(shuffle), int(shuffle_window)
+        self.planner = planner or PlannerConfig()
+        self.bad_data = bad_data or BadDataPolicy()
+        self.collator = collator or THDCollator(schema=schema, layout=layout, cp_rank=cp_rank)
+        cap = microbatch_capacity(layout, token_budget)
+        if isinstance(index, str):
+            index = SampleIndex.load(index)
+        self.index = index if index is not None else build_index(
+            source, schema, policy=self.bad_data, num_workers=num_workers if index_workers is None else index_workers,
+            distributed=distributed_index)
+        if self.index.media is None and media_keys(schema) and self.planner.oversize is Oversize.TRUNCATE:
+            self.index = _with_media_flags(self.index, source, schema, cap)
+        self._schedule = Schedule(self.index, layout=layout, token_budget=token_budget, dp_size=dp_size,
+                                  planner=self.planner, seed=self.seed, shuffle=self.shuffle,
+                                  sequential=source.sequential, window=self.shuffle_window)
+        self._requests = _Requests()
+        kwargs = {"prefetch_factor": prefetch_factor} if num_workers > 0 and prefetch_factor is not None else {}
+        self._loader = DataLoader(_PlannedSamples(source, self.index, schema, cap, layout.seq_multiple),
+                                  batch_sampler=self._requests,
+                                  collate_fn=_CollatePlanned(self.collator, pack=num_workers > 0),
+                                  num_workers=num_workers, pin_memory=pin_memory,
+                                  persistent_workers=persistent_workers and num_workers > 0,
+                                  multiprocessing_context=multiprocessing_context if num_workers > 0 else None,
+                                  timeout=timeout, **kwargs)
+        self._epoch, self._position = 0, 0
+        self._active: object | None = None
+        # truncations/skips depend on lengths and media flags only: the same every epoch
+        order0, plan0 = self._schedule.plan(0)
+        self._oversize = plan0.stats
+        self._skipped_media = tuple(sorted(int(order0[p]) for p in plan0.skipped_media))
+        self._announce_oversize()
+
+    @classmethod
+    def from_parallel_state(cls, source: Source, *, schema: BatchSchema, token_budget: int,
+                            layout: ParallelLayout | None = None, **kwargs) -> "PackedLoader":
+        """Ranks (and, without ``layout``, tp/cp sizes) read from megatron-core's ``parallel_state``
+        when initialised, else from ``torch.distributed`` (every rank a DP rank, no CP)."""
+        from schemas.distributed import data_parallel_info
+
+        info = data_parallel_info()
+        if layout is None:
+            layout = ParallelLayout(tp=info["tp"], cp=info["cp"])
+        elif (layout.tp, layout.cp) != (info["tp"], info["cp"]):
+            raise PlanError(f"layout tp={layout.tp}, cp={layout.cp} but the process groups have "
+                            f"tp={info['tp']}, cp={info['cp']}")
+        return cls(source, schema=schema, layout=layout, token_budget=token_budget, dp_rank=info["dp_rank"],
+                   dp_size=info["dp"], cp_rank=info["cp_rank"] if info["cp"] > 1 else None, **kwargs)
+
+    # ---- iteration ------------------------------------------------------------------------------
+    def _normalised(self) -> tuple[int, int]:
+        """(epoch, position) with a finished epoch read as the start of the next one."""
+        if self._position >= self._schedule.num_microbatches(self._epoch):
+            return self._epoch + 1, 0
+        return self._epoch, self._position
+
+    def __iter__(self):
+        epoch, start = self._normalised()
+        self._epoch, self._position = epoch, start
+        token = self._active = object()
+        self._requests.requests = self._schedule(epoch, self.dp_rank, start)
+        for batch in self._loader:
+            if isinstance(batch, PackedBatch):
+                batch = unpack_batch(batch)
+            if self._active is not token:
+                raise RuntimeError("PackedLoader: a newer iterator over this loader was started; "
+                                   "iterate one at a time")
+            self._position = batch["microbatch"] + 1
+            yield batch
+        if self._active is token:
+            self._epoch, self._position = epoch + 1, 0
+
+    def __len__(self) -> int:
+        """Micro-batches in the current epoch (the same on every DP rank)."""
+        return self._schedule.num_microbatches(self._normalised()[0])
+
+    def set_epoch(self, epoch: int) -> None:
+        """Go to the start of ``epoch``; the epoch in progress keeps its position."""
+        if epoch != self._normalised()[0]:
+            self._epoch, self._position = int(epoch), 0
+            self._active = None
+
+    @property
+    def epoch(self) -> int:
+        return self._normalised()[0]
+
+    def plan(self, epoch: int | None = None) -> MicrobatchPlan:
+        """The (all-rank) plan of ``epoch`` (default: the current one), with its statistics."""
+        return self._schedule.plan(self.epoch if epoch is None else epoch)[1]
+
+    def epoch_samples(self, epoch: int | None = None) -> list[tuple[int, ...]]:
+        """This rank's micro-batches of ``epoch`` as tuples of sample ids (what batches' ``sample_index`` hold)."""
+        e = self.epoch if epoch is None else epoch
+        return [r.indices for r in self._schedule(e, self.dp_rank)]
+
+    # ---- bad data -------------------------------------------------------------------------------
+    @property
+    def report(self) -> BadDataReport:
+        """Everything left out or cut: index-pass skips (by reason) plus oversize truncations/skips
+        (``oversize_truncated``, ``oversize_skipped``, and ``oversize_media`` for samples carrying
+        media that ``Oversize.TRUNCATE`` leaves out rather than cut, each one named)."""
+        rep = BadDataReport(counts=dict(self.index.report.counts), examples=list(self.index.report.examples))
+        stats = self._oversize
+        if stats.num_truncated:
+            rep.counts["oversize_truncated"] = stats.num_truncated
+        if stats.num_skipped:
+            rep.counts["oversize_skipped"] = stats.num_skipped
+        for i in self._skipped_media:
+            rep.add("oversize_media", self.source.where(tuple(self.index.locations[i].tolist())),
+                    f"{int(self.index.lengths[i])} tokens > {stats.capacity} (token_budget {self.token_budget}) "
+                    f"and carries media: left out, not truncated")
+        return rep
+
+    def _announce_oversize(self) -> None:
+        stats = self._oversize
+        if stats.num_truncated or stats.num_skipped:
+            warnings.warn(BadSampleWarning(
+                f"{stats.num_truncated} sample(s) truncated ({stats.truncated_tokens} tokens cut) and "
+                f"{stats.num_skipped} skipped by the oversize policy {self.planner.oversize.value!r} "
+                f"(token_budget {self.token_budget}, max sample length {stats.capacity})"), stacklevel=3)
+        if stats.num_skipped_media:
+            warnings.warn(BadSampleWarning(
+                f"{stats.num_skipped_media} sample(s) carrying media skipped, not truncated (oversize_media): "
+                f"longer than {stats.capacity} tokens (token_budget {self.token_budget}), and a cut could split an "
+                f"image's tokens from its pixel_values / image_grid_thw; raise token_budget to keep them"),
+                stacklevel=3)
+
+    # ---- state ----------------------------------------------------------------------------------
+    def _config(self) -> dict:
+        return {"seed": self.seed, "shuffle": self.shuffle, "shuffle_window": self.shuffle_window,
+                "dp_size": self.dp_size, "token_budget": self.token_budget, "layout": self.layout.to_dict(),
+                "schema": self.schema.fingerprint(), "planner": self.planner.to_dict()}
+
+    def _data(self) -> dict:
+        return {"source": self.source.describe().get("kind"), "num_samples": len(self.index),
+                "digest": self.index.digest}
+
+    def state_dict(self) -> dict:
+        """JSON-serialisable state, identical on every rank of the run (see :mod:`loaders.state`)."""
+        epoch, position = self._normalised()
+        return LoaderState(epoch=epoch, position=position, config=self._config(), data=self._data()).to_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume: the next batches are exactly those the saved run would have yielded next. Refuses
+        (:class:`~loaders.errors.ResumeError`) a state of another dp_size, layout, schema, budget,
+        planner, seed or data."""
+        st = LoaderState.from_dict(state)
+        st.check_compatible(self._config(), self._data())
+        self._epoch, self._position = st.epoch, st.position
+        self._active = None

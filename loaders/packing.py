@@ -1,0 +1,193 @@
+"""Bin packing under a hard capacity: the strategies the planner chooses from.
+
+Sizes are *aligned* lengths ``A_i = layout.aligned_length(L_i)``; a bin is valid when
+``sum(A_i) <= cap`` (the planner derives ``cap`` from the token budget so that the collator's
+padded length ``layout.total_length(sum A_i)`` never exceeds the budget).
+
+Streaming best-fit decreasing (``buffer_size = 8``, so at most 4 samples stay in open bins)::
+
+    stream  a b c d e f g h i j ...
+    window 1  [a b c d e f g h]  sorted by size, each into the open bin it fills best
+              open bins: (b g) (a e f) (c h d)      8 held > 4: close the fullest
+              closed -> (c h d) (a e f)             open: (b g)
+    window 2  [i j k l m n]  (8 - 2 held)  fill (b g) first if they fit best, ...
+    end       the samples of the still-open bins are re-packed together by best-fit decreasing
+
+A bin also closes when it cannot take the smallest sample, or after ``max_age`` windows
+(which bounds how far apart in the stream two samples of one bin can be).
+"""
+from __future__ import annotations
+
+from bisect import bisect_left, insort
+
+import numpy as np
+
+_SHIFT = 32  # open bins are kept as ints (rem << _SHIFT | bin_id), sorted: fullest first
+
+
+class _OpenBins:
+    """Open bins ordered by remaining room, then id; O(log n) best fit, O(n) first fit."""
+
+    def __init__(self, cap: int):
+        self.cap = cap
+        self.keys: list[int] = []
+        self.items: list[list[int]] = []
+        self.load: list[int] = []
+        self.born: list[int] = []
+
+    def new(self, window: int) -> int:
+        self.items.append([])
+        self.load.append(0)
+        self.born.append(window)
+        return len(self.items) - 1
+
+    def put(self, b: int, item: int, size: int, key: int | None) -> None:
+        if key is not None:
+            del self.keys[bisect_left(self.keys, key)]
+        self.items[b].append(item)
+        self.load[b] += size
+        insort(self.keys, (self.cap - self.load[b]) << _SHIFT | b)
+
+    def best(self, size: int) -> tuple[int, int] | None:
+        i = bisect_left(self.keys, size << _SHIFT)
+        if i == len(self.keys):
+            return None
+        key = self.keys[i]
+        return key & ((1 << _SHIFT) - 1), key
+
+    def first(self, size: int) -> tuple[int, int] | None:
+        i = bisect_left(self.keys, size << _SHIFT)
+        if i == len(self.keys):
+            return None
+        key = min(self.keys[i:], key=lambda k: k & ((1 << _SHIFT) - 1))
+        return key & ((1 << _SHIFT) - 1), key
+
+    def close(self, key: int) -> int:
+        del self.keys[bisect_left(self.keys, key)]
+        return key & ((1 << _SHIFT) - 1)
+
+
+def stream_fit(sizes: np.ndarray, cap: int, *, buffer_size: int, best: bool, max_age: int = 4) -> list[list[int]]:
+    """Bins (lists of positions into ``sizes``) in the order they close, every bin ``<= cap``.
+
+    ``best=True`` is best-fit decreasing per window, ``best=False`` first-fit in arrival order.
+    At most ``buffer_size`` samples are held at any time (window + open bins).
+
+    >>> stream_fit(np.array([4, 8, 4, 12, 4]), 16, buffer_size=8, best=True)
+    [[3, 0], [1, 2, 4]]
+    """
+    n = int(sizes.shape[0])
+    if n == 0:
+        return []
+    bins = _OpenBins(cap)
+    held_limit = max(buffer_size // 2, 1)
+    min_size = int(sizes.min())
+    closed: list[int] = []
+    held = pos = window = 0
+    size_list = sizes.tolist()
+    while pos < n:
+        stop = min(n, pos + max(buffer_size - held, 1))
+        idx = np.arange(pos, stop)
+        if best:
+            idx = idx[np.argsort(-sizes[pos:stop], kind="stable")]
+        for i in idx.tolist():
+            s = size_list[i]
+            hit = bins.best(s) if best else bins.first(s)
+            if hit is None:
+                bins.put(bins.new(window), i, s, None)
+            else:
+                bins.put(hit[0], i, s, hit[1])
+        held += stop - pos
+        pos = stop
+        # close what cannot grow, what is too old, then the fullest while too much is held
+        for key in [k for k in bins.keys if (k >> _SHIFT) < min_size
+                    or bins.born[k & ((1 << _SHIFT) - 1)] <= window - max_age]:
+            b = bins.close(key)
+            closed.append(b)
+            held -= len(bins.items[b])
+        while held > held_limit and bins.keys:
+            b = bins.close(bins.keys[0])
+            closed.append(b)
+            held -= len(bins.items[b])
+        window += 1
+    out = [bins.items[b] for b in closed]
+    # stream end: the samples still in open bins are re-packed together by best-fit decreasing
+    open_bins = [bins.items[k & ((1 << _SHIFT) - 1)] for k in bins.keys]
+    held_items = [i for b in open_bins for i in b]
+    rest = best_fit_decreasing(sizes[held_items], cap) if held_items else []
+    if len(rest) <= len(open_bins):  # never worse than closing the open bins as they are
+        open_bins = [[held_items[j] for j in b] for b in rest]
+    return out + open_bins
+
+
+def best_fit_decreasing(sizes: np.ndarray, cap: int) -> list[list[int]]:
+    """Offline best-fit decreasing of all ``sizes`` (positions into ``sizes``), bins in creation order.
+
+    >>> best_fit_decreasing(np.array([4, 8, 4, 12, 4]), 16)
+    [[3, 0], [1, 2, 4]]
+    """
+    bins = _OpenBins(cap)
+    for i in np.argsort(-sizes, kind="stable").tolist():
+        s = int(sizes[i])
+        hit = bins.best(s)
+        if hit is None:
+            bins.put(bins.new(0), i, s, None)
+        else:
+            bins.put(hit[0], i, s, hit[1])
+    return bins.items
+
+
+def next_fit(sizes: np.ndarray, cap: int) -> list[list[int]]:
+    """In-order baseline: append to the current bin until a sample does not fit, then start a new one.
+
+    >>> next_fit(np.array([4, 8, 4, 12, 4]), 16)
+    [[0, 1, 2], [3, 4]]
+    """
+    out: list[list[int]] = []
+    cur: list[int] = []
+    load = 0
+    for i, s in enumerate(sizes.tolist()):
+        if cur and load + s > cap:
+            out.append(cur)
+            cur, load = [], 0
+        cur.append(i)
+        load += s
+    if cur:
+        out.append(cur)
+    return out
+
+
+def spread(bins: list[list[int]], sizes: np.ndarray, n_bins: int, cap: int) -> list[list[int]]:
+    """Re-pack the items of ``bins`` into exactly ``n_bins >= len(bins)`` bins as evenly as possible
+    (largest first, each into the least-loaded bin that fits). When that greedy pass fails, keep
+    ``bins`` and move single items out to the new bins instead (always valid). A bin stays empty only
+    when there are fewer items than bins.
+
+    >>> spread([[0, 1, 2, 3]], np.array([8, 4, 4, 4]), 2, 16)
+    [[0, 3], [1, 2]]
+    """
+    items = sorted((i for b in bins for i in b), key=lambda i: (-int(sizes[i]), i))
+    loads = [0] * n_bins
+    out: list[list[int]] = [[] for _ in range(n_bins)]
+    for i in items:
+        s = int(sizes[i])
+        b = min((c for c in range(n_bins) if loads[c] + s <= cap), key=lambda c: (loads[c], c), default=None)
+        if b is None:
+            return _split_out(bins, sizes, n_bins)
+        out[b].append(i)
+        loads[b] += s
+    return [sorted(b) for b in out]
+
+
+def _split_out(bins: list[list[int]], sizes: np.ndarray, n_bins: int) -> list[list[int]]:
+    """Valid fallback of :func:`spread`: move the smallest item of the fullest multi-item bin into a new bin."""
+    out = [sorted(b) for b in bins] + [[] for _ in range(n_bins - len(bins))]
+    for target in range(len(bins), n_bins):
+        donors = [c for c in range(len(out)) if len(out[c]) > 1]
+        if not donors:
+            break
+        c = max(donors, key=lambda c: (sum(int(sizes[j]) for j in out[c]), -c))
+        i = min(out[c], key=lambda j: (int(sizes[j]), j))
+        out[c].remove(i)
+        out[target].append(i)
+    return out

@@ -1,0 +1,349 @@
+"""Token-budget micro-batch planner: pure, deterministic, seeded.
+
+Which samples go together, and on which DP rank. Every DP rank runs the same plan on the same
+lengths and keeps its own row, so no communication is needed::
+
+    lengths L ──oversize policy──► aligned A_i = layout.aligned_length(L_i)      (cap from the budget)
+        │
+        ▼ stream order (seeded shuffle, or as given)
+    ┌──────────────── bounded buffer (buffer_size samples) ────────────────┐
+    │ window sorted by A desc ──best fit──► open micro-batches ──► closed  │
+    └───────────────────────────────────────────────────────────────────────┘
+        │ closed micro-batches, pooled (step_pool steps) and sorted by load
+        ▼
+    steps of dp_size * k micro-batches ──LPT deal (k per rank)──► rank 0 | rank 1 | ... | rank dp-1
+        │ stream end: the last r < dp*k micro-batches are re-spread over round_up(r, dp)
+        ▼ micro-batches: one shorter final step, still the same count on every rank
+
+A micro-batch is valid when its padded THD length ``layout.total_length(sum A_i)`` is at most the
+token budget: the exact length the collator will produce (alignment, FP8 multiple, min rows and
+length buckets included). The capacity ``cap`` is the largest aligned sum with that property.
+
+>>> from schemas import ParallelLayout
+>>> plan = plan_microbatches([5, 3, 7, 2, 6], layout=ParallelLayout(cp=2), token_budget=16, dp_size=2)
+>>> plan.microbatches
+(((0, 2),), ((4, 1, 3),))
+>>> plan.padded_lengths.tolist(), plan.real_tokens.tolist()
+([[16], [16]], [[12], [11]])
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+
+from schemas.errors import BucketOverflowError
+from schemas.layout import ParallelLayout
+from .errors import OversizeSampleError, PlanError
+from .packing import next_fit, spread, stream_fit
+from .policy import Oversize, PackStrategy, coerce_enum
+
+
+def _int_at_least(name: str, value, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+        raise PlanError(f"{name}: expected an int >= {low}, got {value!r}")
+    return int(value)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlannerConfig:
+    """How micro-batches are filled. Validated at construction.
+
+    >>> PlannerConfig(strategy="first_fit").strategy
+    <PackStrategy.FIRST_FIT: 'first_fit'>
+    """
+
+    strategy: PackStrategy = PackStrategy.BFD
+    buffer_size: int = 2048
+    """Samples the planner holds at once (new window + open micro-batches): bounds memory and how
+    far apart in the stream two samples of one micro-batch can be."""
+    oversize: Oversize = Oversize.ERROR
+    """A sample longer than the budget allows even alone: raise, truncate to fit, or skip (counted)."""
+    microbatches_per_step: int = 1
+    """``k``: micro-batches each DP rank gets per step (gradient accumulation); the last step may be shorter."""
+    max_age: int = 4
+    """A micro-batch left open for this many windows closes (bounds stream locality)."""
+    step_pool: int = 8
+    """Closed micro-batches are sorted by load in pools of this many steps before dealing, so that the
+    micro-batches of one step have similar loads (lower DP imbalance)."""
+
+    def __post_init__(self):
+        object.__setattr__(self, "strategy", coerce_enum(PackStrategy, self.strategy, "strategy"))
+        object.__setattr__(self, "oversize", coerce_enum(Oversize, self.oversize, "oversize"))
+        _int_at_least("buffer_size", self.buffer_size, 2)
+        _int_at_least("microbatches_per_step", self.microbatches_per_step, 1)
+        _int_at_least("max_age", self.max_age, 1)
+        _int_at_least("step_pool", self.step_pool, 1)
+
+    def to_dict(self) -> dict:
+        return {"strategy": self.strategy.value, "buffer_size": self.buffer_size, "oversize": self.oversize.value,
+                "microbatches_per_step": self.microbatches_per_step, "max_age": self.max_age,
+                "step_pool": self.step_pool}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "PlannerConfig":
+        return cls(**data)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanStats:
+    """Summary of a plan (JSON-friendly via :meth:`to_dict`)."""
+
+    num_samples: int
+    """Samples placed in some micro-batch (skipped ones excluded)."""
+    microbatches_per_rank: int
+    num_steps: int
+    token_budget: int
+    capacity: int
+    """Largest aligned-length sum whose padded length fits the budget."""
+    real_tokens: int
+    padded_tokens: int
+    """Sum over micro-batches of the collator's padded length T."""
+    utilisation: float
+    """real tokens / (micro-batches x budget), over all ranks."""
+    imbalance: float
+    """Step-synchronous DP imbalance: sum over steps of the max rank load / sum of the mean rank load
+    (1.0 = perfect; the time-weighted slowdown of the slowest rank). Load = real tokens."""
+    worst_step_imbalance: float
+    """max over steps of (max rank load / mean rank load)."""
+    max_padded_length: int
+    num_empty: int
+    """Micro-batches with no sample (only when there are fewer samples than micro-batches to fill)."""
+    num_truncated: int
+    truncated_tokens: int
+    num_skipped: int
+    """Oversize samples left out by ``Oversize.SKIP``."""
+    num_skipped_media: int = 0
+    """Oversize samples carrying media left out under ``Oversize.TRUNCATE`` (never cut)."""
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MicrobatchPlan:
+    """The result of :func:`plan_microbatches`.
+
+    ``microbatches[r][i]`` is the tuple of sample indices (into the ``lengths`` given) of DP rank
+    ``r``'s i-th micro-batch; every rank has the same number. ``steps[s]`` is how many micro-batches
+    each rank gets in step ``s``.
+    """
+
+    microbatches: tuple[tuple[tuple[int, ...], ...], ...]
+    steps: tuple[int, ...]
+    real_tokens: np.ndarray
+    """int64 ``[dp_size, microbatches_per_rank]`` true tokens (after truncation) of each micro-batch."""
+    padded_lengths: np.ndarray
+    """int64 ``[dp_size, microbatches_per_rank]`` padded THD length T the collator will produce (0 if empty)."""
+    truncated: dict[int, int]
+    """sample index -> length it is cut to (``Oversize.TRUNCATE``)."""
+    skipped: tuple[int, ...]
+    """sample indices left out (``Oversize.SKIP``)."""
+    stats: PlanStats
+    skipped_media: tuple[int, ...] = ()
+    """sample indices left out under ``Oversize.TRUNCATE`` because they carry media (``has_media``):
+    a cut could split an image's tokens from its ``pixel_values`` / ``image_grid_thw``."""
+
+    @property
+    def dp_size(self) -> int:
+        return len(self.microbatches)
+
+
+def microbatch_capacity(layout: ParallelLayout, token_budget: int) -> int:
+    """Largest aligned-length sum ``A`` with ``layout.total_length(A) <= token_budget`` (a multiple of
+    ``layout.seq_multiple``); raises :class:`PlanError` when not even one aligned token block fits.
+
+    >>> microbatch_capacity(ParallelLayout(tp=2, cp=2), 8192), microbatch_capacity(ParallelLayout(tp=2, cp=2), 8190)
+    (8192, 8188)
+    """
+    budget = _int_at_least("token_budget", token_budget, 1)
+
+    def fits(a: int) -> bool:
+        try:
+            return layout.total_length(a) <= budget
+        except BucketOverflowError:
+            return False
+
+    step = layout.seq_multiple
+    if not fits(step):
+        raise PlanError(f"token_budget {budget} is below the smallest padded micro-batch "
+                        f"({_smallest(layout)} tokens under {layout.to_dict()}); raise the budget")
+    lo, hi = 1, budget // step  # in units of seq_multiple; fits(lo*step) holds, total_length is monotone
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid * step) else (lo, mid - 1)
+    return lo * step
+
+
+def _smallest(layout: ParallelLayout) -> str:
+    try:
+        return str(layout.total_length(layout.seq_multiple))
+    except BucketOverflowError as exc:
+        return f"none: {exc}"
+
+
+def _as_lengths(lengths) -> np.ndarray:
+    arr = np.asarray(lengths.numpy() if hasattr(lengths, "numpy") else lengths)
+    if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
+        raise PlanError(f"lengths: expected a 1-D sequence of ints, got shape {arr.shape} dtype {arr.dtype}")
+    arr = arr.astype(np.int64, copy=False)
+    if arr.size and int(arr.min()) < 1:
+        i = int(np.argmin(arr))
+        raise OversizeSampleError(sample=i, field="input_ids", expected="length >= 1", actual=str(int(arr[i])))
+    return arr
+
+
+def _as_flags(flags, n: int) -> np.ndarray:
+    if flags is None:
+        return np.zeros(n, bool)
+    arr = np.asarray(flags.numpy() if hasattr(flags, "numpy") else flags)
+    if arr.shape != (n,) or (arr.size and arr.dtype != bool):
+        raise PlanError(f"has_media: expected bool [{n}] (one flag per length), got shape {arr.shape} "
+                        f"dtype {arr.dtype}")
+    return arr
+
+
+def plan_microbatches(lengths, *, layout: ParallelLayout, token_budget: int, dp_size: int = 1,
+                      config: PlannerConfig | None = None, seed: int | None = None, has_media=None,
+                      **options) -> MicrobatchPlan:
+    """Group samples into micro-batches whose padded THD length never exceeds ``token_budget``, dealt
+    to ``dp_size`` ranks with the same count per step and balanced token loads.
+
+    ``lengths``: int ``[N]`` true token lengths (list, numpy or torch). ``seed``: shuffle the stream
+    order first (``None``: plan in the order given). ``options`` override :class:`PlannerConfig`
+    fields (``strategy="first_fit"``, ``buffer_size=...``, ``oversize="skip"``, ...).
+    ``has_media``: optional bool ``[N]``, samples that carry media (images): under
+    ``Oversize.TRUNCATE`` an oversize one is left out (``skipped_media``) instead of cut.
+    The token budget is the global padded length of one micro-batch (one CP group); each CP rank
+    holds ``budget / cp`` of it.
+    """
+    cfg = dataclasses.replace(config or PlannerConfig(), **options)
+    dp = _int_at_least("dp_size", dp_size, 1)
+    true_len = _as_lengths(lengths)
+    media = _as_flags(has_media, true_len.size)
+    cap = microbatch_capacity(layout, token_budget)
+    max_len = cap  # aligned_length(cap) == cap, so a sample of cap tokens fits alone
+    order = np.arange(true_len.size) if seed is None else np.random.default_rng(seed).permutation(true_len.size)
+    truncated: dict[int, int] = {}
+    cut_tokens = 0
+    skipped: tuple[int, ...] = ()
+    skipped_media: tuple[int, ...] = ()
+    over = np.nonzero(true_len > max_len)[0]
+    if over.size:
+        if cfg.oversize is Oversize.ERROR:
+            i = int(over[0])
+            raise OversizeSampleError(sample=i, field="input_ids", expected=f"length <= {max_len}",
+                                      actual=str(int(true_len[i])),
+                                      hint=f"{over.size} sample(s) exceed token_budget {token_budget} under "
+                                           f"{layout.to_dict()}; raise the budget or use oversize='truncate'/'skip'")
+        if cfg.oversize is Oversize.TRUNCATE:
+            whole = over[media[over]]  # cutting would split an image's tokens from its pixels: leave out
+            over = over[~media[over]]
+            skipped_media = tuple(int(i) for i in whole)
+            truncated = {int(i): max_len for i in over}
+            cut_tokens = int((true_len[over] - max_len).sum())
+            if whole.size:
+                keep = np.ones(true_len.size, bool)
+                keep[whole] = False
+                order = order[keep[order]]
+            true_len = np.minimum(true_len, max_len)
+        else:
+            skipped = tuple(int(i) for i in over)
+            order = order[true_len[order] <= max_len]
+    m = layout.seq_multiple
+    aligned = -(-true_len // m) * m
+    sizes = aligned[order]
+    if cfg.strategy is PackStrategy.IN_ORDER:
+        bins = next_fit(sizes, cap)
+    else:
+        bins = stream_fit(sizes, cap, buffer_size=cfg.buffer_size, best=cfg.strategy is PackStrategy.BFD,
+                          max_age=cfg.max_age)
+    steps = _form_steps(bins, sizes, cap, dp, cfg)
+    return _assemble(steps, order, true_len, aligned, layout, dp, cap, token_budget, truncated, skipped,
+                     cut_tokens, skipped_media)
+
+
+def _form_steps(bins: list[list[int]], sizes: np.ndarray, cap: int, dp: int,
+                cfg: PlannerConfig) -> list[list[list[int]]]:
+    """Closed bins -> steps (lists of ``dp * k_s`` bins); the tail re-spread to a multiple of ``dp``."""
+    per_step = dp * cfg.microbatches_per_step
+    full = len(bins) - len(bins) % per_step
+    head, tail = bins[:full], bins[full:]
+    tail_steps: list[list[list[int]]] = []
+    if tail:
+        last = -(-len(tail) // dp) * dp  # the final step: round_up(r, dp) micro-batches
+        pulled = 0
+        while sum(map(len, tail)) < pulled * per_step + last and head:  # too few samples: take a step back
+            head, tail = head[:-per_step], head[-per_step:] + tail
+            pulled += 1
+        spread_bins = spread(tail, sizes, pulled * per_step + last, cap)
+        spread_bins.sort(key=lambda b: -int(sizes[b].sum()) if b else 0)
+        cut = pulled * per_step
+        tail_steps = [spread_bins[i:i + per_step] for i in range(0, cut, per_step)] + [spread_bins[cut:]]
+    out: list[list[list[int]]] = []
+    pool = per_step * cfg.step_pool
+    for start in range(0, len(head), pool):
+        chunk = head[start:start + pool]
+        loads = np.fromiter((int(sizes[b].sum()) for b in chunk), np.int64, len(chunk))
+        ranked = [chunk[j] for j in np.argsort(-loads, kind="stable")]
+        out.extend(ranked[i:i + per_step] for i in range(0, len(ranked), per_step))
+    return out + tail_steps
+
+
+def _deal(loads: list[int], dp: int) -> list[list[int]]:
+    """Bins of one step (their loads) -> per-rank bin positions, ``len(loads) / dp`` each, LPT order."""
+    k = len(loads) // dp
+    rank_load = [0] * dp
+    out: list[list[int]] = [[] for _ in range(dp)]
+    for j in sorted(range(len(loads)), key=lambda j: (-loads[j], j)):
+        r = min((r for r in range(dp) if len(out[r]) < k), key=lambda r: (rank_load[r], r))
+        out[r].append(j)
+        rank_load[r] += loads[j]
+    return [sorted(o) for o in out]
+
+
+def _assemble(steps, order, true_len, aligned, layout, dp, cap, budget, truncated, skipped,
+              cut_tokens, skipped_media=()) -> MicrobatchPlan:
+    per_rank: list[list[tuple[int, ...]]] = [[] for _ in range(dp)]
+    step_sizes: list[int] = []
+    max_sum = mean_sum = 0.0
+    worst = 1.0
+    for bins in steps:
+        members = [tuple(int(x) for x in order[b]) if b else () for b in bins]
+        loads = [int(true_len[list(mb)].sum()) if mb else 0 for mb in members]
+        dealt = _deal(loads, dp)
+        rank_loads = [sum(loads[j] for j in d) for d in dealt]
+        for r in range(dp):
+            per_rank[r].extend(members[j] for j in dealt[r])
+        step_sizes.append(len(bins) // dp)
+        mean = sum(rank_loads) / dp
+        max_sum += max(rank_loads)
+        mean_sum += mean
+        if mean > 0:
+            worst = max(worst, max(rank_loads) / mean)
+    n_mb = len(per_rank[0])
+    real = np.zeros((dp, n_mb), np.int64)
+    padded = np.zeros((dp, n_mb), np.int64)
+    for r in range(dp):
+        for i, mb in enumerate(per_rank[r]):
+            if mb:
+                idx = list(mb)
+                a = int(aligned[idx].sum())
+                if a > cap:
+                    raise AssertionError(f"planner bug: micro-batch over capacity ({a} > {cap})")
+                real[r, i] = int(true_len[idx].sum())
+                padded[r, i] = layout.total_length(a)
+    total = dp * n_mb
+    stats = PlanStats(
+        num_samples=int(order.size), microbatches_per_rank=n_mb, num_steps=len(step_sizes), token_budget=budget,
+        capacity=cap, real_tokens=int(real.sum()), padded_tokens=int(padded.sum()),
+        utilisation=float(real.sum()) / (total * budget) if total else 0.0,
+        imbalance=max_sum / mean_sum if mean_sum else 1.0, worst_step_imbalance=worst,
+        max_padded_length=int(padded.max()) if total else 0,
+        num_empty=int(sum(1 for rk in per_rank for mb in rk if not mb)),
+        num_truncated=len(truncated), truncated_tokens=cut_tokens, num_skipped=len(skipped),
+        num_skipped_media=len(skipped_media))
+    return MicrobatchPlan(microbatches=tuple(tuple(rk) for rk in per_rank), steps=tuple(step_sizes),
+                          real_tokens=real, padded_lengths=padded, truncated=truncated, skipped=skipped,
+                          stats=stats, skipped_media=skipped_media)

@@ -1,0 +1,196 @@
+"""Sources: datasets the loader indexes once (lengths, locations) and then reads sample by sample.
+
+A source is split into *shards* (tar files, Hugging Face shards, or row ranges). :meth:`Source.scan`
+walks one shard in order and yields ``(location, raw sample)``; :meth:`Source.read` reads one
+sample back from its location (in a DataLoader worker); :meth:`Source.load` adds the ``transform``.
+A location is a short tuple of ints (stored in the index as an int64 row).
+
+``transform`` maps one decoded sample to a dict of tensors with at least ``input_ids`` int64 ``[L]``
+(e.g. tokenisation; any picklable callable, including an object wrapping a Hugging Face
+tokenizer). It runs once per sample at indexing (to learn lengths) and again when the sample is
+loaded for a batch, so it must be deterministic.
+"""
+from __future__ import annotations
+
+import abc
+import os
+from collections import OrderedDict
+from typing import Callable, Iterator
+
+from schemas.errors import SampleError
+
+from .errors import BadSampleError, reason_of
+
+Location = tuple[int, ...]
+Transform = Callable[[dict], dict]
+
+
+class Skip:
+    """A scan record that is not a sample (a tar member without extension): counted, never an error."""
+
+    __slots__ = ("reason", "where", "message")
+
+    def __init__(self, reason: str, where: str, message: str):
+        self.reason, self.where, self.message = reason, where, message
+
+
+class Source(abc.ABC):
+    """Base class of every source. Subclasses implement the four abstract members."""
+
+    transform: Transform | None = None
+    sequential: bool = False
+    """True when reads are cheap only in stream order (streaming datasets, tar shards): the loader
+    then shuffles shard order plus a bounded window instead of a global permutation."""
+
+    @property
+    @abc.abstractmethod
+    def num_shards(self) -> int:
+        """Number of shards :meth:`scan` accepts (``0 .. num_shards-1``)."""
+
+    @abc.abstractmethod
+    def scan(self, shard: int) -> Iterator[tuple[Location | None, object]]:
+        """``(location, raw sample dict)`` in stream order; ``(location, exception)`` for a sample that
+        could not be read; ``(None, Skip)`` for ignored records; a
+        :class:`~loaders.errors.CorruptShardError` as ``(None, error)`` ends the shard."""
+
+    @abc.abstractmethod
+    def read(self, location: Location) -> dict:
+        """The raw sample at ``location`` (called in DataLoader workers)."""
+
+    @abc.abstractmethod
+    def describe(self) -> dict:
+        """JSON-friendly description of the data (``kind``, shard names, sizes); its ``kind`` is part of
+        the loader's resume check (the index digest covers the content)."""
+
+    def _local(self) -> dict:
+        """Per-process cache (open files, stream cursors): never pickled to workers, reset after a fork."""
+        cache = self.__dict__.get("_process_local")
+        if cache is None or cache[0] != os.getpid():
+            cache = self.__dict__["_process_local"] = (os.getpid(), {})
+        return cache[1]
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state.pop("_process_local", None)
+        return state
+
+    def where(self, location: Location) -> str:
+        """Human-readable name of a sample for error messages."""
+        return f"{type(self).__name__}{list(location)}"
+
+    def sample_name(self, raw, location: Location) -> str:
+        """The most telling name of a read sample: ``url:key`` for webdataset, else :meth:`where`."""
+        if isinstance(raw, dict) and "__key__" in raw and "__url__" in raw:
+            return f"{raw['__url__']}:{raw['__key__']}"
+        return self.where(location)
+
+    def apply_transform(self, raw: dict, location: Location) -> dict:
+        """``transform(raw)``; any failure becomes a :class:`BadSampleError` naming the sample.
+
+        A :class:`~schemas.errors.SampleError` raised by the transform keeps its field, expected,
+        actual and ``reason`` (:func:`~loaders.errors.reason_of`, e.g. a
+        :class:`~loaders.vlm.MediaError`'s ``corrupt_image``), so the index counts skips by cause;
+        any other exception is reported as ``transform to succeed`` under ``bad_sample``.
+        """
+        if self.transform is None:
+            return raw
+        try:
+            out = self.transform(raw)
+        except SampleError as exc:  # a typed problem: keep what it says, rename the sample
+            raise BadSampleError(sample=self.sample_name(raw, location), field=exc.field, expected=exc.expected,
+                                 actual=exc.actual, reason=reason_of(exc)) from exc
+        except Exception as exc:  # a transform failure is a bad sample, handled by the declared policy
+            raise BadSampleError(sample=self.sample_name(raw, location), field=None, expected="transform to succeed",
+                                 actual=f"{type(exc).__name__}: {exc}") from exc
+        if not isinstance(out, dict):
+            raise BadSampleError(sample=self.sample_name(raw, location), field=None,
+                                 expected="transform to return a dict", actual=type(out).__name__)
+        return out
+
+    def load(self, location: Location) -> dict:
+        """Read and transform one sample."""
+        return self.apply_transform(self.read(location), location)
+
+
+class HFSource(Source):
+    """A Hugging Face ``datasets.Dataset`` (map-style) or ``datasets.IterableDataset`` (streaming).
+
+    Map-style: a sample's location is ``(row,)``; shards are ranges of ``rows_per_shard`` rows.
+    Streaming: location ``(shard, ordinal)`` over the dataset's own shards (``num_shards``); a worker
+    reads each shard forward, keeping the last ``lookback`` raw rows, and re-opens the shard only
+    when asked for an older row. DP ranks are split by the planner, not by ``split_dataset_by_node``
+    (see :mod:`loaders.index` for where the node split is used).
+
+    >>> import datasets
+    >>> src = HFSource(datasets.Dataset.from_dict({"input_ids": [[1, 2], [3]]}))
+    >>> src.num_shards, [loc for loc, _ in src.scan(0)], src.load((1,))["input_ids"]
+    (1, [(0,), (1,)], [3])
+    """
+
+    def __init__(self, dataset, *, transform: Transform | None = None, rows_per_shard: int = 4096,
+                 lookback: int = 8192, name: str | None = None):
+        import datasets
+
+        self.dataset = dataset
+        self.transform = transform
+        self.streaming = isinstance(dataset, datasets.IterableDataset)
+        if not self.streaming and not isinstance(dataset, datasets.Dataset):
+            raise BadSampleError(sample=None, field=None, expected="a datasets.Dataset or datasets.IterableDataset",
+                                 actual=type(dataset).__name__)
+        self.sequential = self.streaming
+        self.rows_per_shard = max(int(rows_per_shard), 1)
+        self.lookback = max(int(lookback), 1)
+        self.name = name or (getattr(getattr(dataset, "info", None), "dataset_name", None) or "hf")
+
+    @property
+    def num_shards(self) -> int:
+        if self.streaming:
+            return int(self.dataset.num_shards)
+        return max(1, -(-len(self.dataset) // self.rows_per_shard))
+
+    def scan(self, shard: int):
+        if self.streaming:
+            for j, row in enumerate(self._shard(shard)):
+                yield (shard, j), row
+            return
+        lo = shard * self.rows_per_shard
+        for row in range(lo, min(lo + self.rows_per_shard, len(self.dataset))):
+            yield (row,), self.dataset[row]
+
+    def _shard(self, shard: int):
+        """Rows of one streaming shard. ``IterableDataset.iter`` (unlike ``__iter__``) does not split
+        shards by DataLoader worker, so any worker can read any shard."""
+        part = self.dataset.shard(num_shards=self.dataset.num_shards, index=shard, contiguous=True)
+        for batch in part.iter(batch_size=256):
+            n = len(next(iter(batch.values()))) if batch else 0
+            for j in range(n):
+                yield {k: v[j] for k, v in batch.items()}
+
+    def read(self, location: Location) -> dict:
+        if not self.streaming:
+            return self.dataset[int(location[0])]
+        shard, j = int(location[0]), int(location[1])
+        cursors = self._local()
+        cur = cursors.get(shard)
+        if cur is None or (j < cur[1] and j not in cur[2]):
+            cur = cursors[shard] = [self._shard(shard), 0, OrderedDict()]
+        it, nxt, recent = cur
+        while j >= nxt:
+            try:
+                recent[nxt] = next(it)
+            except StopIteration:
+                raise BadSampleError(sample=self.where(location), field=None, expected="the row the index recorded",
+                                     actual=f"shard {shard} ends after {nxt} rows") from None
+            nxt += 1
+            if len(recent) > self.lookback:
+                recent.popitem(last=False)
+        cur[1] = nxt
+        return recent[j]
+
+    def where(self, location: Location) -> str:
+        return f"{self.name}[{', '.join(map(str, location))}]"
+
+    def describe(self) -> dict:
+        n = None if self.streaming else len(self.dataset)
+        return {"kind": "hf_streaming" if self.streaming else "hf", "name": self.name, "num_shards": self.num_shards,
+                "num_rows": n, "fingerprint": getattr(self.dataset, "_fingerprint", None)}

@@ -1,0 +1,61 @@
+"""Worker -> main process transport of a batch as ONE shared-memory buffer.
+
+A DataLoader worker hands each tensor to the main process through its own shared-memory segment,
+which costs a few hundred microseconds per tensor; a packed THD batch has ~10 of them. Packing them
+into one ``uint8`` buffer (offsets aligned to 16 bytes) costs one copy of the batch and makes the
+hand-over one segment. The main process rebuilds the fields as views of that buffer.
+
+>>> b = {"ids": torch.arange(5), "mask": torch.tensor([True, False]), "rank": 1}
+>>> out = unpack_batch(pack_batch(b))
+>>> out["ids"].tolist(), out["mask"].tolist(), out["rank"]
+([0, 1, 2, 3, 4], [True, False], 1)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_ALIGN = 16
+
+
+@dataclass(frozen=True)
+class PackedBatch:
+    """``buffer`` uint8 ``[nbytes]``; ``fields`` ``(name, dtype, shape, offset)`` per tensor; ``other``
+    the non-tensor entries as they were."""
+
+    buffer: torch.Tensor
+    fields: tuple[tuple[str, torch.dtype, tuple[int, ...], int], ...]
+    other: dict
+
+    def pin_memory(self, device=None) -> "PackedBatch":  # called by DataLoader's pin-memory thread
+        return PackedBatch(self.buffer.pin_memory(), self.fields, self.other)
+
+
+def pack_batch(batch: dict) -> PackedBatch:
+    """Every tensor value of ``batch`` copied into one buffer; other values kept aside."""
+    tensors = [(k, v.contiguous()) for k, v in batch.items() if isinstance(v, torch.Tensor)]
+    fields, offset = [], 0
+    for k, t in tensors:
+        fields.append((k, t.dtype, tuple(t.shape), offset))
+        offset += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+    buffer = torch.empty(offset, dtype=torch.uint8)
+    for (k, t), (_, _, _, off) in zip(tensors, fields):
+        n = t.numel() * t.element_size()
+        if n:
+            buffer[off:off + n] = t.reshape(-1).view(torch.uint8)
+    return PackedBatch(buffer, tuple(fields), {k: v for k, v in batch.items() if not isinstance(v, torch.Tensor)})
+
+
+def unpack_batch(packed: PackedBatch) -> dict:
+    """The batch of :func:`pack_batch`, tensors as views of the one buffer (keys in their order)."""
+    out = {}
+    for name, dtype, shape, off in packed.fields:
+        n = 1
+        for d in shape:
+            n *= d
+        nbytes = n * torch.empty(0, dtype=dtype).element_size()
+        out[name] = packed.buffer[off:off + nbytes].view(dtype).view(shape) if nbytes else \
+            torch.empty(shape, dtype=dtype)
+    out.update(packed.other)
+    return out

@@ -1,0 +1,299 @@
+"""One multimodal sample, raw -> model-ready: images through transformers' Qwen2-VL image
+processor, ``<image>`` placeholders expanded into the exact number of vision tokens, chat
+rendered to ids with a loss mask, teacher top-k decoded and checked.
+
+    raw webdataset sample                          VLMSampleTransform(raw)
+    __key__            "s000042"                   input_ids          int64   [L]
+    json               {"messages": [...],         loss_mask          float32 [L]  1 on assistant replies
+                        "images": ["0.jpg"]}       mm_token_type_ids  int64   [L]  1 on image tokens
+                                                   mrope_position_ids int64   [3, L]
+    0.jpg              JPEG bytes           ---->  pixel_values       float32 [sum t*h*w, 1176]
+    teacher_topk_log_probs.npy  [L, K]             image_grid_thw     int64   [num_images, 3]
+    teacher_topk_ids.npy        [L, K]             teacher_topk_*     [L, K]  (when topk is set)
+
+An HF dataset row works too: ``messages`` (or ``text``), ``images`` (PIL images, bytes or
+``{"bytes": ...}``), teacher columns as nested lists. A sample may also come pre-tokenized
+(``input_ids`` with the placeholders already expanded); then only the counts are checked.
+
+Every problem raises :class:`MediaError` (a :class:`~loaders.errors.BadSampleError`) naming the sample key,
+with a :class:`MediaProblem` whose value is its ``.reason``: the index pass counts skips under it
+(``corrupt_image``, ``missing_image``, ...), through the source's transform wrapping.
+"""
+from __future__ import annotations
+
+import enum
+import functools
+import io
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from collate.mrope import mrope_position_ids
+from schemas.vlm import IMAGE_TOKEN_TYPE, VisionTokens
+from .demo_tokenizer import ByteTokenizer
+from .errors import BadSampleError
+from .teacher_topk import teacher_topk
+
+IMAGE_PLACEHOLDER = "<image>"
+IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp")
+
+
+class MediaProblem(enum.Enum):
+    """Why a multimodal sample was rejected (the key a loader counts skips under)."""
+
+    CORRUPT_IMAGE = "corrupt_image"
+    MISSING_IMAGE = "missing_image"
+    PLACEHOLDER_MISMATCH = "placeholder_mismatch"
+    VISION_TOKEN_MISMATCH = "vision_token_mismatch"
+    BAD_TEXT = "bad_text"
+
+
+class MediaError(BadSampleError):
+    """A multimodal sample's media or text is unusable; ``.problem`` (and ``.reason``, its value)
+    says why, ``.sample`` is its key."""
+
+    def __init__(self, problem: MediaProblem, *, sample, field: str | None, expected: str, actual: str, hint: str = ""):
+        self.problem = problem
+        # reason= prefixes the message too, so the cause survives being reported as text
+        super().__init__(sample=sample, field=field, expected=expected, actual=actual, hint=hint,
+                         reason=problem.value)
+
+
+# ---- the image processor -------------------------------------------------------------------------
+@functools.lru_cache(maxsize=4)
+def _processor(options: tuple):
+    try:  # transformers >= 5 without torchvision: the PIL backend, named explicitly (no fallback warning)
+        from transformers import Qwen2VLImageProcessorPil as cls
+    except ImportError:  # older transformers
+        from transformers import Qwen2VLImageProcessor as cls
+    return cls(**dict(options))
+
+
+def image_processor(**options):
+    """transformers' Qwen2-VL image processor with its default configuration, overridden by
+    ``options`` (e.g. ``max_pixels``). Built locally, no hub access; cached per process."""
+    return _processor(tuple(sorted(options.items())))
+
+
+def process_images(images: list, processor, *, sample=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """PIL images -> (``pixel_values`` float32 ``[sum t*h*w, patch_dim]``, ``image_grid_thw`` int64
+    ``[num_images, 3]``); no images -> ``[0, patch_dim]`` and ``[0, 3]``."""
+    if not images:
+        patch_dim = 3 * processor.temporal_patch_size * processor.patch_size ** 2
+        return torch.zeros(0, patch_dim), torch.zeros(0, 3, dtype=torch.int64)
+    try:
+        out = processor(images=images, return_tensors="pt")
+    except ValueError as exc:  # e.g. an aspect ratio over 200
+        raise MediaError(MediaProblem.CORRUPT_IMAGE, sample=sample, field="images",
+                         expected="images the Qwen2-VL processor accepts", actual=str(exc)) from None
+    return out["pixel_values"].to(torch.float32), out["image_grid_thw"].to(torch.int64)
+
+
+def decode_image(value, *, sample, name: str):
+    """Bytes / ``{"bytes": ...}`` / PIL image -> an RGB PIL image, fully decoded (a truncated or
+    corrupt file fails here, not later inside the processor)."""
+    from PIL import Image, UnidentifiedImageError
+
+    if isinstance(value, dict) and "bytes" in value:
+        value = value["bytes"]
+    try:
+        img = value if isinstance(value, Image.Image) else Image.open(io.BytesIO(bytes(value)))
+        img.load()
+        return img.convert("RGB")
+    except UnidentifiedImageError:
+        raise MediaError(MediaProblem.CORRUPT_IMAGE, sample=sample, field=name, expected="a decodable image",
+                         actual=f"{len(value)} bytes, no image format PIL knows") from None
+    except (OSError, ValueError, TypeError, SyntaxError) as exc:
+        raise MediaError(MediaProblem.CORRUPT_IMAGE, sample=sample, field=name, expected="a decodable image",
+                         actual=f"{type(value).__name__} ({type(exc).__name__}: {exc})") from None
+
+
+# ---- placeholder expansion -----------------------------------------------------------------------
+def render_chat(meta: dict, tokenizer: ByteTokenizer, tokens_per_image: list[int], *, sample
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """Chat messages (or plain ``text``) -> (``input_ids`` int64 ``[L]``, ``loss_mask`` float32 ``[L]``).
+
+    Each ``<image>`` in the text becomes ``<|vision_start|>`` + ``tokens_per_image[i]`` x
+    ``<|image_pad|>`` + ``<|vision_end|>``, images taken in order. Loss is on assistant replies and
+    their ``<|im_end|>`` (chat) or on every text token (plain text); never on image tokens.
+    """
+    if isinstance(meta.get("messages"), list):
+        turns = meta["messages"]
+    elif isinstance(meta.get("text"), str):
+        turns = None
+    else:
+        raise MediaError(MediaProblem.BAD_TEXT, sample=sample, field="json", expected="'messages' (a list) or 'text'",
+                         actual=f"keys {sorted(meta)}")
+    pieces: list[np.ndarray] = []
+    masks: list[np.ndarray] = []
+    images = iter(tokens_per_image)
+
+    def add(ids, trained: bool):
+        ids = np.asarray(ids, dtype=np.int64)
+        pieces.append(ids)
+        masks.append(np.full(ids.shape, trained, dtype=np.float32))
+
+    def add_content(text: str, trained: bool):
+        for j, part in enumerate(text.split(IMAGE_PLACEHOLDER)):
+            if j:
+                n = next(images, None)
+                if n is None:
+                    raise _placeholder_mismatch(meta, tokens_per_image, sample)
+                add([tokenizer.vision_start_token_id, *([tokenizer.image_token_id] * n), tokenizer.vision_end_token_id],
+                    False)
+            add(tokenizer.encode(part), trained)
+
+    if turns is None:
+        add_content(meta["text"], True)
+    else:
+        for i, turn in enumerate(turns):
+            if not isinstance(turn, dict) or not isinstance(turn.get("content"), str) or not isinstance(turn.get("role"), str):
+                raise MediaError(MediaProblem.BAD_TEXT, sample=sample, field=f"json.messages[{i}]",
+                                 expected="{'role': str, 'content': str}", actual=repr(turn)[:80])
+            reply = turn["role"] == "assistant"
+            add([tokenizer.im_start_id, *tokenizer.encode(turn["role"] + "\n")], False)
+            add_content(turn["content"], reply)
+            add([tokenizer.im_end_id], reply)
+            add(tokenizer.encode("\n"), False)
+    if next(images, None) is not None:
+        raise _placeholder_mismatch(meta, tokens_per_image, sample)
+    return np.concatenate(pieces), np.concatenate(masks)
+
+
+def _placeholder_mismatch(meta: dict, tokens_per_image: list[int], sample) -> MediaError:
+    text = meta.get("text") or " ".join(str(t.get("content", "")) for t in meta.get("messages", []) if isinstance(t, dict))
+    return MediaError(MediaProblem.PLACEHOLDER_MISMATCH, sample=sample, field="json",
+                      expected=f"{len(tokens_per_image)} '{IMAGE_PLACEHOLDER}' placeholders (one per image)",
+                      actual=f"{text.count(IMAGE_PLACEHOLDER)}")
+
+
+def check_vision_tokens(input_ids: torch.Tensor, image_grid_thw: torch.Tensor, vision: VisionTokens, *,
+                        sample) -> torch.Tensor:
+    """int64 ``[L]`` ids -> ``mm_token_type_ids`` int64 ``[L]``, after checking that the image tokens
+    form one run per image of exactly ``t*h*w / merge**2`` tokens (vectorised, no loop per token)."""
+    is_img = input_ids == vision.image_token_id
+    edges = torch.diff(is_img.to(torch.int8), prepend=torch.zeros(1, dtype=torch.int8),
+                       append=torch.zeros(1, dtype=torch.int8))
+    starts, ends = torch.nonzero(edges == 1).flatten(), torch.nonzero(edges == -1).flatten()
+    need = vision.tokens_per_image(image_grid_thw)
+    got = ends - starts
+    if got.numel() != need.numel() or not torch.equal(got, need):
+        raise MediaError(MediaProblem.VISION_TOKEN_MISMATCH, sample=sample, field="input_ids",
+                         expected=f"image token runs {need.tolist()} (t*h*w / {vision.spatial_merge_size}**2 of "
+                                  f"image_grid_thw {image_grid_thw.tolist()})", actual=f"runs {got.tolist()}")
+    return is_img.to(torch.int64) * IMAGE_TOKEN_TYPE
+
+
+# ---- the transform ---------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class VLMSampleTransform:
+    """Raw multimodal sample -> the sample dict :func:`schemas.vlm_schema` describes (module docstring).
+
+    Picklable (DataLoader workers); the image processor is built lazily once per process.
+    """
+
+    tokenizer: ByteTokenizer = field(default_factory=ByteTokenizer)
+    topk: int | None = None
+    """Expect teacher top-k members with this K (``None``: none expected, any present are ignored)."""
+    log_prob_dtype: str = "float32"
+    """``"float32"`` or ``"bfloat16"``: dtype of ``teacher_topk_log_probs`` in the output."""
+    pixel_dtype: str = "float32"
+    processor_options: dict = field(default_factory=dict)
+    """Overrides of the Qwen2-VL image processor's defaults (e.g. ``{"max_pixels": 200704}``)."""
+    text_key: str = "json"
+    mrope: bool = True
+    """Add ``mrope_position_ids`` int64 ``[3, L]`` (:func:`collate.mrope.mrope_position_ids` of this
+    sample), so the sample validates against the full :func:`schemas.vlm_schema` when a loader
+    indexes it; the collator then pads and shards them like the tokens."""
+
+    def __post_init__(self):
+        for name in ("log_prob_dtype", "pixel_dtype"):
+            if getattr(self, name) not in ("float32", "bfloat16"):
+                raise ValueError(f"VLMSampleTransform.{name}: expected 'float32' or 'bfloat16', got {getattr(self, name)!r}")
+
+    def __call__(self, raw: dict) -> dict:
+        key = raw.get("__key__", "?")
+        meta = _metadata(raw, self.text_key, key)
+        images = [decode_image(v, sample=key, name=n) for n, v in _image_members(raw, meta, key)]
+        vision = self.tokenizer.vision
+        pixel_values, grid = process_images(images, image_processor(**self.processor_options), sample=key)
+        if "input_ids" in raw:  # pre-tokenized, placeholders already expanded
+            input_ids = torch.as_tensor(np.asarray(raw["input_ids"]), dtype=torch.int64).reshape(-1)
+            loss_mask = torch.as_tensor(np.asarray(raw.get("loss_mask", np.ones(input_ids.numel()))),
+                                        dtype=torch.float32).reshape(-1)
+        else:
+            ids, mask = render_chat(meta, self.tokenizer, vision.tokens_per_image(grid).tolist(), sample=key)
+            input_ids, loss_mask = torch.from_numpy(ids), torch.from_numpy(mask)
+        out: dict[str, Any] = {
+            "__key__": key,
+            "input_ids": input_ids,
+            "loss_mask": loss_mask,
+            "mm_token_type_ids": check_vision_tokens(input_ids, grid, vision, sample=key),
+            "pixel_values": pixel_values.to(getattr(torch, self.pixel_dtype)),
+            "image_grid_thw": grid,
+        }
+        if self.mrope:
+            out["mrope_position_ids"] = mrope_position_ids(
+                out["mm_token_type_ids"], grid, torch.tensor([0, input_ids.numel()]),
+                spatial_merge_size=vision.spatial_merge_size)
+        if self.topk is not None:
+            out.update(teacher_topk(raw, sample=key, length=input_ids.numel(), topk=self.topk,
+                                    vocab_size=self.tokenizer.vocab_size,
+                                    log_prob_dtype=getattr(torch, self.log_prob_dtype)))
+        return out
+
+
+def _metadata(raw: dict, text_key: str, key) -> dict:
+    value = raw.get(text_key)
+    if value is None and ("messages" in raw or "text" in raw):
+        meta = {k: raw[k] for k in ("messages", "text") if k in raw}
+        if "images" in raw and not _is_image_list(raw["images"]):
+            meta["images"] = raw["images"]  # member names
+        return meta
+    if value is None and "input_ids" in raw:
+        return {}
+    try:
+        meta = json.loads(value) if isinstance(value, (bytes, bytearray, str)) else value
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise MediaError(MediaProblem.BAD_TEXT, sample=key, field=text_key, expected="a JSON object",
+                         actual=f"undecodable ({exc})") from None
+    if not isinstance(meta, dict):
+        raise MediaError(MediaProblem.BAD_TEXT, sample=key, field=text_key, expected="a JSON object",
+                         actual=type(meta).__name__ if value is not None else "missing")
+    return meta
+
+
+def _is_image_list(value) -> bool:
+    return isinstance(value, list) and any(not isinstance(v, str) for v in value)
+
+
+_MEMBER = re.compile(r"^(?:(\d+)\.)?(" + "|".join(IMAGE_EXTENSIONS) + r")$", re.IGNORECASE)
+
+
+def _image_members(raw: dict, meta: dict, key) -> list[tuple[str, Any]]:
+    """(name, value) of the sample's images, in placeholder order.
+
+    ``meta["images"]`` (member names) fixes the order and makes a missing member an error;
+    otherwise members named ``jpg``/``png`` or ``<i>.jpg``/``<i>.png`` are taken by index ``i``.
+    An HF row's ``images`` column (a list of images) is taken as given.
+    """
+    if _is_image_list(raw.get("images")):
+        return [(f"images[{i}]", v) for i, v in enumerate(raw["images"])]
+    declared = meta.get("images")
+    if isinstance(declared, list):
+        missing = [n for n in declared if n not in raw]
+        if missing:
+            raise MediaError(MediaProblem.MISSING_IMAGE, sample=key, field=missing[0],
+                             expected=f"image members {declared}",
+                             actual=f"members {sorted(k for k in raw if not k.startswith('__'))}")
+        return [(n, raw[n]) for n in declared]
+    found = []
+    for name in raw:
+        m = _MEMBER.match(name)
+        if m:
+            found.append((int(m.group(1) or 0), name))
+    return [(name, raw[name]) for _, name in sorted(found)]

@@ -1,0 +1,274 @@
+"""Shared test helpers: the hypothesis profile, sample builders, layout strategies and the
+independent reference implementations the collators are checked against.
+
+The references here are written from the definitions in REFERENCE.md with one Python iteration per
+sequence (slow, obvious), never from the collators' index arithmetic.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import socket
+import sys
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+
+import collate.assemble
+from schemas import IGNORE_INDEX, CPLayout, FP8Recipe, PadPolicy, ParallelLayout, causal_lm_schema
+
+# ---- hypothesis: reproducible in CI (derandomized, no example database, no deadline) -------------
+# For a longer local hunt: PREALIGN_EXAMPLES_SCALE=20 PREALIGN_HYPOTHESIS_RANDOM=1 pytest tests
+settings.register_profile("prealign", max_examples=60, deadline=None, database=None,
+                          derandomize=not os.environ.get("PREALIGN_HYPOTHESIS_RANDOM"),
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                                 HealthCheck.filter_too_much])
+settings.load_profile("prealign")
+EXAMPLES_SCALE = float(os.environ.get("PREALIGN_EXAMPLES_SCALE", "1"))  # e.g. 20 for a long local hunt
+
+
+def examples(n: int) -> settings:
+    """``@settings`` with ``n`` examples (times ``PREALIGN_EXAMPLES_SCALE``)."""
+    return settings(max_examples=max(1, int(n * EXAMPLES_SCALE)))
+
+
+TOPK = 3
+SCHEMA = causal_lm_schema()
+SCHEMA_TOPK = causal_lm_schema(topk="K")
+TOPK_FIELDS = ("teacher_topk_log_probs", "teacher_topk_ids")
+SAMPLE_FIELDS = ("input_ids", *TOPK_FIELDS)  # fields whose values come from the sample as given
+
+
+# ---- samples --------------------------------------------------------------------------------------
+def make_samples(lengths, *, topk: int | None = None, offset: int = 0, loss_mask: bool = False) -> list[dict]:
+    """Samples whose every value is unique and non-zero, so a misplaced row is always visible.
+
+    Token j of the whole batch (over all samples) has id ``offset + j + 1``; its top-k log-probs are
+    ``-(id*K + k) / 8`` (finite, < 0, exact in float32) and ids ``id*K + k``; with ``loss_mask`` a
+    sample mask that drops every third token.
+    """
+    samples, start = [], offset + 1
+    for n in lengths:
+        ids = torch.arange(start, start + n, dtype=torch.int64)
+        s = {"input_ids": ids}
+        if topk is not None:
+            grid = ids[:, None] * topk + torch.arange(topk)
+            s["teacher_topk_ids"] = grid
+            s["teacher_topk_log_probs"] = -(grid.to(torch.float32) / 8)
+        if loss_mask:
+            s["loss_mask"] = (ids % 3 != 0).to(torch.float32)
+        samples.append(s)
+        start += n
+    return samples
+
+
+def to_nested(samples: list[dict]) -> dict:
+    """The same batch as verl's dict of jagged nested tensors."""
+    return {k: torch.nested.nested_tensor([s[k] for s in samples], layout=torch.jagged) for k in samples[0]}
+
+
+def schema_for(topk) -> object:
+    return SCHEMA if topk is None else SCHEMA_TOPK
+
+
+def collate_ranks(collator_cls, schema, layout: ParallelLayout, batch, **kwargs) -> list[dict]:
+    """One collated batch per CP rank (rank order)."""
+    return [collator_cls(schema=schema, layout=layout, cp_rank=r, **kwargs)(batch) for r in range(layout.cp)]
+
+
+# ---- independent references ------------------------------------------------------------------------
+def naive_round_up(n: int, m: int) -> int:
+    """Smallest multiple of m that is >= n, by counting."""
+    return next(x for x in itertools.count(n) if x % m == 0)
+
+
+def required_seq_multiple(layout: ParallelLayout) -> int:
+    """Per-sequence multiple straight from the consumers' rules (REFERENCE.md)."""
+    zigzag = layout.cp > 1 and layout.cp_layout is CPLayout.ZIGZAG
+    if layout.pad_policy is PadPolicy.MINIMAL:
+        return 2 * layout.cp if zigzag else 1
+    align = layout.tp * layout.cp * (2 if zigzag else 1)  # verl / Megatron-Bridge
+    return math.lcm(align, layout.fp8.value)  # verl: every sequence also a multiple of the FP8 one
+
+
+def local_ok(layout: ParallelLayout, rows_per_rank_total: int) -> bool:
+    """SP scatter and FP8 constraints on a CP rank's row count."""
+    sp_tp = layout.tp if layout.sp else 1
+    return rows_per_rank_total % sp_tp == 0 and rows_per_rank_total % layout.fp8.value == 0
+
+
+def brute_force_total(lengths, layout: ParallelLayout) -> int:
+    """Smallest T a THD batch of ``lengths`` can have under ``layout``'s constraints, found by search:
+    every P_i >= L_i a multiple of the per-sequence multiple m (so T >= sum(naive_round_up(L_i, m)) and
+    T % m == 0), T % cp == 0, T/cp meets SP/FP8, T >= cp*min_local_rows, T a bucket."""
+    m = required_seq_multiple(layout)
+    start = max(sum(naive_round_up(n, m) for n in lengths), layout.cp * layout.min_local_rows)
+    candidates = (b for b in layout.length_buckets if b >= start) if layout.length_buckets else itertools.count(start)
+    for t in candidates:
+        if t % m == 0 and t % layout.cp == 0 and local_ok(layout, t // layout.cp):
+            return t
+    raise AssertionError("no bucket fits")
+
+
+def brute_force_bshd_length(lengths, layout: ParallelLayout) -> int:
+    """Smallest row length S of a BSHD batch: S >= max L, zigzag S % 2cp (contiguous S % cp), S/cp
+    meets SP per row and FP8 on B*S/cp, S >= cp*min_local_rows, S a bucket (PER_SEQUENCE: S % m too)."""
+    b = len(lengths)
+    zigzag = layout.cp > 1 and layout.cp_layout is CPLayout.ZIGZAG
+    split = 2 * layout.cp if zigzag else layout.cp  # columns per CP chunk count
+    per_seq = layout.tp * split if layout.pad_policy is PadPolicy.PER_SEQUENCE else 1  # FP8: on B*S/cp only
+    sp_tp = layout.tp if layout.sp else 1
+    start = max(max(lengths), layout.cp * layout.min_local_rows)
+    candidates = (x for x in layout.length_buckets if x >= start) if layout.length_buckets else itertools.count(start)
+    for s in candidates:
+        if s % split == 0 and s % per_seq == 0 and (s // layout.cp) % sp_tp == 0 \
+                and (b * s // layout.cp) % layout.fp8.value == 0:
+            return s
+    raise AssertionError("no bucket fits")
+
+
+def reference_sequence(sample: dict, padded_len: int, schema) -> dict:
+    """One sequence padded to ``padded_len``: every TOKEN field as the docs define it."""
+    ids = sample["input_ids"]
+    n, pad = ids.numel(), padded_len - ids.numel()
+    out = {"input_ids": torch.cat((ids, torch.full((pad,), schema["input_ids"].pad_value, dtype=ids.dtype))),
+           "labels": torch.cat((ids[1:], torch.full((pad + 1,), schema.ignore_index, dtype=ids.dtype))),
+           "position_ids": torch.arange(padded_len),
+           "padding_mask": torch.arange(padded_len) >= n}
+    trained = out["labels"] != schema.ignore_index
+    if "loss_mask" in sample:  # aligned with the tokens, so shifted like the labels
+        trained &= torch.cat((sample["loss_mask"][1:], torch.zeros(pad + 1))).bool()
+    out["loss_mask"] = trained.to(torch.float32)
+    for name in TOPK_FIELDS:
+        if name in sample:
+            v = sample[name]
+            out[name] = torch.cat((v, torch.full((pad, *v.shape[1:]), schema[name].pad_value, dtype=v.dtype)))
+    return out
+
+
+def reference_thd(samples, padded, schema, layout: ParallelLayout, cp_rank: int | None) -> dict:
+    """[T_out, ...] per field: sequences padded and packed, then the CP rule applied per sequence
+    (zigzag: chunks r and 2cp-1-r of 2cp) or on the whole buffer (contiguous)."""
+    seqs = [reference_sequence(s, int(p), schema) for s, p in zip(samples, padded)]
+    out = {}
+    for name in seqs[0]:
+        parts = [s[name] for s in seqs]
+        if cp_rank is not None and layout.cp > 1 and layout.cp_layout is CPLayout.ZIGZAG:
+            parts = [torch.cat([c[cp_rank], c[2 * layout.cp - 1 - cp_rank]]) for c in
+                     (p.chunk(2 * layout.cp) for p in parts)]
+        whole = torch.cat(parts)
+        if cp_rank is not None and layout.cp > 1 and layout.cp_layout is CPLayout.CONTIGUOUS:
+            whole = whole.chunk(layout.cp)[cp_rank]
+        out[name] = whole
+    return out
+
+
+def reference_bshd(samples, seq_len: int, schema, layout: ParallelLayout, cp_rank: int | None) -> dict:
+    """[B, S_out, ...] per field: every row padded to ``seq_len`` then split as one THD sequence."""
+    rows = [reference_thd([s], [seq_len], schema, layout, cp_rank) for s in samples]
+    return {name: torch.stack([r[name] for r in rows]) for name in rows[0]}
+
+
+def te_thd_partition_index(cu_padded: list[int], cp: int, r: int) -> torch.Tensor:
+    """TransformerEngine's THD partition formula (REFERENCE.md), token by token: for local token k of
+    sequence i, n = P_i/cp, idx = k - cu_padded[i]/cp, off = r if idx < n/2 else 2cp-2-r,
+    src = idx + cu_padded[i] + (n/2)*off."""
+    src = []
+    for i in range(len(cu_padded) - 1):
+        n = (cu_padded[i + 1] - cu_padded[i]) // cp
+        for k in range(cu_padded[i] // cp, cu_padded[i + 1] // cp):
+            idx = k - cu_padded[i] // cp
+            off = r if idx < n // 2 else 2 * cp - 2 - r
+            src.append(idx + cu_padded[i] + (n // 2) * off)
+    return torch.tensor(src, dtype=torch.int64)
+
+
+# ---- assertions shared by the THD and BSHD tests ---------------------------------------------------
+def assert_fields_equal(batch: dict, expected: dict, *, leading: int) -> int:
+    """Every field of ``expected`` equals the batch's, which has ``leading`` extra dims in front
+    (THD: the batch dim of 1). Returns how many fields were compared."""
+    for name, want in expected.items():
+        if name not in batch:
+            continue
+        got = batch[name]
+        assert got.shape == (*(1,) * leading, *want.shape), (name, got.shape, want.shape)
+        assert torch.equal(got.reshape(want.shape), want.to(got.dtype)), name
+    return sum(name in batch for name in expected)
+
+
+def assert_labels_stay_in_sequence(ids: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor,
+                                   lengths_of_slot: torch.Tensor) -> int:
+    """On an unsharded buffer (one sequence after another): label j is token j+1 of the same sequence,
+    the last real token of each sequence and every pad hold the ignore index. Returns the number of
+    sequence ends seen (the caller asserts it is > 0)."""
+    real = positions < lengths_of_slot
+    last = positions == lengths_of_slot - 1
+    inner = real & ~last
+    assert torch.equal(labels[:-1][inner[:-1]], ids[1:][inner[:-1]])
+    assert not bool(inner[-1])  # the buffer never ends inside a sequence
+    assert bool((labels[last | ~real] == IGNORE_INDEX).all())
+    return int(last.sum())
+
+
+# ---- strategies -------------------------------------------------------------------------------------
+lengths_st = st.lists(st.one_of(st.integers(1, 24), st.integers(1, 4096)), min_size=1, max_size=6)
+sizes_st = st.integers(1, 8)
+
+
+@st.composite
+def layout_st(draw, lengths, *, pad_policy=None, cp_layout=None, fp8=True, extras=True, bshd=False):
+    """A valid ParallelLayout for ``lengths`` (buckets, when drawn, always fit the batch and are valid
+    for both pad policies, so the same buckets compare MINIMAL with PER_SEQUENCE)."""
+    tp, cp = draw(sizes_st), draw(sizes_st)
+    kw = dict(tp=tp, cp=cp, sp=draw(st.sampled_from([None, None, False, True])),
+              fp8=draw(st.sampled_from(list(FP8Recipe))) if fp8 else FP8Recipe.NONE,
+              cp_layout=cp_layout or draw(st.sampled_from(list(CPLayout))),
+              pad_policy=pad_policy or draw(st.sampled_from(list(PadPolicy))))
+    if extras:
+        kw["min_local_rows"] = draw(st.sampled_from([0, 0, 1, draw(st.integers(0, 700))]))
+    if extras and draw(st.booleans()):
+        per = ParallelLayout(**{**kw, "pad_policy": PadPolicy.PER_SEQUENCE})
+        m = per.total_multiple
+        need = (per.bshd_length(max(lengths), len(lengths)) if bshd else int(per.padded_lengths(
+            torch.tensor(lengths)).sum()))
+        top = naive_round_up(need, m) // m + draw(st.integers(0, 3))
+        kw["length_buckets"] = tuple(sorted({top * m, *(m * k for k in draw(st.lists(st.integers(1, top), max_size=4)))}))
+    return ParallelLayout(**kw)
+
+
+@st.composite
+def collate_case(draw, **layout_kw):
+    """(lengths, layout, topk, options) for a property test of a collator; ``layout_kw`` as
+    :func:`layout_st`. Options: a sample loss mask, and the blocked gather of large fields forced."""
+    lengths = draw(lengths_st)
+    return (lengths, draw(layout_st(lengths, **layout_kw)), draw(st.sampled_from([None, TOPK])),
+            {"loss_mask": draw(st.booleans()), "blocked": draw(st.booleans())})
+
+
+def collate_case_batches(collator_cls, case):
+    """Collate a :func:`collate_case` unsharded and on every CP rank:
+    ``(lengths, layout, samples, schema, whole, shards)``."""
+    lengths, layout, topk, options = case
+    samples, schema = make_samples(lengths, topk=topk, loss_mask=options["loss_mask"]), schema_for(topk)
+    with pytest.MonkeyPatch.context() as mp:
+        if options["blocked"]:  # the path a field of >= 4 MiB takes on a CP rank, forced on small ones
+            mp.setattr(collate.assemble, "BLOCK_MIN_BYTES", 0)
+        whole = collator_cls(schema=schema, layout=layout)(samples)
+        return lengths, layout, samples, schema, whole, collate_ranks(collator_cls, schema, layout, samples)
+
+
+# ---- processes ----------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def subprocess_env() -> dict:
+    """Environment for a child Python that imports the project from this checkout."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([root, *sys.path])}

@@ -1,0 +1,227 @@
+"""PackedLoader across simulated ranks in one process: coverage, disjointness, complementary CP
+shards, identical TP batches, equal micro-batch counts, the budget as a hard cap."""
+from __future__ import annotations
+
+import datasets
+import pytest
+import torch
+
+from collate import unshard_cp
+from loaders import (BadDataPolicy, BadSampleError, BadSampleWarning, HFSource, PackedLoader, PlanError,
+                     PlannerConfig, WebDatasetSource, build_index)
+from schemas import ParallelLayout, causal_lm_schema, validate_batch
+from schemas.errors import SampleError
+from tests.loader_helpers import hf_rows, sample_lengths, token_ids, write_shards
+
+SCHEMA = causal_lm_schema()
+BUDGET = 256
+
+
+@pytest.fixture(scope="module")
+def wds(tmp_path_factory):
+    root = tmp_path_factory.mktemp("shards")
+    lengths = sample_lengths(150, seed=3)
+    src = WebDatasetSource(write_shards(str(root), lengths, num_shards=4))
+    return src, build_index(src, SCHEMA), lengths
+
+
+def _loader(wds, **kw):
+    src, idx, _ = wds
+    kw.setdefault("layout", ParallelLayout(tp=2, cp=2))
+    return PackedLoader(src, schema=SCHEMA, token_budget=kw.pop("token_budget", BUDGET), index=idx, **kw)
+
+
+def _ids(batch) -> list[int]:
+    return batch["sample_index"].tolist()
+
+
+@pytest.mark.parametrize("dp_size, cp", [(1, 1), (2, 2), (3, 1), (4, 2)])
+def test_dp_ranks_cover_the_data_once_disjointly(wds, dp_size, cp):
+    _, idx, lengths = wds
+    layout = ParallelLayout(tp=2, cp=cp)
+    per_rank, counts = [], set()
+    for epoch in (0, 1):
+        seen = []
+        for r in range(dp_size):
+            loader = _loader(wds, layout=layout, dp_rank=r, dp_size=dp_size)
+            loader.set_epoch(epoch)
+            batches = list(loader)
+            counts.add(len(batches))
+            for b in batches:
+                assert b["input_ids"].shape[1] == int(b["cu_seqlens_padded"][-1]) <= BUDGET
+                validate_batch({k: v for k, v in b.items() if k not in ("sample_index", "is_filler", "epoch",
+                                                                         "microbatch")}, SCHEMA, layout)
+                # the tokens are the samples': the first token of each sequence encodes its id
+                starts = b["cu_seqlens_padded"][:-1].long()
+                assert [int(b["input_ids"][0, s]) - 10_000 for s in starts] == _ids(b)
+                seen.extend(_ids(b))
+            per_rank.append(batches)
+        assert sorted(seen) == list(range(len(lengths))), "every sample exactly once per epoch"
+    assert len(counts) == 1, "the same number of micro-batches on every DP rank"
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_cp_ranks_get_complementary_shards_of_the_same_batch(wds, cp):
+    layout = ParallelLayout(tp=2, cp=cp)
+    for dp_rank in range(2):
+        whole = list(_loader(wds, layout=layout, dp_rank=dp_rank, dp_size=2))
+        shards = [list(_loader(wds, layout=layout, dp_rank=dp_rank, dp_size=2, cp_rank=r)) for r in range(cp)]
+        assert {len(s) for s in shards} == {len(whole)} and len(whole) > 1
+        for i, full in enumerate(whole):
+            parts = [s[i] for s in shards]
+            assert all(torch.equal(p["cu_seqlens_padded"], full["cu_seqlens_padded"]) for p in parts)
+            assert [p["cp_rank"] for p in parts] == list(range(cp))
+            for key in ("input_ids", "labels", "position_ids", "loss_mask", "padding_mask"):
+                assert parts[0][key].shape[1] * cp == full[key].shape[1]
+                back = unshard_cp([p[key] for p in parts], cu_seqlens_padded=full["cu_seqlens_padded"])
+                assert torch.equal(back, full[key]), key
+
+
+def test_tp_ranks_and_worker_counts_give_identical_batches(wds):
+    a = list(_loader(wds, dp_rank=1, dp_size=2, cp_rank=1))
+    b = list(_loader(wds, dp_rank=1, dp_size=2, cp_rank=1))  # another TP rank of the same DP/CP position
+    c = list(_loader(wds, dp_rank=1, dp_size=2, cp_rank=1, num_workers=2, prefetch_factor=3))
+    assert len(a) > 3
+    for x, y, z in zip(a, b, c):
+        for key in x:
+            assert torch.equal(torch.as_tensor(x[key]), torch.as_tensor(y[key])), key
+            assert torch.equal(torch.as_tensor(x[key]), torch.as_tensor(z[key])), key
+
+
+def test_epochs_set_epoch_and_len(wds):
+    loader = _loader(wds, dp_size=2)
+    n = len(loader)
+    e0 = [_ids(b) for b in loader]
+    assert loader.epoch == 1 and len(e0) == n
+    e1 = [_ids(b) for b in loader]
+    assert e0 != e1 and sorted(sum(e0, [])) != [] and loader.epoch == 2
+    loader.set_epoch(0)
+    it = iter(loader)
+    first = [_ids(next(it)) for _ in range(2)]
+    assert first == e0[:2]
+    loader.set_epoch(0)  # the epoch in progress keeps its position
+    assert [_ids(b) for b in loader] == e0[2:]
+    assert loader.epoch_samples(0) == [tuple(x) for x in e0]
+    loader.set_epoch(1)
+    assert [_ids(b) for b in loader] == e1
+
+
+def test_only_one_live_iterator(wds):
+    loader = _loader(wds)
+    it = iter(loader)
+    next(it)
+    it2 = iter(loader)
+    next(it2)
+    with pytest.raises(RuntimeError, match="newer iterator"):
+        next(it)
+
+
+def test_sequential_source_keeps_shard_locality(wds):
+    loader = _loader(wds, shuffle_window=8, planner=PlannerConfig(buffer_size=16))
+    src, idx, _ = wds
+    shards_in_order = [int(idx.shards[i]) for b in loader for i in _ids(b)]
+    changes = sum(1 for a, b in zip(shards_in_order, shards_in_order[1:]) if a != b)
+    assert changes < len(shards_in_order) // 4  # mostly shard after shard, not a global shuffle
+
+
+def test_filler_microbatches_when_ranks_outnumber_samples(tmp_path):
+    src = WebDatasetSource(write_shards(str(tmp_path), [5, 9], num_shards=1))
+    batches = [list(PackedLoader(src, schema=SCHEMA, layout=ParallelLayout(cp=2), token_budget=64, dp_rank=r,
+                                 dp_size=4, cp_rank=0)) for r in range(4)]
+    assert [len(b) for b in batches] == [1, 1, 1, 1]
+    flags = [b[0]["is_filler"] for b in batches]
+    assert flags.count(True) == 2
+    for b in (b[0] for b in batches if b[0]["is_filler"]):
+        assert b["sample_index"].numel() == 0 and float(b["loss_mask"].sum()) == 0
+        assert bool((b["labels"] == SCHEMA.ignore_index).all())
+
+
+def test_oversize_truncation_in_the_loader(tmp_path):
+    lengths = [10, 300, 20, 40]
+    src = WebDatasetSource(write_shards(str(tmp_path), lengths, num_shards=1))
+    with pytest.raises(ValueError, match="length <= 128"):
+        PackedLoader(src, schema=SCHEMA, layout=ParallelLayout(cp=2), token_budget=128)
+    with pytest.warns(BadSampleWarning, match="1 sample\\(s\\) truncated"):
+        loader = PackedLoader(src, schema=SCHEMA, layout=ParallelLayout(cp=2), token_budget=128,
+                              planner=PlannerConfig(oversize="truncate"))
+    assert loader.report.counts == {"oversize_truncated": 1}
+    batches = list(loader)
+    cut = next(b for b in batches if 1 in _ids(b))
+    assert int(cut["cu_seqlens"][-1]) == 128 and cut["input_ids"].shape[1] <= 128
+    assert cut["input_ids"][0, :128].tolist() == token_ids(1, 300)[:128].tolist()
+    with pytest.warns(BadSampleWarning, match="1 skipped"):
+        skipper = PackedLoader(src, schema=SCHEMA, layout=ParallelLayout(cp=2), token_budget=128,
+                               planner=PlannerConfig(oversize="skip"))
+    assert sorted(i for b in skipper for i in _ids(b)) == [0, 2, 3]
+    assert skipper.report.counts == {"oversize_skipped": 1}
+
+
+def test_bad_data_counts_are_exposed_on_the_loader(tmp_path):
+    def transform(s):
+        if s["json"]["id"] % 5 == 0:
+            raise ValueError("unreadable")
+        return {"input_ids": torch.from_numpy(s["input_ids.npy"])}
+
+    src = WebDatasetSource(write_shards(str(tmp_path), sample_lengths(20), num_shards=2), transform=transform)
+    with pytest.warns(BadSampleWarning):
+        loader = PackedLoader(src, schema=SCHEMA, layout=ParallelLayout(), token_budget=128,
+                              bad_data=BadDataPolicy(on_error="skip"), num_workers=2)
+    assert loader.report.counts == {"bad_sample": 4} and len(loader.index) == 16
+    assert sorted(int(src.load(tuple(loader.index.locations[i]))["input_ids"][0]) - 10_000
+                  for b in loader for i in _ids(b)) == [i for i in range(20) if i % 5]
+
+
+class _UnreadableText(SampleError):
+    """A transform's own typed error carrying a cause (like loaders.vlm.MediaError)."""
+
+    reason = "unreadable_text"
+
+
+def test_transform_errors_are_counted_by_their_reason(tmp_path):
+    def transform(s):
+        i = s["json"]["id"]
+        if i % 5 == 0:
+            raise _UnreadableText(sample=i, field="json", expected="text", actual="garbage")
+        if i % 7 == 0:
+            raise ValueError("unreadable")
+        return {"input_ids": torch.from_numpy(s["input_ids.npy"])}
+
+    paths = write_shards(str(tmp_path), sample_lengths(20), num_shards=2)
+    src = WebDatasetSource(paths, transform=transform)
+    idx = build_index(src, SCHEMA, policy=BadDataPolicy(on_error="skip", warn=False), num_workers=2)
+    assert idx.report.counts == {"unreadable_text": 4, "bad_sample": 2} and len(idx) == 14  # 0,5,10,15 | 7,14
+    first = idx.report.examples[0]
+    assert first[:2] == (f"{paths[0]}:000000", "unreadable_text")
+    assert first[2].startswith(f"unreadable_text: sample {paths[0]}:000000, field 'json': expected text")
+    with pytest.raises(BadSampleError) as err:  # under RAISE the typed error keeps the cause and names the sample
+        build_index(src, SCHEMA)
+    assert err.value.reason == "unreadable_text" and f"{paths[0]}:000000" in str(err.value)
+    saved = str(tmp_path / "index.npz")
+    idx.save(saved)
+    loader = PackedLoader(src, schema=SCHEMA, layout=ParallelLayout(), token_budget=128, index=saved)
+    assert loader.report.counts == {"unreadable_text": 4, "bad_sample": 2}  # through save / load and the loader
+    assert sorted(int(src.load(tuple(loader.index.locations[i]))["input_ids"][0]) - 10_000
+                  for b in loader for i in _ids(b)) == [i for i in range(20) if i % 5 and i % 7]
+
+
+def test_hf_map_style_loader_and_rank_checks():
+    lengths = sample_lengths(60)
+    src = HFSource(datasets.Dataset.from_dict(hf_rows(lengths)))
+    seen = []
+    for r in range(3):
+        seen += [i for b in PackedLoader(src, schema=SCHEMA, layout=ParallelLayout(cp=2), token_budget=128,
+                                         dp_rank=r, dp_size=3) for i in _ids(b)]
+    assert sorted(seen) == list(range(60))
+    with pytest.raises(PlanError, match="dp_rank"):
+        PackedLoader(src, schema=SCHEMA, layout=ParallelLayout(), token_budget=128, dp_rank=3, dp_size=3)
+    one = PackedLoader.from_parallel_state(src, schema=SCHEMA, token_budget=128)  # no process group: one rank
+    assert one.dp_size == 1 and one.cp_rank is None
+
+
+def test_index_workers_and_saved_index(wds, tmp_path):
+    src, idx, _ = wds
+    path = str(tmp_path / "index.npz")
+    idx.save(path)
+    a = PackedLoader(src, schema=SCHEMA, layout=ParallelLayout(), token_budget=BUDGET, index=path)
+    b = PackedLoader(src, schema=SCHEMA, layout=ParallelLayout(), token_budget=BUDGET, index_workers=2)
+    assert a.index.digest == b.index.digest == build_index(src, SCHEMA).digest

@@ -1,0 +1,288 @@
+"""Sources and the index pass: safe webdataset decoding, bad-data policies, HF map-style/streaming."""
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import tarfile
+
+import datasets
+import numpy as np
+import pytest
+import torch
+
+from loaders import (BadDataPolicy, BadSampleError, BadSampleWarning, CorruptShardError, HFSource,
+                     MissingMemberError, SampleIndex, TooManyBadSamplesError, UnsafeMemberError, WebDatasetSource,
+                     build_index)
+from loaders.tar_decode import decode_member, split_member_name
+from schemas import causal_lm_schema
+from tests.loader_helpers import add_member, hf_rows, sample_lengths, token_ids, write_shards
+
+SCHEMA = causal_lm_schema()
+SKIP = BadDataPolicy(on_error="skip", max_consecutive=5)
+
+
+class _Boom:
+    """Unpickling this would create a file: proves nothing is ever unpickled."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def _npy_bytes(arr) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, arr, allow_pickle=arr.dtype == object)
+    return buf.getvalue()
+
+
+def test_decode_table():
+    from PIL import Image
+
+    png = io.BytesIO()
+    Image.new("RGB", (3, 2), (255, 0, 0)).save(png, format="PNG")
+    assert decode_member("k", "json", b'{"q": "x"}') == {"q": "x"}
+    assert decode_member("k", "txt", "héllo".encode()) == "héllo"
+    assert decode_member("k", "cls", b"3") == 3 and decode_member("k", "cls", b"cat") == "cat"
+    assert decode_member("k", "input_ids.npy", _npy_bytes(np.arange(4))).tolist() == [0, 1, 2, 3]
+    buf = io.BytesIO()
+    np.savez(buf, a=np.ones(2))
+    assert decode_member("k", "npz", buf.getvalue())["a"].tolist() == [1.0, 1.0]
+    img = decode_member("k", "png", png.getvalue())
+    assert img.size == (3, 2)
+    assert decode_member("k", "png", png.getvalue(), image="bytes") == png.getvalue()
+    assert decode_member("k", "bin", b"\x00\x01") == b"\x00\x01"
+    assert decode_member("k", "x.bin", b"\x02", extra={"x.bin": lambda d: d[0]}) == 2
+    assert split_member_name("d/000.meta.json") == ("d/000", "meta.json")
+    assert split_member_name("d/.hidden") is None
+
+
+@pytest.mark.parametrize("ext", ["pickle", "pkl", "pyd", "pth", "pt", "logits.pth"])
+def test_pickle_like_members_are_refused_never_unpickled(tmp_path, ext):
+    flag = tmp_path / "unpickled"
+    payload = pickle.dumps(_Boom(str(flag)))
+    with pytest.raises(UnsafeMemberError) as exc:
+        decode_member("s/0", ext, payload, extra={ext: pickle.loads})  # even a user decoder cannot override
+    assert exc.value.field == ext and "pickle" in exc.value.actual
+    assert not flag.exists()
+
+
+def test_object_npy_is_refused(tmp_path):
+    flag = tmp_path / "unpickled"
+    data = _npy_bytes(np.array([_Boom(str(flag))], dtype=object))
+    with pytest.raises(BadSampleError, match="npy"):
+        decode_member("s/0", "npy", data)
+    assert not flag.exists()
+
+
+def _index(paths, policy=None, **kw):
+    return build_index(WebDatasetSource(paths, **kw), SCHEMA, policy=policy)
+
+
+def test_webdataset_index_and_read(tmp_path):
+    lengths = sample_lengths(30)
+    paths = write_shards(str(tmp_path), lengths, num_shards=3)
+    src = WebDatasetSource(str(tmp_path / "shard-{000..002}.tar"), required=("input_ids.npy", "json"))
+    assert src.num_shards == 3
+    idx = build_index(src, SCHEMA)
+    assert idx.lengths.tolist() == lengths and idx.shards.tolist() == [0] * 10 + [1] * 10 + [2] * 10
+    for i in (0, 17, 29):
+        sample = src.load(tuple(idx.locations[i]))
+        assert sample["__key__"] == f"{i:06d}" and sample["json"] == {"id": i}
+        assert torch.equal(sample["input_ids"], torch.from_numpy(token_ids(i, lengths[i])))
+    assert build_index(src, SCHEMA, num_workers=2).digest == idx.digest
+    assert paths == src.urls
+
+
+def test_index_save_load_roundtrip(tmp_path):
+    idx = _index(write_shards(str(tmp_path), sample_lengths(12)))
+    idx.save(str(tmp_path / "idx.npz"))
+    back = SampleIndex.load(str(tmp_path / "idx.npz"))
+    assert back.digest == idx.digest and back.report.to_dict() == idx.report.to_dict()
+
+
+def _with_bad(bad: set[int], kind: str):
+    def extra(i, tf):
+        if i not in bad:
+            return False
+        if kind == "missing":
+            add_member(tf, f"{i:06d}.json", b"{}")
+        elif kind == "pickle":
+            add_member(tf, f"{i:06d}.input_ids.npy", _npy_bytes(token_ids(i, 5)))
+            add_member(tf, f"{i:06d}.extra.pickle", pickle.dumps([1]))
+        elif kind == "badjson":
+            add_member(tf, f"{i:06d}.input_ids.npy", _npy_bytes(token_ids(i, 5)))
+            add_member(tf, f"{i:06d}.json", b"{not json")
+        return True
+    return extra
+
+
+@pytest.mark.parametrize("kind, reason, error", [("missing", "missing_member", MissingMemberError),
+                                                  ("pickle", "unsafe_member", UnsafeMemberError),
+                                                  ("badjson", "bad_sample", BadSampleError)])
+def test_bad_samples_raise_or_skip_and_count(tmp_path, kind, reason, error):
+    lengths = sample_lengths(20)
+    paths = write_shards(str(tmp_path), lengths, num_shards=2, extra=_with_bad({3, 12}, kind))
+    req = ("input_ids.npy",) if kind == "missing" else ()
+    with pytest.raises(error) as exc:
+        _index(paths, required=req)
+    assert "000003" in str(exc.value)
+    with pytest.warns(BadSampleWarning, match="000003"):
+        idx = _index(paths, SKIP, required=req)
+    assert len(idx) == 18 and idx.report.counts == {reason: 2}
+    assert [e[0] for e in idx.report.examples] == [f"{paths[0]}:000003", f"{paths[1]}:000012"]
+
+
+def test_fields_that_disagree_are_bad_samples(tmp_path):
+    def transform(s):
+        ids = torch.from_numpy(s["input_ids.npy"])
+        labels = ids[:-1] if s["json"]["id"] == 4 else ids
+        return {"input_ids": ids, "labels": labels}
+
+    paths = write_shards(str(tmp_path), sample_lengths(8), num_shards=1)
+    with pytest.raises(BadSampleError, match="000004.*labels"):
+        _index(paths, transform=transform)
+    with pytest.warns(BadSampleWarning):
+        assert len(_index(paths, SKIP, transform=transform)) == 7
+
+
+def test_transform_errors_are_bad_samples(tmp_path):
+    def transform(s):
+        if s["json"]["id"] == 2:
+            raise KeyError("no text")
+        return {"input_ids": torch.from_numpy(s["input_ids.npy"])}
+
+    paths = write_shards(str(tmp_path), sample_lengths(6), num_shards=1)
+    with pytest.raises(BadSampleError, match="transform to succeed.*KeyError"):
+        _index(paths, transform=transform)
+
+
+def test_truncated_shard(tmp_path):
+    paths = write_shards(str(tmp_path), sample_lengths(20), num_shards=2)
+    size = os.path.getsize(paths[1])
+    with open(paths[1], "r+b") as f:
+        f.truncate(size // 2 + 100)
+    with pytest.raises(CorruptShardError, match="shard-001"):
+        _index(paths)
+    with pytest.warns(BadSampleWarning, match="corrupt_shard"):
+        idx = _index(paths, SKIP)
+    assert idx.report.counts == {"corrupt_shard": 1}
+    assert 10 < len(idx) < 20  # the first shard and the readable part of the second
+    missing_file = _index(paths[:1] + [str(tmp_path / "nope.tar")], SKIP)
+    assert len(missing_file) == 10 and missing_file.report.counts == {"corrupt_shard": 1}
+
+
+def test_too_many_bad_samples_in_a_row(tmp_path):
+    paths = write_shards(str(tmp_path), sample_lengths(20), num_shards=1, extra=_with_bad(set(range(4, 12)), "badjson"))
+    with pytest.warns(BadSampleWarning), pytest.raises(TooManyBadSamplesError, match="5 bad samples in a row"):
+        _index(paths, SKIP)
+    idx = _index(paths, BadDataPolicy(on_error="skip", max_consecutive=9, warn=False))
+    assert len(idx) == 12 and idx.report.total == 8
+
+
+def test_members_without_extension_are_counted(tmp_path):
+    def extra(i, tf):
+        if i == 1:
+            add_member(tf, "README", b"hello")
+        return False
+
+    idx = _index(write_shards(str(tmp_path), sample_lengths(4), num_shards=1, extra=extra))
+    assert len(idx) == 4 and idx.report.counts == {"ignored_member": 1}
+
+
+def test_remote_url_is_cached(tmp_path):
+    paths = write_shards(str(tmp_path / "src"), sample_lengths(6), num_shards=1)
+    with pytest.raises(CorruptShardError, match="cache_dir"):
+        _index([f"pipe:cat {paths[0]}"])
+    src = WebDatasetSource([f"pipe:cat {paths[0]}"], cache_dir=str(tmp_path / "cache"))
+    idx = build_index(src, SCHEMA)
+    assert len(idx) == 6 and len(os.listdir(tmp_path / "cache")) == 1
+    assert src.load(tuple(idx.locations[5]))["json"] == {"id": 5}
+
+
+def test_hf_map_style_and_streaming():
+    lengths = sample_lengths(25)
+    table = datasets.Dataset.from_dict(hf_rows(lengths))
+    mapped = HFSource(table, rows_per_shard=10)
+    assert mapped.num_shards == 3 and not mapped.sequential
+    idx = build_index(mapped, SCHEMA, num_workers=2)
+    assert idx.lengths.tolist() == lengths
+    stream = HFSource(table.to_iterable_dataset(num_shards=4), lookback=2)
+    assert stream.num_shards == 4 and stream.sequential
+    sidx = build_index(stream, SCHEMA)
+    assert sidx.lengths.tolist() == lengths
+    for i in (20, 3, 4, 24, 0, 1):  # out of order: forward reads, look-back window, re-opened shards
+        assert stream.load(tuple(sidx.locations[i]))["input_ids"] == token_ids(i, lengths[i]).tolist()
+    with pytest.raises(BadSampleError, match="datasets.Dataset"):
+        HFSource([{"input_ids": [1]}])
+
+
+def test_hf_transform_and_empty_source():
+    table = datasets.Dataset.from_dict({"text": ["a b c", "d e", ""]})
+
+    def words(row):
+        return {"input_ids": torch.tensor([len(w) for w in row["text"].split()], dtype=torch.int64)}
+
+    with pytest.raises(BadSampleError, match="non-empty"):
+        build_index(HFSource(table, transform=words), SCHEMA)
+    with pytest.warns(BadSampleWarning):
+        idx = build_index(HFSource(table, transform=words), SCHEMA, policy=SKIP)
+    assert idx.lengths.tolist() == [3, 2] and idx.report.counts == {"bad_sample": 1}
+    with pytest.raises(BadSampleError, match="at least one good sample"):
+        build_index(HFSource(table.select([2]), transform=words), SCHEMA, policy=SKIP)
+
+
+def test_source_changed_is_detected(tmp_path):
+    paths = write_shards(str(tmp_path), sample_lengths(6), num_shards=1)
+    src = WebDatasetSource(paths)
+    idx = build_index(src, SCHEMA)
+    with open(paths[0], "r+b") as f:  # another file in place: byte ranges now cut other members
+        f.seek(0)
+        f.write(b"\0" * 1024)
+    from loaders import SourceChangedError
+
+    with pytest.raises((SourceChangedError, BadSampleError)):
+        WebDatasetSource(paths).load(tuple(idx.locations[0]))
+    assert json.dumps(src.describe())
+
+
+def test_long_member_names_and_read_paths(tmp_path):
+    """Random access parses plain headers itself and hands pax/long-name headers to tarfile."""
+    deep = "d" * 120 + "/"
+    path = str(tmp_path / "long.tar")
+    with tarfile.open(path, "w", format=tarfile.GNU_FORMAT) as tf:
+        for i in range(3):
+            add_member(tf, f"{deep}{i:03d}.input_ids.npy", _npy_bytes(token_ids(i, 4 + i)))
+    src = WebDatasetSource([path])
+    idx = build_index(src, SCHEMA)
+    assert idx.lengths.tolist() == [4, 5, 6]
+    assert src.load(tuple(idx.locations[2]))["__key__"] == f"{deep}002"
+
+
+def test_mixed_dtypes_are_checked_per_sample(tmp_path):
+    def transform(s):
+        ids = torch.from_numpy(s["input_ids.npy"])
+        return {"input_ids": ids.to(torch.int32) if s["json"]["id"] == 3 else ids}
+
+    paths = write_shards(str(tmp_path), sample_lengths(8), num_shards=1)
+    with pytest.raises(BadSampleError, match="000003.*dtype"):
+        _index(paths, transform=transform)
+
+
+def test_pax_names_and_corrupt_headers(tmp_path):
+    path = str(tmp_path / "pax.tar")
+    name = "p" * 150 + "/000.input_ids.npy"
+    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tf:
+        add_member(tf, name, _npy_bytes(token_ids(0, 7)))
+    src = WebDatasetSource([path])
+    idx = build_index(src, SCHEMA)
+    assert idx.lengths.tolist() == [7] and src.load(tuple(idx.locations[0]))["__key__"] == "p" * 150 + "/000"
+    data = bytearray(open(path, "rb").read())
+    data[1030] ^= 0xFF  # inside the member header after the pax header: its checksum no longer matches
+    bad = tmp_path / "bad.tar"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(CorruptShardError, match="checksum"):
+        build_index(WebDatasetSource([str(bad)]), SCHEMA)
