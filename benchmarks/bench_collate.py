@@ -62,14 +62,17 @@ def out_bytes(batch: dict) -> int:
     return sum(v.numel() * v.element_size() for v in batch.values() if isinstance(v, torch.Tensor))
 
 
-def timeit(fn, repeat: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
+def timeit_side_by_side(fns: dict, repeat: int) -> dict:
+    """Median seconds of each function, calls interleaved so every contender sees the same machine."""
+    for fn in fns.values():
         fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    times = {name: [] for name in fns}
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def _rss(key: str) -> int:
@@ -123,16 +126,18 @@ def run(batch_sizes, repeat: int) -> list[dict]:
                 torch.empty_like(src).copy_(src)
 
             row = {"B": b, "case": "top-k K=64" if topk else "tokens", "T_local": batch["input_ids"].shape[1],
-                   "out_MiB": nbytes / 2**20,
-                   "ours": timeit(lambda: coll(samples), repeat),
-                   "ours_nested": timeit(lambda: coll(nt), repeat),
-                   "floor": timeit(floor, repeat)}
-            if verl is not None and (b <= 256 or repeat > 3):
+                   "out_MiB": nbytes / 2**20}
+            row.update(timeit_side_by_side({"ours": lambda: coll(samples), "ours_nested": lambda: coll(nt),
+                                            "floor": floor}, repeat))
+            if verl is not None:
                 def run_verl():
                     with patched_parallel_state(verl, tp=LAYOUT.tp, cp=LAYOUT.cp, cp_rank=0):
                         for k in fields_of(samples):
                             verl.preprocess_thd_engine(nt[k], pre_process=True)
-                row["verl"] = timeit(run_verl, max(1, repeat // 4) if b >= 256 else repeat)
+                # verl is 100-1000x slower: fewer repeats, ours timed again beside it
+                side = timeit_side_by_side({"verl": run_verl, "ours": lambda: coll(samples)},
+                                           max(3, repeat // 8) if b >= 256 else repeat)
+                row["verl"], row["ours_beside_verl"] = side["verl"], side["ours"]
             row["peak/out"] = peak_ratio(b, topk)
             rows.append(row)
             print_row(row)
@@ -146,7 +151,7 @@ HEADER = (f"{'B':>5} {'case':>11} {'T_local':>8} {'out MiB':>8} {'ours ms':>8} {
 def print_row(r: dict) -> None:
     verl, peak = r.get("verl"), r.get("peak/out")
     verl_ms = "-" if verl is None else f"{verl * 1e3:.2f}"
-    speedup = "-" if verl is None else f"{verl / r['ours']:.0f}x"
+    speedup = "-" if verl is None else f"{verl / r['ours_beside_verl']:.0f}x"
     peak_s = "-" if peak is None else f"{peak:.2f}x"
     print(f"{r['B']:>5} {r['case']:>11} {r['T_local']:>8} {r['out_MiB']:>8.2f} {r['ours'] * 1e3:>8.3f} "
           f"{r['ours_nested'] * 1e3:>9.3f} {verl_ms:>9} {r['floor'] * 1e3:>8.3f} {speedup:>9} "
@@ -168,7 +173,7 @@ def main(argv=None) -> None:
     print(f"torch {torch.__version__}, {args.threads} thread(s), layout tp={LAYOUT.tp} cp={LAYOUT.cp} (rank 0), "
           f"lengths 16..1024")
     print(HEADER)
-    run(sizes, args.repeat or (5 if args.quick else 11))
+    run(sizes, args.repeat or (11 if args.quick else 31))
 
 
 if __name__ == "__main__":

@@ -26,25 +26,33 @@ def token_fields(schema: BatchSchema, flat: FlatBatch, plan: GatherPlan,
     ``cp_sharded=False``.
     """
     out: dict[str, torch.Tensor] = {}
-    labels_name = next((f.name for f in schema.of_role(Role.TOKEN) if f.source is Source.NEXT_TOKEN), None)
-    for spec in sorted(schema.of_role(Role.TOKEN), key=lambda f: f.source is Source.LOSS_MASK):
+    labels_spec = next((f for f in schema.of_role(Role.TOKEN) if f.source is Source.NEXT_TOKEN), None)
+    labels_from_ids = labels_spec is not None and resolve_key(labels_spec, flat.token.keys()) == "input_ids"
+    # sample fields first (they read src), then next-token fields (src turned into src_next in place),
+    # then the derived ones once the concatenated rows are released
+    order = {Source.SAMPLE: 0, Source.NEXT_TOKEN: 1}
+    for spec in sorted(schema.of_role(Role.TOKEN), key=lambda f: order.get(f.source, 2)):
         p = plan if spec.cp_sharded or unsharded_plan is None else unsharded_plan()
         if spec.source in (Source.SAMPLE, Source.NEXT_TOKEN):
             key = resolve_key(spec, flat.token.keys())
             if key is None:
                 continue  # optional and absent from every sample (flatten checked that)
-            index = p.src_next if spec.source is Source.NEXT_TOKEN else p.src
+            index = p.src if spec.source is Source.SAMPLE else p.take_src_next()
             # bounds are checked on every row, not only this CP rank's: a bad token held by another
             # rank must fail here too, or this rank would go on into the next collective alone
             check = (lambda rows, first, spec=spec, key=key: check_value_bounds(rows, spec, key, flat, first)) \
                 if flat.check_values and spec.has_bounds else None
             out[spec.name] = gather(flat.token[key], index, p, flat, check)
-        elif spec.source is Source.POSITIONS:
+            continue
+        for source in flat.token.values():
+            source.release()
+        if spec.source is Source.POSITIONS:
             out[spec.name] = p.positions.to(spec.dtype)
         elif spec.source is Source.PADDING_MASK:
             out[spec.name] = p.is_pad if spec.dtype == torch.bool else p.is_pad.to(spec.dtype)
         elif spec.source is Source.LOSS_MASK:
-            out[spec.name] = _loss_mask(spec, schema, flat, p, out.get(labels_name))
+            labels = out.get(labels_spec.name) if labels_spec is not None else None
+            out[spec.name] = _loss_mask(spec, schema, flat, p, labels, labels_from_ids)
     return out
 
 
@@ -56,7 +64,7 @@ def gather(source: TokenSource, index: torch.Tensor, plan: GatherPlan, flat: Fla
     """
     td = source.token_dim
     if (source.parts is None or td != 0 or index.numel() >= flat.num_real
-            or source.nbytes < BLOCK_MIN_BYTES):
+            or flat.num_real * source.row_nbytes < BLOCK_MIN_BYTES):
         rows = source.rows()
         if check is not None:
             check(rows.narrow(td, 0, flat.num_real), 0)
@@ -64,10 +72,14 @@ def gather(source: TokenSource, index: torch.Tensor, plan: GatherPlan, flat: Fla
     first = source.parts[0]
     out = torch.empty((index.numel(), *first.shape[1:]), dtype=first.dtype)
     cu = flat.cu_seqlens.tolist()
-    for s0, s1, o0, o1 in plan.blocks(flat.cu_seqlens, max(index.numel() // 2, 1)):
+    blocks = plan.blocks(flat.cu_seqlens, max(index.numel() // 2, 1))
+    # one buffer for every block's rows: fresh memory per block would cost a page fault per 4 KiB
+    buf = torch.empty((max(cu[s1] - cu[s0] for s0, s1, _, _ in blocks) + 2, *first.shape[1:]), dtype=first.dtype)
+    for s0, s1, o0, o1 in blocks:
         if o0 == o1 and check is None:
             continue
-        rows, n = source.rows(s0, s1), cu[s1] - cu[s0]
+        n = cu[s1] - cu[s0]
+        rows = source.rows(s0, s1, out=buf[: n + 2])
         if check is not None:
             check(rows.narrow(0, 0, n), cu[s0])
         idx = index[o0:o1]
@@ -77,11 +89,16 @@ def gather(source: TokenSource, index: torch.Tensor, plan: GatherPlan, flat: Fla
     return out
 
 
-def _loss_mask(spec, schema: BatchSchema, flat: FlatBatch, plan: GatherPlan, labels: torch.Tensor | None):
+def _loss_mask(spec, schema: BatchSchema, flat: FlatBatch, plan: GatherPlan, labels: torch.Tensor | None,
+               labels_from_ids: bool):
     """1.0 where a label is trained on: label != ignore_index and not a pad, times the sample's own
     ``loss_mask`` (aligned with its tokens, so shifted like the labels) when it has one."""
-    mask = (labels != schema.ignore_index) if labels is not None else ~plan.is_pad
     sample_mask = flat.token.get("loss_mask")
+    if labels_from_ids and sample_mask is None:
+        # labels are the next input_ids: trained on every real slot but each sequence's last
+        mask = plan.is_pad.logical_not().to(spec.dtype)
+        return mask.index_fill_(0, plan.last_slots, 0)
+    mask = (labels != schema.ignore_index) if labels is not None else ~plan.is_pad
     if sample_mask is not None:
         mask = mask & gather(sample_mask, plan.src_next, plan, flat).bool()
     return mask.to(spec.dtype)

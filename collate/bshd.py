@@ -8,6 +8,7 @@
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -55,7 +56,7 @@ class BSHDCollator:
         b = flat.lengths.numel()
         s = self.layout.bshd_length(int(flat.lengths.max()), b)
         plan = gather_plan(flat.lengths, bshd_chunks(b, s, self.layout, self.cp_rank), flat.cu_seqlens)
-        whole = (lambda: gather_plan(flat.lengths, bshd_chunks(b, s, self.layout, None), flat.cu_seqlens))
+        whole = functools.cache(lambda: gather_plan(flat.lengths, bshd_chunks(b, s, self.layout, None), flat.cu_seqlens))
         out = {}
         for name, v in token_fields(self.schema, flat, plan, whole).items():
             td = self.schema[name].token_dim

@@ -84,7 +84,7 @@ def cp_chunks(padded, layout: ParallelLayout, cp_rank: int | None) -> Chunks:
     return Chunks(seq, begin - cu[:-1], end - begin)
 
 
-@dataclass(frozen=True)
+@dataclass
 class GatherPlan:
     """For each output slot: where its value comes from. Built once per batch, used by every field.
 
@@ -95,71 +95,97 @@ class GatherPlan:
 
     positions: torch.Tensor  # int64 [T_out], position of the slot inside its padded sequence
     is_pad: torch.Tensor  # bool  [T_out]
-    src: torch.Tensor  # int64 [T_out], row of the slot's token; num_real on pads
-    src_next: torch.Tensor  # int64 [T_out], row of the next token of the same sequence; num_real + 1 if none
-    seq_out_start: np.ndarray  # int64 [N+1], first output slot of each sequence (slots are in sequence order)
+    src: torch.Tensor | None  # int64 [T_out], row of the slot's token; num_real on pads (None once taken)
+    last_slots: torch.Tensor  # int64 [<= N], slots holding a sequence's last token
     num_real: int  # sum of true lengths
+    chunk_seq: np.ndarray  # int64 [C], sequence of each non-empty chunk, in output order
+    chunk_out_start: np.ndarray  # int64 [C], first output slot of each non-empty chunk
+    _src_next: torch.Tensor | None = None
+
+    @property
+    def num_slots(self) -> int:
+        return self.positions.numel()
+
+    @property
+    def src_next(self) -> torch.Tensor:
+        """int64 ``[T_out]``: row of the next token of the same sequence; ``num_real + 1`` if none."""
+        if self._src_next is None:
+            self._src_next = self._next_of(self.src.clone())
+        return self._src_next
+
+    def take_src_next(self) -> torch.Tensor:
+        """``src_next`` built in place over ``src``, for a caller done with ``src`` (one ``[T_out]``
+        buffer less at the peak); ``src`` is None afterwards."""
+        if self._src_next is None:
+            self._src_next, self.src = self._next_of(self.src), None
+        return self._src_next
+
+    def _next_of(self, src: torch.Tensor) -> torch.Tensor:
+        return src.add_(1).index_fill_(0, self.last_slots, self.num_real + 1)  # pads: num_real + 1
 
     def blocks(self, cu_seqlens, rows_per_block: int) -> list[tuple[int, int, int, int]]:
         """Split the batch into runs of whole sequences of about ``rows_per_block`` input rows:
         ``(first_seq, end_seq, first_slot, end_slot)`` each; a block's slots read only its sequences."""
-        n = self.seq_out_start.size - 1
-        cuts = np.searchsorted(as_numpy(cu_seqlens), np.arange(rows_per_block, self.num_real, rows_per_block))
+        cu = as_numpy(cu_seqlens)
+        n = cu.size - 1
+        cuts = np.searchsorted(cu, np.arange(rows_per_block, self.num_real, rows_per_block))
         bounds = np.unique(np.concatenate(([0, n], np.clip(cuts, 0, n))))
-        starts = self.seq_out_start[bounds]
+        # first output slot of each bound sequence (slots are in sequence order; none held: the next one's)
+        starts = np.append(self.chunk_out_start, self.num_slots)[np.searchsorted(self.chunk_seq, bounds)]
         return [(int(bounds[i]), int(bounds[i + 1]), int(starts[i]), int(starts[i + 1])) for i in range(bounds.size - 1)]
 
 
-def _runs(slot_steps: torch.Tensor, starts: np.ndarray, firsts: np.ndarray, steps: np.ndarray,
-          lengths: np.ndarray) -> torch.Tensor:
-    """Piecewise-linear sequence, in place over ``slot_steps``: run j covers slots
-    ``[starts[j], starts[j] + lengths[j])`` with values ``firsts[j] + steps[j] * i``. ``slot_steps``
-    holds every slot's step; runs are non-empty, sorted and tile the output. Two full-size ops."""
-    last = firsts + steps * (lengths - 1)
-    jumps = firsts - np.concatenate(([0], last[:-1])) - steps
-    slot_steps.index_add_(0, torch.from_numpy(starts), torch.from_numpy(jumps))
-    return slot_steps.cumsum_(0)
+def _interleave(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    out = np.empty(2 * a.size, dtype=np.int64)
+    out[0::2], out[1::2] = a, b
+    return out
 
 
 def gather_plan(lengths, chunks: Chunks, cu_seqlens=None) -> GatherPlan:
     """Build the :class:`GatherPlan` of ``chunks`` for sequences of true ``lengths`` (``[N]``).
 
-    Every per-slot quantity is a piecewise-linear run per chunk, built as the cumulative sum of
-    per-slot steps with the jumps scattered at run starts: about ten full-size torch ops per batch,
-    whatever the number of sequences.
+    Every per-slot quantity is piecewise linear over runs (a chunk's real tokens, then its pads),
+    built as the cumulative sum of per-slot steps with the jumps scattered at run starts: seven
+    full-size torch ops per batch, whatever the number of sequences; the per-run tables are numpy.
     """
     lengths = as_numpy(lengths)
     cu = np.concatenate(([0], np.cumsum(lengths))) if cu_seqlens is None else as_numpy(cu_seqlens)
     num_real = int(cu[-1])
-    all_out_start = np.cumsum(chunks.length) - chunks.length
-    total = int(chunks.length.sum())
-    first_chunk = np.searchsorted(chunks.seq, np.arange(lengths.size))
-    seq_out_start = np.append(np.append(all_out_start, total)[first_chunk], total)
-    keep = chunks.length > 0
-    seq, start, length, out_start = chunks.seq[keep], chunks.start[keep], chunks.length[keep], all_out_start[keep]
-    n_real = np.minimum(np.maximum(lengths[seq] - start, 0), length)
-    ones = np.ones_like(start)
+    seq, start, length = chunks.seq, chunks.start, chunks.length
+    if not length.all():  # contiguous CP layout: sequences this rank holds nothing of
+        keep = length > 0
+        seq, start, length = seq[keep], start[keep], length[keep]
+    ends = np.cumsum(length)
+    out_start = ends - length
+    total = int(ends[-1]) if ends.size else 0
+    n_real = np.clip(lengths[seq] - start, 0, length)
 
-    positions = _runs(torch.ones(total, dtype=torch.int64), out_start, start, ones, length)
+    # positions: one run per chunk, step 1 (pads continue counting)
+    positions = torch.ones(total, dtype=torch.int64)
+    prev_end = np.concatenate(([1], (start + length)[:-1]))
+    positions.index_add_(0, torch.from_numpy(out_start), torch.from_numpy(start - prev_end))
+    positions.cumsum_(0)
 
     # src: per chunk a real run (step 1 from the token's row) then a pad run (constant num_real)
-    run_start = np.stack((out_start, out_start + n_real), 1).reshape(-1)
-    run_len = np.stack((n_real, length - n_real), 1).reshape(-1)
-    run_first = np.stack((cu[seq] + start, np.full_like(start, num_real)), 1).reshape(-1)
-    run_step = np.stack((ones, 0 * ones), 1).reshape(-1)
+    run_start = _interleave(out_start, out_start + n_real)
+    run_len = _interleave(n_real, length - n_real)
+    run_first = _interleave(cu[seq] + start, np.full_like(start, num_real))
+    run_step = np.tile(np.array([1, 0], dtype=np.int64), start.size)
     live = run_len > 0
     run_start, run_len, run_first, run_step = run_start[live], run_len[live], run_first[live], run_step[live]
+    starts_t = torch.from_numpy(run_start)
     steps = torch.zeros(total, dtype=torch.int64)
-    steps.index_add_(0, torch.from_numpy(run_start), torch.from_numpy(np.diff(run_step, prepend=0)))
-    steps.cumsum_(0)
-    is_pad = steps == 0
-    src = _runs(steps, run_start, run_first, run_step, run_len)
+    steps.index_add_(0, starts_t, torch.from_numpy(np.diff(run_step, prepend=0)))
+    steps.cumsum_(0)  # 1 on real slots, 0 on pads
+    is_pad = steps.logical_not()
+    run_last = run_first + run_step * (run_len - 1)
+    steps.index_add_(0, starts_t, torch.from_numpy(run_first - np.concatenate(([0], run_last[:-1])) - run_step))
+    src = steps.cumsum_(0)
 
-    src_next = src + 1  # pads: num_real + 1
-    ends = (start + n_real == lengths[seq]) & (n_real > 0)  # chunks holding their sequence's last token
-    src_next[torch.from_numpy((out_start + n_real - 1)[ends])] = num_real + 1
-    return GatherPlan(positions=positions, is_pad=is_pad, src=src, src_next=src_next,
-                      seq_out_start=seq_out_start, num_real=num_real)
+    holds_last = (start + n_real == lengths[seq]) & (n_real > 0)  # chunks holding their sequence's last token
+    last_slots = torch.from_numpy((out_start + n_real - 1)[holds_last])
+    return GatherPlan(positions=positions, is_pad=is_pad, src=src, last_slots=last_slots,
+                      num_real=num_real, chunk_seq=seq, chunk_out_start=out_start)
 
 
 def global_slots(chunks: Chunks, cu_padded) -> torch.Tensor:

@@ -34,24 +34,27 @@ class TokenSource:
     _all_rows: torch.Tensor | None = field(default=None, repr=False)
 
     @property
-    def nbytes(self) -> int:
-        if self.parts is not None:
-            return sum(t.numel() for t in self.parts) * self.pad.element_size()
-        return self.values.numel() * self.values.element_size()
+    def row_nbytes(self) -> int:
+        """Bytes of one token row (all dims but the token dim)."""
+        return self.pad.numel() // 2 * self.pad.element_size()
 
-    def rows(self, first: int = 0, end: int | None = None) -> torch.Tensor:
+    def release(self) -> None:
+        """Drop the cached concatenation (the collator calls it once every field that reads it is built)."""
+        self._all_rows = None
+
+    def rows(self, first: int = 0, end: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """Rows of sequences ``[first, end)`` then the two pad rows, in one ``torch.cat``
-        (nested input: all rows)."""
+        (nested input: all rows); ``out``: a buffer to write them to (reused across blocks)."""
         if first == 0 and end is None:  # the whole batch: built once, shared by fields reading this key
             if self._all_rows is None:
                 self._all_rows = self._cat((*self.parts, self.pad) if self.parts is not None
                                            else (self.values, self.pad))
             return self._all_rows
-        return self._cat((*self.parts[first:end], self.pad))
+        return self._cat((*self.parts[first:end], self.pad), out)
 
-    def _cat(self, tensors) -> torch.Tensor:
+    def _cat(self, tensors, out: torch.Tensor | None = None) -> torch.Tensor:
         try:
-            return torch.cat(tensors, self.token_dim)
+            return torch.cat(tensors, self.token_dim) if out is None else torch.cat(tensors, self.token_dim, out=out)
         except RuntimeError:
             if self.diagnose is not None:
                 self.diagnose()
@@ -95,6 +98,7 @@ def _pad_rows(like: torch.Tensor, spec: FieldSpec, next_pad) -> torch.Tensor:
     return torch.cat(rows, spec.token_dim)
 
 
+@functools.lru_cache(maxsize=64)
 def _sample_keys_read(schema: BatchSchema) -> list[tuple[str, FieldSpec]]:
     """(sample key candidates' owner spec) for every TOKEN field that reads sample data."""
     specs = [f for f in schema.of_role(Role.TOKEN) if f.source in (Source.SAMPLE, Source.NEXT_TOKEN)]
@@ -138,12 +142,11 @@ def flatten(batch, schema: BatchSchema, *, check_values: bool = True) -> FlatBat
                      check_values=check_values)
     next_pads = _next_pad_values(schema)
     present = batch[0].keys()
-    uniform = all(s.keys() == present for s in batch)  # then a field absent from sample 0 is absent everywhere
     done: set[str] = set()
     for _, spec in _sample_keys_read(schema):
         key = resolve_key(spec, present)
         if key is None:
-            if spec.required or not uniform:
+            if spec.required or any(any(k in s for s in batch) for k in spec.sample_keys):
                 _missing(spec, batch)
             continue
         if key in done:
@@ -156,7 +159,7 @@ def flatten(batch, schema: BatchSchema, *, check_values: bool = True) -> FlatBat
                                       diagnose=functools.partial(_diagnose_token, tensors, spec, key, flat))
     for spec in schema.of_role(Role.SEQUENCE) + schema.of_role(Role.MEDIA):
         if spec.name not in present:
-            if spec.required or not uniform:
+            if spec.required or any(spec.name in s for s in batch):
                 _missing(spec, batch)
             continue
         tensors = _column(batch, spec.name)

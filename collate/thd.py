@@ -10,6 +10,7 @@
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -62,7 +63,7 @@ class THDCollator:
         padded = self.layout.padded_lengths(flat.lengths)
         shard_rank = None if self.defer_cp_shard else self.cp_rank
         plan = gather_plan(flat.lengths, cp_chunks(padded, self.layout, shard_rank), flat.cu_seqlens)
-        whole = (lambda: gather_plan(flat.lengths, cp_chunks(padded, self.layout, None), flat.cu_seqlens))
+        whole = functools.cache(lambda: gather_plan(flat.lengths, cp_chunks(padded, self.layout, None), flat.cu_seqlens))
         out = {name: _add_batch_dim(v, self.schema[name].token_dim)
                for name, v in token_fields(self.schema, flat, plan, whole).items()}
         out["cu_seqlens"] = flat.cu_seqlens.to(torch.int32)
