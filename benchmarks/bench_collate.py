@@ -8,7 +8,8 @@ For B in {8, 64, 256, 1024} sequences of 16..1024 tokens, tp=2 cp=2, CP rank 0:
   floor        torch.cat of the same input tensors + one memcpy of as many bytes as our output
   peak/out     peak extra resident memory of one collate call / bytes of its output
                (measured in a fresh subprocess with /proc/self/clear_refs + VmHWM)
-Ratios are what matter; absolute times depend on the machine. One thread, like one DataLoader worker.
+Times are best-of-N with the contenders interleaved; ratios are what matter, absolute times depend on
+the machine. One thread, like one DataLoader worker.
 
     python benchmarks/bench_collate.py            # full table
     python benchmarks/bench_collate.py --quick    # B in {8, 64, 256}, fewer repeats
@@ -63,7 +64,8 @@ def out_bytes(batch: dict) -> int:
 
 
 def timeit_side_by_side(fns: dict, repeat: int) -> dict:
-    """Median seconds of each function, calls interleaved so every contender sees the same machine."""
+    """Best-of-``repeat`` seconds of each function, calls interleaved so every contender sees the same
+    machine (the minimum: on a shared VM noise only ever adds time, and it adds it unevenly)."""
     for fn in fns.values():
         fn()
     times = {name: [] for name in fns}
@@ -72,7 +74,7 @@ def timeit_side_by_side(fns: dict, repeat: int) -> dict:
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    return {name: min(ts) for name, ts in times.items()}
 
 
 def _rss(key: str) -> int:

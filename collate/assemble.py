@@ -7,6 +7,7 @@ padding mask, loss mask) come from the plan itself. Outputs have the token dim f
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
@@ -28,10 +29,7 @@ def token_fields(schema: BatchSchema, flat: FlatBatch, plan: GatherPlan,
     out: dict[str, torch.Tensor] = {}
     labels_spec = next((f for f in schema.of_role(Role.TOKEN) if f.source is Source.NEXT_TOKEN), None)
     labels_from_ids = labels_spec is not None and resolve_key(labels_spec, flat.token.keys()) == "input_ids"
-    # sample fields first (they read src), then next-token fields (src turned into src_next in place),
-    # then the derived ones once the concatenated rows are released
-    order = {Source.SAMPLE: 0, Source.NEXT_TOKEN: 1}
-    for spec in sorted(schema.of_role(Role.TOKEN), key=lambda f: order.get(f.source, 2)):
+    for spec in _build_order(schema):
         p = plan if spec.cp_sharded or unsharded_plan is None else unsharded_plan()
         if spec.source in (Source.SAMPLE, Source.NEXT_TOKEN):
             key = resolve_key(spec, flat.token.keys())
@@ -54,6 +52,14 @@ def token_fields(schema: BatchSchema, flat: FlatBatch, plan: GatherPlan,
             labels = out.get(labels_spec.name) if labels_spec is not None else None
             out[spec.name] = _loss_mask(spec, schema, flat, p, labels, labels_from_ids)
     return out
+
+
+@functools.lru_cache(maxsize=64)
+def _build_order(schema: BatchSchema) -> tuple:
+    """Sample fields first (they read ``src``), then next-token fields (``src`` turned into
+    ``src_next`` in place), then the derived ones, once the concatenated rows are released."""
+    order = {Source.SAMPLE: 0, Source.NEXT_TOKEN: 1}
+    return tuple(sorted(schema.of_role(Role.TOKEN), key=lambda f: order.get(f.source, 2)))
 
 
 def gather(source: TokenSource, index: torch.Tensor, plan: GatherPlan, flat: FlatBatch,

@@ -141,12 +141,20 @@ def _interleave(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return out
 
 
+def _shift_in(first: int, values: np.ndarray) -> np.ndarray:
+    """``[first, values[0], ..., values[-2]]``: each run's predecessor value."""
+    out = np.empty_like(values)
+    out[0], out[1:] = first, values[:-1]
+    return out
+
+
 def gather_plan(lengths, chunks: Chunks, cu_seqlens=None) -> GatherPlan:
     """Build the :class:`GatherPlan` of ``chunks`` for sequences of true ``lengths`` (``[N]``).
 
     Every per-slot quantity is piecewise linear over runs (a chunk's real tokens, then its pads),
-    built as the cumulative sum of per-slot steps with the jumps scattered at run starts: seven
-    full-size torch ops per batch, whatever the number of sequences; the per-run tables are numpy.
+    built as the cumulative sum of per-slot steps with the jumps scattered (accumulated) at run
+    starts: seven full-size torch ops per batch, whatever the number of sequences; the per-run
+    tables are numpy. Empty runs need no filtering: their jumps telescope into the next run's.
     """
     lengths = as_numpy(lengths)
     cu = np.concatenate(([0], np.cumsum(lengths))) if cu_seqlens is None else as_numpy(cu_seqlens)
@@ -159,31 +167,28 @@ def gather_plan(lengths, chunks: Chunks, cu_seqlens=None) -> GatherPlan:
     out_start = ends - length
     total = int(ends[-1]) if ends.size else 0
     n_real = np.clip(lengths[seq] - start, 0, length)
+    real_end = out_start + n_real  # first pad slot of each chunk (== next chunk's start when none)
 
     # positions: one run per chunk, step 1 (pads continue counting)
     positions = torch.ones(total, dtype=torch.int64)
-    prev_end = np.concatenate(([1], (start + length)[:-1]))
-    positions.index_add_(0, torch.from_numpy(out_start), torch.from_numpy(start - prev_end))
+    positions.index_add_(0, torch.from_numpy(out_start), torch.from_numpy(start - _shift_in(1, start + length)))
     positions.cumsum_(0)
 
-    # src: per chunk a real run (step 1 from the token's row) then a pad run (constant num_real)
-    run_start = _interleave(out_start, out_start + n_real)
-    run_len = _interleave(n_real, length - n_real)
+    # src: per chunk a real run (step 1 from the token's row), then a pad run (constant num_real)
+    run_start = torch.from_numpy(_interleave(out_start, real_end))
     run_first = _interleave(cu[seq] + start, np.full_like(start, num_real))
-    run_step = np.tile(np.array([1, 0], dtype=np.int64), start.size)
-    live = run_len > 0
-    run_start, run_len, run_first, run_step = run_start[live], run_len[live], run_first[live], run_step[live]
-    starts_t = torch.from_numpy(run_start)
-    steps = torch.zeros(total, dtype=torch.int64)
-    steps.index_add_(0, starts_t, torch.from_numpy(np.diff(run_step, prepend=0)))
+    run_last = _interleave(cu[seq] + start + n_real - 1, np.full_like(start, num_real))
+    step_jump = np.tile(np.array([1, -1], dtype=np.int64), start.size)  # +1 entering a real run, -1 a pad run
+    steps = torch.zeros(total + 1, dtype=torch.int64)  # one spare slot: empty pad runs may start at `total`
+    steps.index_add_(0, run_start, torch.from_numpy(step_jump))
     steps.cumsum_(0)  # 1 on real slots, 0 on pads
-    is_pad = steps.logical_not()
-    run_last = run_first + run_step * (run_len - 1)
-    steps.index_add_(0, starts_t, torch.from_numpy(run_first - np.concatenate(([0], run_last[:-1])) - run_step))
-    src = steps.cumsum_(0)
+    is_pad = steps[:total].logical_not()
+    run_step = np.tile(np.array([1, 0], dtype=np.int64), start.size)
+    steps.index_add_(0, run_start, torch.from_numpy(run_first - _shift_in(0, run_last) - run_step))
+    src = steps.cumsum_(0)[:total]
 
     holds_last = (start + n_real == lengths[seq]) & (n_real > 0)  # chunks holding their sequence's last token
-    last_slots = torch.from_numpy((out_start + n_real - 1)[holds_last])
+    last_slots = torch.from_numpy((real_end - 1)[holds_last])
     return GatherPlan(positions=positions, is_pad=is_pad, src=src, last_slots=last_slots,
                       num_real=num_real, chunk_seq=seq, chunk_out_start=out_start)
 

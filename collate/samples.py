@@ -79,6 +79,7 @@ class FlatBatch:
         return int(self.cu_seqlens[-1])
 
 
+@functools.lru_cache(maxsize=64)
 def _next_pad_values(schema: BatchSchema) -> dict[str, float]:
     """sample key -> pad value of the next-token field reading it (``input_ids`` -> labels' -100)."""
     out: dict[str, float] = {}
@@ -93,9 +94,14 @@ def _pad_rows(like: torch.Tensor, spec: FieldSpec, next_pad) -> torch.Tensor:
     """``[*leading, 2, *dense]``: the field's pad value, then the no-next-token value."""
     shape = list(like.shape)
     shape[spec.token_dim] = 1
-    rows = (torch.full(shape, spec.pad_value, dtype=like.dtype),
-            torch.full(shape, spec.pad_value if next_pad is None else next_pad, dtype=like.dtype))
-    return torch.cat(rows, spec.token_dim)
+    return _constant_pad_rows(tuple(shape), like.dtype, spec.token_dim, spec.pad_value,
+                              spec.pad_value if next_pad is None else next_pad)
+
+
+@functools.lru_cache(maxsize=256)
+def _constant_pad_rows(shape: tuple, dtype: torch.dtype, dim: int, pad, next_pad) -> torch.Tensor:
+    """Built once per shape and values; only ever read (concatenated), never written."""
+    return torch.cat((torch.full(shape, pad, dtype=dtype), torch.full(shape, next_pad, dtype=dtype)), dim)
 
 
 @functools.lru_cache(maxsize=64)
@@ -274,7 +280,7 @@ def _check_token_parts(tensors: list, spec: FieldSpec, key: str, flat: FlatBatch
         sizes = np.fromiter((t.shape[td] if t.ndim > td else -1 for t in tensors), np.int64, len(tensors))
         if not np.array_equal(sizes, flat.lengths.numpy()):
             _diagnose_token(tensors, spec, key, flat)
-    if len({(t.dtype, t.ndim) for t in tensors}) != 1:
+    if len({t.dtype for t in tensors}) != 1 or len({t.ndim for t in tensors}) != 1:
         _diagnose_token(tensors, spec, key, flat)
     # other dims differing between samples make torch.cat fail; TokenSource.rows diagnoses that
     _check_token_shape(first.shape, first.dtype, spec, key, flat, tensors)

@@ -68,7 +68,7 @@ class THDCollator:
                for name, v in token_fields(self.schema, flat, plan, whole).items()}
         out["cu_seqlens"] = flat.cu_seqlens.to(torch.int32)
         out["cu_seqlens_padded"] = lengths_to_cu_seqlens(padded)
-        out["max_seqlen"] = padded.max().to(torch.int32).reshape(1)
+        out["max_seqlen"] = torch.tensor([int(padded.numpy().max())], dtype=torch.int32)
         out.update(flat.sequence)
         out.update(flat.media)
         if self.defer_cp_shard and self.cp_rank is not None:
