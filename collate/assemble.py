@@ -69,13 +69,12 @@ def gather(source: TokenSource, index: torch.Tensor, plan: GatherPlan, flat: Fla
     ``check(rows, first_row)`` sees every real row once (all sequences, whatever ``index`` keeps).
     """
     td = source.token_dim
-    if (source.parts is None or td != 0 or index.numel() >= flat.num_real
-            or flat.num_real * source.row_nbytes < BLOCK_MIN_BYTES):
+    if td != 0 or index.numel() >= flat.num_real or flat.num_real * source.row_nbytes < BLOCK_MIN_BYTES:
         rows = source.rows()
         if check is not None:
             check(rows.narrow(td, 0, flat.num_real), 0)
         return rows.index_select(td, index)
-    first = source.parts[0]
+    first = source.pad
     out = torch.empty((index.numel(), *first.shape[1:]), dtype=first.dtype)
     cu = flat.cu_seqlens.tolist()
     blocks = plan.blocks(flat.cu_seqlens, max(index.numel() // 2, 1))
@@ -85,7 +84,7 @@ def gather(source: TokenSource, index: torch.Tensor, plan: GatherPlan, flat: Fla
         if o0 == o1 and check is None:
             continue
         n = cu[s1] - cu[s0]
-        rows = source.rows(s0, s1, out=buf[: n + 2])
+        rows = source.block(s0, s1, cu[s0], cu[s1], out=buf[: n + 2])
         if check is not None:
             check(rows.narrow(0, 0, n), cu[s0])
         idx = index[o0:o1]

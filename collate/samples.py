@@ -42,15 +42,19 @@ class TokenSource:
         """Drop the cached concatenation (the collator calls it once every field that reads it is built)."""
         self._all_rows = None
 
-    def rows(self, first: int = 0, end: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Rows of sequences ``[first, end)`` then the two pad rows, in one ``torch.cat``
-        (nested input: all rows); ``out``: a buffer to write them to (reused across blocks)."""
-        if first == 0 and end is None:  # the whole batch: built once, shared by fields reading this key
-            if self._all_rows is None:
-                self._all_rows = self._cat((*self.parts, self.pad) if self.parts is not None
-                                           else (self.values, self.pad))
-            return self._all_rows
-        return self._cat((*self.parts[first:end], self.pad), out)
+    def rows(self) -> torch.Tensor:
+        """All rows then the two pad rows, in one ``torch.cat``; built once, shared by the fields
+        reading this key until :meth:`release`."""
+        if self._all_rows is None:
+            self._all_rows = self._cat((*self.parts, self.pad) if self.parts is not None else (self.values, self.pad))
+        return self._all_rows
+
+    def block(self, first_seq: int, end_seq: int, first_row: int, end_row: int, out: torch.Tensor) -> torch.Tensor:
+        """Rows of sequences ``[first_seq, end_seq)`` (rows ``[first_row, end_row)``) then the two pad
+        rows, written to ``out`` (a buffer reused across blocks)."""
+        if self.parts is not None:
+            return self._cat((*self.parts[first_seq:end_seq], self.pad), out)
+        return self._cat((self.values.narrow(self.token_dim, first_row, end_row - first_row), self.pad), out)
 
     def _cat(self, tensors, out: torch.Tensor | None = None) -> torch.Tensor:
         try:
