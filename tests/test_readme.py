@@ -22,3 +22,11 @@ def test_ci_runs_the_readme_test_command():
     normalised = test_cmd.replace("pip install -c", "pip install -q -c").replace("pip install --no-deps",
                                                                                 "pip install -q --no-deps")
     assert normalised in ci
+
+
+def test_readme_collate_example_runs():
+    """The first Python example of the README is executed as written (its asserts included)."""
+    import re
+
+    block = re.findall(r"```python\n(.*?)```", ROOT.joinpath("README.md").read_text(), re.S)[0]
+    exec(compile(block, "README.md", "exec"), {})
