@@ -1,9 +1,9 @@
 """Turn a list of sample dicts (or verl's dict of jagged nested tensors) into flat per-field tensors.
 
 Validation is "fast check, slow diagnosis": the happy path reads each sample's shape and dtype
-once per field (no tensor op) and value bounds are checked on the gathered output in one reduction
-(see ``collate.assemble``); only when something is off does a per-sample loop run to name the
-sample, the field, what was expected and what came.
+once per field (no tensor op), and declared value bounds are checked with one reduction over the
+concatenated rows (see ``collate.assemble``); only when something is off does a per-sample loop run
+to name the sample, the field, what was expected and what came.
 """
 from __future__ import annotations
 
@@ -109,13 +109,14 @@ def _constant_pad_rows(shape: tuple, dtype: torch.dtype, dim: int, pad, next_pad
 
 
 @functools.lru_cache(maxsize=64)
-def _sample_keys_read(schema: BatchSchema) -> list[tuple[str, FieldSpec]]:
-    """(sample key candidates' owner spec) for every TOKEN field that reads sample data."""
+def _sample_keys_read(schema: BatchSchema) -> tuple[FieldSpec, ...]:
+    """Every TOKEN field that reads sample data, plus an optional sample ``loss_mask`` (which the
+    derived ``loss_mask`` multiplies in) when the schema does not declare one itself."""
     specs = [f for f in schema.of_role(Role.TOKEN) if f.source in (Source.SAMPLE, Source.NEXT_TOKEN)]
     if "loss_mask" not in schema or schema["loss_mask"].source is not Source.SAMPLE:
         specs.append(FieldSpec(name="loss_mask", dtypes=("float32", "bool", "int64", "int32", "uint8", "bfloat16"),
                                pad_value=0, required=False))
-    return [(f.name, f) for f in specs]
+    return tuple(specs)
 
 
 def resolve_key(spec: FieldSpec, present: Sequence[str]) -> str | None:
@@ -153,7 +154,7 @@ def flatten(batch, schema: BatchSchema, *, check_values: bool = True) -> FlatBat
     next_pads = _next_pad_values(schema)
     present = batch[0].keys()
     done: set[str] = set()
-    for _, spec in _sample_keys_read(schema):
+    for spec in _sample_keys_read(schema):
         key = resolve_key(spec, present)
         if key is None:
             if spec.required or any(any(k in s for s in batch) for k in spec.sample_keys):
@@ -191,7 +192,7 @@ def _flatten_nested(batch: Mapping, schema: BatchSchema, check_values: bool) -> 
     _check_lengths(lengths, None)
     flat = FlatBatch(lengths=lengths, cu_seqlens=offsets, check_values=check_values)
     next_pads = _next_pad_values(schema)
-    for _, spec in _sample_keys_read(schema):
+    for spec in _sample_keys_read(schema):
         key = resolve_key(spec, batch.keys())
         if key is None:
             if spec.required:
