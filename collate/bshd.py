@@ -67,4 +67,5 @@ class BSHDCollator:
         out.update(flat.media)
         out["cp_rank"] = -1 if self.cp_rank is None else self.cp_rank
         out["cp_size"] = self.layout.cp
+        out["cp_layout"] = self.layout.cp_layout.value
         return out

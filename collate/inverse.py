@@ -37,13 +37,20 @@ def _check_shards(shards: Sequence[torch.Tensor], dim: int) -> None:
 
 def unshard_cp(shards: Sequence[torch.Tensor], *, cu_seqlens_padded: torch.Tensor,
                cp_layout: CPLayout | str = CPLayout.ZIGZAG, dim: int = 1) -> torch.Tensor:
-    """Per-rank THD shards ``[1, T/cp, ...]`` (in CP-rank order) -> the whole packed ``[1, T, ...]``."""
+    """Per-rank THD shards ``[1, T/cp, ...]`` (in CP-rank order) -> the whole packed ``[1, T, ...]``.
+
+    ``cp_layout``: how the shards were cut; a collated batch carries it as ``batch["cp_layout"]``.
+    """
     _check_shards(shards, dim)
     cp = len(shards)
     if cp == 1:
         return shards[0]
     layout = ParallelLayout(cp=cp, cp_layout=CPLayout(cp_layout))
     padded = cu_seqlens_to_lengths(cu_seqlens_padded)
+    if layout.cp_layout is CPLayout.ZIGZAG and bool((padded % (2 * cp)).any()):
+        i = int(torch.nonzero(padded % (2 * cp))[0])
+        raise ValueError(f"unshard_cp: padded length {int(padded[i])} of sequence {i} is not a multiple of 2*cp = "
+                         f"{2 * cp}, so these shards were not cut zigzag; pass cp_layout=batch['cp_layout']")
     total = int(padded.sum())
     if total != shards[0].shape[dim] * cp:
         raise ValueError(f"unshard_cp: cu_seqlens_padded describes {total} rows, shards hold "

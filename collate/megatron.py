@@ -28,17 +28,18 @@ class PackedSeqConvention(enum.Enum):
 
 
 def to_packed_seq_params(batch: dict, *, convention: PackedSeqConvention | str = PackedSeqConvention.PADDED,
-                         cp_layout: CPLayout | str = CPLayout.ZIGZAG, device: torch.device | str | None = None):
+                         cp_layout: CPLayout | str | None = None, device: torch.device | str | None = None):
     """Build ``megatron.core.packed_seq_params.PackedSeqParams(qkv_format="thd", ...)`` from a
     :class:`~collate.THDCollator` batch. Offsets are int32 (moved to ``device`` when given).
 
-    With a megatron-core that knows ``cp_partition_mode`` it is set from ``cp_layout``; an older one
-    only supports zigzag, and asking it for the contiguous layout under CP is an error.
+    With a megatron-core that knows ``cp_partition_mode`` it is set from ``cp_layout`` (default: the
+    batch's own ``cp_layout``, zigzag if it has none); an older one only supports zigzag, and a
+    contiguous batch under CP is an error there.
     """
     from megatron.core.packed_seq_params import PackedSeqParams
 
     convention = PackedSeqConvention(convention)
-    cp_layout = CPLayout(cp_layout)
+    cp_layout = CPLayout(cp_layout if cp_layout is not None else batch.get("cp_layout", CPLayout.ZIGZAG.value))
     padded = batch["cu_seqlens_padded"].to(device=device, dtype=torch.int32)
     true = batch["cu_seqlens"].to(device=device, dtype=torch.int32)
     q = padded if convention is PackedSeqConvention.PADDED else true

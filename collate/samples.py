@@ -155,7 +155,7 @@ def flatten(batch, schema: BatchSchema, *, check_values: bool = True) -> FlatBat
     present = batch[0].keys()
     done: set[str] = set()
     for spec in _sample_keys_read(schema):
-        key = resolve_key(spec, present)
+        key = _resolve_in_batch(spec, batch, present)
         if key is None:
             if spec.required or any(any(k in s for s in batch) for k in spec.sample_keys):
                 _missing(spec, batch)
@@ -179,12 +179,39 @@ def flatten(batch, schema: BatchSchema, *, check_values: bool = True) -> FlatBat
     return flat
 
 
+def _check_contiguous_jagged(nt: torch.Tensor, key: str) -> None:
+    """A narrowed jagged tensor (holes between rows, or rows starting past 0) would be read wrongly
+    from ``offsets()``/``values()``: refuse it (``nt.contiguous()`` makes it acceptable)."""
+    holes = nt.lengths() is not None if hasattr(nt, "lengths") else False
+    start = int(nt.offsets()[0])
+    if holes or start != 0:
+        raise SampleError(sample=None, field=key, expected="a contiguous jagged nested tensor (offsets from 0, no "
+                          "holes)", actual=f"offsets from {start}" + (", with holes" if holes else ""),
+                          hint="call .contiguous() on it first")
+
+
+def _resolve_in_batch(spec: FieldSpec, batch: Sequence[Mapping], present) -> str | None:
+    """The sample key ``spec`` reads, the same for every sample: sample 0's first present key, unless
+    another sample has a key of higher priority (``labels`` over ``input_ids``), which is an error
+    rather than silently ignoring that sample's labels."""
+    key = resolve_key(spec, present)
+    higher = spec.sample_keys if key is None else spec.sample_keys[:spec.sample_keys.index(key)]
+    for k in higher:
+        has = next((i for i, s in enumerate(batch) if k in s), None)
+        if has is not None:
+            i = next(i for i, s in enumerate(batch) if k not in s)
+            raise SampleError(sample=i, field=k, expected=f"the field in every sample of the batch (sample {has} has it)",
+                              actual=f"fields {sorted(batch[i].keys())}")
+    return key
+
+
 def _flatten_nested(batch: Mapping, schema: BatchSchema, check_values: bool) -> FlatBatch:
     """verl's engine format: ``{field: torch.nested jagged tensor [B, j, *dense]}``."""
     nt = batch.get("input_ids")
     if nt is None or not getattr(nt, "is_nested", False):
         raise SampleError(sample=None, field="input_ids", expected="a jagged nested tensor",
                           actual=type(nt).__name__ if nt is not None else "missing")
+    _check_contiguous_jagged(nt, "input_ids")
     offsets = nt.offsets().to(torch.int64)
     lengths = offsets.diff()
     if lengths.numel() == 0:
@@ -205,6 +232,7 @@ def _flatten_nested(batch: Mapping, schema: BatchSchema, check_values: bool) -> 
         if not getattr(t, "is_nested", False) or not torch.equal(t.offsets().to(torch.int64), offsets):
             raise SampleError(sample=None, field=key, expected="a jagged nested tensor with input_ids' offsets",
                               actual="a dense tensor" if not getattr(t, "is_nested", False) else "other offsets")
+        _check_contiguous_jagged(t, key)
         values = t.values()
         _check_token_shape(values.shape, values.dtype, spec, key, flat, None)
         flat.token[key] = TokenSource(parts=None, values=values, pad=_pad_rows(values[:1], spec, next_pads.get(key)),
@@ -322,8 +350,9 @@ def _diagnose_token(tensors: list, spec: FieldSpec, key: str, flat: FlatBatch) -
             raise SampleError(sample=i, field=key, expected=f"shape {declared} {named or ''}".strip(),
                               actual=f"shape {shape}",
                               hint="every token field must have input_ids' length and constant dense dims")
-        if dtype_name(t.dtype) not in spec.dtypes:
-            raise SampleError(sample=i, field=key, expected=f"dtype in {list(spec.dtypes)}", actual=dtype_name(t.dtype))
+        if dtype_name(t.dtype) not in spec.dtypes or t.dtype != tensors[0].dtype:
+            raise SampleError(sample=i, field=key, actual=dtype_name(t.dtype),
+                              expected=f"dtype in {list(spec.dtypes)}, the same as sample 0 ({dtype_name(tensors[0].dtype)})")
 
 
 def check_value_bounds(rows: torch.Tensor, spec: FieldSpec, key: str, flat: FlatBatch, first_row: int = 0) -> None:

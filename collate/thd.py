@@ -75,4 +75,5 @@ class THDCollator:
             out["cp_gather_index"] = global_slots(cp_chunks(padded, self.layout, self.cp_rank), out["cu_seqlens_padded"])
         out["cp_rank"] = -1 if shard_rank is None else shard_rank
         out["cp_size"] = self.layout.cp
+        out["cp_layout"] = self.layout.cp_layout.value
         return out

@@ -5,22 +5,30 @@
                                                                             │ bad: failure record
     main process: merge shards in order ─► bad-data policy (raise / skip+count) ─► SampleIndex
 
-Validation is the collator's own (``flatten`` of a one-sample batch), so a sample that enters the
-index is one the collator accepts. The policy runs in the main process over the records in shard
-order, so its consecutive-failure count and its error are the same whatever the number of workers.
+Validation is the collator's own: the real :class:`~collate.thd.THDCollator` (unsharded) runs on
+each chunk of samples, and on each sample alone when a chunk fails, so shapes, dtypes and value
+bounds (``finite``, ``min_value``, ``max_value``) are checked on every row. The named dense dims
+(``K`` of a top-k field, ...) are recorded: the first accepted sample fixes them, and a later
+sample with another value is bad data (``dim_mismatch``), since no micro-batch could hold both.
+So a sample that enters the index is one the collator accepts, alone or with any other. The policy
+runs in the main process over the records in shard order, so its consecutive-failure count and its
+error are the same whatever the number of workers.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from collate.samples import flatten
+from collate.thd import THDCollator
 from schemas.errors import PrealignError, SampleError
+from schemas.layout import ParallelLayout
 from schemas.schema import BatchSchema, Role
 from .errors import BadSampleError, CorruptShardError, reason_of
 from .policy import BadDataGate, BadDataPolicy, BadDataReport
@@ -35,7 +43,9 @@ class SampleIndex:
     row); ``shards`` int64 ``[N]`` shard of each sample; ``report`` what was skipped and why (counts
     by cause: ``bad_sample``, ``corrupt_image``, ``corrupt_shard``, ...); ``media`` bool ``[N]``
     whether the sample carries media (a MEDIA-role field, e.g. ``pixel_values``, with at least one
-    row): such a sample is never truncated (``None``: not recorded, e.g. an index built elsewhere).
+    row): such a sample is never truncated (``None``: not recorded, e.g. an index built elsewhere);
+    ``dims`` the named dense dims every indexed sample has (``{"K": 64}`` for top-k teacher fields;
+    fixed by the first accepted sample, ``None``: not recorded).
     """
 
     lengths: np.ndarray
@@ -43,25 +53,30 @@ class SampleIndex:
     shards: np.ndarray
     report: BadDataReport
     media: np.ndarray | None = None
+    dims: dict[str, int] | None = None
 
     def __len__(self) -> int:
         return int(self.lengths.shape[0])
 
     @property
     def digest(self) -> str:
-        """16 hex digits over lengths, locations and (when any sample has media) the media flags:
-        changes when the data does."""
+        """16 hex digits over lengths, locations, (when any sample has media) the media flags and
+        (when any) the named dims: changes when the data does."""
         h = hashlib.sha256()
         arrays = [self.lengths, self.locations, self.shards]
         if self.media is not None and bool(np.any(self.media)):  # text-only data: the same digest as before
             arrays.append(self.media)
         for a in arrays:
             h.update(np.ascontiguousarray(a, dtype=np.int64).tobytes())
+        if self.dims:  # no named dims: the same digest as before
+            h.update(json.dumps(self.dims, sort_keys=True).encode())
         return h.hexdigest()[:16]
 
     def save(self, path: str) -> None:
         """Write as ``.npz`` (arrays only, no pickle) for reuse across runs."""
         extra = {} if self.media is None else {"media": np.asarray(self.media, dtype=bool)}
+        if self.dims is not None:
+            extra["dims"] = np.frombuffer(json.dumps(self.dims, sort_keys=True).encode(), dtype=np.uint8)
         np.savez(path, lengths=self.lengths, locations=self.locations, shards=self.shards,
                  report=np.frombuffer(json.dumps(self.report.to_dict()).encode(), dtype=np.uint8), **extra)
 
@@ -71,7 +86,8 @@ class SampleIndex:
             rep = json.loads(bytes(z["report"]).decode())
             report = BadDataReport(counts=dict(rep["counts"]), examples=[tuple(e) for e in rep["examples"]])
             return cls(lengths=z["lengths"], locations=z["locations"], shards=z["shards"], report=report,
-                       media=z["media"] if "media" in z.files else None)
+                       media=z["media"] if "media" in z.files else None,
+                       dims=json.loads(bytes(z["dims"]).decode()) if "dims" in z.files else None)
 
 
 def _freeze(exc: Exception) -> dict:
@@ -137,10 +153,21 @@ def has_media(sample: dict, keys: tuple[str, ...]) -> bool:
 _CHUNK = 64
 
 
-def _validated_lengths(samples: list[dict], schema: BatchSchema) -> list[int | SampleError]:
-    """Token length of each sample, or the collator's error for it. One ``flatten`` for the whole
-    chunk on the happy path; one per sample only when the chunk has a bad sample (or samples whose
-    tensors differ in dtype or rank, which a concatenation would hide by type promotion)."""
+def _collate_check(samples: list[dict], schema: BatchSchema) -> tuple[list[int], dict[str, int]]:
+    """Run the loader's collator on ``samples`` as one unsharded micro-batch (shapes, dtypes, value
+    bounds of every row): their token lengths and the named dims they fix (``{"K": 64}``). Raises
+    the collator's :class:`SampleError` (or anything else it raises)."""
+    THDCollator(schema=schema, layout=ParallelLayout(), cp_rank=None)(samples)
+    flat = flatten(samples, schema, check_values=False)  # passed the same checks above: lengths and dims
+    return flat.lengths.tolist(), dict(flat.dims)
+
+
+def _validated(samples: list[dict], schema: BatchSchema) -> list[tuple[int, dict[str, int]] | SampleError]:
+    """(token length, named dims) of each sample, or the collator's error for it. One collator call
+    for the whole chunk on the happy path; one per sample (the same function) only when the chunk
+    fails (or its samples' tensors differ in dtype or rank, which a concatenation could hide by
+    type promotion). Samples accepted alone may still disagree on a named dim: the dims returned let
+    :func:`merge_shards` hold each to the first accepted sample's."""
     if not samples:
         return []
     first = samples[0]
@@ -148,34 +175,46 @@ def _validated_lengths(samples: list[dict], schema: BatchSchema) -> list[int | S
     if all(len(s) == len(first) and all(isinstance(s.get(k), torch.Tensor) and (s[k].dtype, s[k].ndim) == d
                                         for k, d in sig.items()) for s in samples):
         try:
-            return flatten(samples, schema).lengths.tolist()
-        except SampleError:
+            lengths, dims = _collate_check(samples, schema)
+            return [(n, dims) for n in lengths]
+        except Exception:  # noqa: BLE001 - diagnosed sample by sample below
             pass
-    out: list[int | SampleError] = []
+    out: list[tuple[int, dict[str, int]] | SampleError] = []
     for s in samples:
         try:
-            out.append(int(flatten([s], schema).lengths[0]))
+            lengths, dims = _collate_check([s], schema)
+            out.append((lengths[0], dims))
         except SampleError as exc:
             out.append(exc)
+        except Exception as exc:  # noqa: BLE001 - the collator cannot take it: a bad sample, by policy
+            out.append(SampleError(sample=0, field=None, expected="the collator to accept the sample",
+                                   actual=f"{type(exc).__name__}: {exc}"))
     return out
 
 
 def index_shard(source: Source, schema: BatchSchema, shard: int) -> dict:
-    """Scan one shard: ``{"shard", "locations", "lengths", "media", "events"}``; events are, in stream
-    order, ``["ok"]``, ``["bad", where, frozen error]`` or ``["skip", reason, where, message]``."""
+    """Scan one shard: ``{"shard", "locations", "lengths", "media", "dims", "dim_ids", "events"}``;
+    ``dims`` lists the distinct named-dim dicts of the shard's good samples, ``dim_ids`` (one per good
+    sample) points into it; events are, in stream order, ``["ok"]``, ``["bad", where, frozen error]``
+    or ``["skip", reason, where, message]``."""
     locations, lengths, media, events = [], [], [], []
+    dims: list[dict[str, int]] = []
+    dim_ids: list[int] = []
     keys = media_keys(schema)
     pending: list[tuple[tuple, str, dict]] = []  # transformed samples waiting for chunked validation
 
     def flush() -> None:
-        for (loc, where, transformed), result in zip(pending, _validated_lengths([p[2] for p in pending], schema)):
+        for (loc, where, transformed), result in zip(pending, _validated([p[2] for p in pending], schema)):
             if isinstance(result, SampleError):  # the collator's checks name sample 0 of a one-sample batch
                 err = BadSampleError(sample=where, field=result.field, expected=result.expected, actual=result.actual)
                 events.append(["bad", where, _freeze(err)])
             else:
+                if result[1] not in dims:
+                    dims.append(result[1])
                 locations.append(list(loc))
-                lengths.append(result)
+                lengths.append(result[0])
                 media.append(has_media(transformed, keys))
+                dim_ids.append(dims.index(result[1]))
                 events.append(["ok"])
         pending.clear()
 
@@ -199,7 +238,8 @@ def index_shard(source: Source, schema: BatchSchema, shard: int) -> dict:
         if len(pending) >= _CHUNK:
             flush()
     flush()
-    return {"shard": shard, "locations": locations, "lengths": lengths, "media": media, "events": events}
+    return {"shard": shard, "locations": locations, "lengths": lengths, "media": media, "dims": dims,
+            "dim_ids": dim_ids, "events": events}
 
 
 class _ShardScan(IterableDataset):
@@ -222,25 +262,60 @@ def scan_shards(source: Source, schema: BatchSchema, shards: list[int], *, num_w
     return [results[s] for s in shards]
 
 
-def merge_shards(results: list[dict], policy: BadDataPolicy, width: int) -> SampleIndex:
-    """Apply the bad-data policy over the records in shard order and build the index."""
+def _dim_mismatch(fixed: dict[str, int], dims: dict[str, int]) -> str | None:
+    """The first named dim of ``dims`` whose size differs from ``fixed``'s, or None."""
+    return next((d for d, n in dims.items() if fixed.get(d, n) != n), None)
+
+
+def merge_shards(results: list[dict], policy: BadDataPolicy, width: int, *,
+                 where: Callable[[tuple], str] | None = None, schema: BatchSchema | None = None) -> SampleIndex:
+    """Apply the bad-data policy over the records in shard order and build the index.
+
+    The first good sample with a named dim (``K``, ...) fixes its size; a later one with another
+    size is a bad sample (reason ``dim_mismatch``: no micro-batch could hold both), named by
+    ``where(location)`` and, with ``schema``, by the first field declaring the dim."""
+    name = where or (lambda loc: f"location {list(loc)}")
     gate = BadDataGate(policy)
+    fixed: dict[str, int] = {}
+    fixed_by: dict[str, str] = {}
+    dropped: list[set[int]] = []  # per shard result: good-sample positions left out (dim_mismatch)
     for res in results:
+        out: set[int] = set()
+        k = 0
         for ev in res["events"]:
             if ev[0] == "ok":
-                gate.good()
+                dims = res["dims"][res["dim_ids"][k]] if res.get("dims") else {}
+                bad = next((d for d, n in dims.items() if fixed.get(d, n) != n), None)
+                if bad is None:
+                    for d in dims.keys() - fixed.keys():
+                        fixed[d], fixed_by[d] = dims[d], name(tuple(res["locations"][k]))
+                    gate.good()
+                else:
+                    out.add(k)
+                    who = name(tuple(res["locations"][k]))
+                    field = next((f.name for f in (schema.of_role(Role.TOKEN) if schema is not None else ())
+                                  if bad in (*f.leading_shape, *f.dense_shape)), None)
+                    gate.bad("dim_mismatch", who, BadSampleError(
+                        sample=who, field=field, reason="dim_mismatch", actual=f"{bad} = {dims[bad]}",
+                        expected=f"{bad} = {fixed[bad]} (fixed by the first indexed sample with it, {fixed_by[bad]})"))
+                k += 1
             elif ev[0] == "skip":
                 gate.report.add(ev[1], ev[2], ev[3])
             else:
                 gate.bad(_reason(ev[2]), ev[1], _thaw(ev[2]))
-    n = sum(len(r["lengths"]) for r in results)
-    locs = [loc for r in results for loc in r["locations"]]
+        dropped.append(out)
+
+    def good(key: str):
+        return (v for r, out in zip(results, dropped) for k, v in enumerate(r[key]) if k not in out)
+
+    locs = list(good("locations"))
+    n = len(locs)
     width = max((len(loc) for loc in locs), default=width)
-    return SampleIndex(lengths=np.fromiter((x for r in results for x in r["lengths"]), np.int64, n),
+    return SampleIndex(lengths=np.fromiter(good("lengths"), np.int64, n),
                        locations=np.asarray(locs, dtype=np.int64).reshape(n, width),
-                       shards=np.fromiter((r["shard"] for r in results for _ in r["lengths"]), np.int64, n),
-                       report=gate.report,
-                       media=np.fromiter((bool(m) for r in results for m in r["media"]), bool, n))
+                       shards=np.fromiter((r["shard"] for r, out in zip(results, dropped)
+                                           for k in range(len(r["lengths"])) if k not in out), np.int64, n),
+                       report=gate.report, media=np.fromiter((bool(m) for m in good("media")), bool, n), dims=fixed)
 
 
 def build_index(source: Source, schema: BatchSchema, *, policy: BadDataPolicy | None = None,
@@ -268,7 +343,7 @@ def build_index(source: Source, schema: BatchSchema, *, policy: BadDataPolicy | 
         raise BadSampleError(sample=None, field=None, expected="the index pass to succeed on every rank",
                              actual="; ".join(failed))
     results = sorted((r for p in parts for r in p["results"]), key=lambda r: r["shard"])
-    index = merge_shards(results, policy or BadDataPolicy(), width=1)
+    index = merge_shards(results, policy or BadDataPolicy(), width=1, where=source.where, schema=schema)
     if len(index) == 0:
         raise BadSampleError(sample=None, field=None, expected="at least one good sample in the source",
                              actual=f"none ({index.report.to_dict()['counts']})")

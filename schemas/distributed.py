@@ -25,19 +25,23 @@ def megatron_parallel_sizes(pg_collection=None) -> dict[str, int]:
     around) when given, else the initialised ``parallel_state`` (0.x), falling back to
     ``ProcessGroupCollection.use_mpu_process_groups()`` where the getters moved.
     """
+    not_ready = ("megatron-core parallel state is not (fully) initialised{}; call "
+                 "parallel_state.initialize_model_parallel(...) first, or pass sizes as ints")
     if pg_collection is None:
         from megatron.core import parallel_state as ps
 
-        if hasattr(ps, "get_tensor_model_parallel_world_size") and ps.model_parallel_is_initialized():
-            return {"tp": ps.get_tensor_model_parallel_world_size(), "cp": ps.get_context_parallel_world_size(),
-                    "dp": ps.get_data_parallel_world_size(), "tp_rank": ps.get_tensor_model_parallel_rank(),
-                    "cp_rank": ps.get_context_parallel_rank(), "dp_rank": ps.get_data_parallel_rank()}
         try:
+            if hasattr(ps, "get_tensor_model_parallel_world_size"):  # 0.x: module-level getters
+                if not ps.model_parallel_is_initialized():
+                    raise RuntimeError(not_ready.format(""))
+                return {"tp": ps.get_tensor_model_parallel_world_size(), "cp": ps.get_context_parallel_world_size(),
+                        "dp": ps.get_data_parallel_world_size(), "tp_rank": ps.get_tensor_model_parallel_rank(),
+                        "cp_rank": ps.get_context_parallel_rank(), "dp_rank": ps.get_data_parallel_rank()}
             from megatron.core.process_groups_config import ProcessGroupCollection
-        except ImportError:
-            raise RuntimeError("megatron-core parallel state is not initialised; call "
-                               "parallel_state.initialize_model_parallel(...) first or pass sizes as ints") from None
-        pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+        except (AssertionError, ImportError) as exc:  # a group megatron-core did not build
+            raise RuntimeError(not_ready.format(f" ({exc})")) from None
     (tp, tp_rank), (cp, cp_rank), (dp, dp_rank) = (
         _group_size_rank(getattr(pg_collection, name)) for name in ("tp", "cp", "dp"))
     return {"tp": tp, "cp": cp, "dp": dp, "tp_rank": tp_rank, "cp_rank": cp_rank, "dp_rank": dp_rank}

@@ -34,11 +34,11 @@ def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def round_up_tensor(n: torch.Tensor, multiple: int) -> torch.Tensor:
-    """Element-wise :func:`round_up` of an integer tensor (one op when ``multiple == 1``: none)."""
-    if multiple == 1:
-        return n
-    return torch.div(n + (multiple - 1), multiple, rounding_mode="floor") * multiple
+def round_up_array(n: np.ndarray, multiple: int) -> np.ndarray:
+    """Element-wise :func:`round_up` of an integer array (int64, a new array)."""
+    if multiple < 1:
+        raise LayoutError(f"round_up: multiple must be >= 1, got {multiple}")
+    return -(-np.asarray(n, dtype=np.int64) // multiple) * multiple
 
 
 class PadPolicy(enum.Enum):
@@ -179,8 +179,7 @@ class ParallelLayout:
     def padded_lengths(self, lengths) -> torch.Tensor:
         """``[N]`` true lengths (tensor, array or list) -> int64 tensor ``[N]`` of padded lengths ``P``."""
         lengths = lengths.detach().cpu().numpy() if isinstance(lengths, torch.Tensor) else np.asarray(lengths)
-        m = self.seq_multiple
-        padded = -(-lengths.astype(np.int64) // m) * m
+        padded = round_up_array(lengths, self.seq_multiple)
         aligned_sum = int(padded.sum())
         padded[-1] += self.total_length(aligned_sum) - aligned_sum
         return torch.from_numpy(padded)
@@ -234,12 +233,13 @@ class ParallelLayout:
         return cls(**data)
 
     @classmethod
-    def from_megatron(cls, **overrides) -> "ParallelLayout":
-        """Read tp/cp sizes from megatron-core's initialised ``parallel_state``.
+    def from_megatron(cls, pg_collection=None, **overrides) -> "ParallelLayout":
+        """Read tp/cp sizes from megatron-core: its initialised ``parallel_state``, or the
+        ``ProcessGroupCollection`` newer releases pass around (``pg_collection``).
 
         ``overrides`` set the fields megatron-core does not know (``sp``, ``fp8``, ``pad_policy``...).
         """
         from .distributed import megatron_parallel_sizes
 
-        sizes = megatron_parallel_sizes()
+        sizes = megatron_parallel_sizes(pg_collection)
         return cls(**{"tp": sizes["tp"], "cp": sizes["cp"], **overrides})

@@ -100,6 +100,9 @@ class FieldSpec:
                 raise SchemaError(f"field {self.name!r}: a dim must be a positive int or a name, got {d!r}")
         if self.source is not Source.SAMPLE and self.role is not Role.TOKEN:
             raise SchemaError(f"field {self.name!r}: source {self.source.value} needs role token")
+        if not self.cp_sharded and self.source is not Source.SAMPLE:
+            raise SchemaError(f"field {self.name!r}: only sample fields can skip CP sharding (cp_sharded=False); "
+                              f"a {self.source.value} field is sharded like the tokens it is derived with")
 
     @property
     def dtype(self) -> torch.dtype:

@@ -55,9 +55,8 @@ class _Checker:
             return
         if plan_shape is None:
             return
-        plan, out_shape = plan_shape
         for spec in self.schema.fields:
-            self.check_field(spec, plan, out_shape)
+            self.check_field(spec, plan_shape)
 
     def offsets(self, key: str) -> torch.Tensor | None:
         cu = self.batch.get(key)
@@ -128,9 +127,15 @@ class _Checker:
         rank = self.cp_rank()
         if rank is False:
             return None
-        plan = gather_plan(lengths, cp_chunks(padded, lay, rank), cu)
-        n_out = plan.positions.numel()
-        return plan, lambda spec: (*spec.leading_shape, 1, n_out, *spec.dense_shape)
+        plans = {True: gather_plan(lengths, cp_chunks(padded, lay, rank), cu)}
+
+        def plan_of(spec):  # (plan, expected shape) of a TOKEN field; cp_sharded=False: the whole batch
+            sharded = spec.cp_sharded or rank is None
+            if sharded not in plans:
+                plans[sharded] = gather_plan(lengths, cp_chunks(padded, lay, None), cu)
+            p = plans[sharded]
+            return p, (*spec.leading_shape, 1, p.num_slots, *spec.dense_shape)
+        return plan_of
 
     def check_bshd_meta(self):
         from collate.bshd import bshd_chunks
@@ -164,14 +169,21 @@ class _Checker:
             self.bad("S", f"one of the length buckets {list(lay.length_buckets)}", s)
         if self.violations:
             return None
-        plan = gather_plan(lengths, bshd_chunks(n, s, lay, rank), cu)
-        if not torch.equal(mask.reshape(-1), ~plan.is_pad):
-            self.bad("attention_mask", "True exactly on real tokens", f"{int((mask.reshape(-1) == plan.is_pad).sum())} "
-                     "slots wrong")
-        return plan, lambda spec: (*spec.leading_shape, n, s_out, *spec.dense_shape)
+        plans = {True: gather_plan(lengths, bshd_chunks(n, s, lay, rank), cu)}
+        if not torch.equal(mask.reshape(-1), ~plans[True].is_pad):
+            self.bad("attention_mask", "True exactly on real tokens",
+                     f"{int((mask.reshape(-1) == plans[True].is_pad).sum())} slots wrong")
+
+        def plan_of(spec):  # (plan, expected shape) of a TOKEN field; cp_sharded=False: whole rows
+            sharded = spec.cp_sharded or rank is None
+            if sharded not in plans:
+                plans[sharded] = gather_plan(lengths, bshd_chunks(n, s, lay, None), cu)
+            p = plans[sharded]
+            return p, (*spec.leading_shape, n, p.num_slots // n, *spec.dense_shape)
+        return plan_of
 
     # ------------------------------------------------------------------------------------------
-    def check_field(self, spec, plan, out_shape) -> None:
+    def check_field(self, spec, plan_of) -> None:
         name, b = spec.name, self.batch
         if name not in b:
             if spec.required or spec.source not in (spec.source.SAMPLE, spec.source.NEXT_TOKEN):
@@ -184,10 +196,9 @@ class _Checker:
         if dtype_name(t.dtype) not in spec.dtypes:
             self.bad(f"{name}.dtype", " or ".join(spec.dtypes), dtype_name(t.dtype))
         if spec.role is Role.TOKEN:
-            expected = out_shape(spec)
+            plan, expected = plan_of(spec)
         elif spec.role is Role.SEQUENCE:
-            n = plan.src.numel() and (int(self.batch["cu_seqlens"].numel()) - 1)
-            expected = (n, *spec.dense_shape)
+            expected = (int(self.batch["cu_seqlens"].numel()) - 1, *spec.dense_shape)
         else:
             return  # MEDIA: ragged, checked by the producer
         if t.ndim != len(expected):
