@@ -22,10 +22,6 @@ from .indices import cp_chunks, gather_plan, global_slots, lengths_to_cu_seqlens
 from .samples import flatten
 
 
-def _add_batch_dim(values: torch.Tensor, token_dim: int) -> torch.Tensor:
-    return values.unsqueeze(token_dim)
-
-
 @dataclass(frozen=True, kw_only=True)
 class THDCollator:
     """``collate_fn`` producing a Megatron-ready packed batch (picklable, stateless).
@@ -64,7 +60,7 @@ class THDCollator:
         shard_rank = None if self.defer_cp_shard else self.cp_rank
         plan = gather_plan(flat.lengths, cp_chunks(padded, self.layout, shard_rank), flat.cu_seqlens)
         whole = functools.cache(lambda: gather_plan(flat.lengths, cp_chunks(padded, self.layout, None), flat.cu_seqlens))
-        out = {name: _add_batch_dim(v, self.schema[name].token_dim)
+        out = {name: v.unsqueeze(self.schema[name].token_dim)  # the batch dim, before the token dim
                for name, v in token_fields(self.schema, flat, plan, whole).items()}
         out["cu_seqlens"] = flat.cu_seqlens.to(torch.int32)
         out["cu_seqlens_padded"] = lengths_to_cu_seqlens(padded)

@@ -108,12 +108,15 @@ def test_thd_labels_equal_verl_rolled_ids_inside_each_sequence(verl_util, case):
     lengths, tp, cp, _ = case
     layout = ParallelLayout(tp=tp, cp=cp, pad_policy=PadPolicy.PER_SEQUENCE)
     nested = to_nested(make_samples(lengths))
+    compared = 0
     for rank in range(cp):
         ours = THDCollator(schema=schema_for(None), layout=layout, cp_rank=rank)(nested)
         rolled, _, _ = run_verl(verl_util, "preprocess_thd_engine", nested["input_ids"], tp=tp, cp=cp, rank=rank,
                                 need_roll=True)
         inner = ~ours["padding_mask"][0] & (ours["labels"][0] != -100)
         assert torch.equal(rolled[0][inner], ours["labels"][0][inner])
+        compared += int(inner.sum())
+    assert compared == sum(n - 1 for n in lengths)  # every label but each sequence's last was compared
 
 
 @given(case=verl_case(cp_layouts=(CPLayout.ZIGZAG,)))
