@@ -34,6 +34,7 @@ import torch
 
 from collate.mrope import mrope_position_ids
 from schemas.vlm import IMAGE_TOKEN_TYPE, VisionTokens
+from .chat_tokenizer import ChatTokenizer
 from .demo_tokenizer import ByteTokenizer
 from .errors import BadSampleError
 from .teacher_topk import teacher_topk
@@ -113,7 +114,7 @@ def decode_image(value, *, sample, name: str):
 
 
 # ---- placeholder expansion -----------------------------------------------------------------------
-def render_chat(meta: dict, tokenizer: ByteTokenizer, tokens_per_image: list[int], *, sample
+def render_chat(meta: dict, tokenizer: ChatTokenizer, tokens_per_image: list[int], *, sample
                 ) -> tuple[np.ndarray, np.ndarray]:
     """Chat messages (or plain ``text``) -> (``input_ids`` int64 ``[L]``, ``loss_mask`` float32 ``[L]``).
 
@@ -196,7 +197,9 @@ class VLMSampleTransform:
     Picklable (DataLoader workers); the image processor is built lazily once per process.
     """
 
-    tokenizer: ByteTokenizer = field(default_factory=ByteTokenizer)
+    tokenizer: ChatTokenizer = field(default_factory=ByteTokenizer)
+    """Any :class:`~loaders.chat_tokenizer.ChatTokenizer`: a real one wrapped by
+    :class:`~loaders.chat_tokenizer.HFChatTokenizer`; the default is the demo's byte tokenizer."""
     topk: int | None = None
     """Expect teacher top-k members with this K (``None``: none expected, any present are ignored)."""
     log_prob_dtype: str = "float32"

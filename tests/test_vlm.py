@@ -5,6 +5,8 @@ from __future__ import annotations
 import io
 import json
 
+import pickle
+
 import numpy as np
 import pytest
 import torch
@@ -338,3 +340,32 @@ def test_filler_microbatches_from_a_vlm_sample_validate_and_carry_no_images(cp, 
             assert not bool(b["mm_token_type_ids"].any()) and not bool(b["mrope_position_ids"].any())
             assert not bool(b["teacher_topk_log_probs"].any())
     assert fillers == 2 * cp
+
+
+def _tiny_hf_tokenizer():
+    """A word-level Hugging Face tokenizer built in memory, with Qwen2-VL's special tokens."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>"]
+    words = ["user", "assistant", "\n", " ", "look", "at", "this", "Fine", ".", "?"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(specials + words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"\n|[.?]| +"), behavior="isolated")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", additional_special_tokens=specials[1:])
+
+
+def test_a_hugging_face_tokenizer_drives_the_transform():
+    from loaders.chat_tokenizer import HFChatTokenizer
+
+    hf = _tiny_hf_tokenizer()
+    tok = HFChatTokenizer(hf)
+    assert (tok.image_token_id, tok.vision_start_token_id, tok.vocab_size) == (5, 3, len(hf))
+    raw = {"__key__": "h", "json": chat("look at this <image> ?", images=["0.png"]), "0.png": image_bytes(64, 96)}
+    out = pickle.loads(pickle.dumps(VLMSampleTransform(tokenizer=tok)))(raw)
+    n_img = int(out["image_grid_thw"].prod() // 4)
+    ids = out["input_ids"]
+    assert int((ids == tok.image_token_id).sum()) == n_img and n_img > 0
+    assert torch.equal(out["mm_token_type_ids"], (ids == tok.image_token_id).long())
+    assert hf.decode(ids[out["loss_mask"].bool()].tolist()).replace(" ", "") == "Fine.<|im_end|>"
+    with pytest.raises(ValueError, match="no '<\\|video_pad\\|>' token"):
+        HFChatTokenizer(hf, image_pad="<|video_pad|>")

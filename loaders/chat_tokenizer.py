@@ -1,0 +1,81 @@
+"""Tokenizers the VLM transform can use: the :class:`ChatTokenizer` protocol, and
+:class:`HFChatTokenizer`, which adapts a Hugging Face tokenizer with Qwen2-VL's special tokens.
+
+The transform only needs: ``encode(text) -> int64 [n]`` (no special tokens added), the ids of
+``<|im_start|>`` / ``<|im_end|>`` (chat turns) and of ``<|vision_start|>`` / ``<|image_pad|>`` /
+``<|vision_end|>`` (images), the vocabulary size (to bound teacher ids) and the vision-token config.
+The demo's :class:`~loaders.demo_tokenizer.ByteTokenizer` is one; a real tokenizer is wrapped::
+
+    from transformers import AutoTokenizer
+    tok = HFChatTokenizer(AutoTokenizer.from_pretrained("Qwen/Qwen2-VL-2B-Instruct"))
+    transform = VLMSampleTransform(tokenizer=tok, topk=64)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from schemas.vlm import VisionTokens
+
+
+class ChatTokenizer(Protocol):
+    im_start_id: int
+    im_end_id: int
+    vision_start_token_id: int
+    vision_end_token_id: int
+    image_token_id: int
+    vocab_size: int
+
+    @property
+    def vision(self) -> VisionTokens: ...
+
+    def encode(self, text: str) -> np.ndarray: ...
+
+
+@dataclass(frozen=True)
+class HFChatTokenizer:
+    """A Hugging Face (fast or slow) tokenizer as a :class:`ChatTokenizer`. Picklable when the
+    wrapped tokenizer is (HF tokenizers are). Special-token names default to Qwen2-VL's."""
+
+    tokenizer: Any
+    spatial_merge_size: int = 2
+    im_start: str = "<|im_start|>"
+    im_end: str = "<|im_end|>"
+    vision_start: str = "<|vision_start|>"
+    vision_end: str = "<|vision_end|>"
+    image_pad: str = "<|image_pad|>"
+    _ids: dict = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        names = {"im_start_id": self.im_start, "im_end_id": self.im_end, "vision_start_token_id": self.vision_start,
+                 "vision_end_token_id": self.vision_end, "image_token_id": self.image_pad}
+        unk = getattr(self.tokenizer, "unk_token_id", None)
+        ids = {}
+        for attr, token in names.items():
+            tid = self.tokenizer.convert_tokens_to_ids(token)
+            if tid is None or (tid == unk and token != getattr(self.tokenizer, "unk_token", None)):
+                raise ValueError(f"HFChatTokenizer: the tokenizer has no {token!r} token ({attr}); pass the name "
+                                 f"this model uses, e.g. HFChatTokenizer(tok, {attr.removesuffix('_id').removesuffix('_token')}=...)")
+            ids[attr] = int(tid)
+        object.__setattr__(self, "_ids", ids)
+
+    def __getattr__(self, name: str):
+        ids = self.__dict__.get("_ids", {})
+        if name in ids:
+            return ids[name]
+        raise AttributeError(name)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokenizer)
+
+    @property
+    def vision(self) -> VisionTokens:
+        return VisionTokens(image_token_id=self.image_token_id, vision_start_token_id=self.vision_start_token_id,
+                            vision_end_token_id=self.vision_end_token_id, spatial_merge_size=self.spatial_merge_size)
+
+    def encode(self, text: str) -> np.ndarray:
+        """str -> int64 ``[n]``, without the special tokens a tokenizer may add around a text."""
+        return np.asarray(self.tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int64)
