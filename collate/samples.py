@@ -76,6 +76,7 @@ class FlatBatch:
     sequence: dict[str, torch.Tensor] = field(default_factory=dict)
     media: dict[str, torch.Tensor] = field(default_factory=dict)
     dims: dict[str, int] = field(default_factory=dict)  # named dense dims seen (e.g. K)
+    dtypes: dict[str, str] = field(default_factory=dict)  # dtype of each sample field read
     check_values: bool = True
 
     @property
@@ -334,6 +335,7 @@ def _check_token_shape(shape, dtype, spec: FieldSpec, key: str, flat: FlatBatch,
             _diagnose_token(tensors, spec, key, flat)
         raise SampleError(sample=None, field=key, expected=f"shape {declared} and dtype in {list(spec.dtypes)}",
                           actual=f"shape {tuple(shape)} dtype {dtype_name(dtype)} (dims {flat.dims})")
+    flat.dtypes[key] = dtype_name(dtype)
 
 
 def _diagnose_token(tensors: list, spec: FieldSpec, key: str, flat: FlatBatch) -> None:
@@ -383,22 +385,23 @@ def check_value_bounds(rows: torch.Tensor, spec: FieldSpec, key: str, flat: Flat
 
 
 def _join_other(tensors: list, spec: FieldSpec, flat: FlatBatch, check_values: bool) -> torch.Tensor:
-    """SEQUENCE fields are stacked to ``[N, ...]``; MEDIA fields concatenated on dim 0. One dtype
-    across the batch (torch.cat would silently promote bf16 + float32 to float32)."""
+    """SEQUENCE fields are stacked to ``[N, *dense]``; MEDIA fields (``[rows, *dense]`` per sample)
+    concatenated on dim 0. One dtype across the batch (torch.cat would silently promote bf16 +
+    float32 to float32), and the declared dense dims (named ones recorded in ``flat.dims``)."""
     first = tensors[0].dtype
+    skip = 0 if spec.role is Role.SEQUENCE else 1  # MEDIA: the leading row count is ragged
     for i, t in enumerate(tensors):
         if dtype_name(t.dtype) not in spec.dtypes or t.dtype != first:
             raise SampleError(sample=i, field=spec.name,
                               expected=f"dtype in {list(spec.dtypes)}, the same as sample 0 ({dtype_name(first)})",
                               actual=dtype_name(t.dtype))
-    try:
-        out = torch.stack(tensors) if spec.role is Role.SEQUENCE else torch.cat(tensors, 0)
-    except RuntimeError:
-        ref = tuple(tensors[0].shape[(0 if spec.role is Role.SEQUENCE else 1):])
-        for i, t in enumerate(tensors):
-            got = tuple(t.shape[(0 if spec.role is Role.SEQUENCE else 1):])
-            if got != ref:
-                raise SampleError(sample=i, field=spec.name, expected=f"trailing shape {ref} (as sample 0)",
-                                  actual=f"{got}") from None
-        raise
-    return out
+        trailing = tuple(t.shape[skip:])
+        ok = len(trailing) == len(spec.dense_shape) and all(
+            size == d if isinstance(d, int) else flat.dims.setdefault(d, size) == size
+            for d, size in zip(spec.dense_shape, trailing))
+        if not ok:
+            want = tuple(flat.dims.get(d, d) if isinstance(d, str) else d for d in spec.dense_shape)
+            raise SampleError(sample=i, field=spec.name, expected=f"trailing dims {want}"
+                              f"{' after the row count' if skip else ''}", actual=f"shape {tuple(t.shape)}")
+    flat.dtypes[spec.name] = dtype_name(first)
+    return torch.stack(tensors) if spec.role is Role.SEQUENCE else torch.cat(tensors, 0)

@@ -155,11 +155,12 @@ _CHUNK = 64
 
 def _collate_check(samples: list[dict], schema: BatchSchema) -> tuple[list[int], dict[str, int]]:
     """Run the loader's collator on ``samples`` as one unsharded micro-batch (shapes, dtypes, value
-    bounds of every row): their token lengths and the named dims they fix (``{"K": 64}``). Raises
-    the collator's :class:`SampleError` (or anything else it raises)."""
+    bounds of every row): their token lengths and what they fix for every later sample: the named
+    dims (``{"K": 64}``) and each field's dtype (``{"dtype[teacher_topk_log_probs]": "bfloat16"}``;
+    a batch never mixes dtypes). Raises the collator's :class:`SampleError` (or anything else)."""
     THDCollator(schema=schema, layout=ParallelLayout(), cp_rank=None)(samples)
     flat = flatten(samples, schema, check_values=False)  # passed the same checks above: lengths and dims
-    return flat.lengths.tolist(), dict(flat.dims)
+    return flat.lengths.tolist(), {**flat.dims, **{f"dtype[{k}]": v for k, v in flat.dtypes.items()}}
 
 
 def _validated(samples: list[dict], schema: BatchSchema) -> list[tuple[int, dict[str, int]] | SampleError]:

@@ -24,6 +24,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from collate.thd import THDCollator
+from schemas.errors import SampleError
 from schemas.layout import ParallelLayout
 from schemas.schema import BatchSchema, Role, Source as FieldSource
 from .errors import BadSampleError, PlanError, SourceChangedError
@@ -81,7 +82,8 @@ def filler_sample(sample: dict, schema: BatchSchema, length: int) -> dict:
         if spec.source not in (FieldSource.SAMPLE, FieldSource.NEXT_TOKEN):
             continue
         for key in spec.sample_keys:
-            if key in out:
+            if key in out and not (spec.source is FieldSource.NEXT_TOKEN and key == "input_ids"):
+                # (labels read input_ids when a sample has no labels: the ids keep their own pad, not -100)
                 out[key] = torch.full_like(torch.as_tensor(out[key]), spec.pad_value)
         if spec.source is FieldSource.NEXT_TOKEN:
             ids = torch.as_tensor(out["input_ids"])
@@ -125,10 +127,21 @@ class _PlannedSamples:
                                      f"is not deterministic")
         return truncate_sample(sample, self.schema, self.max_len) if n > self.max_len else sample
 
-    def __getitems__(self, request: Request) -> tuple[Request, list[dict]]:
+    def where(self, i: int) -> str:
+        """Name of index row ``i`` for error messages: the source's name of its location."""
+        return self.source.where(tuple(self.locations[i].tolist()))
+
+    def _filler(self, i: int) -> dict:
+        """A filler shaped like index row ``i``: loaded whole (not truncated: :func:`filler_sample`
+        empties its media first, then cuts it to the filler length)."""
+        sample = self.source.load(tuple(self.locations[i].tolist()))
+        return filler_sample(sample, self.schema, self.filler_len)
+
+    def __getitems__(self, request: Request) -> tuple[Request, list[dict], Callable[[int], str]]:
+        """The micro-batch's samples, with :meth:`where` for the collate_fn's error messages."""
         if request.indices:
-            return request, [self._load(i) for i in request.indices]
-        return request, [filler_sample(self._load(request.filler_of), self.schema, self.filler_len)]
+            return request, [self._load(i) for i in request.indices], self.where
+        return request, [self._filler(request.filler_of)], self.where
 
 
 @dataclass(frozen=True)
@@ -140,14 +153,32 @@ class _CollatePlanned:
     pack: bool = False
     """In worker processes: hand the batch over as one buffer (:mod:`loaders.transport`)."""
 
-    def __call__(self, fetched: tuple[Request, list[dict]]):
-        request, samples = fetched
-        batch = self.collator(samples)
+    def __call__(self, fetched: tuple[Request, list[dict], Callable[[int], str]]):
+        request, samples, where = fetched
+        try:
+            batch = self.collator(samples)
+        except SampleError as exc:  # it names a position in the micro-batch: name the dataset sample
+            raise _renamed(exc, request, where) from exc
         batch["sample_index"] = torch.tensor(request.indices, dtype=torch.int64)
         batch["is_filler"] = not request.indices
         batch["epoch"] = request.epoch
         batch["microbatch"] = request.position
         return pack_batch(batch) if self.pack else batch
+
+
+def _renamed(exc: SampleError, request: Request, where: Callable[[int], str]) -> SampleError:
+    """``exc`` (same type, field, expected, actual, reason, hint) naming the dataset sample instead of
+    its position ``exc.sample`` in ``request``'s micro-batch: ``"<source name> (index row i)"``."""
+    pos = exc.sample
+    if isinstance(pos, bool) or not isinstance(pos, int) or not 0 <= pos < len(request.indices):
+        return exc  # a batch-level problem, or a filler: nothing to rename
+    row = request.indices[pos]
+    name = f"{where(row)} (index row {row})"
+    out = type(exc).__new__(type(exc))  # not the constructor: subclasses take other arguments (MediaError)
+    out.__dict__.update(exc.__dict__)
+    out.sample = name
+    out.args = (str(exc).replace(f"sample {pos}", f"sample {name}", 1),)  # the header comes first
+    return out
 
 
 class _Requests:

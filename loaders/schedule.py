@@ -23,7 +23,8 @@ class Request:
     position: int
     indices: tuple[int, ...]
     filler_of: int = -1
-    """Empty micro-batch: sample id whose field structure the filler copies (all pads, zero loss)."""
+    """Empty micro-batch: sample id whose field structure the filler copies (all pads, zero loss):
+    the epoch's first sample that the plan places (never one it leaves out, e.g. oversize with media)."""
 
 
 def epoch_order(index: SampleIndex, *, epoch: int, seed: int, shuffle: bool, sequential: bool,
@@ -54,22 +55,26 @@ class Schedule:
                  planner: PlannerConfig, seed: int, shuffle: bool, sequential: bool, window: int):
         self.index, self.layout, self.token_budget, self.dp_size = index, layout, token_budget, dp_size
         self.planner, self.seed, self.shuffle, self.sequential, self.window = planner, seed, shuffle, sequential, window
-        self._cached: tuple[int, np.ndarray, MicrobatchPlan] | None = None
+        self._cached: tuple[int, np.ndarray, MicrobatchPlan, int] | None = None
 
     def plan(self, epoch: int) -> tuple[np.ndarray, MicrobatchPlan]:
         """(order, plan) of ``epoch``; plan indices are positions in ``order``."""
+        return self._plan(epoch)[:2]
+
+    def _plan(self, epoch: int) -> tuple[np.ndarray, MicrobatchPlan, int]:
+        """(order, plan, filler sample id) of ``epoch``."""
         if self._cached is None or self._cached[0] != epoch:
             order = epoch_order(self.index, epoch=epoch, seed=self.seed, shuffle=self.shuffle,
                                 sequential=self.sequential, window=self.window)
             media = None if self.index.media is None else np.asarray(self.index.media, dtype=bool)[order]
             plan = plan_microbatches(self.index.lengths[order], layout=self.layout, token_budget=self.token_budget,
                                      dp_size=self.dp_size, config=self.planner, has_media=media)
-            self._cached = (epoch, order, plan)
-        return self._cached[1], self._cached[2]
+            placed = min((p for row in plan.microbatches for mb in row for p in mb), default=None)
+            self._cached = (epoch, order, plan, -1 if placed is None else int(order[placed]))
+        return self._cached[1:]
 
     def __call__(self, epoch: int, dp_rank: int, start: int = 0) -> list[Request]:
-        order, plan = self.plan(epoch)
-        filler_of = int(order[0]) if len(order) else -1
+        order, plan, filler_of = self._plan(epoch)
         return [Request(epoch, i, tuple(int(order[p]) for p in mb), -1 if mb else filler_of)
                 for i, mb in enumerate(plan.microbatches[dp_rank][start:], start)]
 

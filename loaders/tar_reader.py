@@ -56,13 +56,25 @@ def _text(raw: bytes) -> str:
     return raw.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
 
 
-def _pax(data: bytes) -> dict[str, str]:
+def _pax(data: bytes, offset: int) -> dict[str, str]:
+    """Records (``<length> <key>=<value>`` and a newline) of a pax header whose data starts at byte
+    ``offset``; a malformed record (a length that is not a positive decimal or runs past the data, no
+    ``=``, a key that is not UTF-8) is a :class:`TarFormatError`, never a hang or a bare ``ValueError``."""
     out, pos = {}, 0
     while pos < len(data):
-        space = data.index(b" ", pos)
-        length = int(data[pos:space])
-        key, _, value = data[space + 1:pos + length - 1].partition(b"=")
-        out[key.decode()] = value.decode("utf-8", "surrogateescape")
+        space = data.find(b" ", pos, pos + 21)
+        digits = data[pos:space] if space > pos else b""
+        length = int(digits) if digits.isdigit() else 0
+        # the record holds at least its length, the space, "=" and the newline
+        if not length or length < space - pos + 3 or pos + length > len(data):
+            raise TarFormatError(offset + pos, f"bad pax record length {data[pos:pos + 20]!r}")
+        key, eq, value = data[space + 1:pos + length - 1].partition(b"=")
+        try:
+            if not eq:
+                raise ValueError("no '='")
+            out[key.decode()] = value.decode("utf-8", "surrogateescape")
+        except ValueError as exc:
+            raise TarFormatError(offset + pos, f"bad pax record ({exc})") from None
         pos += length
     return out
 
@@ -94,6 +106,8 @@ def iter_members(f: BinaryIO, *, base: int = 0, need_end_marker: bool = True) ->
         size = _number(head[124:136], pos)
         kind = head[156:157]
         if "size" in pax:
+            if not (pax["size"].isascii() and pax["size"].isdigit()):
+                raise TarFormatError(first if first is not None else pos, f"bad pax size {pax['size'][:20]!r}")
             size = int(pax["size"])
         readable = kind in _REGULAR or kind in (b"L", b"x")
         data = f.read(size) if readable else b""
@@ -102,13 +116,13 @@ def iter_members(f: BinaryIO, *, base: int = 0, need_end_marker: bool = True) ->
         pad = _padded(size) - len(data)
         if pad and len(f.read(pad)) < pad:
             raise TarFormatError(pos + BLOCK + len(data), "truncated padding")
-        start = pos if first is None else first
+        start, data_at = (pos if first is None else first), pos + BLOCK
         pos += BLOCK + _padded(size)
         if kind == b"L":
             long_name, first = _text(data), start
             continue
         if kind == b"x":
-            pax, first = _pax(data), start
+            pax, first = _pax(data, data_at), start
             continue
         if kind in (b"g", b"K"):
             first = start if first is not None else None

@@ -83,3 +83,15 @@ def test_only_sample_fields_can_skip_cp_sharding():
 def test_from_megatron_without_parallel_state_says_what_to_do():
     with pytest.raises(RuntimeError, match="initialize_model_parallel"):
         ParallelLayout.from_megatron()
+
+
+def test_media_and_sequence_fields_keep_their_declared_dims():
+    schema = SCHEMA.with_fields(FieldSpec(name="pixels", role="media", dtypes=("float32",), dense_shape=("P",)),
+                                FieldSpec(name="reward", role="sequence", dtypes=("float32",), dense_shape=(2,)))
+    ok = [{"input_ids": torch.arange(1, 4), "pixels": torch.rand(n, 4), "reward": torch.rand(2)} for n in (0, 3)]
+    out = THDCollator(schema=schema, layout=ParallelLayout())(ok)
+    assert out["pixels"].shape == (3, 4) and out["reward"].shape == (2, 2)
+    for field, bad in (("pixels", torch.rand(2, 6)), ("reward", torch.rand(3))):
+        with pytest.raises(SampleError) as err:
+            THDCollator(schema=schema, layout=ParallelLayout())([ok[0], dict(ok[1], **{field: bad})])
+        assert (err.value.sample, err.value.field) == (1, field)

@@ -84,8 +84,10 @@ def test_tp_ranks_and_worker_counts_give_identical_batches(wds):
     assert len(a) > 3
     for x, y, z in zip(a, b, c):
         for key in x:
-            assert torch.equal(torch.as_tensor(x[key]), torch.as_tensor(y[key])), key
-            assert torch.equal(torch.as_tensor(x[key]), torch.as_tensor(z[key])), key
+            if not isinstance(x[key], torch.Tensor):  # ints, flags, names (e.g. the CP layout)
+                assert x[key] == y[key] == z[key], key
+                continue
+            assert torch.equal(x[key], y[key]) and torch.equal(x[key], z[key]), key
 
 
 def test_epochs_set_epoch_and_len(wds):
@@ -225,3 +227,58 @@ def test_index_workers_and_saved_index(wds, tmp_path):
     a = PackedLoader(src, schema=SCHEMA, layout=ParallelLayout(), token_budget=BUDGET, index=path)
     b = PackedLoader(src, schema=SCHEMA, layout=ParallelLayout(), token_budget=BUDGET, index_workers=2)
     assert a.index.digest == b.index.digest == build_index(src, SCHEMA).digest
+
+
+def test_collate_errors_name_the_dataset_sample():
+    """A sample the loader's collator rejects (here a stricter collator than the index schema) is
+    named by its source location and index row, not by its position inside the micro-batch."""
+    from collate import THDCollator
+
+    rows = [{"n": 5 + i % 9, "bad": i == 13} for i in range(20)]
+
+    def transform(r):
+        n = r["n"]
+        return {"input_ids": torch.arange(1, n + 1), "teacher_topk_ids": torch.full((n, 2), 5000 if r["bad"] else 1),
+                "teacher_topk_log_probs": -torch.ones(n, 2)}
+
+    src = HFSource(datasets.Dataset.from_list(rows), transform=transform)
+    strict = causal_lm_schema(topk=2, vocab_size=1000)
+    loader = PackedLoader(src, schema=causal_lm_schema(topk=2), layout=ParallelLayout(cp=2), token_budget=64,
+                          collator=THDCollator(schema=strict, layout=ParallelLayout(cp=2), cp_rank=1))
+    mb = next(mb for mb in loader.epoch_samples() if 13 in mb)
+    assert len(mb) > 1 and mb.index(13) != 13  # its position in the micro-batch is not its id
+    with pytest.raises(SampleError) as err:
+        list(loader)
+    e = err.value
+    assert type(e) is SampleError and e.sample == "hf[13] (index row 13)" and e.field == "teacher_topk_ids"
+    assert e.expected == "values in [0, 999]" and e.actual.startswith("5000.0 at token 0")
+    assert str(e).startswith("sample hf[13] (index row 13), field 'teacher_topk_ids': expected values in [0, 999]")
+    with pytest.raises(Exception, match=r"sample hf\[13\] \(index row 13\)"):  # through a worker process too
+        list(PackedLoader(src, schema=causal_lm_schema(topk=2), layout=ParallelLayout(cp=2), token_budget=64,
+                          collator=THDCollator(schema=strict, layout=ParallelLayout(cp=2)), num_workers=1))
+
+
+def test_filler_copies_a_planned_sample_not_a_left_out_one():
+    """The epoch's first sample is oversize and carries media (left out under TRUNCATE): the filler
+    micro-batches copy a sample the plan places, loaded whole, media emptied, then cut."""
+    from schemas import FieldSpec, Role
+
+    schema = SCHEMA.with_fields(FieldSpec(name="pixel_values", role=Role.MEDIA, dtypes=("float32",),
+                                          dense_shape=(4,)))
+    rows = [{"input_ids": list(range(1, 200)), "npix": 3}, {"input_ids": list(range(1, 100)), "npix": 2},
+            {"input_ids": [4, 5], "npix": 0}]
+    src = HFSource(datasets.Dataset.from_list(rows), transform=lambda r: {
+        "input_ids": torch.tensor(r["input_ids"]), "pixel_values": torch.zeros(r["npix"], 4)})
+    with pytest.warns(BadSampleWarning, match="oversize_media"):
+        loaders_ = [PackedLoader(src, schema=schema, layout=ParallelLayout(), token_budget=128, dp_size=4, dp_rank=r,
+                                 shuffle=False, planner=PlannerConfig(oversize="truncate")) for r in range(4)]
+    assert loaders_[0].report.counts == {"oversize_media": 1}
+    placed = {i for mb in loaders_[0].plan().microbatches for b in mb for i in b}
+    assert placed == {1, 2}
+    batches = [b for loader in loaders_ for b in loader]
+    fillers = [b for b in batches if b["is_filler"]]
+    assert len(batches) == 4 and len(fillers) == 2
+    for b in fillers:
+        assert b["sample_index"].numel() == 0 and float(b["loss_mask"].sum()) == 0
+        assert tuple(b["pixel_values"].shape) == (0, 4) and not bool(b["input_ids"].any())
+    assert sorted(i for b in batches for i in _ids(b)) == [1, 2]

@@ -106,3 +106,24 @@ def test_other_schema_data_or_version_is_refused(wds, tmp_path):
         _factory(wds)().load_state_dict({**state, "version": 2})
     with pytest.raises(ResumeError, match="not a prealign.PackedLoader state"):
         _factory(wds)().load_state_dict({"epoch": 0})
+
+
+def test_named_dims_are_part_of_the_data_check():
+    """Same lengths and locations, another top-k K: the index digest differs, so a state does not
+    resume on the other data."""
+    import torch
+
+    schema = causal_lm_schema(topk="K")
+
+    def source(k):
+        def transform(row):
+            n = len(row["input_ids"])
+            return {"input_ids": torch.tensor(row["input_ids"]), "teacher_topk_ids": torch.zeros(n, k, dtype=torch.long),
+                    "teacher_topk_log_probs": -torch.ones(n, k)}
+        return HFSource(datasets.Dataset.from_dict(hf_rows(LENGTHS[:30])), transform=transform)
+
+    a, b = (PackedLoader(source(k), schema=schema, layout=LAYOUT, token_budget=192) for k in (4, 8))
+    assert (a.index.dims["K"], b.index.dims["K"]) == (4, 8)
+    assert a.index.lengths.tolist() == b.index.lengths.tolist() and a.index.digest != b.index.digest
+    with pytest.raises(ResumeError, match="digest"):
+        b.load_state_dict(a.state_dict())

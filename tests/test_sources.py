@@ -286,3 +286,130 @@ def test_pax_names_and_corrupt_headers(tmp_path):
     bad.write_bytes(bytes(data))
     with pytest.raises(CorruptShardError, match="checksum"):
         build_index(WebDatasetSource([str(bad)]), SCHEMA)
+
+
+# ---- the index pass checks what the collator checks ---------------------------------------------
+TOPK = causal_lm_schema(topk="K", vocab_size=1000)
+
+
+def _topk_rows(n: int, bad: dict[int, str], k: int = 4) -> datasets.Dataset:
+    """``n`` rows of teacher top-k data; ``bad[i]`` makes row ``i`` wrong in one way."""
+    return datasets.Dataset.from_list([{"n": 5 + i % 7, "bad": bad.get(i, ""), "k": k} for i in range(n)])
+
+
+def _topk(row) -> dict:
+    n, k, bad = row["n"], row["k"], row["bad"]
+    ids = torch.full((n, 2 if bad == "k" else k), 999999 if bad == "vocab" else 1)
+    lp = -torch.ones(n, ids.shape[1])
+    lp[1, 0] = {"nan": float("nan"), "positive": 0.5}.get(bad, -1.0)
+    if bad == "bf16":
+        lp = lp.bfloat16()
+    return {"input_ids": torch.arange(1, n + 1), "teacher_topk_ids": ids, "teacher_topk_log_probs": lp}
+
+
+def test_index_rejects_what_the_collator_rejects_value_bounds():
+    """Value bounds (ids < vocab, finite log-probs <= 0) are the collator's checks: the index pass
+    counts such samples by policy instead of letting them crash an epoch."""
+    bad = {13: "vocab", 40: "nan", 70: "positive"}
+    src = HFSource(_topk_rows(90, bad), transform=_topk, rows_per_shard=32)
+    with pytest.raises(BadSampleError, match=r"hf\[13\].*teacher_topk_ids.*\[0, 999\]"):
+        build_index(src, TOPK)
+    with pytest.warns(BadSampleWarning, match="teacher_topk_log_probs"):
+        idx = build_index(src, TOPK, policy=SKIP)
+    assert len(idx) == 87 and idx.report.counts == {"bad_sample": 3}
+    assert [e[0] for e in idx.report.examples] == ["hf[13]", "hf[40]", "hf[70]"]
+    assert build_index(src, TOPK, policy=SKIP, num_workers=2).digest == idx.digest
+
+
+@pytest.mark.parametrize("rows_per_shard", [64, 3])  # the odd one inside a chunk / alone in its shard
+def test_index_fixes_named_dims_by_the_first_sample(tmp_path, rows_per_shard):
+    """K differing between samples passes per-sample validation, but no micro-batch could hold
+    both: the first accepted sample fixes K, a later other K is bad data (``dim_mismatch``)."""
+    src = HFSource(_topk_rows(20, {7: "k"}), transform=_topk, rows_per_shard=rows_per_shard)
+    with pytest.raises(BadSampleError, match=r"dim_mismatch: sample hf\[7\], field 'teacher_topk_log_probs': "
+                                             r"expected K = 4 .*hf\[0\].*got K = 2") as err:
+        build_index(src, TOPK)
+    assert err.value.reason == "dim_mismatch"
+    idx = build_index(src, TOPK, policy=BadDataPolicy(on_error="skip", warn=False), num_workers=2)
+    assert len(idx) == 19 and idx.report.counts == {"dim_mismatch": 1} and idx.dims["K"] == 4
+    assert 7 not in idx.locations[:, 0].tolist()
+    path = str(tmp_path / "idx.npz")
+    idx.save(path)
+    back = SampleIndex.load(path)
+    assert back.dims == idx.dims and back.digest == idx.digest
+    # the dims are part of the digest: the same lengths and locations with another K differ
+    other = build_index(HFSource(_topk_rows(20, {7: "k"}, k=8), transform=_topk), TOPK,
+                        policy=BadDataPolicy(on_error="skip", warn=False))
+    assert other.dims["K"] == 8 and other.lengths.tolist() == idx.lengths.tolist()
+    assert other.digest != idx.digest
+    # the loader collates every micro-batch of the index (no mid-epoch error)
+    from loaders import PackedLoader
+    from schemas import ParallelLayout
+
+    loader = PackedLoader(src, schema=TOPK, layout=ParallelLayout(cp=2), token_budget=48, index=idx)
+    assert sorted(i for b in loader for i in b["sample_index"].tolist()) == list(range(19))
+
+
+def test_index_fixes_each_field_dtype_by_the_first_sample():
+    """float32 and bf16 log-probs are both allowed but never in one batch: a bf16 sample in another
+    chunk than the float32 ones is bad data by policy, not a mid-epoch crash."""
+    src = HFSource(_topk_rows(90, {70: "bf16"}), transform=_topk, rows_per_shard=32)
+    idx = build_index(src, TOPK, policy=BadDataPolicy(on_error="skip", warn=False))
+    assert len(idx) == 89 and idx.report.counts == {"dim_mismatch": 1}
+    assert idx.dims["dtype[teacher_topk_log_probs]"] == "float32"
+    from loaders import PackedLoader
+    from schemas import ParallelLayout
+
+    loader = PackedLoader(src, schema=TOPK, layout=ParallelLayout(cp=2), token_budget=48, index=idx)
+    assert sorted(i for b in loader for i in b["sample_index"].tolist()) == list(range(89))  # index rows
+    assert 70 not in idx.locations[:, 0].tolist()
+
+
+# ---- pax records --------------------------------------------------------------------------------
+def _pax_tar(tmp_path, length: bytes) -> str:
+    """A pax shard whose first extended-header record has the length field ``length``."""
+    path = tmp_path / "pax.tar"
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
+        for k in range(2):
+            data = _npy_bytes(token_ids(k, 5))
+            info = tarfile.TarInfo(f"s{k}.input_ids.npy")
+            info.size, info.pax_headers = len(data), {"comment": "x"}
+            tf.addfile(info, io.BytesIO(data))
+    raw = buf.getvalue()
+    i = raw.index(b" comment=x\n")
+    path.write_bytes(raw[:i - 2] + length + raw[i:])
+    return str(path)
+
+
+def test_pax_record_length_zero_does_not_hang(tmp_path):
+    """A zero record length used to loop forever: checked in a child process with a time limit."""
+    import subprocess
+    import sys
+
+    path = _pax_tar(tmp_path, b"00")
+    code = ("import sys; from loaders.tar_reader import TarFormatError, iter_members\n"
+            "try:\n    list(iter_members(open(sys.argv[1], 'rb')))\n"
+            "except TarFormatError as e:\n    print('TarFormatError', e)\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        out = subprocess.run([sys.executable, "-c", code, path], capture_output=True, text=True, timeout=60, cwd=root)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the tar reader hangs on a pax record of length 0")
+    assert out.stdout.startswith("TarFormatError bad pax record length b'00 comment=x") and "at byte 512" in out.stdout
+    with pytest.raises(CorruptShardError, match="bad pax record"):
+        _index([path])
+    with pytest.warns(BadSampleWarning), pytest.raises(BadSampleError, match="corrupt_shard"):
+        _index([path], SKIP)  # the shard is unreadable: counted, and no good sample is left
+
+
+@pytest.mark.parametrize("length", [b"zz", b"99", b" 1", b"-5"])
+def test_bad_pax_record_is_a_corrupt_shard(tmp_path, length):
+    """Non-numeric, too long or signed lengths are a corrupt shard by policy, not a bare ValueError."""
+    path = _pax_tar(tmp_path, length)
+    good = write_shards(str(tmp_path / "good"), sample_lengths(4), num_shards=1)
+    with pytest.raises(CorruptShardError, match="bad pax record"):
+        _index([path])
+    with pytest.warns(BadSampleWarning, match="corrupt_shard"):
+        idx = _index(good + [path], SKIP)
+    assert len(idx) == 4 and idx.report.counts == {"corrupt_shard": 1}
