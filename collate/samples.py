@@ -120,6 +120,17 @@ def _sample_keys_read(schema: BatchSchema) -> tuple[FieldSpec, ...]:
     return tuple(specs)
 
 
+@functools.lru_cache(maxsize=64)
+def sample_token_keys(schema: BatchSchema) -> tuple[tuple[str, int], ...]:
+    """``(sample key, token dim)`` of every per-token sample field the collator may read (e.g. for
+    cutting a sample to a length: every such field must be cut alike)."""
+    out: dict[str, int] = {}
+    for spec in _sample_keys_read(schema):
+        for key in spec.sample_keys:
+            out.setdefault(key, spec.token_dim)
+    return tuple(out.items())
+
+
 def resolve_key(spec: FieldSpec, present: Sequence[str]) -> str | None:
     """First of ``spec.sample_keys`` present in the sample, or None."""
     for key in spec.sample_keys:

@@ -5,6 +5,7 @@ bad-data policy) -> planner (:func:`plan_microbatches`, same plan on every rank)
 micro-batches -> DataLoader workers read, transform and collate -> :class:`PackedLoader` batches,
 resumable with ``state_dict`` / ``load_state_dict``.
 """
+from .chat_tokenizer import ChatTokenizer, HFChatTokenizer
 from .conformance import assert_resumes_exactly
 from .errors import (BadSampleError, CorruptShardError, MissingMemberError, OversizeSampleError, PlanError,
                      ResumeError, SourceChangedError, TooManyBadSamplesError, UnsafeMemberError)
@@ -15,7 +16,7 @@ from .policy import BadDataPolicy, BadDataReport, BadSampleWarning, OnBadSample,
 from .sources import HFSource, Source
 from .webdataset_source import WebDatasetSource, numpy_fields
 
-__all__ = ["PackedLoader", "plan_microbatches", "microbatch_capacity", "MicrobatchPlan", "PlannerConfig", "PlanStats",
+__all__ = ["HFChatTokenizer", "ChatTokenizer", "PackedLoader", "plan_microbatches", "microbatch_capacity", "MicrobatchPlan", "PlannerConfig", "PlanStats",
            "HFSource", "WebDatasetSource", "Source", "numpy_fields", "SampleIndex", "build_index", "assert_resumes_exactly",
            "PackStrategy", "Oversize", "OnBadSample", "BadDataPolicy", "BadDataReport", "BadSampleWarning",
            "PlanError", "OversizeSampleError", "BadSampleError", "UnsafeMemberError", "MissingMemberError",

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
+from collate.samples import sample_token_keys
 from collate.thd import THDCollator
 from schemas.errors import SampleError
 from schemas.layout import ParallelLayout
@@ -37,17 +38,6 @@ from .state import LoaderState
 from .transport import PackedBatch, pack_batch, unpack_batch
 
 
-def _token_keys(schema: BatchSchema) -> list[tuple[str, int]]:
-    """(sample key, token dim) of every sample field the collator reads per token."""
-    out = {}
-    for spec in schema.of_role(Role.TOKEN):
-        if spec.source in (FieldSource.SAMPLE, FieldSource.NEXT_TOKEN):
-            for key in spec.sample_keys:
-                out.setdefault(key, spec.token_dim)
-    out.setdefault("loss_mask", 0)
-    return list(out.items())
-
-
 def truncate_sample(sample: dict, schema: BatchSchema, length: int) -> dict:
     """A copy of ``sample`` with every token field cut to its first ``length`` tokens.
 
@@ -57,7 +47,7 @@ def truncate_sample(sample: dict, schema: BatchSchema, length: int) -> dict:
     """
     out = dict(sample)
     mkeys = media_keys(schema)
-    for key, dim in _token_keys(schema):
+    for key, dim in sample_token_keys(schema):
         if key in out and out[key] is not None:
             t = torch.as_tensor(np.asarray(out[key])) if not isinstance(out[key], torch.Tensor) else out[key]
             if t.shape[dim] > length and mkeys and has_media(sample, mkeys):
