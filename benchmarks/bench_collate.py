@@ -7,7 +7,9 @@ For B in {8, 64, 256, 1024} sequences of 16..1024 tokens, tp=2 cp=2, CP rank 0:
   verl         verl 0.9.1 preprocess_thd_engine applied to each input field (nested tensors)
   floor        torch.cat of the same input tensors + one memcpy of as many bytes as our output
   peak/out     peak extra resident memory of one collate call / bytes of its output
-               (measured in a fresh subprocess with /proc/self/clear_refs + VmHWM)
+               (measured in a fresh subprocess with /proc/self/clear_refs + VmHWM, default malloc)
+Timed runs pin glibc's malloc thresholds (see ``pin_allocator``) so that no contender's time
+depends on the allocator state the previous one left.
 Times are best-of-N with the contenders interleaved; ratios are what matter, absolute times depend on
 the machine. One thread, like one DataLoader worker.
 
@@ -136,10 +138,9 @@ def run(batch_sizes, repeat: int) -> list[dict]:
                     with patched_parallel_state(verl, tp=LAYOUT.tp, cp=LAYOUT.cp, cp_rank=0):
                         for k in fields_of(samples):
                             verl.preprocess_thd_engine(nt[k], pre_process=True)
-                # verl is 100-1000x slower: fewer repeats, ours timed again beside it
-                side = timeit_side_by_side({"verl": run_verl, "ours": lambda: coll(samples)},
-                                           max(3, repeat // 8) if b >= 256 else repeat)
-                row["verl"], row["ours_beside_verl"] = side["verl"], side["ours"]
+                # verl is 100-1000x slower: fewer repeats, timed on its own (interleaving a 0.2-10 s call
+                # with ours would only measure the caches and allocator state it leaves behind)
+                row["verl"] = timeit_side_by_side({"verl": run_verl}, max(3, repeat // 8) if b >= 256 else repeat)["verl"]
             row["peak/out"] = peak_ratio(b, topk)
             rows.append(row)
             print_row(row)
@@ -153,11 +154,26 @@ HEADER = (f"{'B':>5} {'case':>11} {'T_local':>8} {'out MiB':>8} {'ours ms':>8} {
 def print_row(r: dict) -> None:
     verl, peak = r.get("verl"), r.get("peak/out")
     verl_ms = "-" if verl is None else f"{verl * 1e3:.2f}"
-    speedup = "-" if verl is None else f"{verl / r['ours_beside_verl']:.0f}x"
+    speedup = "-" if verl is None else f"{verl / r['ours']:.0f}x"
     peak_s = "-" if peak is None else f"{peak:.2f}x"
     print(f"{r['B']:>5} {r['case']:>11} {r['T_local']:>8} {r['out_MiB']:>8.2f} {r['ours'] * 1e3:>8.3f} "
           f"{r['ours_nested'] * 1e3:>9.3f} {verl_ms:>9} {r['floor'] * 1e3:>8.3f} {speedup:>9} "
           f"{r['ours'] / r['floor']:>9.2f}x {peak_s:>8}", flush=True)
+
+
+def pin_allocator() -> bool:
+    """Pin glibc's malloc thresholds for the timed runs. Its dynamic mmap threshold otherwise moves
+    with whatever ran before, so whether a fresh multi-MiB buffer costs page faults depended on the
+    previous contender (the floor's time alone varied 0.2-0.9 ms at B=256). Pinned high, every
+    contender runs in the steady state of a long-lived DataLoader worker. Linux/glibc only."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        return bool(libc.mallopt(m_mmap_threshold, 1 << 30) and libc.mallopt(m_trim_threshold, 1 << 30))
+    except (OSError, AttributeError):
+        return False
 
 
 def main(argv=None) -> None:
@@ -172,8 +188,9 @@ def main(argv=None) -> None:
         memory_probe(args.memory_probe[0], bool(args.memory_probe[1]))
         return
     sizes = (8, 64, 256) if args.quick else (8, 64, 256, 1024)
+    pinned = pin_allocator()
     print(f"torch {torch.__version__}, {args.threads} thread(s), layout tp={LAYOUT.tp} cp={LAYOUT.cp} (rank 0), "
-          f"lengths 16..1024")
+          f"lengths 16..1024, malloc thresholds {'pinned' if pinned else 'default'}")
     print(HEADER)
     run(sizes, args.repeat or (11 if args.quick else 31))
 
