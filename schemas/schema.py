@@ -151,6 +151,17 @@ class BatchSchema:
         if "input_ids" not in names:
             raise SchemaError(f"schema {self.name!r}: a batch needs an 'input_ids' token field")
         object.__setattr__(self, "by_name", {f.name: f for f in self.fields})
+        object.__setattr__(self, "_hash", hash((self.name, self.fields, self.ignore_index)))
+
+    def __hash__(self) -> int:  # cached: collators look schemas up in small caches on every batch
+        return self._hash
+
+    def __getstate__(self) -> dict:  # str hashes differ between processes: recompute, never ship
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        object.__setattr__(self, "_hash", hash((self.name, self.fields, self.ignore_index)))
 
     def __getitem__(self, name: str) -> FieldSpec:
         return self.by_name[name]
