@@ -273,14 +273,6 @@ def _column(batch: Sequence[Mapping], key: str) -> list[torch.Tensor]:
     return [_as_tensor(v, i, key) for i, v in enumerate(col)]
 
 
-def _get(sample: Mapping, key: str, i: int):
-    try:
-        return sample[key]
-    except KeyError:
-        raise SampleError(sample=i, field=key, expected="the field present (sample 0 has it)",
-                          actual=f"fields {sorted(sample.keys())}") from None
-
-
 def _as_tensor(value, i: int, key: str) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         return value

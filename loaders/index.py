@@ -286,7 +286,7 @@ def merge_shards(results: list[dict], policy: BadDataPolicy, width: int, *,
         for ev in res["events"]:
             if ev[0] == "ok":
                 dims = res["dims"][res["dim_ids"][k]] if res.get("dims") else {}
-                bad = next((d for d, n in dims.items() if fixed.get(d, n) != n), None)
+                bad = _dim_mismatch(fixed, dims)
                 if bad is None:
                     for d in dims.keys() - fixed.keys():
                         fixed[d], fixed_by[d] = dims[d], name(tuple(res["locations"][k]))
