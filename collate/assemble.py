@@ -54,6 +54,19 @@ def token_fields(schema: BatchSchema, flat: FlatBatch, plan: GatherPlan,
     return out
 
 
+def check_cp_rank(cp_rank: int | None, layout) -> None:
+    """A collator's ``cp_rank``: None (the whole batch) or a rank of the layout's CP group."""
+    if cp_rank is not None and not 0 <= cp_rank < layout.cp:
+        raise ValueError(f"cp_rank must be None or in [0, {layout.cp}), got {cp_rank}")
+
+
+def non_token_fields(flat: FlatBatch, layout, cp_rank: int | None) -> dict:
+    """What every batch carries besides its token fields: SEQUENCE and MEDIA fields, and the CP
+    metadata (``cp_rank`` -1 when unsharded, ``cp_size``, ``cp_layout``)."""
+    return {**flat.sequence, **flat.media, "cp_rank": -1 if cp_rank is None else cp_rank, "cp_size": layout.cp,
+            "cp_layout": layout.cp_layout.value}
+
+
 @functools.lru_cache(maxsize=64)
 def _build_order(schema: BatchSchema) -> tuple:
     """Sample fields first (they read ``src``), then next-token fields (``src`` turned into

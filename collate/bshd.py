@@ -16,7 +16,7 @@ import torch
 
 from schemas.layout import CPLayout, ParallelLayout
 from schemas.schema import BatchSchema
-from .assemble import token_fields
+from .assemble import check_cp_rank, non_token_fields, token_fields
 from .indices import Chunks, cp_chunks, gather_plan
 from .samples import flatten
 
@@ -48,8 +48,7 @@ class BSHDCollator:
     check_values: bool = True
 
     def __post_init__(self):
-        if self.cp_rank is not None and not 0 <= self.cp_rank < self.layout.cp:
-            raise ValueError(f"cp_rank must be None or in [0, {self.layout.cp}), got {self.cp_rank}")
+        check_cp_rank(self.cp_rank, self.layout)
 
     def __call__(self, batch) -> dict:
         flat = flatten(batch, self.schema, check_values=self.check_values)
@@ -63,9 +62,5 @@ class BSHDCollator:
             out[name] = v.unflatten(td, (b, v.shape[td] // b))
         out["attention_mask"] = ~plan.is_pad.view(b, -1)
         out["cu_seqlens"] = flat.cu_seqlens.to(torch.int32)
-        out.update(flat.sequence)
-        out.update(flat.media)
-        out["cp_rank"] = -1 if self.cp_rank is None else self.cp_rank
-        out["cp_size"] = self.layout.cp
-        out["cp_layout"] = self.layout.cp_layout.value
+        out.update(non_token_fields(flat, self.layout, self.cp_rank))
         return out

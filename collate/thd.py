@@ -17,7 +17,7 @@ import torch
 
 from schemas.layout import ParallelLayout
 from schemas.schema import BatchSchema
-from .assemble import token_fields
+from .assemble import check_cp_rank, non_token_fields, token_fields
 from .indices import cp_chunks, gather_plan, global_slots, lengths_to_cu_seqlens
 from .samples import flatten
 
@@ -51,8 +51,7 @@ class THDCollator:
     vision embeddings are merged into the sequence."""
 
     def __post_init__(self):
-        if self.cp_rank is not None and not 0 <= self.cp_rank < self.layout.cp:
-            raise ValueError(f"cp_rank must be None or in [0, {self.layout.cp}), got {self.cp_rank}")
+        check_cp_rank(self.cp_rank, self.layout)
 
     def __call__(self, batch) -> dict:
         flat = flatten(batch, self.schema, check_values=self.check_values)
@@ -65,11 +64,7 @@ class THDCollator:
         out["cu_seqlens"] = flat.cu_seqlens.to(torch.int32)
         out["cu_seqlens_padded"] = lengths_to_cu_seqlens(padded)
         out["max_seqlen"] = torch.tensor([int(padded.numpy().max())], dtype=torch.int32)
-        out.update(flat.sequence)
-        out.update(flat.media)
         if self.defer_cp_shard and self.cp_rank is not None:
             out["cp_gather_index"] = global_slots(cp_chunks(padded, self.layout, self.cp_rank), out["cu_seqlens_padded"])
-        out["cp_rank"] = -1 if shard_rank is None else shard_rank
-        out["cp_size"] = self.layout.cp
-        out["cp_layout"] = self.layout.cp_layout.value
+        out.update(non_token_fields(flat, self.layout, shard_rank))
         return out
