@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from schemas.errors import BucketOverflowError
-from schemas.layout import ParallelLayout
+from schemas.layout import ParallelLayout, round_up, round_up_array
 from .errors import OversizeSampleError, PlanError
 from .packing import next_fit, spread, stream_fit
 from .policy import Oversize, PackStrategy, coerce_enum
@@ -251,8 +251,7 @@ def plan_microbatches(lengths, *, layout: ParallelLayout, token_budget: int, dp_
         else:
             skipped = tuple(int(i) for i in over)
             order = order[true_len[order] <= max_len]
-    m = layout.seq_multiple
-    aligned = -(-true_len // m) * m
+    aligned = round_up_array(true_len, layout.seq_multiple)  # exactly the collator's P_i before extension
     sizes = aligned[order]
     if cfg.strategy is PackStrategy.IN_ORDER:
         bins = next_fit(sizes, cap)
@@ -272,7 +271,7 @@ def _form_steps(bins: list[list[int]], sizes: np.ndarray, cap: int, dp: int,
     head, tail = bins[:full], bins[full:]
     tail_steps: list[list[list[int]]] = []
     if tail:
-        last = -(-len(tail) // dp) * dp  # the final step: round_up(r, dp) micro-batches
+        last = round_up(len(tail), dp)  # the final step: round_up(r, dp) micro-batches
         pulled = 0
         while sum(map(len, tail)) < pulled * per_step + last and head:  # too few samples: take a step back
             head, tail = head[:-per_step], head[-per_step:] + tail
