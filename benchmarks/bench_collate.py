@@ -33,8 +33,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 warnings.filterwarnings("ignore")
 
-from collate import THDCollator  # noqa: E402
-from schemas import ParallelLayout, causal_lm_schema  # noqa: E402
+from prealign.collate import THDCollator  # noqa: E402
+from prealign.schemas import ParallelLayout, causal_lm_schema  # noqa: E402
 
 K = 64
 LAYOUT = ParallelLayout(tp=2, cp=2)

@@ -28,9 +28,9 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from collate import THDCollator  # noqa: E402
-from loaders import PackedLoader, WebDatasetSource  # noqa: E402
-from schemas import ParallelLayout, causal_lm_schema  # noqa: E402
+from prealign.collate import THDCollator  # noqa: E402
+from prealign.loaders import PackedLoader, WebDatasetSource  # noqa: E402
+from prealign.schemas import ParallelLayout, causal_lm_schema  # noqa: E402
 
 
 def write_shards(root: str, n: int, num_shards: int = 8, seed: int = 0) -> list[str]:

@@ -30,8 +30,8 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from loaders import microbatch_capacity, plan_microbatches  # noqa: E402
-from schemas import ParallelLayout  # noqa: E402
+from prealign.loaders import microbatch_capacity, plan_microbatches  # noqa: E402
+from prealign.schemas import ParallelLayout  # noqa: E402
 
 GSM8K = os.path.join(ROOT, "..", "shared", "data", "gsm8k")
 _WORDS = re.compile(r"[A-Za-z]+|\d{1,3}|[^\sA-Za-z\d]")

@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from schemas.schema import BatchSchema, Role, Source
+from prealign.schemas.schema import BatchSchema, Role, Source
 from .indices import GatherPlan
 from .samples import FlatBatch, TokenSource, check_value_bounds, resolve_key
 

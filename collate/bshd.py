@@ -1,6 +1,6 @@
 """BSHD collation: one sequence per row, rows padded to a common aligned length ``S``.
 
->>> from schemas import ParallelLayout, causal_lm_schema
+>>> from prealign.schemas import ParallelLayout, causal_lm_schema
 >>> coll = BSHDCollator(schema=causal_lm_schema(), layout=ParallelLayout(cp=2), cp_rank=0)
 >>> b = coll([{"input_ids": torch.tensor([1, 2, 3, 4, 5])}, {"input_ids": torch.tensor([6, 7, 8])}])
 >>> b["input_ids"].tolist(), b["attention_mask"].tolist()
@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from schemas.layout import CPLayout, ParallelLayout
-from schemas.schema import BatchSchema
+from prealign.schemas.layout import CPLayout, ParallelLayout
+from prealign.schemas.schema import BatchSchema
 from .assemble import check_cp_rank, non_token_fields, token_fields
 from .indices import Chunks, cp_chunks, gather_plan
 from .samples import flatten
@@ -37,7 +37,7 @@ class BSHDCollator:
     """``collate_fn`` producing ``[B, S_out, *dense]`` rows (``S_out = S/cp`` for a CP rank).
 
     ``S`` is the longest sequence rounded up to :meth:`ParallelLayout.bshd_multiple` (then
-    ``min_local_rows`` and length buckets). Fields as :class:`~collate.THDCollator`, plus
+    ``min_local_rows`` and length buckets). Fields as :class:`~prealign.collate.THDCollator`, plus
     ``attention_mask`` bool ``[B, S_out]`` (True on real tokens, the verl/HF convention) and
     ``cu_seqlens`` int32 ``[B+1]`` of the true lengths.
     """

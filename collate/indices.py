@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from schemas.layout import CPLayout, ParallelLayout
+from prealign.schemas.layout import CPLayout, ParallelLayout
 
 
 def as_numpy(x) -> np.ndarray:

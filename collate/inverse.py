@@ -5,8 +5,8 @@ dim of the packed tensor (1 for ``[1, T, ...]``, 2 for mRoPE-like ``[3, 1, T]``)
 ``dim - 1``.
 
 >>> import torch
->>> from schemas import ParallelLayout, causal_lm_schema
->>> from collate import THDCollator
+>>> from prealign.schemas import ParallelLayout, causal_lm_schema
+>>> from prealign.collate import THDCollator
 >>> samples = [{"input_ids": torch.arange(1, 6)}, {"input_ids": torch.arange(6, 9)}]
 >>> lay = ParallelLayout(tp=2, cp=2)
 >>> shards = [THDCollator(schema=causal_lm_schema(), layout=lay, cp_rank=r)(samples) for r in range(2)]
@@ -21,7 +21,7 @@ from typing import Sequence
 
 import torch
 
-from schemas.layout import CPLayout, ParallelLayout
+from prealign.schemas.layout import CPLayout, ParallelLayout
 from .bshd import bshd_chunks
 from .indices import cp_chunks, cu_seqlens_to_lengths, global_slots, real_rows
 

@@ -19,7 +19,7 @@ import enum
 
 import torch
 
-from schemas.layout import CPLayout
+from prealign.schemas.layout import CPLayout
 
 
 class PackedSeqConvention(enum.Enum):
@@ -30,7 +30,7 @@ class PackedSeqConvention(enum.Enum):
 def to_packed_seq_params(batch: dict, *, convention: PackedSeqConvention | str = PackedSeqConvention.PADDED,
                          cp_layout: CPLayout | str | None = None, device: torch.device | str | None = None):
     """Build ``megatron.core.packed_seq_params.PackedSeqParams(qkv_format="thd", ...)`` from a
-    :class:`~collate.THDCollator` batch. Offsets are int32 (moved to ``device`` when given).
+    :class:`~prealign.collate.THDCollator` batch. Offsets are int32 (moved to ``device`` when given).
 
     With a megatron-core that knows ``cp_partition_mode`` it is set from ``cp_layout`` (default: the
     batch's own ``cp_layout``, zigzag if it has none); an older one only supports zigzag, and a

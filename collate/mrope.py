@@ -28,8 +28,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from schemas.errors import SampleError
-from schemas.vlm import IMAGE_TOKEN_TYPE, TEXT_TOKEN_TYPE
+from prealign.schemas.errors import SampleError
+from prealign.schemas.vlm import IMAGE_TOKEN_TYPE, TEXT_TOKEN_TYPE
 from .indices import lengths_to_cu_seqlens
 
 
@@ -130,7 +130,7 @@ def _check_runs(starts, ends, grid, cu, merge: int, images_per_sample) -> None:
 # ------------------------------------------------------------------------------------------------
 @dataclass(frozen=True, kw_only=True)
 class MRoPECollator:
-    """Wraps a collator (:class:`~collate.THDCollator`, :class:`~collate.BSHDCollator`) and adds the
+    """Wraps a collator (:class:`~prealign.collate.THDCollator`, :class:`~prealign.collate.BSHDCollator`) and adds the
     3-D positions before it runs, so they are padded and CP-sharded exactly like the tokens:
     ``field`` is ``[3, 1, T_out]`` in THD, ``[3, B, S_out]`` in BSHD, 0 on pads.
 
@@ -138,8 +138,8 @@ class MRoPECollator:
     ``[num_images, 3]`` (``[0, 3]`` for text only). Samples that all carry ``field`` already keep
     their own values; a batch where only some do is an error. Picklable; never mutates samples.
 
-    >>> from schemas import ParallelLayout, vlm_schema
-    >>> from collate import THDCollator
+    >>> from prealign.schemas import ParallelLayout, vlm_schema
+    >>> from prealign.collate import THDCollator
     >>> coll = MRoPECollator(collator=THDCollator(schema=vlm_schema(), layout=ParallelLayout(tp=2, cp=2), cp_rank=1))
     >>> s = {"input_ids": torch.tensor([5, 6, 9, 9, 7]), "mm_token_type_ids": torch.tensor([0, 0, 1, 1, 0]),
     ...      "image_grid_thw": torch.tensor([[1, 2, 4]]), "pixel_values": torch.zeros(8, 1176)}

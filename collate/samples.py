@@ -14,8 +14,8 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 import torch
 
-from schemas.errors import SampleError
-from schemas.schema import BatchSchema, FieldSpec, Role, Source, dtype_name
+from prealign.schemas.errors import SampleError
+from prealign.schemas.schema import BatchSchema, FieldSpec, Role, Source, dtype_name
 from .indices import lengths_to_cu_seqlens
 
 

@@ -1,6 +1,6 @@
 """THD (packed) collation: every sequence padded per the layout and packed into ``[1, T]``.
 
->>> from schemas import ParallelLayout, causal_lm_schema
+>>> from prealign.schemas import ParallelLayout, causal_lm_schema
 >>> coll = THDCollator(schema=causal_lm_schema(), layout=ParallelLayout(cp=2), cp_rank=1)
 >>> b = coll([{"input_ids": torch.tensor([1, 2, 3, 4, 5])}, {"input_ids": torch.tensor([6, 7, 8])}])
 >>> b["input_ids"].tolist(), b["cu_seqlens_padded"].tolist()
@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from schemas.layout import ParallelLayout
-from schemas.schema import BatchSchema
+from prealign.schemas.layout import ParallelLayout
+from prealign.schemas.schema import BatchSchema
 from .assemble import check_cp_rank, non_token_fields, token_fields
 from .indices import cp_chunks, gather_plan, global_slots, lengths_to_cu_seqlens
 from .samples import flatten

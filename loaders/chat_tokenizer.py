@@ -4,7 +4,7 @@
 The transform only needs: ``encode(text) -> int64 [n]`` (no special tokens added), the ids of
 ``<|im_start|>`` / ``<|im_end|>`` (chat turns) and of ``<|vision_start|>`` / ``<|image_pad|>`` /
 ``<|vision_end|>`` (images), the vocabulary size (to bound teacher ids) and the vision-token config.
-The demo's :class:`~loaders.demo_tokenizer.ByteTokenizer` is one; a real tokenizer is wrapped::
+The demo's :class:`~prealign.loaders.cli.demo_tokenizer.ByteTokenizer` is one; a real tokenizer is wrapped::
 
     from transformers import AutoTokenizer
     tok = HFChatTokenizer(AutoTokenizer.from_pretrained("Qwen/Qwen2-VL-2B-Instruct"))
@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from schemas.vlm import VisionTokens
+from prealign.schemas.vlm import VisionTokens
 
 
 class ChatTokenizer(Protocol):

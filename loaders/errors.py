@@ -1,9 +1,9 @@
-"""Typed errors of the loader layer. All subclass :class:`schemas.errors.PrealignError` (a ``ValueError``);
-per-sample problems subclass :class:`~schemas.errors.SampleError` and name the sample, the field,
+"""Typed errors of the loader layer. All subclass :class:`prealign.schemas.errors.PrealignError` (a ``ValueError``);
+per-sample problems subclass :class:`~prealign.schemas.errors.SampleError` and name the sample, the field,
 what was expected and what came."""
 from __future__ import annotations
 
-from schemas.errors import PrealignError, SampleError
+from prealign.schemas.errors import PrealignError, SampleError
 
 
 class PlanError(PrealignError):
@@ -18,7 +18,7 @@ class BadSampleError(SampleError):
     """A sample could not be decoded, transformed or validated against the schema.
 
     ``reason`` is the key a skipped sample is counted under in the
-    :class:`~loaders.policy.BadDataReport` (``"bad_sample"`` unless a subclass or the caller says
+    :class:`~prealign.loaders.policy.BadDataReport` (``"bad_sample"`` unless a subclass or the caller says
     more, e.g. ``"corrupt_image"``); an explicit ``reason`` also prefixes the message, so the cause
     survives being reported as text.
     """
@@ -46,9 +46,9 @@ class MissingMemberError(BadSampleError):
 
 
 def reason_of(exc: BaseException) -> str:
-    """The cause a bad sample is counted under: a :class:`~schemas.errors.SampleError`'s ``reason``
-    (a non-empty ``str`` or an enum with such a value, e.g. :class:`loaders.vlm.MediaError`'s
-    :class:`~loaders.vlm.MediaProblem`), else ``"bad_sample"``.
+    """The cause a bad sample is counted under: a :class:`~prealign.schemas.errors.SampleError`'s ``reason``
+    (a non-empty ``str`` or an enum with such a value, e.g. :class:`prealign.loaders.vlm.MediaError`'s
+    :class:`~prealign.loaders.vlm.MediaProblem`), else ``"bad_sample"``.
 
     >>> reason_of(MissingMemberError(sample="k", field="jpg", expected="a member", actual="none"))
     'missing_member'

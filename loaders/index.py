@@ -5,7 +5,7 @@
                                                                             │ bad: failure record
     main process: merge shards in order ─► bad-data policy (raise / skip+count) ─► SampleIndex
 
-Validation is the collator's own: the real :class:`~collate.thd.THDCollator` (unsharded) runs on
+Validation is the collator's own: the real :class:`~prealign.collate.thd.THDCollator` (unsharded) runs on
 each chunk of samples, and on each sample alone when a chunk fails, so shapes, dtypes and value
 bounds (``finite``, ``min_value``, ``max_value``) are checked on every row. The named dense dims
 (``K`` of a top-k field, ...) are recorded: the first accepted sample fixes them, and a later
@@ -25,11 +25,11 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from collate.samples import flatten
-from collate.thd import THDCollator
-from schemas.errors import PrealignError, SampleError
-from schemas.layout import ParallelLayout
-from schemas.schema import BatchSchema, Role
+from prealign.collate.samples import flatten
+from prealign.collate.thd import THDCollator
+from prealign.schemas.errors import PrealignError, SampleError
+from prealign.schemas.layout import ParallelLayout
+from prealign.schemas.schema import BatchSchema, Role
 from .errors import BadSampleError, CorruptShardError, reason_of
 from .policy import BadDataGate, BadDataPolicy, BadDataReport
 from .sources import Skip, Source
@@ -92,7 +92,7 @@ class SampleIndex:
 
 def _freeze(exc: Exception) -> dict:
     """An exception as plain data (typed errors do not survive pickling through DataLoader workers);
-    a sample's keeps its cause (:func:`~loaders.errors.reason_of`) and its message."""
+    a sample's keeps its cause (:func:`~prealign.loaders.errors.reason_of`) and its message."""
     if isinstance(exc, CorruptShardError):
         return {"type": "shard", "shard": exc.shard, "offset": exc.offset, "cause": exc.cause}
     if not isinstance(exc, SampleError):
@@ -328,7 +328,7 @@ def build_index(source: Source, schema: BatchSchema, *, policy: BadDataPolicy | 
     ``W`` (in ``group``) scans shards ``r, r+W, ...`` (the shard split ``split_dataset_by_node``
     makes) and the ranks exchange their records, so every rank ends with the same full index.
     """
-    from schemas.distributed import all_gather_objects, process_rank_world
+    from prealign.schemas.distributed import all_gather_objects, process_rank_world
 
     rank, world = process_rank_world(group) if distributed else (0, 1)
     shards = list(range(source.num_shards))

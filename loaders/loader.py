@@ -23,11 +23,11 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from collate.samples import sample_token_keys
-from collate.thd import THDCollator
-from schemas.errors import SampleError
-from schemas.layout import ParallelLayout
-from schemas.schema import BatchSchema, Role, Source as FieldSource
+from prealign.collate.samples import sample_token_keys
+from prealign.collate.thd import THDCollator
+from prealign.schemas.errors import SampleError
+from prealign.schemas.layout import ParallelLayout
+from prealign.schemas.schema import BatchSchema, Role, Source as FieldSource
 from .errors import BadSampleError, PlanError, SourceChangedError
 from .index import SampleIndex, build_index, has_media, media_keys
 from .planner import MicrobatchPlan, PlannerConfig, microbatch_capacity
@@ -62,7 +62,7 @@ def filler_sample(sample: dict, schema: BatchSchema, length: int) -> dict:
     """A sample shaped like ``sample`` but ``length`` pad tokens long, labels all ``ignore_index``
     (so its loss mask is zero), sequence fields zero and media fields empty (no images: a VLM
     filler has ``pixel_values [0, patch_dim]``, ``image_grid_thw [0, 3]``, text-only token types
-    and zero ``mrope_position_ids``, consistent for :func:`schemas.vlm.validate_vlm_batch`)."""
+    and zero ``mrope_position_ids``, consistent for :func:`prealign.schemas.vlm.validate_vlm_batch`)."""
     out = dict(sample)
     for spec in schema.of_role(Role.MEDIA):  # first: then the cut below never sees media
         if spec.name in out:
@@ -141,7 +141,7 @@ class _CollatePlanned:
 
     collator: Callable
     pack: bool = False
-    """In worker processes: hand the batch over as one buffer (:mod:`loaders.transport`)."""
+    """In worker processes: hand the batch over as one buffer (:mod:`prealign.loaders.transport`)."""
 
     def __call__(self, fetched: tuple[Request, list[dict], Callable[[int], str]]):
         request, samples, where = fetched
@@ -258,7 +258,7 @@ index pass over all ranks and exchange the records (collective: every rank must 
                             layout: ParallelLayout | None = None, **kwargs) -> "PackedLoader":
         """Ranks (and, without ``layout``, tp/cp sizes) read from megatron-core's ``parallel_state``
         when initialised, else from ``torch.distributed`` (every rank a DP rank, no CP)."""
-        from schemas.distributed import data_parallel_info
+        from prealign.schemas.distributed import data_parallel_info
 
         info = data_parallel_info()
         if layout is None:
@@ -358,13 +358,13 @@ index pass over all ranks and exchange the records (collective: every rank must 
                 "digest": self.index.digest}
 
     def state_dict(self) -> dict:
-        """JSON-serialisable state, identical on every rank of the run (see :mod:`loaders.state`)."""
+        """JSON-serialisable state, identical on every rank of the run (see :mod:`prealign.loaders.state`)."""
         epoch, position = self._normalised()
         return LoaderState(epoch=epoch, position=position, config=self._config(), data=self._data()).to_dict()
 
     def load_state_dict(self, state: dict) -> None:
         """Resume: the next batches are exactly those the saved run would have yielded next. Refuses
-        (:class:`~loaders.errors.ResumeError`) a state of another dp_size, layout, schema, budget,
+        (:class:`~prealign.loaders.errors.ResumeError`) a state of another dp_size, layout, schema, budget,
         planner, seed or data."""
         st = LoaderState.from_dict(state)
         st.check_compatible(self._config(), self._data())

@@ -19,7 +19,7 @@ A micro-batch is valid when its padded THD length ``layout.total_length(sum A_i)
 token budget: the exact length the collator will produce (alignment, FP8 multiple, min rows and
 length buckets included). The capacity ``cap`` is the largest aligned sum with that property.
 
->>> from schemas import ParallelLayout
+>>> from prealign.schemas import ParallelLayout
 >>> plan = plan_microbatches([5, 3, 7, 2, 6], layout=ParallelLayout(cp=2), token_budget=16, dp_size=2)
 >>> plan.microbatches
 (((0, 2),), ((4, 1, 3),))
@@ -33,8 +33,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from schemas.errors import BucketOverflowError
-from schemas.layout import ParallelLayout, round_up, round_up_array
+from prealign.schemas.errors import BucketOverflowError
+from prealign.schemas.layout import ParallelLayout, round_up, round_up_array
 from .errors import OversizeSampleError, PlanError
 from .packing import next_fit, spread, stream_fit
 from .policy import Oversize, PackStrategy, coerce_enum

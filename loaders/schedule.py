@@ -1,6 +1,6 @@
 """Epoch order and the per-rank schedule of micro-batch requests (what the DataLoader is fed).
 
-``epoch_order`` -> :func:`~loaders.planner.plan_microbatches` on the index lengths in that order
+``epoch_order`` -> :func:`~prealign.loaders.planner.plan_microbatches` on the index lengths in that order
 -> this rank's row -> :class:`Request` objects, one per micro-batch, handed to DataLoader workers.
 Everything is a pure function of (index, epoch, seed, config), which is what makes resume exact.
 """
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from schemas.layout import ParallelLayout
+from prealign.schemas.layout import ParallelLayout
 from .index import SampleIndex
 from .planner import MicrobatchPlan, PlannerConfig, plan_microbatches
 

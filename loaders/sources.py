@@ -17,7 +17,7 @@ import os
 from collections import OrderedDict
 from typing import Callable, Iterator
 
-from schemas.errors import SampleError
+from prealign.schemas.errors import SampleError
 
 from .errors import BadSampleError, reason_of
 
@@ -51,7 +51,7 @@ class Source(abc.ABC):
     def scan(self, shard: int) -> Iterator[tuple[Location | None, object]]:
         """``(location, raw sample dict)`` in stream order; ``(location, exception)`` for a sample that
         could not be read; ``(None, Skip)`` for ignored records; a
-        :class:`~loaders.errors.CorruptShardError` as ``(None, error)`` ends the shard."""
+        :class:`~prealign.loaders.errors.CorruptShardError` as ``(None, error)`` ends the shard."""
 
     @abc.abstractmethod
     def read(self, location: Location) -> dict:
@@ -87,9 +87,9 @@ class Source(abc.ABC):
     def apply_transform(self, raw: dict, location: Location) -> dict:
         """``transform(raw)``; any failure becomes a :class:`BadSampleError` naming the sample.
 
-        A :class:`~schemas.errors.SampleError` raised by the transform keeps its field, expected,
-        actual and ``reason`` (:func:`~loaders.errors.reason_of`, e.g. a
-        :class:`~loaders.vlm.MediaError`'s ``corrupt_image``), so the index counts skips by cause;
+        A :class:`~prealign.schemas.errors.SampleError` raised by the transform keeps its field, expected,
+        actual and ``reason`` (:func:`~prealign.loaders.errors.reason_of`, e.g. a
+        :class:`~prealign.loaders.vlm.MediaError`'s ``corrupt_image``), so the index counts skips by cause;
         any other exception is reported as ``transform to succeed`` under ``bad_sample``.
         """
         if self.transform is None:
@@ -119,7 +119,7 @@ class HFSource(Source):
     Streaming: location ``(shard, ordinal)`` over the dataset's own shards (``num_shards``); a worker
     reads each shard forward, keeping the last ``lookback`` raw rows, and re-opens the shard only
     when asked for an older row. DP ranks are split by the planner, not by ``split_dataset_by_node``
-    (see :mod:`loaders.index` for where the node split is used).
+    (see :mod:`prealign.loaders.index` for where the node split is used).
 
     >>> import datasets
     >>> src = HFSource(datasets.Dataset.from_dict({"input_ids": [[1, 2], [3]]}))

@@ -12,7 +12,7 @@ cls, cls2, index, inx, id   ``int`` (``str`` if not an integer)
 npy                         ``numpy.load(allow_pickle=False)``
 npz                         ``dict`` of arrays, ``allow_pickle=False``
 jpg jpeg png webp bmp ...   ``PIL.Image`` (fully loaded) or raw ``bytes`` (``image="bytes"``)
-pickle pkl pyd pth pt ...   refused: :class:`~loaders.errors.UnsafeMemberError`
+pickle pkl pyd pth pt ...   refused: :class:`~prealign.loaders.errors.UnsafeMemberError`
 anything else               raw ``bytes``
 ==========================  ==============================================================
 """

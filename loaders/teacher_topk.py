@@ -51,7 +51,7 @@ def teacher_topk(raw: dict, *, sample, length: int, topk: int | None, vocab_size
     """Validated ``{LOG_PROBS: [L, K] log_prob_dtype, IDS: [L, K] int64}`` from a raw sample.
 
     ``topk`` None accepts any K (still one K for both tensors). Raises
-    :class:`~loaders.errors.BadSampleError` (a ``SampleError``) naming ``sample``, the field, what
+    :class:`~prealign.loaders.errors.BadSampleError` (a ``SampleError``) naming ``sample``, the field, what
     was expected and what came.
     """
     values = {}

@@ -15,7 +15,7 @@ An HF dataset row works too: ``messages`` (or ``text``), ``images`` (PIL images,
 ``{"bytes": ...}``), teacher columns as nested lists. A sample may also come pre-tokenized
 (``input_ids`` with the placeholders already expanded); then only the counts are checked.
 
-Every problem raises :class:`MediaError` (a :class:`~loaders.errors.BadSampleError`) naming the sample key,
+Every problem raises :class:`MediaError` (a :class:`~prealign.loaders.errors.BadSampleError`) naming the sample key,
 with a :class:`MediaProblem` whose value is its ``.reason``: the index pass counts skips under it
 (``corrupt_image``, ``missing_image``, ...), through the source's transform wrapping.
 """
@@ -32,10 +32,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from collate.mrope import mrope_position_ids
-from schemas.vlm import IMAGE_TOKEN_TYPE, VisionTokens
+from prealign.collate.mrope import mrope_position_ids
+from prealign.schemas.vlm import IMAGE_TOKEN_TYPE, VisionTokens
 from .chat_tokenizer import ChatTokenizer
-from .demo_tokenizer import ByteTokenizer
 from .errors import BadSampleError
 from .teacher_topk import teacher_topk
 
@@ -192,14 +191,14 @@ def check_vision_tokens(input_ids: torch.Tensor, image_grid_thw: torch.Tensor, v
 # ---- the transform ---------------------------------------------------------------------------------
 @dataclass(frozen=True, kw_only=True)
 class VLMSampleTransform:
-    """Raw multimodal sample -> the sample dict :func:`schemas.vlm_schema` describes (module docstring).
+    """Raw multimodal sample -> the sample dict :func:`prealign.schemas.vlm_schema` describes (module docstring).
 
     Picklable (DataLoader workers); the image processor is built lazily once per process.
     """
 
-    tokenizer: ChatTokenizer = field(default_factory=ByteTokenizer)
-    """Any :class:`~loaders.chat_tokenizer.ChatTokenizer`: a real one wrapped by
-    :class:`~loaders.chat_tokenizer.HFChatTokenizer`; the default is the demo's byte tokenizer."""
+    tokenizer: ChatTokenizer
+    """Any :class:`~prealign.loaders.chat_tokenizer.ChatTokenizer`: a real one wrapped by
+    :class:`~prealign.loaders.chat_tokenizer.HFChatTokenizer` (the demo uses its byte tokenizer)."""
     topk: int | None = None
     """Expect teacher top-k members with this K (``None``: none expected, any present are ignored)."""
     log_prob_dtype: str = "float32"
@@ -209,8 +208,8 @@ class VLMSampleTransform:
     """Overrides of the Qwen2-VL image processor's defaults (e.g. ``{"max_pixels": 200704}``)."""
     text_key: str = "json"
     mrope: bool = True
-    """Add ``mrope_position_ids`` int64 ``[3, L]`` (:func:`collate.mrope.mrope_position_ids` of this
-    sample), so the sample validates against the full :func:`schemas.vlm_schema` when a loader
+    """Add ``mrope_position_ids`` int64 ``[3, L]`` (:func:`prealign.collate.mrope.mrope_position_ids` of this
+    sample), so the sample validates against the full :func:`prealign.schemas.vlm_schema` when a loader
     indexes it; the collator then pads and shards them like the tokens."""
 
     def __post_init__(self):

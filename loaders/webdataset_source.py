@@ -1,7 +1,7 @@
-"""webdataset tar shards as a :class:`~loaders.sources.Source`.
+"""webdataset tar shards as a :class:`~prealign.loaders.sources.Source`.
 
 A sample is the run of consecutive members sharing a key (``0001.input_ids.npy``, ``0001.json``
--> key ``0001``), decoded safely by :mod:`loaders.tar_decode` (never unpickled). Indexing walks
+-> key ``0001``), decoded safely by :mod:`prealign.loaders.tar_decode` (never unpickled). Indexing walks
 each tar once and records each sample's byte range, so a worker reads one sample with one
 ``seek`` + ``read``. Remote shards (``http://``, ``s3://``, ``pipe:...``, anything webdataset's
 ``gopen`` opens) are copied once into ``cache_dir`` during indexing.
@@ -58,7 +58,7 @@ class WebDatasetSource(Source):
     """webdataset shards (local paths, ``file://`` or remote URLs).
 
     ``required``: member extensions every sample must have (``("input_ids.npy",)``); a sample
-    without one is a :class:`~loaders.errors.MissingMemberError` (handled by the loader's bad-data
+    without one is a :class:`~prealign.loaders.errors.MissingMemberError` (handled by the loader's bad-data
     policy). ``image``: ``"pil"`` or ``"bytes"``. ``decoders``: extra ``{extension: bytes -> value}``
     decoders (pickle-like extensions stay refused).
     """

@@ -7,7 +7,7 @@ class PrealignError(ValueError):
 
 
 class LayoutError(PrealignError):
-    """An invalid :class:`~schemas.ParallelLayout` (tp/cp sizes, FP8 recipe, length buckets)."""
+    """An invalid :class:`~prealign.schemas.ParallelLayout` (tp/cp sizes, FP8 recipe, length buckets)."""
 
 
 class SchemaError(PrealignError):

@@ -1,7 +1,7 @@
 """Declared batch schemas: what every field of a collated batch is, its dtype, dims and padding.
 
 A schema is data (JSON round trip, stable fingerprint) so that every rank can prove at startup that
-it builds the same batches (:func:`schemas.check_startup`).
+it builds the same batches (:func:`prealign.schemas.check_startup`).
 """
 from __future__ import annotations
 

@@ -90,7 +90,7 @@ class _Checker:
         return cp_rank
 
     def check_thd_meta(self):
-        from collate.indices import cp_chunks, gather_plan  # lazy: schemas must not import collate at load
+        from prealign.collate.indices import cp_chunks, gather_plan  # lazy: schemas must not import collate at load
 
         lay, b = self.layout, self.batch
         cu, cup = self.offsets("cu_seqlens"), self.offsets("cu_seqlens_padded")
@@ -138,8 +138,8 @@ class _Checker:
         return plan_of
 
     def check_bshd_meta(self):
-        from collate.bshd import bshd_chunks
-        from collate.indices import gather_plan
+        from prealign.collate.bshd import bshd_chunks
+        from prealign.collate.indices import gather_plan
 
         lay, b = self.layout, self.batch
         mask = b["attention_mask"]

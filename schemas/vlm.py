@@ -5,7 +5,7 @@ A VLM sample carries, besides the causal-LM fields:
 - ``mm_token_type_ids`` int64 ``[L]``: 0 text, 1 image token (the placeholders that the vision
   embeddings replace); padded with 0 and CP-sharded like the tokens.
 - ``mrope_position_ids`` int64 ``[3, L]``: Qwen2-VL 3-D rotary positions (temporal, height, width),
-  computed by :class:`collate.mrope.MRoPECollator`; THD ``[3, 1, T_out]``, BSHD ``[3, B, S_out]``;
+  computed by :class:`prealign.collate.mrope.MRoPECollator`; THD ``[3, 1, T_out]``, BSHD ``[3, B, S_out]``;
   pads hold 0 (as transformers' ``get_rope_index`` leaves masked slots).
 - ``pixel_values`` float32/bf16 ``[num_patches, patch_dim]`` and ``image_grid_thw`` int64
   ``[num_images, 3]`` (MEDIA: concatenated over the batch in sample order, never CP-sharded;
@@ -88,7 +88,7 @@ def vlm_schema(*, pad_token_id: int = 0, topk: int | str | None = None, vocab_si
 
 # ---- media checks ------------------------------------------------------------------------------
 def media_violations(batch: dict, *, spatial_merge_size: int = 2) -> list[Violation]:
-    """What :func:`schemas.validate_batch` leaves to the producer: ``pixel_values`` rows equal
+    """What :func:`prealign.schemas.validate_batch` leaves to the producer: ``pixel_values`` rows equal
     ``sum(t*h*w)`` of ``image_grid_thw``, and (only when the batch holds whole sequences, i.e.
     ``cp_rank == -1``) the image tokens of ``mm_token_type_ids`` equal ``sum(t*h*w) / merge**2``.
     """
@@ -119,7 +119,7 @@ def media_violations(batch: dict, *, spatial_merge_size: int = 2) -> list[Violat
 
 def validate_vlm_batch(batch: dict, schema: BatchSchema, layout: ParallelLayout, *, spatial_merge_size: int = 2,
                        raise_on_error: bool = True) -> list[Violation]:
-    """:func:`schemas.validate_batch` plus :func:`media_violations`, all reported at once."""
+    """:func:`prealign.schemas.validate_batch` plus :func:`media_violations`, all reported at once."""
     violations = validate_batch(batch, schema, layout, raise_on_error=False)
     if "pixel_values" in schema:
         violations += media_violations(batch, spatial_merge_size=spatial_merge_size)

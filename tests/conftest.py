@@ -10,15 +10,14 @@ import itertools
 import math
 import os
 import socket
-import sys
 
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
-import collate.assemble
-from schemas import IGNORE_INDEX, CPLayout, FP8Recipe, PadPolicy, ParallelLayout, causal_lm_schema
+import prealign.collate.assemble
+from prealign.schemas import IGNORE_INDEX, CPLayout, FP8Recipe, PadPolicy, ParallelLayout, causal_lm_schema
 
 # ---- hypothesis: reproducible in CI (derandomized, no example database, no deadline) -------------
 # For a longer local hunt: PREALIGN_EXAMPLES_SCALE=20 PREALIGN_HYPOTHESIS_RANDOM=1 pytest tests
@@ -255,7 +254,7 @@ def collate_case_batches(collator_cls, case):
     samples, schema = make_samples(lengths, topk=topk, loss_mask=options["loss_mask"]), schema_for(topk)
     with pytest.MonkeyPatch.context() as mp:
         if options["blocked"]:  # the path a field of >= 4 MiB takes on a CP rank, forced on small ones
-            mp.setattr(collate.assemble, "BLOCK_MIN_BYTES", 0)
+            mp.setattr(prealign.collate.assemble, "BLOCK_MIN_BYTES", 0)
         whole = collator_cls(schema=schema, layout=layout)(samples)
         return lengths, layout, samples, schema, whole, collate_ranks(collator_cls, schema, layout, samples)
 
@@ -269,6 +268,5 @@ def free_port() -> int:
 
 @pytest.fixture
 def subprocess_env() -> dict:
-    """Environment for a child Python that imports the project from this checkout."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([root, *sys.path])}
+    """Environment for a child Python: the installed ``prealign`` (never the checkout's root folders)."""
+    return dict(os.environ)

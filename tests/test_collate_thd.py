@@ -5,13 +5,13 @@ from __future__ import annotations
 import pickle
 
 import pytest
-import collate.assemble
+import prealign.collate.assemble
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from collate import BSHDCollator, THDCollator, unpack_thd, unshard_cp
-from schemas import CPLayout, PadPolicy, ParallelLayout, causal_lm_schema, rl_schema, validate_batch
+from prealign.collate import BSHDCollator, THDCollator, unpack_thd, unshard_cp
+from prealign.schemas import CPLayout, PadPolicy, ParallelLayout, causal_lm_schema, rl_schema, validate_batch
 from tests.conftest import (SAMPLE_FIELDS, TOPK, assert_fields_equal, assert_labels_stay_in_sequence, brute_force_total,
                             collate_case, collate_case_batches, collate_ranks, examples, lengths_st, local_ok,
                             make_samples, reference_thd, required_seq_multiple, schema_for, to_nested)
@@ -67,7 +67,7 @@ def test_nested_tensor_input_gives_the_list_input_batch(lengths, cp, tp, cp_layo
         coll = THDCollator(schema=schema_for(TOPK), layout=layout, cp_rank=rank)
         with pytest.MonkeyPatch.context() as mp:
             if blocked:  # the blocked gather of large sharded fields, forced on small ones
-                mp.setattr(collate.assemble, "BLOCK_MIN_BYTES", 0)
+                mp.setattr(prealign.collate.assemble, "BLOCK_MIN_BYTES", 0)
             a, b = coll(samples), coll(to_nested(samples))
         assert a.keys() == b.keys()
         for k in a:

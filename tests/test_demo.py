@@ -10,16 +10,16 @@ import numpy as np
 import pytest
 import torch
 
-from loaders.cli import main
-from loaders.demo_data import build_demo_dataset
-from loaders.demo_tokenizer import ByteTokenizer
-from loaders.vlm import VLMSampleTransform
+from prealign.loaders.cli import main
+from prealign.loaders.cli.demo_data import build_demo_dataset
+from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
+from prealign.loaders.vlm import VLMSampleTransform
 
 pytest.importorskip("transformers")
 
 
 def test_demo_help_works_as_a_console_command(subprocess_env):
-    out = subprocess.run([sys.executable, "-m", "loaders.cli", "demo", "--help"], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "prealign", "demo", "--help"], capture_output=True, text=True,
                          env=subprocess_env, timeout=120)
     assert out.returncode == 0 and "usage: prealign demo" in out.stdout and "--out" in out.stdout
 
@@ -76,7 +76,7 @@ def test_demo_data_is_deterministic_and_teacher_rows_match_the_expanded_tokens(t
     b = build_demo_dataset(str(tmp_path / "b"), num_samples=14, samples_per_shard=7, topk=3, seed=5)
     assert [_members(p) for p in a.shards] == [_members(p) for p in b.shards]
     assert len(a.bad) == 3
-    transform = VLMSampleTransform(topk=3)
+    transform = VLMSampleTransform(tokenizer=ByteTokenizer(), topk=3)
     good, images, sizes = 0, 0, set()
     for path in a.shards:
         members = _members(path)
@@ -105,8 +105,8 @@ def test_tokenizer_round_trips_text_and_marks_specials():
 def test_plot_draws_one_panel_per_microbatch(tmp_path):
     from PIL import Image
 
-    from loaders.plot import Panel, draw_packed_layout
-    from schemas import ParallelLayout
+    from prealign.loaders.cli.plot import Panel, draw_packed_layout
+    from prealign.schemas import ParallelLayout
 
     cu, cup = torch.tensor([0, 5, 8], dtype=torch.int32), torch.tensor([0, 8, 12], dtype=torch.int32)
     image = torch.zeros(12, dtype=torch.bool)

@@ -11,7 +11,7 @@ import traceback
 import pytest
 import torch
 
-from schemas import ParallelLayout, causal_lm_schema
+from prealign.schemas import ParallelLayout, causal_lm_schema
 from tests.loader_helpers import sample_lengths, write_shards
 
 WORLD, TP, CP = 8, 2, 2
@@ -30,7 +30,7 @@ def _rank_main(rank: int, port: int, shards: list[str], out_dir: str) -> None:
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
 
-        from loaders import PackedLoader, WebDatasetSource
+        from prealign.loaders import PackedLoader, WebDatasetSource
 
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
         ps.initialize_model_parallel(tensor_model_parallel_size=TP, context_parallel_size=CP)
@@ -78,8 +78,8 @@ def test_dp2_cp2_tp2_with_megatron_parallel_state(tmp_path):
     assert not alive, f"ranks {alive} did not finish (hang?)"
     ranks = json.loads((tmp_path / "result.json").read_text())
 
-    from collate import THDCollator, unshard_cp
-    from loaders import PackedLoader, WebDatasetSource
+    from prealign.collate import THDCollator, unshard_cp
+    from prealign.loaders import PackedLoader, WebDatasetSource
 
     layout = ParallelLayout(tp=TP, cp=CP)
     assert all(r["layout"] == layout.to_dict() and r["dp_size"] == 2 and r["loader_cp_rank"] == r["cp_rank"]

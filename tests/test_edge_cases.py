@@ -3,8 +3,8 @@ the CP layout travelling with the batch, fields that skip CP sharding, an uninit
 import pytest
 import torch
 
-from collate import BSHDCollator, THDCollator, to_packed_seq_params, unshard_cp
-from schemas import (FieldSpec, ParallelLayout, SampleError, SchemaError, causal_lm_schema, topk_fields,
+from prealign.collate import BSHDCollator, THDCollator, to_packed_seq_params, unshard_cp
+from prealign.schemas import (FieldSpec, ParallelLayout, SampleError, SchemaError, causal_lm_schema, topk_fields,
                      validate_batch)
 
 SCHEMA = causal_lm_schema()

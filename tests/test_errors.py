@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from collate import BSHDCollator, THDCollator
-from schemas import FieldSpec, LayoutError, ParallelLayout, PrealignError, Role, SampleError
+from prealign.collate import BSHDCollator, THDCollator
+from prealign.schemas import FieldSpec, LayoutError, ParallelLayout, PrealignError, Role, SampleError
 from tests.conftest import TOPK, make_samples, schema_for, to_nested
 
 LAYOUT = ParallelLayout(tp=2, cp=2)

@@ -7,8 +7,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from collate import lengths_to_cu_seqlens, unpack_bshd, unpack_thd, unshard_bshd, unshard_cp
-from schemas import CPLayout
+from prealign.collate import lengths_to_cu_seqlens, unpack_bshd, unpack_thd, unshard_bshd, unshard_cp
+from prealign.schemas import CPLayout
 from tests.conftest import examples, naive_round_up
 
 

@@ -8,9 +8,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from schemas import (BucketOverflowError, CPLayout, FP8Recipe, LayoutError, PadPolicy, ParallelLayout, PrealignError,
+from prealign.schemas import (BucketOverflowError, CPLayout, FP8Recipe, LayoutError, PadPolicy, ParallelLayout, PrealignError,
                      round_up)
-from schemas.layout import round_up_array
+from prealign.schemas.layout import round_up_array
 from tests.conftest import (brute_force_bshd_length, brute_force_total, examples, layout_st, lengths_st, local_ok,
                             naive_round_up, required_seq_multiple)
 

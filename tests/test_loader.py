@@ -6,11 +6,11 @@ import datasets
 import pytest
 import torch
 
-from collate import unshard_cp
-from loaders import (BadDataPolicy, BadSampleError, BadSampleWarning, HFSource, PackedLoader, PlanError,
+from prealign.collate import unshard_cp
+from prealign.loaders import (BadDataPolicy, BadSampleError, BadSampleWarning, HFSource, PackedLoader, PlanError,
                      PlannerConfig, WebDatasetSource, build_index)
-from schemas import ParallelLayout, causal_lm_schema, validate_batch
-from schemas.errors import SampleError
+from prealign.schemas import ParallelLayout, causal_lm_schema, validate_batch
+from prealign.schemas.errors import SampleError
 from tests.loader_helpers import hf_rows, sample_lengths, token_ids, write_shards
 
 SCHEMA = causal_lm_schema()
@@ -232,7 +232,7 @@ def test_index_workers_and_saved_index(wds, tmp_path):
 def test_collate_errors_name_the_dataset_sample():
     """A sample the loader's collator rejects (here a stricter collator than the index schema) is
     named by its source location and index row, not by its position inside the micro-batch."""
-    from collate import THDCollator
+    from prealign.collate import THDCollator
 
     rows = [{"n": 5 + i % 9, "bad": i == 13} for i in range(20)]
 
@@ -261,7 +261,7 @@ def test_collate_errors_name_the_dataset_sample():
 def test_filler_copies_a_planned_sample_not_a_left_out_one():
     """The epoch's first sample is oversize and carries media (left out under TRUNCATE): the filler
     micro-batches copy a sample the plan places, loaded whole, media emptied, then cut."""
-    from schemas import FieldSpec, Role
+    from prealign.schemas import FieldSpec, Role
 
     schema = SCHEMA.with_fields(FieldSpec(name="pixel_values", role=Role.MEDIA, dtypes=("float32",),
                                           dense_shape=(4,)))

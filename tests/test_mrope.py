@@ -9,9 +9,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from collate import BSHDCollator, THDCollator, unpack_bshd, unpack_thd, unshard_cp
-from collate.mrope import MRoPECollator, mrope_position_ids
-from schemas import ParallelLayout, SampleError, validate_batch, vlm_schema
+from prealign.collate import BSHDCollator, THDCollator, unpack_bshd, unpack_thd, unshard_cp
+from prealign.collate.mrope import MRoPECollator, mrope_position_ids
+from prealign.schemas import ParallelLayout, SampleError, validate_batch, vlm_schema
 
 IMG, START, END, MERGE = 6, 4, 5, 2
 SCHEMA = vlm_schema()

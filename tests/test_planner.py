@@ -7,10 +7,10 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from collate import THDCollator
-from loaders import (OversizeSampleError, PlanError, PlannerConfig, microbatch_capacity, plan_microbatches)
-from loaders.packing import next_fit, spread, stream_fit
-from schemas import FP8Recipe, PadPolicy, ParallelLayout, causal_lm_schema
+from prealign.collate import THDCollator
+from prealign.loaders import (OversizeSampleError, PlanError, PlannerConfig, microbatch_capacity, plan_microbatches)
+from prealign.loaders.packing import next_fit, spread, stream_fit
+from prealign.schemas import FP8Recipe, PadPolicy, ParallelLayout, causal_lm_schema
 
 LAYOUTS = [ParallelLayout(), ParallelLayout(tp=2), ParallelLayout(cp=2), ParallelLayout(tp=2, cp=2),
            ParallelLayout(tp=2, cp=2, fp8="fp8"), ParallelLayout(tp=2, cp=2, pad_policy=PadPolicy.PER_SEQUENCE),

@@ -5,8 +5,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from collate import THDCollator
-from schemas import ParallelLayout, causal_lm_schema
+from prealign.collate import THDCollator
+from prealign.schemas import ParallelLayout, causal_lm_schema
 from tests.conftest import examples
 
 transformers = pytest.importorskip("transformers")

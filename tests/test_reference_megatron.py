@@ -6,8 +6,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from collate import BSHDCollator, PackedSeqConvention, THDCollator, to_packed_seq_params
-from schemas import CPLayout, PadPolicy, ParallelLayout
+from prealign.collate import BSHDCollator, PackedSeqConvention, THDCollator, to_packed_seq_params
+from prealign.schemas import CPLayout, PadPolicy, ParallelLayout
 from tests.conftest import TOPK, collate_ranks, examples, make_samples, schema_for
 
 mcore_utils = pytest.importorskip("megatron.core.utils")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from hypothesis import given
 
-from collate import THDCollator, unshard_cp
-from schemas import CPLayout
+from prealign.collate import THDCollator, unshard_cp
+from prealign.schemas import CPLayout
 from tests.conftest import collate_case, collate_case_batches, examples, te_thd_partition_index
 
 

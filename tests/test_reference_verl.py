@@ -15,8 +15,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from collate import BSHDCollator, THDCollator
-from schemas import CPLayout, PadPolicy, ParallelLayout
+from prealign.collate import BSHDCollator, THDCollator
+from prealign.schemas import CPLayout, PadPolicy, ParallelLayout
 from tests.conftest import TOPK, TOPK_FIELDS, examples, make_samples, schema_for, to_nested
 
 VERL_SPEC = importlib.util.find_spec("verl")  # locates the package without importing it (that needs ray)

@@ -7,9 +7,9 @@ import json
 import datasets
 import pytest
 
-from loaders import HFSource, PackedLoader, PlannerConfig, ResumeError, WebDatasetSource, build_index
-from loaders.conformance import ResumeConformanceError, assert_resumes_exactly, batches_equal
-from schemas import ParallelLayout, causal_lm_schema, rl_schema
+from prealign.loaders import HFSource, PackedLoader, PlannerConfig, ResumeError, WebDatasetSource, build_index
+from prealign.loaders.conformance import ResumeConformanceError, assert_resumes_exactly, batches_equal
+from prealign.schemas import ParallelLayout, causal_lm_schema, rl_schema
 from tests.loader_helpers import hf_rows, sample_lengths, write_shards
 
 SCHEMA = causal_lm_schema()

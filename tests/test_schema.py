@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from schemas import (BatchSchema, FieldSpec, ParallelLayout, Role, SchemaError, Source, causal_lm_schema, rl_schema,
+from prealign.schemas import (BatchSchema, FieldSpec, ParallelLayout, Role, SchemaError, Source, causal_lm_schema, rl_schema,
                      topk_fields)
-from schemas.distributed import layout_fingerprint
+from prealign.schemas.distributed import layout_fingerprint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MROPE = FieldSpec(name="mrope_position_ids", leading_shape=(3,), cp_sharded=False, pad_value=0)
@@ -45,7 +45,7 @@ def test_fingerprints_tell_schemas_apart():
 
 def test_fingerprints_are_the_same_in_another_process(subprocess_env):
     code = ("import json; import tests.test_schema as t; "
-            "from schemas.distributed import layout_fingerprint; "
+            "from prealign.schemas.distributed import layout_fingerprint; "
             "print(json.dumps({n: s.fingerprint() for n, s in t.SCHEMAS.items()} | "
             "{'layout': layout_fingerprint(t.CUSTOM, t.LAYOUT)}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from loaders import (BadDataPolicy, BadSampleError, BadSampleWarning, CorruptShardError, HFSource,
+from prealign.loaders import (BadDataPolicy, BadSampleError, BadSampleWarning, CorruptShardError, HFSource,
                      MissingMemberError, SampleIndex, TooManyBadSamplesError, UnsafeMemberError, WebDatasetSource,
                      build_index)
-from loaders.tar_decode import decode_member, split_member_name
-from schemas import causal_lm_schema
+from prealign.loaders.tar_decode import decode_member, split_member_name
+from prealign.schemas import causal_lm_schema
 from tests.loader_helpers import add_member, hf_rows, sample_lengths, token_ids, write_shards
 
 SCHEMA = causal_lm_schema()
@@ -242,7 +242,7 @@ def test_source_changed_is_detected(tmp_path):
     with open(paths[0], "r+b") as f:  # another file in place: byte ranges now cut other members
         f.seek(0)
         f.write(b"\0" * 1024)
-    from loaders import SourceChangedError
+    from prealign.loaders import SourceChangedError
 
     with pytest.raises((SourceChangedError, BadSampleError)):
         WebDatasetSource(paths).load(tuple(idx.locations[0]))
@@ -343,8 +343,8 @@ def test_index_fixes_named_dims_by_the_first_sample(tmp_path, rows_per_shard):
     assert other.dims["K"] == 8 and other.lengths.tolist() == idx.lengths.tolist()
     assert other.digest != idx.digest
     # the loader collates every micro-batch of the index (no mid-epoch error)
-    from loaders import PackedLoader
-    from schemas import ParallelLayout
+    from prealign.loaders import PackedLoader
+    from prealign.schemas import ParallelLayout
 
     loader = PackedLoader(src, schema=TOPK, layout=ParallelLayout(cp=2), token_budget=48, index=idx)
     assert sorted(i for b in loader for i in b["sample_index"].tolist()) == list(range(19))
@@ -357,8 +357,8 @@ def test_index_fixes_each_field_dtype_by_the_first_sample():
     idx = build_index(src, TOPK, policy=BadDataPolicy(on_error="skip", warn=False))
     assert len(idx) == 89 and idx.report.counts == {"dim_mismatch": 1}
     assert idx.dims["dtype[teacher_topk_log_probs]"] == "float32"
-    from loaders import PackedLoader
-    from schemas import ParallelLayout
+    from prealign.loaders import PackedLoader
+    from prealign.schemas import ParallelLayout
 
     loader = PackedLoader(src, schema=TOPK, layout=ParallelLayout(cp=2), token_budget=48, index=idx)
     assert sorted(i for b in loader for i in b["sample_index"].tolist()) == list(range(89))  # index rows
@@ -388,7 +388,7 @@ def test_pax_record_length_zero_does_not_hang(tmp_path):
     import sys
 
     path = _pax_tar(tmp_path, b"00")
-    code = ("import sys; from loaders.tar_reader import TarFormatError, iter_members\n"
+    code = ("import sys; from prealign.loaders.tar_reader import TarFormatError, iter_members\n"
             "try:\n    list(iter_members(open(sys.argv[1], 'rb')))\n"
             "except TarFormatError as e:\n    print('TarFormatError', e)\n")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

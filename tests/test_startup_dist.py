@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from collate import THDCollator
-from schemas import PadPolicy, ParallelLayout, StartupMismatchError, check_startup
-from schemas.distributed import layout_fingerprint
+from prealign.collate import THDCollator
+from prealign.schemas import PadPolicy, ParallelLayout, StartupMismatchError, check_startup
+from prealign.schemas.distributed import layout_fingerprint
 from tests.conftest import TOPK, free_port, make_samples, schema_for
 
 WORLD = 4

@@ -7,8 +7,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from collate import BSHDCollator, THDCollator
-from schemas import BatchValidationError, ParallelLayout, Violation, validate_batch
+from prealign.collate import BSHDCollator, THDCollator
+from prealign.schemas import BatchValidationError, ParallelLayout, Violation, validate_batch
 from tests.conftest import TOPK, examples, make_samples, schema_for
 
 LAYOUT = ParallelLayout(tp=2, cp=2)

@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-from collate import THDCollator, unpack_thd, unshard_cp
-from collate.mrope import MRoPECollator
-from loaders.demo_tokenizer import ByteTokenizer
-from loaders.vlm import MediaError, MediaProblem, VLMSampleTransform, check_vision_tokens, image_processor
-from schemas import BatchSchema, BatchValidationError, ParallelLayout, validate_vlm_batch, vlm_schema
-from schemas.vlm import media_violations
+from prealign.collate import THDCollator, unpack_thd, unshard_cp
+from prealign.collate.mrope import MRoPECollator
+from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
+from prealign.loaders.vlm import MediaError, MediaProblem, VLMSampleTransform, check_vision_tokens, image_processor
+from prealign.schemas import BatchSchema, BatchValidationError, ParallelLayout, validate_vlm_batch, vlm_schema
+from prealign.schemas.vlm import media_violations
 
 pytest.importorskip("transformers")
 TOK = ByteTokenizer()
@@ -42,7 +42,7 @@ def chat(user: str, reply: str = "Fine.", images: list[str] | None = None) -> by
 def test_images_go_through_the_real_processor_and_expand_exactly():
     raw = {"__key__": "a", "json": chat("<image> and <image>?", images=["0.jpg", "1.png"]),
            "0.jpg": image_bytes(120, 90, "JPEG"), "1.png": image_bytes(60, 200, seed=1)}
-    out = VLMSampleTransform()(raw)
+    out = VLMSampleTransform(tokenizer=TOK)(raw)
     want = image_processor()(images=[_open(raw["0.jpg"]), _open(raw["1.png"])], return_tensors="pt")
     assert torch.equal(out["pixel_values"], want["pixel_values"]) and out["pixel_values"].shape[1] == 1176
     assert torch.equal(out["image_grid_thw"], want["image_grid_thw"])
@@ -64,17 +64,17 @@ def _open(b: bytes):
 
 
 def test_text_only_and_hf_row_inputs():
-    text_only = VLMSampleTransform()({"__key__": "t", "json": chat("Hello")})
+    text_only = VLMSampleTransform(tokenizer=TOK)({"__key__": "t", "json": chat("Hello")})
     assert text_only["pixel_values"].shape == (0, 1176) and text_only["image_grid_thw"].shape == (0, 3)
     assert int(text_only["mm_token_type_ids"].sum()) == 0
     from PIL import Image
 
     row = {"messages": [{"role": "user", "content": "<image>hi"}, {"role": "assistant", "content": "ok"}],
            "images": [Image.open(io.BytesIO(image_bytes(64, 64)))]}
-    out = VLMSampleTransform(pixel_dtype="bfloat16")(row)
+    out = VLMSampleTransform(tokenizer=TOK, pixel_dtype="bfloat16")(row)
     assert out["image_grid_thw"].tolist() == [[1, 4, 4]] and int(out["mm_token_type_ids"].sum()) == 4
     assert out["pixel_values"].dtype == torch.bfloat16 and out["mrope_position_ids"].shape == (3, out["input_ids"].numel())
-    text_bf16 = VLMSampleTransform(pixel_dtype="bfloat16")({"__key__": "t", "json": chat("Hello")})
+    text_bf16 = VLMSampleTransform(tokenizer=TOK, pixel_dtype="bfloat16")({"__key__": "t", "json": chat("Hello")})
     batch = THDCollator(schema=SCHEMA, layout=ParallelLayout(tp=2, cp=2), cp_rank=0)([out, text_bf16])
     assert batch["pixel_values"].dtype == torch.bfloat16
     assert validate_vlm_batch(batch, SCHEMA, ParallelLayout(tp=2, cp=2)) == []
@@ -89,7 +89,7 @@ def test_text_only_and_hf_row_inputs():
 ])
 def test_bad_media_raises_a_typed_error_naming_the_sample(raw, problem, field):
     with pytest.raises(MediaError) as err:
-        VLMSampleTransform()({"__key__": "bad7", **raw})
+        VLMSampleTransform(tokenizer=TOK)({"__key__": "bad7", **raw})
     assert err.value.problem is problem and err.value.sample == "bad7" and err.value.field == field
 
 
@@ -102,13 +102,13 @@ def test_pretokenized_sample_is_checked_against_the_grid():
     assert err.value.problem is MediaProblem.VISION_TOKEN_MISMATCH and "runs [6]" in str(err.value)
     raw = {"__key__": "p", "input_ids": ids[:-2].numpy(), "png": image_bytes(56, 84)}  # grid (1, 4, 6)
     with pytest.raises(MediaError, match="vision_token|image token runs"):
-        VLMSampleTransform()(raw)
+        VLMSampleTransform(tokenizer=TOK)(raw)
 
 
 def test_transform_is_picklable_and_builds_the_processor_lazily():
     import pickle
 
-    t = pickle.loads(pickle.dumps(VLMSampleTransform(topk=4, processor_options={"max_pixels": 200704})))
+    t = pickle.loads(pickle.dumps(VLMSampleTransform(tokenizer=TOK, topk=4, processor_options={"max_pixels": 200704})))
     assert t.topk == 4 and image_processor(max_pixels=200704) is image_processor(max_pixels=200704)
 
 
@@ -179,7 +179,7 @@ def test_seed_scenario_b1_4026_tokens_tp2_is_sp_aligned(length, cp, defer):
 # ---- a multimodal webdataset end to end --------------------------------------------------------------
 @pytest.fixture(scope="module")
 def demo_shards(tmp_path_factory):
-    from loaders.demo_data import build_demo_dataset
+    from prealign.loaders.cli.demo_data import build_demo_dataset
 
     return build_demo_dataset(str(tmp_path_factory.mktemp("vlm_wds")), num_samples=48, samples_per_shard=12, topk=4)
 
@@ -188,11 +188,11 @@ def test_webdataset_end_to_end_two_workers_every_cp_rank(demo_shards):
     """48 samples (3 broken) in 4 shards -> WebDatasetSource -> PackedLoader(num_workers=2) on both CP
     ranks of tp=2, cp=2: every batch valid, SP-aligned, every good sample exactly once, the broken
     ones skipped and counted, and the shards all-gather back to each sample's own tensors."""
-    from loaders import BadDataPolicy, PackedLoader, WebDatasetSource, build_index
+    from prealign.loaders import BadDataPolicy, PackedLoader, WebDatasetSource, build_index
 
     schema = vlm_schema(topk=4, vocab_size=TOK.vocab_size)
     layout = ParallelLayout(tp=2, cp=2)
-    source = WebDatasetSource(list(demo_shards.shards), transform=VLMSampleTransform(topk=4), image="bytes")
+    source = WebDatasetSource(list(demo_shards.shards), transform=VLMSampleTransform(tokenizer=TOK, topk=4), image="bytes")
     policy = BadDataPolicy(on_error="skip", warn=False)
     index = build_index(source, schema, policy=policy, num_workers=2)
     assert len(index) == 45 and index.report.total == 3
@@ -200,7 +200,7 @@ def test_webdataset_end_to_end_two_workers_every_cp_rank(demo_shards):
     # counted by cause (MediaError.reason through the source's transform wrapping), each sample named
     assert index.report.counts == {"corrupt_image": 1, "missing_image": 1, "placeholder_mismatch": 1}
     assert sorted((w.rsplit(":", 1)[-1], r) for w, r, _ in index.report.examples) == sorted(demo_shards.bad.items())
-    from loaders.cli import _skips
+    from prealign.loaders.cli.main import _skips
 
     shown = _skips(index.report)
     assert "(corrupt_image 1, missing_image 1, placeholder_mismatch 1)" in shown[0]
@@ -227,9 +227,9 @@ def test_webdataset_end_to_end_two_workers_every_cp_rank(demo_shards):
 
 
 def test_bad_media_under_the_raise_policy_names_the_sample(demo_shards):
-    from loaders import BadDataPolicy, BadSampleError, WebDatasetSource, build_index
+    from prealign.loaders import BadDataPolicy, BadSampleError, WebDatasetSource, build_index
 
-    source = WebDatasetSource(list(demo_shards.shards), transform=VLMSampleTransform(topk=4), image="bytes")
+    source = WebDatasetSource(list(demo_shards.shards), transform=VLMSampleTransform(tokenizer=TOK, topk=4), image="bytes")
     with pytest.raises(BadSampleError) as err:
         build_index(source, vlm_schema(topk=4), policy=BadDataPolicy(on_error="raise"))
     first = min(demo_shards.bad)
@@ -242,7 +242,7 @@ class _Samples:
     """An in-memory source of ready VLM sample dicts (no transform, no image decoding)."""
 
     def __new__(cls, samples: list[dict]):
-        from loaders.sources import Source
+        from prealign.loaders.sources import Source
 
         class ListSource(Source):
             num_shards = 1
@@ -262,7 +262,7 @@ class _Samples:
 
 def vlm_sample(key: str, text: int, grids: tuple = ((1, 4, 6),), topk: int = 4, seed: int = 0) -> dict:
     """A transformed VLM sample: ``text`` text tokens, then one vision-wrapped run per image grid."""
-    from collate.mrope import mrope_position_ids
+    from prealign.collate.mrope import mrope_position_ids
 
     g = torch.Generator().manual_seed(seed)
     parts = [torch.arange(text) % 250 + 8]
@@ -285,8 +285,8 @@ def test_oversize_samples_with_media_are_skipped_not_truncated():
     carries images: a cut would split its image tokens from its pixel_values / image_grid_thw."""
     import dataclasses
 
-    from loaders import BadSampleError, BadSampleWarning, PackedLoader, PlannerConfig, build_index, plan_microbatches
-    from loaders.loader import truncate_sample
+    from prealign.loaders import BadSampleError, BadSampleWarning, PackedLoader, PlannerConfig, build_index, plan_microbatches
+    from prealign.loaders.loader import truncate_sample
 
     schema, layout = vlm_schema(topk=4, vocab_size=TOK.vocab_size), ParallelLayout(tp=2, cp=2)
     samples = [vlm_sample("short", 20), vlm_sample("long_image", 100, seed=1),  # 108 tokens, image at 100..107
@@ -318,7 +318,7 @@ def test_oversize_samples_with_media_are_skipped_not_truncated():
 
 @pytest.mark.parametrize("cp, defer", [(1, False), (2, False), (2, True)])
 def test_filler_microbatches_from_a_vlm_sample_validate_and_carry_no_images(cp, defer):
-    from loaders import PackedLoader
+    from prealign.loaders import PackedLoader
 
     schema, layout = vlm_schema(topk=4, vocab_size=TOK.vocab_size), ParallelLayout(tp=2, cp=cp)
     source = _Samples([vlm_sample("a", 9, grids=((1, 4, 6), (1, 2, 2))), vlm_sample("b", 3, seed=1)])
@@ -355,7 +355,7 @@ def _tiny_hf_tokenizer():
 
 
 def test_a_hugging_face_tokenizer_drives_the_transform():
-    from loaders.chat_tokenizer import HFChatTokenizer
+    from prealign.loaders.chat_tokenizer import HFChatTokenizer
 
     hf = _tiny_hf_tokenizer()
     tok = HFChatTokenizer(hf)

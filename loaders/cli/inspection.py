@@ -1,4 +1,4 @@
-"""Stream a source through :class:`~loaders.PackedLoader` on every CP rank at once, validate every
+"""Stream a source through :class:`~prealign.loaders.PackedLoader` on every CP rank at once, validate every
 batch, and keep only what the report and the picture need (batches are dropped as they go).
 
     source ──index pass (once, bad-data policy)──► SampleIndex
@@ -13,16 +13,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from collate.thd import THDCollator
-from schemas.layout import ParallelLayout
-from schemas.schema import BatchSchema
-from schemas.vlm import IMAGE_TOKEN_TYPE, validate_vlm_batch
-from .index import SampleIndex, build_index
-from .loader import PackedLoader
+from prealign.collate.thd import THDCollator
+from prealign.schemas.layout import ParallelLayout
+from prealign.schemas.schema import BatchSchema
+from prealign.schemas.vlm import IMAGE_TOKEN_TYPE, validate_vlm_batch
+from ..index import SampleIndex, build_index
+from ..loader import PackedLoader
 from .plot import Panel
-from .policy import BadDataPolicy, BadDataReport
+from ..policy import BadDataPolicy, BadDataReport
 from .report import BatchStats, batch_stats
-from .sources import Source
+from ..sources import Source
 
 
 @dataclass
@@ -64,7 +64,7 @@ class Progress:
 
 def _panel(index: int, rank_batches: list[dict]) -> Panel:
     """The whole micro-batch's layout from its CP ranks' batches (image tokens un-sharded)."""
-    from collate.inverse import unshard_cp
+    from prealign.collate.inverse import unshard_cp
 
     b0 = rank_batches[0]
     types = None

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from schemas.vlm import VisionTokens
+from prealign.schemas.vlm import VisionTokens
 
 SPECIAL_TOKENS = ("<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
                   "<|image_pad|>", "<|reserved|>")

@@ -13,7 +13,7 @@ import sys
 import tempfile
 import time
 
-from schemas.layout import ParallelLayout
+from prealign.schemas.layout import ParallelLayout
 
 
 def _add_common(p: argparse.ArgumentParser, *, budget: int) -> None:
@@ -70,9 +70,10 @@ def main(argv: list[str] | None = None) -> int:
 # ---- commands ----------------------------------------------------------------------------------------
 def cmd_demo(args) -> int:
     from .demo_data import build_demo_dataset
-    from .vlm import VLMSampleTransform
-    from .webdataset_source import WebDatasetSource
-    from schemas.vlm import vlm_schema
+    from .demo_tokenizer import ByteTokenizer
+    from ..vlm import VLMSampleTransform
+    from ..webdataset_source import WebDatasetSource
+    from prealign.schemas.vlm import vlm_schema
 
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="prealign-demo-") as tmp:
@@ -80,7 +81,7 @@ def cmd_demo(args) -> int:
         _note(f"building {args.samples} synthetic VLM samples (chat + PIL images + top-{args.topk} teacher) in {where}")
         ds = build_demo_dataset(where, num_samples=args.samples, topk=args.topk, seed=args.seed)
         _note(f"data built in {time.perf_counter() - t0:.1f} s")
-        transform = VLMSampleTransform(topk=args.topk)
+        transform = VLMSampleTransform(tokenizer=ByteTokenizer(), topk=args.topk)
         source = WebDatasetSource(list(ds.shards), transform=transform, image="bytes")
         schema = vlm_schema(topk=args.topk, vocab_size=ds.vocab_size)
         title = (f"{args.samples} samples ({len(ds.bad)} broken on purpose) in {len(ds.shards)} webdataset shards, "
@@ -89,10 +90,11 @@ def cmd_demo(args) -> int:
 
 
 def cmd_inspect(args) -> int:
-    from schemas.schema import causal_lm_schema
-    from schemas.vlm import vlm_schema
-    from .vlm import VLMSampleTransform
-    from .webdataset_source import WebDatasetSource, numpy_fields
+    from prealign.schemas.schema import causal_lm_schema
+    from prealign.schemas.vlm import vlm_schema
+    from ..vlm import VLMSampleTransform
+    from ..webdataset_source import WebDatasetSource, numpy_fields
+    from .demo_tokenizer import ByteTokenizer
 
     if bool(args.shards) == bool(args.hf):
         print("prealign inspect: give webdataset shards or --hf PATH (one of them)", file=sys.stderr)
@@ -102,7 +104,7 @@ def cmd_inspect(args) -> int:
         schema = causal_lm_schema(topk=topk, vocab_size=args.vocab_size)
         transform = numpy_fields if args.shards else None
     else:
-        transform = VLMSampleTransform(topk=topk)
+        transform = VLMSampleTransform(tokenizer=ByteTokenizer(), topk=topk)
         schema = vlm_schema(topk=topk, vocab_size=transform.tokenizer.vocab_size)
     if args.shards:
         source = WebDatasetSource(args.shards, transform=transform, image="bytes")
@@ -116,7 +118,7 @@ def cmd_inspect(args) -> int:
 def _hf_source(path: str, split: str, transform):
     import datasets
 
-    from .sources import HFSource
+    from ..sources import HFSource
 
     if os.path.isdir(path) and os.path.exists(os.path.join(path, "dataset_info.json")):
         ds = datasets.load_from_disk(path)
@@ -134,7 +136,7 @@ def _note(text: str) -> None:
 
 
 def _run(args, source, schema, *, title: str) -> int:
-    from schemas.vlm import validate_vlm_batch
+    from prealign.schemas.vlm import validate_vlm_batch
     from .inspection import inspect_source
     from .plot import draw_packed_layout
     from .report import format_shapes, format_table, totals

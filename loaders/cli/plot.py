@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from collate.indices import cp_chunks, cu_seqlens_to_lengths, global_slots
-from schemas.layout import ParallelLayout
+from prealign.collate.indices import cp_chunks, cu_seqlens_to_lengths, global_slots
+from prealign.schemas.layout import ParallelLayout
 
 _BG, _INK, _PAD = (255, 255, 255), (30, 30, 30), (205, 205, 205)
 _RANK_COLORS = ((31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189), (140, 86, 75),

@@ -1,0 +1,7 @@
+"""The ``prealign`` command for people (``demo``, ``inspect``), its synthetic data and its picture.
+
+No library module imports this subpackage: it sits on top of ``prealign.loaders``.
+"""
+from .main import main
+
+__all__ = ["main"]
