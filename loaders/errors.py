@@ -3,10 +3,10 @@ per-sample problems subclass :class:`~prealign.schemas.errors.SampleError` and n
 what was expected and what came."""
 from __future__ import annotations
 
-from prealign.schemas.errors import PrealignError, SampleError
+from prealign.schemas.errors import ConfigError, PrealignError, SampleError
 
 
-class PlanError(PrealignError):
+class PlanError(ConfigError):
     """Invalid planner input or configuration (lengths, budget, dp size, buffer)."""
 
 
@@ -72,7 +72,7 @@ class TooManyBadSamplesError(PrealignError):
     """More consecutive bad samples than ``BadDataPolicy.max_consecutive`` allows."""
 
 
-class ResumeError(PrealignError):
+class ResumeError(ConfigError):
     """A loader state that cannot be resumed here (other version, dp size, layout, schema, data)."""
 
 

@@ -1,5 +1,5 @@
 """prealign schemas: parallel layouts, declared batch schemas and their validation."""
-from .errors import (BatchValidationError, BucketOverflowError, LayoutError, PrealignError, SampleError,
+from .errors import (BatchValidationError, BucketOverflowError, ConfigError, LayoutError, PrealignError, SampleError,
                      SchemaError, StartupMismatchError)
 from .layout import CPLayout, FP8Recipe, PadPolicy, ParallelLayout, round_up
 from .schema import IGNORE_INDEX, BatchSchema, FieldSpec, Role, Source, causal_lm_schema, rl_schema, topk_fields
@@ -9,6 +9,6 @@ from .vlm import VisionTokens, media_violations, validate_vlm_batch, vlm_schema
 
 __all__ = ["ParallelLayout", "PadPolicy", "FP8Recipe", "CPLayout", "round_up", "BatchSchema", "FieldSpec", "Role",
            "Source", "causal_lm_schema", "rl_schema", "topk_fields", "IGNORE_INDEX", "validate_batch", "Violation",
-           "check_startup", "PrealignError", "LayoutError", "SchemaError", "SampleError", "BucketOverflowError",
+           "check_startup", "PrealignError", "ConfigError", "LayoutError", "SchemaError", "SampleError", "BucketOverflowError",
            "BatchValidationError", "StartupMismatchError"]
 __all__ += ["vlm_schema", "VisionTokens", "validate_vlm_batch", "media_violations"]

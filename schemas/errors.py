@@ -6,11 +6,18 @@ class PrealignError(ValueError):
     """Base class of every error prealign raises on bad input or configuration."""
 
 
-class LayoutError(PrealignError):
+class ConfigError(PrealignError):
+    """A configuration mistake (layout, schema, arguments, paths, a state or index of another run).
+
+    Never bad data: no bad-data policy counts or skips it; it is raised before any batch where possible.
+    """
+
+
+class LayoutError(ConfigError):
     """An invalid :class:`~prealign.schemas.ParallelLayout` (tp/cp sizes, FP8 recipe, length buckets)."""
 
 
-class SchemaError(PrealignError):
+class SchemaError(ConfigError):
     """An invalid schema declaration (duplicate field, unknown dtype, bad dense dim)."""
 
 
