@@ -13,6 +13,7 @@ import torch
 VOCAB = 128
 TOL = 1e-5  # the issue's tolerance; correct batches agree to ~1e-12 in float64
 CORRUPT = 1e-3  # a corrupted batch must move some compared value by more than this
+INIT = 0.3  # weights' std: large enough that attention is sharp and every position moves the logits
 
 
 @functools.lru_cache(maxsize=None)
@@ -23,7 +24,7 @@ def causal_lm(attn: str = "sdpa", family: str = "qwen2"):
     torch.manual_seed(0)
     common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                  attn_implementation=attn)
+                  initializer_range=INIT, attn_implementation=attn)
     if family == "qwen2":
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
     else:
@@ -75,3 +76,26 @@ def real_slots(batch: dict) -> list[torch.Tensor]:
     """Per sequence, the packed slots of its real tokens (``cu_seqlens_padded[i] + arange(L_i)``)."""
     padded, true = batch["cu_seqlens_padded"].tolist(), batch["cu_seqlens"].tolist()
     return [torch.arange(padded[i], padded[i] + true[i + 1] - true[i]) for i in range(len(true) - 1)]
+
+
+@functools.lru_cache(maxsize=None)
+def qwen2_vl(attn: str = "sdpa"):
+    """A tiny ``Qwen2VLForConditionalGeneration`` (1-block vision tower, 2-layer LM, hidden 32) whose
+    special ids are the demo byte tokenizer's, float64, eval mode."""
+    import transformers
+
+    from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+    torch.manual_seed(0)
+    config = transformers.Qwen2VLConfig(
+        text_config=dict(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                         initializer_range=INIT, bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}),
+        vision_config=dict(depth=1, embed_dim=32, hidden_size=32, num_heads=2, mlp_ratio=2, patch_size=14,
+                           spatial_merge_size=2, temporal_patch_size=2, in_channels=3, initializer_range=INIT),
+        image_token_id=tok.image_token_id, vision_start_token_id=tok.vision_start_token_id,
+        vision_end_token_id=tok.vision_end_token_id, video_token_id=tok.vocab_size - 1, initializer_range=INIT,
+        attn_implementation=attn)
+    return transformers.Qwen2VLForConditionalGeneration(config).to(torch.float64).eval()
