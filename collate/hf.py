@@ -32,6 +32,8 @@ token is trained where ``loss_mask > 0``.
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import torch
 
@@ -122,7 +124,8 @@ def to_hf_kwargs(batch: dict, *, attention: HFAttention | str = HFAttention.VARL
         out["position_ids"] = torch.cat((batch["position_ids"][None], batch["mrope_position_ids"]), dim=0)
     if labels:
         out["labels"] = hf_labels(batch, ignore_index=ignore_index)
-    for name in ("pixel_values", "image_grid_thw", "mm_token_type_ids"):
+    media = ("pixel_values", "image_grid_thw") if batch.get("image_grid_thw", torch.zeros(1)).shape[0] else ()
+    for name in (*media, "mm_token_type_ids"):  # a batch without images sends no empty pixel_values
         if name in batch:
             out[name] = batch[name]
     if attention is HFAttention.VARLEN:
@@ -134,16 +137,26 @@ def to_hf_kwargs(batch: dict, *, attention: HFAttention | str = HFAttention.VARL
     return out
 
 
+@dataclass(frozen=True, kw_only=True)
 class HFCollator:
     """``data_collator`` for a Hugging Face ``Trainer``: samples -> prealign batch -> :func:`to_hf_kwargs`.
+    Picklable (DataLoader workers).
 
-    ``collator`` is an unsharded prealign collator (``THDCollator(..., cp_rank=None)``, or an
-    ``MRoPECollator`` around one); ``to_hf_kwargs`` options pass through. Picklable.
+    >>> from prealign.collate import THDCollator
+    >>> from prealign.schemas import ParallelLayout, causal_lm_schema
+    >>> coll = HFCollator(collator=THDCollator(schema=causal_lm_schema(), layout=ParallelLayout(tp=2)),
+    ...                   attention=HFAttention.POSITIONS)
+    >>> sorted(coll([{"input_ids": torch.tensor([5, 6, 7])}]))
+    ['input_ids', 'labels', 'position_ids', 'use_cache']
     """
 
-    def __init__(self, collator, **options):
-        self.collator = collator
-        self.options = options
+    collator: Callable[[Sequence[dict]], dict]
+    """An unsharded prealign collator: ``THDCollator(..., cp_rank=None)``, or an ``MRoPECollator`` around one."""
+    attention: HFAttention | str = HFAttention.VARLEN
+    mask_dtype: torch.dtype = torch.float32
+    labels: bool = True
+    ignore_index: int = IGNORE_INDEX
 
-    def __call__(self, samples) -> dict:
-        return to_hf_kwargs(self.collator(samples), **self.options)
+    def __call__(self, samples: Sequence[dict]) -> dict:
+        return to_hf_kwargs(self.collator(samples), attention=self.attention, mask_dtype=self.mask_dtype,
+                            labels=self.labels, ignore_index=self.ignore_index)

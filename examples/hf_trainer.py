@@ -1,4 +1,4 @@
-"""A Hugging Face ``Trainer`` fed by a prealign collator: ``data_collator=HFCollator(THDCollator(...))``.
+"""A Hugging Face ``Trainer`` fed by a prealign collator: ``data_collator=HFCollator(collator=THDCollator(...))``.
 
 Each step's batch is one packed ``[1, T]`` row laid out for the given ``ParallelLayout`` (here tp=2, cp=2
 padding, so the same batches would feed a Megatron run) and handed to the model as ``to_hf_kwargs``
@@ -29,7 +29,8 @@ def train(output_dir: str, *, max_steps: int = 3, attn: str = "sdpa") -> list[di
     dataset = [{"input_ids": torch.randint(1, 128, (int(n),), generator=g),
                 "loss_mask": (torch.arange(int(n)) >= int(n) // 3).float()}  # train on the last 2/3 ("replies")
                for n in torch.randint(4, 64, (32,), generator=g)]
-    collator = HFCollator(THDCollator(schema=causal_lm_schema(vocab_size=128), layout=ParallelLayout(tp=2, cp=2)),
+    collator = HFCollator(collator=THDCollator(schema=causal_lm_schema(vocab_size=128),
+                                               layout=ParallelLayout(tp=2, cp=2)),
                           attention=HFAttention.POSITIONS)
     args = TrainingArguments(output_dir=output_dir, max_steps=max_steps, per_device_train_batch_size=4,
                              learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,

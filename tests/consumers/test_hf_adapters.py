@@ -105,7 +105,7 @@ def test_hf_trainer_example_trains_three_steps_with_a_prealign_collator(tmp_path
 def test_hf_collator_is_picklable_and_passes_options():
     import pickle
 
-    coll = pickle.loads(pickle.dumps(HFCollator(THDCollator(schema=causal_lm_schema(), layout=ParallelLayout(tp=2)),
+    coll = pickle.loads(pickle.dumps(HFCollator(collator=THDCollator(schema=causal_lm_schema(), layout=ParallelLayout(tp=2)),
                                                 attention=HFAttention.MASK)))
     out = coll(_samples([3, 4], False))
     assert out["attention_mask"].shape == (1, 1, 8, 8) and "cu_seq_lens_q" not in out

@@ -160,3 +160,13 @@ def test_detects_positions_that_do_not_show_the_packing(samples, corruption):
         kwargs["position_ids"] = kwargs["position_ids"][1:]
     worst, _ = mismatch(qwen2_vl("sdpa"), batch, ss, kwargs)
     assert worst > CORRUPT
+
+
+def test_a_batch_without_images_sends_no_empty_pixel_values():
+    transform = VLMSampleTransform(tokenizer=TOK, mrope=False)
+    ss = [transform(r) for r in raw_samples(((), ()))]
+    batch = collate(LAYOUTS["cp3-min-rows"], transform, ss)
+    kwargs = to_hf_kwargs(batch, attention=HFAttention.POSITIONS)
+    assert "pixel_values" not in kwargs and "image_grid_thw" not in kwargs and "mm_token_type_ids" in kwargs
+    worst, seen = mismatch(qwen2_vl("sdpa"), batch, ss, kwargs)
+    assert seen > 0 and worst < TOL
