@@ -214,7 +214,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dry-run", action="store_true", help="build and check the batches on the CPU only")
     parser.add_argument("--no-install", action="store_true", help="never pip-install megatron-core / TE")
-    parser.add_argument("--atol", type=float, default=0.05, help="max per-token loss difference (bf16)")
+    parser.add_argument("--atol", type=float, default=0.1, help="max per-token loss difference (bf16)")
     args = parser.parse_args(argv)
     import_prealign()
     if args.dry_run:

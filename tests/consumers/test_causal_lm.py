@@ -78,6 +78,15 @@ def test_packed_loss_equals_each_sample_alone(attn, name):
         assert bool(batch["padding_mask"].any())  # the layout really padded
 
 
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_a_llama_model_too(attn):
+    layout = LAYOUTS["tp2-cp2-buckets"]
+    samples = random_samples(LENGTHS, seed=2, loss_mask=True)
+    batch = THDCollator(schema=SCHEMA, layout=layout)(samples)
+    worst, seen = per_token_mismatch(causal_lm(attn, "llama"), batch, samples, raw_kwargs(batch))
+    assert seen == sum(LENGTHS) and worst < TOL
+
+
 @pytest.mark.parametrize("attn,mask_dtype", [("sdpa", torch.bool), ("eager", torch.float64), ("sdpa", torch.float64)])
 def test_block_causal_mask_gives_the_same_losses(attn, mask_dtype):
     layout = LAYOUTS["tp2-cp2-per-sequence"]
