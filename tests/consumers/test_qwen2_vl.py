@@ -170,3 +170,16 @@ def test_a_batch_without_images_sends_no_empty_pixel_values():
     assert "pixel_values" not in kwargs and "image_grid_thw" not in kwargs and "mm_token_type_ids" in kwargs
     worst, seen = mismatch(qwen2_vl("sdpa"), batch, ss, kwargs)
     assert seen > 0 and worst < TOL
+
+
+def test_the_chat_tokenizer_gives_pad_and_eos_ids():
+    from prealign.loaders import HFChatTokenizer
+    from tests.test_vlm import _tiny_hf_tokenizer
+
+    hf = _tiny_hf_tokenizer()  # no pad, no eos: eos falls back to <|im_end|>, pad to eos
+    tok = HFChatTokenizer(hf)
+    assert tok.eos_token_id == tok.im_end_id == hf.convert_tokens_to_ids("<|im_end|>") and tok.pad_token_id == tok.eos_token_id
+    hf.pad_token, hf.eos_token = "<unk>", "<|im_end|>"
+    tok = HFChatTokenizer(hf)
+    assert (tok.pad_token_id, tok.eos_token_id) == (hf.pad_token_id, hf.eos_token_id) and tok.pad_token_id != tok.eos_token_id
+    assert (TOK.pad_token_id, TOK.eos_token_id) == (0, 1)  # the demo tokenizer has them too
