@@ -15,9 +15,11 @@ from .planner import MicrobatchPlan, PlannerConfig, PlanStats, microbatch_capaci
 from .policy import BadDataPolicy, BadDataReport, BadSampleWarning, OnBadSample, Oversize, PackStrategy
 from .sources import HFSource, Source
 from .webdataset_source import WebDatasetSource, numpy_fields
+from .vlm import MediaError, MediaProblem, VLMSampleTransform, image_processor
 
 __all__ = ["HFChatTokenizer", "ChatTokenizer", "PackedLoader", "plan_microbatches", "microbatch_capacity", "MicrobatchPlan", "PlannerConfig", "PlanStats",
            "HFSource", "WebDatasetSource", "Source", "numpy_fields", "SampleIndex", "build_index", "assert_resumes_exactly",
            "PackStrategy", "Oversize", "OnBadSample", "BadDataPolicy", "BadDataReport", "BadSampleWarning",
            "PlanError", "OversizeSampleError", "BadSampleError", "UnsafeMemberError", "MissingMemberError",
            "CorruptShardError", "TooManyBadSamplesError", "ResumeError", "SourceChangedError"]
+__all__ += ["VLMSampleTransform", "MediaError", "MediaProblem", "image_processor"]

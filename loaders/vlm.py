@@ -21,6 +21,7 @@ with a :class:`MediaProblem` whose value is its ``.reason``: the index pass coun
 """
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
 import io
@@ -33,6 +34,7 @@ import numpy as np
 import torch
 
 from prealign.collate.mrope import mrope_position_ids
+from prealign.schemas.errors import ConfigError
 from prealign.schemas.vlm import IMAGE_TOKEN_TYPE, VisionTokens
 from .chat_tokenizer import ChatTokenizer
 from .errors import BadSampleError
@@ -215,14 +217,37 @@ class VLMSampleTransform:
     def __post_init__(self):
         for name in ("log_prob_dtype", "pixel_dtype"):
             if getattr(self, name) not in ("float32", "bfloat16"):
-                raise ValueError(f"VLMSampleTransform.{name}: expected 'float32' or 'bfloat16', got {getattr(self, name)!r}")
+                raise ConfigError(f"VLMSampleTransform.{name}: expected 'float32' or 'bfloat16', got {getattr(self, name)!r}")
+
+    @property
+    def processor(self):
+        """The Qwen2-VL image processor this transform runs (``processor_options`` applied; cached per process)."""
+        return image_processor(**self.processor_options)
+
+    @property
+    def spatial_merge_size(self) -> int:
+        """Patches merged per side (one image token per ``merge**2`` patches), read from :attr:`processor`:
+        configured once, handed on to ``MRoPECollator(spatial_merge_size=...)`` and ``validate_vlm_batch``."""
+        return int(self.processor.merge_size)
+
+    @property
+    def vision(self) -> VisionTokens:
+        """The tokenizer's vision token ids with the processor's merge size. A tokenizer that declares a
+        different ``spatial_merge_size`` is a :class:`~prealign.schemas.ConfigError` (leave it unset)."""
+        merge = self.spatial_merge_size
+        declared = getattr(self.tokenizer, "spatial_merge_size", None)
+        if declared is not None and declared != merge:
+            raise ConfigError(f"VLMSampleTransform: the tokenizer declares spatial_merge_size={declared} but the image "
+                              f"processor merges {merge} patches per side; leave the tokenizer's unset (None) so the "
+                              "processor's is used")
+        return dataclasses.replace(self.tokenizer.vision, spatial_merge_size=merge)
 
     def __call__(self, raw: dict) -> dict:
         key = raw.get("__key__", "?")
         meta = _metadata(raw, self.text_key, key)
         images = [decode_image(v, sample=key, name=n) for n, v in _image_members(raw, meta, key)]
-        vision = self.tokenizer.vision
-        pixel_values, grid = process_images(images, image_processor(**self.processor_options), sample=key)
+        vision = self.vision
+        pixel_values, grid = process_images(images, self.processor, sample=key)
         if "input_ids" in raw:  # pre-tokenized, placeholders already expanded
             input_ids = torch.as_tensor(np.asarray(raw["input_ids"]), dtype=torch.int64).reshape(-1)
             loss_mask = torch.as_tensor(np.asarray(raw.get("loss_mask", np.ones(input_ids.numel()))),
