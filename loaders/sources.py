@@ -17,12 +17,17 @@ import os
 from collections import OrderedDict
 from typing import Callable, Iterator
 
-from prealign.schemas.errors import SampleError
+from prealign.schemas.errors import ConfigError, SampleError
 
 from .errors import BadSampleError, reason_of
 
 Location = tuple[int, ...]
 Transform = Callable[[dict], dict]
+TRANSFORM_ERRORS: tuple[type[BaseException], ...] = (ValueError, KeyError, IndexError, UnicodeError)
+"""What a transform may raise on bad data besides a :class:`~prealign.schemas.errors.SampleError`
+(a missing key, an index past a list, an unparsable value): counted as ``bad_sample``. Anything else
+(``TypeError``, ``AttributeError``, ...) is a bug in the transform and propagates; a
+:class:`~prealign.schemas.errors.ConfigError` always propagates."""
 
 
 class Skip:
@@ -74,6 +79,10 @@ class Source(abc.ABC):
         state.pop("_process_local", None)
         return state
 
+    def preflight(self) -> None:
+        """Raise a :class:`~prealign.schemas.errors.ConfigError` for configuration mistakes that can be seen
+        before the index pass (shard files that do not exist); the default checks nothing."""
+
     def where(self, location: Location) -> str:
         """Human-readable name of a sample for error messages."""
         return f"{type(self).__name__}{list(location)}"
@@ -90,16 +99,19 @@ class Source(abc.ABC):
         A :class:`~prealign.schemas.errors.SampleError` raised by the transform keeps its field, expected,
         actual and ``reason`` (:func:`~prealign.loaders.errors.reason_of`, e.g. a
         :class:`~prealign.loaders.vlm.MediaError`'s ``corrupt_image``), so the index counts skips by cause;
-        any other exception is reported as ``transform to succeed`` under ``bad_sample``.
+        one of :data:`TRANSFORM_ERRORS` is reported as ``transform to succeed`` under ``bad_sample``;
+        anything else (a bug) and a :class:`~prealign.schemas.errors.ConfigError` propagate as they are.
         """
         if self.transform is None:
             return raw
         try:
             out = self.transform(raw)
+        except ConfigError:
+            raise
         except SampleError as exc:  # a typed problem: keep what it says, rename the sample
             raise BadSampleError(sample=self.sample_name(raw, location), field=exc.field, expected=exc.expected,
                                  actual=exc.actual, reason=reason_of(exc)) from exc
-        except Exception as exc:  # a transform failure is a bad sample, handled by the declared policy
+        except TRANSFORM_ERRORS as exc:  # bad data as the transform sees it, handled by the declared policy
             raise BadSampleError(sample=self.sample_name(raw, location), field=None, expected="transform to succeed",
                                  actual=f"{type(exc).__name__}: {exc}") from exc
         if not isinstance(out, dict):
@@ -135,8 +147,8 @@ class HFSource(Source):
         self.transform = transform
         self.streaming = isinstance(dataset, datasets.IterableDataset)
         if not self.streaming and not isinstance(dataset, datasets.Dataset):
-            raise BadSampleError(sample=None, field=None, expected="a datasets.Dataset or datasets.IterableDataset",
-                                 actual=type(dataset).__name__)
+            raise ConfigError(f"dataset: expected a datasets.Dataset or datasets.IterableDataset, got "
+                              f"{type(dataset).__name__}")
         self.sequential = self.streaming
         self.rows_per_shard = max(int(rows_per_shard), 1)
         self.lookback = max(int(lookback), 1)
