@@ -193,7 +193,7 @@ def open_image(data: bytes, limits: DecodeLimits = DEFAULT_LIMITS):
     return img
 
 
-def _image_errors() -> tuple[type[BaseException], ...]:
+def image_errors() -> tuple[type[BaseException], ...]:
     from PIL import Image
 
     return (*IMAGE_ERRORS, Image.DecompressionBombError)
@@ -232,7 +232,7 @@ def decode_member(key: str, ext: str, data: bytes, *, image: str = "pil",
     elif last in IMAGES:
         if image != "pil":
             return data
-        fn, errors, reason = functools.partial(open_image, limits=limits), _image_errors(), "corrupt_image"
+        fn, errors, reason = functools.partial(open_image, limits=limits), image_errors(), "corrupt_image"
     elif last in _DECODERS:
         fn, errors = _DECODERS[last], TEXT_ERRORS
     else:

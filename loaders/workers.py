@@ -130,3 +130,25 @@ def worker_failure(loader, exc: BaseException) -> WorkerError | None:
     what = f"worker(s) {dead} died" if dead else ("timed out" if timed_out else "a worker died")
     return WorkerError(f"DataLoader {what} ({type(exc).__name__}: {str(exc).splitlines()[0]}); iterate the "
                        f"loader again to continue from its state")
+
+
+def worker_batches(loader):
+    """Iterate the torch ``loader``: a :class:`Carried` error from a worker is raised as its own type; a
+    dead or timed-out worker raises :class:`~prealign.loaders.errors.WorkerError` after discarding the
+    broken (persistent) iterator, and a persistent iterator whose worker died while idle is replaced
+    before the first batch, so the next iteration always starts from working workers."""
+    discard_if_broken(loader)
+    it = iter(loader)
+    while True:
+        try:
+            batch = next(it)
+        except StopIteration:
+            return
+        except RuntimeError as exc:
+            failure = worker_failure(loader, exc)
+            if failure is None:
+                raise
+            raise failure from exc
+        if isinstance(batch, Carried):
+            raise batch.rebuild()
+        yield batch

@@ -10,6 +10,7 @@ from prealign.collate import unshard_cp
 from prealign.loaders import (BadDataPolicy, BadSampleError, BadSampleWarning, HFSource, PackedLoader, PlanError,
                      PlannerConfig, WebDatasetSource, build_index)
 from prealign.schemas import ParallelLayout, causal_lm_schema, validate_batch
+from prealign.loaders.errors import LoaderUsageError
 from prealign.schemas.errors import SampleError
 from tests.loader_helpers import hf_rows, sample_lengths, token_ids, write_shards
 
@@ -114,7 +115,7 @@ def test_only_one_live_iterator(wds):
     next(it)
     it2 = iter(loader)
     next(it2)
-    with pytest.raises(RuntimeError, match="newer iterator"):
+    with pytest.raises(LoaderUsageError, match="newer iterator"):
         next(it)
 
 
