@@ -30,6 +30,7 @@ import io
 import json
 import re
 import struct
+import warnings
 import zipfile
 import zlib
 from dataclasses import dataclass
@@ -183,7 +184,9 @@ def open_image(data: bytes, limits: DecodeLimits = DEFAULT_LIMITS):
     :class:`ImageTooLarge` on a bomb."""
     from PIL import Image
 
-    img = Image.open(io.BytesIO(data), formats=list(IMAGE_FORMATS))
+    with warnings.catch_warnings():  # PIL's own bomb warning: the cap below decides
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        img = Image.open(io.BytesIO(data), formats=list(IMAGE_FORMATS))
     w, h = img.size
     if w * h > limits.max_image_pixels:
         img.close()
