@@ -435,19 +435,25 @@ def build_index(source: Source, schema: BatchSchema, *, policy: BadDataPolicy | 
     from prealign.schemas.distributed import all_gather_objects, process_rank_world
 
     rank, world = process_rank_world(group) if distributed else (0, 1)
-    source.preflight()  # configuration mistakes (missing shard files) before any scanning
     shards = list(range(source.num_shards))
+    failure: BaseException | None = None
     try:
+        source.preflight()  # configuration mistakes (missing shard files) before any scanning
         mine: dict = {"results": scan_shards(source, schema, shards[rank::world], num_workers=num_workers)}
-    except Exception as exc:  # every rank must reach the exchange, or the others would wait forever
+    except Exception as exc:  # noqa: BLE001 - re-raised below: every rank must reach the exchange first
         if world == 1:
             raise
-        mine = {"error": f"rank {rank}: {type(exc).__name__}: {exc}"}
+        failure = exc
+        typed = exc if isinstance(exc, PrealignError) else PrealignError(f"{type(exc).__name__}: {exc}")
+        mine = {"rank": rank, "error": carry(typed)}
     parts = all_gather_objects(mine, group) if world > 1 else [mine]
-    failed = [p["error"] for p in parts if "error" in p]
-    if failed:
-        raise BadSampleError(sample=None, field=None, expected="the index pass to succeed on every rank",
-                             actual="; ".join(failed))
+    failed = [p for p in parts if "error" in p]
+    if failure is not None:
+        raise failure
+    if failed:  # another rank's error, as its own type, on every rank
+        err = failed[0]["error"].rebuild()
+        err.args = (f"index pass failed on rank {failed[0]['rank']}: {err.args[0] if err.args else ''}", *err.args[1:])
+        raise err
     results = sorted((r for p in parts for r in p["results"]), key=lambda r: r["shard"])
     index = merge_shards(results, policy or BadDataPolicy(), width=1, where=source.where, schema=schema)
     if len(index) == 0:
