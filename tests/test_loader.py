@@ -350,3 +350,19 @@ def test_a_worker_killed_with_sigkill_leaves_a_loader_that_continues_exactly(tmp
     assert got == expected[0]
     assert [_ids(b) for b in loader] == expected[1]
     assert all(w.is_alive() for w in loader._loader._iterator._workers)
+
+
+def test_a_worker_timeout_is_a_worker_error_and_the_loader_stays_usable(tmp_path):
+    from prealign.loaders.errors import WorkerError
+
+    src = WebDatasetSource(write_shards(str(tmp_path), sample_lengths(12, seed=1), num_shards=1),
+                           transform=_SlowInWorkers(0.6))
+    kw = {"schema": SCHEMA, "layout": ParallelLayout(), "token_budget": 64}
+    ref = PackedLoader(src, **kw)
+    expected = [_ids(b) for b in ref]
+    loader = PackedLoader(src, **kw, index=ref.index, num_workers=1, timeout=0.5)
+    with pytest.raises(WorkerError, match="timed out"):
+        next(iter(loader))
+    assert loader.state_dict()["position"] == 0 and loader._loader._iterator is None
+    loader._loader.timeout = 0  # the cause fixed: the same loader iterates the whole epoch
+    assert [_ids(b) for b in loader] == expected
