@@ -101,6 +101,7 @@ class _PlannedSamples:
     """What DataLoader workers hold: the source, the index locations and the truncation length."""
 
     def __init__(self, source: Source, index: SampleIndex, schema: BatchSchema, max_len: int, filler_len: int):
+        source.check_locations(index.locations)  # an index of other data: refused before any batch
         self.source, self.schema, self.max_len, self.filler_len = source, schema, max_len, filler_len
         self.locations, self.lengths = index.locations, index.lengths
 

@@ -19,7 +19,7 @@ from typing import Callable, Iterator
 
 from prealign.schemas.errors import ConfigError, SampleError
 
-from .errors import BadSampleError, reason_of
+from .errors import BadSampleError, IndexFileError, reason_of
 
 Location = tuple[int, ...]
 Transform = Callable[[dict], dict]
@@ -82,6 +82,25 @@ class Source(abc.ABC):
     def preflight(self) -> None:
         """Raise a :class:`~prealign.schemas.errors.ConfigError` for configuration mistakes that can be seen
         before the index pass (shard files that do not exist); the default checks nothing."""
+
+    def check_locations(self, locations) -> None:
+        """Raise :class:`~prealign.loaders.errors.IndexFileError` when int64 ``locations [N, K]`` (an index's)
+        cannot be this source's (another width, a shard or row out of range): an index of other data.
+        The default checks nothing."""
+
+    def _check_range(self, locations, width: int, limits: dict[int, int]) -> None:
+        """``locations`` has ``width`` columns and column ``c`` lies in ``[0, limits[c])``."""
+        import numpy as np
+
+        locations = np.asarray(locations)
+        if locations.ndim != 2 or locations.shape[1] != width:
+            raise IndexFileError(f"index locations: expected [N, {width}] for {type(self).__name__}, got "
+                                 f"{list(locations.shape)}; the index was built for another source")
+        for col, hi in limits.items():
+            if locations.shape[0] and not (0 <= locations[:, col].min() and locations[:, col].max() < hi):
+                raise IndexFileError(f"index locations column {col}: values in [{locations[:, col].min()}, "
+                                     f"{locations[:, col].max()}], this source has {hi}; the index was built for "
+                                     f"other data")
 
     def where(self, location: Location) -> str:
         """Human-readable name of a sample for error messages."""
@@ -198,6 +217,12 @@ class HFSource(Source):
                 recent.popitem(last=False)
         cur[1] = nxt
         return recent[j]
+
+    def check_locations(self, locations) -> None:
+        if self.streaming:
+            self._check_range(locations, 2, {0: self.num_shards})
+        else:
+            self._check_range(locations, 1, {0: len(self.dataset)})
 
     def where(self, location: Location) -> str:
         return f"{self.name}[{', '.join(map(str, location))}]"

@@ -22,8 +22,8 @@ import torch
 
 from prealign.schemas.errors import ConfigError, SampleError
 from .deadline import Stalled, TimedReader, call_with_timeout
-from .errors import (BadSampleError, CorruptShardError, MissingMemberError, MissingShardError, ShardTimeoutError,
-                     SourceChangedError)
+from .errors import (BadSampleError, CorruptShardError, IndexFileError, MissingMemberError, MissingShardError,
+                     ShardTimeoutError, SourceChangedError)
 from .sources import Location, Skip, Source, Transform
 from .tar_decode import DEFAULT_LIMITS, DecodeLimits, decode_member, split_member_name
 from .tar_reader import TarFormatError, iter_members
@@ -46,11 +46,21 @@ def expand_urls(urls: str | Sequence[str]) -> list[str]:
     return out
 
 
+_TORCH_KINDS = "biufc"  # bool, int, uint, float, complex: what torch.from_numpy takes
+
+
 def numpy_fields(sample: dict) -> dict:
-    """Default transform: every ``<name>.npy`` member -> tensor ``<name>``; other keys kept as they are."""
+    """Default transform: every ``<name>.npy`` member -> tensor ``<name>``; other keys kept as they are.
+    A big-endian array is converted to native order; an array torch cannot hold (strings, records,
+    dates) is a :class:`~prealign.loaders.errors.BadSampleError` naming the member."""
     out = {}
     for k, v in sample.items():
         if isinstance(v, np.ndarray) and k.endswith(".npy"):
+            if v.dtype.kind not in _TORCH_KINDS or v.dtype.fields is not None:
+                raise BadSampleError(sample=sample.get("__key__"), field=k, expected="a numeric or bool array",
+                                     actual=f"dtype {v.dtype}")
+            if not v.dtype.isnative:
+                v = v.astype(v.dtype.newbyteorder("="))
             out[k[:-4]] = torch.from_numpy(v)
         else:
             out[k] = v
@@ -241,6 +251,12 @@ class WebDatasetSource(Source):
         if isinstance(sample, Exception):
             raise sample
         return sample
+
+    def check_locations(self, locations) -> None:
+        self._check_range(locations, 3, {0: self.num_shards})
+        if len(locations) and not bool(np.all(np.asarray(locations)[:, 1] < np.asarray(locations)[:, 2])):
+            raise IndexFileError("index locations: a byte range that ends before it starts; the index was not "
+                                 "built by WebDatasetSource")
 
     def where(self, location: Location) -> str:
         return f"{self.urls[int(location[0])]}@{int(location[1])}"

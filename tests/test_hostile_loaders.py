@@ -180,6 +180,26 @@ def test_truncated_member_data(tmp_path):
         build_index(WebDatasetSource([path]), SCHEMA)
 
 
+def test_odd_array_dtypes(tmp_path):
+    bad = {1: np.array(["a", "b"]), 2: np.zeros(3, dtype=[("a", "<i4")]), 3: np.zeros(3, "M8[s]")}
+
+    def extra(i, tf):
+        if i == 4:  # big-endian ids: converted, indexed like the native ones
+            add_member(tf, f"{i:06d}.input_ids.npy", _npy(token_ids(i, 7).astype(">i8")))
+            return True
+        if i in bad:
+            add_member(tf, f"{i:06d}.input_ids.npy", _npy(bad[i]))
+            return True
+        return False
+
+    paths = write_shards(str(tmp_path), [5] * 6, num_shards=1, extra=extra)
+    src = WebDatasetSource(paths)
+    idx = build_index(src, SCHEMA, policy=SKIP)
+    assert idx.report.counts == {"bad_sample": 3} and idx.lengths.tolist() == [5, 7, 5]
+    assert src.load(tuple(idx.locations[1]))["input_ids"].tolist() == token_ids(4, 7).tolist()
+    assert {e[0].rsplit(":", 1)[1] for e in idx.report.examples} == {"000001", "000002", "000003"}
+
+
 # ---- 14. configuration mistakes are never counted --------------------------------------------------
 def test_missing_shards_are_a_config_error_before_scanning(tmp_path):
     good = write_shards(str(tmp_path), [4, 6, 8], num_shards=3)
@@ -473,6 +493,22 @@ def test_crafted_index_files_are_index_file_errors_naming_the_key(tmp_path, good
         SampleIndex.load(str(arr))
     with pytest.raises(IndexFileError, match="no such file"):
         SampleIndex.load(str(tmp_path / "absent.npz"))
+
+
+def test_an_index_of_other_data_is_refused_before_any_batch(tmp_path):
+    lengths = sample_lengths(12)
+    wds = WebDatasetSource(write_shards(str(tmp_path), lengths, num_shards=3))
+    idx = build_index(wds, SCHEMA)
+    kw = {"schema": SCHEMA, "layout": ParallelLayout(), "token_budget": 128}
+    fewer = WebDatasetSource(wds.urls[:2])
+    with pytest.raises(IndexFileError, match="column 0: values in \\[0, 2\\], this source has 2"):
+        PackedLoader(fewer, **kw, index=idx)
+    hf = HFSource(datasets.Dataset.from_dict(hf_rows(lengths)))
+    with pytest.raises(IndexFileError, match="expected \\[N, 1\\] for HFSource"):
+        PackedLoader(hf, **kw, index=idx)
+    short = HFSource(datasets.Dataset.from_dict(hf_rows(lengths[:5])))
+    with pytest.raises(IndexFileError, match="this source has 5"):
+        PackedLoader(short, **kw, index=build_index(hf, SCHEMA))
 
 
 # ---- 15. edited resume states, seeds, epochs -------------------------------------------------------
