@@ -366,3 +366,23 @@ def test_a_worker_timeout_is_a_worker_error_and_the_loader_stays_usable(tmp_path
     assert loader.state_dict()["position"] == 0 and loader._loader._iterator is None
     loader._loader.timeout = 0  # the cause fixed: the same loader iterates the whole epoch
     assert [_ids(b) for b in loader] == expected
+
+
+def test_a_persistent_worker_killed_between_epochs_is_replaced(tmp_path):
+    import os
+    import signal
+
+    src = WebDatasetSource(write_shards(str(tmp_path), sample_lengths(30, seed=6), num_shards=2))
+    kw = {"schema": SCHEMA, "layout": ParallelLayout(), "token_budget": 128}
+    ref = PackedLoader(src, **kw)
+    expected = [[_ids(b) for b in ref] for _ in range(2)]
+    loader = PackedLoader(src, **kw, index=ref.index, num_workers=2, persistent_workers=True)
+    assert [_ids(b) for b in loader] == expected[0]
+    victim = loader._loader._iterator._workers[1]
+    try:  # torch's SIGCHLD handler may raise in whatever the main thread runs when the worker dies
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.join(10)
+    except RuntimeError as exc:
+        assert "DataLoader worker" in str(exc)
+    assert [_ids(b) for b in loader] == expected[1]
+    assert all(w.is_alive() for w in loader._loader._iterator._workers)
