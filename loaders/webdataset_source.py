@@ -138,20 +138,20 @@ class WebDatasetSource(Source):
 
     def preflight(self) -> None:
         """Raise :class:`~prealign.loaders.errors.MissingShardError` listing every local shard that does
-        not exist (remote URLs are checked when fetched). Each check is bounded by ``read_timeout``."""
+        not exist or is a folder (remote URLs are checked when fetched). Each check is bounded by ``read_timeout``."""
         missing = []
         for url in self.urls:
             if _REMOTE.match(url) and not url.startswith("file://"):
                 continue
             path = url[len("file://"):] if url.startswith("file://") else url
             try:
-                exists = call_with_timeout(lambda p=path: os.path.exists(p), self.read_timeout)
+                exists = call_with_timeout(lambda p=path: os.path.exists(p) and not os.path.isdir(p), self.read_timeout)
             except Stalled:
                 continue  # a hung mount: the scan reports it, naming the shard
             if not exists:
                 missing.append(url)
         if missing:
-            raise MissingShardError(f"{len(missing)} of {len(self.urls)} shard file(s) do not exist: "
+            raise MissingShardError(f"{len(missing)} of {len(self.urls)} shard file(s) do not exist (or are folders): "
                                     f"{missing[:10]}{' ...' if len(missing) > 10 else ''}; check the path or brace "
                                     f"range given as urls=")
 

@@ -208,6 +208,8 @@ def test_missing_shards_are_a_config_error_before_scanning(tmp_path):
     assert isinstance(exc.value, ConfigError) and "shard-003.tar" in str(exc.value)
     with pytest.raises(MissingShardError):
         build_index(WebDatasetSource(good + [str(tmp_path / "nope.tar")]), SCHEMA, policy=SKIP)
+    with pytest.raises(MissingShardError, match="folders"):
+        build_index(WebDatasetSource(good + [str(tmp_path)]), SCHEMA, policy=SKIP)
     with pytest.raises(ConfigError, match="urls"):
         WebDatasetSource([])
 
