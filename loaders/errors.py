@@ -61,11 +61,40 @@ def reason_of(exc: BaseException) -> str:
 
 
 class CorruptShardError(PrealignError):
-    """A shard could not be read past some byte offset (truncated or corrupt tar, unreadable URL)."""
+    """A shard could not be read past some byte offset (truncated or corrupt tar, a member larger than
+    the file, unreadable URL); counted under ``reason`` (``corrupt_shard``) by the bad-data policy."""
+
+    reason = "corrupt_shard"
 
     def __init__(self, shard: str, offset: int, cause: str):
         self.shard, self.offset, self.cause = shard, offset, cause
         super().__init__(f"shard {shard}: unreadable at byte {offset}: {cause}")
+
+
+class ShardTimeoutError(CorruptShardError):
+    """A shard read made no progress within the source's ``read_timeout`` (a FIFO, a hung mount):
+    counted as ``shard_timeout`` under ``skip``, raised under ``raise``."""
+
+    reason = "shard_timeout"
+
+
+class MissingShardError(ConfigError):
+    """Shard files given explicitly (or by a brace range) that do not exist: a configuration
+    mistake, raised before the index pass, never counted as bad data."""
+
+
+class IndexFileError(ConfigError):
+    """A saved :class:`~prealign.loaders.index.SampleIndex` file that is not one (missing or extra keys,
+    wrong dtype or shape, inconsistent lengths, undecodable report)."""
+
+
+class WorkerError(PrealignError):
+    """A DataLoader worker died (killed by a signal, out of memory) or timed out. The loader stays
+    usable: iterate again to continue from its state (the position of the last batch yielded)."""
+
+
+class LoaderUsageError(ConfigError):
+    """The loader was used in a way it does not support (two iterators at once)."""
 
 
 class TooManyBadSamplesError(PrealignError):

@@ -21,21 +21,22 @@ from typing import Callable
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, get_worker_info
 
 from prealign.collate.samples import sample_token_keys
 from prealign.collate.thd import THDCollator
-from prealign.schemas.errors import SampleError
+from prealign.schemas.errors import PrealignError, SampleError
 from prealign.schemas.layout import ParallelLayout
 from prealign.schemas.schema import BatchSchema, Role, Source as FieldSource
-from .errors import BadSampleError, PlanError, SourceChangedError
+from .errors import BadSampleError, LoaderUsageError, PlanError, SourceChangedError
 from .index import SampleIndex, build_index, has_media, media_keys
 from .planner import MicrobatchPlan, PlannerConfig, microbatch_capacity
 from .policy import BadDataPolicy, BadDataReport, BadSampleWarning, Oversize
-from .schedule import Request, Schedule
+from .schedule import Request, Schedule, check_count
 from .sources import Source
 from .state import LoaderState
 from .transport import PackedBatch, pack_batch, unpack_batch
+from .workers import Carried, carry, worker_batches
 
 
 def truncate_sample(sample: dict, schema: BatchSchema, length: int) -> dict:
@@ -100,6 +101,7 @@ class _PlannedSamples:
     """What DataLoader workers hold: the source, the index locations and the truncation length."""
 
     def __init__(self, source: Source, index: SampleIndex, schema: BatchSchema, max_len: int, filler_len: int):
+        source.check_locations(index.locations)  # an index of other data: refused before any batch
         self.source, self.schema, self.max_len, self.filler_len = source, schema, max_len, filler_len
         self.locations, self.lengths = index.locations, index.lengths
 
@@ -129,9 +131,14 @@ class _PlannedSamples:
 
     def __getitems__(self, request: Request) -> tuple[Request, list[dict], Callable[[int], str]]:
         """The micro-batch's samples, with :meth:`where` for the collate_fn's error messages."""
-        if request.indices:
-            return request, [self._load(i) for i in request.indices], self.where
-        return request, [self._filler(request.filler_of)], self.where
+        try:
+            if request.indices:
+                return request, [self._load(i) for i in request.indices], self.where
+            return request, [self._filler(request.filler_of)], self.where
+        except PrealignError as exc:  # in a worker: handed to the collate_fn, re-raised as its own type
+            if get_worker_info() is None:
+                raise
+            return request, carry(exc), self.where
 
 
 @dataclass(frozen=True)
@@ -145,10 +152,18 @@ class _CollatePlanned:
 
     def __call__(self, fetched: tuple[Request, list[dict], Callable[[int], str]]):
         request, samples, where = fetched
+        if isinstance(samples, Carried):
+            return samples
         try:
             batch = self.collator(samples)
         except SampleError as exc:  # it names a position in the micro-batch: name the dataset sample
+            if self.pack:
+                return carry(_renamed(exc, request, where))
             raise _renamed(exc, request, where) from exc
+        except PrealignError as exc:
+            if self.pack:
+                return carry(exc)
+            raise
         batch["sample_index"] = torch.tensor(request.indices, dtype=torch.int64)
         batch["is_filler"] = not request.indices
         batch["epoch"] = request.epoch
@@ -281,12 +296,12 @@ index pass over all ranks and exchange the records (collective: every rank must 
         self._epoch, self._position = epoch, start
         token = self._active = object()
         self._requests.requests = self._schedule(epoch, self.dp_rank, start)
-        for batch in self._loader:
+        for batch in worker_batches(self._loader):
             if isinstance(batch, PackedBatch):
                 batch = unpack_batch(batch)
             if self._active is not token:
-                raise RuntimeError("PackedLoader: a newer iterator over this loader was started; "
-                                   "iterate one at a time")
+                raise LoaderUsageError("PackedLoader: a newer iterator over this loader was started; "
+                                       "iterate one at a time")
             self._position = batch["microbatch"] + 1
             yield batch
         if self._active is token:
@@ -298,8 +313,9 @@ index pass over all ranks and exchange the records (collective: every rank must 
 
     def set_epoch(self, epoch: int) -> None:
         """Go to the start of ``epoch``; the epoch in progress keeps its position."""
+        epoch = check_count("epoch", epoch)
         if epoch != self._normalised()[0]:
-            self._epoch, self._position = int(epoch), 0
+            self._epoch, self._position = epoch, 0
             self._active = None
 
     @property
@@ -368,5 +384,6 @@ index pass over all ranks and exchange the records (collective: every rank must 
         planner, seed or data."""
         st = LoaderState.from_dict(state)
         st.check_compatible(self._config(), self._data())
+        st.check_position(self._schedule.num_microbatches(st.epoch))
         self._epoch, self._position = st.epoch, st.position
         self._active = None

@@ -38,6 +38,7 @@ from prealign.schemas.errors import ConfigError
 from prealign.schemas.vlm import IMAGE_TOKEN_TYPE, VisionTokens
 from .chat_tokenizer import ChatTokenizer
 from .errors import BadSampleError
+from .tar_decode import DEFAULT_LIMITS, IMAGE_FORMATS, DecodeLimits, ImageTooLarge, image_errors, open_image
 from .teacher_topk import teacher_topk
 
 IMAGE_PLACEHOLDER = "<image>"
@@ -95,23 +96,40 @@ def process_images(images: list, processor, *, sample=None) -> tuple[torch.Tenso
     return out["pixel_values"].to(torch.float32), out["image_grid_thw"].to(torch.int64)
 
 
-def decode_image(value, *, sample, name: str):
+def decode_image(value, *, sample, name: str, limits: DecodeLimits = DEFAULT_LIMITS):
     """Bytes / ``{"bytes": ...}`` / PIL image -> an RGB PIL image, fully decoded (a truncated or
-    corrupt file fails here, not later inside the processor)."""
-    from PIL import Image, UnidentifiedImageError
+    corrupt file fails here, not later inside the processor). Bytes open only as
+    :data:`~prealign.loaders.tar_decode.IMAGE_FORMATS` (never PostScript through Ghostscript); an image
+    over ``limits.max_image_pixels`` (checked from its header, before decoding; a PIL image given as
+    is, by its size, and refused before loading when another format opened it) is a ``corrupt_image``
+    bomb."""
+    from PIL import Image
 
     if isinstance(value, dict) and "bytes" in value:
         value = value["bytes"]
     try:
-        img = value if isinstance(value, Image.Image) else Image.open(io.BytesIO(bytes(value)))
-        img.load()
+        if isinstance(value, Image.Image):
+            w, h = value.size
+            if w * h > limits.max_image_pixels:
+                raise ImageTooLarge(f"{w}x{h} = {w * h} pixels, over max_image_pixels {limits.max_image_pixels}")
+            if value.format is not None and value.format not in IMAGE_FORMATS:  # opened elsewhere (HF), lazily
+                raise ValueError(f"a {value.format} image (formats decoded: {', '.join(IMAGE_FORMATS)})")
+            img = value
+            img.load()
+        elif isinstance(value, (bytes, bytearray, memoryview)):
+            img = open_image(bytes(value), limits)
+        else:
+            raise TypeError(f"{type(value).__name__} is not image bytes or a PIL image")
         return img.convert("RGB")
-    except UnidentifiedImageError:
-        raise MediaError(MediaProblem.CORRUPT_IMAGE, sample=sample, field=name, expected="a decodable image",
-                         actual=f"{len(value)} bytes, no image format PIL knows") from None
-    except (OSError, ValueError, TypeError, SyntaxError) as exc:
-        raise MediaError(MediaProblem.CORRUPT_IMAGE, sample=sample, field=name, expected="a decodable image",
-                         actual=f"{type(value).__name__} ({type(exc).__name__}: {exc})") from None
+    except ImageTooLarge as exc:
+        raise MediaError(MediaProblem.CORRUPT_IMAGE, sample=sample, field=name,
+                         expected=f"at most {limits.max_image_pixels} pixels (DecodeLimits.max_image_pixels)",
+                         actual=str(exc)) from None
+    except image_errors() as exc:
+        size = f"{len(value)} bytes" if isinstance(value, (bytes, bytearray, memoryview)) else type(value).__name__
+        raise MediaError(MediaProblem.CORRUPT_IMAGE, sample=sample, field=name,
+                         expected=f"a decodable image ({', '.join(IMAGE_FORMATS)})",
+                         actual=f"{size} ({type(exc).__name__}: {exc})") from None
 
 
 # ---- placeholder expansion -----------------------------------------------------------------------

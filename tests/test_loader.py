@@ -2,6 +2,8 @@
 shards, identical TP batches, equal micro-batch counts, the budget as a hard cap."""
 from __future__ import annotations
 
+import time
+
 import datasets
 import pytest
 import torch
@@ -10,6 +12,7 @@ from prealign.collate import unshard_cp
 from prealign.loaders import (BadDataPolicy, BadSampleError, BadSampleWarning, HFSource, PackedLoader, PlanError,
                      PlannerConfig, WebDatasetSource, build_index)
 from prealign.schemas import ParallelLayout, causal_lm_schema, validate_batch
+from prealign.loaders.errors import LoaderUsageError
 from prealign.schemas.errors import SampleError
 from tests.loader_helpers import hf_rows, sample_lengths, token_ids, write_shards
 
@@ -114,7 +117,7 @@ def test_only_one_live_iterator(wds):
     next(it)
     it2 = iter(loader)
     next(it2)
-    with pytest.raises(RuntimeError, match="newer iterator"):
+    with pytest.raises(LoaderUsageError, match="newer iterator"):
         next(it)
 
 
@@ -282,3 +285,104 @@ def test_filler_copies_a_planned_sample_not_a_left_out_one():
         assert b["sample_index"].numel() == 0 and float(b["loss_mask"].sum()) == 0
         assert tuple(b["pixel_values"].shape) == (0, 4) and not bool(b["input_ids"].any())
     assert sorted(i for b in batches for i in _ids(b)) == [1, 2]
+
+
+# ---- issue 8: typed errors across workers, a worker killed mid-epoch ------------------------------
+class _SlowInWorkers:
+    """numpy_fields, sleeping in DataLoader workers only (so the main process waits on them);
+    raises ValueError for every sample once ``flag`` exists (data changed after indexing)."""
+
+    def __init__(self, delay: float, flag: str | None = None):
+        self.delay, self.flag = delay, flag
+
+    def __call__(self, sample):
+        import os
+
+        from torch.utils.data import get_worker_info
+
+        from prealign.loaders.webdataset_source import numpy_fields
+
+        if self.flag is not None and os.path.exists(self.flag):
+            raise ValueError("the data changed")
+        if get_worker_info() is not None:
+            time.sleep(self.delay)
+        return numpy_fields(sample)
+
+
+def test_a_sample_error_in_a_worker_reaches_the_caller_as_its_own_type(tmp_path):
+    flag = tmp_path / "changed"
+    src = WebDatasetSource(write_shards(str(tmp_path), sample_lengths(20), num_shards=2),
+                           transform=_SlowInWorkers(0.0, str(flag)))
+    loader = PackedLoader(src, schema=SCHEMA, layout=ParallelLayout(), token_budget=BUDGET, num_workers=2)
+    flag.write_text("")
+    with pytest.raises(BadSampleError, match="transform to succeed") as exc:
+        next(iter(loader))
+    assert type(exc.value) is BadSampleError and exc.value.field is None
+    assert exc.value.sample.startswith(src.urls[0]) or exc.value.sample.startswith(src.urls[1])
+    assert "Caught" not in str(exc.value)
+
+
+def test_a_worker_killed_with_sigkill_leaves_a_loader_that_continues_exactly(tmp_path):
+    """persistent_workers=True, a worker SIGKILLed mid-epoch: the iteration raises WorkerError; the
+    next iteration starts fresh workers and yields exactly the rest of the epoch, then the next epoch."""
+    import os
+    import signal
+    import threading
+
+    from prealign.loaders.errors import WorkerError
+
+    src = WebDatasetSource(write_shards(str(tmp_path), sample_lengths(60, seed=4), num_shards=2),
+                           transform=_SlowInWorkers(0.03))
+    kw = {"schema": SCHEMA, "layout": ParallelLayout(), "token_budget": 128}
+    ref = PackedLoader(src, **kw)
+    expected = [[_ids(b) for b in ref] for _ in range(2)]  # epochs 0 and 1
+    assert len(expected[0]) >= 8
+    loader = PackedLoader(src, **kw, index=ref.index, num_workers=2, persistent_workers=True)
+    it = iter(loader)
+    got = [_ids(next(it)) for _ in range(3)]
+    victim = loader._loader._iterator._workers[0]
+    threading.Timer(0.05, os.kill, (victim.pid, signal.SIGKILL)).start()
+    with pytest.raises(WorkerError, match="iterate the loader again"):
+        for b in it:
+            got.append(_ids(b))
+    assert 3 <= len(got) < len(expected[0]) and loader.state_dict()["position"] == len(got)
+    got.extend(_ids(b) for b in loader)  # fresh workers, the rest of epoch 0
+    assert got == expected[0]
+    assert [_ids(b) for b in loader] == expected[1]
+    assert all(w.is_alive() for w in loader._loader._iterator._workers)
+
+
+def test_a_worker_timeout_is_a_worker_error_and_the_loader_stays_usable(tmp_path):
+    from prealign.loaders.errors import WorkerError
+
+    src = WebDatasetSource(write_shards(str(tmp_path), sample_lengths(12, seed=1), num_shards=1),
+                           transform=_SlowInWorkers(0.6))
+    kw = {"schema": SCHEMA, "layout": ParallelLayout(), "token_budget": 64}
+    ref = PackedLoader(src, **kw)
+    expected = [_ids(b) for b in ref]
+    loader = PackedLoader(src, **kw, index=ref.index, num_workers=1, timeout=0.5)
+    with pytest.raises(WorkerError, match="timed out"):
+        next(iter(loader))
+    assert loader.state_dict()["position"] == 0 and loader._loader._iterator is None
+    loader._loader.timeout = 0  # the cause fixed: the same loader iterates the whole epoch
+    assert [_ids(b) for b in loader] == expected
+
+
+def test_a_persistent_worker_killed_between_epochs_is_replaced(tmp_path):
+    import os
+    import signal
+
+    src = WebDatasetSource(write_shards(str(tmp_path), sample_lengths(30, seed=6), num_shards=2))
+    kw = {"schema": SCHEMA, "layout": ParallelLayout(), "token_budget": 128}
+    ref = PackedLoader(src, **kw)
+    expected = [[_ids(b) for b in ref] for _ in range(2)]
+    loader = PackedLoader(src, **kw, index=ref.index, num_workers=2, persistent_workers=True)
+    assert [_ids(b) for b in loader] == expected[0]
+    victim = loader._loader._iterator._workers[1]
+    try:  # torch's SIGCHLD handler may raise in whatever the main thread runs when the worker dies
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.join(10)
+    except RuntimeError as exc:
+        assert "DataLoader worker" in str(exc)
+    assert [_ids(b) for b in loader] == expected[1]
+    assert all(w.is_alive() for w in loader._loader._iterator._workers)

@@ -15,7 +15,9 @@ import torch
 from prealign.loaders import (BadDataPolicy, BadSampleError, BadSampleWarning, CorruptShardError, HFSource,
                      MissingMemberError, SampleIndex, TooManyBadSamplesError, UnsafeMemberError, WebDatasetSource,
                      build_index)
+from prealign.loaders.errors import MissingShardError
 from prealign.loaders.tar_decode import decode_member, split_member_name
+from prealign.schemas.errors import ConfigError
 from prealign.schemas import causal_lm_schema
 from tests.loader_helpers import add_member, hf_rows, sample_lengths, token_ids, write_shards
 
@@ -171,8 +173,10 @@ def test_truncated_shard(tmp_path):
         idx = _index(paths, SKIP)
     assert idx.report.counts == {"corrupt_shard": 1}
     assert 10 < len(idx) < 20  # the first shard and the readable part of the second
-    missing_file = _index(paths[:1] + [str(tmp_path / "nope.tar")], SKIP)
-    assert len(missing_file) == 10 and missing_file.report.counts == {"corrupt_shard": 1}
+    # a shard file that does not exist is a configuration mistake, never a counted skip (issue 8, item 14)
+    with pytest.raises(MissingShardError, match="nope.tar") as exc:
+        _index(paths[:1] + [str(tmp_path / "nope.tar")], SKIP)
+    assert isinstance(exc.value, ConfigError)
 
 
 def test_too_many_bad_samples_in_a_row(tmp_path):
@@ -216,7 +220,7 @@ def test_hf_map_style_and_streaming():
     assert sidx.lengths.tolist() == lengths
     for i in (20, 3, 4, 24, 0, 1):  # out of order: forward reads, look-back window, re-opened shards
         assert stream.load(tuple(sidx.locations[i]))["input_ids"] == token_ids(i, lengths[i]).tolist()
-    with pytest.raises(BadSampleError, match="datasets.Dataset"):
+    with pytest.raises(ConfigError, match="datasets.Dataset"):
         HFSource([{"input_ids": [1]}])
 
 
