@@ -7,6 +7,7 @@ to name the sample, the field, what was expected and what came.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
@@ -115,8 +116,9 @@ def _sample_keys_read(schema: BatchSchema) -> tuple[FieldSpec, ...]:
     derived ``loss_mask`` multiplies in) when the schema does not declare one itself."""
     specs = [f for f in schema.of_role(Role.TOKEN) if f.source in (Source.SAMPLE, Source.NEXT_TOKEN)]
     if "loss_mask" not in schema or schema["loss_mask"].source is not Source.SAMPLE:
+        # loss weights: kept as given (0.5 stays 0.5), so they must be finite and >= 0
         specs.append(FieldSpec(name="loss_mask", dtypes=("float32", "bool", "int64", "int32", "uint8", "bfloat16"),
-                               pad_value=0, required=False))
+                               pad_value=0, required=False, finite=True, min_value=0))
     return tuple(specs)
 
 
@@ -369,18 +371,36 @@ def _in_unsigned_range(rows: torch.Tensor, lo, hi) -> bool:
     return top <= (hi if hi is not None else np.iinfo(np.int64).max)
 
 
-def check_value_bounds(rows: torch.Tensor, spec: FieldSpec, key: str, flat: FlatBatch, first_row: int = 0) -> None:
+@functools.lru_cache(maxsize=64)
+def checked_spec(spec: FieldSpec, ignore_index: int) -> tuple[FieldSpec, int | None] | None:
+    """``(bounds to enforce, a value also refused)`` on a TOKEN field's real rows, or None: the
+    declared ``finite`` / ``min_value`` / ``max_value``; ``input_ids`` are moreover always ``>= 0``
+    and never the ignore index (an id of -100 would give label -100 with loss weight 1)."""
+    if spec.name == "input_ids":
+        if spec.min_value is None or spec.min_value < 0:
+            spec = dataclasses.replace(spec, min_value=0)
+        hi = spec.max_value
+        refused = ignore_index if ignore_index >= spec.min_value and (hi is None or ignore_index <= hi) else None
+        return spec, refused
+    return (spec, None) if spec.has_bounds else None
+
+
+def check_value_bounds(rows: torch.Tensor, spec: FieldSpec, key: str, flat: FlatBatch, first_row: int = 0,
+                       refused: int | None = None) -> None:
     """finite / min / max declared on the spec, over real ``rows`` ``[*leading, n, *dense]`` (global
-    rows ``first_row ..``), in one reduction; on failure the first bad row names sample and token."""
+    rows ``first_row ..``), in one reduction (two when a ``refused`` value lies inside the bounds); on
+    failure the first bad row names sample and token."""
     lo, hi = spec.min_value, spec.max_value
     if (lo is None and hi is None and not spec.finite) or rows.numel() == 0:
         return
-    if _in_unsigned_range(rows, lo, hi):
+    hit = refused is not None and bool((rows == refused).any())
+    if not hit and _in_unsigned_range(rows, lo, hi):
         return
     mn, mx = torch.aminmax(rows.float() if rows.dtype in (torch.bool, torch.bfloat16, torch.float16) else rows)
     mn, mx = float(mn), float(mx)
     finite = np.isfinite(mn) and np.isfinite(mx)
-    if not ((spec.finite and not finite) or (lo is not None and not mn >= lo) or (hi is not None and not mx <= hi)):
+    if not hit and not ((spec.finite and not finite) or (lo is not None and not mn >= lo)
+                        or (hi is not None and not mx <= hi)):
         return
     v = rows.float().movedim(spec.token_dim, 0)
     v = v.reshape(v.shape[0], -1)
@@ -389,6 +409,8 @@ def check_value_bounds(rows: torch.Tensor, spec: FieldSpec, key: str, flat: Flat
         bad |= ~(v >= lo)
     if hi is not None:
         bad |= ~(v <= hi)
+    if refused is not None:
+        bad |= v == refused
     if not bool(bad.any()):  # the fast reduction saw something the exact check does not
         return
     local = int(torch.nonzero(bad.any(1))[0])
@@ -396,7 +418,8 @@ def check_value_bounds(rows: torch.Tensor, spec: FieldSpec, key: str, flat: Flat
     i = int(torch.searchsorted(flat.cu_seqlens, row, right=True)) - 1
     value = v[local][bad[local]][0].item()
     rng = f"[{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
-    raise SampleError(sample=i, field=key, expected=f"{'finite ' if spec.finite else ''}values in {rng}",
+    other = f" other than {refused} (the ignore index)" if refused is not None else ""
+    raise SampleError(sample=i, field=key, expected=f"{'finite ' if spec.finite else ''}values in {rng}{other}",
                       actual=f"{value} at token {row - int(flat.cu_seqlens[i])}")
 
 

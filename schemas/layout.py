@@ -7,7 +7,8 @@ Notation (see README): ``L_i`` true length of sequence i, ``P_i`` its padded len
     P_i = round_up(L_i, 2*cp) if cp > 1    P_i = round_up(L_i, 2*cp*tp) if cp > 1
           else L_i                                else round_up(L_i, tp)
     then, for both, only the LAST sequence grows, by the least amount, until
-      T % total_multiple == 0   (T_local % tp under SP, T_local % FP8 multiple)
+      T % total_multiple == 0   (T_local % tp under SP; the rows of one SP rank,
+                                 T_local / tp under SP else T_local, % FP8 multiple)
       T >= cp * min_local_rows
       T == smallest length bucket >= T   (when buckets are configured)
 """
@@ -157,9 +158,19 @@ class ParallelLayout:
         return math.lcm(align, self.fp8.value) if self.fp8 is not FP8Recipe.NONE else align
 
     @property
+    def sp_size(self) -> int:
+        """How many ranks share one CP rank's rows after the SP scatter: ``tp`` under SP, else 1."""
+        return self.tp if self.sp else 1
+
+    @property
     def local_multiple(self) -> int:
-        """``T_local`` is a multiple of this: ``tp`` under SP, and the FP8 multiple."""
-        return math.lcm(self.tp if self.sp else 1, self.fp8.value)
+        """``T_local`` is a multiple of this: ``sp_size * fp8`` (the rows of one SP rank, ``T_local /
+        sp_size``, are a multiple of the FP8 recipe's block, which TE's quantizers need).
+
+        >>> ParallelLayout(tp=4, fp8="mxfp8").local_multiple  # 32 rows on each of the 4 SP ranks
+        128
+        """
+        return self.sp_size * self.fp8.value
 
     @property
     def total_multiple(self) -> int:
@@ -191,10 +202,10 @@ class ParallelLayout:
         if self.pad_policy is PadPolicy.PER_SEQUENCE:
             align = self.tp * self.cp * (2 if self.zigzag else 1)
         else:
-            align = math.lcm(2 * self.cp if self.zigzag else 1, self.cp * (self.tp if self.sp else 1))
+            align = math.lcm(2 * self.cp if self.zigzag else 1, self.cp * self.sp_size)
         fp8 = self.fp8.value
-        # B * S / cp must be a multiple of the FP8 multiple.
-        return math.lcm(align, self.cp * fp8 // math.gcd(batch_size, fp8)) if fp8 > 1 else align
+        # the rows of one SP rank, B * S / (cp * sp_size), must be a multiple of the FP8 multiple
+        return math.lcm(align, self.cp * self.sp_size * fp8 // math.gcd(batch_size, fp8)) if fp8 > 1 else align
 
     def bshd_length(self, max_length: int, batch_size: int) -> int:
         """Padded row length ``S`` for a BSHD batch whose longest sequence has ``max_length`` tokens."""

@@ -191,9 +191,12 @@ class BatchSchema:
 
 
 # ---- built-in schemas -----------------------------------------------------------------------------
-def _core_token_fields(pad_token_id: int, ignore_index: int) -> tuple[FieldSpec, ...]:
+def _core_token_fields(pad_token_id: int, ignore_index: int, vocab_size: int | None = None) -> tuple[FieldSpec, ...]:
+    """input_ids (ids in ``[0, vocab_size)`` when declared, checked at collate time), labels, loss mask,
+    positions, padding mask."""
     return (
-        FieldSpec(name="input_ids", pad_value=pad_token_id),
+        FieldSpec(name="input_ids", pad_value=pad_token_id, min_value=0,
+                  max_value=None if vocab_size is None else vocab_size - 1),
         FieldSpec(name="labels", source=Source.NEXT_TOKEN, sample_keys=("labels", "input_ids"), pad_value=ignore_index),
         FieldSpec(name="loss_mask", dtypes=("float32",), source=Source.LOSS_MASK, pad_value=0.0, required=False),
         FieldSpec(name="position_ids", source=Source.POSITIONS),
@@ -219,11 +222,13 @@ def causal_lm_schema(*, pad_token_id: int = 0, topk: int | str | None = None, vo
     """SFT / pre-training: input_ids, next-token labels, loss_mask, position_ids, padding_mask.
 
     ``topk`` (an int, or ``"K"`` for any constant K) adds ``teacher_topk_log_probs`` / ``teacher_topk_ids``.
+    ``vocab_size`` bounds ``input_ids`` and the teacher ids to ``[0, vocab_size)``; ids are always
+    ``>= 0`` and never ``ignore_index`` (a negative id would become an ignored label still weighted 1).
 
     >>> causal_lm_schema(topk=64)["teacher_topk_ids"].dense_shape
     (64,)
     """
-    fields = _core_token_fields(pad_token_id, ignore_index)
+    fields = _core_token_fields(pad_token_id, ignore_index, vocab_size)
     if topk is not None:
         fields += topk_fields(topk, vocab_size)
     return BatchSchema(name="causal_lm" if topk is None else "causal_lm_topk", fields=fields, ignore_index=ignore_index)
