@@ -68,13 +68,14 @@ def check_cp_rank(cp_rank, layout) -> int | None:
     """
     if cp_rank is None:
         return None
+    is_bool = isinstance(cp_rank, bool) or getattr(cp_rank, "dtype", None) in (torch.bool, np.bool_)
     try:
-        if isinstance(cp_rank, bool) or getattr(cp_rank, "dtype", None) == torch.bool:
-            raise TypeError
-        rank = operator.index(cp_rank)
+        rank = None if is_bool else operator.index(cp_rank)
     except TypeError:
+        rank = None
+    if rank is None:
         raise ArgumentError(f"cp_rank: expected None or an int in [0, {layout.cp}), got {cp_rank!r} "
-                            f"({type(cp_rank).__name__})") from None
+                            f"({type(cp_rank).__name__}; a bool is not a rank)")
     if not 0 <= rank < layout.cp:
         raise ArgumentError(f"cp_rank: expected None or an int in [0, {layout.cp}) (cp={layout.cp}), got {rank}")
     return rank

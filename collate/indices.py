@@ -22,9 +22,9 @@ import numpy as np
 import torch
 
 from prealign.schemas.errors import ArgumentError, OffsetOverflowError
-from prealign.schemas.layout import CPLayout, ParallelLayout
+from prealign.schemas.layout import MAX_PACKED_LENGTH, CPLayout, ParallelLayout
 
-INT32_MAX = 2**31 - 1
+INT32_MAX = MAX_PACKED_LENGTH
 
 
 def as_numpy(x) -> np.ndarray:

@@ -23,6 +23,9 @@ import torch
 
 from .errors import BucketOverflowError, LayoutError
 
+MAX_PACKED_LENGTH = 2**31 - 1
+"""The largest packed length ``T`` (and offset) an int32 ``cu_seqlens`` holds."""
+
 
 def round_up(n: int, multiple: int) -> int:
     """Smallest multiple of ``multiple`` that is >= ``n`` (adds nothing when already aligned).
@@ -131,10 +134,16 @@ class ParallelLayout:
             raise LayoutError(str(exc)) from None
         if isinstance(self.min_local_rows, bool) or not isinstance(self.min_local_rows, int) or self.min_local_rows < 0:
             raise LayoutError(f"min_local_rows: expected an int >= 0, got {self.min_local_rows!r}")
+        if self.cp * self.min_local_rows > MAX_PACKED_LENGTH:
+            raise LayoutError(f"min_local_rows: cp * min_local_rows = {self.cp * self.min_local_rows} rows would not "
+                              f"fit int32 cu_seqlens (at most {MAX_PACKED_LENGTH})")
         if self.length_buckets is not None:
             buckets = tuple(sorted(_positive_int("length_buckets[*]", b) for b in self.length_buckets))
             if not buckets:
                 raise LayoutError("length_buckets: expected at least one bucket or None, got ()")
+            if buckets[-1] > MAX_PACKED_LENGTH:
+                raise LayoutError(f"length_buckets: {buckets[-1]} rows would not fit int32 cu_seqlens (at most "
+                                  f"{MAX_PACKED_LENGTH})")
             bad = [b for b in buckets if b % self.total_multiple]
             if bad:
                 raise LayoutError(
