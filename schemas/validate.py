@@ -92,6 +92,19 @@ class _Checker:
             return False
         return rank
 
+    def check_rank_shares(self, total: int, path: str) -> None:
+        """From the definitions, not the layout's derived multiples: ``total`` rows split evenly over
+        the CP ranks, then over the SP ranks (``tp`` under SP), and what one SP rank holds is a
+        multiple of the FP8 recipe's block (TE quantizes each rank's share)."""
+        lay = self.layout
+        sp = lay.tp if lay.sp else 1
+        if total % (lay.cp * sp):
+            self.bad(path, f"a multiple of cp*{'tp' if lay.sp else '1'} = {lay.cp * sp} (every CP and SP rank "
+                     f"an equal share)", total)
+        elif (total // (lay.cp * sp)) % lay.fp8.value:
+            self.bad(path, f"{total // (lay.cp * sp)} rows per SP rank (cp={lay.cp}, tp={lay.tp}, sp={lay.sp}) to be "
+                     f"a multiple of {lay.fp8.value} ({lay.fp8.name})", total)
+
     def token_length(self) -> int | None:
         """Slots the batch's ``input_ids`` holds (its token dim), read before anything is allocated."""
         ids = self.batch.get("input_ids")
@@ -119,11 +132,17 @@ class _Checker:
             i = int(off[0])
             self.bad(f"cu_seqlens_padded gap {i}", f"a multiple of {m} ({lay.pad_policy.value}, cp={lay.cp})",
                      int(padded[i]))
+        elif lay.zigzag and bool((padded % (2 * lay.cp)).any()):  # the definition, not the policy's multiple
+            i = int(torch.nonzero(padded % (2 * lay.cp))[0])
+            self.bad(f"cu_seqlens_padded gap {i}", f"a multiple of 2*cp = {2 * lay.cp} (zigzag cuts 2*cp chunks)",
+                     int(padded[i]))
         total = int(cup[-1])
         if total % lay.total_multiple:
             self.bad("T (cu_seqlens_padded[-1])", f"a multiple of {lay.total_multiple} (T/cp a multiple of "
                      f"{lay.local_multiple}: T/(cp*{lay.sp_size}) rows per SP rank a multiple of {lay.fp8.value}; "
                      f"tp={lay.tp} sp={lay.sp} fp8={lay.fp8.name})", total)
+        else:  # and from the definitions, in case the derived multiple is wrong
+            self.check_rank_shares(total, "T (cu_seqlens_padded[-1])")
         if total < lay.cp * lay.min_local_rows:
             self.bad("T (cu_seqlens_padded[-1])", f">= cp * min_local_rows = {lay.cp * lay.min_local_rows}", total)
         if lay.length_buckets and total not in lay.length_buckets:
@@ -183,6 +202,13 @@ class _Checker:
             self.bad("S (attention_mask.shape[1] * cp)", f"a multiple of {multiple} (tp={lay.tp} cp={lay.cp} "
                      f"sp={lay.sp} fp8={lay.fp8.name}, B={n}: B*S/(cp*{lay.sp_size}) rows per SP rank a multiple "
                      f"of {lay.fp8.value})", s)
+        else:  # and from the definitions, in case the derived multiple is wrong
+            if lay.zigzag and s % (2 * lay.cp):
+                self.bad("S (attention_mask.shape[1] * cp)", f"a multiple of 2*cp = {2 * lay.cp} (zigzag cuts 2*cp "
+                         "chunks)", s)
+            if (s // lay.cp) % lay.sp_size:
+                self.bad("S (attention_mask.shape[1] * cp)", f"S/cp a multiple of {lay.sp_size} (the SP scatter)", s)
+            self.check_rank_shares(n * s, "B*S")
         if int(lengths.max()) > s:
             self.bad("S", f">= the longest sequence {int(lengths.max())}", s)
         if lay.length_buckets and s not in lay.length_buckets:
