@@ -23,6 +23,7 @@ import torch
 import prealign.collate.assemble as assemble
 import prealign.collate.bshd as bshd
 import prealign.collate.indices as indices
+import prealign.collate.inverse as inverse
 import prealign.collate.samples as samples_mod
 import prealign.collate.thd as thd
 from prealign.collate import BSHDCollator, THDCollator
@@ -68,6 +69,14 @@ def reference_kills(cls, layout, rank, samples, batch) -> bool:
 
 
 # ---- the mutants ------------------------------------------------------------------------------------
+def _everywhere(mp, name: str, mutant) -> None:
+    """Patch ``name`` where it is defined and wherever the collators imported it: a consistent bug,
+    which a checker reusing the collator's arithmetic would share."""
+    for module in (indices, thd, bshd, inverse):
+        if hasattr(module, name):
+            mp.setattr(module, name, mutant)
+
+
 def swapped_zigzag_chunks(mp):
     """A rank keeps chunk 2cp-1-r before chunk r."""
     orig = indices.cp_chunks
@@ -77,8 +86,7 @@ def swapped_zigzag_chunks(mp):
         if cp_rank is None or layout.cp == 1 or layout.cp_layout is not CPLayout.ZIGZAG:
             return c
         return Chunks(c.seq, c.start.reshape(-1, 2)[:, ::-1].reshape(-1).copy(), c.length)
-    mp.setattr(thd, "cp_chunks", mutant)
-    mp.setattr(bshd, "cp_chunks", mutant)
+    _everywhere(mp, "cp_chunks", mutant)
 
 
 def zigzag_wrong_chunk(mp):
@@ -92,8 +100,7 @@ def zigzag_wrong_chunk(mp):
         start = c.start.copy()
         start[1::2] -= c.length[1::2]
         return Chunks(c.seq, start, c.length)
-    mp.setattr(thd, "cp_chunks", mutant)
-    mp.setattr(bshd, "cp_chunks", mutant)
+    _everywhere(mp, "cp_chunks", mutant)
 
 
 def contiguous_off_by_one(mp):
@@ -109,7 +116,7 @@ def contiguous_off_by_one(mp):
         lo, hi = cp_rank * local - 1, (cp_rank + 1) * local - 1
         begin, end = np.clip(cu[:-1], lo, hi), np.clip(cu[1:], lo, hi)
         return Chunks(np.arange(padded.size), begin - cu[:-1], end - begin)
-    mp.setattr(thd, "cp_chunks", mutant)
+    _everywhere(mp, "cp_chunks", mutant)
 
 
 def offsets_off_by_one(mp):
@@ -120,7 +127,7 @@ def offsets_off_by_one(mp):
         cu = orig(lengths, dtype).clone()
         cu[1:-1] += 1
         return cu
-    mp.setattr(thd, "lengths_to_cu_seqlens", mutant)
+    _everywhere(mp, "lengths_to_cu_seqlens", mutant)
 
 
 def cu_seqlens_padded_not_padded(mp):
@@ -155,8 +162,7 @@ def _plan_mutant(mp, edit):
 
     def mutant(lengths, chunks, cu_seqlens=None):
         return edit(orig(lengths, chunks, cu_seqlens))
-    mp.setattr(thd, "gather_plan", mutant)
-    mp.setattr(bshd, "gather_plan", mutant)
+    _everywhere(mp, "gather_plan", mutant)
 
 
 def positions_restart_in_pads(mp):
