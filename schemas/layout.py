@@ -53,7 +53,8 @@ class PadPolicy(enum.Enum):
 
 
 class FP8Recipe(enum.Enum):
-    """FP8/FP4 recipe; the value is the multiple the local token count must respect."""
+    """FP8/FP4 recipe; the value is the block the rows of one SP rank (``T_local / tp`` under SP,
+    ``T_local`` without) must be a multiple of: TE's quantizers work on each rank's share."""
 
     NONE = 1
     FP8 = 16  # delayed / tensor-wise scaling
@@ -113,7 +114,8 @@ class ParallelLayout:
     sp: bool | None = None
     """Sequence parallel; ``None`` means ``tp > 1`` (Megatron's usual setting)."""
     fp8: FP8Recipe = FP8Recipe.NONE
-    """FP8/FP4 recipe: the local token count must be a multiple of ``fp8.value``."""
+    """FP8/FP4 recipe: the rows of one SP rank (``T/(cp*tp)`` under SP, ``T/cp`` without; BSHD
+    ``B*S/(cp*tp)``) must be a multiple of ``fp8.value``."""
     pad_policy: PadPolicy = PadPolicy.MINIMAL
     length_buckets: tuple[int, ...] | None = None
     """Allowed global padded lengths T (THD) or S (BSHD), e.g. for CUDA graphs; sorted ascending."""

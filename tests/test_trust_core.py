@@ -16,7 +16,7 @@ import prealign.schemas.validate
 from prealign.collate import (BSHDCollator, THDCollator, lengths_to_cu_seqlens, to_packed_seq_params, unpack_bshd,
                               unpack_thd, unshard_bshd, unshard_cp)
 from prealign.schemas import (ArgumentError, ConfigError, LayoutError, OffsetOverflowError, ParallelLayout,
-                              PrealignError, SampleError, causal_lm_schema, rl_schema, validate_batch)
+                              PrealignError, SampleError, causal_lm_schema, check_startup, rl_schema, validate_batch)
 from tests.conftest import SCHEMA, collate_ranks, make_samples, to_nested
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -71,6 +71,14 @@ def test_a_samples_own_labels_validate(layout, collator):
         bad = dict(batch, label_source="input_ids")  # the same labels claimed as the next tokens: caught
         caught += any(v.path.startswith("labels[slot") for v in validate_batch(bad, SCHEMA, layout, raise_on_error=False))
     assert seen > 0 and caught > 0
+
+
+def test_check_startup_accepts_a_batch_of_own_labels():
+    samples = make_samples([6, 4])
+    for s in samples:
+        s["labels"] = torch.where(torch.arange(s["input_ids"].numel()) < 2, -100, 7)
+    layout = ParallelLayout(tp=2, cp=2)
+    assert len(check_startup(THDCollator(schema=SCHEMA, layout=layout, cp_rank=1)(samples), SCHEMA, layout)) == 16
 
 
 def test_own_labels_still_may_not_cross_a_boundary():
