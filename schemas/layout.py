@@ -14,6 +14,7 @@ Notation (see README): ``L_i`` true length of sequence i, ``P_i`` its padded len
 """
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 from dataclasses import dataclass
@@ -140,6 +141,8 @@ class ParallelLayout:
             raise LayoutError(f"min_local_rows: cp * min_local_rows = {self.cp * self.min_local_rows} rows would not "
                               f"fit int32 cu_seqlens (at most {MAX_PACKED_LENGTH})")
         if self.length_buckets is not None:
+            if isinstance(self.length_buckets, (str, bytes)) or not hasattr(self.length_buckets, "__iter__"):
+                raise LayoutError(f"length_buckets: expected a tuple of ints or None, got {self.length_buckets!r}")
             buckets = tuple(sorted(_positive_int("length_buckets[*]", b) for b in self.length_buckets))
             if not buckets:
                 raise LayoutError("length_buckets: expected at least one bucket or None, got ()")
@@ -249,6 +252,12 @@ class ParallelLayout:
 
     @classmethod
     def from_dict(cls, data: dict) -> "ParallelLayout":
+        """The inverse of :meth:`to_dict`; unknown keys are a :class:`LayoutError`."""
+        if not isinstance(data, dict):
+            raise LayoutError(f"layout: expected a dict of ParallelLayout fields, got {type(data).__name__}")
+        unknown = sorted(set(map(str, data)) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise LayoutError(f"layout: unknown key(s) {unknown}; expected some of {sorted(cls().to_dict())}")
         data = dict(data)
         if data.get("length_buckets") is not None:
             data["length_buckets"] = tuple(data["length_buckets"])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
+from typing import Mapping
 
 import torch
 
@@ -48,6 +49,9 @@ class _Checker:
     # ------------------------------------------------------------------------------------------
     def run(self) -> None:
         b = self.batch
+        if not isinstance(b, Mapping):
+            self.bad("batch", "a dict of fields (a collated batch)", type(b).__name__)
+            return
         if "cu_seqlens_padded" in b:
             plan_shape = self.check_thd_meta()
         elif "attention_mask" in b:

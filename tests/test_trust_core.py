@@ -15,8 +15,8 @@ import prealign.collate.thd
 import prealign.schemas.validate
 from prealign.collate import (BSHDCollator, THDCollator, lengths_to_cu_seqlens, to_packed_seq_params, unpack_bshd,
                               unpack_thd, unshard_bshd, unshard_cp)
-from prealign.schemas import (ArgumentError, ConfigError, LayoutError, OffsetOverflowError, ParallelLayout,
-                              PrealignError, SampleError, causal_lm_schema, check_startup, rl_schema, validate_batch)
+from prealign.schemas import (ArgumentError, BatchSchema, ConfigError, FieldSpec, LayoutError, OffsetOverflowError, ParallelLayout,
+                              PrealignError, SampleError, SchemaError, causal_lm_schema, check_startup, rl_schema, validate_batch)
 from tests.conftest import SCHEMA, collate_ranks, make_samples, to_nested
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -334,6 +334,29 @@ def test_packed_seq_params_fields_follow_the_installed_megatron(monkeypatch):
     assert padded.cp_partition_mode == "zigzag"
     exact = THDCollator(schema=SCHEMA, layout=ParallelLayout())(make_samples([4, 4]))  # nothing padded
     assert to_packed_seq_params(exact, convention="unpadded").pad_between_seqs is False
+
+
+@pytest.mark.parametrize("make, error, match", [
+    (lambda: FieldSpec(name="x", role="tokn"), SchemaError, "role: expected one of"),
+    (lambda: FieldSpec(name="x", source="nope"), SchemaError, "source: expected one of"),
+    (lambda: FieldSpec(name="x", dtypes="int64"), SchemaError, "got the str"),
+    (lambda: FieldSpec(name=3), SchemaError, "field name"),
+    (lambda: BatchSchema.from_json("{not json"), SchemaError, "not JSON"),
+    (lambda: BatchSchema.from_json('{"name": "a"}'), SchemaError, "missing key 'ignore_index'"),
+    (lambda: BatchSchema.from_json('[1]'), SchemaError, "expected"),
+    (lambda: BatchSchema(name="a", fields=[1, 2]), SchemaError, "FieldSpec objects"),
+    (lambda: ParallelLayout.from_dict({"tp": 2, "zz": 1}), LayoutError, r"unknown key\(s\) \['zz'\]"),
+    (lambda: ParallelLayout.from_dict([1]), LayoutError, "expected a dict"),
+    (lambda: ParallelLayout(length_buckets=5), LayoutError, "length_buckets"),
+])
+def test_schema_and_layout_declarations_fail_typed(make, error, match):
+    with pytest.raises(error, match=match):
+        make()
+
+
+@pytest.mark.parametrize("batch", [None, [1], "batch"])
+def test_validate_reports_a_non_batch(batch):
+    assert [v.path for v in validate_batch(batch, SCHEMA, ParallelLayout(), raise_on_error=False)] == ["batch"]
 
 
 def test_every_error_here_is_a_prealign_error():
