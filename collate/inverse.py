@@ -45,6 +45,14 @@ def _check_shards(shards: Sequence[torch.Tensor], dim: int, cp_size) -> int:
     return len(shards)
 
 
+def _cp_layout(value) -> CPLayout:
+    try:
+        return CPLayout(value)
+    except ValueError:
+        raise ArgumentError(f"cp_layout: expected one of {[c.value for c in CPLayout]} (the batch's "
+                            f"'cp_layout'), got {value!r}") from None
+
+
 def _offsets(name: str, cu) -> torch.Tensor:
     """int64 ``[N+1]`` offsets from 0, non-decreasing, or an :class:`ArgumentError` naming ``name``."""
     if not isinstance(cu, torch.Tensor) or cu.ndim != 1 or cu.numel() < 2 or cu.is_floating_point():
@@ -65,6 +73,7 @@ def unshard_cp(shards: Sequence[torch.Tensor], *, cu_seqlens_padded: torch.Tenso
     The shards must hold exactly the ``T`` rows ``cu_seqlens_padded`` describes.
     """
     cp = _check_shards(shards, dim, cp_size)
+    cp_layout = _cp_layout(cp_layout)
     cup = _offsets("cu_seqlens_padded", cu_seqlens_padded)
     total, held = int(cup[-1]), shards[0].shape[dim]
     if total != held * cp:
@@ -72,7 +81,7 @@ def unshard_cp(shards: Sequence[torch.Tensor], *, cu_seqlens_padded: torch.Tenso
                             f"{cp} x {held} (a missing or extra shard, or offsets of another batch)")
     if cp == 1:
         return shards[0]
-    layout = ParallelLayout(cp=cp, cp_layout=CPLayout(cp_layout))
+    layout = ParallelLayout(cp=cp, cp_layout=_cp_layout(cp_layout))
     padded = cup.diff()
     if layout.cp_layout is CPLayout.ZIGZAG and bool((padded % (2 * cp)).any()):
         i = int(torch.nonzero(padded % (2 * cp))[0])
@@ -116,9 +125,10 @@ def unshard_bshd(shards: Sequence[torch.Tensor], *, cp_layout: CPLayout | str = 
     Shapes alone cannot tell 3 shards of cp=2 data from cp=3 data: pass ``cp_size=batch["cp_size"]``
     to have the count checked (zigzag shards must also hold ``S/cp`` columns that split into 2 chunks)."""
     cp = _check_shards(shards, dim, cp_size)
+    cp_layout = _cp_layout(cp_layout)
     if cp == 1:
         return shards[0]
-    layout = ParallelLayout(cp=cp, cp_layout=CPLayout(cp_layout))
+    layout = ParallelLayout(cp=cp, cp_layout=_cp_layout(cp_layout))
     local = shards[0].shape[dim]
     if layout.cp_layout is CPLayout.ZIGZAG and local % 2:
         raise ArgumentError(f"unshard_bshd: a zigzag shard holds 2 chunks per row, so an even number of columns; "

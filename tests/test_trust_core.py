@@ -184,6 +184,25 @@ def test_unshard_bshd_checks_the_shard_count():
         make_samples([5, 3]))["input_ids"].tolist()
 
 
+@pytest.mark.parametrize("call, match", [
+    (lambda: unshard_cp([torch.zeros(1, 6)] * 2, cu_seqlens_padded=None), "cu_seqlens_padded: expected an integer"),
+    (lambda: unshard_cp([torch.zeros(1, 6)] * 2, cu_seqlens_padded=torch.tensor([0., 12.])), "integer tensor"),
+    (lambda: unshard_cp([torch.zeros(1, 6)] * 2, cu_seqlens_padded=torch.tensor([0, 12]), dim=5), "dim: expected"),
+    (lambda: unshard_cp([torch.zeros(1, 6)] * 2, cu_seqlens_padded=torch.tensor([0, 12]), cp_layout="diag"),
+     "cp_layout: expected one of"),
+    (lambda: unshard_cp(torch.zeros(1, 6), cu_seqlens_padded=torch.tensor([0, 6])), "a list of one tensor per CP rank"),
+    (lambda: unshard_bshd([torch.zeros(2, 4)] * 2, cp_layout=3), "cp_layout: expected one of"),
+    (lambda: unpack_thd(torch.zeros(1, 32), cu_seqlens=torch.tensor([0, -1, 3]), cu_seqlens_padded=torch.tensor([0, 16, 32])),
+     "non-decreasing offsets from 0"),
+    (lambda: unpack_thd(torch.zeros(1, 32), cu_seqlens=torch.tensor([0, 3]), cu_seqlens_padded=torch.tensor([0, 16, 32])),
+     "expected 2 offsets like cu_seqlens"),
+    (lambda: unpack_bshd(torch.zeros(4), cu_seqlens=torch.tensor([0, 3])), r"padded: expected a tensor \[B, S"),
+])
+def test_inverse_arguments_fail_typed(call, match):
+    with pytest.raises(ArgumentError, match=match):
+        call()
+
+
 # ---- 12: offsets claiming 2**31 rows: refused before allocating ---------------------------------------------
 def _no_allocation(monkeypatch, module, name):
     def boom(*a, **k):
