@@ -34,7 +34,7 @@ def megatron_parallel_sizes(pg_collection=None) -> dict[str, int]:
         try:
             if hasattr(ps, "get_tensor_model_parallel_world_size"):  # 0.x: module-level getters
                 if not ps.model_parallel_is_initialized():
-                    raise RuntimeError(not_ready.format(""))
+                    raise ConfigError(not_ready.format(""))
                 return {"tp": ps.get_tensor_model_parallel_world_size(), "cp": ps.get_context_parallel_world_size(),
                         "dp": ps.get_data_parallel_world_size(), "tp_rank": ps.get_tensor_model_parallel_rank(),
                         "cp_rank": ps.get_context_parallel_rank(), "dp_rank": ps.get_data_parallel_rank()}
@@ -42,7 +42,7 @@ def megatron_parallel_sizes(pg_collection=None) -> dict[str, int]:
 
             pg_collection = ProcessGroupCollection.use_mpu_process_groups()
         except (AssertionError, ImportError) as exc:  # a group megatron-core did not build
-            raise RuntimeError(not_ready.format(f" ({exc})")) from None
+            raise ConfigError(not_ready.format(f" ({exc})")) from None
     (tp, tp_rank), (cp, cp_rank), (dp, dp_rank) = (
         _group_size_rank(getattr(pg_collection, name)) for name in ("tp", "cp", "dp"))
     return {"tp": tp, "cp": cp, "dp": dp, "tp_rank": tp_rank, "cp_rank": cp_rank, "dp_rank": dp_rank}

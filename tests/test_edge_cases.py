@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from prealign.collate import BSHDCollator, THDCollator, to_packed_seq_params, unshard_cp
-from prealign.schemas import (ArgumentError, FieldSpec, ParallelLayout, SampleError, SchemaError, causal_lm_schema, topk_fields,
+from prealign.schemas import (ArgumentError, ConfigError, FieldSpec, ParallelLayout, SampleError, SchemaError, causal_lm_schema, topk_fields,
                      validate_batch)
 
 SCHEMA = causal_lm_schema()
@@ -81,7 +81,7 @@ def test_only_sample_fields_can_skip_cp_sharding():
 
 
 def test_from_megatron_without_parallel_state_says_what_to_do():
-    with pytest.raises(RuntimeError, match="initialize_model_parallel"):
+    with pytest.raises(ConfigError, match="initialize_model_parallel"):
         ParallelLayout.from_megatron()
 
 
