@@ -19,6 +19,7 @@ from prealign.schemas.schema import BatchSchema
 from prealign.schemas.vlm import IMAGE_TOKEN_TYPE, validate_vlm_batch
 from ..index import SampleIndex, merge_shards, scan_shards
 from ..loader import PackedLoader
+from ..options import IndexOptions
 from .errors import NothingLoadedError
 from .plot import Panel
 from ..policy import BadDataPolicy, BadDataReport
@@ -108,7 +109,7 @@ def inspect_source(source: Source, *, schema: BatchSchema, layout: ParallelLayou
             raise NothingLoadedError(_name(source), index.report)
     t1 = time.perf_counter()
     loaders = [PackedLoader(source, schema=schema, layout=layout, token_budget=token_budget, cp_rank=r,
-                            num_workers=num_workers, seed=seed, bad_data=policy, index=index,
+                            num_workers=num_workers, seed=seed, bad_data=policy, indexing=IndexOptions(prebuilt=index),
                             collator=THDCollator(schema=schema, layout=layout, cp_rank=r,
                                                  defer_cp_shard=defer_cp_shard))
                for r in range(layout.cp)]
