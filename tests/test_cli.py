@@ -171,3 +171,13 @@ def test_several_microbatches_are_timed_after_the_first(tmp_path, capsys):
     out = capsys.readouterr().out
     n = int(out.split("micro-batches  ")[1].split(" ")[0])
     assert n > 2 and "real tokens/s" in out and "after the first" in out
+
+
+def test_the_console_command_exits_2_with_one_line(subprocess_env):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "prealign", "demo", "--tp", "0"], capture_output=True, text=True,
+                         env=subprocess_env, timeout=120)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.splitlines() == ["prealign: error: --tp: expected an int >= 1, got 0 (hint: give --tp 1 or more)"]
