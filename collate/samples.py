@@ -177,7 +177,9 @@ def flatten(batch, schema: BatchSchema, *, check_values: bool = True) -> FlatBat
         if key in done:
             continue
         done.add(key)
-        tensors = ids if key == "input_ids" else _column(batch, key)
+        tensors = _widened(ids if key == "input_ids" else _column(batch, key), spec)
+        if key == "input_ids":
+            ids = tensors
         _check_token_parts(tensors, spec, key, flat)
         flat.token[key] = TokenSource(parts=tensors, values=None, pad=_pad_rows(tensors[0], spec, next_pads.get(key)),
                                       token_dim=spec.token_dim,
@@ -187,7 +189,7 @@ def flatten(batch, schema: BatchSchema, *, check_values: bool = True) -> FlatBat
             if spec.required or any(spec.name in s for s in batch):
                 _missing(spec, batch)
             continue
-        tensors = _column(batch, spec.name)
+        tensors = _widened(_column(batch, spec.name), spec)
         target = flat.sequence if spec.role is Role.SEQUENCE else flat.media
         target[spec.name] = _join_other(tensors, spec, flat, check_values)
     return flat
@@ -317,6 +319,17 @@ def _column(batch: Sequence[Mapping], key: str) -> list[torch.Tensor]:
     return [_as_tensor(v, i, key) for i, v in enumerate(col)]
 
 
+_NARROW_INTS = frozenset({torch.int8, torch.int16, torch.int32, torch.uint8, torch.uint16, torch.uint32})
+
+
+def _widened(tensors: list[torch.Tensor], spec: FieldSpec) -> list[torch.Tensor]:
+    """Narrower integer parts (int32 / uint16 ``.npy`` token ids) of a field declared int64 only, cast
+    to int64, as a list from a Hugging Face column becomes; anything else unchanged (checked later)."""
+    if spec.dtypes != ("int64",) or not any(t.dtype in _NARROW_INTS for t in tensors):
+        return tensors
+    return [t.to(torch.int64) if t.dtype in _NARROW_INTS else t for t in tensors]
+
+
 def _as_tensor(value, i: int, key: str) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         return value
@@ -401,9 +414,11 @@ def _diagnose_token(tensors: list, spec: FieldSpec, key: str, flat: FlatBatch) -
             raise SampleError(sample=i, field=key, expected=f"shape {declared} {named or ''}".strip(),
                               actual=f"shape {shape}",
                               hint="every token field must have input_ids' length and constant dense dims")
-        if dtype_name(t.dtype) not in spec.dtypes or t.dtype != tensors[0].dtype:
+        if dtype_name(t.dtype) not in spec.dtypes:
+            raise SampleError(sample=i, field=key, actual=dtype_name(t.dtype), expected=f"dtype in {list(spec.dtypes)}")
+        if t.dtype != tensors[0].dtype:
             raise SampleError(sample=i, field=key, actual=dtype_name(t.dtype),
-                              expected=f"dtype in {list(spec.dtypes)}, the same as sample 0 ({dtype_name(tensors[0].dtype)})")
+                              expected=f"the dtype of sample 0 ({dtype_name(tensors[0].dtype)}; a batch never mixes dtypes)")
 
 
 def _in_unsigned_range(rows: torch.Tensor, lo, hi) -> bool:

@@ -30,6 +30,7 @@ from prealign.schemas.layout import ParallelLayout
 from prealign.schemas.schema import BatchSchema, Role, Source as FieldSource
 from .errors import BadSampleError, LoaderUsageError, PlanError, SourceChangedError
 from .index import SampleIndex, build_index, has_media, media_keys
+from .options import IndexOptions, LoadingOptions, ShuffleOptions
 from .planner import MicrobatchPlan, PlannerConfig, microbatch_capacity
 from .policy import BadDataPolicy, BadDataReport, BadSampleWarning, Oversize
 from .schedule import Request, Schedule, check_count
@@ -210,63 +211,90 @@ class PackedLoader:
     ``microbatch`` ints.
 
     ``token_budget``: global padded THD length of one micro-batch (one CP group; each CP rank holds
-    ``budget / cp``). ``planner``: :class:`PlannerConfig` (strategy, buffer, oversize policy, ``k``
-    micro-batches per step). ``bad_data``: policy for samples that fail to decode / transform /
-    validate during the index pass. ``distributed_index``: with an initialised process group, split the
-index pass over all ranks and exchange the records (collective: every rank must build its loader).
-``index``: a prebuilt :class:`SampleIndex` or a path to one
-    saved with :meth:`SampleIndex.save` (skips the index pass). ``collator``: another collate callable
-    (e.g. ``THDCollator(..., defer_cp_shard=True)``) that pads exactly as ``layout`` says.
-    ``shuffle_window``: block size of the in-shard shuffle of sequential sources.
+    ``budget / cp``). The rarer knobs are option objects (:mod:`prealign.loaders.options`):
+    ``planner`` (:class:`PlannerConfig`: strategy, buffer, oversize policy, ``k`` micro-batches per
+    step), ``bad_data`` (:class:`BadDataPolicy` for samples that fail to decode / transform / validate
+    in the index pass), ``shuffle`` (:class:`ShuffleOptions`), ``indexing`` (:class:`IndexOptions`: a
+    prebuilt index, index workers, distributed pass), ``loading`` (:class:`LoadingOptions`: DataLoader
+    settings). ``collator``: another collate callable (e.g. ``THDCollator(..., defer_cp_shard=True)``)
+    that pads exactly as ``layout`` says.
+
+    The constructor only checks its arguments: no I/O, no collective. The index pass (a collective
+    with ``IndexOptions(distributed=True)`` and a process group) runs on first use (``len``, iteration,
+    ``plan``, ``state_dict``, ``report``, ``index``...) or at an explicit :meth:`prepare`.
     """
 
     def __init__(self, source: Source, *, schema: BatchSchema, layout: ParallelLayout, token_budget: int,
                  dp_rank: int = 0, dp_size: int = 1, cp_rank: int | None = None, num_workers: int = 0, seed: int = 0,
-                 shuffle: bool = True, planner: PlannerConfig | None = None, bad_data: BadDataPolicy | None = None,
-                 collator: Callable | None = None, index: SampleIndex | str | None = None,
-                 index_workers: int | None = None, distributed_index: bool = True, shuffle_window: int = 1024,
-                 pin_memory: bool = False,
-                 prefetch_factor: int | None = None, persistent_workers: bool = False,
-                 multiprocessing_context=None, timeout: float = 0):
+                 planner: PlannerConfig | None = None, bad_data: BadDataPolicy | None = None,
+                 shuffle: ShuffleOptions | None = None, indexing: IndexOptions | None = None,
+                 loading: LoadingOptions | None = None, collator: Callable | None = None):
         if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
             raise PlanError(f"dp_size: expected an int >= 1, got {dp_size!r}")
         if isinstance(dp_rank, bool) or not isinstance(dp_rank, int) or not 0 <= dp_rank < dp_size:
             raise PlanError(f"dp_rank: expected an int in [0, {dp_size}), got {dp_rank!r}")
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
             raise PlanError(f"num_workers: expected an int >= 0, got {num_workers!r}")
+        for name, value, cls in (("planner", planner, PlannerConfig), ("bad_data", bad_data, BadDataPolicy),
+                                 ("shuffle", shuffle, ShuffleOptions), ("indexing", indexing, IndexOptions),
+                                 ("loading", loading, LoadingOptions)):
+            if value is not None and not isinstance(value, cls):
+                raise PlanError(f"{name}: expected a {cls.__name__} or None, got {type(value).__name__}")
         self.source, self.schema, self.layout, self.token_budget = source, schema, layout, token_budget
-        self.dp_rank, self.dp_size, self.cp_rank = dp_rank, dp_size, cp_rank
-        self.seed, self.shuffle, self.shuffle_window = int(seed), bool(shuffle), int(shuffle_window)
+        self.dp_rank, self.dp_size, self.cp_rank, self.num_workers = dp_rank, dp_size, cp_rank, num_workers
+        self.seed = int(seed)
         self.planner = planner or PlannerConfig()
         self.bad_data = bad_data or BadDataPolicy()
+        self.shuffle_options = shuffle or ShuffleOptions()
+        self.shuffle, self.shuffle_window = self.shuffle_options.enabled, self.shuffle_options.window
+        self.indexing = indexing or IndexOptions()
+        self.loading = loading or LoadingOptions()
         self.collator = collator or THDCollator(schema=schema, layout=layout, cp_rank=cp_rank)
-        cap = microbatch_capacity(layout, token_budget)
-        if isinstance(index, str):
-            index = SampleIndex.load(index)
-        self.index = index if index is not None else build_index(
-            source, schema, policy=self.bad_data, num_workers=num_workers if index_workers is None else index_workers,
-            distributed=distributed_index)
-        if self.index.media is None and media_keys(schema) and self.planner.oversize is Oversize.TRUNCATE:
-            self.index = _with_media_flags(self.index, source, schema, cap)
-        self._schedule = Schedule(self.index, layout=layout, token_budget=token_budget, dp_size=dp_size,
+        self._capacity = microbatch_capacity(layout, token_budget)  # arithmetic only: a bad budget fails here
+        self._index: SampleIndex | None = None
+        self._epoch, self._position = 0, 0
+        self._active: object | None = None
+
+    def prepare(self) -> "PackedLoader":
+        """Run the index pass (or load the prebuilt index) and set up the plan and the DataLoader; a
+        no-op once done. Every rank must call it (or use the loader) when the pass is distributed."""
+        if self._index is not None:
+            return self
+        source, schema, layout, opts = self.source, self.schema, self.layout, self.indexing
+        cap, num_workers = self._capacity, self.num_workers
+        index = SampleIndex.load(opts.prebuilt) if isinstance(opts.prebuilt, str) else opts.prebuilt
+        if index is None:
+            index = build_index(source, schema, policy=self.bad_data,
+                                num_workers=num_workers if opts.workers is None else opts.workers,
+                                distributed=opts.distributed)
+        if index.media is None and media_keys(schema) and self.planner.oversize is Oversize.TRUNCATE:
+            index = _with_media_flags(index, source, schema, cap)
+        self._schedule = Schedule(index, layout=layout, token_budget=self.token_budget, dp_size=self.dp_size,
                                   planner=self.planner, seed=self.seed, shuffle=self.shuffle,
                                   sequential=source.sequential, window=self.shuffle_window)
         self._requests = _Requests()
-        kwargs = {"prefetch_factor": prefetch_factor} if num_workers > 0 and prefetch_factor is not None else {}
-        self._loader = DataLoader(_PlannedSamples(source, self.index, schema, cap, layout.seq_multiple),
+        lo = self.loading
+        workers = num_workers > 0
+        kwargs = {"prefetch_factor": lo.prefetch_factor} if workers and lo.prefetch_factor is not None else {}
+        self._loader = DataLoader(_PlannedSamples(source, index, schema, cap, layout.seq_multiple),
                                   batch_sampler=self._requests,
-                                  collate_fn=_CollatePlanned(self.collator, pack=num_workers > 0),
-                                  num_workers=num_workers, pin_memory=pin_memory,
-                                  persistent_workers=persistent_workers and num_workers > 0,
-                                  multiprocessing_context=multiprocessing_context if num_workers > 0 else None,
-                                  timeout=timeout, **kwargs)
-        self._epoch, self._position = 0, 0
-        self._active: object | None = None
+                                  collate_fn=_CollatePlanned(self.collator, pack=workers),
+                                  num_workers=num_workers, pin_memory=lo.pin_memory,
+                                  persistent_workers=lo.persistent_workers and workers,
+                                  multiprocessing_context=lo.multiprocessing_context if workers else None,
+                                  timeout=lo.timeout, **kwargs)
         # truncations/skips depend on lengths and media flags only: the same every epoch
         order0, plan0 = self._schedule.plan(0)
         self._oversize = plan0.stats
         self._skipped_media = tuple(sorted(int(order0[p]) for p in plan0.skipped_media))
+        self._index = index
         self._announce_oversize()
+        return self
+
+    @property
+    def index(self) -> SampleIndex:
+        """The :class:`SampleIndex` (runs :meth:`prepare` first)."""
+        return self.prepare()._index
 
     @classmethod
     def from_parallel_state(cls, source: Source, *, schema: BatchSchema, token_budget: int,
@@ -287,6 +315,7 @@ index pass over all ranks and exchange the records (collective: every rank must 
     # ---- iteration ------------------------------------------------------------------------------
     def _normalised(self) -> tuple[int, int]:
         """(epoch, position) with a finished epoch read as the start of the next one."""
+        self.prepare()
         if self._position >= self._schedule.num_microbatches(self._epoch):
             return self._epoch + 1, 0
         return self._epoch, self._position
@@ -309,7 +338,8 @@ index pass over all ranks and exchange the records (collective: every rank must 
 
     def __len__(self) -> int:
         """Micro-batches in the current epoch (the same on every DP rank)."""
-        return self._schedule.num_microbatches(self._normalised()[0])
+        epoch = self._normalised()[0]  # (prepares)
+        return self._schedule.num_microbatches(epoch)
 
     def set_epoch(self, epoch: int) -> None:
         """Go to the start of ``epoch``; the epoch in progress keeps its position."""
@@ -324,11 +354,12 @@ index pass over all ranks and exchange the records (collective: every rank must 
 
     def plan(self, epoch: int | None = None) -> MicrobatchPlan:
         """The (all-rank) plan of ``epoch`` (default: the current one), with its statistics."""
-        return self._schedule.plan(self.epoch if epoch is None else epoch)[1]
+        epoch = self.epoch if epoch is None else epoch  # (prepares)
+        return self._schedule.plan(epoch)[1]
 
     def epoch_samples(self, epoch: int | None = None) -> list[tuple[int, ...]]:
         """This rank's micro-batches of ``epoch`` as tuples of sample ids (what batches' ``sample_index`` hold)."""
-        e = self.epoch if epoch is None else epoch
+        e = self.epoch if epoch is None else epoch  # (prepares)
         return [r.indices for r in self._schedule(e, self.dp_rank)]
 
     # ---- bad data -------------------------------------------------------------------------------
@@ -337,6 +368,7 @@ index pass over all ranks and exchange the records (collective: every rank must 
         """Everything left out or cut: index-pass skips (by reason) plus oversize truncations/skips
         (``oversize_truncated``, ``oversize_skipped``, and ``oversize_media`` for samples carrying
         media that ``Oversize.TRUNCATE`` leaves out rather than cut, each one named)."""
+        self.prepare()
         rep = BadDataReport(counts=dict(self.index.report.counts), examples=list(self.index.report.examples))
         stats = self._oversize
         if stats.num_truncated:

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from prealign.collate import unshard_cp
-from prealign.loaders import (BadDataPolicy, BadSampleError, BadSampleWarning, HFSource, PackedLoader, PlanError,
-                     PlannerConfig, WebDatasetSource, build_index)
+from prealign.loaders import (BadDataPolicy, BadSampleError, BadSampleWarning, HFSource, IndexOptions, LoadingOptions,
+                     PackedLoader, PlanError, PlannerConfig, ShuffleOptions, WebDatasetSource, build_index)
 from prealign.schemas import ParallelLayout, causal_lm_schema, validate_batch
 from prealign.loaders.errors import LoaderUsageError
 from prealign.schemas.errors import SampleError
@@ -31,7 +31,8 @@ def wds(tmp_path_factory):
 def _loader(wds, **kw):
     src, idx, _ = wds
     kw.setdefault("layout", ParallelLayout(tp=2, cp=2))
-    return PackedLoader(src, schema=SCHEMA, token_budget=kw.pop("token_budget", BUDGET), index=idx, **kw)
+    return PackedLoader(src, schema=SCHEMA, token_budget=kw.pop("token_budget", BUDGET),
+                        indexing=IndexOptions(prebuilt=idx), **kw)
 
 
 def _ids(batch) -> list[int]:
@@ -83,7 +84,7 @@ def test_cp_ranks_get_complementary_shards_of_the_same_batch(wds, cp):
 def test_tp_ranks_and_worker_counts_give_identical_batches(wds):
     a = list(_loader(wds, dp_rank=1, dp_size=2, cp_rank=1))
     b = list(_loader(wds, dp_rank=1, dp_size=2, cp_rank=1))  # another TP rank of the same DP/CP position
-    c = list(_loader(wds, dp_rank=1, dp_size=2, cp_rank=1, num_workers=2, prefetch_factor=3))
+    c = list(_loader(wds, dp_rank=1, dp_size=2, cp_rank=1, num_workers=2, loading=LoadingOptions(prefetch_factor=3)))
     assert len(a) > 3
     for x, y, z in zip(a, b, c):
         for key in x:
@@ -122,7 +123,7 @@ def test_only_one_live_iterator(wds):
 
 
 def test_sequential_source_keeps_shard_locality(wds):
-    loader = _loader(wds, shuffle_window=8, planner=PlannerConfig(buffer_size=16))
+    loader = _loader(wds, shuffle=ShuffleOptions(window=8), planner=PlannerConfig(buffer_size=16))
     src, idx, _ = wds
     shards_in_order = [int(idx.shards[i]) for b in loader for i in _ids(b)]
     changes = sum(1 for a, b in zip(shards_in_order, shards_in_order[1:]) if a != b)
@@ -145,10 +146,10 @@ def test_oversize_truncation_in_the_loader(tmp_path):
     lengths = [10, 300, 20, 40]
     src = WebDatasetSource(write_shards(str(tmp_path), lengths, num_shards=1))
     with pytest.raises(ValueError, match="length <= 128"):
-        PackedLoader(src, schema=SCHEMA, layout=ParallelLayout(cp=2), token_budget=128)
+        PackedLoader(src, schema=SCHEMA, layout=ParallelLayout(cp=2), token_budget=128).prepare()
     with pytest.warns(BadSampleWarning, match="1 sample\\(s\\) truncated"):
         loader = PackedLoader(src, schema=SCHEMA, layout=ParallelLayout(cp=2), token_budget=128,
-                              planner=PlannerConfig(oversize="truncate"))
+                              planner=PlannerConfig(oversize="truncate")).prepare()
     assert loader.report.counts == {"oversize_truncated": 1}
     batches = list(loader)
     cut = next(b for b in batches if 1 in _ids(b))
@@ -156,7 +157,7 @@ def test_oversize_truncation_in_the_loader(tmp_path):
     assert cut["input_ids"][0, :128].tolist() == token_ids(1, 300)[:128].tolist()
     with pytest.warns(BadSampleWarning, match="1 skipped"):
         skipper = PackedLoader(src, schema=SCHEMA, layout=ParallelLayout(cp=2), token_budget=128,
-                               planner=PlannerConfig(oversize="skip"))
+                               planner=PlannerConfig(oversize="skip")).prepare()
     assert sorted(i for b in skipper for i in _ids(b)) == [0, 2, 3]
     assert skipper.report.counts == {"oversize_skipped": 1}
 
@@ -170,7 +171,7 @@ def test_bad_data_counts_are_exposed_on_the_loader(tmp_path):
     src = WebDatasetSource(write_shards(str(tmp_path), sample_lengths(20), num_shards=2), transform=transform)
     with pytest.warns(BadSampleWarning):
         loader = PackedLoader(src, schema=SCHEMA, layout=ParallelLayout(), token_budget=128,
-                              bad_data=BadDataPolicy(on_error="skip"), num_workers=2)
+                              bad_data=BadDataPolicy(on_error="skip"), num_workers=2).prepare()
     assert loader.report.counts == {"bad_sample": 4} and len(loader.index) == 16
     assert sorted(int(src.load(tuple(loader.index.locations[i]))["input_ids"][0]) - 10_000
                   for b in loader for i in _ids(b)) == [i for i in range(20) if i % 5]
@@ -203,7 +204,8 @@ def test_transform_errors_are_counted_by_their_reason(tmp_path):
     assert err.value.reason == "unreadable_text" and f"{paths[0]}:000000" in str(err.value)
     saved = str(tmp_path / "index.npz")
     idx.save(saved)
-    loader = PackedLoader(src, schema=SCHEMA, layout=ParallelLayout(), token_budget=128, index=saved)
+    loader = PackedLoader(src, schema=SCHEMA, layout=ParallelLayout(), token_budget=128,
+                          indexing=IndexOptions(prebuilt=saved))
     assert loader.report.counts == {"unreadable_text": 4, "bad_sample": 2}  # through save / load and the loader
     assert sorted(int(src.load(tuple(loader.index.locations[i]))["input_ids"][0]) - 10_000
                   for b in loader for i in _ids(b)) == [i for i in range(20) if i % 5 and i % 7]
@@ -227,8 +229,10 @@ def test_index_workers_and_saved_index(wds, tmp_path):
     src, idx, _ = wds
     path = str(tmp_path / "index.npz")
     idx.save(path)
-    a = PackedLoader(src, schema=SCHEMA, layout=ParallelLayout(), token_budget=BUDGET, index=path)
-    b = PackedLoader(src, schema=SCHEMA, layout=ParallelLayout(), token_budget=BUDGET, index_workers=2)
+    a = PackedLoader(src, schema=SCHEMA, layout=ParallelLayout(), token_budget=BUDGET,
+                     indexing=IndexOptions(prebuilt=path))
+    b = PackedLoader(src, schema=SCHEMA, layout=ParallelLayout(), token_budget=BUDGET,
+                     indexing=IndexOptions(workers=2))
     assert a.index.digest == b.index.digest == build_index(src, SCHEMA).digest
 
 
@@ -274,7 +278,8 @@ def test_filler_copies_a_planned_sample_not_a_left_out_one():
         "input_ids": torch.tensor(r["input_ids"]), "pixel_values": torch.zeros(r["npix"], 4)})
     with pytest.warns(BadSampleWarning, match="oversize_media"):
         loaders_ = [PackedLoader(src, schema=schema, layout=ParallelLayout(), token_budget=128, dp_size=4, dp_rank=r,
-                                 shuffle=False, planner=PlannerConfig(oversize="truncate")) for r in range(4)]
+                                 shuffle=ShuffleOptions(enabled=False), planner=PlannerConfig(oversize="truncate")).prepare()
+                    for r in range(4)]
     assert loaders_[0].report.counts == {"oversize_media": 1}
     placed = {i for mb in loaders_[0].plan().microbatches for b in mb for i in b}
     assert placed == {1, 2}

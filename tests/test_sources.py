@@ -269,7 +269,7 @@ def test_long_member_names_and_read_paths(tmp_path):
 def test_mixed_dtypes_are_checked_per_sample(tmp_path):
     def transform(s):
         ids = torch.from_numpy(s["input_ids.npy"])
-        return {"input_ids": ids.to(torch.int32) if s["json"]["id"] == 3 else ids}
+        return {"input_ids": ids.to(torch.float32) if s["json"]["id"] == 3 else ids}  # (int32 would become int64)
 
     paths = write_shards(str(tmp_path), sample_lengths(8), num_shards=1)
     with pytest.raises(BadSampleError, match="000003.*dtype"):
@@ -347,10 +347,10 @@ def test_index_fixes_named_dims_by_the_first_sample(tmp_path, rows_per_shard):
     assert other.dims["K"] == 8 and other.lengths.tolist() == idx.lengths.tolist()
     assert other.digest != idx.digest
     # the loader collates every micro-batch of the index (no mid-epoch error)
-    from prealign.loaders import PackedLoader
+    from prealign.loaders import IndexOptions, PackedLoader
     from prealign.schemas import ParallelLayout
 
-    loader = PackedLoader(src, schema=TOPK, layout=ParallelLayout(cp=2), token_budget=48, index=idx)
+    loader = PackedLoader(src, schema=TOPK, layout=ParallelLayout(cp=2), token_budget=48, indexing=IndexOptions(prebuilt=idx))
     assert sorted(i for b in loader for i in b["sample_index"].tolist()) == list(range(19))
 
 
@@ -361,10 +361,10 @@ def test_index_fixes_each_field_dtype_by_the_first_sample():
     idx = build_index(src, TOPK, policy=BadDataPolicy(on_error="skip", warn=False))
     assert len(idx) == 89 and idx.report.counts == {"dim_mismatch": 1}
     assert idx.dims["dtype[teacher_topk_log_probs]"] == "float32"
-    from prealign.loaders import PackedLoader
+    from prealign.loaders import IndexOptions, PackedLoader
     from prealign.schemas import ParallelLayout
 
-    loader = PackedLoader(src, schema=TOPK, layout=ParallelLayout(cp=2), token_budget=48, index=idx)
+    loader = PackedLoader(src, schema=TOPK, layout=ParallelLayout(cp=2), token_budget=48, indexing=IndexOptions(prebuilt=idx))
     assert sorted(i for b in loader for i in b["sample_index"].tolist()) == list(range(89))  # index rows
     assert 70 not in idx.locations[:, 0].tolist()
 
