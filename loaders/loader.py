@@ -242,7 +242,7 @@ class PackedLoader:
                 raise PlanError(f"{name}: expected a {cls.__name__} or None, got {type(value).__name__}")
         self.source, self.schema, self.layout, self.token_budget = source, schema, layout, token_budget
         self.dp_rank, self.dp_size, self.cp_rank, self.num_workers = dp_rank, dp_size, cp_rank, num_workers
-        self.seed = int(seed)
+        self.seed = check_count("seed", seed)
         self.planner = planner or PlannerConfig()
         self.bad_data = bad_data or BadDataPolicy()
         self.shuffle_options = shuffle or ShuffleOptions()

@@ -56,7 +56,7 @@ def data_parallel_info() -> dict[str, int]:
     """
     try:
         return megatron_parallel_sizes()
-    except (RuntimeError, ImportError, AssertionError):
+    except (ConfigError, ImportError, AssertionError):  # no megatron-core parallel state here
         pass
     if dist.is_available() and dist.is_initialized():
         return {"dp": dist.get_world_size(), "dp_rank": dist.get_rank(), "cp": 1, "cp_rank": 0, "tp": 1, "tp_rank": 0}

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from prealign.loaders import BadDataPolicy, HFSource, PackedLoader, SampleIndex, WebDatasetSource, build_index
+from prealign.loaders.options import IndexOptions
 from prealign.loaders.errors import (BadSampleError, CorruptShardError, IndexFileError, MissingShardError, PlanError,
                                      ResumeError, ShardTimeoutError)
 from prealign.loaders.state import LoaderState
@@ -504,13 +505,13 @@ def test_an_index_of_other_data_is_refused_before_any_batch(tmp_path):
     kw = {"schema": SCHEMA, "layout": ParallelLayout(), "token_budget": 128}
     fewer = WebDatasetSource(wds.urls[:2])
     with pytest.raises(IndexFileError, match="column 0: values in \\[0, 2\\], this source has 2"):
-        PackedLoader(fewer, **kw, index=idx)
+        PackedLoader(fewer, **kw, indexing=IndexOptions(prebuilt=idx)).prepare()
     hf = HFSource(datasets.Dataset.from_dict(hf_rows(lengths)))
     with pytest.raises(IndexFileError, match="expected \\[N, 1\\] for HFSource"):
-        PackedLoader(hf, **kw, index=idx)
+        PackedLoader(hf, **kw, indexing=IndexOptions(prebuilt=idx)).prepare()
     short = HFSource(datasets.Dataset.from_dict(hf_rows(lengths[:5])))
     with pytest.raises(IndexFileError, match="this source has 5"):
-        PackedLoader(short, **kw, index=build_index(hf, SCHEMA))
+        PackedLoader(short, **kw, indexing=IndexOptions(prebuilt=build_index(hf, SCHEMA))).prepare()
 
 
 # ---- 15. edited resume states, seeds, epochs -------------------------------------------------------
@@ -551,8 +552,10 @@ def test_the_untouched_state_still_loads(small_loader):
 
 def test_seed_and_epoch_must_be_non_negative_ints(small_loader):
     src = small_loader.source
-    with pytest.raises(PlanError, match="seed: expected an int >= 0, got -1"):
-        PackedLoader(src, schema=SCHEMA, layout=ParallelLayout(), token_budget=128, seed=-1, index=small_loader.index)
+    for seed in (-1, 2.7, "3", True):  # never coerced
+        with pytest.raises(PlanError, match="seed: expected an int >= 0"):
+            PackedLoader(src, schema=SCHEMA, layout=ParallelLayout(), token_budget=128, seed=seed,
+                         indexing=IndexOptions(prebuilt=small_loader.index))
     for bad in (-1, 1.5, "2", True):
         with pytest.raises(PlanError, match="epoch"):
             small_loader.set_epoch(bad)

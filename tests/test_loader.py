@@ -342,7 +342,8 @@ def test_a_worker_killed_with_sigkill_leaves_a_loader_that_continues_exactly(tmp
     ref = PackedLoader(src, **kw)
     expected = [[_ids(b) for b in ref] for _ in range(2)]  # epochs 0 and 1
     assert len(expected[0]) >= 8
-    loader = PackedLoader(src, **kw, index=ref.index, num_workers=2, persistent_workers=True)
+    loader = PackedLoader(src, **kw, indexing=IndexOptions(prebuilt=ref.index), num_workers=2,
+                          loading=LoadingOptions(persistent_workers=True))
     it = iter(loader)
     got = [_ids(next(it)) for _ in range(3)]
     victim = loader._loader._iterator._workers[0]
@@ -365,7 +366,8 @@ def test_a_worker_timeout_is_a_worker_error_and_the_loader_stays_usable(tmp_path
     kw = {"schema": SCHEMA, "layout": ParallelLayout(), "token_budget": 64}
     ref = PackedLoader(src, **kw)
     expected = [_ids(b) for b in ref]
-    loader = PackedLoader(src, **kw, index=ref.index, num_workers=1, timeout=0.5)
+    loader = PackedLoader(src, **kw, indexing=IndexOptions(prebuilt=ref.index), num_workers=1,
+                          loading=LoadingOptions(timeout=0.5))
     with pytest.raises(WorkerError, match="timed out"):
         next(iter(loader))
     assert loader.state_dict()["position"] == 0 and loader._loader._iterator is None
@@ -381,7 +383,8 @@ def test_a_persistent_worker_killed_between_epochs_is_replaced(tmp_path):
     kw = {"schema": SCHEMA, "layout": ParallelLayout(), "token_budget": 128}
     ref = PackedLoader(src, **kw)
     expected = [[_ids(b) for b in ref] for _ in range(2)]
-    loader = PackedLoader(src, **kw, index=ref.index, num_workers=2, persistent_workers=True)
+    loader = PackedLoader(src, **kw, indexing=IndexOptions(prebuilt=ref.index), num_workers=2,
+                          loading=LoadingOptions(persistent_workers=True))
     assert [_ids(b) for b in loader] == expected[0]
     victim = loader._loader._iterator._workers[1]
     try:  # torch's SIGCHLD handler may raise in whatever the main thread runs when the worker dies
