@@ -126,3 +126,54 @@ def test_too_wide_image_is_a_media_error_on_the_fast_path():
     with pytest.raises(MediaError) as err:
         transform(_raw("wide", [(2, 500)]))
     assert err.value.reason == "corrupt_image" and "wide" in str(err.value)
+
+
+# ---- vision-token check + mRoPE of one sequence in NumPy --------------------------------------------
+@settings(max_examples=60, deadline=None)
+@given(parts=st.lists(st.one_of(st.integers(1, 6),
+                                st.tuples(st.integers(1, 2), st.integers(1, 5), st.integers(1, 5))),
+                      min_size=1, max_size=6),
+       merge=st.sampled_from([1, 2]))
+def test_vision_types_and_mrope_equal_the_torch_functions(parts, merge):
+    """Random text runs and images (grid t, h*merge, w*merge), against check_vision_tokens +
+    mrope_position_ids (the latter checked against transformers' get_rope_index in test_mrope)."""
+    import dataclasses
+
+    from prealign.collate.mrope import mrope_position_ids
+    from prealign.loaders.vlm import check_vision_tokens, vision_types_and_mrope
+
+    vision = dataclasses.replace(TOK.vision, spatial_merge_size=merge)
+    ids, grids = [], []
+    for p in parts:
+        if isinstance(p, int):
+            ids += [100] * p
+        else:
+            t, h, w = p[0], p[1] * merge, p[2] * merge
+            grids.append([t, h, w])
+            ids += [vision.vision_start_token_id, *[vision.image_token_id] * (t * h * w // merge ** 2),
+                    vision.vision_end_token_id]
+    input_ids = torch.tensor(ids)
+    grid = torch.tensor(grids, dtype=torch.int64).reshape(-1, 3)
+    types, positions = vision_types_and_mrope(input_ids, grid, vision, sample="s")
+    want_types = check_vision_tokens(input_ids, grid, vision, sample="s")
+    want = mrope_position_ids(want_types, grid, torch.tensor([0, len(ids)]), spatial_merge_size=merge)
+    assert torch.equal(types, want_types) and torch.equal(positions, want)
+    assert types.dtype == positions.dtype == torch.int64
+    if grids:  # one image token too few: the same typed error as check_vision_tokens
+        short = torch.cat([input_ids[:int(torch.nonzero(input_ids == vision.image_token_id)[0])],
+                           input_ids[int(torch.nonzero(input_ids == vision.image_token_id)[0]) + 1:]])
+        with pytest.raises(MediaError) as err:
+            vision_types_and_mrope(short, grid, vision, sample="s")
+        assert err.value.reason == "vision_token_mismatch"
+
+
+def test_vision_types_and_mrope_golden():
+    """The collate/mrope.py docstring trace: x <v> I I I I I I </v> y, grid (1, 4, 6), merge 2."""
+    from prealign.loaders.vlm import vision_types_and_mrope
+
+    v = TOK.vision
+    ids = torch.tensor([100, v.vision_start_token_id, *[v.image_token_id] * 6, v.vision_end_token_id, 101])
+    types, pos = vision_types_and_mrope(ids, torch.tensor([[1, 4, 6]]), v, sample="g")
+    assert types.tolist() == [0, 0, 1, 1, 1, 1, 1, 1, 0, 0]
+    assert pos.tolist() == [[0, 1, 2, 2, 2, 2, 2, 2, 5, 6], [0, 1, 2, 2, 2, 3, 3, 3, 5, 6],
+                            [0, 1, 2, 3, 4, 2, 3, 4, 5, 6]]
