@@ -7,15 +7,18 @@ sample transform (e.g. :class:`~prealign.loaders.vlm.VLMSampleTransform`); for e
 process of the group to get there *claims* it, transforms it and publishes the result; the others
 read the result instead of computing it:
 
-    cache dir (node-local, e.g. /dev/shm/prealign-<run>)
+    cache dir (node-local, e.g. /dev/shm/prealign-media-<digest of run>)
     <h>.claim   created with O_EXCL by the claimer; holds its pid       (who is computing)
     <h>.bin     the transformed sample: a JSON header + raw tensor      (the result; never
-                bytes, written to a temporary name then renamed (atomic) pickled)
+                bytes, written to a temporary name then renamed (atomic) pickled, read by mmap)
     <h>.err     the claimer's transform failed: every rank runs it      (bad samples raise locally)
     <h>.r<k>    CP rank k has read the result; the last reader deletes  (clean-up)
 
-``h`` is a digest of the run name and the sample's ``__url__``, ``__key__`` and member bytes, so a
-result is only ever used for exactly the same input and transform configuration.
+``h`` is a digest of ``run`` and the raw sample (its ``__key__``, ``__url__`` and every member's bytes):
+a changed file never reuses a stale result. It holds no epoch: a result is deleted once every peer has
+read it, so each epoch computes afresh, and a peer far behind still finds it (or computes it). A
+transform with ``compact``/``expand`` (``VLMSampleTransform``: uint8 resized patches instead of float32
+``pixel_values``, 1/8 of the bytes) publishes the compact form; every rank expands it itself.
 
 No deadlock: a waiter polls with a short backoff and computes the sample itself when the claimer's
 process is gone (``os.kill(pid, 0)``: a killed or restarted worker), when the claim is older than
@@ -24,9 +27,15 @@ computed them (the transform is deterministic), so batches are the same as witho
 rank and resuming is exactly the loader's own. Results nobody read (a peer that died, or an index pass
 split over ranks) are deleted after ``ttl`` seconds by the next sweep.
 
-Limits: the cache is node-local (``/dev/shm``): CP ranks on different nodes do not share (each node's
-ranks share among themselves; correctness is unaffected). CP peers must use the same ``run`` name and
-``cp_size``; workers of one rank never share with each other (they load different micro-batches).
+Limits:
+- node-local (``/dev/shm``): a CP group spanning nodes shares within each node (each node's part of
+  the group computes each sample once; correctness is unaffected).
+- the peers must wrap the same transform configuration and agree on ``run`` and ``cp_size`` (``run``
+  should name the job and the DP rank: DP peers load other samples, sharing with them only wastes writes).
+- the liveness check needs the peers in one PID namespace (one container per node); otherwise a dead
+  claimer is noticed after ``timeout`` only.
+- workers of one rank never share with each other (they load different micro-batches); the CPU saved
+  is the transform's: reading the shards, collation and the worker hand-off stay per rank.
 """
 from __future__ import annotations
 
