@@ -143,12 +143,11 @@ def stages(shards, index, n: int) -> dict:
     """ms of CPU per sample in each stage, both pipelines, in this process (one thread)."""
     from PIL import Image
 
-    from prealign.collate.mrope import mrope_position_ids
     from prealign.loaders import WebDatasetSource
     from prealign.loaders.loader import _CollatePlanned
     from prealign.loaders.schedule import Request
-    from prealign.loaders.vlm import (_image_members, _metadata, check_vision_tokens, decode_image, process_images,
-                                      render_chat)
+    from prealign.loaders.vlm import (_image_members, _metadata, decode_image, process_images, render_chat,
+                                      vision_types_and_mrope)
     from prealign.collate import THDCollator
     from prealign.schemas import ParallelLayout, vlm_schema
 
@@ -177,10 +176,7 @@ def stages(shards, index, n: int) -> dict:
 
     def check_mrope(x):
         (i, _), (_, grid) = x
-        t = check_vision_tokens(torch.from_numpy(i), grid, vision, sample=0)
-        if transform.mrope:
-            mrope_position_ids(t, grid, torch.tensor([0, t.numel()]), spatial_merge_size=vision.spatial_merge_size)
-        return t
+        return vision_types_and_mrope(torch.from_numpy(i), grid, vision, sample=0, mrope=transform.mrope)
 
     timed("prealign", "vision-token check + mRoPE", check_mrope, list(zip(ids, done)))
     samples = [transform(dict(r)) for r in raws]
@@ -219,9 +215,11 @@ def group_rank(shards: list[str], index_path: str, out: str, cp: int, cp_rank: i
         json.dump({"cpu": cpu_seconds() - c0, "samples": n}, f)
 
 
-def group_cpu(shards, index_path: str, cp: int, share: bool, budget: int, tmp: str) -> tuple[float, int]:
+def group_cpu(shards, index_path: str, cp: int, share: bool, budget: int, tmp: str,
+              ranks: int | None = None) -> tuple[float, int]:
+    """Total CPU seconds of ``ranks`` (default ``cp``) CP-rank processes run at once, and samples per rank."""
     cache = tempfile.mkdtemp(prefix="bench-share-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-    ranks = range(cp) if share else [0]
+    ranks = range(cp if ranks is None else ranks)
     outs = [os.path.join(tmp, f"g{cp}-{int(share)}-{r}.json") for r in ranks]
     procs = [subprocess.Popen([sys.executable, "-c",
                                "import sys; sys.path.insert(0, %r); from benchmarks.bench_vlm_loader import group_rank;"
@@ -244,6 +242,7 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=8192)
     ap.add_argument("--stage-samples", type=int, default=300)
     ap.add_argument("--quick", action="store_true", help="skip the CP group runs")
+    ap.add_argument("--group-only", action="store_true", help="only the CP group runs (and the stage split)")
     args = ap.parse_args()
 
     from prealign.loaders import BadDataPolicy, build_index
@@ -269,7 +268,7 @@ def main() -> None:
               f"images; index pass {index_s:.1f} s; budget {args.budget} tokens (baseline batch {batch_size} samples); "
               f"{args.workers} workers; load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
         rows = {"prealign": [], "baseline": []}
-        for r in range(args.rounds):
+        for r in range(0 if args.group_only else args.rounds):
             order = ("baseline", "prealign") if r % 2 == 0 else ("prealign", "baseline")
             for name in order:
                 res = run_prealign(data.shards, index, args) if name == "prealign" else \
@@ -279,20 +278,26 @@ def main() -> None:
                       f"{res['tokens'] / res['wall']:9.0f} tokens/s {res['cpu'] / res['samples'] * 1e3:6.2f} CPU ms/sample"
                       f"  (load {os.getloadavg()[0]:.2f})", flush=True)
         ratio = [p["samples"] / p["wall"] / (b["samples"] / b["wall"]) for p, b in zip(rows["prealign"], rows["baseline"])]
-        print(f"prealign / baseline samples/s per round: {', '.join(f'{x:.2f}' for x in ratio)} "
-              f"(median {float(np.median(ratio)):.2f})")
+        cpu = [b["cpu"] / b["samples"] / (p["cpu"] / p["samples"]) for p, b in zip(rows["prealign"], rows["baseline"])]
+        if ratio:
+            print(f"baseline / prealign CPU per sample per round: {', '.join(f'{x:.2f}' for x in cpu)} "
+                  f"(median {float(np.median(cpu)):.2f})")
+            print(f"prealign / baseline samples/s per round: {', '.join(f'{x:.2f}' for x in ratio)} "
+                  f"(median {float(np.median(ratio)):.2f})")
         split = stages(data.shards, index, args.stage_samples)
         for name, parts in split.items():
             print(f"{name} per-stage CPU ms/sample: " + ", ".join(f"{k} {v:.2f}" for k, v in parts.items())
                   + f"; total {sum(parts.values()):.2f}")
         if not args.quick:
-            one, n = group_cpu(data.shards, index_path, 2, False, args.budget, tmp)
+            one, n = group_cpu(data.shards, index_path, 2, False, args.budget, tmp, ranks=1)
             print(f"one loader alone (cp rank 0, 1 worker, no sharing): {one:.1f} CPU s for {n} samples "
                   f"(load {os.getloadavg()[0]:.2f})", flush=True)
             for cp in (2, 4):
-                c, _ = group_cpu(data.shards, index_path, cp, True, args.budget, tmp)
-                print(f"cp={cp} group with SharedMediaTransform: {c:.1f} CPU s = {c / one:.2f}x one loader "
-                      f"(without sharing ~{cp}x; load {os.getloadavg()[0]:.2f})", flush=True)
+                plain, _ = group_cpu(data.shards, index_path, cp, False, args.budget, tmp)
+                shared, _ = group_cpu(data.shards, index_path, cp, True, args.budget, tmp)
+                print(f"cp={cp} group (its {cp} ranks at once): {plain:.1f} CPU s without sharing = {plain / one:.2f}x "
+                      f"one loader, {shared:.1f} CPU s with SharedMediaTransform = {shared / one:.2f}x "
+                      f"({shared / plain:.2f}x the unshared group; load {os.getloadavg()[0]:.2f})", flush=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
