@@ -88,12 +88,90 @@ def process_images(images: list, processor, *, sample=None) -> tuple[torch.Tenso
     if not images:
         patch_dim = 3 * processor.temporal_patch_size * processor.patch_size ** 2
         return torch.zeros(0, patch_dim), torch.zeros(0, 3, dtype=torch.int64)
+    codes, grid = image_codes(images, processor, sample=sample)
+    if codes is not None:
+        return expand_codes(codes, processor), grid
     try:
         out = processor(images=images, return_tensors="pt")
     except ValueError as exc:  # e.g. an aspect ratio over 200
         raise MediaError(MediaProblem.CORRUPT_IMAGE, sample=sample, field="images",
                          expected="images the Qwen2-VL processor accepts", actual=str(exc)) from None
     return out["pixel_values"].to(torch.float32), out["image_grid_thw"].to(torch.int64)
+
+
+def _fast_tables(processor):
+    """For transformers' PIL-backend Qwen2-VL processor in its standard configuration (bicubic resize,
+    rescale, normalize): ``(table, geometry)`` where ``table`` float32 ``[3, 256]`` holds what rescale +
+    normalize make of each uint8 value per channel, computed with transformers' own operations (float64
+    rescale, float32 cast, float32 ``(x - mean) / std``), so a lookup gives bit-identical values.
+    ``None`` otherwise (then the processor itself runs). Cached per processor object."""
+    hit = _FAST.get(id(processor))
+    if hit is not None and hit[0] is processor:
+        return hit[1]
+    from PIL import Image
+    from .header_lengths import Qwen2VLGeometry
+
+    fast = None
+    if (type(processor).__name__ == "Qwen2VLImageProcessorPil"
+            and processor.do_resize and processor.do_rescale and processor.do_normalize
+            and int(processor.resample) == int(Image.Resampling.BICUBIC)
+            and len(processor.image_mean) == 3 and len(processor.image_std) == 3):
+        values = (np.arange(256, dtype=np.uint8).astype(np.float64) * processor.rescale_factor).astype(np.float32)
+        mean = np.array(processor.image_mean, dtype=np.float32)
+        std = np.array(processor.image_std, dtype=np.float32)
+        table = np.ascontiguousarray(((np.broadcast_to(values, (3, 256)).T - mean) / std).T)  # [3, 256]
+        fast = (table.reshape(-1), Qwen2VLGeometry.of(processor))
+    _FAST[id(processor)] = (processor, fast)
+    return fast
+
+
+_FAST: dict = {}
+
+
+def image_codes(images: list, processor, *, sample=None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """RGB PIL images -> (uint8 ``[sum gh*gw, 3, p, p]`` resized pixels in transformers' patch order,
+    int64 ``[num_images, 3]`` grids): :func:`process_images` before rescale + normalize, 1/8 of its
+    size. ``(None, None)`` when the processor is not the standard PIL-backend Qwen2-VL one or an image
+    is not RGB (the processor then runs as is)."""
+    fast = _fast_tables(processor)
+    if fast is None or not images or not all(getattr(im, "mode", None) == "RGB" for im in images):
+        return None, None
+    pieces = [_resized_patches(im, fast[1], sample=sample) for im in images]
+    codes = np.concatenate([c for c, _ in pieces]) if len(pieces) > 1 else pieces[0][0]
+    return torch.from_numpy(codes), torch.tensor([g for _, g in pieces], dtype=torch.int64)
+
+
+def expand_codes(codes: torch.Tensor, processor) -> torch.Tensor:
+    """uint8 ``[N, 3, p, p]`` from :func:`image_codes` -> float32 ``[N, 3*t*p*p]``, bit-identical to the
+    processor's ``pixel_values``: one table lookup (rescale + normalize) and the temporal copies."""
+    table, geometry = _fast_tables(processor)
+    n, c, p, _ = codes.shape
+    t = geometry.temporal_patch_size
+    values = np.take(table, np.add(codes.numpy(), _CHANNEL_OFFSET, dtype=np.uint16)).reshape(n, c, 1, p, p)
+    out = np.empty((n, c, t, p, p), dtype=np.float32)
+    out[...] = values  # a still image repeated over the temporal patch
+    return torch.from_numpy(out.reshape(n, c * t * p * p))
+
+
+def _resized_patches(img, geometry, *, sample) -> tuple[np.ndarray, list[int]]:
+    """One RGB PIL image -> (uint8 ``[gh*gw, 3, p, p]``, ``[1, gh, gw]``): the processor's resize (the
+    same PIL call), cut into patches in transformers' order."""
+    from PIL import Image
+    from .header_lengths import HeaderError, qwen2vl_grid
+
+    try:
+        _, gh, gw = qwen2vl_grid(img.height, img.width, geometry, sample=sample)
+    except HeaderError as exc:
+        raise MediaError(MediaProblem.CORRUPT_IMAGE, sample=sample, field="images",
+                         expected="images the Qwen2-VL processor accepts", actual=exc.actual) from None
+    p, m = geometry.patch_size, geometry.merge_size
+    resized = np.asarray(img.resize((gw * p, gh * p), resample=Image.Resampling.BICUBIC))  # [H, W, 3] uint8
+    # (gh/m, m, p, gw/m, m, p, C) -> (gh/m, gw/m, m, m, C, p, p): transformers' patch order
+    blocks = resized.reshape(gh // m, m, p, gw // m, m, p, 3).transpose(0, 3, 1, 4, 6, 2, 5)
+    return np.ascontiguousarray(blocks).reshape(gh * gw, 3, p, p), [1, gh, gw]
+
+
+_CHANNEL_OFFSET = (np.arange(3, dtype=np.uint16) * 256)[:, None, None]  # channel c reads table[c*256 + v]
 
 
 def decode_image(value, *, sample, name: str, limits: DecodeLimits = DEFAULT_LIMITS):
@@ -208,6 +286,44 @@ def check_vision_tokens(input_ids: torch.Tensor, image_grid_thw: torch.Tensor, v
     return is_img.to(torch.int64) * IMAGE_TOKEN_TYPE
 
 
+def vision_types_and_mrope(input_ids: torch.Tensor, image_grid_thw: torch.Tensor, vision: VisionTokens, *,
+                           sample, mrope: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`check_vision_tokens` and (``mrope``) :func:`prealign.collate.mrope.mrope_position_ids` of one
+    sequence in one pass of NumPy operations (a fixed number, no loop over tokens or images: the
+    per-op cost of ~30 small torch calls was most of this stage). Returns ``mm_token_type_ids`` int64
+    ``[L]`` and ``mrope_position_ids`` int64 ``[3, L]`` (or ``None``), equal to those functions' results."""
+    ids = input_ids.numpy()
+    grid = image_grid_thw.numpy().astype(np.int64, copy=False).reshape(-1, 3)
+    merge = vision.spatial_merge_size
+    is_img = ids == vision.image_token_id
+    edges = np.diff(is_img.astype(np.int8), prepend=np.int8(0), append=np.int8(0))
+    starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+    need = grid.prod(-1) // merge ** 2
+    got = ends - starts
+    if got.shape != need.shape or not np.array_equal(got, need):
+        raise MediaError(MediaProblem.VISION_TOKEN_MISMATCH, sample=sample, field="input_ids",
+                         expected=f"image token runs {need.tolist()} (t*h*w / {merge}**2 of "
+                                  f"image_grid_thw {grid.tolist()})", actual=f"runs {got.tolist()}")
+    types = is_img.astype(np.int64) * IMAGE_TOKEN_TYPE
+    if not mrope:
+        return torch.from_numpy(types), None
+    if bool((grid[:, 1:] % merge != 0).any()):  # the collator's own check names it
+        return torch.from_numpy(types), mrope_position_ids(torch.from_numpy(types), image_grid_thw,
+                                                           torch.tensor([0, ids.size]), spatial_merge_size=merge)
+    hh, ww = grid[:, 1] // merge, grid[:, 2] // merge
+    advance = (~is_img).astype(np.int64)
+    advance[ends - 1] = np.maximum(hh, ww)  # an image run moves the position by max(h', w') on its last token
+    base = np.cumsum(advance) - advance
+    out = np.repeat(base[None, :], 3, axis=0)
+    rows = np.flatnonzero(is_img)
+    if rows.size:
+        image = np.repeat(np.arange(starts.size), got)  # the image each image token belongs to
+        q = rows - starts[image]  # index inside its image, (t, row, column) order
+        w_img, hw_img = ww[image], (hh * ww)[image]
+        out[:, rows] += np.stack((q // hw_img, (q % hw_img) // w_img, q % w_img))
+    return torch.from_numpy(types), torch.from_numpy(out)
+
+
 # ---- the transform ---------------------------------------------------------------------------------
 @dataclass(frozen=True, kw_only=True)
 class VLMSampleTransform:
@@ -261,11 +377,20 @@ class VLMSampleTransform:
         return dataclasses.replace(self.tokenizer.vision, spatial_merge_size=merge)
 
     def __call__(self, raw: dict) -> dict:
+        return self.expand(self.compact(raw))
+
+    def compact(self, raw: dict) -> dict:
+        """The output with ``pixel_codes`` uint8 ``[sum t*h*w, 3, p, p]`` (:func:`image_codes`) in place
+        of ``pixel_values`` where the fast path applies: what :class:`~prealign.loaders.media_share.
+        SharedMediaTransform` publishes (1/8 of the bytes). :meth:`expand` finishes it."""
         key = raw.get("__key__", "?")
         meta = _metadata(raw, self.text_key, key)
         images = [decode_image(v, sample=key, name=n) for n, v in _image_members(raw, meta, key)]
         vision = self.vision
-        pixel_values, grid = process_images(images, self.processor, sample=key)
+        codes, grid = image_codes(images, self.processor, sample=key)
+        pixel_values = None
+        if codes is None:
+            pixel_values, grid = process_images(images, self.processor, sample=key)
         if "input_ids" in raw:  # pre-tokenized, placeholders already expanded
             input_ids = torch.as_tensor(np.asarray(raw["input_ids"]), dtype=torch.int64).reshape(-1)
             loss_mask = torch.as_tensor(np.asarray(raw.get("loss_mask", np.ones(input_ids.numel()))),
@@ -273,23 +398,32 @@ class VLMSampleTransform:
         else:
             ids, mask = render_chat(meta, self.tokenizer, vision.tokens_per_image(grid).tolist(), sample=key)
             input_ids, loss_mask = torch.from_numpy(ids), torch.from_numpy(mask)
+        types, positions = vision_types_and_mrope(input_ids, grid, vision, sample=key, mrope=self.mrope)
         out: dict[str, Any] = {
             "__key__": key,
             "input_ids": input_ids,
             "loss_mask": loss_mask,
-            "mm_token_type_ids": check_vision_tokens(input_ids, grid, vision, sample=key),
-            "pixel_values": pixel_values.to(getattr(torch, self.pixel_dtype)),
+            "mm_token_type_ids": types,
+            **({"pixel_codes": codes} if pixel_values is None else
+               {"pixel_values": pixel_values.to(getattr(torch, self.pixel_dtype))}),
             "image_grid_thw": grid,
         }
-        if self.mrope:
-            out["mrope_position_ids"] = mrope_position_ids(
-                out["mm_token_type_ids"], grid, torch.tensor([0, input_ids.numel()]),
-                spatial_merge_size=vision.spatial_merge_size)
+        if positions is not None:
+            out["mrope_position_ids"] = positions
         if self.topk is not None:
             out.update(teacher_topk(raw, sample=key, length=input_ids.numel(), topk=self.topk,
                                     vocab_size=self.tokenizer.vocab_size,
                                     log_prob_dtype=getattr(torch, self.log_prob_dtype)))
         return out
+
+    def expand(self, sample: dict) -> dict:
+        """:meth:`compact`'s output -> the sample (``pixel_codes`` -> ``pixel_values`` of ``pixel_dtype``,
+        in the same position among the fields). Anything without ``pixel_codes`` is returned as is."""
+        if "pixel_codes" not in sample:
+            return sample
+        pixels = expand_codes(sample["pixel_codes"], self.processor).to(getattr(torch, self.pixel_dtype))
+        return {("pixel_values" if k == "pixel_codes" else k): (pixels if k == "pixel_codes" else v)
+                for k, v in sample.items()}
 
 
 def _metadata(raw: dict, text_key: str, key) -> dict:

@@ -1,0 +1,320 @@
+"""Multimodal loading: prealign's VLM loader against a hand-written pipeline on the same shards, and the
+CPU of a whole CP group with :class:`~prealign.loaders.media_share.SharedMediaTransform`.
+
+Data: ``build_demo_dataset`` (no planted bad samples), ``--samples`` samples (default 2,000) in shards of
+100; images 48..360 px, JPEG and PNG, 0-2 per sample.
+
+- prealign: ``WebDatasetSource`` + ``VLMSampleTransform`` (no teacher) + ``PackedLoader`` (tp=1, cp=2, this
+  is CP rank 0, budget ``--budget`` tokens, ``--workers`` workers), index built once beforehand (timed apart).
+- baseline: ``webdataset.WebDataset(shards)`` -> per sample: PIL decode, transformers' Qwen2-VL image
+  processor, the same chat rendering and tokenizer -> ``.batched(B)`` with transformers'
+  ``DataCollatorWithFlattening`` for the tokens plus ``torch.cat`` of ``pixel_values`` / ``image_grid_thw``;
+  ``B`` = the budget over the mean sample length (about the same tokens per batch); a DataLoader with the
+  same number of workers.
+- Rounds alternate which runs first. Throughput: samples/s and real (unpadded) tokens/s of one epoch;
+  CPU ms per sample: ``resource.getrusage`` of this process and its (joined) workers.
+- Per-stage split: in-process, each stage timed on the same samples with ``time.process_time``.
+- CP group: ``cp`` real processes (one per CP rank, one worker each) with ``SharedMediaTransform``
+  sharing through a directory in /dev/shm, against one process loading the same rank alone without
+  sharing; CPU = each process's own load phase (self + workers), imports and index excluded.
+
+    python benchmarks/bench_vlm_loader.py                 # full run (several minutes on 2 cores)
+    python benchmarks/bench_vlm_loader.py --samples 300 --rounds 1 --quick
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def cpu_seconds() -> float:
+    """CPU seconds of this process and its joined children."""
+    usage = [resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    return sum(u.ru_utime + u.ru_stime for u in usage)
+
+
+# ---- the two pipelines ------------------------------------------------------------------------------
+def make_transform(*, cp_rank: int = 0, cp_size: int = 1, share: bool = False, run: str = "bench", cache=None):
+    from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
+    from prealign.loaders.media_share import SharedMediaTransform
+    from prealign.loaders.vlm import VLMSampleTransform
+
+    transform = VLMSampleTransform(tokenizer=ByteTokenizer())
+    if share:
+        transform = SharedMediaTransform(transform=transform, run=run, cp_rank=cp_rank, cp_size=cp_size,
+                                         cache_dir=cache)
+    return transform
+
+
+def prealign_loader(shards, index, *, budget: int, workers: int, cp: int = 2, cp_rank: int = 0, **share):
+    from prealign.loaders import IndexOptions, PackedLoader, WebDatasetSource
+    from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
+    from prealign.schemas import ParallelLayout, vlm_schema
+
+    source = WebDatasetSource(list(shards), transform=make_transform(cp_rank=cp_rank, cp_size=cp, **share),
+                              image="bytes")
+    return PackedLoader(source, schema=vlm_schema(vocab_size=ByteTokenizer().vocab_size),
+                        layout=ParallelLayout(cp=cp), token_budget=budget, cp_rank=cp_rank, num_workers=workers,
+                        indexing=IndexOptions(prebuilt=index))
+
+
+class BaselineSample:
+    """What a user writes: decode, the image processor, the chat with vision tokens expanded, labels."""
+
+    def __init__(self):
+        from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
+        from prealign.loaders.vlm import image_processor
+
+        self.tok, self.processor = ByteTokenizer(), image_processor()
+
+    def __call__(self, sample: dict) -> dict:
+        from PIL import Image
+
+        from prealign.loaders.vlm import render_chat
+
+        meta = _json(sample["json"])
+        images = [Image.open(io.BytesIO(sample[n])).convert("RGB") for n in meta.get("images", [])]
+        if images:
+            out = self.processor(images=images, return_tensors="pt")
+            pixels, grid = out["pixel_values"], out["image_grid_thw"]
+        else:
+            pixels, grid = torch.zeros(0, 1176), torch.zeros(0, 3, dtype=torch.int64)
+        ids, mask = render_chat(meta, self.tok, (grid.prod(-1) // 4).tolist(), sample=sample["__key__"])
+        labels = np.where(mask > 0, ids, -100)
+        return {"input_ids": ids.tolist(), "labels": labels.tolist(), "pixel_values": pixels, "image_grid_thw": grid}
+
+
+class BaselineCollate:
+    def __init__(self):
+        from transformers import DataCollatorWithFlattening
+
+        self.flatten = DataCollatorWithFlattening(return_position_ids=True, return_tensors="pt")
+
+    def __call__(self, samples: list[dict]) -> dict:
+        batch = self.flatten([{"input_ids": s["input_ids"], "labels": s["labels"]} for s in samples])
+        batch["pixel_values"] = torch.cat([s["pixel_values"] for s in samples])
+        batch["image_grid_thw"] = torch.cat([s["image_grid_thw"] for s in samples])
+        return batch
+
+
+def baseline_loader(shards, *, batch_size: int, workers: int):
+    import webdataset as wds
+
+    dataset = (wds.WebDataset(list(shards), shardshuffle=False, empty_check=False)
+               .map(BaselineSample()).batched(batch_size, collation_fn=BaselineCollate(), partial=True))
+    return torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=workers)
+
+
+def run_prealign(shards, index, args) -> dict:
+    lengths = index.lengths
+    c0, t0 = cpu_seconds(), time.perf_counter()
+    n = tokens = 0
+    for batch in prealign_loader(shards, index, budget=args.budget, workers=args.workers):
+        rows = batch["sample_index"]
+        n += rows.numel()
+        tokens += int(lengths[rows].sum())
+    return {"samples": n, "tokens": tokens, "wall": time.perf_counter() - t0, "cpu": cpu_seconds() - c0}
+
+
+def run_baseline(shards, batch_size: int, args) -> dict:
+    c0, t0 = cpu_seconds(), time.perf_counter()
+    n = tokens = 0
+    for batch in baseline_loader(shards, batch_size=batch_size, workers=args.workers):
+        n += int((batch["position_ids"] == 0).sum())
+        tokens += batch["input_ids"].numel()
+    return {"samples": n, "tokens": tokens, "wall": time.perf_counter() - t0, "cpu": cpu_seconds() - c0}
+
+
+# ---- per-stage split ----------------------------------------------------------------------------------
+def stages(shards, index, n: int) -> dict:
+    """ms of CPU per sample in each stage, both pipelines, in this process (one thread)."""
+    from PIL import Image
+
+    from prealign.loaders import WebDatasetSource
+    from prealign.loaders.loader import _CollatePlanned
+    from prealign.loaders.schedule import Request
+    from prealign.loaders.vlm import (_image_members, _metadata, decode_image, process_images, render_chat,
+                                      vision_types_and_mrope)
+    from prealign.collate import THDCollator
+    from prealign.schemas import ParallelLayout, vlm_schema
+
+    torch.set_num_threads(1)  # as in a DataLoader worker
+    transform = make_transform()
+    source = WebDatasetSource(list(shards), image="bytes")
+    locs = [tuple(index.locations[i].tolist()) for i in range(min(n, len(index)))]
+    out: dict[str, dict[str, float]] = {"prealign": {}, "baseline": {}}
+
+    def timed(pipe, name, fn, items):
+        c = time.process_time()
+        res = [fn(x) for x in items]
+        out[pipe][name] = (time.process_time() - c) / len(locs) * 1e3
+        return res
+
+    raws = timed("prealign", "tar read + member decode", source.read, locs)
+    metas = [_metadata(r, "json", r["__key__"]) for r in raws]
+    members = [_image_members(r, m, r["__key__"]) for r, m in zip(raws, metas)]
+    images = timed("prealign", "image decode", lambda ms: [decode_image(v, sample=0, name=k) for k, v in ms], members)
+    proc = transform.processor
+    done = timed("prealign", "image processor", lambda im: process_images(im, proc), images)
+    vision = transform.vision
+    ids = timed("prealign", "chat + tokens", lambda x: render_chat(x[0], transform.tokenizer,
+                                                                      vision.tokens_per_image(x[1][1]).tolist(),
+                                                                      sample=0), list(zip(metas, done)))
+
+    def check_mrope(x):
+        (i, _), (_, grid) = x
+        return vision_types_and_mrope(torch.from_numpy(i), grid, vision, sample=0, mrope=transform.mrope)
+
+    timed("prealign", "vision-token check + mRoPE", check_mrope, list(zip(ids, done)))
+    samples = [transform(dict(r)) for r in raws]
+    per = max(1, len(samples) // 8)
+    collate = _CollatePlanned(THDCollator(schema=vlm_schema(vocab_size=transform.tokenizer.vocab_size),
+                                          layout=ParallelLayout(cp=2), cp_rank=0), pack=True)
+    reqs = [(Request(epoch=0, position=k, indices=tuple(range(k, min(k + per, len(samples))))),
+             samples[k:k + per], str) for k in range(0, len(samples), per)]
+    timed("prealign", "collate + hand-off packing", collate, reqs)
+    # baseline
+    timed("baseline", "tar read + member decode", source.read, locs)  # webdataset's own read is similar
+    base = BaselineSample()
+    pil = timed("baseline", "image decode", lambda r: [Image.open(io.BytesIO(r[n])).convert("RGB")
+                                                      for n in _json(r["json"]).get("images", [])], raws)
+    timed("baseline", "image processor", lambda im: base.processor(images=im, return_tensors="pt") if im else None, pil)
+    bs = [base(r) for r in raws]
+    coll = BaselineCollate()
+    timed("baseline", "collate (DataCollatorWithFlattening + cat)", coll, [bs[k:k + per] for k in range(0, len(bs), per)])
+    return out
+
+
+# ---- CP group CPU ---------------------------------------------------------------------------------------
+def group_rank(shards: list[str], index_path: str, out: str, cp: int, cp_rank: int, share: bool, cache: str,
+               budget: int) -> None:
+    """One CP rank of a group (run in its own process): load one epoch, write its CPU seconds."""
+    from prealign.loaders import SampleIndex
+
+    torch.set_num_threads(1)  # as in DataLoader workers (intra-op threads spin on a shared machine)
+    index = SampleIndex.load(index_path)
+    loader = prealign_loader(shards, index, budget=budget, workers=1, cp=cp, cp_rank=cp_rank, share=share,
+                             run="group", cache=cache)
+    loader.source.transform.processor
+    c0 = cpu_seconds()
+    n = sum(b["sample_index"].numel() for b in loader)
+    with open(out, "w") as f:
+        json.dump({"cpu": cpu_seconds() - c0, "samples": n}, f)
+
+
+def group_cpu(shards, index_path: str, cp: int, share: bool, budget: int, tmp: str,
+              ranks: int | None = None) -> tuple[float, int]:
+    """Total CPU seconds of ``ranks`` (default ``cp``) CP-rank processes run at once, and samples per rank."""
+    cache = tempfile.mkdtemp(prefix="bench-share-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    ranks = range(cp if ranks is None else ranks)
+    outs = [os.path.join(tmp, f"g{cp}-{int(share)}-{r}.json") for r in ranks]
+    procs = [subprocess.Popen([sys.executable, "-c",
+                               "import sys; sys.path.insert(0, %r); from benchmarks.bench_vlm_loader import group_rank;"
+                               " group_rank(%r, %r, %r, %d, %d, %r, %r, %d)"
+                               % (ROOT, list(shards), index_path, o, cp, r, share, cache, budget)], cwd=ROOT)
+             for r, o in zip(ranks, outs)]
+    for p in procs:
+        if p.wait() != 0:
+            raise SystemExit(f"group rank failed ({p.returncode})")
+    res = [json.load(open(o)) for o in outs]
+    shutil.rmtree(cache, ignore_errors=True)
+    return sum(r["cpu"] for r in res), res[0]["samples"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--samples", type=int, default=2000)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--budget", type=int, default=8192)
+    ap.add_argument("--stage-samples", type=int, default=300)
+    ap.add_argument("--quick", action="store_true", help="skip the CP group runs")
+    ap.add_argument("--group-only", action="store_true", help="only the CP group runs (and the stage split)")
+    args = ap.parse_args()
+
+    from prealign.loaders import BadDataPolicy, build_index
+    from prealign.loaders.cli.demo_data import build_demo_dataset
+    from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
+    from prealign.loaders import WebDatasetSource
+    from prealign.schemas import vlm_schema
+
+    tmp = tempfile.mkdtemp(prefix="bench-vlm-")
+    try:
+        data = build_demo_dataset(os.path.join(tmp, "shards"), num_samples=args.samples, samples_per_shard=100,
+                                  bad=())
+        t0 = time.perf_counter()
+        source = WebDatasetSource(list(data.shards), transform=make_transform(), image="bytes")
+        index = build_index(source, vlm_schema(vocab_size=ByteTokenizer().vocab_size),
+                            policy=BadDataPolicy(on_error="raise"), num_workers=args.workers)
+        index_s = time.perf_counter() - t0
+        index_path = os.path.join(tmp, "index.npz")
+        index.save(index_path)
+        batch_size = max(1, round(args.budget / float(index.lengths.float().mean()
+                                                     if hasattr(index.lengths, "float") else np.mean(index.lengths))))
+        print(f"{args.samples} samples, {sum(len(_json(r['json']).get('images', [])) for r in _raws(data))} "
+              f"images; index pass {index_s:.1f} s; budget {args.budget} tokens (baseline batch {batch_size} samples); "
+              f"{args.workers} workers; load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
+        rows = {"prealign": [], "baseline": []}
+        for r in range(0 if args.group_only else args.rounds):
+            order = ("baseline", "prealign") if r % 2 == 0 else ("prealign", "baseline")
+            for name in order:
+                res = run_prealign(data.shards, index, args) if name == "prealign" else \
+                    run_baseline(data.shards, batch_size, args)
+                rows[name].append(res)
+                print(f"round {r} {name:9s} {res['samples'] / res['wall']:7.1f} samples/s "
+                      f"{res['tokens'] / res['wall']:9.0f} tokens/s {res['cpu'] / res['samples'] * 1e3:6.2f} CPU ms/sample"
+                      f"  (load {os.getloadavg()[0]:.2f})", flush=True)
+        ratio = [p["samples"] / p["wall"] / (b["samples"] / b["wall"]) for p, b in zip(rows["prealign"], rows["baseline"])]
+        cpu = [b["cpu"] / b["samples"] / (p["cpu"] / p["samples"]) for p, b in zip(rows["prealign"], rows["baseline"])]
+        if ratio:
+            print(f"baseline / prealign CPU per sample per round: {', '.join(f'{x:.2f}' for x in cpu)} "
+                  f"(median {float(np.median(cpu)):.2f})")
+            print(f"prealign / baseline samples/s per round: {', '.join(f'{x:.2f}' for x in ratio)} "
+                  f"(median {float(np.median(ratio)):.2f})")
+        split = stages(data.shards, index, args.stage_samples)
+        for name, parts in split.items():
+            print(f"{name} per-stage CPU ms/sample: " + ", ".join(f"{k} {v:.2f}" for k, v in parts.items())
+                  + f"; total {sum(parts.values()):.2f}")
+        if not args.quick:
+            one, n = group_cpu(data.shards, index_path, 2, False, args.budget, tmp, ranks=1)
+            print(f"one loader alone (cp rank 0, 1 worker, no sharing): {one:.1f} CPU s for {n} samples "
+                  f"(load {os.getloadavg()[0]:.2f})", flush=True)
+            for cp in (2, 4):
+                plain, _ = group_cpu(data.shards, index_path, cp, False, args.budget, tmp)
+                shared, _ = group_cpu(data.shards, index_path, cp, True, args.budget, tmp)
+                print(f"cp={cp} group (its {cp} ranks at once): {plain:.1f} CPU s without sharing = {plain / one:.2f}x "
+                      f"one loader, {shared:.1f} CPU s with SharedMediaTransform = {shared / one:.2f}x "
+                      f"({shared / plain:.2f}x the unshared group; load {os.getloadavg()[0]:.2f})", flush=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _json(value) -> dict:
+    return value if isinstance(value, dict) else json.loads(value)
+
+
+def _raws(data):
+    from prealign.loaders import WebDatasetSource
+
+    source = WebDatasetSource(list(data.shards), image="bytes")
+    for s in range(source.num_shards):
+        for _, raw in source.scan(s):
+            yield raw
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, ROOT)
+    main()
