@@ -78,3 +78,29 @@ class ResumeError(ConfigError):
 
 class SourceChangedError(PrealignError):
     """A sample read for a batch no longer matches what the index recorded (data changed on disk)."""
+
+
+class IndexMismatchError(ConfigError):
+    """A reused index (sidecars, a saved :class:`~prealign.loaders.index.SampleIndex`) does not describe the
+    data the loader was given: ``.shard`` names the shard, ``.difference`` says what differs. Raised when the
+    loader is built, before any batch, under every bad-data policy (never counted as bad data)."""
+
+    def __init__(self, shard: str, difference: str, hint: str = ""):
+        self.shard, self.difference = shard, difference
+        super().__init__(f"shard {shard}: {difference}" + (f" ({hint})" if hint else ""))
+
+
+class MissingShardError(IndexMismatchError):
+    """A shard named by the source (a path, a URL, a brace range) does not exist or cannot be reached."""
+
+
+class ChangedShardError(IndexMismatchError):
+    """A shard's size or content differs from what its index recorded (re-run ``prealign index``)."""
+
+
+class ExtraShardError(IndexMismatchError):
+    """The index names a shard the source does not have, or the source a shard the index lacks."""
+
+
+class StaleIndexError(IndexMismatchError):
+    """A sidecar index of another format version, schema or transform, or a malformed one."""

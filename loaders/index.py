@@ -16,6 +16,7 @@ error are the same whatever the number of workers.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
@@ -54,6 +55,9 @@ class SampleIndex:
     report: BadDataReport
     media: np.ndarray | None = None
     dims: dict[str, int] | None = None
+    source_shards: dict | None = None
+    """``{"names": [...], "sizes": [...]}`` of the shards indexed (webdataset), checked against the
+    source when the index is reused (:func:`~prealign.loaders.sidecar.check_index`); not in the digest."""
 
     def __len__(self) -> int:
         return int(self.lengths.shape[0])
@@ -73,11 +77,15 @@ class SampleIndex:
         return h.hexdigest()[:16]
 
     def save(self, path: str) -> None:
-        """Write as ``.npz`` (arrays only, no pickle) for reuse across runs."""
+        """Write as an ``.npz`` archive (arrays only, no pickle) at exactly ``path`` (no suffix added), for
+        reuse across runs (``PackedLoader(index=path)``)."""
         extra = {} if self.media is None else {"media": np.asarray(self.media, dtype=bool)}
         if self.dims is not None:
             extra["dims"] = np.frombuffer(json.dumps(self.dims, sort_keys=True).encode(), dtype=np.uint8)
-        np.savez(path, lengths=self.lengths, locations=self.locations, shards=self.shards,
+        if self.source_shards is not None:
+            extra["source_shards"] = np.frombuffer(json.dumps(self.source_shards).encode(), dtype=np.uint8)
+        with open(path, "wb") as f:
+            np.savez(f, lengths=self.lengths, locations=self.locations, shards=self.shards,
                  report=np.frombuffer(json.dumps(self.report.to_dict()).encode(), dtype=np.uint8), **extra)
 
     @classmethod
@@ -87,7 +95,9 @@ class SampleIndex:
             report = BadDataReport(counts=dict(rep["counts"]), examples=[tuple(e) for e in rep["examples"]])
             return cls(lengths=z["lengths"], locations=z["locations"], shards=z["shards"], report=report,
                        media=z["media"] if "media" in z.files else None,
-                       dims=json.loads(bytes(z["dims"]).decode()) if "dims" in z.files else None)
+                       dims=json.loads(bytes(z["dims"]).decode()) if "dims" in z.files else None,
+                       source_shards=json.loads(bytes(z["source_shards"]).decode())
+                       if "source_shards" in z.files else None)
 
 
 def _freeze(exc: Exception) -> dict:
@@ -330,8 +340,11 @@ def build_index(source: Source, schema: BatchSchema, *, policy: BadDataPolicy | 
     """
     from prealign.schemas.distributed import all_gather_objects, process_rank_world
 
+    from .sidecar import check_source
+
     rank, world = process_rank_world(group) if distributed else (0, 1)
-    shards = list(range(source.num_shards))
+    known, checked = check_source(source, schema)  # missing / changed shards raise here; sidecar records
+    shards = [s for s in range(source.num_shards) if s not in known]
     try:
         mine: dict = {"results": scan_shards(source, schema, shards[rank::world], num_workers=num_workers)}
     except Exception as exc:  # every rank must reach the exchange, or the others would wait forever
@@ -343,8 +356,9 @@ def build_index(source: Source, schema: BatchSchema, *, policy: BadDataPolicy | 
     if failed:
         raise BadSampleError(sample=None, field=None, expected="the index pass to succeed on every rank",
                              actual="; ".join(failed))
-    results = sorted((r for p in parts for r in p["results"]), key=lambda r: r["shard"])
+    results = sorted([*known.values(), *(r for p in parts for r in p["results"])], key=lambda r: r["shard"])
     index = merge_shards(results, policy or BadDataPolicy(), width=1, where=source.where, schema=schema)
+    index = dataclasses.replace(index, source_shards=checked)
     if len(index) == 0:
         raise BadSampleError(sample=None, field=None, expected="at least one good sample in the source",
                              actual=f"none ({index.report.to_dict()['counts']})")

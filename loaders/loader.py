@@ -33,6 +33,7 @@ from .index import SampleIndex, build_index, has_media, media_keys
 from .planner import MicrobatchPlan, PlannerConfig, microbatch_capacity
 from .policy import BadDataPolicy, BadDataReport, BadSampleWarning, Oversize
 from .schedule import Request, Schedule
+from .sidecar import check_index
 from .sources import Source
 from .state import LoaderState
 from .transport import PackedBatch, pack_batch, unpack_batch
@@ -228,6 +229,8 @@ index pass over all ranks and exchange the records (collective: every rank must 
         cap = microbatch_capacity(layout, token_budget)
         if isinstance(index, str):
             index = SampleIndex.load(index)
+        if index is not None:  # a reused index must describe this data (issue #7): before any batch
+            check_index(index, source)
         self.index = index if index is not None else build_index(
             source, schema, policy=self.bad_data, num_workers=num_workers if index_workers is None else index_workers,
             distributed=distributed_index)

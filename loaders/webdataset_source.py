@@ -3,24 +3,29 @@
 A sample is the run of consecutive members sharing a key (``0001.input_ids.npy``, ``0001.json``
 -> key ``0001``), decoded safely by :mod:`prealign.loaders.tar_decode` (never unpickled). Indexing walks
 each tar once and records each sample's byte range, so a worker reads one sample with one
-``seek`` + ``read``. Remote shards (``http://``, ``s3://``, ``pipe:...``, anything webdataset's
-``gopen`` opens) are copied once into ``cache_dir`` during indexing.
+``seek`` + ``read``. Remote shards (``http(s)://``, ``s3://``, ``gs://``) are read by byte range, never
+copied whole; ``pipe:`` and ``.tar.gz`` shards front to back (:mod:`prealign.loaders.remote`). Sidecar
+indexes (``prealign index``, :mod:`prealign.loaders.sidecar`) beside the shards, or in ``index_dir``, are
+found and used by themselves. A location is ``(shard, start, end, checksum)``: a read whose members
+no longer have the checksum recorded at indexing raises :class:`SourceChangedError`.
 
 Sample dict: ``{"__key__": str, "__url__": str, "__shard__": int, <extension>: decoded value}``.
 Without a ``transform``, every ``<name>.npy`` member becomes a tensor field ``<name>``.
 """
 from __future__ import annotations
 
-import hashlib
 import io
 import os
 import re
+from collections import OrderedDict
 from typing import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
 
+from . import remote as _remote
 from .errors import CorruptShardError, MissingMemberError, SourceChangedError
+from .sidecar import sample_checksum
 from .sources import Location, Skip, Source, Transform
 from .tar_decode import decode_member, split_member_name
 from .tar_reader import TarFormatError, iter_members
@@ -67,7 +72,9 @@ class WebDatasetSource(Source):
 
     def __init__(self, urls: str | Sequence[str], *, transform: Transform | None = numpy_fields,
                  required: Sequence[str] = (), image: str = "pil",
-                 decoders: Mapping[str, Callable[[bytes], object]] | None = None, cache_dir: str | None = None):
+                 decoders: Mapping[str, Callable[[bytes], object]] | None = None, cache_dir: str | None = None,
+                 cache_limit: int | None = None, index_dir: str | None = None, sidecars: bool = True,
+                 remote: "_remote.RemoteOptions | None" = None, max_open_files: int = 16):
         if image not in ("pil", "bytes"):
             raise ValueError(f"image: expected 'pil' or 'bytes', got {image!r}")
         self.urls = expand_urls(urls)
@@ -76,45 +83,25 @@ class WebDatasetSource(Source):
         self.image = image
         self.decoders = dict(decoders or {})
         self.cache_dir = cache_dir
+        self.index_dir, self.sidecars, self.max_open_files = index_dir, bool(sidecars), max(int(max_open_files), 1)
+        """Sidecars: looked up beside each shard (or in ``index_dir``) when ``sidecars``."""
+        if remote is None:
+            limit = {} if cache_limit is None else {"cache_limit": int(cache_limit)}
+            remote = _remote.RemoteOptions(cache_dir=cache_dir, **limit)
+        self.remote = remote
 
     # ---- shards ---------------------------------------------------------------------------------
     @property
     def num_shards(self) -> int:
         return len(self.urls)
 
-    def local_path(self, shard: int) -> str:
-        """Path of shard ``shard`` on this machine (a remote shard is copied into ``cache_dir`` once)."""
-        url = self.urls[shard]
-        if url.startswith("file://"):
-            return url[len("file://"):]
-        if not _REMOTE.match(url):
-            return url
-        if not self.cache_dir:
-            raise CorruptShardError(url, 0, "remote shards need cache_dir= (samples are read back by byte range)")
-        digest = hashlib.sha1(url.encode()).hexdigest()[:16]
-        path = os.path.join(self.cache_dir, f"{digest}-{os.path.basename(url.split('?')[0]) or 'shard'}")
-        if not os.path.exists(path):
-            from webdataset.gopen import gopen
-
-            os.makedirs(self.cache_dir, exist_ok=True)
-            tmp = f"{path}.{os.getpid()}.part"
-            try:
-                with gopen(url, "rb") as src, open(tmp, "wb") as dst:
-                    while chunk := src.read(1 << 20):
-                        dst.write(chunk)
-            except Exception as exc:
-                raise CorruptShardError(url, 0, f"cannot fetch: {type(exc).__name__}: {exc}") from exc
-            os.replace(tmp, path)
-        return path
-
     # ---- scanning -------------------------------------------------------------------------------
     def scan(self, shard: int):
         url = self.urls[shard]
         try:
-            path = self.local_path(shard)
-            f = open(path, "rb")
-        except CorruptShardError as exc:
-            yield None, exc
+            f = _remote.open_stream(url, self.remote)
+        except (CorruptShardError, _remote.RemoteReadError) as exc:
+            yield None, exc if isinstance(exc, CorruptShardError) else CorruptShardError(url, 0, str(exc))
             return
         except OSError as exc:
             yield None, CorruptShardError(url, 0, f"{type(exc).__name__}: {exc}")
@@ -129,16 +116,16 @@ class WebDatasetSource(Source):
                         continue
                     if split[0] != key:
                         if members:
-                            yield (shard, start, m.offset), self._sample(shard, key, members)
+                            yield (shard, start, m.offset, sample_checksum(members)), self._sample(shard, key, members)
                         key, start, members = split[0], m.offset, []
                     members.append((split[1], m.data))
                     end = m.end
-            except (TarFormatError, OSError) as exc:
+            except (TarFormatError, OSError, EOFError, _remote.RemoteReadError) as exc:
                 lost = f"; sample {key!r} lost with the rest of the shard" if members else ""
                 yield None, CorruptShardError(url, getattr(exc, "offset", 0), f"{exc}{lost}")
                 return
             if members:
-                yield (shard, start, end), self._sample(shard, key, members)
+                yield (shard, start, end, sample_checksum(members)), self._sample(shard, key, members)
 
     def _sample(self, shard: int, key: str, members: list[tuple[str, bytes]]):
         """Decoded sample dict, or the exception that makes it a bad sample."""
@@ -161,13 +148,8 @@ class WebDatasetSource(Source):
 
     # ---- random access --------------------------------------------------------------------------
     def read(self, location: Location) -> dict:
-        shard, start, end = (int(x) for x in location)
-        files = self._local()
-        f = files.get(shard)
-        if f is None:
-            f = files[shard] = open(self.local_path(shard), "rb")
-        f.seek(start)
-        buf = f.read(end - start)
+        shard, start, end = (int(x) for x in location[:3])
+        buf = self._bytes(shard, start, end)
         try:
             members = [(*split_member_name(m.name), m.data)
                        for m in iter_members(io.BytesIO(buf), base=start, need_end_marker=False)
@@ -181,10 +163,40 @@ class WebDatasetSource(Source):
                                      f"sample; the shard changed since indexing")
         key_seen = keys.pop()
         members = [(ext, data) for _, ext, data in members]
+        if len(location) > 3 and sample_checksum(members) != int(location[3]):
+            raise SourceChangedError(f"{self.urls[shard]} bytes {start}..{end} (sample {key_seen!r}): checksum "
+                                     f"{sample_checksum(members)}, {int(location[3])} at indexing; the shard changed "
+                                     f"since indexing")
         sample = self._sample(shard, key_seen, members)
         if isinstance(sample, Exception):
             raise sample
         return sample
+
+    def _bytes(self, shard: int, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of a shard: a local ``seek`` + ``read`` (at most ``max_open_files`` files
+        open per process, least recently used closed), a remote range read, or a slice of a sequential
+        shard read whole (kept for ``remote.stream_shards`` shards)."""
+        url = self.urls[shard]
+        local = self._local()
+        if _remote.is_sequential(url):
+            streams = local.setdefault("streams", OrderedDict())
+            if shard not in streams:
+                streams[shard] = _remote.read_whole(url, self.remote)
+                while len(streams) > self.remote.stream_shards:
+                    streams.popitem(last=False)
+            streams.move_to_end(shard)
+            return streams[shard][start:end]
+        if _remote.is_remote(url):
+            return _remote.read_range(url, start, end, self.remote)
+        files = local.setdefault("files", OrderedDict())
+        f = files.get(shard)
+        if f is None:
+            f = files[shard] = open(url[len("file://"):] if url.startswith("file://") else url, "rb")
+            while len(files) > self.max_open_files:
+                files.popitem(last=False)[1].close()
+        files.move_to_end(shard)
+        f.seek(start)
+        return f.read(end - start)
 
     def where(self, location: Location) -> str:
         return f"{self.urls[int(location[0])]}@{int(location[1])}"

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from prealign.loaders.errors import MissingShardError
 from prealign.loaders import (BadDataPolicy, BadSampleError, BadSampleWarning, CorruptShardError, HFSource,
                      MissingMemberError, SampleIndex, TooManyBadSamplesError, UnsafeMemberError, WebDatasetSource,
                      build_index)
@@ -171,8 +172,9 @@ def test_truncated_shard(tmp_path):
         idx = _index(paths, SKIP)
     assert idx.report.counts == {"corrupt_shard": 1}
     assert 10 < len(idx) < 20  # the first shard and the readable part of the second
-    missing_file = _index(paths[:1] + [str(tmp_path / "nope.tar")], SKIP)
-    assert len(missing_file) == 10 and missing_file.report.counts == {"corrupt_shard": 1}
+    # a missing file is a configuration error (issue #7), never bad data counted under the skip policy
+    with pytest.raises(MissingShardError, match="nope.tar"):
+        _index(paths[:1] + [str(tmp_path / "nope.tar")], SKIP)
 
 
 def test_too_many_bad_samples_in_a_row(tmp_path):
@@ -193,13 +195,11 @@ def test_members_without_extension_are_counted(tmp_path):
     assert len(idx) == 4 and idx.report.counts == {"ignored_member": 1}
 
 
-def test_remote_url_is_cached(tmp_path):
+def test_pipe_url_is_read_sequentially(tmp_path):
     paths = write_shards(str(tmp_path / "src"), sample_lengths(6), num_shards=1)
-    with pytest.raises(CorruptShardError, match="cache_dir"):
-        _index([f"pipe:cat {paths[0]}"])
-    src = WebDatasetSource([f"pipe:cat {paths[0]}"], cache_dir=str(tmp_path / "cache"))
+    src = WebDatasetSource([f"pipe:cat {paths[0]}"])  # no cache_dir needed, nothing copied (issue #7)
     idx = build_index(src, SCHEMA)
-    assert len(idx) == 6 and len(os.listdir(tmp_path / "cache")) == 1
+    assert len(idx) == 6
     assert src.load(tuple(idx.locations[5]))["json"] == {"id": 5}
 
 
