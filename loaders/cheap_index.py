@@ -11,9 +11,11 @@
 What the header pass checks on every sample: the tar structure (header checksums, end marker), member
 names, duplicate and required members, every ``.npy`` header (numeric dtype, token rows equal to
 ``input_ids``' length), the chat JSON (renders with the tokenizer; placeholders match the images),
-every image header (an allowed format, a size, an aspect ratio the processor takes) and the teacher
-top-k shapes (``[L, K]``). What it leaves to load time: pixel data past the header, array values (ids
-within the vocabulary, finite log-probs). A sample found bad only then raises when it is loaded
+every image header (an allowed format, a size, an aspect ratio the processor takes; by default the
+pixels are decoded too, without the processor's resize and normalisation) and the teacher top-k
+shapes (``[L, K]``). What it leaves to load time: array values (ids within the vocabulary, finite and
+sorted log-probs, ...) of samples past the first of their signature, and, with
+``VLMRule(verify_images=False)``, pixel data past the header. A sample found bad only then raises when it is loaded
 (the default policy); see :mod:`prealign.loaders.sidecar` for the checksum that catches changed bytes.
 
 Any other transform has no length rule: its shards get the full pass (:func:`index_shard`), and a
@@ -78,16 +80,18 @@ class VLMRule:
     """:class:`~prealign.loaders.vlm.VLMSampleTransform` samples: image headers -> Qwen2-VL grids -> tokens
     per image -> the chat rendered by the tokenizer alone (or a pre-tokenized ``input_ids.npy`` header)."""
 
-    def __init__(self, transform, schema: BatchSchema):
+    def __init__(self, transform, schema: BatchSchema, *, verify_images: bool = True):
         from .vlm import image_processor
 
-        self.t = transform
+        self.t, self.verify_images = transform, verify_images
+        """``verify_images``: decode each image's pixels too (no resize, no processor), so a corrupt image
+        body is found here as the full pass finds it; False: headers only (found when loaded)."""
         self.geometry = Qwen2VLGeometry.of(image_processor(**transform.processor_options))
         self.merge = transform.tokenizer.vision.spatial_merge_size
 
     def __call__(self, members: dict[str, bytes], where: str) -> tuple[int, bool, tuple]:
         from .teacher_topk import IDS, LOG_PROBS
-        from .vlm import MediaError, MediaProblem, _image_members, _metadata, render_chat
+        from .vlm import MediaError, MediaProblem, _image_members, _metadata, decode_image, render_chat
 
         key = where
         raw = {"__key__": key, **{e: d for e, d in members.items() if not e.endswith(".npy")}}
@@ -101,6 +105,8 @@ class VLMRule:
             except HeaderError as exc:
                 raise MediaError(MediaProblem.CORRUPT_IMAGE, sample=key, field=name, expected=exc.expected,
                                  actual=exc.actual) from None
+            if self.verify_images:
+                decode_image(data, sample=key, name=name)
             tokens.append(t * gh * gw // self.merge ** 2)
         heads = _npy_headers(members, where)
         if "input_ids" in heads:
@@ -240,7 +246,7 @@ def _header_pass(source, schema, shard: int, rule, f) -> dict:
 # ---- writing sidecars ------------------------------------------------------------------------------
 def _up_to_date(source, schema, shard: int, out_dir: str | None) -> bool:
     """True when shard ``shard`` has a readable sidecar of its current size and this configuration."""
-    from .sidecar import config_key, parse_sidecar, read_sidecar_bytes, shard_size
+    from .sidecar import config_key, parse_sidecar, read_sidecar_bytes, shard_probe, shard_size
     from .errors import StaleIndexError
 
     src = source if out_dir is None else _with_index_dir(source, out_dir)
@@ -251,7 +257,9 @@ def _up_to_date(source, schema, shard: int, out_dir: str | None) -> bool:
         meta, _ = parse_sidecar(data, shard=source.urls[shard])
     except (StaleIndexError, OSError):
         return False
-    return meta["size"] == shard_size(source, shard) and meta["config"] == config_key(source, schema)
+    size = shard_size(source, shard)
+    return (meta["size"] == size and meta["config"] == config_key(source, schema)
+            and meta.get("probe", "") == shard_probe(source, shard, size))
 
 
 def _with_index_dir(source, out_dir: str):
@@ -267,7 +275,7 @@ def index_one(source, schema: BatchSchema, shard: int, *, out_dir: str | None = 
     """Write the sidecar of one shard unless it is up to date (``force``: always).
     Returns ``(shard, "indexed" | "up to date", samples)``."""
     from . import remote
-    from .sidecar import config_key, shard_name, sidecar_path, write_sidecar
+    from .sidecar import config_key, shard_name, shard_probe, sidecar_path, write_sidecar
 
     url = source.urls[shard]
     if not force and _up_to_date(source, schema, shard, out_dir):
@@ -277,7 +285,8 @@ def index_one(source, schema: BatchSchema, shard: int, *, out_dir: str | None = 
         raise ConfigError(f"{url}: a sidecar cannot be written beside a remote shard; give --out DIR "
                           f"(and index_dir=DIR to WebDatasetSource)")
     record, fingerprint = header_index_shard(source, schema, shard, full=full)
-    write_sidecar(path, record, shard=shard_name(url), fingerprint=fingerprint, config=config_key(source, schema))
+    write_sidecar(path, record, shard=shard_name(url), fingerprint=fingerprint, config=config_key(source, schema),
+                  extra={"probe": shard_probe(source, shard, fingerprint["size"])})
     return shard, "indexed", len(record["lengths"])
 
 

@@ -8,7 +8,8 @@ A sidecar is an ``.npz`` read with ``allow_pickle=False``:
 key            dtype / shape   meaning
 =============  ==============  ======================================================================
 ``meta``       uint8 ``[B]``   UTF-8 JSON: ``format``, ``version``, ``shard`` (file name), ``size``
-                               (bytes), ``hash`` (blake2b-128 of every byte read), ``config`` (key of
+                               (bytes), ``hash`` (blake2b-128 of every byte read), ``probe``
+                               (blake2b-64 of the first and last 64 KiB), ``config`` (key of
                                the schema + transform it was built for), ``dims`` (distinct named-dim
                                dicts), ``events`` (``[position, event]`` of each skip / bad record)
 ``spans``      int64 ``[N,3]`` ``start, end, checksum`` of each good sample (byte range, crc32)
@@ -22,8 +23,9 @@ returns, so the index (and the plan) is the same whether it came from sidecars o
 process. Every key, dtype and shape is checked on reading; anything else is a
 :class:`~prealign.loaders.errors.StaleIndexError` (a :class:`ConfigError`) naming the shard.
 
-When the loader is built, each shard is checked against its sidecar: it must exist and have the
-recorded size (a ``stat``, or one ``HEAD`` for a URL). A byte changed in place (same size) is caught
+When the loader is built, each shard is checked against its sidecar: it must exist, have the
+recorded size (a ``stat``, or one ``HEAD`` for a URL) and the same first and last 64 KiB (two reads,
+the ``probe``). A byte changed elsewhere in place (same size) is caught
 when the sample is read: the crc32 of its members recorded at indexing no longer matches
 (:class:`~prealign.loaders.errors.SourceChangedError`).
 """
@@ -102,7 +104,8 @@ def write_sidecar(path: str, record: dict, *, shard: str, fingerprint: dict, con
                   extra: dict | None = None) -> None:
     """Write ``record`` (an :func:`~prealign.loaders.index.index_shard` result) as the sidecar ``path``
     (atomically: a temporary file renamed)."""
-    locs = np.asarray(record["locations"], dtype=np.int64).reshape(len(record["lengths"]), -1)
+    n = len(record["lengths"])
+    locs = np.asarray(record["locations"], dtype=np.int64).reshape(n, -1 if n else 4)
     if locs.shape[1] != 4:
         raise StaleIndexError(shard, f"locations of width {locs.shape[1]}, expected (shard, start, end, checksum)")
     events = [[i, ev] for i, ev in enumerate(record["events"]) if ev[0] != "ok"]
@@ -239,6 +242,29 @@ def shard_size(source, shard: int) -> int:
                                 "check the path or the brace range") from None
 
 
+PROBE = 1 << 16
+
+
+def shard_probe(source, shard: int, size: int) -> str:
+    """blake2b-64 of a shard's first and last ``PROBE`` bytes (two reads): with the size, what the
+    build-time check compares. A shard read only front to back (``pipe:``) has none (``""``)."""
+    from . import remote
+
+    url = source.urls[shard]
+    if size < 0 or remote.scheme(url) == "pipe":
+        return ""
+    spans = [(0, min(PROBE, size)), (max(size - PROBE, 0), size)]
+    h = hashlib.blake2b(digest_size=8)
+    for lo, hi in spans:
+        if remote.is_remote(url):
+            h.update(remote.read_range(url, lo, hi, source.remote))
+        else:
+            with open(url[len("file://"):] if url.startswith("file://") else url, "rb") as f:
+                f.seek(lo)
+                h.update(f.read(hi - lo))
+    return h.hexdigest()
+
+
 def read_sidecar_bytes(source, shard: int) -> bytes | None:
     """The sidecar of shard ``shard`` (local file or URL), or None when there is none."""
     from . import remote
@@ -273,6 +299,9 @@ def sidecar_records(source, schema, sizes: list[int]) -> dict[int, dict]:
         if meta["size"] != sizes[shard]:
             raise ChangedShardError(url, f"{sizes[shard]} bytes now, {meta['size']} when indexed",
                                     "the shard changed since `prealign index`: re-run it")
+        if meta.get("probe", "") != shard_probe(source, shard, sizes[shard]):
+            raise ChangedShardError(url, "its first or last 64 KiB differ from when it was indexed",
+                                    "the shard changed since `prealign index`: re-run it")
         if meta["config"] != key:
             raise StaleIndexError(url, f"sidecar built for another schema or transform (config {meta['config']}, "
                                        f"this loader {key})", "re-run `prealign index` with this configuration")
@@ -300,21 +329,21 @@ def check_index(index, source) -> None:
     from .errors import ExtraShardError
 
     n = source.num_shards
+    recorded = getattr(index, "source_shards", None) or {}
+    names, sizes = recorded.get("names") or [], recorded.get("sizes") or []
+    urls = getattr(source, "urls", None)
+    if names and urls is not None and len(names) != len(urls):
+        here = [shard_name(u) for u in urls]
+        extra = [f"{m} (in the index, not in the source)" for m in names if m not in here] or \
+                [f"{u} (in the source, not in the index)" for u in urls if shard_name(u) not in names]
+        raise ExtraShardError(extra[0] if extra else "?", f"the index covers {len(names)} shard(s), the source "
+                                                          f"names {len(urls)}")
     shards = np.asarray(index.shards)
     if shards.size and int(shards.max()) >= n:
         raise ExtraShardError(f"#{int(shards.max())}", f"the index has samples of shard {int(shards.max())}, the "
                                                        f"source has {n} shard(s)", "an index of other data")
-    recorded = getattr(index, "source_shards", None)
-    if not recorded:
+    if not names or urls is None:
         return
-    names, sizes = recorded.get("names") or [], recorded.get("sizes") or []
-    urls = getattr(source, "urls", None)
-    if urls is None:
-        return
-    if len(names) != len(urls):
-        extra = [u for u in urls if shard_name(u) not in names] or [m for m in names if m not in map(shard_name, urls)]
-        raise ExtraShardError(extra[0] if extra else "?", f"the index covers {len(names)} shard(s), the source "
-                                                          f"names {len(urls)}")
     for shard, (url, name) in enumerate(zip(urls, names)):
         if shard_name(url) != name:
             raise ExtraShardError(url, f"the index has {name!r} at position {shard}", "an index of other shards")
