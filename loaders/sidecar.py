@@ -221,7 +221,7 @@ def describe_transform(transform) -> str:
 def config_key(source, schema) -> str:
     """16 hex digits naming what a sidecar's lengths depend on: schema, transform, required members."""
     desc = {"schema": schema.fingerprint(), "transform": describe_transform(source.transform),
-            "required": list(getattr(source, "required", ())), "image": getattr(source, "image", None)}
+            "required": list(getattr(source, "required", ()))}
     return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()[:16]
 
 
