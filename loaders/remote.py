@@ -31,7 +31,6 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections import OrderedDict
 from dataclasses import dataclass
 
 from prealign.schemas.errors import PrealignError
@@ -203,53 +202,53 @@ def _fetch(url: str, start: int, end: int, opts: RemoteOptions) -> bytes:
 
 
 class BlockCache:
-    """Fetched blocks on local disk (``<dir>/<sha1(url)[:16]>-<block>``), least recently used out past
-    ``limit`` bytes. One per process (the index of what is there is rebuilt from the directory)."""
+    """Fetched blocks on local disk (``<dir>/<sha1(url)[:16]>-<block>``), least recently used (by
+    modification time, touched on each hit) out past ``limit`` bytes. Processes may share the directory:
+    each eviction pass looks at what is really there, and a block evicted under a reader is fetched again."""
 
     def __init__(self, directory: str, limit: int):
         self.dir, self.limit, self.lock = directory, int(limit), threading.Lock()
         os.makedirs(directory, exist_ok=True)
-        entries = []
-        for name in os.listdir(directory):
-            if name.endswith(".part"):
-                continue
-            p = os.path.join(directory, name)
-            try:
-                st = os.stat(p)
-            except OSError:
-                continue
-            entries.append((st.st_atime, name, st.st_size))
-        self.lru: OrderedDict[str, int] = OrderedDict((n, s) for _, n, s in sorted(entries))
-        self.total = sum(self.lru.values())
 
     def get(self, name: str) -> bytes | None:
-        with self.lock:
-            if name not in self.lru:
-                return None
-            self.lru.move_to_end(name)
+        path = os.path.join(self.dir, name)
         try:
-            with open(os.path.join(self.dir, name), "rb") as f:
-                return f.read()
+            with open(path, "rb") as f:
+                data = f.read()
+            os.utime(path)
+            return data
         except OSError:
             return None
 
     def put(self, name: str, data: bytes) -> None:
         if len(data) > self.limit:
             return
-        tmp = os.path.join(self.dir, f"{name}.{os.getpid()}.part")
+        tmp = os.path.join(self.dir, f"{name}.{os.getpid()}.{threading.get_ident()}.part")
         with open(tmp, "wb") as f:
             f.write(data)
         os.replace(tmp, os.path.join(self.dir, name))
         with self.lock:
-            self.total += len(data) - self.lru.pop(name, 0)
-            self.lru[name] = len(data)
-            while self.total > self.limit and self.lru:
-                old, n = self.lru.popitem(last=False)
-                self.total -= n
-                try:
-                    os.remove(os.path.join(self.dir, old))
-                except OSError:
-                    pass
+            self._evict()
+
+    def _evict(self) -> None:
+        entries = []
+        for e in os.scandir(self.dir):
+            if e.name.endswith(".part"):
+                continue
+            try:
+                st = e.stat()
+            except OSError:
+                continue
+            entries.append((st.st_mtime_ns, e.name, st.st_size))
+        total = sum(n for _, _, n in entries)
+        for _, name, n in sorted(entries):
+            if total <= self.limit:
+                break
+            try:
+                os.remove(os.path.join(self.dir, name))
+            except OSError:
+                pass
+            total -= n
 
 
 _caches: dict[tuple, BlockCache] = {}
