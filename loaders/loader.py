@@ -238,7 +238,8 @@ index pass over all ranks and exchange the records (collective: every rank must 
             self.index = _with_media_flags(self.index, source, schema, cap)
         self._schedule = Schedule(self.index, layout=layout, token_budget=token_budget, dp_size=dp_size,
                                   planner=self.planner, seed=self.seed, shuffle=self.shuffle,
-                                  sequential=source.sequential, window=self.shuffle_window)
+                                  sequential=source.sequential, window=self.shuffle_window,
+                                  step_window=64 if getattr(source, "stream_only", getattr(source, "streaming", False)) else None)
         self._requests = _Requests()
         kwargs = {"prefetch_factor": prefetch_factor} if num_workers > 0 and prefetch_factor is not None else {}
         self._loader = DataLoader(_PlannedSamples(source, self.index, schema, cap, layout.seq_multiple),

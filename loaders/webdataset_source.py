@@ -95,6 +95,12 @@ class WebDatasetSource(Source):
     def num_shards(self) -> int:
         return len(self.urls)
 
+    @property
+    def stream_only(self) -> bool:
+        """True when some shard can only be read front to back (``pipe:``, ``.tar.gz``): the loader then
+        shuffles micro-batches within a bounded window of steps, not over the whole epoch."""
+        return any(_remote.is_sequential(u) for u in self.urls)
+
     # ---- scanning -------------------------------------------------------------------------------
     def scan(self, shard: int):
         url = self.urls[shard]
