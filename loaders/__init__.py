@@ -14,9 +14,10 @@ from .loader import PackedLoader
 from .planner import MicrobatchPlan, PlannerConfig, PlanStats, microbatch_capacity, plan_microbatches
 from .policy import BadDataPolicy, BadDataReport, BadSampleWarning, OnBadSample, Oversize, PackStrategy
 from .sources import HFSource, Source
+from .streaming import StreamingPackedLoader
 from .webdataset_source import WebDatasetSource, numpy_fields
 
-__all__ = ["HFChatTokenizer", "ChatTokenizer", "PackedLoader", "plan_microbatches", "microbatch_capacity", "MicrobatchPlan", "PlannerConfig", "PlanStats",
+__all__ = ["HFChatTokenizer", "ChatTokenizer", "PackedLoader", "StreamingPackedLoader", "plan_microbatches", "microbatch_capacity", "MicrobatchPlan", "PlannerConfig", "PlanStats",
            "HFSource", "WebDatasetSource", "Source", "numpy_fields", "SampleIndex", "build_index", "assert_resumes_exactly",
            "PackStrategy", "Oversize", "OnBadSample", "BadDataPolicy", "BadDataReport", "BadSampleWarning",
            "PlanError", "OversizeSampleError", "BadSampleError", "UnsafeMemberError", "MissingMemberError",
