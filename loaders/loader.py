@@ -28,10 +28,10 @@ from prealign.collate.thd import THDCollator
 from prealign.schemas.errors import SampleError
 from prealign.schemas.layout import ParallelLayout
 from prealign.schemas.schema import BatchSchema, Role, Source as FieldSource
-from .errors import BadSampleError, PlanError, SourceChangedError
+from .errors import BadSampleError, PlanError, SourceChangedError, reason_of
 from .index import SampleIndex, build_index, has_media, media_keys
 from .planner import MicrobatchPlan, PlannerConfig, microbatch_capacity
-from .policy import BadDataPolicy, BadDataReport, BadSampleWarning, Oversize
+from .policy import BadDataPolicy, BadDataReport, BadSampleWarning, OnBadSample, Oversize
 from .schedule import Request, Schedule
 from .sidecar import check_index
 from .sources import Source
@@ -128,11 +128,28 @@ class _PlannedSamples:
         sample = self.source.load(tuple(self.locations[i].tolist()))
         return filler_sample(sample, self.schema, self.filler_len)
 
-    def __getitems__(self, request: Request) -> tuple[Request, list[dict], Callable[[int], str]]:
-        """The micro-batch's samples, with :meth:`where` for the collate_fn's error messages."""
-        if request.indices:
+    skip_at_load: bool = False
+    """Under the skip policy: a sample that fails to load (found bad only now: an index built from
+    headers checks less than the full pass) is left out of its micro-batch and reported, not fatal."""
+
+    def __getitems__(self, request: Request):
+        """The micro-batch's samples, with :meth:`where` for the collate_fn's error messages (and the
+        samples left out at load time, ``(reason, where, message)``)."""
+        if not request.indices:
+            return request, [self._filler(request.filler_of)], self.where
+        if not self.skip_at_load:
             return request, [self._load(i) for i in request.indices], self.where
-        return request, [self._filler(request.filler_of)], self.where
+        samples, kept, skipped = [], [], []
+        for i in request.indices:
+            try:
+                samples.append(self._load(i))
+                kept.append(i)
+            except SampleError as exc:
+                skipped.append((reason_of(exc), f"{self.where(i)} (index row {i})", str(exc)))
+        if not samples:
+            raise BadSampleError(sample=self.where(request.indices[0]), field=None, expected="a loadable sample "
+                                 "in the micro-batch", actual=f"all {len(skipped)} failed: {skipped[0][2]}")
+        return dataclasses.replace(request, indices=tuple(kept)), samples, self.where, skipped
 
 
 @dataclass(frozen=True)
@@ -144,12 +161,24 @@ class _CollatePlanned:
     pack: bool = False
     """In worker processes: hand the batch over as one buffer (:mod:`prealign.loaders.transport`)."""
 
-    def __call__(self, fetched: tuple[Request, list[dict], Callable[[int], str]]):
-        request, samples, where = fetched
-        try:
-            batch = self.collator(samples)
-        except SampleError as exc:  # it names a position in the micro-batch: name the dataset sample
-            raise _renamed(exc, request, where) from exc
+    def __call__(self, fetched: tuple):
+        request, samples, where = fetched[:3]
+        skipped = list(fetched[3]) if len(fetched) > 3 else None  # None: not the skip policy
+        while True:
+            try:
+                batch = self.collator(samples)
+                break
+            except SampleError as exc:  # it names a position in the micro-batch: name the dataset sample
+                err = _renamed(exc, request, where)
+                pos = exc.sample
+                if skipped is None or len(samples) < 2 or isinstance(pos, bool) or not isinstance(pos, int) \
+                        or not 0 <= pos < len(samples):
+                    raise err from exc
+                skipped.append((reason_of(err), str(err.sample), str(err)))  # found bad at load: left out
+                samples = samples[:pos] + samples[pos + 1:]
+                request = dataclasses.replace(request, indices=request.indices[:pos] + request.indices[pos + 1:])
+        if skipped:
+            batch["skipped_at_load"] = skipped
         batch["sample_index"] = torch.tensor(request.indices, dtype=torch.int64)
         batch["is_filler"] = not request.indices
         batch["epoch"] = request.epoch
@@ -242,7 +271,10 @@ index pass over all ranks and exchange the records (collective: every rank must 
                                   step_window=64 if getattr(source, "stream_only", getattr(source, "streaming", False)) else None)
         self._requests = _Requests()
         kwargs = {"prefetch_factor": prefetch_factor} if num_workers > 0 and prefetch_factor is not None else {}
-        self._loader = DataLoader(_PlannedSamples(source, self.index, schema, cap, layout.seq_multiple),
+        planned = _PlannedSamples(source, self.index, schema, cap, layout.seq_multiple)
+        planned.skip_at_load = self.bad_data.on_error is OnBadSample.SKIP
+        self._load_report = BadDataReport()
+        self._loader = DataLoader(planned,
                                   batch_sampler=self._requests,
                                   collate_fn=_CollatePlanned(self.collator, pack=num_workers > 0),
                                   num_workers=num_workers, pin_memory=pin_memory,
@@ -291,6 +323,10 @@ index pass over all ranks and exchange the records (collective: every rank must 
             if self._active is not token:
                 raise RuntimeError("PackedLoader: a newer iterator over this loader was started; "
                                    "iterate one at a time")
+            for reason, where, message in batch.pop("skipped_at_load", ()):
+                self._load_report.add(reason, where, message)
+                if self.bad_data.warn:
+                    warnings.warn(BadSampleWarning(f"skipped {where} at load time ({reason}): {message}"))
             self._position = batch["microbatch"] + 1
             yield batch
         if self._active is token:
@@ -326,6 +362,10 @@ index pass over all ranks and exchange the records (collective: every rank must 
         (``oversize_truncated``, ``oversize_skipped``, and ``oversize_media`` for samples carrying
         media that ``Oversize.TRUNCATE`` leaves out rather than cut, each one named)."""
         rep = BadDataReport(counts=dict(self.index.report.counts), examples=list(self.index.report.examples))
+        for where, reason, message in self._load_report.examples:  # found bad only when loaded (counted once)
+            rep.examples.append((where, reason, message))
+        for reason, n in self._load_report.counts.items():
+            rep.counts[reason] = rep.counts.get(reason, 0) + n
         stats = self._oversize
         if stats.num_truncated:
             rep.counts["oversize_truncated"] = stats.num_truncated

@@ -15,7 +15,7 @@ from prealign.loaders.errors import ChangedShardError, ExtraShardError, MissingS
 from prealign.loaders.index import index_shard
 from prealign.loaders.sidecar import SUFFIX, parse_sidecar, sidecar_path
 from prealign.schemas import ParallelLayout
-from prealign.schemas.errors import ConfigError
+from prealign.schemas.errors import ConfigError, SampleError
 from prealign.schemas.schema import causal_lm_schema
 
 from .loader_helpers import add_member, sample_lengths, token_ids, write_shards
@@ -201,3 +201,35 @@ def test_vlm_header_index_equals_the_full_pass_on_the_demo_set(tmp_path):
     assert full.lengths.tolist() == side.lengths.tolist() and full.media.tolist() == side.media.tolist()
     assert full.digest == side.digest and full.dims == side.dims
     assert side.report.counts == full.report.counts == {k: 1 for k in ds.bad.values()}
+
+
+def test_sample_bad_only_at_load_time_is_counted_under_skip(tmp_path):
+    """The header pass does not read array values: an id past the vocabulary in sample 7 (not the first of
+    its signature) is found when loaded; under the skip policy it is left out of its micro-batch and
+    counted, under the default policy it raises naming the sample."""
+    from prealign.loaders.policy import BadSampleWarning
+
+    def extra(i, tf):
+        ids = token_ids(i, 12)
+        top = np.stack([ids % 1000, ids % 1000 + 1], axis=1).astype(np.int64)
+        if i == 7:
+            top[3, 1] = 99_999  # past vocab_size; the header shows only the shape [12, 2]
+        add_member(tf, f"{i:06d}.input_ids.npy", _npy(ids))
+        add_member(tf, f"{i:06d}.teacher_topk_ids.npy", _npy(top))
+        add_member(tf, f"{i:06d}.teacher_topk_log_probs.npy", _npy(np.tile(np.float32([-0.5, -2.0]), (12, 1))))
+        return True
+
+    schema = causal_lm_schema(topk=2, vocab_size=1001)
+    paths = write_shards(str(tmp_path), [12] * 30, num_shards=1, extra=extra)
+    write_sidecars(WebDatasetSource(paths), schema)
+    side = build_index(WebDatasetSource(paths), schema)
+    with pytest.warns(BadSampleWarning):
+        full = build_index(WebDatasetSource(paths, sidecars=False), schema, policy=SKIP)
+    assert len(side) == 30 and len(full) == 29  # the header pass accepted it; the full pass did not
+    loader = PackedLoader(WebDatasetSource(paths), schema=schema, layout=LAYOUT, token_budget=64, bad_data=SKIP)
+    with pytest.warns(BadSampleWarning, match="index row 7. at load time"):
+        rows = [int(i) for b in loader for i in b["sample_index"]]
+    assert sorted(rows) == [r for r in range(30) if r != 7]
+    assert loader.report.counts == {"bad_sample": 1}
+    with pytest.raises(SampleError, match="index row 7"):
+        list(PackedLoader(WebDatasetSource(paths), schema=schema, layout=LAYOUT, token_budget=64))
