@@ -23,6 +23,7 @@ sidecar still saves it the next time.
 """
 from __future__ import annotations
 
+import io
 from typing import Callable
 
 from prealign.schemas.errors import ConfigError, SampleError
@@ -57,6 +58,10 @@ class TextRule:
         self.media = media_keys(schema)
 
     def __call__(self, members: dict[str, bytes], where: str) -> tuple[int, bool, tuple]:
+        if len(members) == 1 and "input_ids.npy" in members:  # the common pre-tokenized sample
+            shape, dtype = npy_header(members["input_ids.npy"], field="input_ids.npy", sample=where)
+            if len(shape) == 1:
+                return shape[0], False, ((("input_ids", dtype.str, ()),), ())
         heads = _npy_headers(members, where)
         if "input_ids" not in heads or len(heads["input_ids"][0]) != 1:
             raise BadSampleError(sample=where, field="input_ids", expected="an input_ids.npy member of shape [L]",
@@ -157,7 +162,10 @@ def header_index_shard(source, schema: BatchSchema, shard: int, *, full: bool = 
         if rule is None:
             record = index_shard(source, schema, shard)
             return record, f.finish()
-        return _header_pass(source, schema, shard, rule, f), f.finish()
+        chunks = []  # the shard in memory (one at a time): one read, one hash, fast member walks
+        while chunk := f.read(16 << 20):
+            chunks.append(chunk)
+        return _header_pass(source, schema, shard, rule, io.BytesIO(b"".join(chunks))), f.finish()
     finally:
         close = getattr(f.f, "close", None)
         if close:
@@ -182,7 +190,7 @@ def _header_pass(source, schema, shard: int, rule, f) -> dict:
                 raise MissingMemberError(sample=where, field=missing[0], expected=f"members {list(source.required)}",
                                          actual=f"members {sorted(exts)}")
             for ext, data in members:  # small members decoded as the full pass does (JSON, text, refusals)
-                if not ext.endswith(".npy") and ext.rsplit(".", 1)[-1] not in IMAGES:
+                if not ext.endswith(".npy") and ext.rpartition(".")[2] not in IMAGES:
                     decode_member(where, ext, data, image=source.image, extra=source.decoders)
             n, has_media, sig = rule(exts, where)
         except SampleError as exc:
