@@ -357,7 +357,12 @@ def build_index(source: Source, schema: BatchSchema, *, policy: BadDataPolicy | 
         raise BadSampleError(sample=None, field=None, expected="the index pass to succeed on every rank",
                              actual="; ".join(failed))
     results = sorted([*known.values(), *(r for p in parts for r in p["results"])], key=lambda r: r["shard"])
-    index = merge_shards(results, policy or BadDataPolicy(), width=1, where=source.where, schema=schema)
+    if known and len(known) == len(results):  # every shard from its sidecar: the vectorised merge
+        from .sidecar import merge_records
+
+        index = merge_records(results, policy or BadDataPolicy(), where=source.where, schema=schema)
+    else:
+        index = merge_shards(results, policy or BadDataPolicy(), width=1, where=source.where, schema=schema)
     index = dataclasses.replace(index, source_shards=checked)
     if len(index) == 0:
         raise BadSampleError(sample=None, field=None, expected="at least one good sample in the source",

@@ -183,7 +183,8 @@ def parse_sidecar(data: bytes, *, shard: str) -> tuple[dict, dict[str, np.ndarra
 
 
 def record_of(meta: dict, arrays: dict[str, np.ndarray], shard: int) -> dict:
-    """The :func:`~prealign.loaders.index.index_shard` record a sidecar holds, for shard number ``shard``."""
+    """The :func:`~prealign.loaders.index.index_shard` record a sidecar holds, for shard number ``shard``
+    (arrays instead of lists; ``"sidecar": True`` lets :func:`merge_records` take the vectorised path)."""
     n = arrays["lengths"].shape[0]
     locations = np.concatenate([np.full((n, 1), shard, dtype=np.int64), arrays["spans"]], axis=1)
     events: list = [["ok"]] * meta["num_events"]
@@ -191,9 +192,48 @@ def record_of(meta: dict, arrays: dict[str, np.ndarray], shard: int) -> dict:
         if not 0 <= pos < len(events):
             raise StaleIndexError(str(meta["shard"]), "sidecar index unreadable: event position out of range")
         events[pos] = ev
-    return {"shard": shard, "locations": locations.tolist(), "lengths": arrays["lengths"].tolist(),
-            "media": arrays["media"].tolist(), "dims": meta["dims"], "dim_ids": arrays["dim_ids"].tolist(),
-            "events": events}
+    return {"shard": shard, "locations": locations, "lengths": arrays["lengths"], "media": arrays["media"],
+            "dims": meta["dims"], "dim_ids": arrays["dim_ids"], "events": events, "sidecar": True,
+            "bad_events": meta["events"]}
+
+
+def merge_records(results: list[dict], policy, *, where, schema):
+    """:func:`~prealign.loaders.index.merge_shards` for records read from sidecars, vectorised: the same
+    index and report (the bad-data policy applied to the recorded bad events in stream order), at a cost
+    per shard and per bad event instead of per sample. Falls back to ``merge_shards`` when any record is
+    not a sidecar's or two shards disagree on a named dim (its per-sample ``dim_mismatch`` handling)."""
+    from .index import SampleIndex, _reason, _thaw, merge_shards
+    from .policy import BadDataGate
+
+    fixed: dict = {}
+    for r in results:
+        if not r.get("sidecar"):
+            return merge_shards(results, policy, width=4, where=where, schema=schema)
+        for d in r["dims"]:
+            if any(fixed.get(k, v) != v for k, v in d.items()):
+                return merge_shards(results, policy, width=4, where=where, schema=schema)
+            fixed.update(d)
+    gate = BadDataGate(policy)
+    for r in results:
+        pos = 0
+        for at, ev in r["bad_events"]:
+            if at > pos:
+                gate.good()  # an ok record between bad ones resets the consecutive count
+            pos = at + 1
+            if ev[0] == "skip":
+                gate.report.add(ev[1], ev[2], ev[3])
+            else:
+                gate.bad(_reason(ev[2]), ev[1], _thaw(ev[2]))
+        if len(r["events"]) > pos:
+            gate.good()
+    cat = (lambda k, dt: np.concatenate([np.asarray(r[k], dtype=dt) for r in results]) if results
+           else np.zeros(0, dtype=dt))
+    n = sum(len(r["lengths"]) for r in results)
+    return SampleIndex(lengths=cat("lengths", np.int64),
+                       locations=np.concatenate([r["locations"] for r in results]) if n else np.zeros((0, 4), np.int64),
+                       shards=np.concatenate([np.full(len(r["lengths"]), r["shard"], np.int64) for r in results])
+                       if results else np.zeros(0, np.int64),
+                       report=gate.report, media=cat("media", bool), dims=fixed)
 
 
 # ---- the configuration a sidecar was built for -----------------------------------------------------

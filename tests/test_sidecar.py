@@ -65,6 +65,9 @@ def test_header_pass_equals_the_full_pass_and_sidecars_give_the_same_plan(tmp_pa
     assert write_sidecars(WebDatasetSource(paths), SCHEMA)["indexed"] == 3
     from_sidecars = build_index(WebDatasetSource(paths), SCHEMA, policy=SKIP)
     assert from_sidecars.digest == in_process.digest and len(in_process) == 57
+    os.rename(paths[1] + SUFFIX, str(tmp_path / "aside"))  # some shards from sidecars, one scanned
+    assert build_index(WebDatasetSource(paths), SCHEMA, policy=SKIP).digest == in_process.digest
+    os.rename(str(tmp_path / "aside"), paths[1] + SUFFIX)
     assert from_sidecars.report.counts == in_process.report.counts == {"bad_sample": 2, "missing_member": 1} \
         or from_sidecars.report.counts == in_process.report.counts
     in_process.save(str(tmp_path / "d.index"))  # exactly this path (issue #7: not d.index.npz)
