@@ -45,3 +45,39 @@ def test_index_command_out_dir_ranks_and_missing_shards(tmp_path, capsys, monkey
     assert main(["index", str(tmp_path / "shard-{000..005}.tar"), "--text", "--out", out]) == 2
     err = capsys.readouterr().err
     assert "MissingShardError" in err and "shard-004.tar" in err and "samples" not in err
+
+
+def _index_rank(rank: int, port: int, paths: list[str], out: str, log: str) -> None:
+    import torch.distributed as dist
+
+    os.environ.pop("RANK", None), os.environ.pop("WORLD_SIZE", None)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    import contextlib
+    import io
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        rc = main(["index", *paths, "--text", "--out", out])
+    with open(f"{log}-{rank}", "w") as f:
+        f.write(f"{rc}\n{err.getvalue()}")
+    dist.destroy_process_group()
+
+
+def test_index_command_splits_shards_over_gloo_ranks(tmp_path):
+    import multiprocessing as mp
+    import socket
+
+    paths = write_shards(str(tmp_path), sample_lengths(50), num_shards=5)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out, log = str(tmp_path / "idx"), str(tmp_path / "log")
+    procs = [mp.get_context("fork").Process(target=_index_rank, args=(r, port, paths, out, log)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    logs = [open(f"{log}-{r}").read() for r in range(2)]
+    assert [s.split("\n", 1)[0] for s in logs] == ["0", "0"]
+    assert "(rank 0/2)" in logs[0] and "3 shard(s) indexed" in logs[0] and "2 shard(s) indexed" in logs[1]
+    assert len(os.listdir(out)) == 5
