@@ -336,7 +336,7 @@ def sidecar_records(source, schema, sizes: list[int]) -> dict[int, dict]:
         meta, arrays = parse_sidecar(data, shard=url)
         if meta["shard"] != shard_name(url):
             raise StaleIndexError(url, f"its sidecar describes shard {meta['shard']!r}", "a sidecar of another shard")
-        if meta["size"] != sizes[shard]:
+        if sizes[shard] >= 0 and meta["size"] != sizes[shard]:  # (a pipe: command's output has no size)
             raise ChangedShardError(url, f"{sizes[shard]} bytes now, {meta['size']} when indexed",
                                     "the shard changed since `prealign index`: re-run it")
         if meta.get("probe", "") != shard_probe(source, shard, sizes[shard]):
