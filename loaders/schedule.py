@@ -100,11 +100,31 @@ class Schedule:
             self._cached = (epoch, order, plan, -1 if placed is None else int(order[placed]), served)
         return self._cached[1:4]
 
-    def __call__(self, epoch: int, dp_rank: int, start: int = 0) -> list[Request]:
+    def __call__(self, epoch: int, dp_rank: int, start: int = 0) -> "Requests":
         order, plan, filler_of = self._plan(epoch)
-        served, row = self._cached[4], plan.microbatches[dp_rank]
-        return [Request(epoch, i, tuple(int(order[p]) for p in row[j]), -1 if row[j] else filler_of)
-                for i, j in enumerate(served[start:].tolist(), start)]
+        return Requests(epoch, start, self._cached[4], plan.microbatches[dp_rank], order, filler_of)
 
     def num_microbatches(self, epoch: int) -> int:
         return self.plan(epoch)[1].stats.microbatches_per_rank
+
+
+class Requests:
+    """One rank's requests from micro-batch ``start`` on, built as they are iterated (an epoch of a
+    million samples is not turned into objects before its first batch)."""
+
+    def __init__(self, epoch: int, start: int, served: np.ndarray, row, order: np.ndarray, filler_of: int):
+        self.epoch, self.start, self.served, self.row, self.order, self.filler_of = \
+            epoch, start, served, row, order, filler_of
+
+    def __len__(self) -> int:
+        return max(len(self.served) - self.start, 0)
+
+    def __getitem__(self, k: int) -> Request:
+        i = self.start + k
+        if not 0 <= k < len(self):
+            raise IndexError(k)
+        mb = self.row[int(self.served[i])]
+        return Request(self.epoch, i, tuple(self.order[list(mb)].tolist()) if mb else (), -1 if mb else self.filler_of)
+
+    def __iter__(self):
+        return (self[k] for k in range(len(self)))
