@@ -90,6 +90,20 @@ class SampleIndex:
 
     @classmethod
     def load(cls, path: str) -> "SampleIndex":
+        """The index :meth:`save` wrote; anything else (no such file, not an index, a crafted file) is a
+        :class:`~prealign.loaders.errors.StaleIndexError` (a configuration error) naming the path."""
+        from .errors import StaleIndexError
+
+        try:
+            return cls._load(path)
+        except (OSError, ValueError, KeyError, TypeError, EOFError) as exc:
+            if isinstance(exc, PrealignError):
+                raise
+            raise StaleIndexError(path, f"not a readable SampleIndex ({type(exc).__name__}: {exc})",
+                                  "give the path SampleIndex.save wrote") from None
+
+    @classmethod
+    def _load(cls, path: str) -> "SampleIndex":
         with np.load(path, allow_pickle=False) as z:
             rep = json.loads(bytes(z["report"]).decode())
             report = BadDataReport(counts=dict(rep["counts"]), examples=[tuple(e) for e in rep["examples"]])

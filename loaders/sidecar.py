@@ -316,7 +316,7 @@ def read_sidecar_bytes(source, shard: int) -> bytes | None:
         return remote.read_small(path, source.remote)
     try:
         with open(path, "rb") as f:
-            return f.read(_MAX_META + (1 << 30))
+            return f.read()
     except FileNotFoundError:
         return None
 

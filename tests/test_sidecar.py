@@ -236,3 +236,11 @@ def test_sample_bad_only_at_load_time_is_counted_under_skip(tmp_path):
     assert loader.report.counts == {"bad_sample": 1}
     with pytest.raises(SampleError, match="index row 7"):
         list(PackedLoader(WebDatasetSource(paths), schema=schema, layout=LAYOUT, token_budget=64))
+
+
+def test_saved_index_path_that_is_not_an_index_is_a_config_error(tmp_path):
+    paths = write_shards(str(tmp_path), sample_lengths(10), num_shards=1)
+    (tmp_path / "junk.index").write_bytes(b"not an index")
+    for path in (str(tmp_path / "missing.index"), str(tmp_path / "junk.index")):
+        with pytest.raises(StaleIndexError, match=os.path.basename(path)):
+            _loader(WebDatasetSource(paths), index=path)
