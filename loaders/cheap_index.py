@@ -159,7 +159,7 @@ def _verified_size(data: bytes, name: str, key) -> tuple[int, int]:
                           actual=f"{len(data)} bytes ({type(exc).__name__}: {exc})") from None
 
 
-def length_rule(source, schema: BatchSchema) -> Callable | None:
+def length_rule(source, schema: BatchSchema, *, verify_images: bool = True) -> Callable | None:
     """The header rule for ``source``'s transform, or None (no rule: the full pass)."""
     from .vlm import VLMSampleTransform
     from .webdataset_source import numpy_fields
@@ -167,11 +167,12 @@ def length_rule(source, schema: BatchSchema) -> Callable | None:
     if source.transform is numpy_fields:
         return TextRule(schema)
     if isinstance(source.transform, VLMSampleTransform):
-        return VLMRule(source.transform, schema)
+        return VLMRule(source.transform, schema, verify_images=verify_images)
     return None
 
 
-def header_index_shard(source, schema: BatchSchema, shard: int, *, full: bool = False) -> tuple[dict, dict]:
+def header_index_shard(source, schema: BatchSchema, shard: int, *, full: bool = False,
+                       verify_images: bool = True) -> tuple[dict, dict]:
     """``(record, fingerprint)`` of one shard of a :class:`~prealign.loaders.webdataset_source.WebDatasetSource`:
     the record :func:`~prealign.loaders.index.index_shard` would give (same locations, lengths, media flags,
     named dims; bad samples under the same reasons), from headers; ``fingerprint`` is ``{"size", "hash"}``
@@ -179,7 +180,7 @@ def header_index_shard(source, schema: BatchSchema, shard: int, *, full: bool = 
     from . import remote
 
     url = source.urls[shard]
-    rule = None if full else length_rule(source, schema)
+    rule = None if full else length_rule(source, schema, verify_images=verify_images)
     f = Fingerprint(remote.open_stream(url, source.remote))
     try:
         if rule is None:
@@ -302,7 +303,7 @@ def _with_index_dir(source, out_dir: str):
 
 
 def index_one(source, schema: BatchSchema, shard: int, *, out_dir: str | None = None, full: bool = False,
-              force: bool = False) -> tuple[int, str, int]:
+              force: bool = False, verify_images: bool = True) -> tuple[int, str, int]:
     """Write the sidecar of one shard unless it is up to date (``force``: always).
     Returns ``(shard, "indexed" | "up to date", samples)``."""
     from . import remote
@@ -315,22 +316,23 @@ def index_one(source, schema: BatchSchema, shard: int, *, out_dir: str | None = 
     if remote.is_remote(path):
         raise ConfigError(f"{url}: a sidecar cannot be written beside a remote shard; give --out DIR "
                           f"(and index_dir=DIR to WebDatasetSource)")
-    record, fingerprint = header_index_shard(source, schema, shard, full=full)
+    record, fingerprint = header_index_shard(source, schema, shard, full=full, verify_images=verify_images)
     write_sidecar(path, record, shard=shard_name(url), fingerprint=fingerprint, config=config_key(source, schema),
                   extra={"probe": shard_probe(source, shard, fingerprint["size"])})
     return shard, "indexed", len(record["lengths"])
 
 
 def _index_task(args):
-    source, schema, shard, out_dir, full, force = args
-    return index_one(source, schema, shard, out_dir=out_dir, full=full, force=force)
+    source, schema, shard, out_dir, full, force, verify = args
+    return index_one(source, schema, shard, out_dir=out_dir, full=full, force=force, verify_images=verify)
 
 
 def write_sidecars(source, schema: BatchSchema, *, out_dir: str | None = None, workers: int = 1, full: bool = False,
-                   force: bool = False, shards: list[int] | None = None,
+                   force: bool = False, shards: list[int] | None = None, verify_images: bool = True,
                    progress: Callable[[int, int, int], None] | None = None) -> dict:
     """Index ``shards`` (default: all) of ``source`` into sidecars with ``workers`` local processes.
-    ``progress(done, total, samples)`` is called after each shard. Returns ``{"indexed", "up_to_date",
+    ``progress(done, total, samples)`` is called after each shard. ``verify_images=False``: image headers
+    only (no pixel decode; a corrupt image body is then found, and counted, when its sample is loaded). Returns ``{"indexed", "up_to_date",
     "samples"}`` counts."""
     import multiprocessing as mp
 
@@ -344,9 +346,9 @@ def write_sidecars(source, schema: BatchSchema, *, out_dir: str | None = None, w
 
         os.makedirs(out_dir, exist_ok=True)
     stats = {"indexed": 0, "up_to_date": 0, "samples": 0}
-    tasks = [(source, schema, s, out_dir, full, force) for s in todo]
+    tasks = [(source, schema, s, out_dir, full, force, verify_images) for s in todo]
     if workers > 1 and len(tasks) > 1:
-        ctx = mp.get_context("spawn" if mp.get_start_method(allow_none=True) == "spawn" else "fork")
+        ctx = mp.get_context("spawn")  # fork after torch / PIL threads have run can deadlock a child
         with ctx.Pool(min(workers, len(tasks))) as pool:
             results = pool.imap_unordered(_index_task, tasks)
             _collect(results, stats, len(tasks), progress)

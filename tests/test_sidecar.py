@@ -244,3 +244,29 @@ def test_saved_index_path_that_is_not_an_index_is_a_config_error(tmp_path):
     for path in (str(tmp_path / "missing.index"), str(tmp_path / "junk.index")):
         with pytest.raises(StaleIndexError, match=os.path.basename(path)):
             _loader(WebDatasetSource(paths), index=path)
+
+
+def test_vlm_header_only_index_finds_corrupt_pixels_at_load_time(tmp_path):
+    """``prealign index --header-only``: no pixel decode; the planted corrupt image body passes the header
+    pass, and is then left out and counted (``corrupt_image``) when loaded under the skip policy."""
+    from prealign.loaders.cli.demo_data import build_demo_dataset
+    from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
+    from prealign.loaders.vlm import VLMSampleTransform
+    from prealign.schemas.vlm import vlm_schema
+
+    ds = build_demo_dataset(str(tmp_path), num_samples=90, samples_per_shard=30, topk=4)
+    transform = VLMSampleTransform(tokenizer=ByteTokenizer(), topk=4)
+    schema = vlm_schema(topk=4, vocab_size=ds.vocab_size)
+    src = WebDatasetSource(list(ds.shards), transform=transform, image="bytes")
+    write_sidecars(src, schema, verify_images=False)
+    with pytest.warns(Warning):
+        full = build_index(WebDatasetSource(list(ds.shards), transform=transform, image="bytes", sidecars=False),
+                           schema, policy=SKIP)
+        side = build_index(src, schema, policy=SKIP)
+    assert len(side) == len(full) + 1 and "corrupt_image" not in side.report.counts
+    common = {tuple(r): n for r, n in zip(side.locations.tolist(), side.lengths.tolist())}
+    assert all(common[tuple(r)] == n for r, n in zip(full.locations.tolist(), full.lengths.tolist()))
+    loader = PackedLoader(src, schema=schema, layout=LAYOUT, token_budget=4096, bad_data=SKIP)
+    with pytest.warns(Warning):
+        rows = [int(i) for b in loader for i in b["sample_index"]]
+    assert len(rows) == len(full) and loader.report.counts == {k: 1 for k in ds.bad.values()}

@@ -31,6 +31,8 @@ def add_parser(sub) -> None:
     p.add_argument("--vocab-size", type=int, default=None, help="bound teacher ids (text mode)")
     p.add_argument("--full", action="store_true", help="run the full transform on every sample (no header rule)")
     p.add_argument("--force", action="store_true", help="re-index shards whose sidecar is up to date")
+    p.add_argument("--header-only", action="store_true", help="VLM: read image headers only, no pixel decode "
+                                                             "(a corrupt image body is found when loaded)")
     p.set_defaults(func=cmd_index)
 
 
@@ -90,7 +92,8 @@ def cmd_index(args) -> int:
         label = "prealign index" + (f" (rank {rank}/{world})" if world > 1 else "")
         t0 = time.perf_counter()
         stats = write_sidecars(source, schema, out_dir=args.out, workers=max(args.workers, 1), full=args.full,
-                               force=args.force, shards=shards, progress=Progress(label))
+                               force=args.force, shards=shards, progress=Progress(label),
+                               verify_images=not args.header_only)
     except PrealignError as exc:
         print(f"prealign index: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
