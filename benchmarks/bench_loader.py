@@ -29,7 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from prealign.collate import THDCollator  # noqa: E402
-from prealign.loaders import PackedLoader, WebDatasetSource  # noqa: E402
+from prealign.loaders import IndexOptions, LoadingOptions, PackedLoader, WebDatasetSource  # noqa: E402
 from prealign.schemas import ParallelLayout, causal_lm_schema  # noqa: E402
 
 
@@ -114,8 +114,8 @@ def main(argv=None) -> int:
         coll = TimedCollator(THDCollator(schema=schema, layout=layout, cp_rank=0))
         t0 = time.perf_counter()
         loader = PackedLoader(src, schema=schema, layout=layout, token_budget=8192, cp_rank=0,
-                              num_workers=args.workers, collator=coll, index_workers=args.workers,
-                              persistent_workers=True, prefetch_factor=4)
+                              num_workers=args.workers, collator=coll, indexing=IndexOptions(workers=args.workers),
+                              loading=LoadingOptions(persistent_workers=True, prefetch_factor=4))
         index_s = time.perf_counter() - t0
         rows = []
         for rep in range(2):  # alternate so that page cache and warm-up favour neither
@@ -123,7 +123,7 @@ def main(argv=None) -> int:
             lb, ls, lt, _ = loader_epoch(loader)
             rows.append((raw, lb, ls, lt))
         inproc = PackedLoader(src, schema=schema, layout=layout, token_budget=8192, cp_rank=0, num_workers=0,
-                              collator=coll, index=loader.index)
+                              collator=coll, indexing=IndexOptions(prebuilt=loader.index))
         ib, isamp, it, icoll = loader_epoch(inproc)
     raw, lb, ls, lt = rows[-1]
     (rn0, rs0), (rn, rs) = raw

@@ -81,12 +81,13 @@ def _phase(code: str) -> dict:
 
 
 _TTFB = """
-from prealign.loaders import PackedLoader, WebDatasetSource, numpy_fields
+from prealign.loaders import IndexOptions, PackedLoader, WebDatasetSource, numpy_fields
 from prealign.schemas import ParallelLayout, causal_lm_schema
 paths = {paths!r}
 t0 = time.perf_counter()
 loader = PackedLoader(WebDatasetSource(paths, sidecars={sidecars}), schema=causal_lm_schema(),
-                      layout=ParallelLayout(tp=2, cp=2), token_budget=8192, index_workers={workers}, num_workers=0)
+                      layout=ParallelLayout(tp=2, cp=2), token_budget=8192, indexing=IndexOptions(workers={workers}),
+                      num_workers=0).prepare()
 t1 = time.perf_counter()
 batch = next(iter(loader))
 t2 = time.perf_counter()

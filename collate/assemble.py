@@ -8,13 +8,16 @@ padding mask, loss mask) come from the plan itself. Outputs have the token dim f
 from __future__ import annotations
 
 import functools
+import operator
 from typing import Callable
 
+import numpy as np
 import torch
 
-from prealign.schemas.schema import BatchSchema, Role, Source
+from prealign.schemas.errors import ArgumentError
+from prealign.schemas.schema import BatchSchema, FieldSpec, Role, Source
 from .indices import GatherPlan
-from .samples import FlatBatch, TokenSource, check_value_bounds, resolve_key
+from .samples import FlatBatch, TokenSource, check_value_bounds, checked_spec, resolve_key
 
 BLOCK_MIN_BYTES = 4 << 20  # below this, one concatenation is cheaper than blocks
 
@@ -38,8 +41,9 @@ def token_fields(schema: BatchSchema, flat: FlatBatch, plan: GatherPlan,
             index = p.src if spec.source is Source.SAMPLE else p.take_src_next()
             # bounds are checked on every row, not only this CP rank's: a bad token held by another
             # rank must fail here too, or this rank would go on into the next collective alone
-            check = (lambda rows, first, spec=spec, key=key: check_value_bounds(rows, spec, key, flat, first)) \
-                if flat.check_values and spec.has_bounds else None
+            checked = checked_spec(spec, schema.ignore_index) if flat.check_values else None
+            check = (lambda rows, first, c=checked, key=key: check_value_bounds(rows, c[0], key, flat, first, c[1])) \
+                if checked is not None else None
             out[spec.name] = gather(flat.token[key], index, p, flat, check)
             continue
         for source in flat.token.values():
@@ -54,17 +58,42 @@ def token_fields(schema: BatchSchema, flat: FlatBatch, plan: GatherPlan,
     return out
 
 
-def check_cp_rank(cp_rank: int | None, layout) -> None:
-    """A collator's ``cp_rank``: None (the whole batch) or a rank of the layout's CP group."""
-    if cp_rank is not None and not 0 <= cp_rank < layout.cp:
-        raise ValueError(f"cp_rank must be None or in [0, {layout.cp}), got {cp_rank}")
+def check_cp_rank(cp_rank, layout) -> int | None:
+    """A collator's ``cp_rank`` as a plain int: None (the whole batch) or a rank of the layout's CP
+    group. Any integer type is accepted (``np.int64(1)``); a bool, a float or a str is not a rank.
+
+    >>> from prealign.schemas import ParallelLayout
+    >>> check_cp_rank(np.int64(1), ParallelLayout(cp=2))
+    1
+    """
+    if cp_rank is None:
+        return None
+    is_bool = isinstance(cp_rank, bool) or getattr(cp_rank, "dtype", None) in (torch.bool, np.bool_)
+    try:
+        rank = None if is_bool else operator.index(cp_rank)
+    except TypeError:
+        rank = None
+    if rank is None:
+        raise ArgumentError(f"cp_rank: expected None or an int in [0, {layout.cp}), got {cp_rank!r} "
+                            f"({type(cp_rank).__name__}; a bool is not a rank)")
+    if not 0 <= rank < layout.cp:
+        raise ArgumentError(f"cp_rank: expected None or an int in [0, {layout.cp}) (cp={layout.cp}), got {rank}")
+    return rank
 
 
-def non_token_fields(flat: FlatBatch, layout, cp_rank: int | None) -> dict:
-    """What every batch carries besides its token fields: SEQUENCE and MEDIA fields, and the CP
-    metadata (``cp_rank`` -1 when unsharded, ``cp_size``, ``cp_layout``)."""
-    return {**flat.sequence, **flat.media, "cp_rank": -1 if cp_rank is None else cp_rank, "cp_size": layout.cp,
-            "cp_layout": layout.cp_layout.value}
+def non_token_fields(flat: FlatBatch, schema: BatchSchema, layout, cp_rank: int | None) -> dict:
+    """What every batch carries besides its token fields: SEQUENCE and MEDIA fields, the CP
+    metadata (``cp_rank`` -1 when unsharded, ``cp_size``, ``cp_layout``) and ``label_source``, the
+    sample key the labels were read from (``"input_ids"``: the next tokens; ``"labels"``: the
+    sample's own), so that :func:`~prealign.schemas.validate_batch` knows which rule applies."""
+    out = {**flat.sequence, **flat.media, "cp_rank": -1 if cp_rank is None else cp_rank, "cp_size": layout.cp,
+           "cp_layout": layout.cp_layout.value}
+    labels_spec = next((f for f in schema.of_role(Role.TOKEN) if f.source is Source.NEXT_TOKEN), None)
+    if labels_spec is not None:
+        key = resolve_key(labels_spec, flat.token.keys())
+        if key is not None:
+            out["label_source"] = key
+    return out
 
 
 @functools.lru_cache(maxsize=64)
@@ -109,14 +138,22 @@ def gather(source: TokenSource, index: torch.Tensor, plan: GatherPlan, flat: Fla
 
 def _loss_mask(spec, schema: BatchSchema, flat: FlatBatch, plan: GatherPlan, labels: torch.Tensor | None,
                labels_from_ids: bool):
-    """1.0 where a label is trained on: label != ignore_index and not a pad, times the sample's own
-    ``loss_mask`` (aligned with its tokens, so shifted like the labels) when it has one."""
+    """1.0 where a label is trained on (label != ignore_index, not a pad), times the sample's own
+    ``loss_mask`` (aligned with its tokens, so shifted like the labels) when it has one. Sample
+    weights are kept as given (0.5 stays 0.5; bool/int masks become 0.0/1.0) and must be finite
+    and >= 0: anything else is a :class:`SampleError`, never a silent change."""
     sample_mask = flat.token.get("loss_mask")
     if labels_from_ids and sample_mask is None:
         # labels are the next input_ids: trained on every real slot but each sequence's last
         mask = plan.is_pad.logical_not().to(spec.dtype)
         return mask.index_fill_(0, plan.last_slots, 0)
-    mask = (labels != schema.ignore_index) if labels is not None else ~plan.is_pad
+    mask = ((labels != schema.ignore_index) if labels is not None else ~plan.is_pad).to(spec.dtype)
     if sample_mask is not None:
-        mask = mask & gather(sample_mask, plan.src_next, plan, flat).bool()
-    return mask.to(spec.dtype)
+        checked = checked_spec(_SAMPLE_WEIGHTS, schema.ignore_index) if flat.check_values else None
+        check = (lambda rows, first: check_value_bounds(rows, checked[0], "loss_mask", flat, first)) \
+            if checked is not None else None
+        mask.mul_(gather(sample_mask, plan.src_next, plan, flat, check).to(spec.dtype))
+    return mask
+
+
+_SAMPLE_WEIGHTS = FieldSpec(name="loss_mask", dtypes=("float32",), pad_value=0, finite=True, min_value=0)

@@ -48,7 +48,7 @@ class BSHDCollator:
     check_values: bool = True
 
     def __post_init__(self):
-        check_cp_rank(self.cp_rank, self.layout)
+        object.__setattr__(self, "cp_rank", check_cp_rank(self.cp_rank, self.layout))  # np.int64(1) -> 1
 
     def __call__(self, batch) -> dict:
         flat = flatten(batch, self.schema, check_values=self.check_values)
@@ -62,5 +62,5 @@ class BSHDCollator:
             out[name] = v.unflatten(td, (b, v.shape[td] // b))
         out["attention_mask"] = ~plan.is_pad.view(b, -1)
         out["cu_seqlens"] = flat.cu_seqlens.to(torch.int32)
-        out.update(non_token_fields(flat, self.layout, self.cp_rank))
+        out.update(non_token_fields(flat, self.schema, self.layout, self.cp_rank))
         return out

@@ -21,7 +21,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from prealign.schemas.layout import CPLayout, ParallelLayout
+from prealign.schemas.errors import ArgumentError, OffsetOverflowError
+from prealign.schemas.layout import MAX_PACKED_LENGTH, CPLayout, ParallelLayout
+
+INT32_MAX = MAX_PACKED_LENGTH
 
 
 def as_numpy(x) -> np.ndarray:
@@ -41,6 +44,9 @@ def lengths_to_cu_seqlens(lengths, dtype: torch.dtype = torch.int32) -> torch.Te
     """
     cu = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(as_numpy(lengths), out=cu[1:])
+    if dtype == torch.int32 and cu[-1] > INT32_MAX:
+        raise OffsetOverflowError(f"a packed length of {int(cu[-1])} rows does not fit int32 cu_seqlens (max "
+                                  f"{INT32_MAX}, what megatron-core and TE take); lower the token budget")
     return torch.from_numpy(cu).to(dtype)
 
 
@@ -70,7 +76,7 @@ def cp_chunks(padded, layout: ParallelLayout, cp_rank: int | None) -> Chunks:
         return Chunks(seq, np.zeros(n, np.int64), padded)
     cp = layout.cp
     if not 0 <= cp_rank < cp:
-        raise ValueError(f"cp_rank must be in [0, {cp}), got {cp_rank}")
+        raise ArgumentError(f"cp_rank: expected an int in [0, {cp}) (cp={cp}), got {cp_rank!r}")
     if layout.cp_layout is CPLayout.ZIGZAG:
         c = padded // (2 * cp)
         # chunk r then chunk 2cp-1-r of every sequence, sequence after sequence

@@ -16,15 +16,33 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import inspect
+from typing import Mapping
 
 import torch
 
+from prealign.schemas.errors import ArgumentError
 from prealign.schemas.layout import CPLayout
 
 
 class PackedSeqConvention(enum.Enum):
     PADDED = "padded"
     UNPADDED = "unpadded"
+
+
+def _known_fields(cls) -> set[str]:
+    """Field names of the installed ``PackedSeqParams`` (a dataclass in every megatron-core we know;
+    the constructor's parameters otherwise)."""
+    if dataclasses.is_dataclass(cls):
+        return {f.name for f in dataclasses.fields(cls)}
+    return set(inspect.signature(cls).parameters)
+
+
+def _enum_arg(name: str, enum_cls, value):
+    try:
+        return enum_cls(value.value if isinstance(value, enum.Enum) else value)
+    except ValueError:
+        raise ArgumentError(f"{name}: expected one of {[e.value for e in enum_cls]}, got {value!r}") from None
 
 
 def to_packed_seq_params(batch: dict, *, convention: PackedSeqConvention | str = PackedSeqConvention.PADDED,
@@ -34,22 +52,41 @@ def to_packed_seq_params(batch: dict, *, convention: PackedSeqConvention | str =
 
     With a megatron-core that knows ``cp_partition_mode`` it is set from ``cp_layout`` (default: the
     batch's own ``cp_layout``, zigzag if it has none); an older one only supports zigzag, and a
-    contiguous batch under CP is an error there.
+    contiguous batch under CP is an error there. A megatron-core whose ``PackedSeqParams`` has
+    ``pad_between_seqs`` gets it stated (True when ``cu_seqlens_q`` differs from the padded offsets,
+    i.e. the UNPADDED convention with real padding; TE would otherwise infer it), and one with
+    ``total_tokens`` gets ``T``, the global padded length (``cu_seqlens_padded[-1]``).
     """
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    convention = PackedSeqConvention(convention)
-    cp_layout = CPLayout(cp_layout if cp_layout is not None else batch.get("cp_layout", CPLayout.ZIGZAG.value))
+    if not isinstance(batch, Mapping):
+        raise ArgumentError(f"batch: expected a THDCollator batch (a dict), got {type(batch).__name__}")
+    missing = [k for k in ("cu_seqlens", "cu_seqlens_padded", "max_seqlen") if not isinstance(batch.get(k), torch.Tensor)]
+    if missing:
+        raise ArgumentError(f"batch: expected the THD keys {missing} as tensors (a THDCollator batch), got keys "
+                            f"{sorted(map(str, batch))}")
+    convention = _enum_arg("convention", PackedSeqConvention, convention)
+    cp_layout = _enum_arg("cp_layout", CPLayout,
+                          cp_layout if cp_layout is not None else batch.get("cp_layout", CPLayout.ZIGZAG.value))
     padded = batch["cu_seqlens_padded"].to(device=device, dtype=torch.int32)
     true = batch["cu_seqlens"].to(device=device, dtype=torch.int32)
+    if padded.ndim != 1 or padded.shape != true.shape or padded.numel() < 2:
+        raise ArgumentError(f"batch: expected cu_seqlens and cu_seqlens_padded int32 [N+1] alike, got "
+                            f"{tuple(true.shape)} and {tuple(padded.shape)}")
+    if batch["max_seqlen"].numel() != 1:
+        raise ArgumentError(f"batch: expected max_seqlen int32 [1], got shape {tuple(batch['max_seqlen'].shape)}")
     q = padded if convention is PackedSeqConvention.PADDED else true
     max_seqlen = int(batch["max_seqlen"].reshape(-1)[0])
     kwargs = dict(qkv_format="thd", cu_seqlens_q=q, cu_seqlens_kv=q, cu_seqlens_q_padded=padded,
                   cu_seqlens_kv_padded=padded, max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen)
-    known = {f.name for f in dataclasses.fields(PackedSeqParams)} if dataclasses.is_dataclass(PackedSeqParams) else set()
+    known = _known_fields(PackedSeqParams)
     if "cp_partition_mode" in known:
         kwargs["cp_partition_mode"] = cp_layout.value
     elif cp_layout is CPLayout.CONTIGUOUS and batch.get("cp_size", 1) > 1:
-        raise ValueError("the contiguous CP layout needs PackedSeqParams.cp_partition_mode, which this "
-                         "megatron-core does not have; use CPLayout.ZIGZAG or a newer megatron-core")
+        raise ArgumentError("cp_layout: the contiguous CP layout needs PackedSeqParams.cp_partition_mode, which "
+                            "this megatron-core does not have; use CPLayout.ZIGZAG or a newer megatron-core")
+    if "pad_between_seqs" in known:
+        kwargs["pad_between_seqs"] = not torch.equal(q, padded)
+    if "total_tokens" in known:
+        kwargs["total_tokens"] = int(padded[-1])
     return PackedSeqParams(**kwargs)

@@ -7,6 +7,7 @@ to name the sample, the field, what was expected and what came.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
@@ -115,8 +116,9 @@ def _sample_keys_read(schema: BatchSchema) -> tuple[FieldSpec, ...]:
     derived ``loss_mask`` multiplies in) when the schema does not declare one itself."""
     specs = [f for f in schema.of_role(Role.TOKEN) if f.source in (Source.SAMPLE, Source.NEXT_TOKEN)]
     if "loss_mask" not in schema or schema["loss_mask"].source is not Source.SAMPLE:
+        # loss weights: kept as given (0.5 stays 0.5), so they must be finite and >= 0
         specs.append(FieldSpec(name="loss_mask", dtypes=("float32", "bool", "int64", "int32", "uint8", "bfloat16"),
-                               pad_value=0, required=False))
+                               pad_value=0, required=False, finite=True, min_value=0))
     return tuple(specs)
 
 
@@ -175,7 +177,9 @@ def flatten(batch, schema: BatchSchema, *, check_values: bool = True) -> FlatBat
         if key in done:
             continue
         done.add(key)
-        tensors = ids if key == "input_ids" else _column(batch, key)
+        tensors = _widened(ids if key == "input_ids" else _column(batch, key), spec)
+        if key == "input_ids":
+            ids = tensors
         _check_token_parts(tensors, spec, key, flat)
         flat.token[key] = TokenSource(parts=tensors, values=None, pad=_pad_rows(tensors[0], spec, next_pads.get(key)),
                                       token_dim=spec.token_dim,
@@ -185,21 +189,39 @@ def flatten(batch, schema: BatchSchema, *, check_values: bool = True) -> FlatBat
             if spec.required or any(spec.name in s for s in batch):
                 _missing(spec, batch)
             continue
-        tensors = _column(batch, spec.name)
+        tensors = _widened(_column(batch, spec.name), spec)
         target = flat.sequence if spec.role is Role.SEQUENCE else flat.media
         target[spec.name] = _join_other(tensors, spec, flat, check_values)
     return flat
 
 
 def _check_contiguous_jagged(nt: torch.Tensor, key: str) -> None:
-    """A narrowed jagged tensor (holes between rows, or rows starting past 0) would be read wrongly
-    from ``offsets()``/``values()``: refuse it (``nt.contiguous()`` makes it acceptable)."""
+    """Only a CPU jagged nested tensor whose offsets run from 0 to the end of its values, without
+    holes, is read: a strided one has no offsets, a narrowed one (holes between rows, or rows starting
+    past 0) would be read wrongly from ``offsets()``/``values()`` (``nt.contiguous()`` fixes it), and
+    offsets past the end would index out of the values."""
+    if nt.layout != torch.jagged:
+        raise SampleError(sample=None, field=key, expected="a jagged nested tensor (layout=torch.jagged)",
+                          actual=f"a nested tensor of layout {nt.layout}",
+                          hint="build it with torch.nested.nested_tensor(..., layout=torch.jagged)")
+    _check_device(nt, None, key)
     holes = nt.lengths() is not None if hasattr(nt, "lengths") else False
-    start = int(nt.offsets()[0])
+    offsets = nt.offsets()
+    start, end, rows = int(offsets[0]), int(offsets[-1]), nt.values().shape[0]
     if holes or start != 0:
         raise SampleError(sample=None, field=key, expected="a contiguous jagged nested tensor (offsets from 0, no "
                           "holes)", actual=f"offsets from {start}" + (", with holes" if holes else ""),
                           hint="call .contiguous() on it first")
+    if end != rows or bool((offsets.diff() < 0).any()):
+        raise SampleError(sample=None, field=key, expected=f"non-decreasing offsets ending at the {rows} value rows",
+                          actual=f"offsets {offsets.tolist()[:8]}{'...' if offsets.numel() > 8 else ''} ending at {end}")
+
+
+def _check_device(t: torch.Tensor, i: int | None, key: str) -> None:
+    """The collator runs DataLoader-side: sample tensors live on the CPU (not meta, not an accelerator)."""
+    if t.device.type != "cpu":
+        raise SampleError(sample=i, field=key, expected="a CPU tensor (collation runs in the DataLoader)",
+                          actual=f"a tensor on {t.device}", hint="move samples to the CPU before collating")
 
 
 def _resolve_in_batch(spec: FieldSpec, batch: Sequence[Mapping], present) -> str | None:
@@ -252,11 +274,35 @@ def _flatten_nested(batch: Mapping, schema: BatchSchema, check_values: bool) -> 
     for spec in schema.of_role(Role.SEQUENCE) + schema.of_role(Role.MEDIA):
         if spec.name in batch:
             target = flat.sequence if spec.role is Role.SEQUENCE else flat.media
-            target[spec.name] = batch[spec.name]
+            target[spec.name] = _nested_other(batch[spec.name], spec, flat, check_values)
         elif spec.required:  # as the list input: a required per-sample field may not be left out
             raise SampleError(sample=None, field=spec.name, expected="the field present",
                               actual=f"fields {sorted(batch.keys())}")
     return flat
+
+
+def _nested_other(value, spec: FieldSpec, flat: FlatBatch, check_values: bool) -> torch.Tensor:
+    """A SEQUENCE / MEDIA field of the nested input, held to the list input's checks: one entry per
+    sample (``[B, *dense]``; a list of per-sample values is joined exactly as the list input does),
+    a declared dtype, the declared dense dims, on the CPU."""
+    n = flat.lengths.numel()
+    if isinstance(value, torch.Tensor) and not value.is_nested:
+        parts = list(value.unbind(0)) if spec.role is Role.SEQUENCE and value.ndim > 0 else None
+        if spec.role is Role.SEQUENCE and (parts is None or len(parts) != n):
+            raise SampleError(sample=None, field=spec.name, expected=f"one entry per sample: shape [{n}, *"
+                              f"{list(spec.dense_shape)}]", actual=f"shape {tuple(value.shape)}")
+        _check_device(value, None, spec.name)
+        if spec.role is Role.SEQUENCE:
+            return _join_other(parts, spec, flat, check_values)
+        _join_other([value], spec, flat, check_values)  # MEDIA: already [rows, *dense]; checks only
+        return value
+    if isinstance(value, (list, tuple, np.ndarray)) and not isinstance(value, (str, bytes)):
+        if spec.role is Role.SEQUENCE and len(value) != n:
+            raise SampleError(sample=None, field=spec.name, expected=f"one entry per sample ({n})",
+                              actual=f"{len(value)} entries")
+        return _join_other([_as_tensor(v, i, spec.name) for i, v in enumerate(value)], spec, flat, check_values)
+    raise SampleError(sample=None, field=spec.name, expected="a dense tensor or a list of per-sample values",
+                      actual="a nested tensor" if getattr(value, "is_nested", False) else type(value).__name__)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -271,6 +317,17 @@ def _column(batch: Sequence[Mapping], key: str) -> list[torch.Tensor]:
     if all(type(t) is torch.Tensor for t in col):
         return col
     return [_as_tensor(v, i, key) for i, v in enumerate(col)]
+
+
+_NARROW_INTS = frozenset({torch.int8, torch.int16, torch.int32, torch.uint8, torch.uint16, torch.uint32})
+
+
+def _widened(tensors: list[torch.Tensor], spec: FieldSpec) -> list[torch.Tensor]:
+    """Narrower integer parts (int32 / uint16 ``.npy`` token ids) of a field declared int64 only, cast
+    to int64, as a list from a Hugging Face column becomes; anything else unchanged (checked later)."""
+    if spec.dtypes != ("int64",) or not any(t.dtype in _NARROW_INTS for t in tensors):
+        return tensors
+    return [t.to(torch.int64) if t.dtype in _NARROW_INTS else t for t in tensors]
 
 
 def _as_tensor(value, i: int, key: str) -> torch.Tensor:
@@ -317,7 +374,9 @@ def _check_token_parts(tensors: list, spec: FieldSpec, key: str, flat: FlatBatch
         sizes = np.fromiter((t.shape[td] if t.ndim > td else -1 for t in tensors), np.int64, len(tensors))
         if not np.array_equal(sizes, flat.lengths.numpy()):
             _diagnose_token(tensors, spec, key, flat)
-    if len({t.dtype for t in tensors}) != 1 or len({t.ndim for t in tensors}) != 1:
+    if len({(t.dtype, t.ndim, t.device) for t in tensors}) != 1 or first.device.type != "cpu":
+        for i, t in enumerate(tensors):
+            _check_device(t, i, key)
         _diagnose_token(tensors, spec, key, flat)
     # other dims differing between samples make torch.cat fail; TokenSource.rows diagnoses that
     _check_token_shape(first.shape, first.dtype, spec, key, flat, tensors)
@@ -355,9 +414,11 @@ def _diagnose_token(tensors: list, spec: FieldSpec, key: str, flat: FlatBatch) -
             raise SampleError(sample=i, field=key, expected=f"shape {declared} {named or ''}".strip(),
                               actual=f"shape {shape}",
                               hint="every token field must have input_ids' length and constant dense dims")
-        if dtype_name(t.dtype) not in spec.dtypes or t.dtype != tensors[0].dtype:
+        if dtype_name(t.dtype) not in spec.dtypes:
+            raise SampleError(sample=i, field=key, actual=dtype_name(t.dtype), expected=f"dtype in {list(spec.dtypes)}")
+        if t.dtype != tensors[0].dtype:
             raise SampleError(sample=i, field=key, actual=dtype_name(t.dtype),
-                              expected=f"dtype in {list(spec.dtypes)}, the same as sample 0 ({dtype_name(tensors[0].dtype)})")
+                              expected=f"the dtype of sample 0 ({dtype_name(tensors[0].dtype)}; a batch never mixes dtypes)")
 
 
 def _in_unsigned_range(rows: torch.Tensor, lo, hi) -> bool:
@@ -369,18 +430,36 @@ def _in_unsigned_range(rows: torch.Tensor, lo, hi) -> bool:
     return top <= (hi if hi is not None else np.iinfo(np.int64).max)
 
 
-def check_value_bounds(rows: torch.Tensor, spec: FieldSpec, key: str, flat: FlatBatch, first_row: int = 0) -> None:
+@functools.lru_cache(maxsize=64)
+def checked_spec(spec: FieldSpec, ignore_index: int) -> tuple[FieldSpec, int | None] | None:
+    """``(bounds to enforce, a value also refused)`` on a TOKEN field's real rows, or None: the
+    declared ``finite`` / ``min_value`` / ``max_value``; ``input_ids`` are moreover always ``>= 0``
+    and never the ignore index (an id of -100 would give label -100 with loss weight 1)."""
+    if spec.name == "input_ids":
+        if spec.min_value is None or spec.min_value < 0:
+            spec = dataclasses.replace(spec, min_value=0)
+        hi = spec.max_value
+        refused = ignore_index if ignore_index >= spec.min_value and (hi is None or ignore_index <= hi) else None
+        return spec, refused
+    return (spec, None) if spec.has_bounds else None
+
+
+def check_value_bounds(rows: torch.Tensor, spec: FieldSpec, key: str, flat: FlatBatch, first_row: int = 0,
+                       refused: int | None = None) -> None:
     """finite / min / max declared on the spec, over real ``rows`` ``[*leading, n, *dense]`` (global
-    rows ``first_row ..``), in one reduction; on failure the first bad row names sample and token."""
+    rows ``first_row ..``), in one reduction (two when a ``refused`` value lies inside the bounds); on
+    failure the first bad row names sample and token."""
     lo, hi = spec.min_value, spec.max_value
     if (lo is None and hi is None and not spec.finite) or rows.numel() == 0:
         return
-    if _in_unsigned_range(rows, lo, hi):
+    hit = refused is not None and bool((rows == refused).any())
+    if not hit and _in_unsigned_range(rows, lo, hi):
         return
     mn, mx = torch.aminmax(rows.float() if rows.dtype in (torch.bool, torch.bfloat16, torch.float16) else rows)
     mn, mx = float(mn), float(mx)
     finite = np.isfinite(mn) and np.isfinite(mx)
-    if not ((spec.finite and not finite) or (lo is not None and not mn >= lo) or (hi is not None and not mx <= hi)):
+    if not hit and not ((spec.finite and not finite) or (lo is not None and not mn >= lo)
+                        or (hi is not None and not mx <= hi)):
         return
     v = rows.float().movedim(spec.token_dim, 0)
     v = v.reshape(v.shape[0], -1)
@@ -389,6 +468,8 @@ def check_value_bounds(rows: torch.Tensor, spec: FieldSpec, key: str, flat: Flat
         bad |= ~(v >= lo)
     if hi is not None:
         bad |= ~(v <= hi)
+    if refused is not None:
+        bad |= v == refused
     if not bool(bad.any()):  # the fast reduction saw something the exact check does not
         return
     local = int(torch.nonzero(bad.any(1))[0])
@@ -396,7 +477,8 @@ def check_value_bounds(rows: torch.Tensor, spec: FieldSpec, key: str, flat: Flat
     i = int(torch.searchsorted(flat.cu_seqlens, row, right=True)) - 1
     value = v[local][bad[local]][0].item()
     rng = f"[{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
-    raise SampleError(sample=i, field=key, expected=f"{'finite ' if spec.finite else ''}values in {rng}",
+    other = f" other than {refused} (the ignore index)" if refused is not None else ""
+    raise SampleError(sample=i, field=key, expected=f"{'finite ' if spec.finite else ''}values in {rng}{other}",
                       actual=f"{value} at token {row - int(flat.cu_seqlens[i])}")
 
 
@@ -407,6 +489,7 @@ def _join_other(tensors: list, spec: FieldSpec, flat: FlatBatch, check_values: b
     first = tensors[0].dtype
     skip = 0 if spec.role is Role.SEQUENCE else 1  # MEDIA: the leading row count is ragged
     for i, t in enumerate(tensors):
+        _check_device(t, i, spec.name)
         if dtype_name(t.dtype) not in spec.dtypes or t.dtype != first:
             raise SampleError(sample=i, field=spec.name,
                               expected=f"dtype in {list(spec.dtypes)}, the same as sample 0 ({dtype_name(first)})",

@@ -51,20 +51,21 @@ class THDCollator:
     vision embeddings are merged into the sequence."""
 
     def __post_init__(self):
-        check_cp_rank(self.cp_rank, self.layout)
+        object.__setattr__(self, "cp_rank", check_cp_rank(self.cp_rank, self.layout))  # np.int64(1) -> 1
 
     def __call__(self, batch) -> dict:
         flat = flatten(batch, self.schema, check_values=self.check_values)
         padded = self.layout.padded_lengths(flat.lengths)
+        cu_padded = lengths_to_cu_seqlens(padded)  # int32; refuses T >= 2**31 before anything of size T exists
         shard_rank = None if self.defer_cp_shard else self.cp_rank
         plan = gather_plan(flat.lengths, cp_chunks(padded, self.layout, shard_rank), flat.cu_seqlens)
         whole = functools.cache(lambda: gather_plan(flat.lengths, cp_chunks(padded, self.layout, None), flat.cu_seqlens))
         out = {name: v.unsqueeze(self.schema[name].token_dim)  # the batch dim, before the token dim
                for name, v in token_fields(self.schema, flat, plan, whole).items()}
         out["cu_seqlens"] = flat.cu_seqlens.to(torch.int32)
-        out["cu_seqlens_padded"] = lengths_to_cu_seqlens(padded)
+        out["cu_seqlens_padded"] = cu_padded
         out["max_seqlen"] = torch.tensor([int(padded.numpy().max())], dtype=torch.int32)
         if self.defer_cp_shard and self.cp_rank is not None:
             out["cp_gather_index"] = global_slots(cp_chunks(padded, self.layout, self.cp_rank), out["cu_seqlens_padded"])
-        out.update(non_token_fields(flat, self.layout, shard_rank))
+        out.update(non_token_fields(flat, self.schema, self.layout, shard_rank))
         return out

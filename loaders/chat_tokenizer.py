@@ -4,6 +4,9 @@
 The transform only needs: ``encode(text) -> int64 [n]`` (no special tokens added), the ids of
 ``<|im_start|>`` / ``<|im_end|>`` (chat turns) and of ``<|vision_start|>`` / ``<|image_pad|>`` /
 ``<|vision_end|>`` (images), the vocabulary size (to bound teacher ids) and the vision-token config.
+``pad_token_id`` (what ``vlm_schema(pad_token_id=...)`` pads ``input_ids`` with) and ``eos_token_id``
+complete it for the model side. The merge size comes from the image processor the transform owns
+(``VLMSampleTransform.spatial_merge_size``), not from the tokenizer.
 The demo's :class:`~prealign.loaders.cli.demo_tokenizer.ByteTokenizer` is one; a real tokenizer is wrapped::
 
     from transformers import AutoTokenizer
@@ -17,6 +20,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from prealign.schemas.errors import ConfigError
 from prealign.schemas.vlm import VisionTokens
 
 
@@ -27,6 +31,8 @@ class ChatTokenizer(Protocol):
     vision_end_token_id: int
     image_token_id: int
     vocab_size: int
+    pad_token_id: int
+    eos_token_id: int
 
     @property
     def vision(self) -> VisionTokens: ...
@@ -37,10 +43,15 @@ class ChatTokenizer(Protocol):
 @dataclass(frozen=True)
 class HFChatTokenizer:
     """A Hugging Face (fast or slow) tokenizer as a :class:`ChatTokenizer`. Picklable when the
-    wrapped tokenizer is (HF tokenizers are). Special-token names default to Qwen2-VL's."""
+    wrapped tokenizer is (HF tokenizers are). Special-token names default to Qwen2-VL's.
+
+    ``pad_token_id``: the tokenizer's pad token, else its eos; ``eos_token_id``: its eos, else ``<|im_end|>``.
+    """
 
     tokenizer: Any
-    spatial_merge_size: int = 2
+    spatial_merge_size: int | None = None
+    """Leave unset: :class:`~prealign.loaders.vlm.VLMSampleTransform` takes it from its image processor
+    (``vision`` alone falls back to Qwen2-VL's 2)."""
     im_start: str = "<|im_start|>"
     im_end: str = "<|im_end|>"
     vision_start: str = "<|vision_start|>"
@@ -56,9 +67,13 @@ class HFChatTokenizer:
         for attr, token in names.items():
             tid = self.tokenizer.convert_tokens_to_ids(token)
             if tid is None or (tid == unk and token != getattr(self.tokenizer, "unk_token", None)):
-                raise ValueError(f"HFChatTokenizer: the tokenizer has no {token!r} token ({attr}); pass the name "
-                                 f"this model uses, e.g. HFChatTokenizer(tok, {attr.removesuffix('_id').removesuffix('_token')}=...)")
+                raise ConfigError(f"HFChatTokenizer: the tokenizer has no {token!r} token ({attr}); pass the name "
+                                  f"this model uses, e.g. HFChatTokenizer(tok, {attr.removesuffix('_id').removesuffix('_token')}=...)")
             ids[attr] = int(tid)
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        ids["eos_token_id"] = ids["im_end_id"] if eos is None else int(eos)
+        pad = getattr(self.tokenizer, "pad_token_id", None)
+        ids["pad_token_id"] = ids["eos_token_id"] if pad is None else int(pad)
         object.__setattr__(self, "_ids", ids)
 
     def __getattr__(self, name: str):
@@ -74,7 +89,8 @@ class HFChatTokenizer:
     @property
     def vision(self) -> VisionTokens:
         return VisionTokens(image_token_id=self.image_token_id, vision_start_token_id=self.vision_start_token_id,
-                            vision_end_token_id=self.vision_end_token_id, spatial_merge_size=self.spatial_merge_size)
+                            vision_end_token_id=self.vision_end_token_id,
+                            spatial_merge_size=2 if self.spatial_merge_size is None else self.spatial_merge_size)
 
     def encode(self, text: str) -> np.ndarray:
         """str -> int64 ``[n]``, without the special tokens a tokenizer may add around a text."""

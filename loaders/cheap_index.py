@@ -30,11 +30,12 @@ from prealign.schemas.errors import ConfigError, SampleError
 from prealign.schemas.schema import BatchSchema
 from .errors import BadSampleError, CorruptShardError, MissingMemberError
 from .header_lengths import HeaderError, Qwen2VLGeometry, image_header_size, npy_header, qwen2vl_grid
-from .index import _freeze, _validated, index_shard, media_keys
+from .index import _FIELDS, _freeze, _validated, index_shard, media_keys, optional_keys
 from .sidecar import Fingerprint, sample_checksum
 from .sources import Skip
 from .tar_decode import IMAGES, decode_member, split_member_name
 from .tar_reader import TarFormatError, iter_members
+from .webdataset_source import check_members
 
 
 class LengthRuleError(ConfigError):
@@ -201,11 +202,12 @@ def _header_pass(source, schema, shard: int, rule, f) -> dict:
     locations, lengths, media, events, dims, dim_ids = [], [], [], [], [], []
     by_sig: dict[tuple, int] = {}
 
-    def sample(key: str, start: int, end: int, members: list[tuple[str, bytes]]) -> None:
+    def sample(key: str, start: int, end: int, members: list[tuple[str, bytes, str]], duplicate: bool) -> None:
         where = f"{url}:{key}"
         loc = (shard, start, end, sample_checksum(members))
         try:
-            exts = dict(members)
+            check_members(where, key, members, duplicate)
+            exts = {ext: data for ext, data, _ in members}
             if len(exts) != len(members):
                 raise MissingMemberError(sample=where, field=next(e for e in exts if [m[0] for m in members].count(e) > 1),
                                          expected="one member per extension", actual="a duplicate member")
@@ -213,9 +215,9 @@ def _header_pass(source, schema, shard: int, rule, f) -> dict:
             if missing:
                 raise MissingMemberError(sample=where, field=missing[0], expected=f"members {list(source.required)}",
                                          actual=f"members {sorted(exts)}")
-            for ext, data in members:  # small members decoded as the full pass does (JSON, text, refusals)
+            for ext, data, _ in members:  # small members decoded as the full pass does (JSON, text, refusals)
                 if not ext.endswith(".npy") and ext.rpartition(".")[2] not in IMAGES:
-                    decode_member(where, ext, data, image=source.image, extra=source.decoders)
+                    decode_member(where, ext, data, image=source.image, extra=source.decoders, limits=source.limits)
             n, has_media, sig = rule(exts, where)
         except SampleError as exc:
             events.append(["bad", where, _freeze(exc if isinstance(exc, BadSampleError) else BadSampleError(
@@ -227,10 +229,12 @@ def _header_pass(source, schema, shard: int, rule, f) -> dict:
             return
         if sig not in by_sig:  # the first of its kind: the full transform and collator, lengths compared
             raw = source._sample(shard, key, members)
+            transformed = None
             try:
                 if isinstance(raw, Exception):
                     raise raw
-                checked = _validated([source.apply_transform(raw, loc)], schema)[0]
+                transformed = source.apply_transform(raw, loc)
+                checked = _validated([transformed], schema)[0]
             except SampleError as exc:
                 checked = exc
             if isinstance(checked, SampleError):
@@ -242,34 +246,38 @@ def _header_pass(source, schema, shard: int, rule, f) -> dict:
             if checked[0] != n:
                 raise LengthRuleError(f"{where}: the header rule gives {n} tokens, the transform {checked[0]}; "
                                       f"index this data with the full pass (prealign index --full)")
-            if checked[1] not in dims:
-                dims.append(checked[1])
-            by_sig[sig] = dims.index(checked[1])
+            # which optional fields the sample has (the full pass records it too: no micro-batch mixes them)
+            record = {**checked[1], _FIELDS: ",".join(k for k in optional_keys(schema) if k in transformed)}
+            if record not in dims:
+                dims.append(record)
+            by_sig[sig] = dims.index(record)
         locations.append(list(loc))
         lengths.append(n)
         media.append(has_media)
         dim_ids.append(by_sig[sig])
         events.append(["ok"])
 
-    key, start, end, members = None, 0, 0, []
+    key, start, end, members, seen = None, 0, 0, [], set()
     try:
         for m in iter_members(f):
             split = split_member_name(m.name)
             if split is None:
-                events.append(["skip", "ignored_member", f"{url}:{m.name}", "tar member without an extension"])
+                events.append(["skip", "ignored_member", f"{url}:{m.name}", f"tar {m.kind} member without an "
+                               f"extension"])
                 continue
             if split[0] != key:
                 if members:
-                    sample(key, start, m.offset, members)
+                    sample(key, start, m.offset, members, key in seen)
+                    seen.add(key)
                 key, start, members = split[0], m.offset, []
-            members.append((split[1], m.data))
+            members.append((split[1], m.data, m.kind))
             end = m.end
     except (TarFormatError, OSError, EOFError) as exc:
         lost = f"; sample {key!r} lost with the rest of the shard" if members else ""
         events.append(["bad", f"shard {shard}", _freeze(CorruptShardError(url, getattr(exc, "offset", 0), f"{exc}{lost}"))])
         members = []
     if members:
-        sample(key, start, end, members)
+        sample(key, start, end, members, key in seen)
     return {"shard": shard, "locations": locations, "lengths": lengths, "media": media, "dims": dims,
             "dim_ids": dim_ids, "events": events}
 

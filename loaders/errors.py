@@ -61,11 +61,30 @@ def reason_of(exc: BaseException) -> str:
 
 
 class CorruptShardError(PrealignError):
-    """A shard could not be read past some byte offset (truncated or corrupt tar, unreadable URL)."""
+    """A shard could not be read past some byte offset (truncated or corrupt tar, a member larger than
+    the file, unreadable URL); counted under ``reason`` (``corrupt_shard``) by the bad-data policy."""
+
+    reason = "corrupt_shard"
 
     def __init__(self, shard: str, offset: int, cause: str):
         self.shard, self.offset, self.cause = shard, offset, cause
         super().__init__(f"shard {shard}: unreadable at byte {offset}: {cause}")
+
+
+class ShardTimeoutError(CorruptShardError):
+    """A shard read made no progress within the source's ``read_timeout`` (a FIFO, a hung mount):
+    counted as ``shard_timeout`` under ``skip``, raised under ``raise``."""
+
+    reason = "shard_timeout"
+
+
+class WorkerError(PrealignError):
+    """A DataLoader worker died (killed by a signal, out of memory) or timed out. The loader stays
+    usable: iterate again to continue from its state (the position of the last batch yielded)."""
+
+
+class LoaderUsageError(ConfigError):
+    """The loader was used in a way it does not support (two iterators at once)."""
 
 
 class TooManyBadSamplesError(PrealignError):
@@ -83,24 +102,40 @@ class SourceChangedError(PrealignError):
 class IndexMismatchError(ConfigError):
     """A reused index (sidecars, a saved :class:`~prealign.loaders.index.SampleIndex`) does not describe the
     data the loader was given: ``.shard`` names the shard, ``.difference`` says what differs. Raised when the
-    loader is built, before any batch, under every bad-data policy (never counted as bad data)."""
+    loader prepares (:meth:`~prealign.loaders.loader.PackedLoader.prepare` or first use), before any batch, under every bad-data policy (never counted as bad data)."""
 
-    def __init__(self, shard: str, difference: str, hint: str = ""):
+    def __init__(self, shard: str | None, difference: str, hint: str = ""):
         self.shard, self.difference = shard, difference
-        super().__init__(f"shard {shard}: {difference}" + (f" ({hint})" if hint else ""))
+        head = "" if shard is None else f"shard {shard}: "
+        super().__init__(f"{head}{difference}" + (f" ({hint})" if hint else ""))
 
 
 class MissingShardError(IndexMismatchError):
-    """A shard named by the source (a path, a URL, a brace range) does not exist or cannot be reached."""
+    """A shard named by the source (a path, a URL, a brace range) does not exist or cannot be reached: a
+    configuration mistake, raised before the index pass (:meth:`~prealign.loaders.sources.Source.preflight`,
+    the sidecar checks), never counted as bad data. ``.shard`` is None when several are listed."""
 
 
 class ChangedShardError(IndexMismatchError):
     """A shard's size or content differs from what its index recorded (re-run ``prealign index``)."""
 
 
-class ExtraShardError(IndexMismatchError):
-    """The index names a shard the source does not have, or the source a shard the index lacks."""
-
-
 class StaleIndexError(IndexMismatchError):
     """A sidecar index of another format version, schema or transform, or a malformed one."""
+
+
+class IndexFileError(StaleIndexError):
+    """A saved :class:`~prealign.loaders.index.SampleIndex` file that is not one (no such file, missing or
+    extra keys, wrong dtype or shape, inconsistent lengths, undecodable report), or one of other data.
+    Raised with one message (``IndexFileError(message)``; ``.shard`` is None)."""
+
+    def __init__(self, message: str, difference: str | None = None, hint: str = ""):
+        if difference is None:
+            super().__init__(None, message, hint)
+        else:  # (shard, difference, hint), as the other IndexMismatchError subclasses take
+            super().__init__(message, difference, hint)
+
+
+class ExtraShardError(IndexFileError):
+    """The index names a shard the source does not have, or the source a shard the index lacks (an index
+    of other data: also an :class:`IndexFileError`)."""

@@ -21,10 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from prealign.schemas.errors import ConfigError, SampleError
-
-IMAGE_FORMATS = ("JPEG", "PNG", "WEBP", "BMP")
-"""The image formats media are ever opened as (PIL names): never PostScript, EPS or other formats that
-hand the bytes to an external program."""
+from .tar_decode import IMAGE_FORMATS
 
 
 class HeaderError(SampleError):

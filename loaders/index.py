@@ -26,14 +26,15 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from prealign.collate.samples import flatten
+from prealign.collate.samples import flatten, sample_token_keys
 from prealign.collate.thd import THDCollator
-from prealign.schemas.errors import PrealignError, SampleError
+from prealign.schemas.errors import ConfigError, PrealignError, SampleError
 from prealign.schemas.layout import ParallelLayout
 from prealign.schemas.schema import BatchSchema, Role
-from .errors import BadSampleError, CorruptShardError, reason_of
+from .errors import BadSampleError, CorruptShardError, IndexFileError, reason_of
 from .policy import BadDataGate, BadDataPolicy, BadDataReport
 from .sources import Skip, Source
+from .workers import Carried, carry
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,7 +79,7 @@ class SampleIndex:
 
     def save(self, path: str) -> None:
         """Write as an ``.npz`` archive (arrays only, no pickle) at exactly ``path`` (no suffix added), for
-        reuse across runs (``PackedLoader(index=path)``)."""
+        reuse across runs (``PackedLoader(..., indexing=IndexOptions(prebuilt=path))``)."""
         extra = {} if self.media is None else {"media": np.asarray(self.media, dtype=bool)}
         if self.dims is not None:
             extra["dims"] = np.frombuffer(json.dumps(self.dims, sort_keys=True).encode(), dtype=np.uint8)
@@ -90,47 +91,121 @@ class SampleIndex:
 
     @classmethod
     def load(cls, path: str) -> "SampleIndex":
-        """The index :meth:`save` wrote; anything else (no such file, not an index, a crafted file) is a
-        :class:`~prealign.loaders.errors.StaleIndexError` (a configuration error) naming the path."""
-        from .errors import StaleIndexError
-
+        """Read a file written by :meth:`save`; anything else (no such file, another format, missing or
+        extra keys, wrong dtypes or shapes, inconsistent row counts, an undecodable report) is an
+        :class:`~prealign.loaders.errors.IndexFileError` (a configuration error, a
+        :class:`~prealign.loaders.errors.StaleIndexError`) naming the path and the key. Never unpickles."""
         try:
-            return cls._load(path)
-        except (OSError, ValueError, KeyError, TypeError, EOFError) as exc:
-            if isinstance(exc, PrealignError):
-                raise
-            raise StaleIndexError(path, f"not a readable SampleIndex ({type(exc).__name__}: {exc})",
-                                  "give the path SampleIndex.save wrote") from None
+            z = np.load(path, allow_pickle=False)
+        except FileNotFoundError:
+            raise IndexFileError(f"index {path}: no such file") from None
+        except (OSError, ValueError, EOFError) as exc:
+            raise IndexFileError(f"index {path}: not an .npz index ({type(exc).__name__}: {exc})") from None
+        if not hasattr(z, "files"):
+            raise IndexFileError(f"index {path}: a bare array, not an .npz index written by SampleIndex.save")
+        with z:
+            return _checked_index(path, z)
 
-    @classmethod
-    def _load(cls, path: str) -> "SampleIndex":
-        with np.load(path, allow_pickle=False) as z:
-            rep = json.loads(bytes(z["report"]).decode())
-            report = BadDataReport(counts=dict(rep["counts"]), examples=[tuple(e) for e in rep["examples"]])
-            return cls(lengths=z["lengths"], locations=z["locations"], shards=z["shards"], report=report,
-                       media=z["media"] if "media" in z.files else None,
-                       dims=json.loads(bytes(z["dims"]).decode()) if "dims" in z.files else None,
-                       source_shards=json.loads(bytes(z["source_shards"]).decode())
-                       if "source_shards" in z.files else None)
+
+_INDEX_KEYS = {"lengths", "locations", "shards", "report", "media", "dims", "source_shards"}
+
+
+def _index_array(path: str, z, key: str, kind: str, ndim: int, rows: int | None) -> np.ndarray:
+    """``z[key]`` checked: dtype kind (``"i"`` integer, ``"b"`` bool, ``"u1"`` bytes), rank, rows."""
+    try:
+        a = z[key]
+    except (ValueError, OSError, EOFError) as exc:  # object arrays (pickles) are refused here
+        raise IndexFileError(f"index {path}: key {key!r} unreadable ({type(exc).__name__}: {exc})") from None
+    ok = {"i": a.dtype.kind in "iu" and a.dtype != np.uint64, "b": a.dtype == np.bool_,
+          "u1": a.dtype == np.uint8}[kind]
+    if not ok or a.ndim != ndim or (rows is not None and a.shape[0] != rows):
+        want = {"i": "an integer", "b": "a bool", "u1": "a uint8"}[kind]
+        raise IndexFileError(f"index {path}: key {key!r}: expected {want} array of rank {ndim}"
+                             f"{'' if rows is None else f' with {rows} rows'}, got {a.dtype} {list(a.shape)}")
+    return a
+
+
+def _json_of(path: str, z, key: str):
+    raw = _index_array(path, z, key, "u1", 1, None)
+    try:
+        return json.loads(raw.tobytes().decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise IndexFileError(f"index {path}: key {key!r}: not JSON text ({exc})") from None
+
+
+def _checked_index(path: str, z) -> SampleIndex:
+    files = set(z.files)
+    missing, extra = {"lengths", "locations", "shards", "report"} - files, files - _INDEX_KEYS
+    if missing or extra:
+        raise IndexFileError(f"index {path}: expected keys lengths, locations, shards, report (+ media, dims, "
+                             f"source_shards), "
+                             f"missing {sorted(missing)}, unknown {sorted(extra)}")
+    lengths = _index_array(path, z, "lengths", "i", 1, None).astype(np.int64)
+    n = lengths.shape[0]
+    locations = _index_array(path, z, "locations", "i", 2, n).astype(np.int64)
+    shards = _index_array(path, z, "shards", "i", 1, n).astype(np.int64)
+    if n and (lengths.min() < 1 or locations.min() < 0 or shards.min() < 0):
+        raise IndexFileError(f"index {path}: lengths must be >= 1, locations and shards >= 0 (got minima "
+                             f"{lengths.min()}, {locations.min()}, {shards.min()})")
+    rep = _json_of(path, z, "report")
+    if not (isinstance(rep, dict) and isinstance(rep.get("counts"), dict) and isinstance(rep.get("examples"), list)
+            and all(isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                    for k, v in rep["counts"].items())
+            and all(isinstance(e, list) and len(e) == 3 and all(isinstance(x, str) for x in e)
+                    for e in rep["examples"])):
+        raise IndexFileError(f"index {path}: key 'report': expected {{'counts': {{reason: int}}, 'examples': "
+                             f"[[where, reason, message], ...]}}, got {str(rep)[:120]}")
+    report = BadDataReport(counts=dict(rep["counts"]), examples=[tuple(e) for e in rep["examples"]])
+    media = _index_array(path, z, "media", "b", 1, n) if "media" in files else None
+    dims = _json_of(path, z, "dims") if "dims" in files else None
+    if dims is not None and not (isinstance(dims, dict) and all(
+            isinstance(k, str) and (isinstance(v, str) or (isinstance(v, int) and not isinstance(v, bool)))
+            for k, v in dims.items())):
+        raise IndexFileError(f"index {path}: key 'dims': expected {{name: int or dtype name}}, got {str(dims)[:120]}")
+    source_shards = _json_of(path, z, "source_shards") if "source_shards" in files else None
+    if source_shards is not None:
+        _check_source_shards(path, source_shards, shards)
+    return SampleIndex(lengths=lengths, locations=locations, shards=shards, report=report, media=media, dims=dims,
+                       source_shards=source_shards)
+
+
+def _check_source_shards(path: str, rec, shards: np.ndarray) -> None:
+    """Key ``source_shards`` (written by :meth:`SampleIndex.save` for webdataset sources): ``{"names": [str],
+    "sizes": [int or None]}`` of equal lengths, covering every shard the rows name."""
+    def _size(v) -> bool:
+        return v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= -1)
+
+    names, sizes = (rec.get("names"), rec.get("sizes")) if isinstance(rec, dict) else (None, None)
+    if not (isinstance(rec, dict) and set(rec) <= {"names", "sizes"} and isinstance(names, list)
+            and isinstance(sizes, list) and len(names) == len(sizes)
+            and all(isinstance(x, str) for x in names) and all(_size(v) for v in sizes)):
+        raise IndexFileError(f"index {path}: key 'source_shards': expected {{'names': [str], 'sizes': [int]}} of "
+                             f"equal lengths, got {str(rec)[:120]}")
+    if shards.size and names and int(shards.max()) >= len(names):
+        raise IndexFileError(f"index {path}: key 'source_shards': {len(names)} shard(s) recorded, rows name "
+                             f"shard {int(shards.max())}")
 
 
 def _freeze(exc: Exception) -> dict:
     """An exception as plain data (typed errors do not survive pickling through DataLoader workers);
     a sample's keeps its cause (:func:`~prealign.loaders.errors.reason_of`) and its message."""
     if isinstance(exc, CorruptShardError):
-        return {"type": "shard", "shard": exc.shard, "offset": exc.offset, "cause": exc.cause}
-    if not isinstance(exc, SampleError):
-        exc = BadSampleError(sample=None, field=None, expected="a readable sample",
-                             actual=f"{type(exc).__name__}: {exc}")
+        return {"type": "shard", "cls": type(exc).__name__, "shard": exc.shard, "offset": exc.offset,
+                "cause": exc.cause, "reason": exc.reason}
+    if not isinstance(exc, SampleError):  # sources yield typed errors only; anything else is a bug of ours
+        raise TypeError(f"a scan record holds {type(exc).__name__}: {exc}") from exc
     return {"type": "sample", "cls": type(exc).__name__, "sample": exc.sample, "field": exc.field,
             "expected": exc.expected, "actual": exc.actual, "reason": reason_of(exc), "message": str(exc)}
 
 
 def _thaw(rec: dict) -> PrealignError:
-    if rec["type"] == "shard":
-        return CorruptShardError(rec["shard"], rec["offset"], rec["cause"])
     from . import errors
 
+    if rec["type"] == "shard":
+        shard_cls = getattr(errors, rec.get("cls", ""), None)
+        if not (isinstance(shard_cls, type) and issubclass(shard_cls, CorruptShardError)):
+            shard_cls = CorruptShardError
+        return shard_cls(rec["shard"], rec["offset"], rec["cause"])
     cls = getattr(errors, rec["cls"], None)
     if not (isinstance(cls, type) and issubclass(cls, SampleError)):
         cls = SampleError if rec["cls"] == "SampleError" else BadSampleError
@@ -144,7 +219,7 @@ def _thaw(rec: dict) -> PrealignError:
 def _reason(rec: dict) -> str:
     """The cause a record is counted under in the bad-data report."""
     if rec["type"] == "shard":
-        return "corrupt_shard"
+        return rec.get("reason") or CorruptShardError.reason
     return rec.get("reason") or BadSampleError.reason
 
 
@@ -175,6 +250,17 @@ def has_media(sample: dict, keys: tuple[str, ...]) -> bool:
 
 
 _CHUNK = 64
+_FIELDS = "fields"
+"""Key of the per-sample record of which optional sample fields it has (not kept in ``SampleIndex.dims``)."""
+
+
+def optional_keys(schema: BatchSchema) -> tuple[str, ...]:
+    """Sample keys the collator reads that a sample may have or lack (``labels``, ``loss_mask``, ...):
+    every sample of one index must agree on them, since a micro-batch cannot mix them."""
+    keys = {k for k, _ in sample_token_keys(schema)}
+    for spec in schema.of_role(Role.TOKEN):
+        keys.update(spec.sample_keys)
+    return tuple(sorted(keys - {"input_ids"}))
 
 
 def _collate_check(samples: list[dict], schema: BatchSchema) -> tuple[list[int], dict[str, int]]:
@@ -209,11 +295,10 @@ def _validated(samples: list[dict], schema: BatchSchema) -> list[tuple[int, dict
         try:
             lengths, dims = _collate_check([s], schema)
             out.append((lengths[0], dims))
-        except SampleError as exc:
+        except ConfigError:
+            raise
+        except SampleError as exc:  # anything else the collator raises is a bug, and propagates
             out.append(exc)
-        except Exception as exc:  # noqa: BLE001 - the collator cannot take it: a bad sample, by policy
-            out.append(SampleError(sample=0, field=None, expected="the collator to accept the sample",
-                                   actual=f"{type(exc).__name__}: {exc}"))
     return out
 
 
@@ -226,6 +311,7 @@ def index_shard(source: Source, schema: BatchSchema, shard: int) -> dict:
     dims: list[dict[str, int]] = []
     dim_ids: list[int] = []
     keys = media_keys(schema)
+    optional = optional_keys(schema)
     pending: list[tuple[tuple, str, dict]] = []  # transformed samples waiting for chunked validation
 
     def flush() -> None:
@@ -234,6 +320,8 @@ def index_shard(source: Source, schema: BatchSchema, shard: int) -> dict:
                 err = BadSampleError(sample=where, field=result.field, expected=result.expected, actual=result.actual)
                 events.append(["bad", where, _freeze(err)])
             else:
+                present = {_FIELDS: ",".join(k for k in optional if k in transformed)}
+                result = (result[0], {**result[1], **present})
                 if result[1] not in dims:
                     dims.append(result[1])
                 locations.append(list(loc))
@@ -277,13 +365,23 @@ class _ShardScan(IterableDataset):
         info = get_worker_info()
         mine = self.shards if info is None else self.shards[info.id::info.num_workers]
         for shard in mine:
-            yield index_shard(self.source, self.schema, shard)
+            try:
+                yield index_shard(self.source, self.schema, shard)
+            except PrealignError as exc:  # typed: re-raised as the same type in the main process
+                if info is None:
+                    raise
+                yield carry(exc)
+                return
 
 
 def scan_shards(source: Source, schema: BatchSchema, shards: list[int], *, num_workers: int = 0) -> list[dict]:
     """:func:`index_shard` over ``shards`` with ``num_workers`` DataLoader workers, in shard order."""
     loader = DataLoader(_ShardScan(source, schema, shards), batch_size=None, num_workers=min(num_workers, len(shards)))
-    results = {r["shard"]: r for r in loader}
+    results = {}
+    for r in loader:
+        if isinstance(r, Carried):
+            raise r.rebuild()
+        results[r["shard"]] = r
     return [results[s] for s in shards]
 
 
@@ -304,14 +402,27 @@ def merge_shards(results: list[dict], policy: BadDataPolicy, width: int, *,
     fixed: dict[str, int] = {}
     fixed_by: dict[str, str] = {}
     dropped: list[set[int]] = []  # per shard result: good-sample positions left out (dim_mismatch)
+    fields: tuple[str, str] | None = None  # (optional fields present, the sample that fixed them)
     for res in results:
         out: set[int] = set()
         k = 0
         for ev in res["events"]:
             if ev[0] == "ok":
-                dims = res["dims"][res["dim_ids"][k]] if res.get("dims") else {}
+                dims = dict(res["dims"][res["dim_ids"][k]]) if res.get("dims") else {}
+                has = dims.pop(_FIELDS, None)
                 bad = _dim_mismatch(fixed, dims)
-                if bad is None:
+                if has is not None and fields is not None and has != fields[0]:
+                    out.add(k)
+                    who = name(tuple(res["locations"][k]))
+                    mine, first = set(filter(None, has.split(","))), set(filter(None, fields[0].split(",")))
+                    gate.bad("field_mismatch", who, BadSampleError(
+                        sample=who, field=sorted(mine ^ first)[0], reason="field_mismatch",
+                        expected=f"optional fields {sorted(first)} like the first indexed sample ({fields[1]}): a "
+                                 f"micro-batch cannot mix samples with and without a field",
+                        actual=f"fields {sorted(mine)}"))
+                elif bad is None:
+                    if has is not None and fields is None:
+                        fields = (has, name(tuple(res["locations"][k])))
                     for d in dims.keys() - fixed.keys():
                         fixed[d], fixed_by[d] = dims[d], name(tuple(res["locations"][k]))
                     gate.good()
@@ -357,19 +468,28 @@ def build_index(source: Source, schema: BatchSchema, *, policy: BadDataPolicy | 
     from .sidecar import check_source
 
     rank, world = process_rank_world(group) if distributed else (0, 1)
-    known, checked = check_source(source, schema)  # missing / changed shards raise here; sidecar records
-    shards = [s for s in range(source.num_shards) if s not in known]
+    known: dict = {}
+    checked = None
+    failure: BaseException | None = None
     try:
+        source.preflight()  # configuration mistakes (missing shard files) before any scanning
+        known, checked = check_source(source, schema)  # unreachable / changed shards raise here; sidecar records
+        shards = [s for s in range(source.num_shards) if s not in known]
         mine: dict = {"results": scan_shards(source, schema, shards[rank::world], num_workers=num_workers)}
-    except Exception as exc:  # every rank must reach the exchange, or the others would wait forever
+    except Exception as exc:  # noqa: BLE001 - re-raised below: every rank must reach the exchange first
         if world == 1:
             raise
-        mine = {"error": f"rank {rank}: {type(exc).__name__}: {exc}"}
+        failure = exc
+        typed = exc if isinstance(exc, PrealignError) else PrealignError(f"{type(exc).__name__}: {exc}")
+        mine = {"rank": rank, "error": carry(typed)}
     parts = all_gather_objects(mine, group) if world > 1 else [mine]
-    failed = [p["error"] for p in parts if "error" in p]
-    if failed:
-        raise BadSampleError(sample=None, field=None, expected="the index pass to succeed on every rank",
-                             actual="; ".join(failed))
+    failed = [p for p in parts if "error" in p]
+    if failure is not None:
+        raise failure
+    if failed:  # another rank's error, as its own type, on every rank
+        err = failed[0]["error"].rebuild()
+        err.args = (f"index pass failed on rank {failed[0]['rank']}: {err.args[0] if err.args else ''}", *err.args[1:])
+        raise err
     results = sorted([*known.values(), *(r for p in parts for r in p["results"])], key=lambda r: r["shard"])
     if known and len(known) == len(results):  # every shard from its sidecar: the vectorised merge
         from .sidecar import merge_records

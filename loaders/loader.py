@@ -21,22 +21,24 @@ from typing import Callable
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, get_worker_info
 
 from prealign.collate.samples import sample_token_keys
 from prealign.collate.thd import THDCollator
-from prealign.schemas.errors import SampleError
+from prealign.schemas.errors import PrealignError, SampleError
 from prealign.schemas.layout import ParallelLayout
 from prealign.schemas.schema import BatchSchema, Role, Source as FieldSource
-from .errors import BadSampleError, PlanError, SourceChangedError, reason_of
+from .errors import BadSampleError, LoaderUsageError, PlanError, SourceChangedError, reason_of
 from .index import SampleIndex, build_index, has_media, media_keys
+from .options import IndexOptions, LoadingOptions, ShuffleOptions
 from .planner import MicrobatchPlan, PlannerConfig, microbatch_capacity
 from .policy import BadDataPolicy, BadDataReport, BadSampleWarning, OnBadSample, Oversize
-from .schedule import Request, Schedule
+from .schedule import Request, Schedule, check_count
 from .sidecar import check_index
 from .sources import Source
 from .state import LoaderState
 from .transport import PackedBatch, pack_batch, unpack_batch
+from .workers import Carried, carry, worker_batches
 
 
 def truncate_sample(sample: dict, schema: BatchSchema, length: int) -> dict:
@@ -133,23 +135,30 @@ class _PlannedSamples:
     headers checks less than the full pass) is left out of its micro-batch and reported, not fatal."""
 
     def __getitems__(self, request: Request):
-        """The micro-batch's samples, with :meth:`where` for the collate_fn's error messages (and the
-        samples left out at load time, ``(reason, where, message)``)."""
-        if not request.indices:
-            return request, [self._filler(request.filler_of)], self.where
-        if not self.skip_at_load:
-            return request, [self._load(i) for i in request.indices], self.where
-        samples, kept, skipped = [], [], []
-        for i in request.indices:
-            try:
-                samples.append(self._load(i))
-                kept.append(i)
-            except SampleError as exc:
-                skipped.append((reason_of(exc), f"{self.where(i)} (index row {i})", str(exc)))
-        if not samples:
-            raise BadSampleError(sample=self.where(request.indices[0]), field=None, expected="a loadable sample "
-                                 "in the micro-batch", actual=f"all {len(skipped)} failed: {skipped[0][2]}")
-        return dataclasses.replace(request, indices=tuple(kept)), samples, self.where, skipped
+        """The micro-batch's samples, with :meth:`where` for the collate_fn's error messages (and, under
+        the skip policy, the samples left out at load time, ``(reason, where, message)``). In a worker, a
+        typed error is handed to the collate_fn (:func:`~prealign.loaders.workers.carry`) and re-raised there
+        as its own type."""
+        try:
+            if not request.indices:
+                return request, [self._filler(request.filler_of)], self.where
+            if not self.skip_at_load:
+                return request, [self._load(i) for i in request.indices], self.where
+            samples, kept, skipped = [], [], []
+            for i in request.indices:
+                try:
+                    samples.append(self._load(i))
+                    kept.append(i)
+                except SampleError as exc:
+                    skipped.append((reason_of(exc), f"{self.where(i)} (index row {i})", str(exc)))
+            if not samples:
+                raise BadSampleError(sample=self.where(request.indices[0]), field=None, expected="a loadable "
+                                     "sample in the micro-batch", actual=f"all {len(skipped)} failed: {skipped[0][2]}")
+            return dataclasses.replace(request, indices=tuple(kept)), samples, self.where, skipped
+        except PrealignError as exc:
+            if get_worker_info() is None:
+                raise
+            return request, carry(exc), self.where
 
 
 @dataclass(frozen=True)
@@ -163,6 +172,8 @@ class _CollatePlanned:
 
     def __call__(self, fetched: tuple):
         request, samples, where = fetched[:3]
+        if isinstance(samples, Carried):
+            return samples
         skipped = list(fetched[3]) if len(fetched) > 3 else None  # None: not the skip policy
         while True:
             try:
@@ -173,10 +184,16 @@ class _CollatePlanned:
                 pos = exc.sample
                 if skipped is None or len(samples) < 2 or isinstance(pos, bool) or not isinstance(pos, int) \
                         or not 0 <= pos < len(samples):
+                    if self.pack:
+                        return carry(err)
                     raise err from exc
                 skipped.append((reason_of(err), str(err.sample), str(err)))  # found bad at load: left out
                 samples = samples[:pos] + samples[pos + 1:]
                 request = dataclasses.replace(request, indices=request.indices[:pos] + request.indices[pos + 1:])
+            except PrealignError as exc:
+                if self.pack:
+                    return carry(exc)
+                raise
         if skipped:
             batch["skipped_at_load"] = skipped
         batch["sample_index"] = torch.tensor(request.indices, dtype=torch.int64)
@@ -225,69 +242,96 @@ class PackedLoader:
     ``microbatch`` ints.
 
     ``token_budget``: global padded THD length of one micro-batch (one CP group; each CP rank holds
-    ``budget / cp``). ``planner``: :class:`PlannerConfig` (strategy, buffer, oversize policy, ``k``
-    micro-batches per step). ``bad_data``: policy for samples that fail to decode / transform /
-    validate during the index pass. ``distributed_index``: with an initialised process group, split the
-index pass over all ranks and exchange the records (collective: every rank must build its loader).
-``index``: a prebuilt :class:`SampleIndex` or a path to one
-    saved with :meth:`SampleIndex.save` (skips the index pass). ``collator``: another collate callable
-    (e.g. ``THDCollator(..., defer_cp_shard=True)``) that pads exactly as ``layout`` says.
-    ``shuffle_window``: block size of the in-shard shuffle of sequential sources.
+    ``budget / cp``). The rarer knobs are option objects (:mod:`prealign.loaders.options`):
+    ``planner`` (:class:`PlannerConfig`: strategy, buffer, oversize policy, ``k`` micro-batches per
+    step), ``bad_data`` (:class:`BadDataPolicy` for samples that fail to decode / transform / validate
+    in the index pass), ``shuffle`` (:class:`ShuffleOptions`), ``indexing`` (:class:`IndexOptions`: a
+    prebuilt index, index workers, distributed pass), ``loading`` (:class:`LoadingOptions`: DataLoader
+    settings). ``collator``: another collate callable (e.g. ``THDCollator(..., defer_cp_shard=True)``)
+    that pads exactly as ``layout`` says.
+
+    The constructor only checks its arguments: no I/O, no collective. The index pass (a collective
+    with ``IndexOptions(distributed=True)`` and a process group) runs on first use (``len``, iteration,
+    ``plan``, ``state_dict``, ``report``, ``index``...) or at an explicit :meth:`prepare`.
     """
 
     def __init__(self, source: Source, *, schema: BatchSchema, layout: ParallelLayout, token_budget: int,
                  dp_rank: int = 0, dp_size: int = 1, cp_rank: int | None = None, num_workers: int = 0, seed: int = 0,
-                 shuffle: bool = True, planner: PlannerConfig | None = None, bad_data: BadDataPolicy | None = None,
-                 collator: Callable | None = None, index: SampleIndex | str | None = None,
-                 index_workers: int | None = None, distributed_index: bool = True, shuffle_window: int = 1024,
-                 pin_memory: bool = False,
-                 prefetch_factor: int | None = None, persistent_workers: bool = False,
-                 multiprocessing_context=None, timeout: float = 0):
+                 planner: PlannerConfig | None = None, bad_data: BadDataPolicy | None = None,
+                 shuffle: ShuffleOptions | None = None, indexing: IndexOptions | None = None,
+                 loading: LoadingOptions | None = None, collator: Callable | None = None):
         if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
             raise PlanError(f"dp_size: expected an int >= 1, got {dp_size!r}")
         if isinstance(dp_rank, bool) or not isinstance(dp_rank, int) or not 0 <= dp_rank < dp_size:
             raise PlanError(f"dp_rank: expected an int in [0, {dp_size}), got {dp_rank!r}")
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
             raise PlanError(f"num_workers: expected an int >= 0, got {num_workers!r}")
+        for name, value, cls in (("planner", planner, PlannerConfig), ("bad_data", bad_data, BadDataPolicy),
+                                 ("shuffle", shuffle, ShuffleOptions), ("indexing", indexing, IndexOptions),
+                                 ("loading", loading, LoadingOptions)):
+            if value is not None and not isinstance(value, cls):
+                raise PlanError(f"{name}: expected a {cls.__name__} or None, got {type(value).__name__}")
         self.source, self.schema, self.layout, self.token_budget = source, schema, layout, token_budget
-        self.dp_rank, self.dp_size, self.cp_rank = dp_rank, dp_size, cp_rank
-        self.seed, self.shuffle, self.shuffle_window = int(seed), bool(shuffle), int(shuffle_window)
+        self.dp_rank, self.dp_size, self.cp_rank, self.num_workers = dp_rank, dp_size, cp_rank, num_workers
+        self.seed = check_count("seed", seed)
         self.planner = planner or PlannerConfig()
         self.bad_data = bad_data or BadDataPolicy()
+        self.shuffle_options = shuffle or ShuffleOptions()
+        self.shuffle, self.shuffle_window = self.shuffle_options.enabled, self.shuffle_options.window
+        self.indexing = indexing or IndexOptions()
+        self.loading = loading or LoadingOptions()
         self.collator = collator or THDCollator(schema=schema, layout=layout, cp_rank=cp_rank)
-        cap = microbatch_capacity(layout, token_budget)
-        if isinstance(index, str):
-            index = SampleIndex.load(index)
+        self._capacity = microbatch_capacity(layout, token_budget)  # arithmetic only: a bad budget fails here
+        self._index: SampleIndex | None = None
+        self._epoch, self._position = 0, 0
+        self._active: object | None = None
+
+    def prepare(self) -> "PackedLoader":
+        """Run the index pass (or load the prebuilt index) and set up the plan and the DataLoader; a
+        no-op once done. Every rank must call it (or use the loader) when the pass is distributed."""
+        if self._index is not None:
+            return self
+        source, schema, layout, opts = self.source, self.schema, self.layout, self.indexing
+        cap, num_workers = self._capacity, self.num_workers
+        index = SampleIndex.load(opts.prebuilt) if isinstance(opts.prebuilt, str) else opts.prebuilt
         if index is not None:  # a reused index must describe this data (issue #7): before any batch
             check_index(index, source)
-        self.index = index if index is not None else build_index(
-            source, schema, policy=self.bad_data, num_workers=num_workers if index_workers is None else index_workers,
-            distributed=distributed_index)
-        if self.index.media is None and media_keys(schema) and self.planner.oversize is Oversize.TRUNCATE:
-            self.index = _with_media_flags(self.index, source, schema, cap)
-        self._schedule = Schedule(self.index, layout=layout, token_budget=token_budget, dp_size=dp_size,
+        else:
+            index = build_index(source, schema, policy=self.bad_data,
+                                num_workers=num_workers if opts.workers is None else opts.workers,
+                                distributed=opts.distributed)
+        if index.media is None and media_keys(schema) and self.planner.oversize is Oversize.TRUNCATE:
+            index = _with_media_flags(index, source, schema, cap)
+        self._schedule = Schedule(index, layout=layout, token_budget=self.token_budget, dp_size=self.dp_size,
                                   planner=self.planner, seed=self.seed, shuffle=self.shuffle,
                                   sequential=source.sequential, window=self.shuffle_window,
                                   step_window=64 if getattr(source, "stream_only", getattr(source, "streaming", False)) else None)
         self._requests = _Requests()
-        kwargs = {"prefetch_factor": prefetch_factor} if num_workers > 0 and prefetch_factor is not None else {}
-        planned = _PlannedSamples(source, self.index, schema, cap, layout.seq_multiple)
+        lo = self.loading
+        workers = num_workers > 0
+        kwargs = {"prefetch_factor": lo.prefetch_factor} if workers and lo.prefetch_factor is not None else {}
+        planned = _PlannedSamples(source, index, schema, cap, layout.seq_multiple)
         planned.skip_at_load = self.bad_data.on_error is OnBadSample.SKIP
         self._load_report = BadDataReport()
         self._loader = DataLoader(planned,
                                   batch_sampler=self._requests,
-                                  collate_fn=_CollatePlanned(self.collator, pack=num_workers > 0),
-                                  num_workers=num_workers, pin_memory=pin_memory,
-                                  persistent_workers=persistent_workers and num_workers > 0,
-                                  multiprocessing_context=multiprocessing_context if num_workers > 0 else None,
-                                  timeout=timeout, **kwargs)
-        self._epoch, self._position = 0, 0
-        self._active: object | None = None
+                                  collate_fn=_CollatePlanned(self.collator, pack=workers),
+                                  num_workers=num_workers, pin_memory=lo.pin_memory,
+                                  persistent_workers=lo.persistent_workers and workers,
+                                  multiprocessing_context=lo.multiprocessing_context if workers else None,
+                                  timeout=lo.timeout, **kwargs)
         # truncations/skips depend on lengths and media flags only: the same every epoch
         order0, plan0 = self._schedule.plan(0)
         self._oversize = plan0.stats
         self._skipped_media = tuple(sorted(int(order0[p]) for p in plan0.skipped_media))
+        self._index = index
         self._announce_oversize()
+        return self
+
+    @property
+    def index(self) -> SampleIndex:
+        """The :class:`SampleIndex` (runs :meth:`prepare` first)."""
+        return self.prepare()._index
 
     @classmethod
     def from_parallel_state(cls, source: Source, *, schema: BatchSchema, token_budget: int,
@@ -308,6 +352,7 @@ index pass over all ranks and exchange the records (collective: every rank must 
     # ---- iteration ------------------------------------------------------------------------------
     def _normalised(self) -> tuple[int, int]:
         """(epoch, position) with a finished epoch read as the start of the next one."""
+        self.prepare()
         if self._position >= self._schedule.num_microbatches(self._epoch):
             return self._epoch + 1, 0
         return self._epoch, self._position
@@ -317,12 +362,12 @@ index pass over all ranks and exchange the records (collective: every rank must 
         self._epoch, self._position = epoch, start
         token = self._active = object()
         self._requests.requests = self._schedule(epoch, self.dp_rank, start)
-        for batch in self._loader:
+        for batch in worker_batches(self._loader):
             if isinstance(batch, PackedBatch):
                 batch = unpack_batch(batch)
             if self._active is not token:
-                raise RuntimeError("PackedLoader: a newer iterator over this loader was started; "
-                                   "iterate one at a time")
+                raise LoaderUsageError("PackedLoader: a newer iterator over this loader was started; "
+                                       "iterate one at a time")
             for reason, where, message in batch.pop("skipped_at_load", ()):
                 self._load_report.add(reason, where, message)
                 if self.bad_data.warn:
@@ -334,12 +379,14 @@ index pass over all ranks and exchange the records (collective: every rank must 
 
     def __len__(self) -> int:
         """Micro-batches in the current epoch (the same on every DP rank)."""
-        return self._schedule.num_microbatches(self._normalised()[0])
+        epoch = self._normalised()[0]  # (prepares)
+        return self._schedule.num_microbatches(epoch)
 
     def set_epoch(self, epoch: int) -> None:
         """Go to the start of ``epoch``; the epoch in progress keeps its position."""
+        epoch = check_count("epoch", epoch)
         if epoch != self._normalised()[0]:
-            self._epoch, self._position = int(epoch), 0
+            self._epoch, self._position = epoch, 0
             self._active = None
 
     @property
@@ -348,12 +395,13 @@ index pass over all ranks and exchange the records (collective: every rank must 
 
     def plan(self, epoch: int | None = None) -> MicrobatchPlan:
         """The (all-rank) plan of ``epoch`` (default: the current one), with its statistics."""
-        return self._schedule.plan(self.epoch if epoch is None else epoch)[1]
+        epoch = self.epoch if epoch is None else check_count("epoch", epoch)
+        return self.prepare()._schedule.plan(epoch)[1]
 
     def epoch_samples(self, epoch: int | None = None) -> list[tuple[int, ...]]:
         """This rank's micro-batches of ``epoch`` as tuples of sample ids (what batches' ``sample_index`` hold)."""
-        e = self.epoch if epoch is None else epoch
-        return [r.indices for r in self._schedule(e, self.dp_rank)]
+        e = self.epoch if epoch is None else check_count("epoch", epoch)
+        return [r.indices for r in self.prepare()._schedule(e, self.dp_rank)]
 
     # ---- bad data -------------------------------------------------------------------------------
     @property
@@ -361,6 +409,7 @@ index pass over all ranks and exchange the records (collective: every rank must 
         """Everything left out or cut: index-pass skips (by reason) plus oversize truncations/skips
         (``oversize_truncated``, ``oversize_skipped``, and ``oversize_media`` for samples carrying
         media that ``Oversize.TRUNCATE`` leaves out rather than cut, each one named)."""
+        self.prepare()
         rep = BadDataReport(counts=dict(self.index.report.counts), examples=list(self.index.report.examples))
         for where, reason, message in self._load_report.examples:  # found bad only when loaded (counted once)
             rep.examples.append((where, reason, message))
@@ -412,5 +461,6 @@ index pass over all ranks and exchange the records (collective: every rank must 
         planner, seed or data."""
         st = LoaderState.from_dict(state)
         st.check_compatible(self._config(), self._data())
+        st.check_position(self._schedule.num_microbatches(st.epoch))
         self._epoch, self._position = st.epoch, st.position
         self._active = None

@@ -11,8 +11,21 @@ from dataclasses import dataclass
 import numpy as np
 
 from prealign.schemas.layout import ParallelLayout
+from .errors import PlanError
 from .index import SampleIndex
 from .planner import MicrobatchPlan, PlannerConfig, plan_microbatches
+
+
+def check_count(name: str, value) -> int:
+    """``value`` when it is an int >= 0 (numpy ints included; not a bool, float or str), else
+    :class:`~prealign.loaders.errors.PlanError` naming ``name``.
+
+    >>> check_count("seed", 3)
+    3
+    """
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise PlanError(f"{name}: expected an int >= 0, got {value!r} ({type(value).__name__})")
+    return int(value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +49,7 @@ def epoch_order(index: SampleIndex, *, epoch: int, seed: int, shuffle: bool, seq
     (reads stay near-sequential).
     """
     n = len(index)
+    epoch, seed = check_count("epoch", epoch), check_count("seed", seed)
     if not shuffle:
         return np.arange(n)
     rng = np.random.default_rng([seed, epoch])
@@ -76,6 +90,7 @@ class Schedule:
     def __init__(self, index: SampleIndex, *, layout: ParallelLayout, token_budget: int, dp_size: int,
                  planner: PlannerConfig, seed: int, shuffle: bool, sequential: bool, window: int,
                  step_window: int | None = None):
+        seed = check_count("seed", seed)
         self.index, self.layout, self.token_budget, self.dp_size = index, layout, token_budget, dp_size
         self.planner, self.seed, self.shuffle, self.sequential, self.window = planner, seed, shuffle, sequential, window
         self.step_window = step_window

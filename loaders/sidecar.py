@@ -49,14 +49,15 @@ _ARRAYS = {"spans": (np.int64, 2), "lengths": (np.int64, 1), "media": (np.bool_,
 _MAX_META = 64 << 20
 
 
-def sample_checksum(members: Iterable[tuple[str, bytes]]) -> int:
-    """crc32 over a sample's members (``extension NUL data`` each, in tar order): what a read checks.
+def sample_checksum(members: Iterable[tuple]) -> int:
+    """crc32 over a sample's members (``extension NUL data`` each, in tar order; ``(extension, data, ...)``
+    tuples, anything after the data ignored): what a read checks.
 
     >>> sample_checksum([("txt", b"hi")]) == sample_checksum([("txt", b"hi")]) != sample_checksum([("txt", b"ho")])
     True
     """
     crc = 0
-    for ext, data in members:
+    for ext, data, *_ in members:
         crc = zlib.crc32(data, zlib.crc32(ext.encode() + b"\0", crc))
     return crc
 
@@ -202,7 +203,7 @@ def merge_records(results: list[dict], policy, *, where, schema):
     index and report (the bad-data policy applied to the recorded bad events in stream order), at a cost
     per shard and per bad event instead of per sample. Falls back to ``merge_shards`` when any record is
     not a sidecar's or two shards disagree on a named dim (its per-sample ``dim_mismatch`` handling)."""
-    from .index import SampleIndex, _reason, _thaw, merge_shards
+    from .index import _FIELDS, SampleIndex, _reason, _thaw, merge_shards
     from .policy import BadDataGate
 
     fixed: dict = {}
@@ -226,6 +227,7 @@ def merge_records(results: list[dict], policy, *, where, schema):
                 gate.bad(_reason(ev[2]), ev[1], _thaw(ev[2]))
         if len(r["events"]) > pos:
             gate.good()
+    fixed.pop(_FIELDS, None)  # which optional fields the samples have: agreed above, not a named dim
     cat = (lambda k, dt: np.concatenate([np.asarray(r[k], dtype=dt) for r in results]) if results
            else np.zeros(0, dtype=dt))
     n = sum(len(r["lengths"]) for r in results)
@@ -363,15 +365,27 @@ def check_source(source, schema) -> tuple[dict[int, dict], dict | None]:
 
 
 def check_index(index, source) -> None:
-    """A reused :class:`~prealign.loaders.index.SampleIndex` against ``source``: the shard list (and, when
+    """A reused :class:`~prealign.loaders.index.SampleIndex` against ``source``, before any batch: its
+    locations can be this source's (:meth:`~prealign.loaders.sources.Source.check_locations`: width, shards
+    and rows in range, else an :class:`~prealign.loaders.errors.IndexFileError`), the shard list (and, when
     the index recorded them, the shard names and sizes). Raises an :class:`IndexMismatchError` subclass
-    naming the shard and the difference."""
-    from .errors import ExtraShardError
+    naming the shard and the difference (:class:`ExtraShardError`, also an ``IndexFileError``, when the
+    index and the source name other shards)."""
+    from .errors import ExtraShardError, IndexFileError
 
     n = source.num_shards
     recorded = getattr(index, "source_shards", None) or {}
     names, sizes = recorded.get("names") or [], recorded.get("sizes") or []
     urls = getattr(source, "urls", None)
+    try:
+        source.check_locations(index.locations)
+    except IndexFileError as exc:
+        if not names or urls is None or len(names) == len(urls):
+            raise
+        here = [shard_name(u) for u in urls]
+        extra = [f"{m} (in the index, not in the source)" for m in names if m not in here] or ["?"]
+        raise ExtraShardError(extra[0], f"{exc}; the index covers {len(names)} shard(s), the source names "
+                                        f"{len(urls)}") from None
     if names and urls is not None and len(names) != len(urls):
         here = [shard_name(u) for u in urls]
         extra = [f"{m} (in the index, not in the source)" for m in names if m not in here] or \

@@ -17,12 +17,17 @@ import os
 from collections import OrderedDict
 from typing import Callable, Iterator
 
-from prealign.schemas.errors import SampleError
+from prealign.schemas.errors import ConfigError, SampleError
 
-from .errors import BadSampleError, reason_of
+from .errors import BadSampleError, IndexFileError, reason_of
 
 Location = tuple[int, ...]
 Transform = Callable[[dict], dict]
+TRANSFORM_ERRORS: tuple[type[BaseException], ...] = (ValueError, KeyError, IndexError, UnicodeError)
+"""What a transform may raise on bad data besides a :class:`~prealign.schemas.errors.SampleError`
+(a missing key, an index past a list, an unparsable value): counted as ``bad_sample``. Anything else
+(``TypeError``, ``AttributeError``, ...) is a bug in the transform and propagates; a
+:class:`~prealign.schemas.errors.ConfigError` always propagates."""
 
 
 class Skip:
@@ -74,6 +79,29 @@ class Source(abc.ABC):
         state.pop("_process_local", None)
         return state
 
+    def preflight(self) -> None:
+        """Raise a :class:`~prealign.schemas.errors.ConfigError` for configuration mistakes that can be seen
+        before the index pass (shard files that do not exist); the default checks nothing."""
+
+    def check_locations(self, locations) -> None:
+        """Raise :class:`~prealign.loaders.errors.IndexFileError` when int64 ``locations [N, K]`` (an index's)
+        cannot be this source's (another width, a shard or row out of range): an index of other data.
+        The default checks nothing."""
+
+    def _check_range(self, locations, width: int, limits: dict[int, int]) -> None:
+        """``locations`` has ``width`` columns and column ``c`` lies in ``[0, limits[c])``."""
+        import numpy as np
+
+        locations = np.asarray(locations)
+        if locations.ndim != 2 or locations.shape[1] != width:
+            raise IndexFileError(f"index locations: expected [N, {width}] for {type(self).__name__}, got "
+                                 f"{list(locations.shape)}; the index was built for another source")
+        for col, hi in limits.items():
+            if locations.shape[0] and not (0 <= locations[:, col].min() and locations[:, col].max() < hi):
+                raise IndexFileError(f"index locations column {col}: values in [{locations[:, col].min()}, "
+                                     f"{locations[:, col].max()}], this source has {hi}; the index was built for "
+                                     f"other data")
+
     def where(self, location: Location) -> str:
         """Human-readable name of a sample for error messages."""
         return f"{type(self).__name__}{list(location)}"
@@ -90,16 +118,19 @@ class Source(abc.ABC):
         A :class:`~prealign.schemas.errors.SampleError` raised by the transform keeps its field, expected,
         actual and ``reason`` (:func:`~prealign.loaders.errors.reason_of`, e.g. a
         :class:`~prealign.loaders.vlm.MediaError`'s ``corrupt_image``), so the index counts skips by cause;
-        any other exception is reported as ``transform to succeed`` under ``bad_sample``.
+        one of :data:`TRANSFORM_ERRORS` is reported as ``transform to succeed`` under ``bad_sample``;
+        anything else (a bug) and a :class:`~prealign.schemas.errors.ConfigError` propagate as they are.
         """
         if self.transform is None:
             return raw
         try:
             out = self.transform(raw)
+        except ConfigError:
+            raise
         except SampleError as exc:  # a typed problem: keep what it says, rename the sample
             raise BadSampleError(sample=self.sample_name(raw, location), field=exc.field, expected=exc.expected,
                                  actual=exc.actual, reason=reason_of(exc)) from exc
-        except Exception as exc:  # a transform failure is a bad sample, handled by the declared policy
+        except TRANSFORM_ERRORS as exc:  # bad data as the transform sees it, handled by the declared policy
             raise BadSampleError(sample=self.sample_name(raw, location), field=None, expected="transform to succeed",
                                  actual=f"{type(exc).__name__}: {exc}") from exc
         if not isinstance(out, dict):
@@ -135,8 +166,8 @@ class HFSource(Source):
         self.transform = transform
         self.streaming = isinstance(dataset, datasets.IterableDataset)
         if not self.streaming and not isinstance(dataset, datasets.Dataset):
-            raise BadSampleError(sample=None, field=None, expected="a datasets.Dataset or datasets.IterableDataset",
-                                 actual=type(dataset).__name__)
+            raise ConfigError(f"dataset: expected a datasets.Dataset or datasets.IterableDataset, got "
+                              f"{type(dataset).__name__}")
         self.sequential = self.streaming
         self.rows_per_shard = max(int(rows_per_shard), 1)
         self.lookback = max(int(lookback), 1)
@@ -186,6 +217,12 @@ class HFSource(Source):
                 recent.popitem(last=False)
         cur[1] = nxt
         return recent[j]
+
+    def check_locations(self, locations) -> None:
+        if self.streaming:
+            self._check_range(locations, 2, {0: self.num_shards})
+        else:
+            self._check_range(locations, 1, {0: len(self.dataset)})
 
     def where(self, location: Location) -> str:
         return f"{self.name}[{', '.join(map(str, location))}]"

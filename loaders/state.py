@@ -10,6 +10,7 @@ The state is the same on every rank of a run (no rank id in it): save it once, l
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 
 from .errors import ResumeError
@@ -29,6 +30,21 @@ _WHY = {
 }
 
 
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _non_finite(value, path: str) -> str | None:
+    """Path of the first non-finite float inside ``value`` (nested dicts / lists), else None."""
+    if isinstance(value, float):
+        return None if math.isfinite(value) else path
+    if isinstance(value, dict):
+        return next((p for k, v in value.items() if (p := _non_finite(v, f"{path}.{k}"))), None)
+    if isinstance(value, list):
+        return next((p for i, v in enumerate(value) if (p := _non_finite(v, f"{path}[{i}]"))), None)
+    return None
+
+
 @dataclass(frozen=True, kw_only=True)
 class LoaderState:
     """Where a loader stands: ``position`` micro-batches of ``epoch`` already yielded on every rank."""
@@ -44,21 +60,49 @@ class LoaderState:
 
     @classmethod
     def from_dict(cls, state) -> "LoaderState":
-        if isinstance(state, (str, bytes)):
-            state = json.loads(state)
+        """Parse a saved state (a dict, or its JSON text) strictly: :class:`ResumeError` naming the key
+        for non-JSON text, another kind or version, a missing key, ``epoch`` / ``position`` that are not
+        non-negative ints (``2.7``, ``"3"``, ``True``, ``inf`` and ``NaN`` are refused, never coerced),
+        ``config`` / ``data`` that are not objects, or non-finite numbers anywhere."""
+        if isinstance(state, (bytes, bytearray)):
+            try:
+                state = bytes(state).decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ResumeError(f"loader state: not UTF-8 text ({exc})") from None
+        if isinstance(state, str):
+            try:
+                state = json.loads(state, parse_constant=_refuse_constant)
+            except (ValueError, RecursionError) as exc:
+                raise ResumeError(f"loader state: not JSON text ({exc}): {state[:80]!r}") from None
         if not isinstance(state, dict) or state.get("kind") != STATE_KIND:
-            raise ResumeError(f"not a {STATE_KIND} state: {str(state)[:200]}")
-        if state.get("version") != STATE_VERSION:
-            raise ResumeError(f"state version {state.get('version')!r} is not supported (this prealign writes "
+            raise ResumeError(f"loader state: key 'kind': not a {STATE_KIND} state: {str(state)[:200]}")
+        version = state.get("version")
+        if isinstance(version, bool) or version != STATE_VERSION:
+            raise ResumeError(f"loader state: key 'version': version {version!r} is not supported (this prealign writes "
                               f"and reads version {STATE_VERSION})")
-        try:
-            epoch, position = int(state["epoch"]), int(state["position"])
-            config, data = dict(state["config"]), dict(state["data"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ResumeError(f"malformed loader state ({type(exc).__name__}: {exc})") from None
-        if epoch < 0 or position < 0:
-            raise ResumeError(f"malformed loader state: epoch {epoch}, position {position}")
-        return cls(epoch=epoch, position=position, config=config, data=data)
+        missing = [k for k in ("epoch", "position", "config", "data") if k not in state]
+        if missing:
+            raise ResumeError(f"loader state: missing key(s) {missing}")
+        for key in ("epoch", "position"):
+            value = state[key]
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ResumeError(f"loader state: key {key!r}: expected an int >= 0, got {value!r} "
+                                  f"({type(value).__name__}); a state is never coerced")
+        for key in ("config", "data"):
+            if not isinstance(state[key], dict):
+                raise ResumeError(f"loader state: key {key!r}: expected an object, got {type(state[key]).__name__}")
+            bad = _non_finite(state[key], key)
+            if bad:
+                raise ResumeError(f"loader state: key {bad!r}: a non-finite number")
+        return cls(epoch=state["epoch"], position=state["position"], config=dict(state["config"]),
+                   data=dict(state["data"]))
+
+    def check_position(self, num_microbatches: int) -> None:
+        """Refuse a ``position`` past the end of its epoch (``num_microbatches`` on each rank; equal to
+        it means the epoch is finished)."""
+        if self.position > num_microbatches:
+            raise ResumeError(f"loader state: key 'position': {self.position} is past the end of epoch {self.epoch} "
+                              f"({num_microbatches} micro-batches per rank)")
 
     def check_compatible(self, config: dict, data: dict) -> None:
         """Raise :class:`ResumeError` listing every difference with this run's ``config`` / ``data``."""

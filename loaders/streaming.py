@@ -42,8 +42,10 @@ from .errors import BadSampleError, OversizeSampleError, PlanError, ResumeError
 from .index import _freeze, _reason, _thaw, _validated, has_media, media_keys
 from .loader import filler_sample, truncate_sample
 from .packing import best_fit_decreasing
+from .options import LoadingOptions
 from .planner import microbatch_capacity
 from .policy import BadDataGate, BadDataPolicy, BadDataReport, Oversize, coerce_enum
+from .schedule import check_count
 from .sources import Skip, Source
 from .transport import PackedBatch, pack_batch, unpack_batch
 
@@ -202,21 +204,28 @@ class StreamingPackedLoader:
                  dp_rank: int = 0, dp_size: int = 1, cp_rank: int | None = None, num_workers: int = 0, seed: int = 0,
                  buffer_size: int = 1024, oversize: Oversize | str = Oversize.ERROR,
                  bad_data: BadDataPolicy | None = None, collator: Callable | None = None, group=None,
-                 prefetch_factor: int | None = None):
+                 loading: LoadingOptions | None = None):
         if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
             raise PlanError(f"dp_size: expected an int >= 1, got {dp_size!r}")
         if isinstance(dp_rank, bool) or not isinstance(dp_rank, int) or not 0 <= dp_rank < dp_size:
             raise PlanError(f"dp_rank: expected an int in [0, {dp_size}), got {dp_rank!r}")
         if isinstance(buffer_size, bool) or not isinstance(buffer_size, int) or buffer_size < 2:
             raise PlanError(f"buffer_size: expected an int >= 2, got {buffer_size!r}")
+        num_workers = check_count("num_workers", num_workers)
+        if loading is not None and not isinstance(loading, LoadingOptions):
+            raise PlanError(f"loading: expected a LoadingOptions or None, got {type(loading).__name__}")
+        if bad_data is not None and not isinstance(bad_data, BadDataPolicy):
+            raise PlanError(f"bad_data: expected a BadDataPolicy or None, got {type(bad_data).__name__}")
         self.source, self.schema, self.layout, self.token_budget = source, schema, layout, int(token_budget)
-        self.dp_rank, self.dp_size, self.cp_rank, self.num_workers = dp_rank, dp_size, cp_rank, int(num_workers)
-        self.seed, self.buffer_size = int(seed), buffer_size
+        self.dp_rank, self.dp_size, self.cp_rank, self.num_workers = dp_rank, dp_size, cp_rank, num_workers
+        self.seed, self.buffer_size = check_count("seed", seed), buffer_size
         self.oversize = coerce_enum(Oversize, oversize, "oversize")
         self.bad_data = bad_data or BadDataPolicy()
         self.collator = collator or THDCollator(schema=schema, layout=layout, cp_rank=cp_rank)
         self.cap = microbatch_capacity(layout, self.token_budget)
-        self.group, self.prefetch_factor = group, prefetch_factor
+        self.group, self.loading = group, loading or LoadingOptions()
+        """DataLoader settings of the readers (:class:`LoadingOptions`, as :class:`PackedLoader` takes them;
+        ``persistent_workers`` does not apply: each epoch starts its readers afresh)."""
         self.report = BadDataReport()
         """Everything skipped so far (by reason), as the readers met it."""
         self._epoch, self._position = 0, 0
@@ -262,8 +271,11 @@ class StreamingPackedLoader:
         reader = _Reader(self.source, self.schema, self.collator, self.layout, self.cap, self.buffer_size,
                          self.oversize, self.bad_data, self.dp_rank, self.dp_size, self.seed, epoch,
                          pack=self.num_workers > 0)
-        kw = {"prefetch_factor": self.prefetch_factor} if self.num_workers and self.prefetch_factor else {}
-        return DataLoader(reader, batch_size=None, num_workers=self.num_workers, **kw)
+        lo, workers = self.loading, self.num_workers > 0
+        kw = {"prefetch_factor": lo.prefetch_factor} if workers and lo.prefetch_factor is not None else {}
+        return DataLoader(reader, batch_size=None, num_workers=self.num_workers, pin_memory=lo.pin_memory,
+                          multiprocessing_context=lo.multiprocessing_context if workers else None,
+                          timeout=lo.timeout, **kw)
 
     def _take(self, it):
         """The next real micro-batch of this rank's stream, or None at its end (bad-data events counted)."""
@@ -313,9 +325,18 @@ class StreamingPackedLoader:
         """Resume from :meth:`state_dict`; :class:`ResumeError` for a state of another configuration (the
         packing depends on the buffer, the worker count, the budget and the layout)."""
         if isinstance(state, (str, bytes)):
-            state = json.loads(state)
+            try:
+                state = json.loads(state)
+            except (ValueError, RecursionError) as exc:
+                raise ResumeError(f"not a {STATE_KIND} state: not JSON ({exc})") from None
         if not isinstance(state, dict) or state.get("kind") != STATE_KIND or state.get("version") != STATE_VERSION:
             raise ResumeError(f"not a {STATE_KIND} state of version {STATE_VERSION}: {str(state)[:200]}")
+        for key in ("epoch", "position"):  # never coerced (2.7, "3", True)
+            v = state.get(key)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ResumeError(f"{STATE_KIND} state: {key} must be an int >= 0, got {v!r}")
+        if not isinstance(state.get("config"), dict):
+            raise ResumeError(f"{STATE_KIND} state: config must be a dict, got {str(state.get('config'))[:100]}")
         here = self._config()
         diff = [f"{k}: saved {state['config'].get(k)!r}, this run {here.get(k)!r}" for k in sorted(here)
                 if state.get("config", {}).get(k) != here[k]]

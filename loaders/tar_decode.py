@@ -9,27 +9,77 @@ extension (last part)       value
 json                        ``json.loads`` of UTF-8 text
 txt, text                   ``str``
 cls, cls2, index, inx, id   ``int`` (``str`` if not an integer)
-npy                         ``numpy.load(allow_pickle=False)``
-npz                         ``dict`` of arrays, ``allow_pickle=False``
+npy                         ``numpy`` array (no pickle; at most ``max_array_bytes``)
+npz                         ``dict`` of arrays (no pickle; every member checked before inflating)
 jpg jpeg png webp bmp ...   ``PIL.Image`` (fully loaded) or raw ``bytes`` (``image="bytes"``)
 pickle pkl pyd pth pt ...   refused: :class:`~prealign.loaders.errors.UnsafeMemberError`
 anything else               raw ``bytes``
 ==========================  ==============================================================
+
+Untrusted bytes get bounded work: images open only as :data:`IMAGE_FORMATS` (never PostScript /
+EPS through Ghostscript, whatever the member is named) and their size is checked from the header
+before any pixel is decoded (:attr:`DecodeLimits.max_image_pixels`); arrays' declared sizes (the
+``.npy`` header's shape x itemsize, each ``.npz`` entry's size in the zip directory and in its own
+header) are checked before anything is inflated (:attr:`DecodeLimits.max_array_bytes`). Bombs are
+bad samples (``corrupt_image``, ``array_too_large``), counted by the loader's bad-data policy.
 """
 from __future__ import annotations
 
+import functools
 import io
 import json
 import re
+import struct
+import warnings
+import zipfile
+import zlib
+from dataclasses import dataclass
 from typing import Callable, Mapping
 
 import numpy as np
 
+from prealign.schemas.errors import ConfigError
 from .errors import BadSampleError, UnsafeMemberError
 
 UNSAFE = frozenset({"pickle", "pkl", "pyd", "pth", "pt", "ckpt", "joblib", "dill", "mp", "msgpack_pickle"})
 IMAGES = frozenset({"jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff", "ppm", "pgm", "pbm", "pnm"})
+IMAGE_FORMATS = ("JPEG", "PNG", "WEBP", "BMP", "GIF", "TIFF", "PPM")
+"""The only formats PIL may open (any image member may hold any of them: datasets mislabel PNGs
+as ``.jpg``); everything else (EPS/PostScript, PSD, ...) is ``corrupt_image``."""
 _KEY_EXT = re.compile(r"^((?:.*/)?[^./][^/.]*)\.([^/]+)$")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecodeLimits:
+    """Caps on what one member may decode to, checked from its header before decoding.
+
+    >>> DecodeLimits().max_image_pixels, DecodeLimits().max_array_bytes
+    (67108864, 268435456)
+    """
+
+    max_image_pixels: int = 1 << 26
+    """Width x height of one image (about 8192 x 8192); a larger one is ``corrupt_image``."""
+    max_array_bytes: int = 1 << 28
+    """Decoded bytes of one ``.npy`` member or of all entries of one ``.npz`` (256 MiB); more is
+    ``array_too_large``."""
+
+    def __post_init__(self):
+        for name in ("max_image_pixels", "max_array_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"DecodeLimits.{name}: expected an int >= 1, got {value!r}")
+
+
+DEFAULT_LIMITS = DecodeLimits()
+
+IMAGE_ERRORS: tuple[type[BaseException], ...] = (OSError, ValueError, TypeError, SyntaxError, EOFError, IndexError,
+                                                 KeyError, struct.error, zlib.error)
+"""What Pillow raises on malformed image bytes (plus ``DecompressionBombError``, added at import)."""
+ARRAY_ERRORS: tuple[type[BaseException], ...] = (ValueError, EOFError, OSError, zipfile.BadZipFile, zlib.error,
+                                                 KeyError, NotImplementedError)
+"""What numpy's ``.npy`` reader and ``zipfile`` raise on malformed bytes."""
+TEXT_ERRORS: tuple[type[BaseException], ...] = (ValueError, RecursionError)
+"""``UnicodeDecodeError`` / ``JSONDecodeError`` (both ``ValueError``) and JSON nested too deep."""
 
 
 def split_member_name(name: str) -> tuple[str, str] | None:
@@ -40,6 +90,14 @@ def split_member_name(name: str) -> tuple[str, str] | None:
     """
     m = _KEY_EXT.match(name)
     return (m.group(1), m.group(2).lower()) if m else None
+
+
+class ArrayTooLarge(Exception):
+    """Internal: an array member declares more bytes than :attr:`DecodeLimits.max_array_bytes`."""
+
+
+class ImageTooLarge(Exception):
+    """Internal: an image declares more pixels than :attr:`DecodeLimits.max_image_pixels`."""
 
 
 def _text(data: bytes) -> str:
@@ -54,33 +112,110 @@ def _int_or_text(data: bytes):
         return text
 
 
-def _npy(data: bytes) -> np.ndarray:
-    return np.load(io.BytesIO(data), allow_pickle=False)
+def _npy_header(fp) -> tuple[tuple[int, ...], np.dtype]:
+    """(shape, dtype) from an ``.npy`` header; object dtypes (pickles) refused."""
+    fmt = np.lib.format
+    version = fmt.read_magic(fp)
+    if version not in ((1, 0), (2, 0)):
+        raise ValueError(f"unsupported .npy format version {version} (1.0 and 2.0 are read)")
+    reader = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
+    shape, _, dtype = reader(fp)
+    if dtype.hasobject:
+        raise ValueError("object arrays need pickle, which is never used")
+    return shape, dtype
 
 
-def _npz(data: bytes) -> dict:
-    with np.load(io.BytesIO(data), allow_pickle=False) as z:
-        return {k: z[k] for k in z.files}
+def _declared(shape: tuple[int, ...], dtype: np.dtype) -> int:
+    n = dtype.itemsize
+    for d in shape:
+        n *= int(d)
+    return n
 
 
-def _pil(data: bytes):
+def _array(fp, budget: int, name: str) -> np.ndarray:
+    """One ``.npy`` stream, its declared size checked against ``budget`` before reading the data."""
+    start = fp.tell()
+    shape, dtype = _npy_header(fp)
+    nbytes = _declared(shape, dtype)
+    if nbytes > budget:
+        raise ArrayTooLarge(f"{name} declares shape {tuple(shape)} {dtype} = {nbytes} bytes, over the "
+                            f"{budget} bytes left of max_array_bytes")
+    fp.seek(start)
+    return np.lib.format.read_array(fp, allow_pickle=False)
+
+
+def decode_npy(data: bytes, limits: DecodeLimits = DEFAULT_LIMITS) -> np.ndarray:
+    """``.npy`` bytes -> array; raises ``ValueError`` (malformed, object dtype, short data) or
+    :class:`ArrayTooLarge` before allocating."""
+    fp = io.BytesIO(data)
+    return _array(fp, limits.max_array_bytes, "npy")
+
+
+def decode_npz(data: bytes, limits: DecodeLimits = DEFAULT_LIMITS) -> dict[str, np.ndarray]:
+    """``.npz`` bytes -> ``{name: array}``. Each entry's uncompressed size in the zip directory, then
+    its ``.npy`` header, is checked against what is left of ``max_array_bytes`` before it is inflated;
+    duplicate names and entries that are not ``.npy`` are refused."""
+    budget = limits.max_array_bytes
+    out: dict[str, np.ndarray] = {}
+    with zipfile.ZipFile(io.BytesIO(data)) as zf:
+        infos = zf.infolist()
+        names = [i.filename for i in infos]
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate entries in the archive: {sorted({n for n in names if names.count(n) > 1})}")
+        declared = sum(i.file_size for i in infos)
+        if declared > budget:
+            raise ArrayTooLarge(f"npz entries declare {declared} bytes in the zip directory (max_array_bytes {budget})")
+        for info in infos:
+            if not info.filename.endswith(".npy"):
+                raise ValueError(f"entry {info.filename!r} is not a .npy array")
+            with zf.open(info) as member:
+                fp = io.BytesIO(member.read(info.file_size + 1))  # the directory's size, verified by zipfile's CRC
+            if len(fp.getbuffer()) > info.file_size:
+                raise ValueError(f"entry {info.filename!r} is longer than its directory size")
+            arr = _array(fp, budget, info.filename)
+            budget -= arr.nbytes
+            out[info.filename[:-4]] = arr
+    return out
+
+
+def open_image(data: bytes, limits: DecodeLimits = DEFAULT_LIMITS):
+    """Bytes -> a fully loaded ``PIL.Image``, opened only as :data:`IMAGE_FORMATS`, its pixel count
+    checked from the header before decoding. Raises one of :data:`IMAGE_ERRORS` on malformed bytes,
+    :class:`ImageTooLarge` on a bomb."""
     from PIL import Image
 
-    img = Image.open(io.BytesIO(data))
+    with warnings.catch_warnings():  # PIL's own bomb warning: the cap below decides
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        img = Image.open(io.BytesIO(data), formats=list(IMAGE_FORMATS))
+    w, h = img.size
+    if w * h > limits.max_image_pixels:
+        img.close()
+        raise ImageTooLarge(f"{w}x{h} = {w * h} pixels, over max_image_pixels {limits.max_image_pixels} "
+                            f"(a decompression bomb: {len(data)} bytes)")
     img.load()
     return img
 
 
+def image_errors() -> tuple[type[BaseException], ...]:
+    from PIL import Image
+
+    return (*IMAGE_ERRORS, Image.DecompressionBombError)
+
+
 _DECODERS: dict[str, Callable[[bytes], object]] = {
     "json": lambda d: json.loads(_text(d)), "txt": _text, "text": _text, "cls": _int_or_text,
-    "cls2": _int_or_text, "index": _int_or_text, "inx": _int_or_text, "id": _int_or_text, "npy": _npy, "npz": _npz,
+    "cls2": _int_or_text, "index": _int_or_text, "inx": _int_or_text, "id": _int_or_text,
 }
 
 
 def decode_member(key: str, ext: str, data: bytes, *, image: str = "pil",
-                  extra: Mapping[str, Callable[[bytes], object]] | None = None):
+                  extra: Mapping[str, Callable[[bytes], object]] | None = None,
+                  limits: DecodeLimits = DEFAULT_LIMITS):
     """Decode one member's bytes by its extension; raises :class:`BadSampleError` on undecodable data
-    and :class:`UnsafeMemberError` on pickle-like formats (whatever ``extra`` says).
+    (reason ``corrupt_image`` for images, ``array_too_large`` for array bombs) and
+    :class:`UnsafeMemberError` on pickle-like formats (whatever ``extra`` says). An ``extra`` decoder
+    signals bad bytes by raising ``ValueError`` (or a :class:`~prealign.schemas.errors.SampleError`);
+    anything else it raises is a bug and propagates.
 
     >>> decode_member("k", "meta.json", b'{"a": 1}'), decode_member("k", "cls", b" 7\\n")
     ({'a': 1}, 7)
@@ -90,13 +225,33 @@ def decode_member(key: str, ext: str, data: bytes, *, image: str = "pil",
         raise UnsafeMemberError(sample=key, field=ext, expected="a member format that cannot execute code "
                                 "(json, txt, npy, npz, images, raw bytes)", actual=f".{last} (pickle-based)",
                                 hint="prealign never unpickles webdataset members; store arrays as .npy")
-    fn = (extra or {}).get(ext) or (extra or {}).get(last) or _DECODERS.get(last)
-    if fn is None and last in IMAGES:
-        fn = _pil if image == "pil" else None
-    if fn is None:
+    user = (extra or {}).get(ext) or (extra or {}).get(last)
+    reason, errors = None, (ValueError,)
+    if user is not None:
+        fn = user
+    elif last in ("npy", "npz"):
+        fn, errors = (decode_npy if last == "npy" else decode_npz), ARRAY_ERRORS
+        fn = functools.partial(fn, limits=limits)
+    elif last in IMAGES:
+        if image != "pil":
+            return data
+        fn, errors, reason = functools.partial(open_image, limits=limits), image_errors(), "corrupt_image"
+    elif last in _DECODERS:
+        fn, errors = _DECODERS[last], TEXT_ERRORS
+    else:
         return data
     try:
         return fn(data)
-    except Exception as exc:  # any decoder failure is a bad sample, reported with its member
+    except ConfigError:
+        raise
+    except ArrayTooLarge as exc:
+        raise BadSampleError(sample=key, field=ext, expected=f"at most {limits.max_array_bytes} decoded bytes "
+                             "(DecodeLimits.max_array_bytes)", actual=str(exc), reason="array_too_large") from None
+    except ImageTooLarge as exc:
+        raise BadSampleError(sample=key, field=ext, expected=f"at most {limits.max_image_pixels} pixels "
+                             "(DecodeLimits.max_image_pixels)", actual=str(exc), reason="corrupt_image") from None
+    except BadSampleError:
+        raise
+    except errors as exc:  # what the decoder raises on malformed bytes; anything else is a bug and propagates
         raise BadSampleError(sample=key, field=ext, expected=f"a decodable .{last} member",
-                             actual=f"{type(exc).__name__}: {exc}") from None
+                             actual=f"{type(exc).__name__}: {exc}", reason=reason) from None

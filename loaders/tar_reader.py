@@ -4,6 +4,12 @@ Python's ``tarfile`` reads a shard cut at a header boundary as a clean end; this
 header's checksum and requires the end-of-archive marker, so truncation and corruption are errors,
 not silently shorter shards. It also reads a sample's byte range (no end marker there).
 
+Sizes are untrusted: a member can never be larger than what is left of the archive (a header
+claiming 100 GiB, or a pax ``size=10**30``, is a :class:`TarFormatError`, never a 100 GiB
+allocation), and an extended header (pax, GNU long name) is at most :data:`MAX_EXTENDED` bytes.
+Hard links, symbolic links and special files are yielded with their ``kind`` (no data) so the
+caller can count them; directories are skipped.
+
 >>> import io, tarfile
 >>> buf = io.BytesIO()
 >>> with tarfile.open(fileobj=buf, mode="w") as tf:
@@ -17,7 +23,11 @@ from dataclasses import dataclass
 from typing import BinaryIO, Iterator
 
 BLOCK = 512
+MAX_EXTENDED = 1 << 20
+"""Largest pax / GNU long-name header data accepted (bytes); real ones are a few hundred."""
 _REGULAR = (b"0", b"\0", b"7")
+_KINDS = {b"1": "hardlink", b"2": "symlink", b"3": "chardev", b"4": "blockdev", b"6": "fifo"}
+_CHUNK = 16 << 20
 
 
 class TarFormatError(Exception):
@@ -36,6 +46,9 @@ class Member:
     end: int
     """Byte offset just after its padded data."""
     data: bytes
+    kind: str = "file"
+    """``"file"`` (a regular member, with its data), or ``"hardlink"`` / ``"symlink"`` / ``"chardev"``
+    / ``"blockdev"`` / ``"fifo"`` (no data: webdataset has no use for them; the caller counts them)."""
 
 
 def _padded(n: int) -> int:
@@ -79,13 +92,45 @@ def _pax(data: bytes, offset: int) -> dict[str, str]:
     return out
 
 
+def _remaining(f: BinaryIO) -> int | None:
+    """Bytes left in ``f`` after its current position, or None when it cannot tell (a pipe). A reader
+    with ``length`` and ``pos`` attributes (:class:`~prealign.loaders.deadline.TimedReader`) says so itself."""
+    if getattr(f, "length", None) is not None:
+        return f.length - f.pos
+    try:
+        if not f.seekable():
+            return None
+        here = f.tell()
+        end = f.seek(0, 2)
+        f.seek(here)
+        return end - here
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _read(f: BinaryIO, n: int) -> bytes:
+    """Up to ``n`` bytes of ``f``, read in chunks (a lying size never allocates more than arrives)."""
+    if n <= _CHUNK:
+        return f.read(n)
+    parts, got = [], 0
+    while got < n:
+        part = f.read(min(_CHUNK, n - got))
+        if not part:
+            break
+        parts.append(part)
+        got += len(part)
+    return b"".join(parts)
+
+
 def iter_members(f: BinaryIO, *, base: int = 0, need_end_marker: bool = True) -> Iterator[Member]:
-    """Regular-file members of the tar stream ``f`` in order (other entries are skipped).
+    """Regular-file and link members of the tar stream ``f`` in order (directories are skipped).
 
     ``base`` is the archive offset of ``f``'s first byte. Raises :class:`TarFormatError` on a bad
-    checksum, a short header or data, or (``need_end_marker``) a missing end-of-archive marker; with
+    checksum, a short header or data, a member larger than the rest of the archive, an oversized
+    extended header, or (``need_end_marker``) a missing end-of-archive marker; with
     ``need_end_marker=False`` the end of ``f`` at a header boundary is a normal end.
     """
+    left = _remaining(f)
     pos = base
     long_name: str | None = None
     pax: dict[str, str] = {}
@@ -106,15 +151,22 @@ def iter_members(f: BinaryIO, *, base: int = 0, need_end_marker: bool = True) ->
         size = _number(head[124:136], pos)
         kind = head[156:157]
         if "size" in pax:
-            if not (pax["size"].isascii() and pax["size"].isdigit()):
+            if not (pax["size"].isascii() and pax["size"].isdigit()) or len(pax["size"]) > 20:
                 raise TarFormatError(first if first is not None else pos, f"bad pax size {pax['size'][:20]!r}")
             size = int(pax["size"])
+        if left is not None:
+            left -= BLOCK
+            if _padded(size) > left:
+                raise TarFormatError(pos, f"member claims {size} bytes, only {max(left, 0)} left in the archive")
+            left -= _padded(size)
+        if kind in (b"L", b"K", b"x", b"g") and size > MAX_EXTENDED:
+            raise TarFormatError(pos, f"extended header of {size} bytes (limit {MAX_EXTENDED})")
         readable = kind in _REGULAR or kind in (b"L", b"x")
-        data = f.read(size) if readable else b""
+        data = _read(f, size) if readable else b""
         if readable and len(data) < size:
             raise TarFormatError(pos + BLOCK, f"truncated data ({len(data)} of {size} bytes)")
         pad = _padded(size) - len(data)
-        if pad and len(f.read(pad)) < pad:
+        if pad and len(_read(f, pad)) < pad:
             raise TarFormatError(pos + BLOCK + len(data), "truncated padding")
         start, data_at = (pos if first is None else first), pos + BLOCK
         pos += BLOCK + _padded(size)
@@ -135,3 +187,5 @@ def iter_members(f: BinaryIO, *, base: int = 0, need_end_marker: bool = True) ->
         long_name, pax, first = None, {}, None
         if kind in _REGULAR:
             yield Member(name, start, pos, data)
+        elif kind in _KINDS:
+            yield Member(name, start, pos, b"", _KINDS[kind])

@@ -21,6 +21,7 @@ with a :class:`MediaProblem` whose value is its ``.reason``: the index pass coun
 """
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
 import io
@@ -33,9 +34,11 @@ import numpy as np
 import torch
 
 from prealign.collate.mrope import mrope_position_ids
+from prealign.schemas.errors import ConfigError
 from prealign.schemas.vlm import IMAGE_TOKEN_TYPE, VisionTokens
 from .chat_tokenizer import ChatTokenizer
 from .errors import BadSampleError
+from .tar_decode import DEFAULT_LIMITS, IMAGE_FORMATS, DecodeLimits, ImageTooLarge, image_errors, open_image
 from .teacher_topk import teacher_topk
 
 IMAGE_PLACEHOLDER = "<image>"
@@ -93,23 +96,40 @@ def process_images(images: list, processor, *, sample=None) -> tuple[torch.Tenso
     return out["pixel_values"].to(torch.float32), out["image_grid_thw"].to(torch.int64)
 
 
-def decode_image(value, *, sample, name: str):
+def decode_image(value, *, sample, name: str, limits: DecodeLimits = DEFAULT_LIMITS):
     """Bytes / ``{"bytes": ...}`` / PIL image -> an RGB PIL image, fully decoded (a truncated or
-    corrupt file fails here, not later inside the processor)."""
-    from PIL import Image, UnidentifiedImageError
+    corrupt file fails here, not later inside the processor). Bytes open only as
+    :data:`~prealign.loaders.tar_decode.IMAGE_FORMATS` (never PostScript through Ghostscript); an image
+    over ``limits.max_image_pixels`` (checked from its header, before decoding; a PIL image given as
+    is, by its size, and refused before loading when another format opened it) is a ``corrupt_image``
+    bomb."""
+    from PIL import Image
 
     if isinstance(value, dict) and "bytes" in value:
         value = value["bytes"]
     try:
-        img = value if isinstance(value, Image.Image) else Image.open(io.BytesIO(bytes(value)))
-        img.load()
+        if isinstance(value, Image.Image):
+            w, h = value.size
+            if w * h > limits.max_image_pixels:
+                raise ImageTooLarge(f"{w}x{h} = {w * h} pixels, over max_image_pixels {limits.max_image_pixels}")
+            if value.format is not None and value.format not in IMAGE_FORMATS:  # opened elsewhere (HF), lazily
+                raise ValueError(f"a {value.format} image (formats decoded: {', '.join(IMAGE_FORMATS)})")
+            img = value
+            img.load()
+        elif isinstance(value, (bytes, bytearray, memoryview)):
+            img = open_image(bytes(value), limits)
+        else:
+            raise TypeError(f"{type(value).__name__} is not image bytes or a PIL image")
         return img.convert("RGB")
-    except UnidentifiedImageError:
-        raise MediaError(MediaProblem.CORRUPT_IMAGE, sample=sample, field=name, expected="a decodable image",
-                         actual=f"{len(value)} bytes, no image format PIL knows") from None
-    except (OSError, ValueError, TypeError, SyntaxError) as exc:
-        raise MediaError(MediaProblem.CORRUPT_IMAGE, sample=sample, field=name, expected="a decodable image",
-                         actual=f"{type(value).__name__} ({type(exc).__name__}: {exc})") from None
+    except ImageTooLarge as exc:
+        raise MediaError(MediaProblem.CORRUPT_IMAGE, sample=sample, field=name,
+                         expected=f"at most {limits.max_image_pixels} pixels (DecodeLimits.max_image_pixels)",
+                         actual=str(exc)) from None
+    except image_errors() as exc:
+        size = f"{len(value)} bytes" if isinstance(value, (bytes, bytearray, memoryview)) else type(value).__name__
+        raise MediaError(MediaProblem.CORRUPT_IMAGE, sample=sample, field=name,
+                         expected=f"a decodable image ({', '.join(IMAGE_FORMATS)})",
+                         actual=f"{size} ({type(exc).__name__}: {exc})") from None
 
 
 # ---- placeholder expansion -----------------------------------------------------------------------
@@ -215,14 +235,37 @@ class VLMSampleTransform:
     def __post_init__(self):
         for name in ("log_prob_dtype", "pixel_dtype"):
             if getattr(self, name) not in ("float32", "bfloat16"):
-                raise ValueError(f"VLMSampleTransform.{name}: expected 'float32' or 'bfloat16', got {getattr(self, name)!r}")
+                raise ConfigError(f"VLMSampleTransform.{name}: expected 'float32' or 'bfloat16', got {getattr(self, name)!r}")
+
+    @property
+    def processor(self):
+        """The Qwen2-VL image processor this transform runs (``processor_options`` applied; cached per process)."""
+        return image_processor(**self.processor_options)
+
+    @property
+    def spatial_merge_size(self) -> int:
+        """Patches merged per side (one image token per ``merge**2`` patches), read from :attr:`processor`:
+        configured once, handed on to ``MRoPECollator(spatial_merge_size=...)`` and ``validate_vlm_batch``."""
+        return int(self.processor.merge_size)
+
+    @property
+    def vision(self) -> VisionTokens:
+        """The tokenizer's vision token ids with the processor's merge size. A tokenizer that declares a
+        different ``spatial_merge_size`` is a :class:`~prealign.schemas.ConfigError` (leave it unset)."""
+        merge = self.spatial_merge_size
+        declared = getattr(self.tokenizer, "spatial_merge_size", None)
+        if declared is not None and declared != merge:
+            raise ConfigError(f"VLMSampleTransform: the tokenizer declares spatial_merge_size={declared} but the image "
+                              f"processor merges {merge} patches per side; leave the tokenizer's unset (None) so the "
+                              "processor's is used")
+        return dataclasses.replace(self.tokenizer.vision, spatial_merge_size=merge)
 
     def __call__(self, raw: dict) -> dict:
         key = raw.get("__key__", "?")
         meta = _metadata(raw, self.text_key, key)
         images = [decode_image(v, sample=key, name=n) for n, v in _image_members(raw, meta, key)]
-        vision = self.tokenizer.vision
-        pixel_values, grid = process_images(images, image_processor(**self.processor_options), sample=key)
+        vision = self.vision
+        pixel_values, grid = process_images(images, self.processor, sample=key)
         if "input_ids" in raw:  # pre-tokenized, placeholders already expanded
             input_ids = torch.as_tensor(np.asarray(raw["input_ids"]), dtype=torch.int64).reshape(-1)
             loss_mask = torch.as_tensor(np.asarray(raw.get("loss_mask", np.ones(input_ids.numel()))),

@@ -23,11 +23,14 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 import torch
 
+from prealign.schemas.errors import ConfigError, SampleError
 from . import remote as _remote
-from .errors import CorruptShardError, MissingMemberError, SourceChangedError
+from .deadline import Stalled, TimedReader, call_with_timeout
+from .errors import (BadSampleError, CorruptShardError, IndexFileError, MissingMemberError, MissingShardError,
+                     ShardTimeoutError, SourceChangedError)
 from .sidecar import sample_checksum
 from .sources import Location, Skip, Source, Transform
-from .tar_decode import decode_member, split_member_name
+from .tar_decode import DEFAULT_LIMITS, DecodeLimits, decode_member, split_member_name
 from .tar_reader import TarFormatError, iter_members
 
 _REMOTE = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*:")
@@ -44,19 +47,42 @@ def expand_urls(urls: str | Sequence[str]) -> list[str]:
     items = [urls] if isinstance(urls, str) else list(urls)
     out = [u for item in items for u in braceexpand.braceexpand(str(item))]
     if not out:
-        raise CorruptShardError("<none>", 0, "no shard URLs given")
+        raise ConfigError(f"urls: no shard URLs given ({urls!r})")
     return out
 
 
+_TORCH_KINDS = "biufc"  # bool, int, uint, float, complex: what torch.from_numpy takes
+
+
 def numpy_fields(sample: dict) -> dict:
-    """Default transform: every ``<name>.npy`` member -> tensor ``<name>``; other keys kept as they are."""
+    """Default transform: every ``<name>.npy`` member -> tensor ``<name>``; other keys kept as they are.
+    A big-endian array is converted to native order; an array torch cannot hold (strings, records,
+    dates) is a :class:`~prealign.loaders.errors.BadSampleError` naming the member."""
     out = {}
     for k, v in sample.items():
         if isinstance(v, np.ndarray) and k.endswith(".npy"):
+            if v.dtype.kind not in _TORCH_KINDS or v.dtype.fields is not None:
+                raise BadSampleError(sample=sample.get("__key__"), field=k, expected="a numeric or bool array",
+                                     actual=f"dtype {v.dtype}")
+            if not v.dtype.isnative:
+                v = v.astype(v.dtype.newbyteorder("="))
             out[k[:-4]] = torch.from_numpy(v)
         else:
             out[k] = v
     return out
+
+
+def check_members(where: str, key: str, members: list[tuple[str, bytes, str]], duplicate: bool) -> None:
+    """Raise the :class:`BadSampleError` of a sample whose key was already seen in its shard
+    (``duplicate_key``) or that has a link member (``link_member``); the full and the header pass alike."""
+    if duplicate:
+        raise BadSampleError(sample=where, field=None, reason="duplicate_key", expected="a key once per shard",
+                             actual=f"key {key!r} again after other samples")
+    links = [(ext, kind) for ext, _, kind in members if kind != "file"]
+    if links:
+        raise BadSampleError(sample=where, field=links[0][0], reason="link_member",
+                             expected="regular file members", actual=f"a {links[0][1]} member (webdataset "
+                             "samples hold their bytes; links are not followed)")
 
 
 class WebDatasetSource(Source):
@@ -65,7 +91,15 @@ class WebDatasetSource(Source):
     ``required``: member extensions every sample must have (``("input_ids.npy",)``); a sample
     without one is a :class:`~prealign.loaders.errors.MissingMemberError` (handled by the loader's bad-data
     policy). ``image``: ``"pil"`` or ``"bytes"``. ``decoders``: extra ``{extension: bytes -> value}``
-    decoders (pickle-like extensions stay refused).
+    decoders (pickle-like extensions stay refused; they signal bad bytes with ``ValueError``).
+    ``limits``: caps on decoded pixels / array bytes (:class:`~prealign.loaders.tar_decode.DecodeLimits`).
+    ``read_timeout``: seconds a shard read (open, or one 1 MiB chunk) may make no progress during the
+    index pass before it is a :class:`~prealign.loaders.errors.ShardTimeoutError` (``None``: wait forever).
+
+    Within a shard, a sample with a hard or symbolic link member (``link_member``) or a key already
+    seen earlier in the shard (``duplicate_key``) is a bad sample; a local shard that does not exist
+    is a :class:`~prealign.loaders.errors.MissingShardError` (configuration, raised by :meth:`preflight`
+    before the index pass).
     """
 
     sequential = True
@@ -74,9 +108,15 @@ class WebDatasetSource(Source):
                  required: Sequence[str] = (), image: str = "pil",
                  decoders: Mapping[str, Callable[[bytes], object]] | None = None, cache_dir: str | None = None,
                  cache_limit: int | None = None, index_dir: str | None = None, sidecars: bool = True,
-                 remote: "_remote.RemoteOptions | None" = None, max_open_files: int = 16):
+                 remote: "_remote.RemoteOptions | None" = None, max_open_files: int = 16,
+                 limits: DecodeLimits = DEFAULT_LIMITS, read_timeout: float | None = 120.0):
         if image not in ("pil", "bytes"):
-            raise ValueError(f"image: expected 'pil' or 'bytes', got {image!r}")
+            raise ConfigError(f"image: expected 'pil' or 'bytes', got {image!r}")
+        if not isinstance(limits, DecodeLimits):
+            raise ConfigError(f"limits: expected a DecodeLimits, got {type(limits).__name__}")
+        if read_timeout is not None and (isinstance(read_timeout, bool) or not isinstance(read_timeout, (int, float))
+                                         or not read_timeout > 0):
+            raise ConfigError(f"read_timeout: expected seconds > 0 or None, got {read_timeout!r}")
         self.urls = expand_urls(urls)
         self.transform = transform
         self.required = tuple(required)
@@ -89,6 +129,8 @@ class WebDatasetSource(Source):
             limit = {} if cache_limit is None else {"cache_limit": int(cache_limit)}
             remote = _remote.RemoteOptions(cache_dir=cache_dir, **limit)
         self.remote = remote
+        self.limits = limits
+        self.read_timeout = None if read_timeout is None else float(read_timeout)
 
     # ---- shards ---------------------------------------------------------------------------------
     @property
@@ -101,55 +143,86 @@ class WebDatasetSource(Source):
         shuffles micro-batches within a bounded window of steps, not over the whole epoch."""
         return any(_remote.is_sequential(u) for u in self.urls)
 
+    def preflight(self) -> None:
+        """Raise :class:`~prealign.loaders.errors.MissingShardError` listing every local shard that does
+        not exist or is a folder (remote URLs are checked when fetched). Each check is bounded by ``read_timeout``."""
+        missing = []
+        for url in self.urls:
+            if _REMOTE.match(url) and not url.startswith("file://"):
+                continue
+            path = url[len("file://"):] if url.startswith("file://") else url
+            try:
+                exists = call_with_timeout(lambda p=path: os.path.exists(p) and not os.path.isdir(p), self.read_timeout)
+            except Stalled:
+                continue  # a hung mount: the scan reports it, naming the shard
+            if not exists:
+                missing.append(url)
+        if missing:
+            raise MissingShardError(None, f"{len(missing)} of {len(self.urls)} shard file(s) do not exist (or are folders): "
+                                    f"{missing[:10]}{' ...' if len(missing) > 10 else ''}; check the path or brace "
+                                    f"range given as urls=")
+
     # ---- scanning -------------------------------------------------------------------------------
     def scan(self, shard: int):
         url = self.urls[shard]
         try:
-            f = _remote.open_stream(url, self.remote)
+            f = TimedReader(lambda: _remote.open_stream(url, self.remote), timeout=self.read_timeout)
         except (CorruptShardError, _remote.RemoteReadError) as exc:
             yield None, exc if isinstance(exc, CorruptShardError) else CorruptShardError(url, 0, str(exc))
+            return
+        except Stalled as exc:
+            yield None, ShardTimeoutError(url, 0, f"opening: {exc}")
             return
         except OSError as exc:
             yield None, CorruptShardError(url, 0, f"{type(exc).__name__}: {exc}")
             return
         with f:
-            key, start, members = None, 0, []
+            key, start, members, seen = None, 0, [], set()
             try:
                 for m in iter_members(f):
                     split = split_member_name(m.name)
                     if split is None:
-                        yield None, Skip("ignored_member", f"{url}:{m.name}", "tar member without an extension")
+                        yield None, Skip("ignored_member", f"{url}:{m.name}", f"tar {m.kind} member without "
+                                         f"an extension")
                         continue
                     if split[0] != key:
                         if members:
-                            yield (shard, start, m.offset, sample_checksum(members)), self._sample(shard, key, members)
+                            yield (shard, start, m.offset, sample_checksum(members)), \
+                                self._sample(shard, key, members, key in seen)
+                            seen.add(key)
                         key, start, members = split[0], m.offset, []
-                    members.append((split[1], m.data))
+                    members.append((split[1], m.data, m.kind))
                     end = m.end
-            except (TarFormatError, OSError, EOFError, _remote.RemoteReadError) as exc:
+            except (TarFormatError, OSError, EOFError, _remote.RemoteReadError, Stalled) as exc:
                 lost = f"; sample {key!r} lost with the rest of the shard" if members else ""
-                yield None, CorruptShardError(url, getattr(exc, "offset", 0), f"{exc}{lost}")
+                err = ShardTimeoutError if isinstance(exc, Stalled) else CorruptShardError
+                yield None, err(url, getattr(exc, "offset", getattr(exc, "at", 0)), f"{exc}{lost}")
                 return
             if members:
-                yield (shard, start, end, sample_checksum(members)), self._sample(shard, key, members)
+                yield (shard, start, end, sample_checksum(members)), self._sample(shard, key, members, key in seen)
 
-    def _sample(self, shard: int, key: str, members: list[tuple[str, bytes]]):
-        """Decoded sample dict, or the exception that makes it a bad sample."""
+    def _sample(self, shard: int, key: str, members: list[tuple[str, bytes, str]], duplicate: bool = False):
+        """Decoded sample dict, or the :class:`~prealign.schemas.errors.SampleError` that makes it a bad
+        sample (an error of any other type is a bug and propagates)."""
         url = self.urls[shard]
         where = f"{url}:{key}"
         try:
+            check_members(where, key, members, duplicate)
             sample: dict = {"__key__": key, "__url__": url, "__shard__": shard}
-            for ext, data in members:
+            for ext, data, _ in members:
                 if ext in sample:
                     raise MissingMemberError(sample=where, field=ext, expected="one member per extension",
                                              actual="a duplicate member")
-                sample[ext] = decode_member(where, ext, data, image=self.image, extra=self.decoders)
+                sample[ext] = decode_member(where, ext, data, image=self.image, extra=self.decoders,
+                                            limits=self.limits)
             missing = [r for r in self.required if r not in sample]
             if missing:
                 raise MissingMemberError(sample=where, field=missing[0], expected=f"members {list(self.required)}",
                                          actual=f"members {sorted(k for k in sample if not k.startswith('__'))}")
             return sample
-        except Exception as exc:  # decoding errors are typed; anything else is reported as such
+        except ConfigError:
+            raise
+        except SampleError as exc:  # decoding errors are typed; anything else is a bug and propagates
             return exc
 
     # ---- random access --------------------------------------------------------------------------
@@ -157,18 +230,18 @@ class WebDatasetSource(Source):
         shard, start, end = (int(x) for x in location[:3])
         buf = self._bytes(shard, start, end)
         try:
-            members = [(*split_member_name(m.name), m.data)
+            members = [(*split_member_name(m.name), m.data, m.kind)
                        for m in iter_members(io.BytesIO(buf), base=start, need_end_marker=False)
                        if split_member_name(m.name) is not None]
         except TarFormatError as exc:
             raise SourceChangedError(f"{self.urls[shard]} bytes {start}..{end}: {exc}; the shard changed "
                                      f"since indexing") from exc
-        keys = {k for k, _, _ in members}
+        keys = {k for k, _, _, _ in members}
         if len(keys) != 1:
             raise SourceChangedError(f"{self.urls[shard]} bytes {start}..{end}: keys {sorted(keys)} instead of one "
                                      f"sample; the shard changed since indexing")
         key_seen = keys.pop()
-        members = [(ext, data) for _, ext, data in members]
+        members = [(ext, data, kind) for _, ext, data, kind in members]
         if len(location) > 3 and sample_checksum(members) != int(location[3]):
             raise SourceChangedError(f"{self.urls[shard]} bytes {start}..{end} (sample {key_seen!r}): checksum "
                                      f"{sample_checksum(members)}, {int(location[3])} at indexing; the shard changed "
@@ -203,6 +276,14 @@ class WebDatasetSource(Source):
         files.move_to_end(shard)
         f.seek(start)
         return f.read(end - start)
+
+    def check_locations(self, locations) -> None:
+        """Rows ``(shard, start, end[, checksum])``: shards in range, byte ranges that end after they start."""
+        width = np.asarray(locations).shape[1] if np.ndim(locations) == 2 and np.shape(locations)[1] in (3, 4) else 4
+        self._check_range(locations, width, {0: self.num_shards})
+        if len(locations) and not bool(np.all(np.asarray(locations)[:, 1] < np.asarray(locations)[:, 2])):
+            raise IndexFileError("index locations: a byte range that ends before it starts; the index was not "
+                                 "built by WebDatasetSource")
 
     def where(self, location: Location) -> str:
         return f"{self.urls[int(location[0])]}@{int(location[1])}"

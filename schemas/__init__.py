@@ -1,6 +1,6 @@
 """prealign schemas: parallel layouts, declared batch schemas and their validation."""
-from .errors import (BatchValidationError, BucketOverflowError, ConfigError, LayoutError, PrealignError, SampleError,
-                     SchemaError, StartupMismatchError)
+from .errors import (ArgumentError, BatchValidationError, BucketOverflowError, ConfigError, LayoutError,
+                     OffsetOverflowError, PrealignError, SampleError, SchemaError, StartupMismatchError)
 from .layout import CPLayout, FP8Recipe, PadPolicy, ParallelLayout, round_up
 from .schema import IGNORE_INDEX, BatchSchema, FieldSpec, Role, Source, causal_lm_schema, rl_schema, topk_fields
 from .validate import Violation, validate_batch
@@ -10,5 +10,5 @@ from .vlm import VisionTokens, media_violations, validate_vlm_batch, vlm_schema
 __all__ = ["ParallelLayout", "PadPolicy", "FP8Recipe", "CPLayout", "round_up", "BatchSchema", "FieldSpec", "Role",
            "Source", "causal_lm_schema", "rl_schema", "topk_fields", "IGNORE_INDEX", "validate_batch", "Violation",
            "check_startup", "PrealignError", "ConfigError", "LayoutError", "SchemaError", "SampleError", "BucketOverflowError",
-           "BatchValidationError", "StartupMismatchError"]
+           "BatchValidationError", "StartupMismatchError", "ArgumentError", "OffsetOverflowError"]
 __all__ += ["vlm_schema", "VisionTokens", "validate_vlm_batch", "media_violations"]

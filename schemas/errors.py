@@ -17,6 +17,16 @@ class LayoutError(ConfigError):
     """An invalid :class:`~prealign.schemas.ParallelLayout` (tp/cp sizes, FP8 recipe, length buckets)."""
 
 
+class ArgumentError(ConfigError):
+    """A function was called with arguments that do not fit together: a ``cp_rank`` outside the CP
+    group, shards of another CP size, offsets that do not describe the tensor, a batch missing a key."""
+
+
+class OffsetOverflowError(ConfigError):
+    """A packed length or offset does not fit the int32 ``cu_seqlens`` megatron-core and TE take
+    (``T >= 2**31``): lower the token budget or the length buckets."""
+
+
 class SchemaError(ConfigError):
     """An invalid schema declaration (duplicate field, unknown dtype, bad dense dim)."""
 

@@ -7,12 +7,14 @@ Notation (see README): ``L_i`` true length of sequence i, ``P_i`` its padded len
     P_i = round_up(L_i, 2*cp) if cp > 1    P_i = round_up(L_i, 2*cp*tp) if cp > 1
           else L_i                                else round_up(L_i, tp)
     then, for both, only the LAST sequence grows, by the least amount, until
-      T % total_multiple == 0   (T_local % tp under SP, T_local % FP8 multiple)
+      T % total_multiple == 0   (T_local % tp under SP; the rows of one SP rank,
+                                 T_local / tp under SP else T_local, % FP8 multiple)
       T >= cp * min_local_rows
       T == smallest length bucket >= T   (when buckets are configured)
 """
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 from dataclasses import dataclass
@@ -21,6 +23,9 @@ import numpy as np
 import torch
 
 from .errors import BucketOverflowError, LayoutError
+
+MAX_PACKED_LENGTH = 2**31 - 1
+"""The largest packed length ``T`` (and offset) an int32 ``cu_seqlens`` holds."""
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -49,7 +54,8 @@ class PadPolicy(enum.Enum):
 
 
 class FP8Recipe(enum.Enum):
-    """FP8/FP4 recipe; the value is the multiple the local token count must respect."""
+    """FP8/FP4 recipe; the value is the block the rows of one SP rank (``T_local / tp`` under SP,
+    ``T_local`` without) must be a multiple of: TE's quantizers work on each rank's share."""
 
     NONE = 1
     FP8 = 16  # delayed / tensor-wise scaling
@@ -109,7 +115,8 @@ class ParallelLayout:
     sp: bool | None = None
     """Sequence parallel; ``None`` means ``tp > 1`` (Megatron's usual setting)."""
     fp8: FP8Recipe = FP8Recipe.NONE
-    """FP8/FP4 recipe: the local token count must be a multiple of ``fp8.value``."""
+    """FP8/FP4 recipe: the rows of one SP rank (``T/(cp*tp)`` under SP, ``T/cp`` without; BSHD
+    ``B*S/(cp*tp)``) must be a multiple of ``fp8.value``."""
     pad_policy: PadPolicy = PadPolicy.MINIMAL
     length_buckets: tuple[int, ...] | None = None
     """Allowed global padded lengths T (THD) or S (BSHD), e.g. for CUDA graphs; sorted ascending."""
@@ -130,10 +137,18 @@ class ParallelLayout:
             raise LayoutError(str(exc)) from None
         if isinstance(self.min_local_rows, bool) or not isinstance(self.min_local_rows, int) or self.min_local_rows < 0:
             raise LayoutError(f"min_local_rows: expected an int >= 0, got {self.min_local_rows!r}")
+        if self.cp * self.min_local_rows > MAX_PACKED_LENGTH:
+            raise LayoutError(f"min_local_rows: cp * min_local_rows = {self.cp * self.min_local_rows} rows would not "
+                              f"fit int32 cu_seqlens (at most {MAX_PACKED_LENGTH})")
         if self.length_buckets is not None:
+            if isinstance(self.length_buckets, (str, bytes)) or not hasattr(self.length_buckets, "__iter__"):
+                raise LayoutError(f"length_buckets: expected a tuple of ints or None, got {self.length_buckets!r}")
             buckets = tuple(sorted(_positive_int("length_buckets[*]", b) for b in self.length_buckets))
             if not buckets:
                 raise LayoutError("length_buckets: expected at least one bucket or None, got ()")
+            if buckets[-1] > MAX_PACKED_LENGTH:
+                raise LayoutError(f"length_buckets: {buckets[-1]} rows would not fit int32 cu_seqlens (at most "
+                                  f"{MAX_PACKED_LENGTH})")
             bad = [b for b in buckets if b % self.total_multiple]
             if bad:
                 raise LayoutError(
@@ -157,9 +172,19 @@ class ParallelLayout:
         return math.lcm(align, self.fp8.value) if self.fp8 is not FP8Recipe.NONE else align
 
     @property
+    def sp_size(self) -> int:
+        """How many ranks share one CP rank's rows after the SP scatter: ``tp`` under SP, else 1."""
+        return self.tp if self.sp else 1
+
+    @property
     def local_multiple(self) -> int:
-        """``T_local`` is a multiple of this: ``tp`` under SP, and the FP8 multiple."""
-        return math.lcm(self.tp if self.sp else 1, self.fp8.value)
+        """``T_local`` is a multiple of this: ``sp_size * fp8`` (the rows of one SP rank, ``T_local /
+        sp_size``, are a multiple of the FP8 recipe's block, which TE's quantizers need).
+
+        >>> ParallelLayout(tp=4, fp8="mxfp8").local_multiple  # 32 rows on each of the 4 SP ranks
+        128
+        """
+        return self.sp_size * self.fp8.value
 
     @property
     def total_multiple(self) -> int:
@@ -191,10 +216,10 @@ class ParallelLayout:
         if self.pad_policy is PadPolicy.PER_SEQUENCE:
             align = self.tp * self.cp * (2 if self.zigzag else 1)
         else:
-            align = math.lcm(2 * self.cp if self.zigzag else 1, self.cp * (self.tp if self.sp else 1))
+            align = math.lcm(2 * self.cp if self.zigzag else 1, self.cp * self.sp_size)
         fp8 = self.fp8.value
-        # B * S / cp must be a multiple of the FP8 multiple.
-        return math.lcm(align, self.cp * fp8 // math.gcd(batch_size, fp8)) if fp8 > 1 else align
+        # the rows of one SP rank, B * S / (cp * sp_size), must be a multiple of the FP8 multiple
+        return math.lcm(align, self.cp * self.sp_size * fp8 // math.gcd(batch_size, fp8)) if fp8 > 1 else align
 
     def bshd_length(self, max_length: int, batch_size: int) -> int:
         """Padded row length ``S`` for a BSHD batch whose longest sequence has ``max_length`` tokens."""
@@ -227,6 +252,12 @@ class ParallelLayout:
 
     @classmethod
     def from_dict(cls, data: dict) -> "ParallelLayout":
+        """The inverse of :meth:`to_dict`; unknown keys are a :class:`LayoutError`."""
+        if not isinstance(data, dict):
+            raise LayoutError(f"layout: expected a dict of ParallelLayout fields, got {type(data).__name__}")
+        unknown = sorted(set(map(str, data)) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise LayoutError(f"layout: unknown key(s) {unknown}; expected some of {sorted(cls().to_dict())}")
         data = dict(data)
         if data.get("length_buckets") is not None:
             data["length_buckets"] = tuple(data["length_buckets"])

@@ -32,6 +32,13 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def _enum_value(what: str, enum_cls, value):
+    try:
+        return enum_cls(value)
+    except ValueError:
+        raise SchemaError(f"{what}: expected one of {[e.value for e in enum_cls]}, got {value!r}") from None
+
+
 class Role(enum.Enum):
     """What a field is indexed by."""
 
@@ -83,8 +90,12 @@ class FieldSpec:
 
     def __post_init__(self):
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731
-        set_("role", Role(self.role))
-        set_("source", Source(self.source))
+        if not isinstance(self.name, str) or not self.name:
+            raise SchemaError(f"field name: expected a non-empty str, got {self.name!r}")
+        set_("role", _enum_value(f"field {self.name!r}: role", Role, self.role))
+        set_("source", _enum_value(f"field {self.name!r}: source", Source, self.source))
+        if isinstance(self.dtypes, str):
+            raise SchemaError(f"field {self.name!r}: dtypes must be a tuple of dtype names, got the str {self.dtypes!r}")
         set_("dtypes", tuple(self.dtypes))
         for d in self.dtypes:
             torch_dtype(d)
@@ -144,6 +155,9 @@ class BatchSchema:
 
     def __post_init__(self):
         object.__setattr__(self, "fields", tuple(self.fields))
+        bad = [f for f in self.fields if not isinstance(f, FieldSpec)]
+        if bad:
+            raise SchemaError(f"schema {self.name!r}: fields must be FieldSpec objects, got {bad[:3]!r}")
         names = [f.name for f in self.fields]
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
@@ -182,8 +196,18 @@ class BatchSchema:
 
     @classmethod
     def from_json(cls, text: str) -> "BatchSchema":
-        d = json.loads(text)
-        return cls(name=d["name"], ignore_index=d["ignore_index"], fields=tuple(FieldSpec.from_dict(f) for f in d["fields"]))
+        """The inverse of :meth:`to_json`; anything else is a :class:`SchemaError` naming what is wrong."""
+        try:
+            d = json.loads(text)
+            return cls(name=d["name"], ignore_index=d["ignore_index"],
+                       fields=tuple(FieldSpec.from_dict(f) for f in d["fields"]))
+        except json.JSONDecodeError as exc:
+            raise SchemaError(f"schema JSON: not JSON ({exc})") from None
+        except KeyError as exc:
+            raise SchemaError(f"schema JSON: missing key {exc}") from None
+        except (TypeError, AttributeError) as exc:
+            raise SchemaError(f"schema JSON: expected {{'name', 'ignore_index', 'fields': [field dicts]}}, "
+                              f"got {type(exc).__name__}: {exc}") from None
 
     def fingerprint(self) -> str:
         """Stable 16-hex-digit digest of the JSON form (same schema -> same string, any process)."""
@@ -191,9 +215,12 @@ class BatchSchema:
 
 
 # ---- built-in schemas -----------------------------------------------------------------------------
-def _core_token_fields(pad_token_id: int, ignore_index: int) -> tuple[FieldSpec, ...]:
+def _core_token_fields(pad_token_id: int, ignore_index: int, vocab_size: int | None = None) -> tuple[FieldSpec, ...]:
+    """input_ids (ids in ``[0, vocab_size)`` when declared, checked at collate time), labels, loss mask,
+    positions, padding mask."""
     return (
-        FieldSpec(name="input_ids", pad_value=pad_token_id),
+        FieldSpec(name="input_ids", pad_value=pad_token_id, min_value=0,
+                  max_value=None if vocab_size is None else vocab_size - 1),
         FieldSpec(name="labels", source=Source.NEXT_TOKEN, sample_keys=("labels", "input_ids"), pad_value=ignore_index),
         FieldSpec(name="loss_mask", dtypes=("float32",), source=Source.LOSS_MASK, pad_value=0.0, required=False),
         FieldSpec(name="position_ids", source=Source.POSITIONS),
@@ -219,11 +246,13 @@ def causal_lm_schema(*, pad_token_id: int = 0, topk: int | str | None = None, vo
     """SFT / pre-training: input_ids, next-token labels, loss_mask, position_ids, padding_mask.
 
     ``topk`` (an int, or ``"K"`` for any constant K) adds ``teacher_topk_log_probs`` / ``teacher_topk_ids``.
+    ``vocab_size`` bounds ``input_ids`` and the teacher ids to ``[0, vocab_size)``; ids are always
+    ``>= 0`` and never ``ignore_index`` (a negative id would become an ignored label still weighted 1).
 
     >>> causal_lm_schema(topk=64)["teacher_topk_ids"].dense_shape
     (64,)
     """
-    fields = _core_token_fields(pad_token_id, ignore_index)
+    fields = _core_token_fields(pad_token_id, ignore_index, vocab_size)
     if topk is not None:
         fields += topk_fields(topk, vocab_size)
     return BatchSchema(name="causal_lm" if topk is None else "causal_lm_topk", fields=fields, ignore_index=ignore_index)

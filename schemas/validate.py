@@ -1,16 +1,25 @@
 """``validate_batch``: check a collated batch against its schema and layout, reporting every
 violation at once (path, expected, actual). Format (THD or BSHD) is read from the batch:
 a THD batch has ``cu_seqlens_padded``, a BSHD batch ``attention_mask``.
+
+The checker stands alone: what each slot must hold comes from :mod:`.slots` (the Megatron/TE
+definition), the CP/SP/FP8 shares from their definitions, and nothing is imported from
+``prealign.collate``, so a bug in the collator's arithmetic cannot also hide here
+(``tests/test_mutation.py``). Sizes claimed by the offsets are compared with the tensors before
+anything of that size is built.
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
+from typing import Mapping
 
 import torch
 
 from .errors import BatchValidationError
-from .layout import ParallelLayout
+from .layout import CPLayout, ParallelLayout
 from .schema import BatchSchema, Role, Source, dtype_name
+from .slots import expected_slots
 
 
 @dataclass(frozen=True)
@@ -46,6 +55,9 @@ class _Checker:
     # ------------------------------------------------------------------------------------------
     def run(self) -> None:
         b = self.batch
+        if not isinstance(b, Mapping):
+            self.bad("batch", "a dict of fields (a collated batch)", type(b).__name__)
+            return
         if "cu_seqlens_padded" in b:
             plan_shape = self.check_thd_meta()
         elif "attention_mask" in b:
@@ -79,19 +91,39 @@ class _Checker:
     def cp_rank(self) -> int | None | bool:
         """The batch's CP rank (None: unsharded), or False after recording a violation."""
         cp_rank, cp_size = self.batch.get("cp_rank", -1), self.batch.get("cp_size", self.layout.cp)
-        if cp_rank in (-1, None):
+        if cp_rank is None or as_int(cp_rank) == -1:
             return None
-        if cp_size != self.layout.cp:
-            self.bad("cp_size", self.layout.cp, cp_size)
+        if as_int(cp_size) != self.layout.cp:
+            self.bad("cp_size", self.layout.cp, repr(cp_size))
             return False
-        if isinstance(cp_rank, bool) or not isinstance(cp_rank, int) or not 0 <= cp_rank < self.layout.cp:
+        rank = as_int(cp_rank)
+        if rank is None or not 0 <= rank < self.layout.cp:
             self.bad("cp_rank", f"-1 (unsharded) or an int in [0, {self.layout.cp})", repr(cp_rank))
             return False
-        return cp_rank
+        return rank
+
+    def check_rank_shares(self, total: int, path: str) -> None:
+        """From the definitions, not the layout's derived multiples: ``total`` rows split evenly over
+        the CP ranks, then over the SP ranks (``tp`` under SP), and what one SP rank holds is a
+        multiple of the FP8 recipe's block (TE quantizes each rank's share)."""
+        lay = self.layout
+        sp = lay.tp if lay.sp else 1
+        if total % (lay.cp * sp):
+            self.bad(path, f"a multiple of cp*{'tp' if lay.sp else '1'} = {lay.cp * sp} (every CP and SP rank "
+                     f"an equal share)", total)
+        elif (total // (lay.cp * sp)) % lay.fp8.value:
+            self.bad(path, f"{total // (lay.cp * sp)} rows per SP rank (cp={lay.cp}, tp={lay.tp}, sp={lay.sp}) to be "
+                     f"a multiple of {lay.fp8.value} ({lay.fp8.name})", total)
+
+    def token_length(self) -> int | None:
+        """Slots the batch's ``input_ids`` holds (its token dim), read before anything is allocated."""
+        ids = self.batch.get("input_ids")
+        spec = self.schema["input_ids"]
+        if not isinstance(ids, torch.Tensor) or ids.ndim != len(spec.leading_shape) + 2 + len(spec.dense_shape):
+            return None
+        return int(ids.shape[spec.token_dim + 1])
 
     def check_thd_meta(self):
-        from prealign.collate.indices import cp_chunks, gather_plan  # lazy: schemas must not import collate at load
-
         lay, b = self.layout, self.batch
         cu, cup = self.offsets("cu_seqlens"), self.offsets("cu_seqlens_padded")
         if cu is None or cup is None:
@@ -110,10 +142,17 @@ class _Checker:
             i = int(off[0])
             self.bad(f"cu_seqlens_padded gap {i}", f"a multiple of {m} ({lay.pad_policy.value}, cp={lay.cp})",
                      int(padded[i]))
+        elif lay.zigzag and bool((padded % (2 * lay.cp)).any()):  # the definition, not the policy's multiple
+            i = int(torch.nonzero(padded % (2 * lay.cp))[0])
+            self.bad(f"cu_seqlens_padded gap {i}", f"a multiple of 2*cp = {2 * lay.cp} (zigzag cuts 2*cp chunks)",
+                     int(padded[i]))
         total = int(cup[-1])
         if total % lay.total_multiple:
-            self.bad("T (cu_seqlens_padded[-1])", f"a multiple of {lay.total_multiple} (T/cp % {lay.local_multiple}: "
+            self.bad("T (cu_seqlens_padded[-1])", f"a multiple of {lay.total_multiple} (T/cp a multiple of "
+                     f"{lay.local_multiple}: T/(cp*{lay.sp_size}) rows per SP rank a multiple of {lay.fp8.value}; "
                      f"tp={lay.tp} sp={lay.sp} fp8={lay.fp8.name})", total)
+        else:  # and from the definitions, in case the derived multiple is wrong
+            self.check_rank_shares(total, "T (cu_seqlens_padded[-1])")
         if total < lay.cp * lay.min_local_rows:
             self.bad("T (cu_seqlens_padded[-1])", f">= cp * min_local_rows = {lay.cp * lay.min_local_rows}", total)
         if lay.length_buckets and total not in lay.length_buckets:
@@ -127,20 +166,29 @@ class _Checker:
         rank = self.cp_rank()
         if rank is False:
             return None
-        plans = {True: gather_plan(lengths, cp_chunks(padded, lay, rank), cu)}
+        # compare the claimed size with the tensors before allocating anything of size T
+        held = total if rank is None else total // lay.cp
+        if self.token_length() != held:
+            self.bad("cu_seqlens_padded[-1]", f"{'T' if rank is None else 'T/cp'} = {held} rows, the token dim "
+                     f"of input_ids", self.token_length())
+            return None
+        return self.slot_table(lengths, padded, rank, per_sequence_contiguous=False, rows_of=lambda n: (1, n))
 
-        def plan_of(spec):  # (plan, expected shape) of a TOKEN field; cp_sharded=False: the whole batch
+    def slot_table(self, lengths, padded, rank, *, per_sequence_contiguous: bool, rows_of):
+        lay = self.layout
+        kw = dict(cp=lay.cp, zigzag=lay.zigzag, per_sequence_contiguous=per_sequence_contiguous)
+        tables = {True: expected_slots(lengths, padded, rank=rank, **kw)}
+        self.slots = tables[True]
+
+        def slots_of(spec):  # (slots, expected shape) of a TOKEN field; cp_sharded=False: the whole batch
             sharded = spec.cp_sharded or rank is None
-            if sharded not in plans:
-                plans[sharded] = gather_plan(lengths, cp_chunks(padded, lay, None), cu)
-            p = plans[sharded]
-            return p, (*spec.leading_shape, 1, p.num_slots, *spec.dense_shape)
-        return plan_of
+            if sharded not in tables:
+                tables[sharded] = expected_slots(lengths, padded, rank=None, **kw)
+            sl = tables[sharded]
+            return sl, (*spec.leading_shape, *rows_of(sl.num_slots), *spec.dense_shape)
+        return slots_of
 
     def check_bshd_meta(self):
-        from prealign.collate.bshd import bshd_chunks
-        from prealign.collate.indices import gather_plan
-
         lay, b = self.layout, self.batch
         mask = b["attention_mask"]
         cu = self.offsets("cu_seqlens")
@@ -162,28 +210,31 @@ class _Checker:
         multiple = lay.bshd_multiple(n)
         if s % multiple:
             self.bad("S (attention_mask.shape[1] * cp)", f"a multiple of {multiple} (tp={lay.tp} cp={lay.cp} "
-                     f"sp={lay.sp} fp8={lay.fp8.name}, B={n})", s)
+                     f"sp={lay.sp} fp8={lay.fp8.name}, B={n}: B*S/(cp*{lay.sp_size}) rows per SP rank a multiple "
+                     f"of {lay.fp8.value})", s)
+        else:  # and from the definitions, in case the derived multiple is wrong
+            if lay.zigzag and s % (2 * lay.cp):
+                self.bad("S (attention_mask.shape[1] * cp)", f"a multiple of 2*cp = {2 * lay.cp} (zigzag cuts 2*cp "
+                         "chunks)", s)
+            if (s // lay.cp) % lay.sp_size:
+                self.bad("S (attention_mask.shape[1] * cp)", f"S/cp a multiple of {lay.sp_size} (the SP scatter)", s)
+            self.check_rank_shares(n * s, "B*S")
         if int(lengths.max()) > s:
             self.bad("S", f">= the longest sequence {int(lengths.max())}", s)
         if lay.length_buckets and s not in lay.length_buckets:
             self.bad("S", f"one of the length buckets {list(lay.length_buckets)}", s)
         if self.violations:
             return None
-        plans = {True: gather_plan(lengths, bshd_chunks(n, s, lay, rank), cu)}
-        if not torch.equal(mask.reshape(-1), ~plans[True].is_pad):
+        padded = torch.full((n,), s, dtype=torch.int64)
+        slots_of = self.slot_table(lengths, padded, rank, per_sequence_contiguous=lay.cp_layout is CPLayout.CONTIGUOUS,
+                                   rows_of=lambda num: (n, num // n))
+        if not torch.equal(mask.reshape(-1), ~self.slots.is_pad):
             self.bad("attention_mask", "True exactly on real tokens",
-                     f"{int((mask.reshape(-1) == plans[True].is_pad).sum())} slots wrong")
-
-        def plan_of(spec):  # (plan, expected shape) of a TOKEN field; cp_sharded=False: whole rows
-            sharded = spec.cp_sharded or rank is None
-            if sharded not in plans:
-                plans[sharded] = gather_plan(lengths, bshd_chunks(n, s, lay, None), cu)
-            p = plans[sharded]
-            return p, (*spec.leading_shape, n, p.num_slots // n, *spec.dense_shape)
-        return plan_of
+                     f"{int((mask.reshape(-1) == self.slots.is_pad).sum())} slots wrong")
+        return slots_of
 
     # ------------------------------------------------------------------------------------------
-    def check_field(self, spec, plan_of) -> None:
+    def check_field(self, spec, slots_of) -> None:
         name, b = spec.name, self.batch
         if name not in b:
             if spec.required or spec.source not in (spec.source.SAMPLE, spec.source.NEXT_TOKEN):
@@ -196,7 +247,7 @@ class _Checker:
         if dtype_name(t.dtype) not in spec.dtypes:
             self.bad(f"{name}.dtype", " or ".join(spec.dtypes), dtype_name(t.dtype))
         if spec.role is Role.TOKEN:
-            plan, expected = plan_of(spec)
+            slots, expected = slots_of(spec)
         elif spec.role is Role.SEQUENCE:
             expected = (int(self.batch["cu_seqlens"].numel()) - 1, *spec.dense_shape)
         else:
@@ -211,53 +262,69 @@ class _Checker:
                 self.bad(f"{name}.shape[{d}]", f"{want} (shape {_shape_str(expected)})", f"{got} (shape {tuple(t.shape)})")
                 return
         if spec.role is Role.TOKEN:
-            self.check_token_values(spec, t, plan)
+            self.check_token_values(spec, t, slots)
 
-    def check_token_values(self, spec, t: torch.Tensor, plan) -> None:
+    def check_token_values(self, spec, t: torch.Tensor, slots) -> None:
         name = spec.name
         flat = t.flatten(spec.token_dim, spec.token_dim + 1).movedim(spec.token_dim, 0)  # [T_out, ...]
         if spec.source is Source.POSITIONS:
-            wrong = flat != plan.positions
+            wrong = flat != slots.positions
             if bool(wrong.any()):
                 k = int(torch.nonzero(wrong)[0])
-                self.bad(f"{name}[slot {k}]", f"{int(plan.positions[k])} (position in its sequence)", int(flat[k]))
+                self.bad(f"{name}[slot {k}]", f"{int(slots.positions[k])} (position in its sequence)", int(flat[k]))
             return
         if spec.source is Source.PADDING_MASK:
-            if not torch.equal(flat.bool(), plan.is_pad):
-                self.bad(name, "True exactly on pad slots", f"{int((flat.bool() != plan.is_pad).sum())} slots wrong")
+            if not torch.equal(flat.bool(), slots.is_pad):
+                self.bad(name, "True exactly on pad slots", f"{int((flat.bool() != slots.is_pad).sum())} slots wrong")
             return
-        pads = flat[plan.is_pad]
+        pads = flat[slots.is_pad]
         if pads.numel() and not bool((pads == spec.pad_value).all()):
             self.bad(f"{name}[pad slots]", f"pad value {spec.pad_value}", f"{pads[pads != spec.pad_value][0].item()}")
         if spec.finite or spec.min_value is not None or spec.max_value is not None:
-            self.check_bounds(spec, flat, plan)
+            self.check_bounds(spec, flat, slots)
+        if name == "input_ids":
+            self.check_token_ids(flat, slots)
         if spec.source is Source.LOSS_MASK:
             self.check_loss_mask(spec, flat)
         if spec.source is Source.NEXT_TOKEN:
-            last = (plan.src_next >= plan.num_real) & ~plan.is_pad
-            if bool((flat[last] != spec.pad_value).any()):
-                k = int(torch.nonzero(last & (flat != spec.pad_value))[0])
+            wrong = slots.last & (flat != spec.pad_value)
+            if bool(wrong.any()):
+                k = int(torch.nonzero(wrong)[0])
                 self.bad(f"{name}[slot {k}]", f"{spec.pad_value} on a sequence's last token (labels never cross "
                          "a sequence boundary)", int(flat[k]))
-            self.check_labels_follow_tokens(spec, flat, plan)
+            self.check_labels_follow_tokens(spec, flat, slots)
 
-    def check_bounds(self, spec, flat: torch.Tensor, plan) -> None:
+    def check_bounds(self, spec, flat: torch.Tensor, slots) -> None:
         """The declared finite / min / max on the real slots (e.g. teacher log-probs finite and <= 0)."""
-        v = flat[~plan.is_pad].float()
+        v = flat[~slots.is_pad].float()
         bad = ~torch.isfinite(v) if spec.finite else torch.zeros_like(v, dtype=torch.bool)
         if spec.min_value is not None:
             bad |= ~(v >= spec.min_value)
         if spec.max_value is not None:
             bad |= ~(v <= spec.max_value)
         if bool(bad.any()):
-            k = int(torch.nonzero(~plan.is_pad)[int(torch.nonzero(bad.reshape(v.shape[0], -1).any(1))[0])])
+            k = int(torch.nonzero(~slots.is_pad)[int(torch.nonzero(bad.reshape(v.shape[0], -1).any(1))[0])])
             lo = "-inf" if spec.min_value is None else spec.min_value
             hi = "inf" if spec.max_value is None else spec.max_value
             self.bad(f"{spec.name}[slot {k}]", f"{'finite ' if spec.finite else ''}values in [{lo}, {hi}] "
                      f"({int(bad.sum())} bad)", v[bad][0].item())
 
+    def check_token_ids(self, ids: torch.Tensor, slots) -> None:
+        """Real token ids are >= 0 and never the ignore index (else a label would silently vanish)."""
+        real = ~slots.is_pad
+        wrong = real & ((ids < 0) | (ids == self.schema.ignore_index))
+        if bool(wrong.any()):
+            k = int(torch.nonzero(wrong)[0])
+            self.bad(f"input_ids[slot {k}]", f"a token id >= 0 and != the ignore index {self.schema.ignore_index}",
+                     int(ids[k]))
+
     def check_loss_mask(self, spec, mask: torch.Tensor) -> None:
-        """0 wherever the label is the ignore index (a pad or a sequence's last token included)."""
+        """Weights finite and >= 0, and 0 wherever the label is the ignore index (a pad or a sequence's
+        last token included)."""
+        bad = ~torch.isfinite(mask.float()) | (mask < 0)
+        if bool(bad.any()):
+            k = int(torch.nonzero(bad)[0])
+            self.bad(f"{spec.name}[slot {k}]", "a finite weight >= 0", mask[k].item())
         labels = next((self.batch.get(f.name) for f in self.schema.fields if f.source is Source.NEXT_TOKEN), None)
         if not isinstance(labels, torch.Tensor) or labels.numel() != mask.numel():
             return
@@ -266,20 +333,34 @@ class _Checker:
             k = int(torch.nonzero(wrong)[0])
             self.bad(f"{spec.name}[slot {k}]", f"0 where the label is {self.schema.ignore_index}", mask[k].item())
 
-    def check_labels_follow_tokens(self, spec, labels: torch.Tensor, plan) -> None:
-        """Where the next token of a sequence sits in the next local slot, the label is that token
-        (or the ignore index)."""
+    def check_labels_follow_tokens(self, spec, labels: torch.Tensor, slots) -> None:
+        """Labels derived from ``input_ids`` (the batch's ``label_source``, the default): wherever the
+        next token of a sequence is held by this rank, the label is exactly that token. A sample's own
+        labels (``label_source == "labels"``) are only held to the boundary and pad rules."""
         ids = self.batch.get("input_ids")
-        if not isinstance(ids, torch.Tensor) or ids.numel() != labels.numel() or spec.sample_keys[-1] != "input_ids":
+        source = self.batch.get("label_source", "input_ids")
+        if source != "input_ids" or not isinstance(ids, torch.Tensor) or ids.numel() != labels.numel():
+            if source not in spec.sample_keys:
+                self.bad("label_source", f"one of {list(spec.sample_keys)}", repr(source))
             return
         ids = ids.reshape(-1)
-        local_next = (plan.src_next[:-1] == plan.src[1:]) & (plan.src_next[:-1] < plan.num_real)
-        lab = labels[:-1]
-        wrong = local_next & (lab != ids[1:]) & (lab != self.schema.ignore_index)
+        has = slots.next_slot >= 0
+        wrong = has & (labels != ids[slots.next_slot.clamp(min=0)])
         if bool(wrong.any()):
             k = int(torch.nonzero(wrong)[0])
-            self.bad(f"{spec.name}[slot {k}]", f"the next token {int(ids[k + 1])} or {self.schema.ignore_index}",
-                     int(lab[k]))
+            self.bad(f"{spec.name}[slot {k}]", f"the next token {int(ids[int(slots.next_slot[k])])} (labels read from "
+                     "input_ids)", int(labels[k]))
+
+
+def as_int(value) -> int | None:
+    """An integer of any integer type (``np.int64(1)`` too) as an int; None for anything else,
+    ``True`` included (a bool is not a rank or a size)."""
+    if isinstance(value, bool) or getattr(value, "dtype", None) == torch.bool:
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 def _shape_str(shape) -> str:

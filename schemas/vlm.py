@@ -79,7 +79,7 @@ def vlm_schema(*, pad_token_id: int = 0, topk: int | str | None = None, vocab_si
     """Causal-LM fields + ``mm_token_type_ids``, ``mrope_position_ids``, ``pixel_values``,
     ``image_grid_thw`` (+ teacher top-k fields when ``topk`` is given, as in ``causal_lm_schema``).
     """
-    fields = (*_core_token_fields(pad_token_id, ignore_index), *vlm_fields(pixel_dtypes=pixel_dtypes,
+    fields = (*_core_token_fields(pad_token_id, ignore_index, vocab_size), *vlm_fields(pixel_dtypes=pixel_dtypes,
                                                                               patch_dim=patch_dim))
     if topk is not None:
         fields += topk_fields(topk, vocab_size)

@@ -94,9 +94,10 @@ def required_seq_multiple(layout: ParallelLayout) -> int:
 
 
 def local_ok(layout: ParallelLayout, rows_per_rank_total: int) -> bool:
-    """SP scatter and FP8 constraints on a CP rank's row count."""
+    """SP scatter and FP8 constraints on a CP rank's row count: it splits evenly over the SP ranks,
+    and what one SP rank holds is a multiple of the FP8 block (TE quantizes each rank's share)."""
     sp_tp = layout.tp if layout.sp else 1
-    return rows_per_rank_total % sp_tp == 0 and rows_per_rank_total % layout.fp8.value == 0
+    return rows_per_rank_total % sp_tp == 0 and (rows_per_rank_total // sp_tp) % layout.fp8.value == 0
 
 
 def brute_force_total(lengths, layout: ParallelLayout) -> int:
@@ -114,7 +115,7 @@ def brute_force_total(lengths, layout: ParallelLayout) -> int:
 
 def brute_force_bshd_length(lengths, layout: ParallelLayout) -> int:
     """Smallest row length S of a BSHD batch: S >= max L, zigzag S % 2cp (contiguous S % cp), S/cp
-    meets SP per row and FP8 on B*S/cp, S >= cp*min_local_rows, S a bucket (PER_SEQUENCE: S % m too)."""
+    meets SP per row and FP8 on B*S/(cp*sp), S >= cp*min_local_rows, S a bucket (PER_SEQUENCE: S % m too)."""
     b = len(lengths)
     zigzag = layout.cp > 1 and layout.cp_layout is CPLayout.ZIGZAG
     split = 2 * layout.cp if zigzag else layout.cp  # columns per CP chunk count
@@ -124,7 +125,7 @@ def brute_force_bshd_length(lengths, layout: ParallelLayout) -> int:
     candidates = (x for x in layout.length_buckets if x >= start) if layout.length_buckets else itertools.count(start)
     for s in candidates:
         if s % split == 0 and s % per_seq == 0 and (s // layout.cp) % sp_tp == 0 \
-                and (b * s // layout.cp) % layout.fp8.value == 0:
+                and (b * s // layout.cp // sp_tp) % layout.fp8.value == 0:
             return s
     raise AssertionError("no bucket fits")
 

@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from prealign.collate import BSHDCollator, THDCollator, unpack_thd, unshard_cp
-from prealign.schemas import CPLayout, PadPolicy, ParallelLayout, causal_lm_schema, rl_schema, validate_batch
+from prealign.schemas import ArgumentError, CPLayout, PadPolicy, ParallelLayout, causal_lm_schema, rl_schema, validate_batch
 from tests.conftest import (SAMPLE_FIELDS, TOPK, assert_fields_equal, assert_labels_stay_in_sequence, brute_force_total,
                             collate_case, collate_case_batches, collate_ranks, examples, lengths_st, local_ok,
                             make_samples, reference_thd, required_seq_multiple, schema_for, to_nested)
@@ -145,7 +145,7 @@ def test_collator_is_picklable_and_rejects_a_bad_rank():
     again = pickle.loads(pickle.dumps(coll))
     samples = make_samples([3, 9], topk=TOPK)
     assert again == coll and torch.equal(again(samples)["input_ids"], coll(samples)["input_ids"])
-    with pytest.raises(ValueError, match=r"cp_rank must be None or in \[0, 2\), got 2"):
+    with pytest.raises(ArgumentError, match=r"cp_rank: expected None or an int in \[0, 2\) \(cp=2\), got 2"):
         THDCollator(schema=causal_lm_schema(), layout=ParallelLayout(cp=2), cp_rank=2)
 
 

@@ -116,3 +116,21 @@ def test_plot_draws_one_panel_per_microbatch(tmp_path):
     with Image.open(path) as img:
         px = np.asarray(img.convert("RGB"))
     assert px.shape[0] > 200 and len({tuple(p) for p in px.reshape(-1, 3)[::7]}) > 6
+
+
+def test_plot_keeps_a_tiny_pad_visible(tmp_path):
+    """Two pad slots among 4096 still show, hatched (the hatch colour appears at all) and at least
+    3 pixels wide in the global row."""
+    from PIL import Image
+
+    from prealign.loaders.cli.plot import _HATCH, Panel, draw_packed_layout
+    from prealign.schemas import ParallelLayout
+
+    cu, cup = torch.tensor([0, 2046, 4094], dtype=torch.int32), torch.tensor([0, 2048, 4096], dtype=torch.int32)
+    path = draw_packed_layout([Panel(cu, cup, None, title="a")], ParallelLayout(tp=2, cp=2), str(tmp_path / "p.png"))
+    with Image.open(path) as img:
+        px = np.asarray(img.convert("RGB"))
+    hatch = np.all(px == np.array(_HATCH, np.uint8), axis=-1)
+    assert hatch.any()
+    cols = np.flatnonzero(hatch.any(axis=0))
+    assert len(cols) >= 3

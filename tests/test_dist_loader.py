@@ -102,3 +102,53 @@ def test_dp2_cp2_tp2_with_megatron_parallel_state(tmp_path):
         back = unshard_cp(parts, cu_seqlens_padded=whole["cu_seqlens_padded"])
         assert torch.equal(back, whole["input_ids"]) and int(whole["cu_seqlens_padded"][-1]) <= BUDGET
     assert THDCollator  # the collator the loader used by default
+
+
+class _ConfigMistakeOnRank1:
+    """A transform that hits a configuration mistake on rank 1 only (a tokenizer file it cannot find)."""
+
+    def __call__(self, row):
+        import torch.distributed as dist
+
+        from prealign.schemas.errors import ConfigError
+
+        if dist.get_rank() == 1:
+            raise ConfigError("tokenizer: no such file on this node")
+        return {"input_ids": torch.tensor(row["input_ids"])}
+
+
+def _index_rank(rank: int, port: int, out_dir: str) -> None:
+    import datasets
+    import torch.distributed as dist
+
+    from prealign.loaders import HFSource, build_index
+    from tests.loader_helpers import hf_rows
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    src = HFSource(datasets.Dataset.from_dict(hf_rows(sample_lengths(40))), transform=_ConfigMistakeOnRank1(),
+                   rows_per_shard=10)
+    try:
+        build_index(src, causal_lm_schema(), distributed=True)
+        out = {"ok": True}
+    except Exception as exc:  # noqa: BLE001 - the test inspects the type
+        out = {"type": type(exc).__name__, "message": str(exc)}
+    with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
+        json.dump(out, f)
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_typed_error_on_one_rank_of_the_index_pass_keeps_its_type_on_every_rank(tmp_path):
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [ctx.Process(target=_index_rank, args=(r, port, str(tmp_path))) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        if p.is_alive():
+            p.kill()
+            pytest.fail("index pass hung")
+    outs = [json.load(open(tmp_path / f"{r}.json")) for r in range(2)]
+    assert [o.get("type") for o in outs] == ["ConfigError", "ConfigError"], outs
+    assert outs[0]["message"].startswith("index pass failed on rank 1: tokenizer")

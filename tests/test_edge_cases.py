@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from prealign.collate import BSHDCollator, THDCollator, to_packed_seq_params, unshard_cp
-from prealign.schemas import (FieldSpec, ParallelLayout, SampleError, SchemaError, causal_lm_schema, topk_fields,
+from prealign.schemas import (ArgumentError, ConfigError, FieldSpec, ParallelLayout, SampleError, SchemaError, causal_lm_schema, topk_fields,
                      validate_batch)
 
 SCHEMA = causal_lm_schema()
@@ -48,14 +48,14 @@ def test_the_batch_carries_its_cp_layout_to_the_inverse_and_packed_seq_params():
     shards = [THDCollator(schema=SCHEMA, layout=layout, cp_rank=r)(samples) for r in range(2)]
     assert {s["cp_layout"] for s in shards} == {"contiguous"}
     ids, cu = [s["input_ids"] for s in shards], shards[0]["cu_seqlens_padded"]
-    with pytest.raises(ValueError, match="not cut zigzag"):  # defaulting to zigzag would scramble them
+    with pytest.raises(ArgumentError, match="not cut zigzag"):  # defaulting to zigzag would scramble them
         unshard_cp(ids, cu_seqlens_padded=cu)
     assert unshard_cp(ids, cu_seqlens_padded=cu, cp_layout=shards[0]["cp_layout"]).tolist() == [list(range(1, 9))]
     from megatron.core.packed_seq_params import PackedSeqParams
     import dataclasses
 
     if "cp_partition_mode" not in {f.name for f in dataclasses.fields(PackedSeqParams)}:
-        with pytest.raises(ValueError, match="contiguous"):  # never silently treated as zigzag
+        with pytest.raises(ArgumentError, match="contiguous"):  # never silently treated as zigzag
             to_packed_seq_params(shards[0])
     else:
         assert to_packed_seq_params(shards[0]).cp_partition_mode == "contiguous"
@@ -81,7 +81,7 @@ def test_only_sample_fields_can_skip_cp_sharding():
 
 
 def test_from_megatron_without_parallel_state_says_what_to_do():
-    with pytest.raises(RuntimeError, match="initialize_model_parallel"):
+    with pytest.raises(ConfigError, match="initialize_model_parallel"):
         ParallelLayout.from_megatron()
 
 

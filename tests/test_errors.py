@@ -47,7 +47,8 @@ CASES = {
                                          {"input_ids": torch.arange(1, 4), "labels": torch.arange(1, 3)}],
                                         0, "labels", "(4,)"),
     "float input_ids": (with_field(1, "input_ids", torch.ones(9)), 1, "input_ids", "float32"),
-    "int32 among int64": (with_field(2, "input_ids", torch.ones(30, dtype=torch.int32)), 2, "input_ids", "int32"),
+    # (int32 / uint16 token ids among int64 are widened to int64, as an HF column's lists are)
+    "bf16 among float32": (with_field(2, LP, -torch.ones(LENGTHS[2], TOPK, dtype=torch.bfloat16)), 2, LP, "bfloat16"),
     "float64 log-probs": (with_field(0, LP, -torch.ones(5, TOPK, dtype=torch.float64)), 0, LP, "float64"),
     "K differs across samples": (with_field(1, LP, -torch.ones(9, TOPK + 1)), 1, LP, "(9, 4)"),
     "K differs across fields": ([{**s, IDS: torch.zeros(len(s["input_ids"]), TOPK + 1, dtype=torch.int64)}

@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from prealign.collate import lengths_to_cu_seqlens, unpack_bshd, unpack_thd, unshard_bshd, unshard_cp
-from prealign.schemas import CPLayout
+from prealign.schemas import ArgumentError, CPLayout
 from tests.conftest import examples, naive_round_up
 
 
@@ -69,10 +69,10 @@ def test_unshard_keeps_autograd_and_a_single_rank_is_identity():
 
 
 @pytest.mark.parametrize("shards, cup, match", [
-    ([], [0, 4], "one shard per CP rank, got none"),
+    ([], [0, 4], "one tensor per CP rank, got none"),
     ([torch.zeros(1, 6), torch.zeros(1, 4)], [0, 8, 12], "shard of CP rank 1 has shape"),
-    ([torch.zeros(1, 4), torch.zeros(1, 4)], [0, 8, 12], "describes 12 rows, shards hold 2 x 4"),
+    ([torch.zeros(1, 4), torch.zeros(1, 4)], [0, 8, 12], r"describes 12 rows, the 2 shard\(s\) hold 2 x 4"),
 ])
 def test_unshard_rejects_inconsistent_shards(shards, cup, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ArgumentError, match=match):
         unshard_cp(shards, cu_seqlens_padded=torch.tensor(cup))

@@ -148,3 +148,74 @@ def test_layout_dict_round_trip(case):
     _, layout = case
     again = ParallelLayout.from_dict(layout.to_dict())
     assert again == layout and again.to_dict() == layout.to_dict()
+
+
+# ---- FP8 under SP: the rows of one SP rank are a multiple of the recipe's block ---------------------------
+def sp_share(layout: ParallelLayout, total: int) -> int:
+    """Rows one TP rank holds after the SP scatter: T / cp / tp under SP, T / cp without."""
+    return total // layout.cp // (layout.tp if layout.sp else 1)
+
+
+@given(case=lengths_and_layout())
+@examples(300)
+def test_every_sp_rank_holds_a_multiple_of_the_fp8_block(case):
+    lengths, layout = case
+    t = int(layout.padded_lengths(torch.tensor(lengths)).sum())
+    assert (t // layout.cp) % (layout.tp if layout.sp else 1) == 0
+    assert sp_share(layout, t) % layout.fp8.value == 0
+
+
+@given(case=lengths_and_layout(bshd=True))
+@examples(200)
+def test_every_sp_rank_holds_a_multiple_of_the_fp8_block_bshd(case):
+    lengths, layout = case
+    s = layout.bshd_length(max(lengths), len(lengths))
+    assert sp_share(layout, len(lengths) * s) % layout.fp8.value == 0
+
+
+def test_fp8_under_sp_golden():
+    """The issue's case: tp=4 (SP on), MXFP8, one 32-token sample gave T=32, 8 rows per SP rank."""
+    lay = ParallelLayout(tp=4, fp8="mxfp8")
+    t = int(lay.padded_lengths(torch.tensor([32])).sum())
+    assert t == 128 and sp_share(lay, t) == 32
+    assert lay.bshd_length(32, 1) == 128 and lay.bshd_length(32, 4) == 32  # B*S/tp = 32 rows per SP rank
+    assert int(ParallelLayout(tp=4, sp=False, fp8="mxfp8").padded_lengths(torch.tensor([32])).sum()) == 32
+    assert int(ParallelLayout(tp=2, cp=2, fp8="blockwise").padded_lengths(torch.tensor([5, 3])).sum()) == 512
+
+
+# ---- differential: NeMo-RL's padding rule, written from its documented behaviour --------------------------
+FP8_DIVISOR = {FP8Recipe.NONE: 1, FP8Recipe.FP8: 16, FP8Recipe.MXFP8: 32, FP8Recipe.BLOCKWISE: 128}
+
+
+def nemo_rl_padded_total(lengths: list[int], layout: ParallelLayout) -> tuple[list[int], int]:
+    """NeMo-RL (Megatron policy, sequence packing): every sequence padded to a multiple of
+    ``(2cp if cp>1) * (tp if sp and tp>1)``; with FP8 the packed length to a multiple of that times
+    16 (FP8), 32 (MXFP8) or 128 (blockwise), the last sequence taking the extension."""
+    split = (2 * layout.cp if layout.cp > 1 else 1) * (layout.tp if layout.sp and layout.tp > 1 else 1)
+    per_seq = [naive_round_up(n, split) for n in lengths]
+    pack = split * FP8_DIVISOR[layout.fp8] if layout.fp8 is not FP8Recipe.NONE else 1
+    return per_seq, naive_round_up(sum(per_seq), pack)
+
+
+@given(lengths=lengths_st, tp=st.sampled_from([1, 2, 3, 4, 8]), cp=st.sampled_from([1, 2, 3, 4]),
+       sp=st.booleans(), fp8=st.sampled_from(list(FP8Recipe)))
+@examples(400)
+def test_fp8_sp_rule_against_nemo_rl(lengths, tp, cp, sp, fp8):
+    layout = ParallelLayout(tp=tp, cp=cp, sp=sp, fp8=fp8)
+    per_seq, nemo_total = nemo_rl_padded_total(lengths, layout)
+    ours = int(layout.padded_lengths(torch.tensor(lengths)).sum())
+    # NeMo-RL's batches are valid under our rule (what validate_batch checks) ...
+    assert all(p % layout.seq_multiple == 0 for p in per_seq) and nemo_total % layout.total_multiple == 0
+    # ... both give every SP rank a multiple of the FP8 block, and we never pad more
+    assert sp_share(layout, nemo_total) % layout.fp8.value == 0 and sp_share(layout, ours) % layout.fp8.value == 0
+    assert ours <= nemo_total
+
+
+def test_fp8_sp_rule_against_nemo_rl_golden():
+    """Where the two agree, and where NeMo-RL's extra factor 2 (it multiplies the FP8 block by the
+    whole per-sequence split ``2cp*tp``) pads more."""
+    one = ParallelLayout(tp=4, fp8="mxfp8")
+    assert nemo_rl_padded_total([32], one)[1] == int(one.padded_lengths(torch.tensor([32])).sum()) == 128
+    two = ParallelLayout(tp=4, cp=2, fp8="mxfp8")
+    assert nemo_rl_padded_total([32], two)[1] == 512
+    assert int(two.padded_lengths(torch.tensor([32])).sum()) == 256  # 32 rows on each of cp*tp = 8 ranks

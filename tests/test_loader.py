@@ -2,14 +2,17 @@
 shards, identical TP batches, equal micro-batch counts, the budget as a hard cap."""
 from __future__ import annotations
 
+import time
+
 import datasets
 import pytest
 import torch
 
 from prealign.collate import unshard_cp
-from prealign.loaders import (BadDataPolicy, BadSampleError, BadSampleWarning, HFSource, PackedLoader, PlanError,
-                     PlannerConfig, WebDatasetSource, build_index)
+from prealign.loaders import (BadDataPolicy, BadSampleError, BadSampleWarning, HFSource, IndexOptions, LoadingOptions,
+                     PackedLoader, PlanError, PlannerConfig, ShuffleOptions, WebDatasetSource, build_index)
 from prealign.schemas import ParallelLayout, causal_lm_schema, validate_batch
+from prealign.loaders.errors import LoaderUsageError
 from prealign.schemas.errors import SampleError
 from tests.loader_helpers import hf_rows, sample_lengths, token_ids, write_shards
 
@@ -28,7 +31,8 @@ def wds(tmp_path_factory):
 def _loader(wds, **kw):
     src, idx, _ = wds
     kw.setdefault("layout", ParallelLayout(tp=2, cp=2))
-    return PackedLoader(src, schema=SCHEMA, token_budget=kw.pop("token_budget", BUDGET), index=idx, **kw)
+    return PackedLoader(src, schema=SCHEMA, token_budget=kw.pop("token_budget", BUDGET),
+                        indexing=IndexOptions(prebuilt=idx), **kw)
 
 
 def _ids(batch) -> list[int]:
@@ -80,7 +84,7 @@ def test_cp_ranks_get_complementary_shards_of_the_same_batch(wds, cp):
 def test_tp_ranks_and_worker_counts_give_identical_batches(wds):
     a = list(_loader(wds, dp_rank=1, dp_size=2, cp_rank=1))
     b = list(_loader(wds, dp_rank=1, dp_size=2, cp_rank=1))  # another TP rank of the same DP/CP position
-    c = list(_loader(wds, dp_rank=1, dp_size=2, cp_rank=1, num_workers=2, prefetch_factor=3))
+    c = list(_loader(wds, dp_rank=1, dp_size=2, cp_rank=1, num_workers=2, loading=LoadingOptions(prefetch_factor=3)))
     assert len(a) > 3
     for x, y, z in zip(a, b, c):
         for key in x:
@@ -114,12 +118,12 @@ def test_only_one_live_iterator(wds):
     next(it)
     it2 = iter(loader)
     next(it2)
-    with pytest.raises(RuntimeError, match="newer iterator"):
+    with pytest.raises(LoaderUsageError, match="newer iterator"):
         next(it)
 
 
 def test_sequential_source_keeps_shard_locality(wds):
-    loader = _loader(wds, shuffle_window=8, planner=PlannerConfig(buffer_size=16))
+    loader = _loader(wds, shuffle=ShuffleOptions(window=8), planner=PlannerConfig(buffer_size=16))
     src, idx, _ = wds
     shards_in_order = [int(idx.shards[i]) for b in loader for i in _ids(b)]
     changes = sum(1 for a, b in zip(shards_in_order, shards_in_order[1:]) if a != b)
@@ -142,10 +146,10 @@ def test_oversize_truncation_in_the_loader(tmp_path):
     lengths = [10, 300, 20, 40]
     src = WebDatasetSource(write_shards(str(tmp_path), lengths, num_shards=1))
     with pytest.raises(ValueError, match="length <= 128"):
-        PackedLoader(src, schema=SCHEMA, layout=ParallelLayout(cp=2), token_budget=128)
+        PackedLoader(src, schema=SCHEMA, layout=ParallelLayout(cp=2), token_budget=128).prepare()
     with pytest.warns(BadSampleWarning, match="1 sample\\(s\\) truncated"):
         loader = PackedLoader(src, schema=SCHEMA, layout=ParallelLayout(cp=2), token_budget=128,
-                              planner=PlannerConfig(oversize="truncate"))
+                              planner=PlannerConfig(oversize="truncate")).prepare()
     assert loader.report.counts == {"oversize_truncated": 1}
     batches = list(loader)
     cut = next(b for b in batches if 1 in _ids(b))
@@ -153,7 +157,7 @@ def test_oversize_truncation_in_the_loader(tmp_path):
     assert cut["input_ids"][0, :128].tolist() == token_ids(1, 300)[:128].tolist()
     with pytest.warns(BadSampleWarning, match="1 skipped"):
         skipper = PackedLoader(src, schema=SCHEMA, layout=ParallelLayout(cp=2), token_budget=128,
-                               planner=PlannerConfig(oversize="skip"))
+                               planner=PlannerConfig(oversize="skip")).prepare()
     assert sorted(i for b in skipper for i in _ids(b)) == [0, 2, 3]
     assert skipper.report.counts == {"oversize_skipped": 1}
 
@@ -167,7 +171,7 @@ def test_bad_data_counts_are_exposed_on_the_loader(tmp_path):
     src = WebDatasetSource(write_shards(str(tmp_path), sample_lengths(20), num_shards=2), transform=transform)
     with pytest.warns(BadSampleWarning):
         loader = PackedLoader(src, schema=SCHEMA, layout=ParallelLayout(), token_budget=128,
-                              bad_data=BadDataPolicy(on_error="skip"), num_workers=2)
+                              bad_data=BadDataPolicy(on_error="skip"), num_workers=2).prepare()
     assert loader.report.counts == {"bad_sample": 4} and len(loader.index) == 16
     assert sorted(int(src.load(tuple(loader.index.locations[i]))["input_ids"][0]) - 10_000
                   for b in loader for i in _ids(b)) == [i for i in range(20) if i % 5]
@@ -200,7 +204,8 @@ def test_transform_errors_are_counted_by_their_reason(tmp_path):
     assert err.value.reason == "unreadable_text" and f"{paths[0]}:000000" in str(err.value)
     saved = str(tmp_path / "index.npz")
     idx.save(saved)
-    loader = PackedLoader(src, schema=SCHEMA, layout=ParallelLayout(), token_budget=128, index=saved)
+    loader = PackedLoader(src, schema=SCHEMA, layout=ParallelLayout(), token_budget=128,
+                          indexing=IndexOptions(prebuilt=saved))
     assert loader.report.counts == {"unreadable_text": 4, "bad_sample": 2}  # through save / load and the loader
     assert sorted(int(src.load(tuple(loader.index.locations[i]))["input_ids"][0]) - 10_000
                   for b in loader for i in _ids(b)) == [i for i in range(20) if i % 5 and i % 7]
@@ -224,8 +229,10 @@ def test_index_workers_and_saved_index(wds, tmp_path):
     src, idx, _ = wds
     path = str(tmp_path / "index.npz")
     idx.save(path)
-    a = PackedLoader(src, schema=SCHEMA, layout=ParallelLayout(), token_budget=BUDGET, index=path)
-    b = PackedLoader(src, schema=SCHEMA, layout=ParallelLayout(), token_budget=BUDGET, index_workers=2)
+    a = PackedLoader(src, schema=SCHEMA, layout=ParallelLayout(), token_budget=BUDGET,
+                     indexing=IndexOptions(prebuilt=path))
+    b = PackedLoader(src, schema=SCHEMA, layout=ParallelLayout(), token_budget=BUDGET,
+                     indexing=IndexOptions(workers=2))
     assert a.index.digest == b.index.digest == build_index(src, SCHEMA).digest
 
 
@@ -271,7 +278,8 @@ def test_filler_copies_a_planned_sample_not_a_left_out_one():
         "input_ids": torch.tensor(r["input_ids"]), "pixel_values": torch.zeros(r["npix"], 4)})
     with pytest.warns(BadSampleWarning, match="oversize_media"):
         loaders_ = [PackedLoader(src, schema=schema, layout=ParallelLayout(), token_budget=128, dp_size=4, dp_rank=r,
-                                 shuffle=False, planner=PlannerConfig(oversize="truncate")) for r in range(4)]
+                                 shuffle=ShuffleOptions(enabled=False), planner=PlannerConfig(oversize="truncate")).prepare()
+                    for r in range(4)]
     assert loaders_[0].report.counts == {"oversize_media": 1}
     placed = {i for mb in loaders_[0].plan().microbatches for b in mb for i in b}
     assert placed == {1, 2}
@@ -282,3 +290,107 @@ def test_filler_copies_a_planned_sample_not_a_left_out_one():
         assert b["sample_index"].numel() == 0 and float(b["loss_mask"].sum()) == 0
         assert tuple(b["pixel_values"].shape) == (0, 4) and not bool(b["input_ids"].any())
     assert sorted(i for b in batches for i in _ids(b)) == [1, 2]
+
+
+# ---- issue 8: typed errors across workers, a worker killed mid-epoch ------------------------------
+class _SlowInWorkers:
+    """numpy_fields, sleeping in DataLoader workers only (so the main process waits on them);
+    raises ValueError for every sample once ``flag`` exists (data changed after indexing)."""
+
+    def __init__(self, delay: float, flag: str | None = None):
+        self.delay, self.flag = delay, flag
+
+    def __call__(self, sample):
+        import os
+
+        from torch.utils.data import get_worker_info
+
+        from prealign.loaders.webdataset_source import numpy_fields
+
+        if self.flag is not None and os.path.exists(self.flag):
+            raise ValueError("the data changed")
+        if get_worker_info() is not None:
+            time.sleep(self.delay)
+        return numpy_fields(sample)
+
+
+def test_a_sample_error_in_a_worker_reaches_the_caller_as_its_own_type(tmp_path):
+    flag = tmp_path / "changed"
+    src = WebDatasetSource(write_shards(str(tmp_path), sample_lengths(20), num_shards=2),
+                           transform=_SlowInWorkers(0.0, str(flag)))
+    loader = PackedLoader(src, schema=SCHEMA, layout=ParallelLayout(), token_budget=BUDGET, num_workers=2)
+    flag.write_text("")
+    with pytest.raises(BadSampleError, match="transform to succeed") as exc:
+        next(iter(loader))
+    assert type(exc.value) is BadSampleError and exc.value.field is None
+    assert exc.value.sample.startswith(src.urls[0]) or exc.value.sample.startswith(src.urls[1])
+    assert "Caught" not in str(exc.value)
+
+
+def test_a_worker_killed_with_sigkill_leaves_a_loader_that_continues_exactly(tmp_path):
+    """persistent_workers=True, a worker SIGKILLed mid-epoch: the iteration raises WorkerError; the
+    next iteration starts fresh workers and yields exactly the rest of the epoch, then the next epoch."""
+    import os
+    import signal
+    import threading
+
+    from prealign.loaders.errors import WorkerError
+
+    src = WebDatasetSource(write_shards(str(tmp_path), sample_lengths(60, seed=4), num_shards=2),
+                           transform=_SlowInWorkers(0.03))
+    kw = {"schema": SCHEMA, "layout": ParallelLayout(), "token_budget": 128}
+    ref = PackedLoader(src, **kw)
+    expected = [[_ids(b) for b in ref] for _ in range(2)]  # epochs 0 and 1
+    assert len(expected[0]) >= 8
+    loader = PackedLoader(src, **kw, indexing=IndexOptions(prebuilt=ref.index), num_workers=2,
+                          loading=LoadingOptions(persistent_workers=True))
+    it = iter(loader)
+    got = [_ids(next(it)) for _ in range(3)]
+    victim = loader._loader._iterator._workers[0]
+    threading.Timer(0.05, os.kill, (victim.pid, signal.SIGKILL)).start()
+    with pytest.raises(WorkerError, match="iterate the loader again"):
+        for b in it:
+            got.append(_ids(b))
+    assert 3 <= len(got) < len(expected[0]) and loader.state_dict()["position"] == len(got)
+    got.extend(_ids(b) for b in loader)  # fresh workers, the rest of epoch 0
+    assert got == expected[0]
+    assert [_ids(b) for b in loader] == expected[1]
+    assert all(w.is_alive() for w in loader._loader._iterator._workers)
+
+
+def test_a_worker_timeout_is_a_worker_error_and_the_loader_stays_usable(tmp_path):
+    from prealign.loaders.errors import WorkerError
+
+    src = WebDatasetSource(write_shards(str(tmp_path), sample_lengths(12, seed=1), num_shards=1),
+                           transform=_SlowInWorkers(0.6))
+    kw = {"schema": SCHEMA, "layout": ParallelLayout(), "token_budget": 64}
+    ref = PackedLoader(src, **kw)
+    expected = [_ids(b) for b in ref]
+    loader = PackedLoader(src, **kw, indexing=IndexOptions(prebuilt=ref.index), num_workers=1,
+                          loading=LoadingOptions(timeout=0.5))
+    with pytest.raises(WorkerError, match="timed out"):
+        next(iter(loader))
+    assert loader.state_dict()["position"] == 0 and loader._loader._iterator is None
+    loader._loader.timeout = 0  # the cause fixed: the same loader iterates the whole epoch
+    assert [_ids(b) for b in loader] == expected
+
+
+def test_a_persistent_worker_killed_between_epochs_is_replaced(tmp_path):
+    import os
+    import signal
+
+    src = WebDatasetSource(write_shards(str(tmp_path), sample_lengths(30, seed=6), num_shards=2))
+    kw = {"schema": SCHEMA, "layout": ParallelLayout(), "token_budget": 128}
+    ref = PackedLoader(src, **kw)
+    expected = [[_ids(b) for b in ref] for _ in range(2)]
+    loader = PackedLoader(src, **kw, indexing=IndexOptions(prebuilt=ref.index), num_workers=2,
+                          loading=LoadingOptions(persistent_workers=True))
+    assert [_ids(b) for b in loader] == expected[0]
+    victim = loader._loader._iterator._workers[1]
+    try:  # torch's SIGCHLD handler may raise in whatever the main thread runs when the worker dies
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.join(10)
+    except RuntimeError as exc:
+        assert "DataLoader worker" in str(exc)
+    assert [_ids(b) for b in loader] == expected[1]
+    assert all(w.is_alive() for w in loader._loader._iterator._workers)

@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from prealign.collate import BSHDCollator, PackedSeqConvention, THDCollator, to_packed_seq_params
-from prealign.schemas import CPLayout, PadPolicy, ParallelLayout
+from prealign.schemas import ArgumentError, CPLayout, PadPolicy, ParallelLayout
 from tests.conftest import TOPK, collate_ranks, examples, make_samples, schema_for
 
 mcore_utils = pytest.importorskip("megatron.core.utils")
@@ -81,7 +81,7 @@ def test_packed_seq_params_contiguous_needs_a_newer_megatron():
     if "cp_partition_mode" in PackedSeqParams.__dataclass_fields__:
         assert to_packed_seq_params(batch, cp_layout="contiguous").cp_partition_mode == "contiguous"
     else:
-        with pytest.raises(ValueError, match="cp_partition_mode"):
+        with pytest.raises(ArgumentError, match="cp_partition_mode"):
             to_packed_seq_params(batch, cp_layout="contiguous")
     single = THDCollator(schema=schema_for(None), layout=ParallelLayout(cp_layout="contiguous"))(make_samples([5]))
     assert to_packed_seq_params(single, cp_layout="contiguous").cu_seqlens_q.tolist() == [0, 5]

@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from prealign.loaders import PackedLoader, WebDatasetSource
+from prealign.loaders import PackedLoader, ShuffleOptions, WebDatasetSource
 from prealign.loaders.cheap_index import write_sidecars
 from prealign.loaders.errors import MissingShardError
 from prealign.loaders.remote import RemoteOptions, RemoteStallError, read_range
@@ -89,7 +89,9 @@ def http_server(tmp_path):
 
 
 def _loader(src, **kw):
-    return PackedLoader(src, schema=SCHEMA, layout=ParallelLayout(), token_budget=512, shuffle_window=32, seed=1, **kw)
+    """A prepared loader (shards checked, the index pass run)."""
+    return PackedLoader(src, schema=SCHEMA, layout=ParallelLayout(), token_budget=512,
+                        shuffle=ShuffleOptions(window=32), seed=1, **kw).prepare()
 
 
 def _same_batches(a, b) -> int:

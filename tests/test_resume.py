@@ -7,7 +7,8 @@ import json
 import datasets
 import pytest
 
-from prealign.loaders import HFSource, PackedLoader, PlannerConfig, ResumeError, WebDatasetSource, build_index
+from prealign.loaders import (HFSource, IndexOptions, PackedLoader, PlannerConfig, ResumeError, WebDatasetSource,
+                              build_index)
 from prealign.loaders.conformance import ResumeConformanceError, assert_resumes_exactly, batches_equal
 from prealign.schemas import ParallelLayout, causal_lm_schema, rl_schema
 from tests.loader_helpers import hf_rows, sample_lengths, write_shards
@@ -32,7 +33,7 @@ def hf_stream():
 def _factory(src_idx, **kw):
     src, idx = src_idx
     kw = {"layout": LAYOUT, "token_budget": 192, "dp_size": 2, "dp_rank": 1, "cp_rank": 0, **kw}
-    return lambda: PackedLoader(src, schema=SCHEMA, index=idx, **kw)
+    return lambda: PackedLoader(src, schema=SCHEMA, indexing=IndexOptions(prebuilt=idx), **kw)
 
 
 @pytest.mark.parametrize("workers", [0, 2])
@@ -96,7 +97,8 @@ def test_incompatible_resume_is_refused(wds, change, message):
 def test_other_schema_data_or_version_is_refused(wds, tmp_path):
     state = _factory(wds)().state_dict()
     src, idx = wds
-    other = PackedLoader(src, schema=rl_schema(), layout=LAYOUT, token_budget=192, dp_size=2, index=idx)
+    other = PackedLoader(src, schema=rl_schema(), layout=LAYOUT, token_budget=192, dp_size=2,
+                         indexing=IndexOptions(prebuilt=idx))
     with pytest.raises(ResumeError, match="schema"):
         other.load_state_dict(state)
     fewer = WebDatasetSource(write_shards(str(tmp_path), LENGTHS[:60], num_shards=2))

@@ -9,7 +9,7 @@ import shutil
 import numpy as np
 import pytest
 
-from prealign.loaders import BadDataPolicy, PackedLoader, SampleIndex, SourceChangedError, WebDatasetSource, build_index
+from prealign.loaders import BadDataPolicy, IndexOptions, PackedLoader, SampleIndex, SourceChangedError, WebDatasetSource, build_index
 from prealign.loaders.cheap_index import header_index_shard, write_sidecars
 from prealign.loaders.errors import ChangedShardError, ExtraShardError, MissingShardError, StaleIndexError
 from prealign.loaders.index import index_shard
@@ -25,8 +25,10 @@ SKIP = BadDataPolicy(on_error="skip", max_consecutive=50)
 LAYOUT = ParallelLayout()
 
 
-def _loader(src, **kw):
-    return PackedLoader(src, schema=SCHEMA, layout=LAYOUT, token_budget=128, dp_size=2, dp_rank=1, seed=3, **kw)
+def _loader(src, index=None, **kw):
+    """A prepared loader (the index pass, or the prebuilt ``index`` checked against ``src``, has run)."""
+    return PackedLoader(src, schema=SCHEMA, layout=LAYOUT, token_budget=128, dp_size=2, dp_rank=1, seed=3,
+                        indexing=IndexOptions(prebuilt=index), **kw).prepare()
 
 
 def _bad_members(i, tf):
@@ -174,7 +176,7 @@ def test_crafted_sidecars_are_typed_config_errors(tmp_path, craft):
 def test_byte_changed_in_place_is_source_changed(tmp_path):
     paths = write_shards(str(tmp_path), [20] * 12, num_shards=1)
     write_sidecars(WebDatasetSource(paths), SCHEMA)
-    loader = PackedLoader(WebDatasetSource(paths), schema=SCHEMA, layout=LAYOUT, token_budget=128)
+    loader = PackedLoader(WebDatasetSource(paths), schema=SCHEMA, layout=LAYOUT, token_budget=128).prepare()
     raw = bytearray(open(paths[0], "rb").read())
     at = raw.index(b"\x93NUMPY", 0) + 128 + 8  # inside the first sample's token data
     raw[at] ^= 0x55
@@ -213,7 +215,7 @@ def test_sample_bad_only_at_load_time_is_counted_under_skip(tmp_path):
     from prealign.loaders.policy import BadSampleWarning
 
     def extra(i, tf):
-        ids = token_ids(i, 12)
+        ids = token_ids(i, 12) % 1000  # vocab_size bounds input_ids too (main: ids < vocab_size)
         top = np.stack([ids % 1000, ids % 1000 + 1], axis=1).astype(np.int64)
         if i == 7:
             top[3, 1] = 99_999  # past vocab_size; the header shows only the shape [12, 2]

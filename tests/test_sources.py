@@ -12,11 +12,12 @@ import numpy as np
 import pytest
 import torch
 
-from prealign.loaders.errors import MissingShardError
 from prealign.loaders import (BadDataPolicy, BadSampleError, BadSampleWarning, CorruptShardError, HFSource,
                      MissingMemberError, SampleIndex, TooManyBadSamplesError, UnsafeMemberError, WebDatasetSource,
                      build_index)
+from prealign.loaders.errors import MissingShardError
 from prealign.loaders.tar_decode import decode_member, split_member_name
+from prealign.schemas.errors import ConfigError
 from prealign.schemas import causal_lm_schema
 from tests.loader_helpers import add_member, hf_rows, sample_lengths, token_ids, write_shards
 
@@ -172,9 +173,10 @@ def test_truncated_shard(tmp_path):
         idx = _index(paths, SKIP)
     assert idx.report.counts == {"corrupt_shard": 1}
     assert 10 < len(idx) < 20  # the first shard and the readable part of the second
-    # a missing file is a configuration error (issue #7), never bad data counted under the skip policy
-    with pytest.raises(MissingShardError, match="nope.tar"):
+    # a shard file that does not exist is a configuration mistake, never a counted skip (issue 8, item 14)
+    with pytest.raises(MissingShardError, match="nope.tar") as exc:
         _index(paths[:1] + [str(tmp_path / "nope.tar")], SKIP)
+    assert isinstance(exc.value, ConfigError)
 
 
 def test_too_many_bad_samples_in_a_row(tmp_path):
@@ -216,7 +218,7 @@ def test_hf_map_style_and_streaming():
     assert sidx.lengths.tolist() == lengths
     for i in (20, 3, 4, 24, 0, 1):  # out of order: forward reads, look-back window, re-opened shards
         assert stream.load(tuple(sidx.locations[i]))["input_ids"] == token_ids(i, lengths[i]).tolist()
-    with pytest.raises(BadSampleError, match="datasets.Dataset"):
+    with pytest.raises(ConfigError, match="datasets.Dataset"):
         HFSource([{"input_ids": [1]}])
 
 
@@ -265,7 +267,7 @@ def test_long_member_names_and_read_paths(tmp_path):
 def test_mixed_dtypes_are_checked_per_sample(tmp_path):
     def transform(s):
         ids = torch.from_numpy(s["input_ids.npy"])
-        return {"input_ids": ids.to(torch.int32) if s["json"]["id"] == 3 else ids}
+        return {"input_ids": ids.to(torch.float32) if s["json"]["id"] == 3 else ids}  # (int32 would become int64)
 
     paths = write_shards(str(tmp_path), sample_lengths(8), num_shards=1)
     with pytest.raises(BadSampleError, match="000003.*dtype"):
@@ -343,10 +345,10 @@ def test_index_fixes_named_dims_by_the_first_sample(tmp_path, rows_per_shard):
     assert other.dims["K"] == 8 and other.lengths.tolist() == idx.lengths.tolist()
     assert other.digest != idx.digest
     # the loader collates every micro-batch of the index (no mid-epoch error)
-    from prealign.loaders import PackedLoader
+    from prealign.loaders import IndexOptions, PackedLoader
     from prealign.schemas import ParallelLayout
 
-    loader = PackedLoader(src, schema=TOPK, layout=ParallelLayout(cp=2), token_budget=48, index=idx)
+    loader = PackedLoader(src, schema=TOPK, layout=ParallelLayout(cp=2), token_budget=48, indexing=IndexOptions(prebuilt=idx))
     assert sorted(i for b in loader for i in b["sample_index"].tolist()) == list(range(19))
 
 
@@ -357,10 +359,10 @@ def test_index_fixes_each_field_dtype_by_the_first_sample():
     idx = build_index(src, TOPK, policy=BadDataPolicy(on_error="skip", warn=False))
     assert len(idx) == 89 and idx.report.counts == {"dim_mismatch": 1}
     assert idx.dims["dtype[teacher_topk_log_probs]"] == "float32"
-    from prealign.loaders import PackedLoader
+    from prealign.loaders import IndexOptions, PackedLoader
     from prealign.schemas import ParallelLayout
 
-    loader = PackedLoader(src, schema=TOPK, layout=ParallelLayout(cp=2), token_budget=48, index=idx)
+    loader = PackedLoader(src, schema=TOPK, layout=ParallelLayout(cp=2), token_budget=48, indexing=IndexOptions(prebuilt=idx))
     assert sorted(i for b in loader for i in b["sample_index"].tolist()) == list(range(89))  # index rows
     assert 70 not in idx.locations[:, 0].tolist()
 

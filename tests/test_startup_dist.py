@@ -45,7 +45,11 @@ SCENARIOS = {
     "rank 2 corrupted batch": lambda rank: (corrupted(rank) if rank == 2 else batch_for(rank), LAYOUT),
     "rank 3 unreadable batch": lambda rank: (None if rank == 3 else batch_for(rank), LAYOUT),
     "agree again": lambda rank: (batch_for(rank), LAYOUT),
+    # issue 8 item 4: a rank that calls late / never, with a short timeout; the others name it, never hang
+    "rank 3 late": lambda rank: (batch_for(rank), LAYOUT),
+    "rank 3 absent": lambda rank: (batch_for(rank), LAYOUT),
 }
+SHORT_TIMEOUT_S = 3.0
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
@@ -55,10 +59,20 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     results = {}
     for name, make in SCENARIOS.items():
         batch, layout = make(rank)
+        kwargs = {"timeout": SHORT_TIMEOUT_S} if name.startswith("rank 3 l") or name.startswith("rank 3 a") else {}
+        if rank == 3 and name == "rank 3 absent":
+            results[name] = {"skipped": True}
+            continue
+        if rank == 3 and name == "rank 3 late":
+            time.sleep(SHORT_TIMEOUT_S + 2)
+        started = time.monotonic()
         try:
-            results[name] = {"fingerprint": check_startup(batch, SCHEMA, layout)}
+            results[name] = {"fingerprint": check_startup(batch, SCHEMA, layout, **kwargs)}
         except Exception as exc:  # noqa: BLE001 - the test inspects every outcome
             results[name] = {"error": type(exc).__name__, "message": str(exc)}
+        results[name]["seconds"] = time.monotonic() - started
+    if rank == 0:  # rank 0 hosts the store: stay until the others are done with it
+        time.sleep(1.0)
     dist.destroy_process_group()
     with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
         json.dump(results, f)
@@ -95,12 +109,32 @@ def test_agreeing_ranks_return_the_same_fingerprint(outcomes, name):
 @pytest.mark.parametrize("name, says", [
     ("rank 1 other layout", "fingerprints differ across ranks"),
     ("rank 2 corrupted batch", "rank 2: "),
-    ("rank 3 unreadable batch", "rank 3: 1 violation(s): batch: expected a batch the validator can read"),
+    ("rank 3 unreadable batch", "rank 3: 1 violation(s): batch: expected a"),  # validate_batch reports a non-dict
 ])
 def test_one_bad_rank_fails_every_rank(outcomes, name, says):
     for rank, o in enumerate(outcomes[name]):
         assert o.get("error") == StartupMismatchError.__name__, (rank, o)
         assert says in o["message"], (rank, o["message"])
+
+
+@pytest.mark.slow
+def test_a_rank_that_never_calls_is_named_by_every_other_rank(outcomes):
+    """Ranks 0-2 call check_startup(timeout=3 s), rank 3 never does: each of 0-2 raises
+    StartupMismatchError naming rank 3 within a few seconds (the process group timeout is 60 s)."""
+    seen = 0
+    for rank, o in enumerate(outcomes["rank 3 absent"][:3]):
+        assert o.get("error") == StartupMismatchError.__name__, (rank, o)
+        assert "rank(s) [3] did not call check_startup within 3 s" in o["message"], o["message"]
+        assert o["seconds"] < SHORT_TIMEOUT_S + 10, o
+        seen += 1
+    assert seen == 3 and outcomes["rank 3 absent"][3] == {"skipped": True}
+
+
+@pytest.mark.slow
+def test_a_rank_that_calls_too_late_fails_too(outcomes):
+    for rank, o in enumerate(outcomes["rank 3 late"]):
+        assert o.get("error") == StartupMismatchError.__name__, (rank, o)
+        assert "[3]" in o["message"], o["message"]
 
 
 def test_single_process_only_validates():

@@ -188,7 +188,7 @@ def test_webdataset_end_to_end_two_workers_every_cp_rank(demo_shards):
     """48 samples (3 broken) in 4 shards -> WebDatasetSource -> PackedLoader(num_workers=2) on both CP
     ranks of tp=2, cp=2: every batch valid, SP-aligned, every good sample exactly once, the broken
     ones skipped and counted, and the shards all-gather back to each sample's own tensors."""
-    from prealign.loaders import BadDataPolicy, PackedLoader, WebDatasetSource, build_index
+    from prealign.loaders import BadDataPolicy, IndexOptions, PackedLoader, WebDatasetSource, build_index
 
     schema = vlm_schema(topk=4, vocab_size=TOK.vocab_size)
     layout = ParallelLayout(tp=2, cp=2)
@@ -204,9 +204,9 @@ def test_webdataset_end_to_end_two_workers_every_cp_rank(demo_shards):
 
     shown = _skips(index.report)
     assert "(corrupt_image 1, missing_image 1, placeholder_mismatch 1)" in shown[0]
-    assert all(f"{k}  {r}  " in "\n".join(shown) for k, r in demo_shards.bad.items())
+    assert all(f"  {r} (1): " in "\n".join(shown) and f"{k}: " in "\n".join(shown) for k, r in demo_shards.bad.items())
     loaders = [PackedLoader(source, schema=schema, layout=layout, token_budget=2048, cp_rank=r, num_workers=2,
-                            bad_data=policy, index=index) for r in range(2)]
+                            bad_data=policy, indexing=IndexOptions(prebuilt=index)) for r in range(2)]
     seen, checked = [], 0
     for ranks in zip(*loaders):
         for b in ranks:
@@ -285,7 +285,8 @@ def test_oversize_samples_with_media_are_skipped_not_truncated():
     carries images: a cut would split its image tokens from its pixel_values / image_grid_thw."""
     import dataclasses
 
-    from prealign.loaders import BadSampleError, BadSampleWarning, PackedLoader, PlannerConfig, build_index, plan_microbatches
+    from prealign.loaders import (BadSampleError, BadSampleWarning, IndexOptions, PackedLoader, PlannerConfig, build_index,
+                                  plan_microbatches)
     from prealign.loaders.loader import truncate_sample
 
     schema, layout = vlm_schema(topk=4, vocab_size=TOK.vocab_size), ParallelLayout(tp=2, cp=2)
@@ -296,8 +297,8 @@ def test_oversize_samples_with_media_are_skipped_not_truncated():
     assert index.media.tolist() == [True, True, False, True]
     for idx in (index, dataclasses.replace(index, media=None)):  # flags missing: the loader finds them
         with pytest.warns(BadSampleWarning) as warned:
-            loader = PackedLoader(source, schema=schema, layout=layout, token_budget=64, index=idx,
-                                  planner=PlannerConfig(oversize="truncate"))
+            loader = PackedLoader(source, schema=schema, layout=layout, token_budget=64, indexing=IndexOptions(prebuilt=idx),
+                                  planner=PlannerConfig(oversize="truncate")).prepare()
         said = [str(w.message) for w in warned]
         assert any("1 sample(s) truncated" in m for m in said) and any("oversize_media" in m for m in said)
         assert loader.report.counts == {"oversize_truncated": 1, "oversize_media": 1}

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .demo_tokenizer import ByteTokenizer
+from ..header_lengths import Qwen2VLGeometry, qwen2vl_grid, tokens_of_grid
 from ..teacher_topk import encode_npy
 from ..vlm import MediaProblem, image_processor, render_chat
 
@@ -94,7 +95,7 @@ def synthetic_teacher(input_ids: np.ndarray, topk: int, vocab_size: int, rng: np
     return np.ascontiguousarray(log_probs[:, :topk], dtype=np.float32), ids.astype(np.int64)
 
 
-def _sample(rng: np.random.Generator, key: str, topk: int, tok: ByteTokenizer, processor, bad: MediaProblem | None
+def _sample(rng: np.random.Generator, key: str, topk: int, tok: ByteTokenizer, geometry: Qwen2VLGeometry, bad: MediaProblem | None
             ) -> dict[str, bytes]:
     n_images = int(rng.choice([0, 1, 1, 1, 2]))
     if bad is not None:
@@ -106,7 +107,7 @@ def _sample(rng: np.random.Generator, key: str, topk: int, tok: ByteTokenizer, p
         data, (w, h) = _image(rng, fmt)
         names.append(f"{i}.{fmt}")
         members[names[-1]] = data
-        tokens.append(processor.get_number_of_image_patches(h, w) // tok.spatial_merge_size ** 2)
+        tokens.append(tokens_of_grid(qwen2vl_grid(h, w, geometry), geometry))
     question = str(rng.choice(_QUESTIONS))
     user = "".join("<image>\n" for _ in range(n_images)) + question
     reply = " ".join(_sentence(rng) for _ in range(int(rng.integers(1, 7))))
@@ -136,7 +137,7 @@ def build_demo_dataset(out_dir: str, *, num_samples: int = 240, samples_per_shar
         raise ValueError(f"build_demo_dataset: num_samples, samples_per_shard and topk must be >= 1, got "
                          f"{num_samples}, {samples_per_shard}, {topk}")
     tok = tokenizer or ByteTokenizer()
-    processor = image_processor()
+    geometry = Qwen2VLGeometry.of(image_processor())  # its resize rule, the same on every transformers
     rng = np.random.default_rng(seed)
     bad_at = {int(p): kind for p, kind in zip(np.linspace(num_samples // 7, num_samples - 1, len(bad)), bad)} \
         if bad else {}
@@ -150,7 +151,7 @@ def build_demo_dataset(out_dir: str, *, num_samples: int = 240, samples_per_shar
                 kind = bad_at.get(i)
                 if kind is not None:
                     planted[key] = kind.value
-                for name, data in _sample(rng, key, topk, tok, processor, kind).items():
+                for name, data in _sample(rng, key, topk, tok, geometry, kind).items():
                     info = tarfile.TarInfo(f"{key}.{name}")
                     info.size, info.mtime, info.mode = len(data), 0, 0o644
                     tar.addfile(info, io.BytesIO(data))

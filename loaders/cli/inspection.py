@@ -17,8 +17,10 @@ from prealign.collate.thd import THDCollator
 from prealign.schemas.layout import ParallelLayout
 from prealign.schemas.schema import BatchSchema
 from prealign.schemas.vlm import IMAGE_TOKEN_TYPE, validate_vlm_batch
-from ..index import SampleIndex, build_index
+from ..index import SampleIndex, merge_shards, scan_shards
 from ..loader import PackedLoader
+from ..options import IndexOptions
+from .errors import NothingLoadedError
 from .plot import Panel
 from ..policy import BadDataPolicy, BadDataReport
 from .report import BatchStats, batch_stats
@@ -38,6 +40,12 @@ class Inspection:
     load_seconds: float
     """Wall time of loading, collating and validating every micro-batch on every CP rank."""
     first_violations: list[str] = field(default_factory=list)
+    steady_seconds: float = 0.0
+    """From the first micro-batch's arrival to the last's (worker start-up and the first batch left out)."""
+    steady_batches: int = 0
+    """Micro-batches after the first (what ``steady_seconds`` timed)."""
+    steady_tokens: int = 0
+    """Their real tokens."""
 
 
 class Progress:
@@ -85,26 +93,35 @@ def inspect_source(source: Source, *, schema: BatchSchema, layout: ParallelLayou
                    bad_data: BadDataPolicy | None = None, index: SampleIndex | None = None,
                    panels: int = 3, limit: int | None = None,
                    validate: Callable[[dict], list] | None = None, progress: bool = True) -> Inspection:
-    """Index ``source`` once, then load one epoch on every CP rank of DP rank 0 in lockstep."""
-    policy = bad_data or BadDataPolicy(on_error="skip", warn=False)
+    """Index ``source`` once, then load one epoch on every CP rank of DP rank 0 in lockstep.
+
+    Every bad sample is skipped and counted (no limit on bad samples in a row: the report is the
+    point); :class:`NothingLoadedError` (with that report) when none is left."""
+    policy = bad_data or BadDataPolicy(on_error="skip", warn=False, max_consecutive=2 ** 62)
     validate = validate or (lambda b: validate_vlm_batch(b, schema, layout, raise_on_error=False))
     t0 = time.perf_counter()
     if index is None:
         if progress:
             sys.stderr.write("indexing (decode, transform and validate every sample once)...\n")
-        index = build_index(source, schema, policy=policy, num_workers=num_workers)
+        results = scan_shards(source, schema, list(range(source.num_shards)), num_workers=num_workers)
+        index = merge_shards(results, policy, width=1, where=source.where, schema=schema)
+        if len(index) == 0:
+            raise NothingLoadedError(_name(source), index.report)
     t1 = time.perf_counter()
     loaders = [PackedLoader(source, schema=schema, layout=layout, token_budget=token_budget, cp_rank=r,
-                            num_workers=num_workers, seed=seed, bad_data=policy, index=index,
+                            num_workers=num_workers, seed=seed, bad_data=policy, indexing=IndexOptions(prebuilt=index),
                             collator=THDCollator(schema=schema, layout=layout, cp_rank=r,
                                                  defer_cp_shard=defer_cp_shard))
                for r in range(layout.cp)]
     total = len(loaders[0]) if limit is None else min(limit, len(loaders[0]))
     bar = Progress(f"loading micro-batches on {layout.cp} CP rank(s)", total) if progress else None
     stats, kept, first_bad = [], [], []
+    t_first = None
     for i, rank_batches in enumerate(zip(*loaders)):
         if i >= total:
             break
+        if t_first is None:
+            t_first = time.perf_counter()
         bad = [v for b in rank_batches for v in validate(b)]
         first_bad += [str(v) for v in bad[: max(0, 5 - len(first_bad))]]
         stats.append(batch_stats(i, list(rank_batches), len(bad)))
@@ -117,5 +134,16 @@ def inspect_source(source: Source, *, schema: BatchSchema, layout: ParallelLayou
         bar.close(f" in {t2 - t1:.1f} s")
     report = loaders[0].report
     return Inspection(stats=stats, panels=kept, report=report, num_samples=len(index), index_seconds=t1 - t0,
-                      load_seconds=t2 - t1, first_violations=first_bad)
+                      load_seconds=t2 - t1, first_violations=first_bad,
+                      steady_seconds=t2 - t_first if t_first is not None else 0.0, steady_batches=max(len(stats) - 1, 0),
+                      steady_tokens=sum(s.real_tokens for s in stats[1:]))
+
+
+def _name(source: Source) -> str:
+    """``"2 webdataset shard(s)"`` / ``"HF dataset <name>"``, for messages."""
+    info = source.describe()
+    kind = info.get("kind", type(source).__name__)
+    if kind == "webdataset":
+        return f"{source.num_shards} webdataset shard(s)"
+    return f"{kind} {info.get('name', '')}".strip()
 

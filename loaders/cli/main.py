@@ -8,12 +8,22 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import tempfile
 import time
+import traceback
 
+from prealign.schemas.errors import PrealignError
 from prealign.schemas.layout import ParallelLayout
+from .errors import UsageError, error_lines
+from . import preflight
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose mistakes are a :class:`UsageError` (one line, exit code 2), not usage + message."""
+
+    def error(self, message: str):
+        raise UsageError(message, hint=f"see {self.prog} --help")
 
 
 def _add_common(p: argparse.ArgumentParser, *, budget: int) -> None:
@@ -27,10 +37,14 @@ def _add_common(p: argparse.ArgumentParser, *, budget: int) -> None:
     g.add_argument("--seed", type=int, default=0, help="shuffle / data seed [%(default)s]")
     g.add_argument("--out", default="prealign_demo.png", help="PNG of the packed layout [%(default)s]")
     g.add_argument("--rows", type=int, default=10, help="micro-batch rows in the table [%(default)s]")
+    g.add_argument("--cache-dir", metavar="DIR", help="where remote shards are copied and --hf datasets cached "
+                                                       "(default: a temp dir for shards, datasets' own cache)")
+    g.add_argument("--debug", action="store_true", help="show the traceback of an error")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="prealign", description="TP/CP/SP-aligned packed batches for Megatron.")
+    parser = _Parser(prog="prealign", description="TP/CP/SP-aligned packed batches for Megatron.")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="end-to-end demo on a synthetic multimodal webdataset (no files needed)",
                           description="Build a small synthetic multimodal webdataset with teacher top-k in a temp "
@@ -47,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
                                       "and report padding, shapes and throughput. Samples are chat JSON + images "
                                       "(rendered with the demo byte tokenizer) or pre-tokenized input_ids.")
     insp.add_argument("shards", nargs="*", help="webdataset shards (paths, URLs, brace patterns)")
-    insp.add_argument("--hf", metavar="PATH", help="a dataset saved with save_to_disk, or a load_dataset path")
+    insp.add_argument("--hf", metavar="PATH", help="a local json/jsonl/parquet/csv file or folder, a dataset saved "
+                                                   "with save_to_disk, or a Hub dataset name")
     insp.add_argument("--split", default="train", help="split for --hf [%(default)s]")
     insp.add_argument("--text", action="store_true", help="text-only causal-LM data (webdataset .npy members / "
                                                            "HF columns as given) instead of the VLM transform")
@@ -62,11 +77,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Run the command; a person's mistake (or unusable input) is one ``prealign: error: ... (hint: ...)``
+    line on stderr and exit code 2 (``--debug`` adds the traceback)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
     try:
+        args = build_parser().parse_args(argv)
         return args.func(args)
     except KeyboardInterrupt:
         return 130
+    except (PrealignError, OSError) as exc:
+        if "--debug" in argv:
+            traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.write("\n".join(error_lines(exc)) + "\n")
+        return 2
 
 
 # ---- commands ----------------------------------------------------------------------------------------
@@ -77,6 +101,10 @@ def cmd_demo(args) -> int:
     from ..webdataset_source import WebDatasetSource
     from prealign.schemas.vlm import vlm_schema
 
+    layout = _check_common(args)
+    preflight.check_int("--samples", args.samples, 1)
+    preflight.check_int("--topk", args.topk, 1)
+    preflight.check_dir("--keep", args.keep)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="prealign-demo-") as tmp:
         where = args.keep or tmp
@@ -88,7 +116,7 @@ def cmd_demo(args) -> int:
         schema = vlm_schema(topk=args.topk, vocab_size=ds.vocab_size)
         title = (f"{args.samples} samples ({len(ds.bad)} broken on purpose) in {len(ds.shards)} webdataset shards, "
                  f"vlm_schema(topk={args.topk})")
-        return _run(args, source, schema, title=title)
+        return _run(args, layout, source, schema, title=title)
 
 
 def cmd_inspect(args) -> int:
@@ -99,8 +127,12 @@ def cmd_inspect(args) -> int:
     from .demo_tokenizer import ByteTokenizer
 
     if bool(args.shards) == bool(args.hf):
-        print("prealign inspect: give webdataset shards or --hf PATH (one of them)", file=sys.stderr)
-        return 2
+        raise UsageError("inspect takes webdataset shards or --hf PATH" + (", not both" if args.shards else ""),
+                         hint="e.g. prealign inspect data/shard-{000..009}.tar, or prealign inspect --hf train.jsonl")
+    layout = _check_common(args)
+    preflight.check_int("--topk", args.topk, 0)
+    preflight.check_int("--vocab-size", args.vocab_size, 1, optional=True)
+    preflight.check_int("--limit", args.limit, 1, optional=True)
     topk = args.topk or None
     if args.text:
         schema = causal_lm_schema(topk=topk, vocab_size=args.vocab_size)
@@ -109,26 +141,33 @@ def cmd_inspect(args) -> int:
         transform = VLMSampleTransform(tokenizer=ByteTokenizer(), topk=topk)
         schema = vlm_schema(topk=topk, vocab_size=transform.tokenizer.vocab_size)
     if args.shards:
-        source = WebDatasetSource(args.shards, transform=transform, image="bytes")
+        from ..webdataset_source import expand_urls
+
+        preflight.check_shards(expand_urls(args.shards))
+        source = WebDatasetSource(args.shards, transform=transform, image="bytes", cache_dir=args.cache_dir)
         what = f"{len(source.urls)} webdataset shard(s)"
     else:
-        source = _hf_source(args.hf, args.split, transform)
+        from ..sources import HFSource
+
+        source = HFSource(preflight.load_hf(args.hf, args.split, args.cache_dir), transform=transform)
         what = f"HF dataset {args.hf} [{args.split}]"
-    return _run(args, source, schema, title=f"{what}, {schema.name}")
+    return _run(args, layout, source, schema, title=f"{what}, {schema.name}")
 
 
-def _hf_source(path: str, split: str, transform):
-    import datasets
+def _check_common(args) -> ParallelLayout:
+    """The layout and loading options, checked before any work (``--out`` writable included)."""
+    from ..planner import microbatch_capacity
 
-    from ..sources import HFSource
-
-    if os.path.isdir(path) and os.path.exists(os.path.join(path, "dataset_info.json")):
-        ds = datasets.load_from_disk(path)
-    elif os.path.isdir(path) and os.path.exists(os.path.join(path, "dataset_dict.json")):
-        ds = datasets.load_from_disk(path)[split]
-    else:
-        ds = datasets.load_dataset(path, split=split)
-    return HFSource(ds, transform=transform)
+    for name in ("tp", "cp"):
+        preflight.check_int(f"--{name}", getattr(args, name), 1)
+    preflight.check_int("--workers", args.workers, 0)
+    preflight.check_int("--rows", args.rows, 2)
+    preflight.check_int("--token-budget", args.token_budget, 1)
+    layout = ParallelLayout(tp=args.tp, cp=args.cp)
+    microbatch_capacity(layout, args.token_budget)  # PlanError when not even one block fits
+    preflight.check_out(args.out)
+    preflight.check_dir("--cache-dir", args.cache_dir)
+    return layout
 
 
 # ---- the shared run ------------------------------------------------------------------------------------
@@ -137,13 +176,16 @@ def _note(text: str) -> None:
     sys.stderr.flush()
 
 
-def _run(args, source, schema, *, title: str) -> int:
+def _plural(n: int, one: str, many: str) -> str:
+    return f"{n} {one if n == 1 else many}"
+
+
+def _run(args, layout: ParallelLayout, source, schema, *, title: str) -> int:
     from prealign.schemas.vlm import validate_vlm_batch
     from .inspection import inspect_source
     from .plot import draw_packed_layout
     from .report import format_shapes, format_table, totals
 
-    layout = ParallelLayout(tp=args.tp, cp=args.cp)
     res = inspect_source(source, schema=schema, layout=layout, token_budget=args.token_budget,
                          num_workers=args.workers, seed=args.seed, defer_cp_shard=args.defer_cp_shard,
                          limit=getattr(args, "limit", None),
@@ -159,15 +201,13 @@ def _run(args, source, schema, *, title: str) -> int:
         "",
         format_table(res.stats, tp=layout.tp, max_rows=args.rows),
         "",
-        f"micro-batches  {tot['micro_batches']} (x {layout.cp} CP ranks), {tot['sequences']} sequences, "
-        f"{tot['images']} images",
+        f"micro-batches  {tot['micro_batches']} (x {_plural(layout.cp, 'CP rank', 'CP ranks')}), "
+        f"{_plural(tot['sequences'], 'sequence', 'sequences')}, {_plural(tot['images'], 'image', 'images')}",
         f"tokens         {tot['real_tokens']} real / {tot['padded_tokens']} padded ({pad:.1f}% padding)",
         f"validated      {checks - sum(1 for s in res.stats if s.violations)}/{checks} batches valid "
         f"(schema {schema.name} {schema.fingerprint()}, media counts, SP/CP alignment)",
         *_skips(res.report),
-        f"throughput     {tot['real_tokens'] / max(res.load_seconds, 1e-9):,.0f} real tokens/s over all CP ranks "
-        f"({len(res.stats) / max(res.load_seconds, 1e-9):.1f} micro-batches/s; decode + image processing + "
-        f"collate, {args.workers} worker(s) per rank); index pass {res.index_seconds:.1f} s",
+        f"throughput     {_throughput(res, args.workers)}; index pass {res.index_seconds:.1f} s",
     ]
     if res.stats:
         lines += ["", "CP rank 0 shapes of micro-batch 0 (every CP rank alike):", format_shapes(res.stats[0])]
@@ -175,35 +215,33 @@ def _run(args, source, schema, *, title: str) -> int:
         lines += ["", "first violations:", *(f"  {v}" for v in res.first_violations)]
     if res.panels:
         draw_packed_layout(res.panels, layout, args.out,
-                           title=f"prealign: tp={layout.tp} cp={layout.cp}, first {len(res.panels)} micro-batches")
+                           title=f"prealign: tp={layout.tp} cp={layout.cp}, first "
+                                 f"{_plural(len(res.panels), 'micro-batch', 'micro-batches')}")
         lines += ["", f"picture        {args.out}"]
     print("\n".join(lines))
     return 0 if tot["violations"] == 0 else 1
 
 
-def _skips(report, shown: int = 3) -> list[str]:
+def _throughput(res, workers: int) -> str:
+    """Real tokens/s over all CP ranks, timed from the first micro-batch's arrival to the last (worker
+    start-up left out): n/a below two micro-batches."""
+    if res.steady_batches < 1 or res.steady_seconds <= 0:
+        return "n/a (fewer than 2 micro-batches to time)"
+    return (f"{res.steady_tokens / res.steady_seconds:,.0f} real tokens/s over all CP ranks "
+            f"({res.steady_batches / res.steady_seconds:.1f} micro-batches/s after the first; decode + image "
+            f"processing + collate, {_plural(workers, 'worker', 'workers')} per rank)")
+
+
+def _skips(report, shown: int = 4) -> list[str]:
     """The bad-data report: counts by cause (the report's own, e.g. ``corrupt_image 1``), then the
-    first samples named with what was wrong."""
+    first sample of each cause, named with what was wrong."""
+    from .errors import cause_lines
+
     if not report.total:
         return ["skipped        none"]
     counts = ", ".join(f"{k} {v}" for k, v in sorted(report.counts.items()))
     lines = [f"skipped        {report.total} sample(s), policy skip + count ({counts}):"]
-    for where, reason, message in report.examples[:shown]:
-        lines.append(f"                 {os.path.basename(where)}  {reason}  {_short(_detail(message, where, reason))}")
-    return lines
-
-
-def _detail(message: str, where: str, reason: str) -> str:
-    """``message`` without what the line already shows: the ``reason: `` and ``sample <where>`` prefixes."""
-    message = message.removeprefix(f"{reason}: ")
-    for lead in (f"sample {where}, ", f"sample {where}: "):
-        if message.startswith(lead):
-            return message[len(lead):]
-    return message
-
-
-def _short(message: str, limit: int = 96) -> str:
-    return message if len(message) <= limit else message[:limit - 3] + "..."
+    return lines + cause_lines(report)[:2 * shown]
 
 
 if __name__ == "__main__":

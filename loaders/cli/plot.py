@@ -21,7 +21,9 @@ import torch
 from prealign.collate.indices import cp_chunks, cu_seqlens_to_lengths, global_slots
 from prealign.schemas.layout import ParallelLayout
 
-_BG, _INK, _PAD = (255, 255, 255), (30, 30, 30), (205, 205, 205)
+_BG, _INK, _PAD, _HATCH = (255, 255, 255), (30, 30, 30), (205, 205, 205), (90, 90, 90)
+_PAD_MIN_PX = 3
+_LEGEND_LINE = 20
 _RANK_COLORS = ((31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189), (140, 86, 75),
                 (227, 119, 194), (127, 127, 127))
 
@@ -51,9 +53,8 @@ def _seq_colors(n: int) -> np.ndarray:
     return out
 
 
-def slot_colors(panel: Panel) -> np.ndarray:
-    """uint8 ``[T, 3]``: the colour of every global slot (sequence hue; darker on image tokens,
-    grey on padding). Vectorised."""
+def slot_kinds(panel: Panel) -> torch.Tensor:
+    """int64 ``[T]``: what every global slot holds, 0 text, 1 image token, 2 padding. Vectorised."""
     cu = panel.cu_seqlens.to(torch.int64)
     cup = panel.cu_seqlens_padded.to(torch.int64)
     padded = cu_seqlens_to_lengths(cup)
@@ -62,7 +63,39 @@ def slot_colors(panel: Panel) -> np.ndarray:
     kind = (pos >= cu.diff()[seq]).to(torch.int64) * 2  # 0 text, 2 pad
     if panel.image_mask is not None:
         kind = torch.where(panel.image_mask.reshape(-1).bool(), 1, kind)
-    return _seq_colors(padded.numel())[seq.numpy(), kind.numpy()]
+    return kind
+
+
+def slot_colors(panel: Panel) -> np.ndarray:
+    """uint8 ``[T, 3]``: the colour of every global slot (sequence hue; darker on image tokens,
+    grey on padding). Vectorised."""
+    padded = cu_seqlens_to_lengths(panel.cu_seqlens_padded.to(torch.int64))
+    seq = torch.repeat_interleave(torch.arange(padded.numel()), padded)
+    return _seq_colors(padded.numel())[seq.numpy(), slot_kinds(panel).numpy()]
+
+
+def _runs(mask: np.ndarray) -> list[tuple[int, int]]:
+    """``(start, end)`` of each run of True in ``mask``."""
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], mask.astype(np.int8), [0]])))
+    return list(zip(edges[::2].tolist(), edges[1::2].tolist()))
+
+
+def _hatched(width: int, height: int):
+    """A PIL image of grey padding with dark diagonal hatching."""
+    from PIL import Image
+
+    i, j = np.meshgrid(np.arange(height), np.arange(width), indexing="ij")
+    px = np.where(((i + j) % 5 == 0)[..., None], np.array(_HATCH, np.uint8), np.array(_PAD, np.uint8))
+    return Image.fromarray(np.ascontiguousarray(px.astype(np.uint8)), "RGB")
+
+
+def _hatch_pads(img, pads: np.ndarray, x0: int, y: int, scale: float, bar_h: int) -> None:
+    """Padding drawn hatched and at least ``_PAD_MIN_PX`` wide, so that a pad of a few slots among
+    thousands stays visible."""
+    for a, b in _runs(pads):
+        xa = x0 + round(a * scale)
+        xb = max(x0 + round(b * scale), xa + _PAD_MIN_PX)
+        img.paste(_hatched(xb - xa, bar_h), (xa, y))
 
 
 def _bar(colors: np.ndarray, width: int, height: int):
@@ -89,7 +122,7 @@ def draw_packed_layout(panels: list[Panel], layout: ParallelLayout, path: str, *
     cp = layout.cp
     left, bar_h, gap = 130, 26, 6
     panel_h = 22 + bar_h + 8 + gap + cp * (bar_h + gap) + 18
-    legend_h = 30
+    legend_h = 3 * _LEGEND_LINE + 10
     height = 40 + len(panels) * panel_h + legend_h
     img = Image.new("RGB", (left + width + 20, height), _BG)
     draw = ImageDraw.Draw(img)
@@ -101,7 +134,7 @@ def draw_packed_layout(panels: list[Panel], layout: ParallelLayout, path: str, *
     for p in panels:
         y = _draw_panel(img, draw, p, layout, y, left, scale, bar_h, gap, small)
         y += 18
-    _legend(draw, 10, y, small, cp)
+    _legend(img, draw, 10, y, small, layout)
     img.save(path, format="PNG")
     return path
 
@@ -112,10 +145,12 @@ def _draw_panel(img, draw, p: Panel, layout: ParallelLayout, y: int, left: int, 
     cup = p.cu_seqlens_padded.to(torch.int64)
     total = int(cup[-1])
     colors = slot_colors(p)
+    pads = (slot_kinds(p) == 2).numpy()
     draw.text((left, y), p.title, fill=_INK, font=font)
     y += 20
     w = round(total * scale)
     img.paste(_bar(colors, w, bar_h), (left, y))
+    _hatch_pads(img, pads, left, y, scale, bar_h)
     draw.text((10, y + 6), f"global [1, {total}]", fill=_INK, font=font)
     for b in cup.tolist()[1:-1]:  # sequence boundaries
         x = left + round(b * scale)
@@ -132,6 +167,7 @@ def _draw_panel(img, draw, p: Panel, layout: ParallelLayout, y: int, left: int, 
         local = rows.numel()
         lw = round(local * scale)
         img.paste(_bar(colors[rows.numpy()], lw, bar_h), (left, y))
+        _hatch_pads(img, pads[rows.numpy()], left, y, scale, bar_h)
         draw.rectangle([(left - 1, y - 1), (left + lw, y + bar_h)], outline=_RANK_COLORS[r % len(_RANK_COLORS)], width=1)
         draw.text((10, y + 6), f"cp rank {r} [1, {local}]", fill=_RANK_COLORS[r % len(_RANK_COLORS)], font=font)
         # chunk boundaries inside the rank's row, then the SP split over tp
@@ -148,13 +184,34 @@ def _draw_panel(img, draw, p: Panel, layout: ParallelLayout, y: int, left: int, 
     return y
 
 
-def _legend(draw, x: int, y: int, font, cp: int) -> None:
-    base = _seq_colors(1)[0]
-    items = [("text token", tuple(int(v) for v in base[0])), ("image token", tuple(int(v) for v in base[1])),
-             ("padding", tuple(int(v) for v in base[2]))]
-    items += [(f"chunk kept by cp rank {r}", _RANK_COLORS[r % len(_RANK_COLORS)]) for r in range(cp)]
-    for label, color in items:
-        draw.rectangle([(x, y + 2), (x + 14, y + 14)], fill=color, outline=_INK)
-        draw.text((x + 20, y), label, fill=_INK, font=font)
-        x += 30 + int(draw.textlength(label, font=font))
-    draw.text((x, y), "| dashed: SP split over tp", fill=_INK, font=font)
+def _legend(img, draw, x: int, y: int, font, layout: ParallelLayout) -> None:
+    """Three lines: what the colours are, who keeps which chunk, and why a sequence shows twice per rank."""
+    cp = layout.cp
+    colors = _seq_colors(3)
+
+    def swatch(x: int, color) -> int:
+        draw.rectangle([(x, y + 2), (x + 12, y + 14)], fill=tuple(int(v) for v in color), outline=_INK)
+        return x + 14
+
+    def label(x: int, text: str) -> int:
+        draw.text((x + 4, y), text, fill=_INK, font=font)
+        return x + 4 + int(draw.textlength(text, font=font)) + 22
+
+    for i in range(3):
+        x = swatch(x, colors[i, 0])
+    x = label(x, "text tokens: one hue per sequence")
+    for i in range(3):
+        x = swatch(x, colors[i, 1])
+    x = label(x, "image tokens: a darker shade of their sequence's hue")
+    img.paste(_hatched(12, 13), (x, y + 2))
+    label(x + 12, f"padding (hatched, drawn at least {_PAD_MIN_PX} px wide)")
+    x, y = 10, y + _LEGEND_LINE
+    for r in range(cp):
+        x = label(swatch(x, _RANK_COLORS[r % len(_RANK_COLORS)]), f"kept by cp rank {r}")
+    label(x - 18, "|  black bars: sequence boundaries, white ticks: chunk boundaries, dashed: SP split over tp")
+    if cp > 1:
+        zigzag = str(getattr(layout.cp_layout, "value", layout.cp_layout)) == "zigzag"
+        note = (f"zigzag CP: each padded sequence is cut into {2 * cp} chunks and cp rank r keeps chunks r and "
+                f"{2 * cp - 1}-r, so every sequence appears twice in each rank's row (its two chunks)" if zigzag else
+                f"contiguous CP: each padded sequence is cut into {cp} chunks and cp rank r keeps chunk r")
+        draw.text((10, y + _LEGEND_LINE), note, fill=_INK, font=font)

@@ -1,0 +1,162 @@
+"""Unsharded THD batch -> the keyword arguments of a Hugging Face ``transformers`` model forward.
+
+A prealign THD batch is one ``[1, T]`` row of sequences, each padded to ``P_i`` slots (its ``L_i``
+tokens first, then pads). HF models see the packing in one of three ways (:class:`HFAttention`):
+
+======================  ==============================================================  ==================
+attention               what tells the model where sequences start                      implementations
+======================  ==============================================================  ==================
+``VARLEN``              ``cu_seq_lens_q/k`` (padded offsets) + ``max_length_q/k``        flash_attention_2/3
+``POSITIONS``           ``position_ids`` restarting at 0 (transformers >= 4.5x finds     eager, sdpa, flex
+                        the packing itself when ``attention_mask=None``)
+``MASK``                a 4-D block-diagonal causal mask (:func:`block_causal_mask`)     eager, sdpa
+======================  ==============================================================  ==================
+
+Every mode passes ``position_ids`` (a VLM batch: ``[4, 1, T]``, the per-sequence text positions
+stacked on the three mRoPE rows, as transformers' Qwen2-VL reads packed positions) and ``labels`` in
+the HF convention (aligned with the tokens, the model shifts them): the batch's own next-token
+``labels`` moved one slot right, ``-100`` where ``loss_mask`` is 0, so the model's own shift gives back
+exactly the batch's labels and no label crosses a sequence boundary. HF losses are unweighted: a
+token is trained where ``loss_mask > 0``.
+
+>>> from prealign.collate import THDCollator
+>>> from prealign.schemas import ParallelLayout, causal_lm_schema
+>>> b = THDCollator(schema=causal_lm_schema(), layout=ParallelLayout(tp=4))(
+...     [{"input_ids": torch.tensor([5, 6, 7])}, {"input_ids": torch.tensor([8, 9])}])
+>>> kw = to_hf_kwargs(b)
+>>> kw["input_ids"].tolist(), kw["position_ids"].tolist(), kw["labels"].tolist()
+([[5, 6, 7, 8, 9, 0, 0, 0]], [[0, 1, 2, 0, 1, 2, 3, 4]], [[-100, 6, 7, -100, 9, -100, -100, -100]])
+>>> kw["cu_seq_lens_q"].tolist(), kw["max_length_q"]
+([0, 3, 8], 5)
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from prealign.schemas.errors import ConfigError, SampleError
+from prealign.schemas.schema import IGNORE_INDEX
+
+
+class HFAttention(enum.Enum):
+    """How the HF model is told where the packed sequences start (module docstring)."""
+
+    VARLEN = "varlen"
+    POSITIONS = "positions"
+    MASK = "mask"
+
+
+def block_causal_mask(cu_seqlens_padded: torch.Tensor, cu_seqlens: torch.Tensor | None = None, *,
+                      dtype: torch.dtype = torch.bool) -> torch.Tensor:
+    """Block-diagonal causal attention mask of a packed row, ``[1, 1, T, T]`` (``T = cu_seqlens_padded[-1]``).
+
+    Query ``q`` may attend key ``k`` when both lie in the same padded sequence and ``k <= q``. With the
+    true offsets ``cu_seqlens`` also given, pad keys are masked for every query but the pad itself
+    (a row with no key at all would turn into NaN in sdpa and poison later layers through ``0 * NaN``).
+
+    ``dtype=torch.bool``: True where attention is allowed (sdpa's convention). A floating dtype gives
+    the additive mask eager attention adds to its scores: 0 where allowed, ``finfo(dtype).min`` elsewhere.
+    Vectorised: a fixed number of tensor ops, ``O(T^2)`` memory (meant for eager / sdpa on short rows).
+
+    >>> block_causal_mask(torch.tensor([0, 2, 5]), torch.tensor([0, 2, 4]))[0, 0].int().tolist()
+    [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 0, 1, 0, 0], [0, 0, 1, 1, 0], [0, 0, 1, 1, 1]]
+    """
+    padded = cu_seqlens_padded.to(torch.int64).reshape(-1)
+    total = int(padded[-1])
+    slots = torch.arange(total)
+    seq = torch.searchsorted(padded, slots, right=True) - 1  # which sequence each slot belongs to
+    allowed = (seq[:, None] == seq[None, :]) & (slots[None, :] <= slots[:, None])
+    if cu_seqlens is not None:
+        true = cu_seqlens.to(torch.int64).reshape(-1)
+        if true.shape != padded.shape:
+            raise ConfigError(f"block_causal_mask: cu_seqlens {tuple(true.shape)} and cu_seqlens_padded "
+                              f"{tuple(padded.shape)} must have the same shape [N+1]")
+        real = (slots - padded[seq]) < true.diff()[seq]
+        allowed &= real[None, :] | torch.eye(total, dtype=torch.bool)
+    allowed = allowed[None, None]
+    if dtype == torch.bool:
+        return allowed
+    if not dtype.is_floating_point:
+        raise ConfigError(f"block_causal_mask: dtype must be torch.bool or a floating dtype, got {dtype}")
+    return torch.zeros((), dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+def hf_labels(batch: dict, *, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """The batch's next-token ``labels`` ``[1, T]`` (Megatron convention, already shifted) -> HF's
+    (aligned with the tokens; the model shifts): one slot right, ``ignore_index`` where ``loss_mask``
+    is 0 (when the batch has one) and at slot 0. int64 ``[1, T]``."""
+    labels = batch["labels"]
+    if "loss_mask" in batch:
+        labels = labels.masked_fill(batch["loss_mask"] <= 0, ignore_index)
+    return torch.cat((torch.full_like(labels[..., :1], ignore_index), labels[..., :-1]), dim=-1)
+
+
+def to_hf_kwargs(batch: dict, *, attention: HFAttention | str = HFAttention.VARLEN,
+                 mask_dtype: torch.dtype = torch.float32, labels: bool = True,
+                 ignore_index: int = IGNORE_INDEX) -> dict:
+    """Keyword arguments for ``model(**kwargs)`` of a Hugging Face causal LM (or Qwen2-VL) from an
+    unsharded :class:`~prealign.collate.THDCollator` batch (``cp_rank=None``).
+
+    Returns ``input_ids`` int64 ``[1, T]``, ``position_ids`` int64 ``[1, T]`` (``[4, 1, T]`` when the
+    batch has ``mrope_position_ids``), ``labels`` int64 ``[1, T]`` (HF convention, see
+    :func:`hf_labels`; left out with ``labels=False``), ``use_cache=False``, the media fields
+    (``pixel_values``, ``image_grid_thw``, ``mm_token_type_ids``) when present, and per ``attention``:
+    ``VARLEN``: ``cu_seq_lens_q/k`` int32 ``[N+1]`` (padded offsets: each padded sequence is one
+    varlen segment, its pads at its end, so no real token sees them) and ``max_length_q/k`` (int);
+    ``POSITIONS``: nothing more (``attention_mask`` stays None); ``MASK``: ``attention_mask``
+    ``[1, 1, T, T]`` from :func:`block_causal_mask` in ``mask_dtype`` (floating for eager, bool or
+    floating for sdpa).
+    """
+    attention = HFAttention(attention)
+    if batch.get("cp_rank", -1) != -1 or "cp_gather_index" in batch:
+        raise ConfigError("to_hf_kwargs: expected an unsharded THD batch (THDCollator(..., cp_rank=None)); "
+                          f"got CP rank {batch.get('cp_rank')} of {batch.get('cp_size')}: a Hugging Face forward "
+                          "needs whole sequences")
+    ids = batch["input_ids"]
+    if ids.ndim != 2 or ids.shape[0] != 1:
+        raise SampleError(sample=None, field="input_ids", expected="a THD batch [1, T]", actual=f"shape {tuple(ids.shape)}")
+    padded = batch["cu_seqlens_padded"]
+    out = {"input_ids": ids, "position_ids": batch["position_ids"], "use_cache": False}
+    if "mrope_position_ids" in batch:  # [3, 1, T]: transformers' packed layout is [text; t; h; w]
+        out["position_ids"] = torch.cat((batch["position_ids"][None], batch["mrope_position_ids"]), dim=0)
+    if labels:
+        out["labels"] = hf_labels(batch, ignore_index=ignore_index)
+    media = ("pixel_values", "image_grid_thw") if batch.get("image_grid_thw", torch.zeros(1)).shape[0] else ()
+    for name in (*media, "mm_token_type_ids"):  # a batch without images sends no empty pixel_values
+        if name in batch:
+            out[name] = batch[name]
+    if attention is HFAttention.VARLEN:
+        cu = padded.to(torch.int32)
+        out["cu_seq_lens_q"] = out["cu_seq_lens_k"] = cu
+        out["max_length_q"] = out["max_length_k"] = int(batch["max_seqlen"].reshape(-1)[0])
+    elif attention is HFAttention.MASK:
+        out["attention_mask"] = block_causal_mask(padded, batch["cu_seqlens"], dtype=mask_dtype)
+    return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class HFCollator:
+    """``data_collator`` for a Hugging Face ``Trainer``: samples -> prealign batch -> :func:`to_hf_kwargs`.
+    Picklable (DataLoader workers).
+
+    >>> from prealign.collate import THDCollator
+    >>> from prealign.schemas import ParallelLayout, causal_lm_schema
+    >>> coll = HFCollator(collator=THDCollator(schema=causal_lm_schema(), layout=ParallelLayout(tp=2)),
+    ...                   attention=HFAttention.POSITIONS)
+    >>> sorted(coll([{"input_ids": torch.tensor([5, 6, 7])}]))
+    ['input_ids', 'labels', 'position_ids', 'use_cache']
+    """
+
+    collator: Callable[[Sequence[dict]], dict]
+    """An unsharded prealign collator: ``THDCollator(..., cp_rank=None)``, or an ``MRoPECollator`` around one."""
+    attention: HFAttention | str = HFAttention.VARLEN
+    mask_dtype: torch.dtype = torch.float32
+    labels: bool = True
+    ignore_index: int = IGNORE_INDEX
+
+    def __call__(self, samples: Sequence[dict]) -> dict:
+        return to_hf_kwargs(self.collator(samples), attention=self.attention, mask_dtype=self.mask_dtype,
+                            labels=self.labels, ignore_index=self.ignore_index)

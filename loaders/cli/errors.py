@@ -1,0 +1,107 @@
+"""How the ``prealign`` command reports a person's mistake: one line on stderr, exit code 2.
+
+    prealign: error: --tp: expected a positive int, got 0 (hint: --tp and --cp take ints >= 1)
+
+:class:`UsageError` carries its own hint; any other :class:`~prealign.schemas.errors.PrealignError`
+gets one from its class (:func:`hint_for`). When no sample loads, :class:`NothingLoadedError` adds one
+line per cause, each with an example, under the error line.
+
+>>> error_lines(UsageError("no such file: a.tar", hint="check the path"))
+['prealign: error: no such file: a.tar (hint: check the path)']
+"""
+from __future__ import annotations
+
+import os
+
+from prealign.schemas.errors import ConfigError, LayoutError, PrealignError, SchemaError
+
+
+class UsageError(ConfigError):
+    """A command-line mistake (an argument, a path); ``hint`` says how to fix it."""
+
+    def __init__(self, message: str, *, hint: str = ""):
+        self.hint = hint
+        super().__init__(message)
+
+
+# What each cause a bad-data report counts means, in words (reasons not listed are shown as they are).
+CAUSES = {
+    "corrupt_shard": "unreadable shard (missing, truncated, compressed or not a tar file)",
+    "missing_member": "a member the samples need is absent",
+    "bad_sample": "decoded, but refused by the transform or the schema (dtype, shape, values)",
+    "unsafe_member": "a member format that can run code when loaded (pickle): refused",
+    "dim_mismatch": "a named dim (K, ...) differs from the first sample's",
+    "corrupt_image": "an image that does not decode",
+    "missing_image": "an image the chat names is absent",
+    "placeholder_mismatch": "<image> placeholders and images do not match in number",
+    "vision_token_mismatch": "image token runs do not match image_grid_thw",
+    "bad_text": "no usable chat or text",
+}
+
+
+class NothingLoadedError(PrealignError):
+    """No sample of the source could be used; ``report`` (a ``BadDataReport``) says why."""
+
+    def __init__(self, what: str, report):
+        self.report = report
+        counts = ", ".join(f"{k} {v}" for k, v in sorted(report.counts.items())) or "no samples at all"
+        self.hint = "fix the causes listed below" if report.total else "check that the source holds samples"
+        super().__init__(f"no usable sample in {what}: {counts}")
+
+    def cause_lines(self) -> list[str]:
+        return cause_lines(self.report)
+
+
+def cause_lines(report, limit: int = 110) -> list[str]:
+    """One line per cause of a ``BadDataReport`` (most frequent first): the count and what it means,
+    then a line with its first example (sample and message)."""
+    first: dict[str, tuple[str, str]] = {}
+    for where, reason, message in report.examples:
+        first.setdefault(reason, (where, message))
+    out = []
+    for reason, n in sorted(report.counts.items(), key=lambda kv: -kv[1]):
+        out.append(f"  {reason} ({n}): {CAUSES.get(reason, reason.replace('_', ' '))}")
+        if reason in first:
+            where, message = first[reason]
+            out.append(f"      e.g. {_clip(_strip(message, where, reason), limit)}")
+    return out
+
+
+def hint_for(exc: BaseException) -> str:
+    """The hint shown after an error of this class."""
+    if getattr(exc, "hint", ""):
+        return exc.hint
+    if isinstance(exc, LayoutError):
+        return "--tp and --cp take ints >= 1 (sp is on when tp > 1)"
+    if isinstance(exc, SchemaError):
+        return "check --topk and --vocab-size"
+    if isinstance(exc, FileNotFoundError):
+        return "check the path"
+    if isinstance(exc, PermissionError):
+        return "choose a path you can read and write"
+    if isinstance(exc, ConfigError):
+        return "check the arguments (prealign <command> --help)"
+    return "run with --debug for the traceback"
+
+
+def error_lines(exc: BaseException) -> list[str]:
+    """``prealign: error: <message> (hint: <hint>)`` on one line, then any cause lines."""
+    text = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip()) or type(exc).__name__
+    lines = [f"prealign: error: {text} (hint: {hint_for(exc)})"]
+    if isinstance(exc, NothingLoadedError):
+        lines += exc.cause_lines()
+    return lines
+
+
+def _strip(message: str, where: str, reason: str) -> str:
+    """``message`` without the prefixes a bad-data report repeats (``reason: ``, ``sample <where>, ``),
+    naming the sample by its base name."""
+    message = message.removeprefix(f"{reason}: ")
+    for lead in (f"sample {where}, ", f"sample {where}: "):
+        if message.startswith(lead):
+            message = message[len(lead):]
+    return f"{os.path.basename(where)}: {message}" if where and not where.startswith("shard ") else message
+
+
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[:limit - 3] + "..."

@@ -1,0 +1,116 @@
+"""Checks the ``prealign`` command makes before any work: numbers in range, shards that exist and
+are plain tars, an ``--out`` it can write, and what ``--hf`` names (a local file or folder, a saved
+dataset, or a Hub dataset). Each mistake is a :class:`~prealign.loaders.cli.errors.UsageError`.
+
+>>> hf_builder("data/train.jsonl"), hf_builder("data/part-0.parquet"), hf_builder("org/name")
+('json', 'parquet', None)
+"""
+from __future__ import annotations
+
+import os
+
+from .errors import UsageError
+
+# load_dataset's packaged builder for a local data file, by extension
+_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".tsv": "csv",
+             ".txt": "text", ".arrow": "arrow"}
+
+
+def check_int(name: str, value: int | None, low: int, *, optional: bool = False) -> None:
+    """``--name`` must be an int >= ``low`` (or absent, when ``optional``)."""
+    if value is None and optional:
+        return
+    if value is None or value < low:
+        raise UsageError(f"{name}: expected an int >= {low}, got {value}",
+                         hint=f"give {name} {max(low, 1)} or more" if low > 0 else f"give {name} 0 or more")
+
+
+def check_out(path: str) -> None:
+    """The PNG path can be written: its folder exists and is writable, and it is not a folder."""
+    if os.path.isdir(path):
+        raise UsageError(f"--out {path}: is a folder", hint="give a file name, e.g. --out layout.png")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise UsageError(f"--out {path}: folder {parent} does not exist",
+                         hint="create it first, or choose another --out")
+    if not os.access(parent, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise UsageError(f"--out {path}: not writable", hint="choose a path you can write")
+
+
+def check_dir(option: str, path: str | None) -> None:
+    """A folder the command will write into (created if missing): its parent must exist."""
+    if path is None:
+        return
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UsageError(f"{option} {path}: is a file, not a folder", hint=f"give {option} a folder")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise UsageError(f"{option} {path}: folder {parent} does not exist", hint="create it first")
+
+
+def check_shards(urls: list[str]) -> None:
+    """Every local shard exists, is a file and is a plain (uncompressed) tar; remote URLs are left to the
+    index pass (reported per shard)."""
+    for url in urls:
+        path = url.removeprefix("file://")
+        if "://" in path or path.startswith("pipe:"):
+            continue
+        if not os.path.exists(path):
+            raise UsageError(f"no such shard: {url}", hint="check the path; brace patterns like "
+                             "shard-{000..009}.tar are expanded, quote them for the shell")
+        if os.path.isdir(path):
+            raise UsageError(f"{url}: is a folder, not a shard", hint=f"give the shards in it, e.g. {url}/*.tar")
+        with open(path, "rb") as f:
+            magic = f.read(6)
+        if magic[:2] == b"\x1f\x8b" or magic[:3] == b"BZh" or magic == b"\xfd7zXZ\x00" or magic[:4] == b"\x28\xb5\x2f\xfd":
+            raise UsageError(f"{url}: a compressed file; shards are read by byte range from plain tars",
+                             hint=f"decompress it first, e.g. gunzip -k {path}")
+
+
+def hf_builder(path: str) -> str | None:
+    """load_dataset's builder for a local data file path (``"json"`` for ``.jsonl``), or None."""
+    return _BUILDERS.get(os.path.splitext(path)[1].lower())
+
+
+def _looks_local(path: str) -> bool:
+    return (path.startswith((os.sep, ".", "~")) or hf_builder(path) is not None
+            or os.path.splitext(path)[1].lower() in (".gz", ".zst", ".bz2", ".xz"))
+
+
+def load_hf(path: str, split: str, cache_dir: str | None):
+    """``--hf PATH`` as ``load_dataset`` would take it, local first, never a Hub lookup for a local path:
+
+    - a file (``.json``/``.jsonl``/``.parquet``/``.csv``/``.txt``/``.arrow``): ``load_dataset(builder,
+      data_files=path)``;
+    - a folder saved with ``save_to_disk`` (``dataset_info.json`` / ``dataset_dict.json``): ``load_from_disk``;
+    - another folder: ``load_dataset(folder)`` (its data files, as ``load_dataset`` finds them);
+    - anything else that does not look like a path: a Hub dataset name.
+    """
+    import datasets
+
+    kw = {"cache_dir": cache_dir} if cache_dir else {}
+    if os.path.isfile(path):
+        builder = hf_builder(path)
+        if builder is None:
+            raise UsageError(f"--hf {path}: not a data file load_dataset reads",
+                             hint=f"give a {'/'.join(sorted({e[1:] for e in _BUILDERS}))} file or a folder")
+        return _split(datasets.load_dataset(builder, data_files=path, **kw), split, path)
+    if os.path.isdir(path):
+        if os.path.exists(os.path.join(path, "dataset_info.json")) or \
+                os.path.exists(os.path.join(path, "dataset_dict.json")):
+            return _split(datasets.load_from_disk(path), split, path)
+        return _split(datasets.load_dataset(path, **kw), split, path)
+    if _looks_local(path):
+        raise UsageError(f"--hf {path}: no such file or folder",
+                         hint="check the path; a Hub dataset is named like org/name")
+    return _split(datasets.load_dataset(path, **kw), split, path)
+
+
+def _split(ds, split: str, path: str):
+    """One split of a ``DatasetDict`` (a plain ``Dataset`` as it is)."""
+    if not hasattr(ds, "keys"):
+        return ds
+    if split not in ds:
+        raise UsageError(f"--hf {path}: no split {split!r} (it has {sorted(ds.keys())})",
+                         hint=f"pass --split {sorted(ds.keys())[0]}")
+    return ds[split]

@@ -1,0 +1,162 @@
+"""Reads that cannot hang: a shard stream read by a daemon thread, handed over chunk by chunk, with a
+deadline on every chunk (a FIFO, a hung network mount, a stuck ``pipe:``).
+
+    opener() ──thread: open, fstat, read 1 MiB chunks──► queue ──read(n), at most ``timeout`` s per chunk──► caller
+
+A stalled read raises :class:`Stalled` in the caller; the thread stays blocked in the kernel call
+(nothing can interrupt it) but is a daemon and holds only its file, so the process goes on and can
+exit. ``timeout=None`` reads directly (no thread).
+
+>>> import io
+>>> r = TimedReader(lambda: io.BytesIO(b"abcdef"), timeout=5.0)
+>>> r.read(4), r.read(4), r.read(4), r.length
+(b'abcd', b'ef', b'', 6)
+"""
+from __future__ import annotations
+
+import collections
+import gzip
+import os
+import queue
+import stat
+import threading
+from typing import BinaryIO, Callable
+
+from prealign.schemas.errors import PrealignError
+
+_CHUNK = 1 << 20
+
+
+class Stalled(Exception):
+    """Internal: no progress within the deadline (the caller turns it into a typed error)."""
+
+    def __init__(self, seconds: float, at: int):
+        self.seconds, self.at = seconds, at
+        super().__init__(f"no data for {seconds:g} s at byte {at} (a stalled read: FIFO, hung mount?)")
+
+
+def _length(f) -> int | None:
+    """Size of a regular file (None for pipes, sockets, BytesIO without a descriptor, and a gzip stream,
+    whose decompressed size is not its file's)."""
+    if isinstance(f, gzip.GzipFile):
+        return None
+    try:
+        st = os.fstat(f.fileno())
+    except (OSError, AttributeError, ValueError):
+        getbuffer = getattr(f, "getbuffer", None)
+        return len(getbuffer()) - f.tell() if getbuffer is not None else None
+    return st.st_size if stat.S_ISREG(st.st_mode) else None
+
+
+class TimedReader:
+    """A forward-only binary reader over ``opener()`` whose every chunk arrives within ``timeout`` s.
+
+    ``length``: bytes in the file when it is a regular file, else None; ``pos``: bytes read so far
+    (:func:`prealign.loaders.tar_reader.iter_members` bounds member sizes by ``length - pos``). Errors of ``opener`` or of a read (``OSError``) are re-raised in the caller.
+    """
+
+    def __init__(self, opener: Callable[[], BinaryIO], *, timeout: float | None):
+        self.timeout, self.length, self.pos = timeout, None, 0
+        self._parts: collections.deque[bytes] = collections.deque()
+        self._off = 0
+        self._have, self._eof, self._stop = 0, False, threading.Event()
+        if timeout is None:
+            self._f = opener()
+            self.length = _length(self._f)
+            return
+        self._f = None
+        self._q: queue.Queue = queue.Queue(maxsize=4)
+        self._thread = threading.Thread(target=self._pump, args=(opener,), daemon=True, name="prealign-read")
+        self._thread.start()
+        self._take()  # the first message: the length (or the opener's error)
+
+    def _pump(self, opener) -> None:
+        try:
+            with opener() as f:
+                self._put(("length", _length(f)))
+                while not self._stop.is_set():
+                    chunk = f.read(_CHUNK)
+                    self._put(("data", chunk))
+                    if not chunk:
+                        return
+        except (OSError, EOFError, PrealignError) as exc:  # the caller decides what an unreadable shard is
+            self._put(("error", exc))
+
+    def _put(self, item) -> None:
+        while not self._stop.is_set():
+            try:
+                self._q.put(item, timeout=0.5)
+                return
+            except queue.Full:
+                continue
+
+    def _take(self) -> None:
+        try:
+            kind, value = self._q.get(timeout=self.timeout)
+        except queue.Empty:
+            raise Stalled(self.timeout, self.pos + self._have) from None
+        if kind == "error":
+            raise value
+        if kind == "length":
+            self.length = value
+        elif value:
+            self._parts.append(value)
+            self._have += len(value)
+        else:
+            self._eof = True
+
+    def read(self, n: int = -1) -> bytes:
+        if self._f is not None:
+            out = self._f.read(n)
+        else:
+            while (n < 0 or self._have < n) and not self._eof:
+                self._take()
+            want = self._have if n < 0 else min(n, self._have)
+            pieces = []
+            while want:
+                head = self._parts[0]
+                piece = head[self._off:self._off + want]
+                pieces.append(piece)
+                want -= len(piece)
+                self._have -= len(piece)
+                self._off += len(piece)
+                if self._off == len(head):
+                    self._parts.popleft()
+                    self._off = 0
+            out = b"".join(pieces) if len(pieces) != 1 else pieces[0]
+        self.pos += len(out)
+        return out
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._f is not None:
+            self._f.close()
+
+    def __enter__(self) -> "TimedReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def call_with_timeout(fn: Callable[[], object], timeout: float | None):
+    """``fn()`` in a daemon thread, its result or exception; :class:`Stalled` after ``timeout`` s."""
+    if timeout is None:
+        return fn()
+    box: list = []
+
+    def run():
+        try:
+            box.append(("ok", fn()))
+        except OSError as exc:
+            box.append(("error", exc))
+
+    t = threading.Thread(target=run, daemon=True, name="prealign-call")
+    t.start()
+    t.join(timeout)
+    if not box:
+        raise Stalled(timeout, 0)
+    kind, value = box[0]
+    if kind == "error":
+        raise value
+    return value

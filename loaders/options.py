@@ -1,0 +1,94 @@
+"""The rarer knobs of :class:`~prealign.loaders.PackedLoader`, as small frozen keyword-only option objects
+validated at construction (a mistake is a :class:`~prealign.loaders.errors.PlanError`, a ``ConfigError``).
+
+    PackedLoader(source, schema=, layout=, token_budget=, dp_rank=, dp_size=, cp_rank=, num_workers=, seed=,
+                 planner=PlannerConfig(...),     how micro-batches are filled       (loaders.planner)
+                 bad_data=BadDataPolicy(...),    what a bad sample does             (loaders.policy)
+                 shuffle=ShuffleOptions(...),    sample order
+                 indexing=IndexOptions(...),     the index pass, or a prebuilt index
+                 loading=LoadingOptions(...),    torch DataLoader settings
+                 collator=...)                   another collate callable
+
+>>> LoadingOptions(prefetch_factor=4, pin_memory=True).prefetch_factor
+4
+>>> ShuffleOptions(enabled=False).window
+1024
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import PlanError
+from .index import SampleIndex
+
+
+def _int(name: str, value, low: int, *, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise PlanError(f"{name}: expected an int >= {low}{' or None' if optional else ''}, got {value!r}")
+
+
+def _bool(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise PlanError(f"{name}: expected True or False, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShuffleOptions:
+    """Sample order of each epoch (seeded by the loader's ``seed``; part of the resume state)."""
+
+    enabled: bool = True
+    """Shuffle the samples every epoch (False: index order)."""
+    window: int = 1024
+    """Block size of the in-shard shuffle of sequential sources (webdataset)."""
+
+    def __post_init__(self):
+        _bool("ShuffleOptions.enabled", self.enabled)
+        _int("ShuffleOptions.window", self.window, 1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class IndexOptions:
+    """The index pass (decode, transform and validate every sample once; it runs on first use of the
+    loader, or at :meth:`PackedLoader.prepare`)."""
+
+    prebuilt: SampleIndex | str | None = None
+    """A :class:`SampleIndex`, or the path of one saved with :meth:`SampleIndex.save`: no index pass."""
+    workers: int | None = None
+    """DataLoader workers of the index pass (None: the loader's ``num_workers``)."""
+    distributed: bool = True
+    """With an initialised process group, split the pass over all ranks and exchange the records
+    (a collective: every rank must prepare its loader)."""
+
+    def __post_init__(self):
+        if self.prebuilt is not None and not isinstance(self.prebuilt, (SampleIndex, str)):
+            raise PlanError(f"IndexOptions.prebuilt: expected a SampleIndex, a path or None, got "
+                            f"{type(self.prebuilt).__name__}")
+        _int("IndexOptions.workers", self.workers, 0, optional=True)
+        _bool("IndexOptions.distributed", self.distributed)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoadingOptions:
+    """torch ``DataLoader`` settings of the batch workers (``num_workers`` is the loader's own argument)."""
+
+    prefetch_factor: int | None = None
+    """Batches each worker loads ahead (None: torch's default; only with workers)."""
+    pin_memory: bool = False
+    persistent_workers: bool = False
+    """Keep the workers between epochs (only with workers)."""
+    multiprocessing_context: str | None = None
+    """``"fork"``, ``"spawn"`` or ``"forkserver"`` (None: torch's default; only with workers)."""
+    timeout: float = 0
+    """Seconds to wait for a batch from the workers (0: forever)."""
+
+    def __post_init__(self):
+        _int("LoadingOptions.prefetch_factor", self.prefetch_factor, 1, optional=True)
+        _bool("LoadingOptions.pin_memory", self.pin_memory)
+        _bool("LoadingOptions.persistent_workers", self.persistent_workers)
+        if self.multiprocessing_context not in (None, "fork", "spawn", "forkserver"):
+            raise PlanError(f"LoadingOptions.multiprocessing_context: expected 'fork', 'spawn', 'forkserver' or "
+                            f"None, got {self.multiprocessing_context!r}")
+        if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or not self.timeout >= 0:
+            raise PlanError(f"LoadingOptions.timeout: expected seconds >= 0, got {self.timeout!r}")
