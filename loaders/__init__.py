@@ -16,11 +16,13 @@ from .options import IndexOptions, LoadingOptions, ShuffleOptions
 from .planner import MicrobatchPlan, PlannerConfig, PlanStats, microbatch_capacity, plan_microbatches
 from .policy import BadDataPolicy, BadDataReport, BadSampleWarning, OnBadSample, Oversize, PackStrategy
 from .sources import HFSource, Source
+from .streaming import StreamingPackedLoader
 from .tar_decode import DecodeLimits
 from .webdataset_source import WebDatasetSource, numpy_fields
 from .vlm import MediaError, MediaProblem, VLMSampleTransform, image_processor
 
-__all__ = ["HFChatTokenizer", "ChatTokenizer", "PackedLoader", "IndexOptions", "LoadingOptions", "ShuffleOptions", "plan_microbatches", "microbatch_capacity", "MicrobatchPlan", "PlannerConfig", "PlanStats",
+__all__ = ["HFChatTokenizer", "ChatTokenizer", "PackedLoader", "StreamingPackedLoader", "IndexOptions", "LoadingOptions",
+           "ShuffleOptions", "plan_microbatches", "microbatch_capacity", "MicrobatchPlan", "PlannerConfig", "PlanStats",
            "HFSource", "WebDatasetSource", "Source", "numpy_fields", "SampleIndex", "build_index", "assert_resumes_exactly",
            "PackStrategy", "Oversize", "OnBadSample", "BadDataPolicy", "BadDataReport", "BadSampleWarning",
            "PlanError", "OversizeSampleError", "BadSampleError", "UnsafeMemberError", "MissingMemberError",

@@ -15,11 +15,14 @@ exit. ``timeout=None`` reads directly (no thread).
 from __future__ import annotations
 
 import collections
+import gzip
 import os
 import queue
 import stat
 import threading
 from typing import BinaryIO, Callable
+
+from prealign.schemas.errors import PrealignError
 
 _CHUNK = 1 << 20
 
@@ -33,7 +36,10 @@ class Stalled(Exception):
 
 
 def _length(f) -> int | None:
-    """Size of a regular file (None for pipes, sockets, BytesIO without a descriptor)."""
+    """Size of a regular file (None for pipes, sockets, BytesIO without a descriptor, and a gzip stream,
+    whose decompressed size is not its file's)."""
+    if isinstance(f, gzip.GzipFile):
+        return None
     try:
         st = os.fstat(f.fileno())
     except (OSError, AttributeError, ValueError):
@@ -73,7 +79,7 @@ class TimedReader:
                     self._put(("data", chunk))
                     if not chunk:
                         return
-        except OSError as exc:  # the caller decides what an unreadable shard is
+        except (OSError, EOFError, PrealignError) as exc:  # the caller decides what an unreadable shard is
             self._put(("error", exc))
 
     def _put(self, item) -> None:

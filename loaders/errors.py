@@ -78,16 +78,6 @@ class ShardTimeoutError(CorruptShardError):
     reason = "shard_timeout"
 
 
-class MissingShardError(ConfigError):
-    """Shard files given explicitly (or by a brace range) that do not exist: a configuration
-    mistake, raised before the index pass, never counted as bad data."""
-
-
-class IndexFileError(ConfigError):
-    """A saved :class:`~prealign.loaders.index.SampleIndex` file that is not one (missing or extra keys,
-    wrong dtype or shape, inconsistent lengths, undecodable report)."""
-
-
 class WorkerError(PrealignError):
     """A DataLoader worker died (killed by a signal, out of memory) or timed out. The loader stays
     usable: iterate again to continue from its state (the position of the last batch yielded)."""
@@ -107,3 +97,45 @@ class ResumeError(ConfigError):
 
 class SourceChangedError(PrealignError):
     """A sample read for a batch no longer matches what the index recorded (data changed on disk)."""
+
+
+class IndexMismatchError(ConfigError):
+    """A reused index (sidecars, a saved :class:`~prealign.loaders.index.SampleIndex`) does not describe the
+    data the loader was given: ``.shard`` names the shard, ``.difference`` says what differs. Raised when the
+    loader prepares (:meth:`~prealign.loaders.loader.PackedLoader.prepare` or first use), before any batch, under every bad-data policy (never counted as bad data)."""
+
+    def __init__(self, shard: str | None, difference: str, hint: str = ""):
+        self.shard, self.difference = shard, difference
+        head = "" if shard is None else f"shard {shard}: "
+        super().__init__(f"{head}{difference}" + (f" ({hint})" if hint else ""))
+
+
+class MissingShardError(IndexMismatchError):
+    """A shard named by the source (a path, a URL, a brace range) does not exist or cannot be reached: a
+    configuration mistake, raised before the index pass (:meth:`~prealign.loaders.sources.Source.preflight`,
+    the sidecar checks), never counted as bad data. ``.shard`` is None when several are listed."""
+
+
+class ChangedShardError(IndexMismatchError):
+    """A shard's size or content differs from what its index recorded (re-run ``prealign index``)."""
+
+
+class StaleIndexError(IndexMismatchError):
+    """A sidecar index of another format version, schema or transform, or a malformed one."""
+
+
+class IndexFileError(StaleIndexError):
+    """A saved :class:`~prealign.loaders.index.SampleIndex` file that is not one (no such file, missing or
+    extra keys, wrong dtype or shape, inconsistent lengths, undecodable report), or one of other data.
+    Raised with one message (``IndexFileError(message)``; ``.shard`` is None)."""
+
+    def __init__(self, message: str, difference: str | None = None, hint: str = ""):
+        if difference is None:
+            super().__init__(None, message, hint)
+        else:  # (shard, difference, hint), as the other IndexMismatchError subclasses take
+            super().__init__(message, difference, hint)
+
+
+class ExtraShardError(IndexFileError):
+    """The index names a shard the source does not have, or the source a shard the index lacks (an index
+    of other data: also an :class:`IndexFileError`)."""

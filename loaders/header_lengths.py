@@ -11,8 +11,10 @@ the ``image_grid_thw`` row transformers' Qwen2-VL image processor produces for a
 """
 from __future__ import annotations
 
+import functools
 import io
 import math
+import re
 import warnings
 from dataclasses import dataclass
 
@@ -37,6 +39,9 @@ def npy_header(data: bytes | memoryview, *, field: str = "npy", sample=None) -> 
     >>> npy_header(buf.getvalue())
     ((2, 3), dtype('int32'))
     """
+    fast = _npy_fast(data)
+    if fast is not None:
+        return fast
     fp = io.BytesIO(bytes(data[:65536 + 16]))
     try:
         major, _ = np.lib.format.read_magic(fp)
@@ -49,6 +54,46 @@ def npy_header(data: bytes | memoryview, *, field: str = "npy", sample=None) -> 
         raise HeaderError(sample=sample, field=field, expected="a numeric .npy array",
                           actual=f"dtype {dtype} (object arrays need unpickling: refused)")
     return tuple(int(d) for d in shape), dtype
+
+
+_NPY_DICT = re.compile(rb"\{'descr': '([<>|=]?[a-zA-Z]\d{0,2})', 'fortran_order': (?:False|True), "
+                       rb"'shape': \(((?:\d+, ?)*\d*)\), \} *\n")
+
+
+@functools.lru_cache(maxsize=64)
+def _plain_dtype(descr: bytes) -> np.dtype | None:
+    try:
+        dt = np.dtype(descr.decode())
+    except TypeError:
+        return None
+    return None if dt.hasobject else dt
+
+
+def _npy_fast(data) -> tuple[tuple[int, ...], np.dtype] | None:
+    """The header numpy itself writes (version 1.0, a plain dtype), parsed by a regex; None for anything
+    else (then numpy's own parser decides)."""
+    head = bytes(data[:10])
+    if len(head) < 10 or head[:8] != b"\x93NUMPY\x01\x00":
+        return None
+    n = int.from_bytes(head[8:10], "little")
+    text = bytes(data[10:10 + n])
+    hit = _seen.get(text)
+    if hit is not None:
+        return hit
+    m = _NPY_DICT.fullmatch(text)
+    if m is None:
+        return None
+    dtype = _plain_dtype(m.group(1))
+    if dtype is None:
+        return None
+    out = tuple(int(d) for d in m.group(2).split(b",") if d.strip()), dtype
+    if len(_seen) >= 4096:
+        _seen.clear()
+    _seen[text] = out
+    return out
+
+
+_seen: dict[bytes, tuple] = {}  # header text -> (shape, dtype): lengths repeat, so most headers do
 
 
 def image_header_size(data: bytes | memoryview, *, field: str = "image", sample=None,

@@ -16,6 +16,7 @@ error are the same whatever the number of workers.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
@@ -55,6 +56,9 @@ class SampleIndex:
     report: BadDataReport
     media: np.ndarray | None = None
     dims: dict[str, int] | None = None
+    source_shards: dict | None = None
+    """``{"names": [...], "sizes": [...]}`` of the shards indexed (webdataset), checked against the
+    source when the index is reused (:func:`~prealign.loaders.sidecar.check_index`); not in the digest."""
 
     def __len__(self) -> int:
         return int(self.lengths.shape[0])
@@ -74,18 +78,23 @@ class SampleIndex:
         return h.hexdigest()[:16]
 
     def save(self, path: str) -> None:
-        """Write as ``.npz`` (arrays only, no pickle) for reuse across runs."""
+        """Write as an ``.npz`` archive (arrays only, no pickle) at exactly ``path`` (no suffix added), for
+        reuse across runs (``PackedLoader(..., indexing=IndexOptions(prebuilt=path))``)."""
         extra = {} if self.media is None else {"media": np.asarray(self.media, dtype=bool)}
         if self.dims is not None:
             extra["dims"] = np.frombuffer(json.dumps(self.dims, sort_keys=True).encode(), dtype=np.uint8)
-        np.savez(path, lengths=self.lengths, locations=self.locations, shards=self.shards,
+        if self.source_shards is not None:
+            extra["source_shards"] = np.frombuffer(json.dumps(self.source_shards).encode(), dtype=np.uint8)
+        with open(path, "wb") as f:
+            np.savez(f, lengths=self.lengths, locations=self.locations, shards=self.shards,
                  report=np.frombuffer(json.dumps(self.report.to_dict()).encode(), dtype=np.uint8), **extra)
 
     @classmethod
     def load(cls, path: str) -> "SampleIndex":
-        """Read a file written by :meth:`save`; anything else (another format, missing or extra keys,
-        wrong dtypes or shapes, inconsistent row counts, an undecodable report) is an
-        :class:`~prealign.loaders.errors.IndexFileError` naming the key. Never unpickles."""
+        """Read a file written by :meth:`save`; anything else (no such file, another format, missing or
+        extra keys, wrong dtypes or shapes, inconsistent row counts, an undecodable report) is an
+        :class:`~prealign.loaders.errors.IndexFileError` (a configuration error, a
+        :class:`~prealign.loaders.errors.StaleIndexError`) naming the path and the key. Never unpickles."""
         try:
             z = np.load(path, allow_pickle=False)
         except FileNotFoundError:
@@ -98,7 +107,7 @@ class SampleIndex:
             return _checked_index(path, z)
 
 
-_INDEX_KEYS = {"lengths", "locations", "shards", "report", "media", "dims"}
+_INDEX_KEYS = {"lengths", "locations", "shards", "report", "media", "dims", "source_shards"}
 
 
 def _index_array(path: str, z, key: str, kind: str, ndim: int, rows: int | None) -> np.ndarray:
@@ -128,7 +137,8 @@ def _checked_index(path: str, z) -> SampleIndex:
     files = set(z.files)
     missing, extra = {"lengths", "locations", "shards", "report"} - files, files - _INDEX_KEYS
     if missing or extra:
-        raise IndexFileError(f"index {path}: expected keys lengths, locations, shards, report (+ media, dims), "
+        raise IndexFileError(f"index {path}: expected keys lengths, locations, shards, report (+ media, dims, "
+                             f"source_shards), "
                              f"missing {sorted(missing)}, unknown {sorted(extra)}")
     lengths = _index_array(path, z, "lengths", "i", 1, None).astype(np.int64)
     n = lengths.shape[0]
@@ -152,7 +162,28 @@ def _checked_index(path: str, z) -> SampleIndex:
             isinstance(k, str) and (isinstance(v, str) or (isinstance(v, int) and not isinstance(v, bool)))
             for k, v in dims.items())):
         raise IndexFileError(f"index {path}: key 'dims': expected {{name: int or dtype name}}, got {str(dims)[:120]}")
-    return SampleIndex(lengths=lengths, locations=locations, shards=shards, report=report, media=media, dims=dims)
+    source_shards = _json_of(path, z, "source_shards") if "source_shards" in files else None
+    if source_shards is not None:
+        _check_source_shards(path, source_shards, shards)
+    return SampleIndex(lengths=lengths, locations=locations, shards=shards, report=report, media=media, dims=dims,
+                       source_shards=source_shards)
+
+
+def _check_source_shards(path: str, rec, shards: np.ndarray) -> None:
+    """Key ``source_shards`` (written by :meth:`SampleIndex.save` for webdataset sources): ``{"names": [str],
+    "sizes": [int or None]}`` of equal lengths, covering every shard the rows name."""
+    def _size(v) -> bool:
+        return v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= -1)
+
+    names, sizes = (rec.get("names"), rec.get("sizes")) if isinstance(rec, dict) else (None, None)
+    if not (isinstance(rec, dict) and set(rec) <= {"names", "sizes"} and isinstance(names, list)
+            and isinstance(sizes, list) and len(names) == len(sizes)
+            and all(isinstance(x, str) for x in names) and all(_size(v) for v in sizes)):
+        raise IndexFileError(f"index {path}: key 'source_shards': expected {{'names': [str], 'sizes': [int]}} of "
+                             f"equal lengths, got {str(rec)[:120]}")
+    if shards.size and names and int(shards.max()) >= len(names):
+        raise IndexFileError(f"index {path}: key 'source_shards': {len(names)} shard(s) recorded, rows name "
+                             f"shard {int(shards.max())}")
 
 
 def _freeze(exc: Exception) -> dict:
@@ -434,11 +465,16 @@ def build_index(source: Source, schema: BatchSchema, *, policy: BadDataPolicy | 
     """
     from prealign.schemas.distributed import all_gather_objects, process_rank_world
 
+    from .sidecar import check_source
+
     rank, world = process_rank_world(group) if distributed else (0, 1)
-    shards = list(range(source.num_shards))
+    known: dict = {}
+    checked = None
     failure: BaseException | None = None
     try:
         source.preflight()  # configuration mistakes (missing shard files) before any scanning
+        known, checked = check_source(source, schema)  # unreachable / changed shards raise here; sidecar records
+        shards = [s for s in range(source.num_shards) if s not in known]
         mine: dict = {"results": scan_shards(source, schema, shards[rank::world], num_workers=num_workers)}
     except Exception as exc:  # noqa: BLE001 - re-raised below: every rank must reach the exchange first
         if world == 1:
@@ -454,8 +490,14 @@ def build_index(source: Source, schema: BatchSchema, *, policy: BadDataPolicy | 
         err = failed[0]["error"].rebuild()
         err.args = (f"index pass failed on rank {failed[0]['rank']}: {err.args[0] if err.args else ''}", *err.args[1:])
         raise err
-    results = sorted((r for p in parts for r in p["results"]), key=lambda r: r["shard"])
-    index = merge_shards(results, policy or BadDataPolicy(), width=1, where=source.where, schema=schema)
+    results = sorted([*known.values(), *(r for p in parts for r in p["results"])], key=lambda r: r["shard"])
+    if known and len(known) == len(results):  # every shard from its sidecar: the vectorised merge
+        from .sidecar import merge_records
+
+        index = merge_records(results, policy or BadDataPolicy(), where=source.where, schema=schema)
+    else:
+        index = merge_shards(results, policy or BadDataPolicy(), width=1, where=source.where, schema=schema)
+    index = dataclasses.replace(index, source_shards=checked)
     if len(index) == 0:
         raise BadSampleError(sample=None, field=None, expected="at least one good sample in the source",
                              actual=f"none ({index.report.to_dict()['counts']})")

@@ -28,12 +28,13 @@ from prealign.collate.thd import THDCollator
 from prealign.schemas.errors import PrealignError, SampleError
 from prealign.schemas.layout import ParallelLayout
 from prealign.schemas.schema import BatchSchema, Role, Source as FieldSource
-from .errors import BadSampleError, LoaderUsageError, PlanError, SourceChangedError
+from .errors import BadSampleError, LoaderUsageError, PlanError, SourceChangedError, reason_of
 from .index import SampleIndex, build_index, has_media, media_keys
 from .options import IndexOptions, LoadingOptions, ShuffleOptions
 from .planner import MicrobatchPlan, PlannerConfig, microbatch_capacity
-from .policy import BadDataPolicy, BadDataReport, BadSampleWarning, Oversize
+from .policy import BadDataPolicy, BadDataReport, BadSampleWarning, OnBadSample, Oversize
 from .schedule import Request, Schedule, check_count
+from .sidecar import check_index
 from .sources import Source
 from .state import LoaderState
 from .transport import PackedBatch, pack_batch, unpack_batch
@@ -102,7 +103,6 @@ class _PlannedSamples:
     """What DataLoader workers hold: the source, the index locations and the truncation length."""
 
     def __init__(self, source: Source, index: SampleIndex, schema: BatchSchema, max_len: int, filler_len: int):
-        source.check_locations(index.locations)  # an index of other data: refused before any batch
         self.source, self.schema, self.max_len, self.filler_len = source, schema, max_len, filler_len
         self.locations, self.lengths = index.locations, index.lengths
 
@@ -130,13 +130,32 @@ class _PlannedSamples:
         sample = self.source.load(tuple(self.locations[i].tolist()))
         return filler_sample(sample, self.schema, self.filler_len)
 
-    def __getitems__(self, request: Request) -> tuple[Request, list[dict], Callable[[int], str]]:
-        """The micro-batch's samples, with :meth:`where` for the collate_fn's error messages."""
+    skip_at_load: bool = False
+    """Under the skip policy: a sample that fails to load (found bad only now: an index built from
+    headers checks less than the full pass) is left out of its micro-batch and reported, not fatal."""
+
+    def __getitems__(self, request: Request):
+        """The micro-batch's samples, with :meth:`where` for the collate_fn's error messages (and, under
+        the skip policy, the samples left out at load time, ``(reason, where, message)``). In a worker, a
+        typed error is handed to the collate_fn (:func:`~prealign.loaders.workers.carry`) and re-raised there
+        as its own type."""
         try:
-            if request.indices:
+            if not request.indices:
+                return request, [self._filler(request.filler_of)], self.where
+            if not self.skip_at_load:
                 return request, [self._load(i) for i in request.indices], self.where
-            return request, [self._filler(request.filler_of)], self.where
-        except PrealignError as exc:  # in a worker: handed to the collate_fn, re-raised as its own type
+            samples, kept, skipped = [], [], []
+            for i in request.indices:
+                try:
+                    samples.append(self._load(i))
+                    kept.append(i)
+                except SampleError as exc:
+                    skipped.append((reason_of(exc), f"{self.where(i)} (index row {i})", str(exc)))
+            if not samples:
+                raise BadSampleError(sample=self.where(request.indices[0]), field=None, expected="a loadable "
+                                     "sample in the micro-batch", actual=f"all {len(skipped)} failed: {skipped[0][2]}")
+            return dataclasses.replace(request, indices=tuple(kept)), samples, self.where, skipped
+        except PrealignError as exc:
             if get_worker_info() is None:
                 raise
             return request, carry(exc), self.where
@@ -151,20 +170,32 @@ class _CollatePlanned:
     pack: bool = False
     """In worker processes: hand the batch over as one buffer (:mod:`prealign.loaders.transport`)."""
 
-    def __call__(self, fetched: tuple[Request, list[dict], Callable[[int], str]]):
-        request, samples, where = fetched
+    def __call__(self, fetched: tuple):
+        request, samples, where = fetched[:3]
         if isinstance(samples, Carried):
             return samples
-        try:
-            batch = self.collator(samples)
-        except SampleError as exc:  # it names a position in the micro-batch: name the dataset sample
-            if self.pack:
-                return carry(_renamed(exc, request, where))
-            raise _renamed(exc, request, where) from exc
-        except PrealignError as exc:
-            if self.pack:
-                return carry(exc)
-            raise
+        skipped = list(fetched[3]) if len(fetched) > 3 else None  # None: not the skip policy
+        while True:
+            try:
+                batch = self.collator(samples)
+                break
+            except SampleError as exc:  # it names a position in the micro-batch: name the dataset sample
+                err = _renamed(exc, request, where)
+                pos = exc.sample
+                if skipped is None or len(samples) < 2 or isinstance(pos, bool) or not isinstance(pos, int) \
+                        or not 0 <= pos < len(samples):
+                    if self.pack:
+                        return carry(err)
+                    raise err from exc
+                skipped.append((reason_of(err), str(err.sample), str(err)))  # found bad at load: left out
+                samples = samples[:pos] + samples[pos + 1:]
+                request = dataclasses.replace(request, indices=request.indices[:pos] + request.indices[pos + 1:])
+            except PrealignError as exc:
+                if self.pack:
+                    return carry(exc)
+                raise
+        if skipped:
+            batch["skipped_at_load"] = skipped
         batch["sample_index"] = torch.tensor(request.indices, dtype=torch.int64)
         batch["is_filler"] = not request.indices
         batch["epoch"] = request.epoch
@@ -263,7 +294,9 @@ class PackedLoader:
         source, schema, layout, opts = self.source, self.schema, self.layout, self.indexing
         cap, num_workers = self._capacity, self.num_workers
         index = SampleIndex.load(opts.prebuilt) if isinstance(opts.prebuilt, str) else opts.prebuilt
-        if index is None:
+        if index is not None:  # a reused index must describe this data (issue #7): before any batch
+            check_index(index, source)
+        else:
             index = build_index(source, schema, policy=self.bad_data,
                                 num_workers=num_workers if opts.workers is None else opts.workers,
                                 distributed=opts.distributed)
@@ -271,12 +304,16 @@ class PackedLoader:
             index = _with_media_flags(index, source, schema, cap)
         self._schedule = Schedule(index, layout=layout, token_budget=self.token_budget, dp_size=self.dp_size,
                                   planner=self.planner, seed=self.seed, shuffle=self.shuffle,
-                                  sequential=source.sequential, window=self.shuffle_window)
+                                  sequential=source.sequential, window=self.shuffle_window,
+                                  step_window=64 if getattr(source, "stream_only", getattr(source, "streaming", False)) else None)
         self._requests = _Requests()
         lo = self.loading
         workers = num_workers > 0
         kwargs = {"prefetch_factor": lo.prefetch_factor} if workers and lo.prefetch_factor is not None else {}
-        self._loader = DataLoader(_PlannedSamples(source, index, schema, cap, layout.seq_multiple),
+        planned = _PlannedSamples(source, index, schema, cap, layout.seq_multiple)
+        planned.skip_at_load = self.bad_data.on_error is OnBadSample.SKIP
+        self._load_report = BadDataReport()
+        self._loader = DataLoader(planned,
                                   batch_sampler=self._requests,
                                   collate_fn=_CollatePlanned(self.collator, pack=workers),
                                   num_workers=num_workers, pin_memory=lo.pin_memory,
@@ -331,6 +368,10 @@ class PackedLoader:
             if self._active is not token:
                 raise LoaderUsageError("PackedLoader: a newer iterator over this loader was started; "
                                        "iterate one at a time")
+            for reason, where, message in batch.pop("skipped_at_load", ()):
+                self._load_report.add(reason, where, message)
+                if self.bad_data.warn:
+                    warnings.warn(BadSampleWarning(f"skipped {where} at load time ({reason}): {message}"))
             self._position = batch["microbatch"] + 1
             yield batch
         if self._active is token:
@@ -354,13 +395,13 @@ class PackedLoader:
 
     def plan(self, epoch: int | None = None) -> MicrobatchPlan:
         """The (all-rank) plan of ``epoch`` (default: the current one), with its statistics."""
-        epoch = self.epoch if epoch is None else epoch  # (prepares)
-        return self._schedule.plan(epoch)[1]
+        epoch = self.epoch if epoch is None else check_count("epoch", epoch)
+        return self.prepare()._schedule.plan(epoch)[1]
 
     def epoch_samples(self, epoch: int | None = None) -> list[tuple[int, ...]]:
         """This rank's micro-batches of ``epoch`` as tuples of sample ids (what batches' ``sample_index`` hold)."""
-        e = self.epoch if epoch is None else epoch  # (prepares)
-        return [r.indices for r in self._schedule(e, self.dp_rank)]
+        e = self.epoch if epoch is None else check_count("epoch", epoch)
+        return [r.indices for r in self.prepare()._schedule(e, self.dp_rank)]
 
     # ---- bad data -------------------------------------------------------------------------------
     @property
@@ -370,6 +411,10 @@ class PackedLoader:
         media that ``Oversize.TRUNCATE`` leaves out rather than cut, each one named)."""
         self.prepare()
         rep = BadDataReport(counts=dict(self.index.report.counts), examples=list(self.index.report.examples))
+        for where, reason, message in self._load_report.examples:  # found bad only when loaded (counted once)
+            rep.examples.append((where, reason, message))
+        for reason, n in self._load_report.counts.items():
+            rep.counts[reason] = rep.counts.get(reason, 0) + n
         stats = self._oversize
         if stats.num_truncated:
             rep.counts["oversize_truncated"] = stats.num_truncated

@@ -58,19 +58,45 @@ def epoch_order(index: SampleIndex, *, epoch: int, seed: int, shuffle: bool, seq
     shard_ids, inverse = np.unique(index.shards, return_inverse=True)
     shard_rank = rng.permutation(len(shard_ids))[inverse]
     order = np.lexsort((np.arange(n), shard_rank))
-    block = np.arange(n) // max(window, 1)
+    window = max(window, 1)
+    block = (np.arange(n) + rng.integers(window)) // window  # window boundaries move every epoch
     return order[np.lexsort((rng.random(n), block))]
+
+
+def step_order(steps: tuple[int, ...], *, epoch: int, seed: int, shuffle: bool, window: int | None) -> np.ndarray:
+    """Micro-batch positions (of one rank; the same on every rank) in the order they are served:
+    the plan's steps (``steps[s]`` micro-batches each) in a seeded order, each kept whole, so the
+    DP balance of a step is kept. ``window``: shuffle only inside consecutive groups of that many
+    steps (sources read front to back); ``None``: one permutation of all steps.
+
+    >>> step_order((1, 1, 1, 1), epoch=0, seed=0, shuffle=False, window=None).tolist()
+    [0, 1, 2, 3]
+    >>> sorted(step_order((2, 2, 1), epoch=0, seed=0, shuffle=True, window=None).tolist())
+    [0, 1, 2, 3, 4]
+    """
+    starts = np.concatenate([[0], np.cumsum(steps, dtype=np.int64)])
+    num = len(steps)
+    if not shuffle or num < 2:
+        return np.arange(int(starts[-1]))
+    rng = np.random.default_rng([seed, epoch, 7])
+    w = num if window is None else max(int(window), 1)
+    perm = np.lexsort((rng.random(num), np.arange(num) // w))
+    return np.concatenate([np.arange(starts[s], starts[s + 1]) for s in perm]).astype(np.int64)
 
 
 class Schedule:
     """Plans epochs (cached one at a time) and lists one rank's requests."""
 
     def __init__(self, index: SampleIndex, *, layout: ParallelLayout, token_budget: int, dp_size: int,
-                 planner: PlannerConfig, seed: int, shuffle: bool, sequential: bool, window: int):
+                 planner: PlannerConfig, seed: int, shuffle: bool, sequential: bool, window: int,
+                 step_window: int | None = None):
         seed = check_count("seed", seed)
         self.index, self.layout, self.token_budget, self.dp_size = index, layout, token_budget, dp_size
         self.planner, self.seed, self.shuffle, self.sequential, self.window = planner, seed, shuffle, sequential, window
-        self._cached: tuple[int, np.ndarray, MicrobatchPlan, int] | None = None
+        self.step_window = step_window
+        """Steps are served in a seeded order (:func:`step_order`): all of them permuted (``None``), or
+        only within groups of ``step_window`` steps (sources read front to back)."""
+        self._cached: tuple[int, np.ndarray, MicrobatchPlan, int, np.ndarray] | None = None
 
     def plan(self, epoch: int) -> tuple[np.ndarray, MicrobatchPlan]:
         """(order, plan) of ``epoch``; plan indices are positions in ``order``."""
@@ -85,13 +111,35 @@ class Schedule:
             plan = plan_microbatches(self.index.lengths[order], layout=self.layout, token_budget=self.token_budget,
                                      dp_size=self.dp_size, config=self.planner, has_media=media)
             placed = min((p for row in plan.microbatches for mb in row for p in mb), default=None)
-            self._cached = (epoch, order, plan, -1 if placed is None else int(order[placed]))
-        return self._cached[1:]
+            served = step_order(plan.steps, epoch=epoch, seed=self.seed, shuffle=self.shuffle, window=self.step_window)
+            self._cached = (epoch, order, plan, -1 if placed is None else int(order[placed]), served)
+        return self._cached[1:4]
 
-    def __call__(self, epoch: int, dp_rank: int, start: int = 0) -> list[Request]:
+    def __call__(self, epoch: int, dp_rank: int, start: int = 0) -> "Requests":
         order, plan, filler_of = self._plan(epoch)
-        return [Request(epoch, i, tuple(int(order[p]) for p in mb), -1 if mb else filler_of)
-                for i, mb in enumerate(plan.microbatches[dp_rank][start:], start)]
+        return Requests(epoch, start, self._cached[4], plan.microbatches[dp_rank], order, filler_of)
 
     def num_microbatches(self, epoch: int) -> int:
         return self.plan(epoch)[1].stats.microbatches_per_rank
+
+
+class Requests:
+    """One rank's requests from micro-batch ``start`` on, built as they are iterated (an epoch of a
+    million samples is not turned into objects before its first batch)."""
+
+    def __init__(self, epoch: int, start: int, served: np.ndarray, row, order: np.ndarray, filler_of: int):
+        self.epoch, self.start, self.served, self.row, self.order, self.filler_of = \
+            epoch, start, served, row, order, filler_of
+
+    def __len__(self) -> int:
+        return max(len(self.served) - self.start, 0)
+
+    def __getitem__(self, k: int) -> Request:
+        i = self.start + k
+        if not 0 <= k < len(self):
+            raise IndexError(k)
+        mb = self.row[int(self.served[i])]
+        return Request(self.epoch, i, tuple(self.order[list(mb)].tolist()) if mb else (), -1 if mb else self.filler_of)
+
+    def __iter__(self):
+        return (self[k] for k in range(len(self)))

@@ -3,27 +3,32 @@
 A sample is the run of consecutive members sharing a key (``0001.input_ids.npy``, ``0001.json``
 -> key ``0001``), decoded safely by :mod:`prealign.loaders.tar_decode` (never unpickled). Indexing walks
 each tar once and records each sample's byte range, so a worker reads one sample with one
-``seek`` + ``read``. Remote shards (``http://``, ``s3://``, ``pipe:...``, anything webdataset's
-``gopen`` opens) are copied once into ``cache_dir`` during indexing.
+``seek`` + ``read``. Remote shards (``http(s)://``, ``s3://``, ``gs://``) are read by byte range, never
+copied whole; ``pipe:`` and ``.tar.gz`` shards front to back (:mod:`prealign.loaders.remote`). Sidecar
+indexes (``prealign index``, :mod:`prealign.loaders.sidecar`) beside the shards, or in ``index_dir``, are
+found and used by themselves. A location is ``(shard, start, end, checksum)``: a read whose members
+no longer have the checksum recorded at indexing raises :class:`SourceChangedError`.
 
 Sample dict: ``{"__key__": str, "__url__": str, "__shard__": int, <extension>: decoded value}``.
 Without a ``transform``, every ``<name>.npy`` member becomes a tensor field ``<name>``.
 """
 from __future__ import annotations
 
-import hashlib
 import io
 import os
 import re
+from collections import OrderedDict
 from typing import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
 
 from prealign.schemas.errors import ConfigError, SampleError
+from . import remote as _remote
 from .deadline import Stalled, TimedReader, call_with_timeout
 from .errors import (BadSampleError, CorruptShardError, IndexFileError, MissingMemberError, MissingShardError,
                      ShardTimeoutError, SourceChangedError)
+from .sidecar import sample_checksum
 from .sources import Location, Skip, Source, Transform
 from .tar_decode import DEFAULT_LIMITS, DecodeLimits, decode_member, split_member_name
 from .tar_reader import TarFormatError, iter_members
@@ -67,6 +72,19 @@ def numpy_fields(sample: dict) -> dict:
     return out
 
 
+def check_members(where: str, key: str, members: list[tuple[str, bytes, str]], duplicate: bool) -> None:
+    """Raise the :class:`BadSampleError` of a sample whose key was already seen in its shard
+    (``duplicate_key``) or that has a link member (``link_member``); the full and the header pass alike."""
+    if duplicate:
+        raise BadSampleError(sample=where, field=None, reason="duplicate_key", expected="a key once per shard",
+                             actual=f"key {key!r} again after other samples")
+    links = [(ext, kind) for ext, _, kind in members if kind != "file"]
+    if links:
+        raise BadSampleError(sample=where, field=links[0][0], reason="link_member",
+                             expected="regular file members", actual=f"a {links[0][1]} member (webdataset "
+                             "samples hold their bytes; links are not followed)")
+
+
 class WebDatasetSource(Source):
     """webdataset shards (local paths, ``file://`` or remote URLs).
 
@@ -89,6 +107,8 @@ class WebDatasetSource(Source):
     def __init__(self, urls: str | Sequence[str], *, transform: Transform | None = numpy_fields,
                  required: Sequence[str] = (), image: str = "pil",
                  decoders: Mapping[str, Callable[[bytes], object]] | None = None, cache_dir: str | None = None,
+                 cache_limit: int | None = None, index_dir: str | None = None, sidecars: bool = True,
+                 remote: "_remote.RemoteOptions | None" = None, max_open_files: int = 16,
                  limits: DecodeLimits = DEFAULT_LIMITS, read_timeout: float | None = 120.0):
         if image not in ("pil", "bytes"):
             raise ConfigError(f"image: expected 'pil' or 'bytes', got {image!r}")
@@ -103,6 +123,12 @@ class WebDatasetSource(Source):
         self.image = image
         self.decoders = dict(decoders or {})
         self.cache_dir = cache_dir
+        self.index_dir, self.sidecars, self.max_open_files = index_dir, bool(sidecars), max(int(max_open_files), 1)
+        """Sidecars: looked up beside each shard (or in ``index_dir``) when ``sidecars``."""
+        if remote is None:
+            limit = {} if cache_limit is None else {"cache_limit": int(cache_limit)}
+            remote = _remote.RemoteOptions(cache_dir=cache_dir, **limit)
+        self.remote = remote
         self.limits = limits
         self.read_timeout = None if read_timeout is None else float(read_timeout)
 
@@ -111,30 +137,11 @@ class WebDatasetSource(Source):
     def num_shards(self) -> int:
         return len(self.urls)
 
-    def local_path(self, shard: int) -> str:
-        """Path of shard ``shard`` on this machine (a remote shard is copied into ``cache_dir`` once)."""
-        url = self.urls[shard]
-        if url.startswith("file://"):
-            return url[len("file://"):]
-        if not _REMOTE.match(url):
-            return url
-        if not self.cache_dir:
-            raise CorruptShardError(url, 0, "remote shards need cache_dir= (samples are read back by byte range)")
-        digest = hashlib.sha1(url.encode()).hexdigest()[:16]
-        path = os.path.join(self.cache_dir, f"{digest}-{os.path.basename(url.split('?')[0]) or 'shard'}")
-        if not os.path.exists(path):
-            from webdataset.gopen import gopen
-
-            os.makedirs(self.cache_dir, exist_ok=True)
-            tmp = f"{path}.{os.getpid()}.part"
-            try:
-                with gopen(url, "rb") as src, open(tmp, "wb") as dst:
-                    while chunk := src.read(1 << 20):
-                        dst.write(chunk)
-            except (OSError, ValueError, RuntimeError, EOFError) as exc:  # what gopen and its pipes raise
-                raise CorruptShardError(url, 0, f"cannot fetch: {type(exc).__name__}: {exc}") from exc
-            os.replace(tmp, path)
-        return path
+    @property
+    def stream_only(self) -> bool:
+        """True when some shard can only be read front to back (``pipe:``, ``.tar.gz``): the loader then
+        shuffles micro-batches within a bounded window of steps, not over the whole epoch."""
+        return any(_remote.is_sequential(u) for u in self.urls)
 
     def preflight(self) -> None:
         """Raise :class:`~prealign.loaders.errors.MissingShardError` listing every local shard that does
@@ -151,7 +158,7 @@ class WebDatasetSource(Source):
             if not exists:
                 missing.append(url)
         if missing:
-            raise MissingShardError(f"{len(missing)} of {len(self.urls)} shard file(s) do not exist (or are folders): "
+            raise MissingShardError(None, f"{len(missing)} of {len(self.urls)} shard file(s) do not exist (or are folders): "
                                     f"{missing[:10]}{' ...' if len(missing) > 10 else ''}; check the path or brace "
                                     f"range given as urls=")
 
@@ -159,10 +166,9 @@ class WebDatasetSource(Source):
     def scan(self, shard: int):
         url = self.urls[shard]
         try:
-            path = self.local_path(shard)
-            f = TimedReader(lambda: open(path, "rb"), timeout=self.read_timeout)
-        except CorruptShardError as exc:
-            yield None, exc
+            f = TimedReader(lambda: _remote.open_stream(url, self.remote), timeout=self.read_timeout)
+        except (CorruptShardError, _remote.RemoteReadError) as exc:
+            yield None, exc if isinstance(exc, CorruptShardError) else CorruptShardError(url, 0, str(exc))
             return
         except Stalled as exc:
             yield None, ShardTimeoutError(url, 0, f"opening: {exc}")
@@ -181,18 +187,19 @@ class WebDatasetSource(Source):
                         continue
                     if split[0] != key:
                         if members:
-                            yield (shard, start, m.offset), self._sample(shard, key, members, key in seen)
+                            yield (shard, start, m.offset, sample_checksum(members)), \
+                                self._sample(shard, key, members, key in seen)
                             seen.add(key)
                         key, start, members = split[0], m.offset, []
                     members.append((split[1], m.data, m.kind))
                     end = m.end
-            except (TarFormatError, OSError, Stalled) as exc:
+            except (TarFormatError, OSError, EOFError, _remote.RemoteReadError, Stalled) as exc:
                 lost = f"; sample {key!r} lost with the rest of the shard" if members else ""
                 err = ShardTimeoutError if isinstance(exc, Stalled) else CorruptShardError
                 yield None, err(url, getattr(exc, "offset", getattr(exc, "at", 0)), f"{exc}{lost}")
                 return
             if members:
-                yield (shard, start, end), self._sample(shard, key, members, key in seen)
+                yield (shard, start, end, sample_checksum(members)), self._sample(shard, key, members, key in seen)
 
     def _sample(self, shard: int, key: str, members: list[tuple[str, bytes, str]], duplicate: bool = False):
         """Decoded sample dict, or the :class:`~prealign.schemas.errors.SampleError` that makes it a bad
@@ -200,14 +207,7 @@ class WebDatasetSource(Source):
         url = self.urls[shard]
         where = f"{url}:{key}"
         try:
-            if duplicate:
-                raise BadSampleError(sample=where, field=None, reason="duplicate_key", expected="a key once per shard",
-                                     actual=f"key {key!r} again after other samples")
-            links = [(ext, kind) for ext, _, kind in members if kind != "file"]
-            if links:
-                raise BadSampleError(sample=where, field=links[0][0], reason="link_member",
-                                     expected="regular file members", actual=f"a {links[0][1]} member (webdataset "
-                                     "samples hold their bytes; links are not followed)")
+            check_members(where, key, members, duplicate)
             sample: dict = {"__key__": key, "__url__": url, "__shard__": shard}
             for ext, data, _ in members:
                 if ext in sample:
@@ -227,13 +227,8 @@ class WebDatasetSource(Source):
 
     # ---- random access --------------------------------------------------------------------------
     def read(self, location: Location) -> dict:
-        shard, start, end = (int(x) for x in location)
-        files = self._local()
-        f = files.get(shard)
-        if f is None:
-            f = files[shard] = open(self.local_path(shard), "rb")
-        f.seek(start)
-        buf = f.read(end - start)
+        shard, start, end = (int(x) for x in location[:3])
+        buf = self._bytes(shard, start, end)
         try:
             members = [(*split_member_name(m.name), m.data, m.kind)
                        for m in iter_members(io.BytesIO(buf), base=start, need_end_marker=False)
@@ -247,13 +242,45 @@ class WebDatasetSource(Source):
                                      f"sample; the shard changed since indexing")
         key_seen = keys.pop()
         members = [(ext, data, kind) for _, ext, data, kind in members]
+        if len(location) > 3 and sample_checksum(members) != int(location[3]):
+            raise SourceChangedError(f"{self.urls[shard]} bytes {start}..{end} (sample {key_seen!r}): checksum "
+                                     f"{sample_checksum(members)}, {int(location[3])} at indexing; the shard changed "
+                                     f"since indexing")
         sample = self._sample(shard, key_seen, members)
         if isinstance(sample, Exception):
             raise sample
         return sample
 
+    def _bytes(self, shard: int, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of a shard: a local ``seek`` + ``read`` (at most ``max_open_files`` files
+        open per process, least recently used closed), a remote range read, or a slice of a sequential
+        shard read whole (kept for ``remote.stream_shards`` shards)."""
+        url = self.urls[shard]
+        local = self._local()
+        if _remote.is_sequential(url):
+            streams = local.setdefault("streams", OrderedDict())
+            if shard not in streams:
+                streams[shard] = _remote.read_whole(url, self.remote)
+                while len(streams) > self.remote.stream_shards:
+                    streams.popitem(last=False)
+            streams.move_to_end(shard)
+            return streams[shard][start:end]
+        if _remote.is_remote(url):
+            return _remote.read_range(url, start, end, self.remote)
+        files = local.setdefault("files", OrderedDict())
+        f = files.get(shard)
+        if f is None:
+            f = files[shard] = open(url[len("file://"):] if url.startswith("file://") else url, "rb")
+            while len(files) > self.max_open_files:
+                files.popitem(last=False)[1].close()
+        files.move_to_end(shard)
+        f.seek(start)
+        return f.read(end - start)
+
     def check_locations(self, locations) -> None:
-        self._check_range(locations, 3, {0: self.num_shards})
+        """Rows ``(shard, start, end[, checksum])``: shards in range, byte ranges that end after they start."""
+        width = np.asarray(locations).shape[1] if np.ndim(locations) == 2 and np.shape(locations)[1] in (3, 4) else 4
+        self._check_range(locations, width, {0: self.num_shards})
         if len(locations) and not bool(np.all(np.asarray(locations)[:, 1] < np.asarray(locations)[:, 2])):
             raise IndexFileError("index locations: a byte range that ends before it starts; the index was not "
                                  "built by WebDatasetSource")

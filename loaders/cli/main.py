@@ -71,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     insp.add_argument("--limit", type=int, default=None, help="stop after this many micro-batches")
     _add_common(insp, budget=8192)
     insp.set_defaults(func=cmd_inspect, out="prealign_inspect.png")
+    from .index_cmd import add_parser as add_index  # prealign index (issue #7)
+    add_index(sub)
     return parser
 
 

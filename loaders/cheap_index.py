@@ -1,0 +1,373 @@
+"""The header pass: a shard's index record from member headers, not decoded samples.
+
+    tar members ─group by key─► length rule ─► (length, media, signature) per sample
+                                  │ .npy token arrays: the header's shape           (numpy_fields)
+                                  │ chat + images: image headers -> Qwen2-VL grid    (VLMSampleTransform)
+                                  │   -> tokens per image -> render_chat (tokenizer only)
+                                  ▼
+    first sample of each signature: the full transform + collator check too (its length must equal
+    the rule's, else :class:`LengthRuleError`); its named dims / dtypes stand for the signature
+
+What the header pass checks on every sample: the tar structure (header checksums, end marker), member
+names, duplicate and required members, every ``.npy`` header (numeric dtype, token rows equal to
+``input_ids``' length), the chat JSON (renders with the tokenizer; placeholders match the images),
+every image header (an allowed format, a size, an aspect ratio the processor takes; by default the
+pixels are decoded too, without the processor's resize and normalisation) and the teacher top-k
+shapes (``[L, K]``). What it leaves to load time: array values (ids within the vocabulary, finite and
+sorted log-probs, ...) of samples past the first of their signature, and, with
+``VLMRule(verify_images=False)``, pixel data past the header. A sample found bad only then raises when it is loaded
+(the default policy); see :mod:`prealign.loaders.sidecar` for the checksum that catches changed bytes.
+
+Any other transform has no length rule: its shards get the full pass (:func:`index_shard`), and a
+sidecar still saves it the next time.
+"""
+from __future__ import annotations
+
+import io
+from typing import Callable
+
+from prealign.schemas.errors import ConfigError, SampleError
+from prealign.schemas.schema import BatchSchema
+from .errors import BadSampleError, CorruptShardError, MissingMemberError
+from .header_lengths import HeaderError, Qwen2VLGeometry, image_header_size, npy_header, qwen2vl_grid
+from .index import _FIELDS, _freeze, _validated, index_shard, media_keys, optional_keys
+from .sidecar import Fingerprint, sample_checksum
+from .sources import Skip
+from .tar_decode import IMAGES, decode_member, split_member_name
+from .tar_reader import TarFormatError, iter_members
+from .webdataset_source import check_members
+
+
+class LengthRuleError(ConfigError):
+    """The header rule's length differs from the transform's for a sample: the transform is not the one
+    the rule describes (index with the full pass instead)."""
+
+
+def _npy_headers(members: dict[str, bytes], where: str) -> dict[str, tuple]:
+    return {ext[:-4]: npy_header(data, field=ext, sample=where) for ext, data in members.items()
+            if ext.endswith(".npy")}
+
+
+class TextRule:
+    """``numpy_fields`` samples: the length is ``input_ids.npy``'s first dim; every token field's token dim
+    must equal it. Signature: each array's dtype and non-token dims, and the other member names."""
+
+    def __init__(self, schema: BatchSchema):
+        from prealign.collate.samples import sample_token_keys
+
+        self.token_dims = dict(sample_token_keys(schema))
+        self.media = media_keys(schema)
+
+    def __call__(self, members: dict[str, bytes], where: str) -> tuple[int, bool, tuple]:
+        if len(members) == 1 and "input_ids.npy" in members:  # the common pre-tokenized sample
+            shape, dtype = npy_header(members["input_ids.npy"], field="input_ids.npy", sample=where)
+            if len(shape) == 1:
+                return shape[0], False, ((("input_ids", dtype.str, ()),), ())
+        heads = _npy_headers(members, where)
+        if "input_ids" not in heads or len(heads["input_ids"][0]) != 1:
+            raise BadSampleError(sample=where, field="input_ids", expected="an input_ids.npy member of shape [L]",
+                                 actual=f"shape {list(heads['input_ids'][0])}" if "input_ids" in heads
+                                 else f"members {sorted(members)}")
+        n = heads["input_ids"][0][0]
+        sig = []
+        for name, (shape, dtype) in sorted(heads.items()):
+            dim = self.token_dims.get(name)
+            if dim is not None:
+                if len(shape) <= dim or shape[dim] != n:
+                    raise BadSampleError(sample=where, field=name, expected=f"{n} rows (input_ids' length) in dim {dim}",
+                                         actual=f"shape {list(shape)}")
+                shape = shape[:dim] + shape[dim + 1:]
+            sig.append((name, dtype.str, shape))
+        media = any(not heads[k][0] or heads[k][0][0] > 0 for k in self.media if k in heads)
+        return n, media, (tuple(sig), tuple(sorted(e for e in members if not e.endswith(".npy"))))
+
+
+class VLMRule:
+    """:class:`~prealign.loaders.vlm.VLMSampleTransform` samples: image headers -> Qwen2-VL grids -> tokens
+    per image -> the chat rendered by the tokenizer alone (or a pre-tokenized ``input_ids.npy`` header)."""
+
+    def __init__(self, transform, schema: BatchSchema, *, verify_images: bool = True):
+        from .vlm import image_processor
+
+        self.t, self.verify_images = transform, verify_images
+        """``verify_images``: decode each image's pixels too (no resize, no processor), so a corrupt image
+        body is found here as the full pass finds it; False: headers only (found when loaded)."""
+        self.geometry = Qwen2VLGeometry.of(image_processor(**transform.processor_options))
+        self.merge = transform.tokenizer.vision.spatial_merge_size
+
+    def __call__(self, members: dict[str, bytes], where: str) -> tuple[int, bool, tuple]:
+        from .teacher_topk import IDS, LOG_PROBS
+        from .vlm import MediaError, MediaProblem, _image_members, _metadata, render_chat
+
+        key = where
+        raw = {"__key__": key, **{e: d for e, d in members.items() if not e.endswith(".npy")}}
+        raw.update({e[:-4]: None for e in members if e.endswith(".npy")})  # presence only
+        meta = _metadata(raw, self.t.text_key, key)
+        tokens = []
+        for name, data in _image_members(raw, meta, key):
+            try:
+                w, h = _verified_size(data, name, key) if self.verify_images else \
+                    image_header_size(data, field=name, sample=key)
+                t, gh, gw = qwen2vl_grid(h, w, self.geometry, sample=key, field=name)
+            except HeaderError as exc:
+                raise MediaError(MediaProblem.CORRUPT_IMAGE, sample=key, field=name, expected=exc.expected,
+                                 actual=exc.actual) from None
+            tokens.append(t * gh * gw // self.merge ** 2)
+        heads = _npy_headers(members, where)
+        if "input_ids" in heads:
+            shape = heads["input_ids"][0]
+            n = 1
+            for d in shape:
+                n *= d
+        else:
+            ids, _ = render_chat(meta, self.t.tokenizer, tokens, sample=key)
+            n = int(ids.shape[0])
+        sig = [bool(tokens), "input_ids" in heads]
+        if self.t.topk is not None:
+            for name in (LOG_PROBS, IDS):
+                if name not in heads:
+                    raise BadSampleError(sample=key, field=name, expected=f"a member {name}.npy",
+                                         actual=f"members {sorted(members)}")
+                shape, dtype = heads[name]
+                if len(shape) != 2 or shape[0] != n or shape[1] != self.t.topk:
+                    raise BadSampleError(sample=key, field=name, expected=f"shape [L={n}, K={self.t.topk}]",
+                                         actual=f"shape {list(shape)}", hint="one row per token, constant K")
+                sig.append((name, dtype.str))
+        return n, bool(tokens), tuple(sig)
+
+
+def _verified_size(data: bytes, name: str, key) -> tuple[int, int]:
+    """``(width, height)`` of an image whose pixel data decodes to the end (one open: the header, then
+    the whole entropy-coded stream; a JPEG's inverse DCT at 1/8 scale, which finds the same truncation
+    and corruption at a fraction of the cost). Formats limited to :data:`IMAGE_FORMATS`."""
+    import warnings
+
+    from PIL import Image, UnidentifiedImageError
+
+    from .header_lengths import IMAGE_FORMATS
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(io.BytesIO(data), formats=list(IMAGE_FORMATS)) as img:
+                size = int(img.size[0]), int(img.size[1])
+                if img.format == "JPEG":
+                    img.draft(img.mode, (max(1, size[0] // 8), max(1, size[1] // 8)))
+                img.load()
+                return size
+    except (UnidentifiedImageError, Image.DecompressionBombError, OSError, ValueError, SyntaxError) as exc:
+        raise HeaderError(sample=key, field=name, expected="a decodable image",
+                          actual=f"{len(data)} bytes ({type(exc).__name__}: {exc})") from None
+
+
+def length_rule(source, schema: BatchSchema, *, verify_images: bool = True) -> Callable | None:
+    """The header rule for ``source``'s transform, or None (no rule: the full pass)."""
+    from .vlm import VLMSampleTransform
+    from .webdataset_source import numpy_fields
+
+    if source.transform is numpy_fields:
+        return TextRule(schema)
+    if isinstance(source.transform, VLMSampleTransform):
+        return VLMRule(source.transform, schema, verify_images=verify_images)
+    return None
+
+
+def header_index_shard(source, schema: BatchSchema, shard: int, *, full: bool = False,
+                       verify_images: bool = True) -> tuple[dict, dict]:
+    """``(record, fingerprint)`` of one shard of a :class:`~prealign.loaders.webdataset_source.WebDatasetSource`:
+    the record :func:`~prealign.loaders.index.index_shard` would give (same locations, lengths, media flags,
+    named dims; bad samples under the same reasons), from headers; ``fingerprint`` is ``{"size", "hash"}``
+    of the bytes read. ``full=True`` (or no rule for the transform) runs the full pass instead."""
+    from . import remote
+
+    url = source.urls[shard]
+    rule = None if full else length_rule(source, schema, verify_images=verify_images)
+    f = Fingerprint(remote.open_stream(url, source.remote))
+    try:
+        if rule is None:
+            record = index_shard(source, schema, shard)
+            return record, f.finish()
+        chunks = []  # the shard in memory (one at a time): one read, one hash, fast member walks
+        while chunk := f.read(16 << 20):
+            chunks.append(chunk)
+        return _header_pass(source, schema, shard, rule, io.BytesIO(b"".join(chunks))), f.finish()
+    finally:
+        close = getattr(f.f, "close", None)
+        if close:
+            close()
+
+
+def _header_pass(source, schema, shard: int, rule, f) -> dict:
+    url = source.urls[shard]
+    locations, lengths, media, events, dims, dim_ids = [], [], [], [], [], []
+    by_sig: dict[tuple, int] = {}
+
+    def sample(key: str, start: int, end: int, members: list[tuple[str, bytes, str]], duplicate: bool) -> None:
+        where = f"{url}:{key}"
+        loc = (shard, start, end, sample_checksum(members))
+        try:
+            check_members(where, key, members, duplicate)
+            exts = {ext: data for ext, data, _ in members}
+            if len(exts) != len(members):
+                raise MissingMemberError(sample=where, field=next(e for e in exts if [m[0] for m in members].count(e) > 1),
+                                         expected="one member per extension", actual="a duplicate member")
+            missing = [r for r in source.required if r not in exts]
+            if missing:
+                raise MissingMemberError(sample=where, field=missing[0], expected=f"members {list(source.required)}",
+                                         actual=f"members {sorted(exts)}")
+            for ext, data, _ in members:  # small members decoded as the full pass does (JSON, text, refusals)
+                if not ext.endswith(".npy") and ext.rpartition(".")[2] not in IMAGES:
+                    decode_member(where, ext, data, image=source.image, extra=source.decoders, limits=source.limits)
+            n, has_media, sig = rule(exts, where)
+        except SampleError as exc:
+            events.append(["bad", where, _freeze(exc if isinstance(exc, BadSampleError) else BadSampleError(
+                sample=where, field=exc.field, expected=exc.expected, actual=exc.actual))])
+            return
+        except (ValueError, UnicodeDecodeError) as exc:  # e.g. JSON that is not text
+            events.append(["bad", where, _freeze(BadSampleError(sample=where, field=None, expected="a readable sample",
+                                                                actual=f"{type(exc).__name__}: {exc}"))])
+            return
+        if sig not in by_sig:  # the first of its kind: the full transform and collator, lengths compared
+            raw = source._sample(shard, key, members)
+            transformed = None
+            try:
+                if isinstance(raw, Exception):
+                    raise raw
+                transformed = source.apply_transform(raw, loc)
+                checked = _validated([transformed], schema)[0]
+            except SampleError as exc:
+                checked = exc
+            if isinstance(checked, SampleError):
+                err = checked if isinstance(checked, BadSampleError) and checked.sample == where else BadSampleError(
+                    sample=where, field=checked.field, expected=checked.expected, actual=checked.actual,
+                    reason=getattr(checked, "reason", None) if isinstance(getattr(checked, "reason", None), str) else None)
+                events.append(["bad", where, _freeze(err)])
+                return
+            if checked[0] != n:
+                raise LengthRuleError(f"{where}: the header rule gives {n} tokens, the transform {checked[0]}; "
+                                      f"index this data with the full pass (prealign index --full)")
+            # which optional fields the sample has (the full pass records it too: no micro-batch mixes them)
+            record = {**checked[1], _FIELDS: ",".join(k for k in optional_keys(schema) if k in transformed)}
+            if record not in dims:
+                dims.append(record)
+            by_sig[sig] = dims.index(record)
+        locations.append(list(loc))
+        lengths.append(n)
+        media.append(has_media)
+        dim_ids.append(by_sig[sig])
+        events.append(["ok"])
+
+    key, start, end, members, seen = None, 0, 0, [], set()
+    try:
+        for m in iter_members(f):
+            split = split_member_name(m.name)
+            if split is None:
+                events.append(["skip", "ignored_member", f"{url}:{m.name}", f"tar {m.kind} member without an "
+                               f"extension"])
+                continue
+            if split[0] != key:
+                if members:
+                    sample(key, start, m.offset, members, key in seen)
+                    seen.add(key)
+                key, start, members = split[0], m.offset, []
+            members.append((split[1], m.data, m.kind))
+            end = m.end
+    except (TarFormatError, OSError, EOFError) as exc:
+        lost = f"; sample {key!r} lost with the rest of the shard" if members else ""
+        events.append(["bad", f"shard {shard}", _freeze(CorruptShardError(url, getattr(exc, "offset", 0), f"{exc}{lost}"))])
+        members = []
+    if members:
+        sample(key, start, end, members, key in seen)
+    return {"shard": shard, "locations": locations, "lengths": lengths, "media": media, "dims": dims,
+            "dim_ids": dim_ids, "events": events}
+
+
+
+# ---- writing sidecars ------------------------------------------------------------------------------
+def _up_to_date(source, schema, shard: int, out_dir: str | None) -> bool:
+    """True when shard ``shard`` has a readable sidecar of its current size and this configuration."""
+    from .sidecar import config_key, parse_sidecar, read_sidecar_bytes, shard_probe, shard_size
+    from .errors import StaleIndexError
+
+    src = source if out_dir is None else _with_index_dir(source, out_dir)
+    try:
+        data = read_sidecar_bytes(src, shard)
+        if data is None:
+            return False
+        meta, _ = parse_sidecar(data, shard=source.urls[shard])
+    except (StaleIndexError, OSError):
+        return False
+    size = shard_size(source, shard)
+    return (meta["size"] == size and meta["config"] == config_key(source, schema)
+            and meta.get("probe", "") == shard_probe(source, shard, size))
+
+
+def _with_index_dir(source, out_dir: str):
+    import copy
+
+    src = copy.copy(source)
+    src.index_dir = out_dir
+    return src
+
+
+def index_one(source, schema: BatchSchema, shard: int, *, out_dir: str | None = None, full: bool = False,
+              force: bool = False, verify_images: bool = True) -> tuple[int, str, int]:
+    """Write the sidecar of one shard unless it is up to date (``force``: always).
+    Returns ``(shard, "indexed" | "up to date", samples)``."""
+    from . import remote
+    from .sidecar import config_key, shard_name, shard_probe, sidecar_path, write_sidecar
+
+    url = source.urls[shard]
+    if not force and _up_to_date(source, schema, shard, out_dir):
+        return shard, "up to date", 0
+    path = sidecar_path(url, out_dir)
+    if remote.is_remote(path):
+        raise ConfigError(f"{url}: a sidecar cannot be written beside a remote shard; give --out DIR "
+                          f"(and index_dir=DIR to WebDatasetSource)")
+    record, fingerprint = header_index_shard(source, schema, shard, full=full, verify_images=verify_images)
+    write_sidecar(path, record, shard=shard_name(url), fingerprint=fingerprint, config=config_key(source, schema),
+                  extra={"probe": shard_probe(source, shard, fingerprint["size"])})
+    return shard, "indexed", len(record["lengths"])
+
+
+def _index_task(args):
+    source, schema, shard, out_dir, full, force, verify = args
+    return index_one(source, schema, shard, out_dir=out_dir, full=full, force=force, verify_images=verify)
+
+
+def write_sidecars(source, schema: BatchSchema, *, out_dir: str | None = None, workers: int = 1, full: bool = False,
+                   force: bool = False, shards: list[int] | None = None, verify_images: bool = True,
+                   progress: Callable[[int, int, int], None] | None = None) -> dict:
+    """Index ``shards`` (default: all) of ``source`` into sidecars with ``workers`` local processes.
+    ``progress(done, total, samples)`` is called after each shard. ``verify_images=False``: image headers
+    only (no pixel decode; a corrupt image body is then found, and counted, when its sample is loaded). Returns ``{"indexed", "up_to_date",
+    "samples"}`` counts."""
+    import multiprocessing as mp
+
+    from .sidecar import shard_size
+
+    todo = list(range(source.num_shards)) if shards is None else list(shards)
+    for s in todo:  # a missing shard or a brace typo: before any work
+        shard_size(source, s)
+    if out_dir:
+        import os
+
+        os.makedirs(out_dir, exist_ok=True)
+    stats = {"indexed": 0, "up_to_date": 0, "samples": 0}
+    tasks = [(source, schema, s, out_dir, full, force, verify_images) for s in todo]
+    if workers > 1 and len(tasks) > 1:
+        ctx = mp.get_context("spawn")  # fork after torch / PIL threads have run can deadlock a child
+        with ctx.Pool(min(workers, len(tasks))) as pool:
+            results = pool.imap_unordered(_index_task, tasks)
+            _collect(results, stats, len(tasks), progress)
+    else:
+        _collect(map(_index_task, tasks), stats, len(tasks), progress)
+    return stats
+
+
+def _collect(results, stats: dict, total: int, progress) -> None:
+    for done, (_, what, n) in enumerate(results, 1):
+        stats["indexed" if what == "indexed" else "up_to_date"] += 1
+        stats["samples"] += n
+        if progress:
+            progress(done, total, stats["samples"])

@@ -1,0 +1,118 @@
+"""``prealign index SHARDS... [--out DIR] [--workers N]``: write a sidecar index beside each shard.
+
+The schema and transform are chosen as ``prealign inspect`` chooses them (``--text`` for pre-tokenized
+``.npy`` members, else the VLM transform with the demo byte tokenizer; ``--topk``, ``--vocab-size``).
+Shards whose sidecar is up to date (same size, same first/last 64 KiB, same configuration) are left
+alone, so a second run indexes only new or changed shards. ``--workers N`` local processes share the
+shards; under ``torchrun`` (an initialised ``torch.distributed`` group, or ``WORLD_SIZE`` > 1 in the
+environment) rank ``r`` of ``W`` indexes shards ``r, r+W, ...``. Progress goes to stderr.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+
+def add_parser(sub) -> None:
+    """Register the ``index`` sub-command on ``sub`` (the ``prealign`` parser's sub-parsers)."""
+    p = sub.add_parser("index", help="write a sidecar index beside each shard (training then starts at once)",
+                       description="Index webdataset shards once: token lengths from headers, byte ranges, media "
+                                   "flags, named dims and a fingerprint of each shard, in a small sidecar file "
+                                   "that WebDatasetSource finds by itself.")
+    p.add_argument("shards", nargs="+", help="webdataset shards (paths, URLs, brace patterns)")
+    p.add_argument("--out", metavar="DIR", help="write the sidecars to DIR (then pass index_dir=DIR to "
+                                                "WebDatasetSource) instead of beside the shards")
+    p.add_argument("--workers", type=int, default=1, help="local processes [%(default)s]")
+    p.add_argument("--text", action="store_true", help="pre-tokenized .npy members (causal-LM schema) instead "
+                                                      "of the VLM transform")
+    p.add_argument("--topk", type=int, default=0, help="expect teacher top-k with this K (0: none) [%(default)s]")
+    p.add_argument("--vocab-size", type=int, default=None, help="bound teacher ids (text mode)")
+    p.add_argument("--full", action="store_true", help="run the full transform on every sample (no header rule)")
+    p.add_argument("--force", action="store_true", help="re-index shards whose sidecar is up to date")
+    p.add_argument("--header-only", action="store_true", help="VLM: read image headers only, no pixel decode "
+                                                             "(a corrupt image body is found when loaded)")
+    p.set_defaults(func=cmd_index)
+
+
+def source_and_schema(args):
+    """(WebDatasetSource, schema) for ``args`` as ``prealign inspect`` builds them."""
+    from prealign.schemas.schema import causal_lm_schema
+    from prealign.schemas.vlm import vlm_schema
+    from ..vlm import VLMSampleTransform
+    from ..webdataset_source import WebDatasetSource, numpy_fields
+    from .demo_tokenizer import ByteTokenizer
+
+    topk = args.topk or None
+    if args.text:
+        schema, transform = causal_lm_schema(topk=topk, vocab_size=args.vocab_size), numpy_fields
+    else:
+        transform = VLMSampleTransform(tokenizer=ByteTokenizer(), topk=topk)
+        schema = vlm_schema(topk=topk, vocab_size=transform.tokenizer.vocab_size)
+    return WebDatasetSource(args.shards, transform=transform, image="bytes", index_dir=args.out), schema
+
+
+def _rank_world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+class Progress:
+    """A plain-text progress bar on stderr: ``[#####.....] 12/40 shards, 120,000 samples, 85,000/s``."""
+
+    def __init__(self, label: str, stream=None):
+        self.label, self.stream, self.t0, self.last = label, stream or sys.stderr, time.perf_counter(), 0.0
+
+    def __call__(self, done: int, total: int, samples: int) -> None:
+        now = time.perf_counter()
+        if done < total and now - self.last < 0.2:
+            return
+        self.last = now
+        width = 30
+        fill = width * done // max(total, 1)
+        rate = samples / max(now - self.t0, 1e-9)
+        end = "\n" if done >= total else ""
+        self.stream.write(f"\r{self.label} [{'#' * fill}{'.' * (width - fill)}] {done}/{total} shards, "
+                          f"{samples:,} samples, {rate:,.0f} samples/s{end}")
+        self.stream.flush()
+
+
+def cmd_index(args) -> int:
+    from prealign.schemas.errors import PrealignError
+    from ..cheap_index import write_sidecars
+
+    try:
+        source, schema = source_and_schema(args)
+        rank, world = _rank_world()
+        shards = list(range(source.num_shards))[rank::world]
+        label = "prealign index" + (f" (rank {rank}/{world})" if world > 1 else "")
+        t0 = time.perf_counter()
+        stats = write_sidecars(source, schema, out_dir=args.out, workers=max(args.workers, 1), full=args.full,
+                               force=args.force, shards=shards, progress=Progress(label),
+                               verify_images=not args.header_only)
+    except PrealignError as exc:
+        print(f"prealign index: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+    dt = time.perf_counter() - t0
+    print(f"{stats['indexed']} shard(s) indexed ({stats['samples']:,} samples in {dt:.2f} s), "
+          f"{stats['up_to_date']} up to date" + (f", sidecars in {args.out}" if args.out else ""), file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:  # for `python -m prealign.loaders.cli.index_cmd`
+    parser = argparse.ArgumentParser(prog="prealign")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["index", *(sys.argv[1:] if argv is None else argv)])
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

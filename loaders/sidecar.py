@@ -1,0 +1,406 @@
+"""Per-shard sidecar indexes: what the index pass learns about a shard, kept beside it.
+
+    shard-000.tar  ──prealign index──►  shard-000.tar.prealign-index.npz   (or DIR/<name>.prealign-index.npz)
+
+A sidecar is an ``.npz`` read with ``allow_pickle=False``:
+
+=============  ==============  ======================================================================
+key            dtype / shape   meaning
+=============  ==============  ======================================================================
+``meta``       uint8 ``[B]``   UTF-8 JSON: ``format``, ``version``, ``shard`` (file name), ``size``
+                               (bytes), ``hash`` (blake2b-128 of every byte read), ``probe``
+                               (blake2b-64 of the first and last 64 KiB), ``config`` (key of
+                               the schema + transform it was built for), ``dims`` (distinct named-dim
+                               dicts), ``events`` (``[position, event]`` of each skip / bad record)
+``spans``      int64 ``[N,3]`` ``start, end, checksum`` of each good sample (byte range, crc32)
+``lengths``    int64 ``[N]``   token lengths
+``media``      bool ``[N]``    the sample carries media
+``dim_ids``    int64 ``[N]``   row of ``meta.dims`` each sample has
+=============  ==============  ======================================================================
+
+A sidecar turns back into exactly the per-shard record :func:`~prealign.loaders.index.index_shard`
+returns, so the index (and the plan) is the same whether it came from sidecars or from the pass in
+process. Every key, dtype and shape is checked on reading; anything else is a
+:class:`~prealign.loaders.errors.StaleIndexError` (a :class:`ConfigError`) naming the shard.
+
+When the loader is built, each shard is checked against its sidecar: it must exist, have the
+recorded size (a ``stat``, or one ``HEAD`` for a URL) and the same first and last 64 KiB (two reads,
+the ``probe``). A byte changed elsewhere in place (same size) is caught
+when the sample is read: the crc32 of its members recorded at indexing no longer matches
+(:class:`~prealign.loaders.errors.SourceChangedError`).
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import zlib
+from typing import Iterable
+
+import numpy as np
+
+from .errors import ChangedShardError, MissingShardError, StaleIndexError
+
+SUFFIX = ".prealign-index.npz"
+FORMAT = "prealign-sidecar"
+VERSION = 1
+_ARRAYS = {"spans": (np.int64, 2), "lengths": (np.int64, 1), "media": (np.bool_, 1), "dim_ids": (np.int64, 1)}
+_MAX_META = 64 << 20
+
+
+def sample_checksum(members: Iterable[tuple]) -> int:
+    """crc32 over a sample's members (``extension NUL data`` each, in tar order; ``(extension, data, ...)``
+    tuples, anything after the data ignored): what a read checks.
+
+    >>> sample_checksum([("txt", b"hi")]) == sample_checksum([("txt", b"hi")]) != sample_checksum([("txt", b"ho")])
+    True
+    """
+    crc = 0
+    for ext, data, *_ in members:
+        crc = zlib.crc32(data, zlib.crc32(ext.encode() + b"\0", crc))
+    return crc
+
+
+def sidecar_path(url: str, index_dir: str | None = None) -> str:
+    """Where the sidecar of shard ``url`` lives: beside it, or ``index_dir/<file name><SUFFIX>``.
+
+    >>> sidecar_path("/d/s-0.tar"), sidecar_path("http://h/d/s-0.tar?x=1", "/idx")
+    ('/d/s-0.tar.prealign-index.npz', '/idx/s-0.tar.prealign-index.npz')
+    """
+    if index_dir:
+        return os.path.join(index_dir, shard_name(url) + SUFFIX)
+    if url.startswith("file://"):
+        url = url[len("file://"):]
+    base, sep, query = url.partition("?")
+    return base + SUFFIX + (sep + query if sep else "")
+
+
+def shard_name(url: str) -> str:
+    """The file name of a shard path or URL (query string dropped)."""
+    return os.path.basename(url.split("?", 1)[0].rstrip("/")) or "shard"
+
+
+class Fingerprint:
+    """Counts and hashes the bytes of a file object as they are read (``read`` passes through)."""
+
+    def __init__(self, f):
+        self.f, self.size, self.hash = f, 0, hashlib.blake2b(digest_size=16)
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.f.read(n)
+        self.size += len(data)
+        self.hash.update(data)
+        return data
+
+    def finish(self) -> dict:
+        """Drain what is left (a shard's trailing padding) and return ``{"size", "hash"}``."""
+        while self.read(1 << 20):
+            pass
+        return {"size": self.size, "hash": self.hash.hexdigest()}
+
+
+# ---- writing / reading ------------------------------------------------------------------------------
+def write_sidecar(path: str, record: dict, *, shard: str, fingerprint: dict, config: str,
+                  extra: dict | None = None) -> None:
+    """Write ``record`` (an :func:`~prealign.loaders.index.index_shard` result) as the sidecar ``path``
+    (atomically: a temporary file renamed)."""
+    n = len(record["lengths"])
+    locs = np.asarray(record["locations"], dtype=np.int64).reshape(n, -1 if n else 4)
+    if locs.shape[1] != 4:
+        raise StaleIndexError(shard, f"locations of width {locs.shape[1]}, expected (shard, start, end, checksum)")
+    events = [[i, ev] for i, ev in enumerate(record["events"]) if ev[0] != "ok"]
+    meta = {"format": FORMAT, "version": VERSION, "shard": shard, "size": int(fingerprint["size"]),
+            "hash": str(fingerprint["hash"]), "config": config, "dims": record["dims"], "events": events,
+            "num_events": len(record["events"]), **(extra or {})}
+    buf = io.BytesIO()
+    np.savez(buf, meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), spans=locs[:, 1:].copy(),
+             lengths=np.asarray(record["lengths"], dtype=np.int64),
+             media=np.asarray(record["media"], dtype=bool).reshape(-1),
+             dim_ids=np.asarray(record["dim_ids"], dtype=np.int64).reshape(-1))
+    tmp = f"{path}.{os.getpid()}.part"
+    with open(tmp, "wb") as f:
+        f.write(buf.getvalue())
+    os.replace(tmp, path)
+
+
+def parse_sidecar(data: bytes, *, shard: str) -> tuple[dict, dict[str, np.ndarray]]:
+    """``(meta, arrays)`` of sidecar bytes, every key, dtype and shape checked (never unpickled).
+    Raises :class:`StaleIndexError` naming ``shard`` on anything unexpected."""
+    def bad(what: str) -> StaleIndexError:
+        return StaleIndexError(shard, f"sidecar index unreadable: {what}", "re-run `prealign index` on it")
+
+    try:
+        with np.load(io.BytesIO(data), allow_pickle=False) as z:
+            files = set(z.files)
+            if files != {"meta", *_ARRAYS}:
+                raise bad(f"keys {sorted(files)}, expected {sorted({'meta', *_ARRAYS})}")
+            raw_meta = z["meta"]
+            arrays = {k: z[k] for k in _ARRAYS}
+    except StaleIndexError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any failure to parse a crafted file is a typed error
+        raise bad(f"{type(exc).__name__}: {exc}") from None
+    if raw_meta.dtype != np.uint8 or raw_meta.ndim != 1 or raw_meta.size > _MAX_META:
+        raise bad(f"meta of dtype {raw_meta.dtype} shape {raw_meta.shape}")
+    try:
+        meta = json.loads(raw_meta.tobytes().decode())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise bad(f"meta is not JSON ({exc})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise bad("not a prealign sidecar")
+    if meta.get("version") != VERSION:
+        raise StaleIndexError(shard, f"sidecar format version {meta.get('version')!r}, this prealign reads "
+                                     f"version {VERSION}", "re-run `prealign index`")
+    types = {"shard": str, "size": int, "hash": str, "config": str, "dims": list, "events": list, "num_events": int}
+    for key, typ in types.items():
+        if not isinstance(meta.get(key), typ) or isinstance(meta.get(key), bool):
+            raise bad(f"meta {key!r} is {type(meta.get(key)).__name__}, expected {typ.__name__}")
+    n = None
+    for key, (dtype, ndim) in _ARRAYS.items():
+        a = arrays[key]
+        if a.dtype != dtype or a.ndim != ndim or (key == "spans" and a.shape[1] != 3):
+            raise bad(f"{key} of dtype {a.dtype} shape {a.shape}")
+        if n is None:
+            n = a.shape[0]
+        elif a.shape[0] != n:
+            raise bad(f"{key} has {a.shape[0]} rows, spans {n}")
+    dims = meta["dims"]
+    if not all(isinstance(d, dict) and all(isinstance(k, str) and isinstance(v, (int, str)) for k, v in d.items())
+               for d in dims):
+        raise bad("meta 'dims' is not a list of {name: size} dicts")
+    ids = arrays["dim_ids"]
+    if n and (ids.min() < 0 or ids.max() >= len(dims)):
+        raise bad("dim_ids outside meta 'dims'")
+    spans = arrays["spans"]
+    if n and (spans[:, 0].min() < 0 or np.any(spans[:, 1] <= spans[:, 0]) or spans[:, 1].max() > meta["size"]
+              or arrays["lengths"].min() < 0):
+        raise bad("byte ranges or lengths out of bounds")
+    events = meta["events"]
+    if not all(isinstance(e, list) and len(e) == 2 and isinstance(e[0], int) and isinstance(e[1], list) and e[1]
+               and e[1][0] in ("bad", "skip") for e in events) or meta["num_events"] != n + len(events):
+        raise bad("malformed events")
+    return meta, arrays
+
+
+def record_of(meta: dict, arrays: dict[str, np.ndarray], shard: int) -> dict:
+    """The :func:`~prealign.loaders.index.index_shard` record a sidecar holds, for shard number ``shard``
+    (arrays instead of lists; ``"sidecar": True`` lets :func:`merge_records` take the vectorised path)."""
+    n = arrays["lengths"].shape[0]
+    locations = np.concatenate([np.full((n, 1), shard, dtype=np.int64), arrays["spans"]], axis=1)
+    events: list = [["ok"]] * meta["num_events"]
+    for pos, ev in meta["events"]:
+        if not 0 <= pos < len(events):
+            raise StaleIndexError(str(meta["shard"]), "sidecar index unreadable: event position out of range")
+        events[pos] = ev
+    return {"shard": shard, "locations": locations, "lengths": arrays["lengths"], "media": arrays["media"],
+            "dims": meta["dims"], "dim_ids": arrays["dim_ids"], "events": events, "sidecar": True,
+            "bad_events": meta["events"]}
+
+
+def merge_records(results: list[dict], policy, *, where, schema):
+    """:func:`~prealign.loaders.index.merge_shards` for records read from sidecars, vectorised: the same
+    index and report (the bad-data policy applied to the recorded bad events in stream order), at a cost
+    per shard and per bad event instead of per sample. Falls back to ``merge_shards`` when any record is
+    not a sidecar's or two shards disagree on a named dim (its per-sample ``dim_mismatch`` handling)."""
+    from .index import _FIELDS, SampleIndex, _reason, _thaw, merge_shards
+    from .policy import BadDataGate
+
+    fixed: dict = {}
+    for r in results:
+        if not r.get("sidecar"):
+            return merge_shards(results, policy, width=4, where=where, schema=schema)
+        for d in r["dims"]:
+            if any(fixed.get(k, v) != v for k, v in d.items()):
+                return merge_shards(results, policy, width=4, where=where, schema=schema)
+            fixed.update(d)
+    gate = BadDataGate(policy)
+    for r in results:
+        pos = 0
+        for at, ev in r["bad_events"]:
+            if at > pos:
+                gate.good()  # an ok record between bad ones resets the consecutive count
+            pos = at + 1
+            if ev[0] == "skip":
+                gate.report.add(ev[1], ev[2], ev[3])
+            else:
+                gate.bad(_reason(ev[2]), ev[1], _thaw(ev[2]))
+        if len(r["events"]) > pos:
+            gate.good()
+    fixed.pop(_FIELDS, None)  # which optional fields the samples have: agreed above, not a named dim
+    cat = (lambda k, dt: np.concatenate([np.asarray(r[k], dtype=dt) for r in results]) if results
+           else np.zeros(0, dtype=dt))
+    n = sum(len(r["lengths"]) for r in results)
+    return SampleIndex(lengths=cat("lengths", np.int64),
+                       locations=np.concatenate([r["locations"] for r in results]) if n else np.zeros((0, 4), np.int64),
+                       shards=np.concatenate([np.full(len(r["lengths"]), r["shard"], np.int64) for r in results])
+                       if results else np.zeros(0, np.int64),
+                       report=gate.report, media=cat("media", bool), dims=fixed)
+
+
+# ---- the configuration a sidecar was built for -----------------------------------------------------
+def describe_transform(transform) -> str:
+    """A stable description of a transform: what decides the lengths it gives."""
+    from .vlm import VLMSampleTransform
+    from .webdataset_source import numpy_fields
+
+    if transform is None:
+        return "none"
+    if transform is numpy_fields:
+        return "numpy_fields"
+    if isinstance(transform, VLMSampleTransform):
+        tok = transform.tokenizer
+        probe = np.asarray(tok.encode("prealign probe: <image> Hello, world!")).tolist()
+        return json.dumps({"vlm": {"tokenizer": f"{type(tok).__module__}.{type(tok).__qualname__}",
+                                   "vocab_size": int(tok.vocab_size), "vision": repr(tok.vision), "probe": probe,
+                                   "topk": transform.topk, "log_prob_dtype": transform.log_prob_dtype,
+                                   "pixel_dtype": transform.pixel_dtype, "mrope": transform.mrope,
+                                   "processor": sorted(transform.processor_options.items()),
+                                   "text_key": transform.text_key}}, sort_keys=True, default=str)
+    return f"{type(transform).__module__}.{getattr(transform, '__qualname__', type(transform).__qualname__)}"
+
+
+def config_key(source, schema) -> str:
+    """16 hex digits naming what a sidecar's lengths depend on: schema, transform, required members."""
+    desc = {"schema": schema.fingerprint(), "transform": describe_transform(source.transform),
+            "required": list(getattr(source, "required", ()))}
+    return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# ---- checks against the data ------------------------------------------------------------------------
+def shard_size(source, shard: int) -> int:
+    """Size in bytes of shard ``shard`` of a :class:`WebDatasetSource` (``stat``, or one request for a
+    URL). Raises :class:`MissingShardError` naming it when it does not exist or cannot be reached."""
+    from . import remote
+
+    url = source.urls[shard]
+    if remote.is_remote(url):
+        return remote.size(url, source.remote)
+    path = url[len("file://"):] if url.startswith("file://") else url
+    try:
+        return os.path.getsize(path)
+    except OSError as exc:
+        raise MissingShardError(url, f"no such shard ({type(exc).__name__}: {exc.strerror or exc})",
+                                "check the path or the brace range") from None
+
+
+PROBE = 1 << 16
+
+
+def shard_probe(source, shard: int, size: int) -> str:
+    """blake2b-64 of a shard's first and last ``PROBE`` bytes (two reads): with the size, what the
+    build-time check compares. A shard read only front to back (``pipe:``) has none (``""``)."""
+    from . import remote
+
+    url = source.urls[shard]
+    if size < 0 or remote.scheme(url) == "pipe":
+        return ""
+    spans = [(0, min(PROBE, size)), (max(size - PROBE, 0), size)]
+    h = hashlib.blake2b(digest_size=8)
+    for lo, hi in spans:
+        if remote.is_remote(url):
+            h.update(remote.read_range(url, lo, hi, source.remote))
+        else:
+            with open(url[len("file://"):] if url.startswith("file://") else url, "rb") as f:
+                f.seek(lo)
+                h.update(f.read(hi - lo))
+    return h.hexdigest()
+
+
+def read_sidecar_bytes(source, shard: int) -> bytes | None:
+    """The sidecar of shard ``shard`` (local file or URL), or None when there is none."""
+    from . import remote
+
+    if remote.scheme(source.urls[shard]) == "pipe" and not getattr(source, "index_dir", None):
+        return None  # a command's output has no "beside": give index_dir
+    path = sidecar_path(source.urls[shard], getattr(source, "index_dir", None))
+    if remote.is_remote(path):
+        return remote.read_small(path, source.remote)
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
+
+
+def sidecar_records(source, schema, sizes: list[int]) -> dict[int, dict]:
+    """``{shard: record}`` for every shard of ``source`` with a sidecar, each checked against the shard
+    (``sizes``: the shards' sizes now) and this loader's schema + transform. Raises
+    :class:`ChangedShardError` / :class:`StaleIndexError` naming the shard and the difference."""
+    if not getattr(source, "sidecars", False):
+        return {}
+    key = config_key(source, schema)
+    out = {}
+    for shard, url in enumerate(source.urls):
+        data = read_sidecar_bytes(source, shard)
+        if data is None:
+            continue
+        meta, arrays = parse_sidecar(data, shard=url)
+        if meta["shard"] != shard_name(url):
+            raise StaleIndexError(url, f"its sidecar describes shard {meta['shard']!r}", "a sidecar of another shard")
+        if sizes[shard] >= 0 and meta["size"] != sizes[shard]:  # (a pipe: command's output has no size)
+            raise ChangedShardError(url, f"{sizes[shard]} bytes now, {meta['size']} when indexed",
+                                    "the shard changed since `prealign index`: re-run it")
+        if meta.get("probe", "") != shard_probe(source, shard, sizes[shard]):
+            raise ChangedShardError(url, "its first or last 64 KiB differ from when it was indexed",
+                                    "the shard changed since `prealign index`: re-run it")
+        if meta["config"] != key:
+            raise StaleIndexError(url, f"sidecar built for another schema or transform (config {meta['config']}, "
+                                       f"this loader {key})", "re-run `prealign index` with this configuration")
+        out[shard] = record_of(meta, arrays, shard)
+    return out
+
+
+def check_source(source, schema) -> tuple[dict[int, dict], dict | None]:
+    """Checks run when a loader is built, before any batch, whatever the bad-data policy: every shard
+    of a :class:`~prealign.loaders.webdataset_source.WebDatasetSource` exists (a brace range naming absent
+    files, an unreachable URL: :class:`MissingShardError`) and matches its sidecar, if any. Returns the
+    sidecar records (``{shard: record}``) and ``{"names", "sizes"}`` of the shards (other sources:
+    ``{}, None``)."""
+    if not hasattr(source, "urls"):
+        return {}, None
+    sizes = [shard_size(source, s) for s in range(source.num_shards)]
+    names = [shard_name(u) for u in source.urls]
+    return sidecar_records(source, schema, sizes), {"names": names, "sizes": sizes}
+
+
+def check_index(index, source) -> None:
+    """A reused :class:`~prealign.loaders.index.SampleIndex` against ``source``, before any batch: its
+    locations can be this source's (:meth:`~prealign.loaders.sources.Source.check_locations`: width, shards
+    and rows in range, else an :class:`~prealign.loaders.errors.IndexFileError`), the shard list (and, when
+    the index recorded them, the shard names and sizes). Raises an :class:`IndexMismatchError` subclass
+    naming the shard and the difference (:class:`ExtraShardError`, also an ``IndexFileError``, when the
+    index and the source name other shards)."""
+    from .errors import ExtraShardError, IndexFileError
+
+    n = source.num_shards
+    recorded = getattr(index, "source_shards", None) or {}
+    names, sizes = recorded.get("names") or [], recorded.get("sizes") or []
+    urls = getattr(source, "urls", None)
+    try:
+        source.check_locations(index.locations)
+    except IndexFileError as exc:
+        if not names or urls is None or len(names) == len(urls):
+            raise
+        here = [shard_name(u) for u in urls]
+        extra = [f"{m} (in the index, not in the source)" for m in names if m not in here] or ["?"]
+        raise ExtraShardError(extra[0], f"{exc}; the index covers {len(names)} shard(s), the source names "
+                                        f"{len(urls)}") from None
+    if names and urls is not None and len(names) != len(urls):
+        here = [shard_name(u) for u in urls]
+        extra = [f"{m} (in the index, not in the source)" for m in names if m not in here] or \
+                [f"{u} (in the source, not in the index)" for u in urls if shard_name(u) not in names]
+        raise ExtraShardError(extra[0] if extra else "?", f"the index covers {len(names)} shard(s), the source "
+                                                          f"names {len(urls)}")
+    shards = np.asarray(index.shards)
+    if shards.size and int(shards.max()) >= n:
+        raise ExtraShardError(f"#{int(shards.max())}", f"the index has samples of shard {int(shards.max())}, the "
+                                                       f"source has {n} shard(s)", "an index of other data")
+    if not names or urls is None:
+        return
+    for shard, (url, name) in enumerate(zip(urls, names)):
+        if shard_name(url) != name:
+            raise ExtraShardError(url, f"the index has {name!r} at position {shard}", "an index of other shards")
+        now = shard_size(source, shard)
+        if shard < len(sizes) and sizes[shard] is not None and now != sizes[shard]:
+            raise ChangedShardError(url, f"{now} bytes now, {sizes[shard]} when indexed")

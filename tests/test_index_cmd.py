@@ -1,0 +1,83 @@
+"""``prealign index`` (issue #7): sidecars written, a second run indexes only new or changed shards, ranks
+split the shards, a missing shard is reported before any work."""
+from __future__ import annotations
+
+import os
+
+from prealign.loaders import WebDatasetSource, build_index
+from prealign.loaders.cli.main import main
+from prealign.loaders.sidecar import SUFFIX
+from prealign.schemas.schema import causal_lm_schema
+
+from .loader_helpers import sample_lengths, write_shards
+
+
+def test_index_command_writes_sidecars_once(tmp_path, capsys):
+    paths = write_shards(str(tmp_path), sample_lengths(40), num_shards=4)
+    pattern = str(tmp_path / "shard-{000..003}.tar")
+    assert main(["index", pattern, "--text", "--workers", "2"]) == 0
+    err = capsys.readouterr().err
+    assert "4/4 shards" in err and "4 shard(s) indexed (40 samples" in err
+    assert all(os.path.exists(p + SUFFIX) for p in paths)
+    assert main(["index", pattern, "--text"]) == 0
+    assert "0 shard(s) indexed" in capsys.readouterr().err
+    with open(paths[2], "ab") as f:  # one shard changed
+        f.write(bytes(10240))
+    assert main(["index", pattern, "--text"]) == 0
+    err = capsys.readouterr().err
+    assert "1 shard(s) indexed" in err and "3 up to date" in err
+    idx = build_index(WebDatasetSource(paths), causal_lm_schema())
+    assert len(idx) == 40
+
+
+def test_index_command_out_dir_ranks_and_missing_shards(tmp_path, capsys, monkeypatch):
+    paths = write_shards(str(tmp_path), sample_lengths(40), num_shards=4)
+    out = str(tmp_path / "idx")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["index", *paths, "--text", "--out", out]) == 0
+    assert sorted(os.listdir(out)) == [f"shard-00{i}.tar{SUFFIX}" for i in (1, 3)]
+    monkeypatch.setenv("RANK", "0")
+    assert main(["index", *paths, "--text", "--out", out]) == 0
+    assert len(os.listdir(out)) == 4 and not any(os.path.exists(p + SUFFIX) for p in paths)
+    capsys.readouterr()
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert main(["index", str(tmp_path / "shard-{000..005}.tar"), "--text", "--out", out]) == 2
+    err = capsys.readouterr().err
+    assert "MissingShardError" in err and "shard-004.tar" in err and "samples" not in err
+
+
+def _index_rank(rank: int, port: int, paths: list[str], out: str, log: str) -> None:
+    import torch.distributed as dist
+
+    os.environ.pop("RANK", None), os.environ.pop("WORLD_SIZE", None)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    import contextlib
+    import io
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        rc = main(["index", *paths, "--text", "--out", out])
+    with open(f"{log}-{rank}", "w") as f:
+        f.write(f"{rc}\n{err.getvalue()}")
+    dist.destroy_process_group()
+
+
+def test_index_command_splits_shards_over_gloo_ranks(tmp_path):
+    import multiprocessing as mp
+    import socket
+
+    paths = write_shards(str(tmp_path), sample_lengths(50), num_shards=5)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out, log = str(tmp_path / "idx"), str(tmp_path / "log")
+    procs = [mp.get_context("fork").Process(target=_index_rank, args=(r, port, paths, out, log)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    logs = [open(f"{log}-{r}").read() for r in range(2)]
+    assert [s.split("\n", 1)[0] for s in logs] == ["0", "0"]
+    assert "(rank 0/2)" in logs[0] and "3 shard(s) indexed" in logs[0] and "2 shard(s) indexed" in logs[1]
+    assert len(os.listdir(out)) == 5

@@ -1,0 +1,274 @@
+"""Sidecar indexes and the header pass (issue #7, items 1 and 2): the same index and plan from sidecars,
+a saved SampleIndex or the in-process pass; every mismatch with the data raises before any batch."""
+from __future__ import annotations
+
+import io
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from prealign.loaders import BadDataPolicy, IndexOptions, PackedLoader, SampleIndex, SourceChangedError, WebDatasetSource, build_index
+from prealign.loaders.cheap_index import header_index_shard, write_sidecars
+from prealign.loaders.errors import ChangedShardError, ExtraShardError, MissingShardError, StaleIndexError
+from prealign.loaders.index import index_shard
+from prealign.loaders.sidecar import SUFFIX, parse_sidecar, sidecar_path
+from prealign.schemas import ParallelLayout
+from prealign.schemas.errors import ConfigError, SampleError
+from prealign.schemas.schema import causal_lm_schema
+
+from .loader_helpers import add_member, sample_lengths, token_ids, write_shards
+
+SCHEMA = causal_lm_schema()
+SKIP = BadDataPolicy(on_error="skip", max_consecutive=50)
+LAYOUT = ParallelLayout()
+
+
+def _loader(src, index=None, **kw):
+    """A prepared loader (the index pass, or the prebuilt ``index`` checked against ``src``, has run)."""
+    return PackedLoader(src, schema=SCHEMA, layout=LAYOUT, token_budget=128, dp_size=2, dp_rank=1, seed=3,
+                        indexing=IndexOptions(prebuilt=index), **kw).prepare()
+
+
+def _bad_members(i, tf):
+    """Sample 4: bad JSON; sample 9: no input_ids; sample 15: token rows that disagree (labels)."""
+    if i == 4:
+        add_member(tf, f"{i:06d}.input_ids.npy", _npy(token_ids(i, 5)))
+        add_member(tf, f"{i:06d}.json", b"{not json")
+        return True
+    if i == 9:
+        add_member(tf, f"{i:06d}.json", b"{}")
+        return True
+    if i == 15:
+        add_member(tf, f"{i:06d}.input_ids.npy", _npy(token_ids(i, 6)))
+        add_member(tf, f"{i:06d}.labels.npy", _npy(token_ids(i, 5)))
+        return True
+    return False
+
+
+def _npy(a) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, a)
+    return buf.getvalue()
+
+
+def test_header_pass_equals_the_full_pass_and_sidecars_give_the_same_plan(tmp_path):
+    paths = write_shards(str(tmp_path), sample_lengths(60), num_shards=3, extra=_bad_members)
+    src = WebDatasetSource(paths, sidecars=False)
+    for shard in range(3):  # record by record: the same locations, lengths, dims and event kinds
+        head, fp = header_index_shard(src, SCHEMA, shard)
+        full = index_shard(src, SCHEMA, shard)
+        assert head["locations"] == full["locations"] and head["lengths"] == full["lengths"]
+        assert head["dims"] == full["dims"] and head["dim_ids"] == full["dim_ids"] and head["media"] == full["media"]
+        assert [e[0] for e in head["events"]] == [e[0] for e in full["events"]]
+        assert fp["size"] == os.path.getsize(paths[shard])
+    in_process = build_index(src, SCHEMA, policy=SKIP)
+    assert write_sidecars(WebDatasetSource(paths), SCHEMA)["indexed"] == 3
+    from_sidecars = build_index(WebDatasetSource(paths), SCHEMA, policy=SKIP)
+    assert from_sidecars.digest == in_process.digest and len(in_process) == 57
+    os.rename(paths[1] + SUFFIX, str(tmp_path / "aside"))  # some shards from sidecars, one scanned
+    assert build_index(WebDatasetSource(paths), SCHEMA, policy=SKIP).digest == in_process.digest
+    os.rename(str(tmp_path / "aside"), paths[1] + SUFFIX)
+    assert from_sidecars.report.counts == in_process.report.counts == {"bad_sample": 2, "missing_member": 1} \
+        or from_sidecars.report.counts == in_process.report.counts
+    in_process.save(str(tmp_path / "d.index"))  # exactly this path (issue #7: not d.index.npz)
+    assert not os.path.exists(tmp_path / "d.index.npz")
+    plans = [_loader(WebDatasetSource(paths, sidecars=False), bad_data=SKIP).epoch_samples(e) for e in (0, 1)]
+    assert plans == [_loader(WebDatasetSource(paths), bad_data=SKIP).epoch_samples(e) for e in (0, 1)]
+    assert plans == [_loader(WebDatasetSource(paths), index=str(tmp_path / "d.index")).epoch_samples(e) for e in (0, 1)]
+    assert sum(len(mb) for mb in plans[0]) > 0
+
+
+def test_loader_from_sidecars_touches_no_sample(tmp_path, monkeypatch):
+    paths = write_shards(str(tmp_path), sample_lengths(30), num_shards=2)
+    write_sidecars(WebDatasetSource(paths), SCHEMA, workers=2)
+    assert all(os.path.exists(p + SUFFIX) for p in paths)
+
+    def no_scan(self, shard):
+        raise AssertionError("scanned a shard that has a sidecar")
+
+    monkeypatch.setattr(WebDatasetSource, "scan", no_scan)
+    loader = _loader(WebDatasetSource(paths))
+    batch = next(iter(loader))
+    assert batch["input_ids"].numel() > 0
+
+
+def test_second_run_indexes_only_new_or_changed_shards(tmp_path):
+    paths = write_shards(str(tmp_path), sample_lengths(30), num_shards=3)
+    out = str(tmp_path / "idx")
+    assert write_sidecars(WebDatasetSource(paths), SCHEMA, out_dir=out) == {"indexed": 3, "up_to_date": 0, "samples": 30}
+    assert write_sidecars(WebDatasetSource(paths), SCHEMA, out_dir=out)["indexed"] == 0
+    write_shards(str(tmp_path), sample_lengths(33), num_shards=3)  # every shard rewritten, only the last longer
+    stats = write_sidecars(WebDatasetSource(paths), SCHEMA, out_dir=out)
+    assert stats["indexed"] >= 1 and stats["up_to_date"] + stats["indexed"] == 3
+    idx = build_index(WebDatasetSource(paths, index_dir=out), SCHEMA)
+    assert len(idx) == 33
+
+
+def test_missing_shard_or_brace_typo_is_a_config_error_under_skip(tmp_path):
+    write_shards(str(tmp_path), sample_lengths(20), num_shards=2)
+    pattern = str(tmp_path / "shard-{000..003}.tar")  # 4 named, 2 exist
+    with pytest.raises(MissingShardError, match="shard-002.tar") as exc:
+        _loader(WebDatasetSource(pattern), bad_data=SKIP)
+    assert isinstance(exc.value, ConfigError)
+
+
+def test_changed_extra_and_foreign_indexes_raise_before_any_batch(tmp_path):
+    paths = write_shards(str(tmp_path / "a"), sample_lengths(30), num_shards=2)
+    write_sidecars(WebDatasetSource(paths), SCHEMA)
+    idx = build_index(WebDatasetSource(paths), SCHEMA)
+    idx.save(str(tmp_path / "two.index"))
+    with pytest.raises(ExtraShardError, match="shard-001.tar|2 shard"):  # an index of 2 shards, 1 given
+        _loader(WebDatasetSource(paths[:1]), index=str(tmp_path / "two.index"), bad_data=SKIP)
+    # shards rewritten with other data: other bytes in the first 64 KiB (shard 0), another size (shard 1)
+    write_shards(str(tmp_path / "a"), sample_lengths(30, seed=1), num_shards=2)
+    with pytest.raises(ChangedShardError, match="shard-000.tar.*64 KiB differ"):
+        _loader(WebDatasetSource(paths), bad_data=SKIP)
+    write_shards(str(tmp_path / "a"), sample_lengths(30), num_shards=2)
+    with open(paths[1], "ab") as f:
+        f.write(bytes(10240))
+    with pytest.raises(ChangedShardError, match="shard-001.tar.*bytes now"):
+        _loader(WebDatasetSource(paths), bad_data=SKIP)
+    with pytest.raises(ChangedShardError, match="shard-001.tar"):
+        _loader(WebDatasetSource(paths, sidecars=False), index=str(tmp_path / "two.index"), bad_data=SKIP)
+    # a sidecar of another shard, and one of another schema
+    paths_b = write_shards(str(tmp_path / "b"), sample_lengths(30), num_shards=2)
+    shutil.copy(paths_b[0], paths_b[1])
+    write_sidecars(WebDatasetSource(paths_b), SCHEMA)
+    shutil.copy(paths_b[0] + SUFFIX, paths_b[1] + SUFFIX)
+    with pytest.raises(StaleIndexError, match="shard-001.tar.*another shard"):
+        _loader(WebDatasetSource(paths_b))
+    write_sidecars(WebDatasetSource(paths_b), causal_lm_schema(topk=4), force=True)
+    with pytest.raises(StaleIndexError, match="another schema or transform"):
+        _loader(WebDatasetSource(paths_b))
+
+
+@pytest.mark.parametrize("craft", ["garbage", "pickle", "wrong_dtype", "bad_ranges", "version"])
+def test_crafted_sidecars_are_typed_config_errors(tmp_path, craft):
+    paths = write_shards(str(tmp_path), sample_lengths(10), num_shards=1)
+    write_sidecars(WebDatasetSource(paths), SCHEMA)
+    path = sidecar_path(paths[0])
+    with np.load(path) as z:
+        arrays = {k: z[k] for k in z.files}
+    if craft == "garbage":
+        data = b"PK\x03\x04 not a zip"
+    else:
+        if craft == "pickle":
+            arrays["lengths"] = np.array([object()] * 10, dtype=object)
+        elif craft == "wrong_dtype":
+            arrays["lengths"] = arrays["lengths"].astype(np.float32)
+        elif craft == "bad_ranges":
+            arrays["spans"][0, 1] = 1 << 40
+        else:
+            arrays["meta"] = np.frombuffer(bytes(arrays["meta"]).replace(b'"version": 1', b'"version": 9'), np.uint8)
+        buf = io.BytesIO()
+        np.savez(buf, **arrays)
+        data = buf.getvalue()
+    with open(path, "wb") as f:
+        f.write(data)
+    with pytest.raises(StaleIndexError, match="shard-000.tar"):
+        parse_sidecar(data, shard=paths[0])
+    with pytest.raises(StaleIndexError):
+        _loader(WebDatasetSource(paths), bad_data=SKIP)
+
+
+def test_byte_changed_in_place_is_source_changed(tmp_path):
+    paths = write_shards(str(tmp_path), [20] * 12, num_shards=1)
+    write_sidecars(WebDatasetSource(paths), SCHEMA)
+    loader = PackedLoader(WebDatasetSource(paths), schema=SCHEMA, layout=LAYOUT, token_budget=128).prepare()
+    raw = bytearray(open(paths[0], "rb").read())
+    at = raw.index(b"\x93NUMPY", 0) + 128 + 8  # inside the first sample's token data
+    raw[at] ^= 0x55
+    with open(paths[0], "wb") as f:
+        f.write(raw)  # same size: passes the build-time check, caught per sample
+    with pytest.raises(SourceChangedError, match="checksum"):
+        for _ in loader:
+            pass
+
+
+def test_vlm_header_index_equals_the_full_pass_on_the_demo_set(tmp_path):
+    from prealign.loaders.cli.demo_data import build_demo_dataset
+    from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
+    from prealign.loaders.vlm import VLMSampleTransform
+    from prealign.schemas.vlm import vlm_schema
+
+    ds = build_demo_dataset(str(tmp_path), num_samples=90, samples_per_shard=30, topk=4)
+    transform = VLMSampleTransform(tokenizer=ByteTokenizer(), topk=4)
+    schema = vlm_schema(topk=4, vocab_size=ds.vocab_size)
+    with pytest.warns(Warning):
+        full = build_index(WebDatasetSource(list(ds.shards), transform=transform, image="bytes", sidecars=False),
+                           schema, policy=SKIP)
+    write_sidecars(WebDatasetSource(list(ds.shards), transform=transform, image="bytes"), schema)
+    with pytest.warns(Warning):
+        side = build_index(WebDatasetSource(list(ds.shards), transform=transform, image="bytes"), schema, policy=SKIP)
+    assert len(full) == len(side) == 90 - len(ds.bad)
+    assert full.lengths.tolist() == side.lengths.tolist() and full.media.tolist() == side.media.tolist()
+    assert full.digest == side.digest and full.dims == side.dims
+    assert side.report.counts == full.report.counts == {k: 1 for k in ds.bad.values()}
+
+
+def test_sample_bad_only_at_load_time_is_counted_under_skip(tmp_path):
+    """The header pass does not read array values: an id past the vocabulary in sample 7 (not the first of
+    its signature) is found when loaded; under the skip policy it is left out of its micro-batch and
+    counted, under the default policy it raises naming the sample."""
+    from prealign.loaders.policy import BadSampleWarning
+
+    def extra(i, tf):
+        ids = token_ids(i, 12) % 1000  # vocab_size bounds input_ids too (main: ids < vocab_size)
+        top = np.stack([ids % 1000, ids % 1000 + 1], axis=1).astype(np.int64)
+        if i == 7:
+            top[3, 1] = 99_999  # past vocab_size; the header shows only the shape [12, 2]
+        add_member(tf, f"{i:06d}.input_ids.npy", _npy(ids))
+        add_member(tf, f"{i:06d}.teacher_topk_ids.npy", _npy(top))
+        add_member(tf, f"{i:06d}.teacher_topk_log_probs.npy", _npy(np.tile(np.float32([-0.5, -2.0]), (12, 1))))
+        return True
+
+    schema = causal_lm_schema(topk=2, vocab_size=1001)
+    paths = write_shards(str(tmp_path), [12] * 30, num_shards=1, extra=extra)
+    write_sidecars(WebDatasetSource(paths), schema)
+    side = build_index(WebDatasetSource(paths), schema)
+    with pytest.warns(BadSampleWarning):
+        full = build_index(WebDatasetSource(paths, sidecars=False), schema, policy=SKIP)
+    assert len(side) == 30 and len(full) == 29  # the header pass accepted it; the full pass did not
+    loader = PackedLoader(WebDatasetSource(paths), schema=schema, layout=LAYOUT, token_budget=64, bad_data=SKIP)
+    with pytest.warns(BadSampleWarning, match="index row 7. at load time"):
+        rows = [int(i) for b in loader for i in b["sample_index"]]
+    assert sorted(rows) == [r for r in range(30) if r != 7]
+    assert loader.report.counts == {"bad_sample": 1}
+    with pytest.raises(SampleError, match="index row 7"):
+        list(PackedLoader(WebDatasetSource(paths), schema=schema, layout=LAYOUT, token_budget=64))
+
+
+def test_saved_index_path_that_is_not_an_index_is_a_config_error(tmp_path):
+    paths = write_shards(str(tmp_path), sample_lengths(10), num_shards=1)
+    (tmp_path / "junk.index").write_bytes(b"not an index")
+    for path in (str(tmp_path / "missing.index"), str(tmp_path / "junk.index")):
+        with pytest.raises(StaleIndexError, match=os.path.basename(path)):
+            _loader(WebDatasetSource(paths), index=path)
+
+
+def test_vlm_header_only_index_finds_corrupt_pixels_at_load_time(tmp_path):
+    """``prealign index --header-only``: no pixel decode; the planted corrupt image body passes the header
+    pass, and is then left out and counted (``corrupt_image``) when loaded under the skip policy."""
+    from prealign.loaders.cli.demo_data import build_demo_dataset
+    from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
+    from prealign.loaders.vlm import VLMSampleTransform
+    from prealign.schemas.vlm import vlm_schema
+
+    ds = build_demo_dataset(str(tmp_path), num_samples=90, samples_per_shard=30, topk=4)
+    transform = VLMSampleTransform(tokenizer=ByteTokenizer(), topk=4)
+    schema = vlm_schema(topk=4, vocab_size=ds.vocab_size)
+    src = WebDatasetSource(list(ds.shards), transform=transform, image="bytes")
+    write_sidecars(src, schema, verify_images=False)
+    with pytest.warns(Warning):
+        full = build_index(WebDatasetSource(list(ds.shards), transform=transform, image="bytes", sidecars=False),
+                           schema, policy=SKIP)
+        side = build_index(src, schema, policy=SKIP)
+    assert len(side) == len(full) + 1 and "corrupt_image" not in side.report.counts
+    common = {tuple(r): n for r, n in zip(side.locations.tolist(), side.lengths.tolist())}
+    assert all(common[tuple(r)] == n for r, n in zip(full.locations.tolist(), full.lengths.tolist()))
+    loader = PackedLoader(src, schema=schema, layout=LAYOUT, token_budget=4096, bad_data=SKIP)
+    with pytest.warns(Warning):
+        rows = [int(i) for b in loader for i in b["sample_index"]]
+    assert len(rows) == len(full) and loader.report.counts == {k: 1 for k in ds.bad.values()}
