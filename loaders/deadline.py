@@ -20,6 +20,7 @@ import os
 import queue
 import stat
 import threading
+import zlib
 from typing import BinaryIO, Callable
 
 from prealign.schemas.errors import PrealignError
@@ -80,6 +81,10 @@ class TimedReader:
                     if not chunk:
                         return
         except (OSError, EOFError, PrealignError) as exc:  # the caller decides what an unreadable shard is
+            self._put(("error", exc))
+        except zlib.error as exc:  # corrupt deflate data in a .tar.gz: unreadable, like a bad gzip header
+            self._put(("error", OSError(f"corrupt compressed data ({exc})")))
+        except BaseException as exc:  # anything else is raised in the caller: a dead reader never looks stalled
             self._put(("error", exc))
 
     def _put(self, item) -> None:

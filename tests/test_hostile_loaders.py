@@ -415,6 +415,25 @@ def test_a_read_that_stalls_mid_shard_times_out(tmp_path):
         t.join(5)
 
 
+
+def test_a_corrupt_tar_gz_is_a_corrupt_shard_at_once_not_a_stall(tmp_path):
+    """Corrupt deflate data raises zlib.error in the reader thread: it must reach the caller as an
+    unreadable shard, not leave it waiting out ``read_timeout``."""
+    import gzip
+    import time
+
+    good = write_shards(str(tmp_path / "good"), [40, 60, 50], num_shards=1)
+    blob = bytearray(gzip.compress(open(good[0], "rb").read()))
+    for i in range(20, 60):  # scramble the deflate stream near its start: zlib.error in the reader thread
+        blob[i] ^= 0xFF
+    bad = tmp_path / "bad.tar.gz"
+    bad.write_bytes(bytes(blob))
+    t0 = time.monotonic()
+    idx = build_index(WebDatasetSource([str(good[0]), str(bad)], read_timeout=30.0), SCHEMA,
+                      policy=BadDataPolicy(on_error="skip", warn=False))
+    assert time.monotonic() - t0 < 20
+    assert "corrupt_shard" in idx.report.counts and "shard_timeout" not in idx.report.counts
+
 # ---- 6. optional fields present in some samples only ------------------------------------------------
 @pytest.mark.parametrize("field", ["loss_mask", "labels"])
 def test_a_mix_of_samples_with_and_without_an_optional_field_is_refused_at_indexing(field):
