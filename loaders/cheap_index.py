@@ -352,6 +352,9 @@ def write_sidecars(source, schema: BatchSchema, *, out_dir: str | None = None, w
     if out_dir:
         import os
 
+        from .sidecar import check_index_dir_names
+
+        check_index_dir_names(source.urls[s] for s in todo)
         os.makedirs(out_dir, exist_ok=True)
     stats = {"indexed": 0, "up_to_date": 0, "samples": 0}
     tasks = [(source, schema, s, out_dir, full, force, verify_images) for s in todo]

@@ -40,6 +40,7 @@ from typing import Iterable
 
 import numpy as np
 
+from prealign.schemas.errors import ConfigError
 from .errors import ChangedShardError, MissingShardError, StaleIndexError
 
 SUFFIX = ".prealign-index.npz"
@@ -74,6 +75,18 @@ def sidecar_path(url: str, index_dir: str | None = None) -> str:
         url = url[len("file://"):]
     base, sep, query = url.partition("?")
     return base + SUFFIX + (sep + query if sep else "")
+
+
+def check_index_dir_names(urls: Iterable[str]) -> None:
+    """An index folder names each sidecar by its shard's file name: two shards of one name (``train/s-0.tar``
+    and ``val/s-0.tar``) would share one sidecar, so they are a :class:`ConfigError` naming both."""
+    seen: dict[str, str] = {}
+    for url in urls:
+        other = seen.setdefault(shard_name(url), url)
+        if other != url:
+            raise ConfigError(f"index_dir: shards {other} and {url} have the same file name {shard_name(url)!r}, "
+                              f"so their sidecars would overwrite each other; index them into separate folders "
+                              f"or beside the shards")
 
 
 def shard_name(url: str) -> str:

@@ -125,6 +125,10 @@ class WebDatasetSource(Source):
         self.cache_dir = cache_dir
         self.index_dir, self.sidecars, self.max_open_files = index_dir, bool(sidecars), max(int(max_open_files), 1)
         """Sidecars: looked up beside each shard (or in ``index_dir``) when ``sidecars``."""
+        if index_dir:
+            from .sidecar import check_index_dir_names
+
+            check_index_dir_names(self.urls)
         if remote is None:
             limit = {} if cache_limit is None else {"cache_limit": int(cache_limit)}
             remote = _remote.RemoteOptions(cache_dir=cache_dir, **limit)

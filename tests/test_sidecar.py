@@ -272,3 +272,19 @@ def test_vlm_header_only_index_finds_corrupt_pixels_at_load_time(tmp_path):
     with pytest.warns(Warning):
         rows = [int(i) for b in loader for i in b["sample_index"]]
     assert len(rows) == len(full) and loader.report.counts == {k: 1 for k in ds.bad.values()}
+
+
+def test_shards_of_one_file_name_never_share_a_sidecar_in_an_index_folder(tmp_path):
+    """``train/s-0.tar`` and ``val/s-0.tar`` in one index folder would overwrite each other's sidecar
+    (and every re-index would too): refused up front, naming both."""
+    a = write_shards(str(tmp_path / "train"), sample_lengths(10), num_shards=1)
+    b = write_shards(str(tmp_path / "val"), sample_lengths(12, seed=1), num_shards=1)
+    assert os.path.basename(a[0]) == os.path.basename(b[0])
+    both = WebDatasetSource([a[0], b[0]])
+    with pytest.raises(ConfigError, match="same file name"):
+        write_sidecars(both, SCHEMA, out_dir=str(tmp_path / "idx"))
+    assert not os.path.exists(tmp_path / "idx")
+    with pytest.raises(ConfigError, match="train.*val"):
+        WebDatasetSource([a[0], b[0]], index_dir=str(tmp_path / "idx"))
+    write_sidecars(both, SCHEMA)  # beside the shards: no clash
+    assert os.path.exists(sidecar_path(a[0])) and os.path.exists(sidecar_path(b[0]))
