@@ -162,13 +162,15 @@ def _verified_size(data: bytes, name: str, key) -> tuple[int, int]:
 
 def length_rule(source, schema: BatchSchema, *, verify_images: bool = True) -> Callable | None:
     """The header rule for ``source``'s transform, or None (no rule: the full pass)."""
+    from .sidecar import indexed_transform
     from .vlm import VLMSampleTransform
     from .webdataset_source import numpy_fields
 
-    if source.transform is numpy_fields:
+    transform = indexed_transform(source.transform)
+    if transform is numpy_fields:
         return TextRule(schema)
-    if isinstance(source.transform, VLMSampleTransform):
-        return VLMRule(source.transform, schema, verify_images=verify_images)
+    if isinstance(transform, VLMSampleTransform):
+        return VLMRule(transform, schema, verify_images=verify_images)
     return None
 
 

@@ -252,11 +252,26 @@ def merge_records(results: list[dict], policy, *, where, schema):
 
 
 # ---- the configuration a sidecar was built for -----------------------------------------------------
+def indexed_transform(transform):
+    """The transform whose lengths an index records: a :class:`~prealign.loaders.media_share.SharedMediaTransform`
+    shares its inner transform's results across a CP group without changing them, so it is looked through."""
+    from .media_share import SharedMediaTransform
+
+    while isinstance(transform, SharedMediaTransform):
+        transform = transform.transform
+    return transform
+
+
 def describe_transform(transform) -> str:
-    """A stable description of a transform: what decides the lengths it gives."""
+    """A stable description of a transform: what decides the lengths it gives. A custom transform is
+    described by its ``index_key()`` when it has one (say which settings change lengths), else by its
+    qualified name alone."""
     from .vlm import VLMSampleTransform
     from .webdataset_source import numpy_fields
 
+    transform = indexed_transform(transform)
+    if callable(getattr(transform, "index_key", None)):
+        return f"{type(transform).__module__}.{type(transform).__qualname__}:{transform.index_key()}"
     if transform is None:
         return "none"
     if transform is numpy_fields:

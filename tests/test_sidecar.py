@@ -288,3 +288,31 @@ def test_shards_of_one_file_name_never_share_a_sidecar_in_an_index_folder(tmp_pa
         WebDatasetSource([a[0], b[0]], index_dir=str(tmp_path / "idx"))
     write_sidecars(both, SCHEMA)  # beside the shards: no clash
     assert os.path.exists(sidecar_path(a[0])) and os.path.exists(sidecar_path(b[0]))
+
+
+def test_the_sidecar_key_looks_through_shared_media_and_reads_index_key():
+    """Wrapping the transform for CP sharing changes no length: the same key (and the header rule);
+    a custom transform's ``index_key()`` separates configurations that change lengths."""
+    from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
+    from prealign.loaders.media_share import SharedMediaTransform
+    from prealign.loaders.sidecar import describe_transform
+    from prealign.loaders.vlm import VLMSampleTransform
+
+    bare = VLMSampleTransform(tokenizer=ByteTokenizer(), topk=4)
+    shared = SharedMediaTransform(transform=bare, run="r", cp_rank=0, cp_size=2)
+    other = SharedMediaTransform(transform=VLMSampleTransform(tokenizer=ByteTokenizer(), topk=8), run="r",
+                                 cp_rank=0, cp_size=2)
+    assert describe_transform(shared) == describe_transform(bare) != describe_transform(other)
+
+    class Trunc:
+        def __init__(self, n):
+            self.n = n
+
+        def index_key(self):
+            return f"n={self.n}"
+
+        def __call__(self, raw):
+            return raw
+
+    assert describe_transform(Trunc(10)) != describe_transform(Trunc(99))
+    assert describe_transform(Trunc(10)) == describe_transform(Trunc(10))
