@@ -43,6 +43,7 @@ import hashlib
 import json
 import mmap
 import os
+import stat
 import tempfile
 import time
 import warnings
@@ -93,7 +94,11 @@ def decode_sample(buf) -> dict:
         np_dtype = np.int16 if dtype == "bfloat16" else np.dtype(dtype)
         if np.dtype(np_dtype).hasobject:
             raise ValueError(f"refused dtype {dtype}")
-        arr = np.frombuffer(buf, dtype=np_dtype, count=nbytes // np.dtype(np_dtype).itemsize, offset=base + offset)
+        itemsize = np.dtype(np_dtype).itemsize
+        if (offset < 0 or nbytes != int(np.prod(shape, dtype=np.int64)) * itemsize
+                or base + offset + nbytes > len(buf)):
+            raise ValueError(f"tensor {name!r}: {nbytes} bytes at {offset} do not hold {dtype} {shape}")
+        arr = np.frombuffer(buf, dtype=np_dtype, count=nbytes // itemsize, offset=base + offset)
         t = torch.from_numpy(arr).reshape(shape)
         out[name] = t.view(torch.bfloat16) if dtype == "bfloat16" else t
     return out
@@ -188,8 +193,8 @@ class SharedMediaTransform:
         h = self.key(raw)
         path = os.path.join(d, h)
         try:
-            os.makedirs(d, exist_ok=True)
-            fd = os.open(path + ".claim", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+            _private_dir(d)
+            fd = os.open(path + ".claim", os.O_CREAT | os.O_EXCL | os.O_WRONLY | _NOFOLLOW, 0o600)
         except FileExistsError:
             return self._wait(raw, path)
         except OSError:
@@ -220,7 +225,7 @@ class SharedMediaTransform:
         tmp = f"{path}.{os.getpid()}.tmp"
         try:
             parts = encode_sample(out)
-            fd = os.open(tmp, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
+            fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | _NOFOLLOW, 0o600)
             try:
                 _write_all(fd, parts)
             finally:
@@ -315,9 +320,23 @@ def _map(path: str):
         return mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
 
 
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+
+
+def _private_dir(d: str) -> None:
+    """Create ``d`` (mode 0o700) or accept it only when it is a folder of this user that no one else can
+    write, never a link: another local user could otherwise plant results or links in a shared
+    ``/dev/shm``. An ``OSError`` here makes the caller compute the sample itself."""
+    os.makedirs(d, mode=0o700, exist_ok=True)
+    st = os.lstat(d)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise PermissionError(f"{d}: not a folder only this user can write (mode {oct(st.st_mode)}, "
+                              f"uid {st.st_uid})")
+
+
 def _touch(path: str) -> None:
     try:
-        os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o600))
+        os.close(os.open(path, os.O_CREAT | os.O_WRONLY | _NOFOLLOW, 0o600))
     except OSError:
         pass
 

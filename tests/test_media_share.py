@@ -231,3 +231,30 @@ def test_configuration_errors():
         SharedMediaTransform(transform=_Counting(), run="r", cp_rank=2, cp_size=2)
     with pytest.raises(ConfigError):
         SharedMediaTransform(transform=_Counting(), run="", cp_rank=0, cp_size=2)
+
+
+def test_a_malformed_or_planted_result_is_never_served(tmp_path):
+    """A record whose sizes disagree is a ValueError (the waiter then computes the sample itself); a cache
+    folder that is not this user's private one is never used; a planted link is never written through."""
+    sample = {"__key__": "s1", "a": torch.arange(6)}
+    buf = bytearray(b"".join(bytes(p) for p in encode_sample(sample)))
+    header_end = buf.index(b"}}") + 2
+    lying = bytes(buf[:header_end]).replace(b"[6]", b"[9]")
+    with pytest.raises(ValueError, match="do not hold"):
+        decode_sample(bytearray(lying + bytes(buf[header_end:])))
+
+    raw = {"__key__": "k", "x": [3, 4]}
+    open_dir = tmp_path / "open"
+    t = SharedMediaTransform(transform=_Counting(), run="r", cp_rank=0, cp_size=2, cache_dir=str(open_dir))
+    os.makedirs(t.directory)
+    os.chmod(t.directory, 0o777)  # a folder others can write: results in it are never trusted
+    assert torch.equal(t(raw)["input_ids"], torch.tensor([6, 8])) and t.stats.write_failed == 1
+    assert os.listdir(t.directory) == []
+
+    mine = SharedMediaTransform(transform=_Counting(), run="r", cp_rank=0, cp_size=2, cache_dir=str(tmp_path / "p"))
+    os.makedirs(mine.directory, mode=0o700)
+    victim = tmp_path / "victim"
+    victim.write_text("keep me")
+    os.symlink(victim, os.path.join(mine.directory, f"{mine.key(raw)}.{os.getpid()}.tmp"))
+    assert torch.equal(mine(raw)["input_ids"], torch.tensor([6, 8]))
+    assert victim.read_text() == "keep me" and mine.stats.write_failed == 1
