@@ -31,6 +31,7 @@ when the sample is read: the crc32 of its members recorded at indexing no longer
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import json
@@ -325,9 +326,10 @@ def shard_probe(source, shard: int, size: int) -> str:
         return ""
     spans = [(0, min(PROBE, size)), (max(size - PROBE, 0), size)]
     h = hashlib.blake2b(digest_size=8)
+    uncached = dataclasses.replace(source.remote, cache_dir=None) if remote.is_remote(url) else None
     for lo, hi in spans:
-        if remote.is_remote(url):
-            h.update(remote.read_range(url, lo, hi, source.remote))
+        if remote.is_remote(url):  # never through the block cache: it may hold the object's old bytes
+            h.update(remote.read_range(url, lo, hi, uncached))
         else:
             with open(url[len("file://"):] if url.startswith("file://") else url, "rb") as f:
                 f.seek(lo)

@@ -16,7 +16,7 @@ import torch
 
 from prealign.loaders import PackedLoader, ShuffleOptions, WebDatasetSource
 from prealign.loaders.cheap_index import write_sidecars
-from prealign.loaders.errors import MissingShardError
+from prealign.loaders.errors import ChangedShardError, MissingShardError
 from prealign.loaders.remote import RemoteOptions, RemoteStallError, read_range
 from prealign.schemas import ParallelLayout
 from prealign.schemas.schema import causal_lm_schema
@@ -191,3 +191,23 @@ def test_s3_batches_equal_local_through_moto_server(tmp_path):
             _loader(WebDatasetSource("s3://data/shard-{000..002}.tar", remote=opts))
     finally:
         server.stop()
+
+
+def test_a_replaced_object_is_seen_through_a_warm_block_cache(tmp_path, http_server):
+    """The build-time check reads the shard's ends from the server, never from the block cache: a shard
+    replaced by another of the same size is a ChangedShardError even when the cache holds its old bytes."""
+    server, base = http_server
+    paths = write_shards(server.root, sample_lengths(60, low=20, high=40), num_shards=1)
+    write_sidecars(WebDatasetSource(paths), SCHEMA)
+    url = f"{base}/shard-000.tar"
+    opts = RemoteOptions(cache_dir=str(tmp_path / "cache"), block_size=4096, retries=1, backoff=0.01)
+    assert len(list(_loader(WebDatasetSource(url, remote=opts)))) > 0  # the cache now holds every block
+    size = os.path.getsize(paths[0])
+    with open(paths[0], "r+b") as f:  # same size, other first bytes: a replaced object
+        head = bytearray(f.read(512))
+        head[:8] = b"replaced"
+        f.seek(0)
+        f.write(bytes(head))
+    assert os.path.getsize(paths[0]) == size
+    with pytest.raises(ChangedShardError, match="shard-000.tar"):
+        _loader(WebDatasetSource(url, remote=opts))
