@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from prealign.schemas.errors import ConfigError, SampleError
-from .tar_decode import IMAGE_FORMATS
+from .tar_decode import IMAGE_FORMATS, read_npy_header
 
 
 class HeaderError(SampleError):
@@ -44,15 +44,10 @@ def npy_header(data: bytes | memoryview, *, field: str = "npy", sample=None) -> 
         return fast
     fp = io.BytesIO(bytes(data[:65536 + 16]))
     try:
-        major, _ = np.lib.format.read_magic(fp)
-        read = {1: np.lib.format.read_array_header_1_0, 2: np.lib.format.read_array_header_2_0,
-                3: getattr(np.lib.format, "read_array_header_2_0", None)}[major]
-        shape, _fortran, dtype = read(fp)
-    except (ValueError, KeyError, TypeError, EOFError, OSError, SyntaxError) as exc:
-        raise HeaderError(sample=sample, field=field, expected="an .npy header", actual=f"{exc}") from None
-    if dtype.hasobject:
-        raise HeaderError(sample=sample, field=field, expected="a numeric .npy array",
-                          actual=f"dtype {dtype} (object arrays need unpickling: refused)")
+        shape, dtype = read_npy_header(fp)
+    except (ValueError, EOFError, SyntaxError) as exc:
+        raise HeaderError(sample=sample, field=field, expected="an .npy header of a numeric array",
+                          actual=str(exc)) from None
     return tuple(int(d) for d in shape), dtype
 
 

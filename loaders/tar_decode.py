@@ -112,8 +112,9 @@ def _int_or_text(data: bytes):
         return text
 
 
-def _npy_header(fp) -> tuple[tuple[int, ...], np.dtype]:
-    """(shape, dtype) from an ``.npy`` header; object dtypes (pickles) refused."""
+def read_npy_header(fp) -> tuple[tuple[int, ...], np.dtype]:
+    """(shape, dtype) from an ``.npy`` header at ``fp`` (versions 1.0 and 2.0); object dtypes (pickles)
+    refused. Raises ``ValueError`` (or ``EOFError`` on a short header)."""
     fmt = np.lib.format
     version = fmt.read_magic(fp)
     if version not in ((1, 0), (2, 0)):
@@ -121,7 +122,7 @@ def _npy_header(fp) -> tuple[tuple[int, ...], np.dtype]:
     reader = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
     shape, _, dtype = reader(fp)
     if dtype.hasobject:
-        raise ValueError("object arrays need pickle, which is never used")
+        raise ValueError("object arrays need unpickling, which is never done")
     return shape, dtype
 
 
@@ -135,7 +136,7 @@ def _declared(shape: tuple[int, ...], dtype: np.dtype) -> int:
 def _array(fp, budget: int, name: str) -> np.ndarray:
     """One ``.npy`` stream, its declared size checked against ``budget`` before reading the data."""
     start = fp.tell()
-    shape, dtype = _npy_header(fp)
+    shape, dtype = read_npy_header(fp)
     nbytes = _declared(shape, dtype)
     if nbytes > budget:
         raise ArrayTooLarge(f"{name} declares shape {tuple(shape)} {dtype} = {nbytes} bytes, over the "
