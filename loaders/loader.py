@@ -30,7 +30,7 @@ from prealign.schemas.layout import ParallelLayout
 from prealign.schemas.schema import BatchSchema, Role, Source as FieldSource
 from .errors import BadSampleError, LoaderUsageError, PlanError, SourceChangedError, reason_of
 from .index import SampleIndex, build_index, has_media, media_keys
-from .options import IndexOptions, LoadingOptions, ShuffleOptions
+from .options import IndexOptions, LoadingOptions, ShuffleOptions, check_dp
 from .planner import MicrobatchPlan, PlannerConfig, microbatch_capacity
 from .policy import BadDataPolicy, BadDataReport, BadSampleWarning, OnBadSample, Oversize
 from .schedule import Request, Schedule, check_count
@@ -260,10 +260,7 @@ class PackedLoader:
                  planner: PlannerConfig | None = None, bad_data: BadDataPolicy | None = None,
                  shuffle: ShuffleOptions | None = None, indexing: IndexOptions | None = None,
                  loading: LoadingOptions | None = None, collator: Callable | None = None):
-        if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
-            raise PlanError(f"dp_size: expected an int >= 1, got {dp_size!r}")
-        if isinstance(dp_rank, bool) or not isinstance(dp_rank, int) or not 0 <= dp_rank < dp_size:
-            raise PlanError(f"dp_rank: expected an int in [0, {dp_size}), got {dp_rank!r}")
+        check_dp(dp_rank, dp_size)
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
             raise PlanError(f"num_workers: expected an int >= 0, got {num_workers!r}")
         for name, value, cls in (("planner", planner, PlannerConfig), ("bad_data", bad_data, BadDataPolicy),

@@ -29,6 +29,15 @@ def _int(name: str, value, low: int, *, optional: bool = False) -> None:
         raise PlanError(f"{name}: expected an int >= {low}{' or None' if optional else ''}, got {value!r}")
 
 
+def check_dp(dp_rank, dp_size) -> None:
+    """``dp_size`` an int >= 1 and ``dp_rank`` an int in ``[0, dp_size)`` (never a bool), else
+    :class:`~prealign.loaders.errors.PlanError` naming the argument."""
+    if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
+        raise PlanError(f"dp_size: expected an int >= 1, got {dp_size!r}")
+    if isinstance(dp_rank, bool) or not isinstance(dp_rank, int) or not 0 <= dp_rank < dp_size:
+        raise PlanError(f"dp_rank: expected an int in [0, {dp_size}), got {dp_rank!r}")
+
+
 def _bool(name: str, value) -> None:
     if not isinstance(value, bool):
         raise PlanError(f"{name}: expected True or False, got {value!r}")

@@ -42,7 +42,7 @@ from .errors import BadSampleError, OversizeSampleError, PlanError, ResumeError
 from .index import _freeze, _reason, _thaw, _validated, has_media, media_keys
 from .loader import filler_sample, truncate_sample
 from .packing import best_fit_decreasing
-from .options import LoadingOptions
+from .options import LoadingOptions, check_dp
 from .planner import microbatch_capacity
 from .policy import BadDataGate, BadDataPolicy, BadDataReport, Oversize, coerce_enum
 from .schedule import check_count
@@ -205,10 +205,7 @@ class StreamingPackedLoader:
                  buffer_size: int = 1024, oversize: Oversize | str = Oversize.ERROR,
                  bad_data: BadDataPolicy | None = None, collator: Callable | None = None, group=None,
                  loading: LoadingOptions | None = None):
-        if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
-            raise PlanError(f"dp_size: expected an int >= 1, got {dp_size!r}")
-        if isinstance(dp_rank, bool) or not isinstance(dp_rank, int) or not 0 <= dp_rank < dp_size:
-            raise PlanError(f"dp_rank: expected an int in [0, {dp_size}), got {dp_rank!r}")
+        check_dp(dp_rank, dp_size)
         if isinstance(buffer_size, bool) or not isinstance(buffer_size, int) or buffer_size < 2:
             raise PlanError(f"buffer_size: expected an int >= 2, got {buffer_size!r}")
         num_workers = check_count("num_workers", num_workers)
