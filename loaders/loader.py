@@ -318,9 +318,9 @@ class PackedLoader:
                                   multiprocessing_context=lo.multiprocessing_context if workers else None,
                                   timeout=lo.timeout, **kwargs)
         # truncations/skips depend on lengths and media flags only: the same every epoch
-        order0, plan0 = self._schedule.plan(0)
-        self._oversize = plan0.stats
-        self._skipped_media = tuple(sorted(int(order0[p]) for p in plan0.skipped_media))
+        screened, order0 = self._schedule.screening()
+        self._oversize = screened
+        self._skipped_media = tuple(sorted(int(order0[p]) for p in screened.skipped_media))
         self._index = index
         self._announce_oversize()
         return self
@@ -350,7 +350,7 @@ class PackedLoader:
     def _normalised(self) -> tuple[int, int]:
         """(epoch, position) with a finished epoch read as the start of the next one."""
         self.prepare()
-        if self._position >= self._schedule.num_microbatches(self._epoch):
+        if self._position >= self._schedule.count_to(self._epoch, self._position):
             return self._epoch + 1, 0
         return self._epoch, self._position
 
@@ -412,28 +412,28 @@ class PackedLoader:
             rep.examples.append((where, reason, message))
         for reason, n in self._load_report.counts.items():
             rep.counts[reason] = rep.counts.get(reason, 0) + n
-        stats = self._oversize
-        if stats.num_truncated:
-            rep.counts["oversize_truncated"] = stats.num_truncated
-        if stats.num_skipped:
-            rep.counts["oversize_skipped"] = stats.num_skipped
+        over = self._oversize
+        if over.truncated:
+            rep.counts["oversize_truncated"] = len(over.truncated)
+        if over.skipped:
+            rep.counts["oversize_skipped"] = len(over.skipped)
         for i in self._skipped_media:
             rep.add("oversize_media", self.source.where(tuple(self.index.locations[i].tolist())),
-                    f"{int(self.index.lengths[i])} tokens > {stats.capacity} (token_budget {self.token_budget}) "
+                    f"{int(self.index.lengths[i])} tokens > {over.cap} (token_budget {self.token_budget}) "
                     f"and carries media: left out, not truncated")
         return rep
 
     def _announce_oversize(self) -> None:
-        stats = self._oversize
-        if stats.num_truncated or stats.num_skipped:
+        over = self._oversize
+        if over.truncated or over.skipped:
             warnings.warn(BadSampleWarning(
-                f"{stats.num_truncated} sample(s) truncated ({stats.truncated_tokens} tokens cut) and "
-                f"{stats.num_skipped} skipped by the oversize policy {self.planner.oversize.value!r} "
-                f"(token_budget {self.token_budget}, max sample length {stats.capacity})"), stacklevel=3)
-        if stats.num_skipped_media:
+                f"{len(over.truncated)} sample(s) truncated ({over.cut_tokens} tokens cut) and "
+                f"{len(over.skipped)} skipped by the oversize policy {self.planner.oversize.value!r} "
+                f"(token_budget {self.token_budget}, max sample length {over.cap})"), stacklevel=3)
+        if over.skipped_media:
             warnings.warn(BadSampleWarning(
-                f"{stats.num_skipped_media} sample(s) carrying media skipped, not truncated (oversize_media): "
-                f"longer than {stats.capacity} tokens (token_budget {self.token_budget}), and a cut could split an "
+                f"{len(over.skipped_media)} sample(s) carrying media skipped, not truncated (oversize_media): "
+                f"longer than {over.cap} tokens (token_budget {self.token_budget}), and a cut could split an "
                 f"image's tokens from its pixel_values / image_grid_thw; raise token_budget to keep them"),
                 stacklevel=3)
 
@@ -458,6 +458,6 @@ class PackedLoader:
         planner, seed or data."""
         st = LoaderState.from_dict(state)
         st.check_compatible(self._config(), self._data())
-        st.check_position(self._schedule.num_microbatches(st.epoch))
+        st.check_position(self._schedule.count_to(st.epoch, st.position))
         self._epoch, self._position = st.epoch, st.position
         self._active = None

@@ -76,48 +76,65 @@ def stream_fit(sizes: np.ndarray, cap: int, *, buffer_size: int, best: bool, max
     >>> stream_fit(np.array([4, 8, 4, 12, 4]), 16, buffer_size=8, best=True)
     [[3, 0], [1, 2, 4]]
     """
-    n = int(sizes.shape[0])
-    if n == 0:
-        return []
-    bins = _OpenBins(cap)
-    held_limit = max(buffer_size // 2, 1)
-    min_size = int(sizes.min())
-    closed: list[int] = []
-    held = pos = window = 0
-    size_list = sizes.tolist()
-    while pos < n:
-        stop = min(n, pos + max(buffer_size - held, 1))
-        idx = np.arange(pos, stop)
-        if best:
-            idx = idx[np.argsort(-sizes[pos:stop], kind="stable")]
-        for i in idx.tolist():
-            s = size_list[i]
-            hit = bins.best(s) if best else bins.first(s)
-            if hit is None:
-                bins.put(bins.new(window), i, s, None)
-            else:
-                bins.put(hit[0], i, s, hit[1])
-        held += stop - pos
-        pos = stop
-        # close what cannot grow, what is too old, then the fullest while too much is held
-        for key in [k for k in bins.keys if (k >> _SHIFT) < min_size
-                    or bins.born[k & ((1 << _SHIFT) - 1)] <= window - max_age]:
-            b = bins.close(key)
-            closed.append(b)
-            held -= len(bins.items[b])
-        while held > held_limit and bins.keys:
-            b = bins.close(bins.keys[0])
-            closed.append(b)
-            held -= len(bins.items[b])
-        window += 1
-    out = [bins.items[b] for b in closed]
-    # stream end: the samples still in open bins are re-packed together by best-fit decreasing
-    open_bins = [bins.items[k & ((1 << _SHIFT) - 1)] for k in bins.keys]
-    held_items = [i for b in open_bins for i in b]
-    rest = best_fit_decreasing(sizes[held_items], cap) if held_items else []
-    if len(rest) <= len(open_bins):  # never worse than closing the open bins as they are
-        open_bins = [[held_items[j] for j in b] for b in rest]
-    return out + open_bins
+    fit = StreamFit(sizes, cap, buffer_size=buffer_size, best=best, max_age=max_age)
+    return fit.advance(int(sizes.shape[0])) + fit.finish()
+
+
+class StreamFit:
+    """:func:`stream_fit` one stretch of the stream at a time: ``advance(stop)`` packs windows until
+    position ``stop`` is consumed and returns the bins closed meanwhile; ``finish()`` closes the rest.
+    The bins are exactly those of one :func:`stream_fit` call, however the stream is cut."""
+
+    def __init__(self, sizes: np.ndarray, cap: int, *, buffer_size: int, best: bool, max_age: int = 4):
+        self.sizes, self.size_list, self.best = sizes, sizes.tolist(), best
+        self.buffer_size, self.max_age = buffer_size, max_age
+        self.bins = _OpenBins(cap)
+        self.held_limit = max(buffer_size // 2, 1)
+        self.min_size = int(sizes.min()) if sizes.size else 0
+        self.held = self.pos = self.window = 0
+
+    def advance(self, stop: int) -> list[list[int]]:
+        """Bins closed while the windows reach position ``stop`` (a window may run past it)."""
+        bins, sizes, size_list, best = self.bins, self.sizes, self.size_list, self.best
+        n = len(size_list)
+        closed: list[int] = []
+        while self.pos < min(stop, n):
+            pos, window = self.pos, self.window
+            end = min(n, pos + max(self.buffer_size - self.held, 1))
+            idx = np.arange(pos, end)
+            if best:
+                idx = idx[np.argsort(-sizes[pos:end], kind="stable")]
+            for i in idx.tolist():
+                s = size_list[i]
+                hit = bins.best(s) if best else bins.first(s)
+                if hit is None:
+                    bins.put(bins.new(window), i, s, None)
+                else:
+                    bins.put(hit[0], i, s, hit[1])
+            self.held += end - pos
+            self.pos = end
+            # close what cannot grow, what is too old, then the fullest while too much is held
+            for key in [k for k in bins.keys if (k >> _SHIFT) < self.min_size
+                        or bins.born[k & ((1 << _SHIFT) - 1)] <= window - self.max_age]:
+                b = bins.close(key)
+                closed.append(b)
+                self.held -= len(bins.items[b])
+            while self.held > self.held_limit and bins.keys:
+                b = bins.close(bins.keys[0])
+                closed.append(b)
+                self.held -= len(bins.items[b])
+            self.window += 1
+        return [bins.items[b] for b in closed]
+
+    def finish(self) -> list[list[int]]:
+        """Stream end: the samples still in open bins, re-packed together by best-fit decreasing."""
+        bins = self.bins
+        open_bins = [bins.items[k & ((1 << _SHIFT) - 1)] for k in bins.keys]
+        held_items = [i for b in open_bins for i in b]
+        rest = best_fit_decreasing(self.sizes[held_items], bins.cap) if held_items else []
+        if len(rest) <= len(open_bins):  # never worse than closing the open bins as they are
+            open_bins = [[held_items[j] for j in b] for b in rest]
+        return open_bins
 
 
 def best_fit_decreasing(sizes: np.ndarray, cap: int) -> list[list[int]]:

@@ -1,11 +1,13 @@
 """Epoch order and the per-rank schedule of micro-batch requests (what the DataLoader is fed).
 
-``epoch_order`` -> :func:`~prealign.loaders.planner.plan_microbatches` on the index lengths in that order
--> this rank's row -> :class:`Request` objects, one per micro-batch, handed to DataLoader workers.
-Everything is a pure function of (index, epoch, seed, config), which is what makes resume exact.
+``epoch_order`` -> :class:`~prealign.loaders.planner.ChunkedPlan` of the index lengths in that order
+-> this rank's row, a chunk at a time as requests reach it -> :class:`Request` objects, one per
+micro-batch, handed to DataLoader workers. Everything is a pure function of (index, epoch, seed,
+config), which is what makes resume exact.
 """
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass
 
 import numpy as np
@@ -13,7 +15,7 @@ import numpy as np
 from prealign.schemas.layout import ParallelLayout
 from .errors import PlanError
 from .index import SampleIndex
-from .planner import MicrobatchPlan, PlannerConfig, plan_microbatches
+from .planner import ChunkedPlan, MicrobatchPlan, PlannerConfig
 
 
 def check_count(name: str, value) -> int:
@@ -55,19 +57,43 @@ def epoch_order(index: SampleIndex, *, epoch: int, seed: int, shuffle: bool, seq
     rng = np.random.default_rng([seed, epoch])
     if not sequential:
         return rng.permutation(n)
-    shard_ids, inverse = np.unique(index.shards, return_inverse=True)
-    shard_rank = rng.permutation(len(shard_ids))[inverse]
-    order = np.lexsort((np.arange(n), shard_rank))
-    window = max(window, 1)
-    block = (np.arange(n) + rng.integers(window)) // window  # window boundaries move every epoch
-    return order[np.lexsort((rng.random(n), block))]
+    shards = np.asarray(index.shards)
+    if n and np.any(shards[1:] < shards[:-1]):  # not grouped by shard (a hand-built index): group it
+        by_shard = np.argsort(shards, kind="stable")
+    else:
+        by_shard = None
+    grouped = shards if by_shard is None else shards[by_shard]
+    starts = np.flatnonzero(np.r_[True, grouped[1:] != grouped[:-1]]) if n else np.zeros(0, np.int64)
+    counts = np.diff(np.r_[starts, n])
+    perm = rng.permutation(starts.size)
+    first, count = starts[perm], counts[perm]
+    order = np.arange(n) + np.repeat(first - (np.cumsum(count) - count), count)  # shards in a seeded order
+    if by_shard is not None:
+        order = by_shard[order]
+    return order[_window_shuffle(n, max(window, 1), rng)]
 
 
-def step_order(steps: tuple[int, ...], *, epoch: int, seed: int, shuffle: bool, window: int | None) -> np.ndarray:
+def _window_shuffle(n: int, window: int, rng: np.random.Generator) -> np.ndarray:
+    """A permutation of ``range(n)`` that shuffles inside consecutive blocks of ``window`` positions, the
+    block boundaries moved by a random offset (O(n), no sort).
+
+    >>> p = _window_shuffle(10, 4, np.random.default_rng(0))
+    >>> sorted(p.tolist()) == list(range(10)) and int(abs(p - np.arange(10)).max()) < 4
+    True
+    """
+    offset = int(rng.integers(window))
+    rows = -(-(n + offset) // window)
+    grid = rng.permuted(np.arange(rows * window).reshape(rows, window), axis=1).reshape(-1) - offset
+    return grid[(grid >= 0) & (grid < n)]
+
+
+def step_order(steps: tuple[int, ...], *, epoch: int, seed: int, shuffle: bool, window: int | None,
+               salt: int = 0) -> np.ndarray:
     """Micro-batch positions (of one rank; the same on every rank) in the order they are served:
     the plan's steps (``steps[s]`` micro-batches each) in a seeded order, each kept whole, so the
     DP balance of a step is kept. ``window``: shuffle only inside consecutive groups of that many
-    steps (sources read front to back); ``None``: one permutation of all steps.
+    steps (sources read front to back); ``None``: one permutation of all steps. ``salt``: the chunk
+    of the plan the steps belong to (each chunk its own order).
 
     >>> step_order((1, 1, 1, 1), epoch=0, seed=0, shuffle=False, window=None).tolist()
     [0, 1, 2, 3]
@@ -78,14 +104,15 @@ def step_order(steps: tuple[int, ...], *, epoch: int, seed: int, shuffle: bool, 
     num = len(steps)
     if not shuffle or num < 2:
         return np.arange(int(starts[-1]))
-    rng = np.random.default_rng([seed, epoch, 7])
+    rng = np.random.default_rng([seed, epoch, 7, salt])
     w = num if window is None else max(int(window), 1)
     perm = np.lexsort((rng.random(num), np.arange(num) // w))
     return np.concatenate([np.arange(starts[s], starts[s + 1]) for s in perm]).astype(np.int64)
 
 
 class Schedule:
-    """Plans epochs (cached one at a time) and lists one rank's requests."""
+    """Plans epochs lazily (one epoch cached, its chunks planned as requests reach them) and lists one
+    rank's requests. Every DP rank plans the same chunks, so all agree without communication."""
 
     def __init__(self, index: SampleIndex, *, layout: ParallelLayout, token_budget: int, dp_size: int,
                  planner: PlannerConfig, seed: int, shuffle: bool, sequential: bool, window: int,
@@ -94,52 +121,100 @@ class Schedule:
         self.index, self.layout, self.token_budget, self.dp_size = index, layout, token_budget, dp_size
         self.planner, self.seed, self.shuffle, self.sequential, self.window = planner, seed, shuffle, sequential, window
         self.step_window = step_window
-        """Steps are served in a seeded order (:func:`step_order`): all of them permuted (``None``), or
-        only within groups of ``step_window`` steps (sources read front to back)."""
-        self._cached: tuple[int, np.ndarray, MicrobatchPlan, int, np.ndarray] | None = None
+        """Steps are served in a seeded order (:func:`step_order`) inside each chunk of the plan: all of
+        the chunk's steps permuted (``None``), or only within groups of ``step_window`` steps (sources read
+        front to back)."""
+        self._cached: _Epoch | None = None
 
-    def plan(self, epoch: int) -> tuple[np.ndarray, MicrobatchPlan]:
-        """(order, plan) of ``epoch``; plan indices are positions in ``order``."""
-        return self._plan(epoch)[:2]
-
-    def _plan(self, epoch: int) -> tuple[np.ndarray, MicrobatchPlan, int]:
-        """(order, plan, filler sample id) of ``epoch``."""
-        if self._cached is None or self._cached[0] != epoch:
+    def _epoch(self, epoch: int) -> "_Epoch":
+        if self._cached is None or self._cached.epoch != epoch:
             order = epoch_order(self.index, epoch=epoch, seed=self.seed, shuffle=self.shuffle,
                                 sequential=self.sequential, window=self.window)
             media = None if self.index.media is None else np.asarray(self.index.media, dtype=bool)[order]
-            plan = plan_microbatches(self.index.lengths[order], layout=self.layout, token_budget=self.token_budget,
-                                     dp_size=self.dp_size, config=self.planner, has_media=media)
-            placed = min((p for row in plan.microbatches for mb in row for p in mb), default=None)
-            served = step_order(plan.steps, epoch=epoch, seed=self.seed, shuffle=self.shuffle, window=self.step_window)
-            self._cached = (epoch, order, plan, -1 if placed is None else int(order[placed]), served)
-        return self._cached[1:4]
+            plan = ChunkedPlan(self.index.lengths[order], layout=self.layout, token_budget=self.token_budget,
+                               dp_size=self.dp_size, config=self.planner, has_media=media)
+            self._cached = _Epoch(epoch, order, plan, self)
+        return self._cached
+
+    def plan(self, epoch: int) -> tuple[np.ndarray, MicrobatchPlan]:
+        """(order, whole plan) of ``epoch`` (plans every chunk); plan indices are positions in ``order``."""
+        ep = self._epoch(epoch)
+        return ep.order, ep.plan.full()
+
+    def screening(self) -> tuple[ChunkedPlan, np.ndarray]:
+        """(plan of epoch 0 with no chunk planned, its order): the oversize policy's outcome, which
+        depends on lengths and media flags only (the same every epoch)."""
+        ep = self._epoch(0)
+        return ep.plan, ep.order
 
     def __call__(self, epoch: int, dp_rank: int, start: int = 0) -> "Requests":
-        order, plan, filler_of = self._plan(epoch)
-        return Requests(epoch, start, self._cached[4], plan.microbatches[dp_rank], order, filler_of)
+        return Requests(self._epoch(epoch), dp_rank, start)
 
     def num_microbatches(self, epoch: int) -> int:
-        return self.plan(epoch)[1].stats.microbatches_per_rank
+        """Micro-batches per rank in ``epoch`` (plans every chunk)."""
+        return self._epoch(epoch).count(None)
+
+    def count_to(self, epoch: int, position: int) -> int:
+        """Micro-batches per rank in the chunks planned to reach ``position`` (all of them when the epoch
+        is shorter): ``position < count_to(...)`` says whether ``position`` exists, planning no more."""
+        return self._epoch(epoch).count(position)
+
+
+class _Epoch:
+    """One epoch: its order, its :class:`ChunkedPlan`, and the serving order of each planned chunk."""
+
+    def __init__(self, epoch: int, order: np.ndarray, plan: ChunkedPlan, schedule: Schedule):
+        self.epoch, self.order, self.plan, self.schedule = epoch, order, plan, schedule
+        self.starts = [0]
+        """``starts[c]``: position of chunk ``c``'s first micro-batch (known for planned chunks, + the next)."""
+        self.served: list[np.ndarray] = []
+        kept = plan.order
+        self.filler_of = int(order[kept.min()]) if kept.size else -1
+
+    def _plan_next(self) -> None:
+        c = len(self.served)
+        chunk = self.plan.chunk(c)
+        sch = self.schedule
+        served = step_order(chunk.steps, epoch=self.epoch, seed=sch.seed, shuffle=sch.shuffle,
+                            window=sch.step_window, salt=c)
+        self.served.append(served)
+        self.starts.append(self.starts[-1] + len(served))
+
+    def count(self, position: int | None) -> int:
+        """Micro-batches per rank planned once ``position`` is covered (``None``: the whole epoch)."""
+        while len(self.served) < self.plan.num_chunks and (position is None or self.starts[-1] <= position):
+            self._plan_next()
+        return self.starts[-1]
+
+    def locate(self, position: int) -> tuple[int, int]:
+        """(chunk, micro-batch of this rank's row in it) served at ``position``."""
+        self.count(position)
+        c = bisect_right(self.starts, position) - 1
+        return c, int(self.served[c][position - self.starts[c]])
 
 
 class Requests:
-    """One rank's requests from micro-batch ``start`` on, built as they are iterated (an epoch of a
-    million samples is not turned into objects before its first batch)."""
+    """One rank's requests from micro-batch ``start`` on, built as they are iterated (chunks are planned
+    when the first of their micro-batches is requested: an epoch of a million samples is not planned
+    before its first batch). ``len()`` plans the whole epoch."""
 
-    def __init__(self, epoch: int, start: int, served: np.ndarray, row, order: np.ndarray, filler_of: int):
-        self.epoch, self.start, self.served, self.row, self.order, self.filler_of = \
-            epoch, start, served, row, order, filler_of
+    def __init__(self, epoch: _Epoch, dp_rank: int, start: int):
+        self.ep, self.dp_rank, self.start = epoch, dp_rank, start
 
     def __len__(self) -> int:
-        return max(len(self.served) - self.start, 0)
+        return max(self.ep.count(None) - self.start, 0)
 
     def __getitem__(self, k: int) -> Request:
         i = self.start + k
-        if not 0 <= k < len(self):
+        if k < 0 or i >= self.ep.count(i):
             raise IndexError(k)
-        mb = self.row[int(self.served[i])]
-        return Request(self.epoch, i, tuple(self.order[list(mb)].tolist()) if mb else (), -1 if mb else self.filler_of)
+        c, j = self.ep.locate(i)
+        mb = self.ep.plan.chunk(c).microbatches[self.dp_rank][j]
+        return Request(self.ep.epoch, i, tuple(self.ep.order[list(mb)].tolist()) if mb else (),
+                       -1 if mb else self.ep.filler_of)
 
     def __iter__(self):
-        return (self[k] for k in range(len(self)))
+        k = 0
+        while self.start + k < self.ep.count(self.start + k):
+            yield self[k]
+            k += 1

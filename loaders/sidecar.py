@@ -36,6 +36,8 @@ import hashlib
 import io
 import json
 import os
+import re
+import zipfile
 import zlib
 from typing import Iterable
 
@@ -145,12 +147,11 @@ def parse_sidecar(data: bytes, *, shard: str) -> tuple[dict, dict[str, np.ndarra
         return StaleIndexError(shard, f"sidecar index unreadable: {what}", "re-run `prealign index` on it")
 
     try:
-        with np.load(io.BytesIO(data), allow_pickle=False) as z:
-            files = set(z.files)
-            if files != {"meta", *_ARRAYS}:
-                raise bad(f"keys {sorted(files)}, expected {sorted({'meta', *_ARRAYS})}")
-            raw_meta = z["meta"]
-            arrays = {k: z[k] for k in _ARRAYS}
+        members = _read_npz(data)
+        if set(members) != {"meta", *_ARRAYS}:
+            raise bad(f"keys {sorted(members)}, expected {sorted({'meta', *_ARRAYS})}")
+        raw_meta = members["meta"]
+        arrays = {k: members[k] for k in _ARRAYS}
     except StaleIndexError:
         raise
     except Exception as exc:  # noqa: BLE001 - any failure to parse a crafted file is a typed error
@@ -195,6 +196,30 @@ def parse_sidecar(data: bytes, *, shard: str) -> tuple[dict, dict[str, np.ndarra
                and e[1][0] in ("bad", "skip") for e in events) or meta["num_events"] != n + len(events):
         raise bad("malformed events")
     return meta, arrays
+
+
+_NPY_HEADER = re.compile(rb"\{'descr': '([<|][iub][1248])', 'fortran_order': False, 'shape': \(((?:\d+, ?)*\d*)\), \} *\n")
+
+
+def _read_npz(data: bytes) -> dict[str, np.ndarray]:
+    """The arrays of an ``.npz`` (``np.savez``) by name. The headers ``np.savez`` writes for the plain
+    int/uint/bool arrays of a sidecar are matched by one pattern (no ``literal_eval``: ~20x faster on a
+    sidecar); anything else goes through ``np.load(allow_pickle=False)``. Raises on malformed input."""
+    out: dict[str, np.ndarray] = {}
+    with zipfile.ZipFile(io.BytesIO(data)) as z:
+        for name in z.namelist():
+            raw = z.read(name)
+            m = _NPY_HEADER.match(raw, 10) if raw[:8] == b"\x93NUMPY\x01\x00" else None
+            if m is None or m.end() != 10 + int.from_bytes(raw[8:10], "little") or not name.endswith(".npy"):
+                with np.load(io.BytesIO(data), allow_pickle=False) as slow:
+                    return {k: slow[k] for k in slow.files}
+            shape = tuple(int(d) for d in m.group(2).split(b",") if d.strip())
+            dtype = np.dtype(m.group(1).decode())
+            count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+            if len(raw) - m.end() != count * dtype.itemsize:
+                raise ValueError(f"{name}: {len(raw) - m.end()} data bytes for shape {shape} {dtype}")
+            out[name[:-4]] = np.frombuffer(raw, dtype, count, m.end()).reshape(shape)
+    return out
 
 
 def record_of(meta: dict, arrays: dict[str, np.ndarray], shard: int) -> dict:

@@ -25,7 +25,7 @@ import torch
 
 from prealign.schemas.errors import ConfigError, SampleError
 from . import remote as _remote
-from .deadline import Stalled, TimedReader, call_with_timeout
+from .deadline import Stalled, TimedReader, map_with_timeout
 from .errors import (BadSampleError, CorruptShardError, IndexFileError, MissingMemberError, MissingShardError,
                      ShardTimeoutError, SourceChangedError)
 from .sidecar import sample_checksum
@@ -150,17 +150,13 @@ class WebDatasetSource(Source):
     def preflight(self) -> None:
         """Raise :class:`~prealign.loaders.errors.MissingShardError` listing every local shard that does
         not exist or is a folder (remote URLs are checked when fetched). Each check is bounded by ``read_timeout``."""
-        missing = []
-        for url in self.urls:
-            if _REMOTE.match(url) and not url.startswith("file://"):
-                continue
-            path = url[len("file://"):] if url.startswith("file://") else url
-            try:
-                exists = call_with_timeout(lambda p=path: os.path.exists(p) and not os.path.isdir(p), self.read_timeout)
-            except Stalled:
-                continue  # a hung mount: the scan reports it, naming the shard
-            if not exists:
-                missing.append(url)
+        local = [url for url in self.urls if not (_REMOTE.match(url) and not url.startswith("file://"))]
+        paths = [url[len("file://"):] if url.startswith("file://") else url for url in local]
+        found = map_with_timeout(lambda p: os.path.exists(p) and not os.path.isdir(p), paths, self.read_timeout)
+        missing = [url for url, ok in zip(local, found) if ok is False]  # a hung mount (Stalled): the scan names it
+        for ok in found:
+            if isinstance(ok, OSError):
+                raise ok
         if missing:
             raise MissingShardError(None, f"{len(missing)} of {len(self.urls)} shard file(s) do not exist (or are folders): "
                                     f"{missing[:10]}{' ...' if len(missing) > 10 else ''}; check the path or brace "

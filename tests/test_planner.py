@@ -9,6 +9,7 @@ from hypothesis import given, settings, strategies as st
 
 from prealign.collate import THDCollator
 from prealign.loaders import (OversizeSampleError, PlanError, PlannerConfig, microbatch_capacity, plan_microbatches)
+from prealign.loaders.planner import ChunkedPlan
 from prealign.loaders.packing import next_fit, spread, stream_fit
 from prealign.schemas import FP8Recipe, PadPolicy, ParallelLayout, causal_lm_schema
 
@@ -46,14 +47,16 @@ def check_plan(plan, lengths, layout, budget, dp):
 @given(lengths=st.lists(st.integers(1, 300), min_size=0, max_size=200), layout=st.sampled_from(LAYOUTS),
        budget=st.sampled_from([256, 300, 512, 1000]), dp=st.integers(1, 4), k=st.integers(1, 3),
        strategy=st.sampled_from(["bfd", "first_fit", "in_order"]), buffer=st.integers(2, 64),
-       oversize=st.sampled_from(["truncate", "skip"]), seed=st.one_of(st.none(), st.integers(0, 3)))
-def test_plan_invariants(lengths, layout, budget, dp, k, strategy, buffer, oversize, seed):
+       oversize=st.sampled_from(["truncate", "skip"]), seed=st.one_of(st.none(), st.integers(0, 3)),
+       chunk=st.sampled_from([1, 7, 40, 16384]))
+def test_plan_invariants(lengths, layout, budget, dp, k, strategy, buffer, oversize, seed, chunk):
     try:
         microbatch_capacity(layout, budget)
     except PlanError:
         return  # e.g. length buckets all above the budget: refused up front (tested below)
     plan = plan_microbatches(lengths, layout=layout, token_budget=budget, dp_size=dp, strategy=strategy,
-                             buffer_size=buffer, oversize=oversize, microbatches_per_step=k, seed=seed)
+                             buffer_size=buffer, oversize=oversize, microbatches_per_step=k, seed=seed,
+                             chunk_size=chunk)
     check_plan(plan, lengths, layout, budget, dp)
     assert all(s <= k for s in plan.steps) and all(s == k for s in plan.steps[:-1])
     if len(lengths) - len(plan.skipped) >= dp * plan.stats.microbatches_per_rank:
@@ -191,3 +194,34 @@ def test_packing_helpers():
     # (largest first into the least-loaded bin fails here: 3 3 | 2 2 | 2 -> 7 > 6): keep the valid packing
     assert spread([[0, 1], [2, 3, 4]], np.array([3, 3, 2, 2, 2]), 2, 6) == [[0, 1], [2, 3, 4]]
     assert spread([[0, 1], [2, 3, 4]], np.array([3, 3, 2, 2, 2]), 5, 6) == [[0], [1], [2], [3], [4]]
+
+
+@settings(max_examples=80, deadline=None)
+@given(lengths=st.lists(st.integers(1, 300), min_size=40, max_size=300), dp=st.integers(1, 4), k=st.integers(1, 3),
+       strategy=st.sampled_from(["bfd", "first_fit"]), buffer=st.integers(2, 64), chunk=st.integers(16, 64))
+def test_chunked_plan_packs_like_one_pass(lengths, dp, k, strategy, buffer, chunk):
+    """Planning chunk by chunk (what a loader does, lazily) gives the micro-batches of one pass, with whole
+    steps up to the last, and planning chunk c touches no chunk after it."""
+    kw = dict(layout=ParallelLayout(cp=2), token_budget=512, dp_size=dp, strategy=strategy, buffer_size=buffer,
+              microbatches_per_step=k)
+    whole = plan_microbatches(lengths, **kw, chunk_size=10**6)
+    lazy = ChunkedPlan(lengths, **kw, chunk_size=chunk)
+    lazy.chunk(0)
+    assert lazy.planned == 1
+    plan = lazy.full()
+    check_plan(plan, lengths, kw["layout"], 512, dp)
+    assert all(s == k for s in plan.steps[:-1]) and plan.steps[-1] <= k
+    bins = lambda p: sorted(tuple(sorted(mb)) for rank in p.microbatches for mb in rank)  # noqa: E731
+    if plan.stats.num_empty == whole.stats.num_empty == 0:
+        assert bins(plan) == bins(whole)
+    assert plan.stats.utilisation == pytest.approx(whole.stats.utilisation) or plan.stats.num_empty
+
+
+def test_chunk_bounds_golden():
+    from prealign.loaders.planner import chunk_bounds
+
+    assert chunk_bounds(100, 30) == [0, 30, 60, 100]  # a remainder of 10 (< 15) joins the last chunk
+    assert chunk_bounds(110, 30) == [0, 30, 60, 90, 110]
+    assert chunk_bounds(5, 30) == [0, 5]
+    with pytest.raises(PlanError, match="chunk_size"):
+        PlannerConfig(chunk_size=0)
