@@ -86,7 +86,7 @@ class StreamFit:
     The bins are exactly those of one :func:`stream_fit` call, however the stream is cut."""
 
     def __init__(self, sizes: np.ndarray, cap: int, *, buffer_size: int, best: bool, max_age: int = 4):
-        self.sizes, self.size_list, self.best = sizes, sizes.tolist(), best
+        self.sizes, self.best = sizes, best
         self.buffer_size, self.max_age = buffer_size, max_age
         self.bins = _OpenBins(cap)
         self.held_limit = max(buffer_size // 2, 1)
@@ -95,17 +95,15 @@ class StreamFit:
 
     def advance(self, stop: int) -> list[list[int]]:
         """Bins closed while the windows reach position ``stop`` (a window may run past it)."""
-        bins, sizes, size_list, best = self.bins, self.sizes, self.size_list, self.best
-        n = len(size_list)
+        bins, sizes, best = self.bins, self.sizes, self.best
+        n = int(sizes.shape[0])
         closed: list[int] = []
         while self.pos < min(stop, n):
             pos, window = self.pos, self.window
             end = min(n, pos + max(self.buffer_size - self.held, 1))
-            idx = np.arange(pos, end)
-            if best:
-                idx = idx[np.argsort(-sizes[pos:end], kind="stable")]
-            for i in idx.tolist():
-                s = size_list[i]
+            part = sizes[pos:end]
+            idx = np.argsort(-part, kind="stable") if best else np.arange(end - pos)
+            for i, s in zip((idx + pos).tolist(), part[idx].tolist()):
                 hit = bins.best(s) if best else bins.first(s)
                 if hit is None:
                     bins.put(bins.new(window), i, s, None)

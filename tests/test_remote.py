@@ -44,6 +44,18 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             return None, None
         return path, os.path.getsize(path)
 
+    def handle_one_request(self):  # counts the requests in flight at once (server.max_inflight)
+        srv = self.server
+        with srv.lock:
+            srv.inflight += 1
+            srv.max_inflight = max(srv.max_inflight, srv.inflight)
+        try:
+            time.sleep(srv.delay)
+            super().handle_one_request()
+        finally:
+            with srv.lock:
+                srv.inflight -= 1
+
     def do_HEAD(self):
         path, size = self._file()
         if path:
@@ -81,6 +93,7 @@ def http_server(tmp_path):
     root.mkdir()
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
     server.root, server.served, server.stall = str(root), {}, 0.0
+    server.lock, server.inflight, server.max_inflight, server.delay = threading.Lock(), 0, 0, 0.0
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     yield server, f"http://127.0.0.1:{server.server_address[1]}"
@@ -121,6 +134,18 @@ def test_http_batches_equal_local_and_first_batch_reads_a_quarter(tmp_path, http
     rest = list(it)
     local = list(_loader(WebDatasetSource(paths)))
     assert _same_batches([next(iter(_loader(WebDatasetSource(url, remote=FAST))))] + rest, local) == len(local) > 5
+
+
+def test_shards_are_checked_over_overlapping_requests(tmp_path, http_server):
+    """Building a loader over many remote shards (HEAD, sidecar, two 64 KiB probes each) overlaps the round
+    trips instead of making them one after another (hundreds of shards on an object store)."""
+    server, base = http_server
+    paths = write_shards(server.root, sample_lengths(160), num_shards=8)
+    write_sidecars(WebDatasetSource(paths), SCHEMA)
+    server.delay = 0.02
+    remote = _loader(WebDatasetSource(f"{base}/shard-{{000..007}}.tar", remote=FAST))
+    assert len(remote.index) == 160
+    assert server.max_inflight > 1
 
 
 def test_http_without_sidecars_and_with_a_bounded_cache(tmp_path, http_server):
