@@ -346,11 +346,10 @@ def write_sidecars(source, schema: BatchSchema, *, out_dir: str | None = None, w
     "samples"}`` counts."""
     import multiprocessing as mp
 
-    from .sidecar import shard_size
+    from .sidecar import shard_sizes
 
     todo = list(range(source.num_shards)) if shards is None else list(shards)
-    for s in todo:  # a missing shard or a brace typo: before any work
-        shard_size(source, s)
+    shard_sizes(source, todo)  # missing shards or a brace typo, all named: before any work
     if out_dir:
         import os
 

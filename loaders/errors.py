@@ -112,8 +112,8 @@ class IndexMismatchError(ConfigError):
 
 class MissingShardError(IndexMismatchError):
     """A shard named by the source (a path, a URL, a brace range) does not exist or cannot be reached: a
-    configuration mistake, raised before the index pass (:meth:`~prealign.loaders.sources.Source.preflight`,
-    the sidecar checks), never counted as bad data. ``.shard`` is None when several are listed."""
+    configuration mistake, raised before the index pass (by
+    :func:`~prealign.loaders.sidecar.check_source`, with every missing local shard listed), never counted as bad data. ``.shard`` is None when several are listed."""
 
 
 class ChangedShardError(IndexMismatchError):

@@ -472,7 +472,6 @@ def build_index(source: Source, schema: BatchSchema, *, policy: BadDataPolicy | 
     checked = None
     failure: BaseException | None = None
     try:
-        source.preflight()  # configuration mistakes (missing shard files) before any scanning
         known, checked = check_source(source, schema)  # unreachable / changed shards raise here; sidecar records
         shards = [s for s in range(source.num_shards) if s not in known]
         mine: dict = {"results": scan_shards(source, schema, shards[rank::world], num_workers=num_workers)}

@@ -37,6 +37,7 @@ import io
 import json
 import os
 import re
+import stat
 import zipfile
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -45,7 +46,8 @@ from typing import Iterable
 import numpy as np
 
 from prealign.schemas.errors import ConfigError
-from .errors import ChangedShardError, MissingShardError, StaleIndexError
+from .deadline import Stalled, map_with_timeout
+from .errors import ChangedShardError, MissingShardError, ShardTimeoutError, StaleIndexError
 
 SUFFIX = ".prealign-index.npz"
 FORMAT = "prealign-sidecar"
@@ -323,20 +325,48 @@ def config_key(source, schema) -> str:
 
 
 # ---- checks against the data ------------------------------------------------------------------------
-def shard_size(source, shard: int) -> int:
-    """Size in bytes of shard ``shard`` of a :class:`WebDatasetSource` (``stat``, or one request for a
-    URL). Raises :class:`MissingShardError` naming it when it does not exist or cannot be reached."""
+def shard_sizes(source, shards=None) -> list[int]:
+    """Size in bytes of each of ``shards`` (default: all) of a :class:`WebDatasetSource` (a ``stat`` each,
+    bounded by the source's ``read_timeout``; one request per URL, overlapping). Every local shard that
+    does not exist or is a folder is listed in one :class:`MissingShardError` (a brace range naming absent
+    files); an unreachable URL raises its own; a ``stat`` that hangs (a dead mount) is a
+    :class:`ShardTimeoutError` naming the shard. ``-1``: no size (a ``pipe:`` command's output)."""
     from . import remote
 
-    url = source.urls[shard]
-    if remote.is_remote(url):
-        return remote.size(url, source.remote)
-    path = url[len("file://"):] if url.startswith("file://") else url
+    urls = source.urls
+    shards = list(range(len(urls))) if shards is None else list(shards)
+    local = [s for s in shards if not remote.is_remote(urls[s])]
+    stats = map_with_timeout(_local_size, [_local_path(urls[s]) for s in local], source.read_timeout)
+    for s, size in zip(local, stats):
+        if isinstance(size, Stalled):
+            raise ShardTimeoutError(urls[s], 0, f"stat made no progress in {source.read_timeout} s (a hung mount?)")
+    missing = [urls[s] for s, size in zip(local, stats) if not isinstance(size, int)]
+    if missing:
+        raise MissingShardError(None, f"{len(missing)} of {len(shards)} shard file(s) do not exist (or are folders): "
+                                f"{missing[:10]}{' ...' if len(missing) > 10 else ''}; check the path or brace "
+                                f"range given as urls=")
+    sizes = dict(zip(local, stats))
+    far = [s for s in shards if s not in sizes]
+    sizes.update(zip(far, per_shard(source, lambda s: remote.size(urls[s], source.remote), far)))
+    return [sizes[s] for s in shards]
+
+
+def shard_size(source, shard: int) -> int:
+    """:func:`shard_sizes` of one shard."""
+    return shard_sizes(source, [shard])[0]
+
+
+def _local_path(url: str) -> str:
+    return url[len("file://"):] if url.startswith("file://") else url
+
+
+def _local_size(path: str) -> int | None:
+    """Size of a regular file, None when it is missing or a folder."""
     try:
-        return os.path.getsize(path)
-    except OSError as exc:
-        raise MissingShardError(url, f"no such shard ({type(exc).__name__}: {exc.strerror or exc})",
-                                "check the path or the brace range") from None
+        st = os.stat(path)
+    except OSError:
+        return None
+    return None if stat.S_ISDIR(st.st_mode) else st.st_size
 
 
 PROBE = 1 << 16
@@ -410,18 +440,18 @@ def sidecar_records(source, schema, sizes: list[int]) -> dict[int, dict]:
     return {shard: r for shard, r in enumerate(records) if r is not None}
 
 
-def per_shard(source, fn) -> list:
-    """``[fn(s) for s in range(num_shards)]``, the first failure in shard order raised. With URLs, each call
-    is a round trip or two, so they overlap on 16 threads (a thousand shards on an object store cost
-    a thousand round trips at once, not in a row); local files are read in a row (faster than threads
-    contending for the GIL)."""
+def per_shard(source, fn, shards=None) -> list:
+    """``[fn(s) for s in shards]`` (default: every shard), the first failure in shard order raised. With
+    URLs each call is a round trip or two, so they overlap on 16 threads (a thousand shards on an object
+    store cost a thousand round trips at once, not in a row); local files are read in a row (faster than
+    threads contending for the GIL)."""
     from . import remote
 
-    n = source.num_shards
-    if n <= 1 or not any(remote.is_remote(u) for u in source.urls):
-        return [fn(s) for s in range(n)]
-    with ThreadPoolExecutor(max_workers=min(16, n), thread_name_prefix="prealign-shard") as pool:
-        return list(pool.map(fn, range(n)))
+    shards = list(range(source.num_shards)) if shards is None else list(shards)
+    if len(shards) <= 1 or not any(remote.is_remote(source.urls[s]) for s in shards):
+        return [fn(s) for s in shards]
+    with ThreadPoolExecutor(max_workers=min(16, len(shards)), thread_name_prefix="prealign-shard") as pool:
+        return list(pool.map(fn, shards))
 
 
 def check_source(source, schema) -> tuple[dict[int, dict], dict | None]:
@@ -432,7 +462,7 @@ def check_source(source, schema) -> tuple[dict[int, dict], dict | None]:
     ``{}, None``)."""
     if not hasattr(source, "urls"):
         return {}, None
-    sizes = per_shard(source, lambda s: shard_size(source, s))
+    sizes = shard_sizes(source)
     names = [shard_name(u) for u in source.urls]
     return sidecar_records(source, schema, sizes), {"names": names, "sizes": sizes}
 
@@ -474,6 +504,6 @@ def check_index(index, source) -> None:
     for shard, (url, name) in enumerate(zip(urls, names)):
         if shard_name(url) != name:
             raise ExtraShardError(url, f"the index has {name!r} at position {shard}", "an index of other shards")
-        now = shard_size(source, shard)
+    for shard, (url, now) in enumerate(zip(urls, shard_sizes(source))):
         if shard < len(sizes) and sizes[shard] is not None and now != sizes[shard]:
             raise ChangedShardError(url, f"{now} bytes now, {sizes[shard]} when indexed")

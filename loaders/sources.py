@@ -79,10 +79,6 @@ class Source(abc.ABC):
         state.pop("_process_local", None)
         return state
 
-    def preflight(self) -> None:
-        """Raise a :class:`~prealign.schemas.errors.ConfigError` for configuration mistakes that can be seen
-        before the index pass (shard files that do not exist); the default checks nothing."""
-
     def check_locations(self, locations) -> None:
         """Raise :class:`~prealign.loaders.errors.IndexFileError` when int64 ``locations [N, K]`` (an index's)
         cannot be this source's (another width, a shard or row out of range): an index of other data.

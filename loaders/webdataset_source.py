@@ -25,7 +25,7 @@ import torch
 
 from prealign.schemas.errors import ConfigError, SampleError
 from . import remote as _remote
-from .deadline import Stalled, TimedReader, map_with_timeout
+from .deadline import Stalled, TimedReader
 from .errors import (BadSampleError, CorruptShardError, IndexFileError, MissingMemberError, MissingShardError,
                      ShardTimeoutError, SourceChangedError)
 from .sidecar import sample_checksum
@@ -98,8 +98,8 @@ class WebDatasetSource(Source):
 
     Within a shard, a sample with a hard or symbolic link member (``link_member``) or a key already
     seen earlier in the shard (``duplicate_key``) is a bad sample; a local shard that does not exist
-    is a :class:`~prealign.loaders.errors.MissingShardError` (configuration, raised by :meth:`preflight`
-    before the index pass).
+    is a :class:`~prealign.loaders.errors.MissingShardError` (configuration, raised before the index pass by
+    :func:`~prealign.loaders.sidecar.check_source`).
     """
 
     sequential = True
@@ -146,21 +146,6 @@ class WebDatasetSource(Source):
         """True when some shard can only be read front to back (``pipe:``, ``.tar.gz``): the loader then
         shuffles micro-batches within a bounded window of steps, not over the whole epoch."""
         return any(_remote.is_sequential(u) for u in self.urls)
-
-    def preflight(self) -> None:
-        """Raise :class:`~prealign.loaders.errors.MissingShardError` listing every local shard that does
-        not exist or is a folder (remote URLs are checked when fetched). Each check is bounded by ``read_timeout``."""
-        local = [url for url in self.urls if not (_REMOTE.match(url) and not url.startswith("file://"))]
-        paths = [url[len("file://"):] if url.startswith("file://") else url for url in local]
-        found = map_with_timeout(lambda p: os.path.exists(p) and not os.path.isdir(p), paths, self.read_timeout)
-        missing = [url for url, ok in zip(local, found) if ok is False]  # a hung mount (Stalled): the scan names it
-        for ok in found:
-            if isinstance(ok, OSError):
-                raise ok
-        if missing:
-            raise MissingShardError(None, f"{len(missing)} of {len(self.urls)} shard file(s) do not exist (or are folders): "
-                                    f"{missing[:10]}{' ...' if len(missing) > 10 else ''}; check the path or brace "
-                                    f"range given as urls=")
 
     # ---- scanning -------------------------------------------------------------------------------
     def scan(self, shard: int):
