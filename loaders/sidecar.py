@@ -205,24 +205,39 @@ _NPY_HEADER = re.compile(rb"\{'descr': '([<|][iub][1248])', 'fortran_order': Fal
 
 
 def _read_npz(data: bytes) -> dict[str, np.ndarray]:
-    """The arrays of an ``.npz`` (``np.savez``) by name. The headers ``np.savez`` writes for the plain
-    int/uint/bool arrays of a sidecar are matched by one pattern (no ``literal_eval``: ~20x faster on a
-    sidecar); anything else goes through ``np.load(allow_pickle=False)``. Raises on malformed input."""
+    """The arrays of an ``.npz`` (``np.savez``) by name, as read-only views of ``data``. A stored (not
+    compressed) member is taken in place after its crc32 is checked, and the headers ``np.savez`` writes
+    for plain int/uint/bool arrays are matched by one pattern (no ``literal_eval``); anything else goes
+    through ``np.load(allow_pickle=False)``. Raises on malformed input."""
     out: dict[str, np.ndarray] = {}
+    view = memoryview(data)
     with zipfile.ZipFile(io.BytesIO(data)) as z:
-        for name in z.namelist():
-            raw = z.read(name)
-            m = _NPY_HEADER.match(raw, 10) if raw[:8] == b"\x93NUMPY\x01\x00" else None
-            if m is None or m.end() != 10 + int.from_bytes(raw[8:10], "little") or not name.endswith(".npy"):
-                with np.load(io.BytesIO(data), allow_pickle=False) as slow:
-                    return {k: slow[k] for k in slow.files}
-            shape = tuple(int(d) for d in m.group(2).split(b",") if d.strip())
-            dtype = np.dtype(m.group(1).decode())
-            count = int(np.prod(shape, dtype=np.int64)) if shape else 1
-            if len(raw) - m.end() != count * dtype.itemsize:
-                raise ValueError(f"{name}: {len(raw) - m.end()} data bytes for shape {shape} {dtype}")
-            out[name[:-4]] = np.frombuffer(raw, dtype, count, m.end()).reshape(shape)
+        infos = z.infolist()
+    for info in infos:
+        at = info.header_offset
+        local = view[at:at + 30]
+        if (info.compress_type != zipfile.ZIP_STORED or len(local) < 30 or local[:4] != b"PK\x03\x04"
+                or not info.filename.endswith(".npy")):
+            return _read_npz_slowly(data)
+        start = at + 30 + int.from_bytes(local[26:28], "little") + int.from_bytes(local[28:30], "little")
+        raw = view[start:start + info.file_size]
+        if len(raw) != info.file_size or zlib.crc32(raw) != info.CRC:
+            raise ValueError(f"{info.filename}: truncated or its crc32 does not match")
+        m = _NPY_HEADER.match(raw[:10 + 4096].tobytes(), 10) if raw[:8] == b"\x93NUMPY\x01\x00" else None
+        if m is None or m.end() != 10 + int.from_bytes(raw[8:10], "little"):
+            return _read_npz_slowly(data)
+        shape = tuple(int(d) for d in m.group(2).split(b",") if d.strip())
+        dtype = np.dtype(m.group(1).decode())
+        count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        if len(raw) - m.end() != count * dtype.itemsize:
+            raise ValueError(f"{info.filename}: {len(raw) - m.end()} data bytes for shape {shape} {dtype}")
+        out[info.filename[:-4]] = np.frombuffer(raw, dtype, count, m.end()).reshape(shape)
     return out
+
+
+def _read_npz_slowly(data: bytes) -> dict[str, np.ndarray]:
+    with np.load(io.BytesIO(data), allow_pickle=False) as z:
+        return {k: z[k] for k in z.files}
 
 
 def record_of(meta: dict, arrays: dict[str, np.ndarray], shard: int) -> dict:

@@ -144,7 +144,8 @@ def test_changed_extra_and_foreign_indexes_raise_before_any_batch(tmp_path):
         _loader(WebDatasetSource(paths_b))
 
 
-@pytest.mark.parametrize("craft", ["garbage", "pickle", "wrong_dtype", "bad_ranges", "version"])
+@pytest.mark.parametrize("craft", ["garbage", "pickle", "wrong_dtype", "bad_ranges", "version", "flipped_byte",
+                                   "short_data", "fortran_pickle"])
 def test_crafted_sidecars_are_typed_config_errors(tmp_path, craft):
     paths = write_shards(str(tmp_path), sample_lengths(10), num_shards=1)
     write_sidecars(WebDatasetSource(paths), SCHEMA)
@@ -160,11 +161,18 @@ def test_crafted_sidecars_are_typed_config_errors(tmp_path, craft):
             arrays["lengths"] = arrays["lengths"].astype(np.float32)
         elif craft == "bad_ranges":
             arrays["spans"][0, 1] = 1 << 40
-        else:
+        elif craft == "version":
             arrays["meta"] = np.frombuffer(bytes(arrays["meta"]).replace(b'"version": 1', b'"version": 9'), np.uint8)
+        elif craft == "fortran_pickle":  # a header the fast reader does not take: numpy's reader refuses it
+            arrays["lengths"] = np.asfortranarray(np.array([[object()]] * 10, dtype=object))
         buf = io.BytesIO()
         np.savez(buf, **arrays)
         data = buf.getvalue()
+        lengths_at = data.index(arrays["lengths"].tobytes()) if craft in ("flipped_byte", "short_data") else 0
+        if craft == "flipped_byte":  # a byte of the data changed: the member's crc32 no longer matches
+            data = data[:lengths_at] + bytes([data[lengths_at] ^ 1]) + data[lengths_at + 1:]
+        elif craft == "short_data":  # the npy header promises more rows than the member holds
+            data = data.replace(b"'shape': (10,), }", b"'shape': (11,), }", 1)
     with open(path, "wb") as f:
         f.write(data)
     with pytest.raises(StaleIndexError, match="shard-000.tar"):
@@ -316,3 +324,20 @@ def test_the_sidecar_key_looks_through_shared_media_and_reads_index_key():
 
     assert describe_transform(Trunc(10)) != describe_transform(Trunc(99))
     assert describe_transform(Trunc(10)) == describe_transform(Trunc(10))
+
+
+def test_sidecar_fast_reader_equals_numpy_and_takes_compressed_sidecars(tmp_path):
+    from prealign.loaders.sidecar import _read_npz
+
+    paths = write_shards(str(tmp_path), sample_lengths(50), num_shards=1)
+    write_sidecars(WebDatasetSource(paths), SCHEMA)
+    data = open(sidecar_path(paths[0]), "rb").read()
+    with np.load(io.BytesIO(data)) as z:
+        want = {k: z[k] for k in z.files}
+    fast = _read_npz(data)
+    assert sorted(fast) == sorted(want) and all(np.array_equal(fast[k], want[k]) and fast[k].dtype == want[k].dtype
+                                                for k in want)
+    buf = io.BytesIO()
+    np.savez_compressed(buf, **want)  # compressed members: numpy's own (safe) reader
+    meta, arrays = parse_sidecar(buf.getvalue(), shard=paths[0])
+    assert np.array_equal(arrays["lengths"], want["lengths"]) and meta["shard"] == "shard-000.tar"
