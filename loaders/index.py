@@ -490,7 +490,7 @@ def build_index(source: Source, schema: BatchSchema, *, policy: BadDataPolicy | 
         err.args = (f"index pass failed on rank {failed[0]['rank']}: {err.args[0] if err.args else ''}", *err.args[1:])
         raise err
     results = sorted([*known.values(), *(r for p in parts for r in p["results"])], key=lambda r: r["shard"])
-    if known and len(known) == len(results):  # every shard from its sidecar: the vectorised merge
+    if known:  # some shards from their sidecars (merge_records falls back to merge_shards unless all are)
         from .sidecar import merge_records
 
         index = merge_records(results, policy or BadDataPolicy(), where=source.where, schema=schema)

@@ -242,15 +242,14 @@ def _read_npz_slowly(data: bytes) -> dict[str, np.ndarray]:
 
 def record_of(meta: dict, arrays: dict[str, np.ndarray], shard: int) -> dict:
     """The :func:`~prealign.loaders.index.index_shard` record a sidecar holds, for shard number ``shard``
-    (arrays instead of lists; ``"sidecar": True`` lets :func:`merge_records` take the vectorised path)."""
-    n = arrays["lengths"].shape[0]
-    locations = np.concatenate([np.full((n, 1), shard, dtype=np.int64), arrays["spans"]], axis=1)
+    (arrays instead of lists; ``spans [N, 3]`` instead of ``locations``, which :func:`merge_records` builds
+    once for all shards; ``"sidecar": True`` lets it take the vectorised path)."""
     events: list = [["ok"]] * meta["num_events"]
     for pos, ev in meta["events"]:
         if not 0 <= pos < len(events):
             raise StaleIndexError(str(meta["shard"]), "sidecar index unreadable: event position out of range")
         events[pos] = ev
-    return {"shard": shard, "locations": locations, "lengths": arrays["lengths"], "media": arrays["media"],
+    return {"shard": shard, "spans": arrays["spans"], "lengths": arrays["lengths"], "media": arrays["media"],
             "dims": meta["dims"], "dim_ids": arrays["dim_ids"], "events": events, "sidecar": True,
             "bad_events": meta["events"]}
 
@@ -263,13 +262,16 @@ def merge_records(results: list[dict], policy, *, where, schema):
     from .index import _FIELDS, SampleIndex, _reason, _thaw, merge_shards
     from .policy import BadDataGate
 
+    def per_sample():  # the records as index_shard gives them
+        return merge_shards([_with_locations(r) for r in results], policy, width=4, where=where, schema=schema)
+
     fixed: dict = {}
     for r in results:
         if not r.get("sidecar"):
-            return merge_shards(results, policy, width=4, where=where, schema=schema)
+            return per_sample()
         for d in r["dims"]:
             if any(fixed.get(k, v) != v for k, v in d.items()):
-                return merge_shards(results, policy, width=4, where=where, schema=schema)
+                return per_sample()
             fixed.update(d)
     gate = BadDataGate(policy)
     for r in results:
@@ -287,12 +289,21 @@ def merge_records(results: list[dict], policy, *, where, schema):
     fixed.pop(_FIELDS, None)  # which optional fields the samples have: agreed above, not a named dim
     cat = (lambda k, dt: np.concatenate([np.asarray(r[k], dtype=dt) for r in results]) if results
            else np.zeros(0, dtype=dt))
-    n = sum(len(r["lengths"]) for r in results)
-    return SampleIndex(lengths=cat("lengths", np.int64),
-                       locations=np.concatenate([r["locations"] for r in results]) if n else np.zeros((0, 4), np.int64),
-                       shards=np.concatenate([np.full(len(r["lengths"]), r["shard"], np.int64) for r in results])
-                       if results else np.zeros(0, np.int64),
+    shards = np.repeat(np.asarray([r["shard"] for r in results], np.int64), [len(r["lengths"]) for r in results])
+    locations = np.empty((shards.size, 4), np.int64)
+    locations[:, 0] = shards
+    if shards.size:
+        np.concatenate([r["spans"] for r in results], out=locations[:, 1:])
+    return SampleIndex(lengths=cat("lengths", np.int64), locations=locations, shards=shards,
                        report=gate.report, media=cat("media", bool), dims=fixed)
+
+
+def _with_locations(record: dict) -> dict:
+    """A record with ``locations [N, 4]`` (shard, start, end, checksum): a sidecar's gets them from its spans."""
+    if "locations" in record:
+        return record
+    n = len(record["lengths"])
+    return {**record, "locations": np.concatenate([np.full((n, 1), record["shard"], np.int64), record["spans"]], axis=1)}
 
 
 # ---- the configuration a sidecar was built for -----------------------------------------------------
