@@ -145,10 +145,11 @@ class TimedReader:
 
 
 def map_with_timeout(fn: Callable[[object], object], items, timeout: float | None) -> list:
-    """``[fn(x) for x in items]`` computed in one daemon thread, an ``OSError`` kept as the item's result;
-    an item that takes over ``timeout`` s gives a :class:`Stalled` instead (the rest go on in a fresh
-    thread). One thread for the whole list, not one per item: a stat per shard over thousands of
-    shards costs the stats.
+    """``[fn(x) for x in items]`` computed in one daemon thread, an exception kept as the item's result.
+    An item that takes over ``timeout`` s gives a :class:`Stalled` and ends the map there (the items after
+    it stay ``None``): a dead mount stalls every stat, so waiting on each would cost ``timeout`` apiece.
+    One thread for the whole list, not one per item: a stat per shard over thousands of shards costs
+    the stats.
 
     >>> map_with_timeout(len, ["ab", "c"], 1.0)
     [2, 1]
@@ -157,28 +158,24 @@ def map_with_timeout(fn: Callable[[object], object], items, timeout: float | Non
     if timeout is None:
         return [_or_error(fn, x) for x in items]
     out: list = [None] * len(items)
-    i = 0
-    while i < len(items):
-        results: queue.SimpleQueue = queue.SimpleQueue()
+    results: queue.SimpleQueue = queue.SimpleQueue()
 
-        def run(lo: int = i, results=results):
-            for j in range(lo, len(items)):
-                results.put((j, _or_error(fn, items[j])))
+    def run():
+        for j, x in enumerate(items):
+            results.put((j, _or_error(fn, x)))
 
-        threading.Thread(target=run, daemon=True, name="prealign-map").start()
-        while i < len(items):
-            try:
-                j, value = results.get(timeout=timeout)
-            except queue.Empty:
-                out[i] = Stalled(timeout, 0)  # the thread is stuck on item i: a fresh one takes the rest
-                i += 1
-                break
-            out[j], i = value, j + 1
+    threading.Thread(target=run, daemon=True, name="prealign-map").start()
+    for i in range(len(items)):
+        try:
+            j, out[i] = results.get(timeout=timeout)
+        except queue.Empty:
+            out[i] = Stalled(timeout, 0)
+            break
     return out
 
 
 def _or_error(fn: Callable[[object], object], x):
     try:
         return fn(x)
-    except OSError as exc:
+    except Exception as exc:  # noqa: BLE001 - handed to the caller, which names the item
         return exc

@@ -419,7 +419,7 @@ class PackedLoader:
             rep.counts["oversize_skipped"] = len(over.skipped)
         for i in self._skipped_media:
             rep.add("oversize_media", self.source.where(tuple(self.index.locations[i].tolist())),
-                    f"{int(self.index.lengths[i])} tokens > {over.cap} (token_budget {self.token_budget}) "
+                    f"{int(self.index.lengths[i])} tokens > {over.capacity} (token_budget {self.token_budget}) "
                     f"and carries media: left out, not truncated")
         return rep
 
@@ -429,11 +429,11 @@ class PackedLoader:
             warnings.warn(BadSampleWarning(
                 f"{len(over.truncated)} sample(s) truncated ({over.cut_tokens} tokens cut) and "
                 f"{len(over.skipped)} skipped by the oversize policy {self.planner.oversize.value!r} "
-                f"(token_budget {self.token_budget}, max sample length {over.cap})"), stacklevel=3)
+                f"(token_budget {self.token_budget}, max sample length {over.capacity})"), stacklevel=3)
         if over.skipped_media:
             warnings.warn(BadSampleWarning(
                 f"{len(over.skipped_media)} sample(s) carrying media skipped, not truncated (oversize_media): "
-                f"longer than {over.cap} tokens (token_budget {self.token_budget}), and a cut could split an "
+                f"longer than {over.capacity} tokens (token_budget {self.token_budget}), and a cut could split an "
                 f"image's tokens from its pixel_values / image_grid_thw; raise token_budget to keep them"),
                 stacklevel=3)
 

@@ -242,6 +242,18 @@ class PlannedChunk:
     worst: float
 
 
+@dataclass(frozen=True)
+class Screening:
+    """What the oversize policy did to a stream (it depends on lengths and media flags only, so it is
+    the same every epoch). Indices are into the plan's ``lengths``."""
+
+    capacity: int
+    truncated: dict[int, int]
+    skipped: tuple[int, ...]
+    skipped_media: tuple[int, ...]
+    cut_tokens: int
+
+
 def chunk_bounds(n: int, chunk_size: int) -> list[int]:
     """Start of each chunk, then ``n``: chunks of ``chunk_size`` samples, the last one taking a remainder
     under half a chunk (so no chunk is tiny).
@@ -259,19 +271,23 @@ class ChunkedPlan:
     The stream (the samples in the order given, after the oversize policy) is cut into chunks of
     ``config.chunk_size`` samples (:func:`chunk_bounds`). One streaming packing pass
     (:class:`~prealign.loaders.packing.StreamFit`) runs over the whole stream, advanced to the end of
-    a chunk when the chunk is planned: the micro-batches are those of a single pass (``in_order`` closes
-    its micro-batch at each chunk end). A chunk's micro-batches are dealt in whole steps; those short of
-    a step are carried into the next chunk, so only the epoch's last step is short. Chunk ``c`` needs chunks ``0..c-1`` planned first and nothing
+    a chunk when the chunk is planned (its last window may run past the chunk, to the stream's end; the
+    chunks after the end are then empty): the micro-batches are those of a single pass (``in_order``
+    closes its micro-batch at each chunk end). A chunk's micro-batches are dealt in whole steps; those
+    short of a step are carried into the next chunk, so only the epoch's last step is short. The tail
+    re-spread (every rank one more micro-batch) draws on the chunk where the pass ends: with chunks far
+    smaller than the default and too few samples left, it can leave a filler one pass would not.
+    Steps are pooled by load within a chunk. Chunk ``c`` needs chunks ``0..c-1`` planned first and nothing
     after it: a loader's first batch costs one chunk, whatever the dataset's size. The oversize policy
     (``truncated``, ``skipped``, ``skipped_media``) is settled for the whole stream at construction,
     vectorised.
 
     >>> from prealign.schemas import ParallelLayout
     >>> plan = ChunkedPlan([5, 3, 7, 2, 6, 4], layout=ParallelLayout(), token_budget=8, chunk_size=2)
-    >>> plan.num_chunks, plan.chunk(0).microbatches, plan.planned  # the first window read on past the chunk
-    (3, (((4, 3), (0, 1), (2,)),), 1)
-    >>> plan.full().microbatches
-    (((4, 3), (0, 1), (2,), (5,)),)
+    >>> plan.num_chunks, plan.chunk(0).microbatches, plan.planned  # its first window reads past the chunk...
+    (3, (((4, 3), (0, 1), (2,), (5,)),), 1)
+    >>> plan.chunk(2).microbatches, plan.full().microbatches  # ... to the stream's end: the rest is empty
+    (((),), (((4, 3), (0, 1), (2,), (5,)),))
     """
 
     def __init__(self, lengths, *, layout: ParallelLayout, token_budget: int, dp_size: int = 1,
@@ -320,6 +336,12 @@ class ChunkedPlan:
         self._chunks: list[PlannedChunk] = []
         self._carry: list[list[int]] = []
         self._fit: StreamFit | None = None
+        self._ended = False
+
+    @property
+    def screening(self) -> Screening:
+        return Screening(capacity=self.cap, truncated=self.truncated, skipped=self.skipped,
+                         skipped_media=self.skipped_media, cut_tokens=self.cut_tokens)
 
     @property
     def num_chunks(self) -> int:
@@ -341,16 +363,22 @@ class ChunkedPlan:
     def _plan_chunk(self, c: int) -> PlannedChunk:
         cfg, cap, sizes = self.config, self.cap, self._sizes
         lo, hi = self._bounds[c], self._bounds[c + 1]
-        last = c == self.num_chunks - 1
+        if self._ended:  # the packing pass reached the stream's end in an earlier chunk
+            return _assemble([], self.order, self._true_len, self._aligned, self.layout, self.dp, cap)
         if cfg.strategy is PackStrategy.IN_ORDER:
             bins = [[lo + i for i in b] for b in next_fit(sizes[lo:hi], cap)]
+            self._ended = c == self.num_chunks - 1
         else:  # one packing pass over the whole stream, advanced a chunk at a time
             if self._fit is None:
                 self._fit = StreamFit(sizes, cap, buffer_size=cfg.buffer_size, best=cfg.strategy is PackStrategy.BFD,
                                       max_age=cfg.max_age)
-            bins = self._fit.advance(hi) + (self._fit.finish() if last else [])
+            bins = self._fit.advance(hi)
+            self._ended = self._fit.pos >= sizes.shape[0]  # its last window may run past this chunk
+            if self._ended:
+                bins += self._fit.finish()
+                self._fit = None  # (it holds every sample's bin)
         bins = self._carry + bins  # positions into the whole stream
-        if last:
+        if self._ended:  # the epoch's tail: re-spread over every rank here, with this chunk's steps to draw on
             self._carry = []
         else:  # whole steps only; the rest joins the next chunk
             per_step = self.dp * cfg.microbatches_per_step

@@ -15,7 +15,7 @@ import numpy as np
 from prealign.schemas.layout import ParallelLayout
 from .errors import PlanError
 from .index import SampleIndex
-from .planner import ChunkedPlan, MicrobatchPlan, PlannerConfig
+from .planner import ChunkedPlan, MicrobatchPlan, PlannerConfig, Screening
 
 
 def check_count(name: str, value) -> int:
@@ -81,6 +81,7 @@ def _window_shuffle(n: int, window: int, rng: np.random.Generator) -> np.ndarray
     >>> sorted(p.tolist()) == list(range(10)) and int(abs(p - np.arange(10)).max()) < 4
     True
     """
+    window = max(min(window, n), 1)  # a block of at most n: the same shuffle, memory O(n) whatever the window
     offset = int(rng.integers(window))
     rows = -(-(n + offset) // window)
     grid = rng.permuted(np.arange(rows * window).reshape(rows, window), axis=1).reshape(-1) - offset
@@ -141,11 +142,11 @@ class Schedule:
         ep = self._epoch(epoch)
         return ep.order, ep.plan.full()
 
-    def screening(self) -> tuple[ChunkedPlan, np.ndarray]:
-        """(plan of epoch 0 with no chunk planned, its order): the oversize policy's outcome, which
-        depends on lengths and media flags only (the same every epoch)."""
+    def screening(self) -> tuple[Screening, np.ndarray]:
+        """(what the oversize policy does, epoch 0's order): lengths and media flags decide it, so it is
+        the same every epoch; no chunk is planned."""
         ep = self._epoch(0)
-        return ep.plan, ep.order
+        return ep.plan.screening, ep.order
 
     def __call__(self, epoch: int, dp_rank: int, start: int = 0) -> "Requests":
         return Requests(self._epoch(epoch), dp_rank, start)

@@ -213,8 +213,12 @@ def _read_npz(data: bytes) -> dict[str, np.ndarray]:
     view = memoryview(data)
     with zipfile.ZipFile(io.BytesIO(data)) as z:
         infos = z.infolist()
+    if sum(info.file_size for info in infos) > 64 * len(data) + (1 << 20):
+        raise ValueError("members declare far more bytes than the file holds (a decompression bomb?)")
     for info in infos:
         at = info.header_offset
+        if at < 0 or len({i.filename for i in infos}) != len(infos):
+            raise ValueError("a member before the start of the file, or two members of one name")
         local = view[at:at + 30]
         if (info.compress_type != zipfile.ZIP_STORED or len(local) < 30 or local[:4] != b"PK\x03\x04"
                 or not info.filename.endswith(".npy")):
@@ -366,7 +370,7 @@ def shard_sizes(source, shards=None) -> list[int]:
     for s, size in zip(local, stats):
         if isinstance(size, Stalled):
             raise ShardTimeoutError(urls[s], 0, f"stat made no progress in {source.read_timeout} s (a hung mount?)")
-    missing = [urls[s] for s, size in zip(local, stats) if not isinstance(size, int)]
+    missing = [urls[s] for s, size in zip(local, stats) if not isinstance(size, int)]  # (None, or a path stat refuses)
     if missing:
         raise MissingShardError(None, f"{len(missing)} of {len(shards)} shard file(s) do not exist (or are folders): "
                                 f"{missing[:10]}{' ...' if len(missing) > 10 else ''}; check the path or brace "
@@ -390,7 +394,7 @@ def _local_size(path: str) -> int | None:
     """Size of a regular file, None when it is missing or a folder."""
     try:
         st = os.stat(path)
-    except OSError:
+    except (OSError, ValueError):  # ValueError: a NUL byte in the path
         return None
     return None if stat.S_ISDIR(st.st_mode) else st.st_size
 

@@ -88,3 +88,31 @@ def test_window_shuffle_is_a_permutation_within_windows(n, window, seed):
     assert sorted(p.tolist()) == list(range(n))
     if n:
         assert int(np.abs(p - np.arange(n)).max()) < window
+
+
+def test_a_window_far_larger_than_the_data_costs_the_data():
+    p = _window_shuffle(100, 10**9, np.random.default_rng(0))  # was a 7.5 GiB arange
+    assert sorted(p.tolist()) == list(range(100))
+
+
+def test_the_tail_spreads_like_one_pass_when_the_pass_ends_early():
+    from prealign.loaders import plan_microbatches
+
+    kw = dict(layout=ParallelLayout(), token_budget=128, dp_size=2)
+    lengths = np.full(25, 50)  # two a micro-batch; the first window reads the whole stream
+    chunked = plan_microbatches(lengths, **kw, config=PlannerConfig(chunk_size=16))
+    whole = plan_microbatches(lengths, **kw, config=PlannerConfig(chunk_size=10**6))
+    assert chunked.stats.num_empty == whole.stats.num_empty == 0
+    assert sorted(map(sorted, chunked.microbatches[0] + chunked.microbatches[1])) == \
+        sorted(map(sorted, whole.microbatches[0] + whole.microbatches[1]))
+
+
+def test_a_loader_keeps_no_planned_epoch_it_left(tmp_path):
+    from prealign.loaders.planner import Screening
+
+    loader = _loader(WebDatasetSource(write_shards(str(tmp_path), sample_lengths(900), num_shards=3)))
+    list(loader)
+    list(loader)
+    assert isinstance(loader._oversize, Screening)  # not epoch 0's ChunkedPlan with its chunks
+    plan = loader._schedule._cached.plan
+    assert plan.planned == plan.num_chunks and plan._fit is None  # the packing pass let go at the stream's end

@@ -415,3 +415,26 @@ def test_bad_pax_record_is_a_corrupt_shard(tmp_path, length):
     with pytest.warns(BadSampleWarning, match="corrupt_shard"):
         idx = _index(good + [path], SKIP)
     assert len(idx) == 4 and idx.report.counts == {"corrupt_shard": 1}
+
+
+def test_a_hung_stat_costs_one_timeout_and_a_path_stat_refuses_is_missing(tmp_path, monkeypatch):
+    import threading
+    import time
+
+    from prealign.loaders import sidecar
+    from prealign.loaders.errors import ShardTimeoutError
+
+    good = write_shards(str(tmp_path), [4, 6, 8], num_shards=3)
+    with pytest.raises(MissingShardError, match="1 of 4"):
+        sidecar.shard_sizes(WebDatasetSource(good + [good[0] + "\x00x"], read_timeout=2.0))
+    with pytest.raises(MissingShardError, match="1 of 4"):
+        sidecar.shard_sizes(WebDatasetSource(good + [good[0] + "\x00x"], read_timeout=None))
+    release = threading.Event()
+    monkeypatch.setattr(sidecar, "_local_size", lambda path: release.wait(30))  # every stat hangs (a dead mount)
+    before = sum(t.name == "prealign-map" for t in threading.enumerate())
+    with pytest.raises(ShardTimeoutError, match="shard-000.tar.*hung mount"):
+        sidecar.shard_sizes(WebDatasetSource(good, read_timeout=0.2))
+    stuck = sum(t.name == "prealign-map" for t in threading.enumerate()) - before
+    release.set()
+    assert stuck == 1  # one stat waited on, not one thread (and one timeout) per shard
+    time.sleep(0.05)
