@@ -2,7 +2,7 @@
 
 The state is the same on every rank of a run (no rank id in it): save it once, load it everywhere.
 
-    {"version": 1, "kind": "prealign.PackedLoader", "epoch": 3, "position": 17,
+    {"version": 2, "kind": "prealign.PackedLoader", "epoch": 3, "position": 17,
      "config": {"seed": 0, "shuffle": true, "dp_size": 4, "token_budget": 8192,
                 "layout": {...}, "schema": "<fingerprint>", "planner": {...}, "shuffle_window": 1024},
      "data": {"num_samples": 7473, "digest": "<16 hex>"}}
@@ -15,7 +15,9 @@ from dataclasses import dataclass
 
 from .errors import ResumeError
 
-STATE_VERSION = 1
+STATE_VERSION = 2
+"""2: epochs planned a chunk at a time (``PlannerConfig.chunk_size``), which serves micro-batches in
+another order than version 1's single plan: a version-1 state cannot be resumed exactly."""
 STATE_KIND = "prealign.PackedLoader"
 
 _WHY = {
