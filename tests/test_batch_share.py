@@ -287,3 +287,23 @@ def test_cp2_processes_with_a_killed_worker_resume_exactly(data, tmp_path):
     assert res[0]["killed"]
     for r in range(2):
         assert res[r]["digests"] == want[r]
+
+
+# ---- the worker hand-off ---------------------------------------------------------------------------------
+def _packed_is_shared(batch):
+    from prealign.loaders.transport import pack_batch
+
+    return pack_batch({"x": torch.arange(1000)}).buffer.is_shared()
+
+
+def test_a_workers_packed_batch_is_allocated_in_shared_memory():
+    """In a DataLoader worker the one buffer is born in shared memory (torch then hands it over without a
+    second copy); in the main process it is ordinary memory."""
+    from prealign.loaders.transport import pack_batch, unpack_batch
+
+    loader = torch.utils.data.DataLoader([0, 1], batch_size=1, num_workers=1, collate_fn=_packed_is_shared)
+    assert list(loader) == [True, True]
+    assert not pack_batch({"x": torch.arange(3)}).buffer.is_shared()
+    packed = pack_batch({"x": torch.arange(3), "e": torch.zeros(0, 2), "n": 1}, shared=True)
+    out = unpack_batch(packed)
+    assert packed.buffer.is_shared() and out["x"].tolist() == [0, 1, 2] and out["e"].shape == (0, 2) and out["n"] == 1
