@@ -8,7 +8,9 @@ computes, the others read (no pickle, no deadlock). Used by
     <key>.bin     the result: ``PRMS1\\n``, a JSON header, raw tensor bytes (never pickled, read by mmap)
                   written to ``<key>.<pid>.tmp`` (O_EXCL|O_NOFOLLOW) then renamed (atomic)
     <key>.err     the claimer failed: every rank computes for itself      (bad data raises locally)
-    <key>.r<k>    CP rank k has read the result; the last reader deletes  (clean-up)
+    <key>.r<k>    CP rank k has the result (the claimer's rank marks itself; a second request of that
+                  rank, e.g. its worker after its index pass, reads without using up the peers' turn);
+                  the last rank to read deletes                             (clean-up)
 
 :meth:`SharedFolder.acquire` answers ``CLAIMED`` (compute, then :meth:`~SharedFolder.publish` or
 :meth:`~SharedFolder.failed`), ``HIT`` with the record, or ``LOCAL`` (compute without publishing). A
@@ -159,6 +161,7 @@ class SharedFolder:
             finally:
                 os.close(fd)
             os.replace(tmp, path + ".bin")
+            _touch(f"{path}.r{self.cp_rank}")  # this rank has it: its own later request never frees it for the peers
             return True
         except (OSError, TypeError, ValueError) as exc:  # a full /dev/shm, a value JSON cannot hold
             self.stats.write_failed += 1
@@ -215,7 +218,7 @@ class SharedFolder:
     def _mark_read(self, path: str) -> None:
         _touch(f"{path}.r{self.cp_rank}")
         readers = [f"{path}.r{k}" for k in range(self.cp_size)]
-        if sum(os.path.exists(r) for r in readers) >= self.cp_size - 1:  # every other rank has it
+        if all(os.path.exists(r) for r in readers):  # every rank has it (the claimer marked itself)
             for p in (path + ".bin", path + ".err", *readers, path + ".claim"):
                 _unlink(p)
 

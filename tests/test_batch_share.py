@@ -307,3 +307,16 @@ def test_a_workers_packed_batch_is_allocated_in_shared_memory():
     packed = pack_batch({"x": torch.arange(3), "e": torch.zeros(0, 2), "n": 1}, shared=True)
     out = unpack_batch(packed)
     assert packed.buffer.is_shared() and out["x"].tolist() == [0, 1, 2] and out["e"].shape == (0, 2) and out["n"] == 1
+
+
+def test_a_rank_reading_its_own_result_leaves_it_for_the_peer(tmp_path):
+    """A rank whose second request meets its own published result (its worker after its index pass) reads
+    it without freeing it: the peer still finds it, and the last rank to read cleans up."""
+    from prealign.loaders.share_cache import CLAIMED, HIT, SharedFolder
+
+    own, again, peer = (SharedFolder(str(tmp_path / "f"), rank, 2) for rank in (0, 0, 1))
+    assert own.acquire("k")[0] == CLAIMED and own.publish("k", {"a": torch.arange(3)})
+    assert again.acquire("k")[0] == HIT
+    state, record = peer.acquire("k")
+    assert state == HIT and record["a"].tolist() == [0, 1, 2]
+    assert os.listdir(tmp_path / "f") == []
