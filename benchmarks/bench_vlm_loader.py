@@ -1,5 +1,6 @@
 """Multimodal loading: prealign's VLM loader against a hand-written pipeline on the same shards, and the
-CPU of a whole CP group with :class:`~prealign.loaders.media_share.SharedMediaTransform`.
+CPU of a whole CP group with :class:`~prealign.loaders.batch_share.BatchShare` (and the per-sample
+:class:`~prealign.loaders.media_share.SharedMediaTransform`).
 
 Data: ``build_demo_dataset`` (no planted bad samples), ``--samples`` samples (default 2,000) in shards of
 100; images 48..360 px, JPEG and PNG, 0-2 per sample.
@@ -14,9 +15,10 @@ Data: ``build_demo_dataset`` (no planted bad samples), ``--samples`` samples (de
 - Rounds alternate which runs first. Throughput: samples/s and real (unpadded) tokens/s of one epoch;
   CPU ms per sample: ``resource.getrusage`` of this process and its (joined) workers.
 - Per-stage split: in-process, each stage timed on the same samples with ``time.process_time``.
-- CP group: ``cp`` real processes (one per CP rank, one worker each) with ``SharedMediaTransform``
-  sharing through a directory in /dev/shm, against one process loading the same rank alone without
-  sharing; CPU = each process's own load phase (self + workers), imports and index excluded.
+- CP group: ``cp`` real processes (one per CP rank, one worker each), without sharing, with
+  ``SharedMediaTransform`` (per sample) and with ``BatchShare`` (per collated micro-batch), sharing
+  through a directory in /dev/shm, against one process loading the same rank alone without sharing;
+  CPU = each process's own load phase (self + workers), imports and index excluded.
 
     python benchmarks/bench_vlm_loader.py                 # full run (several minutes on 2 cores)
     python benchmarks/bench_vlm_loader.py --samples 300 --rounds 1 --quick
@@ -59,16 +61,19 @@ def make_transform(*, cp_rank: int = 0, cp_size: int = 1, share: bool = False, r
     return transform
 
 
-def prealign_loader(shards, index, *, budget: int, workers: int, cp: int = 2, cp_rank: int = 0, **share):
-    from prealign.loaders import IndexOptions, PackedLoader, WebDatasetSource
+def prealign_loader(shards, index, *, budget: int, workers: int, cp: int = 2, cp_rank: int = 0, mode: str = "none",
+                    run: str = "bench", cache=None):
+    """``mode``: ``"none"``, ``"sample"`` (SharedMediaTransform) or ``"batch"`` (BatchShare)."""
+    from prealign.loaders import BatchShare, IndexOptions, PackedLoader, WebDatasetSource
     from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
     from prealign.schemas import ParallelLayout, vlm_schema
 
-    source = WebDatasetSource(list(shards), transform=make_transform(cp_rank=cp_rank, cp_size=cp, **share),
-                              image="bytes")
+    transform = make_transform(cp_rank=cp_rank, cp_size=cp, share=mode == "sample", run=run, cache=cache)
+    source = WebDatasetSource(list(shards), transform=transform, image="bytes")
     return PackedLoader(source, schema=vlm_schema(vocab_size=ByteTokenizer().vocab_size),
                         layout=ParallelLayout(cp=cp), token_budget=budget, cp_rank=cp_rank, num_workers=workers,
-                        indexing=IndexOptions(prebuilt=index))
+                        indexing=IndexOptions(prebuilt=index),
+                        share=BatchShare(run=run, cache_dir=cache) if mode == "batch" else None)
 
 
 class BaselineSample:
@@ -199,14 +204,14 @@ def stages(shards, index, n: int) -> dict:
 
 
 # ---- CP group CPU ---------------------------------------------------------------------------------------
-def group_rank(shards: list[str], index_path: str, out: str, cp: int, cp_rank: int, share: bool, cache: str,
+def group_rank(shards: list[str], index_path: str, out: str, cp: int, cp_rank: int, mode: str, cache: str,
                budget: int) -> None:
     """One CP rank of a group (run in its own process): load one epoch, write its CPU seconds."""
     from prealign.loaders import SampleIndex
 
     torch.set_num_threads(1)  # as in DataLoader workers (intra-op threads spin on a shared machine)
     index = SampleIndex.load(index_path)
-    loader = prealign_loader(shards, index, budget=budget, workers=1, cp=cp, cp_rank=cp_rank, share=share,
+    loader = prealign_loader(shards, index, budget=budget, workers=1, cp=cp, cp_rank=cp_rank, mode=mode,
                              run="group", cache=cache)
     loader.source.transform.processor
     c0 = cpu_seconds()
@@ -215,16 +220,16 @@ def group_rank(shards: list[str], index_path: str, out: str, cp: int, cp_rank: i
         json.dump({"cpu": cpu_seconds() - c0, "samples": n}, f)
 
 
-def group_cpu(shards, index_path: str, cp: int, share: bool, budget: int, tmp: str,
+def group_cpu(shards, index_path: str, cp: int, mode: str, budget: int, tmp: str,
               ranks: int | None = None) -> tuple[float, int]:
     """Total CPU seconds of ``ranks`` (default ``cp``) CP-rank processes run at once, and samples per rank."""
     cache = tempfile.mkdtemp(prefix="bench-share-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     ranks = range(cp if ranks is None else ranks)
-    outs = [os.path.join(tmp, f"g{cp}-{int(share)}-{r}.json") for r in ranks]
+    outs = [os.path.join(tmp, f"g{cp}-{mode}-{r}.json") for r in ranks]
     procs = [subprocess.Popen([sys.executable, "-c",
                                "import sys; sys.path.insert(0, %r); from benchmarks.bench_vlm_loader import group_rank;"
                                " group_rank(%r, %r, %r, %d, %d, %r, %r, %d)"
-                               % (ROOT, list(shards), index_path, o, cp, r, share, cache, budget)], cwd=ROOT)
+                               % (ROOT, list(shards), index_path, o, cp, r, mode, cache, budget)], cwd=ROOT)
              for r, o in zip(ranks, outs)]
     for p in procs:
         if p.wait() != 0:
@@ -289,15 +294,16 @@ def main() -> None:
             print(f"{name} per-stage CPU ms/sample: " + ", ".join(f"{k} {v:.2f}" for k, v in parts.items())
                   + f"; total {sum(parts.values()):.2f}")
         if not args.quick:
-            one, n = group_cpu(data.shards, index_path, 2, False, args.budget, tmp, ranks=1)
+            one, n = group_cpu(data.shards, index_path, 2, "none", args.budget, tmp, ranks=1)
             print(f"one loader alone (cp rank 0, 1 worker, no sharing): {one:.1f} CPU s for {n} samples "
                   f"(load {os.getloadavg()[0]:.2f})", flush=True)
             for cp in (2, 4):
-                plain, _ = group_cpu(data.shards, index_path, cp, False, args.budget, tmp)
-                shared, _ = group_cpu(data.shards, index_path, cp, True, args.budget, tmp)
-                print(f"cp={cp} group (its {cp} ranks at once): {plain:.1f} CPU s without sharing = {plain / one:.2f}x "
-                      f"one loader, {shared:.1f} CPU s with SharedMediaTransform = {shared / one:.2f}x "
-                      f"({shared / plain:.2f}x the unshared group; load {os.getloadavg()[0]:.2f})", flush=True)
+                cpu = {mode: group_cpu(data.shards, index_path, cp, mode, args.budget, tmp)[0]
+                       for mode in ("none", "sample", "batch")}
+                print(f"cp={cp} group (its {cp} ranks at once), CPU / one loader: no sharing {cpu['none'] / one:.2f}x "
+                      f"({cpu['none']:.1f} s), SharedMediaTransform {cpu['sample'] / one:.2f}x ({cpu['sample']:.1f} s), "
+                      f"BatchShare {cpu['batch'] / one:.2f}x ({cpu['batch']:.1f} s); load {os.getloadavg()[0]:.2f}",
+                      flush=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -5,6 +5,7 @@ bad-data policy) -> planner (:func:`plan_microbatches`, same plan on every rank)
 micro-batches -> DataLoader workers read, transform and collate -> :class:`PackedLoader` batches,
 resumable with ``state_dict`` / ``load_state_dict``.
 """
+from .batch_share import BatchShare
 from .chat_tokenizer import ChatTokenizer, HFChatTokenizer
 from .conformance import assert_resumes_exactly
 from .errors import (BadSampleError, CorruptShardError, IndexFileError, LoaderUsageError, MissingMemberError,
@@ -29,4 +30,4 @@ __all__ = ["HFChatTokenizer", "ChatTokenizer", "PackedLoader", "StreamingPackedL
            "CorruptShardError", "TooManyBadSamplesError", "ResumeError", "SourceChangedError"]
 __all__ += ["IndexFileError", "LoaderUsageError", "MissingShardError", "ShardTimeoutError", "WorkerError",
             "DecodeLimits"]
-__all__ += ["VLMSampleTransform", "MediaError", "MediaProblem", "image_processor"]
+__all__ += ["VLMSampleTransform", "MediaError", "MediaProblem", "image_processor", "BatchShare"]

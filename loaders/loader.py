@@ -28,6 +28,7 @@ from prealign.collate.thd import THDCollator
 from prealign.schemas.errors import PrealignError, SampleError
 from prealign.schemas.layout import ParallelLayout
 from prealign.schemas.schema import BatchSchema, Role, Source as FieldSource
+from .batch_share import BatchShare
 from .errors import BadSampleError, LoaderUsageError, PlanError, SourceChangedError, reason_of
 from .index import SampleIndex, build_index, has_media, media_keys
 from .options import IndexOptions, LoadingOptions, ShuffleOptions, check_dp
@@ -248,7 +249,8 @@ class PackedLoader:
     in the index pass), ``shuffle`` (:class:`ShuffleOptions`), ``indexing`` (:class:`IndexOptions`: a
     prebuilt index, index workers, distributed pass), ``loading`` (:class:`LoadingOptions`: DataLoader
     settings). ``collator``: another collate callable (e.g. ``THDCollator(..., defer_cp_shard=True)``)
-    that pads exactly as ``layout`` says.
+    that pads exactly as ``layout`` says. ``share``: a :class:`~prealign.loaders.batch_share.BatchShare`
+    (opt-in): the CP ranks of a node load and collate each micro-batch once between them.
 
     The constructor only checks its arguments: no I/O, no collective. The index pass (a collective
     with ``IndexOptions(distributed=True)`` and a process group) runs on first use (``len``, iteration,
@@ -259,7 +261,8 @@ class PackedLoader:
                  dp_rank: int = 0, dp_size: int = 1, cp_rank: int | None = None, num_workers: int = 0, seed: int = 0,
                  planner: PlannerConfig | None = None, bad_data: BadDataPolicy | None = None,
                  shuffle: ShuffleOptions | None = None, indexing: IndexOptions | None = None,
-                 loading: LoadingOptions | None = None, collator: Callable | None = None):
+                 loading: LoadingOptions | None = None, collator: Callable | None = None,
+                 share: "BatchShare | None" = None):
         check_dp(dp_rank, dp_size)
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
             raise PlanError(f"num_workers: expected an int >= 0, got {num_workers!r}")
@@ -278,6 +281,9 @@ class PackedLoader:
         self.indexing = indexing or IndexOptions()
         self.loading = loading or LoadingOptions()
         self.collator = collator or THDCollator(schema=schema, layout=layout, cp_rank=cp_rank)
+        if share is not None and not isinstance(share, BatchShare):
+            raise PlanError(f"share: expected a BatchShare or None, got {type(share).__name__}")
+        self.share = share
         self._capacity = microbatch_capacity(layout, token_budget)  # arithmetic only: a bad budget fails here
         self._index: SampleIndex | None = None
         self._epoch, self._position = 0, 0
@@ -310,9 +316,14 @@ class PackedLoader:
         planned = _PlannedSamples(source, index, schema, cap, layout.seq_multiple)
         planned.skip_at_load = self.bad_data.on_error is OnBadSample.SKIP
         self._load_report = BadDataReport()
+        collate_fn = _CollatePlanned(self.collator, pack=workers)
+        if self.share is not None:  # CP peers read each other's micro-batches (loaders/batch_share.py)
+            planned, collate_fn = self.share.attach(planned, collate_fn, collator=self.collator, cp_rank=self.cp_rank,
+                                                    scope={"dp_rank": self.dp_rank, "config": self._config(),
+                                                           "data": [len(index), index.digest]})
         self._loader = DataLoader(planned,
                                   batch_sampler=self._requests,
-                                  collate_fn=_CollatePlanned(self.collator, pack=workers),
+                                  collate_fn=collate_fn,
                                   num_workers=num_workers, pin_memory=lo.pin_memory,
                                   persistent_workers=lo.persistent_workers and workers,
                                   multiprocessing_context=lo.multiprocessing_context if workers else None,

@@ -5,7 +5,9 @@ The CP ranks of one DP group load the same micro-batches (each keeps its own CP 
 without sharing every rank decodes and processes every image. :class:`SharedMediaTransform` wraps the
 sample transform (e.g. :class:`~prealign.loaders.vlm.VLMSampleTransform`); for each sample the first
 process of the group to get there *claims* it, transforms it and publishes the result; the others
-read the result instead of computing it:
+read the result instead of computing it (the folder protocol is :mod:`prealign.loaders.share_cache`'s,
+shared with :class:`~prealign.loaders.batch_share.BatchShare`, which shares whole collated micro-batches
+and also saves the shard reads and collation):
 
     cache dir (node-local, e.g. /dev/shm/prealign-media-<digest of run>)
     <h>.claim   created with O_EXCL by the claimer; holds its pid       (who is computing)
@@ -40,79 +42,18 @@ Limits:
 from __future__ import annotations
 
 import hashlib
-import json
-import mmap
 import os
-import stat
 import tempfile
-import time
-import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
-import torch
 
 from prealign.schemas.errors import ConfigError
+from .share_cache import (CLAIMED, HIT, ShareStats, SharedFolder, decode_record as decode_sample,
+                          encode_record as encode_sample)
 
-_MAGIC = b"PRMS1\n"
-
-
-def encode_sample(sample: dict) -> list:
-    """Sample dict -> the buffers of one record (write them in order, e.g. ``os.writev``): ``PRMS1\n``,
-    a uint32 header length, a JSON header (each tensor's dtype, shape and byte offset; the other values:
-    key, ints, strings), then the raw tensor bytes. Never pickled: a value JSON cannot hold raises
-    ``TypeError``."""
-    header: dict[str, Any] = {"tensors": {}, "values": {}}
-    blobs, offset = [], 0
-    for name, value in sample.items():
-        if isinstance(value, torch.Tensor):
-            value = value.detach().cpu().contiguous()
-            dtype = str(value.dtype).removeprefix("torch.")
-            data = (value.view(torch.int16) if value.dtype == torch.bfloat16 else value).numpy()
-            header["tensors"][name] = [dtype, list(value.shape), offset, data.nbytes]
-            if data.nbytes:
-                blobs.append(data.reshape(-1).view(np.uint8))
-            offset += data.nbytes
-        else:
-            header["values"][name] = value
-    head = json.dumps(header).encode()
-    return [_MAGIC + len(head).to_bytes(4, "little") + head, *blobs]
-
-
-def decode_sample(buf) -> dict:
-    """Inverse of :func:`encode_sample` (``buf``: the joined record, e.g. a private mmap of the file);
-    the tensors share ``buf``'s memory (a writable buffer gives writable tensors)."""
-    if bytes(buf[:len(_MAGIC)]) != _MAGIC:
-        raise ValueError("not a prealign media-share buffer")
-    n = int.from_bytes(buf[len(_MAGIC):len(_MAGIC) + 4], "little")
-    start = len(_MAGIC) + 4
-    header = json.loads(bytes(buf[start:start + n]))
-    base = start + n
-    out: dict[str, Any] = dict(header["values"])
-    for name, (dtype, shape, offset, nbytes) in header["tensors"].items():
-        np_dtype = np.int16 if dtype == "bfloat16" else np.dtype(dtype)
-        if np.dtype(np_dtype).hasobject:
-            raise ValueError(f"refused dtype {dtype}")
-        itemsize = np.dtype(np_dtype).itemsize
-        if (offset < 0 or nbytes != int(np.prod(shape, dtype=np.int64)) * itemsize
-                or base + offset + nbytes > len(buf)):
-            raise ValueError(f"tensor {name!r}: {nbytes} bytes at {offset} do not hold {dtype} {shape}")
-        arr = np.frombuffer(buf, dtype=np_dtype, count=nbytes // itemsize, offset=base + offset)
-        t = torch.from_numpy(arr).reshape(shape)
-        out[name] = t.view(torch.bfloat16) if dtype == "bfloat16" else t
-    return out
-
-
-@dataclass
-class ShareStats:
-    """Per-process counts: samples computed here, read from a peer, and why a wait ended in computing."""
-
-    computed: int = 0
-    shared: int = 0
-    took_over_dead: int = 0
-    took_over_timeout: int = 0
-    write_failed: int = 0
+__all__ = ["SharedMediaTransform", "ShareStats", "decode_sample", "encode_sample"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -186,26 +127,28 @@ class SharedMediaTransform:
             h.update(b"\1")
         return h.hexdigest()
 
+    def _folder(self) -> SharedFolder:
+        return SharedFolder(self.directory, self.cp_rank, self.cp_size, timeout=self.timeout, ttl=self.ttl,
+                            stats=self.stats, owner="SharedMediaTransform")
+
     def __call__(self, raw: dict) -> dict:
         if self.cp_size == 1:
             return self.transform(raw)
-        d = self.directory
-        h = self.key(raw)
-        path = os.path.join(d, h)
-        try:
-            _private_dir(d)
-            fd = os.open(path + ".claim", os.O_CREAT | os.O_EXCL | os.O_WRONLY | _NOFOLLOW, 0o600)
-        except FileExistsError:
-            return self._wait(raw, path)
-        except OSError:
-            self.stats.write_failed += 1
+        folder = self._folder()
+        key = self.key(raw)
+        state, record = folder.acquire(key)
+        if state == HIT:
+            return self._finish(record)
+        if state != CLAIMED:
             return self._finish(self._compute(raw))
-        with os.fdopen(fd, "w") as f:
-            f.write(str(os.getpid()))
-        self._sweep(d)
-        return self._compute_and_publish(raw, path)
+        try:
+            out = self._compute(raw)
+        except BaseException:
+            folder.failed(key)
+            raise
+        folder.publish(key, out)
+        return self._finish(out)
 
-    # ---- the claimer ----
     def _compute(self, raw: dict) -> dict:
         """The wrapped transform's result in its shared form (``compact`` when it has one)."""
         self.stats.computed += 1
@@ -215,158 +158,3 @@ class SharedMediaTransform:
     def _finish(self, out: dict) -> dict:
         expand = getattr(self.transform, "expand", None)
         return expand(out) if expand is not None else out
-
-    def _compute_and_publish(self, raw: dict, path: str) -> dict:
-        try:
-            out = self._compute(raw)
-        except BaseException:
-            _touch(path + ".err")
-            raise
-        tmp = f"{path}.{os.getpid()}.tmp"
-        try:
-            parts = encode_sample(out)
-            fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | _NOFOLLOW, 0o600)
-            try:
-                _write_all(fd, parts)
-            finally:
-                os.close(fd)
-            os.replace(tmp, path + ".bin")
-        except (OSError, TypeError, ValueError) as exc:  # a full /dev/shm, a value JSON cannot hold
-            self.stats.write_failed += 1
-            _unlink(tmp)
-            _touch(path + ".err")
-            if self.stats.write_failed == 1:
-                warnings.warn(f"SharedMediaTransform: cannot publish results in {os.path.dirname(path)} "
-                              f"({type(exc).__name__}: {exc}); CP peers compute these samples themselves",
-                              stacklevel=2)
-        return self._finish(out)
-
-    # ---- the others ----
-    def _wait(self, raw: dict, path: str) -> dict:
-        delay = 0.0005
-        while True:
-            try:
-                out = decode_sample(_map(path + ".bin"))
-            except (OSError, ValueError):
-                out = None
-            if out is not None:
-                self.stats.shared += 1
-                self._mark_read(path)
-                return self._finish(out)
-            if os.path.exists(path + ".err"):
-                return self._finish(self._compute(raw))
-            owner, age = _claim(path + ".claim")
-            if owner is None and age is None:  # claim gone: the result was read by all and deleted, or swept
-                return self._finish(self._compute(raw))
-            if owner is not None and not _alive(owner):
-                self.stats.took_over_dead += 1
-                return self._retake(raw, path)
-            if age is not None and age > self.timeout:
-                self.stats.took_over_timeout += 1
-                return self._finish(self._compute(raw))
-            time.sleep(delay)
-            delay = min(delay * 2, 0.02)
-
-    def _retake(self, raw: dict, path: str) -> dict:
-        """The claimer died: claim again (the pid in the file is replaced) and publish for the others."""
-        try:
-            with open(path + ".claim", "w") as f:
-                f.write(str(os.getpid()))
-        except OSError:
-            return self._finish(self._compute(raw))
-        return self._compute_and_publish(raw, path)
-
-    def _mark_read(self, path: str) -> None:
-        _touch(f"{path}.r{self.cp_rank}")
-        readers = [f"{path}.r{k}" for k in range(self.cp_size)]
-        if sum(os.path.exists(r) for r in readers) >= self.cp_size - 1:  # every other rank has it
-            for p in (path + ".bin", path + ".err", *readers, path + ".claim"):
-                _unlink(p)
-
-    def _sweep(self, d: str, _last: dict = {}) -> None:
-        """Delete entries older than ``ttl`` (at most once per ``ttl / 4`` seconds per process)."""
-        now = time.time()
-        if now - _last.get(d, 0.0) < self.ttl / 4:
-            return
-        _last[d] = now
-        try:
-            with os.scandir(d) as it:
-                for entry in it:
-                    try:
-                        if now - entry.stat().st_mtime > self.ttl:
-                            _unlink(entry.path)
-                    except OSError:
-                        pass
-        except OSError:
-            pass
-
-
-def _write_all(fd: int, parts: list) -> None:
-    total = sum(memoryview(p).nbytes for p in parts)
-    written = os.writev(fd, parts)
-    if written != total:  # a short write (rare): the rest one buffer at a time
-        rest = b"".join(bytes(memoryview(p).cast("B")) for p in parts)[written:]
-        while rest:
-            rest = rest[os.write(fd, rest):]
-
-
-def _map(path: str):
-    """The file as a private (copy-on-write) mapping: its tensors cost no copy and stay valid after
-    the file is deleted."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size == 0:
-            raise ValueError("empty")
-        return mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-
-
-_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-
-
-def _private_dir(d: str) -> None:
-    """Create ``d`` (mode 0o700) or accept it only when it is a folder of this user that no one else can
-    write, never a link: another local user could otherwise plant results or links in a shared
-    ``/dev/shm``. An ``OSError`` here makes the caller compute the sample itself."""
-    os.makedirs(d, mode=0o700, exist_ok=True)
-    st = os.lstat(d)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
-        raise PermissionError(f"{d}: not a folder only this user can write (mode {oct(st.st_mode)}, "
-                              f"uid {st.st_uid})")
-
-
-def _touch(path: str) -> None:
-    try:
-        os.close(os.open(path, os.O_CREAT | os.O_WRONLY | _NOFOLLOW, 0o600))
-    except OSError:
-        pass
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
-
-
-def _claim(path: str) -> tuple[int | None, float | None]:
-    """(pid, age in seconds) of a claim file; (None, None) when there is none."""
-    try:
-        with open(path) as f:
-            text = f.read()
-        age = time.time() - os.stat(path).st_mtime
-    except OSError:
-        return None, None
-    try:
-        return int(text), age
-    except ValueError:  # being written right now
-        return None, age
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

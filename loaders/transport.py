@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.utils.data import get_worker_info
 
 _ALIGN = 16
 
@@ -32,14 +33,19 @@ class PackedBatch:
         return PackedBatch(self.buffer.pin_memory(), self.fields, self.other)
 
 
-def pack_batch(batch: dict) -> PackedBatch:
-    """Every tensor value of ``batch`` copied into one buffer; other values kept aside."""
+def pack_batch(batch: dict, *, shared: bool | None = None) -> PackedBatch:
+    """Every tensor value of ``batch`` copied into one buffer; other values kept aside. ``shared`` (default:
+    inside a DataLoader worker) allocates the buffer in shared memory, as torch's own collate does: the
+    hand-over then costs no second copy of the batch (about 1 ms per MB of pixels on a 2-core machine)."""
     tensors = [(k, v.contiguous()) for k, v in batch.items() if isinstance(v, torch.Tensor)]
     fields, offset = [], 0
     for k, t in tensors:
         fields.append((k, t.dtype, tuple(t.shape), offset))
         offset += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
-    buffer = torch.empty(offset, dtype=torch.uint8)
+    if shared is None:
+        shared = get_worker_info() is not None
+    buffer = torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(offset)) if shared \
+        else torch.empty(offset, dtype=torch.uint8)
     for (k, t), (_, _, _, off) in zip(tensors, fields):
         n = t.numel() * t.element_size()
         if n:

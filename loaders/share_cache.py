@@ -1,0 +1,321 @@
+"""A node-local folder through which the CP ranks of one group share results: the first to get to a key
+computes, the others read (no pickle, no deadlock). Used by
+:class:`~prealign.loaders.media_share.SharedMediaTransform` (per sample) and
+:class:`~prealign.loaders.batch_share.BatchShare` (per micro-batch).
+
+    folder (node-local, private: mode 0o700, this user's, never a link)
+    <key>.claim   created with O_EXCL by the claimer; holds its pid       (who is computing)
+    <key>.bin     the result: ``PRMS1\\n``, a JSON header, raw tensor bytes (never pickled, read by mmap)
+                  written to ``<key>.<pid>.tmp`` (O_EXCL|O_NOFOLLOW) then renamed (atomic)
+    <key>.err     the claimer failed: every rank computes for itself      (bad data raises locally)
+    <key>.r<k>    CP rank k has the result (the claimer's rank marks itself; a second request of that
+                  rank, e.g. its worker after its index pass, reads without using up the peers' turn);
+                  the last rank to read deletes                             (clean-up)
+
+:meth:`SharedFolder.acquire` answers ``CLAIMED`` (compute, then :meth:`~SharedFolder.publish` or
+:meth:`~SharedFolder.failed`), ``HIT`` with the record, or ``LOCAL`` (compute without publishing). A
+waiter polls with a short backoff and stops waiting when the claimer's process is gone (it then claims
+again: a SIGKILLed worker), when the claim is older than ``timeout`` (a slow peer), when the claimer
+failed, or when the record is refused (not a regular file of this user that no one else can write,
+a malformed header, sizes that do not add up). Results nobody read are swept after ``ttl``.
+
+>>> rec = decode_record(bytearray(b"".join(bytes(p) for p in encode_record({"a": torch.arange(3), "n": 2}))))
+>>> rec["a"].tolist(), rec["n"]
+([0, 1, 2], 2)
+"""
+from __future__ import annotations
+
+import errno
+import json
+import mmap
+import os
+import stat
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from prealign.schemas.errors import PrealignError
+
+_MAGIC = b"PRMS1\n"
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+
+CLAIMED, HIT, LOCAL = "claimed", "hit", "local"
+
+
+class ShareRecordError(PrealignError):
+    """A cache record that is malformed or not trusted (never served; the rank computes for itself)."""
+
+
+def encode_record(record: dict) -> list:
+    """dict -> the buffers of one record (write them in order, e.g. ``os.writev``): ``PRMS1\\n``, a uint32
+    header length, a JSON header (each tensor's dtype, shape, byte offset and size; the other values as
+    JSON), then the raw tensor bytes. Never pickled: a value JSON cannot hold raises ``TypeError``."""
+    header: dict[str, Any] = {"order": list(record), "tensors": {}, "values": {}}
+    blobs, offset = [], 0
+    for name, value in record.items():
+        if isinstance(value, torch.Tensor):
+            value = value.detach().cpu().contiguous()
+            dtype = str(value.dtype).removeprefix("torch.")
+            data = (value.view(torch.int16) if value.dtype == torch.bfloat16 else value).numpy()
+            header["tensors"][name] = [dtype, list(value.shape), offset, data.nbytes]
+            if data.nbytes:
+                blobs.append(data.reshape(-1).view(np.uint8))
+            offset += data.nbytes
+        else:
+            header["values"][name] = value
+    head = json.dumps(header).encode()
+    return [_MAGIC + len(head).to_bytes(4, "little") + head, *blobs]
+
+
+def decode_record(buf) -> dict:
+    """Inverse of :func:`encode_record` (``buf``: the joined record, e.g. a private mmap of the file), keys
+    in their written order; the tensors share ``buf``'s memory. A malformed record is a
+    :class:`ShareRecordError`."""
+    if bytes(buf[:len(_MAGIC)]) != _MAGIC:
+        raise ShareRecordError("not a prealign share record")
+    n = int.from_bytes(buf[len(_MAGIC):len(_MAGIC) + 4], "little")
+    start = len(_MAGIC) + 4
+    try:
+        header = json.loads(bytes(buf[start:start + n]))
+        tensors, values = dict(header["tensors"]), dict(header["values"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ShareRecordError(f"unreadable share record header ({exc})") from None
+    base = start + n
+    out: dict[str, Any] = dict(values)
+    for name, spec in tensors.items():
+        try:
+            dtype, shape, offset, nbytes = spec
+            np_dtype = np.dtype(np.int16 if dtype == "bfloat16" else dtype)
+            shape = [int(d) for d in shape]
+        except (ValueError, TypeError) as exc:
+            raise ShareRecordError(f"tensor {name!r}: bad header entry {spec!r} ({exc})") from None
+        if np_dtype.hasobject or np_dtype.kind not in "biuf" or min(shape, default=0) < 0:
+            raise ShareRecordError(f"tensor {name!r}: refused dtype {dtype} / shape {shape}")
+        itemsize = np_dtype.itemsize
+        if (not isinstance(offset, int) or not isinstance(nbytes, int) or offset < 0
+                or nbytes != int(np.prod(shape, dtype=np.int64)) * itemsize or base + offset + nbytes > len(buf)):
+            raise ShareRecordError(f"tensor {name!r}: {nbytes} bytes at {offset} do not hold {dtype} {shape}")
+        arr = np.frombuffer(buf, dtype=np_dtype, count=nbytes // itemsize, offset=base + offset)
+        t = torch.from_numpy(arr).reshape(shape)
+        out[name] = t.view(torch.bfloat16) if dtype == "bfloat16" else t
+    order = header.get("order")
+    if isinstance(order, list) and sorted(map(str, order)) == sorted(out):
+        out = {k: out[k] for k in order}
+    return out
+
+
+@dataclass
+class ShareStats:
+    """Per-process counts: results computed here, read from a peer, and why a wait ended in computing."""
+
+    computed: int = 0
+    shared: int = 0
+    took_over_dead: int = 0
+    took_over_timeout: int = 0
+    write_failed: int = 0
+    refused: int = 0
+
+
+@dataclass
+class SharedFolder:
+    """The claim / publish / read protocol over one folder (see the module docstring)."""
+
+    directory: str
+    cp_rank: int
+    cp_size: int
+    timeout: float = 30.0
+    ttl: float = 300.0
+    stats: ShareStats = field(default_factory=ShareStats)
+    owner: str = "SharedFolder"
+    """Name used in the one warning about an unwritable folder."""
+
+    def acquire(self, key: str) -> tuple[str, dict | None]:
+        """``(CLAIMED, None)``: compute and publish; ``(HIT, record)``; ``(LOCAL, None)``: compute only."""
+        path = os.path.join(self.directory, key)
+        try:
+            private_dir(self.directory)
+            fd = os.open(path + ".claim", os.O_CREAT | os.O_EXCL | os.O_WRONLY | _NOFOLLOW, 0o600)
+        except FileExistsError:
+            return self._wait(path)
+        except OSError:
+            self.stats.write_failed += 1
+            return LOCAL, None
+        with os.fdopen(fd, "w") as f:
+            f.write(str(os.getpid()))
+        self._sweep()
+        return CLAIMED, None
+
+    def publish(self, key: str, record: dict) -> bool:
+        """Write ``record`` for the peers (atomic rename); on failure mark the key failed (peers compute)."""
+        path = os.path.join(self.directory, key)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        try:
+            parts = encode_record(record)
+            fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | _NOFOLLOW, 0o600)
+            try:
+                _write_all(fd, parts)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path + ".bin")
+            _touch(f"{path}.r{self.cp_rank}")  # this rank has it: its own later request never frees it for the peers
+            return True
+        except (OSError, TypeError, ValueError) as exc:  # a full /dev/shm, a value JSON cannot hold
+            self.stats.write_failed += 1
+            _unlink(tmp)
+            _touch(path + ".err")
+            if self.stats.write_failed == 1:
+                warnings.warn(f"{self.owner}: cannot publish results in {self.directory} ({type(exc).__name__}: "
+                              f"{exc}); CP peers compute them themselves", stacklevel=3)
+            return False
+
+    def failed(self, key: str) -> None:
+        """The claimer could not compute ``key``: every peer computes it itself (and meets the same error)."""
+        _touch(os.path.join(self.directory, key) + ".err")
+
+    # ---- waiting -------------------------------------------------------------------------------
+    def _wait(self, path: str) -> tuple[str, dict | None]:
+        delay = 0.0005
+        while True:
+            try:
+                record = decode_record(map_private(path + ".bin"))
+            except OSError:
+                record = None
+            except ShareRecordError:
+                self.stats.refused += 1
+                return LOCAL, None
+            if record is not None:
+                self.stats.shared += 1
+                self._mark_read(path)
+                return HIT, record
+            if os.path.exists(path + ".err"):
+                return LOCAL, None
+            owner, age = _claim(path + ".claim")
+            if owner is None and age is None:  # claim gone: read by all and deleted, or swept
+                return LOCAL, None
+            if owner is not None and not _alive(owner):
+                self.stats.took_over_dead += 1
+                return self._retake(path)
+            if age is not None and age > self.timeout:
+                self.stats.took_over_timeout += 1
+                return LOCAL, None
+            time.sleep(delay)
+            delay = min(delay * 2, 0.02)
+
+    def _retake(self, path: str) -> tuple[str, None]:
+        """The claimer died: claim again (its pid replaced by ours, never through a link) and publish."""
+        try:
+            fd = os.open(path + ".claim", os.O_WRONLY | os.O_TRUNC | _NOFOLLOW)
+            with os.fdopen(fd, "w") as f:
+                f.write(str(os.getpid()))
+        except OSError:
+            return LOCAL, None
+        return CLAIMED, None
+
+    def _mark_read(self, path: str) -> None:
+        _touch(f"{path}.r{self.cp_rank}")
+        readers = [f"{path}.r{k}" for k in range(self.cp_size)]
+        if all(os.path.exists(r) for r in readers):  # every rank has it (the claimer marked itself)
+            for p in (path + ".bin", path + ".err", *readers, path + ".claim"):
+                _unlink(p)
+
+    def _sweep(self, _last: dict = {}) -> None:
+        """Delete entries older than ``ttl`` (at most once per ``ttl / 4`` seconds per process)."""
+        now, d = time.time(), self.directory
+        if now - _last.get(d, 0.0) < self.ttl / 4:
+            return
+        _last[d] = now
+        try:
+            with os.scandir(d) as it:
+                for entry in it:
+                    try:
+                        if now - entry.stat(follow_symlinks=False).st_mtime > self.ttl:
+                            _unlink(entry.path)
+                    except OSError:
+                        pass
+        except OSError:
+            pass
+
+
+def _write_all(fd: int, parts: list) -> None:
+    total = sum(memoryview(p).nbytes for p in parts)
+    written = os.writev(fd, parts)
+    if written != total:  # a short write (rare): the rest one buffer at a time
+        rest = b"".join(bytes(memoryview(p).cast("B")) for p in parts)[written:]
+        while rest:
+            rest = rest[os.write(fd, rest):]
+
+
+def map_private(path: str):
+    """The file as a private (copy-on-write) mapping: its tensors cost no copy and stay valid after the
+    file is deleted. Only a regular file of this user that no one else can write, opened without
+    following a link; anything else is a :class:`ShareRecordError` (a missing file: ``OSError``)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # the name is a link
+            raise ShareRecordError(f"{path}: a link, not a record") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+            raise ShareRecordError(f"{path}: not a regular file only this user can write (mode {oct(st.st_mode)}, "
+                                   f"uid {st.st_uid})")
+        if st.st_size == 0:
+            raise ShareRecordError(f"{path}: empty")
+        return mmap.mmap(fd, st.st_size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+
+
+def private_dir(d: str) -> None:
+    """Create ``d`` (mode 0o700) or accept it only when it is a folder of this user that no one else can
+    write, never a link: another local user could otherwise plant results or links in a shared
+    ``/dev/shm``. An ``OSError`` here makes the caller compute for itself."""
+    os.makedirs(d, mode=0o700, exist_ok=True)
+    st = os.lstat(d)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise PermissionError(f"{d}: not a folder only this user can write (mode {oct(st.st_mode)}, "
+                              f"uid {st.st_uid})")
+
+
+def _touch(path: str) -> None:
+    try:
+        os.close(os.open(path, os.O_CREAT | os.O_WRONLY | _NOFOLLOW, 0o600))
+    except OSError:
+        pass
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def _claim(path: str) -> tuple[int | None, float | None]:
+    """(pid, age in seconds) of a claim file; (None, None) when there is none."""
+    try:
+        fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
+        with os.fdopen(fd) as f:
+            text = f.read()
+            age = time.time() - os.fstat(f.fileno()).st_mtime
+    except OSError:
+        return None, None
+    try:
+        return int(text), age
+    except ValueError:  # being written right now
+        return None, age
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
