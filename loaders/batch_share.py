@@ -15,8 +15,9 @@ planner...), the index digest, the epoch, the position and the request's sample 
 run or another plan never read it, and resuming replays the same keys.
 
 Limits:
-- node-local (``/dev/shm``): a CP group spanning nodes shares within each node only (correctness is
-  unaffected; each node's part of the group loads each micro-batch once).
+- node-local (``/dev/shm``), for CP groups within one node: a record is deleted once every CP rank has
+  read it, so with a CP group spanning nodes (or a peer that fell back to loading itself) records wait
+  for ``ttl`` seconds before they are swept: do not use it across nodes.
 - ``run`` must name the job (the same on the CP peers, another one for another job sharing the node);
   the liveness check needs the peers in one PID namespace (else a dead claimer is noticed after ``timeout``).
 - the collator must be a :class:`~prealign.collate.THDCollator` (optionally inside
@@ -90,12 +91,17 @@ class BatchShare:
         if layout is None or layout.cp == 1:
             return planned, collate
         whole = _unsharded(collator)
+        rank = _inner(collator).cp_rank  # the shard the collator makes is the one this rank must get
+        if rank is None or (cp_rank is not None and cp_rank != rank):
+            raise ConfigError(f"BatchShare: the collator's cp_rank is {rank}, the loader's {cp_rank}: sharing needs "
+                              f"each CP rank's own cp_rank (the same on the loader and its collator)")
+        cp_rank = rank
         digest = hashlib.blake2b(json.dumps([self.run, scope, repr(whole)], sort_keys=True, default=str).encode(),
                                  digest_size=16).hexdigest()
-        folder = SharedFolder(self.directory(), 0 if cp_rank is None else cp_rank, layout.cp, timeout=self.timeout,
+        folder = SharedFolder(self.directory(), cp_rank, layout.cp, timeout=self.timeout,
                               ttl=self.ttl, owner="BatchShare")
         shard = CPShard(schema=collator.schema, layout=layout, cp_rank=cp_rank,
-                        deferred=_inner(collator).defer_cp_shard and cp_rank is not None)
+                        deferred=_inner(collator).defer_cp_shard)
         return (_SharedPlanned(planned, folder, digest),
                 _SharedCollate(plain=collate, whole=dataclasses.replace(collate, collator=whole, pack=False),
                                shard=shard, folder=folder, pack=getattr(collate, "pack", False)))
@@ -174,7 +180,13 @@ class _SharedPlanned:
         state, record = self.folder.acquire(key)
         if state == HIT:
             return request, None, self.planned.where, _Token(key, state, record)
-        return (*self.planned.__getitems__(request), _Token(key, state))
+        try:
+            fetched = self.planned.__getitems__(request)
+        except BaseException:
+            if state == CLAIMED:  # the peers load it themselves at once instead of waiting out the claim
+                self.folder.failed(key)
+            raise
+        return (*fetched, _Token(key, state))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -29,6 +29,7 @@ from prealign.schemas.errors import PrealignError, SampleError
 from prealign.schemas.layout import ParallelLayout
 from prealign.schemas.schema import BatchSchema, Role, Source as FieldSource
 from .batch_share import BatchShare
+from .sidecar import describe_transform
 from .errors import BadSampleError, LoaderUsageError, PlanError, SourceChangedError, reason_of
 from .index import SampleIndex, build_index, has_media, media_keys
 from .options import IndexOptions, LoadingOptions, ShuffleOptions, check_dp
@@ -320,7 +321,10 @@ class PackedLoader:
         if self.share is not None:  # CP peers read each other's micro-batches (loaders/batch_share.py)
             planned, collate_fn = self.share.attach(planned, collate_fn, collator=self.collator, cp_rank=self.cp_rank,
                                                     scope={"dp_rank": self.dp_rank, "config": self._config(),
-                                                           "data": [len(index), index.digest]})
+                                                           "data": [len(index), index.digest],
+                                                           "source": self.source.describe(),
+                                                           "transform": describe_transform(
+                                                               getattr(self.source, "transform", None))})
         self._loader = DataLoader(planned,
                                   batch_sampler=self._requests,
                                   collate_fn=collate_fn,

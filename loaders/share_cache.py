@@ -82,7 +82,7 @@ def decode_record(buf) -> dict:
     try:
         header = json.loads(bytes(buf[start:start + n]))
         tensors, values = dict(header["tensors"]), dict(header["values"])
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, RecursionError) as exc:
         raise ShareRecordError(f"unreadable share record header ({exc})") from None
     base = start + n
     out: dict[str, Any] = dict(values)
@@ -93,11 +93,15 @@ def decode_record(buf) -> dict:
             shape = [int(d) for d in shape]
         except (ValueError, TypeError) as exc:
             raise ShareRecordError(f"tensor {name!r}: bad header entry {spec!r} ({exc})") from None
-        if np_dtype.hasobject or np_dtype.kind not in "biuf" or min(shape, default=0) < 0:
+        if (np_dtype.hasobject or np_dtype.kind not in "biuf" or not np_dtype.isnative
+                or min(shape, default=0) < 0 or len(shape) > 32):
             raise ShareRecordError(f"tensor {name!r}: refused dtype {dtype} / shape {shape}")
         itemsize = np_dtype.itemsize
+        count = 1
+        for d in shape:  # Python ints: no int64 overflow can make a huge shape look small
+            count *= d
         if (not isinstance(offset, int) or not isinstance(nbytes, int) or offset < 0
-                or nbytes != int(np.prod(shape, dtype=np.int64)) * itemsize or base + offset + nbytes > len(buf)):
+                or nbytes != count * itemsize or base + offset + nbytes > len(buf)):
             raise ShareRecordError(f"tensor {name!r}: {nbytes} bytes at {offset} do not hold {dtype} {shape}")
         arr = np.frombuffer(buf, dtype=np_dtype, count=nbytes // itemsize, offset=base + offset)
         t = torch.from_numpy(arr).reshape(shape)
@@ -160,8 +164,8 @@ class SharedFolder:
                 _write_all(fd, parts)
             finally:
                 os.close(fd)
-            os.replace(tmp, path + ".bin")
-            _touch(f"{path}.r{self.cp_rank}")  # this rank has it: its own later request never frees it for the peers
+            _touch(f"{path}.r{self.cp_rank}")  # this rank has it (before the peers can see it: a peer's read
+            os.replace(tmp, path + ".bin")     # then finds every marker) and its own later request never frees it
             return True
         except (OSError, TypeError, ValueError) as exc:  # a full /dev/shm, a value JSON cannot hold
             self.stats.write_failed += 1
@@ -207,8 +211,10 @@ class SharedFolder:
 
     def _retake(self, path: str) -> tuple[str, None]:
         """The claimer died: claim again (its pid replaced by ours, never through a link) and publish."""
-        try:
-            fd = os.open(path + ".claim", os.O_WRONLY | os.O_TRUNC | _NOFOLLOW)
+        try:  # only one waiter's rename of the dead claim succeeds; it then claims afresh, exclusively
+            os.rename(path + ".claim", f"{path}.dead-{os.getpid()}")
+            _unlink(f"{path}.dead-{os.getpid()}")
+            fd = os.open(path + ".claim", os.O_CREAT | os.O_EXCL | os.O_WRONLY | _NOFOLLOW, 0o600)
             with os.fdopen(fd, "w") as f:
                 f.write(str(os.getpid()))
         except OSError:
