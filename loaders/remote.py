@@ -80,6 +80,15 @@ def scheme(url: str) -> str:
     return m.group(1).lower() if m and len(m.group(1)) > 1 else ""
 
 
+def local_path(url: str) -> str:
+    """The file path of a local shard (``file://`` dropped).
+
+    >>> local_path("file:///d/x.tar"), local_path("/d/x.tar")
+    ('/d/x.tar', '/d/x.tar')
+    """
+    return url[len("file://"):] if url.startswith("file://") else url
+
+
 def is_remote(url: str) -> bool:
     """True for URLs other than local paths and ``file://``.
 
@@ -304,7 +313,7 @@ def open_stream(url: str, opts: RemoteOptions | None = None):
     elif s in ("http", "https"):
         f = _retrying(url, opts, lambda: _http(url, opts))
     elif s in ("", "file"):
-        path = url[len("file://"):] if s == "file" else url
+        path = local_path(url)
         try:
             f = open(path, "rb")
         except FileNotFoundError:

@@ -366,7 +366,7 @@ def shard_sizes(source, shards=None) -> list[int]:
     urls = source.urls
     shards = list(range(len(urls))) if shards is None else list(shards)
     local = [s for s in shards if not remote.is_remote(urls[s])]
-    stats = map_with_timeout(_local_size, [_local_path(urls[s]) for s in local], source.read_timeout)
+    stats = map_with_timeout(_local_size, [remote.local_path(urls[s]) for s in local], source.read_timeout)
     for s, size in zip(local, stats):
         if isinstance(size, Stalled):
             raise ShardTimeoutError(urls[s], 0, f"stat made no progress in {source.read_timeout} s (a hung mount?)")
@@ -384,10 +384,6 @@ def shard_sizes(source, shards=None) -> list[int]:
 def shard_size(source, shard: int) -> int:
     """:func:`shard_sizes` of one shard."""
     return shard_sizes(source, [shard])[0]
-
-
-def _local_path(url: str) -> str:
-    return url[len("file://"):] if url.startswith("file://") else url
 
 
 def _local_size(path: str) -> int | None:
@@ -417,7 +413,7 @@ def shard_probe(source, shard: int, size: int) -> str:
         if remote.is_remote(url):  # never through the block cache: it may hold the object's old bytes
             h.update(remote.read_range(url, lo, hi, uncached))
         else:
-            with open(url[len("file://"):] if url.startswith("file://") else url, "rb") as f:
+            with open(remote.local_path(url), "rb") as f:
                 f.seek(lo)
                 h.update(f.read(hi - lo))
     return h.hexdigest()

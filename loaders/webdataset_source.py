@@ -255,7 +255,7 @@ class WebDatasetSource(Source):
         files = local.setdefault("files", OrderedDict())
         f = files.get(shard)
         if f is None:
-            f = files[shard] = open(url[len("file://"):] if url.startswith("file://") else url, "rb")
+            f = files[shard] = open(_remote.local_path(url), "rb")
             while len(files) > self.max_open_files:
                 files.popitem(last=False)[1].close()
         files.move_to_end(shard)
@@ -276,7 +276,7 @@ class WebDatasetSource(Source):
     def describe(self) -> dict:
         sizes = []
         for u in self.urls:
-            p = u[len("file://"):] if u.startswith("file://") else u
+            p = _remote.local_path(u)
             local = not _REMOTE.match(u) or u.startswith("file://")
             sizes.append(os.path.getsize(p) if local and os.path.exists(p) else None)
         return {"kind": "webdataset", "urls": self.urls, "sizes": sizes, "required": list(self.required)}
