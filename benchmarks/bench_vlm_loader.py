@@ -216,8 +216,9 @@ def group_rank(shards: list[str], index_path: str, out: str, cp: int, cp_rank: i
     loader.source.transform.processor
     c0 = cpu_seconds()
     n = sum(b["sample_index"].numel() for b in loader)
+    self_cpu = sum(getattr(resource.getrusage(resource.RUSAGE_SELF), k) for k in ("ru_utime", "ru_stime"))
     with open(out, "w") as f:
-        json.dump({"cpu": cpu_seconds() - c0, "samples": n}, f)
+        json.dump({"cpu": cpu_seconds() - c0, "samples": n, "self": self_cpu}, f)
 
 
 def group_cpu(shards, index_path: str, cp: int, mode: str, budget: int, tmp: str,
@@ -235,6 +236,8 @@ def group_cpu(shards, index_path: str, cp: int, mode: str, budget: int, tmp: str
         if p.wait() != 0:
             raise SystemExit(f"group rank failed ({p.returncode})")
     res = [json.load(open(o)) for o in outs]
+    if os.environ.get("BENCH_VERBOSE"):
+        print(f"  cp={cp} {mode}: per rank CPU s {[round(r['cpu'], 2) for r in res]} self {[round(r['self'], 2) for r in res]}", flush=True)
     shutil.rmtree(cache, ignore_errors=True)
     return sum(r["cpu"] for r in res), res[0]["samples"]
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import json
 import os
 import tempfile
@@ -41,7 +42,8 @@ from prealign.collate.mrope import MRoPECollator
 from prealign.collate.thd import THDCollator
 from prealign.schemas.errors import ConfigError, PrealignError
 from prealign.schemas.schema import Role
-from .share_cache import CLAIMED, HIT, ShareStats, SharedFolder
+from . import slots
+from .share_cache import CLAIMED, HIT, ShareStats, SharedFolder, decode_record, encode_record
 from .transport import pack_batch
 from .workers import Carried, carry
 
@@ -102,9 +104,11 @@ class BatchShare:
                               ttl=self.ttl, owner="BatchShare")
         shard = CPShard(schema=collator.schema, layout=layout, cp_rank=cp_rank,
                         deferred=_inner(collator).defer_cp_shard)
-        return (_SharedPlanned(planned, folder, digest),
+        pack = getattr(collate, "pack", False)
+        by_fd = pack and slots.available() and layout.cp <= slots.MAX_HOLDERS  # records reach the main process as slot files
+        return (_SharedPlanned(planned, folder, digest, by_fd),
                 _SharedCollate(plain=collate, whole=dataclasses.replace(collate, collator=whole, pack=False),
-                               shard=shard, folder=folder, pack=getattr(collate, "pack", False)))
+                               shard=shard, folder=folder, pack=pack, by_fd=by_fd))
 
 
 def _inner(collator) -> THDCollator:
@@ -164,8 +168,8 @@ class _Token:
 class _SharedPlanned:
     """The DataLoader dataset: a published micro-batch is read, not loaded (else the loader's own)."""
 
-    def __init__(self, planned, folder: SharedFolder, digest: str):
-        self.planned, self.folder, self.digest = planned, folder, digest
+    def __init__(self, planned, folder: SharedFolder, digest: str, by_fd: bool = False):
+        self.planned, self.folder, self.digest, self.by_fd = planned, folder, digest, by_fd
 
     def __len__(self) -> int:
         return len(self.planned)
@@ -177,7 +181,7 @@ class _SharedPlanned:
 
     def __getitems__(self, request):
         key = self.key(request)
-        state, record = self.folder.acquire(key)
+        state, record = self.folder.acquire(key, by_fd=self.by_fd)
         if state == HIT:
             return request, None, self.planned.where, _Token(key, state, record)
         try:
@@ -192,13 +196,16 @@ class _SharedPlanned:
 @dataclass(frozen=True, kw_only=True)
 class _SharedCollate:
     """The collate_fn: a read batch is sharded; a claimed one is collated whole, published, then
-    sharded; otherwise the loader's own collate_fn runs."""
+    sharded; otherwise the loader's own collate_fn runs. ``by_fd`` (in workers): the whole record goes to
+    the main process as its slot file (:mod:`~prealign.loaders.slots`), sharded there on arrival, so
+    neither a reading nor the claiming rank copies the pixels again."""
 
     plain: Callable
     whole: Callable
     shard: CPShard
     folder: SharedFolder
     pack: bool
+    by_fd: bool = False
 
     @property
     def stats(self) -> ShareStats:
@@ -207,6 +214,12 @@ class _SharedCollate:
     def __call__(self, fetched: tuple):
         *fetched, token = fetched
         if token.state == HIT:
+            if self.by_fd:
+                fd, nbytes = token.record
+                try:
+                    return slots.send(fd, nbytes, self.folder.cp_rank, ShardOnArrival(self.shard))
+                finally:
+                    os.close(fd)
             return self._out(self.shard(token.record))
         if token.state != CLAIMED:
             return self.plain(tuple(fetched))
@@ -224,8 +237,55 @@ class _SharedCollate:
             self.folder.failed(token.key)
             raise
         self.folder.stats.computed += 1
+        if self.by_fd:
+            sent = self._publish_slot(token.key, whole)
+            if sent is not None:
+                return sent
         self.folder.publish(token.key, whole)
         return self._out(self.shard(whole))
 
+    def _publish_slot(self, key: str, whole: dict):
+        """Write the whole record once into a pooled slot file of the folder, publish that file and send
+        it to this rank's main process; None when the folder cannot hold slot files (then the plain way)."""
+        try:
+            parts = encode_record(whole)
+            nbytes = sum(memoryview(p).nbytes for p in parts)
+            slot = slots.pool(("share", self.folder.directory), _named_in(self.folder.directory)).take(nbytes)
+        except (OSError, TypeError, ValueError):
+            return None
+        offset = slots.HEADER
+        for p in parts:
+            n = memoryview(p).nbytes
+            slot.mm[offset:offset + n] = memoryview(p).cast("B")
+            offset += n
+        slot.hold(range(self.folder.cp_size))  # every rank's main process will map it and let go of it
+        slot.set_key(key)
+        if not self.folder.publish_slot(key, slot):  # the peers compute it; only this rank maps it
+            slot.hold([self.folder.cp_rank])
+        return slots.send(slot, nbytes, self.folder.cp_rank, ShardOnArrival(self.shard))
+
     def _out(self, batch: dict):
         return pack_batch(batch) if self.pack else batch
+
+
+@dataclass(frozen=True)
+class ShardOnArrival:
+    """Builds a rank's batch in its main process from a received record (uint8 ``[nbytes]``, a private map
+    of the slot file): decoded in place (the pixels are never copied) and CP-sharded."""
+
+    shard: CPShard
+
+    def __call__(self, buffer: torch.Tensor) -> dict:
+        return self.shard(decode_record(buffer.numpy()))
+
+
+def _named_in(directory: str):
+    """``make_fd`` of a slot pool whose files are ``slot-<pid>-<n>`` in ``directory`` (so that a published
+    record can be a link to one; the folder's sweep spares the slots of live processes)."""
+    def make_fd() -> tuple[int, str]:
+        path = os.path.join(directory, f"{slots.SLOT_PREFIX}{os.getpid()}-{next(_numbers)}")
+        return os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | getattr(os, "O_NOFOLLOW", 0), 0o600), path
+    return make_fd
+
+
+_numbers = itertools.count()

@@ -5,8 +5,10 @@ computes, the others read (no pickle, no deadlock). Used by
 
     folder (node-local, private: mode 0o700, this user's, never a link)
     <key>.claim   created with O_EXCL by the claimer; holds its pid       (who is computing)
-    <key>.bin     the result: ``PRMS1\\n``, a JSON header, raw tensor bytes (never pickled, read by mmap)
-                  written to ``<key>.<pid>.tmp`` (O_EXCL|O_NOFOLLOW) then renamed (atomic)
+    <key>.bin     the result: a slot header page (:mod:`~prealign.loaders.slots`: holder flags, the key),
+                  then ``PRMS1\\n``, a JSON header, raw tensor bytes (never pickled, read by mmap);
+                  written to ``<key>.<pid>.tmp`` (O_EXCL|O_NOFOLLOW), or a pooled slot file linked
+                  there (:meth:`SharedFolder.publish_slot`: no copy), then renamed (atomic)
     <key>.err     the claimer failed: every rank computes for itself      (bad data raises locally)
     <key>.r<k>    CP rank k has the result (the claimer's rank marks itself; a second request of that
                   rank, e.g. its worker after its index pass, reads without using up the peers' turn);
@@ -40,6 +42,8 @@ import torch
 
 from prealign.schemas.errors import PrealignError
 
+from . import slots
+
 _MAGIC = b"PRMS1\n"
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
@@ -71,19 +75,21 @@ def encode_record(record: dict) -> list:
     return [_MAGIC + len(head).to_bytes(4, "little") + head, *blobs]
 
 
-def decode_record(buf) -> dict:
-    """Inverse of :func:`encode_record` (``buf``: the joined record, e.g. a private mmap of the file), keys
-    in their written order; the tensors share ``buf``'s memory. A malformed record is a
-    :class:`ShareRecordError`."""
-    if bytes(buf[:len(_MAGIC)]) != _MAGIC:
+def decode_record(buf, start: int = 0) -> dict:
+    """Inverse of :func:`encode_record` (``buf``: the joined record from byte ``start``, e.g. a private mmap
+    of a record file), keys in their written order; the tensors share ``buf``'s memory. A malformed
+    record is a :class:`ShareRecordError`."""
+    if bytes(buf[start:start + len(_MAGIC)]) != _MAGIC:
         raise ShareRecordError("not a prealign share record")
-    n = int.from_bytes(buf[len(_MAGIC):len(_MAGIC) + 4], "little")
-    start = len(_MAGIC) + 4
+    n = int.from_bytes(buf[start + len(_MAGIC):start + len(_MAGIC) + 4], "little")
+    start += len(_MAGIC) + 4
     try:
         header = json.loads(bytes(buf[start:start + n]))
         tensors, values = dict(header["tensors"]), dict(header["values"])
     except (ValueError, KeyError, TypeError, RecursionError) as exc:
         raise ShareRecordError(f"unreadable share record header ({exc})") from None
+    if start + n > len(buf):
+        raise ShareRecordError(f"share record header of {n} bytes past the end ({len(buf)} bytes)")
     base = start + n
     out: dict[str, Any] = dict(values)
     for name, spec in tensors.items():
@@ -137,14 +143,16 @@ class SharedFolder:
     owner: str = "SharedFolder"
     """Name used in the one warning about an unwritable folder."""
 
-    def acquire(self, key: str) -> tuple[str, dict | None]:
-        """``(CLAIMED, None)``: compute and publish; ``(HIT, record)``; ``(LOCAL, None)``: compute only."""
+    def acquire(self, key: str, *, by_fd: bool = False) -> tuple[str, Any]:
+        """``(CLAIMED, None)``: compute and publish; ``(HIT, record)``; ``(LOCAL, None)``: compute only.
+        ``by_fd``: a hit is ``(fd, nbytes)`` of the record's slot file instead, with this rank's holder flag
+        set (hand it on with :func:`~prealign.loaders.slots.send`; the receiver clears the flag)."""
         path = os.path.join(self.directory, key)
         try:
             private_dir(self.directory)
             fd = os.open(path + ".claim", os.O_CREAT | os.O_EXCL | os.O_WRONLY | _NOFOLLOW, 0o600)
         except FileExistsError:
-            return self._wait(path)
+            return self._wait(path, key, by_fd)
         except OSError:
             self.stats.write_failed += 1
             return LOCAL, None
@@ -158,34 +166,74 @@ class SharedFolder:
         path = os.path.join(self.directory, key)
         tmp = f"{path}.{os.getpid()}.tmp"
         try:
-            parts = encode_record(record)
+            parts = [slots.header(key), *encode_record(record)]
             fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | _NOFOLLOW, 0o600)
             try:
                 _write_all(fd, parts)
             finally:
                 os.close(fd)
-            _touch(f"{path}.r{self.cp_rank}")  # this rank has it (before the peers can see it: a peer's read
-            os.replace(tmp, path + ".bin")     # then finds every marker) and its own later request never frees it
+            self._appear(path, tmp)
             return True
         except (OSError, TypeError, ValueError) as exc:  # a full /dev/shm, a value JSON cannot hold
-            self.stats.write_failed += 1
-            _unlink(tmp)
-            _touch(path + ".err")
-            if self.stats.write_failed == 1:
-                warnings.warn(f"{self.owner}: cannot publish results in {self.directory} ({type(exc).__name__}: "
-                              f"{exc}); CP peers compute them themselves", stacklevel=3)
-            return False
+            return self._cannot_publish(path, tmp, exc)
+
+    def publish_slot(self, key: str, slot) -> bool:
+        """Publish the record already written in ``slot`` (a named pooled slot file in this folder, its key
+        set) under ``key`` without copying it: the slot's file is linked to the record's name."""
+        path = os.path.join(self.directory, key)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        try:
+            os.link(slot.path, tmp, follow_symlinks=False)
+            self._appear(path, tmp)
+            slot.published = path + ".bin"
+            return True
+        except OSError as exc:
+            return self._cannot_publish(path, tmp, exc)
+
+    def _appear(self, path: str, tmp: str) -> None:
+        _touch(f"{path}.r{self.cp_rank}")  # this rank has it (before the peers can see it: a peer's read
+        os.replace(tmp, path + ".bin")     # then finds every marker) and its own later request never frees it
+
+    def _cannot_publish(self, path: str, tmp: str, exc: Exception) -> bool:
+        self.stats.write_failed += 1
+        _unlink(tmp)
+        _touch(path + ".err")
+        if self.stats.write_failed == 1:
+            warnings.warn(f"{self.owner}: cannot publish results in {self.directory} ({type(exc).__name__}: "
+                          f"{exc}); CP peers compute them themselves", stacklevel=4)
+        return False
 
     def failed(self, key: str) -> None:
         """The claimer could not compute ``key``: every peer computes it itself (and meets the same error)."""
         _touch(os.path.join(self.directory, key) + ".err")
 
     # ---- waiting -------------------------------------------------------------------------------
-    def _wait(self, path: str) -> tuple[str, dict | None]:
+    def _read(self, path: str, key: str, by_fd: bool):
+        """The published record of ``key`` (see :meth:`acquire`), or None when it is not (or no longer) there."""
+        fd = open_record(path + ".bin")
+        try:
+            if not slots.is_slot_file(fd):
+                raise ShareRecordError(f"{path}.bin: not a prealign record file")
+            if by_fd:
+                slots.hold(fd, self.cp_rank)  # before the key: a slot being reused shows another key
+            if slots.key_of(fd) != key:
+                os.close(fd)
+                return None
+            size = os.fstat(fd).st_size
+            record = decode_record(_map(fd, size), start=slots.HEADER)  # checks the header and sizes
+        except BaseException:
+            os.close(fd)  # (a flag it set stays set: the slot is then never reused, only dropped)
+            raise
+        if by_fd:
+            return fd, size - slots.HEADER
+        os.close(fd)
+        return record
+
+    def _wait(self, path: str, key: str, by_fd: bool) -> tuple[str, Any]:
         delay = 0.0005
         while True:
             try:
-                record = decode_record(map_private(path + ".bin"))
+                record = self._read(path, key, by_fd)
             except OSError:
                 record = None
             except ShareRecordError:
@@ -238,6 +286,8 @@ class SharedFolder:
             with os.scandir(d) as it:
                 for entry in it:
                     try:
+                        if slots.in_use(entry.name):
+                            continue
                         if now - entry.stat(follow_symlinks=False).st_mtime > self.ttl:
                             _unlink(entry.path)
                     except OSError:
@@ -255,12 +305,12 @@ def _write_all(fd: int, parts: list) -> None:
             rest = rest[os.write(fd, rest):]
 
 
-def map_private(path: str):
-    """The file as a private (copy-on-write) mapping: its tensors cost no copy and stay valid after the
-    file is deleted. Only a regular file of this user that no one else can write, opened without
-    following a link; anything else is a :class:`ShareRecordError` (a missing file: ``OSError``)."""
+def open_record(path: str) -> int:
+    """A read-write fd of the record file ``path``: only a regular file of this user that no one else can
+    write, opened without following a link; anything else is a :class:`ShareRecordError` (a missing file:
+    ``OSError``). Read-write so that a reader can set its holder flag (:mod:`~prealign.loaders.slots`)."""
     try:
-        fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
+        fd = os.open(path, os.O_RDWR | _NOFOLLOW)
     except OSError as exc:
         if exc.errno == errno.ELOOP:  # the name is a link
             raise ShareRecordError(f"{path}: a link, not a record") from None
@@ -270,11 +320,18 @@ def map_private(path: str):
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
             raise ShareRecordError(f"{path}: not a regular file only this user can write (mode {oct(st.st_mode)}, "
                                    f"uid {st.st_uid})")
-        if st.st_size == 0:
-            raise ShareRecordError(f"{path}: empty")
-        return mmap.mmap(fd, st.st_size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    finally:
+        if st.st_size <= slots.HEADER:
+            raise ShareRecordError(f"{path}: {st.st_size} bytes, too short for a record")
+    except BaseException:
         os.close(fd)
+        raise
+    return fd
+
+
+def _map(fd: int, size: int):
+    """The file as a private (copy-on-write) mapping: its tensors cost no copy and stay valid after the
+    file is deleted or the fd closed."""
+    return mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
 
 
 def private_dir(d: str) -> None:

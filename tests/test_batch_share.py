@@ -125,6 +125,33 @@ def test_every_cp_rank_gets_the_unshared_batches(data, tmp_path, variant):
     assert os.listdir(share.directory()) == []  # the last reader cleaned up
 
 
+def _share_mappings(directory: str) -> list[str]:
+    with open("/proc/self/maps") as f:
+        return [line for line in f if directory in line]
+
+
+@pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="slot files need Linux")
+def test_workers_hand_the_published_record_to_the_main_process_without_copying(data, tmp_path):
+    """With workers, the claimer writes each whole micro-batch once into a slot file that is both published
+    and sent to its own main process; a reader's worker sends the published file. Both main processes map
+    it (no copy of the pixels) and shard it on arrival: every batch equals the unshared loader's, the
+    batches map files of the share folder while held, and nothing is left once they are dropped."""
+    import gc
+
+    share = BatchShare(run="fd", cache_dir=str(tmp_path))
+    for rank in range(2):
+        want = list(make_loader(data, rank))
+        got = list(make_loader(data, rank, share=share, num_workers=1))
+        assert len(got) == len(want) >= 5
+        for g, w in zip(got, want):
+            assert_same_batch(g, w)
+        assert _share_mappings(share.directory()), "the batches should be views of the shared record files"
+        del got, g
+        gc.collect()
+        assert not _share_mappings(share.directory())
+    assert os.listdir(share.directory()) == []  # the last reader removed every name
+
+
 def test_dp_peers_and_other_runs_never_read_each_other(data, tmp_path):
     a = make_loader(data, 0, share=BatchShare(run="job1", cache_dir=str(tmp_path)))
     list(a)
@@ -287,26 +314,6 @@ def test_cp2_processes_with_a_killed_worker_resume_exactly(data, tmp_path):
     assert res[0]["killed"]
     for r in range(2):
         assert res[r]["digests"] == want[r]
-
-
-# ---- the worker hand-off ---------------------------------------------------------------------------------
-def _packed_is_shared(batch):
-    from prealign.loaders.transport import pack_batch
-
-    return pack_batch({"x": torch.arange(1000)}).buffer.is_shared()
-
-
-def test_a_workers_packed_batch_is_allocated_in_shared_memory():
-    """In a DataLoader worker the one buffer is born in shared memory (torch then hands it over without a
-    second copy); in the main process it is ordinary memory."""
-    from prealign.loaders.transport import pack_batch, unpack_batch
-
-    loader = torch.utils.data.DataLoader([0, 1], batch_size=1, num_workers=1, collate_fn=_packed_is_shared)
-    assert list(loader) == [True, True]
-    assert not pack_batch({"x": torch.arange(3)}).buffer.is_shared()
-    packed = pack_batch({"x": torch.arange(3), "e": torch.zeros(0, 2), "n": 1}, shared=True)
-    out = unpack_batch(packed)
-    assert packed.buffer.is_shared() and out["x"].tolist() == [0, 1, 2] and out["e"].shape == (0, 2) and out["n"] == 1
 
 
 def test_a_rank_reading_its_own_result_leaves_it_for_the_peer(tmp_path):

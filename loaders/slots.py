@@ -1,0 +1,272 @@
+"""Recycled shared-memory slots: how a DataLoader worker hands batches to its main process (and, through
+:mod:`~prealign.loaders.batch_share`, to its CP peers) without fresh memory per batch.
+
+A fresh shared-memory segment per batch (what torch does for every tensor a worker returns) costs a page
+fault per 4 KiB page on both sides: on a VM about 0.7 ms per MB, more than copying the pixels. A worker
+instead keeps a small pool of shared files (``memfd``, or an unnamed file in a folder when the slot is to
+be published under a name) that stay mapped in the worker, and writes each batch into a free one:
+
+    slot file   [0, 4096)  header: magic, holder flags (one byte per CP rank), the key it holds
+                [4096, ..) data: the batch (``transport.pack_batch`` layout or a share record)
+
+The worker sets the holder flag of every rank that will map the slot; each holder's main process maps it
+(private, copy-on-write: its in-place writes never reach the slot) and clears its flag when the last
+tensor viewing it is freed. The worker reuses a slot only when every flag is clear, so a batch still held
+by a training loop is never overwritten; when every slot is held it makes a new one (at most ``cap``
+stay pooled; a dropped slot lives on in its holders' mappings until they let go).
+
+Handing a slot over pickles a duplicate of its file descriptor (as torch does for its own shared
+tensors): only file descriptors and plain data cross the process boundary.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import weakref
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+HEADER = 4096
+_MAGIC = b"PRSLOT1\0"
+_FLAGS = 64
+MAX_HOLDERS = 256
+_KEY = _FLAGS + MAX_HOLDERS  # 8-byte length, then the key (at most 1 KiB)
+_KEY_MAX = 1024
+
+
+class Slot:
+    """One pooled shared file (named ``path``, or unnamed), mapped read-write (shared) in the worker:
+    ``capacity`` data bytes."""
+
+    def __init__(self, fd: int, path: str | None, capacity: int):
+        self.fd, self.path, self.capacity = fd, path, 0
+        self.mm: mmap.mmap | None = None
+        self.published: str | None = None  # the name it is linked under, if any
+        self.grow(capacity)
+        self.mm[:len(_MAGIC)] = _MAGIC
+
+    def grow(self, capacity: int) -> None:
+        capacity = -(-max(capacity, 1) // mmap.PAGESIZE) * mmap.PAGESIZE
+        if capacity <= self.capacity:
+            return
+        os.ftruncate(self.fd, HEADER + capacity)
+        if self.mm is not None:
+            self.mm.close()
+        self.mm, self.capacity = mmap.mmap(self.fd, HEADER + capacity, flags=mmap.MAP_SHARED), capacity
+
+    def free(self) -> bool:
+        """No holder maps it (read through a syscall: the holders clear their flag with ``pwrite``)."""
+        return not any(os.pread(self.fd, MAX_HOLDERS, _FLAGS))
+
+    def hold(self, holders) -> None:
+        flags = bytearray(MAX_HOLDERS)
+        for h in holders:
+            flags[h] = 1
+        os.pwrite(self.fd, bytes(flags), _FLAGS)
+
+    def unpublish(self) -> None:
+        """Remove the name the slot was published under, if that name is still this slot's file."""
+        name, self.published = self.published, None
+        try:
+            if name is not None and os.stat(name, follow_symlinks=False).st_ino == os.fstat(self.fd).st_ino:
+                os.unlink(name)
+        except OSError:
+            pass
+
+    def set_key(self, key: str) -> None:
+        raw = key.encode()[:_KEY_MAX]
+        os.pwrite(self.fd, len(raw).to_bytes(8, "little") + raw, _KEY)
+
+    def data(self, nbytes: int) -> torch.Tensor:
+        """uint8 ``[nbytes]`` view of the data area (grown to hold it)."""
+        self.grow(nbytes)
+        return torch.frombuffer(self.mm, dtype=torch.uint8, count=nbytes, offset=HEADER) if nbytes else \
+            torch.empty(0, dtype=torch.uint8)
+
+    def close(self) -> None:
+        """Unmap and close; a named slot loses its name (holders keep their mappings)."""
+        if self.mm is not None:
+            self.mm.close()
+        if self.path is not None:
+            try:
+                os.unlink(self.path)
+            except OSError:
+                pass
+        os.close(self.fd)
+
+
+def header(key: str) -> bytes:
+    """The header page of a slot file holding ``key`` with no holder flags (for a record written in one go)."""
+    raw = key.encode()[:_KEY_MAX]
+    out = bytearray(HEADER)
+    out[:len(_MAGIC)] = _MAGIC
+    out[_KEY:_KEY + 8 + len(raw)] = len(raw).to_bytes(8, "little") + raw
+    return bytes(out)
+
+
+def is_slot_file(fd: int) -> bool:
+    return os.pread(fd, len(_MAGIC), 0) == _MAGIC
+
+
+def hold(fd: int, holder: int) -> None:
+    """Set holder flag ``holder`` of slot file ``fd`` (before reading its key)."""
+    os.pwrite(fd, b"\1", _FLAGS + holder)
+
+
+def key_of(fd: int) -> str:
+    """The key a slot file holds (``""`` when none or being rewritten)."""
+    head = os.pread(fd, 8 + _KEY_MAX, _KEY)
+    n = min(int.from_bytes(head[:8], "little"), _KEY_MAX)
+    return head[8:8 + n].decode(errors="replace")
+
+
+class SlotPool:
+    """The slots of one process. ``make_fd()`` -> ``(fd, path)``: a new shared file and its name (None for
+    an unnamed one); default a ``memfd``. A named slot can be published (linked) under another name."""
+
+    def __init__(self, make_fd=None, cap: int = 6):
+        self.make_fd = make_fd or (lambda: (os.memfd_create("prealign-slot", os.MFD_CLOEXEC), None))
+        self.cap = cap
+        self.slots: list[Slot] = []
+
+    def take(self, nbytes: int) -> Slot:
+        """A free slot with room for ``nbytes`` (the largest free one, grown; else a new one). A reused
+        slot first loses its published name and key, and is given up if a reader took hold of it in the
+        meantime (a reader sets its flag before it reads the key: it then sees the key gone)."""
+        while True:
+            free = [s for s in self.slots if s.free()]
+            if not free:
+                slot = Slot(*self.make_fd(), nbytes)
+                if len(self.slots) >= self.cap:
+                    self.slots.pop(0).close()  # held elsewhere: it lives on in its holders' mappings
+                break
+            slot = max(free, key=lambda s: s.capacity)
+            self.slots.remove(slot)
+            slot.unpublish()
+            slot.set_key("")
+            if slot.free():
+                slot.grow(nbytes)
+                break
+            slot.close()  # a late reader holds it: leave it to that reader
+        self.slots.append(slot)  # most recently used last
+        return slot
+
+    def close(self) -> None:
+        for s in self.slots:
+            s.close()
+        self.slots.clear()
+
+
+_pools: dict[tuple[int, object], SlotPool] = {}
+SLOT_PREFIX = "slot-"
+
+
+def pool(kind: object = None, make_fd=None) -> SlotPool:
+    """This process's pool for ``kind`` (a fork starts with none of its parent's). Its named slots are
+    removed when the process exits (a DataLoader worker exits through multiprocessing, which runs
+    ``Finalize`` callbacks but not ``atexit``)."""
+    key = (os.getpid(), kind)
+    if key not in _pools:
+        from multiprocessing.util import Finalize
+
+        _pools[key] = SlotPool(make_fd)
+        Finalize(_pools[key], _pools[key].close, exitpriority=10)
+    return _pools[key]
+
+
+def in_use(name: str) -> bool:
+    """``name`` is a named slot (``slot-<pid>-<n>``) of a live process: never swept by age."""
+    if not name.startswith(SLOT_PREFIX):
+        return False
+    pid = name[len(SLOT_PREFIX):].split("-", 1)[0]
+    if not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True
+    return True
+
+
+def worker_heap() -> None:
+    """Keep freed heap memory in this (worker) process for the next batch instead of returning it to the
+    kernel: a batch's large temporaries (``torch.cat`` of pixels) then reuse pages instead of faulting in
+    fresh ones (about 6x faster on a VM). glibc only; elsewhere nothing happens. Called once per worker."""
+    global _heap_pid
+    if _heap_pid == os.getpid():
+        return
+    _heap_pid = os.getpid()
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 1 << 30)  # M_MMAP_THRESHOLD: large blocks from the heap, not a fresh mmap each
+        libc.mallopt(-1, 1 << 31)  # M_TRIM_THRESHOLD: keep up to 2 GiB of freed heap for reuse
+    except (OSError, AttributeError):
+        pass
+
+
+_heap_pid = -1
+
+
+@dataclass(frozen=True)
+class SlotRef:
+    """A slot as sent to a main process: ``fd`` (its own duplicate, closed with this object; duplicated
+    again when pickled), ``nbytes`` of data, the holder flag ``holder`` to clear when released, and what
+    to build from it (``build(buffer)`` in the receiver, ``buffer`` uint8 ``[nbytes]`` privately mapped).
+    Make one with :func:`send`."""
+
+    fd: int
+    nbytes: int
+    holder: int
+    build: object
+
+    def __reduce__(self):
+        from multiprocessing.reduction import DupFd
+
+        return _receive, (DupFd(self.fd), self.nbytes, self.holder, self.build)
+
+
+def send(slot: "Slot | int", nbytes: int, holder: int, build) -> SlotRef:
+    """A :class:`SlotRef` for the first ``nbytes`` of ``slot`` (a :class:`Slot` or a slot file's fd): it owns
+    a duplicate of the file descriptor, so the pool may drop the slot (or the caller close its fd) before
+    the DataLoader's queue thread pickles the reference."""
+    fd = os.dup(slot if isinstance(slot, int) else slot.fd)
+    ref = SlotRef(fd, nbytes, holder, build)
+    weakref.finalize(ref, os.close, fd)
+    return ref
+
+
+def _receive(dup, nbytes: int, holder: int, build):
+    return build(map_slot(dup.detach(), nbytes, holder))
+
+
+def map_slot(fd: int, nbytes: int, holder: int) -> torch.Tensor:
+    """uint8 ``[nbytes]``: the data of slot file ``fd`` mapped privately (copy-on-write); when the last
+    tensor viewing it is freed, holder flag ``holder`` is cleared and ``fd`` closed (the fd is owned)."""
+    try:
+        mm = mmap.mmap(fd, HEADER + nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    except BaseException:
+        _release(fd, holder)
+        raise
+    whole = np.frombuffer(mm, dtype=np.uint8, count=nbytes, offset=HEADER)
+    weakref.finalize(whole, _release, fd, holder)
+    return torch.from_numpy(whole)
+
+
+def _release(fd: int, holder: int) -> None:
+    try:
+        os.pwrite(fd, b"\0", _FLAGS + holder)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def available() -> bool:
+    """Slots need ``memfd_create`` (Linux); elsewhere batches go through torch's own shared memory."""
+    return hasattr(os, "memfd_create")
