@@ -14,7 +14,9 @@ Data: ``build_demo_dataset`` (no planted bad samples), ``--samples`` samples (de
   same number of workers.
 - Rounds alternate which runs first. Throughput: samples/s and real (unpadded) tokens/s of one epoch;
   CPU ms per sample: ``resource.getrusage`` of this process and its (joined) workers.
-- Per-stage split: in-process, each stage timed on the same samples with ``time.process_time``.
+- Per-stage split: in-process, each stage timed on the same samples with ``time.process_time`` (without
+  what only a worker does: the recycled hand-off slots and the kept heap, so "collate + hand-off" here
+  pays fresh memory per batch as the baseline's collate does).
 - CP group: ``cp`` real processes (one per CP rank, one worker each), without sharing, with
   ``SharedMediaTransform`` (per sample) and with ``BatchShare`` (per collated micro-batch), sharing
   through a directory in /dev/shm, against one process loading the same rank alone without sharing;
@@ -216,9 +218,8 @@ def group_rank(shards: list[str], index_path: str, out: str, cp: int, cp_rank: i
     loader.source.transform.processor
     c0 = cpu_seconds()
     n = sum(b["sample_index"].numel() for b in loader)
-    self_cpu = sum(getattr(resource.getrusage(resource.RUSAGE_SELF), k) for k in ("ru_utime", "ru_stime"))
     with open(out, "w") as f:
-        json.dump({"cpu": cpu_seconds() - c0, "samples": n, "self": self_cpu}, f)
+        json.dump({"cpu": cpu_seconds() - c0, "samples": n}, f)
 
 
 def group_cpu(shards, index_path: str, cp: int, mode: str, budget: int, tmp: str,
@@ -237,7 +238,7 @@ def group_cpu(shards, index_path: str, cp: int, mode: str, budget: int, tmp: str
             raise SystemExit(f"group rank failed ({p.returncode})")
     res = [json.load(open(o)) for o in outs]
     if os.environ.get("BENCH_VERBOSE"):
-        print(f"  cp={cp} {mode}: per rank CPU s {[round(r['cpu'], 2) for r in res]} self {[round(r['self'], 2) for r in res]}", flush=True)
+        print(f"  cp={cp} {mode}: per rank CPU s {[round(r['cpu'], 2) for r in res]}", flush=True)
     shutil.rmtree(cache, ignore_errors=True)
     return sum(r["cpu"] for r in res), res[0]["samples"]
 
@@ -249,6 +250,7 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--budget", type=int, default=8192)
     ap.add_argument("--stage-samples", type=int, default=300)
+    ap.add_argument("--group-rounds", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="skip the CP group runs")
     ap.add_argument("--group-only", action="store_true", help="only the CP group runs (and the stage split)")
     args = ap.parse_args()
@@ -297,16 +299,23 @@ def main() -> None:
             print(f"{name} per-stage CPU ms/sample: " + ", ".join(f"{k} {v:.2f}" for k, v in parts.items())
                   + f"; total {sum(parts.values()):.2f}")
         if not args.quick:
-            one, n = group_cpu(data.shards, index_path, 2, "none", args.budget, tmp, ranks=1)
-            print(f"one loader alone (cp rank 0, 1 worker, no sharing): {one:.1f} CPU s for {n} samples "
-                  f"(load {os.getloadavg()[0]:.2f})", flush=True)
+            ratios: dict[tuple[int, str], list[float]] = {}
+            for r in range(args.group_rounds):  # one loader re-measured each round: the load drifts
+                one, n = group_cpu(data.shards, index_path, 2, "none", args.budget, tmp, ranks=1)
+                print(f"group round {r}: one loader alone (cp rank 0, 1 worker, no sharing) {one:.1f} CPU s for "
+                      f"{n} samples (load {os.getloadavg()[0]:.2f})", flush=True)
+                for cp in (2, 4):
+                    cpu = {mode: group_cpu(data.shards, index_path, cp, mode, args.budget, tmp)[0]
+                           for mode in ("none", "sample", "batch")}
+                    for mode, c in cpu.items():
+                        ratios.setdefault((cp, mode), []).append(c / one)
+                    print(f"  cp={cp} group (its {cp} ranks at once), CPU / one loader: no sharing "
+                          f"{cpu['none'] / one:.2f}x, SharedMediaTransform {cpu['sample'] / one:.2f}x, BatchShare "
+                          f"{cpu['batch'] / one:.2f}x ({cpu['batch']:.1f} s); load {os.getloadavg()[0]:.2f}", flush=True)
             for cp in (2, 4):
-                cpu = {mode: group_cpu(data.shards, index_path, cp, mode, args.budget, tmp)[0]
-                       for mode in ("none", "sample", "batch")}
-                print(f"cp={cp} group (its {cp} ranks at once), CPU / one loader: no sharing {cpu['none'] / one:.2f}x "
-                      f"({cpu['none']:.1f} s), SharedMediaTransform {cpu['sample'] / one:.2f}x ({cpu['sample']:.1f} s), "
-                      f"BatchShare {cpu['batch'] / one:.2f}x ({cpu['batch']:.1f} s); load {os.getloadavg()[0]:.2f}",
-                      flush=True)
+                print(f"cp={cp} group CPU / one loader, median of {args.group_rounds} rounds: " + ", ".join(
+                    f"{label} {float(np.median(ratios[(cp, mode)])):.2f}x" for mode, label in
+                    (("none", "no sharing"), ("sample", "SharedMediaTransform"), ("batch", "BatchShare"))))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -115,3 +115,98 @@ def test_in_the_main_process_pack_batch_stays_a_plain_buffer():
     out = unpack_batch(packed)
     assert isinstance(packed, PackedBatch) and not packed.buffer.is_shared()
     assert out["x"].tolist() == [0, 1, 2] and out["e"].shape == (0, 2) and out["n"] == 1
+
+
+# ---- published slots (BatchShare) -----------------------------------------------------------------------
+def _named_pool(directory):
+    from prealign.loaders.batch_share import _named_in
+
+    return slots.SlotPool(_named_in(str(directory)))
+
+
+def _publish(folder, pool, key, values):
+    from prealign.loaders.share_cache import encode_record
+
+    parts = encode_record({"x": torch.tensor(values)})
+    nbytes = sum(memoryview(p).nbytes for p in parts)
+    slot = pool.take(nbytes)
+    off = slots.HEADER
+    for p in parts:
+        n = memoryview(p).nbytes
+        slot.mm[off:off + n] = memoryview(p).cast("B")
+        off += n
+    slot.hold(range(folder.cp_size))
+    slot.set_key(key)
+    assert folder.publish_slot(key, slot)
+    return slot, nbytes
+
+
+def test_a_published_slot_is_read_by_fd_and_reused_only_after_every_rank_let_go(tmp_path):
+    from prealign.loaders.share_cache import HIT, SharedFolder, decode_record
+
+    d = str(tmp_path / "f")
+    claimer, reader = SharedFolder(d, 0, 2), SharedFolder(d, 1, 2)
+    assert claimer.acquire("k1")[0] == "claimed"
+    pool = _named_pool(d)
+    slot, nbytes = _publish(claimer, pool, "k1", [1, 2, 3])
+    state, (fd, size) = reader.acquire("k1", by_fd=True)
+    assert state == HIT and size >= nbytes  # the whole slot file (its capacity, page-rounded)
+    got = pickle.loads(pickle.dumps(slots.send(fd, size, 1, _same)))
+    os.close(fd)
+    assert decode_record(got.numpy())["x"].tolist() == [1, 2, 3]
+    assert not os.path.exists(os.path.join(d, "k1.bin"))  # both ranks have it: the name is gone
+    mine = _ref(slot, nbytes)  # the claimer's own main process (holder 0)
+    del mine
+    gc.collect()
+    assert not slot.free()  # rank 1 still maps it
+    del got
+    gc.collect()
+    assert slot.free() and pool.take(10) is slot and slots.key_of(slot.fd) == ""
+    pool.close()
+    assert [n for n in os.listdir(d) if n.startswith(slots.SLOT_PREFIX)] == []  # named slots removed
+
+
+def test_a_slot_a_late_reader_took_hold_of_is_given_up_not_overwritten(tmp_path, monkeypatch):
+    """A reader that opened the old name sets its flag before reading the key: if it did so while the pool
+    was taking the slot for reuse, the pool leaves that slot to the reader and makes a new one."""
+    from prealign.loaders.share_cache import SharedFolder
+
+    d = str(tmp_path / "f")
+    folder = SharedFolder(d, 0, 1)
+    folder.acquire("old")
+    pool = _named_pool(d)
+    slot, nbytes = _publish(folder, pool, "old", [5, 6])
+    os.pwrite(slot.fd, bytes(slots.MAX_HOLDERS), 64)  # every holder let go
+    late = os.open(slot.path, os.O_RDWR)
+    real = slots.Slot.set_key
+
+    def reader_arrives(self, key):
+        real(self, key)
+        if key == "":
+            slots.hold(late, 0)  # the late reader's flag lands in the window
+
+    monkeypatch.setattr(slots.Slot, "set_key", reader_arrives)
+    fresh = pool.take(nbytes)
+    assert fresh is not slot and slot not in pool.slots
+    assert slots.key_of(late) == ""  # the reader then sees the key gone and does not serve it
+    os.close(late)
+    pool.close()
+
+
+def test_a_stale_published_name_of_another_record_is_left_alone(tmp_path):
+    """Reusing a slot removes its old published name only while that name is still this slot's file."""
+    from prealign.loaders.share_cache import SharedFolder
+
+    d = str(tmp_path / "f")
+    folder = SharedFolder(d, 0, 1)
+    folder.acquire("k")
+    pool = _named_pool(d)
+    slot, _ = _publish(folder, pool, "k", [1])
+    name = os.path.join(d, "k.bin")
+    os.unlink(name)
+    with open(name, "wb") as f:  # a later publication of the same key by someone else
+        f.write(b"other")
+    os.pwrite(slot.fd, bytes(slots.MAX_HOLDERS), 64)
+    assert pool.take(8) is slot
+    assert open(name, "rb").read() == b"other"
+    pool.close()
