@@ -250,7 +250,8 @@ class _SharedCollate:
         try:
             parts = encode_record(whole)
             nbytes = sum(memoryview(p).nbytes for p in parts)
-            slot = slots.pool(("share", self.folder.directory), _named_in(self.folder.directory)).take(nbytes)
+            slot = slots.pool(("share", self.folder.directory), _named_in(self.folder.directory),
+                              cap=_SHARED_SLOTS).take(nbytes)
         except (OSError, TypeError, ValueError):
             return None
         offset = slots.HEADER
@@ -289,3 +290,6 @@ def _named_in(directory: str):
 
 
 _numbers = itertools.count()
+_SHARED_SLOTS = 12
+"""Pooled slots per claiming worker: a published record is reused only once every CP rank dropped it, so
+the pool spans the ranks' drift (a smaller pool makes fresh memory for each batch while a rank lags)."""

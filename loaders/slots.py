@@ -20,6 +20,8 @@ tensors): only file descriptors and plain data cross the process boundary.
 """
 from __future__ import annotations
 
+import ctypes
+import functools
 import mmap
 import os
 import weakref
@@ -163,7 +165,7 @@ _pools: dict[tuple[int, object], SlotPool] = {}
 SLOT_PREFIX = "slot-"
 
 
-def pool(kind: object = None, make_fd=None) -> SlotPool:
+def pool(kind: object = None, make_fd=None, cap: int = 6) -> SlotPool:
     """This process's pool for ``kind`` (a fork starts with none of its parent's). Its named slots are
     removed when the process exits (a DataLoader worker exits through multiprocessing, which runs
     ``Finalize`` callbacks but not ``atexit``)."""
@@ -171,7 +173,7 @@ def pool(kind: object = None, make_fd=None) -> SlotPool:
     if key not in _pools:
         from multiprocessing.util import Finalize
 
-        _pools[key] = SlotPool(make_fd)
+        _pools[key] = SlotPool(make_fd, cap)
         Finalize(_pools[key], _pools[key].close, exitpriority=10)
     return _pools[key]
 
@@ -201,8 +203,6 @@ def worker_heap() -> None:
         return
     _heap_pid = os.getpid()
     try:
-        import ctypes
-
         libc = ctypes.CDLL("libc.so.6")
         libc.mallopt(-3, 1 << 30)  # M_MMAP_THRESHOLD: large blocks from the heap, not a fresh mmap each
         libc.mallopt(-1, 1 << 31)  # M_TRIM_THRESHOLD: keep up to 2 GiB of freed heap for reuse
@@ -246,25 +246,48 @@ def _receive(dup, nbytes: int, holder: int, build):
 
 
 def map_slot(fd: int, nbytes: int, holder: int) -> torch.Tensor:
-    """uint8 ``[nbytes]``: the data of slot file ``fd`` mapped privately (copy-on-write); when the last
-    tensor viewing it is freed, holder flag ``holder`` is cleared and ``fd`` closed (the fd is owned)."""
+    """uint8 ``[nbytes]``: the data of slot file ``fd`` mapped privately (copy-on-write), plus its header
+    page shared; ``fd`` is closed here (a held batch costs two mappings, no open file). When the last
+    tensor viewing the data is freed, holder flag ``holder`` is cleared and both are unmapped. (mmap
+    through libc: Python's ``mmap`` keeps a duplicate fd open per mapping.)"""
+    length = HEADER + nbytes
     try:
-        mm = mmap.mmap(fd, HEADER + nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    except BaseException:
-        _release(fd, holder)
-        raise
-    whole = np.frombuffer(mm, dtype=np.uint8, count=nbytes, offset=HEADER)
-    weakref.finalize(whole, _release, fd, holder)
+        data = _map(fd, length, mmap.MAP_PRIVATE)
+        try:
+            head = _map(fd, HEADER, mmap.MAP_SHARED)
+        except BaseException:
+            _libc().munmap(data, length)
+            raise
+    finally:
+        os.close(fd)
+    whole = np.frombuffer((ctypes.c_ubyte * nbytes).from_address(data + HEADER), dtype=np.uint8) if nbytes \
+        else np.zeros(0, dtype=np.uint8)
+    weakref.finalize(whole, _release, data, length, head, holder)
     return torch.from_numpy(whole)
 
 
-def _release(fd: int, holder: int) -> None:
-    try:
-        os.pwrite(fd, b"\0", _FLAGS + holder)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+def _release(data: int, length: int, head: int, holder: int) -> None:
+    libc = _libc()
+    ctypes.memset(head + _FLAGS + holder, 0, 1)
+    libc.munmap(head, HEADER)
+    libc.munmap(data, length)
+
+
+def _map(fd: int, length: int, flags: int) -> int:
+    addr = _libc().mmap(None, length, mmap.PROT_READ | mmap.PROT_WRITE, flags, fd, 0)
+    if addr is None or addr == ctypes.c_void_p(-1).value:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mmap of a slot file failed: {os.strerror(err)}")
+    return addr
+
+
+@functools.lru_cache(maxsize=None)
+def _libc():
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    return libc
 
 
 def available() -> bool:
