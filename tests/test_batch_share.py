@@ -506,6 +506,54 @@ def test_a_dead_claim_is_retaken_by_one_waiter(tmp_path, monkeypatch):
     assert got["c"][0] == HIT and got["c"][1]["a"].tolist() == [0, 1, 2]
 
 
+def test_two_waiters_that_found_the_claimer_dead_claim_once(tmp_path, monkeypatch):
+    """Waiters A and B (threads, their own folder objects) both found the claimer dead; B's retake comes while
+    A is retaking: exactly one claims (A), B loads for itself instead of claiming too."""
+    import threading
+
+    from prealign.loaders import share_cache
+    from prealign.loaders.share_cache import CLAIMED, LOCAL, SharedFolder
+
+    d = str(tmp_path / "f")
+    _dead_claim(d, "k")
+    a, b = SharedFolder(d, 0, 2), SharedFolder(d, 1, 2)
+    b_checks, a_retakes, b_done = threading.Event(), threading.Event(), threading.Event()
+    real_alive, real_open, writes, got = share_cache._alive, os.open, [], {}
+
+    def alive_(pid):
+        if threading.current_thread().name == "B":  # B saw the dead claim; it checks once A is retaking
+            b_checks.set()
+            assert a_retakes.wait(5)
+        return real_alive(pid)
+
+    def open_(path, flags, *args, **kw):  # A's 1st write-open of the claim fails (it exists); its 2nd retakes
+        if threading.current_thread().name == "A" and str(path).endswith("k.claim") and flags & os.O_WRONLY:
+            writes.append(path)
+            if len(writes) == 2:
+                a_retakes.set()
+                assert b_done.wait(5)
+        return real_open(path, flags, *args, **kw)
+
+    def run(name, folder):
+        try:
+            got[name] = folder.acquire("k")
+        finally:
+            if name == "B":
+                b_done.set()
+
+    monkeypatch.setattr(share_cache, "_alive", alive_)
+    monkeypatch.setattr(share_cache.os, "open", open_)
+    waiter_b = threading.Thread(target=run, args=("B", b), name="B")
+    waiter_b.start()
+    assert b_checks.wait(5)
+    waiter_a = threading.Thread(target=run, args=("A", a), name="A")
+    waiter_a.start()
+    waiter_a.join(10), waiter_b.join(10)
+    monkeypatch.undo()
+    assert len(writes) == 2 and got == {"A": (CLAIMED, None), "B": (LOCAL, None)}, got
+    assert share_cache._claim(os.path.join(d, "k.claim"))[0] == os.getpid()
+
+
 @pytest.mark.xfail(strict=True, raises=AssertionError,
                    reason="open bug: a waiter that saw the dead claim before another waiter retook it renames the "
                           "fresh claim away and claims too (check-then-rename race)")
