@@ -32,6 +32,7 @@ import json
 import mmap
 import os
 import stat
+import threading
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -48,6 +49,9 @@ _MAGIC = b"PRMS1\n"
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 CLAIMED, HIT, LOCAL = "claimed", "hit", "local"
+_TORCH_DTYPES = frozenset({"bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64",
+                           "float16", "float32", "float64", "complex64", "complex128"})
+"""numpy dtypes ``torch.from_numpy`` takes (bfloat16 travels as int16); anything else is refused."""
 
 
 class ShareRecordError(PrealignError):
@@ -96,17 +100,18 @@ def decode_record(buf, start: int = 0) -> dict:
         try:
             dtype, shape, offset, nbytes = spec
             np_dtype = np.dtype(np.int16 if dtype == "bfloat16" else dtype)
-            shape = [int(d) for d in shape]
+            shape = list(shape)
         except (ValueError, TypeError) as exc:
             raise ShareRecordError(f"tensor {name!r}: bad header entry {spec!r} ({exc})") from None
-        if (np_dtype.hasobject or np_dtype.kind not in "biuf" or not np_dtype.isnative
-                or min(shape, default=0) < 0 or len(shape) > 32):
+        if (np_dtype.name not in _TORCH_DTYPES or not np_dtype.isnative or len(shape) > 32
+                or not all(type(d) is int and 0 <= d < 2 ** 62 for d in shape)):
             raise ShareRecordError(f"tensor {name!r}: refused dtype {dtype} / shape {shape}")
         itemsize = np_dtype.itemsize
-        count = 1
+        count = bound = 1
         for d in shape:  # Python ints: no int64 overflow can make a huge shape look small
             count *= d
-        if (not isinstance(offset, int) or not isinstance(nbytes, int) or offset < 0
+            bound *= max(d, 1)
+        if (type(offset) is not int or type(nbytes) is not int or offset < 0 or bound >= 2 ** 62
                 or nbytes != count * itemsize or base + offset + nbytes > len(buf)):
             raise ShareRecordError(f"tensor {name!r}: {nbytes} bytes at {offset} do not hold {dtype} {shape}")
         arr = np.frombuffer(buf, dtype=np_dtype, count=nbytes // itemsize, offset=base + offset)
@@ -164,7 +169,7 @@ class SharedFolder:
     def publish(self, key: str, record: dict) -> bool:
         """Write ``record`` for the peers (atomic rename); on failure mark the key failed (peers compute)."""
         path = os.path.join(self.directory, key)
-        tmp = f"{path}.{os.getpid()}.tmp"
+        tmp = f"{path}.{_me()}.tmp"
         try:
             parts = [slots.header(key), *encode_record(record)]
             fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | _NOFOLLOW, 0o600)
@@ -181,7 +186,7 @@ class SharedFolder:
         """Publish the record already written in ``slot`` (a named pooled slot file in this folder, its key
         set) under ``key`` without copying it: the slot's file is linked to the record's name."""
         path = os.path.join(self.directory, key)
-        tmp = f"{path}.{os.getpid()}.tmp"
+        tmp = f"{path}.{_me()}.tmp"
         try:
             os.link(slot.path, tmp, follow_symlinks=False)
             self._appear(path, tmp)
@@ -250,18 +255,31 @@ class SharedFolder:
                 return LOCAL, None
             if owner is not None and not _alive(owner):
                 self.stats.took_over_dead += 1
-                return self._retake(path)
+                return self._retake(path, owner)
             if age is not None and age > self.timeout:
                 self.stats.took_over_timeout += 1
                 return LOCAL, None
             time.sleep(delay)
             delay = min(delay * 2, 0.02)
 
-    def _retake(self, path: str) -> tuple[str, None]:
-        """The claimer died: claim again (its pid replaced by ours, never through a link) and publish."""
-        try:  # only one waiter's rename of the dead claim succeeds; it then claims afresh, exclusively
-            os.rename(path + ".claim", f"{path}.dead-{os.getpid()}")
-            _unlink(f"{path}.dead-{os.getpid()}")
+    def _retake(self, path: str, dead: int) -> tuple[str, None]:
+        """Claimer ``dead`` died: claim again (its pid replaced by ours, never through a link) and publish.
+        Only one waiter's rename of the dead claim succeeds; a waiter whose rename moved a *live* claim
+        (another waiter retook it first) puts it back and computes without publishing."""
+        moved = f"{path}.dead-{_me()}"
+        try:
+            os.rename(path + ".claim", moved)
+        except OSError:
+            return LOCAL, None
+        if _claim(moved)[0] != dead:
+            try:
+                os.link(moved, path + ".claim")  # never over a claim made meanwhile
+            except OSError:
+                pass
+            _unlink(moved)
+            return LOCAL, None
+        _unlink(moved)
+        try:
             fd = os.open(path + ".claim", os.O_CREAT | os.O_EXCL | os.O_WRONLY | _NOFOLLOW, 0o600)
             with os.fdopen(fd, "w") as f:
                 f.write(str(os.getpid()))
@@ -294,6 +312,11 @@ class SharedFolder:
                         pass
         except OSError:
             pass
+
+
+def _me() -> str:
+    """This process and thread, for names no other writer uses at the same time."""
+    return f"{os.getpid()}-{threading.get_ident()}"
 
 
 def _write_all(fd: int, parts: list) -> None:
@@ -375,10 +398,17 @@ def _claim(path: str) -> tuple[int | None, float | None]:
 
 
 def _alive(pid: int) -> bool:
+    """``pid`` runs: it exists and is not a zombie (a SIGKILLed worker stays one until its parent reaps it,
+    which a busy or stalled parent may not do for a long while)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state not in (b"Z", b"X")

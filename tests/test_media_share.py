@@ -258,6 +258,8 @@ def test_a_malformed_or_planted_result_is_never_served(tmp_path):
     os.makedirs(mine.directory, mode=0o700)
     victim = tmp_path / "victim"
     victim.write_text("keep me")
-    os.symlink(victim, os.path.join(mine.directory, f"{mine.key(raw)}.{os.getpid()}.tmp"))
+    from prealign.loaders.share_cache import _me
+
+    os.symlink(victim, os.path.join(mine.directory, f"{mine.key(raw)}.{_me()}.tmp"))  # the name it writes to
     assert torch.equal(mine(raw)["input_ids"], torch.tensor([6, 8]))
     assert victim.read_text() == "keep me" and mine.stats.write_failed == 1
