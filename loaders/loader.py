@@ -39,6 +39,7 @@ from .schedule import Request, Schedule, check_count
 from .sidecar import check_index
 from .sources import Source
 from .state import LoaderState
+from .slots import worker_heap
 from .transport import PackedBatch, pack_batch, unpack_batch
 from .workers import Carried, carry, worker_batches
 
@@ -176,6 +177,8 @@ class _CollatePlanned:
         request, samples, where = fetched[:3]
         if isinstance(samples, Carried):
             return samples
+        if get_worker_info() is not None:
+            worker_heap()  # this worker keeps freed heap: the next batch's pixels reuse it (loaders/slots.py)
         skipped = list(fetched[3]) if len(fetched) > 3 else None  # None: not the skip policy
         while True:
             try:

@@ -50,7 +50,7 @@ def pack_batch(batch: dict, *, shared: bool | None = None):
     if shared is None:
         shared = get_worker_info() is not None
     if shared and slots.available():
-        slots.worker_heap()
+        slots.worker_heap()  # (the loaders' collate_fn sets it before collating; other users of pack_batch here)
         slot = slots.pool().take(offset)
         _copy_into(slot.data(offset), tensors, fields)
         slot.hold([0])
