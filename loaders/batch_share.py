@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import itertools
 import json
 import os
 import tempfile
@@ -214,7 +213,7 @@ class _SharedCollate:
     def __call__(self, fetched: tuple):
         *fetched, token = fetched
         if token.state == HIT:
-            if self.by_fd:
+            if isinstance(token.record, tuple):  # (fd, nbytes): the record file, handed on as it is
                 fd, nbytes = token.record
                 try:
                     return slots.send(fd, nbytes, self.folder.cp_rank, ShardOnArrival(self.shard))
@@ -246,21 +245,16 @@ class _SharedCollate:
 
     def _publish_slot(self, key: str, whole: dict):
         """Write the whole record once into a pooled slot file of the folder, publish that file and send
-        it to this rank's main process; None when the folder cannot hold slot files (then the plain way)."""
+        it to this rank's main process; None when no slot can hold it (then the plain way)."""
         try:
             parts = encode_record(whole)
-            nbytes = sum(memoryview(p).nbytes for p in parts)
-            slot = slots.pool(("share", self.folder.directory), _named_in(self.folder.directory),
-                              cap=_SHARED_SLOTS).take(nbytes)
-        except (OSError, TypeError, ValueError):
+            slot = slots.pool(("share", self.folder.directory), slots.tmpfile_in(self.folder.directory),
+                              cap=_SHARED_SLOTS).take(sum(memoryview(p).nbytes for p in parts))
+            nbytes = slot.write(parts)
+            slot.hold(range(self.folder.cp_size))  # every rank's main process will map it and let go of it
+            slot.set_key(key)
+        except (OSError, TypeError, ValueError):  # no O_TMPFILE, a full /dev/shm, a value JSON cannot hold
             return None
-        offset = slots.HEADER
-        for p in parts:
-            n = memoryview(p).nbytes
-            slot.mm[offset:offset + n] = memoryview(p).cast("B")
-            offset += n
-        slot.hold(range(self.folder.cp_size))  # every rank's main process will map it and let go of it
-        slot.set_key(key)
         if not self.folder.publish_slot(key, slot):  # the peers compute it; only this rank maps it
             slot.hold([self.folder.cp_rank])
         return slots.send(slot, nbytes, self.folder.cp_rank, ShardOnArrival(self.shard))
@@ -280,16 +274,6 @@ class ShardOnArrival:
         return self.shard(decode_record(buffer.numpy()))
 
 
-def _named_in(directory: str):
-    """``make_fd`` of a slot pool whose files are ``slot-<pid>-<n>`` in ``directory`` (so that a published
-    record can be a link to one; the folder's sweep spares the slots of live processes)."""
-    def make_fd() -> tuple[int, str]:
-        path = os.path.join(directory, f"{slots.SLOT_PREFIX}{os.getpid()}-{next(_numbers)}")
-        return os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | getattr(os, "O_NOFOLLOW", 0), 0o600), path
-    return make_fd
-
-
-_numbers = itertools.count()
 _SHARED_SLOTS = 12
 """Pooled slots per claiming worker: a published record is reused only once every CP rank dropped it, so
 the pool spans the ranks' drift (a smaller pool makes fresh memory for each batch while a rank lags)."""

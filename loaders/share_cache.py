@@ -183,12 +183,12 @@ class SharedFolder:
             return self._cannot_publish(path, tmp, exc)
 
     def publish_slot(self, key: str, slot) -> bool:
-        """Publish the record already written in ``slot`` (a named pooled slot file in this folder, its key
-        set) under ``key`` without copying it: the slot's file is linked to the record's name."""
+        """Publish the record already written in ``slot`` (a pooled unnamed file of this folder, its key set)
+        under ``key`` without copying it: the slot's file gets the record's name."""
         path = os.path.join(self.directory, key)
         tmp = f"{path}.{_me()}.tmp"
         try:
-            os.link(slot.path, tmp, follow_symlinks=False)
+            slot.link(tmp)
             self._appear(path, tmp)
             slot.published = path + ".bin"
             return True
@@ -215,6 +215,8 @@ class SharedFolder:
     # ---- waiting -------------------------------------------------------------------------------
     def _read(self, path: str, key: str, by_fd: bool):
         """The published record of ``key`` (see :meth:`acquire`), or None when it is not (or no longer) there."""
+        if by_fd and os.path.exists(f"{path}.r{self.cp_rank}"):
+            by_fd = False  # this rank already maps it (one holder flag per rank): a second request copies
         fd = open_record(path + ".bin")
         try:
             if not slots.is_slot_file(fd):
@@ -225,7 +227,7 @@ class SharedFolder:
                 os.close(fd)
                 return None
             size = os.fstat(fd).st_size
-            record = decode_record(_map(fd, size), start=slots.HEADER)  # checks the header and sizes
+            record = decode_record(_map_private(fd, size), start=slots.HEADER)  # checks the header and sizes
         except BaseException:
             os.close(fd)  # (a flag it set stays set: the slot is then never reused, only dropped)
             raise
@@ -304,8 +306,6 @@ class SharedFolder:
             with os.scandir(d) as it:
                 for entry in it:
                     try:
-                        if slots.in_use(entry.name):
-                            continue
                         if now - entry.stat(follow_symlinks=False).st_mtime > self.ttl:
                             _unlink(entry.path)
                     except OSError:
@@ -351,7 +351,7 @@ def open_record(path: str) -> int:
     return fd
 
 
-def _map(fd: int, size: int):
+def _map_private(fd: int, size: int):
     """The file as a private (copy-on-write) mapping: its tensors cost no copy and stay valid after the
     file is deleted or the fd closed."""
     return mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)

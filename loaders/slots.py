@@ -3,8 +3,10 @@
 
 A fresh shared-memory segment per batch (what torch does for every tensor a worker returns) costs a page
 fault per 4 KiB page on both sides: on a VM about 0.7 ms per MB, more than copying the pixels. A worker
-instead keeps a small pool of shared files (``memfd``, or an unnamed file in a folder when the slot is to
-be published under a name) that stay mapped in the worker, and writes each batch into a free one:
+instead keeps a small pool of shared files (``memfd``, or an unnamed ``O_TMPFILE`` in a folder when the
+slot is to be published under a name: either dies with the process), allocated up front
+(``posix_fallocate``: a full ``/dev/shm`` is an ``OSError``, never a ``SIGBUS``), and writes each batch
+into a free one with ``pwrite``:
 
     slot file   [0, 4096)  header: magic, holder flags (one byte per CP rank), the key it holds
                 [4096, ..) data: the batch (``transport.pack_batch`` layout or a share record)
@@ -39,27 +41,34 @@ _KEY_MAX = 1024
 
 
 class Slot:
-    """One pooled shared file (named ``path``, or unnamed), mapped read-write (shared) in the worker:
-    ``capacity`` data bytes."""
+    """One pooled shared file ``fd`` with room for ``capacity`` data bytes after the header page."""
 
-    def __init__(self, fd: int, path: str | None, capacity: int):
-        self.fd, self.path, self.capacity = fd, path, 0
-        self.mm: mmap.mmap | None = None
+    def __init__(self, fd: int, capacity: int):
+        self.fd, self.capacity = fd, 0
         self.published: str | None = None  # the name it is linked under, if any
+        os.pwrite(fd, _MAGIC, 0)
         self.grow(capacity)
-        self.mm[:len(_MAGIC)] = _MAGIC
 
     def grow(self, capacity: int) -> None:
+        """Room for ``capacity`` data bytes, allocated now (``OSError`` when the file system is full)."""
         capacity = -(-max(capacity, 1) // mmap.PAGESIZE) * mmap.PAGESIZE
-        if capacity <= self.capacity:
-            return
-        os.ftruncate(self.fd, HEADER + capacity)
-        if self.mm is not None:
-            self.mm.close()
-        self.mm, self.capacity = mmap.mmap(self.fd, HEADER + capacity, flags=mmap.MAP_SHARED), capacity
+        if capacity > self.capacity:
+            os.posix_fallocate(self.fd, 0, HEADER + capacity)
+            self.capacity = capacity
+
+    def write(self, parts: list) -> int:
+        """``parts`` (bytes-like: bytes, uint8 arrays, ``(offset, bytes-like)`` pairs) written to the data area
+        in order, or each at its data offset; returns the bytes spanned."""
+        end = 0
+        for part in parts:
+            offset, part = part if isinstance(part, tuple) else (end, part)
+            view = memoryview(part).cast("B")
+            _pwrite_all(self.fd, view, HEADER + offset)
+            end = max(end, offset + view.nbytes)
+        return end
 
     def free(self) -> bool:
-        """No holder maps it (read through a syscall: the holders clear their flag with ``pwrite``)."""
+        """No holder maps it (read through a syscall: the holders clear their flag in the shared page)."""
         return not any(os.pread(self.fd, MAX_HOLDERS, _FLAGS))
 
     def hold(self, holders) -> None:
@@ -78,33 +87,36 @@ class Slot:
             pass
 
     def set_key(self, key: str) -> None:
-        raw = key.encode()[:_KEY_MAX]
-        os.pwrite(self.fd, len(raw).to_bytes(8, "little") + raw, _KEY)
+        os.pwrite(self.fd, _key_bytes(key), _KEY)
 
-    def data(self, nbytes: int) -> torch.Tensor:
-        """uint8 ``[nbytes]`` view of the data area (grown to hold it)."""
-        self.grow(nbytes)
-        return torch.frombuffer(self.mm, dtype=torch.uint8, count=nbytes, offset=HEADER) if nbytes else \
-            torch.empty(0, dtype=torch.uint8)
+    def link(self, path: str) -> None:
+        """Give the (unnamed) file the name ``path`` (``linkat`` of ``/proc/self/fd/N``, following it)."""
+        src = f"/proc/self/fd/{self.fd}".encode()
+        if _libc().linkat(_AT_FDCWD, src, _AT_FDCWD, os.fsencode(path), _AT_SYMLINK_FOLLOW) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err), path)
 
     def close(self) -> None:
-        """Unmap and close; a named slot loses its name (holders keep their mappings)."""
-        if self.mm is not None:
-            self.mm.close()
-        if self.path is not None:
-            try:
-                os.unlink(self.path)
-            except OSError:
-                pass
         os.close(self.fd)
+
+
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    while view.nbytes:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+def _key_bytes(key: str) -> bytes:
+    raw = key.encode()[:_KEY_MAX]
+    return len(raw).to_bytes(8, "little") + raw
 
 
 def header(key: str) -> bytes:
     """The header page of a slot file holding ``key`` with no holder flags (for a record written in one go)."""
-    raw = key.encode()[:_KEY_MAX]
     out = bytearray(HEADER)
     out[:len(_MAGIC)] = _MAGIC
-    out[_KEY:_KEY + 8 + len(raw)] = len(raw).to_bytes(8, "little") + raw
+    raw = _key_bytes(key)
+    out[_KEY:_KEY + len(raw)] = raw
     return bytes(out)
 
 
@@ -125,11 +137,11 @@ def key_of(fd: int) -> str:
 
 
 class SlotPool:
-    """The slots of one process. ``make_fd()`` -> ``(fd, path)``: a new shared file and its name (None for
-    an unnamed one); default a ``memfd``. A named slot can be published (linked) under another name."""
+    """The slots of one process. ``make_fd()`` -> a new shared file (default a ``memfd``; see
+    :func:`tmpfile_in` for slots that can be published under a name)."""
 
     def __init__(self, make_fd=None, cap: int = 6):
-        self.make_fd = make_fd or (lambda: (os.memfd_create("prealign-slot", os.MFD_CLOEXEC), None))
+        self.make_fd = make_fd or (lambda: os.memfd_create("prealign-slot", os.MFD_CLOEXEC))
         self.cap = cap
         self.slots: list[Slot] = []
 
@@ -140,7 +152,12 @@ class SlotPool:
         while True:
             free = [s for s in self.slots if s.free()]
             if not free:
-                slot = Slot(*self.make_fd(), nbytes)
+                fd = self.make_fd()
+                try:
+                    slot = Slot(fd, nbytes)
+                except BaseException:
+                    os.close(fd)
+                    raise
                 if len(self.slots) >= self.cap:
                     self.slots.pop(0).close()  # held elsewhere: it lives on in its holders' mappings
                 break
@@ -162,36 +179,22 @@ class SlotPool:
 
 
 _pools: dict[tuple[int, object], SlotPool] = {}
-SLOT_PREFIX = "slot-"
 
 
 def pool(kind: object = None, make_fd=None, cap: int = 6) -> SlotPool:
-    """This process's pool for ``kind`` (a fork starts with none of its parent's). Its named slots are
-    removed when the process exits (a DataLoader worker exits through multiprocessing, which runs
-    ``Finalize`` callbacks but not ``atexit``)."""
+    """This process's pool for ``kind`` (a fork starts with none of its parent's)."""
     key = (os.getpid(), kind)
     if key not in _pools:
-        from multiprocessing.util import Finalize
-
         _pools[key] = SlotPool(make_fd, cap)
-        Finalize(_pools[key], _pools[key].close, exitpriority=10)
     return _pools[key]
 
 
-def in_use(name: str) -> bool:
-    """``name`` is a named slot (``slot-<pid>-<n>``) of a live process: never swept by age."""
-    if not name.startswith(SLOT_PREFIX):
-        return False
-    pid = name[len(SLOT_PREFIX):].split("-", 1)[0]
-    if not pid.isdigit():
-        return False
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError):
-        return True
-    return True
+def tmpfile_in(directory: str):
+    """``make_fd`` of a pool whose slots are unnamed files in ``directory`` (``O_TMPFILE``): they can be
+    published there under a name (:meth:`Slot.link`) and vanish with their last user, even a killed one."""
+    def make_fd() -> int:
+        return os.open(directory, os.O_TMPFILE | os.O_RDWR, 0o600)
+    return make_fd
 
 
 def worker_heap() -> None:
@@ -203,9 +206,10 @@ def worker_heap() -> None:
         return
     _heap_pid = os.getpid()
     try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 1 << 30)  # M_MMAP_THRESHOLD: large blocks from the heap, not a fresh mmap each
-        libc.mallopt(-1, 1 << 31)  # M_TRIM_THRESHOLD: keep up to 2 GiB of freed heap for reuse
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+        mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+        mallopt(-3, 1 << 30)  # M_MMAP_THRESHOLD: large blocks from the heap, not a fresh mmap each
+        mallopt(-1, (1 << 31) - 1)  # M_TRIM_THRESHOLD: keep up to 2 GiB of freed heap for reuse
     except (OSError, AttributeError):
         pass
 
@@ -242,7 +246,21 @@ def send(slot: "Slot | int", nbytes: int, holder: int, build) -> SlotRef:
 
 
 def _receive(dup, nbytes: int, holder: int, build):
-    return build(map_slot(dup.detach(), nbytes, holder))
+    """Runs while the DataLoader unpickles a worker's batch: an error mapping or building it is returned as a carried
+    :class:`~prealign.loaders.share_cache.ShareRecordError` (raised by the loader with its context), never
+    raised inside torch's queue handling (the batch and the iterator would be lost)."""
+    from prealign.schemas.errors import PrealignError
+
+    from .share_cache import ShareRecordError
+    from .workers import carry
+
+    fd = dup.detach()  # fails when the worker died: torch's loader then reports the dead worker itself
+    try:
+        return build(map_slot(fd, nbytes, holder))
+    except (OSError, ValueError, TypeError, PrealignError) as exc:  # (not torch's RuntimeError, which its
+        # SIGCHLD handler raises wherever the main thread is when a worker dies: the loader handles that one)
+        return carry(ShareRecordError(f"a batch from a DataLoader worker could not be mapped or built in the "
+                                      f"main process ({type(exc).__name__}: {exc})"))
 
 
 def map_slot(fd: int, nbytes: int, holder: int) -> torch.Tensor:
@@ -262,11 +280,14 @@ def map_slot(fd: int, nbytes: int, holder: int) -> torch.Tensor:
         os.close(fd)
     whole = np.frombuffer((ctypes.c_ubyte * nbytes).from_address(data + HEADER), dtype=np.uint8) if nbytes \
         else np.zeros(0, dtype=np.uint8)
-    weakref.finalize(whole, _release, data, length, head, holder)
+    release = weakref.finalize(whole, _release, os.getpid(), data, length, head, holder)
+    release.atexit = False  # at exit the mappings go anyway; a forked child's exit must not clear the flag
     return torch.from_numpy(whole)
 
 
-def _release(data: int, length: int, head: int, holder: int) -> None:
+def _release(pid: int, data: int, length: int, head: int, holder: int) -> None:
+    if os.getpid() != pid:  # a forked child dropping its copy: the parent still holds the slot
+        return
     libc = _libc()
     ctypes.memset(head + _FLAGS + holder, 0, 1)
     libc.munmap(head, HEADER)
@@ -287,7 +308,11 @@ def _libc():
     libc.mmap.restype = ctypes.c_void_p
     libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
     libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.linkat.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
     return libc
+
+
+_AT_FDCWD, _AT_SYMLINK_FOLLOW = -100, 0x400
 
 
 def available() -> bool:

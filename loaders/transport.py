@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch.utils.data import get_worker_info
 
@@ -36,11 +37,12 @@ class PackedBatch:
         return PackedBatch(self.buffer.pin_memory(), self.fields, self.other, self.order)
 
 
-def pack_batch(batch: dict, *, shared: bool | None = None):
+def pack_batch(batch: dict, *, shared: bool | None = None) -> "PackedBatch | slots.SlotRef":
     """Every tensor value of ``batch`` copied into one buffer; other values kept aside. ``shared`` (default:
-    inside a DataLoader worker): the buffer is a recycled shared slot of this worker
+    inside a DataLoader worker): the buffer is a recycled shared slot of this process
     (:mod:`prealign.loaders.slots`) and the result a :class:`~prealign.loaders.slots.SlotRef` that arrives
-    in the main process as the :class:`PackedBatch` (no fresh shared memory per batch, no second copy)."""
+    in the receiving process (once pickled) as the :class:`PackedBatch`: no fresh shared memory per batch,
+    no second copy. A slot that cannot be had (no memfd, a full file system) falls back to plain memory."""
     tensors = [(k, v.contiguous()) for k, v in batch.items() if isinstance(v, torch.Tensor)]
     fields, offset = [], 0
     for k, t in tensors:
@@ -51,20 +53,25 @@ def pack_batch(batch: dict, *, shared: bool | None = None):
         shared = get_worker_info() is not None
     if shared and slots.available():
         slots.worker_heap()  # (the loaders' collate_fn sets it before collating; other users of pack_batch here)
-        slot = slots.pool().take(offset)
-        _copy_into(slot.data(offset), tensors, fields)
-        slot.hold([0])
-        return slots.send(slot, offset, 0, _AsPacked(tuple(fields), other, tuple(batch)))
+        try:
+            slot = slots.pool().take(offset)
+            slot.write([(off, _bytes_of(t)) for (_, t), (_, _, _, off) in zip(tensors, fields) if t.numel()])
+            slot.hold([0])
+        except OSError:
+            pass
+        else:
+            return slots.send(slot, offset, 0, _AsPacked(tuple(fields), other, tuple(batch)))
     buffer = torch.empty(offset, dtype=torch.uint8)
-    _copy_into(buffer, tensors, fields)
-    return PackedBatch(buffer, tuple(fields), other, tuple(batch))
-
-
-def _copy_into(buffer: torch.Tensor, tensors: list, fields: list) -> None:
-    for (k, t), (_, _, _, off) in zip(tensors, fields):
+    for (_, t), (_, _, _, off) in zip(tensors, fields):
         n = t.numel() * t.element_size()
         if n:
             buffer[off:off + n] = t.reshape(-1).view(torch.uint8)
+    return PackedBatch(buffer, tuple(fields), other, tuple(batch))
+
+
+def _bytes_of(t: torch.Tensor) -> np.ndarray:
+    """The bytes of contiguous CPU tensor ``t`` as a uint8 array (no copy)."""
+    return t.detach().reshape(-1).view(torch.uint8).numpy()
 
 
 @dataclass(frozen=True)
@@ -90,4 +97,5 @@ def unpack_batch(packed: PackedBatch) -> dict:
         out[name] = packed.buffer[off:off + nbytes].view(dtype).view(shape) if nbytes else \
             torch.empty(shape, dtype=dtype)
     out.update(packed.other)
-    return {k: out[k] for k in packed.order} if sorted(packed.order) == sorted(out) else out
+    return {k: out[k] for k in packed.order} if len(packed.order) == len(out) and set(packed.order) == out.keys() \
+        else out

@@ -61,7 +61,7 @@ def _ref(slot, n):
 def test_a_slot_is_reused_only_after_its_holder_lets_go():
     pool = slots.SlotPool(cap=4)
     first = pool.take(100)
-    first.data(100)[:] = 7
+    first.write([bytes([7]) * 100])
     first.hold([0])
     got = _ref(first, 100)
     assert pool.take(100) is not first  # held: a new slot
@@ -81,11 +81,11 @@ def test_the_receivers_writes_never_reach_the_slot():
     batch sees."""
     pool = slots.SlotPool()
     slot = pool.take(64)
-    slot.data(64)[:] = 1
+    slot.write([bytes([1]) * 64])
     slot.hold([0])
     got = _ref(slot, 64)
     got.fill_(9)
-    assert slot.data(64).tolist() == [1] * 64
+    assert os.pread(slot.fd, 64, slots.HEADER) == bytes([1]) * 64
     pool.close()
 
 
@@ -94,7 +94,7 @@ def test_a_full_pool_drops_a_held_slot_which_lives_on_in_its_holder():
     held = []
     for v in range(5):
         s = pool.take(4096)
-        s.data(4096)[:] = v
+        s.write([bytes([v]) * 4096])
         s.hold([0])
         held.append(_ref(s, 4096))
     assert len(pool.slots) == 2
@@ -105,14 +105,15 @@ def test_a_full_pool_drops_a_held_slot_which_lives_on_in_its_holder():
 def test_a_slot_grows_to_the_batch():
     pool = slots.SlotPool()
     s = pool.take(10)
-    s.data(10)[:] = 3
+    s.write([bytes([3]) * 10])
     s.hold([0])
     got = _ref(s, 10)
     del got
     gc.collect()
     big = pool.take(3 * 1024 * 1024)
     assert big is s and big.capacity >= 3 * 1024 * 1024
-    big.data(3 * 1024 * 1024)[-1] = 5
+    assert os.fstat(big.fd).st_blocks * 512 >= 3 * 1024 * 1024  # allocated up front, not sparse
+    assert big.write([(3 * 1024 * 1024 - 1, b"\5")]) == 3 * 1024 * 1024
     pool.close()
 
 
@@ -125,9 +126,8 @@ def test_in_the_main_process_pack_batch_stays_a_plain_buffer():
 
 # ---- published slots (BatchShare) -----------------------------------------------------------------------
 def _named_pool(directory):
-    from prealign.loaders.batch_share import _named_in
-
-    return slots.SlotPool(_named_in(str(directory)))
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    return slots.SlotPool(slots.tmpfile_in(str(directory)))
 
 
 def _publish(folder, pool, key, values):
@@ -136,11 +136,7 @@ def _publish(folder, pool, key, values):
     parts = encode_record({"x": torch.tensor(values)})
     nbytes = sum(memoryview(p).nbytes for p in parts)
     slot = pool.take(nbytes)
-    off = slots.HEADER
-    for p in parts:
-        n = memoryview(p).nbytes
-        slot.mm[off:off + n] = memoryview(p).cast("B")
-        off += n
+    assert slot.write(parts) == nbytes
     slot.hold(range(folder.cp_size))
     slot.set_key(key)
     assert folder.publish_slot(key, slot)
@@ -169,7 +165,7 @@ def test_a_published_slot_is_read_by_fd_and_reused_only_after_every_rank_let_go(
     gc.collect()
     assert slot.free() and pool.take(10) is slot and slots.key_of(slot.fd) == ""
     pool.close()
-    assert [n for n in os.listdir(d) if n.startswith(slots.SLOT_PREFIX)] == []  # named slots removed
+    assert os.listdir(d) == []  # slots are unnamed files: nothing of them is left in the folder
 
 
 def test_a_slot_a_late_reader_took_hold_of_is_given_up_not_overwritten(tmp_path, monkeypatch):
@@ -183,7 +179,7 @@ def test_a_slot_a_late_reader_took_hold_of_is_given_up_not_overwritten(tmp_path,
     pool = _named_pool(d)
     slot, nbytes = _publish(folder, pool, "old", [5, 6])
     os.pwrite(slot.fd, bytes(slots.MAX_HOLDERS), 64)  # every holder let go
-    late = os.open(slot.path, os.O_RDWR)
+    late = os.open(os.path.join(d, "old.bin"), os.O_RDWR)  # a reader that opened the name before it went
     real = slots.Slot.set_key
 
     def reader_arrives(self, key):
@@ -216,3 +212,78 @@ def test_a_stale_published_name_of_another_record_is_left_alone(tmp_path):
     assert pool.take(8) is slot
     assert open(name, "rb").read() == b"other"
     pool.close()
+
+
+def test_a_rank_asking_again_for_a_record_it_maps_gets_a_copy(tmp_path):
+    """One holder flag per rank: a second request of the same key by a rank that already has it (the
+    claimer's own batch, a new iterator re-asking prefetched positions) is served as a copy, so dropping
+    one of the two never frees the slot under the other."""
+    from prealign.loaders.share_cache import HIT, SharedFolder, decode_record
+
+    d = str(tmp_path / "f")
+    r0, r1 = SharedFolder(d, 0, 2), SharedFolder(d, 1, 2)
+    r0.acquire("K1")
+    pool = _named_pool(d)
+    slot, n = _publish(r0, pool, "K1", [1] * 1024)
+    first = _ref(slot, n)  # rank 0's main process: the claimer's own batch (holder 0)
+    state, record = r0.acquire("K1", by_fd=True)  # rank 0 asks for K1 again
+    assert state == HIT and isinstance(record, dict)  # decoded in place: a copy path, not the slot's fd
+    held = record["x"].clone()
+    state, (fd, size) = r1.acquire("K1", by_fd=True)
+    got = pickle.loads(pickle.dumps(slots.send(fd, size, 1, _same)))
+    os.close(fd)
+    assert decode_record(got.numpy())["x"].tolist() == [1] * 1024
+    del got, first
+    gc.collect()
+    assert slot.free()  # both holders let go: reusable, and rank 0's second batch does not live in it
+    assert held.tolist() == [1] * 1024
+    pool.close()
+
+
+def test_a_full_file_system_is_an_oserror_not_a_bus_error(tmp_path, monkeypatch):
+    """Slots are allocated up front: when /dev/shm is full, taking one fails (and the caller falls back)
+    instead of the first write into a sparse file killing the worker with SIGBUS."""
+    def full(fd, offset, length):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(OSError):
+        slots.SlotPool().take(1 << 20)
+    out = unpack_batch(pack_batch({"x": torch.arange(4)}, shared=True))  # pack_batch falls back to memory
+    assert out["x"].tolist() == [0, 1, 2, 3]
+
+
+def test_a_forked_child_dropping_its_copy_keeps_the_parents_hold():
+    pool = slots.SlotPool()
+    slot = pool.take(64)
+    slot.write([bytes(64)])
+    slot.hold([0])
+    got = _ref(slot, 64)
+    pid = os.fork()
+    if pid == 0:  # the child drops its copy of the batch and exits normally
+        del got
+        gc.collect()
+        os._exit(0 if not slot.free() else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0 and not slot.free()
+    del got
+    gc.collect()
+    assert slot.free()
+    pool.close()
+
+
+def test_an_error_building_a_received_batch_is_carried_not_raised_in_the_queue():
+    from prealign.loaders.workers import Carried
+
+    pool = slots.SlotPool()
+    slot = pool.take(8)
+    slot.hold([0])
+    got = pickle.loads(pickle.dumps(slots.send(slot, 8, 0, _broken)))
+    assert isinstance(got, Carried) and "could not be mapped or built" in got.rebuild().args[0]
+    gc.collect()
+    assert slot.free()  # the mapping it made was let go
+    pool.close()
+
+
+def _broken(buffer):
+    raise ValueError("no")
