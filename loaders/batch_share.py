@@ -248,12 +248,12 @@ class _SharedCollate:
         it to this rank's main process; None when no slot can hold it (then the plain way)."""
         try:
             parts = encode_record(whole)
-            slot = slots.pool(("share", self.folder.directory), slots.tmpfile_in(self.folder.directory),
+            slot = slots.pool(("share", self.folder.directory), slots.named_in(self.folder.directory),
                               cap=_SHARED_SLOTS).take(sum(memoryview(p).nbytes for p in parts))
             nbytes = slot.write(parts)
             slot.hold(range(self.folder.cp_size))  # every rank's main process will map it and let go of it
             slot.set_key(key)
-        except (OSError, TypeError, ValueError):  # no O_TMPFILE, a full /dev/shm, a value JSON cannot hold
+        except (OSError, TypeError, ValueError):  # a full /dev/shm, a value JSON cannot hold
             return None
         if not self.folder.publish_slot(key, slot):  # the peers compute it; only this rank maps it
             slot.hold([self.folder.cp_rank])

@@ -183,8 +183,8 @@ class SharedFolder:
             return self._cannot_publish(path, tmp, exc)
 
     def publish_slot(self, key: str, slot) -> bool:
-        """Publish the record already written in ``slot`` (a pooled unnamed file of this folder, its key set)
-        under ``key`` without copying it: the slot's file gets the record's name."""
+        """Publish the record already written in ``slot`` (a named pooled slot file in this folder, its key
+        set) under ``key`` without copying it: the slot's file is linked to the record's name."""
         path = os.path.join(self.directory, key)
         tmp = f"{path}.{_me()}.tmp"
         try:
@@ -306,7 +306,11 @@ class SharedFolder:
             with os.scandir(d) as it:
                 for entry in it:
                     try:
-                        if now - entry.stat(follow_symlinks=False).st_mtime > self.ttl:
+                        pid = slots.owner(entry.name)
+                        if pid is not None:  # a pooled slot: kept while its process lives
+                            if not _alive(pid):
+                                _unlink(entry.path)
+                        elif now - entry.stat(follow_symlinks=False).st_mtime > self.ttl:
                             _unlink(entry.path)
                     except OSError:
                         pass

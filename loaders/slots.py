@@ -3,8 +3,9 @@
 
 A fresh shared-memory segment per batch (what torch does for every tensor a worker returns) costs a page
 fault per 4 KiB page on both sides: on a VM about 0.7 ms per MB, more than copying the pixels. A worker
-instead keeps a small pool of shared files (``memfd``, or an unnamed ``O_TMPFILE`` in a folder when the
-slot is to be published under a name: either dies with the process), allocated up front
+instead keeps a small pool of shared files (``memfd``, or ``slot-<pid>-<n>`` in a folder when the slot is
+to be published under another name, removed when the process exits and swept once it is dead: an
+``O_TMPFILE`` could be linked only once), allocated up front
 (``posix_fallocate``: a full ``/dev/shm`` is an ``OSError``, never a ``SIGBUS``), and writes each batch
 into a free one with ``pwrite``:
 
@@ -23,7 +24,9 @@ tensors): only file descriptors and plain data cross the process boundary.
 from __future__ import annotations
 
 import ctypes
+import errno
 import functools
+import itertools
 import mmap
 import os
 import weakref
@@ -41,10 +44,11 @@ _KEY_MAX = 1024
 
 
 class Slot:
-    """One pooled shared file ``fd`` with room for ``capacity`` data bytes after the header page."""
+    """One pooled shared file ``fd`` (named ``path``, or unnamed) with room for ``capacity`` data bytes
+    after the header page."""
 
-    def __init__(self, fd: int, capacity: int):
-        self.fd, self.capacity = fd, 0
+    def __init__(self, fd: int, path: str | None, capacity: int):
+        self.fd, self.path, self.capacity = fd, path, 0
         self.published: str | None = None  # the name it is linked under, if any
         os.pwrite(fd, _MAGIC, 0)
         self.grow(capacity)
@@ -90,13 +94,18 @@ class Slot:
         os.pwrite(self.fd, _key_bytes(key), _KEY)
 
     def link(self, path: str) -> None:
-        """Give the (unnamed) file the name ``path`` (``linkat`` of ``/proc/self/fd/N``, following it)."""
-        src = f"/proc/self/fd/{self.fd}".encode()
-        if _libc().linkat(_AT_FDCWD, src, _AT_FDCWD, os.fsencode(path), _AT_SYMLINK_FOLLOW) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, os.strerror(err), path)
+        """Give the file another name, ``path`` (a hard link: the data is not copied)."""
+        if self.path is None:
+            raise OSError(errno.EINVAL, "an unnamed slot cannot be published", path)
+        os.link(self.path, path, follow_symlinks=False)
 
     def close(self) -> None:
+        """Close; a named slot loses its name (its holders keep their mappings)."""
+        if self.path is not None:
+            try:
+                os.unlink(self.path)
+            except OSError:
+                pass
         os.close(self.fd)
 
 
@@ -137,11 +146,11 @@ def key_of(fd: int) -> str:
 
 
 class SlotPool:
-    """The slots of one process. ``make_fd()`` -> a new shared file (default a ``memfd``; see
-    :func:`tmpfile_in` for slots that can be published under a name)."""
+    """The slots of one process. ``make_fd()`` -> ``(fd, path)``: a new shared file and its name (None:
+    unnamed); default a ``memfd``; :func:`named_in` for slots that can be published under another name."""
 
     def __init__(self, make_fd=None, cap: int = 6):
-        self.make_fd = make_fd or (lambda: os.memfd_create("prealign-slot", os.MFD_CLOEXEC))
+        self.make_fd = make_fd or (lambda: (os.memfd_create("prealign-slot", os.MFD_CLOEXEC), None))
         self.cap = cap
         self.slots: list[Slot] = []
 
@@ -152,11 +161,13 @@ class SlotPool:
         while True:
             free = [s for s in self.slots if s.free()]
             if not free:
-                fd = self.make_fd()
+                fd, path = self.make_fd()
                 try:
-                    slot = Slot(fd, nbytes)
-                except BaseException:
+                    slot = Slot(fd, path, nbytes)
+                except BaseException:  # e.g. no room left: nothing of it stays behind
                     os.close(fd)
+                    if path is not None:
+                        os.unlink(path)
                     raise
                 if len(self.slots) >= self.cap:
                     self.slots.pop(0).close()  # held elsewhere: it lives on in its holders' mappings
@@ -182,19 +193,37 @@ _pools: dict[tuple[int, object], SlotPool] = {}
 
 
 def pool(kind: object = None, make_fd=None, cap: int = 6) -> SlotPool:
-    """This process's pool for ``kind`` (a fork starts with none of its parent's)."""
+    """This process's pool for ``kind`` (a fork starts with none of its parent's). Its named slots are
+    removed when the process exits (a DataLoader worker exits through multiprocessing, which runs
+    ``Finalize`` callbacks, not ``atexit``); those of a killed process by :func:`owner`'s sweep."""
     key = (os.getpid(), kind)
     if key not in _pools:
+        from multiprocessing.util import Finalize
+
         _pools[key] = SlotPool(make_fd, cap)
+        Finalize(_pools[key], _pools[key].close, exitpriority=10)
     return _pools[key]
 
 
-def tmpfile_in(directory: str):
-    """``make_fd`` of a pool whose slots are unnamed files in ``directory`` (``O_TMPFILE``): they can be
-    published there under a name (:meth:`Slot.link`) and vanish with their last user, even a killed one."""
-    def make_fd() -> int:
-        return os.open(directory, os.O_TMPFILE | os.O_RDWR, 0o600)
+_SLOT_PREFIX = "slot-"
+_numbers = itertools.count()
+
+
+def named_in(directory: str):
+    """``make_fd`` of a pool whose slots are ``slot-<pid>-<n>`` in ``directory`` (publishable there)."""
+    def make_fd() -> tuple[int, str]:
+        path = os.path.join(directory, f"{_SLOT_PREFIX}{os.getpid()}-{next(_numbers)}")
+        return os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | getattr(os, "O_NOFOLLOW", 0), 0o600), path
     return make_fd
+
+
+def owner(name: str) -> int | None:
+    """The pid in a slot's file name ``slot-<pid>-<n>`` (None for any other name): a folder's sweep keeps
+    the slots of live processes and removes those of dead ones at once."""
+    if not name.startswith(_SLOT_PREFIX):
+        return None
+    pid = name[len(_SLOT_PREFIX):].split("-", 1)[0]
+    return int(pid) if pid.isdigit() and len(pid) < 10 else None
 
 
 def worker_heap() -> None:
@@ -308,11 +337,7 @@ def _libc():
     libc.mmap.restype = ctypes.c_void_p
     libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
     libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    libc.linkat.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
     return libc
-
-
-_AT_FDCWD, _AT_SYMLINK_FOLLOW = -100, 0x400
 
 
 def available() -> bool:

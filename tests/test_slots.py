@@ -4,6 +4,8 @@ from __future__ import annotations
 import gc
 import os
 import pickle
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -127,7 +129,7 @@ def test_in_the_main_process_pack_batch_stays_a_plain_buffer():
 # ---- published slots (BatchShare) -----------------------------------------------------------------------
 def _named_pool(directory):
     os.makedirs(directory, mode=0o700, exist_ok=True)
-    return slots.SlotPool(slots.tmpfile_in(str(directory)))
+    return slots.SlotPool(slots.named_in(str(directory)))
 
 
 def _publish(folder, pool, key, values):
@@ -165,7 +167,7 @@ def test_a_published_slot_is_read_by_fd_and_reused_only_after_every_rank_let_go(
     gc.collect()
     assert slot.free() and pool.take(10) is slot and slots.key_of(slot.fd) == ""
     pool.close()
-    assert os.listdir(d) == []  # slots are unnamed files: nothing of them is left in the folder
+    assert os.listdir(d) == []  # a closed pool removes its named slots
 
 
 def test_a_slot_a_late_reader_took_hold_of_is_given_up_not_overwritten(tmp_path, monkeypatch):
@@ -287,3 +289,37 @@ def test_an_error_building_a_received_batch_is_carried_not_raised_in_the_queue()
 
 def _broken(buffer):
     raise ValueError("no")
+
+
+def test_a_slot_is_published_again_after_its_last_name_went(tmp_path):
+    """The readers remove a record's name once all have it; the claimer then reuses the slot for the next
+    record and publishes it again (the bug an O_TMPFILE slot had: it can be linked only once)."""
+    from prealign.loaders.share_cache import HIT, SharedFolder
+
+    d = str(tmp_path / "f")
+    r0, r1 = SharedFolder(d, 0, 2), SharedFolder(d, 1, 2)
+    pool = _named_pool(d)
+    for key, value in (("a", 1), ("b", 2), ("c", 3)):
+        r0.acquire(key)
+        slot, n = _publish(r0, pool, key, [value] * 8)
+        os.pwrite(slot.fd, b"\0", 64)  # rank 0's main process let go
+        state, record = r1.acquire(key)
+        assert state == HIT and record["x"].tolist() == [value] * 8
+        os.pwrite(slot.fd, b"\0", 65)  # and rank 1's
+        assert not os.path.exists(os.path.join(d, f"{key}.bin"))
+    assert len(pool.slots) == 1  # one slot, reused for all three
+    pool.close()
+
+
+def test_the_sweep_removes_the_slots_of_a_dead_process_at_once(tmp_path):
+    from prealign.loaders.share_cache import SharedFolder
+
+    d = tmp_path / "f"
+    d.mkdir(mode=0o700)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (d / f"slot-{dead.pid}-0").write_bytes(b"x")
+    (d / f"slot-{os.getpid()}-0").write_bytes(b"x")
+    folder = SharedFolder(str(d), 0, 2, ttl=1000.0)
+    folder._sweep({})
+    assert sorted(os.listdir(d)) == [f"slot-{os.getpid()}-0"]
