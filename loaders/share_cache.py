@@ -215,9 +215,9 @@ class SharedFolder:
     # ---- waiting -------------------------------------------------------------------------------
     def _read(self, path: str, key: str, by_fd: bool):
         """The published record of ``key`` (see :meth:`acquire`), or None when it is not (or no longer) there."""
+        fd = open_record(path + ".bin")  # (the common case while waiting: not there yet, OSError)
         if by_fd and os.path.exists(f"{path}.r{self.cp_rank}"):
             by_fd = False  # this rank already maps it (one holder flag per rank): a second request copies
-        fd = open_record(path + ".bin")
         try:
             if not slots.is_slot_file(fd):
                 raise ShareRecordError(f"{path}.bin: not a prealign record file")
@@ -237,7 +237,9 @@ class SharedFolder:
         return record
 
     def _wait(self, path: str, key: str, by_fd: bool) -> tuple[str, Any]:
-        delay = 0.0005
+        """Poll for the record with a short backoff (0.5 ms doubling to 20 ms); the claim (failed, gone,
+        dead, too old) is looked at every 50 ms only: a poll is then one failed ``open``."""
+        delay, check = 0.0005, 0.0
         while True:
             try:
                 record = self._read(path, key, by_fd)
@@ -250,6 +252,12 @@ class SharedFolder:
                 self.stats.shared += 1
                 self._mark_read(path)
                 return HIT, record
+            now = time.monotonic()
+            if now < check:
+                time.sleep(delay)
+                delay = min(delay * 2, 0.02)
+                continue
+            check = now + 0.05
             if os.path.exists(path + ".err"):
                 return LOCAL, None
             owner, age = _claim(path + ".claim")
