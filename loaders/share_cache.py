@@ -114,11 +114,15 @@ def decode_record(buf, start: int = 0) -> dict:
         if (type(offset) is not int or type(nbytes) is not int or offset < 0 or bound >= 2 ** 62
                 or nbytes != count * itemsize or base + offset + nbytes > len(buf)):
             raise ShareRecordError(f"tensor {name!r}: {nbytes} bytes at {offset} do not hold {dtype} {shape}")
-        arr = np.frombuffer(buf, dtype=np_dtype, count=nbytes // itemsize, offset=base + offset)
-        t = torch.from_numpy(arr).reshape(shape)
+        arr = np.frombuffer(buf, dtype=np.dtype(np_dtype.name), count=nbytes // itemsize, offset=base + offset)
+        try:  # (the canonical dtype of its name: numpy's aliases such as "Q" are not all torch's)
+            t = torch.from_numpy(arr).reshape(shape)
+        except (TypeError, RuntimeError) as exc:
+            raise ShareRecordError(f"tensor {name!r}: {dtype} {shape} refused by torch ({exc})") from None
         out[name] = t.view(torch.bfloat16) if dtype == "bfloat16" else t
     order = header.get("order")
-    if isinstance(order, list) and sorted(map(str, order)) == sorted(out):
+    if isinstance(order, list) and all(type(k) is str for k in order) and len(order) == len(out) \
+            and set(order) == out.keys():
         out = {k: out[k] for k in order}
     return out
 
@@ -214,25 +218,31 @@ class SharedFolder:
 
     # ---- waiting -------------------------------------------------------------------------------
     def _read(self, path: str, key: str, by_fd: bool):
-        """The published record of ``key`` (see :meth:`acquire`), or None when it is not (or no longer) there."""
+        """The published record of ``key`` (see :meth:`acquire`), or None when it is not (or no longer) there.
+        ``by_fd`` is honoured for this rank's first turn only (one holder flag per rank: a second request,
+        e.g. the claimer's own rank asking again, gets a copy read into private memory)."""
         fd = open_record(path + ".bin")  # (the common case while waiting: not there yet, OSError)
-        if by_fd and os.path.exists(f"{path}.r{self.cp_rank}"):
-            by_fd = False  # this rank already maps it (one holder flag per rank): a second request copies
         try:
             if not slots.is_slot_file(fd):
                 raise ShareRecordError(f"{path}.bin: not a prealign record file")
-            if by_fd:
+            marker = f"{path}.r{self.cp_rank}"
+            if by_fd and _first_turn(marker):
                 slots.hold(fd, self.cp_rank)  # before the key: a slot being reused shows another key
-            if slots.key_of(fd) != key:
+                if slots.key_of(fd) != key:
+                    _unlink(marker)
+                    os.close(fd)
+                    return None
+                size = os.fstat(fd).st_size
+                decode_record(_map_private(fd, size), start=slots.HEADER)  # checks the header and sizes
+                return fd, size - slots.HEADER
+            data = _read_all(fd) if slots.key_of(fd) == key else None
+            if data is None or slots.key_of(fd) != key:  # (a slot reused meanwhile clears its key first)
                 os.close(fd)
                 return None
-            size = os.fstat(fd).st_size
-            record = decode_record(_map_private(fd, size), start=slots.HEADER)  # checks the header and sizes
+            record = decode_record(data, start=slots.HEADER)
         except BaseException:
             os.close(fd)  # (a flag it set stays set: the slot is then never reused, only dropped)
             raise
-        if by_fd:
-            return fd, size - slots.HEADER
         os.close(fd)
         return record
 
@@ -314,9 +324,8 @@ class SharedFolder:
             with os.scandir(d) as it:
                 for entry in it:
                     try:
-                        pid = slots.owner(entry.name)
-                        if pid is not None:  # a pooled slot: kept while its process lives
-                            if not _alive(pid):
+                        if entry.name.startswith("slot-"):  # a pooled slot: kept while its process lives
+                            if slots.abandoned(entry.path):
                                 _unlink(entry.path)
                         elif now - entry.stat(follow_symlinks=False).st_mtime > self.ttl:
                             _unlink(entry.path)
@@ -361,6 +370,27 @@ def open_record(path: str) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def _first_turn(marker: str) -> bool:
+    """Create this rank's read marker; False when it exists (the rank has the record already)."""
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY | _NOFOLLOW, 0o600))
+    except OSError:
+        return False
+    return True
+
+
+def _read_all(fd: int) -> bytearray:
+    """The whole file in private memory (a copy no later write to the file can reach)."""
+    data = bytearray(os.fstat(fd).st_size)
+    view, done = memoryview(data), 0
+    while done < len(data):
+        n = os.preadv(fd, [view[done:]], done)
+        if n == 0:
+            raise ShareRecordError(f"record file shrank while read ({done} of {len(data)} bytes)")
+        done += n
+    return data
 
 
 def _map_private(fd: int, size: int):

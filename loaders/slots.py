@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import functools
 import itertools
 import mmap
@@ -177,7 +178,11 @@ class SlotPool:
             slot.unpublish()
             slot.set_key("")
             if slot.free():
-                slot.grow(nbytes)
+                try:
+                    slot.grow(nbytes)
+                except BaseException:  # no room: it stays pooled (and free) for a smaller batch
+                    self.slots.append(slot)
+                    raise
                 break
             slot.close()  # a late reader holds it: leave it to that reader
         self.slots.append(slot)  # most recently used last
@@ -195,7 +200,7 @@ _pools: dict[tuple[int, object], SlotPool] = {}
 def pool(kind: object = None, make_fd=None, cap: int = 6) -> SlotPool:
     """This process's pool for ``kind`` (a fork starts with none of its parent's). Its named slots are
     removed when the process exits (a DataLoader worker exits through multiprocessing, which runs
-    ``Finalize`` callbacks, not ``atexit``); those of a killed process by :func:`owner`'s sweep."""
+    ``Finalize`` callbacks, not ``atexit``); those of a killed process by a sweep (:func:`abandoned`)."""
     key = (os.getpid(), kind)
     if key not in _pools:
         from multiprocessing.util import Finalize
@@ -210,20 +215,33 @@ _numbers = itertools.count()
 
 
 def named_in(directory: str):
-    """``make_fd`` of a pool whose slots are ``slot-<pid>-<n>`` in ``directory`` (publishable there)."""
+    """``make_fd`` of a pool whose slots are ``slot-<pid>-<n>`` in ``directory`` (publishable there), each
+    held with a shared ``flock`` for as long as its process keeps it open: the kernel drops the lock when
+    the process dies, which is what a folder's sweep looks for (:func:`abandoned`; no pid involved, so
+    PID namespaces and reused pids cannot fool it)."""
     def make_fd() -> tuple[int, str]:
         path = os.path.join(directory, f"{_SLOT_PREFIX}{os.getpid()}-{next(_numbers)}")
-        return os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | getattr(os, "O_NOFOLLOW", 0), 0o600), path
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | getattr(os, "O_NOFOLLOW", 0), 0o600)
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        return fd, path
     return make_fd
 
 
-def owner(name: str) -> int | None:
-    """The pid in a slot's file name ``slot-<pid>-<n>`` (None for any other name): a folder's sweep keeps
-    the slots of live processes and removes those of dead ones at once."""
-    if not name.startswith(_SLOT_PREFIX):
-        return None
-    pid = name[len(_SLOT_PREFIX):].split("-", 1)[0]
-    return int(pid) if pid.isdigit() and len(pid) < 10 else None
+def abandoned(path: str) -> bool:
+    """``path`` names a pooled slot (``slot-...``) whose process is gone (nobody holds its lock)."""
+    if not os.path.basename(path).startswith(_SLOT_PREFIX):
+        return False
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return True
 
 
 def worker_heap() -> None:
@@ -286,7 +304,7 @@ def _receive(dup, nbytes: int, holder: int, build):
     fd = dup.detach()  # fails when the worker died: torch's loader then reports the dead worker itself
     try:
         return build(map_slot(fd, nbytes, holder))
-    except (OSError, ValueError, TypeError, PrealignError) as exc:  # (not torch's RuntimeError, which its
+    except (OSError, ValueError, TypeError, LookupError, PrealignError) as exc:  # (not torch's RuntimeError, which its
         # SIGCHLD handler raises wherever the main thread is when a worker dies: the loader handles that one)
         return carry(ShareRecordError(f"a batch from a DataLoader worker could not be mapped or built in the "
                                       f"main process ({type(exc).__name__}: {exc})"))

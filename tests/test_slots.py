@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import gc
+import json
 import os
 import pickle
 import subprocess
@@ -312,14 +313,69 @@ def test_a_slot_is_published_again_after_its_last_name_went(tmp_path):
 
 
 def test_the_sweep_removes_the_slots_of_a_dead_process_at_once(tmp_path):
+    """A pooled slot is held with a lock by its process: the sweep removes those nobody holds (a killed
+    worker's) at once and never one a live process holds, whatever the pid in its name says."""
     from prealign.loaders.share_cache import SharedFolder
 
     d = tmp_path / "f"
     d.mkdir(mode=0o700)
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
-    (d / f"slot-{dead.pid}-0").write_bytes(b"x")
-    (d / f"slot-{os.getpid()}-0").write_bytes(b"x")
-    folder = SharedFolder(str(d), 0, 2, ttl=1000.0)
-    folder._sweep({})
-    assert sorted(os.listdir(d)) == [f"slot-{os.getpid()}-0"]
+    live = slots.SlotPool(slots.named_in(str(d)))
+    held = live.take(8)
+    code = f"from prealign.loaders import slots; slots.SlotPool(slots.named_in({str(d)!r})).take(8)"
+    subprocess.run([sys.executable, "-c", code], check=True)  # exits without closing its pool (as if killed)
+    (d / "slot-1-0").write_bytes(b"x")  # a name whose pid is alive (init) but nobody holds: stale
+    assert len(os.listdir(d)) == 3
+    SharedFolder(str(d), 0, 2, ttl=1000.0)._sweep({})
+    assert os.listdir(d) == [os.path.basename(held.path)]
+    live.close()
+
+
+def test_a_slot_that_cannot_grow_stays_pooled(tmp_path, monkeypatch):
+    pool = _named_pool(tmp_path / "f")
+    slot = pool.take(8)
+    real = os.posix_fallocate
+    monkeypatch.setattr(os, "posix_fallocate", lambda fd, off, n: (_ for _ in ()).throw(OSError(28, "full")))
+    with pytest.raises(OSError):
+        pool.take(1 << 20)
+    monkeypatch.setattr(os, "posix_fallocate", real)
+    assert pool.slots == [slot] and pool.take(8) is slot  # neither leaked nor lost
+    pool.close()
+    assert os.listdir(tmp_path / "f") == []
+
+
+def test_two_requests_of_one_rank_get_one_fd_and_one_private_copy(tmp_path):
+    """Only a rank's first turn maps the slot (one holder flag per rank); any other request of that rank
+    reads the record into private memory, which a later rewrite of the slot never reaches."""
+    from prealign.loaders.share_cache import HIT, SharedFolder
+
+    d = str(tmp_path / "f")
+    r0, r1, r1b = SharedFolder(d, 0, 3), SharedFolder(d, 1, 3), SharedFolder(d, 1, 3)
+    r0.acquire("K")
+    pool = _named_pool(d)
+    slot, n = _publish(r0, pool, "K", [4] * 16)
+    first = r1.acquire("K", by_fd=True)
+    second = r1b.acquire("K", by_fd=True)  # e.g. another worker of rank 1, before the first marked it
+    assert first[0] == second[0] == HIT and isinstance(first[1], tuple) and isinstance(second[1], dict)
+    os.close(first[1][0])
+    copy = second[1]["x"]
+    os.pwrite(slot.fd, bytes(64), slots.HEADER + 100)  # the slot rewritten later
+    assert copy.tolist() == [4] * 16
+    pool.close()
+
+
+def test_record_orders_and_dtype_aliases_are_refused_or_served_never_raised():
+    from prealign.loaders.share_cache import ShareRecordError, decode_record, encode_record
+
+    parts = encode_record({"a": torch.arange(3)})
+    head = json.loads(bytes(parts[0][10:]))
+    for order in ([1], [[1]], ["a", "a"], ["b"]):  # non-str / repeated / unknown names: written order ignored
+        head["order"] = order
+        raw = json.dumps(head).encode()
+        buf = bytearray(parts[0][:6] + len(raw).to_bytes(4, "little") + raw + bytes(parts[1]))
+        assert decode_record(buf)["a"].tolist() == [0, 1, 2]
+    head = {"tensors": {"q": ["Q", [2], 0, 16]}, "values": {}, "order": ["q"]}  # "Q": numpy's ulonglong
+    raw = json.dumps(head).encode()
+    buf = bytearray(parts[0][:6] + len(raw).to_bytes(4, "little") + raw + bytes(16))
+    assert decode_record(buf)["q"].dtype == torch.uint64  # served as the canonical uint64
+    with pytest.raises(ShareRecordError):
+        decode_record(bytearray(buf).replace(b'"Q"', b'"g"'))  # longdouble: refused
