@@ -276,9 +276,9 @@ def rank_main(shards, index_path, out, *, cp_rank, cache, kill_after=-1, timeout
     while True:
         if len(digests) == kill_after and not killed:
             state = first.state_dict()
-            for w in multiprocessing.active_children():
-                os.kill(w.pid, signal.SIGKILL)
-            try:
+            try:  # (torch's SIGCHLD handler may raise as soon as the worker dies, even inside this loop)
+                for w in multiprocessing.active_children():
+                    os.kill(w.pid, signal.SIGKILL)
                 while True:
                     next(it)
             except (WorkerError, RuntimeError, StopIteration, OSError):

@@ -82,9 +82,9 @@ def rank_main(shards: list[str], out: str, *, cp_rank: int, cp_size: int, share:
             state = first.state_dict()
             workers = multiprocessing.active_children()
             assert workers, "no DataLoader worker to kill"
-            for w in workers:
-                os.kill(w.pid, signal.SIGKILL)
-            try:
+            try:  # (torch's SIGCHLD handler may raise as soon as a worker dies, even inside the kill loop)
+                for w in workers:
+                    os.kill(w.pid, signal.SIGKILL)
                 while True:
                     next(it)  # batches already prefetched may still arrive; then the dead worker is seen
             except (WorkerError, RuntimeError, StopIteration, OSError):  # worker killed, or its socket reset mid-hand-off
