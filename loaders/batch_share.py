@@ -217,7 +217,7 @@ class _SharedCollate:
             if isinstance(token.record, tuple):  # (fd, nbytes): the record file, handed on as it is
                 fd, nbytes = token.record
                 try:
-                    return slots.send(fd, nbytes, self.folder.cp_rank, ShardOnArrival(self.shard))
+                    return self._send(fd, nbytes)
                 finally:
                     os.close(fd)
             return self._out(self.shard(token.record))
@@ -258,6 +258,10 @@ class _SharedCollate:
             return None
         if not self.folder.publish_slot(key, slot):  # the peers compute it; only this rank maps it
             slot.hold([self.folder.cp_rank])
+        return self._send(slot, nbytes)
+
+    def _send(self, slot, nbytes: int):
+        """A record file (a slot or an fd) to this rank's main process, sharded there on arrival."""
         return slots.send(slot, nbytes, self.folder.cp_rank, ShardOnArrival(self.shard))
 
     def _out(self, batch: dict):

@@ -177,8 +177,6 @@ class _CollatePlanned:
         request, samples, where = fetched[:3]
         if isinstance(samples, Carried):
             return samples
-        if get_worker_info() is not None:
-            worker_heap()  # this worker keeps freed heap: the next batch's pixels reuse it (loaders/slots.py)
         skipped = list(fetched[3]) if len(fetched) > 3 else None  # None: not the skip policy
         while True:
             try:
@@ -334,7 +332,7 @@ class PackedLoader:
                                   num_workers=num_workers, pin_memory=lo.pin_memory,
                                   persistent_workers=lo.persistent_workers and workers,
                                   multiprocessing_context=lo.multiprocessing_context if workers else None,
-                                  timeout=lo.timeout, **kwargs)
+                                  worker_init_fn=worker_heap if workers else None, timeout=lo.timeout, **kwargs)
         # truncations/skips depend on lengths and media flags only: the same every epoch
         screened, order0 = self._schedule.screening()
         self._oversize = screened

@@ -178,7 +178,7 @@ class SharedFolder:
             parts = [slots.header(key), *encode_record(record)]
             fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | _NOFOLLOW, 0o600)
             try:
-                _write_all(fd, parts)
+                slots.write_at(fd, parts)
             finally:
                 os.close(fd)
             self._appear(path, tmp)
@@ -324,7 +324,7 @@ class SharedFolder:
             with os.scandir(d) as it:
                 for entry in it:
                     try:
-                        if entry.name.startswith("slot-"):  # a pooled slot: kept while its process lives
+                        if slots.is_slot_name(entry.name):  # a pooled slot: kept while its process lives
                             if slots.abandoned(entry.path):
                                 _unlink(entry.path)
                         elif now - entry.stat(follow_symlinks=False).st_mtime > self.ttl:
@@ -338,15 +338,6 @@ class SharedFolder:
 def _me() -> str:
     """This process and thread, for names no other writer uses at the same time."""
     return f"{os.getpid()}-{threading.get_ident()}"
-
-
-def _write_all(fd: int, parts: list) -> None:
-    total = sum(memoryview(p).nbytes for p in parts)
-    written = os.writev(fd, parts)
-    if written != total:  # a short write (rare): the rest one buffer at a time
-        rest = b"".join(bytes(memoryview(p).cast("B")) for p in parts)[written:]
-        while rest:
-            rest = rest[os.write(fd, rest):]
 
 
 def open_record(path: str) -> int:

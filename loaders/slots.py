@@ -62,15 +62,8 @@ class Slot:
             self.capacity = capacity
 
     def write(self, parts: list) -> int:
-        """``parts`` (bytes-like: bytes, uint8 arrays, ``(offset, bytes-like)`` pairs) written to the data area
-        in order, or each at its data offset; returns the bytes spanned."""
-        end = 0
-        for part in parts:
-            offset, part = part if isinstance(part, tuple) else (end, part)
-            view = memoryview(part).cast("B")
-            _pwrite_all(self.fd, view, HEADER + offset)
-            end = max(end, offset + view.nbytes)
-        return end
+        """``parts`` written to the data area (see :func:`write_at`); returns the bytes spanned."""
+        return write_at(self.fd, parts, HEADER)
 
     def free(self) -> bool:
         """No holder maps it (read through a syscall: the holders clear their flag in the shared page)."""
@@ -110,10 +103,18 @@ class Slot:
         os.close(self.fd)
 
 
-def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
-    while view.nbytes:
-        n = os.pwrite(fd, view, offset)
-        view, offset = view[n:], offset + n
+def write_at(fd: int, parts: list, start: int = 0) -> int:
+    """``parts`` (bytes-like: bytes, uint8 arrays, or ``(offset, bytes-like)`` pairs) written to file ``fd``
+    from byte ``start`` in order, or each at ``start + offset``; returns the bytes spanned after ``start``."""
+    end = 0
+    for part in parts:
+        offset, part = part if isinstance(part, tuple) else (end, part)
+        view, at = memoryview(part).cast("B"), start + offset
+        end = max(end, offset + view.nbytes)
+        while view.nbytes:  # (a short write: the rest)
+            n = os.pwrite(fd, view, at)
+            view, at = view[n:], at + n
+    return end
 
 
 def _key_bytes(key: str) -> bytes:
@@ -227,9 +228,14 @@ def named_in(directory: str):
     return make_fd
 
 
+def is_slot_name(name: str) -> bool:
+    """``name`` is that of a pooled slot (``slot-<pid>-<n>``), not a record."""
+    return name.startswith(_SLOT_PREFIX)
+
+
 def abandoned(path: str) -> bool:
-    """``path`` names a pooled slot (``slot-...``) whose process is gone (nobody holds its lock)."""
-    if not os.path.basename(path).startswith(_SLOT_PREFIX):
+    """``path`` names a pooled slot whose process is gone (nobody holds its lock)."""
+    if not is_slot_name(os.path.basename(path)):
         return False
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
@@ -244,14 +250,11 @@ def abandoned(path: str) -> bool:
     return True
 
 
-def worker_heap() -> None:
+def worker_heap(worker_id: int | None = None) -> None:
     """Keep freed heap memory in this (worker) process for the next batch instead of returning it to the
     kernel: a batch's large temporaries (``torch.cat`` of pixels) then reuse pages instead of faulting in
-    fresh ones (about 6x faster on a VM). glibc only; elsewhere nothing happens. Called once per worker."""
-    global _heap_pid
-    if _heap_pid == os.getpid():
-        return
-    _heap_pid = os.getpid()
+    fresh ones (about 6x faster on a VM). glibc only; elsewhere nothing happens. The loaders' DataLoader
+    ``worker_init_fn``."""
     try:
         mallopt = ctypes.CDLL("libc.so.6").mallopt
         mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
@@ -259,9 +262,6 @@ def worker_heap() -> None:
         mallopt(-1, (1 << 31) - 1)  # M_TRIM_THRESHOLD: keep up to 2 GiB of freed heap for reuse
     except (OSError, AttributeError):
         pass
-
-
-_heap_pid = -1
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,7 @@ from .planner import microbatch_capacity
 from .policy import BadDataGate, BadDataPolicy, BadDataReport, Oversize, coerce_enum
 from .schedule import check_count
 from .sources import Skip, Source
+from .slots import worker_heap
 from .transport import PackedBatch, pack_batch, unpack_batch
 
 STATE_KIND = "prealign.StreamingPackedLoader"
@@ -272,7 +273,7 @@ class StreamingPackedLoader:
         kw = {"prefetch_factor": lo.prefetch_factor} if workers and lo.prefetch_factor is not None else {}
         return DataLoader(reader, batch_size=None, num_workers=self.num_workers, pin_memory=lo.pin_memory,
                           multiprocessing_context=lo.multiprocessing_context if workers else None,
-                          timeout=lo.timeout, **kw)
+                          worker_init_fn=worker_heap if workers else None, timeout=lo.timeout, **kw)
 
     def _take(self, it):
         """The next real micro-batch of this rank's stream, or None at its end (bad-data events counted)."""

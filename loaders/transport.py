@@ -52,7 +52,6 @@ def pack_batch(batch: dict, *, shared: bool | None = None) -> "PackedBatch | slo
     if shared is None:
         shared = get_worker_info() is not None
     if shared and slots.available():
-        slots.worker_heap()  # (the loaders' collate_fn sets it before collating; other users of pack_batch here)
         try:
             slot = slots.pool().take(offset)
             slot.write([(off, _bytes_of(t)) for (_, t), (_, _, _, off) in zip(tensors, fields) if t.numel()])
