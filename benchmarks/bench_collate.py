@@ -22,7 +22,6 @@ import argparse
 import gc
 import os
 import re
-import statistics
 import subprocess
 import sys
 import time

@@ -23,7 +23,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 
 import numpy as np
 
@@ -97,7 +96,7 @@ result = {{"build_s": t1 - t0, "ttfb_s": t2 - t0, "samples": len(loader.index), 
 
 _INDEX = """
 from prealign.loaders import WebDatasetSource
-from prealign.loaders.cheap_index import write_sidecars
+from prealign.loaders.index.header_pass import write_sidecars
 from prealign.schemas import causal_lm_schema
 paths = {paths!r}
 import resource
@@ -112,11 +111,11 @@ result = {{"s": time.perf_counter() - t0, "cpu_s": cpu() - c0, "samples": stats[
 _VLM = """
 import numpy as np, torch
 from prealign.loaders import WebDatasetSource, build_index, BadDataPolicy
-from prealign.loaders.cheap_index import header_index_shard
-from prealign.loaders.index import index_shard
+from prealign.loaders.index.header_pass import header_index_shard
+from prealign.loaders.index.build import index_shard
 from prealign.loaders.cli.demo_data import build_demo_dataset
 from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
-from prealign.loaders.vlm import VLMSampleTransform
+from prealign.loaders.media.vlm import VLMSampleTransform
 from prealign.schemas.vlm import vlm_schema
 import warnings; warnings.simplefilter("ignore")
 torch.set_num_threads(1)  # one core each way: the ratio is per CPU

@@ -1,6 +1,6 @@
 """Multimodal loading: prealign's VLM loader against a hand-written pipeline on the same shards, and the
-CPU of a whole CP group with :class:`~prealign.loaders.batch_share.BatchShare` (and the per-sample
-:class:`~prealign.loaders.media_share.SharedMediaTransform`).
+CPU of a whole CP group with :class:`~prealign.loaders.handoff.batch_share.BatchShare` (and the per-sample
+:class:`~prealign.loaders.handoff.media_share.SharedMediaTransform`).
 
 Data: ``build_demo_dataset`` (no planted bad samples), ``--samples`` samples (default 2,000) in shards of
 100; images 48..360 px, JPEG and PNG, 0-2 per sample.
@@ -53,8 +53,8 @@ def cpu_seconds() -> float:
 # ---- the two pipelines ------------------------------------------------------------------------------
 def make_transform(*, cp_rank: int = 0, cp_size: int = 1, share: bool = False, run: str = "bench", cache=None):
     from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
-    from prealign.loaders.media_share import SharedMediaTransform
-    from prealign.loaders.vlm import VLMSampleTransform
+    from prealign.loaders.handoff.media_share import SharedMediaTransform
+    from prealign.loaders.media.vlm import VLMSampleTransform
 
     transform = VLMSampleTransform(tokenizer=ByteTokenizer())
     if share:
@@ -83,14 +83,14 @@ class BaselineSample:
 
     def __init__(self):
         from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
-        from prealign.loaders.vlm import image_processor
+        from prealign.loaders.media.vlm import image_processor
 
         self.tok, self.processor = ByteTokenizer(), image_processor()
 
     def __call__(self, sample: dict) -> dict:
         from PIL import Image
 
-        from prealign.loaders.vlm import render_chat
+        from prealign.loaders.media.vlm import render_chat
 
         meta = _json(sample["json"])
         images = [Image.open(io.BytesIO(sample[n])).convert("RGB") for n in meta.get("images", [])]
@@ -150,12 +150,18 @@ def stages(shards, index, n: int) -> dict:
     """ms of CPU per sample in each stage, both pipelines, in this process (one thread)."""
     from PIL import Image
 
+    from prealign.collate import THDCollator
     from prealign.loaders import WebDatasetSource
     from prealign.loaders.loader import _CollatePlanned
-    from prealign.loaders.schedule import Request
-    from prealign.loaders.vlm import (_image_members, _metadata, decode_image, process_images, render_chat,
-                                      vision_types_and_mrope)
-    from prealign.collate import THDCollator
+    from prealign.loaders.media.vlm import (
+        decode_image,
+        image_members,
+        process_images,
+        render_chat,
+        sample_metadata,
+        vision_types_and_mrope,
+    )
+    from prealign.loaders.plan.schedule import Request
     from prealign.schemas import ParallelLayout, vlm_schema
 
     torch.set_num_threads(1)  # as in a DataLoader worker
@@ -171,8 +177,8 @@ def stages(shards, index, n: int) -> dict:
         return res
 
     raws = timed("prealign", "tar read + member decode", source.read, locs)
-    metas = [_metadata(r, "json", r["__key__"]) for r in raws]
-    members = [_image_members(r, m, r["__key__"]) for r, m in zip(raws, metas)]
+    metas = [sample_metadata(r, "json", r["__key__"]) for r in raws]
+    members = [image_members(r, m, r["__key__"]) for r, m in zip(raws, metas)]
     images = timed("prealign", "image decode", lambda ms: [decode_image(v, sample=0, name=k) for k, v in ms], members)
     proc = transform.processor
     done = timed("prealign", "image processor", lambda im: process_images(im, proc), images)
@@ -255,10 +261,9 @@ def main() -> None:
     ap.add_argument("--group-only", action="store_true", help="only the CP group runs (and the stage split)")
     args = ap.parse_args()
 
-    from prealign.loaders import BadDataPolicy, build_index
+    from prealign.loaders import BadDataPolicy, WebDatasetSource, build_index
     from prealign.loaders.cli.demo_data import build_demo_dataset
     from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
-    from prealign.loaders import WebDatasetSource
     from prealign.schemas import vlm_schema
 
     tmp = tempfile.mkdtemp(prefix="bench-vlm-")

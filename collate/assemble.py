@@ -16,6 +16,7 @@ import torch
 
 from prealign.schemas.errors import ArgumentError
 from prealign.schemas.schema import BatchSchema, FieldSpec, Role, Source
+
 from .indices import GatherPlan
 from .samples import FlatBatch, TokenSource, check_value_bounds, checked_spec, resolve_key
 

@@ -16,6 +16,7 @@ import torch
 
 from prealign.schemas.layout import CPLayout, ParallelLayout
 from prealign.schemas.schema import BatchSchema
+
 from .assemble import check_cp_rank, non_token_fields, token_fields
 from .indices import Chunks, cp_chunks, gather_plan
 from .samples import flatten

@@ -23,8 +23,9 @@ import torch
 
 from prealign.schemas.errors import ArgumentError
 from prealign.schemas.layout import CPLayout, ParallelLayout
+
 from .bshd import bshd_chunks
-from .indices import cp_chunks, cu_seqlens_to_lengths, global_slots, real_rows
+from .indices import cp_chunks, global_slots, real_rows
 
 
 def _check_shards(shards: Sequence[torch.Tensor], dim: int, cp_size) -> int:

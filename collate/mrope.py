@@ -30,6 +30,7 @@ import torch
 
 from prealign.schemas.errors import SampleError
 from prealign.schemas.vlm import IMAGE_TOKEN_TYPE, TEXT_TOKEN_TYPE
+
 from .indices import lengths_to_cu_seqlens
 
 

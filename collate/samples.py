@@ -17,6 +17,7 @@ import torch
 
 from prealign.schemas.errors import SampleError
 from prealign.schemas.schema import BatchSchema, FieldSpec, Role, Source, dtype_name
+
 from .indices import lengths_to_cu_seqlens
 
 

@@ -17,6 +17,7 @@ import torch
 
 from prealign.schemas.layout import ParallelLayout
 from prealign.schemas.schema import BatchSchema
+
 from .assemble import check_cp_rank, non_token_fields, token_fields
 from .indices import cp_chunks, gather_plan, global_slots, lengths_to_cu_seqlens
 from .samples import flatten

@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 import torch
 
 from prealign.schemas.errors import ConfigError
+
 from .megatron import PackedSeqConvention, to_packed_seq_params
 
 

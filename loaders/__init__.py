@@ -5,22 +5,42 @@ bad-data policy) -> planner (:func:`plan_microbatches`, same plan on every rank)
 micro-batches -> DataLoader workers read, transform and collate -> :class:`PackedLoader` batches,
 resumable with ``state_dict`` / ``load_state_dict``.
 """
-from .batch_share import BatchShare
-from .chat_tokenizer import ChatTokenizer, HFChatTokenizer
-from .conformance import assert_resumes_exactly
-from .errors import (BadSampleError, CorruptShardError, IndexFileError, LoaderUsageError, MissingMemberError,
-                     MissingShardError, OversizeSampleError, PlanError, ResumeError, ShardTimeoutError,
-                     SourceChangedError, TooManyBadSamplesError, UnsafeMemberError, WorkerError)
-from .index import SampleIndex, build_index
-from .loader import PackedLoader
-from .options import IndexOptions, LoadingOptions, ShuffleOptions
-from .planner import MicrobatchPlan, PlannerConfig, PlanStats, microbatch_capacity, plan_microbatches
-from .policy import BadDataPolicy, BadDataReport, BadSampleWarning, OnBadSample, Oversize, PackStrategy
-from .sources import HFSource, Source
-from .streaming import StreamingPackedLoader
-from .tar_decode import DecodeLimits
-from .webdataset_source import WebDatasetSource, numpy_fields
-from .vlm import MediaError, MediaProblem, VLMSampleTransform, image_processor
+from prealign.loaders.conformance import assert_resumes_exactly
+from prealign.loaders.errors import (
+                     BadSampleError,
+                     CorruptShardError,
+                     IndexFileError,
+                     LoaderUsageError,
+                     MissingMemberError,
+                     MissingShardError,
+                     OversizeSampleError,
+                     PlanError,
+                     ResumeError,
+                     ShardTimeoutError,
+                     SourceChangedError,
+                     TooManyBadSamplesError,
+                     UnsafeMemberError,
+                     WorkerError,
+)
+from prealign.loaders.handoff.batch_share import BatchShare
+from prealign.loaders.index.build import build_index
+from prealign.loaders.index.sample_index import SampleIndex
+from prealign.loaders.loader import PackedLoader
+from prealign.loaders.media.chat_tokenizer import ChatTokenizer, HFChatTokenizer
+from prealign.loaders.media.vlm import MediaError, MediaProblem, VLMSampleTransform, image_processor
+from prealign.loaders.options import IndexOptions, LoadingOptions, ShuffleOptions
+from prealign.loaders.plan.planner import (
+                     MicrobatchPlan,
+                     PlannerConfig,
+                     PlanStats,
+                     microbatch_capacity,
+                     plan_microbatches,
+)
+from prealign.loaders.policy import BadDataPolicy, BadDataReport, BadSampleWarning, OnBadSample, Oversize, PackStrategy
+from prealign.loaders.sources.source import HFSource, Source
+from prealign.loaders.sources.tar_decode import DecodeLimits
+from prealign.loaders.sources.webdataset import WebDatasetSource, numpy_fields
+from prealign.loaders.streaming import StreamingPackedLoader
 
 __all__ = ["HFChatTokenizer", "ChatTokenizer", "PackedLoader", "StreamingPackedLoader", "IndexOptions", "LoadingOptions",
            "ShuffleOptions", "plan_microbatches", "microbatch_capacity", "MicrobatchPlan", "PlannerConfig", "PlanStats",

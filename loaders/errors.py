@@ -47,8 +47,8 @@ class MissingMemberError(BadSampleError):
 
 def reason_of(exc: BaseException) -> str:
     """The cause a bad sample is counted under: a :class:`~prealign.schemas.errors.SampleError`'s ``reason``
-    (a non-empty ``str`` or an enum with such a value, e.g. :class:`prealign.loaders.vlm.MediaError`'s
-    :class:`~prealign.loaders.vlm.MediaProblem`), else ``"bad_sample"``.
+    (a non-empty ``str`` or an enum with such a value, e.g. :class:`prealign.loaders.media.vlm.MediaError`'s
+    :class:`~prealign.loaders.media.vlm.MediaProblem`), else ``"bad_sample"``.
 
     >>> reason_of(MissingMemberError(sample="k", field="jpg", expected="a member", actual="none"))
     'missing_member'
@@ -83,6 +83,11 @@ class WorkerError(PrealignError):
     usable: iterate again to continue from its state (the position of the last batch yielded)."""
 
 
+class ShareRecordError(PrealignError):
+    """A shared record or slot (:mod:`prealign.loaders.handoff`) that is malformed or not trusted: never served,
+    the rank computes the batch for itself."""
+
+
 class LoaderUsageError(ConfigError):
     """The loader was used in a way it does not support (two iterators at once)."""
 
@@ -100,7 +105,7 @@ class SourceChangedError(PrealignError):
 
 
 class IndexMismatchError(ConfigError):
-    """A reused index (sidecars, a saved :class:`~prealign.loaders.index.SampleIndex`) does not describe the
+    """A reused index (sidecars, a saved :class:`~prealign.loaders.index.sample_index.SampleIndex`) does not describe the
     data the loader was given: ``.shard`` names the shard, ``.difference`` says what differs. Raised when the
     loader prepares (:meth:`~prealign.loaders.loader.PackedLoader.prepare` or first use), before any batch, under every bad-data policy (never counted as bad data)."""
 
@@ -113,7 +118,7 @@ class IndexMismatchError(ConfigError):
 class MissingShardError(IndexMismatchError):
     """A shard named by the source (a path, a URL, a brace range) does not exist or cannot be reached: a
     configuration mistake, raised before the index pass (by
-    :func:`~prealign.loaders.sidecar.check_source`, with every missing local shard listed), never counted as bad data. ``.shard`` is None when several are listed."""
+    :func:`~prealign.loaders.index.sidecar.check_source`, with every missing local shard listed), never counted as bad data. ``.shard`` is None when several are listed."""
 
 
 class ChangedShardError(IndexMismatchError):
@@ -125,7 +130,7 @@ class StaleIndexError(IndexMismatchError):
 
 
 class IndexFileError(StaleIndexError):
-    """A saved :class:`~prealign.loaders.index.SampleIndex` file that is not one (no such file, missing or
+    """A saved :class:`~prealign.loaders.index.sample_index.SampleIndex` file that is not one (no such file, missing or
     extra keys, wrong dtype or shape, inconsistent lengths, undecodable report), or one of other data.
     Raised with one message (``IndexFileError(message)``; ``.shard`` is None)."""
 

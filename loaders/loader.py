@@ -25,23 +25,25 @@ from torch.utils.data import DataLoader, get_worker_info
 
 from prealign.collate.samples import sample_token_keys
 from prealign.collate.thd import THDCollator
+from prealign.loaders.errors import BadSampleError, LoaderUsageError, PlanError, SourceChangedError, reason_of
+from prealign.loaders.handoff.batch_share import BatchShare
+from prealign.loaders.handoff.slots import worker_heap
+from prealign.loaders.handoff.transport import PackedBatch, pack_batch, unpack_batch
+from prealign.loaders.index.build import build_index
+from prealign.loaders.index.sample_checks import has_media, media_keys
+from prealign.loaders.index.sample_index import SampleIndex
+from prealign.loaders.index.sidecar import check_index, describe_transform
+from prealign.loaders.options import IndexOptions, LoadingOptions, ShuffleOptions, check_dp
+from prealign.loaders.plan.planner import MicrobatchPlan, PlannerConfig, microbatch_capacity
+from prealign.loaders.plan.schedule import Request, Schedule, check_count
+from prealign.loaders.policy import BadDataPolicy, BadDataReport, BadSampleWarning, OnBadSample, Oversize
+from prealign.loaders.serve.workers import worker_batches
+from prealign.loaders.sources.source import Source
+from prealign.loaders.state import LoaderState
 from prealign.schemas.errors import PrealignError, SampleError
 from prealign.schemas.layout import ParallelLayout
-from prealign.schemas.schema import BatchSchema, Role, Source as FieldSource
-from .batch_share import BatchShare
-from .sidecar import describe_transform
-from .errors import BadSampleError, LoaderUsageError, PlanError, SourceChangedError, reason_of
-from .index import SampleIndex, build_index, has_media, media_keys
-from .options import IndexOptions, LoadingOptions, ShuffleOptions, check_dp
-from .planner import MicrobatchPlan, PlannerConfig, microbatch_capacity
-from .policy import BadDataPolicy, BadDataReport, BadSampleWarning, OnBadSample, Oversize
-from .schedule import Request, Schedule, check_count
-from .sidecar import check_index
-from .sources import Source
-from .state import LoaderState
-from .slots import worker_heap
-from .transport import PackedBatch, pack_batch, unpack_batch
-from .workers import Carried, carry, worker_batches
+from prealign.schemas.schema import BatchSchema, Role
+from prealign.schemas.schema import Source as FieldSource
 
 
 def truncate_sample(sample: dict, schema: BatchSchema, length: int) -> dict:
@@ -140,8 +142,8 @@ class _PlannedSamples:
     def __getitems__(self, request: Request):
         """The micro-batch's samples, with :meth:`where` for the collate_fn's error messages (and, under
         the skip policy, the samples left out at load time, ``(reason, where, message)``). In a worker, a
-        typed error is handed to the collate_fn (:func:`~prealign.loaders.workers.carry`) and re-raised there
-        as its own type."""
+        typed error is handed to the collate_fn in place of the samples and returned from the worker as the
+        batch (:func:`~prealign.loaders.serve.workers.worker_batches` raises it)."""
         try:
             if not request.indices:
                 return request, [self._filler(request.filler_of)], self.where
@@ -161,7 +163,7 @@ class _PlannedSamples:
         except PrealignError as exc:
             if get_worker_info() is None:
                 raise
-            return request, carry(exc), self.where
+            return request, exc, self.where
 
 
 @dataclass(frozen=True)
@@ -171,11 +173,11 @@ class _CollatePlanned:
 
     collator: Callable
     pack: bool = False
-    """In worker processes: hand the batch over as one buffer (:mod:`prealign.loaders.transport`)."""
+    """In worker processes: hand the batch over as one buffer (:mod:`prealign.loaders.handoff.transport`)."""
 
     def __call__(self, fetched: tuple):
         request, samples, where = fetched[:3]
-        if isinstance(samples, Carried):
+        if isinstance(samples, PrealignError):
             return samples
         skipped = list(fetched[3]) if len(fetched) > 3 else None  # None: not the skip policy
         while True:
@@ -188,14 +190,14 @@ class _CollatePlanned:
                 if skipped is None or len(samples) < 2 or isinstance(pos, bool) or not isinstance(pos, int) \
                         or not 0 <= pos < len(samples):
                     if self.pack:
-                        return carry(err)
+                        return err
                     raise err from exc
                 skipped.append((reason_of(err), str(err.sample), str(err)))  # found bad at load: left out
                 samples = samples[:pos] + samples[pos + 1:]
                 request = dataclasses.replace(request, indices=request.indices[:pos] + request.indices[pos + 1:])
             except PrealignError as exc:
                 if self.pack:
-                    return carry(exc)
+                    return exc
                 raise
         if skipped:
             batch["skipped_at_load"] = skipped
@@ -251,7 +253,7 @@ class PackedLoader:
     in the index pass), ``shuffle`` (:class:`ShuffleOptions`), ``indexing`` (:class:`IndexOptions`: a
     prebuilt index, index workers, distributed pass), ``loading`` (:class:`LoadingOptions`: DataLoader
     settings). ``collator``: another collate callable (e.g. ``THDCollator(..., defer_cp_shard=True)``)
-    that pads exactly as ``layout`` says. ``share``: a :class:`~prealign.loaders.batch_share.BatchShare`
+    that pads exactly as ``layout`` says. ``share``: a :class:`~prealign.loaders.handoff.batch_share.BatchShare`
     (opt-in): the CP ranks of a node load and collate each micro-batch once between them.
 
     The constructor only checks its arguments: no I/O, no collective. The index pass (a collective
@@ -319,7 +321,7 @@ class PackedLoader:
         planned.skip_at_load = self.bad_data.on_error is OnBadSample.SKIP
         self._load_report = BadDataReport()
         collate_fn = _CollatePlanned(self.collator, pack=workers)
-        if self.share is not None:  # CP peers read each other's micro-batches (loaders/batch_share.py)
+        if self.share is not None:  # CP peers read each other's micro-batches (loaders/handoff/batch_share.py)
             planned, collate_fn = self.share.attach(planned, collate_fn, collator=self.collator, cp_rank=self.cp_rank,
                                                     scope={"dp_rank": self.dp_rank, "config": self._config(),
                                                            "data": [len(index), index.digest],
@@ -351,7 +353,7 @@ class PackedLoader:
                             layout: ParallelLayout | None = None, **kwargs) -> "PackedLoader":
         """Ranks (and, without ``layout``, tp/cp sizes) read from megatron-core's ``parallel_state``
         when initialised, else from ``torch.distributed`` (every rank a DP rank, no CP)."""
-        from prealign.schemas.distributed import data_parallel_info
+        from prealign.schemas.parallel_state import data_parallel_info
 
         info = data_parallel_info()
         if layout is None:

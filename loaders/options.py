@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import PlanError
-from .index import SampleIndex
+from prealign.loaders.errors import PlanError
+from prealign.loaders.index.sample_index import SampleIndex
 
 
 def _int(name: str, value, low: int, *, optional: bool = False) -> None:

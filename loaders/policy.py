@@ -9,7 +9,7 @@ import enum
 import warnings
 from dataclasses import dataclass, field
 
-from .errors import PlanError, TooManyBadSamplesError
+from prealign.loaders.errors import PlanError, TooManyBadSamplesError
 
 
 class PackStrategy(enum.Enum):

@@ -13,7 +13,7 @@ import json
 import math
 from dataclasses import dataclass
 
-from .errors import ResumeError
+from prealign.loaders.errors import ResumeError
 
 STATE_VERSION = 2
 """2: epochs planned a chunk at a time (``PlannerConfig.chunk_size``), which serves micro-batches in

@@ -35,20 +35,21 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from prealign.collate.thd import THDCollator
+from prealign.loaders.errors import BadSampleError, OversizeSampleError, PlanError, ResumeError
+from prealign.loaders.handoff.slots import worker_heap
+from prealign.loaders.handoff.transport import PackedBatch, pack_batch, unpack_batch
+from prealign.loaders.index.events import error_from_record, error_record, record_reason
+from prealign.loaders.index.sample_checks import has_media, media_keys, validated
+from prealign.loaders.loader import filler_sample, truncate_sample
+from prealign.loaders.options import LoadingOptions, check_dp
+from prealign.loaders.plan.packing import best_fit_decreasing
+from prealign.loaders.plan.planner import microbatch_capacity
+from prealign.loaders.plan.schedule import check_count
+from prealign.loaders.policy import BadDataGate, BadDataPolicy, BadDataReport, Oversize, coerce_enum
+from prealign.loaders.sources.source import Skip, Source
 from prealign.schemas.errors import SampleError
 from prealign.schemas.layout import ParallelLayout
 from prealign.schemas.schema import BatchSchema
-from .errors import BadSampleError, OversizeSampleError, PlanError, ResumeError
-from .index import _freeze, _reason, _thaw, _validated, has_media, media_keys
-from .loader import filler_sample, truncate_sample
-from .packing import best_fit_decreasing
-from .options import LoadingOptions, check_dp
-from .planner import microbatch_capacity
-from .policy import BadDataGate, BadDataPolicy, BadDataReport, Oversize, coerce_enum
-from .schedule import check_count
-from .sources import Skip, Source
-from .slots import worker_heap
-from .transport import PackedBatch, pack_batch, unpack_batch
 
 STATE_KIND = "prealign.StreamingPackedLoader"
 STATE_VERSION = 1
@@ -113,10 +114,10 @@ class _Reader(IterableDataset):
 
         def bad(reason: str, where: str, err: Exception) -> None:
             gate.bad(reason, where, err)  # raises under RAISE / past max_consecutive
-            events.append([reason, where, _freeze(err) if isinstance(err, Exception) else err])
+            events.append([reason, where, error_record(err) if isinstance(err, Exception) else err])
 
         def validate() -> None:
-            for (sid, where, sample), res in zip(pending, _validated([p[2] for p in pending], self.schema)):
+            for (sid, where, sample), res in zip(pending, validated([p[2] for p in pending], self.schema)):
                 if isinstance(res, SampleError):
                     bad("bad_sample", where, BadSampleError(sample=where, field=res.field, expected=res.expected,
                                                             actual=res.actual))
@@ -171,13 +172,13 @@ class _Reader(IterableDataset):
                 events.append([item.reason, item.where, None])
                 continue
             if isinstance(item, Exception):
-                rec = _freeze(item)
-                bad(_reason(rec), where, _thaw(rec))
+                rec = error_record(item)
+                bad(record_reason(rec), where, error_from_record(rec))
                 continue
             try:
                 sample = self.source.apply_transform(item, loc)
             except SampleError as exc:
-                bad(_reason(_freeze(exc)), where, exc)
+                bad(record_reason(error_record(exc)), where, exc)
                 continue
             pending.append((stream_id(shard, ordinal), where, sample))
             if len(pending) >= _CHUNK or len(buffer) + len(pending) >= self.buffer_size:
@@ -197,7 +198,7 @@ class _Reader(IterableDataset):
 
 class StreamingPackedLoader:
     """Iterable of packed micro-batches from a stream (see the module docstring). ``source``: any
-    :class:`~prealign.loaders.sources.Source` (``HFSource`` over an ``IterableDataset``, a webdataset of
+    :class:`~prealign.loaders.sources.source.Source` (``HFSource`` over an ``IterableDataset``, a webdataset of
     any size); nothing is indexed. ``buffer_size``: samples each reader holds before packing.
     ``group``: the process group of the end-of-epoch agreement (default: the world)."""
 
@@ -250,7 +251,7 @@ class StreamingPackedLoader:
                     if isinstance(item, dict):
                         try:
                             template = self.source.apply_transform(item, loc)
-                            _validated([template], self.schema)[0][0]
+                            validated([template], self.schema)[0][0]
                             break
                         except (SampleError, TypeError):
                             template = None
@@ -280,7 +281,7 @@ class StreamingPackedLoader:
         for batch, events in it:
             for reason, where, rec in events:
                 self.report.add(reason, where, rec["message"] if isinstance(rec, dict) and "message" in rec
-                                else str(_thaw(rec)) if isinstance(rec, dict) else reason)
+                                else str(error_from_record(rec)) if isinstance(rec, dict) else reason)
             if batch is not None:
                 return unpack_batch(batch) if isinstance(batch, PackedBatch) else batch
         return None

@@ -1,10 +1,20 @@
 """prealign schemas: parallel layouts, declared batch schemas and their validation."""
-from .errors import (ArgumentError, BatchValidationError, BucketOverflowError, ConfigError, LayoutError,
-                     OffsetOverflowError, PrealignError, SampleError, SchemaError, StartupMismatchError)
+from .distributed import check_startup
+from .errors import (
+                     ArgumentError,
+                     BatchValidationError,
+                     BucketOverflowError,
+                     ConfigError,
+                     LayoutError,
+                     OffsetOverflowError,
+                     PrealignError,
+                     SampleError,
+                     SchemaError,
+                     StartupMismatchError,
+)
 from .layout import CPLayout, FP8Recipe, PadPolicy, ParallelLayout, round_up
 from .schema import IGNORE_INDEX, BatchSchema, FieldSpec, Role, Source, causal_lm_schema, rl_schema, topk_fields
 from .validate import Violation, validate_batch
-from .distributed import check_startup
 from .vlm import VisionTokens, media_violations, validate_vlm_batch, vlm_schema
 
 __all__ = ["ParallelLayout", "PadPolicy", "FP8Recipe", "CPLayout", "round_up", "BatchSchema", "FieldSpec", "Role",

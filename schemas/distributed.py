@@ -1,6 +1,7 @@
-"""The one module that reads ``torch.distributed`` / ``megatron.core.parallel_state``.
+"""Collectives over ``torch.distributed``: the startup check every rank runs (schemas and layouts agree, the
+first batch validates), with a rendezvous that names absent ranks instead of hanging.
 
-Everything else takes ranks and sizes as plain ints, so multi-rank logic is testable in one process.
+Ranks and sizes come from :mod:`prealign.schemas.parallel_state`; everything else takes them as plain ints.
 """
 from __future__ import annotations
 
@@ -13,54 +14,7 @@ import torch.distributed as dist
 from .errors import BatchValidationError, ConfigError, StartupMismatchError
 from .layout import ParallelLayout
 from .schema import BatchSchema
-
-
-def _group_size_rank(group) -> tuple[int, int]:
-    return dist.get_world_size(group), dist.get_rank(group)
-
-
-def megatron_parallel_sizes(pg_collection=None) -> dict[str, int]:
-    """``{"tp", "cp", "dp", "tp_rank", "cp_rank", "dp_rank"}`` from megatron-core.
-
-    Reads ``pg_collection`` (a megatron-core ``ProcessGroupCollection``, the API newer releases pass
-    around) when given, else the initialised ``parallel_state`` (0.x), falling back to
-    ``ProcessGroupCollection.use_mpu_process_groups()`` where the getters moved.
-    """
-    not_ready = ("megatron-core parallel state is not (fully) initialised{}; call "
-                 "parallel_state.initialize_model_parallel(...) first, or pass sizes as ints")
-    if pg_collection is None:
-        from megatron.core import parallel_state as ps
-
-        try:
-            if hasattr(ps, "get_tensor_model_parallel_world_size"):  # 0.x: module-level getters
-                if not ps.model_parallel_is_initialized():
-                    raise ConfigError(not_ready.format(""))
-                return {"tp": ps.get_tensor_model_parallel_world_size(), "cp": ps.get_context_parallel_world_size(),
-                        "dp": ps.get_data_parallel_world_size(), "tp_rank": ps.get_tensor_model_parallel_rank(),
-                        "cp_rank": ps.get_context_parallel_rank(), "dp_rank": ps.get_data_parallel_rank()}
-            from megatron.core.process_groups_config import ProcessGroupCollection
-
-            pg_collection = ProcessGroupCollection.use_mpu_process_groups()
-        except (AssertionError, ImportError) as exc:  # a group megatron-core did not build
-            raise ConfigError(not_ready.format(f" ({exc})")) from None
-    (tp, tp_rank), (cp, cp_rank), (dp, dp_rank) = (
-        _group_size_rank(getattr(pg_collection, name)) for name in ("tp", "cp", "dp"))
-    return {"tp": tp, "cp": cp, "dp": dp, "tp_rank": tp_rank, "cp_rank": cp_rank, "dp_rank": dp_rank}
-
-
-def data_parallel_info() -> dict[str, int]:
-    """``{"dp", "dp_rank", "cp", "cp_rank", "tp", "tp_rank"}`` of this process, for data loaders.
-
-    megatron-core's ``parallel_state`` when initialised; else ``torch.distributed`` (every rank a DP
-    rank, tp = cp = 1); else a single process.
-    """
-    try:
-        return megatron_parallel_sizes()
-    except (ConfigError, ImportError, AssertionError):  # no megatron-core parallel state here
-        pass
-    if dist.is_available() and dist.is_initialized():
-        return {"dp": dist.get_world_size(), "dp_rank": dist.get_rank(), "cp": 1, "cp_rank": 0, "tp": 1, "tp_rank": 0}
-    return {"dp": 1, "dp_rank": 0, "cp": 1, "cp_rank": 0, "tp": 1, "tp_rank": 0}
+from .validate import Violation, validate_batch
 
 
 def all_gather_objects(obj, group=None) -> list:
@@ -154,8 +108,6 @@ def check_startup(batch: dict, schema: BatchSchema, layout: ParallelLayout, grou
     process group's own timeout. Without an initialised process group it only validates.
     Returns the fingerprint.
     """
-    from .validate import Violation, validate_batch
-
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise ConfigError(f"check_startup: timeout: expected seconds > 0, got {timeout!r}")
     fingerprint = layout_fingerprint(schema, layout)

@@ -2,8 +2,28 @@
 from __future__ import annotations
 
 
+def _rebuilt(cls: type, args: tuple, state: dict) -> "PrealignError":
+    """``cls`` with ``args`` and attributes ``state``, its constructor not called (subclasses take other arguments)."""
+    exc = cls.__new__(cls)
+    exc.args = args
+    exc.__dict__.update(state)
+    return exc
+
+
 class PrealignError(ValueError):
-    """Base class of every error prealign raises on bad input or configuration."""
+    """Base class of every error prealign raises on bad input or configuration.
+
+    Pickles as itself (same class, attributes and message), so it crosses process boundaries (DataLoader
+    workers, ``all_gather_object``) with its type, although subclasses take keyword-only arguments:
+
+    >>> import pickle
+    >>> err = pickle.loads(pickle.dumps(SampleError(sample=3, field="labels", expected="int64", actual="float32")))
+    >>> type(err).__name__, err.sample, err.field, str(err)
+    ('SampleError', 3, 'labels', "sample 3, field 'labels': expected int64, got float32")
+    """
+
+    def __reduce__(self):
+        return _rebuilt, (type(self), self.args, self.__dict__)
 
 
 class ConfigError(PrealignError):

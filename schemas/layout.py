@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from .errors import BucketOverflowError, LayoutError
+from .parallel_state import megatron_parallel_sizes
 
 MAX_PACKED_LENGTH = 2**31 - 1
 """The largest packed length ``T`` (and offset) an int32 ``cu_seqlens`` holds."""
@@ -270,7 +271,5 @@ class ParallelLayout:
 
         ``overrides`` set the fields megatron-core does not know (``sp``, ``fp8``, ``pad_policy``...).
         """
-        from .distributed import megatron_parallel_sizes
-
         sizes = megatron_parallel_sizes(pg_collection)
         return cls(**{"tp": sizes["tp"], "cp": sizes["cp"], **overrides})

@@ -215,7 +215,7 @@ class BatchSchema:
 
 
 # ---- built-in schemas -----------------------------------------------------------------------------
-def _core_token_fields(pad_token_id: int, ignore_index: int, vocab_size: int | None = None) -> tuple[FieldSpec, ...]:
+def core_token_fields(pad_token_id: int, ignore_index: int, vocab_size: int | None = None) -> tuple[FieldSpec, ...]:
     """input_ids (ids in ``[0, vocab_size)`` when declared, checked at collate time), labels, loss mask,
     positions, padding mask."""
     return (
@@ -252,7 +252,7 @@ def causal_lm_schema(*, pad_token_id: int = 0, topk: int | str | None = None, vo
     >>> causal_lm_schema(topk=64)["teacher_topk_ids"].dense_shape
     (64,)
     """
-    fields = _core_token_fields(pad_token_id, ignore_index, vocab_size)
+    fields = core_token_fields(pad_token_id, ignore_index, vocab_size)
     if topk is not None:
         fields += topk_fields(topk, vocab_size)
     return BatchSchema(name="causal_lm" if topk is None else "causal_lm_topk", fields=fields, ignore_index=ignore_index)
@@ -267,7 +267,7 @@ def rl_schema(*, pad_token_id: int = 0, ignore_index: int = IGNORE_INDEX) -> Bat
         FieldSpec(name=n, dtypes=("float32",), pad_value=0.0, required=n != "ref_log_probs")
         for n in ("old_log_probs", "ref_log_probs", "advantages")
     )
-    fields = (*_core_token_fields(pad_token_id, ignore_index), *per_token,
+    fields = (*core_token_fields(pad_token_id, ignore_index), *per_token,
               FieldSpec(name="response_mask", dtypes=("bool",), pad_value=False),
               FieldSpec(name="rewards", role=Role.SEQUENCE, dtypes=("float32",), required=False))
     return BatchSchema(name="rl", fields=fields, ignore_index=ignore_index)

@@ -28,7 +28,7 @@ import torch
 
 from .errors import BatchValidationError, SchemaError
 from .layout import ParallelLayout
-from .schema import IGNORE_INDEX, BatchSchema, FieldSpec, Role, _core_token_fields, topk_fields
+from .schema import IGNORE_INDEX, BatchSchema, FieldSpec, Role, core_token_fields, topk_fields
 from .validate import Violation, validate_batch
 
 TEXT_TOKEN_TYPE = 0
@@ -79,7 +79,7 @@ def vlm_schema(*, pad_token_id: int = 0, topk: int | str | None = None, vocab_si
     """Causal-LM fields + ``mm_token_type_ids``, ``mrope_position_ids``, ``pixel_values``,
     ``image_grid_thw`` (+ teacher top-k fields when ``topk`` is given, as in ``causal_lm_schema``).
     """
-    fields = (*_core_token_fields(pad_token_id, ignore_index, vocab_size), *vlm_fields(pixel_dtypes=pixel_dtypes,
+    fields = (*core_token_fields(pad_token_id, ignore_index, vocab_size), *vlm_fields(pixel_dtypes=pixel_dtypes,
                                                                               patch_dim=patch_dim))
     if topk is not None:
         fields += topk_fields(topk, vocab_size)

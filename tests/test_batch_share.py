@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from prealign.collate import THDCollator
 from prealign.collate.mrope import MRoPECollator
 from prealign.loaders import BatchShare, IndexOptions, PackedLoader, PlanError, WebDatasetSource
-from prealign.loaders.batch_share import CPShard
+from prealign.loaders.handoff.batch_share import CPShard
 from prealign.schemas import CPLayout, ParallelLayout, causal_lm_schema
 from prealign.schemas.errors import ConfigError, PrealignError
 from tests.conftest import TOPK, examples, make_samples, schema_for
@@ -75,7 +75,7 @@ def data(tmp_path_factory):
     from prealign.loaders import build_index
     from prealign.loaders.cli.demo_data import build_demo_dataset
     from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
-    from prealign.loaders.vlm import VLMSampleTransform
+    from prealign.loaders.media.vlm import VLMSampleTransform
     from prealign.schemas import vlm_schema
 
     d = tmp_path_factory.mktemp("batch_share")
@@ -258,7 +258,7 @@ def rank_main(shards, index_path, out, *, cp_rank, cache, kill_after=-1, timeout
 
     from prealign.loaders import SampleIndex, WorkerError
     from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
-    from prealign.loaders.vlm import VLMSampleTransform
+    from prealign.loaders.media.vlm import VLMSampleTransform
     from prealign.schemas import vlm_schema
 
     torch.set_num_threads(1)
@@ -319,7 +319,7 @@ def test_cp2_processes_with_a_killed_worker_resume_exactly(data, tmp_path):
 def test_a_rank_reading_its_own_result_leaves_it_for_the_peer(tmp_path):
     """A rank whose second request meets its own published result (its worker after its index pass) reads
     it without freeing it: the peer still finds it, and the last rank to read cleans up."""
-    from prealign.loaders.share_cache import CLAIMED, HIT, SharedFolder
+    from prealign.loaders.handoff.share_folder import CLAIMED, HIT, SharedFolder
 
     own, again, peer = (SharedFolder(str(tmp_path / "f"), rank, 2) for rank in (0, 0, 1))
     assert own.acquire("k")[0] == CLAIMED and own.publish("k", {"a": torch.arange(3)})
@@ -388,7 +388,7 @@ def test_another_source_or_transform_never_reads_the_records(data, tmp_path, dif
     files) publishes its own records instead of reading the first one's, and its batches are its unshared
     loader's (with another transform, they differ from the first loader's)."""
     from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
-    from prealign.loaders.vlm import VLMSampleTransform
+    from prealign.loaders.media.vlm import VLMSampleTransform
 
     share = BatchShare(run="t", cache_dir=str(tmp_path / "cache"))
 
@@ -418,7 +418,7 @@ def test_another_source_or_transform_never_reads_the_records(data, tmp_path, dif
 def test_a_peer_reading_right_after_the_rename_frees_the_record(tmp_path, monkeypatch):
     """The peer (cp_size=2) reads the record the moment it appears: it must find the claimer's marker
     and delete every file of the key (else they would linger until ttl)."""
-    from prealign.loaders.share_cache import CLAIMED, HIT, SharedFolder
+    from prealign.loaders.handoff.share_folder import CLAIMED, HIT, SharedFolder
 
     d = str(tmp_path / "f")
     claimer, peer = SharedFolder(d, 0, 2), SharedFolder(d, 1, 2)
@@ -471,7 +471,7 @@ def _dead_pid() -> int:
 
 
 def _dead_claim(d: str, key: str) -> None:
-    from prealign.loaders.share_cache import private_dir
+    from prealign.loaders.handoff.share_folder import private_dir
 
     private_dir(d)
     with open(os.path.join(d, key + ".claim"), "w") as f:
@@ -483,8 +483,8 @@ def test_a_dead_claim_is_retaken_by_one_waiter(tmp_path, monkeypatch):
     the other loads for itself; waiter C, coming after, waits for the claimer's record and reads it."""
     import threading
 
-    from prealign.loaders import share_cache
-    from prealign.loaders.share_cache import CLAIMED, HIT, LOCAL, SharedFolder
+    from prealign.loaders.handoff import share_folder as share_cache
+    from prealign.loaders.handoff.share_folder import CLAIMED, HIT, LOCAL, SharedFolder
 
     d = str(tmp_path / "f")
     _dead_claim(d, "k")
@@ -518,8 +518,8 @@ def test_two_waiters_that_found_the_claimer_dead_claim_once(tmp_path, monkeypatc
     A is retaking: exactly one claims (A), B loads for itself instead of claiming too."""
     import threading
 
-    from prealign.loaders import share_cache
-    from prealign.loaders.share_cache import CLAIMED, LOCAL, SharedFolder
+    from prealign.loaders.handoff import share_folder as share_cache
+    from prealign.loaders.handoff.share_folder import CLAIMED, LOCAL, SharedFolder
 
     d = str(tmp_path / "f")
     _dead_claim(d, "k")
@@ -563,8 +563,8 @@ def test_two_waiters_that_found_the_claimer_dead_claim_once(tmp_path, monkeypatc
 
 def test_a_retaken_claim_is_not_retaken_again(tmp_path, monkeypatch):
     """Waiter B sees the dead claimer; before B retakes, waiter A retakes: B must not claim as well."""
-    from prealign.loaders import share_cache
-    from prealign.loaders.share_cache import CLAIMED, SharedFolder
+    from prealign.loaders.handoff import share_folder as share_cache
+    from prealign.loaders.handoff.share_folder import CLAIMED, SharedFolder
 
     d = str(tmp_path / "f")
     _dead_claim(d, "k")
@@ -585,7 +585,7 @@ def test_a_retaken_claim_is_not_retaken_again(tmp_path, monkeypatch):
 
 # 6. malformed records are ShareRecordError, nothing else
 def _record(tensors: dict, payload: bytes = b"\0" * 64, *, header: bytes | None = None) -> bytearray:
-    from prealign.loaders.share_cache import _MAGIC
+    from prealign.loaders.handoff.share_folder import _MAGIC
 
     head = json.dumps({"tensors": tensors, "values": {}}).encode() if header is None else header
     return bytearray(_MAGIC + len(head).to_bytes(4, "little") + head + payload)
@@ -603,7 +603,8 @@ MALFORMED = {
 
 @pytest.mark.parametrize("case", [*MALFORMED, "nested 100k deep"])
 def test_malformed_records_are_share_record_errors(case):
-    from prealign.loaders.share_cache import ShareRecordError, decode_record
+    from prealign.loaders.errors import ShareRecordError
+    from prealign.loaders.handoff.share_folder import decode_record
 
     if case == "nested 100k deep":
         buf = _record({}, header=b'{"tensors": ' + b"[" * 100_000 + b"]" * 100_000 + b', "values": {}}')
@@ -615,7 +616,7 @@ def test_malformed_records_are_share_record_errors(case):
 
 def test_a_well_formed_record_decodes():
     """The golden case next to the refusals: the same header shape, consistent, decodes."""
-    from prealign.loaders.share_cache import decode_record
+    from prealign.loaders.handoff.share_folder import decode_record
 
     rec = decode_record(_record({"a": ["<f4", [2], 4, 8], "b": ["int8", [0, 3], 0, 0]},
                                 b"\0" * 4 + torch.tensor([1.5, -2.0]).numpy().tobytes()))
@@ -633,7 +634,8 @@ _DIMS = st.one_of(st.integers(-2, 6), st.sampled_from([2 ** 31, 2 ** 32, 2 ** 40
 def test_any_header_decodes_or_is_a_share_record_error(dtype, shape, offset, nbytes):
     """Whatever a header says, decode_record returns tensors inside the buffer or raises ShareRecordError.
     (Shapes with a 0 whose other dims overflow int64 have their own test below.)"""
-    from prealign.loaders.share_cache import ShareRecordError, decode_record
+    from prealign.loaders.errors import ShareRecordError
+    from prealign.loaders.handoff.share_folder import decode_record
 
     assume(not _empty_but_huge(shape))
     buf = _record({"a": [dtype, shape, offset, nbytes]})
@@ -654,7 +656,8 @@ def _empty_but_huge(shape) -> bool:
 
 @pytest.mark.parametrize("shape", [[2 ** 31, 2 ** 40, 0], [0, 2 ** 63]])
 def test_an_empty_shape_with_huge_dims_is_refused(shape):
-    from prealign.loaders.share_cache import ShareRecordError, decode_record
+    from prealign.loaders.errors import ShareRecordError
+    from prealign.loaders.handoff.share_folder import decode_record
 
     assert _empty_but_huge(shape)
     with pytest.raises(ShareRecordError):
@@ -664,14 +667,16 @@ def test_an_empty_shape_with_huge_dims_is_refused(shape):
 def test_a_longdouble_record_is_refused():
     import numpy as np
 
-    from prealign.loaders.share_cache import ShareRecordError, decode_record
+    from prealign.loaders.errors import ShareRecordError
+    from prealign.loaders.handoff.share_folder import decode_record
 
     with pytest.raises(ShareRecordError):
         decode_record(_record({"a": ["longdouble", [1], 0, np.dtype("longdouble").itemsize]}))
 
 
 def test_an_infinite_dim_is_refused():
-    from prealign.loaders.share_cache import ShareRecordError, decode_record
+    from prealign.loaders.errors import ShareRecordError
+    from prealign.loaders.handoff.share_folder import decode_record
 
     with pytest.raises(ShareRecordError):
         decode_record(_record({}, header=b'{"tensors": {"a": ["int8", [Infinity], 0, 1]}, "values": {}}'))
@@ -680,7 +685,7 @@ def test_an_infinite_dim_is_refused():
 def test_a_zombie_claimer_is_dead():
     """A SIGKILLed worker stays a zombie until its parent reaps it (a busy parent may take long): its claim
     is taken over at once, not after the claim timeout."""
-    from prealign.loaders.share_cache import _alive
+    from prealign.loaders.handoff.share_folder import _alive
 
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:

@@ -7,9 +7,21 @@ from hypothesis import given
 
 from prealign.collate import BSHDCollator, unpack_bshd, unshard_bshd
 from prealign.schemas import PadPolicy, ParallelLayout, causal_lm_schema, validate_batch
-from tests.conftest import (SAMPLE_FIELDS, TOPK, assert_fields_equal, assert_labels_stay_in_sequence,
-                            brute_force_bshd_length, collate_case, collate_case_batches, collate_ranks, examples,
-                            make_samples, reference_bshd, schema_for, to_nested)
+from tests.conftest import (
+    SAMPLE_FIELDS,
+    TOPK,
+    assert_fields_equal,
+    assert_labels_stay_in_sequence,
+    brute_force_bshd_length,
+    collate_case,
+    collate_case_batches,
+    collate_ranks,
+    examples,
+    make_samples,
+    reference_bshd,
+    schema_for,
+    to_nested,
+)
 
 
 @given(case=collate_case(bshd=True))

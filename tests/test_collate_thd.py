@@ -5,16 +5,39 @@ from __future__ import annotations
 import pickle
 
 import pytest
-import prealign.collate.assemble
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+import prealign.collate.assemble
 from prealign.collate import BSHDCollator, THDCollator, unpack_thd, unshard_cp
-from prealign.schemas import ArgumentError, CPLayout, PadPolicy, ParallelLayout, causal_lm_schema, rl_schema, validate_batch
-from tests.conftest import (SAMPLE_FIELDS, TOPK, assert_fields_equal, assert_labels_stay_in_sequence, brute_force_total,
-                            collate_case, collate_case_batches, collate_ranks, examples, lengths_st, local_ok,
-                            make_samples, reference_thd, required_seq_multiple, schema_for, to_nested)
+from prealign.schemas import (
+    ArgumentError,
+    CPLayout,
+    PadPolicy,
+    ParallelLayout,
+    causal_lm_schema,
+    rl_schema,
+    validate_batch,
+)
+from tests.conftest import (
+    SAMPLE_FIELDS,
+    TOPK,
+    assert_fields_equal,
+    assert_labels_stay_in_sequence,
+    brute_force_total,
+    collate_case,
+    collate_case_batches,
+    collate_ranks,
+    examples,
+    lengths_st,
+    local_ok,
+    make_samples,
+    reference_thd,
+    required_seq_multiple,
+    schema_for,
+    to_nested,
+)
 
 
 @given(case=collate_case())

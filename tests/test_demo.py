@@ -13,7 +13,7 @@ import torch
 from prealign.loaders.cli import main
 from prealign.loaders.cli.demo_data import build_demo_dataset
 from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
-from prealign.loaders.vlm import VLMSampleTransform
+from prealign.loaders.media.vlm import VLMSampleTransform
 
 pytest.importorskip("transformers")
 

@@ -4,8 +4,17 @@ import pytest
 import torch
 
 from prealign.collate import BSHDCollator, THDCollator, to_packed_seq_params, unshard_cp
-from prealign.schemas import (ArgumentError, ConfigError, FieldSpec, ParallelLayout, SampleError, SchemaError, causal_lm_schema, topk_fields,
-                     validate_batch)
+from prealign.schemas import (
+    ArgumentError,
+    ConfigError,
+    FieldSpec,
+    ParallelLayout,
+    SampleError,
+    SchemaError,
+    causal_lm_schema,
+    topk_fields,
+    validate_batch,
+)
 
 SCHEMA = causal_lm_schema()
 
@@ -51,8 +60,9 @@ def test_the_batch_carries_its_cp_layout_to_the_inverse_and_packed_seq_params():
     with pytest.raises(ArgumentError, match="not cut zigzag"):  # defaulting to zigzag would scramble them
         unshard_cp(ids, cu_seqlens_padded=cu)
     assert unshard_cp(ids, cu_seqlens_padded=cu, cp_layout=shards[0]["cp_layout"]).tolist() == [list(range(1, 9))]
-    from megatron.core.packed_seq_params import PackedSeqParams
     import dataclasses
+
+    from megatron.core.packed_seq_params import PackedSeqParams
 
     if "cp_partition_mode" not in {f.name for f in dataclasses.fields(PackedSeqParams)}:
         with pytest.raises(ArgumentError, match="contiguous"):  # never silently treated as zigzag

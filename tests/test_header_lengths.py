@@ -10,13 +10,19 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prealign.loaders.header_lengths import (HeaderError, Qwen2VLGeometry, image_header_size, npy_header,
-                                             qwen2vl_grid, tokens_of_grid)
+from prealign.loaders.sources.header_lengths import (
+    HeaderError,
+    Qwen2VLGeometry,
+    image_header_size,
+    npy_header,
+    qwen2vl_grid,
+    tokens_of_grid,
+)
 
 transformers = pytest.importorskip("transformers")
 from PIL import Image  # noqa: E402
 
-from prealign.loaders.vlm import image_processor  # noqa: E402
+from prealign.loaders.media.vlm import image_processor  # noqa: E402
 
 
 def _npy(arr) -> bytes:
@@ -98,7 +104,7 @@ def test_grid_property_against_transformers_arithmetic(h, w):
 def test_every_demo_image_header_gives_the_transform_grid(tmp_path):
     from prealign.loaders.cli.demo_data import build_demo_dataset
     from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
-    from prealign.loaders.vlm import VLMSampleTransform
+    from prealign.loaders.media.vlm import VLMSampleTransform
 
     ds = build_demo_dataset(str(tmp_path), num_samples=60, samples_per_shard=30, topk=2, bad=())
     transform = VLMSampleTransform(tokenizer=ByteTokenizer(), topk=2)

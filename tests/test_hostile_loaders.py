@@ -20,13 +20,20 @@ import pytest
 import torch
 
 from prealign.loaders import BadDataPolicy, HFSource, PackedLoader, SampleIndex, WebDatasetSource, build_index
+from prealign.loaders.errors import (
+    BadSampleError,
+    CorruptShardError,
+    IndexFileError,
+    MissingShardError,
+    PlanError,
+    ResumeError,
+    ShardTimeoutError,
+)
+from prealign.loaders.media.vlm import MediaError, decode_image
 from prealign.loaders.options import IndexOptions
-from prealign.loaders.errors import (BadSampleError, CorruptShardError, IndexFileError, MissingShardError, PlanError,
-                                     ResumeError, ShardTimeoutError)
+from prealign.loaders.sources.tar_decode import DecodeLimits, decode_member
+from prealign.loaders.sources.tar_reader import TarFormatError, iter_members
 from prealign.loaders.state import LoaderState
-from prealign.loaders.tar_decode import DecodeLimits, decode_member
-from prealign.loaders.tar_reader import TarFormatError, iter_members
-from prealign.loaders.vlm import MediaError, decode_image
 from prealign.schemas import ParallelLayout, causal_lm_schema
 from prealign.schemas.errors import ConfigError, PrealignError
 from tests.loader_helpers import _npy, add_member, hf_rows, sample_lengths, token_ids, write_shards

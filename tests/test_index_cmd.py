@@ -6,7 +6,7 @@ import os
 
 from prealign.loaders import WebDatasetSource, build_index
 from prealign.loaders.cli.main import main
-from prealign.loaders.sidecar import SUFFIX
+from prealign.loaders.sources.shard_files import SUFFIX
 from prealign.schemas.schema import causal_lm_schema
 
 from .loader_helpers import sample_lengths, write_shards

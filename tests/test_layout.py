@@ -8,11 +8,27 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from prealign.schemas import (BucketOverflowError, CPLayout, FP8Recipe, LayoutError, PadPolicy, ParallelLayout, PrealignError,
-                     round_up)
+from prealign.schemas import (
+    BucketOverflowError,
+    CPLayout,
+    FP8Recipe,
+    LayoutError,
+    PadPolicy,
+    ParallelLayout,
+    PrealignError,
+    round_up,
+)
 from prealign.schemas.layout import round_up_array
-from tests.conftest import (brute_force_bshd_length, brute_force_total, examples, layout_st, lengths_st, local_ok,
-                            naive_round_up, required_seq_multiple)
+from tests.conftest import (
+    brute_force_bshd_length,
+    brute_force_total,
+    examples,
+    layout_st,
+    lengths_st,
+    local_ok,
+    naive_round_up,
+    required_seq_multiple,
+)
 
 
 # ---- round_up ---------------------------------------------------------------------------------------

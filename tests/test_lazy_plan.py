@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import datasets
 import numpy as np
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from prealign.loaders import HFSource, PackedLoader, PlannerConfig, WebDatasetSource
 from prealign.loaders.conformance import assert_resumes_exactly
-from prealign.loaders.schedule import _window_shuffle
+from prealign.loaders.plan.schedule import _window_shuffle
 from prealign.schemas import ParallelLayout
 from prealign.schemas.schema import causal_lm_schema
 
@@ -108,7 +109,7 @@ def test_the_tail_spreads_like_one_pass_when_the_pass_ends_early():
 
 
 def test_a_loader_keeps_no_planned_epoch_it_left(tmp_path):
-    from prealign.loaders.planner import Screening
+    from prealign.loaders.plan.planner import Screening
 
     loader = _loader(WebDatasetSource(write_shards(str(tmp_path), sample_lengths(900), num_shards=3)))
     list(loader)

@@ -9,10 +9,22 @@ import pytest
 import torch
 
 from prealign.collate import unshard_cp
-from prealign.loaders import (BadDataPolicy, BadSampleError, BadSampleWarning, HFSource, IndexOptions, LoadingOptions,
-                     PackedLoader, PlanError, PlannerConfig, ShuffleOptions, WebDatasetSource, build_index)
-from prealign.schemas import ParallelLayout, causal_lm_schema, validate_batch
+from prealign.loaders import (
+    BadDataPolicy,
+    BadSampleError,
+    BadSampleWarning,
+    HFSource,
+    IndexOptions,
+    LoadingOptions,
+    PackedLoader,
+    PlanError,
+    PlannerConfig,
+    ShuffleOptions,
+    WebDatasetSource,
+    build_index,
+)
 from prealign.loaders.errors import LoaderUsageError
+from prealign.schemas import ParallelLayout, causal_lm_schema, validate_batch
 from prealign.schemas.errors import SampleError
 from tests.loader_helpers import hf_rows, sample_lengths, token_ids, write_shards
 
@@ -305,7 +317,7 @@ class _SlowInWorkers:
 
         from torch.utils.data import get_worker_info
 
-        from prealign.loaders.webdataset_source import numpy_fields
+        from prealign.loaders.sources.webdataset import numpy_fields
 
         if self.flag is not None and os.path.exists(self.flag):
             raise ValueError("the data changed")

@@ -8,8 +8,8 @@ import dataclasses
 import pytest
 import torch
 
-from prealign.loaders import (IndexOptions, LoadingOptions, PackedLoader, PlanError, ShuffleOptions, build_index)
-from prealign.loaders.sources import HFSource
+from prealign.loaders import IndexOptions, LoadingOptions, PackedLoader, PlanError, ShuffleOptions, build_index
+from prealign.loaders.sources.source import HFSource
 from prealign.schemas import ConfigError, ParallelLayout, causal_lm_schema
 
 datasets = pytest.importorskip("datasets")
@@ -88,4 +88,4 @@ def test_options_are_frozen_and_keyword_only():
     with pytest.raises(dataclasses.FrozenInstanceError):
         opts.timeout = 5
     with pytest.raises(TypeError):
-        ShuffleOptions(False)  # noqa: the flag must be named
+        ShuffleOptions(False)  # positional: the flag must be named

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from prealign.loaders.media_share import SharedMediaTransform, decode_sample, encode_sample
+from prealign.loaders.handoff.media_share import SharedMediaTransform, decode_sample, encode_sample
 from prealign.schemas.errors import ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -50,7 +50,7 @@ def rank_main(shards: list[str], out: str, *, cp_rank: int, cp_size: int, share:
 
     from prealign.loaders import BadDataPolicy, IndexOptions, PackedLoader, WebDatasetSource, WorkerError
     from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
-    from prealign.loaders.vlm import VLMSampleTransform
+    from prealign.loaders.media.vlm import VLMSampleTransform
     from prealign.schemas import ParallelLayout, vlm_schema
 
     torch.set_num_threads(1)  # as in DataLoader workers: no intra-op threads spinning on a shared machine
@@ -258,7 +258,7 @@ def test_a_malformed_or_planted_result_is_never_served(tmp_path):
     os.makedirs(mine.directory, mode=0o700)
     victim = tmp_path / "victim"
     victim.write_text("keep me")
-    from prealign.loaders.share_cache import _me
+    from prealign.loaders.handoff.share_folder import _me
 
     os.symlink(victim, os.path.join(mine.directory, f"{mine.key(raw)}.{_me()}.tmp"))  # the name it writes to
     assert torch.equal(mine(raw)["input_ids"], torch.tensor([6, 8]))

@@ -25,7 +25,7 @@ def _worker(rank: int, world: int, port: int, results) -> None:
 
     from prealign.collate import THDCollator
     from prealign.schemas import ParallelLayout, causal_lm_schema, validate_batch
-    from prealign.schemas.distributed import megatron_parallel_sizes
+    from prealign.schemas.parallel_state import megatron_parallel_sizes
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=__import__("datetime").timedelta(seconds=60))

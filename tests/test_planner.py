@@ -5,12 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from prealign.collate import THDCollator
-from prealign.loaders import (OversizeSampleError, PlanError, PlannerConfig, microbatch_capacity, plan_microbatches)
-from prealign.loaders.planner import ChunkedPlan
-from prealign.loaders.packing import next_fit, spread, stream_fit
+from prealign.loaders import OversizeSampleError, PlanError, PlannerConfig, microbatch_capacity, plan_microbatches
+from prealign.loaders.plan.packing import next_fit, spread, stream_fit
+from prealign.loaders.plan.planner import ChunkedPlan
 from prealign.schemas import FP8Recipe, PadPolicy, ParallelLayout, causal_lm_schema
 
 LAYOUTS = [ParallelLayout(), ParallelLayout(tp=2), ParallelLayout(cp=2), ParallelLayout(tp=2, cp=2),
@@ -218,7 +219,7 @@ def test_chunked_plan_packs_like_one_pass(lengths, dp, k, strategy, buffer, chun
 
 
 def test_chunk_bounds_golden():
-    from prealign.loaders.planner import chunk_bounds
+    from prealign.loaders.plan.planner import chunk_bounds
 
     assert chunk_bounds(100, 30) == [0, 30, 60, 100]  # a remainder of 10 (< 15) joins the last chunk
     assert chunk_bounds(110, 30) == [0, 30, 60, 90, 110]

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from prealign.loaders import PackedLoader, ShuffleOptions, WebDatasetSource
-from prealign.loaders.cheap_index import write_sidecars
 from prealign.loaders.errors import ChangedShardError, MissingShardError
-from prealign.loaders.remote import RemoteOptions, RemoteStallError, read_range
+from prealign.loaders.index.header_pass import write_sidecars
+from prealign.loaders.sources.remote import RemoteOptions, RemoteStallError, read_range
 from prealign.schemas import ParallelLayout
 from prealign.schemas.schema import causal_lm_schema
 

@@ -7,8 +7,15 @@ import json
 import datasets
 import pytest
 
-from prealign.loaders import (HFSource, IndexOptions, PackedLoader, PlannerConfig, ResumeError, WebDatasetSource,
-                              build_index)
+from prealign.loaders import (
+    HFSource,
+    IndexOptions,
+    PackedLoader,
+    PlannerConfig,
+    ResumeError,
+    WebDatasetSource,
+    build_index,
+)
 from prealign.loaders.conformance import ResumeConformanceError, assert_resumes_exactly, batches_equal
 from prealign.schemas import ParallelLayout, causal_lm_schema, rl_schema
 from tests.loader_helpers import hf_rows, sample_lengths, write_shards

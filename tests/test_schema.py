@@ -10,8 +10,17 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from prealign.schemas import (BatchSchema, FieldSpec, ParallelLayout, Role, SchemaError, Source, causal_lm_schema, rl_schema,
-                     topk_fields)
+from prealign.schemas import (
+    BatchSchema,
+    FieldSpec,
+    ParallelLayout,
+    Role,
+    SchemaError,
+    Source,
+    causal_lm_schema,
+    rl_schema,
+    topk_fields,
+)
 from prealign.schemas.distributed import layout_fingerprint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

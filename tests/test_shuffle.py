@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from prealign.loaders import HFSource, PackedLoader, WebDatasetSource
-from prealign.loaders.schedule import step_order
+from prealign.loaders.plan.schedule import step_order
 from prealign.schemas import ParallelLayout
 from prealign.schemas.schema import causal_lm_schema
 

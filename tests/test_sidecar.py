@@ -9,11 +9,19 @@ import shutil
 import numpy as np
 import pytest
 
-from prealign.loaders import BadDataPolicy, IndexOptions, PackedLoader, SampleIndex, SourceChangedError, WebDatasetSource, build_index
-from prealign.loaders.cheap_index import header_index_shard, write_sidecars
+from prealign.loaders import (
+    BadDataPolicy,
+    IndexOptions,
+    PackedLoader,
+    SourceChangedError,
+    WebDatasetSource,
+    build_index,
+)
 from prealign.loaders.errors import ChangedShardError, ExtraShardError, MissingShardError, StaleIndexError
-from prealign.loaders.index import index_shard
-from prealign.loaders.sidecar import SUFFIX, parse_sidecar, sidecar_path
+from prealign.loaders.index.build import index_shard
+from prealign.loaders.index.header_pass import header_index_shard, write_sidecars
+from prealign.loaders.index.sidecar import parse_sidecar
+from prealign.loaders.sources.shard_files import SUFFIX, sidecar_path
 from prealign.schemas import ParallelLayout
 from prealign.schemas.errors import ConfigError, SampleError
 from prealign.schemas.schema import causal_lm_schema
@@ -198,7 +206,7 @@ def test_byte_changed_in_place_is_source_changed(tmp_path):
 def test_vlm_header_index_equals_the_full_pass_on_the_demo_set(tmp_path):
     from prealign.loaders.cli.demo_data import build_demo_dataset
     from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
-    from prealign.loaders.vlm import VLMSampleTransform
+    from prealign.loaders.media.vlm import VLMSampleTransform
     from prealign.schemas.vlm import vlm_schema
 
     ds = build_demo_dataset(str(tmp_path), num_samples=90, samples_per_shard=30, topk=4)
@@ -261,7 +269,7 @@ def test_vlm_header_only_index_finds_corrupt_pixels_at_load_time(tmp_path):
     pass, and is then left out and counted (``corrupt_image``) when loaded under the skip policy."""
     from prealign.loaders.cli.demo_data import build_demo_dataset
     from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
-    from prealign.loaders.vlm import VLMSampleTransform
+    from prealign.loaders.media.vlm import VLMSampleTransform
     from prealign.schemas.vlm import vlm_schema
 
     ds = build_demo_dataset(str(tmp_path), num_samples=90, samples_per_shard=30, topk=4)
@@ -302,9 +310,9 @@ def test_the_sidecar_key_looks_through_shared_media_and_reads_index_key():
     """Wrapping the transform for CP sharing changes no length: the same key (and the header rule);
     a custom transform's ``index_key()`` separates configurations that change lengths."""
     from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
-    from prealign.loaders.media_share import SharedMediaTransform
-    from prealign.loaders.sidecar import describe_transform
-    from prealign.loaders.vlm import VLMSampleTransform
+    from prealign.loaders.handoff.media_share import SharedMediaTransform
+    from prealign.loaders.index.sidecar import describe_transform
+    from prealign.loaders.media.vlm import VLMSampleTransform
 
     bare = VLMSampleTransform(tokenizer=ByteTokenizer(), topk=4)
     shared = SharedMediaTransform(transform=bare, run="r", cp_rank=0, cp_size=2)
@@ -327,7 +335,7 @@ def test_the_sidecar_key_looks_through_shared_media_and_reads_index_key():
 
 
 def test_sidecar_fast_reader_equals_numpy_and_takes_compressed_sidecars(tmp_path):
-    from prealign.loaders.sidecar import _read_npz
+    from prealign.loaders.index.sidecar import _read_npz
 
     paths = write_shards(str(tmp_path), sample_lengths(50), num_shards=1)
     write_sidecars(WebDatasetSource(paths), SCHEMA)

@@ -1,4 +1,4 @@
-"""Recycled shared-memory slots (loaders/slots.py): the worker -> main hand-off of packed batches."""
+"""Recycled shared-memory slots (loaders/handoff/slots.py): the worker -> main hand-off of packed batches."""
 from __future__ import annotations
 
 import gc
@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from prealign.loaders import slots
-from prealign.loaders.transport import PackedBatch, pack_batch, unpack_batch
+from prealign.loaders.handoff import slots
+from prealign.loaders.handoff.transport import PackedBatch, pack_batch, unpack_batch
 
 pytestmark = pytest.mark.skipif(not slots.available(), reason="slots need memfd_create (Linux)")
 
@@ -134,7 +134,7 @@ def _named_pool(directory):
 
 
 def _publish(folder, pool, key, values):
-    from prealign.loaders.share_cache import encode_record
+    from prealign.loaders.handoff.share_folder import encode_record
 
     parts = encode_record({"x": torch.tensor(values)})
     nbytes = sum(memoryview(p).nbytes for p in parts)
@@ -147,7 +147,7 @@ def _publish(folder, pool, key, values):
 
 
 def test_a_published_slot_is_read_by_fd_and_reused_only_after_every_rank_let_go(tmp_path):
-    from prealign.loaders.share_cache import HIT, SharedFolder, decode_record
+    from prealign.loaders.handoff.share_folder import HIT, SharedFolder, decode_record
 
     d = str(tmp_path / "f")
     claimer, reader = SharedFolder(d, 0, 2), SharedFolder(d, 1, 2)
@@ -174,7 +174,7 @@ def test_a_published_slot_is_read_by_fd_and_reused_only_after_every_rank_let_go(
 def test_a_slot_a_late_reader_took_hold_of_is_given_up_not_overwritten(tmp_path, monkeypatch):
     """A reader that opened the old name sets its flag before reading the key: if it did so while the pool
     was taking the slot for reuse, the pool leaves that slot to the reader and makes a new one."""
-    from prealign.loaders.share_cache import SharedFolder
+    from prealign.loaders.handoff.share_folder import SharedFolder
 
     d = str(tmp_path / "f")
     folder = SharedFolder(d, 0, 1)
@@ -200,7 +200,7 @@ def test_a_slot_a_late_reader_took_hold_of_is_given_up_not_overwritten(tmp_path,
 
 def test_a_stale_published_name_of_another_record_is_left_alone(tmp_path):
     """Reusing a slot removes its old published name only while that name is still this slot's file."""
-    from prealign.loaders.share_cache import SharedFolder
+    from prealign.loaders.handoff.share_folder import SharedFolder
 
     d = str(tmp_path / "f")
     folder = SharedFolder(d, 0, 1)
@@ -221,7 +221,7 @@ def test_a_rank_asking_again_for_a_record_it_maps_gets_a_copy(tmp_path):
     """One holder flag per rank: a second request of the same key by a rank that already has it (the
     claimer's own batch, a new iterator re-asking prefetched positions) is served as a copy, so dropping
     one of the two never frees the slot under the other."""
-    from prealign.loaders.share_cache import HIT, SharedFolder, decode_record
+    from prealign.loaders.handoff.share_folder import HIT, SharedFolder, decode_record
 
     d = str(tmp_path / "f")
     r0, r1 = SharedFolder(d, 0, 2), SharedFolder(d, 1, 2)
@@ -276,7 +276,7 @@ def test_a_forked_child_dropping_its_copy_keeps_the_parents_hold():
 
 
 def test_an_error_building_a_received_batch_is_carried_not_raised_in_the_queue():
-    from prealign.loaders.workers import Carried
+    from prealign.loaders.serve.workers import Carried
 
     pool = slots.SlotPool()
     slot = pool.take(8)
@@ -295,7 +295,7 @@ def _broken(buffer):
 def test_a_slot_is_published_again_after_its_last_name_went(tmp_path):
     """The readers remove a record's name once all have it; the claimer then reuses the slot for the next
     record and publishes it again (the bug an O_TMPFILE slot had: it can be linked only once)."""
-    from prealign.loaders.share_cache import HIT, SharedFolder
+    from prealign.loaders.handoff.share_folder import HIT, SharedFolder
 
     d = str(tmp_path / "f")
     r0, r1 = SharedFolder(d, 0, 2), SharedFolder(d, 1, 2)
@@ -315,7 +315,7 @@ def test_a_slot_is_published_again_after_its_last_name_went(tmp_path):
 def test_the_sweep_removes_the_slots_of_a_dead_process_at_once(tmp_path):
     """A pooled slot is held with a lock by its process: the sweep removes those nobody holds (a killed
     worker's) at once and never one a live process holds, whatever the pid in its name says."""
-    from prealign.loaders.share_cache import SharedFolder
+    from prealign.loaders.handoff.share_folder import SharedFolder
 
     d = tmp_path / "f"
     d.mkdir(mode=0o700)
@@ -346,7 +346,7 @@ def test_a_slot_that_cannot_grow_stays_pooled(tmp_path, monkeypatch):
 def test_two_requests_of_one_rank_get_one_fd_and_one_private_copy(tmp_path):
     """Only a rank's first turn maps the slot (one holder flag per rank); any other request of that rank
     reads the record into private memory, which a later rewrite of the slot never reaches."""
-    from prealign.loaders.share_cache import HIT, SharedFolder
+    from prealign.loaders.handoff.share_folder import HIT, SharedFolder
 
     d = str(tmp_path / "f")
     r0, r1, r1b = SharedFolder(d, 0, 3), SharedFolder(d, 1, 3), SharedFolder(d, 1, 3)
@@ -364,7 +364,8 @@ def test_two_requests_of_one_rank_get_one_fd_and_one_private_copy(tmp_path):
 
 
 def test_record_orders_and_dtype_aliases_are_refused_or_served_never_raised():
-    from prealign.loaders.share_cache import ShareRecordError, decode_record, encode_record
+    from prealign.loaders.errors import ShareRecordError
+    from prealign.loaders.handoff.share_folder import decode_record, encode_record
 
     parts = encode_record({"a": torch.arange(3)})
     head = json.loads(bytes(parts[0][10:]))

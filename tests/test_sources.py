@@ -12,13 +12,23 @@ import numpy as np
 import pytest
 import torch
 
-from prealign.loaders import (BadDataPolicy, BadSampleError, BadSampleWarning, CorruptShardError, HFSource,
-                     MissingMemberError, SampleIndex, TooManyBadSamplesError, UnsafeMemberError, WebDatasetSource,
-                     build_index)
+from prealign.loaders import (
+    BadDataPolicy,
+    BadSampleError,
+    BadSampleWarning,
+    CorruptShardError,
+    HFSource,
+    MissingMemberError,
+    SampleIndex,
+    TooManyBadSamplesError,
+    UnsafeMemberError,
+    WebDatasetSource,
+    build_index,
+)
 from prealign.loaders.errors import MissingShardError
-from prealign.loaders.tar_decode import decode_member, split_member_name
-from prealign.schemas.errors import ConfigError
+from prealign.loaders.sources.tar_decode import decode_member, split_member_name
 from prealign.schemas import causal_lm_schema
+from prealign.schemas.errors import ConfigError
 from tests.loader_helpers import add_member, hf_rows, sample_lengths, token_ids, write_shards
 
 SCHEMA = causal_lm_schema()
@@ -390,7 +400,7 @@ def test_pax_record_length_zero_does_not_hang(tmp_path):
     import sys
 
     path = _pax_tar(tmp_path, b"00")
-    code = ("import sys; from prealign.loaders.tar_reader import TarFormatError, iter_members\n"
+    code = ("import sys; from prealign.loaders.sources.tar_reader import TarFormatError, iter_members\n"
             "try:\n    list(iter_members(open(sys.argv[1], 'rb')))\n"
             "except TarFormatError as e:\n    print('TarFormatError', e)\n")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -421,8 +431,8 @@ def test_a_hung_stat_costs_one_timeout_and_a_path_stat_refuses_is_missing(tmp_pa
     import threading
     import time
 
-    from prealign.loaders import sidecar
     from prealign.loaders.errors import ShardTimeoutError
+    from prealign.loaders.index import sidecar
 
     good = write_shards(str(tmp_path), [4, 6, 8], num_shards=3)
     with pytest.raises(MissingShardError, match="1 of 4"):

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from prealign.collate import BSHDCollator, THDCollator, unpack_bshd, unpack_thd, unshard_bshd, unshard_cp
 from prealign.loaders.cli.demo_data import synthetic_teacher
-from prealign.loaders.teacher_topk import IDS, LOG_PROBS, encode_npy, teacher_topk
+from prealign.loaders.media.teacher_topk import IDS, LOG_PROBS, encode_npy, teacher_topk
 from prealign.schemas import CPLayout, ParallelLayout, SampleError, causal_lm_schema, round_up, validate_batch
 
 VOCAB, K = 264, 5

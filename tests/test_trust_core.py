@@ -13,10 +13,32 @@ import torch
 import prealign.collate.inverse
 import prealign.collate.thd
 import prealign.schemas.validate
-from prealign.collate import (BSHDCollator, THDCollator, lengths_to_cu_seqlens, to_packed_seq_params, unpack_bshd,
-                              unpack_thd, unshard_bshd, unshard_cp)
-from prealign.schemas import (ArgumentError, BatchSchema, ConfigError, FieldSpec, LayoutError, OffsetOverflowError, ParallelLayout,
-                              PrealignError, SampleError, SchemaError, causal_lm_schema, check_startup, rl_schema, validate_batch)
+from prealign.collate import (
+    BSHDCollator,
+    THDCollator,
+    lengths_to_cu_seqlens,
+    to_packed_seq_params,
+    unpack_bshd,
+    unpack_thd,
+    unshard_bshd,
+    unshard_cp,
+)
+from prealign.schemas import (
+    ArgumentError,
+    BatchSchema,
+    ConfigError,
+    FieldSpec,
+    LayoutError,
+    OffsetOverflowError,
+    ParallelLayout,
+    PrealignError,
+    SampleError,
+    SchemaError,
+    causal_lm_schema,
+    check_startup,
+    rl_schema,
+    validate_batch,
+)
 from tests.conftest import SCHEMA, collate_ranks, make_samples, to_nested
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 import json
-
 import pickle
 
 import numpy as np
@@ -14,7 +13,13 @@ import torch
 from prealign.collate import THDCollator, unpack_thd, unshard_cp
 from prealign.collate.mrope import MRoPECollator
 from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
-from prealign.loaders.vlm import MediaError, MediaProblem, VLMSampleTransform, check_vision_tokens, image_processor
+from prealign.loaders.media.vlm import (
+    MediaError,
+    MediaProblem,
+    VLMSampleTransform,
+    check_vision_tokens,
+    image_processor,
+)
 from prealign.schemas import BatchSchema, BatchValidationError, ParallelLayout, validate_vlm_batch, vlm_schema
 from prealign.schemas.vlm import media_violations
 
@@ -242,7 +247,7 @@ class _Samples:
     """An in-memory source of ready VLM sample dicts (no transform, no image decoding)."""
 
     def __new__(cls, samples: list[dict]):
-        from prealign.loaders.sources import Source
+        from prealign.loaders.sources.source import Source
 
         class ListSource(Source):
             num_shards = 1
@@ -285,8 +290,15 @@ def test_oversize_samples_with_media_are_skipped_not_truncated():
     carries images: a cut would split its image tokens from its pixel_values / image_grid_thw."""
     import dataclasses
 
-    from prealign.loaders import (BadSampleError, BadSampleWarning, IndexOptions, PackedLoader, PlannerConfig, build_index,
-                                  plan_microbatches)
+    from prealign.loaders import (
+        BadSampleError,
+        BadSampleWarning,
+        IndexOptions,
+        PackedLoader,
+        PlannerConfig,
+        build_index,
+        plan_microbatches,
+    )
     from prealign.loaders.loader import truncate_sample
 
     schema, layout = vlm_schema(topk=4, vocab_size=TOK.vocab_size), ParallelLayout(tp=2, cp=2)
@@ -356,7 +368,7 @@ def _tiny_hf_tokenizer():
 
 
 def test_a_hugging_face_tokenizer_drives_the_transform():
-    from prealign.loaders.chat_tokenizer import HFChatTokenizer
+    from prealign.loaders.media.chat_tokenizer import HFChatTokenizer
 
     hf = _tiny_hf_tokenizer()
     tok = HFChatTokenizer(hf)

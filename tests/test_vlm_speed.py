@@ -9,11 +9,18 @@ import json
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
-from prealign.loaders.vlm import (MediaError, VLMSampleTransform, expand_codes, image_codes, image_processor,
-                                  process_images)
+from prealign.loaders.media.vlm import (
+    MediaError,
+    VLMSampleTransform,
+    expand_codes,
+    image_codes,
+    image_processor,
+    process_images,
+)
 
 TOK = ByteTokenizer()
 
@@ -85,7 +92,6 @@ def test_demo_images_and_non_rgb_fallback(tmp_path):
 
 
 def _raw(key: str, sizes) -> dict:
-    from PIL import Image
 
     raw = {"__key__": key}
     names = []
@@ -140,7 +146,7 @@ def test_vision_types_and_mrope_equal_the_torch_functions(parts, merge):
     import dataclasses
 
     from prealign.collate.mrope import mrope_position_ids
-    from prealign.loaders.vlm import check_vision_tokens, vision_types_and_mrope
+    from prealign.loaders.media.vlm import check_vision_tokens, vision_types_and_mrope
 
     vision = dataclasses.replace(TOK.vision, spatial_merge_size=merge)
     ids, grids = [], []
@@ -169,7 +175,7 @@ def test_vision_types_and_mrope_equal_the_torch_functions(parts, merge):
 
 def test_vision_types_and_mrope_golden():
     """The collate/mrope.py docstring trace: x <v> I I I I I I </v> y, grid (1, 4, 6), merge 2."""
-    from prealign.loaders.vlm import vision_types_and_mrope
+    from prealign.loaders.media.vlm import vision_types_and_mrope
 
     v = TOK.vision
     ids = torch.tensor([100, v.vision_start_token_id, *[v.image_token_id] * 6, v.vision_end_token_id, 101])

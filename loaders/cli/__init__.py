@@ -2,6 +2,6 @@
 
 No library module imports this subpackage: it sits on top of ``prealign.loaders``.
 """
-from .main import main
+from prealign.loaders.cli.main import main
 
 __all__ = ["main"]

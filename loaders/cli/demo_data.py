@@ -14,7 +14,7 @@ Shard layout (one tar member per field, webdataset naming ``<key>.<field>``)::
       s000000.teacher_topk_log_probs.npy   float32 [L, K], sorted descending, finite, < 0
       s000000.teacher_topk_ids.npy         int64   [L, K], distinct per row, column 0 = next token
 
-``bad`` plants deliberately broken samples (one of each :class:`~prealign.loaders.vlm.MediaProblem` asked
+``bad`` plants deliberately broken samples (one of each :class:`~prealign.loaders.media.vlm.MediaProblem` asked
 for) so a loader's error policy can be seen to skip and count them.
 """
 from __future__ import annotations
@@ -27,10 +27,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .demo_tokenizer import ByteTokenizer
-from ..header_lengths import Qwen2VLGeometry, qwen2vl_grid, tokens_of_grid
-from ..teacher_topk import encode_npy
-from ..vlm import MediaProblem, image_processor, render_chat
+from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
+from prealign.loaders.media.teacher_topk import encode_npy
+from prealign.loaders.media.vlm import MediaProblem, image_processor, render_chat
+from prealign.loaders.sources.header_lengths import Qwen2VLGeometry, qwen2vl_grid, tokens_of_grid
 
 _WORDS = ("the a small large red blue green bright dark round square tall narrow old new quiet busy "
           "cat dog bird tree house river road window table cup book chart plot graph city field cloud "
@@ -50,7 +50,7 @@ class DemoDataset:
     num_samples: int
     """Samples written, bad ones included."""
     bad: dict
-    """Key of each planted bad sample -> its :class:`~prealign.loaders.vlm.MediaProblem` value."""
+    """Key of each planted bad sample -> its :class:`~prealign.loaders.media.vlm.MediaProblem` value."""
     topk: int
     vocab_size: int
 

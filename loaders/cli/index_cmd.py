@@ -38,11 +38,11 @@ def add_parser(sub) -> None:
 
 def source_and_schema(args):
     """(WebDatasetSource, schema) for ``args`` as ``prealign inspect`` builds them."""
+    from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
+    from prealign.loaders.media.vlm import VLMSampleTransform
+    from prealign.loaders.sources.webdataset import WebDatasetSource, numpy_fields
     from prealign.schemas.schema import causal_lm_schema
     from prealign.schemas.vlm import vlm_schema
-    from ..vlm import VLMSampleTransform
-    from ..webdataset_source import WebDatasetSource, numpy_fields
-    from .demo_tokenizer import ByteTokenizer
 
     topk = args.topk or None
     if args.text:
@@ -82,8 +82,8 @@ class Progress:
 
 
 def cmd_index(args) -> int:
+    from prealign.loaders.index.header_pass import write_sidecars
     from prealign.schemas.errors import PrealignError
-    from ..cheap_index import write_sidecars
 
     try:
         source, schema = source_and_schema(args)

@@ -14,17 +14,18 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from prealign.collate.thd import THDCollator
+from prealign.loaders.cli.errors import NothingLoadedError
+from prealign.loaders.cli.plot import Panel
+from prealign.loaders.cli.report import BatchStats, batch_stats
+from prealign.loaders.index.build import merge_shards, scan_shards
+from prealign.loaders.index.sample_index import SampleIndex
+from prealign.loaders.loader import PackedLoader
+from prealign.loaders.options import IndexOptions
+from prealign.loaders.policy import BadDataPolicy, BadDataReport
+from prealign.loaders.sources.source import Source
 from prealign.schemas.layout import ParallelLayout
 from prealign.schemas.schema import BatchSchema
 from prealign.schemas.vlm import IMAGE_TOKEN_TYPE, validate_vlm_batch
-from ..index import SampleIndex, merge_shards, scan_shards
-from ..loader import PackedLoader
-from ..options import IndexOptions
-from .errors import NothingLoadedError
-from .plot import Panel
-from ..policy import BadDataPolicy, BadDataReport
-from .report import BatchStats, batch_stats
-from ..sources import Source
 
 
 @dataclass

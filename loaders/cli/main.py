@@ -13,10 +13,10 @@ import tempfile
 import time
 import traceback
 
+from prealign.loaders.cli import preflight
+from prealign.loaders.cli.errors import UsageError, error_lines
 from prealign.schemas.errors import PrealignError
 from prealign.schemas.layout import ParallelLayout
-from .errors import UsageError, error_lines
-from . import preflight
 
 
 class _Parser(argparse.ArgumentParser):
@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     insp.add_argument("--limit", type=int, default=None, help="stop after this many micro-batches")
     _add_common(insp, budget=8192)
     insp.set_defaults(func=cmd_inspect, out="prealign_inspect.png")
-    from .index_cmd import add_parser as add_index  # prealign index (issue #7)
+    from prealign.loaders.cli.index_cmd import add_parser as add_index  # prealign index (issue #7)
     add_index(sub)
     return parser
 
@@ -95,10 +95,10 @@ def main(argv: list[str] | None = None) -> int:
 
 # ---- commands ----------------------------------------------------------------------------------------
 def cmd_demo(args) -> int:
-    from .demo_data import build_demo_dataset
-    from .demo_tokenizer import ByteTokenizer
-    from ..vlm import VLMSampleTransform
-    from ..webdataset_source import WebDatasetSource
+    from prealign.loaders.cli.demo_data import build_demo_dataset
+    from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
+    from prealign.loaders.media.vlm import VLMSampleTransform
+    from prealign.loaders.sources.webdataset import WebDatasetSource
     from prealign.schemas.vlm import vlm_schema
 
     layout = _check_common(args)
@@ -120,11 +120,11 @@ def cmd_demo(args) -> int:
 
 
 def cmd_inspect(args) -> int:
+    from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
+    from prealign.loaders.media.vlm import VLMSampleTransform
+    from prealign.loaders.sources.webdataset import WebDatasetSource, numpy_fields
     from prealign.schemas.schema import causal_lm_schema
     from prealign.schemas.vlm import vlm_schema
-    from ..vlm import VLMSampleTransform
-    from ..webdataset_source import WebDatasetSource, numpy_fields
-    from .demo_tokenizer import ByteTokenizer
 
     if bool(args.shards) == bool(args.hf):
         raise UsageError("inspect takes webdataset shards or --hf PATH" + (", not both" if args.shards else ""),
@@ -141,13 +141,13 @@ def cmd_inspect(args) -> int:
         transform = VLMSampleTransform(tokenizer=ByteTokenizer(), topk=topk)
         schema = vlm_schema(topk=topk, vocab_size=transform.tokenizer.vocab_size)
     if args.shards:
-        from ..webdataset_source import expand_urls
+        from prealign.loaders.sources.webdataset import expand_urls
 
         preflight.check_shards(expand_urls(args.shards))
         source = WebDatasetSource(args.shards, transform=transform, image="bytes", cache_dir=args.cache_dir)
         what = f"{len(source.urls)} webdataset shard(s)"
     else:
-        from ..sources import HFSource
+        from prealign.loaders.sources.source import HFSource
 
         source = HFSource(preflight.load_hf(args.hf, args.split, args.cache_dir), transform=transform)
         what = f"HF dataset {args.hf} [{args.split}]"
@@ -156,7 +156,7 @@ def cmd_inspect(args) -> int:
 
 def _check_common(args) -> ParallelLayout:
     """The layout and loading options, checked before any work (``--out`` writable included)."""
-    from ..planner import microbatch_capacity
+    from prealign.loaders.plan.planner import microbatch_capacity
 
     for name in ("tp", "cp"):
         preflight.check_int(f"--{name}", getattr(args, name), 1)
@@ -181,10 +181,10 @@ def _plural(n: int, one: str, many: str) -> str:
 
 
 def _run(args, layout: ParallelLayout, source, schema, *, title: str) -> int:
+    from prealign.loaders.cli.inspection import inspect_source
+    from prealign.loaders.cli.plot import draw_packed_layout
+    from prealign.loaders.cli.report import format_shapes, format_table, totals
     from prealign.schemas.vlm import validate_vlm_batch
-    from .inspection import inspect_source
-    from .plot import draw_packed_layout
-    from .report import format_shapes, format_table, totals
 
     res = inspect_source(source, schema=schema, layout=layout, token_budget=args.token_budget,
                          num_workers=args.workers, seed=args.seed, defer_cp_shard=args.defer_cp_shard,
@@ -235,7 +235,7 @@ def _throughput(res, workers: int) -> str:
 def _skips(report, shown: int = 4) -> list[str]:
     """The bad-data report: counts by cause (the report's own, e.g. ``corrupt_image 1``), then the
     first sample of each cause, named with what was wrong."""
-    from .errors import cause_lines
+    from prealign.loaders.cli.errors import cause_lines
 
     if not report.total:
         return ["skipped        none"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from .errors import UsageError
+from prealign.loaders.cli.errors import UsageError
 
 # load_dataset's packaged builder for a local data file, by extension
 _BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".tsv": "csv",

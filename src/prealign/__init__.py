@@ -34,7 +34,8 @@ _EXPORTS = {
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 
-__all__ = ["__version__", *_WHERE]
+__all__ = ["__version__"]
+__all__ += list(_WHERE)
 
 
 def __getattr__(name: str):

@@ -17,8 +17,16 @@ from prealign.collate import THDCollator
 from prealign.collate.hf import HFAttention, block_causal_mask, to_hf_kwargs
 from prealign.schemas import FP8Recipe, PadPolicy, ParallelLayout, causal_lm_schema, validate_batch
 from tests.conftest import examples
-from tests.consumers.models import CORRUPT, TOL, VOCAB, causal_lm, random_samples, real_slots, \
-    sample_next_token_targets, token_ce
+from tests.consumers.models import (
+    CORRUPT,
+    TOL,
+    VOCAB,
+    causal_lm,
+    random_samples,
+    real_slots,
+    sample_next_token_targets,
+    token_ce,
+)
 
 pytest.importorskip("transformers")
 SCHEMA = causal_lm_schema(vocab_size=VOCAB)

@@ -9,8 +9,16 @@ import torch
 
 from prealign.collate import THDCollator
 from prealign.schemas import FP8Recipe, PadPolicy, ParallelLayout, causal_lm_schema, validate_batch
-from tests.consumers.models import CORRUPT, TOL, VOCAB, causal_lm, random_samples, real_slots, \
-    sample_next_token_targets, topk_kl
+from tests.consumers.models import (
+    CORRUPT,
+    TOL,
+    VOCAB,
+    causal_lm,
+    random_samples,
+    real_slots,
+    sample_next_token_targets,
+    topk_kl,
+)
 
 pytest.importorskip("transformers")
 K = 8

@@ -33,8 +33,8 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
+from prealign.loaders.errors import MissingShardError
 from prealign.schemas.errors import PrealignError
-from .errors import MissingShardError
 
 _SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*):")
 

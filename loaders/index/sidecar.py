@@ -18,7 +18,7 @@ key            dtype / shape   meaning
 ``dim_ids``    int64 ``[N]``   row of ``meta.dims`` each sample has
 =============  ==============  ======================================================================
 
-A sidecar turns back into exactly the per-shard record :func:`~prealign.loaders.index.index_shard`
+A sidecar turns back into exactly the per-shard record :func:`~prealign.loaders.index.build.index_shard`
 returns, so the index (and the plan) is the same whether it came from sidecars or from the pass in
 process. Every key, dtype and shape is checked on reading; anything else is a
 :class:`~prealign.loaders.errors.StaleIndexError` (a :class:`ConfigError`) naming the shard.
@@ -41,63 +41,28 @@ import stat
 import zipfile
 import zlib
 from concurrent.futures import ThreadPoolExecutor
-from typing import Iterable
 
 import numpy as np
 
-from prealign.schemas.errors import ConfigError
-from .deadline import Stalled, map_with_timeout
-from .errors import ChangedShardError, MissingShardError, ShardTimeoutError, StaleIndexError
+from prealign.loaders.errors import (
+    ChangedShardError,
+    ExtraShardError,
+    IndexFileError,
+    MissingShardError,
+    ShardTimeoutError,
+    StaleIndexError,
+)
+from prealign.loaders.handoff.media_share import SharedMediaTransform
+from prealign.loaders.media.vlm import VLMSampleTransform
+from prealign.loaders.sources import remote
+from prealign.loaders.sources.deadline import Stalled, map_with_timeout
+from prealign.loaders.sources.shard_files import shard_name, sidecar_path
+from prealign.loaders.sources.webdataset import numpy_fields
 
-SUFFIX = ".prealign-index.npz"
 FORMAT = "prealign-sidecar"
 VERSION = 1
 _ARRAYS = {"spans": (np.int64, 2), "lengths": (np.int64, 1), "media": (np.bool_, 1), "dim_ids": (np.int64, 1)}
 _MAX_META = 64 << 20
-
-
-def sample_checksum(members: Iterable[tuple]) -> int:
-    """crc32 over a sample's members (``extension NUL data`` each, in tar order; ``(extension, data, ...)``
-    tuples, anything after the data ignored): what a read checks.
-
-    >>> sample_checksum([("txt", b"hi")]) == sample_checksum([("txt", b"hi")]) != sample_checksum([("txt", b"ho")])
-    True
-    """
-    crc = 0
-    for ext, data, *_ in members:
-        crc = zlib.crc32(data, zlib.crc32(ext.encode() + b"\0", crc))
-    return crc
-
-
-def sidecar_path(url: str, index_dir: str | None = None) -> str:
-    """Where the sidecar of shard ``url`` lives: beside it, or ``index_dir/<file name><SUFFIX>``.
-
-    >>> sidecar_path("/d/s-0.tar"), sidecar_path("http://h/d/s-0.tar?x=1", "/idx")
-    ('/d/s-0.tar.prealign-index.npz', '/idx/s-0.tar.prealign-index.npz')
-    """
-    if index_dir:
-        return os.path.join(index_dir, shard_name(url) + SUFFIX)
-    if url.startswith("file://"):
-        url = url[len("file://"):]
-    base, sep, query = url.partition("?")
-    return base + SUFFIX + (sep + query if sep else "")
-
-
-def check_index_dir_names(urls: Iterable[str]) -> None:
-    """An index folder names each sidecar by its shard's file name: two shards of one name (``train/s-0.tar``
-    and ``val/s-0.tar``) would share one sidecar, so they are a :class:`ConfigError` naming both."""
-    seen: dict[str, str] = {}
-    for url in urls:
-        other = seen.setdefault(shard_name(url), url)
-        if other != url:
-            raise ConfigError(f"index_dir: shards {other} and {url} have the same file name {shard_name(url)!r}, "
-                              f"so their sidecars would overwrite each other; index them into separate folders "
-                              f"or beside the shards")
-
-
-def shard_name(url: str) -> str:
-    """The file name of a shard path or URL (query string dropped)."""
-    return os.path.basename(url.split("?", 1)[0].rstrip("/")) or "shard"
 
 
 class Fingerprint:
@@ -122,7 +87,7 @@ class Fingerprint:
 # ---- writing / reading ------------------------------------------------------------------------------
 def write_sidecar(path: str, record: dict, *, shard: str, fingerprint: dict, config: str,
                   extra: dict | None = None) -> None:
-    """Write ``record`` (an :func:`~prealign.loaders.index.index_shard` result) as the sidecar ``path``
+    """Write ``record`` (an :func:`~prealign.loaders.index.build.index_shard` result) as the sidecar ``path``
     (atomically: a temporary file renamed)."""
     n = len(record["lengths"])
     locs = np.asarray(record["locations"], dtype=np.int64).reshape(n, -1 if n else 4)
@@ -245,7 +210,7 @@ def _read_npz_slowly(data: bytes) -> dict[str, np.ndarray]:
 
 
 def record_of(meta: dict, arrays: dict[str, np.ndarray], shard: int) -> dict:
-    """The :func:`~prealign.loaders.index.index_shard` record a sidecar holds, for shard number ``shard``
+    """The :func:`~prealign.loaders.index.build.index_shard` record a sidecar holds, for shard number ``shard``
     (arrays instead of lists; ``spans [N, 3]`` instead of ``locations``, which :func:`merge_records` builds
     once for all shards; ``"sidecar": True`` lets it take the vectorised path)."""
     events: list = [["ok"]] * meta["num_events"]
@@ -258,63 +223,10 @@ def record_of(meta: dict, arrays: dict[str, np.ndarray], shard: int) -> dict:
             "bad_events": meta["events"]}
 
 
-def merge_records(results: list[dict], policy, *, where, schema):
-    """:func:`~prealign.loaders.index.merge_shards` for records read from sidecars, vectorised: the same
-    index and report (the bad-data policy applied to the recorded bad events in stream order), at a cost
-    per shard and per bad event instead of per sample. Falls back to ``merge_shards`` when any record is
-    not a sidecar's or two shards disagree on a named dim (its per-sample ``dim_mismatch`` handling)."""
-    from .index import _FIELDS, SampleIndex, _reason, _thaw, merge_shards
-    from .policy import BadDataGate
-
-    def per_sample():  # the records as index_shard gives them
-        return merge_shards([_with_locations(r) for r in results], policy, width=4, where=where, schema=schema)
-
-    fixed: dict = {}
-    for r in results:
-        if not r.get("sidecar"):
-            return per_sample()
-        for d in r["dims"]:
-            if any(fixed.get(k, v) != v for k, v in d.items()):
-                return per_sample()
-            fixed.update(d)
-    gate = BadDataGate(policy)
-    for r in results:
-        pos = 0
-        for at, ev in r["bad_events"]:
-            if at > pos:
-                gate.good()  # an ok record between bad ones resets the consecutive count
-            pos = at + 1
-            if ev[0] == "skip":
-                gate.report.add(ev[1], ev[2], ev[3])
-            else:
-                gate.bad(_reason(ev[2]), ev[1], _thaw(ev[2]))
-        if len(r["events"]) > pos:
-            gate.good()
-    fixed.pop(_FIELDS, None)  # which optional fields the samples have: agreed above, not a named dim
-    cat = (lambda k, dt: np.concatenate([np.asarray(r[k], dtype=dt) for r in results]) if results
-           else np.zeros(0, dtype=dt))
-    shards = np.repeat(np.asarray([r["shard"] for r in results], np.int64), [len(r["lengths"]) for r in results])
-    locations = np.empty((shards.size, 4), np.int64)
-    locations[:, 0] = shards
-    if shards.size:
-        np.concatenate([r["spans"] for r in results], out=locations[:, 1:])
-    return SampleIndex(lengths=cat("lengths", np.int64), locations=locations, shards=shards,
-                       report=gate.report, media=cat("media", bool), dims=fixed)
-
-
-def _with_locations(record: dict) -> dict:
-    """A record with ``locations [N, 4]`` (shard, start, end, checksum): a sidecar's gets them from its spans."""
-    if "locations" in record:
-        return record
-    n = len(record["lengths"])
-    return {**record, "locations": np.concatenate([np.full((n, 1), record["shard"], np.int64), record["spans"]], axis=1)}
-
-
 # ---- the configuration a sidecar was built for -----------------------------------------------------
 def indexed_transform(transform):
-    """The transform whose lengths an index records: a :class:`~prealign.loaders.media_share.SharedMediaTransform`
+    """The transform whose lengths an index records: a :class:`~prealign.loaders.handoff.media_share.SharedMediaTransform`
     shares its inner transform's results across a CP group without changing them, so it is looked through."""
-    from .media_share import SharedMediaTransform
 
     while isinstance(transform, SharedMediaTransform):
         transform = transform.transform
@@ -325,8 +237,6 @@ def describe_transform(transform) -> str:
     """A stable description of a transform: what decides the lengths it gives. A custom transform is
     described by its ``index_key()`` when it has one (say which settings change lengths), else by its
     qualified name alone."""
-    from .vlm import VLMSampleTransform
-    from .webdataset_source import numpy_fields
 
     transform = indexed_transform(transform)
     if callable(getattr(transform, "index_key", None)):
@@ -361,7 +271,6 @@ def shard_sizes(source, shards=None) -> list[int]:
     does not exist or is a folder is listed in one :class:`MissingShardError` (a brace range naming absent
     files); an unreachable URL raises its own; a ``stat`` that hangs (a dead mount) is a
     :class:`ShardTimeoutError` naming the shard. ``-1``: no size (a ``pipe:`` command's output)."""
-    from . import remote
 
     urls = source.urls
     shards = list(range(len(urls))) if shards is None else list(shards)
@@ -401,7 +310,6 @@ PROBE = 1 << 16
 def shard_probe(source, shard: int, size: int) -> str:
     """blake2b-64 of a shard's first and last ``PROBE`` bytes (two reads): with the size, what the
     build-time check compares. A shard read only front to back (``pipe:``) has none (``""``)."""
-    from . import remote
 
     url = source.urls[shard]
     if size < 0 or remote.scheme(url) == "pipe":
@@ -421,7 +329,6 @@ def shard_probe(source, shard: int, size: int) -> str:
 
 def read_sidecar_bytes(source, shard: int) -> bytes | None:
     """The sidecar of shard ``shard`` (local file or URL), or None when there is none."""
-    from . import remote
 
     if remote.scheme(source.urls[shard]) == "pipe" and not getattr(source, "index_dir", None):
         return None  # a command's output has no "beside": give index_dir
@@ -471,7 +378,6 @@ def per_shard(source, fn, shards=None) -> list:
     URLs each call is a round trip or two, so they overlap on 16 threads (a thousand shards on an object
     store cost a thousand round trips at once, not in a row); local files are read in a row (faster than
     threads contending for the GIL)."""
-    from . import remote
 
     shards = list(range(source.num_shards)) if shards is None else list(shards)
     if len(shards) <= 1 or not any(remote.is_remote(source.urls[s]) for s in shards):
@@ -482,7 +388,7 @@ def per_shard(source, fn, shards=None) -> list:
 
 def check_source(source, schema) -> tuple[dict[int, dict], dict | None]:
     """Checks run when a loader is built, before any batch, whatever the bad-data policy: every shard
-    of a :class:`~prealign.loaders.webdataset_source.WebDatasetSource` exists (a brace range naming absent
+    of a :class:`~prealign.loaders.sources.webdataset.WebDatasetSource` exists (a brace range naming absent
     files, an unreachable URL: :class:`MissingShardError`) and matches its sidecar, if any. Returns the
     sidecar records (``{shard: record}``) and ``{"names", "sizes"}`` of the shards (other sources:
     ``{}, None``)."""
@@ -494,13 +400,12 @@ def check_source(source, schema) -> tuple[dict[int, dict], dict | None]:
 
 
 def check_index(index, source) -> None:
-    """A reused :class:`~prealign.loaders.index.SampleIndex` against ``source``, before any batch: its
-    locations can be this source's (:meth:`~prealign.loaders.sources.Source.check_locations`: width, shards
+    """A reused :class:`~prealign.loaders.index.sample_index.SampleIndex` against ``source``, before any batch: its
+    locations can be this source's (:meth:`~prealign.loaders.sources.source.Source.check_locations`: width, shards
     and rows in range, else an :class:`~prealign.loaders.errors.IndexFileError`), the shard list (and, when
     the index recorded them, the shard names and sizes). Raises an :class:`IndexMismatchError` subclass
     naming the shard and the difference (:class:`ExtraShardError`, also an ``IndexFileError``, when the
     index and the source name other shards)."""
-    from .errors import ExtraShardError, IndexFileError
 
     n = source.num_shards
     recorded = getattr(index, "source_shards", None) or {}

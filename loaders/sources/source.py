@@ -17,9 +17,8 @@ import os
 from collections import OrderedDict
 from typing import Callable, Iterator
 
+from prealign.loaders.errors import BadSampleError, IndexFileError, reason_of
 from prealign.schemas.errors import ConfigError, SampleError
-
-from .errors import BadSampleError, IndexFileError, reason_of
 
 Location = tuple[int, ...]
 Transform = Callable[[dict], dict]
@@ -113,7 +112,7 @@ class Source(abc.ABC):
 
         A :class:`~prealign.schemas.errors.SampleError` raised by the transform keeps its field, expected,
         actual and ``reason`` (:func:`~prealign.loaders.errors.reason_of`, e.g. a
-        :class:`~prealign.loaders.vlm.MediaError`'s ``corrupt_image``), so the index counts skips by cause;
+        :class:`~prealign.loaders.media.vlm.MediaError`'s ``corrupt_image``), so the index counts skips by cause;
         one of :data:`TRANSFORM_ERRORS` is reported as ``transform to succeed`` under ``bad_sample``;
         anything else (a bug) and a :class:`~prealign.schemas.errors.ConfigError` propagate as they are.
         """
@@ -146,7 +145,7 @@ class HFSource(Source):
     Streaming: location ``(shard, ordinal)`` over the dataset's own shards (``num_shards``); a worker
     reads each shard forward, keeping the last ``lookback`` raw rows, and re-opens the shard only
     when asked for an older row. DP ranks are split by the planner, not by ``split_dataset_by_node``
-    (see :mod:`prealign.loaders.index` for where the node split is used).
+    (see :mod:`prealign.loaders.index.build` for where the node split is used).
 
     >>> import datasets
     >>> src = HFSource(datasets.Dataset.from_dict({"input_ids": [[1, 2], [3]]}))

@@ -38,8 +38,8 @@ from typing import Callable, Mapping
 
 import numpy as np
 
+from prealign.loaders.errors import BadSampleError, UnsafeMemberError
 from prealign.schemas.errors import ConfigError
-from .errors import BadSampleError, UnsafeMemberError
 
 UNSAFE = frozenset({"pickle", "pkl", "pyd", "pth", "pt", "ckpt", "joblib", "dill", "mp", "msgpack_pickle"})
 IMAGES = frozenset({"jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff", "ppm", "pgm", "pbm", "pnm"})

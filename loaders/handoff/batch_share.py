@@ -3,7 +3,7 @@
 The CP ranks of one DP group follow the same plan and load the same micro-batches; they differ only in
 the CP shard they keep. With :class:`BatchShare`, the first rank (one of its DataLoader workers) to reach
 micro-batch ``(epoch, position)`` loads it, collates it *unsharded* and publishes the collated tensors
-once in a node-local folder (:mod:`prealign.loaders.share_cache`: raw bytes behind a JSON header, never
+once in a node-local folder (:mod:`prealign.loaders.handoff.share_folder`: raw bytes behind a JSON header, never
 pickled, atomic rename, private folder); the other ranks map it and apply only their CP shard: one
 ``index_select`` per CP-sharded token field (the rows of :func:`~prealign.collate.indices.global_slots`).
 Each rank's batch is equal, field for field, to what it gets without sharing.
@@ -40,12 +40,11 @@ import torch
 from prealign.collate.indices import cp_chunks, global_slots
 from prealign.collate.mrope import MRoPECollator
 from prealign.collate.thd import THDCollator
+from prealign.loaders.handoff import slots
+from prealign.loaders.handoff.share_folder import CLAIMED, HIT, SharedFolder, ShareStats, decode_record, encode_record
+from prealign.loaders.handoff.transport import pack_batch
 from prealign.schemas.errors import ConfigError, PrealignError
 from prealign.schemas.schema import Role
-from . import slots
-from .share_cache import CLAIMED, HIT, ShareStats, SharedFolder, decode_record, encode_record
-from .transport import pack_batch
-from .workers import Carried, carry
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -197,7 +196,7 @@ class _SharedPlanned:
 class _SharedCollate:
     """The collate_fn: a read batch is sharded; a claimed one is collated whole, published, then
     sharded; otherwise the loader's own collate_fn runs. ``by_fd`` (in workers): the whole record goes to
-    the main process as its slot file (:mod:`~prealign.loaders.slots`), sharded there on arrival, so
+    the main process as its slot file (:mod:`~prealign.loaders.handoff.slots`), sharded there on arrival, so
     neither a reading nor the claiming rank copies the pixels again."""
 
     plain: Callable
@@ -223,7 +222,7 @@ class _SharedCollate:
             return self._out(self.shard(token.record))
         if token.state != CLAIMED:
             return self.plain(tuple(fetched))
-        if isinstance(fetched[1], Carried):
+        if isinstance(fetched[1], PrealignError):
             self.folder.failed(token.key)
             return fetched[1]
         try:
@@ -231,7 +230,7 @@ class _SharedCollate:
         except PrealignError as exc:
             self.folder.failed(token.key)
             if self.pack:
-                return carry(exc)
+                return exc
             raise
         except BaseException:
             self.folder.failed(token.key)

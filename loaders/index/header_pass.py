@@ -16,7 +16,7 @@ pixels are decoded too, without the processor's resize and normalisation) and th
 shapes (``[L, K]``). What it leaves to load time: array values (ids within the vocabulary, finite and
 sorted log-probs, ...) of samples past the first of their signature, and, with
 ``VLMRule(verify_images=False)``, pixel data past the header. A sample found bad only then raises when it is loaded
-(the default policy); see :mod:`prealign.loaders.sidecar` for the checksum that catches changed bytes.
+(the default policy); see :mod:`prealign.loaders.index.sidecar` for the checksum that catches changed bytes.
 
 Any other transform has no length rule: its shards get the full pass (:func:`index_shard`), and a
 sidecar still saves it the next time.
@@ -26,16 +26,47 @@ from __future__ import annotations
 import io
 from typing import Callable
 
+from prealign.collate.samples import sample_token_keys
+from prealign.loaders.errors import BadSampleError, CorruptShardError, MissingMemberError, StaleIndexError
+from prealign.loaders.index.build import index_shard
+from prealign.loaders.index.events import error_record
+from prealign.loaders.index.sample_checks import FIELDS_KEY, media_keys, optional_keys, validated
+from prealign.loaders.index.sidecar import (
+    Fingerprint,
+    config_key,
+    indexed_transform,
+    parse_sidecar,
+    read_sidecar_bytes,
+    shard_probe,
+    shard_size,
+    shard_sizes,
+    write_sidecar,
+)
+from prealign.loaders.media.teacher_topk import IDS, LOG_PROBS
+from prealign.loaders.media.vlm import (
+    MediaError,
+    MediaProblem,
+    VLMSampleTransform,
+    image_members,
+    image_processor,
+    render_chat,
+    sample_metadata,
+)
+from prealign.loaders.sources import remote
+from prealign.loaders.sources.header_lengths import (
+    IMAGE_FORMATS,
+    HeaderError,
+    Qwen2VLGeometry,
+    image_header_size,
+    npy_header,
+    qwen2vl_grid,
+)
+from prealign.loaders.sources.shard_files import check_index_dir_names, sample_checksum, shard_name, sidecar_path
+from prealign.loaders.sources.tar_decode import IMAGES, decode_member, split_member_name
+from prealign.loaders.sources.tar_reader import TarFormatError, iter_members
+from prealign.loaders.sources.webdataset import check_members, numpy_fields
 from prealign.schemas.errors import ConfigError, SampleError
 from prealign.schemas.schema import BatchSchema
-from .errors import BadSampleError, CorruptShardError, MissingMemberError
-from .header_lengths import HeaderError, Qwen2VLGeometry, image_header_size, npy_header, qwen2vl_grid
-from .index import _FIELDS, _freeze, _validated, index_shard, media_keys, optional_keys
-from .sidecar import Fingerprint, sample_checksum
-from .sources import Skip
-from .tar_decode import IMAGES, decode_member, split_member_name
-from .tar_reader import TarFormatError, iter_members
-from .webdataset_source import check_members
 
 
 class LengthRuleError(ConfigError):
@@ -53,7 +84,6 @@ class TextRule:
     must equal it. Signature: each array's dtype and non-token dims, and the other member names."""
 
     def __init__(self, schema: BatchSchema):
-        from prealign.collate.samples import sample_token_keys
 
         self.token_dims = dict(sample_token_keys(schema))
         self.media = media_keys(schema)
@@ -83,11 +113,10 @@ class TextRule:
 
 
 class VLMRule:
-    """:class:`~prealign.loaders.vlm.VLMSampleTransform` samples: image headers -> Qwen2-VL grids -> tokens
+    """:class:`~prealign.loaders.media.vlm.VLMSampleTransform` samples: image headers -> Qwen2-VL grids -> tokens
     per image -> the chat rendered by the tokenizer alone (or a pre-tokenized ``input_ids.npy`` header)."""
 
     def __init__(self, transform, schema: BatchSchema, *, verify_images: bool = True):
-        from .vlm import image_processor
 
         self.t, self.verify_images = transform, verify_images
         """``verify_images``: decode each image's pixels too (no resize, no processor), so a corrupt image
@@ -96,15 +125,13 @@ class VLMRule:
         self.merge = transform.tokenizer.vision.spatial_merge_size
 
     def __call__(self, members: dict[str, bytes], where: str) -> tuple[int, bool, tuple]:
-        from .teacher_topk import IDS, LOG_PROBS
-        from .vlm import MediaError, MediaProblem, _image_members, _metadata, render_chat
 
         key = where
         raw = {"__key__": key, **{e: d for e, d in members.items() if not e.endswith(".npy")}}
         raw.update({e[:-4]: None for e in members if e.endswith(".npy")})  # presence only
-        meta = _metadata(raw, self.t.text_key, key)
+        meta = sample_metadata(raw, self.t.text_key, key)
         tokens = []
-        for name, data in _image_members(raw, meta, key):
+        for name, data in image_members(raw, meta, key):
             try:
                 w, h = _verified_size(data, name, key) if self.verify_images else \
                     image_header_size(data, field=name, sample=key)
@@ -144,7 +171,6 @@ def _verified_size(data: bytes, name: str, key) -> tuple[int, int]:
 
     from PIL import Image, UnidentifiedImageError
 
-    from .header_lengths import IMAGE_FORMATS
 
     try:
         with warnings.catch_warnings():
@@ -162,9 +188,6 @@ def _verified_size(data: bytes, name: str, key) -> tuple[int, int]:
 
 def length_rule(source, schema: BatchSchema, *, verify_images: bool = True) -> Callable | None:
     """The header rule for ``source``'s transform, or None (no rule: the full pass)."""
-    from .sidecar import indexed_transform
-    from .vlm import VLMSampleTransform
-    from .webdataset_source import numpy_fields
 
     transform = indexed_transform(source.transform)
     if transform is numpy_fields:
@@ -176,11 +199,10 @@ def length_rule(source, schema: BatchSchema, *, verify_images: bool = True) -> C
 
 def header_index_shard(source, schema: BatchSchema, shard: int, *, full: bool = False,
                        verify_images: bool = True) -> tuple[dict, dict]:
-    """``(record, fingerprint)`` of one shard of a :class:`~prealign.loaders.webdataset_source.WebDatasetSource`:
-    the record :func:`~prealign.loaders.index.index_shard` would give (same locations, lengths, media flags,
+    """``(record, fingerprint)`` of one shard of a :class:`~prealign.loaders.sources.webdataset.WebDatasetSource`:
+    the record :func:`~prealign.loaders.index.build.index_shard` would give (same locations, lengths, media flags,
     named dims; bad samples under the same reasons), from headers; ``fingerprint`` is ``{"size", "hash"}``
     of the bytes read. ``full=True`` (or no rule for the transform) runs the full pass instead."""
-    from . import remote
 
     url = source.urls[shard]
     rule = None if full else length_rule(source, schema, verify_images=verify_images)
@@ -222,11 +244,11 @@ def _header_pass(source, schema, shard: int, rule, f) -> dict:
                     decode_member(where, ext, data, image=source.image, extra=source.decoders, limits=source.limits)
             n, has_media, sig = rule(exts, where)
         except SampleError as exc:
-            events.append(["bad", where, _freeze(exc if isinstance(exc, BadSampleError) else BadSampleError(
+            events.append(["bad", where, error_record(exc if isinstance(exc, BadSampleError) else BadSampleError(
                 sample=where, field=exc.field, expected=exc.expected, actual=exc.actual))])
             return
         except (ValueError, UnicodeDecodeError) as exc:  # e.g. JSON that is not text
-            events.append(["bad", where, _freeze(BadSampleError(sample=where, field=None, expected="a readable sample",
+            events.append(["bad", where, error_record(BadSampleError(sample=where, field=None, expected="a readable sample",
                                                                 actual=f"{type(exc).__name__}: {exc}"))])
             return
         if sig not in by_sig:  # the first of its kind: the full transform and collator, lengths compared
@@ -236,20 +258,20 @@ def _header_pass(source, schema, shard: int, rule, f) -> dict:
                 if isinstance(raw, Exception):
                     raise raw
                 transformed = source.apply_transform(raw, loc)
-                checked = _validated([transformed], schema)[0]
+                checked = validated([transformed], schema)[0]
             except SampleError as exc:
                 checked = exc
             if isinstance(checked, SampleError):
                 err = checked if isinstance(checked, BadSampleError) and checked.sample == where else BadSampleError(
                     sample=where, field=checked.field, expected=checked.expected, actual=checked.actual,
                     reason=getattr(checked, "reason", None) if isinstance(getattr(checked, "reason", None), str) else None)
-                events.append(["bad", where, _freeze(err)])
+                events.append(["bad", where, error_record(err)])
                 return
             if checked[0] != n:
                 raise LengthRuleError(f"{where}: the header rule gives {n} tokens, the transform {checked[0]}; "
                                       f"index this data with the full pass (prealign index --full)")
             # which optional fields the sample has (the full pass records it too: no micro-batch mixes them)
-            record = {**checked[1], _FIELDS: ",".join(k for k in optional_keys(schema) if k in transformed)}
+            record = {**checked[1], FIELDS_KEY: ",".join(k for k in optional_keys(schema) if k in transformed)}
             if record not in dims:
                 dims.append(record)
             by_sig[sig] = dims.index(record)
@@ -276,7 +298,7 @@ def _header_pass(source, schema, shard: int, rule, f) -> dict:
             end = m.end
     except (TarFormatError, OSError, EOFError) as exc:
         lost = f"; sample {key!r} lost with the rest of the shard" if members else ""
-        events.append(["bad", f"shard {shard}", _freeze(CorruptShardError(url, getattr(exc, "offset", 0), f"{exc}{lost}"))])
+        events.append(["bad", f"shard {shard}", error_record(CorruptShardError(url, getattr(exc, "offset", 0), f"{exc}{lost}"))])
         members = []
     if members:
         sample(key, start, end, members, key in seen)
@@ -288,8 +310,6 @@ def _header_pass(source, schema, shard: int, rule, f) -> dict:
 # ---- writing sidecars ------------------------------------------------------------------------------
 def _up_to_date(source, schema, shard: int, out_dir: str | None) -> bool:
     """True when shard ``shard`` has a readable sidecar of its current size and this configuration."""
-    from .sidecar import config_key, parse_sidecar, read_sidecar_bytes, shard_probe, shard_size
-    from .errors import StaleIndexError
 
     src = source if out_dir is None else _with_index_dir(source, out_dir)
     try:
@@ -316,8 +336,6 @@ def index_one(source, schema: BatchSchema, shard: int, *, out_dir: str | None = 
               force: bool = False, verify_images: bool = True) -> tuple[int, str, int]:
     """Write the sidecar of one shard unless it is up to date (``force``: always).
     Returns ``(shard, "indexed" | "up to date", samples)``."""
-    from . import remote
-    from .sidecar import config_key, shard_name, shard_probe, sidecar_path, write_sidecar
 
     url = source.urls[shard]
     if not force and _up_to_date(source, schema, shard, out_dir):
@@ -346,14 +364,12 @@ def write_sidecars(source, schema: BatchSchema, *, out_dir: str | None = None, w
     "samples"}`` counts."""
     import multiprocessing as mp
 
-    from .sidecar import shard_sizes
 
     todo = list(range(source.num_shards)) if shards is None else list(shards)
     shard_sizes(source, todo)  # missing shards or a brace typo, all named: before any work
     if out_dir:
         import os
 
-        from .sidecar import check_index_dir_names
 
         check_index_dir_names(source.urls[s] for s in todo)
         os.makedirs(out_dir, exist_ok=True)

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch.utils.data import get_worker_info
 
-from . import slots
+from prealign.loaders.handoff import slots
 
 _ALIGN = 16
 
@@ -40,7 +40,7 @@ class PackedBatch:
 def pack_batch(batch: dict, *, shared: bool | None = None) -> "PackedBatch | slots.SlotRef":
     """Every tensor value of ``batch`` copied into one buffer; other values kept aside. ``shared`` (default:
     inside a DataLoader worker): the buffer is a recycled shared slot of this process
-    (:mod:`prealign.loaders.slots`) and the result a :class:`~prealign.loaders.slots.SlotRef` that arrives
+    (:mod:`prealign.loaders.handoff.slots`) and the result a :class:`~prealign.loaders.handoff.slots.SlotRef` that arrives
     in the receiving process (once pickled) as the :class:`PackedBatch`: no fresh shared memory per batch,
     no second copy. A slot that cannot be had (no memfd, a full file system) falls back to plain memory."""
     tensors = [(k, v.contiguous()) for k, v in batch.items() if isinstance(v, torch.Tensor)]

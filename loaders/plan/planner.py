@@ -33,11 +33,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from prealign.loaders.errors import OversizeSampleError, PlanError
+from prealign.loaders.plan.packing import StreamFit, next_fit, spread
+from prealign.loaders.policy import Oversize, PackStrategy, coerce_enum
 from prealign.schemas.errors import BucketOverflowError
 from prealign.schemas.layout import ParallelLayout, round_up, round_up_array
-from .errors import OversizeSampleError, PlanError
-from .packing import StreamFit, next_fit, spread
-from .policy import Oversize, PackStrategy, coerce_enum
 
 
 def _int_at_least(name: str, value, low: int) -> int:
@@ -270,7 +270,7 @@ class ChunkedPlan:
 
     The stream (the samples in the order given, after the oversize policy) is cut into chunks of
     ``config.chunk_size`` samples (:func:`chunk_bounds`). One streaming packing pass
-    (:class:`~prealign.loaders.packing.StreamFit`) runs over the whole stream, advanced to the end of
+    (:class:`~prealign.loaders.plan.packing.StreamFit`) runs over the whole stream, advanced to the end of
     a chunk when the chunk is planned (its last window may run past the chunk, to the stream's end; the
     chunks after the end are then empty): the micro-batches are those of a single pass (``in_order``
     closes its micro-batch at each chunk end). A chunk's micro-batches are dealt in whole steps; those
@@ -294,7 +294,7 @@ class ChunkedPlan:
                  config: PlannerConfig | None = None, seed: int | None = None, has_media=None, **options):
         cfg = self.config = dataclasses.replace(config or PlannerConfig(), **options)
         self.layout, self.token_budget = layout, token_budget
-        self.dp = dp = _int_at_least("dp_size", dp_size, 1)
+        self.dp = _int_at_least("dp_size", dp_size, 1)
         true_len = _as_lengths(lengths)
         media = _as_flags(has_media, true_len.size)
         self.cap = cap = microbatch_capacity(layout, token_budget)

@@ -3,10 +3,10 @@ node-local cache.
 
 The CP ranks of one DP group load the same micro-batches (each keeps its own CP shard of them), so
 without sharing every rank decodes and processes every image. :class:`SharedMediaTransform` wraps the
-sample transform (e.g. :class:`~prealign.loaders.vlm.VLMSampleTransform`); for each sample the first
+sample transform (e.g. :class:`~prealign.loaders.media.vlm.VLMSampleTransform`); for each sample the first
 process of the group to get there *claims* it, transforms it and publishes the result; the others
-read the result instead of computing it (the folder protocol is :mod:`prealign.loaders.share_cache`'s,
-shared with :class:`~prealign.loaders.batch_share.BatchShare`, which shares whole collated micro-batches
+read the result instead of computing it (the folder protocol is :mod:`prealign.loaders.handoff.share_folder`'s,
+shared with :class:`~prealign.loaders.handoff.batch_share.BatchShare`, which shares whole collated micro-batches
 and also saves the shard reads and collation):
 
     cache dir (node-local, e.g. /dev/shm/prealign-media-<digest of run>)
@@ -49,9 +49,10 @@ from typing import Callable
 
 import numpy as np
 
+from prealign.loaders.handoff.share_folder import CLAIMED, HIT, SharedFolder, ShareStats
+from prealign.loaders.handoff.share_folder import decode_record as decode_sample
+from prealign.loaders.handoff.share_folder import encode_record as encode_sample
 from prealign.schemas.errors import ConfigError
-from .share_cache import (CLAIMED, HIT, ShareStats, SharedFolder, decode_record as decode_sample,
-                          encode_record as encode_sample)
 
 __all__ = ["SharedMediaTransform", "ShareStats", "decode_sample", "encode_sample"]
 

@@ -1,11 +1,11 @@
 """A node-local folder through which the CP ranks of one group share results: the first to get to a key
 computes, the others read (no pickle, no deadlock). Used by
-:class:`~prealign.loaders.media_share.SharedMediaTransform` (per sample) and
-:class:`~prealign.loaders.batch_share.BatchShare` (per micro-batch).
+:class:`~prealign.loaders.handoff.media_share.SharedMediaTransform` (per sample) and
+:class:`~prealign.loaders.handoff.batch_share.BatchShare` (per micro-batch).
 
     folder (node-local, private: mode 0o700, this user's, never a link)
     <key>.claim   created with O_EXCL by the claimer; holds its pid       (who is computing)
-    <key>.bin     the result: a slot header page (:mod:`~prealign.loaders.slots`: holder flags, the key),
+    <key>.bin     the result: a slot header page (:mod:`~prealign.loaders.handoff.slots`: holder flags, the key),
                   then ``PRMS1\\n``, a JSON header, raw tensor bytes (never pickled, read by mmap);
                   written to ``<key>.<pid>.tmp`` (O_EXCL|O_NOFOLLOW), or a pooled slot file linked
                   there (:meth:`SharedFolder.publish_slot`: no copy), then renamed (atomic)
@@ -41,21 +41,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from prealign.schemas.errors import PrealignError
-
-from . import slots
+from prealign.loaders.errors import ShareRecordError
+from prealign.loaders.handoff import slots
 
 _MAGIC = b"PRMS1\n"
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_LAST_SWEEP: dict[str, float] = {}
+"""When each share folder was last swept by this process (``time.time()``)."""
 
 CLAIMED, HIT, LOCAL = "claimed", "hit", "local"
 _TORCH_DTYPES = frozenset({"bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64",
                            "float16", "float32", "float64", "complex64", "complex128"})
 """numpy dtypes ``torch.from_numpy`` takes (bfloat16 travels as int16); anything else is refused."""
-
-
-class ShareRecordError(PrealignError):
-    """A cache record that is malformed or not trusted (never served; the rank computes for itself)."""
 
 
 def encode_record(record: dict) -> list:
@@ -155,7 +152,7 @@ class SharedFolder:
     def acquire(self, key: str, *, by_fd: bool = False) -> tuple[str, Any]:
         """``(CLAIMED, None)``: compute and publish; ``(HIT, record)``; ``(LOCAL, None)``: compute only.
         ``by_fd``: a hit is ``(fd, nbytes)`` of the record's slot file instead, with this rank's holder flag
-        set (hand it on with :func:`~prealign.loaders.slots.send`; the receiver clears the flag)."""
+        set (hand it on with :func:`~prealign.loaders.handoff.slots.send`; the receiver clears the flag)."""
         path = os.path.join(self.directory, key)
         try:
             private_dir(self.directory)
@@ -314,12 +311,12 @@ class SharedFolder:
             for p in (path + ".bin", path + ".err", *readers, path + ".claim"):
                 _unlink(p)
 
-    def _sweep(self, _last: dict = {}) -> None:
+    def _sweep(self) -> None:
         """Delete entries older than ``ttl`` (at most once per ``ttl / 4`` seconds per process)."""
         now, d = time.time(), self.directory
-        if now - _last.get(d, 0.0) < self.ttl / 4:
+        if now - _LAST_SWEEP.get(d, 0.0) < self.ttl / 4:
             return
-        _last[d] = now
+        _LAST_SWEEP[d] = now
         try:
             with os.scandir(d) as it:
                 for entry in it:
@@ -343,7 +340,7 @@ def _me() -> str:
 def open_record(path: str) -> int:
     """A read-write fd of the record file ``path``: only a regular file of this user that no one else can
     write, opened without following a link; anything else is a :class:`ShareRecordError` (a missing file:
-    ``OSError``). Read-write so that a reader can set its holder flag (:mod:`~prealign.loaders.slots`)."""
+    ``OSError``). Read-write so that a reader can set its holder flag (:mod:`~prealign.loaders.handoff.slots`)."""
     try:
         fd = os.open(path, os.O_RDWR | _NOFOLLOW)
     except OSError as exc:

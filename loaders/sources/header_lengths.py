@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from prealign.loaders.sources.tar_decode import IMAGE_FORMATS, read_npy_header
 from prealign.schemas.errors import ConfigError, SampleError
-from .tar_decode import IMAGE_FORMATS, read_npy_header
 
 
 class HeaderError(SampleError):

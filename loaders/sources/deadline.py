@@ -53,7 +53,7 @@ class TimedReader:
     """A forward-only binary reader over ``opener()`` whose every chunk arrives within ``timeout`` s.
 
     ``length``: bytes in the file when it is a regular file, else None; ``pos``: bytes read so far
-    (:func:`prealign.loaders.tar_reader.iter_members` bounds member sizes by ``length - pos``). Errors of ``opener`` or of a read (``OSError``) are re-raised in the caller.
+    (:func:`prealign.loaders.sources.tar_reader.iter_members` bounds member sizes by ``length - pos``). Errors of ``opener`` or of a read (``OSError``) are re-raised in the caller.
     """
 
     def __init__(self, opener: Callable[[], BinaryIO], *, timeout: float | None):

@@ -94,7 +94,7 @@ def _pax(data: bytes, offset: int) -> dict[str, str]:
 
 def _remaining(f: BinaryIO) -> int | None:
     """Bytes left in ``f`` after its current position, or None when it cannot tell (a pipe). A reader
-    with ``length`` and ``pos`` attributes (:class:`~prealign.loaders.deadline.TimedReader`) says so itself."""
+    with ``length`` and ``pos`` attributes (:class:`~prealign.loaders.sources.deadline.TimedReader`) says so itself."""
     if getattr(f, "length", None) is not None:
         return f.length - f.pos
     try:

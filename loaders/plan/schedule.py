@@ -1,6 +1,6 @@
 """Epoch order and the per-rank schedule of micro-batch requests (what the DataLoader is fed).
 
-``epoch_order`` -> :class:`~prealign.loaders.planner.ChunkedPlan` of the index lengths in that order
+``epoch_order`` -> :class:`~prealign.loaders.plan.planner.ChunkedPlan` of the index lengths in that order
 -> this rank's row, a chunk at a time as requests reach it -> :class:`Request` objects, one per
 micro-batch, handed to DataLoader workers. Everything is a pure function of (index, epoch, seed,
 config), which is what makes resume exact.
@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from prealign.loaders.errors import PlanError
+from prealign.loaders.index.sample_index import SampleIndex
+from prealign.loaders.plan.planner import ChunkedPlan, MicrobatchPlan, PlannerConfig, Screening
 from prealign.schemas.layout import ParallelLayout
-from .errors import PlanError
-from .index import SampleIndex
-from .planner import ChunkedPlan, MicrobatchPlan, PlannerConfig, Screening
 
 
 def check_count(name: str, value) -> int:

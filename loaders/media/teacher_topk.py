@@ -15,7 +15,7 @@ import io
 import numpy as np
 import torch
 
-from .errors import BadSampleError
+from prealign.loaders.errors import BadSampleError
 
 LOG_PROBS, IDS = "teacher_topk_log_probs", "teacher_topk_ids"
 _NPY_SUFFIXES = (".npy",)

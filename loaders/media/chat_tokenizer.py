@@ -50,7 +50,7 @@ class HFChatTokenizer:
 
     tokenizer: Any
     spatial_merge_size: int | None = None
-    """Leave unset: :class:`~prealign.loaders.vlm.VLMSampleTransform` takes it from its image processor
+    """Leave unset: :class:`~prealign.loaders.media.vlm.VLMSampleTransform` takes it from its image processor
     (``vision`` alone falls back to Qwen2-VL's 2)."""
     im_start: str = "<|im_start|>"
     im_end: str = "<|im_end|>"

@@ -1,11 +1,11 @@
-"""webdataset tar shards as a :class:`~prealign.loaders.sources.Source`.
+"""webdataset tar shards as a :class:`~prealign.loaders.sources.source.Source`.
 
 A sample is the run of consecutive members sharing a key (``0001.input_ids.npy``, ``0001.json``
--> key ``0001``), decoded safely by :mod:`prealign.loaders.tar_decode` (never unpickled). Indexing walks
+-> key ``0001``), decoded safely by :mod:`prealign.loaders.sources.tar_decode` (never unpickled). Indexing walks
 each tar once and records each sample's byte range, so a worker reads one sample with one
 ``seek`` + ``read``. Remote shards (``http(s)://``, ``s3://``, ``gs://``) are read by byte range, never
-copied whole; ``pipe:`` and ``.tar.gz`` shards front to back (:mod:`prealign.loaders.remote`). Sidecar
-indexes (``prealign index``, :mod:`prealign.loaders.sidecar`) beside the shards, or in ``index_dir``, are
+copied whole; ``pipe:`` and ``.tar.gz`` shards front to back (:mod:`prealign.loaders.sources.remote`). Sidecar
+indexes (``prealign index``, :mod:`prealign.loaders.index.sidecar`) beside the shards, or in ``index_dir``, are
 found and used by themselves. A location is ``(shard, start, end, checksum)``: a read whose members
 no longer have the checksum recorded at indexing raises :class:`SourceChangedError`.
 
@@ -23,15 +23,21 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 import torch
 
+from prealign.loaders.errors import (
+    BadSampleError,
+    CorruptShardError,
+    IndexFileError,
+    MissingMemberError,
+    ShardTimeoutError,
+    SourceChangedError,
+)
+from prealign.loaders.sources import remote as _remote
+from prealign.loaders.sources.deadline import Stalled, TimedReader
+from prealign.loaders.sources.shard_files import check_index_dir_names, sample_checksum
+from prealign.loaders.sources.source import Location, Skip, Source, Transform
+from prealign.loaders.sources.tar_decode import DEFAULT_LIMITS, DecodeLimits, decode_member, split_member_name
+from prealign.loaders.sources.tar_reader import TarFormatError, iter_members
 from prealign.schemas.errors import ConfigError, SampleError
-from . import remote as _remote
-from .deadline import Stalled, TimedReader
-from .errors import (BadSampleError, CorruptShardError, IndexFileError, MissingMemberError, MissingShardError,
-                     ShardTimeoutError, SourceChangedError)
-from .sidecar import sample_checksum
-from .sources import Location, Skip, Source, Transform
-from .tar_decode import DEFAULT_LIMITS, DecodeLimits, decode_member, split_member_name
-from .tar_reader import TarFormatError, iter_members
 
 _REMOTE = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*:")
 
@@ -92,14 +98,14 @@ class WebDatasetSource(Source):
     without one is a :class:`~prealign.loaders.errors.MissingMemberError` (handled by the loader's bad-data
     policy). ``image``: ``"pil"`` or ``"bytes"``. ``decoders``: extra ``{extension: bytes -> value}``
     decoders (pickle-like extensions stay refused; they signal bad bytes with ``ValueError``).
-    ``limits``: caps on decoded pixels / array bytes (:class:`~prealign.loaders.tar_decode.DecodeLimits`).
+    ``limits``: caps on decoded pixels / array bytes (:class:`~prealign.loaders.sources.tar_decode.DecodeLimits`).
     ``read_timeout``: seconds a shard read (open, or one 1 MiB chunk) may make no progress during the
     index pass before it is a :class:`~prealign.loaders.errors.ShardTimeoutError` (``None``: wait forever).
 
     Within a shard, a sample with a hard or symbolic link member (``link_member``) or a key already
     seen earlier in the shard (``duplicate_key``) is a bad sample; a local shard that does not exist
     is a :class:`~prealign.loaders.errors.MissingShardError` (configuration, raised before the index pass by
-    :func:`~prealign.loaders.sidecar.check_source`).
+    :func:`~prealign.loaders.index.sidecar.check_source`).
     """
 
     sequential = True
@@ -126,7 +132,6 @@ class WebDatasetSource(Source):
         self.index_dir, self.sidecars, self.max_open_files = index_dir, bool(sidecars), max(int(max_open_files), 1)
         """Sidecars: looked up beside each shard (or in ``index_dir``) when ``sidecars``."""
         if index_dir:
-            from .sidecar import check_index_dir_names
 
             check_index_dir_names(self.urls)
         if remote is None:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
-import io
 import json
 import re
 from dataclasses import dataclass, field
@@ -34,12 +33,19 @@ import numpy as np
 import torch
 
 from prealign.collate.mrope import mrope_position_ids
+from prealign.loaders.errors import BadSampleError
+from prealign.loaders.media.chat_tokenizer import ChatTokenizer
+from prealign.loaders.media.teacher_topk import teacher_topk
+from prealign.loaders.sources.tar_decode import (
+    DEFAULT_LIMITS,
+    IMAGE_FORMATS,
+    DecodeLimits,
+    ImageTooLarge,
+    image_errors,
+    open_image,
+)
 from prealign.schemas.errors import ConfigError
 from prealign.schemas.vlm import IMAGE_TOKEN_TYPE, VisionTokens
-from .chat_tokenizer import ChatTokenizer
-from .errors import BadSampleError
-from .tar_decode import DEFAULT_LIMITS, IMAGE_FORMATS, DecodeLimits, ImageTooLarge, image_errors, open_image
-from .teacher_topk import teacher_topk
 
 IMAGE_PLACEHOLDER = "<image>"
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp")
@@ -109,7 +115,8 @@ def _fast_tables(processor):
     if hit is not None and hit[0] is processor:
         return hit[1]
     from PIL import Image
-    from .header_lengths import Qwen2VLGeometry
+
+    from prealign.loaders.sources.header_lengths import Qwen2VLGeometry
 
     fast = None
     if (type(processor).__name__ == "Qwen2VLImageProcessorPil"
@@ -157,7 +164,8 @@ def _resized_patches(img, geometry, *, sample) -> tuple[np.ndarray, list[int]]:
     """One RGB PIL image -> (uint8 ``[gh*gw, 3, p, p]``, ``[1, gh, gw]``): the processor's resize (the
     same PIL call), cut into patches in transformers' order."""
     from PIL import Image
-    from .header_lengths import HeaderError, qwen2vl_grid
+
+    from prealign.loaders.sources.header_lengths import HeaderError, qwen2vl_grid
 
     try:
         _, gh, gw = qwen2vl_grid(img.height, img.width, geometry, sample=sample)
@@ -177,7 +185,7 @@ _CHANNEL_OFFSET = (np.arange(3, dtype=np.uint16) * 256)[:, None, None]  # channe
 def decode_image(value, *, sample, name: str, limits: DecodeLimits = DEFAULT_LIMITS):
     """Bytes / ``{"bytes": ...}`` / PIL image -> an RGB PIL image, fully decoded (a truncated or
     corrupt file fails here, not later inside the processor). Bytes open only as
-    :data:`~prealign.loaders.tar_decode.IMAGE_FORMATS` (never PostScript through Ghostscript); an image
+    :data:`~prealign.loaders.sources.tar_decode.IMAGE_FORMATS` (never PostScript through Ghostscript); an image
     over ``limits.max_image_pixels`` (checked from its header, before decoding; a PIL image given as
     is, by its size, and refused before loading when another format opened it) is a ``corrupt_image``
     bomb."""
@@ -333,8 +341,8 @@ class VLMSampleTransform:
     """
 
     tokenizer: ChatTokenizer
-    """Any :class:`~prealign.loaders.chat_tokenizer.ChatTokenizer`: a real one wrapped by
-    :class:`~prealign.loaders.chat_tokenizer.HFChatTokenizer` (the demo uses its byte tokenizer)."""
+    """Any :class:`~prealign.loaders.media.chat_tokenizer.ChatTokenizer`: a real one wrapped by
+    :class:`~prealign.loaders.media.chat_tokenizer.HFChatTokenizer` (the demo uses its byte tokenizer)."""
     topk: int | None = None
     """Expect teacher top-k members with this K (``None``: none expected, any present are ignored)."""
     log_prob_dtype: str = "float32"
@@ -381,11 +389,11 @@ class VLMSampleTransform:
 
     def compact(self, raw: dict) -> dict:
         """The output with ``pixel_codes`` uint8 ``[sum t*h*w, 3, p, p]`` (:func:`image_codes`) in place
-        of ``pixel_values`` where the fast path applies: what :class:`~prealign.loaders.media_share.
+        of ``pixel_values`` where the fast path applies: what :class:`~prealign.loaders.handoff.media_share.
         SharedMediaTransform` publishes (1/8 of the bytes). :meth:`expand` finishes it."""
         key = raw.get("__key__", "?")
-        meta = _metadata(raw, self.text_key, key)
-        images = [decode_image(v, sample=key, name=n) for n, v in _image_members(raw, meta, key)]
+        meta = sample_metadata(raw, self.text_key, key)
+        images = [decode_image(v, sample=key, name=n) for n, v in image_members(raw, meta, key)]
         vision = self.vision
         codes, grid = image_codes(images, self.processor, sample=key)
         pixel_values = None
@@ -426,7 +434,7 @@ class VLMSampleTransform:
                 for k, v in sample.items()}
 
 
-def _metadata(raw: dict, text_key: str, key) -> dict:
+def sample_metadata(raw: dict, text_key: str, key) -> dict:
     value = raw.get(text_key)
     if value is None and ("messages" in raw or "text" in raw):
         meta = {k: raw[k] for k in ("messages", "text") if k in raw}
@@ -453,7 +461,7 @@ def _is_image_list(value) -> bool:
 _MEMBER = re.compile(r"^(?:(\d+)\.)?(" + "|".join(IMAGE_EXTENSIONS) + r")$", re.IGNORECASE)
 
 
-def _image_members(raw: dict, meta: dict, key) -> list[tuple[str, Any]]:
+def image_members(raw: dict, meta: dict, key) -> list[tuple[str, Any]]:
     """(name, value) of the sample's images, in placeholder order.
 
     ``meta["images"]`` (member names) fixes the order and makes a missing member an error;

@@ -1,5 +1,5 @@
 """Recycled shared-memory slots: how a DataLoader worker hands batches to its main process (and, through
-:mod:`~prealign.loaders.batch_share`, to its CP peers) without fresh memory per batch.
+:mod:`~prealign.loaders.handoff.batch_share`, to its CP peers) without fresh memory per batch.
 
 A fresh shared-memory segment per batch (what torch does for every tensor a worker returns) costs a page
 fault per 4 KiB page on both sides: on a VM about 0.7 ms per MB, more than copying the pixels. A worker
@@ -35,6 +35,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from prealign.loaders.errors import ShareRecordError
+from prealign.schemas.errors import PrealignError
 
 HEADER = 4096
 _MAGIC = b"PRSLOT1\0"
@@ -293,21 +296,17 @@ def send(slot: "Slot | int", nbytes: int, holder: int, build) -> SlotRef:
 
 
 def _receive(dup, nbytes: int, holder: int, build):
-    """Runs while the DataLoader unpickles a worker's batch: an error mapping or building it is returned as a carried
-    :class:`~prealign.loaders.share_cache.ShareRecordError` (raised by the loader with its context), never
+    """Runs while the DataLoader unpickles a worker's batch: an error mapping or building it is returned as a
+    :class:`~prealign.loaders.handoff.share_folder.ShareRecordError` (raised by the loader with its context), never
     raised inside torch's queue handling (the batch and the iterator would be lost)."""
-    from prealign.schemas.errors import PrealignError
-
-    from .share_cache import ShareRecordError
-    from .workers import carry
 
     fd = dup.detach()  # fails when the worker died: torch's loader then reports the dead worker itself
     try:
         return build(map_slot(fd, nbytes, holder))
     except (OSError, ValueError, TypeError, LookupError, PrealignError) as exc:  # (not torch's RuntimeError, which its
         # SIGCHLD handler raises wherever the main thread is when a worker dies: the loader handles that one)
-        return carry(ShareRecordError(f"a batch from a DataLoader worker could not be mapped or built in the "
-                                      f"main process ({type(exc).__name__}: {exc})"))
+        return ShareRecordError(f"a batch from a DataLoader worker could not be mapped or built in the "
+                                f"main process ({type(exc).__name__}: {exc})")
 
 
 def map_slot(fd: int, nbytes: int, holder: int) -> torch.Tensor:

@@ -1,0 +1,294 @@
+"""The length index: one pass over a source that learns every sample's token length and location.
+
+    shards ──split by worker (DataLoader workers)──► scan ─► transform ─► validate against the schema
+                                                                            │ good: (location, length)
+                                                                            │ bad: failure record
+    main process: merge shards in order ─► bad-data policy (raise / skip+count) ─► SampleIndex
+
+Validation is the collator's own: the real :class:`~prealign.collate.thd.THDCollator` (unsharded) runs on
+each chunk of samples, and on each sample alone when a chunk fails, so shapes, dtypes and value
+bounds (``finite``, ``min_value``, ``max_value``) are checked on every row. The named dense dims
+(``K`` of a top-k field, ...) are recorded: the first accepted sample fixes them, and a later
+sample with another value is bad data (``dim_mismatch``), since no micro-batch could hold both.
+So a sample that enters the index is one the collator accepts, alone or with any other. The policy
+runs in the main process over the records in shard order, so its consecutive-failure count and its
+error are the same whatever the number of workers.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import numpy as np
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from prealign.loaders.errors import BadSampleError
+from prealign.loaders.index.events import error_from_record, error_record, record_reason
+from prealign.loaders.index.sample_checks import (
+    FIELDS_KEY,
+    VALIDATION_CHUNK,
+    has_media,
+    media_keys,
+    optional_keys,
+    validated,
+)
+from prealign.loaders.index.sample_index import SampleIndex
+from prealign.loaders.index.sidecar import check_source
+from prealign.loaders.policy import BadDataGate, BadDataPolicy
+from prealign.loaders.sources.source import Skip, Source
+from prealign.schemas.errors import PrealignError, SampleError
+from prealign.schemas.schema import BatchSchema, Role
+
+
+def _name(source: Source, shard: int, loc, item) -> str:
+    """The most telling name of a scan record: ``url:key`` for webdataset, else the source's."""
+    if isinstance(item, SampleError) and isinstance(item.sample, str):
+        return item.sample
+    return source.sample_name(item, loc) if loc is not None else f"shard {shard}"
+
+
+def index_shard(source: Source, schema: BatchSchema, shard: int) -> dict:
+    """Scan one shard: ``{"shard", "locations", "lengths", "media", "dims", "dim_ids", "events"}``;
+    ``dims`` lists the distinct named-dim dicts of the shard's good samples, ``dim_ids`` (one per good
+    sample) points into it; events are, in stream order, ``["ok"]``, ``["bad", where, frozen error]``
+    or ``["skip", reason, where, message]``."""
+    locations, lengths, media, events = [], [], [], []
+    dims: list[dict[str, int]] = []
+    dim_ids: list[int] = []
+    keys = media_keys(schema)
+    optional = optional_keys(schema)
+    pending: list[tuple[tuple, str, dict]] = []  # transformed samples waiting for chunked validation
+
+    def flush() -> None:
+        for (loc, where, transformed), result in zip(pending, validated([p[2] for p in pending], schema)):
+            if isinstance(result, SampleError):  # the collator's checks name sample 0 of a one-sample batch
+                err = BadSampleError(sample=where, field=result.field, expected=result.expected, actual=result.actual)
+                events.append(["bad", where, error_record(err)])
+            else:
+                present = {FIELDS_KEY: ",".join(k for k in optional if k in transformed)}
+                result = (result[0], {**result[1], **present})
+                if result[1] not in dims:
+                    dims.append(result[1])
+                locations.append(list(loc))
+                lengths.append(result[0])
+                media.append(has_media(transformed, keys))
+                dim_ids.append(dims.index(result[1]))
+                events.append(["ok"])
+        pending.clear()
+
+    for loc, item in source.scan(shard):
+        if isinstance(item, Skip):
+            flush()
+            events.append(["skip", item.reason, item.where, item.message])
+            continue
+        where = _name(source, shard, loc, item)
+        if isinstance(item, Exception):
+            flush()
+            events.append(["bad", where, error_record(item)])
+            continue
+        try:
+            sample = source.apply_transform(item, loc)
+        except SampleError as exc:
+            flush()
+            events.append(["bad", where, error_record(exc)])
+            continue
+        pending.append((loc, where, sample))
+        if len(pending) >= VALIDATION_CHUNK:
+            flush()
+    flush()
+    return {"shard": shard, "locations": locations, "lengths": lengths, "media": media, "dims": dims,
+            "dim_ids": dim_ids, "events": events}
+
+
+class _ShardScan(IterableDataset):
+    """Shards split over DataLoader workers (worker w takes shards w, w+W, ...)."""
+
+    def __init__(self, source: Source, schema: BatchSchema, shards: list[int]):
+        self.source, self.schema, self.shards = source, schema, shards
+
+    def __iter__(self):
+        info = get_worker_info()
+        mine = self.shards if info is None else self.shards[info.id::info.num_workers]
+        for shard in mine:
+            try:
+                yield index_shard(self.source, self.schema, shard)
+            except PrealignError as exc:  # typed: re-raised as the same type in the main process
+                if info is None:
+                    raise
+                yield exc
+                return
+
+
+def scan_shards(source: Source, schema: BatchSchema, shards: list[int], *, num_workers: int = 0) -> list[dict]:
+    """:func:`index_shard` over ``shards`` with ``num_workers`` DataLoader workers, in shard order."""
+    loader = DataLoader(_ShardScan(source, schema, shards), batch_size=None, num_workers=min(num_workers, len(shards)))
+    results = {}
+    for r in loader:
+        if isinstance(r, PrealignError):
+            raise r
+        results[r["shard"]] = r
+    return [results[s] for s in shards]
+
+
+def _dim_mismatch(fixed: dict[str, int], dims: dict[str, int]) -> str | None:
+    """The first named dim of ``dims`` whose size differs from ``fixed``'s, or None."""
+    return next((d for d, n in dims.items() if fixed.get(d, n) != n), None)
+
+
+def merge_shards(results: list[dict], policy: BadDataPolicy, width: int, *,
+                 where: Callable[[tuple], str] | None = None, schema: BatchSchema | None = None) -> SampleIndex:
+    """Apply the bad-data policy over the records in shard order and build the index.
+
+    The first good sample with a named dim (``K``, ...) fixes its size; a later one with another
+    size is a bad sample (reason ``dim_mismatch``: no micro-batch could hold both), named by
+    ``where(location)`` and, with ``schema``, by the first field declaring the dim."""
+    name = where or (lambda loc: f"location {list(loc)}")
+    gate = BadDataGate(policy)
+    fixed: dict[str, int] = {}
+    fixed_by: dict[str, str] = {}
+    dropped: list[set[int]] = []  # per shard result: good-sample positions left out (dim_mismatch)
+    fields: tuple[str, str] | None = None  # (optional fields present, the sample that fixed them)
+    for res in results:
+        out: set[int] = set()
+        k = 0
+        for ev in res["events"]:
+            if ev[0] == "ok":
+                dims = dict(res["dims"][res["dim_ids"][k]]) if res.get("dims") else {}
+                has = dims.pop(FIELDS_KEY, None)
+                bad = _dim_mismatch(fixed, dims)
+                if has is not None and fields is not None and has != fields[0]:
+                    out.add(k)
+                    who = name(tuple(res["locations"][k]))
+                    mine, first = set(filter(None, has.split(","))), set(filter(None, fields[0].split(",")))
+                    gate.bad("field_mismatch", who, BadSampleError(
+                        sample=who, field=sorted(mine ^ first)[0], reason="field_mismatch",
+                        expected=f"optional fields {sorted(first)} like the first indexed sample ({fields[1]}): a "
+                                 f"micro-batch cannot mix samples with and without a field",
+                        actual=f"fields {sorted(mine)}"))
+                elif bad is None:
+                    if has is not None and fields is None:
+                        fields = (has, name(tuple(res["locations"][k])))
+                    for d in dims.keys() - fixed.keys():
+                        fixed[d], fixed_by[d] = dims[d], name(tuple(res["locations"][k]))
+                    gate.good()
+                else:
+                    out.add(k)
+                    who = name(tuple(res["locations"][k]))
+                    field = next((f.name for f in (schema.of_role(Role.TOKEN) if schema is not None else ())
+                                  if bad in (*f.leading_shape, *f.dense_shape)), None)
+                    gate.bad("dim_mismatch", who, BadSampleError(
+                        sample=who, field=field, reason="dim_mismatch", actual=f"{bad} = {dims[bad]}",
+                        expected=f"{bad} = {fixed[bad]} (fixed by the first indexed sample with it, {fixed_by[bad]})"))
+                k += 1
+            elif ev[0] == "skip":
+                gate.report.add(ev[1], ev[2], ev[3])
+            else:
+                gate.bad(record_reason(ev[2]), ev[1], error_from_record(ev[2]))
+        dropped.append(out)
+
+    def good(key: str):
+        return (v for r, out in zip(results, dropped) for k, v in enumerate(r[key]) if k not in out)
+
+    locs = list(good("locations"))
+    n = len(locs)
+    width = max((len(loc) for loc in locs), default=width)
+    return SampleIndex(lengths=np.fromiter(good("lengths"), np.int64, n),
+                       locations=np.asarray(locs, dtype=np.int64).reshape(n, width),
+                       shards=np.fromiter((r["shard"] for r, out in zip(results, dropped)
+                                           for k in range(len(r["lengths"])) if k not in out), np.int64, n),
+                       report=gate.report, media=np.fromiter((bool(m) for m in good("media")), bool, n), dims=fixed)
+
+
+def build_index(source: Source, schema: BatchSchema, *, policy: BadDataPolicy | None = None,
+                num_workers: int = 0, distributed: bool = False, group=None) -> SampleIndex:
+    """Index every shard of ``source`` (see the module docstring). Raises the first bad sample's
+    typed error under ``OnBadSample.RAISE``; counts it under ``SKIP``.
+
+    ``distributed=True`` with an initialised process group splits the pass by node: rank ``r`` of
+    ``W`` (in ``group``) scans shards ``r, r+W, ...`` (the shard split ``split_dataset_by_node``
+    makes) and the ranks exchange their records, so every rank ends with the same full index.
+    """
+    from prealign.schemas.distributed import all_gather_objects, process_rank_world
+
+
+    rank, world = process_rank_world(group) if distributed else (0, 1)
+    known: dict = {}
+    checked = None
+    failure: BaseException | None = None
+    try:
+        known, checked = check_source(source, schema)  # unreachable / changed shards raise here; sidecar records
+        shards = [s for s in range(source.num_shards) if s not in known]
+        mine: dict = {"results": scan_shards(source, schema, shards[rank::world], num_workers=num_workers)}
+    except Exception as exc:  # noqa: BLE001 - re-raised below: every rank must reach the exchange first
+        if world == 1:
+            raise
+        failure = exc
+        typed = exc if isinstance(exc, PrealignError) else PrealignError(f"{type(exc).__name__}: {exc}")
+        mine = {"rank": rank, "error": typed}
+    parts = all_gather_objects(mine, group) if world > 1 else [mine]
+    failed = [p for p in parts if "error" in p]
+    if failure is not None:
+        raise failure
+    if failed:  # another rank's error, as its own type, on every rank
+        err = failed[0]["error"]
+        err.args = (f"index pass failed on rank {failed[0]['rank']}: {err.args[0] if err.args else ''}", *err.args[1:])
+        raise err
+    results = sorted([*known.values(), *(r for p in parts for r in p["results"])], key=lambda r: r["shard"])
+    if known:  # some shards from their sidecars (merge_records falls back to merge_shards unless all are)
+        index = merge_records(results, policy or BadDataPolicy(), where=source.where, schema=schema)
+    else:
+        index = merge_shards(results, policy or BadDataPolicy(), width=1, where=source.where, schema=schema)
+    index = dataclasses.replace(index, source_shards=checked)
+    if len(index) == 0:
+        raise BadSampleError(sample=None, field=None, expected="at least one good sample in the source",
+                             actual=f"none ({index.report.to_dict()['counts']})")
+    return index
+def merge_records(results: list[dict], policy, *, where, schema):
+    """:func:`~prealign.loaders.index.build.merge_shards` for records read from sidecars, vectorised: the same
+    index and report (the bad-data policy applied to the recorded bad events in stream order), at a cost
+    per shard and per bad event instead of per sample. Falls back to ``merge_shards`` when any record is
+    not a sidecar's or two shards disagree on a named dim (its per-sample ``dim_mismatch`` handling)."""
+    def per_sample():  # the records as index_shard gives them
+        return merge_shards([_with_locations(r) for r in results], policy, width=4, where=where, schema=schema)
+
+    fixed: dict = {}
+    for r in results:
+        if not r.get("sidecar"):
+            return per_sample()
+        for d in r["dims"]:
+            if any(fixed.get(k, v) != v for k, v in d.items()):
+                return per_sample()
+            fixed.update(d)
+    gate = BadDataGate(policy)
+    for r in results:
+        pos = 0
+        for at, ev in r["bad_events"]:
+            if at > pos:
+                gate.good()  # an ok record between bad ones resets the consecutive count
+            pos = at + 1
+            if ev[0] == "skip":
+                gate.report.add(ev[1], ev[2], ev[3])
+            else:
+                gate.bad(record_reason(ev[2]), ev[1], error_from_record(ev[2]))
+        if len(r["events"]) > pos:
+            gate.good()
+    fixed.pop(FIELDS_KEY, None)  # which optional fields the samples have: agreed above, not a named dim
+
+    def cat(key: str, dtype) -> np.ndarray:
+        return np.concatenate([np.asarray(r[key], dtype=dtype) for r in results]) if results else np.zeros(0, dtype)
+
+    shards = np.repeat(np.asarray([r["shard"] for r in results], np.int64), [len(r["lengths"]) for r in results])
+    locations = np.empty((shards.size, 4), np.int64)
+    locations[:, 0] = shards
+    if shards.size:
+        np.concatenate([r["spans"] for r in results], out=locations[:, 1:])
+    return SampleIndex(lengths=cat("lengths", np.int64), locations=locations, shards=shards,
+                       report=gate.report, media=cat("media", bool), dims=fixed)
+
+
+def _with_locations(record: dict) -> dict:
+    """A record with ``locations [N, 4]`` (shard, start, end, checksum): a sidecar's gets them from its spans."""
+    if "locations" in record:
+        return record
+    n = len(record["lengths"])
+    return {**record, "locations": np.concatenate([np.full((n, 1), record["shard"], np.int64), record["spans"]], axis=1)}

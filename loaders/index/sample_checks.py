@@ -1,0 +1,86 @@
+"""What the index pass checks of each sample: the collator's own validation, the optional fields a
+sample may have, and whether it carries media."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from prealign.collate.samples import flatten, sample_token_keys
+from prealign.collate.thd import THDCollator
+from prealign.schemas.errors import ConfigError, SampleError
+from prealign.schemas.layout import ParallelLayout
+from prealign.schemas.schema import BatchSchema, Role
+
+
+def media_keys(schema: BatchSchema) -> tuple[str, ...]:
+    """Sample keys of the schema's MEDIA fields (``pixel_values``, ``image_grid_thw``, ...)."""
+    return tuple(spec.name for spec in schema.of_role(Role.MEDIA))
+
+
+def has_media(sample: dict, keys: tuple[str, ...]) -> bool:
+    """True when a MEDIA field (``keys``, see :func:`media_keys`) of ``sample`` has at least one row
+    (an image, a video, ...); a text-only VLM sample (``pixel_values [0, patch_dim]``) has none."""
+    for key in keys:
+        value = sample.get(key)
+        if value is None:
+            continue
+        shape = getattr(value, "shape", None)
+        shape = tuple(np.shape(value)) if shape is None else tuple(shape)
+        if not shape or shape[0] > 0:
+            return True
+    return False
+
+
+VALIDATION_CHUNK = 64
+
+
+FIELDS_KEY = "fields"
+"""Key of the per-sample record of which optional sample fields it has (not kept in ``SampleIndex.dims``)."""
+
+
+def optional_keys(schema: BatchSchema) -> tuple[str, ...]:
+    """Sample keys the collator reads that a sample may have or lack (``labels``, ``loss_mask``, ...):
+    every sample of one index must agree on them, since a micro-batch cannot mix them."""
+    keys = {k for k, _ in sample_token_keys(schema)}
+    for spec in schema.of_role(Role.TOKEN):
+        keys.update(spec.sample_keys)
+    return tuple(sorted(keys - {"input_ids"}))
+
+
+def _collate_check(samples: list[dict], schema: BatchSchema) -> tuple[list[int], dict[str, int]]:
+    """Run the loader's collator on ``samples`` as one unsharded micro-batch (shapes, dtypes, value
+    bounds of every row): their token lengths and what they fix for every later sample: the named
+    dims (``{"K": 64}``) and each field's dtype (``{"dtype[teacher_topk_log_probs]": "bfloat16"}``;
+    a batch never mixes dtypes). Raises the collator's :class:`SampleError` (or anything else)."""
+    THDCollator(schema=schema, layout=ParallelLayout(), cp_rank=None)(samples)
+    flat = flatten(samples, schema, check_values=False)  # passed the same checks above: lengths and dims
+    return flat.lengths.tolist(), {**flat.dims, **{f"dtype[{k}]": v for k, v in flat.dtypes.items()}}
+
+
+def validated(samples: list[dict], schema: BatchSchema) -> list[tuple[int, dict[str, int]] | SampleError]:
+    """(token length, named dims) of each sample, or the collator's error for it. One collator call
+    for the whole chunk on the happy path; one per sample (the same function) only when the chunk
+    fails (or its samples' tensors differ in dtype or rank, which a concatenation could hide by
+    type promotion). Samples accepted alone may still disagree on a named dim: the dims returned let
+    :func:`merge_shards` hold each to the first accepted sample's."""
+    if not samples:
+        return []
+    first = samples[0]
+    sig = {k: (v.dtype, v.ndim) for k, v in first.items() if isinstance(v, torch.Tensor)}
+    if all(len(s) == len(first) and all(isinstance(s.get(k), torch.Tensor) and (s[k].dtype, s[k].ndim) == d
+                                        for k, d in sig.items()) for s in samples):
+        try:
+            lengths, dims = _collate_check(samples, schema)
+            return [(n, dims) for n in lengths]
+        except Exception:  # noqa: BLE001 - diagnosed sample by sample below
+            pass
+    out: list[tuple[int, dict[str, int]] | SampleError] = []
+    for s in samples:
+        try:
+            lengths, dims = _collate_check([s], schema)
+            out.append((lengths[0], dims))
+        except ConfigError:
+            raise
+        except SampleError as exc:  # anything else the collator raises is a bug, and propagates
+            out.append(exc)
+    return out
