@@ -276,13 +276,13 @@ def test_a_forked_child_dropping_its_copy_keeps_the_parents_hold():
 
 
 def test_an_error_building_a_received_batch_is_carried_not_raised_in_the_queue():
-    from prealign.loaders.serve.workers import Carried
+    from prealign.loaders.errors import ShareRecordError
 
     pool = slots.SlotPool()
     slot = pool.take(8)
     slot.hold([0])
     got = pickle.loads(pickle.dumps(slots.send(slot, 8, 0, _broken)))
-    assert isinstance(got, Carried) and "could not be mapped or built" in got.rebuild().args[0]
+    assert isinstance(got, ShareRecordError) and "could not be mapped or built" in got.args[0]
     gc.collect()
     assert slot.free()  # the mapping it made was let go
     pool.close()
