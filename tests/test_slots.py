@@ -321,7 +321,7 @@ def test_the_sweep_removes_the_slots_of_a_dead_process_at_once(tmp_path):
     d.mkdir(mode=0o700)
     live = slots.SlotPool(slots.named_in(str(d)))
     held = live.take(8)
-    code = f"from prealign.loaders import slots; slots.SlotPool(slots.named_in({str(d)!r})).take(8)"
+    code = f"from prealign.loaders.handoff import slots; slots.SlotPool(slots.named_in({str(d)!r})).take(8)"
     subprocess.run([sys.executable, "-c", code], check=True)  # exits without closing its pool (as if killed)
     (d / "slot-1-0").write_bytes(b"x")  # a name whose pid is alive (init) but nobody holds: stale
     assert len(os.listdir(d)) == 3
