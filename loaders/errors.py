@@ -65,6 +65,7 @@ class CorruptShardError(PrealignError):
     the file, unreadable URL); counted under ``reason`` (``corrupt_shard``) by the bad-data policy."""
 
     reason = "corrupt_shard"
+    shard = offset = cause = None  # when rebuilt from its message alone (see PrealignError)
 
     def __init__(self, shard: str, offset: int, cause: str):
         self.shard, self.offset, self.cause = shard, offset, cause
@@ -108,6 +109,8 @@ class IndexMismatchError(ConfigError):
     """A reused index (sidecars, a saved :class:`~prealign.loaders.index.sample_index.SampleIndex`) does not describe the
     data the loader was given: ``.shard`` names the shard, ``.difference`` says what differs. Raised when the
     loader prepares (:meth:`~prealign.loaders.loader.PackedLoader.prepare` or first use), before any batch, under every bad-data policy (never counted as bad data)."""
+
+    shard = difference = None  # when rebuilt from its message alone (see PrealignError)
 
     def __init__(self, shard: str | None, difference: str, hint: str = ""):
         self.shard, self.difference = shard, difference

@@ -1,6 +1,9 @@
 """Typed errors. Every one is a ``ValueError`` so existing ``except ValueError`` handlers keep working."""
 from __future__ import annotations
 
+import functools
+import inspect
+
 
 def _rebuilt(cls: type, args: tuple, state: dict) -> "PrealignError":
     """``cls`` with ``args`` and attributes ``state``, its constructor not called (subclasses take other arguments)."""
@@ -24,6 +27,29 @@ class PrealignError(ValueError):
 
     def __reduce__(self):
         return _rebuilt, (type(self), self.args, self.__dict__)
+
+    def __init_subclass__(cls, **kwargs):
+        """A subclass whose own constructor cannot take a lone message (``SampleError(sample=..., ...)``)
+        is also built by ``cls(message)``: torch's DataLoader re-raises an exception raised in a worker
+        as ``type(exc)(message)``, so a plain ``DataLoader(collate_fn=THDCollator(...), num_workers=2)``
+        keeps the error's type (its attributes are then None, the message names them)."""
+        super().__init_subclass__(**kwargs)
+        init = cls.__dict__.get("__init__")
+        if init is None:
+            return
+        signature = inspect.signature(init)
+
+        @functools.wraps(init)
+        def init_or_message(self, *args, **kw):
+            if len(args) == 1 and not kw and isinstance(args[0], str):
+                try:
+                    signature.bind(self, *args)
+                except TypeError:  # a message alone: what torch passes when it re-raises
+                    ValueError.__init__(self, args[0])
+                    return
+            init(self, *args, **kw)
+
+        cls.__init__ = init_or_message
 
 
 class ConfigError(PrealignError):
@@ -58,6 +84,8 @@ class SampleError(PrealignError):
     pipeline can log or skip exactly that sample.
     """
 
+    sample = field = expected = actual = None  # when rebuilt from its message alone (see PrealignError)
+
     def __init__(self, *, sample: int | None, field: str | None, expected: str, actual: str, hint: str = ""):
         self.sample, self.field, self.expected, self.actual = sample, field, expected, actual
         where = "batch" if sample is None else f"sample {sample}"
@@ -74,6 +102,10 @@ class BatchValidationError(PrealignError):
     """``validate_batch`` found violations; ``.violations`` lists every one."""
 
     def __init__(self, violations):
+        if isinstance(violations, str):  # rebuilt from its message alone (see PrealignError)
+            self.violations = []
+            super().__init__(violations)
+            return
         self.violations = list(violations)
         lines = "\n".join(f"  - {v}" for v in self.violations)
         super().__init__(f"{len(self.violations)} batch schema violation(s):\n{lines}")
