@@ -311,12 +311,14 @@ class SharedFolder:
             for p in (path + ".bin", path + ".err", *readers, path + ".claim"):
                 _unlink(p)
 
-    def _sweep(self) -> None:
-        """Delete entries older than ``ttl`` (at most once per ``ttl / 4`` seconds per process)."""
+    def _sweep(self, last: dict[str, float] | None = None) -> None:
+        """Delete entries older than ``ttl`` (at most once per ``ttl / 4`` seconds per process, by ``last``:
+        when each folder was last swept, this process's record by default)."""
+        last = _LAST_SWEEP if last is None else last
         now, d = time.time(), self.directory
-        if now - _LAST_SWEEP.get(d, 0.0) < self.ttl / 4:
+        if now - last.get(d, 0.0) < self.ttl / 4:
             return
-        _LAST_SWEEP[d] = now
+        last[d] = now
         try:
             with os.scandir(d) as it:
                 for entry in it:
