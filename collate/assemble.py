@@ -33,6 +33,7 @@ def token_fields(schema: BatchSchema, flat: FlatBatch, plan: GatherPlan,
     out: dict[str, torch.Tensor] = {}
     labels_spec = next((f for f in schema.of_role(Role.TOKEN) if f.source is Source.NEXT_TOKEN), None)
     labels_from_ids = labels_spec is not None and resolve_key(labels_spec, flat.token.keys()) == "input_ids"
+    id_max = next((f.max_value for f in schema.of_role(Role.TOKEN) if f.name == "input_ids"), None)
     for spec in _build_order(schema):
         p = plan if spec.cp_sharded or unsharded_plan is None else unsharded_plan()
         if spec.source in (Source.SAMPLE, Source.NEXT_TOKEN):
@@ -42,8 +43,10 @@ def token_fields(schema: BatchSchema, flat: FlatBatch, plan: GatherPlan,
             index = p.src if spec.source is Source.SAMPLE else p.take_src_next()
             # bounds are checked on every row, not only this CP rank's: a bad token held by another
             # rank must fail here too, or this rank would go on into the next collective alone
-            checked = checked_spec(spec, schema.ignore_index) if flat.check_values else None
-            check = (lambda rows, first, c=checked, key=key: check_value_bounds(rows, c[0], key, flat, first, c[1])) \
+            # labels read from input_ids were checked as input_ids; a sample's own labels are checked here
+            own = spec.source is Source.SAMPLE or key != "input_ids"
+            checked = checked_spec(spec, schema.ignore_index, id_max) if flat.check_values and own else None
+            check = (lambda rows, first, c=checked, key=key: check_value_bounds(rows, c[0], key, flat, first, *c[1:])) \
                 if checked is not None else None
             out[spec.name] = gather(flat.token[key], index, p, flat, check)
             continue
@@ -150,7 +153,7 @@ def _loss_mask(spec, schema: BatchSchema, flat: FlatBatch, plan: GatherPlan, lab
         return mask.index_fill_(0, plan.last_slots, 0)
     mask = ((labels != schema.ignore_index) if labels is not None else ~plan.is_pad).to(spec.dtype)
     if sample_mask is not None:
-        checked = checked_spec(_SAMPLE_WEIGHTS, schema.ignore_index) if flat.check_values else None
+        checked = checked_spec(_SAMPLE_WEIGHTS, schema.ignore_index) if flat.check_values else None  # no labels
         check = (lambda rows, first: check_value_bounds(rows, checked[0], "loss_mask", flat, first)) \
             if checked is not None else None
         mask.mul_(gather(sample_mask, plan.src_next, plan, flat, check).to(spec.dtype))

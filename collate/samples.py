@@ -432,27 +432,37 @@ def _in_unsigned_range(rows: torch.Tensor, lo, hi) -> bool:
 
 
 @functools.lru_cache(maxsize=64)
-def checked_spec(spec: FieldSpec, ignore_index: int) -> tuple[FieldSpec, int | None] | None:
-    """``(bounds to enforce, a value also refused)`` on a TOKEN field's real rows, or None: the
-    declared ``finite`` / ``min_value`` / ``max_value``; ``input_ids`` are moreover always ``>= 0``
-    and never the ignore index (an id of -100 would give label -100 with loss weight 1)."""
+def checked_spec(spec: FieldSpec, ignore_index: int, id_max: float | None = None
+                 ) -> tuple[FieldSpec, int | None, int | None] | None:
+    """``(bounds to enforce, a value also refused, a value also accepted)`` on a TOKEN field's real rows,
+    or None: the declared ``finite`` / ``min_value`` / ``max_value``; ``input_ids`` are moreover always
+    ``>= 0`` and never the ignore index (an id of -100 would give label -100 with loss weight 1); a
+    sample's own labels (a NEXT_TOKEN field) are token ids in ``[0, id_max]`` (``input_ids``' bounds, the
+    vocabulary) or the ignore index: a label of 99 with a vocabulary of 10, or -5, would be trained on."""
     if spec.name == "input_ids":
         if spec.min_value is None or spec.min_value < 0:
             spec = dataclasses.replace(spec, min_value=0)
         hi = spec.max_value
         refused = ignore_index if ignore_index >= spec.min_value and (hi is None or ignore_index <= hi) else None
-        return spec, refused
-    return (spec, None) if spec.has_bounds else None
+        return spec, refused, None
+    if spec.source is Source.NEXT_TOKEN:
+        lo = 0 if spec.min_value is None else spec.min_value
+        hi = id_max if spec.max_value is None else spec.max_value
+        return dataclasses.replace(spec, min_value=lo, max_value=hi), None, ignore_index
+    return (spec, None, None) if spec.has_bounds else None
 
 
 def check_value_bounds(rows: torch.Tensor, spec: FieldSpec, key: str, flat: FlatBatch, first_row: int = 0,
-                       refused: int | None = None) -> None:
+                       refused: int | None = None, accepted: int | None = None) -> None:
     """finite / min / max declared on the spec, over real ``rows`` ``[*leading, n, *dense]`` (global
-    rows ``first_row ..``), in one reduction (two when a ``refused`` value lies inside the bounds); on
-    failure the first bad row names sample and token."""
+    rows ``first_row ..``), in one reduction (two when a ``refused`` value lies inside the bounds, one
+    more op when an ``accepted`` value may lie outside them); on failure the first bad row names
+    sample and token."""
     lo, hi = spec.min_value, spec.max_value
     if (lo is None and hi is None and not spec.finite) or rows.numel() == 0:
         return
+    if accepted is not None:  # e.g. the ignore index among a sample's own labels: checked as an in-range value
+        rows = rows.masked_fill(rows == accepted, lo if lo is not None else (hi if hi is not None else 0))
     hit = refused is not None and bool((rows == refused).any())
     if not hit and _in_unsigned_range(rows, lo, hi):
         return
@@ -478,7 +488,8 @@ def check_value_bounds(rows: torch.Tensor, spec: FieldSpec, key: str, flat: Flat
     i = int(torch.searchsorted(flat.cu_seqlens, row, right=True)) - 1
     value = v[local][bad[local]][0].item()
     rng = f"[{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
-    other = f" other than {refused} (the ignore index)" if refused is not None else ""
+    other = f" other than {refused} (the ignore index)" if refused is not None else (
+        f", or {accepted} (the ignore index)" if accepted is not None else "")
     raise SampleError(sample=i, field=key, expected=f"{'finite ' if spec.finite else ''}values in {rng}{other}",
                       actual=f"{value} at token {row - int(flat.cu_seqlens[i])}")
 

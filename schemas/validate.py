@@ -293,6 +293,7 @@ class _Checker:
                 self.bad(f"{name}[slot {k}]", f"{spec.pad_value} on a sequence's last token (labels never cross "
                          "a sequence boundary)", int(flat[k]))
             self.check_labels_follow_tokens(spec, flat, slots)
+            self.check_label_ids(spec, flat, slots)
 
     def check_bounds(self, spec, flat: torch.Tensor, slots) -> None:
         """The declared finite / min / max on the real slots (e.g. teacher log-probs finite and <= 0)."""
@@ -308,6 +309,20 @@ class _Checker:
             hi = "inf" if spec.max_value is None else spec.max_value
             self.bad(f"{spec.name}[slot {k}]", f"{'finite ' if spec.finite else ''}values in [{lo}, {hi}] "
                      f"({int(bad.sum())} bad)", v[bad][0].item())
+
+    def check_label_ids(self, spec, labels: torch.Tensor, slots) -> None:
+        """Real slots' labels are the ignore index or token ids: ``>= 0`` and within ``input_ids``' declared
+        bounds (the vocabulary). A label outside them is trained on with weight 1 (a device-side assert in
+        the loss on a GPU, or a silently wrong target)."""
+        ids_spec = next((f for f in self.schema.fields if f.name == "input_ids"), None)
+        hi = None if ids_spec is None else ids_spec.max_value
+        v = labels[~slots.is_pad]
+        wrong = (v != self.schema.ignore_index) & ((v < 0) | ((v > hi) if hi is not None else False))
+        if bool(wrong.any()):
+            k = int(torch.nonzero(~slots.is_pad)[int(torch.nonzero(wrong)[0])])
+            top = f"[0, {int(hi)}]" if hi is not None else ">= 0"
+            self.bad(f"{spec.name}[slot {k}]", f"the ignore index {self.schema.ignore_index} or a token id in {top}",
+                     int(labels[k]))
 
     def check_token_ids(self, ids: torch.Tensor, slots) -> None:
         """Real token ids are >= 0 and never the ignore index (else a label would silently vanish)."""
