@@ -75,8 +75,9 @@ def to_packed_seq_params(batch: dict, *, convention: PackedSeqConvention | str =
                             f"{tuple(true.shape)} and {tuple(padded.shape)}")
     if batch["max_seqlen"].numel() != 1:
         raise ArgumentError(f"batch: expected max_seqlen int32 [1], got shape {tuple(batch['max_seqlen'].shape)}")
-    q = padded if convention is PackedSeqConvention.PADDED else true
     max_seqlen = int(batch["max_seqlen"].reshape(-1)[0])
+    _check_offsets(true, padded, max_seqlen)
+    q = padded if convention is PackedSeqConvention.PADDED else true
     kwargs = dict(qkv_format="thd", cu_seqlens_q=q, cu_seqlens_kv=q, cu_seqlens_q_padded=padded,
                   cu_seqlens_kv_padded=padded, max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen)
     known = _known_fields(PackedSeqParams)
@@ -90,3 +91,22 @@ def to_packed_seq_params(batch: dict, *, convention: PackedSeqConvention | str =
     if "total_tokens" in known:
         kwargs["total_tokens"] = int(padded[-1])
     return PackedSeqParams(**kwargs)
+
+
+def _check_offsets(true: torch.Tensor, padded: torch.Tensor, max_seqlen: int) -> None:
+    """The offsets TE and megatron-core read describe a packed batch: both start at 0 and never
+    decrease, each padded length ``P_i`` holds its true length ``L_i`` (``P_i >= L_i``), and
+    ``max_seqlen`` bounds every ``P_i`` (TE sizes its kernels by it: a smaller one reads out of bounds)."""
+    lengths, padded_lengths = true.diff(), padded.diff()
+    if int(true[0]) != 0 or int(padded[0]) != 0 or bool((lengths < 0).any()) or bool((padded_lengths < 0).any()):
+        raise ArgumentError(f"batch: expected cu_seqlens and cu_seqlens_padded starting at 0 and non-decreasing, got "
+                            f"{true.tolist()[:8]} and {padded.tolist()[:8]}")
+    short = torch.nonzero(padded_lengths < lengths).reshape(-1)
+    if short.numel():
+        i = int(short[0])
+        raise ArgumentError(f"batch: expected each padded length >= its true length (cu_seqlens_padded holds "
+                            f"cu_seqlens), got sequence {i} padded to {int(padded_lengths[i])} < {int(lengths[i])}")
+    longest = int(padded_lengths.max())
+    if max_seqlen < max(longest, 1):
+        raise ArgumentError(f"batch: expected max_seqlen >= the longest padded sequence ({max(longest, 1)}), got "
+                            f"{max_seqlen}")
