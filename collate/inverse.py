@@ -29,7 +29,8 @@ from .indices import cp_chunks, global_slots, real_rows
 
 
 def _check_shards(shards: Sequence[torch.Tensor], dim: int, cp_size) -> int:
-    """The CP size the shards describe (their count), checked against ``cp_size`` when given."""
+    """The CP size the shards describe (their count), checked against ``cp_size`` when given; the shards
+    agree in shape, dtype and device."""
     if isinstance(shards, torch.Tensor) or not isinstance(shards, Sequence) or not shards:
         raise ArgumentError(f"shards: expected a list of one tensor per CP rank, got "
                             f"{type(shards).__name__ if not isinstance(shards, Sequence) or shards else 'none'}")
@@ -41,6 +42,9 @@ def _check_shards(shards: Sequence[torch.Tensor], dim: int, cp_size) -> int:
     for r, s in enumerate(shards):
         if s.shape != ref:
             raise ArgumentError(f"shards: shard of CP rank {r} has shape {tuple(s.shape)}, rank 0 has {tuple(ref)}")
+        if s.dtype != shards[0].dtype or s.device != shards[0].device:  # torch.cat would promote or fail later
+            raise ArgumentError(f"shards: expected one dtype and device (rank 0's {shards[0].dtype} on "
+                                f"{shards[0].device}), got {s.dtype} on {s.device} from CP rank {r}")
     if cp_size is not None and cp_size != len(shards):
         raise ArgumentError(f"shards: expected cp_size={cp_size} shards (one per CP rank), got {len(shards)}")
     return len(shards)

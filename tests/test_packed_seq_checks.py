@@ -42,3 +42,16 @@ def test_offsets_that_describe_no_packed_batch_are_refused(edit, words):
     edit(batch)
     with pytest.raises(ArgumentError, match=words):
         to_packed_seq_params(batch)
+
+
+@pytest.mark.parametrize("unshard", ["thd", "bshd"])
+def test_shards_of_mixed_dtypes_are_refused_not_promoted(unshard):
+    from prealign.collate import unshard_bshd, unshard_cp
+
+    shards = [batch_of([5, 9, 2], rank=r)["input_ids"] for r in range(2)]
+    shards[1] = shards[1].to(torch.int32)
+    with pytest.raises(ArgumentError, match="one dtype"):
+        if unshard == "thd":
+            unshard_cp(shards, cu_seqlens_padded=batch_of([5, 9, 2])["cu_seqlens_padded"])
+        else:
+            unshard_bshd([s.reshape(1, -1) for s in shards])
