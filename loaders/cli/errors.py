@@ -12,6 +12,8 @@ line per cause, each with an example, under the error line.
 from __future__ import annotations
 
 import os
+import sys
+import traceback
 
 from prealign.schemas.errors import ConfigError, LayoutError, PrealignError, SchemaError
 
@@ -79,6 +81,8 @@ def hint_for(exc: BaseException) -> str:
         return "check the path"
     if isinstance(exc, PermissionError):
         return "choose a path you can read and write"
+    if isinstance(exc, ImportError):
+        return "install the missing package (remote shards: pip install 'prealign[remote]', gs:// also gcsfs)"
     if isinstance(exc, ConfigError):
         return "check the arguments (prealign <command> --help)"
     return "run with --debug for the traceback"
@@ -91,6 +95,23 @@ def error_lines(exc: BaseException) -> list[str]:
     if isinstance(exc, NothingLoadedError):
         lines += exc.cause_lines()
     return lines
+
+
+def run_reporting(parser, argv: list[str]) -> int:
+    """Parse ``argv`` with ``parser`` and run the command it names (``args.func(args)``); a person's mistake
+    or unusable input (a :class:`PrealignError`, an ``OSError``, a missing optional package) becomes
+    :func:`error_lines` on stderr and exit code 2, with the traceback when ``--debug`` is among ``argv``."""
+    try:
+        args = parser.parse_args(argv)
+        return args.func(args)
+    except KeyboardInterrupt:
+        return 130
+    except (PrealignError, OSError, ImportError) as exc:
+        if "--debug" in argv:
+            traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.write("\n".join(error_lines(exc)) + "\n")
+        return 2
 
 
 def _strip(message: str, where: str, reason: str) -> str:

@@ -31,6 +31,7 @@ def add_parser(sub) -> None:
     p.add_argument("--vocab-size", type=int, default=None, help="bound teacher ids (text mode)")
     p.add_argument("--full", action="store_true", help="run the full transform on every sample (no header rule)")
     p.add_argument("--force", action="store_true", help="re-index shards whose sidecar is up to date")
+    p.add_argument("--debug", action="store_true", help="show the traceback of an error")
     p.add_argument("--header-only", action="store_true", help="VLM: read image headers only, no pixel decode "
                                                              "(a corrupt image body is found when loaded)")
     p.set_defaults(func=cmd_index)
@@ -82,21 +83,22 @@ class Progress:
 
 
 def cmd_index(args) -> int:
+    from prealign.loaders.cli import preflight
     from prealign.loaders.index.header_pass import write_sidecars
-    from prealign.schemas.errors import PrealignError
+    from prealign.loaders.sources.webdataset import expand_urls
 
-    try:
-        source, schema = source_and_schema(args)
-        rank, world = _rank_world()
-        shards = list(range(source.num_shards))[rank::world]
-        label = "prealign index" + (f" (rank {rank}/{world})" if world > 1 else "")
-        t0 = time.perf_counter()
-        stats = write_sidecars(source, schema, out_dir=args.out, workers=max(args.workers, 1), full=args.full,
-                               force=args.force, shards=shards, progress=Progress(label),
-                               verify_images=not args.header_only)
-    except PrealignError as exc:
-        print(f"prealign index: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 2
+    preflight.check_int("--workers", args.workers, 1)
+    preflight.check_topk_vocab(args)
+    preflight.check_dir("--out", args.out)
+    preflight.check_shards(expand_urls(args.shards))
+    source, schema = source_and_schema(args)
+    rank, world = _rank_world()
+    shards = list(range(source.num_shards))[rank::world]
+    label = "prealign index" + (f" (rank {rank}/{world})" if world > 1 else "")
+    t0 = time.perf_counter()
+    stats = write_sidecars(source, schema, out_dir=args.out, workers=args.workers, full=args.full,
+                           force=args.force, shards=shards, progress=Progress(label),
+                           verify_images=not args.header_only)
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
@@ -108,10 +110,12 @@ def cmd_index(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:  # for `python -m prealign.loaders.cli.index_cmd`
+    from prealign.loaders.cli.errors import run_reporting
+
     parser = argparse.ArgumentParser(prog="prealign")
     add_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["index", *(sys.argv[1:] if argv is None else argv)])
-    return args.func(args)
+    argv = ["index", *(sys.argv[1:] if argv is None else argv)]
+    return run_reporting(parser, argv)
 
 
 if __name__ == "__main__":

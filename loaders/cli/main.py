@@ -11,12 +11,13 @@ import argparse
 import sys
 import tempfile
 import time
-import traceback
 
 from prealign.loaders.cli import preflight
-from prealign.loaders.cli.errors import UsageError, error_lines
-from prealign.schemas.errors import PrealignError
+from prealign.loaders.cli.errors import UsageError, run_reporting
 from prealign.schemas.layout import ParallelLayout
+
+DEMO_MAX_SAMPLES = 100_000
+"""The demo builds its data in a temp folder (about 6 KB a sample): beyond this, inspect your own data."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -80,17 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the command; a person's mistake (or unusable input) is one ``prealign: error: ... (hint: ...)``
     line on stderr and exit code 2 (``--debug`` adds the traceback)."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    try:
-        args = build_parser().parse_args(argv)
-        return args.func(args)
-    except KeyboardInterrupt:
-        return 130
-    except (PrealignError, OSError) as exc:
-        if "--debug" in argv:
-            traceback.print_exc()
-        sys.stdout.flush()
-        sys.stderr.write("\n".join(error_lines(exc)) + "\n")
-        return 2
+    return run_reporting(build_parser(), argv)
 
 
 # ---- commands ----------------------------------------------------------------------------------------
@@ -102,8 +93,8 @@ def cmd_demo(args) -> int:
     from prealign.schemas.vlm import vlm_schema
 
     layout = _check_common(args)
-    preflight.check_int("--samples", args.samples, 1)
-    preflight.check_int("--topk", args.topk, 1)
+    preflight.check_int("--samples", args.samples, 1, high=DEMO_MAX_SAMPLES)
+    preflight.check_int("--topk", args.topk, 1, high=ByteTokenizer().vocab_size)
     preflight.check_dir("--keep", args.keep)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="prealign-demo-") as tmp:
@@ -130,8 +121,7 @@ def cmd_inspect(args) -> int:
         raise UsageError("inspect takes webdataset shards or --hf PATH" + (", not both" if args.shards else ""),
                          hint="e.g. prealign inspect data/shard-{000..009}.tar, or prealign inspect --hf train.jsonl")
     layout = _check_common(args)
-    preflight.check_int("--topk", args.topk, 0)
-    preflight.check_int("--vocab-size", args.vocab_size, 1, optional=True)
+    preflight.check_topk_vocab(args)
     preflight.check_int("--limit", args.limit, 1, optional=True)
     topk = args.topk or None
     if args.text:
@@ -161,6 +151,7 @@ def _check_common(args) -> ParallelLayout:
     for name in ("tp", "cp"):
         preflight.check_int(f"--{name}", getattr(args, name), 1)
     preflight.check_int("--workers", args.workers, 0)
+    preflight.check_int("--seed", args.seed, 0, high=2**63 - 1)
     preflight.check_int("--rows", args.rows, 2)
     preflight.check_int("--token-budget", args.token_budget, 1)
     layout = ParallelLayout(tp=args.tp, cp=args.cp)

@@ -16,13 +16,32 @@ _BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "
              ".txt": "text", ".arrow": "arrow"}
 
 
-def check_int(name: str, value: int | None, low: int, *, optional: bool = False) -> None:
-    """``--name`` must be an int >= ``low`` (or absent, when ``optional``)."""
+def check_int(name: str, value: int | None, low: int, *, high: int | None = None, optional: bool = False) -> None:
+    """``--name`` must be an int in ``[low, high]`` (or absent, when ``optional``)."""
     if value is None and optional:
         return
     if value is None or value < low:
         raise UsageError(f"{name}: expected an int >= {low}, got {value}",
                          hint=f"give {name} {max(low, 1)} or more" if low > 0 else f"give {name} 0 or more")
+    if high is not None and value > high:
+        raise UsageError(f"{name}: expected an int <= {high:,}, got {value:,}", hint=f"give {name} {high:,} or less")
+
+
+def check_topk_vocab(args) -> None:
+    """``--topk`` (0: none) and ``--vocab-size`` (ids are ``< vocab_size``): a top-k larger than the
+    vocabulary (the demo tokenizer's in VLM mode) names ids that cannot all differ."""
+    from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
+
+    check_int("--vocab-size", args.vocab_size, 1, optional=True)
+    vocab = args.vocab_size if args.text else ByteTokenizer().vocab_size
+    check_int("--topk", args.topk, 0, high=vocab if vocab is not None else MAX_TOPK)
+
+
+MAX_TOPK = 1 << 20
+"""A teacher top-k larger than any vocabulary in use (the largest are about 256k tokens)."""
+
+REMOTE_BACKENDS = {"http": None, "https": None, "s3": "s3fs", "gs": "gcsfs", "gcs": "gcsfs"}
+"""URL schemes shards are read from, and the fsspec backend each needs (also ``pipe:`` commands and paths)."""
 
 
 def check_out(path: str) -> None:
@@ -49,15 +68,23 @@ def check_dir(option: str, path: str | None) -> None:
 
 
 def check_shards(urls: list[str]) -> None:
-    """Every local shard exists, is a file and is a plain (uncompressed) tar; remote URLs are left to the
-    index pass (reported per shard)."""
+    """Every local shard exists (all missing ones named at once), is a file and is a plain (uncompressed)
+    tar; a remote URL has a scheme and backend the loaders read (:func:`check_remote`), its shards are
+    checked by the index pass."""
+    missing = [url for url in urls if "://" not in url.removeprefix("file://") and not url.startswith("pipe:")
+               and not os.path.exists(url.removeprefix("file://"))]
+    if missing:
+        more = f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise UsageError(f"no such shard{'s' if len(missing) > 1 else ''}: {', '.join(missing[:5])}{more}",
+                         hint="check the path; brace patterns like shard-{000..009}.tar are expanded, quote them "
+                              "for the shell")
     for url in urls:
         path = url.removeprefix("file://")
-        if "://" in path or path.startswith("pipe:"):
+        if path.startswith("pipe:"):
             continue
-        if not os.path.exists(path):
-            raise UsageError(f"no such shard: {url}", hint="check the path; brace patterns like "
-                             "shard-{000..009}.tar are expanded, quote them for the shell")
+        if "://" in path:
+            check_remote(url)
+            continue
         if os.path.isdir(path):
             raise UsageError(f"{url}: is a folder, not a shard", hint=f"give the shards in it, e.g. {url}/*.tar")
         with open(path, "rb") as f:
@@ -65,6 +92,35 @@ def check_shards(urls: list[str]) -> None:
         if magic[:2] == b"\x1f\x8b" or magic[:3] == b"BZh" or magic == b"\xfd7zXZ\x00" or magic[:4] == b"\x28\xb5\x2f\xfd":
             raise UsageError(f"{url}: a compressed file; shards are read by byte range from plain tars",
                              hint=f"decompress it first, e.g. gunzip -k {path}")
+
+
+def check_remote(url: str) -> None:
+    """A remote shard URL the loaders can read: a known scheme, its backend installed, and for ``s3://``
+    credentials botocore can find (the command has no way to pass others)."""
+    import importlib.util
+
+    scheme = url.split("://", 1)[0].lower()
+    if scheme not in REMOTE_BACKENDS:
+        raise UsageError(f"{url}: shards are not read over {scheme}://",
+                         hint=f"use one of {', '.join(s + '://' for s in REMOTE_BACKENDS)}, a path or pipe:CMD")
+    backend = REMOTE_BACKENDS[scheme]
+    if backend is None:
+        return
+    for package in ("fsspec", backend):
+        if importlib.util.find_spec(package) is None:
+            raise UsageError(f"{url}: reading {scheme}:// needs the package {package}, which is not installed",
+                             hint="pip install 'prealign[remote]'" + (" gcsfs" if backend == "gcsfs" else ""))
+    if scheme == "s3" and not _has_aws_credentials():
+        raise UsageError(f"{url}: no AWS credentials found for s3://",
+                         hint="set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE, ~/.aws/credentials)")
+
+
+def _has_aws_credentials() -> bool:
+    try:
+        import botocore.session
+    except ImportError:  # s3fs without botocore cannot read s3 either: its own error says so
+        return True
+    return botocore.session.get_session().get_credentials() is not None
 
 
 def hf_builder(path: str) -> str | None:
