@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import io
 import re
+import tokenize
 import zipfile
 import zlib
 from collections import Counter
@@ -39,7 +40,8 @@ _MAGIC = b"\x93NUMPY"
 _HEADER = re.compile(rb"\{'descr': '([^'\\]{1,8})', 'fortran_order': (True|False), "
                      rb"'shape': \(((?:(?:0|[1-9]\d{0,18}), ?)*(?:0|[1-9]\d{0,18})?)\), \} *\n")
 _NUMPY_ERRORS = (ValueError, SyntaxError, TypeError, KeyError, IndexError, RecursionError, MemoryError,
-                 OverflowError, EOFError)  # what numpy's header reader raises on crafted text
+                 OverflowError, EOFError, tokenize.TokenError)  # what numpy's header reader raises on crafted text
+# (tokenize.TokenError: its filter of Python 2 headers, on unbalanced brackets)
 _CACHE_SIZE = 4096
 
 
