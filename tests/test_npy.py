@@ -300,3 +300,13 @@ def test_a_bomb_is_refused_before_inflating(monkeypatch):
     monkeypatch.setattr(zipfile.ZipFile, "open", lambda *a, **k: pytest.fail("inflated"))
     with pytest.raises(ArrayTooLarge):
         read_npz(data, max_bytes=1 << 20)
+
+
+def test_the_typed_error_pickles_as_itself():
+    """Out of a DataLoader worker, with its member, field, expected and actual."""
+    with pytest.raises(NpyFormatError) as exc:
+        parse_npy_header(b"nope", member="a.npy")
+    back = pickle.loads(pickle.dumps(exc.value))
+    assert type(back) is NpyFormatError and str(back) == str(exc.value)
+    assert (back.member, back.field, back.expected, back.actual) == ("a.npy", "magic", exc.value.expected,
+                                                                   exc.value.actual)

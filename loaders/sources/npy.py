@@ -15,6 +15,7 @@ what the caller allows (checked before anything is inflated) and match its crc32
 """
 from __future__ import annotations
 
+import functools
 import io
 import re
 import tokenize
@@ -49,9 +50,12 @@ class NpyFormatError(ValueError):
     """An ``.npy`` header or ``.npz`` archive that is malformed or declares something refused; names the
     member, the part of it (``field``), what was expected and what came."""
 
-    def __init__(self, *, member: str, field: str, expected: str, actual: str):
+    def __init__(self, member: str, field: str, expected: str, actual: str):
         self.member, self.field, self.expected, self.actual = member, field, expected, actual
         super().__init__(f"{member}: {field}: expected {expected}, got {actual}")
+
+    def __reduce__(self):  # pickles as itself (out of a DataLoader worker)
+        return type(self), (self.member, self.field, self.expected, self.actual)
 
 
 class ArrayTooLarge(Exception):
@@ -92,9 +96,7 @@ def parse_npy_header(data: bytes | memoryview, *, member: str = "npy") -> NpyHea
     >>> h = parse_npy_header(buf.getvalue()); h.shape, h.dtype, h.fortran_order, h.offset
     ((2, 3), dtype('int32'), False, 128)
     """
-    def bad(field: str, expected: str, actual: str) -> NpyFormatError:
-        return NpyFormatError(member=member, field=field, expected=expected, actual=actual)
-
+    bad = functools.partial(NpyFormatError, member)
     head = bytes(data[:12])
     if len(head) < 10 or head[:6] != _MAGIC:
         raise bad("magic", "an .npy header (b'\\x93NUMPY' then a version)", f"{len(data)} bytes starting {head[:8]!r}")
@@ -150,8 +152,8 @@ def npy_array(data: bytes | memoryview, header: NpyHeader, *, member: str = "npy
     a writable copy, or with ``copy=False`` a view of ``data``. Raises :class:`NpyFormatError`."""
     have = len(data) - header.offset
     if have != header.nbytes:
-        raise NpyFormatError(member=member, field="data", expected=f"{header.nbytes} bytes for shape "
-                             f"{header.shape} {header.dtype}", actual=f"{have} bytes")
+        raise NpyFormatError(member, "data", f"{header.nbytes} bytes for shape {header.shape} {header.dtype}",
+                             f"{have} bytes")
     flat = np.frombuffer(data, header.dtype, header.count, header.offset)
     arr = flat.reshape(header.shape[::-1]).T if header.fortran_order else flat.reshape(header.shape)
     return arr.copy(order="K") if copy else arr
@@ -173,9 +175,7 @@ def read_npz(data: bytes, *, max_bytes: int, member: str = "npz", copy: bool = T
     (:class:`ArrayTooLarge`); every entry must be a uniquely named ``.npy`` inside the file, not overlapping
     another, unencrypted, of exactly its declared size and crc32 (:class:`NpyFormatError`; a broken zip
     directory is ``zipfile.BadZipFile``). A stored entry with ``copy=False`` is a view of ``data``."""
-    def bad(field: str, expected: str, actual: str) -> NpyFormatError:
-        return NpyFormatError(member=member, field=field, expected=expected, actual=actual)
-
+    bad = functools.partial(NpyFormatError, member)
     view = memoryview(data)
     out: dict[str, np.ndarray] = {}
     with zipfile.ZipFile(io.BytesIO(data)) as zf:

@@ -9,8 +9,8 @@ extension (last part)       value
 json                        ``json.loads`` of UTF-8 text
 txt, text                   ``str``
 cls, cls2, index, inx, id   ``int`` (``str`` if not an integer)
-npy                         ``numpy`` array (no pickle; at most ``max_array_bytes``)
-npz                         ``dict`` of arrays (no pickle; every member checked before inflating)
+npy                         ``numpy`` array of a dtype torch holds (no pickle; at most ``max_array_bytes``)
+npz                         ``dict`` of such arrays (every member checked before inflating)
 jpg jpeg png webp bmp ...   ``PIL.Image`` (fully loaded) or raw ``bytes`` (``image="bytes"``)
 pickle pkl pyd pth pt ...   refused: :class:`~prealign.loaders.errors.UnsafeMemberError`
 anything else               raw ``bytes``
