@@ -1,5 +1,5 @@
-"""Shared test helpers: the hypothesis profile, sample builders, layout strategies and the
-independent reference implementations the collators are checked against.
+"""Shared test helpers: the hypothesis profile, the strict-skip gate, sample builders, layout strategies
+and the independent reference implementations the collators are checked against.
 
 The references here are written from the definitions in REFERENCE.md with one Python iteration per
 sequence (slow, obvious), never from the collators' index arithmetic.
@@ -9,7 +9,10 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import re
 import socket
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -39,6 +42,95 @@ SCHEMA = causal_lm_schema()
 SCHEMA_TOPK = causal_lm_schema(topk="K")
 TOPK_FIELDS = ("teacher_topk_log_probs", "teacher_topk_ids")
 SAMPLE_FIELDS = ("input_ids", *TOPK_FIELDS)  # fields whose values come from the sample as given
+
+
+# ---- the strict-skip gate (CI=true or PREALIGN_STRICT_SKIPS=1) -----------------------------------------
+# A skip is allowed only when the machine lacks something: its reason starts with "platform:" (no GPU, not
+# Linux, no /dev/shm, too few CPUs, a tool not installed), or it names a missing module nobody declared.
+# A skip for a missing (or too old) module that pyproject.toml declares (a dependency, the test extra, the
+# build system's requires) or that the README's test command installs, and any skip of another reason,
+# fails the run: in CI a silent skip would hide a broken install.
+PLATFORM_PREFIX = "platform:"
+INSTALLED_BY_THE_TEST_COMMAND = frozenset({"verl"})  # `pip install --no-deps verl==...` (README, .ci/run)
+_IMPORT_NAMES = {"pillow": "PIL", "megatron-core": "megatron"}  # distribution -> top-level import name
+_MISSING = re.compile(r"could not import '([\w.]+)'|module '([\w.]+)' has __version__|No module named '([\w.]+)'")
+_PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
+
+
+def strict_skips() -> bool:
+    """Whether skips are checked: in CI (``CI`` set and not false) or with ``PREALIGN_STRICT_SKIPS=1``."""
+    ci = os.environ.get("CI", "").strip().lower()
+    return (ci not in ("", "0", "false", "no")) or os.environ.get("PREALIGN_STRICT_SKIPS") == "1"
+
+
+def declared_modules(pyproject: Path = _PYPROJECT) -> frozenset[str]:
+    """Top-level import names of what ``pyproject.toml`` declares (dependencies, the ``test`` extra, the build
+    system's requires), plus :data:`INSTALLED_BY_THE_TEST_COMMAND`."""
+    if sys.version_info >= (3, 11):
+        import tomllib
+
+        data = tomllib.loads(pyproject.read_text())
+        reqs = [*data["project"]["dependencies"], *data["project"]["optional-dependencies"]["test"],
+                *data["build-system"]["requires"]]
+    else:  # Python 3.10: the installed package's metadata (no build-system requires there)
+        from importlib.metadata import requires
+
+        reqs = [r for r in requires("prealign") or () if "extra ==" not in r or '"test"' in r]
+    names = {re.match(r"[A-Za-z0-9_.-]+", r).group(0).lower() for r in reqs}
+    return frozenset({_IMPORT_NAMES.get(n, n.replace("-", "_")) for n in names} | INSTALLED_BY_THE_TEST_COMMAND)
+
+
+def skip_verdict(reason: str, declared: frozenset[str]) -> str | None:
+    """Why a skip of ``reason`` fails a strict run, or None when it is allowed."""
+    if reason.lower().startswith(PLATFORM_PREFIX):
+        return None
+    m = _MISSING.search(reason)
+    if m is None:
+        return f"not a platform skip (start its reason with {PLATFORM_PREFIX!r} if the machine lacks something)"
+    module = next(g for g in m.groups() if g)
+    if module.split(".")[0] in declared:
+        return f"{module} is declared in pyproject.toml or installed by the test command, so it must be importable"
+    return None
+
+
+class StrictSkips:
+    """Collects the skips of one session; at its end a forbidden one fails the run (exit status 1)."""
+
+    def __init__(self):
+        self.declared = declared_modules()
+        self.bad: list[tuple[str, str, str]] = []
+
+    def _record(self, report) -> None:
+        if not report.skipped or hasattr(report, "wasxfail"):
+            return
+        longrepr = report.longrepr
+        reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+        reason = reason.removeprefix("Skipped: ")
+        verdict = skip_verdict(reason, self.declared)
+        if verdict is not None:
+            self.bad.append((report.nodeid, reason, verdict))
+
+    def pytest_runtest_logreport(self, report):
+        self._record(report)
+
+    def pytest_collectreport(self, report):  # module-level importorskip: the whole file skipped at collection
+        self._record(report)
+
+    def pytest_sessionfinish(self, session):
+        if self.bad and session.exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+    def pytest_terminal_summary(self, terminalreporter):
+        if self.bad:
+            terminalreporter.section("strict skips: these skips fail the run (CI / PREALIGN_STRICT_SKIPS=1)",
+                                     red=True)
+            for nodeid, reason, verdict in self.bad:
+                terminalreporter.line(f"SKIP NOT ALLOWED {nodeid or '<collection>'}: {reason} -- {verdict}", red=True)
+
+
+def pytest_configure(config):
+    if strict_skips():
+        config.pluginmanager.register(StrictSkips(), "prealign-strict-skips")
 
 
 # ---- samples --------------------------------------------------------------------------------------

@@ -130,7 +130,7 @@ def _share_mappings(directory: str) -> list[str]:
         return [line for line in f if directory in line]
 
 
-@pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="slot files need Linux")
+@pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="platform: slot files need memfd_create (Linux)")
 def test_workers_hand_the_published_record_to_the_main_process_without_copying(data, tmp_path):
     """With workers, the claimer writes each whole micro-batch once into a slot file that is both published
     and sent to its own main process; a reader's worker sends the published file. Both main processes map

@@ -21,7 +21,7 @@ from tests.conftest import TOPK, TOPK_FIELDS, examples, make_samples, schema_for
 
 VERL_SPEC = importlib.util.find_spec("verl")  # locates the package without importing it (that needs ray)
 if VERL_SPEC is None:
-    pytest.skip("verl is not installed", allow_module_level=True)
+    pytest.skip("could not import 'verl': not installed (the README's test command installs it)", allow_module_level=True)
 pytest.importorskip("megatron.core")
 from megatron.core import parallel_state  # noqa: E402
 

@@ -86,7 +86,7 @@ def test_open_files_stay_bounded_over_1000_shards(tmp_path):
     loader = _loader(WebDatasetSource(paths, max_open_files=8), token_budget=64)
     fd_dir = "/proc/self/fd"
     if not os.path.isdir(fd_dir):
-        pytest.skip("no /proc/self/fd")
+        pytest.skip("platform: no /proc/self/fd (not Linux)")
     base = len(os.listdir(fd_dir))
     peak, batches = 0, 0
     for batch in loader:

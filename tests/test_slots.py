@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 from prealign.loaders.handoff import slots
 from prealign.loaders.handoff.transport import PackedBatch, pack_batch, unpack_batch
 
-pytestmark = pytest.mark.skipif(not slots.available(), reason="slots need memfd_create (Linux)")
+pytestmark = pytest.mark.skipif(not slots.available(), reason="platform: slots need memfd_create (Linux)")
 
 
 def _batch(items):

@@ -36,10 +36,7 @@ import hashlib
 import io
 import json
 import os
-import re
 import stat
-import zipfile
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -56,6 +53,7 @@ from prealign.loaders.handoff.media_share import SharedMediaTransform
 from prealign.loaders.media.vlm import VLMSampleTransform
 from prealign.loaders.sources import remote
 from prealign.loaders.sources.deadline import Stalled, map_with_timeout
+from prealign.loaders.sources.npy import read_npz
 from prealign.loaders.sources.shard_files import shard_name, sidecar_path
 from prealign.loaders.sources.webdataset import numpy_fields
 
@@ -115,7 +113,8 @@ def parse_sidecar(data: bytes, *, shard: str) -> tuple[dict, dict[str, np.ndarra
         return StaleIndexError(shard, f"sidecar index unreadable: {what}", "re-run `prealign index` on it")
 
     try:
-        members = _read_npz(data)
+        # views of data (never unpickled); members may not declare far more than the file holds
+        members = read_npz(data, max_bytes=64 * len(data) + (1 << 20), member=shard, copy=False)
         if set(members) != {"meta", *_ARRAYS}:
             raise bad(f"keys {sorted(members)}, expected {sorted({'meta', *_ARRAYS})}")
         raw_meta = members["meta"]
@@ -164,49 +163,6 @@ def parse_sidecar(data: bytes, *, shard: str) -> tuple[dict, dict[str, np.ndarra
                and e[1][0] in ("bad", "skip") for e in events) or meta["num_events"] != n + len(events):
         raise bad("malformed events")
     return meta, arrays
-
-
-_NPY_HEADER = re.compile(rb"\{'descr': '([<|][iub][1248])', 'fortran_order': False, 'shape': \(((?:\d+, ?)*\d*)\), \} *\n")
-
-
-def _read_npz(data: bytes) -> dict[str, np.ndarray]:
-    """The arrays of an ``.npz`` (``np.savez``) by name, as read-only views of ``data``. A stored (not
-    compressed) member is taken in place after its crc32 is checked, and the headers ``np.savez`` writes
-    for plain int/uint/bool arrays are matched by one pattern (no ``literal_eval``); anything else goes
-    through ``np.load(allow_pickle=False)``. Raises on malformed input."""
-    out: dict[str, np.ndarray] = {}
-    view = memoryview(data)
-    with zipfile.ZipFile(io.BytesIO(data)) as z:
-        infos = z.infolist()
-    if sum(info.file_size for info in infos) > 64 * len(data) + (1 << 20):
-        raise ValueError("members declare far more bytes than the file holds (a decompression bomb?)")
-    for info in infos:
-        at = info.header_offset
-        if at < 0 or len({i.filename for i in infos}) != len(infos):
-            raise ValueError("a member before the start of the file, or two members of one name")
-        local = view[at:at + 30]
-        if (info.compress_type != zipfile.ZIP_STORED or len(local) < 30 or local[:4] != b"PK\x03\x04"
-                or not info.filename.endswith(".npy")):
-            return _read_npz_slowly(data)
-        start = at + 30 + int.from_bytes(local[26:28], "little") + int.from_bytes(local[28:30], "little")
-        raw = view[start:start + info.file_size]
-        if len(raw) != info.file_size or zlib.crc32(raw) != info.CRC:
-            raise ValueError(f"{info.filename}: truncated or its crc32 does not match")
-        m = _NPY_HEADER.match(raw[:10 + 4096].tobytes(), 10) if raw[:8] == b"\x93NUMPY\x01\x00" else None
-        if m is None or m.end() != 10 + int.from_bytes(raw[8:10], "little"):
-            return _read_npz_slowly(data)
-        shape = tuple(int(d) for d in m.group(2).split(b",") if d.strip())
-        dtype = np.dtype(m.group(1).decode())
-        count = int(np.prod(shape, dtype=np.int64)) if shape else 1
-        if len(raw) - m.end() != count * dtype.itemsize:
-            raise ValueError(f"{info.filename}: {len(raw) - m.end()} data bytes for shape {shape} {dtype}")
-        out[info.filename[:-4]] = np.frombuffer(raw, dtype, count, m.end()).reshape(shape)
-    return out
-
-
-def _read_npz_slowly(data: bytes) -> dict[str, np.ndarray]:
-    with np.load(io.BytesIO(data), allow_pickle=False) as z:
-        return {k: z[k] for k in z.files}
 
 
 def record_of(meta: dict, arrays: dict[str, np.ndarray], shard: int) -> dict:

@@ -11,16 +11,15 @@ the ``image_grid_thw`` row transformers' Qwen2-VL image processor produces for a
 """
 from __future__ import annotations
 
-import functools
 import io
 import math
-import re
 import warnings
 from dataclasses import dataclass
 
 import numpy as np
 
-from prealign.loaders.sources.tar_decode import IMAGE_FORMATS, read_npy_header
+from prealign.loaders.sources.npy import NpyFormatError, parse_npy_header
+from prealign.loaders.sources.tar_decode import IMAGE_FORMATS
 from prealign.schemas.errors import ConfigError, SampleError
 
 
@@ -32,63 +31,20 @@ class HeaderError(SampleError):
 def npy_header(data: bytes | memoryview, *, field: str = "npy", sample=None) -> tuple[tuple[int, ...], np.dtype]:
     """The ``(shape, dtype)`` an ``.npy`` member declares, read from its header only.
 
-    Object dtypes (which would need unpickling) are refused; the data is not touched, so this costs
-    the same for 10 tokens as for 10 million.
+    The one parser of :mod:`~prealign.loaders.sources.npy` (object dtypes, which would need unpickling, and
+    dtypes torch does not hold are refused); the data is not touched, so this costs the same for 10 tokens
+    as for 10 million.
 
     >>> buf = io.BytesIO(); np.save(buf, np.arange(6, dtype=np.int32).reshape(2, 3))
     >>> npy_header(buf.getvalue())
     ((2, 3), dtype('int32'))
     """
-    fast = _npy_fast(data)
-    if fast is not None:
-        return fast
-    fp = io.BytesIO(bytes(data[:65536 + 16]))
     try:
-        shape, dtype = read_npy_header(fp)
-    except (ValueError, EOFError, SyntaxError) as exc:
+        header = parse_npy_header(data, member=field)
+    except NpyFormatError as exc:
         raise HeaderError(sample=sample, field=field, expected="an .npy header of a numeric array",
                           actual=str(exc)) from None
-    return tuple(int(d) for d in shape), dtype
-
-
-_NPY_DICT = re.compile(rb"\{'descr': '([<>|=]?[a-zA-Z]\d{0,2})', 'fortran_order': (?:False|True), "
-                       rb"'shape': \(((?:\d+, ?)*\d*)\), \} *\n")
-
-
-@functools.lru_cache(maxsize=64)
-def _plain_dtype(descr: bytes) -> np.dtype | None:
-    try:
-        dt = np.dtype(descr.decode())
-    except TypeError:
-        return None
-    return None if dt.hasobject else dt
-
-
-def _npy_fast(data) -> tuple[tuple[int, ...], np.dtype] | None:
-    """The header numpy itself writes (version 1.0, a plain dtype), parsed by a regex; None for anything
-    else (then numpy's own parser decides)."""
-    head = bytes(data[:10])
-    if len(head) < 10 or head[:8] != b"\x93NUMPY\x01\x00":
-        return None
-    n = int.from_bytes(head[8:10], "little")
-    text = bytes(data[10:10 + n])
-    hit = _seen.get(text)
-    if hit is not None:
-        return hit
-    m = _NPY_DICT.fullmatch(text)
-    if m is None:
-        return None
-    dtype = _plain_dtype(m.group(1))
-    if dtype is None:
-        return None
-    out = tuple(int(d) for d in m.group(2).split(b",") if d.strip()), dtype
-    if len(_seen) >= 4096:
-        _seen.clear()
-    _seen[text] = out
-    return out
-
-
-_seen: dict[bytes, tuple] = {}  # header text -> (shape, dtype): lengths repeat, so most headers do
+    return header.shape, header.dtype
 
 
 def image_header_size(data: bytes | memoryview, *, field: str = "image", sample=None,

@@ -9,8 +9,8 @@ extension (last part)       value
 json                        ``json.loads`` of UTF-8 text
 txt, text                   ``str``
 cls, cls2, index, inx, id   ``int`` (``str`` if not an integer)
-npy                         ``numpy`` array (no pickle; at most ``max_array_bytes``)
-npz                         ``dict`` of arrays (no pickle; every member checked before inflating)
+npy                         ``numpy`` array of a dtype torch holds (no pickle; at most ``max_array_bytes``)
+npz                         ``dict`` of such arrays (every member checked before inflating)
 jpg jpeg png webp bmp ...   ``PIL.Image`` (fully loaded) or raw ``bytes`` (``image="bytes"``)
 pickle pkl pyd pth pt ...   refused: :class:`~prealign.loaders.errors.UnsafeMemberError`
 anything else               raw ``bytes``
@@ -39,6 +39,7 @@ from typing import Callable, Mapping
 import numpy as np
 
 from prealign.loaders.errors import BadSampleError, UnsafeMemberError
+from prealign.loaders.sources.npy import ArrayTooLarge, read_npy, read_npz
 from prealign.schemas.errors import ConfigError
 
 UNSAFE = frozenset({"pickle", "pkl", "pyd", "pth", "pt", "ckpt", "joblib", "dill", "mp", "msgpack_pickle"})
@@ -77,7 +78,8 @@ IMAGE_ERRORS: tuple[type[BaseException], ...] = (OSError, ValueError, TypeError,
 """What Pillow raises on malformed image bytes (plus ``DecompressionBombError``, added at import)."""
 ARRAY_ERRORS: tuple[type[BaseException], ...] = (ValueError, EOFError, OSError, zipfile.BadZipFile, zlib.error,
                                                  KeyError, NotImplementedError)
-"""What numpy's ``.npy`` reader and ``zipfile`` raise on malformed bytes."""
+"""What the ``.npy`` / ``.npz`` reader (``NpyFormatError``, a ``ValueError``), ``zipfile`` and ``zlib`` raise
+on malformed bytes."""
 TEXT_ERRORS: tuple[type[BaseException], ...] = (ValueError, RecursionError)
 """``UnicodeDecodeError`` / ``JSONDecodeError`` (both ``ValueError``) and JSON nested too deep."""
 
@@ -90,10 +92,6 @@ def split_member_name(name: str) -> tuple[str, str] | None:
     """
     m = _KEY_EXT.match(name)
     return (m.group(1), m.group(2).lower()) if m else None
-
-
-class ArrayTooLarge(Exception):
-    """Internal: an array member declares more bytes than :attr:`DecodeLimits.max_array_bytes`."""
 
 
 class ImageTooLarge(Exception):
@@ -112,71 +110,18 @@ def _int_or_text(data: bytes):
         return text
 
 
-def read_npy_header(fp) -> tuple[tuple[int, ...], np.dtype]:
-    """(shape, dtype) from an ``.npy`` header at ``fp`` (versions 1.0 and 2.0); object dtypes (pickles)
-    refused. Raises ``ValueError`` (or ``EOFError`` on a short header)."""
-    fmt = np.lib.format
-    version = fmt.read_magic(fp)
-    if version not in ((1, 0), (2, 0)):
-        raise ValueError(f"unsupported .npy format version {version} (1.0 and 2.0 are read)")
-    reader = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
-    shape, _, dtype = reader(fp)
-    if dtype.hasobject:
-        raise ValueError("object arrays need unpickling, which is never done")
-    return shape, dtype
-
-
-def _declared(shape: tuple[int, ...], dtype: np.dtype) -> int:
-    n = dtype.itemsize
-    for d in shape:
-        n *= int(d)
-    return n
-
-
-def _array(fp, budget: int, name: str) -> np.ndarray:
-    """One ``.npy`` stream, its declared size checked against ``budget`` before reading the data."""
-    start = fp.tell()
-    shape, dtype = read_npy_header(fp)
-    nbytes = _declared(shape, dtype)
-    if nbytes > budget:
-        raise ArrayTooLarge(f"{name} declares shape {tuple(shape)} {dtype} = {nbytes} bytes, over the "
-                            f"{budget} bytes left of max_array_bytes")
-    fp.seek(start)
-    return np.lib.format.read_array(fp, allow_pickle=False)
-
-
 def decode_npy(data: bytes, limits: DecodeLimits = DEFAULT_LIMITS) -> np.ndarray:
-    """``.npy`` bytes -> array; raises ``ValueError`` (malformed, object dtype, short data) or
-    :class:`ArrayTooLarge` before allocating."""
-    fp = io.BytesIO(data)
-    return _array(fp, limits.max_array_bytes, "npy")
+    """``.npy`` bytes -> a writable array, its header parsed once (:func:`~prealign.loaders.sources.npy.read_npy`);
+    raises :class:`~prealign.loaders.sources.npy.NpyFormatError` (a ``ValueError``: malformed, a dtype torch
+    does not hold, short data) or :class:`ArrayTooLarge` before allocating."""
+    return read_npy(data, max_bytes=limits.max_array_bytes, member="npy")
 
 
 def decode_npz(data: bytes, limits: DecodeLimits = DEFAULT_LIMITS) -> dict[str, np.ndarray]:
-    """``.npz`` bytes -> ``{name: array}``. Each entry's uncompressed size in the zip directory, then
-    its ``.npy`` header, is checked against what is left of ``max_array_bytes`` before it is inflated;
-    duplicate names and entries that are not ``.npy`` are refused."""
-    budget = limits.max_array_bytes
-    out: dict[str, np.ndarray] = {}
-    with zipfile.ZipFile(io.BytesIO(data)) as zf:
-        infos = zf.infolist()
-        names = [i.filename for i in infos]
-        if len(set(names)) != len(names):
-            raise ValueError(f"duplicate entries in the archive: {sorted({n for n in names if names.count(n) > 1})}")
-        declared = sum(i.file_size for i in infos)
-        if declared > budget:
-            raise ArrayTooLarge(f"npz entries declare {declared} bytes in the zip directory (max_array_bytes {budget})")
-        for info in infos:
-            if not info.filename.endswith(".npy"):
-                raise ValueError(f"entry {info.filename!r} is not a .npy array")
-            with zf.open(info) as member:
-                fp = io.BytesIO(member.read(info.file_size + 1))  # the directory's size, verified by zipfile's CRC
-            if len(fp.getbuffer()) > info.file_size:
-                raise ValueError(f"entry {info.filename!r} is longer than its directory size")
-            arr = _array(fp, budget, info.filename)
-            budget -= arr.nbytes
-            out[info.filename[:-4]] = arr
-    return out
+    """``.npz`` bytes -> ``{name: writable array}`` (:func:`~prealign.loaders.sources.npy.read_npz`): the
+    entries' declared sizes, then each ``.npy`` header, checked against ``max_array_bytes`` before anything
+    is inflated; duplicate names, entries that are not ``.npy``, outside the file or with a wrong crc32 refused."""
+    return read_npz(data, max_bytes=limits.max_array_bytes, member="npz")
 
 
 def open_image(data: bytes, limits: DecodeLimits = DEFAULT_LIMITS):

@@ -36,7 +36,7 @@ def test_dry_run_builds_padded_batches_and_every_feed(script, capsys):
     assert any(bool((b["cu_seqlens"][:-1] != b["cu_seqlens_padded"][:-1]).any()) for *_, b in built)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: the real check would run")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="platform: a GPU is here: the real check would run")
 def test_without_a_gpu_it_says_so_and_exits_2(script, capsys):
     assert script.main(["--no-install"]) == 2
     assert "no CUDA GPU" in capsys.readouterr().out
