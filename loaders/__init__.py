@@ -20,6 +20,7 @@ from prealign.loaders.errors import (
                      SourceChangedError,
                      TooManyBadSamplesError,
                      UnsafeMemberError,
+                     UnsupportedTorchError,
                      WorkerError,
 )
 from prealign.loaders.handoff.batch_share import BatchShare
@@ -28,7 +29,7 @@ from prealign.loaders.index.sample_index import SampleIndex
 from prealign.loaders.loader import PackedLoader
 from prealign.loaders.media.chat_tokenizer import ChatTokenizer, HFChatTokenizer
 from prealign.loaders.media.vlm import MediaError, MediaProblem, VLMSampleTransform, image_processor
-from prealign.loaders.options import IndexOptions, LoadingOptions, ShuffleOptions
+from prealign.loaders.options import IndexOptions, LoadingOptions, ShuffleOptions, WorkerConfig
 from prealign.loaders.plan.planner import (
                      MicrobatchPlan,
                      PlannerConfig,
@@ -51,3 +52,4 @@ __all__ = ["HFChatTokenizer", "ChatTokenizer", "PackedLoader", "StreamingPackedL
 __all__ += ["IndexFileError", "LoaderUsageError", "MissingShardError", "ShardTimeoutError", "WorkerError",
             "DecodeLimits"]
 __all__ += ["VLMSampleTransform", "MediaError", "MediaProblem", "image_processor", "BatchShare"]
+__all__ += ["WorkerConfig", "UnsupportedTorchError"]

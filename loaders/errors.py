@@ -84,6 +84,12 @@ class WorkerError(PrealignError):
     usable: iterate again to continue from its state (the position of the last batch yielded)."""
 
 
+class UnsupportedTorchError(ConfigError):
+    """The installed torch lacks a ``DataLoader`` internal that dead-worker recovery relies on (its iterator's
+    worker processes, its shutdown): raised at first use with workers, naming the torch version and the
+    attribute, instead of silently not recovering."""
+
+
 class ShareRecordError(PrealignError):
     """A shared record or slot (:mod:`prealign.loaders.handoff`) that is malformed or not trusted: never served,
     the rank computes the batch for itself."""

@@ -21,23 +21,21 @@ from typing import Callable
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, get_worker_info
 
 from prealign.collate.samples import sample_token_keys
-from prealign.collate.thd import THDCollator
-from prealign.loaders.errors import BadSampleError, LoaderUsageError, PlanError, SourceChangedError, reason_of
+from prealign.loaders.core import LoaderCore, unpacked
+from prealign.loaders.errors import BadSampleError, SourceChangedError, reason_of
 from prealign.loaders.handoff.batch_share import BatchShare
-from prealign.loaders.handoff.slots import worker_heap
-from prealign.loaders.handoff.transport import PackedBatch, pack_batch, unpack_batch
+from prealign.loaders.handoff.transport import pack_batch
 from prealign.loaders.index.build import build_index
 from prealign.loaders.index.sample_checks import has_media, media_keys
 from prealign.loaders.index.sample_index import SampleIndex
 from prealign.loaders.index.sidecar import check_index, describe_transform
-from prealign.loaders.options import IndexOptions, LoadingOptions, ShuffleOptions, check_dp
-from prealign.loaders.plan.planner import MicrobatchPlan, PlannerConfig, microbatch_capacity
+from prealign.loaders.options import IndexOptions, LoadingOptions, ShuffleOptions, WorkerConfig, check_option
+from prealign.loaders.plan.planner import MicrobatchPlan, PlannerConfig
 from prealign.loaders.plan.schedule import Request, Schedule, check_count
 from prealign.loaders.policy import BadDataPolicy, BadDataReport, BadSampleWarning, OnBadSample, Oversize
-from prealign.loaders.serve.workers import worker_batches
+from prealign.loaders.serve.workers import hand_over
 from prealign.loaders.sources.source import Source
 from prealign.loaders.state import LoaderState
 from prealign.schemas.errors import PrealignError, SampleError
@@ -161,9 +159,7 @@ class _PlannedSamples:
                                      "sample in the micro-batch", actual=f"all {len(skipped)} failed: {skipped[0][2]}")
             return dataclasses.replace(request, indices=tuple(kept)), samples, self.where, skipped
         except PrealignError as exc:
-            if get_worker_info() is None:
-                raise
-            return request, exc, self.where
+            return request, hand_over(exc), self.where
 
 
 @dataclass(frozen=True)
@@ -236,7 +232,7 @@ class _Requests:
         return len(self.requests)
 
 
-class PackedLoader:
+class PackedLoader(LoaderCore):
     """Iterable of collated, token-budgeted micro-batches for one (DP rank, CP rank).
 
     Iterating yields the rest of the current epoch and then moves to the next; :meth:`set_epoch`
@@ -254,7 +250,8 @@ class PackedLoader:
     prebuilt index, index workers, distributed pass), ``loading`` (:class:`LoadingOptions`: DataLoader
     settings). ``collator``: another collate callable (e.g. ``THDCollator(..., defer_cp_shard=True)``)
     that pads exactly as ``layout`` says. ``share``: a :class:`~prealign.loaders.handoff.batch_share.BatchShare`
-    (opt-in): the CP ranks of a node load and collate each micro-batch once between them.
+    (opt-in): the CP ranks of a node load and collate each micro-batch once between them. ``group``: the
+    process group of the distributed index pass (default: the world).
 
     The constructor only checks its arguments: no I/O, no collective. The index pass (a collective
     with ``IndexOptions(distributed=True)`` and a process group) runs on first use (``len``, iteration,
@@ -266,32 +263,19 @@ class PackedLoader:
                  planner: PlannerConfig | None = None, bad_data: BadDataPolicy | None = None,
                  shuffle: ShuffleOptions | None = None, indexing: IndexOptions | None = None,
                  loading: LoadingOptions | None = None, collator: Callable | None = None,
-                 share: "BatchShare | None" = None):
-        check_dp(dp_rank, dp_size)
-        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
-            raise PlanError(f"num_workers: expected an int >= 0, got {num_workers!r}")
-        for name, value, cls in (("planner", planner, PlannerConfig), ("bad_data", bad_data, BadDataPolicy),
-                                 ("shuffle", shuffle, ShuffleOptions), ("indexing", indexing, IndexOptions),
-                                 ("loading", loading, LoadingOptions)):
-            if value is not None and not isinstance(value, cls):
-                raise PlanError(f"{name}: expected a {cls.__name__} or None, got {type(value).__name__}")
-        self.source, self.schema, self.layout, self.token_budget = source, schema, layout, token_budget
-        self.dp_rank, self.dp_size, self.cp_rank, self.num_workers = dp_rank, dp_size, cp_rank, num_workers
-        self.seed = check_count("seed", seed)
-        self.planner = planner or PlannerConfig()
-        self.bad_data = bad_data or BadDataPolicy()
+                 share: "BatchShare | None" = None, group=None):
+        check_option("shuffle", shuffle, ShuffleOptions)
+        check_option("indexing", indexing, IndexOptions)
+        check_option("share", share, BatchShare)
+        workers = WorkerConfig(dp_rank=dp_rank, dp_size=dp_size, cp_rank=cp_rank, num_workers=num_workers,
+                               group=group)
+        super().__init__(source, schema=schema, layout=layout, token_budget=token_budget, workers=workers, seed=seed,
+                         planner=planner, bad_data=bad_data, loading=loading, collator=collator)
         self.shuffle_options = shuffle or ShuffleOptions()
         self.shuffle, self.shuffle_window = self.shuffle_options.enabled, self.shuffle_options.window
         self.indexing = indexing or IndexOptions()
-        self.loading = loading or LoadingOptions()
-        self.collator = collator or THDCollator(schema=schema, layout=layout, cp_rank=cp_rank)
-        if share is not None and not isinstance(share, BatchShare):
-            raise PlanError(f"share: expected a BatchShare or None, got {type(share).__name__}")
         self.share = share
-        self._capacity = microbatch_capacity(layout, token_budget)  # arithmetic only: a bad budget fails here
         self._index: SampleIndex | None = None
-        self._epoch, self._position = 0, 0
-        self._active: object | None = None
 
     def prepare(self) -> "PackedLoader":
         """Run the index pass (or load the prebuilt index) and set up the plan and the DataLoader; a
@@ -306,7 +290,7 @@ class PackedLoader:
         else:
             index = build_index(source, schema, policy=self.bad_data,
                                 num_workers=num_workers if opts.workers is None else opts.workers,
-                                distributed=opts.distributed)
+                                distributed=opts.distributed, group=self.group)
         if index.media is None and media_keys(schema) and self.planner.oversize is Oversize.TRUNCATE:
             index = _with_media_flags(index, source, schema, cap)
         self._schedule = Schedule(index, layout=layout, token_budget=self.token_budget, dp_size=self.dp_size,
@@ -314,31 +298,24 @@ class PackedLoader:
                                   sequential=source.sequential, window=self.shuffle_window,
                                   step_window=64 if getattr(source, "stream_only", getattr(source, "streaming", False)) else None)
         self._requests = _Requests()
-        lo = self.loading
-        workers = num_workers > 0
-        kwargs = {"prefetch_factor": lo.prefetch_factor} if workers and lo.prefetch_factor is not None else {}
         planned = _PlannedSamples(source, index, schema, cap, layout.seq_multiple)
         planned.skip_at_load = self.bad_data.on_error is OnBadSample.SKIP
-        self._load_report = BadDataReport()
-        collate_fn = _CollatePlanned(self.collator, pack=workers)
+        collate_fn = _CollatePlanned(self.collator, pack=num_workers > 0)
+        description = source.describe()  # (stats local shards: once, here, never in state_dict)
         if self.share is not None:  # CP peers read each other's micro-batches (loaders/handoff/batch_share.py)
             planned, collate_fn = self.share.attach(planned, collate_fn, collator=self.collator, cp_rank=self.cp_rank,
                                                     scope={"dp_rank": self.dp_rank, "config": self._config(),
                                                            "data": [len(index), index.digest],
-                                                           "source": self.source.describe(),
+                                                           "source": description,
                                                            "transform": describe_transform(
                                                                getattr(self.source, "transform", None))})
-        self._loader = DataLoader(planned,
-                                  batch_sampler=self._requests,
-                                  collate_fn=collate_fn,
-                                  num_workers=num_workers, pin_memory=lo.pin_memory,
-                                  persistent_workers=lo.persistent_workers and workers,
-                                  multiprocessing_context=lo.multiprocessing_context if workers else None,
-                                  worker_init_fn=worker_heap if workers else None, timeout=lo.timeout, **kwargs)
+        self._loader = self._data_loader(planned, persistent=True, batch_sampler=self._requests,
+                                         collate_fn=collate_fn)
         # truncations/skips depend on lengths and media flags only: the same every epoch
         screened, order0 = self._schedule.screening()
         self._oversize = screened
         self._skipped_media = tuple(sorted(int(order0[p]) for p in screened.skipped_media))
+        self._fingerprint = {"source": description.get("kind"), "num_samples": len(index), "digest": index.digest}
         self._index = index
         self._announce_oversize()
         return self
@@ -348,22 +325,6 @@ class PackedLoader:
         """The :class:`SampleIndex` (runs :meth:`prepare` first)."""
         return self.prepare()._index
 
-    @classmethod
-    def from_parallel_state(cls, source: Source, *, schema: BatchSchema, token_budget: int,
-                            layout: ParallelLayout | None = None, **kwargs) -> "PackedLoader":
-        """Ranks (and, without ``layout``, tp/cp sizes) read from megatron-core's ``parallel_state``
-        when initialised, else from ``torch.distributed`` (every rank a DP rank, no CP)."""
-        from prealign.schemas.parallel_state import data_parallel_info
-
-        info = data_parallel_info()
-        if layout is None:
-            layout = ParallelLayout(tp=info["tp"], cp=info["cp"])
-        elif (layout.tp, layout.cp) != (info["tp"], info["cp"]):
-            raise PlanError(f"layout tp={layout.tp}, cp={layout.cp} but the process groups have "
-                            f"tp={info['tp']}, cp={info['cp']}")
-        return cls(source, schema=schema, layout=layout, token_budget=token_budget, dp_rank=info["dp_rank"],
-                   dp_size=info["dp"], cp_rank=info["cp_rank"] if info["cp"] > 1 else None, **kwargs)
-
     # ---- iteration ------------------------------------------------------------------------------
     def _normalised(self) -> tuple[int, int]:
         """(epoch, position) with a finished epoch read as the start of the next one."""
@@ -372,21 +333,13 @@ class PackedLoader:
             return self._epoch + 1, 0
         return self._epoch, self._position
 
-    def __iter__(self):
+    def _batches(self, token: object):
         epoch, start = self._normalised()
         self._epoch, self._position = epoch, start
-        token = self._active = object()
         self._requests.requests = self._schedule(epoch, self.dp_rank, start)
-        for batch in worker_batches(self._loader):
-            if isinstance(batch, PackedBatch):
-                batch = unpack_batch(batch)
-            if self._active is not token:
-                raise LoaderUsageError("PackedLoader: a newer iterator over this loader was started; "
-                                       "iterate one at a time")
-            for reason, where, message in batch.pop("skipped_at_load", ()):
-                self._load_report.add(reason, where, message)
-                if self.bad_data.warn:
-                    warnings.warn(BadSampleWarning(f"skipped {where} at load time ({reason}): {message}"))
+        for batch in self._served(self._loader, token):
+            batch = unpacked(batch)
+            self._count_skipped(batch.pop("skipped_at_load", ()), warn=self.bad_data.warn)
             self._position = batch["microbatch"] + 1
             yield batch
         if self._active is token:
@@ -396,17 +349,6 @@ class PackedLoader:
         """Micro-batches in the current epoch (the same on every DP rank)."""
         epoch = self._normalised()[0]  # (prepares)
         return self._schedule.num_microbatches(epoch)
-
-    def set_epoch(self, epoch: int) -> None:
-        """Go to the start of ``epoch``; the epoch in progress keeps its position."""
-        epoch = check_count("epoch", epoch)
-        if epoch != self._normalised()[0]:
-            self._epoch, self._position = epoch, 0
-            self._active = None
-
-    @property
-    def epoch(self) -> int:
-        return self._normalised()[0]
 
     def plan(self, epoch: int | None = None) -> MicrobatchPlan:
         """The (all-rank) plan of ``epoch`` (default: the current one), with its statistics."""
@@ -457,25 +399,7 @@ class PackedLoader:
 
     # ---- state ----------------------------------------------------------------------------------
     def _config(self) -> dict:
-        return {"seed": self.seed, "shuffle": self.shuffle, "shuffle_window": self.shuffle_window,
-                "dp_size": self.dp_size, "token_budget": self.token_budget, "layout": self.layout.to_dict(),
-                "schema": self.schema.fingerprint(), "planner": self.planner.to_dict()}
+        return {**super()._config(), "shuffle": self.shuffle, "shuffle_window": self.shuffle_window}
 
-    def _data(self) -> dict:
-        return {"source": self.source.describe().get("kind"), "num_samples": len(self.index),
-                "digest": self.index.digest}
-
-    def state_dict(self) -> dict:
-        """JSON-serialisable state, identical on every rank of the run (see :mod:`prealign.loaders.state`)."""
-        epoch, position = self._normalised()
-        return LoaderState(epoch=epoch, position=position, config=self._config(), data=self._data()).to_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        """Resume: the next batches are exactly those the saved run would have yielded next. Refuses
-        (:class:`~prealign.loaders.errors.ResumeError`) a state of another dp_size, layout, schema, budget,
-        planner, seed or data."""
-        st = LoaderState.from_dict(state)
-        st.check_compatible(self._config(), self._data())
-        st.check_position(self._schedule.count_to(st.epoch, st.position))
-        self._epoch, self._position = st.epoch, st.position
-        self._active = None
+    def _check_position(self, state: LoaderState) -> None:
+        state.check_position(self._schedule.count_to(state.epoch, state.position))

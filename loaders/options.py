@@ -1,8 +1,11 @@
-"""The rarer knobs of :class:`~prealign.loaders.PackedLoader`, as small frozen keyword-only option objects
-validated at construction (a mistake is a :class:`~prealign.loaders.errors.PlanError`, a ``ConfigError``).
+"""The rarer knobs of both loaders (:class:`~prealign.loaders.PackedLoader`,
+:class:`~prealign.loaders.StreamingPackedLoader`), as small frozen keyword-only option objects validated at
+construction (a mistake is a :class:`~prealign.loaders.errors.PlanError`, a ``ConfigError``).
 
     PackedLoader(source, schema=, layout=, token_budget=, dp_rank=, dp_size=, cp_rank=, num_workers=, seed=,
-                 planner=PlannerConfig(...),     how micro-batches are filled       (loaders.planner)
+                 group=,                         (the rank keywords: one WorkerConfig)
+                 planner=PlannerConfig(...),     how micro-batches are filled       (loaders.planner;
+                                                 the stream's buffer_size and oversize too)
                  bad_data=BadDataPolicy(...),    what a bad sample does             (loaders.policy)
                  shuffle=ShuffleOptions(...),    sample order
                  indexing=IndexOptions(...),     the index pass, or a prebuilt index
@@ -36,6 +39,13 @@ def check_dp(dp_rank, dp_size) -> None:
         raise PlanError(f"dp_size: expected an int >= 1, got {dp_size!r}")
     if isinstance(dp_rank, bool) or not isinstance(dp_rank, int) or not 0 <= dp_rank < dp_size:
         raise PlanError(f"dp_rank: expected an int in [0, {dp_size}), got {dp_rank!r}")
+
+
+def check_option(name: str, value, cls: type):
+    """``value`` when it is a ``cls`` or None, else :class:`~prealign.loaders.errors.PlanError` naming ``name``."""
+    if value is not None and not isinstance(value, cls):
+        raise PlanError(f"{name}: expected a {cls.__name__} or None, got {type(value).__name__}")
+    return value
 
 
 def _bool(name: str, value) -> None:
@@ -101,3 +111,21 @@ class LoadingOptions:
                             f"None, got {self.multiprocessing_context!r}")
         if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or not self.timeout >= 0:
             raise PlanError(f"LoadingOptions.timeout: expected seconds >= 0, got {self.timeout!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerConfig:
+    """Where a loader runs: DP rank ``dp_rank`` of ``dp_size``, CP rank ``cp_rank`` (None: no CP shard),
+    ``num_workers`` DataLoader workers and ``group``, the process group of its collectives (None: the
+    world). Both loaders build one from their keywords (``loader.workers``)."""
+
+    dp_rank: int = 0
+    dp_size: int = 1
+    cp_rank: int | None = None
+    num_workers: int = 0
+    group: object = None
+
+    def __post_init__(self):
+        check_dp(self.dp_rank, self.dp_size)
+        _int("cp_rank", self.cp_rank, 0, optional=True)
+        _int("num_workers", self.num_workers, 0)

@@ -1,11 +1,15 @@
-"""Loader state: small, versioned, JSON-friendly; resume by replaying the deterministic plan.
+"""Loader state: small, versioned, JSON-friendly; resume by replaying the deterministic plan (or stream).
 
-The state is the same on every rank of a run (no rank id in it): save it once, load it everywhere.
+One format for both loaders (``kind`` names which wrote it). The state is the same on every rank of a run
+(no rank id in it): save it once, load it everywhere. ``data`` holds fingerprints of the data computed once,
+when the loader prepares: taking a state touches no file.
 
     {"version": 2, "kind": "prealign.PackedLoader", "epoch": 3, "position": 17,
      "config": {"seed": 0, "shuffle": true, "dp_size": 4, "token_budget": 8192,
                 "layout": {...}, "schema": "<fingerprint>", "planner": {...}, "shuffle_window": 1024},
-     "data": {"num_samples": 7473, "digest": "<16 hex>"}}
+     "data": {"source": "webdataset", "num_samples": 7473, "digest": "<16 hex>"}}
+    {"version": 2, "kind": "prealign.StreamingPackedLoader", ..., "config": {..., "num_workers": 2},
+     "data": {"source": "webdataset", "num_shards": 200, "digest": "<16 hex>"}}
 """
 from __future__ import annotations
 
@@ -17,8 +21,10 @@ from prealign.loaders.errors import ResumeError
 
 STATE_VERSION = 2
 """2: epochs planned a chunk at a time (``PlannerConfig.chunk_size``), which serves micro-batches in
-another order than version 1's single plan: a version-1 state cannot be resumed exactly."""
+another order than version 1's single plan: a version-1 state cannot be resumed exactly. (The streaming
+loader's own version 1 format, without ``data``, is refused too.)"""
 STATE_KIND = "prealign.PackedLoader"
+STREAM_STATE_KIND = "prealign.StreamingPackedLoader"
 
 _WHY = {
     "dp_size": "micro-batches are dealt to dp_size ranks; another dp_size would repeat or lose samples",
@@ -29,6 +35,7 @@ _WHY = {
     "seed": "another seed gives another sample order",
     "shuffle": "another sample order",
     "shuffle_window": "another sample order",
+    "num_workers": "a stream is split over dp_size * num_workers readers; another count packs other micro-batches",
 }
 
 
@@ -55,13 +62,14 @@ class LoaderState:
     position: int
     config: dict
     data: dict
+    kind: str = STATE_KIND
 
     def to_dict(self) -> dict:
-        return {"version": STATE_VERSION, "kind": STATE_KIND, "epoch": self.epoch, "position": self.position,
+        return {"version": STATE_VERSION, "kind": self.kind, "epoch": self.epoch, "position": self.position,
                 "config": self.config, "data": self.data}
 
     @classmethod
-    def from_dict(cls, state) -> "LoaderState":
+    def from_dict(cls, state, kind: str = STATE_KIND) -> "LoaderState":
         """Parse a saved state (a dict, or its JSON text) strictly: :class:`ResumeError` naming the key
         for non-JSON text, another kind or version, a missing key, ``epoch`` / ``position`` that are not
         non-negative ints (``2.7``, ``"3"``, ``True``, ``inf`` and ``NaN`` are refused, never coerced),
@@ -76,8 +84,8 @@ class LoaderState:
                 state = json.loads(state, parse_constant=_refuse_constant)
             except (ValueError, RecursionError) as exc:
                 raise ResumeError(f"loader state: not JSON text ({exc}): {state[:80]!r}") from None
-        if not isinstance(state, dict) or state.get("kind") != STATE_KIND:
-            raise ResumeError(f"loader state: key 'kind': not a {STATE_KIND} state: {str(state)[:200]}")
+        if not isinstance(state, dict) or state.get("kind") != kind:
+            raise ResumeError(f"loader state: key 'kind': not a {kind} state: {str(state)[:200]}")
         version = state.get("version")
         if isinstance(version, bool) or version != STATE_VERSION:
             raise ResumeError(f"loader state: key 'version': version {version!r} is not supported (this prealign writes "
@@ -97,7 +105,7 @@ class LoaderState:
             if bad:
                 raise ResumeError(f"loader state: key {bad!r}: a non-finite number")
         return cls(epoch=state["epoch"], position=state["position"], config=dict(state["config"]),
-                   data=dict(state["data"]))
+                   data=dict(state["data"]), kind=kind)
 
     def check_position(self, num_microbatches: int) -> None:
         """Refuse a ``position`` past the end of its epoch (``num_microbatches`` on each rank; equal to

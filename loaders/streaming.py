@@ -20,40 +20,76 @@ The end-of-epoch agreement costs one ``all_reduce`` of one int64 per micro-batch
 the world; every rank of it must iterate, TP/CP ranks of a DP rank read the same stream). Without an
 initialised process group (or ``dp_size == 1``) there is none.
 
-Resume: the state is ``(epoch, position)``, the same on every rank. Loading it re-reads this rank's
-stream from the start of the epoch and replays the deterministic packing, skipping the first
+Resume: the state is ``(epoch, position)``, the same on every rank, in the format of
+:class:`~prealign.loaders.PackedLoader`'s (:mod:`prealign.loaders.state`; the data fingerprint is a digest
+of the source's description, taken once at :meth:`~StreamingPackedLoader.prepare`). Loading it re-reads this
+rank's stream from the start of the epoch and replays the deterministic packing, skipping the first
 ``position`` micro-batches without collating them (cost: reading that much of the stream again).
+
+Options, validation, ``set_epoch``, ``from_parallel_state``, the one-live-iterator guard, the state and the
+worker path (a sample's typed error raised as its own type, a dead worker a
+:class:`~prealign.loaders.errors.WorkerError`) are :class:`~prealign.loaders.core.LoaderCore`'s, shared
+with :class:`~prealign.loaders.PackedLoader`.
 """
 from __future__ import annotations
 
-import json
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torch.utils.data import IterableDataset, get_worker_info
 
-from prealign.collate.thd import THDCollator
-from prealign.loaders.errors import BadSampleError, OversizeSampleError, PlanError, ResumeError
-from prealign.loaders.handoff.slots import worker_heap
-from prealign.loaders.handoff.transport import PackedBatch, pack_batch, unpack_batch
+from prealign.loaders.core import LoaderCore, describe_digest, unpacked
+from prealign.loaders.errors import BadSampleError, OversizeSampleError, PlanError
+from prealign.loaders.handoff.transport import pack_batch
 from prealign.loaders.index.events import error_from_record, error_record, record_reason
 from prealign.loaders.index.sample_checks import has_media, media_keys, validated
 from prealign.loaders.loader import filler_sample, truncate_sample
-from prealign.loaders.options import LoadingOptions, check_dp
+from prealign.loaders.options import LoadingOptions, WorkerConfig, check_option
 from prealign.loaders.plan.packing import best_fit_decreasing
-from prealign.loaders.plan.planner import microbatch_capacity
-from prealign.loaders.plan.schedule import check_count
-from prealign.loaders.policy import BadDataGate, BadDataPolicy, BadDataReport, Oversize, coerce_enum
+from prealign.loaders.plan.planner import PlannerConfig
+from prealign.loaders.policy import BadDataGate, BadDataPolicy, BadDataReport, Oversize
+from prealign.loaders.serve.workers import hand_over
 from prealign.loaders.sources.source import Skip, Source
-from prealign.schemas.errors import SampleError
+from prealign.loaders.state import STREAM_STATE_KIND
+from prealign.schemas.errors import PrealignError, SampleError
 from prealign.schemas.layout import ParallelLayout
 from prealign.schemas.schema import BatchSchema
 
-STATE_KIND = "prealign.StreamingPackedLoader"
-STATE_VERSION = 1
 _CHUNK = 32
+STREAM_PLANNER = PlannerConfig(buffer_size=1024)
+"""The streaming loader's default planner: readers hold 1,024 samples; oversize samples raise."""
+_STREAM_FIELDS = ("buffer_size", "oversize")
+
+
+def stream_planner(planner: PlannerConfig | None, buffer_size: int | None = None,
+                   oversize: Oversize | str | None = None) -> PlannerConfig:
+    """The :class:`PlannerConfig` of a stream: ``planner`` (default :data:`STREAM_PLANNER`) with the
+    ``buffer_size`` / ``oversize`` keywords (kept from the loader's first signature) applied. A keyword
+    given in ``planner`` too, or a planner field a stream cannot honour (it packs best-fit decreasing from
+    its buffer, one micro-batch per step) set to another value than its default, is a :class:`PlanError`.
+
+    >>> stream_planner(None, buffer_size=64).buffer_size, stream_planner(PlannerConfig(oversize="skip")).oversize
+    (64, <Oversize.SKIP: 'skip'>)
+    """
+    check_option("planner", planner, PlannerConfig)
+    out = planner or STREAM_PLANNER
+    for name, value in zip(_STREAM_FIELDS, (buffer_size, oversize)):
+        if value is None:
+            continue
+        if planner is not None:
+            raise PlanError(f"{name}: given twice, as a keyword and in planner= (give it in the PlannerConfig)")
+        out = dataclasses.replace(out, **{name: value})  # validated by PlannerConfig
+    default = PlannerConfig()
+    for field in dataclasses.fields(PlannerConfig):
+        value = getattr(out, field.name)
+        if field.name not in _STREAM_FIELDS and value != getattr(default, field.name):
+            raise PlanError(f"planner.{field.name}: {value!r} does not apply to StreamingPackedLoader (it packs "
+                            f"best-fit decreasing from its buffer, one micro-batch per step); leave it at its default "
+                            f"{getattr(default, field.name)!r}")
+    return out
 
 
 def stream_id(shard: int, ordinal: int) -> int:
@@ -105,6 +141,14 @@ class _Reader(IterableDataset):
                 yield shard, ordinal, loc, item
 
     def __iter__(self):
+        """The packed stream; a :class:`~prealign.schemas.errors.PrealignError` ends it, raised here in the main
+        process, handed over as the last item in a worker (raised as its own type by the loader)."""
+        try:
+            yield from self._packed()
+        except PrealignError as exc:
+            yield hand_over(exc)
+
+    def _packed(self):
         gate = BadDataGate(self.policy)
         events: list = []
         buffer: list[tuple[int, int, dict]] = []  # (aligned size, id, sample)
@@ -196,39 +240,47 @@ class _Reader(IterableDataset):
             yield None, list(events)
 
 
-class StreamingPackedLoader:
+class StreamingPackedLoader(LoaderCore):
     """Iterable of packed micro-batches from a stream (see the module docstring). ``source``: any
     :class:`~prealign.loaders.sources.source.Source` (``HFSource`` over an ``IterableDataset``, a webdataset of
-    any size); nothing is indexed. ``buffer_size``: samples each reader holds before packing.
-    ``group``: the process group of the end-of-epoch agreement (default: the world)."""
+    any size); nothing is indexed. ``planner``: its ``buffer_size`` is the samples each reader holds before
+    packing (default 1,024: :data:`STREAM_PLANNER`), its ``oversize`` the policy for a sample longer than the
+    budget allows; the ``buffer_size`` and ``oversize`` keywords set the same. ``group``: the process group of
+    the end-of-epoch agreement (default: the world). ``loading``: DataLoader settings of the readers
+    (``persistent_workers`` does not apply: each epoch starts its readers afresh). The other arguments are
+    :class:`~prealign.loaders.PackedLoader`'s, validated the same way."""
+
+    state_kind = STREAM_STATE_KIND
 
     def __init__(self, source: Source, *, schema: BatchSchema, layout: ParallelLayout, token_budget: int,
                  dp_rank: int = 0, dp_size: int = 1, cp_rank: int | None = None, num_workers: int = 0, seed: int = 0,
-                 buffer_size: int = 1024, oversize: Oversize | str = Oversize.ERROR,
-                 bad_data: BadDataPolicy | None = None, collator: Callable | None = None, group=None,
-                 loading: LoadingOptions | None = None):
-        check_dp(dp_rank, dp_size)
-        if isinstance(buffer_size, bool) or not isinstance(buffer_size, int) or buffer_size < 2:
-            raise PlanError(f"buffer_size: expected an int >= 2, got {buffer_size!r}")
-        num_workers = check_count("num_workers", num_workers)
-        if loading is not None and not isinstance(loading, LoadingOptions):
-            raise PlanError(f"loading: expected a LoadingOptions or None, got {type(loading).__name__}")
-        if bad_data is not None and not isinstance(bad_data, BadDataPolicy):
-            raise PlanError(f"bad_data: expected a BadDataPolicy or None, got {type(bad_data).__name__}")
-        self.source, self.schema, self.layout, self.token_budget = source, schema, layout, int(token_budget)
-        self.dp_rank, self.dp_size, self.cp_rank, self.num_workers = dp_rank, dp_size, cp_rank, num_workers
-        self.seed, self.buffer_size = check_count("seed", seed), buffer_size
-        self.oversize = coerce_enum(Oversize, oversize, "oversize")
-        self.bad_data = bad_data or BadDataPolicy()
-        self.collator = collator or THDCollator(schema=schema, layout=layout, cp_rank=cp_rank)
-        self.cap = microbatch_capacity(layout, self.token_budget)
-        self.group, self.loading = group, loading or LoadingOptions()
-        """DataLoader settings of the readers (:class:`LoadingOptions`, as :class:`PackedLoader` takes them;
-        ``persistent_workers`` does not apply: each epoch starts its readers afresh)."""
-        self.report = BadDataReport()
-        """Everything skipped so far (by reason), as the readers met it."""
-        self._epoch, self._position = 0, 0
+                 planner: PlannerConfig | None = None, buffer_size: int | None = None,
+                 oversize: Oversize | str | None = None, bad_data: BadDataPolicy | None = None,
+                 collator: Callable | None = None, group=None, loading: LoadingOptions | None = None):
+        planner = stream_planner(planner, buffer_size, oversize)
+        workers = WorkerConfig(dp_rank=dp_rank, dp_size=dp_size, cp_rank=cp_rank, num_workers=num_workers,
+                               group=group)
+        super().__init__(source, schema=schema, layout=layout, token_budget=token_budget, workers=workers, seed=seed,
+                         planner=planner, bad_data=bad_data, loading=loading, collator=collator)
         self._filler: dict | None = None
+
+    buffer_size = property(lambda self: self.planner.buffer_size)
+    oversize = property(lambda self: self.planner.oversize)
+    cap = property(lambda self: self._capacity)
+
+    @property
+    def report(self) -> BadDataReport:
+        """Everything skipped so far (by reason), as the readers met it."""
+        return self._load_report
+
+    def prepare(self) -> "StreamingPackedLoader":
+        """Fingerprint the data (the source's description: shard names and sizes) once, for the state; a
+        no-op once done. Nothing is read or indexed."""
+        if self._fingerprint is None:
+            description = self.source.describe()
+            self._fingerprint = {"source": description.get("kind"), "num_shards": self.source.num_shards,
+                                 "digest": describe_digest(description)}
+        return self
 
     # ---- the collective ------------------------------------------------------------------------------
     def _any_rank(self, has_batch: bool) -> bool:
@@ -266,29 +318,26 @@ class StreamingPackedLoader:
         return batch
 
     # ---- iteration -----------------------------------------------------------------------------------
-    def _reader(self, epoch: int) -> DataLoader:
-        reader = _Reader(self.source, self.schema, self.collator, self.layout, self.cap, self.buffer_size,
+    def _reader(self, epoch: int):
+        reader = _Reader(self.source, self.schema, self.collator, self.layout, self._capacity, self.buffer_size,
                          self.oversize, self.bad_data, self.dp_rank, self.dp_size, self.seed, epoch,
                          pack=self.num_workers > 0)
-        lo, workers = self.loading, self.num_workers > 0
-        kw = {"prefetch_factor": lo.prefetch_factor} if workers and lo.prefetch_factor is not None else {}
-        return DataLoader(reader, batch_size=None, num_workers=self.num_workers, pin_memory=lo.pin_memory,
-                          multiprocessing_context=lo.multiprocessing_context if workers else None,
-                          worker_init_fn=worker_heap if workers else None, timeout=lo.timeout, **kw)
+        return self._data_loader(reader, persistent=False, batch_size=None)
 
     def _take(self, it):
         """The next real micro-batch of this rank's stream, or None at its end (bad-data events counted)."""
         for batch, events in it:
-            for reason, where, rec in events:
-                self.report.add(reason, where, rec["message"] if isinstance(rec, dict) and "message" in rec
-                                else str(error_from_record(rec)) if isinstance(rec, dict) else reason)
+            self._count_skipped([(reason, where, rec["message"] if isinstance(rec, dict) and "message" in rec
+                                  else str(error_from_record(rec)) if isinstance(rec, dict) else reason)
+                                 for reason, where, rec in events], warn=False)  # (the reader's gate warned)
             if batch is not None:
-                return unpack_batch(batch) if isinstance(batch, PackedBatch) else batch
+                return unpacked(batch)
         return None
 
-    def __iter__(self):
+    def _batches(self, token: object):
+        self.prepare()
         epoch, start = self._epoch, self._position
-        it = iter(self._reader(epoch))
+        it = self._served(self._reader(epoch), token)
         exhausted = False
         for _ in range(start):  # resume: re-read and re-pack the stream up to the saved position
             if self._take(it) is None:
@@ -302,43 +351,14 @@ class StreamingPackedLoader:
                 break
             if batch is None:
                 batch = self._filler_batch(epoch, position)
+            self._check_live(token)
             batch["epoch"], batch["microbatch"] = epoch, position
             position += 1
             self._position = position
             yield batch
-        self._epoch, self._position = epoch + 1, 0
+        if self._active is token:
+            self._epoch, self._position = epoch + 1, 0
 
     # ---- state ---------------------------------------------------------------------------------------
     def _config(self) -> dict:
-        return {"seed": self.seed, "dp_size": self.dp_size, "token_budget": self.token_budget,
-                "layout": self.layout.to_dict(), "schema": self.schema.fingerprint(), "buffer_size": self.buffer_size,
-                "num_workers": self.num_workers, "oversize": self.oversize.value, "source": self.source.describe().get("kind"),
-                "num_shards": self.source.num_shards}
-
-    def state_dict(self) -> dict:
-        """``{"kind", "version", "epoch", "position", "config"}``: JSON, the same on every rank."""
-        return {"kind": STATE_KIND, "version": STATE_VERSION, "epoch": self._epoch, "position": self._position,
-                "config": self._config()}
-
-    def load_state_dict(self, state) -> None:
-        """Resume from :meth:`state_dict`; :class:`ResumeError` for a state of another configuration (the
-        packing depends on the buffer, the worker count, the budget and the layout)."""
-        if isinstance(state, (str, bytes)):
-            try:
-                state = json.loads(state)
-            except (ValueError, RecursionError) as exc:
-                raise ResumeError(f"not a {STATE_KIND} state: not JSON ({exc})") from None
-        if not isinstance(state, dict) or state.get("kind") != STATE_KIND or state.get("version") != STATE_VERSION:
-            raise ResumeError(f"not a {STATE_KIND} state of version {STATE_VERSION}: {str(state)[:200]}")
-        for key in ("epoch", "position"):  # never coerced (2.7, "3", True)
-            v = state.get(key)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ResumeError(f"{STATE_KIND} state: {key} must be an int >= 0, got {v!r}")
-        if not isinstance(state.get("config"), dict):
-            raise ResumeError(f"{STATE_KIND} state: config must be a dict, got {str(state.get('config'))[:100]}")
-        here = self._config()
-        diff = [f"{k}: saved {state['config'].get(k)!r}, this run {here.get(k)!r}" for k in sorted(here)
-                if state.get("config", {}).get(k) != here[k]]
-        if diff:
-            raise ResumeError("cannot resume this streaming loader state:\n  " + "\n  ".join(diff))
-        self._epoch, self._position = int(state["epoch"]), int(state["position"])
+        return {**super()._config(), "num_workers": self.num_workers}

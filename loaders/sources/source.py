@@ -18,15 +18,16 @@ from collections import OrderedDict
 from typing import Callable, Iterator
 
 from prealign.loaders.errors import BadSampleError, IndexFileError, reason_of
-from prealign.schemas.errors import ConfigError, SampleError
+from prealign.schemas.errors import ConfigError, PrealignError, SampleError
 
 Location = tuple[int, ...]
 Transform = Callable[[dict], dict]
 TRANSFORM_ERRORS: tuple[type[BaseException], ...] = (ValueError, KeyError, IndexError, UnicodeError)
 """What a transform may raise on bad data besides a :class:`~prealign.schemas.errors.SampleError`
 (a missing key, an index past a list, an unparsable value): counted as ``bad_sample``. Anything else
-(``TypeError``, ``AttributeError``, ...) is a bug in the transform and propagates; a
-:class:`~prealign.schemas.errors.ConfigError` always propagates."""
+(``TypeError``, ``AttributeError``, ...) is a bug in the transform and propagates; any other
+:class:`~prealign.schemas.errors.PrealignError` (a ``ConfigError``, a remote read or a timeout: not bad
+data) and an ``OSError`` always propagate."""
 
 
 class Skip:
@@ -114,17 +115,17 @@ class Source(abc.ABC):
         actual and ``reason`` (:func:`~prealign.loaders.errors.reason_of`, e.g. a
         :class:`~prealign.loaders.media.vlm.MediaError`'s ``corrupt_image``), so the index counts skips by cause;
         one of :data:`TRANSFORM_ERRORS` is reported as ``transform to succeed`` under ``bad_sample``;
-        anything else (a bug) and a :class:`~prealign.schemas.errors.ConfigError` propagate as they are.
+        anything else (a bug) and any other :class:`~prealign.schemas.errors.PrealignError` propagate as they are.
         """
         if self.transform is None:
             return raw
         try:
             out = self.transform(raw)
-        except ConfigError:
-            raise
         except SampleError as exc:  # a typed problem: keep what it says, rename the sample
             raise BadSampleError(sample=self.sample_name(raw, location), field=exc.field, expected=exc.expected,
                                  actual=exc.actual, reason=reason_of(exc)) from exc
+        except PrealignError:  # configuration or infrastructure (a remote read, a timeout): never bad data
+            raise
         except TRANSFORM_ERRORS as exc:  # bad data as the transform sees it, handled by the declared policy
             raise BadSampleError(sample=self.sample_name(raw, location), field=None, expected="transform to succeed",
                                  actual=f"{type(exc).__name__}: {exc}") from exc

@@ -1,0 +1,190 @@
+"""The core both loaders share (:class:`~prealign.loaders.PackedLoader`,
+:class:`~prealign.loaders.StreamingPackedLoader`): one validation of the arguments, the rank keywords as one
+:class:`~prealign.loaders.options.WorkerConfig`, epoch and position (``set_epoch``), one live iterator at a
+time, one versioned state (:mod:`prealign.loaders.state`) whose data fingerprints are computed once at
+``prepare``, and one DataLoader path out of the workers (a worker's typed error raised as its own type, a
+dead worker a :class:`~prealign.loaders.errors.WorkerError`: :mod:`prealign.loaders.serve.workers`).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import warnings
+from typing import Callable
+
+from torch.utils.data import DataLoader
+
+from prealign.collate.thd import THDCollator
+from prealign.loaders.errors import LoaderUsageError, PlanError
+from prealign.loaders.handoff.slots import worker_heap
+from prealign.loaders.handoff.transport import PackedBatch, unpack_batch
+from prealign.loaders.options import LoadingOptions, WorkerConfig, check_option
+from prealign.loaders.plan.planner import PlannerConfig, microbatch_capacity
+from prealign.loaders.plan.schedule import check_count
+from prealign.loaders.policy import BadDataPolicy, BadDataReport, BadSampleWarning
+from prealign.loaders.serve.workers import worker_batches
+from prealign.loaders.sources.source import Source
+from prealign.loaders.state import STATE_KIND, LoaderState
+from prealign.schemas.layout import ParallelLayout
+from prealign.schemas.schema import BatchSchema
+
+
+def describe_digest(description: dict) -> str:
+    """16 hex digits of a source's JSON description (shard names, sizes).
+
+    >>> describe_digest({"kind": "hf"}) == describe_digest({"kind": "hf"})
+    True
+    """
+    text = json.dumps(description, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def unpacked(batch):
+    """A batch handed over packed by a worker (:mod:`prealign.loaders.handoff.transport`) as a plain dict."""
+    return unpack_batch(batch) if isinstance(batch, PackedBatch) else batch
+
+
+class LoaderCore:
+    """Base of both loaders. Subclasses set :attr:`state_kind`, implement :meth:`prepare` (which sets
+    ``self._fingerprint``) and :meth:`_batches`, and may add to :meth:`_config`."""
+
+    state_kind: str = STATE_KIND
+
+    def __init__(self, source: Source, *, schema: BatchSchema, layout: ParallelLayout, token_budget: int,
+                 workers: WorkerConfig, seed: int, planner: PlannerConfig | None, bad_data: BadDataPolicy | None,
+                 loading: LoadingOptions | None, collator: Callable | None):
+        for name, value, cls in (("planner", planner, PlannerConfig), ("bad_data", bad_data, BadDataPolicy),
+                                 ("loading", loading, LoadingOptions)):
+            check_option(name, value, cls)
+        self.source, self.schema, self.layout, self.token_budget = source, schema, layout, token_budget
+        self.workers = workers
+        self.seed = check_count("seed", seed)
+        self.planner = planner or PlannerConfig()
+        self.bad_data = bad_data or BadDataPolicy()
+        self.loading = loading or LoadingOptions()
+        self.collator = collator or THDCollator(schema=schema, layout=layout, cp_rank=workers.cp_rank)
+        self._capacity = microbatch_capacity(layout, token_budget)  # arithmetic only: a bad budget fails here
+        self._schema_fingerprint = schema.fingerprint()
+        self._fingerprint: dict | None = None  # the data's, set by prepare()
+        self._load_report = BadDataReport()
+        self._epoch, self._position = 0, 0
+        self._active: object | None = None
+
+    # ---- the rank keywords ---------------------------------------------------------------------------
+    dp_rank = property(lambda self: self.workers.dp_rank)
+    dp_size = property(lambda self: self.workers.dp_size)
+    cp_rank = property(lambda self: self.workers.cp_rank)
+    num_workers = property(lambda self: self.workers.num_workers)
+    group = property(lambda self: self.workers.group)
+
+    @classmethod
+    def from_parallel_state(cls, source: Source, *, schema: BatchSchema, token_budget: int,
+                            layout: ParallelLayout | None = None, **kwargs):
+        """Ranks (and, without ``layout``, tp/cp sizes) read from megatron-core's ``parallel_state``
+        when initialised, else from ``torch.distributed`` (every rank a DP rank, no CP)."""
+        from prealign.schemas.parallel_state import data_parallel_info
+
+        info = data_parallel_info()
+        if layout is None:
+            layout = ParallelLayout(tp=info["tp"], cp=info["cp"])
+        elif (layout.tp, layout.cp) != (info["tp"], info["cp"]):
+            raise PlanError(f"layout tp={layout.tp}, cp={layout.cp} but the process groups have "
+                            f"tp={info['tp']}, cp={info['cp']}")
+        return cls(source, schema=schema, layout=layout, token_budget=token_budget, dp_rank=info["dp_rank"],
+                   dp_size=info["dp"], cp_rank=info["cp_rank"] if info["cp"] > 1 else None, **kwargs)
+
+    def prepare(self):
+        """Set up what the loader needs before its first batch (the data's fingerprint at least); a no-op once done."""
+        raise NotImplementedError
+
+    # ---- epochs and the one live iterator --------------------------------------------------------------
+    def _normalised(self) -> tuple[int, int]:
+        """(epoch, position) of the next batch."""
+        return self._epoch, self._position
+
+    @property
+    def epoch(self) -> int:
+        return self._normalised()[0]
+
+    def set_epoch(self, epoch: int) -> None:
+        """Go to the start of ``epoch``; the epoch in progress keeps its position (a live iterator over
+        another epoch stops with :class:`~prealign.loaders.errors.LoaderUsageError`)."""
+        epoch = check_count("epoch", epoch)
+        if epoch != self._normalised()[0]:
+            self._epoch, self._position = epoch, 0
+            self._active = None
+
+    def __iter__(self):
+        """The rest of the current epoch; starting another iterator stops this one (at its next batch)."""
+        token = self._active = object()
+        try:
+            yield from self._batches(token)
+        finally:
+            if self._active is token:
+                self._active = None
+
+    def _batches(self, token: object):
+        raise NotImplementedError
+
+    def _check_live(self, token: object) -> None:
+        if self._active is not token:
+            raise LoaderUsageError(f"{type(self).__name__}: a newer iterator over this loader was started (or "
+                                   f"set_epoch moved it); iterate one at a time")
+
+    def _data_loader(self, dataset, *, persistent: bool, **kwargs) -> DataLoader:
+        """A torch DataLoader over ``dataset`` with the loader's workers and :class:`LoadingOptions`."""
+        lo, workers = self.loading, self.num_workers > 0
+        if workers and lo.prefetch_factor is not None:
+            kwargs["prefetch_factor"] = lo.prefetch_factor
+        return DataLoader(dataset, num_workers=self.num_workers, pin_memory=lo.pin_memory,
+                          persistent_workers=persistent and lo.persistent_workers and workers,
+                          multiprocessing_context=lo.multiprocessing_context if workers else None,
+                          worker_init_fn=worker_heap if workers else None, timeout=lo.timeout, **kwargs)
+
+    def _served(self, loader: DataLoader, token: object):
+        """``loader``'s items through the one worker path (typed errors as their own type, a dead worker a
+        WorkerError), stopping when a newer iterator took over."""
+        for item in worker_batches(loader):
+            self._check_live(token)
+            yield item
+
+    def _count_skipped(self, skipped, *, warn: bool) -> None:
+        """Count ``(reason, where, message)`` of samples left out while loading (and warn, if ``warn``)."""
+        for reason, where, message in skipped:
+            self._load_report.add(reason, where, message)
+            if warn:
+                warnings.warn(BadSampleWarning(f"skipped {where} at load time ({reason}): {message}"))
+
+    # ---- state ---------------------------------------------------------------------------------------
+    def _config(self) -> dict:
+        """What shapes the batches (a state resumes only under the same)."""
+        return {"seed": self.seed, "dp_size": self.dp_size, "token_budget": self.token_budget,
+                "layout": self.layout.to_dict(), "schema": self._schema_fingerprint, "planner": self.planner.to_dict()}
+
+    def _data(self) -> dict:
+        """Fingerprints of the data, computed once by :meth:`prepare`."""
+        return self.prepare()._fingerprint
+
+    def _check_position(self, state: LoaderState) -> None:
+        """Refuse a state's position this loader cannot reach (default: nothing to check)."""
+
+    def state_dict(self) -> dict:
+        """JSON-serialisable state, identical on every rank of the run (:mod:`prealign.loaders.state`);
+        touches no file."""
+        data = self._data()
+        epoch, position = self._normalised()
+        return LoaderState(epoch=epoch, position=position, config=self._config(), data=data,
+                           kind=self.state_kind).to_dict()
+
+    def load_state_dict(self, state) -> None:
+        """Resume: the next batches are exactly those the saved run would have yielded next. Refuses
+        (:class:`~prealign.loaders.errors.ResumeError`) a state of another kind, version, configuration or
+        data, and (:class:`~prealign.loaders.errors.LoaderUsageError`) any while an iterator is live."""
+        if self._active is not None:
+            raise LoaderUsageError(f"{type(self).__name__}.load_state_dict: a live iterator over this loader "
+                                   f"(epoch {self._epoch}, position {self._position}); exhaust it or close it "
+                                   f"(it.close()) first")
+        st = LoaderState.from_dict(state, kind=self.state_kind)
+        st.check_compatible(self._config(), self._data())
+        self._check_position(st)
+        self._epoch, self._position = st.epoch, st.position
