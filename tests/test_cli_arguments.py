@@ -52,7 +52,7 @@ def test_gs_without_its_backend_names_the_package(capsys, tmp_path, monkeypatch)
     import importlib.util
 
     if importlib.util.find_spec("gcsfs") is not None:
-        pytest.skip("gcsfs is installed here: the missing-backend message cannot show")  # platform: not a test extra
+        pytest.skip("platform: gcsfs is installed here, so the missing-backend message cannot show")
     monkeypatch.chdir(tmp_path)
     assert main(["inspect", "gs://bucket/shard.tar"]) == 2
     assert "needs the package gcsfs" in capsys.readouterr().err
