@@ -166,7 +166,8 @@ class RemotePermissionError(ConfigError):
     def __init__(self, url: str, status: int | None, answer: str):
         self.url, self.status = url, status
         super().__init__(f"{url}: permission denied: expected the object, the server answered {answer}; check the "
-                         f"credentials (storage_options, a token in the URL) and the object's permissions")
+                         f"credentials (storage_options, a token in the URL) and the object's permissions (S3 also "
+                         f"answers 403 for an absent object of a bucket the caller cannot list)")
 
 
 class RangeIgnoredWarning(UserWarning):

@@ -364,3 +364,14 @@ def test_401_and_403_are_permission_errors_not_missing_shards(tmp_path, http_ser
         assert (err.value.url, err.value.status) == (url, code) and not isinstance(err.value, MissingShardError)
         with pytest.raises(RemotePermissionError, match=f"HTTP {code}"):
             read_range(url, 0, 512, FAST)
+
+
+def test_a_refused_sidecar_is_no_sidecar(tmp_path, http_server):
+    """A sidecar is optional: one the server refuses (S3 answers 403 for an absent key of a bucket it will not
+    list) is looked past, and the loader indexes the shard itself."""
+    server, base = http_server
+    paths = write_shards(server.root, sample_lengths(40), num_shards=1)
+    write_sidecars(WebDatasetSource(paths), SCHEMA)
+    server.deny = {"shard-000.tar.prealign-index.npz": 403}
+    local = list(_loader(WebDatasetSource(paths)))
+    assert _same_batches(list(_loader(WebDatasetSource(f"{base}/shard-000.tar", remote=FAST))), local) == len(local)

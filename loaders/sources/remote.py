@@ -18,7 +18,8 @@ a read that stalls longer than ``timeout`` seconds (no byte arrives) is retried 
 
 A server that ignores ``Range`` (``python -m http.server``, many mirrors) answers a ranged read with the
 whole object: that body is read once, in blocks, into the block cache (``cache_dir``, else a private
-temporary folder of the process, removed when it exits; processes it forks share it) and later ranges are
+temporary folder of the process, removed when it exits, shared with the processes it forks later: the
+DataLoader workers of a loader built over sidecars read what the build's checks kept) and later ranges are
 served from there, with one :class:`~prealign.loaders.errors.RangeIgnoredWarning` per server. An object
 larger than ``cache_limit`` is refused (:class:`~prealign.loaders.errors.RemoteReadError` naming Range),
 never downloaded once per sample. A body kept by this process is dropped when a later ``HEAD`` (each
@@ -204,7 +205,8 @@ def size(url: str, opts: RemoteOptions | None = None) -> int:
 
 
 def read_small(url: str, opts: RemoteOptions | None = None) -> bytes | None:
-    """A whole small remote file (a sidecar), or None when it does not exist."""
+    """A whole small remote file (a sidecar, optional), or None when it does not exist or the server refuses it
+    (S3 answers 403 for an absent key of a bucket the caller cannot list)."""
     opts = opts or DEFAULT
     try:
         if scheme(url) in ("http", "https"):
@@ -214,7 +216,7 @@ def read_small(url: str, opts: RemoteOptions | None = None) -> bytes | None:
             return _retrying(url, opts, get)
         fs = _fs(url, opts)
         return _retrying(url, opts, lambda: fs.cat_file(url))
-    except MissingShardError:
+    except (MissingShardError, RemotePermissionError):
         return None
 
 
