@@ -48,6 +48,7 @@ class _Counting:
     def setup(self):
         with self.server.lock:
             self.server.connections += 1
+        self.timeout = getattr(self.server, "idle_timeout", None)  # a connection idle this long is closed
         super().setup()
 
 
@@ -375,3 +376,17 @@ def test_a_refused_sidecar_is_no_sidecar(tmp_path, http_server):
     server.deny = {"shard-000.tar.prealign-index.npz": 403}
     local = list(_loader(WebDatasetSource(paths)))
     assert _same_batches(list(_loader(WebDatasetSource(f"{base}/shard-000.tar", remote=FAST))), local) == len(local)
+
+
+def test_a_kept_connection_the_server_closed_is_replaced(tmp_path, http_server):
+    """Servers close idle kept-alive connections: the next read opens a new one, without costing a retry."""
+    server, base = http_server
+    paths = write_shards(server.root, sample_lengths(20), num_shards=1)
+    with open(paths[0], "rb") as f:
+        data = f.read()
+    url, once = f"{base}/shard-000.tar", RemoteOptions(retries=0, timeout=5.0)
+    server.idle_timeout = 0.2
+    for i in range(3):
+        assert read_range(url, 100 * i, 100 * i + 900, once) == data[100 * i:100 * i + 900]
+        time.sleep(0.5)
+    assert server.connections == 3
