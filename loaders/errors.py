@@ -153,3 +153,33 @@ class IndexFileError(StaleIndexError):
 class ExtraShardError(IndexFileError):
     """The index names a shard the source does not have, or the source a shard the index lacks (an index
     of other data: also an :class:`IndexFileError`)."""
+
+
+class RemoteReadError(PrealignError):
+    """A remote shard could not be read (after the retries): ``.url`` names it."""
+
+    def __init__(self, url: str, message: str):
+        self.url = url
+        super().__init__(f"{url}: {message}")
+
+
+class RemoteStallError(RemoteReadError):
+    """A remote read received no byte for longer than ``RemoteOptions.timeout`` seconds (after the retries)."""
+
+
+class RemotePermissionError(ConfigError):
+    """The server refused to serve a remote shard (HTTP 401/403, an object store's access denied): credentials
+    or permissions, not a missing shard. ``.url``, ``.status`` (None when the client gives no HTTP status).
+    A configuration error: raised whatever the bad-data policy, never retried."""
+
+    def __init__(self, url: str, status: int | None, answer: str):
+        self.url, self.status = url, status
+        super().__init__(f"{url}: permission denied: expected the object, the server answered {answer}; check the "
+                         f"credentials (storage_options, a token in the URL) and the object's permissions (S3 also "
+                         f"answers 403 for an absent object of a bucket the caller cannot list)")
+
+
+class RangeIgnoredWarning(UserWarning):
+    """A server answered a ranged read with the whole object (it ignores ``Range``): emitted once per server
+    and process; each object is then downloaded whole once and kept (``RemoteOptions.cache_dir``, else a
+    private temporary folder), bounded by ``RemoteOptions.cache_limit``."""

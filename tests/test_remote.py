@@ -2,20 +2,29 @@
 (started here) and moto's S3 server spoken to by the real s3fs / botocore client."""
 from __future__ import annotations
 
+import functools
 import gzip
 import http.server
+import multiprocessing
 import os
 import re
 import shutil
 import socket
 import threading
 import time
+import warnings
 
 import pytest
 import torch
 
 from prealign.loaders import PackedLoader, ShuffleOptions, WebDatasetSource
-from prealign.loaders.errors import ChangedShardError, MissingShardError
+from prealign.loaders.errors import (
+    ChangedShardError,
+    MissingShardError,
+    RangeIgnoredWarning,
+    RemotePermissionError,
+    RemoteReadError,
+)
 from prealign.loaders.index.header_pass import write_sidecars
 from prealign.loaders.sources.remote import RemoteOptions, RemoteStallError, read_range
 from prealign.schemas import ParallelLayout
@@ -27,18 +36,34 @@ SCHEMA = causal_lm_schema()
 FAST = RemoteOptions(retries=1, backoff=0.01, timeout=5.0)
 
 
-class _Handler(http.server.BaseHTTPRequestHandler):
-    """Serves ``server.root`` with ``Range`` support; counts the bytes of each path it sends."""
+class _Counting:
+    """Counts the connections a server accepts (``server.connections``); sends without Nagle's delay (as
+    servers keeping connections alive do: a header and a body written apart would wait for a delayed ACK)."""
 
-    protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True
 
     def log_message(self, *args):
         pass
 
+    def setup(self):
+        with self.server.lock:
+            self.server.connections += 1
+        self.timeout = getattr(self.server, "idle_timeout", None)  # a connection idle this long is closed
+        super().setup()
+
+
+class _Handler(_Counting, http.server.BaseHTTPRequestHandler):
+    """Serves ``server.root`` with ``Range`` support (ignored when ``server.ignore_range``), keeping connections
+    alive; counts the bytes of each path it sends; answers ``server.deny[name]`` (401, 403) for a name there."""
+
+    protocol_version = "HTTP/1.1"
+
     def _file(self):
-        path = os.path.join(self.server.root, self.path.lstrip("/").split("?")[0])
-        if not os.path.isfile(path):
-            self.send_response(404)
+        name = self.path.lstrip("/").split("?")[0]
+        path = os.path.join(self.server.root, name)
+        status = self.server.deny.get(name, 404)
+        if status != 404 or not os.path.isfile(path):
+            self.send_response(status)
             self.send_header("Content-Length", "0")
             self.end_headers()
             return None, None
@@ -71,7 +96,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if not path:
             return
         lo, hi = 0, size
-        m = re.match(r"bytes=(\d+)-(\d*)", self.headers.get("Range", ""))
+        m = None if self.server.ignore_range else re.match(r"bytes=(\d+)-(\d*)", self.headers.get("Range", ""))
         with open(path, "rb") as f:
             if m:
                 lo, hi = int(m.group(1)), min(int(m.group(2)) + 1 if m.group(2) else size, size)
@@ -87,16 +112,42 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.wfile.write(data)
 
 
-@pytest.fixture
-def http_server(tmp_path):
+class _PlainHandler(_Counting, http.server.SimpleHTTPRequestHandler):
+    """``python -m http.server``'s own handler (HTTP/1.0, ignores ``Range``), counting the bytes it sends."""
+
+    def copyfile(self, source, outputfile):
+        data = source.read()
+        name = os.path.basename(self.path.split("?")[0])
+        with self.server.lock:
+            self.server.served[name] = self.server.served.get(name, 0) + len(data)
+        outputfile.write(data)
+
+
+class _Server(http.server.ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request, client_address):
+        pass  # a client that stops reading a body it refused (broken pipe) is no failure here
+
+
+def _serve(tmp_path, handler=_Handler):
     root = tmp_path / "www"
     root.mkdir()
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
-    server.root, server.served, server.stall = str(root), {}, 0.0
+    if handler is _PlainHandler:
+        handler = functools.partial(_PlainHandler, directory=str(root))
+    server = _Server(("127.0.0.1", 0), handler)
+    server.root, server.served, server.stall, server.ignore_range, server.deny = str(root), {}, 0.0, False, {}
     server.lock, server.inflight, server.max_inflight, server.delay = threading.Lock(), 0, 0, 0.0
+    server.connections = 0
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
-    yield server, f"http://127.0.0.1:{server.server_address[1]}"
+    return server, f"http://127.0.0.1:{server.server_address[1]}"
+
+
+@pytest.fixture
+def http_server(tmp_path):
+    server, base = _serve(tmp_path)
+    yield server, base
     server.shutdown()
     server.server_close()
 
@@ -236,3 +287,106 @@ def test_a_replaced_object_is_seen_through_a_warm_block_cache(tmp_path, http_ser
     assert os.path.getsize(paths[0]) == size
     with pytest.raises(ChangedShardError, match="shard-000.tar"):
         _loader(WebDatasetSource(url, remote=opts))
+
+
+def _moved(server) -> int:
+    """Bytes of shards (``.tar``) the server sent."""
+    return sum(n for name, n in server.served.items() if name.endswith(".tar"))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("handler", [_PlainHandler, _Handler], ids=["python-m-http.server", "keep-alive"])
+def test_a_server_ignoring_range_sends_each_shard_about_once(tmp_path, handler, num_workers):
+    """A server answering a ranged GET with 200 and the whole object (``python -m http.server``, many mirrors):
+    each shard is downloaded once and kept, two epochs move at most 3x the shards' bytes (not one shard per
+    sample), the batches equal local ones, and a warning names the server."""
+    server, base = _serve(tmp_path, handler)
+    server.ignore_range = True
+    try:
+        paths = write_shards(server.root, sample_lengths(300, low=100, high=300), num_shards=2)
+        write_sidecars(WebDatasetSource(paths), SCHEMA)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            remote = _loader(WebDatasetSource(f"{base}/shard-{{000..001}}.tar", remote=FAST), num_workers=num_workers)
+            local = _loader(WebDatasetSource(paths))
+            for _ in range(2):
+                want = list(local)
+                assert _same_batches(list(remote), want) == len(want) > 5
+        shard_bytes = sum(os.path.getsize(p) for p in paths)
+        assert _moved(server) <= 3 * shard_bytes, (_moved(server), shard_bytes)
+        ignored = [str(w.message) for w in seen if issubclass(w.category, RangeIgnoredWarning)]
+        assert len(ignored) == 1 and re.match(f"{base[7:]} ignores HTTP Range", ignored[0]), ignored
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_range_ignoring_object_past_cache_limit_is_refused(tmp_path, http_server):
+    server, base = http_server
+    server.ignore_range = True
+    write_shards(server.root, sample_lengths(40), num_shards=1)
+    with pytest.raises(RemoteReadError, match=r"shard-000.tar: .*ignores Range.*cache_limit"):
+        read_range(f"{base}/shard-000.tar", 0, 512, RemoteOptions(cache_limit=4096, retries=1, backoff=0.01))
+
+
+def _read_spans(url: str, spans, data: bytes, out) -> None:
+    out.put(all(read_range(url, a, b, FAST) == data[a:b] for a, b in spans))
+
+
+def test_reads_reuse_a_connection_per_process(tmp_path, http_server):
+    """Reads of one host reuse one kept-alive connection; a forked process (a DataLoader worker) opens its
+    own, never the parent's socket."""
+    server, base = http_server
+    paths = write_shards(server.root, sample_lengths(40), num_shards=1)
+    url = f"{base}/shard-000.tar"
+    with open(paths[0], "rb") as f:
+        data = f.read()
+    spans = [(i * 97, i * 97 + 700) for i in range(60)]
+    assert all(read_range(url, a, b, FAST) == data[a:b] for a, b in spans)
+    assert server.connections == 1
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    child = ctx.Process(target=_read_spans, args=(url, spans, data, out))
+    child.start()
+    assert out.get(timeout=60) is True
+    child.join(60)
+    assert all(read_range(url, a, b, FAST) == data[a:b] for a, b in spans)
+    assert server.connections == 2  # 180 reads: the parent's connection and the child's
+
+
+def test_401_and_403_are_permission_errors_not_missing_shards(tmp_path, http_server):
+    server, base = http_server
+    write_shards(server.root, sample_lengths(20), num_shards=2)
+    server.deny = {"shard-000.tar": 401, "shard-001.tar": 403}
+    for name, code in server.deny.items():
+        url = f"{base}/{name}"
+        with pytest.raises(RemotePermissionError, match=f"{re.escape(url)}: permission denied.*HTTP {code}") as err:
+            _loader(WebDatasetSource(url, remote=FAST))
+        assert (err.value.url, err.value.status) == (url, code) and not isinstance(err.value, MissingShardError)
+        with pytest.raises(RemotePermissionError, match=f"HTTP {code}"):
+            read_range(url, 0, 512, FAST)
+
+
+def test_a_refused_sidecar_is_no_sidecar(tmp_path, http_server):
+    """A sidecar is optional: one the server refuses (S3 answers 403 for an absent key of a bucket it will not
+    list) is looked past, and the loader indexes the shard itself."""
+    server, base = http_server
+    paths = write_shards(server.root, sample_lengths(40), num_shards=1)
+    write_sidecars(WebDatasetSource(paths), SCHEMA)
+    server.deny = {"shard-000.tar.prealign-index.npz": 403}
+    local = list(_loader(WebDatasetSource(paths)))
+    assert _same_batches(list(_loader(WebDatasetSource(f"{base}/shard-000.tar", remote=FAST))), local) == len(local)
+
+
+def test_a_kept_connection_the_server_closed_is_replaced(tmp_path, http_server):
+    """Servers close idle kept-alive connections: the next read opens a new one, without costing a retry."""
+    server, base = http_server
+    paths = write_shards(server.root, sample_lengths(20), num_shards=1)
+    with open(paths[0], "rb") as f:
+        data = f.read()
+    url, once = f"{base}/shard-000.tar", RemoteOptions(retries=0, timeout=5.0)
+    server.idle_timeout = 0.2
+    for i in range(3):
+        assert read_range(url, 100 * i, 100 * i + 900, once) == data[100 * i:100 * i + 900]
+        time.sleep(0.5)
+    assert server.connections == 3

@@ -1,6 +1,7 @@
 """Remote shards read by byte range, never copied whole.
 
-    http(s)://host/shard.tar   urllib (standard library): ``HEAD`` for the size, ``GET`` with ``Range``
+    http(s)://host/shard.tar   http.client over kept-alive connections (:mod:`.http_pool`): ``HEAD`` for the
+                               size, ``GET`` with ``Range``
     s3://bucket/shard.tar      fsspec (``pip install prealign[remote]``: fsspec + s3fs / gcsfs)
     gs://bucket/shard.tar      fsspec ``cat_file(url, start, end)``
     pipe:cmd ...               webdataset's ``pipe:``: the command's stdout, read sequentially
@@ -12,7 +13,17 @@ its own samples, not the shard. ``RemoteOptions.cache_dir`` + ``cache_limit`` ke
 Transient errors (connection reset, 5xx, 429) are retried ``retries`` times with exponential backoff;
 a read that stalls longer than ``timeout`` seconds (no byte arrives) is retried too and then raises
 :class:`RemoteStallError` naming the URL; a shard that does not exist is a
-:class:`~prealign.loaders.errors.MissingShardError` (a configuration error).
+:class:`~prealign.loaders.errors.MissingShardError` (a configuration error), one the server refuses
+(HTTP 401/403, access denied) a :class:`~prealign.loaders.errors.RemotePermissionError`.
+
+A server that ignores ``Range`` (``python -m http.server``, many mirrors) answers a ranged read with the
+whole object: that body is read once, in blocks, into the block cache (``cache_dir``, else a private
+temporary folder of the process, removed when it exits, shared with the processes it forks later: the
+DataLoader workers of a loader built over sidecars read what the build's checks kept) and later ranges are
+served from there, with one :class:`~prealign.loaders.errors.RangeIgnoredWarning` per server. An object
+larger than ``cache_limit`` is refused (:class:`~prealign.loaders.errors.RemoteReadError` naming Range),
+never downloaded once per sample. A body kept by this process is dropped when a later ``HEAD`` (each
+loader build makes one) answers another size, ``ETag`` or ``Last-Modified`` (or neither of the latter).
 
 Sequential shards (``pipe:``, gzip) cannot be read by range: a worker that needs a sample of one
 reads the whole shard once (decompressing it) into memory and keeps the last ``stream_shards`` such
@@ -23,32 +34,31 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import http.client
+import itertools
+import multiprocessing.util
 import os
 import re
+import shutil
 import socket
 import subprocess
+import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
+import urllib.parse
+import warnings
 from dataclasses import dataclass
 
-from prealign.loaders.errors import MissingShardError
-from prealign.schemas.errors import PrealignError
+from prealign.loaders.errors import (
+    MissingShardError,
+    RangeIgnoredWarning,
+    RemotePermissionError,
+    RemoteReadError,
+    RemoteStallError,
+)
+from prealign.loaders.sources import http_pool
 
 _SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*):")
-
-
-class RemoteReadError(PrealignError):
-    """A remote shard could not be read (after the retries): ``.url`` names it."""
-
-    def __init__(self, url: str, message: str):
-        self.url = url
-        super().__init__(f"{url}: {message}")
-
-
-class RemoteStallError(RemoteReadError):
-    """A remote read received no byte for longer than ``RemoteOptions.timeout`` seconds (after the retries)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -109,32 +119,34 @@ def is_sequential(url: str) -> bool:
 
 
 # ---- retries ---------------------------------------------------------------------------------------
+class _Transient(OSError):
+    """An HTTP status worth retrying (429, 5xx)."""
+
+
 def _retrying(url: str, opts: RemoteOptions, fn):
+    """``fn()``, transient failures retried; typed errors (missing, permission, Range refused) raised at once."""
     delay = opts.backoff
     for attempt in range(opts.retries + 1):
         try:
             return fn()
-        except MissingShardError:
-            raise
-        except urllib.error.HTTPError as exc:
-            if exc.code in (404, 403, 410, 416) or (400 <= exc.code < 500 and exc.code != 429):
-                raise MissingShardError(url, f"HTTP {exc.code} {exc.reason}") from None
-            last: BaseException = exc
+        except PermissionError as exc:  # fsspec's access denied (s3fs: AccessDenied, 403)
+            raise RemotePermissionError(url, None, f"{type(exc).__name__}: {exc}") from None
         except FileNotFoundError as exc:
             raise MissingShardError(url, f"not found ({exc})") from None
         except (socket.timeout, TimeoutError) as exc:
-            last = RemoteStallError(url, f"no byte for {opts.timeout} s ({exc})")
-        except (OSError, urllib.error.URLError, ConnectionError) as exc:
+            last: BaseException = RemoteStallError(url, f"no byte for {opts.timeout} s ({exc})")
+        except (OSError, http.client.HTTPException) as exc:
             last = exc
         if attempt < opts.retries:
             time.sleep(delay)
             delay *= 2
     if isinstance(last, RemoteStallError):
         raise RemoteStallError(url, f"{last.args[0].split(': ', 1)[-1]} after {opts.retries} retries")
-    if isinstance(last, urllib.error.URLError) and not isinstance(last, urllib.error.HTTPError):
-        raise MissingShardError(url, f"unreachable after {opts.retries} retries ({last.reason})",
+    if isinstance(last, http_pool.Unreachable):
+        raise MissingShardError(url, f"unreachable after {opts.retries} retries ({last})",
                                 "check the host and the network") from None
-    raise RemoteReadError(url, f"{type(last).__name__}: {last} after {opts.retries} retries")
+    what = str(last) if isinstance(last, _Transient) else f"{type(last).__name__}: {last}"
+    raise RemoteReadError(url, f"{what} after {opts.retries} retries")
 
 
 def _fs(url: str, opts: RemoteOptions):
@@ -148,10 +160,23 @@ def _fs(url: str, opts: RemoteOptions):
     return fsspec.filesystem(scheme(url), **(opts.storage_options or {}))
 
 
-def _http(url: str, opts: RemoteOptions, *, method: str = "GET", start: int | None = None, end: int | None = None):
+def _http(url: str, opts: RemoteOptions, *, method: str = "GET", start: int | None = None,
+          end: int | None = None) -> http_pool.Reply:
+    """A 2xx answer to ``method url`` (bytes ``[start, end)`` asked when given); other answers raise:
+    401/403 :class:`RemotePermissionError`, other 4xx :class:`MissingShardError`, 429/5xx a retried error."""
     headers = {"Range": f"bytes={start}-{end - 1}"} if start is not None else {}
-    req = urllib.request.Request(url, method=method, headers=headers)
-    return urllib.request.urlopen(req, timeout=opts.timeout)
+    reply = http_pool.request(url, method, headers, timeout=opts.timeout)
+    if 200 <= reply.status < 300:
+        return reply
+    reply.close()
+    answer = f"HTTP {reply.status} {reply.reason}"
+    if reply.status in (401, 403):
+        raise RemotePermissionError(url, reply.status, answer)
+    if reply.status == 429 or reply.status >= 500:
+        raise _Transient(answer)
+    if 400 <= reply.status < 500:
+        raise MissingShardError(url, answer)
+    raise RemoteReadError(url, f"{answer}: expected 200 (206 for a range)")
 
 
 # ---- size, small files, ranges ----------------------------------------------------------------------
@@ -163,8 +188,9 @@ def size(url: str, opts: RemoteOptions | None = None) -> int:
         def head():
             with _http(url, opts, method="HEAD") as r:
                 n = r.headers.get("Content-Length")
-                if n is None:
-                    raise MissingShardError(url, "the server gives no Content-Length")
+                if n is None or not n.isdigit():
+                    raise MissingShardError(url, f"the server gives no size (Content-Length {n!r})")
+                _check_kept(url, int(n), r.headers)
                 return int(n)
         return _retrying(url, opts, head)
     if s == "pipe":
@@ -179,7 +205,8 @@ def size(url: str, opts: RemoteOptions | None = None) -> int:
 
 
 def read_small(url: str, opts: RemoteOptions | None = None) -> bytes | None:
-    """A whole small remote file (a sidecar), or None when it does not exist."""
+    """A whole small remote file (a sidecar, optional), or None when it does not exist or the server refuses it
+    (S3 answers 403 for an absent key of a bucket the caller cannot list)."""
     opts = opts or DEFAULT
     try:
         if scheme(url) in ("http", "https"):
@@ -189,19 +216,34 @@ def read_small(url: str, opts: RemoteOptions | None = None) -> bytes | None:
             return _retrying(url, opts, get)
         fs = _fs(url, opts)
         return _retrying(url, opts, lambda: fs.cat_file(url))
-    except MissingShardError:
+    except (MissingShardError, RemotePermissionError):
         return None
+
+
+def _read_upto(reply: http_pool.Reply, n: int) -> bytes:
+    """The next ``n`` bytes of a body (fewer at its end), asked ``CHUNK`` bytes at a time."""
+    chunks, left = [], n
+    while left > 0 and (chunk := reply.read(min(left, http_pool.CHUNK))):
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+def _get_range(url: str, start: int, end: int, opts: RemoteOptions) -> bytes:
+    with _http(url, opts, start=start, end=end) as r:
+        if r.status == 200:
+            return _keep_whole(url, r, start, end, opts)
+        sent = r.headers.get("Content-Range", "")
+        m = re.match(r"bytes (\d+)-", sent)
+        if r.status != 206 or (m and int(m.group(1)) != start):
+            raise RemoteReadError(url, f"asked bytes {start}..{end} (Range), the server answered HTTP {r.status} "
+                                       f"{r.reason} (Content-Range {sent!r})")
+        return _read_upto(r, end - start)
 
 
 def _fetch(url: str, start: int, end: int, opts: RemoteOptions) -> bytes:
     if scheme(url) in ("http", "https"):
-        def get():
-            with _http(url, opts, start=start, end=end) as r:
-                data = r.read()
-                if r.status == 200 and len(data) != end - start:  # a server ignoring Range: cut it here
-                    data = data[start:end]
-                return data
-        data = _retrying(url, opts, get)
+        data = _retrying(url, opts, lambda: _get_range(url, start, end, opts))
     else:
         fs = _fs(url, opts)
         data = _retrying(url, opts, lambda: fs.cat_file(url, start=start, end=end))
@@ -211,7 +253,7 @@ def _fetch(url: str, start: int, end: int, opts: RemoteOptions) -> bytes:
 
 
 class BlockCache:
-    """Fetched blocks on local disk (``<dir>/<sha1(url)[:16]>-<block>``), least recently used (by
+    """Fetched blocks on local disk (``<dir>/<sha1(url)[:16]>-<block size>-<block>``), least recently used (by
     modification time, touched on each hit) out past ``limit`` bytes. Processes may share the directory:
     each eviction pass looks at what is really there, and a block evicted under a reader is fetched again."""
 
@@ -229,13 +271,19 @@ class BlockCache:
         except OSError:
             return None
 
-    def put(self, name: str, data: bytes) -> None:
+    def put(self, name: str, data: bytes, *, evict: bool = True) -> None:
+        """Keep ``data`` as ``name`` (``evict=False``: the caller calls :meth:`evict` later)."""
         if len(data) > self.limit:
             return
         tmp = os.path.join(self.dir, f"{name}.{os.getpid()}.{threading.get_ident()}.part")
         with open(tmp, "wb") as f:
             f.write(data)
         os.replace(tmp, os.path.join(self.dir, name))
+        if evict:
+            self.evict()
+
+    def evict(self) -> None:
+        """Least recently used blocks out until the folder holds at most ``limit`` bytes."""
         with self.lock:
             self._evict()
 
@@ -263,27 +311,114 @@ class BlockCache:
 _caches: dict[tuple, BlockCache] = {}
 
 
-def _cache(opts: RemoteOptions) -> BlockCache | None:
-    if not opts.cache_dir:
-        return None
-    key = (os.getpid(), opts.cache_dir, opts.cache_limit)
+def _block_cache(directory: str, limit: int) -> BlockCache:
+    """This process's :class:`BlockCache` over ``directory`` (its own lock, never one inherited across fork)."""
+    key = (os.getpid(), directory, limit)
     if key not in _caches:
-        _caches[key] = BlockCache(opts.cache_dir, opts.cache_limit)
+        _caches[key] = BlockCache(directory, limit)
     return _caches[key]
+
+
+def _cache(opts: RemoteOptions) -> BlockCache | None:
+    return _block_cache(opts.cache_dir, opts.cache_limit) if opts.cache_dir else None
+
+
+def _block_name(url: str, block_size: int, block: int) -> str:
+    return f"{hashlib.sha1(url.encode()).hexdigest()[:16]}-{block_size}-{block}"
+
+
+# ---- servers that ignore Range -----------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Kept:
+    """An object this process read whole (its server ignores Range), kept in blocks in a cache folder."""
+
+    directory: str
+    limit: int
+    block_size: int
+    size: int
+    validators: tuple
+    """(ETag, Last-Modified) of the answer that brought it."""
+
+
+_kept: dict[str, _Kept] = {}
+_private: list[str] = []
+_warned: set[str] = set()
+
+
+def _validators(headers) -> tuple:
+    return headers.get("ETag"), headers.get("Last-Modified")
+
+
+def _check_kept(url: str, n: int, headers) -> None:
+    """Drop the body kept for ``url`` unless a ``HEAD`` now answers its size and validators."""
+    kept = _kept.get(url)
+    if kept is not None and (kept.size != n or not any(kept.validators) or kept.validators != _validators(headers)):
+        _kept.pop(url, None)
+
+
+def _private_cache(opts: RemoteOptions) -> BlockCache:
+    """A temporary folder of this process (shared with the processes it forks), removed when it exits."""
+    if not _private:
+        _private.append(tempfile.mkdtemp(prefix="prealign-remote-"))
+        multiprocessing.util.Finalize(None, _remove_private, args=(_private[-1], os.getpid()), exitpriority=0)
+    return _block_cache(_private[0], opts.cache_limit)
+
+
+def _remove_private(directory: str, owner: int) -> None:
+    if os.getpid() == owner:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _keep_whole(url: str, reply: http_pool.Reply, start: int, end: int, opts: RemoteOptions) -> bytes:
+    """Bytes ``[start, end)`` of the whole object a server sent to a ranged GET: the body is read once into
+    the block cache (``opts.cache_dir``, else :func:`_private_cache`) and later ranges are read from there;
+    one larger than ``cache_limit`` is refused (announced or counted, never allocated by its announced size)."""
+    cache = _cache(opts) or _private_cache(opts)
+    parts = urllib.parse.urlsplit(url)
+    server = f"{parts.hostname}:{parts.port}" if parts.port else str(parts.hostname)
+    refused = (f"{server} ignores Range (it answered a ranged GET with 200 and the whole object, {{}}): an object "
+               f"is kept whole only up to cache_limit={cache.limit} bytes; raise RemoteOptions.cache_limit or "
+               f"serve the shards from a server that honours Range")
+    announced = reply.headers.get("Content-Length", "")
+    if announced.isdigit() and int(announced) > cache.limit:
+        raise RemoteReadError(url, refused.format(f"{announced} bytes"))
+    bs, total, out = opts.block_size, 0, []
+    for block in itertools.count():
+        data = _read_upto(reply, bs)
+        total += len(data)
+        if total > cache.limit:
+            raise RemoteReadError(url, refused.format(f"more than {cache.limit} bytes"))
+        if data:
+            cache.put(_block_name(url, bs, block), data, evict=block % 64 == 63)
+        lo = block * bs
+        out.append(data[max(start - lo, 0):max(end - lo, 0)])
+        if len(data) < bs:
+            break
+    cache.evict()
+    _kept[url] = _Kept(cache.dir, cache.limit, bs, total, _validators(reply.headers))
+    if server not in _warned:
+        _warned.add(server)
+        warnings.warn(f"{server} ignores HTTP Range (it answered a ranged GET of {url} with 200 and the whole "
+                      f"object): each object from it is downloaded whole once and kept in {cache.dir} (at most "
+                      f"cache_limit={cache.limit} bytes); a server that honours Range sends only the samples' bytes",
+                      RangeIgnoredWarning, stacklevel=2)
+    return b"".join(out)
 
 
 def read_range(url: str, start: int, end: int, opts: RemoteOptions | None = None, *, total: int | None = None
                ) -> bytes:
-    """Bytes ``[start, end)`` of a remote object (through the block cache when ``opts.cache_dir``)."""
+    """Bytes ``[start, end)`` of a remote object (through the block cache when ``opts.cache_dir``, or when
+    this process keeps the object whole because its server ignores Range)."""
     opts = opts or DEFAULT
-    cache = _cache(opts)
+    kept = _kept.get(url)
+    cache = _block_cache(kept.directory, kept.limit) if kept else _cache(opts)
     if cache is None:
         return _fetch(url, start, end, opts)
-    bs = opts.block_size
-    tag = hashlib.sha1(url.encode()).hexdigest()[:16]
+    bs = kept.block_size if kept else opts.block_size
+    total = kept.size if kept else total
     out = []
     for block in range(start // bs, (end - 1) // bs + 1):
-        name = f"{tag}-{block}"
+        name = _block_name(url, bs, block)
         data = cache.get(name)
         if data is None:
             lo = block * bs
