@@ -276,13 +276,13 @@ def test_a_forked_child_dropping_its_copy_keeps_the_parents_hold():
 
 
 def test_an_error_building_a_received_batch_is_carried_not_raised_in_the_queue():
-    from prealign.loaders.serve.workers import Carried
+    from prealign.loaders.errors import ShareRecordError
 
     pool = slots.SlotPool()
     slot = pool.take(8)
     slot.hold([0])
     got = pickle.loads(pickle.dumps(slots.send(slot, 8, 0, _broken)))
-    assert isinstance(got, Carried) and "could not be mapped or built" in got.rebuild().args[0]
+    assert isinstance(got, ShareRecordError) and "could not be mapped or built" in got.args[0]
     gc.collect()
     assert slot.free()  # the mapping it made was let go
     pool.close()
@@ -321,11 +321,11 @@ def test_the_sweep_removes_the_slots_of_a_dead_process_at_once(tmp_path):
     d.mkdir(mode=0o700)
     live = slots.SlotPool(slots.named_in(str(d)))
     held = live.take(8)
-    code = f"from prealign.loaders import slots; slots.SlotPool(slots.named_in({str(d)!r})).take(8)"
+    code = f"from prealign.loaders.handoff import slots; slots.SlotPool(slots.named_in({str(d)!r})).take(8)"
     subprocess.run([sys.executable, "-c", code], check=True)  # exits without closing its pool (as if killed)
     (d / "slot-1-0").write_bytes(b"x")  # a name whose pid is alive (init) but nobody holds: stale
     assert len(os.listdir(d)) == 3
-    SharedFolder(str(d), 0, 2, ttl=1000.0)._sweep({})
+    SharedFolder(str(d), 0, 2, ttl=1000.0)._sweep()
     assert os.listdir(d) == [os.path.basename(held.path)]
     live.close()
 
