@@ -131,13 +131,16 @@ def _share_mappings(directory: str) -> list[str]:
 
 
 @pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="slot files need Linux")
-def test_workers_hand_the_published_record_to_the_main_process_without_copying(data, tmp_path):
+def test_workers_hand_the_published_record_to_the_main_process_without_copying(data, tmp_path, monkeypatch):
     """With workers, the claimer writes each whole micro-batch once into a slot file that is both published
     and sent to its own main process; a reader's worker sends the published file. Both main processes map
     it (no copy of the pixels) and shard it on arrival: every batch equals the unshared loader's, the
     batches map files of the share folder while held, and nothing is left once they are dropped."""
     import gc
 
+    from prealign.loaders.handoff import transport
+
+    monkeypatch.setattr(transport, "SMALL", 0)  # this data's fields are all small: none copied out here
     share = BatchShare(run="fd", cache_dir=str(tmp_path))
     for rank in range(2):
         want = list(make_loader(data, rank))
@@ -150,6 +153,19 @@ def test_workers_hand_the_published_record_to_the_main_process_without_copying(d
         gc.collect()
         assert not _share_mappings(share.directory())
     assert os.listdir(share.directory()) == []  # the last reader removed every name
+
+
+@pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="slot files need Linux")
+def test_kept_metadata_of_shared_batches_pins_no_record_file(data, tmp_path):
+    """Each rank keeps every batch's ``cu_seqlens``: no record file of the folder stays mapped (small fields
+    are copied out on arrival; before, each kept one pinned its record's two mappings)."""
+    import gc
+
+    share = BatchShare(run="meta", cache_dir=str(tmp_path))
+    for rank in range(2):
+        kept = [b["cu_seqlens"] for b in make_loader(data, rank, share=share, num_workers=1)]
+        gc.collect()
+        assert len(kept) >= 5 and not _share_mappings(share.directory())
 
 
 def test_dp_peers_and_other_runs_never_read_each_other(data, tmp_path):

@@ -380,3 +380,30 @@ def test_record_orders_and_dtype_aliases_are_refused_or_served_never_raised():
     assert decode_record(buf)["q"].dtype == torch.uint64  # served as the canonical uint64
     with pytest.raises(ShareRecordError):
         decode_record(bytearray(buf).replace(b'"Q"', b'"g"'))  # longdouble: refused
+
+
+# ---- small fields are copied out; a byte cap on slots ----------------------------------------------------
+def _thd(items):
+    i = items[0]
+    return pack_batch({"input_ids": torch.full((1, 32768), i, dtype=torch.int64),  # 256 KiB: a view
+                       "cu_seqlens": torch.tensor([0, 100 + i, 32768], dtype=torch.int32),
+                       "sample_index": torch.tensor([i, i + 1]), "n": i})
+
+
+def test_kept_metadata_pins_no_slot():
+    """A training loop keeping each batch's ``cu_seqlens`` (60 batches, 2 workers) keeps no slot mapped: small
+    fields are copied out when unpacked; the token field stays a view of the slot."""
+    kept, big = [], None
+    for b in DataLoader(range(60), batch_size=1, num_workers=2, collate_fn=_thd):
+        d = unpack_batch(b)
+        kept.append((d["n"], d["cu_seqlens"], d["sample_index"]))
+        big = d["input_ids"]
+        assert big.untyped_storage().data_ptr() == b.buffer.untyped_storage().data_ptr()  # zero-copy view
+    del b, d
+    gc.collect()
+    assert _slot_mappings() == 2  # the last input_ids only
+    del big
+    gc.collect()
+    assert [(n, c.tolist(), s.tolist()) for n, c, s in kept] == [(n, [0, 100 + n, 32768], [n, n + 1])
+                                                                  for n in range(60)]
+    assert _slot_mappings() <= 12, _slot_mappings()

@@ -42,7 +42,7 @@ from prealign.collate.mrope import MRoPECollator
 from prealign.collate.thd import THDCollator
 from prealign.loaders.handoff import slots
 from prealign.loaders.handoff.share_folder import CLAIMED, HIT, SharedFolder, ShareStats, decode_record, encode_record
-from prealign.loaders.handoff.transport import pack_batch
+from prealign.loaders.handoff.transport import own_small, pack_batch
 from prealign.schemas.errors import ConfigError, PrealignError
 from prealign.schemas.schema import Role
 
@@ -270,12 +270,13 @@ class _SharedCollate:
 @dataclass(frozen=True)
 class ShardOnArrival:
     """Builds a rank's batch in its main process from a received record (uint8 ``[nbytes]``, a private map
-    of the slot file): decoded in place (the pixels are never copied) and CP-sharded."""
+    of the slot file): decoded in place (the pixels are never copied) and CP-sharded; small fields are
+    copied out (:func:`~prealign.loaders.handoff.transport.own_small`: a kept ``cu_seqlens`` pins no file)."""
 
     shard: CPShard
 
     def __call__(self, buffer: torch.Tensor) -> dict:
-        return self.shard(decode_record(buffer.numpy()))
+        return own_small(self.shard(decode_record(buffer.numpy())))
 
 
 _SHARED_SLOTS = 12
