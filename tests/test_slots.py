@@ -93,7 +93,7 @@ def test_the_receivers_writes_never_reach_the_slot():
 
 
 def test_a_full_pool_drops_a_held_slot_which_lives_on_in_its_holder():
-    pool = slots.SlotPool(cap=2)
+    pool = slots.SlotPool(cap=2, files=2)
     held = []
     for v in range(5):
         s = pool.take(4096)
@@ -407,3 +407,42 @@ def test_kept_metadata_pins_no_slot():
     assert [(n, c.tolist(), s.tolist()) for n, c, s in kept] == [(n, [0, 100 + n, 32768], [n, n + 1])
                                                                   for n in range(60)]
     assert _slot_mappings() <= 12, _slot_mappings()
+
+
+def test_past_the_byte_cap_a_pool_makes_nothing_and_the_batch_is_copied(monkeypatch):
+    from prealign.loaders.errors import ShmBudgetError
+
+    monkeypatch.setattr(slots, "_pools", {})  # (the cap is per process: no other test's pool counted)
+    pool = slots.SlotPool(limit=2 * (slots.HEADER + 8192))
+    a = pool.take(8192)
+    a.hold([0])
+    b = pool.take(100)
+    b.hold([0])
+    with pytest.raises(ShmBudgetError):
+        pool.take(1)  # both held: a third would pass the cap
+    b.hold([])
+    with pytest.raises(ShmBudgetError):
+        pool.take(3 * 8192)  # growing the free one would pass it too
+    assert pool.take(4096) is b and len(pool.slots) == 2
+    pool.close()
+    monkeypatch.setenv("PREALIGN_SHM_CAP", "1000")
+    out = pack_batch({"x": torch.arange(4)}, shared=True)
+    assert isinstance(out, PackedBatch) and unpack_batch(out)["x"].tolist() == [0, 1, 2, 3]  # the copying path
+
+
+def _capped(worker_id):
+    os.environ["PREALIGN_SHM_CAP"] = "700000"  # two slots of a _batch (about 315 kB each), not three
+
+
+def test_a_loop_keeping_every_batch_stays_under_the_cap():
+    """Two workers, each capped at two slots' bytes; the loop keeps all 20 batches whole: at most two slots
+    per worker stay mapped, the other batches come as copies, every value right, nothing left behind."""
+    before = _open_fds()
+    kept = [unpack_batch(b) for b in DataLoader(range(20), batch_size=1, num_workers=2, collate_fn=_batch,
+                                                 worker_init_fn=_capped)]
+    assert [d["n"] for d in kept] == list(range(20))
+    assert all(bool((d["x"] == d["n"]).all()) and d["i"].tolist() == [d["n"], -d["n"]] for d in kept)
+    assert 0 < _slot_mappings() <= 2 * 2 * 2, _slot_mappings()  # (two mappings per slot)
+    del kept
+    gc.collect()
+    assert _slot_mappings() == 0 and _open_fds() <= before + 1
