@@ -335,11 +335,17 @@ def abandoned(path: str) -> bool:
     except OSError:
         return False
     try:
+        return try_lock(fd)
+    finally:
+        os.close(fd)
+
+
+def try_lock(fd: int) -> bool:
+    """Take an exclusive ``flock`` of ``fd`` if nobody holds one (a holder's lock goes when it dies)."""
+    try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         return False
-    finally:
-        os.close(fd)
     return True
 
 
