@@ -19,8 +19,8 @@ Limits:
   read it, so with a CP group spanning nodes (or a peer that fell back to loading itself) records wait
   for ``ttl`` seconds before they are swept: do not use it across nodes.
 - ``run`` must name the job (the same on the CP peers, another one for another job sharing the node);
-  the claimer liveness check needs the peers in one PID namespace (in another one a live claimer looks
-  dead: its micro-batch is then loaded twice, never served wrong).
+  the peers must share the folder's file system (one ``/dev/shm``); PID namespaces do not matter (a
+  claimer's liveness is its claim's ``flock``, see ``PROTOCOL.md``).
 - the collator must be a :class:`~prealign.collate.THDCollator` (optionally inside
   :class:`~prealign.collate.mrope.MRoPECollator`); the shared batch holds the whole micro-batch, so
   ``/dev/shm`` briefly holds about one unsharded micro-batch per worker and rank.
