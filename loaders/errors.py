@@ -95,6 +95,12 @@ class ShareRecordError(PrealignError):
     the rank computes the batch for itself."""
 
 
+class ShmBudgetError(PrealignError, OSError):
+    """A slot would take this process past its shared-memory cap
+    (:func:`~prealign.loaders.handoff.slots.shm_cap`): an ``OSError`` too, so every hand-off that cannot
+    have a slot (a full ``/dev/shm`` alike) falls back to its copying path."""
+
+
 class LoaderUsageError(ConfigError):
     """The loader was used in a way it does not support (two iterators at once)."""
 

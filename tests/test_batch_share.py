@@ -131,13 +131,16 @@ def _share_mappings(directory: str) -> list[str]:
 
 
 @pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="platform: slot files need memfd_create (Linux)")
-def test_workers_hand_the_published_record_to_the_main_process_without_copying(data, tmp_path):
+def test_workers_hand_the_published_record_to_the_main_process_without_copying(data, tmp_path, monkeypatch):
     """With workers, the claimer writes each whole micro-batch once into a slot file that is both published
     and sent to its own main process; a reader's worker sends the published file. Both main processes map
     it (no copy of the pixels) and shard it on arrival: every batch equals the unshared loader's, the
     batches map files of the share folder while held, and nothing is left once they are dropped."""
     import gc
 
+    from prealign.loaders.handoff import transport
+
+    monkeypatch.setattr(transport, "SMALL", 0)  # this data's fields are all small: none copied out here
     share = BatchShare(run="fd", cache_dir=str(tmp_path))
     for rank in range(2):
         want = list(make_loader(data, rank))
@@ -150,6 +153,19 @@ def test_workers_hand_the_published_record_to_the_main_process_without_copying(d
         gc.collect()
         assert not _share_mappings(share.directory())
     assert os.listdir(share.directory()) == []  # the last reader removed every name
+
+
+@pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="slot files need Linux")
+def test_kept_metadata_of_shared_batches_pins_no_record_file(data, tmp_path):
+    """Each rank keeps every batch's ``cu_seqlens``: no record file of the folder stays mapped (small fields
+    are copied out on arrival; before, each kept one pinned its record's two mappings)."""
+    import gc
+
+    share = BatchShare(run="meta", cache_dir=str(tmp_path))
+    for rank in range(2):
+        kept = [b["cu_seqlens"] for b in make_loader(data, rank, share=share, num_workers=1)]
+        gc.collect()
+        assert len(kept) >= 5 and not _share_mappings(share.directory())
 
 
 def test_dp_peers_and_other_runs_never_read_each_other(data, tmp_path):
@@ -182,8 +198,10 @@ def test_dead_and_slow_claimers_fall_back_without_waiting(data, tmp_path):
     for key, pid in ((keys[0], dead.pid), (keys[1], os.getpid())):  # a SIGKILLed claimer; a live one that stalls
         with open(os.path.join(share.directory(), key + ".claim"), "w") as f:
             f.write(str(pid))
+    stalled = _hold_lock(os.path.join(share.directory(), keys[1] + ".claim"))  # the live one holds its lock
     t0 = time.monotonic()
     got = list(loader)
+    os.close(stalled)
     assert time.monotonic() - t0 < 20
     for g, w in zip(got, want, strict=True):
         assert_same_batch(g, w)
@@ -478,109 +496,97 @@ def _dead_claim(d: str, key: str) -> None:
         f.write(str(_dead_pid()))
 
 
+def _hold_lock(path: str) -> int:
+    """An fd holding ``path``'s flock, as a live claimer does (any other open of the file is refused it)."""
+    import fcntl
+
+    fd = os.open(path, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd
+
+
 def test_a_dead_claim_is_retaken_by_one_waiter(tmp_path, monkeypatch):
-    """Waiter A finds the claimer dead; as A claims again, waiter B arrives: exactly one of them claims,
-    the other loads for itself; waiter C, coming after, waits for the claimer's record and reads it."""
+    """Waiter A finds the claim unlocked (its claimer died) and retakes it; waiter B, arriving while A
+    retakes, finds it locked: it waits and reads what A publishes."""
     import threading
 
     from prealign.loaders.handoff import share_folder as share_cache
-    from prealign.loaders.handoff.share_folder import CLAIMED, HIT, LOCAL, SharedFolder
+    from prealign.loaders.handoff.share_folder import CLAIMED, HIT, SharedFolder
 
     d = str(tmp_path / "f")
     _dead_claim(d, "k")
-    a, b, c = (SharedFolder(d, rank, 3) for rank in range(3))
-    real_open, calls, got = os.open, [], {}
+    a, b = SharedFolder(d, 0, 2), SharedFolder(d, 1, 2)
+    real, got = share_cache._retake, {}
 
-    def open_(path, flags, *args, **kw):  # A's 1st write-open of the claim fails (it exists); its 2nd retakes
-        if str(path).endswith("k.claim") and flags & os.O_WRONLY and len(calls) < 2:
-            calls.append(path)
-            if len(calls) == 2:
-                got["b"] = b.acquire("k")  # B arrives in the middle of A's retake
-        return real_open(path, flags, *args, **kw)
+    def retake(path, fd):  # B arrives while A holds the dead claim's lock
+        waiter = threading.Thread(target=lambda: got.setdefault("b", b.acquire("k")))
+        waiter.start()
+        time.sleep(0.2)
+        got["waiter"] = waiter
+        return real(path, fd)
 
-    monkeypatch.setattr(share_cache.os, "open", open_)
-    got["a"] = a.acquire("k")
-    monkeypatch.undo()
-    assert len(calls) == 2 and sorted(s for s, _ in got.values()) == [CLAIMED, LOCAL], got
-    claimer = a if got["a"][0] == CLAIMED else b
-    assert share_cache._claim(os.path.join(d, "k.claim"))[0] == os.getpid()
-    waiter = threading.Thread(target=lambda: got.setdefault("c", c.acquire("k")))
-    waiter.start()
+    monkeypatch.setattr(share_cache, "_retake", retake)
+    assert a.acquire("k") == (CLAIMED, None) and a.stats.took_over_dead == 1
     time.sleep(0.2)
-    assert waiter.is_alive()  # C waits for the live claim
-    claimer.publish("k", {"a": torch.arange(3)})
-    waiter.join(10)
-    assert got["c"][0] == HIT and got["c"][1]["a"].tolist() == [0, 1, 2]
+    assert got["waiter"].is_alive()  # B waits for the retaken (live) claim
+    a.publish("k", {"a": torch.arange(3)})
+    got["waiter"].join(10)
+    assert got["b"][0] == HIT and got["b"][1]["a"].tolist() == [0, 1, 2] and b.stats.took_over_dead == 0
 
 
-def test_two_waiters_that_found_the_claimer_dead_claim_once(tmp_path, monkeypatch):
-    """Waiters A and B (threads, their own folder objects) both found the claimer dead; B's retake comes while
-    A is retaking: exactly one claims (A), B loads for itself instead of claiming too."""
+def test_many_waiters_of_a_dead_claim_claim_once(tmp_path):
+    """Eight waiters (threads, each its own folder object and open file) find one dead claim at once:
+    exactly one takes it over, the others read its record."""
     import threading
 
-    from prealign.loaders.handoff import share_folder as share_cache
+    from prealign.loaders.handoff.share_folder import CLAIMED, HIT, SharedFolder
+
+    d = str(tmp_path / "f")
+    _dead_claim(d, "k")
+    folders = [SharedFolder(d, r, 9) for r in range(8)]
+    start, got = threading.Barrier(8), {}
+
+    def run(f):
+        start.wait()
+        got[f.cp_rank] = state = f.acquire("k")[0]
+        if state == CLAIMED:
+            time.sleep(0.1)
+            f.publish("k", {"a": torch.arange(2)})
+
+    threads = [threading.Thread(target=run, args=(f,)) for f in folders]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert sorted(got.values()) == [CLAIMED] + [HIT] * 7, got
+
+
+def test_a_locked_claim_naming_a_dead_pid_is_honoured(tmp_path):
+    """The claim's lock decides, never the pid written in it: a claim whose pid is dead (another PID
+    namespace, a pid reused) but whose lock a live process holds is waited on until ``timeout``; a claim
+    naming a live pid (ours) that nobody holds is taken over at once."""
     from prealign.loaders.handoff.share_folder import CLAIMED, LOCAL, SharedFolder
 
     d = str(tmp_path / "f")
-    _dead_claim(d, "k")
-    a, b = SharedFolder(d, 0, 2), SharedFolder(d, 1, 2)
-    b_checks, a_retakes, b_done = threading.Event(), threading.Event(), threading.Event()
-    real_alive, real_open, writes, got = share_cache._alive, os.open, [], {}
-
-    def alive_(pid):
-        if threading.current_thread().name == "B":  # B saw the dead claim; it checks once A is retaking
-            b_checks.set()
-            assert a_retakes.wait(5)
-        return real_alive(pid)
-
-    def open_(path, flags, *args, **kw):  # A's 1st write-open of the claim fails (it exists); its 2nd retakes
-        if threading.current_thread().name == "A" and str(path).endswith("k.claim") and flags & os.O_WRONLY:
-            writes.append(path)
-            if len(writes) == 2:
-                a_retakes.set()
-                assert b_done.wait(5)
-        return real_open(path, flags, *args, **kw)
-
-    def run(name, folder):
-        try:
-            got[name] = folder.acquire("k")
-        finally:
-            if name == "B":
-                b_done.set()
-
-    monkeypatch.setattr(share_cache, "_alive", alive_)
-    monkeypatch.setattr(share_cache.os, "open", open_)
-    waiter_b = threading.Thread(target=run, args=("B", b), name="B")
-    waiter_b.start()
-    assert b_checks.wait(5)
-    waiter_a = threading.Thread(target=run, args=("A", a), name="A")
-    waiter_a.start()
-    waiter_a.join(10), waiter_b.join(10)
-    monkeypatch.undo()
-    assert len(writes) == 2 and got == {"A": (CLAIMED, None), "B": (LOCAL, None)}, got
-    assert share_cache._claim(os.path.join(d, "k.claim"))[0] == os.getpid()
-
-
-def test_a_retaken_claim_is_not_retaken_again(tmp_path, monkeypatch):
-    """Waiter B sees the dead claimer; before B retakes, waiter A retakes: B must not claim as well."""
-    from prealign.loaders.handoff import share_folder as share_cache
-    from prealign.loaders.handoff.share_folder import CLAIMED, SharedFolder
-
-    d = str(tmp_path / "f")
-    _dead_claim(d, "k")
-    a, b = SharedFolder(d, 0, 2), SharedFolder(d, 1, 2)
-    alive, got, hooked = share_cache._alive, {}, []
-
-    def alive_(pid):
-        if not hooked:
-            hooked.append(pid)
-            got["a"] = a.acquire("k")  # A checks and retakes between B's check and B's retake
-        return alive(pid)
-
-    monkeypatch.setattr(share_cache, "_alive", alive_)
-    got["b"] = b.acquire("k")
-    assert len(hooked) == 1 and got["a"][0] == CLAIMED
-    assert got["b"][0] != CLAIMED, got
+    _dead_claim(d, "held")
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys, time; fd = os.open(sys.argv[1], "
+                               "os.O_RDONLY); fcntl.flock(fd, fcntl.LOCK_EX); print(flush=True); time.sleep(60)",
+                               os.path.join(d, "held.claim")], stdout=subprocess.PIPE)
+    try:
+        holder.stdout.readline()  # it holds the lock
+        waiter = SharedFolder(d, 1, 2, timeout=0.5)
+        t0 = time.monotonic()
+        assert waiter.acquire("held") == (LOCAL, None) and time.monotonic() - t0 >= 0.4
+        assert (waiter.stats.took_over_dead, waiter.stats.took_over_timeout) == (0, 1)
+    finally:
+        holder.kill()
+        holder.wait()
+    with open(os.path.join(d, "free.claim"), "w") as f:
+        f.write(str(os.getpid()))  # a live pid, but nobody holds the claim: its claimer is gone
+    waiter = SharedFolder(d, 1, 2, timeout=30.0)
+    t0 = time.monotonic()
+    assert waiter.acquire("free") == (CLAIMED, None) and time.monotonic() - t0 < 5
+    assert waiter.stats.took_over_dead == 1
 
 
 # 6. malformed records are ShareRecordError, nothing else
@@ -682,20 +688,24 @@ def test_an_infinite_dim_is_refused():
         decode_record(_record({}, header=b'{"tensors": {"a": ["int8", [Infinity], 0, 1]}, "values": {}}'))
 
 
-def test_a_zombie_claimer_is_dead():
-    """A SIGKILLed worker stays a zombie until its parent reaps it (a busy parent may take long): its claim
-    is taken over at once, not after the claim timeout."""
-    from prealign.loaders.handoff.share_folder import _alive
+def test_a_killed_unreaped_claimer_is_dead(tmp_path):
+    """A SIGKILLed worker stays a zombie until its parent reaps it (a busy parent may take long); the kernel
+    dropped its claim's lock when it died: the claim is taken over at once, not after the claim timeout."""
+    from prealign.loaders.handoff.share_folder import CLAIMED, SharedFolder
 
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    d = str(tmp_path / "f")
+    code = ("import sys, time; from prealign.loaders.handoff.share_folder import SharedFolder; "
+            "print(SharedFolder(sys.argv[1], 0, 2).acquire('k')[0], flush=True); time.sleep(60)")
+    child = subprocess.Popen([sys.executable, "-c", code, d], stdout=subprocess.PIPE)
     try:
-        assert _alive(child.pid)
+        assert child.stdout.readline().strip() == b"claimed"
         os.kill(child.pid, signal.SIGKILL)
-        deadline = time.monotonic() + 10
-        while _alive(child.pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not _alive(child.pid)
+        time.sleep(0.2)
         assert os.path.exists(f"/proc/{child.pid}")  # still a zombie: nobody reaped it
+        waiter = SharedFolder(d, 1, 2, timeout=60.0)
+        t0 = time.monotonic()
+        assert waiter.acquire("k") == (CLAIMED, None) and time.monotonic() - t0 < 5
+        assert waiter.stats.took_over_dead == 1
     finally:
         child.kill()
         child.wait()

@@ -7,6 +7,7 @@ The CP ranks run as real separate processes (``python -c`` on :func:`rank_main`)
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import hashlib
 import json
 import os
@@ -212,9 +213,12 @@ def test_stale_claim_of_a_live_process_times_out(tmp_path):
     path = os.path.join(share.directory, share.key(_raw(1)))
     os.makedirs(share.directory, exist_ok=True)
     with open(path + ".claim", "w") as f:
-        f.write(str(os.getpid()))  # alive, but never publishes
+        f.write(str(os.getpid()))
+    held = os.open(path + ".claim", os.O_RDONLY)
+    fcntl.flock(held, fcntl.LOCK_EX)  # a live claimer holds its claim's lock, but never publishes
     t0 = time.monotonic()
     share(_raw(1))
+    os.close(held)
     assert 0.2 < time.monotonic() - t0 < 5 and share.stats.took_over_timeout == 1
 
 

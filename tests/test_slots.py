@@ -93,7 +93,7 @@ def test_the_receivers_writes_never_reach_the_slot():
 
 
 def test_a_full_pool_drops_a_held_slot_which_lives_on_in_its_holder():
-    pool = slots.SlotPool(cap=2)
+    pool = slots.SlotPool(cap=2, files=2)
     held = []
     for v in range(5):
         s = pool.take(4096)
@@ -325,7 +325,7 @@ def test_the_sweep_removes_the_slots_of_a_dead_process_at_once(tmp_path):
     subprocess.run([sys.executable, "-c", code], check=True)  # exits without closing its pool (as if killed)
     (d / "slot-1-0").write_bytes(b"x")  # a name whose pid is alive (init) but nobody holds: stale
     assert len(os.listdir(d)) == 3
-    SharedFolder(str(d), 0, 2, ttl=1000.0)._sweep({})
+    SharedFolder(str(d), 0, 2, ttl=1000.0)._sweep()
     assert os.listdir(d) == [os.path.basename(held.path)]
     live.close()
 
@@ -380,3 +380,69 @@ def test_record_orders_and_dtype_aliases_are_refused_or_served_never_raised():
     assert decode_record(buf)["q"].dtype == torch.uint64  # served as the canonical uint64
     with pytest.raises(ShareRecordError):
         decode_record(bytearray(buf).replace(b'"Q"', b'"g"'))  # longdouble: refused
+
+
+# ---- small fields are copied out; a byte cap on slots ----------------------------------------------------
+def _thd(items):
+    i = items[0]
+    return pack_batch({"input_ids": torch.full((1, 32768), i, dtype=torch.int64),  # 256 KiB: a view
+                       "cu_seqlens": torch.tensor([0, 100 + i, 32768], dtype=torch.int32),
+                       "sample_index": torch.tensor([i, i + 1]), "n": i})
+
+
+def test_kept_metadata_pins_no_slot():
+    """A training loop keeping each batch's ``cu_seqlens`` (60 batches, 2 workers) keeps no slot mapped: small
+    fields are copied out when unpacked; the token field stays a view of the slot."""
+    kept, big = [], None
+    for b in DataLoader(range(60), batch_size=1, num_workers=2, collate_fn=_thd):
+        d = unpack_batch(b)
+        kept.append((d["n"], d["cu_seqlens"], d["sample_index"]))
+        big = d["input_ids"]
+        assert big.untyped_storage().data_ptr() == b.buffer.untyped_storage().data_ptr()  # zero-copy view
+    del b, d
+    gc.collect()
+    assert _slot_mappings() == 2  # the last input_ids only
+    del big
+    gc.collect()
+    assert [(n, c.tolist(), s.tolist()) for n, c, s in kept] == [(n, [0, 100 + n, 32768], [n, n + 1])
+                                                                  for n in range(60)]
+    assert _slot_mappings() <= 12, _slot_mappings()
+
+
+def test_past_the_byte_cap_a_pool_makes_nothing_and_the_batch_is_copied(monkeypatch):
+    from prealign.loaders.errors import ShmBudgetError
+
+    monkeypatch.setattr(slots, "_pools", {})  # (the cap is per process: no other test's pool counted)
+    pool = slots.SlotPool(limit=2 * (slots.HEADER + 8192))
+    a = pool.take(8192)
+    a.hold([0])
+    b = pool.take(100)
+    b.hold([0])
+    with pytest.raises(ShmBudgetError):
+        pool.take(1)  # both held: a third would pass the cap
+    b.hold([])
+    with pytest.raises(ShmBudgetError):
+        pool.take(3 * 8192)  # growing the free one would pass it too
+    assert pool.take(4096) is b and len(pool.slots) == 2
+    pool.close()
+    monkeypatch.setenv("PREALIGN_SHM_CAP", "1000")
+    out = pack_batch({"x": torch.arange(4)}, shared=True)
+    assert isinstance(out, PackedBatch) and unpack_batch(out)["x"].tolist() == [0, 1, 2, 3]  # the copying path
+
+
+def _capped(worker_id):
+    os.environ["PREALIGN_SHM_CAP"] = "700000"  # two slots of a _batch (about 315 kB each), not three
+
+
+def test_a_loop_keeping_every_batch_stays_under_the_cap():
+    """Two workers, each capped at two slots' bytes; the loop keeps all 20 batches whole: at most two slots
+    per worker stay mapped, the other batches come as copies, every value right, nothing left behind."""
+    before = _open_fds()
+    kept = [unpack_batch(b) for b in DataLoader(range(20), batch_size=1, num_workers=2, collate_fn=_batch,
+                                                 worker_init_fn=_capped)]
+    assert [d["n"] for d in kept] == list(range(20))
+    assert all(bool((d["x"] == d["n"]).all()) and d["i"].tolist() == [d["n"], -d["n"]] for d in kept)
+    assert 0 < _slot_mappings() <= 2 * 2 * 2, _slot_mappings()  # (two mappings per slot)
+    del kept
+    gc.collect()
+    assert _slot_mappings() == 0 and _open_fds() <= before + 1

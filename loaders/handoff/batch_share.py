@@ -19,8 +19,8 @@ Limits:
   read it, so with a CP group spanning nodes (or a peer that fell back to loading itself) records wait
   for ``ttl`` seconds before they are swept: do not use it across nodes.
 - ``run`` must name the job (the same on the CP peers, another one for another job sharing the node);
-  the claimer liveness check needs the peers in one PID namespace (in another one a live claimer looks
-  dead: its micro-batch is then loaded twice, never served wrong).
+  the peers must share the folder's file system (one ``/dev/shm``); PID namespaces do not matter (a
+  claimer's liveness is its claim's ``flock``, see ``PROTOCOL.md``).
 - the collator must be a :class:`~prealign.collate.THDCollator` (optionally inside
   :class:`~prealign.collate.mrope.MRoPECollator`); the shared batch holds the whole micro-batch, so
   ``/dev/shm`` briefly holds about one unsharded micro-batch per worker and rank.
@@ -42,7 +42,7 @@ from prealign.collate.mrope import MRoPECollator
 from prealign.collate.thd import THDCollator
 from prealign.loaders.handoff import slots
 from prealign.loaders.handoff.share_folder import CLAIMED, HIT, SharedFolder, ShareStats, decode_record, encode_record
-from prealign.loaders.handoff.transport import pack_batch
+from prealign.loaders.handoff.transport import own_small, pack_batch
 from prealign.schemas.errors import ConfigError, PrealignError
 from prealign.schemas.schema import Role
 
@@ -270,12 +270,13 @@ class _SharedCollate:
 @dataclass(frozen=True)
 class ShardOnArrival:
     """Builds a rank's batch in its main process from a received record (uint8 ``[nbytes]``, a private map
-    of the slot file): decoded in place (the pixels are never copied) and CP-sharded."""
+    of the slot file): decoded in place (the pixels are never copied) and CP-sharded; small fields are
+    copied out (:func:`~prealign.loaders.handoff.transport.own_small`: a kept ``cu_seqlens`` pins no file)."""
 
     shard: CPShard
 
     def __call__(self, buffer: torch.Tensor) -> dict:
-        return self.shard(decode_record(buffer.numpy()))
+        return own_small(self.shard(decode_record(buffer.numpy())))
 
 
 _SHARED_SLOTS = 12

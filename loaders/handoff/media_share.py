@@ -10,7 +10,7 @@ shared with :class:`~prealign.loaders.handoff.batch_share.BatchShare`, which sha
 and also saves the shard reads and collation):
 
     cache dir (node-local, e.g. /dev/shm/prealign-media-<digest of run>)
-    <h>.claim   created with O_EXCL by the claimer; holds its pid       (who is computing)
+    <h>.claim   the claimer's, flock-ed by it until it publishes        (who is computing)
     <h>.bin     the transformed sample: a JSON header + raw tensor      (the result; never
                 bytes, written to a temporary name then renamed (atomic) pickled, read by mmap)
     <h>.err     the claimer's transform failed: every rank runs it      (bad samples raise locally)
@@ -23,7 +23,7 @@ transform with ``compact``/``expand`` (``VLMSampleTransform``: uint8 resized pat
 ``pixel_values``, 1/8 of the bytes) publishes the compact form; every rank expands it itself.
 
 No deadlock: a waiter polls with a short backoff and computes the sample itself when the claimer's
-process is gone (``os.kill(pid, 0)``: a killed or restarted worker), when the claim is older than
+process is gone (nobody holds the claim's lock: a killed or restarted worker), when the claim is older than
 ``timeout`` seconds (a slow rank), or when the cache cannot be written. Outputs never depend on who
 computed them (the transform is deterministic), so batches are the same as without sharing on every
 rank and resuming is exactly the loader's own. Results nobody read (a peer that died, or an index pass
@@ -34,8 +34,8 @@ Limits:
   the group computes each sample once; correctness is unaffected).
 - the peers must wrap the same transform configuration and agree on ``run`` and ``cp_size`` (``run``
   should name the job and the DP rank: DP peers load other samples, sharing with them only wastes writes).
-- the liveness check needs the peers in one PID namespace (one container per node); otherwise a dead
-  claimer is noticed after ``timeout`` only.
+- the peers must share the cache's file system (one ``/dev/shm``); PID namespaces do not matter (the
+  liveness check is a ``flock``, see ``PROTOCOL.md``).
 - workers of one rank never share with each other (they load different micro-batches); the CPU saved
   is the transform's: reading the shards, collation and the worker hand-off stay per rank.
 """

@@ -4,7 +4,9 @@ computes, the others read (no pickle, no deadlock). Used by
 :class:`~prealign.loaders.handoff.batch_share.BatchShare` (per micro-batch).
 
     folder (node-local, private: mode 0o700, this user's, never a link)
-    <key>.claim   created with O_EXCL by the claimer; holds its pid       (who is computing)
+    <key>.claim   the claimer's, locked (flock) by it until it publishes   (who is computing)
+                  or fails: made under a temporary name, locked, then linked
+                  here (O_EXCL-like); its pid inside is for people only
     <key>.bin     the result: a slot header page (:mod:`~prealign.loaders.handoff.slots`: holder flags, the key),
                   then ``PRMS1\\n``, a JSON header, raw tensor bytes (never pickled, read by mmap);
                   written to ``<key>.<pid>.tmp`` (O_EXCL|O_NOFOLLOW), or a pooled slot file linked
@@ -16,10 +18,12 @@ computes, the others read (no pickle, no deadlock). Used by
 
 :meth:`SharedFolder.acquire` answers ``CLAIMED`` (compute, then :meth:`~SharedFolder.publish` or
 :meth:`~SharedFolder.failed`), ``HIT`` with the record, or ``LOCAL`` (compute without publishing). A
-waiter polls with a short backoff and stops waiting when the claimer's process is gone (it then claims
-again: a SIGKILLed worker), when the claim is older than ``timeout`` (a slow peer), when the claimer
-failed, or when the record is refused (not a regular file of this user that no one else can write,
-a malformed header, sizes that do not add up). Results nobody read are swept after ``ttl``.
+waiter polls with a short backoff and stops waiting when nobody holds the claim's lock (its claimer died:
+the waiter takes the lock and so the claim, a SIGKILLed worker's batch is then computed once more; no pid
+is looked at, so PID namespaces and reused pids cannot fool it), when the claim is older than
+``timeout`` (a slow peer), when the claimer failed, or when the record is refused (not a regular file of
+this user that no one else can write, a malformed header, sizes that do not add up). Results nobody read
+are swept after ``ttl``. The protocol and its invariants: ``PROTOCOL.md`` beside this file.
 
 >>> rec = decode_record(bytearray(b"".join(bytes(p) for p in encode_record({"a": torch.arange(3), "n": 2}))))
 >>> rec["a"].tolist(), rec["n"]
@@ -28,6 +32,7 @@ a malformed header, sizes that do not add up). Results nobody read are swept aft
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import mmap
 import os
@@ -48,6 +53,8 @@ _MAGIC = b"PRMS1\n"
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _LAST_SWEEP: dict[str, float] = {}
 """When each share folder was last swept by this process (``time.time()``)."""
+_HELD: dict[str, int] = {}
+"""The claims this process holds: ``<folder>/<key>`` -> the fd whose ``flock`` keeps the claim alive."""
 
 CLAIMED, HIT, LOCAL = "claimed", "hit", "local"
 _TORCH_DTYPES = frozenset({"bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64",
@@ -156,14 +163,12 @@ class SharedFolder:
         path = os.path.join(self.directory, key)
         try:
             private_dir(self.directory)
-            fd = os.open(path + ".claim", os.O_CREAT | os.O_EXCL | os.O_WRONLY | _NOFOLLOW, 0o600)
-        except FileExistsError:
-            return self._wait(path, key, by_fd)
+            claimed = _claim(path)
         except OSError:
             self.stats.write_failed += 1
             return LOCAL, None
-        with os.fdopen(fd, "w") as f:
-            f.write(str(os.getpid()))
+        if not claimed:
+            return self._wait(path, key, by_fd)
         self._sweep()
         return CLAIMED, None
 
@@ -179,6 +184,7 @@ class SharedFolder:
             finally:
                 os.close(fd)
             self._appear(path, tmp)
+            _let_go(path)
             return True
         except (OSError, TypeError, ValueError) as exc:  # a full /dev/shm, a value JSON cannot hold
             return self._cannot_publish(path, tmp, exc)
@@ -192,6 +198,7 @@ class SharedFolder:
             slot.link(tmp)
             self._appear(path, tmp)
             slot.published = path + ".bin"
+            _let_go(path)
             return True
         except OSError as exc:
             return self._cannot_publish(path, tmp, exc)
@@ -204,6 +211,7 @@ class SharedFolder:
         self.stats.write_failed += 1
         _unlink(tmp)
         _touch(path + ".err")
+        _let_go(path)
         if self.stats.write_failed == 1:
             warnings.warn(f"{self.owner}: cannot publish results in {self.directory} ({type(exc).__name__}: "
                           f"{exc}); CP peers compute them themselves", stacklevel=4)
@@ -211,7 +219,9 @@ class SharedFolder:
 
     def failed(self, key: str) -> None:
         """The claimer could not compute ``key``: every peer computes it itself (and meets the same error)."""
-        _touch(os.path.join(self.directory, key) + ".err")
+        path = os.path.join(self.directory, key)
+        _touch(path + ".err")
+        _let_go(path)
 
     # ---- waiting -------------------------------------------------------------------------------
     def _read(self, path: str, key: str, by_fd: bool):
@@ -224,16 +234,19 @@ class SharedFolder:
                 raise ShareRecordError(f"{path}.bin: not a prealign record file")
             marker = f"{path}.r{self.cp_rank}"
             if by_fd and _first_turn(marker):
-                slots.hold(fd, self.cp_rank)  # before the key: a slot being reused shows another key
-                if slots.key_of(fd) != key:
+                with slots.key_lock(fd, exclusive=False):  # the flag, then the key: a reused slot shows another
+                    slots.hold(fd, self.cp_rank)
+                    mine = slots.key_of(fd) == key
+                if not mine:
                     _unlink(marker)
                     os.close(fd)
                     return None
                 size = os.fstat(fd).st_size
                 decode_record(_map_private(fd, size), start=slots.HEADER)  # checks the header and sizes
                 return fd, size - slots.HEADER
-            data = _read_all(fd) if slots.key_of(fd) == key else None
-            if data is None or slots.key_of(fd) != key:  # (a slot reused meanwhile clears its key first)
+            with slots.key_lock(fd, exclusive=False):  # a slot is not reused while its key is read and copied
+                data = _read_all(fd) if slots.key_of(fd) == key else None
+            if data is None:
                 os.close(fd)
                 return None
             record = decode_record(data, start=slots.HEADER)
@@ -267,49 +280,34 @@ class SharedFolder:
             check = now + 0.05
             if os.path.exists(path + ".err"):
                 return LOCAL, None
-            owner, age = _claim(path + ".claim")
-            if owner is None and age is None:  # claim gone: read by all and deleted, or swept
+            try:
+                fd = os.open(path + ".claim", os.O_RDWR | _NOFOLLOW | os.O_CLOEXEC)
+            except OSError:  # claim gone: read by all and deleted, or swept
                 return LOCAL, None
-            if owner is not None and not _alive(owner):
-                self.stats.took_over_dead += 1
-                return self._retake(path, owner)
-            if age is not None and age > self.timeout:
-                self.stats.took_over_timeout += 1
-                return LOCAL, None
+            try:
+                if slots.try_lock(fd):
+                    if os.path.exists(path + ".bin"):  # published, then its claimer let go (or exited)
+                        continue
+                    if _retake(path, fd):
+                        self.stats.took_over_dead += 1
+                        fd = None  # held, as this process's claim now
+                        return CLAIMED, None
+                    return LOCAL, None  # (the name went meanwhile: read by all, or swept)
+                if time.time() - os.fstat(fd).st_mtime > self.timeout:
+                    self.stats.took_over_timeout += 1
+                    return LOCAL, None
+            finally:
+                if fd is not None:
+                    os.close(fd)
             time.sleep(delay)
             delay = min(delay * 2, 0.02)
-
-    def _retake(self, path: str, dead: int) -> tuple[str, None]:
-        """Claimer ``dead`` died: claim again (its pid replaced by ours, never through a link) and publish.
-        Only one waiter's rename of the dead claim succeeds; a waiter whose rename moved a *live* claim
-        (another waiter retook it first) puts it back and computes without publishing."""
-        moved = f"{path}.dead-{_me()}"
-        try:
-            os.rename(path + ".claim", moved)
-        except OSError:
-            return LOCAL, None
-        if _claim(moved)[0] != dead:
-            try:
-                os.link(moved, path + ".claim")  # never over a claim made meanwhile
-            except OSError:
-                pass
-            _unlink(moved)
-            return LOCAL, None
-        _unlink(moved)
-        try:
-            fd = os.open(path + ".claim", os.O_CREAT | os.O_EXCL | os.O_WRONLY | _NOFOLLOW, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(str(os.getpid()))
-        except OSError:
-            return LOCAL, None
-        return CLAIMED, None
 
     def _mark_read(self, path: str) -> None:
         _touch(f"{path}.r{self.cp_rank}")
         readers = [f"{path}.r{k}" for k in range(self.cp_size)]
-        if all(os.path.exists(r) for r in readers):  # every rank has it (the claimer marked itself)
-            for p in (path + ".bin", path + ".err", *readers, path + ".claim"):
-                _unlink(p)
+        if all(os.path.exists(r) for r in readers):  # every rank has it (the claimer marked itself); the claim
+            for p in (path + ".claim", path + ".bin", path + ".err", *readers):  # first: with the record still
+                _unlink(p)  # there, a waiter reads it rather than taking a claim it finds unlocked
 
     def _sweep(self, last: dict[str, float] | None = None) -> None:
         """Delete entries older than ``ttl`` (at most once per ``ttl / 4`` seconds per process, by ``last``:
@@ -414,33 +412,57 @@ def _unlink(path: str) -> None:
         pass
 
 
-def _claim(path: str) -> tuple[int | None, float | None]:
-    """(pid, age in seconds) of a claim file; (None, None) when there is none."""
+def _claim(path: str) -> bool:
+    """Claim ``path`` (``<folder>/<key>``): a file made under a temporary name, ``flock``-ed, then linked to
+    ``<key>.claim`` (so no one ever sees it unlocked while its claimer lives); False when a claim is there.
+    The lock is held (:data:`_HELD`) until :func:`_let_go` or the process dies."""
+    tmp = f"{path}.{_me()}.claiming"
+    fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR | _NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
-        fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
-        with os.fdopen(fd) as f:
-            text = f.read()
-            age = time.time() - os.fstat(f.fileno()).st_mtime
-    except OSError:
-        return None, None
-    try:
-        return int(text), age
-    except ValueError:  # being written right now
-        return None, age
-
-
-def _alive(pid: int) -> bool:
-    """``pid`` runs: it exists and is not a zombie (a SIGKILLed worker stays one until its parent reaps it,
-    which a busy or stalled parent may not do for a long while)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.write(fd, str(os.getpid()).encode())  # (for people; the protocol never reads it)
+        os.link(tmp, path + ".claim", follow_symlinks=False)
+    except FileExistsError:
+        os.close(fd)
         return False
-    except PermissionError:
-        return True
+    except BaseException:
+        os.close(fd)
+        raise
+    finally:
+        _unlink(tmp)
+    _HELD[path] = fd
+    return True
+
+
+def _retake(path: str, fd: int) -> bool:
+    """The claim ``fd`` of ``path``, whose lock this waiter just took (its claimer died), becomes this
+    process's, if ``<key>.claim`` still names that file: its age restarts and it is held like a new one."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return True
-    return state not in (b"Z", b"X")
+        st, now = os.fstat(fd), os.stat(path + ".claim", follow_symlinks=False)
+        if (st.st_dev, st.st_ino) != (now.st_dev, now.st_ino):
+            return False
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        os.utime(fd)
+    except OSError:
+        return False
+    _HELD[path] = fd
+    return True
+
+
+def _let_go(path: str) -> None:
+    """Release this process's claim of ``path`` (published or failed: the waiters no longer need it)."""
+    fd = _HELD.pop(path, None)
+    if fd is not None:
+        os.close(fd)
+
+
+def _forget_claims() -> None:
+    """In a forked child: the parent's claims are not the child's (closing its copies keeps the parent's
+    locks, which belong to the open files, not to the descriptors)."""
+    for fd in _HELD.values():
+        os.close(fd)
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_forget_claims)

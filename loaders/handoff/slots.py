@@ -15,14 +15,18 @@ into a free one with ``pwrite``:
 The worker sets the holder flag of every rank that will map the slot; each holder's main process maps it
 (private, copy-on-write: its in-place writes never reach the slot) and clears its flag when the last
 tensor viewing it is freed. The worker reuses a slot only when every flag is clear, so a batch still held
-by a training loop is never overwritten; when every slot is held it makes a new one (at most ``cap``
-stay pooled; a dropped slot lives on in its holders' mappings until they let go).
+by a training loop is never overwritten; when every slot is held it makes a new one. The pool keeps track
+of the slots it made, held or free (up to ``files``: past that the oldest held one lives on in its
+holders' mappings only); their bytes, over all of a process's pools, stay under :func:`shm_cap`: past it,
+taking a slot is a :class:`~prealign.loaders.errors.ShmBudgetError` and the caller copies instead. The
+whole protocol: ``PROTOCOL.md`` beside this file.
 
 Handing a slot over pickles a duplicate of its file descriptor (as torch does for its own shared
 tensors): only file descriptors and plain data cross the process boundary.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -30,14 +34,15 @@ import functools
 import itertools
 import mmap
 import os
+import struct
 import weakref
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from prealign.loaders.errors import ShareRecordError
-from prealign.schemas.errors import PrealignError
+from prealign.loaders.errors import ShareRecordError, ShmBudgetError
+from prealign.schemas.errors import ConfigError, PrealignError
 
 HEADER = 4096
 _MAGIC = b"PRSLOT1\0"
@@ -59,7 +64,7 @@ class Slot:
 
     def grow(self, capacity: int) -> None:
         """Room for ``capacity`` data bytes, allocated now (``OSError`` when the file system is full)."""
-        capacity = -(-max(capacity, 1) // mmap.PAGESIZE) * mmap.PAGESIZE
+        capacity = pages(capacity)
         if capacity > self.capacity:
             os.posix_fallocate(self.fd, 0, HEADER + capacity)
             self.capacity = capacity
@@ -106,6 +111,11 @@ class Slot:
         os.close(self.fd)
 
 
+def pages(nbytes: int) -> int:
+    """``nbytes`` (at least 1) rounded up to whole pages: the data room a slot is given."""
+    return -(-max(nbytes, 1) // mmap.PAGESIZE) * mmap.PAGESIZE
+
+
 def write_at(fd: int, parts: list, start: int = 0) -> int:
     """``parts`` (bytes-like: bytes, uint8 arrays, or ``(offset, bytes-like)`` pairs) written to file ``fd``
     from byte ``start`` in order, or each at ``start + offset``; returns the bytes spanned after ``start``."""
@@ -139,8 +149,31 @@ def is_slot_file(fd: int) -> bool:
 
 
 def hold(fd: int, holder: int) -> None:
-    """Set holder flag ``holder`` of slot file ``fd`` (before reading its key)."""
+    """Set holder flag ``holder`` of slot file ``fd`` (before reading its key, inside :func:`key_lock`)."""
     os.pwrite(fd, b"\1", _FLAGS + holder)
+
+
+@contextlib.contextmanager
+def key_lock(fd: int, exclusive: bool):
+    """Orders a reader's "set my flag, then read the key" (or reading a copy while the key holds) against the
+    pool's "clear the key, then test the flags": an open-file-description lock (``F_OFD_SETLKW``, shared for
+    readers, exclusive for the pool) on the key's first byte. Without it each side's store could pass its
+    own later load (store-load reordering) and both would go ahead. Per open file, across processes,
+    independent of the ``flock`` of :func:`named_in`; the kernel drops it when a holder dies."""
+    op = getattr(fcntl, "F_OFD_SETLKW", None)
+    if op is None:  # (not Linux: no slots either; a record is then only ever read as a copy)
+        yield
+        return
+    fcntl.fcntl(fd, op, _flock(fcntl.F_WRLCK if exclusive else fcntl.F_RDLCK))
+    try:
+        yield
+    finally:
+        fcntl.fcntl(fd, op, _flock(fcntl.F_UNLCK))
+
+
+def _flock(kind: int) -> bytes:
+    """A ``struct flock`` (LP64 Linux) over byte ``_KEY`` (pid 0, as OFD locks require)."""
+    return struct.pack("hhqqi4x", kind, os.SEEK_SET, _KEY, 1, 0)
 
 
 def key_of(fd: int) -> str:
@@ -152,20 +185,33 @@ def key_of(fd: int) -> str:
 
 class SlotPool:
     """The slots of one process. ``make_fd()`` -> ``(fd, path)``: a new shared file and its name (None:
-    unnamed); default a ``memfd``; :func:`named_in` for slots that can be published under another name."""
+    unnamed); default a ``memfd``; :func:`named_in` for slots that can be published under another name.
+    ``cap``: free slots kept for reuse; ``files``: slots it keeps track of (free or held: the oldest held
+    one is let go past that, living on in its holders' mappings); ``limit``: bytes of this process's
+    tracked slots (every pool's), default :func:`shm_cap`."""
 
-    def __init__(self, make_fd=None, cap: int = 6):
+    def __init__(self, make_fd=None, cap: int = 6, *, files: int = 32, limit: int | None = None):
         self.make_fd = make_fd or (lambda: (os.memfd_create("prealign-slot", os.MFD_CLOEXEC), None))
-        self.cap = cap
+        self.cap, self.files = cap, files
+        self.limit = shm_cap() if limit is None else limit
         self.slots: list[Slot] = []
+
+    def nbytes(self) -> int:
+        """Bytes of shared memory its slots hold (header pages included)."""
+        return sum(HEADER + s.capacity for s in self.slots)
 
     def take(self, nbytes: int) -> Slot:
         """A free slot with room for ``nbytes`` (the largest free one, grown; else a new one). A reused
         slot first loses its published name and key, and is given up if a reader took hold of it in the
-        meantime (a reader sets its flag before it reads the key: it then sees the key gone)."""
+        meantime (:func:`key_lock`: the reader then sees the key gone). Past the byte cap: a
+        :class:`~prealign.loaders.errors.ShmBudgetError`, nothing made."""
         while True:
             free = [s for s in self.slots if s.free()]
+            for extra in sorted(free, key=lambda s: s.capacity)[:max(len(free) - self.cap, 0)]:
+                free.remove(extra)  # idle beyond what is kept for reuse: the smallest go
+                self._drop(extra)
             if not free:
+                self._fits(HEADER + pages(nbytes), None)
                 fd, path = self.make_fd()
                 try:
                     slot = Slot(fd, path, nbytes)
@@ -174,31 +220,75 @@ class SlotPool:
                     if path is not None:
                         os.unlink(path)
                     raise
-                if len(self.slots) >= self.cap:
-                    self.slots.pop(0).close()  # held elsewhere: it lives on in its holders' mappings
+                if len(self.slots) >= self.files:  # the oldest held one lives on in its holders' mappings
+                    self.slots.pop(0).close()
                 break
             slot = max(free, key=lambda s: s.capacity)
-            self.slots.remove(slot)
             slot.unpublish()
-            slot.set_key("")
-            if slot.free():
-                try:
-                    slot.grow(nbytes)
-                except BaseException:  # no room: it stays pooled (and free) for a smaller batch
-                    self.slots.append(slot)
-                    raise
+            with key_lock(slot.fd, exclusive=True):
+                slot.set_key("")
+                still_free = slot.free()
+            if still_free:  # (an OSError growing it: it stays pooled, and free, for a smaller batch)
+                self._fits(pages(nbytes) - slot.capacity, slot)
+                slot.grow(nbytes)
+                self.slots.remove(slot)
                 break
-            slot.close()  # a late reader holds it: leave it to that reader
+            self._drop(slot)  # a late reader holds it: leave it to that reader
         self.slots.append(slot)  # most recently used last
         return slot
 
+    def _fits(self, extra: int, keep) -> None:
+        """Room for ``extra`` more bytes under the limit, made by dropping free slots (other than ``keep``)
+        if need be; else :class:`~prealign.loaders.errors.ShmBudgetError`."""
+        if extra <= 0:
+            return
+        idle = [s for s in self.slots if s is not keep and s.free()]
+        while _process_bytes(self) + extra > self.limit:
+            if not idle:
+                raise ShmBudgetError(f"a slot of {extra} more bytes would take this process past its shared-"
+                                     f"memory cap of {self.limit} bytes (PREALIGN_SHM_CAP)")
+            self._drop(idle.pop())
+
+    def _drop(self, slot: Slot) -> None:
+        self.slots.remove(slot)
+        slot.unpublish()
+        slot.close()
+
     def close(self) -> None:
+        """Close every slot (a held one lives on in its holders' mappings until they let go)."""
         for s in self.slots:
             s.close()
         self.slots.clear()
 
 
 _pools: dict[tuple[int, object], SlotPool] = {}
+_DEFAULT_CAP = 1 << 30
+
+
+def shm_cap() -> int:
+    """Bytes of slots one process may hold: ``PREALIGN_SHM_CAP`` (bytes) when set, else the smaller of
+    1 GiB and 1/8 of ``/dev/shm`` (Docker's default 64 MB gives 8 MB: the rest stays for torch's own
+    hand-off and the peers)."""
+    text = os.environ.get("PREALIGN_SHM_CAP")
+    if text is not None:
+        try:
+            value = int(text)
+        except ValueError:
+            value = -1
+        if value < 0:
+            raise ConfigError(f"PREALIGN_SHM_CAP: expected a number of bytes >= 0, got {text!r}")
+        return value
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return _DEFAULT_CAP
+    return min(_DEFAULT_CAP, st.f_blocks * st.f_frsize // 8)
+
+
+def _process_bytes(pool: SlotPool) -> int:
+    """Bytes held by this process's pools, ``pool`` included (registered or not)."""
+    me = os.getpid()
+    return pool.nbytes() + sum(p.nbytes() for (pid, _), p in _pools.items() if pid == me and p is not pool)
 
 
 def pool(kind: object = None, make_fd=None, cap: int = 6) -> SlotPool:
@@ -245,11 +335,17 @@ def abandoned(path: str) -> bool:
     except OSError:
         return False
     try:
+        return try_lock(fd)
+    finally:
+        os.close(fd)
+
+
+def try_lock(fd: int) -> bool:
+    """Take an exclusive ``flock`` of ``fd`` if nobody holds one (a holder's lock goes when it dies)."""
+    try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         return False
-    finally:
-        os.close(fd)
     return True
 
 

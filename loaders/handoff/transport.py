@@ -21,6 +21,9 @@ from torch.utils.data import get_worker_info
 from prealign.loaders.handoff import slots
 
 _ALIGN = 16
+SMALL = 64 * 1024
+"""Fields of fewer bytes (``cu_seqlens``, ``sample_index``, ...) are copied out of a received buffer: a
+kept one then pins no shared slot (:func:`own_small`). Token-sized fields (``input_ids``, pixels) stay views."""
 
 
 @dataclass(frozen=True)
@@ -85,8 +88,16 @@ class _AsPacked:
         return PackedBatch(buffer, self.fields, self.other, self.order)
 
 
+def own_small(batch: dict) -> dict:
+    """``batch`` with each tensor of fewer than :data:`SMALL` bytes replaced by a copy of its own, so that
+    keeping it (a training loop keeping ``cu_seqlens``) does not keep the buffer it views mapped."""
+    return {k: v.clone() if isinstance(v, torch.Tensor) and v.numel() * v.element_size() < SMALL else v
+            for k, v in batch.items()}
+
+
 def unpack_batch(packed: PackedBatch) -> dict:
-    """The batch of :func:`pack_batch`, tensors as views of the one buffer (keys in their order)."""
+    """The batch of :func:`pack_batch`, tensors as views of the one buffer (keys in their order), but small
+    ones copied out (:func:`own_small`)."""
     out = {}
     for name, dtype, shape, off in packed.fields:
         n = 1
@@ -95,6 +106,7 @@ def unpack_batch(packed: PackedBatch) -> dict:
         nbytes = n * torch.empty(0, dtype=dtype).element_size()
         out[name] = packed.buffer[off:off + nbytes].view(dtype).view(shape) if nbytes else \
             torch.empty(shape, dtype=dtype)
+    out = own_small(out)
     out.update(packed.other)
     return {k: out[k] for k in packed.order} if len(packed.order) == len(out) and set(packed.order) == out.keys() \
         else out
