@@ -7,6 +7,7 @@ dead worker a :class:`~prealign.loaders.errors.WorkerError`: :mod:`prealign.load
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import warnings
@@ -16,7 +17,7 @@ from torch.utils.data import DataLoader
 
 from prealign.collate.thd import THDCollator
 from prealign.loaders.errors import LoaderUsageError, PlanError
-from prealign.loaders.handoff.slots import worker_heap
+from prealign.loaders.handoff.slots import init_worker
 from prealign.loaders.handoff.transport import PackedBatch, unpack_batch
 from prealign.loaders.options import LoadingOptions, WorkerConfig, check_option
 from prealign.loaders.plan.planner import PlannerConfig, microbatch_capacity
@@ -139,7 +140,8 @@ class LoaderCore:
         return DataLoader(dataset, num_workers=self.num_workers, pin_memory=lo.pin_memory,
                           persistent_workers=persistent and lo.persistent_workers and workers,
                           multiprocessing_context=lo.multiprocessing_context if workers else None,
-                          worker_init_fn=worker_heap if workers else None, timeout=lo.timeout, **kwargs)
+                          worker_init_fn=functools.partial(init_worker, shm_cap=lo.shm_cap) if workers else None,
+                          timeout=lo.timeout, **kwargs)
 
     def _served(self, loader: DataLoader, token: object):
         """``loader``'s items through the one worker path (typed errors as their own type, a dead worker a

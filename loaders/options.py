@@ -101,11 +101,16 @@ class LoadingOptions:
     """``"fork"``, ``"spawn"`` or ``"forkserver"`` (None: torch's default; only with workers)."""
     timeout: float = 0
     """Seconds to wait for a batch from the workers (0: forever)."""
+    shm_cap: int | None = None
+    """Bytes of shared memory (``/dev/shm``, memfd) each worker may hold in hand-off slots; past it batches
+    are handed over by copy (0: always). None: ``PREALIGN_SHM_CAP``, else the smaller of 1 GiB and 1/8 of
+    ``/dev/shm`` (Kubernetes counts tmpfs toward the pod's memory; Docker's default is 64 MB)."""
 
     def __post_init__(self):
         _int("LoadingOptions.prefetch_factor", self.prefetch_factor, 1, optional=True)
         _bool("LoadingOptions.pin_memory", self.pin_memory)
         _bool("LoadingOptions.persistent_workers", self.persistent_workers)
+        _int("LoadingOptions.shm_cap", self.shm_cap, 0, optional=True)
         if self.multiprocessing_context not in (None, "fork", "spawn", "forkserver"):
             raise PlanError(f"LoadingOptions.multiprocessing_context: expected 'fork', 'spawn', 'forkserver' or "
                             f"None, got {self.multiprocessing_context!r}")

@@ -155,7 +155,7 @@ def test_workers_hand_the_published_record_to_the_main_process_without_copying(d
     assert os.listdir(share.directory()) == []  # the last reader removed every name
 
 
-@pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="slot files need Linux")
+@pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="platform: slot files need Linux")
 def test_kept_metadata_of_shared_batches_pins_no_record_file(data, tmp_path):
     """Each rank keeps every batch's ``cu_seqlens``: no record file of the folder stays mapped (small fields
     are copied out on arrival; before, each kept one pinned its record's two mappings)."""

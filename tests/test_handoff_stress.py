@@ -21,7 +21,7 @@ import pytest
 
 from prealign.loaders.handoff import slots
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(not slots.available(), reason="slots need Linux")]
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not slots.available(), reason="platform: slots need Linux")]
 
 RANKS, KEYS, TIMEOUT, KILLS, LIMIT_S = 4, 60, 1.0, 6, 45.0
 

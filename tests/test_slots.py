@@ -446,3 +446,28 @@ def test_a_loop_keeping_every_batch_stays_under_the_cap():
     del kept
     gc.collect()
     assert _slot_mappings() == 0 and _open_fds() <= before + 1
+
+
+def test_the_loaders_shm_cap_reaches_their_workers(tmp_path):
+    """``LoadingOptions(shm_cap=0)``: a PackedLoader's two workers hand every batch over by copy (no slot is
+    mapped while the loop keeps them all), and the batches equal those of the default hand-off."""
+    from prealign.loaders import LoadingOptions, PackedLoader, WebDatasetSource
+    from prealign.schemas import ParallelLayout
+    from prealign.schemas.schema import causal_lm_schema
+    from tests.loader_helpers import sample_lengths, write_shards
+
+    paths = write_shards(str(tmp_path), sample_lengths(200, low=500, high=3000), num_shards=4)
+
+    def batches(**loading):
+        loader = PackedLoader(WebDatasetSource(paths), schema=causal_lm_schema(), layout=ParallelLayout(),
+                              token_budget=16384, num_workers=2,
+                              loading=LoadingOptions(**loading))
+        return list(loader)
+
+    kept = batches(shm_cap=0)
+    assert len(kept) > 4 and _slot_mappings() == 0
+    reference = batches()
+    assert _slot_mappings() > 0  # the default hands the same batches over in slots (input_ids > 64 KiB)
+    assert all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(kept, reference))
+    with pytest.raises(ValueError, match="shm_cap"):
+        LoadingOptions(shm_cap=-1)

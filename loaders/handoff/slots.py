@@ -263,12 +263,24 @@ class SlotPool:
 
 _pools: dict[tuple[int, object], SlotPool] = {}
 _DEFAULT_CAP = 1 << 30
+_cap_in_this_process: int | None = None
+"""The cap :func:`init_worker` set for this (worker) process; None: :func:`shm_cap`'s default."""
+
+
+def init_worker(worker_id: int | None = None, *, shm_cap: int | None = None) -> None:
+    """The loaders' DataLoader ``worker_init_fn``: :func:`worker_heap`, and this worker's shared-memory cap
+    (``LoadingOptions.shm_cap``; None keeps :func:`shm_cap`'s default)."""
+    global _cap_in_this_process
+    worker_heap(worker_id)
+    _cap_in_this_process = shm_cap
 
 
 def shm_cap() -> int:
-    """Bytes of slots one process may hold: ``PREALIGN_SHM_CAP`` (bytes) when set, else the smaller of
-    1 GiB and 1/8 of ``/dev/shm`` (Docker's default 64 MB gives 8 MB: the rest stays for torch's own
-    hand-off and the peers)."""
+    """Bytes of slots one process may hold: the loader's ``LoadingOptions.shm_cap`` in its workers, else
+    ``PREALIGN_SHM_CAP`` (bytes) when set, else the smaller of 1 GiB and 1/8 of ``/dev/shm`` (Docker's
+    default 64 MB gives 8 MB: the rest stays for torch's own hand-off and the peers)."""
+    if _cap_in_this_process is not None:
+        return _cap_in_this_process
     text = os.environ.get("PREALIGN_SHM_CAP")
     if text is not None:
         try:
