@@ -8,6 +8,7 @@ meanwhile is replaced once, transparently. Redirects are followed; ``http_proxy`
 """
 from __future__ import annotations
 
+import atexit
 import base64
 import http.client
 import os
@@ -91,6 +92,14 @@ class Pool:
             conn.sock.settimeout(timeout)
         return conn, True
 
+    def close(self) -> None:
+        """Close every idle connection (at exit: nothing left for the interpreter to warn about)."""
+        with self.lock:
+            conns = [c for idle in self.idle.values() for c in idle]
+            self.idle.clear()
+        for conn in conns:
+            conn.close()
+
     def give(self, key: tuple, conn: http.client.HTTPConnection) -> None:
         with self.lock:
             idle = self.idle.setdefault(key, [])
@@ -102,6 +111,13 @@ class Pool:
 
 _pools: dict[int, Pool] = {}
 _tls: list = []
+
+
+@atexit.register
+def _close_own_pool() -> None:
+    own = _pools.get(os.getpid())
+    if own is not None:
+        own.close()
 
 
 def pool() -> Pool:
