@@ -15,6 +15,10 @@ from prealign.loaders.errors import (
                      MissingShardError,
                      OversizeSampleError,
                      PlanError,
+                     RangeIgnoredWarning,
+                     RemotePermissionError,
+                     RemoteReadError,
+                     RemoteStallError,
                      ResumeError,
                      ShardTimeoutError,
                      SourceChangedError,
@@ -38,6 +42,7 @@ from prealign.loaders.plan.planner import (
                      plan_microbatches,
 )
 from prealign.loaders.policy import BadDataPolicy, BadDataReport, BadSampleWarning, OnBadSample, Oversize, PackStrategy
+from prealign.loaders.sources.remote import RemoteOptions
 from prealign.loaders.sources.source import HFSource, Source
 from prealign.loaders.sources.tar_decode import DecodeLimits
 from prealign.loaders.sources.webdataset import WebDatasetSource, numpy_fields
@@ -53,3 +58,4 @@ __all__ += ["IndexFileError", "LoaderUsageError", "MissingShardError", "ShardTim
             "DecodeLimits"]
 __all__ += ["VLMSampleTransform", "MediaError", "MediaProblem", "image_processor", "BatchShare"]
 __all__ += ["WorkerConfig", "UnsupportedTorchError"]
+__all__ += ["RemoteOptions", "RemoteReadError", "RemoteStallError", "RemotePermissionError", "RangeIgnoredWarning"]

@@ -146,9 +146,7 @@ class LoaderCore:
     def _served(self, loader: DataLoader, token: object):
         """``loader``'s items through the one worker path (typed errors as their own type, a dead worker a
         WorkerError), stopping when a newer iterator took over."""
-        for item in worker_batches(loader):
-            self._check_live(token)
-            yield item
+        yield from worker_batches(loader, before_each=lambda: self._check_live(token))
 
     def _count_skipped(self, skipped, *, warn: bool) -> None:
         """Count ``(reason, where, message)`` of samples left out while loading (and warn, if ``warn``)."""

@@ -164,6 +164,8 @@ class ExtraShardError(IndexFileError):
 class RemoteReadError(PrealignError):
     """A remote shard could not be read (after the retries): ``.url`` names it."""
 
+    url = None  # when rebuilt from its message alone (see PrealignError)
+
     def __init__(self, url: str, message: str):
         self.url = url
         super().__init__(f"{url}: {message}")
@@ -177,6 +179,8 @@ class RemotePermissionError(ConfigError):
     """The server refused to serve a remote shard (HTTP 401/403, an object store's access denied): credentials
     or permissions, not a missing shard. ``.url``, ``.status`` (None when the client gives no HTTP status).
     A configuration error: raised whatever the bad-data policy, never retried."""
+
+    url = status = None  # when rebuilt from its message alone (see PrealignError)
 
     def __init__(self, url: str, status: int | None, answer: str):
         self.url, self.status = url, status

@@ -24,7 +24,7 @@ Resume: the state is ``(epoch, position)``, the same on every rank, in the forma
 :class:`~prealign.loaders.PackedLoader`'s (:mod:`prealign.loaders.state`; the data fingerprint is a digest
 of the source's description, taken once at :meth:`~StreamingPackedLoader.prepare`). Loading it re-reads this
 rank's stream from the start of the epoch and replays the deterministic packing, skipping the first
-``position`` micro-batches without collating them (cost: reading that much of the stream again).
+``position`` micro-batches (cost: reading, and in workers collating, that much of the stream again).
 
 Options, validation, ``set_epoch``, ``from_parallel_state``, the one-live-iterator guard, the state and the
 worker path (a sample's typed error raised as its own type, a dead worker a

@@ -6,8 +6,15 @@ import inspect
 
 
 def _rebuilt(cls: type, args: tuple, state: dict) -> "PrealignError":
-    """``cls`` with ``args`` and attributes ``state``, its constructor not called (subclasses take other arguments)."""
-    exc = cls.__new__(cls)
+    """``cls`` with ``args`` and attributes ``state``, its constructor not called (subclasses take other arguments).
+    Built by the first built-in base whose memory layout fits (one that is also an ``OSError`` needs OSError's)."""
+    for base in cls.__mro__:
+        if base.__module__ == "builtins":
+            try:
+                exc = base.__new__(cls)
+                break
+            except TypeError:
+                continue
     exc.args = args
     exc.__dict__.update(state)
     return exc

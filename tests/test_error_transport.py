@@ -9,7 +9,16 @@ import torch
 from torch.utils.data import DataLoader
 
 from prealign.collate import THDCollator
-from prealign.loaders.errors import BadSampleError, CorruptShardError, IndexFileError, MissingShardError
+from prealign.loaders.errors import (
+    BadSampleError,
+    CorruptShardError,
+    IndexFileError,
+    MissingShardError,
+    RemotePermissionError,
+    RemoteReadError,
+    RemoteStallError,
+    ShmBudgetError,
+)
 from prealign.loaders.media.vlm import MediaError, MediaProblem
 from prealign.schemas import ParallelLayout
 from prealign.schemas.errors import BatchValidationError, SampleError
@@ -23,6 +32,10 @@ ERRORS = [
     MissingShardError("s-1.tar", "no such file"),
     IndexFileError("index x.npz: no such file"),
     BatchValidationError(["a", "b"]),
+    RemoteReadError("http://h/s-0.tar", "connection reset"),
+    RemoteStallError("http://h/s-0.tar", "no byte for 30 s"),
+    RemotePermissionError("http://h/s-0.tar", 403, "Forbidden"),
+    ShmBudgetError("past the cap"),
 ]
 
 
@@ -38,9 +51,8 @@ def test_an_error_rebuilt_from_its_message_alone_keeps_its_type(err):
     """What torch's ExceptionWrapper.reraise does with a worker's exception: ``type(exc)(message)``."""
     back = type(err)(str(err))
     assert type(back) is type(err) and str(err) in str(back)
-    for name in ("sample", "field", "shard"):  # attributes read by handlers exist (None when unknown)
-        if hasattr(err, name):
-            assert hasattr(back, name)
+    for name in vars(err):  # every attribute a handler may read exists (None when the message is all there is)
+        assert hasattr(back, name), name
 
 
 def test_a_plain_dataloader_with_workers_raises_the_collators_sample_error_as_itself():

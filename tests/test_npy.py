@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from prealign.loaders.errors import BadSampleError, StaleIndexError
 from prealign.loaders.index.sidecar import parse_sidecar
+from prealign.loaders.sources import npy
 from prealign.loaders.sources.header_lengths import HeaderError, npy_header
 from prealign.loaders.sources.npy import (
     ACCEPTED_DTYPES,
@@ -198,6 +199,7 @@ def test_each_member_header_is_parsed_once_and_never_by_numpy(monkeypatch):
 
     for name in ("read_magic", "read_array_header_1_0", "read_array_header_2_0", "read_array"):
         monkeypatch.setattr(np.lib.format, name, boom)
+    monkeypatch.setattr(npy, "_seen", {})  # no header parsed by an earlier test: this one's parse is timed here
     arr = decode_member("k", "input_ids.npy", GOOD)
     assert arr.tolist() == [[0, 1, 2], [3, 4, 5]] and arr.flags.writeable
     assert npy_header(GOOD) == ((2, 3), np.dtype(np.int32))

@@ -20,6 +20,7 @@ from prealign.loaders import (
     BadSampleError,
     IndexOptions,
     LoaderUsageError,
+    LoadingOptions,
     PackedLoader,
     PlanError,
     PlannerConfig,
@@ -227,6 +228,23 @@ def test_set_epoch_from_parallel_state_and_one_live_iterator(kind, shards):
     next(second)
     with pytest.raises(LoaderUsageError, match="newer iterator"):
         next(first)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_superseded_iterator_takes_no_batch_of_the_new_one_with_persistent_workers(kind, shards):
+    """The two loops share the persistent workers: the superseded one stops before asking them for a batch,
+    so the new loop gets every micro-batch of the epoch, in order, none lost."""
+    ref = [_ids(b) for b in _make(kind, WebDatasetSource(shards))]
+    loader = _make(kind, WebDatasetSource(shards), num_workers=1,
+                   loading=LoadingOptions(persistent_workers=True))
+    first = iter(loader)
+    got = [_ids(next(first))]
+    second = iter(loader)
+    got.append(_ids(next(second)))
+    with pytest.raises(LoaderUsageError, match="newer iterator"):
+        next(first)
+    got += [_ids(b) for b in second]
+    assert got == ref if kind == "packed" else sorted(map(tuple, got)) == sorted(map(tuple, ref))
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import gc
 import gzip
 import http.server
 import multiprocessing
@@ -17,7 +18,7 @@ import warnings
 import pytest
 import torch
 
-from prealign.loaders import PackedLoader, ShuffleOptions, WebDatasetSource
+from prealign.loaders import LoadingOptions, PackedLoader, ShuffleOptions, WebDatasetSource
 from prealign.loaders.errors import (
     ChangedShardError,
     MissingShardError,
@@ -108,6 +109,11 @@ class _Handler(_Counting, http.server.BaseHTTPRequestHandler):
             self.end_headers()
             f.seek(lo)
             data = f.read(hi - lo)
+        if self.server.cut:  # the connection drops halfway through the body
+            self.server.cut -= 1
+            self.wfile.write(data[: len(data) // 2])
+            self.close_connection = True
+            return
         self.server.served[os.path.basename(path)] = self.server.served.get(os.path.basename(path), 0) + len(data)
         self.wfile.write(data)
 
@@ -138,7 +144,7 @@ def _serve(tmp_path, handler=_Handler):
     server = _Server(("127.0.0.1", 0), handler)
     server.root, server.served, server.stall, server.ignore_range, server.deny = str(root), {}, 0.0, False, {}
     server.lock, server.inflight, server.max_inflight, server.delay = threading.Lock(), 0, 0, 0.0
-    server.connections = 0
+    server.connections, server.cut = 0, 0
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     return server, f"http://127.0.0.1:{server.server_address[1]}"
@@ -390,3 +396,63 @@ def test_a_kept_connection_the_server_closed_is_replaced(tmp_path, http_server):
         assert read_range(url, 100 * i, 100 * i + 900, once) == data[100 * i:100 * i + 900]
         time.sleep(0.5)
     assert server.connections == 3
+
+
+@pytest.mark.parametrize("ignore_range", [False, True])
+def test_a_body_cut_short_is_retried_and_never_kept_short(tmp_path, http_server, ignore_range):
+    """A connection dropped mid-body (206, or a Range-ignoring server's whole object) is an incomplete read,
+    retried; a body kept whole is never a short one, so every later read is exact too."""
+    server, base = http_server
+    data = bytes(range(256)) * 12288  # 3 MiB
+    (tmp_path / "www" / "obj.bin").write_bytes(data)
+    server.ignore_range, server.cut = ignore_range, 1
+    opts = RemoteOptions(retries=2, backoff=0.01, timeout=5.0, block_size=1 << 20)
+    url = f"{base}/obj.bin"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RangeIgnoredWarning)
+        for start, end in [(1000, 201000), (1_258_291, 1_887_436), (3 * (1 << 20) - 10, 3 * (1 << 20))]:
+            assert read_range(url, start, end, opts) == data[start:end]
+
+
+def test_a_cache_dir_holding_other_files_keeps_them(tmp_path, http_server):
+    """The block cache evicts only its own blocks: a user's files in the folder given as cache_dir stay."""
+    server, base = http_server
+    (tmp_path / "www" / "obj.bin").write_bytes(os.urandom(3 << 20))
+    cache = tmp_path / "my-folder"
+    cache.mkdir()
+    mine = {"thesis.tex": b"x" * 5000, "notes.txt": b"y", "train_config.yaml": b"z" * 100}
+    for name, content in mine.items():
+        (cache / name).write_bytes(content)
+    os.utime(cache / "thesis.tex", (1, 1))  # the oldest file in the folder: first out under an LRU over everything
+    opts = RemoteOptions(cache_dir=str(cache), cache_limit=1 << 20, block_size=1 << 19, retries=0)
+    for start in range(0, 3 << 20, 1 << 19):
+        read_range(f"{base}/obj.bin", start, start + 100, opts, total=3 << 20)
+    assert {name: (cache / name).read_bytes() for name in mine} == mine
+    assert sum(p.stat().st_size for p in cache.iterdir() if p.name not in mine) <= 1 << 20
+
+
+def test_range_ignoring_objects_go_to_one_folder_the_source_made(tmp_path):
+    """Without cache_dir, whole objects are kept in a folder the source's process made (its workers write
+    there; removed when that process exits): persistent workers leave no folder of their own behind."""
+    import tempfile
+
+    from prealign.loaders.sources import remote
+
+    server, base = _serve(tmp_path)
+    server.ignore_range = True
+    paths = write_shards(str(tmp_path / "www"), sample_lengths(120), num_shards=2)
+    urls = [f"{base}/{os.path.basename(p)}" for p in paths]
+    before = set(os.listdir(tempfile.gettempdir()))
+    src = WebDatasetSource(urls, sidecars=False, remote=FAST)
+    assert src.remote.private_dir == remote.private_folder() and os.path.isdir(src.remote.private_dir)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RangeIgnoredWarning)
+        loader = _loader(src, num_workers=2, loading=LoadingOptions(persistent_workers=True))
+        for _ in range(2):
+            list(loader)
+        del loader
+    gc.collect()
+    made = {n for n in set(os.listdir(tempfile.gettempdir())) - before if n.startswith("prealign-remote-")}
+    assert made <= {os.path.basename(src.remote.private_dir)}
+    server.shutdown()
+    server.server_close()

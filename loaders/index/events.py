@@ -13,8 +13,8 @@ from prealign.schemas.errors import PrealignError, SampleError
 
 
 def error_record(exc: Exception) -> dict:
-    """An exception as plain data (typed errors do not survive pickling through DataLoader workers);
-    a sample's keeps its cause (:func:`~prealign.loaders.errors.reason_of`) and its message."""
+    """An exception as JSON-safe data (events are written into sidecars, read by other runs); a sample's
+    keeps its cause (:func:`~prealign.loaders.errors.reason_of`) and its message."""
     if isinstance(exc, CorruptShardError):
         return {"type": "shard", "cls": type(exc).__name__, "shard": exc.shard, "offset": exc.offset,
                 "cause": exc.cause, "reason": exc.reason}

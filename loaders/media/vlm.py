@@ -65,6 +65,8 @@ class MediaError(BadSampleError):
     """A multimodal sample's media or text is unusable; ``.problem`` (and ``.reason``, its value)
     says why, ``.sample`` is its key."""
 
+    problem = None  # when rebuilt from its message alone (see PrealignError)
+
     def __init__(self, problem: MediaProblem, *, sample, field: str | None, expected: str, actual: str, hint: str = ""):
         self.problem = problem
         # reason= prefixes the message too, so the cause survives being reported as text

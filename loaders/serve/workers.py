@@ -93,16 +93,20 @@ def worker_failure(loader, it, exc: BaseException, waited: float) -> WorkerError
                        f"loader again to continue from its state")
 
 
-def worker_batches(loader):
+def worker_batches(loader, before_each=None):
     """Iterate the torch ``loader``: a :class:`~prealign.schemas.errors.PrealignError` a worker returned is
     raised (as its own type); a dead or timed-out worker raises :class:`~prealign.loaders.errors.WorkerError`
     after discarding the broken iterator, and a persistent iterator whose worker died while idle is
-    replaced before the first batch, so the next iteration always starts from working workers."""
+    replaced before the first batch, so the next iteration always starts from working workers.
+    ``before_each()`` runs before each batch is asked for (it may raise: a superseded loop stops without
+    taking a batch meant for the loop that superseded it, with which it shares persistent workers)."""
     check_torch_internals(loader)
     discard_if_broken(loader)
     it = iter(loader)
     check_torch_internals(loader, it)
     while True:
+        if before_each is not None:
+            before_each()
         t0 = time.monotonic()
         try:
             batch = next(it)

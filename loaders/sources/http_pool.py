@@ -43,13 +43,26 @@ class Reply:
         self.status, self.reason, self.headers = resp.status, resp.reason, resp.headers
 
     def read(self, n: int = -1) -> bytes:
-        """Up to ``n`` bytes (``-1``: to the end, read ``CHUNK`` bytes at a time)."""
+        """Up to ``n`` bytes (``-1``: to the end, read ``CHUNK`` bytes at a time). A body that ends before
+        its ``Content-Length`` (the connection dropped) is an ``http.client.IncompleteRead``, which the
+        callers retry: ``http.client`` itself returns it short without a word."""
         if n is not None and n >= 0:
-            return self._resp.read(n)
+            data = self._resp.read(n)
+            if n and not data:
+                self._check_complete(b"")
+            return data
         chunks = []
         while chunk := self._resp.read(CHUNK):
             chunks.append(chunk)
-        return b"".join(chunks)
+        data = b"".join(chunks)
+        self._check_complete(data)
+        return data
+
+    def _check_complete(self, partial: bytes) -> None:
+        """Raise when the body stopped with bytes of its announced length still due."""
+        left = self._resp.length
+        if left:  # None: no Content-Length (chunked or to the close); 0: all of it came
+            raise http.client.IncompleteRead(partial, left)
 
     def close(self) -> None:
         conn, self._conn = self._conn, None

@@ -80,6 +80,10 @@ class RemoteOptions:
     """Sequential (``pipe:``, gzip) shards each worker keeps decompressed in memory."""
     storage_options: dict | None = None
     """Passed to ``fsspec.filesystem`` for ``s3://`` / ``gs://`` (endpoint, credentials)."""
+    private_dir: str | None = None
+    """Where objects of a server that ignores Range are kept when there is no ``cache_dir``: a folder made
+    by :func:`private_folder` in the process that built the source (its DataLoader workers share it) and
+    removed when that process exits. ``None``: made on first need by the reading process."""
 
 
 DEFAULT = RemoteOptions()
@@ -204,6 +208,10 @@ def size(url: str, opts: RemoteOptions | None = None) -> int:
     return _retrying(url, opts, info)
 
 
+SMALL_LIMIT = 256 << 20
+"""Bytes a small remote file (a sidecar) may have: a larger body is refused, never read whole."""
+
+
 def read_small(url: str, opts: RemoteOptions | None = None) -> bytes | None:
     """A whole small remote file (a sidecar, optional), or None when it does not exist or the server refuses it
     (S3 answers 403 for an absent key of a bucket the caller cannot list)."""
@@ -212,7 +220,10 @@ def read_small(url: str, opts: RemoteOptions | None = None) -> bytes | None:
         if scheme(url) in ("http", "https"):
             def get():
                 with _http(url, opts) as r:
-                    return r.read()
+                    data = _read_upto(r, SMALL_LIMIT + 1)  # never trust Content-Length: count what comes
+                if len(data) > SMALL_LIMIT:
+                    raise RemoteReadError(url, f"a sidecar of more than {SMALL_LIMIT} bytes: not one prealign wrote")
+                return data
             return _retrying(url, opts, get)
         fs = _fs(url, opts)
         return _retrying(url, opts, lambda: fs.cat_file(url))
@@ -282,15 +293,25 @@ class BlockCache:
         if evict:
             self.evict()
 
+    def drop(self, name: str) -> None:
+        """Forget block ``name`` (a read found it wrong)."""
+        if _BLOCK_NAME.fullmatch(name):
+            try:
+                os.remove(os.path.join(self.dir, name))
+            except OSError:
+                pass
+
     def evict(self) -> None:
-        """Least recently used blocks out until the folder holds at most ``limit`` bytes."""
+        """Least recently used blocks out until this cache's blocks take at most ``limit`` bytes. Only files
+        named as blocks are counted and removed: nothing else in the folder (the user's ``cache_dir`` may
+        hold other files) is ever deleted."""
         with self.lock:
             self._evict()
 
     def _evict(self) -> None:
         entries = []
         for e in os.scandir(self.dir):
-            if e.name.endswith(".part"):
+            if not _BLOCK_NAME.fullmatch(e.name) or not e.is_file(follow_symlinks=False):
                 continue
             try:
                 st = e.stat()
@@ -309,6 +330,8 @@ class BlockCache:
 
 
 _caches: dict[tuple, BlockCache] = {}
+_BLOCK_NAME = re.compile(r"[0-9a-f]{16}-\d+-\d+")
+"""What :func:`_block_name` writes: the only files a :class:`BlockCache` ever removes."""
 
 
 def _block_cache(directory: str, limit: int) -> BlockCache:
@@ -356,12 +379,19 @@ def _check_kept(url: str, n: int, headers) -> None:
         _kept.pop(url, None)
 
 
-def _private_cache(opts: RemoteOptions) -> BlockCache:
-    """A temporary folder of this process (shared with the processes it forks), removed when it exits."""
+def private_folder() -> str:
+    """This process's temporary folder for the objects of servers that ignore Range (made once, removed
+    when the process exits; processes it forks or spawns write into it through ``RemoteOptions.private_dir``)."""
     if not _private:
         _private.append(tempfile.mkdtemp(prefix="prealign-remote-"))
         multiprocessing.util.Finalize(None, _remove_private, args=(_private[-1], os.getpid()), exitpriority=0)
-    return _block_cache(_private[0], opts.cache_limit)
+    return _private[0]
+
+
+def _private_cache(opts: RemoteOptions) -> BlockCache:
+    """The block cache of objects kept whole when there is no ``cache_dir``: ``opts.private_dir`` (the source's
+    process made it, so a worker's copies outlive neither that process nor one another), else this process's."""
+    return _block_cache(opts.private_dir or private_folder(), opts.cache_limit)
 
 
 def _remove_private(directory: str, owner: int) -> None:
@@ -394,6 +424,8 @@ def _keep_whole(url: str, reply: http_pool.Reply, start: int, end: int, opts: Re
         out.append(data[max(start - lo, 0):max(end - lo, 0)])
         if len(data) < bs:
             break
+    if announced.isdigit() and total != int(announced):  # a body without Content-Length that stopped early
+        raise RemoteReadError(url, f"the whole object announced {announced} bytes, {total} came")
     cache.evict()
     _kept[url] = _Kept(cache.dir, cache.limit, bs, total, _validators(reply.headers))
     if server not in _warned:
@@ -420,6 +452,12 @@ def read_range(url: str, start: int, end: int, opts: RemoteOptions | None = None
     for block in range(start // bs, (end - 1) // bs + 1):
         name = _block_name(url, bs, block)
         data = cache.get(name)
+        if data is None and kept is not None and url not in _warned:
+            _warned.add(url)
+            warnings.warn(f"{url}: a block of this object, kept whole because its server ignores Range, was evicted "
+                          f"from the block cache (cache_limit={kept.limit} bytes is less than the objects read "
+                          f"together): each such miss downloads the whole object again; raise "
+                          f"RemoteOptions.cache_limit", RangeIgnoredWarning, stacklevel=2)
         if data is None:
             lo = block * bs
             hi = lo + bs if total is None else min(lo + bs, total)
@@ -428,7 +466,14 @@ def read_range(url: str, start: int, end: int, opts: RemoteOptions | None = None
         out.append(data)
     buf = b"".join(out)
     off = start - (start // bs) * bs
-    return buf[off:off + end - start]
+    data = buf[off:off + end - start]
+    if len(data) != end - start:  # a short block in the cache (another process's, or a size that changed)
+        for block in range(start // bs, (end - 1) // bs + 1):
+            cache.drop(_block_name(url, bs, block))
+        _kept.pop(url, None)
+        raise RemoteReadError(url, f"bytes {start}..{end}: the block cache held {len(data)} bytes of them (dropped; "
+                                   f"read again)")
+    return data
 
 
 def _fetch_upto(url: str, lo: int, hi: int, opts: RemoteOptions) -> bytes:

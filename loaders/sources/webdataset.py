@@ -14,6 +14,7 @@ Without a ``transform``, every ``<name>.npy`` member becomes a tensor field ``<n
 """
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import re
@@ -137,6 +138,9 @@ class WebDatasetSource(Source):
         if remote is None:
             limit = {} if cache_limit is None else {"cache_limit": int(cache_limit)}
             remote = _remote.RemoteOptions(cache_dir=cache_dir, **limit)
+        if remote.cache_dir is None and remote.private_dir is None and any(
+                _remote.scheme(u) in ("http", "https") for u in self.urls):  # made here: see RemoteOptions
+            remote = dataclasses.replace(remote, private_dir=_remote.private_folder())
         self.remote = remote
         self.limits = limits
         self.read_timeout = None if read_timeout is None else float(read_timeout)
