@@ -68,8 +68,8 @@ def to_packed_seq_params(batch: dict, *, convention: PackedSeqConvention | str =
     convention = _enum_arg("convention", PackedSeqConvention, convention)
     cp_layout = _enum_arg("cp_layout", CPLayout,
                           cp_layout if cp_layout is not None else batch.get("cp_layout", CPLayout.ZIGZAG.value))
-    padded = batch["cu_seqlens_padded"].to(device=device, dtype=torch.int32)
-    true = batch["cu_seqlens"].to(device=device, dtype=torch.int32)
+    padded = batch["cu_seqlens_padded"].to(dtype=torch.int32)  # checked where they are (the loader's CPU),
+    true = batch["cu_seqlens"].to(dtype=torch.int32)  # then moved: no GPU sync per check
     if padded.ndim != 1 or padded.shape != true.shape or padded.numel() < 2:
         raise ArgumentError(f"batch: expected cu_seqlens and cu_seqlens_padded int32 [N+1] alike, got "
                             f"{tuple(true.shape)} and {tuple(padded.shape)}")
@@ -77,6 +77,7 @@ def to_packed_seq_params(batch: dict, *, convention: PackedSeqConvention | str =
         raise ArgumentError(f"batch: expected max_seqlen int32 [1], got shape {tuple(batch['max_seqlen'].shape)}")
     max_seqlen = int(batch["max_seqlen"].reshape(-1)[0])
     _check_offsets(true, padded, max_seqlen)
+    padded, true = padded.to(device), true.to(device)
     q = padded if convention is PackedSeqConvention.PADDED else true
     kwargs = dict(qkv_format="thd", cu_seqlens_q=q, cu_seqlens_kv=q, cu_seqlens_q_padded=padded,
                   cu_seqlens_kv_padded=padded, max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen)

@@ -487,6 +487,8 @@ def check_value_bounds(rows: torch.Tensor, spec: FieldSpec, key: str, flat: Flat
     row = first_row + local
     i = int(torch.searchsorted(flat.cu_seqlens, row, right=True)) - 1
     value = v[local][bad[local]][0].item()
+    if not rows.dtype.is_floating_point:  # an id of 99, not 99.0
+        value = int(value)
     rng = f"[{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
     other = f" other than {refused} (the ignore index)" if refused is not None else (
         f", or {accepted} (the ignore index)" if accepted is not None else "")

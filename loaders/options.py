@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from prealign.loaders.errors import PlanError
+from prealign.loaders.handoff.slots import shm_cap
 from prealign.loaders.index.sample_index import SampleIndex
 
 
@@ -111,6 +112,8 @@ class LoadingOptions:
         _bool("LoadingOptions.pin_memory", self.pin_memory)
         _bool("LoadingOptions.persistent_workers", self.persistent_workers)
         _int("LoadingOptions.shm_cap", self.shm_cap, 0, optional=True)
+        if self.shm_cap is None:
+            shm_cap()  # a malformed PREALIGN_SHM_CAP is a ConfigError here, not at the first batch
         if self.multiprocessing_context not in (None, "fork", "spawn", "forkserver"):
             raise PlanError(f"LoadingOptions.multiprocessing_context: expected 'fork', 'spawn', 'forkserver' or "
                             f"None, got {self.multiprocessing_context!r}")

@@ -315,12 +315,13 @@ class _Checker:
         bounds (the vocabulary). A label outside them is trained on with weight 1 (a device-side assert in
         the loss on a GPU, or a silently wrong target)."""
         ids_spec = next((f for f in self.schema.fields if f.name == "input_ids"), None)
-        hi = None if ids_spec is None else ids_spec.max_value
+        lo = 0 if spec.min_value is None else spec.min_value  # the labels' own bounds first, as the collator
+        hi = spec.max_value if spec.max_value is not None else None if ids_spec is None else ids_spec.max_value
         v = labels[~slots.is_pad]
-        wrong = (v != self.schema.ignore_index) & ((v < 0) | ((v > hi) if hi is not None else False))
+        wrong = (v != self.schema.ignore_index) & ((v < lo) | ((v > hi) if hi is not None else False))
         if bool(wrong.any()):
             k = int(torch.nonzero(~slots.is_pad)[int(torch.nonzero(wrong)[0])])
-            top = f"[0, {int(hi)}]" if hi is not None else ">= 0"
+            top = f"[{lo:g}, {hi:g}]" if hi is not None else f">= {lo:g}"
             self.bad(f"{spec.name}[slot {k}]", f"the ignore index {self.schema.ignore_index} or a token id in {top}",
                      int(labels[k]))
 

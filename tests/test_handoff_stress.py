@@ -93,6 +93,14 @@ with open(out, "a") as log:
 '''
 
 
+def _lines(path: str) -> int:
+    try:
+        with open(path) as f:
+            return sum(1 for _ in f)
+    except FileNotFoundError:
+        return 0
+
+
 def _start(d: str, rank: int, seed: int, out: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", WORKER, d, str(rank), str(RANKS), str(KEYS), str(TIMEOUT),
                              str(seed), out])
@@ -105,15 +113,19 @@ def test_random_claims_reads_and_kills_serve_nothing_wrong(tmp_path):
     os.makedirs(d, mode=0o700)
     outs = [str(tmp_path / f"r{r}.log") for r in range(RANKS)]
     procs = {r: _start(d, r, seed * 100 + r, outs[r]) for r in range(RANKS)}
+    base = {r: 0 for r in range(RANKS)}  # log lines of each rank when it was (re)started
     kills, restarts, t0 = 0, 0, time.monotonic()
     while any(p.poll() is None for p in procs.values()) and time.monotonic() - t0 < LIMIT_S:
-        time.sleep(rng.random() * 0.6)
-        live = [r for r, p in procs.items() if p.poll() is None]
-        if live and kills < KILLS:
-            r = rng.choice(live)
+        time.sleep(rng.random() * 0.3)
+        # only a rank that has started working (imports done, a key handled since its start) is killed: the
+        # kill then lands at a random step of the protocol, not during the interpreter's start
+        working = [r for r, p in procs.items() if p.poll() is None and _lines(outs[r]) > base[r]]
+        if working and kills < KILLS:
+            r = rng.choice(working)
             procs[r].send_signal(signal.SIGKILL)
             procs[r].wait()
             kills += 1
+            base[r] = _lines(outs[r])
             procs[r] = _start(d, r, seed * 100 + r + 10 * (restarts + 1), outs[r])  # a restarted worker
             restarts += 1
     for p in procs.values():

@@ -28,7 +28,7 @@ def test_a_label_outside_the_vocabulary_is_refused_naming_sample_field_and_token
     with pytest.raises(SampleError) as caught:
         collate([[1, 2, 3], [4, bad, 5, 6]])
     err = caught.value
-    assert err.sample == 1 and err.field == "labels" and f"{float(bad)} at token 1" in err.actual
+    assert err.sample == 1 and err.field == "labels" and f"{bad} at token 1" in err.actual
     assert f"or {IGNORE_INDEX} (the ignore index)" in err.expected
 
 
@@ -75,3 +75,14 @@ def test_the_validator_finds_an_edited_label_outside_the_vocabulary(value, at):
 
 def test_the_validator_accepts_the_collators_batches():
     validate_batch(collate([[1, IGNORE_INDEX, 9], [0, 4]]), SCHEMA, ParallelLayout())
+
+
+def test_declared_label_bounds_are_held_alike_by_the_collator_and_the_validator():
+    import dataclasses
+
+    fields = tuple(dataclasses.replace(f, max_value=15) if f.name == "labels" else f for f in SCHEMA.fields)
+    schema = dataclasses.replace(SCHEMA, fields=fields)
+    batch = collate([[12, 3, 4]], schema=schema)  # 12 >= the vocabulary of 10, within the labels' own bounds
+    validate_batch(batch, schema, ParallelLayout())
+    with pytest.raises(SampleError):
+        collate([[16, 3, 4]], schema=schema)

@@ -267,3 +267,19 @@ def test_a_malformed_or_planted_result_is_never_served(tmp_path):
     os.symlink(victim, os.path.join(mine.directory, f"{mine.key(raw)}.{_me()}.tmp"))  # the name it writes to
     assert torch.equal(mine(raw)["input_ids"], torch.tensor([6, 8]))
     assert victim.read_text() == "keep me" and mine.stats.write_failed == 1
+
+
+def test_a_published_record_that_cannot_be_read_is_waited_for_at_most_timeout(tmp_path):
+    """The claim is free (its claimer let go) and the record's name is there but never opens (here a folder):
+    the waiter loads the item itself after ``timeout`` instead of polling forever."""
+    import time
+
+    from prealign.loaders.handoff.share_folder import LOCAL, SharedFolder
+
+    d = tmp_path / "f"
+    d.mkdir(mode=0o700)
+    (d / "k.claim").write_bytes(b"")
+    (d / "k.bin").mkdir()
+    t0 = time.monotonic()
+    assert SharedFolder(str(d), 1, 2, timeout=0.2).acquire("k")[0] == LOCAL
+    assert time.monotonic() - t0 < 5

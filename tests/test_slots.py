@@ -471,3 +471,34 @@ def test_the_loaders_shm_cap_reaches_their_workers(tmp_path):
     assert all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(kept, reference))
     with pytest.raises(ValueError, match="shm_cap"):
         LoadingOptions(shm_cap=-1)
+
+
+def test_a_record_no_peer_reads_stays_under_the_cap(tmp_path):
+    """cp=2, rank 1 fell back and never reads: rank 0's published slots hold rank 1's flag forever. The pool
+    lets the oldest go past ``files`` and unpublishes it, so the records in the folder stay under the cap
+    instead of growing one per micro-batch until the sweep."""
+    from prealign.loaders.errors import ShmBudgetError
+    from prealign.loaders.handoff.share_folder import CLAIMED, SharedFolder, encode_record
+
+    d = tmp_path / "f"
+    d.mkdir(mode=0o700)
+    folder = SharedFolder(str(d), 0, 2, timeout=1.0, ttl=300.0)
+    mb = 1 << 20
+    pool = slots.SlotPool(slots.named_in(str(d)), cap=2, files=2, limit=4 * (mb + 2 * slots.HEADER))
+    for i in range(20):
+        key = f"k{i}"
+        assert folder.acquire(key)[0] == CLAIMED
+        parts = encode_record({"x": torch.zeros(mb // 8 - 64, dtype=torch.int64)})
+        try:
+            slot = pool.take(sum(memoryview(p).nbytes for p in parts))
+        except ShmBudgetError:
+            folder.publish(key, {"x": torch.zeros(1)})
+            continue
+        slot.write(parts)
+        slot.hold(range(2))
+        slot.set_key(key)
+        folder.publish_slot(key, slot)
+        os.pwrite(slot.fd, b"\0", 64)  # rank 0's main process let go of its copy; rank 1 never reads
+    held = sum(os.stat(d / n).st_blocks * 512 for n in os.listdir(d) if n.endswith(".bin"))
+    assert held <= pool.limit, held
+    pool.close()

@@ -78,12 +78,16 @@ def check_shards(urls: list[str]) -> None:
         raise UsageError(f"no such shard{'s' if len(missing) > 1 else ''}: {', '.join(missing[:5])}{more}",
                          hint="check the path; brace patterns like shard-{000..009}.tar are expanded, quote them "
                               "for the shell")
+    checked: set[str] = set()
     for url in urls:
         path = url.removeprefix("file://")
         if path.startswith("pipe:"):
             continue
         if "://" in path:
-            check_remote(url)
+            scheme = url.split("://", 1)[0].lower()
+            if scheme not in checked:  # one check per scheme: 100k shards cost one credentials look-up
+                check_remote(url)
+                checked.add(scheme)
             continue
         if os.path.isdir(path):
             raise UsageError(f"{url}: is a folder, not a shard", hint=f"give the shards in it, e.g. {url}/*.tar")

@@ -259,7 +259,7 @@ class SharedFolder:
     def _wait(self, path: str, key: str, by_fd: bool) -> tuple[str, Any]:
         """Poll for the record with a short backoff (0.5 ms doubling to 20 ms); the claim (failed, gone,
         dead, too old) is looked at every 50 ms only: a poll is then one failed ``open``."""
-        delay, check = 0.0005, 0.0
+        delay, check, started = 0.0005, 0.0, time.monotonic()
         while True:
             try:
                 record = self._read(path, key, by_fd)
@@ -287,6 +287,9 @@ class SharedFolder:
             try:
                 if slots.try_lock(fd):
                     if os.path.exists(path + ".bin"):  # published, then its claimer let go (or exited)
+                        if now - started > self.timeout:  # yet unreadable all this while: load it here
+                            self.stats.took_over_timeout += 1
+                            return LOCAL, None
                         continue
                     if _retake(path, fd):
                         self.stats.took_over_dead += 1

@@ -221,7 +221,8 @@ class SlotPool:
                         os.unlink(path)
                     raise
                 if len(self.slots) >= self.files:  # the oldest held one lives on in its holders' mappings
-                    self.slots.pop(0).close()
+                    self._drop(self.slots[0])  # unpublished too: a peer that never read it (it fell back)
+                    # keeps no name of it alive in /dev/shm, uncounted, until the sweep
                 break
             slot = max(free, key=lambda s: s.capacity)
             slot.unpublish()
