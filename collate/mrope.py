@@ -165,14 +165,15 @@ class MRoPECollator:
             raise SampleError(sample=None, field=None, expected="a non-empty list of sample dicts",
                               actual=type(batch).__name__ if batch else "an empty batch")
         has = [self.field in s for s in batch]
+        grids = [_field(s, i, "image_grid_thw").reshape(-1, 3) for i, s in enumerate(batch)]
         if all(has):
-            return self.collator(batch)
+            _check_pixel_rows(batch, grids)
+            return _finite_pixels(self.collator(batch), batch)
         if any(has):
             i = has.index(False)
             raise SampleError(sample=i, field=self.field, expected="present in every sample or in none",
                               actual=f"missing here, present in sample {has.index(True)}")
         types = [_field(s, i, "mm_token_type_ids") for i, s in enumerate(batch)]
-        grids = [_field(s, i, "image_grid_thw").reshape(-1, 3) for i, s in enumerate(batch)]
         lengths = torch.tensor([t.shape[-1] for t in types], dtype=torch.int64)
         for i, s in enumerate(batch):
             n_ids = torch.as_tensor(s.get("input_ids", ())).shape[-1]
@@ -182,8 +183,33 @@ class MRoPECollator:
         positions = mrope_position_ids(torch.cat(types), torch.cat(grids), lengths_to_cu_seqlens(lengths, torch.int64),
                                        spatial_merge_size=self.spatial_merge_size,
                                        images_per_sample=torch.tensor([g.shape[0] for g in grids]))
+        _check_pixel_rows(batch, grids)  # after the token runs: their mismatch is the more telling message
         parts = torch.split(positions, lengths.tolist(), dim=1)
-        return self.collator([{**s, self.field: p} for s, p in zip(batch, parts)])
+        return _finite_pixels(self.collator([{**s, self.field: p} for s, p in zip(batch, parts)]), batch)
+
+
+def _check_pixel_rows(batch: Sequence[dict], grids: list[torch.Tensor]) -> None:
+    """Each sample's ``pixel_values`` rows are the patches its ``image_grid_thw`` declares (``sum(t*h*w)``): an
+    edited grid would give the vision tower other positions than its pixels, silently."""
+    patches = torch.stack([g.to(torch.int64).prod(-1).sum() for g in grids]).tolist()
+    for i, (s, want) in enumerate(zip(batch, patches)):
+        pixels = s.get("pixel_values")
+        rows = getattr(pixels, "shape", (None,))[0] if pixels is not None else None
+        if rows is not None and rows != want:
+            raise SampleError(sample=i, field="pixel_values", actual=f"{rows} rows",
+                              expected=f"{want} rows (the sum of t*h*w over image_grid_thw {grids[i].tolist()})")
+
+
+def _finite_pixels(out: dict, batch: Sequence[dict]) -> dict:
+    """The collated ``pixel_values`` are finite (one reduction; a NaN or inf image would poison the vision
+    tower's activations for the whole micro-batch): else a SampleError naming the first such sample."""
+    pixels = out.get("pixel_values")
+    if isinstance(pixels, torch.Tensor) and pixels.is_floating_point() and pixels.numel():
+        lo, hi = torch.aminmax(pixels)
+        if not (torch.isfinite(lo) and torch.isfinite(hi)):
+            i = next(i for i, s in enumerate(batch) if not bool(torch.isfinite(torch.as_tensor(s["pixel_values"])).all()))
+            raise SampleError(sample=i, field="pixel_values", expected="finite values", actual="NaN or inf")
+    return out
 
 
 def _field(sample: dict, i: int, key: str) -> torch.Tensor:

@@ -175,3 +175,32 @@ def test_precomputed_positions_pass_through_and_partial_ones_are_refused():
     with pytest.raises(SampleError, match="present in every sample or in none"):
         coll([{**a, "mrope_position_ids": own}, b])
     assert "mrope_position_ids" not in a  # inputs never mutated
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("precomputed", [False, True])
+def test_non_finite_pixels_are_refused_naming_the_sample(bad, precomputed):
+    coll = MRoPECollator(collator=THDCollator(schema=SCHEMA, layout=ParallelLayout(tp=2, cp=2), cp_rank=0))
+    samples = [vlm_sample([3, (1, 2, 4), 2]), vlm_sample([(1, 4, 4), 5])]
+    if precomputed:
+        samples = [{**s, "mrope_position_ids": torch.zeros(3, s["input_ids"].numel(), dtype=torch.int64)}
+                   for s in samples]
+    coll(samples)
+    samples[1]["pixel_values"][5, 7] = bad
+    with pytest.raises(SampleError) as err:
+        coll(samples)
+    assert err.value.sample == 1 and err.value.field == "pixel_values"
+
+
+@given(grid=grid_st, delta=st.sampled_from([-4, -1, 1, 4]))
+def test_pixel_rows_other_than_the_grids_patches_are_refused(grid, delta):
+    """An edited image_grid_thw whose token run still fits (t*h*w / merge**2 image tokens) but whose patches
+    are not the pixels' rows: refused, never collated with the other positions."""
+    sample = vlm_sample([2, grid, 1])
+    rows = sample["pixel_values"].shape[0]
+    if rows + delta <= 0:
+        return
+    sample["pixel_values"] = torch.zeros(rows + delta, 1176)
+    with pytest.raises(SampleError) as err:
+        MRoPECollator(collator=THDCollator(schema=SCHEMA, layout=ParallelLayout()))([vlm_sample([4]), sample])
+    assert err.value.sample == 1 and f"{rows} rows" in err.value.expected
