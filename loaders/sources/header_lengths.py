@@ -49,23 +49,41 @@ def npy_header(data: bytes | memoryview, *, field: str = "npy", sample=None) -> 
 
 def image_header_size(data: bytes | memoryview, *, field: str = "image", sample=None,
                       formats: tuple[str, ...] = IMAGE_FORMATS) -> tuple[int, int]:
-    """``(width, height)`` of an encoded image from its header (PIL's lazy open: no pixel is decoded).
+    """``(width, height)`` of an encoded image as decoded upright: from its header (PIL's lazy open: no pixel
+    is decoded), width and height swapped when its EXIF orientation turns it by 90 degrees (5-8), as
+    :func:`~prealign.loaders.sources.tar_decode.open_image` does. A PNG's orientation is read when its
+    ``eXIf`` chunk precedes the pixels, as the PNG specification asks (one after them is not looked for);
+    a TIFF (rare in training sets) is decoded, since how its reader applies orientation varies.
 
     >>> from PIL import Image
     >>> buf = io.BytesIO(); Image.new("RGB", (40, 30)).save(buf, format="PNG")
     >>> image_header_size(buf.getvalue())
     (40, 30)
     """
-    from PIL import Image, UnidentifiedImageError
+    from PIL import Image, ImageOps, UnidentifiedImageError
 
     try:
         with warnings.catch_warnings():  # the size is what the caller caps; nothing is decoded here
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             with Image.open(io.BytesIO(bytes(data)), formats=list(formats)) as img:
-                return int(img.size[0]), int(img.size[1])
+                if img.format == "TIFF":  # how Pillow's TIFF reader applies orientation varies: decode (rare)
+                    img.load()
+                    return ImageOps.exif_transpose(img).size
+                w, h = int(img.size[0]), int(img.size[1])
+                return (h, w) if _orientation(img) in (5, 6, 7, 8) else (w, h)
     except (UnidentifiedImageError, Image.DecompressionBombError, OSError, ValueError, SyntaxError) as exc:
         raise HeaderError(sample=sample, field=field, expected=f"an image in one of {list(formats)}",
                           actual=f"{len(data)} bytes ({type(exc).__name__}: {exc})") from None
+
+
+def _orientation(img) -> int:
+    """The EXIF orientation tag (1: upright) of a lazily opened image, from its header alone."""
+    if img.format == "PNG" and "exif" not in img.info:  # getexif() would decode the pixels to look further
+        return 1
+    try:
+        return int(img.getexif().get(0x0112, 1))
+    except (ValueError, TypeError, OSError, SyntaxError):  # a malformed EXIF block: PIL's transpose ignores it too
+        return 1
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -126,9 +126,11 @@ def decode_npz(data: bytes, limits: DecodeLimits = DEFAULT_LIMITS) -> dict[str, 
 
 def open_image(data: bytes, limits: DecodeLimits = DEFAULT_LIMITS):
     """Bytes -> a fully loaded ``PIL.Image``, opened only as :data:`IMAGE_FORMATS`, its pixel count
-    checked from the header before decoding. Raises one of :data:`IMAGE_ERRORS` on malformed bytes,
-    :class:`ImageTooLarge` on a bomb."""
-    from PIL import Image
+    checked from the header before decoding, turned upright by its EXIF orientation as transformers'
+    ``load_image`` does (a phone photo stored sideways is trained on as it is shown; the header pass's
+    :func:`~prealign.loaders.sources.header_lengths.image_header_size` swaps width and height alike). Raises
+    one of :data:`IMAGE_ERRORS` on malformed bytes, :class:`ImageTooLarge` on a bomb."""
+    from PIL import Image, ImageOps
 
     with warnings.catch_warnings():  # PIL's own bomb warning: the cap below decides
         warnings.simplefilter("ignore", Image.DecompressionBombWarning)
@@ -139,7 +141,7 @@ def open_image(data: bytes, limits: DecodeLimits = DEFAULT_LIMITS):
         raise ImageTooLarge(f"{w}x{h} = {w * h} pixels, over max_image_pixels {limits.max_image_pixels} "
                             f"(a decompression bomb: {len(data)} bytes)")
     img.load()
-    return img
+    return ImageOps.exif_transpose(img)
 
 
 def image_errors() -> tuple[type[BaseException], ...]:
