@@ -432,6 +432,57 @@ def test_another_source_or_transform_never_reads_the_records(data, tmp_path, dif
     assert records() == 2 * n  # the first loader's records are untouched, the other's are its own
 
 
+class _Plus:
+    """The fixture's transform with ``c`` added to the pixels: one class (no ``index_key``), a configuration
+    per instance, the same lengths (its index holds)."""
+
+    def __init__(self, inner, c: float):
+        self.inner, self.c = inner, c
+
+    def __call__(self, sample):
+        out = self.inner(sample)
+        out["pixel_values"] = out["pixel_values"] + self.c
+        return out
+
+
+def test_one_run_with_other_transform_settings_never_reads_the_records(data, tmp_path):
+    """Two jobs with one ``run``, the same transform class with other settings (issue #18: 18 of 40
+    micro-batches were read across): the second computes its own batches, its unshared loader's; a loader
+    with the same settings (another instance) reads them all."""
+    from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
+    from prealign.loaders.media.vlm import VLMSampleTransform
+
+    share = BatchShare(run="t", cache_dir=str(tmp_path / "cache"))
+
+    def plus(c):
+        transform = _Plus(VLMSampleTransform(tokenizer=ByteTokenizer(), topk=4), c)
+        return {**data, "source": WebDatasetSource(data["shards"], transform=transform, image="bytes")}
+
+    n = len(list(make_loader(plus(1.0), 0, share=share)))
+    want = list(make_loader(plus(2.0), 1))
+    other = make_loader(plus(2.0), 1, share=share)
+    for g, w in zip(list(other), want, strict=True):
+        assert_same_batch(g, w)
+    assert (stats(other).shared, stats(other).computed) == (0, n)
+    same = make_loader(plus(1.0), 1, share=share)
+    list(same)
+    assert (stats(same).shared, stats(same).computed) == (n, 0)
+
+
+def test_a_transform_without_a_fingerprint_is_refused_unless_keyed(data, tmp_path):
+    from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
+    from prealign.loaders.media.vlm import VLMSampleTransform
+
+    inner = VLMSampleTransform(tokenizer=ByteTokenizer(), topk=4)
+    other = {**data, "source": WebDatasetSource(data["shards"], transform=lambda s: inner(s), image="bytes")}
+    with pytest.raises(ConfigError, match="index_key.*transform_key"):
+        make_loader(other, 0, share=BatchShare(run="t", cache_dir=str(tmp_path))).prepare()
+    keyed = make_loader(other, 0, share=BatchShare(run="t", cache_dir=str(tmp_path), transform_key="vlm-topk4"))
+    assert len(list(keyed)) >= 5
+    with pytest.raises(ConfigError, match="transform_key"):
+        BatchShare(run="t", transform_key="")
+
+
 # 3. publish order: the claimer's marker exists before its record does
 def test_a_peer_reading_right_after_the_rename_frees_the_record(tmp_path, monkeypatch):
     """The peer (cp_size=2) reads the record the moment it appears: it must find the claimer's marker
