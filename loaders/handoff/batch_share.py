@@ -19,8 +19,9 @@ configuration never read it, and resuming replays the same keys.
 
 Limits:
 - node-local (``/dev/shm``), for CP groups within one node: a record is deleted once every CP rank has
-  read it, so with a CP group spanning nodes (or a peer that fell back to loading itself) records wait
-  for ``ttl`` seconds before they are swept: do not use it across nodes.
+  read it, else by its claimer's process at exit (a worker's exit: the end of an epoch without
+  ``persistent_workers``), else swept after ``ttl``; with a CP group spanning nodes records wait for
+  that: do not use it across nodes.
 - ``run`` must name the job (the same on the CP peers, another one for another job sharing the node);
   the peers must share the folder's file system (one ``/dev/shm``); PID namespaces do not matter (a
   claimer's liveness is its claim's ``flock``, see ``PROTOCOL.md``).

@@ -23,7 +23,9 @@ the waiter takes the lock and so the claim, a SIGKILLed worker's batch is then c
 is looked at, so PID namespaces and reused pids cannot fool it), when the claim is older than
 ``timeout`` (a slow peer), when the claimer failed, or when the record is refused (not a regular file of
 this user that no one else can write, a malformed header, sizes that do not add up). Results nobody read
-are swept after ``ttl``. The protocol and its invariants: ``PROTOCOL.md`` beside this file.
+are removed by their claimer at its exit (:func:`clean_up`), else swept after ``ttl``; the folders of runs
+that are over are swept too (:func:`sweep_dead_runs`). Only the protocol's own names are ever deleted.
+The protocol and its invariants: ``PROTOCOL.md`` beside this file.
 
 >>> rec = decode_record(bytearray(b"".join(bytes(p) for p in encode_record({"a": torch.arange(3), "n": 2}))))
 >>> rec["a"].tolist(), rec["n"]
