@@ -308,7 +308,8 @@ class PackedLoader(LoaderCore):
                                                            "data": [len(index), index.digest],
                                                            "source": description,
                                                            "transform": describe_transform(
-                                                               getattr(self.source, "transform", None))})
+                                                               getattr(self.source, "transform", None))},
+                                                    transform=getattr(self.source, "transform", None))
         self._loader = self._data_loader(planned, persistent=True, batch_sampler=self._requests,
                                          collate_fn=collate_fn)
         # truncations/skips depend on lengths and media flags only: the same every epoch

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from prealign.collate import THDCollator
 from prealign.collate.mrope import MRoPECollator
-from prealign.loaders import BatchShare, IndexOptions, PackedLoader, PlanError, WebDatasetSource
+from prealign.loaders import BatchShare, IndexOptions, LoadingOptions, PackedLoader, PlanError, WebDatasetSource
 from prealign.loaders.handoff.batch_share import CPShard
 from prealign.schemas import CPLayout, ParallelLayout, causal_lm_schema
 from prealign.schemas.errors import ConfigError, PrealignError
@@ -89,10 +89,10 @@ def data(tmp_path_factory):
     return {"shards": list(shards), "source": source, "schema": schema, "index": index, "index_path": path}
 
 
-def make_loader(data, cp_rank, *, cp=2, share=None, collator=None, num_workers=0):
+def make_loader(data, cp_rank, *, cp=2, share=None, collator=None, num_workers=0, persistent=False):
     return PackedLoader(data["source"], schema=data["schema"], layout=ParallelLayout(cp=cp), token_budget=BUDGET,
                         cp_rank=cp_rank, num_workers=num_workers, indexing=IndexOptions(prebuilt=data["index"]),
-                        share=share, collator=collator)
+                        share=share, collator=collator, loading=LoadingOptions(persistent_workers=persistent))
 
 
 def stats(loader):
@@ -142,9 +142,11 @@ def test_workers_hand_the_published_record_to_the_main_process_without_copying(d
 
     monkeypatch.setattr(transport, "SMALL", 0)  # this data's fields are all small: none copied out here
     share = BatchShare(run="fd", cache_dir=str(tmp_path))
+    kept = []  # rank 0's workers live on while rank 1 reads (a worker's exit removes what nobody read)
     for rank in range(2):
         want = list(make_loader(data, rank))
-        got = list(make_loader(data, rank, share=share, num_workers=1))
+        kept.append(make_loader(data, rank, share=share, num_workers=1, persistent=True))
+        got = list(kept[-1])
         assert len(got) == len(want) >= 5
         for g, w in zip(got, want):
             assert_same_batch(g, w)
@@ -152,7 +154,10 @@ def test_workers_hand_the_published_record_to_the_main_process_without_copying(d
         del got, g
         gc.collect()
         assert not _share_mappings(share.directory())
-    assert os.listdir(share.directory()) == []  # the last reader removed every name
+    assert [f for f in os.listdir(share.directory()) if not f.startswith("slot-")] == []  # the last reader's work
+    del kept
+    gc.collect()
+    assert not os.path.exists(share.directory())  # the workers' exit: their slots, then the empty folder
 
 
 @pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="platform: slot files need Linux")
@@ -334,6 +339,46 @@ def test_cp2_processes_with_a_killed_worker_resume_exactly(data, tmp_path):
         assert res[r]["digests"] == want[r]
 
 
+def lone_rank_main(shards, index_path, cache, num_workers, persistent=False):
+    """CP rank 0 of 2 with no peer running: nobody reads what it publishes. Iterates an epoch, then
+    exits normally (the loader and its persistent workers still alive, as at the end of a script)."""
+    from prealign.loaders import LoadingOptions, SampleIndex
+    from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
+    from prealign.loaders.media.vlm import VLMSampleTransform
+    from prealign.schemas import vlm_schema
+
+    tok = ByteTokenizer()
+    source = WebDatasetSource(shards, transform=VLMSampleTransform(tokenizer=tok, topk=4), image="bytes")
+    loader = PackedLoader(source, loading=LoadingOptions(persistent_workers=persistent), schema=vlm_schema(topk=4, vocab_size=tok.vocab_size), layout=ParallelLayout(cp=2),
+                          token_budget=BUDGET, cp_rank=0, num_workers=num_workers,
+                          indexing=IndexOptions(prebuilt=SampleIndex.load(index_path)),
+                          share=BatchShare(run="lone", cache_dir=cache))
+    n, published = 0, False
+    for _ in loader:
+        n += 1
+        published = published or any(f.endswith(".bin") for f in os.listdir(loader.share.directory()))
+    assert n >= 5 and published, (n, published)
+    print("batches", n, flush=True)
+
+
+@pytest.mark.parametrize("num_workers, persistent", [(0, False), (2, False), (2, True)])
+def test_a_lone_rank_leaves_nothing_after_a_normal_exit(data, tmp_path, num_workers, persistent):
+    """Issue #18: records nobody read, claims, markers and the run's folder are gone once a lone rank (cp=2,
+    only rank 0 running) exits normally, whether its workers exit at the epoch's end or (persistent) are
+    terminated with the process; a user's file in the cache folder stays."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "mine.txt").write_text("a user's file")
+    code = (f"from tests.test_batch_share import lone_rank_main; "
+            f"lone_rank_main({data['shards']!r}, {data['index_path']!r}, {str(cache)!r}, {num_workers}, {persistent})")
+    path = os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), ROOT]))  # (a PYTHONPATH naming prealign kept)
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "PYTHONPATH": path},
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "batches" in out.stdout, out.stderr[-3000:]
+    left = sorted(os.path.relpath(os.path.join(d, f), cache) for d, _, fs in os.walk(cache) for f in fs)
+    assert left == ["mine.txt"] and os.listdir(cache) == ["mine.txt"], left
+
+
 def test_a_rank_reading_its_own_result_leaves_it_for_the_peer(tmp_path):
     """A rank whose second request meets its own published result (its worker after its index pass) reads
     it without freeing it: the peer still finds it, and the last rank to read cleans up."""
@@ -430,6 +475,57 @@ def test_another_source_or_transform_never_reads_the_records(data, tmp_path, dif
         assert_same_batch(g, w)
     assert (stats(loader).shared, stats(loader).computed) == (0, n)
     assert records() == 2 * n  # the first loader's records are untouched, the other's are its own
+
+
+class _Plus:
+    """The fixture's transform with ``c`` added to the pixels: one class (no ``index_key``), a configuration
+    per instance, the same lengths (its index holds)."""
+
+    def __init__(self, inner, c: float):
+        self.inner, self.c = inner, c
+
+    def __call__(self, sample):
+        out = self.inner(sample)
+        out["pixel_values"] = out["pixel_values"] + self.c
+        return out
+
+
+def test_one_run_with_other_transform_settings_never_reads_the_records(data, tmp_path):
+    """Two jobs with one ``run``, the same transform class with other settings (issue #18: 18 of 40
+    micro-batches were read across): the second computes its own batches, its unshared loader's; a loader
+    with the same settings (another instance) reads them all."""
+    from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
+    from prealign.loaders.media.vlm import VLMSampleTransform
+
+    share = BatchShare(run="t", cache_dir=str(tmp_path / "cache"))
+
+    def plus(c):
+        transform = _Plus(VLMSampleTransform(tokenizer=ByteTokenizer(), topk=4), c)
+        return {**data, "source": WebDatasetSource(data["shards"], transform=transform, image="bytes")}
+
+    n = len(list(make_loader(plus(1.0), 0, share=share)))
+    want = list(make_loader(plus(2.0), 1))
+    other = make_loader(plus(2.0), 1, share=share)
+    for g, w in zip(list(other), want, strict=True):
+        assert_same_batch(g, w)
+    assert (stats(other).shared, stats(other).computed) == (0, n)
+    same = make_loader(plus(1.0), 1, share=share)
+    list(same)
+    assert (stats(same).shared, stats(same).computed) == (n, 0)
+
+
+def test_a_transform_without_a_fingerprint_is_refused_unless_keyed(data, tmp_path):
+    from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
+    from prealign.loaders.media.vlm import VLMSampleTransform
+
+    inner = VLMSampleTransform(tokenizer=ByteTokenizer(), topk=4)
+    other = {**data, "source": WebDatasetSource(data["shards"], transform=lambda s: inner(s), image="bytes")}
+    with pytest.raises(ConfigError, match="index_key.*transform_key"):
+        make_loader(other, 0, share=BatchShare(run="t", cache_dir=str(tmp_path))).prepare()
+    keyed = make_loader(other, 0, share=BatchShare(run="t", cache_dir=str(tmp_path), transform_key="vlm-topk4"))
+    assert len(list(keyed)) >= 5
+    with pytest.raises(ConfigError, match="transform_key"):
+        BatchShare(run="t", transform_key="")
 
 
 # 3. publish order: the claimer's marker exists before its record does

@@ -283,3 +283,45 @@ def test_a_published_record_that_cannot_be_read_is_waited_for_at_most_timeout(tm
     t0 = time.monotonic()
     assert SharedFolder(str(d), 1, 2, timeout=0.2).acquire("k")[0] == LOCAL
     assert time.monotonic() - t0 < 5
+
+
+class _Plus:
+    """Adds ``c`` to the ids: one class, a configuration per instance (and no ``index_key``)."""
+
+    def __init__(self, c: int):
+        self.c = c
+
+    def __call__(self, raw):
+        return {"__key__": raw["__key__"], "input_ids": torch.as_tensor(raw["x"]) + self.c}
+
+
+def test_one_run_with_other_transform_settings_never_reads_the_others_results(tmp_path):
+    """Two jobs with one ``run``, the same transform class, other settings (issue #18): each computes its
+    own results; the same settings (another instance) still share."""
+    def share(c, rank, **kw):
+        return SharedMediaTransform(transform=_Plus(c), run="r", cp_rank=rank, cp_size=2, cache_dir=str(tmp_path),
+                                    **kw)
+
+    first = share(1, 0)
+    for i in range(4):
+        first(_raw(i))
+    other = share(2, 1)
+    got = [other(_raw(i))["input_ids"].tolist() for i in range(4)]
+    assert got == [(np.arange(4) + i + 2).tolist() for i in range(4)]
+    assert (other.stats.shared, other.stats.computed) == (0, 4)
+    same = share(1, 1)
+    assert [same(_raw(i))["input_ids"].tolist() for i in range(4)] == [(np.arange(4) + i + 1).tolist() for i in range(4)]
+    assert (same.stats.shared, same.stats.computed) == (4, 0)
+
+
+def test_a_transform_without_a_fingerprint_is_refused_unless_keyed(tmp_path):
+    with pytest.raises(ConfigError, match="index_key.*transform_key"):
+        SharedMediaTransform(transform=lambda raw: raw, run="r", cp_rank=0, cp_size=2, cache_dir=str(tmp_path))
+    keyed = [SharedMediaTransform(transform=lambda raw, c=c: {"input_ids": torch.as_tensor(raw["x"]) + c}, run="r",
+                                  cp_rank=rank, cp_size=2, cache_dir=str(tmp_path), transform_key=f"plus{c}")
+             for rank, c in ((0, 1), (1, 1), (1, 2))]
+    keyed[0](_raw(0))
+    assert keyed[1](_raw(0))["input_ids"].tolist() == [1, 2, 3, 4] and keyed[1].stats.shared == 1
+    assert keyed[2](_raw(0))["input_ids"].tolist() == [2, 3, 4, 5] and keyed[2].stats.shared == 0
+    # a single rank never shares: nothing to fingerprint
+    assert SharedMediaTransform(transform=lambda raw: raw, run="r", cp_rank=0, cp_size=1)(_raw(0))["__key__"] == "k0"

@@ -11,13 +11,17 @@ Each rank's batch is equal, field for field, to what it gets without sharing.
 No deadlock, same batches: a rank whose peer died (SIGKILLed worker), stalls past ``timeout``, failed on
 the batch (a bad sample raises on every rank) or cannot write the folder, loads the micro-batch itself.
 The key is a digest of ``run``, the DP rank, the loader's configuration (seed, budget, layout, schema,
-planner...), the index digest, the epoch, the position and the request's sample ids: DP peers, another
-run or another plan never read it, and resuming replays the same keys.
+planner...), the index digest, the source transform's configuration (its fingerprint,
+:mod:`~prealign.loaders.handoff.fingerprint`: ``index_key()`` and a digest of its pickled state; a
+transform with neither, e.g. a lambda, is refused unless ``transform_key`` names it), the epoch, the
+position and the request's sample ids: DP peers, another run, another plan or another transform
+configuration never read it, and resuming replays the same keys.
 
 Limits:
 - node-local (``/dev/shm``), for CP groups within one node: a record is deleted once every CP rank has
-  read it, so with a CP group spanning nodes (or a peer that fell back to loading itself) records wait
-  for ``ttl`` seconds before they are swept: do not use it across nodes.
+  read it, else by its claimer's process at exit (a worker's exit: the end of an epoch without
+  ``persistent_workers``), else swept after ``ttl``; with a CP group spanning nodes records wait for
+  that: do not use it across nodes.
 - ``run`` must name the job (the same on the CP peers, another one for another job sharing the node);
   the peers must share the folder's file system (one ``/dev/shm``); PID namespaces do not matter (a
   claimer's liveness is its claim's ``flock``, see ``PROTOCOL.md``).
@@ -41,6 +45,7 @@ from prealign.collate.indices import cp_chunks, global_slots
 from prealign.collate.mrope import MRoPECollator
 from prealign.collate.thd import THDCollator
 from prealign.loaders.handoff import slots
+from prealign.loaders.handoff.fingerprint import transform_fingerprint
 from prealign.loaders.handoff.share_folder import CLAIMED, HIT, SharedFolder, ShareStats, decode_record, encode_record
 from prealign.loaders.handoff.transport import own_small, pack_batch
 from prealign.schemas.errors import ConfigError, PrealignError
@@ -56,6 +61,9 @@ class BatchShare:
         cache_dir: node-local folder (default ``/dev/shm`` when present, else the temp dir).
         timeout: seconds a claim is honoured before a waiting rank loads the micro-batch itself.
         ttl: seconds after which results nobody read, and stale claims, are swept.
+        transform_key: names the source transform's configuration in the keys instead of its fingerprint
+            (:mod:`~prealign.loaders.handoff.fingerprint`: ``index_key()`` and a digest of its pickled
+            state); needed only for a transform that cannot be pickled and has no ``index_key()``.
 
     ``PackedLoader(source, ..., cp_rank=cp_rank, share=BatchShare(run=os.environ["SLURM_JOB_ID"]))``
     """
@@ -64,8 +72,11 @@ class BatchShare:
     cache_dir: str | None = None
     timeout: float = 30.0
     ttl: float = 300.0
+    transform_key: str | None = None
 
     def __post_init__(self):
+        if self.transform_key is not None and (not isinstance(self.transform_key, str) or not self.transform_key):
+            raise ConfigError(f"BatchShare.transform_key: expected a non-empty str or None, got {self.transform_key!r}")
         if not isinstance(self.run, str) or not self.run:
             raise ConfigError(f"BatchShare.run: expected a non-empty str, got {self.run!r}")
         if self.cache_dir is not None and not isinstance(self.cache_dir, str):
@@ -83,10 +94,13 @@ class BatchShare:
         base = self.cache_dir or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
         return os.path.join(base, f"prealign-batch-{hashlib.blake2b(self.run.encode(), digest_size=8).hexdigest()}")
 
-    def attach(self, planned, collate: Callable, *, collator: Callable, cp_rank: int | None, scope: dict):
+    def attach(self, planned, collate: Callable, *, collator: Callable, cp_rank: int | None, scope: dict,
+               transform=None):
         """``(dataset, collate_fn)`` for the DataLoader: ``planned`` (``__getitems__(request)``) and
         ``collate`` (the loader's collate_fn) wrapped so that a micro-batch published by a CP peer is read
-        instead of loaded. ``scope``: plain data naming the plan (DP rank, configuration, index digest).
+        instead of loaded. ``scope``: plain data naming the plan (DP rank, configuration, index digest);
+        ``transform``: the source's transform, whose configuration's fingerprint joins the key (a
+        :class:`~prealign.schemas.errors.ConfigError` when it has none: see ``transform_key``).
         Without CP (``cp == 1``) they are returned as they are."""
         layout = getattr(collator, "layout", None)
         if layout is None or layout.cp == 1:
@@ -97,6 +111,8 @@ class BatchShare:
             raise ConfigError(f"BatchShare: the collator's cp_rank is {rank}, the loader's {cp_rank}: sharing needs "
                               f"each CP rank's own cp_rank (the same on the loader and its collator)")
         cp_rank = rank
+        scope = {**scope, "transform_config": transform_fingerprint(_looked_through(transform), owner="BatchShare",
+                                                                     key=self.transform_key)}
         digest = hashlib.blake2b(json.dumps([self.run, scope, repr(whole)], sort_keys=True, default=str).encode(),
                                  digest_size=16).hexdigest()
         folder = SharedFolder(self.directory(), cp_rank, layout.cp, timeout=self.timeout,
@@ -108,6 +124,16 @@ class BatchShare:
         return (_SharedPlanned(planned, folder, digest, by_fd),
                 _SharedCollate(plain=collate, whole=dataclasses.replace(collate, collator=whole, pack=False),
                                shard=shard, folder=folder, pack=pack, by_fd=by_fd))
+
+
+def _looked_through(transform):
+    """A :class:`SharedMediaTransform` shares its inner transform's results without changing them (and
+    holds counters that change with use): its inner transform is the one fingerprinted."""
+    from prealign.loaders.handoff.media_share import SharedMediaTransform
+
+    while isinstance(transform, SharedMediaTransform):
+        transform = transform.transform
+    return transform
 
 
 def _inner(collator) -> THDCollator:

@@ -16,7 +16,9 @@ and also saves the shard reads and collation):
     <h>.err     the claimer's transform failed: every rank runs it      (bad samples raise locally)
     <h>.r<k>    CP rank k has read the result; the last reader deletes  (clean-up)
 
-``h`` is a digest of ``run`` and the raw sample (its ``__key__``, ``__url__`` and every member's bytes):
+``h`` is a digest of ``run``, the wrapped transform's configuration (its fingerprint,
+:mod:`~prealign.loaders.handoff.fingerprint`: ``index_key()`` and a digest of its pickled state, or
+``transform_key``; a transform with neither is refused) and the raw sample (its ``__key__``, ``__url__`` and every member's bytes):
 a changed file never reuses a stale result. It holds no epoch: a result is deleted once every peer has
 read it, so each epoch computes afresh, and a peer far behind still finds it (or computes it). A
 transform with ``compact``/``expand`` (``VLMSampleTransform``: uint8 resized patches instead of float32
@@ -49,6 +51,7 @@ from typing import Callable
 
 import numpy as np
 
+from prealign.loaders.handoff.fingerprint import transform_fingerprint
 from prealign.loaders.handoff.share_folder import CLAIMED, HIT, SharedFolder, ShareStats
 from prealign.loaders.handoff.share_folder import decode_record as decode_sample
 from prealign.loaders.handoff.share_folder import encode_record as encode_sample
@@ -68,6 +71,8 @@ class SharedMediaTransform:
         cache_dir: node-local directory (default ``/dev/shm`` when present, else the temp dir).
         timeout: seconds a claim is honoured before a waiter computes the sample itself.
         ttl: seconds after which unread results and stale claims are swept.
+        transform_key: names ``transform``'s configuration in the keys instead of its fingerprint (needed
+            only for a transform that cannot be pickled and has no ``index_key()``).
 
     Use it as the source's transform; nothing else changes::
 
@@ -82,7 +87,9 @@ class SharedMediaTransform:
     cache_dir: str | None = None
     timeout: float = 30.0
     ttl: float = 300.0
+    transform_key: str | None = None
     stats: ShareStats = field(default_factory=ShareStats, compare=False, repr=False)
+    _config: str = field(default="", init=False, compare=False, repr=False)
 
     def __post_init__(self):
         for name in ("cp_rank", "cp_size"):
@@ -97,6 +104,9 @@ class SharedMediaTransform:
         if not (self.timeout > 0 and self.ttl > self.timeout):
             raise ConfigError(f"SharedMediaTransform: expected timeout > 0 and ttl > timeout, got timeout="
                               f"{self.timeout}, ttl={self.ttl}")
+        if self.cp_size > 1:  # taken once, here: the workers get it as a string
+            object.__setattr__(self, "_config", transform_fingerprint(self.transform, owner="SharedMediaTransform",
+                                                                      key=self.transform_key))
 
     # public attributes of the wrapped transform (processor, vision, spatial_merge_size, ...) stay reachable
     def __getattr__(self, name: str):
@@ -112,8 +122,9 @@ class SharedMediaTransform:
         return os.path.join(base, f"prealign-media-{run}")
 
     def key(self, raw: dict) -> str:
-        """Digest of the run, the sample's name and every member's bytes (same input -> same key)."""
-        h = hashlib.blake2b(self.run.encode(), digest_size=16)
+        """Digest of the run, the transform's configuration, the sample's name and every member's bytes
+        (same input and configuration -> same key)."""
+        h = hashlib.blake2b(self.run.encode() + b"\0" + self._config.encode() + b"\0", digest_size=16)
         for name in sorted(raw):
             value = raw[name]
             h.update(name.encode() + b"\0")

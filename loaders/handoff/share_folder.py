@@ -23,7 +23,9 @@ the waiter takes the lock and so the claim, a SIGKILLed worker's batch is then c
 is looked at, so PID namespaces and reused pids cannot fool it), when the claim is older than
 ``timeout`` (a slow peer), when the claimer failed, or when the record is refused (not a regular file of
 this user that no one else can write, a malformed header, sizes that do not add up). Results nobody read
-are swept after ``ttl``. The protocol and its invariants: ``PROTOCOL.md`` beside this file.
+are removed by their claimer at its exit (:func:`clean_up`), else swept after ``ttl``; the folders of runs
+that are over are swept too (:func:`sweep_dead_runs`). Only the protocol's own names are ever deleted.
+The protocol and its invariants: ``PROTOCOL.md`` beside this file.
 
 >>> rec = decode_record(bytearray(b"".join(bytes(p) for p in encode_record({"a": torch.arange(3), "n": 2}))))
 >>> rec["a"].tolist(), rec["n"]
@@ -36,6 +38,8 @@ import fcntl
 import json
 import mmap
 import os
+import re
+import signal
 import stat
 import threading
 import time
@@ -161,14 +165,21 @@ class SharedFolder:
         ``by_fd``: a hit is ``(fd, nbytes)`` of the record's slot file instead, with this rank's holder flag
         set (hand it on with :func:`~prealign.loaders.handoff.slots.send`; the receiver clears the flag)."""
         path = os.path.join(self.directory, key)
-        try:
-            private_dir(self.directory)
-            claimed = _claim(path)
-        except OSError:
-            self.stats.write_failed += 1
-            return LOCAL, None
+        for attempt in (0, 1):
+            try:
+                private_dir(self.directory)
+                claimed = _claim(path)
+                break
+            except FileNotFoundError:  # the folder went between the two (an exiting peer removed it, empty)
+                if attempt:
+                    self.stats.write_failed += 1
+                    return LOCAL, None
+            except OSError:
+                self.stats.write_failed += 1
+                return LOCAL, None
         if not claimed:
             return self._wait(path, key, by_fd)
+        _own(path, self.cp_rank, self.cp_size, _HELD[path])
         self._sweep()
         return CLAIMED, None
 
@@ -234,6 +245,7 @@ class SharedFolder:
                 raise ShareRecordError(f"{path}.bin: not a prealign record file")
             marker = f"{path}.r{self.cp_rank}"
             if by_fd and _first_turn(marker):
+                _own(path, self.cp_rank, self.cp_size)
                 with slots.key_lock(fd, exclusive=False):  # the flag, then the key: a reused slot shows another
                     slots.hold(fd, self.cp_rank)
                     mine = slots.key_of(fd) == key
@@ -292,6 +304,7 @@ class SharedFolder:
                             return LOCAL, None
                         continue
                     if _retake(path, fd):
+                        _own(path, self.cp_rank, self.cp_size, fd)
                         self.stats.took_over_dead += 1
                         fd = None  # held, as this process's claim now
                         return CLAIMED, None
@@ -307,6 +320,7 @@ class SharedFolder:
 
     def _mark_read(self, path: str) -> None:
         _touch(f"{path}.r{self.cp_rank}")
+        _own(path, self.cp_rank, self.cp_size)
         readers = [f"{path}.r{k}" for k in range(self.cp_size)]
         if all(os.path.exists(r) for r in readers):  # every rank has it (the claimer marked itself); the claim
             for p in (path + ".claim", path + ".bin", path + ".err", *readers):  # first: with the record still
@@ -327,12 +341,14 @@ class SharedFolder:
                         if slots.is_slot_name(entry.name):  # a pooled slot: kept while its process lives
                             if slots.abandoned(entry.path):
                                 _unlink(entry.path)
-                        elif now - entry.stat(follow_symlinks=False).st_mtime > self.ttl:
+                        elif is_entry_name(entry.name) and \
+                                now - entry.stat(follow_symlinks=False).st_mtime > self.ttl:
                             _unlink(entry.path)
                     except OSError:
                         pass
         except OSError:
             pass
+        sweep_dead_runs(os.path.dirname(d), self.ttl, keep=d)
 
 
 def _me() -> str:
@@ -462,10 +478,160 @@ def _let_go(path: str) -> None:
 
 def _forget_claims() -> None:
     """In a forked child: the parent's claims are not the child's (closing its copies keeps the parent's
-    locks, which belong to the open files, not to the descriptors)."""
+    locks, which belong to the open files, not to the descriptors), nor are its files to remove at exit."""
     for fd in _HELD.values():
         os.close(fd)
     _HELD.clear()
+    _OWN.clear()
+    _DIRS.clear()
+    _EXIT_HOOK[0] = 0
+
+
+# ---- what this process made, removed at its exit ----------------------------------------------------------
+_ENTRY = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]*\.(claim|bin|err|r[0-9]+|[0-9]+-[0-9]+\.(tmp|claiming))")
+_RUN_FOLDER = re.compile(r"prealign-(batch|media)-[0-9a-f]{16}")
+_OWN: dict[str, tuple[int, int, tuple[int, int] | None]] = {}
+"""``<folder>/<key>`` -> (cp_rank, cp_size, the claim's (st_dev, st_ino)): keys this process claimed (or,
+claim None, read: its ``.r<k>`` marker only). Pruned of keys whose files are all gone."""
+_DIRS: set[str] = set()
+_EXIT_HOOK = [0]  # the pid whose exit hook is registered
+_PRUNE_AT = [4096]
+
+
+def is_entry_name(name: str) -> bool:
+    """``name`` is one the protocol makes in a share folder (a key's file or a pooled slot), never a
+    user's file: only such names are ever deleted."""
+    return _ENTRY.fullmatch(name) is not None or slots.is_slot_name(name)
+
+
+def _own(path: str, cp_rank: int, cp_size: int, claim_fd: int | None = None) -> None:
+    """Remember that this process made files of ``path`` (claimed it, with its claim ``claim_fd``, or only
+    read it), to remove them at its exit (:func:`clean_up`)."""
+    if _EXIT_HOOK[0] != os.getpid():
+        _register_exit_hook()
+    if claim_fd is None:
+        if path in _OWN:
+            return
+        ident = None
+    else:
+        st = os.fstat(claim_fd)
+        ident = (st.st_dev, st.st_ino)
+    _OWN[path] = (cp_rank, cp_size, ident)
+    _DIRS.add(os.path.dirname(path))
+    if len(_OWN) >= _PRUNE_AT[0]:
+        for p, entry in list(_OWN.items()):
+            if not any(os.path.lexists(n) for n in _names(p, entry)):
+                del _OWN[p]
+        _PRUNE_AT[0] = max(4096, 2 * len(_OWN))
+
+
+def _names(path: str, entry: tuple) -> list[str]:
+    rank, size, ident = entry
+    if ident is None:
+        return [f"{path}.r{rank}"]
+    return [path + ".claim", path + ".bin", path + ".err", *(f"{path}.r{k}" for k in range(size))]
+
+
+def clean_up() -> None:
+    """Remove what this process made in share folders: its claims with their records (read by every peer
+    or not), ``.err`` files and read markers, and its own read markers of the peers' records; then every
+    folder it used that is left empty. A key claimed anew by another process since (its ``.claim`` is
+    another file) is left alone. Run at exit (multiprocessing's exit hook: a DataLoader worker exits
+    through it, not through ``atexit``; on ``SIGTERM`` in a multiprocessing child, see
+    :func:`_register_exit_hook`); a peer that comes later computes what it finds gone."""
+    for fd in _HELD.values():
+        os.close(fd)
+    _HELD.clear()
+    for path, entry in list(_OWN.items()):
+        if entry[2] is not None:
+            try:
+                st = os.stat(path + ".claim", follow_symlinks=False)
+                if (st.st_dev, st.st_ino) != entry[2]:
+                    continue
+            except OSError:
+                pass
+        for name in _names(path, entry):
+            _unlink(name)
+    _OWN.clear()
+    for d in list(_DIRS):
+        try:
+            os.rmdir(d)  # only when empty (a peer's files, or a user's, keep it)
+        except OSError:
+            pass
+    _DIRS.clear()
+
+
+def _register_exit_hook() -> None:
+    """:func:`clean_up` at this process's exit, once per process. In a multiprocessing child (a DataLoader
+    worker) with no ``SIGTERM`` handler of its own, ``SIGTERM`` (what multiprocessing sends a daemonic child,
+    e.g. the workers of a loader still alive when the main process exits) first cleans up (and closes
+    this process's slot pools), then ends the process as ``SIGTERM`` does."""
+    from multiprocessing import parent_process
+    from multiprocessing.util import Finalize
+
+    _EXIT_HOOK[0] = os.getpid()
+    Finalize(None, clean_up, exitpriority=5)
+    if parent_process() is None or threading.current_thread() is not threading.main_thread():
+        return
+    try:
+        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, _on_sigterm)
+    except (ValueError, OSError):
+        pass
+
+
+def _on_sigterm(signum, frame) -> None:
+    try:
+        clean_up()
+        slots.close_pools()
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def sweep_dead_runs(base: str, ttl: float, keep: str | None = None) -> None:
+    """Remove the share folders (``prealign-batch-*``, ``prealign-media-*``, this user's) in ``base`` of
+    runs that are over: every claim's lock free, no pooled slot's lock held, and every file older than
+    ``ttl``. Only names the protocol makes are deleted (a folder holding anything else stays). ``keep``: a
+    folder in use here, never touched."""
+    now = time.time()
+    try:
+        names = os.listdir(base)
+    except OSError:
+        return
+    for name in names:
+        d = os.path.join(base, name)
+        if not _RUN_FOLDER.fullmatch(name) or d == keep:
+            continue
+        try:
+            st = os.lstat(d)
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+                continue
+            entries = os.listdir(d)
+            if not all(is_entry_name(e) for e in entries) or not all(_dead(os.path.join(d, e), now, ttl)
+                                                                      for e in entries):
+                continue
+            for e in entries:
+                _unlink(os.path.join(d, e))
+            os.rmdir(d)
+        except OSError:
+            continue
+
+
+def _dead(path: str, now: float, ttl: float) -> bool:
+    """An entry of a run that is over: older than ``ttl``, and no live process's lock on it."""
+    st = os.lstat(path)
+    if now - st.st_mtime <= ttl or not stat.S_ISREG(st.st_mode):
+        return False
+    if slots.is_slot_name(os.path.basename(path)):
+        return slots.abandoned(path)
+    if not path.endswith(".claim"):
+        return True
+    fd = os.open(path, os.O_RDONLY | _NOFOLLOW | os.O_CLOEXEC)
+    try:
+        return slots.try_lock(fd)
+    finally:
+        os.close(fd)
 
 
 os.register_at_fork(after_in_child=_forget_claims)

@@ -317,6 +317,14 @@ def pool(kind: object = None, make_fd=None, cap: int = 6) -> SlotPool:
     return _pools[key]
 
 
+def close_pools() -> None:
+    """Close this process's pools now (their named slots lose their names), e.g. on ``SIGTERM``."""
+    me = os.getpid()
+    for (pid, _), p in list(_pools.items()):
+        if pid == me:
+            p.close()
+
+
 _SLOT_PREFIX = "slot-"
 _numbers = itertools.count()
 
