@@ -48,6 +48,21 @@ def test_a_shard_swapped_for_a_fifo_after_prepare_times_out(tmp_path, workers):
     assert exc.value.reason == "shard_timeout"
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_streaming_over_a_fifo_shard_times_out(tmp_path, workers):
+    """(The streaming loader scans with the index pass's deadline: a guard, this passed before #18 too.)"""
+    paths = write_shards(str(tmp_path), sample_lengths(60), num_shards=3)
+    os.remove(paths[1])
+    os.mkfifo(paths[1])
+    t0 = time.monotonic()
+    with pytest.raises(ShardTimeoutError, match="shard-001"):
+        list(_stream(WebDatasetSource(paths, read_timeout=1.0), num_workers=workers))
+    assert time.monotonic() - t0 < 20
+    skipping = _stream(WebDatasetSource(paths, read_timeout=1.0), num_workers=workers, bad_data=SKIP)
+    assert sum(len(b["sample_index"]) for b in skipping) == 40
+    assert skipping.report.counts == {"shard_timeout": 1}
+
+
 def _processes_with(marker: str) -> list[int]:
     out = []
     for pid in os.listdir("/proc"):
