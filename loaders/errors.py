@@ -79,6 +79,24 @@ class ShardTimeoutError(CorruptShardError):
     reason = "shard_timeout"
 
 
+class ShardGoneError(BadSampleError):
+    """A sample read for a batch whose shard is gone since the index was built (deleted, renamed, no longer a
+    regular file): ``.shard`` names it. Bad data like any sample that no longer loads: counted under
+    ``missing_shard`` by the ``skip`` policy, raised under ``raise``."""
+
+    reason = "missing_shard"
+    shard = None  # when rebuilt from its message alone (see PrealignError)
+
+    def __init__(self, shard: str, where: str, problem: str):
+        self.shard = shard
+        super().__init__(sample=where, field=None, expected=f"shard {shard} as indexed", actual=problem)
+
+
+class CollectiveTimeoutError(PrealignError):
+    """A collective of the loader (the streaming loader's end-of-epoch ``all_reduce``) did not complete within
+    its timeout: a peer rank stopped iterating, died or is stuck. Names the group's ranks and the position."""
+
+
 class WorkerError(PrealignError):
     """A DataLoader worker died (killed by a signal, out of memory) or timed out. The loader stays
     usable: iterate again to continue from its state (the position of the last batch yielded)."""

@@ -18,13 +18,17 @@ dropped or repeated. The first batch comes after at most ``buffer_size`` samples
 
 The end-of-epoch agreement costs one ``all_reduce`` of one int64 per micro-batch on ``group`` (default:
 the world; every rank of it must iterate, TP/CP ranks of a DP rank read the same stream). Without an
-initialised process group (or ``dp_size == 1``) there is none.
+initialised process group (or ``dp_size == 1``) there is none. It waits at most ``collective_timeout``
+seconds (default 300): a peer that stopped iterating is a :class:`~prealign.loaders.errors.CollectiveTimeoutError`
+naming the ranks and the position, not a hang of the process group's own timeout (30 min by default).
 
 Resume: the state is ``(epoch, position)``, the same on every rank, in the format of
 :class:`~prealign.loaders.PackedLoader`'s (:mod:`prealign.loaders.state`; the data fingerprint is a digest
 of the source's description, taken once at :meth:`~StreamingPackedLoader.prepare`). Loading it re-reads this
 rank's stream from the start of the epoch and replays the deterministic packing, skipping the first
-``position`` micro-batches (cost: reading, and in workers collating, that much of the stream again).
+``position`` micro-batches (cost: reading, and in workers collating, that much of the stream again). A
+position past the end of its epoch (every rank's stream ends before it) cannot be known before the stream
+is read: it is a :class:`~prealign.loaders.errors.ResumeError` at the first ``next``, on every rank alike.
 
 Options, validation, ``set_epoch``, ``from_parallel_state``, the one-live-iterator guard, the state and the
 worker path (a sample's typed error raised as its own type, a dead worker a
@@ -34,6 +38,7 @@ with :class:`~prealign.loaders.PackedLoader`.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 from dataclasses import dataclass
 from typing import Callable
 
@@ -42,7 +47,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from prealign.loaders.core import LoaderCore, describe_digest, unpacked
-from prealign.loaders.errors import BadSampleError, OversizeSampleError, PlanError
+from prealign.loaders.errors import BadSampleError, CollectiveTimeoutError, OversizeSampleError, PlanError, ResumeError
 from prealign.loaders.handoff.transport import pack_batch
 from prealign.loaders.index.events import error_from_record, error_record, record_reason
 from prealign.loaders.index.sample_checks import has_media, media_keys, validated
@@ -248,7 +253,9 @@ class StreamingPackedLoader(LoaderCore):
     budget allows; the ``buffer_size`` and ``oversize`` keywords set the same. ``group``: the process group of
     the end-of-epoch agreement (default: the world). ``loading``: DataLoader settings of the readers
     (``persistent_workers`` does not apply: each epoch starts its readers afresh). The other arguments are
-    :class:`~prealign.loaders.PackedLoader`'s, validated the same way."""
+    :class:`~prealign.loaders.PackedLoader`'s, validated the same way. ``collective_timeout``: seconds the
+    per-micro-batch agreement may wait for the other ranks before it is a
+    :class:`~prealign.loaders.errors.CollectiveTimeoutError` (``None``: the process group's own timeout)."""
 
     state_kind = STREAM_STATE_KIND
 
@@ -256,12 +263,17 @@ class StreamingPackedLoader(LoaderCore):
                  dp_rank: int = 0, dp_size: int = 1, cp_rank: int | None = None, num_workers: int = 0, seed: int = 0,
                  planner: PlannerConfig | None = None, buffer_size: int | None = None,
                  oversize: Oversize | str | None = None, bad_data: BadDataPolicy | None = None,
-                 collator: Callable | None = None, group=None, loading: LoadingOptions | None = None):
+                 collator: Callable | None = None, group=None, loading: LoadingOptions | None = None,
+                 collective_timeout: float | None = 300.0):
         planner = stream_planner(planner, buffer_size, oversize)
+        if collective_timeout is not None and (isinstance(collective_timeout, bool) or not isinstance(
+                collective_timeout, (int, float)) or not collective_timeout > 0):
+            raise PlanError(f"collective_timeout: expected seconds > 0 or None, got {collective_timeout!r}")
         workers = WorkerConfig(dp_rank=dp_rank, dp_size=dp_size, cp_rank=cp_rank, num_workers=num_workers,
                                group=group)
         super().__init__(source, schema=schema, layout=layout, token_budget=token_budget, workers=workers, seed=seed,
                          planner=planner, bad_data=bad_data, loading=loading, collator=collator)
+        self.collective_timeout = None if collective_timeout is None else float(collective_timeout)
         self._filler: dict | None = None
 
     buffer_size = property(lambda self: self.planner.buffer_size)
@@ -283,16 +295,43 @@ class StreamingPackedLoader(LoaderCore):
         return self
 
     # ---- the collective ------------------------------------------------------------------------------
-    def _any_rank(self, has_batch: bool) -> bool:
+    def _any_rank(self, has_batch: bool, *, epoch: int = 0, position: int = 0) -> bool:
+        return self._max_over_ranks(int(has_batch), epoch=epoch, position=position,
+                                    what="the end-of-epoch agreement") > 0
+
+    def _max_over_ranks(self, value: int, *, epoch: int, position: int, what: str) -> int:
+        """MAX of ``value`` over ``group`` (``value`` itself without a process group), waiting at most
+        ``collective_timeout`` s: ``all_reduce(async_op=True)`` then ``wait(timeout)`` (gloo and NCCL alike
+        block the CPU until done or raise), a timeout a :class:`CollectiveTimeoutError`."""
         import torch.distributed as dist
 
         if self.dp_size == 1 or not (dist.is_available() and dist.is_initialized()):
-            return has_batch
-        flag = torch.tensor([int(has_batch)], dtype=torch.int64)
+            return value
+        flag = torch.tensor([int(value)], dtype=torch.int64)
         if dist.get_backend(self.group) == "nccl":
             flag = flag.cuda()
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        return bool(flag.item())
+        if self.collective_timeout is None:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+            return int(flag.item())
+        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        try:
+            done = work.wait(timeout=datetime.timedelta(seconds=self.collective_timeout))
+        except RuntimeError as exc:  # gloo / NCCL: "timed out" (or a peer's connection closed)
+            raise self._collective_error(what, epoch, position, str(exc)) from exc
+        if done is False:
+            raise self._collective_error(what, epoch, position, "wait returned without completing")
+        return int(flag.item())
+
+    def _collective_error(self, what: str, epoch: int, position: int, cause: str) -> CollectiveTimeoutError:
+        import torch.distributed as dist
+
+        ranks = dist.get_process_group_ranks(self.group) if self.group is not None else list(
+            range(dist.get_world_size()))
+        return CollectiveTimeoutError(
+            f"StreamingPackedLoader (rank {dist.get_rank()}, dp_rank {self.dp_rank}): {what} all_reduce over ranks "
+            f"{ranks} did not complete within collective_timeout={self.collective_timeout:g} s at epoch {epoch}, "
+            f"micro-batch {position}: a peer rank stopped iterating this loader, died or is stuck (every rank of "
+            f"the group must iterate every micro-batch) ({cause})")
 
     def _filler_batch(self, epoch: int, position: int) -> dict:
         """An all-pad, zero-loss micro-batch shaped like the stream's first good sample."""
@@ -338,16 +377,23 @@ class StreamingPackedLoader(LoaderCore):
         self.prepare()
         epoch, start = self._epoch, self._position
         it = self._served(self._reader(epoch), token)
-        exhausted = False
+        exhausted, skipped = False, 0
         for _ in range(start):  # resume: re-read and re-pack the stream up to the saved position
             if self._take(it) is None:
                 exhausted = True
                 break
+            skipped += 1
+        if start:  # the epoch has max(real micro-batches over ranks): a position past it cannot be resumed
+            longest = self._max_over_ranks(skipped, epoch=epoch, position=start, what="the resume check")
+            if longest < start:
+                raise ResumeError(f"StreamingPackedLoader: the state's position {start} is past the end of epoch "
+                                  f"{epoch}, which has {longest} micro-batches on these ranks (a state of other "
+                                  f"data, or edited)")
         position = start
         while True:
             batch = None if exhausted else self._take(it)
             exhausted = batch is None
-            if not self._any_rank(batch is not None):
+            if not self._any_rank(batch is not None, epoch=epoch, position=position):
                 break
             if batch is None:
                 batch = self._filler_batch(epoch, position)

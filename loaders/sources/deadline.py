@@ -5,7 +5,11 @@ deadline on every chunk (a FIFO, a hung network mount, a stuck ``pipe:``).
 
 A stalled read raises :class:`Stalled` in the caller; the thread stays blocked in the kernel call
 (nothing can interrupt it) but is a daemon and holds only its file, so the process goes on and can
-exit. ``timeout=None`` reads directly (no thread).
+exit. ``timeout=None`` reads directly (no thread). A ``pipe:`` command whose stream stalls is killed with
+its whole process group when the reader is closed (:func:`kill_stream`): no orphan keeps running.
+
+:func:`call_with_timeout` runs one short call (a sample's ``open`` + ``seek`` + ``read``) under the same
+deadline, in a per-process daemon thread.
 
 >>> import io
 >>> r = TimedReader(lambda: io.BytesIO(b"abcdef"), timeout=5.0)
@@ -18,6 +22,7 @@ import collections
 import gzip
 import os
 import queue
+import signal
 import stat
 import threading
 import zlib
@@ -65,15 +70,22 @@ class TimedReader:
             self._f = opener()
             self.length = _length(self._f)
             return
-        self._f = None
+        self._f = self._opened = None
         self._q: queue.Queue = queue.Queue(maxsize=4)
         self._thread = threading.Thread(target=self._pump, args=(opener,), daemon=True, name="prealign-read")
         self._thread.start()
-        self._take()  # the first message: the length (or the opener's error)
+        try:
+            self._take()  # the first message: the length (or the opener's error)
+        except BaseException:
+            self.close()
+            raise
 
     def _pump(self, opener) -> None:
         try:
             with opener() as f:
+                self._opened = f
+                if self._stop.is_set():  # closed (timed out) while opening: end a pipe command now
+                    kill_stream(f)
                 self._put(("length", _length(f)))
                 while not self._stop.is_set():
                     chunk = f.read(_CHUNK)
@@ -133,15 +145,37 @@ class TimedReader:
         return out
 
     def close(self) -> None:
+        """Stop reading; a reader thread still blocked in a read (a stalled ``pipe:`` command) has its
+        command killed (:func:`kill_stream`), so the thread ends and no process is left behind."""
+        if self._stop.is_set():
+            return
         self._stop.set()
         if self._f is not None:
             self._f.close()
+        elif self._thread.is_alive() and self._opened is not None:
+            kill_stream(self._opened)
 
     def __enter__(self) -> "TimedReader":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def kill_stream(f) -> None:
+    """Kill the command behind a ``pipe:`` stream (``f.proc``, or a gzip stream's ``f.fileobj.proc``) and
+    its process group when it has its own (``start_new_session``): a stalled command would otherwise
+    outlive the reader. Anything else is left alone (a blocked regular read cannot be interrupted)."""
+    proc = getattr(f, "proc", None) or getattr(getattr(f, "fileobj", None), "proc", None)
+    if proc is None or proc.poll() is not None:
+        return
+    try:
+        if os.getpgid(proc.pid) == proc.pid:
+            os.killpg(proc.pid, signal.SIGKILL)
+        else:
+            proc.kill()
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def map_with_timeout(fn: Callable[[object], object], items, timeout: float | None) -> list:
@@ -179,3 +213,52 @@ def _or_error(fn: Callable[[object], object], x):
         return fn(x)
     except Exception as exc:  # noqa: BLE001 - handed to the caller, which names the item
         return exc
+
+
+class _Caller:
+    """One daemon thread of this process running calls handed to it; abandoned (and replaced by the next
+    call) when a call outlives its deadline, since a blocked kernel call cannot be interrupted."""
+
+    def __init__(self):
+        self.pid, self.jobs = os.getpid(), queue.SimpleQueue()
+        threading.Thread(target=self._run, daemon=True, name="prealign-call").start()
+
+    def _run(self) -> None:
+        while True:
+            fn, done = self.jobs.get()
+            try:
+                done.put((True, fn()))
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
+                done.put((False, exc))
+
+
+_caller: _Caller | None = None
+_caller_lock = threading.Lock()
+
+
+def call_with_timeout(fn: Callable[[], object], timeout: float | None):
+    """``fn()``, raising :class:`Stalled` when it has not returned within ``timeout`` s (``None``: called
+    directly). For short blocking calls (a local shard's ``open`` + ``seek`` + ``read``): a FIFO put in a
+    shard's place, a hung mount. Calls run one at a time in one daemon thread per process; one that stalls
+    is left blocked there and the next call gets a fresh thread. Its exceptions are re-raised here.
+
+    >>> call_with_timeout(lambda: 6 * 7, 1.0)
+    42
+    """
+    global _caller
+    if timeout is None:
+        return fn()
+    with _caller_lock:
+        if _caller is None or _caller.pid != os.getpid():
+            _caller = _Caller()
+        caller = _caller
+        done: queue.SimpleQueue = queue.SimpleQueue()
+        caller.jobs.put((fn, done))
+        try:
+            ok, value = done.get(timeout=timeout)
+        except queue.Empty:
+            _caller = None  # that thread is stuck in the call: the next one starts another
+            raise Stalled(timeout, 0) from None
+    if not ok:
+        raise value
+    return value

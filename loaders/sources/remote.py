@@ -488,7 +488,8 @@ def open_stream(url: str, opts: RemoteOptions | None = None):
     opts = opts or DEFAULT
     s = scheme(url)
     if s == "pipe":
-        proc = subprocess.Popen(url[len("pipe:"):], shell=True, stdout=subprocess.PIPE)  # the user's own command
+        # the user's own command, in its own process group: a stalled one is killed whole (deadline.kill_stream)
+        proc = subprocess.Popen(url[len("pipe:"):], shell=True, stdout=subprocess.PIPE, start_new_session=True)
         f = _PipeFile(proc, url)
     elif s in ("http", "https"):
         f = _retrying(url, opts, lambda: _http(url, opts))

@@ -18,6 +18,7 @@ import dataclasses
 import io
 import os
 import re
+import stat
 from collections import OrderedDict
 from typing import Callable, Mapping, Sequence
 
@@ -29,11 +30,13 @@ from prealign.loaders.errors import (
     CorruptShardError,
     IndexFileError,
     MissingMemberError,
+    MissingShardError,
+    ShardGoneError,
     ShardTimeoutError,
     SourceChangedError,
 )
 from prealign.loaders.sources import remote as _remote
-from prealign.loaders.sources.deadline import Stalled, TimedReader
+from prealign.loaders.sources.deadline import Stalled, TimedReader, call_with_timeout
 from prealign.loaders.sources.shard_files import check_index_dir_names, sample_checksum
 from prealign.loaders.sources.source import Location, Skip, Source, Transform
 from prealign.loaders.sources.tar_decode import DEFAULT_LIMITS, DecodeLimits, decode_member, split_member_name
@@ -79,6 +82,28 @@ def numpy_fields(sample: dict) -> dict:
     return out
 
 
+class _NotRegular(OSError):
+    """A local shard path that is no longer a regular file (a FIFO, a device, a folder put in its place)."""
+
+
+def _open_regular(path: str):
+    """``open(path, "rb")`` of a regular file; anything else that opens (a FIFO with a writer, a device) is
+    :class:`_NotRegular`. (A FIFO nobody writes blocks in ``open``: the caller's read deadline ends it.)"""
+    f = open(path, "rb")
+    try:
+        mode = os.fstat(f.fileno()).st_mode
+        if not stat.S_ISREG(mode):
+            raise _NotRegular(f"a {_KIND.get(stat.S_IFMT(mode), 'special file')}")
+        return f
+    except BaseException:
+        f.close()
+        raise
+
+
+_KIND = {stat.S_IFIFO: "FIFO", stat.S_IFDIR: "folder", stat.S_IFCHR: "character device", stat.S_IFBLK: "block device",
+         stat.S_IFSOCK: "socket"}
+
+
 def check_members(where: str, key: str, members: list[tuple[str, bytes, str]], duplicate: bool) -> None:
     """Raise the :class:`BadSampleError` of a sample whose key was already seen in its shard
     (``duplicate_key``) or that has a link member (``link_member``); the full and the header pass alike."""
@@ -100,13 +125,17 @@ class WebDatasetSource(Source):
     policy). ``image``: ``"pil"`` or ``"bytes"``. ``decoders``: extra ``{extension: bytes -> value}``
     decoders (pickle-like extensions stay refused; they signal bad bytes with ``ValueError``).
     ``limits``: caps on decoded pixels / array bytes (:class:`~prealign.loaders.sources.tar_decode.DecodeLimits`).
-    ``read_timeout``: seconds a shard read (open, or one 1 MiB chunk) may make no progress during the
-    index pass before it is a :class:`~prealign.loaders.errors.ShardTimeoutError` (``None``: wait forever).
+    ``read_timeout``: seconds a shard read (open, one 1 MiB chunk, a sample's ``open`` + ``seek`` + ``read``)
+    may make no progress, in the index pass and when a batch is loaded alike, before it is a
+    :class:`~prealign.loaders.errors.ShardTimeoutError` (``None``: wait forever); a ``pipe:`` command that
+    stalls is killed.
 
     Within a shard, a sample with a hard or symbolic link member (``link_member``) or a key already
     seen earlier in the shard (``duplicate_key``) is a bad sample; a local shard that does not exist
     is a :class:`~prealign.loaders.errors.MissingShardError` (configuration, raised before the index pass by
-    :func:`~prealign.loaders.index.sidecar.check_source`).
+    :func:`~prealign.loaders.index.sidecar.check_source`); one gone when a batch is loaded (deleted or
+    replaced since indexing) a :class:`~prealign.loaders.errors.ShardGoneError` (bad data: counted under
+    ``skip``).
     """
 
     sequential = True
@@ -190,6 +219,7 @@ class WebDatasetSource(Source):
             except (TarFormatError, OSError, EOFError, _remote.RemoteReadError, Stalled) as exc:
                 lost = f"; sample {key!r} lost with the rest of the shard" if members else ""
                 err = ShardTimeoutError if isinstance(exc, Stalled) else CorruptShardError
+                f.close()  # before the error is handed on: a stalled pipe: command is killed now
                 yield None, err(url, getattr(exc, "offset", getattr(exc, "at", 0)), f"{exc}{lost}")
                 return
             if members:
@@ -254,7 +284,7 @@ class WebDatasetSource(Source):
         if _remote.is_sequential(url):
             streams = local.setdefault("streams", OrderedDict())
             if shard not in streams:
-                streams[shard] = _remote.read_whole(url, self.remote)
+                streams[shard] = self._read_whole(url, start)
                 while len(streams) > self.remote.stream_shards:
                     streams.popitem(last=False)
             streams.move_to_end(shard)
@@ -262,14 +292,39 @@ class WebDatasetSource(Source):
         if _remote.is_remote(url):
             return _remote.read_range(url, start, end, self.remote)
         files = local.setdefault("files", OrderedDict())
-        f = files.get(shard)
-        if f is None:
-            f = files[shard] = open(_remote.local_path(url), "rb")
-            while len(files) > self.max_open_files:
-                files.popitem(last=False)[1].close()
+
+        def read():  # under the read deadline: open() of a FIFO, a read on a hung mount block forever
+            f = files.get(shard)
+            if f is None:
+                f = _open_regular(_remote.local_path(url))
+                files[shard] = f
+                while len(files) > self.max_open_files:
+                    files.popitem(last=False)[1].close()
+            f.seek(start)
+            return f.read(end - start)
+
+        try:
+            out = call_with_timeout(read, self.read_timeout)
+        except Stalled as exc:
+            raise ShardTimeoutError(url, start, f"reading a sample: {exc}") from None
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError) as exc:
+            raise ShardGoneError(url, f"{url}@{start}", f"no such file ({exc.strerror}); deleted since "
+                                 f"indexing?") from None
+        except _NotRegular as exc:
+            raise ShardGoneError(url, f"{url}@{start}", f"{exc} instead of the indexed file") from None
         files.move_to_end(shard)
-        f.seek(start)
-        return f.read(end - start)
+        return out
+
+    def _read_whole(self, url: str, start: int) -> bytes:
+        """A sequential shard (``pipe:``, ``.tar.gz``) read whole under the read deadline: a stalled command
+        is a :class:`ShardTimeoutError` (and killed), a deleted file a :class:`ShardGoneError`."""
+        try:
+            with TimedReader(lambda: _remote.open_stream(url, self.remote), timeout=self.read_timeout) as f:
+                return f.read()
+        except Stalled as exc:
+            raise ShardTimeoutError(url, exc.at, f"reading the stream for a sample: {exc}") from None
+        except MissingShardError:
+            raise ShardGoneError(url, f"{url}@{start}", "no such file; deleted since indexing?") from None
 
     def check_locations(self, locations) -> None:
         """Rows ``(shard, start, end[, checksum])``: shards in range, byte ranges that end after they start."""
