@@ -36,7 +36,8 @@ class _ETagHandler(_Handler):
 class _Hostile(_Handler):
     """Answers GETs as ``server.mode`` says: ``huge`` announces ``Content-Length: 10**15`` (206, or 200 when
     ``server.ignore_range``) and sends ``server.send`` bytes, then holds (``server.hold`` s) and closes;
-    ``drip`` announces the true length and sends one byte every ``server.drip`` seconds."""
+    ``drip`` announces the true length and sends one byte every ``server.drip`` seconds; ``drip_headers`` sends its
+    headers so."""
 
     def do_GET(self):
         srv = self.server
@@ -47,6 +48,8 @@ class _Hostile(_Handler):
             return
         with open(path, "rb") as f:
             data = f.read()
+        if srv.mode == "drip_headers":  # the status line, then a header one byte at a time
+            data = b"HTTP/1.1 200 OK\r\nX-Slow: " + b"a" * 1000
         if srv.mode == "huge":
             self.send_response(200 if srv.ignore_range else 206)
             if not srv.ignore_range:
@@ -58,11 +61,12 @@ class _Hostile(_Handler):
             time.sleep(srv.hold)
             self.close_connection = True
             return
-        self.send_response(200)  # drip: the whole object, one byte at a time
-        self.send_header("Content-Length", str(n))
-        self.end_headers()
+        if srv.mode == "drip":  # the whole object, one byte at a time
+            self.send_response(200)
+            self.send_header("Content-Length", str(n))
+            self.end_headers()
         deadline = time.monotonic() + 30
-        for i in range(n):
+        for i in range(len(data)):
             if time.monotonic() > deadline:
                 break
             try:
@@ -169,6 +173,17 @@ def test_a_dripping_server_is_stalled_past_the_request_deadline(hostile, tmp_pat
     (tmp_path / "www" / "obj.bin").write_bytes(os.urandom(4096))
     server.mode = "drip"
     opts = RemoteOptions(retries=1, backoff=0.01, timeout=5.0, request_deadline=1.0, min_rate=1 << 20)
+    t0 = time.monotonic()
+    with pytest.raises(RemoteStallError, match="obj.bin.*deadline"):
+        read_range(f"{base}/obj.bin", 0, 4096, opts)
+    assert time.monotonic() - t0 < 1.0 * (opts.retries + 1) + 2.0
+
+
+def test_headers_dripping_in_are_stalled_past_the_request_deadline(hostile, tmp_path):
+    server, base = hostile
+    (tmp_path / "www" / "obj.bin").write_bytes(os.urandom(4096))
+    server.mode = "drip_headers"
+    opts = RemoteOptions(retries=1, backoff=0.01, timeout=5.0, request_deadline=1.0)
     t0 = time.monotonic()
     with pytest.raises(RemoteStallError, match="obj.bin.*deadline"):
         read_range(f"{base}/obj.bin", 0, 4096, opts)

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import atexit
 import base64
+import heapq
 import http.client
+import itertools
 import os
 import socket
 import ssl
@@ -164,6 +166,57 @@ class Pool:
         conn.close()
 
 
+class _Watchdog:
+    """Shuts down the socket of a request whose answer's headers have not come by its deadline (a server dripping
+    its headers a byte at a time never trips the per-recv timeout). One thread per process, started on first use."""
+
+    def __init__(self):
+        self.cv, self.heap, self.seq, self.thread = threading.Condition(), [], itertools.count(), None
+
+    def arm(self, when: float, sock) -> list:
+        entry = [when, next(self.seq), sock, False]  # [deadline, order, socket (None: disarmed), fired]
+        with self.cv:
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._run, name="prealign-http-deadline", daemon=True)
+                self.thread.start()
+            heapq.heappush(self.heap, entry)
+            self.cv.notify()
+        return entry
+
+    def disarm(self, entry: list) -> bool:
+        """Stop watching; True when the deadline had already fired (the socket was shut down)."""
+        with self.cv:
+            entry[2] = None
+            return entry[3]
+
+    def _run(self) -> None:
+        while True:
+            with self.cv:
+                while self.heap and self.heap[0][2] is None:
+                    heapq.heappop(self.heap)
+                if not self.heap:
+                    self.cv.wait()
+                    continue
+                wait = self.heap[0][0] - time.monotonic()
+                if wait > 0:
+                    self.cv.wait(wait)
+                    continue
+                entry = heapq.heappop(self.heap)
+                sock, entry[3] = entry[2], True
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+_watchdogs: dict[int, _Watchdog] = {}
+
+
+def _watchdog() -> _Watchdog:
+    """This process's watchdog (a forked child starts its own thread)."""
+    return _watchdogs.setdefault(os.getpid(), _Watchdog())
+
+
 _pools: dict[int, Pool] = {}
 _tls: list = []
 
@@ -241,9 +294,17 @@ def _once(url: str, method: str, headers: dict, timeout: float, deadline: float 
                     raise
                 except OSError as exc:
                     raise Unreachable(f"{key[1]}:{key[2]}: {exc}") from exc
-            conn.request(method, target, headers={**headers, **extra})
             sock = conn.sock  # kept: http.client drops it from a connection that will close
-            resp = conn.getresponse()
+            watch = None if deadline is None else _watchdog().arm(deadline, sock)
+            try:
+                conn.request(method, target, headers={**headers, **extra})
+                resp = conn.getresponse()
+            finally:
+                if watch is not None and _watchdog().disarm(watch):
+                    conn.close()
+                    raise DeadlineExceeded("past the request deadline before the answer's headers came")
+        except DeadlineExceeded:
+            raise
         except _STALE:
             conn.close()
             if kept:  # the server closed a kept connection while it was idle: again, on the next one

@@ -270,8 +270,9 @@ def _get_range(url: str, start: int, end: int, opts: RemoteOptions) -> bytes:
             raise RemoteReadError(url, f"asked bytes {start}..{end} (Range), the server answered HTTP {r.status} "
                                        f"{r.reason} (Content-Range {sent!r})")
         whole = re.search(r"/(\d+)$", sent)
-        if whole and url in _identity:  # the object's identity as this answer gives it (it may have changed)
-            _identity[url] = _tag(r.headers.get("ETag"), r.headers.get("Last-Modified"), int(whole.group(1)))
+        etag, modified = r.headers.get("ETag"), r.headers.get("Last-Modified")
+        if whole and url in _identity and (etag or modified or _identity[url].startswith("m|")):
+            _identity[url] = _tag(etag, modified, int(whole.group(1)))  # as this answer gives it (it may have changed)
         return _read_upto(r, end - start)
 
 
