@@ -210,15 +210,20 @@ def _gz(tmp_path) -> bytes:
     return raw
 
 
-def test_a_dropped_tar_gz_stream_is_a_typed_error(hostile, tmp_path):
+def test_a_dropped_tar_gz_stream_is_resumed_or_a_typed_error(hostile, tmp_path):
     server, base = hostile
     raw = _gz(tmp_path)
     url = f"{base}/obj.tar.gz"
     opts = RemoteOptions(retries=1, backoff=0.01, timeout=5.0)
     assert read_whole(url, opts) == raw
-    server.cut = 1  # the connection drops halfway through the body
+    server.cut = 1  # the connection drops halfway through the body: taken up again from where it stopped
+    assert read_whole(url, opts) == raw and server.cut == 0
+    server.cut = 2  # past the retries
     with pytest.raises(RemoteReadError, match=r"obj.tar.gz: at byte \d+: the body stopped.*IncompleteRead"):
         read_whole(url, opts)
+    server.cut, server.ignore_range = 1, True  # a server that cannot resume: no retry helps
+    with pytest.raises(RemoteReadError, match=r"obj.tar.gz: at byte \d+: the body stopped.*IncompleteRead"):
+        read_whole(url, RemoteOptions(retries=3, backoff=0.01, timeout=5.0))
 
 
 def test_a_stalled_tar_gz_stream_is_a_stall_error(hostile, tmp_path):

@@ -589,27 +589,58 @@ def open_stream(url: str, opts: RemoteOptions | None = None):
 
 
 class _HttpStream:
-    """The body of an HTTP GET read front to back: a connection dropped or stalled mid-body is a
-    :class:`RemoteReadError` / :class:`RemoteStallError` naming the URL, never a bare ``TimeoutError`` or
-    ``IncompleteRead``."""
+    """The body of an HTTP GET read front to back. A connection dropped or stalled mid-body is taken up again where
+    it stopped (a ``Range`` GET from that byte, ``If-Range`` the object's validators) up to ``retries`` times per
+    stream, with backoff; past them, or from a server that cannot resume (it ignores Range, the object changed), it is a
+    :class:`RemoteReadError` / :class:`RemoteStallError` naming the URL and the byte, never a bare ``TimeoutError``
+    or ``IncompleteRead``."""
 
     def __init__(self, url: str, reply: http_pool.Reply, opts: RemoteOptions):
-        self.url, self.reply, self.opts, self.pos = url, reply, opts, 0
+        self.url, self.reply, self.opts, self.pos, self.resumes = url, reply, opts, 0, 0
+        self.validator = reply.headers.get("ETag") or reply.headers.get("Last-Modified")
 
     def read(self, n: int = -1) -> bytes:
+        while True:
+            try:
+                data = self.reply.read(n)
+            except (OSError, http.client.HTTPException) as exc:
+                error = self._typed(exc)
+                if self.resumes >= self.opts.retries:
+                    raise error from None
+                time.sleep(self.opts.backoff * 2 ** self.resumes)
+                self.resumes += 1
+                if not self._resume():
+                    raise error from None
+                continue
+            self.pos += len(data)
+            return data
+
+    def _typed(self, exc: BaseException) -> RemoteReadError:
+        at, opts = f"at byte {self.pos}", self.opts
+        if isinstance(exc, http_pool.DeadlineExceeded):
+            return RemoteStallError(self.url, f"{at}: {exc} (request_deadline={opts.request_deadline} s, "
+                                              f"min_rate={opts.min_rate} B/s)")
+        if isinstance(exc, (socket.timeout, TimeoutError)):
+            return RemoteStallError(self.url, f"{at}: no byte for {opts.timeout} s ({exc})")
+        return RemoteReadError(self.url, f"{at}: the body stopped ({type(exc).__name__}: {exc})")
+
+    def _resume(self) -> bool:
+        """The body again from byte ``pos`` (True), or False when the server cannot give it."""
+        self.reply.close()
+        headers = {"Range": f"bytes={self.pos}-"}
+        if self.validator:
+            headers["If-Range"] = self.validator
         try:
-            data = self.reply.read(n)
-        except http_pool.DeadlineExceeded as exc:
-            raise RemoteStallError(self.url, f"at byte {self.pos}: {exc} (request_deadline="
-                                             f"{self.opts.request_deadline} s, min_rate={self.opts.min_rate} B/s)"
-                                   ) from None
-        except (socket.timeout, TimeoutError) as exc:
-            raise RemoteStallError(self.url, f"at byte {self.pos}: no byte for {self.opts.timeout} s ({exc})") from None
-        except (OSError, http.client.HTTPException) as exc:
-            raise RemoteReadError(self.url, f"at byte {self.pos}: the body stopped ({type(exc).__name__}: "
-                                            f"{exc})") from None
-        self.pos += len(data)
-        return data
+            reply = http_pool.request(self.url, "GET", headers, timeout=self.opts.timeout,
+                                      deadline=self.opts.request_deadline, min_rate=self.opts.min_rate)
+        except (OSError, http.client.HTTPException, RemoteReadError):
+            return False
+        m = re.match(r"bytes (\d+)-", reply.headers.get("Content-Range", ""))
+        if not (reply.status == 206 and m and int(m.group(1)) == self.pos or reply.status == 200 and self.pos == 0):
+            reply.close()
+            return False
+        self.reply = reply
+        return True
 
     def close(self) -> None:
         self.reply.close()
