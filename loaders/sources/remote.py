@@ -527,7 +527,7 @@ def read_range(url: str, start: int, end: int, opts: RemoteOptions | None = None
     bs = kept.block_size if kept else opts.block_size
     total = kept.size if kept else total
     ident = kept.ident if kept else _ident(url, opts)
-    out = []
+    out, names = [], []
     for block in range(start // bs, (end - 1) // bs + 1):
         name = _block_name(url, ident, bs, block)
         data = cache.get(name)
@@ -546,12 +546,13 @@ def read_range(url: str, start: int, end: int, opts: RemoteOptions | None = None
                 name = _block_name(url, ident, bs, block)
             cache.put(name, data)
         out.append(data)
+        names.append(name)
     buf = b"".join(out)
     off = start - (start // bs) * bs
     data = buf[off:off + end - start]
     if len(data) != end - start:  # a short block in the cache (another process's, or a size that changed)
-        for block in range(start // bs, (end - 1) // bs + 1):
-            cache.drop(_block_name(url, ident, bs, block))
+        for name in names:
+            cache.drop(name)
         _kept.pop(url, None)
         raise RemoteReadError(url, f"bytes {start}..{end}: the block cache held {len(data)} bytes of them (dropped; "
                                    f"read again)")
