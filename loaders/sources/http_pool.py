@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import atexit
 import base64
+import heapq
 import http.client
+import itertools
 import os
 import socket
 import ssl
 import threading
+import time
 import urllib.parse
 import urllib.request
 
@@ -33,30 +36,71 @@ class Unreachable(ConnectionError):
     """No connection could be made to the host (refused, no route, unknown name)."""
 
 
+class DeadlineExceeded(TimeoutError):
+    """A request ran past its total deadline (a server sending a byte now and then never trips the per-recv
+    ``timeout``): ``deadline`` seconds plus one second per ``min_rate`` bytes received."""
+
+
+_PIECE = 1 << 18  # bytes asked of one recv: a read returns what came, the deadline is checked between
+
+
 class Reply:
     """An answer being read: ``status``, ``reason``, ``headers``, ``url`` (after redirects), ``read(n)``.
-    Closing it hands the connection back to the pool when the body was read to its end."""
+    Closing it hands the connection back to the pool when the body was read to its end. Its body is read one
+    ``recv`` at a time (at most ``_PIECE`` bytes, never a size the server announced), each under ``timeout`` and
+    the request's total deadline (:class:`DeadlineExceeded` past it)."""
 
     def __init__(self, url: str, pool: "Pool", key: tuple, conn: http.client.HTTPConnection,
-                 resp: http.client.HTTPResponse):
+                 resp: http.client.HTTPResponse, *, sock=None, timeout: float = 30.0, deadline: float | None = None,
+                 min_rate: float = 0.0):
         self.url, self._pool, self._key, self._conn, self._resp = url, pool, key, conn, resp
         self.status, self.reason, self.headers = resp.status, resp.reason, resp.headers
+        self._sock, self._timeout, self._deadline, self._min_rate, self._got = sock, timeout, deadline, min_rate, 0
 
     def read(self, n: int = -1) -> bytes:
-        """Up to ``n`` bytes (``-1``: to the end, read ``CHUNK`` bytes at a time). A body that ends before
-        its ``Content-Length`` (the connection dropped) is an ``http.client.IncompleteRead``, which the
-        callers retry: ``http.client`` itself returns it short without a word."""
-        if n is not None and n >= 0:
-            data = self._resp.read(n)
-            if n and not data:
-                self._check_complete(b"")
-            return data
-        chunks = []
-        while chunk := self._resp.read(CHUNK):
+        """Up to ``n`` bytes, fewer only at the body's end (``-1``: to the end). A body that ends before its
+        ``Content-Length`` (the connection dropped) is an ``http.client.IncompleteRead``, which the callers
+        retry: ``http.client`` itself returns it short without a word."""
+        chunks, left = [], (n if n is not None and n >= 0 else None)
+        while left is None or left > 0:
+            chunk = self._read_some(_PIECE if left is None else min(left, _PIECE))
+            if not chunk:
+                break
             chunks.append(chunk)
+            if left is not None:
+                left -= len(chunk)
         data = b"".join(chunks)
-        self._check_complete(data)
+        if left is None or (n and not data):  # the whole body asked, or none of n bytes came
+            self._check_complete(data)
         return data
+
+    def _left(self) -> float | None:
+        """Seconds left before the request's deadline (None: no deadline)."""
+        if self._deadline is None:
+            return None
+        return self._deadline + (self._got / self._min_rate if self._min_rate > 0 else 0.0) - time.monotonic()
+
+    def _read_some(self, k: int) -> bytes:
+        """What one ``recv`` brings (at most ``k`` bytes)."""
+        left = self._left()
+        if left is not None and left <= 0:
+            raise DeadlineExceeded(f"past the request deadline ({self._got} bytes came)")
+        if self._sock is not None:
+            try:
+                self._sock.settimeout(self._timeout if left is None else min(self._timeout, left))
+            except OSError:
+                pass
+        try:
+            chunk = self._resp.read1(k)
+        except (socket.timeout, TimeoutError):
+            left = self._left()
+            if left is not None and left <= 0:
+                raise DeadlineExceeded(f"past the request deadline ({self._got} bytes came)") from None
+            raise
+        self._got += len(chunk)
+        if self._resp.length == 0:
+            self._resp.read(0)  # the body's end: http.client releases the connection (read1 alone does not)
+        return chunk
 
     def _check_complete(self, partial: bytes) -> None:
         """Raise when the body stopped with bytes of its announced length still due."""
@@ -122,6 +166,57 @@ class Pool:
         conn.close()
 
 
+class _Watchdog:
+    """Shuts down the socket of a request whose answer's headers have not come by its deadline (a server dripping
+    its headers a byte at a time never trips the per-recv timeout). One thread per process, started on first use."""
+
+    def __init__(self):
+        self.cv, self.heap, self.seq, self.thread = threading.Condition(), [], itertools.count(), None
+
+    def arm(self, when: float, sock) -> list:
+        entry = [when, next(self.seq), sock, False]  # [deadline, order, socket (None: disarmed), fired]
+        with self.cv:
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._run, name="prealign-http-deadline", daemon=True)
+                self.thread.start()
+            heapq.heappush(self.heap, entry)
+            self.cv.notify()
+        return entry
+
+    def disarm(self, entry: list) -> bool:
+        """Stop watching; True when the deadline had already fired (the socket was shut down)."""
+        with self.cv:
+            entry[2] = None
+            return entry[3]
+
+    def _run(self) -> None:
+        while True:
+            with self.cv:
+                while self.heap and self.heap[0][2] is None:
+                    heapq.heappop(self.heap)
+                if not self.heap:
+                    self.cv.wait()
+                    continue
+                wait = self.heap[0][0] - time.monotonic()
+                if wait > 0:
+                    self.cv.wait(wait)
+                    continue
+                entry = heapq.heappop(self.heap)
+                sock, entry[3] = entry[2], True
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+_watchdogs: dict[int, _Watchdog] = {}
+
+
+def _watchdog() -> _Watchdog:
+    """This process's watchdog (a forked child starts its own thread)."""
+    return _watchdogs.setdefault(os.getpid(), _Watchdog())
+
+
 _pools: dict[int, Pool] = {}
 _tls: list = []
 
@@ -183,11 +278,14 @@ def _connection(key: tuple, timeout: float) -> http.client.HTTPConnection:
     return conn
 
 
-def _once(url: str, method: str, headers: dict, timeout: float) -> Reply:
+def _once(url: str, method: str, headers: dict, timeout: float, deadline: float | None, min_rate: float) -> Reply:
     key, target, extra = _route(url)
     p = pool()
     while True:
-        conn, kept = p.take(key, timeout)
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            raise DeadlineExceeded("past the request deadline before the answer's headers came")
+        conn, kept = p.take(key, timeout if left is None else min(timeout, left))
         try:
             if conn.sock is None:
                 try:
@@ -196,8 +294,17 @@ def _once(url: str, method: str, headers: dict, timeout: float) -> Reply:
                     raise
                 except OSError as exc:
                     raise Unreachable(f"{key[1]}:{key[2]}: {exc}") from exc
-            conn.request(method, target, headers={**headers, **extra})
-            resp = conn.getresponse()
+            sock = conn.sock  # kept: http.client drops it from a connection that will close
+            watch = None if deadline is None else _watchdog().arm(deadline, sock)
+            try:
+                conn.request(method, target, headers={**headers, **extra})
+                resp = conn.getresponse()
+            finally:
+                if watch is not None and _watchdog().disarm(watch):
+                    conn.close()
+                    raise DeadlineExceeded("past the request deadline before the answer's headers came")
+        except DeadlineExceeded:
+            raise
         except _STALE:
             conn.close()
             if kept:  # the server closed a kept connection while it was idle: again, on the next one
@@ -206,15 +313,19 @@ def _once(url: str, method: str, headers: dict, timeout: float) -> Reply:
         except BaseException:
             conn.close()
             raise
-        return Reply(url, p, key, conn, resp)
+        return Reply(url, p, key, conn, resp, sock=sock, timeout=timeout, deadline=deadline, min_rate=min_rate)
 
 
-def request(url: str, method: str = "GET", headers: dict | None = None, *, timeout: float = 30.0) -> Reply:
+def request(url: str, method: str = "GET", headers: dict | None = None, *, timeout: float = 30.0,
+            deadline: float | None = None, min_rate: float = 0.0) -> Reply:
     """The answer to ``method url`` (redirects followed, at most ``REDIRECTS``), whatever its status.
-    Connection failures raise :class:`Unreachable`; a stall past ``timeout`` s, ``TimeoutError``."""
+    Connection failures raise :class:`Unreachable`; a stall past ``timeout`` s, ``TimeoutError``; a request
+    still running ``deadline`` s (plus one per ``min_rate`` bytes of body received) after it began,
+    :class:`DeadlineExceeded` (a ``TimeoutError``)."""
     headers = dict(headers or {})
+    end = None if deadline is None else time.monotonic() + deadline
     for _ in range(REDIRECTS + 1):
-        reply = _once(url, method, headers, timeout)
+        reply = _once(url, method, headers, timeout, end, min_rate)
         location = reply.headers.get("Location")
         if reply.status not in (301, 302, 303, 307, 308) or not location:
             return reply

@@ -9,10 +9,14 @@
 
 A sample is one ``read_range(url, start, end)``: with sidecars, the first batch costs the bytes of
 its own samples, not the shard. ``RemoteOptions.cache_dir`` + ``cache_limit`` keep fetched blocks
-(``block_size`` bytes, aligned) on local disk, least recently used out past ``cache_limit`` bytes.
+(``block_size`` bytes, aligned) on local disk, least recently used out past ``cache_limit`` bytes, named by
+URL and the object's identity (ETag, else Last-Modified and size, from the HEAD each loader build makes): an object
+replaced on the server never reads the old one's blocks. Bodies are read a ``recv`` at a time, bounded by what was
+asked (a range, ``cache_limit``, a sidecar's limit), never by an announced ``Content-Length``.
 Transient errors (connection reset, 5xx, 429) are retried ``retries`` times with exponential backoff;
-a read that stalls longer than ``timeout`` seconds (no byte arrives) is retried too and then raises
-:class:`RemoteStallError` naming the URL; a shard that does not exist is a
+a read that stalls longer than ``timeout`` seconds (no byte arrives), or an HTTP request still running past
+``request_deadline`` seconds (plus one per ``min_rate`` bytes received: a server dripping bytes), is retried too and
+then raises :class:`RemoteStallError` naming the URL; a shard that does not exist is a
 :class:`~prealign.loaders.errors.MissingShardError` (a configuration error), one the server refuses
 (HTTP 401/403, access denied) a :class:`~prealign.loaders.errors.RemotePermissionError`.
 
@@ -26,7 +30,7 @@ never downloaded once per sample. A body kept by this process is dropped when a 
 loader build makes one) answers another size, ``ETag`` or ``Last-Modified`` (or neither of the latter).
 
 Sequential shards (``pipe:``, gzip) cannot be read by range: a worker that needs a sample of one
-reads the whole shard once (decompressing it) into memory and keeps the last ``stream_shards`` such
+reads the whole shard once (decompressing it; a dropped or stalled HTTP body is a typed error) into memory and keeps the last ``stream_shards`` such
 shards, so a shuffled epoch costs one sequential read per shard per worker, and memory of one
 uncompressed shard per kept shard.
 """
@@ -76,6 +80,12 @@ class RemoteOptions:
     """Seconds before the first retry; doubled each time."""
     timeout: float = 30.0
     """Seconds without a byte before a read counts as stalled."""
+    request_deadline: float = 300.0
+    """Seconds an HTTP request may take in all (a server sending a byte now and then never trips ``timeout``),
+    plus one second per ``min_rate`` bytes received: past it the request is stalled (retried, then
+    :class:`RemoteStallError`)."""
+    min_rate: float = 64 << 10
+    """Bytes per second a long HTTP body must average to run past ``request_deadline``."""
     stream_shards: int = 2
     """Sequential (``pipe:``, gzip) shards each worker keeps decompressed in memory."""
     storage_options: dict | None = None
@@ -137,8 +147,11 @@ def _retrying(url: str, opts: RemoteOptions, fn):
             raise RemotePermissionError(url, None, f"{type(exc).__name__}: {exc}") from None
         except FileNotFoundError as exc:
             raise MissingShardError(url, f"not found ({exc})") from None
+        except http_pool.DeadlineExceeded as exc:
+            last: BaseException = RemoteStallError(url, f"{exc} (request_deadline={opts.request_deadline} s, "
+                                                        f"min_rate={opts.min_rate} B/s)")
         except (socket.timeout, TimeoutError) as exc:
-            last: BaseException = RemoteStallError(url, f"no byte for {opts.timeout} s ({exc})")
+            last = RemoteStallError(url, f"no byte for {opts.timeout} s ({exc})")
         except (OSError, http.client.HTTPException) as exc:
             last = exc
         if attempt < opts.retries:
@@ -169,7 +182,8 @@ def _http(url: str, opts: RemoteOptions, *, method: str = "GET", start: int | No
     """A 2xx answer to ``method url`` (bytes ``[start, end)`` asked when given); other answers raise:
     401/403 :class:`RemotePermissionError`, other 4xx :class:`MissingShardError`, 429/5xx a retried error."""
     headers = {"Range": f"bytes={start}-{end - 1}"} if start is not None else {}
-    reply = http_pool.request(url, method, headers, timeout=opts.timeout)
+    reply = http_pool.request(url, method, headers, timeout=opts.timeout, deadline=opts.request_deadline,
+                              min_rate=opts.min_rate)
     if 200 <= reply.status < 300:
         return reply
     reply.close()
@@ -195,6 +209,7 @@ def size(url: str, opts: RemoteOptions | None = None) -> int:
                 if n is None or not n.isdigit():
                     raise MissingShardError(url, f"the server gives no size (Content-Length {n!r})")
                 _check_kept(url, int(n), r.headers)
+                _identity[url] = _tag(r.headers.get("ETag"), r.headers.get("Last-Modified"), int(n))
                 return int(n)
         return _retrying(url, opts, head)
     if s == "pipe":
@@ -204,7 +219,12 @@ def size(url: str, opts: RemoteOptions | None = None) -> int:
     def info():
         if not fs.exists(url):
             raise MissingShardError(url, "no such object")
-        return int(fs.size(url))
+        meta = fs.info(url)
+        n = int(meta["size"])
+        etag = meta.get("ETag") or meta.get("etag") or meta.get("md5Hash")
+        _identity[url] = _tag(etag and str(etag), str(meta.get("LastModified") or meta.get("mtime") or
+                                                     meta.get("updated") or meta.get("generation") or ""), n)
+        return n
     return _retrying(url, opts, info)
 
 
@@ -249,6 +269,10 @@ def _get_range(url: str, start: int, end: int, opts: RemoteOptions) -> bytes:
         if r.status != 206 or (m and int(m.group(1)) != start):
             raise RemoteReadError(url, f"asked bytes {start}..{end} (Range), the server answered HTTP {r.status} "
                                        f"{r.reason} (Content-Range {sent!r})")
+        whole = re.search(r"/(\d+)$", sent)
+        etag, modified = r.headers.get("ETag"), r.headers.get("Last-Modified")
+        if whole and url in _identity and (etag or modified or _identity[url].startswith("m|")):
+            _identity[url] = _tag(etag, modified, int(whole.group(1)))  # as this answer gives it (it may have changed)
         return _read_upto(r, end - start)
 
 
@@ -263,14 +287,33 @@ def _fetch(url: str, start: int, end: int, opts: RemoteOptions) -> bytes:
     return data
 
 
+MARKER = ".prealign-block-cache"
+"""The file a :class:`BlockCache` writes in its folder (made or adopted): the folder holds prealign's blocks."""
+
+
 class BlockCache:
-    """Fetched blocks on local disk (``<dir>/<sha1(url)[:16]>-<block size>-<block>``), least recently used (by
-    modification time, touched on each hit) out past ``limit`` bytes. Processes may share the directory:
-    each eviction pass looks at what is really there, and a block evicted under a reader is fetched again."""
+    """Fetched blocks on local disk (``<dir>/<sha1(url, identity)[:16]>-<block size>-<block>``, the identity being
+    the object's ETag, else its Last-Modified and size: a changed object never reads the old one's blocks), least
+    recently used (by modification time, touched on each hit) out past ``limit`` bytes. Processes may share the
+    directory: each eviction pass looks at what is really there, and a block evicted under a reader is fetched
+    again. The folder is marked as a block cache (:data:`MARKER`); one removed under a run is made again."""
 
     def __init__(self, directory: str, limit: int):
         self.dir, self.limit, self.lock = directory, int(limit), threading.Lock()
-        os.makedirs(directory, exist_ok=True)
+        self._own()
+
+    def _own(self) -> None:
+        """Make (or adopt) the folder and mark it as a block cache."""
+        try:
+            os.makedirs(self.dir, exist_ok=True)
+            marker = os.path.join(self.dir, MARKER)
+            if not os.path.exists(marker):
+                with open(marker, "w") as f:
+                    f.write("prealign block cache: files named <16 hex>-<block size>-<block> are fetched blocks, "
+                            "evicted least recently used first; nothing else here is ever removed\n")
+        except OSError as exc:
+            raise RemoteReadError(self.dir, f"the block cache folder cannot be made or written "
+                                            f"({type(exc).__name__}: {exc}); check RemoteOptions.cache_dir") from None
 
     def get(self, name: str) -> bytes | None:
         path = os.path.join(self.dir, name)
@@ -287,9 +330,17 @@ class BlockCache:
         if len(data) > self.limit:
             return
         tmp = os.path.join(self.dir, f"{name}.{os.getpid()}.{threading.get_ident()}.part")
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, os.path.join(self.dir, name))
+        for again in (True, False):
+            try:
+                with open(tmp, "wb") as f:
+                    f.write(data)
+                os.replace(tmp, os.path.join(self.dir, name))
+                break
+            except FileNotFoundError:  # the folder was removed under the run: made again, once
+                if not again:
+                    raise RemoteReadError(self.dir, "the block cache folder keeps vanishing while blocks are "
+                                                    "written to it") from None
+                self._own()
         if evict:
             self.evict()
 
@@ -310,7 +361,12 @@ class BlockCache:
 
     def _evict(self) -> None:
         entries = []
-        for e in os.scandir(self.dir):
+        try:
+            found = list(os.scandir(self.dir))
+        except FileNotFoundError:  # removed under the run: nothing to evict, the folder made again
+            self._own()
+            return
+        for e in found:
             if not _BLOCK_NAME.fullmatch(e.name) or not e.is_file(follow_symlinks=False):
                 continue
             try:
@@ -346,8 +402,27 @@ def _cache(opts: RemoteOptions) -> BlockCache | None:
     return _block_cache(opts.cache_dir, opts.cache_limit) if opts.cache_dir else None
 
 
-def _block_name(url: str, block_size: int, block: int) -> str:
-    return f"{hashlib.sha1(url.encode()).hexdigest()[:16]}-{block_size}-{block}"
+def _block_name(url: str, ident: str, block_size: int, block: int) -> str:
+    """A block's file name: the URL and the object's identity (:func:`_tag`) hashed, so a changed object (another
+    ETag, Last-Modified or size) never reads the blocks of the one before it."""
+    digest = hashlib.sha1((url + "\n" + ident).encode()).hexdigest()[:16]
+    return f"{digest}-{block_size}-{block}"
+
+
+_identity: dict[str, str] = {}
+"""URL -> the object's identity as this process last saw it (a HEAD, object-store metadata, a 206 answer)."""
+
+
+def _tag(etag: str | None, modified: str | None, size) -> str:
+    """An object's identity: its ETag, else its Last-Modified and size."""
+    return f"e{etag}" if etag else f"m{modified or ''}|{size}"
+
+
+def _ident(url: str, opts: RemoteOptions) -> str:
+    """The identity of ``url``'s object in this process (one ``HEAD``, or metadata read, the first time)."""
+    if url not in _identity:
+        size(url, opts)
+    return _identity.get(url, "")
 
 
 # ---- servers that ignore Range -----------------------------------------------------------------------
@@ -361,6 +436,8 @@ class _Kept:
     size: int
     validators: tuple
     """(ETag, Last-Modified) of the answer that brought it."""
+    ident: str
+    """The identity its blocks are named under (:func:`_block_name`)."""
 
 
 _kept: dict[str, _Kept] = {}
@@ -413,13 +490,14 @@ def _keep_whole(url: str, reply: http_pool.Reply, start: int, end: int, opts: Re
     if announced.isdigit() and int(announced) > cache.limit:
         raise RemoteReadError(url, refused.format(f"{announced} bytes"))
     bs, total, out = opts.block_size, 0, []
+    ident = _tag(reply.headers.get("ETag"), reply.headers.get("Last-Modified"), announced or "?")
     for block in itertools.count():
         data = _read_upto(reply, bs)
         total += len(data)
         if total > cache.limit:
             raise RemoteReadError(url, refused.format(f"more than {cache.limit} bytes"))
         if data:
-            cache.put(_block_name(url, bs, block), data, evict=block % 64 == 63)
+            cache.put(_block_name(url, ident, bs, block), data, evict=block % 64 == 63)
         lo = block * bs
         out.append(data[max(start - lo, 0):max(end - lo, 0)])
         if len(data) < bs:
@@ -427,7 +505,7 @@ def _keep_whole(url: str, reply: http_pool.Reply, start: int, end: int, opts: Re
     if announced.isdigit() and total != int(announced):  # a body without Content-Length that stopped early
         raise RemoteReadError(url, f"the whole object announced {announced} bytes, {total} came")
     cache.evict()
-    _kept[url] = _Kept(cache.dir, cache.limit, bs, total, _validators(reply.headers))
+    _kept[url] = _Kept(cache.dir, cache.limit, bs, total, _validators(reply.headers), ident)
     if server not in _warned:
         _warned.add(server)
         warnings.warn(f"{server} ignores HTTP Range (it answered a ranged GET of {url} with 200 and the whole "
@@ -448,9 +526,10 @@ def read_range(url: str, start: int, end: int, opts: RemoteOptions | None = None
         return _fetch(url, start, end, opts)
     bs = kept.block_size if kept else opts.block_size
     total = kept.size if kept else total
-    out = []
+    ident = kept.ident if kept else _ident(url, opts)
+    out, names = [], []
     for block in range(start // bs, (end - 1) // bs + 1):
-        name = _block_name(url, bs, block)
+        name = _block_name(url, ident, bs, block)
         data = cache.get(name)
         if data is None and kept is not None and url not in _warned:
             _warned.add(url)
@@ -462,14 +541,18 @@ def read_range(url: str, start: int, end: int, opts: RemoteOptions | None = None
             lo = block * bs
             hi = lo + bs if total is None else min(lo + bs, total)
             data = _fetch(url, lo, hi, opts) if total is not None else _fetch_upto(url, lo, hi, opts)
+            if kept is None and _identity.get(url, ident) != ident:  # the object changed: its blocks under the new
+                ident = _identity[url]
+                name = _block_name(url, ident, bs, block)
             cache.put(name, data)
         out.append(data)
+        names.append(name)
     buf = b"".join(out)
     off = start - (start // bs) * bs
     data = buf[off:off + end - start]
     if len(data) != end - start:  # a short block in the cache (another process's, or a size that changed)
-        for block in range(start // bs, (end - 1) // bs + 1):
-            cache.drop(_block_name(url, bs, block))
+        for name in names:
+            cache.drop(name)
         _kept.pop(url, None)
         raise RemoteReadError(url, f"bytes {start}..{end}: the block cache held {len(data)} bytes of them (dropped; "
                                    f"read again)")
@@ -492,7 +575,7 @@ def open_stream(url: str, opts: RemoteOptions | None = None):
         proc = subprocess.Popen(url[len("pipe:"):], shell=True, stdout=subprocess.PIPE, start_new_session=True)
         f = _PipeFile(proc, url)
     elif s in ("http", "https"):
-        f = _retrying(url, opts, lambda: _http(url, opts))
+        f = _HttpStream(url, _retrying(url, opts, lambda: _http(url, opts)), opts)
     elif s in ("", "file"):
         path = local_path(url)
         try:
@@ -505,6 +588,70 @@ def open_stream(url: str, opts: RemoteOptions | None = None):
     if url.split("?", 1)[0].endswith((".tar.gz", ".tgz")):
         return gzip.GzipFile(fileobj=f, mode="rb")
     return f
+
+
+class _HttpStream:
+    """The body of an HTTP GET read front to back. A connection dropped or stalled mid-body is taken up again where
+    it stopped (a ``Range`` GET from that byte, ``If-Range`` the object's validators) up to ``retries`` times per
+    stream, with backoff; past them, or from a server that cannot resume (it ignores Range, the object changed), it is a
+    :class:`RemoteReadError` / :class:`RemoteStallError` naming the URL and the byte, never a bare ``TimeoutError``
+    or ``IncompleteRead``."""
+
+    def __init__(self, url: str, reply: http_pool.Reply, opts: RemoteOptions):
+        self.url, self.reply, self.opts, self.pos, self.resumes = url, reply, opts, 0, 0
+        self.validator = reply.headers.get("ETag") or reply.headers.get("Last-Modified")
+
+    def read(self, n: int = -1) -> bytes:
+        while True:
+            try:
+                data = self.reply.read(n)
+            except (OSError, http.client.HTTPException) as exc:
+                error = self._typed(exc)
+                if self.resumes >= self.opts.retries:
+                    raise error from None
+                time.sleep(self.opts.backoff * 2 ** self.resumes)
+                self.resumes += 1
+                if not self._resume():
+                    raise error from None
+                continue
+            self.pos += len(data)
+            return data
+
+    def _typed(self, exc: BaseException) -> RemoteReadError:
+        at, opts = f"at byte {self.pos}", self.opts
+        if isinstance(exc, http_pool.DeadlineExceeded):
+            return RemoteStallError(self.url, f"{at}: {exc} (request_deadline={opts.request_deadline} s, "
+                                              f"min_rate={opts.min_rate} B/s)")
+        if isinstance(exc, (socket.timeout, TimeoutError)):
+            return RemoteStallError(self.url, f"{at}: no byte for {opts.timeout} s ({exc})")
+        return RemoteReadError(self.url, f"{at}: the body stopped ({type(exc).__name__}: {exc})")
+
+    def _resume(self) -> bool:
+        """The body again from byte ``pos`` (True), or False when the server cannot give it."""
+        self.reply.close()
+        headers = {"Range": f"bytes={self.pos}-"}
+        if self.validator:
+            headers["If-Range"] = self.validator
+        try:
+            reply = http_pool.request(self.url, "GET", headers, timeout=self.opts.timeout,
+                                      deadline=self.opts.request_deadline, min_rate=self.opts.min_rate)
+        except (OSError, http.client.HTTPException, RemoteReadError):
+            return False
+        m = re.match(r"bytes (\d+)-", reply.headers.get("Content-Range", ""))
+        if not (reply.status == 206 and m and int(m.group(1)) == self.pos or reply.status == 200 and self.pos == 0):
+            reply.close()
+            return False
+        self.reply = reply
+        return True
+
+    def close(self) -> None:
+        self.reply.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
 
 class _PipeFile:
