@@ -169,17 +169,25 @@ def read_npy(data: bytes | memoryview, *, max_bytes: int, member: str = "npy", c
     return npy_array(data, header, member=member, copy=copy)
 
 
-def read_npz(data: bytes, *, max_bytes: int, member: str = "npz", copy: bool = True) -> dict[str, np.ndarray]:
+def read_npz(data: bytes, *, max_bytes: int, member: str = "npz", copy: bool = True,
+             names: frozenset[str] | set[str] | None = None) -> dict[str, np.ndarray]:
     """``.npz`` bytes -> ``{name: array}``. The entries' sizes in the zip directory, then each one's ``.npy``
     header, are checked against ``max_bytes`` (all entries together) before anything is inflated
     (:class:`ArrayTooLarge`); every entry must be a uniquely named ``.npy`` inside the file, not overlapping
     another, unencrypted, of exactly its declared size and crc32 (:class:`NpyFormatError`; a broken zip
-    directory is ``zipfile.BadZipFile``). A stored entry with ``copy=False`` is a view of ``data``."""
+    directory is ``zipfile.BadZipFile``). A stored entry with ``copy=False`` is a view of ``data``. ``names``:
+    the only entry names (without ``.npy``) a format has; any other, or more entries than that, is refused
+    before any entry is looked at (a crafted archive of 100k entries costs one pass over its directory)."""
     bad = functools.partial(NpyFormatError, member)
     view = memoryview(data)
     out: dict[str, np.ndarray] = {}
     with zipfile.ZipFile(io.BytesIO(data)) as zf:
         infos = zf.infolist()
+        if names is not None and (len(infos) > len(names) or any(i.filename[:-4] not in names or
+                                                                   not i.filename.endswith(".npy") for i in infos)):
+            other = [i.filename for i in infos if i.filename[:-4] not in names or not i.filename.endswith(".npy")]
+            raise bad("entries", f"at most the entries {sorted(names)}",
+                      f"{len(infos)} entries" + (f", unknown ones such as {other[:3]}" if other else ""))
         twice = sorted(name for name, n in Counter(i.filename for i in infos).items() if n > 1)
         if twice:
             raise bad("entries", "each entry name once", f"duplicate entries {twice}")
