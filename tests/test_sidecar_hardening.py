@@ -144,3 +144,34 @@ def test_a_sidecar_of_many_members_parses_in_linear_time():
     with pytest.raises(StaleIndexError, match="x.tar"):
         parse_sidecar(data, shard="x.tar")
     assert time.perf_counter() - t0 < 0.5
+
+
+def test_a_prebuilt_index_bomb_is_refused_before_it_is_inflated(tmp_path):
+    """A small ``.npz`` whose ``lengths`` inflate to 256 MiB (a bomb: 1 MB of it inflated 2 GiB) is an
+    IndexFileError before anything is inflated (its declared size is past what the file can hold)."""
+    import tracemalloc
+
+    from prealign.loaders.errors import IndexFileError
+    from prealign.loaders.index.sample_index import SampleIndex
+
+    n = 1 << 25  # int64: 256 MiB
+    head = io.BytesIO()
+    np.lib.format.write_array_header_1_0(head, {"descr": "<i8", "fortran_order": False, "shape": (n,)})
+    path = tmp_path / "bomb.npz"
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as zf:
+        with zf.open("lengths.npy", "w", force_zip64=True) as f:
+            f.write(head.getvalue())
+            zero = bytes(16 << 20)
+            for _ in range(n * 8 // len(zero)):
+                f.write(zero)
+        for key in ("locations", "shards", "report"):
+            zf.writestr(f"{key}.npy", b"")
+    assert os.path.getsize(path) < 1 << 20
+    tracemalloc.start()
+    try:
+        with pytest.raises(IndexFileError, match="bomb.npz"):
+            SampleIndex.load(str(path))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 32 << 20, peak

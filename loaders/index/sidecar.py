@@ -104,7 +104,11 @@ def read_regular(path: str, what: str, limit: int) -> bytes | None:
         if st.st_size > limit:
             raise StaleIndexError(path, f"{what} of {st.st_size} bytes, more than the {limit} bytes one can hold",
                                   "not a file prealign wrote: re-run `prealign index`")
-        data = f.read(limit + 1)
+        parts, got = [], 0  # (never read(limit): that allocates the limit up front)
+        while got <= limit and (part := f.read(min(max(st.st_size - got, 0) + 1, limit + 1 - got, 64 << 20))):
+            parts.append(part)
+            got += len(part)
+        data = parts[0] if len(parts) == 1 else b"".join(parts)
     if len(data) > limit:  # grew while read
         raise StaleIndexError(path, f"{what} of more than {limit} bytes", "re-run `prealign index`")
     return data
@@ -386,21 +390,28 @@ PROBE = 1 << 16
 def shard_probe(source, shard: int, size: int) -> str:
     """blake2b-64 of a shard's first and last ``PROBE`` bytes (two reads): with the size, what the
     build-time check compares. A shard read only front to back (``pipe:``) has none (``""``)."""
+    return _probe(source, shard, size)[0]
+
+
+def _probe(source, shard: int, size: int) -> tuple[str, bytes]:
+    """``(shard_probe, the last PROBE bytes read)``."""
 
     url = source.urls[shard]
     if size < 0 or remote.scheme(url) == "pipe":
-        return ""
+        return "", b""
     spans = [(0, min(PROBE, size)), (max(size - PROBE, 0), size)]
     h = hashlib.blake2b(digest_size=8)
     uncached = dataclasses.replace(source.remote, cache_dir=None) if remote.is_remote(url) else None
+    data = b""
     for lo, hi in spans:
         if remote.is_remote(url):  # never through the block cache: it may hold the object's old bytes
-            h.update(remote.read_range(url, lo, hi, uncached))
+            data = remote.read_range(url, lo, hi, uncached)
         else:
             with open(remote.local_path(url), "rb") as f:
                 f.seek(lo)
-                h.update(f.read(hi - lo))
-    return h.hexdigest()
+                data = f.read(hi - lo)
+        h.update(data)
+    return h.hexdigest(), data
 
 
 def sidecar_limit(size: int | None) -> int:
@@ -448,31 +459,35 @@ def sidecar_records(source, schema, sizes: list[int]) -> dict[int, dict]:
         if sizes[shard] >= 0 and meta["size"] != sizes[shard]:  # (a pipe: command's output has no size)
             raise ChangedShardError(url, f"{sizes[shard]} bytes now, {meta['size']} when indexed",
                                     "the shard changed since `prealign index`: re-run it")
-        if meta.get("probe", "") != shard_probe(source, shard, sizes[shard]):
+        probe, last = _probe(source, shard, sizes[shard])
+        if meta.get("probe", "") != probe:
             raise ChangedShardError(url, "its first or last 64 KiB differ from when it was indexed",
                                     "the shard changed since `prealign index`: re-run it")
         if meta["config"] != key:
             raise StaleIndexError(url, f"sidecar built for another schema or transform (config {meta['config']}, "
                                        f"this loader {key})", "re-run `prealign index` with this configuration")
-        _check_tail(source, shard, meta, arrays["spans"], sizes[shard])
+        _check_tail(source, shard, meta, arrays["spans"], sizes[shard], last)
         return record_of(meta, arrays, shard)
 
     records = per_shard(source, record)
     return {shard: r for shard, r in enumerate(records) if r is not None}
 
 
-def _check_tail(source, shard: int, meta: dict, spans: np.ndarray, size: int) -> None:
+def _check_tail(source, shard: int, meta: dict, spans: np.ndarray, size: int, last: bytes) -> None:
     """When the sidecar's last record is a good sample, the end-of-archive marker (1024 zero bytes) must
-    follow it: a removed last row leaves a sample's tar header there instead (one small read, as the
-    probe; none for a shard read only front to back)."""
+    follow it: a removed last row leaves a sample's tar header there instead. Read from ``last`` (the
+    probe's last ``PROBE`` bytes: no read of its own), or for a local shard whose marker lies before
+    them one small read (a remote one: not checked; none for a shard read only front to back)."""
     url = source.urls[shard]
     if not len(spans) or size < 0 or remote.is_sequential(url) or \
             (meta["events"] and meta["events"][-1][0] == meta["num_events"] - 1):
         return
     lo = int(spans[-1, 1])
     hi = min(lo + 1024, size)
-    if remote.is_remote(url):
-        tail = remote.read_range(url, lo, hi, dataclasses.replace(source.remote, cache_dir=None))
+    if len(last) == min(PROBE, size) and lo >= size - len(last):
+        tail = last[lo - (size - len(last)):][:hi - lo]
+    elif remote.is_remote(url):
+        return
     else:
         with open(remote.local_path(url), "rb") as f:
             f.seek(lo)
