@@ -132,7 +132,7 @@ def test_an_unedited_sidecar_with_bad_samples_still_loads(tmp_path):
 
 
 def test_a_sidecar_of_many_members_parses_in_linear_time():
-    """16k stored members (a crafted sidecar): refused, in well under a second (was 6.2 s, quadratic)."""
+    """16k stored members (a crafted sidecar): refused from the zip end record, before its directory is parsed (was 6.2 s)."""
     one = io.BytesIO()
     np.save(one, np.zeros(0, np.uint8))
     buf = io.BytesIO()
@@ -143,7 +143,7 @@ def test_a_sidecar_of_many_members_parses_in_linear_time():
     t0 = time.perf_counter()
     with pytest.raises(StaleIndexError, match="x.tar"):
         parse_sidecar(data, shard="x.tar")
-    assert time.perf_counter() - t0 < 0.5
+    assert time.perf_counter() - t0 < 0.1
 
 
 def test_a_prebuilt_index_bomb_is_refused_before_it_is_inflated(tmp_path):

@@ -181,6 +181,9 @@ def read_npz(data: bytes, *, max_bytes: int, member: str = "npz", copy: bool = T
     bad = functools.partial(NpyFormatError, member)
     view = memoryview(data)
     out: dict[str, np.ndarray] = {}
+    declared = _declared_entries(data)
+    if names is not None and declared is not None and declared > len(names):  # before the directory is parsed
+        raise bad("entries", f"at most the entries {sorted(names)}", f"{declared} entries")
     with zipfile.ZipFile(io.BytesIO(data)) as zf:
         infos = zf.infolist()
         if names is not None and (len(infos) > len(names) or any(i.filename[:-4] not in names or
@@ -234,3 +237,21 @@ def read_npz(data: bytes, *, max_bytes: int, member: str = "npz", copy: bool = T
             max_bytes -= header.nbytes
             out[name[:-4]] = npy_array(raw, header, member=name, copy=copy)
     return out
+
+
+def _declared_entries(data: bytes) -> int | None:
+    """The entry count a zip's end-of-central-directory record declares (zip64's when it defers to it),
+    None when there is none to read (``zipfile`` then says what is wrong)."""
+    at = data.rfind(b"PK\x05\x06", max(0, len(data) - (22 + 0xFFFF)))
+    if at < 0 or at + 22 > len(data):
+        return None
+    count = int.from_bytes(data[at + 10:at + 12], "little")
+    if count != 0xFFFF:
+        return count
+    loc = at - 20
+    if loc < 0 or data[loc:loc + 4] != b"PK\x06\x07":
+        return None
+    rec = int.from_bytes(data[loc + 8:loc + 16], "little")
+    if rec + 40 > len(data) or data[rec:rec + 4] != b"PK\x06\x06":
+        return None
+    return int.from_bytes(data[rec + 32:rec + 40], "little")
