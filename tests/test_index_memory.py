@@ -76,7 +76,11 @@ def test_a_shard_that_is_not_a_regular_file_is_refused(tmp_path, kind):
     assert time.monotonic() - t0 < 10
 
 
-def test_index_command_refuses_dev_zero(capsys):
-    t0 = time.monotonic()
-    assert main(["index", "/dev/zero", "--text"]) != 0
-    assert "/dev/zero" in capsys.readouterr().err and time.monotonic() - t0 < 30
+def test_index_command_refuses_dev_zero_and_a_fifo(tmp_path, capsys):
+    fifo = str(tmp_path / "fifo.tar")
+    os.mkfifo(fifo)
+    for path in ("/dev/zero", fifo):
+        t0 = time.monotonic()
+        assert main(["index", path, "--text"]) != 0
+        err = capsys.readouterr().err
+        assert path in err and "not a regular file" in err and time.monotonic() - t0 < 30
