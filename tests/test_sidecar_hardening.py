@@ -93,19 +93,19 @@ def _save(side, arrays, meta, rows):
     return buf.getvalue()
 
 
-@pytest.mark.parametrize("edit", ["removed", "repeated", "last_removed", "swapped", "past_the_end"])
+@pytest.mark.parametrize("edit", ["removed", "repeated", "last_removed", "first_removed", "swapped", "past_the_end"])
 def test_an_edited_but_consistent_sidecar_is_refused(tmp_path, edit):
     paths = write_shards(str(tmp_path), sample_lengths(10), num_shards=1)
     side, arrays, meta = _sidecar_arrays(paths)
     n = len(arrays["lengths"])
     assert not meta["events"] and n == 10
     rows = {"removed": [i for i in range(n) if i != 4], "repeated": list(range(n)) + [3],
-            "last_removed": list(range(n - 1)), "swapped": [1, 0, *range(2, n)],
+            "last_removed": list(range(n - 1)), "first_removed": list(range(1, n)), "swapped": [1, 0, *range(2, n)],
             "past_the_end": list(range(n))}[edit]
     if edit == "past_the_end":
         arrays["spans"][-1, 1] = meta["size"] + 512
     data = _save(side, arrays, meta, rows)
-    if edit != "last_removed":  # (found only against the shard: what follows the last sample)
+    if edit not in ("last_removed", "first_removed"):  # (found only against the shard's first / last bytes)
         with pytest.raises(StaleIndexError, match="shard-000.tar"):
             parse_sidecar(data, shard=paths[0])
     with pytest.raises(StaleIndexError, match="shard-000.tar"):
@@ -175,3 +175,31 @@ def test_a_prebuilt_index_bomb_is_refused_before_it_is_inflated(tmp_path):
     finally:
         tracemalloc.stop()
     assert peak < 32 << 20, peak
+
+
+def test_a_shard_that_opens_with_a_folder_entry_still_loads_from_its_sidecar(tmp_path):
+    """``tar cf x.tar dir/`` puts the folder's entry first: bytes before the first sample the index pass
+    skips, which the check of what precedes the first sample allows."""
+    import tarfile
+
+    path = str(tmp_path / "shard-000.tar")
+    with tarfile.open(path, "w") as tf:
+        tf.addfile(_dir("d"))
+        for i in range(4):
+            buf = io.BytesIO()
+            np.save(buf, np.arange(5 + i, dtype=np.int32))
+            info = tarfile.TarInfo(f"d/{i:06d}.input_ids.npy")
+            info.size = buf.tell()
+            buf.seek(0)
+            tf.addfile(info, buf)
+    side, arrays, meta = _sidecar_arrays([path])
+    assert int(arrays["spans"][0, 0]) == 512 and not meta["events"]
+    assert len(_prepare([path]).index) == 4
+
+
+def _dir(name):
+    import tarfile
+
+    info = tarfile.TarInfo(name)
+    info.type = tarfile.DIRTYPE
+    return info

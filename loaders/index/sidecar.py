@@ -393,16 +393,16 @@ def shard_probe(source, shard: int, size: int) -> str:
     return _probe(source, shard, size)[0]
 
 
-def _probe(source, shard: int, size: int) -> tuple[str, bytes]:
-    """``(shard_probe, the last PROBE bytes read)``."""
+def _probe(source, shard: int, size: int) -> tuple[str, bytes, bytes]:
+    """``(shard_probe, the first PROBE bytes read, the last PROBE bytes read)``."""
 
     url = source.urls[shard]
     if size < 0 or remote.scheme(url) == "pipe":
-        return "", b""
+        return "", b"", b""
     spans = [(0, min(PROBE, size)), (max(size - PROBE, 0), size)]
     h = hashlib.blake2b(digest_size=8)
     uncached = dataclasses.replace(source.remote, cache_dir=None) if remote.is_remote(url) else None
-    data = b""
+    data, reads = b"", []
     for lo, hi in spans:
         if remote.is_remote(url):  # never through the block cache: it may hold the object's old bytes
             data = remote.read_range(url, lo, hi, uncached)
@@ -411,7 +411,8 @@ def _probe(source, shard: int, size: int) -> tuple[str, bytes]:
                 f.seek(lo)
                 data = f.read(hi - lo)
         h.update(data)
-    return h.hexdigest(), data
+        reads.append(data)
+    return h.hexdigest(), reads[0], reads[1]
 
 
 def sidecar_limit(size: int | None) -> int:
@@ -459,18 +460,36 @@ def sidecar_records(source, schema, sizes: list[int]) -> dict[int, dict]:
         if sizes[shard] >= 0 and meta["size"] != sizes[shard]:  # (a pipe: command's output has no size)
             raise ChangedShardError(url, f"{sizes[shard]} bytes now, {meta['size']} when indexed",
                                     "the shard changed since `prealign index`: re-run it")
-        probe, last = _probe(source, shard, sizes[shard])
+        probe, first, last = _probe(source, shard, sizes[shard])
         if meta.get("probe", "") != probe:
             raise ChangedShardError(url, "its first or last 64 KiB differ from when it was indexed",
                                     "the shard changed since `prealign index`: re-run it")
         if meta["config"] != key:
             raise StaleIndexError(url, f"sidecar built for another schema or transform (config {meta['config']}, "
                                        f"this loader {key})", "re-run `prealign index` with this configuration")
+        _check_head(url, meta, arrays["spans"], first)
         _check_tail(source, shard, meta, arrays["spans"], sizes[shard], last)
         return record_of(meta, arrays, shard)
 
     records = per_shard(source, record)
     return {shard: r for shard, r in enumerate(records) if r is not None}
+
+
+def _check_head(url: str, meta: dict, spans: np.ndarray, first: bytes) -> None:
+    """When the sidecar's first record is a good sample, only folder entries (tar headers of type ``5``,
+    no data) may precede it: a removed first row leaves a sample's member there. Read from ``first``
+    (the probe's first ``PROBE`` bytes: no read of its own; past them, not checked)."""
+    if not len(spans) or (meta["events"] and meta["events"][0][0] == 0):
+        return
+    start = int(spans[0, 0])
+    if start > len(first) or start % 512:
+        return
+    for at in range(0, start, 512):
+        head = first[at:at + 512]
+        if len(head) < 512 or head[156:157] != b"5":
+            raise StaleIndexError(url, f"sidecar index does not account for the shard: bytes {at}..{start} before "
+                                       f"its first sample hold a member, not a folder entry (a removed row?)",
+                                  "re-run `prealign index` on it")
 
 
 def _check_tail(source, shard: int, meta: dict, spans: np.ndarray, size: int, last: bytes) -> None:
