@@ -154,6 +154,11 @@ class MissingShardError(IndexMismatchError):
     :func:`~prealign.loaders.index.sidecar.check_source`, with every missing local shard listed), never counted as bad data. ``.shard`` is None when several are listed."""
 
 
+class NotRegularFileError(MissingShardError):
+    """A local shard (to index) or sidecar path that is not a regular file: a device such as ``/dev/zero``,
+    a FIFO, a socket. The index pass never reads one (it could be endless, or block forever)."""
+
+
 class ChangedShardError(IndexMismatchError):
     """A shard's size or content differs from what its index recorded (re-run ``prealign index``)."""
 

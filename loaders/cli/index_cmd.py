@@ -82,6 +82,26 @@ class Progress:
         self.stream.flush()
 
 
+def _refuse_special_files(urls: list[str]) -> None:
+    """A local shard that exists but is a device, FIFO or socket is refused before anything opens it (the
+    preflight's magic check would block on a FIFO, read ``/dev/zero`` as a shard)."""
+    import os
+    import stat
+
+    from prealign.loaders.errors import NotRegularFileError
+    from prealign.loaders.sources import remote
+
+    for url in urls:
+        if remote.is_remote(url):
+            continue
+        try:
+            mode = os.stat(remote.local_path(url)).st_mode
+        except (OSError, ValueError):
+            continue  # missing: the preflight names every missing shard
+        if not stat.S_ISREG(mode) and not stat.S_ISDIR(mode):
+            raise NotRegularFileError(url, "shard is not a regular file (a device, FIFO or socket)", "give a plain file")
+
+
 def cmd_index(args) -> int:
     from prealign.loaders.cli import preflight
     from prealign.loaders.index.header_pass import write_sidecars
@@ -90,7 +110,9 @@ def cmd_index(args) -> int:
     preflight.check_int("--workers", args.workers, 1)
     preflight.check_topk_vocab(args)
     preflight.check_dir("--out", args.out)
-    preflight.check_shards(expand_urls(args.shards))
+    urls = expand_urls(args.shards)
+    _refuse_special_files(urls)
+    preflight.check_shards(urls)
     source, schema = source_and_schema(args)
     rank, world = _rank_world()
     shards = list(range(source.num_shards))[rank::world]

@@ -24,10 +24,19 @@ sidecar still saves it the next time.
 from __future__ import annotations
 
 import io
+import os
+import stat
 from typing import Callable
 
 from prealign.collate.samples import sample_token_keys
-from prealign.loaders.errors import BadSampleError, CorruptShardError, MissingMemberError, StaleIndexError
+from prealign.loaders.errors import (
+    BadSampleError,
+    CorruptShardError,
+    MissingMemberError,
+    MissingShardError,
+    NotRegularFileError,
+    StaleIndexError,
+)
 from prealign.loaders.index.build import index_shard
 from prealign.loaders.index.events import error_record
 from prealign.loaders.index.sample_checks import FIELDS_KEY, media_keys, optional_keys, validated
@@ -37,6 +46,7 @@ from prealign.loaders.index.sidecar import (
     indexed_transform,
     parse_sidecar,
     read_sidecar_bytes,
+    regular_stat,
     shard_probe,
     shard_size,
     shard_sizes,
@@ -206,19 +216,37 @@ def header_index_shard(source, schema: BatchSchema, shard: int, *, full: bool = 
 
     url = source.urls[shard]
     rule = None if full else length_rule(source, schema, verify_images=verify_images)
-    f = Fingerprint(remote.open_stream(url, source.remote))
+    f = open_shard(url, source.remote)
     try:
         if rule is None:
             record = index_shard(source, schema, shard)
             return record, f.finish()
-        chunks = []  # the shard in memory (one at a time): one read, one hash, fast member walks
-        while chunk := f.read(16 << 20):
-            chunks.append(chunk)
-        return _header_pass(source, schema, shard, rule, io.BytesIO(b"".join(chunks))), f.finish()
+        # streamed: one sample's members in memory at a time, hashed as they are read
+        return _header_pass(source, schema, shard, rule, f), f.finish()
     finally:
         close = getattr(f.f, "close", None)
         if close:
             close()
+
+
+def open_shard(url: str, opts=None) -> Fingerprint:
+    """A :class:`Fingerprint` reading shard ``url`` front to back. A local shard must be a regular file
+    (a device such as ``/dev/zero``, a FIFO or a socket is a :class:`NotRegularFileError`, checked before
+    the open, so a FIFO never blocks, and again on the opened file); its size bounds what is read."""
+
+    local = not remote.is_remote(url)
+    if local and regular_stat(remote.local_path(url), "shard") is None:
+        raise MissingShardError(url, "no such shard")
+    f = remote.open_stream(url, opts)
+    length = None
+    if local:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            f.close()
+            raise NotRegularFileError(url, "shard is not a regular file", "give a plain file")
+        if not remote.is_sequential(url):  # (a .tar.gz: the bytes read are more than the file's)
+            length = st.st_size
+    return Fingerprint(f, length, url)
 
 
 def _header_pass(source, schema, shard: int, rule, f) -> dict:
@@ -312,14 +340,14 @@ def _up_to_date(source, schema, shard: int, out_dir: str | None) -> bool:
     """True when shard ``shard`` has a readable sidecar of its current size and this configuration."""
 
     src = source if out_dir is None else _with_index_dir(source, out_dir)
+    size = shard_size(source, shard)
     try:
-        data = read_sidecar_bytes(src, shard)
+        data = read_sidecar_bytes(src, shard, size)
         if data is None:
             return False
         meta, _ = parse_sidecar(data, shard=source.urls[shard])
     except (StaleIndexError, OSError):
         return False
-    size = shard_size(source, shard)
     return (meta["size"] == size and meta["config"] == config_key(source, schema)
             and meta.get("probe", "") == shard_probe(source, shard, size))
 
@@ -367,6 +395,9 @@ def write_sidecars(source, schema: BatchSchema, *, out_dir: str | None = None, w
 
     todo = list(range(source.num_shards)) if shards is None else list(shards)
     shard_sizes(source, todo)  # missing shards or a brace typo, all named: before any work
+    for s in todo:  # a device, a FIFO: refused before any work (never read without end, never waited on)
+        if not remote.is_remote(source.urls[s]):
+            regular_stat(remote.local_path(source.urls[s]), "shard")
     if out_dir:
         import os
 

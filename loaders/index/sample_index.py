@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from prealign.loaders.errors import IndexFileError
+from prealign.loaders.errors import IndexFileError, StaleIndexError
 from prealign.loaders.policy import BadDataReport
 
 
@@ -70,18 +70,41 @@ class SampleIndex:
         extra keys, wrong dtypes or shapes, inconsistent row counts, an undecodable report) is an
         :class:`~prealign.loaders.errors.IndexFileError` (a configuration error, a
         :class:`~prealign.loaders.errors.StaleIndexError`) naming the path and the key. Never unpickles."""
+        from prealign.loaders.index.sidecar import read_regular
+        from prealign.loaders.sources.npy import ArrayTooLarge, NpyFormatError, read_npz
+
         try:
-            z = np.load(path, allow_pickle=False)
-        except FileNotFoundError:
-            raise IndexFileError(f"index {path}: no such file") from None
-        except (OSError, ValueError, EOFError) as exc:
+            data = read_regular(path, "index", _MAX_INDEX_FILE)
+        except (StaleIndexError, OSError) as exc:
             raise IndexFileError(f"index {path}: not an .npz index ({type(exc).__name__}: {exc})") from None
-        if not hasattr(z, "files"):
+        if data is None:
+            raise IndexFileError(f"index {path}: no such file")
+        if data[:6] == b"\x93NUMPY":
             raise IndexFileError(f"index {path}: a bare array, not an .npz index written by SampleIndex.save")
-        with z:
-            return _checked_index(path, z)
+        try:  # every entry's declared size checked before anything is inflated: a 1 MB file never inflates GiBs
+            arrays = read_npz(data, max_bytes=64 * len(data) + (1 << 20), member=f"index {path}")
+        except NpyFormatError as exc:
+            key = exc.member[:-4] if exc.member.endswith(".npy") else None
+            if key in _INDEX_KEYS:  # e.g. an object (pickled) array: never unpickled
+                raise IndexFileError(f"index {path}: key {key!r} unreadable ({exc})") from None
+            raise IndexFileError(f"index {path}: not an .npz index ({exc})") from None
+        except ArrayTooLarge as exc:
+            raise IndexFileError(f"index {path}: more than the file can hold ({exc})") from None
+        except Exception as exc:  # noqa: BLE001 - any failure to parse a crafted file is a typed error
+            raise IndexFileError(f"index {path}: not an .npz index ({type(exc).__name__}: {exc})") from None
+        return _checked_index(path, _Arrays(arrays))
 
 
+class _Arrays(dict):
+    """The entries of an index file, read as ``np.load``'s ``NpzFile`` is (``.files``, ``[key]``)."""
+
+    @property
+    def files(self) -> list[str]:
+        return list(self)
+
+
+_MAX_INDEX_FILE = 1 << 40
+"""Largest index file read (a regular file; a sample takes at most ~50 bytes of one)."""
 _INDEX_KEYS = {"lengths", "locations", "shards", "report", "media", "dims", "source_shards"}
 
 

@@ -46,6 +46,7 @@ from prealign.loaders.errors import (
     ExtraShardError,
     IndexFileError,
     MissingShardError,
+    NotRegularFileError,
     ShardTimeoutError,
     StaleIndexError,
 )
@@ -61,23 +62,118 @@ FORMAT = "prealign-sidecar"
 VERSION = 1
 _ARRAYS = {"spans": (np.int64, 2), "lengths": (np.int64, 1), "media": (np.bool_, 1), "dim_ids": (np.int64, 1)}
 _MAX_META = 64 << 20
+_BUFFER = 1 << 20
+_ROW_BYTES = 8 * 3 + 8 + 1 + 8  # spans, lengths, media, dim_ids
+
+
+def regular_stat(path: str, what: str) -> os.stat_result | None:
+    """``os.stat`` of ``path`` (symlinks followed; never opened, so a FIFO cannot block), None when it
+    does not exist; :class:`NotRegularFileError` naming it when it is anything but a regular file."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    if not stat.S_ISREG(st.st_mode):
+        raise NotRegularFileError(path, f"{what} is not a regular file ({_kind(st.st_mode)})",
+                                  "give a plain file")
+    return st
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a folder"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return f"mode {oct(mode)}"
+
+
+def read_regular(path: str, what: str, limit: int) -> bytes | None:
+    """The bytes of the regular file ``path`` (None when it does not exist), opened without blocking (a
+    FIFO is refused, never waited on) and checked after the open (``fstat``: no swap between check
+    and open); anything but a regular file, or more than ``limit`` bytes, is a :class:`StaleIndexError`
+    naming it (never an unbounded read)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise StaleIndexError(path, f"{what} is not a regular file ({_kind(st.st_mode)})",
+                                  "not a file prealign wrote: remove it and re-run `prealign index`")
+        if st.st_size > limit:
+            raise StaleIndexError(path, f"{what} of {st.st_size} bytes, more than the {limit} bytes one can hold",
+                                  "not a file prealign wrote: re-run `prealign index`")
+        parts, got = [], 0  # (never read(limit): that allocates the limit up front)
+        while got <= limit and (part := f.read(min(max(st.st_size - got, 0) + 1, limit + 1 - got, 64 << 20))):
+            parts.append(part)
+            got += len(part)
+        data = parts[0] if len(parts) == 1 else b"".join(parts)
+    if len(data) > limit:  # grew while read
+        raise StaleIndexError(path, f"{what} of more than {limit} bytes", "re-run `prealign index`")
+    return data
 
 
 class Fingerprint:
-    """Counts and hashes the bytes of a file object as they are read (``read`` passes through)."""
+    """Counts and hashes the bytes of a file object as they are read, serving small reads (tar headers)
+    from a buffer of at most :data:`_BUFFER` bytes. ``length``: the bytes the file holds when known (a
+    local regular file), so a tar reader can bound member sizes by what is left (``length - pos``);
+    ``name`` names the shard in errors."""
 
-    def __init__(self, f):
-        self.f, self.size, self.hash = f, 0, hashlib.blake2b(digest_size=16)
+    def __init__(self, f, length: int | None = None, name: str | None = None):
+        self.f, self.size, self.hash, self.length, self.name = f, 0, hashlib.blake2b(digest_size=16), length, name
+        self._buf, self._at = b"", 0
 
-    def read(self, n: int = -1) -> bytes:
+    @property
+    def pos(self) -> int:
+        """Bytes handed to the caller so far."""
+        return self.size - (len(self._buf) - self._at)
+
+    def _pull(self, n: int) -> bytes:
         data = self.f.read(n)
         self.size += len(data)
         self.hash.update(data)
+        if self.length is not None and self.size > self.length:
+            raise ChangedShardError(self.name, f"grew past its {self.length} bytes while it was indexed",
+                                    "index it once it is written")
         return data
+
+    def read(self, n: int = -1) -> bytes:
+        have = len(self._buf) - self._at
+        if n is None or n < 0:
+            parts = [self._buf[self._at:]]
+            while chunk := self._pull(_BUFFER):
+                parts.append(chunk)
+            self._buf, self._at = b"", 0
+            return b"".join(parts)
+        if n <= have:  # the common case: a tar header from the buffer
+            out = self._buf[self._at:self._at + n]
+            self._at += n
+            return out
+        parts, need = [], n  # filled to n bytes unless the file ends (a stream may answer short reads)
+        while need > 0:
+            have = len(self._buf) - self._at
+            if have:
+                take = min(have, need)
+                parts.append(self._buf[self._at:self._at + take])
+                self._at += take
+                need -= take
+            elif need >= _BUFFER:  # a big member: straight from the file, never through the buffer
+                chunk = self._pull(need)
+                if not chunk:
+                    break
+                parts.append(chunk)
+                need -= len(chunk)
+            else:
+                self._buf, self._at = self._pull(_BUFFER), 0
+                if not self._buf:
+                    break
+        return parts[0] if len(parts) == 1 else b"".join(parts)
 
     def finish(self) -> dict:
         """Drain what is left (a shard's trailing padding) and return ``{"size", "hash"}``."""
-        while self.read(1 << 20):
+        self._buf, self._at = b"", 0
+        while self._pull(1 << 20):
             pass
         return {"size": self.size, "hash": self.hash.hexdigest()}
 
@@ -114,7 +210,8 @@ def parse_sidecar(data: bytes, *, shard: str) -> tuple[dict, dict[str, np.ndarra
 
     try:
         # views of data (never unpickled); members may not declare far more than the file holds
-        members = read_npz(data, max_bytes=64 * len(data) + (1 << 20), member=shard, copy=False)
+        members = read_npz(data, max_bytes=64 * len(data) + (1 << 20), member=shard, copy=False,
+                           names=frozenset({"meta", *_ARRAYS}))
         if set(members) != {"meta", *_ARRAYS}:
             raise bad(f"keys {sorted(members)}, expected {sorted({'meta', *_ARRAYS})}")
         raw_meta = members["meta"]
@@ -159,10 +256,37 @@ def parse_sidecar(data: bytes, *, shard: str) -> tuple[dict, dict[str, np.ndarra
               or arrays["lengths"].min() < 0):
         raise bad("byte ranges or lengths out of bounds")
     events = meta["events"]
-    if not all(isinstance(e, list) and len(e) == 2 and isinstance(e[0], int) and isinstance(e[1], list) and e[1]
-               and e[1][0] in ("bad", "skip") for e in events) or meta["num_events"] != n + len(events):
+    if not all(isinstance(e, list) and len(e) == 2 and isinstance(e[0], int) and not isinstance(e[0], bool)
+               and isinstance(e[1], list) and e[1] and e[1][0] in ("bad", "skip") for e in events) \
+            or meta["num_events"] != n + len(events):
         raise bad("malformed events")
+    _check_spans(spans, events, meta["num_events"], bad)
     return meta, arrays
+
+
+def _check_spans(spans: np.ndarray, events: list, num_events: int, bad) -> None:
+    """The good samples' byte ranges tile the shard as the index pass found them: in order, never
+    overlapping (a repeated or reordered row), and two samples with no bad or skipped record between
+    them adjacent (a removed row leaves a gap nothing explains)."""
+    positions = [e[0] for e in events]
+    if any(not 0 <= p < num_events for p in positions) or any(b <= a for a, b in zip(positions, positions[1:])):
+        raise bad("event positions out of range or out of order")
+    if len(spans) < 2:
+        return
+    ends, starts = spans[:-1, 1], spans[1:, 0]
+    if np.any(starts < ends):
+        i = int(np.argmax(starts < ends))
+        raise bad(f"sample {i + 1}'s bytes {int(spans[i + 1, 0])}..{int(spans[i + 1, 1])} overlap or precede "
+                  f"sample {i}'s {int(spans[i, 0])}..{int(spans[i, 1])} (a repeated or reordered row)")
+    ok = np.ones(num_events, dtype=bool)
+    ok[positions] = False
+    at = np.flatnonzero(ok)  # the event position of each good sample, in order
+    adjacent = at[1:] == at[:-1] + 1
+    gap = adjacent & (starts != ends)
+    if np.any(gap):
+        i = int(np.argmax(gap))
+        raise bad(f"a gap of {int(starts[i] - ends[i])} bytes between samples {i} and {i + 1} with no bad or "
+                  f"skipped record between them (a removed row)")
 
 
 def record_of(meta: dict, arrays: dict[str, np.ndarray], shard: int) -> dict:
@@ -266,36 +390,55 @@ PROBE = 1 << 16
 def shard_probe(source, shard: int, size: int) -> str:
     """blake2b-64 of a shard's first and last ``PROBE`` bytes (two reads): with the size, what the
     build-time check compares. A shard read only front to back (``pipe:``) has none (``""``)."""
+    return _probe(source, shard, size)[0]
+
+
+def _probe(source, shard: int, size: int) -> tuple[str, bytes, bytes]:
+    """``(shard_probe, the first PROBE bytes read, the last PROBE bytes read)``."""
 
     url = source.urls[shard]
     if size < 0 or remote.scheme(url) == "pipe":
-        return ""
+        return "", b"", b""
     spans = [(0, min(PROBE, size)), (max(size - PROBE, 0), size)]
     h = hashlib.blake2b(digest_size=8)
     uncached = dataclasses.replace(source.remote, cache_dir=None) if remote.is_remote(url) else None
+    data, reads = b"", []
     for lo, hi in spans:
         if remote.is_remote(url):  # never through the block cache: it may hold the object's old bytes
-            h.update(remote.read_range(url, lo, hi, uncached))
+            data = remote.read_range(url, lo, hi, uncached)
         else:
             with open(remote.local_path(url), "rb") as f:
                 f.seek(lo)
-                h.update(f.read(hi - lo))
-    return h.hexdigest()
+                data = f.read(hi - lo)
+        h.update(data)
+        reads.append(data)
+    return h.hexdigest(), reads[0], reads[1]
 
 
-def read_sidecar_bytes(source, shard: int) -> bytes | None:
-    """The sidecar of shard ``shard`` (local file or URL), or None when there is none."""
+def sidecar_limit(size: int | None) -> int:
+    """Most bytes the sidecar of a shard of ``size`` bytes can hold (``None`` or ``-1``: size unknown): its
+    meta (at most 64 MiB), a row of 41 bytes per sample (a sample takes at least one 512-byte tar
+    header; with no size, a shard of 1 TiB) and the zip's own framing."""
+    shard = (1 << 40) if size is None or size < 0 else size
+    return _MAX_META + (1 << 20) + _ROW_BYTES * (shard // 512 + 1)
+
+
+def read_sidecar_bytes(source, shard: int, size: int | None = None) -> bytes | None:
+    """The sidecar of shard ``shard`` (local file or URL), or None when there is none. A local sidecar must
+    be a regular file (a FIFO is refused, never waited on; a link to ``/dev/zero`` is refused) of at most
+    :func:`sidecar_limit` of the shard's ``size`` bytes, else :class:`StaleIndexError`."""
 
     if remote.scheme(source.urls[shard]) == "pipe" and not getattr(source, "index_dir", None):
         return None  # a command's output has no "beside": give index_dir
     path = sidecar_path(source.urls[shard], getattr(source, "index_dir", None))
+    limit = sidecar_limit(size)
     if remote.is_remote(path):
-        return remote.read_small(path, source.remote)
-    try:
-        with open(path, "rb") as f:
-            return f.read()
-    except FileNotFoundError:
-        return None
+        data = remote.read_small(path, source.remote)
+        if data is not None and len(data) > limit:
+            raise StaleIndexError(path, f"sidecar of {len(data)} bytes, more than the {limit} bytes one can hold",
+                                  "re-run `prealign index`")
+        return data
+    return read_regular(remote.local_path(path), "sidecar", limit)
 
 
 def sidecar_records(source, schema, sizes: list[int]) -> dict[int, dict]:
@@ -308,7 +451,7 @@ def sidecar_records(source, schema, sizes: list[int]) -> dict[int, dict]:
 
     def record(shard: int) -> dict | None:
         url = source.urls[shard]
-        data = read_sidecar_bytes(source, shard)
+        data = read_sidecar_bytes(source, shard, sizes[shard])
         if data is None:
             return None
         meta, arrays = parse_sidecar(data, shard=url)
@@ -317,16 +460,61 @@ def sidecar_records(source, schema, sizes: list[int]) -> dict[int, dict]:
         if sizes[shard] >= 0 and meta["size"] != sizes[shard]:  # (a pipe: command's output has no size)
             raise ChangedShardError(url, f"{sizes[shard]} bytes now, {meta['size']} when indexed",
                                     "the shard changed since `prealign index`: re-run it")
-        if meta.get("probe", "") != shard_probe(source, shard, sizes[shard]):
+        probe, first, last = _probe(source, shard, sizes[shard])
+        if meta.get("probe", "") != probe:
             raise ChangedShardError(url, "its first or last 64 KiB differ from when it was indexed",
                                     "the shard changed since `prealign index`: re-run it")
         if meta["config"] != key:
             raise StaleIndexError(url, f"sidecar built for another schema or transform (config {meta['config']}, "
                                        f"this loader {key})", "re-run `prealign index` with this configuration")
+        _check_head(url, meta, arrays["spans"], first)
+        _check_tail(source, shard, meta, arrays["spans"], sizes[shard], last)
         return record_of(meta, arrays, shard)
 
     records = per_shard(source, record)
     return {shard: r for shard, r in enumerate(records) if r is not None}
+
+
+def _check_head(url: str, meta: dict, spans: np.ndarray, first: bytes) -> None:
+    """When the sidecar's first record is a good sample, only folder entries (tar headers of type ``5``,
+    no data) may precede it: a removed first row leaves a sample's member there. Read from ``first``
+    (the probe's first ``PROBE`` bytes: no read of its own; past them, not checked)."""
+    if not len(spans) or (meta["events"] and meta["events"][0][0] == 0):
+        return
+    start = int(spans[0, 0])
+    if start > len(first) or start % 512:
+        return
+    for at in range(0, start, 512):
+        head = first[at:at + 512]
+        if len(head) < 512 or head[156:157] != b"5":
+            raise StaleIndexError(url, f"sidecar index does not account for the shard: bytes {at}..{start} before "
+                                       f"its first sample hold a member, not a folder entry (a removed row?)",
+                                  "re-run `prealign index` on it")
+
+
+def _check_tail(source, shard: int, meta: dict, spans: np.ndarray, size: int, last: bytes) -> None:
+    """When the sidecar's last record is a good sample, the end-of-archive marker (1024 zero bytes) must
+    follow it: a removed last row leaves a sample's tar header there instead. Read from ``last`` (the
+    probe's last ``PROBE`` bytes: no read of its own), or for a local shard whose marker lies before
+    them one small read (a remote one: not checked; none for a shard read only front to back)."""
+    url = source.urls[shard]
+    if not len(spans) or size < 0 or remote.is_sequential(url) or \
+            (meta["events"] and meta["events"][-1][0] == meta["num_events"] - 1):
+        return
+    lo = int(spans[-1, 1])
+    hi = min(lo + 1024, size)
+    if len(last) == min(PROBE, size) and lo >= size - len(last):
+        tail = last[lo - (size - len(last)):][:hi - lo]
+    elif remote.is_remote(url):
+        return
+    else:
+        with open(remote.local_path(url), "rb") as f:
+            f.seek(lo)
+            tail = f.read(hi - lo)
+    if tail != bytes(1024):
+        raise StaleIndexError(url, f"sidecar index does not account for the shard: bytes {lo}..{hi} after its last "
+                                   f"sample are not the end-of-archive marker (a removed row?)",
+                              "re-run `prealign index` on it")
 
 
 def per_shard(source, fn, shards=None) -> list:

@@ -169,17 +169,28 @@ def read_npy(data: bytes | memoryview, *, max_bytes: int, member: str = "npy", c
     return npy_array(data, header, member=member, copy=copy)
 
 
-def read_npz(data: bytes, *, max_bytes: int, member: str = "npz", copy: bool = True) -> dict[str, np.ndarray]:
+def read_npz(data: bytes, *, max_bytes: int, member: str = "npz", copy: bool = True,
+             names: frozenset[str] | set[str] | None = None) -> dict[str, np.ndarray]:
     """``.npz`` bytes -> ``{name: array}``. The entries' sizes in the zip directory, then each one's ``.npy``
     header, are checked against ``max_bytes`` (all entries together) before anything is inflated
     (:class:`ArrayTooLarge`); every entry must be a uniquely named ``.npy`` inside the file, not overlapping
     another, unencrypted, of exactly its declared size and crc32 (:class:`NpyFormatError`; a broken zip
-    directory is ``zipfile.BadZipFile``). A stored entry with ``copy=False`` is a view of ``data``."""
+    directory is ``zipfile.BadZipFile``). A stored entry with ``copy=False`` is a view of ``data``. ``names``:
+    the only entry names (without ``.npy``) a format has; any other, or more entries than that, is refused
+    before any entry is looked at (a crafted archive of 100k entries costs one pass over its directory)."""
     bad = functools.partial(NpyFormatError, member)
     view = memoryview(data)
     out: dict[str, np.ndarray] = {}
+    declared = _declared_entries(data)
+    if names is not None and declared is not None and declared > len(names):  # before the directory is parsed
+        raise bad("entries", f"at most the entries {sorted(names)}", f"{declared} entries")
     with zipfile.ZipFile(io.BytesIO(data)) as zf:
         infos = zf.infolist()
+        if names is not None and (len(infos) > len(names) or any(i.filename[:-4] not in names or
+                                                                   not i.filename.endswith(".npy") for i in infos)):
+            other = [i.filename for i in infos if i.filename[:-4] not in names or not i.filename.endswith(".npy")]
+            raise bad("entries", f"at most the entries {sorted(names)}",
+                      f"{len(infos)} entries" + (f", unknown ones such as {other[:3]}" if other else ""))
         twice = sorted(name for name, n in Counter(i.filename for i in infos).items() if n > 1)
         if twice:
             raise bad("entries", "each entry name once", f"duplicate entries {twice}")
@@ -226,3 +237,21 @@ def read_npz(data: bytes, *, max_bytes: int, member: str = "npz", copy: bool = T
             max_bytes -= header.nbytes
             out[name[:-4]] = npy_array(raw, header, member=name, copy=copy)
     return out
+
+
+def _declared_entries(data: bytes) -> int | None:
+    """The entry count a zip's end-of-central-directory record declares (zip64's when it defers to it),
+    None when there is none to read (``zipfile`` then says what is wrong)."""
+    at = data.rfind(b"PK\x05\x06", max(0, len(data) - (22 + 0xFFFF)))
+    if at < 0 or at + 22 > len(data):
+        return None
+    count = int.from_bytes(data[at + 10:at + 12], "little")
+    if count != 0xFFFF:
+        return count
+    loc = at - 20
+    if loc < 0 or data[loc:loc + 4] != b"PK\x06\x07":
+        return None
+    rec = int.from_bytes(data[loc + 8:loc + 16], "little")
+    if rec + 40 > len(data) or data[rec:rec + 4] != b"PK\x06\x06":
+        return None
+    return int.from_bytes(data[rec + 32:rec + 40], "little")

@@ -1,0 +1,205 @@
+"""Sidecars read with bounds (issue #18): only regular files of a size the format allows; a sidecar of
+many members parses in linear time; a consistent but edited sidecar (rows removed or repeated, counts
+adjusted) is refused at load, never silently fewer or more samples."""
+from __future__ import annotations
+
+import io
+import json
+import os
+import threading
+import time
+import zipfile
+
+import numpy as np
+import pytest
+
+from prealign.loaders import IndexOptions, PackedLoader, WebDatasetSource
+from prealign.loaders.errors import StaleIndexError
+from prealign.loaders.index.header_pass import write_sidecars
+from prealign.loaders.index.sidecar import parse_sidecar, sidecar_limit
+from prealign.schemas import ParallelLayout
+from prealign.schemas.schema import causal_lm_schema
+
+from .loader_helpers import sample_lengths, write_shards
+
+SCHEMA = causal_lm_schema()
+
+
+def _prepare(paths):
+    return PackedLoader(WebDatasetSource(paths), schema=SCHEMA, layout=ParallelLayout(), token_budget=128,
+                        dp_size=1, dp_rank=0, seed=3, indexing=IndexOptions()).prepare()
+
+
+def _in_thread(fn, timeout: float):
+    """``fn()``'s exception (or None), or "hung" when it has not returned within ``timeout`` s."""
+    out = {}
+
+    def run():
+        try:
+            fn()
+            out["exc"] = None
+        except BaseException as exc:  # noqa: BLE001 - handed back to the test
+            out["exc"] = exc
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout)
+    return out.get("exc", "hung")
+
+
+@pytest.mark.parametrize("kind", ["dev_zero", "fifo"])
+def test_a_sidecar_that_is_not_a_regular_file_is_refused_without_reading_it(tmp_path, kind):
+    paths = write_shards(str(tmp_path), sample_lengths(10), num_shards=1)
+    side = paths[0] + ".prealign-index.npz"
+    if kind == "dev_zero":
+        os.symlink("/dev/zero", side)
+    else:
+        os.mkfifo(side)
+    try:
+        exc = _in_thread(lambda: _prepare(paths), 20)
+        assert isinstance(exc, StaleIndexError) and "not a regular file" in str(exc), exc
+    finally:
+        if kind == "fifo":  # let a reader still blocked on the FIFO go
+            try:
+                os.close(os.open(side, os.O_WRONLY | os.O_NONBLOCK))
+            except OSError:
+                pass
+
+
+def test_a_sidecar_larger_than_its_shard_allows_is_refused(tmp_path):
+    paths = write_shards(str(tmp_path), sample_lengths(10), num_shards=1)
+    side = paths[0] + ".prealign-index.npz"
+    with open(side, "wb") as f:
+        f.truncate(sidecar_limit(os.path.getsize(paths[0])) + 1)  # sparse: costs no disk
+    with pytest.raises(StaleIndexError, match="more than the"):
+        _prepare(paths)
+
+
+def _sidecar_arrays(paths):
+    write_sidecars(WebDatasetSource(paths), SCHEMA, force=True)
+    side = paths[0] + ".prealign-index.npz"
+    with np.load(side) as z:
+        arrays = {k: z[k] for k in z.files}
+    return side, arrays, json.loads(arrays["meta"].tobytes())
+
+
+def _save(side, arrays, meta, rows):
+    out = {k: arrays[k][rows] for k in ("spans", "lengths", "media", "dim_ids")}
+    meta = dict(meta, num_events=len(rows) + len(meta["events"]))
+    buf = io.BytesIO()
+    np.savez(buf, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8), **out)
+    with open(side, "wb") as f:
+        f.write(buf.getvalue())
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("edit", ["removed", "repeated", "last_removed", "first_removed", "swapped", "past_the_end"])
+def test_an_edited_but_consistent_sidecar_is_refused(tmp_path, edit):
+    paths = write_shards(str(tmp_path), sample_lengths(10), num_shards=1)
+    side, arrays, meta = _sidecar_arrays(paths)
+    n = len(arrays["lengths"])
+    assert not meta["events"] and n == 10
+    rows = {"removed": [i for i in range(n) if i != 4], "repeated": list(range(n)) + [3],
+            "last_removed": list(range(n - 1)), "first_removed": list(range(1, n)), "swapped": [1, 0, *range(2, n)],
+            "past_the_end": list(range(n))}[edit]
+    if edit == "past_the_end":
+        arrays["spans"][-1, 1] = meta["size"] + 512
+    data = _save(side, arrays, meta, rows)
+    if edit not in ("last_removed", "first_removed"):  # (found only against the shard's first / last bytes)
+        with pytest.raises(StaleIndexError, match="shard-000.tar"):
+            parse_sidecar(data, shard=paths[0])
+    with pytest.raises(StaleIndexError, match="shard-000.tar"):
+        _prepare(paths)
+
+
+def test_an_unedited_sidecar_with_bad_samples_still_loads(tmp_path):
+    """Gaps where bad samples were (the last one too) are explained by their events: a real sidecar passes."""
+    from prealign.loaders import BadDataPolicy
+
+    from .loader_helpers import add_member
+
+    def extra(i, tf):
+        if i in (3, 9):
+            add_member(tf, f"{i:06d}.input_ids.npy", b"not an npy")
+
+    paths = write_shards(str(tmp_path), sample_lengths(10), num_shards=1, extra=extra)
+    side, arrays, meta = _sidecar_arrays(paths)
+    assert len(meta["events"]) == 2 and len(arrays["lengths"]) == 8
+    parse_sidecar(open(side, "rb").read(), shard=paths[0])
+    loader = PackedLoader(WebDatasetSource(paths), schema=SCHEMA, layout=ParallelLayout(), token_budget=128,
+                          dp_size=1, dp_rank=0, seed=3, bad_data=BadDataPolicy(on_error="skip", max_consecutive=50))
+    assert len(loader.prepare().index) == 8
+
+
+def test_a_sidecar_of_many_members_parses_in_linear_time():
+    """16k stored members (a crafted sidecar): refused from the zip end record, before its directory is parsed (was 6.2 s)."""
+    one = io.BytesIO()
+    np.save(one, np.zeros(0, np.uint8))
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as zf:
+        for i in range(16_000):
+            zf.writestr(f"m{i}.npy", one.getvalue())
+    data = buf.getvalue()
+    t0 = time.perf_counter()
+    with pytest.raises(StaleIndexError, match="x.tar"):
+        parse_sidecar(data, shard="x.tar")
+    assert time.perf_counter() - t0 < 0.1
+
+
+def test_a_prebuilt_index_bomb_is_refused_before_it_is_inflated(tmp_path):
+    """A small ``.npz`` whose ``lengths`` inflate to 256 MiB (a bomb: 1 MB of it inflated 2 GiB) is an
+    IndexFileError before anything is inflated (its declared size is past what the file can hold)."""
+    import tracemalloc
+
+    from prealign.loaders.errors import IndexFileError
+    from prealign.loaders.index.sample_index import SampleIndex
+
+    n = 1 << 25  # int64: 256 MiB
+    head = io.BytesIO()
+    np.lib.format.write_array_header_1_0(head, {"descr": "<i8", "fortran_order": False, "shape": (n,)})
+    path = tmp_path / "bomb.npz"
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as zf:
+        with zf.open("lengths.npy", "w", force_zip64=True) as f:
+            f.write(head.getvalue())
+            zero = bytes(16 << 20)
+            for _ in range(n * 8 // len(zero)):
+                f.write(zero)
+        for key in ("locations", "shards", "report"):
+            zf.writestr(f"{key}.npy", b"")
+    assert os.path.getsize(path) < 1 << 20
+    tracemalloc.start()
+    try:
+        with pytest.raises(IndexFileError, match="bomb.npz"):
+            SampleIndex.load(str(path))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 32 << 20, peak
+
+
+def test_a_shard_that_opens_with_a_folder_entry_still_loads_from_its_sidecar(tmp_path):
+    """``tar cf x.tar dir/`` puts the folder's entry first: bytes before the first sample the index pass
+    skips, which the check of what precedes the first sample allows."""
+    import tarfile
+
+    path = str(tmp_path / "shard-000.tar")
+    with tarfile.open(path, "w") as tf:
+        tf.addfile(_dir("d"))
+        for i in range(4):
+            buf = io.BytesIO()
+            np.save(buf, np.arange(5 + i, dtype=np.int32))
+            info = tarfile.TarInfo(f"d/{i:06d}.input_ids.npy")
+            info.size = buf.tell()
+            buf.seek(0)
+            tf.addfile(info, buf)
+    side, arrays, meta = _sidecar_arrays([path])
+    assert int(arrays["spans"][0, 0]) == 512 and not meta["events"]
+    assert len(_prepare([path]).index) == 4
+
+
+def _dir(name):
+    import tarfile
+
+    info = tarfile.TarInfo(name)
+    info.type = tarfile.DIRTYPE
+    return info
