@@ -8,11 +8,13 @@ resumable with ``state_dict`` / ``load_state_dict``.
 from prealign.loaders.conformance import assert_resumes_exactly
 from prealign.loaders.errors import (
                      BadSampleError,
+                     CollectiveTimeoutError,
                      CorruptShardError,
                      IndexFileError,
                      LoaderUsageError,
                      MissingMemberError,
                      MissingShardError,
+                     NotRegularFileError,
                      OversizeSampleError,
                      PlanError,
                      RangeIgnoredWarning,
@@ -20,6 +22,7 @@ from prealign.loaders.errors import (
                      RemoteReadError,
                      RemoteStallError,
                      ResumeError,
+                     ShardGoneError,
                      ShardTimeoutError,
                      SourceChangedError,
                      TooManyBadSamplesError,
@@ -59,3 +62,4 @@ __all__ += ["IndexFileError", "LoaderUsageError", "MissingShardError", "ShardTim
 __all__ += ["VLMSampleTransform", "MediaError", "MediaProblem", "image_processor", "BatchShare"]
 __all__ += ["WorkerConfig", "UnsupportedTorchError"]
 __all__ += ["RemoteOptions", "RemoteReadError", "RemoteStallError", "RemotePermissionError", "RangeIgnoredWarning"]
+__all__ += ["CollectiveTimeoutError", "NotRegularFileError", "ShardGoneError"]

@@ -56,3 +56,14 @@ def test_gs_without_its_backend_names_the_package(capsys, tmp_path, monkeypatch)
     monkeypatch.chdir(tmp_path)
     assert main(["inspect", "gs://bucket/shard.tar"]) == 2
     assert "needs the package gcsfs" in capsys.readouterr().err
+
+
+def test_a_fifo_or_a_device_as_a_shard_is_refused_without_reading(tmp_path, capsys, monkeypatch):
+    import os
+
+    monkeypatch.chdir(tmp_path)
+    os.mkfifo(tmp_path / "fifo.tar")
+    for shard in (str(tmp_path / "fifo.tar"), "/dev/zero"):
+        for command in (["inspect", "--text"], ["index", "--text"]):
+            assert main([*command, shard]) == 2
+            assert "not a regular file" in capsys.readouterr().err

@@ -81,3 +81,25 @@ def test_index_command_splits_shards_over_gloo_ranks(tmp_path):
     assert [s.split("\n", 1)[0] for s in logs] == ["0", "0"]
     assert "(rank 0/2)" in logs[0] and "3 shard(s) indexed" in logs[0] and "2 shard(s) indexed" in logs[1]
     assert len(os.listdir(out)) == 5
+
+
+def test_index_check_finds_a_byte_changed_in_place_that_the_start_checks_cannot(tmp_path, capsys):
+    """Same size, first and last 64 KiB untouched: only the whole-file hash recorded in the sidecar sees it."""
+    paths = write_shards(str(tmp_path), sample_lengths(3000, low=40, high=60), num_shards=2)
+    assert os.path.getsize(paths[1]) > 3 * 65536
+    assert main(["index", *paths, "--text"]) == 0
+    capsys.readouterr()
+    assert main(["index", *paths, "--text", "--check"]) == 0
+    assert "2/2 shard(s) match" in capsys.readouterr().err
+    middle = os.path.getsize(paths[1]) // 2
+    with open(paths[1], "r+b") as f:
+        f.seek(middle)
+        byte = f.read(1)
+        f.seek(middle)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    assert main(["index", *paths, "--text", "--check"]) == 1
+    err = capsys.readouterr().err
+    assert f"{paths[1]}: " in err and "re-run prealign index" in err and paths[0] + ":" not in err
+    os.remove(paths[0] + SUFFIX)
+    assert main(["index", *paths, "--text", "--check"]) == 1
+    assert "no sidecar" in capsys.readouterr().err

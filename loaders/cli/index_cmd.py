@@ -31,6 +31,8 @@ def add_parser(sub) -> None:
     p.add_argument("--vocab-size", type=int, default=None, help="bound teacher ids (text mode)")
     p.add_argument("--full", action="store_true", help="run the full transform on every sample (no header rule)")
     p.add_argument("--force", action="store_true", help="re-index shards whose sidecar is up to date")
+    p.add_argument("--check", action="store_true", help="index nothing: read every shard whole and compare it with "
+                                                        "its sidecar's recorded hash (exit 1 on any difference)")
     p.add_argument("--debug", action="store_true", help="show the traceback of an error")
     p.add_argument("--header-only", action="store_true", help="VLM: read image headers only, no pixel decode "
                                                              "(a corrupt image body is found when loaded)")
@@ -116,6 +118,8 @@ def cmd_index(args) -> int:
     source, schema = source_and_schema(args)
     rank, world = _rank_world()
     shards = list(range(source.num_shards))[rank::world]
+    if args.check:
+        return _check(source, shards, args.out, rank, world)
     label = "prealign index" + (f" (rank {rank}/{world})" if world > 1 else "")
     t0 = time.perf_counter()
     stats = write_sidecars(source, schema, out_dir=args.out, workers=args.workers, full=args.full,
@@ -129,6 +133,18 @@ def cmd_index(args) -> int:
     print(f"{stats['indexed']} shard(s) indexed ({stats['samples']:,} samples in {dt:.2f} s), "
           f"{stats['up_to_date']} up to date" + (f", sidecars in {args.out}" if args.out else ""), file=sys.stderr)
     return 0
+
+
+def _check(source, shards: list[int], out: str | None, rank: int, world: int) -> int:
+    """``prealign index --check``: each shard read whole against its sidecar's hash; 1 when any differs."""
+    from prealign.loaders.index.header_pass import verify_shards
+
+    label = "prealign index --check" + (f" (rank {rank}/{world})" if world > 1 else "")
+    problems = verify_shards(source, shards, out_dir=out, progress=Progress(label))
+    for url, what in problems.items():
+        print(f"prealign index --check: {url}: {what}", file=sys.stderr)
+    print(f"{len(shards) - len(problems)}/{len(shards)} shard(s) match their sidecars", file=sys.stderr)
+    return 1 if problems else 0
 
 
 def main(argv: list[str] | None = None) -> int:  # for `python -m prealign.loaders.cli.index_cmd`

@@ -8,6 +8,7 @@ dataset, or a Hub dataset). Each mistake is a :class:`~prealign.loaders.cli.erro
 from __future__ import annotations
 
 import os
+import stat
 
 from prealign.loaders.cli.errors import UsageError
 
@@ -91,6 +92,9 @@ def check_shards(urls: list[str]) -> None:
             continue
         if os.path.isdir(path):
             raise UsageError(f"{url}: is a folder, not a shard", hint=f"give the shards in it, e.g. {url}/*.tar")
+        if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO would block the read below; a device never ends
+            raise UsageError(f"{url}: not a regular file (a FIFO, a device or a socket)",
+                             hint="give the tar files themselves; a stream goes through pipe:CMD")
         with open(path, "rb") as f:
             magic = f.read(6)
         if magic[:2] == b"\x1f\x8b" or magic[:3] == b"BZh" or magic == b"\xfd7zXZ\x00" or magic[:4] == b"\x28\xb5\x2f\xfd":
