@@ -203,3 +203,56 @@ def _dir(name):
     info = tarfile.TarInfo(name)
     info.type = tarfile.DIRTYPE
     return info
+
+
+def _tar_variant(path: str, kind: str) -> None:
+    """Shards as real tools write them: folders first (with pax headers for a float mtime), a pax global header
+    (git archive), a trailing folder, GNU long names, pax headers per member, one zero block at the end."""
+    import tarfile
+
+    from .loader_helpers import _npy, token_ids
+
+    def add(tf, name, data=None, folder=False, mtime=None):
+        ti = tarfile.TarInfo(name)
+        if folder:
+            ti.type = tarfile.DIRTYPE
+        else:
+            ti.size = len(data)
+        if mtime is not None:
+            ti.mtime = mtime
+        tf.addfile(ti, None if folder else io.BytesIO(data))
+
+    def samples(tf, prefix="", mtime=None):
+        for i in range(4):
+            add(tf, f"{prefix}{i:06d}.input_ids.npy", _npy(token_ids(i, 10 + i)), mtime=mtime)
+            add(tf, f"{prefix}{i:06d}.json", json.dumps({"id": i}).encode(), mtime=mtime)
+
+    kw = {"global_pax": dict(format=tarfile.PAX_FORMAT, pax_headers={"comment": "git"}),
+          "gnu_long_names": dict(format=tarfile.GNU_FORMAT)}.get(kind, {})
+    with tarfile.open(path, "w", **kw) as tf:
+        if kind == "folder_first_float_mtime":
+            add(tf, "data/", folder=True, mtime=time.time() + 0.5)
+            samples(tf, "data/")
+        elif kind == "gnu_long_names":
+            samples(tf, "x" * 120 + "/")
+        elif kind == "pax_per_member":
+            samples(tf, mtime=time.time() + 0.5)
+        else:
+            samples(tf)
+            if kind == "trailing_folder":
+                add(tf, "empty/", folder=True)
+    if kind == "one_zero_block":
+        with open(path, "rb") as f:
+            data = f.read().rstrip(b"\0")
+        with open(path, "wb") as f:
+            f.write(data + b"\0" * (-len(data) % 512) + bytes(512))
+
+
+@pytest.mark.parametrize("kind", ["folder_first_float_mtime", "global_pax", "trailing_folder", "gnu_long_names",
+                                  "pax_per_member", "one_zero_block"])
+def test_sidecars_of_shards_real_tools_write_are_accepted(tmp_path, kind):
+    path = str(tmp_path / f"{kind}.tar")
+    _tar_variant(path, kind)
+    plain = _prepare([path]).index.lengths.tolist()
+    write_sidecars(WebDatasetSource([path]), SCHEMA)
+    assert _prepare([path]).index.lengths.tolist() == plain and len(plain) == 4

@@ -475,46 +475,68 @@ def sidecar_records(source, schema, sizes: list[int]) -> dict[int, dict]:
     return {shard: r for shard, r in enumerate(records) if r is not None}
 
 
+_NO_SAMPLE = frozenset(b"5gxLK")
+"""Tar entries that hold no sample: a folder, a pax global or per-entry header, a GNU long name or link."""
+
+
+def _entries_without_samples(data: bytes, at: int, stop: int) -> int | None:
+    """Walk the tar headers in ``data`` from ``at``: skip entries that hold no sample (:data:`_NO_SAMPLE`, their
+    data included) and stop at ``stop``, at a zero block (the end of the archive) or at the end of ``data``.
+    Returns where the walk stopped, or None when it met a member that is a file (a sample's)."""
+    while at < stop and at + 512 <= len(data):
+        head = data[at:at + 512]
+        if head == bytes(512):
+            return at
+        if head[156] not in _NO_SAMPLE:
+            return None
+        try:
+            size = int(head[124:136].split(b"\0")[0].strip() or b"0", 8)
+        except ValueError:
+            return None
+        at += 512 + -(-size // 512) * 512
+    return at
+
+
 def _check_head(url: str, meta: dict, spans: np.ndarray, first: bytes) -> None:
-    """When the sidecar's first record is a good sample, only folder entries (tar headers of type ``5``,
-    no data) may precede it: a removed first row leaves a sample's member there. Read from ``first``
+    """When the sidecar's first record is a good sample, only entries that hold no sample (folders, pax and
+    GNU name headers) may precede it: a removed first row leaves a sample's member there. Read from ``first``
     (the probe's first ``PROBE`` bytes: no read of its own; past them, not checked)."""
     if not len(spans) or (meta["events"] and meta["events"][0][0] == 0):
         return
     start = int(spans[0, 0])
     if start > len(first) or start % 512:
         return
-    for at in range(0, start, 512):
-        head = first[at:at + 512]
-        if len(head) < 512 or head[156:157] != b"5":
-            raise StaleIndexError(url, f"sidecar index does not account for the shard: bytes {at}..{start} before "
-                                       f"its first sample hold a member, not a folder entry (a removed row?)",
-                                  "re-run `prealign index` on it")
+    if _entries_without_samples(first, 0, start) != start:
+        raise StaleIndexError(url, f"sidecar index does not account for the shard: bytes 0..{start} before its first "
+                                   f"sample hold a member, not only folder or header entries (a removed row?)",
+                              "re-run `prealign index` on it")
 
 
 def _check_tail(source, shard: int, meta: dict, spans: np.ndarray, size: int, last: bytes) -> None:
-    """When the sidecar's last record is a good sample, the end-of-archive marker (1024 zero bytes) must
-    follow it: a removed last row leaves a sample's tar header there instead. Read from ``last`` (the
-    probe's last ``PROBE`` bytes: no read of its own), or for a local shard whose marker lies before
-    them one small read (a remote one: not checked; none for a shard read only front to back)."""
+    """When the sidecar's last record is a good sample, only entries that hold no sample, then the end of the
+    archive (a zero block, or the file's end) may follow it: a removed last row leaves a sample's tar header
+    there instead. Read from ``last`` (the probe's last ``PROBE`` bytes: no read of its own), or for a local
+    shard whose end lies before them one small read (a remote one: not checked; none for a shard read only
+    front to back)."""
     url = source.urls[shard]
     if not len(spans) or size < 0 or remote.is_sequential(url) or \
             (meta["events"] and meta["events"][-1][0] == meta["num_events"] - 1):
         return
     lo = int(spans[-1, 1])
-    hi = min(lo + 1024, size)
     if len(last) == min(PROBE, size) and lo >= size - len(last):
-        tail = last[lo - (size - len(last)):][:hi - lo]
+        tail = last[lo - (size - len(last)):]
     elif remote.is_remote(url):
         return
     else:
         with open(remote.local_path(url), "rb") as f:
             f.seek(lo)
-            tail = f.read(hi - lo)
-    if tail != bytes(1024):
-        raise StaleIndexError(url, f"sidecar index does not account for the shard: bytes {lo}..{hi} after its last "
-                                   f"sample are not the end-of-archive marker (a removed row?)",
-                              "re-run `prealign index` on it")
+            tail = f.read(PROBE)
+    stopped = _entries_without_samples(tail, 0, len(tail))
+    ended = stopped is not None and (stopped + 512 <= len(tail) or lo + stopped >= size)
+    if stopped is None or not ended and len(tail) == size - lo:
+        raise StaleIndexError(url, f"sidecar index does not account for the shard: the entries after its last "
+                                   f"sample (byte {lo}) hold a member, not only folder entries and the end of the "
+                                   f"archive (a removed row?)", "re-run `prealign index` on it")
 
 
 def per_shard(source, fn, shards=None) -> list:
