@@ -7,10 +7,12 @@ dead worker a :class:`~prealign.loaders.errors.WorkerError`: :mod:`prealign.load
 """
 from __future__ import annotations
 
+import atexit
 import functools
 import hashlib
 import json
 import warnings
+import weakref
 from typing import Callable
 
 from torch.utils.data import DataLoader
@@ -23,11 +25,23 @@ from prealign.loaders.options import LoadingOptions, WorkerConfig, check_option
 from prealign.loaders.plan.planner import PlannerConfig, microbatch_capacity
 from prealign.loaders.plan.schedule import check_count
 from prealign.loaders.policy import BadDataPolicy, BadDataReport, BadSampleWarning
-from prealign.loaders.serve.workers import worker_batches
+from prealign.loaders.serve.workers import discard_iterator, worker_batches
 from prealign.loaders.sources.source import Source
 from prealign.loaders.state import STATE_KIND, LoaderState
 from prealign.schemas.layout import ParallelLayout
 from prealign.schemas.schema import BatchSchema
+
+_WORKER_LOADERS: weakref.WeakSet = weakref.WeakSet()
+"""torch DataLoaders with workers that the loaders made and that are still alive."""
+
+
+@atexit.register
+def _shut_down_workers() -> None:
+    """At the main process's exit, before multiprocessing terminates its daemonic children (its exit hook was
+    registered earlier, so it runs later): each live loader's persistent workers are told to stop and joined
+    as torch does it, so they exit normally and run their own exit hooks (a share folder's clean-up)."""
+    for loader in list(_WORKER_LOADERS):
+        discard_iterator(loader)
 
 
 def describe_digest(description: dict) -> str:
@@ -133,15 +147,19 @@ class LoaderCore:
                                    f"set_epoch moved it); iterate one at a time")
 
     def _data_loader(self, dataset, *, persistent: bool, **kwargs) -> DataLoader:
-        """A torch DataLoader over ``dataset`` with the loader's workers and :class:`LoadingOptions`."""
+        """A torch DataLoader over ``dataset`` with the loader's workers and :class:`LoadingOptions`; its
+        persistent workers are shut down gracefully when the process exits (:func:`_shut_down_workers`)."""
         lo, workers = self.loading, self.num_workers > 0
         if workers and lo.prefetch_factor is not None:
             kwargs["prefetch_factor"] = lo.prefetch_factor
-        return DataLoader(dataset, num_workers=self.num_workers, pin_memory=lo.pin_memory,
+        loader = DataLoader(dataset, num_workers=self.num_workers, pin_memory=lo.pin_memory,
                           persistent_workers=persistent and lo.persistent_workers and workers,
                           multiprocessing_context=lo.multiprocessing_context if workers else None,
                           worker_init_fn=functools.partial(init_worker, shm_cap=lo.shm_cap) if workers else None,
                           timeout=lo.timeout, **kwargs)
+        if workers:
+            _WORKER_LOADERS.add(loader)
+        return loader
 
     def _served(self, loader: DataLoader, token: object):
         """``loader``'s items through the one worker path (typed errors as their own type, a dead worker a

@@ -39,7 +39,6 @@ import json
 import mmap
 import os
 import re
-import signal
 import stat
 import threading
 import time
@@ -537,8 +536,8 @@ def clean_up() -> None:
     or not), ``.err`` files and read markers, and its own read markers of the peers' records; then every
     folder it used that is left empty. A key claimed anew by another process since (its ``.claim`` is
     another file) is left alone. Run at exit (multiprocessing's exit hook: a DataLoader worker exits
-    through it, not through ``atexit``; on ``SIGTERM`` in a multiprocessing child, see
-    :func:`_register_exit_hook`); a peer that comes later computes what it finds gone."""
+    through it, not through ``atexit``: see :func:`_register_exit_hook`); a peer that comes later computes
+    what it finds gone."""
     for fd in _HELD.values():
         os.close(fd)
     _HELD.clear()
@@ -562,31 +561,15 @@ def clean_up() -> None:
 
 
 def _register_exit_hook() -> None:
-    """:func:`clean_up` at this process's exit, once per process. In a multiprocessing child (a DataLoader
-    worker) with no ``SIGTERM`` handler of its own, ``SIGTERM`` (what multiprocessing sends a daemonic child,
-    e.g. the workers of a loader still alive when the main process exits) first cleans up (and closes
-    this process's slot pools), then ends the process as ``SIGTERM`` does."""
-    from multiprocessing import parent_process
+    """:func:`clean_up` at this process's exit, once per process (multiprocessing's exit hook, which a
+    DataLoader worker runs when it exits normally: the loaders shut their persistent workers down that way
+    when the main process exits, :mod:`prealign.loaders.core`). No ``SIGTERM`` handler: one cannot run while
+    a worker is stuck in C code, and would make it unkillable; what a killed worker left is swept (``ttl``,
+    :func:`sweep_dead_runs`)."""
     from multiprocessing.util import Finalize
 
     _EXIT_HOOK[0] = os.getpid()
     Finalize(None, clean_up, exitpriority=5)
-    if parent_process() is None or threading.current_thread() is not threading.main_thread():
-        return
-    try:
-        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-            signal.signal(signal.SIGTERM, _on_sigterm)
-    except (ValueError, OSError):
-        pass
-
-
-def _on_sigterm(signum, frame) -> None:
-    try:
-        clean_up()
-        slots.close_pools()
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def sweep_dead_runs(base: str, ttl: float, keep: str | None = None) -> None:
