@@ -239,3 +239,20 @@ def test_a_stalled_tar_gz_stream_is_a_stall_error(hostile, tmp_path):
             f.read(1 << 16)
     assert time.monotonic() - t0 < 6.0
 
+
+
+def test_a_stream_read_at_the_readers_pace_has_no_total_deadline(tmp_path):
+    """A shard scanned as training consumes it (slower than min_rate) reads to its end: the total deadline is for
+    requests read at once, a stalled stream is caught by the per-read timeout."""
+    server, base = _serve(tmp_path, _Handler)
+    write_shards(str(tmp_path / "www"), sample_lengths(3000, high=400), num_shards=1)  # ~10 MB: past the read-ahead
+    src = WebDatasetSource([f"{base}/shard-000.tar"],
+                           remote=RemoteOptions(request_deadline=0.2, min_rate=64 << 20, retries=0))
+    read = 0
+    for location, item in src.scan(0):
+        assert location is not None, item
+        read += 1
+        time.sleep(0.001)  # 3000 samples, 3 s: past the deadline (0.2 s + 10 MB at 64 MiB/s)
+    assert read == 3000
+    server.shutdown()
+    server.server_close()

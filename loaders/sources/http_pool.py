@@ -74,6 +74,12 @@ class Reply:
             self._check_complete(data)
         return data
 
+    def paced_by_reader(self) -> "Reply":
+        """Read at the reader's pace (a shard streamed as training consumes it): the body has no total deadline,
+        only the per-read ``timeout`` (a stall); the headers already came within theirs."""
+        self._deadline = None
+        return self
+
     def _left(self) -> float | None:
         """Seconds left before the request's deadline (None: no deadline)."""
         if self._deadline is None:

@@ -566,8 +566,10 @@ def _fetch_upto(url: str, lo: int, hi: int, opts: RemoteOptions) -> bytes:
 
 
 # ---- sequential streams ------------------------------------------------------------------------------
-def open_stream(url: str, opts: RemoteOptions | None = None):
-    """A file object reading the whole shard front to back (gzip decompressed for ``.tar.gz``/``.tgz``)."""
+def open_stream(url: str, opts: RemoteOptions | None = None, *, paced_by_reader: bool = True):
+    """A file object reading the whole shard front to back (gzip decompressed for ``.tar.gz``/``.tgz``).
+    ``paced_by_reader``: read as the caller consumes it (a scan feeding training), so an HTTP body has no total
+    deadline, only the per-read stall timeout; False (read at once, :func:`read_whole`): the request's deadline."""
     opts = opts or DEFAULT
     s = scheme(url)
     if s == "pipe":
@@ -575,7 +577,7 @@ def open_stream(url: str, opts: RemoteOptions | None = None):
         proc = subprocess.Popen(url[len("pipe:"):], shell=True, stdout=subprocess.PIPE, start_new_session=True)
         f = _PipeFile(proc, url)
     elif s in ("http", "https"):
-        f = _HttpStream(url, _retrying(url, opts, lambda: _http(url, opts)), opts)
+        f = _HttpStream(url, _retrying(url, opts, lambda: _http(url, opts)), opts, paced_by_reader)
     elif s in ("", "file"):
         path = local_path(url)
         try:
@@ -597,8 +599,9 @@ class _HttpStream:
     :class:`RemoteReadError` / :class:`RemoteStallError` naming the URL and the byte, never a bare ``TimeoutError``
     or ``IncompleteRead``."""
 
-    def __init__(self, url: str, reply: http_pool.Reply, opts: RemoteOptions):
-        self.url, self.reply, self.opts, self.pos, self.resumes = url, reply, opts, 0, 0
+    def __init__(self, url: str, reply: http_pool.Reply, opts: RemoteOptions, paced: bool = True):
+        self.url, self.opts, self.pos, self.resumes, self.paced = url, opts, 0, 0, paced
+        self.reply = reply.paced_by_reader() if paced else reply
         self.validator = reply.headers.get("ETag") or reply.headers.get("Last-Modified")
 
     def read(self, n: int = -1) -> bytes:
@@ -641,7 +644,7 @@ class _HttpStream:
         if not (reply.status == 206 and m and int(m.group(1)) == self.pos or reply.status == 200 and self.pos == 0):
             reply.close()
             return False
-        self.reply = reply
+        self.reply = reply.paced_by_reader() if self.paced else reply
         return True
 
     def close(self) -> None:
@@ -680,8 +683,8 @@ class _PipeFile:
 
 
 def read_whole(url: str, opts: RemoteOptions | None = None) -> bytes:
-    """A sequential shard, decompressed, as one bytes object."""
-    with open_stream(url, opts) as f:
+    """A sequential shard, decompressed, as one bytes object (under the request's total deadline)."""
+    with open_stream(url, opts, paced_by_reader=False) as f:
         chunks = []
         while chunk := f.read(1 << 20):
             chunks.append(chunk)
