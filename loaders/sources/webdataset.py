@@ -87,9 +87,9 @@ class _NotRegular(OSError):
 
 
 def _open_regular(path: str):
-    """``open(path, "rb")`` of a regular file; anything else that opens (a FIFO with a writer, a device) is
-    :class:`_NotRegular`. (A FIFO nobody writes blocks in ``open``: the caller's read deadline ends it.)"""
-    f = open(path, "rb")
+    """``open(path, "rb")`` of a regular file; anything else (a FIFO, a device, a socket) is :class:`_NotRegular`.
+    Opened non-blocking, so a FIFO nobody writes is refused at once instead of blocking in ``open``."""
+    f = os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), "rb")
     try:
         mode = os.fstat(f.fileno()).st_mode
         if not stat.S_ISREG(mode):
@@ -293,10 +293,10 @@ class WebDatasetSource(Source):
             return _remote.read_range(url, start, end, self.remote)
         files = local.setdefault("files", OrderedDict())
 
-        def read():  # under the read deadline: open() of a FIFO, a read on a hung mount block forever
+        def read():
             f = files.get(shard)
-            if f is None:
-                f = _open_regular(_remote.local_path(url))
+            if f is None:  # the open under the read deadline (a hung mount blocks in it), once per shard
+                f = call_with_timeout(lambda: _open_regular(_remote.local_path(url)), self.read_timeout)
                 files[shard] = f
                 while len(files) > self.max_open_files:
                     files.popitem(last=False)[1].close()
@@ -304,7 +304,7 @@ class WebDatasetSource(Source):
             return f.read(end - start)
 
         try:
-            out = call_with_timeout(read, self.read_timeout)
+            out = read()
         except Stalled as exc:
             raise ShardTimeoutError(url, start, f"reading a sample: {exc}") from None
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError) as exc:
