@@ -299,10 +299,11 @@ class StreamingPackedLoader(LoaderCore):
         return self._max_over_ranks(int(has_batch), epoch=epoch, position=position,
                                     what="the end-of-epoch agreement") > 0
 
-    def _max_over_ranks(self, value: int, *, epoch: int, position: int, what: str) -> int:
+    def _max_over_ranks(self, value: int, *, epoch: int, position: int, what: str, timed: bool = True) -> int:
         """MAX of ``value`` over ``group`` (``value`` itself without a process group), waiting at most
-        ``collective_timeout`` s: ``all_reduce(async_op=True)`` then ``wait(timeout)`` (gloo and NCCL alike
-        block the CPU until done or raise), a timeout a :class:`CollectiveTimeoutError`."""
+        ``collective_timeout`` s when ``timed``: ``all_reduce(async_op=True)`` then ``wait(timeout)`` (gloo and
+        NCCL alike block the CPU until done or raise), a timeout a :class:`CollectiveTimeoutError` (final under
+        NCCL: the collective stays queued on the communicator). Untimed: the process group's own timeout."""
         import torch.distributed as dist
 
         if self.dp_size == 1 or not (dist.is_available() and dist.is_initialized()):
@@ -310,7 +311,7 @@ class StreamingPackedLoader(LoaderCore):
         flag = torch.tensor([int(value)], dtype=torch.int64)
         if dist.get_backend(self.group) == "nccl":
             flag = flag.cuda()
-        if self.collective_timeout is None:
+        if self.collective_timeout is None or not timed:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
             return int(flag.item())
         work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
@@ -384,7 +385,8 @@ class StreamingPackedLoader(LoaderCore):
                 break
             skipped += 1
         if start:  # the epoch has max(real micro-batches over ranks): a position past it cannot be resumed
-            longest = self._max_over_ranks(skipped, epoch=epoch, position=start, what="the resume check")
+            longest = self._max_over_ranks(skipped, epoch=epoch, position=start, what="the resume check",
+                                           timed=False)  # ranks replay at their own speed: an hour apart is no fault
             if longest < start:
                 raise ResumeError(f"StreamingPackedLoader: the state's position {start} is past the end of epoch "
                                   f"{epoch}, which has {longest} micro-batches on these ranks (a state of other "

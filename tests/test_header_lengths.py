@@ -152,3 +152,18 @@ def test_exif_orientation_is_applied_as_transformers_load_image_does(w, h, orien
     reference = load_image(Image.open(io.BytesIO(data)))
     assert ours.size == reference.size == image_header_size(data)
     assert np.array_equal(np.asarray(ours), np.asarray(reference))
+
+
+def test_a_png_oriented_by_xmp_is_measured_as_decoded():
+    """ImageMagick and phones also put the orientation in a PNG's XMP: the header pass agrees with decoding."""
+    from PIL import PngImagePlugin
+
+    from prealign.loaders.sources.tar_decode import open_image
+
+    xmp = ('<x:xmpmeta xmlns:x="adobe:ns:meta/"><rdf:RDF xmlns:rdf="http://www.w3.org/1999/02/22-rdf-syntax-ns#">'
+           '<rdf:Description xmlns:tiff="http://ns.adobe.com/tiff/1.0/" tiff:Orientation="6"/></rdf:RDF></x:xmpmeta>')
+    info = PngImagePlugin.PngInfo()
+    info.add_itxt("XML:com.adobe.xmp", xmp)
+    buf = io.BytesIO()
+    Image.new("RGB", (40, 30)).save(buf, format="PNG", pnginfo=info)
+    assert open_image(buf.getvalue()).size == image_header_size(buf.getvalue()) == (30, 40)

@@ -193,3 +193,21 @@ def test_a_rank_that_stops_iterating_is_a_collective_timeout_on_the_other(tmp_pa
     result = json.loads((tmp_path / "rank-0.json").read_text())
     assert result["error"] and "collective_timeout=3 s" in result["error"] and "[0, 1]" in result["error"]
     assert result["seconds"] < 15
+
+
+def test_a_child_forked_during_a_timed_call_can_make_its_own():
+    """A DataLoader worker forked while another thread of the main process waits in call_with_timeout starts
+    with the lock free: its first sample read does not deadlock."""
+    import threading
+
+    from prealign.loaders.sources.deadline import call_with_timeout
+
+    busy = threading.Thread(target=lambda: call_with_timeout(lambda: time.sleep(1.5), 5.0))
+    busy.start()
+    time.sleep(0.2)
+    pid = os.fork()
+    if pid == 0:  # the child: exit 0 only when its own call comes back
+        os._exit(0 if call_with_timeout(lambda: 42, 3.0) == 42 else 1)
+    _, status = os.waitpid(pid, 0)
+    busy.join()
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0

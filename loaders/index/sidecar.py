@@ -333,7 +333,8 @@ def describe_transform(transform) -> str:
                                    "topk": transform.topk, "log_prob_dtype": transform.log_prob_dtype,
                                    "pixel_dtype": transform.pixel_dtype, "mrope": transform.mrope,
                                    "processor": sorted(transform.processor_options.items()),
-                                   "text_key": transform.text_key}}, sort_keys=True, default=str)
+                                   "text_key": transform.text_key,
+                                   "images": "upright by EXIF"}}, sort_keys=True, default=str)
     return f"{type(transform).__module__}.{getattr(transform, '__qualname__', type(transform).__qualname__)}"
 
 

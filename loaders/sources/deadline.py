@@ -236,6 +236,16 @@ _caller: _Caller | None = None
 _caller_lock = threading.Lock()
 
 
+def _after_fork_in_child() -> None:
+    """A forked child (a DataLoader worker) starts with no caller thread and a free lock, even when the parent
+    forked while one of its threads was inside :func:`call_with_timeout`."""
+    global _caller, _caller_lock
+    _caller, _caller_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def call_with_timeout(fn: Callable[[], object], timeout: float | None):
     """``fn()``, raising :class:`Stalled` when it has not returned within ``timeout`` s (``None``: called
     directly). For short blocking calls (a local shard's ``open`` + ``seek`` + ``read``): a FIFO put in a

@@ -76,10 +76,14 @@ def image_header_size(data: bytes | memoryview, *, field: str = "image", sample=
                           actual=f"{len(data)} bytes ({type(exc).__name__}: {exc})") from None
 
 
+_PNG_EXIF = frozenset({"exif", "Raw profile type exif", "xmp", "XML:com.adobe.xmp"})
+"""PNG blocks that can carry an orientation (an ``eXIf`` chunk, ImageMagick's text profile, XMP)."""
+
+
 def _orientation(img) -> int:
     """The EXIF orientation tag (1: upright) of a lazily opened image, from its header alone."""
-    if img.format == "PNG" and "exif" not in img.info:  # getexif() would decode the pixels to look further
-        return 1
+    if img.format == "PNG" and not _PNG_EXIF.intersection(img.info):  # getexif() would decode the pixels to look
+        return 1  # further: a PNG with no EXIF or XMP block before its pixels is taken as upright
     try:
         return int(img.getexif().get(0x0112, 1))
     except (ValueError, TypeError, OSError, SyntaxError):  # a malformed EXIF block: PIL's transpose ignores it too
