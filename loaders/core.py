@@ -41,7 +41,9 @@ def _shut_down_workers() -> None:
     registered earlier, so it runs later): each live loader's persistent workers are told to stop and joined
     as torch does it, so they exit normally and run their own exit hooks (a share folder's clean-up)."""
     for loader in list(_WORKER_LOADERS):
-        discard_iterator(loader)
+        it = getattr(loader, "_iterator", None)  # a persistent iterator (another lives in its own generator)
+        if it is not None:
+            discard_iterator(loader, it)
 
 
 def describe_digest(description: dict) -> str:

@@ -358,7 +358,11 @@ def lone_rank_main(shards, index_path, cache, num_workers, persistent=False):
         n += 1
         published = published or any(f.endswith(".bin") for f in os.listdir(loader.share.directory()))
     assert n >= 5 and published, (n, published)
+    _KEPT.append(loader)  # alive until the interpreter exits, as a script's loader is: its exit hooks do the work
     print("batches", n, flush=True)
+
+
+_KEPT: list = []
 
 
 @pytest.mark.parametrize("num_workers, persistent", [(0, False), (2, False), (2, True)])
@@ -375,6 +379,7 @@ def test_a_lone_rank_leaves_nothing_after_a_normal_exit(data, tmp_path, num_work
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "PYTHONPATH": path},
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and "batches" in out.stdout, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr and "Error" not in out.stderr, out.stderr[-3000:]
     left = sorted(os.path.relpath(os.path.join(d, f), cache) for d, _, fs in os.walk(cache) for f in fs)
     assert left == ["mine.txt"] and os.listdir(cache) == ["mine.txt"], left
 
