@@ -64,6 +64,12 @@ def discard_iterator(loader, it) -> None:
         it._shutdown_workers()
     except (OSError, RuntimeError, ValueError):  # a dead worker's queues may already be gone
         pass
+    finally:  # its workers never again count for torch's SIGCHLD check (a later child's exit would raise)
+        if getattr(it, "_worker_pids_set", False):
+            from torch.utils.data._utils import signal_handling
+
+            signal_handling._remove_worker_pids(id(it))
+            it._worker_pids_set = False
     if getattr(loader, "_iterator", None) is it:
         loader._iterator = None
 
@@ -81,9 +87,16 @@ def worker_failure(loader, it, exc: BaseException, waited: float) -> WorkerError
     """A :class:`~prealign.loaders.errors.WorkerError` for ``exc``, raised by ``next(it)`` after ``waited``
     seconds, when a worker of ``it`` died or the wait reached the loader's ``timeout`` (the broken iterator
     is discarded), else None (``exc`` is something else)."""
-    if not loader.num_workers or not isinstance(exc, RuntimeError):
+    if not loader.num_workers or not isinstance(exc, (RuntimeError, ConnectionError, EOFError)):
         return None
     dead = dead_workers(it)
+    settle = time.monotonic() + 2.0  # a killed worker's broken pipe can come before its process is seen dead
+    while not dead and not isinstance(exc, RuntimeError) and time.monotonic() < settle:
+        try:
+            time.sleep(0.02)
+        except RuntimeError:  # torch's SIGCHLD handler reporting that very death
+            pass
+        dead = dead_workers(it)
     timed_out = not dead and type(exc) is RuntimeError and loader.timeout > 0 and waited >= 0.9 * loader.timeout
     if not (dead or timed_out):
         return None
@@ -112,7 +125,7 @@ def worker_batches(loader, before_each=None):
             batch = next(it)
         except StopIteration:
             return
-        except RuntimeError as exc:
+        except (RuntimeError, ConnectionError, EOFError) as exc:  # a killed worker's pipe can break first
             failure = worker_failure(loader, it, exc, time.monotonic() - t0)
             if failure is None:
                 raise
