@@ -102,7 +102,7 @@ def worker_failure(loader, it, exc: BaseException, waited: float) -> WorkerError
         return None
     discard_iterator(loader, it)
     what = f"worker(s) {dead} died" if dead else f"timed out after {loader.timeout} s"
-    return WorkerError(f"DataLoader {what} ({type(exc).__name__}: {str(exc).splitlines()[0]}); iterate the "
+    return WorkerError(f"DataLoader {what} ({type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}); iterate the "
                        f"loader again to continue from its state")
 
 
