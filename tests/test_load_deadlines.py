@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
-import socket
 import time
 import traceback
 
@@ -21,6 +20,7 @@ from prealign.schemas import ParallelLayout
 from prealign.schemas.schema import causal_lm_schema
 
 from .loader_helpers import sample_lengths, write_shards
+from .test_streaming import _free_port
 
 SCHEMA = causal_lm_schema()
 SKIP = BadDataPolicy(on_error="skip", warn=False)
@@ -137,12 +137,6 @@ def test_a_resume_position_past_the_end_of_the_epoch_is_refused(tmp_path):
     past.load_state_dict({**state, "position": n + 1})
     with pytest.raises(ResumeError, match=f"position {n + 1} is past the end of epoch 0"):
         list(past)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank_main(rank: int, port: int, shards: list[str], out_dir: str) -> None:
