@@ -55,7 +55,7 @@ from prealign.loaders.media.vlm import VLMSampleTransform
 from prealign.loaders.sources import remote
 from prealign.loaders.sources.deadline import Stalled, map_with_timeout
 from prealign.loaders.sources.npy import read_npz
-from prealign.loaders.sources.shard_files import shard_name, sidecar_path
+from prealign.loaders.sources.shard_files import NotRegular, file_kind, open_regular, shard_name, sidecar_path
 from prealign.loaders.sources.webdataset import numpy_fields
 
 FORMAT = "prealign-sidecar"
@@ -74,17 +74,9 @@ def regular_stat(path: str, what: str) -> os.stat_result | None:
     except FileNotFoundError:
         return None
     if not stat.S_ISREG(st.st_mode):
-        raise NotRegularFileError(path, f"{what} is not a regular file ({_kind(st.st_mode)})",
+        raise NotRegularFileError(path, f"{what} is not a regular file ({file_kind(st.st_mode)})",
                                   "give a plain file")
     return st
-
-
-def _kind(mode: int) -> str:
-    for test, name in ((stat.S_ISDIR, "a folder"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket")):
-        if test(mode):
-            return name
-    return f"mode {oct(mode)}"
 
 
 def read_regular(path: str, what: str, limit: int) -> bytes | None:
@@ -93,14 +85,14 @@ def read_regular(path: str, what: str, limit: int) -> bytes | None:
     and open); anything but a regular file, or more than ``limit`` bytes, is a :class:`StaleIndexError`
     naming it (never an unbounded read)."""
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+        f = open_regular(path)
     except FileNotFoundError:
         return None
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise StaleIndexError(path, f"{what} is not a regular file ({_kind(st.st_mode)})",
-                                  "not a file prealign wrote: remove it and re-run `prealign index`")
+    except NotRegular as exc:
+        raise StaleIndexError(path, f"{what} is not a regular file ({exc.kind})",
+                              "not a file prealign wrote: remove it and re-run `prealign index`") from None
+    with f:
+        st = os.fstat(f.fileno())
         if st.st_size > limit:
             raise StaleIndexError(path, f"{what} of {st.st_size} bytes, more than the {limit} bytes one can hold",
                                   "not a file prealign wrote: re-run `prealign index`")

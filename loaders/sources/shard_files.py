@@ -7,6 +7,7 @@ recorded at indexing and checked at every read (:func:`sample_checksum`).
 from __future__ import annotations
 
 import os
+import stat
 import zlib
 from typing import Iterable
 
@@ -57,3 +58,40 @@ def check_index_dir_names(urls: Iterable[str]) -> None:
 def shard_name(url: str) -> str:
     """The file name of a shard path or URL (query string dropped)."""
     return os.path.basename(url.split("?", 1)[0].rstrip("/")) or "shard"
+
+
+class NotRegular(OSError):
+    """A path that is not a regular file (a FIFO, a device, a socket, a folder); ``kind`` says which."""
+
+    def __init__(self, path: str, kind: str):
+        self.kind = kind
+        super().__init__(f"{path}: {kind}, not a regular file")
+
+
+def file_kind(mode: int) -> str:
+    """What a file of ``st_mode`` ``mode`` is, in words.
+
+    >>> file_kind(stat.S_IFIFO | 0o600), file_kind(stat.S_IFREG | 0o644)
+    ('a FIFO', 'a regular file')
+    """
+    for test, name in ((stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a folder"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return f"mode {oct(mode)}"
+
+
+def open_regular(path: str):
+    """``open(path, "rb")`` of a regular file, opened without blocking (a FIFO nobody writes is refused at once,
+    never waited on) and checked after the open (``fstat``: no swap between a check and the open); anything
+    else is :class:`NotRegular`. A missing path raises ``FileNotFoundError``."""
+    f = os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), "rb")
+    try:
+        mode = os.fstat(f.fileno()).st_mode
+        if not stat.S_ISREG(mode):
+            raise NotRegular(path, file_kind(mode))
+        return f
+    except BaseException:
+        f.close()
+        raise

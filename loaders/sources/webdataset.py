@@ -18,7 +18,6 @@ import dataclasses
 import io
 import os
 import re
-import stat
 from collections import OrderedDict
 from typing import Callable, Mapping, Sequence
 
@@ -37,7 +36,7 @@ from prealign.loaders.errors import (
 )
 from prealign.loaders.sources import remote as _remote
 from prealign.loaders.sources.deadline import Stalled, TimedReader, call_with_timeout
-from prealign.loaders.sources.shard_files import check_index_dir_names, sample_checksum
+from prealign.loaders.sources.shard_files import NotRegular, check_index_dir_names, open_regular, sample_checksum
 from prealign.loaders.sources.source import Location, Skip, Source, Transform
 from prealign.loaders.sources.tar_decode import DEFAULT_LIMITS, DecodeLimits, decode_member, split_member_name
 from prealign.loaders.sources.tar_reader import TarFormatError, iter_members
@@ -80,28 +79,6 @@ def numpy_fields(sample: dict) -> dict:
         else:
             out[k] = v
     return out
-
-
-class _NotRegular(OSError):
-    """A local shard path that is no longer a regular file (a FIFO, a device, a folder put in its place)."""
-
-
-def _open_regular(path: str):
-    """``open(path, "rb")`` of a regular file; anything else (a FIFO, a device, a socket) is :class:`_NotRegular`.
-    Opened non-blocking, so a FIFO nobody writes is refused at once instead of blocking in ``open``."""
-    f = os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), "rb")
-    try:
-        mode = os.fstat(f.fileno()).st_mode
-        if not stat.S_ISREG(mode):
-            raise _NotRegular(f"a {_KIND.get(stat.S_IFMT(mode), 'special file')}")
-        return f
-    except BaseException:
-        f.close()
-        raise
-
-
-_KIND = {stat.S_IFIFO: "FIFO", stat.S_IFDIR: "folder", stat.S_IFCHR: "character device", stat.S_IFBLK: "block device",
-         stat.S_IFSOCK: "socket"}
 
 
 def check_members(where: str, key: str, members: list[tuple[str, bytes, str]], duplicate: bool) -> None:
@@ -296,7 +273,7 @@ class WebDatasetSource(Source):
         def read():
             f = files.get(shard)
             if f is None:  # the open under the read deadline (a hung mount blocks in it), once per shard
-                f = call_with_timeout(lambda: _open_regular(_remote.local_path(url)), self.read_timeout)
+                f = call_with_timeout(lambda: open_regular(_remote.local_path(url)), self.read_timeout)
                 files[shard] = f
                 while len(files) > self.max_open_files:
                     files.popitem(last=False)[1].close()
@@ -310,8 +287,8 @@ class WebDatasetSource(Source):
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError) as exc:
             raise ShardGoneError(url, f"{url}@{start}", f"no such file ({exc.strerror}); deleted since "
                                  f"indexing?") from None
-        except _NotRegular as exc:
-            raise ShardGoneError(url, f"{url}@{start}", f"{exc} instead of the indexed file") from None
+        except NotRegular as exc:
+            raise ShardGoneError(url, f"{url}@{start}", f"{exc.kind} instead of the indexed file") from None
         files.move_to_end(shard)
         return out
 
