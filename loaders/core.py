@@ -18,10 +18,11 @@ from typing import Callable
 from torch.utils.data import DataLoader
 
 from prealign.collate.thd import THDCollator
-from prealign.loaders.errors import LoaderUsageError, PlanError
+from prealign.loaders.errors import LoaderUsageError, PlanError, ResumeError
 from prealign.loaders.handoff.slots import init_worker
 from prealign.loaders.handoff.transport import PackedBatch, unpack_batch
 from prealign.loaders.options import LoadingOptions, WorkerConfig, check_option
+from prealign.loaders.plan.elastic import Segment, resumed_segments
 from prealign.loaders.plan.planner import PlannerConfig, microbatch_capacity
 from prealign.loaders.plan.schedule import check_count
 from prealign.loaders.policy import BadDataPolicy, BadDataReport, BadSampleWarning
@@ -66,6 +67,9 @@ class LoaderCore:
     ``self._fingerprint``) and :meth:`_batches`, and may add to :meth:`_config`."""
 
     state_kind: str = STATE_KIND
+    elastic: tuple[str, ...] = ()
+    """What a state may change (names of :class:`~prealign.loaders.plan.elastic.Segment` fields): the saved
+    run's part of its epoch becomes a segment and the rest of the epoch is served under this run's."""
 
     def __init__(self, source: Source, *, schema: BatchSchema, layout: ParallelLayout, token_budget: int,
                  workers: WorkerConfig, seed: int, planner: PlannerConfig | None, bad_data: BadDataPolicy | None,
@@ -85,6 +89,7 @@ class LoaderCore:
         self._fingerprint: dict | None = None  # the data's, set by prepare()
         self._load_report = BadDataReport()
         self._epoch, self._position = 0, 0
+        self._resized: tuple[int, tuple[Segment, ...]] = (-1, ())  # (epoch, its earlier segments)
         self._active: object | None = None
 
     # ---- the rank keywords ---------------------------------------------------------------------------
@@ -129,6 +134,7 @@ class LoaderCore:
         epoch = check_count("epoch", epoch)
         if epoch != self._normalised()[0]:
             self._epoch, self._position = epoch, 0
+            self._set_resized(-1, ())
             self._active = None
 
     def __iter__(self):
@@ -185,19 +191,31 @@ class LoaderCore:
         """Fingerprints of the data, computed once by :meth:`prepare`."""
         return self.prepare()._fingerprint
 
-    def _check_position(self, state: LoaderState) -> None:
-        """Refuse a state's position this loader cannot reach (default: nothing to check)."""
+    def _segment(self, config: dict, position: int) -> Segment:
+        """The :class:`Segment` of a run of ``config`` (a :meth:`_config`) that served ``position`` micro-batches."""
+        return Segment(dp_size=config["dp_size"], microbatches_per_step=config["planner"]["microbatches_per_step"],
+                       num_workers=config.get("num_workers"), position=position)
+
+    def _set_resized(self, epoch: int, segments: tuple[Segment, ...]) -> None:
+        """Serve ``epoch`` after its earlier ``segments`` (``(-1, ())``: none)."""
+        self._resized = (epoch, segments)
+
+    def _check_position(self, epoch: int, position: int) -> None:
+        """Refuse a position this loader cannot reach, its earlier segments set (default: nothing to check)."""
 
     def state_dict(self) -> dict:
         """JSON-serialisable state, identical on every rank of the run (:mod:`prealign.loaders.state`);
         touches no file."""
         data = self._data()
         epoch, position = self._normalised()
+        segments = self._resized[1] if self._resized[0] == epoch else ()
         return LoaderState(epoch=epoch, position=position, config=self._config(), data=data,
-                           kind=self.state_kind).to_dict()
+                           kind=self.state_kind, segments=segments).to_dict()
 
     def load_state_dict(self, state) -> None:
-        """Resume: the next batches are exactly those the saved run would have yielded next. Refuses
+        """Resume: the next batches are exactly those the saved run would have yielded next, or, when the
+        state was saved under another of :attr:`elastic` (``dp_size``...), the rest of its epoch re-planned
+        for this run (:mod:`prealign.loaders.plan.elastic`). Refuses
         (:class:`~prealign.loaders.errors.ResumeError`) a state of another kind, version, configuration or
         data, and (:class:`~prealign.loaders.errors.LoaderUsageError`) any while an iterator is live."""
         if self._active is not None:
@@ -205,6 +223,20 @@ class LoaderCore:
                                    f"(epoch {self._epoch}, position {self._position}); exhaust it or close it "
                                    f"(it.close()) first")
         st = LoaderState.from_dict(state, kind=self.state_kind)
-        st.check_compatible(self._config(), self._data())
-        self._check_position(st)
-        self._epoch, self._position = st.epoch, st.position
+        config = self._config()
+        keys = {"dp_size": "dp_size", "microbatches_per_step": "planner.microbatches_per_step",
+                "num_workers": "num_workers"}
+        st.check_compatible(config, self._data(), elastic=tuple(keys[k] for k in self.elastic))
+        if st.segments and not self.elastic:
+            raise ResumeError(f"{type(self).__name__}: the state has segments served under other configurations "
+                              f"({len(st.segments)}), which this loader cannot re-plan")
+        segments, position = resumed_segments(st.segments, self._segment(st.config, st.position),
+                                              self._segment(config, 0), self.elastic)
+        before = self._resized
+        self._set_resized(st.epoch, segments)
+        try:
+            self._check_position(st.epoch, position)
+        except BaseException:
+            self._set_resized(*before)
+            raise
+        self._epoch, self._position = st.epoch, position

@@ -24,7 +24,7 @@ import torch
 
 from prealign.collate.samples import sample_token_keys
 from prealign.loaders.core import LoaderCore, unpacked
-from prealign.loaders.errors import BadSampleError, SourceChangedError, reason_of
+from prealign.loaders.errors import BadSampleError, ResumeError, SourceChangedError, reason_of
 from prealign.loaders.handoff.batch_share import BatchShare
 from prealign.loaders.handoff.transport import pack_batch
 from prealign.loaders.index.build import build_index
@@ -37,7 +37,6 @@ from prealign.loaders.plan.schedule import Request, Schedule, check_count
 from prealign.loaders.policy import BadDataPolicy, BadDataReport, BadSampleWarning, OnBadSample, Oversize
 from prealign.loaders.serve.workers import hand_over
 from prealign.loaders.sources.source import Source
-from prealign.loaders.state import LoaderState
 from prealign.schemas.errors import PrealignError, SampleError
 from prealign.schemas.layout import ParallelLayout
 from prealign.schemas.schema import BatchSchema, Role
@@ -256,7 +255,12 @@ class PackedLoader(LoaderCore):
     The constructor only checks its arguments: no I/O, no collective. The index pass (a collective
     with ``IndexOptions(distributed=True)`` and a process group) runs on first use (``len``, iteration,
     ``plan``, ``state_dict``, ``report``, ``index``...) or at an explicit :meth:`prepare`.
+
+    A state saved under another ``dp_size`` or ``microbatches_per_step`` resumes too: the rest of its epoch
+    is re-planned for this run from the samples the saved run had not served (:mod:`prealign.loaders.plan.elastic`).
     """
+
+    elastic = ("dp_size", "microbatches_per_step")
 
     def __init__(self, source: Source, *, schema: BatchSchema, layout: ParallelLayout, token_budget: int,
                  dp_rank: int = 0, dp_size: int = 1, cp_rank: int | None = None, num_workers: int = 0, seed: int = 0,
@@ -297,6 +301,7 @@ class PackedLoader(LoaderCore):
                                   planner=self.planner, seed=self.seed, shuffle=self.shuffle,
                                   sequential=source.sequential, window=self.shuffle_window,
                                   step_window=64 if getattr(source, "stream_only", getattr(source, "streaming", False)) else None)
+        self._schedule.resized = self._resized
         self._requests = _Requests()
         planned = _PlannedSamples(source, index, schema, cap, layout.seq_multiple)
         planned.skip_at_load = self.bad_data.on_error is OnBadSample.SKIP
@@ -402,5 +407,14 @@ class PackedLoader(LoaderCore):
     def _config(self) -> dict:
         return {**super()._config(), "shuffle": self.shuffle, "shuffle_window": self.shuffle_window}
 
-    def _check_position(self, state: LoaderState) -> None:
-        state.check_position(self._schedule.count_to(state.epoch, state.position))
+    def _set_resized(self, epoch: int, segments: tuple) -> None:
+        super()._set_resized(epoch, segments)
+        if self._index is not None:
+            self._schedule.resized = self._resized
+
+    def _check_position(self, epoch: int, position: int) -> None:
+        """Refuse a ``position`` past the end of its epoch (equal to its length: the epoch is finished)."""
+        have = self.prepare()._schedule.count_to(epoch, position)
+        if position > have:
+            raise ResumeError(f"loader state: key 'position': {position} is past the end of epoch {epoch} "
+                              f"({have} micro-batches per rank)")

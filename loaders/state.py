@@ -10,6 +10,13 @@ when the loader prepares: taking a state touches no file.
      "data": {"source": "webdataset", "num_samples": 7473, "digest": "<16 hex>"}}
     {"version": 2, "kind": "prealign.StreamingPackedLoader", ..., "config": {..., "num_workers": 2},
      "data": {"source": "webdataset", "num_shards": 200, "digest": "<16 hex>"}}
+
+A run resumed with another ``dp_size`` (or ``microbatches_per_step``; ``num_workers`` for a stream) serves the
+rest of its epoch as a new segment (:mod:`prealign.loaders.plan.elastic`); until that epoch ends its state is
+version 3, with the earlier segments of the epoch (``position`` is then within the last one, ``config``'s):
+
+    {"version": 3, ..., "position": 4, "config": {..., "dp_size": 3, ...},
+     "segments": [{"dp_size": 4, "microbatches_per_step": 1, "num_workers": null, "position": 17}]}
 """
 from __future__ import annotations
 
@@ -18,11 +25,15 @@ import math
 from dataclasses import dataclass
 
 from prealign.loaders.errors import ResumeError
+from prealign.loaders.plan.elastic import Segment
 
 STATE_VERSION = 2
 """2: epochs planned a chunk at a time (``PlannerConfig.chunk_size``), which serves micro-batches in
 another order than version 1's single plan: a version-1 state cannot be resumed exactly. (The streaming
 loader's own version 1 format, without ``data``, is refused too.)"""
+ELASTIC_VERSION = 3
+"""3: a state with earlier segments of its epoch (a resize); written only then, so that a prealign that
+cannot honour them refuses the state instead of resuming the wrong samples."""
 STATE_KIND = "prealign.PackedLoader"
 STREAM_STATE_KIND = "prealign.StreamingPackedLoader"
 
@@ -37,6 +48,22 @@ _WHY = {
     "shuffle_window": "another sample order",
     "num_workers": "a stream is split over dp_size * num_workers readers; another count packs other micro-batches",
 }
+
+
+def _without(config: dict, keys: tuple[str, ...]) -> dict:
+    """A copy of ``config`` without ``keys`` (``"a.b"``: key ``b`` of the object under ``a``).
+
+    >>> _without({"a": {"b": 1, "c": 2}, "d": 3}, ("a.b", "d"))
+    {'a': {'c': 2}}
+    """
+    out = dict(config)
+    for key in keys:
+        head, _, rest = key.partition(".")
+        if rest and isinstance(out.get(head), dict):
+            out[head] = _without(out[head], (rest,))
+        elif not rest:
+            out.pop(head, None)
+    return out
 
 
 def _refuse_constant(name: str):
@@ -63,10 +90,15 @@ class LoaderState:
     config: dict
     data: dict
     kind: str = STATE_KIND
+    segments: tuple[Segment, ...] = ()
+    """Earlier segments of ``epoch``, served under other configurations (:mod:`prealign.loaders.plan.elastic`)."""
 
     def to_dict(self) -> dict:
-        return {"version": STATE_VERSION, "kind": self.kind, "epoch": self.epoch, "position": self.position,
-                "config": self.config, "data": self.data}
+        out = {"version": ELASTIC_VERSION if self.segments else STATE_VERSION, "kind": self.kind, "epoch": self.epoch,
+               "position": self.position, "config": self.config, "data": self.data}
+        if self.segments:
+            out["segments"] = [s.to_dict() for s in self.segments]
+        return out
 
     @classmethod
     def from_dict(cls, state, kind: str = STATE_KIND) -> "LoaderState":
@@ -87,9 +119,9 @@ class LoaderState:
         if not isinstance(state, dict) or state.get("kind") != kind:
             raise ResumeError(f"loader state: key 'kind': not a {kind} state: {str(state)[:200]}")
         version = state.get("version")
-        if isinstance(version, bool) or version != STATE_VERSION:
+        if isinstance(version, bool) or version not in (STATE_VERSION, ELASTIC_VERSION):
             raise ResumeError(f"loader state: key 'version': version {version!r} is not supported (this prealign writes "
-                              f"and reads version {STATE_VERSION})")
+                              f"and reads versions {STATE_VERSION} and {ELASTIC_VERSION})")
         missing = [k for k in ("epoch", "position", "config", "data") if k not in state]
         if missing:
             raise ResumeError(f"loader state: missing key(s) {missing}")
@@ -104,21 +136,23 @@ class LoaderState:
             bad = _non_finite(state[key], key)
             if bad:
                 raise ResumeError(f"loader state: key {bad!r}: a non-finite number")
+        segments = state.get("segments")
+        if (version == ELASTIC_VERSION) != ("segments" in state) or (
+                segments is not None and not (isinstance(segments, list) and segments)):
+            raise ResumeError(f"loader state: key 'segments': a non-empty list in a version {ELASTIC_VERSION} state "
+                              f"and only there; got {str(segments)[:200]} in version {version}")
         return cls(epoch=state["epoch"], position=state["position"], config=dict(state["config"]),
-                   data=dict(state["data"]), kind=kind)
+                   data=dict(state["data"]), kind=kind,
+                   segments=tuple(Segment.from_dict(s, f"segments[{i}]") for i, s in enumerate(segments or ())))
 
-    def check_position(self, num_microbatches: int) -> None:
-        """Refuse a ``position`` past the end of its epoch (``num_microbatches`` on each rank; equal to
-        it means the epoch is finished)."""
-        if self.position > num_microbatches:
-            raise ResumeError(f"loader state: key 'position': {self.position} is past the end of epoch {self.epoch} "
-                              f"({num_microbatches} micro-batches per rank)")
-
-    def check_compatible(self, config: dict, data: dict) -> None:
-        """Raise :class:`ResumeError` listing every difference with this run's ``config`` / ``data``."""
+    def check_compatible(self, config: dict, data: dict, elastic: tuple[str, ...] = ()) -> None:
+        """Raise :class:`ResumeError` listing every difference with this run's ``config`` / ``data``, but
+        in the ``elastic`` keys (``"planner.microbatches_per_step"`` for a nested one): those the loader
+        re-plans the rest of the epoch for."""
         problems = []
-        for key in sorted(set(config) | set(self.config)):
-            saved, here = self.config.get(key), config.get(key)
+        saved_config, config = _without(self.config, elastic), _without(config, elastic)
+        for key in sorted(set(config) | set(saved_config)):
+            saved, here = saved_config.get(key), config.get(key)
             if saved != here:
                 problems.append(f"{key}: saved {saved!r}, this run {here!r} ({_WHY.get(key, 'changes the plan')})")
         for key in sorted(set(data) | set(self.data)):

@@ -89,11 +89,11 @@ def test_state_is_small_json_and_rank_independent(wds):
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"dp_size": 3, "dp_rank": 0}, "dp_size: saved 2, this run 3"),
     ({"layout": ParallelLayout(tp=2, cp=4)}, "layout"),
     ({"token_budget": 256}, "token_budget"),
     ({"seed": 1}, "seed"),
     ({"planner": PlannerConfig(strategy="first_fit")}, "planner"),
+    ({"planner": PlannerConfig(strategy="first_fit", microbatches_per_step=2)}, "strategy"),  # k changes, not only k
 ])
 def test_incompatible_resume_is_refused(wds, change, message):
     state = _factory(wds)().state_dict()

@@ -7,13 +7,15 @@ config), which is what makes resume exact.
 """
 from __future__ import annotations
 
+import dataclasses
 from bisect import bisect_right
 from dataclasses import dataclass
 
 import numpy as np
 
-from prealign.loaders.errors import PlanError
+from prealign.loaders.errors import PlanError, ResumeError
 from prealign.loaders.index.sample_index import SampleIndex
+from prealign.loaders.plan.elastic import Segment, rest_of_epoch
 from prealign.loaders.plan.planner import ChunkedPlan, MicrobatchPlan, PlannerConfig, Screening
 from prealign.schemas.layout import ParallelLayout
 
@@ -126,16 +128,27 @@ class Schedule:
         the chunk's steps permuted (``None``), or only within groups of ``step_window`` steps (sources read
         front to back)."""
         self._cached: _Epoch | None = None
+        self.resized: tuple[int, tuple[Segment, ...]] = (-1, ())
+        """(epoch, its earlier segments): that epoch's samples the segments served under other DP sizes or
+        micro-batches per step are left out, and the rest is planned for this schedule
+        (:mod:`prealign.loaders.plan.elastic`). Other epochs are planned whole."""
 
     def _epoch(self, epoch: int) -> "_Epoch":
-        if self._cached is None or self._cached.epoch != epoch:
+        segments = self.resized[1] if self.resized[0] == epoch else ()
+        if self._cached is None or (self._cached.epoch, self._cached.segments) != (epoch, segments):
             order = epoch_order(self.index, epoch=epoch, seed=self.seed, shuffle=self.shuffle,
                                 sequential=self.sequential, window=self.window)
-            media = None if self.index.media is None else np.asarray(self.index.media, dtype=bool)[order]
-            plan = ChunkedPlan(self.index.lengths[order], layout=self.layout, token_budget=self.token_budget,
-                               dp_size=self.dp_size, config=self.planner, has_media=media)
-            self._cached = _Epoch(epoch, order, plan, self)
+            order = rest_of_epoch(order, segments, lambda o, seg: self._planned(
+                epoch, o, seg.dp_size, seg.microbatches_per_step).samples_before(seg.position))
+            self._cached = self._planned(epoch, order, self.dp_size, self.planner.microbatches_per_step, segments)
         return self._cached
+
+    def _planned(self, epoch: int, order: np.ndarray, dp_size: int, k: int, segments=()) -> "_Epoch":
+        media = None if self.index.media is None else np.asarray(self.index.media, dtype=bool)[order]
+        planner = dataclasses.replace(self.planner, microbatches_per_step=k)
+        plan = ChunkedPlan(self.index.lengths[order], layout=self.layout, token_budget=self.token_budget,
+                           dp_size=dp_size, config=planner, has_media=media)
+        return _Epoch(epoch, order, plan, self, segments)
 
     def plan(self, epoch: int) -> tuple[np.ndarray, MicrobatchPlan]:
         """(order, whole plan) of ``epoch`` (plans every chunk); plan indices are positions in ``order``."""
@@ -164,8 +177,8 @@ class Schedule:
 class _Epoch:
     """One epoch: its order, its :class:`ChunkedPlan`, and the serving order of each planned chunk."""
 
-    def __init__(self, epoch: int, order: np.ndarray, plan: ChunkedPlan, schedule: Schedule):
-        self.epoch, self.order, self.plan, self.schedule = epoch, order, plan, schedule
+    def __init__(self, epoch: int, order: np.ndarray, plan: ChunkedPlan, schedule: Schedule, segments=()):
+        self.epoch, self.order, self.plan, self.schedule, self.segments = epoch, order, plan, schedule, segments
         self.starts = [0]
         """``starts[c]``: position of chunk ``c``'s first micro-batch (known for planned chunks, + the next)."""
         self.served: list[np.ndarray] = []
@@ -192,6 +205,22 @@ class _Epoch:
         self.count(position)
         c = bisect_right(self.starts, position) - 1
         return c, int(self.served[c][position - self.starts[c]])
+
+    def samples_before(self, position: int) -> np.ndarray:
+        """int64 positions into :attr:`order` of the samples in the first ``position`` micro-batches of
+        every rank (what a run stopped there had served); :class:`ResumeError` past the epoch's end."""
+        if position > self.count(position):
+            raise ResumeError(f"loader state: a segment's position {position} is past the end of epoch "
+                              f"{self.epoch} planned for dp_size {self.plan.dp} ({self.count(None)} micro-batches "
+                              f"per rank)")
+        parts = [np.zeros(0, np.int64)]
+        for c, served in enumerate(self.served):
+            if position <= self.starts[c]:
+                break
+            rows = self.plan.chunk(c).microbatches
+            mine = served[:position - self.starts[c]].tolist()
+            parts.append(np.fromiter((i for row in rows for j in mine for i in row[j]), np.int64))
+        return np.concatenate(parts)
 
 
 class Requests:

@@ -1,0 +1,111 @@
+"""Elastic resume: one epoch served in segments, each under its own DP size (and micro-batches per step).
+
+A run saved after ``p`` micro-batches per rank at ``dp_size=4`` and resumed at ``dp_size=3`` serves the
+rest of that epoch as a new *segment*::
+
+    epoch order ─► segment 0: plan of every sample (dp 4, k 1); its first p0 micro-batches per rank served
+                ─► segment 1: plan of the samples segment 0 left, in epoch order (dp 3, k 2); first p1 served
+                ─► this run: plan of the samples still left, for this run's dp_size and k
+
+Each segment is planned by the same pure planner (seed, budget, layout, packing and dealing rules) over
+the samples the segments before it did not serve, so every rank recomputes what each segment served
+(the union of its first ``position`` micro-batches on all of its ranks) from the index alone: nothing is
+lost or repeated, and the state holds one :class:`Segment` (four integers) per resize, never a list of
+samples. Inside a segment every rank has the same number of micro-batches and each is within budget,
+since it is an ordinary plan.
+
+>>> rest_of_epoch(np.array([7, 3, 5, 1]), [Segment(dp_size=2, position=1)], lambda order, seg: np.array([0, 2]))
+array([3, 1])
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+
+from prealign.loaders.errors import ResumeError
+
+ELASTIC_KEYS = ("dp_size", "microbatches_per_step", "num_workers")
+
+
+def _count(name: str, value, low: int, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ResumeError(f"loader state: key {where}.{name}: expected an int >= {low}, got {value!r} "
+                          f"({type(value).__name__})")
+    return value
+
+
+@dataclass(frozen=True, kw_only=True)
+class Segment:
+    """Part of an epoch served under one configuration: ``position`` micro-batches on each of ``dp_size``
+    ranks with ``microbatches_per_step`` per step (``num_workers`` readers per rank for a stream;
+    ``None`` where the loader's batches do not depend on it).
+
+    >>> Segment.from_dict(Segment(dp_size=4, position=9).to_dict())
+    Segment(dp_size=4, position=9, microbatches_per_step=1, num_workers=None)
+    """
+
+    dp_size: int
+    position: int
+    microbatches_per_step: int = 1
+    num_workers: int | None = None
+
+    def to_dict(self) -> dict:
+        return {"dp_size": self.dp_size, "microbatches_per_step": self.microbatches_per_step,
+                "num_workers": self.num_workers, "position": self.position}
+
+    @classmethod
+    def from_dict(cls, data, where: str = "segments") -> "Segment":
+        """Parse strictly: :class:`ResumeError` naming the key for anything but the four fields as ints
+        (``position >= 1``: a segment that served nothing is never written; ``num_workers`` may be null)."""
+        if not isinstance(data, dict) or set(data) != {"dp_size", "microbatches_per_step", "num_workers", "position"}:
+            raise ResumeError(f"loader state: key {where}: expected an object with keys dp_size, "
+                              f"microbatches_per_step, num_workers, position; got {str(data)[:200]}")
+        workers = data["num_workers"]
+        return cls(dp_size=_count("dp_size", data["dp_size"], 1, where),
+                   microbatches_per_step=_count("microbatches_per_step", data["microbatches_per_step"], 1, where),
+                   num_workers=None if workers is None else _count("num_workers", workers, 0, where),
+                   position=_count("position", data["position"], 1, where))
+
+
+def unserved(order: np.ndarray, served: np.ndarray) -> np.ndarray:
+    """``order`` without the entries at positions ``served``, the rest in their order (vectorised).
+
+    >>> unserved(np.array([4, 0, 2, 9]), np.array([2, 0])).tolist()
+    [0, 9]
+    """
+    keep = np.ones(order.size, bool)
+    keep[np.asarray(served, dtype=np.int64)] = False
+    return order[keep]
+
+
+def rest_of_epoch(order: np.ndarray, segments: Sequence[Segment],
+                  served: Callable[[np.ndarray, Segment], np.ndarray]) -> np.ndarray:
+    """The sample ids of ``order`` (the epoch's order) that ``segments`` did not serve, in epoch order.
+
+    ``served(order, segment)``: positions into ``order`` of the samples ``segment`` served when planned
+    over ``order`` (its first ``segment.position`` micro-batches on every rank); each segment is planned
+    over what the ones before it left.
+    """
+    for seg in segments:
+        order = unserved(order, served(order, seg))
+    return order
+
+
+def resumed_segments(segments: Sequence[Segment], saved: Segment, here: Segment,
+                     keys: Sequence[str]) -> tuple[tuple[Segment, ...], int]:
+    """(earlier segments, position in this run's segment) of a resumed epoch. ``saved``: the saved run's
+    own part (its configuration, its position); ``here``: this run's configuration. The saved run goes on
+    as the same segment when none of ``keys`` differ; otherwise its part becomes one more earlier segment
+    (none when it served nothing) and this run starts its own at position 0.
+
+    >>> saved = Segment(dp_size=4, position=5)
+    >>> resumed_segments((), saved, Segment(dp_size=3, position=0), ("dp_size",))
+    ((Segment(dp_size=4, position=5, microbatches_per_step=1, num_workers=None),), 0)
+    >>> resumed_segments((), saved, Segment(dp_size=4, position=0), ("dp_size",))
+    ((), 5)
+    """
+    if all(getattr(saved, k) == getattr(here, k) for k in keys):
+        return tuple(segments), saved.position
+    return ((*segments, saved) if saved.position else tuple(segments)), 0
