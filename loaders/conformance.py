@@ -10,12 +10,17 @@ batches when the state was taken
 2. mid-epoch (and that taking the state does not disturb the run it was taken from),
 3. at the end of an epoch (the resumed run starts the next epoch),
 4. mid-way through a later epoch.
+
+:func:`assert_resumes_elastically` checks a component that resumes under another configuration (another
+DP size, number of workers...): one epoch served in segments, every rank of a segment simulated in one
+process, nothing lost or repeated across them.
 """
 from __future__ import annotations
 
 import json
+from collections import Counter
 from itertools import islice
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -95,3 +100,75 @@ def assert_resumes_exactly(make: Callable[[], object], *, midpoint: int | None =
     d = resumed(c.state_dict())
     _check(f"later epoch ({mid1}/{len(e1)} of epoch 1)", list(d), e1[mid1:], equal)
     return {"epoch_lengths": [len(e0), len(e1)], "midpoint": mid}
+
+
+def _padded_length(batch) -> int:
+    return int(batch["cu_seqlens_padded"][-1])
+
+
+def _ids(batch) -> list[int]:
+    return batch["sample_index"].tolist()
+
+
+def assert_resumes_elastically(make: Callable[[dict, int], object], segments: Sequence[tuple[dict, int | None]], *,
+                               budget: int, padded_length: Callable[[object], int] = _padded_length,
+                               sample_ids: Callable[[object], list[int]] = _ids) -> dict:
+    """Serve one epoch in segments under other configurations and check nothing is lost or repeated.
+
+    ``make(config, rank)`` builds rank ``rank`` of a run of ``config`` (keywords, with ``"dp_size"``).
+    ``segments[i] = (config, stop)``: every rank of segment ``i`` is built, loaded with the (JSON
+    round-tripped) state rank 0 of segment ``i - 1`` took, and yields ``stop`` micro-batches (``None``: the
+    rest of the epoch; the last segment's must be ``None``). Raises :class:`ResumeConformanceError` unless
+
+    1. every rank of a segment yields as many micro-batches as the others and takes the same state,
+    2. the samples served across all segments and ranks are those of an uninterrupted run of the first
+       configuration, each exactly once (``sample_ids(batch)``),
+    3. every micro-batch is within ``budget`` (``padded_length(batch)``),
+    4. the next epoch of the last segment's ranks is what a fresh run of its configuration yields then.
+
+    Returns ``{"counts": [micro-batches per rank of each segment], "samples": n}`` (to check it was not vacuous).
+    """
+    if not segments or segments[-1][1] is not None:
+        raise ValueError("segments: the last one must run to the end of the epoch (stop None)")
+    first = segments[0][0]
+    want = Counter(i for r in range(first["dp_size"]) for b in islice(iter(make(first, r)), None) for i in sample_ids(b))
+    got: Counter = Counter()
+    state, counts, epoch, last = None, [], None, []
+    for s, (config, stop) in enumerate(segments):
+        states, lengths = [], []
+        for r in range(config["dp_size"]):
+            c = make(config, r)
+            if state is not None:
+                c.load_state_dict(_roundtrip(state))
+            it = iter(c)
+            batches = list(it) if stop is None else list(islice(it, stop))
+            for i, b in enumerate(batches):
+                if padded_length(b) > budget:
+                    raise ResumeConformanceError(f"segment {s} ({config}), rank {r}: micro-batch {i} is "
+                                                 f"{padded_length(b)} tokens, over the budget {budget}")
+                got.update(sample_ids(b))
+            lengths.append(len(batches))
+            states.append(c.state_dict())
+            if stop is None:
+                last.append(c)
+        if len(set(lengths)) != 1:
+            raise ResumeConformanceError(f"segment {s} ({config}): ranks yielded {lengths} micro-batches")
+        if any(st != states[0] for st in states):
+            raise ResumeConformanceError(f"segment {s} ({config}): the ranks' states differ")
+        counts.append(lengths[0])
+        state = states[0]
+        epoch = state["epoch"]
+    repeated = sorted(i for i, n in got.items() if n > 1)
+    if repeated:
+        raise ResumeConformanceError(f"samples served more than once across the segments: {repeated[:20]}")
+    if got != want:
+        lost = sorted((want - got).elements())
+        extra = sorted((got - want).elements())
+        raise ResumeConformanceError(f"samples lost across the segments: {lost[:20]} ({len(lost)}); served but "
+                                     f"not in the epoch: {extra[:20]} ({len(extra)})")
+    config = segments[-1][0]
+    for r, c in enumerate(last):
+        fresh = make(config, r)
+        fresh.set_epoch(epoch)
+        _check(f"the epoch after the segments, rank {r}", list(c), list(fresh), batches_equal)
+    return {"counts": counts, "samples": sum(got.values())}

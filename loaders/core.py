@@ -8,6 +8,7 @@ dead worker a :class:`~prealign.loaders.errors.WorkerError`: :mod:`prealign.load
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import functools
 import hashlib
 import json
@@ -192,9 +193,13 @@ class LoaderCore:
         return self.prepare()._fingerprint
 
     def _segment(self, config: dict, position: int) -> Segment:
-        """The :class:`Segment` of a run of ``config`` (a :meth:`_config`) that served ``position`` micro-batches."""
-        return Segment(dp_size=config["dp_size"], microbatches_per_step=config["planner"]["microbatches_per_step"],
-                       num_workers=config.get("num_workers"), position=position)
+        """The :class:`Segment` of a run of ``config`` (a :meth:`_config`, or a state's: checked) that served
+        ``position`` micro-batches."""
+        planner = config.get("planner")
+        seg = Segment.from_dict({"dp_size": config.get("dp_size"), "num_workers": config.get("num_workers"),
+                                 "microbatches_per_step": planner.get("microbatches_per_step")
+                                 if isinstance(planner, dict) else None, "position": max(position, 1)}, "config")
+        return dataclasses.replace(seg, position=position)
 
     def _set_resized(self, epoch: int, segments: tuple[Segment, ...]) -> None:
         """Serve ``epoch`` after its earlier ``segments`` (``(-1, ())``: none)."""

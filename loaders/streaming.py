@@ -53,6 +53,7 @@ from prealign.loaders.index.events import error_from_record, error_record, recor
 from prealign.loaders.index.sample_checks import has_media, media_keys, validated
 from prealign.loaders.loader import filler_sample, truncate_sample
 from prealign.loaders.options import LoadingOptions, WorkerConfig, check_option
+from prealign.loaders.plan.elastic import round_robin
 from prealign.loaders.plan.packing import best_fit_decreasing
 from prealign.loaders.plan.planner import PlannerConfig
 from prealign.loaders.policy import BadDataGate, BadDataPolicy, BadDataReport, Oversize
@@ -125,12 +126,18 @@ class _Reader(IterableDataset):
     seed: int
     epoch: int
     pack: bool = False
+    served: frozenset = frozenset()
+    """Stream ids served by earlier segments of the epoch (a resize): left out before the split."""
+    worker: tuple[int, int] | None = None
+    """(workers, worker id) of a reader replayed outside a DataLoader; ``None``: the DataLoader's."""
+    ids_only: bool = False
+    """Yield each micro-batch's stream ids instead of collating it (a replay)."""
 
     def _mine(self):
         """``(shard, ordinal, location, raw)`` of this reader's samples, in stream order; bad records as
         ``(shard, ordinal, location, exception or Skip)``."""
         info = get_worker_info()
-        workers, w = (1, 0) if info is None else (info.num_workers, info.id)
+        workers, w = self.worker or ((1, 0) if info is None else (info.num_workers, info.id))
         g, readers = self.dp_rank * workers + w, self.dp_size * workers
         n = self.source.num_shards
         order = np.random.default_rng([self.seed, self.epoch]).permutation(n).tolist()
@@ -139,6 +146,8 @@ class _Reader(IterableDataset):
         k = 0
         for shard in shards:
             for ordinal, (loc, item) in enumerate(self.source.scan(shard)):
+                if self.served and stream_id(shard, ordinal) in self.served:
+                    continue
                 if not split_shards:
                     k += 1
                     if (k - 1) % readers != g:
@@ -205,6 +214,8 @@ class _Reader(IterableDataset):
             buffer[:] = rest
 
         def collated(bin_, snapshot):
+            if self.ids_only:
+                return [snapshot[i][1] for i in bin_], []
             samples = [snapshot[i][2] for i in bin_]
             batch = self.collator(samples)
             batch["sample_index"] = torch.tensor([snapshot[i][1] for i in bin_], dtype=torch.int64)
@@ -258,6 +269,7 @@ class StreamingPackedLoader(LoaderCore):
     :class:`~prealign.loaders.errors.CollectiveTimeoutError` (``None``: the process group's own timeout)."""
 
     state_kind = STREAM_STATE_KIND
+    elastic = ("dp_size", "num_workers")
 
     def __init__(self, source: Source, *, schema: BatchSchema, layout: ParallelLayout, token_budget: int,
                  dp_rank: int = 0, dp_size: int = 1, cp_rank: int | None = None, num_workers: int = 0, seed: int = 0,
@@ -275,6 +287,7 @@ class StreamingPackedLoader(LoaderCore):
                          planner=planner, bad_data=bad_data, loading=loading, collator=collator)
         self.collective_timeout = None if collective_timeout is None else float(collective_timeout)
         self._filler: dict | None = None
+        self._served_cache: tuple = (None, frozenset())
 
     buffer_size = property(lambda self: self.planner.buffer_size)
     oversize = property(lambda self: self.planner.oversize)
@@ -358,11 +371,37 @@ class StreamingPackedLoader(LoaderCore):
         return batch
 
     # ---- iteration -----------------------------------------------------------------------------------
-    def _reader(self, epoch: int):
+    def _reader(self, epoch: int, served: frozenset = frozenset()):
         reader = _Reader(self.source, self.schema, self.collator, self.layout, self._capacity, self.buffer_size,
                          self.oversize, self.bad_data, self.dp_rank, self.dp_size, self.seed, epoch,
-                         pack=self.num_workers > 0)
+                         pack=self.num_workers > 0, served=served)
         return self._data_loader(reader, persistent=False, batch_size=None)
+
+    def _served_before(self, epoch: int) -> frozenset:
+        """Stream ids the earlier segments of ``epoch`` served (a resize; empty without one): each segment's
+        readers replayed in this process, ids only, every rank of it (another DP size or worker count
+        reads other shards), over what the segments before it left; a rank's first ``position`` micro-batches
+        in the order its DataLoader served them (:func:`~prealign.loaders.plan.elastic.round_robin`)."""
+        segments = self._resized[1] if self._resized[0] == epoch else ()
+        if self._served_cache[0] == (epoch, segments):
+            return self._served_cache[1]
+        served: set[int] = set()
+        for n, seg in enumerate(segments):
+            before, workers, longest = frozenset(served), max(seg.num_workers or 0, 1), 0
+            for rank in range(seg.dp_size):
+                readers = [_Reader(self.source, self.schema, self.collator, self.layout, self._capacity,
+                                   self.buffer_size, self.oversize, self.bad_data, rank, seg.dp_size, self.seed, epoch,
+                                   served=before, worker=(workers, w), ids_only=True)._packed()
+                           for w in range(workers)]
+                first = round_robin([(ids for ids, _ in r if ids is not None) for r in readers], seg.position)
+                longest = max(longest, len(first))
+                served.update(i for ids in first for i in ids)
+            if longest < seg.position:
+                raise ResumeError(f"StreamingPackedLoader: the state's segment {n} (dp_size {seg.dp_size}, num_workers "
+                                  f"{seg.num_workers}) has position {seg.position}, past the end of epoch {epoch}, "
+                                  f"which has {longest} micro-batches on those ranks (a state of other data, or edited)")
+        self._served_cache = ((epoch, segments), frozenset(served))
+        return self._served_cache[1]
 
     def _take(self, it):
         """The next real micro-batch of this rank's stream, or None at its end (bad-data events counted)."""
@@ -377,7 +416,7 @@ class StreamingPackedLoader(LoaderCore):
     def _batches(self, token: object):
         self.prepare()
         epoch, start = self._epoch, self._position
-        it = self._served(self._reader(epoch), token)
+        it = self._served(self._reader(epoch, self._served_before(epoch)), token)
         exhausted, skipped = False, 0
         for _ in range(start):  # resume: re-read and re-pack the stream up to the saved position
             if self._take(it) is None:

@@ -20,7 +20,7 @@ array([3, 1])
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -109,3 +109,23 @@ def resumed_segments(segments: Sequence[Segment], saved: Segment, here: Segment,
     if all(getattr(saved, k) == getattr(here, k) for k in keys):
         return tuple(segments), saved.position
     return ((*segments, saved) if saved.position else tuple(segments)), 0
+
+
+def round_robin(streams: Sequence[Iterable], count: int) -> list:
+    """The first ``count`` items a torch DataLoader serves from iterable readers ``streams`` (one per worker):
+    one from each in turn, a reader that ran out left out from then on (fewer items when all run out).
+
+    >>> round_robin([iter("ab"), iter("wxyz"), iter("")], 5)
+    ['a', 'w', 'b', 'x', 'y']
+    """
+    live: list[Iterator] = [iter(s) for s in streams]
+    out: list = []
+    while live and len(out) < count:
+        for it in list(live):
+            if len(out) == count:
+                break
+            try:
+                out.append(next(it))
+            except StopIteration:
+                live.remove(it)
+    return out
