@@ -110,7 +110,8 @@ def _ids(batch) -> list[int]:
     return batch["sample_index"].tolist()
 
 
-def assert_resumes_elastically(make: Callable[[dict, int], object], segments: Sequence[tuple[dict, int | None]], *,
+def assert_resumes_elastically(make: Callable[[dict, int], object],
+                               segments: Sequence[tuple[dict, int | Callable[[object], int] | None]], *,
                                budget: int, padded_length: Callable[[object], int] = _padded_length,
                                sample_ids: Callable[[object], list[int]] = _ids) -> dict:
     """Serve one epoch in segments under other configurations and check nothing is lost or repeated.
@@ -118,7 +119,8 @@ def assert_resumes_elastically(make: Callable[[dict, int], object], segments: Se
     ``make(config, rank)`` builds rank ``rank`` of a run of ``config`` (keywords, with ``"dp_size"``).
     ``segments[i] = (config, stop)``: every rank of segment ``i`` is built, loaded with the (JSON
     round-tripped) state rank 0 of segment ``i - 1`` took, and yields ``stop`` micro-batches (``None``: the
-    rest of the epoch; the last segment's must be ``None``). Raises :class:`ResumeConformanceError` unless
+    rest of the epoch, the last segment's must be; a callable: ``stop(rank 0's component)`` once it loaded
+    the state, e.g. a fraction of its ``len``). Raises :class:`ResumeConformanceError` unless
 
     1. every rank of a segment yields as many micro-batches as the others and takes the same state,
     2. the samples served across all segments and ranks are those of an uninterrupted run of the first
@@ -140,6 +142,8 @@ def assert_resumes_elastically(make: Callable[[dict, int], object], segments: Se
             c = make(config, r)
             if state is not None:
                 c.load_state_dict(_roundtrip(state))
+            if callable(stop):
+                stop = stop(c)
             it = iter(c)
             batches = list(it) if stop is None else list(islice(it, stop))
             for i, b in enumerate(batches):
