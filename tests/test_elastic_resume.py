@@ -301,3 +301,68 @@ def test_round_robin_is_the_dataloader_order():
     got = [tuple(int(x) for x in item) for item in loader]
     assert got == round_robin([[(w, i) for i in range(n)] for w, n in enumerate((5, 2, 8))], 100)
     assert len(got) == 15
+
+
+def _stream_rank(rank: int, port: int, config: dict, stop, paths: list[str], state, out: str) -> None:
+    import os
+    import traceback
+
+    try:
+        torch.set_num_threads(1)
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=config["dp_size"])
+        loader = _stream_maker(paths)(config, rank)
+        if state is not None:
+            loader.load_state_dict(state)
+        it = iter(loader)
+        batches = list(it) if stop is None else list(islice(it, stop))
+        with open(os.path.join(out, f"rank-{rank}.json"), "w") as f:
+            json.dump({"ids": [b["sample_index"].tolist() for b in batches], "padded": [_padded(b) for b in batches],
+                       "state": loader.state_dict()}, f)
+        it.close()
+        dist.destroy_process_group()
+    except BaseException:
+        with open(os.path.join(out, f"error-{rank}.txt"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+
+
+@pytest.mark.slow
+def test_streaming_dp_4_3_5_on_gloo_ranks(tmp_path):
+    """Real ranks (gloo on 127.0.0.1, the end-of-epoch agreement live): dp 4 (2 workers) -> 3 (none) -> 5
+    (1 worker); 7 shards, so the readers' shard split changes at each resize."""
+    import multiprocessing as mp
+
+    from tests.test_streaming import _free_port
+
+    paths = write_shards(str(tmp_path / "shards"), sample_lengths(210, seed=12), num_shards=7)
+    ctx = mp.get_context("fork")
+    state, served, counts = None, [], []
+    for n, (config, stop) in enumerate([({"dp_size": 4, "num_workers": 2}, 3), ({"dp_size": 3, "num_workers": 0}, 4),
+                                        ({"dp_size": 5, "num_workers": 1}, None)]):
+        out = tmp_path / f"segment-{n}"
+        out.mkdir()
+        port = _free_port()
+        procs = [ctx.Process(target=_stream_rank, args=(r, port, config, stop, paths, state, str(out)))
+                 for r in range(config["dp_size"])]  # not daemonic: ranks start DataLoader workers
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=240)
+        alive = [p for p in procs if p.is_alive()]
+        for p in alive:
+            p.kill()
+        errors = [e.read_text() for e in out.glob("error-*.txt")]
+        assert not errors, errors[0]
+        assert not alive, f"segment {n}: a rank did not finish (hang?)"
+        ranks = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(config["dp_size"])]
+        counts.append([len(r["ids"]) for r in ranks])
+        assert len(set(counts[-1])) == 1, counts  # equal micro-batch counts across the ranks of the segment
+        assert all(t <= BUDGET for r in ranks for t in r["padded"])
+        assert all(r["state"] == ranks[0]["state"] for r in ranks)
+        served += [i for r in ranks for mb in r["ids"] for i in mb]
+        state = ranks[0]["state"]
+    assert counts[0][0] == 3 and counts[1][0] == 4 and counts[2][0] > 0
+    assert sorted(served) == sorted(i for shard in range(7) for i in range(shard << 32, (shard << 32) + 30))
+    assert (state["epoch"], state["position"]) == (1, 0) and "segments" not in state
