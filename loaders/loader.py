@@ -5,7 +5,9 @@
 
 Workers only load and collate the sample lists the planner chose, so the order of batches does not
 depend on the number of workers, and the state is just ``(epoch, position)``: resuming replays the
-plan and skips the first ``position`` micro-batches (nothing prefetched is lost or repeated).
+plan and skips the first ``position`` micro-batches (nothing prefetched is lost or repeated). A state
+of another ``dp_size`` or ``microbatches_per_step`` re-plans the rest of its epoch from the samples
+not yet served (:mod:`prealign.loaders.plan.elastic`, ``docs/resume.md``).
 
 Ranks: TP ranks of a DP group build identical batches (nothing here depends on the TP rank); CP
 ranks of a DP group get complementary shards of the same micro-batch (the collator's ``cp_rank``);

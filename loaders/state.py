@@ -46,7 +46,6 @@ _WHY = {
     "seed": "another seed gives another sample order",
     "shuffle": "another sample order",
     "shuffle_window": "another sample order",
-    "num_workers": "a stream is split over dp_size * num_workers readers; another count packs other micro-batches",
 }
 
 

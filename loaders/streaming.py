@@ -29,6 +29,10 @@ rank's stream from the start of the epoch and replays the deterministic packing,
 ``position`` micro-batches (cost: reading, and in workers collating, that much of the stream again). A
 position past the end of its epoch (every rank's stream ends before it) cannot be known before the stream
 is read: it is a :class:`~prealign.loaders.errors.ResumeError` at the first ``next``, on every rank alike.
+A state of another ``num_workers`` or ``dp_size`` resumes too: at the first ``next`` every reader of the
+saved run (every rank's) is replayed in this process, ids only, and the samples its DataLoader had served
+(round-robin over its workers) are left out of this run's readers, which split the rest of the epoch anew
+(cost: reading every old rank's served part of the stream again; ``docs/resume.md``).
 
 Options, validation, ``set_epoch``, ``from_parallel_state``, the one-live-iterator guard, the state and the
 worker path (a sample's typed error raised as its own type, a dead worker a

@@ -1,0 +1,137 @@
+"""Resume deep into a 1M-sample epoch from sidecars, same and other DP sizes (issue #21).
+
+    python benchmarks/bench_resume.py [--size 1000000] [--dir DIR] [--at 0.9] [--json out.json]
+
+Data: ``--size`` pre-tokenized webdataset samples (int64 ``[8..128]`` tokens, 10k a shard, the writer of
+``bench_ttfb.py``) with sidecar indexes (``write_sidecars``, written once and kept in ``--dir``). Layout
+tp=2, cp=2, budget 8192, seed 0. A setup process plans the epoch at dp=4 and finds the position ``p`` (micro-batches per
+rank) where ``--at`` of the epoch's samples have been served; the state there is what a dp=4 run saves.
+Each phase then runs in a fresh process (no warm caches but the OS page cache) and times, from nothing:
+the loader built from the sidecars (``prepare``), ``load_state_dict`` and the first batch after it.
+
+* ``same``     dp 4 -> 4 (today's resume: the plan up to ``p``)
+* ``elastic``  dp 4 -> 3 (the dp-4 plan up to ``p``, what it served left out, the rest planned for dp 3)
+* ``chained``  dp 4 -> 3 at half of ``p``'s samples -> 5 at ``p`` (two earlier segments to recompute)
+* ``replay``   what replaying the skipped micro-batches would cost instead: the time to load 200
+               micro-batches (one rank, no workers) times the ``p`` a rank skips, side by side
+
+Target: resume (built + loaded + first batch) <= 5 s at 900k of 1M.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+from bench_ttfb import write_text_shards  # noqa: E402
+
+_COMMON = """
+import json, time
+from itertools import islice
+from prealign.loaders import PackedLoader, WebDatasetSource
+from prealign.schemas import ParallelLayout, causal_lm_schema
+paths = {paths!r}
+def make(dp, rank=0):
+    return PackedLoader(WebDatasetSource(paths, sidecars=True), schema=causal_lm_schema(),
+                        layout=ParallelLayout(tp=2, cp=2), token_budget=8192, dp_size=dp, dp_rank=rank, cp_rank=0)
+"""
+
+_SETUP = _COMMON + """
+def first_position(loader, target, base=0):
+    # the first position of the loader's (current) plan where base + the samples served reach target
+    ep = loader._schedule._epoch(loader.epoch)  # (a benchmark peeks; the library never needs to)
+    lo, hi = 0, len(loader)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if base + int(ep.samples_before(mid).size) < target:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo, base + int(ep.samples_before(lo).size)
+a = make(4).prepare()
+p, served = first_position(a, {target})
+base = a.state_dict()
+q, half = first_position(a, {target} // 2)
+b = make(3)
+b.load_state_dict({{**base, "position": q}})
+r, _ = first_position(b, {target}, half)
+result = {{"state": {{**base, "position": p}}, "chained": {{**b.state_dict(), "position": r}}, "position": p,
+          "per_rank": len(a), "served": served, "half_position": q, "second_position": r}}
+"""
+
+_RESUME = _COMMON + """
+state = json.loads({state!r})
+t0 = time.perf_counter()
+loader = make({dp}).prepare()
+t1 = time.perf_counter()
+loader.load_state_dict(state)
+t2 = time.perf_counter()
+batch = next(iter(loader))
+t3 = time.perf_counter()
+result = {{"prepare_s": t1 - t0, "load_state_s": t2 - t1, "first_batch_s": t3 - t2, "total_s": t3 - t0,
+          "microbatch": batch["microbatch"], "state_after": loader.state_dict()}}
+"""
+
+_REPLAY = _COMMON + """
+loader = make(4).prepare()
+it = iter(loader)
+next(it)
+t0 = time.perf_counter()
+k = sum(1 for _ in islice(it, 200))
+result = {{"per_microbatch_s": (time.perf_counter() - t0) / k}}
+"""
+
+
+def _phase(code: str) -> dict:
+    prog = code + "\nprint('RESULT' + json.dumps(result))"
+    out = subprocess.run([sys.executable, "-c", prog], capture_output=True, text=True, check=True).stdout
+    return json.loads(out.rsplit("RESULT", 1)[1])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--size", type=int, default=1_000_000)
+    ap.add_argument("--at", type=float, default=0.9, help="fraction of the epoch's samples served at the state")
+    ap.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "prealign-bench-resume"))
+    ap.add_argument("--workers", type=int, default=2, help="processes writing the sidecars")
+    ap.add_argument("--json", help="also write the numbers here")
+    args = ap.parse_args()
+    paths = write_text_shards(os.path.join(args.dir, f"text-{args.size}"), args.size)
+    if not all(os.path.exists(p + ".prealign-index.npz") for p in paths):
+        from prealign.loaders import WebDatasetSource
+        from prealign.loaders.index.header_pass import write_sidecars
+        from prealign.schemas import causal_lm_schema
+
+        write_sidecars(WebDatasetSource(paths), causal_lm_schema(), workers=args.workers)
+    setup = _phase(_SETUP.format(paths=paths, target=int(args.at * args.size)))
+    runs = {
+        "same": _phase(_RESUME.format(paths=paths, dp=4, state=json.dumps(setup["state"]))),
+        "elastic": _phase(_RESUME.format(paths=paths, dp=3, state=json.dumps(setup["state"]))),
+        "chained": _phase(_RESUME.format(paths=paths, dp=5, state=json.dumps(setup["chained"]))),
+    }
+    replay = _phase(_REPLAY.format(paths=paths))
+    replay_s = replay["per_microbatch_s"] * setup["position"]
+    print(f"{args.size:,} samples; state at micro-batch {setup['position']} of {setup['per_rank']} per rank (dp 4), "
+          f"{setup['served']:,} samples served; chained: dp 4 for {setup['half_position']}, dp 3 for "
+          f"{setup['second_position']}\n")
+    print("| resume | build from sidecars | load_state_dict | first batch | total | replaying instead |\n"
+          "|---|---|---|---|---|---|")
+    for name, label in (("same", "dp 4 -> 4"), ("elastic", "dp 4 -> 3"), ("chained", "dp 4 -> 3 -> 5")):
+        r = runs[name]
+        print(f"| {label} | {r['prepare_s']:.2f} s | {r['load_state_s']:.2f} s | {r['first_batch_s']:.3f} s | "
+              f"{r['total_s']:.2f} s | {replay_s:.0f} s ({replay_s / r['total_s']:.0f}x) |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"setup": {k: v for k, v in setup.items() if k not in ("state", "chained")}, "runs": runs,
+                       "replay": {**replay, "estimated_s": replay_s}}, f, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
