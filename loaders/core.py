@@ -33,6 +33,10 @@ from prealign.loaders.state import STATE_KIND, LoaderState
 from prealign.schemas.layout import ParallelLayout
 from prealign.schemas.schema import BatchSchema
 
+_CONFIG_KEY = {"dp_size": "dp_size", "microbatches_per_step": "planner.microbatches_per_step",
+               "num_workers": "num_workers"}
+"""Where each :class:`~prealign.loaders.plan.elastic.Segment` field stands in a state's ``config``."""
+
 _WORKER_LOADERS: weakref.WeakSet = weakref.WeakSet()
 """torch DataLoaders with workers that the loaders made and that are still alive."""
 
@@ -229,9 +233,7 @@ class LoaderCore:
                                    f"(it.close()) first")
         st = LoaderState.from_dict(state, kind=self.state_kind)
         config = self._config()
-        keys = {"dp_size": "dp_size", "microbatches_per_step": "planner.microbatches_per_step",
-                "num_workers": "num_workers"}
-        st.check_compatible(config, self._data(), elastic=tuple(keys[k] for k in self.elastic))
+        st.check_compatible(config, self._data(), elastic=tuple(_CONFIG_KEY[k] for k in self.elastic))
         if st.segments and not self.elastic:
             raise ResumeError(f"{type(self).__name__}: the state has segments served under other configurations "
                               f"({len(st.segments)}), which this loader cannot re-plan")

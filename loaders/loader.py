@@ -354,12 +354,13 @@ class PackedLoader(LoaderCore):
             self._epoch, self._position = epoch + 1, 0
 
     def __len__(self) -> int:
-        """Micro-batches in the current epoch (the same on every DP rank)."""
+        """Micro-batches in the current epoch (the same on every DP rank; after a resize, in its segment)."""
         epoch = self._normalised()[0]  # (prepares)
         return self._schedule.num_microbatches(epoch)
 
     def plan(self, epoch: int | None = None) -> MicrobatchPlan:
-        """The (all-rank) plan of ``epoch`` (default: the current one), with its statistics."""
+        """The (all-rank) plan of ``epoch`` (default: the current one), with its statistics; of an epoch resumed
+        after a resize, the plan of the samples its earlier segments left."""
         epoch = self.epoch if epoch is None else check_count("epoch", epoch)
         return self.prepare()._schedule.plan(epoch)[1]
 

@@ -26,8 +26,6 @@ import numpy as np
 
 from prealign.loaders.errors import ResumeError
 
-ELASTIC_KEYS = ("dp_size", "microbatches_per_step", "num_workers")
-
 
 def _count(name: str, value, low: int, where: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
