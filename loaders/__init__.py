@@ -5,7 +5,7 @@ bad-data policy) -> planner (:func:`plan_microbatches`, same plan on every rank)
 micro-batches -> DataLoader workers read, transform and collate -> :class:`PackedLoader` batches,
 resumable with ``state_dict`` / ``load_state_dict``.
 """
-from prealign.loaders.conformance import assert_resumes_exactly
+from prealign.loaders.conformance import assert_resumes_elastically, assert_resumes_exactly
 from prealign.loaders.errors import (
                      BadSampleError,
                      CollectiveTimeoutError,
@@ -63,3 +63,4 @@ __all__ += ["VLMSampleTransform", "MediaError", "MediaProblem", "image_processor
 __all__ += ["WorkerConfig", "UnsupportedTorchError"]
 __all__ += ["RemoteOptions", "RemoteReadError", "RemoteStallError", "RemotePermissionError", "RangeIgnoredWarning"]
 __all__ += ["CollectiveTimeoutError", "NotRegularFileError", "ShardGoneError"]
+__all__ += ["assert_resumes_elastically"]
