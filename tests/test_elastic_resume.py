@@ -168,6 +168,24 @@ def test_resize_at_the_start_or_the_end_of_an_epoch(wds):
     assert c.epoch == 1 and all(batches_equal(x, y) for x, y in zip(list(c), list(_epoch(make({"dp_size": 3}, 1), 1))))
 
 
+def test_fewer_samples_left_than_new_ranks_gives_fillers():
+    """dp 1 stopped before its last micro-batch, resumed at dp 5: the few samples left are spread, every
+    rank gets one micro-batch, the ranks with none get a filler (pads only)."""
+    make = _packed_maker(*_hf([60, 61, 62, 63, 5, 6]), chunk_size=16384)
+    n = len(make({"dp_size": 1}, 0))
+    result = assert_resumes_elastically(make, [({"dp_size": 1}, n - 1), ({"dp_size": 5}, None)], budget=BUDGET,
+                                        padded_length=_padded)
+    assert result == {"counts": [n - 1, 1], "samples": 6}
+    a = make({"dp_size": 1}, 0)
+    list(islice(iter(a), n - 1))
+    rest = []
+    for r in range(5):
+        b = make({"dp_size": 5}, r)
+        b.load_state_dict(a.state_dict())
+        rest += list(b)
+    assert sum(b["is_filler"] for b in rest) >= 3 and all(_padded(b) <= BUDGET for b in rest)
+
+
 def _epoch(loader, epoch):
     loader.set_epoch(epoch)
     return loader
