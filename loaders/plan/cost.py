@@ -85,7 +85,7 @@ class CostModel:
         >>> cfg = SimpleNamespace(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
         ...                       intermediate_size=128, vocab_size=100, hidden_act="silu")
         >>> CostModel.from_hf_config(cfg, lm_head=False)
-        CostModel(linear=131072.0, quadratic=256.0)
+        CostModel(linear=163840.0, quadratic=256.0)
         """
         cfg = getattr(cfg, "text_config", None) or cfg
         h = int(_attr(cfg, "hidden_size", "n_embd", "d_model"))

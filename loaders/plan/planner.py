@@ -378,12 +378,12 @@ class ChunkedPlan:
         if self._ended:  # the packing pass reached the stream's end in an earlier chunk
             return _assemble([], self.order, self._true_len, self._aligned, self.layout, self.dp, cap, cfg.cost)
         if cfg.strategy is PackStrategy.IN_ORDER:
-            bins = [[lo + i for i in b] for b in next_fit(sizes[lo:hi], cap)]
+            bins = [[lo + i for i in b] for b in next_fit(sizes[lo:hi], cap, self.layout.max_seqs)]
             self._ended = c == self.num_chunks - 1
         else:  # one packing pass over the whole stream, advanced a chunk at a time
             if self._fit is None:
                 self._fit = StreamFit(sizes, cap, buffer_size=cfg.buffer_size, best=cfg.strategy is PackStrategy.BFD,
-                                      max_age=cfg.max_age)
+                                      max_age=cfg.max_age, max_items=self.layout.max_seqs)
             bins = self._fit.advance(hi)
             self._ended = self._fit.pos >= sizes.shape[0]  # its last window may run past this chunk
             if self._ended:
@@ -396,7 +396,7 @@ class ChunkedPlan:
             per_step = self.dp * cfg.microbatches_per_step
             full = len(bins) - len(bins) % per_step
             bins, self._carry = bins[:full], bins[full:]
-        steps = _form_steps(bins, sizes, cap, self.dp, cfg, self._costs)
+        steps = _form_steps(bins, sizes, cap, self.dp, cfg, self._costs, self.layout.max_seqs)
         return _assemble(steps, self.order, self._true_len, self._aligned, self.layout, self.dp, cap, cfg.cost)
 
     def full(self) -> MicrobatchPlan:
@@ -425,7 +425,8 @@ class ChunkedPlan:
 
 
 def _form_steps(bins: list[list[int]], sizes: np.ndarray, cap: int, dp: int,
-                cfg: PlannerConfig, costs: np.ndarray | None = None) -> list[list[list[int]]]:
+                cfg: PlannerConfig, costs: np.ndarray | None = None,
+                max_items: int | None = None) -> list[list[list[int]]]:
     """Closed bins -> steps (lists of ``dp * k_s`` bins); the tail re-spread to a multiple of ``dp``.
     With ``costs`` (float64, by stream position) the steps come dealt, rank-major (:func:`balanced_steps`)."""
     per_step = dp * cfg.microbatches_per_step
@@ -438,7 +439,7 @@ def _form_steps(bins: list[list[int]], sizes: np.ndarray, cap: int, dp: int,
         while sum(map(len, tail)) < pulled * per_step + last and head:  # too few samples: take a step back
             head, tail = head[:-per_step], head[-per_step:] + tail
             pulled += 1
-        spread_bins = spread(tail, sizes, pulled * per_step + last, cap)
+        spread_bins = spread(tail, sizes, pulled * per_step + last, cap, max_items)
         spread_bins.sort(key=lambda b: -int(sizes[b].sum()) if b else 0)
         cut = pulled * per_step
         if costs is not None:
