@@ -368,6 +368,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def spawn_ranks(worker, world: int, *args) -> dict:
+    """Run ``worker(rank, world, port, results, *args)`` in ``world`` processes (a free port on 127.0.0.1
+    for their gloo group) and return ``results``, the dict each rank fills in."""
+    import torch.multiprocessing as mp
+
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(worker, args=(world, free_port(), results, *args), nprocs=world, join=True)
+        return dict(results)
+
+
 @pytest.fixture
 def subprocess_env() -> dict:
     """Environment for a child Python: the installed ``prealign`` (never the checkout's root folders)."""

@@ -10,7 +10,6 @@ import os
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -18,7 +17,7 @@ from prealign.collate import to_packed_seq_params
 from prealign.loaders import CostModel, PlanError, plan_microbatches
 from prealign.loaders.plan.hybrid_cp import assign_cp_blocks, block_of, hybrid_cp_batch, predicted_time
 from prealign.schemas import ParallelLayout, validate_batch, validate_packed_seq_params
-from tests.conftest import SCHEMA, examples, free_port, make_samples
+from tests.conftest import SCHEMA, examples, make_samples, spawn_ranks
 
 COST = CostModel(linear=24576, quadratic=1)
 
@@ -132,10 +131,7 @@ def _megatron_worker(rank: int, world: int, port: int, results) -> None:
 @pytest.mark.slow
 def test_shards_match_megatron_core_hybrid_cp_path():
     world = 4
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(_megatron_worker, args=(world, free_port(), results), nprocs=world, join=True)
-        got = dict(results)
+    got = spawn_ranks(_megatron_worker, world)
     assert sorted(got) == list(range(world))
     for case in range(len(CASES)):
         members = {}
