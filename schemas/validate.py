@@ -10,6 +10,7 @@ anything of that size is built.
 """
 from __future__ import annotations
 
+import dataclasses
 import operator
 from dataclasses import dataclass
 from typing import Mapping
@@ -35,7 +36,17 @@ class Violation:
 def validate_batch(batch: dict, schema: BatchSchema, layout: ParallelLayout, *,
                    raise_on_error: bool = True) -> list[Violation]:
     """All violations of ``batch`` (empty when valid); raises :class:`BatchValidationError` listing
-    them when ``raise_on_error``."""
+    them when ``raise_on_error``. A hybrid-CP batch (one with ``local_cp_size``, a power of two dividing
+    ``layout.cp``) is checked as the batch of a CP group of that size."""
+    local = batch.get("local_cp_size") if isinstance(batch, Mapping) else None
+    if local is not None:
+        n = as_int(local)
+        if n is None or n < 1 or n & (n - 1) or layout.cp % n:
+            violations = [Violation("local_cp_size", f"a power of two dividing cp = {layout.cp}", repr(local))]
+            if raise_on_error:
+                raise BatchValidationError(violations)
+            return violations
+        layout = dataclasses.replace(layout, cp=n)
     v = _Checker(batch, schema, layout)
     v.run()
     if v.violations and raise_on_error:

@@ -77,8 +77,13 @@ def test_each_rank_batch_is_valid_and_says_its_local_cp_size(lengths):
         block = block_of(blocks, rank)
         assert batch["local_cp_size"] == batch["cp_size"] == block.size and batch["cp_rank"] == rank - block.first
         assert batch["hybrid_cp_members"] == block.members
-        sub = dataclasses.replace(layout, cp=block.size)
-        validate_batch(batch, SCHEMA, sub)
+        validate_batch(batch, SCHEMA, layout)  # checked as the batch of a CP group of local_cp_size ranks
+        validate_batch(batch, SCHEMA, dataclasses.replace(layout, cp=block.size))
+        bad = validate_batch(dict(batch, local_cp_size=3), SCHEMA, layout, raise_on_error=False)
+        assert [v.path for v in bad] == ["local_cp_size"]
+        if block.size > 1:  # the shards of another rank of the block are named
+            other = hybrid_cp_batch(samples, blocks, schema=SCHEMA, layout=layout, cp_rank=block.first + (rank - block.first + 1) % block.size)
+            assert validate_batch(dict(batch, input_ids=other["input_ids"]), SCHEMA, layout, raise_on_error=False)
         params = to_packed_seq_params(batch)
         assert params.local_cp_size == block.size
         assert validate_packed_seq_params(params, layout) == []
