@@ -47,6 +47,11 @@ DENSE = {
     "mistral_head_dim": lambda: transformers.MistralConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
                                                            num_key_value_heads=1, head_dim=32, intermediate_size=96,
                                                            vocab_size=100),
+    "gemma_geglu": lambda: transformers.GemmaConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                                    num_key_value_heads=1, head_dim=16, intermediate_size=96,
+                                                    vocab_size=100),
+    "gpt_neox_gelu": lambda: transformers.GPTNeoXConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                                        intermediate_size=80, vocab_size=100),
 }
 
 
@@ -87,6 +92,8 @@ def test_cost_model_checks():
         PlannerConfig(cost=3)
     with pytest.raises(PlanError, match="hidden_size"):
         CostModel.from_hf_config(object())
+    gpt2 = DENSE["gpt2"]()  # gated=True: a third FFN matrix per layer
+    assert CostModel.from_hf_config(gpt2, gated=True).linear - CostModel.from_hf_config(gpt2).linear == 3 * 2 * 64 * 256
 
 
 def test_config_round_trip_keeps_old_fingerprints():

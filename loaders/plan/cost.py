@@ -61,7 +61,7 @@ class CostModel:
         return {"linear": self.linear, "quadratic": self.quadratic}
 
     @classmethod
-    def from_hf_config(cls, cfg, *, causal: bool = True, lm_head: bool = True) -> "CostModel":
+    def from_hf_config(cls, cfg, *, causal: bool = True, lm_head: bool = True, gated: bool | None = None) -> "CostModel":
         """Forward FLOPs of one sequence through a decoder described by a ``transformers`` config.
 
         With ``h`` the hidden size, ``n`` the layers, ``q = heads * head_dim``, ``kv = kv_heads *
@@ -71,11 +71,12 @@ class CostModel:
 
             Q, K, V projections   2*h*(q + 2*kv)
             attention output      2*q*h
-            MLP                   2*m*h*f      m = 3 gated (SwiGLU: gate, up, down), 2 otherwise
+            MLP                   2*m*h*f      m = 3 gated (SwiGLU / GeGLU: gate, up, down), 2 otherwise
             MoE router            2*h*E        E routed experts (MoE configs only)
         and once per token the LM head ``2*h*V`` (``lm_head=False`` leaves it out). The attention
         scores ``Q K^T`` and ``P V`` cost ``2*L*L*q`` each per layer; a causal kernel computes half
         of them (``causal=True``), so ``quadratic = 2*n*q`` (``4*n*q`` with ``causal=False``).
+        ``gated`` (None: read from the config: a SiLU / GLU activation or a Gemma model) picks ``m``.
         Backward costs about twice the forward in both terms, so the ratio (all the planner uses)
         is that of a training step. Norms, rotary and activations are left out (a few per cent).
         verl's ``24576*L + L**2`` for a 7B model is this formula for Llama-2-7B (``h = 4096``) with
@@ -103,8 +104,10 @@ class CostModel:
             shared += width * int(getattr(cfg, "n_shared_experts", None) or 0)
             ffn = width * int(visited) + shared
             router = 2 * h * int(_attr(cfg, "num_experts", "num_local_experts", "n_routed_experts"))
-        act = str(_attr(cfg, "hidden_act", "activation_function", default="gelu"))
-        gated = "glu" in act or act in ("silu", "swish") or bool(getattr(cfg, "gated_mlp", False))
+        if gated is None:
+            act = str(_attr(cfg, "hidden_act", "hidden_activation", "activation_function", default="gelu"))
+            gemma = str(getattr(cfg, "model_type", "")).startswith("gemma")  # GeGLU under a gelu name
+            gated = "glu" in act or act in ("silu", "swish") or gemma
         per_layer = 2 * h * (q + 2 * kv) + 2 * q * h + 2 * (3 if gated else 2) * h * ffn + router
         linear = layers * per_layer + (2 * h * int(_attr(cfg, "vocab_size")) if lm_head else 0)
         return cls(linear=float(linear), quadratic=float((2 if causal else 4) * layers * q))
