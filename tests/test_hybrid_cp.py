@@ -15,7 +15,13 @@ from hypothesis import strategies as st
 
 from prealign.collate import to_packed_seq_params
 from prealign.loaders import CostModel, PlanError, plan_microbatches
-from prealign.loaders.plan.hybrid_cp import assign_cp_blocks, block_of, hybrid_cp_batch, predicted_time
+from prealign.loaders.plan.hybrid_cp import (
+    assign_cp_blocks,
+    block_of,
+    hybrid_cp_batch,
+    hybrid_cp_plan,
+    predicted_time,
+)
 from prealign.schemas import ParallelLayout, validate_batch, validate_packed_seq_params
 from tests.conftest import SCHEMA, examples, make_samples, spawn_ranks
 
@@ -50,6 +56,20 @@ def test_blocks_invariants(lengths, cp, tp, comm, data):
             rows = sub.total_length(sum(sub.aligned_length(mb_lengths[i]) for i in b.members)) // b.size
             assert rows <= budget // cp
         assert predicted_time(mb_lengths, blocks, COST, comm) <= fixed_cp_time(mb_lengths, cp, comm) * (1 + 1e-12)
+
+
+def test_blocks_of_a_whole_plan():
+    rng = np.random.default_rng(0)
+    lengths = np.clip(rng.lognormal(np.log(1024), 1.0, 400), 16, 9000).astype(np.int64)
+    layout = ParallelLayout(cp=4)
+    plan = plan_microbatches(lengths, layout=layout, token_budget=8192, dp_size=2, oversize="truncate", cost=COST)
+    blocks = hybrid_cp_plan(plan, lengths, layout=layout, token_budget=8192, cost=COST)
+    assert [len(rank) for rank in blocks] == [len(rank) for rank in plan.microbatches]
+    for rank_blocks, rank in zip(blocks, plan.microbatches):
+        for bl, mb in zip(rank_blocks, rank):
+            assert bl == assign_cp_blocks([min(int(lengths[i]), 8192) for i in mb], layout=layout, token_budget=8192,
+                                          cost=COST)
+    assert any(len(bl) > 1 for rank in blocks for bl in rank), "some micro-batches run on sub-groups"
 
 
 def test_blocks_golden_and_refusals():

@@ -121,6 +121,17 @@ def assign_cp_blocks(lengths, *, layout: ParallelLayout, token_budget: int, cost
     return tuple(blocks)
 
 
+def hybrid_cp_plan(plan, lengths, *, layout: ParallelLayout, token_budget: int, cost: CostModel,
+                   comm_ratio: float = 0.05) -> tuple[tuple[tuple[CPBlock, ...] | None, ...], ...]:
+    """The blocks of every micro-batch of a :class:`~prealign.loaders.plan.planner.MicrobatchPlan`
+    (``[dp][i]``, None for an empty micro-batch), from the same ``lengths`` (int ``[N]``, truncation
+    applied as the plan did), layout and budget the plan was made with."""
+    true = np.asarray(lengths, dtype=np.int64)
+    return tuple(tuple(assign_cp_blocks([plan.truncated.get(i, int(true[i])) for i in mb], layout=layout,
+                                        token_budget=token_budget, cost=cost, comm_ratio=comm_ratio) if mb else None
+                       for mb in rank) for rank in plan.microbatches)
+
+
 def block_of(blocks: tuple[CPBlock, ...], cp_rank: int) -> CPBlock:
     """The block CP rank ``cp_rank`` belongs to."""
     for block in blocks:
