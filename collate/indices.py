@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from prealign.schemas.errors import ArgumentError, OffsetOverflowError
+from prealign.schemas.errors import ArgumentError, BucketOverflowError, OffsetOverflowError
 from prealign.schemas.layout import MAX_PACKED_LENGTH, CPLayout, ParallelLayout
 
 INT32_MAX = MAX_PACKED_LENGTH
@@ -48,6 +48,23 @@ def lengths_to_cu_seqlens(lengths, dtype: torch.dtype = torch.int32) -> torch.Te
         raise OffsetOverflowError(f"a packed length of {int(cu[-1])} rows does not fit int32 cu_seqlens (max "
                                   f"{INT32_MAX}, what megatron-core and TE take); lower the token budget")
     return torch.from_numpy(cu).to(dtype)
+
+
+def static_offsets(cu: torch.Tensor, max_seqs: int | None) -> torch.Tensor:
+    """``[N+1]`` offsets -> ``[max_seqs+1]``, the trailing entries repeating the total (CUDA graphs need
+    a fixed length); ``cu`` itself when ``max_seqs`` is None. More than ``max_seqs`` sequences is a
+    :class:`~prealign.schemas.errors.BucketOverflowError` (the planner never builds such a batch).
+
+    >>> static_offsets(torch.tensor([0, 5, 8]), 4).tolist()
+    [0, 5, 8, 8, 8]
+    """
+    if max_seqs is None:
+        return cu
+    n = cu.numel() - 1
+    if n > max_seqs:
+        raise BucketOverflowError(f"a batch of {n} sequences exceeds the layout's max_seqs = {max_seqs} (static "
+                                  f"cu_seqlens of {max_seqs + 1} entries); plan with the same layout or raise max_seqs")
+    return torch.cat((cu, cu[-1:].expand(max_seqs - n)))
 
 
 def cu_seqlens_to_lengths(cu_seqlens: torch.Tensor) -> torch.Tensor:

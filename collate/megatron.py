@@ -11,6 +11,10 @@ UNPADDED (Megatron-Bridge)     true offsets            padded offsets
 
 ``max_seqlen_q/_kv`` is the longest *padded* sequence in both conventions (an upper bound TE
 accepts for either set of offsets).
+
+The identity rule: TE decides ``pad_between_seqs`` by object identity (``cu_seqlens_q_padded is
+cu_seqlens_q``), and with padding between sequences it turns FlashAttention away. So when every
+``P_i == L_i`` the true and padded offsets are one tensor object, in both conventions.
 """
 from __future__ import annotations
 
@@ -46,7 +50,8 @@ def _enum_arg(name: str, enum_cls, value):
 
 
 def to_packed_seq_params(batch: dict, *, convention: PackedSeqConvention | str = PackedSeqConvention.PADDED,
-                         cp_layout: CPLayout | str | None = None, device: torch.device | str | None = None):
+                         cp_layout: CPLayout | str | None = None, device: torch.device | str | None = None,
+                         cp_group=None):
     """Build ``megatron.core.packed_seq_params.PackedSeqParams(qkv_format="thd", ...)`` from a
     :class:`~prealign.collate.THDCollator` batch. Offsets are int32 (moved to ``device`` when given).
 
@@ -55,7 +60,11 @@ def to_packed_seq_params(batch: dict, *, convention: PackedSeqConvention | str =
     contiguous batch under CP is an error there. A megatron-core whose ``PackedSeqParams`` has
     ``pad_between_seqs`` gets it stated (True when ``cu_seqlens_q`` differs from the padded offsets,
     i.e. the UNPADDED convention with real padding; TE would otherwise infer it), and one with
-    ``total_tokens`` gets ``T``, the global padded length (``cu_seqlens_padded[-1]``).
+    ``total_tokens`` gets ``T``, the global padded length (``cu_seqlens_padded[-1]``), from which it
+    derives ``seq_idx``; ``tokens_per_sample`` is the rows this rank holds (one packed sample).
+    A hybrid-CP batch (one with ``local_cp_size``, see :mod:`prealign.loaders.plan.hybrid_cp`) gets
+    ``local_cp_size`` and ``cp_group`` (the sub-group of that size this rank belongs to; megatron-core
+    needs it for a ``local_cp_size > 1``).
     """
     from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -77,8 +86,10 @@ def to_packed_seq_params(batch: dict, *, convention: PackedSeqConvention | str =
         raise ArgumentError(f"batch: expected max_seqlen int32 [1], got shape {tuple(batch['max_seqlen'].shape)}")
     max_seqlen = int(batch["max_seqlen"].reshape(-1)[0])
     _check_offsets(true, padded, max_seqlen)
-    padded, true = padded.to(device), true.to(device)
-    q = padded if convention is PackedSeqConvention.PADDED else true
+    if true is not padded and torch.equal(true, padded):
+        true = padded  # the identity rule (module docstring)
+    padded, true = padded.to(device), true.to(device) if true is not padded else None
+    q = padded if convention is PackedSeqConvention.PADDED or true is None else true
     kwargs = dict(qkv_format="thd", cu_seqlens_q=q, cu_seqlens_kv=q, cu_seqlens_q_padded=padded,
                   cu_seqlens_kv_padded=padded, max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen)
     known = _known_fields(PackedSeqParams)
@@ -88,10 +99,32 @@ def to_packed_seq_params(batch: dict, *, convention: PackedSeqConvention | str =
         raise ArgumentError("cp_layout: the contiguous CP layout needs PackedSeqParams.cp_partition_mode, which "
                             "this megatron-core does not have; use CPLayout.ZIGZAG or a newer megatron-core")
     if "pad_between_seqs" in known:
-        kwargs["pad_between_seqs"] = not torch.equal(q, padded)
+        kwargs["pad_between_seqs"] = q is not padded
+    total = int(batch["cu_seqlens_padded"][-1])
+    local_cp = batch.get("local_cp_size")
+    if local_cp is not None:
+        kwargs["local_cp_size"] = int(local_cp)
+        kwargs["cp_group"] = cp_group
     if "total_tokens" in known:
-        kwargs["total_tokens"] = int(padded[-1])
-    return PackedSeqParams(**kwargs)
+        kwargs["total_tokens"] = total
+    if "tokens_per_sample" in known:
+        kwargs["tokens_per_sample"] = total // max(int(local_cp or batch.get("cp_size", 1)), 1)
+    params = PackedSeqParams(**kwargs)
+    if "seq_idx" in known and getattr(params, "seq_idx", None) is None:
+        params.seq_idx = seq_idx(padded, total)
+    return params
+
+
+def seq_idx(cu_seqlens_padded: torch.Tensor, total: int) -> torch.Tensor:
+    """int32 ``[1, total]``: the sequence each padded slot belongs to (Mamba's ``seq_idx``); slots past
+    the last offset (none in a prealign batch) get one more index.
+
+    >>> seq_idx(torch.tensor([0, 2, 5]), 6).tolist()
+    [[0, 0, 1, 1, 1, 2]]
+    """
+    ends = torch.cat((cu_seqlens_padded.to(torch.int64), torch.tensor([total], device=cu_seqlens_padded.device)))
+    counts = ends.diff().clamp(min=0)
+    return torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts).to(torch.int32)[None]
 
 
 def _check_offsets(true: torch.Tensor, padded: torch.Tensor, max_seqlen: int) -> None:

@@ -19,7 +19,7 @@ from prealign.schemas.layout import ParallelLayout
 from prealign.schemas.schema import BatchSchema
 
 from .assemble import check_cp_rank, non_token_fields, token_fields
-from .indices import cp_chunks, gather_plan, global_slots, lengths_to_cu_seqlens
+from .indices import cp_chunks, gather_plan, global_slots, lengths_to_cu_seqlens, static_offsets
 from .samples import flatten
 
 
@@ -36,7 +36,8 @@ class THDCollator:
       ``ignore_index`` on each sequence's last token and on pads; ``position_ids`` the global
       position of the slot inside its padded sequence (pads continue ``L, L+1, ...``);
       ``padding_mask`` bool, True on pads.
-    - ``cu_seqlens`` (true) and ``cu_seqlens_padded`` (global), int32 ``[N+1]``; ``max_seqlen``
+    - ``cu_seqlens`` (true) and ``cu_seqlens_padded`` (global), int32 ``[N+1]`` (``[max_seqs+1]``
+      under ``layout.max_seqs``, the trailing entries repeating each one's total); ``max_seqlen``
       int32 ``[1]`` (the longest padded sequence); ``cp_rank`` / ``cp_size`` ints (``cp_rank`` -1
       when unsharded).
     - SEQUENCE fields stacked ``[N, ...]``; MEDIA fields concatenated on dim 0.
@@ -63,8 +64,8 @@ class THDCollator:
         whole = functools.cache(lambda: gather_plan(flat.lengths, cp_chunks(padded, self.layout, None), flat.cu_seqlens))
         out = {name: v.unsqueeze(self.schema[name].token_dim)  # the batch dim, before the token dim
                for name, v in token_fields(self.schema, flat, plan, whole).items()}
-        out["cu_seqlens"] = flat.cu_seqlens.to(torch.int32)
-        out["cu_seqlens_padded"] = cu_padded
+        out["cu_seqlens"] = static_offsets(flat.cu_seqlens.to(torch.int32), self.layout.max_seqs)
+        out["cu_seqlens_padded"] = static_offsets(cu_padded, self.layout.max_seqs)
         out["max_seqlen"] = torch.tensor([int(padded.numpy().max())], dtype=torch.int32)
         if self.defer_cp_shard and self.cp_rank is not None:
             out["cp_gather_index"] = global_slots(cp_chunks(padded, self.layout, self.cp_rank), out["cu_seqlens_padded"])

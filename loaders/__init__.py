@@ -37,6 +37,7 @@ from prealign.loaders.loader import PackedLoader
 from prealign.loaders.media.chat_tokenizer import ChatTokenizer, HFChatTokenizer
 from prealign.loaders.media.vlm import MediaError, MediaProblem, VLMSampleTransform, image_processor
 from prealign.loaders.options import IndexOptions, LoadingOptions, ShuffleOptions, WorkerConfig
+from prealign.loaders.plan.cost import CostModel
 from prealign.loaders.plan.planner import (
                      MicrobatchPlan,
                      PlannerConfig,
@@ -64,3 +65,4 @@ __all__ += ["WorkerConfig", "UnsupportedTorchError"]
 __all__ += ["RemoteOptions", "RemoteReadError", "RemoteStallError", "RemotePermissionError", "RangeIgnoredWarning"]
 __all__ += ["CollectiveTimeoutError", "NotRegularFileError", "ShardGoneError"]
 __all__ += ["assert_resumes_elastically"]
+__all__ += ["CostModel"]

@@ -8,9 +8,15 @@ Notation (see README): ``L_i`` true length of sequence i, ``P_i`` its padded len
           else L_i                                else round_up(L_i, tp)
     then, for both, only the LAST sequence grows, by the least amount, until
       T % total_multiple == 0   (T_local % tp under SP; the rows of one SP rank,
-                                 T_local / tp under SP else T_local, % FP8 multiple)
+                                 T_local / tp under SP else T_local, % lcm(FP8 block,
+                                 token_multiple))
       T >= cp * min_local_rows
       T == smallest length bucket >= T   (when buckets are configured)
+
+Static shapes (CUDA graphs): ``length_buckets=(T,)`` makes every batch exactly ``T`` rows, and
+``max_seqs=N`` gives ``cu_seqlens`` / ``cu_seqlens_padded`` exactly ``N + 1`` entries, the unused
+trailing ones repeating the total (megatron-core's own padding for graphs); the planner never puts
+more than ``N`` sequences in a micro-batch.
 """
 from __future__ import annotations
 
@@ -55,13 +61,23 @@ class PadPolicy(enum.Enum):
 
 
 class FP8Recipe(enum.Enum):
-    """FP8/FP4 recipe; the value is the block the rows of one SP rank (``T_local / tp`` under SP,
-    ``T_local`` without) must be a multiple of: TE's quantizers work on each rank's share."""
+    """FP8/FP4 recipe; :attr:`multiple` is the block the rows of one SP rank (``T_local / tp`` under
+    SP, ``T_local`` without) must be a multiple of: TE's quantizers work on each rank's share.
+
+    >>> [r.multiple for r in FP8Recipe]
+    [1, 16, 32, 128, 16]
+    """
 
     NONE = 1
-    FP8 = 16  # delayed / tensor-wise scaling
-    MXFP8 = 32  # also NVFP4
+    FP8 = 16  # delayed / tensorwise scaling
+    MXFP8 = 32  # 32-element scaling blocks
     BLOCKWISE = 128
+    NVFP4 = "nvfp4"  # 16-element scaling blocks (its value is a name: 16 is FP8's)
+
+    @property
+    def multiple(self) -> int:
+        """Rows of one SP rank are a multiple of this."""
+        return 16 if self is FP8Recipe.NVFP4 else self.value
 
     @classmethod
     def coerce(cls, value) -> "FP8Recipe":
@@ -70,7 +86,7 @@ class FP8Recipe(enum.Enum):
         if value is None or value is False:
             return cls.NONE
         by_name = {"none": cls.NONE, "fp8": cls.FP8, "delayed": cls.FP8, "tensorwise": cls.FP8,
-                   "mxfp8": cls.MXFP8, "fp4": cls.MXFP8, "nvfp4": cls.MXFP8, "blockwise": cls.BLOCKWISE}
+                   "mxfp8": cls.MXFP8, "fp4": cls.MXFP8, "nvfp4": cls.NVFP4, "blockwise": cls.BLOCKWISE}
         if isinstance(value, str) and value.lower() in by_name:
             return by_name[value.lower()]
         if isinstance(value, int) and not isinstance(value, bool):
@@ -117,17 +133,25 @@ class ParallelLayout:
     """Sequence parallel; ``None`` means ``tp > 1`` (Megatron's usual setting)."""
     fp8: FP8Recipe = FP8Recipe.NONE
     """FP8/FP4 recipe: the rows of one SP rank (``T/(cp*tp)`` under SP, ``T/cp`` without; BSHD
-    ``B*S/(cp*tp)``) must be a multiple of ``fp8.value``."""
+    ``B*S/(cp*tp)``) must be a multiple of ``fp8.multiple`` (``"mxfp8"``: 32, ``"nvfp4"``: 16)."""
     pad_policy: PadPolicy = PadPolicy.MINIMAL
     length_buckets: tuple[int, ...] | None = None
     """Allowed global padded lengths T (THD) or S (BSHD), e.g. for CUDA graphs; sorted ascending."""
     min_local_rows: int = 0
     """Every CP rank holds at least this many rows (``T >= cp * min_local_rows``)."""
     cp_layout: CPLayout = CPLayout.ZIGZAG
+    token_multiple: int = 1
+    """The rows of one SP rank are also a multiple of this (e.g. 128 for HybridEP's dispatch chunks)."""
+    max_seqs: int | None = None
+    """THD: ``cu_seqlens`` / ``cu_seqlens_padded`` have exactly ``max_seqs + 1`` entries (trailing
+    ones repeat the total), and no micro-batch holds more sequences (static shapes for CUDA graphs)."""
 
     def __post_init__(self):
         _positive_int("tp", self.tp)
         _positive_int("cp", self.cp)
+        _positive_int("token_multiple", self.token_multiple)
+        if self.max_seqs is not None:
+            _positive_int("max_seqs", self.max_seqs)
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731  (frozen dataclass)
         set_("sp", self.tp > 1 if self.sp is None else bool(self.sp))
         set_("fp8", FP8Recipe.coerce(self.fp8))
@@ -154,7 +178,8 @@ class ParallelLayout:
             if bad:
                 raise LayoutError(
                     f"length_buckets: every bucket must be a multiple of the total multiple "
-                    f"{self.total_multiple} (tp={self.tp}, cp={self.cp}, sp={self.sp}, fp8={self.fp8.name}), "
+                    f"{self.total_multiple} (tp={self.tp}, cp={self.cp}, sp={self.sp}, fp8={self.fp8.name}, "
+                    f"token_multiple={self.token_multiple}), "
                     f"got {bad}; use e.g. {[round_up(b, self.total_multiple) for b in bad]}"
                 )
             set_("length_buckets", buckets)
@@ -170,7 +195,7 @@ class ParallelLayout:
         if self.pad_policy is PadPolicy.MINIMAL:
             return 2 * self.cp if self.zigzag else 1
         align = self.tp * self.cp * (2 if self.zigzag else 1)
-        return math.lcm(align, self.fp8.value) if self.fp8 is not FP8Recipe.NONE else align
+        return math.lcm(align, self.fp8.multiple) if self.fp8 is not FP8Recipe.NONE else align
 
     @property
     def sp_size(self) -> int:
@@ -178,14 +203,24 @@ class ParallelLayout:
         return self.tp if self.sp else 1
 
     @property
+    def row_multiple(self) -> int:
+        """The rows of one SP rank are a multiple of this: ``lcm(fp8.multiple, token_multiple)``.
+
+        >>> ParallelLayout(fp8="nvfp4", token_multiple=128).row_multiple
+        128
+        """
+        return math.lcm(self.fp8.multiple, self.token_multiple)
+
+    @property
     def local_multiple(self) -> int:
-        """``T_local`` is a multiple of this: ``sp_size * fp8`` (the rows of one SP rank, ``T_local /
-        sp_size``, are a multiple of the FP8 recipe's block, which TE's quantizers need).
+        """``T_local`` is a multiple of this: ``sp_size * row_multiple`` (the rows of one SP rank,
+        ``T_local / sp_size``, are a multiple of the FP8 recipe's block, which TE's quantizers need,
+        and of ``token_multiple``).
 
         >>> ParallelLayout(tp=4, fp8="mxfp8").local_multiple  # 32 rows on each of the 4 SP ranks
         128
         """
-        return self.sp_size * self.fp8.value
+        return self.sp_size * self.row_multiple
 
     @property
     def total_multiple(self) -> int:
@@ -218,7 +253,7 @@ class ParallelLayout:
             align = self.tp * self.cp * (2 if self.zigzag else 1)
         else:
             align = math.lcm(2 * self.cp if self.zigzag else 1, self.cp * self.sp_size)
-        fp8 = self.fp8.value
+        fp8 = self.row_multiple
         # the rows of one SP rank, B * S / (cp * sp_size), must be a multiple of the FP8 multiple
         return math.lcm(align, self.cp * self.sp_size * fp8 // math.gcd(batch_size, fp8)) if fp8 > 1 else align
 
@@ -246,10 +281,15 @@ class ParallelLayout:
 
     def to_dict(self) -> dict:
         """JSON-friendly description (used in fingerprints and loader state)."""
-        return {"tp": self.tp, "cp": self.cp, "sp": self.sp, "fp8": self.fp8.value,
-                "pad_policy": self.pad_policy.value, "cp_layout": self.cp_layout.value,
-                "length_buckets": list(self.length_buckets) if self.length_buckets else None,
-                "min_local_rows": self.min_local_rows}
+        out = {"tp": self.tp, "cp": self.cp, "sp": self.sp, "fp8": self.fp8.value,
+               "pad_policy": self.pad_policy.value, "cp_layout": self.cp_layout.value,
+               "length_buckets": list(self.length_buckets) if self.length_buckets else None,
+               "min_local_rows": self.min_local_rows}
+        if self.token_multiple != 1:  # only when set: the fingerprints of layouts of before stay the same
+            out["token_multiple"] = self.token_multiple
+        if self.max_seqs is not None:
+            out["max_seqs"] = self.max_seqs
+        return out
 
     @classmethod
     def from_dict(cls, data: dict) -> "ParallelLayout":

@@ -10,6 +10,7 @@ anything of that size is built.
 """
 from __future__ import annotations
 
+import dataclasses
 import operator
 from dataclasses import dataclass
 from typing import Mapping
@@ -35,7 +36,17 @@ class Violation:
 def validate_batch(batch: dict, schema: BatchSchema, layout: ParallelLayout, *,
                    raise_on_error: bool = True) -> list[Violation]:
     """All violations of ``batch`` (empty when valid); raises :class:`BatchValidationError` listing
-    them when ``raise_on_error``."""
+    them when ``raise_on_error``. A hybrid-CP batch (one with ``local_cp_size``, a power of two dividing
+    ``layout.cp``) is checked as the batch of a CP group of that size."""
+    local = batch.get("local_cp_size") if isinstance(batch, Mapping) else None
+    if local is not None:
+        n = as_int(local)
+        if n is None or n < 1 or n & (n - 1) or layout.cp % n:
+            violations = [Violation("local_cp_size", f"a power of two dividing cp = {layout.cp}", repr(local))]
+            if raise_on_error:
+                raise BatchValidationError(violations)
+            return violations
+        layout = dataclasses.replace(layout, cp=n)
     v = _Checker(batch, schema, layout)
     v.run()
     if v.violations and raise_on_error:
@@ -70,7 +81,10 @@ class _Checker:
         for spec in self.schema.fields:
             self.check_field(spec, plan_shape)
 
-    def offsets(self, key: str) -> torch.Tensor | None:
+    def offsets(self, key: str, static: int | None = None) -> torch.Tensor | None:
+        """The offsets under ``key`` (int64), checked; with ``static`` (``layout.max_seqs``) they must
+        have exactly ``static + 1`` entries, the trailing ones repeating the total, and are returned
+        without those."""
         cu = self.batch.get(key)
         if not isinstance(cu, torch.Tensor):
             self.bad(key, "int32 tensor [N+1]", type(cu).__name__)
@@ -79,10 +93,16 @@ class _Checker:
         if cu.dtype != torch.int32 or cu.ndim != 1 or cu.numel() < 2:
             self.bad(key, "int32 1-D tensor [N+1], N >= 1", f"{dtype_name(cu.dtype)} {tuple(cu.shape)}")
             ok = False
-        elif int(cu[0]) != 0:
+        elif static is not None and cu.numel() != static + 1:
+            self.bad(key, f"max_seqs + 1 = {static + 1} entries (static shapes)", cu.numel())
+            ok = False
+        elif static is not None:  # keep the entries up to the first that holds the total
+            below = torch.nonzero(cu != cu[-1]).reshape(-1)
+            cu = cu[:int(below[-1]) + 2 if below.numel() else 2]
+        if ok and int(cu[0]) != 0:
             self.bad(f"{key}[0]", 0, int(cu[0]))
             ok = False
-        elif not bool((cu.diff() > 0).all()):
+        elif ok and not bool((cu.diff() > 0).all()):
             i = int(torch.nonzero(cu.diff() <= 0)[0])
             self.bad(key, "strictly increasing offsets (no empty sequence)", f"{int(cu[i])} -> {int(cu[i + 1])} at {i}")
             ok = False
@@ -108,12 +128,15 @@ class _Checker:
         multiple of the FP8 recipe's block (TE quantizes each rank's share)."""
         lay = self.layout
         sp = lay.tp if lay.sp else 1
+        rows = total // (lay.cp * sp)
         if total % (lay.cp * sp):
             self.bad(path, f"a multiple of cp*{'tp' if lay.sp else '1'} = {lay.cp * sp} (every CP and SP rank "
                      f"an equal share)", total)
-        elif (total // (lay.cp * sp)) % lay.fp8.value:
-            self.bad(path, f"{total // (lay.cp * sp)} rows per SP rank (cp={lay.cp}, tp={lay.tp}, sp={lay.sp}) to be "
-                     f"a multiple of {lay.fp8.value} ({lay.fp8.name})", total)
+            return
+        for block, name in ((lay.fp8.multiple, lay.fp8.name), (lay.token_multiple, "token_multiple")):
+            if rows % block:
+                self.bad(path, f"{rows} rows per SP rank (cp={lay.cp}, tp={lay.tp}, sp={lay.sp}) to be a multiple "
+                         f"of {block} ({name})", total)
 
     def token_length(self) -> int | None:
         """Slots the batch's ``input_ids`` holds (its token dim), read before anything is allocated."""
@@ -125,7 +148,7 @@ class _Checker:
 
     def check_thd_meta(self):
         lay, b = self.layout, self.batch
-        cu, cup = self.offsets("cu_seqlens"), self.offsets("cu_seqlens_padded")
+        cu, cup = (self.offsets(key, lay.max_seqs) for key in ("cu_seqlens", "cu_seqlens_padded"))
         if cu is None or cup is None:
             return None
         if cu.numel() != cup.numel():
@@ -149,8 +172,8 @@ class _Checker:
         total = int(cup[-1])
         if total % lay.total_multiple:
             self.bad("T (cu_seqlens_padded[-1])", f"a multiple of {lay.total_multiple} (T/cp a multiple of "
-                     f"{lay.local_multiple}: T/(cp*{lay.sp_size}) rows per SP rank a multiple of {lay.fp8.value}; "
-                     f"tp={lay.tp} sp={lay.sp} fp8={lay.fp8.name})", total)
+                     f"{lay.local_multiple}: T/(cp*{lay.sp_size}) rows per SP rank a multiple of {lay.row_multiple}; "
+                     f"tp={lay.tp} sp={lay.sp} fp8={lay.fp8.name} token_multiple={lay.token_multiple})", total)
         else:  # and from the definitions, in case the derived multiple is wrong
             self.check_rank_shares(total, "T (cu_seqlens_padded[-1])")
         if total < lay.cp * lay.min_local_rows:
@@ -211,7 +234,7 @@ class _Checker:
         if s % multiple:
             self.bad("S (attention_mask.shape[1] * cp)", f"a multiple of {multiple} (tp={lay.tp} cp={lay.cp} "
                      f"sp={lay.sp} fp8={lay.fp8.name}, B={n}: B*S/(cp*{lay.sp_size}) rows per SP rank a multiple "
-                     f"of {lay.fp8.value})", s)
+                     f"of {lay.row_multiple})", s)
         else:  # and from the definitions, in case the derived multiple is wrong
             if lay.zigzag and s % (2 * lay.cp):
                 self.bad("S (attention_mask.shape[1] * cp)", f"a multiple of 2*cp = {2 * lay.cp} (zigzag cuts 2*cp "
@@ -366,6 +389,49 @@ class _Checker:
             k = int(torch.nonzero(wrong)[0])
             self.bad(f"{spec.name}[slot {k}]", f"the next token {int(ids[int(slots.next_slot[k])])} (labels read from "
                      "input_ids)", int(labels[k]))
+
+
+def validate_packed_seq_params(params, layout: ParallelLayout, *, raise_on_error: bool = True) -> list[Violation]:
+    """All violations of a megatron-core ``PackedSeqParams`` (read by attribute: any release) against
+    the rules TE and megatron-core apply to it, each checked on its own:
+
+    - the identity rule: ``cu_seqlens_q_padded is cu_seqlens_q`` whenever their values are equal (TE
+      sets ``pad_between_seqs`` by identity and refuses FlashAttention when it is True), same for kv;
+      a stated ``pad_between_seqs`` agrees with the identity;
+    - ``layout.max_seqs``: every offsets tensor has ``max_seqs + 1`` entries;
+    - ``local_cp_size``, when set: a power of two dividing ``layout.cp`` (megatron-core's hybrid-CP
+      sub-groups); ``total_tokens``, when set: ``cu_seqlens_q_padded[-1]``.
+    """
+    out: list[Violation] = []
+    bad = lambda path, expected, actual: out.append(Violation(path, str(expected), str(actual)))  # noqa: E731
+    if getattr(params, "qkv_format", None) != "thd":
+        bad("qkv_format", "'thd'", repr(getattr(params, "qkv_format", None)))
+    for side in ("q", "kv"):
+        cu, cup = getattr(params, f"cu_seqlens_{side}", None), getattr(params, f"cu_seqlens_{side}_padded", None)
+        if not isinstance(cu, torch.Tensor) or not isinstance(cup, torch.Tensor):
+            bad(f"cu_seqlens_{side}(_padded)", "int32 tensors", f"{type(cu).__name__}, {type(cup).__name__}")
+            continue
+        if cu is not cup and cu.shape == cup.shape and torch.equal(cu, cup):
+            bad(f"cu_seqlens_{side}_padded", f"the same tensor object as cu_seqlens_{side} (equal offsets: no "
+                "padding between sequences; TE decides pad_between_seqs by identity)", "an equal copy")
+        if layout.max_seqs is not None and cu.numel() != layout.max_seqs + 1:
+            bad(f"cu_seqlens_{side}", f"max_seqs + 1 = {layout.max_seqs + 1} entries", cu.numel())
+    pad_between = getattr(params, "pad_between_seqs", None)
+    q, qp = getattr(params, "cu_seqlens_q", None), getattr(params, "cu_seqlens_q_padded", None)
+    if pad_between is not None and isinstance(q, torch.Tensor) and bool(pad_between) != (q is not qp):
+        bad("pad_between_seqs", f"{q is not qp} (cu_seqlens_q_padded {'is not' if q is not qp else 'is'} "
+            "cu_seqlens_q)", pad_between)
+    local = getattr(params, "local_cp_size", None)
+    if local is not None:
+        n = as_int(local)
+        if n is None or n < 1 or n & (n - 1) or layout.cp % n:
+            bad("local_cp_size", f"a power of two dividing cp = {layout.cp}", repr(local))
+    total = getattr(params, "total_tokens", None)
+    if total is not None and isinstance(qp, torch.Tensor) and as_int(total) != int(qp[-1]):
+        bad("total_tokens", f"cu_seqlens_q_padded[-1] = {int(qp[-1])}", repr(total))
+    if out and raise_on_error:
+        raise BatchValidationError(out)
+    return out
 
 
 def as_int(value) -> int | None:

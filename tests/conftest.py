@@ -176,20 +176,29 @@ def naive_round_up(n: int, m: int) -> int:
     return next(x for x in itertools.count(n) if x % m == 0)
 
 
+FP8_BLOCK = {FP8Recipe.NONE: 1, FP8Recipe.FP8: 16, FP8Recipe.MXFP8: 32, FP8Recipe.BLOCKWISE: 128, FP8Recipe.NVFP4: 16}
+"""Rows of one SP rank per recipe, from the recipes' definitions (REFERENCE.md / FIELD.md), not the enum."""
+
+
+def row_block(layout: ParallelLayout) -> int:
+    """What the rows of one SP rank are a multiple of: the FP8 block and the dispatcher's token multiple."""
+    return math.lcm(FP8_BLOCK[layout.fp8], layout.token_multiple)
+
+
 def required_seq_multiple(layout: ParallelLayout) -> int:
     """Per-sequence multiple straight from the consumers' rules (REFERENCE.md)."""
     zigzag = layout.cp > 1 and layout.cp_layout is CPLayout.ZIGZAG
     if layout.pad_policy is PadPolicy.MINIMAL:
         return 2 * layout.cp if zigzag else 1
     align = layout.tp * layout.cp * (2 if zigzag else 1)  # verl / Megatron-Bridge
-    return math.lcm(align, layout.fp8.value)  # verl: every sequence also a multiple of the FP8 one
+    return math.lcm(align, FP8_BLOCK[layout.fp8])  # verl: every sequence also a multiple of the FP8 one
 
 
 def local_ok(layout: ParallelLayout, rows_per_rank_total: int) -> bool:
     """SP scatter and FP8 constraints on a CP rank's row count: it splits evenly over the SP ranks,
     and what one SP rank holds is a multiple of the FP8 block (TE quantizes each rank's share)."""
     sp_tp = layout.tp if layout.sp else 1
-    return rows_per_rank_total % sp_tp == 0 and (rows_per_rank_total // sp_tp) % layout.fp8.value == 0
+    return rows_per_rank_total % sp_tp == 0 and (rows_per_rank_total // sp_tp) % row_block(layout) == 0
 
 
 def brute_force_total(lengths, layout: ParallelLayout) -> int:
@@ -217,7 +226,7 @@ def brute_force_bshd_length(lengths, layout: ParallelLayout) -> int:
     candidates = (x for x in layout.length_buckets if x >= start) if layout.length_buckets else itertools.count(start)
     for s in candidates:
         if s % split == 0 and s % per_seq == 0 and (s // layout.cp) % sp_tp == 0 \
-                and (b * s // layout.cp // sp_tp) % layout.fp8.value == 0:
+                and (b * s // layout.cp // sp_tp) % row_block(layout) == 0:
             return s
     raise AssertionError("no bucket fits")
 
@@ -357,6 +366,17 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def spawn_ranks(worker, world: int, *args) -> dict:
+    """Run ``worker(rank, world, port, results, *args)`` in ``world`` processes (a free port on 127.0.0.1
+    for their gloo group) and return ``results``, the dict each rank fills in."""
+    import torch.multiprocessing as mp
+
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(worker, args=(world, free_port(), results, *args), nprocs=world, join=True)
+        return dict(results)
 
 
 @pytest.fixture

@@ -150,9 +150,9 @@ def test_invalid_layouts_raise_layout_error(kwargs, match):
 def test_coercions_and_defaults():
     assert ParallelLayout(tp=2).sp is True and ParallelLayout(tp=2, sp=False).sp is False
     assert ParallelLayout().sp is False
-    assert [FP8Recipe.coerce(v) for v in (None, False, "FP8", "mxfp8", "nvfp4", 128, 1)] == [
-        FP8Recipe.NONE, FP8Recipe.NONE, FP8Recipe.FP8, FP8Recipe.MXFP8, FP8Recipe.MXFP8, FP8Recipe.BLOCKWISE,
-        FP8Recipe.NONE]
+    assert [FP8Recipe.coerce(v) for v in (None, False, "FP8", "mxfp8", "nvfp4", 128, 1, "nvfp4", 16)] == [
+        FP8Recipe.NONE, FP8Recipe.NONE, FP8Recipe.FP8, FP8Recipe.MXFP8, FP8Recipe.NVFP4, FP8Recipe.BLOCKWISE,
+        FP8Recipe.NONE, FP8Recipe.NVFP4, FP8Recipe.FP8]
     lay = ParallelLayout(pad_policy="per_sequence", cp_layout="contiguous", fp8="blockwise")
     assert (lay.pad_policy, lay.cp_layout, lay.fp8) == (PadPolicy.PER_SEQUENCE, CPLayout.CONTIGUOUS, FP8Recipe.BLOCKWISE)
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -178,7 +178,7 @@ def test_every_sp_rank_holds_a_multiple_of_the_fp8_block(case):
     lengths, layout = case
     t = int(layout.padded_lengths(torch.tensor(lengths)).sum())
     assert (t // layout.cp) % (layout.tp if layout.sp else 1) == 0
-    assert sp_share(layout, t) % layout.fp8.value == 0
+    assert sp_share(layout, t) % layout.fp8.multiple == 0
 
 
 @given(case=lengths_and_layout(bshd=True))
@@ -186,7 +186,7 @@ def test_every_sp_rank_holds_a_multiple_of_the_fp8_block(case):
 def test_every_sp_rank_holds_a_multiple_of_the_fp8_block_bshd(case):
     lengths, layout = case
     s = layout.bshd_length(max(lengths), len(lengths))
-    assert sp_share(layout, len(lengths) * s) % layout.fp8.value == 0
+    assert sp_share(layout, len(lengths) * s) % layout.fp8.multiple == 0
 
 
 def test_fp8_under_sp_golden():
@@ -200,7 +200,7 @@ def test_fp8_under_sp_golden():
 
 
 # ---- differential: NeMo-RL's padding rule, written from its documented behaviour --------------------------
-FP8_DIVISOR = {FP8Recipe.NONE: 1, FP8Recipe.FP8: 16, FP8Recipe.MXFP8: 32, FP8Recipe.BLOCKWISE: 128}
+FP8_DIVISOR = {FP8Recipe.NONE: 1, FP8Recipe.FP8: 16, FP8Recipe.MXFP8: 32, FP8Recipe.BLOCKWISE: 128, FP8Recipe.NVFP4: 16}
 
 
 def nemo_rl_padded_total(lengths: list[int], layout: ParallelLayout) -> tuple[list[int], int]:
@@ -223,7 +223,7 @@ def test_fp8_sp_rule_against_nemo_rl(lengths, tp, cp, sp, fp8):
     # NeMo-RL's batches are valid under our rule (what validate_batch checks) ...
     assert all(p % layout.seq_multiple == 0 for p in per_seq) and nemo_total % layout.total_multiple == 0
     # ... both give every SP rank a multiple of the FP8 block, and we never pad more
-    assert sp_share(layout, nemo_total) % layout.fp8.value == 0 and sp_share(layout, ours) % layout.fp8.value == 0
+    assert sp_share(layout, nemo_total) % layout.fp8.multiple == 0 and sp_share(layout, ours) % layout.fp8.multiple == 0
     assert ours <= nemo_total
 
 

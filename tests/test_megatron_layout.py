@@ -1,19 +1,13 @@
 """ParallelLayout.from_megatron / megatron_parallel_sizes on a real megatron-core parallel state
 (4 gloo processes: tp=2 x cp=2), and the collator fed from it."""
 import os
-import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+
+from tests.conftest import spawn_ranks
 
 pytestmark = pytest.mark.slow
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, world: int, port: int, results) -> None:
@@ -45,10 +39,7 @@ def _worker(rank: int, world: int, port: int, results) -> None:
 
 def test_from_megatron_reads_real_parallel_state():
     world = 4
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(_worker, args=(world, _free_port(), results), nprocs=world, join=True)
-        got = dict(results)
+    got = spawn_ranks(_worker, world)
     assert sorted(got) == list(range(world))
     assert {v[:4] for v in got.values()} == {(2, 2, True, 16)}
     # every (tp_rank, cp_rank) pair appears once; T_local is SP- and FP8-aligned

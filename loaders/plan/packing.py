@@ -13,8 +13,9 @@ Streaming best-fit decreasing (``buffer_size = 8``, so at most 4 samples stay in
     window 2  [i j k l m n]  (8 - 2 held)  fill (b g) first if they fit best, ...
     end       the samples of the still-open bins are re-packed together by best-fit decreasing
 
-A bin also closes when it cannot take the smallest sample, or after ``max_age`` windows
-(which bounds how far apart in the stream two samples of one bin can be).
+A bin also closes when it cannot take the smallest sample, after ``max_age`` windows
+(which bounds how far apart in the stream two samples of one bin can be), or when it holds
+``max_items`` samples (``ParallelLayout.max_seqs``: static ``cu_seqlens`` shapes).
 """
 from __future__ import annotations
 
@@ -67,7 +68,8 @@ class _OpenBins:
         return key & ((1 << _SHIFT) - 1)
 
 
-def stream_fit(sizes: np.ndarray, cap: int, *, buffer_size: int, best: bool, max_age: int = 4) -> list[list[int]]:
+def stream_fit(sizes: np.ndarray, cap: int, *, buffer_size: int, best: bool, max_age: int = 4,
+               max_items: int | None = None) -> list[list[int]]:
     """Bins (lists of positions into ``sizes``) in the order they close, every bin ``<= cap``.
 
     ``best=True`` is best-fit decreasing per window, ``best=False`` first-fit in arrival order.
@@ -76,7 +78,7 @@ def stream_fit(sizes: np.ndarray, cap: int, *, buffer_size: int, best: bool, max
     >>> stream_fit(np.array([4, 8, 4, 12, 4]), 16, buffer_size=8, best=True)
     [[3, 0], [1, 2, 4]]
     """
-    fit = StreamFit(sizes, cap, buffer_size=buffer_size, best=best, max_age=max_age)
+    fit = StreamFit(sizes, cap, buffer_size=buffer_size, best=best, max_age=max_age, max_items=max_items)
     return fit.advance(int(sizes.shape[0])) + fit.finish()
 
 
@@ -85,8 +87,9 @@ class StreamFit:
     position ``stop`` is consumed and returns the bins closed meanwhile; ``finish()`` closes the rest.
     The bins are exactly those of one :func:`stream_fit` call, however the stream is cut."""
 
-    def __init__(self, sizes: np.ndarray, cap: int, *, buffer_size: int, best: bool, max_age: int = 4):
-        self.sizes, self.best = sizes, best
+    def __init__(self, sizes: np.ndarray, cap: int, *, buffer_size: int, best: bool, max_age: int = 4,
+                 max_items: int | None = None):
+        self.sizes, self.best, self.max_items = sizes, best, max_items
         self.buffer_size, self.max_age = buffer_size, max_age
         self.bins = _OpenBins(cap)
         self.held_limit = max(buffer_size // 2, 1)
@@ -105,10 +108,11 @@ class StreamFit:
             idx = np.argsort(-part, kind="stable") if best else np.arange(end - pos)
             for i, s in zip((idx + pos).tolist(), part[idx].tolist()):
                 hit = bins.best(s) if best else bins.first(s)
-                if hit is None:
-                    bins.put(bins.new(window), i, s, None)
-                else:
-                    bins.put(hit[0], i, s, hit[1])
+                b = bins.new(window) if hit is None else hit[0]
+                bins.put(b, i, s, None if hit is None else hit[1])
+                if self.max_items is not None and len(bins.items[b]) >= self.max_items:  # full by count
+                    closed.append(bins.close((bins.cap - bins.load[b]) << _SHIFT | b))
+                    self.held -= len(bins.items[b])
             self.held += end - pos
             self.pos = end
             # close what cannot grow, what is too old, then the fullest while too much is held
@@ -129,14 +133,15 @@ class StreamFit:
         bins = self.bins
         open_bins = [bins.items[k & ((1 << _SHIFT) - 1)] for k in bins.keys]
         held_items = [i for b in open_bins for i in b]
-        rest = best_fit_decreasing(self.sizes[held_items], bins.cap) if held_items else []
+        rest = best_fit_decreasing(self.sizes[held_items], bins.cap, self.max_items) if held_items else []
         if len(rest) <= len(open_bins):  # never worse than closing the open bins as they are
             open_bins = [[held_items[j] for j in b] for b in rest]
         return open_bins
 
 
-def best_fit_decreasing(sizes: np.ndarray, cap: int) -> list[list[int]]:
-    """Offline best-fit decreasing of all ``sizes`` (positions into ``sizes``), bins in creation order.
+def best_fit_decreasing(sizes: np.ndarray, cap: int, max_items: int | None = None) -> list[list[int]]:
+    """Offline best-fit decreasing of all ``sizes`` (positions into ``sizes``), bins in creation order,
+    at most ``max_items`` in a bin.
 
     >>> best_fit_decreasing(np.array([4, 8, 4, 12, 4]), 16)
     [[3, 0], [1, 2, 4]]
@@ -145,15 +150,16 @@ def best_fit_decreasing(sizes: np.ndarray, cap: int) -> list[list[int]]:
     for i in np.argsort(-sizes, kind="stable").tolist():
         s = int(sizes[i])
         hit = bins.best(s)
-        if hit is None:
-            bins.put(bins.new(0), i, s, None)
-        else:
-            bins.put(hit[0], i, s, hit[1])
+        b = bins.new(0) if hit is None else hit[0]
+        bins.put(b, i, s, None if hit is None else hit[1])
+        if max_items is not None and len(bins.items[b]) >= max_items:
+            bins.close((cap - bins.load[b]) << _SHIFT | b)
     return bins.items
 
 
-def next_fit(sizes: np.ndarray, cap: int) -> list[list[int]]:
-    """In-order baseline: append to the current bin until a sample does not fit, then start a new one.
+def next_fit(sizes: np.ndarray, cap: int, max_items: int | None = None) -> list[list[int]]:
+    """In-order baseline: append to the current bin until a sample does not fit (or it holds
+    ``max_items``), then start a new one.
 
     >>> next_fit(np.array([4, 8, 4, 12, 4]), 16)
     [[0, 1, 2], [3, 4]]
@@ -162,7 +168,7 @@ def next_fit(sizes: np.ndarray, cap: int) -> list[list[int]]:
     cur: list[int] = []
     load = 0
     for i, s in enumerate(sizes.tolist()):
-        if cur and load + s > cap:
+        if cur and (load + s > cap or len(cur) == max_items):
             out.append(cur)
             cur, load = [], 0
         cur.append(i)
@@ -172,7 +178,8 @@ def next_fit(sizes: np.ndarray, cap: int) -> list[list[int]]:
     return out
 
 
-def spread(bins: list[list[int]], sizes: np.ndarray, n_bins: int, cap: int) -> list[list[int]]:
+def spread(bins: list[list[int]], sizes: np.ndarray, n_bins: int, cap: int,
+           max_items: int | None = None) -> list[list[int]]:
     """Re-pack the items of ``bins`` into exactly ``n_bins >= len(bins)`` bins as evenly as possible
     (largest first, each into the least-loaded bin that fits). When that greedy pass fails, keep
     ``bins`` and move single items out to the new bins instead (always valid). A bin stays empty only
@@ -186,7 +193,8 @@ def spread(bins: list[list[int]], sizes: np.ndarray, n_bins: int, cap: int) -> l
     out: list[list[int]] = [[] for _ in range(n_bins)]
     for i in items:
         s = int(sizes[i])
-        b = min((c for c in range(n_bins) if loads[c] + s <= cap), key=lambda c: (loads[c], c), default=None)
+        b = min((c for c in range(n_bins) if loads[c] + s <= cap and len(out[c]) != max_items),
+                key=lambda c: (loads[c], c), default=None)
         if b is None:
             return _split_out(bins, sizes, n_bins)
         out[b].append(i)

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from prealign.loaders.errors import OversizeSampleError, PlanError
+from prealign.loaders.plan.cost import CostModel, balanced_steps
 from prealign.loaders.plan.packing import StreamFit, next_fit, spread
 from prealign.loaders.policy import Oversize, PackStrategy, coerce_enum
 from prealign.schemas.errors import BucketOverflowError
@@ -71,6 +72,10 @@ class PlannerConfig:
     """Samples planned together (:class:`ChunkedPlan`): a loader plans the chunk its next micro-batch
     comes from when it gets there, so the first batch costs one chunk's planning whatever the size of
     the dataset (about 1.5 us a sample on one core)."""
+    cost: CostModel | None = None
+    """Balance each step's DP ranks by compute (:class:`~prealign.loaders.plan.cost.CostModel`) instead
+    of tokens: the micro-batches of a pool are grouped into equal-cost shares of ``k``
+    (:func:`~prealign.loaders.plan.cost.balanced_steps`). ``None``: by tokens (the plans of before)."""
 
     def __post_init__(self):
         object.__setattr__(self, "strategy", coerce_enum(PackStrategy, self.strategy, "strategy"))
@@ -80,11 +85,16 @@ class PlannerConfig:
         _int_at_least("max_age", self.max_age, 1)
         _int_at_least("step_pool", self.step_pool, 1)
         _int_at_least("chunk_size", self.chunk_size, 1)
+        if isinstance(self.cost, dict):
+            object.__setattr__(self, "cost", CostModel(**self.cost))
+        if self.cost is not None and not isinstance(self.cost, CostModel):
+            raise PlanError(f"cost: expected a CostModel, its dict or None, got {self.cost!r}")
 
     def to_dict(self) -> dict:
         return {"strategy": self.strategy.value, "buffer_size": self.buffer_size, "oversize": self.oversize.value,
                 "microbatches_per_step": self.microbatches_per_step, "max_age": self.max_age,
-                "step_pool": self.step_pool, "chunk_size": self.chunk_size}
+                "step_pool": self.step_pool, "chunk_size": self.chunk_size,
+                **({"cost": self.cost.to_dict()} if self.cost is not None else {})}  # (fingerprints of before)
 
     @classmethod
     def from_dict(cls, data: dict) -> "PlannerConfig":
@@ -109,7 +119,8 @@ class PlanStats:
     """real tokens / (micro-batches x budget), over all ranks."""
     imbalance: float
     """Step-synchronous DP imbalance: sum over steps of the max rank load / sum of the mean rank load
-    (1.0 = perfect; the time-weighted slowdown of the slowest rank). Load = real tokens."""
+    (1.0 = perfect; the time-weighted slowdown of the slowest rank). Load = real tokens, or their cost
+    under :attr:`PlannerConfig.cost`."""
     worst_step_imbalance: float
     """max over steps of (max rank load / mean rank load)."""
     max_padded_length: int
@@ -332,6 +343,7 @@ class ChunkedPlan:
         self._true_len = true_len
         self._aligned = round_up_array(true_len, layout.seq_multiple)  # exactly the collator's P_i before extension
         self._sizes = self._aligned[order]
+        self._costs = None if cfg.cost is None else cfg.cost.of(true_len[order])  # float64 [M], by position
         self._bounds = chunk_bounds(order.size, cfg.chunk_size)
         self._chunks: list[PlannedChunk] = []
         self._carry: list[list[int]] = []
@@ -364,14 +376,14 @@ class ChunkedPlan:
         cfg, cap, sizes = self.config, self.cap, self._sizes
         lo, hi = self._bounds[c], self._bounds[c + 1]
         if self._ended:  # the packing pass reached the stream's end in an earlier chunk
-            return _assemble([], self.order, self._true_len, self._aligned, self.layout, self.dp, cap)
+            return _assemble([], self.order, self._true_len, self._aligned, self.layout, self.dp, cap, cfg.cost)
         if cfg.strategy is PackStrategy.IN_ORDER:
-            bins = [[lo + i for i in b] for b in next_fit(sizes[lo:hi], cap)]
+            bins = [[lo + i for i in b] for b in next_fit(sizes[lo:hi], cap, self.layout.max_seqs)]
             self._ended = c == self.num_chunks - 1
         else:  # one packing pass over the whole stream, advanced a chunk at a time
             if self._fit is None:
                 self._fit = StreamFit(sizes, cap, buffer_size=cfg.buffer_size, best=cfg.strategy is PackStrategy.BFD,
-                                      max_age=cfg.max_age)
+                                      max_age=cfg.max_age, max_items=self.layout.max_seqs)
             bins = self._fit.advance(hi)
             self._ended = self._fit.pos >= sizes.shape[0]  # its last window may run past this chunk
             if self._ended:
@@ -384,8 +396,8 @@ class ChunkedPlan:
             per_step = self.dp * cfg.microbatches_per_step
             full = len(bins) - len(bins) % per_step
             bins, self._carry = bins[:full], bins[full:]
-        steps = _form_steps(bins, sizes, cap, self.dp, cfg)
-        return _assemble(steps, self.order, self._true_len, self._aligned, self.layout, self.dp, cap)
+        steps = _form_steps(bins, sizes, cap, self.dp, cfg, self._costs, self.layout.max_seqs)
+        return _assemble(steps, self.order, self._true_len, self._aligned, self.layout, self.dp, cap, cfg.cost)
 
     def full(self) -> MicrobatchPlan:
         """Every chunk, as one :class:`MicrobatchPlan` with its statistics."""
@@ -413,8 +425,10 @@ class ChunkedPlan:
 
 
 def _form_steps(bins: list[list[int]], sizes: np.ndarray, cap: int, dp: int,
-                cfg: PlannerConfig) -> list[list[list[int]]]:
-    """Closed bins -> steps (lists of ``dp * k_s`` bins); the tail re-spread to a multiple of ``dp``."""
+                cfg: PlannerConfig, costs: np.ndarray | None = None,
+                max_items: int | None = None) -> list[list[list[int]]]:
+    """Closed bins -> steps (lists of ``dp * k_s`` bins); the tail re-spread to a multiple of ``dp``.
+    With ``costs`` (float64, by stream position) the steps come dealt, rank-major (:func:`balanced_steps`)."""
     per_step = dp * cfg.microbatches_per_step
     full = len(bins) - len(bins) % per_step
     head, tail = bins[:full], bins[full:]
@@ -425,18 +439,36 @@ def _form_steps(bins: list[list[int]], sizes: np.ndarray, cap: int, dp: int,
         while sum(map(len, tail)) < pulled * per_step + last and head:  # too few samples: take a step back
             head, tail = head[:-per_step], head[-per_step:] + tail
             pulled += 1
-        spread_bins = spread(tail, sizes, pulled * per_step + last, cap)
+        spread_bins = spread(tail, sizes, pulled * per_step + last, cap, max_items)
         spread_bins.sort(key=lambda b: -int(sizes[b].sum()) if b else 0)
         cut = pulled * per_step
-        tail_steps = [spread_bins[i:i + per_step] for i in range(0, cut, per_step)] + [spread_bins[cut:]]
+        if costs is not None:
+            tail_steps = _cost_steps(spread_bins[:cut], costs, dp, cfg.microbatches_per_step) + \
+                _cost_steps(spread_bins[cut:], costs, dp, last // dp)
+        else:
+            tail_steps = [spread_bins[i:i + per_step] for i in range(0, cut, per_step)] + [spread_bins[cut:]]
     out: list[list[list[int]]] = []
     pool = per_step * cfg.step_pool
     for start in range(0, len(head), pool):
         chunk = head[start:start + pool]
+        if costs is not None:
+            out.extend(_cost_steps(chunk, costs, dp, cfg.microbatches_per_step))
+            continue
         loads = np.fromiter((int(sizes[b].sum()) for b in chunk), np.int64, len(chunk))
         ranked = [chunk[j] for j in np.argsort(-loads, kind="stable")]
         out.extend(ranked[i:i + per_step] for i in range(0, len(ranked), per_step))
     return out + tail_steps
+
+
+def _cost_steps(bins: list[list[int]], costs: np.ndarray, dp: int, k: int) -> list[list[list[int]]]:
+    """:func:`balanced_steps` of whole steps of ``bins``, their costs summed from ``costs`` (by position)."""
+    if not bins:
+        return []
+    sizes = np.fromiter((len(b) for b in bins), np.int64, len(bins))
+    flat = np.fromiter((i for b in bins for i in b), np.int64, int(sizes.sum()))
+    bin_cost = np.zeros(len(bins))
+    np.add.at(bin_cost, np.repeat(np.arange(len(bins)), sizes), costs[flat])
+    return balanced_steps(bins, bin_cost, dp, k)
 
 
 def _deal(loads: list[int], dp: int) -> list[list[int]]:
@@ -451,15 +483,22 @@ def _deal(loads: list[int], dp: int) -> list[list[int]]:
     return [sorted(o) for o in out]
 
 
-def _assemble(steps, order, true_len, aligned, layout, dp, cap) -> PlannedChunk:
+def _assemble(steps, order, true_len, aligned, layout, dp, cap, cost: CostModel | None = None) -> PlannedChunk:
+    """Steps of bins (positions) -> this chunk's per-rank micro-batches (sample indices) and statistics.
+    Without ``cost`` each step is dealt by tokens (:func:`_deal`); with it the steps come dealt, rank-major."""
     per_rank: list[list[tuple[int, ...]]] = [[] for _ in range(dp)]
     step_sizes: list[int] = []
     max_sum = mean_sum = 0.0
     worst = 1.0
     for bins in steps:
         members = [tuple(order[b].tolist()) if b else () for b in bins]
-        loads = [int(true_len[list(mb)].sum()) if mb else 0 for mb in members]
-        dealt = _deal(loads, dp)
+        if cost is None:
+            loads = [int(true_len[list(mb)].sum()) if mb else 0 for mb in members]
+            dealt = _deal(loads, dp)
+        else:
+            loads = [float(cost.of(true_len[list(mb)]).sum()) if mb else 0.0 for mb in members]
+            k = len(bins) // dp
+            dealt = [list(range(r * k, (r + 1) * k)) for r in range(dp)]
         rank_loads = [sum(loads[j] for j in d) for d in dealt]
         for r in range(dp):
             per_rank[r].extend(members[j] for j in dealt[r])

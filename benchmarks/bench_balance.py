@@ -1,0 +1,296 @@
+"""Equal work, not equal tokens: step-cost balance, hybrid CP and plan time, on one long-tail length set.
+
+Lengths: N lognormal(log 2048, 1.0) clipped to 512..32768 (seed 0); budget 32768 tokens per micro-batch,
+k = 2 micro-batches per rank per step; cost 24576*L + L**2 per sequence (verl's 7B constants).
+
+(a) step-cost imbalance, dp = 8: sum over steps of the slowest rank's cost / sum of the mean (worst step in
+    brackets), for the token-balanced plan, the compute-balanced one (``PlannerConfig(cost=...)``) and
+    megatron-core 0.16.1's ``BalancedCPScheduler`` scheduling each step's samples (CP off: every sample on
+    one rank; its groups run one after the other, so a step costs the sum of each group's slowest rank).
+    Then dp = 2, cp = 4 (same 8 ranks): predicted step makespan (sum over steps of the slowest DP rank,
+    a micro-batch taking its slowest CP block) of fixed CP, of the loader's hybrid CP
+    (``assign_cp_blocks``) and of ``BalancedCPScheduler`` over the 8 DP x CP ranks
+    (``max_seq_len_per_rank = budget / cp``), all with one time model: a sequence of L tokens on k ranks
+    takes ``cost(L)/k + 0.05 * 24576 * L * (k-1)/k``. Relative to the ideal (total / ranks).
+(b) CPU proof, dp = 4 gloo processes (one thread each) run their own micro-batches step by step (an
+    all-gather of the step's times ends each step), lengths and budget scaled by 1/8 (64..4096, budget
+    4096). Two workloads: ``attention``, torch sdpa causal over each sequence of the micro-batch (hidden
+    128, 4 heads), and ``layer``, a whole transformer layer (QKV, attention, output projection, MLP; the
+    matmuls over the packed micro-batch at once). The cost model is fitted to
+    this layer's measured time (``--flops`` uses ``CostModel.from_hf_config`` instead). Step time = the
+    slowest rank's CPU time in the step (the CPU time of each rank, not wall time: this machine's cores
+    are shared, and ranks queueing for a core would hide the imbalance); wall time is printed too.
+(c) plan time per global batch of 512 samples (whole plan of the set, one core), tokens vs compute.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import socket
+import sys
+import time
+import warnings
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from prealign.loaders import CostModel, plan_microbatches  # noqa: E402
+from prealign.loaders.plan.hybrid_cp import assign_cp_blocks, predicted_time, sequence_time  # noqa: E402
+from prealign.schemas import ParallelLayout  # noqa: E402
+
+COST = CostModel(linear=24576, quadratic=1)
+COMM = 0.05
+
+
+def long_tail(n: int, seed: int = 0, scale: int = 1) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return (np.clip(rng.lognormal(np.log(2048), 1.0, n), 512, 32768) // scale).astype(np.int64)
+
+
+def steps_of(plan):
+    """[(step, rank, [micro-batches])]: each step's micro-batches per rank."""
+    bounds = np.cumsum((0,) + plan.steps)
+    return [[list(rank[a:b]) for rank in plan.microbatches] for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def imbalance(step_rank_cost) -> tuple[float, float]:
+    worst, total_max, total_mean = 1.0, 0.0, 0.0
+    for ranks in step_rank_cost:
+        ranks = np.asarray(ranks, dtype=np.float64)
+        total_max, total_mean = total_max + ranks.max(), total_mean + ranks.mean()
+        worst = max(worst, ranks.max() / ranks.mean())
+    return total_max / total_mean, worst
+
+
+class _Group:
+    """What ``BalancedCPScheduler`` reads of its process group: the size (no communication happens)."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def size(self) -> int:
+        return self.n
+
+
+def megatron_step_time(lengths, ranks: int, max_per_rank: int, time_of) -> tuple[float, float]:
+    """(makespan, total) of one step's samples under megatron-core's BalancedCPScheduler."""
+    with warnings.catch_warnings():  # "Transformer Engine and Apex are not installed"
+        warnings.simplefilter("ignore")
+        from megatron.core.pipeline_parallel.hybrid_cp_schedule import BalancedCPScheduler
+
+    sched = BalancedCPScheduler(max_seq_len_per_rank=max_per_rank, dp_cp_group=_Group(ranks))
+    _, id_groups = sched.get_groups_and_subsamples([(i, int(n)) for i, n in enumerate(lengths)], None)
+    makespan, placed = 0.0, set()
+    for group in id_groups:
+        holders: dict[int, int] = {}
+        for ids in group:
+            for i in ids:
+                holders[i] = holders.get(i, 0) + 1
+        per_rank = [sum(time_of(lengths[i], holders[i]) for i in ids) for ids in group]
+        makespan += max(per_rank, default=0.0)
+        placed |= set(holders)
+    assert placed == set(range(len(lengths))), "megatron-core's schedule lost samples"
+    return makespan, sum(time_of(n, 1) for n in lengths)
+
+
+def part_a(lengths) -> None:
+    kw = dict(layout=ParallelLayout(), token_budget=32768, dp_size=8, microbatches_per_step=2, seed=0)
+    plans = {"tokens": plan_microbatches(lengths, **kw), "compute": plan_microbatches(lengths, cost=COST, **kw)}
+    print(f"(a) {len(lengths)} samples, dp=8, k=2, budget 32768, cost 24576*L + L^2")
+    for name, plan in plans.items():
+        costs = [[sum(COST.of(lengths[list(mb)]).sum() for mb in rank) for rank in step] for step in steps_of(plan)]
+        avg, worst = imbalance(costs)
+        print(f"    {name:<28} step cost max/mean {avg:.3f} (worst step {worst:.3f}), {len(plan.steps)} steps")
+    step_time = lambda n, k: float(COST.of([n])[0]) / k  # noqa: E731  (DP only: every sample on one rank)
+    costs = []
+    for step in steps_of(plans["tokens"]):
+        samples = [i for rank in step for mb in rank for i in mb]
+        makespan, total = megatron_step_time(lengths[samples], 8, 32768, step_time)
+        costs.append((makespan, total / 8))
+    total_max, total_mean = map(sum, zip(*costs))
+    print(f"    {'megatron BalancedCPScheduler':<28} step cost max/mean {total_max / total_mean:.3f} (same steps' samples, "
+          f"worst {max(a / b for a, b in costs):.3f})")
+
+    dp, cp, budget = 2, 4, 32768
+    layout = ParallelLayout(cp=cp)
+    plan = plan_microbatches(lengths, layout=layout, token_budget=budget, dp_size=dp, microbatches_per_step=2,
+                             seed=0, cost=COST)
+    t = lambda n, k: float(sequence_time([n], k, COST, COMM)[0])  # noqa: E731
+    fixed = hybrid = meg = ideal = 0.0
+    splits = 0
+    for step in steps_of(plan):
+        fixed += max(sum(float(sequence_time(lengths[list(mb)], cp, COST, COMM).sum()) for mb in rank) for rank in step)
+        rank_times = []
+        for rank in step:
+            total = 0.0
+            for mb in rank:
+                blocks = assign_cp_blocks(lengths[list(mb)], layout=layout, token_budget=budget, cost=COST,
+                                          comm_ratio=COMM)
+                splits += len(blocks) > 1
+                total += predicted_time(lengths[list(mb)], blocks, COST, COMM)
+            rank_times.append(total)
+        hybrid += max(rank_times)
+        samples = [i for rank in step for mb in rank for i in mb]
+        makespan, total = megatron_step_time(lengths[samples], dp * cp, budget // cp, t)
+        meg += makespan
+        ideal += total / (dp * cp)
+    n_mb = sum(plan.steps) * dp
+    print(f"    dp={dp} x cp={cp}, predicted step makespan / ideal (sum over {len(plan.steps)} steps):")
+    print(f"      fixed CP {fixed / ideal:.3f}   hybrid CP (loader) {hybrid / ideal:.3f} ({splits}/{n_mb} micro-batches "
+          f"split, 0 collectives)   megatron BalancedCPScheduler {meg / ideal:.3f} (all-gather + all-to-all per "
+          f"step)")
+
+
+# ---- (b) the CPU proof ----------------------------------------------------------------------------------
+HIDDEN, HEADS, SCALE = 128, 4, 8
+
+
+def _workload(kind: str, seed: int = 0):
+    """``run(lengths)``: one micro-batch, packed THD. ``attention``: causal sdpa sequence by sequence (what
+    a varlen kernel does) on random q, k, v. ``layer``: a whole transformer layer, the projections and
+    MLP over the micro-batch's tokens at once, the attention sequence by sequence."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    w = {name: torch.randn(shape, generator=g) / shape[0] ** 0.5 for name, shape in
+         (("qkv", (HIDDEN, 3 * HIDDEN)), ("out", (HIDDEN, HIDDEN)), ("up", (HIDDEN, 4 * HIDDEN)),
+          ("down", (4 * HIDDEN, HIDDEN)))}
+
+    def attention(qkv, lengths):
+        out, start = [], 0
+        for n in lengths:
+            q, k, v = qkv[:, :, start:start + n].unsqueeze(1)
+            out.append(torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)[0])
+            start += n
+        return torch.cat(out, 1)
+
+    def run(lengths) -> None:
+        total = int(sum(lengths))
+        if kind == "attention":
+            attention(torch.randn(3, HEADS, total, HIDDEN // HEADS), lengths)
+            return
+        x = torch.randn(total, HIDDEN)
+        qkv = (x @ w["qkv"]).view(-1, 3, HEADS, HIDDEN // HEADS).permute(1, 2, 0, 3)  # [3, heads, T, d]
+        x = x + attention(qkv, lengths).permute(1, 0, 2).reshape(-1, HIDDEN) @ w["out"]
+        _ = x + torch.nn.functional.gelu(x @ w["up"]) @ w["down"]
+    return run
+
+
+def fitted_cost(kind: str) -> CostModel:
+    """linear and quadratic (ns) of the workload's measured CPU time, least squares over a few lengths."""
+    import torch
+
+    torch.set_num_threads(1)
+    run = _workload(kind)
+    sizes, times = [64, 512, 1024, 2048, 3072, 4096], []
+    with torch.no_grad():
+        for n in sizes:
+            run([n])
+            reps = []
+            for _ in range(5):
+                t = time.thread_time()
+                run([n])
+                reps.append(time.thread_time() - t)
+            times.append(float(np.median(reps)))
+    a = np.array([[n, n * n] for n in sizes], dtype=np.float64)
+    (linear, quadratic), *_ = np.linalg.lstsq(a, np.array(times), rcond=None)
+    return CostModel(linear=max(linear, 1e-12) * 1e9, quadratic=max(quadratic, 0.0) * 1e9)
+
+
+def _rank(rank: int, world: int, port: int, kind: str, plans: dict, lengths, out) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
+    run = _workload(kind)
+    result = {}
+    with torch.no_grad():
+        run([256])
+        for name, steps in plans.items():
+            cpu = []
+            dist.barrier()
+            wall = time.perf_counter()
+            for step in steps:
+                t = time.thread_time()
+                for mb in step[rank]:
+                    if mb:
+                        run(lengths[list(mb)].tolist())
+                mine = torch.tensor([time.thread_time() - t], dtype=torch.float64)
+                every = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
+                dist.all_gather(every, mine)  # the step's end: every rank waits for the slowest
+                cpu.append(max(float(e) for e in every))
+            result[name] = (sum(cpu), time.perf_counter() - wall)
+    if rank == 0:
+        out.update(result)
+    dist.destroy_process_group()
+
+
+def part_b(n: int, flops: bool) -> None:
+    import torch.multiprocessing as mp
+    from transformers import GPT2Config
+
+    lengths = long_tail(n, seed=1, scale=SCALE)
+    budget = 32768 // SCALE
+    print(f"(b) CPU proof: {n} samples ({lengths.min()}..{lengths.max()} tokens), dp=4, k=2, budget {budget}")
+    for kind in ("attention", "layer"):
+        if flops and kind == "layer":
+            cost = CostModel.from_hf_config(GPT2Config(n_embd=HIDDEN, n_layer=1, n_head=HEADS), lm_head=False)
+        else:
+            cost = fitted_cost(kind)
+        kw = dict(layout=ParallelLayout(), token_budget=budget, dp_size=4, microbatches_per_step=2, seed=0)
+        plans = {"tokens": plan_microbatches(lengths, **kw), "compute": plan_microbatches(lengths, cost=cost, **kw)}
+        steps = {name: steps_of(plan) for name, plan in plans.items()}
+        predicted = {name: sum(max(sum(cost.of(lengths[list(mb)]).sum() for mb in rank) for rank in step)
+                               for step in plan_steps) for name, plan_steps in steps.items()}
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        with mp.Manager() as manager:
+            out = manager.dict()
+            mp.spawn(_rank, args=(4, port, kind, steps, lengths, out), nprocs=4, join=True)
+            got = dict(out)
+        print(f"    {kind}: cost {cost.linear:.0f}*L + {cost.quadratic:.2f}*L^2 "
+              f"({'FLOPs' if flops and kind == 'layer' else 'ns, fitted to this CPU'})")
+        for name in plans:
+            cpu, wall = got[name]
+            print(f"      {name:<8} sum of step times (slowest rank's CPU time) {cpu:7.2f} s   wall {wall:6.1f} s   "
+                  f"{len(plans[name].steps)} steps")
+        print(f"      compute-balanced steps faster by {got['tokens'][0] / got['compute'][0]:.3f}x (the cost model "
+              f"predicts {predicted['tokens'] / predicted['compute']:.3f}x)")
+
+
+def part_c(lengths) -> None:
+    kw = dict(layout=ParallelLayout(), token_budget=32768, dp_size=8, microbatches_per_step=2, seed=0)
+    print("(c) plan time per global batch of 512 samples (best of 5)")
+    for name, cost in (("tokens", None), ("compute", COST)):
+        best = min(_timed(lambda: plan_microbatches(lengths, cost=cost, **kw)) for _ in range(5))
+        print(f"    {name:<8} {best * 1e3 * 512 / len(lengths):.2f} ms   (whole plan of {len(lengths)}: {best * 1e3:.1f} ms)")
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--samples", type=int, default=6000)
+    ap.add_argument("--cpu-samples", type=int, default=3000, help="samples of the CPU proof (b)")
+    ap.add_argument("--flops", action="store_true", help="(b) layer: plan with the FLOPs cost model, not the fitted one")
+    ap.add_argument("--skip-cpu", action="store_true")
+    args = ap.parse_args()
+    lengths = long_tail(args.samples)
+    part_a(lengths)
+    if not args.skip_cpu:
+        part_b(args.cpu_samples, args.flops)
+    part_c(lengths)
+
+
+if __name__ == "__main__":
+    main()
