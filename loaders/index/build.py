@@ -17,12 +17,13 @@ error are the same whatever the number of workers.
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Callable
 
 import numpy as np
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from prealign.loaders.errors import BadSampleError
+from prealign.loaders.errors import BadSampleError, StaleIndexError
 from prealign.loaders.index.events import error_from_record, error_record, record_reason
 from prealign.loaders.index.sample_checks import (
     FIELDS_KEY,
@@ -199,6 +200,62 @@ def merge_shards(results: list[dict], policy: BadDataPolicy, width: int, *,
                        report=gate.report, media=np.fromiter((bool(m) for m in good("media")), bool, n), dims=fixed)
 
 
+def resolve_signatures(records: dict[int, dict], source: Source, schema: BatchSchema) -> dict[int, dict]:
+    """Sidecar records made this schema's. A sidecar keeps each sample's data signature (member dtypes and
+    shape patterns, :mod:`~prealign.loaders.index.header_pass`), not a schema's verdict: one sample of each
+    distinct signature (over all shards) is loaded and run through the collator (:func:`validated`); its named
+    dims, dtypes and optional fields stand for every sample of that signature. When it fails, every sample of
+    the signature becomes a bad record with its error, for the bad-data policy. Values (ids below the
+    vocabulary, ...) are checked when each sample is loaded."""
+    verdicts: dict[str, dict | SampleError] = {}
+    out = {}
+    for shard, r in records.items():
+        ids = np.asarray(r["dim_ids"])
+        resolved: list = []
+        for k, sig in enumerate(r["dims"]):
+            key = json.dumps(sig, sort_keys=True)
+            rows = np.flatnonzero(ids == k)
+            if key not in verdicts and rows.size:
+                row = int(rows[0])
+                verdicts[key] = _schema_verdict(source, schema, (shard, *map(int, r["spans"][row])),
+                                                int(r["lengths"][row]))
+            resolved.append(verdicts.get(key, {}))
+        bad = [k for k, v in enumerate(resolved) if isinstance(v, SampleError)]
+        out[shard] = {**r, "dims": resolved} if not bad else _bad_signatures(r, resolved, bad, source, shard)
+    return out
+
+
+def _schema_verdict(source: Source, schema: BatchSchema, loc: tuple, length: int) -> dict | SampleError:
+    """The named dims (with the optional fields present) of the sample at ``loc`` under ``schema``, or its error."""
+    sample = source.load(loc)
+    result = validated([sample], schema)[0]
+    if isinstance(result, SampleError):
+        return result
+    if result[0] != length:
+        raise StaleIndexError(source.where(loc), f"indexed with {length} tokens, {result[0]} under this schema",
+                              "re-run `prealign index --force` on it")
+    return {**result[1], FIELDS_KEY: ",".join(k for k in optional_keys(schema) if k in sample)}
+
+
+def _bad_signatures(r: dict, resolved: list, bad: list[int], source: Source, shard: int) -> dict:
+    """Record ``r`` with the samples of signatures ``bad`` turned into bad records (each named, with the error
+    of its signature's checked sample)."""
+    ids = np.asarray(r["dim_ids"])
+    drop = np.isin(ids, bad)
+    events = list(r["events"])
+    at = np.flatnonzero([ev[0] == "ok" for ev in events])  # event position of each good sample
+    for i in np.flatnonzero(drop):
+        where = source.where((shard, *map(int, r["spans"][i])))
+        err = resolved[int(ids[i])]
+        events[int(at[i])] = ["bad", where, error_record(BadSampleError(
+            sample=where, field=err.field, expected=err.expected, actual=err.actual))]
+    keep = ~drop
+    return {**r, "spans": r["spans"][keep], "lengths": np.asarray(r["lengths"])[keep],
+            "media": np.asarray(r["media"])[keep], "dim_ids": ids[keep],
+            "dims": [{} if isinstance(v, SampleError) else v for v in resolved], "events": events,
+            "bad_events": [[p, ev] for p, ev in enumerate(events) if ev[0] != "ok"]}
+
+
 def build_index(source: Source, schema: BatchSchema, *, policy: BadDataPolicy | None = None,
                 num_workers: int = 0, distributed: bool = False, group=None) -> SampleIndex:
     """Index every shard of ``source`` (see the module docstring). Raises the first bad sample's
@@ -217,6 +274,7 @@ def build_index(source: Source, schema: BatchSchema, *, policy: BadDataPolicy | 
     failure: BaseException | None = None
     try:
         known, checked = check_source(source, schema)  # unreachable / changed shards raise here; sidecar records
+        known = resolve_signatures(known, source, schema)  # the data's signatures checked against this schema
         shards = [s for s in range(source.num_shards) if s not in known]
         mine: dict = {"results": scan_shards(source, schema, shards[rank::world], num_workers=num_workers)}
     except Exception as exc:  # noqa: BLE001 - re-raised below: every rank must reach the exchange first

@@ -1,0 +1,128 @@
+"""Sidecars describe the data (issue #20, item 1): one `prealign index --text` serves loaders with other
+schemas, layouts and budgets from the sidecars alone; values are checked at load under the bad-data policy;
+a sidecar of another transform or an older format is refused with a command that, followed, fixes it."""
+from __future__ import annotations
+
+import os
+import re
+import shlex
+
+import numpy as np
+import pytest
+
+from prealign.loaders import BadDataPolicy, PackedLoader, WebDatasetSource
+from prealign.loaders.cli.main import main
+from prealign.loaders.errors import StaleIndexError
+from prealign.loaders.index.sidecar import VERSION
+from prealign.loaders.sources.shard_files import SUFFIX
+from prealign.schemas import ParallelLayout
+from prealign.schemas.errors import SampleError
+from prealign.schemas.schema import causal_lm_schema
+
+from .loader_helpers import add_member, sample_lengths, token_ids, write_shards
+
+CONFIGS = [  # (schema, layout, token budget, cp_rank): three trainers reading one index
+    (causal_lm_schema(), ParallelLayout(), 128, None),
+    (causal_lm_schema(pad_token_id=151643, vocab_size=20_000, ignore_index=-1), ParallelLayout(tp=2, sp=True), 256,
+     None),
+    (causal_lm_schema(pad_token_id=2, vocab_size=50_000), ParallelLayout(cp=2), 512, 1),
+]
+
+
+def _loader(paths, schema, layout, budget, cp_rank=None, **kw):
+    kw = {"dp_size": 2, "dp_rank": 0, "seed": 1, **kw}
+    return PackedLoader(WebDatasetSource(paths), schema=schema, layout=layout, token_budget=budget, cp_rank=cp_rank,
+                        **kw)
+
+
+def _no_scan(self, shard):
+    raise AssertionError(f"scanned shard {shard}: the loader re-indexed instead of reading the sidecar")
+
+
+def test_one_text_index_serves_three_schemas_layouts_and_budgets(tmp_path, monkeypatch):
+    paths = write_shards(str(tmp_path), sample_lengths(90), num_shards=3)
+    assert main(["index", "--text", *paths]) == 0
+    stamps = {p: os.stat(p + SUFFIX).st_mtime_ns for p in paths}
+    monkeypatch.setattr(WebDatasetSource, "scan", _no_scan)
+    firsts = []
+    for schema, layout, budget, cp_rank in CONFIGS:
+        loader = _loader(paths, schema, layout, budget, cp_rank)
+        batch = next(iter(loader))
+        assert batch["input_ids"].numel() > 0 and len(loader.index) == 90
+        assert int(batch["input_ids"].shape[-1]) <= budget
+        firsts.append(batch)
+    pads = [int(b["input_ids"][..., -1]) if b["padding_mask"][..., -1].any() else None for b in firsts]
+    assert pads[1] in (None, 151643)  # each loader pads with its own schema's pad id
+    assert {p: os.stat(p + SUFFIX).st_mtime_ns for p in paths} == stamps  # no sidecar rewritten
+
+
+def _big_id(i, tf):
+    """Sample 7 carries an id of 15,000: in range for one vocabulary, not for another."""
+    if i != 7:
+        return False
+    ids = token_ids(i, 9)
+    ids[3] = 15_000
+    import io
+
+    buf = io.BytesIO()
+    np.save(buf, ids)
+    add_member(tf, f"{i:06d}.input_ids.npy", buf.getvalue())
+    return True
+
+
+def test_values_are_checked_at_load_under_the_policy(tmp_path):
+    paths = write_shards(str(tmp_path), sample_lengths(30), num_shards=2, extra=_big_id)
+    assert main(["index", "--text", *paths]) == 0
+    layout = ParallelLayout()
+    ok = _loader(paths, causal_lm_schema(vocab_size=20_000), layout, 4096, dp_size=1)
+    assert sum(len(b["sample_index"]) for b in ok) == 30  # a vocabulary of 20,000 takes every sample
+    small = causal_lm_schema(vocab_size=12_000)
+    with pytest.raises(SampleError, match="shard-000.tar.*input_ids.*got 15000"):  # the default policy raises, naming the sample
+        list(_loader(paths, small, layout, 4096, dp_size=1))
+    skip = _loader(paths, small, layout, 4096, dp_size=1, bad_data=BadDataPolicy(on_error="skip"))
+    with pytest.warns(Warning, match="15000"):
+        served = sum(len(b["sample_index"]) for b in skip)
+    assert served == 29 and sum(skip.report.counts.values()) == 1  # counted, not dropped silently
+
+
+def _hint_command(message: str) -> list[str]:
+    """The ``prealign index ...`` command an error tells the user to run, as argv for ``main``."""
+    cmd = re.search(r"`(prealign index [^`]*)`", message)
+    assert cmd, message
+    return shlex.split(cmd.group(1).replace(" ...", ""))[1:]
+
+
+def _doubled(sample):
+    """A text transform whose lengths differ from numpy_fields' (each id twice)."""
+    return {"input_ids": np.repeat(np.asarray(sample["input_ids.npy"]), 2)}
+
+
+def test_another_transform_names_the_field_and_its_command_fixes_it(tmp_path):
+    paths = write_shards(str(tmp_path), sample_lengths(20), num_shards=2)
+    from prealign.loaders.index.header_pass import write_sidecars
+
+    write_sidecars(WebDatasetSource(paths, transform=_doubled), causal_lm_schema())
+    with pytest.raises(StaleIndexError, match=r"transform: indexed with '.*_doubled', this loader has "
+                                              r"'numpy_fields'") as exc:
+        next(iter(_loader(paths, *CONFIGS[0])))
+    argv = _hint_command(str(exc.value))
+    assert argv[:3] == ["index", "--text", "--force"]
+    assert main(argv) == 0  # the hint, followed
+    assert next(iter(_loader(paths, *CONFIGS[0])))["input_ids"].numel() > 0
+
+
+def test_a_version_1_sidecar_is_refused_by_version_and_the_hint_rebuilds_it(tmp_path):
+    paths = write_shards(str(tmp_path), sample_lengths(20), num_shards=1)
+    assert main(["index", "--text", *paths]) == 0
+    side = paths[0] + SUFFIX
+    with np.load(side) as z:
+        arrays = dict(z)
+    arrays["meta"] = np.frombuffer(bytes(arrays["meta"]).replace(f'"version": {VERSION}'.encode(),
+                                                                  b'"version": 1'), np.uint8)
+    with open(side, "wb") as f:
+        np.savez(f, **arrays)
+    with pytest.raises(StaleIndexError, match="version 1.*`prealign index --force`") as exc:
+        next(iter(_loader(paths, *CONFIGS[0])))
+    assert "re-run `prealign index --force`" in str(exc.value)
+    assert main(["index", "--text", "--force", *paths]) == 0  # the hint, followed (with the shards and --text)
+    assert next(iter(_loader(paths, *CONFIGS[0])))["input_ids"].numel() > 0
