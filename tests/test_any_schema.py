@@ -126,3 +126,51 @@ def test_a_version_1_sidecar_is_refused_by_version_and_the_hint_rebuilds_it(tmp_
     assert "re-run `prealign index --force`" in str(exc.value)
     assert main(["index", "--text", "--force", *paths]) == 0  # the hint, followed (with the shards and --text)
     assert next(iter(_loader(paths, *CONFIGS[0])))["input_ids"].numel() > 0
+
+
+def _tiny_tokenizer_dir(path) -> str:
+    """A word-level Hugging Face tokenizer with Qwen2-VL's special tokens, saved as a local folder."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>"]
+    words = ["user", "assistant", "\n", " ", "look", "at", "this", "Fine", ".", "?"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(specials + words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"\n|[.?]| +"), behavior="isolated")
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", additional_special_tokens=specials[1:])
+    hf.save_pretrained(str(path))
+    return str(path)
+
+
+def test_vlm_sidecars_of_another_tokenizer_name_it_and_the_command_with_tokenizer_fixes_it(tmp_path, capsys,
+                                                                                            monkeypatch):
+    from transformers import AutoTokenizer
+
+    from prealign.loaders.cli.demo_data import build_demo_dataset
+    from prealign.loaders.media.chat_tokenizer import HFChatTokenizer
+    from prealign.loaders.media.vlm import VLMSampleTransform
+    from prealign.schemas.vlm import vlm_schema
+
+    shards = list(build_demo_dataset(str(tmp_path / "data"), num_samples=24, samples_per_shard=12, topk=4).shards)
+    tok_dir = _tiny_tokenizer_dir(tmp_path / "tok")
+    assert main(["index", "--topk", "4", *shards]) == 0  # the demo byte tokenizer
+    tok = HFChatTokenizer(AutoTokenizer.from_pretrained(tok_dir, local_files_only=True))
+
+    def loader():
+        src = WebDatasetSource(shards, transform=VLMSampleTransform(tokenizer=tok), image="bytes")
+        return PackedLoader(src, schema=vlm_schema(), layout=ParallelLayout(), token_budget=8192,
+                            bad_data=BadDataPolicy(on_error="skip", warn=False))
+
+    with pytest.raises(StaleIndexError, match="tokenizer: indexed with '.*ByteTokenizer'") as exc:
+        loader().prepare()
+    argv = _hint_command(str(exc.value))
+    assert argv[:4] == ["index", "--tokenizer", tok_dir, "--force"]
+    assert main(argv) == 0  # the hint, followed
+    capsys.readouterr()
+    with monkeypatch.context() as m:
+        m.setattr(WebDatasetSource, "scan", _no_scan)
+        assert next(iter(loader()))["input_ids"].numel() > 0
+    assert main(["inspect", "--tokenizer", tok_dir, "--tp", "1", "--cp", "1", "--workers", "0",
+                 "--out", str(tmp_path / "p.png"), *shards]) in (0, 1)
+    err = capsys.readouterr().err
+    assert f"tokenizer: {tok_dir} (" in err and "2 from sidecars, 0 scanned" in err

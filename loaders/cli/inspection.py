@@ -8,6 +8,7 @@ batch, and keep only what the report and the picture need (batches are dropped a
 """
 from __future__ import annotations
 
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -17,7 +18,8 @@ from prealign.collate.thd import THDCollator
 from prealign.loaders.cli.errors import NothingLoadedError
 from prealign.loaders.cli.plot import Panel
 from prealign.loaders.cli.report import BatchStats, batch_stats
-from prealign.loaders.index.build import merge_shards, scan_shards
+from prealign.loaders.errors import BadSampleError
+from prealign.loaders.index.build import build_index, merge_shards, scan_shards
 from prealign.loaders.index.sample_index import SampleIndex
 from prealign.loaders.loader import PackedLoader
 from prealign.loaders.options import IndexOptions
@@ -102,12 +104,7 @@ def inspect_source(source: Source, *, schema: BatchSchema, layout: ParallelLayou
     validate = validate or (lambda b: validate_vlm_batch(b, schema, layout, raise_on_error=False))
     t0 = time.perf_counter()
     if index is None:
-        if progress:
-            sys.stderr.write("indexing (decode, transform and validate every sample once)...\n")
-        results = scan_shards(source, schema, list(range(source.num_shards)), num_workers=num_workers)
-        index = merge_shards(results, policy, width=1, where=source.where, schema=schema)
-        if len(index) == 0:
-            raise NothingLoadedError(_name(source), index.report)
+        index = _index(source, schema, policy, num_workers, progress)
     t1 = time.perf_counter()
     loaders = [PackedLoader(source, schema=schema, layout=layout, token_budget=token_budget, cp_rank=r,
                             num_workers=num_workers, seed=seed, bad_data=policy, indexing=IndexOptions(prebuilt=index),
@@ -138,6 +135,36 @@ def inspect_source(source: Source, *, schema: BatchSchema, layout: ParallelLayou
                       load_seconds=t2 - t1, first_violations=first_bad,
                       steady_seconds=t2 - t_first if t_first is not None else 0.0, steady_batches=max(len(stats) - 1, 0),
                       steady_tokens=sum(s.real_tokens for s in stats[1:]))
+
+
+def _index(source: Source, schema: BatchSchema, policy: BadDataPolicy, num_workers: int, progress: bool):
+    """The index as a loader builds it: from the sidecars where they exist (``prealign index``), the other
+    shards scanned (decode, transform, validate every sample once); what it did said on stderr."""
+    from prealign.loaders.sources import remote
+    from prealign.loaders.sources.shard_files import sidecar_path
+
+    urls = getattr(source, "urls", None)
+    have = 0
+    if urls is not None and getattr(source, "sidecars", False):
+        paths = [sidecar_path(u, getattr(source, "index_dir", None)) for u in urls]
+        have = sum(1 for p in paths if remote.is_remote(p) or os.path.exists(remote.local_path(p)))
+    if progress:
+        total = source.num_shards
+        sys.stderr.write(f"indexing {total} shard(s): {have} from sidecars, {total - have} scanned (decode, transform "
+                         f"and validate every sample once{'' if have else '; `prealign index` makes it instant'})...\n")
+        sys.stderr.flush()
+    t0 = time.perf_counter()
+    try:
+        index = build_index(source, schema, policy=policy, num_workers=num_workers)
+    except BadSampleError as exc:
+        if "at least one good sample" not in str(exc):
+            raise
+        results = scan_shards(source, schema, list(range(source.num_shards)), num_workers=num_workers)
+        raise NothingLoadedError(_name(source), merge_shards(results, policy, width=1, where=source.where,
+                                                             schema=schema).report) from None
+    if progress:
+        sys.stderr.write(f"indexed {len(index):,} samples in {time.perf_counter() - t0:.1f} s\n")
+    return index
 
 
 def _name(source: Source) -> str:

@@ -70,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     insp.add_argument("--topk", type=int, default=0, help="expect teacher top-k with this K (0: none) [%(default)s]")
     insp.add_argument("--vocab-size", type=int, default=None, help="bound teacher ids (text mode)")
     insp.add_argument("--limit", type=int, default=None, help="stop after this many micro-batches")
+    from prealign.loaders.cli.index_cmd import add_transform_args
+    add_transform_args(insp)
     _add_common(insp, budget=8192)
     insp.set_defaults(func=cmd_inspect, out="prealign_inspect.png")
     from prealign.loaders.cli.index_cmd import add_parser as add_index  # prealign index (issue #7)
@@ -111,8 +113,7 @@ def cmd_demo(args) -> int:
 
 
 def cmd_inspect(args) -> int:
-    from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
-    from prealign.loaders.media.vlm import VLMSampleTransform
+    from prealign.loaders.cli.index_cmd import vlm_transform
     from prealign.loaders.sources.webdataset import WebDatasetSource, numpy_fields
     from prealign.schemas.schema import causal_lm_schema
     from prealign.schemas.vlm import vlm_schema
@@ -127,9 +128,11 @@ def cmd_inspect(args) -> int:
     if args.text:
         schema = causal_lm_schema(topk=topk, vocab_size=args.vocab_size)
         transform = numpy_fields if args.shards else None
+        told = "none (--text: token ids as given)"
     else:
-        transform = VLMSampleTransform(tokenizer=ByteTokenizer(), topk=topk)
-        schema = vlm_schema(topk=topk, vocab_size=transform.tokenizer.vocab_size)
+        transform, told = vlm_transform(args, topk)
+        schema = vlm_schema(topk=topk, vocab_size=transform.tokenizer.vocab_size,
+                            pad_token_id=transform.tokenizer.pad_token_id)
     if args.shards:
         from prealign.loaders.sources.webdataset import expand_urls
 
@@ -141,6 +144,7 @@ def cmd_inspect(args) -> int:
 
         source = HFSource(preflight.load_hf(args.hf, args.split, args.cache_dir), transform=transform)
         what = f"HF dataset {args.hf} [{args.split}]"
+    _note(f"tokenizer: {told}")
     return _run(args, layout, source, schema, title=f"{what}, {schema.name}")
 
 

@@ -383,11 +383,14 @@ def index_command(source) -> str:
         mode = "--text"
     elif isinstance(transform, VLMSampleTransform):
         path = getattr(getattr(transform.tokenizer, "tokenizer", None), "name_or_path", "") or "TOKENIZER_DIR"
-        mode = f"--tokenizer {path} --processor PROCESSOR_DIR" + (f" --topk {transform.topk}" if transform.topk else "")
+        mode = f"--tokenizer {path}" if getattr(transform.tokenizer, "tokenizer", None) is not None else ""
+        mode += " --processor DIR_WITH_preprocessor_config.json" if transform.processor_options else ""
+        mode += f" --topk {transform.topk}" if transform.topk else ""
+        mode = mode.strip()
     else:
         return (f"write_sidecars(source, schema, force=True) from prealign.loaders.index.header_pass with this "
                 f"source's transform{out and f' and index_dir {source.index_dir}'}")
-    return f"prealign index {mode} --force{out} {urls}"
+    return f"prealign index {mode + ' ' if mode else ''}--force{out} {urls}"
 
 
 def transform_difference(meta: dict, source) -> str:
