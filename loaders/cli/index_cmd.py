@@ -165,6 +165,7 @@ def cmd_index(args) -> int:
     urls = expand_urls(args.shards)
     _refuse_special_files(urls)
     preflight.check_shards(urls)
+    preflight.check_mode(urls, args.text, "index")
     source, schema = source_and_schema(args)
     rank, world = _rank_world()
     shards = list(range(source.num_shards))[rank::world]

@@ -23,6 +23,7 @@ from prealign.loaders.index.build import build_index, merge_shards, scan_shards
 from prealign.loaders.index.sample_index import SampleIndex
 from prealign.loaders.loader import PackedLoader
 from prealign.loaders.options import IndexOptions
+from prealign.loaders.plan.planner import PlannerConfig
 from prealign.loaders.policy import BadDataPolicy, BadDataReport
 from prealign.loaders.sources.source import Source
 from prealign.schemas.layout import ParallelLayout
@@ -95,7 +96,8 @@ def inspect_source(source: Source, *, schema: BatchSchema, layout: ParallelLayou
                    num_workers: int = 0, seed: int = 0, defer_cp_shard: bool = False,
                    bad_data: BadDataPolicy | None = None, index: SampleIndex | None = None,
                    panels: int = 3, limit: int | None = None,
-                   validate: Callable[[dict], list] | None = None, progress: bool = True) -> Inspection:
+                   validate: Callable[[dict], list] | None = None, progress: bool = True,
+                   planner: PlannerConfig | None = None) -> Inspection:
     """Index ``source`` once, then load one epoch on every CP rank of DP rank 0 in lockstep.
 
     Every bad sample is skipped and counted (no limit on bad samples in a row: the report is the
@@ -108,6 +110,7 @@ def inspect_source(source: Source, *, schema: BatchSchema, layout: ParallelLayou
     t1 = time.perf_counter()
     loaders = [PackedLoader(source, schema=schema, layout=layout, token_budget=token_budget, cp_rank=r,
                             num_workers=num_workers, seed=seed, bad_data=policy, indexing=IndexOptions(prebuilt=index),
+                            planner=planner,
                             collator=THDCollator(schema=schema, layout=layout, cp_rank=r,
                                                  defer_cp_shard=defer_cp_shard))
                for r in range(layout.cp)]
