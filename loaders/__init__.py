@@ -33,6 +33,7 @@ from prealign.loaders.errors import (
 from prealign.loaders.handoff.batch_share import BatchShare
 from prealign.loaders.index.build import build_index
 from prealign.loaders.index.sample_index import SampleIndex
+from prealign.loaders.index.shard_writer import ShardWriter
 from prealign.loaders.loader import PackedLoader
 from prealign.loaders.media.chat_tokenizer import ChatTokenizer, HFChatTokenizer
 from prealign.loaders.media.vlm import MediaError, MediaProblem, VLMSampleTransform, image_processor
@@ -63,3 +64,4 @@ __all__ += ["VLMSampleTransform", "MediaError", "MediaProblem", "image_processor
 __all__ += ["WorkerConfig", "UnsupportedTorchError"]
 __all__ += ["RemoteOptions", "RemoteReadError", "RemoteStallError", "RemotePermissionError", "RangeIgnoredWarning"]
 __all__ += ["CollectiveTimeoutError", "NotRegularFileError", "ShardGoneError"]
+__all__ += ["ShardWriter"]
