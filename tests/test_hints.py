@@ -129,11 +129,3 @@ def test_collators_and_packed_seq_params_print_no_megatron_warnings():
                          env={**os.environ, "PYTHONWARNINGS": "default"})
     assert out.returncode == 0, out.stderr
     assert "Transformer Engine" not in out.stderr and "Warning" not in out.stderr, out.stderr
-
-
-def test_pytest_q_keeps_its_summary_line():
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                          "tests/test_readme.py::test_ci_runs_the_readme_test_command"],
-                         cwd=root, capture_output=True, text=True, timeout=300)
-    assert re.search(r"^1 passed", out.stdout, re.M), out.stdout[-2000:]

@@ -86,11 +86,11 @@ class ShardWriter:
     overwritten (``ConfigError``): the writer deletes nothing it did not create.
 
     >>> import tempfile, numpy as np
-    >>> out = tempfile.mkdtemp()
-    >>> with ShardWriter(f"{out}/shard-%06d.tar", max_bytes=1 << 20) as w:
-    ...     w.write({"__key__": "a", "input_ids": np.arange(1, 9)})
-    >>> [os.path.basename(p) for p in w.shards], w.count
-    (['shard-000000.tar'], 1)
+    >>> with tempfile.TemporaryDirectory() as out:
+    ...     with ShardWriter(f"{out}/shard-%06d.tar", max_bytes=1 << 20) as w:
+    ...         w.write({"__key__": "a", "input_ids": np.arange(1, 9)})
+    ...     [os.path.basename(p) for p in w.shards], w.count, os.path.exists(w.shards[0] + ".prealign-index.npz")
+    (['shard-000000.tar'], 1, True)
     """
 
     def __init__(self, pattern: str, *, max_bytes: int = 256 << 20, max_samples: int | None = None,
