@@ -15,7 +15,8 @@ TORCHRUN = {"megatron_torchrun.py": ["-m", "torch.distributed.run", "--standalon
 
 
 def test_every_example_is_listed_here():
-    assert {"hf_sft.py", "webdataset_shards.py", "megatron_torchrun.py", "hf_trainer.py"} <= set(EXAMPLES)
+    assert {"hf_sft.py", "webdataset_shards.py", "vlm_qwen2vl.py", "hf_trainer.py", "hf_trainer_budget.py",
+            "megatron_torchrun.py"} <= set(EXAMPLES)
 
 
 @pytest.mark.slow
