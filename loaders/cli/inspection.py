@@ -153,8 +153,9 @@ def _index(source: Source, schema: BatchSchema, policy: BadDataPolicy, num_worke
         have = sum(1 for p in paths if remote.is_remote(p) or os.path.exists(remote.local_path(p)))
     if progress:
         total = source.num_shards
-        sys.stderr.write(f"indexing {total} shard(s): {have} from sidecars, {total - have} scanned (decode, transform "
-                         f"and validate every sample once{'' if have else '; `prealign index` makes it instant'})...\n")
+        scan = "" if have == total else (f" (decode, transform and validate every sample once"
+                                         f"{'' if have else '; `prealign index` makes it instant'})")
+        sys.stderr.write(f"indexing {total} shard(s): {have} from sidecars, {total - have} scanned{scan}...\n")
         sys.stderr.flush()
     t0 = time.perf_counter()
     try:
