@@ -56,9 +56,9 @@ def test_one_text_index_serves_three_schemas_layouts_and_budgets(tmp_path, monke
     assert {p: os.stat(p + SUFFIX).st_mtime_ns for p in paths} == stamps  # no sidecar rewritten
 
 
-def _big_id(i, tf):
-    """Sample 7 carries an id of 15,000: in range for one vocabulary, not for another."""
-    if i != 7:
+def _big_id(i, tf, at=7):
+    """Sample ``at`` (7) carries an id of 15,000: in range for one vocabulary, not for another."""
+    if i != at:
         return False
     ids = token_ids(i, 9)
     ids[3] = 15_000
@@ -174,3 +174,17 @@ def test_vlm_sidecars_of_another_tokenizer_name_it_and_the_command_with_tokenize
                  "--out", str(tmp_path / "p.png"), *shards]) in (0, 1)
     err = capsys.readouterr().err
     assert f"tokenizer: {tok_dir} (" in err and "2 from sidecars, 0 scanned" in err
+
+
+def test_a_bad_value_in_the_checked_sample_condemns_that_sample_not_its_signature(tmp_path):
+    def first_bad(i, tf):
+        return _big_id(i, tf, at=0)  # sample 0, the first of the one data signature, has an id of 15,000
+
+    paths = write_shards(str(tmp_path), sample_lengths(30), num_shards=1, extra=first_bad)
+    assert main(["index", "--text", *paths]) == 0
+    skip = _loader(paths, causal_lm_schema(vocab_size=12_000), ParallelLayout(), 4096, dp_size=1,
+                   bad_data=BadDataPolicy(on_error="skip", warn=False))
+    assert len(skip.prepare().index) == 29 and skip.report.counts == {"bad_sample": 1}
+    assert sum(len(b["sample_index"]) for b in skip) == 29
+    with pytest.raises(SampleError, match="15000"):  # the default policy: raised, naming the sample
+        _loader(paths, causal_lm_schema(vocab_size=12_000), ParallelLayout(), 4096, dp_size=1).prepare()

@@ -200,59 +200,78 @@ def merge_shards(results: list[dict], policy: BadDataPolicy, width: int, *,
                        report=gate.report, media=np.fromiter((bool(m) for m in good("media")), bool, n), dims=fixed)
 
 
+SIGNATURE_TRIES = 3
+"""Samples of one data signature tried against the schema before the signature itself is found bad (a value
+error, e.g. an id past the vocabulary, is one sample's; a shape or dtype error is every sample's)."""
+
+
 def resolve_signatures(records: dict[int, dict], source: Source, schema: BatchSchema) -> dict[int, dict]:
     """Sidecar records made this schema's. A sidecar keeps each sample's data signature (member dtypes and
     shape patterns, :mod:`~prealign.loaders.index.header_pass`), not a schema's verdict: one sample of each
     distinct signature (over all shards) is loaded and run through the collator (:func:`validated`); its named
-    dims, dtypes and optional fields stand for every sample of that signature. When it fails, every sample of
-    the signature becomes a bad record with its error, for the bad-data policy. Values (ids below the
-    vocabulary, ...) are checked when each sample is loaded."""
+    dims, dtypes and optional fields stand for every sample of that signature. A sample that fails is a bad
+    record and the next of its signature is tried; when :data:`SIGNATURE_TRIES` fail, every sample of the
+    signature is a bad record (with the last error), for the bad-data policy. The other samples' values (ids
+    below the vocabulary, ...) are checked when each is loaded."""
     verdicts: dict[str, dict | SampleError] = {}
     out = {}
     for shard, r in records.items():
         ids = np.asarray(r["dim_ids"])
         resolved: list = []
+        errors: dict[int, SampleError] = {}  # row -> why it is bad
         for k, sig in enumerate(r["dims"]):
             key = json.dumps(sig, sort_keys=True)
             rows = np.flatnonzero(ids == k)
             if key not in verdicts and rows.size:
-                row = int(rows[0])
-                verdicts[key] = _schema_verdict(source, schema, (shard, *map(int, r["spans"][row])),
-                                                int(r["lengths"][row]))
-            resolved.append(verdicts.get(key, {}))
-        bad = [k for k, v in enumerate(resolved) if isinstance(v, SampleError)]
-        out[shard] = {**r, "dims": resolved} if not bad else _bad_signatures(r, resolved, bad, source, shard)
+                verdicts[key], failed = _schema_verdict(source, schema, shard, r, rows[:SIGNATURE_TRIES])
+                errors.update(failed)
+            verdict = verdicts.get(key, {})
+            if isinstance(verdict, SampleError):
+                errors.update({int(i): errors.get(int(i), verdict) for i in rows})
+            resolved.append(verdict)
+        out[shard] = _with_bad_rows({**r, "dims": resolved}, errors, source, shard) if errors else \
+            {**r, "dims": resolved}
     return out
 
 
-def _schema_verdict(source: Source, schema: BatchSchema, loc: tuple, length: int) -> dict | SampleError:
-    """The named dims (with the optional fields present) of the sample at ``loc`` under ``schema``, or its error."""
-    sample = source.load(loc)
-    result = validated([sample], schema)[0]
-    if isinstance(result, SampleError):
-        return result
-    if result[0] != length:
-        raise StaleIndexError(source.where(loc), f"indexed with {length} tokens, {result[0]} under this schema",
-                              "re-run `prealign index --force` on it")
-    return {**result[1], FIELDS_KEY: ",".join(k for k in optional_keys(schema) if k in sample)}
+def _schema_verdict(source: Source, schema: BatchSchema, shard: int, record: dict,
+                    rows: np.ndarray) -> tuple[dict | SampleError, dict[int, SampleError]]:
+    """``(verdict, failed rows)``: the named dims (with the optional fields present) of the first of ``rows``
+    that loads and passes the collator under ``schema``, or the last error when none does."""
+    failed: dict[int, SampleError] = {}
+    for row in map(int, rows):
+        loc = (shard, *map(int, record["spans"][row]))
+        try:
+            sample = source.load(loc)
+            result = validated([sample], schema)[0]
+        except SampleError as exc:  # found bad only now (e.g. an image body, with header-only indexing)
+            result = exc
+        if isinstance(result, SampleError):
+            failed[row] = result
+            continue
+        if result[0] != int(record["lengths"][row]):
+            raise StaleIndexError(source.where(loc), f"indexed with {int(record['lengths'][row])} tokens, "
+                                                     f"{result[0]} under this schema", "re-run `prealign index --force` on it")
+        return {**result[1], FIELDS_KEY: ",".join(k for k in optional_keys(schema) if k in sample)}, failed
+    return failed[int(rows[-1])], failed
 
 
-def _bad_signatures(r: dict, resolved: list, bad: list[int], source: Source, shard: int) -> dict:
-    """Record ``r`` with the samples of signatures ``bad`` turned into bad records (each named, with the error
-    of its signature's checked sample)."""
-    ids = np.asarray(r["dim_ids"])
-    drop = np.isin(ids, bad)
+def _with_bad_rows(r: dict, errors: dict[int, SampleError], source: Source, shard: int) -> dict:
+    """Record ``r`` with the good samples at rows ``errors`` turned into bad records (each named, with its error)."""
+    drop = np.zeros(len(r["lengths"]), dtype=bool)
+    drop[list(errors)] = True
     events = list(r["events"])
     at = np.flatnonzero([ev[0] == "ok" for ev in events])  # event position of each good sample
-    for i in np.flatnonzero(drop):
+    for i in sorted(errors):
         where = source.where((shard, *map(int, r["spans"][i])))
-        err = resolved[int(ids[i])]
+        err = errors[i]
         events[int(at[i])] = ["bad", where, error_record(BadSampleError(
-            sample=where, field=err.field, expected=err.expected, actual=err.actual))]
+            sample=where, field=err.field, expected=err.expected, actual=err.actual,
+            reason=getattr(err, "reason", None) if isinstance(getattr(err, "reason", None), str) else None))]
     keep = ~drop
     return {**r, "spans": r["spans"][keep], "lengths": np.asarray(r["lengths"])[keep],
-            "media": np.asarray(r["media"])[keep], "dim_ids": ids[keep],
-            "dims": [{} if isinstance(v, SampleError) else v for v in resolved], "events": events,
+            "media": np.asarray(r["media"])[keep], "dim_ids": np.asarray(r["dim_ids"])[keep],
+            "dims": [{} if isinstance(v, SampleError) else v for v in r["dims"]], "events": events,
             "bad_events": [[p, ev] for p, ev in enumerate(events) if ev[0] != "ok"]}
 
 
