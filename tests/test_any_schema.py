@@ -67,6 +67,7 @@ def _big_id(i, tf, at=7):
     buf = io.BytesIO()
     np.save(buf, ids)
     add_member(tf, f"{i:06d}.input_ids.npy", buf.getvalue())
+    add_member(tf, f"{i:06d}.json", b'{"id": %d}' % i)  # the same members as every other sample
     return True
 
 
