@@ -23,6 +23,7 @@ import torch
 
 from prealign.schemas.errors import ArgumentError
 from prealign.schemas.layout import CPLayout
+from prealign.schemas.parallel_state import import_megatron
 
 
 class PackedSeqConvention(enum.Enum):
@@ -45,19 +46,6 @@ def _enum_arg(name: str, enum_cls, value):
         raise ArgumentError(f"{name}: expected one of {[e.value for e in enum_cls]}, got {value!r}") from None
 
 
-def _packed_seq_params_class():
-    """``megatron.core.packed_seq_params.PackedSeqParams``, imported without the warnings megatron-core
-    prints on import where Transformer Engine / Apex are absent (and the deprecations it triggers): only
-    those, and only during this import."""
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed", category=UserWarning)
-        warnings.filterwarnings("ignore", category=DeprecationWarning)
-        from megatron.core.packed_seq_params import PackedSeqParams
-    return PackedSeqParams
-
-
 def to_packed_seq_params(batch: dict, *, convention: PackedSeqConvention | str = PackedSeqConvention.PADDED,
                          cp_layout: CPLayout | str | None = None, device: torch.device | str | None = None):
     """Build ``megatron.core.packed_seq_params.PackedSeqParams(qkv_format="thd", ...)`` from a
@@ -70,7 +58,7 @@ def to_packed_seq_params(batch: dict, *, convention: PackedSeqConvention | str =
     i.e. the UNPADDED convention with real padding; TE would otherwise infer it), and one with
     ``total_tokens`` gets ``T``, the global padded length (``cu_seqlens_padded[-1]``).
     """
-    PackedSeqParams = _packed_seq_params_class()
+    PackedSeqParams = import_megatron("megatron.core.packed_seq_params").PackedSeqParams  # (import warnings filtered)
     if not isinstance(batch, Mapping):
         raise ArgumentError(f"batch: expected a THDCollator batch (a dict), got {type(batch).__name__}")
     missing = [k for k in ("cu_seqlens", "cu_seqlens_padded", "max_seqlen") if not isinstance(batch.get(k), torch.Tensor)]

@@ -124,7 +124,9 @@ def test_collators_and_packed_seq_params_print_no_megatron_warnings():
             "from prealign.schemas import ParallelLayout\n"
             "from prealign.schemas.schema import causal_lm_schema\n"
             "b = THDCollator(schema=causal_lm_schema(), layout=ParallelLayout())([{'input_ids': torch.arange(1, 9)}])\n"
-            "to_packed_seq_params(b)\n")
+            "to_packed_seq_params(b)\n"
+            "from prealign.schemas.parallel_state import megatron_parallel_sizes\n"
+            "try:\n    megatron_parallel_sizes()\nexcept Exception as exc:\n    assert 'initialize_model_parallel' in str(exc)\n")
     out = subprocess.run([sys.executable, "-W", "default", "-c", code], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONWARNINGS": "default"})
     assert out.returncode == 0, out.stderr
