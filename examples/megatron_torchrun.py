@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from prealign.collate import to_packed_seq_params
 from prealign.loaders import PackedLoader, ShardWriter, WebDatasetSource
 from prealign.schemas import causal_lm_schema, check_startup
+from prealign.schemas.parallel_state import import_megatron
 
 VOCAB, STEPS, SAVE_AT = 256, 6, 3
 
@@ -74,11 +75,7 @@ def train_step(model, optimizer, batch) -> float:
 
 def main() -> None:
     dist.init_process_group("gloo")
-    import warnings
-
-    with warnings.catch_warnings():  # megatron-core on a machine without Transformer Engine / Apex says so
-        warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed", category=UserWarning)
-        from megatron.core import parallel_state as ps
+    ps = import_megatron("megatron.core.parallel_state")  # (without its TE / Apex-absent warnings on a CPU)
 
     ps.initialize_model_parallel(tensor_model_parallel_size=2, context_parallel_size=2)
     rank = dist.get_rank()
