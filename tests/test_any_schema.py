@@ -189,3 +189,16 @@ def test_a_bad_value_in_the_checked_sample_condemns_that_sample_not_its_signatur
     assert sum(len(b["sample_index"]) for b in skip) == 29
     with pytest.raises(SampleError, match="15000"):  # the default policy: raised, naming the sample
         _loader(paths, causal_lm_schema(vocab_size=12_000), ParallelLayout(), 4096, dp_size=1).prepare()
+
+
+def test_inspect_uses_sidecars_when_present_and_shows_scan_progress_otherwise(tmp_path, capsys):
+    paths = write_shards(str(tmp_path), sample_lengths(40), num_shards=4)
+    argv = ["inspect", "--text", "--tp", "1", "--cp", "1", "--workers", "0", "--out", str(tmp_path / "p.png"), *paths]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "0 from sidecars, 4 scanned" in err and "scanned shards: 4/4" in err and "tokenizer: none" in err
+    assert main(["index", "--text", *paths]) == 0
+    capsys.readouterr()
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "4 from sidecars, 0 scanned" in err and "scanned shards" not in err

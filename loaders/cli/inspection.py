@@ -158,14 +158,18 @@ def _index(source: Source, schema: BatchSchema, policy: BadDataPolicy, num_worke
         sys.stderr.write(f"indexing {total} shard(s): {have} from sidecars, {total - have} scanned{scan}...\n")
         sys.stderr.flush()
     t0 = time.perf_counter()
+    bar = Progress("scanned shards", source.num_shards - have) if progress and have < source.num_shards else None
     try:
-        index = build_index(source, schema, policy=policy, num_workers=num_workers)
+        index = build_index(source, schema, policy=policy, num_workers=num_workers,
+                            progress=bar.step if bar else None)
     except BadSampleError as exc:
         if "at least one good sample" not in str(exc):
             raise
         results = scan_shards(source, schema, list(range(source.num_shards)), num_workers=num_workers)
         raise NothingLoadedError(_name(source), merge_shards(results, policy, width=1, where=source.where,
                                                              schema=schema).report) from None
+    if bar:
+        bar.close()
     if progress:
         sys.stderr.write(f"indexed {len(index):,} samples in {time.perf_counter() - t0:.1f} s\n")
     return index

@@ -120,14 +120,18 @@ class _ShardScan(IterableDataset):
                 return
 
 
-def scan_shards(source: Source, schema: BatchSchema, shards: list[int], *, num_workers: int = 0) -> list[dict]:
-    """:func:`index_shard` over ``shards`` with ``num_workers`` DataLoader workers, in shard order."""
+def scan_shards(source: Source, schema: BatchSchema, shards: list[int], *, num_workers: int = 0,
+                progress: Callable[[], None] | None = None) -> list[dict]:
+    """:func:`index_shard` over ``shards`` with ``num_workers`` DataLoader workers, in shard order;
+    ``progress()`` is called as each shard is done."""
     loader = DataLoader(_ShardScan(source, schema, shards), batch_size=None, num_workers=min(num_workers, len(shards)))
     results = {}
     for r in loader:
         if isinstance(r, PrealignError):
             raise r
         results[r["shard"]] = r
+        if progress is not None:
+            progress()
     return [results[s] for s in shards]
 
 
@@ -276,13 +280,15 @@ def _with_bad_rows(r: dict, errors: dict[int, SampleError], source: Source, shar
 
 
 def build_index(source: Source, schema: BatchSchema, *, policy: BadDataPolicy | None = None,
-                num_workers: int = 0, distributed: bool = False, group=None) -> SampleIndex:
+                num_workers: int = 0, distributed: bool = False, group=None,
+                progress: Callable[[], None] | None = None) -> SampleIndex:
     """Index every shard of ``source`` (see the module docstring). Raises the first bad sample's
     typed error under ``OnBadSample.RAISE``; counts it under ``SKIP``.
 
     ``distributed=True`` with an initialised process group splits the pass by node: rank ``r`` of
     ``W`` (in ``group``) scans shards ``r, r+W, ...`` (the shard split ``split_dataset_by_node``
     makes) and the ranks exchange their records, so every rank ends with the same full index.
+    ``progress()`` is called as each shard without a sidecar is scanned (on this rank).
     """
     from prealign.schemas.distributed import all_gather_objects, process_rank_world
 
@@ -295,7 +301,8 @@ def build_index(source: Source, schema: BatchSchema, *, policy: BadDataPolicy | 
         known, checked = check_source(source, schema)  # unreachable / changed shards raise here; sidecar records
         known = resolve_signatures(known, source, schema)  # the data's signatures checked against this schema
         shards = [s for s in range(source.num_shards) if s not in known]
-        mine: dict = {"results": scan_shards(source, schema, shards[rank::world], num_workers=num_workers)}
+        mine: dict = {"results": scan_shards(source, schema, shards[rank::world], num_workers=num_workers,
+                                             progress=progress)}
     except Exception as exc:  # noqa: BLE001 - re-raised below: every rank must reach the exchange first
         if world == 1:
             raise
