@@ -202,3 +202,34 @@ def test_inspect_uses_sidecars_when_present_and_shows_scan_progress_otherwise(tm
     assert main(argv) == 0
     err = capsys.readouterr().err
     assert "4 from sidecars, 0 scanned" in err and "scanned shards" not in err
+
+
+def test_processor_folder_settings_key_the_vlm_sidecars(tmp_path, monkeypatch, capsys):
+    import json
+
+    from prealign.loaders.cli.demo_data import build_demo_dataset
+    from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
+    from prealign.loaders.media.vlm import VLMSampleTransform
+    from prealign.schemas.vlm import vlm_schema
+
+    shards = list(build_demo_dataset(str(tmp_path / "data"), num_samples=12, samples_per_shard=12, topk=2).shards)
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    (proc / "preprocessor_config.json").write_text(json.dumps({"max_pixels": 200704, "unrelated": 1}))
+    assert main(["index", "--topk", "2", "--processor", str(proc), *shards]) == 0
+
+    def loader(options):
+        src = WebDatasetSource(shards, transform=VLMSampleTransform(tokenizer=ByteTokenizer(), topk=2,
+                                                                    processor_options=options), image="bytes")
+        return PackedLoader(src, schema=vlm_schema(topk=2), layout=ParallelLayout(), token_budget=8192,
+                            bad_data=BadDataPolicy(on_error="skip", warn=False))
+
+    with monkeypatch.context() as m:
+        m.setattr(WebDatasetSource, "scan", _no_scan)
+        assert next(iter(loader({"max_pixels": 200704})))["pixel_values"].shape[0] > 0  # the folder's settings
+    with pytest.raises(StaleIndexError, match=r"processor: indexed with .*200704") as exc:
+        loader({}).prepare()  # the processor's defaults: another transform
+    assert main(_hint_command(str(exc.value))) == 0  # the hint (the defaults: no --processor), followed
+    assert len(loader({}).prepare().index) > 0
+    assert main(["index", "--tokenizer", str(tmp_path / "nowhere"), *shards]) == 2
+    assert "not a local Hugging Face tokenizer folder" in capsys.readouterr().err
