@@ -9,6 +9,8 @@ import shlex
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from prealign.loaders import BadDataPolicy, PackedLoader, WebDatasetSource
 from prealign.loaders.cli.main import main
@@ -233,3 +235,47 @@ def test_processor_folder_settings_key_the_vlm_sidecars(tmp_path, monkeypatch, c
     assert len(loader({}).prepare().index) > 0
     assert main(["index", "--tokenizer", str(tmp_path / "nowhere"), *shards]) == 2
     assert "not a local Hugging Face tokenizer folder" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def indexed_once(tmp_path_factory):
+    """Shards with labels on every third sample (the others are then bad data: a micro-batch cannot mix samples
+    with and without a field), indexed once by `prealign index --text`."""
+    from .loader_helpers import _npy
+
+    def labelled(i, tf):
+        if i % 3:
+            return False
+        ids = token_ids(i, 5 + i % 17)
+        labels = ids.copy()
+        labels[: len(ids) // 2] = -100
+        add_member(tf, f"{i:06d}.input_ids.npy", _npy(ids))
+        add_member(tf, f"{i:06d}.labels.npy", _npy(labels))
+        return True
+
+    root = tmp_path_factory.mktemp("indexed")
+    paths = write_shards(str(root), sample_lengths(60, seed=4), num_shards=3, extra=labelled)
+    assert main(["index", "--text", *paths]) == 0
+    return paths
+
+
+@settings(max_examples=12, deadline=None)
+@given(pad=st.integers(0, 200_000), ignore=st.sampled_from([-100, -1]), extra_vocab=st.integers(0, 100_000),
+       tp=st.sampled_from([1, 2]), cp=st.sampled_from([1, 2]), budget=st.sampled_from([256, 512, 2048]),
+       dp=st.integers(1, 3))
+def test_sidecars_give_the_in_process_plan_under_any_schema(indexed_once, pad, ignore, extra_vocab, tp, cp, budget,
+                                                            dp):
+    """Differential: whatever the pad id, ignore index, vocabulary (holding every id), layout, budget and DP
+    size, a loader from the sidecars plans exactly the micro-batches of the in-process index pass, and counts
+    the same bad samples."""
+    schema = causal_lm_schema(pad_token_id=pad, ignore_index=ignore, vocab_size=10_060 + extra_vocab)
+    layout = ParallelLayout(tp=tp, cp=cp)
+
+    def plan(sidecars: bool):
+        loader = PackedLoader(WebDatasetSource(indexed_once, sidecars=sidecars), schema=schema, layout=layout,
+                              token_budget=budget, dp_size=dp, dp_rank=dp - 1, seed=5,
+                              bad_data=BadDataPolicy(on_error="skip", warn=False, max_consecutive=1000))
+        return loader.prepare().index.digest, loader.epoch_samples(0), loader.report.counts
+
+    from_sidecars = plan(True)
+    assert from_sidecars == plan(False) and sum(from_sidecars[2].values()) > 0  # (bad samples among them)
