@@ -279,3 +279,22 @@ def test_sidecars_give_the_in_process_plan_under_any_schema(indexed_once, pad, i
 
     from_sidecars = plan(True)
     assert from_sidecars == plan(False) and sum(from_sidecars[2].values()) > 0  # (bad samples among them)
+
+
+def test_the_same_tokenizer_from_another_folder_reads_the_sidecars(tmp_path, monkeypatch):
+    from transformers import AutoTokenizer
+
+    from prealign.loaders.cli.demo_data import build_demo_dataset
+    from prealign.loaders.media.chat_tokenizer import HFChatTokenizer
+    from prealign.loaders.media.vlm import VLMSampleTransform
+    from prealign.schemas.vlm import vlm_schema
+
+    shards = list(build_demo_dataset(str(tmp_path / "data"), num_samples=12, samples_per_shard=12, topk=2).shards)
+    assert main(["index", "--tokenizer", _tiny_tokenizer_dir(tmp_path / "here"), *shards]) == 0
+    elsewhere = HFChatTokenizer(AutoTokenizer.from_pretrained(_tiny_tokenizer_dir(tmp_path / "there"),
+                                                              local_files_only=True))
+    monkeypatch.setattr(WebDatasetSource, "scan", _no_scan)
+    src = WebDatasetSource(shards, transform=VLMSampleTransform(tokenizer=elsewhere), image="bytes")
+    loader = PackedLoader(src, schema=vlm_schema(), layout=ParallelLayout(), token_budget=8192,
+                          bad_data=BadDataPolicy(on_error="skip", warn=False))
+    assert next(iter(loader))["input_ids"].numel() > 0

@@ -348,8 +348,9 @@ def describe_transform(transform) -> str:
 
 def transform_fields(source) -> dict[str, str]:
     """What an index's lengths and data signatures depend on, field by field: the transform (a VLM's
-    tokenizer, vocabulary, vision tokens, a probe of its encoding, image processor options, text member,
-    top-k), the members the source requires. Never the schema: pad id, vocabulary bound, ignore index and
+    tokenizer class, vocabulary, vision tokens, a probe of its encoding (never its folder: the same tokenizer
+    read from another path is the same), image processor options, text member, top-k), the members the
+    source requires. Never the schema: pad id, vocabulary bound, ignore index and
     fields are checked when a loader reads the sidecar and loads the samples."""
     transform = indexed_transform(source.transform)
     fields = {"required": json.dumps(sorted(getattr(source, "required", ())))}
@@ -358,7 +359,6 @@ def transform_fields(source) -> dict[str, str]:
         probe = np.asarray(tok.encode("prealign probe: <image> Hello, world!")).tolist()
         fields.update({"transform": "VLMSampleTransform",
                        "tokenizer": f"{type(tok).__module__}.{type(tok).__qualname__}",
-                       "tokenizer_path": str(getattr(getattr(tok, "tokenizer", None), "name_or_path", "") or ""),
                        "vocab_size": str(int(tok.vocab_size)), "vision_tokens": repr(tok.vision),
                        "tokenizer_probe": json.dumps(probe),
                        "processor": json.dumps(sorted(transform.processor_options.items()), default=str),
