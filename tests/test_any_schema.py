@@ -100,11 +100,17 @@ def _doubled(sample):
     return {"input_ids": np.repeat(np.asarray(sample["input_ids.npy"]), 2)}
 
 
-def test_another_transform_names_the_field_and_its_command_fixes_it(tmp_path):
+def test_another_transform_names_the_field_and_its_command_fixes_it(tmp_path, monkeypatch):
     paths = write_shards(str(tmp_path), sample_lengths(20), num_shards=2)
     from prealign.loaders.index.header_pass import write_sidecars
 
-    write_sidecars(WebDatasetSource(paths, transform=_doubled), causal_lm_schema())
+    write_sidecars(WebDatasetSource(paths, transform=_doubled), causal_lm_schema())  # no header rule: the transform
+    lengths = sample_lengths(20)  # pass runs it on every sample; its sidecars serve a loader with that transform
+    with monkeypatch.context() as m:
+        m.setattr(WebDatasetSource, "scan", _no_scan)
+        doubled = PackedLoader(WebDatasetSource(paths, transform=_doubled), schema=causal_lm_schema(),
+                               layout=ParallelLayout(), token_budget=4096).prepare()
+    assert sorted(doubled.index.lengths.tolist()) == sorted(2 * n for n in lengths)
     with pytest.raises(StaleIndexError, match=r"transform: indexed with '.*_doubled', this loader has "
                                               r"'numpy_fields'") as exc:
         next(iter(_loader(paths, *CONFIGS[0])))
