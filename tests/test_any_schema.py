@@ -92,7 +92,7 @@ def _hint_command(message: str) -> list[str]:
     """The ``prealign index ...`` command an error tells the user to run, as argv for ``main``."""
     cmd = re.search(r"`(prealign index [^`]*)`", message)
     assert cmd, message
-    return shlex.split(cmd.group(1).replace(" ...", ""))[1:]
+    return shlex.split(cmd.group(1))[1:]
 
 
 def _doubled(sample):

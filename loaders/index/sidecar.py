@@ -374,10 +374,30 @@ def config_key(source, schema=None) -> str:
     return hashlib.sha256(json.dumps(transform_fields(source), sort_keys=True).encode()).hexdigest()[:16]
 
 
+def shell_shards(urls: list[str]) -> str:
+    """``urls`` as shell arguments: a quoted brace range when they are one numbered run
+    (``'data/shard-{000..099}.tar'``), else each quoted.
+
+    >>> shell_shards(["d/s-008.tar", "d/s-009.tar", "d/s-010.tar"]), shell_shards(["a.tar", "b c.tar"])
+    ("'d/s-{008..010}.tar'", "a.tar 'b c.tar'")
+    """
+    import re
+    import shlex
+
+    parts = [re.fullmatch(r"(.*?)(\d+)(\D*)", u) for u in urls]
+    if len(urls) > 2 and all(parts):
+        heads = {(m.group(1), m.group(3), len(m.group(2))) for m in parts}
+        nums = [int(m.group(2)) for m in parts]
+        if len(heads) == 1 and nums == list(range(nums[0], nums[0] + len(nums))):
+            head, tail, width = heads.pop()
+            return shlex.quote(f"{head}{{{nums[0]:0{width}d}..{nums[-1]:0{width}d}}}{tail}")
+    return " ".join(shlex.quote(u) for u in urls)
+
+
 def index_command(source) -> str:
     """The ``prealign index`` command that writes sidecars this loader's source accepts."""
     transform = indexed_transform(source.transform)
-    urls = " ".join(source.urls[:3]) + (" ..." if len(source.urls) > 3 else "")
+    urls = shell_shards(source.urls)
     out = f" --out {source.index_dir}" if getattr(source, "index_dir", None) else ""
     if transform is numpy_fields:
         mode = "--text"
