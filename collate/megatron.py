@@ -27,6 +27,7 @@ import torch
 
 from prealign.schemas.errors import ArgumentError
 from prealign.schemas.layout import CPLayout
+from prealign.schemas.parallel_state import import_megatron
 
 
 class PackedSeqConvention(enum.Enum):
@@ -66,8 +67,7 @@ def to_packed_seq_params(batch: dict, *, convention: PackedSeqConvention | str =
     ``local_cp_size`` and ``cp_group`` (the sub-group of that size this rank belongs to; megatron-core
     needs it for a ``local_cp_size > 1``).
     """
-    from megatron.core.packed_seq_params import PackedSeqParams
-
+    PackedSeqParams = import_megatron("megatron.core.packed_seq_params").PackedSeqParams  # (import warnings filtered)
     if not isinstance(batch, Mapping):
         raise ArgumentError(f"batch: expected a THDCollator batch (a dict), got {type(batch).__name__}")
     missing = [k for k in ("cu_seqlens", "cu_seqlens_padded", "max_seqlen") if not isinstance(batch.get(k), torch.Tensor)]

@@ -33,6 +33,7 @@ from prealign.loaders.errors import (
 from prealign.loaders.handoff.batch_share import BatchShare
 from prealign.loaders.index.build import build_index
 from prealign.loaders.index.sample_index import SampleIndex
+from prealign.loaders.index.shard_writer import ShardWriter
 from prealign.loaders.loader import PackedLoader
 from prealign.loaders.media.chat_tokenizer import ChatTokenizer, HFChatTokenizer
 from prealign.loaders.media.vlm import MediaError, MediaProblem, VLMSampleTransform, image_processor
@@ -66,3 +67,4 @@ __all__ += ["RemoteOptions", "RemoteReadError", "RemoteStallError", "RemotePermi
 __all__ += ["CollectiveTimeoutError", "NotRegularFileError", "ShardGoneError"]
 __all__ += ["assert_resumes_elastically"]
 __all__ += ["CostModel"]
+__all__ += ["ShardWriter"]

@@ -164,7 +164,9 @@ class ChangedShardError(IndexMismatchError):
 
 
 class StaleIndexError(IndexMismatchError):
-    """A sidecar index of another format version, schema or transform, or a malformed one."""
+    """A sidecar index of another format version or transform (the field that differs and the ``prealign index``
+    command that rebuilds it are named), or a malformed one. Never raised for another schema: a sidecar
+    describes the data, and any schema reads it."""
 
 
 class IndexFileError(StaleIndexError):

@@ -9,6 +9,19 @@ import torch.distributed as dist
 from .errors import ConfigError
 
 
+def import_megatron(module: str):
+    """``importlib.import_module(module)`` (a ``megatron.core`` module) without the warnings megatron-core prints
+    on import where Transformer Engine / Apex are absent, and the deprecations it triggers: only those, and
+    only during this import."""
+    import importlib
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed", category=UserWarning)
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
+        return importlib.import_module(module)
+
+
 def _group_size_rank(group) -> tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
@@ -23,7 +36,7 @@ def megatron_parallel_sizes(pg_collection=None) -> dict[str, int]:
     not_ready = ("megatron-core parallel state is not (fully) initialised{}; call "
                  "parallel_state.initialize_model_parallel(...) first, or pass sizes as ints")
     if pg_collection is None:
-        from megatron.core import parallel_state as ps
+        ps = import_megatron("megatron.core.parallel_state")
 
         try:
             if hasattr(ps, "get_tensor_model_parallel_world_size"):  # 0.x: module-level getters

@@ -70,7 +70,9 @@ def cause_lines(report, limit: int = 110) -> list[str]:
 
 
 def hint_for(exc: BaseException) -> str:
-    """The hint shown after an error of this class."""
+    """The hint shown after an error of this class (the command line's spelling of it)."""
+    if getattr(exc, "token_budget", None) is not None:  # an OversizeSampleError: the flags, not the kwargs
+        return f"give --token-budget {exc.token_budget} (the longest sample fits), or --oversize truncate (or skip)"
     if getattr(exc, "hint", ""):
         return exc.hint
     if isinstance(exc, LayoutError):

@@ -1,8 +1,10 @@
 """``prealign index SHARDS... [--out DIR] [--workers N]``: write a sidecar index beside each shard.
 
-The schema and transform are chosen as ``prealign inspect`` chooses them (``--text`` for pre-tokenized
-``.npy`` members, else the VLM transform with the demo byte tokenizer; ``--topk``, ``--vocab-size``).
-Shards whose sidecar is up to date (same size, same first/last 64 KiB, same configuration) are left
+The transform is chosen as ``prealign inspect`` chooses it (``--text`` for pre-tokenized ``.npy`` members,
+else the VLM transform with ``--tokenizer DIR`` / ``--processor DIR``: local Hugging Face folders, never
+downloaded; without ``--tokenizer``, the demo byte tokenizer). A sidecar describes the data: it serves any
+schema, pad id, vocabulary, layout and budget; only the transform is part of its key.
+Shards whose sidecar is up to date (same size, same first/last 64 KiB, same transform) are left
 alone, so a second run indexes only new or changed shards. ``--workers N`` local processes share the
 shards; under ``torchrun`` (an initialised ``torch.distributed`` group, or ``WORLD_SIZE`` > 1 in the
 environment) rank ``r`` of ``W`` indexes shards ``r, r+W, ...``. Progress goes to stderr.
@@ -29,6 +31,7 @@ def add_parser(sub) -> None:
                                                       "of the VLM transform")
     p.add_argument("--topk", type=int, default=0, help="expect teacher top-k with this K (0: none) [%(default)s]")
     p.add_argument("--vocab-size", type=int, default=None, help="bound teacher ids (text mode)")
+    add_transform_args(p)
     p.add_argument("--full", action="store_true", help="run the full transform on every sample (no header rule)")
     p.add_argument("--force", action="store_true", help="re-index shards whose sidecar is up to date")
     p.add_argument("--check", action="store_true", help="index nothing: read every shard whole and compare it with "
@@ -39,10 +42,56 @@ def add_parser(sub) -> None:
     p.set_defaults(func=cmd_index)
 
 
+def add_transform_args(p) -> None:
+    """``--tokenizer DIR`` / ``--processor DIR``: the VLM transform's tokenizer and image processor."""
+    p.add_argument("--tokenizer", metavar="DIR", help="VLM: a local Hugging Face tokenizer folder (never downloaded; "
+                                                      "default: the demo byte tokenizer)")
+    p.add_argument("--processor", metavar="DIR", help="VLM: a local folder with the image processor's "
+                                                      "preprocessor_config.json (default: Qwen2-VL's defaults)")
+
+
+PROCESSOR_KEYS = ("min_pixels", "max_pixels", "patch_size", "temporal_patch_size", "merge_size", "image_mean",
+                  "image_std", "do_resize", "do_rescale", "do_normalize", "rescale_factor")
+"""Image processor settings ``--processor DIR`` takes from its ``preprocessor_config.json``."""
+
+
+def vlm_transform(args, topk):
+    """The VLM transform ``args`` name, and a description of its tokenizer for the report."""
+    import json
+
+    from prealign.loaders.media.vlm import VLMSampleTransform
+    from prealign.schemas.errors import ConfigError
+
+    if getattr(args, "tokenizer", None):
+        from transformers import AutoTokenizer
+
+        from prealign.loaders.media.chat_tokenizer import HFChatTokenizer
+
+        try:
+            tok = HFChatTokenizer(AutoTokenizer.from_pretrained(args.tokenizer, local_files_only=True))
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"--tokenizer {args.tokenizer}: not a local Hugging Face tokenizer folder "
+                              f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
+        told = f"{args.tokenizer} ({type(tok.tokenizer).__name__}, vocabulary {tok.vocab_size})"
+    else:
+        from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
+
+        tok, told = ByteTokenizer(), "the demo byte tokenizer (give --tokenizer DIR for yours)"
+    options = {}
+    if getattr(args, "processor", None):
+        path = os.path.join(args.processor, "preprocessor_config.json")
+        try:
+            with open(path) as f:
+                config = json.load(f)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"--processor {args.processor}: no readable preprocessor_config.json "
+                              f"({type(exc).__name__})") from None
+        options = {k: config[k] for k in PROCESSOR_KEYS if k in config}
+    return VLMSampleTransform(tokenizer=tok, topk=topk, processor_options=options), told
+
+
 def source_and_schema(args):
     """(WebDatasetSource, schema) for ``args`` as ``prealign inspect`` builds them."""
-    from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
-    from prealign.loaders.media.vlm import VLMSampleTransform
     from prealign.loaders.sources.webdataset import WebDatasetSource, numpy_fields
     from prealign.schemas.schema import causal_lm_schema
     from prealign.schemas.vlm import vlm_schema
@@ -51,8 +100,9 @@ def source_and_schema(args):
     if args.text:
         schema, transform = causal_lm_schema(topk=topk, vocab_size=args.vocab_size), numpy_fields
     else:
-        transform = VLMSampleTransform(tokenizer=ByteTokenizer(), topk=topk)
-        schema = vlm_schema(topk=topk, vocab_size=transform.tokenizer.vocab_size)
+        transform, _ = vlm_transform(args, topk)
+        schema = vlm_schema(topk=topk, vocab_size=transform.tokenizer.vocab_size,
+                            pad_token_id=transform.tokenizer.pad_token_id)
     return WebDatasetSource(args.shards, transform=transform, image="bytes", index_dir=args.out), schema
 
 
@@ -115,6 +165,7 @@ def cmd_index(args) -> int:
     urls = expand_urls(args.shards)
     _refuse_special_files(urls)
     preflight.check_shards(urls)
+    preflight.check_mode(urls, args.text, "index")
     source, schema = source_and_schema(args)
     rank, world = _rank_world()
     shards = list(range(source.num_shards))[rank::world]

@@ -8,6 +8,7 @@ batch, and keep only what the report and the picture need (batches are dropped a
 """
 from __future__ import annotations
 
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -17,10 +18,12 @@ from prealign.collate.thd import THDCollator
 from prealign.loaders.cli.errors import NothingLoadedError
 from prealign.loaders.cli.plot import Panel
 from prealign.loaders.cli.report import BatchStats, batch_stats
-from prealign.loaders.index.build import merge_shards, scan_shards
+from prealign.loaders.errors import BadSampleError
+from prealign.loaders.index.build import build_index, merge_shards, scan_shards
 from prealign.loaders.index.sample_index import SampleIndex
 from prealign.loaders.loader import PackedLoader
 from prealign.loaders.options import IndexOptions
+from prealign.loaders.plan.planner import PlannerConfig
 from prealign.loaders.policy import BadDataPolicy, BadDataReport
 from prealign.loaders.sources.source import Source
 from prealign.schemas.layout import ParallelLayout
@@ -93,7 +96,8 @@ def inspect_source(source: Source, *, schema: BatchSchema, layout: ParallelLayou
                    num_workers: int = 0, seed: int = 0, defer_cp_shard: bool = False,
                    bad_data: BadDataPolicy | None = None, index: SampleIndex | None = None,
                    panels: int = 3, limit: int | None = None,
-                   validate: Callable[[dict], list] | None = None, progress: bool = True) -> Inspection:
+                   validate: Callable[[dict], list] | None = None, progress: bool = True,
+                   planner: PlannerConfig | None = None) -> Inspection:
     """Index ``source`` once, then load one epoch on every CP rank of DP rank 0 in lockstep.
 
     Every bad sample is skipped and counted (no limit on bad samples in a row: the report is the
@@ -102,15 +106,11 @@ def inspect_source(source: Source, *, schema: BatchSchema, layout: ParallelLayou
     validate = validate or (lambda b: validate_vlm_batch(b, schema, layout, raise_on_error=False))
     t0 = time.perf_counter()
     if index is None:
-        if progress:
-            sys.stderr.write("indexing (decode, transform and validate every sample once)...\n")
-        results = scan_shards(source, schema, list(range(source.num_shards)), num_workers=num_workers)
-        index = merge_shards(results, policy, width=1, where=source.where, schema=schema)
-        if len(index) == 0:
-            raise NothingLoadedError(_name(source), index.report)
+        index = _index(source, schema, policy, num_workers, progress)
     t1 = time.perf_counter()
     loaders = [PackedLoader(source, schema=schema, layout=layout, token_budget=token_budget, cp_rank=r,
                             num_workers=num_workers, seed=seed, bad_data=policy, indexing=IndexOptions(prebuilt=index),
+                            planner=planner,
                             collator=THDCollator(schema=schema, layout=layout, cp_rank=r,
                                                  defer_cp_shard=defer_cp_shard))
                for r in range(layout.cp)]
@@ -138,6 +138,41 @@ def inspect_source(source: Source, *, schema: BatchSchema, layout: ParallelLayou
                       load_seconds=t2 - t1, first_violations=first_bad,
                       steady_seconds=t2 - t_first if t_first is not None else 0.0, steady_batches=max(len(stats) - 1, 0),
                       steady_tokens=sum(s.real_tokens for s in stats[1:]))
+
+
+def _index(source: Source, schema: BatchSchema, policy: BadDataPolicy, num_workers: int, progress: bool):
+    """The index as a loader builds it: from the sidecars where they exist (``prealign index``), the other
+    shards scanned (decode, transform, validate every sample once); what it did said on stderr."""
+    from prealign.loaders.sources import remote
+    from prealign.loaders.sources.shard_files import sidecar_path
+
+    urls = getattr(source, "urls", None)
+    have = 0
+    if urls is not None and getattr(source, "sidecars", False):
+        paths = [sidecar_path(u, getattr(source, "index_dir", None)) for u in urls]
+        have = sum(1 for p in paths if remote.is_remote(p) or os.path.exists(remote.local_path(p)))
+    if progress:
+        total = source.num_shards
+        scan = "" if have == total else (f" (decode, transform and validate every sample once"
+                                         f"{'' if have else '; `prealign index` makes it instant'})")
+        sys.stderr.write(f"indexing {total} shard(s): {have} from sidecars, {total - have} scanned{scan}...\n")
+        sys.stderr.flush()
+    t0 = time.perf_counter()
+    bar = Progress("scanned shards", source.num_shards - have) if progress and have < source.num_shards else None
+    try:
+        index = build_index(source, schema, policy=policy, num_workers=num_workers,
+                            progress=bar.step if bar else None)
+    except BadSampleError as exc:
+        if "at least one good sample" not in str(exc):
+            raise
+        results = scan_shards(source, schema, list(range(source.num_shards)), num_workers=num_workers)
+        raise NothingLoadedError(_name(source), merge_shards(results, policy, width=1, where=source.where,
+                                                             schema=schema).report) from None
+    if bar:
+        bar.close()
+    if progress:
+        sys.stderr.write(f"indexed {len(index):,} samples in {time.perf_counter() - t0:.1f} s\n")
+    return index
 
 
 def _name(source: Source) -> str:

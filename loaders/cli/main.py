@@ -24,7 +24,42 @@ class _Parser(argparse.ArgumentParser):
     """argparse whose mistakes are a :class:`UsageError` (one line, exit code 2), not usage + message."""
 
     def error(self, message: str):
-        raise UsageError(message, hint=f"see {self.prog} --help")
+        raise UsageError(message, hint=did_you_mean(self, message) or f"see {self.prog} --help")
+
+
+def _option_strings(parser: argparse.ArgumentParser) -> dict[str, list[str]]:
+    """``{sub-command or "": its option strings}`` of ``parser`` and its sub-commands."""
+    out: dict[str, list[str]] = {"": []}
+    for action in parser._actions:  # noqa: SLF001 - argparse keeps its actions there
+        if isinstance(action, argparse._SubParsersAction):  # noqa: SLF001
+            for name, sub in action.choices.items():
+                out[name] = [o for a in sub._actions for o in a.option_strings]  # noqa: SLF001
+        out[""] += list(action.option_strings)
+    return out
+
+
+def did_you_mean(parser: argparse.ArgumentParser, message: str) -> str:
+    """``did you mean --tokenizer?`` for a misspelt flag, ``did you mean 'index'?`` for a misspelt command
+    (``""`` when nothing is close)."""
+    import difflib
+    import re
+
+    choice = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+    if choice:
+        close = difflib.get_close_matches(choice.group(1), re.findall(r"'?([\w-]+)'?", choice.group(2)), n=1)
+        return f"did you mean '{close[0]}'?" if close else ""
+    unknown = re.search(r"unrecognized arguments: (.*)", message)
+    if not unknown:
+        return ""
+    known = sorted({o for opts in _option_strings(parser).values() for o in opts})
+    hints = []
+    for word in unknown.group(1).split():
+        if word.startswith("-"):
+            close = difflib.get_close_matches(word.split("=")[0], known, n=1, cutoff=0.6)
+            if close:
+                hints.append(f"did you mean {close[0]}?")
+    return "; ".join(hints)
+
 
 
 def _add_common(p: argparse.ArgumentParser, *, budget: int) -> None:
@@ -70,6 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
     insp.add_argument("--topk", type=int, default=0, help="expect teacher top-k with this K (0: none) [%(default)s]")
     insp.add_argument("--vocab-size", type=int, default=None, help="bound teacher ids (text mode)")
     insp.add_argument("--limit", type=int, default=None, help="stop after this many micro-batches")
+    insp.add_argument("--oversize", choices=("error", "truncate", "skip"), default="error",
+                      help="a sample longer than a micro-batch holds: stop, cut it, or leave it out [%(default)s]")
+    from prealign.loaders.cli.index_cmd import add_transform_args
+    add_transform_args(insp)
     _add_common(insp, budget=8192)
     insp.set_defaults(func=cmd_inspect, out="prealign_inspect.png")
     from prealign.loaders.cli.index_cmd import add_parser as add_index  # prealign index (issue #7)
@@ -111,8 +150,7 @@ def cmd_demo(args) -> int:
 
 
 def cmd_inspect(args) -> int:
-    from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
-    from prealign.loaders.media.vlm import VLMSampleTransform
+    from prealign.loaders.cli.index_cmd import vlm_transform
     from prealign.loaders.sources.webdataset import WebDatasetSource, numpy_fields
     from prealign.schemas.schema import causal_lm_schema
     from prealign.schemas.vlm import vlm_schema
@@ -127,13 +165,16 @@ def cmd_inspect(args) -> int:
     if args.text:
         schema = causal_lm_schema(topk=topk, vocab_size=args.vocab_size)
         transform = numpy_fields if args.shards else None
+        told = "none (--text: token ids as given)"
     else:
-        transform = VLMSampleTransform(tokenizer=ByteTokenizer(), topk=topk)
-        schema = vlm_schema(topk=topk, vocab_size=transform.tokenizer.vocab_size)
+        transform, told = vlm_transform(args, topk)
+        schema = vlm_schema(topk=topk, vocab_size=transform.tokenizer.vocab_size,
+                            pad_token_id=transform.tokenizer.pad_token_id)
     if args.shards:
         from prealign.loaders.sources.webdataset import expand_urls
 
         preflight.check_shards(expand_urls(args.shards))
+        preflight.check_mode(expand_urls(args.shards), args.text, "inspect")
         source = WebDatasetSource(args.shards, transform=transform, image="bytes", cache_dir=args.cache_dir)
         what = f"{len(source.urls)} webdataset shard(s)"
     else:
@@ -141,6 +182,7 @@ def cmd_inspect(args) -> int:
 
         source = HFSource(preflight.load_hf(args.hf, args.split, args.cache_dir), transform=transform)
         what = f"HF dataset {args.hf} [{args.split}]"
+    _note(f"tokenizer: {told}")
     return _run(args, layout, source, schema, title=f"{what}, {schema.name}")
 
 
@@ -175,9 +217,11 @@ def _run(args, layout: ParallelLayout, source, schema, *, title: str) -> int:
     from prealign.loaders.cli.inspection import inspect_source
     from prealign.loaders.cli.plot import draw_packed_layout
     from prealign.loaders.cli.report import format_shapes, format_table, totals
+    from prealign.loaders.plan.planner import PlannerConfig
     from prealign.schemas.vlm import validate_vlm_batch
 
     res = inspect_source(source, schema=schema, layout=layout, token_budget=args.token_budget,
+                         planner=PlannerConfig(oversize=getattr(args, "oversize", "error")),
                          num_workers=args.workers, seed=args.seed, defer_cp_shard=args.defer_cp_shard,
                          limit=getattr(args, "limit", None),
                          validate=lambda b: validate_vlm_batch(b, schema, layout, raise_on_error=False))

@@ -30,11 +30,11 @@ def check_int(name: str, value: int | None, low: int, *, high: int | None = None
 
 def check_topk_vocab(args) -> None:
     """``--topk`` (0: none) and ``--vocab-size`` (ids are ``< vocab_size``): a top-k larger than the
-    vocabulary (the demo tokenizer's in VLM mode) names ids that cannot all differ."""
+    vocabulary (the demo tokenizer's in VLM mode without ``--tokenizer``) names ids that cannot all differ."""
     from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
 
     check_int("--vocab-size", args.vocab_size, 1, optional=True)
-    vocab = args.vocab_size if args.text else ByteTokenizer().vocab_size
+    vocab = args.vocab_size if args.text or getattr(args, "tokenizer", None) else ByteTokenizer().vocab_size
     check_int("--topk", args.topk, 0, high=vocab if vocab is not None else MAX_TOPK)
 
 
@@ -178,3 +178,38 @@ def _split(ds, split: str, path: str):
         raise UsageError(f"--hf {path}: no split {split!r} (it has {sorted(ds.keys())})",
                          hint=f"pass --split {sorted(ds.keys())[0]}")
     return ds[split]
+
+
+def first_member_names(url: str, limit: int = 8) -> list[str]:
+    """Names of the first ``limit`` members of a local tar shard (headers only; [] when it is not local or
+    not readable as a tar: the other checks name that)."""
+    import tarfile
+
+    from prealign.loaders.sources import remote
+
+    if remote.is_remote(url) or not os.path.isfile(remote.local_path(url)):
+        return []
+    names = []
+    try:
+        with tarfile.open(remote.local_path(url), "r:") as tf:
+            while len(names) < limit and (m := tf.next()) is not None:
+                if m.isfile():
+                    names.append(m.name)
+    except (tarfile.TarError, OSError):
+        return []
+    return names
+
+
+def check_mode(urls: list[str], text: bool, command: str) -> None:
+    """``--text`` given for chat + image shards, or forgotten for pre-tokenized ``.npy`` ones (read from the
+    first shard's first members): a :class:`UsageError` saying which flag to add or drop."""
+    names = first_member_names(urls[0]) if urls else []
+    tokens = [n for n in names if n.endswith(".input_ids.npy")]
+    chats = [n for n in names if n.endswith(".json")]
+    images = [n for n in names if n.rsplit(".", 1)[-1].lower() in ("png", "jpg", "jpeg", "webp")]
+    if not text and tokens and not images:
+        raise UsageError(f"{urls[0]} holds pre-tokenized members ({tokens[0]}), not chat JSON + images, which "
+                         f"{command} reads without --text", hint=f"add --text: prealign {command} --text ...")
+    if text and not tokens and chats:
+        raise UsageError(f"{urls[0]} holds chat JSON ({chats[0]}) and no input_ids.npy, which --text needs",
+                         hint=f"drop --text (chat + images use the VLM transform): prealign {command} ...")

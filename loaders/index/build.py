@@ -17,12 +17,13 @@ error are the same whatever the number of workers.
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Callable
 
 import numpy as np
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from prealign.loaders.errors import BadSampleError
+from prealign.loaders.errors import BadSampleError, StaleIndexError
 from prealign.loaders.index.events import error_from_record, error_record, record_reason
 from prealign.loaders.index.sample_checks import (
     FIELDS_KEY,
@@ -119,14 +120,18 @@ class _ShardScan(IterableDataset):
                 return
 
 
-def scan_shards(source: Source, schema: BatchSchema, shards: list[int], *, num_workers: int = 0) -> list[dict]:
-    """:func:`index_shard` over ``shards`` with ``num_workers`` DataLoader workers, in shard order."""
+def scan_shards(source: Source, schema: BatchSchema, shards: list[int], *, num_workers: int = 0,
+                progress: Callable[[], None] | None = None) -> list[dict]:
+    """:func:`index_shard` over ``shards`` with ``num_workers`` DataLoader workers, in shard order;
+    ``progress()`` is called as each shard is done."""
     loader = DataLoader(_ShardScan(source, schema, shards), batch_size=None, num_workers=min(num_workers, len(shards)))
     results = {}
     for r in loader:
         if isinstance(r, PrealignError):
             raise r
         results[r["shard"]] = r
+        if progress is not None:
+            progress()
     return [results[s] for s in shards]
 
 
@@ -199,14 +204,91 @@ def merge_shards(results: list[dict], policy: BadDataPolicy, width: int, *,
                        report=gate.report, media=np.fromiter((bool(m) for m in good("media")), bool, n), dims=fixed)
 
 
+SIGNATURE_TRIES = 3
+"""Samples of one data signature tried against the schema before the signature itself is found bad (a value
+error, e.g. an id past the vocabulary, is one sample's; a shape or dtype error is every sample's)."""
+
+
+def resolve_signatures(records: dict[int, dict], source: Source, schema: BatchSchema) -> dict[int, dict]:
+    """Sidecar records made this schema's. A sidecar keeps each sample's data signature (member dtypes and
+    shape patterns, :mod:`~prealign.loaders.index.header_pass`), not a schema's verdict: one sample of each
+    distinct signature (over all shards) is loaded and run through the collator (:func:`validated`); its named
+    dims, dtypes and optional fields stand for every sample of that signature. A sample that fails is a bad
+    record and the next of its signature is tried; when :data:`SIGNATURE_TRIES` fail, every sample of the
+    signature is a bad record (with the last error), for the bad-data policy. The other samples' values (ids
+    below the vocabulary, ...) are checked when each is loaded."""
+    verdicts: dict[str, dict | SampleError] = {}
+    out = {}
+    for shard, r in records.items():
+        ids = np.asarray(r["dim_ids"])
+        resolved: list = []
+        errors: dict[int, SampleError] = {}  # row -> why it is bad
+        for k, sig in enumerate(r["dims"]):
+            key = json.dumps(sig, sort_keys=True)
+            rows = np.flatnonzero(ids == k)
+            if key not in verdicts and rows.size:
+                verdicts[key], failed = _schema_verdict(source, schema, shard, r, rows[:SIGNATURE_TRIES])
+                errors.update(failed)
+            verdict = verdicts.get(key, {})
+            if isinstance(verdict, SampleError):
+                errors.update({int(i): errors.get(int(i), verdict) for i in rows})
+            resolved.append(verdict)
+        out[shard] = _with_bad_rows({**r, "dims": resolved}, errors, source, shard) if errors else \
+            {**r, "dims": resolved}
+    return out
+
+
+def _schema_verdict(source: Source, schema: BatchSchema, shard: int, record: dict,
+                    rows: np.ndarray) -> tuple[dict | SampleError, dict[int, SampleError]]:
+    """``(verdict, failed rows)``: the named dims (with the optional fields present) of the first of ``rows``
+    that loads and passes the collator under ``schema``, or the last error when none does."""
+    failed: dict[int, SampleError] = {}
+    for row in map(int, rows):
+        loc = (shard, *map(int, record["spans"][row]))
+        try:
+            sample = source.load(loc)
+            result = validated([sample], schema)[0]
+        except SampleError as exc:  # found bad only now (e.g. an image body, with header-only indexing)
+            result = exc
+        if isinstance(result, SampleError):
+            failed[row] = result
+            continue
+        if result[0] != int(record["lengths"][row]):
+            raise StaleIndexError(source.where(loc), f"indexed with {int(record['lengths'][row])} tokens, "
+                                                     f"{result[0]} under this schema", "re-run `prealign index --force` on it")
+        return {**result[1], FIELDS_KEY: ",".join(k for k in optional_keys(schema) if k in sample)}, failed
+    return failed[int(rows[-1])], failed
+
+
+def _with_bad_rows(r: dict, errors: dict[int, SampleError], source: Source, shard: int) -> dict:
+    """Record ``r`` with the good samples at rows ``errors`` turned into bad records (each named, with its error)."""
+    drop = np.zeros(len(r["lengths"]), dtype=bool)
+    drop[list(errors)] = True
+    events = list(r["events"])
+    at = np.flatnonzero([ev[0] == "ok" for ev in events])  # event position of each good sample
+    for i in sorted(errors):
+        where = source.where((shard, *map(int, r["spans"][i])))
+        err = errors[i]
+        events[int(at[i])] = ["bad", where, error_record(BadSampleError(
+            sample=where, field=err.field, expected=err.expected, actual=err.actual,
+            reason=getattr(err, "reason", None) if isinstance(getattr(err, "reason", None), str) else None))]
+    keep = ~drop
+    return {**r, "spans": r["spans"][keep], "lengths": np.asarray(r["lengths"])[keep],
+            "media": np.asarray(r["media"])[keep], "dim_ids": np.asarray(r["dim_ids"])[keep],
+            "dims": [{} if isinstance(v, SampleError) else v for v in r["dims"]], "events": events,
+            "bad_events": [[p, ev] for p, ev in enumerate(events) if ev[0] != "ok"]}
+
+
 def build_index(source: Source, schema: BatchSchema, *, policy: BadDataPolicy | None = None,
-                num_workers: int = 0, distributed: bool = False, group=None) -> SampleIndex:
+                num_workers: int = 0, distributed: bool = False, group=None,
+                progress: Callable[[], None] | None = None) -> SampleIndex:
     """Index every shard of ``source`` (see the module docstring). Raises the first bad sample's
     typed error under ``OnBadSample.RAISE``; counts it under ``SKIP``.
 
     ``distributed=True`` with an initialised process group splits the pass by node: rank ``r`` of
     ``W`` (in ``group``) scans shards ``r, r+W, ...`` (the shard split ``split_dataset_by_node``
     makes) and the ranks exchange their records, so every rank ends with the same full index.
+    ``progress()`` is called as each shard without a sidecar is scanned (on this rank).
     """
     from prealign.schemas.distributed import all_gather_objects, process_rank_world
 
@@ -217,8 +299,10 @@ def build_index(source: Source, schema: BatchSchema, *, policy: BadDataPolicy | 
     failure: BaseException | None = None
     try:
         known, checked = check_source(source, schema)  # unreachable / changed shards raise here; sidecar records
+        known = resolve_signatures(known, source, schema)  # the data's signatures checked against this schema
         shards = [s for s in range(source.num_shards) if s not in known]
-        mine: dict = {"results": scan_shards(source, schema, shards[rank::world], num_workers=num_workers)}
+        mine: dict = {"results": scan_shards(source, schema, shards[rank::world], num_workers=num_workers,
+                                             progress=progress)}
     except Exception as exc:  # noqa: BLE001 - re-raised below: every rank must reach the exchange first
         if world == 1:
             raise

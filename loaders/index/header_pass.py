@@ -5,30 +5,32 @@
                                   │ chat + images: image headers -> Qwen2-VL grid    (VLMSampleTransform)
                                   │   -> tokens per image -> render_chat (tokenizer only)
                                   ▼
-    first sample of each signature: the full transform + collator check too (its length must equal
-    the rule's, else :class:`LengthRuleError`); its named dims / dtypes stand for the signature
+    first sample of each data signature: the full transform too (its length must equal the rule's, else
+    :class:`LengthRuleError`); the signature is kept, and a loader checks one sample of it against its schema
 
 What the header pass checks on every sample: the tar structure (header checksums, end marker), member
 names, duplicate and required members, every ``.npy`` header (numeric dtype, token rows equal to
 ``input_ids``' length), the chat JSON (renders with the tokenizer; placeholders match the images),
 every image header (an allowed format, a size, an aspect ratio the processor takes; by default the
 pixels are decoded too, without the processor's resize and normalisation) and the teacher top-k
-shapes (``[L, K]``). What it leaves to load time: array values (ids within the vocabulary, finite and
-sorted log-probs, ...) of samples past the first of their signature, and, with
+shapes (``[L, K]``). No schema is involved: a sidecar serves any schema. What it leaves to the loader: the
+schema's shapes, dtypes and optional fields (one sample of each data signature, when the sidecar is
+read), array values (ids within the vocabulary, finite and sorted log-probs, ...: when each sample is
+loaded, under the bad-data policy), and, with
 ``VLMRule(verify_images=False)``, pixel data past the header. A sample found bad only then raises when it is loaded
 (the default policy); see :mod:`prealign.loaders.index.sidecar` for the checksum that catches changed bytes.
 
-Any other transform has no length rule: its shards get the full pass (:func:`index_shard`), and a
-sidecar still saves it the next time.
+Any other transform has no length rule: its shards get the transform on every sample
+(:func:`transform_pass`), and a sidecar still saves it the next time.
 """
 from __future__ import annotations
 
 import io
+import json
 import os
 import stat
 from typing import Callable
 
-from prealign.collate.samples import sample_token_keys
 from prealign.loaders.errors import (
     BadSampleError,
     CorruptShardError,
@@ -37,9 +39,8 @@ from prealign.loaders.errors import (
     NotRegularFileError,
     StaleIndexError,
 )
-from prealign.loaders.index.build import index_shard
 from prealign.loaders.index.events import error_record
-from prealign.loaders.index.sample_checks import FIELDS_KEY, media_keys, optional_keys, validated
+from prealign.loaders.index.sample_checks import has_media
 from prealign.loaders.index.sidecar import (
     Fingerprint,
     config_key,
@@ -50,6 +51,7 @@ from prealign.loaders.index.sidecar import (
     shard_probe,
     shard_size,
     shard_sizes,
+    transform_fields,
     write_sidecar,
 )
 from prealign.loaders.media.teacher_topk import IDS, LOG_PROBS
@@ -72,10 +74,11 @@ from prealign.loaders.sources.header_lengths import (
     qwen2vl_grid,
 )
 from prealign.loaders.sources.shard_files import check_index_dir_names, sample_checksum, shard_name, sidecar_path
+from prealign.loaders.sources.source import Skip
 from prealign.loaders.sources.tar_decode import IMAGES, decode_member, split_member_name
 from prealign.loaders.sources.tar_reader import TarFormatError, iter_members
 from prealign.loaders.sources.webdataset import check_members, numpy_fields
-from prealign.schemas.errors import ConfigError, SampleError
+from prealign.schemas.errors import ConfigError, PrealignError, SampleError
 from prealign.schemas.schema import BatchSchema
 
 
@@ -89,37 +92,39 @@ def _npy_headers(members: dict[str, bytes], where: str) -> dict[str, tuple]:
             if ext.endswith(".npy")}
 
 
+MEDIA_MEMBERS = ("pixel_values", "image_grid_thw")
+"""``.npy`` members that carry media (a sample with a row of one is never truncated)."""
+
+
+def _pattern(shape: tuple, n: int) -> str:
+    """A shape with every dim equal to the token count ``n`` written ``L``: ``(6, 4)`` of a 6-token sample
+    is ``"Lx4"``, so samples of any length share their data signature."""
+    return "x".join("L" if d == n else str(d) for d in shape)
+
+
 class TextRule:
-    """``numpy_fields`` samples: the length is ``input_ids.npy``'s first dim; every token field's token dim
-    must equal it. Signature: each array's dtype and non-token dims, and the other member names."""
+    """``numpy_fields`` samples: the length is ``input_ids.npy``'s first dim (``input_ids`` must be ``[L]``).
+    Signature, of the data alone (no schema): each array's dtype and shape pattern (:func:`_pattern`) and the
+    other member names; a schema's token dims, dtypes and optional fields are checked on one sample of each
+    signature when a loader reads the sidecar."""
 
-    def __init__(self, schema: BatchSchema):
-
-        self.token_dims = dict(sample_token_keys(schema))
-        self.media = media_keys(schema)
+    def __init__(self, schema: BatchSchema | None = None):
+        del schema  # (a sidecar describes the data: the schema is checked when it is read)
 
     def __call__(self, members: dict[str, bytes], where: str) -> tuple[int, bool, tuple]:
         if len(members) == 1 and "input_ids.npy" in members:  # the common pre-tokenized sample
             shape, dtype = npy_header(members["input_ids.npy"], field="input_ids.npy", sample=where)
             if len(shape) == 1:
-                return shape[0], False, ((("input_ids", dtype.str, ()),), ())
+                return shape[0], False, ((("input_ids", dtype.str, "L"),), ())
         heads = _npy_headers(members, where)
         if "input_ids" not in heads or len(heads["input_ids"][0]) != 1:
             raise BadSampleError(sample=where, field="input_ids", expected="an input_ids.npy member of shape [L]",
                                  actual=f"shape {list(heads['input_ids'][0])}" if "input_ids" in heads
                                  else f"members {sorted(members)}")
         n = heads["input_ids"][0][0]
-        sig = []
-        for name, (shape, dtype) in sorted(heads.items()):
-            dim = self.token_dims.get(name)
-            if dim is not None:
-                if len(shape) <= dim or shape[dim] != n:
-                    raise BadSampleError(sample=where, field=name, expected=f"{n} rows (input_ids' length) in dim {dim}",
-                                         actual=f"shape {list(shape)}")
-                shape = shape[:dim] + shape[dim + 1:]
-            sig.append((name, dtype.str, shape))
-        media = any(not heads[k][0] or heads[k][0][0] > 0 for k in self.media if k in heads)
-        return n, media, (tuple(sig), tuple(sorted(e for e in members if not e.endswith(".npy"))))
+        sig = tuple((name, dtype.str, _pattern(shape, n)) for name, (shape, dtype) in sorted(heads.items()))
+        media = any(not heads[k][0] or heads[k][0][0] > 0 for k in MEDIA_MEMBERS if k in heads)
+        return n, media, (sig, tuple(sorted(e for e in members if not e.endswith(".npy"))))
 
 
 class VLMRule:
@@ -196,6 +201,64 @@ def _verified_size(data: bytes, name: str, key) -> tuple[int, int]:
                           actual=f"{len(data)} bytes ({type(exc).__name__}: {exc})") from None
 
 
+def signature_record(sig) -> dict[str, str]:
+    """A data signature as a sidecar keeps it (``meta.dims``): ``{"signature": JSON}``."""
+    return {"signature": json.dumps(sig, default=str)}
+
+
+def transformed_length(sample: dict, where: str) -> int:
+    """Token count of a transformed sample: its ``input_ids``' last dim."""
+    ids = sample.get("input_ids") if isinstance(sample, dict) else None
+    if ids is None or not hasattr(ids, "shape") or len(ids.shape) < 1:
+        raise BadSampleError(sample=where, field="input_ids", expected="an input_ids array from the transform",
+                             actual="none" if ids is None else type(ids).__name__)
+    return int(ids.shape[-1])
+
+
+def _transformed_signature(sample: dict, n: int) -> tuple:
+    """Data signature of a transformed sample (the full pass of a transform with no header rule): each
+    array's dtype and shape pattern, and the other keys."""
+    arrays = tuple(sorted((k, str(v.dtype), _pattern(tuple(v.shape), n)) for k, v in sample.items()
+                          if hasattr(v, "shape") and hasattr(v, "dtype")))
+    return arrays, tuple(sorted(k for k, v in sample.items() if not (hasattr(v, "shape") and hasattr(v, "dtype"))))
+
+
+def transform_pass(source, shard: int) -> dict:
+    """A shard's data-only record from the full transform (no header rule, no schema): locations, lengths,
+    media flags (:data:`MEDIA_MEMBERS` with a row), the data signature of each sample and data-level bad
+    records (decode or transform errors)."""
+    locations, lengths, media, events, dims, dim_ids = [], [], [], [], [], []
+    for loc, item in source.scan(shard):
+        if isinstance(item, Skip):
+            events.append(["skip", item.reason, item.where, item.message])
+            continue
+        where = item.sample if isinstance(item, SampleError) and isinstance(item.sample, str) else \
+            source.sample_name(item, loc) if loc is not None else f"shard {shard}"
+        try:
+            if isinstance(item, Exception):
+                raise item
+            sample = source.apply_transform(item, loc)
+            n = transformed_length(sample, where)
+        except SampleError as exc:
+            err = exc if isinstance(exc, BadSampleError) else BadSampleError(
+                sample=where, field=exc.field, expected=exc.expected, actual=exc.actual)
+            events.append(["bad", where, error_record(err)])
+            continue
+        except PrealignError as exc:  # e.g. a corrupt shard
+            events.append(["bad", where, error_record(exc)])
+            continue
+        sig = signature_record(_transformed_signature(sample, n))
+        if sig not in dims:
+            dims.append(sig)
+        locations.append(list(loc))
+        lengths.append(n)
+        media.append(has_media(sample, MEDIA_MEMBERS))
+        dim_ids.append(dims.index(sig))
+        events.append(["ok"])
+    return {"shard": shard, "locations": locations, "lengths": lengths, "media": media, "dims": dims,
+            "dim_ids": dim_ids, "events": events}
+
+
 def length_rule(source, schema: BatchSchema, *, verify_images: bool = True) -> Callable | None:
     """The header rule for ``source``'s transform, or None (no rule: the full pass)."""
 
@@ -210,16 +273,18 @@ def length_rule(source, schema: BatchSchema, *, verify_images: bool = True) -> C
 def header_index_shard(source, schema: BatchSchema, shard: int, *, full: bool = False,
                        verify_images: bool = True) -> tuple[dict, dict]:
     """``(record, fingerprint)`` of one shard of a :class:`~prealign.loaders.sources.webdataset.WebDatasetSource`:
-    the record :func:`~prealign.loaders.index.build.index_shard` would give (same locations, lengths, media flags,
-    named dims; bad samples under the same reasons), from headers; ``fingerprint`` is ``{"size", "hash"}``
-    of the bytes read. ``full=True`` (or no rule for the transform) runs the full pass instead."""
+    what a sidecar keeps, of the data alone (locations, lengths, media flags, data signatures in ``dims``,
+    data-level bad records), from headers; ``fingerprint`` is ``{"size", "hash"}`` of the bytes read.
+    ``full=True`` (or no rule for the transform) runs the transform on every sample instead
+    (:func:`transform_pass`). ``schema`` only chooses nothing: it is kept for callers; the schema's checks run
+    when a loader reads the sidecar (:func:`~prealign.loaders.index.build.resolve_signatures`)."""
 
     url = source.urls[shard]
     rule = None if full else length_rule(source, schema, verify_images=verify_images)
     f = open_shard(url, source.remote)
     try:
         if rule is None:
-            record = index_shard(source, schema, shard)
+            record = transform_pass(source, shard)
             return record, f.finish()
         # streamed: one sample's members in memory at a time, hashed as they are read
         return _header_pass(source, schema, shard, rule, f), f.finish()
@@ -279,30 +344,23 @@ def _header_pass(source, schema, shard: int, rule, f) -> dict:
             events.append(["bad", where, error_record(BadSampleError(sample=where, field=None, expected="a readable sample",
                                                                 actual=f"{type(exc).__name__}: {exc}"))])
             return
-        if sig not in by_sig:  # the first of its kind: the full transform and collator, lengths compared
+        if sig not in by_sig:  # the first of its kind: the full transform, its length compared with the rule's
             raw = source._sample(shard, key, members)
-            transformed = None
             try:
                 if isinstance(raw, Exception):
                     raise raw
-                transformed = source.apply_transform(raw, loc)
-                checked = validated([transformed], schema)[0]
+                got = transformed_length(source.apply_transform(raw, loc), where)
             except SampleError as exc:
-                checked = exc
-            if isinstance(checked, SampleError):
-                err = checked if isinstance(checked, BadSampleError) and checked.sample == where else BadSampleError(
-                    sample=where, field=checked.field, expected=checked.expected, actual=checked.actual,
-                    reason=getattr(checked, "reason", None) if isinstance(getattr(checked, "reason", None), str) else None)
+                err = exc if isinstance(exc, BadSampleError) and exc.sample == where else BadSampleError(
+                    sample=where, field=exc.field, expected=exc.expected, actual=exc.actual,
+                    reason=getattr(exc, "reason", None) if isinstance(getattr(exc, "reason", None), str) else None)
                 events.append(["bad", where, error_record(err)])
                 return
-            if checked[0] != n:
-                raise LengthRuleError(f"{where}: the header rule gives {n} tokens, the transform {checked[0]}; "
+            if got != n:
+                raise LengthRuleError(f"{where}: the header rule gives {n} tokens, the transform {got}; "
                                       f"index this data with the full pass (prealign index --full)")
-            # which optional fields the sample has (the full pass records it too: no micro-batch mixes them)
-            record = {**checked[1], FIELDS_KEY: ",".join(k for k in optional_keys(schema) if k in transformed)}
-            if record not in dims:
-                dims.append(record)
-            by_sig[sig] = dims.index(record)
+            by_sig[sig] = len(dims)
+            dims.append(signature_record(sig))
         locations.append(list(loc))
         lengths.append(n)
         media.append(has_media)
@@ -348,7 +406,7 @@ def _up_to_date(source, schema, shard: int, out_dir: str | None) -> bool:
         meta, _ = parse_sidecar(data, shard=source.urls[shard])
     except (StaleIndexError, OSError):
         return False
-    return (meta["size"] == size and meta["config"] == config_key(source, schema)
+    return (meta["size"] == size and meta["config"] == config_key(source)
             and meta.get("probe", "") == shard_probe(source, shard, size))
 
 
@@ -404,8 +462,8 @@ def index_one(source, schema: BatchSchema, shard: int, *, out_dir: str | None = 
         raise ConfigError(f"{url}: a sidecar cannot be written beside a remote shard; give --out DIR "
                           f"(and index_dir=DIR to WebDatasetSource)")
     record, fingerprint = header_index_shard(source, schema, shard, full=full, verify_images=verify_images)
-    write_sidecar(path, record, shard=shard_name(url), fingerprint=fingerprint, config=config_key(source, schema),
-                  extra={"probe": shard_probe(source, shard, fingerprint["size"])})
+    write_sidecar(path, record, shard=shard_name(url), fingerprint=fingerprint, config=config_key(source),
+                  extra={"probe": shard_probe(source, shard, fingerprint["size"]), "transform": transform_fields(source)})
     return shard, "indexed", len(record["lengths"])
 
 

@@ -10,13 +10,28 @@ key            dtype / shape   meaning
 ``meta``       uint8 ``[B]``   UTF-8 JSON: ``format``, ``version``, ``shard`` (file name), ``size``
                                (bytes), ``hash`` (blake2b-128 of every byte read), ``probe``
                                (blake2b-64 of the first and last 64 KiB), ``config`` (key of
-                               the schema + transform it was built for), ``dims`` (distinct named-dim
-                               dicts), ``events`` (``[position, event]`` of each skip / bad record)
+                               the transform it was built for, never of a schema), ``transform``
+                               (the fields of that key, named when they differ), ``dims`` (the
+                               distinct data signatures: ``{member: "dtype:shape"}``, ``L`` for a
+                               token dim), ``events`` (``[position, event]`` of each data-level skip /
+                               bad record: a corrupt tar, an undecodable member, a missing
+                               ``input_ids``)
 ``spans``      int64 ``[N,3]`` ``start, end, checksum`` of each good sample (byte range, crc32)
 ``lengths``    int64 ``[N]``   token lengths
 ``media``      bool ``[N]``    the sample carries media
-``dim_ids``    int64 ``[N]``   row of ``meta.dims`` each sample has
+``dim_ids``    int64 ``[N]``   row of ``meta.dims`` (the data signature) each sample has
 =============  ==============  ======================================================================
+
+A sidecar describes the data, not one training configuration: it serves a loader with any schema,
+layout, token budget, pad id or vocabulary. What depends on the schema is decided when a loader reads
+it (:func:`~prealign.loaders.index.build.resolve_signatures`): one sample of each data signature runs
+through the loader's collator (shapes, dtypes, named dims, optional fields), and every sample's values
+(ids below the vocabulary, label rules, finite log-probs) are checked when it is loaded, under the
+bad-data policy (counted under ``skip``). Only the transform that turns a sample's members into tokens
+is part of the key (``config``): a VLM's lengths depend on its tokenizer and image processor. A loader
+with another transform gets a :class:`~prealign.loaders.errors.StaleIndexError` naming the field that
+differs and the ``prealign index`` command that rebuilds the sidecars for it. Sidecars of version 1
+(keyed by the schema) are refused by version, with that command.
 
 A sidecar turns back into exactly the per-shard record :func:`~prealign.loaders.index.build.index_shard`
 returns, so the index (and the plan) is the same whether it came from sidecars or from the pass in
@@ -59,7 +74,7 @@ from prealign.loaders.sources.shard_files import NotRegular, file_kind, open_reg
 from prealign.loaders.sources.webdataset import numpy_fields
 
 FORMAT = "prealign-sidecar"
-VERSION = 1
+VERSION = 2
 _ARRAYS = {"spans": (np.int64, 2), "lengths": (np.int64, 1), "media": (np.bool_, 1), "dim_ids": (np.int64, 1)}
 _MAX_META = 64 << 20
 _BUFFER = 1 << 20
@@ -222,7 +237,8 @@ def parse_sidecar(data: bytes, *, shard: str) -> tuple[dict, dict[str, np.ndarra
         raise bad("not a prealign sidecar")
     if meta.get("version") != VERSION:
         raise StaleIndexError(shard, f"sidecar format version {meta.get('version')!r}, this prealign reads "
-                                     f"version {VERSION}", "re-run `prealign index`")
+                                     f"version {VERSION}", "re-run `prealign index --force` on these shards "
+                                     "(version 2 sidecars serve any schema)")
     types = {"shard": str, "size": int, "hash": str, "config": str, "dims": list, "events": list, "num_events": int}
     for key, typ in types.items():
         if not isinstance(meta.get(key), typ) or isinstance(meta.get(key), bool):
@@ -330,11 +346,80 @@ def describe_transform(transform) -> str:
     return f"{type(transform).__module__}.{getattr(transform, '__qualname__', type(transform).__qualname__)}"
 
 
-def config_key(source, schema) -> str:
-    """16 hex digits naming what a sidecar's lengths depend on: schema, transform, required members."""
-    desc = {"schema": schema.fingerprint(), "transform": describe_transform(source.transform),
-            "required": list(getattr(source, "required", ()))}
-    return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()[:16]
+def transform_fields(source) -> dict[str, str]:
+    """What an index's lengths and data signatures depend on, field by field: the transform (a VLM's
+    tokenizer class, vocabulary, vision tokens, a probe of its encoding (never its folder: the same tokenizer
+    read from another path is the same), image processor options, text member, top-k), the members the
+    source requires. Never the schema: pad id, vocabulary bound, ignore index and
+    fields are checked when a loader reads the sidecar and loads the samples."""
+    transform = indexed_transform(source.transform)
+    fields = {"required": json.dumps(sorted(getattr(source, "required", ())))}
+    if isinstance(transform, VLMSampleTransform):
+        tok = transform.tokenizer
+        probe = np.asarray(tok.encode("prealign probe: <image> Hello, world!")).tolist()
+        fields.update({"transform": "VLMSampleTransform",
+                       "tokenizer": f"{type(tok).__module__}.{type(tok).__qualname__}",
+                       "vocab_size": str(int(tok.vocab_size)), "vision_tokens": repr(tok.vision),
+                       "tokenizer_probe": json.dumps(probe),
+                       "processor": json.dumps(sorted(transform.processor_options.items()), default=str),
+                       "text_key": transform.text_key, "topk": str(transform.topk), "images": "upright by EXIF"})
+    else:
+        fields["transform"] = describe_transform(transform)
+    return fields
+
+
+def config_key(source, schema=None) -> str:
+    """16 hex digits naming what a sidecar depends on: :func:`transform_fields` (``schema`` is not part of
+    it: a sidecar serves any schema; the argument is accepted for callers that pass it)."""
+    return hashlib.sha256(json.dumps(transform_fields(source), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def shell_shards(urls: list[str]) -> str:
+    """``urls`` as shell arguments: a quoted brace range when they are one numbered run
+    (``'data/shard-{000..099}.tar'``), else each quoted.
+
+    >>> shell_shards(["d/s-008.tar", "d/s-009.tar", "d/s-010.tar"]), shell_shards(["a.tar", "b c.tar"])
+    ("'d/s-{008..010}.tar'", "a.tar 'b c.tar'")
+    """
+    import re
+    import shlex
+
+    parts = [re.fullmatch(r"(.*?)(\d+)(\D*)", u) for u in urls]
+    if len(urls) > 2 and all(parts):
+        heads = {(m.group(1), m.group(3), len(m.group(2))) for m in parts}
+        nums = [int(m.group(2)) for m in parts]
+        if len(heads) == 1 and nums == list(range(nums[0], nums[0] + len(nums))):
+            head, tail, width = heads.pop()
+            return shlex.quote(f"{head}{{{nums[0]:0{width}d}..{nums[-1]:0{width}d}}}{tail}")
+    return " ".join(shlex.quote(u) for u in urls)
+
+
+def index_command(source) -> str:
+    """The ``prealign index`` command that writes sidecars this loader's source accepts."""
+    transform = indexed_transform(source.transform)
+    urls = shell_shards(source.urls)
+    out = f" --out {source.index_dir}" if getattr(source, "index_dir", None) else ""
+    if transform is numpy_fields:
+        mode = "--text"
+    elif isinstance(transform, VLMSampleTransform):
+        path = getattr(getattr(transform.tokenizer, "tokenizer", None), "name_or_path", "") or "TOKENIZER_DIR"
+        mode = f"--tokenizer {path}" if getattr(transform.tokenizer, "tokenizer", None) is not None else ""
+        mode += " --processor DIR_WITH_preprocessor_config.json" if transform.processor_options else ""
+        mode += f" --topk {transform.topk}" if transform.topk else ""
+        mode = mode.strip()
+    else:
+        return (f"write_sidecars(source, schema, force=True) from prealign.loaders.index.header_pass with this "
+                f"source's transform{out and f' and index_dir {source.index_dir}'}")
+    return f"prealign index {mode + ' ' if mode else ''}--force{out} {urls}"
+
+
+def transform_difference(meta: dict, source) -> str:
+    """The first field of :func:`transform_fields` in which a sidecar's ``meta`` differs from ``source``'s."""
+    then, now = meta.get("transform") or {}, transform_fields(source)
+    for field in sorted(set(then) | set(now)):
+        if then.get(field) != now.get(field):
+            return f"{field}: indexed with {then.get(field)!r}, this loader has {now.get(field)!r}"
+    return "the transform key differs"
 
 
 # ---- checks against the data ------------------------------------------------------------------------
@@ -436,7 +521,8 @@ def read_sidecar_bytes(source, shard: int, size: int | None = None) -> bytes | N
 
 def sidecar_records(source, schema, sizes: list[int]) -> dict[int, dict]:
     """``{shard: record}`` for every shard of ``source`` with a sidecar, each checked against the shard
-    (``sizes``: the shards' sizes now) and this loader's schema + transform. Raises
+    (``sizes``: the shards' sizes now) and this loader's transform (the schema is checked by
+    :func:`~prealign.loaders.index.build.resolve_signatures`). Raises
     :class:`ChangedShardError` / :class:`StaleIndexError` naming the shard and the difference."""
     if not getattr(source, "sidecars", False):
         return {}
@@ -458,8 +544,8 @@ def sidecar_records(source, schema, sizes: list[int]) -> dict[int, dict]:
             raise ChangedShardError(url, "its first or last 64 KiB differ from when it was indexed",
                                     "the shard changed since `prealign index`: re-run it")
         if meta["config"] != key:
-            raise StaleIndexError(url, f"sidecar built for another schema or transform (config {meta['config']}, "
-                                       f"this loader {key})", "re-run `prealign index` with this configuration")
+            raise StaleIndexError(url, f"sidecar built for another transform ({transform_difference(meta, source)})",
+                                  f"run `{index_command(source)}`")
         _check_head(url, meta, arrays["spans"], first)
         _check_tail(source, shard, meta, arrays["spans"], sizes[shard], last)
         return record_of(meta, arrays, shard)

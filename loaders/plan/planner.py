@@ -166,6 +166,16 @@ class MicrobatchPlan:
         return len(self.microbatches)
 
 
+def budget_for(layout: ParallelLayout, length: int) -> int:
+    """The smallest ``token_budget`` whose micro-batch holds a sample of ``length`` tokens alone.
+
+    >>> budget_for(ParallelLayout(tp=2, cp=2), 101)  # (aligned to 2 * cp * tp)
+    104
+    """
+    step = layout.seq_multiple
+    return int(layout.total_length(-(-length // step) * step))
+
+
 def microbatch_capacity(layout: ParallelLayout, token_budget: int) -> int:
     """Largest aligned-length sum ``A`` with ``layout.total_length(A) <= token_budget`` (a multiple of
     ``layout.seq_multiple``); raises :class:`PlanError` when not even one aligned token block fits.
@@ -320,10 +330,15 @@ class ChunkedPlan:
         if over.size:
             if cfg.oversize is Oversize.ERROR:
                 i = int(over[0])
-                raise OversizeSampleError(sample=i, field="input_ids", expected=f"length <= {max_len}",
+                need = budget_for(layout, int(true_len[over].max()))
+                err = OversizeSampleError(sample=i, field="input_ids", expected=f"length <= {max_len}",
                                           actual=str(int(true_len[i])),
                                           hint=f"{over.size} sample(s) exceed token_budget {token_budget} under "
-                                               f"{layout.to_dict()}; raise the budget or use oversize='truncate'/'skip'")
+                                               f"{layout.to_dict()}; give token_budget={need} (the longest fits), or "
+                                               f"cut or leave them out: planner=PlannerConfig(oversize='truncate') "
+                                               f"(or 'skip') to the loader")
+                err.token_budget = need
+                raise err
             if cfg.oversize is Oversize.TRUNCATE:
                 whole = over[media[over]]  # cutting would split an image's tokens from its pixels: leave out
                 over = over[~media[over]]

@@ -139,6 +139,13 @@ class Source(abc.ABC):
         return self.apply_transform(self.read(location), location)
 
 
+UNTOKENIZED_HINT = (
+    "tokenize the rows first: `ds = ds.map(tokenize, remove_columns=ds.column_names)` with a function returning "
+    "input_ids (and, for SFT, labels: the ids with -100 on the prompt), or HFSource(ds, transform=tokenize); the "
+    "recipe is examples/hf_sft.py (docs/quickstart.md)")
+"""What to do with text rows (prompt / response, chat messages) a loader cannot pack as they are."""
+
+
 class HFSource(Source):
     """A Hugging Face ``datasets.Dataset`` (map-style) or ``datasets.IterableDataset`` (streaming).
 
@@ -168,6 +175,10 @@ class HFSource(Source):
         self.rows_per_shard = max(int(rows_per_shard), 1)
         self.lookback = max(int(lookback), 1)
         self.name = name or (getattr(getattr(dataset, "info", None), "dataset_name", None) or "hf")
+        columns = getattr(dataset, "column_names", None)
+        if transform is None and columns and "input_ids" not in columns:
+            raise ConfigError(f"dataset: rows with columns {sorted(columns)} and no input_ids, and no transform; "
+                              f"{UNTOKENIZED_HINT}")
 
     @property
     def num_shards(self) -> int:

@@ -3,4 +3,5 @@ import sys
 
 from prealign.loaders.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # (documentation tools import every module: only run as a program)
+    sys.exit(main())

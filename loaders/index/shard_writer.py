@@ -1,0 +1,172 @@
+"""``ShardWriter``: samples to webdataset shards of a target size, each with its sidecar index.
+
+    {"__key__": "s0", "input_ids": int array [L], "json": {...}, "0.png": PIL image, ...}
+        ─► out/shard-000000.tar  (members  s0.input_ids.npy  s0.json  s0.0.png ...)
+        ─► out/shard-000000.tar.prealign-index.npz   (written as the shard closes: no `prealign index` run)
+
+A sample is a dict: ``__key__`` (optional; ``000000042`` by position) and one entry per member. The entry's
+name is the member's extension (``input_ids`` -> ``<key>.input_ids.npy``) and its value says how it is stored:
+
+=========================================  ===================================================
+value                                      member
+=========================================  ===================================================
+numpy array / torch tensor (numeric)       ``.npy`` (``allow_pickle=False``; object arrays refused)
+``dict`` / ``list``                        JSON (name it ``json``, or ``<anything>.json``)
+``str``                                    UTF-8 text (``txt``, ``json`` taken as written, ...)
+``bytes``                                  as given (the name carries the extension: ``jpg``, ``0.png``)
+PIL image                                  PNG (the name's extension, ``png`` when it has none)
+=========================================  ===================================================
+
+Video frames are an array (``uint8 [T, H, W, C]``) or one image member per frame; teacher top-k are the
+arrays ``teacher_topk_log_probs`` / ``teacher_topk_ids`` (``[L, K]``). The format is documented in
+``docs/shard_format.md``. Keys and member names are refused (:class:`~prealign.schemas.errors.ConfigError`)
+unless they are plain names: letters, digits, ``_``, ``-`` (and ``.`` inside a member name); never a path,
+``..``, a leading dot or a control character.
+
+The sidecar is the one ``prealign index`` writes (:func:`~prealign.loaders.index.header_pass.index_one`),
+built when the shard is closed from the bytes just written (one read of the new file, from the page cache).
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import tarfile
+
+import numpy as np
+
+from prealign.loaders.index.header_pass import index_one
+from prealign.loaders.sources.webdataset import WebDatasetSource, numpy_fields
+from prealign.schemas.errors import ConfigError
+
+_KEY = re.compile(r"[A-Za-z0-9_-]{1,200}")
+_MEMBER = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,100}")
+
+
+def member_bytes(name: str, value, *, sample: str) -> tuple[str, bytes]:
+    """``(extension, bytes)`` of one sample entry (see the module's table)."""
+    if not _MEMBER.fullmatch(name) or ".." in name or name.endswith("."):
+        raise ConfigError(f"sample {sample!r}: member name {name!r} is not a plain name (letters, digits, _ - .)")
+    if hasattr(value, "detach") and hasattr(value, "cpu"):  # a torch tensor
+        value = value.detach().cpu().numpy()
+    if isinstance(value, np.ndarray):
+        if value.dtype.kind not in "biuf":
+            raise ConfigError(f"sample {sample!r}: member {name!r} has dtype {value.dtype}; only numeric arrays "
+                              f"are stored (never pickled)")
+        buf = io.BytesIO()
+        np.save(buf, np.ascontiguousarray(value), allow_pickle=False)
+        return (name if name.endswith(".npy") else f"{name}.npy"), buf.getvalue()
+    if isinstance(value, (dict, list)):
+        return (name if name == "json" or name.endswith(".json") else f"{name}.json"), json.dumps(value).encode()
+    if isinstance(value, str):
+        return name, value.encode()
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return name, bytes(value)
+    if hasattr(value, "save") and hasattr(value, "size") and hasattr(value, "mode"):  # a PIL image
+        ext = name.rsplit(".", 1)[-1].lower() if "." in name or name in ("png", "jpg", "jpeg", "webp") else "png"
+        fmt = {"jpg": "JPEG", "jpeg": "JPEG", "webp": "WEBP"}.get(ext, "PNG")
+        buf = io.BytesIO()
+        value.save(buf, format=fmt)
+        return (name if name.rsplit(".", 1)[-1].lower() == ext else f"{name}.{ext}"), buf.getvalue()
+    raise ConfigError(f"sample {sample!r}: member {name!r} is a {type(value).__name__}; expected an array, a dict or "
+                      f"list (JSON), str, bytes or a PIL image")
+
+
+class ShardWriter:
+    """Write samples to ``pattern % shard_number`` tar shards of about ``max_bytes`` each (a shard closes before
+    a sample that would take it past; a sample larger than ``max_bytes`` gets a shard of its own), and the
+    sidecar index of each as it closes. Use as a context manager (or call :meth:`close`); ``shards`` lists the
+    paths written.
+
+    ``transform``: what turns a sample's members into tokens, as the loader will read them (default
+    :func:`~prealign.loaders.sources.webdataset.numpy_fields`, pre-tokenized arrays; a
+    :class:`~prealign.loaders.media.vlm.VLMSampleTransform` for chat + images). ``index_dir``: write the
+    sidecars there instead of beside the shards; ``sidecars=False``: none. An existing shard is never
+    overwritten (``ConfigError``): the writer deletes nothing it did not create.
+
+    >>> import tempfile, numpy as np
+    >>> with tempfile.TemporaryDirectory() as out:
+    ...     with ShardWriter(f"{out}/shard-%06d.tar", max_bytes=1 << 20) as w:
+    ...         w.write({"__key__": "a", "input_ids": np.arange(1, 9)})
+    ...     [os.path.basename(p) for p in w.shards], w.count, os.path.exists(w.shards[0] + ".prealign-index.npz")
+    (['shard-000000.tar'], 1, True)
+    """
+
+    def __init__(self, pattern: str, *, max_bytes: int = 256 << 20, max_samples: int | None = None,
+                 transform=numpy_fields, index_dir: str | None = None, sidecars: bool = True):
+        try:
+            pattern % 0
+        except (TypeError, ValueError):
+            raise ConfigError(f"pattern: expected a path with one %d-style field (shard-%06d.tar), got {pattern!r}") \
+                from None
+        if not isinstance(max_bytes, int) or max_bytes < 1024:
+            raise ConfigError(f"max_bytes: expected an int >= 1024, got {max_bytes!r}")
+        self.pattern, self.max_bytes, self.max_samples = pattern, max_bytes, max_samples
+        self.transform, self.index_dir, self.sidecars = transform, index_dir, sidecars
+        self.shards: list[str] = []
+        self.count = 0
+        self._tar = self._file = None
+        self._in_shard = 0
+        self._keys: set[str] = set()
+
+    def __enter__(self) -> "ShardWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def write(self, sample: dict) -> None:
+        """Append one sample (see the module's table of member values)."""
+        if not isinstance(sample, dict):
+            raise ConfigError(f"sample: expected a dict of members, got {type(sample).__name__}")
+        key = str(sample.get("__key__", f"{self.count:09d}"))
+        if not _KEY.fullmatch(key):
+            raise ConfigError(f"sample key {key!r}: expected letters, digits, _ or - (no dots, slashes or '..')")
+        if key in self._keys:
+            raise ConfigError(f"sample key {key!r}: written twice in one shard (keys name samples)")
+        members = [member_bytes(name, value, sample=key) for name, value in sample.items() if name != "__key__"]
+        if not members:
+            raise ConfigError(f"sample {key!r}: no members")
+        size = sum(512 + -(-len(data) // 512) * 512 for _, data in members)
+        full = self._in_shard and (self._file.tell() + size > self.max_bytes
+                                   or (self.max_samples is not None and self._in_shard >= self.max_samples))
+        if self._tar is None or full:
+            self._next_shard()
+        for ext, data in members:
+            info = tarfile.TarInfo(f"{key}.{ext}")
+            info.size, info.mtime, info.mode = len(data), 0, 0o644
+            self._tar.addfile(info, io.BytesIO(data))
+        self._keys.add(key)
+        self._in_shard += 1
+        self.count += 1
+
+    def _next_shard(self) -> None:
+        self._close_shard()
+        path = self.pattern % len(self.shards)
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        try:
+            self._file = open(path, "xb")  # never over a file the writer did not create
+        except FileExistsError:
+            raise ConfigError(f"{path}: exists; write the shards to a new folder or pattern") from None
+        self._tar = tarfile.open(fileobj=self._file, mode="w", format=tarfile.USTAR_FORMAT)
+        self.shards.append(path)
+        self._in_shard, self._keys = 0, set()
+
+    def _close_shard(self) -> None:
+        if self._tar is None:
+            return
+        self._tar.close()
+        self._file.close()
+        self._tar = self._file = None
+        if self.sidecars:
+            if self.index_dir:
+                os.makedirs(self.index_dir, exist_ok=True)
+            source = WebDatasetSource([self.shards[-1]], transform=self.transform, image="bytes",
+                                      index_dir=self.index_dir)
+            index_one(source, None, 0, out_dir=self.index_dir, force=True)
+
+    def close(self) -> list[str]:
+        """Close the last shard (and write its sidecar); returns :attr:`shards`."""
+        self._close_shard()
+        return self.shards
