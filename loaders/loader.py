@@ -39,7 +39,7 @@ from prealign.loaders.plan.schedule import Request, Schedule, check_count
 from prealign.loaders.policy import BadDataPolicy, BadDataReport, BadSampleWarning, OnBadSample, Oversize
 from prealign.loaders.serve.workers import hand_over
 from prealign.loaders.sources.source import Source
-from prealign.schemas.errors import PrealignError, SampleError
+from prealign.schemas.errors import ConfigError, PrealignError, SampleError
 from prealign.schemas.layout import ParallelLayout
 from prealign.schemas.schema import BatchSchema, Role
 from prealign.schemas.schema import Source as FieldSource
@@ -198,7 +198,9 @@ class _CollatePlanned:
                 raise
         if skipped:
             batch["skipped_at_load"] = skipped
-        batch["sample_index"] = torch.tensor(request.indices, dtype=torch.int64)
+        members = batch.get("hybrid_cp_members")  # hybrid CP: this rank holds only its block's samples
+        ids = request.indices if members is None or not request.indices else [request.indices[i] for i in members]
+        batch["sample_index"] = torch.tensor(ids, dtype=torch.int64)
         batch["is_filler"] = not request.indices
         batch["epoch"] = request.epoch
         batch["microbatch"] = request.position
@@ -273,6 +275,10 @@ class PackedLoader(LoaderCore):
         check_option("shuffle", shuffle, ShuffleOptions)
         check_option("indexing", indexing, IndexOptions)
         check_option("share", share, BatchShare)
+        if share is not None and getattr(planner, "hybrid_cp", False):
+            raise ConfigError("share: BatchShare publishes one collated micro-batch for the whole CP group, while "
+                              "under PlannerConfig(hybrid_cp=True) each CP sub-group collates its own samples; use "
+                              "one of them")
         workers = WorkerConfig(dp_rank=dp_rank, dp_size=dp_size, cp_rank=cp_rank, num_workers=num_workers,
                                group=group)
         super().__init__(source, schema=schema, layout=layout, token_budget=token_budget, workers=workers, seed=seed,

@@ -25,7 +25,7 @@ import numpy as np
 
 from prealign.loaders.errors import PlanError
 from prealign.loaders.plan.cost import CostModel
-from prealign.schemas.errors import BucketOverflowError
+from prealign.schemas.errors import BucketOverflowError, ConfigError, SampleError
 from prealign.schemas.layout import ParallelLayout
 
 
@@ -154,10 +154,74 @@ def hybrid_cp_batch(samples: list, blocks: tuple[CPBlock, ...], *, schema, layou
     micro-batch it holds). :func:`~prealign.collate.to_packed_seq_params` fills ``local_cp_size``."""
     from prealign.collate import THDCollator
 
-    block = block_of(blocks, cp_rank)
-    collate = THDCollator(schema=schema, layout=dataclasses.replace(layout, cp=block.size),
-                          cp_rank=cp_rank - block.first, **collator_options)
-    batch = collate([samples[i] for i in block.members])
+    return _block_batch(THDCollator(schema=schema, layout=layout, cp_rank=cp_rank, **collator_options),
+                        samples, blocks)
+
+
+def _block_batch(collator, samples: list, blocks: tuple[CPBlock, ...]) -> dict:
+    """``collator`` (a THDCollator of the whole CP group, with this rank's ``cp_rank``) run as the collator of
+    this rank's block over the block's samples; a :class:`SampleError` names the position in ``samples``."""
+    rank = collator.cp_rank or 0
+    block = block_of(blocks, rank)
+    sub = dataclasses.replace(collator, layout=dataclasses.replace(collator.layout, cp=block.size),
+                              cp_rank=rank - block.first if collator.cp_rank is not None else None)
+    try:
+        batch = sub([samples[i] for i in block.members])
+    except SampleError as exc:
+        pos = exc.sample
+        if not isinstance(pos, bool) and isinstance(pos, int) and 0 <= pos < len(block.members):
+            exc.sample = block.members[pos]
+            exc.args = (str(exc).replace(f"sample {pos}", f"sample {exc.sample}", 1),)
+        raise
     batch["local_cp_size"] = block.size
     batch["hybrid_cp_members"] = block.members
     return batch
+
+
+@dataclass(frozen=True, kw_only=True)
+class HybridCPCollator:
+    """The collate_fn of a loader under ``PlannerConfig(hybrid_cp=True)``: a whole micro-batch's samples
+    (the same list on every CP rank) -> this CP rank's batch (:func:`hybrid_cp_batch`: its block's THD
+    zigzag shards, ``local_cp_size``, ``hybrid_cp_members``).
+
+    Every sample of the micro-batch is checked and measured on every rank (one
+    :func:`~prealign.collate.samples.flatten`, as a fixed-CP rank does), so a bad sample fails on all CP
+    ranks alike, and the blocks come from the lengths the collator sees: the index's lengths, truncation
+    applied, which :func:`hybrid_cp_plan` reads from the plan.
+
+    ``collator``: the :class:`~prealign.collate.THDCollator` of the whole CP group with this rank's
+    ``cp_rank`` (``None`` only without CP); ``token_budget``, ``cost``, ``comm_ratio``: as
+    :func:`assign_cp_blocks`, the loader's.
+    """
+
+    collator: object
+    token_budget: int
+    cost: CostModel
+    comm_ratio: float = 0.05
+
+    def __post_init__(self):
+        from prealign.collate import THDCollator
+
+        if not isinstance(self.collator, THDCollator):
+            raise ConfigError(f"hybrid CP: the collator must be a THDCollator (each CP rank's batch is its block's "
+                              f"THD shards), got {type(self.collator).__name__}")
+        _check(self.layout, self.comm_ratio)
+        if self.collator.cp_rank is None and self.layout.cp > 1:
+            raise ConfigError(f"hybrid CP: cp = {self.layout.cp} but no cp_rank: each CP rank gets its own "
+                              f"sub-group's batch; pass the loader this rank's cp_rank")
+
+    @property
+    def schema(self):
+        return self.collator.schema
+
+    @property
+    def layout(self) -> ParallelLayout:
+        return self.collator.layout
+
+    def __call__(self, samples: list) -> dict:
+        from prealign.collate.samples import flatten
+
+        lengths = flatten(samples, self.schema, check_values=self.collator.check_values).lengths
+        blocks = assign_cp_blocks(lengths.numpy(), layout=self.layout, token_budget=self.token_budget,
+                                  cost=self.cost, comm_ratio=self.comm_ratio)
+        return _block_batch(self.collator, samples, blocks)

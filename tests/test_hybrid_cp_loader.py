@@ -1,0 +1,195 @@
+"""Hybrid CP through PackedLoader (``PlannerConfig(hybrid_cp=True)``) over webdataset shards: for every
+micro-batch the CP ranks' batches together hold exactly the micro-batch's sequences (unsharded block by block
+and compared with an unsharded collate of the same plan), each rank's block is the one ``hybrid_cp_plan``
+gives, the batches validate and fill ``PackedSeqParams.local_cp_size``, resume is exact, and the setting is
+part of the state."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from prealign.collate import to_packed_seq_params, unpack_thd, unshard_cp
+from prealign.loaders import (
+    BatchShare,
+    CostModel,
+    IndexOptions,
+    PackedLoader,
+    PlanError,
+    PlannerConfig,
+    ResumeError,
+    StreamingPackedLoader,
+    WebDatasetSource,
+    assert_resumes_exactly,
+    build_index,
+)
+from prealign.loaders.plan.hybrid_cp import hybrid_cp_plan
+from prealign.schemas import ParallelLayout, causal_lm_schema, validate_batch
+from prealign.schemas.errors import BatchValidationError, ConfigError
+from prealign.schemas.schema import Role
+from tests.loader_helpers import sample_lengths, write_shards
+
+SCHEMA = causal_lm_schema()
+COST = CostModel(linear=24576, quadratic=1)
+HYBRID = PlannerConfig(cost=COST, hybrid_cp=True, microbatches_per_step=2, oversize="truncate")  # cut at cp=2
+LOADER_KEYS = ("sample_index", "is_filler", "epoch", "microbatch")
+TOKEN_FIELDS = [spec.name for spec in SCHEMA.of_role(Role.TOKEN)]
+CAUGHT = (AssertionError, BatchValidationError)
+
+
+def budget_of(cp: int) -> int:
+    return 512 * cp  # per-rank share 512: a sequence longer than that spans two ranks or more
+
+
+@pytest.fixture(scope="module")
+def wds(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hybrid_shards")
+    lengths = sample_lengths(120, seed=5, low=8, high=700) + [1500, 1900, 1100]  # some span 4 ranks at cp=4
+    src = WebDatasetSource(write_shards(str(root), lengths, num_shards=3))
+    return src, build_index(src, SCHEMA)
+
+
+def make(wds, cp: int, *, planner=HYBRID, cp_rank=None, dp_rank=0, dp_size=2, **kw):
+    src, idx = wds
+    return PackedLoader(src, schema=SCHEMA, layout=ParallelLayout(cp=cp), token_budget=budget_of(cp), dp_rank=dp_rank,
+                        dp_size=dp_size, cp_rank=cp_rank, planner=planner, indexing=IndexOptions(prebuilt=idx), **kw)
+
+
+def sequences(batch: dict, shards: list[dict] | None = None) -> dict[str, list[torch.Tensor]]:
+    """Each token field's per-sequence tensors (true rows only) of ``batch``, unsharding ``shards`` (the
+    batches of every rank of its CP group, in rank order) first when given."""
+    out = {}
+    for name in TOKEN_FIELDS:
+        whole = batch[name] if shards is None else unshard_cp([s[name] for s in shards],
+                                                              cu_seqlens_padded=batch["cu_seqlens_padded"],
+                                                              cp_size=batch["cp_size"])
+        out[name] = unpack_thd(whole, cu_seqlens=batch["cu_seqlens"], cu_seqlens_padded=batch["cu_seqlens_padded"])
+    return out
+
+
+def check_microbatch(ref: dict, got: list[dict], blocks) -> None:
+    """``got`` (one batch per CP rank) against ``ref`` (the unsharded collate of the same micro-batch) and the
+    micro-batch's ``blocks`` from :func:`hybrid_cp_plan`: raises AssertionError on any difference."""
+    ids, want = ref["sample_index"].tolist(), sequences(ref)
+    held = []
+    for block in blocks:
+        group = got[block.first:block.first + block.size]
+        for r, b in enumerate(group):
+            assert b["local_cp_size"] == b["cp_size"] == block.size, f"rank {block.first + r}: local_cp_size"
+            assert b["cp_rank"] == r, f"rank {block.first + r}: rank in its block"
+            assert b["hybrid_cp_members"] == block.members, f"rank {block.first + r}: members"
+            assert b["sample_index"].tolist() == [ids[i] for i in block.members], "sample_index: the block's samples"
+            assert torch.equal(b["cu_seqlens_padded"], group[0]["cu_seqlens_padded"])
+            validate_batch({k: v for k, v in b.items() if k not in LOADER_KEYS}, SCHEMA, ParallelLayout(cp=len(got)))
+            params = to_packed_seq_params(b)
+            assert params.local_cp_size == block.size
+        mine = sequences(group[0], group)
+        for name in TOKEN_FIELDS:
+            for j, i in enumerate(block.members):
+                assert torch.equal(mine[name][j], want[name][i]), f"{name} of sequence {i} (block at {block.first})"
+        held.extend(block.members)
+    assert sorted(held) == list(range(len(ids))), "the blocks hold every sequence of the micro-batch once"
+
+
+def served(wds, cp: int, epoch: int, dp_rank: int, **kw) -> tuple[list[dict], list[list[dict]], dict]:
+    """(unsharded reference batches, per micro-batch the batch of every CP rank, blocks by micro-batch ids)."""
+    ref = make(wds, cp, planner=dataclasses.replace(HYBRID, hybrid_cp=False), dp_rank=dp_rank)
+    ref.set_epoch(epoch)
+    ranks = []
+    for c in range(cp):
+        loader = make(wds, cp, cp_rank=c, dp_rank=dp_rank, **kw)
+        loader.set_epoch(epoch)
+        ranks.append(list(loader))
+    order, plan = loader._schedule.plan(epoch)
+    lengths = wds[1].lengths[order]
+    blocks = hybrid_cp_plan(plan, lengths, layout=ParallelLayout(cp=cp), token_budget=budget_of(cp), cost=COST)
+    by_ids = {tuple(order[list(mb)].tolist()): bl for mb, bl in zip(plan.microbatches[dp_rank], blocks[dp_rank])}
+    return list(ref), [list(bs) for bs in zip(*ranks)], by_ids
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_cp_ranks_together_hold_each_microbatch_as_planned(wds, cp):
+    sizes = set()
+    for dp_rank in (0, 1):
+        ref, got, by_ids = served(wds, cp, 1, dp_rank, num_workers=2 if dp_rank else 0)
+        assert len(ref) == len(got) > 4
+        for r, g in zip(ref, got):
+            blocks = by_ids[tuple(r["sample_index"].tolist())]
+            check_microbatch(r, g, blocks)
+            sizes.update(b.size for b in blocks)
+    assert 1 in sizes and cp in sizes, f"both one-rank and whole-group blocks were exercised, got sizes {sizes}"
+
+
+def test_planted_bugs_fail_the_check(wds):
+    ref, got, by_ids = served(wds, 4, 0, 0)
+    r, g = next((r, g) for r, g in zip(ref, got) if any(b.size == 2 for b in by_ids[tuple(r["sample_index"].tolist())]))
+    blocks = by_ids[tuple(r["sample_index"].tolist())]
+    check_microbatch(r, g, blocks)
+    two = next(b for b in blocks if b.size == 2)
+    swapped = list(g)
+    swapped[two.first], swapped[two.first + 1] = g[two.first + 1], g[two.first]  # wrong rank in the block
+    with pytest.raises(CAUGHT):
+        check_microbatch(r, swapped, blocks)
+    fixed = [dict(b, cp_rank=i - two.first) if two.holds(i) else b for i, b in enumerate(swapped)]
+    with pytest.raises(CAUGHT):  # right rank labels, wrong shards (validate_batch names the rows)
+        check_microbatch(r, fixed, blocks)
+    wrong = [dataclasses.replace(b, members=b.members[::-1]) if len(b.members) > 1 else b for b in blocks]
+    if wrong != list(blocks):
+        with pytest.raises(CAUGHT):
+            check_microbatch(r, g, tuple(wrong))
+    with pytest.raises(CAUGHT):
+        check_microbatch(r, [dict(b, local_cp_size=4) for b in g], blocks)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_resume_mid_epoch_is_exact(wds, cp):
+    out = assert_resumes_exactly(lambda: make(wds, cp, cp_rank=cp - 1, dp_rank=1))
+    assert min(out["epoch_lengths"]) > 2 and out["midpoint"] > 0
+
+
+def test_the_setting_is_part_of_the_state_and_the_default_is_unchanged(wds):
+    assert PlannerConfig().to_dict() == {"strategy": "bfd", "buffer_size": 2048, "oversize": "error",
+                                         "microbatches_per_step": 1, "max_age": 4, "step_pool": 8,
+                                         "chunk_size": 16384}, "the default keeps the fingerprints of before"
+    assert HYBRID.to_dict()["hybrid_cp"] is True and PlannerConfig.from_dict(HYBRID.to_dict()) == HYBRID
+    off = dataclasses.replace(HYBRID, hybrid_cp=False)
+    assert "hybrid_cp" not in off.to_dict()
+    on, plain = make(wds, 2, cp_rank=0), make(wds, 2, cp_rank=0, planner=off)
+    next(iter(on))
+    with pytest.raises(ResumeError, match="planner"):
+        plain.load_state_dict(on.state_dict())
+    with pytest.raises(ResumeError, match="planner"):
+        make(wds, 2, cp_rank=0).load_state_dict(plain.state_dict())
+    other = make(wds, 2, cp_rank=0, planner=dataclasses.replace(HYBRID, cp_comm_ratio=0.5))
+    with pytest.raises(ResumeError, match="planner"):
+        other.load_state_dict(on.state_dict())
+    assert [b["sample_index"].tolist() for b in plain] != [], "the plan itself does not depend on the setting"
+    assert plain.plan(0).microbatches == on.plan(0).microbatches
+
+
+def test_refusals(wds, tmp_path):
+    with pytest.raises(PlanError, match="needs cost"):
+        PlannerConfig(hybrid_cp=True)
+    with pytest.raises(PlanError, match="cp_comm_ratio"):
+        PlannerConfig(hybrid_cp=True, cost=COST, cp_comm_ratio=-1.0)
+    with pytest.raises(PlanError, match="hybrid_cp"):
+        PlannerConfig(hybrid_cp=1, cost=COST)
+    with pytest.raises(PlanError, match="power of two"):
+        make(wds, 3, cp_rank=0)
+    with pytest.raises(ConfigError, match="cp_rank"):
+        make(wds, 2)
+    with pytest.raises(ConfigError, match="BatchShare"):
+        make(wds, 2, cp_rank=0, share=BatchShare(run="hybrid", cache_dir=str(tmp_path)))
+    with pytest.raises(ConfigError, match="THDCollator"):
+        make(wds, 2, cp_rank=0, collator=lambda samples: samples)
+    with pytest.raises(PlanError, match="does not apply to StreamingPackedLoader"):  # (nor does its cost)
+        StreamingPackedLoader(wds[0], schema=SCHEMA, layout=ParallelLayout(cp=2), token_budget=1024, cp_rank=0,
+                              planner=PlannerConfig(cost=COST, hybrid_cp=True))
+
+
+def test_without_cp_every_batch_is_one_block(wds):
+    loader = make(wds, 1, dp_size=1)
+    for batch in loader:
+        assert batch["local_cp_size"] == 1 and batch["hybrid_cp_members"] == tuple(range(len(batch["sample_index"])))
+        assert to_packed_seq_params(batch).local_cp_size == 1
