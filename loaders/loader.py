@@ -10,7 +10,9 @@ of another ``dp_size`` or ``microbatches_per_step`` re-plans the rest of its epo
 not yet served (:mod:`prealign.loaders.plan.elastic`, ``docs/resume.md``).
 
 Ranks: TP ranks of a DP group build identical batches (nothing here depends on the TP rank); CP
-ranks of a DP group get complementary shards of the same micro-batch (the collator's ``cp_rank``);
+ranks of a DP group get complementary shards of the same micro-batch (the collator's ``cp_rank``; under
+``PlannerConfig(hybrid_cp=True)`` the shards of their CP sub-group's sequences,
+:class:`~prealign.loaders.plan.hybrid_cp.HybridCPCollator`);
 DP ranks get disjoint micro-batches that together hold every sample once per epoch, the same number
 on every rank in every step.
 """
@@ -243,7 +245,9 @@ class PackedLoader(LoaderCore):
     Each batch is the collator's output (``THDCollator(schema, layout, cp_rank)`` by default: token
     fields ``[1, T/cp, *dense]`` with ``T <= token_budget``, ``cu_seqlens*`` ...) plus
     ``sample_index`` int64 ``[N]`` (rows of :attr:`index`), ``is_filler`` bool, ``epoch`` and
-    ``microbatch`` ints.
+    ``microbatch`` ints. Under ``PlannerConfig(hybrid_cp=True)`` a rank's batch holds only its CP
+    sub-group's sequences (``sample_index`` lists them) plus ``local_cp_size`` and ``hybrid_cp_members``
+    (``docs/balance.md``).
 
     ``token_budget``: global padded THD length of one micro-batch (one CP group; each CP rank holds
     ``budget / cp``). The rarer knobs are option objects (:mod:`prealign.loaders.options`):

@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 import torch
 
-from prealign.collate import to_packed_seq_params, unpack_thd, unshard_cp
+from prealign.collate import THDCollator, to_packed_seq_params, unpack_thd, unshard_cp
 from prealign.loaders import (
     BatchShare,
     CostModel,
@@ -21,6 +21,7 @@ from prealign.loaders import (
     ResumeError,
     StreamingPackedLoader,
     WebDatasetSource,
+    assert_resumes_elastically,
     assert_resumes_exactly,
     build_index,
 )
@@ -193,3 +194,57 @@ def test_without_cp_every_batch_is_one_block(wds):
     for batch in loader:
         assert batch["local_cp_size"] == 1 and batch["hybrid_cp_members"] == tuple(range(len(batch["sample_index"])))
         assert to_packed_seq_params(batch).local_cp_size == 1
+
+
+class CPGroup:
+    """The loaders of every CP rank of one DP rank as one component: each merged batch holds the sample ids and
+    padded tokens of the micro-batch's blocks, each block counted once (at its first rank)."""
+
+    def __init__(self, loaders):
+        self.loaders = loaders
+
+    def __iter__(self):
+        for batches in zip(*self.loaders):
+            firsts = [b for b in batches if b["cp_rank"] == 0]
+            yield {"sample_index": torch.cat([b["sample_index"] for b in firsts]),
+                   "padded": sum(int(b["cu_seqlens_padded"][-1]) for b in firsts)}
+
+    def __len__(self):
+        return len(self.loaders[0])
+
+    def set_epoch(self, epoch):
+        for loader in self.loaders:
+            loader.set_epoch(epoch)
+
+    def state_dict(self):
+        states = [loader.state_dict() for loader in self.loaders]
+        assert all(st == states[0] for st in states), "every CP rank takes the same state"
+        return states[0]
+
+    def load_state_dict(self, state):
+        for loader in self.loaders:
+            loader.load_state_dict(state)
+
+
+def test_elastic_resume_keeps_every_sample_once_across_the_cp_groups(wds):
+    cp = 4
+
+    def build(config, dp_rank):
+        planner = dataclasses.replace(HYBRID, microbatches_per_step=config.get("k", 2))
+        return CPGroup([make(wds, cp, cp_rank=c, dp_rank=dp_rank, dp_size=config["dp_size"], planner=planner)
+                        for c in range(cp)])
+
+    segments = [({"dp_size": 2}, 3), ({"dp_size": 3, "k": 1}, 2), ({"dp_size": 1}, None)]
+    out = assert_resumes_elastically(build, segments, budget=budget_of(cp), padded_length=lambda b: b["padded"])
+    assert out["samples"] == len(wds[1]) and out["counts"][:2] == [3, 2]
+
+
+def test_deferred_cp_shard_keeps_whole_rows_and_the_gather_index(wds):
+    cp = 4
+    for c in range(cp):
+        deferred = make(wds, cp, cp_rank=c, collator=THDCollator(schema=SCHEMA, layout=ParallelLayout(cp=cp),
+                                                                 cp_rank=c, defer_cp_shard=True))
+        for d, b in zip(deferred, make(wds, cp, cp_rank=c)):
+            assert d["local_cp_size"] == b["local_cp_size"] and d["hybrid_cp_members"] == b["hybrid_cp_members"]
+            assert d["input_ids"].shape[1] == int(d["cu_seqlens_padded"][-1])
+            assert torch.equal(d["input_ids"].index_select(1, d["cp_gather_index"]), b["input_ids"])
