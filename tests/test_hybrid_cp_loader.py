@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 
 from prealign.collate import THDCollator, to_packed_seq_params, unpack_thd, unshard_cp
 from prealign.loaders import (
+    BadDataPolicy,
+    BadSampleWarning,
     BatchShare,
     CostModel,
     IndexOptions,
@@ -25,17 +28,16 @@ from prealign.loaders import (
     assert_resumes_exactly,
     build_index,
 )
-from prealign.loaders.plan.hybrid_cp import hybrid_cp_plan
+from prealign.loaders.plan.hybrid_cp import assign_cp_blocks, hybrid_cp_plan
 from prealign.schemas import ParallelLayout, causal_lm_schema, validate_batch
-from prealign.schemas.errors import BatchValidationError, ConfigError
+from prealign.schemas.errors import BatchValidationError, ConfigError, SampleError
 from prealign.schemas.schema import Role
-from tests.loader_helpers import sample_lengths, write_shards
+from tests.loader_helpers import _npy, add_member, sample_lengths, token_ids, write_shards
 
 SCHEMA = causal_lm_schema()
 COST = CostModel(linear=24576, quadratic=1)
 HYBRID = PlannerConfig(cost=COST, hybrid_cp=True, microbatches_per_step=2, oversize="truncate")  # cut at cp=2
 LOADER_KEYS = ("sample_index", "is_filler", "epoch", "microbatch")
-TOKEN_FIELDS = [spec.name for spec in SCHEMA.of_role(Role.TOKEN)]
 CAUGHT = (AssertionError, BatchValidationError)
 
 
@@ -57,11 +59,11 @@ def make(wds, cp: int, *, planner=HYBRID, cp_rank=None, dp_rank=0, dp_size=2, **
                         dp_size=dp_size, cp_rank=cp_rank, planner=planner, indexing=IndexOptions(prebuilt=idx), **kw)
 
 
-def sequences(batch: dict, shards: list[dict] | None = None) -> dict[str, list[torch.Tensor]]:
+def sequences(batch: dict, shards: list[dict] | None = None, schema=SCHEMA) -> dict[str, list[torch.Tensor]]:
     """Each token field's per-sequence tensors (true rows only) of ``batch``, unsharding ``shards`` (the
     batches of every rank of its CP group, in rank order) first when given."""
     out = {}
-    for name in TOKEN_FIELDS:
+    for name in (spec.name for spec in schema.of_role(Role.TOKEN)):
         whole = batch[name] if shards is None else unshard_cp([s[name] for s in shards],
                                                               cu_seqlens_padded=batch["cu_seqlens_padded"],
                                                               cp_size=batch["cp_size"])
@@ -69,10 +71,10 @@ def sequences(batch: dict, shards: list[dict] | None = None) -> dict[str, list[t
     return out
 
 
-def check_microbatch(ref: dict, got: list[dict], blocks) -> None:
+def check_microbatch(ref: dict, got: list[dict], blocks, schema=SCHEMA) -> None:
     """``got`` (one batch per CP rank) against ``ref`` (the unsharded collate of the same micro-batch) and the
     micro-batch's ``blocks`` from :func:`hybrid_cp_plan`: raises AssertionError on any difference."""
-    ids, want = ref["sample_index"].tolist(), sequences(ref)
+    ids, want = ref["sample_index"].tolist(), sequences(ref, schema=schema)
     held = []
     for block in blocks:
         group = got[block.first:block.first + block.size]
@@ -82,11 +84,11 @@ def check_microbatch(ref: dict, got: list[dict], blocks) -> None:
             assert b["hybrid_cp_members"] == block.members, f"rank {block.first + r}: members"
             assert b["sample_index"].tolist() == [ids[i] for i in block.members], "sample_index: the block's samples"
             assert torch.equal(b["cu_seqlens_padded"], group[0]["cu_seqlens_padded"])
-            validate_batch({k: v for k, v in b.items() if k not in LOADER_KEYS}, SCHEMA, ParallelLayout(cp=len(got)))
+            validate_batch({k: v for k, v in b.items() if k not in LOADER_KEYS}, schema, ParallelLayout(cp=len(got)))
             params = to_packed_seq_params(b)
             assert params.local_cp_size == block.size
-        mine = sequences(group[0], group)
-        for name in TOKEN_FIELDS:
+        mine = sequences(group[0], group, schema)
+        for name in mine:
             for j, i in enumerate(block.members):
                 assert torch.equal(mine[name][j], want[name][i]), f"{name} of sequence {i} (block at {block.first})"
         held.extend(block.members)
@@ -248,3 +250,54 @@ def test_deferred_cp_shard_keeps_whole_rows_and_the_gather_index(wds):
             assert d["local_cp_size"] == b["local_cp_size"] and d["hybrid_cp_members"] == b["hybrid_cp_members"]
             assert d["input_ids"].shape[1] == int(d["cu_seqlens_padded"][-1])
             assert torch.equal(d["input_ids"].index_select(1, d["cp_gather_index"]), b["input_ids"])
+
+
+def test_a_sample_bad_only_at_load_time_fails_alike_on_every_cp_rank(tmp_path):
+    """A top-k id past the vocabulary in sample 7, which the header-only index does not read, is found on every
+    CP rank whatever block it would have gone to: under the skip policy all ranks leave it out and assign the
+    rest alike (each micro-batch still reconstructs, its blocks those of the samples left); under the default
+    policy every rank raises naming it."""
+    from prealign.loaders.index.header_pass import write_sidecars
+
+    lengths = sample_lengths(40, seed=2, low=8, high=120)
+
+    def extra(i, tf):
+        ids = token_ids(i, lengths[i]) % 1000
+        top = np.stack([ids, ids + 1], axis=1).astype(np.int64)
+        if i == 7:
+            top[3, 1] = 99_999
+        add_member(tf, f"{i:06d}.input_ids.npy", _npy(ids))
+        add_member(tf, f"{i:06d}.teacher_topk_ids.npy", _npy(top))
+        add_member(tf, f"{i:06d}.teacher_topk_log_probs.npy", _npy(np.tile(np.float32([-0.5, -2.0]), (lengths[i], 1))))
+        return True
+
+    schema, cp, budget = causal_lm_schema(topk=2, vocab_size=1001), 4, 1024
+    paths = write_shards(str(tmp_path), lengths, num_shards=2, extra=extra)
+    write_sidecars(WebDatasetSource(paths), schema)
+    skip = BadDataPolicy(on_error="skip", max_consecutive=50)
+    planner = dataclasses.replace(HYBRID, oversize="error")
+
+    def loader(**kw):
+        return PackedLoader(WebDatasetSource(paths), schema=schema, layout=ParallelLayout(cp=cp), token_budget=budget,
+                            **kw)
+
+    with pytest.warns(BadSampleWarning, match="index row 7. at load time"):
+        ref = list(loader(planner=dataclasses.replace(planner, hybrid_cp=False), bad_data=skip))
+        got = [list(loader(planner=planner, cp_rank=c, bad_data=skip)) for c in range(cp)]
+    assert sorted(i for b in ref for i in b["sample_index"].tolist()) == [i for i in range(40) if i != 7]
+    probe = loader(planner=planner, cp_rank=0)
+    order, plan = probe.prepare()._schedule.plan(0)
+    blocks7 = next(bl for mb, bl in zip(plan.microbatches[0], hybrid_cp_plan(
+        plan, probe.index.lengths[order], layout=ParallelLayout(cp=cp), token_budget=budget, cost=COST)[0])
+        if 7 in order[list(mb)])
+    assert len(blocks7) == cp, "sample 7's micro-batch splits: three of the four ranks would not hold it"
+    split = 0
+    for r, g in zip(ref, zip(*got)):
+        blocks = assign_cp_blocks([lengths[i] for i in r["sample_index"].tolist()], layout=ParallelLayout(cp=cp),
+                                  token_budget=budget, cost=COST)
+        check_microbatch(r, list(g), blocks, schema)
+        split += len(blocks) > 1
+    assert split, "some micro-batches split into sub-groups"
+    for c in range(cp):
+        with pytest.raises(SampleError, match="index row 7"):
+            list(loader(planner=planner, cp_rank=c))

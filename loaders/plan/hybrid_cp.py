@@ -184,10 +184,12 @@ class HybridCPCollator:
     (the same list on every CP rank) -> this CP rank's batch (:func:`hybrid_cp_batch`: its block's THD
     zigzag shards, ``local_cp_size``, ``hybrid_cp_members``).
 
-    Every sample of the micro-batch is checked and measured on every rank (one
-    :func:`~prealign.collate.samples.flatten`, as a fixed-CP rank does), so a bad sample fails on all CP
-    ranks alike, and the blocks come from the lengths the collator sees: the index's lengths, truncation
-    applied, which :func:`hybrid_cp_plan` reads from the plan.
+    Every rank first collates the whole micro-batch as a fixed-CP rank does (``collator``), so every sample
+    is checked on every rank, values included: a bad sample fails on all CP ranks alike and none goes on
+    alone into its sub-group's collectives. The blocks come from that batch's lengths (the index's,
+    truncation applied, which :func:`hybrid_cp_plan` reads from the plan). A rank whose block is the whole
+    group keeps that batch; the others collate their block's samples again (at most twice the collation of
+    fixed CP, on the micro-batches that split).
 
     ``collator``: the :class:`~prealign.collate.THDCollator` of the whole CP group with this rank's
     ``cp_rank`` (``None`` only without CP); ``token_budget``, ``cost``, ``comm_ratio``: as
@@ -219,9 +221,11 @@ class HybridCPCollator:
         return self.collator.layout
 
     def __call__(self, samples: list) -> dict:
-        from prealign.collate.samples import flatten
-
-        lengths = flatten(samples, self.schema, check_values=self.collator.check_values).lengths
+        whole = self.collator(samples)
+        lengths = whole["cu_seqlens"][:len(samples) + 1].diff()  # (static offsets repeat the total past N)
         blocks = assign_cp_blocks(lengths.numpy(), layout=self.layout, token_budget=self.token_budget,
                                   cost=self.cost, comm_ratio=self.comm_ratio)
-        return _block_batch(self.collator, samples, blocks)
+        if len(blocks) > 1:
+            return _block_batch(self.collator, samples, blocks)
+        whole["local_cp_size"], whole["hybrid_cp_members"] = blocks[0].size, blocks[0].members
+        return whole
