@@ -301,3 +301,37 @@ def test_a_sample_bad_only_at_load_time_fails_alike_on_every_cp_rank(tmp_path):
     for c in range(cp):
         with pytest.raises(SampleError, match="index row 7"):
             list(loader(planner=planner, cp_rank=c))
+
+
+def test_vlm_microbatch_each_block_holds_its_images_and_transformers_positions():
+    """A VLM micro-batch through HybridCPCollator(MRoPECollator(THDCollator)) at cp=4: each block's ranks hold
+    exactly their sequences' images (pixel_values, image_grid_thw) and, unsharded, their tokens and
+    transformers' own Qwen2-VL mRoPE positions."""
+    from prealign.collate.mrope import MRoPECollator
+    from prealign.loaders.plan.hybrid_cp import HybridCPCollator
+    from prealign.schemas import vlm_schema
+    from tests.test_mrope import hf_positions, vlm_sample
+
+    schema, layout, cp = vlm_schema(), ParallelLayout(cp=4), 4
+    samples = [vlm_sample(segs) for segs in ([30, (1, 12, 12), 20], [5, (1, 4, 4)], [(2, 8, 8), 3], [40],
+                                             [(1, 6, 10), 7, (1, 4, 2)], [12])]
+    lengths = [len(s["input_ids"]) for s in samples]
+    blocks = assign_cp_blocks(lengths, layout=layout, token_budget=1024, cost=COST)
+    assert len(blocks) > 1
+    got = [HybridCPCollator(collator=MRoPECollator(collator=THDCollator(schema=schema, layout=layout, cp_rank=c)),
+                            token_budget=1024, cost=COST)(samples) for c in range(cp)]
+    want = hf_positions(samples)
+    for block in blocks:
+        group = got[block.first:block.first + block.size]
+        b = group[0]
+        assert all(g["hybrid_cp_members"] == block.members and g["local_cp_size"] == block.size for g in group)
+        for g in group:
+            validate_batch(g, schema, layout)
+            assert torch.equal(g["pixel_values"], torch.cat([samples[i]["pixel_values"] for i in block.members]))
+            assert torch.equal(g["image_grid_thw"], torch.cat([samples[i]["image_grid_thw"] for i in block.members]))
+        pos = unshard_cp([g["mrope_position_ids"] for g in group], cu_seqlens_padded=b["cu_seqlens_padded"], dim=2)
+        ids = unshard_cp([g["input_ids"] for g in group], cu_seqlens_padded=b["cu_seqlens_padded"])
+        cu = dict(cu_seqlens=b["cu_seqlens"], cu_seqlens_padded=b["cu_seqlens_padded"])
+        for j, (p, t) in enumerate(zip(unpack_thd(pos, dim=2, **cu), unpack_thd(ids, **cu))):
+            i = block.members[j]
+            assert torch.equal(p, want[i]) and torch.equal(t, samples[i]["input_ids"])

@@ -158,13 +158,27 @@ def hybrid_cp_batch(samples: list, blocks: tuple[CPBlock, ...], *, schema, layou
                         samples, blocks)
 
 
+def _thd(collator):
+    """The :class:`~prealign.collate.THDCollator` of ``collator`` (itself, or the one an
+    :class:`~prealign.collate.mrope.MRoPECollator` wraps), else None."""
+    from prealign.collate import THDCollator
+    from prealign.collate.mrope import MRoPECollator
+
+    inner = collator.collator if isinstance(collator, MRoPECollator) else collator
+    return inner if isinstance(inner, THDCollator) else None
+
+
 def _block_batch(collator, samples: list, blocks: tuple[CPBlock, ...]) -> dict:
-    """``collator`` (a THDCollator of the whole CP group, with this rank's ``cp_rank``) run as the collator of
-    this rank's block over the block's samples; a :class:`SampleError` names the position in ``samples``."""
-    rank = collator.cp_rank or 0
+    """``collator`` (a THDCollator of the whole CP group with this rank's ``cp_rank``, optionally inside an
+    MRoPECollator) run as the collator of this rank's block over the block's samples; a :class:`SampleError`
+    names the position in ``samples``."""
+    inner = _thd(collator)
+    rank = inner.cp_rank or 0
     block = block_of(blocks, rank)
-    sub = dataclasses.replace(collator, layout=dataclasses.replace(collator.layout, cp=block.size),
-                              cp_rank=rank - block.first if collator.cp_rank is not None else None)
+    sub = dataclasses.replace(inner, layout=dataclasses.replace(inner.layout, cp=block.size),
+                              cp_rank=rank - block.first if inner.cp_rank is not None else None)
+    if inner is not collator:  # inside an MRoPECollator
+        sub = dataclasses.replace(collator, collator=sub)
     try:
         batch = sub([samples[i] for i in block.members])
     except SampleError as exc:
@@ -192,7 +206,8 @@ class HybridCPCollator:
     fixed CP, on the micro-batches that split).
 
     ``collator``: the :class:`~prealign.collate.THDCollator` of the whole CP group with this rank's
-    ``cp_rank`` (``None`` only without CP); ``token_budget``, ``cost``, ``comm_ratio``: as
+    ``cp_rank`` (``None`` only without CP), optionally inside an :class:`~prealign.collate.mrope.MRoPECollator`
+    (a sequence's 3-D positions do not depend on what it is packed with); ``token_budget``, ``cost``, ``comm_ratio``: as
     :func:`assign_cp_blocks`, the loader's.
     """
 
@@ -202,13 +217,11 @@ class HybridCPCollator:
     comm_ratio: float = 0.05
 
     def __post_init__(self):
-        from prealign.collate import THDCollator
-
-        if not isinstance(self.collator, THDCollator):
-            raise ConfigError(f"hybrid CP: the collator must be a THDCollator (each CP rank's batch is its block's "
-                              f"THD shards), got {type(self.collator).__name__}")
+        if _thd(self.collator) is None:
+            raise ConfigError(f"hybrid CP: the collator must be a THDCollator, optionally inside an MRoPECollator "
+                              f"(each CP rank's batch is its block's THD shards), got {type(self.collator).__name__}")
         _check(self.layout, self.comm_ratio)
-        if self.collator.cp_rank is None and self.layout.cp > 1:
+        if _thd(self.collator).cp_rank is None and self.layout.cp > 1:
             raise ConfigError(f"hybrid CP: cp = {self.layout.cp} but no cp_rank: each CP rank gets its own "
                               f"sub-group's batch; pass the loader this rank's cp_rank")
 
