@@ -80,9 +80,10 @@ def assign_cp_blocks(lengths, *, layout: ParallelLayout, token_budget: int, cost
     if true.ndim != 1 or true.size == 0:
         raise PlanError(f"hybrid CP: expected the lengths of a non-empty micro-batch, got shape {true.shape}")
     per_rank = token_budget // layout.cp
+    layouts = {layout.cp: layout}  # (one validated ParallelLayout per block size, not one per test)
 
     def fits(members, k: int) -> bool:
-        lay = dataclasses.replace(layout, cp=k)
+        lay = layouts.get(k) or layouts.setdefault(k, dataclasses.replace(layout, cp=k))
         aligned = int(((true[list(members)] + lay.seq_multiple - 1) // lay.seq_multiple * lay.seq_multiple).sum())
         try:
             return lay.total_length(aligned) // k <= per_rank
