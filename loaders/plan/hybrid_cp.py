@@ -207,9 +207,9 @@ class HybridCPCollator:
     fixed CP, on the micro-batches that split).
 
     ``collator``: the :class:`~prealign.collate.THDCollator` of the whole CP group with this rank's
-    ``cp_rank`` (``None`` only without CP), optionally inside an :class:`~prealign.collate.mrope.MRoPECollator`
-    (a sequence's 3-D positions do not depend on what it is packed with); ``token_budget``, ``cost``, ``comm_ratio``: as
-    :func:`assign_cp_blocks`, the loader's.
+    ``cp_rank`` (``None`` only without CP), optionally inside an
+    :class:`~prealign.collate.mrope.MRoPECollator` (a sequence's 3-D positions do not depend on what it is
+    packed with). ``token_budget``, ``cost``, ``comm_ratio``: as :func:`assign_cp_blocks`, the loader's.
     """
 
     collator: object
