@@ -21,6 +21,10 @@ k = 2 micro-batches per rank per step; cost 24576*L + L**2 per sequence (verl's 
     slowest rank's CPU time in the step (the CPU time of each rank, not wall time: this machine's cores
     are shared, and ranks queueing for a core would hide the imbalance); wall time is printed too.
 (c) plan time per global batch of 512 samples (whole plan of the set, one core), tokens vs compute.
+(d) collation per CP rank in the loader, cp = 4: a fixed-CP rank's ``THDCollator`` vs hybrid CP's
+    ``HybridCPCollator`` (``PlannerConfig(hybrid_cp=True)``: the whole micro-batch collated as a fixed-CP
+    rank, then the rank's block again when the micro-batch splits), summed over every rank and 48
+    micro-batches spread over the compute-balanced plan, side by side; and the block assignment alone.
 """
 from __future__ import annotations
 
@@ -272,6 +276,42 @@ def part_c(lengths) -> None:
         print(f"    {name:<8} {best * 1e3 * 512 / len(lengths):.2f} ms   (whole plan of {len(lengths)}: {best * 1e3:.1f} ms)")
 
 
+def part_d(lengths, microbatches: int = 48) -> None:
+    import torch
+
+    from prealign.collate import THDCollator
+    from prealign.loaders.plan.hybrid_cp import HybridCPCollator
+    from prealign.schemas import causal_lm_schema
+
+    cp, budget, schema = 4, 32768, causal_lm_schema()
+    layout = ParallelLayout(cp=cp)
+    plan = plan_microbatches(lengths, layout=layout, token_budget=budget, dp_size=1, cost=COST, oversize="truncate")
+    mbs = [mb for mb in plan.microbatches[0] if mb]
+    mbs = mbs[::max(len(mbs) // microbatches, 1)][:microbatches]  # spread over the plan (sorted by cost)
+    batches = [[{"input_ids": torch.arange(min(int(lengths[i]), budget), dtype=torch.int64) % 30000 + 1} for i in mb]
+               for mb in mbs]
+    fixed = [THDCollator(schema=schema, layout=layout, cp_rank=r) for r in range(cp)]
+    hybrid = [HybridCPCollator(collator=c, token_budget=budget, cost=COST, comm_ratio=COMM) for c in fixed]
+
+    def run(collators):
+        for samples in batches:
+            for c in collators:
+                c(samples)
+
+    run(fixed), run(hybrid)  # warm-up
+    t_fixed = min(_timed(lambda: run(fixed)) for _ in range(5))
+    t_hybrid = min(_timed(lambda: run(hybrid)) for _ in range(5))
+    lens = [[min(int(lengths[i]), budget) for i in mb] for mb in mbs]
+    t_assign = min(_timed(lambda: [assign_cp_blocks(x, layout=layout, token_budget=budget, cost=COST) for x in lens])
+                   for _ in range(5))
+    split = sum(len(assign_cp_blocks(x, layout=layout, token_budget=budget, cost=COST)) > 1 for x in lens)
+    per = 1e3 / (len(batches) * cp)
+    print(f"(d) collation per CP rank and micro-batch, cp = {cp}, budget {budget} ({len(batches)} micro-batches, "
+          f"{split} split into sub-groups; best of 5)")
+    print(f"    fixed CP {t_fixed * per:.2f} ms   hybrid CP {t_hybrid * per:.2f} ms   ratio {t_hybrid / t_fixed:.2f}x   "
+          f"block assignment {t_assign * 1e3 / len(batches):.3f} ms per micro-batch")
+
+
 def _timed(fn) -> float:
     t = time.perf_counter()
     fn()
@@ -290,6 +330,7 @@ def main() -> None:
     if not args.skip_cpu:
         part_b(args.cpu_samples, args.flops)
     part_c(lengths)
+    part_d(lengths)
 
 
 if __name__ == "__main__":

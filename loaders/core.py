@@ -24,6 +24,7 @@ from prealign.loaders.handoff.slots import init_worker
 from prealign.loaders.handoff.transport import PackedBatch, unpack_batch
 from prealign.loaders.options import LoadingOptions, WorkerConfig, check_option
 from prealign.loaders.plan.elastic import Segment, resumed_segments
+from prealign.loaders.plan.hybrid_cp import HybridCPCollator
 from prealign.loaders.plan.planner import PlannerConfig, microbatch_capacity
 from prealign.loaders.plan.schedule import check_count
 from prealign.loaders.policy import BadDataPolicy, BadDataReport, BadSampleWarning
@@ -89,6 +90,9 @@ class LoaderCore:
         self.bad_data = bad_data or BadDataPolicy()
         self.loading = loading or LoadingOptions()
         self.collator = collator or THDCollator(schema=schema, layout=layout, cp_rank=workers.cp_rank)
+        if self.planner.hybrid_cp:  # each CP rank's batch: its sub-group's shards (plan/hybrid_cp.py)
+            self.collator = HybridCPCollator(collator=self.collator, token_budget=token_budget, cost=self.planner.cost,
+                                             comm_ratio=self.planner.cp_comm_ratio)
         self._capacity = microbatch_capacity(layout, token_budget)  # arithmetic only: a bad budget fails here
         self._schema_fingerprint = schema.fingerprint()
         self._fingerprint: dict | None = None  # the data's, set by prepare()

@@ -10,7 +10,9 @@ of another ``dp_size`` or ``microbatches_per_step`` re-plans the rest of its epo
 not yet served (:mod:`prealign.loaders.plan.elastic`, ``docs/resume.md``).
 
 Ranks: TP ranks of a DP group build identical batches (nothing here depends on the TP rank); CP
-ranks of a DP group get complementary shards of the same micro-batch (the collator's ``cp_rank``);
+ranks of a DP group get complementary shards of the same micro-batch (the collator's ``cp_rank``; under
+``PlannerConfig(hybrid_cp=True)`` the shards of their CP sub-group's sequences,
+:class:`~prealign.loaders.plan.hybrid_cp.HybridCPCollator`);
 DP ranks get disjoint micro-batches that together hold every sample once per epoch, the same number
 on every rank in every step.
 """
@@ -39,7 +41,7 @@ from prealign.loaders.plan.schedule import Request, Schedule, check_count
 from prealign.loaders.policy import BadDataPolicy, BadDataReport, BadSampleWarning, OnBadSample, Oversize
 from prealign.loaders.serve.workers import hand_over
 from prealign.loaders.sources.source import Source
-from prealign.schemas.errors import PrealignError, SampleError
+from prealign.schemas.errors import ConfigError, PrealignError, SampleError
 from prealign.schemas.layout import ParallelLayout
 from prealign.schemas.schema import BatchSchema, Role
 from prealign.schemas.schema import Source as FieldSource
@@ -198,7 +200,9 @@ class _CollatePlanned:
                 raise
         if skipped:
             batch["skipped_at_load"] = skipped
-        batch["sample_index"] = torch.tensor(request.indices, dtype=torch.int64)
+        members = batch.get("hybrid_cp_members")  # hybrid CP: this rank holds only its block's samples
+        ids = request.indices if members is None or not request.indices else [request.indices[i] for i in members]
+        batch["sample_index"] = torch.tensor(ids, dtype=torch.int64)
         batch["is_filler"] = not request.indices
         batch["epoch"] = request.epoch
         batch["microbatch"] = request.position
@@ -241,7 +245,9 @@ class PackedLoader(LoaderCore):
     Each batch is the collator's output (``THDCollator(schema, layout, cp_rank)`` by default: token
     fields ``[1, T/cp, *dense]`` with ``T <= token_budget``, ``cu_seqlens*`` ...) plus
     ``sample_index`` int64 ``[N]`` (rows of :attr:`index`), ``is_filler`` bool, ``epoch`` and
-    ``microbatch`` ints.
+    ``microbatch`` ints. Under ``PlannerConfig(hybrid_cp=True)`` a rank's batch holds only its CP
+    sub-group's sequences (``sample_index`` lists them) plus ``local_cp_size`` and ``hybrid_cp_members``
+    (``docs/balance.md``).
 
     ``token_budget``: global padded THD length of one micro-batch (one CP group; each CP rank holds
     ``budget / cp``). The rarer knobs are option objects (:mod:`prealign.loaders.options`):
@@ -273,6 +279,10 @@ class PackedLoader(LoaderCore):
         check_option("shuffle", shuffle, ShuffleOptions)
         check_option("indexing", indexing, IndexOptions)
         check_option("share", share, BatchShare)
+        if share is not None and getattr(planner, "hybrid_cp", False):
+            raise ConfigError("share: BatchShare publishes one collated micro-batch for the whole CP group, while "
+                              "under PlannerConfig(hybrid_cp=True) each CP sub-group collates its own samples; use "
+                              "one of them")
         workers = WorkerConfig(dp_rank=dp_rank, dp_size=dp_size, cp_rank=cp_rank, num_workers=num_workers,
                                group=group)
         super().__init__(source, schema=schema, layout=layout, token_budget=token_budget, workers=workers, seed=seed,

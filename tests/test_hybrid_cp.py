@@ -170,3 +170,17 @@ def test_shards_match_megatron_core_hybrid_cp_path():
         for i, ranks in members.items():
             assert len(ranks) == next(got[r][case][2] for r in ranks)
         assert sorted(members) == list(range(len(CASES[case])))
+
+
+def test_a_bad_sample_is_named_by_its_position_in_the_microbatch():
+    from prealign.schemas.errors import SampleError
+
+    lengths = [2000, 500, 500, 500, 500]  # blocks (0, 2): [0], (2, 1): [1, 3], (3, 1): [2, 4]
+    layout = ParallelLayout(cp=4)
+    blocks = assign_cp_blocks(lengths, layout=layout, token_budget=8192, cost=COST)
+    samples = make_samples(lengths)
+    samples[3] = dict(samples[3], input_ids=samples[3]["input_ids"].clone().fill_(-1))  # second of its block
+    with pytest.raises(SampleError, match="sample 3") as info:
+        hybrid_cp_batch(samples, blocks, schema=SCHEMA, layout=layout, cp_rank=2)
+    assert info.value.sample == 3
+    hybrid_cp_batch(samples, blocks, schema=SCHEMA, layout=layout, cp_rank=3)  # another block does not hold it

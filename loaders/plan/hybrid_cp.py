@@ -25,7 +25,7 @@ import numpy as np
 
 from prealign.loaders.errors import PlanError
 from prealign.loaders.plan.cost import CostModel
-from prealign.schemas.errors import BucketOverflowError
+from prealign.schemas.errors import BucketOverflowError, ConfigError, SampleError
 from prealign.schemas.layout import ParallelLayout
 
 
@@ -80,9 +80,10 @@ def assign_cp_blocks(lengths, *, layout: ParallelLayout, token_budget: int, cost
     if true.ndim != 1 or true.size == 0:
         raise PlanError(f"hybrid CP: expected the lengths of a non-empty micro-batch, got shape {true.shape}")
     per_rank = token_budget // layout.cp
+    layouts = {layout.cp: layout}  # (one validated ParallelLayout per block size, not one per test)
 
     def fits(members, k: int) -> bool:
-        lay = dataclasses.replace(layout, cp=k)
+        lay = layouts.get(k) or layouts.setdefault(k, dataclasses.replace(layout, cp=k))
         aligned = int(((true[list(members)] + lay.seq_multiple - 1) // lay.seq_multiple * lay.seq_multiple).sum())
         try:
             return lay.total_length(aligned) // k <= per_rank
@@ -154,10 +155,91 @@ def hybrid_cp_batch(samples: list, blocks: tuple[CPBlock, ...], *, schema, layou
     micro-batch it holds). :func:`~prealign.collate.to_packed_seq_params` fills ``local_cp_size``."""
     from prealign.collate import THDCollator
 
-    block = block_of(blocks, cp_rank)
-    collate = THDCollator(schema=schema, layout=dataclasses.replace(layout, cp=block.size),
-                          cp_rank=cp_rank - block.first, **collator_options)
-    batch = collate([samples[i] for i in block.members])
+    return _block_batch(THDCollator(schema=schema, layout=layout, cp_rank=cp_rank, **collator_options),
+                        samples, blocks)
+
+
+def _thd(collator):
+    """The :class:`~prealign.collate.THDCollator` of ``collator`` (itself, or the one an
+    :class:`~prealign.collate.mrope.MRoPECollator` wraps), else None."""
+    from prealign.collate import THDCollator
+    from prealign.collate.mrope import MRoPECollator
+
+    inner = collator.collator if isinstance(collator, MRoPECollator) else collator
+    return inner if isinstance(inner, THDCollator) else None
+
+
+def _block_batch(collator, samples: list, blocks: tuple[CPBlock, ...]) -> dict:
+    """``collator`` (a THDCollator of the whole CP group with this rank's ``cp_rank``, optionally inside an
+    MRoPECollator) run as the collator of this rank's block over the block's samples; a :class:`SampleError`
+    names the position in ``samples``."""
+    inner = _thd(collator)
+    rank = inner.cp_rank or 0
+    block = block_of(blocks, rank)
+    sub = dataclasses.replace(inner, layout=dataclasses.replace(inner.layout, cp=block.size),
+                              cp_rank=rank - block.first if inner.cp_rank is not None else None)
+    if inner is not collator:  # inside an MRoPECollator
+        sub = dataclasses.replace(collator, collator=sub)
+    try:
+        batch = sub([samples[i] for i in block.members])
+    except SampleError as exc:
+        pos = exc.sample
+        if not isinstance(pos, bool) and isinstance(pos, int) and 0 <= pos < len(block.members):
+            exc.sample = block.members[pos]
+            exc.args = (str(exc).replace(f"sample {pos}", f"sample {exc.sample}", 1),)
+        raise
     batch["local_cp_size"] = block.size
     batch["hybrid_cp_members"] = block.members
     return batch
+
+
+@dataclass(frozen=True, kw_only=True)
+class HybridCPCollator:
+    """The collate_fn of a loader under ``PlannerConfig(hybrid_cp=True)``: a whole micro-batch's samples
+    (the same list on every CP rank) -> this CP rank's batch (:func:`hybrid_cp_batch`: its block's THD
+    zigzag shards, ``local_cp_size``, ``hybrid_cp_members``).
+
+    Every rank first collates the whole micro-batch as a fixed-CP rank does (``collator``), so every sample
+    is checked on every rank, values included: a bad sample fails on all CP ranks alike and none goes on
+    alone into its sub-group's collectives. The blocks come from that batch's lengths (the index's,
+    truncation applied, which :func:`hybrid_cp_plan` reads from the plan). A rank whose block is the whole
+    group keeps that batch; the others collate their block's samples again (at most twice the collation of
+    fixed CP, on the micro-batches that split).
+
+    ``collator``: the :class:`~prealign.collate.THDCollator` of the whole CP group with this rank's
+    ``cp_rank`` (``None`` only without CP), optionally inside an
+    :class:`~prealign.collate.mrope.MRoPECollator` (a sequence's 3-D positions do not depend on what it is
+    packed with). ``token_budget``, ``cost``, ``comm_ratio``: as :func:`assign_cp_blocks`, the loader's.
+    """
+
+    collator: object
+    token_budget: int
+    cost: CostModel
+    comm_ratio: float = 0.05
+
+    def __post_init__(self):
+        if _thd(self.collator) is None:
+            raise ConfigError(f"hybrid CP: the collator must be a THDCollator, optionally inside an MRoPECollator "
+                              f"(each CP rank's batch is its block's THD shards), got {type(self.collator).__name__}")
+        _check(self.layout, self.comm_ratio)
+        if _thd(self.collator).cp_rank is None and self.layout.cp > 1:
+            raise ConfigError(f"hybrid CP: cp = {self.layout.cp} but no cp_rank: each CP rank gets its own "
+                              f"sub-group's batch; pass the loader this rank's cp_rank")
+
+    @property
+    def schema(self):
+        return self.collator.schema
+
+    @property
+    def layout(self) -> ParallelLayout:
+        return self.collator.layout
+
+    def __call__(self, samples: list) -> dict:
+        whole = self.collator(samples)
+        lengths = whole["cu_seqlens"][:len(samples) + 1].diff()  # (static offsets repeat the total past N)
+        blocks = assign_cp_blocks(lengths.numpy(), layout=self.layout, token_budget=self.token_budget,
+                                  cost=self.cost, comm_ratio=self.comm_ratio)
+        if len(blocks) > 1:
+            return _block_batch(self.collator, samples, blocks)
+        whole["local_cp_size"], whole["hybrid_cp_members"] = blocks[0].size, blocks[0].members
+        return whole

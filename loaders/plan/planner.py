@@ -76,6 +76,16 @@ class PlannerConfig:
     """Balance each step's DP ranks by compute (:class:`~prealign.loaders.plan.cost.CostModel`) instead
     of tokens: the micro-batches of a pool are grouped into equal-cost shares of ``k``
     (:func:`~prealign.loaders.plan.cost.balanced_steps`). ``None``: by tokens (the plans of before)."""
+    hybrid_cp: bool = False
+    """Hybrid context parallelism (megatron-core's ``hybrid_context_parallel``), planned in the loader: each
+    micro-batch's sequences are assigned to aligned CP sub-groups of 1, 2, 4, ... ranks
+    (:func:`~prealign.loaders.plan.hybrid_cp.assign_cp_blocks`) and each CP rank's batch holds its
+    sub-group's zigzag shards with ``local_cp_size``. Needs :attr:`cost`: the split trades a sequence's
+    attention (``cost.quadratic``) against its K/V exchange (``cp_comm_ratio * cost.linear``), a ratio only
+    the model knows (:meth:`CostModel.from_hf_config`). The micro-batches and steps are those of ``cost``."""
+    cp_comm_ratio: float = 0.05
+    """Hybrid CP only: the cost of receiving one token's K/V relative to ``cost.linear`` (about 0.02 to 0.1
+    over NVLink, several times that across nodes)."""
 
     def __post_init__(self):
         object.__setattr__(self, "strategy", coerce_enum(PackStrategy, self.strategy, "strategy"))
@@ -89,12 +99,21 @@ class PlannerConfig:
             object.__setattr__(self, "cost", CostModel(**self.cost))
         if self.cost is not None and not isinstance(self.cost, CostModel):
             raise PlanError(f"cost: expected a CostModel, its dict or None, got {self.cost!r}")
+        if not isinstance(self.hybrid_cp, bool):
+            raise PlanError(f"hybrid_cp: expected a bool, got {self.hybrid_cp!r}")
+        ratio = self.cp_comm_ratio
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio < float("inf"):
+            raise PlanError(f"cp_comm_ratio: expected a finite number >= 0, got {ratio!r}")
+        if self.hybrid_cp and self.cost is None:
+            raise PlanError("hybrid_cp: needs cost=CostModel(...) (e.g. CostModel.from_hf_config(model_config)) to "
+                            "weigh a sequence's attention against its K/V exchange when choosing its CP sub-group")
 
     def to_dict(self) -> dict:
         return {"strategy": self.strategy.value, "buffer_size": self.buffer_size, "oversize": self.oversize.value,
                 "microbatches_per_step": self.microbatches_per_step, "max_age": self.max_age,
                 "step_pool": self.step_pool, "chunk_size": self.chunk_size,
-                **({"cost": self.cost.to_dict()} if self.cost is not None else {})}  # (fingerprints of before)
+                **({"cost": self.cost.to_dict()} if self.cost is not None else {}),  # (fingerprints of before)
+                **({"hybrid_cp": True, "cp_comm_ratio": float(self.cp_comm_ratio)} if self.hybrid_cp else {})}
 
     @classmethod
     def from_dict(cls, data: dict) -> "PlannerConfig":
