@@ -35,6 +35,11 @@ class VisionFamily:
     """The HF ``model_type`` values this family serves."""
     volume_resize: ClassVar[bool] = False
     """Video resize bounds the clip's volume (Qwen3-VL) rather than each frame's area (Qwen2-VL)."""
+    video_defaults: ClassVar[dict] = {"min_pixels": 128 * 28 * 28, "max_pixels": 28 * 28 * 768,
+                                      "image_mean": (0.48145466, 0.4578275, 0.40821073),
+                                      "image_std": (0.26862954, 0.26130258, 0.27577711)}
+    """transformers' video processor defaults (``size`` and normalisation), used when no video processor is
+    given (transformers' video processors need torchvision)."""
 
     model_type: str
     image_token_id: int

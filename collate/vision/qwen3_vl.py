@@ -17,6 +17,8 @@ class Qwen3VL(VisionFamily):
 
     model_types = ("qwen3_vl", "qwen3_vl_moe")
     volume_resize = True
+    video_defaults = {"min_pixels": 128 * 32 * 32, "max_pixels": 32 * 32 * 768, "image_mean": (0.5, 0.5, 0.5),
+                      "image_std": (0.5, 0.5, 0.5)}
 
     def video_runs(self, video_grid_thw) -> np.ndarray:
         """Each ``(t, h, w)`` video -> ``t`` runs of ``(1, h, w)``."""
