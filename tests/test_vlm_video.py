@@ -191,3 +191,27 @@ def test_bad_videos_are_typed_errors():
     meta = {"text": "no video here", "videos": [{"frames": ["v0_0.png", "v0_1.png"], "fps": 2}]}
     with pytest.raises(MediaError, match="placeholders"):
         t({**video_raw("e", 2, 64, 64, 2.0, image=False), "json": json.dumps(meta).encode()})
+
+
+# ---- header-only lengths and the demo -------------------------------------------------------------------------
+@pytest.mark.parametrize("model", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5"])
+def test_header_index_equals_the_full_pass_with_videos(tmp_path, model):
+    """``prealign demo --model`` data (images and videos): the header-only index (frame headers -> family video
+    grid -> the family's video ids) gives every sample the length the full transform gives."""
+    from prealign.loaders import BadDataPolicy, WebDatasetSource, build_index
+    from prealign.loaders.cli.demo_data import build_demo_dataset, demo_model_config
+    from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
+    from prealign.loaders.index.header_pass import write_sidecars
+
+    ds = build_demo_dataset(str(tmp_path), num_samples=24, samples_per_shard=12, topk=4, model=model, bad=())
+    transform = VLMSampleTransform(tokenizer=ByteTokenizer(), topk=4, model_config=demo_model_config(model))
+    schema = vlm_schema(topk=4, vocab_size=ds.vocab_size)
+    policy = BadDataPolicy(on_error="raise")
+    full = build_index(WebDatasetSource(list(ds.shards), transform=transform, image="bytes", sidecars=False), schema,
+                       policy=policy)
+    write_sidecars(WebDatasetSource(list(ds.shards), transform=transform, image="bytes"), schema)
+    side = build_index(WebDatasetSource(list(ds.shards), transform=transform, image="bytes"), schema, policy=policy)
+    assert len(full) == len(side) == 24
+    assert full.lengths.tolist() == side.lengths.tolist() and full.media.tolist() == side.media.tolist()
+    videos = sum(b"videos" in open(p, "rb").read() for p in ds.shards)
+    assert videos > 0

@@ -547,16 +547,7 @@ class VLMSampleTransform:
         pixels, grids, seconds, ids = [], [], [], []
         for name, frames, fps in video_members(raw, meta, key, default_fps=self.video_fps):
             decoded = [decode_image(v, sample=key, name=n) for n, v in frames]
-            sizes = {im.size for im in decoded}
-            if len(sizes) != 1:
-                raise MediaError(MediaProblem.BAD_VIDEO, sample=key, field=name, expected="frames of one size",
-                                 actual=f"sizes {sorted(sizes)}")
-            (w, h), = sizes
-            try:
-                grid = self.family.video_grid(len(decoded), h, w, geometry, sample=key, field=name)
-            except SampleError as exc:
-                raise MediaError(MediaProblem.BAD_VIDEO, sample=key, field=name, expected=exc.expected,
-                                 actual=exc.actual) from None
+            grid = self._video_grid(name, [im.size for im in decoded], geometry, key)
             codes = video_patches(decoded, grid, geometry.patch_size, geometry.merge_size, geometry.temporal_patch_size)
             pixels.append(normalize_patches(codes, table))
             grids.append(grid)
@@ -566,6 +557,29 @@ class VLMSampleTransform:
         return {"pixel_values_videos": torch.from_numpy(np.concatenate(pixels)) if pixels else torch.zeros(0, dim),
                 "video_grid_thw": torch.tensor(grids, dtype=torch.int64).reshape(-1, 3),
                 "second_per_grid_ts": torch.tensor(seconds, dtype=torch.float32), "ids": ids}
+
+    def header_video_ids(self, raw: dict, meta: dict, key, frame_size) -> list[np.ndarray] | None:
+        """Each video's ids from its frames' sizes alone (``frame_size(name, value) -> (width, height)``, e.g.
+        from image headers): what :meth:`__call__` writes, without decoding a pixel. ``None`` without a family."""
+        if self.family is None:
+            return None
+        geometry = self.video_geometry
+        out = []
+        for name, frames, fps in video_members(raw, meta, key, default_fps=self.video_fps):
+            grid = self._video_grid(name, [frame_size(n, v) for n, v in frames], geometry, key)
+            out.append(self.video_ids(grid, len(frames), fps))
+        return out
+
+    def _video_grid(self, name: str, sizes: list[tuple[int, int]], geometry: VisionGeometry, key) -> tuple:
+        if len(set(sizes)) != 1:
+            raise MediaError(MediaProblem.BAD_VIDEO, sample=key, field=name, expected="frames of one size",
+                             actual=f"sizes {sorted(set(sizes))}")
+        w, h = sizes[0]
+        try:
+            return self.family.video_grid(len(sizes), h, w, geometry, sample=key, field=name)
+        except SampleError as exc:
+            raise MediaError(MediaProblem.BAD_VIDEO, sample=key, field=name, expected=exc.expected,
+                             actual=exc.actual) from None
 
     def expand(self, sample: dict) -> dict:
         """:meth:`compact`'s output -> the sample (``pixel_codes`` -> ``pixel_values`` of ``pixel_dtype``,
