@@ -6,7 +6,10 @@
         whole-clip volume bound  (Qwen3-VL / Qwen3.5 video processor: ``frames * h * w`` within the pixel range)
 
 ``gh``, ``gw`` count patches (multiples of the merge size); the LLM sees ``t * gh * gw / merge**2`` tokens.
-Pure Python integer/float arithmetic, written from the processors' resize rules (tested equal to them).
+The area rule is pure Python arithmetic written from the processors' resize rule (tested equal to it). The
+volume rule changed between transformers releases (5.10 rounds the frames up and refuses a side under
+``patch * merge``; 5.24 rounds them to the nearest and scales such a side up), so it is the installed
+transformers' own ``smart_resize`` of the Qwen3-VL video processor (importable without torchvision).
 """
 from __future__ import annotations
 
@@ -60,7 +63,7 @@ def image_grid(height: int, width: int, geometry: VisionGeometry = VisionGeometr
     (1, 4, 4)
     """
     _check_size(height, width, sample, field)
-    h_bar, w_bar = _resize(height, width, 1, geometry.patch_size * geometry.merge_size, geometry)
+    h_bar, w_bar = _resize(height, width, geometry.patch_size * geometry.merge_size, geometry)
     return 1, h_bar // geometry.patch_size, w_bar // geometry.patch_size
 
 
@@ -70,23 +73,27 @@ def video_grid(frames: int, height: int, width: int, geometry: VisionGeometry, *
     a multiple of ``temporal_patch_size`` by repeating the last, as the video processors do).
 
     ``volume=False`` (Qwen2-VL / Qwen2.5-VL): each frame's area within ``[min_pixels, max_pixels]``.
-    ``volume=True`` (Qwen3-VL / Qwen3.5): the clip's ``round(frames / temporal) * temporal * h * w`` within it,
-    a side under ``factor`` first scaled up, and at least ``temporal_patch_size`` frames.
+    ``volume=True`` (Qwen3-VL / Qwen3.5): the clip's volume, by transformers' Qwen3-VL video ``smart_resize``.
+    What the processor refuses (too few frames, a bad aspect ratio) is a :class:`SampleError`.
 
     >>> video_grid(5, 240, 320, VisionGeometry(patch_size=16, min_pixels=4096, max_pixels=2 ** 22), volume=True)
     (3, 16, 20)
     """
     tp = geometry.temporal_patch_size
-    if isinstance(frames, bool) or not isinstance(frames, int) or frames < (tp if volume else 1):
-        raise SampleError(sample=sample, field=field, actual=f"{frames} frames",
-                          expected=f"at least {tp if volume else 1} frame(s)")
+    if isinstance(frames, bool) or not isinstance(frames, int) or frames < 1:
+        raise SampleError(sample=sample, field=field, actual=f"{frames!r} frames", expected="at least 1 frame")
     factor = geometry.patch_size * geometry.merge_size
-    if volume and (height < factor or width < factor):  # the Qwen3-VL video processor scales a small side up first
-        scale = max(factor / height, factor / width)
-        height, width = int(height * scale), int(width * scale)
-    _check_size(height, width, sample, field)
-    t_bar = round(frames / tp) * tp if volume else 1
-    h_bar, w_bar = _resize(height, width, t_bar, factor, geometry, frames=frames if volume else 1)
+    if volume:
+        from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize
+
+        try:
+            h_bar, w_bar = smart_resize(frames, height, width, tp, factor, geometry.min_pixels, geometry.max_pixels)
+        except ValueError as exc:
+            raise SampleError(sample=sample, field=field, actual=f"{frames} frames of {width}x{height}",
+                              expected=f"a video the Qwen3-VL video processor accepts ({exc})") from None
+    else:
+        _check_size(height, width, sample, field)
+        h_bar, w_bar = _resize(height, width, factor, geometry)
     return -(-frames // tp), h_bar // geometry.patch_size, w_bar // geometry.patch_size
 
 
@@ -98,16 +105,15 @@ def _check_size(height: int, width: int, sample, field: str) -> None:
                           actual=f"{width}x{height}")
 
 
-def _resize(height: int, width: int, t_bar: int, factor: int, geometry: VisionGeometry, *, frames: int = 1
-            ) -> tuple[int, int]:
-    """The processors' ``smart_resize``: ``t_bar * h * w`` (``frames * h * w`` for the scale) kept in range."""
+def _resize(height: int, width: int, factor: int, geometry: VisionGeometry) -> tuple[int, int]:
+    """The Qwen2-VL processors' resize: sides to multiples of ``factor``, the area kept in range."""
     h_bar, w_bar = round(height / factor) * factor, round(width / factor) * factor
-    if t_bar * h_bar * w_bar > geometry.max_pixels:
-        beta = math.sqrt(frames * height * width / geometry.max_pixels)
+    if h_bar * w_bar > geometry.max_pixels:
+        beta = math.sqrt(height * width / geometry.max_pixels)
         h_bar = max(factor, math.floor(height / beta / factor) * factor)
         w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif t_bar * h_bar * w_bar < geometry.min_pixels:
-        beta = math.sqrt(geometry.min_pixels / (frames * height * width))
+    elif h_bar * w_bar < geometry.min_pixels:
+        beta = math.sqrt(geometry.min_pixels / (height * width))
         h_bar = math.ceil(height * beta / factor) * factor
         w_bar = math.ceil(width * beta / factor) * factor
     return h_bar, w_bar

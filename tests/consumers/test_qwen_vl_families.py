@@ -14,15 +14,20 @@ from prealign.collate import HFAttention, MRoPECollator, THDCollator, to_hf_kwar
 from prealign.schemas import PadPolicy, ParallelLayout, validate_vlm_batch, vlm_schema
 from prealign.schemas.errors import PackingUnsupportedError
 from tests.consumers.models import CORRUPT, TOL, real_slots
+from tests.test_vlm_families import fractional_seconds
 from tests.vlm_families import TOK, tiny_config, tiny_model, vision_sample
 
 transformers = pytest.importorskip("transformers")
 SCHEMA = vlm_schema(vocab_size=TOK.vocab_size)
 FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_5")
 LAYOUT = ParallelLayout(tp=2, cp=2, pad_policy=PadPolicy.PER_SEQUENCE)
-SEGMENTS = ([3, ("image", 4, 6), 2, ("video", 3, 4, 4, 0.75), 2],  # odd frame count, fractional seconds
-            [5],
-            [("video", 2, 2, 4, 1.5), 1, ("image", 2, 2), 3, ("image", 4, 2), 1])
+
+
+def segments() -> tuple[list, ...]:
+    """Fractional seconds per grid where the installed transformers keeps them (5.10 truncates to an int)."""
+    a, b = (0.75, 1.5) if fractional_seconds() else (1.0, 2.0)
+    return ([3, ("image", 4, 6), 2, ("video", 3, 4, 4, a), 2], [5],
+            [("video", 2, 2, 4, b), 1, ("image", 2, 2), 3, ("image", 4, 2), 1])
 
 
 @functools.lru_cache(maxsize=None)
@@ -30,7 +35,7 @@ def samples(model_type: str) -> tuple[dict, ...]:
     """The three samples with random pixels (the processors' path is the transform's test)."""
     g = torch.Generator().manual_seed(1)
     out = []
-    for segs in SEGMENTS:
+    for segs in segments():
         s = vision_sample(model_type, segs)
         for key in ("pixel_values", "pixel_values_videos"):
             s[key] = torch.randn(s[key].shape, generator=g)
