@@ -113,6 +113,18 @@ GDN_MIN_TRANSFORMERS = (5, 10)
 """The oldest transformers checked to hand ``cu_seq_lens_q`` and ``seq_idx`` on to those kernels (5.6 does not)."""
 
 
+def packed_seq_idx(cu_seqlens_padded: torch.Tensor) -> torch.Tensor:
+    """int32 ``[1, T]``: the index of the padded sequence each slot of a THD row belongs to (its pads included),
+    what ``causal_conv1d_fn(..., seq_idx=...)`` reads to restart the convolution at every sequence.
+
+    >>> packed_seq_idx(torch.tensor([0, 2, 5])).tolist()
+    [[0, 0, 1, 1, 1]]
+    """
+    padded = cu_seqlens_padded.to(torch.int64).reshape(-1)
+    slots = torch.arange(int(padded[-1]), device=padded.device)
+    return torch.searchsorted(padded[1:], slots, right=True).to(torch.int32)[None]
+
+
 def check_gdn_packing(model_config: Any, sequences: int) -> None:
     """Refuse a packed row (``sequences > 1``) for a model with linear-attention layers unless transformers hands the
     packing on to the fast kernels and both are importable: else the torch fallback would let each sequence's
@@ -177,8 +189,7 @@ def to_hf_kwargs(batch: dict, *, attention: HFAttention | str = HFAttention.VARL
             out[name] = batch[name]
     if model_config is not None and has_linear_attention(model_config):
         check_gdn_packing(model_config, padded.numel() - 1)
-        slots = torch.arange(ids.shape[1], device=padded.device)
-        out["seq_idx"] = (torch.searchsorted(padded[1:], slots, right=True)).to(torch.int32)[None]
+        out["seq_idx"] = packed_seq_idx(padded)
     if attention is HFAttention.VARLEN:
         cu = padded.to(torch.int32)
         out["cu_seq_lens_q"] = out["cu_seq_lens_k"] = cu
