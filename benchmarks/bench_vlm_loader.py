@@ -25,7 +25,8 @@ Data: ``build_demo_dataset`` (no planted bad samples), ``--samples`` samples (de
 With ``--model {qwen2_vl,qwen2_5_vl,qwen3_vl,qwen3_5}`` the data is that family's (``prealign demo --model``:
 its patch size, and short videos in about 40% of the samples) and prealign's transform reads the family from the
 config; the baseline then also decodes every video frame and runs the family's image processor on the frames
-(transformers' video processors need torchvision), and writes each video's tokens with the same arithmetic.
+(transformers' video processors need torchvision) with the video processor's pixel range, so frames are
+resized to about the same size, and writes each video's tokens with the same arithmetic.
 The CP group runs are for the default data only.
 
     python benchmarks/bench_vlm_loader.py                 # full run (several minutes on 2 cores)
@@ -101,6 +102,18 @@ class BaselineSample:
             self.videos = make_transform(model=model)
             self.processor = self.videos.image_processor
 
+    def frame_processor(self, frames: int):
+        """The family's image processor with the video processor's pixel range per frame (the clip's range shared
+        by its temporal groups where the family bounds the volume): frames resized to about the same size."""
+        from prealign.loaders.media.vlm import image_processor
+
+        geo, fam = self.videos.video_geometry, self.videos.family
+        share = 2 * -(-frames // 2) if fam.volume_resize else 1
+        return image_processor(patch_size=geo.patch_size, merge_size=geo.merge_size,
+                               min_pixels=geo.min_pixels // share, max_pixels=geo.max_pixels // share,
+                               image_mean=tuple(fam.video_defaults["image_mean"]),
+                               image_std=tuple(fam.video_defaults["image_std"]))
+
     def __call__(self, sample: dict) -> dict:
         from PIL import Image
 
@@ -116,9 +129,12 @@ class BaselineSample:
             pixels, grid = torch.zeros(0, dim), torch.zeros(0, 3, dtype=torch.int64)
         videos, video_pixels = None, torch.zeros(0, dim)
         if self.videos is not None:
-            frames = [Image.open(io.BytesIO(sample[n])).convert("RGB") for v in meta.get("videos", []) for n in v["frames"]]
-            if frames:
-                video_pixels = self.processor(images=frames, return_tensors="pt")["pixel_values"]
+            pieces = []
+            for v in meta.get("videos", []):
+                frames = [Image.open(io.BytesIO(sample[n])).convert("RGB") for n in v["frames"]]
+                pieces.append(self.frame_processor(len(frames))(images=frames, return_tensors="pt")["pixel_values"])
+            if pieces:
+                video_pixels = torch.cat(pieces)
             videos = self.videos.header_video_ids(sample, meta, sample["__key__"],
                                                   lambda n, v: Image.open(io.BytesIO(v)).size)
         ids, mask = render_chat(meta, self.tok, (grid.prod(-1) // 4).tolist(), sample=sample["__key__"], videos=videos)

@@ -115,7 +115,8 @@ def demo_model_config(model: str):
     tok = ByteTokenizer()
     return cls(image_token_id=tok.image_token_id, video_token_id=tok.video_token_id,
                vision_start_token_id=tok.vision_start_token_id, vision_end_token_id=tok.vision_end_token_id,
-               text_config={"vocab_size": tok.vocab_size})
+               text_config={"vocab_size": tok.vocab_size, "bos_token_id": tok.eos_token_id,
+                            "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id})
 
 
 def _video(rng: np.random.Generator, key: str, members: dict, transform: VLMSampleTransform) -> dict:
