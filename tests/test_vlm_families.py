@@ -166,6 +166,17 @@ def test_qwen3_5_default_layers_are_linear_attention_and_others_are_refused():
                       model_config=tiny_config("qwen3_vl"))
 
 
+def test_media_checks_count_video_patches_and_tokens():
+    s = vision_sample("qwen2_5_vl", [2, ("video", 3, 2, 4, 0.5), 1, ("image", 2, 2)])
+    b = MRoPECollator(collator=THDCollator(schema=SCHEMA, layout=ParallelLayout()), model_config=tiny_config("qwen2_5_vl"))(
+        [s])
+    assert validate_vlm_batch(b, SCHEMA, ParallelLayout()) == []
+    short = {**b, "pixel_values_videos": b["pixel_values_videos"][:-2]}
+    fewer = {**b, "mm_token_type_ids": b["mm_token_type_ids"].masked_fill(b["mm_token_type_ids"] == 2, 0)}
+    assert "pixel_values_videos" in str(validate_vlm_batch(short, SCHEMA, ParallelLayout(), raise_on_error=False))
+    assert "6 video tokens" in str(validate_vlm_batch(fewer, SCHEMA, ParallelLayout(), raise_on_error=False))
+
+
 def test_video_run_mismatch_names_the_sample():
     good = vision_sample("qwen3_vl", [2, ("video", 2, 2, 4, 1.0)])
     bad = {**good, "video_grid_thw": torch.tensor([[3, 2, 4]]), "pixel_values_videos": torch.zeros(24, 1536)}

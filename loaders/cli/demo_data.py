@@ -119,7 +119,7 @@ def demo_model_config(model: str):
                             "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id})
 
 
-def _video(rng: np.random.Generator, key: str, members: dict, transform: VLMSampleTransform) -> dict:
+def _video(rng: np.random.Generator, members: dict) -> dict:
     """A 2-5 frame clip (one drawing drifting sideways) added to ``members``; returns its ``videos`` entry."""
     from PIL import Image
 
@@ -153,7 +153,7 @@ def _sample(rng: np.random.Generator, key: str, topk: int, tok: ByteTokenizer, g
     videos = None
     if transform is not None:
         if bad is None and rng.random() < 0.4:
-            meta["videos"] = [_video(rng, key, members, transform)]
+            meta["videos"] = [_video(rng, members)]
             meta["messages"][0]["content"] = "<video>\n" + user
         videos = transform.header_video_ids(members, meta, key, _frame_size)
     ids, _ = render_chat(meta, tok, tokens, sample=key, videos=videos)
