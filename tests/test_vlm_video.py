@@ -219,3 +219,18 @@ def test_header_index_equals_the_full_pass_with_videos(tmp_path, model):
     assert full.lengths.tolist() == side.lengths.tolist() and full.media.tolist() == side.media.tolist()
     videos = sum(b"videos" in open(p, "rb").read() for p in ds.shards)
     assert videos > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["qwen2_5_vl", "qwen3_5"])
+def test_demo_command_with_a_model_streams_videos(tmp_path, capsys, model):
+    """``prealign demo --model``: every batch on every CP rank valid, video fields in the batches."""
+    from prealign.loaders.cli import main
+
+    args = ["demo", "--model", model, "--samples", "40", "--out", str(tmp_path / "l.png"), "--workers", "0",
+            "--token-budget", "2048"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    n = int(out.split("micro-batches  ")[1].split(" ")[0])
+    assert f"{2 * n}/{2 * n} batches valid" in out
+    assert "pixel_values_videos" in out and "second_per_grid_ts      float32" in out
