@@ -234,3 +234,25 @@ def test_demo_command_with_a_model_streams_videos(tmp_path, capsys, model):
     n = int(out.split("micro-batches  ")[1].split(" ")[0])
     assert f"{2 * n}/{2 * n} batches valid" in out
     assert "pixel_values_videos" in out and "second_per_grid_ts      float32" in out
+
+
+def test_processor_and_tokenizer_ids_come_together_with_the_config():
+    """``processor=`` an image processor is used as given; a processor with a tokenizer gives the tokenizer; ids that
+    disagree with the config are a ConfigError naming both."""
+    from prealign.loaders.media.chat_tokenizer import HFChatTokenizer
+    from prealign.schemas import ConfigError
+    from tests.test_vlm import _tiny_hf_tokenizer
+
+    proc = transformers.Qwen2VLImageProcessorPil(patch_size=16, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    t = VLMSampleTransform(tokenizer=TOK, processor=proc, model_config=tiny_config("qwen3_vl"))
+    assert t.image_processor is proc and t.vision.image_token_id == 6
+    hf = _tiny_hf_tokenizer()
+    both = types.SimpleNamespace(tokenizer=hf, image_processor=proc)
+    t = VLMSampleTransform(processor=both, model_config=tiny_config("qwen3_vl"))
+    assert isinstance(t.tokenizer, HFChatTokenizer) and t.image_processor is proc
+    with pytest.raises(ConfigError, match="differ from the tokenizer's"):
+        t.vision  # the tiny tokenizer's <|image_pad|> is 5, the config's 6
+    with pytest.raises(ConfigError, match="tokenizer= or a processor="):
+        VLMSampleTransform(model_config=tiny_config("qwen3_vl"))
+    with pytest.raises(ConfigError, match="needs model_config"):
+        VLMSampleTransform(tokenizer=TOK).video_geometry
