@@ -256,3 +256,15 @@ def test_processor_and_tokenizer_ids_come_together_with_the_config():
         VLMSampleTransform(model_config=tiny_config("qwen3_vl"))
     with pytest.raises(ConfigError, match="needs model_config"):
         VLMSampleTransform(tokenizer=TOK).video_geometry
+
+
+def test_index_key_names_the_family_and_the_grid_settings():
+    """A sidecar index built for one family or processor setting is never taken for another (lengths differ)."""
+    from prealign.loaders.index.sidecar import describe_transform
+
+    keys = {describe_transform(VLMSampleTransform(tokenizer=TOK, **kw)) for kw in (
+        {}, {"model_config": tiny_config("qwen2_vl")}, {"model_config": tiny_config("qwen3_vl")},
+        {"model_config": tiny_config("qwen3_vl"), "video_fps": 4.0}, {"processor_options": {"max_pixels": 50_000}})}
+    assert len(keys) == 5
+    assert describe_transform(VLMSampleTransform(tokenizer=TOK, topk=4)) == \
+        describe_transform(VLMSampleTransform(tokenizer=TOK, topk=4))

@@ -477,6 +477,21 @@ class VLMSampleTransform:
                                   f"{(*theirs, video)}")
         return tokens
 
+    def index_key(self) -> str:
+        """Every setting a sample's length depends on (what an index's sidecar is keyed by): the tokenizer (its
+        ids and a probe encoding), teacher K, dtypes, the family, the image and video grid settings."""
+        tok = self.tokenizer
+        probe = np.asarray(tok.encode("prealign probe: <image> <video> Hello, world!")).tolist()
+        video = None
+        if self.family is not None:
+            video = {"geometry": repr(self.video_geometry), "fps": self.video_fps}
+        return json.dumps({"vlm": {"tokenizer": f"{type(tok).__module__}.{type(tok).__qualname__}",
+                                   "vocab_size": int(tok.vocab_size), "vision": repr(self.vision), "probe": probe,
+                                   "topk": self.topk, "log_prob_dtype": self.log_prob_dtype,
+                                   "pixel_dtype": self.pixel_dtype, "mrope": self.mrope, "family": repr(self.family),
+                                   "images": repr(VisionGeometry.of(self.image_processor)), "videos": video,
+                                   "text_key": self.text_key}}, sort_keys=True, default=str)
+
     def video_ids(self, grid: tuple[int, int, int], frames: int, fps: float) -> np.ndarray:
         """int64 ids of one video as the family's processor and chat template write it: ``<|vision_start|>``,
         then its ``<|video_pad|>`` tokens (Qwen3-VL / 3.5: per frame group, the ``<t seconds>`` text and the
