@@ -167,8 +167,11 @@ class MRoPECollator:
         family = self.family
         cu = np.concatenate(([0], np.cumsum(lengths)))
         video_grid = torch.cat(videos)
-        per_sample = np.array([[g.shape[0], v.shape[0] if family is None else family.video_runs(v).shape[0]]
-                               for g, v in zip(grids, videos)], dtype=np.int64)  # grids per sample, for errors
+
+        def per_sample() -> np.ndarray:  # grids per sample, only to name the sample in an error
+            return np.array([[g.shape[0], v.shape[0] if family is None else family.video_runs(v).shape[0]]
+                             for g, v in zip(grids, videos)], dtype=np.int64)
+
         if family is None:
             return torch.from_numpy(rope_positions(types.numpy(), cu, torch.cat(grids).numpy(), video_grid.numpy(),
                                                    None, self.merge_size, grids_per_sample=per_sample))

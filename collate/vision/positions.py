@@ -38,7 +38,8 @@ def rope_positions(types: np.ndarray, cu_seqlens: np.ndarray, image_grid: np.nda
             video tokens, in order).
         video_step: float ``[num_video_runs]`` temporal step per video run, or ``None`` (all 1).
         merge: the spatial merge size ``m``.
-        grids_per_sample: optional int ``[N, 2]`` (images, video runs) per sample, for error messages.
+        grids_per_sample: optional int ``[N, 2]`` (images, video runs) per sample, or a function returning it
+            (called only to name the sample in an error).
 
     Raises:
         SampleError naming the sample when a run's length is not its grid's ``t*h*w / m**2``, the runs do
@@ -110,6 +111,8 @@ def _run_grids(run_type, starts, cu, image_grid, video_grid, merge: int, grids_p
     counts = (int(is_image.sum()), int((~is_image).sum()))
     if counts != (image_grid.shape[0], video_grid.shape[0]):
         if grids_per_sample is not None:
+            if callable(grids_per_sample):
+                grids_per_sample = grids_per_sample()
             sample = np.searchsorted(cu, starts, side="right") - 1
             n = cu.size - 1
             runs = np.stack((np.bincount(sample[is_image], minlength=n), np.bincount(sample[~is_image], minlength=n)), 1)
