@@ -85,10 +85,6 @@ class VisionFamily:
                 raise ConfigError(f"{type(self).__name__}.{name}: expected a positive int, got {value!r}")
 
     # ---- grids ------------------------------------------------------------------------------------
-    def tokens_per_grid(self, grid_thw: torch.Tensor) -> torch.Tensor:
-        """int ``[n, 3]`` grids -> int64 ``[n]`` LLM tokens (``t*h*w / merge**2``)."""
-        return torch.as_tensor(grid_thw).to(torch.int64).reshape(-1, 3).prod(-1) // self.spatial_merge_size ** 2
-
     def image_grid(self, height: int, width: int, geometry: VisionGeometry, *, sample=None,
                    field: str = "image") -> tuple[int, int, int]:
         """``image_grid_thw`` row of a ``height x width`` image under the image processor's ``geometry``."""
