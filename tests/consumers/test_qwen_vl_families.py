@@ -124,3 +124,25 @@ def test_gdn_packing_without_the_kernels_is_refused():
     assert kw["seq_idx"].dtype == torch.int32 and kw["seq_idx"].shape == one["input_ids"].shape
     assert bool((kw["seq_idx"] == 0).all())
     assert "seq_idx" not in to_hf_kwargs(batch, model_config=tiny_config("qwen3_5"))  # all full attention
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "qwen3_5"])
+def test_transformed_samples_pack_exactly(model_type):
+    """Samples from the transform itself (the family's image processor, video frames, the timestamp text): packed
+    logits equal each sample alone."""
+    from prealign.loaders.media.vlm import VLMSampleTransform
+    from tests.test_vlm_video import video_raw
+
+    cfg = tiny_config(model_type)
+    transform = VLMSampleTransform(tokenizer=TOK, model_config=cfg, mrope=False)
+    fps = 4.0 if fractional_seconds() else 2.0
+    raws = [video_raw("a", 3, 64, 48, fps), video_raw("b", 4, 40, 72, fps, image=False)]
+    ss = [transform(r) for r in raws]
+    batch = MRoPECollator(collator=THDCollator(schema=SCHEMA, layout=LAYOUT), model_config=cfg)(ss)
+    kwargs = to_hf_kwargs(batch, attention=HFAttention.POSITIONS, model_config=cfg)
+    model = tiny_model(model_type)
+    out, worst = logits(model, kwargs), 0.0
+    for slots, sample in zip(real_slots(batch), ss, strict=True):
+        worst = max(worst, float((out[slots] - alone(model_type, model, sample)).abs().max()))
+    assert worst < TOL, worst
