@@ -22,8 +22,16 @@ Data: ``build_demo_dataset`` (no planted bad samples), ``--samples`` samples (de
   through a directory in /dev/shm, against one process loading the same rank alone without sharing;
   CPU = each process's own load phase (self + workers), imports and index excluded.
 
+With ``--model {qwen2_vl,qwen2_5_vl,qwen3_vl,qwen3_5}`` the data is that family's (``prealign demo --model``:
+its patch size, and short videos in about 40% of the samples) and prealign's transform reads the family from the
+config; the baseline then also decodes every video frame and runs the family's image processor on the frames
+(transformers' video processors need torchvision) with the video processor's pixel range, so frames are
+resized to about the same size, and writes each video's tokens with the same arithmetic.
+The CP group runs are for the default data only.
+
     python benchmarks/bench_vlm_loader.py                 # full run (several minutes on 2 cores)
     python benchmarks/bench_vlm_loader.py --samples 300 --rounds 1 --quick
+    for m in qwen2_vl qwen2_5_vl qwen3_vl qwen3_5; do python benchmarks/bench_vlm_loader.py --model $m --quick; done
 """
 from __future__ import annotations
 
@@ -51,12 +59,15 @@ def cpu_seconds() -> float:
 
 
 # ---- the two pipelines ------------------------------------------------------------------------------
-def make_transform(*, cp_rank: int = 0, cp_size: int = 1, share: bool = False, run: str = "bench", cache=None):
+def make_transform(*, cp_rank: int = 0, cp_size: int = 1, share: bool = False, run: str = "bench", cache=None,
+                   model: str | None = None):
+    from prealign.loaders.cli.demo_data import demo_model_config
     from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
     from prealign.loaders.handoff.media_share import SharedMediaTransform
     from prealign.loaders.media.vlm import VLMSampleTransform
 
-    transform = VLMSampleTransform(tokenizer=ByteTokenizer())
+    transform = VLMSampleTransform(tokenizer=ByteTokenizer(),
+                                   model_config=None if model is None else demo_model_config(model))
     if share:
         transform = SharedMediaTransform(transform=transform, run=run, cp_rank=cp_rank, cp_size=cp_size,
                                          cache_dir=cache)
@@ -64,13 +75,13 @@ def make_transform(*, cp_rank: int = 0, cp_size: int = 1, share: bool = False, r
 
 
 def prealign_loader(shards, index, *, budget: int, workers: int, cp: int = 2, cp_rank: int = 0, mode: str = "none",
-                    run: str = "bench", cache=None):
+                    run: str = "bench", cache=None, model: str | None = None):
     """``mode``: ``"none"``, ``"sample"`` (SharedMediaTransform) or ``"batch"`` (BatchShare)."""
     from prealign.loaders import BatchShare, IndexOptions, PackedLoader, WebDatasetSource
     from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
     from prealign.schemas import ParallelLayout, vlm_schema
 
-    transform = make_transform(cp_rank=cp_rank, cp_size=cp, share=mode == "sample", run=run, cache=cache)
+    transform = make_transform(cp_rank=cp_rank, cp_size=cp, share=mode == "sample", run=run, cache=cache, model=model)
     source = WebDatasetSource(list(shards), transform=transform, image="bytes")
     return PackedLoader(source, schema=vlm_schema(vocab_size=ByteTokenizer().vocab_size),
                         layout=ParallelLayout(cp=cp), token_budget=budget, cp_rank=cp_rank, num_workers=workers,
@@ -81,11 +92,27 @@ def prealign_loader(shards, index, *, budget: int, workers: int, cp: int = 2, cp
 class BaselineSample:
     """What a user writes: decode, the image processor, the chat with vision tokens expanded, labels."""
 
-    def __init__(self):
+    def __init__(self, model: str | None = None):
         from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
         from prealign.loaders.media.vlm import image_processor
 
         self.tok, self.processor = ByteTokenizer(), image_processor()
+        self.videos = None
+        if model is not None:  # the family's processor settings; its video token arithmetic
+            self.videos = make_transform(model=model)
+            self.processor = self.videos.image_processor
+
+    def frame_processor(self, frames: int):
+        """The family's image processor with the video processor's pixel range per frame (the clip's range shared
+        by its temporal groups where the family bounds the volume): frames resized to about the same size."""
+        from prealign.loaders.media.vlm import image_processor
+
+        geo, fam = self.videos.video_geometry, self.videos.family
+        share = 2 * -(-frames // 2) if fam.volume_resize else 1
+        return image_processor(patch_size=geo.patch_size, merge_size=geo.merge_size,
+                               min_pixels=geo.min_pixels // share, max_pixels=geo.max_pixels // share,
+                               image_mean=tuple(fam.video_defaults["image_mean"]),
+                               image_std=tuple(fam.video_defaults["image_std"]))
 
     def __call__(self, sample: dict) -> dict:
         from PIL import Image
@@ -94,14 +121,26 @@ class BaselineSample:
 
         meta = _json(sample["json"])
         images = [Image.open(io.BytesIO(sample[n])).convert("RGB") for n in meta.get("images", [])]
+        dim = 3 * 2 * self.processor.patch_size ** 2
         if images:
             out = self.processor(images=images, return_tensors="pt")
             pixels, grid = out["pixel_values"], out["image_grid_thw"]
         else:
-            pixels, grid = torch.zeros(0, 1176), torch.zeros(0, 3, dtype=torch.int64)
-        ids, mask = render_chat(meta, self.tok, (grid.prod(-1) // 4).tolist(), sample=sample["__key__"])
+            pixels, grid = torch.zeros(0, dim), torch.zeros(0, 3, dtype=torch.int64)
+        videos, video_pixels = None, torch.zeros(0, dim)
+        if self.videos is not None:
+            pieces = []
+            for v in meta.get("videos", []):
+                frames = [Image.open(io.BytesIO(sample[n])).convert("RGB") for n in v["frames"]]
+                pieces.append(self.frame_processor(len(frames))(images=frames, return_tensors="pt")["pixel_values"])
+            if pieces:
+                video_pixels = torch.cat(pieces)
+            videos = self.videos.header_video_ids(sample, meta, sample["__key__"],
+                                                  lambda n, v: Image.open(io.BytesIO(v)).size)
+        ids, mask = render_chat(meta, self.tok, (grid.prod(-1) // 4).tolist(), sample=sample["__key__"], videos=videos)
         labels = np.where(mask > 0, ids, -100)
-        return {"input_ids": ids.tolist(), "labels": labels.tolist(), "pixel_values": pixels, "image_grid_thw": grid}
+        return {"input_ids": ids.tolist(), "labels": labels.tolist(), "pixel_values": pixels, "image_grid_thw": grid,
+                "pixel_values_videos": video_pixels}
 
 
 class BaselineCollate:
@@ -114,14 +153,15 @@ class BaselineCollate:
         batch = self.flatten([{"input_ids": s["input_ids"], "labels": s["labels"]} for s in samples])
         batch["pixel_values"] = torch.cat([s["pixel_values"] for s in samples])
         batch["image_grid_thw"] = torch.cat([s["image_grid_thw"] for s in samples])
+        batch["pixel_values_videos"] = torch.cat([s["pixel_values_videos"] for s in samples])
         return batch
 
 
-def baseline_loader(shards, *, batch_size: int, workers: int):
+def baseline_loader(shards, *, batch_size: int, workers: int, model: str | None = None):
     import webdataset as wds
 
     dataset = (wds.WebDataset(list(shards), shardshuffle=False, empty_check=False)
-               .map(BaselineSample()).batched(batch_size, collation_fn=BaselineCollate(), partial=True))
+               .map(BaselineSample(model)).batched(batch_size, collation_fn=BaselineCollate(), partial=True))
     return torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=workers)
 
 
@@ -129,7 +169,7 @@ def run_prealign(shards, index, args) -> dict:
     lengths = index.lengths
     c0, t0 = cpu_seconds(), time.perf_counter()
     n = tokens = 0
-    for batch in prealign_loader(shards, index, budget=args.budget, workers=args.workers):
+    for batch in prealign_loader(shards, index, budget=args.budget, workers=args.workers, model=args.model):
         rows = batch["sample_index"]
         n += rows.numel()
         tokens += int(lengths[rows].sum())
@@ -139,14 +179,14 @@ def run_prealign(shards, index, args) -> dict:
 def run_baseline(shards, batch_size: int, args) -> dict:
     c0, t0 = cpu_seconds(), time.perf_counter()
     n = tokens = 0
-    for batch in baseline_loader(shards, batch_size=batch_size, workers=args.workers):
+    for batch in baseline_loader(shards, batch_size=batch_size, workers=args.workers, model=args.model):
         n += int((batch["position_ids"] == 0).sum())
         tokens += batch["input_ids"].numel()
     return {"samples": n, "tokens": tokens, "wall": time.perf_counter() - t0, "cpu": cpu_seconds() - c0}
 
 
 # ---- per-stage split ----------------------------------------------------------------------------------
-def stages(shards, index, n: int) -> dict:
+def stages(shards, index, n: int, model: str | None = None) -> dict:
     """ms of CPU per sample in each stage, both pipelines, in this process (one thread)."""
     from PIL import Image
 
@@ -165,7 +205,7 @@ def stages(shards, index, n: int) -> dict:
     from prealign.schemas import ParallelLayout, vlm_schema
 
     torch.set_num_threads(1)  # as in a DataLoader worker
-    transform = make_transform()
+    transform = make_transform(model=model)
     source = WebDatasetSource(list(shards), image="bytes")
     locs = [tuple(index.locations[i].tolist()) for i in range(min(n, len(index)))]
     out: dict[str, dict[str, float]] = {"prealign": {}, "baseline": {}}
@@ -180,7 +220,7 @@ def stages(shards, index, n: int) -> dict:
     metas = [sample_metadata(r, "json", r["__key__"]) for r in raws]
     members = [image_members(r, m, r["__key__"]) for r, m in zip(raws, metas)]
     images = timed("prealign", "image decode", lambda ms: [decode_image(v, sample=0, name=k) for k, v in ms], members)
-    proc = transform.processor
+    proc = transform.image_processor
     done = timed("prealign", "image processor", lambda im: process_images(im, proc), images)
     vision = transform.vision
     ids = timed("prealign", "chat + tokens", lambda x: render_chat(x[0], transform.tokenizer,
@@ -201,7 +241,7 @@ def stages(shards, index, n: int) -> dict:
     timed("prealign", "collate + hand-off packing", collate, reqs)
     # baseline
     timed("baseline", "tar read + member decode", source.read, locs)  # webdataset's own read is similar
-    base = BaselineSample()
+    base = BaselineSample(model)
     pil = timed("baseline", "image decode", lambda r: [Image.open(io.BytesIO(r[n])).convert("RGB")
                                                       for n in _json(r["json"]).get("images", [])], raws)
     timed("baseline", "image processor", lambda im: base.processor(images=im, return_tensors="pt") if im else None, pil)
@@ -221,7 +261,7 @@ def group_rank(shards: list[str], index_path: str, out: str, cp: int, cp_rank: i
     index = SampleIndex.load(index_path)
     loader = prealign_loader(shards, index, budget=budget, workers=1, cp=cp, cp_rank=cp_rank, mode=mode,
                              run="group", cache=cache)
-    loader.source.transform.processor
+    loader.source.transform.image_processor
     c0 = cpu_seconds()
     n = sum(b["sample_index"].numel() for b in loader)
     with open(out, "w") as f:
@@ -259,7 +299,10 @@ def main() -> None:
     ap.add_argument("--group-rounds", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="skip the CP group runs")
     ap.add_argument("--group-only", action="store_true", help="only the CP group runs (and the stage split)")
+    ap.add_argument("--model", choices=("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5"),
+                    help="that family's data with videos (module docstring); implies --quick")
     args = ap.parse_args()
+    args.quick = args.quick or args.model is not None
 
     from prealign.loaders import BadDataPolicy, WebDatasetSource, build_index
     from prealign.loaders.cli.demo_data import build_demo_dataset
@@ -269,9 +312,9 @@ def main() -> None:
     tmp = tempfile.mkdtemp(prefix="bench-vlm-")
     try:
         data = build_demo_dataset(os.path.join(tmp, "shards"), num_samples=args.samples, samples_per_shard=100,
-                                  bad=())
+                                  bad=(), model=args.model)
         t0 = time.perf_counter()
-        source = WebDatasetSource(list(data.shards), transform=make_transform(), image="bytes")
+        source = WebDatasetSource(list(data.shards), transform=make_transform(model=args.model), image="bytes")
         index = build_index(source, vlm_schema(vocab_size=ByteTokenizer().vocab_size),
                             policy=BadDataPolicy(on_error="raise"), num_workers=args.workers)
         index_s = time.perf_counter() - t0
@@ -279,8 +322,10 @@ def main() -> None:
         index.save(index_path)
         batch_size = max(1, round(args.budget / float(index.lengths.float().mean()
                                                      if hasattr(index.lengths, "float") else np.mean(index.lengths))))
-        print(f"{args.samples} samples, {sum(len(_json(r['json']).get('images', [])) for r in _raws(data))} "
-              f"images; index pass {index_s:.1f} s; budget {args.budget} tokens (baseline batch {batch_size} samples); "
+        metas = [_json(r["json"]) for r in _raws(data)]
+        print(f"model {args.model or 'default (Qwen2-VL images)'}: {args.samples} samples, "
+              f"{sum(len(m.get('images', [])) for m in metas)} images, {sum(len(m.get('videos', [])) for m in metas)} "
+              f"videos; index pass {index_s:.1f} s; budget {args.budget} tokens (baseline batch {batch_size} samples); "
               f"{args.workers} workers; load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
         rows = {"prealign": [], "baseline": []}
         for r in range(0 if args.group_only else args.rounds):
@@ -299,7 +344,7 @@ def main() -> None:
                   f"(median {float(np.median(cpu)):.2f})")
             print(f"prealign / baseline samples/s per round: {', '.join(f'{x:.2f}' for x in ratio)} "
                   f"(median {float(np.median(ratio)):.2f})")
-        split = stages(data.shards, index, args.stage_samples)
+        split = stages(data.shards, index, args.stage_samples, args.model)
         for name, parts in split.items():
             print(f"{name} per-stage CPU ms/sample: " + ", ".join(f"{k} {v:.2f}" for k, v in parts.items())
                   + f"; total {sum(parts.values()):.2f}")

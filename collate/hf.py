@@ -13,7 +13,7 @@ attention               what tells the model where sequences start              
 ======================  ==============================================================  ==================
 
 Every mode passes ``position_ids`` (a VLM batch: ``[4, 1, T]``, the per-sequence text positions
-stacked on the three mRoPE rows, as transformers' Qwen2-VL reads packed positions) and ``labels`` in
+stacked on the three mRoPE rows, as every transformers Qwen VL forward reads packed positions) and ``labels`` in
 the HF convention (aligned with the tokens, the model shifts them): the batch's own next-token
 ``labels`` moved one slot right, ``-100`` where ``loss_mask`` is 0, so the model's own shift gives back
 exactly the batch's labels and no label crosses a sequence boundary. HF losses are unweighted: a
@@ -32,12 +32,13 @@ token is trained where ``loss_mask > 0``.
 from __future__ import annotations
 
 import enum
+import importlib.util
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
-from prealign.schemas.errors import ConfigError, SampleError
+from prealign.schemas.errors import ConfigError, PackingUnsupportedError, SampleError
 from prealign.schemas.schema import IGNORE_INDEX
 
 
@@ -94,9 +95,59 @@ def hf_labels(batch: dict, *, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
     return torch.cat((torch.full_like(labels[..., :1], ignore_index), labels[..., :-1]), dim=-1)
 
 
+def has_linear_attention(model_config: Any) -> bool:
+    """Whether a transformers config (or its dict; a VLM's ``text_config`` is looked in) declares Gated DeltaNet
+    / causal-conv layers: ``layer_types`` holding ``"linear_attention"`` (Qwen3.5, Qwen3.6, Qwen3-Next)."""
+    def get(obj, key):
+        return obj.get(key) if isinstance(obj, dict) else getattr(obj, key, None)
+
+    text = get(model_config, "text_config")
+    layer_types = (get(text, "layer_types") if text is not None else None) or get(model_config, "layer_types") or ()
+    return "linear_attention" in layer_types
+
+
+GDN_KERNELS = ("fla", "causal_conv1d")
+"""The packages whose kernels honour ``cu_seq_lens_q`` (``fla``'s chunked gated delta rule) and ``seq_idx``
+(``causal_conv1d``); transformers' pure-torch fallbacks ignore both."""
+GDN_MIN_TRANSFORMERS = (5, 10)
+"""The oldest transformers checked to hand ``cu_seq_lens_q`` and ``seq_idx`` on to those kernels (5.6 does not)."""
+
+
+def packed_seq_idx(cu_seqlens_padded: torch.Tensor) -> torch.Tensor:
+    """int32 ``[1, T]``: the index of the padded sequence each slot of a THD row belongs to (its pads included),
+    what ``causal_conv1d_fn(..., seq_idx=...)`` reads to restart the convolution at every sequence.
+
+    >>> packed_seq_idx(torch.tensor([0, 2, 5])).tolist()
+    [[0, 0, 1, 1, 1]]
+    """
+    padded = cu_seqlens_padded.to(torch.int64).reshape(-1)
+    slots = torch.arange(int(padded[-1]), device=padded.device)
+    return torch.searchsorted(padded[1:], slots, right=True).to(torch.int32)[None]
+
+
+def check_gdn_packing(model_config: Any, sequences: int) -> None:
+    """Refuse a packed row (``sequences > 1``) for a model with linear-attention layers unless transformers hands the
+    packing on to the fast kernels and both are importable: else the torch fallback would let each sequence's
+    recurrent and convolution state leak into the next, silently. Raises :class:`PackingUnsupportedError`."""
+    if sequences <= 1 or not has_linear_attention(model_config):
+        return
+    import transformers
+
+    version = tuple(int(p) for p in transformers.__version__.split(".")[:2] if p.isdigit())
+    missing = [name for name in GDN_KERNELS if importlib.util.find_spec(name) is None]
+    if missing or version < GDN_MIN_TRANSFORMERS:
+        why = (f"{', '.join(missing)} not importable" if missing else
+               f"transformers {transformers.__version__} does not pass cu_seq_lens_q / seq_idx to them")
+        raise PackingUnsupportedError(
+            f"to_hf_kwargs: the model has Gated DeltaNet (linear_attention) layers and the batch packs {sequences} "
+            f"sequences, but {why}: its pure-torch path would run each sequence's state into the next. Install "
+            "flash-linear-attention and causal-conv1d (GPU) with transformers >= "
+            f"{'.'.join(map(str, GDN_MIN_TRANSFORMERS))}, or give one sequence per row.")
+
+
 def to_hf_kwargs(batch: dict, *, attention: HFAttention | str = HFAttention.VARLEN,
                  mask_dtype: torch.dtype = torch.float32, labels: bool = True,
-                 ignore_index: int = IGNORE_INDEX) -> dict:
+                 ignore_index: int = IGNORE_INDEX, model_config: Any = None) -> dict:
     """Keyword arguments for ``model(**kwargs)`` of a Hugging Face causal LM (or Qwen2-VL) from an
     unsharded :class:`~prealign.collate.THDCollator` batch (``cp_rank=None``).
 
@@ -109,6 +160,12 @@ def to_hf_kwargs(batch: dict, *, attention: HFAttention | str = HFAttention.VARL
     ``POSITIONS``: nothing more (``attention_mask`` stays None); ``MASK``: ``attention_mask``
     ``[1, 1, T, T]`` from :func:`block_causal_mask` in ``mask_dtype`` (floating for eager, bool or
     floating for sdpa).
+
+    Video: ``pixel_values_videos``, ``video_grid_thw`` and ``second_per_grid_ts`` when the batch has videos.
+    ``model_config`` (the model's transformers config): for a model with linear-attention layers
+    (:func:`has_linear_attention`), ``seq_idx`` int32 ``[1, T]`` (each slot's padded sequence) is added, and a
+    packed row is refused with :class:`PackingUnsupportedError` where the kernels that honour it are missing
+    (:func:`check_gdn_packing`).
     """
     attention = HFAttention(attention)
     if batch.get("cp_rank", -1) != -1 or "cp_gather_index" in batch:
@@ -125,9 +182,14 @@ def to_hf_kwargs(batch: dict, *, attention: HFAttention | str = HFAttention.VARL
     if labels:
         out["labels"] = hf_labels(batch, ignore_index=ignore_index)
     media = ("pixel_values", "image_grid_thw") if batch.get("image_grid_thw", torch.zeros(1)).shape[0] else ()
+    if batch.get("video_grid_thw", torch.zeros(0)).shape[0]:
+        media += ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
     for name in (*media, "mm_token_type_ids"):  # a batch without images sends no empty pixel_values
         if name in batch:
             out[name] = batch[name]
+    if model_config is not None and has_linear_attention(model_config):
+        check_gdn_packing(model_config, padded.numel() - 1)
+        out["seq_idx"] = packed_seq_idx(padded)
     if attention is HFAttention.VARLEN:
         cu = padded.to(torch.int32)
         out["cu_seq_lens_q"] = out["cu_seq_lens_k"] = cu
@@ -156,7 +218,9 @@ class HFCollator:
     mask_dtype: torch.dtype = torch.float32
     labels: bool = True
     ignore_index: int = IGNORE_INDEX
+    model_config: Any = None
+    """The model's transformers config: ``seq_idx`` and the Gated DeltaNet packing check (:func:`to_hf_kwargs`)."""
 
     def __call__(self, samples: Sequence[dict]) -> dict:
         return to_hf_kwargs(self.collator(samples), attention=self.attention, mask_dtype=self.mask_dtype,
-                            labels=self.labels, ignore_index=self.ignore_index)
+                            labels=self.labels, ignore_index=self.ignore_index, model_config=self.model_config)

@@ -66,6 +66,11 @@ class ConfigError(PrealignError):
     """
 
 
+class PackingUnsupportedError(ConfigError):
+    """The model cannot keep packed sequences apart in this environment (e.g. Gated DeltaNet layers without the
+    fast kernels, whose pure-torch fallback lets the recurrent state run across sequence boundaries)."""
+
+
 class LayoutError(ConfigError):
     """An invalid :class:`~prealign.schemas.ParallelLayout` (tp/cp sizes, FP8 recipe, length buckets)."""
 

@@ -2,21 +2,24 @@
 
 A VLM sample carries, besides the causal-LM fields:
 
-- ``mm_token_type_ids`` int64 ``[L]``: 0 text, 1 image token (the placeholders that the vision
-  embeddings replace); padded with 0 and CP-sharded like the tokens.
+- ``mm_token_type_ids`` int64 ``[L]``: 0 text, 1 image token, 2 video token (the placeholders that the
+  vision embeddings replace); padded with 0 and CP-sharded like the tokens.
 - ``mrope_position_ids`` int64 ``[3, L]``: Qwen2-VL 3-D rotary positions (temporal, height, width),
   computed by :class:`prealign.collate.mrope.MRoPECollator`; THD ``[3, 1, T_out]``, BSHD ``[3, B, S_out]``;
   pads hold 0 (as transformers' ``get_rope_index`` leaves masked slots).
 - ``pixel_values`` float32/bf16 ``[num_patches, patch_dim]`` and ``image_grid_thw`` int64
   ``[num_images, 3]`` (MEDIA: concatenated over the batch in sample order, never CP-sharded;
   a text-only sample gives ``[0, patch_dim]`` and ``[0, 3]``).
+- optional, for video: ``pixel_values_videos`` ``[sum t*h*w, patch_dim]``, ``video_grid_thw`` int64
+  ``[num_videos, 3]`` and ``second_per_grid_ts`` float32 ``[num_videos]`` (seconds per temporal grid step,
+  fractional; Qwen2.5-VL's temporal positions), MEDIA like the image fields.
 
 Invariant tying them together (checked by :func:`media_violations`): the batch holds
 ``sum(t*h*w)`` patches and, when unsharded, ``sum(t*h*w) / spatial_merge_size**2`` image tokens.
 
 >>> s = vlm_schema(topk=8)
 >>> [f.name for f in s.fields if f.name.startswith(("mm_", "mrope", "pixel", "image"))]
-['mm_token_type_ids', 'mrope_position_ids', 'pixel_values', 'image_grid_thw']
+['mm_token_type_ids', 'mrope_position_ids', 'pixel_values', 'image_grid_thw', 'pixel_values_videos']
 >>> s["mrope_position_ids"].leading_shape
 (3,)
 """
@@ -33,6 +36,7 @@ from .validate import Violation, validate_batch
 
 TEXT_TOKEN_TYPE = 0
 IMAGE_TOKEN_TYPE = 1
+VIDEO_TOKEN_TYPE = 2
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,13 +67,17 @@ class VisionTokens:
 
 def vlm_fields(*, pixel_dtypes: tuple[str, ...] = ("float32", "bfloat16"),
                patch_dim: int | str = "patch_dim") -> tuple[FieldSpec, ...]:
-    """The four VLM-specific fields (see the module docstring)."""
+    """The VLM-specific fields (see the module docstring): four always, the three video ones optional."""
     return (
         FieldSpec(name="mm_token_type_ids", dtypes=("int64", "int32"), pad_value=TEXT_TOKEN_TYPE,
-                  min_value=TEXT_TOKEN_TYPE, max_value=IMAGE_TOKEN_TYPE),
+                  min_value=TEXT_TOKEN_TYPE, max_value=VIDEO_TOKEN_TYPE),
         FieldSpec(name="mrope_position_ids", dtypes=("int64",), leading_shape=(3,), pad_value=0, min_value=0),
         FieldSpec(name="pixel_values", role=Role.MEDIA, dtypes=pixel_dtypes, dense_shape=(patch_dim,)),
         FieldSpec(name="image_grid_thw", role=Role.MEDIA, dtypes=("int64",), dense_shape=(3,)),
+        FieldSpec(name="pixel_values_videos", role=Role.MEDIA, dtypes=pixel_dtypes, dense_shape=(patch_dim,),
+                  required=False),
+        FieldSpec(name="video_grid_thw", role=Role.MEDIA, dtypes=("int64",), dense_shape=(3,), required=False),
+        FieldSpec(name="second_per_grid_ts", role=Role.MEDIA, dtypes=("float32",), required=False),
     )
 
 
@@ -89,31 +97,36 @@ def vlm_schema(*, pad_token_id: int = 0, topk: int | str | None = None, vocab_si
 # ---- media checks ------------------------------------------------------------------------------
 def media_violations(batch: dict, *, spatial_merge_size: int = 2) -> list[Violation]:
     """What :func:`prealign.schemas.validate_batch` leaves to the producer: ``pixel_values`` rows equal
-    ``sum(t*h*w)`` of ``image_grid_thw``, and (only when the batch holds whole sequences, i.e.
-    ``cp_rank == -1``) the image tokens of ``mm_token_type_ids`` equal ``sum(t*h*w) / merge**2``.
+    ``sum(t*h*w)`` of ``image_grid_thw`` (``pixel_values_videos`` of ``video_grid_thw``, when present), and
+    (only when the batch holds whole sequences, i.e. ``cp_rank == -1``) the image (video) tokens of
+    ``mm_token_type_ids`` equal ``sum(t*h*w) / merge**2``.
     """
     out: list[Violation] = []
-    grid, pixels = batch.get("image_grid_thw"), batch.get("pixel_values")
-    if not isinstance(grid, torch.Tensor) or grid.ndim != 2 or grid.shape[-1] != 3:
-        return [Violation("image_grid_thw", "int64 tensor [num_images, 3]", _describe(grid))]
-    if not isinstance(pixels, torch.Tensor) or pixels.ndim != 2:
-        return [Violation("pixel_values", "tensor [num_patches, patch_dim]", _describe(pixels))]
-    patches = int(grid.to(torch.int64).prod(-1).sum())
-    if pixels.shape[0] != patches:
-        out.append(Violation("pixel_values.shape[0]", f"{patches} (sum of t*h*w over image_grid_thw)",
-                             pixels.shape[0]))
-    bad = grid[:, 1:] % spatial_merge_size != 0
-    if bool(bad.any()):
-        k = int(torch.nonzero(bad.any(1))[0])
-        out.append(Violation(f"image_grid_thw[{k}]", f"h and w multiples of spatial_merge_size {spatial_merge_size}",
-                             grid[k].tolist()))
     types = batch.get("mm_token_type_ids")
-    if isinstance(types, torch.Tensor) and batch.get("cp_rank", -1) == -1:
-        n_img = int((types == IMAGE_TOKEN_TYPE).sum())  # pads hold TEXT_TOKEN_TYPE (validate_batch checks)
-        want = patches // spatial_merge_size ** 2
-        if n_img != want:
-            out.append(Violation("mm_token_type_ids", f"{want} image tokens (sum(t*h*w) / {spatial_merge_size}**2)",
-                                 f"{n_img}"))
+    for kind, type_id, grid_key, pixel_key in (("image", IMAGE_TOKEN_TYPE, "image_grid_thw", "pixel_values"),
+                                               ("video", VIDEO_TOKEN_TYPE, "video_grid_thw", "pixel_values_videos")):
+        grid, pixels = batch.get(grid_key), batch.get(pixel_key)
+        if kind == "video" and grid is None and pixels is None:
+            grid = torch.zeros(0, 3, dtype=torch.int64)  # no video in the batch: no video tokens either
+        elif not isinstance(grid, torch.Tensor) or grid.ndim != 2 or grid.shape[-1] != 3:
+            return out + [Violation(grid_key, f"int64 tensor [num_{kind}s, 3]", _describe(grid))]
+        elif not isinstance(pixels, torch.Tensor) or pixels.ndim != 2:
+            return out + [Violation(pixel_key, "tensor [num_patches, patch_dim]", _describe(pixels))]
+        patches = int(grid.to(torch.int64).prod(-1).sum())
+        if pixels is not None and pixels.shape[0] != patches:
+            out.append(Violation(f"{pixel_key}.shape[0]", f"{patches} (sum of t*h*w over {grid_key})",
+                                 pixels.shape[0]))
+        bad = grid[:, 1:] % spatial_merge_size != 0
+        if bool(bad.any()):
+            k = int(torch.nonzero(bad.any(1))[0])
+            out.append(Violation(f"{grid_key}[{k}]", f"h and w multiples of spatial_merge_size {spatial_merge_size}",
+                                 grid[k].tolist()))
+        if isinstance(types, torch.Tensor) and batch.get("cp_rank", -1) == -1:
+            n_tok = int((types == type_id).sum())  # pads hold TEXT_TOKEN_TYPE (validate_batch checks)
+            want = patches // spatial_merge_size ** 2
+            if n_tok != want:
+                out.append(Violation("mm_token_type_ids", f"{want} {kind} tokens (sum(t*h*w) / {spatial_merge_size}**2)",
+                                     f"{n_tok}"))
     return out
 
 

@@ -72,7 +72,7 @@ def rank_main(shards: list[str], out: str, *, cp_rank: int, cp_size: int, share:
         usage = [resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
         return sum(u.ru_utime + u.ru_stime for u in usage)
 
-    transform.processor  # imports and the processor built before the CPU count starts
+    transform.image_processor  # imports and the processor built before the CPU count starts
     start = cpu()
     first = loader().prepare()  # the index pass runs here, in this process: its sharing counts are visible
     stats = dataclasses.asdict(transform.stats) if share else {}

@@ -159,9 +159,11 @@ def test_run_count_mismatch_names_the_sample():
     assert err.value.sample == 1 and "2 runs" in str(err.value)
 
 
-def test_video_tokens_and_odd_grids_are_refused():
-    with pytest.raises(SampleError, match="video is not supported"):
+def test_unmatched_video_tokens_and_odd_grids_are_refused():
+    with pytest.raises(SampleError, match="0 runs of image tokens and 1 runs of video tokens"):  # no video grid
         mrope_position_ids(torch.tensor([0, 2, 2]), torch.zeros(0, 3, dtype=torch.int64), torch.tensor([0, 3]))
+    with pytest.raises(SampleError, match="0 .text., 1 .image. or 2 .video."):
+        mrope_position_ids(torch.tensor([0, 3, 3]), torch.zeros(0, 3, dtype=torch.int64), torch.tensor([0, 3]))
     with pytest.raises(SampleError, match="multiples of spatial_merge_size"):
         mrope_position_ids(torch.tensor([0, 1, 1]), torch.tensor([[1, 3, 4]]), torch.tensor([0, 3]))
 

@@ -117,7 +117,7 @@ def test_transform_compact_then_expand_equals_the_processor(pixel_dtype):
     out = transform(raw)
     assert list(out) == [k if k != "pixel_codes" else "pixel_values" for k in compact]  # field order kept
     images = [Image.open(io.BytesIO(raw[n])).convert("RGB") for n in ("0.png", "1.png")]
-    want, want_grid = _reference(images, transform.processor)
+    want, want_grid = _reference(images, transform.image_processor)
     assert torch.equal(out["pixel_values"], want.to(getattr(torch, pixel_dtype)))
     assert torch.equal(out["image_grid_thw"], want_grid)
     assert int(out["mm_token_type_ids"].sum()) == int(want_grid.prod(-1).sum()) // 4

@@ -14,6 +14,10 @@ Shard layout (one tar member per field, webdataset naming ``<key>.<field>``)::
       s000000.teacher_topk_log_probs.npy   float32 [L, K], sorted descending, finite, < 0
       s000000.teacher_topk_ids.npy         int64   [L, K], distinct per row, column 0 = next token
 
+``model`` (one of :data:`DEMO_MODELS`) makes the samples that family's (:func:`demo_model_config`: its patch
+size, its video rules) and adds short videos to some of them: 2-5 frames as members ``v0_<j>.jpg`` listed
+in ``json["videos"]`` with their ``fps``, one ``<video>`` placeholder each.
+
 ``bad`` plants deliberately broken samples (one of each :class:`~prealign.loaders.media.vlm.MediaProblem` asked
 for) so a loader's error policy can be seen to skip and count them.
 """
@@ -29,8 +33,11 @@ import numpy as np
 
 from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
 from prealign.loaders.media.teacher_topk import encode_npy
-from prealign.loaders.media.vlm import MediaProblem, image_processor, render_chat
+from prealign.loaders.media.vlm import MediaProblem, VLMSampleTransform, image_processor, render_chat
 from prealign.loaders.sources.header_lengths import Qwen2VLGeometry, qwen2vl_grid, tokens_of_grid
+
+DEMO_MODELS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
+"""The families ``prealign demo --model`` builds data for."""
 
 _WORDS = ("the a small large red blue green bright dark round square tall narrow old new quiet busy "
           "cat dog bird tree house river road window table cup book chart plot graph city field cloud "
@@ -95,8 +102,39 @@ def synthetic_teacher(input_ids: np.ndarray, topk: int, vocab_size: int, rng: np
     return np.ascontiguousarray(log_probs[:, :topk], dtype=np.float32), ids.astype(np.int64)
 
 
-def _sample(rng: np.random.Generator, key: str, topk: int, tok: ByteTokenizer, geometry: Qwen2VLGeometry, bad: MediaProblem | None
-            ) -> dict[str, bytes]:
+def demo_model_config(model: str):
+    """A transformers config of the ``model`` family with the demo byte tokenizer's special ids (its vision
+    sizes are transformers' defaults; no weights): what the demo's transform reads the family from."""
+    import transformers
+
+    if model not in DEMO_MODELS:
+        from prealign.schemas.errors import ConfigError
+        raise ConfigError(f"demo_model_config: expected one of {', '.join(DEMO_MODELS)}, got {model!r}")
+    cls = {"qwen2_vl": transformers.Qwen2VLConfig, "qwen2_5_vl": transformers.Qwen2_5_VLConfig,
+           "qwen3_vl": transformers.Qwen3VLConfig, "qwen3_5": transformers.Qwen3_5Config}[model]
+    tok = ByteTokenizer()
+    return cls(image_token_id=tok.image_token_id, video_token_id=tok.video_token_id,
+               vision_start_token_id=tok.vision_start_token_id, vision_end_token_id=tok.vision_end_token_id,
+               text_config={"vocab_size": tok.vocab_size, "bos_token_id": tok.eos_token_id,
+                            "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id})
+
+
+def _video(rng: np.random.Generator, members: dict) -> dict:
+    """A 2-5 frame clip (one drawing drifting sideways) added to ``members``; returns its ``videos`` entry."""
+    from PIL import Image
+
+    data, (w, h) = _image(rng, "png")
+    base = np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
+    names = [f"v0_{j}.jpg" for j in range(int(rng.integers(2, 6)))]
+    for j, name in enumerate(names):
+        buf = io.BytesIO()
+        Image.fromarray(np.roll(base, 4 * j, axis=1)).save(buf, format="JPEG", quality=85)
+        members[name] = buf.getvalue()
+    return {"frames": names, "fps": float(rng.choice([1.0, 2.0, 4.0]))}
+
+
+def _sample(rng: np.random.Generator, key: str, topk: int, tok: ByteTokenizer, geometry: Qwen2VLGeometry, bad: MediaProblem | None,
+            transform: VLMSampleTransform | None = None) -> dict[str, bytes]:
     n_images = int(rng.choice([0, 1, 1, 1, 2]))
     if bad is not None:
         n_images = max(n_images, 1)
@@ -112,7 +150,13 @@ def _sample(rng: np.random.Generator, key: str, topk: int, tok: ByteTokenizer, g
     user = "".join("<image>\n" for _ in range(n_images)) + question
     reply = " ".join(_sentence(rng) for _ in range(int(rng.integers(1, 7))))
     meta = {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": reply}], "images": names}
-    ids, _ = render_chat(meta, tok, tokens, sample=key)
+    videos = None
+    if transform is not None:
+        if bad is None and rng.random() < 0.4:
+            meta["videos"] = [_video(rng, members)]
+            meta["messages"][0]["content"] = "<video>\n" + user
+        videos = transform.header_video_ids(members, meta, key, _frame_size)
+    ids, _ = render_chat(meta, tok, tokens, sample=key, videos=videos)
     log_probs, top_ids = synthetic_teacher(ids, topk, tok.vocab_size, rng)
     if bad is MediaProblem.CORRUPT_IMAGE:
         members[names[0]] = members[names[0]][:64] + b"\x00 not an image" * 8
@@ -126,18 +170,28 @@ def _sample(rng: np.random.Generator, key: str, topk: int, tok: ByteTokenizer, g
     return members
 
 
+def _frame_size(name: str, data: bytes) -> tuple[int, int]:
+    from prealign.loaders.sources.header_lengths import image_header_size
+
+    return image_header_size(data, field=name)
+
+
 def build_demo_dataset(out_dir: str, *, num_samples: int = 240, samples_per_shard: int = 60, topk: int = 8,
                        seed: int = 0, bad: tuple[MediaProblem, ...] = BAD_KINDS,
-                       tokenizer: ByteTokenizer | None = None) -> DemoDataset:
+                       tokenizer: ByteTokenizer | None = None, model: str | None = None) -> DemoDataset:
     """Write ``ceil(num_samples / samples_per_shard)`` tar shards under ``out_dir`` (created).
 
-    The planted bad samples sit at evenly spread positions. Takes ~0.5 s per 100 samples.
+    The planted bad samples sit at evenly spread positions. Takes ~0.5 s per 100 samples. ``model``: one of
+    :data:`DEMO_MODELS` (images of that family, and videos); read them with
+    ``VLMSampleTransform(tokenizer=ByteTokenizer(), model_config=demo_model_config(model))``.
     """
     if num_samples < 1 or samples_per_shard < 1 or topk < 1:
         raise ValueError(f"build_demo_dataset: num_samples, samples_per_shard and topk must be >= 1, got "
                          f"{num_samples}, {samples_per_shard}, {topk}")
     tok = tokenizer or ByteTokenizer()
-    geometry = Qwen2VLGeometry.of(image_processor())  # its resize rule, the same on every transformers
+    transform = None if model is None else VLMSampleTransform(tokenizer=tok, model_config=demo_model_config(model))
+    # the image processor's resize rule (the family's patch size with a model), the same on every transformers
+    geometry = Qwen2VLGeometry.of(image_processor() if transform is None else transform.image_processor)
     rng = np.random.default_rng(seed)
     bad_at = {int(p): kind for p, kind in zip(np.linspace(num_samples // 7, num_samples - 1, len(bad)), bad)} \
         if bad else {}
@@ -151,7 +205,7 @@ def build_demo_dataset(out_dir: str, *, num_samples: int = 240, samples_per_shar
                 kind = bad_at.get(i)
                 if kind is not None:
                     planted[key] = kind.value
-                for name, data in _sample(rng, key, topk, tok, geometry, kind).items():
+                for name, data in _sample(rng, key, topk, tok, geometry, kind, transform).items():
                     info = tarfile.TarInfo(f"{key}.{name}")
                     info.size, info.mtime, info.mode = len(data), 0, 0o644
                     tar.addfile(info, io.BytesIO(data))

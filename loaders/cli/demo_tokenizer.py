@@ -23,7 +23,7 @@ import numpy as np
 from prealign.schemas.vlm import VisionTokens
 
 SPECIAL_TOKENS = ("<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
-                  "<|image_pad|>", "<|reserved|>")
+                  "<|image_pad|>", "<|video_pad|>")
 BYTE_OFFSET = len(SPECIAL_TOKENS)
 
 
@@ -40,6 +40,7 @@ class ByteTokenizer:
     vision_start_token_id = 4
     vision_end_token_id = 5
     image_token_id = 6
+    video_token_id = 7
     vocab_size = BYTE_OFFSET + 256
 
     @property
@@ -68,7 +69,7 @@ class ByteTokenizer:
             j = i
             while j < ids.size and ids[j] == t:
                 j += 1
-            n = j - i if t == self.image_token_id else 1
+            n = j - i if t in (self.image_token_id, self.video_token_id) else 1
             out.append(SPECIAL_TOKENS[t] + (f"*{n}" if n > 1 else ""))
             i += n
         out.append(raw.decode("utf-8", errors="replace"))

@@ -89,6 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--samples", type=int, default=240, help="samples to generate (3 of them broken) [%(default)s]")
     demo.add_argument("--topk", type=int, default=8, help="teacher top-k K [%(default)s]")
     demo.add_argument("--keep", metavar="DIR", help="write the shards to DIR and keep them (default: a temp dir)")
+    demo.add_argument("--model", choices=("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5"),
+                      help="build that Qwen family's samples, with short videos (default: Qwen2-VL images only)")
     _add_common(demo, budget=4096)
     demo.set_defaults(func=cmd_demo)
 
@@ -125,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
 
 # ---- commands ----------------------------------------------------------------------------------------
 def cmd_demo(args) -> int:
-    from prealign.loaders.cli.demo_data import build_demo_dataset
+    from prealign.loaders.cli.demo_data import build_demo_dataset, demo_model_config
     from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
     from prealign.loaders.media.vlm import VLMSampleTransform
     from prealign.loaders.sources.webdataset import WebDatasetSource
@@ -139,9 +141,11 @@ def cmd_demo(args) -> int:
     with tempfile.TemporaryDirectory(prefix="prealign-demo-") as tmp:
         where = args.keep or tmp
         _note(f"building {args.samples} synthetic VLM samples (chat + PIL images + top-{args.topk} teacher) in {where}")
-        ds = build_demo_dataset(where, num_samples=args.samples, topk=args.topk, seed=args.seed)
+        model = getattr(args, "model", None)
+        ds = build_demo_dataset(where, num_samples=args.samples, topk=args.topk, seed=args.seed, model=model)
         _note(f"data built in {time.perf_counter() - t0:.1f} s")
-        transform = VLMSampleTransform(tokenizer=ByteTokenizer(), topk=args.topk)
+        config = None if model is None else demo_model_config(model)
+        transform = VLMSampleTransform(tokenizer=ByteTokenizer(), topk=args.topk, model_config=config)
         source = WebDatasetSource(list(ds.shards), transform=transform, image="bytes")
         schema = vlm_schema(topk=args.topk, vocab_size=ds.vocab_size)
         title = (f"{args.samples} samples ({len(ds.bad)} broken on purpose) in {len(ds.shards)} webdataset shards, "

@@ -60,7 +60,6 @@ from prealign.loaders.media.vlm import (
     MediaProblem,
     VLMSampleTransform,
     image_members,
-    image_processor,
     render_chat,
     sample_metadata,
 )
@@ -136,8 +135,8 @@ class VLMRule:
         self.t, self.verify_images = transform, verify_images
         """``verify_images``: decode each image's pixels too (no resize, no processor), so a corrupt image
         body is found here as the full pass finds it; False: headers only (found when loaded)."""
-        self.geometry = Qwen2VLGeometry.of(image_processor(**transform.processor_options))
-        self.merge = transform.tokenizer.vision.spatial_merge_size
+        self.geometry = Qwen2VLGeometry.of(transform.image_processor)
+        self.merge = transform.spatial_merge_size
 
     def __call__(self, members: dict[str, bytes], where: str) -> tuple[int, bool, tuple]:
 
@@ -147,14 +146,14 @@ class VLMRule:
         meta = sample_metadata(raw, self.t.text_key, key)
         tokens = []
         for name, data in image_members(raw, meta, key):
+            w, h = self._size(name, data, key)
             try:
-                w, h = _verified_size(data, name, key) if self.verify_images else \
-                    image_header_size(data, field=name, sample=key)
                 t, gh, gw = qwen2vl_grid(h, w, self.geometry, sample=key, field=name)
             except HeaderError as exc:
                 raise MediaError(MediaProblem.CORRUPT_IMAGE, sample=key, field=name, expected=exc.expected,
                                  actual=exc.actual) from None
             tokens.append(t * gh * gw // self.merge ** 2)
+        videos = self.t.header_video_ids(raw, meta, key, lambda name, data: self._size(name, data, key))
         heads = _npy_headers(members, where)
         if "input_ids" in heads:
             shape = heads["input_ids"][0]
@@ -162,7 +161,7 @@ class VLMRule:
             for d in shape:
                 n *= d
         else:
-            ids, _ = render_chat(meta, self.t.tokenizer, tokens, sample=key)
+            ids, _ = render_chat(meta, self.t.tokenizer, tokens, sample=key, videos=videos)
             n = int(ids.shape[0])
         sig = [bool(tokens), "input_ids" in heads]
         if self.t.topk is not None:
@@ -175,7 +174,17 @@ class VLMRule:
                     raise BadSampleError(sample=key, field=name, expected=f"shape [L={n}, K={self.t.topk}]",
                                          actual=f"shape {list(shape)}", hint="one row per token, constant K")
                 sig.append((name, dtype.str))
-        return n, bool(tokens), tuple(sig)
+        return n, bool(tokens or videos), tuple(sig)
+
+    def _size(self, name: str, data, key) -> tuple[int, int]:
+        """``(width, height)`` of an image or video frame member, from its header (decoded too with
+        ``verify_images``); an unreadable one is a ``corrupt_image``."""
+        try:
+            return _verified_size(data, name, key) if self.verify_images else \
+                image_header_size(data, field=name, sample=key)
+        except HeaderError as exc:
+            raise MediaError(MediaProblem.CORRUPT_IMAGE, sample=key, field=name, expected=exc.expected,
+                             actual=exc.actual) from None
 
 
 def _verified_size(data: bytes, name: str, key) -> tuple[int, int]:

@@ -57,6 +57,8 @@ class HFChatTokenizer:
     vision_start: str = "<|vision_start|>"
     vision_end: str = "<|vision_end|>"
     image_pad: str = "<|image_pad|>"
+    video_pad: str = "<|video_pad|>"
+    """Looked up when the tokenizer has it (``video_token_id``); a tokenizer without video tokens is fine."""
     _ids: dict = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -70,6 +72,9 @@ class HFChatTokenizer:
                 raise ConfigError(f"HFChatTokenizer: the tokenizer has no {token!r} token ({attr}); pass the name "
                                   f"this model uses, e.g. HFChatTokenizer(tok, {attr.removesuffix('_id').removesuffix('_token')}=...)")
             ids[attr] = int(tid)
+        video = self.tokenizer.convert_tokens_to_ids(self.video_pad)
+        if video is not None and video != unk:
+            ids["video_token_id"] = int(video)
         eos = getattr(self.tokenizer, "eos_token_id", None)
         ids["eos_token_id"] = ids["im_end_id"] if eos is None else int(eos)
         pad = getattr(self.tokenizer, "pad_token_id", None)

@@ -1,6 +1,9 @@
-"""One multimodal sample, raw -> model-ready: images through transformers' Qwen2-VL image
-processor, ``<image>`` placeholders expanded into the exact number of vision tokens, chat
-rendered to ids with a loss mask, teacher top-k decoded and checked.
+"""One multimodal sample, raw -> model-ready, for every Qwen vision family (Qwen2-VL, Qwen2.5-VL, Qwen3-VL,
+Qwen3.5; :mod:`prealign.collate.vision`, chosen by ``model_config``): images through transformers' Qwen2-VL
+image processor (its arithmetic on a lookup-table fast path), video frames through the same arithmetic
+(:mod:`~prealign.loaders.media.video`), ``<image>`` / ``<video>`` placeholders expanded into the exact vision
+tokens (Qwen3-VL / 3.5: a ``<t seconds>`` text per frame group, as their processor writes it), chat rendered to
+ids with a loss mask, teacher top-k decoded and checked.
 
     raw webdataset sample                          VLMSampleTransform(raw)
     __key__            "s000042"                   input_ids          int64   [L]
@@ -11,8 +14,13 @@ rendered to ids with a loss mask, teacher top-k decoded and checked.
     teacher_topk_log_probs.npy  [L, K]             image_grid_thw     int64   [num_images, 3]
     teacher_topk_ids.npy        [L, K]             teacher_topk_*     [L, K]  (when topk is set)
 
+Video (with ``model_config``): ``json["videos"]`` lists ``{"frames": [member names], "fps": float}`` (the
+frames as sampled, ``fps`` of those frames, default 2 as the Qwen processors sample), one per ``<video>``;
+the output adds ``pixel_values_videos`` float ``[sum t*h*w, patch_dim]``, ``video_grid_thw`` int64
+``[num_videos, 3]`` and ``second_per_grid_ts`` float32 ``[num_videos]`` (``temporal_patch_size / fps``).
+
 An HF dataset row works too: ``messages`` (or ``text``), ``images`` (PIL images, bytes or
-``{"bytes": ...}``), teacher columns as nested lists. A sample may also come pre-tokenized
+``{"bytes": ...}``), ``videos`` (``{"frames": [images], "fps": ...}``), teacher columns as nested lists. A sample may also come pre-tokenized
 (``input_ids`` with the placeholders already expanded); then only the counts are checked.
 
 Every problem raises :class:`MediaError` (a :class:`~prealign.loaders.errors.BadSampleError`) naming the sample key,
@@ -32,10 +40,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from prealign.collate.mrope import mrope_position_ids
+from prealign.collate.vision import VisionFamily, VisionGeometry, image_grid, rope_positions, vision_family
 from prealign.loaders.errors import BadSampleError
-from prealign.loaders.media.chat_tokenizer import ChatTokenizer
+from prealign.loaders.media.chat_tokenizer import ChatTokenizer, HFChatTokenizer
 from prealign.loaders.media.teacher_topk import teacher_topk
+from prealign.loaders.media.video import normalize_patches, normalize_table, video_patches
 from prealign.loaders.sources.tar_decode import (
     DEFAULT_LIMITS,
     IMAGE_FORMATS,
@@ -44,10 +53,13 @@ from prealign.loaders.sources.tar_decode import (
     image_errors,
     open_image,
 )
-from prealign.schemas.errors import ConfigError
-from prealign.schemas.vlm import IMAGE_TOKEN_TYPE, VisionTokens
+from prealign.schemas.errors import ConfigError, SampleError
+from prealign.schemas.vlm import IMAGE_TOKEN_TYPE, VIDEO_TOKEN_TYPE, VisionTokens
 
 IMAGE_PLACEHOLDER = "<image>"
+VIDEO_PLACEHOLDER = "<video>"
+_PLACEHOLDERS = re.compile("(" + re.escape(IMAGE_PLACEHOLDER) + "|" + re.escape(VIDEO_PLACEHOLDER) + ")")
+_IMAGE_ONLY = re.compile("(" + re.escape(IMAGE_PLACEHOLDER) + ")")
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp")
 
 
@@ -59,6 +71,7 @@ class MediaProblem(enum.Enum):
     PLACEHOLDER_MISMATCH = "placeholder_mismatch"
     VISION_TOKEN_MISMATCH = "vision_token_mismatch"
     BAD_TEXT = "bad_text"
+    BAD_VIDEO = "bad_video"
 
 
 class MediaError(BadSampleError):
@@ -118,18 +131,13 @@ def _fast_tables(processor):
         return hit[1]
     from PIL import Image
 
-    from prealign.loaders.sources.header_lengths import Qwen2VLGeometry
-
     fast = None
     if (type(processor).__name__ == "Qwen2VLImageProcessorPil"
             and processor.do_resize and processor.do_rescale and processor.do_normalize
             and int(processor.resample) == int(Image.Resampling.BICUBIC)
             and len(processor.image_mean) == 3 and len(processor.image_std) == 3):
-        values = (np.arange(256, dtype=np.uint8).astype(np.float64) * processor.rescale_factor).astype(np.float32)
-        mean = np.array(processor.image_mean, dtype=np.float32)
-        std = np.array(processor.image_std, dtype=np.float32)
-        table = np.ascontiguousarray(((np.broadcast_to(values, (3, 256)).T - mean) / std).T)  # [3, 256]
-        fast = (table.reshape(-1), Qwen2VLGeometry.of(processor))
+        table = normalize_table(tuple(processor.image_mean), tuple(processor.image_std), float(processor.rescale_factor))
+        fast = (table, VisionGeometry.of(processor))
     _FAST[id(processor)] = (processor, fast)
     return fast
 
@@ -167,11 +175,9 @@ def _resized_patches(img, geometry, *, sample) -> tuple[np.ndarray, list[int]]:
     same PIL call), cut into patches in transformers' order."""
     from PIL import Image
 
-    from prealign.loaders.sources.header_lengths import HeaderError, qwen2vl_grid
-
     try:
-        _, gh, gw = qwen2vl_grid(img.height, img.width, geometry, sample=sample)
-    except HeaderError as exc:
+        _, gh, gw = image_grid(img.height, img.width, geometry, sample=sample)
+    except SampleError as exc:
         raise MediaError(MediaProblem.CORRUPT_IMAGE, sample=sample, field="images",
                          expected="images the Qwen2-VL processor accepts", actual=exc.actual) from None
     p, m = geometry.patch_size, geometry.merge_size
@@ -221,13 +227,15 @@ def decode_image(value, *, sample, name: str, limits: DecodeLimits = DEFAULT_LIM
 
 
 # ---- placeholder expansion -----------------------------------------------------------------------
-def render_chat(meta: dict, tokenizer: ChatTokenizer, tokens_per_image: list[int], *, sample
-                ) -> tuple[np.ndarray, np.ndarray]:
+def render_chat(meta: dict, tokenizer: ChatTokenizer, tokens_per_image: list[int], *, sample,
+                videos: list[np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Chat messages (or plain ``text``) -> (``input_ids`` int64 ``[L]``, ``loss_mask`` float32 ``[L]``).
 
     Each ``<image>`` in the text becomes ``<|vision_start|>`` + ``tokens_per_image[i]`` x
-    ``<|image_pad|>`` + ``<|vision_end|>``, images taken in order. Loss is on assistant replies and
-    their ``<|im_end|>`` (chat) or on every text token (plain text); never on image tokens.
+    ``<|image_pad|>`` + ``<|vision_end|>``, images taken in order; each ``<video>`` becomes ``videos[i]``
+    (the ids :meth:`VLMSampleTransform.video_ids` writes; with ``videos=None`` a ``<video>`` is plain text, as
+    before videos were supported). Loss is on assistant replies and their
+    ``<|im_end|>`` (chat) or on every text token (plain text); never on vision blocks.
     """
     if isinstance(meta.get("messages"), list):
         turns = meta["messages"]
@@ -236,9 +244,11 @@ def render_chat(meta: dict, tokenizer: ChatTokenizer, tokens_per_image: list[int
     else:
         raise MediaError(MediaProblem.BAD_TEXT, sample=sample, field="json", expected="'messages' (a list) or 'text'",
                          actual=f"keys {sorted(meta)}")
+    split = (_PLACEHOLDERS if videos is not None else _IMAGE_ONLY).split
+    videos = [] if videos is None else videos
     pieces: list[np.ndarray] = []
     masks: list[np.ndarray] = []
-    images = iter(tokens_per_image)
+    images, clips = iter(tokens_per_image), iter(videos)
 
     def add(ids, trained: bool):
         ids = np.asarray(ids, dtype=np.int64)
@@ -246,14 +256,20 @@ def render_chat(meta: dict, tokenizer: ChatTokenizer, tokens_per_image: list[int
         masks.append(np.full(ids.shape, trained, dtype=np.float32))
 
     def add_content(text: str, trained: bool):
-        for j, part in enumerate(text.split(IMAGE_PLACEHOLDER)):
-            if j:
+        for part in split(text):
+            if part == IMAGE_PLACEHOLDER:
                 n = next(images, None)
                 if n is None:
-                    raise _placeholder_mismatch(meta, tokens_per_image, sample)
+                    raise _placeholder_mismatch(meta, tokens_per_image, videos, sample)
                 add([tokenizer.vision_start_token_id, *([tokenizer.image_token_id] * n), tokenizer.vision_end_token_id],
                     False)
-            add(tokenizer.encode(part), trained)
+            elif part == VIDEO_PLACEHOLDER:
+                block = next(clips, None)
+                if block is None:
+                    raise _placeholder_mismatch(meta, tokens_per_image, videos, sample)
+                add(block, False)
+            elif part:
+                add(tokenizer.encode(part), trained)
 
     if turns is None:
         add_content(meta["text"], True)
@@ -267,16 +283,17 @@ def render_chat(meta: dict, tokenizer: ChatTokenizer, tokens_per_image: list[int
             add_content(turn["content"], reply)
             add([tokenizer.im_end_id], reply)
             add(tokenizer.encode("\n"), False)
-    if next(images, None) is not None:
-        raise _placeholder_mismatch(meta, tokens_per_image, sample)
+    if next(images, None) is not None or next(clips, None) is not None:
+        raise _placeholder_mismatch(meta, tokens_per_image, videos, sample)
     return np.concatenate(pieces), np.concatenate(masks)
 
 
-def _placeholder_mismatch(meta: dict, tokens_per_image: list[int], sample) -> MediaError:
+def _placeholder_mismatch(meta: dict, tokens_per_image: list[int], videos: list, sample) -> MediaError:
     text = meta.get("text") or " ".join(str(t.get("content", "")) for t in meta.get("messages", []) if isinstance(t, dict))
     return MediaError(MediaProblem.PLACEHOLDER_MISMATCH, sample=sample, field="json",
-                      expected=f"{len(tokens_per_image)} '{IMAGE_PLACEHOLDER}' placeholders (one per image)",
-                      actual=f"{text.count(IMAGE_PLACEHOLDER)}")
+                      expected=f"{len(tokens_per_image)} '{IMAGE_PLACEHOLDER}' placeholders (one per image) and "
+                               f"{len(videos)} '{VIDEO_PLACEHOLDER}' (one per video)",
+                      actual=f"{text.count(IMAGE_PLACEHOLDER)} and {text.count(VIDEO_PLACEHOLDER)}")
 
 
 def check_vision_tokens(input_ids: torch.Tensor, image_grid_thw: torch.Tensor, vision: VisionTokens, *,
@@ -297,41 +314,38 @@ def check_vision_tokens(input_ids: torch.Tensor, image_grid_thw: torch.Tensor, v
 
 
 def vision_types_and_mrope(input_ids: torch.Tensor, image_grid_thw: torch.Tensor, vision: VisionTokens, *,
-                           sample, mrope: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """:func:`check_vision_tokens` and (``mrope``) :func:`prealign.collate.mrope.mrope_position_ids` of one
-    sequence in one pass of NumPy operations (a fixed number, no loop over tokens or images: the
-    per-op cost of ~30 small torch calls was most of this stage). Returns ``mm_token_type_ids`` int64
-    ``[L]`` and ``mrope_position_ids`` int64 ``[3, L]`` (or ``None``), equal to those functions' results."""
+                           sample, mrope: bool = True, family: VisionFamily | None = None,
+                           video_grid_thw: torch.Tensor | None = None, second_per_grid_ts: torch.Tensor | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`check_vision_tokens` and (``mrope``) the family's positions of one sequence in one pass of NumPy
+    operations (:func:`prealign.collate.vision.rope_positions`; a fixed number, no loop over tokens or images).
+    With a ``family``, its video tokens are type 2 and its video runs are checked against ``video_grid_thw``.
+    Returns ``mm_token_type_ids`` int64 ``[L]`` and ``mrope_position_ids`` int64 ``[3, L]`` (or ``None``)."""
     ids = input_ids.numpy()
-    grid = image_grid_thw.numpy().astype(np.int64, copy=False).reshape(-1, 3)
     merge = vision.spatial_merge_size
-    is_img = ids == vision.image_token_id
-    edges = np.diff(is_img.astype(np.int8), prepend=np.int8(0), append=np.int8(0))
-    starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
-    need = grid.prod(-1) // merge ** 2
-    got = ends - starts
-    if got.shape != need.shape or not np.array_equal(got, need):
-        raise MediaError(MediaProblem.VISION_TOKEN_MISMATCH, sample=sample, field="input_ids",
-                         expected=f"image token runs {need.tolist()} (t*h*w / {merge}**2 of "
-                                  f"image_grid_thw {grid.tolist()})", actual=f"runs {got.tolist()}")
-    types = is_img.astype(np.int64) * IMAGE_TOKEN_TYPE
+    grid = np.asarray(image_grid_thw, dtype=np.int64).reshape(-1, 3)
+    types = (ids == vision.image_token_id).astype(np.int64) * IMAGE_TOKEN_TYPE
+    runs, steps = np.zeros((0, 3), dtype=np.int64), None
+    if family is not None:
+        types[ids == family.video_token_id] = VIDEO_TOKEN_TYPE
+        videos = np.zeros((0, 3), np.int64) if video_grid_thw is None else np.asarray(video_grid_thw).reshape(-1, 3)
+        runs, steps = family.video_runs(videos), family.video_steps(videos, second_per_grid_ts)
+    for kind, type_id, want in (("image", IMAGE_TOKEN_TYPE, grid), ("video", VIDEO_TOKEN_TYPE, runs)):
+        edges = np.diff((types == type_id).astype(np.int8), prepend=np.int8(0), append=np.int8(0))
+        got = np.flatnonzero(edges == -1) - np.flatnonzero(edges == 1)
+        need = want.prod(-1) // merge ** 2
+        if got.shape != need.shape or not np.array_equal(got, need):
+            raise MediaError(MediaProblem.VISION_TOKEN_MISMATCH, sample=sample, field="input_ids",
+                             expected=f"{kind} token runs {need.tolist()} (t*h*w / {merge}**2 of each "
+                                      f"{kind} grid {want.tolist()})", actual=f"runs {got.tolist()}")
     if not mrope:
         return torch.from_numpy(types), None
-    if bool((grid[:, 1:] % merge != 0).any()):  # the collator's own check names it
-        return torch.from_numpy(types), mrope_position_ids(torch.from_numpy(types), image_grid_thw,
-                                                           torch.tensor([0, ids.size]), spatial_merge_size=merge)
-    hh, ww = grid[:, 1] // merge, grid[:, 2] // merge
-    advance = (~is_img).astype(np.int64)
-    advance[ends - 1] = np.maximum(hh, ww)  # an image run moves the position by max(h', w') on its last token
-    base = np.cumsum(advance) - advance
-    out = np.repeat(base[None, :], 3, axis=0)
-    rows = np.flatnonzero(is_img)
-    if rows.size:
-        image = np.repeat(np.arange(starts.size), got)  # the image each image token belongs to
-        q = rows - starts[image]  # index inside its image, (t, row, column) order
-        w_img, hw_img = ww[image], (hh * ww)[image]
-        out[:, rows] += np.stack((q // hw_img, (q % hw_img) // w_img, q % w_img))
-    return torch.from_numpy(types), torch.from_numpy(out)
+    try:
+        positions = rope_positions(types, np.array([0, ids.size]), grid, runs, steps, merge)
+    except SampleError as exc:
+        raise MediaError(MediaProblem.VISION_TOKEN_MISMATCH, sample=sample, field=exc.field, expected=exc.expected,
+                         actual=exc.actual) from None
+    return torch.from_numpy(types), torch.from_numpy(positions)
 
 
 # ---- the transform ---------------------------------------------------------------------------------
@@ -339,52 +353,158 @@ def vision_types_and_mrope(input_ids: torch.Tensor, image_grid_thw: torch.Tensor
 class VLMSampleTransform:
     """Raw multimodal sample -> the sample dict :func:`prealign.schemas.vlm_schema` describes (module docstring).
 
-    Picklable (DataLoader workers); the image processor is built lazily once per process.
+    The family comes from ``model_config`` (the model's transformers config; :func:`~prealign.collate.vision.
+    vision_family`): token ids, patch / merge / temporal sizes, video rules. Without one, Qwen2-VL images with the
+    tokenizer's ids (as before video support). ``processor``: the model's transformers processor (its tokenizer,
+    image processor and, where built, video processor are used) or an image processor; unset, transformers'
+    Qwen2-VL image processor with ``processor_options`` and the family's patch sizes. Picklable (DataLoader
+    workers); the image processor is built lazily once per process.
+
+    >>> from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
+    >>> from transformers import Qwen3VLConfig
+    >>> cfg = Qwen3VLConfig(image_token_id=6, video_token_id=7, vision_start_token_id=4, vision_end_token_id=5)
+    >>> t = VLMSampleTransform(tokenizer=ByteTokenizer(), model_config=cfg)
+    >>> t.family.patch_size, t.image_processor.patch_size, t.video_geometry.max_pixels
+    (16, 16, 786432)
     """
 
-    tokenizer: ChatTokenizer
+    tokenizer: ChatTokenizer | None = None
     """Any :class:`~prealign.loaders.media.chat_tokenizer.ChatTokenizer`: a real one wrapped by
-    :class:`~prealign.loaders.media.chat_tokenizer.HFChatTokenizer` (the demo uses its byte tokenizer)."""
+    :class:`~prealign.loaders.media.chat_tokenizer.HFChatTokenizer` (the demo uses its byte tokenizer); unset,
+    ``processor.tokenizer`` wrapped."""
     topk: int | None = None
     """Expect teacher top-k members with this K (``None``: none expected, any present are ignored)."""
     log_prob_dtype: str = "float32"
     """``"float32"`` or ``"bfloat16"``: dtype of ``teacher_topk_log_probs`` in the output."""
     pixel_dtype: str = "float32"
     processor_options: dict = field(default_factory=dict)
-    """Overrides of the Qwen2-VL image processor's defaults (e.g. ``{"max_pixels": 200704}``)."""
+    """Overrides of the default image processor's settings (e.g. ``{"max_pixels": 200704}``)."""
     text_key: str = "json"
     mrope: bool = True
-    """Add ``mrope_position_ids`` int64 ``[3, L]`` (:func:`prealign.collate.mrope.mrope_position_ids` of this
-    sample), so the sample validates against the full :func:`prealign.schemas.vlm_schema` when a loader
-    indexes it; the collator then pads and shards them like the tokens."""
+    """Add ``mrope_position_ids`` int64 ``[3, L]`` (the family's positions of this sample), so the sample
+    validates against the full :func:`prealign.schemas.vlm_schema` when a loader indexes it; the collator then
+    pads and shards them like the tokens."""
+    model_config: Any = None
+    """The model's transformers config (object or dict) or a :class:`~prealign.collate.vision.VisionFamily`."""
+    processor: Any = None
+    """The model's transformers processor (``AutoProcessor``) or an image processor; see the class docstring."""
+    video_fps: float = 2.0
+    """Frames per second of a video's frames when its entry gives no ``fps`` (the Qwen processors sample 2)."""
+    family: VisionFamily | None = field(init=False, repr=False, compare=False, default=None)
 
     def __post_init__(self):
         for name in ("log_prob_dtype", "pixel_dtype"):
             if getattr(self, name) not in ("float32", "bfloat16"):
                 raise ConfigError(f"VLMSampleTransform.{name}: expected 'float32' or 'bfloat16', got {getattr(self, name)!r}")
+        if self.tokenizer is None:
+            if getattr(self.processor, "tokenizer", None) is None:
+                raise ConfigError("VLMSampleTransform: give tokenizer= or a processor= that has a tokenizer")
+            object.__setattr__(self, "tokenizer", HFChatTokenizer(self.processor.tokenizer))
+        if self.model_config is not None:
+            object.__setattr__(self, "family", vision_family(self.model_config))
 
     @property
-    def processor(self):
-        """The Qwen2-VL image processor this transform runs (``processor_options`` applied; cached per process)."""
-        return image_processor(**self.processor_options)
+    def image_processor(self):
+        """The image processor this transform runs: ``processor``'s, else transformers' Qwen2-VL one with the
+        family's patch / merge / temporal sizes and ``processor_options`` (cached per process)."""
+        if self.processor is not None:
+            return getattr(self.processor, "image_processor", self.processor)
+        options = dict(self.processor_options)
+        if self.family is not None:
+            for name, value in (("patch_size", self.family.patch_size), ("merge_size", self.family.spatial_merge_size),
+                                ("temporal_patch_size", self.family.temporal_patch_size)):
+                options.setdefault(name, value)
+        return image_processor(**options)
+
+    @property
+    def video_geometry(self) -> VisionGeometry:
+        """The video processor's grid settings: ``processor.video_processor``'s where one is built, else the
+        family's transformers defaults (:attr:`VisionFamily.video_defaults`)."""
+        video = getattr(self.processor, "video_processor", None)
+        if video is not None:
+            if getattr(video, "cap_pixels_per_frame", None):
+                raise ConfigError("VLMSampleTransform: a video processor with cap_pixels_per_frame=True is not "
+                                  "supported (its per-frame cap); leave it unset")
+            return VisionGeometry.of(video)
+        fam = self._require_family("video")
+        d = fam.video_defaults
+        return VisionGeometry(patch_size=fam.patch_size, merge_size=fam.spatial_merge_size,
+                              temporal_patch_size=fam.temporal_patch_size, min_pixels=d["min_pixels"],
+                              max_pixels=d["max_pixels"])
+
+    def _video_table(self) -> np.ndarray:
+        video = getattr(self.processor, "video_processor", None)
+        if video is not None:
+            return normalize_table(tuple(video.image_mean), tuple(video.image_std), float(video.rescale_factor))
+        d = self._require_family("video").video_defaults
+        return normalize_table(tuple(d["image_mean"]), tuple(d["image_std"]), 1 / 255)
+
+    def _require_family(self, what: str) -> VisionFamily:
+        if self.family is None:
+            raise ConfigError(f"VLMSampleTransform: {what} needs model_config= (the model's transformers config)")
+        return self.family
 
     @property
     def spatial_merge_size(self) -> int:
-        """Patches merged per side (one image token per ``merge**2`` patches), read from :attr:`processor`:
-        configured once, handed on to ``MRoPECollator(spatial_merge_size=...)`` and ``validate_vlm_batch``."""
-        return int(self.processor.merge_size)
+        """Patches merged per side (one vision token per ``merge**2`` patches): the family's, else the image
+        processor's; handed on to ``MRoPECollator`` and ``validate_vlm_batch``."""
+        merge = int(self.image_processor.merge_size)
+        if self.family is not None and self.family.spatial_merge_size != merge:
+            raise ConfigError(f"VLMSampleTransform: the image processor merges {merge} patches per side but the "
+                              f"{self.family.model_type} config says {self.family.spatial_merge_size}")
+        return merge
 
     @property
     def vision(self) -> VisionTokens:
-        """The tokenizer's vision token ids with the processor's merge size. A tokenizer that declares a
-        different ``spatial_merge_size`` is a :class:`~prealign.schemas.ConfigError` (leave it unset)."""
+        """The vision token ids (the family's, which the tokenizer must agree with, else the tokenizer's) with the
+        merge size. A tokenizer that declares another ``spatial_merge_size`` or other ids is a
+        :class:`~prealign.schemas.ConfigError`."""
         merge = self.spatial_merge_size
         declared = getattr(self.tokenizer, "spatial_merge_size", None)
         if declared is not None and declared != merge:
             raise ConfigError(f"VLMSampleTransform: the tokenizer declares spatial_merge_size={declared} but the image "
                               f"processor merges {merge} patches per side; leave the tokenizer's unset (None) so the "
                               "processor's is used")
-        return dataclasses.replace(self.tokenizer.vision, spatial_merge_size=merge)
+        tokens = dataclasses.replace(self.tokenizer.vision, spatial_merge_size=merge)
+        fam = self.family
+        if fam is not None:
+            ours = (fam.image_token_id, fam.vision_start_token_id, fam.vision_end_token_id)
+            theirs = (tokens.image_token_id, tokens.vision_start_token_id, tokens.vision_end_token_id)
+            video = getattr(self.tokenizer, "video_token_id", None)
+            if ours != theirs or (video is not None and video != fam.video_token_id):
+                raise ConfigError(f"VLMSampleTransform: the {fam.model_type} config's (image, vision start, vision "
+                                  f"end, video) ids {(*ours, fam.video_token_id)} differ from the tokenizer's "
+                                  f"{(*theirs, video)}")
+        return tokens
+
+    def index_key(self) -> str:
+        """Every setting a sample's length depends on (what an index's sidecar is keyed by): the tokenizer (its
+        ids and a probe encoding), teacher K, dtypes, the family, the image and video grid settings."""
+        tok = self.tokenizer
+        probe = np.asarray(tok.encode("prealign probe: <image> <video> Hello, world!")).tolist()
+        video = None
+        if self.family is not None:
+            video = {"geometry": repr(self.video_geometry), "fps": self.video_fps}
+        return json.dumps({"vlm": {"tokenizer": f"{type(tok).__module__}.{type(tok).__qualname__}",
+                                   "vocab_size": int(tok.vocab_size), "vision": repr(self.vision), "probe": probe,
+                                   "topk": self.topk, "log_prob_dtype": self.log_prob_dtype,
+                                   "pixel_dtype": self.pixel_dtype, "mrope": self.mrope, "family": repr(self.family),
+                                   "images": repr(VisionGeometry.of(self.image_processor)), "videos": video,
+                                   "text_key": self.text_key}}, sort_keys=True, default=str)
+
+    def video_ids(self, grid: tuple[int, int, int], frames: int, fps: float) -> np.ndarray:
+        """int64 ids of one video as the family's processor and chat template write it: ``<|vision_start|>``,
+        then its ``<|video_pad|>`` tokens (Qwen3-VL / 3.5: per frame group, the ``<t seconds>`` text and the
+        group's tokens inside their own start / end), then ``<|vision_end|>``."""
+        fam = self._require_family("video")
+        t, gh, gw = grid
+        per_group = gh * gw // fam.spatial_merge_size ** 2
+        start, end, pad = fam.vision_start_token_id, fam.vision_end_token_id, fam.video_token_id
+        texts = fam.frame_texts(frames, fps)
+        if texts is None:
+            return np.array([start, *([pad] * (t * per_group)), end], dtype=np.int64)
+        body = [np.concatenate((self.tokenizer.encode(text), [start], np.full(per_group, pad), [end])) for text in texts]
+        return np.concatenate(([start], *body, [end])).astype(np.int64)
 
     def __call__(self, raw: dict) -> dict:
         return self.expand(self.compact(raw))
@@ -397,27 +517,36 @@ class VLMSampleTransform:
         meta = sample_metadata(raw, self.text_key, key)
         images = [decode_image(v, sample=key, name=n) for n, v in image_members(raw, meta, key)]
         vision = self.vision
-        codes, grid = image_codes(images, self.processor, sample=key)
+        codes, grid = image_codes(images, self.image_processor, sample=key)
         pixel_values = None
         if codes is None:
-            pixel_values, grid = process_images(images, self.processor, sample=key)
+            pixel_values, grid = process_images(images, self.image_processor, sample=key)
+        videos = self._videos(raw, meta, key) if self.family is not None else None
         if "input_ids" in raw:  # pre-tokenized, placeholders already expanded
             input_ids = torch.as_tensor(np.asarray(raw["input_ids"]), dtype=torch.int64).reshape(-1)
             loss_mask = torch.as_tensor(np.asarray(raw.get("loss_mask", np.ones(input_ids.numel()))),
                                         dtype=torch.float32).reshape(-1)
         else:
-            ids, mask = render_chat(meta, self.tokenizer, vision.tokens_per_image(grid).tolist(), sample=key)
+            ids, mask = render_chat(meta, self.tokenizer, vision.tokens_per_image(grid).tolist(), sample=key,
+                                    videos=None if videos is None else videos["ids"])
             input_ids, loss_mask = torch.from_numpy(ids), torch.from_numpy(mask)
-        types, positions = vision_types_and_mrope(input_ids, grid, vision, sample=key, mrope=self.mrope)
+        video_fields = {} if videos is None else {k: v for k, v in videos.items() if k != "ids"}
+        types, positions = vision_types_and_mrope(input_ids, grid, vision, sample=key, mrope=self.mrope,
+                                                  family=self.family, video_grid_thw=video_fields.get("video_grid_thw"),
+                                                  second_per_grid_ts=video_fields.get("second_per_grid_ts"))
+        dtype = getattr(torch, self.pixel_dtype)
         out: dict[str, Any] = {
             "__key__": key,
             "input_ids": input_ids,
             "loss_mask": loss_mask,
             "mm_token_type_ids": types,
-            **({"pixel_codes": codes} if pixel_values is None else
-               {"pixel_values": pixel_values.to(getattr(torch, self.pixel_dtype))}),
+            **({"pixel_codes": codes} if pixel_values is None else {"pixel_values": pixel_values.to(dtype)}),
             "image_grid_thw": grid,
         }
+        if video_fields:
+            out["pixel_values_videos"] = video_fields["pixel_values_videos"].to(dtype)
+            out["video_grid_thw"] = video_fields["video_grid_thw"]
+            out["second_per_grid_ts"] = video_fields["second_per_grid_ts"]
         if positions is not None:
             out["mrope_position_ids"] = positions
         if self.topk is not None:
@@ -426,12 +555,53 @@ class VLMSampleTransform:
                                     log_prob_dtype=getattr(torch, self.log_prob_dtype)))
         return out
 
+    def _videos(self, raw: dict, meta: dict, key) -> dict:
+        """The sample's videos: ``pixel_values_videos`` float32, ``video_grid_thw`` int64 ``[n, 3]``,
+        ``second_per_grid_ts`` float32 ``[n]`` and each video's ids (``ids``)."""
+        geometry, table = self.video_geometry, self._video_table()
+        pixels, grids, seconds, ids = [], [], [], []
+        for name, frames, fps in video_members(raw, meta, key, default_fps=self.video_fps):
+            decoded = [decode_image(v, sample=key, name=n) for n, v in frames]
+            grid = self._video_grid(name, [im.size for im in decoded], geometry, key)
+            codes = video_patches(decoded, grid, geometry.patch_size, geometry.merge_size, geometry.temporal_patch_size)
+            pixels.append(normalize_patches(codes, table))
+            grids.append(grid)
+            seconds.append(geometry.temporal_patch_size / fps)
+            ids.append(self.video_ids(grid, len(decoded), fps))
+        dim = 3 * geometry.temporal_patch_size * geometry.patch_size ** 2
+        return {"pixel_values_videos": torch.from_numpy(np.concatenate(pixels)) if pixels else torch.zeros(0, dim),
+                "video_grid_thw": torch.tensor(grids, dtype=torch.int64).reshape(-1, 3),
+                "second_per_grid_ts": torch.tensor(seconds, dtype=torch.float32), "ids": ids}
+
+    def header_video_ids(self, raw: dict, meta: dict, key, frame_size) -> list[np.ndarray] | None:
+        """Each video's ids from its frames' sizes alone (``frame_size(name, value) -> (width, height)``, e.g.
+        from image headers): what :meth:`__call__` writes, without decoding a pixel. ``None`` without a family."""
+        if self.family is None:
+            return None
+        geometry = self.video_geometry
+        out = []
+        for name, frames, fps in video_members(raw, meta, key, default_fps=self.video_fps):
+            grid = self._video_grid(name, [frame_size(n, v) for n, v in frames], geometry, key)
+            out.append(self.video_ids(grid, len(frames), fps))
+        return out
+
+    def _video_grid(self, name: str, sizes: list[tuple[int, int]], geometry: VisionGeometry, key) -> tuple:
+        if len(set(sizes)) != 1:
+            raise MediaError(MediaProblem.BAD_VIDEO, sample=key, field=name, expected="frames of one size",
+                             actual=f"sizes {sorted(set(sizes))}")
+        w, h = sizes[0]
+        try:
+            return self.family.video_grid(len(sizes), h, w, geometry, sample=key, field=name)
+        except SampleError as exc:
+            raise MediaError(MediaProblem.BAD_VIDEO, sample=key, field=name, expected=exc.expected,
+                             actual=exc.actual) from None
+
     def expand(self, sample: dict) -> dict:
         """:meth:`compact`'s output -> the sample (``pixel_codes`` -> ``pixel_values`` of ``pixel_dtype``,
         in the same position among the fields). Anything without ``pixel_codes`` is returned as is."""
         if "pixel_codes" not in sample:
             return sample
-        pixels = expand_codes(sample["pixel_codes"], self.processor).to(getattr(torch, self.pixel_dtype))
+        pixels = expand_codes(sample["pixel_codes"], self.image_processor).to(getattr(torch, self.pixel_dtype))
         return {("pixel_values" if k == "pixel_codes" else k): (pixels if k == "pixel_codes" else v)
                 for k, v in sample.items()}
 
@@ -486,3 +656,36 @@ def image_members(raw: dict, meta: dict, key) -> list[tuple[str, Any]]:
         if m:
             found.append((int(m.group(1) or 0), name))
     return [(name, raw[name]) for _, name in sorted(found)]
+
+
+def video_members(raw: dict, meta: dict, key, *, default_fps: float = 2.0) -> list[tuple[str, list, float]]:
+    """``(name, [(frame name, value)], fps)`` of the sample's videos, in placeholder order: ``meta["videos"]``
+    (or an HF row's ``videos`` column) lists ``{"frames": [...], "fps": ...}``, frames as member names (a
+    missing one is an error) or as images."""
+    declared = raw.get("videos") if isinstance(raw.get("videos"), list) else meta.get("videos")
+    if declared is None:
+        return []
+    if not isinstance(declared, list):
+        raise MediaError(MediaProblem.BAD_VIDEO, sample=key, field="videos", expected="a list of {'frames', 'fps'}",
+                         actual=type(declared).__name__)
+    out = []
+    for i, video in enumerate(declared):
+        name = f"videos[{i}]"
+        frames = video.get("frames") if isinstance(video, dict) else None
+        fps = video.get("fps", default_fps) if isinstance(video, dict) else None
+        if not isinstance(frames, list) or not frames or isinstance(fps, bool) or not isinstance(fps, (int, float)) \
+                or not fps > 0:
+            raise MediaError(MediaProblem.BAD_VIDEO, sample=key, field=name,
+                             expected="{'frames': [at least one frame], 'fps': a positive number}", actual=repr(video)[:80])
+        named = []
+        for j, frame in enumerate(frames):
+            if isinstance(frame, str):
+                if frame not in raw:
+                    raise MediaError(MediaProblem.MISSING_IMAGE, sample=key, field=frame,
+                                     expected=f"the frame members of {name}",
+                                     actual=f"members {sorted(k for k in raw if not k.startswith('__'))}")
+                named.append((frame, raw[frame]))
+            else:
+                named.append((f"{name}.frames[{j}]", frame))
+        out.append((name, named, float(fps)))
+    return out

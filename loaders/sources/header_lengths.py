@@ -12,15 +12,14 @@ the ``image_grid_thw`` row transformers' Qwen2-VL image processor produces for a
 from __future__ import annotations
 
 import io
-import math
 import warnings
-from dataclasses import dataclass
 
 import numpy as np
 
+from prealign.collate.vision import VisionGeometry, image_grid
 from prealign.loaders.sources.npy import NpyFormatError, parse_npy_header
 from prealign.loaders.sources.tar_decode import IMAGE_FORMATS
-from prealign.schemas.errors import ConfigError, SampleError
+from prealign.schemas.errors import SampleError
 
 
 class HeaderError(SampleError):
@@ -90,66 +89,25 @@ def _orientation(img) -> int:
         return 1
 
 
-@dataclass(frozen=True, kw_only=True)
-class Qwen2VLGeometry:
-    """The image processor settings that decide an image's grid (transformers' defaults)."""
-
-    patch_size: int = 14
-    merge_size: int = 2
-    temporal_patch_size: int = 2
-    min_pixels: int = 56 * 56
-    max_pixels: int = 28 * 28 * 1280
-
-    def __post_init__(self):
-        for name in ("patch_size", "merge_size", "temporal_patch_size", "min_pixels", "max_pixels"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"Qwen2VLGeometry.{name}: expected a positive int, got {value!r}")
-        if self.min_pixels > self.max_pixels:
-            raise ConfigError(f"Qwen2VLGeometry: expected min_pixels <= max_pixels, got {self.min_pixels} > "
-                              f"{self.max_pixels}")
-
-    @classmethod
-    def of(cls, processor) -> "Qwen2VLGeometry":
-        """The geometry a transformers Qwen2-VL image processor uses (its ``size`` or ``min/max_pixels``)."""
-        size = getattr(processor, "size", None) or {}
-        get = size.get if isinstance(size, dict) else (lambda k, d=None: getattr(size, k, d))
-        return cls(patch_size=int(processor.patch_size), merge_size=int(processor.merge_size),
-                   temporal_patch_size=int(processor.temporal_patch_size),
-                   min_pixels=int(get("shortest_edge", None) or getattr(processor, "min_pixels")),
-                   max_pixels=int(get("longest_edge", None) or getattr(processor, "max_pixels")))
+Qwen2VLGeometry = VisionGeometry
+"""The image processor settings that decide an image's grid (the family package's :class:`VisionGeometry`)."""
 
 
-def qwen2vl_grid(height: int, width: int, geometry: Qwen2VLGeometry = Qwen2VLGeometry(), *, sample=None,
+def qwen2vl_grid(height: int, width: int, geometry: VisionGeometry = VisionGeometry(), *, sample=None,
                  field: str = "image") -> tuple[int, int, int]:
-    """``(t, gh, gw)``: the ``image_grid_thw`` row of one image of ``height x width`` pixels.
-
-    The processor resizes each side to a multiple of ``factor = patch_size * merge_size`` (Python's
-    ``round``), keeping the area within ``[min_pixels, max_pixels]`` by a common scale, then cuts
-    ``patch_size`` patches; a still image is one temporal patch.
+    """``(t, gh, gw)``: the ``image_grid_thw`` row of one image of ``height x width`` pixels
+    (:func:`prealign.collate.vision.image_grid`; an unusable size is a :class:`HeaderError`). Every Qwen
+    family's images follow it; video grids are :meth:`prealign.collate.vision.VisionFamily.video_grid`.
 
     >>> qwen2vl_grid(480, 640)
     (1, 34, 46)
     >>> qwen2vl_grid(20, 20)   # scaled up to min_pixels
     (1, 4, 4)
     """
-    if min(height, width) < 1:
-        raise HeaderError(sample=sample, field=field, expected="an image of at least 1x1 pixels",
-                          actual=f"{width}x{height}")
-    if max(height, width) / min(height, width) > 200:
-        raise HeaderError(sample=sample, field=field, expected="an aspect ratio of at most 200 (Qwen2-VL)",
-                          actual=f"{width}x{height}")
-    factor = geometry.patch_size * geometry.merge_size
-    h_bar, w_bar = round(height / factor) * factor, round(width / factor) * factor
-    if h_bar * w_bar > geometry.max_pixels:
-        beta = math.sqrt(height * width / geometry.max_pixels)
-        h_bar = max(factor, math.floor(height / beta / factor) * factor)
-        w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif h_bar * w_bar < geometry.min_pixels:
-        beta = math.sqrt(geometry.min_pixels / (height * width))
-        h_bar = math.ceil(height * beta / factor) * factor
-        w_bar = math.ceil(width * beta / factor) * factor
-    return 1, h_bar // geometry.patch_size, w_bar // geometry.patch_size
+    try:
+        return image_grid(height, width, geometry, sample=sample, field=field)
+    except SampleError as exc:
+        raise HeaderError(sample=sample, field=field, expected=exc.expected, actual=exc.actual) from None
 
 
 def tokens_of_grid(grid: tuple[int, int, int], geometry: Qwen2VLGeometry = Qwen2VLGeometry()) -> int:

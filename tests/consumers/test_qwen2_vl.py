@@ -110,7 +110,7 @@ def test_block_causal_mask_path_and_the_transforms_own_mrope(samples):
 
 def test_the_merge_size_comes_from_the_image_processor():
     transform = VLMSampleTransform(tokenizer=TOK)
-    assert transform.spatial_merge_size == transform.processor.merge_size == 2
+    assert transform.spatial_merge_size == transform.image_processor.merge_size == 2
     assert transform.vision.spatial_merge_size == 2
     wrong = VLMSampleTransform(tokenizer=ByteTokenizer(spatial_merge_size=4))
     from prealign.schemas import ConfigError

@@ -1,0 +1,132 @@
+"""The interface every Qwen vision family implements: what the transform, the collator and the index
+read from a model's Hugging Face config, and the few rules in which the families differ.
+
+======================  ========  ==========  ===============================  =========================
+family (model_type)     patch     video time  video runs in the text           packing metadata
+======================  ========  ==========  ===============================  =========================
+qwen2_vl                14        step 1      one run per video                cu_seq_lens
+qwen2_5_vl              14        step tps*s  one run per video                cu_seq_lens
+qwen3_vl(_moe)          16        step 1      one run per frame group, each    cu_seq_lens
+                                              after ``<t seconds>`` text
+qwen3_5(_moe)           16        step 1      as qwen3_vl                      + seq_idx (GDN layers)
+======================  ========  ==========  ===============================  =========================
+
+(``tps`` = ``vision_config.tokens_per_second``, ``s`` = the video's ``second_per_grid_ts``.)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from prealign.schemas.errors import ConfigError
+
+from .grids import VisionGeometry, image_grid, video_grid
+from .positions import rope_positions
+
+
+@dataclass(frozen=True, kw_only=True)
+class VisionFamily:
+    """One Qwen vision family's constants, read from the model config by :meth:`from_config`. Picklable."""
+
+    model_types: ClassVar[tuple[str, ...]] = ()
+    """The HF ``model_type`` values this family serves."""
+    volume_resize: ClassVar[bool] = False
+    """Video resize bounds the clip's volume (Qwen3-VL) rather than each frame's area (Qwen2-VL)."""
+    video_defaults: ClassVar[dict] = {"min_pixels": 128 * 28 * 28, "max_pixels": 28 * 28 * 768,
+                                      "image_mean": (0.48145466, 0.4578275, 0.40821073),
+                                      "image_std": (0.26862954, 0.26130258, 0.27577711)}
+    """transformers' video processor defaults (``size`` and normalisation), used when no video processor is
+    given (transformers' video processors need torchvision)."""
+
+    model_type: str
+    image_token_id: int
+    video_token_id: int
+    vision_start_token_id: int
+    vision_end_token_id: int
+    patch_size: int
+    spatial_merge_size: int
+    temporal_patch_size: int
+    linear_attention: bool = False
+    """The text model has Gated DeltaNet / causal-conv layers (``layer_types`` with ``linear_attention``):
+    packed sequences need ``cu_seq_lens_q`` and ``seq_idx`` honoured by the fast kernels."""
+
+    @classmethod
+    def from_config(cls, config: Any) -> "VisionFamily":
+        """The family's constants from a transformers config (or its ``to_dict()``)."""
+        get = _getter(config)
+        vision = _getter(get("vision_config", {}) or {})
+        text = _getter(get("text_config", {}) or {})
+        layer_types = text("layer_types", None) or get("layer_types", None) or ()
+        values = dict(model_type=get("model_type"), image_token_id=get("image_token_id"),
+                      video_token_id=get("video_token_id"), vision_start_token_id=get("vision_start_token_id"),
+                      vision_end_token_id=get("vision_end_token_id"), patch_size=vision("patch_size"),
+                      spatial_merge_size=vision("spatial_merge_size"), temporal_patch_size=vision("temporal_patch_size"),
+                      linear_attention="linear_attention" in layer_types, **cls._extra(vision))
+        missing = [k for k, v in values.items() if v is None]
+        if missing:
+            raise ConfigError(f"{cls.__name__}.from_config: the {values['model_type']} config has no {missing}")
+        return cls(**values)
+
+    @classmethod
+    def _extra(cls, vision) -> dict:
+        return {}
+
+    def __post_init__(self):
+        ids = (self.image_token_id, self.video_token_id, self.vision_start_token_id, self.vision_end_token_id)
+        if len(set(ids)) != 4 or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
+            raise ConfigError(f"{type(self).__name__}: expected four distinct non-negative token ids (image, video, "
+                              f"vision start, vision end), got {ids}")
+        for name in ("patch_size", "spatial_merge_size", "temporal_patch_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{type(self).__name__}.{name}: expected a positive int, got {value!r}")
+
+    # ---- grids ------------------------------------------------------------------------------------
+    def image_grid(self, height: int, width: int, geometry: VisionGeometry, *, sample=None,
+                   field: str = "image") -> tuple[int, int, int]:
+        """``image_grid_thw`` row of a ``height x width`` image under the image processor's ``geometry``."""
+        return image_grid(height, width, geometry, sample=sample, field=field)
+
+    def video_grid(self, frames: int, height: int, width: int, geometry: VisionGeometry, *, sample=None,
+                   field: str = "video") -> tuple[int, int, int]:
+        """``video_grid_thw`` row of ``frames`` frames of ``height x width`` under the video processor's ``geometry``."""
+        return video_grid(frames, height, width, geometry, volume=self.volume_resize, sample=sample, field=field)
+
+    # ---- video --------------------------------------------------------------------------------------
+    def video_runs(self, video_grid_thw: torch.Tensor) -> np.ndarray:
+        """int64 ``[num_video_runs, 3]``: the grid of each run of video tokens, in order (one per video)."""
+        return np.asarray(video_grid_thw, dtype=np.int64).reshape(-1, 3)
+
+    def video_steps(self, video_grid_thw: torch.Tensor, second_per_grid_ts: torch.Tensor | None) -> np.ndarray | None:
+        """Float temporal step of each video run (``None``: 1 everywhere)."""
+        return None
+
+    def frame_texts(self, frames: int, fps: float, frame_indices=None) -> list[str] | None:
+        """The text written before each frame group's run of video tokens (``None``: no per-frame text)."""
+        return None
+
+    # ---- positions ----------------------------------------------------------------------------------
+    def positions(self, mm_token_type_ids: torch.Tensor, cu_seqlens: torch.Tensor, *,
+                  image_grid_thw: torch.Tensor | None = None, video_grid_thw: torch.Tensor | None = None,
+                  second_per_grid_ts: torch.Tensor | None = None, grids_per_sample=None) -> torch.Tensor:
+        """int64 ``[3, T]`` mRoPE positions of ``T`` packed tokens (``cu_seqlens`` int ``[N+1]``), equal to the
+        family's transformers ``get_rope_index`` on each sequence (:mod:`.positions`)."""
+        images = np.zeros((0, 3), np.int64) if image_grid_thw is None else _np(image_grid_thw)
+        videos = np.zeros((0, 3), np.int64) if video_grid_thw is None else _np(video_grid_thw)
+        out = rope_positions(_np(mm_token_type_ids), _np(cu_seqlens), images, self.video_runs(videos),
+                             self.video_steps(videos, second_per_grid_ts), self.spatial_merge_size,
+                             grids_per_sample=grids_per_sample)
+        return torch.from_numpy(out)
+
+
+def _np(value) -> np.ndarray:
+    return value.numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
+
+
+def _getter(obj):
+    if isinstance(obj, dict):
+        return lambda key, default=None: obj.get(key, default)
+    return lambda key, default=None: getattr(obj, key, default)
