@@ -32,6 +32,7 @@ from prealign.loaders.index.sample_checks import (
     optional_keys,
     validated,
 )
+from prealign.loaders.index.merged import merged_records
 from prealign.loaders.index.sample_index import SampleIndex
 from prealign.loaders.index.sidecar import check_source
 from prealign.loaders.policy import BadDataGate, BadDataPolicy
@@ -216,7 +217,8 @@ def build_index(source: Source, schema: BatchSchema, *, policy: BadDataPolicy | 
     checked = None
     failure: BaseException | None = None
     try:
-        known, checked = check_source(source, schema)  # unreachable / changed shards raise here; sidecar records
+        # sidecar records (one merged file, or a sidecar per shard); shards to index here must exist
+        known, checked = check_source(source, schema, merged_records(source, schema))
         shards = [s for s in range(source.num_shards) if s not in known]
         mine: dict = {"results": scan_shards(source, schema, shards[rank::world], num_workers=num_workers)}
     except Exception as exc:  # noqa: BLE001 - re-raised below: every rank must reach the exchange first
