@@ -82,11 +82,11 @@ def regular_stat(path: str, what: str) -> os.stat_result | None:
     return st
 
 
-def read_regular(path: str, what: str, limit: int) -> bytes | None:
+def read_regular(path: str, what: str, limit) -> bytes | None:
     """The bytes of the regular file ``path`` (None when it does not exist), opened without blocking (a
     FIFO is refused, never waited on) and checked after the open (``fstat``: no swap between check
     and open); anything but a regular file, or more than ``limit`` bytes, is a :class:`StaleIndexError`
-    naming it (never an unbounded read)."""
+    naming it (never an unbounded read). ``limit``: an int, or a function of the file's size giving it."""
     try:
         f = open_regular(path)
     except FileNotFoundError:
@@ -96,6 +96,8 @@ def read_regular(path: str, what: str, limit: int) -> bytes | None:
                               "not a file prealign wrote: remove it and re-run `prealign index`") from None
     with f:
         st = os.fstat(f.fileno())
+        if callable(limit):
+            limit = limit(st.st_size)
         if st.st_size > limit:
             raise StaleIndexError(path, f"{what} of {st.st_size} bytes, more than the {limit} bytes one can hold",
                                   "not a file prealign wrote: re-run `prealign index`")
@@ -427,11 +429,15 @@ def read_sidecar_bytes(source, shard: int, size: int | None = None) -> bytes | N
     if remote.scheme(source.urls[shard]) == "pipe" and not getattr(source, "index_dir", None):
         return None  # a command's output has no "beside": give index_dir
     path = sidecar_path(source.urls[shard], getattr(source, "index_dir", None))
-    limit = sidecar_limit(size)
+    def limit(n: int) -> int:  # (with no size given, the shard's only for a sidecar bigger than an empty shard's)
+        if size is not None:
+            return sidecar_limit(size)
+        return sidecar_limit(_size_now(source, shard)) if n > sidecar_limit(0) else n
     if remote.is_remote(path):
         data = remote.read_small(path, source.remote)
-        if data is not None and len(data) > limit:
-            raise StaleIndexError(path, f"sidecar of {len(data)} bytes, more than the {limit} bytes one can hold",
+        if data is not None and len(data) > sidecar_limit(size):
+            raise StaleIndexError(path, f"sidecar of {len(data)} bytes, more than the {sidecar_limit(size)} bytes "
+                                        f"one can hold",
                                   "re-run `prealign index`")
         return data
     return read_regular(remote.local_path(path), "sidecar", limit)
