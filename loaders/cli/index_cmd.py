@@ -5,7 +5,10 @@ The schema and transform are chosen as ``prealign inspect`` chooses them (``--te
 Shards whose sidecar is up to date (same size, same first/last 64 KiB, same configuration) are left
 alone, so a second run indexes only new or changed shards. ``--workers N`` local processes share the
 shards; under ``torchrun`` (an initialised ``torch.distributed`` group, or ``WORLD_SIZE`` > 1 in the
-environment) rank ``r`` of ``W`` indexes shards ``r, r+W, ...``. Progress goes to stderr.
+environment) rank ``r`` of ``W`` indexes shards ``r, r+W, ...``. ``--merge`` then writes one merged
+index of all the shards (:mod:`~prealign.loaders.index.merged`; rank 0, after every rank is done), which a
+loader reads instead of one sidecar per shard; an existing merged index is rewritten by every run, so it
+never lags its sidecars. Progress goes to stderr.
 """
 from __future__ import annotations
 
@@ -33,6 +36,8 @@ def add_parser(sub) -> None:
     p.add_argument("--force", action="store_true", help="re-index shards whose sidecar is up to date")
     p.add_argument("--check", action="store_true", help="index nothing: read every shard whole and compare it with "
                                                         "its sidecar's recorded hash (exit 1 on any difference)")
+    p.add_argument("--merge", action="store_true", help="also write one merged index of all the shards (a loader "
+                                                        "then reads one file, not a sidecar per shard)")
     p.add_argument("--debug", action="store_true", help="show the traceback of an error")
     p.add_argument("--header-only", action="store_true", help="VLM: read image headers only, no pixel decode "
                                                              "(a corrupt image body is found when loaded)")
@@ -132,7 +137,22 @@ def cmd_index(args) -> int:
     dt = time.perf_counter() - t0
     print(f"{stats['indexed']} shard(s) indexed ({stats['samples']:,} samples in {dt:.2f} s), "
           f"{stats['up_to_date']} up to date" + (f", sidecars in {args.out}" if args.out else ""), file=sys.stderr)
+    _merge(source, args.merge, rank)
     return 0
+
+
+def _merge(source, asked: bool, rank: int) -> None:
+    """``--merge`` (or a merged index already there, kept in step with its sidecars): rank 0 writes it."""
+    from prealign.loaders.index.merged import merge_sidecars, merged_path
+    from prealign.loaders.sources import remote
+
+    path = merged_path(source)
+    if rank != 0 or not (asked or not remote.is_remote(path) and os.path.exists(remote.local_path(path))):
+        return
+    t0 = time.perf_counter()
+    done = merge_sidecars(source)
+    print(f"merged index of {done['shards']} shard(s), {done['samples']:,} samples: {done['path']} "
+          f"({time.perf_counter() - t0:.2f} s)", file=sys.stderr)
 
 
 def _check(source, shards: list[int], out: str | None, rank: int, world: int) -> int:

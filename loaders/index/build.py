@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from prealign.loaders.errors import BadSampleError
 from prealign.loaders.index.events import error_from_record, error_record, record_reason
+from prealign.loaders.index.merged import merged_records
 from prealign.loaders.index.sample_checks import (
     FIELDS_KEY,
     VALIDATION_CHUNK,
@@ -32,7 +33,6 @@ from prealign.loaders.index.sample_checks import (
     optional_keys,
     validated,
 )
-from prealign.loaders.index.merged import merged_records
 from prealign.loaders.index.sample_index import SampleIndex
 from prealign.loaders.index.sidecar import check_source
 from prealign.loaders.policy import BadDataGate, BadDataPolicy
