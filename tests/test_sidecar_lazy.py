@@ -7,15 +7,17 @@ import os
 import numpy as np
 import pytest
 
-from prealign.loaders import BadDataPolicy, PackedLoader, WebDatasetSource
+from prealign.loaders import BadDataPolicy, PackedLoader, WebDatasetSource, build_index
 from prealign.loaders.errors import ChangedShardError, MissingShardError, StaleIndexError
+from prealign.loaders.index.build import merge_records
 from prealign.loaders.index.header_pass import write_sidecars
-from prealign.loaders.index.merged import merge_sidecars, merged_path
+from prealign.loaders.index.merged import merge_sidecars, merged_path, merged_records
 from prealign.loaders.sources.shard_files import SUFFIX
 from prealign.schemas import ParallelLayout
 from prealign.schemas.schema import causal_lm_schema
 
 from .loader_helpers import sample_lengths, write_shards
+from .test_sidecar import _bad_members
 
 SCHEMA = causal_lm_schema()
 SKIP = BadDataPolicy(on_error="skip", max_consecutive=50)
@@ -26,8 +28,8 @@ def _loader(paths, **kw) -> PackedLoader:
                         bad_data=SKIP, **kw)
 
 
-def _shards(tmp_path, n=3):
-    paths = write_shards(str(tmp_path), sample_lengths(60), num_shards=n)
+def _shards(tmp_path, n=3, extra=None):
+    paths = write_shards(str(tmp_path), sample_lengths(60), num_shards=n, extra=extra)
     write_sidecars(WebDatasetSource(paths), SCHEMA)
     return paths
 
@@ -78,8 +80,11 @@ def test_verify_shards_checks_every_shard_at_once(tmp_path):
 
 
 def test_the_merged_index_gives_the_sidecars_index_and_is_checked(tmp_path):
-    paths = _shards(tmp_path, n=4)
+    paths = _shards(tmp_path, n=4, extra=_bad_members)  # 3 bad samples in shard 0: the policy applied alike
     expected = _loader(paths).index
+    assert sum(expected.report.to_dict()["counts"].values()) == 3
+    with pytest.raises(Exception) as from_sidecars:  # the default policy raises the first bad sample
+        build_index(WebDatasetSource(paths), SCHEMA)
     done = merge_sidecars(WebDatasetSource(paths))
     assert done == {"path": merged_path(WebDatasetSource(paths)), "shards": 4, "samples": len(expected)}
     for p in paths:  # the loader reads the merged file alone
@@ -87,6 +92,16 @@ def test_the_merged_index_gives_the_sidecars_index_and_is_checked(tmp_path):
     merged = _loader(paths).index
     assert merged.digest == expected.digest and merged.report.to_dict() == expected.report.to_dict()
     np.testing.assert_array_equal(merged.locations, expected.locations)
+    np.testing.assert_array_equal(merged.media, expected.media)
+    assert merged.dims == expected.dims and merged.source_shards == expected.source_shards
+    tight = BadDataPolicy(on_error="skip", max_consecutive=2)  # 3 bad samples, never 2 in a row
+    assert build_index(WebDatasetSource(paths), SCHEMA, policy=tight).digest == expected.digest
+    with pytest.raises(type(from_sidecars.value)) as from_merged:
+        build_index(WebDatasetSource(paths), SCHEMA)
+    assert str(from_merged.value) == str(from_sidecars.value)
+    records = merged_records(WebDatasetSource(paths), SCHEMA)  # the per-sample path (shards' dims disagree)
+    per_sample = merge_records(list(records.values()), SKIP, where=WebDatasetSource(paths).where, schema=SCHEMA)
+    assert per_sample.digest == expected.digest and per_sample.report.to_dict() == expected.report.to_dict()
     subset = _loader(paths[:2])  # another selection of shards: not this merged file; the sidecars (gone here)
     assert len(subset.index) < len(expected) and subset.verify_shards() == 0
     for p in paths:

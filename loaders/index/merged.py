@@ -36,6 +36,10 @@ import numpy as np
 
 from prealign.loaders.errors import StaleIndexError
 from prealign.loaders.index import sidecar
+from prealign.loaders.index.events import error_from_record, record_reason
+from prealign.loaders.index.sample_checks import FIELDS_KEY
+from prealign.loaders.index.sample_index import SampleIndex
+from prealign.loaders.policy import BadDataGate, BadDataPolicy
 from prealign.loaders.sources import remote
 from prealign.loaders.sources.npy import read_npz
 from prealign.loaders.sources.shard_files import shard_name
@@ -105,11 +109,54 @@ def merge_sidecars(source, path: str | None = None) -> dict:
     return {"path": path, "shards": len(names), "samples": int(sum(t[1] for t in table))}
 
 
-def merged_records(source, schema) -> dict[int, dict] | None:
-    """The sidecar records (:func:`~prealign.loaders.index.sidecar.sidecar_records`) of every shard of
-    ``source`` from its merged index, each with its ``"check"``; None when there is no merged index, it names
-    other shards, or the source reads no sidecars. Checked as a whole (vectorised: a cost per file, not per
-    shard), and against this loader's configuration (:class:`StaleIndexError`)."""
+def merged_index(source, schema, policy: BadDataPolicy) -> SampleIndex | None:
+    """The :class:`SampleIndex` of ``source`` straight from its merged index, at a cost per file and per bad
+    record, not per shard or sample (the one :func:`~prealign.loaders.index.build.merge_records` makes from
+    the same records: the bad-data policy applied to the recorded bad events in stream order); sets
+    ``source.shard_check``. None when there is no merged index for these shards, or the shards disagree on a
+    named dim or on which optional fields they have (the per-sample path handles that:
+    :func:`merged_records`)."""
+    found = _read(source, schema)
+    if found is None:
+        return None
+    meta, a = found
+    fixed: dict = {}
+    for d in meta["dims"]:
+        if any(fixed.get(k, v) != v for k, v in d.items()):
+            return None
+        fixed.update(d)
+    fixed.pop(FIELDS_KEY, None)
+    table = a["shards"]
+    first_record = np.concatenate([[0], np.cumsum(table[:, 2])])
+    gate, last = BadDataGate(policy), -1
+    for shard, pos, ev in sorted(meta["events"], key=lambda e: (e[0], e[1])):
+        at = int(first_record[shard]) + pos  # the record's place in the whole stream
+        if at > last + 1:
+            gate.good()  # an ok record between bad ones resets the consecutive count
+        last = at
+        if ev[0] == "skip":
+            gate.report.add(ev[1], ev[2], ev[3])
+        else:
+            gate.bad(record_reason(ev[2]), ev[1], error_from_record(ev[2]))
+    shards = np.repeat(np.arange(len(table), dtype=np.int64), table[:, 1])
+    locations = np.empty((shards.size, 4), np.int64)
+    locations[:, 0], locations[:, 1:] = shards, a["spans"]
+    _install_checks(source, meta, table)
+    sizes = [-1 if remote.scheme(u) == "pipe" else int(n) for u, n in zip(source.urls, table[:, 0].tolist())]
+    return SampleIndex(lengths=np.array(a["lengths"]), locations=locations, shards=shards, report=gate.report,
+                       media=np.array(a["media"]), dims=fixed, source_shards={"names": meta["names"], "sizes": sizes})
+
+
+def _install_checks(source, meta: dict, table: np.ndarray) -> None:
+    """``source.shard_check``: each shard checked against the merged index at its first read."""
+    checks = sidecar.ShardChecks(len(table), {})
+    checks.sizes[:], checks.first[:], checks.last[:] = table[:, 0], table[:, 3], table[:, 4]
+    checks.probes = list(meta["probes"])
+    source.shard_check = checks
+
+
+def _read(source, schema) -> tuple[dict, dict[str, np.ndarray]] | None:
+    """``(meta, arrays)`` of ``source``'s merged index, checked, when there is one for exactly its shards."""
     if not getattr(source, "sidecars", False) or not getattr(source, "urls", None):
         return None
     path = merged_path(source)
@@ -124,6 +171,18 @@ def merged_records(source, schema) -> dict[int, dict] | None:
         return None  # an index of another selection of shards: the sidecars, one by one
     sidecar.check_meta(source.urls[0], {**meta["common"], "shard": meta["names"][0]},
                        sidecar.config_key(source, schema))
+    return meta, a
+
+
+def merged_records(source, schema) -> dict[int, dict] | None:
+    """The sidecar records (:func:`~prealign.loaders.index.sidecar.sidecar_records`) of every shard of
+    ``source`` from its merged index, each with its ``"check"``; None when there is no merged index, it names
+    other shards, or the source reads no sidecars. Checked as a whole (vectorised: a cost per file, not per
+    shard), and against this loader's configuration (:class:`StaleIndexError`)."""
+    found = _read(source, schema)
+    if found is None:
+        return None
+    meta, a = found
     table = a["shards"]
     bounds = np.concatenate([[0], np.cumsum(table[:, 1])]).tolist()
     by_shard: dict[int, list] = {}
