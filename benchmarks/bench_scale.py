@@ -184,15 +184,17 @@ def _phase(code: str) -> dict:
     return json.loads(run.stdout.rsplit("RESULT", 1)[1])
 
 
-def _index_and_merge(paths: list[str]) -> None:
+def _index_and_merge(root: str) -> None:
     _phase(f"""
+import glob
 from prealign.loaders import WebDatasetSource
 from prealign.loaders.index.header_pass import write_sidecars
 from prealign.loaders.index.merged import merge_sidecars
 from prealign.schemas import causal_lm_schema
 if __name__ == "__main__":
-    write_sidecars(WebDatasetSource({paths!r}), causal_lm_schema())
-    merge_sidecars(WebDatasetSource({paths!r}))
+    source = WebDatasetSource(sorted(glob.glob({root!r} + "/*.tar")))
+    write_sidecars(source, causal_lm_schema())
+    merge_sidecars(source)
     result = {{}}
 """)
 
@@ -224,7 +226,7 @@ def main() -> int:
         root = os.path.join(args.dir, f"text-{args.samples}-{count}")
         paths = write_text_shards(root, args.samples, per_shard=-(-args.samples // count))
         if not os.path.exists(os.path.join(root, "prealign-index.merged.npz")):
-            _index_and_merge(paths)
+            _index_and_merge(root)
         row = {"prealign": _best(_START.format(root=root), args.repeat, "first_s")}
         if args.energon:
             if not os.path.exists(os.path.join(root, ".nv-meta", "dataset.yaml")):

@@ -153,12 +153,15 @@ def _install_checks(source, meta: dict, table: np.ndarray) -> None:
     checks.sizes[:], checks.first[:], checks.last[:] = table[:, 0], table[:, 3], table[:, 4]
     checks.probes = list(meta["probes"])
     source.shard_check = checks
+    sidecar.check_remote_now(source)
 
 
 def _read(source, schema) -> tuple[dict, dict[str, np.ndarray]] | None:
     """``(meta, arrays)`` of ``source``'s merged index, checked, when there is one for exactly its shards."""
     if not getattr(source, "sidecars", False) or not getattr(source, "urls", None):
         return None
+    if remote.scheme(source.urls[0]) == "pipe" and not getattr(source, "index_dir", None):
+        return None  # a command's output has no folder: give index_dir
     path = merged_path(source)
     if remote.is_remote(path):
         data = remote.read_small(path, source.remote)

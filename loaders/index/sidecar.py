@@ -507,9 +507,12 @@ class ShardChecks:
         for shard, (size, probe, first, last) in expected.items():
             self.sizes[shard], self.probes[shard], self.first[shard], self.last[shard] = size, probe, first, last
 
-    def __call__(self, source, shard: int) -> None:
+    checked_at_start = frozenset()
+    """Shards checked when the loader started (remote objects), so never again at a first read."""
+
+    def __call__(self, source, shard: int, *, again: bool = False) -> None:
         recorded = int(self.sizes[shard])
-        if recorded == self.UNCHECKED:
+        if recorded == self.UNCHECKED or shard in self.checked_at_start and not again:
             return
         url = source.urls[shard]
         size = _size_now(source, shard)
@@ -539,6 +542,19 @@ def _size_now(source, shard: int) -> int | None:
     return None if st is None else st.st_size
 
 
+def check_remote_now(source) -> None:
+    """Remote shards (http, s3, ...) checked at the loader's start, in this process, their round trips overlapping
+    on 16 threads: the process learns each object's identity and whether its server ignores Range (then keeps the
+    object whole) before its workers fork, so no worker downloads an object again to check it. Local shards (a
+    parallel file system included) wait for their first read."""
+    checks = source.shard_check
+    if checks is None:
+        return
+    far = [s for s in range(source.num_shards) if remote.is_remote(source.urls[s]) and checks.sizes[s] != checks.UNCHECKED]
+    per_shard(source, lambda s: checks(source, s), far)
+    checks.checked_at_start = frozenset(far)
+
+
 def verify_shards(source, shards=None) -> int:
     """Check ``shards`` (default: all) of ``source`` against their sidecars as their first read does
     (:class:`ShardChecks`), on up to 8 threads: the whole data set's check at once (``PackedLoader.verify_shards``).
@@ -547,7 +563,7 @@ def verify_shards(source, shards=None) -> int:
     if check is None:
         return 0
     shards = list(range(source.num_shards)) if shards is None else list(shards)
-    per_shard(source, lambda s: check(source, s), shards, threads=_SIDECAR_THREADS)
+    per_shard(source, lambda s: check(source, s, again=True), shards, threads=_SIDECAR_THREADS)
     return sum(int(check.sizes[s]) != ShardChecks.UNCHECKED for s in shards)
 
 
@@ -643,6 +659,7 @@ def check_source(source, schema, records: dict[int, dict] | None = None) -> tupl
     expected = {s: r.pop("check") for s, r in records.items()}
     sizes.update((s, -1 if remote.scheme(source.urls[s]) == "pipe" else e[0]) for s, e in expected.items())
     source.shard_check = ShardChecks(source.num_shards, expected) if expected else None
+    check_remote_now(source)
     names = [shard_name(u) for u in source.urls]
     return records, {"names": names, "sizes": [sizes[s] for s in range(source.num_shards)]}
 
