@@ -24,13 +24,13 @@ process. Every key, dtype and shape is checked on reading; anything else is a
 :class:`~prealign.loaders.errors.StaleIndexError` (a :class:`ConfigError`) naming the shard.
 
 When the loader is built, each sidecar is read and checked (on up to 8 threads; or all of them from one
-merged file, :mod:`~prealign.loaders.index.merged`); a shard itself is checked against its sidecar when it
-is first read, in the process that reads it, before any of its samples is served (:class:`ShardChecks`): it must exist, have the recorded size (a ``stat``, or one
-``HEAD`` for a URL) and the same first and last 64 KiB (two reads, the ``probe``). So a loader starts
-without touching its shards; :func:`verify_shards` checks them all at once. A byte changed elsewhere in
-place (same size) is caught
-when the sample is read: the crc32 of its members recorded at indexing no longer matches
-(:class:`~prealign.loaders.errors.SourceChangedError`).
+merged file, :mod:`~prealign.loaders.index.merged`). A shard itself is checked against its sidecar when it
+is first read, in the process that reads it, before any of its samples is served (:class:`ShardChecks`;
+remote objects at the start, :func:`check_remote_now`): it must exist, have the recorded size (a ``stat``,
+or one ``HEAD`` for a URL) and the same first and last 64 KiB (two reads, the ``probe``). So a loader
+starts without touching its local shards; :func:`verify_shards` checks them all at once. A byte changed
+elsewhere in place (same size) is caught when the sample is read: the crc32 of its members recorded at
+indexing no longer matches (:class:`~prealign.loaders.errors.SourceChangedError`).
 """
 from __future__ import annotations
 

@@ -328,9 +328,14 @@ class WebDatasetSource(Source):
 
     def describe(self) -> dict:
         sizes = []
-        for u in self.urls:
+        recorded = getattr(self.shard_check, "sizes", None)  # (from the index; each shard checked at its first read)
+        for i, u in enumerate(self.urls):
             size = None
-            if not _REMOTE.match(u) or u.startswith("file://"):
+            if _REMOTE.match(u) and not u.startswith("file://"):
+                pass
+            elif recorded is not None and recorded[i] >= 0:
+                size = int(recorded[i])
+            else:
                 try:
                     size = os.stat(_remote.local_path(u)).st_size
                 except (OSError, ValueError):  # missing (or a NUL byte in the path)
