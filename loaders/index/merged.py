@@ -142,7 +142,9 @@ def merged_index(source, schema, policy: BadDataPolicy) -> SampleIndex | None:
     locations = np.empty((shards.size, 4), np.int64)
     locations[:, 0], locations[:, 1:] = shards, a["spans"]
     _install_checks(source, meta, table)
-    sizes = [-1 if remote.scheme(u) == "pipe" else int(n) for u, n in zip(source.urls, table[:, 0].tolist())]
+    sizes = table[:, 0].tolist()
+    if any(u[:5].lower() == "pipe:" for u in source.urls):  # a command's output has no size to check
+        sizes = [-1 if remote.scheme(u) == "pipe" else n for u, n in zip(source.urls, sizes)]
     return SampleIndex(lengths=np.array(a["lengths"]), locations=locations, shards=shards, report=gate.report,
                        media=np.array(a["media"]), dims=fixed, source_shards={"names": meta["names"], "sizes": sizes})
 
@@ -170,7 +172,7 @@ def _read(source, schema) -> tuple[dict, dict[str, np.ndarray]] | None:
     if data is None:
         return None
     meta, a = _parse(data, path)
-    if meta["names"] != [shard_name(u) for u in source.urls]:
+    if len(meta["names"]) != len(source.urls) or meta["names"] != [shard_name(u) for u in source.urls]:
         return None  # an index of another selection of shards: the sidecars, one by one
     sidecar.check_meta(source.urls[0], {**meta["common"], "shard": meta["names"][0]},
                        sidecar.config_key(source, schema))

@@ -44,6 +44,8 @@ from prealign.schemas.errors import ConfigError, SampleError
 
 _REMOTE = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*:")
 _BRACE = re.compile(r"[{}\\]")
+_FAR = re.compile(r"^(?!file://)[a-zA-Z][a-zA-Z0-9+.-]*:")
+"""A URL that is not a local path (``file://`` is)."""
 
 
 def expand_urls(urls: str | Sequence[str]) -> list[str]:
@@ -327,8 +329,10 @@ class WebDatasetSource(Source):
         return f"{self.urls[int(location[0])]}@{int(location[1])}"
 
     def describe(self) -> dict:
-        sizes = []
         recorded = getattr(self.shard_check, "sizes", None)  # (from the index; each shard checked at its first read)
+        if recorded is not None and recorded.min() >= 0 and not any(map(_FAR.match, self.urls)):
+            return {"kind": "webdataset", "urls": self.urls, "sizes": recorded.tolist(), "required": list(self.required)}
+        sizes = []
         for i, u in enumerate(self.urls):
             size = None
             if _REMOTE.match(u) and not u.startswith("file://"):
