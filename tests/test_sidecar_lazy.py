@@ -122,3 +122,32 @@ def test_a_merged_index_of_another_configuration_is_stale(tmp_path):
     merge_sidecars(WebDatasetSource(paths))
     with pytest.raises(StaleIndexError, match="another schema or transform"):
         _loader(paths).prepare()
+
+
+def test_sidecar_reads_go_on_threads_only_when_the_file_system_is_slow(tmp_path):
+    import threading
+    import time
+
+    from prealign.loaders.index.sidecar import per_shard
+
+    src = WebDatasetSource([str(tmp_path / f"s-{i}.tar") for i in range(100)])
+    threads: set = set()
+
+    def read(shard, delay=0.0):
+        threads.add(threading.current_thread().name)
+        time.sleep(delay)
+        return shard
+
+    assert per_shard(src, read, threads=8) == list(range(100)) and len(threads) == 1  # a local disk: in a row
+    threads.clear()
+    assert per_shard(src, lambda s: read(s, 0.002), threads=8) == list(range(100)) and len(threads) > 1
+    assert per_shard(src, lambda s: read(s, 0.002)) == list(range(100))  # no threads asked: in a row
+
+    def fail(shard):
+        time.sleep(0.002)
+        if shard in (40, 70):
+            raise MissingShardError(f"s-{shard}.tar", "gone")
+        return shard
+
+    with pytest.raises(MissingShardError, match="s-40.tar"):  # the first failure in shard order
+        per_shard(src, fail, threads=8)
