@@ -90,10 +90,14 @@ _INDEX = """
 from prealign.loaders import WebDatasetSource
 from prealign.loaders.index.header_pass import write_sidecars
 from prealign.schemas import causal_lm_schema
+import resource
+def cpu():  # this process and its children (a pool's workers)
+    return sum(getattr(resource.getrusage(w), a) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+               for a in ("ru_utime", "ru_stime"))
 if __name__ == "__main__":
-    t = time.perf_counter()
+    t, c = time.perf_counter(), cpu()
     stats = write_sidecars(WebDatasetSource({paths!r}), causal_lm_schema(), workers={workers}, force=True)
-    result = {{"s": time.perf_counter() - t, "samples": stats["samples"]}}
+    result = {{"s": time.perf_counter() - t, "cpu_s": cpu() - c, "samples": stats["samples"]}}
 """
 
 _IMPORT = """
@@ -240,13 +244,14 @@ def main() -> int:
         p = row["prealign"]
         print(f"| {len(paths):,} shards | {cell(p, 'first')} | {cell(p, 'resume')} | "
               + (f"{cell(e, 'first')} | {cell(e, 'resume')} |" if e else "(not run) | |"), flush=True)
-    first, last = (numbers[f"start_{c}"]["prealign"] for c in args.shards[:2])
-    print(f"\nprealign, {args.shards[1]:,} vs {args.shards[0]:,} shards: first batch "
-          f"{last['first_s'] / first['first_s']:.2f}x ({last['first_cpu_s'] / first['first_cpu_s']:.2f}x in CPU s), "
-          f"resume {last['resume_s'] / first['resume_s']:.2f}x ({last['resume_cpu_s'] / first['resume_cpu_s']:.2f}x "
-          f"in CPU s)", flush=True)
+    if len(args.shards) >= 2:
+        first, last = (numbers[f"start_{c}"]["prealign"] for c in args.shards[:2])
+        print(f"\nprealign, {args.shards[1]:,} vs {args.shards[0]:,} shards: first batch "
+              f"{last['first_s'] / first['first_s']:.2f}x ({last['first_cpu_s'] / first['first_cpu_s']:.2f}x in CPU s), "
+              f"resume {last['resume_s'] / first['resume_s']:.2f}x ({last['resume_cpu_s'] / first['resume_cpu_s']:.2f}x "
+              f"in CPU s)", flush=True)
 
-    if args.energon:
+    if args.energon and args.shards:
         root = os.path.join(args.dir, f"text-{args.samples}-{args.shards[0]}")
         tp = {k: _phase((enc if k == "energon" else "") + _THROUGHPUT.format(root=root, kind=k,
                                                                              samples=args.throughput))
@@ -268,7 +273,8 @@ def main() -> int:
         one = _best(_INDEX.format(paths=paths, workers=1), args.repeat, "s")
         two = _best(_INDEX.format(paths=paths, workers=2), args.repeat, "s")
         numbers[f"index_{n}"] = {"1": one, "2": two}
-        print(f"| {n:,} | {one['s']:.2f} s | {two['s']:.2f} s |", flush=True)
+        print(f"| {n:,} | {one['s']:.2f} s ({one['cpu_s']:.2f} CPU s) | {two['s']:.2f} s ({two['cpu_s']:.2f} CPU s) |",
+              flush=True)
 
     imports = {m: _best(_IMPORT.format(module=m), args.repeat, "s") for m in ("torch", "prealign.loaders")}
     numbers["import"] = imports
