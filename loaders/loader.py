@@ -30,7 +30,7 @@ from prealign.loaders.handoff.transport import pack_batch
 from prealign.loaders.index.build import build_index
 from prealign.loaders.index.sample_checks import has_media, media_keys
 from prealign.loaders.index.sample_index import SampleIndex
-from prealign.loaders.index.sidecar import check_index, describe_transform, verify_shards
+from prealign.loaders.index.sidecar import check_all_shards, check_index, describe_transform
 from prealign.loaders.options import IndexOptions, LoadingOptions, ShuffleOptions, WorkerConfig, check_option
 from prealign.loaders.plan.planner import MicrobatchPlan, PlannerConfig
 from prealign.loaders.plan.schedule import Request, Schedule, check_count
@@ -326,7 +326,7 @@ class PackedLoader(LoaderCore):
         checks, :class:`~prealign.loaders.index.sidecar.ShardChecks`), on a few threads; raises the first
         :class:`~prealign.loaders.errors.MissingShardError` / ``ChangedShardError`` in shard order. Returns the
         number of shards checked (0 when none came from sidecars). The loader itself never waits for it."""
-        return verify_shards(self.prepare().source)
+        return check_all_shards(self.prepare().source)
 
     @property
     def index(self) -> SampleIndex:

@@ -28,7 +28,7 @@ of them from one merged file, :mod:`~prealign.loaders.index.merged`). A shard it
 sidecar when it is first read, in the process that reads it, before any of its samples is served
 (:class:`ShardChecks`; remote objects at the start, :func:`check_remote_now`): it must exist, have the
 recorded size (a ``stat``, or one ``HEAD`` for a URL) and the same first and last 64 KiB (two reads, the
-``probe``). So a loader starts without touching its local shards; :func:`verify_shards` checks them all at
+``probe``). So a loader starts without touching its local shards; :func:`check_all_shards` checks them all at
 once. A byte changed elsewhere in place (same size) is caught when the sample is read: the crc32 of its
 members recorded at indexing no longer matches (:class:`~prealign.loaders.errors.SourceChangedError`).
 """
@@ -556,10 +556,11 @@ def check_remote_now(source) -> None:
     checks.checked_at_start = frozenset(far)
 
 
-def verify_shards(source, shards=None) -> int:
+def check_all_shards(source, shards=None) -> int:
     """Check ``shards`` (default: all) of ``source`` against their sidecars as their first read does
-    (:class:`ShardChecks`), on up to 8 threads: the whole data set's check at once (``PackedLoader.verify_shards``).
-    Returns the number of shards checked; raises the first failure in shard order."""
+    (:class:`ShardChecks`; on up to 8 threads when the file system is slow, :func:`per_shard`): the whole data
+    set's check at once (``PackedLoader.verify_shards``). Returns the number of shards checked; raises the
+    first failure in shard order."""
     check = getattr(source, "shard_check", None)
     if check is None:
         return 0
