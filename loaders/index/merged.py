@@ -246,6 +246,7 @@ def _parse(data: bytes, path: str) -> tuple[dict, dict[str, np.ndarray]]:
                                                               for x in e[:2]) and 0 <= e[0] < s
                 and 0 <= e[1] < num_events[e[0]] and isinstance(e[2], list) and e[2] and e[2][0] in ("bad", "skip")):
             raise bad(f"malformed event {str(e)[:80]}")
-    if np.any(rows + np.bincount([e[0] for e in events], minlength=s) != num_events):
-        raise bad("per-shard event counts do not add up")
+    if np.any(rows + np.bincount([e[0] for e in events], minlength=s) != num_events) or \
+            len({(e[0], e[1]) for e in events}) != len(events):
+        raise bad("per-shard event counts do not add up, or an event is given twice")
     return meta, a
