@@ -45,19 +45,19 @@ def _tar_header(name: bytes, size: int) -> bytes:
     return bytes(head)
 
 
-def write_text_shards(root: str, n: int, seed: int = 0) -> list[str]:
-    """``ceil(n / PER_SHARD)`` tar shards of pre-tokenized samples (int64 ``[8..128]``), raw tar bytes."""
+def write_text_shards(root: str, n: int, seed: int = 0, per_shard: int = PER_SHARD) -> list[str]:
+    """``ceil(n / per_shard)`` tar shards of pre-tokenized samples (int64 ``[8..128]``), raw tar bytes."""
     os.makedirs(root, exist_ok=True)
     rng = np.random.default_rng(seed)
     lengths = rng.integers(8, 129, n)
     paths = []
-    for s in range(-(-n // PER_SHARD)):
+    for s in range(-(-n // per_shard)):
         path = os.path.join(root, f"text-{s:05d}.tar")
         paths.append(path)
         if os.path.exists(path):
             continue
         out = []
-        for i in range(s * PER_SHARD, min(n, (s + 1) * PER_SHARD)):
+        for i in range(s * per_shard, min(n, (s + 1) * per_shard)):
             n_tok = int(lengths[i])
             header = b"{'descr': '<i8', 'fortran_order': False, 'shape': (%d,), }" % n_tok
             header = header + b" " * (127 - 10 - len(header)) + b"\n"

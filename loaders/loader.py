@@ -34,7 +34,7 @@ from prealign.loaders.handoff.transport import pack_batch
 from prealign.loaders.index.build import build_index
 from prealign.loaders.index.sample_checks import has_media, media_keys
 from prealign.loaders.index.sample_index import SampleIndex
-from prealign.loaders.index.sidecar import check_index, describe_transform
+from prealign.loaders.index.sidecar import check_all_shards, check_index, describe_transform
 from prealign.loaders.options import IndexOptions, LoadingOptions, ShuffleOptions, WorkerConfig, check_option
 from prealign.loaders.plan.planner import MicrobatchPlan, PlannerConfig
 from prealign.loaders.plan.schedule import Request, Schedule, check_count
@@ -337,6 +337,13 @@ class PackedLoader(LoaderCore):
         self._index = index
         self._announce_oversize()
         return self
+
+    def verify_shards(self) -> int:
+        """Check every shard against its sidecar now (size, first and last 64 KiB: what each shard's first read
+        checks, :class:`~prealign.loaders.index.sidecar.ShardChecks`), on a few threads; raises the first
+        :class:`~prealign.loaders.errors.MissingShardError` / ``ChangedShardError`` in shard order. Returns the
+        number of shards checked (0 when none came from sidecars). The loader itself never waits for it."""
+        return check_all_shards(self.prepare().source)
 
     @property
     def index(self) -> SampleIndex:

@@ -30,6 +30,22 @@ def test_index_command_writes_sidecars_once(tmp_path, capsys):
     assert len(idx) == 40
 
 
+def test_index_workers_in_a_pool_write_the_sidecars_one_process_writes(tmp_path, monkeypatch):
+    import numpy as np
+
+    from prealign.loaders.index import header_pass
+
+    paths = write_shards(str(tmp_path), sample_lengths(40), num_shards=4)
+    header_pass.write_sidecars(WebDatasetSource(paths), causal_lm_schema())
+    one = [np.load(p + SUFFIX)["lengths"].tolist() for p in paths]
+    monkeypatch.setattr(header_pass, "_POOL_MIN", 0)  # (small data runs in process: the pool costs a torch import)
+    started = []
+    monkeypatch.setattr(header_pass, "_pool", lambda mp, n, pool=header_pass._pool: started.append(n) or pool(mp, n))
+    stats = header_pass.write_sidecars(WebDatasetSource(paths), causal_lm_schema(), workers=2, force=True)
+    assert started == [2] and stats == {"indexed": 4, "up_to_date": 0, "samples": 40}
+    assert [np.load(p + SUFFIX)["lengths"].tolist() for p in paths] == one
+
+
 def test_index_command_out_dir_ranks_and_missing_shards(tmp_path, capsys, monkeypatch):
     paths = write_shards(str(tmp_path), sample_lengths(40), num_shards=4)
     out = str(tmp_path / "idx")
@@ -57,7 +73,7 @@ def _index_rank(rank: int, port: int, paths: list[str], out: str, log: str) -> N
 
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
-        rc = main(["index", *paths, "--text", "--out", out])
+        rc = main(["index", *paths, "--text", "--out", out, "--merge"])
     with open(f"{log}-{rank}", "w") as f:
         f.write(f"{rc}\n{err.getvalue()}")
     dist.destroy_process_group()
@@ -80,7 +96,13 @@ def test_index_command_splits_shards_over_gloo_ranks(tmp_path):
     logs = [open(f"{log}-{r}").read() for r in range(2)]
     assert [s.split("\n", 1)[0] for s in logs] == ["0", "0"]
     assert "(rank 0/2)" in logs[0] and "3 shard(s) indexed" in logs[0] and "2 shard(s) indexed" in logs[1]
-    assert len(os.listdir(out)) == 5
+    assert "merged index of 5 shard(s), 50 samples" in logs[0] and "merged" not in logs[1]  # rank 0, after both
+    assert len(os.listdir(out)) == 6
+    for name in os.listdir(out):  # the loader reads the merged file alone: the same index as in process
+        if name.endswith(SUFFIX):
+            os.remove(os.path.join(out, name))
+    merged = build_index(WebDatasetSource(paths, index_dir=out), causal_lm_schema())
+    assert merged.digest == build_index(WebDatasetSource(paths, sidecars=False), causal_lm_schema()).digest
 
 
 def test_index_check_finds_a_byte_changed_in_place_that_the_start_checks_cannot(tmp_path, capsys):

@@ -131,14 +131,15 @@ def test_changed_extra_and_foreign_indexes_raise_before_any_batch(tmp_path):
     with pytest.raises(ExtraShardError, match="shard-001.tar|2 shard"):  # an index of 2 shards, 1 given
         _loader(WebDatasetSource(paths[:1]), index=str(tmp_path / "two.index"), bad_data=SKIP)
     # shards rewritten with other data: other bytes in the first 64 KiB (shard 0), another size (shard 1)
+    # (a shard is checked at its first read: before any of its samples is served, never counted as bad data)
     write_shards(str(tmp_path / "a"), sample_lengths(30, seed=1), num_shards=2)
     with pytest.raises(ChangedShardError, match="shard-000.tar.*64 KiB differ"):
-        _loader(WebDatasetSource(paths), bad_data=SKIP)
+        list(_loader(WebDatasetSource(paths), bad_data=SKIP))
     write_shards(str(tmp_path / "a"), sample_lengths(30), num_shards=2)
     with open(paths[1], "ab") as f:
         f.write(bytes(10240))
     with pytest.raises(ChangedShardError, match="shard-001.tar.*bytes now"):
-        _loader(WebDatasetSource(paths), bad_data=SKIP)
+        list(_loader(WebDatasetSource(paths), bad_data=SKIP))
     with pytest.raises(ChangedShardError, match="shard-001.tar"):
         _loader(WebDatasetSource(paths, sidecars=False), index=str(tmp_path / "two.index"), bad_data=SKIP)
     # a sidecar of another shard, and one of another schema
@@ -198,8 +199,10 @@ def test_byte_changed_in_place_is_source_changed(tmp_path):
     raw = bytearray(open(paths[0], "rb").read())
     at = raw.index(b"\x93NUMPY", 0) + 128 + 8  # inside the first sample's token data
     raw[at] ^= 0x55
+    next(iter(loader))  # the shard checked against its sidecar (size, first and last 64 KiB) at its first read
     with open(paths[0], "wb") as f:
-        f.write(raw)  # same size: passes the build-time check, caught per sample
+        f.write(raw)  # same size, changed after that check: caught per sample
+    loader.set_epoch(1)
     with pytest.raises(SourceChangedError, match="checksum"):
         for _ in loader:
             pass

@@ -108,8 +108,8 @@ def test_an_edited_but_consistent_sidecar_is_refused(tmp_path, edit):
     if edit not in ("last_removed", "first_removed"):  # (found only against the shard's first / last bytes)
         with pytest.raises(StaleIndexError, match="shard-000.tar"):
             parse_sidecar(data, shard=paths[0])
-    with pytest.raises(StaleIndexError, match="shard-000.tar"):
-        _prepare(paths)
+    with pytest.raises(StaleIndexError, match="shard-000.tar"):  # at the shard's first read at the latest
+        list(_prepare(paths))
 
 
 def test_an_unedited_sidecar_with_bad_samples_still_loads(tmp_path):

@@ -7,7 +7,10 @@ schema, pad id, vocabulary, layout and budget; only the transform is part of its
 Shards whose sidecar is up to date (same size, same first/last 64 KiB, same transform) are left
 alone, so a second run indexes only new or changed shards. ``--workers N`` local processes share the
 shards; under ``torchrun`` (an initialised ``torch.distributed`` group, or ``WORLD_SIZE`` > 1 in the
-environment) rank ``r`` of ``W`` indexes shards ``r, r+W, ...``. Progress goes to stderr.
+environment) rank ``r`` of ``W`` indexes shards ``r, r+W, ...``. ``--merge`` then writes one merged
+index of all the shards (:mod:`~prealign.loaders.index.merged`; rank 0, after every rank is done), which a
+loader reads instead of one sidecar per shard; an existing merged index is rewritten by every run, so it
+never lags its sidecars. Progress goes to stderr.
 """
 from __future__ import annotations
 
@@ -26,7 +29,8 @@ def add_parser(sub) -> None:
     p.add_argument("shards", nargs="+", help="webdataset shards (paths, URLs, brace patterns)")
     p.add_argument("--out", metavar="DIR", help="write the sidecars to DIR (then pass index_dir=DIR to "
                                                 "WebDatasetSource) instead of beside the shards")
-    p.add_argument("--workers", type=int, default=1, help="local processes [%(default)s]")
+    p.add_argument("--workers", type=int, default=1, help="local processes, used above 192 MiB of shards (16 MiB "
+                                                          "with --full; below, one process is faster) [%(default)s]")
     p.add_argument("--text", action="store_true", help="pre-tokenized .npy members (causal-LM schema) instead "
                                                       "of the VLM transform")
     p.add_argument("--topk", type=int, default=0, help="expect teacher top-k with this K (0: none) [%(default)s]")
@@ -36,6 +40,8 @@ def add_parser(sub) -> None:
     p.add_argument("--force", action="store_true", help="re-index shards whose sidecar is up to date")
     p.add_argument("--check", action="store_true", help="index nothing: read every shard whole and compare it with "
                                                         "its sidecar's recorded hash (exit 1 on any difference)")
+    p.add_argument("--merge", action="store_true", help="also write one merged index of all the shards (a loader "
+                                                        "then reads one file, not a sidecar per shard)")
     p.add_argument("--debug", action="store_true", help="show the traceback of an error")
     p.add_argument("--header-only", action="store_true", help="VLM: read image headers only, no pixel decode "
                                                              "(a corrupt image body is found when loaded)")
@@ -183,7 +189,22 @@ def cmd_index(args) -> int:
     dt = time.perf_counter() - t0
     print(f"{stats['indexed']} shard(s) indexed ({stats['samples']:,} samples in {dt:.2f} s), "
           f"{stats['up_to_date']} up to date" + (f", sidecars in {args.out}" if args.out else ""), file=sys.stderr)
+    _merge(source, args.merge, rank)
     return 0
+
+
+def _merge(source, asked: bool, rank: int) -> None:
+    """``--merge`` (or a merged index already there, kept in step with its sidecars): rank 0 writes it."""
+    from prealign.loaders.index.merged import merge_sidecars, merged_path
+    from prealign.loaders.sources import remote
+
+    path = merged_path(source)
+    if rank != 0 or not (asked or not remote.is_remote(path) and os.path.exists(remote.local_path(path))):
+        return
+    t0 = time.perf_counter()
+    done = merge_sidecars(source)
+    print(f"merged index of {done['shards']} shard(s), {done['samples']:,} samples: {done['path']} "
+          f"({time.perf_counter() - t0:.2f} s)", file=sys.stderr)
 
 
 def _check(source, shards: list[int], out: str | None, rank: int, world: int) -> int:

@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from prealign.loaders.errors import BadSampleError, StaleIndexError
 from prealign.loaders.index.events import error_from_record, error_record, record_reason
+from prealign.loaders.index.merged import merged_index, merged_records
 from prealign.loaders.index.sample_checks import (
     FIELDS_KEY,
     VALIDATION_CHUNK,
@@ -293,12 +294,16 @@ def build_index(source: Source, schema: BatchSchema, *, policy: BadDataPolicy | 
     from prealign.schemas.distributed import all_gather_objects, process_rank_world
 
 
+    index = merged_index(source, schema, policy or BadDataPolicy())  # one merged file: no pass, no exchange
+    if index is not None:
+        return _checked_non_empty(index)
     rank, world = process_rank_world(group) if distributed else (0, 1)
     known: dict = {}
     checked = None
     failure: BaseException | None = None
     try:
-        known, checked = check_source(source, schema)  # unreachable / changed shards raise here; sidecar records
+        # sidecar records (one merged file, or a sidecar per shard); unreachable / changed shards raise here
+        known, checked = check_source(source, schema, merged_records(source, schema))
         known = resolve_signatures(known, source, schema)  # the data's signatures checked against this schema
         shards = [s for s in range(source.num_shards) if s not in known]
         mine: dict = {"results": scan_shards(source, schema, shards[rank::world], num_workers=num_workers,
@@ -322,7 +327,10 @@ def build_index(source: Source, schema: BatchSchema, *, policy: BadDataPolicy | 
         index = merge_records(results, policy or BadDataPolicy(), where=source.where, schema=schema)
     else:
         index = merge_shards(results, policy or BadDataPolicy(), width=1, where=source.where, schema=schema)
-    index = dataclasses.replace(index, source_shards=checked)
+    return _checked_non_empty(dataclasses.replace(index, source_shards=checked))
+
+
+def _checked_non_empty(index: SampleIndex) -> SampleIndex:
     if len(index) == 0:
         raise BadSampleError(sample=None, field=None, expected="at least one good sample in the source",
                              actual=f"none ({index.report.to_dict()['counts']})")

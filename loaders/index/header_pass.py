@@ -492,7 +492,7 @@ def write_sidecars(source, schema: BatchSchema, *, out_dir: str | None = None, w
 
 
     todo = list(range(source.num_shards)) if shards is None else list(shards)
-    shard_sizes(source, todo)  # missing shards or a brace typo, all named: before any work
+    sizes = shard_sizes(source, todo)  # missing shards or a brace typo, all named: before any work
     for s in todo:  # a device, a FIFO: refused before any work (never read without end, never waited on)
         if not remote.is_remote(source.urls[s]):
             regular_stat(remote.local_path(source.urls[s]), "shard")
@@ -504,14 +504,39 @@ def write_sidecars(source, schema: BatchSchema, *, out_dir: str | None = None, w
         os.makedirs(out_dir, exist_ok=True)
     stats = {"indexed": 0, "up_to_date": 0, "samples": 0}
     tasks = [(source, schema, s, out_dir, full, force, verify_images) for s in todo]
-    if workers > 1 and len(tasks) > 1:
-        ctx = mp.get_context("spawn")  # fork after torch / PIL threads have run can deadlock a child
-        with ctx.Pool(min(workers, len(tasks))) as pool:
+    if workers > 1 and len(tasks) > 1 and sum(max(n, 0) for n in sizes) >= (_POOL_MIN_FULL if full else _POOL_MIN):
+        with _pool(mp, min(workers, len(tasks))) as pool:
             results = pool.imap_unordered(_index_task, tasks)
             _collect(results, stats, len(tasks), progress)
     else:
         _collect(map(_index_task, tasks), stats, len(tasks), progress)
     return stats
+
+
+_POOL_MIN = 192 << 20
+"""Shard bytes below which the header pass runs in this process even when given workers: a pool costs
+about a second to start (one import of torch), the header pass reads ~100 MB of text shards a second."""
+_POOL_MIN_FULL = 16 << 20
+"""The same for the full pass (``full=True``: every sample transformed and collated, ~10x slower a byte)."""
+
+
+def _pool(mp, n: int):
+    """``n`` worker processes forked from a forkserver that imported torch and this module once (``spawn``,
+    where there is no forkserver): no child re-imports torch (``spawn`` made the pool slower than one process
+    below ~300k samples), and none is forked from this process, whose torch / PIL threads may hold locks.
+    Each child runs torch on one thread: ``n`` processes, not ``n`` x cores threads."""
+    try:
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch", __name__])
+    except ValueError:
+        ctx = mp.get_context("spawn")
+    return ctx.Pool(n, initializer=_one_thread)
+
+
+def _one_thread() -> None:
+    import torch
+
+    torch.set_num_threads(1)
 
 
 def _collect(results, stats: dict, total: int, progress) -> None:

@@ -2,6 +2,7 @@
 checked ``.npz`` (never unpickled)."""
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from dataclasses import dataclass
@@ -38,10 +39,11 @@ class SampleIndex:
     def __len__(self) -> int:
         return int(self.lengths.shape[0])
 
-    @property
+    @functools.cached_property
     def digest(self) -> str:
         """16 hex digits over lengths, locations, (when any sample has media) the media flags and
-        (when any) the named dims: changes when the data does."""
+        (when any) the named dims: changes when the data does. Computed once per index (it is immutable:
+        ``dataclasses.replace`` makes a new one), so a checkpoint's ``state_dict`` never rehashes it."""
         h = hashlib.sha256()
         arrays = [self.lengths, self.locations, self.shards]
         if self.media is not None and bool(np.any(self.media)):  # text-only data: the same digest as before

@@ -43,6 +43,9 @@ from prealign.loaders.sources.tar_reader import TarFormatError, iter_members
 from prealign.schemas.errors import ConfigError, SampleError
 
 _REMOTE = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*:")
+_BRACE = re.compile(r"[{}\\]")
+_FAR = re.compile(r"^(?!file://)[a-zA-Z][a-zA-Z0-9+.-]*:")
+"""A URL that is not a local path (``file://`` is)."""
 
 
 def expand_urls(urls: str | Sequence[str]) -> list[str]:
@@ -54,7 +57,8 @@ def expand_urls(urls: str | Sequence[str]) -> list[str]:
     import braceexpand
 
     items = [urls] if isinstance(urls, str) else list(urls)
-    out = [u for item in items for u in braceexpand.braceexpand(str(item))]
+    out = [u for item in map(str, items)  # (a plain path as it is: braceexpand costs ~15 us a name)
+           for u in (braceexpand.braceexpand(item) if _BRACE.search(item) else (item,))]
     if not out:
         raise ConfigError(f"urls: no shard URLs given ({urls!r})")
     return out
@@ -116,6 +120,10 @@ class WebDatasetSource(Source):
     """
 
     sequential = True
+    shard_check: Callable | None = None
+    """Set by the index pass from the shards' sidecars (:class:`~prealign.loaders.index.sidecar.ShardChecks`):
+    ``shard_check(source, shard)`` raises when a shard no longer matches its index. Called at the first read of
+    each shard in each process, before any of its samples is served."""
 
     def __init__(self, urls: str | Sequence[str], *, transform: Transform | None = numpy_fields,
                  required: Sequence[str] = (), image: str = "pil",
@@ -258,6 +266,12 @@ class WebDatasetSource(Source):
         shard read whole (kept for ``remote.stream_shards`` shards)."""
         url = self.urls[shard]
         local = self._local()
+        if self.shard_check is not None and shard not in local.setdefault("checked", set()):
+            try:  # (a stat and two 64 KiB reads, under the read deadline: a hung mount blocks in them)
+                call_with_timeout(lambda: self.shard_check(self, shard), self.read_timeout)
+            except Stalled as exc:
+                raise ShardTimeoutError(url, 0, f"checking the shard against its index: {exc}") from None
+            local["checked"].add(shard)
         if _remote.is_sequential(url):
             streams = local.setdefault("streams", OrderedDict())
             if shard not in streams:
@@ -315,9 +329,20 @@ class WebDatasetSource(Source):
         return f"{self.urls[int(location[0])]}@{int(location[1])}"
 
     def describe(self) -> dict:
+        recorded = getattr(self.shard_check, "sizes", None)  # (from the index; each shard checked at its first read)
+        if recorded is not None and recorded.min() >= 0 and not any(map(_FAR.match, self.urls)):
+            return {"kind": "webdataset", "urls": self.urls, "sizes": recorded.tolist(), "required": list(self.required)}
         sizes = []
-        for u in self.urls:
-            p = _remote.local_path(u)
-            local = not _REMOTE.match(u) or u.startswith("file://")
-            sizes.append(os.path.getsize(p) if local and os.path.exists(p) else None)
+        for i, u in enumerate(self.urls):
+            size = None
+            if _REMOTE.match(u) and not u.startswith("file://"):
+                pass
+            elif recorded is not None and recorded[i] >= 0:
+                size = int(recorded[i])
+            else:
+                try:
+                    size = os.stat(_remote.local_path(u)).st_size
+                except (OSError, ValueError):  # missing (or a NUL byte in the path)
+                    pass
+            sizes.append(size)
         return {"kind": "webdataset", "urls": self.urls, "sizes": sizes, "required": list(self.required)}

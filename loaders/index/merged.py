@@ -1,0 +1,252 @@
+"""One index file for all the shards of a data set: their sidecars merged, so a loader starts with one read
+instead of one per shard (100k shards: one file, not 100k opens and parses).
+
+    shard-*.tar.prealign-index.npz ──prealign index --merge──► <folder>/prealign-index.merged.npz
+
+The merged file sits in ``index_dir`` when the source has one, else in the folder of the first shard. A
+loader uses it when it names exactly the source's shards, in order (else it reads the sidecars one by one,
+as before). It holds what the sidecars hold, read with ``allow_pickle=False`` and checked as a whole:
+
+=============  ==============  ======================================================================
+key            dtype / shape   meaning
+=============  ==============  ======================================================================
+``meta``       uint8 ``[B]``   UTF-8 JSON: ``format``, ``version``, ``names`` (shard file names, ``[S]``),
+                               ``common`` (the sidecar meta every shard shares: ``config``, ...),
+                               ``probes`` (``[S]``), ``dims`` (distinct named-dim dicts), ``events``
+                               (``[shard, position, event]`` of each skip / bad record)
+``shards``     int64 ``[S,5]`` ``size, rows, num_events, first, last`` of each shard (``first`` / ``last``:
+                               see :func:`~prealign.loaders.index.sidecar.expected_of`)
+``spans``      int64 ``[N,3]`` ``start, end, checksum`` of each good sample, shard after shard
+``lengths``    int64 ``[N]``   token lengths
+``media``      bool ``[N]``    the sample carries media
+``dim_ids``    int64 ``[N]``   row of ``meta.dims`` each sample has
+=============  ==============  ======================================================================
+
+The records it gives are those the sidecars give, so the index is the same either way; each shard is still
+checked against it when first read (:class:`~prealign.loaders.index.sidecar.ShardChecks`). Anything
+malformed is a :class:`~prealign.loaders.errors.StaleIndexError` naming the file.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+
+import numpy as np
+
+from prealign.loaders.errors import StaleIndexError
+from prealign.loaders.index import sidecar
+from prealign.loaders.index.events import error_from_record, record_reason
+from prealign.loaders.index.sample_checks import FIELDS_KEY
+from prealign.loaders.index.sample_index import SampleIndex
+from prealign.loaders.policy import BadDataGate, BadDataPolicy
+from prealign.loaders.sources import remote
+from prealign.loaders.sources.npy import read_npz
+from prealign.loaders.sources.shard_files import shard_name
+
+FORMAT = "prealign-merged-index"
+VERSION = 1
+NAME = "prealign-index.merged.npz"
+_PER_SHARD = frozenset({"shard", "size", "hash", "probe", "dims", "events", "num_events"})
+_KEYS = frozenset({"meta", "shards", "spans", "lengths", "media", "dim_ids"})
+_MAX_FILE = 1 << 40
+
+
+def merged_path(source) -> str:
+    """Where ``source``'s merged index lives: ``index_dir/`` or the first shard's folder, then :data:`NAME`."""
+    folder = getattr(source, "index_dir", None)
+    if not folder:
+        first = source.urls[0].split("?", 1)[0]
+        first = first[len("file://"):] if first.startswith("file://") else first
+        folder = first.rsplit("/", 1)[0] if "/" in first else "."
+    return f"{folder.rstrip('/')}/{NAME}"
+
+
+def merge_sidecars(source, path: str | None = None) -> dict:
+    """Write the sidecars of every shard of ``source`` as one merged index at ``path`` (default
+    :func:`merged_path`), atomically. Every shard needs its sidecar (else :class:`StaleIndexError`: run
+    ``prealign index`` first), and all of them the same configuration. Returns ``{"path", "shards", "samples"}``."""
+    path = path or merged_path(source)
+    names, probes, table, events, dims = [], [], [], [], []
+    parts: dict[str, list] = {"spans": [], "lengths": [], "media": [], "dim_ids": []}
+    common = None
+    for shard, url in enumerate(source.urls):
+        data = sidecar.read_sidecar_bytes(source, shard)
+        if data is None:
+            raise StaleIndexError(url, "no sidecar index to merge", "run `prealign index` on every shard first")
+        meta, arrays = sidecar.parse_sidecar(data, shard=url)
+        if meta["shard"] != shard_name(url):
+            raise StaleIndexError(url, f"its sidecar describes shard {meta['shard']!r}", "a sidecar of another shard")
+        mine = {k: v for k, v in meta.items() if k not in _PER_SHARD}
+        if common is None:
+            common = mine
+        elif mine != common:
+            raise StaleIndexError(url, f"its sidecar was built with {mine}, the first shard's with {common}",
+                                  "index every shard with one configuration before merging")
+        ids = np.asarray([dims.index(d) if d in dims else dims.append(d) or len(dims) - 1 for d in meta["dims"]],
+                         np.int64)
+        size, probe, first, last = sidecar.expected_of(meta, arrays["spans"])
+        names.append(meta["shard"])
+        probes.append(probe)
+        table.append((size, len(arrays["lengths"]), meta["num_events"], first, last))
+        events.extend([shard, pos, ev] for pos, ev in meta["events"])
+        for key in ("spans", "lengths", "media"):
+            parts[key].append(arrays[key])
+        parts["dim_ids"].append(ids[arrays["dim_ids"]] if len(ids) else arrays["dim_ids"])
+    meta = {"format": FORMAT, "version": VERSION, "names": names, "common": common, "probes": probes,
+            "dims": dims, "events": events}
+    buf = io.BytesIO()
+    np.savez(buf, meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8),
+             shards=np.asarray(table, np.int64).reshape(-1, 5),
+             spans=np.concatenate(parts["spans"]).reshape(-1, 3).astype(np.int64),
+             lengths=np.concatenate(parts["lengths"]).astype(np.int64),
+             media=np.concatenate(parts["media"]).astype(bool),
+             dim_ids=np.concatenate(parts["dim_ids"]).astype(np.int64))
+    tmp = f"{path}.{os.getpid()}.part"
+    with open(tmp, "wb") as f:
+        f.write(buf.getvalue())
+    os.replace(tmp, path)
+    return {"path": path, "shards": len(names), "samples": int(sum(t[1] for t in table))}
+
+
+def merged_index(source, schema, policy: BadDataPolicy) -> SampleIndex | None:
+    """The :class:`SampleIndex` of ``source`` straight from its merged index, at a cost per file and per bad
+    record, not per shard or sample (the one :func:`~prealign.loaders.index.build.merge_records` makes from
+    the same records: the bad-data policy applied to the recorded bad events in stream order); sets
+    ``source.shard_check``. None when there is no merged index for these shards, or the shards disagree on a
+    named dim or on which optional fields they have (the per-sample path handles that:
+    :func:`merged_records`)."""
+    found = _read(source, schema)
+    if found is None:
+        return None
+    meta, a = found
+    fixed: dict = {}
+    for d in meta["dims"]:
+        if any(fixed.get(k, v) != v for k, v in d.items()):
+            return None
+        fixed.update(d)
+    fixed.pop(FIELDS_KEY, None)
+    table = a["shards"]
+    first_record = np.concatenate([[0], np.cumsum(table[:, 2])])
+    gate, last = BadDataGate(policy), -1
+    for shard, pos, ev in sorted(meta["events"], key=lambda e: (e[0], e[1])):
+        at = int(first_record[shard]) + pos  # the record's place in the whole stream
+        if at > last + 1:
+            gate.good()  # an ok record between bad ones resets the consecutive count
+        last = at
+        if ev[0] == "skip":
+            gate.report.add(ev[1], ev[2], ev[3])
+        else:
+            gate.bad(record_reason(ev[2]), ev[1], error_from_record(ev[2]))
+    shards = np.repeat(np.arange(len(table), dtype=np.int64), table[:, 1])
+    locations = np.empty((shards.size, 4), np.int64)
+    locations[:, 0], locations[:, 1:] = shards, a["spans"]
+    _install_checks(source, meta, table)
+    sizes = table[:, 0].tolist()
+    if any(u[:5].lower() == "pipe:" for u in source.urls):  # a command's output has no size to check
+        sizes = [-1 if remote.scheme(u) == "pipe" else n for u, n in zip(source.urls, sizes)]
+    return SampleIndex(lengths=np.array(a["lengths"]), locations=locations, shards=shards, report=gate.report,
+                       media=np.array(a["media"]), dims=fixed, source_shards={"names": meta["names"], "sizes": sizes})
+
+
+def _install_checks(source, meta: dict, table: np.ndarray) -> None:
+    """``source.shard_check``: each shard checked against the merged index at its first read."""
+    checks = sidecar.ShardChecks(len(table), {})
+    checks.sizes[:], checks.first[:], checks.last[:] = table[:, 0], table[:, 3], table[:, 4]
+    checks.probes = list(meta["probes"])
+    source.shard_check = checks
+    sidecar.check_remote_now(source)
+
+
+def _read(source, schema) -> tuple[dict, dict[str, np.ndarray]] | None:
+    """``(meta, arrays)`` of ``source``'s merged index, checked, when there is one for exactly its shards."""
+    if not getattr(source, "sidecars", False) or not getattr(source, "urls", None):
+        return None
+    if remote.scheme(source.urls[0]) == "pipe" and not getattr(source, "index_dir", None):
+        return None  # a command's output has no folder: give index_dir
+    path = merged_path(source)
+    if remote.is_remote(path):
+        data = remote.read_small(path, source.remote)
+    else:
+        data = sidecar.read_regular(remote.local_path(path), "merged index", _MAX_FILE)
+    if data is None:
+        return None
+    meta, a = _parse(data, path)
+    if len(meta["names"]) != len(source.urls) or meta["names"] != [shard_name(u) for u in source.urls]:
+        return None  # an index of another selection of shards: the sidecars, one by one
+    sidecar.check_meta(source, source.urls[0], {**meta["common"], "shard": meta["names"][0]},
+                       sidecar.config_key(source, schema))
+    return meta, a
+
+
+def merged_records(source, schema) -> dict[int, dict] | None:
+    """The sidecar records (:func:`~prealign.loaders.index.sidecar.sidecar_records`) of every shard of
+    ``source`` from its merged index, each with its ``"check"``; None when there is no merged index, it names
+    other shards, or the source reads no sidecars. Checked as a whole (vectorised: a cost per file, not per
+    shard), and against this loader's configuration (:class:`StaleIndexError`)."""
+    found = _read(source, schema)
+    if found is None:
+        return None
+    meta, a = found
+    table = a["shards"]
+    bounds = np.concatenate([[0], np.cumsum(table[:, 1])]).tolist()
+    by_shard: dict[int, list] = {}
+    for shard, pos, ev in meta["events"]:
+        by_shard.setdefault(shard, []).append([pos, ev])
+    out = {}
+    for s, (size, _, num_events, first, last) in enumerate(table.tolist()):
+        lo, hi = bounds[s], bounds[s + 1]
+        arrays = {k: a[k][lo:hi] for k in ("spans", "lengths", "media", "dim_ids")}
+        record = sidecar.record_of({"shard": meta["names"][s], "num_events": num_events, "dims": meta["dims"],
+                                    "events": by_shard.get(s, [])}, arrays, s)
+        out[s] = {**record, "check": (size, meta["probes"][s], first, last)}
+    return out
+
+
+def _parse(data: bytes, path: str) -> tuple[dict, dict[str, np.ndarray]]:
+    """``(meta, arrays)`` of a merged index, every key, dtype, shape and bound checked (never unpickled)."""
+    def bad(what: str) -> StaleIndexError:
+        return StaleIndexError(path, f"merged index unreadable: {what}", "re-run `prealign index --merge`")
+
+    try:
+        a = read_npz(data, max_bytes=64 * len(data) + (1 << 20), member=path, copy=False, names=_KEYS)
+        meta = json.loads(a["meta"].tobytes().decode()) if a.get("meta") is not None else None
+    except StaleIndexError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any failure to parse a crafted file is a typed error
+        raise bad(f"{type(exc).__name__}: {exc}") from None
+    if set(a) != _KEYS or not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise bad("not a prealign merged index")
+    if meta.get("version") != VERSION:
+        raise bad(f"format version {meta.get('version')!r}, this prealign reads version {VERSION}")
+    names, probes, dims, events = (meta.get(k) for k in ("names", "probes", "dims", "events"))
+    if not (isinstance(names, list) and names and all(isinstance(n, str) for n in names)
+            and isinstance(probes, list) and len(probes) == len(names) and all(isinstance(p, str) for p in probes)
+            and isinstance(meta.get("common"), dict) and isinstance(dims, list)
+            and all(isinstance(d, dict) for d in dims) and isinstance(events, list)):
+        raise bad("meta names / probes / common / dims / events malformed")
+    s, table = len(names), a["shards"]
+    n = a["lengths"].shape[0] if a["lengths"].ndim == 1 else -1
+    want = {"shards": (np.int64, (s, 5)), "spans": (np.int64, (n, 3)), "lengths": (np.int64, (n,)),
+            "media": (np.bool_, (n,)), "dim_ids": (np.int64, (n,))}
+    for key, (dtype, shape) in want.items():
+        if a[key].dtype != dtype or a[key].shape != shape:
+            raise bad(f"{key} of dtype {a[key].dtype} shape {a[key].shape}, expected {np.dtype(dtype)} {shape}")
+    sizes, rows, num_events = table[:, 0], table[:, 1], table[:, 2]
+    if rows.min() < 0 or int(rows.sum()) != n or np.any(num_events < rows) or np.any(table[:, 3:] < -1):
+        raise bad("per-shard rows / events inconsistent with the samples")
+    spans, owner = a["spans"], np.repeat(np.arange(s), rows)
+    if n and (spans[:, 0].min() < 0 or np.any(spans[:, 1] <= spans[:, 0]) or np.any(spans[:, 1] > sizes[owner])
+              or a["lengths"].min() < 0 or a["dim_ids"].min() < 0 or a["dim_ids"].max() >= len(dims)):
+        raise bad("byte ranges, lengths or dim ids out of bounds")
+    if n > 1 and np.any((owner[1:] == owner[:-1]) & (spans[1:, 0] < spans[:-1, 1])):
+        raise bad("samples of a shard overlap or are out of order")
+    for e in events:  # (checked one by one: few, bad records only)
+        if not (isinstance(e, list) and len(e) == 3 and all(isinstance(x, int) and not isinstance(x, bool)
+                                                              for x in e[:2]) and 0 <= e[0] < s
+                and 0 <= e[1] < num_events[e[0]] and isinstance(e[2], list) and e[2] and e[2][0] in ("bad", "skip")):
+            raise bad(f"malformed event {str(e)[:80]}")
+    if np.any(rows + np.bincount([e[0] for e in events], minlength=s) != num_events) or \
+            len({(e[0], e[1]) for e in events}) != len(events):
+        raise bad("per-shard event counts do not add up, or an event is given twice")
+    return meta, a
