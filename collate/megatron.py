@@ -25,7 +25,7 @@ from typing import Mapping
 
 import torch
 
-from prealign.schemas.errors import ArgumentError
+from prealign.schemas.errors import ArgumentError, BackendVersionError
 from prealign.schemas.layout import CPLayout
 
 
@@ -61,10 +61,13 @@ def to_packed_seq_params(batch: dict, *, convention: PackedSeqConvention | str =
     ``pad_between_seqs`` gets it stated (True when ``cu_seqlens_q`` differs from the padded offsets,
     i.e. the UNPADDED convention with real padding; TE would otherwise infer it), and one with
     ``total_tokens`` gets ``T``, the global padded length (``cu_seqlens_padded[-1]``), from which it
-    derives ``seq_idx``; ``tokens_per_sample`` is the rows this rank holds (one packed sample).
+    derives ``seq_idx``; ``tokens_per_sample`` is ``T`` too: one packed sample, in the unit Megatron-LM's
+    ``pretrain_gpt.py`` gives it (``args.seq_length``, global tokens before the CP split).
     A hybrid-CP batch (one with ``local_cp_size``, see :mod:`prealign.loaders.plan.hybrid_cp`) gets
-    ``local_cp_size`` and ``cp_group`` (the sub-group of that size this rank belongs to; megatron-core
-    needs it for a ``local_cp_size > 1``).
+    ``local_cp_size`` and ``cp_group``, which must be the process group of exactly ``local_cp_size``
+    ranks this rank runs the block with (a singleton group for 1: newer megatron-core asserts
+    ``cp_group.size() == local_cp_size``); :class:`ArgumentError` otherwise, and
+    :class:`BackendVersionError` when the installed ``PackedSeqParams`` has no such fields (0.14).
     """
     from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -103,16 +106,40 @@ def to_packed_seq_params(batch: dict, *, convention: PackedSeqConvention | str =
     total = int(batch["cu_seqlens_padded"][-1])
     local_cp = batch.get("local_cp_size")
     if local_cp is not None:
-        kwargs["local_cp_size"] = int(local_cp)
-        kwargs["cp_group"] = cp_group
+        kwargs.update(local_cp_size=int(local_cp), cp_group=_hybrid_group(int(local_cp), cp_group, known))
     if "total_tokens" in known:
         kwargs["total_tokens"] = total
     if "tokens_per_sample" in known:
-        kwargs["tokens_per_sample"] = total // max(int(local_cp or batch.get("cp_size", 1)), 1)
+        kwargs["tokens_per_sample"] = total
     params = PackedSeqParams(**kwargs)
     if "seq_idx" in known and getattr(params, "seq_idx", None) is None:
         params.seq_idx = seq_idx(padded, total)
     return params
+
+
+def megatron_core_version() -> str:
+    """The installed megatron-core's version string ("unknown" without package metadata)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("megatron-core")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _hybrid_group(local_cp: int, cp_group, known: set[str]):
+    """``cp_group`` checked for a hybrid-CP batch of ``local_cp`` ranks (see :func:`to_packed_seq_params`)."""
+    lacking = sorted({"local_cp_size", "cp_group"} - known)
+    if lacking:
+        raise BackendVersionError(f"batch: a hybrid-CP batch (local_cp_size={local_cp}) needs PackedSeqParams fields "
+                                  f"{lacking}, which megatron-core {megatron_core_version()} does not have "
+                                  "(0.16 has them); plan without hybrid CP or upgrade megatron-core")
+    size = cp_group.size() if callable(getattr(cp_group, "size", None)) else None
+    if size != local_cp:
+        raise ArgumentError(f"cp_group: expected the process group of this rank's {local_cp} hybrid-CP rank(s) "
+                            f"(size {local_cp}; a singleton group for local_cp_size 1), got "
+                            f"{'None' if cp_group is None else f'a group of size {size}'}")
+    return cp_group
 
 
 def seq_idx(cu_seqlens_padded: torch.Tensor, total: int) -> torch.Tensor:

@@ -16,7 +16,8 @@ Notation (see README): ``L_i`` true length of sequence i, ``P_i`` its padded len
 Static shapes (CUDA graphs): ``length_buckets=(T,)`` makes every batch exactly ``T`` rows, and
 ``max_seqs=N`` gives ``cu_seqlens`` / ``cu_seqlens_padded`` exactly ``N + 1`` entries, the unused
 trailing ones repeating the total (megatron-core's own padding for graphs); the planner never puts
-more than ``N`` sequences in a micro-batch.
+more than ``N`` sequences in a micro-batch. With both, ``max_seqlen`` is ``T`` too (global, as TE and
+megatron-core read it under CP), so nothing TE is given varies between batches.
 """
 from __future__ import annotations
 
@@ -51,6 +52,15 @@ def round_up_array(n: np.ndarray, multiple: int) -> np.ndarray:
     if multiple < 1:
         raise LayoutError(f"round_up: multiple must be >= 1, got {multiple}")
     return -(-np.asarray(n, dtype=np.int64) // multiple) * multiple
+
+
+def is_power_of_two(n: int) -> bool:
+    """True for 1, 2, 4, 8, ... (the CP sizes hybrid CP cuts a group into).
+
+    >>> [is_power_of_two(n) for n in (0, 1, 2, 3, 4)]
+    [False, True, True, False, True]
+    """
+    return n >= 1 and not n & (n - 1)
 
 
 class PadPolicy(enum.Enum):
@@ -183,6 +193,14 @@ class ParallelLayout:
                     f"got {bad}; use e.g. {[round_up(b, self.total_multiple) for b in bad]}"
                 )
             set_("length_buckets", buckets)
+
+    @property
+    def static_length(self) -> int | None:
+        """``T`` when every THD batch has static shapes (one length bucket and ``max_seqs``): the
+        ``max_seqlen`` emitted then (global, an upper bound of every ``P_i``); None otherwise."""
+        if self.max_seqs is not None and self.length_buckets is not None and len(self.length_buckets) == 1:
+            return self.length_buckets[0]
+        return None
 
     # ---- derived multiples -------------------------------------------------------------------
     @property

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from hypothesis import given
+from megatron.core.packed_seq_params import PackedSeqParams
 from hypothesis import strategies as st
 
 from prealign.collate import to_packed_seq_params
@@ -22,10 +23,17 @@ from prealign.loaders.plan.hybrid_cp import (
     hybrid_cp_plan,
     predicted_time,
 )
-from prealign.schemas import ParallelLayout, validate_batch, validate_packed_seq_params
+from prealign.schemas import (
+    ArgumentError,
+    BackendVersionError,
+    ParallelLayout,
+    validate_batch,
+    validate_packed_seq_params,
+)
 from tests.conftest import SCHEMA, examples, make_samples, spawn_ranks
 
 COST = CostModel(linear=24576, quadratic=1)
+HYBRID_FIELDS = {"local_cp_size", "cp_group"} <= {f.name for f in dataclasses.fields(PackedSeqParams)}
 
 
 def fixed_cp_time(lengths, cp, comm_ratio=0.05):
@@ -104,9 +112,29 @@ def test_each_rank_batch_is_valid_and_says_its_local_cp_size(lengths):
         if block.size > 1:  # the shards of another rank of the block are named
             other = hybrid_cp_batch(samples, blocks, schema=SCHEMA, layout=layout, cp_rank=block.first + (rank - block.first + 1) % block.size)
             assert validate_batch(dict(batch, input_ids=other["input_ids"]), SCHEMA, layout, raise_on_error=False)
-        params = to_packed_seq_params(batch)
-        assert params.local_cp_size == block.size
-        assert validate_packed_seq_params(params, layout) == []
+        # no cp_group: refused (megatron-core and TE need the block's group, a singleton one included),
+        # or, where PackedSeqParams has no hybrid-CP fields (megatron-core 0.14), refused naming the version
+        with pytest.raises(ArgumentError if HYBRID_FIELDS else BackendVersionError,
+                           match="hybrid-CP rank" if HYBRID_FIELDS else "megatron-core 0.1"):
+            to_packed_seq_params(batch)
+
+
+def test_no_hybrid_fields_is_a_typed_error_naming_the_version(monkeypatch):
+    """An older PackedSeqParams (megatron-core 0.14's seven fields) takes plain batches, refuses hybrid ones."""
+    import megatron.core.packed_seq_params as psp
+
+    old = dataclasses.make_dataclass("PackedSeqParams", [(f.name, object, None) for f in dataclasses.fields(
+        psp.PackedSeqParams) if f.name in ("qkv_format", "cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded",
+                                           "cu_seqlens_kv_padded", "max_seqlen_q", "max_seqlen_kv")])
+    monkeypatch.setattr(psp, "PackedSeqParams", old)
+    layout = ParallelLayout(cp=4)
+    lengths = [2000, 500, 500, 500, 500]
+    blocks = assign_cp_blocks(lengths, layout=layout, token_budget=8192, cost=COST)
+    batch = hybrid_cp_batch(make_samples(lengths), blocks, schema=SCHEMA, layout=layout, cp_rank=3)
+    with pytest.raises(BackendVersionError, match=r"\['cp_group', 'local_cp_size'\].*megatron-core "):
+        to_packed_seq_params(batch)
+    plain = to_packed_seq_params({k: v for k, v in batch.items() if k != "local_cp_size"})
+    assert not hasattr(plain, "local_cp_size")
 
 
 # ---- differential: megatron-core's hybrid-CP path on gloo ------------------------------------------------
@@ -126,12 +154,22 @@ def _megatron_worker(rank: int, world: int, port: int, results) -> None:
     try:
         ps.initialize_model_parallel(context_parallel_size=world, hybrid_context_parallel=True)
         hdp_rank = ps.get_data_parallel_rank(with_context_parallel=True)
+        singletons = [dist.new_group([r]) for r in range(world)]  # megatron-core builds no size-1 groups
         layout = ParallelLayout(cp=world)
         out = []
         for lengths in CASES:
             blocks = assign_cp_blocks(lengths, layout=layout, token_budget=8192, cost=COST)
             block = block_of(blocks, hdp_rank)
             group = ps.get_hybrid_data_context_parallel_groups(group_size=block.size) if block.size > 1 else None
+            # the docs' recipe: the block's group, a singleton one for local_cp_size 1
+            params = to_packed_seq_params(
+                hybrid_cp_batch(make_samples(lengths), blocks, schema=SCHEMA, layout=layout, cp_rank=hdp_rank),
+                cp_group=group or singletons[dist.get_rank()])
+            assert params.cp_group.size() == params.local_cp_size == block.size
+            assert validate_packed_seq_params(params, layout) == []
+            assert validate_packed_seq_params(dataclasses.replace(params, cp_group=singletons[(rank + 1) % world] if
+                                                                  block.size > 1 else group), layout,
+                                              raise_on_error=False)[0].path == "cp_group"
             group_ranks = dist.get_process_group_ranks(group) if group is not None else [hdp_rank]
             # megatron-core's path: every sub-sample on its own, padded to 2 * local_cp_size, cut over the group
             mine_ids, mine_pos = [], []
@@ -154,6 +192,8 @@ def _megatron_worker(rank: int, world: int, port: int, results) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not HYBRID_FIELDS, reason="platform: this megatron-core has no hybrid CP (PackedSeqParams."
+                                               "local_cp_size, parallel_state's hybrid DPxCP groups: 0.16 and later)")
 def test_shards_match_megatron_core_hybrid_cp_path():
     world = 4
     got = spawn_ranks(_megatron_worker, world)

@@ -68,8 +68,10 @@ def test_static_shapes_on_random_batches(lengths, cp, max_seqs, data):
         assert bool((cu[n:] == cu[n]).all()), "the trailing entries repeat the total"
     assert batch["cu_seqlens"][n] == sum(lengths) and batch["cu_seqlens_padded"][n] == 256
     validate_batch(batch, SCHEMA, layout)
+    assert batch["max_seqlen"].tolist() == [256]  # fixed for CUDA graphs: T, whatever the longest sequence
     params = to_packed_seq_params(batch, convention="unpadded")
-    assert params.cu_seqlens_q.shape == (max_seqs + 1,)
+    assert params.cu_seqlens_q.shape == params.cu_seqlens_q_padded.shape == (max_seqs + 1,)
+    assert params.max_seqlen_q == params.max_seqlen_kv == 256
     assert validate_packed_seq_params(params, layout) == []
 
 
@@ -78,7 +80,17 @@ def test_static_shapes_golden_and_refusals():
     batch = collate([5, 3], layout, rank=1)
     assert batch["cu_seqlens"].tolist() == [0, 5, 8, 8, 8]
     assert batch["cu_seqlens_padded"].tolist() == [0, 8, 64, 64, 64]
-    assert batch["input_ids"].shape == (1, 32)
+    assert batch["input_ids"].shape == (1, 32) and batch["max_seqlen"].tolist() == [64]
+    # the validator checks max_seqlen == T on its own, in the batch and in PackedSeqParams
+    longest = dict(batch, max_seqlen=torch.tensor([56], dtype=torch.int32))
+    assert [v.path for v in validate_batch(longest, SCHEMA, layout, raise_on_error=False)] == ["max_seqlen"]
+    params = to_packed_seq_params(batch)
+    assert [v.path for v in validate_packed_seq_params(dataclasses.replace(params, max_seqlen_q=56), layout,
+                                                       raise_on_error=False)] == ["max_seqlen_q"]
+    unpadded_pad = dataclasses.replace(params, cu_seqlens_kv_padded=params.cu_seqlens_kv_padded[:3])
+    assert "cu_seqlens_kv_padded" in [v.path for v in validate_packed_seq_params(unpadded_pad, layout,
+                                                                                  raise_on_error=False)]
+    assert collate([5, 3], ParallelLayout(cp=2, length_buckets=(64,)))["max_seqlen"].tolist() == [56]  # not static
     with pytest.raises(BucketOverflowError, match="5 sequences exceeds the layout's max_seqs = 4"):
         collate([1] * 5, layout)
     with pytest.raises(LayoutError, match="max_seqs"):
@@ -168,10 +180,27 @@ def test_newer_fields_filled_when_present(monkeypatch):
     layout = ParallelLayout(cp=2)
     batch = collate([5, 3], layout)
     unpadded = to_packed_seq_params(batch, convention="unpadded")
-    assert (unpadded.total_tokens, unpadded.tokens_per_sample, unpadded.pad_between_seqs) == (12, 6, True)
+    # tokens_per_sample in Megatron-LM's unit (pretrain_gpt.py: args.seq_length, global tokens of one sample)
+    assert (unpadded.total_tokens, unpadded.tokens_per_sample, unpadded.pad_between_seqs) == (12, 12, True)
     assert unpadded.seq_idx.tolist() == [[0] * 8 + [1] * 4]
     assert validate_packed_seq_params(unpadded, layout) == []
     same = to_packed_seq_params(collate([4, 8], layout), convention="unpadded")
     assert same.pad_between_seqs is False and same.cu_seqlens_q is same.cu_seqlens_q_padded
     same.pad_between_seqs = True
     assert [v.path for v in validate_packed_seq_params(same, layout, raise_on_error=False)] == ["pad_between_seqs"]
+
+
+NEWER_FIELDS = {"total_tokens", "seq_idx", "tokens_per_sample", "pad_between_seqs"}
+
+
+@pytest.mark.skipif(not NEWER_FIELDS <= {f.name for f in dataclasses.fields(megatron_psp.PackedSeqParams)},
+                    reason="platform: the installed megatron-core's PackedSeqParams has no total_tokens / seq_idx / "
+                           "tokens_per_sample / pad_between_seqs (Megatron-LM main after 0.16)")
+def test_newer_fields_against_the_installed_class():
+    """The real class (its own __post_init__ derives seq_idx from total_tokens): ours agrees with it."""
+    layout = ParallelLayout(cp=2, length_buckets=(64,), max_seqs=4)
+    params = to_packed_seq_params(collate([5, 3], layout), convention="unpadded")
+    assert type(params) is megatron_psp.PackedSeqParams
+    assert (params.total_tokens, params.tokens_per_sample, params.pad_between_seqs) == (64, 64, True)
+    assert params.seq_idx.tolist() == [[0] * 8 + [1] * 56]
+    assert validate_packed_seq_params(params, layout) == []

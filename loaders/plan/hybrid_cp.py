@@ -26,7 +26,7 @@ import numpy as np
 from prealign.loaders.errors import PlanError
 from prealign.loaders.plan.cost import CostModel
 from prealign.schemas.errors import BucketOverflowError
-from prealign.schemas.layout import ParallelLayout
+from prealign.schemas.layout import CPLayout, ParallelLayout, is_power_of_two
 
 
 @dataclass(frozen=True)
@@ -49,10 +49,14 @@ def sequence_time(lengths, k: int, cost: CostModel, comm_ratio: float) -> np.nda
 
 
 def _check(layout: ParallelLayout, comm_ratio) -> None:
-    cp = layout.cp
-    if cp & (cp - 1):
-        raise PlanError(f"hybrid CP: cp must be a power of two (the sub-groups are 1, 2, 4, ... ranks), got cp={cp}")
-    if isinstance(comm_ratio, bool) or not isinstance(comm_ratio, (int, float)) or not comm_ratio >= 0:
+    if not is_power_of_two(layout.cp):
+        raise PlanError(f"hybrid CP: cp must be a power of two (the sub-groups are 1, 2, 4, ... ranks), got "
+                        f"cp={layout.cp}")
+    if layout.cp_layout is not CPLayout.ZIGZAG:
+        raise PlanError(f"hybrid CP: the blocks are zigzag-sharded (megatron-core's get_batch_on_this_cp_rank), "
+                        f"got cp_layout={layout.cp_layout.value!r}")
+    if isinstance(comm_ratio, (bool, np.bool_)) or not isinstance(comm_ratio, (int, float, np.integer, np.floating)) \
+            or not comm_ratio >= 0:
         raise PlanError(f"hybrid CP: comm_ratio must be a number >= 0, got {comm_ratio!r}")
 
 
