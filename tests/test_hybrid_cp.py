@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 from hypothesis import given
-from megatron.core.packed_seq_params import PackedSeqParams
 from hypothesis import strategies as st
+from megatron.core.packed_seq_params import PackedSeqParams
 
 from prealign.collate import to_packed_seq_params
 from prealign.loaders import CostModel, PlanError, plan_microbatches
@@ -93,6 +93,14 @@ def test_blocks_golden_and_refusals():
         assign_cp_blocks([5], layout=ParallelLayout(cp=3), token_budget=96, cost=COST)
     with pytest.raises(PlanError, match="does not fit"):
         assign_cp_blocks([9000], layout=layout, token_budget=8192, cost=COST)
+    # numpy numbers are numbers; a bool or a negative ratio is not; the blocks are zigzag, never contiguous
+    for ratio in (np.float64(0.05), np.float32(0.05), np.int64(0)):
+        assert assign_cp_blocks([2000, 500], layout=layout, token_budget=8192, cost=COST, comm_ratio=ratio)
+    for ratio in (True, np.bool_(True), -0.1, "0.05"):
+        with pytest.raises(PlanError, match="comm_ratio"):
+            assign_cp_blocks([2000, 500], layout=layout, token_budget=8192, cost=COST, comm_ratio=ratio)
+    with pytest.raises(PlanError, match="zigzag"):
+        assign_cp_blocks([2000, 500], layout=ParallelLayout(cp=4, cp_layout="contiguous"), token_budget=8192, cost=COST)
 
 
 @pytest.mark.parametrize("lengths", [[2000, 500, 500, 500, 500], [700, 600, 300, 90, 40, 1000], [5000, 100]])
