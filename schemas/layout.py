@@ -74,20 +74,25 @@ class FP8Recipe(enum.Enum):
     """FP8/FP4 recipe; :attr:`multiple` is the block the rows of one SP rank (``T_local / tp`` under
     SP, ``T_local`` without) must be a multiple of: TE's quantizers work on each rank's share.
 
-    >>> [r.multiple for r in FP8Recipe]
-    [1, 16, 32, 128, 16]
+    NVFP4 is MXFP8's alias: its 16-element scaling blocks are not the binding rule, the FP4 GEMM's
+    token dimension is (megatron-core 0.16.1 ``fp4_utils.get_fp4_align_size``: 32 FP4 values per
+    16-byte TMA-aligned access; TE's NVFP4 quantizer checks ``first_dim % 32``). It is also what
+    ``"nvfp4"`` meant before it was named, so saved states keep their fingerprints (``"fp8": 32``).
+
+    >>> [r.multiple for r in FP8Recipe], FP8Recipe.coerce("nvfp4") is FP8Recipe.NVFP4 is FP8Recipe.MXFP8
+    ([1, 16, 32, 128], True)
     """
 
     NONE = 1
     FP8 = 16  # delayed / tensorwise scaling
     MXFP8 = 32  # 32-element scaling blocks
+    NVFP4 = 32  # FP4 GEMM's TMA alignment (see above)
     BLOCKWISE = 128
-    NVFP4 = "nvfp4"  # 16-element scaling blocks (its value is a name: 16 is FP8's)
 
     @property
     def multiple(self) -> int:
         """Rows of one SP rank are a multiple of this."""
-        return 16 if self is FP8Recipe.NVFP4 else self.value
+        return self.value
 
     @classmethod
     def coerce(cls, value) -> "FP8Recipe":
@@ -103,7 +108,7 @@ class FP8Recipe(enum.Enum):
             for recipe in cls:
                 if recipe.value == value:
                     return recipe
-        raise LayoutError(f"fp8: expected one of none/16/32/128 or {[r.name.lower() for r in cls]}, got {value!r}")
+        raise LayoutError(f"fp8: expected one of none/16/32/128 or {sorted(by_name)}, got {value!r}")
 
 
 class CPLayout(enum.Enum):
@@ -143,7 +148,7 @@ class ParallelLayout:
     """Sequence parallel; ``None`` means ``tp > 1`` (Megatron's usual setting)."""
     fp8: FP8Recipe = FP8Recipe.NONE
     """FP8/FP4 recipe: the rows of one SP rank (``T/(cp*tp)`` under SP, ``T/cp`` without; BSHD
-    ``B*S/(cp*tp)``) must be a multiple of ``fp8.multiple`` (``"mxfp8"``: 32, ``"nvfp4"``: 16)."""
+    ``B*S/(cp*tp)``) must be a multiple of ``fp8.multiple`` (``"mxfp8"`` and ``"nvfp4"``: 32)."""
     pad_policy: PadPolicy = PadPolicy.MINIMAL
     length_buckets: tuple[int, ...] | None = None
     """Allowed global padded lengths T (THD) or S (BSHD), e.g. for CUDA graphs; sorted ascending."""

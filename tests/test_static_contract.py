@@ -130,8 +130,8 @@ def test_planner_max_seqs_golden():
 
 # ---- FP8 / FP4 recipes and the dispatcher's token multiple -------------------------------------------------
 @pytest.mark.parametrize("layout,block", [
-    (ParallelLayout(tp=4, fp8="mxfp8"), 32), (ParallelLayout(tp=4, fp8="nvfp4"), 16),
-    (ParallelLayout(tp=2, cp=2, token_multiple=128), 128), (ParallelLayout(tp=2, fp8="nvfp4", token_multiple=48), 48),
+    (ParallelLayout(tp=4, fp8="mxfp8"), 32), (ParallelLayout(tp=4, fp8="nvfp4"), 32),
+    (ParallelLayout(tp=2, cp=2, token_multiple=128), 128), (ParallelLayout(tp=2, fp8="nvfp4", token_multiple=48), 96),
 ])
 def test_recipes_rows_per_sp_rank(layout, block):
     rng = np.random.default_rng(0)
@@ -148,18 +148,40 @@ def test_recipes_rows_per_sp_rank(layout, block):
 
 def test_recipes_golden_and_the_validator_checks_each():
     assert int(collate([32], ParallelLayout(tp=4, fp8="mxfp8"))["cu_seqlens_padded"][-1]) == 128
-    assert int(collate([32], ParallelLayout(tp=4, fp8="nvfp4"))["cu_seqlens_padded"][-1]) == 64
+    assert int(collate([32], ParallelLayout(tp=4, fp8="nvfp4"))["cu_seqlens_padded"][-1]) == 128  # 32 per SP rank
     assert int(collate([5], ParallelLayout(token_multiple=128))["cu_seqlens_padded"][-1]) == 128
-    assert ParallelLayout(fp8="nvfp4").to_dict()["fp8"] == "nvfp4"
+    # megatron-core's FP4 alignment (32), which is also what "nvfp4" meant before it was named: the states
+    # saved then ({"fp8": 32}) keep their fingerprint
+    assert ParallelLayout(fp8="nvfp4").to_dict() == ParallelLayout.from_dict(dict(ParallelLayout().to_dict(), fp8=32)).to_dict()
+    assert ParallelLayout(fp8="nvfp4").to_dict()["fp8"] == 32
     assert ParallelLayout.from_dict(ParallelLayout(fp8="nvfp4", token_multiple=128).to_dict()) == \
         ParallelLayout(fp8="nvfp4", token_multiple=128)
     assert set(ParallelLayout().to_dict()) == {"tp", "cp", "sp", "fp8", "pad_policy", "cp_layout", "length_buckets",
                                                 "min_local_rows"}  # fingerprints of layouts of before unchanged
-    batch = collate([32], ParallelLayout(tp=4, fp8="nvfp4"))  # 16 rows per SP rank: not HybridEP's 128
+    batch = collate([32], ParallelLayout(tp=4, fp8="nvfp4"))  # 32 rows per SP rank: not HybridEP's 128
     bad = validate_batch(batch, SCHEMA, ParallelLayout(tp=4, fp8="nvfp4", token_multiple=128), raise_on_error=False)
     assert bad and all("token_multiple" in v.expected for v in bad[-1:])
-    bad = validate_batch(batch, SCHEMA, ParallelLayout(tp=4, fp8="mxfp8"), raise_on_error=False)
+    fp8 = collate([32], ParallelLayout(tp=4, fp8="fp8"))  # 16 rows per SP rank: not MXFP8's 32
+    bad = validate_batch(fp8, SCHEMA, ParallelLayout(tp=4, fp8="mxfp8"), raise_on_error=False)
     assert bad and "MXFP8" in bad[-1].expected and "token_multiple=1" in bad[-1].expected
+
+
+def test_recipe_multiples_agree_with_megatron_core():
+    """megatron-core's own token alignments: FP8 16, MXFP8 32; FP4's is 128 for MoE grouped kernels,
+    a multiple of the 32 the FP4 GEMM needs (its docstring), which is NVFP4's rows per SP rank."""
+    fp8_utils = pytest.importorskip("megatron.core.fp8_utils")
+    from megatron.core.enums import Fp8Recipe
+
+    from prealign.schemas import FP8Recipe
+
+    assert fp8_utils.get_fp8_align_size(Fp8Recipe.mxfp8) == FP8Recipe.MXFP8.multiple == 32
+    assert fp8_utils.get_fp8_align_size(Fp8Recipe.tensorwise) == FP8Recipe.FP8.multiple == 16
+    try:
+        from megatron.core.enums import Fp4Recipe
+        from megatron.core.fp4_utils import get_fp4_align_size
+    except ImportError:  # megatron-core 0.14: no FP4
+        return
+    assert get_fp4_align_size(Fp4Recipe.nvfp4) % FP8Recipe.NVFP4.multiple == 0 and FP8Recipe.NVFP4.multiple == 32
 
 
 # ---- newer PackedSeqParams fields ---------------------------------------------------------------------------
