@@ -11,7 +11,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from prealign.collate import THDCollator, to_packed_seq_params
+from prealign.collate import THDCollator, to_packed_seq_params, unpack_thd, unshard_cp
+from prealign.collate.indices import num_sequences
 from prealign.loaders import plan_microbatches
 from prealign.schemas import ParallelLayout, validate_batch, validate_packed_seq_params
 from prealign.schemas.errors import BatchValidationError, BucketOverflowError, LayoutError
@@ -102,6 +103,20 @@ def test_static_shapes_golden_and_refusals():
     # ... and a zero-length sequence in the middle is not a trailing repeat
     hole = dict(batch, cu_seqlens=torch.tensor([0, 5, 5, 8, 8], dtype=torch.int32))
     assert [v.path for v in validate_batch(hole, SCHEMA, layout, raise_on_error=False)] == ["cu_seqlens"]
+
+
+@given(lengths=st.lists(st.integers(1, 40), min_size=1, max_size=5), cp=st.sampled_from([1, 2]),
+       max_seqs=st.integers(5, 8))
+@examples(40)
+def test_static_batches_invert_to_their_real_sequences_only(lengths, cp, max_seqs):
+    """The trailing repeated offsets are no sequences: the inverse gives back exactly the samples."""
+    layout = ParallelLayout(cp=cp, length_buckets=(256,), max_seqs=max_seqs)
+    shards = [collate(lengths, layout, r) for r in range(cp)]
+    cu, cup = shards[0]["cu_seqlens"], shards[0]["cu_seqlens_padded"]
+    whole = unshard_cp([b["input_ids"] for b in shards], cu_seqlens_padded=cup) if cp > 1 else shards[0]["input_ids"]
+    rows = unpack_thd(whole, cu_seqlens=cu, cu_seqlens_padded=cup)
+    assert num_sequences(cup) == len(rows) == len(lengths)
+    assert [r.tolist() for r in rows] == [s["input_ids"].tolist() for s in make_samples(lengths)]
 
 
 @given(lengths=st.lists(st.integers(1, 50), min_size=0, max_size=120), max_seqs=st.integers(1, 6),
