@@ -19,6 +19,7 @@ plus the K/V a rank receives from the other ``k - 1``), ``comm = comm_ratio * co
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from dataclasses import dataclass
 
 import numpy as np
@@ -55,8 +56,7 @@ def _check(layout: ParallelLayout, comm_ratio) -> None:
     if layout.cp_layout is not CPLayout.ZIGZAG:
         raise PlanError(f"hybrid CP: the blocks are zigzag-sharded (megatron-core's get_batch_on_this_cp_rank), "
                         f"got cp_layout={layout.cp_layout.value!r}")
-    if isinstance(comm_ratio, (bool, np.bool_)) or not isinstance(comm_ratio, (int, float, np.integer, np.floating)) \
-            or not comm_ratio >= 0:
+    if isinstance(comm_ratio, bool) or not isinstance(comm_ratio, numbers.Real) or not comm_ratio >= 0:
         raise PlanError(f"hybrid CP: comm_ratio must be a number >= 0, got {comm_ratio!r}")
 
 
