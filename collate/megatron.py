@@ -28,6 +28,8 @@ import torch
 from prealign.schemas.errors import ArgumentError, BackendVersionError
 from prealign.schemas.layout import CPLayout
 
+from .indices import num_sequences
+
 
 class PackedSeqConvention(enum.Enum):
     PADDED = "padded"
@@ -51,9 +53,13 @@ def _enum_arg(name: str, enum_cls, value):
 
 def to_packed_seq_params(batch: dict, *, convention: PackedSeqConvention | str = PackedSeqConvention.PADDED,
                          cp_layout: CPLayout | str | None = None, device: torch.device | str | None = None,
-                         cp_group=None):
+                         cp_group=None, qkv_format: str = "thd"):
     """Build ``megatron.core.packed_seq_params.PackedSeqParams(qkv_format="thd", ...)`` from a
     :class:`~prealign.collate.THDCollator` batch. Offsets are int32 (moved to ``device`` when given).
+
+    ``qkv_format="sbhd"``: a batch of one sequence as megatron-core's hybrid-CP path feeds it (one
+    sub-sample per forward, ``get_batch_on_this_hybrid_cp_rank``): every offsets field ``[0, P]`` (one
+    tensor) and ``max_seqlen = P``, the sample's global padded length.
 
     With a megatron-core that knows ``cp_partition_mode`` it is set from ``cp_layout`` (default: the
     batch's own ``cp_layout``, zigzag if it has none); an older one only supports zigzag, and a
@@ -89,11 +95,19 @@ def to_packed_seq_params(batch: dict, *, convention: PackedSeqConvention | str =
         raise ArgumentError(f"batch: expected max_seqlen int32 [1], got shape {tuple(batch['max_seqlen'].shape)}")
     max_seqlen = int(batch["max_seqlen"].reshape(-1)[0])
     _check_offsets(true, padded, max_seqlen)
+    if qkv_format not in ("thd", "sbhd"):
+        raise ArgumentError(f"qkv_format: expected 'thd' or 'sbhd', got {qkv_format!r}")
+    if qkv_format == "sbhd":
+        if num_sequences(padded) != 1:
+            raise ArgumentError(f"batch: qkv_format='sbhd' takes a batch of one sequence (megatron-core's per-sample "
+                                f"hybrid-CP form), got {num_sequences(padded)}")
+        true = padded = padded[[0, -1]]
+        max_seqlen = int(padded[-1])
     if true is not padded and torch.equal(true, padded):
         true = padded  # the identity rule (module docstring)
     padded, true = padded.to(device), true.to(device) if true is not padded else None
     q = padded if convention is PackedSeqConvention.PADDED or true is None else true
-    kwargs = dict(qkv_format="thd", cu_seqlens_q=q, cu_seqlens_kv=q, cu_seqlens_q_padded=padded,
+    kwargs = dict(qkv_format=qkv_format, cu_seqlens_q=q, cu_seqlens_kv=q, cu_seqlens_q_padded=padded,
                   cu_seqlens_kv_padded=padded, max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen)
     known = _known_fields(PackedSeqParams)
     if "cp_partition_mode" in known:

@@ -21,6 +21,7 @@ from prealign.loaders.plan.hybrid_cp import (
     block_of,
     hybrid_cp_batch,
     hybrid_cp_plan,
+    hybrid_cp_samples,
     predicted_time,
 )
 from prealign.schemas import (
@@ -127,6 +128,24 @@ def test_each_rank_batch_is_valid_and_says_its_local_cp_size(lengths):
             to_packed_seq_params(batch)
 
 
+def test_per_sample_form_is_one_batch_per_member_and_sbhd_needs_one_sequence():
+    layout = ParallelLayout(cp=4)
+    lengths = [2000, 500, 500, 500, 500]
+    blocks = assign_cp_blocks(lengths, layout=layout, token_budget=8192, cost=COST)
+    samples = make_samples(lengths)
+    for rank in range(4):
+        block, per = block_of(blocks, rank), hybrid_cp_samples(samples, blocks, schema=SCHEMA, layout=layout, cp_rank=rank)
+        assert [b["hybrid_cp_members"] for b in per] == [(i,) for i in block.members]
+        for b, i in zip(per, block.members, strict=True):
+            validate_batch(b, SCHEMA, layout)
+            assert b["local_cp_size"] == block.size and int(b["cu_seqlens"][-1]) == lengths[i]
+    whole = hybrid_cp_batch(samples, blocks, schema=SCHEMA, layout=layout, cp_rank=3)  # two sequences
+    with pytest.raises(ArgumentError, match="one sequence"):
+        to_packed_seq_params(whole, qkv_format="sbhd")
+    with pytest.raises(ArgumentError, match="qkv_format"):
+        to_packed_seq_params(whole, qkv_format="bshd")
+
+
 def test_no_hybrid_fields_is_a_typed_error_naming_the_version(monkeypatch):
     """An older PackedSeqParams (megatron-core 0.14's seven fields) takes plain batches, refuses hybrid ones."""
     import megatron.core.packed_seq_params as psp
@@ -180,8 +199,10 @@ def _megatron_worker(rank: int, world: int, port: int, results) -> None:
                                               raise_on_error=False)[0].path == "cp_group"
             group_ranks = dist.get_process_group_ranks(group) if group is not None else [hdp_rank]
             # megatron-core's path: every sub-sample on its own, padded to 2 * local_cp_size, cut over the group
-            mine_ids, mine_pos = [], []
-            for i in block.members:
+            mine_ids, mine_pos, per_sample = [], [], []
+            ours_per_sample = hybrid_cp_samples(make_samples(lengths), blocks, schema=SCHEMA, layout=layout,
+                                                cp_rank=hdp_rank)
+            for i, single in zip(block.members, ours_per_sample, strict=True):
                 padded = -(-lengths[i] // (2 * block.size)) * (2 * block.size)
                 ids = torch.zeros(1, padded, dtype=torch.int64)
                 ids[0, :lengths[i]] = make_samples(lengths)[i]["input_ids"]
@@ -190,9 +211,17 @@ def _megatron_worker(rank: int, world: int, port: int, results) -> None:
                     sample = get_batch_on_this_cp_rank(sample, cp_group=group)
                 mine_ids.append(sample["tokens"][0])
                 mine_pos.append(sample["position_ids"][0])
+                # the per-sample form: megatron's shard, and the sbhd params get_batch_on_this_hybrid_cp_rank
+                # builds (every offsets field [0, S], max_seqlen S: S the sub-sample's padded length)
+                p = to_packed_seq_params(single, qkv_format="sbhd", cp_group=group or singletons[dist.get_rank()])
+                per_sample.append((single["input_ids"][0].tolist() == sample["tokens"][0].tolist(),
+                                   [p.qkv_format, p.cu_seqlens_q.tolist(), p.cu_seqlens_kv_padded.tolist(),
+                                    p.max_seqlen_q, p.local_cp_size, p.cp_group.size()],
+                                   ["sbhd", [0, padded], [0, padded], padded, block.size, block.size]))
             ours = hybrid_cp_batch(make_samples(lengths), blocks, schema=SCHEMA, layout=layout, cp_rank=hdp_rank)
             out.append((group_ranks, block.first, block.size, torch.cat(mine_ids).tolist(), torch.cat(mine_pos).tolist(),
-                        ours["input_ids"][0].tolist(), ours["position_ids"][0].tolist(), list(block.members)))
+                        ours["input_ids"][0].tolist(), ours["position_ids"][0].tolist(), list(block.members),
+                        per_sample))
         results[rank] = out
     finally:
         ps.destroy_model_parallel()
@@ -209,9 +238,12 @@ def test_shards_match_megatron_core_hybrid_cp_path():
     for case in range(len(CASES)):
         members = {}
         for rank in range(world):
-            group_ranks, first, size, meg_ids, meg_pos, ids, pos, held = got[rank][case]
+            group_ranks, first, size, meg_ids, meg_pos, ids, pos, held, per_sample = got[rank][case]
             assert group_ranks == list(range(first, first + size)), "our block is megatron's sub-group"
             assert ids == meg_ids and pos == meg_pos, f"case {case} rank {rank}: shards differ"
+            assert len(per_sample) == len(held)
+            for same_shard, fields, megatron_fields in per_sample:
+                assert same_shard and fields == megatron_fields, f"case {case} rank {rank}: per-sample form differs"
             for i in held:
                 members.setdefault(i, []).append(rank)
         # megatron-core's local_cp_size of a sub-sample: how many ranks hold it (hybrid_cp_schedule.py)

@@ -165,3 +165,14 @@ def hybrid_cp_batch(samples: list, blocks: tuple[CPBlock, ...], *, schema, layou
     batch["local_cp_size"] = block.size
     batch["hybrid_cp_members"] = block.members
     return batch
+
+
+def hybrid_cp_samples(samples: list, blocks: tuple[CPBlock, ...], *, schema, layout: ParallelLayout, cp_rank: int,
+                      **collator_options) -> list[dict]:
+    """megatron-core's per-sample form of this CP rank's share: one :func:`hybrid_cp_batch` per sequence of
+    its block (block order), each a forward of its own, as megatron-core's hybrid-CP path runs them. Give
+    each ``to_packed_seq_params(batch, qkv_format="sbhd", cp_group=...)``: megatron-core 0.16.1's
+    ``GPTModel`` slices RoPE by that group in this form (not in the THD one)."""
+    block = block_of(blocks, cp_rank)
+    return [hybrid_cp_batch(samples, (dataclasses.replace(block, members=(i,)),), schema=schema, layout=layout,
+                            cp_rank=cp_rank, **collator_options) for i in block.members]
