@@ -67,6 +67,16 @@ def static_offsets(cu: torch.Tensor, max_seqs: int | None) -> torch.Tensor:
     return torch.cat((cu, cu[-1:].expand(max_seqs - n)))
 
 
+def num_sequences(cu_seqlens_padded: torch.Tensor) -> int:
+    """The real sequences of a batch's ``[N+1]`` padded offsets: N without the trailing entries that
+    only repeat the total (static shapes, see :func:`static_offsets`).
+
+    >>> num_sequences(torch.tensor([0, 8, 64, 64, 64])), num_sequences(torch.tensor([0, 5, 8]))
+    (2, 2)
+    """
+    return int(torch.searchsorted(cu_seqlens_padded, cu_seqlens_padded[-1:]))
+
+
 def cu_seqlens_to_lengths(cu_seqlens: torch.Tensor) -> torch.Tensor:
     """``[N+1]`` offsets -> int64 ``[N]`` lengths."""
     return cu_seqlens.diff().to(torch.int64)

@@ -25,7 +25,7 @@ from prealign.schemas.errors import ArgumentError
 from prealign.schemas.layout import CPLayout, ParallelLayout
 
 from .bshd import bshd_chunks
-from .indices import cp_chunks, global_slots, real_rows
+from .indices import cp_chunks, global_slots, num_sequences, real_rows
 
 
 def _check_shards(shards: Sequence[torch.Tensor], dim: int, cp_size) -> int:
@@ -99,7 +99,9 @@ def unshard_cp(shards: Sequence[torch.Tensor], *, cu_seqlens_padded: torch.Tenso
 
 def unpack_thd(packed: torch.Tensor, *, cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor,
                dim: int = 1) -> list[torch.Tensor]:
-    """Whole packed ``[1, T, ...]`` -> list of ``[L_i, ...]`` (views of one gathered tensor).
+    """Whole packed ``[1, T, ...]`` -> list of ``[L_i, ...]`` (views of one gathered tensor), one per
+    real sequence: the trailing entries of static offsets (``max_seqs``) that only repeat the total
+    are no sequences and give nothing.
 
     Every true length must fit its padded one, and ``cu_seqlens_padded[-1]`` must be ``T``: checked
     before anything is allocated."""
@@ -118,7 +120,8 @@ def unpack_thd(packed: torch.Tensor, *, cu_seqlens: torch.Tensor, cu_seqlens_pad
         i = int(over[0])
         raise ArgumentError(f"cu_seqlens: true length {int(lengths[i])} of sequence {i} exceeds its padded length "
                             f"{int(padded[i])} (it would read into the next sequence)")
-    rows = real_rows(lengths, cup[:-1])
+    lengths = lengths[:num_sequences(cup)]
+    rows = real_rows(lengths, cup[:lengths.numel()])
     flat = packed.index_select(dim, rows.to(packed.device)).squeeze(dim - 1)
     return list(torch.split(flat, lengths.tolist(), dim=dim - 1))
 

@@ -25,9 +25,11 @@ from typing import Mapping
 
 import torch
 
-from prealign.schemas.errors import ArgumentError
+from prealign.schemas.errors import ArgumentError, BackendVersionError
 from prealign.schemas.layout import CPLayout
 from prealign.schemas.parallel_state import import_megatron
+
+from .indices import num_sequences
 
 
 class PackedSeqConvention(enum.Enum):
@@ -52,9 +54,13 @@ def _enum_arg(name: str, enum_cls, value):
 
 def to_packed_seq_params(batch: dict, *, convention: PackedSeqConvention | str = PackedSeqConvention.PADDED,
                          cp_layout: CPLayout | str | None = None, device: torch.device | str | None = None,
-                         cp_group=None):
+                         cp_group=None, qkv_format: str = "thd"):
     """Build ``megatron.core.packed_seq_params.PackedSeqParams(qkv_format="thd", ...)`` from a
     :class:`~prealign.collate.THDCollator` batch. Offsets are int32 (moved to ``device`` when given).
+
+    ``qkv_format="sbhd"``: a batch of one sequence as megatron-core's hybrid-CP path feeds it (one
+    sub-sample per forward, ``get_batch_on_this_hybrid_cp_rank``): every offsets field ``[0, P]`` (one
+    tensor) and ``max_seqlen = P``, the sample's global padded length.
 
     With a megatron-core that knows ``cp_partition_mode`` it is set from ``cp_layout`` (default: the
     batch's own ``cp_layout``, zigzag if it has none); an older one only supports zigzag, and a
@@ -62,10 +68,13 @@ def to_packed_seq_params(batch: dict, *, convention: PackedSeqConvention | str =
     ``pad_between_seqs`` gets it stated (True when ``cu_seqlens_q`` differs from the padded offsets,
     i.e. the UNPADDED convention with real padding; TE would otherwise infer it), and one with
     ``total_tokens`` gets ``T``, the global padded length (``cu_seqlens_padded[-1]``), from which it
-    derives ``seq_idx``; ``tokens_per_sample`` is the rows this rank holds (one packed sample).
+    derives ``seq_idx``; ``tokens_per_sample`` is ``T`` too: one packed sample, in the unit Megatron-LM's
+    ``pretrain_gpt.py`` gives it (``args.seq_length``, global tokens before the CP split).
     A hybrid-CP batch (one with ``local_cp_size``, see :mod:`prealign.loaders.plan.hybrid_cp`) gets
-    ``local_cp_size`` and ``cp_group`` (the sub-group of that size this rank belongs to; megatron-core
-    needs it for a ``local_cp_size > 1``).
+    ``local_cp_size`` and ``cp_group``, which must be the process group of exactly ``local_cp_size``
+    ranks this rank runs the block with (a singleton group for 1: newer megatron-core asserts
+    ``cp_group.size() == local_cp_size``); :class:`ArgumentError` otherwise, and
+    :class:`BackendVersionError` when the installed ``PackedSeqParams`` has no such fields (0.14).
     """
     PackedSeqParams = import_megatron("megatron.core.packed_seq_params").PackedSeqParams  # (import warnings filtered)
     if not isinstance(batch, Mapping):
@@ -86,11 +95,19 @@ def to_packed_seq_params(batch: dict, *, convention: PackedSeqConvention | str =
         raise ArgumentError(f"batch: expected max_seqlen int32 [1], got shape {tuple(batch['max_seqlen'].shape)}")
     max_seqlen = int(batch["max_seqlen"].reshape(-1)[0])
     _check_offsets(true, padded, max_seqlen)
+    if qkv_format not in ("thd", "sbhd"):
+        raise ArgumentError(f"qkv_format: expected 'thd' or 'sbhd', got {qkv_format!r}")
+    if qkv_format == "sbhd":
+        if num_sequences(padded) != 1:
+            raise ArgumentError(f"batch: qkv_format='sbhd' takes a batch of one sequence (megatron-core's per-sample "
+                                f"hybrid-CP form), got {num_sequences(padded)}")
+        true = padded = padded[[0, -1]]
+        max_seqlen = int(padded[-1])
     if true is not padded and torch.equal(true, padded):
         true = padded  # the identity rule (module docstring)
     padded, true = padded.to(device), true.to(device) if true is not padded else None
     q = padded if convention is PackedSeqConvention.PADDED or true is None else true
-    kwargs = dict(qkv_format="thd", cu_seqlens_q=q, cu_seqlens_kv=q, cu_seqlens_q_padded=padded,
+    kwargs = dict(qkv_format=qkv_format, cu_seqlens_q=q, cu_seqlens_kv=q, cu_seqlens_q_padded=padded,
                   cu_seqlens_kv_padded=padded, max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen)
     known = _known_fields(PackedSeqParams)
     if "cp_partition_mode" in known:
@@ -103,16 +120,40 @@ def to_packed_seq_params(batch: dict, *, convention: PackedSeqConvention | str =
     total = int(batch["cu_seqlens_padded"][-1])
     local_cp = batch.get("local_cp_size")
     if local_cp is not None:
-        kwargs["local_cp_size"] = int(local_cp)
-        kwargs["cp_group"] = cp_group
+        kwargs.update(local_cp_size=int(local_cp), cp_group=_hybrid_group(int(local_cp), cp_group, known))
     if "total_tokens" in known:
         kwargs["total_tokens"] = total
     if "tokens_per_sample" in known:
-        kwargs["tokens_per_sample"] = total // max(int(local_cp or batch.get("cp_size", 1)), 1)
+        kwargs["tokens_per_sample"] = total
     params = PackedSeqParams(**kwargs)
     if "seq_idx" in known and getattr(params, "seq_idx", None) is None:
         params.seq_idx = seq_idx(padded, total)
     return params
+
+
+def megatron_core_version() -> str:
+    """The installed megatron-core's version string ("unknown" without package metadata)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("megatron-core")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _hybrid_group(local_cp: int, cp_group, known: set[str]):
+    """``cp_group`` checked for a hybrid-CP batch of ``local_cp`` ranks (see :func:`to_packed_seq_params`)."""
+    lacking = sorted({"local_cp_size", "cp_group"} - known)
+    if lacking:
+        raise BackendVersionError(f"batch: a hybrid-CP batch (local_cp_size={local_cp}) needs PackedSeqParams fields "
+                                  f"{lacking}, which megatron-core {megatron_core_version()} does not have "
+                                  "(0.16 has them); plan without hybrid CP or upgrade megatron-core")
+    size = cp_group.size() if callable(getattr(cp_group, "size", None)) else None
+    if size != local_cp:
+        raise ArgumentError(f"cp_group: expected the process group of this rank's {local_cp} hybrid-CP rank(s) "
+                            f"(size {local_cp}; a singleton group for local_cp_size 1), got "
+                            f"{'None' if cp_group is None else f'a group of size {size}'}")
+    return cp_group
 
 
 def seq_idx(cu_seqlens_padded: torch.Tensor, total: int) -> torch.Tensor:

@@ -38,7 +38,7 @@ class THDCollator:
       ``padding_mask`` bool, True on pads.
     - ``cu_seqlens`` (true) and ``cu_seqlens_padded`` (global), int32 ``[N+1]`` (``[max_seqs+1]``
       under ``layout.max_seqs``, the trailing entries repeating each one's total); ``max_seqlen``
-      int32 ``[1]`` (the longest padded sequence); ``cp_rank`` / ``cp_size`` ints (``cp_rank`` -1
+      int32 ``[1]`` (the longest padded sequence; ``T`` under static shapes); ``cp_rank`` / ``cp_size`` ints (``cp_rank`` -1
       when unsharded).
     - SEQUENCE fields stacked ``[N, ...]``; MEDIA fields concatenated on dim 0.
     """
@@ -66,7 +66,7 @@ class THDCollator:
                for name, v in token_fields(self.schema, flat, plan, whole).items()}
         out["cu_seqlens"] = static_offsets(flat.cu_seqlens.to(torch.int32), self.layout.max_seqs)
         out["cu_seqlens_padded"] = static_offsets(cu_padded, self.layout.max_seqs)
-        out["max_seqlen"] = torch.tensor([int(padded.numpy().max())], dtype=torch.int32)
+        out["max_seqlen"] = torch.tensor([self.layout.static_length or int(padded.numpy().max())], dtype=torch.int32)
         if self.defer_cp_shard and self.cp_rank is not None:
             out["cp_gather_index"] = global_slots(cp_chunks(padded, self.layout, self.cp_rank), out["cu_seqlens_padded"])
         out.update(non_token_fields(flat, self.schema, self.layout, shard_rank))

@@ -207,7 +207,7 @@ class _Reader(IterableDataset):
 
         def emit(final: bool):
             sizes = np.array([b[0] for b in buffer], dtype=np.int64)
-            bins = best_fit_decreasing(sizes, self.cap)
+            bins = best_fit_decreasing(sizes, self.cap, self.layout.max_seqs)
             bins.sort(key=lambda b: (-int(sizes[b].sum()), min(buffer[i][1] for i in b)))
             keep = len(bins) if final else max(1, len(bins) // 2)  # the fuller half out; the rest may still grow
             out, used = bins[:keep], set()

@@ -2,6 +2,7 @@
 from .distributed import check_startup
 from .errors import (
                      ArgumentError,
+                     BackendVersionError,
                      BatchValidationError,
                      BucketOverflowError,
                      ConfigError,
@@ -22,4 +23,4 @@ __all__ = ["ParallelLayout", "PadPolicy", "FP8Recipe", "CPLayout", "round_up", "
            "check_startup", "PrealignError", "ConfigError", "LayoutError", "SchemaError", "SampleError", "BucketOverflowError",
            "BatchValidationError", "StartupMismatchError", "ArgumentError", "OffsetOverflowError"]
 __all__ += ["vlm_schema", "VisionTokens", "validate_vlm_batch", "media_violations"]
-__all__ += ["validate_packed_seq_params"]
+__all__ += ["validate_packed_seq_params", "BackendVersionError"]

@@ -80,6 +80,11 @@ class ArgumentError(ConfigError):
     group, shards of another CP size, offsets that do not describe the tensor, a batch missing a key."""
 
 
+class BackendVersionError(ConfigError):
+    """The installed backend (megatron-core, TE) lacks what a batch needs, e.g. ``PackedSeqParams``
+    fields for hybrid CP in megatron-core 0.14: the message names the installed version."""
+
+
 class OffsetOverflowError(ConfigError):
     """A packed length or offset does not fit the int32 ``cu_seqlens`` megatron-core and TE take
     (``T >= 2**31``): lower the token budget or the length buckets."""

@@ -16,7 +16,8 @@ Notation (see README): ``L_i`` true length of sequence i, ``P_i`` its padded len
 Static shapes (CUDA graphs): ``length_buckets=(T,)`` makes every batch exactly ``T`` rows, and
 ``max_seqs=N`` gives ``cu_seqlens`` / ``cu_seqlens_padded`` exactly ``N + 1`` entries, the unused
 trailing ones repeating the total (megatron-core's own padding for graphs); the planner never puts
-more than ``N`` sequences in a micro-batch.
+more than ``N`` sequences in a micro-batch. With both, ``max_seqlen`` is ``T`` too (global, as TE and
+megatron-core read it under CP), so nothing TE is given varies between batches.
 """
 from __future__ import annotations
 
@@ -53,6 +54,15 @@ def round_up_array(n: np.ndarray, multiple: int) -> np.ndarray:
     return -(-np.asarray(n, dtype=np.int64) // multiple) * multiple
 
 
+def is_power_of_two(n: int) -> bool:
+    """True for 1, 2, 4, 8, ... (the CP sizes hybrid CP cuts a group into).
+
+    >>> [is_power_of_two(n) for n in (0, 1, 2, 3, 4)]
+    [False, True, True, False, True]
+    """
+    return n >= 1 and not n & (n - 1)
+
+
 class PadPolicy(enum.Enum):
     """How much each sequence is padded. See the module docstring."""
 
@@ -64,20 +74,25 @@ class FP8Recipe(enum.Enum):
     """FP8/FP4 recipe; :attr:`multiple` is the block the rows of one SP rank (``T_local / tp`` under
     SP, ``T_local`` without) must be a multiple of: TE's quantizers work on each rank's share.
 
-    >>> [r.multiple for r in FP8Recipe]
-    [1, 16, 32, 128, 16]
+    NVFP4 is MXFP8's alias: its 16-element scaling blocks are not the binding rule, the FP4 GEMM's
+    token dimension is (megatron-core 0.16.1 ``fp4_utils.get_fp4_align_size``: 32 FP4 values per
+    16-byte TMA-aligned access; TE's NVFP4 quantizer checks ``first_dim % 32``). It is also what
+    ``"nvfp4"`` meant before it was named, so saved states keep their fingerprints (``"fp8": 32``).
+
+    >>> [r.multiple for r in FP8Recipe], FP8Recipe.coerce("nvfp4") is FP8Recipe.NVFP4 is FP8Recipe.MXFP8
+    ([1, 16, 32, 128], True)
     """
 
     NONE = 1
     FP8 = 16  # delayed / tensorwise scaling
     MXFP8 = 32  # 32-element scaling blocks
+    NVFP4 = 32  # FP4 GEMM's TMA alignment (see above)
     BLOCKWISE = 128
-    NVFP4 = "nvfp4"  # 16-element scaling blocks (its value is a name: 16 is FP8's)
 
     @property
     def multiple(self) -> int:
         """Rows of one SP rank are a multiple of this."""
-        return 16 if self is FP8Recipe.NVFP4 else self.value
+        return self.value
 
     @classmethod
     def coerce(cls, value) -> "FP8Recipe":
@@ -93,7 +108,7 @@ class FP8Recipe(enum.Enum):
             for recipe in cls:
                 if recipe.value == value:
                     return recipe
-        raise LayoutError(f"fp8: expected one of none/16/32/128 or {[r.name.lower() for r in cls]}, got {value!r}")
+        raise LayoutError(f"fp8: expected one of none/16/32/128 or {sorted(by_name)}, got {value!r}")
 
 
 class CPLayout(enum.Enum):
@@ -133,7 +148,7 @@ class ParallelLayout:
     """Sequence parallel; ``None`` means ``tp > 1`` (Megatron's usual setting)."""
     fp8: FP8Recipe = FP8Recipe.NONE
     """FP8/FP4 recipe: the rows of one SP rank (``T/(cp*tp)`` under SP, ``T/cp`` without; BSHD
-    ``B*S/(cp*tp)``) must be a multiple of ``fp8.multiple`` (``"mxfp8"``: 32, ``"nvfp4"``: 16)."""
+    ``B*S/(cp*tp)``) must be a multiple of ``fp8.multiple`` (``"mxfp8"`` and ``"nvfp4"``: 32)."""
     pad_policy: PadPolicy = PadPolicy.MINIMAL
     length_buckets: tuple[int, ...] | None = None
     """Allowed global padded lengths T (THD) or S (BSHD), e.g. for CUDA graphs; sorted ascending."""
@@ -183,6 +198,14 @@ class ParallelLayout:
                     f"got {bad}; use e.g. {[round_up(b, self.total_multiple) for b in bad]}"
                 )
             set_("length_buckets", buckets)
+
+    @property
+    def static_length(self) -> int | None:
+        """``T`` when every THD batch has static shapes (one length bucket and ``max_seqs``): the
+        ``max_seqlen`` emitted then (global, an upper bound of every ``P_i``); None otherwise."""
+        if self.max_seqs is not None and self.length_buckets is not None and len(self.length_buckets) == 1:
+            return self.length_buckets[0]
+        return None
 
     # ---- derived multiples -------------------------------------------------------------------
     @property

@@ -18,7 +18,7 @@ from typing import Mapping
 import torch
 
 from .errors import BatchValidationError
-from .layout import CPLayout, ParallelLayout
+from .layout import CPLayout, ParallelLayout, is_power_of_two
 from .schema import BatchSchema, Role, Source, dtype_name
 from .slots import expected_slots
 
@@ -41,7 +41,7 @@ def validate_batch(batch: dict, schema: BatchSchema, layout: ParallelLayout, *,
     local = batch.get("local_cp_size") if isinstance(batch, Mapping) else None
     if local is not None:
         n = as_int(local)
-        if n is None or n < 1 or n & (n - 1) or layout.cp % n:
+        if n is None or not is_power_of_two(n) or layout.cp % n:
             violations = [Violation("local_cp_size", f"a power of two dividing cp = {layout.cp}", repr(local))]
             if raise_on_error:
                 raise BatchValidationError(violations)
@@ -180,10 +180,10 @@ class _Checker:
             self.bad("T (cu_seqlens_padded[-1])", f">= cp * min_local_rows = {lay.cp * lay.min_local_rows}", total)
         if lay.length_buckets and total not in lay.length_buckets:
             self.bad("T (cu_seqlens_padded[-1])", f"one of the length buckets {list(lay.length_buckets)}", total)
-        ms = b.get("max_seqlen")
-        if not isinstance(ms, torch.Tensor) or ms.dtype != torch.int32 or ms.numel() != 1 or int(ms) != int(padded.max()):
-            self.bad("max_seqlen", f"int32 [1] == {int(padded.max())}", ms if not isinstance(ms, torch.Tensor) else
-                     f"{dtype_name(ms.dtype)} {ms.tolist()}")
+        ms, want = b.get("max_seqlen"), lay.static_length or int(padded.max())
+        if not isinstance(ms, torch.Tensor) or ms.dtype != torch.int32 or ms.numel() != 1 or int(ms) != want:
+            self.bad("max_seqlen", f"int32 [1] == {want}" + (" (static shapes: T)" if lay.static_length else ""),
+                     ms if not isinstance(ms, torch.Tensor) else f"{dtype_name(ms.dtype)} {ms.tolist()}")
         if self.violations:
             return None
         rank = self.cp_rank()
@@ -398,9 +398,11 @@ def validate_packed_seq_params(params, layout: ParallelLayout, *, raise_on_error
     - the identity rule: ``cu_seqlens_q_padded is cu_seqlens_q`` whenever their values are equal (TE
       sets ``pad_between_seqs`` by identity and refuses FlashAttention when it is True), same for kv;
       a stated ``pad_between_seqs`` agrees with the identity;
-    - ``layout.max_seqs``: every offsets tensor has ``max_seqs + 1`` entries;
+    - ``layout.max_seqs``: every offsets tensor (true and padded) has ``max_seqs + 1`` entries, and
+      under static shapes (``layout.static_length``) ``max_seqlen_q/_kv == T``;
     - ``local_cp_size``, when set: a power of two dividing ``layout.cp`` (megatron-core's hybrid-CP
-      sub-groups); ``total_tokens``, when set: ``cu_seqlens_q_padded[-1]``.
+      sub-groups) and a ``cp_group`` of exactly that size (a singleton for 1); ``total_tokens``, when
+      set: ``cu_seqlens_q_padded[-1]``.
     """
     out: list[Violation] = []
     bad = lambda path, expected, actual: out.append(Violation(path, str(expected), str(actual)))  # noqa: E731
@@ -414,8 +416,9 @@ def validate_packed_seq_params(params, layout: ParallelLayout, *, raise_on_error
         if cu is not cup and cu.shape == cup.shape and torch.equal(cu, cup):
             bad(f"cu_seqlens_{side}_padded", f"the same tensor object as cu_seqlens_{side} (equal offsets: no "
                 "padding between sequences; TE decides pad_between_seqs by identity)", "an equal copy")
-        if layout.max_seqs is not None and cu.numel() != layout.max_seqs + 1:
-            bad(f"cu_seqlens_{side}", f"max_seqs + 1 = {layout.max_seqs + 1} entries", cu.numel())
+        for name, t in ((f"cu_seqlens_{side}", cu), (f"cu_seqlens_{side}_padded", cup)):
+            if layout.max_seqs is not None and t.numel() != layout.max_seqs + 1:
+                bad(name, f"max_seqs + 1 = {layout.max_seqs + 1} entries", t.numel())
     pad_between = getattr(params, "pad_between_seqs", None)
     q, qp = getattr(params, "cu_seqlens_q", None), getattr(params, "cu_seqlens_q_padded", None)
     if pad_between is not None and isinstance(q, torch.Tensor) and bool(pad_between) != (q is not qp):
@@ -424,8 +427,18 @@ def validate_packed_seq_params(params, layout: ParallelLayout, *, raise_on_error
     local = getattr(params, "local_cp_size", None)
     if local is not None:
         n = as_int(local)
-        if n is None or n < 1 or n & (n - 1) or layout.cp % n:
+        if n is None or not is_power_of_two(n) or layout.cp % n:
             bad("local_cp_size", f"a power of two dividing cp = {layout.cp}", repr(local))
+        group = getattr(params, "cp_group", None)
+        size = group.size() if callable(getattr(group, "size", None)) else None
+        if size is None or size != n:
+            bad("cp_group", f"the process group of the local_cp_size = {local!r} ranks running this batch",
+                "None" if group is None else f"a group of size {size}")
+    if layout.static_length is not None:
+        for side in ("q", "kv"):
+            if getattr(params, f"max_seqlen_{side}", None) != layout.static_length:
+                bad(f"max_seqlen_{side}", f"T = {layout.static_length} (static shapes)",
+                    repr(getattr(params, f"max_seqlen_{side}", None)))
     total = getattr(params, "total_tokens", None)
     if total is not None and isinstance(qp, torch.Tensor) and as_int(total) != int(qp[-1]):
         bad("total_tokens", f"cu_seqlens_q_padded[-1] = {int(qp[-1])}", repr(total))

@@ -176,7 +176,7 @@ def naive_round_up(n: int, m: int) -> int:
     return next(x for x in itertools.count(n) if x % m == 0)
 
 
-FP8_BLOCK = {FP8Recipe.NONE: 1, FP8Recipe.FP8: 16, FP8Recipe.MXFP8: 32, FP8Recipe.BLOCKWISE: 128, FP8Recipe.NVFP4: 16}
+FP8_BLOCK = {FP8Recipe.NONE: 1, FP8Recipe.FP8: 16, FP8Recipe.MXFP8: 32, FP8Recipe.BLOCKWISE: 128}  # NVFP4 is MXFP8
 """Rows of one SP rank per recipe, from the recipes' definitions (REFERENCE.md / FIELD.md), not the enum."""
 
 

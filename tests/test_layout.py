@@ -200,7 +200,7 @@ def test_fp8_under_sp_golden():
 
 
 # ---- differential: NeMo-RL's padding rule, written from its documented behaviour --------------------------
-FP8_DIVISOR = {FP8Recipe.NONE: 1, FP8Recipe.FP8: 16, FP8Recipe.MXFP8: 32, FP8Recipe.BLOCKWISE: 128, FP8Recipe.NVFP4: 16}
+FP8_DIVISOR = {FP8Recipe.NONE: 1, FP8Recipe.FP8: 16, FP8Recipe.MXFP8: 32, FP8Recipe.BLOCKWISE: 128}  # NVFP4 is MXFP8
 
 
 def nemo_rl_padded_total(lengths: list[int], layout: ParallelLayout) -> tuple[list[int], int]:

@@ -11,7 +11,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from prealign.collate import THDCollator, to_packed_seq_params
+from prealign.collate import THDCollator, to_packed_seq_params, unpack_thd, unshard_cp
+from prealign.collate.indices import num_sequences
 from prealign.loaders import plan_microbatches
 from prealign.schemas import ParallelLayout, validate_batch, validate_packed_seq_params
 from prealign.schemas.errors import BatchValidationError, BucketOverflowError, LayoutError
@@ -68,8 +69,10 @@ def test_static_shapes_on_random_batches(lengths, cp, max_seqs, data):
         assert bool((cu[n:] == cu[n]).all()), "the trailing entries repeat the total"
     assert batch["cu_seqlens"][n] == sum(lengths) and batch["cu_seqlens_padded"][n] == 256
     validate_batch(batch, SCHEMA, layout)
+    assert batch["max_seqlen"].tolist() == [256]  # fixed for CUDA graphs: T, whatever the longest sequence
     params = to_packed_seq_params(batch, convention="unpadded")
-    assert params.cu_seqlens_q.shape == (max_seqs + 1,)
+    assert params.cu_seqlens_q.shape == params.cu_seqlens_q_padded.shape == (max_seqs + 1,)
+    assert params.max_seqlen_q == params.max_seqlen_kv == 256
     assert validate_packed_seq_params(params, layout) == []
 
 
@@ -78,7 +81,17 @@ def test_static_shapes_golden_and_refusals():
     batch = collate([5, 3], layout, rank=1)
     assert batch["cu_seqlens"].tolist() == [0, 5, 8, 8, 8]
     assert batch["cu_seqlens_padded"].tolist() == [0, 8, 64, 64, 64]
-    assert batch["input_ids"].shape == (1, 32)
+    assert batch["input_ids"].shape == (1, 32) and batch["max_seqlen"].tolist() == [64]
+    # the validator checks max_seqlen == T on its own, in the batch and in PackedSeqParams
+    longest = dict(batch, max_seqlen=torch.tensor([56], dtype=torch.int32))
+    assert [v.path for v in validate_batch(longest, SCHEMA, layout, raise_on_error=False)] == ["max_seqlen"]
+    params = to_packed_seq_params(batch)
+    assert [v.path for v in validate_packed_seq_params(dataclasses.replace(params, max_seqlen_q=56), layout,
+                                                       raise_on_error=False)] == ["max_seqlen_q"]
+    unpadded_pad = dataclasses.replace(params, cu_seqlens_kv_padded=params.cu_seqlens_kv_padded[:3])
+    assert "cu_seqlens_kv_padded" in [v.path for v in validate_packed_seq_params(unpadded_pad, layout,
+                                                                                  raise_on_error=False)]
+    assert collate([5, 3], ParallelLayout(cp=2, length_buckets=(64,)))["max_seqlen"].tolist() == [56]  # not static
     with pytest.raises(BucketOverflowError, match="5 sequences exceeds the layout's max_seqs = 4"):
         collate([1] * 5, layout)
     with pytest.raises(LayoutError, match="max_seqs"):
@@ -90,6 +103,20 @@ def test_static_shapes_golden_and_refusals():
     # ... and a zero-length sequence in the middle is not a trailing repeat
     hole = dict(batch, cu_seqlens=torch.tensor([0, 5, 5, 8, 8], dtype=torch.int32))
     assert [v.path for v in validate_batch(hole, SCHEMA, layout, raise_on_error=False)] == ["cu_seqlens"]
+
+
+@given(lengths=st.lists(st.integers(1, 40), min_size=1, max_size=5), cp=st.sampled_from([1, 2]),
+       max_seqs=st.integers(5, 8))
+@examples(40)
+def test_static_batches_invert_to_their_real_sequences_only(lengths, cp, max_seqs):
+    """The trailing repeated offsets are no sequences: the inverse gives back exactly the samples."""
+    layout = ParallelLayout(cp=cp, length_buckets=(256,), max_seqs=max_seqs)
+    shards = [collate(lengths, layout, r) for r in range(cp)]
+    cu, cup = shards[0]["cu_seqlens"], shards[0]["cu_seqlens_padded"]
+    whole = unshard_cp([b["input_ids"] for b in shards], cu_seqlens_padded=cup) if cp > 1 else shards[0]["input_ids"]
+    rows = unpack_thd(whole, cu_seqlens=cu, cu_seqlens_padded=cup)
+    assert num_sequences(cup) == len(rows) == len(lengths)
+    assert [r.tolist() for r in rows] == [s["input_ids"].tolist() for s in make_samples(lengths)]
 
 
 @given(lengths=st.lists(st.integers(1, 50), min_size=0, max_size=120), max_seqs=st.integers(1, 6),
@@ -118,8 +145,8 @@ def test_planner_max_seqs_golden():
 
 # ---- FP8 / FP4 recipes and the dispatcher's token multiple -------------------------------------------------
 @pytest.mark.parametrize("layout,block", [
-    (ParallelLayout(tp=4, fp8="mxfp8"), 32), (ParallelLayout(tp=4, fp8="nvfp4"), 16),
-    (ParallelLayout(tp=2, cp=2, token_multiple=128), 128), (ParallelLayout(tp=2, fp8="nvfp4", token_multiple=48), 48),
+    (ParallelLayout(tp=4, fp8="mxfp8"), 32), (ParallelLayout(tp=4, fp8="nvfp4"), 32),
+    (ParallelLayout(tp=2, cp=2, token_multiple=128), 128), (ParallelLayout(tp=2, fp8="nvfp4", token_multiple=48), 96),
 ])
 def test_recipes_rows_per_sp_rank(layout, block):
     rng = np.random.default_rng(0)
@@ -136,18 +163,40 @@ def test_recipes_rows_per_sp_rank(layout, block):
 
 def test_recipes_golden_and_the_validator_checks_each():
     assert int(collate([32], ParallelLayout(tp=4, fp8="mxfp8"))["cu_seqlens_padded"][-1]) == 128
-    assert int(collate([32], ParallelLayout(tp=4, fp8="nvfp4"))["cu_seqlens_padded"][-1]) == 64
+    assert int(collate([32], ParallelLayout(tp=4, fp8="nvfp4"))["cu_seqlens_padded"][-1]) == 128  # 32 per SP rank
     assert int(collate([5], ParallelLayout(token_multiple=128))["cu_seqlens_padded"][-1]) == 128
-    assert ParallelLayout(fp8="nvfp4").to_dict()["fp8"] == "nvfp4"
+    # megatron-core's FP4 alignment (32), which is also what "nvfp4" meant before it was named: the states
+    # saved then ({"fp8": 32}) keep their fingerprint
+    assert ParallelLayout(fp8="nvfp4").to_dict() == ParallelLayout.from_dict(dict(ParallelLayout().to_dict(), fp8=32)).to_dict()
+    assert ParallelLayout(fp8="nvfp4").to_dict()["fp8"] == 32
     assert ParallelLayout.from_dict(ParallelLayout(fp8="nvfp4", token_multiple=128).to_dict()) == \
         ParallelLayout(fp8="nvfp4", token_multiple=128)
     assert set(ParallelLayout().to_dict()) == {"tp", "cp", "sp", "fp8", "pad_policy", "cp_layout", "length_buckets",
                                                 "min_local_rows"}  # fingerprints of layouts of before unchanged
-    batch = collate([32], ParallelLayout(tp=4, fp8="nvfp4"))  # 16 rows per SP rank: not HybridEP's 128
+    batch = collate([32], ParallelLayout(tp=4, fp8="nvfp4"))  # 32 rows per SP rank: not HybridEP's 128
     bad = validate_batch(batch, SCHEMA, ParallelLayout(tp=4, fp8="nvfp4", token_multiple=128), raise_on_error=False)
     assert bad and all("token_multiple" in v.expected for v in bad[-1:])
-    bad = validate_batch(batch, SCHEMA, ParallelLayout(tp=4, fp8="mxfp8"), raise_on_error=False)
+    fp8 = collate([32], ParallelLayout(tp=4, fp8="fp8"))  # 16 rows per SP rank: not MXFP8's 32
+    bad = validate_batch(fp8, SCHEMA, ParallelLayout(tp=4, fp8="mxfp8"), raise_on_error=False)
     assert bad and "MXFP8" in bad[-1].expected and "token_multiple=1" in bad[-1].expected
+
+
+def test_recipe_multiples_agree_with_megatron_core():
+    """megatron-core's own token alignments: FP8 16, MXFP8 32; FP4's is 128 for MoE grouped kernels,
+    a multiple of the 32 the FP4 GEMM needs (its docstring), which is NVFP4's rows per SP rank."""
+    fp8_utils = pytest.importorskip("megatron.core.fp8_utils")
+    from megatron.core.enums import Fp8Recipe
+
+    from prealign.schemas import FP8Recipe
+
+    assert fp8_utils.get_fp8_align_size(Fp8Recipe.mxfp8) == FP8Recipe.MXFP8.multiple == 32
+    assert fp8_utils.get_fp8_align_size(Fp8Recipe.tensorwise) == FP8Recipe.FP8.multiple == 16
+    try:
+        from megatron.core.enums import Fp4Recipe
+        from megatron.core.fp4_utils import get_fp4_align_size
+    except ImportError:  # megatron-core 0.14: no FP4
+        return
+    assert get_fp4_align_size(Fp4Recipe.nvfp4) % FP8Recipe.NVFP4.multiple == 0 and FP8Recipe.NVFP4.multiple == 32
 
 
 # ---- newer PackedSeqParams fields ---------------------------------------------------------------------------
@@ -168,10 +217,27 @@ def test_newer_fields_filled_when_present(monkeypatch):
     layout = ParallelLayout(cp=2)
     batch = collate([5, 3], layout)
     unpadded = to_packed_seq_params(batch, convention="unpadded")
-    assert (unpadded.total_tokens, unpadded.tokens_per_sample, unpadded.pad_between_seqs) == (12, 6, True)
+    # tokens_per_sample in Megatron-LM's unit (pretrain_gpt.py: args.seq_length, global tokens of one sample)
+    assert (unpadded.total_tokens, unpadded.tokens_per_sample, unpadded.pad_between_seqs) == (12, 12, True)
     assert unpadded.seq_idx.tolist() == [[0] * 8 + [1] * 4]
     assert validate_packed_seq_params(unpadded, layout) == []
     same = to_packed_seq_params(collate([4, 8], layout), convention="unpadded")
     assert same.pad_between_seqs is False and same.cu_seqlens_q is same.cu_seqlens_q_padded
     same.pad_between_seqs = True
     assert [v.path for v in validate_packed_seq_params(same, layout, raise_on_error=False)] == ["pad_between_seqs"]
+
+
+NEWER_FIELDS = {"total_tokens", "seq_idx", "tokens_per_sample", "pad_between_seqs"}
+
+
+@pytest.mark.skipif(not NEWER_FIELDS <= {f.name for f in dataclasses.fields(megatron_psp.PackedSeqParams)},
+                    reason="platform: the installed megatron-core's PackedSeqParams has no total_tokens / seq_idx / "
+                           "tokens_per_sample / pad_between_seqs (Megatron-LM main after 0.16)")
+def test_newer_fields_against_the_installed_class():
+    """The real class (its own __post_init__ derives seq_idx from total_tokens): ours agrees with it."""
+    layout = ParallelLayout(cp=2, length_buckets=(64,), max_seqs=4)
+    params = to_packed_seq_params(collate([5, 3], layout), convention="unpadded")
+    assert type(params) is megatron_psp.PackedSeqParams
+    assert (params.total_tokens, params.tokens_per_sample, params.pad_between_seqs) == (64, 64, True)
+    assert params.seq_idx.tolist() == [[0] * 8 + [1] * 56]
+    assert validate_packed_seq_params(params, layout) == []

@@ -62,6 +62,16 @@ def test_every_sample_once_budget_and_first_batch_after_the_buffer(tmp_path):
     assert sorted(second) == list(range(400)) and second != seen  # epoch 1: another shard order
 
 
+def test_layout_max_seqs_caps_every_streamed_batch(tmp_path):
+    """The streaming bins respect ParallelLayout.max_seqs (static cu_seqlens of max_seqs + 1 entries)."""
+    paths = write_shards(str(tmp_path), sample_lengths(200), num_shards=2)
+    loader = StreamingPackedLoader(WebDatasetSource(paths), schema=SCHEMA, layout=ParallelLayout(max_seqs=2),
+                                   token_budget=BUDGET, buffer_size=48, seed=2, cp_rank=None)
+    batches = list(loader)
+    assert all(b["cu_seqlens"].numel() == 3 and b["cu_seqlens_padded"].numel() == 3 for b in batches)
+    assert sorted(i for b in batches for i in _first_tokens(b)) == list(range(200))
+
+
 def test_hf_iterable_dataset_resumes_exactly():
     lengths = sample_lengths(160)
     ds = datasets.Dataset.from_dict(hf_rows(lengths)).to_iterable_dataset(num_shards=4)

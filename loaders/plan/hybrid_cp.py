@@ -19,6 +19,7 @@ plus the K/V a rank receives from the other ``k - 1``), ``comm = comm_ratio * co
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,7 +27,7 @@ import numpy as np
 from prealign.loaders.errors import PlanError
 from prealign.loaders.plan.cost import CostModel
 from prealign.schemas.errors import BucketOverflowError, ConfigError, SampleError
-from prealign.schemas.layout import ParallelLayout
+from prealign.schemas.layout import CPLayout, ParallelLayout, is_power_of_two
 
 
 @dataclass(frozen=True)
@@ -49,10 +50,13 @@ def sequence_time(lengths, k: int, cost: CostModel, comm_ratio: float) -> np.nda
 
 
 def _check(layout: ParallelLayout, comm_ratio) -> None:
-    cp = layout.cp
-    if cp & (cp - 1):
-        raise PlanError(f"hybrid CP: cp must be a power of two (the sub-groups are 1, 2, 4, ... ranks), got cp={cp}")
-    if isinstance(comm_ratio, bool) or not isinstance(comm_ratio, (int, float)) or not comm_ratio >= 0:
+    if not is_power_of_two(layout.cp):
+        raise PlanError(f"hybrid CP: cp must be a power of two (the sub-groups are 1, 2, 4, ... ranks), got "
+                        f"cp={layout.cp}")
+    if layout.cp_layout is not CPLayout.ZIGZAG:
+        raise PlanError(f"hybrid CP: the blocks are zigzag-sharded (megatron-core's get_batch_on_this_cp_rank), "
+                        f"got cp_layout={layout.cp_layout.value!r}")
+    if isinstance(comm_ratio, bool) or not isinstance(comm_ratio, numbers.Real) or not comm_ratio >= 0:
         raise PlanError(f"hybrid CP: comm_ratio must be a number >= 0, got {comm_ratio!r}")
 
 
@@ -243,3 +247,14 @@ class HybridCPCollator:
             return _block_batch(self.collator, samples, blocks)
         whole["local_cp_size"], whole["hybrid_cp_members"] = blocks[0].size, blocks[0].members
         return whole
+
+
+def hybrid_cp_samples(samples: list, blocks: tuple[CPBlock, ...], *, schema, layout: ParallelLayout, cp_rank: int,
+                      **collator_options) -> list[dict]:
+    """megatron-core's per-sample form of this CP rank's share: one :func:`hybrid_cp_batch` per sequence of
+    its block (block order), each a forward of its own, as megatron-core's hybrid-CP path runs them. Give
+    each ``to_packed_seq_params(batch, qkv_format="sbhd", cp_group=...)``: megatron-core 0.16.1's
+    ``GPTModel`` slices RoPE by that group in this form (not in the THD one)."""
+    block = block_of(blocks, cp_rank)
+    return [hybrid_cp_batch(samples, (dataclasses.replace(block, members=(i,)),), schema=schema, layout=layout,
+                            cp_rank=cp_rank, **collator_options) for i in block.members]
