@@ -32,7 +32,8 @@ is read: it is a :class:`~prealign.loaders.errors.ResumeError` at the first ``ne
 A state of another ``num_workers`` or ``dp_size`` resumes too: at the first ``next`` every reader of the
 saved run (every rank's) is replayed in this process, ids only, and the samples its DataLoader had served
 (round-robin over its workers) are left out of this run's readers, which split the rest of the epoch anew
-(cost: reading every old rank's served part of the stream again; ``docs/resume.md``).
+(cost: packing every old rank's served part of the stream again, and with fewer shards than old readers
+reading that prefix once per old reader; the served ids are one shared sorted int64 tensor; ``docs/resume.md``).
 
 Options, validation, ``set_epoch``, ``from_parallel_state``, the one-live-iterator guard, the state and the
 worker path (a sample's typed error raised as its own type, a dead worker a
@@ -43,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import itertools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -311,7 +313,6 @@ class StreamingPackedLoader(LoaderCore):
         self.collective_timeout = None if collective_timeout is None else float(collective_timeout)
         self._filler: dict | None = None
         self._served_cache: tuple = (None, None)
-        self._num_samples: int | None = None  # the stream's, counted only to check a state's segments
 
     buffer_size = property(lambda self: self.planner.buffer_size)
     oversize = property(lambda self: self.planner.oversize)
@@ -437,17 +438,16 @@ class StreamingPackedLoader(LoaderCore):
 
     def _check_segment_sizes(self, segments) -> None:
         """Refuse a segment with more readers (``dp_size * max(num_workers, 1)``) than the stream has samples
-        (counted, one read of the stream, only when a segment has more readers than shards)."""
+        (counted up to the widest segment's readers, and only when it has more readers than shards)."""
+        widest = max((seg.dp_size * max(seg.num_workers, 1) for seg in segments), default=0)
+        if widest <= self.source.num_shards:
+            return
+        scans = (item for shard in range(self.source.num_shards) for item in self.source.scan(shard))
+        count = sum(1 for _ in itertools.islice(scans, widest))
         for i, seg in enumerate(segments):
-            readers = seg.dp_size * max(seg.num_workers, 1)
-            if readers <= self.source.num_shards:
-                continue
-            if self._num_samples is None:
-                self._num_samples = sum(1 for shard in range(self.source.num_shards) for _ in self.source.scan(shard))
-            if readers > self._num_samples:
+            if seg.dp_size * max(seg.num_workers, 1) > count:
                 raise ResumeError(f"loader state: key segments[{i}]: dp_size {seg.dp_size} * num_workers "
-                                  f"{seg.num_workers} readers; expected at most the {self._num_samples} samples "
-                                  f"of the stream")
+                                  f"{seg.num_workers} readers; expected at most the {count} samples of the stream")
 
     def _take(self, it):
         """The next real micro-batch of this rank's stream, or None at its end (bad-data events counted)."""
