@@ -8,7 +8,6 @@ dead worker a :class:`~prealign.loaders.errors.WorkerError`: :mod:`prealign.load
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import functools
 import hashlib
 import json
@@ -23,7 +22,7 @@ from prealign.loaders.errors import LoaderUsageError, PlanError, ResumeError
 from prealign.loaders.handoff.slots import init_worker
 from prealign.loaders.handoff.transport import PackedBatch, unpack_batch
 from prealign.loaders.options import LoadingOptions, WorkerConfig, check_option
-from prealign.loaders.plan.elastic import Segment, resumed_segments
+from prealign.loaders.plan.elastic import Segment, check_segments, resumed_segments
 from prealign.loaders.plan.hybrid_cp import HybridCPCollator
 from prealign.loaders.plan.planner import PlannerConfig, microbatch_capacity
 from prealign.loaders.plan.schedule import check_count
@@ -137,6 +136,14 @@ class LoaderCore:
     def epoch(self) -> int:
         return self._normalised()[0]
 
+    def epoch_offset(self, epoch: int | None = None) -> int:
+        """Micro-batches per rank that ``epoch`` (default: the current one) served before the segment this
+        loader serves it in (0 unless it was resumed under another configuration):
+        ``batch["microbatch"] + loader.epoch_offset(batch["epoch"])`` counts each rank's micro-batches from
+        the start of the epoch across resizes (``microbatch``, ``len()`` and ``plan()`` are the segment's)."""
+        epoch = self.epoch if epoch is None else check_count("epoch", epoch)
+        return sum(s.position for s in self._resized[1]) if self._resized[0] == epoch else 0
+
     def set_epoch(self, epoch: int) -> None:
         """Go to the start of ``epoch``; the epoch in progress keeps its position (a live iterator over
         another epoch stops with :class:`~prealign.loaders.errors.LoaderUsageError`)."""
@@ -204,10 +211,10 @@ class LoaderCore:
         """The :class:`Segment` of a run of ``config`` (a :meth:`_config`, or a state's: checked) that served
         ``position`` micro-batches."""
         planner = config.get("planner")
-        seg = Segment.from_dict({"dp_size": config.get("dp_size"), "num_workers": config.get("num_workers"),
-                                 "microbatches_per_step": planner.get("microbatches_per_step")
-                                 if isinstance(planner, dict) else None, "position": max(position, 1)}, "config")
-        return dataclasses.replace(seg, position=position)
+        return Segment.checked(dp_size=config.get("dp_size"), num_workers=config.get("num_workers"),
+                               microbatches_per_step=planner.get("microbatches_per_step")
+                               if isinstance(planner, dict) else None, position=position, where="config",
+                               min_position=0)
 
     def _set_resized(self, epoch: int, segments: tuple[Segment, ...]) -> None:
         """Serve ``epoch`` after its earlier ``segments`` (``(-1, ())``: none)."""
@@ -215,6 +222,10 @@ class LoaderCore:
 
     def _check_position(self, epoch: int, position: int) -> None:
         """Refuse a position this loader cannot reach, its earlier segments set (default: nothing to check)."""
+
+    def _check_segment_sizes(self, segments: tuple[Segment, ...]) -> None:
+        """Refuse earlier segments with more ranks (readers) than the epoch has samples (default: none to
+        refuse): replaying one costs time and memory in its size, and no real run is that wide."""
 
     def state_dict(self) -> dict:
         """JSON-serialisable state, identical on every rank of the run (:mod:`prealign.loaders.state`);
@@ -241,8 +252,10 @@ class LoaderCore:
         if st.segments and not self.elastic:
             raise ResumeError(f"{type(self).__name__}: the state has segments served under other configurations "
                               f"({len(st.segments)}), which this loader cannot re-plan")
-        segments, position = resumed_segments(st.segments, self._segment(st.config, st.position),
-                                              self._segment(config, 0), self.elastic)
+        saved, here = self._segment(st.config, st.position), self._segment(config, 0)
+        check_segments(st.segments, saved, here, self.elastic)
+        self._check_segment_sizes(st.segments)
+        segments, position = resumed_segments(st.segments, saved, here, self.elastic)
         before = self._resized
         self._set_resized(st.epoch, segments)
         try:

@@ -432,6 +432,14 @@ class PackedLoader(LoaderCore):
         if self._index is not None:
             self._schedule.resized = self._resized
 
+    def _check_segment_sizes(self, segments: tuple) -> None:
+        """Refuse a segment with more DP ranks than the data has samples."""
+        n = len(self.index)
+        for i, seg in enumerate(segments):
+            if seg.dp_size > n:
+                raise ResumeError(f"loader state: key segments[{i}].dp_size: expected at most the {n} samples of "
+                                  f"the data, got {seg.dp_size}")
+
     def _check_position(self, epoch: int, position: int) -> None:
         """Refuse a ``position`` past the end of its epoch (equal to its length: the epoch is finished)."""
         have = self.prepare()._schedule.count_to(epoch, position)

@@ -32,7 +32,8 @@ is read: it is a :class:`~prealign.loaders.errors.ResumeError` at the first ``ne
 A state of another ``num_workers`` or ``dp_size`` resumes too: at the first ``next`` every reader of the
 saved run (every rank's) is replayed in this process, ids only, and the samples its DataLoader had served
 (round-robin over its workers) are left out of this run's readers, which split the rest of the epoch anew
-(cost: reading every old rank's served part of the stream again; ``docs/resume.md``).
+(cost: packing every old rank's served part of the stream again, and with fewer shards than old readers
+reading that prefix once per old reader; the served ids are one shared sorted int64 tensor; ``docs/resume.md``).
 
 Options, validation, ``set_epoch``, ``from_parallel_state``, the one-live-iterator guard, the state and the
 worker path (a sample's typed error raised as its own type, a dead worker a
@@ -43,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import itertools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -111,6 +113,23 @@ def stream_id(shard: int, ordinal: int) -> int:
     return (int(shard) << 32) | int(ordinal)
 
 
+def served_in(served: torch.Tensor | None, shard: int) -> np.ndarray:
+    """Bool ``[max ordinal + 1]``: which ordinals of ``shard`` the sorted stream ids ``served`` hold (one
+    shard's mask at a time: a reader's memory stays that of the ids).
+
+    >>> served_in(torch.tensor([stream_id(0, 1), stream_id(2, 0), stream_id(2, 3)]), 2).tolist()
+    [True, False, False, True]
+    """
+    if served is None or not served.numel():
+        return np.zeros(0, bool)
+    ids = served.numpy()
+    lo, hi = np.searchsorted(ids, [stream_id(shard, 0), stream_id(shard + 1, 0)])
+    ordinals = ids[lo:hi] & 0xFFFFFFFF
+    mask = np.zeros(int(ordinals[-1]) + 1 if ordinals.size else 0, bool)
+    mask[ordinals] = True
+    return mask
+
+
 @dataclass(frozen=True)
 class _Reader(IterableDataset):
     """One epoch of one DP rank's stream, packed; in DataLoader workers, worker ``w`` is reader
@@ -130,8 +149,9 @@ class _Reader(IterableDataset):
     seed: int
     epoch: int
     pack: bool = False
-    served: frozenset = frozenset()
-    """Stream ids served by earlier segments of the epoch (a resize): left out before the split."""
+    served: torch.Tensor | None = dataclasses.field(default=None, compare=False)
+    """Sorted int64 ``[S]`` stream ids served by earlier segments of the epoch (a resize), left out before the
+    split; 8 bytes a sample, in shared memory when workers read (handed to them, not copied)."""
     worker: tuple[int, int] | None = None
     """(workers, worker id) of a reader replayed outside a DataLoader; ``None``: the DataLoader's."""
     ids_only: bool = False
@@ -149,8 +169,9 @@ class _Reader(IterableDataset):
         shards = order[g::readers] if split_shards else order
         k = 0
         for shard in shards:
+            left_out = served_in(self.served, shard)
             for ordinal, (loc, item) in enumerate(self.source.scan(shard)):
-                if self.served and stream_id(shard, ordinal) in self.served:
+                if ordinal < left_out.size and left_out[ordinal]:
                     continue
                 if not split_shards:
                     k += 1
@@ -291,7 +312,7 @@ class StreamingPackedLoader(LoaderCore):
                          planner=planner, bad_data=bad_data, loading=loading, collator=collator)
         self.collective_timeout = None if collective_timeout is None else float(collective_timeout)
         self._filler: dict | None = None
-        self._served_cache: tuple = (None, frozenset())
+        self._served_cache: tuple = (None, None)
 
     buffer_size = property(lambda self: self.planner.buffer_size)
     oversize = property(lambda self: self.planner.oversize)
@@ -375,37 +396,58 @@ class StreamingPackedLoader(LoaderCore):
         return batch
 
     # ---- iteration -----------------------------------------------------------------------------------
-    def _reader(self, epoch: int, served: frozenset = frozenset()):
-        reader = _Reader(self.source, self.schema, self.collator, self.layout, self._capacity, self.buffer_size,
-                         self.oversize, self.bad_data, self.dp_rank, self.dp_size, self.seed, epoch,
-                         pack=self.num_workers > 0, served=served)
+    def _reader_of(self, epoch: int, dp_rank: int, dp_size: int, served: torch.Tensor | None, **kwargs) -> _Reader:
+        """Reader of ``dp_rank`` of ``dp_size`` over ``epoch``, leaving out ``served``; ``kwargs``: the
+        rest of :class:`_Reader`'s fields (``pack``, ``worker``, ``ids_only``)."""
+        return _Reader(self.source, self.schema, self.collator, self.layout, self._capacity, self.buffer_size,
+                       self.oversize, self.bad_data, dp_rank, dp_size, self.seed, epoch, served=served, **kwargs)
+
+    def _reader(self, epoch: int, served: torch.Tensor | None = None):
+        reader = self._reader_of(epoch, self.dp_rank, self.dp_size, served, pack=self.num_workers > 0)
         return self._data_loader(reader, persistent=False, batch_size=None)
 
-    def _served_before(self, epoch: int) -> frozenset:
-        """Stream ids the earlier segments of ``epoch`` served (a resize; empty without one): each segment's
-        readers replayed in this process, ids only, every rank of it (another DP size or worker count
-        reads other shards), over what the segments before it left; a rank's first ``position`` micro-batches
-        in the order its DataLoader served them (:func:`~prealign.loaders.plan.elastic.round_robin`)."""
+    def _served_before(self, epoch: int) -> torch.Tensor | None:
+        """Sorted int64 stream ids the earlier segments of ``epoch`` served (a resize; None without one),
+        built once per epoch and shared with the workers: each segment's readers replayed in this process,
+        ids only, every rank of it (another DP size or worker count reads other shards), over what the
+        segments before it left; a rank's first ``position`` micro-batches in the order its DataLoader
+        served them (:func:`~prealign.loaders.plan.elastic.round_robin`)."""
         segments = self._resized[1] if self._resized[0] == epoch else ()
+        if not segments:
+            return None
         if self._served_cache[0] == (epoch, segments):
             return self._served_cache[1]
-        served: set[int] = set()
+        served = torch.zeros(0, dtype=torch.int64)
         for n, seg in enumerate(segments):
-            before, workers, longest = frozenset(served), max(seg.num_workers or 0, 1), 0
+            parts, workers, longest = [served.numpy()], max(seg.num_workers or 0, 1), 0
             for rank in range(seg.dp_size):
-                readers = [_Reader(self.source, self.schema, self.collator, self.layout, self._capacity,
-                                   self.buffer_size, self.oversize, self.bad_data, rank, seg.dp_size, self.seed, epoch,
-                                   served=before, worker=(workers, w), ids_only=True)._packed()
+                readers = [self._reader_of(epoch, rank, seg.dp_size, served, worker=(workers, w), ids_only=True)._packed()
                            for w in range(workers)]
                 first = round_robin([(ids for ids, _ in r if ids is not None) for r in readers], seg.position)
                 longest = max(longest, len(first))
-                served.update(i for ids in first for i in ids)
+                parts.append(np.fromiter((i for ids in first for i in ids), np.int64))
             if longest < seg.position:
                 raise ResumeError(f"StreamingPackedLoader: the state's segment {n} (dp_size {seg.dp_size}, num_workers "
                                   f"{seg.num_workers}) has position {seg.position}, past the end of epoch {epoch}, "
                                   f"which has {longest} micro-batches on those ranks (a state of other data, or edited)")
-        self._served_cache = ((epoch, segments), frozenset(served))
-        return self._served_cache[1]
+            served = torch.from_numpy(np.sort(np.concatenate(parts)))
+        if self.num_workers > 0:
+            served.share_memory_()
+        self._served_cache = ((epoch, segments), served)
+        return served
+
+    def _check_segment_sizes(self, segments) -> None:
+        """Refuse a segment with more readers (``dp_size * max(num_workers, 1)``) than the stream has samples
+        (counted up to the widest segment's readers, and only when it has more readers than shards)."""
+        widest = max((seg.dp_size * max(seg.num_workers, 1) for seg in segments), default=0)
+        if widest <= self.source.num_shards:
+            return
+        scans = (item for shard in range(self.source.num_shards) for item in self.source.scan(shard))
+        count = sum(1 for _ in itertools.islice(scans, widest))
+        for i, seg in enumerate(segments):
+            if seg.dp_size * max(seg.num_workers, 1) > count:
+                raise ResumeError(f"loader state: key segments[{i}]: dp_size {seg.dp_size} * num_workers "
+                                  f"{seg.num_workers} readers; expected at most the {count} samples of the stream")
 
     def _take(self, it):
         """The next real micro-batch of this rank's stream, or None at its end (bad-data events counted)."""

@@ -31,8 +31,9 @@ from prealign.loaders.conformance import (
     assert_resumes_exactly,
     batches_equal,
 )
-from prealign.loaders.plan.elastic import round_robin
+from prealign.loaders.plan.elastic import MAX_SEGMENTS, round_robin
 from prealign.schemas import ParallelLayout, causal_lm_schema
+from tests.conftest import spawn_ranks
 from tests.loader_helpers import hf_rows, sample_lengths, write_shards
 
 SCHEMA = causal_lm_schema()
@@ -81,7 +82,6 @@ def test_golden_dp_4_3_5_with_other_workers_and_k(wds):
     result = assert_resumes_elastically(make, segments, budget=BUDGET, padded_length=_padded)
     assert result == {"counts": [5, 3, 2], "samples": 150}
     # the chained state: the two earlier segments, four integers each, then this run's position
-    state = json.loads(json.dumps(make({"dp_size": 3, "num_workers": 2, "k": 2}, 0).state_dict()))
     a = make({"dp_size": 4}, 0)
     it = iter(a)
     list(islice(it, 5))
@@ -104,7 +104,8 @@ def test_golden_dp_4_3_5_with_other_workers_and_k(wds):
        seed=st.integers(0, 2**16), chunk_size=st.sampled_from([8, 40, 16384]))
 def test_any_resizes_serve_every_sample_once(lengths, configs, seed, chunk_size):
     make = _packed_maker(*_hf(lengths), seed=seed, chunk_size=chunk_size)
-    segments = [({"dp_size": dp, "k": k}, _fraction(f)) for dp, k, f in configs[:-1]]
+    # (a segment with more DP ranks than samples is refused: test_malformed_segments_are_refused)
+    segments = [({"dp_size": min(dp, len(lengths)), "k": k}, _fraction(f)) for dp, k, f in configs[:-1]]
     segments.append(({"dp_size": configs[-1][0], "k": configs[-1][1]}, None))
     result = assert_resumes_elastically(make, segments, budget=BUDGET, padded_length=_padded)
     assert result["samples"] == len(lengths)
@@ -141,18 +142,33 @@ def test_a_resized_run_resumes_exactly_within_its_segment(wds):
     assert min(result["epoch_lengths"]) >= 4
 
 
+# written by prealign at commit b520df4 (before elastic resume): rank 2 of dp 3 after 2 micro-batches of the
+# ``wds`` data, and the sample ids of the rest of its epoch
+_B520DF4_STATE = {
+    "version": 2, "kind": "prealign.PackedLoader", "epoch": 0, "position": 2,
+    "config": {"seed": 3, "dp_size": 3, "token_budget": 128,
+               "layout": {"tp": 1, "cp": 2, "sp": False, "fp8": 1, "pad_policy": "minimal", "cp_layout": "zigzag",
+                          "length_buckets": None, "min_local_rows": 0},
+               "schema": "4c765cb695b0bb87",
+               "planner": {"strategy": "bfd", "buffer_size": 16, "oversize": "error", "microbatches_per_step": 1,
+                           "max_age": 4, "step_pool": 8, "chunk_size": 40},
+               "shuffle": True, "shuffle_window": 1024},
+    "data": {"source": "webdataset", "num_samples": 150, "digest": "3c1d854290833665"}}
+_B520DF4_REST = [[66, 9, 51], [105, 94, 58, 23], [56, 142, 116], [104, 138, 22, 17], [139, 77, 121],
+                 [14, 126, 4, 88, 20], [15, 149, 60, 70, 69, 7, 112], [1, 96, 64, 79, 3, 92], [42],
+                 [37, 31, 47, 33, 32, 24, 49], [41, 48, 25]]
+
+
 def test_same_config_resume_is_unchanged(wds):
-    """A version-2 state as earlier prealign wrote it resumes as before: the same batches as the
-    uninterrupted run, and the state it writes is still version 2 without segments."""
+    """A version-2 state as prealign wrote it before elastic resume (a literal) resumes as then: the
+    micro-batches that code served next, and the state it writes is still that version-2 state."""
     make = _packed_maker(*wds)
-    ref = list(make({"dp_size": 3}, 2))
-    old = {"version": 2, "kind": "prealign.PackedLoader", "epoch": 0, "position": 2,
-           "config": make({"dp_size": 3}, 0)._config(), "data": make({"dp_size": 3}, 0).state_dict()["data"]}
     b = make({"dp_size": 3}, 2)
-    b.load_state_dict(json.loads(json.dumps(old)))
-    assert b.state_dict() == old
+    b.load_state_dict(json.loads(json.dumps(_B520DF4_STATE)))
+    assert b.state_dict() == _B520DF4_STATE
     got = list(b)
-    assert len(got) == len(ref) - 2 and all(batches_equal(x, y) for x, y in zip(got, ref[2:]))
+    assert [x["sample_index"].tolist() for x in got] == _B520DF4_REST
+    assert [x["microbatch"] for x in got] == list(range(2, 2 + len(_B520DF4_REST)))
 
 
 def test_resize_at_the_start_or_the_end_of_an_epoch(wds):
@@ -233,6 +249,18 @@ def test_budget_layout_and_seed_changes_stay_refused(wds, change, message):
     (lambda s: {**s, "version": 2}, "segments"),
     (lambda s: {**s, "segments": [{**s["segments"][0], "position": 10_000}]}, "past the end of epoch 0"),
     (lambda s: {**s, "config": {**s["config"], "dp_size": True}}, "dp_size"),
+    # a segment no run writes: wider than the data, with workers (no PackedLoader batch depends on them),
+    # or with the configuration of the next one (a resume under the same configuration goes on in one segment)
+    (lambda s: {**s, "segments": [{**s["segments"][0], "dp_size": 151}]},
+     r"segments\[0\].dp_size: expected at most the 150 samples of the data, got 151"),
+    (lambda s: {**s, "segments": [{**s["segments"][0], "num_workers": 5}]},
+     r"segments\[0\].num_workers: expected None .*got 5"),
+    (lambda s: {**s, "segments": [s["segments"][0]] * 2}, r"segments\[0\]: dp_size 4, microbatches_per_step 1 as in "
+                                                          r"segments\[1\]"),
+    (lambda s: {**s, "segments": [{**s["segments"][0], "dp_size": 3}]}, r"segments\[0\]: dp_size 3, .* the state's "
+                                                                        r"config"),
+    (lambda s: {**s, "segments": [{**s["segments"][0], "dp_size": 1 + i % 2, "position": 1} for i in range(65)]},
+     "65 segments .* at most 64"),
 ])
 def test_malformed_segments_are_refused(wds, edit, message):
     make = _packed_maker(*wds)
@@ -245,6 +273,57 @@ def test_malformed_segments_are_refused(wds, edit, message):
     with pytest.raises(ResumeError, match=message):
         c.load_state_dict(edit(state))
     assert c.state_dict()["position"] == 0 and "segments" not in c.state_dict()  # a refused state changes nothing
+
+
+def test_at_most_max_segments_are_resumed():
+    """MAX_SEGMENTS resizes in one epoch resume (every sample served once); one more is refused."""
+    make = _packed_maker(*_hf(sample_lengths(600, seed=4)))
+    segments = [({"dp_size": 1 + i % 2}, 1) for i in range(MAX_SEGMENTS)] + [({"dp_size": 3}, None)]
+    result = assert_resumes_elastically(make, segments, budget=BUDGET, padded_length=_padded)
+    assert result["samples"] == 600 and result["counts"][:MAX_SEGMENTS] == [1] * MAX_SEGMENTS
+    chain = [{"dp_size": 1 + i % 2, "microbatches_per_step": 1, "num_workers": None, "position": 1}
+             for i in range(MAX_SEGMENTS + 1)]
+    base = make({"dp_size": 3}, 0).state_dict()
+    with pytest.raises(ResumeError, match=f"{MAX_SEGMENTS + 1} segments"):
+        make({"dp_size": 3}, 0).load_state_dict({**base, "version": 3, "segments": chain})
+
+
+def test_a_resize_and_back_at_its_start_goes_on_in_the_same_segment(wds):
+    """dp 4 -> 3 (saved before its first micro-batch) -> 4: the run at 4 goes on where the first stopped,
+    as if never resized (no segment, the batches of the uninterrupted run)."""
+    make = _packed_maker(*wds)
+    ref = list(make({"dp_size": 4}, 1))
+    a = make({"dp_size": 4}, 1)
+    list(islice(iter(a), 3))
+    b = make({"dp_size": 3}, 1)
+    b.load_state_dict(a.state_dict())
+    assert b.state_dict()["segments"] and b.state_dict()["position"] == 0
+    c = make({"dp_size": 4}, 1)
+    c.load_state_dict(b.state_dict())
+    assert c.state_dict() == a.state_dict() and c.epoch_offset() == 0
+    assert all(batches_equal(x, y) for x, y in zip(list(c), ref[3:], strict=True))
+
+
+def test_epoch_offset_counts_micro_batches_from_the_start_of_the_epoch(wds):
+    """After resizes ``microbatch`` restarts at 0 in each segment; ``microbatch + epoch_offset(epoch)`` does
+    not: each (epoch, micro-batch in epoch) of a rank once, in order, across dp 4 -> 3 -> 5."""
+    make = _packed_maker(*wds)
+
+    def keys(loader, stop=None):
+        return [(x["epoch"], x["microbatch"] + loader.epoch_offset(x["epoch"])) for x in islice(iter(loader), stop)]
+
+    a = make({"dp_size": 4}, 0)
+    got = keys(a, 5)
+    b = make({"dp_size": 3, "k": 2}, 0)
+    b.load_state_dict(a.state_dict())
+    assert b.epoch_offset() == 5 and b.epoch_offset(1) == 0
+    got += keys(b, 3)
+    c = make({"dp_size": 5}, 0)
+    c.load_state_dict(b.state_dict())
+    assert c.epoch_offset() == 8 and len(c) == 2
+    got += keys(c)
+    assert got == [(0, i) for i in range(10)]
+    assert c.epoch == 1 and c.epoch_offset() == 0 and keys(c)[0] == (1, 0)
 
 
 def test_the_harness_catches_a_loader_that_ignores_the_resize(wds):
@@ -322,6 +401,55 @@ def test_streaming_fewer_shards_than_readers(tmp_path):
                                       padded_length=_padded)["samples"] == 90
 
 
+def _stream_resized(paths, first: dict, stop: int, then: dict, rank: int = 0, **kwargs):
+    """(state after ``stop`` micro-batches of rank 0 under ``first``, a rank of ``then`` loaded with it)."""
+    a = _stream_maker(paths)(first, 0)
+    list(islice(iter(a), stop))
+    b = StreamingPackedLoader(WebDatasetSource(paths), schema=SCHEMA, layout=LAYOUT, token_budget=BUDGET, cp_rank=0,
+                              seed=5, dp_size=then["dp_size"], dp_rank=rank, num_workers=then.get("num_workers", 0),
+                              buffer_size=16, **kwargs)
+    b.load_state_dict(a.state_dict())
+    return a.state_dict(), b
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda s: {**s, "segments": [{**s["segments"][0], "dp_size": 21}]},
+     r"segments\[0\]: dp_size 21 \* num_workers 2 readers; expected at most the 40 samples"),
+    (lambda s: {**s, "segments": [{**s["segments"][0], "microbatches_per_step": 2}]},
+     r"segments\[0\].microbatches_per_step: expected 1 .*got 2"),
+    (lambda s: {**s, "segments": [{**s["segments"][0], "num_workers": None}]},
+     r"segments\[0\].num_workers: expected an int, got null"),
+])
+def test_streaming_refuses_segments_no_run_writes(tmp_path, edit, message):
+    """At load_state_dict, before any replay: more readers than the stream has samples (counted: 2 shards),
+    a field a stream's batches do not depend on, an elastic one null."""
+    paths = write_shards(str(tmp_path), sample_lengths(40, seed=3), num_shards=2)
+    _, b = _stream_resized(paths, {"dp_size": 1, "num_workers": 2}, 2, {"dp_size": 1})
+    state = b.state_dict()
+    assert state["segments"] == [{"dp_size": 1, "microbatches_per_step": 1, "num_workers": 2, "position": 2}]
+    c = _stream_maker(paths)({"dp_size": 1, "num_workers": 3}, 0)
+    with pytest.raises(ResumeError, match=message):
+        c.load_state_dict(edit(state))
+    assert "segments" not in c.state_dict()
+
+
+def test_streaming_served_ids_are_one_shared_sorted_array(tmp_path):
+    """The ids earlier segments served: one sorted int64 tensor (8 bytes a sample), built once, in shared
+    memory for the workers; a spawned worker gets it and the epoch is served exactly once."""
+    from prealign.loaders import LoadingOptions
+
+    paths = write_shards(str(tmp_path), sample_lengths(60, seed=9), num_shards=3)
+    first = [i for x in islice(iter(_stream_maker(paths)({"dp_size": 1, "num_workers": 2}, 0)), 4)
+             for i in x["sample_index"].tolist()]
+    _, b = _stream_resized(paths, {"dp_size": 1, "num_workers": 2}, 4, {"dp_size": 1, "num_workers": 1},
+                           loading=LoadingOptions(multiprocessing_context="spawn"))
+    served = b._served_before(0)
+    assert served.dtype == torch.int64 and served.tolist() == sorted(first) and served.is_shared()
+    assert b._served_before(0) is served  # built once per epoch
+    rest = [i for x in b for i in x["sample_index"].tolist()]
+    assert sorted(first + rest) == sorted(i for shard in range(3) for i in range(shard << 32, (shard << 32) + 20))
+
+
 def test_round_robin_is_the_dataloader_order():
     """What the streaming replay assumes: a DataLoader over W iterable readers serves them in turn, a reader
     that ran out left out (unequal lengths)."""
@@ -336,60 +464,34 @@ def test_round_robin_is_the_dataloader_order():
     assert len(got) == 15
 
 
-def _stream_rank(rank: int, port: int, config: dict, stop, paths: list[str], state, out: str) -> None:
-    import os
-    import traceback
+def _stream_rank(rank: int, world: int, port: int, results, config: dict, stop, paths: list[str], state) -> None:
+    """One gloo rank of a segment (:func:`tests.conftest.spawn_ranks`): its micro-batches' ids and padded
+    lengths, and the state it takes."""
+    import torch.distributed as dist
 
-    try:
-        torch.set_num_threads(1)
-        import torch.distributed as dist
-
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=config["dp_size"])
-        loader = _stream_maker(paths)(config, rank)
-        if state is not None:
-            loader.load_state_dict(state)
-        it = iter(loader)
-        batches = list(it) if stop is None else list(islice(it, stop))
-        with open(os.path.join(out, f"rank-{rank}.json"), "w") as f:
-            json.dump({"ids": [b["sample_index"].tolist() for b in batches], "padded": [_padded(b) for b in batches],
-                       "state": loader.state_dict()}, f)
-        it.close()
-        dist.destroy_process_group()
-    except BaseException:
-        with open(os.path.join(out, f"error-{rank}.txt"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    loader = _stream_maker(paths)(config, rank)
+    if state is not None:
+        loader.load_state_dict(state)
+    it = iter(loader)
+    batches = list(it) if stop is None else list(islice(it, stop))
+    results[rank] = {"ids": [b["sample_index"].tolist() for b in batches], "padded": [_padded(b) for b in batches],
+                     "state": loader.state_dict()}
+    it.close()
+    dist.destroy_process_group()
 
 
 @pytest.mark.slow
 def test_streaming_dp_4_3_5_on_gloo_ranks(tmp_path):
     """Real ranks (gloo on 127.0.0.1, the end-of-epoch agreement live): dp 4 (2 workers) -> 3 (none) -> 5
     (1 worker); 7 shards, so the readers' shard split changes at each resize."""
-    import multiprocessing as mp
-
-    from tests.test_streaming import _free_port
-
     paths = write_shards(str(tmp_path / "shards"), sample_lengths(210, seed=12), num_shards=7)
-    ctx = mp.get_context("fork")
     state, served, counts = None, [], []
-    for n, (config, stop) in enumerate([({"dp_size": 4, "num_workers": 2}, 3), ({"dp_size": 3, "num_workers": 0}, 4),
-                                        ({"dp_size": 5, "num_workers": 1}, None)]):
-        out = tmp_path / f"segment-{n}"
-        out.mkdir()
-        port = _free_port()
-        procs = [ctx.Process(target=_stream_rank, args=(r, port, config, stop, paths, state, str(out)))
-                 for r in range(config["dp_size"])]  # not daemonic: ranks start DataLoader workers
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(timeout=240)
-        alive = [p for p in procs if p.is_alive()]
-        for p in alive:
-            p.kill()
-        errors = [e.read_text() for e in out.glob("error-*.txt")]
-        assert not errors, errors[0]
-        assert not alive, f"segment {n}: a rank did not finish (hang?)"
-        ranks = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(config["dp_size"])]
+    for config, stop in [({"dp_size": 4, "num_workers": 2}, 3), ({"dp_size": 3, "num_workers": 0}, 4),
+                         ({"dp_size": 5, "num_workers": 1}, None)]:
+        got = spawn_ranks(_stream_rank, config["dp_size"], config, stop, paths, state)
+        ranks = [got[r] for r in range(config["dp_size"])]
         counts.append([len(r["ids"]) for r in ranks])
         assert len(set(counts[-1])) == 1, counts  # equal micro-batch counts across the ranks of the segment
         assert all(t <= BUDGET for r in ranks for t in r["padded"])

@@ -54,17 +54,69 @@ class Segment:
                 "num_workers": self.num_workers, "position": self.position}
 
     @classmethod
+    def checked(cls, *, dp_size, microbatches_per_step, num_workers, position, where: str = "segments",
+                min_position: int = 1) -> "Segment":
+        """A segment from unchecked values: :class:`ResumeError` naming ``where.<field>`` for anything but
+        ints (``position >= min_position``; ``num_workers`` may be None).
+
+        >>> Segment.checked(dp_size=2, microbatches_per_step=1, num_workers=None, position=0, min_position=0)
+        Segment(dp_size=2, position=0, microbatches_per_step=1, num_workers=None)
+        """
+        return cls(dp_size=_count("dp_size", dp_size, 1, where),
+                   microbatches_per_step=_count("microbatches_per_step", microbatches_per_step, 1, where),
+                   num_workers=None if num_workers is None else _count("num_workers", num_workers, 0, where),
+                   position=_count("position", position, min_position, where))
+
+    @classmethod
     def from_dict(cls, data, where: str = "segments") -> "Segment":
         """Parse strictly: :class:`ResumeError` naming the key for anything but the four fields as ints
         (``position >= 1``: a segment that served nothing is never written; ``num_workers`` may be null)."""
         if not isinstance(data, dict) or set(data) != {"dp_size", "microbatches_per_step", "num_workers", "position"}:
             raise ResumeError(f"loader state: key {where}: expected an object with keys dp_size, "
                               f"microbatches_per_step, num_workers, position; got {str(data)[:200]}")
-        workers = data["num_workers"]
-        return cls(dp_size=_count("dp_size", data["dp_size"], 1, where),
-                   microbatches_per_step=_count("microbatches_per_step", data["microbatches_per_step"], 1, where),
-                   num_workers=None if workers is None else _count("num_workers", workers, 0, where),
-                   position=_count("position", data["position"], 1, where))
+        return cls.checked(**data, where=where)
+
+    def same_config(self, other: "Segment", keys: Iterable[str]) -> bool:
+        """Whether ``keys`` (field names) are equal in both."""
+        return all(getattr(self, k) == getattr(other, k) for k in keys)
+
+
+MAX_SEGMENTS = 64
+"""Most earlier segments (resizes) one epoch's state may hold: each costs a replay of its plan (or, for a
+stream, of its readers) at every resume of that epoch; a state with more is refused, not slowly honoured."""
+
+
+def check_segments(segments: Sequence[Segment], saved: Segment, here: Segment, elastic: Sequence[str]) -> None:
+    """Refuse (:class:`ResumeError` naming the key) earlier ``segments`` no run can have written: more
+    than :data:`MAX_SEGMENTS`; a field the loader does not re-plan for (not in ``elastic``) other than
+    ``here``'s (a :class:`PackedLoader` segment with workers, a stream's with ``microbatches_per_step``
+    other than 1); an ``elastic`` field null; or two in a row (the last one and the ``saved`` run's own
+    configuration included) with the same ``elastic`` fields, which a resume continues as one segment.
+
+    >>> check_segments([Segment(dp_size=4, position=2)], Segment(dp_size=4, position=1),
+    ...                Segment(dp_size=3, position=0), ("dp_size",))
+    Traceback (most recent call last):
+    ...
+    prealign.loaders.errors.ResumeError: loader state: key segments[0]: dp_size 4 as in the state's config: a resume under the same configuration goes on in the same segment, so no run writes this
+    """
+    if len(segments) > MAX_SEGMENTS:
+        raise ResumeError(f"loader state: key segments: {len(segments)} segments (resizes) in one epoch; at most "
+                          f"{MAX_SEGMENTS} are resumed (each is replayed at every resume)")
+    fixed = [f for f in ("dp_size", "microbatches_per_step", "num_workers") if f not in elastic]
+    for i, seg in enumerate(segments):
+        where = f"segments[{i}]"
+        for f in fixed:
+            if getattr(seg, f) != getattr(here, f):
+                raise ResumeError(f"loader state: key {where}.{f}: expected {getattr(here, f)!r} (this loader's "
+                                  f"batches do not depend on it), got {getattr(seg, f)!r}")
+        for f in elastic:
+            if getattr(seg, f) is None:
+                raise ResumeError(f"loader state: key {where}.{f}: expected an int, got null")
+        after, name = (segments[i + 1], f"segments[{i + 1}]") if i + 1 < len(segments) else (saved, "the state's config")
+        if seg.same_config(after, elastic):
+            same = ", ".join(f"{k} {getattr(seg, k)}" for k in elastic)
+            raise ResumeError(f"loader state: key {where}: {same} as in {name}: a resume under the same "
+                              f"configuration goes on in the same segment, so no run writes this")
 
 
 def unserved(order: np.ndarray, served: np.ndarray) -> np.ndarray:
@@ -96,17 +148,25 @@ def resumed_segments(segments: Sequence[Segment], saved: Segment, here: Segment,
     """(earlier segments, position in this run's segment) of a resumed epoch. ``saved``: the saved run's
     own part (its configuration, its position); ``here``: this run's configuration. The saved run goes on
     as the same segment when none of ``keys`` differ; otherwise its part becomes one more earlier segment
-    (none when it served nothing) and this run starts its own at position 0.
+    (none when it served nothing) and this run starts its own at position 0, or, when the saved run served
+    nothing and this run's configuration is the last earlier segment's, goes on in that one (so no two
+    segments in a row have the same configuration: :func:`check_segments`).
 
     >>> saved = Segment(dp_size=4, position=5)
     >>> resumed_segments((), saved, Segment(dp_size=3, position=0), ("dp_size",))
     ((Segment(dp_size=4, position=5, microbatches_per_step=1, num_workers=None),), 0)
     >>> resumed_segments((), saved, Segment(dp_size=4, position=0), ("dp_size",))
     ((), 5)
+    >>> resumed_segments((saved,), Segment(dp_size=3, position=0), Segment(dp_size=4, position=0), ("dp_size",))
+    ((), 5)
     """
-    if all(getattr(saved, k) == getattr(here, k) for k in keys):
+    if saved.same_config(here, keys):
         return tuple(segments), saved.position
-    return ((*segments, saved) if saved.position else tuple(segments)), 0
+    if saved.position:
+        return (*segments, saved), 0
+    if segments and segments[-1].same_config(here, keys):
+        return tuple(segments[:-1]), segments[-1].position
+    return tuple(segments), 0
 
 
 def round_robin(streams: Sequence[Iterable], count: int) -> list:
