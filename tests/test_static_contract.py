@@ -241,3 +241,13 @@ def test_newer_fields_against_the_installed_class():
     assert (params.total_tokens, params.tokens_per_sample, params.pad_between_seqs) == (64, 64, True)
     assert params.seq_idx.tolist() == [[0] * 8 + [1] * 56]
     assert validate_packed_seq_params(params, layout) == []
+
+
+def test_the_cli_report_counts_real_sequences_of_a_static_batch():
+    from prealign.loaders.cli.report import batch_stats
+
+    layout = ParallelLayout(length_buckets=(64,), max_seqs=6)
+    batch = collate([5, 3], layout)
+    assert batch["cu_seqlens_padded"].numel() == 7  # trailing entries repeat the total ...
+    stats = batch_stats(0, [batch], 0)
+    assert stats.sequences == 2 and stats.padded_tokens == 64  # ... and are not sequences

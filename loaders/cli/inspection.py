@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from prealign.collate.indices import num_sequences
 from prealign.collate.thd import THDCollator
 from prealign.loaders.cli.errors import NothingLoadedError
 from prealign.loaders.cli.plot import Panel
@@ -86,7 +87,7 @@ def _panel(index: int, rank_batches: list[dict]) -> Panel:
         else:
             types = unshard_cp([b["mm_token_type_ids"] for b in rank_batches],
                                cu_seqlens_padded=b0["cu_seqlens_padded"]).reshape(-1)
-    n = int(b0["cu_seqlens"].numel() - 1)
+    n = num_sequences(b0["cu_seqlens_padded"])  # (static shapes repeat the total past the last one)
     return Panel(b0["cu_seqlens"], b0["cu_seqlens_padded"],
                  None if types is None else types == IMAGE_TOKEN_TYPE,
                  title=f"micro-batch {index}: {n} sequences, T = {int(b0['cu_seqlens_padded'][-1])}")

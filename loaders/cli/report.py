@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from prealign.collate.indices import num_sequences
+
 
 @dataclass(frozen=True, kw_only=True)
 class BatchStats:
@@ -39,7 +41,7 @@ def batch_stats(index: int, rank_batches: list[dict], violations: int) -> BatchS
     local = tuple(int(b["input_ids"].shape[token_dim["input_ids"]]) for b in rank_batches)
     if "cp_gather_index" in b0:  # deferred CP shard: the rank keeps cp_gather_index's rows
         local = tuple(int(b["cp_gather_index"].numel()) for b in rank_batches)
-    return BatchStats(index=index, sequences=int(b0["cu_seqlens"].numel() - 1),
+    return BatchStats(index=index, sequences=num_sequences(b0["cu_seqlens_padded"]),
                       images=int(grid.shape[0]) if isinstance(grid, torch.Tensor) else 0,
                       real_tokens=int(b0["cu_seqlens"][-1]), padded_tokens=int(b0["cu_seqlens_padded"][-1]),
                       local_tokens=local, violations=violations,
