@@ -58,13 +58,11 @@ class VisionFamily:
         """The family's constants from a transformers config (or its ``to_dict()``)."""
         get = _getter(config)
         vision = _getter(get("vision_config", {}) or {})
-        text = _getter(get("text_config", {}) or {})
-        layer_types = text("layer_types", None) or get("layer_types", None) or ()
         values = dict(model_type=get("model_type"), image_token_id=get("image_token_id"),
                       video_token_id=get("video_token_id"), vision_start_token_id=get("vision_start_token_id"),
                       vision_end_token_id=get("vision_end_token_id"), patch_size=vision("patch_size"),
                       spatial_merge_size=vision("spatial_merge_size"), temporal_patch_size=vision("temporal_patch_size"),
-                      linear_attention="linear_attention" in layer_types, **cls._extra(vision))
+                      linear_attention=has_linear_attention(config), **cls._extra(vision))
         missing = [k for k, v in values.items() if v is None]
         if missing:
             raise ConfigError(f"{cls.__name__}.from_config: the {values['model_type']} config has no {missing}")
@@ -120,6 +118,21 @@ class VisionFamily:
                              self.video_steps(videos, second_per_grid_ts), self.spatial_merge_size,
                              grids_per_sample=grids_per_sample)
         return torch.from_numpy(out)
+
+
+def has_linear_attention(model_config: Any) -> bool:
+    """Whether a model has Gated DeltaNet / causal-conv layers: a :class:`VisionFamily`'s ``linear_attention``, or a
+    transformers config (object or dict; a VLM's ``text_config`` looked in first) whose ``layer_types`` hold
+    ``"linear_attention"`` (Qwen3.5, Qwen3.6, Qwen3-Next). The one test every caller uses.
+
+    >>> has_linear_attention({"text_config": {"layer_types": ["linear_attention", "full_attention"]}})
+    True
+    """
+    if isinstance(model_config, VisionFamily):
+        return model_config.linear_attention
+    get = _getter(model_config)
+    text = _getter(get("text_config", None) or {})
+    return "linear_attention" in (text("layer_types", None) or get("layer_types", None) or ())
 
 
 def _np(value) -> np.ndarray:
