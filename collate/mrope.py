@@ -35,6 +35,7 @@ import torch
 from prealign.schemas.errors import ConfigError, SampleError
 
 from .vision import VisionFamily, rope_positions, vision_family
+from .vision.family import check_seconds
 
 
 def mrope_position_ids(mm_token_type_ids: torch.Tensor, image_grid_thw: torch.Tensor, cu_seqlens: torch.Tensor,
@@ -177,9 +178,10 @@ class MRoPECollator:
                                                    None, self.merge_size, grids_per_sample=per_sample))
         seconds = [s.get("second_per_grid_ts") for s in batch]
         second_per_grid_ts = None
-        if any(x is not None for x in seconds):
-            second_per_grid_ts = torch.cat([torch.ones(v.shape[0]) if x is None else torch.as_tensor(x).reshape(-1)
-                                            for x, v in zip(seconds, videos)])
+        if any(x is not None for x in seconds):  # checked per sample, so that an error names it
+            second_per_grid_ts = np.concatenate([np.ones(v.shape[0], np.float32) if x is None else
+                                                 check_seconds(x, v.shape[0], sample=i)
+                                                 for i, (x, v) in enumerate(zip(seconds, videos))])
         return family.positions(types, cu, image_grid_thw=torch.cat(grids), video_grid_thw=video_grid,
                                 second_per_grid_ts=second_per_grid_ts, grids_per_sample=per_sample)
 

@@ -197,6 +197,22 @@ def test_bad_videos_are_typed_errors():
         t({**video_raw("e", 2, 64, 64, 2.0, image=False), "json": json.dumps(meta).encode()})
 
 
+@pytest.mark.parametrize("fps", [1e-300, 1e-20, 1e-4, float("inf"), float("nan"), 1e4, 0, -2, "2", True])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_an_fps_out_of_range_is_a_bad_video(fps, family):
+    """A frame rate outside [MIN_FPS, MAX_FPS] (whose seconds per grid would be inf or overflow the int64
+    temporal positions) names the sample and the field."""
+    t = VLMSampleTransform(tokenizer=TOK, model_config=tiny_config(family))
+    raw = video_raw("f", 4, 64, 64, 2.0, image=False)
+    meta = json.loads(raw["json"])
+    meta["videos"][0]["fps"] = fps
+    with pytest.raises(MediaError) as err:
+        t({**raw, "json": json.dumps(meta).encode()})
+    assert (err.value.problem, err.value.sample, err.value.field) == (MediaProblem.BAD_VIDEO, "f", "videos[0].fps")
+    meta["videos"][0]["fps"] = 1e-3  # the range's ends are accepted
+    assert t({**raw, "json": json.dumps(meta).encode()})["second_per_grid_ts"].tolist() == [2000.0]
+
+
 # ---- header-only lengths and the demo -------------------------------------------------------------------------
 @pytest.mark.parametrize("model", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5"])
 def test_header_index_equals_the_full_pass_with_videos(tmp_path, model):

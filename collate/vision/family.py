@@ -21,10 +21,40 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from prealign.schemas.errors import ConfigError
+from prealign.schemas.errors import ConfigError, SampleError
 
 from .grids import VisionGeometry, image_grid, video_grid
 from .positions import rope_positions
+
+MAX_SECONDS_PER_GRID = 3600.0
+"""The largest ``second_per_grid_ts`` accepted (an hour per temporal grid step): finite values in
+``[0, MAX_SECONDS_PER_GRID]`` keep every temporal position far inside int64."""
+
+
+def check_seconds(second_per_grid_ts, videos: int, *, sample=None) -> np.ndarray:
+    """``second_per_grid_ts`` (one value per video) -> a float ``[videos]`` array (bf16 / fp16 read as float32),
+    after checking its count and that every value is finite and in ``[0, MAX_SECONDS_PER_GRID]``; else a
+    :class:`~prealign.schemas.SampleError` naming ``sample`` and the field.
+
+    >>> check_seconds(torch.tensor([0.5, 1.0], dtype=torch.bfloat16), 2).tolist()
+    [0.5, 1.0]
+    """
+    if isinstance(second_per_grid_ts, torch.Tensor):
+        if second_per_grid_ts.dtype in (torch.bfloat16, torch.float16):
+            second_per_grid_ts = second_per_grid_ts.to(torch.float32)
+        second_per_grid_ts = second_per_grid_ts.detach().cpu().numpy()
+    seconds = np.asarray(second_per_grid_ts).reshape(-1)
+    if seconds.shape[0] != videos:
+        raise SampleError(sample=sample, field="second_per_grid_ts", expected=f"one value per video ({videos})",
+                          actual=f"{seconds.shape[0]} values")
+    if not np.issubdtype(seconds.dtype, np.floating):
+        seconds = seconds.astype(np.float32)
+    bad = ~(np.isfinite(seconds) & (seconds >= 0) & (seconds <= MAX_SECONDS_PER_GRID))
+    if bad.any():
+        k = int(np.flatnonzero(bad)[0])
+        raise SampleError(sample=sample, field=f"second_per_grid_ts[{k}]", actual=repr(float(seconds[k])),
+                          expected=f"finite seconds in [0, {MAX_SECONDS_PER_GRID:g}] (MAX_SECONDS_PER_GRID)")
+    return seconds
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -61,6 +61,9 @@ VIDEO_PLACEHOLDER = "<video>"
 _PLACEHOLDERS = re.compile("(" + re.escape(IMAGE_PLACEHOLDER) + "|" + re.escape(VIDEO_PLACEHOLDER) + ")")
 _IMAGE_ONLY = re.compile("(" + re.escape(IMAGE_PLACEHOLDER) + ")")
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp")
+MIN_FPS, MAX_FPS = 1e-3, 1e3
+"""The frame rates a video entry may declare (a frame every ~17 minutes to 1000 a second): finite, and far from
+the ``temporal_patch_size / fps`` seconds per grid that would overflow the temporal positions."""
 
 
 class MediaProblem(enum.Enum):
@@ -673,10 +676,12 @@ def video_members(raw: dict, meta: dict, key, *, default_fps: float = 2.0) -> li
         name = f"videos[{i}]"
         frames = video.get("frames") if isinstance(video, dict) else None
         fps = video.get("fps", default_fps) if isinstance(video, dict) else None
-        if not isinstance(frames, list) or not frames or isinstance(fps, bool) or not isinstance(fps, (int, float)) \
-                or not fps > 0:
+        if not isinstance(frames, list) or not frames:
             raise MediaError(MediaProblem.BAD_VIDEO, sample=key, field=name,
-                             expected="{'frames': [at least one frame], 'fps': a positive number}", actual=repr(video)[:80])
+                             expected="{'frames': [at least one frame], 'fps': ...}", actual=repr(video)[:80])
+        if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not MIN_FPS <= fps <= MAX_FPS:
+            raise MediaError(MediaProblem.BAD_VIDEO, sample=key, field=f"{name}.fps", actual=repr(fps)[:80],
+                             expected=f"a number of frames per second in [{MIN_FPS:g}, {MAX_FPS:g}] (MIN_FPS, MAX_FPS)")
         named = []
         for j, frame in enumerate(frames):
             if isinstance(frame, str):
