@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import sys
 import types
 
 import numpy as np
@@ -123,23 +124,45 @@ def test_frames_fill_the_temporal_patches_in_order():
 @given(frames=st.integers(2, 13), fps=st.floats(0.5, 30.0), gh=st.integers(1, 3), gw=st.integers(1, 3))
 @examples(40)
 def test_video_ids_are_the_qwen3_vl_processors_text(frames, fps, gh, gw):
-    """The processor's own replace_video_token (its video processor, which needs torchvision, stood in for by its
-    two sizes) wrapped in the chat template's <|vision_start|> ... <|vision_end|>, tokenized."""
+    """The chat template's ``<|vision_start|><|video_pad|><|vision_end|>`` expanded by the installed processor's own
+    code (its video processor, which needs torchvision, stood in for by its grid and metadata): on every
+    transformers, what the transform writes, tokenized."""
     t = VLMSampleTransform(tokenizer=TOK, model_config=tiny_config("qwen3_5"))
     grid = (math.ceil(frames / 2), 2 * gh, 2 * gw)
-    metadata = transformers.video_utils.VideoMetadata(total_num_frames=frames, fps=fps, frames_indices=list(range(frames)))
     ours = t.video_ids(grid, frames, fps)
-    if hasattr(Qwen3VLProcessor, "replace_video_token"):
-        self = types.SimpleNamespace(video_processor=types.SimpleNamespace(merge_size=2, temporal_patch_size=2),
-                                     video_token="<|video_pad|>", vision_start_token="<|vision_start|>",
-                                     vision_end_token="<|vision_end|>")
-        self._calculate_timestamps = types.MethodType(Qwen3VLProcessor._calculate_timestamps, self)
-        text = Qwen3VLProcessor.replace_video_token(self, {"video_grid_thw": torch.tensor([grid]),
-                                                           "video_metadata": [metadata]}, 0)
-        assert TOK.decode(ours) == "<|vision_start|>" + _runs(text) + "<|vision_end|>"
+    assert TOK.decode(ours) == _runs(processor_video_text(grid, frames, fps))
     stamps = Qwen3VLProcessor._calculate_timestamps(None, list(range(frames)), fps, 2)
     assert TOK.decode(ours).count("seconds>") == len(stamps) == grid[0]
     assert all(f"<{s:.1f} seconds>" in TOK.decode(ours) for s in stamps)
+
+
+def processor_video_text(grid, frames: int, fps: float) -> str:
+    """What the installed ``Qwen3VLProcessor`` makes of the chat template's video block: >= 5.10 through
+    ``replace_video_token`` and ``ProcessorMixin.get_text_with_replacements`` (what its ``__call__`` runs), older
+    through its own ``__call__``."""
+    from transformers.processing_utils import ProcessorMixin
+
+    block = "<|vision_start|><|video_pad|><|vision_end|>"
+    metadata = transformers.video_utils.VideoMetadata(total_num_frames=frames, fps=fps, frames_indices=list(range(frames)))
+    video_inputs = {"video_grid_thw": torch.tensor([grid]), "video_metadata": [metadata]}
+    seen = []
+    self = types.SimpleNamespace(
+        video_token="<|video_pad|>", image_token="<|image_pad|>", audio_token=None, vision_start_token="<|vision_start|>",
+        vision_end_token="<|vision_end|>", all_special_multimodal_tokens=["<|image_pad|>", "<|video_pad|>"],
+        video_processor=types.SimpleNamespace(merge_size=2, temporal_patch_size=2),
+        tokenizer=types.SimpleNamespace(init_kwargs={}))
+    self._calculate_timestamps = types.MethodType(Qwen3VLProcessor._calculate_timestamps, self)
+    if hasattr(Qwen3VLProcessor, "replace_video_token"):
+        replacement = Qwen3VLProcessor.replace_video_token(self, video_inputs, 0)
+        return ProcessorMixin.get_text_with_replacements(self, [block], videos_replacements=[replacement])[0][0]
+    self.video_processor = lambda videos, **kw: dict(video_inputs)  # noqa: E731 (its grid and metadata)
+    self.video_processor.merge_size = self.video_processor.temporal_patch_size = 2
+    self._merge_kwargs = lambda *a, **kw: {"images_kwargs": {}, "videos_kwargs": {}, "text_kwargs": {}}
+    self.tokenizer = lambda text, **kw: seen.append(text[0]) or {"input_ids": [[0]]}
+    self.tokenizer.init_kwargs = {}
+    self._check_special_mm_tokens = lambda *a, **kw: None
+    Qwen3VLProcessor.__call__(self, text=block, videos=[object()], return_metadata=True)
+    return seen[0]
 
 
 def _runs(text: str) -> str:
@@ -284,3 +307,14 @@ def test_index_key_names_the_family_and_the_grid_settings():
     assert len(keys) == 5
     assert describe_transform(VLMSampleTransform(tokenizer=TOK, topk=4)) == \
         describe_transform(VLMSampleTransform(tokenizer=TOK, topk=4))
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "qwen3_5"])
+def test_index_key_names_transformers_where_its_video_rules_apply(family, monkeypatch):
+    """Qwen3-VL's video grids (smart_resize) and video text change between transformers releases: a sidecar built
+    under one is never taken under another. Qwen2.5-VL's arithmetic is prealign's own: its key does not move."""
+    t = VLMSampleTransform(tokenizer=TOK, model_config=tiny_config(family))
+    before = t.index_key()
+    installed = sys.modules["transformers"]  # the module index_key imports (transformers may rebind it lazily)
+    monkeypatch.setattr(installed, "__version__", "5.10.4" if installed.__version__ != "5.10.4" else "5.24.0")
+    assert (t.index_key() != before) == (family != "qwen2_5_vl")

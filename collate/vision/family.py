@@ -132,6 +132,11 @@ class VisionFamily:
         """Float temporal step of each video run (``None``: 1 everywhere)."""
         return None
 
+    def wraps_video(self) -> bool:
+        """Whether a video's runs stay inside the chat template's outer ``<|vision_start|>`` ... ``<|vision_end|>``
+        (every Qwen2 processor; Qwen3-VL: depends on the installed transformers, :mod:`.qwen3_vl`)."""
+        return True
+
     def frame_texts(self, frames: int, fps: float, frame_indices=None) -> list[str] | None:
         """The text written before each frame group's run of video tokens (``None``: no per-frame text)."""
         return None

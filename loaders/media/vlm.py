@@ -482,12 +482,18 @@ class VLMSampleTransform:
 
     def index_key(self) -> str:
         """Every setting a sample's length depends on (what an index's sidecar is keyed by): the tokenizer (its
-        ids and a probe encoding), teacher K, dtypes, the family, the image and video grid settings."""
+        ids and a probe encoding), teacher K, dtypes, the family, the image and video grid settings, and for
+        Qwen3-VL / 3.5 (whose video grids are the installed transformers' ``smart_resize`` and whose video text
+        follows its processor, :mod:`prealign.collate.vision.qwen3_vl`) the transformers version."""
         tok = self.tokenizer
         probe = np.asarray(tok.encode("prealign probe: <image> <video> Hello, world!")).tolist()
         video = None
         if self.family is not None:
             video = {"geometry": repr(self.video_geometry), "fps": self.video_fps}
+            if self.family.volume_resize:  # grids and the video text follow the installed transformers' rules
+                import transformers
+
+                video["transformers"] = transformers.__version__
         return json.dumps({"vlm": {"tokenizer": f"{type(tok).__module__}.{type(tok).__qualname__}",
                                    "vocab_size": int(tok.vocab_size), "vision": repr(self.vision), "probe": probe,
                                    "topk": self.topk, "log_prob_dtype": self.log_prob_dtype,
@@ -498,7 +504,8 @@ class VLMSampleTransform:
     def video_ids(self, grid: tuple[int, int, int], frames: int, fps: float) -> np.ndarray:
         """int64 ids of one video as the family's processor and chat template write it: ``<|vision_start|>``,
         then its ``<|video_pad|>`` tokens (Qwen3-VL / 3.5: per frame group, the ``<t seconds>`` text and the
-        group's tokens inside their own start / end), then ``<|vision_end|>``."""
+        group's tokens inside their own start / end), then ``<|vision_end|>`` (Qwen3-VL / 3.5 with transformers
+        < 5.10: without that outer pair, as the installed processor writes it; :meth:`VisionFamily.wraps_video`)."""
         fam = self._require_family("video")
         t, gh, gw = grid
         per_group = gh * gw // fam.spatial_merge_size ** 2
@@ -507,7 +514,8 @@ class VLMSampleTransform:
         if texts is None:
             return np.array([start, *([pad] * (t * per_group)), end], dtype=np.int64)
         body = [np.concatenate((self.tokenizer.encode(text), [start], np.full(per_group, pad), [end])) for text in texts]
-        return np.concatenate(([start], *body, [end])).astype(np.int64)
+        outer = ([start], *body, [end]) if fam.wraps_video() else body
+        return np.concatenate(outer).astype(np.int64)
 
     def __call__(self, raw: dict) -> dict:
         return self.expand(self.compact(raw))
