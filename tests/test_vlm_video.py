@@ -318,3 +318,31 @@ def test_index_key_names_transformers_where_its_video_rules_apply(family, monkey
     installed = sys.modules["transformers"]  # the module index_key imports (transformers may rebind it lazily)
     monkeypatch.setattr(installed, "__version__", "5.10.4" if installed.__version__ != "5.10.4" else "5.24.0")
     assert (t.index_key() != before) == (family != "qwen2_5_vl")
+
+
+def test_video_frame_and_pixel_limits_are_bad_videos_before_decoding():
+    """``DecodeLimits.max_video_frames`` is checked before any frame is decoded, ``max_video_pixels`` on the running
+    total while decoding (the header pass refuses the same sample from the frames' sizes)."""
+    from prealign.loaders.sources.tar_decode import DecodeLimits
+
+    t = VLMSampleTransform(tokenizer=TOK, model_config=tiny_config("qwen2_5_vl"),
+                           limits=DecodeLimits(max_video_frames=3, max_video_pixels=2 * 64 * 64))
+    raw = video_raw("g", 4, 64, 64, 2.0, image=False)
+    raw["v0_3.png"] = b"not an image"  # decoding it would be corrupt_image: each limit fires before
+    with pytest.raises(MediaError) as err:
+        t(raw)
+    assert (err.value.problem, err.value.sample, err.value.field) == (MediaProblem.BAD_VIDEO, "g", "videos[0].frames")
+    assert "max_video_frames" in err.value.expected
+    three = video_raw("h", 3, 64, 64, 2.0, image=False)
+    three["v0_2.png"] = b"not an image"  # the third frame is never decoded: two already reach the limit + 1 px
+    t = VLMSampleTransform(tokenizer=TOK, model_config=tiny_config("qwen2_5_vl"),
+                           limits=DecodeLimits(max_video_pixels=2 * 64 * 64 - 1))
+    with pytest.raises(MediaError, match="max_video_pixels") as err:
+        t(three)
+    assert (err.value.problem, err.value.field) == (MediaProblem.BAD_VIDEO, "videos[0]")
+    meta = json.loads(three["json"])
+    with pytest.raises(MediaError, match="max_video_pixels"):
+        t.header_video_ids(three, meta, "h", lambda name, value: (64, 64))
+    assert len(VLMSampleTransform(tokenizer=TOK, model_config=tiny_config("qwen2_5_vl"),
+                                  limits=DecodeLimits(max_video_frames=4, max_video_pixels=4 * 64 * 64))(
+        video_raw("i", 4, 64, 64, 2.0, image=False))["video_grid_thw"]) == 1

@@ -393,6 +393,9 @@ class VLMSampleTransform:
     """The model's transformers processor (``AutoProcessor``) or an image processor; see the class docstring."""
     video_fps: float = 2.0
     """Frames per second of a video's frames when its entry gives no ``fps`` (the Qwen processors sample 2)."""
+    limits: DecodeLimits = DEFAULT_LIMITS
+    """Caps checked before decoding or stacking: an image's pixels, a video's frames and its pixels over all frames
+    (:class:`~prealign.loaders.sources.tar_decode.DecodeLimits`)."""
     family: VisionFamily | None = field(init=False, repr=False, compare=False, default=None)
 
     def __post_init__(self):
@@ -526,7 +529,7 @@ class VLMSampleTransform:
         SharedMediaTransform` publishes (1/8 of the bytes). :meth:`expand` finishes it."""
         key = raw.get("__key__", "?")
         meta = sample_metadata(raw, self.text_key, key)
-        images = [decode_image(v, sample=key, name=n) for n, v in image_members(raw, meta, key)]
+        images = [decode_image(v, sample=key, name=n, limits=self.limits) for n, v in image_members(raw, meta, key)]
         vision = self.vision
         codes, grid = image_codes(images, self.image_processor, sample=key)
         pixel_values = None
@@ -571,8 +574,12 @@ class VLMSampleTransform:
         ``second_per_grid_ts`` float32 ``[n]`` and each video's ids (``ids``)."""
         geometry, table = self.video_geometry, self._video_table()
         pixels, grids, seconds, ids = [], [], [], []
-        for name, frames, fps in video_members(raw, meta, key, default_fps=self.video_fps):
-            decoded = [decode_image(v, sample=key, name=n) for n, v in frames]
+        for name, frames, fps in video_members(raw, meta, key, default_fps=self.video_fps, limits=self.limits):
+            decoded, area = [], 0
+            for n, v in frames:  # the running total is checked frame by frame: never more than the limit held
+                decoded.append(decode_image(v, sample=key, name=n, limits=self.limits))
+                area += decoded[-1].width * decoded[-1].height
+                self._check_video_pixels(name, area, key)
             grid = self._video_grid(name, [im.size for im in decoded], geometry, key)
             codes = video_patches(decoded, grid, geometry.patch_size, geometry.merge_size, geometry.temporal_patch_size)
             pixels.append(normalize_patches(codes, table))
@@ -591,7 +598,7 @@ class VLMSampleTransform:
             return None
         geometry = self.video_geometry
         out = []
-        for name, frames, fps in video_members(raw, meta, key, default_fps=self.video_fps):
+        for name, frames, fps in video_members(raw, meta, key, default_fps=self.video_fps, limits=self.limits):
             grid = self._video_grid(name, [frame_size(n, v) for n, v in frames], geometry, key)
             out.append(self.video_ids(grid, len(frames), fps))
         return out
@@ -601,11 +608,18 @@ class VLMSampleTransform:
             raise MediaError(MediaProblem.BAD_VIDEO, sample=key, field=name, expected="frames of one size",
                              actual=f"sizes {sorted(set(sizes))}")
         w, h = sizes[0]
+        self._check_video_pixels(name, len(sizes) * w * h, key)
         try:
             return self.family.video_grid(len(sizes), h, w, geometry, sample=key, field=name)
         except SampleError as exc:
             raise MediaError(MediaProblem.BAD_VIDEO, sample=key, field=name, expected=exc.expected,
                              actual=exc.actual) from None
+
+    def _check_video_pixels(self, name: str, pixels: int, key) -> None:
+        if pixels > self.limits.max_video_pixels:
+            raise MediaError(MediaProblem.BAD_VIDEO, sample=key, field=name, actual=f"{pixels} pixels or more",
+                             expected=f"at most {self.limits.max_video_pixels} pixels over its frames "
+                                      "(DecodeLimits.max_video_pixels)")
 
     def expand(self, sample: dict) -> dict:
         """:meth:`compact`'s output -> the sample (``pixel_codes`` -> ``pixel_values`` of ``pixel_dtype``,
@@ -669,10 +683,11 @@ def image_members(raw: dict, meta: dict, key) -> list[tuple[str, Any]]:
     return [(name, raw[name]) for _, name in sorted(found)]
 
 
-def video_members(raw: dict, meta: dict, key, *, default_fps: float = 2.0) -> list[tuple[str, list, float]]:
+def video_members(raw: dict, meta: dict, key, *, default_fps: float = 2.0,
+                  limits: DecodeLimits = DEFAULT_LIMITS) -> list[tuple[str, list, float]]:
     """``(name, [(frame name, value)], fps)`` of the sample's videos, in placeholder order: ``meta["videos"]``
     (or an HF row's ``videos`` column) lists ``{"frames": [...], "fps": ...}``, frames as member names (a
-    missing one is an error) or as images."""
+    missing one is an error) or as images; at most ``limits.max_video_frames`` frames per video."""
     declared = raw.get("videos") if isinstance(raw.get("videos"), list) else meta.get("videos")
     if declared is None:
         return []
@@ -687,6 +702,9 @@ def video_members(raw: dict, meta: dict, key, *, default_fps: float = 2.0) -> li
         if not isinstance(frames, list) or not frames:
             raise MediaError(MediaProblem.BAD_VIDEO, sample=key, field=name,
                              expected="{'frames': [at least one frame], 'fps': ...}", actual=repr(video)[:80])
+        if len(frames) > limits.max_video_frames:
+            raise MediaError(MediaProblem.BAD_VIDEO, sample=key, field=f"{name}.frames", actual=f"{len(frames)} frames",
+                             expected=f"at most {limits.max_video_frames} frames (DecodeLimits.max_video_frames)")
         if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not MIN_FPS <= fps <= MAX_FPS:
             raise MediaError(MediaProblem.BAD_VIDEO, sample=key, field=f"{name}.fps", actual=repr(fps)[:80],
                              expected=f"a number of frames per second in [{MIN_FPS:g}, {MAX_FPS:g}] (MIN_FPS, MAX_FPS)")
