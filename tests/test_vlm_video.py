@@ -346,3 +346,36 @@ def test_video_frame_and_pixel_limits_are_bad_videos_before_decoding():
     assert len(VLMSampleTransform(tokenizer=TOK, model_config=tiny_config("qwen2_5_vl"),
                                   limits=DecodeLimits(max_video_frames=4, max_video_pixels=4 * 64 * 64))(
         video_raw("i", 4, 64, 64, 2.0, image=False))["video_grid_thw"]) == 1
+
+
+def test_video_processor_config_sets_the_video_grids_and_defaults_warn_once(monkeypatch):
+    """The checkpoint's video_preprocessor_config.json (a dict) decides the grids where no video processor can be
+    built; without it the class defaults are used and a VideoDefaultsWarning says so once per family."""
+    import warnings
+
+    import prealign.loaders.media.vlm as vlm
+    from prealign.loaders.media.vlm import VideoDefaultsWarning
+
+    monkeypatch.setattr(vlm, "_WARNED_DEFAULTS", set())
+    raw = video_raw("j", 4, 96, 64, 2.0, image=False)
+    config = {"size": {"shortest_edge": 4096, "longest_edge": 4 * 32 * 32 * 4}, "patch_size": 16, "merge_size": 2,
+              "temporal_patch_size": 2, "image_mean": [0.5] * 3, "image_std": [0.5] * 3, "rescale_factor": 1 / 255,
+              "fps": 2}
+    cfg = tiny_config("qwen3_vl")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", VideoDefaultsWarning)
+        ours = VLMSampleTransform(tokenizer=TOK, model_config=cfg, video_processor_config=config)(raw)
+    assert VLMSampleTransform(tokenizer=TOK, model_config=cfg, video_processor_config=config).video_geometry.max_pixels \
+        == 4 * 32 * 32 * 4
+    h, w = video_smart_resize(4, 64, 96, 2, 32, 4096, 4 * 32 * 32 * 4)  # the processor's rule, the config's bounds
+    assert ours["video_grid_thw"].tolist() == [[2, h // 16, w // 16]]
+    as_processor = types.SimpleNamespace(video_processor=types.SimpleNamespace(**config), image_processor=None)
+    t = VLMSampleTransform(tokenizer=TOK, model_config=cfg, processor=as_processor)
+    assert t.video_geometry == VLMSampleTransform(tokenizer=TOK, model_config=cfg, video_processor_config=config).video_geometry
+    default = VLMSampleTransform(tokenizer=TOK, model_config=cfg)
+    with pytest.warns(VideoDefaultsWarning, match="video_processor_config"):
+        out = default(raw)
+    assert out["video_grid_thw"].tolist() != ours["video_grid_thw"].tolist()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", VideoDefaultsWarning)
+        default(raw)  # once per family

@@ -34,6 +34,8 @@ import enum
 import functools
 import json
 import re
+import types
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,6 +66,14 @@ IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp")
 MIN_FPS, MAX_FPS = 1e-3, 1e3
 """The frame rates a video entry may declare (a frame every ~17 minutes to 1000 a second): finite, and far from
 the ``temporal_patch_size / fps`` seconds per grid that would overflow the temporal positions."""
+
+
+class VideoDefaultsWarning(UserWarning):
+    """Videos are sized and normalised with transformers' class defaults: no video processor could be built and
+    no ``video_processor_config`` was given, so a checkpoint with other video settings would get other grids."""
+
+
+_WARNED_DEFAULTS: set[str] = set()
 
 
 class MediaProblem(enum.Enum):
@@ -393,6 +403,11 @@ class VLMSampleTransform:
     """The model's transformers processor (``AutoProcessor``) or an image processor; see the class docstring."""
     video_fps: float = 2.0
     """Frames per second of a video's frames when its entry gives no ``fps`` (the Qwen processors sample 2)."""
+    video_processor_config: dict | None = None
+    """The checkpoint's video processor settings (its ``video_preprocessor_config.json`` as a dict: ``size`` or
+    ``min/max_pixels``, ``patch_size``, ``merge_size``, ``temporal_patch_size``, ``image_mean``, ``image_std``,
+    ``rescale_factor``), used where ``processor`` has no video processor (transformers' needs torchvision); keys
+    left out take the family's defaults."""
     limits: DecodeLimits = DEFAULT_LIMITS
     """Caps checked before decoding or stacking: an image's pixels, a video's frames and its pixels over all frames
     (:class:`~prealign.loaders.sources.tar_decode.DecodeLimits`)."""
@@ -423,27 +438,44 @@ class VLMSampleTransform:
         return image_processor(**options)
 
     @property
-    def video_geometry(self) -> VisionGeometry:
-        """The video processor's grid settings: ``processor.video_processor``'s where one is built, else the
-        family's transformers defaults (:attr:`VisionFamily.video_defaults`)."""
+    def video_settings(self) -> Any:
+        """The video processor settings in use: ``processor.video_processor`` where one is built, else
+        ``video_processor_config`` over the family's transformers defaults (:attr:`VisionFamily.video_defaults`),
+        else those defaults alone (:meth:`_video_grid` then warns once, :class:`VideoDefaultsWarning`)."""
         video = getattr(self.processor, "video_processor", None)
-        if video is not None:
-            if getattr(video, "cap_pixels_per_frame", None):
-                raise ConfigError("VLMSampleTransform: a video processor with cap_pixels_per_frame=True is not "
-                                  "supported (its per-frame cap); leave it unset")
-            return VisionGeometry.of(video)
-        fam = self._require_family("video")
-        d = fam.video_defaults
-        return VisionGeometry(patch_size=fam.patch_size, merge_size=fam.spatial_merge_size,
-                              temporal_patch_size=fam.temporal_patch_size, min_pixels=d["min_pixels"],
-                              max_pixels=d["max_pixels"])
+        if video is None:
+            fam = self._require_family("video")
+            d = fam.video_defaults
+            video = types.SimpleNamespace(**{
+                "patch_size": fam.patch_size, "merge_size": fam.spatial_merge_size,
+                "temporal_patch_size": fam.temporal_patch_size, "min_pixels": d["min_pixels"],
+                "max_pixels": d["max_pixels"], "image_mean": d["image_mean"], "image_std": d["image_std"],
+                "rescale_factor": 1 / 255, **(self.video_processor_config or {})})
+        if getattr(video, "cap_pixels_per_frame", None):
+            raise ConfigError("VLMSampleTransform: a video processor with cap_pixels_per_frame=True is not "
+                              "supported (its per-frame cap); leave it unset")
+        return video
+
+    @property
+    def video_geometry(self) -> VisionGeometry:
+        """The grid settings of :attr:`video_settings` (its ``size`` or ``min/max_pixels``)."""
+        return VisionGeometry.of(self.video_settings)
 
     def _video_table(self) -> np.ndarray:
-        video = getattr(self.processor, "video_processor", None)
-        if video is not None:
-            return normalize_table(tuple(video.image_mean), tuple(video.image_std), float(video.rescale_factor))
-        d = self._require_family("video").video_defaults
-        return normalize_table(tuple(d["image_mean"]), tuple(d["image_std"]), 1 / 255)
+        video = self.video_settings
+        return normalize_table(tuple(video.image_mean), tuple(video.image_std), float(video.rescale_factor))
+
+    def _warn_if_defaults(self) -> None:
+        """Warn once per process and family when videos are sized by transformers' class defaults."""
+        fam = self.family
+        if getattr(self.processor, "video_processor", None) is None and self.video_processor_config is None \
+                and fam.model_type not in _WARNED_DEFAULTS:
+            _WARNED_DEFAULTS.add(fam.model_type)
+            warnings.warn(VideoDefaultsWarning(
+                f"VLMSampleTransform: no video processor (transformers' needs torchvision) and no "
+                f"video_processor_config: {fam.model_type} videos are sized with transformers' class defaults "
+                f"{fam.video_defaults}; pass video_processor_config= (the checkpoint's "
+                "video_preprocessor_config.json as a dict) to use the checkpoint's"), stacklevel=3)
 
     def _require_family(self, what: str) -> VisionFamily:
         if self.family is None:
@@ -609,6 +641,7 @@ class VLMSampleTransform:
                              actual=f"sizes {sorted(set(sizes))}")
         w, h = sizes[0]
         self._check_video_pixels(name, len(sizes) * w * h, key)
+        self._warn_if_defaults()
         try:
             return self.family.video_grid(len(sizes), h, w, geometry, sample=key, field=name)
         except SampleError as exc:
