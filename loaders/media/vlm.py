@@ -309,28 +309,12 @@ def _placeholder_mismatch(meta: dict, tokens_per_image: list[int], videos: list,
                       actual=f"{text.count(IMAGE_PLACEHOLDER)} and {text.count(VIDEO_PLACEHOLDER)}")
 
 
-def check_vision_tokens(input_ids: torch.Tensor, image_grid_thw: torch.Tensor, vision: VisionTokens, *,
-                        sample) -> torch.Tensor:
-    """int64 ``[L]`` ids -> ``mm_token_type_ids`` int64 ``[L]``, after checking that the image tokens
-    form one run per image of exactly ``t*h*w / merge**2`` tokens (vectorised, no loop per token)."""
-    is_img = input_ids == vision.image_token_id
-    edges = torch.diff(is_img.to(torch.int8), prepend=torch.zeros(1, dtype=torch.int8),
-                       append=torch.zeros(1, dtype=torch.int8))
-    starts, ends = torch.nonzero(edges == 1).flatten(), torch.nonzero(edges == -1).flatten()
-    need = vision.tokens_per_image(image_grid_thw)
-    got = ends - starts
-    if got.numel() != need.numel() or not torch.equal(got, need):
-        raise MediaError(MediaProblem.VISION_TOKEN_MISMATCH, sample=sample, field="input_ids",
-                         expected=f"image token runs {need.tolist()} (t*h*w / {vision.spatial_merge_size}**2 of "
-                                  f"image_grid_thw {image_grid_thw.tolist()})", actual=f"runs {got.tolist()}")
-    return is_img.to(torch.int64) * IMAGE_TOKEN_TYPE
-
-
 def vision_types_and_mrope(input_ids: torch.Tensor, image_grid_thw: torch.Tensor, vision: VisionTokens, *,
                            sample, mrope: bool = True, family: VisionFamily | None = None,
                            video_grid_thw: torch.Tensor | None = None, second_per_grid_ts: torch.Tensor | None = None
                            ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """:func:`check_vision_tokens` and (``mrope``) the family's positions of one sequence in one pass of NumPy
+    """``mm_token_type_ids`` after checking that the image tokens form one run per image of exactly
+    ``t*h*w / merge**2`` tokens, and (``mrope``) the family's positions, of one sequence in one pass of NumPy
     operations (:func:`prealign.collate.vision.rope_positions`; a fixed number, no loop over tokens or images).
     With a ``family``, its video tokens are type 2 and its video runs are checked against ``video_grid_thw``.
     Returns ``mm_token_type_ids`` int64 ``[L]`` and ``mrope_position_ids`` int64 ``[3, L]`` (or ``None``)."""
