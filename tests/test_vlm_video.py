@@ -256,8 +256,50 @@ def test_header_index_equals_the_full_pass_with_videos(tmp_path, model):
     side = build_index(WebDatasetSource(list(ds.shards), transform=transform, image="bytes"), schema, policy=policy)
     assert len(full) == len(side) == 24
     assert full.lengths.tolist() == side.lengths.tolist() and full.media.tolist() == side.media.tolist()
-    videos = sum(b"videos" in open(p, "rb").read() for p in ds.shards)
-    assert videos > 0
+    # the header path's video ids against transformers' own arithmetic and processor text, from the frames alone
+    checked = 0
+    for raw in _tar_samples(ds.shards):
+        meta = json.loads(raw["json"])
+        blocks = transform.header_video_ids(raw, meta, raw["__key__"], lambda name, value: _image_size(value))
+        for video, ours in zip(meta.get("videos", ()), blocks, strict=True):
+            frames, (w, h) = len(video["frames"]), _image_size(raw[video["frames"][0]])
+            assert TOK.decode(ours) == _runs(_processor_video_block(model, transform, frames, h, w, video["fps"]))
+            checked += 1
+    assert checked > 0
+
+
+def _tar_samples(shards):
+    """Each webdataset sample of the shards as ``{"__key__", member: bytes}``, in order."""
+    import tarfile
+
+    for shard in shards:
+        samples: dict = {}
+        with tarfile.open(shard) as tar:
+            for member in tar.getmembers():
+                key, name = member.name.split(".", 1)
+                samples.setdefault(key, {"__key__": key})[name] = tar.extractfile(member).read()
+        yield from samples.values()
+
+
+def _image_size(data: bytes) -> tuple[int, int]:
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as img:
+        return img.size
+
+
+def _processor_video_block(model: str, transform, frames: int, h: int, w: int, fps: float) -> str:
+    """The chat template's video block as the installed processor expands it, the grid from transformers' resize
+    (Qwen3-VL: the video processor's volume rule; Qwen2 families: the per-frame area rule)."""
+    geo = transform.video_geometry
+    factor = geo.patch_size * geo.merge_size
+    if model in ("qwen3_vl", "qwen3_5"):
+        rh, rw = video_smart_resize(frames, h, w, geo.temporal_patch_size, factor, geo.min_pixels, geo.max_pixels)
+        grid = (math.ceil(frames / geo.temporal_patch_size), rh // geo.patch_size, rw // geo.patch_size)
+        return processor_video_text(grid, frames, fps)
+    rh, rw = image_smart_resize(h, w, factor, geo.min_pixels, geo.max_pixels)
+    tokens = math.ceil(frames / geo.temporal_patch_size) * rh * rw // (geo.patch_size * geo.merge_size) ** 2
+    return "<|vision_start|>" + "<|video_pad|>" * tokens + "<|vision_end|>"
 
 
 @pytest.mark.slow
