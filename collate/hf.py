@@ -41,6 +41,8 @@ import torch
 from prealign.schemas.errors import ConfigError, PackingUnsupportedError, SampleError
 from prealign.schemas.schema import IGNORE_INDEX
 
+from .vision.family import has_linear_attention
+
 
 class HFAttention(enum.Enum):
     """How the HF model is told where the packed sequences start (module docstring)."""
@@ -93,17 +95,6 @@ def hf_labels(batch: dict, *, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
     if "loss_mask" in batch:
         labels = labels.masked_fill(batch["loss_mask"] <= 0, ignore_index)
     return torch.cat((torch.full_like(labels[..., :1], ignore_index), labels[..., :-1]), dim=-1)
-
-
-def has_linear_attention(model_config: Any) -> bool:
-    """Whether a transformers config (or its dict; a VLM's ``text_config`` is looked in) declares Gated DeltaNet
-    / causal-conv layers: ``layer_types`` holding ``"linear_attention"`` (Qwen3.5, Qwen3.6, Qwen3-Next)."""
-    def get(obj, key):
-        return obj.get(key) if isinstance(obj, dict) else getattr(obj, key, None)
-
-    text = get(model_config, "text_config")
-    layer_types = (get(text, "layer_types") if text is not None else None) or get(model_config, "layer_types") or ()
-    return "linear_attention" in layer_types
 
 
 GDN_KERNELS = ("fla", "causal_conv1d")
@@ -162,10 +153,14 @@ def to_hf_kwargs(batch: dict, *, attention: HFAttention | str = HFAttention.VARL
     floating for sdpa).
 
     Video: ``pixel_values_videos``, ``video_grid_thw`` and ``second_per_grid_ts`` when the batch has videos.
-    ``model_config`` (the model's transformers config): for a model with linear-attention layers
-    (:func:`has_linear_attention`), ``seq_idx`` int32 ``[1, T]`` (each slot's padded sequence) is added, and a
-    packed row is refused with :class:`PackingUnsupportedError` where the kernels that honour it are missing
-    (:func:`check_gdn_packing`).
+    ``model_config`` (the model's transformers config, its dict or a
+    :class:`~prealign.collate.vision.VisionFamily`): for a model with linear-attention layers
+    (:func:`~prealign.collate.vision.has_linear_attention`), ``seq_idx`` int32 ``[1, T]`` (each slot's padded
+    sequence) is added, and ``cu_seq_lens_q/k`` + ``max_length_q/k`` in **every** mode: transformers' Gated
+    DeltaNet hands ``cu_seq_lens_q`` to the chunked kernel whatever the attention implementation (without it the
+    whole row is one recurrence), while eager / sdpa attention ignore those keys and flash attention reads the
+    same padded segments the positions give. A packed row is refused with :class:`PackingUnsupportedError` where
+    the kernels that honour them are missing (:func:`check_gdn_packing`).
     """
     attention = HFAttention(attention)
     if batch.get("cp_rank", -1) != -1 or "cp_gather_index" in batch:
@@ -187,14 +182,15 @@ def to_hf_kwargs(batch: dict, *, attention: HFAttention | str = HFAttention.VARL
     for name in (*media, "mm_token_type_ids"):  # a batch without images sends no empty pixel_values
         if name in batch:
             out[name] = batch[name]
-    if model_config is not None and has_linear_attention(model_config):
+    linear = model_config is not None and has_linear_attention(model_config)
+    if linear:
         check_gdn_packing(model_config, padded.numel() - 1)
         out["seq_idx"] = packed_seq_idx(padded)
-    if attention is HFAttention.VARLEN:
+    if attention is HFAttention.VARLEN or linear:  # GDN layers read cu_seq_lens_q whatever the attention mode
         cu = padded.to(torch.int32)
         out["cu_seq_lens_q"] = out["cu_seq_lens_k"] = cu
         out["max_length_q"] = out["max_length_k"] = int(batch["max_seqlen"].reshape(-1)[0])
-    elif attention is HFAttention.MASK:
+    if attention is HFAttention.MASK:
         out["attention_mask"] = block_causal_mask(padded, batch["cu_seqlens"], dtype=mask_dtype)
     return out
 

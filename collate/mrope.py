@@ -35,6 +35,7 @@ import torch
 from prealign.schemas.errors import ConfigError, SampleError
 
 from .vision import VisionFamily, rope_positions, vision_family
+from .vision.family import check_seconds
 
 
 def mrope_position_ids(mm_token_type_ids: torch.Tensor, image_grid_thw: torch.Tensor, cu_seqlens: torch.Tensor,
@@ -69,12 +70,19 @@ def mrope_position_ids(mm_token_type_ids: torch.Tensor, image_grid_thw: torch.Te
     if images_per_sample is not None:
         grids_per_sample = torch.stack((torch.as_tensor(images_per_sample).reshape(-1),
                                         torch.zeros(len(images_per_sample), dtype=torch.int64)), 1).numpy()
-    if family is None:
-        videos = np.zeros((0, 3), np.int64) if video_grid_thw is None else np.asarray(video_grid_thw).reshape(-1, 3)
-        return torch.from_numpy(rope_positions(_np(mm_token_type_ids), _np(cu_seqlens), _np(image_grid_thw), videos,
-                                               None, spatial_merge_size, grids_per_sample=grids_per_sample))
-    return family.positions(mm_token_type_ids, cu_seqlens, image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw,
-                            second_per_grid_ts=second_per_grid_ts, grids_per_sample=grids_per_sample)
+    return _rope(family, spatial_merge_size, mm_token_type_ids, cu_seqlens, image_grid_thw, video_grid_thw,
+                 second_per_grid_ts, grids_per_sample)
+
+
+def _rope(family: VisionFamily | None, merge: int, types, cu, image_grid_thw, video_grid_thw, second_per_grid_ts,
+          grids_per_sample) -> torch.Tensor:
+    """int64 ``[3, T]``: the family's positions, or (no family) Qwen2-VL's with ``merge``."""
+    if family is not None:
+        return family.positions(types, cu, image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw,
+                                second_per_grid_ts=second_per_grid_ts, grids_per_sample=grids_per_sample)
+    videos = np.zeros((0, 3), np.int64) if video_grid_thw is None else _np(video_grid_thw).reshape(-1, 3)
+    return torch.from_numpy(rope_positions(_np(types), _np(cu), _np(image_grid_thw), videos, None, merge,
+                                           grids_per_sample=grids_per_sample))
 
 
 def _np(value) -> np.ndarray:
@@ -172,16 +180,13 @@ class MRoPECollator:
             return np.array([[g.shape[0], v.shape[0] if family is None else family.video_runs(v).shape[0]]
                              for g, v in zip(grids, videos)], dtype=np.int64)
 
-        if family is None:
-            return torch.from_numpy(rope_positions(types.numpy(), cu, torch.cat(grids).numpy(), video_grid.numpy(),
-                                                   None, self.merge_size, grids_per_sample=per_sample))
         seconds = [s.get("second_per_grid_ts") for s in batch]
         second_per_grid_ts = None
-        if any(x is not None for x in seconds):
-            second_per_grid_ts = torch.cat([torch.ones(v.shape[0]) if x is None else torch.as_tensor(x).reshape(-1)
-                                            for x, v in zip(seconds, videos)])
-        return family.positions(types, cu, image_grid_thw=torch.cat(grids), video_grid_thw=video_grid,
-                                second_per_grid_ts=second_per_grid_ts, grids_per_sample=per_sample)
+        if family is not None and any(x is not None for x in seconds):  # checked per sample, so that an error names it
+            second_per_grid_ts = np.concatenate([np.ones(v.shape[0], np.float32) if x is None else
+                                                 check_seconds(x, v.shape[0], sample=i)
+                                                 for i, (x, v) in enumerate(zip(seconds, videos))])
+        return _rope(family, self.merge_size, types, cu, torch.cat(grids), video_grid, second_per_grid_ts, per_sample)
 
 
 def _check_pixel_rows(batch: Sequence[dict], grids: list[torch.Tensor], videos: list[torch.Tensor]) -> None:

@@ -17,8 +17,8 @@ from prealign.loaders.media.vlm import (
     MediaError,
     MediaProblem,
     VLMSampleTransform,
-    check_vision_tokens,
     image_processor,
+    vision_types_and_mrope,
 )
 from prealign.schemas import BatchSchema, BatchValidationError, ParallelLayout, validate_vlm_batch, vlm_schema
 from prealign.schemas.vlm import media_violations
@@ -101,9 +101,9 @@ def test_bad_media_raises_a_typed_error_naming_the_sample(raw, problem, field):
 def test_pretokenized_sample_is_checked_against_the_grid():
     grid = torch.tensor([[1, 4, 6]])  # 6 vision tokens
     ids = torch.tensor([9, TOK.vision_start_token_id, *[TOK.image_token_id] * 6, TOK.vision_end_token_id])
-    assert int(check_vision_tokens(ids, grid, TOK.vision, sample="p").sum()) == 6
+    assert int(vision_types_and_mrope(ids, grid, TOK.vision, sample="p", mrope=False)[0].sum()) == 6
     with pytest.raises(MediaError) as err:
-        check_vision_tokens(ids[:-2], grid, TOK.vision, sample="p")
+        vision_types_and_mrope(ids[:-2], grid, TOK.vision, sample="p", mrope=False)
     assert err.value.problem is MediaProblem.VISION_TOKEN_MISMATCH and "runs [6]" in str(err.value)
     raw = {"__key__": "p", "input_ids": ids[:-2].numpy(), "png": image_bytes(56, 84)}  # grid (1, 4, 6)
     with pytest.raises(MediaError, match="vision_token|image token runs"):

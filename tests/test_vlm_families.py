@@ -185,3 +185,29 @@ def test_video_run_mismatch_names_the_sample():
     with pytest.raises(SampleError) as err:
         coll([good, bad])
     assert err.value.sample == 1 and "3 runs of video tokens" in err.value.expected
+
+
+@pytest.mark.parametrize("seconds", [float("nan"), -1.0, 1e30, float("inf")])
+def test_bad_seconds_per_grid_name_the_sample_and_field(seconds):
+    good = vision_sample("qwen2_5_vl", [2, ("video", 2, 2, 4, 1.0)])
+    bad = {**good, "second_per_grid_ts": torch.tensor([seconds])}
+    coll = MRoPECollator(collator=THDCollator(schema=SCHEMA, layout=ParallelLayout()), model_config=tiny_config("qwen2_5_vl"))
+    with pytest.raises(SampleError) as err:
+        coll([good, bad])
+    assert err.value.sample == 1 and err.value.field == "second_per_grid_ts[0]" and "finite seconds" in err.value.expected
+
+
+def test_a_wrong_count_of_seconds_names_the_sample():
+    good = vision_sample("qwen2_5_vl", [2, ("video", 2, 2, 4, 1.0)])
+    two = {**good, "second_per_grid_ts": torch.tensor([1.0, 2.0])}
+    coll = MRoPECollator(collator=THDCollator(schema=SCHEMA, layout=ParallelLayout()), model_config=tiny_config("qwen2_5_vl"))
+    with pytest.raises(SampleError) as err:
+        coll([good, good, two])
+    assert (err.value.sample, err.value.field) == (2, "second_per_grid_ts") and "one value per video (1)" in err.value.expected
+
+
+def test_bf16_seconds_give_the_float32_steps():
+    fam = vision_family(tiny_config("qwen2_5_vl"))
+    grid = torch.tensor([[2, 2, 4], [3, 2, 2]])
+    assert fam.video_steps(grid, torch.tensor([0.5, 1.5], dtype=torch.bfloat16)).tolist() == \
+        fam.video_steps(grid, torch.tensor([0.5, 1.5])).tolist() == [1.0, 3.0]

@@ -141,12 +141,12 @@ def test_too_wide_image_is_a_media_error_on_the_fast_path():
                       min_size=1, max_size=6),
        merge=st.sampled_from([1, 2]))
 def test_vision_types_and_mrope_equal_the_torch_functions(parts, merge):
-    """Random text runs and images (grid t, h*merge, w*merge), against check_vision_tokens +
+    """Random text runs and images (grid t, h*merge, w*merge), against reference_types +
     mrope_position_ids (the latter checked against transformers' get_rope_index in test_mrope)."""
     import dataclasses
 
     from prealign.collate.mrope import mrope_position_ids
-    from prealign.loaders.media.vlm import check_vision_tokens, vision_types_and_mrope
+    from prealign.loaders.media.vlm import vision_types_and_mrope
 
     vision = dataclasses.replace(TOK.vision, spatial_merge_size=merge)
     ids, grids = [], []
@@ -161,11 +161,11 @@ def test_vision_types_and_mrope_equal_the_torch_functions(parts, merge):
     input_ids = torch.tensor(ids)
     grid = torch.tensor(grids, dtype=torch.int64).reshape(-1, 3)
     types, positions = vision_types_and_mrope(input_ids, grid, vision, sample="s")
-    want_types = check_vision_tokens(input_ids, grid, vision, sample="s")
+    want_types = reference_types(input_ids, grid, vision)
     want = mrope_position_ids(want_types, grid, torch.tensor([0, len(ids)]), spatial_merge_size=merge)
     assert torch.equal(types, want_types) and torch.equal(positions, want)
     assert types.dtype == positions.dtype == torch.int64
-    if grids:  # one image token too few: the same typed error as check_vision_tokens
+    if grids:  # one image token too few: a typed error
         short = torch.cat([input_ids[:int(torch.nonzero(input_ids == vision.image_token_id)[0])],
                            input_ids[int(torch.nonzero(input_ids == vision.image_token_id)[0]) + 1:]])
         with pytest.raises(MediaError) as err:
@@ -183,3 +183,14 @@ def test_vision_types_and_mrope_golden():
     assert types.tolist() == [0, 0, 1, 1, 1, 1, 1, 1, 0, 0]
     assert pos.tolist() == [[0, 1, 2, 2, 2, 2, 2, 2, 5, 6], [0, 1, 2, 2, 2, 3, 3, 3, 5, 6],
                             [0, 1, 2, 3, 4, 2, 3, 4, 5, 6]]
+
+
+def reference_types(input_ids: torch.Tensor, image_grid_thw: torch.Tensor, vision) -> torch.Tensor:
+    """An independent torch reference: ``mm_token_type_ids`` (1 on image tokens), after asserting one run of
+    ``t*h*w / merge**2`` image tokens per grid."""
+    is_img = input_ids == vision.image_token_id
+    edges = torch.diff(is_img.to(torch.int8), prepend=torch.zeros(1, dtype=torch.int8),
+                       append=torch.zeros(1, dtype=torch.int8))
+    runs = torch.nonzero(edges == -1).flatten() - torch.nonzero(edges == 1).flatten()
+    assert torch.equal(runs, vision.tokens_per_image(image_grid_thw))
+    return is_img.to(torch.int64)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import sys
 import types
 
 import numpy as np
@@ -123,23 +124,45 @@ def test_frames_fill_the_temporal_patches_in_order():
 @given(frames=st.integers(2, 13), fps=st.floats(0.5, 30.0), gh=st.integers(1, 3), gw=st.integers(1, 3))
 @examples(40)
 def test_video_ids_are_the_qwen3_vl_processors_text(frames, fps, gh, gw):
-    """The processor's own replace_video_token (its video processor, which needs torchvision, stood in for by its
-    two sizes) wrapped in the chat template's <|vision_start|> ... <|vision_end|>, tokenized."""
+    """The chat template's ``<|vision_start|><|video_pad|><|vision_end|>`` expanded by the installed processor's own
+    code (its video processor, which needs torchvision, stood in for by its grid and metadata): on every
+    transformers, what the transform writes, tokenized."""
     t = VLMSampleTransform(tokenizer=TOK, model_config=tiny_config("qwen3_5"))
     grid = (math.ceil(frames / 2), 2 * gh, 2 * gw)
-    metadata = transformers.video_utils.VideoMetadata(total_num_frames=frames, fps=fps, frames_indices=list(range(frames)))
     ours = t.video_ids(grid, frames, fps)
-    if hasattr(Qwen3VLProcessor, "replace_video_token"):
-        self = types.SimpleNamespace(video_processor=types.SimpleNamespace(merge_size=2, temporal_patch_size=2),
-                                     video_token="<|video_pad|>", vision_start_token="<|vision_start|>",
-                                     vision_end_token="<|vision_end|>")
-        self._calculate_timestamps = types.MethodType(Qwen3VLProcessor._calculate_timestamps, self)
-        text = Qwen3VLProcessor.replace_video_token(self, {"video_grid_thw": torch.tensor([grid]),
-                                                           "video_metadata": [metadata]}, 0)
-        assert TOK.decode(ours) == "<|vision_start|>" + _runs(text) + "<|vision_end|>"
+    assert TOK.decode(ours) == _runs(processor_video_text(grid, frames, fps))
     stamps = Qwen3VLProcessor._calculate_timestamps(None, list(range(frames)), fps, 2)
     assert TOK.decode(ours).count("seconds>") == len(stamps) == grid[0]
     assert all(f"<{s:.1f} seconds>" in TOK.decode(ours) for s in stamps)
+
+
+def processor_video_text(grid, frames: int, fps: float) -> str:
+    """What the installed ``Qwen3VLProcessor`` makes of the chat template's video block: >= 5.10 through
+    ``replace_video_token`` and ``ProcessorMixin.get_text_with_replacements`` (what its ``__call__`` runs), older
+    through its own ``__call__``."""
+    from transformers.processing_utils import ProcessorMixin
+
+    block = "<|vision_start|><|video_pad|><|vision_end|>"
+    metadata = transformers.video_utils.VideoMetadata(total_num_frames=frames, fps=fps, frames_indices=list(range(frames)))
+    video_inputs = {"video_grid_thw": torch.tensor([grid]), "video_metadata": [metadata]}
+    seen = []
+    self = types.SimpleNamespace(
+        video_token="<|video_pad|>", image_token="<|image_pad|>", audio_token=None, vision_start_token="<|vision_start|>",
+        vision_end_token="<|vision_end|>", all_special_multimodal_tokens=["<|image_pad|>", "<|video_pad|>"],
+        video_processor=types.SimpleNamespace(merge_size=2, temporal_patch_size=2),
+        tokenizer=types.SimpleNamespace(init_kwargs={}))
+    self._calculate_timestamps = types.MethodType(Qwen3VLProcessor._calculate_timestamps, self)
+    if hasattr(Qwen3VLProcessor, "replace_video_token"):
+        replacement = Qwen3VLProcessor.replace_video_token(self, video_inputs, 0)
+        return ProcessorMixin.get_text_with_replacements(self, [block], videos_replacements=[replacement])[0][0]
+    self.video_processor = lambda videos, **kw: dict(video_inputs)  # noqa: E731 (its grid and metadata)
+    self.video_processor.merge_size = self.video_processor.temporal_patch_size = 2
+    self._merge_kwargs = lambda *a, **kw: {"images_kwargs": {}, "videos_kwargs": {}, "text_kwargs": {}}
+    self.tokenizer = lambda text, **kw: seen.append(text[0]) or {"input_ids": [[0]]}
+    self.tokenizer.init_kwargs = {}
+    self._check_special_mm_tokens = lambda *a, **kw: None
+    Qwen3VLProcessor.__call__(self, text=block, videos=[object()], return_metadata=True)
+    return seen[0]
 
 
 def _runs(text: str) -> str:
@@ -197,6 +220,22 @@ def test_bad_videos_are_typed_errors():
         t({**video_raw("e", 2, 64, 64, 2.0, image=False), "json": json.dumps(meta).encode()})
 
 
+@pytest.mark.parametrize("fps", [1e-300, 1e-20, 1e-4, float("inf"), float("nan"), 1e4, 0, -2, "2", True])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_an_fps_out_of_range_is_a_bad_video(fps, family):
+    """A frame rate outside [MIN_FPS, MAX_FPS] (whose seconds per grid would be inf or overflow the int64
+    temporal positions) names the sample and the field."""
+    t = VLMSampleTransform(tokenizer=TOK, model_config=tiny_config(family))
+    raw = video_raw("f", 4, 64, 64, 2.0, image=False)
+    meta = json.loads(raw["json"])
+    meta["videos"][0]["fps"] = fps
+    with pytest.raises(MediaError) as err:
+        t({**raw, "json": json.dumps(meta).encode()})
+    assert (err.value.problem, err.value.sample, err.value.field) == (MediaProblem.BAD_VIDEO, "f", "videos[0].fps")
+    meta["videos"][0]["fps"] = 1e-3  # the range's ends are accepted
+    assert t({**raw, "json": json.dumps(meta).encode()})["second_per_grid_ts"].tolist() == [2000.0]
+
+
 # ---- header-only lengths and the demo -------------------------------------------------------------------------
 @pytest.mark.parametrize("model", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5"])
 def test_header_index_equals_the_full_pass_with_videos(tmp_path, model):
@@ -217,8 +256,50 @@ def test_header_index_equals_the_full_pass_with_videos(tmp_path, model):
     side = build_index(WebDatasetSource(list(ds.shards), transform=transform, image="bytes"), schema, policy=policy)
     assert len(full) == len(side) == 24
     assert full.lengths.tolist() == side.lengths.tolist() and full.media.tolist() == side.media.tolist()
-    videos = sum(b"videos" in open(p, "rb").read() for p in ds.shards)
-    assert videos > 0
+    # the header path's video ids against transformers' own arithmetic and processor text, from the frames alone
+    checked = 0
+    for raw in _tar_samples(ds.shards):
+        meta = json.loads(raw["json"])
+        blocks = transform.header_video_ids(raw, meta, raw["__key__"], lambda name, value: _image_size(value))
+        for video, ours in zip(meta.get("videos", ()), blocks, strict=True):
+            frames, (w, h) = len(video["frames"]), _image_size(raw[video["frames"][0]])
+            assert TOK.decode(ours) == _runs(_processor_video_block(model, transform, frames, h, w, video["fps"]))
+            checked += 1
+    assert checked > 0
+
+
+def _tar_samples(shards):
+    """Each webdataset sample of the shards as ``{"__key__", member: bytes}``, in order."""
+    import tarfile
+
+    for shard in shards:
+        samples: dict = {}
+        with tarfile.open(shard) as tar:
+            for member in tar.getmembers():
+                key, name = member.name.split(".", 1)
+                samples.setdefault(key, {"__key__": key})[name] = tar.extractfile(member).read()
+        yield from samples.values()
+
+
+def _image_size(data: bytes) -> tuple[int, int]:
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as img:
+        return img.size
+
+
+def _processor_video_block(model: str, transform, frames: int, h: int, w: int, fps: float) -> str:
+    """The chat template's video block as the installed processor expands it, the grid from transformers' resize
+    (Qwen3-VL: the video processor's volume rule; Qwen2 families: the per-frame area rule)."""
+    geo = transform.video_geometry
+    factor = geo.patch_size * geo.merge_size
+    if model in ("qwen3_vl", "qwen3_5"):
+        rh, rw = video_smart_resize(frames, h, w, geo.temporal_patch_size, factor, geo.min_pixels, geo.max_pixels)
+        grid = (math.ceil(frames / geo.temporal_patch_size), rh // geo.patch_size, rw // geo.patch_size)
+        return processor_video_text(grid, frames, fps)
+    rh, rw = image_smart_resize(h, w, factor, geo.min_pixels, geo.max_pixels)
+    tokens = math.ceil(frames / geo.temporal_patch_size) * rh * rw // (geo.patch_size * geo.merge_size) ** 2
+    return "<|vision_start|>" + "<|video_pad|>" * tokens + "<|vision_end|>"
 
 
 @pytest.mark.slow
@@ -268,3 +349,75 @@ def test_index_key_names_the_family_and_the_grid_settings():
     assert len(keys) == 5
     assert describe_transform(VLMSampleTransform(tokenizer=TOK, topk=4)) == \
         describe_transform(VLMSampleTransform(tokenizer=TOK, topk=4))
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "qwen3_5"])
+def test_index_key_names_transformers_where_its_video_rules_apply(family, monkeypatch):
+    """Qwen3-VL's video grids (smart_resize) and video text change between transformers releases: a sidecar built
+    under one is never taken under another. Qwen2.5-VL's arithmetic is prealign's own: its key does not move."""
+    t = VLMSampleTransform(tokenizer=TOK, model_config=tiny_config(family))
+    before = t.index_key()
+    installed = sys.modules["transformers"]  # the module index_key imports (transformers may rebind it lazily)
+    monkeypatch.setattr(installed, "__version__", "5.10.4" if installed.__version__ != "5.10.4" else "5.24.0")
+    assert (t.index_key() != before) == (family != "qwen2_5_vl")
+
+
+def test_video_frame_and_pixel_limits_are_bad_videos_before_decoding():
+    """``DecodeLimits.max_video_frames`` is checked before any frame is decoded, ``max_video_pixels`` on the running
+    total while decoding (the header pass refuses the same sample from the frames' sizes)."""
+    from prealign.loaders.sources.tar_decode import DecodeLimits
+
+    t = VLMSampleTransform(tokenizer=TOK, model_config=tiny_config("qwen2_5_vl"),
+                           limits=DecodeLimits(max_video_frames=3, max_video_pixels=2 * 64 * 64))
+    raw = video_raw("g", 4, 64, 64, 2.0, image=False)
+    raw["v0_3.png"] = b"not an image"  # decoding it would be corrupt_image: each limit fires before
+    with pytest.raises(MediaError) as err:
+        t(raw)
+    assert (err.value.problem, err.value.sample, err.value.field) == (MediaProblem.BAD_VIDEO, "g", "videos[0].frames")
+    assert "max_video_frames" in err.value.expected
+    three = video_raw("h", 3, 64, 64, 2.0, image=False)
+    three["v0_2.png"] = b"not an image"  # the third frame is never decoded: two already reach the limit + 1 px
+    t = VLMSampleTransform(tokenizer=TOK, model_config=tiny_config("qwen2_5_vl"),
+                           limits=DecodeLimits(max_video_pixels=2 * 64 * 64 - 1))
+    with pytest.raises(MediaError, match="max_video_pixels") as err:
+        t(three)
+    assert (err.value.problem, err.value.field) == (MediaProblem.BAD_VIDEO, "videos[0]")
+    meta = json.loads(three["json"])
+    with pytest.raises(MediaError, match="max_video_pixels"):
+        t.header_video_ids(three, meta, "h", lambda name, value: (64, 64))
+    assert len(VLMSampleTransform(tokenizer=TOK, model_config=tiny_config("qwen2_5_vl"),
+                                  limits=DecodeLimits(max_video_frames=4, max_video_pixels=4 * 64 * 64))(
+        video_raw("i", 4, 64, 64, 2.0, image=False))["video_grid_thw"]) == 1
+
+
+def test_video_processor_config_sets_the_video_grids_and_defaults_warn_once(monkeypatch):
+    """The checkpoint's video_preprocessor_config.json (a dict) decides the grids where no video processor can be
+    built; without it the class defaults are used and a VideoDefaultsWarning says so once per family."""
+    import warnings
+
+    import prealign.loaders.media.vlm as vlm
+    from prealign.loaders.media.vlm import VideoDefaultsWarning
+
+    monkeypatch.setattr(vlm, "_WARNED_DEFAULTS", set())
+    raw = video_raw("j", 4, 96, 64, 2.0, image=False)
+    config = {"size": {"shortest_edge": 4096, "longest_edge": 4 * 32 * 32 * 4}, "patch_size": 16, "merge_size": 2,
+              "temporal_patch_size": 2, "image_mean": [0.5] * 3, "image_std": [0.5] * 3, "rescale_factor": 1 / 255,
+              "fps": 2}
+    cfg = tiny_config("qwen3_vl")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", VideoDefaultsWarning)
+        ours = VLMSampleTransform(tokenizer=TOK, model_config=cfg, video_processor_config=config)(raw)
+    assert VLMSampleTransform(tokenizer=TOK, model_config=cfg, video_processor_config=config).video_geometry.max_pixels \
+        == 4 * 32 * 32 * 4
+    h, w = video_smart_resize(4, 64, 96, 2, 32, 4096, 4 * 32 * 32 * 4)  # the processor's rule, the config's bounds
+    assert ours["video_grid_thw"].tolist() == [[2, h // 16, w // 16]]
+    as_processor = types.SimpleNamespace(video_processor=types.SimpleNamespace(**config), image_processor=None)
+    t = VLMSampleTransform(tokenizer=TOK, model_config=cfg, processor=as_processor)
+    assert t.video_geometry == VLMSampleTransform(tokenizer=TOK, model_config=cfg, video_processor_config=config).video_geometry
+    default = VLMSampleTransform(tokenizer=TOK, model_config=cfg)
+    with pytest.warns(VideoDefaultsWarning, match="video_processor_config"):
+        out = default(raw)
+    assert out["video_grid_thw"].tolist() != ours["video_grid_thw"].tolist()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", VideoDefaultsWarning)
+        default(raw)  # once per family

@@ -13,7 +13,7 @@ from typing import Any
 
 from prealign.schemas.errors import ConfigError
 
-from .family import VisionFamily
+from .family import VisionFamily, has_linear_attention
 from .grids import VisionGeometry, image_grid, video_grid
 from .positions import IMAGE, TEXT, VIDEO, rope_positions
 from .qwen2_5_vl import Qwen2_5VL
@@ -40,6 +40,6 @@ def vision_family(model_config: Any) -> VisionFamily:
                       f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
 
 
-__all__ = ["VisionFamily", "VisionGeometry", "vision_family", "FAMILIES", "SUPPORTED_MODEL_TYPES", "Qwen2VL",
+__all__ = ["VisionFamily", "has_linear_attention", "VisionGeometry", "vision_family", "FAMILIES", "SUPPORTED_MODEL_TYPES", "Qwen2VL",
            "Qwen2_5VL", "Qwen3VL", "Qwen3_5", "image_grid", "video_grid", "rope_positions", "frame_timestamps",
            "TEXT", "IMAGE", "VIDEO"]

@@ -21,10 +21,40 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from prealign.schemas.errors import ConfigError
+from prealign.schemas.errors import ConfigError, SampleError
 
 from .grids import VisionGeometry, image_grid, video_grid
 from .positions import rope_positions
+
+MAX_SECONDS_PER_GRID = 3600.0
+"""The largest ``second_per_grid_ts`` accepted (an hour per temporal grid step): finite values in
+``[0, MAX_SECONDS_PER_GRID]`` keep every temporal position far inside int64."""
+
+
+def check_seconds(second_per_grid_ts, videos: int, *, sample=None) -> np.ndarray:
+    """``second_per_grid_ts`` (one value per video) -> a float ``[videos]`` array (bf16 / fp16 read as float32),
+    after checking its count and that every value is finite and in ``[0, MAX_SECONDS_PER_GRID]``; else a
+    :class:`~prealign.schemas.SampleError` naming ``sample`` and the field.
+
+    >>> check_seconds(torch.tensor([0.5, 1.0], dtype=torch.bfloat16), 2).tolist()
+    [0.5, 1.0]
+    """
+    if isinstance(second_per_grid_ts, torch.Tensor):
+        if second_per_grid_ts.dtype in (torch.bfloat16, torch.float16):
+            second_per_grid_ts = second_per_grid_ts.to(torch.float32)
+        second_per_grid_ts = second_per_grid_ts.detach().cpu().numpy()
+    seconds = np.asarray(second_per_grid_ts).reshape(-1)
+    if seconds.shape[0] != videos:
+        raise SampleError(sample=sample, field="second_per_grid_ts", expected=f"one value per video ({videos})",
+                          actual=f"{seconds.shape[0]} values")
+    if not np.issubdtype(seconds.dtype, np.floating):
+        seconds = seconds.astype(np.float32)
+    bad = ~(np.isfinite(seconds) & (seconds >= 0) & (seconds <= MAX_SECONDS_PER_GRID))
+    if bad.any():
+        k = int(np.flatnonzero(bad)[0])
+        raise SampleError(sample=sample, field=f"second_per_grid_ts[{k}]", actual=repr(float(seconds[k])),
+                          expected=f"finite seconds in [0, {MAX_SECONDS_PER_GRID:g}] (MAX_SECONDS_PER_GRID)")
+    return seconds
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,13 +88,11 @@ class VisionFamily:
         """The family's constants from a transformers config (or its ``to_dict()``)."""
         get = _getter(config)
         vision = _getter(get("vision_config", {}) or {})
-        text = _getter(get("text_config", {}) or {})
-        layer_types = text("layer_types", None) or get("layer_types", None) or ()
         values = dict(model_type=get("model_type"), image_token_id=get("image_token_id"),
                       video_token_id=get("video_token_id"), vision_start_token_id=get("vision_start_token_id"),
                       vision_end_token_id=get("vision_end_token_id"), patch_size=vision("patch_size"),
                       spatial_merge_size=vision("spatial_merge_size"), temporal_patch_size=vision("temporal_patch_size"),
-                      linear_attention="linear_attention" in layer_types, **cls._extra(vision))
+                      linear_attention=has_linear_attention(config), **cls._extra(vision))
         missing = [k for k, v in values.items() if v is None]
         if missing:
             raise ConfigError(f"{cls.__name__}.from_config: the {values['model_type']} config has no {missing}")
@@ -104,6 +132,11 @@ class VisionFamily:
         """Float temporal step of each video run (``None``: 1 everywhere)."""
         return None
 
+    def wraps_video(self) -> bool:
+        """Whether a video's runs stay inside the chat template's outer ``<|vision_start|>`` ... ``<|vision_end|>``
+        (every Qwen2 processor; Qwen3-VL: depends on the installed transformers, :mod:`.qwen3_vl`)."""
+        return True
+
     def frame_texts(self, frames: int, fps: float, frame_indices=None) -> list[str] | None:
         """The text written before each frame group's run of video tokens (``None``: no per-frame text)."""
         return None
@@ -120,6 +153,21 @@ class VisionFamily:
                              self.video_steps(videos, second_per_grid_ts), self.spatial_merge_size,
                              grids_per_sample=grids_per_sample)
         return torch.from_numpy(out)
+
+
+def has_linear_attention(model_config: Any) -> bool:
+    """Whether a model has Gated DeltaNet / causal-conv layers: a :class:`VisionFamily`'s ``linear_attention``, or a
+    transformers config (object or dict; a VLM's ``text_config`` looked in first) whose ``layer_types`` hold
+    ``"linear_attention"`` (Qwen3.5, Qwen3.6, Qwen3-Next). The one test every caller uses.
+
+    >>> has_linear_attention({"text_config": {"layer_types": ["linear_attention", "full_attention"]}})
+    True
+    """
+    if isinstance(model_config, VisionFamily):
+        return model_config.linear_attention
+    get = _getter(model_config)
+    text = _getter(get("text_config", None) or {})
+    return "linear_attention" in (text("layer_types", None) or get("layer_types", None) or ())
 
 
 def _np(value) -> np.ndarray:

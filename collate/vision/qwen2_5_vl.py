@@ -7,9 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from prealign.schemas.errors import ConfigError
-
-from .family import VisionFamily
+from .family import VisionFamily, check_seconds
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -25,14 +23,7 @@ class Qwen2_5VL(VisionFamily):
 
     def video_steps(self, video_grid_thw, second_per_grid_ts):
         """float32 ``[num_videos]``: ``tokens_per_second * second_per_grid_ts`` (1 second per grid when not given,
-        as transformers)."""
+        as transformers; given, checked by :func:`~.family.check_seconds`)."""
         n = np.asarray(video_grid_thw).reshape(-1, 3).shape[0]
-        if second_per_grid_ts is None:
-            seconds = np.ones(n, dtype=np.float32)
-        else:
-            seconds = np.asarray(second_per_grid_ts).reshape(-1)
-            if seconds.shape[0] != n:
-                raise ConfigError(f"second_per_grid_ts: expected one value per video ({n}), got {seconds.shape[0]}")
-            if not np.issubdtype(seconds.dtype, np.floating):
-                seconds = seconds.astype(np.float32)
+        seconds = np.ones(n, dtype=np.float32) if second_per_grid_ts is None else check_seconds(second_per_grid_ts, n)
         return (seconds.dtype.type(self.tokens_per_second) * seconds).astype(seconds.dtype)

@@ -34,6 +34,8 @@ import enum
 import functools
 import json
 import re
+import types
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,6 +63,17 @@ VIDEO_PLACEHOLDER = "<video>"
 _PLACEHOLDERS = re.compile("(" + re.escape(IMAGE_PLACEHOLDER) + "|" + re.escape(VIDEO_PLACEHOLDER) + ")")
 _IMAGE_ONLY = re.compile("(" + re.escape(IMAGE_PLACEHOLDER) + ")")
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp")
+MIN_FPS, MAX_FPS = 1e-3, 1e3
+"""The frame rates a video entry may declare (a frame every ~17 minutes to 1000 a second): finite, and far from
+the ``temporal_patch_size / fps`` seconds per grid that would overflow the temporal positions."""
+
+
+class VideoDefaultsWarning(UserWarning):
+    """Videos are sized and normalised with transformers' class defaults: no video processor could be built and
+    no ``video_processor_config`` was given, so a checkpoint with other video settings would get other grids."""
+
+
+_WARNED_DEFAULTS: set[str] = set()
 
 
 class MediaProblem(enum.Enum):
@@ -296,28 +309,12 @@ def _placeholder_mismatch(meta: dict, tokens_per_image: list[int], videos: list,
                       actual=f"{text.count(IMAGE_PLACEHOLDER)} and {text.count(VIDEO_PLACEHOLDER)}")
 
 
-def check_vision_tokens(input_ids: torch.Tensor, image_grid_thw: torch.Tensor, vision: VisionTokens, *,
-                        sample) -> torch.Tensor:
-    """int64 ``[L]`` ids -> ``mm_token_type_ids`` int64 ``[L]``, after checking that the image tokens
-    form one run per image of exactly ``t*h*w / merge**2`` tokens (vectorised, no loop per token)."""
-    is_img = input_ids == vision.image_token_id
-    edges = torch.diff(is_img.to(torch.int8), prepend=torch.zeros(1, dtype=torch.int8),
-                       append=torch.zeros(1, dtype=torch.int8))
-    starts, ends = torch.nonzero(edges == 1).flatten(), torch.nonzero(edges == -1).flatten()
-    need = vision.tokens_per_image(image_grid_thw)
-    got = ends - starts
-    if got.numel() != need.numel() or not torch.equal(got, need):
-        raise MediaError(MediaProblem.VISION_TOKEN_MISMATCH, sample=sample, field="input_ids",
-                         expected=f"image token runs {need.tolist()} (t*h*w / {vision.spatial_merge_size}**2 of "
-                                  f"image_grid_thw {image_grid_thw.tolist()})", actual=f"runs {got.tolist()}")
-    return is_img.to(torch.int64) * IMAGE_TOKEN_TYPE
-
-
 def vision_types_and_mrope(input_ids: torch.Tensor, image_grid_thw: torch.Tensor, vision: VisionTokens, *,
                            sample, mrope: bool = True, family: VisionFamily | None = None,
                            video_grid_thw: torch.Tensor | None = None, second_per_grid_ts: torch.Tensor | None = None
                            ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """:func:`check_vision_tokens` and (``mrope``) the family's positions of one sequence in one pass of NumPy
+    """``mm_token_type_ids`` after checking that the image tokens form one run per image of exactly
+    ``t*h*w / merge**2`` tokens, and (``mrope``) the family's positions, of one sequence in one pass of NumPy
     operations (:func:`prealign.collate.vision.rope_positions`; a fixed number, no loop over tokens or images).
     With a ``family``, its video tokens are type 2 and its video runs are checked against ``video_grid_thw``.
     Returns ``mm_token_type_ids`` int64 ``[L]`` and ``mrope_position_ids`` int64 ``[3, L]`` (or ``None``)."""
@@ -390,6 +387,14 @@ class VLMSampleTransform:
     """The model's transformers processor (``AutoProcessor``) or an image processor; see the class docstring."""
     video_fps: float = 2.0
     """Frames per second of a video's frames when its entry gives no ``fps`` (the Qwen processors sample 2)."""
+    video_processor_config: dict | None = None
+    """The checkpoint's video processor settings (its ``video_preprocessor_config.json`` as a dict: ``size`` or
+    ``min/max_pixels``, ``patch_size``, ``merge_size``, ``temporal_patch_size``, ``image_mean``, ``image_std``,
+    ``rescale_factor``), used where ``processor`` has no video processor (transformers' needs torchvision); keys
+    left out take the family's defaults."""
+    limits: DecodeLimits = DEFAULT_LIMITS
+    """Caps checked before decoding or stacking: an image's pixels, a video's frames and its pixels over all frames
+    (:class:`~prealign.loaders.sources.tar_decode.DecodeLimits`)."""
     family: VisionFamily | None = field(init=False, repr=False, compare=False, default=None)
 
     def __post_init__(self):
@@ -417,27 +422,44 @@ class VLMSampleTransform:
         return image_processor(**options)
 
     @property
-    def video_geometry(self) -> VisionGeometry:
-        """The video processor's grid settings: ``processor.video_processor``'s where one is built, else the
-        family's transformers defaults (:attr:`VisionFamily.video_defaults`)."""
+    def video_settings(self) -> Any:
+        """The video processor settings in use: ``processor.video_processor`` where one is built, else
+        ``video_processor_config`` over the family's transformers defaults (:attr:`VisionFamily.video_defaults`),
+        else those defaults alone (:meth:`_video_grid` then warns once, :class:`VideoDefaultsWarning`)."""
         video = getattr(self.processor, "video_processor", None)
-        if video is not None:
-            if getattr(video, "cap_pixels_per_frame", None):
-                raise ConfigError("VLMSampleTransform: a video processor with cap_pixels_per_frame=True is not "
-                                  "supported (its per-frame cap); leave it unset")
-            return VisionGeometry.of(video)
-        fam = self._require_family("video")
-        d = fam.video_defaults
-        return VisionGeometry(patch_size=fam.patch_size, merge_size=fam.spatial_merge_size,
-                              temporal_patch_size=fam.temporal_patch_size, min_pixels=d["min_pixels"],
-                              max_pixels=d["max_pixels"])
+        if video is None:
+            fam = self._require_family("video")
+            d = fam.video_defaults
+            video = types.SimpleNamespace(**{
+                "patch_size": fam.patch_size, "merge_size": fam.spatial_merge_size,
+                "temporal_patch_size": fam.temporal_patch_size, "min_pixels": d["min_pixels"],
+                "max_pixels": d["max_pixels"], "image_mean": d["image_mean"], "image_std": d["image_std"],
+                "rescale_factor": 1 / 255, **(self.video_processor_config or {})})
+        if getattr(video, "cap_pixels_per_frame", None):
+            raise ConfigError("VLMSampleTransform: a video processor with cap_pixels_per_frame=True is not "
+                              "supported (its per-frame cap); leave it unset")
+        return video
+
+    @property
+    def video_geometry(self) -> VisionGeometry:
+        """The grid settings of :attr:`video_settings` (its ``size`` or ``min/max_pixels``)."""
+        return VisionGeometry.of(self.video_settings)
 
     def _video_table(self) -> np.ndarray:
-        video = getattr(self.processor, "video_processor", None)
-        if video is not None:
-            return normalize_table(tuple(video.image_mean), tuple(video.image_std), float(video.rescale_factor))
-        d = self._require_family("video").video_defaults
-        return normalize_table(tuple(d["image_mean"]), tuple(d["image_std"]), 1 / 255)
+        video = self.video_settings
+        return normalize_table(tuple(video.image_mean), tuple(video.image_std), float(video.rescale_factor))
+
+    def _warn_if_defaults(self) -> None:
+        """Warn once per process and family when videos are sized by transformers' class defaults."""
+        fam = self.family
+        if getattr(self.processor, "video_processor", None) is None and self.video_processor_config is None \
+                and fam.model_type not in _WARNED_DEFAULTS:
+            _WARNED_DEFAULTS.add(fam.model_type)
+            warnings.warn(VideoDefaultsWarning(
+                f"VLMSampleTransform: no video processor (transformers' needs torchvision) and no "
+                f"video_processor_config: {fam.model_type} videos are sized with transformers' class defaults "
+                f"{fam.video_defaults}; pass video_processor_config= (the checkpoint's "
+                "video_preprocessor_config.json as a dict) to use the checkpoint's"), stacklevel=3)
 
     def _require_family(self, what: str) -> VisionFamily:
         if self.family is None:
@@ -479,12 +501,18 @@ class VLMSampleTransform:
 
     def index_key(self) -> str:
         """Every setting a sample's length depends on (what an index's sidecar is keyed by): the tokenizer (its
-        ids and a probe encoding), teacher K, dtypes, the family, the image and video grid settings."""
+        ids and a probe encoding), teacher K, dtypes, the family, the image and video grid settings, and for
+        Qwen3-VL / 3.5 (whose video grids are the installed transformers' ``smart_resize`` and whose video text
+        follows its processor, :mod:`prealign.collate.vision.qwen3_vl`) the transformers version."""
         tok = self.tokenizer
         probe = np.asarray(tok.encode("prealign probe: <image> <video> Hello, world!")).tolist()
         video = None
         if self.family is not None:
             video = {"geometry": repr(self.video_geometry), "fps": self.video_fps}
+            if self.family.volume_resize:  # grids and the video text follow the installed transformers' rules
+                import transformers
+
+                video["transformers"] = transformers.__version__
         return json.dumps({"vlm": {"tokenizer": f"{type(tok).__module__}.{type(tok).__qualname__}",
                                    "vocab_size": int(tok.vocab_size), "vision": repr(self.vision), "probe": probe,
                                    "topk": self.topk, "log_prob_dtype": self.log_prob_dtype,
@@ -495,7 +523,8 @@ class VLMSampleTransform:
     def video_ids(self, grid: tuple[int, int, int], frames: int, fps: float) -> np.ndarray:
         """int64 ids of one video as the family's processor and chat template write it: ``<|vision_start|>``,
         then its ``<|video_pad|>`` tokens (Qwen3-VL / 3.5: per frame group, the ``<t seconds>`` text and the
-        group's tokens inside their own start / end), then ``<|vision_end|>``."""
+        group's tokens inside their own start / end), then ``<|vision_end|>`` (Qwen3-VL / 3.5 with transformers
+        < 5.10: without that outer pair, as the installed processor writes it; :meth:`VisionFamily.wraps_video`)."""
         fam = self._require_family("video")
         t, gh, gw = grid
         per_group = gh * gw // fam.spatial_merge_size ** 2
@@ -504,7 +533,8 @@ class VLMSampleTransform:
         if texts is None:
             return np.array([start, *([pad] * (t * per_group)), end], dtype=np.int64)
         body = [np.concatenate((self.tokenizer.encode(text), [start], np.full(per_group, pad), [end])) for text in texts]
-        return np.concatenate(([start], *body, [end])).astype(np.int64)
+        outer = ([start], *body, [end]) if fam.wraps_video() else body
+        return np.concatenate(outer).astype(np.int64)
 
     def __call__(self, raw: dict) -> dict:
         return self.expand(self.compact(raw))
@@ -515,7 +545,7 @@ class VLMSampleTransform:
         SharedMediaTransform` publishes (1/8 of the bytes). :meth:`expand` finishes it."""
         key = raw.get("__key__", "?")
         meta = sample_metadata(raw, self.text_key, key)
-        images = [decode_image(v, sample=key, name=n) for n, v in image_members(raw, meta, key)]
+        images = [decode_image(v, sample=key, name=n, limits=self.limits) for n, v in image_members(raw, meta, key)]
         vision = self.vision
         codes, grid = image_codes(images, self.image_processor, sample=key)
         pixel_values = None
@@ -560,8 +590,12 @@ class VLMSampleTransform:
         ``second_per_grid_ts`` float32 ``[n]`` and each video's ids (``ids``)."""
         geometry, table = self.video_geometry, self._video_table()
         pixels, grids, seconds, ids = [], [], [], []
-        for name, frames, fps in video_members(raw, meta, key, default_fps=self.video_fps):
-            decoded = [decode_image(v, sample=key, name=n) for n, v in frames]
+        for name, frames, fps in video_members(raw, meta, key, default_fps=self.video_fps, limits=self.limits):
+            decoded, area = [], 0
+            for n, v in frames:  # the running total is checked frame by frame: never more than the limit held
+                decoded.append(decode_image(v, sample=key, name=n, limits=self.limits))
+                area += decoded[-1].width * decoded[-1].height
+                self._check_video_pixels(name, area, key)
             grid = self._video_grid(name, [im.size for im in decoded], geometry, key)
             codes = video_patches(decoded, grid, geometry.patch_size, geometry.merge_size, geometry.temporal_patch_size)
             pixels.append(normalize_patches(codes, table))
@@ -580,7 +614,7 @@ class VLMSampleTransform:
             return None
         geometry = self.video_geometry
         out = []
-        for name, frames, fps in video_members(raw, meta, key, default_fps=self.video_fps):
+        for name, frames, fps in video_members(raw, meta, key, default_fps=self.video_fps, limits=self.limits):
             grid = self._video_grid(name, [frame_size(n, v) for n, v in frames], geometry, key)
             out.append(self.video_ids(grid, len(frames), fps))
         return out
@@ -590,11 +624,19 @@ class VLMSampleTransform:
             raise MediaError(MediaProblem.BAD_VIDEO, sample=key, field=name, expected="frames of one size",
                              actual=f"sizes {sorted(set(sizes))}")
         w, h = sizes[0]
+        self._check_video_pixels(name, len(sizes) * w * h, key)
+        self._warn_if_defaults()
         try:
             return self.family.video_grid(len(sizes), h, w, geometry, sample=key, field=name)
         except SampleError as exc:
             raise MediaError(MediaProblem.BAD_VIDEO, sample=key, field=name, expected=exc.expected,
                              actual=exc.actual) from None
+
+    def _check_video_pixels(self, name: str, pixels: int, key) -> None:
+        if pixels > self.limits.max_video_pixels:
+            raise MediaError(MediaProblem.BAD_VIDEO, sample=key, field=name, actual=f"{pixels} pixels or more",
+                             expected=f"at most {self.limits.max_video_pixels} pixels over its frames "
+                                      "(DecodeLimits.max_video_pixels)")
 
     def expand(self, sample: dict) -> dict:
         """:meth:`compact`'s output -> the sample (``pixel_codes`` -> ``pixel_values`` of ``pixel_dtype``,
@@ -658,10 +700,11 @@ def image_members(raw: dict, meta: dict, key) -> list[tuple[str, Any]]:
     return [(name, raw[name]) for _, name in sorted(found)]
 
 
-def video_members(raw: dict, meta: dict, key, *, default_fps: float = 2.0) -> list[tuple[str, list, float]]:
+def video_members(raw: dict, meta: dict, key, *, default_fps: float = 2.0,
+                  limits: DecodeLimits = DEFAULT_LIMITS) -> list[tuple[str, list, float]]:
     """``(name, [(frame name, value)], fps)`` of the sample's videos, in placeholder order: ``meta["videos"]``
     (or an HF row's ``videos`` column) lists ``{"frames": [...], "fps": ...}``, frames as member names (a
-    missing one is an error) or as images."""
+    missing one is an error) or as images; at most ``limits.max_video_frames`` frames per video."""
     declared = raw.get("videos") if isinstance(raw.get("videos"), list) else meta.get("videos")
     if declared is None:
         return []
@@ -673,10 +716,15 @@ def video_members(raw: dict, meta: dict, key, *, default_fps: float = 2.0) -> li
         name = f"videos[{i}]"
         frames = video.get("frames") if isinstance(video, dict) else None
         fps = video.get("fps", default_fps) if isinstance(video, dict) else None
-        if not isinstance(frames, list) or not frames or isinstance(fps, bool) or not isinstance(fps, (int, float)) \
-                or not fps > 0:
+        if not isinstance(frames, list) or not frames:
             raise MediaError(MediaProblem.BAD_VIDEO, sample=key, field=name,
-                             expected="{'frames': [at least one frame], 'fps': a positive number}", actual=repr(video)[:80])
+                             expected="{'frames': [at least one frame], 'fps': ...}", actual=repr(video)[:80])
+        if len(frames) > limits.max_video_frames:
+            raise MediaError(MediaProblem.BAD_VIDEO, sample=key, field=f"{name}.frames", actual=f"{len(frames)} frames",
+                             expected=f"at most {limits.max_video_frames} frames (DecodeLimits.max_video_frames)")
+        if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not MIN_FPS <= fps <= MAX_FPS:
+            raise MediaError(MediaProblem.BAD_VIDEO, sample=key, field=f"{name}.fps", actual=repr(fps)[:80],
+                             expected=f"a number of frames per second in [{MIN_FPS:g}, {MAX_FPS:g}] (MIN_FPS, MAX_FPS)")
         named = []
         for j, frame in enumerate(frames):
             if isinstance(frame, str):

@@ -63,9 +63,14 @@ class DecodeLimits:
     max_array_bytes: int = 1 << 28
     """Decoded bytes of one ``.npy`` member or of all entries of one ``.npz`` (256 MiB); more is
     ``array_too_large``."""
+    max_video_frames: int = 2048
+    """Frames of one video (the Qwen video processors sample at most 768); more is ``bad_video``."""
+    max_video_pixels: int = 1 << 30
+    """Width x height summed over one video's frames, as decoded (about 512 frames of 1920 x 1080, 3 GiB as RGB);
+    more is ``bad_video``."""
 
     def __post_init__(self):
-        for name in ("max_image_pixels", "max_array_bytes"):
+        for name in ("max_image_pixels", "max_array_bytes", "max_video_frames", "max_video_pixels"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"DecodeLimits.{name}: expected an int >= 1, got {value!r}")

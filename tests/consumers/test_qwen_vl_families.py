@@ -146,3 +146,18 @@ def test_transformed_samples_pack_exactly(model_type):
     for slots, sample in zip(real_slots(batch), ss, strict=True):
         worst = max(worst, float((out[slots] - alone(model_type, model, sample)).abs().max()))
     assert worst < TOL, worst
+
+
+@pytest.mark.slow
+def test_gdn_packing_keys_leave_full_attention_layers_exact():
+    """What ``to_hf_kwargs`` adds for a Gated DeltaNet model in every mode (``cu_seq_lens_q/k``, ``max_length_q/k``,
+    ``seq_idx``) is read by the GDN layers only: the full-attention (sdpa) layers, in this test's POSITIONS mode,
+    give the same exact per-sample logits with them."""
+    batch, kwargs = packed("qwen3_5")
+    padded = batch["cu_seqlens_padded"].to(torch.int32)
+    extra = to_hf_kwargs(batch, attention=HFAttention.VARLEN)
+    kwargs = {**kwargs, **{k: extra[k] for k in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")}}
+    from prealign.collate.hf import packed_seq_idx
+
+    worst, _ = mismatch("qwen3_5", batch, {**kwargs, "seq_idx": packed_seq_idx(padded)})
+    assert worst < TOL, worst
