@@ -189,7 +189,8 @@ def build_demo_dataset(out_dir: str, *, num_samples: int = 240, samples_per_shar
         raise ValueError(f"build_demo_dataset: num_samples, samples_per_shard and topk must be >= 1, got "
                          f"{num_samples}, {samples_per_shard}, {topk}")
     tok = tokenizer or ByteTokenizer()
-    transform = None if model is None else VLMSampleTransform(tokenizer=tok, model_config=demo_model_config(model))
+    transform = None if model is None else VLMSampleTransform(tokenizer=tok, model_config=demo_model_config(model),
+                                                              video_processor_config={})  # the family's defaults
     # the image processor's resize rule (the family's patch size with a model), the same on every transformers
     geometry = Qwen2VLGeometry.of(image_processor() if transform is None else transform.image_processor)
     rng = np.random.default_rng(seed)

@@ -145,7 +145,9 @@ def cmd_demo(args) -> int:
         ds = build_demo_dataset(where, num_samples=args.samples, topk=args.topk, seed=args.seed, model=model)
         _note(f"data built in {time.perf_counter() - t0:.1f} s")
         config = None if model is None else demo_model_config(model)
-        transform = VLMSampleTransform(tokenizer=ByteTokenizer(), topk=args.topk, model_config=config)
+        # the demo's videos use the family's default video settings on purpose (no checkpoint to read them from)
+        transform = VLMSampleTransform(tokenizer=ByteTokenizer(), topk=args.topk, model_config=config,
+                                       video_processor_config=None if config is None else {})
         source = WebDatasetSource(list(ds.shards), transform=transform, image="bytes")
         schema = vlm_schema(topk=args.topk, vocab_size=ds.vocab_size)
         title = (f"{args.samples} samples ({len(ds.bad)} broken on purpose) in {len(ds.shards)} webdataset shards, "
