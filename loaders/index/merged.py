@@ -37,7 +37,7 @@ import numpy as np
 from prealign.loaders.errors import StaleIndexError
 from prealign.loaders.index import sidecar
 from prealign.loaders.index.events import error_from_record, record_reason
-from prealign.loaders.index.sample_checks import FIELDS_KEY
+from prealign.loaders.index.sample_checks import FIELDS_KEY, bad_row_event, signature_verdicts
 from prealign.loaders.index.sample_index import SampleIndex
 from prealign.loaders.policy import BadDataGate, BadDataPolicy
 from prealign.loaders.sources import remote
@@ -110,8 +110,10 @@ def merge_sidecars(source, path: str | None = None) -> dict:
 
 
 def merged_index(source, schema, policy: BadDataPolicy) -> SampleIndex | None:
-    """The :class:`SampleIndex` of ``source`` straight from its merged index, at a cost per file and per bad
-    record, not per shard or sample (the one :func:`~prealign.loaders.index.build.merge_records` makes from
+    """The :class:`SampleIndex` of ``source`` straight from its merged index, at a cost per file, per data
+    signature (its samples checked against ``schema`` as the sidecars' path checks them:
+    :func:`~prealign.loaders.index.sample_checks.signature_verdicts`) and per bad record, not per shard or
+    sample (the one :func:`~prealign.loaders.index.build.merge_records` makes from
     the same records: the bad-data policy applied to the recorded bad events in stream order); sets
     ``source.shard_check``. None when there is no merged index for these shards, or the shards disagree on a
     named dim or on which optional fields they have (the per-sample path handles that:
@@ -120,17 +122,28 @@ def merged_index(source, schema, policy: BadDataPolicy) -> SampleIndex | None:
     if found is None:
         return None
     meta, a = found
+    table = a["shards"]
+    shards = np.repeat(np.arange(len(table), dtype=np.int64), table[:, 1])
+    locations = np.empty((shards.size, 4), np.int64)
+    locations[:, 0], locations[:, 1:] = shards, a["spans"]
+    _install_checks(source, meta, table)  # (the samples loaded below are checked against it too)
+    verdicts, errors = signature_verdicts(source, schema, meta["dims"], a["dim_ids"], locations, a["lengths"])
     fixed: dict = {}
-    for d in meta["dims"]:
+    for d in (v for v in verdicts if v is not None):  # the signatures made this schema's, as the sidecars' path
         if any(fixed.get(k, v) != v for k, v in d.items()):
             return None
         fixed.update(d)
     fixed.pop(FIELDS_KEY, None)
-    table = a["shards"]
     first_record = np.concatenate([[0], np.cumsum(table[:, 2])])
+    recorded = [(int(first_record[shard]) + pos, ev) for shard, pos, ev in meta["events"]]
+    if errors:  # rows found bad under this schema: bad records at their places in the stream
+        is_event = np.zeros(int(first_record[-1]), bool)
+        is_event[[at for at, _ in recorded]] = True
+        ok_at = np.flatnonzero(~is_event)  # stream position of each good row
+        recorded += [(int(ok_at[row]), bad_row_event(source, tuple(map(int, locations[row])), err))
+                     for row, err in errors.items()]
     gate, last = BadDataGate(policy), -1
-    for shard, pos, ev in sorted(meta["events"], key=lambda e: (e[0], e[1])):
-        at = int(first_record[shard]) + pos  # the record's place in the whole stream
+    for at, ev in sorted(recorded, key=lambda e: e[0]):  # the whole stream's bad records, in order
         if at > last + 1:
             gate.good()  # an ok record between bad ones resets the consecutive count
         last = at
@@ -138,15 +151,13 @@ def merged_index(source, schema, policy: BadDataPolicy) -> SampleIndex | None:
             gate.report.add(ev[1], ev[2], ev[3])
         else:
             gate.bad(record_reason(ev[2]), ev[1], error_from_record(ev[2]))
-    shards = np.repeat(np.arange(len(table), dtype=np.int64), table[:, 1])
-    locations = np.empty((shards.size, 4), np.int64)
-    locations[:, 0], locations[:, 1:] = shards, a["spans"]
-    _install_checks(source, meta, table)
+    keep = np.ones(shards.size, bool)
+    keep[list(errors)] = False
     sizes = table[:, 0].tolist()
     if any(u[:5].lower() == "pipe:" for u in source.urls):  # a command's output has no size to check
         sizes = [-1 if remote.scheme(u) == "pipe" else n for u, n in zip(source.urls, sizes)]
-    return SampleIndex(lengths=np.array(a["lengths"]), locations=locations, shards=shards, report=gate.report,
-                       media=np.array(a["media"]), dims=fixed, source_shards={"names": meta["names"], "sizes": sizes})
+    return SampleIndex(lengths=a["lengths"][keep], locations=locations[keep], shards=shards[keep], report=gate.report,
+                       media=a["media"][keep], dims=fixed, source_shards={"names": meta["names"], "sizes": sizes})
 
 
 def _install_checks(source, meta: dict, table: np.ndarray) -> None:

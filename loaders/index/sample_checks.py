@@ -7,6 +7,8 @@ import torch
 
 from prealign.collate.samples import flatten, sample_token_keys
 from prealign.collate.thd import THDCollator
+from prealign.loaders.errors import BadSampleError, StaleIndexError
+from prealign.loaders.index.events import error_record
 from prealign.schemas.errors import ConfigError, SampleError
 from prealign.schemas.layout import ParallelLayout
 from prealign.schemas.schema import BatchSchema, Role
@@ -84,3 +86,61 @@ def validated(samples: list[dict], schema: BatchSchema) -> list[tuple[int, dict[
         except SampleError as exc:  # anything else the collator raises is a bug, and propagates
             out.append(exc)
     return out
+
+
+def signature_verdicts(source, schema: BatchSchema, signatures: list, dim_ids: np.ndarray, locations: np.ndarray,
+                       lengths: np.ndarray) -> tuple[list[dict | None], dict[int, SampleError]]:
+    """``(verdicts, errors)``: the data signatures of a sidecar index (``dim_ids [N]`` into ``signatures``,
+    ``locations [N, 4]`` = shard, start, end, checksum, ``lengths [N]``, in stream order) made ``schema``'s.
+
+    For each signature its rows are loaded in stream order (over all shards) and run through the collator
+    (:func:`validated`) until one passes: its named dims, dtypes and optional fields are the signature's verdict.
+    A row that fails on a value (an id past the vocabulary, a non-finite log-prob, a body that does not decode)
+    is a bad record itself and the next row is tried; a row whose structure fails (:func:`flatten` without value
+    checks: shape, rank, dtype, a missing field: what the signature fixes) condemns every row of its signature,
+    with that error (verdict None). ``errors`` maps each bad row to its error."""
+    verdicts: list[dict | None] = []
+    errors: dict[int, SampleError] = {}
+    order = np.argsort(dim_ids, kind="stable")
+    bounds = np.searchsorted(dim_ids[order], np.arange(len(signatures) + 1))
+    for k in range(len(signatures)):
+        rows = order[bounds[k]:bounds[k + 1]].tolist()
+        verdict = None
+        for row in rows:
+            loc = tuple(int(x) for x in locations[row])
+            sample = None
+            try:
+                sample = source.load(loc)
+                result = validated([sample], schema)[0]
+            except SampleError as exc:  # found bad only now (e.g. an image body, with header-only indexing)
+                result = exc
+            if not isinstance(result, SampleError):
+                if result[0] != int(lengths[row]):
+                    raise StaleIndexError(source.where(loc), f"indexed with {int(lengths[row])} tokens, "
+                                          f"{result[0]} under this schema", "re-run `prealign index --force` on it")
+                verdict = {**result[1], FIELDS_KEY: ",".join(k for k in optional_keys(schema) if k in sample)}
+                break
+            errors[row] = result
+            if sample is not None and _structure_error(sample, schema) is not None:
+                errors.update({r: result for r in rows if r not in errors})  # the signature's: every sample has it
+                break
+        verdicts.append(verdict)
+    return verdicts, errors
+
+
+def _structure_error(sample: dict, schema: BatchSchema) -> SampleError | None:
+    """The collator's shape / dtype / field error for ``sample`` (values not looked at), or None."""
+    try:
+        flatten([sample], schema, check_values=False)
+    except SampleError as exc:
+        return exc
+    return None
+
+
+def bad_row_event(source, loc: tuple, err: SampleError) -> list:
+    """A bad record (``["bad", where, record]``) for the sample at ``loc`` found bad by ``err``."""
+    where = source.where(loc)
+    reason = getattr(err, "reason", None)
+    return ["bad", where, error_record(BadSampleError(
+        sample=where, field=err.field, expected=err.expected, actual=err.actual,
+        reason=reason if isinstance(reason, str) else None))]

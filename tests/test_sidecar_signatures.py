@@ -1,0 +1,79 @@
+"""A sidecar's data signatures made a schema's (issue #20's review): the index from the sidecars, from the merged
+index and from the in-process pass is one index under any schema; a value error is its sample's alone, a
+structure error its signature's."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from prealign.loaders import BadDataPolicy, WebDatasetSource, build_index
+from prealign.loaders.errors import BadSampleError
+from prealign.loaders.index.header_pass import write_sidecars
+from prealign.loaders.index.merged import merge_sidecars
+from prealign.loaders.sources.shard_files import SUFFIX
+from prealign.schemas.schema import causal_lm_schema
+
+from .loader_helpers import _npy, add_member, sample_lengths, token_ids, write_shards
+
+SKIP = BadDataPolicy(on_error="skip", warn=False, max_consecutive=1000)
+OOV = tuple(range(10))  # an id past a 12k vocabulary: every sample of shard 0, the first of the signature
+# (a value-bad sample after the first good one of its signature is found when it is loaded: docs/loaders.md)
+
+
+def _oov(i, tf):
+    if i not in OOV:
+        return False
+    ids = token_ids(i, 9)
+    ids[3] = 15_000
+    add_member(tf, f"{i:06d}.input_ids.npy", _npy(ids))
+    add_member(tf, f"{i:06d}.json", b"{}")
+    return True
+
+
+def _three_ways(paths, schema, policy=SKIP):
+    """The index in process, from the sidecars and from the merged index (each: the index or the error)."""
+    def one(**kw):
+        try:
+            return build_index(WebDatasetSource(paths, **kw), schema, policy=policy)
+        except BadSampleError as exc:
+            return exc
+
+    in_process = one(sidecars=False)
+    from_sidecars = one()
+    merge_sidecars(WebDatasetSource(paths))
+    for p in paths:
+        os.rename(p + SUFFIX, p + SUFFIX + ".away")
+    merged = one()
+    for p in paths:
+        os.rename(p + SUFFIX + ".away", p + SUFFIX)
+    os.remove(os.path.join(os.path.dirname(paths[0]), "prealign-index.merged.npz"))
+    return in_process, from_sidecars, merged
+
+
+@pytest.fixture
+def shards(tmp_path):
+    paths = write_shards(str(tmp_path), sample_lengths(40), num_shards=4, extra=_oov)
+    write_sidecars(WebDatasetSource(paths), causal_lm_schema())
+    return paths
+
+
+@pytest.mark.parametrize("schema, bad", [(causal_lm_schema(vocab_size=12_000), len(OOV)), (causal_lm_schema(), 0)])
+def test_value_errors_are_their_samples_alone_whichever_the_index(shards, schema, bad):
+    indexes = _three_ways(shards, schema)
+    assert all(len(ix) == 40 - bad for ix in indexes)
+    assert {ix.digest for ix in indexes} == {indexes[0].digest}
+    assert all(ix.report.counts == ({"bad_sample": bad} if bad else {}) for ix in indexes)
+    assert {ix.dims == indexes[0].dims for ix in indexes} == {True}
+
+
+def test_a_structure_error_condemns_its_signature_everywhere(shards):
+    errors = _three_ways(shards, causal_lm_schema(topk=4))  # no sample has the teacher's top-k
+    assert all(isinstance(e, BadSampleError) and "at least one good sample" in str(e) for e in errors)
+    assert {str(e) for e in errors} == {str(errors[0])}
+
+
+def test_the_first_bad_value_raises_under_the_default_policy_whichever_the_index(shards):
+    errors = _three_ways(shards, causal_lm_schema(vocab_size=12_000), policy=BadDataPolicy())
+    assert all(isinstance(e, BadSampleError) and "shard-000.tar" in str(e) and "got 15000 at token 3" in str(e)
+               for e in errors)
