@@ -173,7 +173,7 @@ def test_crafted_sidecars_are_typed_config_errors(tmp_path, craft):
         elif craft == "bad_ranges":
             arrays["spans"][0, 1] = 1 << 40
         elif craft == "version":
-            arrays["meta"] = np.frombuffer(bytes(arrays["meta"]).replace(b'"version": 2', b'"version": 9'), np.uint8)
+            arrays["meta"] = np.frombuffer(bytes(arrays["meta"]).replace(b'"version": 3', b'"version": 9'), np.uint8)
         elif craft == "fortran_pickle":  # a header the fast reader does not take: numpy's reader refuses it
             arrays["lengths"] = np.asfortranarray(np.array([[object()]] * 10, dtype=object))
         buf = io.BytesIO()

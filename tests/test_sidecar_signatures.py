@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from prealign.loaders import BadDataPolicy, WebDatasetSource, build_index
 from prealign.loaders.errors import BadSampleError
-from prealign.loaders.index.header_pass import write_sidecars
+from prealign.loaders.index.header_pass import shape_pattern, write_sidecars
 from prealign.loaders.index.merged import merge_sidecars
 from prealign.loaders.sources.shard_files import SUFFIX
 from prealign.schemas.schema import causal_lm_schema
@@ -77,3 +80,37 @@ def test_the_first_bad_value_raises_under_the_default_policy_whichever_the_index
     errors = _three_ways(shards, causal_lm_schema(vocab_size=12_000), policy=BadDataPolicy())
     assert all(isinstance(e, BadSampleError) and "shard-000.tar" in str(e) and "got 15000 at token 3" in str(e)
                for e in errors)
+
+
+@given(st.lists(st.integers(0, 8), min_size=1, max_size=3), st.integers(0, 8),
+       st.lists(st.integers(0, 8), min_size=1, max_size=3), st.integers(0, 8))
+def test_a_shape_pattern_never_stands_for_two_shapes(shape, n, other, m):
+    """Samples of one data signature have one shape up to their token count: the pattern read back with
+    each sample's own token count gives its shape, so two distinct [L, K] shapes never share a pattern."""
+    def read_back(pattern: str, tokens: int) -> list[int]:
+        return [tokens if d == "L" else int(d) for d in pattern.split("x")]
+
+    assert read_back(shape_pattern(tuple(shape), n), n) == shape
+    if shape_pattern(tuple(shape), n) == shape_pattern(tuple(other), m):
+        assert shape[1:] == other[1:]  # only the token dim may differ, and only as each one's token count
+        assert shape[0] == other[0] or (shape[0] == n and other[0] == m)
+
+
+def _topk_k_equal_l(lengths):
+    def topk(i, tf):
+        n, k = lengths[i], (60 if i == 4 else 4)
+        add_member(tf, f"{i:06d}.input_ids.npy", _npy(token_ids(i, n)))
+        add_member(tf, f"{i:06d}.teacher_topk_ids.npy", _npy(np.zeros((n, k), np.int64)))
+        add_member(tf, f"{i:06d}.teacher_topk_log_probs.npy",
+                   _npy(np.tile(-np.arange(1, k + 1, dtype=np.float32), (n, 1))))
+        return True
+    return topk
+
+
+def test_top_k_with_k_equal_to_l_keeps_its_own_signature(tmp_path):
+    lengths = [10, 12, 4, 11, 60, 9]  # sample 2: [4, 4] (L = K = 4); sample 4: [60, 60] (K = 60, another K)
+    paths = write_shards(str(tmp_path), lengths, num_shards=1, extra=_topk_k_equal_l(lengths))
+    write_sidecars(WebDatasetSource(paths), causal_lm_schema())
+    indexes = _three_ways(paths, causal_lm_schema(topk="K"))
+    assert all(ix.dims["K"] == 4 and len(ix) == 5 and ix.report.counts == {"dim_mismatch": 1} for ix in indexes)
+    assert {ix.digest for ix in indexes} == {indexes[0].digest}

@@ -95,15 +95,24 @@ MEDIA_MEMBERS = ("pixel_values", "image_grid_thw")
 """``.npy`` members that carry media (a sample with a row of one is never truncated)."""
 
 
-def _pattern(shape: tuple, n: int) -> str:
-    """A shape with every dim equal to the token count ``n`` written ``L``: ``(6, 4)`` of a 6-token sample
-    is ``"Lx4"``, so samples of any length share their data signature."""
-    return "x".join("L" if d == n else str(d) for d in shape)
+def shape_pattern(shape: tuple, n: int) -> str:
+    """A shape as a data signature keeps it: the leading dim written ``L`` when it is the token count ``n``
+    and no other dim is, so ``(6, 4)`` of a 6-token sample is ``"Lx4"`` and samples of any length share their
+    signature; any other shape literally (``(4, 4)`` of a 4-token sample is ``"4x4"``, never ``"LxL"``, which
+    would stand for ``(60, 60)`` too), so two distinct shapes never share a pattern.
+
+    >>> shape_pattern((6, 4), 6), shape_pattern((4, 4), 4), shape_pattern((3, 6), 6), shape_pattern((6,), 6)
+    ('Lx4', '4x4', '3x6', 'L')
+    """
+    literal = "x".join(map(str, shape))
+    if not shape or shape[0] != n or n in shape[1:]:
+        return literal
+    return "x".join(("L", *map(str, shape[1:])))
 
 
 class TextRule:
     """``numpy_fields`` samples: the length is ``input_ids.npy``'s first dim (``input_ids`` must be ``[L]``).
-    Signature, of the data alone (no schema): each array's dtype and shape pattern (:func:`_pattern`) and the
+    Signature, of the data alone (no schema): each array's dtype and shape pattern (:func:`shape_pattern`) and the
     other member names; a schema's token dims, dtypes and optional fields are checked on one sample of each
     signature when a loader reads the sidecar."""
 
@@ -121,7 +130,7 @@ class TextRule:
                                  actual=f"shape {list(heads['input_ids'][0])}" if "input_ids" in heads
                                  else f"members {sorted(members)}")
         n = heads["input_ids"][0][0]
-        sig = tuple((name, dtype.str, _pattern(shape, n)) for name, (shape, dtype) in sorted(heads.items()))
+        sig = tuple((name, dtype.str, shape_pattern(shape, n)) for name, (shape, dtype) in sorted(heads.items()))
         media = any(not heads[k][0] or heads[k][0][0] > 0 for k in MEDIA_MEMBERS if k in heads)
         return n, media, (sig, tuple(sorted(e for e in members if not e.endswith(".npy"))))
 
@@ -227,7 +236,7 @@ def transformed_length(sample: dict, where: str) -> int:
 def _transformed_signature(sample: dict, n: int) -> tuple:
     """Data signature of a transformed sample (the full pass of a transform with no header rule): each
     array's dtype and shape pattern, and the other keys."""
-    arrays = tuple(sorted((k, str(v.dtype), _pattern(tuple(v.shape), n)) for k, v in sample.items()
+    arrays = tuple(sorted((k, str(v.dtype), shape_pattern(tuple(v.shape), n)) for k, v in sample.items()
                           if hasattr(v, "shape") and hasattr(v, "dtype")))
     return arrays, tuple(sorted(k for k, v in sample.items() if not (hasattr(v, "shape") and hasattr(v, "dtype"))))
 

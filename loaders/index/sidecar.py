@@ -12,8 +12,8 @@ key            dtype / shape   meaning
                                (blake2b-64 of the first and last 64 KiB), ``config`` (key of
                                the transform it was built for, never of a schema), ``transform``
                                (the fields of that key, named when they differ), ``dims`` (the
-                               distinct data signatures: ``{member: "dtype:shape"}``, ``L`` for a
-                               token dim), ``events`` (``[position, event]`` of each data-level skip /
+                               distinct data signatures: ``{member: "dtype:shape"}``, ``L`` for the
+                               token dim when no other dim equals it), ``events`` (``[position, event]`` of each data-level skip /
                                bad record: a corrupt tar, an undecodable member, a missing
                                ``input_ids``)
 ``spans``      int64 ``[N,3]`` ``start, end, checksum`` of each good sample (byte range, crc32)
@@ -31,7 +31,8 @@ bad-data policy (counted under ``skip``). Only the transform that turns a sample
 is part of the key (``config``): a VLM's lengths depend on its tokenizer and image processor. A loader
 with another transform gets a :class:`~prealign.loaders.errors.StaleIndexError` naming the field that
 differs and the ``prealign index`` command that rebuilds the sidecars for it. Sidecars of version 1
-(keyed by the schema) are refused by version, with that command.
+(keyed by the schema) and 2 (whose shape patterns could collide: ``[4, 4]`` and ``[60, 60]`` were both
+``LxL``) are refused by version, with that command.
 
 A sidecar turns back into exactly the per-shard record :func:`~prealign.loaders.index.build.index_shard`
 returns, so the index (and the plan) is the same whether it came from sidecars or from the pass in
@@ -78,7 +79,7 @@ from prealign.loaders.sources.shard_files import NotRegular, file_kind, open_reg
 from prealign.loaders.sources.webdataset import numpy_fields
 
 FORMAT = "prealign-sidecar"
-VERSION = 2
+VERSION = 3
 _ARRAYS = {"spans": (np.int64, 2), "lengths": (np.int64, 1), "media": (np.bool_, 1), "dim_ids": (np.int64, 1)}
 _MAX_META = 64 << 20
 _BUFFER = 1 << 20
@@ -244,7 +245,7 @@ def parse_sidecar(data: bytes, *, shard: str) -> tuple[dict, dict[str, np.ndarra
     if meta.get("version") != VERSION:
         raise StaleIndexError(shard, f"sidecar format version {meta.get('version')!r}, this prealign reads "
                                      f"version {VERSION}", "re-run `prealign index --force` on these shards "
-                                     "(version 2 sidecars serve any schema)")
+                                     "(version 3 sidecars serve any schema; their shape patterns never collide)")
     types = {"shard": str, "size": int, "hash": str, "config": str, "dims": list, "events": list, "num_events": int}
     for key, typ in types.items():
         if not isinstance(meta.get(key), typ) or isinstance(meta.get(key), bool):
