@@ -7,7 +7,7 @@ import os
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from prealign.loaders import BadDataPolicy, WebDatasetSource, build_index
@@ -84,6 +84,8 @@ def test_the_first_bad_value_raises_under_the_default_policy_whichever_the_index
 
 @given(st.lists(st.integers(0, 8), min_size=1, max_size=3), st.integers(0, 8),
        st.lists(st.integers(0, 8), min_size=1, max_size=3), st.integers(0, 8))
+@example([4, 4], 4, [60, 60], 60).via("the review's LxL")
+@example([5, 3, 5], 5, [7, 3, 7], 7).via("a trailing dim equal to L")
 def test_a_shape_pattern_never_stands_for_two_shapes(shape, n, other, m):
     """Samples of one data signature have one shape up to their token count: the pattern read back with
     each sample's own token count gives its shape, so two distinct [L, K] shapes never share a pattern."""
