@@ -216,11 +216,15 @@ def write_sidecar(path: str, record: dict, *, shard: str, fingerprint: dict, con
     os.replace(tmp, path)
 
 
-def parse_sidecar(data: bytes, *, shard: str) -> tuple[dict, dict[str, np.ndarray]]:
+def parse_sidecar(data: bytes, *, shard: str, source=None) -> tuple[dict, dict[str, np.ndarray]]:
     """``(meta, arrays)`` of sidecar bytes, every key, dtype and shape checked (never unpickled).
-    Raises :class:`StaleIndexError` naming ``shard`` on anything unexpected."""
+    Raises :class:`StaleIndexError` naming ``shard`` on anything unexpected, with the command that rebuilds it
+    (:func:`index_command` of ``source`` when given)."""
+    fix = index_hint(source) if source is not None else \
+        "re-run `prealign index --force` on it, with the flags that built it (--text, --tokenizer DIR, ...)"
+
     def bad(what: str) -> StaleIndexError:
-        return StaleIndexError(shard, f"sidecar index unreadable: {what}", "re-run `prealign index` on it")
+        return StaleIndexError(shard, f"sidecar index unreadable: {what}", fix)
 
     try:
         # views of data (never unpickled); members may not declare far more than the file holds
@@ -244,8 +248,8 @@ def parse_sidecar(data: bytes, *, shard: str) -> tuple[dict, dict[str, np.ndarra
         raise bad("not a prealign sidecar")
     if meta.get("version") != VERSION:
         raise StaleIndexError(shard, f"sidecar format version {meta.get('version')!r}, this prealign reads "
-                                     f"version {VERSION}", "re-run `prealign index --force` on these shards "
-                                     "(version 3 sidecars serve any schema; their shape patterns never collide)")
+                                     f"version {VERSION} (version 3 sidecars serve any schema; their shape patterns "
+                                     "never collide)", fix)
     types = {"shard": str, "size": int, "hash": str, "config": str, "dims": list, "events": list, "num_events": int}
     for key, typ in types.items():
         if not isinstance(meta.get(key), typ) or isinstance(meta.get(key), bool):
@@ -402,22 +406,44 @@ def shell_shards(urls: list[str]) -> str:
 
 
 def index_command(source) -> str:
-    """The ``prealign index`` command that writes sidecars this loader's source accepts."""
+    """The ``prealign index`` command that writes sidecars this loader's source accepts, every path quoted for
+    a POSIX shell. Remote shards with no ``index_dir`` get ``--out prealign-index`` (a sidecar cannot be
+    written beside a remote object) and what to give the loader then."""
+    import shlex
+
     transform = indexed_transform(source.transform)
     urls = shell_shards(source.urls)
-    out = f" --out {source.index_dir}" if getattr(source, "index_dir", None) else ""
+    index_dir = getattr(source, "index_dir", None) or (REMOTE_INDEX_DIR if _remote_unindexed(source) else None)
+    out = f" --out {shlex.quote(index_dir)}" if index_dir else ""
     if transform is numpy_fields:
         mode = "--text"
     elif isinstance(transform, VLMSampleTransform):
         path = getattr(getattr(transform.tokenizer, "tokenizer", None), "name_or_path", "") or "TOKENIZER_DIR"
-        mode = f"--tokenizer {path}" if getattr(transform.tokenizer, "tokenizer", None) is not None else ""
+        mode = f"--tokenizer {shlex.quote(path)}" if getattr(transform.tokenizer, "tokenizer", None) is not None else ""
         mode += " --processor DIR_WITH_preprocessor_config.json" if transform.processor_options else ""
         mode += f" --topk {transform.topk}" if transform.topk else ""
         mode = mode.strip()
     else:
         return (f"write_sidecars(source, schema, force=True) from prealign.loaders.index.header_pass with this "
-                f"source's transform{out and f' and index_dir {source.index_dir}'}")
+                f"source's transform ({describe_transform(transform)})"
+                f"{index_dir and f' and out_dir={index_dir!r}'}")
     return f"prealign index {mode + ' ' if mode else ''}--force{out} {urls}"
+
+
+REMOTE_INDEX_DIR = "prealign-index"
+"""Where :func:`index_command` has the sidecars of remote shards written (relative to the working directory)."""
+
+
+def _remote_unindexed(source) -> bool:
+    return not getattr(source, "index_dir", None) and any(remote.is_remote(u) for u in source.urls)
+
+
+def index_hint(source) -> str:
+    """``run `<index_command>` `` and, for remote shards with no ``index_dir``, where the loader then finds the
+    sidecars."""
+    then = (f", then give WebDatasetSource(..., index_dir={REMOTE_INDEX_DIR!r}) (the folder it writes in the "
+            f"directory it runs in; or upload the sidecars beside the shards)") if _remote_unindexed(source) else ""
+    return f"run `{index_command(source)}`{then}"
 
 
 def transform_difference(meta: dict, source) -> str:
@@ -544,7 +570,7 @@ def sidecar_records(source, schema) -> dict[int, dict]:
         data = read_sidecar_bytes(source, shard)
         if data is None:
             return None
-        meta, arrays = parse_sidecar(data, shard=url)
+        meta, arrays = parse_sidecar(data, shard=url, source=source)
         check_meta(source, url, meta, key)
         return {**record_of(meta, arrays, shard), "check": expected_of(meta, arrays["spans"])}
 
@@ -562,7 +588,7 @@ def check_meta(source, url: str, meta: dict, key: str) -> None:
         raise StaleIndexError(url, f"its sidecar describes shard {meta['shard']!r}", "a sidecar of another shard")
     if meta["config"] != key:
         raise StaleIndexError(url, f"sidecar built for another transform ({transform_difference(meta, source)})",
-                              f"run `{index_command(source)}`")
+                              index_hint(source))
 
 
 def expected_of(meta: dict, spans: np.ndarray) -> tuple[int, str, int, int]:
