@@ -116,3 +116,85 @@ def test_top_k_with_k_equal_to_l_keeps_its_own_signature(tmp_path):
     indexes = _three_ways(paths, causal_lm_schema(topk="K"))
     assert all(ix.dims["K"] == 4 and len(ix) == 5 and ix.report.counts == {"dim_mismatch": 1} for ix in indexes)
     assert {ix.digest for ix in indexes} == {indexes[0].digest}
+
+
+def _word_tokenizer(path, split: str):
+    """A real fast tokenizer saved to ``path`` (no download): one vocabulary and special tokens, the pre-tokenizer
+    rule ``split``."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>"]
+    words = ["user", "assistant", "\n", " ", "look", "at", "this", "Fine", ".", "?"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(specials + words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(split), behavior="isolated")
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>",
+                            additional_special_tokens=specials[1:]).save_pretrained(str(path))
+    return str(path)
+
+
+def test_tokenizers_that_differ_only_in_their_rules_key_two_indexes_and_the_hint_rebuilds_it(tmp_path):
+    import re
+    import shlex
+
+    from PIL import Image
+    from transformers import AutoTokenizer
+
+    from prealign.loaders import PackedLoader, ShardWriter
+    from prealign.loaders.cli.main import main
+    from prealign.loaders.errors import StaleIndexError
+    from prealign.loaders.index.sidecar import config_key
+    from prealign.loaders.media.chat_tokenizer import HFChatTokenizer
+    from prealign.loaders.media.vlm import VLMSampleTransform
+    from prealign.schemas import ParallelLayout
+    from prealign.schemas.vlm import vlm_schema
+
+    def transform(path):
+        return VLMSampleTransform(tokenizer=HFChatTokenizer(AutoTokenizer.from_pretrained(path, local_files_only=True)))
+
+    a = _word_tokenizer(tmp_path / "a", r"\n|[.?]| +")
+    b = _word_tokenizer(tmp_path / "b", r"\n|[.?]| +|k")  # same vocabulary, specials and probe; "look" splits
+    with ShardWriter(str(tmp_path / "data" / "s-%03d.tar"), transform=transform(a)) as w:
+        for i in range(6):
+            w.write({"json": {"messages": [{"role": "user", "content": "<image>\nlook at this ?"},
+                                           {"role": "assistant", "content": "Fine ." + " look at this" * i}]},
+                     "0.png": Image.fromarray(np.full((56, 56, 3), i * 10, np.uint8))})
+    assert config_key(WebDatasetSource(w.shards, transform=transform(a))) != \
+        config_key(WebDatasetSource(w.shards, transform=transform(b)))
+
+    def loader():
+        return PackedLoader(WebDatasetSource(w.shards, transform=transform(b), image="bytes"), schema=vlm_schema(),
+                            layout=ParallelLayout(), token_budget=8192)
+
+    with pytest.raises(StaleIndexError, match="tokenizer_definition") as exc:
+        loader().prepare()
+    command = re.search(r"run `(prealign index [^`]*)`", str(exc.value)).group(1)
+    assert f"--tokenizer {shlex.quote(b)}" in command
+    assert main(shlex.split(command)[1:]) == 0  # followed
+    batches = list(loader())
+    assert sum(len(x["sample_index"]) for x in batches) == 6
+
+
+class _Repeat:
+    """A custom transform whose ``index_key`` does not say how many times it repeats the ids."""
+
+    def __init__(self, times: int):
+        self.times = times
+
+    def index_key(self) -> str:
+        return "repeat"
+
+    def __call__(self, sample: dict) -> dict:
+        return {"input_ids": np.tile(np.asarray(sample["input_ids.npy"]), self.times)}
+
+
+def test_plain_functions_are_keyed_by_module_and_name_and_a_length_mismatch_names_the_transform(tmp_path):
+    from prealign.loaders.errors import StaleIndexError
+    from prealign.loaders.index.sidecar import describe_transform
+
+    assert describe_transform(_word_tokenizer) == f"{__name__}._word_tokenizer"
+    paths = write_shards(str(tmp_path), sample_lengths(20), num_shards=2)
+    write_sidecars(WebDatasetSource(paths, transform=_Repeat(2)), causal_lm_schema())
+    with pytest.raises(StaleIndexError, match=r"indexed with \d+ tokens, \d+ with this loader's transform .*_Repeat"
+                                              r".*write_sidecars\(source, schema, force=True\)"):
+        build_index(WebDatasetSource(paths, transform=_Repeat(3)), causal_lm_schema())

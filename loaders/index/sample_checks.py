@@ -116,8 +116,7 @@ def signature_verdicts(source, schema: BatchSchema, signatures: list, dim_ids: n
                 result = exc
             if not isinstance(result, SampleError):
                 if result[0] != int(lengths[row]):
-                    raise StaleIndexError(source.where(loc), f"indexed with {int(lengths[row])} tokens, "
-                                          f"{result[0]} under this schema", "re-run `prealign index --force` on it")
+                    raise _length_mismatch(source, loc, int(lengths[row]), result[0])
                 verdict = {**result[1], FIELDS_KEY: ",".join(k for k in optional_keys(schema) if k in sample)}
                 break
             errors[row] = result
@@ -126,6 +125,16 @@ def signature_verdicts(source, schema: BatchSchema, signatures: list, dim_ids: n
                 break
         verdicts.append(verdict)
     return verdicts, errors
+
+
+def _length_mismatch(source, loc: tuple, indexed: int, got: int) -> StaleIndexError:
+    """A sample's length from its sidecar differs from this loader's transform's: the sidecars were built with
+    another transform (one the key does not tell apart), named with the command that rebuilds them."""
+    from prealign.loaders.index.sidecar import index_hint, transform_name
+
+    hint = index_hint(source) if getattr(source, "urls", None) else "rebuild the index with this transform"
+    return StaleIndexError(source.where(loc), f"indexed with {indexed} tokens, {got} with this loader's transform "
+                                              f"{transform_name(source.transform)}", hint)
 
 
 def _structure_error(sample: dict, schema: BatchSchema) -> SampleError | None:

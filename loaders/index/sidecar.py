@@ -349,18 +349,65 @@ def describe_transform(transform) -> str:
         probe = np.asarray(tok.encode("prealign probe: <image> Hello, world!")).tolist()
         return json.dumps({"vlm": {"tokenizer": f"{type(tok).__module__}.{type(tok).__qualname__}",
                                    "vocab_size": int(tok.vocab_size), "vision": repr(tok.vision), "probe": probe,
+                                   "definition": tokenizer_definition(tok),
                                    "topk": transform.topk, "log_prob_dtype": transform.log_prob_dtype,
                                    "pixel_dtype": transform.pixel_dtype, "mrope": transform.mrope,
                                    "processor": sorted(transform.processor_options.items()),
                                    "text_key": transform.text_key,
                                    "images": "upright by EXIF"}}, sort_keys=True, default=str)
-    return f"{type(transform).__module__}.{getattr(transform, '__qualname__', type(transform).__qualname__)}"
+    if hasattr(transform, "__qualname__") and hasattr(transform, "__module__"):  # a function (or a class)
+        return f"{transform.__module__}.{transform.__qualname__}"
+    return f"{type(transform).__module__}.{type(transform).__qualname__}"
+
+
+def transform_name(transform) -> str:
+    """A short name of a transform for messages: ``numpy_fields``, ``mymodule.tokenize``,
+    ``VLMSampleTransform (tokenizer HFChatTokenizer of Qwen2TokenizerFast)``."""
+    transform = indexed_transform(transform)
+    if isinstance(transform, VLMSampleTransform):
+        tok = transform.tokenizer
+        inner = getattr(tok, "tokenizer", None)
+        return (f"VLMSampleTransform (tokenizer {type(tok).__qualname__}"
+                f"{f' of {type(inner).__qualname__}' if inner is not None else ''})")
+    return describe_transform(transform)
+
+
+def tokenizer_definition(tok) -> str:
+    """16 hex digits of everything that decides how ``tok`` (a chat tokenizer, or the Hugging Face tokenizer it
+    wraps) encodes: a fast tokenizer's whole definition (``backend_tokenizer.to_str()``: normalizer,
+    pre-tokenizer, model with its vocabulary and merges, post-processor), a slow one's state (its
+    SentencePiece model, vocabulary and BPE ranks), and either's added and special tokens and chat template.
+    Two tokenizers that differ in any of it (merges, a pre-tokenizer rule) get two keys."""
+    inner = getattr(tok, "tokenizer", tok)
+    parts: dict = {"class": f"{type(inner).__module__}.{type(inner).__qualname__}"}
+    backend = getattr(inner, "backend_tokenizer", None)
+    if backend is not None:
+        parts["definition"] = backend.to_str()
+    else:
+        sp = getattr(inner, "sp_model", None)
+        if sp is not None and callable(getattr(sp, "serialized_model_proto", None)):
+            parts["sentencepiece"] = hashlib.sha256(sp.serialized_model_proto()).hexdigest()
+        if callable(getattr(inner, "get_vocab", None)):
+            parts["vocab"] = sorted(inner.get_vocab().items())
+        ranks = getattr(inner, "bpe_ranks", None)
+        if isinstance(ranks, dict):
+            parts["merges"] = sorted((" ".join(map(str, k)), v) for k, v in ranks.items())
+        if len(parts) == 1:  # no Hugging Face tokenizer: its plain settings (never an object's address)
+            parts["object"] = [(k, repr(v)) for k, v in sorted(getattr(inner, "__dict__", {}).items())
+                               if " at 0x" not in repr(v)]
+    added = getattr(inner, "added_tokens_decoder", None)
+    if isinstance(added, dict):
+        parts["added"] = sorted((int(i), str(t)) for i, t in added.items())
+    parts["special"] = sorted(map(str, getattr(inner, "all_special_tokens", ())))
+    parts["chat_template"] = getattr(inner, "chat_template", None)
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def transform_fields(source) -> dict[str, str]:
     """What an index's lengths and data signatures depend on, field by field: the transform (a VLM's
-    tokenizer class, vocabulary, vision tokens, a probe of its encoding (never its folder: the same tokenizer
-    read from another path is the same), image processor options, text member, top-k), the members the
+    tokenizer class, vocabulary, vision tokens, a probe of its encoding and a hash of its whole definition
+    (:func:`tokenizer_definition`; never its folder: the same tokenizer read from another path is the same),
+    image processor options, text member, top-k), the members the
     source requires. Never the schema: pad id, vocabulary bound, ignore index and
     fields are checked when a loader reads the sidecar and loads the samples."""
     transform = indexed_transform(source.transform)
@@ -371,7 +418,7 @@ def transform_fields(source) -> dict[str, str]:
         fields.update({"transform": "VLMSampleTransform",
                        "tokenizer": f"{type(tok).__module__}.{type(tok).__qualname__}",
                        "vocab_size": str(int(tok.vocab_size)), "vision_tokens": repr(tok.vision),
-                       "tokenizer_probe": json.dumps(probe),
+                       "tokenizer_probe": json.dumps(probe), "tokenizer_definition": tokenizer_definition(tok),
                        "processor": json.dumps(sorted(transform.processor_options.items()), default=str),
                        "text_key": transform.text_key, "topk": str(transform.topk), "images": "upright by EXIF"})
     else:
