@@ -204,3 +204,31 @@ def test_a_sidecar_of_another_data_set_in_a_shared_index_dir_is_never_overwritte
 def test_max_samples_is_a_positive_int(tmp_path, max_samples):
     with pytest.raises(ConfigError, match="max_samples"):
         ShardWriter(str(tmp_path / "s-%03d.tar"), max_samples=max_samples)
+
+
+def test_pre_tokenized_vlm_samples_load_their_own_ids_from_sidecars_and_in_process(tmp_path):
+    from PIL import Image
+
+    from prealign.loaders import BadDataPolicy
+    from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
+    from prealign.loaders.media.vlm import VLMSampleTransform
+    from prealign.schemas.vlm import vlm_schema
+
+    transform = VLMSampleTransform(tokenizer=ByteTokenizer())
+    png = io.BytesIO()
+    Image.fromarray(np.full((56, 56, 3), 60, np.uint8)).save(png, format="PNG")
+    written = []
+    with ShardWriter(str(tmp_path / "v-%03d.tar"), transform=transform) as w:
+        for i in range(4):
+            chat = {"messages": [{"role": "user", "content": "<image>\nwhat?"},
+                                 {"role": "assistant", "content": "x" * (5 + i)}], "images": ["0.png"]}
+            ids = transform({"__key__": "k", "json": chat, "0.png": png.getvalue()})["input_ids"].numpy()
+            written.append(ids)  # the ids are the sample (its text member says nothing of them)
+            w.write({"__key__": f"s{i}", "input_ids": ids, "json": {"text": "<image>\n", "images": ["0.png"]},
+                     "0.png": png.getvalue()})
+    for sidecars in (True, False):
+        loader = PackedLoader(WebDatasetSource(w.shards, transform=transform, image="bytes", sidecars=sidecars),
+                              schema=vlm_schema(), layout=ParallelLayout(), token_budget=8192,
+                              bad_data=BadDataPolicy(on_error="skip", warn=False))
+        batch = next(iter(loader))
+        assert sorted(batch["input_ids"].reshape(-1).tolist()) == sorted(np.concatenate(written).tolist()), sidecars
