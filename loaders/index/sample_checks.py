@@ -99,31 +99,36 @@ def signature_verdicts(source, schema: BatchSchema, signatures: list, dim_ids: n
     is a bad record itself and the next row is tried; a row whose structure fails (:func:`flatten` without value
     checks: shape, rank, dtype, a missing field: what the signature fixes) condemns every row of its signature,
     with that error (verdict None). ``errors`` maps each bad row to its error."""
-    verdicts: list[dict | None] = []
+    verdicts: list[dict | None] = [None] * len(signatures)
     errors: dict[int, SampleError] = {}
     order = np.argsort(dim_ids, kind="stable")
     bounds = np.searchsorted(dim_ids[order], np.arange(len(signatures) + 1))
-    for k in range(len(signatures)):
-        rows = order[bounds[k]:bounds[k + 1]].tolist()
-        verdict = None
-        for row in rows:
-            loc = tuple(int(x) for x in locations[row])
-            sample = None
+    left = {k: order[bounds[k]:bounds[k + 1]][::-1].tolist()  # each signature's rows, the next to try last
+            for k in range(len(signatures)) if bounds[k + 1] > bounds[k]}
+    while left:  # a round: the next row of every undecided signature, validated in chunks (one collator call each)
+        tried = [(k, rows.pop()) for k, rows in left.items()]
+        samples: list = []
+        for _, row in tried:
             try:
-                sample = source.load(loc)
-                result = validated([sample], schema)[0]
+                samples.append(source.load(tuple(int(x) for x in locations[row])))
             except SampleError as exc:  # found bad only now (e.g. an image body, with header-only indexing)
-                result = exc
+                samples.append(exc)
+        loaded = [x for x in samples if not isinstance(x, SampleError)]
+        results = iter([r for i in range(0, len(loaded), VALIDATION_CHUNK)
+                        for r in validated(loaded[i:i + VALIDATION_CHUNK], schema)])
+        for (k, row), sample in zip(tried, samples):
+            result = sample if isinstance(sample, SampleError) else next(results)
             if not isinstance(result, SampleError):
                 if result[0] != int(lengths[row]):
-                    raise _length_mismatch(source, loc, int(lengths[row]), result[0])
-                verdict = {**result[1], FIELDS_KEY: ",".join(k for k in optional_keys(schema) if k in sample)}
-                break
+                    raise _length_mismatch(source, tuple(int(x) for x in locations[row]), int(lengths[row]), result[0])
+                verdicts[k] = {**result[1], FIELDS_KEY: ",".join(f for f in optional_keys(schema) if f in sample)}
+                del left[k]
+                continue
             errors[row] = result
-            if sample is not None and _structure_error(sample, schema) is not None:
-                errors.update({r: result for r in rows if r not in errors})  # the signature's: every sample has it
-                break
-        verdicts.append(verdict)
+            if not isinstance(sample, SampleError) and _structure_error(sample, schema) is not None:
+                errors.update({r: result for r in left.pop(k)})  # the signature's: every sample of it has it
+            elif not left[k]:
+                del left[k]  # every row failed, each on its own value
     return verdicts, errors
 
 
