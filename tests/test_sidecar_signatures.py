@@ -67,6 +67,7 @@ def test_value_errors_are_their_samples_alone_whichever_the_index(shards, schema
     assert all(len(ix) == 40 - bad for ix in indexes)
     assert {ix.digest for ix in indexes} == {indexes[0].digest}
     assert all(ix.report.counts == ({"bad_sample": bad} if bad else {}) for ix in indexes)
+    assert all(ix.report.to_dict() == indexes[0].report.to_dict() for ix in indexes)  # each sample named alike
     assert {ix.dims == indexes[0].dims for ix in indexes} == {True}
 
 
@@ -78,8 +79,9 @@ def test_a_structure_error_condemns_its_signature_everywhere(shards):
 
 def test_the_first_bad_value_raises_under_the_default_policy_whichever_the_index(shards):
     errors = _three_ways(shards, causal_lm_schema(vocab_size=12_000), policy=BadDataPolicy())
-    assert all(isinstance(e, BadSampleError) and "shard-000.tar" in str(e) and "got 15000 at token 3" in str(e)
+    assert all(isinstance(e, BadSampleError) and "shard-000.tar:000000" in str(e) and "got 15000 at token 3" in str(e)
                for e in errors)
+    assert {str(e) for e in errors} == {str(errors[0])}
 
 
 @given(st.lists(st.integers(0, 8), min_size=1, max_size=3), st.integers(0, 8),

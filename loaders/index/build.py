@@ -241,18 +241,18 @@ def resolve_signatures(records: dict[int, dict], source: Source, schema: BatchSc
         lo, hi = np.searchsorted(bad_rows, [starts[i], starts[i + 1]])
         mine = {int(row - starts[i]): errors[int(row)] for row in bad_rows[lo:hi]}
         r = {**records[s], "dims": [verdicts[g] or {} for g in local[s].tolist()]}
-        out[s] = _with_bad_rows(r, mine, source, s) if mine else r
+        out[s] = _with_bad_rows(r, mine) if mine else r
     return out
 
 
-def _with_bad_rows(r: dict, errors: dict[int, SampleError], source: Source, shard: int) -> dict:
+def _with_bad_rows(r: dict, errors: dict[int, BadSampleError]) -> dict:
     """Record ``r`` with the good samples at rows ``errors`` turned into bad records (each named, with its error)."""
     drop = np.zeros(len(r["lengths"]), dtype=bool)
     drop[list(errors)] = True
     events = list(r["events"])
     at = np.flatnonzero([ev[0] == "ok" for ev in events])  # event position of each good sample
     for i in sorted(errors):
-        events[int(at[i])] = bad_row_event(source, (shard, *map(int, r["spans"][i])), errors[i])
+        events[int(at[i])] = bad_row_event(errors[i])
     keep = ~drop
     return {**r, "spans": r["spans"][keep], "lengths": np.asarray(r["lengths"])[keep],
             "media": np.asarray(r["media"])[keep], "dim_ids": np.asarray(r["dim_ids"])[keep], "events": events,

@@ -140,8 +140,7 @@ def merged_index(source, schema, policy: BadDataPolicy) -> SampleIndex | None:
         is_event = np.zeros(int(first_record[-1]), bool)
         is_event[[at for at, _ in recorded]] = True
         ok_at = np.flatnonzero(~is_event)  # stream position of each good row
-        recorded += [(int(ok_at[row]), bad_row_event(source, tuple(map(int, locations[row])), err))
-                     for row, err in errors.items()]
+        recorded += [(int(ok_at[row]), bad_row_event(err)) for row, err in errors.items()]
     gate, last = BadDataGate(policy), -1
     for at, ev in sorted(recorded, key=lambda e: e[0]):  # the whole stream's bad records, in order
         if at > last + 1:

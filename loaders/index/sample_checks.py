@@ -98,7 +98,9 @@ def signature_verdicts(source, schema: BatchSchema, signatures: list, dim_ids: n
     A row that fails on a value (an id past the vocabulary, a non-finite log-prob, a body that does not decode)
     is a bad record itself and the next row is tried; a row whose structure fails (:func:`flatten` without value
     checks: shape, rank, dtype, a missing field: what the signature fixes) condemns every row of its signature,
-    with that error (verdict None). ``errors`` maps each bad row to its error."""
+    with that error (verdict None). ``errors`` maps each bad row to its error, a :class:`BadSampleError` naming
+    the sample as the in-process pass does (``url:key`` when it was read; the rows condemned unread by their
+    location)."""
     verdicts: list[dict | None] = [None] * len(signatures)
     errors: dict[int, SampleError] = {}
     order = np.argsort(dim_ids, kind="stable")
@@ -108,15 +110,20 @@ def signature_verdicts(source, schema: BatchSchema, signatures: list, dim_ids: n
     while left:  # a round: the next row of every undecided signature, validated in chunks (one collator call each)
         tried = [(k, rows.pop()) for k, rows in left.items()]
         samples: list = []
+        names: list[str] = []  # each sample named as the in-process pass names it (``url:key``)
         for _, row in tried:
+            loc = tuple(int(x) for x in locations[row])
+            names.append(source.where(loc))
             try:
-                samples.append(source.load(tuple(int(x) for x in locations[row])))
+                raw = source.read(loc)
+                names[-1] = source.sample_name(raw, loc)
+                samples.append(source.apply_transform(raw, loc))
             except SampleError as exc:  # found bad only now (e.g. an image body, with header-only indexing)
                 samples.append(exc)
         loaded = [x for x in samples if not isinstance(x, SampleError)]
         results = iter([r for i in range(0, len(loaded), VALIDATION_CHUNK)
                         for r in validated(loaded[i:i + VALIDATION_CHUNK], schema)])
-        for (k, row), sample in zip(tried, samples):
+        for (k, row), sample, name in zip(tried, samples, names):
             result = sample if isinstance(sample, SampleError) else next(results)
             if not isinstance(result, SampleError):
                 if result[0] != int(lengths[row]):
@@ -124,9 +131,10 @@ def signature_verdicts(source, schema: BatchSchema, signatures: list, dim_ids: n
                 verdicts[k] = {**result[1], FIELDS_KEY: ",".join(f for f in optional_keys(schema) if f in sample)}
                 del left[k]
                 continue
-            errors[row] = result
+            errors[row] = _named(result, name)
             if not isinstance(sample, SampleError) and _structure_error(sample, schema) is not None:
-                errors.update({r: result for r in left.pop(k)})  # the signature's: every sample of it has it
+                errors.update({r: _named(result, source.where(tuple(int(x) for x in locations[r])))
+                               for r in left.pop(k)})  # the signature's: every sample of it has it (not read)
             elif not left[k]:
                 del left[k]  # every row failed, each on its own value
     return verdicts, errors
@@ -151,10 +159,15 @@ def _structure_error(sample: dict, schema: BatchSchema) -> SampleError | None:
     return None
 
 
-def bad_row_event(source, loc: tuple, err: SampleError) -> list:
-    """A bad record (``["bad", where, record]``) for the sample at ``loc`` found bad by ``err``."""
-    where = source.where(loc)
+def _named(err: SampleError, where: str) -> BadSampleError:
+    """``err`` (the collator's, naming sample 0 of a one-sample batch) as a bad sample named ``where``."""
     reason = getattr(err, "reason", None)
-    return ["bad", where, error_record(BadSampleError(
-        sample=where, field=err.field, expected=err.expected, actual=err.actual,
-        reason=reason if isinstance(reason, str) else None))]
+    if isinstance(err, BadSampleError) and err.sample == where:
+        return err
+    return BadSampleError(sample=where, field=err.field, expected=err.expected, actual=err.actual,
+                          reason=reason if isinstance(reason, str) else None)
+
+
+def bad_row_event(err: BadSampleError) -> list:
+    """A bad record (``["bad", where, record]``) of a sample found bad by ``err`` (naming it)."""
+    return ["bad", str(err.sample), error_record(err)]
