@@ -14,8 +14,8 @@ names, duplicate and required members, every ``.npy`` header (numeric dtype, tok
 every image header (an allowed format, a size, an aspect ratio the processor takes; by default the
 pixels are decoded too, without the processor's resize and normalisation) and the teacher top-k
 shapes (``[L, K]``). No schema is involved: a sidecar serves any schema. What it leaves to the loader: the
-schema's shapes, dtypes and optional fields (one sample of each data signature, when the sidecar is
-read), array values (ids within the vocabulary, finite and sorted log-probs, ...: when each sample is
+schema's shapes, dtypes and optional fields (the samples of each data signature tried until one passes,
+when the sidecar is read), array values (ids within the vocabulary, finite and sorted log-probs, ...: when each sample is
 loaded, under the bad-data policy), and, with
 ``VLMRule(verify_images=False)``, pixel data past the header. A sample found bad only then raises when it is loaded
 (the default policy); see :mod:`prealign.loaders.index.sidecar` for the checksum that catches changed bytes.
@@ -113,7 +113,7 @@ def shape_pattern(shape: tuple, n: int) -> str:
 class TextRule:
     """``numpy_fields`` samples: the length is ``input_ids.npy``'s first dim (``input_ids`` must be ``[L]``).
     Signature, of the data alone (no schema): each array's dtype and shape pattern (:func:`shape_pattern`) and the
-    other member names; a schema's token dims, dtypes and optional fields are checked on one sample of each
+    other member names; a schema's token dims, dtypes and optional fields are checked on a sample of each
     signature when a loader reads the sidecar."""
 
     def __init__(self, schema: BatchSchema | None = None):

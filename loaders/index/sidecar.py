@@ -24,10 +24,11 @@ key            dtype / shape   meaning
 
 A sidecar describes the data, not one training configuration: it serves a loader with any schema,
 layout, token budget, pad id or vocabulary. What depends on the schema is decided when a loader reads
-it (:func:`~prealign.loaders.index.build.resolve_signatures`): one sample of each data signature runs
-through the loader's collator (shapes, dtypes, named dims, optional fields), and every sample's values
-(ids below the vocabulary, label rules, finite log-probs) are checked when it is loaded, under the
-bad-data policy (counted under ``skip``). Only the transform that turns a sample's members into tokens
+it (:func:`~prealign.loaders.index.sample_checks.signature_verdicts`): the samples of each data signature
+run through the loader's collator until one passes (shapes, dtypes, named dims, optional fields; a value error
+is its sample's alone, a structure error its signature's), and every other sample's values (ids below the
+vocabulary, label rules, finite log-probs) are checked when it is loaded, under the bad-data policy (counted
+under ``skip``). Only the transform that turns a sample's members into tokens
 is part of the key (``config``): a VLM's lengths depend on its tokenizer and image processor. A loader
 with another transform gets a :class:`~prealign.loaders.errors.StaleIndexError` naming the field that
 differs and the ``prealign index`` command that rebuilds the sidecars for it. Sidecars of version 1
