@@ -7,7 +7,7 @@ import os
 
 import numpy as np
 import pytest
-from hypothesis import example, given
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from prealign.loaders import BadDataPolicy, WebDatasetSource, build_index
@@ -20,8 +20,8 @@ from prealign.schemas.schema import causal_lm_schema
 from .loader_helpers import _npy, add_member, sample_lengths, token_ids, write_shards
 
 SKIP = BadDataPolicy(on_error="skip", warn=False, max_consecutive=1000)
-OOV = tuple(range(10))  # an id past a 12k vocabulary: every sample of shard 0, the first of the signature
-# (a value-bad sample after the first good one of its signature is found when it is loaded: docs/loaders.md)
+OOV = (*range(10), 25, 37)  # an id past a 12k vocabulary: every sample of shard 0, the first of the signature,
+# and two after a good one, in other shards (found by their recorded id bounds, as the in-process pass finds them)
 
 
 def _oov(i, tf):
@@ -200,3 +200,37 @@ def test_plain_functions_are_keyed_by_module_and_name_and_a_length_mismatch_name
     with pytest.raises(StaleIndexError, match=r"indexed with \d+ tokens, \d+ with this loader's transform .*_Repeat"
                                               r".*write_sidecars\(source, schema, force=True\)"):
         build_index(WebDatasetSource(paths, transform=_Repeat(3)), causal_lm_schema())
+
+
+_VALUES = st.sampled_from([-100, -5, 0, 1, 7, 99, 100, 103])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_VALUES, min_size=2, max_size=6), st.lists(_VALUES, min_size=6, max_size=6),
+       st.lists(_VALUES, min_size=12, max_size=12), st.booleans(), st.booleans(), st.sampled_from([-100, -1]))
+@example([1, 7], [-100, 7, 0, 0, 0, 0], [0] * 12, True, False, -100).via("a label at the ignore index")
+@example([1, 7], [-1, 7, 0, 0, 0, 0], [0] * 12, True, False, -100).via("a negative label, not the ignore index")
+@example([1, 7], [0] * 6, [0, 0, 100, 0] + [0] * 8, False, True, -100).via("a top-k id past the vocabulary")
+def test_recorded_bounds_flag_every_sample_the_collator_refuses_for_an_id(ids, labels, topk, with_labels, with_topk,
+                                                                          ignore):
+    """``bound_suspects`` is a superset of the collator's id-value refusals (vocabulary 100, the ignore index on
+    labels), and flags nothing where every id is in range and every negative label is the ignore index."""
+    import torch
+
+    from prealign.loaders.index.sample_checks import bound_suspects, validated, value_bounds
+
+    n = len(ids)
+    sample = {"input_ids": torch.tensor(ids)}
+    if with_labels:
+        sample["labels"] = torch.tensor(labels[:n])
+    if with_topk:
+        sample["teacher_topk_ids"] = torch.tensor(topk[:2 * n]).view(n, 2)
+        sample["teacher_topk_log_probs"] = torch.full((n, 2), -1.0)
+    schema = causal_lm_schema(vocab_size=100, topk=2 if with_topk else None, ignore_index=ignore)
+    refused = isinstance(validated([sample], schema)[0], Exception)
+    flagged = bool(bound_suspects(schema, value_bounds(sample)[None])[0])
+    assert flagged or not refused
+    clean = all(0 <= v < 100 for v in ids) and all(0 <= v < 100 or v == ignore
+                                                   for v in sample.get("labels", torch.zeros(1)).tolist()) \
+        and all(0 <= v < 100 for v in sample.get("teacher_topk_ids", torch.zeros(1)).view(-1).tolist())
+    assert not (clean and flagged)

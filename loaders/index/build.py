@@ -35,6 +35,7 @@ from prealign.loaders.index.sample_checks import (
     optional_keys,
     signature_verdicts,
     validated,
+    value_errors,
 )
 from prealign.loaders.index.sample_index import SampleIndex
 from prealign.loaders.index.sidecar import check_source
@@ -211,8 +212,10 @@ def resolve_signatures(records: dict[int, dict], source: Source, schema: BatchSc
     """Sidecar records made this schema's. A sidecar keeps each sample's data signature (member dtypes and
     shape patterns, :mod:`~prealign.loaders.index.header_pass`), not a schema's verdict: the signatures are
     checked over all shards at once (:func:`~prealign.loaders.index.sample_checks.signature_verdicts`: rows of a
-    signature tried until one passes; a value error is its row's, a structure error its signature's). Bad rows
-    become bad records, in place, for the bad-data policy; the other samples' values are checked when loaded."""
+    signature tried until one passes; a value error is its row's, a structure error its signature's), then every
+    sample's recorded id bounds against the schema's, vectorised (:func:`~prealign.loaders.index.sample_checks.
+    value_errors`: the suspects loaded and checked exactly). Bad rows become bad records, in place, for the
+    bad-data policy; the other values (finite log-probs, vision placeholders, ...) are checked when loaded."""
     shards = sorted(records)
     keys: dict[str, int] = {}
     signatures: list[dict] = []
@@ -233,7 +236,10 @@ def resolve_signatures(records: dict[int, dict], source: Source, schema: BatchSc
                                 np.int64).reshape(n, 3)], axis=1) for s, n in zip(shards, counts)]) \
         if shards else np.zeros((0, 4), np.int64)
     lengths = np.concatenate([np.asarray(records[s]["lengths"], np.int64) for s in shards]) if shards else dim_ids
+    bounds = np.concatenate([np.asarray(records[s]["bounds"], np.int64).reshape(-1, 3, 4) for s in shards]) \
+        if shards else np.zeros((0, 3, 4), np.int64)
     verdicts, errors = signature_verdicts(source, schema, signatures, dim_ids, locations, lengths)
+    errors.update(value_errors(source, schema, bounds, locations, dim_ids, verdicts, errors))
     bad_rows = np.asarray(sorted(errors), np.int64)
     starts = np.concatenate([[0], np.cumsum(counts)])
     out = {}
@@ -255,7 +261,8 @@ def _with_bad_rows(r: dict, errors: dict[int, BadSampleError]) -> dict:
         events[int(at[i])] = bad_row_event(errors[i])
     keep = ~drop
     return {**r, "spans": r["spans"][keep], "lengths": np.asarray(r["lengths"])[keep],
-            "media": np.asarray(r["media"])[keep], "dim_ids": np.asarray(r["dim_ids"])[keep], "events": events,
+            "media": np.asarray(r["media"])[keep], "dim_ids": np.asarray(r["dim_ids"])[keep],
+            "bounds": np.asarray(r["bounds"]).reshape(-1, 3, 4)[keep], "events": events,
             "bad_events": [[p, ev] for p, ev in enumerate(events) if ev[0] != "ok"]}
 
 

@@ -31,6 +31,8 @@ import os
 import stat
 from typing import Callable
 
+import numpy as np
+
 from prealign.loaders.errors import (
     BadSampleError,
     CorruptShardError,
@@ -40,7 +42,7 @@ from prealign.loaders.errors import (
     StaleIndexError,
 )
 from prealign.loaders.index.events import error_record
-from prealign.loaders.index.sample_checks import has_media
+from prealign.loaders.index.sample_checks import BOUNDED, has_media, value_bounds
 from prealign.loaders.index.sidecar import (
     Fingerprint,
     config_key,
@@ -72,6 +74,7 @@ from prealign.loaders.sources.header_lengths import (
     npy_header,
     qwen2vl_grid,
 )
+from prealign.loaders.sources.npy import NpyFormatError, parse_npy_header
 from prealign.loaders.sources.shard_files import check_index_dir_names, sample_checksum, shard_name, sidecar_path
 from prealign.loaders.sources.source import Skip
 from prealign.loaders.sources.tar_decode import IMAGES, decode_member, split_member_name
@@ -119,11 +122,11 @@ class TextRule:
     def __init__(self, schema: BatchSchema | None = None):
         del schema  # (a sidecar describes the data: the schema is checked when it is read)
 
-    def __call__(self, members: dict[str, bytes], where: str) -> tuple[int, bool, tuple]:
+    def __call__(self, members: dict[str, bytes], where: str) -> tuple[int, bool, tuple, None]:
         if len(members) == 1 and "input_ids.npy" in members:  # the common pre-tokenized sample
             shape, dtype = npy_header(members["input_ids.npy"], field="input_ids.npy", sample=where)
             if len(shape) == 1:
-                return shape[0], False, ((("input_ids", dtype.str, "L"),), ())
+                return shape[0], False, ((("input_ids", dtype.str, "L"),), ()), None
         heads = _npy_headers(members, where)
         if "input_ids" not in heads or len(heads["input_ids"][0]) != 1:
             raise BadSampleError(sample=where, field="input_ids", expected="an input_ids.npy member of shape [L]",
@@ -132,7 +135,7 @@ class TextRule:
         n = heads["input_ids"][0][0]
         sig = tuple((name, dtype.str, shape_pattern(shape, n)) for name, (shape, dtype) in sorted(heads.items()))
         media = any(not heads[k][0] or heads[k][0][0] > 0 for k in MEDIA_MEMBERS if k in heads)
-        return n, media, (sig, tuple(sorted(e for e in members if not e.endswith(".npy"))))
+        return n, media, (sig, tuple(sorted(e for e in members if not e.endswith(".npy")))), None
 
 
 class VLMRule:
@@ -147,7 +150,7 @@ class VLMRule:
         self.geometry = Qwen2VLGeometry.of(transform.image_processor)
         self.merge = transform.spatial_merge_size
 
-    def __call__(self, members: dict[str, bytes], where: str) -> tuple[int, bool, tuple]:
+    def __call__(self, members: dict[str, bytes], where: str) -> tuple[int, bool, tuple, object]:
 
         key = where
         raw = {"__key__": key, **{e: d for e, d in members.items() if not e.endswith(".npy")}}
@@ -164,6 +167,7 @@ class VLMRule:
             tokens.append(t * gh * gw // self.merge ** 2)
         videos = self.t.header_video_ids(raw, meta, key, lambda name, data: self._size(name, data, key))
         heads = _npy_headers(members, where)
+        ids = None  # the rendered ids (a pre-tokenized sample's are its member's)
         if "input_ids" in heads:
             shape = heads["input_ids"][0]
             n = 1
@@ -183,7 +187,7 @@ class VLMRule:
                     raise BadSampleError(sample=key, field=name, expected=f"shape [L={n}, K={self.t.topk}]",
                                          actual=f"shape {list(shape)}", hint="one row per token, constant K")
                 sig.append((name, dtype.str))
-        return n, bool(tokens or videos), tuple(sig)
+        return n, bool(tokens or videos), tuple(sig), ids
 
     def _size(self, name: str, data, key) -> tuple[int, int]:
         """``(width, height)`` of an image or video frame member, from its header (decoded too with
@@ -245,7 +249,7 @@ def transform_pass(source, shard: int) -> dict:
     """A shard's data-only record from the full transform (no header rule, no schema): locations, lengths,
     media flags (:data:`MEDIA_MEMBERS` with a row), the data signature of each sample and data-level bad
     records (decode or transform errors)."""
-    locations, lengths, media, events, dims, dim_ids = [], [], [], [], [], []
+    locations, lengths, media, events, dims, dim_ids, value_rows = [], [], [], [], [], [], []
     for loc, item in source.scan(shard):
         if isinstance(item, Skip):
             events.append(["skip", item.reason, item.where, item.message])
@@ -272,9 +276,10 @@ def transform_pass(source, shard: int) -> dict:
         lengths.append(n)
         media.append(has_media(sample, MEDIA_MEMBERS))
         dim_ids.append(dims.index(sig))
+        value_rows.append(value_bounds(sample))
         events.append(["ok"])
     return {"shard": shard, "locations": locations, "lengths": lengths, "media": media, "dims": dims,
-            "dim_ids": dim_ids, "events": events}
+            "dim_ids": dim_ids, "events": events, "bounds": _stacked(value_rows)}
 
 
 def length_rule(source, schema: BatchSchema, *, verify_images: bool = True) -> Callable | None:
@@ -334,7 +339,7 @@ def open_shard(url: str, opts=None) -> Fingerprint:
 
 def _header_pass(source, schema, shard: int, rule, f) -> dict:
     url = source.urls[shard]
-    locations, lengths, media, events, dims, dim_ids = [], [], [], [], [], []
+    locations, lengths, media, events, dims, dim_ids, value_rows = [], [], [], [], [], [], []
     by_sig: dict[tuple, int] = {}
 
     def sample(key: str, start: int, end: int, members: list[tuple[str, bytes, str]], duplicate: bool) -> None:
@@ -353,7 +358,8 @@ def _header_pass(source, schema, shard: int, rule, f) -> dict:
             for ext, data, _ in members:  # small members decoded as the full pass does (JSON, text, refusals)
                 if not ext.endswith(".npy") and ext.rpartition(".")[2] not in IMAGES:
                     decode_member(where, ext, data, image=source.image, extra=source.decoders, limits=source.limits)
-            n, has_media, sig = rule(exts, where)
+            n, has_media, sig, rendered = rule(exts, where)
+            bounds = value_bounds({**_bounded_members(exts), **({} if rendered is None else {"input_ids": rendered})})
         except SampleError as exc:
             events.append(["bad", where, error_record(exc if isinstance(exc, BadSampleError) else BadSampleError(
                 sample=where, field=exc.field, expected=exc.expected, actual=exc.actual))])
@@ -383,6 +389,7 @@ def _header_pass(source, schema, shard: int, rule, f) -> dict:
         lengths.append(n)
         media.append(has_media)
         dim_ids.append(by_sig[sig])
+        value_rows.append(bounds)
         events.append(["ok"])
 
     key, start, end, members, seen = None, 0, 0, [], set()
@@ -407,7 +414,30 @@ def _header_pass(source, schema, shard: int, rule, f) -> dict:
     if members:
         sample(key, start, end, members, key in seen)
     return {"shard": shard, "locations": locations, "lengths": lengths, "media": media, "dims": dims,
-            "dim_ids": dim_ids, "events": events}
+            "dim_ids": dim_ids, "events": events, "bounds": _stacked(value_rows)}
+
+
+def _bounded_members(exts: dict[str, bytes]) -> dict[str, np.ndarray]:
+    """The :data:`~prealign.loaders.index.sample_checks.BOUNDED` ``.npy`` members of a sample, as views of their
+    bytes (no copy; never unpickled; their headers were checked by the rule). An integer member whose data is
+    shorter than its header says is left out (the full pass refuses it when it loads)."""
+    out = {}
+    for name in BOUNDED:
+        data = exts.get(f"{name}.npy")
+        if data is None:
+            continue
+        try:
+            head = parse_npy_header(data, member=f"{name}.npy")
+        except NpyFormatError:
+            continue
+        count = int(np.prod(head.shape))
+        if head.dtype.kind in "iu" and head.offset + count * head.dtype.itemsize <= len(data):
+            out[name] = np.frombuffer(data, dtype=head.dtype, count=count, offset=head.offset)
+    return out
+
+
+def _stacked(rows: list) -> np.ndarray:
+    return np.stack(rows) if rows else np.zeros((0, len(BOUNDED), 4), np.int64)
 
 
 

@@ -20,6 +20,7 @@ key            dtype / shape   meaning
 ``lengths``    int64 ``[N]``   token lengths
 ``media``      bool ``[N]``    the sample carries media
 ``dim_ids``    int64 ``[N]``   row of ``meta.dims`` each sample has
+``bounds``     int64 [N,3,4]   value bounds of each sample's ids (as in the sidecars)
 =============  ==============  ======================================================================
 
 The records it gives are those the sidecars give, so the index is the same either way; each shard is still
@@ -37,7 +38,7 @@ import numpy as np
 from prealign.loaders.errors import StaleIndexError
 from prealign.loaders.index import sidecar
 from prealign.loaders.index.events import error_from_record, record_reason
-from prealign.loaders.index.sample_checks import FIELDS_KEY, bad_row_event, signature_verdicts
+from prealign.loaders.index.sample_checks import FIELDS_KEY, bad_row_event, signature_verdicts, value_errors
 from prealign.loaders.index.sample_index import SampleIndex
 from prealign.loaders.policy import BadDataGate, BadDataPolicy
 from prealign.loaders.sources import remote
@@ -45,10 +46,10 @@ from prealign.loaders.sources.npy import read_npz
 from prealign.loaders.sources.shard_files import shard_name
 
 FORMAT = "prealign-merged-index"
-VERSION = 1
+VERSION = 2
 NAME = "prealign-index.merged.npz"
 _PER_SHARD = frozenset({"shard", "size", "hash", "probe", "dims", "events", "num_events"})
-_KEYS = frozenset({"meta", "shards", "spans", "lengths", "media", "dim_ids"})
+_KEYS = frozenset({"meta", "shards", "spans", "lengths", "media", "dim_ids", "bounds"})
 _MAX_FILE = 1 << 40
 
 
@@ -68,7 +69,7 @@ def merge_sidecars(source, path: str | None = None) -> dict:
     ``prealign index`` first), and all of them the same configuration. Returns ``{"path", "shards", "samples"}``."""
     path = path or merged_path(source)
     names, probes, table, events, dims = [], [], [], [], []
-    parts: dict[str, list] = {"spans": [], "lengths": [], "media": [], "dim_ids": []}
+    parts: dict[str, list] = {"spans": [], "lengths": [], "media": [], "dim_ids": [], "bounds": []}
     common = None
     for shard, url in enumerate(source.urls):
         data = sidecar.read_sidecar_bytes(source, shard)
@@ -90,7 +91,7 @@ def merge_sidecars(source, path: str | None = None) -> dict:
         probes.append(probe)
         table.append((size, len(arrays["lengths"]), meta["num_events"], first, last))
         events.extend([shard, pos, ev] for pos, ev in meta["events"])
-        for key in ("spans", "lengths", "media"):
+        for key in ("spans", "lengths", "media", "bounds"):
             parts[key].append(arrays[key])
         parts["dim_ids"].append(ids[arrays["dim_ids"]] if len(ids) else arrays["dim_ids"])
     meta = {"format": FORMAT, "version": VERSION, "names": names, "common": common, "probes": probes,
@@ -101,7 +102,8 @@ def merge_sidecars(source, path: str | None = None) -> dict:
              spans=np.concatenate(parts["spans"]).reshape(-1, 3).astype(np.int64),
              lengths=np.concatenate(parts["lengths"]).astype(np.int64),
              media=np.concatenate(parts["media"]).astype(bool),
-             dim_ids=np.concatenate(parts["dim_ids"]).astype(np.int64))
+             dim_ids=np.concatenate(parts["dim_ids"]).astype(np.int64),
+             bounds=np.concatenate(parts["bounds"]).reshape(-1, 3, 4).astype(np.int64))
     tmp = f"{path}.{os.getpid()}.part"
     with open(tmp, "wb") as f:
         f.write(buf.getvalue())
@@ -128,6 +130,7 @@ def merged_index(source, schema, policy: BadDataPolicy) -> SampleIndex | None:
     locations[:, 0], locations[:, 1:] = shards, a["spans"]
     _install_checks(source, meta, table)  # (the samples loaded below are checked against it too)
     verdicts, errors = signature_verdicts(source, schema, meta["dims"], a["dim_ids"], locations, a["lengths"])
+    errors.update(value_errors(source, schema, a["bounds"], locations, a["dim_ids"], verdicts, errors))
     fixed: dict = {}
     for d in (v for v in verdicts if v is not None):  # the signatures made this schema's, as the sidecars' path
         if any(fixed.get(k, v) != v for k, v in d.items()):
@@ -206,7 +209,7 @@ def merged_records(source, schema) -> dict[int, dict] | None:
     out = {}
     for s, (size, _, num_events, first, last) in enumerate(table.tolist()):
         lo, hi = bounds[s], bounds[s + 1]
-        arrays = {k: a[k][lo:hi] for k in ("spans", "lengths", "media", "dim_ids")}
+        arrays = {k: a[k][lo:hi] for k in ("spans", "lengths", "media", "dim_ids", "bounds")}
         record = sidecar.record_of({"shard": meta["names"][s], "num_events": num_events, "dims": meta["dims"],
                                     "events": by_shard.get(s, [])}, arrays, s)
         out[s] = {**record, "check": (size, meta["probes"][s], first, last)}
@@ -238,7 +241,7 @@ def _parse(data: bytes, path: str) -> tuple[dict, dict[str, np.ndarray]]:
     s, table = len(names), a["shards"]
     n = a["lengths"].shape[0] if a["lengths"].ndim == 1 else -1
     want = {"shards": (np.int64, (s, 5)), "spans": (np.int64, (n, 3)), "lengths": (np.int64, (n,)),
-            "media": (np.bool_, (n,)), "dim_ids": (np.int64, (n,))}
+            "media": (np.bool_, (n,)), "dim_ids": (np.int64, (n,)), "bounds": (np.int64, (n, 3, 4))}
     for key, (dtype, shape) in want.items():
         if a[key].dtype != dtype or a[key].shape != shape:
             raise bad(f"{key} of dtype {a[key].dtype} shape {a[key].shape}, expected {np.dtype(dtype)} {shape}")

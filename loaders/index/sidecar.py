@@ -20,6 +20,9 @@ key            dtype / shape   meaning
 ``lengths``    int64 ``[N]``   token lengths
 ``media``      bool ``[N]``    the sample carries media
 ``dim_ids``    int64 ``[N]``   row of ``meta.dims`` (the data signature) each sample has
+``bounds``     int64 [N,3,4]   per sample, for ``input_ids``, ``labels``, ``teacher_topk_ids``: the maximum,
+                               the smallest value ``>= 0``, the smallest and largest negative values
+                               (:func:`~prealign.loaders.index.sample_checks.value_bounds`)
 =============  ==============  ======================================================================
 
 A sidecar describes the data, not one training configuration: it serves a loader with any schema,
@@ -81,10 +84,11 @@ from prealign.loaders.sources.webdataset import numpy_fields
 
 FORMAT = "prealign-sidecar"
 VERSION = 3
-_ARRAYS = {"spans": (np.int64, 2), "lengths": (np.int64, 1), "media": (np.bool_, 1), "dim_ids": (np.int64, 1)}
+_ARRAYS = {"spans": (np.int64, 2), "lengths": (np.int64, 1), "media": (np.bool_, 1), "dim_ids": (np.int64, 1),
+           "bounds": (np.int64, 3)}
 _MAX_META = 64 << 20
 _BUFFER = 1 << 20
-_ROW_BYTES = 8 * 3 + 8 + 1 + 8  # spans, lengths, media, dim_ids
+_ROW_BYTES = 8 * 3 + 8 + 1 + 8 + 8 * 12  # spans, lengths, media, dim_ids, bounds
 
 
 def regular_stat(path: str, what: str) -> os.stat_result | None:
@@ -210,7 +214,8 @@ def write_sidecar(path: str, record: dict, *, shard: str, fingerprint: dict, con
     np.savez(buf, meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), spans=locs[:, 1:].copy(),
              lengths=np.asarray(record["lengths"], dtype=np.int64),
              media=np.asarray(record["media"], dtype=bool).reshape(-1),
-             dim_ids=np.asarray(record["dim_ids"], dtype=np.int64).reshape(-1))
+             dim_ids=np.asarray(record["dim_ids"], dtype=np.int64).reshape(-1),
+             bounds=np.asarray(record["bounds"], dtype=np.int64).reshape(n, 3, 4))
     tmp = f"{path}.{os.getpid()}.part"
     with open(tmp, "wb") as f:
         f.write(buf.getvalue())
@@ -258,7 +263,8 @@ def parse_sidecar(data: bytes, *, shard: str, source=None) -> tuple[dict, dict[s
     n = None
     for key, (dtype, ndim) in _ARRAYS.items():
         a = arrays[key]
-        if a.dtype != dtype or a.ndim != ndim or (key == "spans" and a.shape[1] != 3):
+        if a.dtype != dtype or a.ndim != ndim or (key == "spans" and a.shape[1] != 3) or \
+                (key == "bounds" and a.shape[1:] != (3, 4)):
             raise bad(f"{key} of dtype {a.dtype} shape {a.shape}")
         if n is None:
             n = a.shape[0]
@@ -319,7 +325,8 @@ def record_of(meta: dict, arrays: dict[str, np.ndarray], shard: int) -> dict:
             raise StaleIndexError(str(meta["shard"]), "sidecar index unreadable: event position out of range")
         events[pos] = ev
     return {"shard": shard, "spans": arrays["spans"], "lengths": arrays["lengths"], "media": arrays["media"],
-            "dims": meta["dims"], "dim_ids": arrays["dim_ids"], "events": events, "sidecar": True,
+            "dims": meta["dims"], "dim_ids": arrays["dim_ids"], "bounds": arrays["bounds"], "events": events,
+            "sidecar": True,
             "bad_events": meta["events"]}
 
 
