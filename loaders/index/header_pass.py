@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import stat
 from typing import Callable
@@ -430,7 +431,7 @@ def _bounded_members(exts: dict[str, bytes]) -> dict[str, np.ndarray]:
             head = parse_npy_header(data, member=f"{name}.npy")
         except NpyFormatError:
             continue
-        count = int(np.prod(head.shape))
+        count = math.prod(head.shape)
         if head.dtype.kind in "iu" and head.offset + count * head.dtype.itemsize <= len(data):
             out[name] = np.frombuffer(data, dtype=head.dtype, count=count, offset=head.offset)
     return out

@@ -179,6 +179,7 @@ to its schema's id bounds when it is built, as the in-process pass does (:func:`
 _BIG = int(np.iinfo(np.int64).max)
 NO_VALUES = np.array([-_BIG - 1, _BIG, _BIG, -_BIG - 1], np.int64)
 """The bounds of an absent (or non-integer) array: ``max``, ``min >= 0``, ``min < 0``, ``max < 0`` of no values."""
+_NONE = np.tile(NO_VALUES, (len(BOUNDED), 1))
 
 
 def value_bounds(arrays: dict) -> np.ndarray:
@@ -188,7 +189,7 @@ def value_bounds(arrays: dict) -> np.ndarray:
     >>> value_bounds({"input_ids": np.array([5, 9, 2]), "labels": np.array([-100, 9, -100])})[:2].tolist()
     [[9, 2, 9223372036854775807, -9223372036854775808], [9, 9, -100, -100]]
     """
-    out = np.tile(NO_VALUES, (len(BOUNDED), 1))
+    out = _NONE.copy()
     for i, name in enumerate(BOUNDED):
         a = arrays.get(name)
         if a is None:
