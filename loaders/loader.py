@@ -123,7 +123,7 @@ class _PlannedSamples:
         if got != n:
             raise SourceChangedError(f"sample {i} ({self.source.where(tuple(self.locations[i].tolist()))}): "
                                      f"indexed with {n} tokens, loaded with {got}; the data or the transform "
-                                     f"is not deterministic")
+                                     f"is not deterministic{_rebuild_hint(self.source)}")
         return truncate_sample(sample, self.schema, self.max_len) if n > self.max_len else sample
 
     def where(self, i: int) -> str:
@@ -446,3 +446,13 @@ class PackedLoader(LoaderCore):
         if position > have:
             raise ResumeError(f"loader state: key 'position': {position} is past the end of epoch {epoch} "
                               f"({have} micro-batches per rank)")
+
+
+def _rebuild_hint(source) -> str:
+    """For a source read through sidecars: the transform it loads with and the command that rebuilds them."""
+    if not getattr(source, "sidecars", False) or not getattr(source, "urls", None):
+        return ""
+    from prealign.loaders.index.sidecar import index_hint, transform_name
+
+    return (f", or its sidecars were built with a transform other than this loader's "
+            f"{transform_name(source.transform)}: {index_hint(source)}")

@@ -12,10 +12,14 @@ from .errors import ConfigError
 def import_megatron(module: str):
     """``importlib.import_module(module)`` (a ``megatron.core`` module) without the warnings megatron-core prints
     on import where Transformer Engine / Apex are absent, and the deprecations it triggers: only those, and
-    only during this import."""
+    only during this import. Once imported, the module is returned as it is (no process-wide warnings state
+    touched again: this runs on every ``to_packed_seq_params`` call)."""
     import importlib
+    import sys
     import warnings
 
+    if module in sys.modules:
+        return sys.modules[module]
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed", category=UserWarning)
         warnings.filterwarnings("ignore", category=DeprecationWarning)

@@ -131,3 +131,20 @@ def test_collators_and_packed_seq_params_print_no_megatron_warnings():
                          env={**os.environ, "PYTHONWARNINGS": "default"})
     assert out.returncode == 0, out.stderr
     assert "Transformer Engine" not in out.stderr and "Warning" not in out.stderr, out.stderr
+
+
+def test_packed_seq_params_touch_the_warnings_state_only_at_the_first_import(monkeypatch):
+    import warnings
+
+    import torch
+
+    from prealign.collate import THDCollator, to_packed_seq_params
+
+    batch = THDCollator(schema=causal_lm_schema(), layout=ParallelLayout())([{"input_ids": torch.arange(1, 9)}])
+    to_packed_seq_params(batch)  # megatron-core imported (its import warnings filtered)
+
+    def touched(*args, **kwargs):
+        raise AssertionError("warnings.catch_warnings on a training step (process-wide, not thread-safe)")
+
+    monkeypatch.setattr(warnings, "catch_warnings", touched)
+    assert to_packed_seq_params(batch).cu_seqlens_q.tolist() == [0, 8]

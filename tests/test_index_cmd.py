@@ -125,3 +125,74 @@ def test_index_check_finds_a_byte_changed_in_place_that_the_start_checks_cannot(
     os.remove(paths[0] + SUFFIX)
     assert main(["index", *paths, "--text", "--check"]) == 1
     assert "no sidecar" in capsys.readouterr().err
+
+
+def _doubled(sample: dict) -> dict:
+    import numpy as np
+
+    return {"input_ids": np.repeat(np.asarray(sample["input_ids.npy"]), 2)}
+
+
+def _follow_the_printed_command(source, cwd) -> str:
+    """Load ``source`` (its sidecars are of another transform), run the command the error prints through a real
+    shell in ``cwd`` (``prealign`` being this interpreter's) and return the rest of the hint."""
+    import re
+    import subprocess
+    import sys
+
+    import pytest
+
+    from prealign.loaders import PackedLoader
+    from prealign.loaders.errors import StaleIndexError
+    from prealign.schemas import ParallelLayout
+
+    with pytest.raises(StaleIndexError, match="another transform") as exc:
+        PackedLoader(source, schema=causal_lm_schema(), layout=ParallelLayout(), token_budget=4096).prepare()
+    command, rest = re.search(r"run `(prealign index [^`]*)`(.*)$", str(exc.value)).groups()
+    done = subprocess.run(["bash", "-c", f'prealign() {{ "{sys.executable}" -m prealign "$@"; }}; {command}'],
+                          cwd=cwd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, (command, done.stderr)
+    return rest
+
+
+def test_the_printed_index_command_runs_with_spaces_in_paths(tmp_path):
+    from prealign.loaders import PackedLoader
+    from prealign.loaders.index.header_pass import write_sidecars
+    from prealign.schemas import ParallelLayout
+
+    paths = write_shards(str(tmp_path / "data dir"), sample_lengths(20), num_shards=3)
+    index_dir = str(tmp_path / "my index")
+    os.makedirs(index_dir)
+    write_sidecars(WebDatasetSource(paths, transform=_doubled), causal_lm_schema(), out_dir=index_dir)
+    _follow_the_printed_command(WebDatasetSource(paths, index_dir=index_dir), cwd=str(tmp_path))
+    loader = PackedLoader(WebDatasetSource(paths, index_dir=index_dir), schema=causal_lm_schema(),
+                          layout=ParallelLayout(), token_budget=4096)
+    assert len(loader.prepare().index) == 20
+
+
+def test_the_printed_index_command_runs_for_http_shards_with_sidecars_beside_them(tmp_path):
+    import functools
+    import http.server
+    import threading
+
+    from prealign.loaders import PackedLoader
+    from prealign.loaders.index.header_pass import write_sidecars
+    from prealign.schemas import ParallelLayout
+
+    served = tmp_path / "served"
+    paths = write_shards(str(served), sample_lengths(20), num_shards=3)
+    write_sidecars(WebDatasetSource(paths, transform=_doubled), causal_lm_schema())  # beside them, stale
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(served))
+    handler.log_message = lambda *a: None
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        urls = [f"http://127.0.0.1:{server.server_port}/{os.path.basename(p)}" for p in paths]
+        rest = _follow_the_printed_command(WebDatasetSource(urls), cwd=str(tmp_path))
+        assert "index_dir='prealign-index'" in rest
+        source = WebDatasetSource(urls, index_dir=str(tmp_path / "prealign-index"))  # the rest of the hint, followed
+        loader = PackedLoader(source, schema=causal_lm_schema(), layout=ParallelLayout(), token_budget=4096)
+        assert len(loader.prepare().index) == 20
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -143,3 +143,92 @@ def test_members_are_stored_as_the_format_page_says(tmp_path):
         assert np.load(io.BytesIO(tf.extractfile("a.input_ids.npy").read())).tolist() == [1, 2, 3, 4]
         assert json.loads(tf.extractfile("a.json").read()) == {"x": 1}
         assert tf.extractfile("a.0.jpg").read() == b"\xff\xd8raw"
+
+
+def _load(paths, **kw) -> int:
+    loader = PackedLoader(WebDatasetSource(paths, **kw), schema=causal_lm_schema(), layout=ParallelLayout(),
+                          token_budget=4096)
+    return len(loader.prepare().index)
+
+
+def test_a_with_block_that_fails_leaves_its_shard_as_part_with_no_sidecar(tmp_path):
+    with pytest.raises(RuntimeError, match="tokenizer crashed"):
+        with ShardWriter(str(tmp_path / "s-%03d.tar"), max_samples=10) as w:
+            for i in range(15):
+                w.write({"input_ids": np.arange(1, 9)})
+            raise RuntimeError("tokenizer crashed")
+    assert sorted(os.listdir(tmp_path)) == ["s-000.tar", "s-000.tar" + SUFFIX, "s-001.tar.part"]
+    assert w.shards == [str(tmp_path / "s-000.tar")] and _load(w.shards) == 10  # the closed shard, whole
+
+
+def test_a_shard_being_written_never_has_its_final_name(tmp_path):
+    w = ShardWriter(str(tmp_path / "s-%03d.tar"))
+    w.write({"input_ids": np.arange(1, 9)})
+    assert os.listdir(tmp_path) == ["s-000.tar.part"]  # killed here: no truncated s-000.tar for a loader to read
+    w.close()
+    assert sorted(os.listdir(tmp_path)) == ["s-000.tar", "s-000.tar" + SUFFIX]
+
+
+@pytest.mark.parametrize("sample, match", [
+    ({"__key__": "k" * 80, "input_ids": np.arange(1, 9), "teacher_topk_log_probs": -np.ones((8, 2), np.float32)},
+     "k{80}.teacher_topk_log_probs.npy is 107 bytes.*at most 100"),
+    ({"__key__": "s1", "input_ids": np.arange(1, 9), "input_ids.npy": np.arange(1, 5)},
+     "'s1': entries 'input_ids' and 'input_ids.npy' are both member s1.input_ids.npy"),
+])
+def test_a_bad_sample_is_refused_whole_before_any_member_is_written(tmp_path, sample, match):
+    w = ShardWriter(str(tmp_path / "s-%03d.tar"))
+    w.write({"__key__": "s0", "input_ids": np.arange(1, 9)})
+    with pytest.raises(ConfigError, match=match):
+        w.write(sample)
+    w.close()
+    import tarfile
+
+    with tarfile.open(w.shards[0]) as tf:
+        assert tf.getnames() == ["s0.input_ids.npy"]
+    assert _load(w.shards) == 1
+
+
+def test_a_sidecar_of_another_data_set_in_a_shared_index_dir_is_never_overwritten(tmp_path):
+    index_dir = str(tmp_path / "index")
+    with ShardWriter(str(tmp_path / "one" / "shard-%03d.tar"), index_dir=index_dir) as one:
+        one.write({"input_ids": np.arange(1, 9)})
+    theirs = open(os.path.join(index_dir, "shard-000.tar" + SUFFIX), "rb").read()
+    with pytest.raises(ConfigError, match="a sidecar is there already"):
+        with ShardWriter(str(tmp_path / "two" / "shard-%03d.tar"), index_dir=index_dir) as two:
+            two.write({"input_ids": np.arange(1, 30)})
+    assert open(os.path.join(index_dir, "shard-000.tar" + SUFFIX), "rb").read() == theirs
+    assert _load(one.shards, index_dir=index_dir) == 1
+
+
+@pytest.mark.parametrize("max_samples", [0, -1, 2.0, True])
+def test_max_samples_is_a_positive_int(tmp_path, max_samples):
+    with pytest.raises(ConfigError, match="max_samples"):
+        ShardWriter(str(tmp_path / "s-%03d.tar"), max_samples=max_samples)
+
+
+def test_pre_tokenized_vlm_samples_load_their_own_ids_from_sidecars_and_in_process(tmp_path):
+    from PIL import Image
+
+    from prealign.loaders import BadDataPolicy
+    from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
+    from prealign.loaders.media.vlm import VLMSampleTransform
+    from prealign.schemas.vlm import vlm_schema
+
+    transform = VLMSampleTransform(tokenizer=ByteTokenizer())
+    png = io.BytesIO()
+    Image.fromarray(np.full((56, 56, 3), 60, np.uint8)).save(png, format="PNG")
+    written = []
+    with ShardWriter(str(tmp_path / "v-%03d.tar"), transform=transform) as w:
+        for i in range(4):
+            chat = {"messages": [{"role": "user", "content": "<image>\nwhat?"},
+                                 {"role": "assistant", "content": "x" * (5 + i)}], "images": ["0.png"]}
+            ids = transform({"__key__": "k", "json": chat, "0.png": png.getvalue()})["input_ids"].numpy()
+            written.append(ids)  # the ids are the sample (its text member says nothing of them)
+            w.write({"__key__": f"s{i}", "input_ids": ids, "json": {"text": "<image>\n", "images": ["0.png"]},
+                     "0.png": png.getvalue()})
+    for sidecars in (True, False):
+        loader = PackedLoader(WebDatasetSource(w.shards, transform=transform, image="bytes", sidecars=sidecars),
+                              schema=vlm_schema(), layout=ParallelLayout(), token_budget=8192,
+                              bad_data=BadDataPolicy(on_error="skip", warn=False))
+        batch = next(iter(loader))
+        assert sorted(batch["input_ids"].reshape(-1).tolist()) == sorted(np.concatenate(written).tolist()), sidecars

@@ -173,7 +173,7 @@ def test_crafted_sidecars_are_typed_config_errors(tmp_path, craft):
         elif craft == "bad_ranges":
             arrays["spans"][0, 1] = 1 << 40
         elif craft == "version":
-            arrays["meta"] = np.frombuffer(bytes(arrays["meta"]).replace(b'"version": 2', b'"version": 9'), np.uint8)
+            arrays["meta"] = np.frombuffer(bytes(arrays["meta"]).replace(b'"version": 3', b'"version": 9'), np.uint8)
         elif craft == "fortran_pickle":  # a header the fast reader does not take: numpy's reader refuses it
             arrays["lengths"] = np.asfortranarray(np.array([[object()]] * 10, dtype=object))
         buf = io.BytesIO()
@@ -230,34 +230,39 @@ def test_vlm_header_index_equals_the_full_pass_on_the_demo_set(tmp_path):
 
 
 def test_sample_bad_only_at_load_time_is_counted_under_skip(tmp_path):
-    """The header pass does not read array values: an id past the vocabulary in sample 7 (not the first of
-    its signature) is found when loaded; under the skip policy it is left out of its micro-batch and
-    counted, under the default policy it raises naming the sample."""
+    """A sidecar bounds the ids, not every value: a positive teacher log-prob in sample 7 (not the first of its
+    signature) is found when loaded; under the skip policy it is left out of its micro-batch and counted (under
+    the default policy the first bad record raises). An id past the vocabulary in sample 11 is found when the
+    loader is built, from the ids' recorded bounds, as the in-process pass finds it."""
     from prealign.loaders.policy import BadSampleWarning
 
     def extra(i, tf):
         ids = token_ids(i, 12) % 1000  # vocab_size bounds input_ids too (main: ids < vocab_size)
         top = np.stack([ids % 1000, ids % 1000 + 1], axis=1).astype(np.int64)
+        log_probs = np.tile(np.float32([-0.5, -2.0]), (12, 1))
         if i == 7:
-            top[3, 1] = 99_999  # past vocab_size; the header shows only the shape [12, 2]
+            log_probs[3, 0] = 0.5  # a log-prob above 0; the header shows only the shape [12, 2]
+        if i == 11:
+            top[3, 1] = 99_999  # past vocab_size: bounded in the sidecar
         add_member(tf, f"{i:06d}.input_ids.npy", _npy(ids))
         add_member(tf, f"{i:06d}.teacher_topk_ids.npy", _npy(top))
-        add_member(tf, f"{i:06d}.teacher_topk_log_probs.npy", _npy(np.tile(np.float32([-0.5, -2.0]), (12, 1))))
+        add_member(tf, f"{i:06d}.teacher_topk_log_probs.npy", _npy(log_probs))
         return True
 
     schema = causal_lm_schema(topk=2, vocab_size=1001)
     paths = write_shards(str(tmp_path), [12] * 30, num_shards=1, extra=extra)
     write_sidecars(WebDatasetSource(paths), schema)
-    side = build_index(WebDatasetSource(paths), schema)
+    with pytest.warns(BadSampleWarning, match="000011"):
+        side = build_index(WebDatasetSource(paths), schema, policy=SKIP)
     with pytest.warns(BadSampleWarning):
         full = build_index(WebDatasetSource(paths, sidecars=False), schema, policy=SKIP)
-    assert len(side) == 30 and len(full) == 29  # the header pass accepted it; the full pass did not
+    assert len(side) == 29 and len(full) == 28  # the sidecars' index keeps sample 7; the full pass does not
     loader = PackedLoader(WebDatasetSource(paths), schema=schema, layout=LAYOUT, token_budget=64, bad_data=SKIP)
     with pytest.warns(BadSampleWarning, match="index row 7. at load time"):
         rows = [int(i) for b in loader for i in b["sample_index"]]
-    assert sorted(rows) == [r for r in range(30) if r != 7]
-    assert loader.report.counts == {"bad_sample": 1}
-    with pytest.raises(SampleError, match="index row 7"):
+    assert sorted(rows) == [r for r in range(29) if r != 7]  # (index row 7 is sample 7; sample 11 is not in it)
+    assert loader.report.counts == {"bad_sample": 2}
+    with pytest.raises(SampleError, match="000011"):  # the default policy: the first bad id, when it is built
         list(PackedLoader(WebDatasetSource(paths), schema=schema, layout=LAYOUT, token_budget=64))
 
 

@@ -256,3 +256,25 @@ def test_sidecars_of_shards_real_tools_write_are_accepted(tmp_path, kind):
     plain = _prepare([path]).index.lengths.tolist()
     write_sidecars(WebDatasetSource([path]), SCHEMA)
     assert _prepare([path]).index.lengths.tolist() == plain and len(plain) == 4
+
+
+def test_a_sidecar_that_lies_about_a_signature_is_a_typed_error_at_that_sample_never_served(tmp_path):
+    from prealign.loaders import BadDataPolicy
+    from prealign.loaders.sources.shard_files import SUFFIX
+    from prealign.schemas.errors import SampleError
+
+    from .test_sidecar import _bad_members
+
+    paths = write_shards(str(tmp_path), sample_lengths(20), num_shards=1, extra=_bad_members)
+    write_sidecars(WebDatasetSource(paths), causal_lm_schema())
+    with np.load(paths[0] + SUFFIX) as z:
+        arrays = dict(z)
+    assert set(arrays["dim_ids"].tolist()) == {0, 1}  # sample 15 (labels one row short) has a signature of its own
+    arrays["dim_ids"][:] = 0  # the lie: every sample has the first one
+    with open(paths[0] + SUFFIX, "wb") as f:
+        np.savez(f, **arrays)
+    loader = PackedLoader(WebDatasetSource(paths), schema=causal_lm_schema(), layout=ParallelLayout(),
+                          token_budget=4096, bad_data=BadDataPolicy(on_error="skip", warn=False))
+    with pytest.raises(SampleError, match="field .labels.: expected shape") as exc:
+        list(loader)
+    assert exc.value.field == "labels"

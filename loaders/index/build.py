@@ -23,16 +23,19 @@ from typing import Callable
 import numpy as np
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from prealign.loaders.errors import BadSampleError, StaleIndexError
+from prealign.loaders.errors import BadSampleError
 from prealign.loaders.index.events import error_from_record, error_record, record_reason
 from prealign.loaders.index.merged import merged_index, merged_records
 from prealign.loaders.index.sample_checks import (
     FIELDS_KEY,
     VALIDATION_CHUNK,
+    bad_row_event,
     has_media,
     media_keys,
     optional_keys,
+    signature_verdicts,
     validated,
+    value_errors,
 )
 from prealign.loaders.index.sample_index import SampleIndex
 from prealign.loaders.index.sidecar import check_source
@@ -205,78 +208,61 @@ def merge_shards(results: list[dict], policy: BadDataPolicy, width: int, *,
                        report=gate.report, media=np.fromiter((bool(m) for m in good("media")), bool, n), dims=fixed)
 
 
-SIGNATURE_TRIES = 3
-"""Samples of one data signature tried against the schema before the signature itself is found bad (a value
-error, e.g. an id past the vocabulary, is one sample's; a shape or dtype error is every sample's)."""
-
-
 def resolve_signatures(records: dict[int, dict], source: Source, schema: BatchSchema) -> dict[int, dict]:
     """Sidecar records made this schema's. A sidecar keeps each sample's data signature (member dtypes and
-    shape patterns, :mod:`~prealign.loaders.index.header_pass`), not a schema's verdict: one sample of each
-    distinct signature (over all shards) is loaded and run through the collator (:func:`validated`); its named
-    dims, dtypes and optional fields stand for every sample of that signature. A sample that fails is a bad
-    record and the next of its signature is tried; when :data:`SIGNATURE_TRIES` fail, every sample of the
-    signature is a bad record (with the last error), for the bad-data policy. The other samples' values (ids
-    below the vocabulary, ...) are checked when each is loaded."""
-    verdicts: dict[str, dict | SampleError] = {}
-    out = {}
-    for shard, r in records.items():
-        ids = np.asarray(r["dim_ids"])
-        resolved: list = []
-        errors: dict[int, SampleError] = {}  # row -> why it is bad
-        for k, sig in enumerate(r["dims"]):
+    shape patterns, :mod:`~prealign.loaders.index.header_pass`), not a schema's verdict: the signatures are
+    checked over all shards at once (:func:`~prealign.loaders.index.sample_checks.signature_verdicts`: rows of a
+    signature tried until one passes; a value error is its row's, a structure error its signature's), then every
+    sample's recorded id bounds against the schema's, vectorised (:func:`~prealign.loaders.index.sample_checks.
+    value_errors`: the suspects loaded and checked exactly). Bad rows become bad records, in place, for the
+    bad-data policy; the other values (finite log-probs, vision placeholders, ...) are checked when loaded."""
+    shards = sorted(records)
+    keys: dict[str, int] = {}
+    signatures: list[dict] = []
+    local: dict[int, np.ndarray] = {}  # shard -> its dims' rows in ``signatures``
+    for s in shards:
+        ids = []
+        for sig in records[s]["dims"]:
             key = json.dumps(sig, sort_keys=True)
-            rows = np.flatnonzero(ids == k)
-            if key not in verdicts and rows.size:
-                verdicts[key], failed = _schema_verdict(source, schema, shard, r, rows[:SIGNATURE_TRIES])
-                errors.update(failed)
-            verdict = verdicts.get(key, {})
-            if isinstance(verdict, SampleError):
-                errors.update({int(i): errors.get(int(i), verdict) for i in rows})
-            resolved.append(verdict)
-        out[shard] = _with_bad_rows({**r, "dims": resolved}, errors, source, shard) if errors else \
-            {**r, "dims": resolved}
+            if key not in keys:
+                keys[key] = len(signatures)
+                signatures.append(sig)
+            ids.append(keys[key])
+        local[s] = np.asarray(ids, np.int64)
+    counts = [len(records[s]["lengths"]) for s in shards]
+    dim_ids = np.concatenate([local[s][np.asarray(records[s]["dim_ids"], np.int64)] if counts[i] else
+                              np.zeros(0, np.int64) for i, s in enumerate(shards)]) if shards else np.zeros(0, np.int64)
+    locations = np.concatenate([np.concatenate([np.full((n, 1), s, np.int64), np.asarray(records[s]["spans"],
+                                np.int64).reshape(n, 3)], axis=1) for s, n in zip(shards, counts)]) \
+        if shards else np.zeros((0, 4), np.int64)
+    lengths = np.concatenate([np.asarray(records[s]["lengths"], np.int64) for s in shards]) if shards else dim_ids
+    bounds = np.concatenate([np.asarray(records[s]["bounds"], np.int64).reshape(-1, 3, 4) for s in shards]) \
+        if shards else np.zeros((0, 3, 4), np.int64)
+    verdicts, errors = signature_verdicts(source, schema, signatures, dim_ids, locations, lengths)
+    errors.update(value_errors(source, schema, bounds, locations, dim_ids, verdicts, errors))
+    bad_rows = np.asarray(sorted(errors), np.int64)
+    starts = np.concatenate([[0], np.cumsum(counts)])
+    out = {}
+    for i, s in enumerate(shards):
+        lo, hi = np.searchsorted(bad_rows, [starts[i], starts[i + 1]])
+        mine = {int(row - starts[i]): errors[int(row)] for row in bad_rows[lo:hi]}
+        r = {**records[s], "dims": [verdicts[g] or {} for g in local[s].tolist()]}
+        out[s] = _with_bad_rows(r, mine) if mine else r
     return out
 
 
-def _schema_verdict(source: Source, schema: BatchSchema, shard: int, record: dict,
-                    rows: np.ndarray) -> tuple[dict | SampleError, dict[int, SampleError]]:
-    """``(verdict, failed rows)``: the named dims (with the optional fields present) of the first of ``rows``
-    that loads and passes the collator under ``schema``, or the last error when none does."""
-    failed: dict[int, SampleError] = {}
-    for row in map(int, rows):
-        loc = (shard, *map(int, record["spans"][row]))
-        try:
-            sample = source.load(loc)
-            result = validated([sample], schema)[0]
-        except SampleError as exc:  # found bad only now (e.g. an image body, with header-only indexing)
-            result = exc
-        if isinstance(result, SampleError):
-            failed[row] = result
-            continue
-        if result[0] != int(record["lengths"][row]):
-            raise StaleIndexError(source.where(loc), f"indexed with {int(record['lengths'][row])} tokens, "
-                                                     f"{result[0]} under this schema", "re-run `prealign index --force` on it")
-        return {**result[1], FIELDS_KEY: ",".join(k for k in optional_keys(schema) if k in sample)}, failed
-    return failed[int(rows[-1])], failed
-
-
-def _with_bad_rows(r: dict, errors: dict[int, SampleError], source: Source, shard: int) -> dict:
+def _with_bad_rows(r: dict, errors: dict[int, BadSampleError]) -> dict:
     """Record ``r`` with the good samples at rows ``errors`` turned into bad records (each named, with its error)."""
     drop = np.zeros(len(r["lengths"]), dtype=bool)
     drop[list(errors)] = True
     events = list(r["events"])
     at = np.flatnonzero([ev[0] == "ok" for ev in events])  # event position of each good sample
     for i in sorted(errors):
-        where = source.where((shard, *map(int, r["spans"][i])))
-        err = errors[i]
-        events[int(at[i])] = ["bad", where, error_record(BadSampleError(
-            sample=where, field=err.field, expected=err.expected, actual=err.actual,
-            reason=getattr(err, "reason", None) if isinstance(getattr(err, "reason", None), str) else None))]
+        events[int(at[i])] = bad_row_event(errors[i])
     keep = ~drop
     return {**r, "spans": r["spans"][keep], "lengths": np.asarray(r["lengths"])[keep],
             "media": np.asarray(r["media"])[keep], "dim_ids": np.asarray(r["dim_ids"])[keep],
-            "dims": [{} if isinstance(v, SampleError) else v for v in r["dims"]], "events": events,
+            "bounds": np.asarray(r["bounds"]).reshape(-1, 3, 4)[keep], "events": events,
             "bad_events": [[p, ev] for p, ev in enumerate(events) if ev[0] != "ok"]}
 
 

@@ -14,8 +14,8 @@ names, duplicate and required members, every ``.npy`` header (numeric dtype, tok
 every image header (an allowed format, a size, an aspect ratio the processor takes; by default the
 pixels are decoded too, without the processor's resize and normalisation) and the teacher top-k
 shapes (``[L, K]``). No schema is involved: a sidecar serves any schema. What it leaves to the loader: the
-schema's shapes, dtypes and optional fields (one sample of each data signature, when the sidecar is
-read), array values (ids within the vocabulary, finite and sorted log-probs, ...: when each sample is
+schema's shapes, dtypes and optional fields (the samples of each data signature tried until one passes,
+when the sidecar is read), array values (ids within the vocabulary, finite and sorted log-probs, ...: when each sample is
 loaded, under the bad-data policy), and, with
 ``VLMRule(verify_images=False)``, pixel data past the header. A sample found bad only then raises when it is loaded
 (the default policy); see :mod:`prealign.loaders.index.sidecar` for the checksum that catches changed bytes.
@@ -27,9 +27,12 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import stat
 from typing import Callable
+
+import numpy as np
 
 from prealign.loaders.errors import (
     BadSampleError,
@@ -40,7 +43,7 @@ from prealign.loaders.errors import (
     StaleIndexError,
 )
 from prealign.loaders.index.events import error_record
-from prealign.loaders.index.sample_checks import has_media
+from prealign.loaders.index.sample_checks import BOUNDED, has_media, value_bounds
 from prealign.loaders.index.sidecar import (
     Fingerprint,
     config_key,
@@ -72,6 +75,7 @@ from prealign.loaders.sources.header_lengths import (
     npy_header,
     qwen2vl_grid,
 )
+from prealign.loaders.sources.npy import NpyFormatError, parse_npy_header
 from prealign.loaders.sources.shard_files import check_index_dir_names, sample_checksum, shard_name, sidecar_path
 from prealign.loaders.sources.source import Skip
 from prealign.loaders.sources.tar_decode import IMAGES, decode_member, split_member_name
@@ -95,35 +99,44 @@ MEDIA_MEMBERS = ("pixel_values", "image_grid_thw")
 """``.npy`` members that carry media (a sample with a row of one is never truncated)."""
 
 
-def _pattern(shape: tuple, n: int) -> str:
-    """A shape with every dim equal to the token count ``n`` written ``L``: ``(6, 4)`` of a 6-token sample
-    is ``"Lx4"``, so samples of any length share their data signature."""
-    return "x".join("L" if d == n else str(d) for d in shape)
+def shape_pattern(shape: tuple, n: int) -> str:
+    """A shape as a data signature keeps it: the leading dim written ``L`` when it is the token count ``n``
+    and no other dim is, so ``(6, 4)`` of a 6-token sample is ``"Lx4"`` and samples of any length share their
+    signature; any other shape literally (``(4, 4)`` of a 4-token sample is ``"4x4"``, never ``"LxL"``, which
+    would stand for ``(60, 60)`` too), so two distinct shapes never share a pattern.
+
+    >>> shape_pattern((6, 4), 6), shape_pattern((4, 4), 4), shape_pattern((3, 6), 6), shape_pattern((6,), 6)
+    ('Lx4', '4x4', '3x6', 'L')
+    """
+    literal = "x".join(map(str, shape))
+    if not shape or shape[0] != n or n in shape[1:]:
+        return literal
+    return "x".join(("L", *map(str, shape[1:])))
 
 
 class TextRule:
     """``numpy_fields`` samples: the length is ``input_ids.npy``'s first dim (``input_ids`` must be ``[L]``).
-    Signature, of the data alone (no schema): each array's dtype and shape pattern (:func:`_pattern`) and the
-    other member names; a schema's token dims, dtypes and optional fields are checked on one sample of each
+    Signature, of the data alone (no schema): each array's dtype and shape pattern (:func:`shape_pattern`) and the
+    other member names; a schema's token dims, dtypes and optional fields are checked on a sample of each
     signature when a loader reads the sidecar."""
 
     def __init__(self, schema: BatchSchema | None = None):
         del schema  # (a sidecar describes the data: the schema is checked when it is read)
 
-    def __call__(self, members: dict[str, bytes], where: str) -> tuple[int, bool, tuple]:
+    def __call__(self, members: dict[str, bytes], where: str) -> tuple[int, bool, tuple, None]:
         if len(members) == 1 and "input_ids.npy" in members:  # the common pre-tokenized sample
             shape, dtype = npy_header(members["input_ids.npy"], field="input_ids.npy", sample=where)
             if len(shape) == 1:
-                return shape[0], False, ((("input_ids", dtype.str, "L"),), ())
+                return shape[0], False, ((("input_ids", dtype.str, "L"),), ()), None
         heads = _npy_headers(members, where)
         if "input_ids" not in heads or len(heads["input_ids"][0]) != 1:
             raise BadSampleError(sample=where, field="input_ids", expected="an input_ids.npy member of shape [L]",
                                  actual=f"shape {list(heads['input_ids'][0])}" if "input_ids" in heads
                                  else f"members {sorted(members)}")
         n = heads["input_ids"][0][0]
-        sig = tuple((name, dtype.str, _pattern(shape, n)) for name, (shape, dtype) in sorted(heads.items()))
+        sig = tuple((name, dtype.str, shape_pattern(shape, n)) for name, (shape, dtype) in sorted(heads.items()))
         media = any(not heads[k][0] or heads[k][0][0] > 0 for k in MEDIA_MEMBERS if k in heads)
-        return n, media, (sig, tuple(sorted(e for e in members if not e.endswith(".npy"))))
+        return n, media, (sig, tuple(sorted(e for e in members if not e.endswith(".npy")))), None
 
 
 class VLMRule:
@@ -138,7 +151,7 @@ class VLMRule:
         self.geometry = Qwen2VLGeometry.of(transform.image_processor)
         self.merge = transform.spatial_merge_size
 
-    def __call__(self, members: dict[str, bytes], where: str) -> tuple[int, bool, tuple]:
+    def __call__(self, members: dict[str, bytes], where: str) -> tuple[int, bool, tuple, object]:
 
         key = where
         raw = {"__key__": key, **{e: d for e, d in members.items() if not e.endswith(".npy")}}
@@ -155,6 +168,7 @@ class VLMRule:
             tokens.append(t * gh * gw // self.merge ** 2)
         videos = self.t.header_video_ids(raw, meta, key, lambda name, data: self._size(name, data, key))
         heads = _npy_headers(members, where)
+        ids = None  # the rendered ids (a pre-tokenized sample's are its member's)
         if "input_ids" in heads:
             shape = heads["input_ids"][0]
             n = 1
@@ -174,7 +188,7 @@ class VLMRule:
                     raise BadSampleError(sample=key, field=name, expected=f"shape [L={n}, K={self.t.topk}]",
                                          actual=f"shape {list(shape)}", hint="one row per token, constant K")
                 sig.append((name, dtype.str))
-        return n, bool(tokens or videos), tuple(sig)
+        return n, bool(tokens or videos), tuple(sig), ids
 
     def _size(self, name: str, data, key) -> tuple[int, int]:
         """``(width, height)`` of an image or video frame member, from its header (decoded too with
@@ -227,7 +241,7 @@ def transformed_length(sample: dict, where: str) -> int:
 def _transformed_signature(sample: dict, n: int) -> tuple:
     """Data signature of a transformed sample (the full pass of a transform with no header rule): each
     array's dtype and shape pattern, and the other keys."""
-    arrays = tuple(sorted((k, str(v.dtype), _pattern(tuple(v.shape), n)) for k, v in sample.items()
+    arrays = tuple(sorted((k, str(v.dtype), shape_pattern(tuple(v.shape), n)) for k, v in sample.items()
                           if hasattr(v, "shape") and hasattr(v, "dtype")))
     return arrays, tuple(sorted(k for k, v in sample.items() if not (hasattr(v, "shape") and hasattr(v, "dtype"))))
 
@@ -236,7 +250,7 @@ def transform_pass(source, shard: int) -> dict:
     """A shard's data-only record from the full transform (no header rule, no schema): locations, lengths,
     media flags (:data:`MEDIA_MEMBERS` with a row), the data signature of each sample and data-level bad
     records (decode or transform errors)."""
-    locations, lengths, media, events, dims, dim_ids = [], [], [], [], [], []
+    locations, lengths, media, events, dims, dim_ids, value_rows = [], [], [], [], [], [], []
     for loc, item in source.scan(shard):
         if isinstance(item, Skip):
             events.append(["skip", item.reason, item.where, item.message])
@@ -263,9 +277,10 @@ def transform_pass(source, shard: int) -> dict:
         lengths.append(n)
         media.append(has_media(sample, MEDIA_MEMBERS))
         dim_ids.append(dims.index(sig))
+        value_rows.append(value_bounds(sample))
         events.append(["ok"])
     return {"shard": shard, "locations": locations, "lengths": lengths, "media": media, "dims": dims,
-            "dim_ids": dim_ids, "events": events}
+            "dim_ids": dim_ids, "events": events, "bounds": _stacked(value_rows)}
 
 
 def length_rule(source, schema: BatchSchema, *, verify_images: bool = True) -> Callable | None:
@@ -325,7 +340,7 @@ def open_shard(url: str, opts=None) -> Fingerprint:
 
 def _header_pass(source, schema, shard: int, rule, f) -> dict:
     url = source.urls[shard]
-    locations, lengths, media, events, dims, dim_ids = [], [], [], [], [], []
+    locations, lengths, media, events, dims, dim_ids, value_rows = [], [], [], [], [], [], []
     by_sig: dict[tuple, int] = {}
 
     def sample(key: str, start: int, end: int, members: list[tuple[str, bytes, str]], duplicate: bool) -> None:
@@ -344,7 +359,8 @@ def _header_pass(source, schema, shard: int, rule, f) -> dict:
             for ext, data, _ in members:  # small members decoded as the full pass does (JSON, text, refusals)
                 if not ext.endswith(".npy") and ext.rpartition(".")[2] not in IMAGES:
                     decode_member(where, ext, data, image=source.image, extra=source.decoders, limits=source.limits)
-            n, has_media, sig = rule(exts, where)
+            n, has_media, sig, rendered = rule(exts, where)
+            bounds = value_bounds({**_bounded_members(exts), **({} if rendered is None else {"input_ids": rendered})})
         except SampleError as exc:
             events.append(["bad", where, error_record(exc if isinstance(exc, BadSampleError) else BadSampleError(
                 sample=where, field=exc.field, expected=exc.expected, actual=exc.actual))])
@@ -374,6 +390,7 @@ def _header_pass(source, schema, shard: int, rule, f) -> dict:
         lengths.append(n)
         media.append(has_media)
         dim_ids.append(by_sig[sig])
+        value_rows.append(bounds)
         events.append(["ok"])
 
     key, start, end, members, seen = None, 0, 0, [], set()
@@ -398,7 +415,30 @@ def _header_pass(source, schema, shard: int, rule, f) -> dict:
     if members:
         sample(key, start, end, members, key in seen)
     return {"shard": shard, "locations": locations, "lengths": lengths, "media": media, "dims": dims,
-            "dim_ids": dim_ids, "events": events}
+            "dim_ids": dim_ids, "events": events, "bounds": _stacked(value_rows)}
+
+
+def _bounded_members(exts: dict[str, bytes]) -> dict[str, np.ndarray]:
+    """The :data:`~prealign.loaders.index.sample_checks.BOUNDED` ``.npy`` members of a sample, as views of their
+    bytes (no copy; never unpickled; their headers were checked by the rule). An integer member whose data is
+    shorter than its header says is left out (the full pass refuses it when it loads)."""
+    out = {}
+    for name in BOUNDED:
+        data = exts.get(f"{name}.npy")
+        if data is None:
+            continue
+        try:
+            head = parse_npy_header(data, member=f"{name}.npy")
+        except NpyFormatError:
+            continue
+        count = math.prod(head.shape)
+        if head.dtype.kind in "iu" and head.offset + count * head.dtype.itemsize <= len(data):
+            out[name] = np.frombuffer(data, dtype=head.dtype, count=count, offset=head.offset)
+    return out
+
+
+def _stacked(rows: list) -> np.ndarray:
+    return np.stack(rows) if rows else np.zeros((0, len(BOUNDED), 4), np.int64)
 
 
 

@@ -20,6 +20,7 @@ key            dtype / shape   meaning
 ``lengths``    int64 ``[N]``   token lengths
 ``media``      bool ``[N]``    the sample carries media
 ``dim_ids``    int64 ``[N]``   row of ``meta.dims`` each sample has
+``bounds``     int64 [N,3,4]   value bounds of each sample's ids (as in the sidecars)
 =============  ==============  ======================================================================
 
 The records it gives are those the sidecars give, so the index is the same either way; each shard is still
@@ -37,7 +38,7 @@ import numpy as np
 from prealign.loaders.errors import StaleIndexError
 from prealign.loaders.index import sidecar
 from prealign.loaders.index.events import error_from_record, record_reason
-from prealign.loaders.index.sample_checks import FIELDS_KEY
+from prealign.loaders.index.sample_checks import FIELDS_KEY, bad_row_event, signature_verdicts, value_errors
 from prealign.loaders.index.sample_index import SampleIndex
 from prealign.loaders.policy import BadDataGate, BadDataPolicy
 from prealign.loaders.sources import remote
@@ -45,10 +46,10 @@ from prealign.loaders.sources.npy import read_npz
 from prealign.loaders.sources.shard_files import shard_name
 
 FORMAT = "prealign-merged-index"
-VERSION = 1
+VERSION = 2
 NAME = "prealign-index.merged.npz"
 _PER_SHARD = frozenset({"shard", "size", "hash", "probe", "dims", "events", "num_events"})
-_KEYS = frozenset({"meta", "shards", "spans", "lengths", "media", "dim_ids"})
+_KEYS = frozenset({"meta", "shards", "spans", "lengths", "media", "dim_ids", "bounds"})
 _MAX_FILE = 1 << 40
 
 
@@ -68,7 +69,7 @@ def merge_sidecars(source, path: str | None = None) -> dict:
     ``prealign index`` first), and all of them the same configuration. Returns ``{"path", "shards", "samples"}``."""
     path = path or merged_path(source)
     names, probes, table, events, dims = [], [], [], [], []
-    parts: dict[str, list] = {"spans": [], "lengths": [], "media": [], "dim_ids": []}
+    parts: dict[str, list] = {"spans": [], "lengths": [], "media": [], "dim_ids": [], "bounds": []}
     common = None
     for shard, url in enumerate(source.urls):
         data = sidecar.read_sidecar_bytes(source, shard)
@@ -90,7 +91,7 @@ def merge_sidecars(source, path: str | None = None) -> dict:
         probes.append(probe)
         table.append((size, len(arrays["lengths"]), meta["num_events"], first, last))
         events.extend([shard, pos, ev] for pos, ev in meta["events"])
-        for key in ("spans", "lengths", "media"):
+        for key in ("spans", "lengths", "media", "bounds"):
             parts[key].append(arrays[key])
         parts["dim_ids"].append(ids[arrays["dim_ids"]] if len(ids) else arrays["dim_ids"])
     meta = {"format": FORMAT, "version": VERSION, "names": names, "common": common, "probes": probes,
@@ -101,7 +102,8 @@ def merge_sidecars(source, path: str | None = None) -> dict:
              spans=np.concatenate(parts["spans"]).reshape(-1, 3).astype(np.int64),
              lengths=np.concatenate(parts["lengths"]).astype(np.int64),
              media=np.concatenate(parts["media"]).astype(bool),
-             dim_ids=np.concatenate(parts["dim_ids"]).astype(np.int64))
+             dim_ids=np.concatenate(parts["dim_ids"]).astype(np.int64),
+             bounds=np.concatenate(parts["bounds"]).reshape(-1, 3, 4).astype(np.int64))
     tmp = f"{path}.{os.getpid()}.part"
     with open(tmp, "wb") as f:
         f.write(buf.getvalue())
@@ -110,8 +112,10 @@ def merge_sidecars(source, path: str | None = None) -> dict:
 
 
 def merged_index(source, schema, policy: BadDataPolicy) -> SampleIndex | None:
-    """The :class:`SampleIndex` of ``source`` straight from its merged index, at a cost per file and per bad
-    record, not per shard or sample (the one :func:`~prealign.loaders.index.build.merge_records` makes from
+    """The :class:`SampleIndex` of ``source`` straight from its merged index, at a cost per file, per data
+    signature (its samples checked against ``schema`` as the sidecars' path checks them:
+    :func:`~prealign.loaders.index.sample_checks.signature_verdicts`) and per bad record, not per shard or
+    sample (the one :func:`~prealign.loaders.index.build.merge_records` makes from
     the same records: the bad-data policy applied to the recorded bad events in stream order); sets
     ``source.shard_check``. None when there is no merged index for these shards, or the shards disagree on a
     named dim or on which optional fields they have (the per-sample path handles that:
@@ -120,17 +124,28 @@ def merged_index(source, schema, policy: BadDataPolicy) -> SampleIndex | None:
     if found is None:
         return None
     meta, a = found
+    table = a["shards"]
+    shards = np.repeat(np.arange(len(table), dtype=np.int64), table[:, 1])
+    locations = np.empty((shards.size, 4), np.int64)
+    locations[:, 0], locations[:, 1:] = shards, a["spans"]
+    _install_checks(source, meta, table)  # (the samples loaded below are checked against it too)
+    verdicts, errors = signature_verdicts(source, schema, meta["dims"], a["dim_ids"], locations, a["lengths"])
+    errors.update(value_errors(source, schema, a["bounds"], locations, a["dim_ids"], verdicts, errors))
     fixed: dict = {}
-    for d in meta["dims"]:
+    for d in (v for v in verdicts if v is not None):  # the signatures made this schema's, as the sidecars' path
         if any(fixed.get(k, v) != v for k, v in d.items()):
             return None
         fixed.update(d)
     fixed.pop(FIELDS_KEY, None)
-    table = a["shards"]
     first_record = np.concatenate([[0], np.cumsum(table[:, 2])])
+    recorded = [(int(first_record[shard]) + pos, ev) for shard, pos, ev in meta["events"]]
+    if errors:  # rows found bad under this schema: bad records at their places in the stream
+        is_event = np.zeros(int(first_record[-1]), bool)
+        is_event[[at for at, _ in recorded]] = True
+        ok_at = np.flatnonzero(~is_event)  # stream position of each good row
+        recorded += [(int(ok_at[row]), bad_row_event(err)) for row, err in errors.items()]
     gate, last = BadDataGate(policy), -1
-    for shard, pos, ev in sorted(meta["events"], key=lambda e: (e[0], e[1])):
-        at = int(first_record[shard]) + pos  # the record's place in the whole stream
+    for at, ev in sorted(recorded, key=lambda e: e[0]):  # the whole stream's bad records, in order
         if at > last + 1:
             gate.good()  # an ok record between bad ones resets the consecutive count
         last = at
@@ -138,15 +153,13 @@ def merged_index(source, schema, policy: BadDataPolicy) -> SampleIndex | None:
             gate.report.add(ev[1], ev[2], ev[3])
         else:
             gate.bad(record_reason(ev[2]), ev[1], error_from_record(ev[2]))
-    shards = np.repeat(np.arange(len(table), dtype=np.int64), table[:, 1])
-    locations = np.empty((shards.size, 4), np.int64)
-    locations[:, 0], locations[:, 1:] = shards, a["spans"]
-    _install_checks(source, meta, table)
+    keep = np.ones(shards.size, bool)
+    keep[list(errors)] = False
     sizes = table[:, 0].tolist()
     if any(u[:5].lower() == "pipe:" for u in source.urls):  # a command's output has no size to check
         sizes = [-1 if remote.scheme(u) == "pipe" else n for u, n in zip(source.urls, sizes)]
-    return SampleIndex(lengths=np.array(a["lengths"]), locations=locations, shards=shards, report=gate.report,
-                       media=np.array(a["media"]), dims=fixed, source_shards={"names": meta["names"], "sizes": sizes})
+    return SampleIndex(lengths=a["lengths"][keep], locations=locations[keep], shards=shards[keep], report=gate.report,
+                       media=a["media"][keep], dims=fixed, source_shards={"names": meta["names"], "sizes": sizes})
 
 
 def _install_checks(source, meta: dict, table: np.ndarray) -> None:
@@ -196,7 +209,7 @@ def merged_records(source, schema) -> dict[int, dict] | None:
     out = {}
     for s, (size, _, num_events, first, last) in enumerate(table.tolist()):
         lo, hi = bounds[s], bounds[s + 1]
-        arrays = {k: a[k][lo:hi] for k in ("spans", "lengths", "media", "dim_ids")}
+        arrays = {k: a[k][lo:hi] for k in ("spans", "lengths", "media", "dim_ids", "bounds")}
         record = sidecar.record_of({"shard": meta["names"][s], "num_events": num_events, "dims": meta["dims"],
                                     "events": by_shard.get(s, [])}, arrays, s)
         out[s] = {**record, "check": (size, meta["probes"][s], first, last)}
@@ -228,7 +241,7 @@ def _parse(data: bytes, path: str) -> tuple[dict, dict[str, np.ndarray]]:
     s, table = len(names), a["shards"]
     n = a["lengths"].shape[0] if a["lengths"].ndim == 1 else -1
     want = {"shards": (np.int64, (s, 5)), "spans": (np.int64, (n, 3)), "lengths": (np.int64, (n,)),
-            "media": (np.bool_, (n,)), "dim_ids": (np.int64, (n,))}
+            "media": (np.bool_, (n,)), "dim_ids": (np.int64, (n,)), "bounds": (np.int64, (n, 3, 4))}
     for key, (dtype, shape) in want.items():
         if a[key].dtype != dtype or a[key].shape != shape:
             raise bad(f"{key} of dtype {a[key].dtype} shape {a[key].shape}, expected {np.dtype(dtype)} {shape}")

@@ -25,6 +25,13 @@ unless they are plain names: letters, digits, ``_``, ``-`` (and ``.`` inside a m
 
 The sidecar is the one ``prealign index`` writes (:func:`~prealign.loaders.index.header_pass.index_one`),
 built when the shard is closed from the bytes just written (one read of the new file, from the page cache).
+
+A shard is written as ``<name>.part`` and renamed to its name when it is complete, so a killed writer never
+leaves a truncated shard under a shard's name. When the ``with`` block ends in an exception, the shard being
+written is left as ``<name>.part``, with no sidecar (the samples before it are in the shards already closed):
+delete it, or look at it, but no loader reads it. A sample is checked whole before any of its members is written
+(member names, duplicate members, value types, the tar name limit): a bad one raises
+:class:`~prealign.schemas.errors.ConfigError` naming the sample and the member, and the shard stays as it was.
 """
 from __future__ import annotations
 
@@ -37,10 +44,13 @@ import tarfile
 import numpy as np
 
 from prealign.loaders.index.header_pass import index_one
+from prealign.loaders.sources.shard_files import sidecar_path
 from prealign.loaders.sources.webdataset import WebDatasetSource, numpy_fields
 from prealign.schemas.errors import ConfigError
 
 _KEY = re.compile(r"[A-Za-z0-9_-]{1,200}")
+_TAR_NAME = 100
+"""Bytes of a tar (USTAR) member name with no folder: ``<key>.<extension>`` must fit."""
 _MEMBER = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,100}")
 
 
@@ -102,19 +112,25 @@ class ShardWriter:
                 from None
         if not isinstance(max_bytes, int) or max_bytes < 1024:
             raise ConfigError(f"max_bytes: expected an int >= 1024, got {max_bytes!r}")
+        if max_samples is not None and (not isinstance(max_samples, int) or isinstance(max_samples, bool)
+                                        or max_samples < 1):
+            raise ConfigError(f"max_samples: expected None or an int >= 1, got {max_samples!r}")
         self.pattern, self.max_bytes, self.max_samples = pattern, max_bytes, max_samples
         self.transform, self.index_dir, self.sidecars = transform, index_dir, sidecars
         self.shards: list[str] = []
         self.count = 0
-        self._tar = self._file = None
+        self._tar = self._file = self._path = None
         self._in_shard = 0
         self._keys: set[str] = set()
 
     def __enter__(self) -> "ShardWriter":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc) -> None:
+        if exc_type is None:
+            self.close()
+        else:  # the shard being written stays <name>.part, with no sidecar (see the module's docstring)
+            self._abandon()
 
     def write(self, sample: dict) -> None:
         """Append one sample (see the module's table of member values)."""
@@ -128,6 +144,14 @@ class ShardWriter:
         members = [member_bytes(name, value, sample=key) for name, value in sample.items() if name != "__key__"]
         if not members:
             raise ConfigError(f"sample {key!r}: no members")
+        seen: dict[str, str] = {}
+        for (ext, _), name in zip(members, (n for n in sample if n != "__key__")):
+            if ext in seen:
+                raise ConfigError(f"sample {key!r}: entries {seen[ext]!r} and {name!r} are both member {key}.{ext}")
+            seen[ext] = name
+            if len(f"{key}.{ext}".encode()) > _TAR_NAME:
+                raise ConfigError(f"sample {key!r}: member name {key}.{ext} is {len(f'{key}.{ext}'.encode())} bytes; "
+                                  f"a tar member name holds at most {_TAR_NAME} (shorten the key or the entry {name!r})")
         size = sum(512 + -(-len(data) // 512) * 512 for _, data in members)
         full = self._in_shard and (self._file.tell() + size > self.max_bytes
                                    or (self.max_samples is not None and self._in_shard >= self.max_samples))
@@ -145,12 +169,20 @@ class ShardWriter:
         self._close_shard()
         path = self.pattern % len(self.shards)
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        side = sidecar_path(path, self.index_dir)
+        if self.sidecars and os.path.lexists(side):
+            raise ConfigError(f"{side}: a sidecar is there already (another data set's, in a shared index_dir?); "
+                              f"the writer never overwrites a file it did not create: write to another pattern or "
+                              f"index_dir")
+        if os.path.lexists(path):
+            raise ConfigError(f"{path}: exists; write the shards to a new folder or pattern")
         try:
-            self._file = open(path, "xb")  # never over a file the writer did not create
+            self._file = open(f"{path}.part", "xb")  # never over a file the writer did not create
         except FileExistsError:
-            raise ConfigError(f"{path}: exists; write the shards to a new folder or pattern") from None
+            raise ConfigError(f"{path}.part: exists (a writer's unfinished shard?); delete it or write the shards to "
+                              f"a new folder or pattern") from None
         self._tar = tarfile.open(fileobj=self._file, mode="w", format=tarfile.USTAR_FORMAT)
-        self.shards.append(path)
+        self._path = path
         self._in_shard, self._keys = 0, set()
 
     def _close_shard(self) -> None:
@@ -158,15 +190,26 @@ class ShardWriter:
             return
         self._tar.close()
         self._file.close()
-        self._tar = self._file = None
+        path, self._tar, self._file, self._path = self._path, None, None, None
+        if os.path.lexists(path):
+            raise ConfigError(f"{path}: appeared while it was written; the shard stays {path}.part")
+        os.rename(f"{path}.part", path)
+        self.shards.append(path)
         if self.sidecars:
             if self.index_dir:
                 os.makedirs(self.index_dir, exist_ok=True)
-            source = WebDatasetSource([self.shards[-1]], transform=self.transform, image="bytes",
-                                      index_dir=self.index_dir)
+            if os.path.lexists(sidecar_path(path, self.index_dir)):
+                raise ConfigError(f"{sidecar_path(path, self.index_dir)}: appeared while {path} was written; the "
+                                  f"writer never overwrites a sidecar it did not create (run `prealign index` on it)")
+            source = WebDatasetSource([path], transform=self.transform, image="bytes", index_dir=self.index_dir)
             index_one(source, None, 0, out_dir=self.index_dir, force=True)
 
+    def _abandon(self) -> None:
+        if self._tar is not None:
+            self._file.close()  # (the tar is not closed: no end marker, and no name or sidecar for it)
+            self._tar = self._file = self._path = None
+
     def close(self) -> list[str]:
-        """Close the last shard (and write its sidecar); returns :attr:`shards`."""
+        """Close the last shard (renamed from ``.part``, then its sidecar written); returns :attr:`shards`."""
         self._close_shard()
         return self.shards

@@ -12,26 +12,31 @@ key            dtype / shape   meaning
                                (blake2b-64 of the first and last 64 KiB), ``config`` (key of
                                the transform it was built for, never of a schema), ``transform``
                                (the fields of that key, named when they differ), ``dims`` (the
-                               distinct data signatures: ``{member: "dtype:shape"}``, ``L`` for a
-                               token dim), ``events`` (``[position, event]`` of each data-level skip /
+                               distinct data signatures: ``{member: "dtype:shape"}``, ``L`` for the
+                               token dim when no other dim equals it), ``events`` (``[position, event]`` of each data-level skip /
                                bad record: a corrupt tar, an undecodable member, a missing
                                ``input_ids``)
 ``spans``      int64 ``[N,3]`` ``start, end, checksum`` of each good sample (byte range, crc32)
 ``lengths``    int64 ``[N]``   token lengths
 ``media``      bool ``[N]``    the sample carries media
 ``dim_ids``    int64 ``[N]``   row of ``meta.dims`` (the data signature) each sample has
+``bounds``     int64 [N,3,4]   per sample, for ``input_ids``, ``labels``, ``teacher_topk_ids``: the maximum,
+                               the smallest value ``>= 0``, the smallest and largest negative values
+                               (:func:`~prealign.loaders.index.sample_checks.value_bounds`)
 =============  ==============  ======================================================================
 
 A sidecar describes the data, not one training configuration: it serves a loader with any schema,
 layout, token budget, pad id or vocabulary. What depends on the schema is decided when a loader reads
-it (:func:`~prealign.loaders.index.build.resolve_signatures`): one sample of each data signature runs
-through the loader's collator (shapes, dtypes, named dims, optional fields), and every sample's values
-(ids below the vocabulary, label rules, finite log-probs) are checked when it is loaded, under the
-bad-data policy (counted under ``skip``). Only the transform that turns a sample's members into tokens
+it (:func:`~prealign.loaders.index.sample_checks.signature_verdicts`): the samples of each data signature
+run through the loader's collator until one passes (shapes, dtypes, named dims, optional fields; a value error
+is its sample's alone, a structure error its signature's), and every other sample's values (ids below the
+vocabulary, label rules, finite log-probs) are checked when it is loaded, under the bad-data policy (counted
+under ``skip``). Only the transform that turns a sample's members into tokens
 is part of the key (``config``): a VLM's lengths depend on its tokenizer and image processor. A loader
 with another transform gets a :class:`~prealign.loaders.errors.StaleIndexError` naming the field that
 differs and the ``prealign index`` command that rebuilds the sidecars for it. Sidecars of version 1
-(keyed by the schema) are refused by version, with that command.
+(keyed by the schema) and 2 (whose shape patterns could collide: ``[4, 4]`` and ``[60, 60]`` were both
+``LxL``) are refused by version, with that command.
 
 A sidecar turns back into exactly the per-shard record :func:`~prealign.loaders.index.build.index_shard`
 returns, so the index (and the plan) is the same whether it came from sidecars or from the pass in
@@ -78,11 +83,12 @@ from prealign.loaders.sources.shard_files import NotRegular, file_kind, open_reg
 from prealign.loaders.sources.webdataset import numpy_fields
 
 FORMAT = "prealign-sidecar"
-VERSION = 2
-_ARRAYS = {"spans": (np.int64, 2), "lengths": (np.int64, 1), "media": (np.bool_, 1), "dim_ids": (np.int64, 1)}
+VERSION = 3
+_ARRAYS = {"spans": (np.int64, 2), "lengths": (np.int64, 1), "media": (np.bool_, 1), "dim_ids": (np.int64, 1),
+           "bounds": (np.int64, 3)}
 _MAX_META = 64 << 20
 _BUFFER = 1 << 20
-_ROW_BYTES = 8 * 3 + 8 + 1 + 8  # spans, lengths, media, dim_ids
+_ROW_BYTES = 8 * 3 + 8 + 1 + 8 + 8 * 12  # spans, lengths, media, dim_ids, bounds
 
 
 def regular_stat(path: str, what: str) -> os.stat_result | None:
@@ -208,18 +214,23 @@ def write_sidecar(path: str, record: dict, *, shard: str, fingerprint: dict, con
     np.savez(buf, meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), spans=locs[:, 1:].copy(),
              lengths=np.asarray(record["lengths"], dtype=np.int64),
              media=np.asarray(record["media"], dtype=bool).reshape(-1),
-             dim_ids=np.asarray(record["dim_ids"], dtype=np.int64).reshape(-1))
+             dim_ids=np.asarray(record["dim_ids"], dtype=np.int64).reshape(-1),
+             bounds=np.asarray(record["bounds"], dtype=np.int64).reshape(n, 3, 4))
     tmp = f"{path}.{os.getpid()}.part"
     with open(tmp, "wb") as f:
         f.write(buf.getvalue())
     os.replace(tmp, path)
 
 
-def parse_sidecar(data: bytes, *, shard: str) -> tuple[dict, dict[str, np.ndarray]]:
+def parse_sidecar(data: bytes, *, shard: str, source=None) -> tuple[dict, dict[str, np.ndarray]]:
     """``(meta, arrays)`` of sidecar bytes, every key, dtype and shape checked (never unpickled).
-    Raises :class:`StaleIndexError` naming ``shard`` on anything unexpected."""
+    Raises :class:`StaleIndexError` naming ``shard`` on anything unexpected, with the command that rebuilds it
+    (:func:`index_command` of ``source`` when given)."""
+    fix = index_hint(source) if source is not None else \
+        "re-run `prealign index --force` on it, with the flags that built it (--text, --tokenizer DIR, ...)"
+
     def bad(what: str) -> StaleIndexError:
-        return StaleIndexError(shard, f"sidecar index unreadable: {what}", "re-run `prealign index` on it")
+        return StaleIndexError(shard, f"sidecar index unreadable: {what}", fix)
 
     try:
         # views of data (never unpickled); members may not declare far more than the file holds
@@ -243,8 +254,8 @@ def parse_sidecar(data: bytes, *, shard: str) -> tuple[dict, dict[str, np.ndarra
         raise bad("not a prealign sidecar")
     if meta.get("version") != VERSION:
         raise StaleIndexError(shard, f"sidecar format version {meta.get('version')!r}, this prealign reads "
-                                     f"version {VERSION}", "re-run `prealign index --force` on these shards "
-                                     "(version 2 sidecars serve any schema)")
+                                     f"version {VERSION} (version 3 sidecars serve any schema; their shape patterns "
+                                     "never collide)", fix)
     types = {"shard": str, "size": int, "hash": str, "config": str, "dims": list, "events": list, "num_events": int}
     for key, typ in types.items():
         if not isinstance(meta.get(key), typ) or isinstance(meta.get(key), bool):
@@ -252,7 +263,8 @@ def parse_sidecar(data: bytes, *, shard: str) -> tuple[dict, dict[str, np.ndarra
     n = None
     for key, (dtype, ndim) in _ARRAYS.items():
         a = arrays[key]
-        if a.dtype != dtype or a.ndim != ndim or (key == "spans" and a.shape[1] != 3):
+        if a.dtype != dtype or a.ndim != ndim or (key == "spans" and a.shape[1] != 3) or \
+                (key == "bounds" and a.shape[1:] != (3, 4)):
             raise bad(f"{key} of dtype {a.dtype} shape {a.shape}")
         if n is None:
             n = a.shape[0]
@@ -313,7 +325,8 @@ def record_of(meta: dict, arrays: dict[str, np.ndarray], shard: int) -> dict:
             raise StaleIndexError(str(meta["shard"]), "sidecar index unreadable: event position out of range")
         events[pos] = ev
     return {"shard": shard, "spans": arrays["spans"], "lengths": arrays["lengths"], "media": arrays["media"],
-            "dims": meta["dims"], "dim_ids": arrays["dim_ids"], "events": events, "sidecar": True,
+            "dims": meta["dims"], "dim_ids": arrays["dim_ids"], "bounds": arrays["bounds"], "events": events,
+            "sidecar": True,
             "bad_events": meta["events"]}
 
 
@@ -344,18 +357,65 @@ def describe_transform(transform) -> str:
         probe = np.asarray(tok.encode("prealign probe: <image> Hello, world!")).tolist()
         return json.dumps({"vlm": {"tokenizer": f"{type(tok).__module__}.{type(tok).__qualname__}",
                                    "vocab_size": int(tok.vocab_size), "vision": repr(tok.vision), "probe": probe,
+                                   "definition": tokenizer_definition(tok),
                                    "topk": transform.topk, "log_prob_dtype": transform.log_prob_dtype,
                                    "pixel_dtype": transform.pixel_dtype, "mrope": transform.mrope,
                                    "processor": sorted(transform.processor_options.items()),
                                    "text_key": transform.text_key,
                                    "images": "upright by EXIF"}}, sort_keys=True, default=str)
-    return f"{type(transform).__module__}.{getattr(transform, '__qualname__', type(transform).__qualname__)}"
+    if hasattr(transform, "__qualname__") and hasattr(transform, "__module__"):  # a function (or a class)
+        return f"{transform.__module__}.{transform.__qualname__}"
+    return f"{type(transform).__module__}.{type(transform).__qualname__}"
+
+
+def transform_name(transform) -> str:
+    """A short name of a transform for messages: ``numpy_fields``, ``mymodule.tokenize``,
+    ``VLMSampleTransform (tokenizer HFChatTokenizer of Qwen2TokenizerFast)``."""
+    transform = indexed_transform(transform)
+    if isinstance(transform, VLMSampleTransform):
+        tok = transform.tokenizer
+        inner = getattr(tok, "tokenizer", None)
+        return (f"VLMSampleTransform (tokenizer {type(tok).__qualname__}"
+                f"{f' of {type(inner).__qualname__}' if inner is not None else ''})")
+    return describe_transform(transform)
+
+
+def tokenizer_definition(tok) -> str:
+    """16 hex digits of everything that decides how ``tok`` (a chat tokenizer, or the Hugging Face tokenizer it
+    wraps) encodes: a fast tokenizer's whole definition (``backend_tokenizer.to_str()``: normalizer,
+    pre-tokenizer, model with its vocabulary and merges, post-processor), a slow one's state (its
+    SentencePiece model, vocabulary and BPE ranks), and either's added and special tokens and chat template.
+    Two tokenizers that differ in any of it (merges, a pre-tokenizer rule) get two keys."""
+    inner = getattr(tok, "tokenizer", tok)
+    parts: dict = {"class": f"{type(inner).__module__}.{type(inner).__qualname__}"}
+    backend = getattr(inner, "backend_tokenizer", None)
+    if backend is not None:
+        parts["definition"] = backend.to_str()
+    else:
+        sp = getattr(inner, "sp_model", None)
+        if sp is not None and callable(getattr(sp, "serialized_model_proto", None)):
+            parts["sentencepiece"] = hashlib.sha256(sp.serialized_model_proto()).hexdigest()
+        if callable(getattr(inner, "get_vocab", None)):
+            parts["vocab"] = sorted(inner.get_vocab().items())
+        ranks = getattr(inner, "bpe_ranks", None)
+        if isinstance(ranks, dict):
+            parts["merges"] = sorted((" ".join(map(str, k)), v) for k, v in ranks.items())
+        if len(parts) == 1:  # no Hugging Face tokenizer: its plain settings (never an object's address)
+            parts["object"] = [(k, repr(v)) for k, v in sorted(getattr(inner, "__dict__", {}).items())
+                               if " at 0x" not in repr(v)]
+    added = getattr(inner, "added_tokens_decoder", None)
+    if isinstance(added, dict):
+        parts["added"] = sorted((int(i), str(t)) for i, t in added.items())
+    parts["special"] = sorted(map(str, getattr(inner, "all_special_tokens", ())))
+    parts["chat_template"] = getattr(inner, "chat_template", None)
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def transform_fields(source) -> dict[str, str]:
     """What an index's lengths and data signatures depend on, field by field: the transform (a VLM's
-    tokenizer class, vocabulary, vision tokens, a probe of its encoding (never its folder: the same tokenizer
-    read from another path is the same), image processor options, text member, top-k), the members the
+    tokenizer class, vocabulary, vision tokens, a probe of its encoding and a hash of its whole definition
+    (:func:`tokenizer_definition`; never its folder: the same tokenizer read from another path is the same),
+    image processor options, text member, top-k), the members the
     source requires. Never the schema: pad id, vocabulary bound, ignore index and
     fields are checked when a loader reads the sidecar and loads the samples."""
     transform = indexed_transform(source.transform)
@@ -366,7 +426,7 @@ def transform_fields(source) -> dict[str, str]:
         fields.update({"transform": "VLMSampleTransform",
                        "tokenizer": f"{type(tok).__module__}.{type(tok).__qualname__}",
                        "vocab_size": str(int(tok.vocab_size)), "vision_tokens": repr(tok.vision),
-                       "tokenizer_probe": json.dumps(probe),
+                       "tokenizer_probe": json.dumps(probe), "tokenizer_definition": tokenizer_definition(tok),
                        "processor": json.dumps(sorted(transform.processor_options.items()), default=str),
                        "text_key": transform.text_key, "topk": str(transform.topk), "images": "upright by EXIF"})
     else:
@@ -401,22 +461,44 @@ def shell_shards(urls: list[str]) -> str:
 
 
 def index_command(source) -> str:
-    """The ``prealign index`` command that writes sidecars this loader's source accepts."""
+    """The ``prealign index`` command that writes sidecars this loader's source accepts, every path quoted for
+    a POSIX shell. Remote shards with no ``index_dir`` get ``--out prealign-index`` (a sidecar cannot be
+    written beside a remote object) and what to give the loader then."""
+    import shlex
+
     transform = indexed_transform(source.transform)
     urls = shell_shards(source.urls)
-    out = f" --out {source.index_dir}" if getattr(source, "index_dir", None) else ""
+    index_dir = getattr(source, "index_dir", None) or (REMOTE_INDEX_DIR if _remote_unindexed(source) else None)
+    out = f" --out {shlex.quote(index_dir)}" if index_dir else ""
     if transform is numpy_fields:
         mode = "--text"
     elif isinstance(transform, VLMSampleTransform):
         path = getattr(getattr(transform.tokenizer, "tokenizer", None), "name_or_path", "") or "TOKENIZER_DIR"
-        mode = f"--tokenizer {path}" if getattr(transform.tokenizer, "tokenizer", None) is not None else ""
+        mode = f"--tokenizer {shlex.quote(path)}" if getattr(transform.tokenizer, "tokenizer", None) is not None else ""
         mode += " --processor DIR_WITH_preprocessor_config.json" if transform.processor_options else ""
         mode += f" --topk {transform.topk}" if transform.topk else ""
         mode = mode.strip()
     else:
         return (f"write_sidecars(source, schema, force=True) from prealign.loaders.index.header_pass with this "
-                f"source's transform{out and f' and index_dir {source.index_dir}'}")
+                f"source's transform ({describe_transform(transform)})"
+                f"{index_dir and f' and out_dir={index_dir!r}'}")
     return f"prealign index {mode + ' ' if mode else ''}--force{out} {urls}"
+
+
+REMOTE_INDEX_DIR = "prealign-index"
+"""Where :func:`index_command` has the sidecars of remote shards written (relative to the working directory)."""
+
+
+def _remote_unindexed(source) -> bool:
+    return not getattr(source, "index_dir", None) and any(remote.is_remote(u) for u in source.urls)
+
+
+def index_hint(source) -> str:
+    """``run `<index_command>` `` and, for remote shards with no ``index_dir``, where the loader then finds the
+    sidecars."""
+    then = (f", then give WebDatasetSource(..., index_dir={REMOTE_INDEX_DIR!r}) (the folder it writes in the "
+            f"directory it runs in; or upload the sidecars beside the shards)") if _remote_unindexed(source) else ""
+    return f"run `{index_command(source)}`{then}"
 
 
 def transform_difference(meta: dict, source) -> str:
@@ -543,7 +625,7 @@ def sidecar_records(source, schema) -> dict[int, dict]:
         data = read_sidecar_bytes(source, shard)
         if data is None:
             return None
-        meta, arrays = parse_sidecar(data, shard=url)
+        meta, arrays = parse_sidecar(data, shard=url, source=source)
         check_meta(source, url, meta, key)
         return {**record_of(meta, arrays, shard), "check": expected_of(meta, arrays["spans"])}
 
@@ -561,7 +643,7 @@ def check_meta(source, url: str, meta: dict, key: str) -> None:
         raise StaleIndexError(url, f"its sidecar describes shard {meta['shard']!r}", "a sidecar of another shard")
     if meta["config"] != key:
         raise StaleIndexError(url, f"sidecar built for another transform ({transform_difference(meta, source)})",
-                              f"run `{index_command(source)}`")
+                              index_hint(source))
 
 
 def expected_of(meta: dict, spans: np.ndarray) -> tuple[int, str, int, int]:

@@ -552,9 +552,11 @@ class VLMSampleTransform:
         if codes is None:
             pixel_values, grid = process_images(images, self.image_processor, sample=key)
         videos = self._videos(raw, meta, key) if self.family is not None else None
-        if "input_ids" in raw:  # pre-tokenized, placeholders already expanded
-            input_ids = torch.as_tensor(np.asarray(raw["input_ids"]), dtype=torch.int64).reshape(-1)
-            loss_mask = torch.as_tensor(np.asarray(raw.get("loss_mask", np.ones(input_ids.numel()))),
+        if "input_ids" in raw or "input_ids.npy" in raw:  # pre-tokenized (a row's column or a shard's .npy member)
+            input_ids = torch.as_tensor(np.asarray(raw.get("input_ids", raw.get("input_ids.npy"))),
+                                        dtype=torch.int64).reshape(-1)
+            mask = raw.get("loss_mask", raw.get("loss_mask.npy"))
+            loss_mask = torch.as_tensor(np.asarray(np.ones(input_ids.numel()) if mask is None else mask),
                                         dtype=torch.float32).reshape(-1)
         else:
             ids, mask = render_chat(meta, self.tokenizer, vision.tokens_per_image(grid).tolist(), sample=key,
@@ -655,7 +657,7 @@ def sample_metadata(raw: dict, text_key: str, key) -> dict:
         if "images" in raw and not _is_image_list(raw["images"]):
             meta["images"] = raw["images"]  # member names
         return meta
-    if value is None and "input_ids" in raw:
+    if value is None and ("input_ids" in raw or "input_ids.npy" in raw):
         return {}
     try:
         meta = json.loads(value) if isinstance(value, (bytes, bytearray, str)) else value
