@@ -196,3 +196,56 @@ def test_the_printed_index_command_runs_for_http_shards_with_sidecars_beside_the
     finally:
         server.shutdown()
         server.server_close()
+
+
+def _launch_rank(rank: int, port: int, args: list[str], cwd: str):
+    """``python -m prealign.loaders.cli.index_cmd ARGS`` as ``torchrun`` starts rank ``rank`` of 2: the
+    environment variables only, no process group."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    return subprocess.Popen([sys.executable, "-m", "prealign.loaders.cli.index_cmd", *args], env=env, cwd=cwd,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_index_merge_under_torchrun_waits_for_every_rank(tmp_path):
+    import socket
+    import time
+
+    paths = write_shards(str(tmp_path), sample_lengths(50), num_shards=5)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = str(tmp_path / "idx")
+    os.mkdir(out)
+    args = [*paths, "--text", "--out", out, "--merge"]
+    first = _launch_rank(0, port, args, str(tmp_path))
+    deadline = time.monotonic() + 120
+    while len(os.listdir(out)) < 3 and first.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)  # rank 1 starts only once rank 0 wrote its 3 sidecars: rank 0 must wait for it
+    time.sleep(0.5)
+    second = _launch_rank(1, port, args, str(tmp_path))
+    logs = [p.communicate(timeout=120) for p in (first, second)]
+    assert [first.returncode, second.returncode] == [0, 0], logs
+    assert "merged index of 5 shard(s), 50 samples" in logs[0][1] and "merged" not in logs[1][1]
+    assert "prealign-index.merged.npz" in os.listdir(out) and len(os.listdir(out)) == 6
+
+
+def test_index_of_some_shards_leaves_the_merged_index_of_all(tmp_path, capsys, monkeypatch):
+    from prealign.loaders.index.merged import merged_names
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    paths = write_shards(str(tmp_path), sample_lengths(50), num_shards=4)
+    assert main(["index", *paths, "--text", "--merge"]) == 0
+    merged = str(tmp_path / "prealign-index.merged.npz")
+    names = [os.path.basename(p) for p in paths]
+    assert merged_names(merged) == names
+    capsys.readouterr()
+    assert main(["index", paths[0], "--text", "--force"]) == 0  # one shard re-indexed: the merged file kept
+    assert merged_names(merged) == names and "left as it is" in capsys.readouterr().err
+    assert main(["index", *paths, "--text", "--force"]) == 0  # the same shards: kept in step, no --merge needed
+    assert merged_names(merged) == names and "merged index of 4 shard(s)" in capsys.readouterr().err
+    assert main(["index", paths[0], "--text", "--merge"]) == 0  # asked for: a merged index of that one shard
+    assert merged_names(merged) == names[:1]

@@ -7,10 +7,11 @@ schema, pad id, vocabulary, layout and budget; only the transform is part of its
 Shards whose sidecar is up to date (same size, same first/last 64 KiB, same transform) are left
 alone, so a second run indexes only new or changed shards. ``--workers N`` local processes share the
 shards; under ``torchrun`` (an initialised ``torch.distributed`` group, or ``WORLD_SIZE`` > 1 in the
-environment) rank ``r`` of ``W`` indexes shards ``r, r+W, ...``. ``--merge`` then writes one merged
-index of all the shards (:mod:`~prealign.loaders.index.merged`; rank 0, after every rank is done), which a
-loader reads instead of one sidecar per shard; an existing merged index is rewritten by every run, so it
-never lags its sidecars. Progress goes to stderr.
+environment) rank ``r`` of ``W`` indexes shards ``r, r+W, ...``, then the ranks agree in a gloo group
+(made from ``torchrun``'s environment when none exists). ``--merge`` then writes one merged index of all the
+shards (:mod:`~prealign.loaders.index.merged`; rank 0, after every rank is done), which a loader reads
+instead of one sidecar per shard; an existing merged index of exactly this run's shards is rewritten by
+every run, so it never lags its sidecars (one of other shards is left alone). Progress goes to stderr.
 """
 from __future__ import annotations
 
@@ -112,6 +113,13 @@ def source_and_schema(args):
     return WebDatasetSource(args.shards, transform=transform, image="bytes", index_dir=args.out), schema
 
 
+def _grouped() -> bool:
+    """A process group exists, or ``torchrun``'s rendezvous address is set (one can be made)."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() or bool(os.environ.get("MASTER_ADDR"))
+
+
 def _rank_world() -> tuple[int, int]:
     import torch.distributed as dist
 
@@ -177,30 +185,98 @@ def cmd_index(args) -> int:
     shards = list(range(source.num_shards))[rank::world]
     if args.check:
         return _check(source, shards, args.out, rank, world)
+    alone = world > 1 and not _grouped()  # ranks split by hand (RANK / WORLD_SIZE only)
+    if alone and args.merge:
+        from prealign.schemas.errors import ConfigError
+
+        raise ConfigError(f"--merge with WORLD_SIZE={world} but no MASTER_ADDR (no torchrun): rank 0 cannot wait "
+                          "for the others; run `prealign index --merge` once after every rank is done")
     label = "prealign index" + (f" (rank {rank}/{world})" if world > 1 else "")
     t0 = time.perf_counter()
-    stats = write_sidecars(source, schema, out_dir=args.out, workers=args.workers, full=args.full,
-                           force=args.force, shards=shards, progress=Progress(label),
-                           verify_images=not args.header_only)
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-    dt = time.perf_counter() - t0
-    print(f"{stats['indexed']} shard(s) indexed ({stats['samples']:,} samples in {dt:.2f} s), "
-          f"{stats['up_to_date']} up to date" + (f", sidecars in {args.out}" if args.out else ""), file=sys.stderr)
-    _merge(source, args.merge, rank)
+    with _ranks_agree(1 if alone else world) as agree:
+        stats = agree(lambda: write_sidecars(source, schema, out_dir=args.out, workers=args.workers,
+                                             full=args.full, force=args.force, shards=shards,
+                                             progress=Progress(label), verify_images=not args.header_only))
+        dt = time.perf_counter() - t0
+        print(f"{stats['indexed']} shard(s) indexed ({stats['samples']:,} samples in {dt:.2f} s), "
+              f"{stats['up_to_date']} up to date" + (f", sidecars in {args.out}" if args.out else ""),
+              file=sys.stderr)
+        agree(lambda: _merge(source, args.merge, rank if not alone else -1))  # every rank returns once the merged index is written
     return 0
 
 
+class _ranks_agree:
+    """Under ``torchrun`` (``WORLD_SIZE`` > 1), a gloo group for the command's life (created at the first
+    exchange when none is, from ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``; destroyed at the
+    end): ``agree(fn)`` runs ``fn`` on every rank, then waits for all of them and raises the first rank's
+    error on every rank, so rank 0 merges only after every rank wrote its sidecars."""
+
+    def __init__(self, world: int):
+        self.world, self.own = world, False
+
+    def __enter__(self):
+        return self
+
+    def _join(self) -> None:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            dist.init_process_group("gloo")  # (after the indexing: its worker processes fork without it)
+            self.own = True
+
+    def __exit__(self, *exc) -> None:
+        if self.own:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+    def __call__(self, fn):
+        from prealign.schemas.distributed import all_gather_objects, process_rank_world
+        from prealign.schemas.errors import PrealignError
+
+        try:
+            out, failure = fn(), None
+        except Exception as exc:  # noqa: BLE001 - re-raised below: every rank must reach the exchange first
+            if self.world == 1:
+                raise
+            out, failure = None, exc
+        if self.world == 1:
+            return out
+        self._join()
+        typed = failure if failure is None or isinstance(failure, PrealignError) else \
+            PrealignError(f"{type(failure).__name__}: {failure}")
+        parts = all_gather_objects(None if failure is None else (process_rank_world()[0], typed))
+        if failure is not None:
+            raise failure
+        for rank, err in (p for p in parts if p is not None):  # another rank's error, as its own type
+            err.args = (f"rank {rank} failed: {err.args[0] if err.args else ''}", *err.args[1:])
+            raise err
+        return out
+
+
 def _merge(source, asked: bool, rank: int) -> None:
-    """``--merge`` (or a merged index already there, kept in step with its sidecars): rank 0 writes it."""
-    from prealign.loaders.index.merged import merge_sidecars, merged_path
+    """``--merge``, or a merged index already there of exactly these shards (kept in step with its sidecars):
+    rank 0 writes it. A merged index of other shards (all of a folder, when this run indexes some) is left
+    as it is, and said so."""
+    from prealign.loaders.index.merged import merge_sidecars, merged_names, merged_path
     from prealign.loaders.sources import remote
+    from prealign.loaders.sources.shard_files import shard_name
 
     path = merged_path(source)
-    if rank != 0 or not (asked or not remote.is_remote(path) and os.path.exists(remote.local_path(path))):
+    if rank != 0:
+        if rank < 0 and os.path.exists(path):  # (ranks split by hand: no rank knows when the others are done)
+            print(f"merged index {path} left as it is: ranks without torchrun; run `prealign index --merge` "
+                  "once every rank is done", file=sys.stderr)
         return
+    if not asked:
+        if remote.is_remote(path) or not os.path.exists(remote.local_path(path)):
+            return
+        names = merged_names(path)
+        if names != [shard_name(u) for u in source.urls]:
+            print(f"merged index {path} left as it is: it is of {'other' if names is None else len(names)} "
+                  f"shard(s), not of the {len(source.urls)} indexed now (give --merge to replace it with "
+                  f"one of these)", file=sys.stderr)
+            return
     t0 = time.perf_counter()
     done = merge_sidecars(source)
     print(f"merged index of {done['shards']} shard(s), {done['samples']:,} samples: {done['path']} "

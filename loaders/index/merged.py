@@ -44,6 +44,7 @@ from prealign.loaders.policy import BadDataGate, BadDataPolicy
 from prealign.loaders.sources import remote
 from prealign.loaders.sources.npy import read_npz
 from prealign.loaders.sources.shard_files import shard_name
+from prealign.schemas.errors import PrealignError
 
 FORMAT = "prealign-merged-index"
 VERSION = 2
@@ -109,6 +110,15 @@ def merge_sidecars(source, path: str | None = None) -> dict:
         f.write(buf.getvalue())
     os.replace(tmp, path)
     return {"path": path, "shards": len(names), "samples": int(sum(t[1] for t in table))}
+
+
+def merged_names(path: str) -> list[str] | None:
+    """The shard names of the local merged index at ``path``; None when it is missing or unreadable."""
+    try:
+        data = sidecar.read_regular(path, "merged index", _MAX_FILE)
+        return None if data is None else _parse(data, path)[0]["names"]
+    except (PrealignError, OSError):
+        return None
 
 
 def merged_index(source, schema, policy: BadDataPolicy) -> SampleIndex | None:
