@@ -245,9 +245,10 @@ def _parse(data: bytes, path: str) -> tuple[dict, dict[str, np.ndarray]]:
     names, probes, dims, events = (meta.get(k) for k in ("names", "probes", "dims", "events"))
     if not (isinstance(names, list) and names and all(isinstance(n, str) for n in names)
             and isinstance(probes, list) and len(probes) == len(names) and all(isinstance(p, str) for p in probes)
-            and isinstance(meta.get("common"), dict) and isinstance(dims, list)
-            and all(isinstance(d, dict) for d in dims) and isinstance(events, list)):
-        raise bad("meta names / probes / common / dims / events malformed")
+            and isinstance(meta.get("common"), dict) and isinstance(events, list)):
+        raise bad("meta names / probes / common / events malformed")
+    if not sidecar.dims_ok(dims):
+        raise bad("meta dims is not a list of {name: size} dicts")
     s, table = len(names), a["shards"]
     n = a["lengths"].shape[0] if a["lengths"].ndim == 1 else -1
     want = {"shards": (np.int64, (s, 5)), "spans": (np.int64, (n, 3)), "lengths": (np.int64, (n,)),
@@ -256,20 +257,54 @@ def _parse(data: bytes, path: str) -> tuple[dict, dict[str, np.ndarray]]:
         if a[key].dtype != dtype or a[key].shape != shape:
             raise bad(f"{key} of dtype {a[key].dtype} shape {a[key].shape}, expected {np.dtype(dtype)} {shape}")
     sizes, rows, num_events = table[:, 0], table[:, 1], table[:, 2]
+    if np.any(sizes < -1):
+        raise bad(f"shard sizes: {int(sizes.min())} (a size is -1 or more)")
     if rows.min() < 0 or int(rows.sum()) != n or np.any(num_events < rows) or np.any(table[:, 3:] < -1):
         raise bad("per-shard rows / events inconsistent with the samples")
     spans, owner = a["spans"], np.repeat(np.arange(s), rows)
     if n and (spans[:, 0].min() < 0 or np.any(spans[:, 1] <= spans[:, 0]) or np.any(spans[:, 1] > sizes[owner])
               or a["lengths"].min() < 0 or a["dim_ids"].min() < 0 or a["dim_ids"].max() >= len(dims)):
         raise bad("byte ranges, lengths or dim ids out of bounds")
-    if n > 1 and np.any((owner[1:] == owner[:-1]) & (spans[1:, 0] < spans[:-1, 1])):
-        raise bad("samples of a shard overlap or are out of order")
     for e in events:  # (checked one by one: few, bad records only)
         if not (isinstance(e, list) and len(e) == 3 and all(isinstance(x, int) and not isinstance(x, bool)
                                                               for x in e[:2]) and 0 <= e[0] < s
-                and 0 <= e[1] < num_events[e[0]] and isinstance(e[2], list) and e[2] and e[2][0] in ("bad", "skip")):
+                and 0 <= e[1] < num_events[e[0]] and sidecar.event_ok(e[2])):
             raise bad(f"malformed event {str(e)[:80]}")
+    at = [(e[0], e[1]) for e in events]
     if np.any(rows + np.bincount([e[0] for e in events], minlength=s) != num_events) or \
-            len({(e[0], e[1]) for e in events}) != len(events):
-        raise bad("per-shard event counts do not add up, or an event is given twice")
+            any(b <= a for a, b in zip(at, at[1:])):
+        raise bad("per-shard event counts do not add up, or events out of order or given twice")
+    _check_tiling(spans, owner, table, at, bad)
     return meta, a
+
+
+def _check_tiling(spans: np.ndarray, owner: np.ndarray, table: np.ndarray, events: list, bad) -> None:
+    """Each shard's good samples tile it as the index pass found them, as a sidecar's do
+    (:func:`~prealign.loaders.index.sidecar.parse_sidecar`), for all shards at once: in order, never
+    overlapping, two samples with no bad or skipped record between them adjacent (a removed row leaves a gap
+    nothing explains), and ``first`` / ``last`` those of :func:`~prealign.loaders.index.sidecar.expected_of`."""
+    first_record = np.concatenate([[0], np.cumsum(table[:, 2])])
+    is_event = np.zeros(int(first_record[-1]), bool)
+    is_event[[int(first_record[sh]) + pos for sh, pos in events]] = True
+    at = np.flatnonzero(~is_event)  # the stream position of each good sample, shard after shard
+    same = owner[1:] == owner[:-1]
+    if np.any(same & (spans[1:, 0] < spans[:-1, 1])):
+        raise bad("samples of a shard overlap or are out of order (a repeated or reordered row)")
+    gap = same & (at[1:] == at[:-1] + 1) & (spans[1:, 0] != spans[:-1, 1])
+    if np.any(gap):
+        i = int(np.argmax(gap))
+        raise bad(f"shard {int(owner[i])}: a gap of {int(spans[i + 1, 0] - spans[i, 1])} bytes between two samples "
+                  "with no bad or skipped record between them (a removed row)")
+    rows = table[:, 1]
+    lo = np.concatenate([[0], np.cumsum(rows)])[:-1]
+    has = rows > 0
+    first = np.full(len(table), -1, np.int64)
+    last = np.full(len(table), -1, np.int64)
+    head_good, tail_good = has.copy(), has.copy()  # (a shard with samples has records: indices in range)
+    head_good[has] = ~is_event[first_record[:-1][has]]
+    tail_good[has] = ~is_event[first_record[1:][has] - 1]
+    first[head_good] = spans[lo[head_good], 0]
+    last[tail_good] = spans[lo[tail_good] + rows[tail_good] - 1, 1]
+    if np.any(table[:, 3] != first) or np.any(table[:, 4] != last):
+        sh = int(np.argmax((table[:, 3] != first) | (table[:, 4] != last)))
+        raise bad(f"shard {sh}: first / last byte {table[sh, 3:].tolist()}, its samples give {[first[sh], last[sh]]}")

@@ -271,8 +271,7 @@ def parse_sidecar(data: bytes, *, shard: str, source=None) -> tuple[dict, dict[s
         elif a.shape[0] != n:
             raise bad(f"{key} has {a.shape[0]} rows, spans {n}")
     dims = meta["dims"]
-    if not all(isinstance(d, dict) and all(isinstance(k, str) and isinstance(v, (int, str)) for k, v in d.items())
-               for d in dims):
+    if not dims_ok(dims):
         raise bad("meta 'dims' is not a list of {name: size} dicts")
     ids = arrays["dim_ids"]
     if n and (ids.min() < 0 or ids.max() >= len(dims)):
@@ -283,11 +282,32 @@ def parse_sidecar(data: bytes, *, shard: str, source=None) -> tuple[dict, dict[s
         raise bad("byte ranges or lengths out of bounds")
     events = meta["events"]
     if not all(isinstance(e, list) and len(e) == 2 and isinstance(e[0], int) and not isinstance(e[0], bool)
-               and isinstance(e[1], list) and e[1] and e[1][0] in ("bad", "skip") for e in events) \
+               and event_ok(e[1]) for e in events) \
             or meta["num_events"] != n + len(events):
         raise bad("malformed events")
     _check_spans(spans, events, meta["num_events"], bad)
     return meta, arrays
+
+
+def dims_ok(dims) -> bool:
+    """``dims`` is a list of ``{name: size}`` dicts (names str, sizes int or str)."""
+    return isinstance(dims, list) and all(
+        isinstance(d, dict) and all(isinstance(k, str) and isinstance(v, (int, str)) and not isinstance(v, bool)
+                                    for k, v in d.items()) for d in dims)
+
+
+_RECORD_KEYS = {"shard": ("shard", "offset", "cause"), "sample": ("cls", "sample", "field", "expected", "actual")}
+
+
+def event_ok(ev) -> bool:
+    """``ev`` is a well-formed bad or skip event (:mod:`~prealign.loaders.index.events`): ``["skip", reason,
+    where, message]`` (str) or ``["bad", where, record]`` with the keys its record type needs."""
+    if not isinstance(ev, list) or not ev:
+        return False
+    if ev[0] == "skip":
+        return len(ev) == 4 and all(isinstance(x, str) for x in ev[1:])
+    return (ev[0] == "bad" and len(ev) == 3 and isinstance(ev[2], dict)
+            and all(k in ev[2] for k in _RECORD_KEYS.get(ev[2].get("type"), ("?",))))
 
 
 def _check_spans(spans: np.ndarray, events: list, num_events: int, bad) -> None:
