@@ -157,3 +157,14 @@ def test_sidecar_reads_go_on_threads_only_when_the_file_system_is_slow(tmp_path)
 
     with pytest.raises(MissingShardError, match="s-40.tar"):  # the first failure in shard order
         per_shard(src, fail, threads=8)
+
+
+def test_an_index_cannot_be_edited_in_place_under_its_cached_digest(tmp_path):
+    import dataclasses
+
+    index = _loader(_shards(tmp_path)).prepare().index
+    digest = index.digest
+    for a in (index.lengths, index.locations, index.shards, index.media):
+        with pytest.raises(ValueError, match="read-only"):
+            a[0] += 1
+    assert index.digest == digest == dataclasses.replace(index).digest

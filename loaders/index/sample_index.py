@@ -36,6 +36,11 @@ class SampleIndex:
     """``{"names": [...], "sizes": [...]}`` of the shards indexed (webdataset), checked against the
     source when the index is reused (:func:`~prealign.loaders.index.sidecar.check_index`); not in the digest."""
 
+    def __post_init__(self) -> None:
+        for a in (self.lengths, self.locations, self.shards, self.media):  # the cached digest never goes stale
+            if isinstance(a, np.ndarray):
+                a.setflags(write=False)
+
     def __len__(self) -> int:
         return int(self.lengths.shape[0])
 
