@@ -168,3 +168,20 @@ def test_an_index_cannot_be_edited_in_place_under_its_cached_digest(tmp_path):
         with pytest.raises(ValueError, match="read-only"):
             a[0] += 1
     assert index.digest == digest == dataclasses.replace(index).digest
+
+
+def test_a_checked_shard_deleted_after_its_first_read_is_missing_never_bad_data(tmp_path):
+    """Before its first read a deleted shard is a MissingShardError (the first-read check); after it (its file
+    closed by ``max_open_files=1`` and opened again) the same, never a skipped bad sample."""
+    paths = write_shards(str(tmp_path), sample_lengths(300), num_shards=3)
+    write_sidecars(WebDatasetSource(paths), SCHEMA)
+    loader = PackedLoader(WebDatasetSource(paths, max_open_files=1), schema=SCHEMA, layout=ParallelLayout(),
+                          token_budget=128, seed=1, bad_data=SKIP).prepare()
+    it = iter(loader)
+    first = [next(it) for _ in range(3)]
+    assert 1 in _served_shards(loader, first)  # shard 1 read (and checked) before it goes
+    os.remove(paths[1])
+    with pytest.raises(MissingShardError, match="shard-001.tar"):
+        for _ in it:
+            pass
+    assert loader.report.to_dict()["counts"] == {}

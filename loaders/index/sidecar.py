@@ -699,6 +699,10 @@ class ShardChecks:
     checked_at_start = frozenset()
     """Shards checked when the loader started (remote objects), so never again at a first read."""
 
+    def covers(self, shard: int) -> bool:
+        """Shard ``shard`` is checked against an index (a shard gone later is then a :class:`MissingShardError`)."""
+        return int(self.sizes[shard]) != self.UNCHECKED
+
     def __call__(self, source, shard: int, *, again: bool = False) -> None:
         recorded = int(self.sizes[shard])
         if recorded == self.UNCHECKED or shard in self.checked_at_start and not again:

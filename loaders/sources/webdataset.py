@@ -114,7 +114,8 @@ class WebDatasetSource(Source):
     Within a shard, a sample with a hard or symbolic link member (``link_member``) or a key already
     seen earlier in the shard (``duplicate_key``) is a bad sample; a local shard that does not exist
     is a :class:`~prealign.loaders.errors.MissingShardError` (configuration, raised before the index pass by
-    :func:`~prealign.loaders.index.sidecar.check_source`); one gone when a batch is loaded (deleted or
+    :func:`~prealign.loaders.index.sidecar.check_source`, or at its first read or later when ``shard_check``
+    checks it against its sidecar); a shard indexed in process and gone when a batch is loaded (deleted or
     replaced since indexing) a :class:`~prealign.loaders.errors.ShardGoneError` (bad data: counted under
     ``skip``).
     """
@@ -275,7 +276,7 @@ class WebDatasetSource(Source):
         if _remote.is_sequential(url):
             streams = local.setdefault("streams", OrderedDict())
             if shard not in streams:
-                streams[shard] = self._read_whole(url, start)
+                streams[shard] = self._read_whole(shard, start)
                 while len(streams) > self.remote.stream_shards:
                     streams.popitem(last=False)
             streams.move_to_end(shard)
@@ -299,23 +300,34 @@ class WebDatasetSource(Source):
         except Stalled as exc:
             raise ShardTimeoutError(url, start, f"reading a sample: {exc}") from None
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError) as exc:
-            raise ShardGoneError(url, f"{url}@{start}", f"no such file ({exc.strerror}); deleted since "
-                                 f"indexing?") from None
+            raise self._gone(shard, start, f"no such file ({exc.strerror}); deleted since indexing?") from None
         except NotRegular as exc:
-            raise ShardGoneError(url, f"{url}@{start}", f"{exc.kind} instead of the indexed file") from None
+            raise self._gone(shard, start, f"{exc.kind} instead of the indexed file") from None
         files.move_to_end(shard)
         return out
 
-    def _read_whole(self, url: str, start: int) -> bytes:
+    def _read_whole(self, shard: int, start: int) -> bytes:
         """A sequential shard (``pipe:``, ``.tar.gz``) read whole under the read deadline: a stalled command
-        is a :class:`ShardTimeoutError` (and killed), a deleted file a :class:`ShardGoneError`."""
+        is a :class:`ShardTimeoutError` (and killed), a deleted file :meth:`_gone`."""
+        url = self.urls[shard]
         try:
             with TimedReader(lambda: _remote.open_stream(url, self.remote), timeout=self.read_timeout) as f:
                 return f.read()
         except Stalled as exc:
             raise ShardTimeoutError(url, exc.at, f"reading the stream for a sample: {exc}") from None
         except MissingShardError:
-            raise ShardGoneError(url, f"{url}@{start}", "no such file; deleted since indexing?") from None
+            raise self._gone(shard, start, "no such file; deleted since indexing?") from None
+
+    def _gone(self, shard: int, start: int, problem: str) -> Exception:
+        """A shard gone under a read: a :class:`MissingShardError` (configuration, never bad data) when its first
+        read checked it against its index, as that check says before the first read; else a
+        :class:`ShardGoneError` (bad data)."""
+        url = self.urls[shard]
+        covers = getattr(self.shard_check, "covers", None)
+        if covers is not None and covers(shard):
+            return MissingShardError(url, f"{problem.split(';')[0]}: gone since its first read in this run",
+                                     "the data changed under the run: restore the shard, or re-run `prealign index`")
+        return ShardGoneError(url, f"{url}@{start}", problem)
 
     def check_locations(self, locations) -> None:
         """Rows ``(shard, start, end[, checksum])``: shards in range, byte ranges that end after they start."""
