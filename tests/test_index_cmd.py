@@ -44,6 +44,18 @@ def test_index_workers_in_a_pool_write_the_sidecars_one_process_writes(tmp_path,
     stats = header_pass.write_sidecars(WebDatasetSource(paths), causal_lm_schema(), workers=2, force=True)
     assert started == [2] and stats == {"indexed": 4, "up_to_date": 0, "samples": 40}
     assert [np.load(p + SUFFIX)["lengths"].tolist() for p in paths] == one
+    monkeypatch.setattr(header_pass, "_POOL_MIN", 1)  # the threshold is on the bytes left to index
+    stats = header_pass.write_sidecars(WebDatasetSource(paths), causal_lm_schema(), workers=2)
+    assert started == [2] and stats == {"indexed": 0, "up_to_date": 4, "samples": 0}  # all up to date: no pool
+    with open(paths[1], "ab") as f:
+        f.write(b"\0" * 1024)  # one shard changed: indexed in this process
+    stats = header_pass.write_sidecars(WebDatasetSource(paths), causal_lm_schema(), workers=2)
+    assert started == [2] and stats == {"indexed": 1, "up_to_date": 3, "samples": 10}
+    for p in paths[2:]:
+        with open(p, "ab") as f:
+            f.write(b"\0" * 1024)
+    stats = header_pass.write_sidecars(WebDatasetSource(paths), causal_lm_schema(), workers=2)
+    assert started == [2, 2] and stats == {"indexed": 2, "up_to_date": 2, "samples": 20}
 
 
 def test_index_command_out_dir_ranks_and_missing_shards(tmp_path, capsys, monkeypatch):

@@ -26,6 +26,7 @@ Any other transform has no length rule: its shards get the transform on every sa
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import math
 import os
@@ -49,6 +50,7 @@ from prealign.loaders.index.sidecar import (
     config_key,
     indexed_transform,
     parse_sidecar,
+    per_shard,
     read_sidecar_bytes,
     regular_stat,
     shard_probe,
@@ -543,13 +545,22 @@ def write_sidecars(source, schema: BatchSchema, *, out_dir: str | None = None, w
         check_index_dir_names(source.urls[s] for s in todo)
         os.makedirs(out_dir, exist_ok=True)
     stats = {"indexed": 0, "up_to_date": 0, "samples": 0}
-    tasks = [(source, schema, s, out_dir, full, force, verify_images) for s in todo]
-    if workers > 1 and len(tasks) > 1 and sum(max(n, 0) for n in sizes) >= (_POOL_MIN_FULL if full else _POOL_MIN):
-        with _pool(mp, min(workers, len(tasks))) as pool:
-            results = pool.imap_unordered(_index_task, tasks)
-            _collect(results, stats, len(tasks), progress)
+    threshold = _POOL_MIN_FULL if full else _POOL_MIN
+    if workers > 1 and len(todo) > 1 and not force and sum(max(n, 0) for n in sizes) >= threshold:
+        # the pool pays off only for the bytes left to index: shards already up to date are found here first
+        fresh = per_shard(source, lambda s: _up_to_date(source, schema, s, out_dir), todo, threads=8)
+        done = [(s, "up to date", 0) for s, ok in zip(todo, fresh) if ok]
+        todo, sizes = [s for s, ok in zip(todo, fresh) if not ok], [n for n, ok in zip(sizes, fresh) if not ok]
+        force = True  # (the rest were just found out of date)
     else:
-        _collect(map(_index_task, tasks), stats, len(tasks), progress)
+        done = []
+    tasks = [(source, schema, s, out_dir, full, force, verify_images) for s in todo]
+    total = len(done) + len(tasks)
+    if workers > 1 and len(tasks) > 1 and sum(max(n, 0) for n in sizes) >= threshold:
+        with _pool(mp, min(workers, len(tasks))) as pool:
+            _collect(itertools.chain(done, pool.imap_unordered(_index_task, tasks)), stats, total, progress)
+    else:
+        _collect(itertools.chain(done, map(_index_task, tasks)), stats, total, progress)
     return stats
 
 
@@ -564,7 +575,9 @@ def _pool(mp, n: int):
     """``n`` worker processes forked from a forkserver that imported torch and this module once (``spawn``,
     where there is no forkserver): no child re-imports torch (``spawn`` made the pool slower than one process
     below ~300k samples), and none is forked from this process, whose torch / PIL threads may hold locks.
-    Each child runs torch on one thread: ``n`` processes, not ``n`` x cores threads."""
+    Each child runs torch on one thread: ``n`` processes, not ``n`` x cores threads. The pool's processes end
+    with it; the forkserver (one idle process holding torch, ~300 MB) stays alive until this process exits,
+    as ``multiprocessing`` keeps it, and serves the next pool of this process without a second torch import."""
     try:
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(["torch", __name__])
