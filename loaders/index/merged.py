@@ -176,7 +176,7 @@ def _install_checks(source, meta: dict, table: np.ndarray) -> None:
     """``source.shard_check``: each shard checked against the merged index at its first read."""
     checks = sidecar.ShardChecks(len(table), {})
     checks.sizes[:], checks.first[:], checks.last[:] = table[:, 0], table[:, 3], table[:, 4]
-    checks.probes = list(meta["probes"])
+    checks.probes[:] = meta["probes"]
     source.shard_check = checks
     sidecar.check_remote_now(source)
 
@@ -244,7 +244,8 @@ def _parse(data: bytes, path: str) -> tuple[dict, dict[str, np.ndarray]]:
         raise bad(f"format version {meta.get('version')!r}, this prealign reads version {VERSION}")
     names, probes, dims, events = (meta.get(k) for k in ("names", "probes", "dims", "events"))
     if not (isinstance(names, list) and names and all(isinstance(n, str) for n in names)
-            and isinstance(probes, list) and len(probes) == len(names) and all(isinstance(p, str) for p in probes)
+            and isinstance(probes, list) and len(probes) == len(names)
+            and all(isinstance(p, str) and len(p) <= 16 and p.isascii() for p in probes)
             and isinstance(meta.get("common"), dict) and isinstance(events, list)):
         raise bad("meta names / probes / common / events malformed")
     if not sidecar.dims_ok(dims):
