@@ -185,3 +185,27 @@ def test_a_checked_shard_deleted_after_its_first_read_is_missing_never_bad_data(
         for _ in it:
             pass
     assert loader.report.to_dict()["counts"] == {}
+
+
+def test_the_merged_index_is_read_once_when_the_per_shard_path_takes_over(tmp_path, monkeypatch):
+    """Shards that disagree on which optional fields they have: ``merged_index`` falls back to the per-shard
+    records, from the merged file already read (one read, not two)."""
+    from prealign.loaders.index import sidecar
+
+    from .loader_helpers import _npy, add_member, token_ids
+
+    lengths = sample_lengths(60)
+
+    def labelled(i, tf):  # shard 0's samples carry labels, the others' do not
+        if i < 20:
+            add_member(tf, f"{i:06d}.labels.npy", _npy(token_ids(i, lengths[i])))
+        return False
+
+    paths = write_shards(str(tmp_path), lengths, num_shards=3, extra=labelled)
+    write_sidecars(WebDatasetSource(paths), SCHEMA)
+    expected = build_index(WebDatasetSource(paths), SCHEMA, policy=SKIP)
+    merge_sidecars(WebDatasetSource(paths))
+    reads, read = [], sidecar.read_regular
+    monkeypatch.setattr(sidecar, "read_regular", lambda p, what, lim: reads.append(what) or read(p, what, lim))
+    assert build_index(WebDatasetSource(paths), SCHEMA, policy=SKIP).digest == expected.digest
+    assert reads.count("merged index") == 1, reads

@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from prealign.loaders.errors import BadSampleError
 from prealign.loaders.index.events import error_from_record, error_record, record_reason
-from prealign.loaders.index.merged import merged_index, merged_records
+from prealign.loaders.index.merged import merged_index, merged_records, read_merged
 from prealign.loaders.index.sample_checks import (
     FIELDS_KEY,
     VALIDATION_CHUNK,
@@ -280,8 +280,9 @@ def build_index(source: Source, schema: BatchSchema, *, policy: BadDataPolicy | 
     from prealign.schemas.distributed import all_gather_objects, process_rank_world
 
 
-    index = merged_index(source, schema, policy or BadDataPolicy())  # one merged file: no pass, no exchange
-    if index is not None:
+    found = read_merged(source, schema)  # (read once: the per-shard path below reuses it)
+    index = merged_index(source, schema, policy or BadDataPolicy(), found=found) if found else None
+    if index is not None:  # one merged file: no pass, no exchange
         return _checked_non_empty(index)
     rank, world = process_rank_world(group) if distributed else (0, 1)
     known: dict = {}
@@ -289,7 +290,7 @@ def build_index(source: Source, schema: BatchSchema, *, policy: BadDataPolicy | 
     failure: BaseException | None = None
     try:
         # sidecar records (one merged file, or a sidecar per shard); unreachable / changed shards raise here
-        known, checked = check_source(source, schema, merged_records(source, schema))
+        known, checked = check_source(source, schema, merged_records(source, schema, found=found) if found else None)
         known = resolve_signatures(known, source, schema)  # the data's signatures checked against this schema
         shards = [s for s in range(source.num_shards) if s not in known]
         mine: dict = {"results": scan_shards(source, schema, shards[rank::world], num_workers=num_workers,

@@ -121,7 +121,17 @@ def merged_names(path: str) -> list[str] | None:
         return None
 
 
-def merged_index(source, schema, policy: BadDataPolicy) -> SampleIndex | None:
+_UNREAD = object()
+
+
+def read_merged(source, schema) -> tuple[dict, dict[str, np.ndarray]] | None:
+    """``(meta, arrays)`` of ``source``'s merged index, checked as a whole and against this loader's
+    configuration, when there is one for exactly its shards (else None): read once, then handed to
+    :func:`merged_index` and, when that falls back, :func:`merged_records` as ``found``."""
+    return _read(source, schema)
+
+
+def merged_index(source, schema, policy: BadDataPolicy, *, found=_UNREAD) -> SampleIndex | None:
     """The :class:`SampleIndex` of ``source`` straight from its merged index, at a cost per file, per data
     signature (its samples checked against ``schema`` as the sidecars' path checks them:
     :func:`~prealign.loaders.index.sample_checks.signature_verdicts`) and per bad record, not per shard or
@@ -129,8 +139,8 @@ def merged_index(source, schema, policy: BadDataPolicy) -> SampleIndex | None:
     the same records: the bad-data policy applied to the recorded bad events in stream order); sets
     ``source.shard_check``. None when there is no merged index for these shards, or the shards disagree on a
     named dim or on which optional fields they have (the per-sample path handles that:
-    :func:`merged_records`)."""
-    found = _read(source, schema)
+    :func:`merged_records`). ``found``: :func:`read_merged`'s answer, when read already."""
+    found = _read(source, schema) if found is _UNREAD else found
     if found is None:
         return None
     meta, a = found
@@ -202,12 +212,13 @@ def _read(source, schema) -> tuple[dict, dict[str, np.ndarray]] | None:
     return meta, a
 
 
-def merged_records(source, schema) -> dict[int, dict] | None:
+def merged_records(source, schema, *, found=_UNREAD) -> dict[int, dict] | None:
     """The sidecar records (:func:`~prealign.loaders.index.sidecar.sidecar_records`) of every shard of
     ``source`` from its merged index, each with its ``"check"``; None when there is no merged index, it names
     other shards, or the source reads no sidecars. Checked as a whole (vectorised: a cost per file, not per
-    shard), and against this loader's configuration (:class:`StaleIndexError`)."""
-    found = _read(source, schema)
+    shard), and against this loader's configuration (:class:`StaleIndexError`). ``found``: :func:`read_merged`'s
+    answer, when read already."""
+    found = _read(source, schema) if found is _UNREAD else found
     if found is None:
         return None
     meta, a = found
