@@ -107,3 +107,16 @@ def test_a_real_merged_index_with_bad_samples_still_loads(tmp_path):
     assert len(meta["events"]) == 3
     _parse(open(path, "rb").read(), path)
     assert _load(paths)[0] == 27
+
+
+def test_a_merged_index_that_inflates_past_its_size_is_refused_before_inflating(tmp_path):
+    """``merge_sidecars`` stores members uncompressed: a deflated file that inflates to more than twice its
+    size (a zip bomb) is refused."""
+    paths, path, a, meta = _merged(tmp_path)
+    a["dim_ids"] = np.zeros(1 << 18, np.int64)  # 2 MiB of zeros that deflate to a few KiB
+    buf = io.BytesIO()
+    np.savez_compressed(buf, **a)
+    with pytest.raises(StaleIndexError, match=NAME):
+        _parse(buf.getvalue(), path)
+    with pytest.raises(StaleIndexError, match="declare"):
+        _parse(buf.getvalue(), path)

@@ -51,7 +51,11 @@ VERSION = 2
 NAME = "prealign-index.merged.npz"
 _PER_SHARD = frozenset({"shard", "size", "hash", "probe", "dims", "events", "num_events"})
 _KEYS = frozenset({"meta", "shards", "spans", "lengths", "media", "dim_ids", "bounds"})
-_MAX_FILE = 1 << 40
+_MAX_FILE = 1 << 36
+"""64 GiB: a merged index holds 137 bytes a sample (about 500M samples)."""
+_INFLATE = 2
+""":func:`merge_sidecars` stores its members uncompressed (together the file's size): a file that inflates
+to more than twice its size (and 1 MiB) is not one it wrote."""
 
 
 def merged_path(source) -> str:
@@ -243,7 +247,7 @@ def _parse(data: bytes, path: str) -> tuple[dict, dict[str, np.ndarray]]:
         return StaleIndexError(path, f"merged index unreadable: {what}", "re-run `prealign index --merge`")
 
     try:
-        a = read_npz(data, max_bytes=64 * len(data) + (1 << 20), member=path, copy=False, names=_KEYS)
+        a = read_npz(data, max_bytes=_INFLATE * len(data) + (1 << 20), member=path, copy=False, names=_KEYS)
         meta = json.loads(a["meta"].tobytes().decode()) if a.get("meta") is not None else None
     except StaleIndexError:
         raise
