@@ -113,7 +113,7 @@ def test_a_merged_index_that_inflates_past_its_size_is_refused_before_inflating(
     """``merge_sidecars`` stores members uncompressed: a deflated file that inflates to more than twice its
     size (a zip bomb) is refused."""
     paths, path, a, meta = _merged(tmp_path)
-    a["dim_ids"] = np.zeros(1 << 18, np.int64)  # 2 MiB of zeros that deflate to a few KiB
+    a["dim_ids"] = np.random.default_rng(0).integers(0, 4, 1 << 19)  # 4 MiB that deflate ~20x
     buf = io.BytesIO()
     np.savez_compressed(buf, **a)
     with pytest.raises(StaleIndexError, match=NAME):
