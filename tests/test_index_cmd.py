@@ -261,3 +261,14 @@ def test_index_of_some_shards_leaves_the_merged_index_of_all(tmp_path, capsys, m
     assert merged_names(merged) == names and "merged index of 4 shard(s)" in capsys.readouterr().err
     assert main(["index", paths[0], "--text", "--merge"]) == 0  # asked for: a merged index of that one shard
     assert merged_names(merged) == names[:1]
+
+
+def test_index_merge_with_ranks_split_by_hand_is_refused(tmp_path, capsys, monkeypatch):
+    """``RANK`` / ``WORLD_SIZE`` without ``MASTER_ADDR``: no rank can wait for the others, so no ``--merge``."""
+    paths = write_shards(str(tmp_path), sample_lengths(20), num_shards=2)
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["index", *paths, "--text", "--merge"]) == 2
+    assert "--merge with WORLD_SIZE=2 but no MASTER_ADDR" in capsys.readouterr().err
+    assert not os.path.exists(paths[0] + SUFFIX)  # refused before any work
