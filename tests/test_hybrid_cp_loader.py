@@ -257,7 +257,8 @@ def test_deferred_cp_shard_keeps_whole_rows_and_the_gather_index(wds):
 
 
 def test_a_sample_bad_only_at_load_time_fails_alike_on_every_cp_rank(tmp_path):
-    """A top-k id past the vocabulary in sample 7, which the header-only index does not read, is found on every
+    """A positive teacher log-prob in sample 7, which the header-only index does not read (its ids it bounds), is
+    found on every
     CP rank whatever block it would have gone to: under the skip policy all ranks leave it out and assign the
     rest alike (each micro-batch still reconstructs, its blocks those of the samples left); under the default
     policy every rank raises naming it."""
@@ -268,11 +269,12 @@ def test_a_sample_bad_only_at_load_time_fails_alike_on_every_cp_rank(tmp_path):
     def extra(i, tf):
         ids = token_ids(i, lengths[i]) % 1000
         top = np.stack([ids, ids + 1], axis=1).astype(np.int64)
+        logp = np.tile(np.float32([-0.5, -2.0]), (lengths[i], 1))
         if i == 7:
-            top[3, 1] = 99_999
+            logp[3, 1] = 0.5
         add_member(tf, f"{i:06d}.input_ids.npy", _npy(ids))
         add_member(tf, f"{i:06d}.teacher_topk_ids.npy", _npy(top))
-        add_member(tf, f"{i:06d}.teacher_topk_log_probs.npy", _npy(np.tile(np.float32([-0.5, -2.0]), (lengths[i], 1))))
+        add_member(tf, f"{i:06d}.teacher_topk_log_probs.npy", _npy(logp))
         return True
 
     schema, cp, budget = causal_lm_schema(topk=2, vocab_size=1001), 4, 1024
