@@ -41,6 +41,7 @@ import torch
 from prealign.schemas.errors import ConfigError, PackingUnsupportedError, SampleError
 from prealign.schemas.schema import IGNORE_INDEX
 
+from .indices import num_sequences
 from .vision.family import has_linear_attention
 
 
@@ -184,7 +185,7 @@ def to_hf_kwargs(batch: dict, *, attention: HFAttention | str = HFAttention.VARL
             out[name] = batch[name]
     linear = model_config is not None and has_linear_attention(model_config)
     if linear:
-        check_gdn_packing(model_config, padded.numel() - 1)
+        check_gdn_packing(model_config, num_sequences(padded))  # (static shapes repeat the total past them)
         out["seq_idx"] = packed_seq_idx(padded)
     if attention is HFAttention.VARLEN or linear:  # GDN layers read cu_seq_lens_q whatever the attention mode
         cu = padded.to(torch.int32)

@@ -8,9 +8,11 @@ resumable with ``state_dict`` / ``load_state_dict``.
 from prealign.loaders.conformance import assert_resumes_elastically, assert_resumes_exactly
 from prealign.loaders.errors import (
                      BadSampleError,
+                     ChangedShardError,
                      CollectiveTimeoutError,
                      CorruptShardError,
                      IndexFileError,
+                     IndexMismatchError,
                      LoaderUsageError,
                      MissingMemberError,
                      MissingShardError,
@@ -25,6 +27,7 @@ from prealign.loaders.errors import (
                      ShardGoneError,
                      ShardTimeoutError,
                      SourceChangedError,
+                     StaleIndexError,
                      TooManyBadSamplesError,
                      UnsafeMemberError,
                      UnsupportedTorchError,
@@ -36,7 +39,13 @@ from prealign.loaders.index.sample_index import SampleIndex
 from prealign.loaders.index.shard_writer import ShardWriter
 from prealign.loaders.loader import PackedLoader
 from prealign.loaders.media.chat_tokenizer import ChatTokenizer, HFChatTokenizer
-from prealign.loaders.media.vlm import MediaError, MediaProblem, VLMSampleTransform, image_processor
+from prealign.loaders.media.vlm import (
+                     MediaError,
+                     MediaProblem,
+                     VideoDefaultsWarning,
+                     VLMSampleTransform,
+                     image_processor,
+)
 from prealign.loaders.options import IndexOptions, LoadingOptions, ShuffleOptions, WorkerConfig
 from prealign.loaders.plan.cost import CostModel
 from prealign.loaders.plan.planner import (
@@ -68,3 +77,4 @@ __all__ += ["CollectiveTimeoutError", "NotRegularFileError", "ShardGoneError"]
 __all__ += ["assert_resumes_elastically"]
 __all__ += ["CostModel"]
 __all__ += ["ShardWriter"]
+__all__ += ["ChangedShardError", "IndexMismatchError", "StaleIndexError", "VideoDefaultsWarning"]

@@ -8,6 +8,7 @@ from .errors import (
                      ConfigError,
                      LayoutError,
                      OffsetOverflowError,
+                     PackingUnsupportedError,
                      PrealignError,
                      SampleError,
                      SchemaError,
@@ -24,3 +25,4 @@ __all__ = ["ParallelLayout", "PadPolicy", "FP8Recipe", "CPLayout", "round_up", "
            "BatchValidationError", "StartupMismatchError", "ArgumentError", "OffsetOverflowError"]
 __all__ += ["vlm_schema", "VisionTokens", "validate_vlm_batch", "media_violations"]
 __all__ += ["validate_packed_seq_params", "BackendVersionError"]
+__all__ += ["PackingUnsupportedError"]

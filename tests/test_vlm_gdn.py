@@ -78,3 +78,14 @@ def test_a_family_is_checked_like_its_config():
     for named in (tiny_config("qwen3_5"), vision_family(tiny_config("qwen3_vl")), {"layer_types": ["full_attention"]}):
         assert not has_linear_attention(named)
     assert has_linear_attention({"layer_types": ["linear_attention"]})
+
+
+def test_one_sequence_of_a_static_batch_is_not_packing():
+    """Under ``max_seqs`` the offsets repeat the total past the real sequences: one sequence is no packing,
+    so a GDN model without the kernels takes it."""
+    layout = ParallelLayout(length_buckets=(64,), max_seqs=4)
+    batch = MRoPECollator(collator=THDCollator(schema=vlm_schema(), layout=layout),
+                          model_config=gdn_config())([vision_sample("qwen3_5", [5, ("image", 2, 2), 3])])
+    assert batch["cu_seqlens_padded"].numel() == 5
+    kw = to_hf_kwargs(batch, model_config=gdn_config())  # no PackingUnsupportedError: one real sequence
+    assert kw["seq_idx"].shape[-1] == 64

@@ -54,7 +54,11 @@ def add_transform_args(p) -> None:
     p.add_argument("--tokenizer", metavar="DIR", help="VLM: a local Hugging Face tokenizer folder (never downloaded; "
                                                       "default: the demo byte tokenizer)")
     p.add_argument("--processor", metavar="DIR", help="VLM: a local folder with the image processor's "
-                                                      "preprocessor_config.json (default: Qwen2-VL's defaults)")
+                                                      "preprocessor_config.json (default: Qwen2-VL's defaults) "
+                                                      "and, for videos, its video_preprocessor_config.json")
+    p.add_argument("--model-config", metavar="DIR", help="VLM: a local folder with the model's config.json: its "
+                                                         "family (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5) sets the "
+                                                         "token ids, grids and video rules (default: Qwen2-VL)")
 
 
 PROCESSOR_KEYS = ("min_pixels", "max_pixels", "patch_size", "temporal_patch_size", "merge_size", "image_mean",
@@ -94,7 +98,22 @@ def vlm_transform(args, topk):
             raise ConfigError(f"--processor {args.processor}: no readable preprocessor_config.json "
                               f"({type(exc).__name__})") from None
         options = {k: config[k] for k in PROCESSOR_KEYS if k in config}
-    return VLMSampleTransform(tokenizer=tok, topk=topk, processor_options=options), told
+    model_config = video = None
+    if getattr(args, "model_config", None):
+        from transformers import AutoConfig
+
+        try:
+            model_config = AutoConfig.from_pretrained(args.model_config, local_files_only=True)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"--model-config {args.model_config}: no readable config.json of a model "
+                              f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
+        video_path = os.path.join(args.processor or "", "video_preprocessor_config.json")
+        if args.processor and os.path.isfile(video_path):
+            with open(video_path) as f:
+                video = json.load(f)
+        told += f"; model family from {args.model_config} ({model_config.model_type})"
+    return VLMSampleTransform(tokenizer=tok, topk=topk, processor_options=options, model_config=model_config,
+                              video_processor_config=video), told
 
 
 def source_and_schema(args):

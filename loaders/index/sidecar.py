@@ -449,6 +449,8 @@ def transform_fields(source) -> dict[str, str]:
                        "tokenizer_probe": json.dumps(probe), "tokenizer_definition": tokenizer_definition(tok),
                        "processor": json.dumps(sorted(transform.processor_options.items()), default=str),
                        "text_key": transform.text_key, "topk": str(transform.topk), "images": "upright by EXIF"})
+        vlm = json.loads(transform.index_key())["vlm"]  # the family's grids and video rules (transformers version)
+        fields.update({f"vision_{k}": json.dumps(vlm[k], sort_keys=True) for k in ("family", "images", "videos", "mrope")})
     else:
         fields["transform"] = describe_transform(transform)
     return fields
@@ -496,6 +498,9 @@ def index_command(source) -> str:
         path = getattr(getattr(transform.tokenizer, "tokenizer", None), "name_or_path", "") or "TOKENIZER_DIR"
         mode = f"--tokenizer {shlex.quote(path)}" if getattr(transform.tokenizer, "tokenizer", None) is not None else ""
         mode += " --processor DIR_WITH_preprocessor_config.json" if transform.processor_options else ""
+        if transform.model_config is not None:  # the family (a folder with the model's config.json)
+            folder = getattr(transform.model_config, "name_or_path", "") or "MODEL_DIR_WITH_config.json"
+            mode += f" --model-config {shlex.quote(folder)}"
         mode += f" --topk {transform.topk}" if transform.topk else ""
         mode = mode.strip()
     else:
