@@ -11,6 +11,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -73,6 +74,7 @@ def rank_main(shards: list[str], out: str, *, cp_rank: int, cp_size: int, share:
         return sum(u.ru_utime + u.ru_stime for u in usage)
 
     transform.image_processor  # imports and the processor built before the CPU count starts
+    _start_together(out, cp_rank, cp_size)
     start = cpu()
     first = loader().prepare()  # the index pass runs here, in this process: its sharing counts are visible
     stats = dataclasses.asdict(transform.stats) if share else {}
@@ -103,6 +105,18 @@ def rank_main(shards: list[str], out: str, *, cp_rank: int, cp_size: int, share:
         digests.append(_digest(batch))
     with open(out, "w") as f:
         json.dump({"digests": digests, "cpu": cpu() - start, "killed": killed, "stats": stats}, f)
+
+
+def _start_together(out: str, cp_rank: int, cp_size: int, limit: float = 120.0) -> None:
+    """The CP ranks of one run begin their index pass together, as torchrun's ranks do after
+    ``init_process_group``: a rank's imports (compiling bytecode in a fresh clone) can take longer than a
+    whole index pass, and ranks that do not overlap have nothing to share."""
+    base = re.sub(r"\d+\.json$", "ready-", out)  # (the ranks' outputs differ only in their rank digit)
+    open(f"{base}{cp_rank}", "w").close()
+    deadline = time.monotonic() + limit
+    while not all(os.path.exists(f"{base}{r}") for r in range(cp_size)):
+        assert time.monotonic() < deadline, "a CP rank never started"
+        time.sleep(0.01)
 
 
 def _spawn(shards, out, **kw) -> subprocess.Popen:
