@@ -405,8 +405,22 @@ def tokenizer_definition(tok) -> str:
     wraps) encodes: a fast tokenizer's whole definition (``backend_tokenizer.to_str()``: normalizer,
     pre-tokenizer, model with its vocabulary and merges, post-processor), a slow one's state (its
     SentencePiece model, vocabulary and BPE ranks), and either's added and special tokens and chat template.
-    Two tokenizers that differ in any of it (merges, a pre-tokenizer rule) get two keys."""
+    Two tokenizers that differ in any of it (merges, a pre-tokenizer rule) get two keys. Computed once per
+    tokenizer object (a real tokenizer's definition is megabytes of JSON; the key is asked for every shard)."""
     inner = getattr(tok, "tokenizer", tok)
+    for known, digest in _DEFINITIONS:
+        if known is inner:
+            return digest
+    digest = _definition_digest(inner)
+    _DEFINITIONS[:] = [(inner, digest), *_DEFINITIONS[:3]]
+    return digest
+
+
+_DEFINITIONS: list[tuple[object, str]] = []
+"""The last few tokenizers asked about and their :func:`tokenizer_definition` (held, so identity stays valid)."""
+
+
+def _definition_digest(inner) -> str:
     parts: dict = {"class": f"{type(inner).__module__}.{type(inner).__qualname__}"}
     backend = getattr(inner, "backend_tokenizer", None)
     if backend is not None:
