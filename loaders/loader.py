@@ -35,12 +35,14 @@ from prealign.loaders.index.build import build_index
 from prealign.loaders.index.sample_checks import has_media, media_keys
 from prealign.loaders.index.sample_index import SampleIndex
 from prealign.loaders.index.sidecar import check_all_shards, check_index, describe_transform
+from prealign.loaders.mixture import Mixture
 from prealign.loaders.options import IndexOptions, LoadingOptions, ShuffleOptions, WorkerConfig, check_option
 from prealign.loaders.plan.planner import MicrobatchPlan, PlannerConfig
 from prealign.loaders.plan.schedule import Request, Schedule, check_count
-from prealign.loaders.policy import BadDataPolicy, BadDataReport, BadSampleWarning, OnBadSample, Oversize
+from prealign.loaders.policy import BadDataPolicy, BadDataReport, BadSampleWarning, OnBadSample, Oversize, PackStrategy
 from prealign.loaders.serve.workers import hand_over
 from prealign.loaders.sources.source import Source
+from prealign.loaders.state import LoaderState
 from prealign.schemas.errors import ConfigError, PrealignError, SampleError
 from prealign.schemas.layout import ParallelLayout
 from prealign.schemas.schema import BatchSchema, Role
@@ -292,6 +294,7 @@ class PackedLoader(LoaderCore):
         self.indexing = indexing or IndexOptions()
         self.share = share
         self._index: SampleIndex | None = None
+        self._mixture_setup()
 
     def prepare(self) -> "PackedLoader":
         """Run the index pass (or load the prebuilt index) and set up the plan and the DataLoader; a
@@ -303,6 +306,10 @@ class PackedLoader(LoaderCore):
         index = SampleIndex.load(opts.prebuilt) if isinstance(opts.prebuilt, str) else opts.prebuilt
         if index is not None:  # a reused index must describe this data (issue #7): before any batch
             check_index(index, source)
+        elif isinstance(source, Mixture):  # each component's pass, merged (loaders/mixture.py)
+            index = source.build_index(schema, policy=self.bad_data,
+                                       num_workers=num_workers if opts.workers is None else opts.workers,
+                                       distributed=opts.distributed, group=self.group)
         else:
             index = build_index(source, schema, policy=self.bad_data,
                                 num_workers=num_workers if opts.workers is None else opts.workers,
@@ -313,6 +320,8 @@ class PackedLoader(LoaderCore):
                                   planner=self.planner, seed=self.seed, shuffle=self.shuffle,
                                   sequential=source.sequential, window=self.shuffle_window,
                                   step_window=64 if getattr(source, "stream_only", getattr(source, "streaming", False)) else None)
+        if isinstance(source, Mixture):
+            self._mixture_schedule()
         self._schedule.resized = self._resized
         self._requests = _Requests()
         planned = _PlannedSamples(source, index, schema, cap, layout.seq_multiple)
@@ -365,6 +374,8 @@ class PackedLoader(LoaderCore):
         for batch in self._served(self._loader, token):
             batch = unpacked(batch)
             self._count_skipped(batch.pop("skipped_at_load", ()), warn=self.bad_data.warn)
+            if self._component_of is not None:  # which mixture component each sequence came from
+                batch["sample_component"] = torch.from_numpy(self._component_of[batch["sample_index"].numpy()])
             self._position = batch["microbatch"] + 1
             yield batch
         if self._active is token:
@@ -446,6 +457,78 @@ class PackedLoader(LoaderCore):
         if position > have:
             raise ResumeError(f"loader state: key 'position': {position} is past the end of epoch {epoch} "
                               f"({have} micro-batches per rank)")
+
+    # ---- mixtures (loaders/mixture.py, docs/mixtures.md) ----------------------------------------------
+    _component_of = None
+    """int64 ``[N]``: the mixture component of each sample id (None: not a mixture)."""
+
+    def _mixture_setup(self) -> None:
+        """A :class:`Mixture` plans with ``STEP_FIT`` (each step the next stretch of its interleave) unless the
+        planner names a strategy other than the default BFD; its steps are served in plan order."""
+        self._phases: tuple = (-1, ())
+        if isinstance(self.source, Mixture) and self.planner.strategy is PackStrategy.BFD:
+            self.planner = dataclasses.replace(self.planner, strategy=PackStrategy.STEP_FIT)
+
+    def _mixture_schedule(self) -> None:
+        mixture = self.source
+        self._component_of = mixture.component_of()
+        self._schedule.step_window = 1
+        self._schedule.groups = self._component_of if mixture.pack_within_component else None
+        self._set_phases(*self._phases)
+
+    def _set_phases(self, epoch: int, phases: tuple) -> None:
+        """Earlier phases (other weights) of ``epoch``; a new order function re-plans the schedule."""
+        self._phases = (epoch, tuple(phases))
+        if self._index is None and not hasattr(self, "_schedule"):
+            return
+        mixture, seed, shuffle, window = self.source, self.seed, self.shuffle, self.shuffle_window
+
+        def order_of(e, served):
+            return mixture.epoch_order(e, seed=seed, shuffle=shuffle, window=window, served=served,
+                                       phases=phases if e == epoch else ())
+
+        self._schedule.order_of = order_of
+
+    def state_dict(self) -> dict:
+        out = super().state_dict()
+        if isinstance(self.source, Mixture):
+            epoch, phases = self._phases
+            out["mixture"] = self.source.state_of(phases if epoch == out["epoch"] else ())
+        return out
+
+    def load_state_dict(self, state) -> None:
+        """As :meth:`LoaderCore.load_state_dict`; over a :class:`Mixture`, a state saved with other weights
+        resumes with what it served left out and the rest of its epoch under this mixture's weights."""
+        if not isinstance(self.source, Mixture):
+            return super().load_state_dict(state)
+        if isinstance(state, (str, bytes, bytearray)):
+            state = LoaderState.from_dict(state, kind=self.state_kind).to_dict() | _mixture_entry(state)
+        st = LoaderState.from_dict(state, kind=self.state_kind)
+        saved = state.get("mixture")
+        mode, phases = self.source.resume_phases(saved, segments=st.segments,
+                                                 own=self._segment(st.config, st.position))
+        if mode == "next_epoch":
+            state = {k: v for k, v in st.to_dict().items() if k != "segments"}
+            state.update(version=2, epoch=st.epoch + 1, position=0, data=self._data())
+            phases = ()
+        elif mode == "changed":
+            state = {k: v for k, v in st.to_dict().items() if k != "segments"}
+            state.update(version=2, position=0)
+        before = self._phases
+        self.prepare()._set_phases(state["epoch"], phases)
+        try:
+            super().load_state_dict(state)
+        except BaseException:
+            self._set_phases(*before)
+            raise
+
+
+def _mixture_entry(text) -> dict:
+    """The ``"mixture"`` entry of a state given as JSON text (already parsed once by LoaderState)."""
+    import json
+
+    data = json.loads(text)
+    return {"mixture": data["mixture"]} if isinstance(data, dict) and "mixture" in data else {}
 
 
 def _rebuild_hint(source) -> str:

@@ -18,12 +18,15 @@ class PackStrategy(enum.Enum):
     BFD: best-fit decreasing inside the streaming buffer (each sample, largest first, goes to the
     open micro-batch it leaves the least room in). FIRST_FIT: arrival order, first open micro-batch
     that fits. IN_ORDER: next-fit in stream order (a micro-batch closes at the first sample that
-    does not fit); the baselines exist for comparison.
+    does not fit); the baselines exist for comparison. STEP_FIT: each global step takes the next stretch
+    of the stream, first-fit decreasing into its micro-batches (what a mixture plans with: each step holds
+    the mixture's shares, :func:`~prealign.loaders.plan.mixing.step_fit`).
     """
 
     BFD = "bfd"
     FIRST_FIT = "first_fit"
     IN_ORDER = "in_order"
+    STEP_FIT = "step_fit"
 
 
 class Oversize(enum.Enum):

@@ -35,6 +35,7 @@ import numpy as np
 
 from prealign.loaders.errors import OversizeSampleError, PlanError
 from prealign.loaders.plan.cost import CostModel, balanced_steps
+from prealign.loaders.plan.mixing import step_fit
 from prealign.loaders.plan.packing import StreamFit, next_fit, spread
 from prealign.loaders.policy import Oversize, PackStrategy, coerce_enum
 from prealign.schemas.errors import BucketOverflowError
@@ -331,7 +332,8 @@ class ChunkedPlan:
     """
 
     def __init__(self, lengths, *, layout: ParallelLayout, token_budget: int, dp_size: int = 1,
-                 config: PlannerConfig | None = None, seed: int | None = None, has_media=None, **options):
+                 config: PlannerConfig | None = None, seed: int | None = None, has_media=None, groups=None,
+                 **options):
         cfg = self.config = dataclasses.replace(config or PlannerConfig(), **options)
         self.layout, self.token_budget = layout, token_budget
         self.dp = _int_at_least("dp_size", dp_size, 1)
@@ -377,6 +379,9 @@ class ChunkedPlan:
         self._true_len = true_len
         self._aligned = round_up_array(true_len, layout.seq_multiple)  # exactly the collator's P_i before extension
         self._sizes = self._aligned[order]
+        self._groups = None if groups is None else np.asarray(groups)[order]
+        """int ``[M]`` by stream position (``groups``: a label per sample, e.g. its mixture component): under
+        ``STEP_FIT`` a micro-batch holds one label only."""
         self._costs = None if cfg.cost is None else cfg.cost.of(true_len[order])  # float64 [M], by position
         self._bounds = chunk_bounds(order.size, cfg.chunk_size)
         self._chunks: list[PlannedChunk] = []
@@ -413,6 +418,11 @@ class ChunkedPlan:
             return _assemble([], self.order, self._true_len, self._aligned, self.layout, self.dp, cap, cfg.cost)
         if cfg.strategy is PackStrategy.IN_ORDER:
             bins = [[lo + i for i in b] for b in next_fit(sizes[lo:hi], cap, self.layout.max_seqs)]
+            self._ended = c == self.num_chunks - 1
+        elif cfg.strategy is PackStrategy.STEP_FIT:  # each step the next stretch of the stream (mixtures)
+            groups = None if self._groups is None else self._groups[lo:hi]
+            bins = [[lo + i for i in b] for b in step_fit(sizes[lo:hi], cap, self.dp * cfg.microbatches_per_step,
+                                                          self.layout.max_seqs, groups)]
             self._ended = c == self.num_chunks - 1
         else:  # one packing pass over the whole stream, advanced a chunk at a time
             if self._fit is None:
@@ -482,7 +492,7 @@ def _form_steps(bins: list[list[int]], sizes: np.ndarray, cap: int, dp: int,
         else:
             tail_steps = [spread_bins[i:i + per_step] for i in range(0, cut, per_step)] + [spread_bins[cut:]]
     out: list[list[list[int]]] = []
-    pool = per_step * cfg.step_pool
+    pool = per_step * (1 if cfg.strategy is PackStrategy.STEP_FIT else cfg.step_pool)  # (STEP_FIT: as formed)
     for start in range(0, len(head), pool):
         chunk = head[start:start + pool]
         if costs is not None:

@@ -119,7 +119,7 @@ class Schedule:
 
     def __init__(self, index: SampleIndex, *, layout: ParallelLayout, token_budget: int, dp_size: int,
                  planner: PlannerConfig, seed: int, shuffle: bool, sequential: bool, window: int,
-                 step_window: int | None = None):
+                 step_window: int | None = None, order_of=None, groups: np.ndarray | None = None):
         seed = check_count("seed", seed)
         self.index, self.layout, self.token_budget, self.dp_size = index, layout, token_budget, dp_size
         self.planner, self.seed, self.shuffle, self.sequential, self.window = planner, seed, shuffle, sequential, window
@@ -127,6 +127,12 @@ class Schedule:
         """Steps are served in a seeded order (:func:`step_order`) inside each chunk of the plan: all of
         the chunk's steps permuted (``None``), or only within groups of ``step_window`` steps (sources read
         front to back)."""
+        self.order_of = order_of
+        """``order_of(epoch, served)``: the epoch's sample ids in order, instead of :func:`epoch_order` (a
+        mixture's interleave; ``served(order, segment)`` as :func:`rest_of_epoch` takes it). Replacing it
+        re-plans."""
+        self.groups = groups
+        """int ``[N]`` per sample id, or None: under ``STEP_FIT`` a micro-batch holds one group only."""
         self._cached: _Epoch | None = None
         self.resized: tuple[int, tuple[Segment, ...]] = (-1, ())
         """(epoch, its earlier segments): that epoch's samples the segments served under other DP sizes or
@@ -135,19 +141,27 @@ class Schedule:
 
     def _epoch(self, epoch: int) -> "_Epoch":
         segments = self.resized[1] if self.resized[0] == epoch else ()
-        if self._cached is None or (self._cached.epoch, self._cached.segments) != (epoch, segments):
-            order = epoch_order(self.index, epoch=epoch, seed=self.seed, shuffle=self.shuffle,
-                                sequential=self.sequential, window=self.window)
-            order = rest_of_epoch(order, segments, lambda o, seg: self._planned(
-                epoch, o, seg.dp_size, seg.microbatches_per_step).samples_before(seg.position))
+        key = (epoch, segments, self.order_of)
+        if self._cached is None or (self._cached.epoch, self._cached.segments, self._cached.order_of) != key:
+            def served(o, seg):
+                return self._planned(epoch, o, seg.dp_size, seg.microbatches_per_step).samples_before(seg.position)
+
+            if self.order_of is not None:
+                order = np.asarray(self.order_of(epoch, served), np.int64)
+            else:
+                order = epoch_order(self.index, epoch=epoch, seed=self.seed, shuffle=self.shuffle,
+                                    sequential=self.sequential, window=self.window)
+            order = rest_of_epoch(order, segments, served)
             self._cached = self._planned(epoch, order, self.dp_size, self.planner.microbatches_per_step, segments)
+            self._cached.order_of = self.order_of
         return self._cached
 
     def _planned(self, epoch: int, order: np.ndarray, dp_size: int, k: int, segments=()) -> "_Epoch":
         media = None if self.index.media is None else np.asarray(self.index.media, dtype=bool)[order]
         planner = dataclasses.replace(self.planner, microbatches_per_step=k)
         plan = ChunkedPlan(self.index.lengths[order], layout=self.layout, token_budget=self.token_budget,
-                           dp_size=dp_size, config=planner, has_media=media)
+                           dp_size=dp_size, config=planner, has_media=media,
+                           groups=None if self.groups is None else self.groups[order])
         return _Epoch(epoch, order, plan, self, segments)
 
     def plan(self, epoch: int) -> tuple[np.ndarray, MicrobatchPlan]:
@@ -176,6 +190,9 @@ class Schedule:
 
 class _Epoch:
     """One epoch: its order, its :class:`ChunkedPlan`, and the serving order of each planned chunk."""
+
+    order_of = None
+    """The :attr:`Schedule.order_of` it was planned with."""
 
     def __init__(self, epoch: int, order: np.ndarray, plan: ChunkedPlan, schedule: Schedule, segments=()):
         self.epoch, self.order, self.plan, self.schedule, self.segments = epoch, order, plan, schedule, segments
