@@ -266,7 +266,7 @@ class Mixture(Source):
 
     # ---- the declarative file ----------------------------------------------------------------------
     @classmethod
-    def from_file(cls, path: str, *, model_config: str | None = None, tokenizer=None) -> "Mixture":
+    def from_file(cls, path: str, *, tokenizer=None) -> "Mixture":
         """A mixture from a JSON file (pyyaml is not a dependency)::
 
             {"by": "tokens", "length": "total",
@@ -277,11 +277,11 @@ class Mixture(Source):
         ``path``: webdataset shards (a brace pattern, a folder of ``.tar`` or a file); ``hf``: a dataset saved by
         ``save_to_disk`` (a folder) or an ``.arrow`` / ``.parquet`` / ``.jsonl`` file. ``transform``: none (the
         samples hold ``input_ids``), ``"text"`` (tokenise a ``text`` field with ``tokenizer``) or a model config
-        folder (a VLM transform built from it, :func:`~prealign.loaders.media.vlm.image_processor`). Relative
-        paths resolve against the file's folder."""
+        folder (its ``config.json``, processor configs and tokenizer: a
+        :class:`~prealign.loaders.media.vlm.VLMSampleTransform`). Relative paths resolve against the file's folder."""
         from prealign.loaders.mixture_file import load_mixture_file
 
-        return load_mixture_file(cls, Component, path, model_config=model_config, tokenizer=tokenizer)
+        return load_mixture_file(cls, Component, path, tokenizer=tokenizer)
 
 
 def _spec_of(data, where: str) -> MixSpec:
