@@ -46,6 +46,7 @@ from prealign.loaders.media.vlm import (
                      VLMSampleTransform,
                      image_processor,
 )
+from prealign.loaders.mixture import Component, Mixture
 from prealign.loaders.options import IndexOptions, LoadingOptions, ShuffleOptions, WorkerConfig
 from prealign.loaders.plan.cost import CostModel
 from prealign.loaders.plan.planner import (
@@ -78,3 +79,4 @@ __all__ += ["assert_resumes_elastically"]
 __all__ += ["CostModel"]
 __all__ += ["ShardWriter"]
 __all__ += ["ChangedShardError", "IndexMismatchError", "StaleIndexError", "VideoDefaultsWarning"]
+__all__ += ["Mixture", "Component"]
