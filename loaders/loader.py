@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from dataclasses import dataclass
+from itertools import islice
 from typing import Callable
 
 import numpy as np
@@ -488,6 +489,20 @@ class PackedLoader(LoaderCore):
                                        phases=phases if e == epoch else ())
 
         self._schedule.order_of = order_of
+
+    def mixture_report(self, epoch: int | None = None) -> dict:
+        """Over a :class:`Mixture`: per component, samples and tokens planned for ``epoch`` (default: the current
+        one; after a resize or a weight change, its segment's) and served so far on every rank, the realized share
+        against the weight, and its bad samples with their reasons (:meth:`Mixture.accounting`)."""
+        if not isinstance(self.source, Mixture):
+            raise ConfigError(f"mixture_report: the loader's source is a {type(self.source).__name__}, not a Mixture")
+        now, position = self._normalised()
+        epoch = now if epoch is None else check_count("epoch", epoch)
+        order, plan = self._schedule.plan(epoch)
+        planned = order[[i for rank in plan.microbatches for mb in rank for i in mb]]
+        upto = position if epoch == now else (0 if epoch > now else len(plan.microbatches[0]))
+        served = [i for r in range(self.dp_size) for q in islice(self._schedule(epoch, r), upto) for i in q.indices]
+        return self.source.accounting(planned, np.asarray(served, np.int64))
 
     def state_dict(self) -> dict:
         out = super().state_dict()

@@ -192,6 +192,35 @@ class Mixture(Source):
             raise ConfigError("mixture: build_index (or a loader's prepare) first")
         return self.parts
 
+    # ---- accounting --------------------------------------------------------------------------------
+    def accounting(self, planned: np.ndarray, served: np.ndarray) -> dict:
+        """Per component: samples and tokens ``planned`` and ``served`` (int64 global ids, repeats counted), the
+        realized share (of tokens or samples, as :attr:`spec` ``by``) against the weight, and the bad samples of
+        its index pass with their reasons. JSON-friendly."""
+        parts = self._checked_parts()
+        comp_of = self.component_of()
+        lengths = np.concatenate([p.lengths for p in parts]).astype(np.int64)
+        out, C = {}, len(parts)
+        sums = {}
+        for what, ids in (("planned", np.asarray(planned, np.int64)), ("served", np.asarray(served, np.int64))):
+            comp = comp_of[ids]
+            sums[what] = (np.bincount(comp, minlength=C), np.bincount(comp, weights=lengths[ids], minlength=C))
+        units = 1 if self.spec.by == "tokens" else 0
+        shares = self.spec.shares
+        for c, name in enumerate(self.names):
+            entry = {"weight": self.spec.weights[c], "repeat": self.spec.repeats[c],
+                     "weight_share": float(shares[c]) if self.spec.repeats[c] is None else None}
+            for what, (n, tok) in sums.items():
+                total = (tok if units else n).sum()
+                entry[f"samples_{what}"] = int(n[c])
+                entry[f"tokens_{what}"] = int(tok[c])
+                entry[f"share_{what}"] = float((tok if units else n)[c] / total) if total else 0.0
+            rep = parts[c].report
+            entry["bad"] = dict(rep.counts)
+            entry["bad_examples"] = [list(e) for e in rep.examples]
+            out[name] = entry
+        return out
+
     # ---- the epoch order ---------------------------------------------------------------------------
     def epoch_order(self, epoch: int, *, seed: int, shuffle: bool, window: int,
                     served: Callable[[np.ndarray, Segment], np.ndarray],

@@ -344,3 +344,21 @@ def test_mixture_file_resolves_paths_against_the_file(tmp_path, sources):
     path.write_text(json.dumps({**spec, "weights": 1}))
     with pytest.raises(ConfigError, match="weights"):
         Mixture.from_file(str(path))
+
+
+def test_mixture_report_counts_planned_served_and_bad_per_component(sources):
+    rows = hf_rows(sample_lengths(20, 5, 4, 20))
+    rows["input_ids"][3] = []  # bad: empty
+    mix = Mixture({"web": (sources["web"], 0.7), "flaky": (HFSource(datasets.Dataset.from_dict(rows)), 0.3)})
+    loader = _loader(mix, dp=2, bad_data=BadDataPolicy(on_error="skip", warn=False))
+    before = loader.mixture_report()
+    assert before["web"]["samples_served"] == 0 and sum(before["flaky"]["bad"].values()) == 1
+    assert before["web"]["bad"] == {} and len(before["flaky"]["bad_examples"]) == 1
+    batches = list(islice(iter(loader), 4))
+    rep = loader.mixture_report(0)
+    served = Counter(int(c) for b in batches for c in b["sample_component"])  # rank 0's only: a lower bound
+    assert rep["web"]["samples_served"] >= served[0] and rep["flaky"]["samples_served"] >= served[1]
+    whole = loader.mixture_report(1)  # a later epoch: planned, nothing served yet
+    assert whole["web"]["samples_served"] == 0
+    assert abs(whole["web"]["share_planned"] - 0.7) < 0.02 and whole["web"]["weight_share"] == 0.7
+    assert json.loads(json.dumps(rep)) == rep
