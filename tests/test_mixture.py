@@ -9,6 +9,8 @@ from itertools import islice
 import datasets
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from prealign.loaders import BadDataPolicy, BadSampleError, HFSource, PackedLoader, PlannerConfig, ResumeError
 from prealign.loaders.conformance import assert_resumes_exactly
@@ -362,3 +364,21 @@ def test_mixture_report_counts_planned_served_and_bad_per_component(sources):
     assert whole["web"]["samples_served"] == 0
     assert abs(whole["web"]["share_planned"] - 0.7) < 0.02 and whole["web"]["weight_share"] == 0.7
     assert json.loads(json.dumps(rep)) == rep
+
+
+@pytest.mark.slow
+@settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))
+@given(weights=st.lists(st.floats(0.05, 1.0), min_size=2, max_size=3), by=st.sampled_from(["tokens", "samples"]),
+       stops=st.lists(st.floats(0.05, 0.6), min_size=2, max_size=2), seed=st.integers(0, 50))
+def test_random_mixtures_resumed_at_random_points_dp_4_3_5_serve_the_uninterrupted_epoch(sources, weights, by,
+                                                                                        stops, seed):
+    names = list(sources)[:len(weights)]
+    mix = Mixture({n: (sources[n], w) for n, w in zip(names, weights)}, by=by)
+
+    def make(**kw):
+        return _loader(mix, seed=seed, **kw)
+
+    want, _ = _epoch_ids(make, [(4, 1, None)])
+    got, _ = _epoch_ids(make, [(4, 1, lambda lo: max(1, int(stops[0] * len(lo)))),
+                               (3, 2, lambda lo: max(1, int(stops[1] * len(lo)))), (5, 1, None)])
+    assert got == want and sum(want.values()) > 0
