@@ -2,8 +2,11 @@
 
 (a) Time to the first micro-batch's request (what a loader does before its first batch once the index is
     in memory: the epoch's order, the oversize screening and the first chunk's plan) for a 3-component
-    ``Mixture`` of N samples each (by tokens, 0.6 / 0.3 / 0.1) vs one source of 3N samples with the same
-    lengths; median [min..max] over interleaved rounds, and their ratio (target <= 1.2).
+    ``Mixture`` of N samples each vs one source of 3N samples with the same lengths; median [min..max] over
+    interleaved rounds, and their ratio (target <= 1.2). Equal work: ``by="samples"``, weights 1/3 each
+    (3N draws, as the single source's epoch). Then, for scale, ``by="tokens"`` with 0.6 / 0.3 / 0.1 on mean
+    lengths 100 / 1,000 / 4,000: the 100-token component is up-sampled ~30x to hold 60% of the tokens, so
+    that epoch has ~11x the draws (its time is printed with its draw count; no ratio).
 (b) Realized token share per window of 16 global steps (DP 2, budget 8,192) of three components of mean
     lengths 100 / 1,000 / 4,000 tokens (uniform +-50%), token weights 0.6 / 0.3 / 0.1: ours, and
     megatron-core's ``BlendedDataset`` index (``helpers.build_blending_indices``) given sample weights
@@ -63,10 +66,11 @@ def _schedule(index: SampleIndex, order_of, strategy, dp=2, budget=8192) -> Sche
                     step_window=1 if order_of else None, order_of=order_of)
 
 
-def first_batch(parts, mixed: bool) -> float:
+def first_batch(parts, mixed: bool, by: str = "samples") -> float:
     t = time.perf_counter()
     if mixed:
-        mix = Mixture({n: (_Unread(), w) for n, w in zip("abc", WEIGHTS)})
+        weights = WEIGHTS if by == "tokens" else (1 / 3, 1 / 3, 1 / 3)
+        mix = Mixture({n: (_Unread(), w) for n, w in zip("abc", weights)}, by=by)
         index = mix.merged(parts)
         sch = _schedule(index, lambda e, served: mix.epoch_order(e, seed=0, shuffle=True, window=1, served=served),
                         PackStrategy.STEP_FIT)
@@ -147,7 +151,14 @@ def main() -> None:
     print(f"(a) first micro-batch, 3 x {args.samples} samples: mixture {fmt(times[True])}, one source of "
           f"{3 * args.samples} {fmt(times[False])}; ratio {np.median(ratio):.2f} [{min(ratio):.2f}..{max(ratio):.2f}]"
           f" (target <= 1.2)")
+    t = [first_batch(parts, True, "tokens") for _ in range(max(1, args.rounds // 2))]
+    print(f"    by='tokens' 0.6 / 0.3 / 0.1 (~{_draws(parts) / 1e6:.0f}M draws in the epoch): {fmt(t)}")
     shares_vs_megatron()
+
+
+def _draws(parts) -> int:
+    mix = MixSpec(names=("a", "b", "c"), weights=WEIGHTS, by="tokens")
+    return int(mixed_order(mix, [p.lengths for p in parts], epoch=0, seed=0, shuffle=True).ids.size)
 
 
 if __name__ == "__main__":

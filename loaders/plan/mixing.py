@@ -147,19 +147,16 @@ def interleave(units: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     [0, 0, 1, 0]
     """
     total = float(sum(int(u.sum()) for u in units))
-    comps, draws, tags = [], [], []
-    for c, u in enumerate(units):
-        if not u.size:
-            continue
-        share = float(u.sum()) / total
-        tags.append((np.cumsum(u) - u / 2.0) / share)
-        comps.append(np.full(u.size, c, np.int64))
-        draws.append(np.arange(u.size, dtype=np.int64))
-    if not comps:
-        return np.zeros(0, np.int64), np.zeros(0, np.int64)
-    comp, draw, tag = np.concatenate(comps), np.concatenate(draws), np.concatenate(tags)
-    perm = np.lexsort((comp, tag))
-    return comp[perm], draw[perm]
+    tags = [(np.cumsum(u) - u / 2.0) / (float(u.sum()) / total) if u.size else np.zeros(0) for u in units]
+    m = sum(t.size for t in tags)
+    comp, draw = np.empty(m, np.int64), np.empty(m, np.int64)
+    for c, t in enumerate(tags):  # a merge of C sorted runs: each draw's rank, by binary search in the others
+        rank = np.arange(t.size, dtype=np.int64)
+        for o, other in enumerate(tags):
+            if o != c and other.size:
+                rank += np.searchsorted(other, t, side="right" if o < c else "left")  # ties: component order
+        comp[rank], draw[rank] = c, np.arange(t.size, dtype=np.int64)
+    return comp, draw
 
 
 def mixed_order(mix: MixSpec, lengths: Sequence[np.ndarray], *, epoch: int, seed: int, shuffle: bool,
@@ -190,13 +187,16 @@ def mixed_order(mix: MixSpec, lengths: Sequence[np.ndarray], *, epoch: int, seed
         repeat = mix.repeats[c]
         want = max(float(repeat) * sizes[c] - done[c], 0.0) if repeat is not None else float(shares[c]) * rest
         targets[c] = want
-        smallest = float(units_of(L, mix.by).min()) if n else 1.0
-        count = int(want / smallest) + 2 + (int(served[c].max()) + 1 if served[c].size else 0)
+        passes = int(np.ceil(want / sizes[c])) if n else 0  # (no draw of the next pass reaches the target)
+        count = passes * n + (int(served[c].max()) + 1 if served[c].size else 0)
         stream = component_stream(n, count, seed=seed, epoch=epoch, component=c, shuffle=shuffle,
                                   order=None if orders is None else orders[c]) if n else np.zeros(0, np.int64)
-        keep = np.ones(stream.size, bool)
-        keep[served[c][served[c] < stream.size]] = False
-        pos = np.flatnonzero(keep)
+        if served[c].size:
+            keep = np.ones(stream.size, bool)
+            keep[served[c][served[c] < stream.size]] = False
+            pos = np.flatnonzero(keep)
+        else:
+            pos = np.arange(stream.size, dtype=np.int64)
         u = units_of(L[stream[pos]], mix.by)
         k = _count_for(u, want, u.size)
         ids.append(offsets[c] + stream[pos[:k]])
