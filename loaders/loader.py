@@ -315,6 +315,8 @@ class PackedLoader(LoaderCore):
             index = build_index(source, schema, policy=self.bad_data,
                                 num_workers=num_workers if opts.workers is None else opts.workers,
                                 distributed=opts.distributed, group=self.group)
+        if isinstance(source, Mixture):  # (an index built elsewhere: its rows by component)
+            index = source.adopt(index)
         if index.media is None and media_keys(schema) and self.planner.oversize is Oversize.TRUNCATE:
             index = _with_media_flags(index, source, schema, cap)
         self._schedule = Schedule(index, layout=layout, token_budget=self.token_budget, dp_size=self.dp_size,

@@ -32,6 +32,10 @@ from prealign.loaders.sources.source import Location, Source
 from prealign.schemas.errors import ConfigError, SampleError
 from prealign.schemas.schema import BatchSchema
 
+SCAN_WIDTH = 4
+"""Location ints of a component sample when the mixture is scanned as one source (``build_index(mixture)``;
+a loader indexes each component on its own): every location is padded to ``(component, width, *4 ints)``."""
+
 
 @dataclass(frozen=True)
 class Component:
@@ -112,7 +116,10 @@ class Mixture(Source):
     def scan(self, shard: int):
         c, local = self._shard(shard)
         for loc, raw in self._sources[c].scan(local):
-            yield (None if loc is None else (c, len(loc), *loc)), raw
+            if loc is not None and len(loc) > SCAN_WIDTH:
+                raise ConfigError(f"mixture component {self.names[c]!r}: locations of {len(loc)} ints; a mixture "
+                                  f"scanned as one source holds at most {SCAN_WIDTH}")
+            yield (None if loc is None else (c, len(loc), *loc, *(0,) * (SCAN_WIDTH - len(loc)))), raw
 
     def _split(self, location: Location) -> tuple[Source, Location]:
         c, width = int(location[0]), int(location[1])
@@ -182,6 +189,29 @@ class Mixture(Source):
         return SampleIndex(lengths=np.concatenate([p.lengths for p in parts]).astype(np.int64),
                            locations=np.concatenate(locs), shards=np.concatenate(shards), report=report,
                            media=media, dims={k: v[0] for k, v in dims.items()} or None)
+
+    def adopt(self, index: SampleIndex) -> SampleIndex:
+        """Set :attr:`parts` from ``index``, a merged index of this mixture built elsewhere (``build_index`` of the
+        mixture as one source, or a saved one): its rows must be in component order."""
+        if self.parts is not None and sum(len(p) for p in self.parts) == len(index):
+            return index
+        comp = np.asarray(index.locations[:, 0]) if len(index) else np.zeros(0, np.int64)
+        if np.any(np.diff(comp) < 0) or (comp.size and not 0 <= comp.min() <= comp.max() < len(self.names)):
+            raise ConfigError("mixture: the index given is not one of this mixture's (rows not in component order)")
+        bounds = np.searchsorted(comp, np.arange(len(self.names) + 1))
+        parts, shard0 = [], 0
+        for c, name in enumerate(self.names):
+            lo, hi = int(bounds[c]), int(bounds[c + 1])
+            if lo == hi:
+                raise BadSampleError(sample=None, field=None, expected=f"at least one good sample in mixture "
+                                     f"component {name!r}", actual="none in the index")
+            w = int(index.locations[lo, 1])
+            parts.append(SampleIndex(lengths=index.lengths[lo:hi], locations=index.locations[lo:hi, 2:2 + w],
+                                     shards=np.asarray(index.shards[lo:hi]) - shard0, report=BadDataReport(),
+                                     media=None if index.media is None else index.media[lo:hi], dims=index.dims))
+            shard0 += self._sources[c].num_shards
+        self.parts = parts
+        return index
 
     def component_of(self) -> np.ndarray:
         """int64 ``[N]``: the component of each global sample id (after :meth:`build_index`)."""

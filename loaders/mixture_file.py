@@ -37,6 +37,13 @@ def _shards(path: str) -> list[str] | str:
     return path
 
 
+def resolved_shards(file: str, path: str) -> list[str] | str:
+    """``path`` of a component of the mixture file at ``file``, resolved against its folder (a folder of shards:
+    its ``.tar`` files)."""
+    where = _resolve(os.path.dirname(os.path.abspath(file)), path)
+    return _shards(where) if os.path.isdir(where) and glob.glob(os.path.join(where, "*.tar")) else where
+
+
 def _text_transform(tokenizer):
     if tokenizer is None:
         raise ConfigError("mixture file: transform 'text' needs Mixture.from_file(..., tokenizer=...)")

@@ -195,6 +195,8 @@ def cmd_index(args) -> int:
     preflight.check_int("--workers", args.workers, 1)
     preflight.check_topk_vocab(args)
     preflight.check_dir("--out", args.out)
+    if len(args.shards) == 1 and args.shards[0].endswith(".json") and os.path.isfile(args.shards[0]):
+        return _index_mixture(args)
     urls = expand_urls(args.shards)
     _refuse_special_files(urls)
     preflight.check_shards(urls)
@@ -222,6 +224,35 @@ def cmd_index(args) -> int:
               file=sys.stderr)
         agree(lambda: _merge(source, args.merge, rank if not alone else -1))  # every rank returns once the merged index is written
     return 0
+
+
+def _index_mixture(args) -> int:
+    """``prealign index mix.json``: each webdataset component of the mixture file indexed as its own shards
+    (its transform: none -> ``--text``, a model config folder -> the VLM transform of that folder); an HF
+    component needs no sidecar (said on stderr)."""
+    import copy
+
+    from prealign.loaders.mixture_file import read_mixture_file, resolved_shards
+
+    path = args.shards[0]
+    data = read_mixture_file(path)
+    rc = 0
+    for name, entry in data["components"].items():
+        if "path" not in entry:
+            print(f"{name}: an HF dataset, no sidecar to write", file=sys.stderr)
+            continue
+        sub = copy.copy(args)
+        shards = resolved_shards(path, entry["path"])
+        sub.shards = shards if isinstance(shards, list) else [shards]
+        kind = entry.get("transform")
+        sub.text = kind is None
+        if kind not in (None, "text"):
+            folder = resolved_shards(path, kind)
+            sub.model_config, sub.tokenizer = folder, sub.tokenizer or folder
+            sub.processor = sub.processor or folder
+        print(f"{name}:", file=sys.stderr)
+        rc = max(rc, cmd_index(sub))
+    return rc
 
 
 class _ranks_agree:

@@ -23,6 +23,7 @@ from prealign.loaders.errors import BadSampleError
 from prealign.loaders.index.build import build_index, merge_shards, scan_shards
 from prealign.loaders.index.sample_index import SampleIndex
 from prealign.loaders.loader import PackedLoader
+from prealign.loaders.mixture import Mixture
 from prealign.loaders.options import IndexOptions
 from prealign.loaders.plan.planner import PlannerConfig
 from prealign.loaders.policy import BadDataPolicy, BadDataReport
@@ -51,6 +52,8 @@ class Inspection:
     """Micro-batches after the first (what ``steady_seconds`` timed)."""
     steady_tokens: int = 0
     """Their real tokens."""
+    mixture: dict | None = None
+    """Over a :class:`~prealign.loaders.mixture.Mixture`: ``PackedLoader.mixture_report()`` after the epoch."""
 
 
 class Progress:
@@ -106,6 +109,8 @@ def inspect_source(source: Source, *, schema: BatchSchema, layout: ParallelLayou
     policy = bad_data or BadDataPolicy(on_error="skip", warn=False, max_consecutive=2 ** 62)
     validate = validate or (lambda b: validate_vlm_batch(b, schema, layout, raise_on_error=False))
     t0 = time.perf_counter()
+    if index is None and isinstance(source, Mixture):  # each component's pass (its bad samples its own)
+        index = source.build_index(schema, policy=policy, num_workers=num_workers)
     if index is None:
         index = _index(source, schema, policy, num_workers, progress)
     t1 = time.perf_counter()
@@ -135,7 +140,8 @@ def inspect_source(source: Source, *, schema: BatchSchema, layout: ParallelLayou
     if bar:
         bar.close(f" in {t2 - t1:.1f} s")
     report = loaders[0].report
-    return Inspection(stats=stats, panels=kept, report=report, num_samples=len(index), index_seconds=t1 - t0,
+    mixture = loaders[0].mixture_report() if isinstance(source, Mixture) else None
+    return Inspection(mixture=mixture, stats=stats, panels=kept, report=report, num_samples=len(index), index_seconds=t1 - t0,
                       load_seconds=t2 - t1, first_violations=first_bad,
                       steady_seconds=t2 - t_first if t_first is not None else 0.0, steady_batches=max(len(stats) - 1, 0),
                       steady_tokens=sum(s.real_tokens for s in stats[1:]))

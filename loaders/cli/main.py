@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import time
@@ -161,6 +162,8 @@ def cmd_inspect(args) -> int:
     from prealign.schemas.schema import causal_lm_schema
     from prealign.schemas.vlm import vlm_schema
 
+    if mixture_file(args.shards) and not args.hf:  # a mixture file (docs/mixtures.md)
+        return _inspect_mixture(args)
     if bool(args.shards) == bool(args.hf):
         raise UsageError("inspect takes webdataset shards or --hf PATH" + (", not both" if args.shards else ""),
                          hint="e.g. prealign inspect data/shard-{000..009}.tar, or prealign inspect --hf train.jsonl")
@@ -190,6 +193,49 @@ def cmd_inspect(args) -> int:
         what = f"HF dataset {args.hf} [{args.split}]"
     _note(f"tokenizer: {told}")
     return _run(args, layout, source, schema, title=f"{what}, {schema.name}")
+
+
+def mixture_file(shards) -> str | None:
+    """The one argument when it is a mixture file (``*.json``, a file), else None."""
+    if shards and len(shards) == 1 and shards[0].endswith(".json") and os.path.isfile(shards[0]):
+        return shards[0]
+    return None
+
+
+def _inspect_mixture(args) -> int:
+    """``prealign inspect mix.json``: the mixture of the file, then each component's planned / served share."""
+    from prealign.loaders.mixture import Mixture
+    from prealign.schemas.schema import causal_lm_schema
+    from prealign.schemas.vlm import vlm_schema
+
+    layout = _check_common(args)
+    preflight.check_topk_vocab(args)
+    topk = args.topk or None
+    tokenizer = None
+    if args.tokenizer:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer, local_files_only=True)
+    source = Mixture.from_file(args.shards[0], tokenizer=tokenizer)
+    if args.text:
+        schema = causal_lm_schema(topk=topk, vocab_size=args.vocab_size)
+    else:
+        tok = next(c.source.transform.tokenizer for c in source.components.values()
+                   if hasattr(c.source.transform, "tokenizer") and hasattr(c.source.transform, "model_config"))
+        schema = vlm_schema(topk=topk, vocab_size=tok.vocab_size, pad_token_id=tok.pad_token_id)
+    return _run(args, layout, source, schema, title=f"mixture {args.shards[0]} ({', '.join(source.names)}), "
+                                                    f"{schema.name}")
+
+
+def _mixture_table(rows: dict) -> str:
+    """Per component: weight, share planned and served, samples and tokens, bad samples by reason."""
+    lines = [f"{'component':<16}{'weight':>8}{'planned':>9}{'served':>9}{'samples':>10}{'tokens':>12}  bad"]
+    for name, r in rows.items():
+        weight = f"{r['weight_share']:.3f}" if r["weight_share"] is not None else f"x{r['repeat']}"
+        bad = ", ".join(f"{k} {v}" for k, v in sorted(r["bad"].items())) or "-"
+        lines.append(f"{name:<16}{weight:>8}{r['share_planned']:>9.3f}{r['share_served']:>9.3f}"
+                     f"{r['samples_served']:>10}{r['tokens_served']:>12}  {bad}")
+    return "\n".join(lines)
 
 
 def _check_common(args) -> ParallelLayout:
@@ -252,6 +298,9 @@ def _run(args, layout: ParallelLayout, source, schema, *, title: str) -> int:
     ]
     if res.stats:
         lines += ["", "CP rank 0 shapes of micro-batch 0 (every CP rank alike):", format_shapes(res.stats[0])]
+    if res.mixture:
+        lines += ["", "mixture (shares of the " + ("tokens" if source.spec.by == "tokens" else "samples") + "):",
+                  _mixture_table(res.mixture)]
     if res.first_violations:
         lines += ["", "first violations:", *(f"  {v}" for v in res.first_violations)]
     if res.panels:
