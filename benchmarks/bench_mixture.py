@@ -23,7 +23,7 @@ import time
 import numpy as np
 
 from prealign.loaders.index.sample_index import SampleIndex
-from prealign.loaders.mixture import Mixture
+from prealign.loaders.mixture import Mixture, steps_served
 from prealign.loaders.plan.mixing import MixSpec, mixed_order, window_shares
 from prealign.loaders.plan.planner import PlannerConfig
 from prealign.loaders.plan.schedule import Schedule
@@ -82,19 +82,6 @@ def first_batch(parts, mixed: bool, by: str = "samples") -> float:
     return time.perf_counter() - t
 
 
-def served(sch: Schedule):
-    order, plan = sch.plan(0)
-    ids, bounds, pos = [], [0], 0
-    reqs = [list(sch(0, r)) for r in range(sch.dp_size)]
-    for k in plan.steps:
-        for r in range(sch.dp_size):
-            for q in reqs[r][pos:pos + k]:
-                ids.extend(q.indices)
-        pos += k
-        bounds.append(len(ids))
-    return np.asarray(ids, np.int64), np.asarray(bounds)
-
-
 def deviations(ids, bounds, comp_of, lengths):
     comp, units = comp_of[ids], lengths[ids]
     epoch = window_shares(comp, units, np.array([0]), np.array([ids.size]), 3)[0]
@@ -114,7 +101,7 @@ def shares_vs_megatron():
     comp_of, flat = mix.component_of(), index.lengths
     ours = _schedule(index, lambda e, s: mix.epoch_order(e, seed=0, shuffle=True, window=1, served=s),
                      PackStrategy.STEP_FIT)
-    ids, bounds = served(ours)
+    ids, bounds = steps_served(ours, 0)
     o_epoch, o_win = deviations(ids, bounds, comp_of, flat)
     w = np.array(WEIGHTS) / np.array([x.mean() for x in lengths])
     w /= w.sum()
@@ -126,7 +113,7 @@ def shares_vs_megatron():
     offsets = np.cumsum([0] + [len(x) for x in lengths])
     theirs_order = np.array([offsets[d] + streams[d][j] for d, j in zip(d_idx, s_idx)])
     theirs = _schedule(index, lambda e, s: theirs_order, PackStrategy.STEP_FIT)
-    t_epoch, t_win = deviations(*served(theirs), comp_of, flat)
+    t_epoch, t_win = deviations(*steps_served(theirs, 0), comp_of, flat)
     print("(b) token share deviation from 0.6 / 0.3 / 0.1, DP 2, budget 8192, windows of 16 global steps")
     print(f"    prealign Mixture(by='tokens'):          epoch {o_epoch:.4f}, 16-step windows "
           f"{np.round(o_win, 4).tolist()} (max {o_win.max():.4f})")

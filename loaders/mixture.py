@@ -26,7 +26,7 @@ from prealign.loaders.index.build import build_index
 from prealign.loaders.index.sample_index import SampleIndex
 from prealign.loaders.plan.elastic import Segment, rest_of_epoch
 from prealign.loaders.plan.mixing import LENGTHS, MixSpec, mixed_order
-from prealign.loaders.plan.schedule import epoch_order
+from prealign.loaders.plan.schedule import Schedule, epoch_order
 from prealign.loaders.policy import BadDataPolicy, BadDataReport
 from prealign.loaders.sources.source import Location, Source
 from prealign.schemas.errors import ConfigError, SampleError
@@ -341,6 +341,21 @@ class Mixture(Source):
         from prealign.loaders.mixture_file import load_mixture_file
 
         return load_mixture_file(cls, Component, path, tokenizer=tokenizer)
+
+
+def steps_served(schedule: Schedule, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+    """(int64 sample ids in serving order, int64 ``[S + 1]`` bounds of each global step in them): every DP
+    rank's micro-batches of each step of ``epoch``, step by step (for shares per step or per window of steps,
+    :func:`~prealign.loaders.plan.mixing.window_shares`)."""
+    ids, bounds, pos = [], [0], 0
+    reqs = [list(schedule(epoch, r)) for r in range(schedule.dp_size)]
+    for k in schedule.plan(epoch)[1].steps:
+        for rank in reqs:
+            for q in rank[pos:pos + k]:
+                ids.extend(q.indices)
+        pos += k
+        bounds.append(len(ids))
+    return np.asarray(ids, np.int64), np.asarray(bounds, np.int64)
 
 
 def _spec_of(data, where: str) -> MixSpec:

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from prealign.loaders import BadDataPolicy, BadSampleError, HFSource, PackedLoader, PlannerConfig, ResumeError
 from prealign.loaders.conformance import assert_resumes_exactly
 from prealign.loaders.index.sample_index import SampleIndex
-from prealign.loaders.mixture import Component, Mixture
+from prealign.loaders.mixture import Component, Mixture, steps_served
 from prealign.loaders.plan.mixing import MixSpec, mixed_order, window_shares
 from prealign.loaders.plan.schedule import Schedule
 from prealign.loaders.policy import BadDataReport, PackStrategy
@@ -65,18 +65,7 @@ def _schedule(mix: Mixture, dp=DP, budget=BUDGET, strategy=PackStrategy.STEP_FIT
 
 
 def _served(sch: Schedule, epoch=0):
-    """(ids in serving order, step bounds into them): every rank's micro-batches of each step, step by step."""
-    ids, bounds = [], [0]
-    reqs = [list(sch(epoch, r)) for r in range(sch.dp_size)]
-    order, plan = sch.plan(epoch)
-    pos = 0
-    for k in plan.steps:
-        for r in range(sch.dp_size):
-            for q in reqs[r][pos:pos + k]:
-                ids.extend(q.indices)
-        pos += k
-        bounds.append(len(ids))
-    return np.asarray(ids, np.int64), np.asarray(bounds)
+    return steps_served(sch, epoch)
 
 
 def _shares(mix: Mixture, ids, bounds, by):
@@ -252,6 +241,24 @@ def test_elastic_resume_dp_4_3_5_serves_the_uninterrupted_epoch(sources):
     want, _ = _epoch_ids(make, [(4, 1, None)])
     got, _ = _epoch_ids(make, [(4, 1, 3), (3, 2, 2), (5, 1, None)])
     assert got == want
+
+
+@pytest.mark.slow
+def test_elastic_resume_with_dataloader_workers_2_then_1(sources):
+    """The plan does not depend on the workers: a state of 2 workers per rank resumes under 1 (and DP 4 -> 3)."""
+    mix = _mix(sources)
+
+    def make(*, workers, **kw):
+        return _loader(mix, num_workers=workers, **kw)
+
+    want, _ = _epoch_ids(lambda **kw: make(workers=0, **kw), [(4, 1, None)])
+    first, state = _epoch_ids(lambda **kw: make(workers=2, **kw), [(4, 1, 3)])
+    rest = Counter()
+    for r in range(3):
+        loader = make(workers=1, dp=3, rank=r)
+        loader.load_state_dict(state)
+        rest.update(i for b in loader for i in b["sample_index"].tolist())
+    assert first + rest == want
 
 
 def test_changed_weights_at_resume_serve_nothing_twice_and_follow_the_new_weights():
