@@ -148,15 +148,10 @@ def interleave(units: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     """
     total = float(sum(int(u.sum()) for u in units))
     tags = [(np.cumsum(u) - u / 2.0) / (float(u.sum()) / total) if u.size else np.zeros(0) for u in units]
-    m = sum(t.size for t in tags)
-    comp, draw = np.empty(m, np.int64), np.empty(m, np.int64)
-    for c, t in enumerate(tags):  # a merge of C sorted runs: each draw's rank, by binary search in the others
-        rank = np.arange(t.size, dtype=np.int64)
-        for o, other in enumerate(tags):
-            if o != c and other.size:
-                rank += np.searchsorted(other, t, side="right" if o < c else "left")  # ties: component order
-        comp[rank], draw[rank] = c, np.arange(t.size, dtype=np.int64)
-    return comp, draw
+    comp = np.repeat(np.arange(len(tags), dtype=np.int64), [t.size for t in tags])
+    draw = np.concatenate([np.arange(t.size, dtype=np.int64) for t in tags]) if tags else comp
+    perm = np.argsort(np.concatenate(tags) if tags else np.zeros(0), kind="stable")  # timsort merges the C sorted
+    return comp[perm], draw[perm]  # runs; ties keep component order
 
 
 def mixed_order(mix: MixSpec, lengths: Sequence[np.ndarray], *, epoch: int, seed: int, shuffle: bool,
