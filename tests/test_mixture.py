@@ -389,3 +389,19 @@ def test_random_mixtures_resumed_at_random_points_dp_4_3_5_serve_the_uninterrupt
     got, _ = _epoch_ids(make, [(4, 1, lambda lo: max(1, int(stops[0] * len(lo)))),
                                (3, 2, lambda lo: max(1, int(stops[1] * len(lo)))), (5, 1, None)])
     assert got == want and sum(want.values()) > 0
+
+
+def test_components_of_different_kinds_webdataset_hf_map_and_hf_streaming(tmp_path, sources):
+    from prealign.loaders import WebDatasetSource
+    from tests.loader_helpers import write_shards
+
+    wds = WebDatasetSource(write_shards(str(tmp_path), sample_lengths(40, seed=3, low=4, high=30), num_shards=2))
+    stream = HFSource(datasets.Dataset.from_dict(hf_rows(sample_lengths(30, 4, 4, 30))).to_iterable_dataset(
+        num_shards=3))
+    mix = Mixture({"tar": (wds, 0.4), "map": (sources["code"], 0.3), "stream": (stream, 0.3)})
+    loader = _loader(mix, dp=1)
+    batches = list(loader)
+    per = Counter(int(c) for b in batches for c in b["sample_component"])
+    assert set(per) == {0, 1, 2}
+    assert sum(per.values()) == loader.plan(0).stats.num_samples
+    assert_resumes_exactly(lambda: _loader(mix, dp=1), midpoint=3)
