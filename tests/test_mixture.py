@@ -17,11 +17,13 @@ from prealign.loaders.conformance import assert_resumes_exactly
 from prealign.loaders.index.sample_index import SampleIndex
 from prealign.loaders.mixture import Component, Mixture, steps_served
 from prealign.loaders.plan.mixing import MixSpec, mixed_order, window_shares
+from prealign.loaders.plan.planner import ChunkedPlan
 from prealign.loaders.plan.schedule import Schedule
 from prealign.loaders.policy import BadDataReport, PackStrategy
 from prealign.schemas import ParallelLayout, causal_lm_schema
 from prealign.schemas.errors import ConfigError, PrealignError
 from tests.loader_helpers import hf_rows, sample_lengths
+from tests.test_planner import check_plan
 
 SCHEMA = causal_lm_schema()
 WEIGHTS = (0.6, 0.3, 0.1)
@@ -405,3 +407,22 @@ def test_components_of_different_kinds_webdataset_hf_map_and_hf_streaming(tmp_pa
     assert set(per) == {0, 1, 2}
     assert sum(per.values()) == loader.plan(0).stats.num_samples
     assert_resumes_exactly(lambda: _loader(mix, dp=1), midpoint=3)
+
+
+@pytest.mark.slow
+@settings(max_examples=60, deadline=None)
+@given(lengths=st.lists(st.integers(1, 300), min_size=0, max_size=200), dp=st.integers(1, 4), k=st.integers(1, 3),
+       groups=st.one_of(st.none(), st.integers(1, 3)), chunk=st.sampled_from([7, 40, 16384]),
+       max_seqs=st.sampled_from([None, 3]), budget=st.sampled_from([256, 300, 1000]))
+def test_step_fit_plans_keep_every_plan_invariant(lengths, dp, k, groups, chunk, max_seqs, budget):
+    """STEP_FIT plans as every strategy does: each sample once, every micro-batch within the budget and
+    ``max_seqs``, the same count on every rank; with groups, a micro-batch holds one group only."""
+    layout = ParallelLayout(cp=2, max_seqs=max_seqs) if max_seqs else ParallelLayout(cp=2)
+    label = None if groups is None else np.arange(len(lengths)) % groups
+    plan = ChunkedPlan(lengths, layout=layout, token_budget=budget, dp_size=dp, groups=label, oversize="skip",
+                       config=PlannerConfig(strategy="step_fit", microbatches_per_step=k, chunk_size=chunk)).full()
+    check_plan(plan, lengths, layout, budget, dp)
+    for rank in plan.microbatches:
+        for mb in rank:
+            assert max_seqs is None or len(mb) <= max_seqs
+            assert label is None or len({int(label[i]) for i in mb}) <= 1

@@ -264,3 +264,21 @@ def step_fit(sizes: np.ndarray, cap: int, per_step: int, max_items: int | None =
             raise PlanError(f"step_fit: no sample of {len(group)} placed (cap {cap})")
         out.extend(placed)
     return out
+
+
+def split_bins(bins: list[list[int]], n_bins: int) -> list[list[int]]:
+    """``bins`` made ``n_bins >= len(bins)`` by moving single items out of the fullest bins (by count) into new
+    ones, then empty bins when every bin holds one item: no bin takes an item of another, so bins of one
+    group (``pack_within_component``) stay so; every bin is a subset of one before, so within capacity.
+
+    >>> split_bins([[0, 1, 2], [3]], 4)
+    [[0], [3], [2], [1]]
+    """
+    out = [list(b) for b in bins]
+    while len(out) < n_bins:
+        big = max(range(len(out)), key=lambda i: (len(out[i]), -i)) if out else None
+        if big is None or len(out[big]) < 2:
+            out.append([])
+            continue
+        out.append([out[big].pop()])
+    return out

@@ -35,7 +35,7 @@ import numpy as np
 
 from prealign.loaders.errors import OversizeSampleError, PlanError
 from prealign.loaders.plan.cost import CostModel, balanced_steps
-from prealign.loaders.plan.mixing import step_fit
+from prealign.loaders.plan.mixing import split_bins, step_fit
 from prealign.loaders.plan.packing import StreamFit, next_fit, spread
 from prealign.loaders.policy import Oversize, PackStrategy, coerce_enum
 from prealign.schemas.errors import BucketOverflowError
@@ -440,7 +440,8 @@ class ChunkedPlan:
             per_step = self.dp * cfg.microbatches_per_step
             full = len(bins) - len(bins) % per_step
             bins, self._carry = bins[:full], bins[full:]
-        steps = _form_steps(bins, sizes, cap, self.dp, cfg, self._costs, self.layout.max_seqs)
+        steps = _form_steps(bins, sizes, cap, self.dp, cfg, self._costs, self.layout.max_seqs,
+                            grouped=self._groups is not None)
         return _assemble(steps, self.order, self._true_len, self._aligned, self.layout, self.dp, cap, cfg.cost)
 
     def full(self) -> MicrobatchPlan:
@@ -470,7 +471,7 @@ class ChunkedPlan:
 
 def _form_steps(bins: list[list[int]], sizes: np.ndarray, cap: int, dp: int,
                 cfg: PlannerConfig, costs: np.ndarray | None = None,
-                max_items: int | None = None) -> list[list[list[int]]]:
+                max_items: int | None = None, grouped: bool = False) -> list[list[list[int]]]:
     """Closed bins -> steps (lists of ``dp * k_s`` bins); the tail re-spread to a multiple of ``dp``.
     With ``costs`` (float64, by stream position) the steps come dealt, rank-major (:func:`balanced_steps`)."""
     per_step = dp * cfg.microbatches_per_step
@@ -483,7 +484,10 @@ def _form_steps(bins: list[list[int]], sizes: np.ndarray, cap: int, dp: int,
         while sum(map(len, tail)) < pulled * per_step + last and head:  # too few samples: take a step back
             head, tail = head[:-per_step], head[-per_step:] + tail
             pulled += 1
-        spread_bins = spread(tail, sizes, pulled * per_step + last, cap, max_items)
+        if grouped:  # one group per bin (pack_within_component): items moved out alone, never into another bin
+            spread_bins = split_bins(tail, pulled * per_step + last)
+        else:
+            spread_bins = spread(tail, sizes, pulled * per_step + last, cap, max_items)
         spread_bins.sort(key=lambda b: -int(sizes[b].sum()) if b else 0)
         cut = pulled * per_step
         if costs is not None:
