@@ -141,6 +141,37 @@ class Mixture(Source):
         return {"kind": "mixture", "by": self.spec.by, "length": self.spec.length,
                 "components": {n: s.describe() for n, s in zip(self.names, self._sources)}}
 
+    # ---- streams (StreamingPackedLoader) -----------------------------------------------------------
+    def shards_by_component(self, order: Sequence[int]) -> list[list[int]]:
+        """The shard ids of ``order`` (a permutation of the mixture's shards) split by component, in order."""
+        starts = np.cumsum([0] + [s.num_shards for s in self._sources])
+        comp = np.searchsorted(starts, np.asarray(order, np.int64), side="right") - 1
+        return [[int(s) for s, k in zip(order, comp) if k == c] for c in range(len(self._sources))]
+
+    def stream_interleave(self, streams: Sequence, last: list):
+        """Items of the components' ``streams`` (iterators, read forward) interleaved by weight: the next item is
+        the stream's whose virtual time ``(U_c + u/2) / w_c`` is least, ``U_c`` its units so far (samples, or the
+        tokens ``last[0]`` the reader sets once it transformed each item), ``u`` its last item's units. A stream
+        that ends leaves the rest; every item is read once (the epoch is every sample once: ``length`` and
+        ``repeat`` do not apply to streams, whose sizes are not known)."""
+        weights = [w if w is not None else r for w, r in zip(self.spec.weights, self.spec.repeats)]
+        live = [iter(s) for s in streams]
+        used = [0.0] * len(live)
+        recent = [1.0] * len(live)
+        while any(it is not None for it in live):
+            c = min((c for c, it in enumerate(live) if it is not None),
+                    key=lambda c: ((used[c] + recent[c] / 2) / weights[c], c))
+            try:
+                item = next(live[c])
+            except StopIteration:
+                live[c] = None
+                continue
+            last[0] = 1
+            yield item
+            units = 1.0 if self.spec.by == "samples" else float(last[0])
+            used[c] += units
+            recent[c] = units or recent[c]
+
     # ---- the index ---------------------------------------------------------------------------------
     def build_index(self, schema: BatchSchema, *, policy: BadDataPolicy | None = None, num_workers: int = 0,
                     distributed: bool = False, group=None) -> SampleIndex:

@@ -58,6 +58,7 @@ from prealign.loaders.handoff.transport import pack_batch
 from prealign.loaders.index.events import error_from_record, error_record, record_reason
 from prealign.loaders.index.sample_checks import has_media, media_keys, validated
 from prealign.loaders.loader import filler_sample, truncate_sample
+from prealign.loaders.mixture import Mixture
 from prealign.loaders.options import LoadingOptions, WorkerConfig, check_option
 from prealign.loaders.plan.elastic import round_robin
 from prealign.loaders.plan.packing import best_fit_decreasing
@@ -157,15 +158,23 @@ class _Reader(IterableDataset):
     ids_only: bool = False
     """Yield each micro-batch's stream ids instead of collating it (a replay)."""
 
-    def _mine(self):
+    def _mine(self, units: list | None = None):
         """``(shard, ordinal, location, raw)`` of this reader's samples, in stream order; bad records as
-        ``(shard, ordinal, location, exception or Skip)``."""
+        ``(shard, ordinal, location, exception or Skip)``. ``units``: ``[tokens]`` of the last sample, set by the
+        caller once transformed (a :class:`Mixture` interleaves its components by them)."""
         info = get_worker_info()
         workers, w = self.worker or ((1, 0) if info is None else (info.num_workers, info.id))
         g, readers = self.dp_rank * workers + w, self.dp_size * workers
         n = self.source.num_shards
         order = np.random.default_rng([self.seed, self.epoch]).permutation(n).tolist()
-        split_shards = n >= readers
+        if isinstance(self.source, Mixture):  # each component's stream its own, interleaved by weight
+            return self.source.stream_interleave([self._scanned(part, g, readers) for part in
+                                                  self.source.shards_by_component(order)], units or [1])
+        return self._scanned(order, g, readers)
+
+    def _scanned(self, order: list[int], g: int, readers: int):
+        """Reader ``g`` of ``readers``'s samples of the shards ``order`` (see :meth:`_mine`)."""
+        split_shards = len(order) >= readers
         shards = order[g::readers] if split_shards else order
         k = 0
         for shard in shards:
@@ -188,6 +197,7 @@ class _Reader(IterableDataset):
             yield hand_over(exc)
 
     def _packed(self):
+        units = [0] if isinstance(self.source, Mixture) else None  # the last sample's tokens, for the interleave
         gate = BadDataGate(self.policy)
         events: list = []
         buffer: list[tuple[int, int, dict]] = []  # (aligned size, id, sample)
@@ -251,7 +261,7 @@ class _Reader(IterableDataset):
             events.clear()
             return (pack_batch(batch) if self.pack else batch), ev
 
-        for shard, ordinal, loc, item in self._mine():
+        for shard, ordinal, loc, item in self._mine(units):
             where = self.source.where(loc) if loc is not None else f"shard {shard}"
             if isinstance(item, Skip):
                 events.append([item.reason, item.where, None])
@@ -265,6 +275,8 @@ class _Reader(IterableDataset):
             except SampleError as exc:
                 bad(record_reason(error_record(exc)), where, exc)
                 continue
+            if units is not None:  # a mixture's interleave by tokens
+                units[0] = len(sample.get("input_ids", ()))
             pending.append((stream_id(shard, ordinal), where, sample))
             if len(pending) >= _CHUNK or len(buffer) + len(pending) >= self.buffer_size:
                 validate()
