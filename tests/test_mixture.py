@@ -426,3 +426,37 @@ def test_step_fit_plans_keep_every_plan_invariant(lengths, dp, k, groups, chunk,
         for mb in rank:
             assert max_seqs is None or len(mb) <= max_seqs
             assert label is None or len({int(label[i]) for i in mb}) <= 1
+
+
+def test_changed_weights_and_dp_size_together_then_a_resume_in_the_new_phase():
+    """DP 2 under the old weights, DP 3 under the new ones from a state, and that run resumed mid-way (its
+    phase replays the DP-2 part): no sample twice, and the resumed run goes on exactly."""
+    big = {"web": _hf(1500, 4, 20, 0, 0), "code": _hf(300, 20, 60, 1, 1000), "math": _hf(150, 40, 90, 2, 2000)}
+    old, new = (0.6, 0.3, 0.1), (0.3, 0.3, 0.4)
+
+    def make(weights, dp, rank):
+        return _loader(_mix(big, weights, length="first_exhausted"), dp=dp, rank=rank)
+
+    served = Counter()
+    state = None
+    for r in range(2):
+        loader = make(old, 2, r)
+        served.update(i for b in islice(iter(loader), 6) for i in b["sample_index"].tolist())
+        state = loader.state_dict()
+    goes_on, mid = [], None
+    for r in range(3):
+        loader = make(new, 3, r)
+        loader.load_state_dict(state)
+        it = iter(loader)
+        head = [b["sample_index"].tolist() for b in islice(it, 4)]
+        if r == 0:
+            mid = loader.state_dict()
+        tail = [b["sample_index"].tolist() for b in it]
+        goes_on.append(tail)
+        served.update(i for mb in head + tail for i in mb)
+    assert max(served.values()) == 1  # nothing twice across the phases and ranks
+    assert mid["mixture"]["phases"] and mid["mixture"]["phases"][0]["segments"][0]["dp_size"] == 2
+    for r in range(3):
+        again = make(new, 3, r)
+        again.load_state_dict(mid)
+        assert [b["sample_index"].tolist() for b in again] == goes_on[r]
