@@ -104,6 +104,8 @@ def component_stream(n: int, count: int, *, seed: int, epoch: int, component: in
             parts.append(np.random.default_rng([seed, epoch, component, p, 31]).permutation(n))
         else:
             parts.append(np.arange(n, dtype=np.int64))
+    if len(parts) == 1:
+        return parts[0][:count]
     return (np.concatenate(parts) if parts else np.zeros(0, np.int64))[:count]
 
 
@@ -192,8 +194,12 @@ def mixed_order(mix: MixSpec, lengths: Sequence[np.ndarray], *, epoch: int, seed
             pos = np.flatnonzero(keep)
         else:
             pos = np.arange(stream.size, dtype=np.int64)
-        u = units_of(L[stream[pos]], mix.by)
-        k = _count_for(u, want, u.size)
+        if mix.by == "samples":  # (every unit 1: the count is the target rounded, no cumulative sum)
+            k = min(int(np.ceil(want - 0.5)) if want > 0 else 0, pos.size)
+            u = np.ones(k, np.int64)
+        else:
+            u = units_of(L[stream[pos]], mix.by)
+            k = _count_for(u, want, u.size)
         ids.append(offsets[c] + stream[pos[:k]])
         units.append(u[:k])
         draws.append(pos[:k])
