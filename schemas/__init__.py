@@ -1,4 +1,5 @@
 """prealign schemas: parallel layouts, declared batch schemas and their validation."""
+from .contract import Consumer, ConsumerUnsupportedError, ModelContract, check_consumer
 from .distributed import check_startup
 from .errors import (
                      ArgumentError,
@@ -26,3 +27,4 @@ __all__ = ["ParallelLayout", "PadPolicy", "FP8Recipe", "CPLayout", "round_up", "
 __all__ += ["vlm_schema", "VisionTokens", "validate_vlm_batch", "media_violations"]
 __all__ += ["validate_packed_seq_params", "BackendVersionError"]
 __all__ += ["PackingUnsupportedError"]
+__all__ += ["ModelContract", "Consumer", "ConsumerUnsupportedError", "check_consumer"]
