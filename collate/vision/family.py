@@ -71,6 +71,9 @@ class VisionFamily:
     media_attention: ClassVar[str] = "causal"
     """``"causal"`` (image tokens attend like text) or ``"bidirectional"`` (each image's tokens see each other:
     packing needs a per-token mask, :mod:`prealign.collate.vision.attention`)."""
+    default_system: ClassVar[str | None] = None
+    """The system turn the family's chat template writes before a conversation that has none (Qwen2-VL /
+    Qwen2.5-VL: ``"You are a helpful assistant."``), which the transform writes too (a switch turns it off)."""
     local_attention: ClassVar[str | None] = None
     """``None``, ``"sliding"`` or ``"chunked"``: the text model's local layers (``None`` here: read from the
     config's ``layer_types`` by :meth:`contract`)."""

@@ -15,6 +15,7 @@ class Qwen2_5VL(VisionFamily):
     """``model_type`` ``qwen2_5_vl``; ``tokens_per_second`` from ``vision_config``."""
 
     model_types = ("qwen2_5_vl",)
+    default_system = "You are a helpful assistant."
     tokens_per_second: float
 
     @classmethod

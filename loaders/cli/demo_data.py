@@ -156,7 +156,8 @@ def _sample(rng: np.random.Generator, key: str, topk: int, tok: ByteTokenizer, g
             meta["videos"] = [_video(rng, members)]
             meta["messages"][0]["content"] = "<video>\n" + user
         videos = transform.header_video_ids(members, meta, key, _frame_size)
-    ids, _ = render_chat(meta, tok, tokens, sample=key, videos=videos)
+    ids, _ = render_chat(meta, tok, tokens, sample=key, videos=videos,
+                         system=None if transform is None else transform.system_prompt)
     log_probs, top_ids = synthetic_teacher(ids, topk, tok.vocab_size, rng)
     if bad is MediaProblem.CORRUPT_IMAGE:
         members[names[0]] = members[names[0]][:64] + b"\x00 not an image" * 8

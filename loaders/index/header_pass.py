@@ -177,7 +177,8 @@ class VLMRule:
             for d in shape:
                 n *= d
         else:
-            ids, _ = render_chat(meta, self.t.tokenizer, tokens, sample=key, videos=videos)
+            ids, _ = render_chat(meta, self.t.tokenizer, tokens, sample=key, videos=videos,
+                                 system=self.t.system_prompt)
             n = int(ids.shape[0])
         sig = [bool(tokens), "input_ids" in heads]
         if self.t.topk is not None:
