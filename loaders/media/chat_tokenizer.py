@@ -75,6 +75,9 @@ class HFChatTokenizer:
         video = self.tokenizer.convert_tokens_to_ids(self.video_pad)
         if video is not None and video != unk:
             ids["video_token_id"] = int(video)
+        bos = getattr(self.tokenizer, "bos_token_id", None)
+        if bos is not None:  # what a template that opens with bos_token writes first (Gemma 3)
+            ids["bos_token_id"] = int(bos)
         eos = getattr(self.tokenizer, "eos_token_id", None)
         ids["eos_token_id"] = ids["im_end_id"] if eos is None else int(eos)
         pad = getattr(self.tokenizer, "pad_token_id", None)
