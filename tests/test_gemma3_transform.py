@@ -193,3 +193,18 @@ def test_transformed_samples_pack_exactly():
                 kw["pixel_values"] = s["pixel_values"].to(torch.float64)
             worst = max(worst, float((out[slots] - model(**kw).logits[0]).abs().max()))
     assert worst < 1e-6, worst
+
+
+@pytest.mark.slow
+def test_demo_command_with_gemma3(tmp_path, capsys):
+    """``prealign demo --model gemma3``: every batch on every CP rank valid against the image-tokens schema, the
+    synthetic teacher rows as long as the transform's ids (its chat), whole images in pixel_values."""
+    from prealign.loaders.cli import main
+
+    args = ["demo", "--model", "gemma3", "--samples", "30", "--out", str(tmp_path / "l.png"), "--workers", "0",
+            "--token-budget", "2048"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    n = int(out.split("micro-batches  ")[1].split(" ")[0])
+    assert f"{2 * n}/{2 * n} batches valid" in out and "image_tokens_topk" in out
+    assert re.search(r"pixel_values +float32 +\[\d+, 3, 224, 224\]", out)

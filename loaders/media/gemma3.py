@@ -19,6 +19,7 @@ Positions are 1-D (the collator's ``position_ids``); packed rows need the per-to
 from __future__ import annotations
 
 import functools
+import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +29,7 @@ import torch
 
 from prealign.collate.vision import Gemma3, vision_family
 from prealign.loaders.media.chat_tokenizer import HFChatTokenizer, encode_segments
+from prealign.loaders.media.teacher_topk import teacher_topk
 from prealign.loaders.media.vlm import (
     IMAGE_PLACEHOLDER,
     MediaError,
@@ -66,6 +68,9 @@ class Gemma3SampleTransform:
     model_config: Any
     tokenizer: Any
     processor: Any = None
+    topk: int | None = None
+    """Expect teacher top-k members with this K (as :class:`~prealign.loaders.media.vlm.VLMSampleTransform`)."""
+    log_prob_dtype: str = "float32"
     pixel_dtype: str = "float32"
     text_key: str = "json"
     limits: DecodeLimits = DEFAULT_LIMITS
@@ -89,9 +94,10 @@ class Gemma3SampleTransform:
         if getattr(self.image_processor, "do_pan_and_scan", None):
             raise ConfigError("Gemma3SampleTransform: pan-and-scan crops are not supported (do_pan_and_scan=True); "
                               "turn it off")
-        if self.pixel_dtype not in ("float32", "bfloat16"):
-            raise ConfigError(f"Gemma3SampleTransform.pixel_dtype: expected 'float32' or 'bfloat16', "
-                              f"got {self.pixel_dtype!r}")
+        for name in ("log_prob_dtype", "pixel_dtype"):
+            if getattr(self, name) not in ("float32", "bfloat16"):
+                raise ConfigError(f"Gemma3SampleTransform.{name}: expected 'float32' or 'bfloat16', "
+                                  f"got {getattr(self, name)!r}")
 
     @property
     def image_processor(self):
@@ -152,6 +158,17 @@ class Gemma3SampleTransform:
                              expected=f"{images} '{IMAGE_PLACEHOLDER}' placeholders (one per image)", actual=f"{seen}")
         return segments
 
+    def index_key(self) -> str:
+        """What a sample's length depends on (an index sidecar's key): the tokenizer (ids and a probe encoding),
+        the family's image block, teacher K."""
+        tok, fam = self.tokenizer, self.family
+        probe = np.asarray(tok.encode("prealign probe:\n\n <image> Hello, world!")).tolist()
+        return json.dumps({"gemma3": {"tokenizer": f"{type(tok).__module__}.{type(tok).__qualname__}",
+                                      "vocab_size": int(tok.vocab_size), "probe": probe, "family": repr(fam),
+                                      "bos": getattr(tok, "bos_token_id", None), "turn": [tok.im_start_id,
+                                                                                          tok.im_end_id],
+                                      "topk": self.topk, "text_key": self.text_key}}, sort_keys=True)
+
     def header_ids(self, raw: dict) -> tuple[np.ndarray, np.ndarray]:
         """(``input_ids``, ``loss_mask``) without decoding an image: the number of images is all the length
         depends on (what an index pass needs)."""
@@ -170,6 +187,11 @@ class Gemma3SampleTransform:
         else:
             pixels = torch.zeros(0, 3, size, size)
         input_ids = torch.from_numpy(ids)
-        return {"__key__": key, "input_ids": input_ids, "loss_mask": torch.from_numpy(mask),
-                "mm_token_type_ids": (input_ids == self.family.image_token_id).to(torch.int64),
-                "pixel_values": pixels.to(getattr(torch, self.pixel_dtype))}
+        out = {"__key__": key, "input_ids": input_ids, "loss_mask": torch.from_numpy(mask),
+               "mm_token_type_ids": (input_ids == self.family.image_token_id).to(torch.int64),
+               "pixel_values": pixels.to(getattr(torch, self.pixel_dtype))}
+        if self.topk is not None:
+            out.update(teacher_topk(raw, sample=key, length=input_ids.numel(), topk=self.topk,
+                                    vocab_size=self.tokenizer.vocab_size,
+                                    log_prob_dtype=getattr(torch, self.log_prob_dtype)))
+        return out
