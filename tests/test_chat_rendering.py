@@ -73,6 +73,7 @@ def processor(family: str):
     proc.chat_template = TEMPLATES[family]
     proc.image_token, proc.video_token = "<|image_pad|>", "<|video_pad|>"
     proc.image_token_id, proc.video_token_id = ids("<|image_pad|>"), ids("<|video_pad|>")
+    proc.image_ids, proc.video_ids, proc.audio_ids = [proc.image_token_id], [proc.video_token_id], [None]  # 5.6
     return proc
 
 
