@@ -208,3 +208,28 @@ def test_demo_command_with_gemma3(tmp_path, capsys):
     n = int(out.split("micro-batches  ")[1].split(" ")[0])
     assert f"{2 * n}/{2 * n} batches valid" in out and "image_tokens_topk" in out
     assert re.search(r"pixel_values +float32 +\[\d+, 3, 224, 224\]", out)
+
+
+def test_header_index_equals_the_full_pass(tmp_path):
+    """``prealign demo --model gemma3`` data: the header-only index (image headers counted, the chat rendered by
+    the tokenizer alone) gives every sample the length and media flag the full transform gives; a corrupt image
+    is found by both."""
+    from prealign.loaders import BadDataPolicy, WebDatasetSource, build_index
+    from prealign.loaders.cli.demo_data import build_demo_dataset, demo_transform
+    from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
+    from prealign.loaders.index.header_pass import ImageTokensRule, length_rule, write_sidecars
+    from prealign.schemas import image_tokens_schema
+
+    ds = build_demo_dataset(str(tmp_path), num_samples=24, samples_per_shard=12, topk=4, model="gemma3")
+    t = demo_transform("gemma3", ByteTokenizer(), 4)
+    schema = image_tokens_schema(topk=4, vocab_size=ds.vocab_size, image_size=t.family.image_size)
+    policy = BadDataPolicy(on_error="skip")
+    full = build_index(WebDatasetSource(list(ds.shards), transform=t, image="bytes", sidecars=False), schema,
+                       policy=policy)
+    source = WebDatasetSource(list(ds.shards), transform=t, image="bytes")
+    assert isinstance(length_rule(source, schema), ImageTokensRule)  # headers only, no pixel processed
+    write_sidecars(source, schema)
+    side = build_index(WebDatasetSource(list(ds.shards), transform=t, image="bytes"), schema, policy=policy)
+    assert len(full) == len(side) == 24 - len(ds.bad)
+    assert full.lengths.tolist() == side.lengths.tolist() and full.media.tolist() == side.media.tolist()
+    assert bool(full.media.any()) and not bool(full.media.all())
