@@ -226,7 +226,7 @@ def model_layer_masks(batch: dict, model_config: Any, *, attention: HFAttention 
     index = TokenMaskIndex.of(padded, batch["cu_seqlens"], types)
     return layer_masks(index, text("layer_types", None), bidirectional=contract.media_attention == "bidirectional",
                        window=text("sliding_window", None), chunk=text("attention_chunk_size", None), dtype=dtype,
-                       flex=flex)
+                       flex=flex, bidirectional_layers=contract.bidirectional_layers)
 
 
 def _text_config(model_config: Any):

@@ -84,6 +84,9 @@ class ModelContract:
     media_attention: str = "causal"
     local_attention: str | None = None
     linear_attention: bool = False
+    bidirectional_layers: tuple[str, ...] | None = None
+    """With bidirectional media: the layer types (``layer_types`` values) whose mask has the image blocks;
+    ``None``: every layer (Gemma 3). Gemma 4 in transformers >= 5.17: ``("sliding_attention",)``."""
 
     def __post_init__(self):
         for name, allowed in (("position_kind", POSITION_KINDS), ("media_attention", MEDIA_ATTENTION),
@@ -111,7 +114,8 @@ class ModelContract:
 
     def to_dict(self) -> dict:
         return {"model": self.model, "position_kind": self.position_kind, "media_attention": self.media_attention,
-                "local_attention": self.local_attention, "linear_attention": self.linear_attention}
+                "local_attention": self.local_attention, "linear_attention": self.linear_attention,
+                **({"bidirectional_layers": list(self.bidirectional_layers)} if self.bidirectional_layers else {})}
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -6,7 +6,7 @@ Query ``q`` may attend key ``k`` (slots of one ``[1, T]`` row of padded sequence
 
     same padded sequence  and  (k <= q  or  both in the same media block)  and  local(q, k)
 
-where a media block is one run of media tokens (``token_types > 0``), ``local`` is ``pos(k) > pos(q) - window``
+where a media block is one run of image or video tokens (``token_types`` 1 or 2), ``local`` is ``pos(k) > pos(q) - window``
 for a sliding window (``pos``: the slot's index inside its sequence) or ``pos(k) // chunk == pos(q) // chunk``
 for chunks, and a pad key is seen by no query but itself. For Gemma 3 this is transformers' own rule per layer
 type (``create_masks_for_vision_model``: full ``OR(causal, block)``, sliding ``AND(window, OR(causal, block))``)
@@ -39,7 +39,8 @@ class TokenMaskIndex:
     def of(cls, cu_seqlens_padded: torch.Tensor, cu_seqlens: torch.Tensor, token_types: torch.Tensor | None
            ) -> "TokenMaskIndex":
         """From the row's padded and true offsets (int ``[N+1]``) and its token types (int ``[T]`` or
-        ``[1, T]``, > 0 on media tokens; ``None``: all text). A fixed number of tensor ops."""
+        ``[1, T]``: 1 image, 2 video tokens form blocks; 0 text and any other type, e.g. audio, do not; ``None``:
+        all text). A fixed number of tensor ops."""
         padded = cu_seqlens_padded.to(torch.int64).reshape(-1)
         true = cu_seqlens.to(torch.int64).reshape(-1)
         if true.shape != padded.shape:
@@ -53,7 +54,8 @@ class TokenMaskIndex:
         if token_types is None:
             media = torch.zeros(total, dtype=torch.bool)
         else:
-            media = token_types.reshape(-1).to(torch.int64) > 0
+            types = token_types.reshape(-1).to(torch.int64)
+            media = (types == 1) | (types == 2)
             if media.numel() != total:
                 raise ConfigError(f"TokenMaskIndex: {media.numel()} token types for a row of {total} slots")
         media &= real
@@ -103,15 +105,17 @@ def flex_mask_mod(index: TokenMaskIndex, *, bidirectional: bool, window: int | N
 
 
 def layer_masks(index: TokenMaskIndex, layer_types, *, bidirectional: bool, window: int | None = None,
-                chunk: int | None = None, dtype: torch.dtype = torch.bool, flex: bool = False) -> dict:
+                chunk: int | None = None, dtype: torch.dtype = torch.bool, flex: bool = False,
+                bidirectional_layers=None) -> dict:
     """``{layer type: mask}`` for the distinct ``layer_types`` of a transformers text config: what a model with
     per-layer-type masks (Gemma 3, Llama 4, ...) takes as ``attention_mask`` in place of the masks it would build.
     ``sliding_attention`` layers get ``window``, ``chunked_attention`` layers ``chunk``, others neither; each a
-    :func:`packed_token_mask` (``flex=False``) or a :func:`flex_mask_mod` (``flex=True``)."""
+    :func:`packed_token_mask` (``flex=False``) or a :func:`flex_mask_mod` (``flex=True``). ``bidirectional``
+    applies to the layer types in ``bidirectional_layers`` (``None``: all)."""
     out = {}
     for kind in dict.fromkeys(layer_types or ("full_attention",)):
         local = {"window": window if kind == "sliding_attention" else None,
-                 "chunk": chunk if kind == "chunked_attention" else None}
-        out[kind] = flex_mask_mod(index, bidirectional=bidirectional, **local) if flex else \
-            packed_token_mask(index, bidirectional=bidirectional, dtype=dtype, **local)
+                 "chunk": chunk if kind == "chunked_attention" else None,
+                 "bidirectional": bidirectional and (bidirectional_layers is None or kind in bidirectional_layers)}
+        out[kind] = flex_mask_mod(index, **local) if flex else packed_token_mask(index, dtype=dtype, **local)
     return out
