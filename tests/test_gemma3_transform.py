@@ -152,6 +152,10 @@ def test_bad_samples_are_typed_errors():
         transform()(raw_sample([{"role": "user", "content": "<image> <image>"}], [png(1)]))
     with pytest.raises(ConfigError, match="gemma3"):
         Gemma3SampleTransform(model_config=transformers.Qwen2VLConfig(), tokenizer=tokenizer())
+    from prealign.loaders.media.vlm import VLMSampleTransform
+
+    with pytest.raises(ConfigError, match="Gemma3SampleTransform"):  # the Qwen transform refuses it
+        VLMSampleTransform(tokenizer=tokenizer(), model_config=config())
     with pytest.raises(ConfigError, match="pan-and-scan"):
         Gemma3SampleTransform(model_config=config(), tokenizer=tokenizer(),
                               processor=transformers.Gemma3ImageProcessorPil(do_pan_and_scan=True)

@@ -71,6 +71,9 @@ class VisionFamily:
     media_attention: ClassVar[str] = "causal"
     """``"causal"`` (image tokens attend like text) or ``"bidirectional"`` (each image's tokens see each other:
     packing needs a per-token mask, :mod:`prealign.collate.vision.attention`)."""
+    transform: ClassVar[str | None] = None
+    """The family's own sample transform where ``VLMSampleTransform`` does not write its samples (Gemma 3:
+    ``prealign.loaders.media.gemma3.Gemma3SampleTransform``); ``None``: ``VLMSampleTransform``."""
     default_system: ClassVar[str | None] = None
     """The system turn the family's chat template writes before a conversation that has none (Qwen2-VL /
     Qwen2.5-VL: ``"You are a helpful assistant."``), which the transform writes too (a switch turns it off)."""

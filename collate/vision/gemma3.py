@@ -29,6 +29,7 @@ class Gemma3(VisionFamily):
     position_kind = "1d"
     media_attention = "bidirectional"
     local_attention = None  # from text_config.layer_types ("sliding" for every released Gemma 3)
+    transform = "prealign.loaders.media.gemma3.Gemma3SampleTransform"
     mm_tokens_per_image: int
     image_size: int
     sliding_window: int | None = None

@@ -441,9 +441,9 @@ class VLMSampleTransform:
             object.__setattr__(self, "tokenizer", HFChatTokenizer(self.processor.tokenizer))
         if self.model_config is not None:
             object.__setattr__(self, "family", vision_family(self.model_config))
-            if self.family.position_kind != "mrope":
-                raise ConfigError(f"VLMSampleTransform: {self.family.model_type} samples are not Qwen-style; use "
-                                  "its own transform (Gemma 3: prealign.loaders.media.gemma3.Gemma3SampleTransform)")
+            if self.family.transform is not None:
+                raise ConfigError(f"VLMSampleTransform: {self.family.model_type} samples have their own transform: "
+                                  f"{self.family.transform}")
 
     @property
     def image_processor(self):

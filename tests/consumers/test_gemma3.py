@@ -13,7 +13,7 @@ import torch
 from prealign.collate import THDCollator, to_hf_kwargs
 from prealign.collate.hf import model_layer_masks
 from prealign.collate.vision import model_contract, vision_family
-from prealign.collate.vision.attention import TokenMaskIndex, packed_token_mask
+from prealign.collate.vision.attention import TokenMaskIndex, layer_masks, packed_token_mask
 from prealign.schemas import BatchSchema, FieldSpec, PadPolicy, ParallelLayout
 from prealign.schemas.errors import PackingUnsupportedError
 from prealign.schemas.schema import core_token_fields
@@ -68,6 +68,13 @@ def sample(segments: list, seed: int) -> dict:
 SAMPLES = (sample([3, "image", 9, "image", 2], 1), sample([11], 2), sample(["image", 4, "image", "image", 7], 3))
 
 
+def blockless_masks(batch: dict, window: int) -> dict:
+    """The sliding + full masks of ``batch`` without image blocks (causal per sequence), float64 additive."""
+    index = TokenMaskIndex.of(batch["cu_seqlens_padded"], batch["cu_seqlens"], batch["mm_token_type_ids"])
+    return layer_masks(index, ["sliding_attention", "full_attention"], bidirectional=False, window=window,
+                       dtype=torch.float64)
+
+
 def alone(model, s: dict) -> torch.Tensor:
     kw = {"input_ids": s["input_ids"][None], "token_type_ids": s["mm_token_type_ids"][None], "use_cache": False}
     if s["pixel_values"].shape[0]:
@@ -116,10 +123,7 @@ def test_packed_logits_equal_each_sample_alone(attn):
 def test_the_image_block_removed_is_caught():
     """Negative control: the same masks without the bidirectional image block (causal per sequence)."""
     batch, kwargs = packed()
-    index = TokenMaskIndex.of(batch["cu_seqlens_padded"], batch["cu_seqlens"], batch["mm_token_type_ids"])
-    kwargs["attention_mask"] = {
-        "full_attention": packed_token_mask(index, bidirectional=False, dtype=torch.float64),
-        "sliding_attention": packed_token_mask(index, bidirectional=False, window=WINDOW, dtype=torch.float64)}
+    kwargs["attention_mask"] = blockless_masks(batch, WINDOW)
     assert worst(batch, kwargs) > CORRUPT
 
 

@@ -13,11 +13,12 @@ import torch
 
 from prealign.collate import THDCollator, to_hf_kwargs
 from prealign.collate.vision import model_contract
-from prealign.collate.vision.attention import TokenMaskIndex, packed_token_mask
+from prealign.collate.vision.attention import TokenMaskIndex
 from prealign.schemas import BatchSchema, FieldSpec, PadPolicy, ParallelLayout
 from prealign.schemas.contract import Consumer, ConsumerUnsupportedError, check_consumer
 from prealign.schemas.schema import core_token_fields
 from tests.consumers.models import CORRUPT, real_slots
+from tests.consumers.test_gemma3 import blockless_masks
 
 transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "Gemma4ForConditionalGeneration"):
@@ -94,10 +95,7 @@ def test_packed_logits_equal_each_sample_alone():
 @pytest.mark.slow
 def test_the_blocks_removed_are_caught():
     batch, kwargs = packed()
-    index = TokenMaskIndex.of(batch["cu_seqlens_padded"], batch["cu_seqlens"], batch["mm_token_type_ids"])
-    kwargs["attention_mask"] = {
-        "full_attention": packed_token_mask(index, bidirectional=False, dtype=torch.float64),
-        "sliding_attention": packed_token_mask(index, bidirectional=False, window=WINDOW, dtype=torch.float64)}
+    kwargs["attention_mask"] = blockless_masks(batch, WINDOW)
     assert worst(batch, kwargs) > CORRUPT
 
 
