@@ -167,3 +167,24 @@ def test_the_mask_is_the_per_sequence_rule():
                     [0, 0, 0, 0, 1, 1, 1, 1]]
     sliding = packed_token_mask(index, bidirectional=True, window=2)[0, 0].int().tolist()
     assert sliding[6] == [0, 0, 0, 0, 0, 1, 1, 0] and sliding[4] == [0, 0, 0, 0, 1, 1, 0, 0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("attention", ["mask", "positions"])
+def test_a_text_gemma3_packs_with_its_window_per_sequence(attention):
+    """Gemma 3 text (``gemma3_text``: sliding + full layers, no images): with ``attention="mask"`` the per-layer
+    masks (the window counted inside each sequence), with ``"positions"`` the model's own packing from
+    ``position_ids``; both give each sample's logits."""
+    cfg = tiny_config().text_config
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForCausalLM(cfg).to(torch.float64).eval()
+    texts = [{"input_ids": s["input_ids"], "mm_token_type_ids": torch.zeros_like(s["input_ids"])} for s in SAMPLES]
+    batch = THDCollator(schema=SCHEMA, layout=LAYOUT)(texts)
+    kwargs = to_hf_kwargs(batch, attention=attention, model_config=cfg, mask_dtype=torch.float64, labels=False)
+    kwargs.pop("mm_token_type_ids", None)
+    assert ("attention_mask" in kwargs) == (attention == "mask")
+    with torch.no_grad():
+        out = model(**kwargs).logits[0]
+        diffs = [(out[slots] - model(input_ids=t["input_ids"][None], use_cache=False).logits[0]).abs().max()
+                 for slots, t in zip(real_slots(batch), texts, strict=True)]
+    assert float(max(diffs)) < TOL
