@@ -32,17 +32,19 @@ token is trained where ``loss_mask > 0``.
 from __future__ import annotations
 
 import enum
-import importlib.util
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 
+from prealign.schemas.contract import GDN_MIN_TRANSFORMERS, hf_linear_attention_gap
 from prealign.schemas.errors import ConfigError, PackingUnsupportedError, SampleError
 from prealign.schemas.schema import IGNORE_INDEX
 
 from .indices import num_sequences
-from .vision.family import has_linear_attention
+from .vision.attention import TokenMaskIndex, layer_masks
+from .vision.contract import model_contract
+from .vision.family import VisionFamily, config_getter, has_linear_attention
 
 
 class HFAttention(enum.Enum):
@@ -98,13 +100,6 @@ def hf_labels(batch: dict, *, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
     return torch.cat((torch.full_like(labels[..., :1], ignore_index), labels[..., :-1]), dim=-1)
 
 
-GDN_KERNELS = ("fla", "causal_conv1d")
-"""The packages whose kernels honour ``cu_seq_lens_q`` (``fla``'s chunked gated delta rule) and ``seq_idx``
-(``causal_conv1d``); transformers' pure-torch fallbacks ignore both."""
-GDN_MIN_TRANSFORMERS = (5, 10)
-"""The oldest transformers checked to hand ``cu_seq_lens_q`` and ``seq_idx`` on to those kernels (5.6 does not)."""
-
-
 def packed_seq_idx(cu_seqlens_padded: torch.Tensor) -> torch.Tensor:
     """int32 ``[1, T]``: the index of the padded sequence each slot of a THD row belongs to (its pads included),
     what ``causal_conv1d_fn(..., seq_idx=...)`` reads to restart the convolution at every sequence.
@@ -125,11 +120,8 @@ def check_gdn_packing(model_config: Any, sequences: int) -> None:
         return
     import transformers
 
-    version = tuple(int(p) for p in transformers.__version__.split(".")[:2] if p.isdigit())
-    missing = [name for name in GDN_KERNELS if importlib.util.find_spec(name) is None]
-    if missing or version < GDN_MIN_TRANSFORMERS:
-        why = (f"{', '.join(missing)} not importable" if missing else
-               f"transformers {transformers.__version__} does not pass cu_seq_lens_q / seq_idx to them")
+    why = hf_linear_attention_gap(transformers.__version__)
+    if why:
         raise PackingUnsupportedError(
             f"to_hf_kwargs: the model has Gated DeltaNet (linear_attention) layers and the batch packs {sequences} "
             f"sequences, but {why}: its pure-torch path would run each sequence's state into the next. Install "
@@ -191,9 +183,57 @@ def to_hf_kwargs(batch: dict, *, attention: HFAttention | str = HFAttention.VARL
         cu = padded.to(torch.int32)
         out["cu_seq_lens_q"] = out["cu_seq_lens_k"] = cu
         out["max_length_q"] = out["max_length_k"] = int(batch["max_seqlen"].reshape(-1)[0])
-    if attention is HFAttention.MASK:
+    contract = None if model_config is None else model_contract(model_config)
+    if contract is not None and (contract.needs_token_mask or contract.local_attention) \
+            and (attention is HFAttention.MASK or num_sequences(padded) > 1):
+        masks = model_layer_masks(batch, model_config, attention=attention, dtype=mask_dtype)
+        if masks is not None:  # they replace what the model would build from the token types
+            out.pop("mm_token_type_ids", None)
+            out["attention_mask"] = masks
+    elif attention is HFAttention.MASK:
         out["attention_mask"] = block_causal_mask(padded, batch["cu_seqlens"], dtype=mask_dtype)
     return out
+
+
+def model_layer_masks(batch: dict, model_config: Any, *, attention: HFAttention | str = HFAttention.MASK,
+                      dtype: torch.dtype = torch.bool, flex: bool = False) -> dict:
+    """``{layer type: mask}`` of an unsharded THD batch for a model whose contract
+    (:func:`~prealign.collate.vision.model_contract`) has bidirectional image blocks or local layers: each
+    ``[1, 1, T, T]`` in ``dtype`` (:func:`~prealign.collate.vision.attention.packed_token_mask`; eager, sdpa) or,
+    with ``flex=True``, a ``mask_mod`` for flex attention's ``create_block_mask`` (``flex_attention``). Image
+    blocks are the runs of ``mm_token_type_ids > 0``; windows and chunks from the text config.
+
+    Only ``attention="mask"`` can carry them: a packed row (``N > 1``) of a model with bidirectional image
+    blocks in any other mode, or of a chunked-attention model (no in-model test yet), is a
+    :class:`PackingUnsupportedError`."""
+    attention = HFAttention(attention)
+    contract = model_contract(model_config)
+    padded = batch["cu_seqlens_padded"]
+    sequences = num_sequences(padded)
+    if contract.local_attention == "chunked" and sequences > 1:
+        raise PackingUnsupportedError(
+            f"to_hf_kwargs: {contract.model} has chunked local-attention layers and the batch packs {sequences} "
+            "sequences: no per-sequence chunked mask is checked in a model yet; ParallelLayout(max_seqs=1) (one sequence per row)")
+    if contract.media_attention == "bidirectional" and attention is not HFAttention.MASK and sequences > 1:
+        raise PackingUnsupportedError(
+            f"to_hf_kwargs: {contract.model}'s image tokens attend bidirectionally within their image; a packed row "
+            f"({sequences} sequences) needs its per-token masks: attention='mask' with attn_implementation 'sdpa' "
+            f"or 'eager' (or model_layer_masks(flex=True) for 'flex_attention'), not {attention.value!r}")
+    if contract.local_attention and attention is not HFAttention.MASK:
+        return None  # sliding windows: the model finds the packing from position_ids / cu_seq_lens itself
+    text = _text_config(model_config)
+    types = batch.get("mm_token_type_ids") if contract.media_attention == "bidirectional" else None
+    index = TokenMaskIndex.of(padded, batch["cu_seqlens"], types)
+    return layer_masks(index, text("layer_types", None), bidirectional=contract.media_attention == "bidirectional",
+                       window=text("sliding_window", None), chunk=text("attention_chunk_size", None), dtype=dtype,
+                       flex=flex, bidirectional_layers=contract.bidirectional_layers)
+
+
+def _text_config(model_config: Any):
+    if isinstance(model_config, VisionFamily):  # a family keeps what the masks read
+        return lambda key, default=None: getattr(model_config, key, default)
+    get = config_getter(model_config)
+    return config_getter(get("text_config", None) or model_config)
 
 
 @dataclass(frozen=True, kw_only=True)

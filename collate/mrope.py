@@ -124,6 +124,9 @@ class MRoPECollator:
         if self.model_config is None:
             return
         family = vision_family(self.model_config)
+        if family.position_kind != "mrope":
+            raise ConfigError(f"MRoPECollator: the {family.model_type} model has {family.position_kind!r} positions "
+                              "(its contract), not mRoPE: use the THDCollator's position_ids alone")
         if self.spatial_merge_size is not None and self.spatial_merge_size != family.spatial_merge_size:
             raise ConfigError(f"MRoPECollator: spatial_merge_size={self.spatial_merge_size} but the {family.model_type} "
                               f"config merges {family.spatial_merge_size}; leave spatial_merge_size unset")

@@ -1,4 +1,5 @@
 """prealign schemas: parallel layouts, declared batch schemas and their validation."""
+from .contract import Consumer, ConsumerUnsupportedError, ModelContract, check_consumer
 from .distributed import check_startup
 from .errors import (
                      ArgumentError,
@@ -17,7 +18,7 @@ from .errors import (
 from .layout import CPLayout, FP8Recipe, PadPolicy, ParallelLayout, round_up
 from .schema import IGNORE_INDEX, BatchSchema, FieldSpec, Role, Source, causal_lm_schema, rl_schema, topk_fields
 from .validate import Violation, validate_batch, validate_packed_seq_params
-from .vlm import VisionTokens, media_violations, validate_vlm_batch, vlm_schema
+from .vlm import VisionTokens, image_tokens_schema, media_violations, validate_vlm_batch, vlm_schema
 
 __all__ = ["ParallelLayout", "PadPolicy", "FP8Recipe", "CPLayout", "round_up", "BatchSchema", "FieldSpec", "Role",
            "Source", "causal_lm_schema", "rl_schema", "topk_fields", "IGNORE_INDEX", "validate_batch", "Violation",
@@ -26,3 +27,5 @@ __all__ = ["ParallelLayout", "PadPolicy", "FP8Recipe", "CPLayout", "round_up", "
 __all__ += ["vlm_schema", "VisionTokens", "validate_vlm_batch", "media_violations"]
 __all__ += ["validate_packed_seq_params", "BackendVersionError"]
 __all__ += ["PackingUnsupportedError"]
+__all__ += ["ModelContract", "Consumer", "ConsumerUnsupportedError", "check_consumer"]
+__all__ += ["image_tokens_schema"]

@@ -11,6 +11,7 @@ import time
 
 import torch.distributed as dist
 
+from .contract import Consumer, ConsumerUnsupportedError, ModelContract, check_consumer
 from .errors import BatchValidationError, ConfigError, StartupMismatchError
 from .layout import ParallelLayout
 from .schema import BatchSchema
@@ -97,8 +98,18 @@ def _rendezvous(group) -> _Rendezvous:
 
 
 def check_startup(batch: dict, schema: BatchSchema, layout: ParallelLayout, group=None, *,
-                  timeout: float = DEFAULT_STARTUP_TIMEOUT_S) -> str:
+                  timeout: float = DEFAULT_STARTUP_TIMEOUT_S, contract: ModelContract | None = None,
+                  consumer: Consumer | None = None, packed: bool | None = None) -> str:
     """Validate a first batch on every rank, then compare schema+layout fingerprints across ranks.
+
+    With ``contract`` (the model's :class:`~prealign.schemas.contract.ModelContract`, e.g.
+    ``vision_family(config).contract()`` or ``model_contract(config)``) and ``consumer`` (what runs the
+    batches: ``Consumer.hf("sdpa")``, ``Consumer.megatron()``), the consumer is checked first
+    (:func:`~prealign.schemas.contract.check_consumer`, with ``packed`` rows, default: a THD batch
+    under a layout that allows more than one sequence per row, and
+    ``layout.cp``) before the batch is validated: what it cannot run raises
+    :class:`~prealign.schemas.contract.ConsumerUnsupportedError` on **every** rank, naming the model, the layer
+    kind, the installed version and the way out, before the batch reaches the model.
 
     Every rank posts its outcome (fingerprint, violations) to the process group's store whatever its
     local outcome and waits for the others, so a bad batch or a mismatched config on one rank raises
@@ -110,15 +121,28 @@ def check_startup(batch: dict, schema: BatchSchema, layout: ParallelLayout, grou
     """
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise ConfigError(f"check_startup: timeout: expected seconds > 0, got {timeout!r}")
+    if (contract is None) != (consumer is None):
+        raise ConfigError("check_startup: give contract= and consumer= together (the model's ModelContract and "
+                          "what runs it)")
     fingerprint = layout_fingerprint(schema, layout)
     collective = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+    refused = None
+    if contract is not None:
+        if packed is None:
+            packed = layout.max_seqs != 1 and isinstance(batch, dict) and "cu_seqlens_padded" in batch
+        try:
+            check_consumer(contract, consumer, packed=packed, cp=layout.cp)
+        except ConsumerUnsupportedError as exc:
+            if not collective:
+                raise
+            refused = exc.details()
     try:
         violations = validate_batch(batch, schema, layout, raise_on_error=False)
     except Exception as exc:  # noqa: BLE001 - reported on every rank (not skipped): a rank must not miss the rendezvous
         if not collective:
             raise
         violations = [Violation("batch", "a batch the validator can read", f"{type(exc).__name__}: {exc}")]
-    local = {"rank": dist.get_rank() if collective else 0, "fingerprint": fingerprint,
+    local = {"rank": dist.get_rank() if collective else 0, "fingerprint": fingerprint, "refused": refused,
              "violations": [str(v) for v in violations[:20]], "num_violations": len(violations)}
     if not collective:
         if violations:
@@ -131,6 +155,9 @@ def check_startup(batch: dict, schema: BatchSchema, layout: ParallelLayout, grou
     except RuntimeError as exc:  # the store itself failed (its host process is gone): every rank says so
         raise StartupMismatchError(f"startup check failed: the process group's store is unreachable "
                                    f"({type(exc).__name__}: {exc})") from exc
+    for g in gathered:  # the consumer cannot run the model: the same typed error on every rank
+        if g.get("refused"):
+            raise ConsumerUnsupportedError(**g["refused"])
     problems = []
     prints = {g["fingerprint"] for g in gathered}
     if len(prints) > 1:

@@ -134,7 +134,7 @@ def validate_vlm_batch(batch: dict, schema: BatchSchema, layout: ParallelLayout,
                        raise_on_error: bool = True) -> list[Violation]:
     """:func:`prealign.schemas.validate_batch` plus :func:`media_violations`, all reported at once."""
     violations = validate_batch(batch, schema, layout, raise_on_error=False)
-    if "pixel_values" in schema:
+    if "image_grid_thw" in schema:  # Qwen-style patches (an image_tokens_schema has whole images, no grids)
         violations += media_violations(batch, spatial_merge_size=spatial_merge_size)
     if violations and raise_on_error:
         raise BatchValidationError(violations)
@@ -145,3 +145,23 @@ def _describe(value) -> str:
     if isinstance(value, torch.Tensor):
         return f"{str(value.dtype).removeprefix('torch.')} {tuple(value.shape)}"
     return "missing" if value is None else type(value).__name__
+
+
+def image_tokens_schema(*, image_size: int | str = "image_size", pad_token_id: int = 0,
+                        topk: int | str | None = None, vocab_size: int | None = None, ignore_index: int = IGNORE_INDEX,
+                        pixel_dtypes: tuple[str, ...] = ("float32", "bfloat16")) -> BatchSchema:
+    """A VLM with 1-D positions and whole images (Gemma 3): causal-LM fields + ``mm_token_type_ids`` (0 text,
+    1 image) + ``pixel_values`` ``[num_images, 3, image_size, image_size]`` (MEDIA, concatenated over the batch).
+
+    >>> image_tokens_schema(image_size=896)["pixel_values"].dense_shape
+    (3, 896, 896)
+    """
+    fields = (*core_token_fields(pad_token_id, ignore_index, vocab_size),
+              FieldSpec(name="mm_token_type_ids", dtypes=("int64", "int32"), pad_value=TEXT_TOKEN_TYPE,
+                        min_value=TEXT_TOKEN_TYPE, max_value=IMAGE_TOKEN_TYPE),
+              FieldSpec(name="pixel_values", role=Role.MEDIA, dtypes=pixel_dtypes,
+                        dense_shape=(3, image_size, image_size)))
+    if topk is not None:
+        fields += topk_fields(topk, vocab_size)
+    return BatchSchema(name="image_tokens" if topk is None else "image_tokens_topk", fields=fields,
+                       ignore_index=ignore_index)

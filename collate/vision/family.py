@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from prealign.schemas.contract import ModelContract
 from prealign.schemas.errors import ConfigError, SampleError
 
 from .grids import VisionGeometry, image_grid, video_grid
@@ -63,6 +64,22 @@ class VisionFamily:
 
     model_types: ClassVar[tuple[str, ...]] = ()
     """The HF ``model_type`` values this family serves."""
+
+    # ---- the data contract (:mod:`prealign.schemas.contract`): a new family sets what differs ----------------
+    position_kind: ClassVar[str] = "mrope"
+    """``"1d"`` (``position_ids`` alone, restarting per sequence) or ``"mrope"`` (``mrope_position_ids`` too)."""
+    media_attention: ClassVar[str] = "causal"
+    """``"causal"`` (image tokens attend like text) or ``"bidirectional"`` (each image's tokens see each other:
+    packing needs a per-token mask, :mod:`prealign.collate.vision.attention`)."""
+    transform: ClassVar[str | None] = None
+    """The family's own sample transform where ``VLMSampleTransform`` does not write its samples (Gemma 3:
+    ``prealign.loaders.media.gemma3.Gemma3SampleTransform``); ``None``: ``VLMSampleTransform``."""
+    default_system: ClassVar[str | None] = None
+    """The system turn the family's chat template writes before a conversation that has none (Qwen2-VL /
+    Qwen2.5-VL: ``"You are a helpful assistant."``), which the transform writes too (a switch turns it off)."""
+    local_attention: ClassVar[str | None] = None
+    """``None``, ``"sliding"`` or ``"chunked"``: the text model's local layers (``None`` here: read from the
+    config's ``layer_types`` by :meth:`contract`)."""
     volume_resize: ClassVar[bool] = False
     """Video resize bounds the clip's volume (Qwen3-VL) rather than each frame's area (Qwen2-VL)."""
     video_defaults: ClassVar[dict] = {"min_pixels": 128 * 28 * 28, "max_pixels": 28 * 28 * 768,
@@ -86,8 +103,8 @@ class VisionFamily:
     @classmethod
     def from_config(cls, config: Any) -> "VisionFamily":
         """The family's constants from a transformers config (or its ``to_dict()``)."""
-        get = _getter(config)
-        vision = _getter(get("vision_config", {}) or {})
+        get = config_getter(config)
+        vision = config_getter(get("vision_config", {}) or {})
         values = dict(model_type=get("model_type"), image_token_id=get("image_token_id"),
                       video_token_id=get("video_token_id"), vision_start_token_id=get("vision_start_token_id"),
                       vision_end_token_id=get("vision_end_token_id"), patch_size=vision("patch_size"),
@@ -111,6 +128,14 @@ class VisionFamily:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{type(self).__name__}.{name}: expected a positive int, got {value!r}")
+
+    def contract(self, config: Any = None) -> ModelContract:
+        """This family's :class:`~prealign.schemas.contract.ModelContract`: the class declarations, the local
+        attention of ``config``'s ``layer_types`` where the class declares none, and :attr:`linear_attention`."""
+        local = self.local_attention if config is None or self.local_attention else local_attention(config)
+        return ModelContract(model=self.model_type, position_kind=self.position_kind,
+                             media_attention=self.media_attention, local_attention=local,
+                             linear_attention=self.linear_attention)
 
     # ---- grids ------------------------------------------------------------------------------------
     def image_grid(self, height: int, width: int, geometry: VisionGeometry, *, sample=None,
@@ -165,16 +190,31 @@ def has_linear_attention(model_config: Any) -> bool:
     """
     if isinstance(model_config, VisionFamily):
         return model_config.linear_attention
-    get = _getter(model_config)
-    text = _getter(get("text_config", None) or {})
+    get = config_getter(model_config)
+    text = config_getter(get("text_config", None) or {})
     return "linear_attention" in (text("layer_types", None) or get("layer_types", None) or ())
+
+
+def local_attention(model_config: Any) -> str | None:
+    """``"chunked"`` / ``"sliding"`` / ``None``: the local layers a transformers config (object or dict; a VLM's
+    ``text_config`` looked in first) declares in its ``layer_types`` (Llama 4's ``chunked_attention``, Gemma 3's
+    ``sliding_attention``).
+
+    >>> local_attention({"layer_types": ["sliding_attention", "full_attention"]})
+    'sliding'
+    """
+    get = config_getter(model_config)
+    text = config_getter(get("text_config", None) or {})
+    kinds = set(text("layer_types", None) or get("layer_types", None) or ())
+    return "chunked" if "chunked_attention" in kinds else "sliding" if "sliding_attention" in kinds else None
 
 
 def _np(value) -> np.ndarray:
     return value.numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
 
 
-def _getter(obj):
+def config_getter(obj):
+    """``get(key, default=None)`` over a config object or its dict (H32b's families read theirs through it)."""
     if isinstance(obj, dict):
         return lambda key, default=None: obj.get(key, default)
     return lambda key, default=None: getattr(obj, key, default)

@@ -1,6 +1,7 @@
 """Qwen2.5-VL: Qwen2-VL's layout, with video temporal positions spaced by ``tokens_per_second *
-second_per_grid_ts`` (fractional seconds, computed in float32 and truncated, as transformers >= 5.11 and the
-original Qwen2.5-VL code do; transformers <= 5.10 truncated ``second_per_grid_ts`` to an int first)."""
+second_per_grid_ts`` (fractional seconds, computed in float32 and truncated, as transformers >= 5.18 and the
+original Qwen2.5-VL code do; the released transformers wheels through 5.17 truncate ``second_per_grid_ts`` to an
+int first)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ class Qwen2_5VL(VisionFamily):
     """``model_type`` ``qwen2_5_vl``; ``tokens_per_second`` from ``vision_config``."""
 
     model_types = ("qwen2_5_vl",)
+    default_system = "You are a helpful assistant."
     tokens_per_second: float
 
     @classmethod

@@ -11,3 +11,4 @@ class Qwen2VL(VisionFamily):
     """``model_type`` ``qwen2_vl``."""
 
     model_types = ("qwen2_vl",)
+    default_system = "You are a helpful assistant."

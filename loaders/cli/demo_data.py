@@ -36,7 +36,7 @@ from prealign.loaders.media.teacher_topk import encode_npy
 from prealign.loaders.media.vlm import MediaProblem, VLMSampleTransform, image_processor, render_chat
 from prealign.loaders.sources.header_lengths import Qwen2VLGeometry, qwen2vl_grid, tokens_of_grid
 
-DEMO_MODELS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
+DEMO_MODELS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "gemma3")
 """The families ``prealign demo --model`` builds data for."""
 
 _WORDS = ("the a small large red blue green bright dark round square tall narrow old new quiet busy "
@@ -110,6 +110,13 @@ def demo_model_config(model: str):
     if model not in DEMO_MODELS:
         from prealign.schemas.errors import ConfigError
         raise ConfigError(f"demo_model_config: expected one of {', '.join(DEMO_MODELS)}, got {model!r}")
+    tok = ByteTokenizer()
+    if model == "gemma3":  # 224-px images, 16 x 16 patches pooled to 8 x 8 = 64 image tokens (released: 896, 256)
+        return transformers.Gemma3Config(
+            text_config={"vocab_size": tok.vocab_size, "bos_token_id": tok.eos_token_id, "eos_token_id": tok.eos_token_id,
+                         "pad_token_id": tok.pad_token_id}, vision_config={"image_size": 224, "patch_size": 14},
+            mm_tokens_per_image=64, boi_token_index=tok.vision_start_token_id, eoi_token_index=tok.vision_end_token_id,
+            image_token_index=tok.image_token_id)
     cls = {"qwen2_vl": transformers.Qwen2VLConfig, "qwen2_5_vl": transformers.Qwen2_5_VLConfig,
            "qwen3_vl": transformers.Qwen3VLConfig, "qwen3_5": transformers.Qwen3_5Config}[model]
     tok = ByteTokenizer()
@@ -117,6 +124,19 @@ def demo_model_config(model: str):
                vision_start_token_id=tok.vision_start_token_id, vision_end_token_id=tok.vision_end_token_id,
                text_config={"vocab_size": tok.vocab_size, "bos_token_id": tok.eos_token_id,
                             "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id})
+
+
+def demo_transform(model: str | None, tok, topk: int | None = None):
+    """The transform that reads ``model``'s demo samples: :class:`~prealign.loaders.media.gemma3.
+    Gemma3SampleTransform` for ``gemma3``, else :class:`VLMSampleTransform` (the family's default video settings:
+    no checkpoint to read them from)."""
+    config = None if model is None else demo_model_config(model)
+    if model == "gemma3":
+        from prealign.loaders.media.gemma3 import Gemma3SampleTransform
+
+        return Gemma3SampleTransform(tokenizer=tok, model_config=config, topk=topk)
+    return VLMSampleTransform(tokenizer=tok, topk=topk, model_config=config,
+                              video_processor_config=None if config is None else {})
 
 
 def _video(rng: np.random.Generator, members: dict) -> dict:
@@ -150,13 +170,18 @@ def _sample(rng: np.random.Generator, key: str, topk: int, tok: ByteTokenizer, g
     user = "".join("<image>\n" for _ in range(n_images)) + question
     reply = " ".join(_sentence(rng) for _ in range(int(rng.integers(1, 7))))
     meta = {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": reply}], "images": names}
-    videos = None
-    if transform is not None:
+    videos, ids = None, None
+    if hasattr(transform, "header_ids"):  # Gemma 3: no video, its own chat (lengths from the text and image count)
+        ids = transform.header_ids({**members, "json": json.dumps(meta)})[0]
+        transform = None
+    elif transform is not None:
         if bad is None and rng.random() < 0.4:
             meta["videos"] = [_video(rng, members)]
             meta["messages"][0]["content"] = "<video>\n" + user
         videos = transform.header_video_ids(members, meta, key, _frame_size)
-    ids, _ = render_chat(meta, tok, tokens, sample=key, videos=videos)
+    if ids is None:
+        ids, _ = render_chat(meta, tok, tokens, sample=key, videos=videos,
+                             system=None if transform is None else transform.system_prompt)
     log_probs, top_ids = synthetic_teacher(ids, topk, tok.vocab_size, rng)
     if bad is MediaProblem.CORRUPT_IMAGE:
         members[names[0]] = members[names[0]][:64] + b"\x00 not an image" * 8
@@ -189,10 +214,10 @@ def build_demo_dataset(out_dir: str, *, num_samples: int = 240, samples_per_shar
         raise ValueError(f"build_demo_dataset: num_samples, samples_per_shard and topk must be >= 1, got "
                          f"{num_samples}, {samples_per_shard}, {topk}")
     tok = tokenizer or ByteTokenizer()
-    transform = None if model is None else VLMSampleTransform(tokenizer=tok, model_config=demo_model_config(model),
-                                                              video_processor_config={})  # the family's defaults
+    transform = None if model is None else demo_transform(model, tok)
     # the image processor's resize rule (the family's patch size with a model), the same on every transformers
-    geometry = Qwen2VLGeometry.of(image_processor() if transform is None else transform.image_processor)
+    geometry = Qwen2VLGeometry.of(image_processor() if not isinstance(transform, VLMSampleTransform)
+                                  else transform.image_processor)
     rng = np.random.default_rng(seed)
     bad_at = {int(p): kind for p, kind in zip(np.linspace(num_samples // 7, num_samples - 1, len(bad)), bad)} \
         if bad else {}

@@ -90,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--samples", type=int, default=240, help="samples to generate (3 of them broken) [%(default)s]")
     demo.add_argument("--topk", type=int, default=8, help="teacher top-k K [%(default)s]")
     demo.add_argument("--keep", metavar="DIR", help="write the shards to DIR and keep them (default: a temp dir)")
-    demo.add_argument("--model", choices=("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5"),
+    demo.add_argument("--model", choices=("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "gemma3"),
                       help="build that Qwen family's samples, with short videos (default: Qwen2-VL images only)")
     _add_common(demo, budget=4096)
     demo.set_defaults(func=cmd_demo)
@@ -128,11 +128,10 @@ def main(argv: list[str] | None = None) -> int:
 
 # ---- commands ----------------------------------------------------------------------------------------
 def cmd_demo(args) -> int:
-    from prealign.loaders.cli.demo_data import build_demo_dataset, demo_model_config
+    from prealign.loaders.cli.demo_data import build_demo_dataset, demo_transform
     from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
-    from prealign.loaders.media.vlm import VLMSampleTransform
     from prealign.loaders.sources.webdataset import WebDatasetSource
-    from prealign.schemas.vlm import vlm_schema
+    from prealign.schemas.vlm import image_tokens_schema, vlm_schema
 
     layout = _check_common(args)
     preflight.check_int("--samples", args.samples, 1, high=DEMO_MAX_SAMPLES)
@@ -145,14 +144,14 @@ def cmd_demo(args) -> int:
         model = getattr(args, "model", None)
         ds = build_demo_dataset(where, num_samples=args.samples, topk=args.topk, seed=args.seed, model=model)
         _note(f"data built in {time.perf_counter() - t0:.1f} s")
-        config = None if model is None else demo_model_config(model)
-        # the demo's videos use the family's default video settings on purpose (no checkpoint to read them from)
-        transform = VLMSampleTransform(tokenizer=ByteTokenizer(), topk=args.topk, model_config=config,
-                                       video_processor_config=None if config is None else {})
+        transform = demo_transform(model, ByteTokenizer(), args.topk)
         source = WebDatasetSource(list(ds.shards), transform=transform, image="bytes")
         schema = vlm_schema(topk=args.topk, vocab_size=ds.vocab_size)
+        if model == "gemma3":  # 1-D positions, whole images
+            schema = image_tokens_schema(topk=args.topk, vocab_size=ds.vocab_size,
+                                         image_size=transform.family.image_size)
         title = (f"{args.samples} samples ({len(ds.bad)} broken on purpose) in {len(ds.shards)} webdataset shards, "
-                 f"vlm_schema(topk={args.topk})")
+                 f"{'image_tokens_schema' if model == 'gemma3' else 'vlm_schema'}(topk={args.topk})")
         return _run(args, layout, source, schema, title=title)
 
 

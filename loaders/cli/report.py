@@ -36,7 +36,7 @@ class BatchStats:
 def batch_stats(index: int, rank_batches: list[dict], violations: int) -> BatchStats:
     """Summarise the batches of one micro-batch, one per CP rank (rank order)."""
     b0 = rank_batches[0]
-    grid = b0.get("image_grid_thw")
+    grid = b0.get("image_grid_thw", b0.get("pixel_values"))  # whole images (Gemma 3): one pixel_values row each
     token_dim = {k: v.ndim - 1 for k, v in b0.items() if isinstance(v, torch.Tensor)}
     local = tuple(int(b["input_ids"].shape[token_dim["input_ids"]]) for b in rank_batches)
     if "cp_gather_index" in b0:  # deferred CP shard: the rank keeps cp_gather_index's rows

@@ -59,6 +59,8 @@ from prealign.loaders.index.sidecar import (
     transform_fields,
     write_sidecar,
 )
+from prealign.loaders.media.chat_tokenizer import encode_segments
+from prealign.loaders.media.gemma3 import Gemma3SampleTransform
 from prealign.loaders.media.teacher_topk import IDS, LOG_PROBS
 from prealign.loaders.media.vlm import (
     MediaError,
@@ -159,27 +161,16 @@ class VLMRule:
         raw = {"__key__": key, **{e: d for e, d in members.items() if not e.endswith(".npy")}}
         raw.update({e[:-4]: None for e in members if e.endswith(".npy")})  # presence only
         meta = sample_metadata(raw, self.t.text_key, key)
-        tokens = []
-        for name, data in image_members(raw, meta, key):
-            w, h = self._size(name, data, key)
-            try:
-                t, gh, gw = qwen2vl_grid(h, w, self.geometry, sample=key, field=name)
-            except HeaderError as exc:
-                raise MediaError(MediaProblem.CORRUPT_IMAGE, sample=key, field=name, expected=exc.expected,
-                                 actual=exc.actual) from None
-            tokens.append(t * gh * gw // self.merge ** 2)
-        videos = self.t.header_video_ids(raw, meta, key, lambda name, data: self._size(name, data, key))
+        ids, media = self._render(raw, meta, key, pretokenized="input_ids.npy" in members)
         heads = _npy_headers(members, where)
-        ids = None  # the rendered ids (a pre-tokenized sample's are its member's)
-        if "input_ids" in heads:
+        if "input_ids" in heads:  # the rendered ids: a pre-tokenized sample's are its member's
             shape = heads["input_ids"][0]
             n = 1
             for d in shape:
                 n *= d
         else:
-            ids, _ = render_chat(meta, self.t.tokenizer, tokens, sample=key, videos=videos)
             n = int(ids.shape[0])
-        sig = [bool(tokens), "input_ids" in heads]
+        sig = [media, "input_ids" in heads]
         if self.t.topk is not None:
             for name in (LOG_PROBS, IDS):
                 if name not in heads:
@@ -190,7 +181,24 @@ class VLMRule:
                     raise BadSampleError(sample=key, field=name, expected=f"shape [L={n}, K={self.t.topk}]",
                                          actual=f"shape {list(shape)}", hint="one row per token, constant K")
                 sig.append((name, dtype.str))
-        return n, bool(tokens or videos), tuple(sig), ids
+        return n, media, tuple(sig), None if "input_ids" in heads else ids
+
+    def _render(self, raw: dict, meta: dict, key, *, pretokenized: bool) -> tuple[np.ndarray | None, bool]:
+        """(the chat's ids, or None for a pre-tokenized sample; whether it has media): image headers -> Qwen2-VL
+        grids -> tokens per image, the videos' ids, the chat rendered by the tokenizer alone."""
+        tokens = []
+        for name, data in image_members(raw, meta, key):
+            w, h = self._size(name, data, key)
+            try:
+                t, gh, gw = qwen2vl_grid(h, w, self.geometry, sample=key, field=name)
+            except HeaderError as exc:
+                raise MediaError(MediaProblem.CORRUPT_IMAGE, sample=key, field=name, expected=exc.expected,
+                                 actual=exc.actual) from None
+            tokens.append(t * gh * gw // self.merge ** 2)
+        videos = self.t.header_video_ids(raw, meta, key, lambda name, data: self._size(name, data, key))
+        ids = None if pretokenized else render_chat(meta, self.t.tokenizer, tokens, sample=key, videos=videos,
+                                                    system=self.t.system_prompt)[0]
+        return ids, bool(tokens or videos)
 
     def _size(self, name: str, data, key) -> tuple[int, int]:
         """``(width, height)`` of an image or video frame member, from its header (decoded too with
@@ -201,6 +209,23 @@ class VLMRule:
         except HeaderError as exc:
             raise MediaError(MediaProblem.CORRUPT_IMAGE, sample=key, field=name, expected=exc.expected,
                              actual=exc.actual) from None
+
+
+class ImageTokensRule(VLMRule):
+    """:class:`~prealign.loaders.media.gemma3.Gemma3SampleTransform` samples: a fixed block per image, so the
+    length is the chat's with the images counted (each image's header read, and its pixels with
+    ``verify_images``, so a corrupt one is found as in the full pass)."""
+
+    def __init__(self, transform, schema: BatchSchema, *, verify_images: bool = True):
+        self.t, self.verify_images = transform, verify_images
+
+    def _render(self, raw: dict, meta: dict, key, *, pretokenized: bool) -> tuple[np.ndarray | None, bool]:
+        images = image_members(raw, meta, key)
+        for name, data in images:
+            self._size(name, data, key)
+        ids = None if pretokenized else encode_segments(self.t.tokenizer,
+                                                        self.t.segments(meta, len(images), sample=key))[0]
+        return ids, bool(images)
 
 
 def _verified_size(data: bytes, name: str, key) -> tuple[int, int]:
@@ -293,6 +318,8 @@ def length_rule(source, schema: BatchSchema, *, verify_images: bool = True) -> C
         return TextRule(schema)
     if isinstance(transform, VLMSampleTransform):
         return VLMRule(transform, schema, verify_images=verify_images)
+    if isinstance(transform, Gemma3SampleTransform):
+        return ImageTokensRule(transform, schema, verify_images=verify_images)
     return None
 
 

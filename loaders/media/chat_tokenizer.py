@@ -75,6 +75,9 @@ class HFChatTokenizer:
         video = self.tokenizer.convert_tokens_to_ids(self.video_pad)
         if video is not None and video != unk:
             ids["video_token_id"] = int(video)
+        bos = getattr(self.tokenizer, "bos_token_id", None)
+        if bos is not None:  # what a template that opens with bos_token writes first (Gemma 3)
+            ids["bos_token_id"] = int(bos)
         eos = getattr(self.tokenizer, "eos_token_id", None)
         ids["eos_token_id"] = ids["im_end_id"] if eos is None else int(eos)
         pad = getattr(self.tokenizer, "pad_token_id", None)
@@ -100,3 +103,61 @@ class HFChatTokenizer:
     def encode(self, text: str) -> np.ndarray:
         """str -> int64 ``[n]``, without the special tokens a tokenizer may add around a text."""
         return np.asarray(self.tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int64)
+
+
+def encode_segments(tokenizer: ChatTokenizer, segments) -> tuple[np.ndarray, np.ndarray]:
+    """Chat segments -> (``input_ids`` int64 ``[L]``, ``loss_mask`` float32 ``[L]``), tokenized as a chat
+    template's rendered string is: ``segments`` is a sequence of ``(part, trained)``, ``part`` either text or
+    special-token ids (a list / array, never merged with anything). Consecutive texts are joined and encoded
+    together, as the tokenizer sees the text between two special tokens of the template's output (so a role
+    header's ``"\\n"`` and a content's leading ``"\\n"`` merge into ``"\\n\\n"`` where the tokenizer has it). A
+    token that straddles two texts belongs to the later one (its ``trained`` flag): the boundary is where the
+    encoding of the text before it stops being a prefix of the joined encoding.
+
+    >>> from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
+    >>> ids, mask = encode_segments(ByteTokenizer(), [([2], False), ("ab", False), ("c", True), ([3], True)])
+    >>> ids.tolist()[:1] + ids.tolist()[-1:], mask.tolist()
+    ([2, 3], [0.0, 0.0, 0.0, 1.0, 1.0])
+    """
+    ids: list[np.ndarray] = []
+    masks: list[np.ndarray] = []
+    run: list[tuple[str, bool]] = []
+
+    def flush():
+        if not run:
+            return
+        text = "".join(t for t, _ in run)
+        joined = np.asarray(tokenizer.encode(text), dtype=np.int64).reshape(-1)
+        mask = np.zeros(joined.shape, dtype=np.float32)
+        start, offset = 0, 0
+        for part, trained in run:
+            offset += len(part)
+            end = joined.size if offset == len(text) else _common_prefix(tokenizer.encode(text[:offset]), joined)
+            end = max(end, start)
+            mask[start:end] = trained
+            start = end
+        ids.append(joined)
+        masks.append(mask)
+        run.clear()
+
+    for part, trained in segments:
+        if isinstance(part, str):
+            if part:
+                run.append((part, bool(trained)))
+            continue
+        flush()
+        special = np.asarray(part, dtype=np.int64).reshape(-1)
+        ids.append(special)
+        masks.append(np.full(special.shape, bool(trained), dtype=np.float32))
+    flush()
+    if not ids:
+        return np.zeros(0, np.int64), np.zeros(0, np.float32)
+    return np.concatenate(ids), np.concatenate(masks)
+
+
+def _common_prefix(a, b: np.ndarray) -> int:
+    """How many leading ids ``a`` and ``b`` share (a fixed number of NumPy ops)."""
+    a = np.asarray(a, dtype=np.int64).reshape(-1)
+    n = min(a.size, b.size)
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if differ.size else n

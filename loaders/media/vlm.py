@@ -44,7 +44,7 @@ import torch
 
 from prealign.collate.vision import VisionFamily, VisionGeometry, image_grid, rope_positions, vision_family
 from prealign.loaders.errors import BadSampleError
-from prealign.loaders.media.chat_tokenizer import ChatTokenizer, HFChatTokenizer
+from prealign.loaders.media.chat_tokenizer import ChatTokenizer, HFChatTokenizer, encode_segments
 from prealign.loaders.media.teacher_topk import teacher_topk
 from prealign.loaders.media.video import normalize_patches, normalize_table, video_patches
 from prealign.loaders.sources.tar_decode import (
@@ -227,7 +227,7 @@ def decode_image(value, *, sample, name: str, limits: DecodeLimits = DEFAULT_LIM
             img = open_image(bytes(value), limits)
         else:
             raise TypeError(f"{type(value).__name__} is not image bytes or a PIL image")
-        return img.convert("RGB")
+        return to_rgb(img)
     except ImageTooLarge as exc:
         raise MediaError(MediaProblem.CORRUPT_IMAGE, sample=sample, field=name,
                          expected=f"at most {limits.max_image_pixels} pixels (DecodeLimits.max_image_pixels)",
@@ -239,16 +239,45 @@ def decode_image(value, *, sample, name: str, limits: DecodeLimits = DEFAULT_LIM
                          actual=f"{size} ({type(exc).__name__}: {exc})") from None
 
 
+def to_rgb(img):
+    """A decoded PIL image -> RGB as the installed transformers' image processors convert it: an image with an
+    alpha band or a transparency index (a palette PNG's) goes through transformers' own ``convert_to_rgb``
+    (5.24 composites it onto white; 5.10 and older drop the alpha), any other through ``convert("RGB")``."""
+    if img.mode == "RGB":
+        return img
+    if "A" not in img.getbands() and img.info.get("transparency") is None:
+        return img.convert("RGB")
+    return _transformers_rgb()(img)
+
+
+@functools.cache
+def _transformers_rgb():
+    """``PIL image -> RGB PIL image`` by the installed transformers' ``convert_to_rgb``."""
+    import inspect
+
+    from PIL import Image
+    from transformers.image_transforms import convert_to_rgb
+
+    if "return_numpy" in inspect.signature(convert_to_rgb).parameters:  # newer: arrays (PIL deprecated)
+        return lambda img: Image.fromarray(convert_to_rgb(img, return_numpy=True))
+    return convert_to_rgb
+
+
 # ---- placeholder expansion -----------------------------------------------------------------------
 def render_chat(meta: dict, tokenizer: ChatTokenizer, tokens_per_image: list[int], *, sample,
-                videos: list[np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
+                videos: list[np.ndarray] | None = None, system: str | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Chat messages (or plain ``text``) -> (``input_ids`` int64 ``[L]``, ``loss_mask`` float32 ``[L]``).
 
     Each ``<image>`` in the text becomes ``<|vision_start|>`` + ``tokens_per_image[i]`` x
     ``<|image_pad|>`` + ``<|vision_end|>``, images taken in order; each ``<video>`` becomes ``videos[i]``
     (the ids :meth:`VLMSampleTransform.video_ids` writes; with ``videos=None`` a ``<video>`` is plain text, as
     before videos were supported). Loss is on assistant replies and their
-    ``<|im_end|>`` (chat) or on every text token (plain text); never on vision blocks.
+    ``<|im_end|>`` (chat) or on every text token (plain text); never on vision blocks. ``system``: a system turn
+    written first when the messages have none (what the Qwen2-VL template does with its default).
+
+    The text is tokenized as the chat template's rendered string is (:func:`~prealign.loaders.media.
+    chat_tokenizer.encode_segments`): each turn's role header and the content up to its first vision block in
+    one piece, so a content that starts with a newline merges with the header's as the template's does.
     """
     if isinstance(meta.get("messages"), list):
         turns = meta["messages"]
@@ -259,14 +288,8 @@ def render_chat(meta: dict, tokenizer: ChatTokenizer, tokens_per_image: list[int
                          actual=f"keys {sorted(meta)}")
     split = (_PLACEHOLDERS if videos is not None else _IMAGE_ONLY).split
     videos = [] if videos is None else videos
-    pieces: list[np.ndarray] = []
-    masks: list[np.ndarray] = []
+    segments: list[tuple] = []  # (text or special ids, trained): encode_segments tokenizes as the template would
     images, clips = iter(tokens_per_image), iter(videos)
-
-    def add(ids, trained: bool):
-        ids = np.asarray(ids, dtype=np.int64)
-        pieces.append(ids)
-        masks.append(np.full(ids.shape, trained, dtype=np.float32))
 
     def add_content(text: str, trained: bool):
         for part in split(text):
@@ -274,31 +297,33 @@ def render_chat(meta: dict, tokenizer: ChatTokenizer, tokens_per_image: list[int
                 n = next(images, None)
                 if n is None:
                     raise _placeholder_mismatch(meta, tokens_per_image, videos, sample)
-                add([tokenizer.vision_start_token_id, *([tokenizer.image_token_id] * n), tokenizer.vision_end_token_id],
-                    False)
+                segments.append(([tokenizer.vision_start_token_id, *([tokenizer.image_token_id] * n),
+                                  tokenizer.vision_end_token_id], False))
             elif part == VIDEO_PLACEHOLDER:
                 block = next(clips, None)
                 if block is None:
                     raise _placeholder_mismatch(meta, tokens_per_image, videos, sample)
-                add(block, False)
-            elif part:
-                add(tokenizer.encode(part), trained)
+                segments.append((block, False))
+            else:
+                segments.append((part, trained))
 
     if turns is None:
         add_content(meta["text"], True)
     else:
+        if system is not None and not (turns and isinstance(turns[0], dict) and turns[0].get("role") == "system"):
+            segments += [([tokenizer.im_start_id], False), (f"system\n{system}", False),
+                         ([tokenizer.im_end_id], False), ("\n", False)]
         for i, turn in enumerate(turns):
             if not isinstance(turn, dict) or not isinstance(turn.get("content"), str) or not isinstance(turn.get("role"), str):
                 raise MediaError(MediaProblem.BAD_TEXT, sample=sample, field=f"json.messages[{i}]",
                                  expected="{'role': str, 'content': str}", actual=repr(turn)[:80])
             reply = turn["role"] == "assistant"
-            add([tokenizer.im_start_id, *tokenizer.encode(turn["role"] + "\n")], False)
+            segments += [([tokenizer.im_start_id], False), (turn["role"] + "\n", False)]
             add_content(turn["content"], reply)
-            add([tokenizer.im_end_id], reply)
-            add(tokenizer.encode("\n"), False)
+            segments += [([tokenizer.im_end_id], reply), ("\n", False)]
     if next(images, None) is not None or next(clips, None) is not None:
         raise _placeholder_mismatch(meta, tokens_per_image, videos, sample)
-    return np.concatenate(pieces), np.concatenate(masks)
+    return encode_segments(tokenizer, segments)
 
 
 def _placeholder_mismatch(meta: dict, tokens_per_image: list[int], videos: list, sample) -> MediaError:
@@ -395,7 +420,16 @@ class VLMSampleTransform:
     limits: DecodeLimits = DEFAULT_LIMITS
     """Caps checked before decoding or stacking: an image's pixels, a video's frames and its pixels over all frames
     (:class:`~prealign.loaders.sources.tar_decode.DecodeLimits`)."""
+    default_system: bool = True
+    """Write the family's default system turn before a conversation that has none, as its chat template does
+    (Qwen2-VL / Qwen2.5-VL: ``"You are a helpful assistant."``; :attr:`VisionFamily.default_system`). ``False``:
+    the messages as given. Without ``model_config`` there is no family and no default."""
     family: VisionFamily | None = field(init=False, repr=False, compare=False, default=None)
+
+    @property
+    def system_prompt(self) -> str | None:
+        """The system turn :func:`render_chat` writes when the messages have none (``None``: nothing)."""
+        return self.family.default_system if self.default_system and self.family is not None else None
 
     def __post_init__(self):
         for name in ("log_prob_dtype", "pixel_dtype"):
@@ -407,6 +441,9 @@ class VLMSampleTransform:
             object.__setattr__(self, "tokenizer", HFChatTokenizer(self.processor.tokenizer))
         if self.model_config is not None:
             object.__setattr__(self, "family", vision_family(self.model_config))
+            if self.family.transform is not None:
+                raise ConfigError(f"VLMSampleTransform: {self.family.model_type} samples have their own transform: "
+                                  f"{self.family.transform}")
 
     @property
     def image_processor(self):
@@ -518,7 +555,8 @@ class VLMSampleTransform:
                                    "topk": self.topk, "log_prob_dtype": self.log_prob_dtype,
                                    "pixel_dtype": self.pixel_dtype, "mrope": self.mrope, "family": repr(self.family),
                                    "images": repr(VisionGeometry.of(self.image_processor)), "videos": video,
-                                   "text_key": self.text_key}}, sort_keys=True, default=str)
+                                   "text_key": self.text_key, "system": self.system_prompt}},
+                          sort_keys=True, default=str)
 
     def video_ids(self, grid: tuple[int, int, int], frames: int, fps: float) -> np.ndarray:
         """int64 ids of one video as the family's processor and chat template write it: ``<|vision_start|>``,
@@ -560,6 +598,7 @@ class VLMSampleTransform:
                                         dtype=torch.float32).reshape(-1)
         else:
             ids, mask = render_chat(meta, self.tokenizer, vision.tokens_per_image(grid).tolist(), sample=key,
+                                    system=self.system_prompt,
                                     videos=None if videos is None else videos["ids"])
             input_ids, loss_mask = torch.from_numpy(ids), torch.from_numpy(mask)
         video_fields = {} if videos is None else {k: v for k, v in videos.items() if k != "ids"}
@@ -681,7 +720,8 @@ def image_members(raw: dict, meta: dict, key) -> list[tuple[str, Any]]:
     """(name, value) of the sample's images, in placeholder order.
 
     ``meta["images"]`` (member names) fixes the order and makes a missing member an error;
-    otherwise members named ``jpg``/``png`` or ``<i>.jpg``/``<i>.png`` are taken by index ``i``.
+    otherwise members named ``jpg``/``png`` or ``<i>.jpg``/``<i>.png`` are taken by index ``i``, except those
+    ``meta["videos"]`` names as frames.
     An HF row's ``images`` column (a list of images) is taken as given.
     """
     if _is_image_list(raw.get("images")):
@@ -694,12 +734,24 @@ def image_members(raw: dict, meta: dict, key) -> list[tuple[str, Any]]:
                              expected=f"image members {declared}",
                              actual=f"members {sorted(k for k in raw if not k.startswith('__'))}")
         return [(n, raw[n]) for n in declared]
+    frames = _frame_names(meta)
     found = []
     for name in raw:
         m = _MEMBER.match(name)
-        if m:
+        if m and name not in frames:
             found.append((int(m.group(1) or 0), name))
     return [(name, raw[name]) for _, name in sorted(found)]
+
+
+def _frame_names(meta: dict) -> set:
+    """The member names ``meta["videos"]`` lists as frames (never images by the implicit rule)."""
+    videos = meta.get("videos")
+    names = set()
+    for video in videos if isinstance(videos, list) else ():
+        frames = video.get("frames") if isinstance(video, dict) else None
+        if isinstance(frames, list):
+            names.update(f for f in frames if isinstance(f, str))
+    return names
 
 
 def video_members(raw: dict, meta: dict, key, *, default_fps: float = 2.0,
