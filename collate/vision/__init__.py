@@ -15,13 +15,14 @@ from prealign.schemas.errors import ConfigError
 
 from .family import VisionFamily, has_linear_attention
 from .grids import VisionGeometry, image_grid, video_grid
+from .internvl import InternVL
 from .positions import IMAGE, TEXT, VIDEO, rope_positions
 from .qwen2_5_vl import Qwen2_5VL
 from .qwen2_vl import Qwen2VL
 from .qwen3_5 import Qwen3_5
 from .qwen3_vl import Qwen3VL, frame_timestamps
 
-FAMILIES: tuple[type[VisionFamily], ...] = (Qwen2VL, Qwen2_5VL, Qwen3VL, Qwen3_5)
+FAMILIES: tuple[type[VisionFamily], ...] = (Qwen2VL, Qwen2_5VL, Qwen3VL, Qwen3_5, InternVL)
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(t for f in FAMILIES for t in f.model_types)
 
 
@@ -41,5 +42,5 @@ def vision_family(model_config: Any) -> VisionFamily:
 
 
 __all__ = ["VisionFamily", "has_linear_attention", "VisionGeometry", "vision_family", "FAMILIES", "SUPPORTED_MODEL_TYPES", "Qwen2VL",
-           "Qwen2_5VL", "Qwen3VL", "Qwen3_5", "image_grid", "video_grid", "rope_positions", "frame_timestamps",
+           "Qwen2_5VL", "Qwen3VL", "Qwen3_5", "InternVL", "image_grid", "video_grid", "rope_positions", "frame_timestamps",
            "TEXT", "IMAGE", "VIDEO"]

@@ -401,12 +401,15 @@ class VLMSampleTransform:
         for name in ("log_prob_dtype", "pixel_dtype"):
             if getattr(self, name) not in ("float32", "bfloat16"):
                 raise ConfigError(f"VLMSampleTransform.{name}: expected 'float32' or 'bfloat16', got {getattr(self, name)!r}")
+        if self.model_config is not None:
+            object.__setattr__(self, "family", vision_family(self.model_config))
         if self.tokenizer is None:
             if getattr(self.processor, "tokenizer", None) is None:
                 raise ConfigError("VLMSampleTransform: give tokenizer= or a processor= that has a tokenizer")
-            object.__setattr__(self, "tokenizer", HFChatTokenizer(self.processor.tokenizer))
-        if self.model_config is not None:
-            object.__setattr__(self, "family", vision_family(self.model_config))
+            wrap = HFChatTokenizer
+            if self.tiled:  # InternVL's own token names
+                from prealign.loaders.media.internvl import internvl_chat_tokenizer as wrap
+            object.__setattr__(self, "tokenizer", wrap(self.processor.tokenizer))
 
     @property
     def image_processor(self):
@@ -414,6 +417,10 @@ class VLMSampleTransform:
         family's patch / merge / temporal sizes and ``processor_options`` (cached per process)."""
         if self.processor is not None:
             return getattr(self.processor, "image_processor", self.processor)
+        if self.tiled:
+            from prealign.loaders.media.internvl import internvl_image_processor
+
+            return internvl_image_processor(self.family, **self.processor_options)
         options = dict(self.processor_options)
         if self.family is not None:
             for name, value in (("patch_size", self.family.patch_size), ("merge_size", self.family.spatial_merge_size),
@@ -467,9 +474,32 @@ class VLMSampleTransform:
         return self.family
 
     @property
+    def tiled(self) -> bool:
+        """Whether the family cuts images into tiles (InternVL, :mod:`prealign.loaders.media.internvl`) rather than
+        Qwen-style patch grids."""
+        return getattr(self.family, "model_type", None) == "internvl"
+
+    def header_image_tokens(self, width: int, height: int, *, sample, field: str) -> int:
+        """Image tokens of one image from its size alone (its header): what :meth:`__call__` writes between the
+        image's start and end tokens. Qwen families: ``t*gh*gw / merge**2`` of its grid; InternVL: 256 per tile."""
+        try:
+            if self.tiled:
+                from prealign.loaders.media.internvl import tiling_family
+
+                return tiling_family(self.family, self.image_processor).image_tokens(height, width, sample=sample,
+                                                                                      field=field)
+            t, gh, gw = image_grid(height, width, VisionGeometry.of(self.image_processor), sample=sample, field=field)
+        except SampleError as exc:
+            raise MediaError(MediaProblem.CORRUPT_IMAGE, sample=sample, field=field, expected=exc.expected,
+                             actual=exc.actual) from None
+        return t * gh * gw // self.spatial_merge_size ** 2
+
+    @property
     def spatial_merge_size(self) -> int:
         """Patches merged per side (one vision token per ``merge**2`` patches): the family's, else the image
         processor's; handed on to ``MRoPECollator`` and ``validate_vlm_batch``."""
+        if self.tiled:
+            return self.family.spatial_merge_size
         merge = int(self.image_processor.merge_size)
         if self.family is not None and self.family.spatial_merge_size != merge:
             raise ConfigError(f"VLMSampleTransform: the image processor merges {merge} patches per side but the "
@@ -489,7 +519,11 @@ class VLMSampleTransform:
                               "processor's is used")
         tokens = dataclasses.replace(self.tokenizer.vision, spatial_merge_size=merge)
         fam = self.family
-        if fam is not None:
+        if fam is not None and self.tiled:  # <img>, </img> are the tokenizer's alone
+            from prealign.loaders.media.internvl import check_tokenizer
+
+            check_tokenizer(self.tokenizer, fam)
+        elif fam is not None:
             ours = (fam.image_token_id, fam.vision_start_token_id, fam.vision_end_token_id)
             theirs = (tokens.image_token_id, tokens.vision_start_token_id, tokens.vision_end_token_id)
             video = getattr(self.tokenizer, "video_token_id", None)
@@ -507,7 +541,9 @@ class VLMSampleTransform:
         tok = self.tokenizer
         probe = np.asarray(tok.encode("prealign probe: <image> <video> Hello, world!")).tolist()
         video = None
-        if self.family is not None:
+        if self.tiled:
+            video = {"frames": "one tile each"}
+        elif self.family is not None:
             video = {"geometry": repr(self.video_geometry), "fps": self.video_fps}
             if self.family.volume_resize:  # grids and the video text follow the installed transformers' rules
                 import transformers
@@ -517,8 +553,15 @@ class VLMSampleTransform:
                                    "vocab_size": int(tok.vocab_size), "vision": repr(self.vision), "probe": probe,
                                    "topk": self.topk, "log_prob_dtype": self.log_prob_dtype,
                                    "pixel_dtype": self.pixel_dtype, "mrope": self.mrope, "family": repr(self.family),
-                                   "images": repr(VisionGeometry.of(self.image_processor)), "videos": video,
+                                   "images": self._image_key(), "videos": video,
                                    "text_key": self.text_key}}, sort_keys=True, default=str)
+
+    def _image_key(self) -> str:
+        if self.tiled:
+            from prealign.loaders.media.internvl import tiling_family
+
+            return repr(tiling_family(self.family, self.image_processor))
+        return repr(VisionGeometry.of(self.image_processor))
 
     def video_ids(self, grid: tuple[int, int, int], frames: int, fps: float) -> np.ndarray:
         """int64 ids of one video as the family's processor and chat template write it: ``<|vision_start|>``,
@@ -543,6 +586,10 @@ class VLMSampleTransform:
         """The output with ``pixel_codes`` uint8 ``[sum t*h*w, 3, p, p]`` (:func:`image_codes`) in place
         of ``pixel_values`` where the fast path applies: what :class:`~prealign.loaders.handoff.media_share.
         SharedMediaTransform` publishes (1/8 of the bytes). :meth:`expand` finishes it."""
+        if self.tiled:
+            from prealign.loaders.media.internvl import internvl_compact
+
+            return internvl_compact(self, raw)
         key = raw.get("__key__", "?")
         meta = sample_metadata(raw, self.text_key, key)
         images = [decode_image(v, sample=key, name=n, limits=self.limits) for n, v in image_members(raw, meta, key)]
@@ -614,6 +661,11 @@ class VLMSampleTransform:
         from image headers): what :meth:`__call__` writes, without decoding a pixel. ``None`` without a family."""
         if self.family is None:
             return None
+        if self.tiled:
+            from prealign.loaders.media.internvl import video_ids
+
+            return [video_ids(self.tokenizer, self.family, len(frames)) for _, frames, _ in
+                    video_members(raw, meta, key, default_fps=self.video_fps, limits=self.limits)]
         geometry = self.video_geometry
         out = []
         for name, frames, fps in video_members(raw, meta, key, default_fps=self.video_fps, limits=self.limits):
