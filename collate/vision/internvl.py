@@ -115,6 +115,22 @@ class InternVL(VisionFamily):
         """``<IMG_CONTEXT>`` tokens of one image (``image_seq_length`` per tile; ``<img>``, ``</img>`` not counted)."""
         return self.image_seq_length * self.tiles(height, width, sample=sample, field=field)
 
+    def batch_schema(self, *, pad_token_id: int = 0, topk: int | str | None = None, vocab_size: int | None = None,
+                     pixel_dtypes: tuple[str, ...] = ("float32", "bfloat16")):
+        """The batch an InternVL transform's samples collate to: the token fields (no ``mrope_position_ids``: 1-D
+        ``position_ids``), ``mm_token_type_ids`` (0 text, 1 image), ``pixel_values`` ``[tiles, 3, s, s]`` and
+        ``image_num_patches`` int64 ``[blocks]`` (MEDIA), teacher top-k when ``topk`` is given."""
+        from prealign.schemas.schema import BatchSchema, FieldSpec, Role, core_token_fields, topk_fields
+
+        fields = (*core_token_fields(pad_token_id, -100, vocab_size),
+                  FieldSpec(name="mm_token_type_ids", dtypes=("int64", "int32"), pad_value=0, min_value=0, max_value=1),
+                  FieldSpec(name="pixel_values", role=Role.MEDIA, dtypes=pixel_dtypes,
+                            dense_shape=(3, self.tile_size, self.tile_size)),
+                  FieldSpec(name="image_num_patches", role=Role.MEDIA, dtypes=("int64",)))
+        if topk is not None:
+            fields += topk_fields(topk, vocab_size)
+        return BatchSchema(name="internvl" if topk is None else "internvl_topk", fields=fields)
+
     def frame_text(self, index: int) -> str:
         """The text before frame ``index`` (from 0) of a video, as the InternVL processor writes it."""
         return f"Frame{index + 1}: "

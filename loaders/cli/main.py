@@ -89,8 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--samples", type=int, default=240, help="samples to generate (3 of them broken) [%(default)s]")
     demo.add_argument("--topk", type=int, default=8, help="teacher top-k K [%(default)s]")
     demo.add_argument("--keep", metavar="DIR", help="write the shards to DIR and keep them (default: a temp dir)")
-    demo.add_argument("--model", choices=("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5"),
-                      help="build that Qwen family's samples, with short videos (default: Qwen2-VL images only)")
+    demo.add_argument("--model", choices=("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "internvl"),
+                      help="build that family's samples, with short videos (default: Qwen2-VL images only)")
     _add_common(demo, budget=4096)
     demo.set_defaults(func=cmd_demo)
 
@@ -150,6 +150,8 @@ def cmd_demo(args) -> int:
                                        video_processor_config=None if config is None else {})
         source = WebDatasetSource(list(ds.shards), transform=transform, image="bytes")
         schema = vlm_schema(topk=args.topk, vocab_size=ds.vocab_size)
+        if transform.tiled:  # InternVL: 1-D positions, tiles (the family's own batch)
+            schema = transform.family.batch_schema(topk=args.topk, vocab_size=ds.vocab_size)
         title = (f"{args.samples} samples ({len(ds.bad)} broken on purpose) in {len(ds.shards)} webdataset shards, "
                  f"vlm_schema(topk={args.topk})")
         return _run(args, layout, source, schema, title=title)
@@ -224,13 +226,15 @@ def _run(args, layout: ParallelLayout, source, schema, *, title: str) -> int:
     from prealign.loaders.cli.plot import draw_packed_layout
     from prealign.loaders.cli.report import format_shapes, format_table, totals
     from prealign.loaders.plan.planner import PlannerConfig
+    from prealign.schemas.validate import validate_batch
     from prealign.schemas.vlm import validate_vlm_batch
 
     res = inspect_source(source, schema=schema, layout=layout, token_budget=args.token_budget,
                          planner=PlannerConfig(oversize=getattr(args, "oversize", "error")),
                          num_workers=args.workers, seed=args.seed, defer_cp_shard=args.defer_cp_shard,
                          limit=getattr(args, "limit", None),
-                         validate=lambda b: validate_vlm_batch(b, schema, layout, raise_on_error=False))
+                         validate=lambda b: validate_vlm_batch(b, schema, layout, raise_on_error=False)
+                         if "mrope_position_ids" in schema else validate_batch(b, schema, layout, raise_on_error=False))
     tot = totals(res.stats)
     mode = "whole batch + cp_gather_index (deferred CP shard)" if args.defer_cp_shard else "CP-sharded (zigzag)"
     pad = 100.0 * (tot["padded_tokens"] - tot["real_tokens"]) / max(tot["padded_tokens"], 1)

@@ -90,78 +90,38 @@ def video_ids(tokenizer, family: InternVL, frames: int) -> np.ndarray:
     return np.concatenate(parts).astype(np.int64)
 
 
-def image_tiles(images: list, processor, *, sample) -> tuple[torch.Tensor, list[int]]:
-    """RGB PIL images -> (``pixel_values`` float32 ``[tiles, 3, s, s]``, tiles per image), the processor run as is."""
-    from prealign.loaders.media.vlm import MediaError, MediaProblem
-
+def image_tiles(images: list, processor) -> tuple[torch.Tensor, list[int]]:
+    """RGB PIL images -> (``pixel_values`` float32 ``[tiles, 3, s, s]``, tiles per image), the processor run as is
+    (its ``ValueError`` on an image it refuses passes through)."""
     if not images:
         s = int(processor.size["height"] if isinstance(processor.size, dict) else processor.size.height)
         return torch.zeros(0, 3, s, s), []
-    try:
-        out = processor(images=images, return_tensors="pt")
-    except ValueError as exc:
-        raise MediaError(MediaProblem.CORRUPT_IMAGE, sample=sample, field="images",
-                         expected="images the InternVL image processor accepts", actual=str(exc)) from None
+    out = processor(images=images, return_tensors="pt")
     return out["pixel_values"].to(torch.float32), [int(n) for n in out["num_patches"]]
 
 
-def internvl_compact(t, raw: dict) -> dict:
-    """The sample of an InternVL :class:`~prealign.loaders.media.vlm.VLMSampleTransform` ``t`` (module docstring)."""
-    from prealign.loaders.media.teacher_topk import teacher_topk
-    from prealign.loaders.media.vlm import (
-        MediaError,
-        MediaProblem,
-        decode_image,
-        image_members,
-        render_chat,
-        sample_metadata,
-        video_members,
-    )
+def frame_tiles(frames: list, processor) -> torch.Tensor:
+    """A video's RGB PIL frames -> float32 ``[frames, 3, s, s]``: each resized to one tile (no crop)."""
+    return processor(images=frames, crop_to_patches=False, return_tensors="pt")["pixel_values"].to(torch.float32)
 
-    key = raw.get("__key__", "?")
-    fam, tok = t.family, t.tokenizer
-    check_tokenizer(tok, fam)
-    meta = sample_metadata(raw, t.text_key, key)
-    images = [decode_image(v, sample=key, name=n, limits=t.limits) for n, v in image_members(raw, meta, key)]
-    processor = t.image_processor
-    pixels, tiles = image_tiles(images, processor, sample=key)
-    clips, clip_ids = [], []
-    for name, frames, _fps in video_members(raw, meta, key, default_fps=t.video_fps, limits=t.limits):
-        decoded = [decode_image(v, sample=key, name=n, limits=t.limits) for n, v in frames]
-        out = processor(images=decoded, crop_to_patches=False, return_tensors="pt")
-        clips.append(out["pixel_values"].to(torch.float32))
-        clip_ids.append(video_ids(tok, fam, len(decoded)))
-    ids, mask = render_chat(meta, tok, [n * fam.image_seq_length for n in tiles], sample=key, videos=clip_ids)
-    order = media_order(meta)
-    if order.count("image") != len(tiles) or order.count("video") != len(clips):
-        raise MediaError(MediaProblem.PLACEHOLDER_MISMATCH, sample=key, field="json",
-                         expected=f"{len(tiles)} '<image>' and {len(clips)} '<video>' placeholders",
-                         actual=f"{order.count('image')} and {order.count('video')}")
-    image_starts = np.concatenate(([0], np.cumsum(tiles))).astype(int)
-    blocks, counts, i, v = [], [], 0, 0
-    for kind in order:  # tiles in the order the text names them, as InternVLProcessor concatenates them
+
+def arrange_tiles(order: list[str], pixels: torch.Tensor, tiles: list[int], clips: list[torch.Tensor]
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Images' and videos' tiles in the order the text names them (``order`` from :func:`media_order`), as
+    ``InternVLProcessor`` concatenates them -> (``pixel_values`` ``[tiles, 3, s, s]``, int64 tiles per ``<img>``
+    block: an image's tiles, 1 per video frame)."""
+    starts = np.concatenate(([0], np.cumsum(tiles))).astype(int)
+    blocks, counts, images, videos = [], [], iter(range(len(tiles))), iter(clips)
+    for kind in order:
         if kind == "image":
-            blocks.append(pixels[image_starts[i]:image_starts[i + 1]])
+            i = next(images)
+            blocks.append(pixels[starts[i]:starts[i + 1]])
             counts.append(tiles[i])
-            i += 1
         else:
-            blocks.append(clips[v])
-            counts += [1] * clips[v].shape[0]
-            v += 1
-    input_ids = torch.from_numpy(ids)
-    types = (input_ids == fam.image_token_id).to(torch.int64)
-    want = fam.image_seq_length * sum(counts)
-    if int(types.sum()) != want:
-        raise MediaError(MediaProblem.VISION_TOKEN_MISMATCH, sample=key, field="input_ids",
-                         expected=f"{want} <IMG_CONTEXT> tokens ({fam.image_seq_length} per tile)",
-                         actual=f"{int(types.sum())}")
-    out = {"__key__": key, "input_ids": input_ids, "loss_mask": torch.from_numpy(mask), "mm_token_type_ids": types,
-           "pixel_values": (torch.cat(blocks) if blocks else pixels).to(getattr(torch, t.pixel_dtype)),
-           "image_num_patches": torch.tensor(counts, dtype=torch.int64)}
-    if t.topk is not None:
-        out.update(teacher_topk(raw, sample=key, length=input_ids.numel(), topk=t.topk,
-                                vocab_size=tok.vocab_size, log_prob_dtype=getattr(torch, t.log_prob_dtype)))
-    return out
+            clip = next(videos)
+            blocks.append(clip)
+            counts += [1] * clip.shape[0]
+    return (torch.cat(blocks) if blocks else pixels), torch.tensor(counts, dtype=torch.int64)
 
 
 def check_tokenizer(tokenizer, family: InternVL) -> None:

@@ -44,6 +44,7 @@ import torch
 
 from prealign.collate.vision import VisionFamily, VisionGeometry, image_grid, rope_positions, vision_family
 from prealign.loaders.errors import BadSampleError
+from prealign.loaders.media import internvl
 from prealign.loaders.media.chat_tokenizer import ChatTokenizer, HFChatTokenizer
 from prealign.loaders.media.teacher_topk import teacher_topk
 from prealign.loaders.media.video import normalize_patches, normalize_table, video_patches
@@ -406,9 +407,7 @@ class VLMSampleTransform:
         if self.tokenizer is None:
             if getattr(self.processor, "tokenizer", None) is None:
                 raise ConfigError("VLMSampleTransform: give tokenizer= or a processor= that has a tokenizer")
-            wrap = HFChatTokenizer
-            if self.tiled:  # InternVL's own token names
-                from prealign.loaders.media.internvl import internvl_chat_tokenizer as wrap
+            wrap = internvl.internvl_chat_tokenizer if self.tiled else HFChatTokenizer  # InternVL's own names
             object.__setattr__(self, "tokenizer", wrap(self.processor.tokenizer))
 
     @property
@@ -418,9 +417,7 @@ class VLMSampleTransform:
         if self.processor is not None:
             return getattr(self.processor, "image_processor", self.processor)
         if self.tiled:
-            from prealign.loaders.media.internvl import internvl_image_processor
-
-            return internvl_image_processor(self.family, **self.processor_options)
+            return internvl.internvl_image_processor(self.family, **self.processor_options)
         options = dict(self.processor_options)
         if self.family is not None:
             for name, value in (("patch_size", self.family.patch_size), ("merge_size", self.family.spatial_merge_size),
@@ -484,9 +481,7 @@ class VLMSampleTransform:
         image's start and end tokens. Qwen families: ``t*gh*gw / merge**2`` of its grid; InternVL: 256 per tile."""
         try:
             if self.tiled:
-                from prealign.loaders.media.internvl import tiling_family
-
-                return tiling_family(self.family, self.image_processor).image_tokens(height, width, sample=sample,
+                return internvl.tiling_family(self.family, self.image_processor).image_tokens(height, width, sample=sample,
                                                                                       field=field)
             t, gh, gw = image_grid(height, width, VisionGeometry.of(self.image_processor), sample=sample, field=field)
         except SampleError as exc:
@@ -520,9 +515,7 @@ class VLMSampleTransform:
         tokens = dataclasses.replace(self.tokenizer.vision, spatial_merge_size=merge)
         fam = self.family
         if fam is not None and self.tiled:  # <img>, </img> are the tokenizer's alone
-            from prealign.loaders.media.internvl import check_tokenizer
-
-            check_tokenizer(self.tokenizer, fam)
+            internvl.check_tokenizer(self.tokenizer, fam)
         elif fam is not None:
             ours = (fam.image_token_id, fam.vision_start_token_id, fam.vision_end_token_id)
             theirs = (tokens.image_token_id, tokens.vision_start_token_id, tokens.vision_end_token_id)
@@ -558,9 +551,7 @@ class VLMSampleTransform:
 
     def _image_key(self) -> str:
         if self.tiled:
-            from prealign.loaders.media.internvl import tiling_family
-
-            return repr(tiling_family(self.family, self.image_processor))
+            return repr(internvl.tiling_family(self.family, self.image_processor))
         return repr(VisionGeometry.of(self.image_processor))
 
     def video_ids(self, grid: tuple[int, int, int], frames: int, fps: float) -> np.ndarray:
@@ -587,9 +578,7 @@ class VLMSampleTransform:
         of ``pixel_values`` where the fast path applies: what :class:`~prealign.loaders.handoff.media_share.
         SharedMediaTransform` publishes (1/8 of the bytes). :meth:`expand` finishes it."""
         if self.tiled:
-            from prealign.loaders.media.internvl import internvl_compact
-
-            return internvl_compact(self, raw)
+            return self._compact_tiled(raw)
         key = raw.get("__key__", "?")
         meta = sample_metadata(raw, self.text_key, key)
         images = [decode_image(v, sample=key, name=n, limits=self.limits) for n, v in image_members(raw, meta, key)]
@@ -634,6 +623,36 @@ class VLMSampleTransform:
                                     log_prob_dtype=getattr(torch, self.log_prob_dtype)))
         return out
 
+    def _compact_tiled(self, raw: dict) -> dict:
+        """An InternVL sample (:mod:`prealign.loaders.media.internvl`): tiles, ``<img>`` blocks, ``Frame{i}:`` videos."""
+        key, fam, tok = raw.get("__key__", "?"), self.family, self.tokenizer
+        internvl.check_tokenizer(tok, fam)
+        meta = sample_metadata(raw, self.text_key, key)
+        images = [decode_image(v, sample=key, name=n, limits=self.limits) for n, v in image_members(raw, meta, key)]
+        try:
+            pixels, tiles = internvl.image_tiles(images, self.image_processor)
+        except ValueError as exc:
+            raise MediaError(MediaProblem.CORRUPT_IMAGE, sample=key, field="images",
+                             expected="images the InternVL image processor accepts", actual=str(exc)) from None
+        clips = [internvl.frame_tiles([decode_image(v, sample=key, name=n, limits=self.limits) for n, v in frames],
+                                      self.image_processor)
+                 for _, frames, _ in video_members(raw, meta, key, default_fps=self.video_fps, limits=self.limits)]
+        ids, mask = render_chat(meta, tok, [n * fam.image_seq_length for n in tiles], sample=key,
+                                videos=[internvl.video_ids(tok, fam, c.shape[0]) for c in clips])
+        pixel_values, counts = internvl.arrange_tiles(internvl.media_order(meta), pixels, tiles, clips)
+        input_ids = torch.from_numpy(ids)
+        types = (input_ids == fam.image_token_id).to(torch.int64)
+        if int(types.sum()) != fam.image_seq_length * int(counts.sum()):
+            raise MediaError(MediaProblem.VISION_TOKEN_MISMATCH, sample=key, field="input_ids",
+                             expected=f"{fam.image_seq_length * int(counts.sum())} image tokens "
+                                      f"({fam.image_seq_length} per tile)", actual=f"{int(types.sum())}")
+        out = {"__key__": key, "input_ids": input_ids, "loss_mask": torch.from_numpy(mask), "mm_token_type_ids": types,
+               "pixel_values": pixel_values.to(getattr(torch, self.pixel_dtype)), "image_num_patches": counts}
+        if self.topk is not None:
+            out.update(teacher_topk(raw, sample=key, length=input_ids.numel(), topk=self.topk,
+                                    vocab_size=tok.vocab_size, log_prob_dtype=getattr(torch, self.log_prob_dtype)))
+        return out
+
     def _videos(self, raw: dict, meta: dict, key) -> dict:
         """The sample's videos: ``pixel_values_videos`` float32, ``video_grid_thw`` int64 ``[n, 3]``,
         ``second_per_grid_ts`` float32 ``[n]`` and each video's ids (``ids``)."""
@@ -662,9 +681,7 @@ class VLMSampleTransform:
         if self.family is None:
             return None
         if self.tiled:
-            from prealign.loaders.media.internvl import video_ids
-
-            return [video_ids(self.tokenizer, self.family, len(frames)) for _, frames, _ in
+            return [internvl.video_ids(self.tokenizer, self.family, len(frames)) for _, frames, _ in
                     video_members(raw, meta, key, default_fps=self.video_fps, limits=self.limits)]
         geometry = self.video_geometry
         out = []

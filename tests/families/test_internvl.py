@@ -18,7 +18,6 @@ from prealign.collate.vision import InternVL, vision_family
 from prealign.collate.vision.internvl import tile_arrangements, tile_canvas
 from prealign.loaders.media.vlm import VLMSampleTransform
 from prealign.schemas import ConfigError, ParallelLayout
-from prealign.schemas.schema import BatchSchema, FieldSpec, Role, core_token_fields
 from tests.conftest import examples
 from tests.consumers.models import CORRUPT, real_slots
 from tests.families import internvl_reference as ref
@@ -27,14 +26,11 @@ transformers = pytest.importorskip("transformers")
 TOL = 1e-6
 
 
-def schema(tile: int) -> BatchSchema:
+def schema(tile: int):
     """InternVL's batch: the token fields, ``mm_token_type_ids``, tiles ``[n, 3, tile, tile]`` and tiles per block."""
     tok = ref.hf_tokenizer()
-    return BatchSchema(name="internvl", fields=(
-        *core_token_fields(tok.pad_token_id, -100, len(tok)),
-        FieldSpec(name="mm_token_type_ids", dtypes=("int64",), pad_value=0, min_value=0, max_value=1),
-        FieldSpec(name="pixel_values", role=Role.MEDIA, dtypes=("float32",), dense_shape=(3, tile, tile)),
-        FieldSpec(name="image_num_patches", role=Role.MEDIA, dtypes=("int64",))))
+    fam = vision_family(transformers.InternVLConfig(vision_config={"image_size": [tile, tile]}))
+    return fam.batch_schema(pad_token_id=tok.pad_token_id, vocab_size=len(tok), pixel_dtypes=("float32",))
 
 
 def png(rng: np.random.Generator, w: int, h: int) -> bytes:
