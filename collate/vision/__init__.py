@@ -14,6 +14,7 @@ from typing import Any
 from prealign.schemas.errors import ConfigError
 
 from .family import VisionFamily, has_linear_attention
+from .glm4v import Glm4V
 from .grids import VisionGeometry, image_grid, video_grid
 from .internvl import InternVL
 from .positions import IMAGE, TEXT, VIDEO, rope_positions
@@ -22,7 +23,7 @@ from .qwen2_vl import Qwen2VL
 from .qwen3_5 import Qwen3_5
 from .qwen3_vl import Qwen3VL, frame_timestamps
 
-FAMILIES: tuple[type[VisionFamily], ...] = (Qwen2VL, Qwen2_5VL, Qwen3VL, Qwen3_5, InternVL)
+FAMILIES: tuple[type[VisionFamily], ...] = (Qwen2VL, Qwen2_5VL, Qwen3VL, Qwen3_5, InternVL, Glm4V)
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(t for f in FAMILIES for t in f.model_types)
 
 
@@ -42,5 +43,5 @@ def vision_family(model_config: Any) -> VisionFamily:
 
 
 __all__ = ["VisionFamily", "has_linear_attention", "VisionGeometry", "vision_family", "FAMILIES", "SUPPORTED_MODEL_TYPES", "Qwen2VL",
-           "Qwen2_5VL", "Qwen3VL", "Qwen3_5", "InternVL", "image_grid", "video_grid", "rope_positions", "frame_timestamps",
+           "Qwen2_5VL", "Qwen3VL", "Qwen3_5", "InternVL", "Glm4V", "image_grid", "video_grid", "rope_positions", "frame_timestamps",
            "TEXT", "IMAGE", "VIDEO"]

@@ -44,7 +44,7 @@ import torch
 
 from prealign.collate.vision import VisionFamily, VisionGeometry, image_grid, rope_positions, vision_family
 from prealign.loaders.errors import BadSampleError
-from prealign.loaders.media import internvl
+from prealign.loaders.media import glm4v, internvl
 from prealign.loaders.media.chat_tokenizer import ChatTokenizer, HFChatTokenizer
 from prealign.loaders.media.teacher_topk import teacher_topk
 from prealign.loaders.media.video import normalize_patches, normalize_table, video_patches
@@ -325,9 +325,16 @@ def vision_types_and_mrope(input_ids: torch.Tensor, image_grid_thw: torch.Tensor
     types = (ids == vision.image_token_id).astype(np.int64) * IMAGE_TOKEN_TYPE
     runs, steps = np.zeros((0, 3), dtype=np.int64), None
     if family is not None:
-        types[ids == family.video_token_id] = VIDEO_TOKEN_TYPE
+        if hasattr(family, "token_types"):  # GLM-4.1V: video frames use the image token, typed by their context
+            types = family.token_types(ids)
+        else:
+            types[ids == family.video_token_id] = VIDEO_TOKEN_TYPE
         videos = np.zeros((0, 3), np.int64) if video_grid_thw is None else np.asarray(video_grid_thw).reshape(-1, 3)
         runs, steps = family.video_runs(videos), family.video_steps(videos, second_per_grid_ts)
+        if getattr(family, "one_media_kind", False) and grid.shape[0] and videos.shape[0]:
+            raise MediaError(MediaProblem.BAD_VIDEO, sample=sample, field="videos", actual=f"{grid.shape[0]} "
+                             f"image(s) and {videos.shape[0]} video(s)", expected=f"images or video, not both, in "
+                             f"a {family.model_type} sample (its forward counts video tokens as image tokens)")
     for kind, type_id, want in (("image", IMAGE_TOKEN_TYPE, grid), ("video", VIDEO_TOKEN_TYPE, runs)):
         edges = np.diff((types == type_id).astype(np.int8), prepend=np.int8(0), append=np.int8(0))
         got = np.flatnonzero(edges == -1) - np.flatnonzero(edges == 1)
@@ -408,7 +415,8 @@ class VLMSampleTransform:
             if getattr(self.processor, "tokenizer", None) is None:
                 raise ConfigError("VLMSampleTransform: give tokenizer= or a processor= that has a tokenizer")
             wrap = internvl.internvl_chat_tokenizer if self.tiled else HFChatTokenizer  # InternVL's own names
-            object.__setattr__(self, "tokenizer", wrap(self.processor.tokenizer))
+            names = glm4v.TOKEN_NAMES if getattr(self.family, "model_type", "").startswith("glm4v") else {}
+            object.__setattr__(self, "tokenizer", wrap(self.processor.tokenizer, **names))
 
     @property
     def image_processor(self):
@@ -418,6 +426,8 @@ class VLMSampleTransform:
             return getattr(self.processor, "image_processor", self.processor)
         if self.tiled:
             return internvl.internvl_image_processor(self.family, **self.processor_options)
+        if getattr(self.family, "model_type", "").startswith("glm4v"):
+            return glm4v.glm4v_image_processor(**self.processor_options)
         options = dict(self.processor_options)
         if self.family is not None:
             for name, value in (("patch_size", self.family.patch_size), ("merge_size", self.family.spatial_merge_size),
@@ -483,7 +493,8 @@ class VLMSampleTransform:
             if self.tiled:
                 return internvl.tiling_family(self.family, self.image_processor).image_tokens(height, width, sample=sample,
                                                                                       field=field)
-            t, gh, gw = image_grid(height, width, VisionGeometry.of(self.image_processor), sample=sample, field=field)
+            grid = image_grid if self.family is None else self.family.image_grid
+            t, gh, gw = grid(height, width, VisionGeometry.of(self.image_processor), sample=sample, field=field)
         except SampleError as exc:
             raise MediaError(MediaProblem.CORRUPT_IMAGE, sample=sample, field=field, expected=exc.expected,
                              actual=exc.actual) from None
@@ -560,6 +571,8 @@ class VLMSampleTransform:
         group's tokens inside their own start / end), then ``<|vision_end|>`` (Qwen3-VL / 3.5 with transformers
         < 5.10: without that outer pair, as the installed processor writes it; :meth:`VisionFamily.wraps_video`)."""
         fam = self._require_family("video")
+        if hasattr(fam, "video_ids"):  # GLM-4.1V: its own frame groups and timestamps
+            return fam.video_ids(self.tokenizer.encode, grid, frames, fps)
         t, gh, gw = grid
         per_group = gh * gw // fam.spatial_merge_size ** 2
         start, end, pad = fam.vision_start_token_id, fam.vision_end_token_id, fam.video_token_id
