@@ -17,13 +17,15 @@ from .family import VisionFamily, has_linear_attention
 from .glm4v import Glm4V
 from .grids import VisionGeometry, image_grid, video_grid
 from .internvl import InternVL
+from .llava_onevision import LlavaOneVision
 from .positions import IMAGE, TEXT, VIDEO, rope_positions
 from .qwen2_5_vl import Qwen2_5VL
 from .qwen2_vl import Qwen2VL
 from .qwen3_5 import Qwen3_5
 from .qwen3_vl import Qwen3VL, frame_timestamps
 
-FAMILIES: tuple[type[VisionFamily], ...] = (Qwen2VL, Qwen2_5VL, Qwen3VL, Qwen3_5, InternVL, Glm4V)
+FAMILIES: tuple[type[VisionFamily], ...] = (Qwen2VL, Qwen2_5VL, Qwen3VL, Qwen3_5, InternVL, Glm4V,
+                                            LlavaOneVision)
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(t for f in FAMILIES for t in f.model_types)
 
 
@@ -43,5 +45,6 @@ def vision_family(model_config: Any) -> VisionFamily:
 
 
 __all__ = ["VisionFamily", "has_linear_attention", "VisionGeometry", "vision_family", "FAMILIES", "SUPPORTED_MODEL_TYPES", "Qwen2VL",
-           "Qwen2_5VL", "Qwen3VL", "Qwen3_5", "InternVL", "Glm4V", "image_grid", "video_grid", "rope_positions", "frame_timestamps",
+           "Qwen2_5VL", "Qwen3VL", "Qwen3_5", "InternVL", "Glm4V", "LlavaOneVision",
+           "image_grid", "video_grid", "rope_positions", "frame_timestamps",
            "TEXT", "IMAGE", "VIDEO"]
