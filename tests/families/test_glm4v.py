@@ -73,6 +73,7 @@ media = st.one_of(
                                               st.sampled_from([1.0, 2.0, 3.0, 0.5])), min_size=1, max_size=2)))
 
 
+@pytest.mark.slow
 @given(media, words, words, st.integers(0, 2**31), st.sampled_from(["glm4v", "glm4v_moe"]))
 @examples(12)
 def test_ids_pixels_grids_types_and_positions_equal_transformers(case, question, reply, seed, model_type):

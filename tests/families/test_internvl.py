@@ -71,6 +71,7 @@ def raw_sample(key: str, sizes: list, question: str, reply: str, seed: int, vide
 words = st.text(alphabet=" abcdefgh?.\n", min_size=0, max_size=12)
 
 
+@pytest.mark.slow
 @given(st.lists(st.tuples(st.integers(8, 700), st.integers(8, 700)), max_size=2), st.sampled_from([1, 2, 6, 12]),
        words, words, st.integers(0, 2**31))
 @examples(12)
