@@ -16,6 +16,8 @@ from prealign.loaders.cli import preflight
 from prealign.loaders.cli.errors import UsageError, run_reporting
 from prealign.schemas.layout import ParallelLayout
 
+DEMO_BUDGET = 4096
+"""``prealign demo``'s default token budget (InternVL's: four times it)."""
 DEMO_MAX_SAMPLES = 100_000
 """The demo builds its data in a temp folder (about 6 KB a sample): beyond this, inspect your own data."""
 
@@ -91,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--keep", metavar="DIR", help="write the shards to DIR and keep them (default: a temp dir)")
     demo.add_argument("--model", choices=("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "internvl"),
                       help="build that family's samples, with short videos (default: Qwen2-VL images only)")
-    _add_common(demo, budget=4096)
+    _add_common(demo, budget=DEMO_BUDGET)
     demo.set_defaults(func=cmd_demo)
 
     insp = sub.add_parser("inspect", help="the same on your own webdataset shards or HF dataset",
@@ -134,6 +136,9 @@ def cmd_demo(args) -> int:
     from prealign.schemas.vlm import vlm_schema
 
     layout = _check_common(args)
+    if getattr(args, "model", None) == "internvl" and args.token_budget == DEMO_BUDGET:
+        args.token_budget = 4 * DEMO_BUDGET  # 448-px tiles, 256 tokens each: a 360-px image is up to 3,328 tokens
+        _note(f"--model internvl: token budget {args.token_budget} (InternVL's tiles; give --token-budget to choose)")
     preflight.check_int("--samples", args.samples, 1, high=DEMO_MAX_SAMPLES)
     preflight.check_int("--topk", args.topk, 1, high=ByteTokenizer().vocab_size)
     preflight.check_dir("--keep", args.keep)

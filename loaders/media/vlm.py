@@ -411,6 +411,9 @@ class VLMSampleTransform:
                 raise ConfigError(f"VLMSampleTransform.{name}: expected 'float32' or 'bfloat16', got {getattr(self, name)!r}")
         if self.model_config is not None:
             object.__setattr__(self, "family", vision_family(self.model_config))
+            if self.family.model_type == "llava_onevision":
+                raise ConfigError("VLMSampleTransform: LLaVA-OneVision has header-only token counts "
+                                  "(prealign.collate.vision.LlavaOneVision.image_tokens) but no sample transform yet")
         if self.tokenizer is None:
             if getattr(self.processor, "tokenizer", None) is None:
                 raise ConfigError("VLMSampleTransform: give tokenizer= or a processor= that has a tokenizer")

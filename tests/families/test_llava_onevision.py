@@ -97,3 +97,12 @@ def test_golden_counts():
     # 384x384: pinpoint 384x384, one tile, 27x27 features unpadded as is, 27 newlines
     assert fam.image_tokens(384, 384) == 729 + 27 * 27 + 27 and fam.tiles(384, 384) == 2
     assert fam.image_tokens(384, 384, images_in_sample=2) == 730
+
+
+def test_the_sample_transform_is_refused_until_it_exists():
+    from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
+    from prealign.loaders.media.vlm import VLMSampleTransform
+    from prealign.schemas import ConfigError
+
+    with pytest.raises(ConfigError, match="no sample transform yet"):
+        VLMSampleTransform(tokenizer=ByteTokenizer(), model_config=transformers.LlavaOnevisionConfig())
