@@ -13,7 +13,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from prealign.collate import THDCollator, unpack_thd, unshard_cp
+from prealign.collate import HFAttention, THDCollator, to_hf_kwargs, unpack_thd, unshard_cp
 from prealign.collate.vision import InternVL, vision_family
 from prealign.collate.vision.internvl import tile_arrangements, tile_canvas
 from prealign.loaders.media.vlm import VLMSampleTransform
@@ -180,8 +180,10 @@ def packed(samples: list[dict]) -> tuple[dict, dict]:
         back = unshard_cp([s[name] for s in shards], cu_seqlens_padded=whole["cu_seqlens_padded"])
         assert torch.equal(back, whole[name]), name
     assert all(torch.equal(s["pixel_values"], whole["pixel_values"]) for s in shards)  # media: never sharded
-    kwargs = {"input_ids": whole["input_ids"], "position_ids": whole["position_ids"], "use_cache": False,
-              "pixel_values": whole["pixel_values"].to(torch.float64)}
+    kwargs = to_hf_kwargs(whole, attention=HFAttention.POSITIONS, labels=False)
+    assert sorted(kwargs) == ["input_ids", "mm_token_type_ids", "pixel_values", "position_ids", "use_cache"]
+    kwargs.pop("mm_token_type_ids")  # (InternVL's forward takes none)
+    kwargs["pixel_values"] = kwargs["pixel_values"].to(torch.float64)
     return whole, kwargs
 
 
