@@ -170,6 +170,8 @@ def to_hf_kwargs(batch: dict, *, attention: HFAttention | str = HFAttention.VARL
     if labels:
         out["labels"] = hf_labels(batch, ignore_index=ignore_index)
     media = ("pixel_values", "image_grid_thw") if batch.get("image_grid_thw", torch.zeros(1)).shape[0] else ()
+    if "image_grid_thw" not in batch and batch.get("image_num_patches", torch.zeros(0)).shape[0]:
+        media = ("pixel_values",)  # InternVL: tiles [n, 3, s, s], no grids
     if batch.get("video_grid_thw", torch.zeros(0)).shape[0]:
         media += ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
     for name in (*media, "mm_token_type_ids"):  # a batch without images sends no empty pixel_values

@@ -36,6 +36,7 @@ from prealign.schemas.errors import ConfigError, SampleError
 
 from .vision import VisionFamily, rope_positions, vision_family
 from .vision.family import check_seconds
+from .vision.glm4v import check_media
 
 
 def mrope_position_ids(mm_token_type_ids: torch.Tensor, image_grid_thw: torch.Tensor, cu_seqlens: torch.Tensor,
@@ -154,6 +155,8 @@ class MRoPECollator:
         has = [self.field in s for s in batch]
         grids = [_field(s, i, "image_grid_thw").reshape(-1, 3) for i, s in enumerate(batch)]
         videos = [_optional(s, "video_grid_thw").reshape(-1, 3) for s in batch]
+        if getattr(self.family, "one_media_kind", False):  # GLM-4.1V: one forward takes images or video, not both
+            check_media(self.family, torch.cat(grids), torch.cat(videos))
         if all(has):
             _check_pixel_rows(batch, grids, videos)
             return _finite_pixels(self.collator(batch), batch)

@@ -16,14 +16,18 @@ from prealign.schemas.errors import ConfigError
 from .contract import model_contract
 from .family import VisionFamily, has_linear_attention, local_attention
 from .gemma3 import Gemma3
+from .glm4v import Glm4V
 from .grids import VisionGeometry, image_grid, video_grid
+from .internvl import InternVL
+from .llava_onevision import LlavaOneVision
 from .positions import IMAGE, TEXT, VIDEO, rope_positions
 from .qwen2_5_vl import Qwen2_5VL
 from .qwen2_vl import Qwen2VL
 from .qwen3_5 import Qwen3_5
 from .qwen3_vl import Qwen3VL, frame_timestamps
 
-FAMILIES: tuple[type[VisionFamily], ...] = (Qwen2VL, Qwen2_5VL, Qwen3VL, Qwen3_5, Gemma3)
+FAMILIES: tuple[type[VisionFamily], ...] = (Qwen2VL, Qwen2_5VL, Qwen3VL, Qwen3_5, Gemma3, InternVL, Glm4V,
+                                            LlavaOneVision)
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(t for f in FAMILIES for t in f.model_types)
 
 
@@ -42,6 +46,8 @@ def vision_family(model_config: Any) -> VisionFamily:
                       f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
 
 
-__all__ = ["model_contract", "local_attention", "VisionFamily", "Gemma3", "has_linear_attention", "VisionGeometry", "vision_family", "FAMILIES", "SUPPORTED_MODEL_TYPES", "Qwen2VL",
-           "Qwen2_5VL", "Qwen3VL", "Qwen3_5", "image_grid", "video_grid", "rope_positions", "frame_timestamps",
+__all__ = ["model_contract", "local_attention", "VisionFamily", "has_linear_attention", "VisionGeometry",
+           "vision_family", "FAMILIES", "SUPPORTED_MODEL_TYPES", "Qwen2VL", "Qwen2_5VL", "Qwen3VL", "Qwen3_5",
+           "Gemma3", "InternVL", "Glm4V", "LlavaOneVision", "image_grid", "video_grid", "rope_positions",
+           "frame_timestamps",
            "TEXT", "IMAGE", "VIDEO"]

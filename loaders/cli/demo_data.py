@@ -36,7 +36,7 @@ from prealign.loaders.media.teacher_topk import encode_npy
 from prealign.loaders.media.vlm import MediaProblem, VLMSampleTransform, image_processor, render_chat
 from prealign.loaders.sources.header_lengths import Qwen2VLGeometry, qwen2vl_grid, tokens_of_grid
 
-DEMO_MODELS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "gemma3")
+DEMO_MODELS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "gemma3", "internvl")
 """The families ``prealign demo --model`` builds data for."""
 
 _WORDS = ("the a small large red blue green bright dark round square tall narrow old new quiet busy "
@@ -111,19 +111,21 @@ def demo_model_config(model: str):
         from prealign.schemas.errors import ConfigError
         raise ConfigError(f"demo_model_config: expected one of {', '.join(DEMO_MODELS)}, got {model!r}")
     tok = ByteTokenizer()
+    text = {"vocab_size": tok.vocab_size, "bos_token_id": tok.eos_token_id, "eos_token_id": tok.eos_token_id,
+            "pad_token_id": tok.pad_token_id}
     if model == "gemma3":  # 224-px images, 16 x 16 patches pooled to 8 x 8 = 64 image tokens (released: 896, 256)
         return transformers.Gemma3Config(
             text_config={"vocab_size": tok.vocab_size, "bos_token_id": tok.eos_token_id, "eos_token_id": tok.eos_token_id,
                          "pad_token_id": tok.pad_token_id}, vision_config={"image_size": 224, "patch_size": 14},
             mm_tokens_per_image=64, boi_token_index=tok.vision_start_token_id, eoi_token_index=tok.vision_end_token_id,
             image_token_index=tok.image_token_id)
+    if model == "internvl":  # <img>, </img> are the tokenizer's vision start / end
+        return transformers.InternVLConfig(image_token_id=tok.image_token_id, text_config={"model_type": "qwen2", **text})
     cls = {"qwen2_vl": transformers.Qwen2VLConfig, "qwen2_5_vl": transformers.Qwen2_5_VLConfig,
            "qwen3_vl": transformers.Qwen3VLConfig, "qwen3_5": transformers.Qwen3_5Config}[model]
-    tok = ByteTokenizer()
     return cls(image_token_id=tok.image_token_id, video_token_id=tok.video_token_id,
                vision_start_token_id=tok.vision_start_token_id, vision_end_token_id=tok.vision_end_token_id,
-               text_config={"vocab_size": tok.vocab_size, "bos_token_id": tok.eos_token_id,
-                            "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id})
+               text_config=text)
 
 
 def demo_transform(model: str | None, tok, topk: int | None = None):
@@ -165,7 +167,9 @@ def _sample(rng: np.random.Generator, key: str, topk: int, tok: ByteTokenizer, g
         data, (w, h) = _image(rng, fmt)
         names.append(f"{i}.{fmt}")
         members[names[-1]] = data
-        tokens.append(tokens_of_grid(qwen2vl_grid(h, w, geometry), geometry))
+        tokens.append(transform.header_image_tokens(w, h, sample=key, field=names[-1])
+                      if isinstance(transform, VLMSampleTransform) else
+                      tokens_of_grid(qwen2vl_grid(h, w, geometry), geometry))
     question = str(rng.choice(_QUESTIONS))
     user = "".join("<image>\n" for _ in range(n_images)) + question
     reply = " ".join(_sentence(rng) for _ in range(int(rng.integers(1, 7))))
@@ -216,8 +220,7 @@ def build_demo_dataset(out_dir: str, *, num_samples: int = 240, samples_per_shar
     tok = tokenizer or ByteTokenizer()
     transform = None if model is None else demo_transform(model, tok)
     # the image processor's resize rule (the family's patch size with a model), the same on every transformers
-    geometry = Qwen2VLGeometry.of(image_processor() if not isinstance(transform, VLMSampleTransform)
-                                  else transform.image_processor)
+    geometry = Qwen2VLGeometry.of(image_processor()) if not isinstance(transform, VLMSampleTransform) else None
     rng = np.random.default_rng(seed)
     bad_at = {int(p): kind for p, kind in zip(np.linspace(num_samples // 7, num_samples - 1, len(bad)), bad)} \
         if bad else {}

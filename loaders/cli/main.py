@@ -17,6 +17,8 @@ from prealign.loaders.cli import preflight
 from prealign.loaders.cli.errors import UsageError, run_reporting
 from prealign.schemas.layout import ParallelLayout
 
+DEMO_BUDGET = 4096
+"""``prealign demo``'s default token budget (InternVL's: four times it)."""
 DEMO_MAX_SAMPLES = 100_000
 """The demo builds its data in a temp folder (about 6 KB a sample): beyond this, inspect your own data."""
 
@@ -90,9 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--samples", type=int, default=240, help="samples to generate (3 of them broken) [%(default)s]")
     demo.add_argument("--topk", type=int, default=8, help="teacher top-k K [%(default)s]")
     demo.add_argument("--keep", metavar="DIR", help="write the shards to DIR and keep them (default: a temp dir)")
-    demo.add_argument("--model", choices=("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "gemma3"),
-                      help="build that Qwen family's samples, with short videos (default: Qwen2-VL images only)")
-    _add_common(demo, budget=4096)
+    demo.add_argument("--model", choices=("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "gemma3", "internvl"),
+                      help="build that family's samples, with short videos (default: Qwen2-VL images only)")
+    _add_common(demo, budget=DEMO_BUDGET)
     demo.set_defaults(func=cmd_demo)
 
     insp = sub.add_parser("inspect", help="the same on your own webdataset shards or HF dataset",
@@ -134,6 +136,9 @@ def cmd_demo(args) -> int:
     from prealign.schemas.vlm import image_tokens_schema, vlm_schema
 
     layout = _check_common(args)
+    if getattr(args, "model", None) == "internvl" and args.token_budget == DEMO_BUDGET:
+        args.token_budget = 4 * DEMO_BUDGET  # 448-px tiles, 256 tokens each: a 360-px image is up to 3,328 tokens
+        _note(f"--model internvl: token budget {args.token_budget} (InternVL's tiles; give --token-budget to choose)")
     preflight.check_int("--samples", args.samples, 1, high=DEMO_MAX_SAMPLES)
     preflight.check_int("--topk", args.topk, 1, high=ByteTokenizer().vocab_size)
     preflight.check_dir("--keep", args.keep)
@@ -147,11 +152,14 @@ def cmd_demo(args) -> int:
         transform = demo_transform(model, ByteTokenizer(), args.topk)
         source = WebDatasetSource(list(ds.shards), transform=transform, image="bytes")
         schema = vlm_schema(topk=args.topk, vocab_size=ds.vocab_size)
+        schema_name = {"gemma3": "image_tokens_schema", "internvl": "InternVL.batch_schema"}.get(model, "vlm_schema")
         if model == "gemma3":  # 1-D positions, whole images
             schema = image_tokens_schema(topk=args.topk, vocab_size=ds.vocab_size,
                                          image_size=transform.family.image_size)
+        elif transform.tiled:  # InternVL: 1-D positions, tiles (the family's own batch)
+            schema = transform.family.batch_schema(topk=args.topk, vocab_size=ds.vocab_size)
         title = (f"{args.samples} samples ({len(ds.bad)} broken on purpose) in {len(ds.shards)} webdataset shards, "
-                 f"{'image_tokens_schema' if model == 'gemma3' else 'vlm_schema'}(topk={args.topk})")
+                 f"{schema_name}(topk={args.topk})")
         return _run(args, layout, source, schema, title=title)
 
 
@@ -269,13 +277,15 @@ def _run(args, layout: ParallelLayout, source, schema, *, title: str) -> int:
     from prealign.loaders.cli.plot import draw_packed_layout
     from prealign.loaders.cli.report import format_shapes, format_table, totals
     from prealign.loaders.plan.planner import PlannerConfig
+    from prealign.schemas.validate import validate_batch
     from prealign.schemas.vlm import validate_vlm_batch
 
     res = inspect_source(source, schema=schema, layout=layout, token_budget=args.token_budget,
                          planner=PlannerConfig(oversize=getattr(args, "oversize", "error")),
                          num_workers=args.workers, seed=args.seed, defer_cp_shard=args.defer_cp_shard,
                          limit=getattr(args, "limit", None),
-                         validate=lambda b: validate_vlm_batch(b, schema, layout, raise_on_error=False))
+                         validate=lambda b: validate_vlm_batch(b, schema, layout, raise_on_error=False)
+                         if "mrope_position_ids" in schema else validate_batch(b, schema, layout, raise_on_error=False))
     tot = totals(res.stats)
     mode = "whole batch + cp_gather_index (deferred CP shard)" if args.defer_cp_shard else "CP-sharded (zigzag)"
     pad = 100.0 * (tot["padded_tokens"] - tot["real_tokens"]) / max(tot["padded_tokens"], 1)

@@ -74,10 +74,8 @@ from prealign.loaders.sources import remote
 from prealign.loaders.sources.header_lengths import (
     IMAGE_FORMATS,
     HeaderError,
-    Qwen2VLGeometry,
     image_header_size,
     npy_header,
-    qwen2vl_grid,
 )
 from prealign.loaders.sources.npy import NpyFormatError, parse_npy_header
 from prealign.loaders.sources.shard_files import check_index_dir_names, sample_checksum, shard_name, sidecar_path
@@ -152,8 +150,7 @@ class VLMRule:
         self.t, self.verify_images = transform, verify_images
         """``verify_images``: decode each image's pixels too (no resize, no processor), so a corrupt image
         body is found here as the full pass finds it; False: headers only (found when loaded)."""
-        self.geometry = Qwen2VLGeometry.of(transform.image_processor)
-        self.merge = transform.spatial_merge_size
+        transform.spatial_merge_size  # (the processor and the config agree: checked before the first shard)
 
     def __call__(self, members: dict[str, bytes], where: str) -> tuple[int, bool, tuple, object]:
 
@@ -189,12 +186,7 @@ class VLMRule:
         tokens = []
         for name, data in image_members(raw, meta, key):
             w, h = self._size(name, data, key)
-            try:
-                t, gh, gw = qwen2vl_grid(h, w, self.geometry, sample=key, field=name)
-            except HeaderError as exc:
-                raise MediaError(MediaProblem.CORRUPT_IMAGE, sample=key, field=name, expected=exc.expected,
-                                 actual=exc.actual) from None
-            tokens.append(t * gh * gw // self.merge ** 2)
+            tokens.append(self.t.header_image_tokens(w, h, sample=key, field=name))
         videos = self.t.header_video_ids(raw, meta, key, lambda name, data: self._size(name, data, key))
         ids = None if pretokenized else render_chat(meta, self.t.tokenizer, tokens, sample=key, videos=videos,
                                                     system=self.t.system_prompt)[0]

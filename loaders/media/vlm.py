@@ -44,6 +44,7 @@ import torch
 
 from prealign.collate.vision import VisionFamily, VisionGeometry, image_grid, rope_positions, vision_family
 from prealign.loaders.errors import BadSampleError
+from prealign.loaders.media import glm4v, internvl
 from prealign.loaders.media.chat_tokenizer import ChatTokenizer, HFChatTokenizer, encode_segments
 from prealign.loaders.media.teacher_topk import teacher_topk
 from prealign.loaders.media.video import normalize_patches, normalize_table, video_patches
@@ -349,9 +350,16 @@ def vision_types_and_mrope(input_ids: torch.Tensor, image_grid_thw: torch.Tensor
     types = (ids == vision.image_token_id).astype(np.int64) * IMAGE_TOKEN_TYPE
     runs, steps = np.zeros((0, 3), dtype=np.int64), None
     if family is not None:
-        types[ids == family.video_token_id] = VIDEO_TOKEN_TYPE
+        if hasattr(family, "token_types"):  # GLM-4.1V: video frames use the image token, typed by their context
+            types = family.token_types(ids)
+        else:
+            types[ids == family.video_token_id] = VIDEO_TOKEN_TYPE
         videos = np.zeros((0, 3), np.int64) if video_grid_thw is None else np.asarray(video_grid_thw).reshape(-1, 3)
         runs, steps = family.video_runs(videos), family.video_steps(videos, second_per_grid_ts)
+        if getattr(family, "one_media_kind", False) and grid.shape[0] and videos.shape[0]:
+            raise MediaError(MediaProblem.BAD_VIDEO, sample=sample, field="videos", actual=f"{grid.shape[0]} "
+                             f"image(s) and {videos.shape[0]} video(s)", expected=f"images or video, not both, in "
+                             f"a {family.model_type} sample (its forward counts video tokens as image tokens)")
     for kind, type_id, want in (("image", IMAGE_TOKEN_TYPE, grid), ("video", VIDEO_TOKEN_TYPE, runs)):
         edges = np.diff((types == type_id).astype(np.int8), prepend=np.int8(0), append=np.int8(0))
         got = np.flatnonzero(edges == -1) - np.flatnonzero(edges == 1)
@@ -435,15 +443,20 @@ class VLMSampleTransform:
         for name in ("log_prob_dtype", "pixel_dtype"):
             if getattr(self, name) not in ("float32", "bfloat16"):
                 raise ConfigError(f"VLMSampleTransform.{name}: expected 'float32' or 'bfloat16', got {getattr(self, name)!r}")
-        if self.tokenizer is None:
-            if getattr(self.processor, "tokenizer", None) is None:
-                raise ConfigError("VLMSampleTransform: give tokenizer= or a processor= that has a tokenizer")
-            object.__setattr__(self, "tokenizer", HFChatTokenizer(self.processor.tokenizer))
         if self.model_config is not None:
             object.__setattr__(self, "family", vision_family(self.model_config))
+            if self.family.model_type == "llava_onevision":
+                raise ConfigError("VLMSampleTransform: LLaVA-OneVision has header-only token counts "
+                                  "(prealign.collate.vision.LlavaOneVision.image_tokens) but no sample transform yet")
             if self.family.transform is not None:
                 raise ConfigError(f"VLMSampleTransform: {self.family.model_type} samples have their own transform: "
                                   f"{self.family.transform}")
+        if self.tokenizer is None:
+            if getattr(self.processor, "tokenizer", None) is None:
+                raise ConfigError("VLMSampleTransform: give tokenizer= or a processor= that has a tokenizer")
+            wrap = internvl.internvl_chat_tokenizer if self.tiled else HFChatTokenizer  # InternVL's own names
+            names = glm4v.TOKEN_NAMES if getattr(self.family, "model_type", "").startswith("glm4v") else {}
+            object.__setattr__(self, "tokenizer", wrap(self.processor.tokenizer, **names))
 
     @property
     def image_processor(self):
@@ -451,6 +464,10 @@ class VLMSampleTransform:
         family's patch / merge / temporal sizes and ``processor_options`` (cached per process)."""
         if self.processor is not None:
             return getattr(self.processor, "image_processor", self.processor)
+        if self.tiled:
+            return internvl.internvl_image_processor(self.family, **self.processor_options)
+        if getattr(self.family, "model_type", "").startswith("glm4v"):
+            return glm4v.glm4v_image_processor(**self.processor_options)
         options = dict(self.processor_options)
         if self.family is not None:
             for name, value in (("patch_size", self.family.patch_size), ("merge_size", self.family.spatial_merge_size),
@@ -504,9 +521,31 @@ class VLMSampleTransform:
         return self.family
 
     @property
+    def tiled(self) -> bool:
+        """Whether the family cuts images into tiles (InternVL, :mod:`prealign.loaders.media.internvl`) rather than
+        Qwen-style patch grids."""
+        return getattr(self.family, "model_type", None) == "internvl"
+
+    def header_image_tokens(self, width: int, height: int, *, sample, field: str) -> int:
+        """Image tokens of one image from its size alone (its header): what :meth:`__call__` writes between the
+        image's start and end tokens. Qwen families: ``t*gh*gw / merge**2`` of its grid; InternVL: 256 per tile."""
+        try:
+            if self.tiled:
+                return internvl.tiling_family(self.family, self.image_processor).image_tokens(height, width, sample=sample,
+                                                                                      field=field)
+            grid = image_grid if self.family is None else self.family.image_grid
+            t, gh, gw = grid(height, width, VisionGeometry.of(self.image_processor), sample=sample, field=field)
+        except SampleError as exc:
+            raise MediaError(MediaProblem.CORRUPT_IMAGE, sample=sample, field=field, expected=exc.expected,
+                             actual=exc.actual) from None
+        return t * gh * gw // self.spatial_merge_size ** 2
+
+    @property
     def spatial_merge_size(self) -> int:
         """Patches merged per side (one vision token per ``merge**2`` patches): the family's, else the image
         processor's; handed on to ``MRoPECollator`` and ``validate_vlm_batch``."""
+        if self.tiled:
+            return self.family.spatial_merge_size
         merge = int(self.image_processor.merge_size)
         if self.family is not None and self.family.spatial_merge_size != merge:
             raise ConfigError(f"VLMSampleTransform: the image processor merges {merge} patches per side but the "
@@ -526,7 +565,9 @@ class VLMSampleTransform:
                               "processor's is used")
         tokens = dataclasses.replace(self.tokenizer.vision, spatial_merge_size=merge)
         fam = self.family
-        if fam is not None:
+        if fam is not None and self.tiled:  # <img>, </img> are the tokenizer's alone
+            internvl.check_tokenizer(self.tokenizer, fam)
+        elif fam is not None:
             ours = (fam.image_token_id, fam.vision_start_token_id, fam.vision_end_token_id)
             theirs = (tokens.image_token_id, tokens.vision_start_token_id, tokens.vision_end_token_id)
             video = getattr(self.tokenizer, "video_token_id", None)
@@ -544,7 +585,9 @@ class VLMSampleTransform:
         tok = self.tokenizer
         probe = np.asarray(tok.encode("prealign probe: <image> <video> Hello, world!")).tolist()
         video = None
-        if self.family is not None:
+        if self.tiled:
+            video = {"frames": "one tile each"}
+        elif self.family is not None:
             video = {"geometry": repr(self.video_geometry), "fps": self.video_fps}
             if self.family.volume_resize:  # grids and the video text follow the installed transformers' rules
                 import transformers
@@ -554,9 +597,14 @@ class VLMSampleTransform:
                                    "vocab_size": int(tok.vocab_size), "vision": repr(self.vision), "probe": probe,
                                    "topk": self.topk, "log_prob_dtype": self.log_prob_dtype,
                                    "pixel_dtype": self.pixel_dtype, "mrope": self.mrope, "family": repr(self.family),
-                                   "images": repr(VisionGeometry.of(self.image_processor)), "videos": video,
+                                   "images": self._image_key(), "videos": video,
                                    "text_key": self.text_key, "system": self.system_prompt}},
                           sort_keys=True, default=str)
+
+    def _image_key(self) -> str:
+        if self.tiled:
+            return repr(internvl.tiling_family(self.family, self.image_processor))
+        return repr(VisionGeometry.of(self.image_processor))
 
     def video_ids(self, grid: tuple[int, int, int], frames: int, fps: float) -> np.ndarray:
         """int64 ids of one video as the family's processor and chat template write it: ``<|vision_start|>``,
@@ -564,6 +612,8 @@ class VLMSampleTransform:
         group's tokens inside their own start / end), then ``<|vision_end|>`` (Qwen3-VL / 3.5 with transformers
         < 5.10: without that outer pair, as the installed processor writes it; :meth:`VisionFamily.wraps_video`)."""
         fam = self._require_family("video")
+        if hasattr(fam, "video_ids"):  # GLM-4.1V: its own frame groups and timestamps
+            return fam.video_ids(self.tokenizer.encode, grid, frames, fps)
         t, gh, gw = grid
         per_group = gh * gw // fam.spatial_merge_size ** 2
         start, end, pad = fam.vision_start_token_id, fam.vision_end_token_id, fam.video_token_id
@@ -581,6 +631,8 @@ class VLMSampleTransform:
         """The output with ``pixel_codes`` uint8 ``[sum t*h*w, 3, p, p]`` (:func:`image_codes`) in place
         of ``pixel_values`` where the fast path applies: what :class:`~prealign.loaders.handoff.media_share.
         SharedMediaTransform` publishes (1/8 of the bytes). :meth:`expand` finishes it."""
+        if self.tiled:
+            return self._compact_tiled(raw)
         key = raw.get("__key__", "?")
         meta = sample_metadata(raw, self.text_key, key)
         images = [decode_image(v, sample=key, name=n, limits=self.limits) for n, v in image_members(raw, meta, key)]
@@ -626,6 +678,36 @@ class VLMSampleTransform:
                                     log_prob_dtype=getattr(torch, self.log_prob_dtype)))
         return out
 
+    def _compact_tiled(self, raw: dict) -> dict:
+        """An InternVL sample (:mod:`prealign.loaders.media.internvl`): tiles, ``<img>`` blocks, ``Frame{i}:`` videos."""
+        key, fam, tok = raw.get("__key__", "?"), self.family, self.tokenizer
+        internvl.check_tokenizer(tok, fam)
+        meta = sample_metadata(raw, self.text_key, key)
+        images = [decode_image(v, sample=key, name=n, limits=self.limits) for n, v in image_members(raw, meta, key)]
+        try:
+            pixels, tiles = internvl.image_tiles(images, self.image_processor)
+        except ValueError as exc:
+            raise MediaError(MediaProblem.CORRUPT_IMAGE, sample=key, field="images",
+                             expected="images the InternVL image processor accepts", actual=str(exc)) from None
+        clips = [internvl.frame_tiles([decode_image(v, sample=key, name=n, limits=self.limits) for n, v in frames],
+                                      self.image_processor)
+                 for _, frames, _ in video_members(raw, meta, key, default_fps=self.video_fps, limits=self.limits)]
+        ids, mask = render_chat(meta, tok, [n * fam.image_seq_length for n in tiles], sample=key,
+                                videos=[internvl.video_ids(tok, fam, c.shape[0]) for c in clips])
+        pixel_values, counts = internvl.arrange_tiles(internvl.media_order(meta), pixels, tiles, clips)
+        input_ids = torch.from_numpy(ids)
+        types = (input_ids == fam.image_token_id).to(torch.int64)
+        if int(types.sum()) != fam.image_seq_length * int(counts.sum()):
+            raise MediaError(MediaProblem.VISION_TOKEN_MISMATCH, sample=key, field="input_ids",
+                             expected=f"{fam.image_seq_length * int(counts.sum())} image tokens "
+                                      f"({fam.image_seq_length} per tile)", actual=f"{int(types.sum())}")
+        out = {"__key__": key, "input_ids": input_ids, "loss_mask": torch.from_numpy(mask), "mm_token_type_ids": types,
+               "pixel_values": pixel_values.to(getattr(torch, self.pixel_dtype)), "image_num_patches": counts}
+        if self.topk is not None:
+            out.update(teacher_topk(raw, sample=key, length=input_ids.numel(), topk=self.topk,
+                                    vocab_size=tok.vocab_size, log_prob_dtype=getattr(torch, self.log_prob_dtype)))
+        return out
+
     def _videos(self, raw: dict, meta: dict, key) -> dict:
         """The sample's videos: ``pixel_values_videos`` float32, ``video_grid_thw`` int64 ``[n, 3]``,
         ``second_per_grid_ts`` float32 ``[n]`` and each video's ids (``ids``)."""
@@ -653,6 +735,9 @@ class VLMSampleTransform:
         from image headers): what :meth:`__call__` writes, without decoding a pixel. ``None`` without a family."""
         if self.family is None:
             return None
+        if self.tiled:
+            return [internvl.video_ids(self.tokenizer, self.family, len(frames)) for _, frames, _ in
+                    video_members(raw, meta, key, default_fps=self.video_fps, limits=self.limits)]
         geometry = self.video_geometry
         out = []
         for name, frames, fps in video_members(raw, meta, key, default_fps=self.video_fps, limits=self.limits):

@@ -1,0 +1,135 @@
+"""transformers' own GLM-4.1V pieces built offline: a character-level tokenizer with GLM's media tokens, its
+image processor, ``Glm4vProcessor``, and a tiny model. transformers' GLM video processor needs torchvision (absent
+here): :class:`FrameGrids` stands in for it with transformers' own GLM video ``smart_resize`` and class defaults,
+so the processor's own ``__call__`` writes the video text (frame groups, timestamps) on every version."""
+from __future__ import annotations
+
+import functools
+import types
+
+import torch
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n'}}{% if message['content'] is string %}"
+    "{{ message['content'] }}{% else %}{% for content in message['content'] %}{% if content['type'] == 'image' %}"
+    "{{ '<|begin_of_image|><|image|><|end_of_image|>' }}{% elif content['type'] == 'video' %}"
+    "{{ '<|begin_of_video|><|video|><|end_of_video|>' }}{% elif content['type'] == 'text' %}"
+    "{{ content['text'] }}{% endif %}{% endfor %}{% endif %}{{'<|im_end|>\n'}}{% endfor %}")
+"""GLM's media blocks inside the ``<|im_start|>`` frame prealign's chat rendering writes today (GLM's own frame,
+``[gMASK]<sop><|user|>\\n``, is the chat-rendering work of issue 32 item 3)."""
+SPECIALS = ("<unk>", "<|im_start|>", "<|im_end|>", "<|begin_of_image|>", "<|end_of_image|>", "<|image|>",
+            "<|begin_of_video|>", "<|end_of_video|>", "<|video|>", "<pad>")
+CHARS = "".join(chr(c) for c in range(32, 127)) + "\n"
+
+
+@functools.lru_cache(maxsize=None)
+def hf_tokenizer():
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(SPECIALS + tuple(CHARS))}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.add_special_tokens(list(SPECIALS))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", eos_token="<|im_end|>")
+
+
+def ids() -> dict:
+    tok = hf_tokenizer()
+    get = tok.convert_tokens_to_ids
+    return dict(image_token_id=get("<|image|>"), video_token_id=get("<|video|>"),
+                image_start_token_id=get("<|begin_of_image|>"), image_end_token_id=get("<|end_of_image|>"),
+                video_start_token_id=get("<|begin_of_video|>"), video_end_token_id=get("<|end_of_video|>"))
+
+
+class FrameGrids:
+    """A stand-in for ``Glm4vVideoProcessor`` (torchvision) over frames already sampled: ``video_grid_thw`` from
+    transformers' GLM video ``smart_resize`` with the class defaults, ``video_metadata`` with the frames at
+    ``index / fps``; pixels are zeros (the test compares text and grids)."""
+
+    def __init__(self, fps: list[float]):
+        try:
+            from transformers.models.glm4v.video_processing_glm4v import Glm4vVideoProcessor, smart_resize
+        except ImportError:  # 5.6: the module imports torchvision; the same resize, the class defaults of its source
+            from transformers.models.glm4v.image_processing_pil_glm4v import smart_resize
+
+            Glm4vVideoProcessor = types.SimpleNamespace(patch_size=14, temporal_patch_size=2, merge_size=2, size={
+                "shortest_edge": 112 * 112, "longest_edge": 28 * 28 * 2 * 30000})
+        self.cls, self.resize, self.fps = Glm4vVideoProcessor, smart_resize, fps
+        c = self.cls  # the settings prealign's transform reads from a video processor
+        self.patch_size, self.merge_size, self.temporal_patch_size, self.size = \
+            c.patch_size, c.merge_size, c.temporal_patch_size, c.size
+        self.image_mean, self.image_std, self.rescale_factor = \
+            (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711), 1 / 255
+
+    def __call__(self, videos, **kwargs):
+        from transformers.video_utils import VideoMetadata
+
+        c = self.cls
+        grids, metas = [], []
+        for frames, fps in zip(videos, self.fps, strict=True):
+            n, (w, h) = len(frames), frames[0].size
+            hh, ww = self.resize(num_frames=max(n, c.temporal_patch_size), height=h, width=w,
+                                 temporal_factor=c.temporal_patch_size, factor=c.patch_size * c.merge_size,
+                                 min_pixels=c.size["shortest_edge"], max_pixels=c.size["longest_edge"])
+            grids.append([-(-n // c.temporal_patch_size), hh // c.patch_size, ww // c.patch_size])
+            metas.append(VideoMetadata(total_num_frames=n, fps=fps, frames_indices=list(range(n))))
+        grid = torch.tensor(grids)
+        dim = 3 * c.temporal_patch_size * c.patch_size ** 2
+        return {"pixel_values_videos": torch.zeros(int(grid.prod(-1).sum()), dim), "video_grid_thw": grid,
+                "video_metadata": metas}
+
+
+def hf_processor(video_fps: list[float] = ()):
+    """``Glm4vProcessor`` with transformers' GLM image processor and :class:`FrameGrids` for video (its class check
+    of that argument skipped)."""
+    from transformers import Glm4vProcessor
+    from transformers.processing_utils import ProcessorMixin
+
+    try:
+        from transformers import Glm4vImageProcessorPil as image_cls
+    except ImportError:  # pragma: no cover
+        from transformers import Glm4vImageProcessor as image_cls
+    check = ProcessorMixin.check_argument_for_proper_class
+
+    def lenient(self, name, arg):
+        return None if name == "video_processor" else check(self, name, arg)
+
+    ProcessorMixin.check_argument_for_proper_class = lenient
+    try:
+        return Glm4vProcessor(image_processor=image_cls(), tokenizer=hf_tokenizer(),
+                              video_processor=FrameGrids(list(video_fps)), chat_template=CHAT_TEMPLATE)
+    finally:
+        ProcessorMixin.check_argument_for_proper_class = check
+
+
+def tiny_config(model_type: str = "glm4v"):
+    """A 2-layer, hidden-32 GLM-4.1V (or GLM-4.5V MoE) with a 1-block vision tower; ids of :func:`hf_tokenizer`."""
+    import transformers
+
+    tok = hf_tokenizer()
+    text = dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8, max_position_embeddings=8192, initializer_range=0.3,
+                pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2],
+                                 "partial_rotary_factor": 1.0})
+    if model_type == "glm4v_moe":
+        text.update(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1,
+                    first_k_dense_replace=1, n_group=1, topk_group=1)
+    vision = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=32, out_hidden_size=32, patch_size=14,
+                  spatial_merge_size=2, temporal_patch_size=2, image_size=112, initializer_range=0.3)
+    cls = transformers.Glm4vConfig if model_type == "glm4v" else transformers.Glm4vMoeConfig
+    cfg = cls(text_config=text, vision_config=vision, attn_implementation="sdpa", **ids())
+    if model_type == "glm4v_moe":  # float64: the per-expert loop (grouped_mm takes no double)
+        cfg.text_config._experts_implementation = "eager"
+    return cfg
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_model(model_type: str = "glm4v"):
+    import transformers
+
+    torch.manual_seed(0)
+    cls = transformers.Glm4vForConditionalGeneration if model_type == "glm4v" else \
+        transformers.Glm4vMoeForConditionalGeneration
+    return cls(tiny_config(model_type)).to(torch.float64).eval()
