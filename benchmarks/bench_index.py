@@ -127,7 +127,7 @@ def _run(args: list[str]) -> tuple[float, float, str]:
     return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime), out.stdout
 
 
-def _round(root: str, paths: list[str], workers: int, energon: bool) -> dict:
+def _round(root: str, paths: list[str], workers: int, energon: bool, tar: bool) -> dict:
     out_dir = tempfile.mkdtemp(prefix="bench-index-")
     r = {}
     r["prealign"] = _run([sys.executable, "-m", "prealign.loaders.cli.main", "index", "--text", "--force",
@@ -136,8 +136,9 @@ def _round(root: str, paths: list[str], workers: int, energon: bool) -> dict:
     if energon:
         r["energon"] = _run([sys.executable, "-c", _ENERGON, root, str(workers)])[:2]
         r["energon_import"] = _run([sys.executable, "-c", _ENERGON_IMPORT])[:2]
-    wall, cpu, text = _run([sys.executable, "-c", _TARFILE, root])
-    r["tarfile"] = (wall, float(text.split()[1]))
+    if tar:
+        wall, cpu, text = _run([sys.executable, "-c", _TARFILE, root])
+        r["tarfile"] = (wall, float(text.split()[1]))
     for name in os.listdir(out_dir):
         os.remove(os.path.join(out_dir, name))
     os.rmdir(out_dir)
@@ -155,6 +156,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "prealign-bench-index"))
     ap.add_argument("--no-energon", action="store_true", help="leave energon prepare out")
+    ap.add_argument("--no-tarfile", action="store_true", help="leave the tarfile listing out")
     ap.add_argument("--json", help="write every round's numbers here")
     args = ap.parse_args()
     energon = not args.no_energon
@@ -163,7 +165,11 @@ def main() -> int:
     for k in range(args.rounds):  # interleaved: every contender of every cell once a round
         for n in args.sizes:
             for w in args.workers:
-                rounds[n, w].append(_round(os.path.join(args.dir, f"text-{n}"), data[n], w, energon))
+                rounds[n, w].append(_round(os.path.join(args.dir, f"text-{n}"), data[n], w, energon,
+                                           not args.no_tarfile))
+                if args.json:  # (after every round: a long run stopped early keeps what it measured)
+                    with open(args.json, "w") as f:
+                        json.dump({f"{n}/{w}": rs for (n, w), rs in rounds.items()}, f, indent=1)
                 print(f"round {k + 1}/{args.rounds} {n:,} samples {w} worker(s): "
                       + ", ".join(f"{c} {v[0]:.2f} s / {v[1]:.2f} CPU-s" for c, v in rounds[n, w][-1].items()),
                       file=sys.stderr, flush=True)
@@ -175,7 +181,7 @@ def main() -> int:
     for (n, w), rs in rounds.items():
         pw, pc = [r["prealign"][0] for r in rs], [r["prealign"][1] for r in rs]
         beyond = [r["prealign"][1] - r["import"][1] for r in rs]
-        tar = [r["tarfile"][1] for r in rs]
+        tar = [r["tarfile"][1] for r in rs] if "tarfile" in rs[0] else [float("nan")] * len(rs)
         row = (f"| {n:,} | {w} | {_spread(pw)} | {_spread(pc)} | {_spread([1e6 * b / n for b in beyond], '{:.1f}')} | "
                f"{_spread([n / b for b in beyond], '{:,.0f}')} | {_spread([b / t for b, t in zip(beyond, tar)])} |")
         if energon:
@@ -184,9 +190,6 @@ def main() -> int:
             row += (f" {_spread(ew)} | {_spread(ec)} | {_spread([e / p for e, p in zip(ew, pw)])} | "
                     f"{_spread([e / p for e, p in zip(ec, pc)])} | {_spread([e / b for e, b in zip(eb, beyond)])} |")
         print(row, flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({f"{n}/{w}": rs for (n, w), rs in rounds.items()}, f, indent=1)
     return 0
 
 

@@ -1,20 +1,22 @@
-"""The tar walk at machine speed: a block of a shard's bytes, its member headers parsed in bulk (numpy).
+"""The tar walk at machine speed: a block of a shard's bytes, its member headers parsed in
+bulk (numpy).
 
     buf (bytes of the archive from a header boundary)
-      │ every 512-byte block read as if it were a header: its size and type fields in a few array ops
+      │ every 512-byte block read as if it were a header: size and type in a few array ops
       ▼
-    chain: from the first header, each header's successor 1 + ceil(size / 512) blocks on (a list walk,
-      │ a few list lookups a member); the chain's header checksums in one reduction
+    chain: from the first header, each header's successor 1 + ceil(size / 512) blocks on
+      │ (a list walk, a few list lookups a member); the chain's checksums in one reduction
       ▼
     :class:`Walked`: each member's offsets and size (``int64 [M]``) and name
 
-Exact for regular files (type ``0``, NUL or ``7``) with their number fields as zero-padded octal (what
-``tarfile``, GNU tar and webdataset's writer write), and for GNU long-name (``L``) and pax (``x``) headers
-before one (those parsed by :func:`~prealign.loaders.sources.tar_reader.iter_members` itself, the
-reference). Anything else (a link, a directory, a global pax header, a base-256 number, a bad checksum, a
-truncated archive) raises :class:`Unhandled`: the caller reads that shard with
-:func:`~prealign.loaders.sources.tar_reader.iter_members`, so what a shard yields is the reference's by
-construction.
+Exact for regular files (type ``0``, NUL or ``7``) with their number fields as zero-padded
+octal (what ``tarfile``, GNU tar and webdataset's writer write), and for GNU long-name (``L``)
+and pax (``x``) headers before one (those parsed by
+:func:`~prealign.loaders.sources.tar_reader.iter_members` itself, the reference). Anything else
+(a link, a directory, a global pax header, a base-256 number, a bad checksum, a truncated
+archive) raises :class:`Unhandled`: the caller reads that shard with
+:func:`~prealign.loaders.sources.tar_reader.iter_members`, so what a shard yields is the
+reference's by construction.
 
 >>> import io, tarfile
 >>> buf = io.BytesIO()
@@ -38,7 +40,8 @@ _EXTENDED = (ord("L"), ord("x"))
 
 
 class Unhandled(Exception):
-    """The bytes hold something this walker does not parse exactly (read the shard with the reference)."""
+    """The bytes hold something this walker does not parse exactly (read them with the
+    reference)."""
 
 
 @dataclass(frozen=True)
@@ -59,13 +62,14 @@ class Walked:
     ended: bool
     """The end-of-archive marker was reached."""
     need: int
-    """When not ``ended``: the archive offset the bytes must reach for the walk to go on past ``done``."""
+    """When not ``ended``: the archive offset the bytes must reach for the walk to go on."""
 
 
 def octal_fields(fields: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(values int64 [m], ok bool [m])`` of tar number fields ``uint8 [m, w]``, as ``tar_reader`` reads them
-    (NULs as spaces, spaces around one run of octal digits; all spaces is 0); ``ok`` is False for any other
-    spelling (base-256, a sign, an underscore, a tab), which this walker leaves to the reference.
+    """``(values int64 [m], ok bool [m])`` of tar number fields ``uint8 [m, w]``, as
+    ``tar_reader`` reads them (NULs as spaces, spaces around one run of octal digits; all spaces
+    is 0); ``ok`` is False for any other spelling (base-256, a sign, an underscore, a tab),
+    which this walker leaves to the reference.
 
     >>> fields = b"00000000017\\0" + b"  17 " + bytes(7) + b"1 2" + bytes(9)
     >>> values, ok = octal_fields(np.frombuffer(fields, np.uint8).reshape(3, 12))
@@ -99,8 +103,8 @@ class _View:
 
 
 def _extended(buf: bytes, at: int, base: int, eof: bool):
-    """The member whose extended headers begin at ``buf[at:]``, read by the reference; None when the bytes
-    held end before it does (and more will come)."""
+    """The member whose extended headers begin at ``buf[at:]``, read by the reference; None when
+    the bytes held end before it does (and more will come)."""
     view = _View(buf, at)
     try:
         member = next(iter_members(view, base=base + at, need_end_marker=False), None)
@@ -114,8 +118,9 @@ def _extended(buf: bytes, at: int, base: int, eof: bool):
 
 
 def walk(buf: bytes, base: int = 0, *, eof: bool) -> Walked:
-    """The whole members of ``buf``, the bytes of an archive from offset ``base`` (a header boundary) on;
-    ``eof``: ``buf`` runs to the end of the archive (no end marker is then :class:`Unhandled`)."""
+    """The whole members of ``buf``, the bytes of an archive from offset ``base`` (a header
+    boundary) on; ``eof``: ``buf`` runs to the end of the archive (no end marker is then
+    :class:`Unhandled`)."""
     nb = len(buf) // BLOCK
     blocks = np.frombuffer(buf, np.uint8, count=nb * BLOCK).reshape(nb, BLOCK)
     size, ok = octal_fields(blocks[:, 124:136])
@@ -149,7 +154,7 @@ def walk(buf: bytes, base: int = 0, *, eof: bool) -> Walked:
         heads.append(own)
         i = (member.end - base) // BLOCK
     if not ended and eof:
-        raise Unhandled(f"no end-of-archive marker (a truncated archive) at byte {base + i * BLOCK}")
+        raise Unhandled(f"no end-of-archive marker (truncated) at byte {base + i * BLOCK}")
     h = np.asarray(heads, np.int64)
     check = np.asarray(heads + ([i] if not ended and i < nb else []), np.int64)
     if len(check):
@@ -169,12 +174,15 @@ def walk(buf: bytes, base: int = 0, *, eof: bool) -> Walked:
 
 
 def _names(blocks: np.ndarray, h: np.ndarray) -> list[str]:
-    """Member names of the headers ``blocks[h]`` as ``tar_reader`` reads them: the name field up to its first
-    NUL, after the ustar prefix field and a ``/`` when the header is ustar's and the prefix is not empty."""
+    """Member names of the headers ``blocks[h]`` as ``tar_reader`` reads them: the name field up
+    to its first NUL, after the ustar prefix field and a ``/`` when the header is ustar's and the
+    prefix is not empty."""
     raw = np.ascontiguousarray(blocks[h, :100]).view("S100").ravel().tolist()
     names = [b.partition(b"\0")[0].decode("utf-8", "surrogateescape") for b in raw]
-    ustar = (blocks[h, 257:263] == np.frombuffer(b"ustar\0", np.uint8)).all(1) & (blocks[h, 345] != 0)
+    magic = np.frombuffer(b"ustar\0", np.uint8)
+    ustar = (blocks[h, 257:263] == magic).all(1) & (blocks[h, 345] != 0)
     for pos in np.flatnonzero(ustar).tolist():
-        prefix = bytes(blocks[h[pos], 345:500]).partition(b"\0")[0].decode("utf-8", "surrogateescape")
+        prefix = bytes(blocks[h[pos], 345:500]).partition(b"\0")[0]
+        prefix = prefix.decode("utf-8", "surrogateescape")
         names[pos] = prefix + "/" + names[pos]
     return names
