@@ -87,8 +87,11 @@ def _tar_headers(first: int, sizes: np.ndarray) -> np.ndarray:
     return head
 
 
-def write_shards(root: str, n: int, per_shard: int = PER_SHARD, seed: int = 0) -> list[str]:
-    """``ceil(n / per_shard)`` tar shards of pre-tokenized samples (int32, 16..256 tokens); existing ones kept."""
+def write_shards(root: str, n: int, per_shard: int = PER_SHARD, seed: int = 0, distinct: int | None = None,
+                 like: str | None = None) -> list[str]:
+    """``ceil(n / per_shard)`` tar shards of pre-tokenized samples (int32, 16..256 tokens); existing ones kept.
+    ``distinct``: only the first ``distinct`` shards are written, the others are hard links to them in turn
+    (taken from folder ``like`` when it holds them: a large set costs no disk and no writing)."""
     os.makedirs(root, exist_ok=True)
     lengths = np.random.default_rng(seed).integers(16, 257, n)
     npy = _npy_headers()
@@ -97,6 +100,13 @@ def write_shards(root: str, n: int, per_shard: int = PER_SHARD, seed: int = 0) -
         path = os.path.join(root, f"text-{s:06d}.tar")
         paths.append(path)
         if os.path.exists(path):
+            continue
+        if distinct is not None and s >= distinct:
+            os.link(paths[s % distinct], path)
+            continue
+        source = os.path.join(like, os.path.basename(path)) if like else None
+        if source is not None and os.path.exists(source) and (s + 1) * per_shard <= n:
+            os.link(source, path)
             continue
         lo, hi = s * per_shard, min(n, (s + 1) * per_shard)
         ln = lengths[lo:hi]
@@ -158,9 +168,14 @@ def main() -> int:
     ap.add_argument("--no-energon", action="store_true", help="leave energon prepare out")
     ap.add_argument("--no-tarfile", action="store_true", help="leave the tarfile listing out")
     ap.add_argument("--json", help="write every round's numbers here")
+    ap.add_argument("--distinct-shards", type=int, help="write this many shards, hard-link the rest to them "
+                    "(a 10M-sample set from the 1M one; then read from the page cache, so an upper bound)")
     args = ap.parse_args()
     energon = not args.no_energon
-    data = {n: write_shards(os.path.join(args.dir, f"text-{n}"), n) for n in args.sizes}
+    smaller = {n: os.path.join(args.dir, f"text-{m}") for n in args.sizes for m in (n // 10, n // 100)
+               if os.path.isdir(os.path.join(args.dir, f"text-{m}"))}
+    data = {n: write_shards(os.path.join(args.dir, f"text-{n}"), n, distinct=args.distinct_shards,
+                            like=smaller.get(n)) for n in args.sizes}
     rounds: dict = {(n, w): [] for n in args.sizes for w in args.workers}
     for k in range(args.rounds):  # interleaved: every contender of every cell once a round
         for n in args.sizes:

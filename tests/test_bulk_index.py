@@ -1,7 +1,8 @@
-"""The index pass at machine speed (issue #28, item 3): the bulk tar walk equals the reference reader
-(``tar_reader.iter_members``, and ``tarfile``) member for member, and the bulk text pass writes sidecars
-equal, array for array and key for key, to the reference pass's, on shards with long names (GNU and pax),
-odd sizes, bad samples, links, corruption and samples cut by the block boundary."""
+"""The index pass at machine speed (issue #28, item 3): the bulk tar walk equals the reference
+reader (``tar_reader.iter_members``, and ``tarfile``) member for member, and the bulk text pass
+writes sidecars equal, array for array and key for key, to the reference pass's, on shards with
+long names (GNU and pax), odd sizes, bad samples, links, corruption and samples cut by the block
+boundary."""
 from __future__ import annotations
 
 import io
@@ -51,7 +52,7 @@ def _tar(members, fmt=tarfile.GNU_FORMAT) -> bytes:
 
 
 def _walked(data: bytes, block: int | None = None):
-    """``[(name, offset, end, data)]`` of the bulk walker, fed ``block`` bytes at a time as the pass feeds it."""
+    """``[(name, offset, end, data)]`` of the bulk walker, fed ``block`` bytes at a time."""
     out, base, buf = [], 0, b""
     block = block or len(data) + 1
     pos = 0
@@ -112,7 +113,7 @@ def test_what_the_bulk_walk_does_not_parse_exactly_is_left_to_the_reference(kind
             _reference(bytes(data))
 
 
-# ---- sidecars: the bulk pass against the reference pass --------------------------------------------------
+# ---- sidecars: the bulk pass against the reference pass ----------------------------------------
 def _ids(n, seed, dtype=np.int64):
     return np.random.default_rng(seed).integers(0, 30000, n).astype(dtype)
 
@@ -136,7 +137,8 @@ def _varied_shards(root) -> list[str]:
         ("p00012.input_ids.npy", _npy(_ids(20, 13))), ("p00012.json", b"{not json"),
         ("p00013.txt", b"no ids"),
         ("README", b"no extension"),
-        ("p00014.input_ids.npy", _npy(_ids(20, 14))), ("skip-me", b"x"), ("p00014.labels.npy", _npy(_ids(20, 15))),
+        ("p00014.input_ids.npy", _npy(_ids(20, 14))), ("skip-me", b"x"),
+        ("p00014.labels.npy", _npy(_ids(20, 15))),
         ("00003.input_ids.npy", _npy(_ids(20, 16))),  # a key seen before: a duplicate
         ("p00015.input_ids.npy", _npy(_ids(20, 17).astype(">i8"))),  # big-endian
         ("p00016.input_ids.npy", _npy(_ids(20, 18).astype(np.uint8))),
@@ -161,7 +163,8 @@ def _varied_shards(root) -> list[str]:
             paths.append(path)
     good_tar = _tar(good)
     third = _reference(good_tar)[2][1]
-    for name, data in {"cut": good_tar[:5000], "cut-at-header": good_tar[:4096], "no-end": good_tar[:-1024 * 10],
+    for name, data in {"cut": good_tar[:5000], "cut-at-header": good_tar[:4096],
+                       "no-end": good_tar[:-1024 * 10],
                        "flipped": good_tar[:third + 3] + b"#" + good_tar[third + 4:]}.items():
         path = os.path.join(root, f"{name}.tar")
         with open(path, "wb") as f:
@@ -175,7 +178,8 @@ def _sidecars(paths, out) -> dict:
     got = {}
     for name in sorted(os.listdir(out)):
         with np.load(os.path.join(out, name)) as z:
-            arrays = {k: (z[k].dtype.str, z[k].shape, z[k].tobytes()) for k in z.files if k != "meta"}
+            arrays = {k: (z[k].dtype.str, z[k].shape, z[k].tobytes())
+                      for k in z.files if k != "meta"}
             got[name] = (json.loads(z["meta"].tobytes()), arrays)
     return got
 
@@ -201,17 +205,18 @@ def test_bulk_text_pass_writes_the_reference_passs_sidecars(tmp_path, monkeypatc
     odd = reference["odd-1.tar.prealign-index.npz"][0]  # (the shards hold what they say)
     assert len(odd["events"]) == 9 and len(odd["dims"]) == 6 and odd["num_events"] == 62
     assert [ev[1][2]["reason"] for name in ("cut", "cut-at-header", "no-end", "flipped")
-            for ev in reference[f"{name}.tar.prealign-index.npz"][0]["events"]] == ["corrupt_shard"] * 4
+            for ev in reference[f"{name}.tar.prealign-index.npz"][0]["events"]] \
+        == ["corrupt_shard"] * 4
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow,
-                                                                 HealthCheck.function_scoped_fixture])
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(st.lists(st.tuples(st.sampled_from(["a", "b", "c", "a/b" * 40]), st.integers(0, 300),
                           st.sampled_from(["input_ids.npy", "labels.npy", "txt", "input_ids.npy"]),
                           st.sampled_from([np.int64, np.int32, np.uint16])), max_size=25),
        st.sampled_from([1024, 2048, 1 << 20]), st.sampled_from(FORMATS))
-def test_bulk_text_pass_equals_the_reference_on_generated_shards(tmp_path_factory, monkeypatch, members, block,
-                                                                 fmt):
+def test_bulk_text_pass_equals_the_reference_on_generated_shards(tmp_path_factory, monkeypatch,
+                                                                 members, block, fmt):
     root = tmp_path_factory.mktemp("gen")
     shard = [(f"{key}{i // 3}.{ext}", _npy(_ids(n, i, dtype)) if ext.endswith("npy") else b"t")
              for i, (key, n, ext, dtype) in enumerate(members)]
