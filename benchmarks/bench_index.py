@@ -14,6 +14,8 @@ and in this order, for each size and worker count:
                 imports included)
 * ``energon import``  the interpreter importing what that script imports, and nothing else
 * ``tarfile``   ``tarfile.open(shard).getmembers()`` over the same shards (CPU of the listing alone)
+* ``--reference``  ``write_sidecars`` in process, its CPU alone: the bulk pass, then the reference
+                tar reader (``tar_reader.iter_members``, what every shard took before issue #28)
 
 Wall and CPU seconds (this process's children: ``RUSAGE_CHILDREN``, which counts pool workers once they are
 reaped) of each; the table gives median [min..max] over the rounds of wall and CPU seconds, CPU-µs a sample
@@ -48,6 +50,21 @@ BaseWebdatasetFactory.prepare_dataset(EPath(root), paths, split_parts_ratio=[("t
                                       workers=int(sys.argv[2]), shuffle_seed=None)
 """
 _ENERGON_IMPORT = "from megatron.energon.flavors import BaseWebdatasetFactory"
+_IN_PROCESS = """
+import glob, sys, tempfile, time
+from prealign.loaders import WebDatasetSource
+from prealign.loaders.index import header_pass
+from prealign.loaders.sources.tar_index import Unhandled
+from prealign.schemas import causal_lm_schema
+def reference(records, f):
+    raise Unhandled("the reference pass")
+if sys.argv[2] == "reference":
+    header_pass.bulk_text_pass = reference
+src = WebDatasetSource(sorted(glob.glob(sys.argv[1] + "/*.tar")), sidecars=False)
+c = time.process_time()
+header_pass.write_sidecars(src, causal_lm_schema(), out_dir=tempfile.mkdtemp(), force=True)
+print(time.process_time() - c)
+"""
 _TARFILE = """
 import glob, sys, tarfile, time
 c = time.process_time()
@@ -137,9 +154,13 @@ def _run(args: list[str]) -> tuple[float, float, str]:
     return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime), out.stdout
 
 
-def _round(root: str, paths: list[str], workers: int, energon: bool, tar: bool) -> dict:
+def _round(root: str, paths: list[str], workers: int, energon: bool, tar: bool, reference: bool) -> dict:
     out_dir = tempfile.mkdtemp(prefix="bench-index-")
     r = {}
+    if reference:  # the pass alone, in process, one worker: bulk, then the reference tar reader
+        for kind in ("bulk", "reference"):
+            wall, _, text = _run([sys.executable, "-c", _IN_PROCESS, root, kind])
+            r[f"{kind}_pass"] = (wall, float(text.split()[-1]))
     r["prealign"] = _run([sys.executable, "-m", "prealign.loaders.cli.main", "index", "--text", "--force",
                           "--workers", str(workers), "--out", out_dir, *paths])[:2]
     r["import"] = _run([sys.executable, "-c", _IMPORT])[:2]
@@ -167,6 +188,8 @@ def main() -> int:
     ap.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "prealign-bench-index"))
     ap.add_argument("--no-energon", action="store_true", help="leave energon prepare out")
     ap.add_argument("--no-tarfile", action="store_true", help="leave the tarfile listing out")
+    ap.add_argument("--reference", action="store_true", help="also the pass alone in process, bulk and "
+                    "with the reference tar reader (the path before issue #28), CPU of the pass only")
     ap.add_argument("--json", help="write every round's numbers here")
     ap.add_argument("--distinct-shards", type=int, help="write this many shards, hard-link the rest to them "
                     "(a 10M-sample set from the 1M one; then read from the page cache, so an upper bound)")
@@ -181,7 +204,7 @@ def main() -> int:
         for n in args.sizes:
             for w in args.workers:
                 rounds[n, w].append(_round(os.path.join(args.dir, f"text-{n}"), data[n], w, energon,
-                                           not args.no_tarfile))
+                                           not args.no_tarfile, args.reference))
                 if args.json:  # (after every round: a long run stopped early keeps what it measured)
                     with open(args.json, "w") as f:
                         json.dump({f"{n}/{w}": rs for (n, w), rs in rounds.items()}, f, indent=1)
@@ -205,6 +228,12 @@ def main() -> int:
             row += (f" {_spread(ew)} | {_spread(ec)} | {_spread([e / p for e, p in zip(ew, pw)])} | "
                     f"{_spread([e / p for e, p in zip(ec, pc)])} | {_spread([e / b for e, b in zip(eb, beyond)])} |")
         print(row, flush=True)
+    if args.reference:
+        print("\n| samples | the pass in process: bulk CPU s | reference tar reader CPU s | reference / bulk |"
+              "\n|---|---|---|---|")
+        for (n, w), rs in rounds.items():
+            bulk, ref = [r["bulk_pass"][1] for r in rs], [r["reference_pass"][1] for r in rs]
+            print(f"| {n:,} | {_spread(bulk)} | {_spread(ref)} | {_spread([b / a for a, b in zip(bulk, ref)])} |")
     return 0
 
 
