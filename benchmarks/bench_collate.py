@@ -12,7 +12,9 @@ both sides):
                (measured in a fresh subprocess with /proc/self/clear_refs + VmHWM, default malloc)
 Timed runs pin glibc's malloc thresholds (see ``pin_allocator``) so that no contender's time
 depends on the allocator state the previous one left.
-Rounds interleave the contenders (a round: verl once, each other contender 5 calls, their median);
+Times are CPU seconds of the calling thread (torch on one thread; on a shared machine the wall clock
+adds whatever else ran). Rounds interleave the contenders (a round: verl once, each other contender 5
+calls, their median);
 each cell is the median [min..max] over the rounds, and each ratio the median of the per-round ratios (the ratio of the medians alongside in
 ``--json``); absolute times depend on the machine. One thread, like one DataLoader worker.
 
@@ -69,6 +71,11 @@ def out_bytes(batch: dict) -> int:
     return sum(v.numel() * v.element_size() for v in batch.values() if isinstance(v, torch.Tensor))
 
 
+CLOCK = time.thread_time
+"""CPU seconds of this thread (torch runs on this one thread): what a call costs, whatever else the machine
+runs (a wall clock on a shared machine adds the time other processes held the core)."""
+
+
 def timeit_side_by_side(fns: dict, repeat: int, inner: int = 5, slow: tuple = ("verl",)) -> dict:
     """Seconds of each function in ``repeat`` rounds (interleaved, so every contender sees the same
     machine): ``{name: [seconds of each round]}``. A round calls each of ``slow`` once and each other
@@ -82,9 +89,9 @@ def timeit_side_by_side(fns: dict, repeat: int, inner: int = 5, slow: tuple = ("
         for name, fn in fns.items():
             calls = []
             for _ in range(1 if name in slow else inner):
-                t0 = time.perf_counter()
+                t0 = CLOCK()
                 fn()
-                calls.append(time.perf_counter() - t0)
+                calls.append(CLOCK() - t0)
             times[name].append(statistics.median(calls))
     return times
 
