@@ -239,3 +239,36 @@ def test_bulk_text_pass_equals_the_reference_on_generated_shards(tmp_path_factor
 @given(st.text(st.sampled_from("ab./\nX\u00e9"), max_size=12))
 def test_split_name_equals_the_reference_split(name):
     assert bulk_pass.split_name(name) == split_member_name(name)
+
+
+def test_the_reference_judges_one_sample_per_signature_at_any_shard_size(tmp_path, monkeypatch):
+    """Counted work, two sizes: on a shard of plain samples the per-sample reference judge
+    (``ShardPass.sample``) runs once per data signature and the reference tar reader never, at 100
+    as at 2,000 samples (the bulk pass did not silently fall back: its per-sample work is arrays)."""
+    calls = {"sample": 0, "iter_members": 0}
+    judge, walk_members = header_pass.ShardPass.sample, header_pass.iter_members
+
+    def counted_judge(self, *a, **kw):
+        calls["sample"] += 1
+        return judge(self, *a, **kw)
+
+    def counted_walk(*a, **kw):
+        calls["iter_members"] += 1
+        return walk_members(*a, **kw)
+
+    monkeypatch.setattr(header_pass.ShardPass, "sample", counted_judge)
+    monkeypatch.setattr(header_pass, "iter_members", counted_walk)
+    monkeypatch.setattr(bulk_pass, "BLOCK_BYTES", 64 << 10)  # several blocks at either size
+    counts = {}
+    for n in (100, 2000):
+        path = str(tmp_path / f"s{n}.tar")
+        members = [(f"{i:05d}.input_ids.npy",
+                    _npy(_ids(16 + i % 240, i, np.int32 if i % 2 else np.int64))) for i in range(n)]
+        with open(path, "wb") as f:
+            f.write(_tar(members))
+        calls.update(sample=0, iter_members=0)
+        stats = write_sidecars(WebDatasetSource([path]), SCHEMA, out_dir=str(tmp_path / f"o{n}"),
+                               force=True)
+        assert stats["samples"] == n
+        counts[n] = dict(calls)
+    assert counts[100] == counts[2000] == {"sample": 2, "iter_members": 0}  # two dtypes, two sigs
