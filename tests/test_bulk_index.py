@@ -244,7 +244,7 @@ def test_split_name_equals_the_reference_split(name):
 def test_the_reference_judges_one_sample_per_signature_at_any_shard_size(tmp_path, monkeypatch):
     """Counted work, two sizes: on a shard of plain samples the per-sample reference judge
     (``ShardPass.sample``) runs once per data signature and the reference tar reader never, at 100
-    as at 2,000 samples (the bulk pass did not silently fall back: its per-sample work is arrays)."""
+    as at 2,000 samples (the bulk pass did not fall back: its per-sample work is arrays)."""
     calls = {"sample": 0, "iter_members": 0}
     judge, walk_members = header_pass.ShardPass.sample, header_pass.iter_members
 
