@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import operator
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
@@ -159,8 +158,8 @@ def flatten(batch, schema: BatchSchema, *, check_values: bool = True) -> FlatBat
                 raise SampleError(sample=i, field=None, expected="a dict of fields", actual=type(s).__name__)
     ids = _column(batch, "input_ids")
     try:
-        lengths = torch.from_numpy(np.fromiter(map(len, ids), np.int64, len(ids)))  # shape[0]s
-    except TypeError:  # a 0-d tensor has no token dim
+        lengths = torch.from_numpy(np.fromiter((t.shape[0] for t in ids), np.int64, len(ids)))
+    except IndexError:  # a 0-d tensor has no token dim
         i = next(i for i, t in enumerate(ids) if t.ndim == 0)
         raise SampleError(sample=i, field="input_ids", expected="a non-empty 1-D token tensor",
                           actual="a 0-d tensor") from None
@@ -181,7 +180,7 @@ def flatten(batch, schema: BatchSchema, *, check_values: bool = True) -> FlatBat
             continue
         done.add(key)
         tensors = ids if key == "input_ids" else _column(batch, key)
-        dtypes = set(map(_DTYPE, tensors))  # once a field: the widening and the dtype check
+        dtypes = {t.dtype for t in tensors}  # once a field: the widening and the dtype check
         tensors = _widened(tensors, spec, dtypes)
         if key == "input_ids":
             ids = tensors
@@ -316,7 +315,7 @@ def _nested_other(value, spec: FieldSpec, flat: FlatBatch, check_values: bool) -
 def _column(batch: Sequence[Mapping], key: str) -> list[torch.Tensor]:
     """``[sample[key] for sample in batch]`` as tensors; a missing or non-numeric value is named."""
     try:
-        col = list(map(operator.itemgetter(key), batch))
+        col = [s[key] for s in batch]
     except KeyError:
         i = next(i for i, s in enumerate(batch) if key not in s)
         raise SampleError(sample=i, field=key, expected="the field present (sample 0 has it)",
@@ -327,7 +326,6 @@ def _column(batch: Sequence[Mapping], key: str) -> list[torch.Tensor]:
 
 
 _TENSOR = {torch.Tensor}
-_DTYPE = operator.attrgetter("dtype")
 
 
 _NARROW_INTS = frozenset({torch.int8, torch.int16, torch.int32, torch.uint8, torch.uint16, torch.uint32})
