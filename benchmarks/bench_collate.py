@@ -1,6 +1,8 @@
 """Collate speed and memory, side by side in one run: prealign vs verl vs a torch.cat floor.
 
-For B in {8, 64, 256, 1024} sequences of 16..1024 tokens, tp=2 cp=2, CP rank 0:
+For B in {8, 64, 256, 1024} sequences of 16..1024 tokens, tp=2 cp=2, CP rank 0, every sequence
+padded to a multiple of 2 * tp * cp as verl pads it (``PadPolicy.PER_SEQUENCE``: equal padding on
+both sides):
   ours         THDCollator(cp_rank=0) on a list of sample dicts (all fields: ids, labels,
                loss_mask, positions, padding mask [+ teacher top-k log-probs/ids, K=64])
   ours-nested  the same collator on verl's input format (dict of jagged nested tensors)
@@ -10,8 +12,11 @@ For B in {8, 64, 256, 1024} sequences of 16..1024 tokens, tp=2 cp=2, CP rank 0:
                (measured in a fresh subprocess with /proc/self/clear_refs + VmHWM, default malloc)
 Timed runs pin glibc's malloc thresholds (see ``pin_allocator``) so that no contender's time
 depends on the allocator state the previous one left.
-Times are best-of-N with the contenders interleaved; ratios are what matter, absolute times depend on
-the machine. One thread, like one DataLoader worker.
+Times are CPU seconds of the calling thread (torch on one thread; on a shared machine the wall clock
+adds whatever else ran). Rounds interleave the contenders (a round: verl once, each other contender 5
+calls, their median);
+each cell is the median [min..max] over the rounds, and each ratio the median of the per-round ratios (the ratio of the medians alongside in
+``--json``); absolute times depend on the machine. One thread, like one DataLoader worker.
 
     python benchmarks/bench_collate.py            # full table
     python benchmarks/bench_collate.py --quick    # B in {8, 64, 256}, fewer repeats
@@ -22,6 +27,7 @@ import argparse
 import gc
 import os
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -34,9 +40,10 @@ warnings.filterwarnings("ignore")
 
 from prealign.collate import THDCollator  # noqa: E402
 from prealign.schemas import ParallelLayout, causal_lm_schema  # noqa: E402
+from prealign.schemas.layout import PadPolicy  # noqa: E402
 
 K = 64
-LAYOUT = ParallelLayout(tp=2, cp=2)
+LAYOUT = ParallelLayout(tp=2, cp=2, pad_policy=PadPolicy.PER_SEQUENCE)
 
 
 def make_samples(batch_size: int, topk: bool, seed: int = 0) -> list[dict]:
@@ -64,18 +71,38 @@ def out_bytes(batch: dict) -> int:
     return sum(v.numel() * v.element_size() for v in batch.values() if isinstance(v, torch.Tensor))
 
 
-def timeit_side_by_side(fns: dict, repeat: int) -> dict:
-    """Best-of-``repeat`` seconds of each function, calls interleaved so every contender sees the same
-    machine (the minimum: on a shared VM noise only ever adds time, and it adds it unevenly)."""
+CLOCK = time.thread_time
+"""CPU seconds of this thread (torch runs on this one thread): what a call costs, whatever else the machine
+runs (a wall clock on a shared machine adds the time other processes held the core)."""
+
+
+def timeit_side_by_side(fns: dict, repeat: int, inner: int = 5, slow: tuple = ("verl",)) -> dict:
+    """Seconds of each function in ``repeat`` rounds (interleaved, so every contender sees the same
+    machine): ``{name: [seconds of each round]}``. A round calls each of ``slow`` once and each other
+    contender ``inner`` times back to back, its value the median of those: a call right after a
+    0.2-10 s verl call measures the caches and allocator state verl left, and is not the contender's
+    steady state, so the per-round ratio compares calls made under the same conditions."""
     for fn in fns.values():
         fn()
     times = {name: [] for name in fns}
     for _ in range(repeat):
         for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
-    return {name: min(ts) for name, ts in times.items()}
+            calls = []
+            for _ in range(1 if name in slow else inner):
+                t0 = CLOCK()
+                fn()
+                calls.append(CLOCK() - t0)
+            times[name].append(statistics.median(calls))
+    return times
+
+
+def median(xs: list) -> float:
+    return statistics.median(xs)
+
+
+def spread(xs: list, scale: float = 1e3, fmt: str = "{:.3f}") -> str:
+    """``median [min..max]`` of ``xs`` times ``scale``."""
+    return f"{fmt.format(median(xs) * scale)} [{fmt.format(min(xs) * scale)}..{fmt.format(max(xs) * scale)}]"
 
 
 def _rss(key: str) -> int:
@@ -130,34 +157,35 @@ def run(batch_sizes, repeat: int) -> list[dict]:
 
             row = {"B": b, "case": "top-k K=64" if topk else "tokens", "T_local": batch["input_ids"].shape[1],
                    "out_MiB": nbytes / 2**20}
-            row.update(timeit_side_by_side({"ours": lambda: coll(samples), "ours_nested": lambda: coll(nt),
-                                            "floor": floor}, repeat))
+            fns = {"ours": lambda: coll(samples), "ours_nested": lambda: coll(nt), "floor": floor}
             if verl is not None:
                 def run_verl():
                     with patched_parallel_state(verl, tp=LAYOUT.tp, cp=LAYOUT.cp, cp_rank=0):
                         for k in fields_of(samples):
                             verl.preprocess_thd_engine(nt[k], pre_process=True)
-                # verl is 100-1000x slower: fewer repeats, timed on its own (interleaving a 0.2-10 s call
-                # with ours would only measure the caches and allocator state it leaves behind)
-                row["verl"] = timeit_side_by_side({"verl": run_verl}, max(3, repeat // 8) if b >= 256 else repeat)["verl"]
+                fns["verl"] = run_verl
+            # verl is 100-1000x slower: fewer rounds at large B (every contender in every round alike)
+            row.update(timeit_side_by_side(fns, max(5, repeat // 4) if verl is not None and b >= 256 else repeat))
             row["peak/out"] = peak_ratio(b, topk)
             rows.append(row)
             print_row(row)
     return rows
 
 
-HEADER = (f"{'B':>5} {'case':>11} {'T_local':>8} {'out MiB':>8} {'ours ms':>8} {'nested ms':>9} {'verl ms':>9} "
-          f"{'floor ms':>8} {'verl/ours':>9} {'ours/floor':>10} {'peak/out':>8}")
+HEADER = ("| B | case | T_local | out MiB | ours ms | nested ms | verl ms | floor ms | verl / ours | "
+          "ours / floor (median of rounds) | ours / floor (ratio of medians) | peak/out |\n"
+          + "|---" * 12 + "|")
 
 
 def print_row(r: dict) -> None:
     verl, peak = r.get("verl"), r.get("peak/out")
-    verl_ms = "-" if verl is None else f"{verl * 1e3:.2f}"
-    speedup = "-" if verl is None else f"{verl / r['ours']:.0f}x"
-    peak_s = "-" if peak is None else f"{peak:.2f}x"
-    print(f"{r['B']:>5} {r['case']:>11} {r['T_local']:>8} {r['out_MiB']:>8.2f} {r['ours'] * 1e3:>8.3f} "
-          f"{r['ours_nested'] * 1e3:>9.3f} {verl_ms:>9} {r['floor'] * 1e3:>8.3f} {speedup:>9} "
-          f"{r['ours'] / r['floor']:>9.2f}x {peak_s:>8}", flush=True)
+    per_round = [o / f for o, f in zip(r["ours"], r["floor"])]
+    speedup = "-" if verl is None else spread([v / o for v, o in zip(verl, r["ours"])], 1, "{:.0f}x")
+    print(f"| {r['B']} | {r['case']} | {r['T_local']} | {r['out_MiB']:.2f} | {spread(r['ours'])} | "
+          f"{spread(r['ours_nested'])} | {'-' if verl is None else spread(verl, 1e3, '{:.1f}')} | "
+          f"{spread(r['floor'])} | {speedup} | {spread(per_round, 1, '{:.2f}x')} | "
+          f"{median(r['ours']) / median(r['floor']):.2f}x | {'-' if peak is None else f'{peak:.2f}x'} |",
+          flush=True)
 
 
 def pin_allocator() -> bool:
@@ -178,7 +206,7 @@ def pin_allocator() -> bool:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="B in {8, 64, 256} and fewer repeats")
-    p.add_argument("--repeat", type=int, default=None, help="timed repeats per cell (median)")
+    p.add_argument("--repeat", type=int, default=None, help="rounds per cell (median [min..max])")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--memory-probe", nargs=2, type=int, metavar=("B", "TOPK"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -189,6 +217,7 @@ def main(argv=None) -> None:
     sizes = (8, 64, 256) if args.quick else (8, 64, 256, 1024)
     pinned = pin_allocator()
     print(f"torch {torch.__version__}, {args.threads} thread(s), layout tp={LAYOUT.tp} cp={LAYOUT.cp} (rank 0), "
+          f"padding {LAYOUT.pad_policy.value}, "
           f"lengths 16..1024, malloc thresholds {'pinned' if pinned else 'default'}")
     print(HEADER)
     run(sizes, args.repeat or (11 if args.quick else 31))

@@ -8,6 +8,11 @@ Raw: ``webdataset.WebDataset(shards)`` in a DataLoader with 2 workers, each samp
 to a tensor (the same decoding work, no planning, no collation).
 Raw is run in-process and with the workers (handing over lists of 32 samples); the ratio compares
 samples/s of the loader with the faster of the two (target >= 0.9). Every run reads every sample once.
+Megatron-Energon (``--no-energon`` to leave it out): ``energon prepare`` of the same shards once (untimed,
+like the index pass), then a fresh ``get_loader(get_train_dataset(...))`` with the same workers reading
+as many samples, decoded, in lists of 32 (no packing, no collation). Every contender starts fresh
+workers in its first epoch in every round; the rounds interleave the contenders; samples/s are given as
+median [min..max] over the rounds with the per-round ratio.
 The collate share is measured in-process (``num_workers=0``): time in the collator / time per epoch.
 The one-off index pass (lengths + byte offsets) is timed separately and not part of the epoch.
 """
@@ -17,6 +22,7 @@ import argparse
 import io
 import json
 import os
+import statistics
 import sys
 import tarfile
 import tempfile
@@ -101,46 +107,109 @@ def loader_epoch(loader) -> tuple[int, int, float, float]:
     return batches, samples, time.perf_counter() - t0, collate
 
 
+class _EnergonEncoder:
+    """A task encoder whose batches are lists of samples (variable lengths: Energon's default stacks)."""
+
+    def __new__(cls):
+        from megatron.energon import DefaultTaskEncoder
+
+        class Encoder(DefaultTaskEncoder):
+            def batch(self, samples):
+                return samples
+
+        return Encoder()
+
+
+def energon_prepare(root: str, paths: list[str], workers: int) -> float:
+    """``energon prepare`` of the shards (once, like prealign's index pass): seconds."""
+    from megatron.energon.epathlib import EPath
+    from megatron.energon.flavors import BaseWebdatasetFactory
+
+    t0 = time.perf_counter()
+    BaseWebdatasetFactory.prepare_dataset(EPath(root), [os.path.basename(p) for p in paths],
+                                          split_parts_ratio=[("train", 1.0)], workers=workers, shuffle_seed=None)
+    with open(os.path.join(root, ".nv-meta", "dataset.yaml"), "w") as f:
+        f.write("sample_type:\n  __module__: megatron.energon\n  __class__: TextSample\n"
+                "field_map:\n  text: input_ids.npy\n")
+    return time.perf_counter() - t0
+
+
+def energon_epoch(root: str, n: int, workers: int) -> tuple[int, float]:
+    """Samples and seconds of a fresh Energon loader (``workers`` fresh workers) reading ``n`` samples (its
+    train dataset loops: read until ``n``), batches of 32 samples as lists."""
+    from megatron.energon import WorkerConfig, get_loader, get_train_dataset
+
+    t0 = time.perf_counter()
+    wc = WorkerConfig(rank=0, world_size=1, num_workers=workers)
+    loader = get_loader(get_train_dataset(root, batch_size=32, shuffle_buffer_size=None,
+                                          max_samples_per_sequence=None, worker_config=wc,
+                                          task_encoder=_EnergonEncoder()))
+    got = 0
+    it = iter(loader)
+    while got < n:
+        got += len(next(it))
+    del it, loader
+    return got, time.perf_counter() - t0
+
+
+def _spread(xs: list[float], fmt: str = "{:,.0f}") -> str:
+    return f"{fmt.format(statistics.median(xs))} [{fmt.format(min(xs))}..{fmt.format(max(xs))}]"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="4k samples instead of 40k")
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--no-energon", action="store_true", help="leave Megatron-Energon out")
     args = ap.parse_args(argv)
     n = 4_000 if args.quick else 40_000
+    energon = not args.no_energon
     layout, schema = ParallelLayout(tp=2, cp=2), causal_lm_schema()
     with tempfile.TemporaryDirectory() as root:
         paths = write_shards(root, n)
         src = WebDatasetSource(paths)
         coll = TimedCollator(THDCollator(schema=schema, layout=layout, cp_rank=0))
         t0 = time.perf_counter()
-        loader = PackedLoader(src, schema=schema, layout=layout, token_budget=8192, cp_rank=0,
-                              num_workers=args.workers, collator=coll, indexing=IndexOptions(workers=args.workers),
-                              loading=LoadingOptions(persistent_workers=True, prefetch_factor=4))
+        index = PackedLoader(src, schema=schema, layout=layout, token_budget=8192, cp_rank=0,
+                             indexing=IndexOptions(workers=args.workers)).prepare().index
         index_s = time.perf_counter() - t0
+        prepare_s = energon_prepare(root, paths, args.workers) if energon else None
+
+        def loader():  # fresh workers, epoch 0, every round: what the raw DataLoader and Energon get
+            return PackedLoader(src, schema=schema, layout=layout, token_budget=8192, cp_rank=0,
+                                num_workers=args.workers, collator=coll, indexing=IndexOptions(prebuilt=index),
+                                loading=LoadingOptions(persistent_workers=False, prefetch_factor=4))
+
         rows = []
-        for rep in range(2):  # alternate so that page cache and warm-up favour neither
-            raw = [raw_epoch(paths, w) for w in (0, args.workers)]
-            lb, ls, lt, _ = loader_epoch(loader)
-            rows.append((raw, lb, ls, lt))
+        for _ in range(args.rounds):  # interleaved: page cache and machine load favour no contender
+            row = {"raw0": raw_epoch(paths, 0), "raw": raw_epoch(paths, args.workers)}
+            lb, ls, lt, _ = loader_epoch(loader())
+            row["loader"] = (ls, lt)
+            if energon:
+                row["energon"] = energon_epoch(root, n, args.workers)
+            rows.append(row)
         inproc = PackedLoader(src, schema=schema, layout=layout, token_budget=8192, cp_rank=0, num_workers=0,
-                              collator=coll, indexing=IndexOptions(prebuilt=loader.index))
+                              collator=coll, indexing=IndexOptions(prebuilt=index))
         ib, isamp, it, icoll = loader_epoch(inproc)
-    raw, lb, ls, lt = rows[-1]
-    (rn0, rs0), (rn, rs) = raw
-    assert rn0 == rn == ls == n, (rn0, rn, ls, n)
-    raw_sps, our_sps = max(rn / rs, rn0 / rs0), ls / lt
-    stats = loader.plan(0).stats
-    print(f"{n} samples in 8 shards, tp=2 cp=2 budget 8192, {args.workers} workers; "
-          f"index pass {index_s:.2f}s (once); utilisation {stats.utilisation:.4f}")
-    head = f"{'run':<28} {'samples':>8} {'batches':>8} {'seconds':>8} {'samples/s':>10} {'batches/s':>10}"
-    print(head + "\n" + "-" * len(head))
-    print(f"{'raw webdataset, 0 workers':<28} {rn0:>8} {'-':>8} {rs0:>8.3f} {rn0 / rs0:>10.0f} {'-':>10}")
-    print(f"{f'raw webdataset, {args.workers} workers':<28} {rn:>8} {'-':>8} {rs:>8.3f} {rn / rs:>10.0f} {'-':>10}")
-    print(f"{f'PackedLoader, {args.workers} workers':<28} {ls:>8} {lb:>8} {lt:>8.3f} {our_sps:>10.0f} {lb / lt:>10.1f}")
-    print(f"{'PackedLoader, 0 workers':<28} {isamp:>8} {ib:>8} {it:>8.3f} {isamp / it:>10.0f} {ib / it:>10.1f}")
-    print(f"\nratio loader / faster raw (samples/s): {our_sps / raw_sps:.3f}   (target >= 0.9)")
-    print(f"collate share of the per-batch work (0 workers): {icoll / it:.3f}  "
-          f"({1000 * icoll / ib:.2f} ms per batch of ~{isamp / ib:.0f} samples)")
+    for row in rows:
+        assert row["raw0"][0] == row["raw"][0] == row["loader"][0] == n, row
+    sps = {k: [r[k][0] / r[k][1] for r in rows] for k in rows[0]}
+    print(f"{n} samples in 8 shards, tp=2 cp=2 budget 8192, {args.workers} workers, {args.rounds} interleaved "
+          f"rounds, every contender on fresh workers in its first epoch; index pass {index_s:.2f} s"
+          + (f", energon prepare {prepare_s:.2f} s" if energon else "") + " (once, not timed below)\n")
+    print("| run | samples/s, median [min..max] | PackedLoader / it, per round |\n|---|---|---|")
+    names = {"raw0": "raw webdataset, 0 workers", "raw": f"raw webdataset, {args.workers} workers",
+             "energon": f"Megatron-Energon loader, {args.workers} workers (decode only, lists of 32)",
+             "loader": f"PackedLoader, {args.workers} workers (packed, collated tp=2 cp=2)"}
+    for k, name in names.items():
+        if k in sps:
+            ratio = "-" if k == "loader" else _spread([a / b for a, b in zip(sps["loader"], sps[k])], "{:.2f}")
+            print(f"| {name} | {_spread(sps[k])} | {ratio} |")
+    faster = [lo / max(a, b) for lo, a, b in zip(sps["loader"], sps["raw0"], sps["raw"])]
+    print(f"\nPackedLoader / faster raw (samples/s), per round: {_spread(faster, '{:.3f}')}   (target >= 0.9)")
+    print(f"PackedLoader, 0 workers: {isamp / it:,.0f} samples/s; collate share of its per-batch work "
+          f"{icoll / it:.3f} ({1000 * icoll / ib:.2f} ms per batch of ~{isamp / ib:.0f} samples)")
     return 0
 
 

@@ -5,8 +5,9 @@ CPU of a whole CP group with :class:`~prealign.loaders.handoff.batch_share.Batch
 Data: ``build_demo_dataset`` (no planted bad samples), ``--samples`` samples (default 2,000) in shards of
 100; images 48..360 px, JPEG and PNG, 0-2 per sample.
 
-- prealign: ``WebDatasetSource`` + ``VLMSampleTransform`` (no teacher) + ``PackedLoader`` (tp=1, cp=2, this
-  is CP rank 0, budget ``--budget`` tokens, ``--workers`` workers), index built once beforehand (timed apart).
+- prealign: ``WebDatasetSource`` + ``VLMSampleTransform`` (no teacher) + ``PackedLoader`` (tp=1, cp=1:
+  whole micro-batches, every token field, as the baseline builds them; budget ``--budget`` tokens,
+  ``--workers`` workers), index built once beforehand (timed apart).
 - baseline: ``webdataset.WebDataset(shards)`` -> per sample: PIL decode, transformers' Qwen2-VL image
   processor, the same chat rendering and tokenizer -> ``.batched(B)`` with transformers'
   ``DataCollatorWithFlattening`` for the tokens plus ``torch.cat`` of ``pixel_values`` / ``image_grid_thw``;
@@ -169,7 +170,8 @@ def run_prealign(shards, index, args) -> dict:
     lengths = index.lengths
     c0, t0 = cpu_seconds(), time.perf_counter()
     n = tokens = 0
-    for batch in prealign_loader(shards, index, budget=args.budget, workers=args.workers, model=args.model):
+    # cp=1: whole micro-batches, as the baseline builds them (a CP rank of cp=2 would build half the tokens)
+    for batch in prealign_loader(shards, index, budget=args.budget, workers=args.workers, cp=1, model=args.model):
         rows = batch["sample_index"]
         n += rows.numel()
         tokens += int(lengths[rows].sum())
@@ -235,7 +237,7 @@ def stages(shards, index, n: int, model: str | None = None) -> dict:
     samples = [transform(dict(r)) for r in raws]
     per = max(1, len(samples) // 8)
     collate = _CollatePlanned(THDCollator(schema=vlm_schema(vocab_size=transform.tokenizer.vocab_size),
-                                          layout=ParallelLayout(cp=2), cp_rank=0), pack=True)
+                                          layout=ParallelLayout(cp=1), cp_rank=0), pack=True)  # whole batches
     reqs = [(Request(epoch=0, position=k, indices=tuple(range(k, min(k + per, len(samples))))),
              samples[k:k + per], str) for k in range(0, len(samples), per)]
     timed("prealign", "collate + hand-off packing", collate, reqs)

@@ -168,26 +168,29 @@ def flatten(batch, schema: BatchSchema, *, check_values: bool = True) -> FlatBat
                      check_values=check_values)
     next_pads = _next_pad_values(schema)
     present = batch[0].keys()
+    keys = set().union(*batch)  # every sample's keys, once: what the presence checks read
     done: set[str] = set()
     for spec in _sample_keys_read(schema):
-        key = _resolve_in_batch(spec, batch, present)
+        key = _resolve_in_batch(spec, batch, present, keys)
         if key is None:
-            if spec.required or any(any(k in s for s in batch) for k in spec.sample_keys):
+            if spec.required or not keys.isdisjoint(spec.sample_keys):
                 _missing(spec, batch)
             continue
         if key in done:
             continue
         done.add(key)
-        tensors = _widened(ids if key == "input_ids" else _column(batch, key), spec)
+        tensors = ids if key == "input_ids" else _column(batch, key)
+        dtypes = {t.dtype for t in tensors}  # once a field: the widening and the dtype check
+        tensors = _widened(tensors, spec, dtypes)
         if key == "input_ids":
             ids = tensors
-        _check_token_parts(tensors, spec, key, flat)
+        _check_token_parts(tensors, spec, key, flat, dtypes)
         flat.token[key] = TokenSource(parts=tensors, values=None, pad=_pad_rows(tensors[0], spec, next_pads.get(key)),
                                       token_dim=spec.token_dim,
                                       diagnose=functools.partial(_diagnose_token, tensors, spec, key, flat))
     for spec in schema.of_role(Role.SEQUENCE) + schema.of_role(Role.MEDIA):
         if spec.name not in present:
-            if spec.required or any(spec.name in s for s in batch):
+            if spec.required or spec.name in keys:
                 _missing(spec, batch)
             continue
         tensors = _widened(_column(batch, spec.name), spec)
@@ -225,13 +228,15 @@ def _check_device(t: torch.Tensor, i: int | None, key: str) -> None:
                           actual=f"a tensor on {t.device}", hint="move samples to the CPU before collating")
 
 
-def _resolve_in_batch(spec: FieldSpec, batch: Sequence[Mapping], present) -> str | None:
+def _resolve_in_batch(spec: FieldSpec, batch: Sequence[Mapping], present, keys: set) -> str | None:
     """The sample key ``spec`` reads, the same for every sample: sample 0's first present key, unless
     another sample has a key of higher priority (``labels`` over ``input_ids``), which is an error
-    rather than silently ignoring that sample's labels."""
+    rather than silently ignoring that sample's labels. ``keys``: every sample's keys."""
     key = resolve_key(spec, present)
     higher = spec.sample_keys if key is None else spec.sample_keys[:spec.sample_keys.index(key)]
     for k in higher:
+        if k not in keys:
+            continue
         has = next((i for i, s in enumerate(batch) if k in s), None)
         if has is not None:
             i = next(i for i, s in enumerate(batch) if k not in s)
@@ -315,19 +320,28 @@ def _column(batch: Sequence[Mapping], key: str) -> list[torch.Tensor]:
         i = next(i for i, s in enumerate(batch) if key not in s)
         raise SampleError(sample=i, field=key, expected="the field present (sample 0 has it)",
                           actual=f"fields {sorted(batch[i].keys())}") from None
-    if all(type(t) is torch.Tensor for t in col):
+    if set(map(type, col)) == _TENSOR:
         return col
     return [_as_tensor(v, i, key) for i, v in enumerate(col)]
+
+
+_TENSOR = {torch.Tensor}
 
 
 _NARROW_INTS = frozenset({torch.int8, torch.int16, torch.int32, torch.uint8, torch.uint16, torch.uint32})
 
 
-def _widened(tensors: list[torch.Tensor], spec: FieldSpec) -> list[torch.Tensor]:
+def _widened(tensors: list[torch.Tensor], spec: FieldSpec,
+             dtypes: set | None = None) -> list[torch.Tensor]:
     """Narrower integer parts (int32 / uint16 ``.npy`` token ids) of a field declared int64 only, cast
-    to int64, as a list from a Hugging Face column becomes; anything else unchanged (checked later)."""
-    if spec.dtypes != ("int64",) or not any(t.dtype in _NARROW_INTS for t in tensors):
+    to int64, as a list from a Hugging Face column becomes; anything else unchanged (checked later).
+    ``dtypes``: the parts' dtypes when known (a set, updated in place when parts are cast)."""
+    if dtypes is None:
+        dtypes = {t.dtype for t in tensors}
+    if spec.dtypes != ("int64",) or dtypes.isdisjoint(_NARROW_INTS):
         return tensors
+    dtypes -= _NARROW_INTS
+    dtypes.add(torch.int64)
     return [t.to(torch.int64) if t.dtype in _NARROW_INTS else t for t in tensors]
 
 
@@ -363,10 +377,12 @@ def _missing(spec: FieldSpec, batch: list) -> None:
         raise SampleError(sample=0, field=spec.name, expected="the field (sample %d has it)" % has[0], actual="missing")
 
 
-def _check_token_parts(tensors: list, spec: FieldSpec, key: str, flat: FlatBatch) -> None:
-    """Metadata-only checks of one token field over all samples (no tensor op): token-dim sizes equal
-    input_ids' lengths, one dtype, equal other dims matching the declaration. torch.cat would
-    promote mixed dtypes and only see the total length, so these are checked here."""
+def _check_token_parts(tensors: list, spec: FieldSpec, key: str, flat: FlatBatch,
+                       dtypes: set) -> None:
+    """Metadata-only checks of one token field over all samples (no tensor op): token-dim sizes
+    equal input_ids' lengths, one dtype (``dtypes``: the parts'), equal other dims matching the
+    declaration. torch.cat would promote mixed dtypes and only see the total length, so these are
+    checked here."""
     first = tensors[0]
     td = spec.token_dim
     if first.ndim <= td:
@@ -375,7 +391,8 @@ def _check_token_parts(tensors: list, spec: FieldSpec, key: str, flat: FlatBatch
         sizes = np.fromiter((t.shape[td] if t.ndim > td else -1 for t in tensors), np.int64, len(tensors))
         if not np.array_equal(sizes, flat.lengths.numpy()):
             _diagnose_token(tensors, spec, key, flat)
-    if len({(t.dtype, t.ndim, t.device) for t in tensors}) != 1 or first.device.type != "cpu":
+    # one dtype (torch.cat would promote); other ranks, devices make torch.cat fail: diagnosed then
+    if len(dtypes) != 1 or first.device.type != "cpu":
         for i, t in enumerate(tensors):
             _check_device(t, i, key)
         _diagnose_token(tensors, spec, key, flat)
@@ -402,6 +419,8 @@ def _check_token_shape(shape, dtype, spec: FieldSpec, key: str, flat: FlatBatch,
 
 
 def _diagnose_token(tensors: list, spec: FieldSpec, key: str, flat: FlatBatch) -> None:
+    for i, t in enumerate(tensors):
+        _check_device(t, i, key)
     dims = dict(flat.dims)
     lengths = flat.lengths.tolist()
     for i, t in enumerate(tensors):

@@ -43,6 +43,7 @@ from prealign.loaders.errors import (
     NotRegularFileError,
     StaleIndexError,
 )
+from prealign.loaders.index.bulk_pass import bulk_text_pass
 from prealign.loaders.index.events import error_record
 from prealign.loaders.index.sample_checks import BOUNDED, has_media, value_bounds
 from prealign.loaders.index.sidecar import (
@@ -81,6 +82,7 @@ from prealign.loaders.sources.npy import NpyFormatError, parse_npy_header
 from prealign.loaders.sources.shard_files import check_index_dir_names, sample_checksum, shard_name, sidecar_path
 from prealign.loaders.sources.source import Skip
 from prealign.loaders.sources.tar_decode import IMAGES, decode_member, split_member_name
+from prealign.loaders.sources.tar_index import Unhandled
 from prealign.loaders.sources.tar_reader import TarFormatError, iter_members
 from prealign.loaders.sources.webdataset import check_members, numpy_fields
 from prealign.schemas.errors import ConfigError, PrealignError, SampleError
@@ -331,6 +333,16 @@ def header_index_shard(source, schema: BatchSchema, shard: int, *, full: bool = 
         if rule is None:
             record = transform_pass(source, shard)
             return record, f.finish()
+        if isinstance(rule, TextRule):  # blocks walked in bulk; a shard it does not parse exactly: below
+            records = ShardPass(source, shard, rule)
+            try:
+                bulk_text_pass(records, f)
+                return records.record(), f.finish()
+            except (Unhandled, OSError, EOFError):
+                close = getattr(f.f, "close", None)
+                if close:
+                    close()
+                f = open_shard(url, source.remote)
         # streamed: one sample's members in memory at a time, hashed as they are read
         return _header_pass(source, schema, shard, rule, f), f.finish()
     finally:
@@ -359,13 +371,26 @@ def open_shard(url: str, opts=None) -> Fingerprint:
     return Fingerprint(f, length, url)
 
 
-def _header_pass(source, schema, shard: int, rule, f) -> dict:
-    url = source.urls[shard]
-    locations, lengths, media, events, dims, dim_ids, value_rows = [], [], [], [], [], [], []
-    by_sig: dict[tuple, int] = {}
+_OK = ["ok"]
+"""The event of an accepted sample (one object, shared: events are read, never changed)."""
 
-    def sample(key: str, start: int, end: int, members: list[tuple[str, bytes, str]], duplicate: bool) -> None:
-        where = f"{url}:{key}"
+
+class ShardPass:
+    """What the header pass keeps of one shard, sample by sample, in stream order: :meth:`sample` judges one
+    sample from its members (the reference, whatever walked the tar), :meth:`add_rows` appends samples a bulk
+    pass judged the same way in arrays (:mod:`~prealign.loaders.index.bulk_pass`), :meth:`record` is the
+    shard's record."""
+
+    def __init__(self, source, shard: int, rule):
+        self.source, self.shard, self.rule, self.url = source, shard, rule, source.urls[shard]
+        self.locations, self.lengths, self.media, self.dim_ids, self.events = [], [], [], [], []
+        self.dims: list = []
+        self.by_sig: dict[tuple, int] = {}
+        self.bounds: list[np.ndarray] = []  # [k, 3, 4] parts
+
+    def sample(self, key: str, start: int, end: int, members: list[tuple[str, bytes, str]], duplicate: bool) -> None:
+        source, shard, events = self.source, self.shard, self.events
+        where = f"{self.url}:{key}"
         loc = (shard, start, end, sample_checksum(members))
         try:
             check_members(where, key, members, duplicate)
@@ -380,7 +405,7 @@ def _header_pass(source, schema, shard: int, rule, f) -> dict:
             for ext, data, _ in members:  # small members decoded as the full pass does (JSON, text, refusals)
                 if not ext.endswith(".npy") and ext.rpartition(".")[2] not in IMAGES:
                     decode_member(where, ext, data, image=source.image, extra=source.decoders, limits=source.limits)
-            n, has_media, sig, rendered = rule(exts, where)
+            n, has_media, sig, rendered = self.rule(exts, where)
             bounds = value_bounds({**_bounded_members(exts), **({} if rendered is None else {"input_ids": rendered})})
         except SampleError as exc:
             events.append(["bad", where, error_record(exc if isinstance(exc, BadSampleError) else BadSampleError(
@@ -390,7 +415,7 @@ def _header_pass(source, schema, shard: int, rule, f) -> dict:
             events.append(["bad", where, error_record(BadSampleError(sample=where, field=None, expected="a readable sample",
                                                                 actual=f"{type(exc).__name__}: {exc}"))])
             return
-        if sig not in by_sig:  # the first of its kind: the full transform, its length compared with the rule's
+        if sig not in self.by_sig:  # the first of its kind: the full transform, its length compared with the rule's
             raw = source._sample(shard, key, members)
             try:
                 if isinstance(raw, Exception):
@@ -405,15 +430,35 @@ def _header_pass(source, schema, shard: int, rule, f) -> dict:
             if got != n:
                 raise LengthRuleError(f"{where}: the header rule gives {n} tokens, the transform {got}; "
                                       f"index this data with the full pass (prealign index --full)")
-            by_sig[sig] = len(dims)
-            dims.append(signature_record(sig))
-        locations.append(list(loc))
-        lengths.append(n)
-        media.append(has_media)
-        dim_ids.append(by_sig[sig])
-        value_rows.append(bounds)
+            self.by_sig[sig] = len(self.dims)
+            self.dims.append(signature_record(sig))
+        self.locations.append(list(loc))
+        self.lengths.append(n)
+        self.media.append(has_media)
+        self.dim_ids.append(self.by_sig[sig])
+        self.bounds.append(bounds[None])
         events.append(["ok"])
 
+    def add_rows(self, locations: list, lengths: list, dim_ids: list, bounds: np.ndarray) -> None:
+        """Append accepted samples without media: ``locations`` (lists ``[shard, start, end, checksum]``),
+        ``lengths`` and ``dim_ids`` (ints), ``bounds int64 [k, 3, 4]``."""
+        self.locations += locations
+        self.lengths += lengths
+        self.media += [False] * len(lengths)
+        self.dim_ids += dim_ids
+        self.bounds.append(bounds)
+        self.events += [_OK] * len(lengths)
+
+    def record(self) -> dict:
+        bounds = np.concatenate(self.bounds) if self.bounds else np.zeros((0, len(BOUNDED), 4), np.int64)
+        return {"shard": self.shard, "locations": self.locations, "lengths": self.lengths, "media": self.media,
+                "dims": self.dims, "dim_ids": self.dim_ids, "events": self.events, "bounds": bounds}
+
+
+def _header_pass(source, schema, shard: int, rule, f) -> dict:
+    """The header pass of one shard read member by member with the reference tar reader."""
+    records = ShardPass(source, shard, rule)
+    url, events, sample = records.url, records.events, records.sample
     key, start, end, members, seen = None, 0, 0, [], set()
     try:
         for m in iter_members(f):
@@ -435,8 +480,7 @@ def _header_pass(source, schema, shard: int, rule, f) -> dict:
         members = []
     if members:
         sample(key, start, end, members, key in seen)
-    return {"shard": shard, "locations": locations, "lengths": lengths, "media": media, "dims": dims,
-            "dim_ids": dim_ids, "events": events, "bounds": _stacked(value_rows)}
+    return records.record()
 
 
 def _bounded_members(exts: dict[str, bytes]) -> dict[str, np.ndarray]:
