@@ -43,7 +43,7 @@ from prealign.loaders.errors import (
     NotRegularFileError,
     StaleIndexError,
 )
-from prealign.loaders.index.events import error_record
+from prealign.loaders.index.events import error_record, record_reason
 from prealign.loaders.index.sample_checks import BOUNDED, has_media, value_bounds
 from prealign.loaders.index.sidecar import (
     Fingerprint,
@@ -152,6 +152,18 @@ class VLMRule:
         body is found here as the full pass finds it; False: headers only (found when loaded)."""
         self.geometry = Qwen2VLGeometry.of(transform.image_processor)
         self.merge = transform.spatial_merge_size
+
+    def checker(self, source):
+        """The source whose transform checks this rule on the first sample of each signature: this one with video
+        files sized from their headers, not decoded (the loader checks decoded frames against the headers)."""
+        if source.transform is not self.t or not self.t.decode_videos:
+            return source
+        import copy
+        import dataclasses
+
+        checking = copy.copy(source)
+        checking.transform = dataclasses.replace(self.t, decode_videos=False)
+        return checking
 
     def __call__(self, members: dict[str, bytes], where: str) -> tuple[int, bool, tuple, object]:
 
@@ -344,6 +356,7 @@ def _header_pass(source, schema, shard: int, rule, f) -> dict:
     url = source.urls[shard]
     locations, lengths, media, events, dims, dim_ids, value_rows = [], [], [], [], [], [], []
     by_sig: dict[tuple, int] = {}
+    checker = rule.checker(source) if hasattr(rule, "checker") else source
 
     def sample(key: str, start: int, end: int, members: list[tuple[str, bytes, str]], duplicate: bool) -> None:
         where = f"{url}:{key}"
@@ -376,7 +389,7 @@ def _header_pass(source, schema, shard: int, rule, f) -> dict:
             try:
                 if isinstance(raw, Exception):
                     raise raw
-                got = transformed_length(source.apply_transform(raw, loc), where)
+                got = transformed_length(checker.apply_transform(raw, loc), where)
             except SampleError as exc:
                 err = exc if isinstance(exc, BadSampleError) and exc.sample == where else BadSampleError(
                     sample=where, field=exc.field, expected=exc.expected, actual=exc.actual,
@@ -501,13 +514,13 @@ def _with_index_dir(source, out_dir: str):
 
 
 def index_one(source, schema: BatchSchema, shard: int, *, out_dir: str | None = None, full: bool = False,
-              force: bool = False, verify_images: bool = True) -> tuple[int, str, int]:
+              force: bool = False, verify_images: bool = True) -> tuple[int, str, int, dict]:
     """Write the sidecar of one shard unless it is up to date (``force``: always).
-    Returns ``(shard, "indexed" | "up to date", samples)``."""
+    Returns ``(shard, "indexed" | "up to date", samples, {reason: bad samples recorded})``."""
 
     url = source.urls[shard]
     if not force and _up_to_date(source, schema, shard, out_dir):
-        return shard, "up to date", 0
+        return shard, "up to date", 0, {}
     path = sidecar_path(url, out_dir)
     if remote.is_remote(path):
         raise ConfigError(f"{url}: a sidecar cannot be written beside a remote shard; give --out DIR "
@@ -515,7 +528,12 @@ def index_one(source, schema: BatchSchema, shard: int, *, out_dir: str | None = 
     record, fingerprint = header_index_shard(source, schema, shard, full=full, verify_images=verify_images)
     write_sidecar(path, record, shard=shard_name(url), fingerprint=fingerprint, config=config_key(source),
                   extra={"probe": shard_probe(source, shard, fingerprint["size"]), "transform": transform_fields(source)})
-    return shard, "indexed", len(record["lengths"])
+    bad: dict[str, int] = {}
+    for event in record["events"]:
+        if event[0] != "ok":
+            reason = event[1] if event[0] == "skip" else record_reason(event[2])
+            bad[reason] = bad.get(reason, 0) + 1
+    return shard, "indexed", len(record["lengths"]), bad
 
 
 def _index_task(args):
@@ -529,7 +547,7 @@ def write_sidecars(source, schema: BatchSchema, *, out_dir: str | None = None, w
     """Index ``shards`` (default: all) of ``source`` into sidecars with ``workers`` local processes.
     ``progress(done, total, samples)`` is called after each shard. ``verify_images=False``: image headers
     only (no pixel decode; a corrupt image body is then found, and counted, when its sample is loaded). Returns ``{"indexed", "up_to_date",
-    "samples"}`` counts."""
+    "samples"}`` counts, and ``"bad": {reason: samples}`` when bad samples were recorded in the sidecars."""
     import multiprocessing as mp
 
 
@@ -549,7 +567,7 @@ def write_sidecars(source, schema: BatchSchema, *, out_dir: str | None = None, w
     if workers > 1 and len(todo) > 1 and not force and sum(max(n, 0) for n in sizes) >= threshold:
         # the pool pays off only for the bytes left to index: shards already up to date are found here first
         fresh = per_shard(source, lambda s: _up_to_date(source, schema, s, out_dir), todo, threads=8)
-        done = [(s, "up to date", 0) for s, ok in zip(todo, fresh) if ok]
+        done = [(s, "up to date", 0, {}) for s, ok in zip(todo, fresh) if ok]
         todo, sizes = [s for s, ok in zip(todo, fresh) if not ok], [n for n, ok in zip(sizes, fresh) if not ok]
         force = True  # (the rest were just found out of date)
     else:
@@ -593,8 +611,10 @@ def _one_thread() -> None:
 
 
 def _collect(results, stats: dict, total: int, progress) -> None:
-    for done, (_, what, n) in enumerate(results, 1):
+    for done, (_, what, n, bad) in enumerate(results, 1):
         stats["indexed" if what == "indexed" else "up_to_date"] += 1
         stats["samples"] += n
+        for reason, count in bad.items():  # "bad": {reason: samples}, present when some were recorded
+            stats.setdefault("bad", {})[reason] = stats.get("bad", {}).get(reason, 0) + count
         if progress:
             progress(done, total, stats["samples"])
