@@ -391,3 +391,40 @@ def test_index_pass_decodes_no_pixels_and_lengths_equal_the_loaders(tmp_path, cl
                        policy=BadDataPolicy(on_error="raise"))
     assert video_file.DECODE_COUNT[0] > before
     assert len(side) == len(full) == len(clips) + 1 and side.lengths.tolist() == full.lengths.tolist()
+
+
+# ---- 6. HF rows naming image and video files by path ------------------------------------------------------------
+def test_hf_rows_name_media_files_relative_to_their_folder(tmp_path, clips):
+    """A jsonl whose rows name an image and a video by path (the common layout): read from the jsonl's folder,
+    through the same decoders and sampling as a shard's members; a path leaving the folder or missing is a
+    counted bad sample naming the row and the path, and no file outside the folder is read."""
+    import datasets
+
+    from prealign.loaders import BadDataPolicy, build_index
+    from prealign.loaders.sources.source import HFSource
+    from tests.test_vlm_video import png
+
+    (tmp_path / "media" / "clips").mkdir(parents=True)
+    (tmp_path / "media" / "clips" / "c.mp4").write_bytes(clips["vfr"])
+    (tmp_path / "media" / "a.png").write_bytes(png(64, 48))
+    (tmp_path / "secret.png").write_bytes(png(8, 8))
+    rows = [{**chat("<image> and <video>"), "images": ["a.png"], "videos": ["clips/c.mp4"]},
+            {**chat("<image>"), "images": ["../secret.png"], "videos": []},
+            {**chat("<video>"), "images": [], "videos": [{"file": "clips/none.mp4"}]}]
+    data = tmp_path / "media" / "rows.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows))
+    ds = datasets.load_dataset("json", data_files=str(data), split="train", cache_dir=str(tmp_path / "cache"))
+    t = VLMSampleTransform(tokenizer=TOK, model_config=tiny_config("qwen3_vl"))
+    src = HFSource(ds, transform=t, media_root=str(tmp_path / "media"))
+    with pytest.warns(Warning):
+        index = build_index(src, vlm_schema(), policy=BadDataPolicy(on_error="skip"))
+    assert len(index) == 1 and index.report.counts == {"missing_image": 2}
+    got = src.load((0,))
+    want = t({"__key__": "w", "json": json.dumps(rows[0]).encode(), "a.png": png(64, 48), "clips/c.mp4": clips["vfr"]})
+    for name in ("input_ids", "pixel_values", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts"):
+        assert torch.equal(got[name], want[name]), name
+    from prealign.loaders.errors import BadSampleError
+
+    with pytest.raises(BadSampleError, match="media_root") as err:  # without media_root: the fix is said
+        HFSource(ds, transform=t).load((0,))
+    assert err.value.reason == "missing_image" and err.value.field == "a.png"

@@ -72,6 +72,15 @@ MIN_FPS, MAX_FPS = 1e-3, 1e3
 the ``temporal_patch_size / fps`` seconds per grid that would overflow the temporal positions."""
 
 
+MEDIA_ROOT_HINT = ("a dataset row naming media files by path reads them from HFSource(media_root=DIR) "
+                   "(prealign inspect --hf: the file's folder, or --media-root DIR)")
+
+
+def _row_hint(raw: dict) -> str:
+    """For a dataset row (no webdataset ``__key__``): how its media files are found."""
+    return "" if "__key__" in raw else f" ({MEDIA_ROOT_HINT})"
+
+
 class VideoDefaultsWarning(UserWarning):
     """Videos are sized and normalised with transformers' class defaults: no video processor could be built and
     no ``video_processor_config`` was given, so a checkpoint with other video settings would get other grids."""
@@ -787,7 +796,7 @@ def image_members(raw: dict, meta: dict, key) -> list[tuple[str, Any]]:
         missing = [n for n in declared if n not in raw]
         if missing:
             raise MediaError(MediaProblem.MISSING_IMAGE, sample=key, field=missing[0],
-                             expected=f"image members {declared}",
+                             expected=f"image members {declared}{_row_hint(raw)}",
                              actual=f"members {sorted(k for k in raw if not k.startswith('__'))}")
         return [(n, raw[n]) for n in declared]
     found = []
@@ -887,8 +896,8 @@ def video_members(raw: dict, meta: dict, key, *, default_fps: float = 2.0,
 
 def _video_file(raw: dict, member: str, name: str, key) -> VideoEntry:
     if member not in raw:
-        raise MediaError(MediaProblem.MISSING_IMAGE, sample=key, field=member, expected=f"the video file of {name}",
-                         actual=_members_listing(raw))
+        raise MediaError(MediaProblem.MISSING_IMAGE, sample=key, field=member, actual=_members_listing(raw),
+                         expected=f"the video file of {name}{_row_hint(raw)}")
     value = raw[member]
     if isinstance(value, dict) and "bytes" in value:
         value = value["bytes"]
