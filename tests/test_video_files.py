@@ -428,3 +428,69 @@ def test_hf_rows_name_media_files_relative_to_their_folder(tmp_path, clips):
     with pytest.raises(BadSampleError, match="media_root") as err:  # without media_root: the fix is said
         HFSource(ds, transform=t).load((0,))
     assert err.value.reason == "missing_image" and err.value.field == "a.png"
+
+
+# ---- 7. pixels: transformers' video processors' resize and fused normalisation ----------------------------------
+@pytest.mark.parametrize("mean,std", [((0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)),
+                                      ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))])
+def test_fused_normalisation_equals_transformers_fused_mean_and_std(mean, std):
+    """Every uint8 value of every channel: ``(x - 255*mean) / (255*std)`` with transformers' own fused mean and std
+    (its backend's helper), in float32 as ``normalize`` runs it; the unfused rescale-then-normalize differs."""
+    from prealign.loaders.media.video import fused_normalize_table, normalize_table
+
+    try:
+        from transformers.image_processing_backends import TorchvisionBackend
+    except ImportError:
+        pytest.skip(f"platform: transformers {transformers.__version__} lacks image_processing_backends")
+    m, s, rescale = TorchvisionBackend._fuse_mean_std_and_rescale_factor(object(), True, mean, std, True, 1 / 255,
+                                                                         None)
+    assert rescale is False
+    values = torch.arange(256, dtype=torch.uint8).to(torch.float32).expand(3, 256).clone()
+    want = values.sub_(m.view(3, 1)).div_(s.view(3, 1)).reshape(-1).numpy()
+    assert np.array_equal(fused_normalize_table(mean, std, 1 / 255), want)
+    assert not np.array_equal(normalize_table(mean, std, 1 / 255), want) or mean == (0.5, 0.5, 0.5)
+
+
+def test_pixels_equal_the_video_processor_where_it_runs(clips):
+    """Where transformers' Qwen3-VL video processor can be built (it needs torchvision, which cannot be installed
+    beside CPU torch 2.13): pixel_values_videos bit-equal to it given load_video(backend="pyav") frames."""
+    pytest.importorskip("torchvision", reason="torchvision (not a declared dependency) runs the video processor")
+    from transformers import Qwen3VLVideoProcessor
+    from transformers.video_utils import load_video
+
+    config = {"size": {"shortest_edge": 4096, "longest_edge": 65536}}
+    proc = Qwen3VLVideoProcessor(**config)
+    t = VLMSampleTransform(tokenizer=TOK, model_config=tiny_config("qwen3_vl"), processor=types.SimpleNamespace(
+        video_processor=proc, image_processor=transformers.Qwen2VLImageProcessorPil(patch_size=16)))
+    for name in ("long30", "wide", "vfr"):
+        with tempfile.NamedTemporaryFile(suffix=".mp4") as f:
+            f.write(clips[name])
+            f.flush()
+            video, meta = load_video(f.name, backend="pyav")
+        want = proc(videos=[video], video_metadata=[meta], return_tensors="pt", cap_pixels_per_frame=False)
+        got = t(file_sample("p", clips[name]))
+        assert torch.equal(got["video_grid_thw"], want["video_grid_thw"])
+        assert torch.equal(got["pixel_values_videos"], want["pixel_values_videos"])
+
+
+def test_frames_resized_one_by_one_equal_the_stacked_video_resized():
+    """transformers resizes a video's stacked uint8 frames at once; we resize each as it is decoded (memory bounded
+    by the sampled frames): the same values, down and up, odd sizes, with torch's uint8 bicubic-antialias kernel
+    (what torchvision's CPU resize runs for a uint8 bicubic resize); a frame at its size is left as is."""
+    from prealign.loaders.media.video_file import resize_frames
+
+    rng = np.random.default_rng(0)
+    frames = torch.from_numpy(rng.integers(0, 256, (5, 3, 37, 53), dtype=np.uint8))
+    assert resize_frames(frames, (37, 53)) is frames
+    for size in ((16, 32), (64, 96), (20, 20)):
+        stacked = torch.nn.functional.interpolate(frames, size=size, mode="bicubic", align_corners=False,
+                                                  antialias=True)
+        one_by_one = torch.cat([resize_frames(frames[i:i + 1], size) for i in range(5)])
+        assert one_by_one.dtype == torch.uint8 and torch.equal(one_by_one, stacked)
+
+
+def test_a_decode_past_its_deadline_is_a_corrupt_video(clips):
+    """The decode deadline (DecodeLimits.max_video_decode_seconds) is checked frame by frame."""
+    header = probe_video(clips["long30"])
+    with pytest.raises(VideoFileError, match="deadline"):
+        decode_frames(clips["long30"], np.arange(header.frames), header, None, deadline_s=0.0)
