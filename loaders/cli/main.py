@@ -250,7 +250,8 @@ def _run(args, layout: ParallelLayout, source, schema, *, title: str) -> int:
         format_table(res.stats, tp=layout.tp, max_rows=args.rows),
         "",
         f"micro-batches  {tot['micro_batches']} (x {_plural(layout.cp, 'CP rank', 'CP ranks')}), "
-        f"{_plural(tot['sequences'], 'sequence', 'sequences')}, {_plural(tot['images'], 'image', 'images')}",
+        f"{_plural(tot['sequences'], 'sequence', 'sequences')}, {_plural(tot['images'], 'image', 'images')}"
+        + (f", {_plural(tot['videos'], 'video', 'videos')}" if tot.get("videos") else ""),
         f"tokens         {tot['real_tokens']} real / {tot['padded_tokens']} padded ({pad:.1f}% padding)",
         f"validated      {checks - sum(1 for s in res.stats if s.violations)}/{checks} batches valid "
         f"(schema {schema.name} {schema.fingerprint()}, media counts, SP/CP alignment)",

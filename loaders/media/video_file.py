@@ -167,3 +167,35 @@ def resize_frames(frames: torch.Tensor, size: tuple[int, int] | None) -> torch.T
         return frames
     return torch.nn.functional.interpolate(frames, size=tuple(size), mode="bicubic", align_corners=False,
                                            antialias=True)
+
+
+VIDEO_CODECS = {"mp4": "libx264", "mkv": "libx264", "mov": "libx264", "webm": "libvpx-vp9"}
+"""The codec :func:`encode_video` writes for each container extension."""
+
+
+def encode_video(frames: np.ndarray, fps: float, *, container: str = "mp4") -> bytes:
+    """uint8 ``[T, H, W, 3]`` RGB frames -> a video file's bytes (``container``: a key of :data:`VIDEO_CODECS`)
+    at ``fps`` (yuv420p, so ``H`` and ``W`` are made even by dropping a last row / column); lossy, as the
+    video files a dataset holds. What :class:`~prealign.loaders.index.shard_writer.ShardWriter` writes for an
+    array under a video member name."""
+    import fractions
+
+    av = _av()
+    frames = np.asarray(frames)
+    if frames.dtype != np.uint8 or frames.ndim != 4 or frames.shape[-1] != 3 or 0 in frames.shape[:3]:
+        raise ValueError(f"expected uint8 frames [T, H, W, 3], got {frames.dtype} {list(frames.shape)}")
+    if container not in VIDEO_CODECS:
+        raise ValueError(f"container {container!r}: expected one of {sorted(VIDEO_CODECS)}")
+    if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not 0 < fps <= 1000:
+        raise ValueError(f"fps: expected a number in (0, 1000], got {fps!r}")
+    h, w = frames.shape[1] - frames.shape[1] % 2, frames.shape[2] - frames.shape[2] % 2
+    if h == 0 or w == 0:
+        raise ValueError(f"frames of {frames.shape[2]}x{frames.shape[1]}: at least 2x2 pixels")
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format={"mkv": "matroska"}.get(container, container)) as out:
+        stream = out.add_stream(VIDEO_CODECS[container], rate=fractions.Fraction(fps).limit_denominator(1001))
+        stream.width, stream.height, stream.pix_fmt = w, h, "yuv420p"
+        for frame in frames[:, :h, :w]:
+            out.mux(stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24")))
+        out.mux(stream.encode())
+    return buf.getvalue()

@@ -656,7 +656,7 @@ class VLMSampleTransform:
                     area += decoded[-1].width * decoded[-1].height
                     self._check_video_pixels(video.name, area, key)
                 grid = self._video_grid(video.name, [im.size for im in decoded], geometry, key)
-                frames = np.concatenate([resize_frames(torch.from_numpy(np.asarray(im)).permute(2, 0, 1)[None],
+                frames = np.concatenate([resize_frames(torch.from_numpy(np.array(im)).permute(2, 0, 1)[None],
                                                        (grid[1] * p, grid[2] * p)).numpy() for im in decoded])
                 block, second = self._list_ids(video, grid), tp / video.fps
             pixels.append(normalize_patches(patchify(frames, grid, p, m, tp), table))
