@@ -525,3 +525,33 @@ def test_demo_data_holds_real_mp4_clips_read_by_the_family(tmp_path):
     with tarfile.open(ds.shards[0]) as tar:
         clips = [tar.extractfile(n).read() for n in tar.getnames() if n.endswith(".clip.mp4")]
     assert clips and all(probe_video(c).codec == "h264" for c in clips)
+
+
+def test_frames_that_disagree_with_the_headers_are_a_counted_bad_sample(clips, monkeypatch):
+    """The index trusted the headers; when the decoded stream holds other frames or sizes, the loader's sample is
+    a corrupt_video naming the video (never a crash, never a silently different length)."""
+    import dataclasses
+
+    from prealign.loaders.media import vlm
+
+    real = probe_video
+    for lie in ({"frames": 96}, {"width": 96}):
+        monkeypatch.setattr(vlm, "probe_video", lambda data, lie=lie: dataclasses.replace(real(data), **lie))
+        t = VLMSampleTransform(tokenizer=TOK, model_config=tiny_config("qwen3_vl"))
+        with pytest.raises(MediaError) as err:
+            t(file_sample("h", clips["long30"]))
+        assert (err.value.problem, err.value.sample, err.value.field) == (MediaProblem.CORRUPT_VIDEO, "h", "mp4")
+
+
+def test_index_key_names_every_sampling_setting():
+    base = VLMSampleTransform(tokenizer=TOK, model_config=tiny_config("qwen3_vl"))
+    keys = {base.index_key()}
+    for over in ({"fps": 1.0}, {"num_frames": 8}, {"max_frames": 64}, {"min_frames": 2}, {"do_sample_frames": False}):
+        keys.add(VLMSampleTransform(tokenizer=TOK, model_config=tiny_config("qwen3_vl"), video_sampling=over).index_key())
+    keys.add(VLMSampleTransform(tokenizer=TOK, model_config=tiny_config("qwen3_vl"),
+                                video_processor_config={"fps": 4}).index_key())
+    assert len(keys) == 7
+    from prealign.schemas import ConfigError
+
+    with pytest.raises(ConfigError, match="unknown"):
+        VLMSampleTransform(tokenizer=TOK, model_config=tiny_config("qwen3_vl"), video_sampling={"fsp": 1})

@@ -433,6 +433,11 @@ class VLMSampleTransform:
             object.__setattr__(self, "tokenizer", HFChatTokenizer(self.processor.tokenizer))
         if self.model_config is not None:
             object.__setattr__(self, "family", vision_family(self.model_config))
+        if isinstance(self.decode_threads, bool) or not isinstance(self.decode_threads, int) or self.decode_threads < 0:
+            raise ConfigError(f"VLMSampleTransform.decode_threads: expected an int >= 0 (0: ffmpeg's choice), got "
+                              f"{self.decode_threads!r}")
+        if self.video_sampling is not None:
+            self.frame_sampling  # noqa: B018 (checks the settings now, not at the first video)
 
     @property
     def image_processor(self):
