@@ -136,14 +136,16 @@ def test_video_ids_are_the_qwen3_vl_processors_text(frames, fps, gh, gw):
     assert all(f"<{s:.1f} seconds>" in TOK.decode(ours) for s in stamps)
 
 
-def processor_video_text(grid, frames: int, fps: float) -> str:
+def processor_video_text(grid, frames: int, fps: float, metadata=None) -> str:
     """What the installed ``Qwen3VLProcessor`` makes of the chat template's video block: >= 5.10 through
     ``replace_video_token`` and ``ProcessorMixin.get_text_with_replacements`` (what its ``__call__`` runs), older
     through its own ``__call__``."""
     from transformers.processing_utils import ProcessorMixin
 
     block = "<|vision_start|><|video_pad|><|vision_end|>"
-    metadata = transformers.video_utils.VideoMetadata(total_num_frames=frames, fps=fps, frames_indices=list(range(frames)))
+    if metadata is None:  # (a video file's: its source indices and rate)
+        metadata = transformers.video_utils.VideoMetadata(total_num_frames=frames, fps=fps,
+                                                          frames_indices=list(range(frames)))
     video_inputs = {"video_grid_thw": torch.tensor([grid]), "video_metadata": [metadata]}
     seen = []
     self = types.SimpleNamespace(
