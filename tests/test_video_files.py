@@ -416,12 +416,10 @@ def test_hf_rows_name_media_files_relative_to_their_folder(tmp_path, clips):
 def test_fused_normalisation_equals_transformers_fused_mean_and_std(mean, std):
     """Every uint8 value of every channel: ``(x - 255*mean) / (255*std)`` with transformers' own fused mean and std
     (its backend's helper), in float32 as ``normalize`` runs it; the unfused rescale-then-normalize differs."""
+    from transformers.image_processing_backends import TorchvisionBackend  # (5.6.1 to 5.24: importable alone)
+
     from prealign.loaders.media.video import fused_normalize_table, normalize_table
 
-    try:
-        from transformers.image_processing_backends import TorchvisionBackend
-    except ImportError:
-        pytest.skip(f"platform: transformers {transformers.__version__} lacks image_processing_backends")
     m, s, rescale = TorchvisionBackend._fuse_mean_std_and_rescale_factor(object(), True, mean, std, True, 1 / 255,
                                                                          None)
     assert rescale is False
