@@ -367,10 +367,14 @@ def test_index_pass_decodes_no_pixels_and_lengths_equal_the_loaders(tmp_path, cl
     assert video_file.DECODE_COUNT[0] == before  # `prealign index`: headers only
     side = build_index(WebDatasetSource(w.shards, transform=t, image="bytes"), schema,
                        policy=BadDataPolicy(on_error="raise"))  # (its schema check loads one sample per signature)
-    full = build_index(WebDatasetSource(w.shards, transform=t, image="bytes", sidecars=False), schema,
-                       policy=BadDataPolicy(on_error="raise"))
-    assert video_file.DECODE_COUNT[0] > before
+    scanned = WebDatasetSource(w.shards, transform=t, image="bytes", sidecars=False)
+    before = video_file.DECODE_COUNT[0]
+    full = build_index(scanned, schema, policy=BadDataPolicy(on_error="raise"))  # the transform on every sample
+    assert video_file.DECODE_COUNT[0] == before  # its index pass too: no frame decoded
     assert len(side) == len(full) == len(clips) + 1 and side.lengths.tolist() == full.lengths.tolist()
+    loaded = [scanned.load(tuple(loc)) for loc in full.locations.tolist()]  # the loader decodes, same lengths
+    assert video_file.DECODE_COUNT[0] > before
+    assert [int(s["input_ids"].numel()) for s in loaded] == full.lengths.tolist()
 
 
 # ---- 6. HF rows naming image and video files by path ------------------------------------------------------------
@@ -396,10 +400,13 @@ def test_hf_rows_name_media_files_relative_to_their_folder(tmp_path, clips):
     ds = datasets.load_dataset("json", data_files=str(data), split="train", cache_dir=str(tmp_path / "cache"))
     t = VLMSampleTransform(tokenizer=TOK, model_config=tiny_config("qwen3_vl"))
     src = HFSource(ds, transform=t, media_root=str(tmp_path / "media"))
+    before = video_file.DECODE_COUNT[0]
     with pytest.warns(Warning):
         index = build_index(src, vlm_schema(), policy=BadDataPolicy(on_error="skip"))
     assert len(index) == 1 and index.report.counts == {"missing_image": 2}
+    assert video_file.DECODE_COUNT[0] == before  # lengths from the video's headers
     got = src.load((0,))
+    assert int(got["input_ids"].numel()) == int(index.lengths[0])
     want = t({"__key__": "w", "json": json.dumps(rows[0]).encode(), "a.png": png(64, 48), "clips/c.mp4": clips["vfr"]})
     for name in ("input_ids", "pixel_values", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts"):
         assert torch.equal(got[name], want[name]), name

@@ -153,18 +153,6 @@ class VLMRule:
         self.geometry = Qwen2VLGeometry.of(transform.image_processor)
         self.merge = transform.spatial_merge_size
 
-    def checker(self, source):
-        """The source whose transform checks this rule on the first sample of each signature: this one with video
-        files sized from their headers, not decoded (the loader checks decoded frames against the headers)."""
-        if source.transform is not self.t or not self.t.decode_videos:
-            return source
-        import copy
-        import dataclasses
-
-        checking = copy.copy(source)
-        checking.transform = dataclasses.replace(self.t, decode_videos=False)
-        return checking
-
     def __call__(self, members: dict[str, bytes], where: str) -> tuple[int, bool, tuple, object]:
 
         key = where
@@ -356,7 +344,7 @@ def _header_pass(source, schema, shard: int, rule, f) -> dict:
     url = source.urls[shard]
     locations, lengths, media, events, dims, dim_ids, value_rows = [], [], [], [], [], [], []
     by_sig: dict[tuple, int] = {}
-    checker = rule.checker(source) if hasattr(rule, "checker") else source
+    checker = source.for_indexing()  # (video files sized from their headers, not decoded)
 
     def sample(key: str, start: int, end: int, members: list[tuple[str, bytes, str]], duplicate: bool) -> None:
         where = f"{url}:{key}"

@@ -579,6 +579,12 @@ class VLMSampleTransform:
     def __call__(self, raw: dict) -> dict:
         return self.expand(self.compact(raw))
 
+    def for_indexing(self) -> "VLMSampleTransform":
+        """This transform with video files sized from their headers and left undecoded (``decode_videos=False``):
+        what an index pass runs (:meth:`~prealign.loaders.sources.source.Source.for_indexing`); the same lengths
+        and shapes, no frame decoded."""
+        return dataclasses.replace(self, decode_videos=False) if self.decode_videos else self
+
     def compact(self, raw: dict) -> dict:
         """The output with ``pixel_codes`` uint8 ``[sum t*h*w, 3, p, p]`` (:func:`image_codes`) in place
         of ``pixel_values`` where the fast path applies: what :class:`~prealign.loaders.handoff.media_share.

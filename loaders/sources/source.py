@@ -108,6 +108,19 @@ class Source(abc.ABC):
             return f"{raw['__url__']}:{raw['__key__']}"
         return self.where(location)
 
+    def for_indexing(self) -> "Source":
+        """The source the index pass transforms with: this one, its transform replaced by the transform's
+        ``for_indexing()`` where it has one (the same lengths, shapes and bad-data verdicts on what the headers
+        show, without decoding what only pixels need: a VLM transform's video frames)."""
+        make = getattr(self.transform, "for_indexing", None)
+        if make is None:
+            return self
+        import copy
+
+        out = copy.copy(self)
+        out.transform = make()
+        return out
+
     def apply_transform(self, raw: dict, location: Location) -> dict:
         """``transform(raw)``; any failure becomes a :class:`BadSampleError` naming the sample.
 
