@@ -110,15 +110,16 @@ class Source(abc.ABC):
 
     def for_indexing(self) -> "Source":
         """The source the index pass transforms with: this one, its transform replaced by the transform's
-        ``for_indexing()`` where it has one (the same lengths, shapes and bad-data verdicts on what the headers
-        show, without decoding what only pixels need: a VLM transform's video frames)."""
-        make = getattr(self.transform, "for_indexing", None)
+        ``for_indexing()`` where its class defines one (the same lengths, shapes and bad-data verdicts on what the
+        headers show, without decoding what only pixels need: a VLM transform's video frames). A wrapper such as
+        ``SharedMediaTransform`` is kept as it is (its sharing is the point of it)."""
+        make = getattr(type(self.transform), "for_indexing", None)  # its own (a wrapper's delegation not taken)
         if make is None:
             return self
         import copy
 
         out = copy.copy(self)
-        out.transform = make()
+        out.transform = make(self.transform)
         return out
 
     def apply_transform(self, raw: dict, location: Location) -> dict:
