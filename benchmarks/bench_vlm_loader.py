@@ -30,7 +30,18 @@ config; the baseline then also decodes every video frame and runs the family's i
 resized to about the same size, and writes each video's tokens with the same arithmetic.
 The CP group runs are for the default data only.
 
+With ``--video`` (a family via ``--model``, default ``qwen3_vl``): every sample holds one mp4 clip (30-90 frames
+at 24 or 30 fps, 160x120 to 320x240, written by ``ShardWriter``, whose sidecars come from the mp4 headers);
+prealign's loader (only the sampled frames decoded, resized as decoded) against the path a user writes today:
+per sample, transformers' PyAV reader (``load_video(backend="pyav")``'s ``read_video_pyav`` on the member's bytes:
+every frame decoded), the family's video processor frame choice (its ``sample_frames``, from the processor class;
+the processor itself needs torchvision, so its resize and normalisation are stood in for by the family's image
+processor on the sampled frames, at the video pixel range), the same chat rendering, then
+``DataCollatorWithFlattening``. Same clips, same workers, rounds alternating; samples/s and CPU ms per sample,
+median [min..max] of the per-round ratios.
+
     python benchmarks/bench_vlm_loader.py                 # full run (several minutes on 2 cores)
+    python benchmarks/bench_vlm_loader.py --video --samples 96 --rounds 3
     python benchmarks/bench_vlm_loader.py --samples 300 --rounds 1 --quick
     for m in qwen2_vl qwen2_5_vl qwen3_vl qwen3_5; do python benchmarks/bench_vlm_loader.py --model $m --quick; done
 """
@@ -303,7 +314,10 @@ def main() -> None:
     ap.add_argument("--group-only", action="store_true", help="only the CP group runs (and the stage split)")
     ap.add_argument("--model", choices=("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5"),
                     help="that family's data with videos (module docstring); implies --quick")
+    ap.add_argument("--video", action="store_true", help="mp4 clips in every sample (module docstring)")
     args = ap.parse_args()
+    if args.video:
+        return video_main(args)
     args.quick = args.quick or args.model is not None
 
     from prealign.loaders import BadDataPolicy, WebDatasetSource, build_index
@@ -368,6 +382,112 @@ def main() -> None:
                 print(f"cp={cp} group CPU / one loader, median of {args.group_rounds} rounds: " + ", ".join(
                     f"{label} {float(np.median(ratios[(cp, mode)])):.2f}x" for mode, label in
                     (("none", "no sharing"), ("sample", "SharedMediaTransform"), ("batch", "BatchShare"))))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ---- --video: mp4 members, prealign against load_video + the processor's sampling + DataCollatorWithFlattening ----
+def write_video_shards(folder: str, n: int, model: str) -> list[str]:
+    """``n`` samples of one mp4 clip each (moving gradients), in shards of 32 samples, sidecars from headers."""
+    from prealign.loaders import ShardWriter
+
+    rng = np.random.default_rng(0)
+    with ShardWriter(os.path.join(folder, "v-%05d.tar"), max_samples=32, transform=make_transform(model=model)) as w:
+        for i in range(n):
+            frames, (h, wd) = int(rng.integers(30, 91)), [(120, 160), (180, 240), (240, 320)][i % 3]
+            y, x = np.mgrid[0:h, 0:wd]
+            clip = np.stack([np.stack([(x + 5 * t) % 256, (y + 3 * t) % 256, (x + y + 7 * i) % 256], -1)
+                             for t in range(frames)]).astype(np.uint8)
+            chat = {"messages": [{"role": "user", "content": "<video>\nWhat happens in the clip?"},
+                                 {"role": "assistant", "content": "Colours drift across the frame."}]}
+            w.write({"__key__": f"c{i:06d}", "json": chat,
+                     "clip.mp4": {"frames": clip, "fps": float(rng.choice([24.0, 30.0]))}})
+    return w.shards
+
+
+class BaselineVideoSample(BaselineSample):
+    """A user's per-sample code today: PyAV reader of transformers (every frame decoded), the family video
+    processor's frame choice, the family's image processor on the chosen frames (module docstring)."""
+
+    def __call__(self, sample: dict) -> dict:
+        from transformers.video_utils import read_video_pyav
+
+        from prealign.loaders.media.vlm import render_chat
+
+        meta = _json(sample["json"])
+        video, metadata = read_video_pyav(io.BytesIO(sample["clip.mp4"]), lambda metadata, **kw:
+                                          np.arange(metadata.total_num_frames))
+        keep = self.sampler(metadata)
+        frames = list(video[keep])
+        pixels = self.frame_processor(len(frames))(images=frames, return_tensors="pt")["pixel_values"]
+        blocks = self.videos.header_video_ids(sample, meta, sample["__key__"], None)
+        ids, mask = render_chat(meta, self.tok, [], sample=sample["__key__"], videos=blocks)
+        labels = np.where(mask > 0, ids, -100)
+        dim = pixels.shape[-1]
+        return {"input_ids": ids.tolist(), "labels": labels.tolist(), "pixel_values": torch.zeros(0, dim),
+                "image_grid_thw": torch.zeros(0, 3, dtype=torch.int64), "pixel_values_videos": pixels}
+
+    def sampler(self, metadata):
+        """The family's video processor ``sample_frames`` (Qwen3-VL's; Qwen2's default keeps every frame)."""
+        import types
+
+        if not self.videos.family.volume_resize:
+            return np.arange(metadata.total_num_frames)
+        from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor as cls
+
+        me = types.SimpleNamespace(fps=cls.fps, num_frames=None, min_frames=cls.min_frames, max_frames=cls.max_frames)
+        return np.asarray(cls.sample_frames(me, metadata))
+
+
+def video_main(args) -> None:
+    from prealign.loaders import IndexOptions, PackedLoader, WebDatasetSource, build_index
+    from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
+    from prealign.schemas import ParallelLayout, vlm_schema
+
+    model = args.model or "qwen3_vl"
+    n = args.samples if args.samples != 2000 else 96
+    tmp = tempfile.mkdtemp(prefix="bench-video-")
+    try:
+        t0 = time.perf_counter()
+        shards = write_video_shards(tmp, n, model)
+        written = time.perf_counter() - t0
+        schema = vlm_schema(vocab_size=ByteTokenizer().vocab_size)
+        transform = make_transform(model=model)
+        index = build_index(WebDatasetSource(shards, transform=transform, image="bytes"), schema)
+        batch_size = max(1, round(args.budget / float(np.mean(np.asarray(index.lengths)))))
+        print(f"--video {model}: {n} mp4 clips (shards + header sidecars written in {written:.1f} s); budget "
+              f"{args.budget} tokens (baseline batch {batch_size}); {args.workers} workers; load "
+              f"{os.getloadavg()[0]:.2f} on {os.cpu_count()} cores", flush=True)
+
+        def ours():
+            loader = PackedLoader(WebDatasetSource(shards, transform=transform, image="bytes"), schema=schema,
+                                  layout=ParallelLayout(tp=1, cp=1), token_budget=args.budget, cp_rank=None,
+                                  num_workers=args.workers, seed=0, indexing=IndexOptions(prebuilt=index))
+            return sum(int(b["sample_index"].numel()) for b in loader)
+
+        def theirs():
+            import webdataset as wds
+
+            dataset = (wds.WebDataset(list(shards), shardshuffle=False, empty_check=False)
+                       .map(BaselineVideoSample(model)).batched(batch_size, collation_fn=BaselineCollate(),
+                                                                partial=True))
+            loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=args.workers)
+            return sum(int((b["position_ids"] == 0).sum()) for b in loader)
+
+        rows = {"prealign": [], "baseline": []}
+        for r in range(args.rounds):
+            for name in (("baseline", "prealign") if r % 2 == 0 else ("prealign", "baseline")):
+                c0, t0 = cpu_seconds(), time.perf_counter()
+                got = (ours if name == "prealign" else theirs)()
+                wall, cpu = time.perf_counter() - t0, cpu_seconds() - c0
+                assert got == n, (name, got, n)
+                rows[name].append((got / wall, cpu / got * 1e3))
+                print(f"round {r} {name:9s} {got / wall:7.2f} samples/s {cpu / got * 1e3:8.1f} CPU ms/sample "
+                      f"(load {os.getloadavg()[0]:.2f})", flush=True)
+        speed = [p[0] / b[0] for p, b in zip(rows["prealign"], rows["baseline"])]
+        cpu = [b[1] / p[1] for p, b in zip(rows["prealign"], rows["baseline"])]
+        for label, v in (("prealign / baseline samples/s", speed), ("baseline / prealign CPU per sample", cpu)):
+            print(f"{label}: median {float(np.median(v)):.2f} [{min(v):.2f}..{max(v):.2f}] over {len(v)} rounds")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -15,8 +15,9 @@ Shard layout (one tar member per field, webdataset naming ``<key>.<field>``)::
       s000000.teacher_topk_ids.npy         int64   [L, K], distinct per row, column 0 = next token
 
 ``model`` (one of :data:`DEMO_MODELS`) makes the samples that family's (:func:`demo_model_config`: its patch
-size, its video rules) and adds short videos to some of them: 2-5 frames as members ``v0_<j>.jpg`` listed
-in ``json["videos"]`` with their ``fps``, one ``<video>`` placeholder each.
+size, its video rules) and adds short videos to some of them, one ``<video>`` placeholder each: half real mp4
+files (member ``clip.mp4``, encoded with PyAV, sampled by the family's rules), half 2-5 frames as members
+``v0_<j>.jpg`` listed in ``json["videos"]`` with their ``fps``.
 
 ``bad`` plants deliberately broken samples (one of each :class:`~prealign.loaders.media.vlm.MediaProblem` asked
 for) so a loader's error policy can be seen to skip and count them.
@@ -141,12 +142,19 @@ def demo_transform(model: str | None, tok, topk: int | None = None):
                               video_processor_config=None if config is None else {})
 
 
-def _video(rng: np.random.Generator, members: dict) -> dict:
-    """A 2-5 frame clip (one drawing drifting sideways) added to ``members``; returns its ``videos`` entry."""
+def _video(rng: np.random.Generator, members: dict) -> dict | str:
+    """A clip (one drawing drifting sideways) added to ``members``; returns its ``videos`` entry: half the time a
+    real mp4 file (4-12 frames at 10, 24 or 30 fps, encoded with PyAV), else a 2-5 frame list of JPEG members."""
     from PIL import Image
 
     data, (w, h) = _image(rng, "png")
     base = np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
+    if rng.random() < 0.5:
+        from prealign.loaders.media.video_file import encode_video
+
+        frames = np.stack([np.roll(base, 3 * j, axis=1) for j in range(int(rng.integers(4, 13)))])
+        members["clip.mp4"] = encode_video(frames, float(rng.choice([10.0, 24.0, 30.0])))
+        return "clip.mp4"
     names = [f"v0_{j}.jpg" for j in range(int(rng.integers(2, 6)))]
     for j, name in enumerate(names):
         buf = io.BytesIO()

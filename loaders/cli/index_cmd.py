@@ -222,6 +222,10 @@ def cmd_index(args) -> int:
         print(f"{stats['indexed']} shard(s) indexed ({stats['samples']:,} samples in {dt:.2f} s), "
               f"{stats['up_to_date']} up to date" + (f", sidecars in {args.out}" if args.out else ""),
               file=sys.stderr)
+        if stats.get("bad"):  # recorded in the sidecars; each loader applies its bad-data policy to them
+            counts = ", ".join(f"{k} {v}" for k, v in sorted(stats["bad"].items()))
+            print(f"bad samples    {sum(stats['bad'].values())} recorded ({counts}); a loader raises or skips "
+                  "them by its bad-data policy", file=sys.stderr)
         agree(lambda: _merge(source, args.merge, rank if not alone else -1))  # every rank returns once the merged index is written
     return 0
 

@@ -105,6 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     insp.add_argument("--hf", metavar="PATH", help="a local json/jsonl/parquet/csv file or folder, a dataset saved "
                                                    "with save_to_disk, or a Hub dataset name")
     insp.add_argument("--split", default="train", help="split for --hf [%(default)s]")
+    insp.add_argument("--media-root", metavar="DIR", help="--hf: the folder the rows' image and video file paths "
+                                                          "are relative to (default: the --hf file's folder)")
     insp.add_argument("--text", action="store_true", help="text-only causal-LM data (webdataset .npy members / "
                                                            "HF columns as given) instead of the VLM transform")
     insp.add_argument("--topk", type=int, default=0, help="expect teacher top-k with this K (0: none) [%(default)s]")
@@ -196,7 +198,11 @@ def cmd_inspect(args) -> int:
     else:
         from prealign.loaders.sources.source import HFSource
 
-        source = HFSource(preflight.load_hf(args.hf, args.split, args.cache_dir), transform=transform)
+        local = os.path.isfile(args.hf) or os.path.isdir(args.hf)  # rows name media files relative to its folder
+        root = args.media_root or (os.path.dirname(os.path.abspath(args.hf)) if os.path.isfile(args.hf)
+                                   else args.hf if local else None)
+        source = HFSource(preflight.load_hf(args.hf, args.split, args.cache_dir), transform=transform,
+                          media_root=root)
         what = f"HF dataset {args.hf} [{args.split}]"
     _note(f"tokenizer: {told}")
     return _run(args, layout, source, schema, title=f"{what}, {schema.name}")
@@ -298,7 +304,8 @@ def _run(args, layout: ParallelLayout, source, schema, *, title: str) -> int:
         format_table(res.stats, tp=layout.tp, max_rows=args.rows),
         "",
         f"micro-batches  {tot['micro_batches']} (x {_plural(layout.cp, 'CP rank', 'CP ranks')}), "
-        f"{_plural(tot['sequences'], 'sequence', 'sequences')}, {_plural(tot['images'], 'image', 'images')}",
+        f"{_plural(tot['sequences'], 'sequence', 'sequences')}, {_plural(tot['images'], 'image', 'images')}"
+        + (f", {_plural(tot['videos'], 'video', 'videos')}" if tot.get("videos") else ""),
         f"tokens         {tot['real_tokens']} real / {tot['padded_tokens']} padded ({pad:.1f}% padding)",
         f"validated      {checks - sum(1 for s in res.stats if s.violations)}/{checks} batches valid "
         f"(schema {schema.name} {schema.fingerprint()}, media counts, SP/CP alignment)",

@@ -81,6 +81,7 @@ def index_shard(source: Source, schema: BatchSchema, shard: int) -> dict:
                 events.append(["ok"])
         pending.clear()
 
+    indexing = source.for_indexing() if hasattr(source, "for_indexing") else source  # lengths without pixels
     for loc, item in source.scan(shard):
         if isinstance(item, Skip):
             flush()
@@ -92,7 +93,7 @@ def index_shard(source: Source, schema: BatchSchema, shard: int) -> dict:
             events.append(["bad", where, error_record(item)])
             continue
         try:
-            sample = source.apply_transform(item, loc)
+            sample = indexing.apply_transform(item, loc)
         except SampleError as exc:
             flush()
             events.append(["bad", where, error_record(exc)])

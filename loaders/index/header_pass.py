@@ -44,7 +44,7 @@ from prealign.loaders.errors import (
     StaleIndexError,
 )
 from prealign.loaders.index.bulk_pass import bulk_text_pass
-from prealign.loaders.index.events import error_record
+from prealign.loaders.index.events import error_record, record_reason
 from prealign.loaders.index.sample_checks import BOUNDED, has_media, value_bounds
 from prealign.loaders.index.sidecar import (
     Fingerprint,
@@ -387,6 +387,7 @@ class ShardPass:
         self.dims: list = []
         self.by_sig: dict[tuple, int] = {}
         self.bounds: list[np.ndarray] = []  # [k, 3, 4] parts
+        self.checker = source.for_indexing()  # (video files sized from their headers, not decoded)
 
     def sample(self, key: str, start: int, end: int, members: list[tuple[str, bytes, str]], duplicate: bool) -> None:
         source, shard, events = self.source, self.shard, self.events
@@ -420,7 +421,7 @@ class ShardPass:
             try:
                 if isinstance(raw, Exception):
                     raise raw
-                got = transformed_length(source.apply_transform(raw, loc), where)
+                got = transformed_length(self.checker.apply_transform(raw, loc), where)
             except SampleError as exc:
                 err = exc if isinstance(exc, BadSampleError) and exc.sample == where else BadSampleError(
                     sample=where, field=exc.field, expected=exc.expected, actual=exc.actual,
@@ -564,13 +565,13 @@ def _with_index_dir(source, out_dir: str):
 
 
 def index_one(source, schema: BatchSchema, shard: int, *, out_dir: str | None = None, full: bool = False,
-              force: bool = False, verify_images: bool = True) -> tuple[int, str, int]:
+              force: bool = False, verify_images: bool = True) -> tuple[int, str, int, dict]:
     """Write the sidecar of one shard unless it is up to date (``force``: always).
-    Returns ``(shard, "indexed" | "up to date", samples)``."""
+    Returns ``(shard, "indexed" | "up to date", samples, {reason: bad samples recorded})``."""
 
     url = source.urls[shard]
     if not force and _up_to_date(source, schema, shard, out_dir):
-        return shard, "up to date", 0
+        return shard, "up to date", 0, {}
     path = sidecar_path(url, out_dir)
     if remote.is_remote(path):
         raise ConfigError(f"{url}: a sidecar cannot be written beside a remote shard; give --out DIR "
@@ -578,7 +579,12 @@ def index_one(source, schema: BatchSchema, shard: int, *, out_dir: str | None = 
     record, fingerprint = header_index_shard(source, schema, shard, full=full, verify_images=verify_images)
     write_sidecar(path, record, shard=shard_name(url), fingerprint=fingerprint, config=config_key(source),
                   extra={"probe": shard_probe(source, shard, fingerprint["size"]), "transform": transform_fields(source)})
-    return shard, "indexed", len(record["lengths"])
+    bad: dict[str, int] = {}
+    for event in record["events"]:
+        if event[0] != "ok":
+            reason = event[1] if event[0] == "skip" else record_reason(event[2])
+            bad[reason] = bad.get(reason, 0) + 1
+    return shard, "indexed", len(record["lengths"]), bad
 
 
 def _index_task(args):
@@ -592,7 +598,7 @@ def write_sidecars(source, schema: BatchSchema, *, out_dir: str | None = None, w
     """Index ``shards`` (default: all) of ``source`` into sidecars with ``workers`` local processes.
     ``progress(done, total, samples)`` is called after each shard. ``verify_images=False``: image headers
     only (no pixel decode; a corrupt image body is then found, and counted, when its sample is loaded). Returns ``{"indexed", "up_to_date",
-    "samples"}`` counts."""
+    "samples"}`` counts, and ``"bad": {reason: samples}`` when bad samples were recorded in the sidecars."""
     import multiprocessing as mp
 
 
@@ -612,7 +618,7 @@ def write_sidecars(source, schema: BatchSchema, *, out_dir: str | None = None, w
     if workers > 1 and len(todo) > 1 and not force and sum(max(n, 0) for n in sizes) >= threshold:
         # the pool pays off only for the bytes left to index: shards already up to date are found here first
         fresh = per_shard(source, lambda s: _up_to_date(source, schema, s, out_dir), todo, threads=8)
-        done = [(s, "up to date", 0) for s, ok in zip(todo, fresh) if ok]
+        done = [(s, "up to date", 0, {}) for s, ok in zip(todo, fresh) if ok]
         todo, sizes = [s for s, ok in zip(todo, fresh) if not ok], [n for n, ok in zip(sizes, fresh) if not ok]
         force = True  # (the rest were just found out of date)
     else:
@@ -656,8 +662,10 @@ def _one_thread() -> None:
 
 
 def _collect(results, stats: dict, total: int, progress) -> None:
-    for done, (_, what, n) in enumerate(results, 1):
+    for done, (_, what, n, bad) in enumerate(results, 1):
         stats["indexed" if what == "indexed" else "up_to_date"] += 1
         stats["samples"] += n
+        for reason, count in bad.items():  # "bad": {reason: samples}, present when some were recorded
+            stats.setdefault("bad", {})[reason] = stats.get("bad", {}).get(reason, 0) + count
         if progress:
             progress(done, total, stats["samples"])

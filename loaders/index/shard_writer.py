@@ -15,9 +15,11 @@ numpy array / torch tensor (numeric)       ``.npy`` (``allow_pickle=False``; obj
 ``str``                                    UTF-8 text (``txt``, ``json`` taken as written, ...)
 ``bytes``                                  as given (the name carries the extension: ``jpg``, ``0.png``)
 PIL image                                  PNG (the name's extension, ``png`` when it has none)
+``{"frames": uint8 [T,H,W,3], "fps": f}``  a video file (name ``clip.mp4``/``.webm``/``.mkv``: PyAV encodes it)
 =========================================  ===================================================
 
-Video frames are an array (``uint8 [T, H, W, C]``) or one image member per frame; teacher top-k are the
+A video is a video file member (``clip.mp4``: its ``bytes``, or ``{"frames": uint8 [T, H, W, 3], "fps": f}``
+encoded to that container with PyAV) or one image member per frame; teacher top-k are the
 arrays ``teacher_topk_log_probs`` / ``teacher_topk_ids`` (``[L, K]``). The format is documented in
 ``docs/shard_format.md``. Keys and member names are refused (:class:`~prealign.schemas.errors.ConfigError`)
 unless they are plain names: letters, digits, ``_``, ``-`` (and ``.`` inside a member name); never a path,
@@ -44,6 +46,8 @@ import tarfile
 import numpy as np
 
 from prealign.loaders.index.header_pass import index_one
+from prealign.loaders.media.video_file import encode_video
+from prealign.loaders.media.vlm import is_video_file
 from prealign.loaders.sources.shard_files import sidecar_path
 from prealign.loaders.sources.webdataset import WebDatasetSource, numpy_fields
 from prealign.schemas.errors import ConfigError
@@ -58,6 +62,12 @@ def member_bytes(name: str, value, *, sample: str) -> tuple[str, bytes]:
     """``(extension, bytes)`` of one sample entry (see the module's table)."""
     if not _MEMBER.fullmatch(name) or ".." in name or name.endswith("."):
         raise ConfigError(f"sample {sample!r}: member name {name!r} is not a plain name (letters, digits, _ - .)")
+    if is_video_file(name) and isinstance(value, dict) and "frames" in value:  # frames to encode as a video file
+        try:
+            return name, encode_video(np.asarray(value["frames"]), value.get("fps"), container=name.rsplit(".")[-1])
+        except ValueError as exc:
+            raise ConfigError(f"sample {sample!r}: video member {name!r}: {exc} (give {{'frames': uint8 [T, H, W, 3], "
+                              f"'fps': float}})") from None
     if hasattr(value, "detach") and hasattr(value, "cpu"):  # a torch tensor
         value = value.detach().cpu().numpy()
     if isinstance(value, np.ndarray):

@@ -47,7 +47,9 @@ from prealign.loaders.errors import BadSampleError
 from prealign.loaders.media import glm4v, internvl
 from prealign.loaders.media.chat_tokenizer import ChatTokenizer, HFChatTokenizer, encode_segments
 from prealign.loaders.media.teacher_topk import teacher_topk
-from prealign.loaders.media.video import normalize_patches, normalize_table, video_patches
+from prealign.loaders.media.video import fused_normalize_table, normalize_patches, normalize_table, patchify
+from prealign.loaders.media.video_file import VideoFileError, VideoHeader, decode_frames, probe_video, resize_frames
+from prealign.loaders.media.video_sampling import FrameSampling, sampled_fps
 from prealign.loaders.sources.tar_decode import (
     DEFAULT_LIMITS,
     IMAGE_FORMATS,
@@ -64,9 +66,20 @@ VIDEO_PLACEHOLDER = "<video>"
 _PLACEHOLDERS = re.compile("(" + re.escape(IMAGE_PLACEHOLDER) + "|" + re.escape(VIDEO_PLACEHOLDER) + ")")
 _IMAGE_ONLY = re.compile("(" + re.escape(IMAGE_PLACEHOLDER) + ")")
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp")
+VIDEO_EXTENSIONS = ("mp4", "webm", "mkv", "mov", "avi", "m4v")
+"""Member extensions that hold a video file (decoded with PyAV, never opened as an image)."""
 MIN_FPS, MAX_FPS = 1e-3, 1e3
 """The frame rates a video entry may declare (a frame every ~17 minutes to 1000 a second): finite, and far from
 the ``temporal_patch_size / fps`` seconds per grid that would overflow the temporal positions."""
+
+
+MEDIA_ROOT_HINT = ("a dataset row naming media files by path reads them from HFSource(media_root=DIR) "
+                   "(prealign inspect --hf: the file's folder, or --media-root DIR)")
+
+
+def _row_hint(raw: dict) -> str:
+    """For a dataset row (no webdataset ``__key__``): how its media files are found."""
+    return "" if "__key__" in raw else f" ({MEDIA_ROOT_HINT})"
 
 
 class VideoDefaultsWarning(UserWarning):
@@ -86,6 +99,9 @@ class MediaProblem(enum.Enum):
     VISION_TOKEN_MISMATCH = "vision_token_mismatch"
     BAD_TEXT = "bad_text"
     BAD_VIDEO = "bad_video"
+    CORRUPT_VIDEO = "corrupt_video"
+    UNPROCESSED_VIDEO = "unprocessed_video"
+    """A ``<video>`` placeholder or a video in a sample whose transform has no video rules (no ``model_config``)."""
 
 
 class MediaError(BadSampleError):
@@ -425,6 +441,16 @@ class VLMSampleTransform:
     ``min/max_pixels``, ``patch_size``, ``merge_size``, ``temporal_patch_size``, ``image_mean``, ``image_std``,
     ``rescale_factor``), used where ``processor`` has no video processor (transformers' needs torchvision); keys
     left out take the family's defaults."""
+    video_sampling: dict | None = None
+    """Per-call overrides of the frame choice for video files (``do_sample_frames``, ``fps``, ``num_frames``,
+    ``min_frames``, ``max_frames``: what a call of the video processor takes), over ``video_processor_config``
+    (or the processor's video processor) over the family's defaults (:mod:`~prealign.loaders.media.video_sampling`).
+    Part of the index key."""
+    decode_threads: int = 1
+    """Decoder threads per video file (one per DataLoader worker by default)."""
+    decode_videos: bool = True
+    """False: video files are sampled and sized from their headers and their frames left undecoded (zero pixels):
+    what the index pass's check of a header rule runs, so indexing decodes no video."""
     limits: DecodeLimits = DEFAULT_LIMITS
     """Caps checked before decoding or stacking: an image's pixels, a video's frames and its pixels over all frames
     (:class:`~prealign.loaders.sources.tar_decode.DecodeLimits`)."""
@@ -457,6 +483,11 @@ class VLMSampleTransform:
             wrap = internvl.internvl_chat_tokenizer if self.tiled else HFChatTokenizer  # InternVL's own names
             names = glm4v.TOKEN_NAMES if getattr(self.family, "model_type", "").startswith("glm4v") else {}
             object.__setattr__(self, "tokenizer", wrap(self.processor.tokenizer, **names))
+        if isinstance(self.decode_threads, bool) or not isinstance(self.decode_threads, int) or self.decode_threads < 0:
+            raise ConfigError(f"VLMSampleTransform.decode_threads: expected an int >= 0 (0: ffmpeg's choice), got "
+                              f"{self.decode_threads!r}")
+        if self.video_sampling is not None:
+            self.frame_sampling  # noqa: B018 (checks the settings now, not at the first video)
 
     @property
     def image_processor(self):
@@ -501,7 +532,15 @@ class VLMSampleTransform:
 
     def _video_table(self) -> np.ndarray:
         video = self.video_settings
-        return normalize_table(tuple(video.image_mean), tuple(video.image_std), float(video.rescale_factor))
+        return fused_normalize_table(tuple(video.image_mean), tuple(video.image_std), float(video.rescale_factor))
+
+    @property
+    def frame_sampling(self) -> FrameSampling:
+        """Which frames of a video file are kept: the family's processor rules with :attr:`video_settings` and
+        :attr:`video_sampling`."""
+        fam = self._require_family("video")
+        return FrameSampling.for_family(volume=fam.volume_resize, settings=self.video_settings,
+                                        overrides=self.video_sampling)
 
     def _warn_if_defaults(self) -> None:
         """Warn once per process and family when videos are sized by transformers' class defaults."""
@@ -588,7 +627,8 @@ class VLMSampleTransform:
         if self.tiled:
             video = {"frames": "one tile each"}
         elif self.family is not None:
-            video = {"geometry": repr(self.video_geometry), "fps": self.video_fps}
+            video = {"geometry": repr(self.video_geometry), "fps": self.video_fps,
+                     "sampling": self.frame_sampling.key()}
             if self.family.volume_resize:  # grids and the video text follow the installed transformers' rules
                 import transformers
 
@@ -606,7 +646,7 @@ class VLMSampleTransform:
             return repr(internvl.tiling_family(self.family, self.image_processor))
         return repr(VisionGeometry.of(self.image_processor))
 
-    def video_ids(self, grid: tuple[int, int, int], frames: int, fps: float) -> np.ndarray:
+    def video_ids(self, grid: tuple[int, int, int], frames: int, fps: float, frame_indices=None) -> np.ndarray:
         """int64 ids of one video as the family's processor and chat template write it: ``<|vision_start|>``,
         then its ``<|video_pad|>`` tokens (Qwen3-VL / 3.5: per frame group, the ``<t seconds>`` text and the
         group's tokens inside their own start / end), then ``<|vision_end|>`` (Qwen3-VL / 3.5 with transformers
@@ -617,7 +657,7 @@ class VLMSampleTransform:
         t, gh, gw = grid
         per_group = gh * gw // fam.spatial_merge_size ** 2
         start, end, pad = fam.vision_start_token_id, fam.vision_end_token_id, fam.video_token_id
-        texts = fam.frame_texts(frames, fps)
+        texts = fam.frame_texts(frames, fps, frame_indices)
         if texts is None:
             return np.array([start, *([pad] * (t * per_group)), end], dtype=np.int64)
         body = [np.concatenate((self.tokenizer.encode(text), [start], np.full(per_group, pad), [end])) for text in texts]
@@ -626,6 +666,12 @@ class VLMSampleTransform:
 
     def __call__(self, raw: dict) -> dict:
         return self.expand(self.compact(raw))
+
+    def for_indexing(self) -> "VLMSampleTransform":
+        """This transform with video files sized from their headers and left undecoded (``decode_videos=False``):
+        what an index pass runs (:meth:`~prealign.loaders.sources.source.Source.for_indexing`); the same lengths
+        and shapes, no frame decoded."""
+        return dataclasses.replace(self, decode_videos=False) if self.decode_videos else self
 
     def compact(self, raw: dict) -> dict:
         """The output with ``pixel_codes`` uint8 ``[sum t*h*w, 3, p, p]`` (:func:`image_codes`) in place
@@ -641,7 +687,7 @@ class VLMSampleTransform:
         pixel_values = None
         if codes is None:
             pixel_values, grid = process_images(images, self.image_processor, sample=key)
-        videos = self._videos(raw, meta, key) if self.family is not None else None
+        videos = self._videos(raw, meta, key) if self.family is not None else refuse_videos(raw, meta, key)
         if "input_ids" in raw or "input_ids.npy" in raw:  # pre-tokenized (a row's column or a shard's .npy member)
             input_ids = torch.as_tensor(np.asarray(raw.get("input_ids", raw.get("input_ids.npy"))),
                                         dtype=torch.int64).reshape(-1)
@@ -689,9 +735,9 @@ class VLMSampleTransform:
         except ValueError as exc:
             raise MediaError(MediaProblem.CORRUPT_IMAGE, sample=key, field="images",
                              expected="images the InternVL image processor accepts", actual=str(exc)) from None
-        clips = [internvl.frame_tiles([decode_image(v, sample=key, name=n, limits=self.limits) for n, v in frames],
-                                      self.image_processor)
-                 for _, frames, _ in video_members(raw, meta, key, default_fps=self.video_fps, limits=self.limits)]
+        clips = [internvl.frame_tiles([decode_image(v, sample=key, name=n, limits=self.limits)
+                                       for n, v in _tiled_frames(video, key)], self.image_processor)
+                 for video in video_members(raw, meta, key, default_fps=self.video_fps, limits=self.limits)]
         ids, mask = render_chat(meta, tok, [n * fam.image_seq_length for n in tiles], sample=key,
                                 videos=[internvl.video_ids(tok, fam, c.shape[0]) for c in clips])
         pixel_values, counts = internvl.arrange_tiles(internvl.media_order(meta), pixels, tiles, clips)
@@ -710,40 +756,106 @@ class VLMSampleTransform:
 
     def _videos(self, raw: dict, meta: dict, key) -> dict:
         """The sample's videos: ``pixel_values_videos`` float32, ``video_grid_thw`` int64 ``[n, 3]``,
-        ``second_per_grid_ts`` float32 ``[n]`` and each video's ids (``ids``)."""
+        ``second_per_grid_ts`` float32 ``[n]`` and each video's ids (``ids``). A video file is probed, sampled by
+        the family's rules and only its sampled frames decoded (:mod:`~prealign.loaders.media.video_file`); a
+        frame list's frames are decoded as images. Both are resized and normalised as transformers' video
+        processors do (torch bicubic with antialias, rescale fused into normalize)."""
         geometry, table = self.video_geometry, self._video_table()
+        p, m, tp = geometry.patch_size, geometry.merge_size, geometry.temporal_patch_size
         pixels, grids, seconds, ids = [], [], [], []
-        for name, frames, fps in video_members(raw, meta, key, default_fps=self.video_fps, limits=self.limits):
-            decoded, area = [], 0
-            for n, v in frames:  # the running total is checked frame by frame: never more than the limit held
-                decoded.append(decode_image(v, sample=key, name=n, limits=self.limits))
-                area += decoded[-1].width * decoded[-1].height
-                self._check_video_pixels(name, area, key)
-            grid = self._video_grid(name, [im.size for im in decoded], geometry, key)
-            codes = video_patches(decoded, grid, geometry.patch_size, geometry.merge_size, geometry.temporal_patch_size)
-            pixels.append(normalize_patches(codes, table))
+        for video in video_members(raw, meta, key, default_fps=self.video_fps, limits=self.limits):
+            if video.data is not None:
+                plan = self._file_plan(video, key)
+                if not self.decode_videos:
+                    frames = np.zeros((len(plan.indices), 3, plan.grid[1] * p, plan.grid[2] * p), np.uint8)
+                    pixels.append(normalize_patches(patchify(frames, plan.grid, p, m, tp), table))
+                    grids.append(plan.grid)
+                    seconds.append(plan.seconds)
+                    ids.append(plan.ids)
+                    continue
+                try:
+                    frames = decode_frames(video.data, plan.indices, plan.header, (plan.grid[1] * p, plan.grid[2] * p),
+                                           threads=self.decode_threads,
+                                           deadline_s=self.limits.max_video_decode_seconds)
+                except VideoFileError as exc:
+                    raise MediaError(MediaProblem.CORRUPT_VIDEO, sample=key, field=video.name, actual=str(exc),
+                                     expected="a video file whose sampled frames decode as its headers say") from None
+                grid, block, second = plan.grid, plan.ids, plan.seconds
+            else:
+                decoded, area = [], 0
+                for n, v in video.frames:  # the running total is checked frame by frame: never more than the limit
+                    decoded.append(decode_image(v, sample=key, name=n, limits=self.limits))
+                    area += decoded[-1].width * decoded[-1].height
+                    self._check_video_pixels(video.name, area, key)
+                grid = self._video_grid(video.name, [im.size for im in decoded], geometry, key)
+                frames = np.concatenate([resize_frames(torch.from_numpy(np.array(im)).permute(2, 0, 1)[None],
+                                                       (grid[1] * p, grid[2] * p)).numpy() for im in decoded])
+                block, second = self._list_ids(video, grid), tp / video.fps
+            pixels.append(normalize_patches(patchify(frames, grid, p, m, tp), table))
             grids.append(grid)
-            seconds.append(geometry.temporal_patch_size / fps)
-            ids.append(self.video_ids(grid, len(decoded), fps))
-        dim = 3 * geometry.temporal_patch_size * geometry.patch_size ** 2
+            seconds.append(second)
+            ids.append(block)
+        dim = 3 * tp * p ** 2
         return {"pixel_values_videos": torch.from_numpy(np.concatenate(pixels)) if pixels else torch.zeros(0, dim),
                 "video_grid_thw": torch.tensor(grids, dtype=torch.int64).reshape(-1, 3),
                 "second_per_grid_ts": torch.tensor(seconds, dtype=torch.float32), "ids": ids}
 
     def header_video_ids(self, raw: dict, meta: dict, key, frame_size) -> list[np.ndarray] | None:
-        """Each video's ids from its frames' sizes alone (``frame_size(name, value) -> (width, height)``, e.g.
-        from image headers): what :meth:`__call__` writes, without decoding a pixel. ``None`` without a family."""
+        """Each video's ids from headers alone: a frame list's from its frames' sizes (``frame_size(name, value) ->
+        (width, height)``, e.g. from image headers), a video file's from its container headers and the family's
+        frame choice; what :meth:`__call__` writes, without decoding a pixel. Without a family, a sample with a
+        video is refused (:func:`refuse_videos`) and ``None`` returned for one without."""
         if self.family is None:
-            return None
+            return refuse_videos(raw, meta, key)
         if self.tiled:
-            return [internvl.video_ids(self.tokenizer, self.family, len(frames)) for _, frames, _ in
-                    video_members(raw, meta, key, default_fps=self.video_fps, limits=self.limits)]
+            return [internvl.video_ids(self.tokenizer, self.family, len(_tiled_frames(v, key)))
+                    for v in video_members(raw, meta, key, default_fps=self.video_fps, limits=self.limits)]
         geometry = self.video_geometry
         out = []
-        for name, frames, fps in video_members(raw, meta, key, default_fps=self.video_fps, limits=self.limits):
-            grid = self._video_grid(name, [frame_size(n, v) for n, v in frames], geometry, key)
-            out.append(self.video_ids(grid, len(frames), fps))
+        for video in video_members(raw, meta, key, default_fps=self.video_fps, limits=self.limits):
+            if video.data is not None:
+                out.append(self._file_plan(video, key).ids)
+            else:
+                grid = self._video_grid(video.name, [frame_size(n, v) for n, v in video.frames], geometry, key)
+                out.append(self._list_ids(video, grid))
         return out
+
+    def _list_ids(self, video: "VideoEntry", grid: tuple) -> np.ndarray:
+        """A frame list's ids: Qwen3-VL timestamps from its ``frame_indices`` / ``source_fps`` where given."""
+        if video.frame_indices is not None:
+            return self.video_ids(grid, len(video.frames), video.source_fps or video.fps, video.frame_indices)
+        return self.video_ids(grid, len(video.frames), video.fps)
+
+    def _file_plan(self, video: "VideoEntry", key) -> "VideoPlan":
+        """A video file's header, kept frames, grid, ids and seconds per grid, from its headers alone; every limit
+        checked before anything is decoded."""
+        try:
+            header = probe_video(video.data)
+        except VideoFileError as exc:
+            raise MediaError(MediaProblem.CORRUPT_VIDEO, sample=key, field=video.name, actual=str(exc),
+                             expected="a video file PyAV reads (mp4, webm, mkv, ...)") from None
+        limits = self.limits
+        if header.seconds > limits.max_video_seconds:
+            raise MediaError(MediaProblem.BAD_VIDEO, sample=key, field=video.name, actual=f"{header.seconds:.1f} s",
+                             expected=f"at most {limits.max_video_seconds} s (DecodeLimits.max_video_seconds)")
+        tp = self.video_geometry.temporal_patch_size
+        try:
+            indices = self.frame_sampling.indices(header.frames, header.fps, tp)
+        except ValueError as exc:
+            raise MediaError(MediaProblem.BAD_VIDEO, sample=key, field=video.name, actual=str(exc),
+                             expected="a video the family's frame sampling takes") from None
+        n = len(indices)
+        if n > limits.max_video_frames:
+            raise MediaError(MediaProblem.BAD_VIDEO, sample=key, field=video.name, actual=f"{n} sampled frames",
+                             expected=f"at most {limits.max_video_frames} frames (DecodeLimits.max_video_frames)")
+        if n * header.width * header.height * 3 > limits.max_video_bytes:
+            raise MediaError(MediaProblem.BAD_VIDEO, sample=key, field=video.name,
+                             actual=f"{n} frames of {header.width}x{header.height}",
+                             expected=f"at most {limits.max_video_bytes} decoded bytes (DecodeLimits.max_video_bytes)")
+        grid = self._video_grid(video.name, [(header.width, header.height)] * n, self.video_geometry, key)
+        fps = sampled_fps(indices, header.frames, header.fps)
+        return VideoPlan(header=header, indices=indices, grid=grid, seconds=tp / fps,
+                         ids=self.video_ids(grid, n, header.fps, indices))
 
     def _video_grid(self, name: str, sizes: list[tuple[int, int]], geometry: VisionGeometry, key) -> tuple:
         if len(set(sizes)) != 1:
@@ -813,10 +925,14 @@ def image_members(raw: dict, meta: dict, key) -> list[tuple[str, Any]]:
         return [(f"images[{i}]", v) for i, v in enumerate(raw["images"])]
     declared = meta.get("images")
     if isinstance(declared, list):
+        videos = [n for n in declared if isinstance(n, str) and is_video_file(n)]
+        if videos:
+            raise MediaError(MediaProblem.BAD_VIDEO, sample=key, field=videos[0], actual="a video file under 'images'",
+                             expected="images under json['images'], videos under json['videos']")
         missing = [n for n in declared if n not in raw]
         if missing:
             raise MediaError(MediaProblem.MISSING_IMAGE, sample=key, field=missing[0],
-                             expected=f"image members {declared}",
+                             expected=f"image members {declared}{_row_hint(raw)}",
                              actual=f"members {sorted(k for k in raw if not k.startswith('__'))}")
         return [(n, raw[n]) for n in declared]
     frames = _frame_names(meta)
@@ -839,40 +955,146 @@ def _frame_names(meta: dict) -> set:
     return names
 
 
+@dataclass(frozen=True)
+class VideoEntry:
+    """One video of a sample: a frame list (``frames``: ``[(frame name, value)]`` at ``fps``, optionally with the
+    source's ``frame_indices`` and ``source_fps``) or a video file (``data``: its bytes)."""
+
+    name: str
+    frames: list | None = None
+    fps: float = 2.0
+    data: bytes | None = None
+    frame_indices: list[int] | None = None
+    source_fps: float | None = None
+
+
+@dataclass(frozen=True)
+class VideoPlan:
+    """A video file from its headers: the header, the kept frames' indices int64 ``[n]``, the grid, the seconds per
+    temporal grid step (``temporal_patch_size / sampled fps``) and the ids the text gets."""
+
+    header: VideoHeader
+    indices: np.ndarray
+    grid: tuple[int, int, int]
+    seconds: float
+    ids: np.ndarray
+
+
+def _tiled_frames(video: VideoEntry, key) -> list:
+    """A tiled family's (InternVL) video frames: a frame list only (its video files are not decoded yet)."""
+    if video.frames is None:
+        raise MediaError(MediaProblem.BAD_VIDEO, sample=key, field=video.name, actual="a video file",
+                         expected="InternVL videos as frame lists ({'frames': [...], 'fps': f}); decode the file first")
+    return video.frames
+
+
+def _members_listing(raw: dict) -> str:
+    return f"members {sorted(k for k in raw if not k.startswith('__'))}"
+
+
 def video_members(raw: dict, meta: dict, key, *, default_fps: float = 2.0,
-                  limits: DecodeLimits = DEFAULT_LIMITS) -> list[tuple[str, list, float]]:
-    """``(name, [(frame name, value)], fps)`` of the sample's videos, in placeholder order: ``meta["videos"]``
-    (or an HF row's ``videos`` column) lists ``{"frames": [...], "fps": ...}``, frames as member names (a
-    missing one is an error) or as images; at most ``limits.max_video_frames`` frames per video."""
+                  limits: DecodeLimits = DEFAULT_LIMITS) -> list[VideoEntry]:
+    """The sample's videos (:class:`VideoEntry`), in placeholder order. ``meta["videos"]`` (or an HF row's
+    ``videos`` column) lists, per video, a video file member (``"clip.mp4"`` or ``{"file": "clip.mp4"}``) or a frame
+    list ``{"frames": [...], "fps": ..., "frame_indices": [...], "source_fps": ...}`` (frames as member names, a
+    missing one an error, or as images; at most ``limits.max_video_frames`` frames; ``frame_indices`` and
+    ``source_fps`` optional, for Qwen3-VL's timestamps). Without ``videos``, the members with a video extension
+    (:data:`VIDEO_EXTENSIONS`: ``mp4``, ``0.mp4``, ``clip.webm``) are the videos, by their leading index."""
     declared = raw.get("videos") if isinstance(raw.get("videos"), list) else meta.get("videos")
     if declared is None:
-        return []
+        files = [n for n in raw if not n.startswith("__") and is_video_file(n)]
+        order = sorted(files, key=lambda n: (int(n.split(".")[0]) if n.split(".")[0].isdigit() else -1, n))
+        return [_video_file(raw, n, n, key) for n in order]
     if not isinstance(declared, list):
-        raise MediaError(MediaProblem.BAD_VIDEO, sample=key, field="videos", expected="a list of {'frames', 'fps'}",
-                         actual=type(declared).__name__)
+        raise MediaError(MediaProblem.BAD_VIDEO, sample=key, field="videos", actual=type(declared).__name__,
+                         expected="a list of video file members or {'frames', 'fps'}")
     out = []
     for i, video in enumerate(declared):
         name = f"videos[{i}]"
+        if isinstance(video, str) or (isinstance(video, dict) and isinstance(video.get("file"), str)):
+            out.append(_video_file(raw, video if isinstance(video, str) else video["file"], name, key))
+            continue
         frames = video.get("frames") if isinstance(video, dict) else None
         fps = video.get("fps", default_fps) if isinstance(video, dict) else None
         if not isinstance(frames, list) or not frames:
-            raise MediaError(MediaProblem.BAD_VIDEO, sample=key, field=name,
-                             expected="{'frames': [at least one frame], 'fps': ...}", actual=repr(video)[:80])
+            raise MediaError(MediaProblem.BAD_VIDEO, sample=key, field=name, actual=repr(video)[:80],
+                             expected="a video file member ('clip.mp4' or {'file': 'clip.mp4'}) or "
+                                      "{'frames': [at least one frame], 'fps': ...}")
         if len(frames) > limits.max_video_frames:
             raise MediaError(MediaProblem.BAD_VIDEO, sample=key, field=f"{name}.frames", actual=f"{len(frames)} frames",
                              expected=f"at most {limits.max_video_frames} frames (DecodeLimits.max_video_frames)")
-        if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not MIN_FPS <= fps <= MAX_FPS:
-            raise MediaError(MediaProblem.BAD_VIDEO, sample=key, field=f"{name}.fps", actual=repr(fps)[:80],
-                             expected=f"a number of frames per second in [{MIN_FPS:g}, {MAX_FPS:g}] (MIN_FPS, MAX_FPS)")
+        for field_name, value in (("fps", fps), ("source_fps", video.get("source_fps", fps))):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not MIN_FPS <= value <= MAX_FPS:
+                raise MediaError(MediaProblem.BAD_VIDEO, sample=key, field=f"{name}.{field_name}",
+                                 actual=repr(value)[:80], expected=f"a number of frames per second in "
+                                                                   f"[{MIN_FPS:g}, {MAX_FPS:g}] (MIN_FPS, MAX_FPS)")
+        indices = video.get("frame_indices")
+        if indices is not None and (not isinstance(indices, list) or len(indices) != len(frames) or any(
+                isinstance(j, bool) or not isinstance(j, int) or j < 0 for j in indices)
+                or any(b < a for a, b in zip(indices, indices[1:]))):
+            raise MediaError(MediaProblem.BAD_VIDEO, sample=key, field=f"{name}.frame_indices",
+                             actual=repr(indices)[:80],
+                             expected=f"{len(frames)} ascending non-negative ints (one source index per frame)")
         named = []
         for j, frame in enumerate(frames):
             if isinstance(frame, str):
                 if frame not in raw:
                     raise MediaError(MediaProblem.MISSING_IMAGE, sample=key, field=frame,
-                                     expected=f"the frame members of {name}",
-                                     actual=f"members {sorted(k for k in raw if not k.startswith('__'))}")
+                                     expected=f"the frame members of {name}", actual=_members_listing(raw))
                 named.append((frame, raw[frame]))
             else:
                 named.append((f"{name}.frames[{j}]", frame))
-        out.append((name, named, float(fps)))
+        source = video.get("source_fps")
+        out.append(VideoEntry(name=name, frames=named, fps=float(fps), frame_indices=indices,
+                              source_fps=None if source is None else float(source)))
     return out
+
+
+def _video_file(raw: dict, member: str, name: str, key) -> VideoEntry:
+    if member not in raw:
+        raise MediaError(MediaProblem.MISSING_IMAGE, sample=key, field=member, actual=_members_listing(raw),
+                         expected=f"the video file of {name}{_row_hint(raw)}")
+    value = raw[member]
+    if isinstance(value, dict) and "bytes" in value:
+        value = value["bytes"]
+    if not isinstance(value, (bytes, bytearray, memoryview)):
+        raise MediaError(MediaProblem.BAD_VIDEO, sample=key, field=member, actual=type(value).__name__,
+                         expected="a video file's bytes")
+    return VideoEntry(name=member, data=bytes(value))
+
+
+def is_video_file(name: str) -> bool:
+    """Whether a member name's last extension is a video container (:data:`VIDEO_EXTENSIONS`).
+
+    >>> is_video_file("clip.mp4"), is_video_file("webm"), is_video_file("0.png")
+    (True, True, False)
+    """
+    return name.rsplit(".", 1)[-1].lower() in VIDEO_EXTENSIONS
+
+
+def _placeholder_texts(meta: dict) -> list[str]:
+    if isinstance(meta.get("text"), str):
+        return [meta["text"]]
+    turns = meta.get("messages")
+    return [t["content"] for t in turns if isinstance(t, dict) and isinstance(t.get("content"), str)] \
+        if isinstance(turns, list) else []
+
+
+def refuse_videos(raw: dict, meta: dict, key) -> None:
+    """For a transform without video rules (no ``model_config``): a sample with a ``<video>`` placeholder, a
+    ``videos`` entry or a video file member is a :class:`MediaError` (``unprocessed_video``) naming the sample and
+    what holds the video, never read as text with the video dropped. Returns ``None`` (no video ids)."""
+    declared = raw.get("videos") if isinstance(raw.get("videos"), list) else meta.get("videos")
+    files = sorted(n for n in raw if not n.startswith("__") and is_video_file(n))
+    if declared:
+        field, what = "videos", f"a 'videos' entry ({repr(declared)[:60]})"
+    elif files:
+        field, what = files[0], f"a video member {files[0]!r}"
+    elif any(VIDEO_PLACEHOLDER in text for text in _placeholder_texts(meta)):
+        field, what = "json", f"a '{VIDEO_PLACEHOLDER}' placeholder"
+    else:
+        return None
+    raise MediaError(MediaProblem.UNPROCESSED_VIDEO, sample=key, field=field, actual=what,
+                     expected="a transform that processes videos: VLMSampleTransform(model_config=<the model's "
+                              "transformers config>), or prealign index / inspect --model-config DIR",
+                     hint="without model_config the transform has no video rules, and the video would be dropped")

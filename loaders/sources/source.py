@@ -108,6 +108,20 @@ class Source(abc.ABC):
             return f"{raw['__url__']}:{raw['__key__']}"
         return self.where(location)
 
+    def for_indexing(self) -> "Source":
+        """The source the index pass transforms with: this one, its transform replaced by the transform's
+        ``for_indexing()`` where its class defines one (the same lengths, shapes and bad-data verdicts on what the
+        headers show, without decoding what only pixels need: a VLM transform's video frames). A wrapper such as
+        ``SharedMediaTransform`` is kept as it is (its sharing is the point of it)."""
+        make = getattr(type(self.transform), "for_indexing", None)  # its own (a wrapper's delegation not taken)
+        if make is None:
+            return self
+        import copy
+
+        out = copy.copy(self)
+        out.transform = make(self.transform)
+        return out
+
     def apply_transform(self, raw: dict, location: Location) -> dict:
         """``transform(raw)``; any failure becomes a :class:`BadSampleError` naming the sample.
 
@@ -162,9 +176,14 @@ class HFSource(Source):
     """
 
     def __init__(self, dataset, *, transform: Transform | None = None, rows_per_shard: int = 4096,
-                 lookback: int = 8192, name: str | None = None):
+                 lookback: int = 8192, name: str | None = None, media_root: str | None = None):
         import datasets
 
+        self.media_root = None if media_root is None else os.path.realpath(media_root)
+        """Where the files an ``images`` / ``videos`` column names by relative path are read from (the dataset's
+        folder: :func:`attach_media_files`); ``None``: rows carry their media themselves."""
+        if self.media_root is not None and not os.path.isdir(self.media_root):
+            raise ConfigError(f"media_root: {media_root!r} is not a folder")
         self.dataset = dataset
         self.transform = transform
         self.streaming = isinstance(dataset, datasets.IterableDataset)
@@ -189,11 +208,20 @@ class HFSource(Source):
     def scan(self, shard: int):
         if self.streaming:
             for j, row in enumerate(self._shard(shard)):
-                yield (shard, j), row
+                yield (shard, j), self._media((shard, j), row)
             return
         lo = shard * self.rows_per_shard
         for row in range(lo, min(lo + self.rows_per_shard, len(self.dataset))):
-            yield (row,), self.dataset[row]
+            yield (row,), self._media((row,), self.dataset[row])
+
+    def _media(self, location: Location, row):
+        """The row with the media files it names attached (with ``media_root``); a problem as the row's error."""
+        if self.media_root is None or not isinstance(row, dict):
+            return row
+        try:
+            return attach_media_files(row, self.media_root, self.where(location))
+        except BadSampleError as exc:
+            return exc
 
     def _shard(self, shard: int):
         """Rows of one streaming shard. ``IterableDataset.iter`` (unlike ``__iter__``) does not split
@@ -205,6 +233,15 @@ class HFSource(Source):
                 yield {k: v[j] for k, v in batch.items()}
 
     def read(self, location: Location) -> dict:
+        row = self._read_row(location)
+        if self.media_root is None:
+            return row
+        out = self._media(location, row)
+        if isinstance(out, BadSampleError):
+            raise out
+        return out
+
+    def _read_row(self, location: Location) -> dict:
         if not self.streaming:
             return self.dataset[int(location[0])]
         shard, j = int(location[0]), int(location[1])
@@ -238,3 +275,52 @@ class HFSource(Source):
         n = None if self.streaming else len(self.dataset)
         return {"kind": "hf_streaming" if self.streaming else "hf", "name": self.name, "num_shards": self.num_shards,
                 "num_rows": n, "fingerprint": getattr(self.dataset, "_fingerprint", None)}
+
+
+MEDIA_COLUMNS = ("images", "videos")
+MAX_MEDIA_FILE_BYTES = 1 << 32
+"""The largest media file a row may name (4 GiB): a larger one is a bad sample, never read."""
+
+
+def media_paths(row: dict) -> list[str]:
+    """The relative file paths a row's ``images`` / ``videos`` columns name: plain strings, ``{"file": path}`` and
+    the strings of a ``{"frames": [...]}`` list.
+
+    >>> media_paths({"images": ["a.jpg"], "videos": [{"file": "v/c.mp4"}, {"frames": ["f0.png", "f1.png"]}]})
+    ['a.jpg', 'v/c.mp4', 'f0.png', 'f1.png']
+    """
+    out = []
+    for column in MEDIA_COLUMNS:
+        value = row.get(column)
+        for item in value if isinstance(value, list) else ():
+            if isinstance(item, dict):
+                item = item.get("file", item.get("frames"))
+            for name in item if isinstance(item, list) else [item]:
+                if isinstance(name, str):
+                    out.append(name)
+    return out
+
+
+def attach_media_files(row: dict, root: str, where: str) -> dict:
+    """``row`` plus ``{path: file bytes}`` for each path :func:`media_paths` finds, read from ``root`` (the
+    transform then finds them as a webdataset sample's members). A path that is absolute, leaves ``root``
+    (``..``, a link out), is missing or is over :data:`MAX_MEDIA_FILE_BYTES` is a :class:`BadSampleError`
+    (``missing_image``) naming the row and the path; nothing outside ``root`` is read."""
+    files = {}
+    for name in media_paths(row):
+        if name in row or name in files:
+            continue
+        path = os.path.realpath(os.path.join(root, name))
+        problem = None
+        if os.path.isabs(name) or os.path.commonpath([root, path]) != root:
+            problem = "a path outside the media root"
+        elif not os.path.isfile(path):
+            problem = "no such file"
+        elif os.path.getsize(path) > MAX_MEDIA_FILE_BYTES:
+            problem = f"{os.path.getsize(path)} bytes, over {MAX_MEDIA_FILE_BYTES} (MAX_MEDIA_FILE_BYTES)"
+        if problem:
+            raise BadSampleError(sample=where, field=name, reason="missing_image", actual=problem,
+                                 expected=f"a file under the media root {root}")
+        with open(path, "rb") as f:
+            files[name] = f.read()
+    return {**row, **files} if files else row

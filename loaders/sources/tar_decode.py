@@ -69,8 +69,18 @@ class DecodeLimits:
     """Width x height summed over one video's frames, as decoded (about 512 frames of 1920 x 1080, 3 GiB as RGB);
     more is ``bad_video``."""
 
+    max_video_seconds: int = 4 * 3600
+    """Duration of one video file from its headers (four hours); longer is ``bad_video``, found before decoding."""
+    max_video_bytes: int = 1 << 32
+    """RGB bytes of one video file's sampled frames at their source size (4 GiB), from the headers before
+    decoding; more is ``bad_video``."""
+    max_video_decode_seconds: int = 600
+    """Wall seconds to decode one video file's sampled frames; longer is ``corrupt_video`` (checked between
+    frames: bounds a decoder stuck on hostile data frame after frame)."""
+
     def __post_init__(self):
-        for name in ("max_image_pixels", "max_array_bytes", "max_video_frames", "max_video_pixels"):
+        for name in ("max_image_pixels", "max_array_bytes", "max_video_frames", "max_video_pixels",
+                     "max_video_seconds", "max_video_bytes", "max_video_decode_seconds"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"DecodeLimits.{name}: expected an int >= 1, got {value!r}")
