@@ -6,6 +6,7 @@ from .errors import (
                      BatchValidationError,
                      BucketOverflowError,
                      ConfigError,
+                     DataError,
                      LayoutError,
                      OffsetOverflowError,
                      PackingUnsupportedError,
@@ -21,7 +22,7 @@ from .vlm import VisionTokens, media_violations, validate_vlm_batch, vlm_schema
 
 __all__ = ["ParallelLayout", "PadPolicy", "FP8Recipe", "CPLayout", "round_up", "BatchSchema", "FieldSpec", "Role",
            "Source", "causal_lm_schema", "rl_schema", "topk_fields", "IGNORE_INDEX", "validate_batch", "Violation",
-           "check_startup", "PrealignError", "ConfigError", "LayoutError", "SchemaError", "SampleError", "BucketOverflowError",
+           "check_startup", "PrealignError", "ConfigError", "LayoutError", "SchemaError", "SampleError", "DataError", "BucketOverflowError",
            "BatchValidationError", "StartupMismatchError", "ArgumentError", "OffsetOverflowError"]
 __all__ += ["vlm_schema", "VisionTokens", "validate_vlm_batch", "media_violations"]
 __all__ += ["validate_packed_seq_params", "BackendVersionError"]

@@ -124,7 +124,8 @@ def test_bucket_picks_the_smallest_that_fits_and_overflow_is_typed():
         layout.padded_lengths(torch.tensor([61, 4]))
     with pytest.raises(BucketOverflowError):
         layout.bshd_length(65, 2)
-    assert issubclass(BucketOverflowError, PrealignError) and issubclass(PrealignError, ValueError)
+    assert issubclass(BucketOverflowError, PrealignError) and issubclass(BucketOverflowError, ValueError)
+    assert not issubclass(PrealignError, ValueError)  # system errors (I/O, timeouts, workers) are not
 
 
 @pytest.mark.parametrize("kwargs, match", [

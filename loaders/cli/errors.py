@@ -15,7 +15,7 @@ import os
 import sys
 import traceback
 
-from prealign.schemas.errors import ConfigError, LayoutError, PrealignError, SchemaError
+from prealign.schemas.errors import ConfigError, DataError, LayoutError, PrealignError, SchemaError
 
 
 class UsageError(ConfigError):
@@ -41,7 +41,7 @@ CAUSES = {
 }
 
 
-class NothingLoadedError(PrealignError):
+class NothingLoadedError(DataError):
     """No sample of the source could be used; ``report`` (a ``BadDataReport``) says why."""
 
     def __init__(self, what: str, report):
