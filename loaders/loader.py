@@ -43,8 +43,7 @@ from prealign.loaders.serve.workers import hand_over
 from prealign.loaders.sources.source import Source
 from prealign.schemas.errors import ConfigError, PrealignError, SampleError
 from prealign.schemas.layout import ParallelLayout
-from prealign.schemas.schema import BatchSchema, Role
-from prealign.schemas.schema import Source as FieldSource
+from prealign.schemas.schema import BatchSchema, FieldSource, Role
 
 
 def truncate_sample(sample: dict, schema: BatchSchema, length: int) -> dict:

@@ -1,29 +1,41 @@
-"""prealign schemas: parallel layouts, declared batch schemas and their validation."""
-from .distributed import check_startup
-from .errors import (
-                     ArgumentError,
-                     BackendVersionError,
-                     BatchValidationError,
-                     BucketOverflowError,
-                     ConfigError,
-                     DataError,
-                     LayoutError,
-                     OffsetOverflowError,
-                     PackingUnsupportedError,
-                     PrealignError,
-                     SampleError,
-                     SchemaError,
-                     StartupMismatchError,
-)
-from .layout import CPLayout, FP8Recipe, PadPolicy, ParallelLayout, round_up
-from .schema import IGNORE_INDEX, BatchSchema, FieldSpec, Role, Source, causal_lm_schema, rl_schema, topk_fields
-from .validate import Violation, validate_batch, validate_packed_seq_params
-from .vlm import VisionTokens, media_violations, validate_vlm_batch, vlm_schema
+"""prealign schemas: parallel layouts, declared batch schemas and their validation.
 
-__all__ = ["ParallelLayout", "PadPolicy", "FP8Recipe", "CPLayout", "round_up", "BatchSchema", "FieldSpec", "Role",
-           "Source", "causal_lm_schema", "rl_schema", "topk_fields", "IGNORE_INDEX", "validate_batch", "Violation",
-           "check_startup", "PrealignError", "ConfigError", "LayoutError", "SchemaError", "SampleError", "DataError", "BucketOverflowError",
-           "BatchValidationError", "StartupMismatchError", "ArgumentError", "OffsetOverflowError"]
-__all__ += ["vlm_schema", "VisionTokens", "validate_vlm_batch", "media_violations"]
-__all__ += ["validate_packed_seq_params", "BackendVersionError"]
-__all__ += ["PackingUnsupportedError"]
+The names below are imported on first use: ``import prealign.schemas.errors`` (what every layer imports)
+loads no torch. ``Source`` is the deprecated name of :class:`FieldSource`.
+"""
+from __future__ import annotations
+
+import importlib
+import warnings
+
+_EXPORTS = {
+    "prealign.schemas.layout": ["ParallelLayout", "PadPolicy", "FP8Recipe", "CPLayout", "round_up"],
+    "prealign.schemas.schema": ["BatchSchema", "FieldSpec", "Role", "FieldSource", "causal_lm_schema", "rl_schema",
+                                "topk_fields", "IGNORE_INDEX"],
+    "prealign.schemas.validate": ["validate_batch", "Violation", "validate_packed_seq_params"],
+    "prealign.schemas.distributed": ["check_startup"],
+    "prealign.schemas.vlm": ["vlm_schema", "VisionTokens", "validate_vlm_batch", "media_violations"],
+    "prealign.schemas.errors": ["PrealignError", "ConfigError", "DataError", "LayoutError", "SchemaError", "SampleError",
+                                "BucketOverflowError", "BatchValidationError", "StartupMismatchError", "ArgumentError",
+                                "OffsetOverflowError", "BackendVersionError", "PackingUnsupportedError"],
+}
+_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
+
+__all__ = list(_WHERE)
+
+
+def __getattr__(name: str):
+    if name == "Source":
+        warnings.warn("prealign.schemas.Source is renamed FieldSource (where a token field's values come from)",
+                      DeprecationWarning, stacklevel=2)
+        name = "FieldSource"
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'prealign.schemas' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
