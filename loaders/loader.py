@@ -256,6 +256,7 @@ class PackedLoader(LoaderCore):
         self.indexing = indexing or IndexOptions()
         self.share = share
         self._index: SampleIndex | None = None
+        self._failed_report: BadDataReport | None = None  # of an index pass that raised
 
     def prepare(self) -> "PackedLoader":
         """Run the index pass (or load the prebuilt index) and set up the plan and the DataLoader; a
@@ -268,9 +269,13 @@ class PackedLoader(LoaderCore):
         if index is not None:  # a reused index must describe this data (issue #7): before any batch
             check_index(index, source)
         else:
-            index = build_index(source, schema, policy=self.bad_data,
-                                num_workers=num_workers if opts.workers is None else opts.workers,
-                                distributed=opts.distributed, group=self.group)
+            try:
+                index = build_index(source, schema, policy=self.bad_data,
+                                    num_workers=num_workers if opts.workers is None else opts.workers,
+                                    distributed=opts.distributed, group=self.group)
+            except PrealignError as exc:  # what the pass counted before it stopped: loader.report
+                self._failed_report = getattr(exc, "report", None) or BadDataReport()
+                raise
         if index.media is None and media_keys(schema) and self.planner.oversize is Oversize.TRUNCATE:
             index = _with_media_flags(index, source, schema, cap)
         self._schedule = Schedule(index, layout=layout, token_budget=self.token_budget, dp_size=self.dp_size,
@@ -355,7 +360,12 @@ class PackedLoader(LoaderCore):
     def report(self) -> BadDataReport:
         """Everything left out or cut: index-pass skips (by reason) plus oversize truncations/skips
         (``oversize_truncated``, ``oversize_skipped``, and ``oversize_media`` for samples carrying
-        media that ``Oversize.TRUNCATE`` leaves out rather than cut, each one named)."""
+        media that ``Oversize.TRUNCATE`` leaves out rather than cut, each one named). After a
+        :meth:`prepare` that raised (a bad sample under ``raise``, too many under ``skip``): what its index pass
+        counted before it stopped, without running it again."""
+        if self._index is None and self._failed_report is not None:
+            return BadDataReport(counts=dict(self._failed_report.counts),
+                                 examples=list(self._failed_report.examples))
         self.prepare()
         rep = BadDataReport(counts=dict(self.index.report.counts), examples=list(self.index.report.examples))
         for where, reason, message in self._load_report.examples:  # found bad only when loaded (counted once)

@@ -94,3 +94,47 @@ def test_nothing_loaded_closes_with_the_fix_of_its_causes(tmp_path, capsys):
     assert main(["inspect", str(garbage), "--text", "--workers", "0", "--out", str(tmp_path / "x.png")]) == 2
     head = next(ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("prealign: error:"))
     assert head.endswith(f"(hint: {REMEDIES['corrupt_shard']})"), head
+
+
+def _missing_ids(i, tf):
+    """Sample 4 has no input_ids member: a bad sample (counted as missing_member or bad_sample)."""
+    from .loader_helpers import add_member
+
+    if i == 4:
+        add_member(tf, f"{i:06d}.json", b"{}")
+        return True
+    return False
+
+
+@pytest.mark.parametrize("sidecars", [False, True])
+def test_a_raised_bad_sample_names_the_skip_policy_and_the_report_stays_readable(tmp_path, sidecars):
+    import sys
+    import traceback
+
+    from prealign.loaders import BadDataPolicy, PackedLoader, WebDatasetSource
+    from prealign.loaders.index.header_pass import write_sidecars
+    from prealign.schemas import ParallelLayout, causal_lm_schema
+    from prealign.schemas.errors import SampleError
+
+    from .loader_helpers import sample_lengths, write_shards
+
+    paths = write_shards(str(tmp_path), sample_lengths(20), num_shards=2, extra=_missing_ids)
+    schema = causal_lm_schema()
+    if sidecars:
+        write_sidecars(WebDatasetSource(paths), schema)
+
+    def loader(**kw):
+        return PackedLoader(WebDatasetSource(paths, sidecars=sidecars), schema=schema, layout=ParallelLayout(),
+                            token_budget=256, **kw)
+
+    raising = loader()
+    with pytest.raises(SampleError) as exc:
+        raising.prepare()
+    if sys.version_info >= (3, 11):  # (exception notes)
+        assert "BadDataPolicy(on_error='skip') would count this as" in "".join(
+            traceback.format_exception(exc.value))
+    assert raising.report.total == 0  # nothing left out: the pass stopped at the first
+    too_many = loader(bad_data=BadDataPolicy(on_error="skip", warn=False, max_consecutive=1))
+    with pytest.raises(Exception, match="1 bad samples in a row"):
+        too_many.prepare()
+    assert too_many.report.total == 1  # what it counted before it stopped, without running it again

@@ -54,8 +54,8 @@ REMEDIES = {
     "corrupt_shard": "re-create the unreadable shards named below, or leave them out of the list",
     "shard_timeout": "check the mount or pipe the shards named below are read from",
     "missing_member": "write the member the samples lack (or leave those samples out)",
-    "bad_sample": "give the transform that matches the data (--text for pre-tokenized .npy members, else the chat "
-                  "transform; --topk / --vocab-size as the data has them)",
+    "bad_sample": "write the field as the schema expects it (the example names the field, what it expects and "
+                  "what came), or give the transform that makes it so",
     "unsafe_member": "re-write the pickled members as .npy / .json",
     "dim_mismatch": "give every sample the same named dims (e.g. one top-k K)",
     "corrupt_image": "re-encode or drop the images named below",
