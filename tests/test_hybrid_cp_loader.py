@@ -114,6 +114,7 @@ def served(wds, cp: int, epoch: int, dp_rank: int, **kw) -> tuple[list[dict], li
     return list(ref), [list(bs) for bs in zip(*ranks)], by_ids
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cp", [2, 4])
 def test_cp_ranks_together_hold_each_microbatch_as_planned(wds, cp):
     sizes = set()

@@ -25,6 +25,7 @@ def _imported(module: str) -> list[str]:
     return [line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if "|" in line]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("module", TORCH_FREE)
 def test_importing_planning_and_index_records_loads_no_torch(module):
     names = _imported(module)
