@@ -44,3 +44,10 @@ def test_the_readme_quickstart_prints_what_the_readme_says(capsys):
     exec(compile(block, "README.md", "exec"), {})
     printed = capsys.readouterr().out.strip()
     assert printed and f"It prints `{printed}`" in readme, printed
+
+
+def test_ci_runs_the_slow_tests_once_and_the_readme_says_so():
+    ci = ROOT.joinpath(".ci", "run").read_text()
+    readme = ROOT.joinpath("README.md").read_text()
+    assert ci.count('python -m pytest -m "not slow"') == 1 and "for env in verl floor" in ci
+    assert 'python -m pytest -m "not slow"' in readme and re.search(r"about \d+ minutes", readme)
