@@ -12,8 +12,7 @@ that used to be exported here still resolves, with a ``DeprecationWarning`` nami
 """
 from __future__ import annotations
 
-import importlib
-import warnings
+from prealign.schemas.lazy import lazy_names
 
 _EXPORTS = {
     # the loaders
@@ -62,21 +61,4 @@ _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 _WAS = {name: module for module, names in _MOVED.items() for name in names}
 
 __all__ = list(_WHERE)
-
-
-def __getattr__(name: str):
-    module = _WHERE.get(name)
-    if module is None:
-        module = _WAS.get(name)
-        if module is None:
-            raise AttributeError(f"module 'prealign.loaders' has no attribute {name!r}")
-        warnings.warn(f"prealign.loaders.{name} is no longer exported from prealign.loaders: import it from "
-                      f"{module}", DeprecationWarning, stacklevel=2)
-        return getattr(importlib.import_module(module), name)
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__getattr__, __dir__ = lazy_names(__name__, _WHERE, moved=_WAS, cache=globals())

@@ -5,8 +5,7 @@ loads no torch. ``Source`` is the deprecated name of :class:`FieldSource`.
 """
 from __future__ import annotations
 
-import importlib
-import warnings
+from prealign.schemas.lazy import lazy_names
 
 _EXPORTS = {
     "prealign.schemas.layout": ["ParallelLayout", "PadPolicy", "FP8Recipe", "CPLayout", "round_up"],
@@ -22,20 +21,4 @@ _EXPORTS = {
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 
 __all__ = list(_WHERE)
-
-
-def __getattr__(name: str):
-    if name == "Source":
-        warnings.warn("prealign.schemas.Source is renamed FieldSource (where a token field's values come from)",
-                      DeprecationWarning, stacklevel=2)
-        name = "FieldSource"
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module 'prealign.schemas' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__getattr__, __dir__ = lazy_names(__name__, _WHERE, renamed={"Source": "FieldSource"}, cache=globals())
