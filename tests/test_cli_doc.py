@@ -80,3 +80,21 @@ def test_the_demo_output_is_what_the_demo_prints(tmp_path, capsys):
     assert main(["demo", "--out", str(tmp_path / "demo.png")]) == 0
     produced = _demo_doc_block(capsys.readouterr().out)
     _check_or_write("prealign: 240 samples", produced, _demo_normalised)
+
+
+INDEX = "prealign index --topk 4 'demo-{000000..000001}.tar'"
+
+
+def _index_normalised(text: str) -> str:
+    return re.sub(r"samples in [\d.]+ s\)", "samples in <timed> s)", text)
+
+
+def test_the_index_example_is_what_the_command_prints(tmp_path, capsys, monkeypatch):
+    from prealign.loaders.cli.demo_data import build_demo_dataset
+
+    monkeypatch.chdir(tmp_path)
+    build_demo_dataset(".", num_samples=26, samples_per_shard=13, topk=4)
+    assert main(shlex.split(INDEX)[1:]) == 0
+    err = capsys.readouterr().err.replace("\r", "\n")
+    lines = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith("prealign index [")]
+    _check_or_write(f"$ {INDEX}", "\n".join([f"$ {INDEX}"] + lines) + "\n", _index_normalised)
