@@ -81,7 +81,8 @@ def _phase(code: str) -> dict:
 
 
 _TTFB = """
-from prealign.loaders import IndexOptions, PackedLoader, WebDatasetSource, numpy_fields
+from prealign.loaders import IndexOptions, PackedLoader, WebDatasetSource
+from prealign.loaders.sources.webdataset import numpy_fields
 from prealign.schemas import ParallelLayout, causal_lm_schema
 paths = {paths!r}
 t0 = time.perf_counter()

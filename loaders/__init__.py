@@ -4,79 +4,62 @@ Flow: source (:class:`HFSource`, :class:`WebDatasetSource`) -> index pass (lengt
 bad-data policy) -> planner (:func:`plan_microbatches`, same plan on every rank) -> this rank's
 micro-batches -> DataLoader workers read, transform and collate -> :class:`PackedLoader` batches,
 resumable with ``state_dict`` / ``load_state_dict``.
-"""
-from prealign.loaders.conformance import assert_resumes_elastically, assert_resumes_exactly
-from prealign.loaders.errors import (
-                     BadSampleError,
-                     ChangedShardError,
-                     CollectiveTimeoutError,
-                     CorruptShardError,
-                     IndexFileError,
-                     IndexMismatchError,
-                     LoaderUsageError,
-                     MissingMemberError,
-                     MissingShardError,
-                     NotRegularFileError,
-                     OversizeSampleError,
-                     PlanError,
-                     RangeIgnoredWarning,
-                     RemotePermissionError,
-                     RemoteReadError,
-                     RemoteStallError,
-                     ResumeError,
-                     ShardGoneError,
-                     ShardTimeoutError,
-                     SourceChangedError,
-                     StaleIndexError,
-                     TooManyBadSamplesError,
-                     UnsafeMemberError,
-                     UnsupportedTorchError,
-                     WorkerError,
-)
-from prealign.loaders.handoff.batch_share import BatchShare
-from prealign.loaders.index.build import build_index
-from prealign.loaders.index.sample_index import SampleIndex
-from prealign.loaders.index.shard_writer import ShardWriter
-from prealign.loaders.loader import PackedLoader
-from prealign.loaders.media.chat_tokenizer import ChatTokenizer, HFChatTokenizer
-from prealign.loaders.media.vlm import (
-                     MediaError,
-                     MediaProblem,
-                     VideoDefaultsWarning,
-                     VLMSampleTransform,
-                     image_processor,
-)
-from prealign.loaders.mixture import Component, Mixture
-from prealign.loaders.options import IndexOptions, LoadingOptions, ShuffleOptions, WorkerConfig
-from prealign.loaders.plan.cost import CostModel
-from prealign.loaders.plan.planner import (
-                     MicrobatchPlan,
-                     PlannerConfig,
-                     PlanStats,
-                     microbatch_capacity,
-                     plan_microbatches,
-)
-from prealign.loaders.policy import BadDataPolicy, BadDataReport, BadSampleWarning, OnBadSample, Oversize, PackStrategy
-from prealign.loaders.sources.remote import RemoteOptions
-from prealign.loaders.sources.source import HFSource, Source
-from prealign.loaders.sources.tar_decode import DecodeLimits
-from prealign.loaders.sources.webdataset import WebDatasetSource, numpy_fields
-from prealign.loaders.streaming import StreamingPackedLoader
 
-__all__ = ["HFChatTokenizer", "ChatTokenizer", "PackedLoader", "StreamingPackedLoader", "IndexOptions", "LoadingOptions",
-           "ShuffleOptions", "plan_microbatches", "microbatch_capacity", "MicrobatchPlan", "PlannerConfig", "PlanStats",
-           "HFSource", "WebDatasetSource", "Source", "numpy_fields", "SampleIndex", "build_index", "assert_resumes_exactly",
-           "PackStrategy", "Oversize", "OnBadSample", "BadDataPolicy", "BadDataReport", "BadSampleWarning",
-           "PlanError", "OversizeSampleError", "BadSampleError", "UnsafeMemberError", "MissingMemberError",
-           "CorruptShardError", "TooManyBadSamplesError", "ResumeError", "SourceChangedError"]
-__all__ += ["IndexFileError", "LoaderUsageError", "MissingShardError", "ShardTimeoutError", "WorkerError",
-            "DecodeLimits"]
-__all__ += ["VLMSampleTransform", "MediaError", "MediaProblem", "image_processor", "BatchShare"]
-__all__ += ["WorkerConfig", "UnsupportedTorchError"]
-__all__ += ["RemoteOptions", "RemoteReadError", "RemoteStallError", "RemotePermissionError", "RangeIgnoredWarning"]
-__all__ += ["CollectiveTimeoutError", "NotRegularFileError", "ShardGoneError"]
-__all__ += ["assert_resumes_elastically"]
-__all__ += ["CostModel"]
-__all__ += ["ShardWriter"]
-__all__ += ["ChangedShardError", "IndexMismatchError", "StaleIndexError", "VideoDefaultsWarning"]
-__all__ += ["Mixture", "Component"]
+The names below are what a user needs, imported on first use (``import prealign.loaders`` loads neither
+torch nor any submodule). Everything else is importable from its module: the errors from
+:mod:`prealign.loaders.errors`, the planner's records from :mod:`prealign.loaders.plan.planner`, ... A name
+that used to be exported here still resolves, with a ``DeprecationWarning`` naming its module.
+"""
+from __future__ import annotations
+
+from prealign.schemas.lazy import lazy_names
+
+_EXPORTS = {
+    # the loaders
+    "prealign.loaders.loader": ["PackedLoader"],
+    "prealign.loaders.streaming": ["StreamingPackedLoader"],
+    # sources and how they are read
+    "prealign.loaders.sources.source": ["HFSource", "Source"],
+    "prealign.loaders.mixture": ["Mixture", "Component"],
+    "prealign.loaders.sources.webdataset": ["WebDatasetSource", "numpy_fields"],
+    "prealign.loaders.sources.remote": ["RemoteOptions"],
+    "prealign.loaders.sources.tar_decode": ["DecodeLimits"],
+    # options and policies
+    "prealign.loaders.options": ["IndexOptions", "LoadingOptions", "ShuffleOptions", "WorkerConfig"],
+    "prealign.loaders.policy": ["BadDataPolicy", "Oversize", "PackStrategy"],
+    # planning
+    "prealign.loaders.plan.planner": ["PlannerConfig", "plan_microbatches"],
+    "prealign.loaders.plan.cost": ["CostModel"],
+    # indexes and shards
+    "prealign.loaders.index.build": ["build_index"],
+    "prealign.loaders.index.sample_index": ["SampleIndex"],
+    "prealign.loaders.index.shard_writer": ["ShardWriter"],
+    # VLMs
+    "prealign.loaders.media.vlm": ["VLMSampleTransform"],
+    "prealign.loaders.media.chat_tokenizer": ["HFChatTokenizer"],
+    # several ranks, resume
+    "prealign.loaders.handoff.batch_share": ["BatchShare"],
+    "prealign.loaders.conformance": ["assert_resumes_exactly", "assert_resumes_elastically"],
+    # the errors a training loop catches (every other: prealign.loaders.errors)
+    "prealign.loaders.errors": ["WorkerError", "IndexMismatchError"],
+}
+
+# Exported here before the surface was curated: still resolved, with a DeprecationWarning.
+_MOVED = {
+    "prealign.loaders.errors": [
+        "BadSampleError", "ChangedShardError", "CollectiveTimeoutError", "CorruptShardError", "IndexFileError",
+        "LoaderUsageError", "MissingMemberError", "MissingShardError", "NotRegularFileError",
+        "OversizeSampleError", "PlanError", "RangeIgnoredWarning", "RemotePermissionError", "RemoteReadError",
+        "RemoteStallError", "ResumeError", "ShardGoneError", "ShardTimeoutError", "SourceChangedError",
+        "StaleIndexError", "TooManyBadSamplesError", "UnsafeMemberError", "UnsupportedTorchError"],
+    "prealign.loaders.media.vlm": ["MediaError", "MediaProblem", "VideoDefaultsWarning", "image_processor"],
+    "prealign.loaders.media.chat_tokenizer": ["ChatTokenizer"],
+    "prealign.loaders.plan.planner": ["MicrobatchPlan", "PlanStats", "microbatch_capacity"],
+    "prealign.loaders.policy": ["BadDataReport", "BadSampleWarning", "OnBadSample"],
+}
+
+_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
+_WAS = {name: module for module, names in _MOVED.items() for name in names}
+
+__all__ = list(_WHERE)
+__getattr__, __dir__ = lazy_names(__name__, _WHERE, moved=_WAS, cache=globals())

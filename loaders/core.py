@@ -8,6 +8,7 @@ dead worker a :class:`~prealign.loaders.errors.WorkerError`: :mod:`prealign.load
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import functools
 import hashlib
 import json
@@ -111,7 +112,8 @@ class LoaderCore:
     def from_parallel_state(cls, source: Source, *, schema: BatchSchema, token_budget: int,
                             layout: ParallelLayout | None = None, **kwargs):
         """Ranks (and, without ``layout``, tp/cp sizes) read from megatron-core's ``parallel_state``
-        when initialised, else from ``torch.distributed`` (every rank a DP rank, no CP)."""
+        when initialised, else from ``torch.distributed`` (every rank a DP rank, no CP); a ``workers=``
+        :class:`~prealign.loaders.options.WorkerConfig` keeps its ``num_workers`` and ``group``."""
         from prealign.schemas.parallel_state import data_parallel_info
 
         info = data_parallel_info()
@@ -120,8 +122,12 @@ class LoaderCore:
         elif (layout.tp, layout.cp) != (info["tp"], info["cp"]):
             raise PlanError(f"layout tp={layout.tp}, cp={layout.cp} but the process groups have "
                             f"tp={info['tp']}, cp={info['cp']}")
-        return cls(source, schema=schema, layout=layout, token_budget=token_budget, dp_rank=info["dp_rank"],
-                   dp_size=info["dp"], cp_rank=info["cp_rank"] if info["cp"] > 1 else None, **kwargs)
+        ranks = {"dp_rank": info["dp_rank"], "dp_size": info["dp"], "cp_rank": info["cp_rank"] if info["cp"] > 1 else None}
+        if kwargs.get("workers") is not None:  # its ranks are the process groups'; its workers and group stay
+            check_option("workers", kwargs["workers"], WorkerConfig)
+            return cls(source, schema=schema, layout=layout, token_budget=token_budget,
+                       **{**kwargs, "workers": dataclasses.replace(kwargs["workers"], **ranks)})
+        return cls(source, schema=schema, layout=layout, token_budget=token_budget, **ranks, **kwargs)
 
     def prepare(self):
         """Set up what the loader needs before its first batch (the data's fingerprint at least); a no-op once done."""

@@ -1,9 +1,15 @@
-"""Typed errors of the loader layer. All subclass :class:`prealign.schemas.errors.PrealignError` (a ``ValueError``);
-per-sample problems subclass :class:`~prealign.schemas.errors.SampleError` and name the sample, the field,
-what was expected and what came."""
+"""Typed errors of the loader layer. All subclass :class:`prealign.schemas.errors.PrealignError`.
+
+Configuration mistakes are :class:`~prealign.schemas.errors.ConfigError`\ s and bad data
+:class:`~prealign.schemas.errors.DataError`\ s (both also ``ValueError``); per-sample problems subclass
+:class:`~prealign.schemas.errors.SampleError` and name the sample, the field, what was expected and what
+came. I/O, timeout and worker errors are ``OSError`` / ``RuntimeError`` subclasses and never ``ValueError``
+(:data:`SYSTEM_ERRORS`): a transform's ``except ValueError`` does not swallow them, and no bad-data policy
+counts one as a bad sample (a shard the source itself finds unreadable is a shard event of the index pass,
+``corrupt_shard`` / ``shard_timeout`` under ``skip``). The tree: ``docs/errors.md``."""
 from __future__ import annotations
 
-from prealign.schemas.errors import ConfigError, PrealignError, SampleError
+from prealign.schemas.errors import ConfigError, DataError, PrealignError, SampleError
 
 
 class PlanError(ConfigError):
@@ -60,9 +66,11 @@ def reason_of(exc: BaseException) -> str:
     return reason if isinstance(reason, str) and reason else BadSampleError.reason
 
 
-class CorruptShardError(PrealignError):
+class CorruptShardError(PrealignError, OSError):
     """A shard could not be read past some byte offset (truncated or corrupt tar, a member larger than
-    the file, unreadable URL); counted under ``reason`` (``corrupt_shard``) by the bad-data policy."""
+    the file, unreadable URL): an ``OSError``. When the source finds it while scanning, the index pass counts
+    it as a shard event under ``reason`` (``corrupt_shard``) with ``skip``; raised anywhere else (a transform,
+    a batch read) it propagates."""
 
     reason = "corrupt_shard"
     shard = offset = cause = None  # when rebuilt from its message alone (see PrealignError)
@@ -72,9 +80,10 @@ class CorruptShardError(PrealignError):
         super().__init__(f"shard {shard}: unreadable at byte {offset}: {cause}")
 
 
-class ShardTimeoutError(CorruptShardError):
-    """A shard read made no progress within the source's ``read_timeout`` (a FIFO, a hung mount):
-    counted as ``shard_timeout`` under ``skip``, raised under ``raise``."""
+class ShardTimeoutError(CorruptShardError, TimeoutError):
+    """A shard read made no progress within the source's ``read_timeout`` (a FIFO, a hung mount): a
+    ``TimeoutError`` (an ``OSError``). Found while scanning, it is counted as ``shard_timeout`` under
+    ``skip`` (the rest of the shard is lost), raised under ``raise``; anywhere else it propagates."""
 
     reason = "shard_timeout"
 
@@ -92,12 +101,12 @@ class ShardGoneError(BadSampleError):
         super().__init__(sample=where, field=None, expected=f"shard {shard} as indexed", actual=problem)
 
 
-class CollectiveTimeoutError(PrealignError):
+class CollectiveTimeoutError(PrealignError, TimeoutError):
     """A collective of the loader (the streaming loader's end-of-epoch ``all_reduce``) did not complete within
     its timeout: a peer rank stopped iterating, died or is stuck. Names the group's ranks and the position."""
 
 
-class WorkerError(PrealignError):
+class WorkerError(PrealignError, RuntimeError):
     """A DataLoader worker died (killed by a signal, out of memory) or timed out. The loader stays
     usable: iterate again to continue from its state (the position of the last batch yielded)."""
 
@@ -108,7 +117,7 @@ class UnsupportedTorchError(ConfigError):
     attribute, instead of silently not recovering."""
 
 
-class ShareRecordError(PrealignError):
+class ShareRecordError(DataError):
     """A shared record or slot (:mod:`prealign.loaders.handoff`) that is malformed or not trusted: never served,
     the rank computes the batch for itself."""
 
@@ -123,7 +132,7 @@ class LoaderUsageError(ConfigError):
     """The loader was used in a way it does not support (two iterators at once)."""
 
 
-class TooManyBadSamplesError(PrealignError):
+class TooManyBadSamplesError(DataError):
     """More consecutive bad samples than ``BadDataPolicy.max_consecutive`` allows."""
 
 
@@ -131,7 +140,7 @@ class ResumeError(ConfigError):
     """A loader state that cannot be resumed here (other version, dp size, layout, schema, data)."""
 
 
-class SourceChangedError(PrealignError):
+class SourceChangedError(DataError):
     """A sample read for a batch no longer matches what the index recorded (data changed on disk)."""
 
 
@@ -186,7 +195,7 @@ class ExtraShardError(IndexFileError):
     of other data: also an :class:`IndexFileError`)."""
 
 
-class RemoteReadError(PrealignError):
+class RemoteReadError(PrealignError, OSError):
     """A remote shard could not be read (after the retries): ``.url`` names it."""
 
     url = None  # when rebuilt from its message alone (see PrealignError)
@@ -196,7 +205,7 @@ class RemoteReadError(PrealignError):
         super().__init__(f"{url}: {message}")
 
 
-class RemoteStallError(RemoteReadError):
+class RemoteStallError(RemoteReadError, TimeoutError):
     """A remote read received no byte for longer than ``RemoteOptions.timeout`` seconds (after the retries)."""
 
 
@@ -218,3 +227,12 @@ class RangeIgnoredWarning(UserWarning):
     """A server answered a ranged read with the whole object (it ignores ``Range``): emitted once per server
     and process; each object is then downloaded whole once and kept (``RemoteOptions.cache_dir``, else a
     private temporary folder), bounded by ``RemoteOptions.cache_limit``."""
+
+
+SYSTEM_ERRORS: tuple[type[BaseException], ...] = (OSError, RuntimeError)
+"""The system errors (I/O, timeouts, dead workers): what no bad-data policy counts as a bad sample, and what
+no ``except ValueError`` catches (``issubclass(e, ValueError)`` is False for every prealign error among them).
+
+>>> issubclass(RemoteStallError, SYSTEM_ERRORS), issubclass(RemoteStallError, ValueError)
+(True, False)
+"""

@@ -27,75 +27,34 @@ from typing import Callable
 import numpy as np
 import torch
 
-from prealign.collate.samples import sample_token_keys
 from prealign.loaders.core import LoaderCore, unpacked
 from prealign.loaders.errors import BadSampleError, ResumeError, SourceChangedError, reason_of
 from prealign.loaders.handoff.batch_share import BatchShare
+from prealign.loaders.handoff.fetched import Fetched
 from prealign.loaders.handoff.transport import pack_batch
 from prealign.loaders.index.build import build_index
 from prealign.loaders.index.sample_checks import has_media, media_keys
 from prealign.loaders.index.sample_index import SampleIndex
 from prealign.loaders.index.sidecar import check_all_shards, check_index, describe_transform
 from prealign.loaders.mixture import Mixture
-from prealign.loaders.options import IndexOptions, LoadingOptions, ShuffleOptions, WorkerConfig, check_option
+from prealign.loaders.options import (
+    IndexOptions,
+    LoadingOptions,
+    ShuffleOptions,
+    WorkerConfig,
+    check_option,
+    worker_config,
+)
 from prealign.loaders.plan.planner import MicrobatchPlan, PlannerConfig
 from prealign.loaders.plan.schedule import Request, Schedule, check_count
 from prealign.loaders.policy import BadDataPolicy, BadDataReport, BadSampleWarning, OnBadSample, Oversize, PackStrategy
 from prealign.loaders.serve.workers import hand_over
+from prealign.loaders.shaping import filler_length, filler_sample, truncate_sample
 from prealign.loaders.sources.source import Source
 from prealign.loaders.state import LoaderState
 from prealign.schemas.errors import ConfigError, PrealignError, SampleError
 from prealign.schemas.layout import ParallelLayout
-from prealign.schemas.schema import BatchSchema, Role
-from prealign.schemas.schema import Source as FieldSource
-
-
-def truncate_sample(sample: dict, schema: BatchSchema, length: int) -> dict:
-    """A copy of ``sample`` with every token field cut to its first ``length`` tokens.
-
-    Refuses (:class:`BadSampleError`, reason ``oversize_media``) to cut a sample that carries media
-    (a MEDIA field with rows): its ``pixel_values`` / ``image_grid_thw`` would no longer match its
-    image tokens. The planner leaves such samples out instead (``MicrobatchPlan.skipped_media``).
-    """
-    out = dict(sample)
-    mkeys = media_keys(schema)
-    for key, dim in sample_token_keys(schema):
-        if key in out and out[key] is not None:
-            t = torch.as_tensor(np.asarray(out[key])) if not isinstance(out[key], torch.Tensor) else out[key]
-            if t.shape[dim] > length and mkeys and has_media(sample, mkeys):
-                raise BadSampleError(sample=sample.get("__key__"), field=key, reason="oversize_media",
-                                     expected=f"at most {length} tokens (a sample carrying media is never cut)",
-                                     actual=f"{t.shape[dim]} tokens")
-            out[key] = t.narrow(dim, 0, min(length, t.shape[dim]))
-    return out
-
-
-def filler_sample(sample: dict, schema: BatchSchema, length: int) -> dict:
-    """A sample shaped like ``sample`` but ``length`` pad tokens long, labels all ``ignore_index``
-    (so its loss mask is zero), sequence fields zero and media fields empty (no images: a VLM
-    filler has ``pixel_values [0, patch_dim]``, ``image_grid_thw [0, 3]``, text-only token types
-    and zero ``mrope_position_ids``, consistent for :func:`prealign.schemas.vlm.validate_vlm_batch`)."""
-    out = dict(sample)
-    for spec in schema.of_role(Role.MEDIA):  # first: then the cut below never sees media
-        if spec.name in out:
-            out[spec.name] = torch.as_tensor(out[spec.name])[:0]
-    out = truncate_sample(out, schema, length)
-    for spec in schema.of_role(Role.TOKEN):
-        if spec.source not in (FieldSource.SAMPLE, FieldSource.NEXT_TOKEN):
-            continue
-        for key in spec.sample_keys:
-            if key in out and not (spec.source is FieldSource.NEXT_TOKEN and key == "input_ids"):
-                # (labels read input_ids when a sample has no labels: the ids keep their own pad, not -100)
-                out[key] = torch.full_like(torch.as_tensor(out[key]), spec.pad_value)
-        if spec.source is FieldSource.NEXT_TOKEN:
-            ids = torch.as_tensor(out["input_ids"])
-            out[spec.sample_keys[0]] = torch.full_like(ids, schema.ignore_index)
-    if "loss_mask" in out:
-        out["loss_mask"] = torch.zeros_like(torch.as_tensor(out["loss_mask"]))
-    for spec in schema.of_role(Role.SEQUENCE):
-        if spec.name in out:
-            out[spec.name] = torch.zeros_like(torch.as_tensor(out[spec.name]))
-    return out
+from prealign.schemas.schema import BatchSchema
 
 
 def _with_media_flags(index: SampleIndex, source: Source, schema: BatchSchema, max_len: int) -> SampleIndex:
@@ -144,15 +103,16 @@ class _PlannedSamples:
     headers checks less than the full pass) is left out of its micro-batch and reported, not fatal."""
 
     def __getitems__(self, request: Request):
-        """The micro-batch's samples, with :meth:`where` for the collate_fn's error messages (and, under
-        the skip policy, the samples left out at load time, ``(reason, where, message)``). In a worker, a
-        typed error is handed to the collate_fn in place of the samples and returned from the worker as the
-        batch (:func:`~prealign.loaders.serve.workers.worker_batches` raises it)."""
+        """The micro-batch's samples as a :class:`~prealign.loaders.handoff.fetched.Fetched`, with :meth:`where`
+        for the collate_fn's error messages (and, under the skip policy, the samples left out at load time,
+        ``(reason, where, message)``). In a worker, a typed error is handed to the collate_fn in place of the
+        samples and returned from the worker as the batch (:func:`~prealign.loaders.serve.workers.worker_batches`
+        raises it)."""
         try:
             if not request.indices:
-                return request, [self._filler(request.filler_of)], self.where
+                return Fetched(request, [self._filler(request.filler_of)], self.where)
             if not self.skip_at_load:
-                return request, [self._load(i) for i in request.indices], self.where
+                return Fetched(request, [self._load(i) for i in request.indices], self.where)
             samples, kept, skipped = [], [], []
             for i in request.indices:
                 try:
@@ -163,9 +123,9 @@ class _PlannedSamples:
             if not samples:
                 raise BadSampleError(sample=self.where(request.indices[0]), field=None, expected="a loadable "
                                      "sample in the micro-batch", actual=f"all {len(skipped)} failed: {skipped[0][2]}")
-            return dataclasses.replace(request, indices=tuple(kept)), samples, self.where, skipped
+            return Fetched(dataclasses.replace(request, indices=tuple(kept)), samples, self.where, skipped)
         except PrealignError as exc:
-            return request, hand_over(exc), self.where
+            return Fetched(request, hand_over(exc), self.where)
 
 
 @dataclass(frozen=True)
@@ -177,11 +137,11 @@ class _CollatePlanned:
     pack: bool = False
     """In worker processes: hand the batch over as one buffer (:mod:`prealign.loaders.handoff.transport`)."""
 
-    def __call__(self, fetched: tuple):
-        request, samples, where = fetched[:3]
+    def __call__(self, fetched: Fetched):
+        request, samples, where = fetched.request, fetched.samples, fetched.where
         if isinstance(samples, PrealignError):
             return samples
-        skipped = list(fetched[3]) if len(fetched) > 3 else None  # None: not the skip policy
+        skipped = None if fetched.skipped is None else list(fetched.skipped)  # None: not the skip policy
         while True:
             try:
                 batch = self.collator(samples)
@@ -253,7 +213,10 @@ class PackedLoader(LoaderCore):
     (``docs/balance.md``).
 
     ``token_budget``: global padded THD length of one micro-batch (one CP group; each CP rank holds
-    ``budget / cp``). The rarer knobs are option objects (:mod:`prealign.loaders.options`):
+    ``budget / cp``). ``workers``: where it runs (:class:`~prealign.loaders.options.WorkerConfig`: DP and CP
+    ranks, DataLoader workers, process group), or the same as the flat keywords ``dp_rank``, ``dp_size``,
+    ``cp_rank``, ``num_workers``, ``group`` (defaults: rank 0 of 1, no CP shard, no workers, the world).
+    The rarer knobs are option objects (:mod:`prealign.loaders.options`):
     ``planner`` (:class:`PlannerConfig`: strategy, buffer, oversize policy, ``k`` micro-batches per
     step), ``bad_data`` (:class:`BadDataPolicy` for samples that fail to decode / transform / validate
     in the index pass), ``shuffle`` (:class:`ShuffleOptions`), ``indexing`` (:class:`IndexOptions`: a
@@ -261,7 +224,7 @@ class PackedLoader(LoaderCore):
     settings). ``collator``: another collate callable (e.g. ``THDCollator(..., defer_cp_shard=True)``)
     that pads exactly as ``layout`` says. ``share``: a :class:`~prealign.loaders.handoff.batch_share.BatchShare`
     (opt-in): the CP ranks of a node load and collate each micro-batch once between them. ``group``: the
-    process group of the distributed index pass (default: the world).
+    process group of the distributed index pass.
 
     The constructor only checks its arguments: no I/O, no collective. The index pass (a collective
     with ``IndexOptions(distributed=True)`` and a process group) runs on first use (``len``, iteration,
@@ -274,11 +237,12 @@ class PackedLoader(LoaderCore):
     elastic = ("dp_size", "microbatches_per_step")
 
     def __init__(self, source: Source, *, schema: BatchSchema, layout: ParallelLayout, token_budget: int,
-                 dp_rank: int = 0, dp_size: int = 1, cp_rank: int | None = None, num_workers: int = 0, seed: int = 0,
-                 planner: PlannerConfig | None = None, bad_data: BadDataPolicy | None = None,
-                 shuffle: ShuffleOptions | None = None, indexing: IndexOptions | None = None,
-                 loading: LoadingOptions | None = None, collator: Callable | None = None,
-                 share: "BatchShare | None" = None, group=None):
+                 seed: int = 0, workers: WorkerConfig | None = None, planner: PlannerConfig | None = None,
+                 bad_data: BadDataPolicy | None = None, shuffle: ShuffleOptions | None = None,
+                 indexing: IndexOptions | None = None, loading: LoadingOptions | None = None,
+                 collator: Callable | None = None, share: "BatchShare | None" = None,
+                 dp_rank: int | None = None, dp_size: int | None = None, cp_rank: int | None = None,
+                 num_workers: int | None = None, group=None):
         check_option("shuffle", shuffle, ShuffleOptions)
         check_option("indexing", indexing, IndexOptions)
         check_option("share", share, BatchShare)
@@ -286,8 +250,8 @@ class PackedLoader(LoaderCore):
             raise ConfigError("share: BatchShare publishes one collated micro-batch for the whole CP group, while "
                               "under PlannerConfig(hybrid_cp=True) each CP sub-group collates its own samples; use "
                               "one of them")
-        workers = WorkerConfig(dp_rank=dp_rank, dp_size=dp_size, cp_rank=cp_rank, num_workers=num_workers,
-                               group=group)
+        workers = worker_config(workers, dp_rank=dp_rank, dp_size=dp_size, cp_rank=cp_rank,
+                                num_workers=num_workers, group=group)
         super().__init__(source, schema=schema, layout=layout, token_budget=token_budget, workers=workers, seed=seed,
                          planner=planner, bad_data=bad_data, loading=loading, collator=collator)
         self.shuffle_options = shuffle or ShuffleOptions()
@@ -296,6 +260,7 @@ class PackedLoader(LoaderCore):
         self.share = share
         self._index: SampleIndex | None = None
         self._mixture_setup()
+        self._failed_report: BadDataReport | None = None  # of an index pass that raised
 
     def prepare(self) -> "PackedLoader":
         """Run the index pass (or load the prebuilt index) and set up the plan and the DataLoader; a
@@ -312,9 +277,13 @@ class PackedLoader(LoaderCore):
                                        num_workers=num_workers if opts.workers is None else opts.workers,
                                        distributed=opts.distributed, group=self.group)
         else:
-            index = build_index(source, schema, policy=self.bad_data,
-                                num_workers=num_workers if opts.workers is None else opts.workers,
-                                distributed=opts.distributed, group=self.group)
+            try:
+                index = build_index(source, schema, policy=self.bad_data,
+                                    num_workers=num_workers if opts.workers is None else opts.workers,
+                                    distributed=opts.distributed, group=self.group)
+            except PrealignError as exc:  # what the pass counted before it stopped: loader.report
+                self._failed_report = getattr(exc, "report", None) or BadDataReport()
+                raise
         if isinstance(source, Mixture):  # (an index built elsewhere: its rows by component)
             index = source.adopt(index)
         if index.media is None and media_keys(schema) and self.planner.oversize is Oversize.TRUNCATE:
@@ -327,7 +296,7 @@ class PackedLoader(LoaderCore):
             self._mixture_schedule()
         self._schedule.resized = self._resized
         self._requests = _Requests()
-        planned = _PlannedSamples(source, index, schema, cap, layout.seq_multiple)
+        planned = _PlannedSamples(source, index, schema, cap, filler_length(layout))
         planned.skip_at_load = self.bad_data.on_error is OnBadSample.SKIP
         collate_fn = _CollatePlanned(self.collator, pack=num_workers > 0)
         description = source.describe()  # (stats local shards: once, here, never in state_dict)
@@ -405,7 +374,12 @@ class PackedLoader(LoaderCore):
     def report(self) -> BadDataReport:
         """Everything left out or cut: index-pass skips (by reason) plus oversize truncations/skips
         (``oversize_truncated``, ``oversize_skipped``, and ``oversize_media`` for samples carrying
-        media that ``Oversize.TRUNCATE`` leaves out rather than cut, each one named)."""
+        media that ``Oversize.TRUNCATE`` leaves out rather than cut, each one named). After a
+        :meth:`prepare` that raised (a bad sample under ``raise``, too many under ``skip``): what its index pass
+        counted before it stopped, without running it again."""
+        if self._index is None and self._failed_report is not None:
+            return BadDataReport(counts=dict(self._failed_report.counts),
+                                 examples=list(self._failed_report.examples))
         self.prepare()
         rep = BadDataReport(counts=dict(self.index.report.counts), examples=list(self.index.report.examples))
         for where, reason, message in self._load_report.examples:  # found bad only when loaded (counted once)

@@ -2,8 +2,10 @@
 :class:`~prealign.loaders.StreamingPackedLoader`), as small frozen keyword-only option objects validated at
 construction (a mistake is a :class:`~prealign.loaders.errors.PlanError`, a ``ConfigError``).
 
-    PackedLoader(source, schema=, layout=, token_budget=, dp_rank=, dp_size=, cp_rank=, num_workers=, seed=,
-                 group=,                         (the rank keywords: one WorkerConfig)
+    PackedLoader(source, schema=, layout=, token_budget=, seed=,
+                 workers=WorkerConfig(...),      where it runs: ranks, DataLoader workers, process group
+                                                 (or the flat dp_rank=, dp_size=, cp_rank=, num_workers=,
+                                                 group= keywords: the same, as sugar)
                  planner=PlannerConfig(...),     how micro-batches are filled       (loaders.planner;
                                                  the stream's buffer_size and oversize too)
                  bad_data=BadDataPolicy(...),    what a bad sample does             (loaders.policy)
@@ -125,7 +127,12 @@ class LoadingOptions:
 class WorkerConfig:
     """Where a loader runs: DP rank ``dp_rank`` of ``dp_size``, CP rank ``cp_rank`` (None: no CP shard),
     ``num_workers`` DataLoader workers and ``group``, the process group of its collectives (None: the
-    world). Both loaders build one from their keywords (``loader.workers``)."""
+    world). Both loaders take one as ``workers=`` or build it from the same flat keywords
+    (``loader.workers``).
+
+    >>> WorkerConfig(dp_rank=1, dp_size=4, num_workers=2).num_workers
+    2
+    """
 
     dp_rank: int = 0
     dp_size: int = 1
@@ -137,3 +144,21 @@ class WorkerConfig:
         check_dp(self.dp_rank, self.dp_size)
         _int("cp_rank", self.cp_rank, 0, optional=True)
         _int("num_workers", self.num_workers, 0)
+
+
+def worker_config(workers: WorkerConfig | None, **flat) -> WorkerConfig:
+    """A loader's :class:`WorkerConfig`: ``workers``, or one built from the flat keywords (``dp_rank``,
+    ``dp_size``, ``cp_rank``, ``num_workers``, ``group``; ``None``: not given). A flat keyword given beside
+    ``workers`` is a :class:`~prealign.loaders.errors.PlanError` (given twice).
+
+    >>> worker_config(None, dp_rank=1, dp_size=2, cp_rank=None, num_workers=None, group=None).dp_size
+    2
+    """
+    check_option("workers", workers, WorkerConfig)
+    given = {name: value for name, value in flat.items() if value is not None}
+    if workers is None:
+        return WorkerConfig(**given)
+    if given:
+        raise PlanError(f"{', '.join(given)}: given twice, as a keyword and in workers= (give it in the "
+                        f"WorkerConfig)")
+    return workers

@@ -119,14 +119,22 @@ class BadDataGate:
         self.consecutive = 0
 
     def bad(self, reason: str, where: str, error: Exception) -> None:
-        """Raise ``error`` (RAISE) or count it; raise :class:`TooManyBadSamplesError` past the limit."""
+        """Raise ``error`` (RAISE: with a note naming the ``skip`` policy that would count it) or count it;
+        raise :class:`TooManyBadSamplesError` past the limit. Either carries ``.report``, what was counted."""
         if self.policy.on_error is OnBadSample.RAISE:
+            note = (f"BadDataPolicy(on_error='skip') would count this as {reason!r} and leave it out "
+                    f"(loader.report)")
+            if hasattr(error, "add_note") and note not in getattr(error, "__notes__", ()):  # Python >= 3.11
+                error.add_note(note)
+            error.report = self.report
             raise error
         self.report.add(reason, where, str(error))
         self.consecutive += 1
         if self.policy.warn:
             warnings.warn(BadSampleWarning(f"skipped {where} ({reason}): {error}"), stacklevel=2)
         if self.consecutive >= self.policy.max_consecutive:
-            raise TooManyBadSamplesError(
+            too_many = TooManyBadSamplesError(
                 f"{self.consecutive} bad samples in a row (limit max_consecutive={self.policy.max_consecutive}); "
-                f"last: {where}: {error}. Counts so far: {self.report.counts}") from error
+                f"last: {where}: {error}. Counts so far: {self.report.counts}")
+            too_many.report = self.report
+            raise too_many from error

@@ -45,6 +45,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import itertools
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -57,14 +58,14 @@ from prealign.loaders.errors import BadSampleError, CollectiveTimeoutError, Over
 from prealign.loaders.handoff.transport import pack_batch
 from prealign.loaders.index.events import error_from_record, error_record, record_reason
 from prealign.loaders.index.sample_checks import has_media, media_keys, validated
-from prealign.loaders.loader import filler_sample, truncate_sample
 from prealign.loaders.mixture import Mixture
-from prealign.loaders.options import LoadingOptions, WorkerConfig, check_option
+from prealign.loaders.options import LoadingOptions, WorkerConfig, check_option, worker_config
 from prealign.loaders.plan.elastic import round_robin
 from prealign.loaders.plan.packing import best_fit_decreasing
 from prealign.loaders.plan.planner import PlannerConfig
 from prealign.loaders.policy import BadDataGate, BadDataPolicy, BadDataReport, Oversize
 from prealign.loaders.serve.workers import hand_over
+from prealign.loaders.shaping import filler_length, filler_sample, truncate_sample
 from prealign.loaders.sources.source import Skip, Source
 from prealign.loaders.state import STREAM_STATE_KIND
 from prealign.schemas.errors import PrealignError, SampleError
@@ -298,7 +299,8 @@ class StreamingPackedLoader(LoaderCore):
     :class:`~prealign.loaders.sources.source.Source` (``HFSource`` over an ``IterableDataset``, a webdataset of
     any size); nothing is indexed. ``planner``: its ``buffer_size`` is the samples each reader holds before
     packing (default 1,024: :data:`STREAM_PLANNER`), its ``oversize`` the policy for a sample longer than the
-    budget allows; the ``buffer_size`` and ``oversize`` keywords set the same. ``group``: the process group of
+    budget allows (the ``buffer_size`` and ``oversize`` keywords, deprecated, set the same). ``workers`` (or
+    the flat rank keywords) as :class:`~prealign.loaders.PackedLoader`'s; its ``group`` is the process group of
     the end-of-epoch agreement (default: the world). ``loading``: DataLoader settings of the readers
     (``persistent_workers`` does not apply: each epoch starts its readers afresh). The other arguments are
     :class:`~prealign.loaders.PackedLoader`'s, validated the same way. ``collective_timeout``: seconds the
@@ -309,17 +311,22 @@ class StreamingPackedLoader(LoaderCore):
     elastic = ("dp_size", "num_workers")
 
     def __init__(self, source: Source, *, schema: BatchSchema, layout: ParallelLayout, token_budget: int,
-                 dp_rank: int = 0, dp_size: int = 1, cp_rank: int | None = None, num_workers: int = 0, seed: int = 0,
-                 planner: PlannerConfig | None = None, buffer_size: int | None = None,
-                 oversize: Oversize | str | None = None, bad_data: BadDataPolicy | None = None,
-                 collator: Callable | None = None, group=None, loading: LoadingOptions | None = None,
-                 collective_timeout: float | None = 300.0):
+                 seed: int = 0, workers: WorkerConfig | None = None, planner: PlannerConfig | None = None,
+                 bad_data: BadDataPolicy | None = None, loading: LoadingOptions | None = None,
+                 collator: Callable | None = None, collective_timeout: float | None = 300.0,
+                 dp_rank: int | None = None, dp_size: int | None = None, cp_rank: int | None = None,
+                 num_workers: int | None = None, group=None,
+                 buffer_size: int | None = None, oversize: Oversize | str | None = None):
+        if buffer_size is not None or oversize is not None:
+            given = " and ".join(n for n, v in (("buffer_size", buffer_size), ("oversize", oversize)) if v is not None)
+            warnings.warn(f"StreamingPackedLoader({given}=...) is deprecated: give planner=PlannerConfig({given}=...) "
+                          f"(defaults: STREAM_PLANNER)", DeprecationWarning, stacklevel=2)
         planner = stream_planner(planner, buffer_size, oversize)
         if collective_timeout is not None and (isinstance(collective_timeout, bool) or not isinstance(
                 collective_timeout, (int, float)) or not collective_timeout > 0):
             raise PlanError(f"collective_timeout: expected seconds > 0 or None, got {collective_timeout!r}")
-        workers = WorkerConfig(dp_rank=dp_rank, dp_size=dp_size, cp_rank=cp_rank, num_workers=num_workers,
-                               group=group)
+        workers = worker_config(workers, dp_rank=dp_rank, dp_size=dp_size, cp_rank=cp_rank,
+                                num_workers=num_workers, group=group)
         super().__init__(source, schema=schema, layout=layout, token_budget=token_budget, workers=workers, seed=seed,
                          planner=planner, bad_data=bad_data, loading=loading, collator=collator)
         self.collective_timeout = None if collective_timeout is None else float(collective_timeout)
@@ -402,7 +409,7 @@ class StreamingPackedLoader(LoaderCore):
             if template is None:
                 raise BadSampleError(sample=None, field=None, expected="at least one good sample in the stream",
                                      actual="none")
-            self._filler = self.collator([filler_sample(template, self.schema, self.layout.seq_multiple)])
+            self._filler = self.collator([filler_sample(template, self.schema, filler_length(self.layout))])
         batch = dict(self._filler)
         batch.update(sample_index=torch.zeros(0, dtype=torch.int64), is_filler=True, epoch=epoch, microbatch=position)
         return batch

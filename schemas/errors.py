@@ -1,4 +1,11 @@
-"""Typed errors. Every one is a ``ValueError`` so existing ``except ValueError`` handlers keep working."""
+"""Typed errors, split as Energon splits them (the tree: ``docs/errors.md``).
+
+:class:`PrealignError` (an ``Exception``) is the base of every one. Configuration mistakes
+(:class:`ConfigError`) and bad data (:class:`DataError`: a sample, a batch) are also ``ValueError``s, so an
+``except ValueError`` around bad data keeps working. System errors (I/O, a timeout, a dead worker, in
+:mod:`prealign.loaders.errors`) are ``OSError`` / ``RuntimeError`` subclasses, never ``ValueError``: a
+transform's ``except ValueError`` does not swallow a stalled read, and no bad-data policy counts one as a
+bad sample."""
 from __future__ import annotations
 
 import functools
@@ -20,8 +27,8 @@ def _rebuilt(cls: type, args: tuple, state: dict) -> "PrealignError":
     return exc
 
 
-class PrealignError(ValueError):
-    """Base class of every error prealign raises on bad input or configuration.
+class PrealignError(Exception):
+    """Base class of every error prealign raises (configuration, bad data, I/O, workers).
 
     Pickles as itself (same class, attributes and message), so it crosses process boundaries (DataLoader
     workers, ``all_gather_object``) with its type, although subclasses take keyword-only arguments:
@@ -52,14 +59,14 @@ class PrealignError(ValueError):
                 try:
                     signature.bind(self, *args)
                 except TypeError:  # a message alone: what torch passes when it re-raises
-                    ValueError.__init__(self, args[0])
+                    BaseException.__init__(self, args[0])
                     return
             init(self, *args, **kw)
 
         cls.__init__ = init_or_message
 
 
-class ConfigError(PrealignError):
+class ConfigError(PrealignError, ValueError):
     """A configuration mistake (layout, schema, arguments, paths, a state or index of another run).
 
     Never bad data: no bad-data policy counts or skips it; it is raised before any batch where possible.
@@ -94,7 +101,12 @@ class SchemaError(ConfigError):
     """An invalid schema declaration (duplicate field, unknown dtype, bad dense dim)."""
 
 
-class SampleError(PrealignError):
+class DataError(PrealignError, ValueError):
+    """Bad data: a sample, a batch or a record that does not satisfy the declared contract. A bad-data
+    policy may count the per-sample ones (:class:`SampleError`); everything else of this family is raised."""
+
+
+class SampleError(DataError):
     """One sample of a batch is malformed.
 
     Attributes name the sample index, the field, what was expected and what came, so a data
@@ -111,11 +123,11 @@ class SampleError(PrealignError):
         super().__init__(f"{msg}. {hint}" if hint else msg)
 
 
-class BucketOverflowError(PrealignError):
+class BucketOverflowError(DataError):
     """A batch's aligned length exceeds the largest configured length bucket."""
 
 
-class BatchValidationError(PrealignError):
+class BatchValidationError(DataError):
     """``validate_batch`` found violations; ``.violations`` lists every one."""
 
     def __init__(self, violations):
@@ -128,5 +140,5 @@ class BatchValidationError(PrealignError):
         super().__init__(f"{len(self.violations)} batch schema violation(s):\n{lines}")
 
 
-class StartupMismatchError(PrealignError):
+class StartupMismatchError(PrealignError, ValueError):
     """Ranks disagree on schema/layout fingerprints, or some rank's batch failed validation."""

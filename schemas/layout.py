@@ -25,9 +25,12 @@ import dataclasses
 import enum
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 from .errors import BucketOverflowError, LayoutError
 from .parallel_state import megatron_parallel_sizes
@@ -136,7 +139,7 @@ class ParallelLayout:
     >>> lay = ParallelLayout(tp=2, cp=2)
     >>> lay.seq_multiple, lay.local_multiple, lay.total_multiple
     (4, 2, 4)
-    >>> lay.padded_lengths(torch.tensor([5, 3])).tolist()
+    >>> lay.padded_lengths([5, 3]).tolist()
     [8, 4]
     """
 
@@ -262,6 +265,8 @@ class ParallelLayout:
 
     def padded_lengths(self, lengths) -> torch.Tensor:
         """``[N]`` true lengths (tensor, array or list) -> int64 tensor ``[N]`` of padded lengths ``P``."""
+        import torch  # here: planning imports this module, and needs no torch
+
         lengths = lengths.detach().cpu().numpy() if isinstance(lengths, torch.Tensor) else np.asarray(lengths)
         padded = round_up_array(lengths, self.seq_multiple)
         aligned_sum = int(padded.sum())

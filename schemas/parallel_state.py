@@ -4,8 +4,6 @@ Everything else takes ranks and sizes as plain ints, so multi-rank logic is test
 """
 from __future__ import annotations
 
-import torch.distributed as dist
-
 from .errors import ConfigError
 
 
@@ -27,6 +25,8 @@ def import_megatron(module: str):
 
 
 def _group_size_rank(group) -> tuple[int, int]:
+    import torch.distributed as dist
+
     return dist.get_world_size(group), dist.get_rank(group)
 
 
@@ -69,6 +69,8 @@ def data_parallel_info() -> dict[str, int]:
         return megatron_parallel_sizes()
     except (ConfigError, ImportError, AssertionError):  # no megatron-core parallel state here
         pass
+    import torch.distributed as dist  # here: planning imports this module, and needs no torch
+
     if dist.is_available() and dist.is_initialized():
         return {"dp": dist.get_world_size(), "dp_rank": dist.get_rank(), "cp": 1, "cp_rank": 0, "tp": 1, "tp_rank": 0}
     return {"dp": 1, "dp_rank": 0, "cp": 1, "cp_rank": 0, "tp": 1, "tp_rank": 0}

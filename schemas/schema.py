@@ -48,14 +48,18 @@ class Role(enum.Enum):
     META = "meta"  # produced by the collator: cu_seqlens*, max_seqlen
 
 
-class Source(enum.Enum):
-    """Where a TOKEN field's values come from."""
+class FieldSource(enum.Enum):
+    """Where a TOKEN field's values come from (``FieldSpec(source=...)``)."""
 
     SAMPLE = "sample"  # the sample's own field, as given
     NEXT_TOKEN = "next_token"  # the sample's field shifted left by one inside its sequence (labels)
     LOSS_MASK = "loss_mask"  # 1.0 where the output label is not the ignore index (times sample loss_mask)
     POSITIONS = "positions"  # each slot's position inside its (padded) sequence
     PADDING_MASK = "padding_mask"  # True on pad slots (Megatron convention)
+
+
+Source = FieldSource
+"""Deprecated alias of :class:`FieldSource` (``prealign.schemas.Source`` warns); it read as a data source."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,7 +80,7 @@ class FieldSpec:
     leading_shape: tuple[int | str, ...] = ()
     """Dims before the token dim (mRoPE ``(3,)``); a field has leading or trailing dims, not both."""
     pad_value: float | int | bool = 0
-    source: Source = Source.SAMPLE
+    source: FieldSource = FieldSource.SAMPLE
     sample_keys: tuple[str, ...] = ()
     """Sample fields to read, first present wins (default: ``(name,)``)."""
     required: bool = True
@@ -93,7 +97,7 @@ class FieldSpec:
         if not isinstance(self.name, str) or not self.name:
             raise SchemaError(f"field name: expected a non-empty str, got {self.name!r}")
         set_("role", _enum_value(f"field {self.name!r}: role", Role, self.role))
-        set_("source", _enum_value(f"field {self.name!r}: source", Source, self.source))
+        set_("source", _enum_value(f"field {self.name!r}: source", FieldSource, self.source))
         if isinstance(self.dtypes, str):
             raise SchemaError(f"field {self.name!r}: dtypes must be a tuple of dtype names, got the str {self.dtypes!r}")
         set_("dtypes", tuple(self.dtypes))
@@ -109,9 +113,9 @@ class FieldSpec:
         for d in (*self.dense_shape, *self.leading_shape):
             if not (isinstance(d, str) and d) and not (isinstance(d, int) and not isinstance(d, bool) and d > 0):
                 raise SchemaError(f"field {self.name!r}: a dim must be a positive int or a name, got {d!r}")
-        if self.source is not Source.SAMPLE and self.role is not Role.TOKEN:
+        if self.source is not FieldSource.SAMPLE and self.role is not Role.TOKEN:
             raise SchemaError(f"field {self.name!r}: source {self.source.value} needs role token")
-        if not self.cp_sharded and self.source is not Source.SAMPLE:
+        if not self.cp_sharded and self.source is not FieldSource.SAMPLE:
             raise SchemaError(f"field {self.name!r}: only sample fields can skip CP sharding (cp_sharded=False); "
                               f"a {self.source.value} field is sharded like the tokens it is derived with")
 
@@ -221,10 +225,10 @@ def core_token_fields(pad_token_id: int, ignore_index: int, vocab_size: int | No
     return (
         FieldSpec(name="input_ids", pad_value=pad_token_id, min_value=0,
                   max_value=None if vocab_size is None else vocab_size - 1),
-        FieldSpec(name="labels", source=Source.NEXT_TOKEN, sample_keys=("labels", "input_ids"), pad_value=ignore_index),
-        FieldSpec(name="loss_mask", dtypes=("float32",), source=Source.LOSS_MASK, pad_value=0.0, required=False),
-        FieldSpec(name="position_ids", source=Source.POSITIONS),
-        FieldSpec(name="padding_mask", dtypes=("bool",), source=Source.PADDING_MASK, pad_value=True),
+        FieldSpec(name="labels", source=FieldSource.NEXT_TOKEN, sample_keys=("labels", "input_ids"), pad_value=ignore_index),
+        FieldSpec(name="loss_mask", dtypes=("float32",), source=FieldSource.LOSS_MASK, pad_value=0.0, required=False),
+        FieldSpec(name="position_ids", source=FieldSource.POSITIONS),
+        FieldSpec(name="padding_mask", dtypes=("bool",), source=FieldSource.PADDING_MASK, pad_value=True),
     )
 
 

@@ -19,7 +19,7 @@ import torch
 
 from .errors import BatchValidationError
 from .layout import CPLayout, ParallelLayout, is_power_of_two
-from .schema import BatchSchema, Role, Source, dtype_name
+from .schema import BatchSchema, FieldSource, Role, dtype_name
 from .slots import expected_slots
 
 
@@ -290,13 +290,13 @@ class _Checker:
     def check_token_values(self, spec, t: torch.Tensor, slots) -> None:
         name = spec.name
         flat = t.flatten(spec.token_dim, spec.token_dim + 1).movedim(spec.token_dim, 0)  # [T_out, ...]
-        if spec.source is Source.POSITIONS:
+        if spec.source is FieldSource.POSITIONS:
             wrong = flat != slots.positions
             if bool(wrong.any()):
                 k = int(torch.nonzero(wrong)[0])
                 self.bad(f"{name}[slot {k}]", f"{int(slots.positions[k])} (position in its sequence)", int(flat[k]))
             return
-        if spec.source is Source.PADDING_MASK:
+        if spec.source is FieldSource.PADDING_MASK:
             if not torch.equal(flat.bool(), slots.is_pad):
                 self.bad(name, "True exactly on pad slots", f"{int((flat.bool() != slots.is_pad).sum())} slots wrong")
             return
@@ -307,9 +307,9 @@ class _Checker:
             self.check_bounds(spec, flat, slots)
         if name == "input_ids":
             self.check_token_ids(flat, slots)
-        if spec.source is Source.LOSS_MASK:
+        if spec.source is FieldSource.LOSS_MASK:
             self.check_loss_mask(spec, flat)
-        if spec.source is Source.NEXT_TOKEN:
+        if spec.source is FieldSource.NEXT_TOKEN:
             wrong = slots.last & (flat != spec.pad_value)
             if bool(wrong.any()):
                 k = int(torch.nonzero(wrong)[0])
@@ -364,7 +364,7 @@ class _Checker:
         if bool(bad.any()):
             k = int(torch.nonzero(bad)[0])
             self.bad(f"{spec.name}[slot {k}]", "a finite weight >= 0", mask[k].item())
-        labels = next((self.batch.get(f.name) for f in self.schema.fields if f.source is Source.NEXT_TOKEN), None)
+        labels = next((self.batch.get(f.name) for f in self.schema.fields if f.source is FieldSource.NEXT_TOKEN), None)
         if not isinstance(labels, torch.Tensor) or labels.numel() != mask.numel():
             return
         wrong = (labels.reshape(-1) == self.schema.ignore_index) & (mask != 0)

@@ -265,6 +265,7 @@ def indexed_once(tmp_path_factory):
     return paths
 
 
+@pytest.mark.slow
 @settings(max_examples=12, deadline=None)
 @given(pad=st.integers(0, 200_000), ignore=st.sampled_from([-100, -1]), extra_vocab=st.integers(0, 100_000),
        tp=st.sampled_from([1, 2]), cp=st.sampled_from([1, 2]), budget=st.sampled_from([256, 512, 2048]),

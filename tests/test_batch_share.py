@@ -130,6 +130,7 @@ def _share_mappings(directory: str) -> list[str]:
         return [line for line in f if directory in line]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="platform: slot files need memfd_create (Linux)")
 def test_workers_hand_the_published_record_to_the_main_process_without_copying(data, tmp_path, monkeypatch):
     """With workers, the claimer writes each whole micro-batch once into a slot file that is both published
@@ -160,6 +161,7 @@ def test_workers_hand_the_published_record_to_the_main_process_without_copying(d
     assert not os.path.exists(share.directory())  # the workers' exit: their slots, then the empty folder
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="platform: slot files need Linux")
 def test_kept_metadata_of_shared_batches_pins_no_record_file(data, tmp_path):
     """Each rank keeps every batch's ``cu_seqlens``: no record file of the folder stays mapped (small fields
@@ -191,6 +193,7 @@ def _keys(loader) -> list[str]:
     return [loader._loader.dataset.key(r) for r in loader._schedule(0, 0)]
 
 
+@pytest.mark.slow
 def test_dead_and_slow_claimers_fall_back_without_waiting(data, tmp_path):
     share = BatchShare(run="t", cache_dir=str(tmp_path), timeout=0.5, ttl=60)
     want = list(make_loader(data, 1))
@@ -319,6 +322,7 @@ def rank_main(shards, index_path, out, *, cp_rank, cache, kill_after=-1, timeout
         json.dump({"digests": digests, "killed": killed}, f)
 
 
+@pytest.mark.slow
 def test_cp2_processes_with_a_killed_worker_resume_exactly(data, tmp_path):
     want = [[_digest(b) for b in make_loader(data, r)] for r in range(2)]
     cache = str(tmp_path / "cache")
@@ -365,6 +369,7 @@ def lone_rank_main(shards, index_path, cache, num_workers, persistent=False):
 _KEPT: list = []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_workers, persistent", [(0, False), (2, False), (2, True)])
 def test_a_lone_rank_leaves_nothing_after_a_normal_exit(data, tmp_path, num_workers, persistent):
     """Issue #18: records nobody read, claims, markers and the run's folder are gone once a lone rank (cp=2,
@@ -662,6 +667,7 @@ def test_many_waiters_of_a_dead_claim_claim_once(tmp_path):
     assert sorted(got.values()) == [CLAIMED] + [HIT] * 7, got
 
 
+@pytest.mark.slow
 def test_a_locked_claim_naming_a_dead_pid_is_honoured(tmp_path):
     """The claim's lock decides, never the pid written in it: a claim whose pid is dead (another PID
     namespace, a pid reused) but whose lock a live process holds is waited on until ``timeout``; a claim
@@ -789,6 +795,7 @@ def test_an_infinite_dim_is_refused():
         decode_record(_record({}, header=b'{"tensors": {"a": ["int8", [Infinity], 0, 1]}, "values": {}}'))
 
 
+@pytest.mark.slow
 def test_a_killed_unreaped_claimer_is_dead(tmp_path):
     """A SIGKILLed worker stays a zombie until its parent reaps it (a busy parent may take long); the kernel
     dropped its claim's lock when it died: the claim is taken over at once, not after the claim timeout."""

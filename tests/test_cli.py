@@ -173,6 +173,7 @@ def test_several_microbatches_are_timed_after_the_first(tmp_path, capsys):
     assert n > 2 and "real tokens/s" in out and "after the first" in out
 
 
+@pytest.mark.slow
 def test_the_console_command_exits_2_with_one_line(subprocess_env):
     import subprocess
     import sys

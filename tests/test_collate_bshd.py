@@ -24,6 +24,7 @@ from tests.conftest import (
 )
 
 
+@pytest.mark.slow
 @given(case=collate_case(bshd=True))
 @examples(200)
 def test_every_rank_matches_the_reference_and_unshards_to_the_input(case):

@@ -40,6 +40,7 @@ from tests.conftest import (
 )
 
 
+@pytest.mark.slow
 @given(case=collate_case())
 @examples(250)
 def test_every_rank_matches_the_reference_and_unshards_to_the_input(case):
@@ -80,6 +81,7 @@ def test_every_rank_matches_the_reference_and_unshards_to_the_input(case):
             assert len(rows) == len(samples) and all(torch.equal(r, s[name]) for r, s in zip(rows, samples))
 
 
+@pytest.mark.slow
 @given(lengths=lengths_st, cp=st.integers(1, 8), tp=st.integers(1, 8), cp_layout=st.sampled_from(list(CPLayout)),
        blocked=st.booleans())
 @examples(60)

@@ -252,6 +252,7 @@ def test_long_tail_steps_balanced_by_compute(seed):
     assert sorted(map(len, by_cost.microbatches)) == sorted(map(len, by_tokens.microbatches))
 
 
+@pytest.mark.slow
 @settings(max_examples=120, deadline=None)
 @given(lengths=st.lists(st.integers(1, 300), min_size=0, max_size=200), layout=st.sampled_from(LAYOUTS),
        budget=st.sampled_from([256, 300, 512, 1000]), dp=st.integers(1, 4), k=st.integers(1, 3),
@@ -268,6 +269,7 @@ def test_cost_plan_invariants(lengths, layout, budget, dp, k, quadratic, pool, c
     assert all(s == k for s in plan.steps[:-1]) and (not plan.steps or plan.steps[-1] <= k)
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None)
 @given(costs=st.lists(st.floats(0, 1e6), min_size=1, max_size=60), dp=st.integers(1, 5), k=st.integers(1, 3))
 def test_balanced_steps_is_a_permutation_of_whole_steps(costs, dp, k):

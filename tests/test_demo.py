@@ -18,6 +18,7 @@ from prealign.loaders.media.vlm import VLMSampleTransform
 pytest.importorskip("transformers")
 
 
+@pytest.mark.slow
 def test_demo_help_works_as_a_console_command(subprocess_env):
     out = subprocess.run([sys.executable, "-m", "prealign", "demo", "--help"], capture_output=True, text=True,
                          env=subprocess_env, timeout=120)

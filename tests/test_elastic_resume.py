@@ -74,6 +74,7 @@ def _fraction(f: float):
 
 
 # ---- PackedLoader --------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_golden_dp_4_3_5_with_other_workers_and_k(wds):
     make = _packed_maker(*wds)
     segments = [({"dp_size": 4, "num_workers": 0}, 5),
@@ -98,6 +99,7 @@ def test_golden_dp_4_3_5_with_other_workers_and_k(wds):
     assert c.state_dict()["position"] == 0 and len(c) == 2
 
 
+@pytest.mark.slow
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(lengths=st.lists(st.integers(1, 64), min_size=1, max_size=100),
        configs=st.lists(st.tuples(st.integers(1, 5), st.integers(1, 3), st.floats(0, 0.99)), min_size=2, max_size=3),
@@ -111,6 +113,7 @@ def test_any_resizes_serve_every_sample_once(lengths, configs, seed, chunk_size)
     assert result["samples"] == len(lengths)
 
 
+@pytest.mark.slow
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data_seed=st.integers(0, 2**32 - 1), stops=st.tuples(st.floats(0, 0.99), st.floats(0, 0.99)),
        oversize=st.sampled_from(["skip", "truncate"]))
@@ -275,6 +278,7 @@ def test_malformed_segments_are_refused(wds, edit, message):
     assert c.state_dict()["position"] == 0 and "segments" not in c.state_dict()  # a refused state changes nothing
 
 
+@pytest.mark.slow
 def test_at_most_max_segments_are_resumed():
     """MAX_SEGMENTS resizes in one epoch resume (every sample served once); one more is refused."""
     make = _packed_maker(*_hf(sample_lengths(600, seed=4)))
@@ -370,6 +374,7 @@ def _stream_maker(paths):
     return make
 
 
+@pytest.mark.slow
 def test_streaming_other_num_workers_serves_every_sample_once(tmp_path):
     paths = write_shards(str(tmp_path), sample_lengths(160, seed=6), num_shards=5)
     segments = [({"dp_size": 1, "num_workers": 2}, 7), ({"dp_size": 1, "num_workers": 0}, 4),
@@ -378,6 +383,7 @@ def test_streaming_other_num_workers_serves_every_sample_once(tmp_path):
     assert result == {"counts": [7, 4, 33], "samples": 160}  # golden
 
 
+@pytest.mark.slow
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                HealthCheck.function_scoped_fixture])
 @given(num_shards=st.integers(1, 6), configs=st.lists(st.tuples(st.integers(0, 2), st.integers(0, 5)), min_size=2,
@@ -433,6 +439,7 @@ def test_streaming_refuses_segments_no_run_writes(tmp_path, edit, message):
     assert "segments" not in c.state_dict()
 
 
+@pytest.mark.slow
 def test_streaming_served_ids_are_one_shared_sorted_array(tmp_path):
     """The ids earlier segments served: one sorted int64 tensor (8 bytes a sample), built once, in shared
     memory for the workers; a spawned worker gets it and the epoch is served exactly once."""
@@ -450,6 +457,7 @@ def test_streaming_served_ids_are_one_shared_sorted_array(tmp_path):
     assert sorted(first + rest) == sorted(i for shard in range(3) for i in range(shard << 32, (shard << 32) + 20))
 
 
+@pytest.mark.slow
 def test_round_robin_is_the_dataloader_order():
     """What the streaming replay assumes: a DataLoader over W iterable readers serves them in turn, a reader
     that ran out left out (unequal lengths)."""

@@ -55,6 +55,7 @@ def test_an_error_rebuilt_from_its_message_alone_keeps_its_type(err):
         assert hasattr(back, name), name
 
 
+@pytest.mark.slow
 def test_a_plain_dataloader_with_workers_raises_the_collators_sample_error_as_itself():
     schema = causal_lm_schema(pad_token_id=0)
     samples = [{"input_ids": torch.tensor([1, 2, 3])}, {"input_ids": torch.tensor([[1, 2]])}]  # a 2-D sample

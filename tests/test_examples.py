@@ -14,6 +14,7 @@ EXAMPLES = sorted(p.name for p in (ROOT / "examples").glob("*.py"))
 TORCHRUN = {"megatron_torchrun.py": ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4"]}
 
 
+@pytest.mark.slow
 def test_every_example_is_listed_here():
     assert {"hf_sft.py", "webdataset_shards.py", "vlm_qwen2vl.py", "hf_trainer.py", "hf_trainer_budget.py",
             "megatron_torchrun.py"} <= set(EXAMPLES)

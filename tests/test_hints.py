@@ -118,6 +118,7 @@ def test_changed_shard_hint_rerun_index_works(tmp_path, capsys):
     assert len(loader.prepare().index) == 24
 
 
+@pytest.mark.slow
 def test_collators_and_packed_seq_params_print_no_megatron_warnings():
     code = ("import torch\n"
             "from prealign.collate import THDCollator, to_packed_seq_params\n"

@@ -250,6 +250,7 @@ def test_a_bug_in_a_user_decoder_propagates(tmp_path):
     assert len(idx) == 1 and idx.report.counts == {"bad_sample": 1}
 
 
+@pytest.mark.slow
 def test_typed_errors_from_index_workers_keep_their_type(tmp_path):
     paths = write_shards(str(tmp_path), sample_lengths(8), num_shards=2)
 

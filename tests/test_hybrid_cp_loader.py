@@ -114,6 +114,7 @@ def served(wds, cp: int, epoch: int, dp_rank: int, **kw) -> tuple[list[dict], li
     return list(ref), [list(bs) for bs in zip(*ranks)], by_ids
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cp", [2, 4])
 def test_cp_ranks_together_hold_each_microbatch_as_planned(wds, cp):
     sizes = set()
@@ -351,6 +352,7 @@ def test_vlm_microbatch_each_block_holds_its_images_and_transformers_positions()
             assert torch.equal(p, want[i]) and torch.equal(t, samples[i]["input_ids"])
 
 
+@pytest.mark.slow
 @given(lengths=st.lists(st.integers(1, 700), min_size=1, max_size=10), cp=st.sampled_from([1, 2, 4]),
        tp=st.sampled_from([1, 2]), comm=st.sampled_from([0.0, 0.05, 0.5]))
 @examples(60)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from prealign.loaders import WebDatasetSource, build_index
 from prealign.loaders.cli.main import main
 from prealign.loaders.sources.shard_files import SUFFIX
@@ -30,6 +32,7 @@ def test_index_command_writes_sidecars_once(tmp_path, capsys):
     assert len(idx) == 40
 
 
+@pytest.mark.slow
 def test_index_workers_in_a_pool_write_the_sidecars_one_process_writes(tmp_path, monkeypatch):
     import numpy as np
 
@@ -91,6 +94,7 @@ def _index_rank(rank: int, port: int, paths: list[str], out: str, log: str) -> N
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_index_command_splits_shards_over_gloo_ranks(tmp_path):
     import multiprocessing as mp
     import socket
@@ -222,6 +226,7 @@ def _launch_rank(rank: int, port: int, args: list[str], cwd: str):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+@pytest.mark.slow
 def test_index_merge_under_torchrun_waits_for_every_rank(tmp_path):
     import socket
     import time

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datasets
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -39,6 +40,7 @@ def test_first_batch_plans_one_chunk_and_len_plans_all(tmp_path):
     assert len(loader) > 0 and _planned(loader) == (10, 10)
 
 
+@pytest.mark.slow
 def test_every_sample_once_per_epoch_across_chunks_and_ranks(tmp_path):
     lengths = sample_lengths(1200)
     paths = write_shards(str(tmp_path), lengths, num_shards=4)
@@ -61,6 +63,7 @@ def test_every_sample_once_per_epoch_across_chunks_and_ranks(tmp_path):
     assert bins(one.plan(0)) == bins(_loader(WebDatasetSource(paths), dp_rank=0, dp_size=2).plan(0))
 
 
+@pytest.mark.slow
 def test_resume_inside_a_later_chunk_is_exact_and_plans_only_up_to_it(tmp_path):
     paths = write_shards(str(tmp_path), sample_lengths(900), num_shards=3)
     make = lambda: _loader(WebDatasetSource(paths))  # noqa: E731
@@ -73,6 +76,7 @@ def test_resume_inside_a_later_chunk_is_exact_and_plans_only_up_to_it(tmp_path):
     assert 1 < planned < chunks  # the chunks up to the position, not the epoch
 
 
+@pytest.mark.slow
 def test_random_access_and_sequential_sources_stay_uncorrelated_when_chunked(tmp_path):
     lengths = sample_lengths(1500)
     wds = _loader(WebDatasetSource(write_shards(str(tmp_path), lengths, num_shards=6)))

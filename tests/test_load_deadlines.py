@@ -35,7 +35,7 @@ def _stream(src, **kw):
     return StreamingPackedLoader(src, schema=SCHEMA, layout=ParallelLayout(), **kw)
 
 
-@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.slow)])
 def test_a_shard_swapped_for_a_fifo_after_prepare_is_refused_without_waiting(tmp_path, workers):
     paths = write_shards(str(tmp_path), sample_lengths(60), num_shards=3)
     loader = _packed(WebDatasetSource(paths, read_timeout=1.0), num_workers=workers).prepare()
@@ -47,7 +47,7 @@ def test_a_shard_swapped_for_a_fifo_after_prepare_is_refused_without_waiting(tmp
     assert time.monotonic() - t0 < 20
 
 
-@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.slow)])
 def test_streaming_over_a_fifo_shard_times_out(tmp_path, workers):
     """(The streaming loader scans with the index pass's deadline: a guard, this passed before #18 too.)"""
     paths = write_shards(str(tmp_path), sample_lengths(60), num_shards=3)
@@ -168,6 +168,7 @@ def _rank_main(rank: int, port: int, shards: list[str], out_dir: str) -> None:
         os._exit(1)
 
 
+@pytest.mark.slow
 def test_a_rank_that_stops_iterating_is_a_collective_timeout_on_the_other(tmp_path):
     paths = write_shards(str(tmp_path), sample_lengths(120), num_shards=2)
     ctx = mp.get_context("fork")

@@ -93,6 +93,7 @@ def test_cp_ranks_get_complementary_shards_of_the_same_batch(wds, cp):
                 assert torch.equal(back, full[key]), key
 
 
+@pytest.mark.slow
 def test_tp_ranks_and_worker_counts_give_identical_batches(wds):
     a = list(_loader(wds, dp_rank=1, dp_size=2, cp_rank=1))
     b = list(_loader(wds, dp_rank=1, dp_size=2, cp_rank=1))  # another TP rank of the same DP/CP position
@@ -174,6 +175,7 @@ def test_oversize_truncation_in_the_loader(tmp_path):
     assert skipper.report.counts == {"oversize_skipped": 1}
 
 
+@pytest.mark.slow
 def test_bad_data_counts_are_exposed_on_the_loader(tmp_path):
     def transform(s):
         if s["json"]["id"] % 5 == 0:
@@ -195,6 +197,7 @@ class _UnreadableText(SampleError):
     reason = "unreadable_text"
 
 
+@pytest.mark.slow
 def test_transform_errors_are_counted_by_their_reason(tmp_path):
     def transform(s):
         i = s["json"]["id"]
@@ -237,6 +240,7 @@ def test_hf_map_style_loader_and_rank_checks():
     assert one.dp_size == 1 and one.cp_rank is None
 
 
+@pytest.mark.slow
 def test_index_workers_and_saved_index(wds, tmp_path):
     src, idx, _ = wds
     path = str(tmp_path / "index.npz")
@@ -248,6 +252,7 @@ def test_index_workers_and_saved_index(wds, tmp_path):
     assert a.index.digest == b.index.digest == build_index(src, SCHEMA).digest
 
 
+@pytest.mark.slow
 def test_collate_errors_name_the_dataset_sample():
     """A sample the loader's collator rejects (here a stricter collator than the index schema) is
     named by its source location and index row, not by its position inside the micro-batch."""
@@ -326,6 +331,7 @@ class _SlowInWorkers:
         return numpy_fields(sample)
 
 
+@pytest.mark.slow
 def test_a_sample_error_in_a_worker_reaches_the_caller_as_its_own_type(tmp_path):
     flag = tmp_path / "changed"
     src = WebDatasetSource(write_shards(str(tmp_path), sample_lengths(20), num_shards=2),
@@ -339,6 +345,7 @@ def test_a_sample_error_in_a_worker_reaches_the_caller_as_its_own_type(tmp_path)
     assert "Caught" not in str(exc.value)
 
 
+@pytest.mark.slow
 def test_a_worker_killed_with_sigkill_leaves_a_loader_that_continues_exactly(tmp_path):
     """persistent_workers=True, a worker SIGKILLed mid-epoch: the iteration raises WorkerError; the
     next iteration starts fresh workers and yields exactly the rest of the epoch, then the next epoch."""
@@ -370,6 +377,7 @@ def test_a_worker_killed_with_sigkill_leaves_a_loader_that_continues_exactly(tmp
     assert all(w.is_alive() for w in loader._loader._iterator._workers)
 
 
+@pytest.mark.slow
 def test_a_worker_timeout_is_a_worker_error_and_the_loader_stays_usable(tmp_path):
     from prealign.loaders.errors import WorkerError
 
@@ -387,6 +395,7 @@ def test_a_worker_timeout_is_a_worker_error_and_the_loader_stays_usable(tmp_path
     assert [_ids(b) for b in loader] == expected
 
 
+@pytest.mark.slow
 def test_a_persistent_worker_killed_between_epochs_is_replaced(tmp_path):
     import os
     import signal

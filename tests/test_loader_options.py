@@ -51,6 +51,7 @@ def test_every_first_use_runs_the_index_pass(monkeypatch, first_use):
     assert len(passes) == 1 and passes[0]["distributed"] is False and passes[0]["num_workers"] == 0
 
 
+@pytest.mark.slow
 def test_a_prebuilt_index_skips_the_pass_and_options_reach_the_dataloader():
     calls: list = []
     src = _source(calls)

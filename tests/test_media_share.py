@@ -150,6 +150,7 @@ def reference(shards, tmp_path_factory):
     return res
 
 
+@pytest.mark.slow
 def test_same_batches_on_every_cp_rank_and_less_cpu(shards, reference, tmp_path):
     cache = str(tmp_path / "cache")
     outs = [str(tmp_path / f"s{r}.json") for r in range(2)]
@@ -171,6 +172,7 @@ def test_same_batches_on_every_cp_rank_and_less_cpu(shards, reference, tmp_path)
                 for g in os.listdir(d) if g.endswith(".tmp")]
 
 
+@pytest.mark.slow
 def test_killed_worker_resumes_exactly_and_the_peer_does_not_wait(shards, reference, tmp_path):
     cache = str(tmp_path / "cache")
     outs = [str(tmp_path / f"k{r}.json") for r in range(2)]
@@ -197,6 +199,7 @@ class _Counting:
                 "pixel_values": torch.ones(2, 3, dtype=torch.bfloat16) * int(raw["x"][0])}
 
 
+@pytest.mark.slow
 def test_claim_of_a_dead_process_is_taken_over(tmp_path):
     """A claim whose process was SIGKILLed mid-transform: the peer computes at once (no timeout wait)."""
     share = SharedMediaTransform(transform=_Counting(), run="r", cp_rank=1, cp_size=2, cache_dir=str(tmp_path),

@@ -303,6 +303,7 @@ def test_schemas_imports_nothing_from_collate_or_loaders():
     assert seen > 10
 
 
+@pytest.mark.slow
 def test_validating_a_batch_loads_no_collate_module(subprocess_env):
     code = """
 import sys, torch

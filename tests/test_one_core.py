@@ -149,7 +149,7 @@ class _FailOn:
         return numpy_fields(sample)
 
 
-@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_bad_sample_reaches_the_caller_as_its_own_type(kind, workers, shards, tmp_path):
     flag = tmp_path / "changed"
@@ -163,7 +163,7 @@ def test_a_bad_sample_reaches_the_caller_as_its_own_type(kind, workers, shards, 
     assert "Caught" not in str(exc.value)
 
 
-@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("kind", KINDS)
 def test_another_prealign_error_keeps_its_type_and_attributes(kind, workers, shards, tmp_path):
     flag = tmp_path / "changed"
@@ -186,6 +186,7 @@ def _wait_for_pids(folder, n: int, timeout: float = 30.0) -> list[int]:
     raise AssertionError(f"no {n} worker pids in {timeout} s")
 
 
+@pytest.mark.slow
 def test_a_streaming_worker_killed_with_sigkill_is_a_worker_error_and_the_loader_continues(shards, tmp_path):
     pids = tmp_path / "pids"
     pids.mkdir()
@@ -241,6 +242,7 @@ def test_set_epoch_from_parallel_state_and_one_live_iterator(kind, shards):
         next(first)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_superseded_iterator_takes_no_batch_of_the_new_one_with_persistent_workers(kind, shards):
     """The two loops share the persistent workers: the superseded one stops before asking them for a batch,
@@ -356,7 +358,7 @@ def test_an_infrastructure_error_in_a_transform_propagates_in_the_index_pass(err
     assert counted.report.counts == {"bad_sample": 1}  # a plain ValueError stays bad data
 
 
-@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("error", sorted(INFRA))
 def test_an_infrastructure_error_at_load_time_propagates_under_skip(error, workers, shards, tmp_path):
     flag = tmp_path / "on"
@@ -394,6 +396,7 @@ class _NoIteratorSlot(DataLoader):
         del self._iterator
 
 
+@pytest.mark.slow
 def test_missing_torch_internals_fail_loudly_naming_the_version():
     from prealign.loaders.errors import UnsupportedTorchError
     from prealign.loaders.serve.workers import worker_batches

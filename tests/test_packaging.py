@@ -68,6 +68,7 @@ USER_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_runs_from_a_folder_with_its_own_collate_schemas_and_loaders(tmp_path, subprocess_env):
     for rel, text in USER_FILES.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)

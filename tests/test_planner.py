@@ -44,6 +44,7 @@ def check_plan(plan, lengths, layout, budget, dp):
     return sum(counts)
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None)
 @given(lengths=st.lists(st.integers(1, 300), min_size=0, max_size=200), layout=st.sampled_from(LAYOUTS),
        budget=st.sampled_from([256, 300, 512, 1000]), dp=st.integers(1, 4), k=st.integers(1, 3),
@@ -197,6 +198,7 @@ def test_packing_helpers():
     assert spread([[0, 1], [2, 3, 4]], np.array([3, 3, 2, 2, 2]), 5, 6) == [[0], [1], [2], [3], [4]]
 
 
+@pytest.mark.slow
 @settings(max_examples=80, deadline=None)
 @given(lengths=st.lists(st.integers(1, 300), min_size=40, max_size=300), dp=st.integers(1, 4), k=st.integers(1, 3),
        strategy=st.sampled_from(["bfd", "first_fit"]), buffer=st.integers(2, 64), chunk=st.integers(16, 64))

@@ -206,6 +206,7 @@ def test_shards_are_checked_over_overlapping_requests(tmp_path, http_server):
     assert server.max_inflight > 1
 
 
+@pytest.mark.slow
 def test_http_without_sidecars_and_with_a_bounded_cache(tmp_path, http_server):
     server, base = http_server
     write_shards(server.root, sample_lengths(120), num_shards=2)
@@ -233,6 +234,7 @@ def test_unreachable_missing_and_stalled_urls(tmp_path, http_server):
         read_range(f"{base}/shard-000.tar", 0, 512, RemoteOptions(retries=1, backoff=0.01, timeout=0.3))
 
 
+@pytest.mark.slow
 def test_tar_gz_and_pipe_shards_read_sequentially(tmp_path):
     paths = write_shards(str(tmp_path), sample_lengths(60), num_shards=2)
     gz = []
@@ -301,7 +303,7 @@ def _moved(server) -> int:
     return sum(n for name, n in server.served.items() if name.endswith(".tar"))
 
 
-@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("num_workers", [0, pytest.param(2, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("handler", [_PlainHandler, _Handler], ids=["python-m-http.server", "keep-alive"])
 def test_a_server_ignoring_range_sends_each_shard_about_once(tmp_path, handler, num_workers):
     """A server answering a ranged GET with 200 and the whole object (``python -m http.server``, many mirrors):
@@ -340,6 +342,7 @@ def _read_spans(url: str, spans, data: bytes, out) -> None:
     out.put(all(read_range(url, a, b, FAST) == data[a:b] for a, b in spans))
 
 
+@pytest.mark.slow
 def test_reads_reuse_a_connection_per_process(tmp_path, http_server):
     """Reads of one host reuse one kept-alive connection; a forked process (a DataLoader worker) opens its
     own, never the parent's socket."""
@@ -433,6 +436,7 @@ def test_a_cache_dir_holding_other_files_keeps_them(tmp_path, http_server):
     assert sum(p.stat().st_size for p in cache.iterdir() if p.name not in mine and p.name[0] != ".") <= 1 << 20
 
 
+@pytest.mark.slow
 def test_range_ignoring_objects_go_to_one_folder_the_source_made(tmp_path):
     """Without cache_dir, whole objects are kept in a folder the source's process made (its workers write
     there; removed when that process exits): persistent workers leave no folder of their own behind."""

@@ -43,7 +43,7 @@ def _factory(src_idx, **kw):
     return lambda: PackedLoader(src, schema=SCHEMA, indexing=IndexOptions(prebuilt=idx), **kw)
 
 
-@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("kind", ["webdataset", "hf_streaming"])
 def test_resume_conformance(kind, workers, wds, hf_stream):
     result = assert_resumes_exactly(_factory(wds if kind == "webdataset" else hf_stream, num_workers=workers))

@@ -52,6 +52,7 @@ def test_fingerprints_tell_schemas_apart():
     assert causal_lm_schema().fingerprint() == causal_lm_schema().fingerprint()
 
 
+@pytest.mark.slow
 def test_fingerprints_are_the_same_in_another_process(subprocess_env):
     code = ("import json; import tests.test_schema as t; "
             "from prealign.schemas.distributed import layout_fingerprint; "

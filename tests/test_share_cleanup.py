@@ -8,6 +8,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from prealign.loaders.handoff.share_folder import CLAIMED, SharedFolder
 
 OLD = time.time() - 3600
@@ -56,6 +58,7 @@ def test_the_folders_of_runs_that_are_over_are_swept_and_nothing_else(tmp_path):
     assert f"{key}.bin" not in os.listdir(here.directory)
 
 
+@pytest.mark.slow
 def test_a_process_removes_its_claims_and_markers_at_exit_and_keeps_the_peers(tmp_path):
     """A claimer whose record nobody read, a failed claim (``.err``), and a reader of a peer's record
     whose other peer never came: at exit each removes its own files; the peer's record stays."""

@@ -89,6 +89,7 @@ def test_header_pass_equals_the_full_pass_and_sidecars_give_the_same_plan(tmp_pa
     assert sum(len(mb) for mb in plans[0]) > 0
 
 
+@pytest.mark.slow
 def test_loader_from_sidecars_touches_no_sample(tmp_path, monkeypatch):
     paths = write_shards(str(tmp_path), sample_lengths(30), num_shards=2)
     write_sidecars(WebDatasetSource(paths), SCHEMA, workers=2)

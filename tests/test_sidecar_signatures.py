@@ -205,6 +205,7 @@ def test_plain_functions_are_keyed_by_module_and_name_and_a_length_mismatch_name
 _VALUES = st.sampled_from([-100, -5, 0, 1, 7, 99, 100, 103])
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(st.lists(_VALUES, min_size=2, max_size=6), st.lists(_VALUES, min_size=6, max_size=6),
        st.lists(_VALUES, min_size=12, max_size=12), st.booleans(), st.booleans(), st.sampled_from([-100, -1]))

@@ -43,6 +43,7 @@ def _slot_mappings() -> int:
         return sum("prealign-slot" in line for line in f)
 
 
+@pytest.mark.slow
 def test_held_batches_are_never_overwritten_and_hold_no_file_descriptor():
     """20 batches from 2 workers, all kept (more than a pool holds): each still has its own values at the
     end and costs a mapping, not an open file (a list of batches never runs out of fds); once dropped,
@@ -322,6 +323,7 @@ def test_a_slot_is_published_again_after_its_last_name_went(tmp_path):
     pool.close()
 
 
+@pytest.mark.slow
 def test_the_sweep_removes_the_slots_of_a_dead_process_at_once(tmp_path):
     """A pooled slot is held with a lock by its process: the sweep removes those nobody holds (a killed
     worker's) at once and never one a live process holds, whatever the pid in its name says."""
@@ -400,6 +402,7 @@ def _thd(items):
                        "sample_index": torch.tensor([i, i + 1]), "n": i})
 
 
+@pytest.mark.slow
 def test_kept_metadata_pins_no_slot():
     """A training loop keeping each batch's ``cu_seqlens`` (60 batches, 2 workers) keeps no slot mapped: small
     fields are copied out when unpacked; the token field stays a view of the slot."""
@@ -444,6 +447,7 @@ def _capped(worker_id):
     os.environ["PREALIGN_SHM_CAP"] = "700000"  # two slots of a _batch (about 315 kB each), not three
 
 
+@pytest.mark.slow
 def test_a_loop_keeping_every_batch_stays_under_the_cap():
     """Two workers, each capped at two slots' bytes; the loop keeps all 20 batches whole: at most two slots
     per worker stay mapped, the other batches come as copies, every value right, nothing left behind."""
@@ -458,6 +462,7 @@ def test_a_loop_keeping_every_batch_stays_under_the_cap():
     assert _slot_mappings() == 0 and _open_fds() <= before + 1
 
 
+@pytest.mark.slow
 def test_the_loaders_shm_cap_reaches_their_workers(tmp_path):
     """``LoadingOptions(shm_cap=0)``: a PackedLoader's two workers hand every batch over by copy (no slot is
     mapped while the loop keeps them all), and the batches equal those of the default hand-off."""

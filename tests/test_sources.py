@@ -94,6 +94,7 @@ def _index(paths, policy=None, **kw):
     return build_index(WebDatasetSource(paths, **kw), SCHEMA, policy=policy)
 
 
+@pytest.mark.slow
 def test_webdataset_index_and_read(tmp_path):
     lengths = sample_lengths(30)
     paths = write_shards(str(tmp_path), lengths, num_shards=3)
@@ -215,6 +216,7 @@ def test_pipe_url_is_read_sequentially(tmp_path):
     assert src.load(tuple(idx.locations[5]))["json"] == {"id": 5}
 
 
+@pytest.mark.slow
 def test_hf_map_style_and_streaming():
     lengths = sample_lengths(25)
     table = datasets.Dataset.from_dict(hf_rows(lengths))
@@ -319,6 +321,7 @@ def _topk(row) -> dict:
     return {"input_ids": torch.arange(1, n + 1), "teacher_topk_ids": ids, "teacher_topk_log_probs": lp}
 
 
+@pytest.mark.slow
 def test_index_rejects_what_the_collator_rejects_value_bounds():
     """Value bounds (ids < vocab, finite log-probs <= 0) are the collator's checks: the index pass
     counts such samples by policy instead of letting them crash an epoch."""
@@ -333,6 +336,7 @@ def test_index_rejects_what_the_collator_rejects_value_bounds():
     assert build_index(src, TOPK, policy=SKIP, num_workers=2).digest == idx.digest
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rows_per_shard", [64, 3])  # the odd one inside a chunk / alone in its shard
 def test_index_fixes_named_dims_by_the_first_sample(tmp_path, rows_per_shard):
     """K differing between samples passes per-sample validation, but no micro-batch could hold
@@ -394,6 +398,7 @@ def _pax_tar(tmp_path, length: bytes) -> str:
     return str(path)
 
 
+@pytest.mark.slow
 def test_pax_record_length_zero_does_not_hang(tmp_path):
     """A zero record length used to loop forever: checked in a child process with a time limit."""
     import subprocess

@@ -54,6 +54,7 @@ def test_identity_rule_golden_and_the_validator_names_a_copy():
 
 
 # ---- static shapes --------------------------------------------------------------------------------------
+@pytest.mark.slow
 @given(lengths=st.lists(st.integers(1, 40), min_size=1, max_size=5), cp=st.sampled_from([1, 2]),
        max_seqs=st.integers(5, 8), data=st.data())
 @examples(60)

@@ -153,6 +153,7 @@ def test_two_gloo_ranks_cover_every_sample_once_with_equal_counts(tmp_path):
     assert all(min(r["stats"]["epoch_lengths"]) > 2 for r in ranks)
 
 
+@pytest.mark.slow
 def test_dataloader_workers_read_disjoint_shards(tmp_path):
     paths = write_shards(str(tmp_path), sample_lengths(200), num_shards=5)
     loader = _make(WebDatasetSource(paths), num_workers=2)

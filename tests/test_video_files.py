@@ -122,7 +122,7 @@ def test_prealign_index_and_inspect_never_drop_a_video(tmp_path, clips, capsys):
 
     shards = _shards(tmp_path, clips)
     assert main(["index", *shards]) == 0
-    assert "2 recorded (unprocessed_video 2)" in capsys.readouterr().err
+    assert "2 sample(s) refused (unprocessed_video 2)" in capsys.readouterr().err
     main(["inspect", *shards, "--workers", "0", "--out", str(tmp_path / "x.png"), "--token-budget", "1024"])
     out = capsys.readouterr()
     assert "unprocessed_video 2" in out.out + out.err

@@ -189,6 +189,7 @@ def demo_shards(tmp_path_factory):
     return build_demo_dataset(str(tmp_path_factory.mktemp("vlm_wds")), num_samples=48, samples_per_shard=12, topk=4)
 
 
+@pytest.mark.slow
 def test_webdataset_end_to_end_two_workers_every_cp_rank(demo_shards):
     """48 samples (3 broken) in 4 shards -> WebDatasetSource -> PackedLoader(num_workers=2) on both CP
     ranks of tp=2, cp=2: every batch valid, SP-aligned, every good sample exactly once, the broken

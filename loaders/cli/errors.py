@@ -14,8 +14,16 @@ from __future__ import annotations
 import os
 import sys
 import traceback
+import warnings
 
-from prealign.schemas.errors import ConfigError, LayoutError, PrealignError, SchemaError
+from prealign.loaders.errors import (
+    CorruptShardError,
+    RemoteReadError,
+    RemoteStallError,
+    ShardTimeoutError,
+    WorkerError,
+)
+from prealign.schemas.errors import ConfigError, DataError, LayoutError, PrealignError, SampleError, SchemaError
 
 
 class UsageError(ConfigError):
@@ -41,13 +49,37 @@ CAUSES = {
 }
 
 
-class NothingLoadedError(PrealignError):
+# What to do about each cause, as a person would type it (the closing hint when nothing loads).
+REMEDIES = {
+    "corrupt_shard": "re-create the unreadable shards named below, or leave them out of the list",
+    "shard_timeout": "check the mount or pipe the shards named below are read from",
+    "missing_member": "write the member the samples lack (or leave those samples out)",
+    "bad_sample": "write the field as the schema expects it (the example names the field, what it expects and "
+                  "what came), or give the transform that makes it so",
+    "unsafe_member": "re-write the pickled members as .npy / .json",
+    "dim_mismatch": "give every sample the same named dims (e.g. one top-k K)",
+    "corrupt_image": "re-encode or drop the images named below",
+    "missing_image": "add the image members the chats name",
+    "placeholder_mismatch": "write one <image> placeholder per image",
+    "vision_token_mismatch": "index with the model's own processor settings (--processor DIR --model-config DIR)",
+    "bad_text": "give each sample a chat (json) or a text member",
+}
+
+
+def remedy(report) -> str:
+    """The closing hint of a bad-data report: what to do about its two most frequent causes."""
+    causes = [r for r, _ in sorted(report.counts.items(), key=lambda kv: -kv[1])][:2]
+    fixes = [REMEDIES.get(r, f"fix the samples counted as {r} (an example of each below)") for r in causes]
+    return "; ".join(dict.fromkeys(fixes))
+
+
+class NothingLoadedError(DataError):
     """No sample of the source could be used; ``report`` (a ``BadDataReport``) says why."""
 
     def __init__(self, what: str, report):
         self.report = report
         counts = ", ".join(f"{k} {v}" for k, v in sorted(report.counts.items())) or "no samples at all"
-        self.hint = "fix the causes listed below" if report.total else "check that the source holds samples"
+        self.hint = remedy(report) if report.total else "give shards or a dataset that hold samples"
         super().__init__(f"no usable sample in {what}: {counts}")
 
     def cause_lines(self) -> list[str]:
@@ -87,7 +119,36 @@ def hint_for(exc: BaseException) -> str:
         return "install the missing package (remote shards: pip install 'prealign[remote]', gs:// also gcsfs)"
     if isinstance(exc, ConfigError):
         return "check the arguments (prealign <command> --help)"
+    if isinstance(exc, SYSTEM_HINTS):
+        return next(h for cls, h in _SYSTEM_HINTS if isinstance(exc, cls))
+    if isinstance(exc, SampleError):
+        return "fix or drop that sample; under BadDataPolicy(on_error='skip') it is counted and left out instead"
     return "run with --debug for the traceback"
+
+
+_SYSTEM_HINTS = (  # most specific first
+    (RemoteStallError, "the server stopped sending: check it and the network, or raise RemoteOptions(timeout=)"),
+    (RemoteReadError, "check the server and the network, then run again"),
+    (ShardTimeoutError, "check the mount or pipe the shard is read from, or raise read_timeout="),
+    (CorruptShardError, "re-create the shard, or leave it out of the list"),
+    (WorkerError, "run again (it continues from its state); give --workers 0 to see a worker's own error"),
+)
+SYSTEM_HINTS = tuple(cls for cls, _ in _SYSTEM_HINTS)
+
+
+def warning_line(message, category, filename, lineno, file=None, line=None) -> None:
+    """``warnings.showwarning`` for the command line: one ``prealign: warning: <Category>: <message>`` line on
+    stderr, without the library's file and source line; a progress bar's open line is ended first."""
+    stream = file or sys.stderr
+    text = "; ".join(part.strip() for part in str(message).splitlines() if part.strip())
+    if OPEN_LINE[0]:
+        stream.write("\n")
+        OPEN_LINE[0] = False
+    stream.write(f"prealign: warning: {category.__name__}: {text}\n")
+
+
+OPEN_LINE = [False]
+"""True while a progress bar's line on stderr is not ended (a warning then starts a line of its own)."""
 
 
 def error_lines(exc: BaseException) -> list[str]:
@@ -105,7 +166,9 @@ def run_reporting(parser, argv: list[str]) -> int:
     :func:`error_lines` on stderr and exit code 2, with the traceback when ``--debug`` is among ``argv``."""
     try:
         args = parser.parse_args(argv)
-        return args.func(args)
+        with warnings.catch_warnings():
+            warnings.showwarning = warning_line
+            return args.func(args)
     except KeyboardInterrupt:
         return 130
     except (PrealignError, OSError, ImportError) as exc:

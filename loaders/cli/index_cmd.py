@@ -20,6 +20,8 @@ import os
 import sys
 import time
 
+from prealign.loaders.cli.errors import OPEN_LINE
+
 
 def add_parser(sub) -> None:
     """Register the ``index`` sub-command on ``sub`` (the ``prealign`` parser's sub-parsers)."""
@@ -162,6 +164,7 @@ class Progress:
         fill = width * done // max(total, 1)
         rate = samples / max(now - self.t0, 1e-9)
         end = "\n" if done >= total else ""
+        OPEN_LINE[0] = not end  # a warning meanwhile ends the bar's line first (cli.errors.warning_line)
         self.stream.write(f"\r{self.label} [{'#' * fill}{'.' * (width - fill)}] {done}/{total} shards, "
                           f"{samples:,} samples, {rate:,.0f} samples/s{end}")
         self.stream.flush()
@@ -222,10 +225,8 @@ def cmd_index(args) -> int:
         print(f"{stats['indexed']} shard(s) indexed ({stats['samples']:,} samples in {dt:.2f} s), "
               f"{stats['up_to_date']} up to date" + (f", sidecars in {args.out}" if args.out else ""),
               file=sys.stderr)
-        if stats.get("bad"):  # recorded in the sidecars; each loader applies its bad-data policy to them
-            counts = ", ".join(f"{k} {v}" for k, v in sorted(stats["bad"].items()))
-            print(f"bad samples    {sum(stats['bad'].values())} recorded ({counts}); a loader raises or skips "
-                  "them by its bad-data policy", file=sys.stderr)
+        if stats.get("bad") or stats.get("up_to_date"):  # (bad samples recorded now, or maybe before)
+            _say_refused(source, schema, shards)
         agree(lambda: _merge(source, args.merge, rank if not alone else -1))  # every rank returns once the merged index is written
     return 0
 
@@ -257,6 +258,31 @@ def _index_mixture(args) -> int:
         print(f"{name}:", file=sys.stderr)
         rc = max(rc, cmd_index(sub))
     return rc
+
+
+def _say_refused(source, schema, shards: list[int]) -> None:
+    """How many samples of ``shards`` their sidecars refuse and why (what a loader leaves out under
+    ``BadDataPolicy(on_error='skip')``, or raises under the default ``raise``), one line per cause with an
+    example, on stderr; nothing when none is."""
+    from prealign.loaders.cli.errors import cause_lines
+    from prealign.loaders.index.build import build_index
+    from prealign.loaders.policy import BadDataPolicy
+    from prealign.loaders.sources.webdataset import WebDatasetSource
+
+    if not shards:
+        return
+    mine = WebDatasetSource([source.urls[s] for s in shards], transform=source.transform, image=source.image,
+                            index_dir=source.index_dir, remote=source.remote)
+    skip = BadDataPolicy(on_error="skip", warn=False, max_consecutive=2 ** 62)
+    report = build_index(mine, schema, policy=skip, distributed=False).report
+    if not report.total:
+        return
+    counts = ", ".join(f"{reason} {n}" for reason, n in sorted(report.counts.items(), key=lambda kv: -kv[1]))
+    print(f"{report.total:,} sample(s) refused ({counts}): a loader raises at the first under the default "
+          f"BadDataPolicy(on_error='raise'), leaves them out and counts them under on_error='skip'",
+          file=sys.stderr)
+    for line in cause_lines(report):
+        print(line, file=sys.stderr)
 
 
 class _ranks_agree:

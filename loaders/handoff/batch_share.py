@@ -45,6 +45,7 @@ from prealign.collate.indices import cp_chunks, global_slots
 from prealign.collate.mrope import MRoPECollator
 from prealign.collate.thd import THDCollator
 from prealign.loaders.handoff import slots
+from prealign.loaders.handoff.fetched import Fetched
 from prealign.loaders.handoff.fingerprint import transform_fingerprint
 from prealign.loaders.handoff.share_folder import CLAIMED, HIT, SharedFolder, ShareStats, decode_record, encode_record
 from prealign.loaders.handoff.transport import own_small, pack_batch
@@ -208,14 +209,14 @@ class _SharedPlanned:
         key = self.key(request)
         state, record = self.folder.acquire(key, by_fd=self.by_fd)
         if state == HIT:
-            return request, None, self.planned.where, _Token(key, state, record)
+            return Fetched(request, None, self.planned.where, share=_Token(key, state, record))
         try:
             fetched = self.planned.__getitems__(request)
         except BaseException:
             if state == CLAIMED:  # the peers load it themselves at once instead of waiting out the claim
                 self.folder.failed(key)
             raise
-        return (*fetched, _Token(key, state))
+        return dataclasses.replace(fetched, share=_Token(key, state))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -236,8 +237,8 @@ class _SharedCollate:
     def stats(self) -> ShareStats:
         return self.folder.stats
 
-    def __call__(self, fetched: tuple):
-        *fetched, token = fetched
+    def __call__(self, fetched: Fetched):
+        token, fetched = fetched.share, dataclasses.replace(fetched, share=None)
         if token.state == HIT:
             if isinstance(token.record, tuple):  # (fd, nbytes): the record file, handed on as it is
                 fd, nbytes = token.record
@@ -247,12 +248,12 @@ class _SharedCollate:
                     os.close(fd)
             return self._out(self.shard(token.record))
         if token.state != CLAIMED:
-            return self.plain(tuple(fetched))
-        if isinstance(fetched[1], PrealignError):
+            return self.plain(fetched)
+        if isinstance(fetched.samples, PrealignError):
             self.folder.failed(token.key)
-            return fetched[1]
+            return fetched.samples
         try:
-            whole = self.whole(tuple(fetched))
+            whole = self.whole(fetched)
         except PrealignError as exc:
             self.folder.failed(token.key)
             if self.pack:

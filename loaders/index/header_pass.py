@@ -475,6 +475,8 @@ def _header_pass(source, schema, shard: int, rule, f) -> dict:
                 key, start, members = split[0], m.offset, []
             members.append((split[1], m.data, m.kind))
             end = m.end
+    except PrealignError:  # typed (a remote read error is an OSError too): raised as it is
+        raise
     except (TarFormatError, OSError, EOFError) as exc:
         lost = f"; sample {key!r} lost with the rest of the shard" if members else ""
         events.append(["bad", f"shard {shard}", error_record(CorruptShardError(url, getattr(exc, "offset", 0), f"{exc}{lost}"))])

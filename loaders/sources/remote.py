@@ -61,6 +61,7 @@ from prealign.loaders.errors import (
     RemoteStallError,
 )
 from prealign.loaders.sources import http_pool
+from prealign.schemas.errors import PrealignError
 
 _SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*):")
 
@@ -143,6 +144,8 @@ def _retrying(url: str, opts: RemoteOptions, fn):
     for attempt in range(opts.retries + 1):
         try:
             return fn()
+        except PrealignError:  # typed already (a RemoteReadError is an OSError): never retried, never re-wrapped
+            raise
         except PermissionError as exc:  # fsspec's access denied (s3fs: AccessDenied, 403)
             raise RemotePermissionError(url, None, f"{type(exc).__name__}: {exc}") from None
         except FileNotFoundError as exc:

@@ -17,8 +17,9 @@ The common entry points are offered here too, imported on first use (``import pr
 """
 from __future__ import annotations
 
-import importlib
 from importlib.metadata import PackageNotFoundError, version
+
+from prealign.schemas.lazy import lazy_names
 
 try:
     __version__ = version("prealign")
@@ -36,15 +37,7 @@ _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 
 __all__ = ["__version__"]
 __all__ += list(_WHERE)
-
-
-def __getattr__(name: str):
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module 'prealign' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__, _ = lazy_names(__name__, _WHERE, cache=globals())
 
 
 def __dir__() -> list[str]:

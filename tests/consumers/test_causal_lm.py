@@ -137,6 +137,7 @@ def test_pad_tokens_change_nothing():
     assert int(pads.sum()) > 10 and float((a[real] - b[real]).abs().max()) < 1e-12
 
 
+@pytest.mark.slow
 @given(lengths=st.lists(st.integers(1, 30), min_size=1, max_size=5), tp=st.integers(1, 4), cp=st.integers(1, 3),
        policy=st.sampled_from(list(PadPolicy)), fp8=st.sampled_from([FP8Recipe.NONE, FP8Recipe.FP8]),
        rows=st.sampled_from([0, 0, 40]))
