@@ -34,7 +34,7 @@ from prealign.loaders.handoff.transport import pack_batch
 from prealign.loaders.index.build import build_index
 from prealign.loaders.index.sample_checks import has_media, media_keys
 from prealign.loaders.index.sample_index import SampleIndex
-from prealign.loaders.index.sidecar import check_all_shards, check_index, describe_transform
+from prealign.loaders.index.sidecar import check_all_shards, check_index
 from prealign.loaders.options import IndexOptions, LoadingOptions, ShuffleOptions, WorkerConfig, check_option
 from prealign.loaders.plan.planner import MicrobatchPlan, PlannerConfig
 from prealign.loaders.plan.schedule import Request, Schedule, check_count
@@ -323,9 +323,7 @@ class PackedLoader(LoaderCore):
             planned, collate_fn = self.share.attach(planned, collate_fn, collator=self.collator, cp_rank=self.cp_rank,
                                                     scope={"dp_rank": self.dp_rank, "config": self._config(),
                                                            "data": [len(index), index.digest],
-                                                           "source": description,
-                                                           "transform": describe_transform(
-                                                               getattr(self.source, "transform", None))},
+                                                           "source": description},
                                                     transform=getattr(self.source, "transform", None))
         self._loader = self._data_loader(planned, persistent=True, batch_sampler=self._requests,
                                          collate_fn=collate_fn)
