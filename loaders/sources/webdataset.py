@@ -18,6 +18,7 @@ import dataclasses
 import io
 import os
 import re
+import tempfile
 from collections import OrderedDict
 from typing import Callable, Mapping, Sequence
 
@@ -42,6 +43,7 @@ from prealign.loaders.sources.tar_decode import DEFAULT_LIMITS, DecodeLimits, de
 from prealign.loaders.sources.tar_reader import TarFormatError, iter_members
 from prealign.schemas.errors import ConfigError, SampleError
 
+_SPILL_CHUNK = 4 << 20
 _REMOTE = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*:")
 _BRACE = re.compile(r"[{}\\]")
 _FAR = re.compile(r"^(?!file://)[a-zA-Z][a-zA-Z0-9+.-]*:")
@@ -175,7 +177,8 @@ class WebDatasetSource(Source):
     def scan(self, shard: int):
         url = self.urls[shard]
         try:
-            f = TimedReader(lambda: _remote.open_stream(url, self.remote), timeout=self.read_timeout)
+            f = TimedReader(lambda: _remote.open_stream(url, self.remote, limits=self.limits),
+                            timeout=self.read_timeout)
         except (CorruptShardError, _remote.RemoteReadError) as exc:
             yield None, exc if isinstance(exc, CorruptShardError) else CorruptShardError(url, 0, str(exc))
             return
@@ -188,7 +191,7 @@ class WebDatasetSource(Source):
         with f:
             key, start, members, seen = None, 0, [], set()
             try:
-                for m in iter_members(f):
+                for m in iter_members(f, max_member=self.limits.max_member_bytes):
                     split = split_member_name(m.name)
                     if split is None:
                         yield None, Skip("ignored_member", f"{url}:{m.name}", f"tar {m.kind} member without "
@@ -278,9 +281,9 @@ class WebDatasetSource(Source):
             if shard not in streams:
                 streams[shard] = self._read_whole(shard, start)
                 while len(streams) > self.remote.stream_shards:
-                    streams.popitem(last=False)
+                    streams.popitem(last=False)[1].close()
             streams.move_to_end(shard)
-            return streams[shard][start:end]
+            return os.pread(streams[shard].fileno(), end - start, start)
         if _remote.is_remote(url):
             return _remote.read_range(url, start, end, self.remote)
         files = local.setdefault("files", OrderedDict())
@@ -306,17 +309,29 @@ class WebDatasetSource(Source):
         files.move_to_end(shard)
         return out
 
-    def _read_whole(self, shard: int, start: int) -> bytes:
-        """A sequential shard (``pipe:``, ``.tar.gz``) read whole under the read deadline: a stalled command
-        is a :class:`ShardTimeoutError` (and killed), a deleted file :meth:`_gone`."""
+    def _read_whole(self, shard: int, start: int):
+        """A sequential shard (``pipe:``, ``.tar.gz``) read whole under the read deadline into an anonymous
+        temporary file (a chunk at a time: never held in memory; gzip through ``self.limits``); a stalled command
+        is a :class:`ShardTimeoutError` (and killed), a deleted file :meth:`_gone`, a corrupt stream or one past
+        the limits a :class:`CorruptShardError` naming the byte."""
         url = self.urls[shard]
+        spill = tempfile.TemporaryFile(prefix="prealign-stream-")
         try:
-            with TimedReader(lambda: _remote.open_stream(url, self.remote), timeout=self.read_timeout) as f:
-                return f.read()
-        except Stalled as exc:
-            raise ShardTimeoutError(url, exc.at, f"reading the stream for a sample: {exc}") from None
-        except MissingShardError:
-            raise self._gone(shard, start, "no such file; deleted since indexing?") from None
+            with TimedReader(lambda: _remote.open_stream(url, self.remote, limits=self.limits),
+                             timeout=self.read_timeout) as f:
+                while chunk := f.read(_SPILL_CHUNK):
+                    spill.write(chunk)
+            spill.flush()
+            return spill
+        except BaseException as exc:
+            spill.close()
+            if isinstance(exc, Stalled):
+                raise ShardTimeoutError(url, exc.at, f"reading the stream for a sample: {exc}") from None
+            if isinstance(exc, MissingShardError):
+                raise self._gone(shard, start, "no such file; deleted since indexing?") from None
+            if isinstance(exc, TarFormatError):
+                raise CorruptShardError(url, exc.offset, f"reading the stream for a sample: {exc.message}") from None
+            raise
 
     def _gone(self, shard: int, start: int, problem: str) -> Exception:
         """A shard gone under a read: a :class:`MissingShardError` (configuration, never bad data) when its first
