@@ -160,3 +160,4 @@ def test_gzip_bounded_reader_counts(tmp_path):
     with pytest.raises(TarFormatError, match="corrupt or truncated gzip stream"):
         while bad.read(100):
             pass
+

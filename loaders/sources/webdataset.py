@@ -63,7 +63,38 @@ def expand_urls(urls: str | Sequence[str]) -> list[str]:
            for u in (braceexpand.braceexpand(item) if _BRACE.search(item) else (item,))]
     if not out:
         raise ConfigError(f"urls: no shard URLs given ({urls!r})")
+    check_unique(out)
     return out
+
+
+def shard_identity(url: str) -> str:
+    """What one shard is called whatever way it is written: a local path made absolute and normal
+    (``./d/../d/a.tar``, ``file:///w/d/a.tar`` and ``d/a.tar`` are one shard; no file system call, so symlinks
+    are not followed); a URL with its scheme and host in lower case, its fragment dropped; a ``pipe:`` command
+    as it is."""
+    if url.startswith("pipe:"):
+        return url
+    if _remote.is_remote(url):
+        import urllib.parse
+
+        parts = urllib.parse.urlsplit(url)
+        return urllib.parse.urlunsplit((parts.scheme.lower(), parts.netloc.lower(), parts.path, parts.query, ""))
+    return os.path.normpath(os.path.abspath(_remote.local_path(url)))
+
+
+def check_unique(urls: Sequence[str]) -> None:
+    """A :class:`ConfigError` naming both positions when one shard is listed twice (:func:`shard_identity`):
+    its samples would be served twice per epoch.
+
+    >>> shard_identity("file:///d/x.tar") == shard_identity("/d/../d/x.tar"), shard_identity("S3://B/k/x.tar#f")
+    (True, 's3://b/k/x.tar')
+    """
+    seen: dict[str, int] = {}
+    for i, url in enumerate(urls):
+        j = seen.setdefault(shard_identity(url), i)
+        if j != i:
+            raise ConfigError(f"urls: shard {urls[j]!r} (position {j}) and {url!r} (position {i}) are one shard; "
+                              f"list each shard once (its samples would be served twice per epoch)")
 
 
 _TORCH_KINDS = "biufc"  # bool, int, uint, float, complex: what torch.from_numpy takes
