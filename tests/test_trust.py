@@ -23,3 +23,63 @@ def test_a_shard_listed_twice_is_refused_naming_both_positions(tmp_path, twice):
         source = WebDatasetSource([a, b, twice(a)])
         next(iter(PackedLoader(source, schema=causal_lm_schema(), layout=ParallelLayout(), token_budget=4096)))
     assert len(WebDatasetSource([a, b]).urls) == 2
+
+
+# ---- empty (0-token) samples are bad data (issue #31: one stopped the run under `skip`) ---------------------
+def _with_empty(tmp_path, row: int = 5) -> list[str]:
+    import numpy as np
+
+    from tests.loader_helpers import _npy, add_member
+
+    def extra(i, tf):
+        if i == row:
+            add_member(tf, f"{i:06d}.input_ids.npy", _npy(np.zeros(0, np.int64)))
+            return True
+        return False
+
+    return write_shards(str(tmp_path), sample_lengths(12, seed=1), num_shards=2, extra=extra)
+
+
+@pytest.mark.parametrize("indexed", ["in process", "sidecars"])
+def test_an_empty_sample_is_counted_under_skip_and_typed_under_raise(tmp_path, indexed):
+    import warnings
+
+    from prealign.loaders import BadDataPolicy, PackedLoader
+    from prealign.loaders.cli.main import main
+    from prealign.loaders.errors import BadSampleError
+    from prealign.schemas import ParallelLayout, causal_lm_schema
+
+    paths = _with_empty(tmp_path)
+    if indexed == "sidecars":
+        assert main(["index", "--text", *paths]) == 0
+
+    def loader(policy):
+        return PackedLoader(WebDatasetSource(paths), schema=causal_lm_schema(), layout=ParallelLayout(),
+                            token_budget=4096, bad_data=BadDataPolicy(on_error=policy))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        skipping = loader("skip")
+        served = sorted(i for b in skipping for i in b["sample_index"].tolist())
+    assert len(served) == 11 and skipping.report.counts == {"bad_sample": 1}
+    assert "000005" in skipping.report.examples[0][0]
+    with pytest.raises(BadSampleError, match=r"sample .*shard-000\.tar:000005, field 'input_ids': expected a "
+                                             r"non-empty 1-D token tensor, got shape \(0,\)"):
+        next(iter(loader("raise")))
+
+
+def test_bshd_honours_max_seqs_as_thd_does():
+    """Issue #31: THDCollator refused a 5-row batch under max_seqs=4, BSHDCollator served it."""
+    import torch
+
+    from prealign.collate import BSHDCollator, THDCollator
+    from prealign.schemas import ParallelLayout, causal_lm_schema
+    from prealign.schemas.errors import BucketOverflowError
+
+    layout = ParallelLayout(max_seqs=4)
+    rows = [{"input_ids": torch.arange(1, 4 + i)} for i in range(5)]
+    for collator in (THDCollator, BSHDCollator):
+        coll = collator(schema=causal_lm_schema(), layout=layout)
+        with pytest.raises(BucketOverflowError, match="5 sequences exceeds the layout's max_seqs = 4"):
+            coll(rows)
+        assert coll(rows[:4])["input_ids"].numel() > 0
