@@ -83,3 +83,30 @@ def test_bshd_honours_max_seqs_as_thd_does():
         with pytest.raises(BucketOverflowError, match="5 sequences exceeds the layout's max_seqs = 4"):
             coll(rows)
         assert coll(rows[:4])["input_ids"].numel() > 0
+
+
+@pytest.mark.parametrize("typeflag, kind", [(b"5", "directory"), (b"S", "GNU sparse"), (b"Z", "typeflag b'Z'")])
+def test_tar_members_of_unknown_type_are_counted_never_dropped(tmp_path, typeflag, kind):
+    """Issue #31: a sample member of an unknown type vanished with no count."""
+    import io
+    import tarfile
+
+    from prealign.loaders import BadDataPolicy, build_index
+    from prealign.loaders.errors import BadSampleError
+    from prealign.schemas import causal_lm_schema
+    from tests.loader_helpers import _npy, token_ids
+
+    path = str(tmp_path / "odd.tar")
+    with tarfile.open(path, "w", format=tarfile.GNU_FORMAT) as tf:
+        for i in range(3):
+            data = _npy(token_ids(i, 5))
+            info = tarfile.TarInfo(f"{i:06d}.input_ids.npy")
+            info.size = len(data)
+            if i == 1:
+                info.type = typeflag
+            tf.addfile(info, io.BytesIO(data))
+    with pytest.raises(BadSampleError, match=f"unknown_member|a {kind} member") as exc:
+        build_index(WebDatasetSource([path]), causal_lm_schema())
+    assert exc.value.reason == "unknown_member" and "000001" in str(exc.value)
+    index = build_index(WebDatasetSource([path]), causal_lm_schema(), policy=BadDataPolicy(on_error="skip", warn=False))
+    assert len(index) == 2 and index.report.counts == {"unknown_member": 1}

@@ -7,8 +7,9 @@ not silently shorter shards. It also reads a sample's byte range (no end marker 
 Sizes are untrusted: a member can never be larger than what is left of the archive (a header
 claiming 100 GiB, or a pax ``size=10**30``, is a :class:`TarFormatError`, never a 100 GiB
 allocation), and an extended header (pax, GNU long name) is at most :data:`MAX_EXTENDED` bytes.
-Hard links, symbolic links and special files are yielded with their ``kind`` (no data) so the
-caller can count them; directories are skipped.
+Hard links, symbolic links, special files and members of any other type (GNU sparse, an unknown
+typeflag, a directory named like a sample's member or declaring data) are yielded with their ``kind`` (no data)
+so the caller can count them; plain directory entries (``data/``) are skipped.
 
 >>> import io, tarfile
 >>> buf = io.BytesIO()
@@ -27,6 +28,8 @@ MAX_EXTENDED = 1 << 20
 """Largest pax / GNU long-name header data accepted (bytes); real ones are a few hundred."""
 _REGULAR = (b"0", b"\0", b"7")
 _KINDS = {b"1": "hardlink", b"2": "symlink", b"3": "chardev", b"4": "blockdev", b"6": "fifo"}
+_OTHER = {b"5": "directory", b"S": "GNU sparse", b"D": "GNU dumpdir", b"M": "GNU multivolume",
+          b"V": "volume label"}
 _CHUNK = 16 << 20
 MAX_MEMBER = 1 << 30
 """Default cap on one member's declared size (:attr:`DecodeLimits.max_member_bytes`)."""
@@ -50,7 +53,8 @@ class Member:
     data: bytes
     kind: str = "file"
     """``"file"`` (a regular member, with its data), or ``"hardlink"`` / ``"symlink"`` / ``"chardev"``
-    / ``"blockdev"`` / ``"fifo"`` (no data: webdataset has no use for them; the caller counts them)."""
+    / ``"blockdev"`` / ``"fifo"`` / ``"directory"`` / ``"GNU sparse"`` / ``"typeflag b'X'"``... (no data:
+    webdataset has no use for them; the caller counts them)."""
 
 
 def _padded(n: int) -> int:
@@ -204,3 +208,7 @@ def iter_members(f: BinaryIO, *, base: int = 0, need_end_marker: bool = True,
             yield Member(name, start, pos, data)
         elif kind in _KINDS:
             yield Member(name, start, pos, b"", _KINDS[kind])
+        elif kind != b"5" or size or "." in name.rstrip("/").rsplit("/", 1)[-1]:
+            # a member of no kind webdataset reads (GNU sparse, an unknown typeflag, a directory named like a
+            # sample's member or holding data): yielded without data, so the caller counts it, never dropped
+            yield Member(name.rstrip("/") or name, start, pos, b"", _OTHER.get(kind, f"typeflag {kind!r}"))

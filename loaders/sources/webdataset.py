@@ -120,15 +120,20 @@ def numpy_fields(sample: dict) -> dict:
 
 def check_members(where: str, key: str, members: list[tuple[str, bytes, str]], duplicate: bool) -> None:
     """Raise the :class:`BadSampleError` of a sample whose key was already seen in its shard
-    (``duplicate_key``) or that has a link member (``link_member``); the full and the header pass alike."""
+    (``duplicate_key``), that has a link member (``link_member``) or a member of another type (a directory,
+    GNU sparse, an unknown typeflag: ``unknown_member``); the full and the header pass alike."""
     if duplicate:
         raise BadSampleError(sample=where, field=None, reason="duplicate_key", expected="a key once per shard",
                              actual=f"key {key!r} again after other samples")
     links = [(ext, kind) for ext, _, kind in members if kind != "file"]
     if links:
-        raise BadSampleError(sample=where, field=links[0][0], reason="link_member",
-                             expected="regular file members", actual=f"a {links[0][1]} member (webdataset "
-                             "samples hold their bytes; links are not followed)")
+        ext, kind = links[0]
+        if kind in ("hardlink", "symlink", "chardev", "blockdev", "fifo"):
+            raise BadSampleError(sample=where, field=ext, reason="link_member", expected="regular file members",
+                                 actual=f"a {kind} member (webdataset samples hold their bytes; links are not "
+                                        f"followed)")
+        raise BadSampleError(sample=where, field=ext, reason="unknown_member", expected="regular file members",
+                             actual=f"a {kind} member (its data is not read)")
 
 
 class WebDatasetSource(Source):
