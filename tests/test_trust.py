@@ -110,3 +110,29 @@ def test_tar_members_of_unknown_type_are_counted_never_dropped(tmp_path, typefla
     assert exc.value.reason == "unknown_member" and "000001" in str(exc.value)
     index = build_index(WebDatasetSource([path]), causal_lm_schema(), policy=BadDataPolicy(on_error="skip", warn=False))
     assert len(index) == 2 and index.report.counts == {"unknown_member": 1}
+
+
+@pytest.mark.parametrize("sample, message", [
+    ({"input_ids": [1, 2], "txt": "a", "TXT": "b"}, "differ in more than case"),
+    ({"input_ids": [1, 2], "__url__": "x"}, "reserved"),
+    ({"input_ids": [1, 2], "__shard__": b"3"}, "reserved"),
+    ({"input_ids": 7}, "token ids are 1-D"),
+    ({"input_ids": [1, 2], 3: b"x"}, "not a plain name"),
+    ({"input_ids": [1, 2], "meta": {"a": {1, 2}}}, "not JSON"),
+    ({"input_ids": [1, 2], "meta": [float("nan")]}, "not JSON"),
+])
+def test_shard_writer_refuses_samples_that_cannot_load(tmp_path, sample, message):
+    """Issue #31: ShardWriter accepted members that can never load and a 0-d input_ids, or raised a bare
+    TypeError."""
+    import numpy as np
+
+    from prealign.loaders import ShardWriter
+    from prealign.schemas.errors import ConfigError
+
+    sample = {k: np.asarray(v) if k == "input_ids" or (isinstance(k, str) and k.startswith("input_ids")) else v
+              for k, v in sample.items()}
+    with ShardWriter(str(tmp_path / "s-%03d.tar")) as w:
+        with pytest.raises(ConfigError, match=message):
+            w.write(sample)
+        w.write({"input_ids": np.arange(1, 5)})
+    assert w.count == 1
