@@ -136,3 +136,19 @@ def test_shard_writer_refuses_samples_that_cannot_load(tmp_path, sample, message
             w.write(sample)
         w.write({"input_ids": np.arange(1, 5)})
     assert w.count == 1
+
+
+@pytest.mark.parametrize("change", [{"hidden_size": "abc"}, {"hidden_size": None}, {"hidden_size": float("inf")},
+                                    {"num_attention_heads": 0}, {"vocab_size": [3]}])
+def test_crafted_hf_configs_are_plan_errors(change):
+    """Issue #31: crafted configs raised a bare TypeError / OverflowError / ZeroDivisionError."""
+    from types import SimpleNamespace
+
+    from prealign.loaders.errors import PlanError
+    from prealign.loaders.plan.cost import CostModel
+
+    base = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, vocab_size=100,
+                hidden_act="silu")
+    CostModel.from_hf_config(SimpleNamespace(**base))
+    with pytest.raises(PlanError, match="from_hf_config"):
+        CostModel.from_hf_config(SimpleNamespace(**{**base, **change}))
