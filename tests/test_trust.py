@@ -152,3 +152,30 @@ def test_crafted_hf_configs_are_plan_errors(change):
     CostModel.from_hf_config(SimpleNamespace(**base))
     with pytest.raises(PlanError, match="from_hf_config"):
         CostModel.from_hf_config(SimpleNamespace(**{**base, **change}))
+
+
+_FULL_DISK = """
+import resource, signal, sys
+from prealign.loaders.cli.main import main
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, as on a full disk
+resource.setrlimit(resource.RLIMIT_FSIZE, (1024, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+try:
+    rc = main(["index", "--text", "--out", sys.argv[1], *sys.argv[2:]])
+except OSError as exc:
+    rc = f"OSError {exc.errno}"
+print(rc)
+"""
+
+
+def test_a_failed_index_write_leaves_no_part_file(tmp_path):
+    """Issue #31: disk full during `prealign index --out` left a .part file behind."""
+    import subprocess
+    import sys
+
+    paths = write_shards(str(tmp_path / "data"), sample_lengths(200), num_shards=2)
+    out = tmp_path / "index"
+    run = subprocess.run([sys.executable, "-c", _FULL_DISK, str(out), *paths], capture_output=True, text=True,
+                         timeout=300)
+    assert run.stdout.strip() not in ("0", ""), (run.stdout, run.stderr[-2000:])  # it did fail
+    left = [p for p in os.listdir(out)] if out.exists() else []
+    assert not [p for p in left if p.endswith(".part")], left

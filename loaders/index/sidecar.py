@@ -81,7 +81,14 @@ from prealign.loaders.media.vlm import VLMSampleTransform
 from prealign.loaders.sources import remote
 from prealign.loaders.sources.deadline import Stalled, map_with_timeout
 from prealign.loaders.sources.npy import read_npz
-from prealign.loaders.sources.shard_files import NotRegular, file_kind, open_regular, shard_name, sidecar_path
+from prealign.loaders.sources.shard_files import (
+    NotRegular,
+    file_kind,
+    open_regular,
+    shard_name,
+    sidecar_path,
+    write_atomically,
+)
 from prealign.loaders.sources.webdataset import numpy_fields
 
 FORMAT = "prealign-sidecar"
@@ -218,10 +225,7 @@ def write_sidecar(path: str, record: dict, *, shard: str, fingerprint: dict, con
              media=np.asarray(record["media"], dtype=bool).reshape(-1),
              dim_ids=np.asarray(record["dim_ids"], dtype=np.int64).reshape(-1),
              bounds=np.asarray(record["bounds"], dtype=np.int64).reshape(n, 3, 4))
-    tmp = f"{path}.{os.getpid()}.part"
-    with open(tmp, "wb") as f:
-        f.write(buf.getvalue())
-    os.replace(tmp, path)
+    write_atomically(path, buf.getvalue())
 
 
 def parse_sidecar(data: bytes, *, shard: str, source=None) -> tuple[dict, dict[str, np.ndarray]]:

@@ -95,3 +95,20 @@ def open_regular(path: str):
     except BaseException:
         f.close()
         raise
+
+
+def write_atomically(path: str, data: bytes) -> None:
+    """``data`` written to ``<path>.<pid>.part`` then renamed to ``path`` (readers see the old file or the new
+    one, never half of one). A write that fails (disk full, a file size limit, an interrupt) removes its own
+    ``.part`` and raises: nothing half-written is left behind."""
+    tmp = f"{path}.{os.getpid()}.part"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
