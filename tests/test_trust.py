@@ -179,3 +179,25 @@ def test_a_failed_index_write_leaves_no_part_file(tmp_path):
     assert run.stdout.strip() not in ("0", ""), (run.stdout, run.stderr[-2000:])  # it did fail
     left = [p for p in os.listdir(out)] if out.exists() else []
     assert not [p for p in left if p.endswith(".part")], left
+
+
+def test_a_sidecar_path_that_is_a_folder_is_a_typed_error(tmp_path, capsys):
+    """Issue #31: a folder where a sidecar is read or written was a bare IsADirectoryError."""
+    from prealign.loaders import PackedLoader
+    from prealign.loaders.cli.main import main
+    from prealign.loaders.errors import StaleIndexError
+    from prealign.schemas import ParallelLayout, causal_lm_schema
+    from prealign.schemas.errors import ConfigError
+
+    paths = write_shards(str(tmp_path), sample_lengths(20), num_shards=2)
+    os.makedirs(paths[0] + ".prealign-index.npz")
+    with pytest.raises(StaleIndexError, match="sidecar is not a regular file \\(a folder\\)"):
+        next(iter(PackedLoader(WebDatasetSource(paths), schema=causal_lm_schema(), layout=ParallelLayout(),
+                               token_budget=4096)))
+    capsys.readouterr()
+    assert main(["index", "--text", *paths]) == 2  # the CLI's one-line error
+    assert "is a folder, where an index file is written" in capsys.readouterr().err
+    from prealign.loaders.sources.shard_files import write_atomically
+
+    with pytest.raises(ConfigError, match="is a folder"):
+        write_atomically(paths[0] + ".prealign-index.npz", b"x")
