@@ -316,6 +316,7 @@ class PackedLoader(LoaderCore):
         self._schedule.resized = self._resized
         self._requests = _Requests()
         planned = _PlannedSamples(source, index, schema, cap, layout.seq_multiple)
+        self._schedule.where = planned.where  # (an oversize sample named by index row and location)
         planned.skip_at_load = self.bad_data.on_error is OnBadSample.SKIP
         collate_fn = _CollatePlanned(self.collator, pack=num_workers > 0)
         description = source.describe()  # (stats local shards: once, here, never in state_dict)

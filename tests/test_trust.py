@@ -201,3 +201,17 @@ def test_a_sidecar_path_that_is_a_folder_is_a_typed_error(tmp_path, capsys):
 
     with pytest.raises(ConfigError, match="is a folder"):
         write_atomically(paths[0] + ".prealign-index.npz", b"x")
+
+
+def test_an_oversize_sample_is_named_by_index_row_and_location(tmp_path):
+    """Issue #31: the oversize error named the sample's position in the shuffled epoch (11), not row 5."""
+    from prealign.loaders import PackedLoader
+    from prealign.loaders.errors import OversizeSampleError
+    from prealign.schemas import ParallelLayout, causal_lm_schema
+
+    lengths = sample_lengths(12, seed=1)
+    lengths[5] = 500
+    paths = write_shards(str(tmp_path), lengths, num_shards=2)
+    with pytest.raises(OversizeSampleError, match=r"sample .*shard-000\.tar@\d+ \(index row 5\), field 'input_ids'"):
+        next(iter(PackedLoader(WebDatasetSource(paths), schema=causal_lm_schema(), layout=ParallelLayout(),
+                               token_budget=128)))
