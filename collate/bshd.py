@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from prealign.schemas.errors import BucketOverflowError
 from prealign.schemas.layout import CPLayout, ParallelLayout
 from prealign.schemas.schema import BatchSchema
 
@@ -40,7 +41,8 @@ class BSHDCollator:
     ``S`` is the longest sequence rounded up to :meth:`ParallelLayout.bshd_multiple` (then
     ``min_local_rows`` and length buckets). Fields as :class:`~prealign.collate.THDCollator`, plus
     ``attention_mask`` bool ``[B, S_out]`` (True on real tokens, the verl/HF convention) and
-    ``cu_seqlens`` int32 ``[B+1]`` of the true lengths.
+    ``cu_seqlens`` int32 ``[B+1]`` of the true lengths. Under ``layout.max_seqs`` a batch of more rows is a
+    :class:`~prealign.schemas.errors.BucketOverflowError`, as in THD (the rows are not padded up to it).
     """
 
     schema: BatchSchema
@@ -54,6 +56,9 @@ class BSHDCollator:
     def __call__(self, batch) -> dict:
         flat = flatten(batch, self.schema, check_values=self.check_values)
         b = flat.lengths.numel()
+        if self.layout.max_seqs is not None and b > self.layout.max_seqs:
+            raise BucketOverflowError(f"a batch of {b} sequences exceeds the layout's max_seqs = "
+                                      f"{self.layout.max_seqs}; plan with the same layout or raise max_seqs")
         s = self.layout.bshd_length(int(flat.lengths.max()), b)
         plan = gather_plan(flat.lengths, bshd_chunks(b, s, self.layout, self.cp_rank), flat.cu_seqlens)
         whole = functools.cache(lambda: gather_plan(flat.lengths, bshd_chunks(b, s, self.layout, None), flat.cu_seqlens))

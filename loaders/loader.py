@@ -35,7 +35,7 @@ from prealign.loaders.handoff.transport import pack_batch
 from prealign.loaders.index.build import build_index
 from prealign.loaders.index.sample_checks import has_media, media_keys
 from prealign.loaders.index.sample_index import SampleIndex
-from prealign.loaders.index.sidecar import check_all_shards, check_index, describe_transform
+from prealign.loaders.index.sidecar import check_all_shards, check_index
 from prealign.loaders.mixture import Mixture
 from prealign.loaders.options import (
     IndexOptions,
@@ -297,6 +297,7 @@ class PackedLoader(LoaderCore):
         self._schedule.resized = self._resized
         self._requests = _Requests()
         planned = _PlannedSamples(source, index, schema, cap, filler_length(layout))
+        self._schedule.where = planned.where  # (an oversize sample named by index row and location)
         planned.skip_at_load = self.bad_data.on_error is OnBadSample.SKIP
         collate_fn = _CollatePlanned(self.collator, pack=num_workers > 0)
         description = source.describe()  # (stats local shards: once, here, never in state_dict)
@@ -304,9 +305,7 @@ class PackedLoader(LoaderCore):
             planned, collate_fn = self.share.attach(planned, collate_fn, collator=self.collator, cp_rank=self.cp_rank,
                                                     scope={"dp_rank": self.dp_rank, "config": self._config(),
                                                            "data": [len(index), index.digest],
-                                                           "source": description,
-                                                           "transform": describe_transform(
-                                                               getattr(self.source, "transform", None))},
+                                                           "source": description},
                                                     transform=getattr(self.source, "transform", None))
         self._loader = self._data_loader(planned, persistent=True, batch_sampler=self._requests,
                                          collate_fn=collate_fn)

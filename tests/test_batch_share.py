@@ -525,12 +525,15 @@ def test_one_run_with_other_transform_settings_never_reads_the_records(data, tmp
 
 
 def test_a_transform_without_a_fingerprint_is_refused_unless_keyed(data, tmp_path):
+    import threading
+
     from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
     from prealign.loaders.media.vlm import VLMSampleTransform
 
-    inner = VLMSampleTransform(tokenizer=ByteTokenizer(), topk=4)
-    other = {**data, "source": WebDatasetSource(data["shards"], transform=lambda s: inner(s), image="bytes")}
-    with pytest.raises(ConfigError, match="index_key.*transform_key"):
+    inner, lock = VLMSampleTransform(tokenizer=ByteTokenizer(), topk=4), threading.Lock()
+    transform = lambda s: lock and inner(s)  # noqa: E731 (a lambda holding a lock: no stable form, issue #31)
+    other = {**data, "source": WebDatasetSource(data["shards"], transform=transform, image="bytes")}
+    with pytest.raises(ConfigError, match="closure lock.*index_key.*transform_key"):
         make_loader(other, 0, share=BatchShare(run="t", cache_dir=str(tmp_path))).prepare()
     keyed = make_loader(other, 0, share=BatchShare(run="t", cache_dir=str(tmp_path), transform_key="vlm-topk4"))
     assert len(list(keyed)) >= 5

@@ -332,8 +332,12 @@ def test_one_run_with_other_transform_settings_never_reads_the_others_results(tm
 
 
 def test_a_transform_without_a_fingerprint_is_refused_unless_keyed(tmp_path):
-    with pytest.raises(ConfigError, match="index_key.*transform_key"):
-        SharedMediaTransform(transform=lambda raw: raw, run="r", cp_rank=0, cp_size=2, cache_dir=str(tmp_path))
+    import threading
+
+    lock = threading.Lock()  # (a lambda alone is fingerprinted by its code: issue #31; one holding a lock is not)
+    with pytest.raises(ConfigError, match="<lambda> cannot be fingerprinted.*closure lock.*index_key.*transform_key"):
+        SharedMediaTransform(transform=lambda raw: lock and raw, run="r", cp_rank=0, cp_size=2,
+                             cache_dir=str(tmp_path))
     keyed = [SharedMediaTransform(transform=lambda raw, c=c: {"input_ids": torch.as_tensor(raw["x"]) + c}, run="r",
                                   cp_rank=rank, cp_size=2, cache_dir=str(tmp_path), transform_key=f"plus{c}")
              for rank, c in ((0, 1), (1, 1), (1, 2))]

@@ -190,16 +190,26 @@ class _Repeat:
         return {"input_ids": np.tile(np.asarray(sample["input_ids.npy"]), self.times)}
 
 
+class _DeclaredRepeat(_Repeat):
+    """:class:`_Repeat` declaring identity fields that do not name ``times`` either."""
+
+    def identity_fields(self) -> dict:
+        return {"transform": f"{__name__}._DeclaredRepeat", "index_key": self.index_key()}
+
+
 def test_plain_functions_are_keyed_by_module_and_name_and_a_length_mismatch_names_the_transform(tmp_path):
     from prealign.loaders.errors import StaleIndexError
     from prealign.loaders.index.sidecar import describe_transform
 
-    assert describe_transform(_word_tokenizer) == f"{__name__}._word_tokenizer"
+    assert describe_transform(_word_tokenizer).startswith(f"{__name__}._word_tokenizer:")  # its name, its code
     paths = write_shards(str(tmp_path), sample_lengths(20), num_shards=2)
     write_sidecars(WebDatasetSource(paths, transform=_Repeat(2)), causal_lm_schema())
-    with pytest.raises(StaleIndexError, match=r"indexed with \d+ tokens, \d+ with this loader's transform .*_Repeat"
-                                              r".*write_sidecars\(source, schema, force=True\)"):
-        build_index(WebDatasetSource(paths, transform=_Repeat(3)), causal_lm_schema())
+    with pytest.raises(StaleIndexError, match=r"another transform \(transform_code: indexed with"):
+        build_index(WebDatasetSource(paths, transform=_Repeat(3)), causal_lm_schema())  # its state is in the key
+    write_sidecars(WebDatasetSource(paths, transform=_DeclaredRepeat(2)), causal_lm_schema())
+    with pytest.raises(StaleIndexError, match=r"indexed with \d+ tokens, \d+ with this loader's transform "
+                                              r".*_DeclaredRepeat.*write_sidecars\(source, schema, force=True\)"):
+        build_index(WebDatasetSource(paths, transform=_DeclaredRepeat(3)), causal_lm_schema())
 
 
 _VALUES = st.sampled_from([-100, -5, 0, 1, 7, 99, 100, 103])

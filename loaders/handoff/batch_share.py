@@ -11,9 +11,10 @@ Each rank's batch is equal, field for field, to what it gets without sharing.
 No deadlock, same batches: a rank whose peer died (SIGKILLed worker), stalls past ``timeout``, failed on
 the batch (a bad sample raises on every rank) or cannot write the folder, loads the micro-batch itself.
 The key is a digest of ``run``, the DP rank, the loader's configuration (seed, budget, layout, schema,
-planner...), the index digest, the source transform's configuration (its fingerprint,
-:mod:`~prealign.loaders.handoff.fingerprint`: ``index_key()`` and a digest of its pickled state; a
-transform with neither, e.g. a lambda, is refused unless ``transform_key`` names it), the epoch, the
+planner...), the index digest, the source transform's identity (its fingerprint,
+:mod:`~prealign.loaders.handoff.fingerprint`: its code, the module globals it reads and its state; a
+transform holding what has no stable form, e.g. an open file, is refused unless ``transform_key`` names
+it), the epoch, the
 position and the request's sample ids: DP peers, another run, another plan or another transform
 configuration never read it, and resuming replays the same keys.
 
@@ -63,8 +64,8 @@ class BatchShare:
         timeout: seconds a claim is honoured before a waiting rank loads the micro-batch itself.
         ttl: seconds after which results nobody read, and stale claims, are swept.
         transform_key: names the source transform's configuration in the keys instead of its fingerprint
-            (:mod:`~prealign.loaders.handoff.fingerprint`: ``index_key()`` and a digest of its pickled
-            state); needed only for a transform that cannot be pickled and has no ``index_key()``.
+            (:mod:`~prealign.loaders.handoff.fingerprint`: its code, the globals it reads, its state);
+            needed only for a transform holding what has no stable form (an open file, a socket).
 
     ``PackedLoader(source, ..., cp_rank=cp_rank, share=BatchShare(run=os.environ["SLURM_JOB_ID"]))``
     """
@@ -112,7 +113,7 @@ class BatchShare:
             raise ConfigError(f"BatchShare: the collator's cp_rank is {rank}, the loader's {cp_rank}: sharing needs "
                               f"each CP rank's own cp_rank (the same on the loader and its collator)")
         cp_rank = rank
-        scope = {**scope, "transform_config": transform_fingerprint(_looked_through(transform), owner="BatchShare",
+        scope = {**scope, "transform_config": transform_fingerprint(transform, owner="BatchShare",
                                                                      key=self.transform_key)}
         digest = hashlib.blake2b(json.dumps([self.run, scope, repr(whole)], sort_keys=True, default=str).encode(),
                                  digest_size=16).hexdigest()
@@ -125,16 +126,6 @@ class BatchShare:
         return (_SharedPlanned(planned, folder, digest, by_fd),
                 _SharedCollate(plain=collate, whole=dataclasses.replace(collate, collator=whole, pack=False),
                                shard=shard, folder=folder, pack=pack, by_fd=by_fd))
-
-
-def _looked_through(transform):
-    """A :class:`SharedMediaTransform` shares its inner transform's results without changing them (and
-    holds counters that change with use): its inner transform is the one fingerprinted."""
-    from prealign.loaders.handoff.media_share import SharedMediaTransform
-
-    while isinstance(transform, SharedMediaTransform):
-        transform = transform.transform
-    return transform
 
 
 def _inner(collator) -> THDCollator:

@@ -17,8 +17,8 @@ and also saves the shard reads and collation):
     <h>.r<k>    CP rank k has read the result; the last reader deletes  (clean-up)
 
 ``h`` is a digest of ``run``, the wrapped transform's configuration (its fingerprint,
-:mod:`~prealign.loaders.handoff.fingerprint`: ``index_key()`` and a digest of its pickled state, or
-``transform_key``; a transform with neither is refused) and the raw sample (its ``__key__``, ``__url__`` and every member's bytes):
+:mod:`~prealign.loaders.handoff.fingerprint`: its code, the globals it reads and its state, or
+``transform_key``; a transform holding what has no stable form is refused) and the raw sample (its ``__key__``, ``__url__`` and every member's bytes):
 a changed file never reuses a stale result. It holds no epoch: a result is deleted once every peer has
 read it, so each epoch computes afresh, and a peer far behind still finds it (or computes it). A
 transform with ``compact``/``expand`` (``VLMSampleTransform``: uint8 resized patches instead of float32
@@ -52,6 +52,7 @@ from typing import Callable
 import numpy as np
 
 from prealign.loaders.handoff.fingerprint import transform_fingerprint
+from prealign.loaders.handoff.identity import identity_fields
 from prealign.loaders.handoff.share_folder import CLAIMED, HIT, SharedFolder, ShareStats
 from prealign.loaders.handoff.share_folder import decode_record as decode_sample
 from prealign.loaders.handoff.share_folder import encode_record as encode_sample
@@ -72,7 +73,7 @@ class SharedMediaTransform:
         timeout: seconds a claim is honoured before a waiter computes the sample itself.
         ttl: seconds after which unread results and stale claims are swept.
         transform_key: names ``transform``'s configuration in the keys instead of its fingerprint (needed
-            only for a transform that cannot be pickled and has no ``index_key()``).
+            only for a transform holding what has no stable form: an open file, a socket).
 
     Use it as the source's transform; nothing else changes::
 
@@ -107,6 +108,10 @@ class SharedMediaTransform:
         if self.cp_size > 1:  # taken once, here: the workers get it as a string
             object.__setattr__(self, "_config", transform_fingerprint(self.transform, owner="SharedMediaTransform",
                                                                       key=self.transform_key))
+
+    def identity_fields(self) -> dict[str, str]:
+        """The wrapped transform's (:mod:`~prealign.loaders.handoff.identity`): sharing changes no result."""
+        return identity_fields(self.transform)
 
     # public attributes of the wrapped transform (processor, vision, spatial_merge_size, ...) stay reachable
     def __getattr__(self, name: str):

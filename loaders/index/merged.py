@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 
 import numpy as np
 
@@ -43,7 +42,7 @@ from prealign.loaders.index.sample_index import SampleIndex
 from prealign.loaders.policy import BadDataGate, BadDataPolicy
 from prealign.loaders.sources import remote
 from prealign.loaders.sources.npy import read_npz
-from prealign.loaders.sources.shard_files import shard_name
+from prealign.loaders.sources.shard_files import shard_name, write_atomically
 from prealign.schemas.errors import PrealignError
 
 FORMAT = "prealign-merged-index"
@@ -109,10 +108,7 @@ def merge_sidecars(source, path: str | None = None) -> dict:
              media=np.concatenate(parts["media"]).astype(bool),
              dim_ids=np.concatenate(parts["dim_ids"]).astype(np.int64),
              bounds=np.concatenate(parts["bounds"]).reshape(-1, 3, 4).astype(np.int64))
-    tmp = f"{path}.{os.getpid()}.part"
-    with open(tmp, "wb") as f:
-        f.write(buf.getvalue())
-    os.replace(tmp, path)
+    write_atomically(path, buf.getvalue())
     return {"path": path, "shards": len(names), "samples": int(sum(t[1] for t in table))}
 
 

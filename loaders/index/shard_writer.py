@@ -59,9 +59,13 @@ _MEMBER = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,100}")
 
 
 def member_bytes(name: str, value, *, sample: str) -> tuple[str, bytes]:
-    """``(extension, bytes)`` of one sample entry (see the module's table)."""
-    if not _MEMBER.fullmatch(name) or ".." in name or name.endswith("."):
+    """``(extension, bytes)`` of one sample entry (see the module's table); anything that could not be read back
+    as written is a :class:`ConfigError` naming the sample and the entry."""
+    if not isinstance(name, str) or not _MEMBER.fullmatch(name) or ".." in name or name.endswith("."):
         raise ConfigError(f"sample {sample!r}: member name {name!r} is not a plain name (letters, digits, _ - .)")
+    if name.startswith("__"):  # the loader's own keys (__url__, __shard__, __key__): a member would be lost
+        raise ConfigError(f"sample {sample!r}: member name {name!r} is reserved (names starting with '__' are the "
+                          f"loader's: __key__, __url__, __shard__)")
     if is_video_file(name) and isinstance(value, dict) and "frames" in value:  # frames to encode as a video file
         try:
             return name, encode_video(np.asarray(value["frames"]), value.get("fps"), container=name.rsplit(".")[-1])
@@ -74,11 +78,17 @@ def member_bytes(name: str, value, *, sample: str) -> tuple[str, bytes]:
         if value.dtype.kind not in "biuf":
             raise ConfigError(f"sample {sample!r}: member {name!r} has dtype {value.dtype}; only numeric arrays "
                               f"are stored (never pickled)")
+        if name.split(".", 1)[0] == "input_ids" and value.ndim != 1:
+            raise ConfigError(f"sample {sample!r}: member {name!r} has shape {value.shape}; token ids are 1-D")
         buf = io.BytesIO()
         np.save(buf, np.ascontiguousarray(value), allow_pickle=False)
         return (name if name.endswith(".npy") else f"{name}.npy"), buf.getvalue()
     if isinstance(value, (dict, list)):
-        return (name if name == "json" or name.endswith(".json") else f"{name}.json"), json.dumps(value).encode()
+        try:
+            text = json.dumps(value, allow_nan=False)
+        except (TypeError, ValueError, OverflowError, RecursionError) as exc:
+            raise ConfigError(f"sample {sample!r}: member {name!r} is not JSON ({type(exc).__name__}: {exc})") from None
+        return (name if name == "json" or name.endswith(".json") else f"{name}.json"), text.encode()
     if isinstance(value, str):
         return name, value.encode()
     if isinstance(value, (bytes, bytearray, memoryview)):
@@ -87,7 +97,11 @@ def member_bytes(name: str, value, *, sample: str) -> tuple[str, bytes]:
         ext = name.rsplit(".", 1)[-1].lower() if "." in name or name in ("png", "jpg", "jpeg", "webp") else "png"
         fmt = {"jpg": "JPEG", "jpeg": "JPEG", "webp": "WEBP"}.get(ext, "PNG")
         buf = io.BytesIO()
-        value.save(buf, format=fmt)
+        try:
+            value.save(buf, format=fmt)
+        except (OSError, ValueError, KeyError, TypeError) as exc:  # (e.g. an RGBA image as JPEG)
+            raise ConfigError(f"sample {sample!r}: member {name!r}: a {value.mode} image cannot be written as {fmt} "
+                              f"({type(exc).__name__}: {exc})") from None
         return (name if name.rsplit(".", 1)[-1].lower() == ext else f"{name}.{ext}"), buf.getvalue()
     raise ConfigError(f"sample {sample!r}: member {name!r} is a {type(value).__name__}; expected an array, a dict or "
                       f"list (JSON), str, bytes or a PIL image")
@@ -156,9 +170,10 @@ class ShardWriter:
             raise ConfigError(f"sample {key!r}: no members")
         seen: dict[str, str] = {}
         for (ext, _), name in zip(members, (n for n in sample if n != "__key__")):
-            if ext in seen:
-                raise ConfigError(f"sample {key!r}: entries {seen[ext]!r} and {name!r} are both member {key}.{ext}")
-            seen[ext] = name
+            if ext.lower() in seen:  # (one member on a case-insensitive file system or object store mirror)
+                raise ConfigError(f"sample {key!r}: entries {seen[ext.lower()]!r} and {name!r} are both member "
+                                  f"{key}.{ext} (member names must differ in more than case)")
+            seen[ext.lower()] = name
             if len(f"{key}.{ext}".encode()) > _TAR_NAME:
                 raise ConfigError(f"sample {key!r}: member name {key}.{ext} is {len(f'{key}.{ext}'.encode())} bytes; "
                                   f"a tar member name holds at most {_TAR_NAME} (shorten the key or the entry {name!r})")

@@ -74,12 +74,21 @@ from prealign.loaders.errors import (
     ShardTimeoutError,
     StaleIndexError,
 )
+from prealign.loaders.handoff import identity
+from prealign.loaders.handoff.identity import identity_digest, index_fields
 from prealign.loaders.handoff.media_share import SharedMediaTransform
 from prealign.loaders.media.vlm import VLMSampleTransform
 from prealign.loaders.sources import remote
 from prealign.loaders.sources.deadline import Stalled, map_with_timeout
 from prealign.loaders.sources.npy import read_npz
-from prealign.loaders.sources.shard_files import NotRegular, file_kind, open_regular, shard_name, sidecar_path
+from prealign.loaders.sources.shard_files import (
+    NotRegular,
+    file_kind,
+    open_regular,
+    shard_name,
+    sidecar_path,
+    write_atomically,
+)
 from prealign.loaders.sources.webdataset import numpy_fields
 
 FORMAT = "prealign-sidecar"
@@ -216,10 +225,7 @@ def write_sidecar(path: str, record: dict, *, shard: str, fingerprint: dict, con
              media=np.asarray(record["media"], dtype=bool).reshape(-1),
              dim_ids=np.asarray(record["dim_ids"], dtype=np.int64).reshape(-1),
              bounds=np.asarray(record["bounds"], dtype=np.int64).reshape(n, 3, 4))
-    tmp = f"{path}.{os.getpid()}.part"
-    with open(tmp, "wb") as f:
-        f.write(buf.getvalue())
-    os.replace(tmp, path)
+    write_atomically(path, buf.getvalue())
 
 
 def parse_sidecar(data: bytes, *, shard: str, source=None) -> tuple[dict, dict[str, np.ndarray]]:
@@ -361,31 +367,11 @@ def indexed_transform(transform):
 
 
 def describe_transform(transform) -> str:
-    """A stable description of a transform: what decides the lengths it gives. A custom transform is
-    described by its ``index_key()`` when it has one (say which settings change lengths), else by its
-    qualified name alone."""
-
-    transform = indexed_transform(transform)
-    if callable(getattr(transform, "index_key", None)):
-        return f"{type(transform).__module__}.{type(transform).__qualname__}:{transform.index_key()}"
-    if transform is None:
-        return "none"
-    if transform is numpy_fields:
-        return "numpy_fields"
-    if isinstance(transform, VLMSampleTransform):
-        tok = transform.tokenizer
-        probe = np.asarray(tok.encode("prealign probe: <image> Hello, world!")).tolist()
-        return json.dumps({"vlm": {"tokenizer": f"{type(tok).__module__}.{type(tok).__qualname__}",
-                                   "vocab_size": int(tok.vocab_size), "vision": repr(tok.vision), "probe": probe,
-                                   "definition": tokenizer_definition(tok),
-                                   "topk": transform.topk, "log_prob_dtype": transform.log_prob_dtype,
-                                   "pixel_dtype": transform.pixel_dtype, "mrope": transform.mrope,
-                                   "processor": sorted(transform.processor_options.items()),
-                                   "text_key": transform.text_key,
-                                   "images": "upright by EXIF"}}, sort_keys=True, default=str)
-    if hasattr(transform, "__qualname__") and hasattr(transform, "__module__"):  # a function (or a class)
-        return f"{transform.__module__}.{transform.__qualname__}"
-    return f"{type(transform).__module__}.{type(transform).__qualname__}"
+    """A stable description of what decides the lengths a transform gives (its index fields,
+    :func:`~prealign.loaders.handoff.identity.index_fields`): ``none``, ``numpy_fields``, else its qualified name
+    and the digest of its fields (its code, the globals it reads, its state; a VLM's tokenizer and processor)."""
+    fields = index_fields(indexed_transform(transform), owner="the index key")
+    return fields["transform"] if len(fields) == 1 else f"{fields['transform']}:{identity_digest(fields)}"
 
 
 def transform_name(transform) -> str:
@@ -401,79 +387,27 @@ def transform_name(transform) -> str:
 
 
 def tokenizer_definition(tok) -> str:
-    """16 hex digits of everything that decides how ``tok`` (a chat tokenizer, or the Hugging Face tokenizer it
-    wraps) encodes: a fast tokenizer's whole definition (``backend_tokenizer.to_str()``: normalizer,
-    pre-tokenizer, model with its vocabulary and merges, post-processor), a slow one's state (its
-    SentencePiece model, vocabulary and BPE ranks), and either's added and special tokens and chat template.
-    Two tokenizers that differ in any of it (merges, a pre-tokenizer rule) get two keys. Computed once per
-    tokenizer object (a real tokenizer's definition is megabytes of JSON; the key is asked for every shard)."""
-    inner = getattr(tok, "tokenizer", tok)
-    for known, digest in _DEFINITIONS:
-        if known is inner:
-            return digest
-    digest = _definition_digest(inner)
-    _DEFINITIONS[:] = [(inner, digest), *_DEFINITIONS[:3]]
-    return digest
-
-
-_DEFINITIONS: list[tuple[object, str]] = []
-"""The last few tokenizers asked about and their :func:`tokenizer_definition` (held, so identity stays valid)."""
-
-
-def _definition_digest(inner) -> str:
-    parts: dict = {"class": f"{type(inner).__module__}.{type(inner).__qualname__}"}
-    backend = getattr(inner, "backend_tokenizer", None)
-    if backend is not None:
-        parts["definition"] = backend.to_str()
-    else:
-        sp = getattr(inner, "sp_model", None)
-        if sp is not None and callable(getattr(sp, "serialized_model_proto", None)):
-            parts["sentencepiece"] = hashlib.sha256(sp.serialized_model_proto()).hexdigest()
-        if callable(getattr(inner, "get_vocab", None)):
-            parts["vocab"] = sorted(inner.get_vocab().items())
-        ranks = getattr(inner, "bpe_ranks", None)
-        if isinstance(ranks, dict):
-            parts["merges"] = sorted((" ".join(map(str, k)), v) for k, v in ranks.items())
-        if len(parts) == 1:  # no Hugging Face tokenizer: its plain settings (never an object's address)
-            parts["object"] = [(k, repr(v)) for k, v in sorted(getattr(inner, "__dict__", {}).items())
-                               if " at 0x" not in repr(v)]
-    added = getattr(inner, "added_tokens_decoder", None)
-    if isinstance(added, dict):
-        parts["added"] = sorted((int(i), str(t)) for i, t in added.items())
-    parts["special"] = sorted(map(str, getattr(inner, "all_special_tokens", ())))
-    parts["chat_template"] = getattr(inner, "chat_template", None)
-    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    """16 hex digits of everything that decides how ``tok`` encodes
+    (:func:`prealign.loaders.handoff.identity.tokenizer_definition`, which this is)."""
+    return identity.tokenizer_definition(tok)
 
 
 def transform_fields(source) -> dict[str, str]:
-    """What an index's lengths and data signatures depend on, field by field: the transform (a VLM's
-    tokenizer class, vocabulary, vision tokens, a probe of its encoding and a hash of its whole definition
-    (:func:`tokenizer_definition`; never its folder: the same tokenizer read from another path is the same),
-    image processor options, text member, top-k), the members the
-    source requires. Never the schema: pad id, vocabulary bound, ignore index and
-    fields are checked when a loader reads the sidecar and loads the samples."""
-    transform = indexed_transform(source.transform)
+    """What an index's lengths and data signatures depend on, field by field: the members the source requires and
+    the transform's index fields (:func:`~prealign.loaders.handoff.identity.index_fields`: a function's code and
+    the globals it reads, an instance's class and state; a VLM's tokenizer class, vocabulary, vision tokens, a
+    probe of its encoding and a hash of its whole definition (never its folder), image processor options, text
+    member, top-k, the family's grids). Never the schema: pad id, vocabulary bound, ignore index and fields are
+    checked when a loader reads the sidecar and loads the samples."""
     fields = {"required": json.dumps(sorted(getattr(source, "required", ())))}
-    if isinstance(transform, VLMSampleTransform):
-        tok = transform.tokenizer
-        probe = np.asarray(tok.encode("prealign probe: <image> Hello, world!")).tolist()
-        fields.update({"transform": "VLMSampleTransform",
-                       "tokenizer": f"{type(tok).__module__}.{type(tok).__qualname__}",
-                       "vocab_size": str(int(tok.vocab_size)), "vision_tokens": repr(tok.vision),
-                       "tokenizer_probe": json.dumps(probe), "tokenizer_definition": tokenizer_definition(tok),
-                       "processor": json.dumps(sorted(transform.processor_options.items()), default=str),
-                       "text_key": transform.text_key, "topk": str(transform.topk), "images": "upright by EXIF"})
-        vlm = json.loads(transform.index_key())["vlm"]  # the family's grids and video rules (transformers version)
-        fields.update({f"vision_{k}": json.dumps(vlm[k], sort_keys=True) for k in ("family", "images", "videos", "mrope")})
-    else:
-        fields["transform"] = describe_transform(transform)
+    fields.update(index_fields(indexed_transform(source.transform), owner="the index key"))
     return fields
 
 
 def config_key(source, schema=None) -> str:
-    """16 hex digits naming what a sidecar depends on: :func:`transform_fields` (``schema`` is not part of
-    it: a sidecar serves any schema; the argument is accepted for callers that pass it)."""
-    return hashlib.sha256(json.dumps(transform_fields(source), sort_keys=True).encode()).hexdigest()[:16]
+    """16 hex digits naming what a sidecar depends on: the digest of :func:`transform_fields` (``schema`` is not
+    part of it: a sidecar serves any schema; the argument is accepted for callers that pass it)."""
+    return identity_digest(transform_fields(source))
 
 
 def shell_shards(urls: list[str]) -> str:
@@ -520,7 +454,7 @@ def index_command(source) -> str:
     else:
         return (f"write_sidecars(source, schema, force=True) from prealign.loaders.index.header_pass with this "
                 f"source's transform ({describe_transform(transform)})"
-                f"{index_dir and f' and out_dir={index_dir!r}'}")
+                f"{f' and out_dir={index_dir!r}' if index_dir else ''}")
     return f"prealign index {mode + ' ' if mode else ''}--force{out} {urls}"
 
 

@@ -44,6 +44,7 @@ import torch
 
 from prealign.collate.vision import VisionFamily, VisionGeometry, image_grid, rope_positions, vision_family
 from prealign.loaders.errors import BadSampleError
+from prealign.loaders.handoff.identity import tokenizer_definition
 from prealign.loaders.media import glm4v, internvl
 from prealign.loaders.media.chat_tokenizer import ChatTokenizer, HFChatTokenizer, encode_segments
 from prealign.loaders.media.teacher_topk import teacher_topk
@@ -645,6 +646,24 @@ class VLMSampleTransform:
         if self.tiled:
             return repr(internvl.tiling_family(self.family, self.image_processor))
         return repr(VisionGeometry.of(self.image_processor))
+
+    def identity_fields(self) -> dict[str, str]:
+        """What decides this transform's output, field by field (:mod:`~prealign.loaders.handoff.identity`: the
+        index key and the share key are digests of them): the tokenizer (class, vocabulary size, vision tokens, a
+        probe encoding, its whole definition), image processor options, text member, top-k, the family's grids
+        and video rules; ``output_*`` (dtypes, decode limits) decide the output but not its lengths."""
+        tok = self.tokenizer
+        probe = np.asarray(tok.encode("prealign probe: <image> Hello, world!")).tolist()
+        vlm = json.loads(self.index_key())["vlm"]  # the family's grids and video rules (transformers version)
+        return {"transform": "VLMSampleTransform", "tokenizer": f"{type(tok).__module__}.{type(tok).__qualname__}",
+                "vocab_size": str(int(tok.vocab_size)), "vision_tokens": repr(tok.vision),
+                "tokenizer_probe": json.dumps(probe), "tokenizer_definition": tokenizer_definition(tok),
+                "processor": json.dumps(sorted(self.processor_options.items()), default=str),
+                "text_key": self.text_key, "topk": str(self.topk), "images": "upright by EXIF",
+                **{f"vision_{k}": json.dumps(vlm.get(k), sort_keys=True)
+                   for k in ("family", "images", "videos", "mrope", "system")},
+                "output_dtypes": json.dumps([self.log_prob_dtype, self.pixel_dtype]),
+                "output_limits": repr(self.limits)}
 
     def video_ids(self, grid: tuple[int, int, int], frames: int, fps: float, frame_indices=None) -> np.ndarray:
         """int64 ids of one video as the family's processor and chat template write it: ``<|vision_start|>``,

@@ -114,6 +114,16 @@ class CostModel:
         >>> CostModel.from_hf_config(cfg, lm_head=False)
         CostModel(linear=163840.0, quadratic=256.0, windows=())
         """
+        try:
+            return cls._from_hf_config(cfg, causal=causal, lm_head=lm_head, gated=gated)
+        except (TypeError, ValueError, OverflowError, ZeroDivisionError, AttributeError) as exc:
+            if isinstance(exc, PlanError):
+                raise
+            raise PlanError(f"CostModel.from_hf_config: the config's sizes are not positive ints "
+                            f"({type(exc).__name__}: {exc}); give a transformers config of a decoder") from None
+
+    @classmethod
+    def _from_hf_config(cls, cfg, *, causal: bool, lm_head: bool, gated: bool | None) -> "CostModel":
         cfg = getattr(cfg, "text_config", None) or cfg
         h = int(_attr(cfg, "hidden_size", "n_embd", "d_model"))
         layers = int(_attr(cfg, "num_hidden_layers", "n_layer", "num_layers"))

@@ -29,6 +29,7 @@ length buckets included). The capacity ``cap`` is the largest aligned sum with t
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -497,15 +498,25 @@ def _form_steps(bins: list[list[int]], sizes: np.ndarray, cap: int, dp: int,
             tail_steps = [spread_bins[i:i + per_step] for i in range(0, cut, per_step)] + [spread_bins[cut:]]
     out: list[list[list[int]]] = []
     pool = per_step * (1 if cfg.strategy is PackStrategy.STEP_FIT else cfg.step_pool)  # (STEP_FIT: as formed)
+    all_loads = _bin_loads(head, sizes) if costs is None else None
     for start in range(0, len(head), pool):
         chunk = head[start:start + pool]
         if costs is not None:
             out.extend(_cost_steps(chunk, costs, dp, cfg.microbatches_per_step))
             continue
-        loads = np.fromiter((int(sizes[b].sum()) for b in chunk), np.int64, len(chunk))
+        loads = all_loads[start:start + pool]
         ranked = [chunk[j] for j in np.argsort(-loads, kind="stable")]
         out.extend(ranked[i:i + per_step] for i in range(0, len(ranked), per_step))
     return out + tail_steps
+
+
+def _bin_loads(bins: list[list[int]], sizes: np.ndarray) -> np.ndarray:
+    """int64 ``[len(bins)]``: the sum of ``sizes`` over each bin's positions (vectorised: one cumsum)."""
+    counts = np.fromiter((len(b) for b in bins), np.int64, len(bins))
+    flat = np.fromiter(itertools.chain.from_iterable(bins), np.int64, int(counts.sum()))
+    sums = np.concatenate([np.zeros(1, np.int64), np.cumsum(sizes[flat], dtype=np.int64)])
+    ends = np.cumsum(counts)
+    return sums[ends] - sums[ends - counts]
 
 
 def _cost_steps(bins: list[list[int]], costs: np.ndarray, dp: int, k: int) -> list[list[list[int]]]:
@@ -522,9 +533,12 @@ def _cost_steps(bins: list[list[int]], costs: np.ndarray, dp: int, k: int) -> li
 def _deal(loads: list[int], dp: int) -> list[list[int]]:
     """Bins of one step (their loads) -> per-rank bin positions, ``len(loads) / dp`` each, LPT order."""
     k = len(loads) // dp
+    ranked = sorted(range(len(loads)), key=lambda j: (-loads[j], j))
+    if k == 1:  # every rank starts empty: the r-th largest goes to rank r
+        return [[j] for j in ranked]
     rank_load = [0] * dp
     out: list[list[int]] = [[] for _ in range(dp)]
-    for j in sorted(range(len(loads)), key=lambda j: (-loads[j], j)):
+    for j in ranked:
         r = min((r for r in range(dp) if len(out[r]) < k), key=lambda r: (rank_load[r], r))
         out[r].append(j)
         rank_load[r] += loads[j]
@@ -538,10 +552,15 @@ def _assemble(steps, order, true_len, aligned, layout, dp, cap, cost: CostModel 
     step_sizes: list[int] = []
     max_sum = mean_sum = 0.0
     worst = 1.0
+    # Python ints, looked up per sample: a numpy call per micro-batch costs more than its few samples
+    # (a resume replays a chunk per earlier segment: issue #31)
+    flat = [i for bins in steps for b in bins for i in b]
+    ids = dict(zip(flat, order[flat].tolist())) if flat else {}
+    lens = dict(zip(ids.values(), true_len[list(ids.values())].tolist())) if ids else {}
     for bins in steps:
-        members = [tuple(order[b].tolist()) if b else () for b in bins]
+        members = [tuple(ids[i] for i in b) if b else () for b in bins]
         if cost is None:
-            loads = [int(true_len[list(mb)].sum()) if mb else 0 for mb in members]
+            loads = [sum(lens[i] for i in mb) for mb in members]
             dealt = _deal(loads, dp)
         else:
             loads = [float(cost.of(true_len[list(mb)]).sum()) if mb else 0.0 for mb in members]
@@ -559,14 +578,17 @@ def _assemble(steps, order, true_len, aligned, layout, dp, cap, cost: CostModel 
     n_mb = len(per_rank[0])
     real = np.zeros((dp, n_mb), np.int64)
     padded = np.zeros((dp, n_mb), np.int64)
+    sized = dict(zip(lens, aligned[list(lens)].tolist())) if lens else {}
+    totals: dict[int, int] = {}  # aligned sum -> padded length (a few distinct values)
     for r in range(dp):
         for i, mb in enumerate(per_rank[r]):
             if mb:
-                idx = list(mb)
-                a = int(aligned[idx].sum())
+                a = sum(sized[j] for j in mb)
                 if a > cap:
                     raise AssertionError(f"planner bug: micro-batch over capacity ({a} > {cap})")
-                real[r, i] = int(true_len[idx].sum())
-                padded[r, i] = layout.total_length(a)
+                real[r, i] = sum(lens[j] for j in mb)
+                if a not in totals:
+                    totals[a] = layout.total_length(a)
+                padded[r, i] = totals[a]
     return PlannedChunk(microbatches=tuple(tuple(rk) for rk in per_rank), steps=tuple(step_sizes),
                         real_tokens=real, padded_lengths=padded, load_max=max_sum, load_mean=mean_sum, worst=worst)

@@ -10,10 +10,11 @@ from __future__ import annotations
 import dataclasses
 from bisect import bisect_right
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
-from prealign.loaders.errors import PlanError, ResumeError
+from prealign.loaders.errors import OversizeSampleError, PlanError, ResumeError
 from prealign.loaders.index.sample_index import SampleIndex
 from prealign.loaders.plan.elastic import Segment, rest_of_epoch
 from prealign.loaders.plan.planner import ChunkedPlan, MicrobatchPlan, PlannerConfig, Screening
@@ -159,10 +160,28 @@ class Schedule:
     def _planned(self, epoch: int, order: np.ndarray, dp_size: int, k: int, segments=()) -> "_Epoch":
         media = None if self.index.media is None else np.asarray(self.index.media, dtype=bool)[order]
         planner = dataclasses.replace(self.planner, microbatches_per_step=k)
-        plan = ChunkedPlan(self.index.lengths[order], layout=self.layout, token_budget=self.token_budget,
-                           dp_size=dp_size, config=planner, has_media=media,
-                           groups=None if self.groups is None else self.groups[order])
+        try:
+            plan = ChunkedPlan(self.index.lengths[order], layout=self.layout, token_budget=self.token_budget,
+                               dp_size=dp_size, config=planner, has_media=media,
+                               groups=None if self.groups is None else self.groups[order])
+        except OversizeSampleError as exc:  # it names a position in this epoch's order: name the sample
+            raise self._named(exc, order) from None
         return _Epoch(epoch, order, plan, self, segments)
+
+    where: Callable[[int], str] | None = None
+    """Name of an index row for messages (the source's name of its location), set by the loader."""
+
+    def _named(self, exc: OversizeSampleError, order: np.ndarray) -> OversizeSampleError:
+        """``exc`` naming the index row and the sample (``where``) instead of a position in ``order``."""
+        pos = exc.sample
+        if isinstance(pos, bool) or not isinstance(pos, (int, np.integer)) or not 0 <= pos < len(order):
+            return exc
+        row = int(order[pos])
+        name = f"{self.where(row)} (index row {row})" if self.where is not None else f"index row {row}"
+        out = OversizeSampleError(sample=name, field=exc.field, expected=exc.expected, actual=exc.actual)
+        out.__dict__.update({k: v for k, v in exc.__dict__.items() if k != "sample"})
+        out.args = (str(exc).replace(f"sample {pos}", f"sample {name}", 1),)
+        return out
 
     def plan(self, epoch: int) -> tuple[np.ndarray, MicrobatchPlan]:
         """(order, whole plan) of ``epoch`` (plans every chunk); plan indices are positions in ``order``."""

@@ -66,6 +66,7 @@ class TimedReader:
         self._parts: collections.deque[bytes] = collections.deque()
         self._off = 0
         self._have, self._eof, self._stop = 0, False, threading.Event()
+        self._failed: Exception | None = None
         if timeout is None:
             self._f = opener()
             self.length = _length(self._f)
@@ -126,8 +127,15 @@ class TimedReader:
         if self._f is not None:
             out = self._f.read(n)
         else:
-            while (n < 0 or self._have < n) and not self._eof:
-                self._take()
+            if self._failed is not None and not self._have:
+                raise self._failed
+            try:
+                while (n < 0 or self._have < n) and not self._eof:
+                    self._take()
+            except Exception as exc:  # the bytes before a failure are read first (a truncated stream's samples)
+                if not self._have or isinstance(exc, Stalled):
+                    raise
+                self._failed = exc
             want = self._have if n < 0 else min(n, self._have)
             pieces = []
             while want:

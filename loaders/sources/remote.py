@@ -30,9 +30,11 @@ never downloaded once per sample. A body kept by this process is dropped when a 
 loader build makes one) answers another size, ``ETag`` or ``Last-Modified`` (or neither of the latter).
 
 Sequential shards (``pipe:``, gzip) cannot be read by range: a worker that needs a sample of one
-reads the whole shard once (decompressing it; a dropped or stalled HTTP body is a typed error) into memory and keeps the last ``stream_shards`` such
-shards, so a shuffled epoch costs one sequential read per shard per worker, and memory of one
-uncompressed shard per kept shard.
+reads the whole shard once (decompressing it; a dropped or stalled HTTP body is a typed error) into an anonymous
+temporary file (never into memory) and keeps the last ``stream_shards`` such shards, so a shuffled epoch costs one
+sequential read per shard per worker, and temporary disk of one uncompressed shard per kept shard. Every gzip
+stream is read through :class:`BoundedGzip`: decompressed bytes per shard and the ratio to compressed bytes are
+capped (``DecodeLimits``), and tar members are capped by ``DecodeLimits.max_member_bytes`` before they are read.
 """
 from __future__ import annotations
 
@@ -51,6 +53,7 @@ import threading
 import time
 import urllib.parse
 import warnings
+import zlib
 from dataclasses import dataclass
 
 from prealign.loaders.errors import (
@@ -61,6 +64,8 @@ from prealign.loaders.errors import (
     RemoteStallError,
 )
 from prealign.loaders.sources import http_pool
+from prealign.loaders.sources.tar_decode import DEFAULT_LIMITS, DecodeLimits
+from prealign.loaders.sources.tar_reader import TarFormatError
 from prealign.schemas.errors import PrealignError
 
 _SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*):")
@@ -88,7 +93,7 @@ class RemoteOptions:
     min_rate: float = 64 << 10
     """Bytes per second a long HTTP body must average to run past ``request_deadline``."""
     stream_shards: int = 2
-    """Sequential (``pipe:``, gzip) shards each worker keeps decompressed in memory."""
+    """Sequential (``pipe:``, gzip) shards each worker keeps decompressed (in anonymous temporary files)."""
     storage_options: dict | None = None
     """Passed to ``fsspec.filesystem`` for ``s3://`` / ``gs://`` (endpoint, credentials)."""
     private_dir: str | None = None
@@ -569,10 +574,12 @@ def _fetch_upto(url: str, lo: int, hi: int, opts: RemoteOptions) -> bytes:
 
 
 # ---- sequential streams ------------------------------------------------------------------------------
-def open_stream(url: str, opts: RemoteOptions | None = None, *, paced_by_reader: bool = True):
-    """A file object reading the whole shard front to back (gzip decompressed for ``.tar.gz``/``.tgz``).
-    ``paced_by_reader``: read as the caller consumes it (a scan feeding training), so an HTTP body has no total
-    deadline, only the per-read stall timeout; False (read at once, :func:`read_whole`): the request's deadline."""
+def open_stream(url: str, opts: RemoteOptions | None = None, *, paced_by_reader: bool = True,
+                limits: DecodeLimits | None = None):
+    """A file object reading the whole shard front to back (gzip decompressed for ``.tar.gz``/``.tgz``, through
+    :class:`BoundedGzip` capped by ``limits``). ``paced_by_reader``: read as the caller consumes it (a scan
+    feeding training), so an HTTP body has no total deadline, only the per-read stall timeout; False (read at
+    once, :func:`read_whole`): the request's deadline."""
     opts = opts or DEFAULT
     s = scheme(url)
     if s == "pipe":
@@ -591,8 +598,84 @@ def open_stream(url: str, opts: RemoteOptions | None = None, *, paced_by_reader:
         fs = _fs(url, opts)
         f = _retrying(url, opts, lambda: fs.open(url, "rb", block_size=opts.block_size))
     if url.split("?", 1)[0].endswith((".tar.gz", ".tgz")):
-        return gzip.GzipFile(fileobj=f, mode="rb")
+        return BoundedGzip(f, url, limits or DEFAULT_LIMITS)
     return f
+
+
+_RATIO_FROM = 64 << 20
+"""Decompressed bytes past which :attr:`DecodeLimits.max_ratio` is checked (a small shard's headers compress
+far better than its data)."""
+
+
+class _Counted:
+    """``raw`` with the bytes read from it counted (``count``); its other attributes are ``raw``'s (``proc`` of a
+    ``pipe:`` stream, ``fileno``)."""
+
+    def __init__(self, raw):
+        self.raw, self.count = raw, 0
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.raw.read(n)
+        self.count += len(data)
+        return data
+
+    def __getattr__(self, name: str):
+        return getattr(self.raw, name)
+
+
+class BoundedGzip(gzip.GzipFile):
+    """A gzip stream whose decompressed bytes are counted and capped by ``limits``
+    (:class:`~prealign.loaders.sources.tar_decode.DecodeLimits`: ``max_shard_bytes``, ``max_ratio``); past a cap,
+    or on a corrupt or truncated stream, a read raises a
+    :class:`~prealign.loaders.sources.tar_reader.TarFormatError` at the decompressed byte offset it reached (the
+    tar offset; its caller names the shard and the member: a ``corrupt_shard``), never more memory or a bare
+    ``EOFError`` at byte 0."""
+
+    def __init__(self, raw, url: str, limits: DecodeLimits):
+        self.counted = _Counted(raw)
+        super().__init__(fileobj=self.counted, mode="rb")
+        self.url, self.limits, self.decompressed = url, limits, 0
+        self.failed: TarFormatError | None = None
+
+    def read(self, size: int | None = -1) -> bytes:
+        if size is None or size < 0:
+            parts = []
+            while part := self.read(1 << 20):
+                parts.append(part)
+            return b"".join(parts)
+        if self.failed is not None:
+            raise self.failed
+        parts, got = [], 0
+        while got < size:
+            try:
+                data = super().read1(size - got)  # (read() would drop what came before a failure)
+            except (EOFError, zlib.error, gzip.BadGzipFile) as exc:
+                error = TarFormatError(self.decompressed, f"corrupt or truncated gzip stream after "
+                                                          f"{self.counted.count} compressed bytes ({type(exc).__name__}: "
+                                                          f"{exc})")
+                if not got:
+                    raise error from None
+                self.failed = error  # the bytes before it first, the error at the next read
+                break
+            if not data:
+                break
+            parts.append(data)
+            got += len(data)
+            self.decompressed += len(data)
+            self._check(len(data))
+        return b"".join(parts)
+
+    def _check(self, last: int) -> None:
+        limits, n, packed = self.limits, self.decompressed, max(self.counted.count, 1)
+        if n > limits.max_shard_bytes:
+            raise TarFormatError(n - last, f"decompressed past DecodeLimits.max_shard_bytes "
+                                           f"({limits.max_shard_bytes} bytes)")
+        if n > _RATIO_FROM and n > limits.max_ratio * packed:
+            raise TarFormatError(n - last, f"{n} bytes decompressed from {packed}: past DecodeLimits.max_ratio "
+                                           f"({limits.max_ratio}; a decompression bomb?)")
+
+    def read1(self, size: int = -1) -> bytes:
+        return self.read(size if size and size > 0 else 1 << 20)
 
 
 class _HttpStream:

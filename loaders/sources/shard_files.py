@@ -86,12 +86,31 @@ def open_regular(path: str):
     """``open(path, "rb")`` of a regular file, opened without blocking (a FIFO nobody writes is refused at once,
     never waited on) and checked after the open (``fstat``: no swap between a check and the open); anything
     else is :class:`NotRegular`. A missing path raises ``FileNotFoundError``."""
-    f = os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), "rb")
-    try:
-        mode = os.fstat(f.fileno()).st_mode
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:  # (checked on the descriptor: fdopen of a folder raises a bare IsADirectoryError, issue #31)
+        mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
             raise NotRegular(path, file_kind(mode))
-        return f
+        return os.fdopen(fd, "rb")
     except BaseException:
-        f.close()
+        os.close(fd)
+        raise
+
+
+def write_atomically(path: str, data: bytes) -> None:
+    """``data`` written to ``<path>.<pid>.part`` then renamed to ``path`` (readers see the old file or the new
+    one, never half of one); a folder at ``path`` is a :class:`ConfigError`. A write that fails (disk full, a file size limit, an interrupt) removes its own
+    ``.part`` and raises: nothing half-written is left behind."""
+    if os.path.isdir(path):
+        raise ConfigError(f"{path}: is a folder, where an index file is written; remove or rename the folder")
+    tmp = f"{path}.{os.getpid()}.part"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
         raise

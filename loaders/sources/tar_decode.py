@@ -54,8 +54,8 @@ _KEY_EXT = re.compile(r"^((?:.*/)?[^./][^/.]*)\.([^/]+)$")
 class DecodeLimits:
     """Caps on what one member may decode to, checked from its header before decoding.
 
-    >>> DecodeLimits().max_image_pixels, DecodeLimits().max_array_bytes
-    (67108864, 268435456)
+    >>> DecodeLimits().max_image_pixels, DecodeLimits().max_array_bytes, DecodeLimits().max_member_bytes
+    (67108864, 268435456, 1073741824)
     """
 
     max_image_pixels: int = 1 << 26
@@ -68,6 +68,15 @@ class DecodeLimits:
     max_video_pixels: int = 1 << 30
     """Width x height summed over one video's frames, as decoded (about 512 frames of 1920 x 1080, 3 GiB as RGB);
     more is ``bad_video``."""
+    max_member_bytes: int = 1 << 30
+    """Bytes of one tar member (1 GiB): a header declaring more is ``corrupt_shard`` before any of it is read
+    (a compressed shard's declared sizes are not bounded by its file's)."""
+    max_shard_bytes: int = 1 << 36
+    """Decompressed bytes of one compressed shard (``.tar.gz``, 64 GiB); more is ``corrupt_shard``."""
+    max_ratio: int = 250
+    """Decompressed / compressed bytes of a compressed shard, checked once past 64 MiB decompressed (gzip's
+    best is about 1000 for zeros; real shards of tokens, text and images stay far below); more is
+    ``corrupt_shard`` (a decompression bomb)."""
 
     max_video_seconds: int = 4 * 3600
     """Duration of one video file from its headers (four hours); longer is ``bad_video``, found before decoding."""
@@ -80,7 +89,8 @@ class DecodeLimits:
 
     def __post_init__(self):
         for name in ("max_image_pixels", "max_array_bytes", "max_video_frames", "max_video_pixels",
-                     "max_video_seconds", "max_video_bytes", "max_video_decode_seconds"):
+                     "max_video_seconds", "max_video_bytes", "max_video_decode_seconds",
+                     "max_member_bytes", "max_shard_bytes", "max_ratio"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"DecodeLimits.{name}: expected an int >= 1, got {value!r}")

@@ -7,8 +7,9 @@ not silently shorter shards. It also reads a sample's byte range (no end marker 
 Sizes are untrusted: a member can never be larger than what is left of the archive (a header
 claiming 100 GiB, or a pax ``size=10**30``, is a :class:`TarFormatError`, never a 100 GiB
 allocation), and an extended header (pax, GNU long name) is at most :data:`MAX_EXTENDED` bytes.
-Hard links, symbolic links and special files are yielded with their ``kind`` (no data) so the
-caller can count them; directories are skipped.
+Hard links, symbolic links, special files and members of any other type (GNU sparse, an unknown
+typeflag, a directory named like a sample's member or declaring data) are yielded with their ``kind`` (no data)
+so the caller can count them; plain directory entries (``data/``) are skipped.
 
 >>> import io, tarfile
 >>> buf = io.BytesIO()
@@ -27,14 +28,18 @@ MAX_EXTENDED = 1 << 20
 """Largest pax / GNU long-name header data accepted (bytes); real ones are a few hundred."""
 _REGULAR = (b"0", b"\0", b"7")
 _KINDS = {b"1": "hardlink", b"2": "symlink", b"3": "chardev", b"4": "blockdev", b"6": "fifo"}
+_OTHER = {b"5": "directory", b"S": "GNU sparse", b"D": "GNU dumpdir", b"M": "GNU multivolume",
+          b"V": "volume label"}
 _CHUNK = 16 << 20
+MAX_MEMBER = 1 << 30
+"""Default cap on one member's declared size (:attr:`DecodeLimits.max_member_bytes`)."""
 
 
 class TarFormatError(Exception):
     """The bytes at ``offset`` are not a valid continuation of the archive."""
 
     def __init__(self, offset: int, message: str):
-        self.offset = offset
+        self.offset, self.message = offset, message
         super().__init__(f"{message} at byte {offset}")
 
 
@@ -48,7 +53,8 @@ class Member:
     data: bytes
     kind: str = "file"
     """``"file"`` (a regular member, with its data), or ``"hardlink"`` / ``"symlink"`` / ``"chardev"``
-    / ``"blockdev"`` / ``"fifo"`` (no data: webdataset has no use for them; the caller counts them)."""
+    / ``"blockdev"`` / ``"fifo"`` / ``"directory"`` / ``"GNU sparse"`` / ``"typeflag b'X'"``... (no data:
+    webdataset has no use for them; the caller counts them)."""
 
 
 def _padded(n: int) -> int:
@@ -109,10 +115,12 @@ def _remaining(f: BinaryIO) -> int | None:
 
 
 def _read(f: BinaryIO, n: int) -> bytes:
-    """Up to ``n`` bytes of ``f``, read in chunks (a lying size never allocates more than arrives)."""
-    if n <= _CHUNK:
-        return f.read(n)
-    parts, got = [], 0
+    """Up to ``n`` bytes of ``f``, read in chunks (a lying size never allocates more than arrives) until ``n`` or
+    the end (a short read is read on: a failure behind it is raised by the next)."""
+    first = f.read(min(n, _CHUNK))
+    if len(first) == n or not first:
+        return first
+    parts, got = [first], len(first)
     while got < n:
         part = f.read(min(_CHUNK, n - got))
         if not part:
@@ -122,13 +130,17 @@ def _read(f: BinaryIO, n: int) -> bytes:
     return b"".join(parts)
 
 
-def iter_members(f: BinaryIO, *, base: int = 0, need_end_marker: bool = True) -> Iterator[Member]:
+def iter_members(f: BinaryIO, *, base: int = 0, need_end_marker: bool = True,
+                 max_member: int = MAX_MEMBER) -> Iterator[Member]:
     """Regular-file and link members of the tar stream ``f`` in order (directories are skipped).
 
     ``base`` is the archive offset of ``f``'s first byte. Raises :class:`TarFormatError` on a bad
     checksum, a short header or data, a member larger than the rest of the archive, an oversized
-    extended header, or (``need_end_marker``) a missing end-of-archive marker; with
-    ``need_end_marker=False`` the end of ``f`` at a header boundary is a normal end.
+    extended header, a member declaring more than ``max_member`` bytes (checked before any of it is read;
+    :attr:`~prealign.loaders.sources.tar_decode.DecodeLimits.max_member_bytes`), or (``need_end_marker``) a
+    missing end-of-archive marker; with ``need_end_marker=False`` the end of ``f`` at a header boundary is a normal
+    end. An error raised by ``f`` itself while a member's data is read (a :class:`TarFormatError` of a bounded
+    gzip stream) is raised again naming that member.
     """
     left = _remaining(f)
     pos = base
@@ -136,7 +148,7 @@ def iter_members(f: BinaryIO, *, base: int = 0, need_end_marker: bool = True) ->
     pax: dict[str, str] = {}
     first = None  # offset of the first header of the current member (extended headers included)
     while True:
-        head = f.read(BLOCK)
+        head = _read(f, BLOCK)
         if not head and not need_end_marker and first is None:
             return
         if len(head) < BLOCK:
@@ -161,13 +173,20 @@ def iter_members(f: BinaryIO, *, base: int = 0, need_end_marker: bool = True) ->
             left -= _padded(size)
         if kind in (b"L", b"K", b"x", b"g") and size > MAX_EXTENDED:
             raise TarFormatError(pos, f"extended header of {size} bytes (limit {MAX_EXTENDED})")
+        label = long_name or pax.get("path") or _text(head[:100])
+        if size > max_member:
+            raise TarFormatError(pos, f"member {label!r} declares {size} bytes, more than "
+                                      f"DecodeLimits.max_member_bytes ({max_member})")
         readable = kind in _REGULAR or kind in (b"L", b"x")
-        data = _read(f, size) if readable else b""
-        if readable and len(data) < size:
-            raise TarFormatError(pos + BLOCK, f"truncated data ({len(data)} of {size} bytes)")
-        pad = _padded(size) - len(data)
-        if pad and len(_read(f, pad)) < pad:
-            raise TarFormatError(pos + BLOCK + len(data), "truncated padding")
+        try:
+            data = _read(f, size) if readable else b""
+            if readable and len(data) < size:
+                raise TarFormatError(pos + BLOCK, f"truncated data ({len(data)} of {size} bytes)")
+            pad = _padded(size) - len(data)
+            if pad and len(_read(f, pad)) < pad:
+                raise TarFormatError(pos + BLOCK + len(data), "truncated padding")
+        except TarFormatError as exc:  # (and the stream's own limit, a bounded gzip's): name the member
+            raise TarFormatError(exc.offset, f"{exc.message} (in member {label!r})") from None
         start, data_at = (pos if first is None else first), pos + BLOCK
         pos += BLOCK + _padded(size)
         if kind == b"L":
@@ -189,3 +208,7 @@ def iter_members(f: BinaryIO, *, base: int = 0, need_end_marker: bool = True) ->
             yield Member(name, start, pos, data)
         elif kind in _KINDS:
             yield Member(name, start, pos, b"", _KINDS[kind])
+        elif kind != b"5" or size or "." in name.rstrip("/").rsplit("/", 1)[-1]:
+            # a member of no kind webdataset reads (GNU sparse, an unknown typeflag, a directory named like a
+            # sample's member or holding data): yielded without data, so the caller counts it, never dropped
+            yield Member(name.rstrip("/") or name, start, pos, b"", _OTHER.get(kind, f"typeflag {kind!r}"))

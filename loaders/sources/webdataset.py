@@ -18,6 +18,7 @@ import dataclasses
 import io
 import os
 import re
+import tempfile
 from collections import OrderedDict
 from typing import Callable, Mapping, Sequence
 
@@ -42,6 +43,7 @@ from prealign.loaders.sources.tar_decode import DEFAULT_LIMITS, DecodeLimits, de
 from prealign.loaders.sources.tar_reader import TarFormatError, iter_members
 from prealign.schemas.errors import ConfigError, SampleError
 
+_SPILL_CHUNK = 4 << 20
 _REMOTE = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*:")
 _BRACE = re.compile(r"[{}\\]")
 _FAR = re.compile(r"^(?!file://)[a-zA-Z][a-zA-Z0-9+.-]*:")
@@ -61,7 +63,38 @@ def expand_urls(urls: str | Sequence[str]) -> list[str]:
            for u in (braceexpand.braceexpand(item) if _BRACE.search(item) else (item,))]
     if not out:
         raise ConfigError(f"urls: no shard URLs given ({urls!r})")
+    check_unique(out)
     return out
+
+
+def shard_identity(url: str) -> str:
+    """What one shard is called whatever way it is written: a local path made absolute and normal
+    (``./d/../d/a.tar``, ``file:///w/d/a.tar`` and ``d/a.tar`` are one shard; no file system call, so symlinks
+    are not followed); a URL with its scheme and host in lower case, its fragment dropped; a ``pipe:`` command
+    as it is."""
+    if url.startswith("pipe:"):
+        return url
+    if _remote.is_remote(url):
+        import urllib.parse
+
+        parts = urllib.parse.urlsplit(url)
+        return urllib.parse.urlunsplit((parts.scheme.lower(), parts.netloc.lower(), parts.path, parts.query, ""))
+    return os.path.normpath(os.path.abspath(_remote.local_path(url)))
+
+
+def check_unique(urls: Sequence[str]) -> None:
+    """A :class:`ConfigError` naming both positions when one shard is listed twice (:func:`shard_identity`):
+    its samples would be served twice per epoch.
+
+    >>> shard_identity("file:///d/x.tar") == shard_identity("/d/../d/x.tar"), shard_identity("S3://B/k/x.tar#f")
+    (True, 's3://b/k/x.tar')
+    """
+    seen: dict[str, int] = {}
+    for i, url in enumerate(urls):
+        j = seen.setdefault(shard_identity(url), i)
+        if j != i:
+            raise ConfigError(f"urls: shard {urls[j]!r} (position {j}) and {url!r} (position {i}) are one shard; "
+                              f"list each shard once (its samples would be served twice per epoch)")
 
 
 _TORCH_KINDS = "biufc"  # bool, int, uint, float, complex: what torch.from_numpy takes
@@ -87,15 +120,20 @@ def numpy_fields(sample: dict) -> dict:
 
 def check_members(where: str, key: str, members: list[tuple[str, bytes, str]], duplicate: bool) -> None:
     """Raise the :class:`BadSampleError` of a sample whose key was already seen in its shard
-    (``duplicate_key``) or that has a link member (``link_member``); the full and the header pass alike."""
+    (``duplicate_key``), that has a link member (``link_member``) or a member of another type (a directory,
+    GNU sparse, an unknown typeflag: ``unknown_member``); the full and the header pass alike."""
     if duplicate:
         raise BadSampleError(sample=where, field=None, reason="duplicate_key", expected="a key once per shard",
                              actual=f"key {key!r} again after other samples")
     links = [(ext, kind) for ext, _, kind in members if kind != "file"]
     if links:
-        raise BadSampleError(sample=where, field=links[0][0], reason="link_member",
-                             expected="regular file members", actual=f"a {links[0][1]} member (webdataset "
-                             "samples hold their bytes; links are not followed)")
+        ext, kind = links[0]
+        if kind in ("hardlink", "symlink", "chardev", "blockdev", "fifo"):
+            raise BadSampleError(sample=where, field=ext, reason="link_member", expected="regular file members",
+                                 actual=f"a {kind} member (webdataset samples hold their bytes; links are not "
+                                        f"followed)")
+        raise BadSampleError(sample=where, field=ext, reason="unknown_member", expected="regular file members",
+                             actual=f"a {kind} member (its data is not read)")
 
 
 class WebDatasetSource(Source):
@@ -175,7 +213,8 @@ class WebDatasetSource(Source):
     def scan(self, shard: int):
         url = self.urls[shard]
         try:
-            f = TimedReader(lambda: _remote.open_stream(url, self.remote), timeout=self.read_timeout)
+            f = TimedReader(lambda: _remote.open_stream(url, self.remote, limits=self.limits),
+                            timeout=self.read_timeout)
         except (CorruptShardError, _remote.RemoteReadError) as exc:
             yield None, exc if isinstance(exc, CorruptShardError) else CorruptShardError(url, 0, str(exc))
             return
@@ -188,7 +227,7 @@ class WebDatasetSource(Source):
         with f:
             key, start, members, seen = None, 0, [], set()
             try:
-                for m in iter_members(f):
+                for m in iter_members(f, max_member=self.limits.max_member_bytes):
                     split = split_member_name(m.name)
                     if split is None:
                         yield None, Skip("ignored_member", f"{url}:{m.name}", f"tar {m.kind} member without "
@@ -278,9 +317,9 @@ class WebDatasetSource(Source):
             if shard not in streams:
                 streams[shard] = self._read_whole(shard, start)
                 while len(streams) > self.remote.stream_shards:
-                    streams.popitem(last=False)
+                    streams.popitem(last=False)[1].close()
             streams.move_to_end(shard)
-            return streams[shard][start:end]
+            return os.pread(streams[shard].fileno(), end - start, start)
         if _remote.is_remote(url):
             return _remote.read_range(url, start, end, self.remote)
         files = local.setdefault("files", OrderedDict())
@@ -306,17 +345,29 @@ class WebDatasetSource(Source):
         files.move_to_end(shard)
         return out
 
-    def _read_whole(self, shard: int, start: int) -> bytes:
-        """A sequential shard (``pipe:``, ``.tar.gz``) read whole under the read deadline: a stalled command
-        is a :class:`ShardTimeoutError` (and killed), a deleted file :meth:`_gone`."""
+    def _read_whole(self, shard: int, start: int):
+        """A sequential shard (``pipe:``, ``.tar.gz``) read whole under the read deadline into an anonymous
+        temporary file (a chunk at a time: never held in memory; gzip through ``self.limits``); a stalled command
+        is a :class:`ShardTimeoutError` (and killed), a deleted file :meth:`_gone`, a corrupt stream or one past
+        the limits a :class:`CorruptShardError` naming the byte."""
         url = self.urls[shard]
+        spill = tempfile.TemporaryFile(prefix="prealign-stream-")
         try:
-            with TimedReader(lambda: _remote.open_stream(url, self.remote), timeout=self.read_timeout) as f:
-                return f.read()
-        except Stalled as exc:
-            raise ShardTimeoutError(url, exc.at, f"reading the stream for a sample: {exc}") from None
-        except MissingShardError:
-            raise self._gone(shard, start, "no such file; deleted since indexing?") from None
+            with TimedReader(lambda: _remote.open_stream(url, self.remote, limits=self.limits),
+                             timeout=self.read_timeout) as f:
+                while chunk := f.read(_SPILL_CHUNK):
+                    spill.write(chunk)
+            spill.flush()
+            return spill
+        except BaseException as exc:
+            spill.close()
+            if isinstance(exc, Stalled):
+                raise ShardTimeoutError(url, exc.at, f"reading the stream for a sample: {exc}") from None
+            if isinstance(exc, MissingShardError):
+                raise self._gone(shard, start, "no such file; deleted since indexing?") from None
+            if isinstance(exc, TarFormatError):
+                raise CorruptShardError(url, exc.offset, f"reading the stream for a sample: {exc.message}") from None
+            raise
 
     def _gone(self, shard: int, start: int, problem: str) -> Exception:
         """A shard gone under a read: a :class:`MissingShardError` (configuration, never bad data) when its first
