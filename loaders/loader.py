@@ -34,7 +34,9 @@ from prealign.loaders.handoff.transport import pack_batch
 from prealign.loaders.index.build import build_index
 from prealign.loaders.index.sample_checks import has_media, media_keys
 from prealign.loaders.index.sample_index import SampleIndex
-from prealign.loaders.index.sidecar import check_all_shards, check_index, describe_transform
+from prealign.loaders.index.shard_checks import check_all_shards
+from prealign.loaders.index.sidecar import describe_transform
+from prealign.loaders.index.source_index import check_index
 from prealign.loaders.options import IndexOptions, LoadingOptions, ShuffleOptions, WorkerConfig, check_option
 from prealign.loaders.plan.planner import MicrobatchPlan, PlannerConfig
 from prealign.loaders.plan.schedule import Request, Schedule, check_count
@@ -452,7 +454,8 @@ def _rebuild_hint(source) -> str:
     """For a source read through sidecars: the transform it loads with and the command that rebuilds them."""
     if not getattr(source, "sidecars", False) or not getattr(source, "urls", None):
         return ""
-    from prealign.loaders.index.sidecar import index_hint, transform_name
+    from prealign.loaders.index.hints import index_hint
+    from prealign.loaders.index.sidecar import transform_name
 
     return (f", or its sidecars were built with a transform other than this loader's "
             f"{transform_name(source.transform)}: {index_hint(source)}")

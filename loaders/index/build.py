@@ -38,7 +38,7 @@ from prealign.loaders.index.sample_checks import (
     value_errors,
 )
 from prealign.loaders.index.sample_index import SampleIndex
-from prealign.loaders.index.sidecar import check_source
+from prealign.loaders.index.source_index import check_source
 from prealign.loaders.policy import BadDataGate, BadDataPolicy
 from prealign.loaders.sources.source import Skip, Source
 from prealign.schemas.errors import PrealignError, SampleError

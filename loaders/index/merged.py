@@ -40,6 +40,8 @@ from prealign.loaders.index import sidecar
 from prealign.loaders.index.events import error_from_record, record_reason
 from prealign.loaders.index.sample_checks import FIELDS_KEY, bad_row_event, signature_verdicts, value_errors
 from prealign.loaders.index.sample_index import SampleIndex
+from prealign.loaders.index.shard_checks import ShardChecks, check_remote_now
+from prealign.loaders.index.source_index import check_meta
 from prealign.loaders.policy import BadDataGate, BadDataPolicy
 from prealign.loaders.sources import remote
 from prealign.loaders.sources.npy import read_npz
@@ -188,11 +190,11 @@ def merged_index(source, schema, policy: BadDataPolicy, *, found=_UNREAD) -> Sam
 
 def _install_checks(source, meta: dict, table: np.ndarray) -> None:
     """``source.shard_check``: each shard checked against the merged index at its first read."""
-    checks = sidecar.ShardChecks(len(table), {})
+    checks = ShardChecks(len(table), {})
     checks.sizes[:], checks.first[:], checks.last[:] = table[:, 0], table[:, 3], table[:, 4]
     checks.probes[:] = meta["probes"]
     source.shard_check = checks
-    sidecar.check_remote_now(source)
+    check_remote_now(source)
 
 
 def _read(source, schema) -> tuple[dict, dict[str, np.ndarray]] | None:
@@ -211,7 +213,7 @@ def _read(source, schema) -> tuple[dict, dict[str, np.ndarray]] | None:
     meta, a = _parse(data, path)
     if len(meta["names"]) != len(source.urls) or meta["names"] != [shard_name(u) for u in source.urls]:
         return None  # an index of another selection of shards: the sidecars, one by one
-    sidecar.check_meta(source, source.urls[0], {**meta["common"], "shard": meta["names"][0]},
+    check_meta(source, source.urls[0], {**meta["common"], "shard": meta["names"][0]},
                        sidecar.config_key(source, schema))
     return meta, a
 
