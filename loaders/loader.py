@@ -364,11 +364,15 @@ class PackedLoader(LoaderCore):
         epoch, start = self._normalised()
         self._epoch, self._position = epoch, start
         self._requests.requests = self._schedule(epoch, self.dp_rank, start)
-        for batch in self._served(self._loader, token):
-            batch = unpacked(batch)
-            self._count_skipped(batch.pop("skipped_at_load", ()), warn=self.bad_data.warn)
-            self._position = batch["microbatch"] + 1
-            yield batch
+        try:
+            for batch in self._served(self._loader, token):
+                batch = unpacked(batch)
+                self._count_skipped(batch.pop("skipped_at_load", ()), warn=self.bad_data.warn)
+                self._position = batch["microbatch"] + 1
+                yield batch
+        finally:  # the shard files this process read (num_workers=0): closed at the epoch's end
+            if self.num_workers == 0 and callable(getattr(self.source, "close_files", None)):
+                self.source.close_files()
         if self._active is token:
             self._epoch, self._position = epoch + 1, 0
 

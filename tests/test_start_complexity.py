@@ -7,6 +7,7 @@ from __future__ import annotations
 import cProfile
 import os
 import pstats
+import shlex
 import sys
 import threading
 import warnings
@@ -15,8 +16,10 @@ import numpy as np
 import pytest
 
 from prealign.loaders import IndexOptions, PackedLoader, WebDatasetSource
+from prealign.loaders.cli.main import main
 from prealign.loaders.index.header_pass import write_sidecars
 from prealign.loaders.index.merged import merge_sidecars, merged_path
+from prealign.loaders.index.source_index import MergedIndexWarning
 from prealign.schemas import ParallelLayout
 from prealign.schemas.schema import causal_lm_schema
 
@@ -157,10 +160,18 @@ def _assert_no_stat_per_shard(calls: _Syscalls) -> None:
 
 @pytest.mark.slow
 def test_a_start_from_per_shard_sidecars_grows_linearly_with_the_shards(data, monkeypatch):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # (the one "a merged index would start faster" warning)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
         found = _measure(data, monkeypatch, lambda paths: _loader(WebDatasetSource(paths)))
     _assert_linear(found, "start from sidecars")
+    # three starts over 2,000 sidecars, one warning naming the command that merges them (none at 200)
+    advice = [str(w.message) for w in seen if issubclass(w.category, MergedIndexWarning)]
+    assert len(advice) == 1 and "s-{00000..01999}.tar" in advice[0], advice
+    command = advice[0].split("run `", 1)[1].split("`", 1)[0]
+    assert command.startswith("prealign index --text --merge ")
+    assert main(shlex.split(command)[1:]) == 0
+    assert os.path.exists(merged_path(WebDatasetSource(data[SIZES[1]])))
+    os.remove(merged_path(WebDatasetSource(data[SIZES[1]])))
 
 
 @pytest.mark.slow

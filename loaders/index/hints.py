@@ -55,6 +55,15 @@ def index_command(source) -> str:
 _COMMANDS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
+def merge_command(source) -> str:
+    """The ``prealign index --merge`` command that writes the one merged index of this source's shards (their
+    sidecars, when up to date, are only checked)."""
+    command = index_command(source)
+    if not command.startswith("prealign index "):
+        return "prealign index --merge (with the flags that built the sidecars) on the same shards"
+    return command.replace(" --force", " --merge", 1)
+
+
 def _command(source) -> str:
     transform = indexed_transform(source.transform)
     urls = shell_shards(source.urls)

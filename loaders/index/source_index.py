@@ -8,10 +8,12 @@ shard) is built only when an error is raised (:mod:`~prealign.loaders.index.hint
 """
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 
 from prealign.loaders.errors import ChangedShardError, ExtraShardError, IndexFileError, StaleIndexError
-from prealign.loaders.index.hints import index_hint
+from prealign.loaders.index.hints import index_hint, merge_command
 from prealign.loaders.index.shard_checks import EAGER_SHARDS, ShardChecks, check_remote_now
 from prealign.loaders.index.sidecar import (
     SIDECAR_THREADS,
@@ -47,7 +49,32 @@ def sidecar_records(source, schema) -> dict[int, dict]:
         return {**record_of(meta, arrays, shard), "check": expected_of(meta, arrays["spans"])}
 
     records = per_shard(source, record, threads=SIDECAR_THREADS)
-    return {shard: r for shard, r in enumerate(records) if r is not None}
+    found = {shard: r for shard, r in enumerate(records) if r is not None}
+    if len(found) >= MERGE_ADVICE_SHARDS:
+        _advise_merge(source)
+    return found
+
+
+MERGE_ADVICE_SHARDS = 1000
+"""From this many sidecars read one by one, a loader's start says once that a merged index would be faster."""
+
+
+class MergedIndexWarning(UserWarning):
+    """A loader read a sidecar per shard where one merged index (``prealign index --merge``) would be one read."""
+
+
+_ADVISED: set[tuple] = set()
+
+
+def _advise_merge(source) -> None:
+    """Warn once per process and data set (the shard list): the command that writes its merged index."""
+    key = (len(source.urls), source.urls[0], source.urls[-1], getattr(source, "index_dir", None))
+    if key in _ADVISED:
+        return
+    _ADVISED.add(key)
+    warnings.warn(MergedIndexWarning(
+        f"read {len(source.urls):,} sidecar indexes one by one at the start; one merged index is a single read "
+        f"(a start over 100k shards as fast as over 100): run `{merge_command(source)}` once"), stacklevel=2)
 
 
 

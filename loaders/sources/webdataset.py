@@ -306,6 +306,16 @@ class WebDatasetSource(Source):
         files.move_to_end(shard)
         return out
 
+    def close_files(self) -> None:
+        """Close the shard files this process holds open and drop the streams it keeps (a loader calls it at the
+        end of each epoch in the process that read them, so no handle is left to the garbage collector); the
+        next read opens them again. Shards already checked against their index stay checked."""
+        local = self._local()
+        files = local.pop("files", None) or {}
+        local.pop("streams", None)
+        for f in files.values():
+            f.close()
+
     def _read_whole(self, shard: int, start: int) -> bytes:
         """A sequential shard (``pipe:``, ``.tar.gz``) read whole under the read deadline: a stalled command
         is a :class:`ShardTimeoutError` (and killed), a deleted file :meth:`_gone`."""
