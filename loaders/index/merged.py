@@ -42,6 +42,7 @@ from prealign.loaders.index.sample_checks import FIELDS_KEY, bad_row_event, sign
 from prealign.loaders.index.sample_index import SampleIndex
 from prealign.loaders.index.shard_checks import ShardChecks, check_remote_now
 from prealign.loaders.index.source_index import check_meta
+from prealign.loaders.index.tiling import bad_regions, check_tiling
 from prealign.loaders.policy import BadDataGate, BadDataPolicy
 from prealign.loaders.sources import remote
 from prealign.loaders.sources.npy import read_npz
@@ -154,7 +155,7 @@ def merged_index(source, schema, policy: BadDataPolicy, *, found=_UNREAD) -> Sam
     shards = np.repeat(np.arange(len(table), dtype=np.int64), table[:, 1])
     locations = np.empty((shards.size, 4), np.int64)
     locations[:, 0], locations[:, 1:] = shards, a["spans"]
-    _install_checks(source, meta, table)  # (the samples loaded below are checked against it too)
+    _install_checks(source, meta, a, table)  # (the samples loaded below are checked against it too)
     verdicts, errors = signature_verdicts(source, schema, meta["dims"], a["dim_ids"], locations, a["lengths"])
     errors.update(value_errors(source, schema, a["bounds"], locations, a["dim_ids"], verdicts, errors))
     fixed: dict = {}
@@ -188,11 +189,22 @@ def merged_index(source, schema, policy: BadDataPolicy, *, found=_UNREAD) -> Sam
                        media=a["media"][keep], dims=fixed, source_shards={"names": meta["names"], "sizes": sizes})
 
 
-def _install_checks(source, meta: dict, table: np.ndarray) -> None:
+def _regions(meta: dict, spans: np.ndarray, table: np.ndarray) -> dict:
+    """``{shard: bad_regions(...)}`` of the shards with bad or skipped records (a cost per bad record)."""
+    by_shard: dict[int, list] = {}
+    for shard, pos, ev in meta["events"]:
+        by_shard.setdefault(shard, []).append([pos, ev])
+    starts = np.concatenate([[0], np.cumsum(table[:, 1])])
+    return {s: r for s, evs in by_shard.items()
+            if (r := bad_regions(spans[starts[s]:starts[s + 1]], evs, int(table[s, 2])))}
+
+
+def _install_checks(source, meta: dict, a: dict, table: np.ndarray) -> None:
     """``source.shard_check``: each shard checked against the merged index at its first read."""
     checks = ShardChecks(len(table), {})
     checks.sizes[:], checks.first[:], checks.last[:] = table[:, 0], table[:, 3], table[:, 4]
     checks.probes[:] = meta["probes"]
+    checks.regions = _regions(meta, a["spans"], table)
     source.shard_check = checks
     check_remote_now(source)
 
@@ -233,13 +245,14 @@ def merged_records(source, schema, *, found=_UNREAD) -> dict[int, dict] | None:
     by_shard: dict[int, list] = {}
     for shard, pos, ev in meta["events"]:
         by_shard.setdefault(shard, []).append([pos, ev])
+    regions = _regions(meta, a["spans"], table)
     out = {}
     for s, (size, _, num_events, first, last) in enumerate(table.tolist()):
         lo, hi = bounds[s], bounds[s + 1]
         arrays = {k: a[k][lo:hi] for k in ("spans", "lengths", "media", "dim_ids", "bounds")}
         record = sidecar.record_of({"shard": meta["names"][s], "num_events": num_events, "dims": meta["dims"],
                                     "events": by_shard.get(s, [])}, arrays, s)
-        out[s] = {**record, "check": (size, meta["probes"][s], first, last)}
+        out[s] = {**record, "check": (size, meta["probes"][s], first, last), "regions": regions.get(s, [])}
     return out
 
 
@@ -292,37 +305,8 @@ def _parse(data: bytes, path: str) -> tuple[dict, dict[str, np.ndarray]]:
     if np.any(rows + np.bincount([e[0] for e in events], minlength=s) != num_events) or \
             any(b <= a for a, b in zip(at, at[1:])):
         raise bad("per-shard event counts do not add up, or events out of order or given twice")
-    _check_tiling(spans, owner, table, at, bad)
-    return meta, a
-
-
-def _check_tiling(spans: np.ndarray, owner: np.ndarray, table: np.ndarray, events: list, bad) -> None:
-    """Each shard's good samples tile it as the index pass found them, as a sidecar's do
-    (:func:`~prealign.loaders.index.sidecar.parse_sidecar`), for all shards at once: in order, never
-    overlapping, two samples with no bad or skipped record between them adjacent (a removed row leaves a gap
-    nothing explains), and ``first`` / ``last`` those of :func:`~prealign.loaders.index.sidecar.expected_of`."""
-    first_record = np.concatenate([[0], np.cumsum(table[:, 2])])
-    is_event = np.zeros(int(first_record[-1]), bool)
-    is_event[[int(first_record[sh]) + pos for sh, pos in events]] = True
-    at = np.flatnonzero(~is_event)  # the stream position of each good sample, shard after shard
-    same = owner[1:] == owner[:-1]
-    if np.any(same & (spans[1:, 0] < spans[:-1, 1])):
-        raise bad("samples of a shard overlap or are out of order (a repeated or reordered row)")
-    gap = same & (at[1:] == at[:-1] + 1) & (spans[1:, 0] != spans[:-1, 1])
-    if np.any(gap):
-        i = int(np.argmax(gap))
-        raise bad(f"shard {int(owner[i])}: a gap of {int(spans[i + 1, 0] - spans[i, 1])} bytes between two samples "
-                  "with no bad or skipped record between them (a removed row)")
-    rows = table[:, 1]
-    lo = np.concatenate([[0], np.cumsum(rows)])[:-1]
-    has = rows > 0
-    first = np.full(len(table), -1, np.int64)
-    last = np.full(len(table), -1, np.int64)
-    head_good, tail_good = has.copy(), has.copy()  # (a shard with samples has records: indices in range)
-    head_good[has] = ~is_event[first_record[:-1][has]]
-    tail_good[has] = ~is_event[first_record[1:][has] - 1]
-    first[head_good] = spans[lo[head_good], 0]
-    last[tail_good] = spans[lo[tail_good] + rows[tail_good] - 1, 1]
+    first, last = check_tiling(spans, owner, num_events, at, bad)
     if np.any(table[:, 3] != first) or np.any(table[:, 4] != last):
         sh = int(np.argmax((table[:, 3] != first) | (table[:, 4] != last)))
         raise bad(f"shard {sh}: first / last byte {table[sh, 3:].tolist()}, its samples give {[first[sh], last[sh]]}")
+    return meta, a

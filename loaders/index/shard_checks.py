@@ -12,6 +12,7 @@ import numpy as np
 
 from prealign.loaders.errors import ChangedShardError, MissingShardError, StaleIndexError
 from prealign.loaders.index.sidecar import PROBE, SIDECAR_THREADS, per_shard, read_probe, shard_size_now
+from prealign.loaders.index.tiling import MAX_REGION, count_samples
 from prealign.loaders.sources import remote
 
 
@@ -73,6 +74,12 @@ class ShardChecks:
                                     "the shard changed since `prealign index`: re-run it")
         _check_head(url, int(self.first[shard]), first)
         _check_tail(source, shard, int(self.last[shard]), size, last)
+        for lo, hi, samples in self.regions.get(shard, ()):
+            _check_region(source, shard, lo, size if hi < 0 else hi, samples, size)
+
+    regions: dict = {}
+    """``{shard: [(lo, hi, samples), ...]}``: the stretches of bad records of each shard with some
+    (:func:`~prealign.loaders.index.tiling.bad_regions`), their samples counted at the shard's first read."""
 
 
 EAGER_SHARDS = 256
@@ -167,3 +174,24 @@ def _check_tail(source, shard: int, lo: int, size: int, last: bytes) -> None:
         raise StaleIndexError(url, f"sidecar index does not account for the shard: the entries after its last "
                                    f"sample (byte {lo}) hold a member, not only folder entries and the end of the "
                                    f"archive (a removed row?)", "re-run `prealign index` on it")
+
+
+def _check_region(source, shard: int, lo: int, hi: int, samples: int, size: int) -> None:
+    """The bytes ``[lo, hi)`` of a shard, where its index has ``samples`` bad samples (and maybe skipped members)
+    between two good ones, hold that many samples (:func:`~prealign.loaders.index.tiling.count_samples`): one
+    read. A removed good row next to a bad sample leaves one more. Not checked for a shard read only front to
+    back, a stretch over :data:`~prealign.loaders.index.tiling.MAX_REGION` bytes, or bytes past ``size``."""
+    url = source.urls[shard]
+    if remote.is_sequential(url) or size < 0 or not 0 <= lo <= hi <= size or hi - lo > MAX_REGION:
+        return
+    if remote.is_remote(url):
+        data = remote.read_range(url, lo, hi, source.remote) if hi > lo else b""
+    else:
+        with open(remote.local_path(url), "rb") as f:
+            f.seek(lo)
+            data = f.read(hi - lo)
+    found = count_samples(data, lo)
+    if found != samples:
+        raise StaleIndexError(url, f"index does not account for the shard: bytes {lo}..{hi}, where it records "
+                                   f"{samples} bad sample(s), hold {'no tar members' if found is None else found} "
+                                   f"(a removed row?)", "re-run `prealign index` on it")

@@ -74,6 +74,7 @@ from prealign.loaders.errors import (
     StaleIndexError,
 )
 from prealign.loaders.handoff.media_share import SharedMediaTransform
+from prealign.loaders.index.tiling import check_tiling
 from prealign.loaders.media.vlm import VLMSampleTransform
 from prealign.loaders.sources import remote
 from prealign.loaders.sources.deadline import Stalled, map_with_timeout
@@ -315,28 +316,13 @@ def event_ok(ev) -> bool:
 
 
 def _check_spans(spans: np.ndarray, events: list, num_events: int, bad) -> None:
-    """The good samples' byte ranges tile the shard as the index pass found them: in order, never
-    overlapping (a repeated or reordered row), and two samples with no bad or skipped record between
-    them adjacent (a removed row leaves a gap nothing explains)."""
+    """The good samples' byte ranges tile the shard as the index pass found them
+    (:func:`~prealign.loaders.index.tiling.check_tiling`, the merged index's check, for one shard)."""
     positions = [e[0] for e in events]
     if any(not 0 <= p < num_events for p in positions) or any(b <= a for a, b in zip(positions, positions[1:])):
         raise bad("event positions out of range or out of order")
-    if len(spans) < 2:
-        return
-    ends, starts = spans[:-1, 1], spans[1:, 0]
-    if np.any(starts < ends):
-        i = int(np.argmax(starts < ends))
-        raise bad(f"sample {i + 1}'s bytes {int(spans[i + 1, 0])}..{int(spans[i + 1, 1])} overlap or precede "
-                  f"sample {i}'s {int(spans[i, 0])}..{int(spans[i, 1])} (a repeated or reordered row)")
-    ok = np.ones(num_events, dtype=bool)
-    ok[positions] = False
-    at = np.flatnonzero(ok)  # the event position of each good sample, in order
-    adjacent = at[1:] == at[:-1] + 1
-    gap = adjacent & (starts != ends)
-    if np.any(gap):
-        i = int(np.argmax(gap))
-        raise bad(f"a gap of {int(starts[i] - ends[i])} bytes between samples {i} and {i + 1} with no bad or "
-                  f"skipped record between them (a removed row)")
+    check_tiling(spans, np.zeros(len(spans), np.int64), np.asarray([num_events], np.int64),
+                 [(0, p) for p in positions], bad)
 
 
 def record_of(meta: dict, arrays: dict[str, np.ndarray], shard: int) -> dict:

@@ -26,6 +26,7 @@ from prealign.loaders.index.sidecar import (
     shard_sizes,
     transform_difference,
 )
+from prealign.loaders.index.tiling import bad_regions
 from prealign.loaders.sources import remote
 from prealign.loaders.sources.shard_files import shard_name
 
@@ -46,7 +47,8 @@ def sidecar_records(source, schema) -> dict[int, dict]:
             return None
         meta, arrays = parse_sidecar(data, shard=url, fix=lambda: index_hint(source))
         check_meta(source, url, meta, key)
-        return {**record_of(meta, arrays, shard), "check": expected_of(meta, arrays["spans"])}
+        return {**record_of(meta, arrays, shard), "check": expected_of(meta, arrays["spans"]),
+                "regions": bad_regions(arrays["spans"], meta["events"], meta["num_events"]) if meta["events"] else []}
 
     records = per_shard(source, record, threads=SIDECAR_THREADS)
     found = {shard: r for shard, r in enumerate(records) if r is not None}
@@ -102,8 +104,11 @@ def check_source(source, schema, records: dict[int, dict] | None = None) -> tupl
     rest = [s for s in range(source.num_shards) if s not in records]
     sizes = dict(zip(rest, shard_sizes(source, rest))) if rest else {}
     expected = {s: r.pop("check") for s, r in records.items()}
+    regions = {s: g for s, r in records.items() if (g := r.pop("regions", None))}
     sizes.update((s, -1 if remote.scheme(source.urls[s]) == "pipe" else e[0]) for s, e in expected.items())
     source.shard_check = ShardChecks(source.num_shards, expected) if expected else None
+    if regions:
+        source.shard_check.regions = regions
     check_remote_now(source)
     names = [shard_name(u) for u in source.urls]
     return records, {"names": names, "sizes": [sizes[s] for s in range(source.num_shards)]}
