@@ -35,7 +35,7 @@ import os
 
 import numpy as np
 
-from prealign.loaders.errors import StaleIndexError
+from prealign.loaders.errors import IndexMismatchError, StaleIndexError
 from prealign.loaders.index import sidecar
 from prealign.loaders.index.events import error_from_record, record_reason
 from prealign.loaders.index.sample_checks import FIELDS_KEY, bad_row_event, signature_verdicts, value_errors
@@ -201,12 +201,40 @@ def _regions(meta: dict, spans: np.ndarray, table: np.ndarray) -> dict:
 
 def _install_checks(source, meta: dict, a: dict, table: np.ndarray) -> None:
     """``source.shard_check``: each shard checked against the merged index at its first read."""
+    source.shard_check = _checks(meta, a, table)
+    check_remote_now(source)
+
+
+def _checks(meta: dict, a: dict, table: np.ndarray) -> ShardChecks:
     checks = ShardChecks(len(table), {})
     checks.sizes[:], checks.first[:], checks.last[:] = table[:, 0], table[:, 3], table[:, 4]
     checks.probes[:] = meta["probes"]
     checks.regions = _regions(meta, a["spans"], table)
-    source.shard_check = checks
-    check_remote_now(source)
+    return checks
+
+
+def check_merged(source, shards=None) -> dict[str, str]:
+    """What a loader would refuse of ``source``'s merged index, checked as a loader checks it (``prealign index
+    --check``, so the two agree on staleness): the file itself (format, the shard names, the transform it was
+    built for; under its path), then each of ``shards`` (default: all) as its first read checks it (size, first
+    and last 64 KiB, the bytes around its bad records: :class:`ShardChecks`; under the shard's URL).
+    ``{where: what differs}``, empty when it matches or there is no merged index for exactly these shards."""
+    path = merged_path(source)
+    try:
+        found = _read(source, None)
+    except StaleIndexError as exc:
+        return {path: str(exc)}
+    if found is None:
+        return {}
+    meta, a = found
+    checks = _checks(meta, a, a["shards"])
+    problems = {}
+    for shard in range(source.num_shards) if shards is None else shards:
+        try:
+            checks(source, shard, again=True)
+        except IndexMismatchError as exc:
+            problems[source.urls[shard]] = f"the merged index {path} does not match: {exc}"
+    return problems
 
 
 def _read(source, schema) -> tuple[dict, dict[str, np.ndarray]] | None:
