@@ -29,6 +29,7 @@ malformed is a :class:`~prealign.loaders.errors.StaleIndexError` naming the file
 """
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -37,13 +38,13 @@ import numpy as np
 
 from prealign.loaders.errors import IndexMismatchError, StaleIndexError
 from prealign.loaders.index import sidecar
-from prealign.loaders.index.events import error_from_record, record_reason
-from prealign.loaders.index.sample_checks import FIELDS_KEY, bad_row_event, signature_verdicts, value_errors
+from prealign.loaders.index.apply_policy import Records, apply_policy
+from prealign.loaders.index.sample_checks import bad_row_event, signature_verdicts, value_errors
 from prealign.loaders.index.sample_index import SampleIndex
 from prealign.loaders.index.shard_checks import ShardChecks, check_remote_now
 from prealign.loaders.index.source_index import check_meta
 from prealign.loaders.index.tiling import bad_regions, check_tiling
-from prealign.loaders.policy import BadDataGate, BadDataPolicy
+from prealign.loaders.policy import BadDataPolicy
 from prealign.loaders.sources import remote
 from prealign.loaders.sources.npy import read_npz
 from prealign.loaders.sources.shard_files import shard_name
@@ -144,9 +145,9 @@ def merged_index(source, schema, policy: BadDataPolicy, *, found=_UNREAD) -> Sam
     :func:`~prealign.loaders.index.sample_checks.signature_verdicts`) and per bad record, not per shard or
     sample (the one :func:`~prealign.loaders.index.build.merge_records` makes from
     the same records: the bad-data policy applied to the recorded bad events in stream order); sets
-    ``source.shard_check``. None when there is no merged index for these shards, or the shards disagree on a
-    named dim or on which optional fields they have (the per-sample path handles that:
-    :func:`merged_records`). ``found``: :func:`read_merged`'s answer, when read already."""
+    ``source.shard_check``. The policy and the fixed-dims rule are :func:`~prealign.loaders.index.apply_policy.
+    apply_policy`'s, as on every path. None when there is no merged index for these shards. ``found``:
+    :func:`read_merged`'s answer, when read already."""
     found = _read(source, schema) if found is _UNREAD else found
     if found is None:
         return None
@@ -158,35 +159,24 @@ def merged_index(source, schema, policy: BadDataPolicy, *, found=_UNREAD) -> Sam
     _install_checks(source, meta, a, table)  # (the samples loaded below are checked against it too)
     verdicts, errors = signature_verdicts(source, schema, meta["dims"], a["dim_ids"], locations, a["lengths"])
     errors.update(value_errors(source, schema, a["bounds"], locations, a["dim_ids"], verdicts, errors))
-    fixed: dict = {}
-    for d in (v for v in verdicts if v is not None):  # the signatures made this schema's, as the sidecars' path
-        if any(fixed.get(k, v) != v for k, v in d.items()):
-            return None
-        fixed.update(d)
-    fixed.pop(FIELDS_KEY, None)
     first_record = np.concatenate([[0], np.cumsum(table[:, 2])])
-    recorded = [(int(first_record[shard]) + pos, ev) for shard, pos, ev in meta["events"]]
-    if errors:  # rows found bad under this schema: bad records at their places in the stream
-        is_event = np.zeros(int(first_record[-1]), bool)
-        is_event[[at for at, _ in recorded]] = True
-        ok_at = np.flatnonzero(~is_event)  # stream position of each good row
-        recorded += [(int(ok_at[row]), bad_row_event(err)) for row, err in errors.items()]
-    gate, last = BadDataGate(policy), -1
-    for at, ev in sorted(recorded, key=lambda e: e[0]):  # the whole stream's bad records, in order
-        if at > last + 1:
-            gate.good()  # an ok record between bad ones resets the consecutive count
-        last = at
-        if ev[0] == "skip":
-            gate.report.add(ev[1], ev[2], ev[3])
-        else:
-            gate.bad(record_reason(ev[2]), ev[1], error_from_record(ev[2]))
+    events = [(int(first_record[shard]) + pos, ev) for shard, pos, ev in meta["events"]]
+    is_event = np.zeros(int(first_record[-1]), bool)
+    is_event[[at for at, _ in events]] = True
+    good_at = np.flatnonzero(~is_event)  # stream position of each row
     keep = np.ones(shards.size, bool)
-    keep[list(errors)] = False
+    if errors:  # rows found bad under this schema: bad records at their places in the stream
+        keep[list(errors)] = False
+        events = sorted([*events, *((int(good_at[row]), bad_row_event(err)) for row, err in errors.items())],
+                        key=lambda e: e[0])
+    records = Records(lengths=a["lengths"][keep], locations=locations[keep], shards=shards[keep],
+                      media=a["media"][keep], dim_ids=a["dim_ids"][keep], good_at=good_at[keep], events=events,
+                      signatures=[v or {} for v in verdicts])
+    index = apply_policy(records, policy, schema, where=source.where)
     sizes = table[:, 0].tolist()
     if any(u[:5].lower() == "pipe:" for u in source.urls):  # a command's output has no size to check
         sizes = [-1 if remote.scheme(u) == "pipe" else n for u, n in zip(source.urls, sizes)]
-    return SampleIndex(lengths=a["lengths"][keep], locations=locations[keep], shards=shards[keep], report=gate.report,
-                       media=a["media"][keep], dims=fixed, source_shards={"names": meta["names"], "sizes": sizes})
+    return dataclasses.replace(index, source_shards={"names": meta["names"], "sizes": sizes})
 
 
 def _regions(meta: dict, spans: np.ndarray, table: np.ndarray) -> dict:
