@@ -47,7 +47,7 @@ from prealign.loaders.index.tiling import bad_regions, check_tiling
 from prealign.loaders.policy import BadDataPolicy
 from prealign.loaders.sources import remote
 from prealign.loaders.sources.npy import read_npz
-from prealign.loaders.sources.shard_files import shard_name
+from prealign.loaders.sources.shard_files import shard_name, shard_names
 from prealign.schemas.errors import PrealignError
 
 FORMAT = "prealign-merged-index"
@@ -174,7 +174,8 @@ def merged_index(source, schema, policy: BadDataPolicy, *, found=_UNREAD) -> Sam
                       signatures=[v or {} for v in verdicts])
     index = apply_policy(records, policy, schema, where=source.where)
     sizes = table[:, 0].tolist()
-    if any(u[:5].lower() == "pipe:" for u in source.urls):  # a command's output has no size to check
+    if not getattr(source, "local_only", False) and any(u[:5].lower() == "pipe:" for u in source.urls):
+        # a command's output has no size to check
         sizes = [-1 if remote.scheme(u) == "pipe" else n for u, n in zip(source.urls, sizes)]
     return dataclasses.replace(index, source_shards={"names": meta["names"], "sizes": sizes})
 
@@ -241,7 +242,7 @@ def _read(source, schema) -> tuple[dict, dict[str, np.ndarray]] | None:
     if data is None:
         return None
     meta, a = _parse(data, path)
-    if len(meta["names"]) != len(source.urls) or meta["names"] != [shard_name(u) for u in source.urls]:
+    if len(meta["names"]) != len(source.urls) or meta["names"] != shard_names(source.urls):
         return None  # an index of another selection of shards: the sidecars, one by one
     check_meta(source, source.urls[0], {**meta["common"], "shard": meta["names"][0]},
                        sidecar.config_key(source, schema))
@@ -291,9 +292,9 @@ def _parse(data: bytes, path: str) -> tuple[dict, dict[str, np.ndarray]]:
     if meta.get("version") != VERSION:
         raise bad(f"format version {meta.get('version')!r}, this prealign reads version {VERSION}")
     names, probes, dims, events = (meta.get(k) for k in ("names", "probes", "dims", "events"))
-    if not (isinstance(names, list) and names and all(isinstance(n, str) for n in names)
-            and isinstance(probes, list) and len(probes) == len(names)
-            and all(isinstance(p, str) and len(p) <= 16 and p.isascii() for p in probes)
+    if not (isinstance(names, list) and names and set(map(type, names)) == {str}  # (C loops: 100k names)
+            and isinstance(probes, list) and len(probes) == len(names) and set(map(type, probes)) == {str}
+            and max(map(len, probes)) <= 16 and "".join(probes).isascii()
             and isinstance(meta.get("common"), dict) and isinstance(events, list)):
         raise bad("meta names / probes / common / events malformed")
     if not sidecar.dims_ok(dims):

@@ -94,7 +94,7 @@ def check_remote_now(source) -> None:
     whether its server ignores Range before its workers fork); more are checked lazily, each by the process that
     first reads it. Local shards (a parallel file system included) wait for their first read."""
     checks = source.shard_check
-    if checks is None:
+    if checks is None or getattr(source, "local_only", False):
         return
     far = [s for s in np.flatnonzero(checks.sizes != checks.UNCHECKED).tolist() if remote.is_remote(source.urls[s])]
     if len(far) > EAGER_SHARDS:

@@ -28,7 +28,7 @@ from prealign.loaders.index.sidecar import (
 )
 from prealign.loaders.index.tiling import bad_regions
 from prealign.loaders.sources import remote
-from prealign.loaders.sources.shard_files import shard_name
+from prealign.loaders.sources.shard_files import shard_name, shard_names
 
 
 def sidecar_records(source, schema) -> dict[int, dict]:
@@ -110,7 +110,7 @@ def check_source(source, schema, records: dict[int, dict] | None = None) -> tupl
     if regions:
         source.shard_check.regions = regions
     check_remote_now(source)
-    names = [shard_name(u) for u in source.urls]
+    names = shard_names(source.urls)
     return records, {"names": names, "sizes": [sizes[s] for s in range(source.num_shards)]}
 
 

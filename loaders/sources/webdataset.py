@@ -36,7 +36,13 @@ from prealign.loaders.errors import (
 )
 from prealign.loaders.sources import remote as _remote
 from prealign.loaders.sources.deadline import Stalled, TimedReader, call_with_timeout
-from prealign.loaders.sources.shard_files import NotRegular, check_index_dir_names, open_regular, sample_checksum
+from prealign.loaders.sources.shard_files import (
+    NotRegular,
+    check_index_dir_names,
+    open_regular,
+    plain_local,
+    sample_checksum,
+)
 from prealign.loaders.sources.source import Location, Skip, Source, Transform
 from prealign.loaders.sources.tar_decode import DEFAULT_LIMITS, DecodeLimits, decode_member, split_member_name
 from prealign.loaders.sources.tar_reader import TarFormatError, iter_members
@@ -153,7 +159,9 @@ class WebDatasetSource(Source):
         if remote is None:
             limit = {} if cache_limit is None else {"cache_limit": int(cache_limit)}
             remote = _remote.RemoteOptions(cache_dir=cache_dir, **limit)
-        if remote.cache_dir is None and remote.private_dir is None and any(
+        self.local_only = plain_local(self.urls)
+        """Every shard a plain local path (one check at the start: no per-shard question of the URLs then)."""
+        if remote.cache_dir is None and remote.private_dir is None and not self.local_only and any(
                 _remote.scheme(u) in ("http", "https") for u in self.urls):  # made here: see RemoteOptions
             remote = dataclasses.replace(remote, private_dir=_remote.private_folder())
         self.remote = remote
@@ -169,6 +177,9 @@ class WebDatasetSource(Source):
     def stream_only(self) -> bool:
         """True when some shard can only be read front to back (``pipe:``, ``.tar.gz``): the loader then
         shuffles micro-batches within a bounded window of steps, not over the whole epoch."""
+        if self.__dict__.get("local_only"):  # only a gzip-compressed tar can be sequential
+            joined = "\n".join(self.urls) + "\n"
+            return ".tar.gz\n" in joined or ".tgz\n" in joined
         return any(_remote.is_sequential(u) for u in self.urls)
 
     # ---- scanning -------------------------------------------------------------------------------
