@@ -1,23 +1,26 @@
-"""Start and index at scale (issue #22): first batch and resume against the shard count, state_dict() against
-the sample count, index workers, import time; side by side with Megatron-Energon where it is importable.
+"""Start and index at scale (issues #22, #28): first batch and resume against the shard count, with one sidecar per
+shard and with a merged index, side by side with Megatron-Energon in the same run; state_dict() against the
+sample count, index workers, import time.
 
-    python benchmarks/bench_scale.py [--samples 100000] [--shards 20 2000 10 1000 10000] [--index 10000 100000]
-                                     [--state 10000 1000000] [--energon PATH] [--json out.json]
+    python benchmarks/bench_scale.py [--samples 20000] [--shards 20 2000 100000] [--rounds 5]
+                                     [--per-shard-max 2000] [--energon-max 2000] [--no-energon]
+                                     [--index 10000 100000] [--state 10000 1000000] [--json out.json]
 
 * ``start``     the same ``--samples`` text samples (``<key>.input_ids.npy``, 8..128 tokens) cut into each of
-                ``--shards`` shard counts; ``prealign index --merge`` run once; then, in fresh processes (best of
-                ``--repeat``): a PackedLoader's first batch (sidecars, and the merged index), and a resume (a new
-                loader, ``load_state_dict`` of a state taken 8 batches in, its first batch)
+                ``--shards`` shard counts (a shard count above ``--samples``: one sample per shard, so that many
+                samples); ``prealign index`` writes a sidecar beside each shard and ``prealign index --merge``
+                one merged index into another folder (``index_dir``), so the same shards start both ways. Then, in
+                fresh processes, interleaved over ``--rounds`` rounds: a PackedLoader's first batch and a resume (a
+                new loader, ``load_state_dict`` of a state taken 8 batches in, its first batch), from the per-shard
+                sidecars (up to ``--per-shard-max`` shards), from the merged index, and Energon's loader over the
+                same shards (``energon prepare`` run once; up to ``--energon-max`` shards). Each cell: median
+                [min..max] of wall and CPU seconds (no workers: the CPU time is the work).
 * ``state``     ``state_dict()`` of a prepared loader over ``--state`` samples (mean of 200 calls)
 * ``index``     ``write_sidecars`` (what ``prealign index`` runs) with 1 and 2 workers
 * ``import``    ``import prealign.loaders`` in a fresh process (and ``import torch`` alone, which it needs)
-* ``energon``   with ``--energon`` (a folder holding the ``megatron-energon`` package, e.g. made by
-                ``pip install --target DIR megatron-energon`` and its light dependencies; never a dependency of
-                prealign): ``energon prepare`` of the same shards, first batch and resume of its loader, and both
-                loaders' samples/s over the same text samples (2 workers each)
+* ``throughput`` both loaders' samples/s over the same text samples (2 workers each; ``--throughput 0``: not run)
 
-Every phase runs in a fresh interpreter; the machine's load only adds time, so each start number is the best
-of ``--repeat`` tries. Prints Markdown tables; ``--json`` also writes the numbers.
+Prints Markdown tables; ``--json`` also writes the numbers.
 """
 from __future__ import annotations
 
@@ -55,10 +58,12 @@ _START = """
 import glob
 from prealign.loaders import PackedLoader, WebDatasetSource
 from prealign.schemas import ParallelLayout, causal_lm_schema
+import warnings
+warnings.simplefilter("ignore")  # (the per-shard start's advice to merge)
 paths = sorted(glob.glob({root!r} + "/*.tar"))
 def loader():
-    return PackedLoader(WebDatasetSource(paths), schema=causal_lm_schema(), layout=ParallelLayout(tp=2, cp=2),
-                        token_budget=8192, seed=1)
+    return PackedLoader(WebDatasetSource(paths, index_dir={index_dir!r}), schema=causal_lm_schema(),
+                        layout=ParallelLayout(tp=2, cp=2), token_budget=8192, seed=1)
 def save(loader):
     return loader.state_dict()
 def restore(loader, state):
@@ -185,19 +190,44 @@ def _phase(code: str) -> dict:
     return json.loads(run.stdout.rsplit("RESULT", 1)[1])
 
 
-def _index_and_merge(root: str) -> None:
+def _index_and_merge(root: str, merged_dir: str) -> None:
+    """A sidecar beside each shard of ``root`` (``write_sidecars``, as ``prealign index``),
+    and their merged index in ``merged_dir`` alone (a loader with ``index_dir=merged_dir`` reads one file)."""
     _phase(f"""
-import glob
+import glob, os
 from prealign.loaders import WebDatasetSource
 from prealign.loaders.index.header_pass import write_sidecars
-from prealign.loaders.index.merged import merge_sidecars
+from prealign.loaders.index.merged import NAME, merge_sidecars
 from prealign.schemas import causal_lm_schema
 if __name__ == "__main__":
     source = WebDatasetSource(sorted(glob.glob({root!r} + "/*.tar")))
-    write_sidecars(source, causal_lm_schema())
-    merge_sidecars(source)
+    write_sidecars(source, causal_lm_schema(), workers=1)  # (a pool of 2 on 100k one-sample shards: slower)
+    os.makedirs({merged_dir!r}, exist_ok=True)
+    merge_sidecars(source, os.path.join({merged_dir!r}, NAME))
     result = {{}}
 """)
+
+
+def _stats(values: list[float]) -> dict:
+    v = sorted(values)
+    return {"median": v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2,
+            "min": v[0], "max": v[-1], "all": values}
+
+
+def _cell(runs: dict, key: str) -> str:
+    """``median [min..max] s (CPU median [min..max] s)`` of ``key`` (``first`` or ``resume``)."""
+    w, c = runs[key + "_s"], runs[key + "_cpu_s"]
+    return (f"{w['median']:.3f} [{w['min']:.3f}..{w['max']:.3f}] s (CPU {c['median']:.3f} "
+            f"[{c['min']:.3f}..{c['max']:.3f}])")
+
+
+def _interleaved(contenders: dict, rounds: int) -> dict:
+    """``{name: {key: _stats}}``: each contender's code run in a fresh process once per round, in turn."""
+    got: dict = {name: [] for name in contenders}
+    for _ in range(rounds):
+        for name, code in contenders.items():
+            got[name].append(_phase(code))
+    return {name: {k: _stats([t[k] for t in tries]) for k in tries[0]} for name, tries in got.items()}
 
 
 def _best(code: str, repeat: int, key: str) -> dict:
@@ -208,51 +238,67 @@ def _best(code: str, repeat: int, key: str) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--samples", type=int, default=100_000)
-    ap.add_argument("--shards", type=int, nargs="*", default=[20, 2000, 10, 1000, 10_000],
-                    help="shard counts; the first two are compared (the issue's target: <= 1.5x)")
+    ap.add_argument("--samples", type=int, default=20_000)
+    ap.add_argument("--shards", type=int, nargs="*", default=[20, 2000, 100_000],
+                    help="shard counts; each later one is compared with the first (the issue's target: <= 1.5x)")
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds of the start (fresh processes)")
+    ap.add_argument("--per-shard-max", type=int, default=2000, help="largest shard count started from sidecars")
+    ap.add_argument("--energon-max", type=int, default=2000, help="largest shard count Energon is started on")
+    ap.add_argument("--no-energon", action="store_true")
+    ap.add_argument("--energon", default="", help="a folder holding megatron-energon, when not installed")
     ap.add_argument("--index", type=int, nargs="*", default=[10_000, 100_000])
     ap.add_argument("--state", type=int, nargs="*", default=[10_000, 1_000_000])
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--energon", help="a folder holding megatron-energon (pip install --target)")
-    ap.add_argument("--throughput", type=int, default=50_000, help="samples timed per loader")
+    ap.add_argument("--throughput", type=int, default=50_000, help="samples timed per loader (0: not run)")
     ap.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "prealign-bench-scale"))
     ap.add_argument("--json", help="also write the numbers here")
     args = ap.parse_args()
     numbers: dict = {}
-    enc = _ENERGON_ENCODER.format(energon=args.energon) if args.energon else ""
+    energon = not args.no_energon
+    enc = _ENERGON_ENCODER.format(energon=args.energon) if energon else ""
 
-    print(f"\n| {args.samples:,} samples in | prealign first batch | prealign resume | energon first batch | "
-          "energon resume |\n|---|---|---|---|---|", flush=True)
-
-    def cell(r: dict, key: str) -> str:
-        return f"{r[key + '_s']:.3f} s ({r[key + '_cpu_s']:.3f} CPU s)"
-
+    print(f"\nfirst batch and resume, median [min..max] of {args.rounds} interleaved rounds (fresh processes, no "
+          f"workers)\n\n| shards (samples) | from | first batch | resume |\n|---|---|---|---|", flush=True)
     for count in args.shards:
-        root = os.path.join(args.dir, f"text-{args.samples}-{count}")
-        paths = write_text_shards(root, args.samples, per_shard=-(-args.samples // count))
-        if not os.path.exists(os.path.join(root, "prealign-index.merged.npz")):
-            _index_and_merge(root)
-        row = {"prealign": _best(_START.format(root=root), args.repeat, "first_s")}
-        if args.energon:
+        n = max(args.samples, count)
+        root = os.path.join(args.dir, f"text-{n}-{count}")
+        merged_dir = root + "-merged"
+        paths = write_text_shards(root, n, per_shard=-(-n // count))
+        if not os.path.exists(os.path.join(merged_dir, "prealign-index.merged.npz")):
+            _index_and_merge(root, merged_dir)
+        contenders = {"merged index": _START.format(root=root, index_dir=merged_dir)}
+        if count <= args.per_shard_max:
+            contenders["sidecars"] = _START.format(root=root, index_dir=None)
+        if energon and count <= args.energon_max:
             if not os.path.exists(os.path.join(root, ".nv-meta", "dataset.yaml")):
-                row["energon_prepare"] = _phase(_PREPARE.format(energon=args.energon, root=root, workers=2))
-            row["energon"] = _best(enc + _ENERGON_START.format(energon=args.energon, root=root), args.repeat,
-                                   "first_s")
-        numbers[f"start_{count}"] = row
-        e = row.get("energon")
-        p = row["prealign"]
-        print(f"| {len(paths):,} shards | {cell(p, 'first')} | {cell(p, 'resume')} | "
-              + (f"{cell(e, 'first')} | {cell(e, 'resume')} |" if e else "(not run) | |"), flush=True)
-    if len(args.shards) >= 2:
-        first, last = (numbers[f"start_{c}"]["prealign"] for c in args.shards[:2])
-        print(f"\nprealign, {args.shards[1]:,} vs {args.shards[0]:,} shards: first batch "
-              f"{last['first_s'] / first['first_s']:.2f}x ({last['first_cpu_s'] / first['first_cpu_s']:.2f}x in CPU s), "
-              f"resume {last['resume_s'] / first['resume_s']:.2f}x ({last['resume_cpu_s'] / first['resume_cpu_s']:.2f}x "
-              f"in CPU s)", flush=True)
+                numbers[f"energon_prepare_{count}"] = _phase(_PREPARE.format(energon=args.energon, root=root,
+                                                                             workers=2))
+            contenders["energon"] = enc + _ENERGON_START.format(energon=args.energon, root=root)
+        row = numbers[f"start_{count}"] = _interleaved(contenders, args.rounds)
+        for name, runs in row.items():
+            print(f"| {len(paths):,} ({n:,}) | {name} | {_cell(runs, 'first')} | {_cell(runs, 'resume')} |",
+                  flush=True)
+    base = numbers.get(f"start_{args.shards[0]}") if args.shards else None
+    for count in args.shards[1:]:
+        for name in ("sidecars", "merged index"):
+            if name not in numbers[f"start_{count}"] or name not in base:
+                continue
+            now, then = numbers[f"start_{count}"][name], base[name]
+            ratio = {k: now[k]["median"] / then[k]["median"] for k in now}
+            print(f"{name}, {count:,} vs {args.shards[0]:,} shards (medians): first batch {ratio['first_s']:.2f}x "
+                  f"({ratio['first_cpu_s']:.2f}x CPU), resume {ratio['resume_s']:.2f}x "
+                  f"({ratio['resume_cpu_s']:.2f}x CPU)", flush=True)
+    for count in args.shards:
+        row = numbers[f"start_{count}"]
+        if "energon" in row:
+            m, e = row["merged index"], row["energon"]
+            print(f"{count:,} shards, merged index / Energon (medians): first batch "
+                  f"{m['first_cpu_s']['median'] / e['first_cpu_s']['median']:.2f}x CPU, resume "
+                  f"{m['resume_cpu_s']['median'] / e['resume_cpu_s']['median']:.2f}x CPU "
+                  f"({m['resume_s']['median'] / e['resume_s']['median']:.2f}x wall)", flush=True)
 
-    if args.energon and args.shards:
-        root = os.path.join(args.dir, f"text-{args.samples}-{args.shards[0]}")
+    if energon and args.shards and args.throughput:
+        root = os.path.join(args.dir, f"text-{max(args.samples, args.shards[0])}-{args.shards[0]}")
         tp = {k: _phase((enc if k == "energon" else "") + _THROUGHPUT.format(root=root, kind=k,
                                                                              samples=args.throughput))
               for k in ("prealign", "energon")}
@@ -261,13 +307,15 @@ def main() -> int:
               f"{tp['energon']['samples_per_s']:,.0f} samples/s "
               f"({tp['prealign']['samples_per_s'] / tp['energon']['samples_per_s']:.2f}x)", flush=True)
 
-    print("\n| samples | state_dict() |\n|---|---|")
+    if args.state:
+        print("\n| samples | state_dict() |\n|---|---|")
     small = write_text_shards(os.path.join(args.dir, "text-state"), 20_000)
     for n in args.state:
         numbers[f"state_{n}"] = s = _phase(_STATE.format(paths=small, n=n))
         print(f"| {n:,} | {s['state_dict_ms']:.4f} ms |", flush=True)
 
-    print("\n| samples | index, 1 worker | index, 2 workers |\n|---|---|---|")
+    if args.index:
+        print("\n| samples | index, 1 worker | index, 2 workers |\n|---|---|---|")
     for n in args.index:
         paths = write_text_shards(os.path.join(args.dir, f"text-index-{n}"), n)
         one = _best(_INDEX.format(paths=paths, workers=1), args.repeat, "s")

@@ -35,7 +35,8 @@ from prealign.loaders.handoff.transport import pack_batch
 from prealign.loaders.index.build import build_index
 from prealign.loaders.index.sample_checks import has_media, media_keys
 from prealign.loaders.index.sample_index import SampleIndex
-from prealign.loaders.index.sidecar import check_all_shards, check_index
+from prealign.loaders.index.shard_checks import check_all_shards
+from prealign.loaders.index.source_index import check_index
 from prealign.loaders.mixture import Mixture
 from prealign.loaders.options import (
     IndexOptions,
@@ -342,13 +343,17 @@ class PackedLoader(LoaderCore):
         epoch, start = self._normalised()
         self._epoch, self._position = epoch, start
         self._requests.requests = self._schedule(epoch, self.dp_rank, start)
-        for batch in self._served(self._loader, token):
-            batch = unpacked(batch)
-            self._count_skipped(batch.pop("skipped_at_load", ()), warn=self.bad_data.warn)
-            if self._component_of is not None:  # which mixture component each sequence came from
-                batch["sample_component"] = torch.from_numpy(self._component_of[batch["sample_index"].numpy()])
-            self._position = batch["microbatch"] + 1
-            yield batch
+        try:
+            for batch in self._served(self._loader, token):
+                batch = unpacked(batch)
+                self._count_skipped(batch.pop("skipped_at_load", ()), warn=self.bad_data.warn)
+                if self._component_of is not None:  # which mixture component each sequence came from
+                    batch["sample_component"] = torch.from_numpy(self._component_of[batch["sample_index"].numpy()])
+                self._position = batch["microbatch"] + 1
+                yield batch
+        finally:  # the shard files this process read (num_workers=0): closed at the epoch's end
+            if self.num_workers == 0 and callable(getattr(self.source, "close_files", None)):
+                self.source.close_files()
         if self._active is token:
             self._epoch, self._position = epoch + 1, 0
 
@@ -525,7 +530,8 @@ def _rebuild_hint(source) -> str:
     """For a source read through sidecars: the transform it loads with and the command that rebuilds them."""
     if not getattr(source, "sidecars", False) or not getattr(source, "urls", None):
         return ""
-    from prealign.loaders.index.sidecar import index_hint, transform_name
+    from prealign.loaders.index.hints import index_hint
+    from prealign.loaders.index.sidecar import transform_name
 
     return (f", or its sidecars were built with a transform other than this loader's "
             f"{transform_name(source.transform)}: {index_hint(source)}")

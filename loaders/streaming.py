@@ -56,6 +56,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from prealign.loaders.core import LoaderCore, describe_digest, unpacked
 from prealign.loaders.errors import BadSampleError, CollectiveTimeoutError, OversizeSampleError, PlanError, ResumeError
 from prealign.loaders.handoff.transport import pack_batch
+from prealign.loaders.index.apply_policy import FixedDims
 from prealign.loaders.index.events import error_from_record, error_record, record_reason
 from prealign.loaders.index.sample_checks import has_media, media_keys, validated
 from prealign.loaders.mixture import Mixture
@@ -203,7 +204,7 @@ class _Reader(IterableDataset):
         events: list = []
         buffer: list[tuple[int, int, dict]] = []  # (aligned size, id, sample)
         pending: list[tuple[int, str, dict]] = []
-        fixed: dict = {}
+        rule = FixedDims(self.schema)  # (the index's rule: the first sample with a named dim fixes it)
         mkeys = media_keys(self.schema)
 
         def bad(reason: str, where: str, err: Exception) -> None:
@@ -217,13 +218,11 @@ class _Reader(IterableDataset):
                                                             actual=res.actual))
                     continue
                 n, dims = res
-                clash = next((d for d, v in dims.items() if fixed.get(d, v) != v), None)
-                if clash is not None:
-                    bad("dim_mismatch", where, BadSampleError(sample=where, field=None, reason="dim_mismatch",
-                                                              expected=f"{clash} = {fixed[clash]}",
-                                                              actual=f"{clash} = {dims[clash]}"))
+                refuse = rule.admit(dims, where)
+                if refuse is not None:
+                    err = refuse(where)
+                    bad(err.reason, where, err)
                     continue
-                fixed.update(dims)
                 if n > self.cap:
                     if self.oversize is Oversize.ERROR:
                         raise OversizeSampleError(sample=where, field="input_ids", expected=f"<= {self.cap} tokens",

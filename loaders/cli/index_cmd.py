@@ -372,7 +372,25 @@ def _check(source, shards: list[int], out: str | None, rank: int, world: int) ->
     for url, what in problems.items():
         print(f"prealign index --check: {url}: {what}", file=sys.stderr)
     print(f"{len(shards) - len(problems)}/{len(shards)} shard(s) match their sidecars", file=sys.stderr)
-    return 1 if problems else 0
+    stale = _check_merged(source, shards, out)  # what a loader reads first: checked as it checks it
+    for where, what in stale.items():
+        print(f"prealign index --check: {where}: {what}", file=sys.stderr)
+    if stale:
+        print(f"the merged index is stale ({len(stale)} problem(s)): a loader refuses it; run `prealign index "
+              f"--merge` with the flags that built the sidecars to rewrite it", file=sys.stderr)
+    return 1 if problems or stale else 0
+
+
+def _check_merged(source, shards: list[int], out: str | None) -> dict[str, str]:
+    """:func:`~prealign.loaders.index.merged.check_merged` of the source (its sidecars in ``out`` when given)."""
+    import copy
+
+    from prealign.loaders.index.merged import check_merged
+
+    if out:
+        source = copy.copy(source)
+        source.index_dir = out
+    return check_merged(source, shards)
 
 
 def main(argv: list[str] | None = None) -> int:  # for `python -m prealign.loaders.cli.index_cmd`

@@ -24,7 +24,8 @@ import numpy as np
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from prealign.loaders.errors import BadSampleError
-from prealign.loaders.index.events import error_from_record, error_record, record_reason
+from prealign.loaders.index.apply_policy import apply_policy, records_of_results, records_of_sidecars
+from prealign.loaders.index.events import error_record
 from prealign.loaders.index.merged import merged_index, merged_records, read_merged
 from prealign.loaders.index.sample_checks import (
     FIELDS_KEY,
@@ -38,11 +39,11 @@ from prealign.loaders.index.sample_checks import (
     value_errors,
 )
 from prealign.loaders.index.sample_index import SampleIndex
-from prealign.loaders.index.sidecar import check_source
-from prealign.loaders.policy import BadDataGate, BadDataPolicy
+from prealign.loaders.index.source_index import check_source
+from prealign.loaders.policy import BadDataPolicy
 from prealign.loaders.sources.source import Skip, Source
 from prealign.schemas.errors import PrealignError, SampleError
-from prealign.schemas.schema import BatchSchema, Role
+from prealign.schemas.schema import BatchSchema
 
 
 def _name(source: Source, shard: int, loc, item) -> str:
@@ -140,73 +141,14 @@ def scan_shards(source: Source, schema: BatchSchema, shards: list[int], *, num_w
     return [results[s] for s in shards]
 
 
-def _dim_mismatch(fixed: dict[str, int], dims: dict[str, int]) -> str | None:
-    """The first named dim of ``dims`` whose size differs from ``fixed``'s, or None."""
-    return next((d for d, n in dims.items() if fixed.get(d, n) != n), None)
-
-
 def merge_shards(results: list[dict], policy: BadDataPolicy, width: int, *,
                  where: Callable[[tuple], str] | None = None, schema: BatchSchema | None = None) -> SampleIndex:
-    """Apply the bad-data policy over the records in shard order and build the index.
-
-    The first good sample with a named dim (``K``, ...) fixes its size; a later one with another
-    size is a bad sample (reason ``dim_mismatch``: no micro-batch could hold both), named by
-    ``where(location)`` and, with ``schema``, by the first field declaring the dim."""
+    """The index of :func:`index_shard` results in shard order: :func:`~prealign.loaders.index.apply_policy.
+    apply_policy` (the bad-data policy; the first good sample with a named dim, ``K``, ..., fixes its size, and a
+    later one with another size is a bad sample, reason ``dim_mismatch``, named by ``where(location)`` and, with
+    ``schema``, by the first field declaring the dim)."""
     name = where or (lambda loc: f"location {list(loc)}")
-    gate = BadDataGate(policy)
-    fixed: dict[str, int] = {}
-    fixed_by: dict[str, str] = {}
-    dropped: list[set[int]] = []  # per shard result: good-sample positions left out (dim_mismatch)
-    fields: tuple[str, str] | None = None  # (optional fields present, the sample that fixed them)
-    for res in results:
-        out: set[int] = set()
-        k = 0
-        for ev in res["events"]:
-            if ev[0] == "ok":
-                dims = dict(res["dims"][res["dim_ids"][k]]) if res.get("dims") else {}
-                has = dims.pop(FIELDS_KEY, None)
-                bad = _dim_mismatch(fixed, dims)
-                if has is not None and fields is not None and has != fields[0]:
-                    out.add(k)
-                    who = name(tuple(res["locations"][k]))
-                    mine, first = set(filter(None, has.split(","))), set(filter(None, fields[0].split(",")))
-                    gate.bad("field_mismatch", who, BadSampleError(
-                        sample=who, field=sorted(mine ^ first)[0], reason="field_mismatch",
-                        expected=f"optional fields {sorted(first)} like the first indexed sample ({fields[1]}): a "
-                                 f"micro-batch cannot mix samples with and without a field",
-                        actual=f"fields {sorted(mine)}"))
-                elif bad is None:
-                    if has is not None and fields is None:
-                        fields = (has, name(tuple(res["locations"][k])))
-                    for d in dims.keys() - fixed.keys():
-                        fixed[d], fixed_by[d] = dims[d], name(tuple(res["locations"][k]))
-                    gate.good()
-                else:
-                    out.add(k)
-                    who = name(tuple(res["locations"][k]))
-                    field = next((f.name for f in (schema.of_role(Role.TOKEN) if schema is not None else ())
-                                  if bad in (*f.leading_shape, *f.dense_shape)), None)
-                    gate.bad("dim_mismatch", who, BadSampleError(
-                        sample=who, field=field, reason="dim_mismatch", actual=f"{bad} = {dims[bad]}",
-                        expected=f"{bad} = {fixed[bad]} (fixed by the first indexed sample with it, {fixed_by[bad]})"))
-                k += 1
-            elif ev[0] == "skip":
-                gate.report.add(ev[1], ev[2], ev[3])
-            else:
-                gate.bad(record_reason(ev[2]), ev[1], error_from_record(ev[2]))
-        dropped.append(out)
-
-    def good(key: str):
-        return (v for r, out in zip(results, dropped) for k, v in enumerate(r[key]) if k not in out)
-
-    locs = list(good("locations"))
-    n = len(locs)
-    width = max((len(loc) for loc in locs), default=width)
-    return SampleIndex(lengths=np.fromiter(good("lengths"), np.int64, n),
-                       locations=np.asarray(locs, dtype=np.int64).reshape(n, width),
-                       shards=np.fromiter((r["shard"] for r, out in zip(results, dropped)
-                                           for k in range(len(r["lengths"])) if k not in out), np.int64, n),
-                       report=gate.report, media=np.fromiter((bool(m) for m in good("media")), bool, n), dims=fixed)
+    return apply_policy(records_of_results(results, width), policy, schema, where=name)
 
 
 def resolve_signatures(records: dict[int, dict], source: Source, schema: BatchSchema) -> dict[int, dict]:
@@ -324,46 +266,12 @@ def _checked_non_empty(index: SampleIndex) -> SampleIndex:
                              actual=f"none ({index.report.to_dict()['counts']})")
     return index
 def merge_records(results: list[dict], policy, *, where, schema):
-    """:func:`~prealign.loaders.index.build.merge_shards` for records read from sidecars, vectorised: the same
-    index and report (the bad-data policy applied to the recorded bad events in stream order), at a cost
-    per shard and per bad event instead of per sample. Falls back to ``merge_shards`` when any record is
-    not a sidecar's or two shards disagree on a named dim (its per-sample ``dim_mismatch`` handling)."""
-    def per_sample():  # the records as index_shard gives them
-        return merge_shards([_with_locations(r) for r in results], policy, width=4, where=where, schema=schema)
-
-    fixed: dict = {}
-    for r in results:
-        if not r.get("sidecar"):
-            return per_sample()
-        for d in r["dims"]:
-            if any(fixed.get(k, v) != v for k, v in d.items()):
-                return per_sample()
-            fixed.update(d)
-    gate = BadDataGate(policy)
-    for r in results:
-        pos = 0
-        for at, ev in r["bad_events"]:
-            if at > pos:
-                gate.good()  # an ok record between bad ones resets the consecutive count
-            pos = at + 1
-            if ev[0] == "skip":
-                gate.report.add(ev[1], ev[2], ev[3])
-            else:
-                gate.bad(record_reason(ev[2]), ev[1], error_from_record(ev[2]))
-        if len(r["events"]) > pos:
-            gate.good()
-    fixed.pop(FIELDS_KEY, None)  # which optional fields the samples have: agreed above, not a named dim
-
-    def cat(key: str, dtype) -> np.ndarray:
-        return np.concatenate([np.asarray(r[key], dtype=dtype) for r in results]) if results else np.zeros(0, dtype)
-
-    shards = np.repeat(np.asarray([r["shard"] for r in results], np.int64), [len(r["lengths"]) for r in results])
-    locations = np.empty((shards.size, 4), np.int64)
-    locations[:, 0] = shards
-    if shards.size:
-        np.concatenate([r["spans"] for r in results], out=locations[:, 1:])
-    return SampleIndex(lengths=cat("lengths", np.int64), locations=locations, shards=shards,
-                       report=gate.report, media=cat("media", bool), dims=fixed)
+    """:func:`merge_shards` for records read from sidecars, vectorised (:func:`~prealign.loaders.index.
+    apply_policy.records_of_sidecars`: a cost per shard and per bad record, not per sample): the same index and
+    report. Records some of which come from the pass in process go through the per-sample adapter."""
+    if all(r.get("sidecar") for r in results):
+        return apply_policy(records_of_sidecars(results), policy, schema, where=where)
+    return merge_shards([_with_locations(r) for r in results], policy, width=4, where=where, schema=schema)
 
 
 def _with_locations(record: dict) -> dict:

@@ -29,20 +29,24 @@ malformed is a :class:`~prealign.loaders.errors.StaleIndexError` naming the file
 """
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 
 import numpy as np
 
-from prealign.loaders.errors import StaleIndexError
+from prealign.loaders.errors import IndexMismatchError, StaleIndexError
 from prealign.loaders.index import sidecar
-from prealign.loaders.index.events import error_from_record, record_reason
-from prealign.loaders.index.sample_checks import FIELDS_KEY, bad_row_event, signature_verdicts, value_errors
+from prealign.loaders.index.apply_policy import Records, apply_policy
+from prealign.loaders.index.sample_checks import bad_row_event, signature_verdicts, value_errors
 from prealign.loaders.index.sample_index import SampleIndex
-from prealign.loaders.policy import BadDataGate, BadDataPolicy
+from prealign.loaders.index.shard_checks import ShardChecks, check_remote_now
+from prealign.loaders.index.source_index import check_meta
+from prealign.loaders.index.tiling import bad_regions, check_tiling
+from prealign.loaders.policy import BadDataPolicy
 from prealign.loaders.sources import remote
 from prealign.loaders.sources.npy import read_npz
-from prealign.loaders.sources.shard_files import shard_name, write_atomically
+from prealign.loaders.sources.shard_files import shard_name, shard_names, write_atomically
 from prealign.schemas.errors import PrealignError
 
 FORMAT = "prealign-merged-index"
@@ -137,9 +141,9 @@ def merged_index(source, schema, policy: BadDataPolicy, *, found=_UNREAD) -> Sam
     :func:`~prealign.loaders.index.sample_checks.signature_verdicts`) and per bad record, not per shard or
     sample (the one :func:`~prealign.loaders.index.build.merge_records` makes from
     the same records: the bad-data policy applied to the recorded bad events in stream order); sets
-    ``source.shard_check``. None when there is no merged index for these shards, or the shards disagree on a
-    named dim or on which optional fields they have (the per-sample path handles that:
-    :func:`merged_records`). ``found``: :func:`read_merged`'s answer, when read already."""
+    ``source.shard_check``. The policy and the fixed-dims rule are :func:`~prealign.loaders.index.apply_policy.
+    apply_policy`'s, as on every path. None when there is no merged index for these shards. ``found``:
+    :func:`read_merged`'s answer, when read already."""
     found = _read(source, schema) if found is _UNREAD else found
     if found is None:
         return None
@@ -148,47 +152,76 @@ def merged_index(source, schema, policy: BadDataPolicy, *, found=_UNREAD) -> Sam
     shards = np.repeat(np.arange(len(table), dtype=np.int64), table[:, 1])
     locations = np.empty((shards.size, 4), np.int64)
     locations[:, 0], locations[:, 1:] = shards, a["spans"]
-    _install_checks(source, meta, table)  # (the samples loaded below are checked against it too)
+    _install_checks(source, meta, a, table)  # (the samples loaded below are checked against it too)
     verdicts, errors = signature_verdicts(source, schema, meta["dims"], a["dim_ids"], locations, a["lengths"])
     errors.update(value_errors(source, schema, a["bounds"], locations, a["dim_ids"], verdicts, errors))
-    fixed: dict = {}
-    for d in (v for v in verdicts if v is not None):  # the signatures made this schema's, as the sidecars' path
-        if any(fixed.get(k, v) != v for k, v in d.items()):
-            return None
-        fixed.update(d)
-    fixed.pop(FIELDS_KEY, None)
     first_record = np.concatenate([[0], np.cumsum(table[:, 2])])
-    recorded = [(int(first_record[shard]) + pos, ev) for shard, pos, ev in meta["events"]]
-    if errors:  # rows found bad under this schema: bad records at their places in the stream
-        is_event = np.zeros(int(first_record[-1]), bool)
-        is_event[[at for at, _ in recorded]] = True
-        ok_at = np.flatnonzero(~is_event)  # stream position of each good row
-        recorded += [(int(ok_at[row]), bad_row_event(err)) for row, err in errors.items()]
-    gate, last = BadDataGate(policy), -1
-    for at, ev in sorted(recorded, key=lambda e: e[0]):  # the whole stream's bad records, in order
-        if at > last + 1:
-            gate.good()  # an ok record between bad ones resets the consecutive count
-        last = at
-        if ev[0] == "skip":
-            gate.report.add(ev[1], ev[2], ev[3])
-        else:
-            gate.bad(record_reason(ev[2]), ev[1], error_from_record(ev[2]))
+    events = [(int(first_record[shard]) + pos, ev) for shard, pos, ev in meta["events"]]
+    is_event = np.zeros(int(first_record[-1]), bool)
+    is_event[[at for at, _ in events]] = True
+    good_at = np.flatnonzero(~is_event)  # stream position of each row
     keep = np.ones(shards.size, bool)
-    keep[list(errors)] = False
+    if errors:  # rows found bad under this schema: bad records at their places in the stream
+        keep[list(errors)] = False
+        events = sorted([*events, *((int(good_at[row]), bad_row_event(err)) for row, err in errors.items())],
+                        key=lambda e: e[0])
+    records = Records(lengths=a["lengths"][keep], locations=locations[keep], shards=shards[keep],
+                      media=a["media"][keep], dim_ids=a["dim_ids"][keep], good_at=good_at[keep], events=events,
+                      signatures=[v or {} for v in verdicts])
+    index = apply_policy(records, policy, schema, where=source.where)
     sizes = table[:, 0].tolist()
-    if any(u[:5].lower() == "pipe:" for u in source.urls):  # a command's output has no size to check
+    if not getattr(source, "local_only", False) and any(u[:5].lower() == "pipe:" for u in source.urls):
+        # a command's output has no size to check
         sizes = [-1 if remote.scheme(u) == "pipe" else n for u, n in zip(source.urls, sizes)]
-    return SampleIndex(lengths=a["lengths"][keep], locations=locations[keep], shards=shards[keep], report=gate.report,
-                       media=a["media"][keep], dims=fixed, source_shards={"names": meta["names"], "sizes": sizes})
+    return dataclasses.replace(index, source_shards={"names": meta["names"], "sizes": sizes})
 
 
-def _install_checks(source, meta: dict, table: np.ndarray) -> None:
+def _regions(meta: dict, spans: np.ndarray, table: np.ndarray) -> dict:
+    """``{shard: bad_regions(...)}`` of the shards with bad or skipped records (a cost per bad record)."""
+    by_shard: dict[int, list] = {}
+    for shard, pos, ev in meta["events"]:
+        by_shard.setdefault(shard, []).append([pos, ev])
+    starts = np.concatenate([[0], np.cumsum(table[:, 1])])
+    return {s: r for s, evs in by_shard.items()
+            if (r := bad_regions(spans[starts[s]:starts[s + 1]], evs, int(table[s, 2])))}
+
+
+def _install_checks(source, meta: dict, a: dict, table: np.ndarray) -> None:
     """``source.shard_check``: each shard checked against the merged index at its first read."""
-    checks = sidecar.ShardChecks(len(table), {})
+    source.shard_check = _checks(meta, a, table)
+    check_remote_now(source)
+
+
+def _checks(meta: dict, a: dict, table: np.ndarray) -> ShardChecks:
+    checks = ShardChecks(len(table), {})
     checks.sizes[:], checks.first[:], checks.last[:] = table[:, 0], table[:, 3], table[:, 4]
     checks.probes[:] = meta["probes"]
-    source.shard_check = checks
-    sidecar.check_remote_now(source)
+    checks.regions = _regions(meta, a["spans"], table)
+    return checks
+
+
+def check_merged(source, shards=None) -> dict[str, str]:
+    """What a loader would refuse of ``source``'s merged index, checked as a loader checks it (``prealign index
+    --check``, so the two agree on staleness): the file itself (format, the shard names, the transform it was
+    built for; under its path), then each of ``shards`` (default: all) as its first read checks it (size, first
+    and last 64 KiB, the bytes around its bad records: :class:`ShardChecks`; under the shard's URL).
+    ``{where: what differs}``, empty when it matches or there is no merged index for exactly these shards."""
+    path = merged_path(source)
+    try:
+        found = _read(source, None)
+    except StaleIndexError as exc:
+        return {path: str(exc)}
+    if found is None:
+        return {}
+    meta, a = found
+    checks = _checks(meta, a, a["shards"])
+    problems = {}
+    for shard in range(source.num_shards) if shards is None else shards:
+        try:
+            checks(source, shard, again=True)
+        except IndexMismatchError as exc:
+            problems[source.urls[shard]] = f"the merged index {path} does not match: {exc}"
+    return problems
 
 
 def _read(source, schema) -> tuple[dict, dict[str, np.ndarray]] | None:
@@ -205,9 +238,9 @@ def _read(source, schema) -> tuple[dict, dict[str, np.ndarray]] | None:
     if data is None:
         return None
     meta, a = _parse(data, path)
-    if len(meta["names"]) != len(source.urls) or meta["names"] != [shard_name(u) for u in source.urls]:
+    if len(meta["names"]) != len(source.urls) or meta["names"] != shard_names(source.urls):
         return None  # an index of another selection of shards: the sidecars, one by one
-    sidecar.check_meta(source, source.urls[0], {**meta["common"], "shard": meta["names"][0]},
+    check_meta(source, source.urls[0], {**meta["common"], "shard": meta["names"][0]},
                        sidecar.config_key(source, schema))
     return meta, a
 
@@ -227,13 +260,14 @@ def merged_records(source, schema, *, found=_UNREAD) -> dict[int, dict] | None:
     by_shard: dict[int, list] = {}
     for shard, pos, ev in meta["events"]:
         by_shard.setdefault(shard, []).append([pos, ev])
+    regions = _regions(meta, a["spans"], table)
     out = {}
     for s, (size, _, num_events, first, last) in enumerate(table.tolist()):
         lo, hi = bounds[s], bounds[s + 1]
         arrays = {k: a[k][lo:hi] for k in ("spans", "lengths", "media", "dim_ids", "bounds")}
         record = sidecar.record_of({"shard": meta["names"][s], "num_events": num_events, "dims": meta["dims"],
                                     "events": by_shard.get(s, [])}, arrays, s)
-        out[s] = {**record, "check": (size, meta["probes"][s], first, last)}
+        out[s] = {**record, "check": (size, meta["probes"][s], first, last), "regions": regions.get(s, [])}
     return out
 
 
@@ -254,9 +288,9 @@ def _parse(data: bytes, path: str) -> tuple[dict, dict[str, np.ndarray]]:
     if meta.get("version") != VERSION:
         raise bad(f"format version {meta.get('version')!r}, this prealign reads version {VERSION}")
     names, probes, dims, events = (meta.get(k) for k in ("names", "probes", "dims", "events"))
-    if not (isinstance(names, list) and names and all(isinstance(n, str) for n in names)
-            and isinstance(probes, list) and len(probes) == len(names)
-            and all(isinstance(p, str) and len(p) <= 16 and p.isascii() for p in probes)
+    if not (isinstance(names, list) and names and set(map(type, names)) == {str}  # (C loops: 100k names)
+            and isinstance(probes, list) and len(probes) == len(names) and set(map(type, probes)) == {str}
+            and max(map(len, probes)) <= 16 and "".join(probes).isascii()
             and isinstance(meta.get("common"), dict) and isinstance(events, list)):
         raise bad("meta names / probes / common / events malformed")
     if not sidecar.dims_ok(dims):
@@ -286,37 +320,8 @@ def _parse(data: bytes, path: str) -> tuple[dict, dict[str, np.ndarray]]:
     if np.any(rows + np.bincount([e[0] for e in events], minlength=s) != num_events) or \
             any(b <= a for a, b in zip(at, at[1:])):
         raise bad("per-shard event counts do not add up, or events out of order or given twice")
-    _check_tiling(spans, owner, table, at, bad)
-    return meta, a
-
-
-def _check_tiling(spans: np.ndarray, owner: np.ndarray, table: np.ndarray, events: list, bad) -> None:
-    """Each shard's good samples tile it as the index pass found them, as a sidecar's do
-    (:func:`~prealign.loaders.index.sidecar.parse_sidecar`), for all shards at once: in order, never
-    overlapping, two samples with no bad or skipped record between them adjacent (a removed row leaves a gap
-    nothing explains), and ``first`` / ``last`` those of :func:`~prealign.loaders.index.sidecar.expected_of`."""
-    first_record = np.concatenate([[0], np.cumsum(table[:, 2])])
-    is_event = np.zeros(int(first_record[-1]), bool)
-    is_event[[int(first_record[sh]) + pos for sh, pos in events]] = True
-    at = np.flatnonzero(~is_event)  # the stream position of each good sample, shard after shard
-    same = owner[1:] == owner[:-1]
-    if np.any(same & (spans[1:, 0] < spans[:-1, 1])):
-        raise bad("samples of a shard overlap or are out of order (a repeated or reordered row)")
-    gap = same & (at[1:] == at[:-1] + 1) & (spans[1:, 0] != spans[:-1, 1])
-    if np.any(gap):
-        i = int(np.argmax(gap))
-        raise bad(f"shard {int(owner[i])}: a gap of {int(spans[i + 1, 0] - spans[i, 1])} bytes between two samples "
-                  "with no bad or skipped record between them (a removed row)")
-    rows = table[:, 1]
-    lo = np.concatenate([[0], np.cumsum(rows)])[:-1]
-    has = rows > 0
-    first = np.full(len(table), -1, np.int64)
-    last = np.full(len(table), -1, np.int64)
-    head_good, tail_good = has.copy(), has.copy()  # (a shard with samples has records: indices in range)
-    head_good[has] = ~is_event[first_record[:-1][has]]
-    tail_good[has] = ~is_event[first_record[1:][has] - 1]
-    first[head_good] = spans[lo[head_good], 0]
-    last[tail_good] = spans[lo[tail_good] + rows[tail_good] - 1, 1]
+    first, last = check_tiling(spans, owner, num_events, at, bad)
     if np.any(table[:, 3] != first) or np.any(table[:, 4] != last):
         sh = int(np.argmax((table[:, 3] != first) | (table[:, 4] != last)))
         raise bad(f"shard {sh}: first / last byte {table[sh, 3:].tolist()}, its samples give {[first[sh], last[sh]]}")
+    return meta, a

@@ -143,7 +143,8 @@ def signature_verdicts(source, schema: BatchSchema, signatures: list, dim_ids: n
 def _length_mismatch(source, loc: tuple, indexed: int, got: int) -> StaleIndexError:
     """A sample's length from its sidecar differs from this loader's transform's: the sidecars were built with
     another transform (one the key does not tell apart), named with the command that rebuilds them."""
-    from prealign.loaders.index.sidecar import index_hint, transform_name
+    from prealign.loaders.index.hints import index_hint
+    from prealign.loaders.index.sidecar import transform_name
 
     hint = index_hint(source) if getattr(source, "urls", None) else "rebuild the index with this transform"
     return StaleIndexError(source.where(loc), f"indexed with {indexed} tokens, {got} with this loader's transform "

@@ -62,13 +62,12 @@ import os
 import stat
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
 
 import numpy as np
 
 from prealign.loaders.errors import (
     ChangedShardError,
-    ExtraShardError,
-    IndexFileError,
     MissingShardError,
     NotRegularFileError,
     ShardTimeoutError,
@@ -77,6 +76,7 @@ from prealign.loaders.errors import (
 from prealign.loaders.handoff import identity
 from prealign.loaders.handoff.identity import identity_digest, index_fields
 from prealign.loaders.handoff.media_share import SharedMediaTransform
+from prealign.loaders.index.tiling import check_tiling
 from prealign.loaders.media.vlm import VLMSampleTransform
 from prealign.loaders.sources import remote
 from prealign.loaders.sources.deadline import Stalled, map_with_timeout
@@ -85,11 +85,9 @@ from prealign.loaders.sources.shard_files import (
     NotRegular,
     file_kind,
     open_regular,
-    shard_name,
     sidecar_path,
     write_atomically,
 )
-from prealign.loaders.sources.webdataset import numpy_fields
 
 FORMAT = "prealign-sidecar"
 VERSION = 3
@@ -228,15 +226,20 @@ def write_sidecar(path: str, record: dict, *, shard: str, fingerprint: dict, con
     write_atomically(path, buf.getvalue())
 
 
-def parse_sidecar(data: bytes, *, shard: str, source=None) -> tuple[dict, dict[str, np.ndarray]]:
+def parse_sidecar(data: bytes, *, shard: str, fix: str | Callable[[], str] | None = None
+                  ) -> tuple[dict, dict[str, np.ndarray]]:
     """``(meta, arrays)`` of sidecar bytes, every key, dtype and shape checked (never unpickled).
-    Raises :class:`StaleIndexError` naming ``shard`` on anything unexpected, with the command that rebuilds it
-    (:func:`index_command` of ``source`` when given)."""
-    fix = index_hint(source) if source is not None else \
-        "re-run `prealign index --force` on it, with the flags that built it (--text, --tokenizer DIR, ...)"
+    Raises :class:`StaleIndexError` naming ``shard`` on anything unexpected, with ``fix``: the command that
+    rebuilds it, or a function giving it (called only then: :func:`~prealign.loaders.index.hints.index_hint`
+    walks every shard name, never to be paid by a healthy sidecar)."""
+
+    def hint() -> str:
+        if fix is None:
+            return "re-run `prealign index --force` on it, with the flags that built it (--text, --tokenizer DIR, ...)"
+        return fix() if callable(fix) else fix
 
     def bad(what: str) -> StaleIndexError:
-        return StaleIndexError(shard, f"sidecar index unreadable: {what}", fix)
+        return StaleIndexError(shard, f"sidecar index unreadable: {what}", hint())
 
     try:
         # views of data (never unpickled); members may not declare far more than the file holds
@@ -261,7 +264,7 @@ def parse_sidecar(data: bytes, *, shard: str, source=None) -> tuple[dict, dict[s
     if meta.get("version") != VERSION:
         raise StaleIndexError(shard, f"sidecar format version {meta.get('version')!r}, this prealign reads "
                                      f"version {VERSION} (version 3 sidecars serve any schema; their shape patterns "
-                                     "never collide)", fix)
+                                     "never collide)", hint())
     types = {"shard": str, "size": int, "hash": str, "config": str, "dims": list, "events": list, "num_events": int}
     for key, typ in types.items():
         if not isinstance(meta.get(key), typ) or isinstance(meta.get(key), bool):
@@ -317,28 +320,13 @@ def event_ok(ev) -> bool:
 
 
 def _check_spans(spans: np.ndarray, events: list, num_events: int, bad) -> None:
-    """The good samples' byte ranges tile the shard as the index pass found them: in order, never
-    overlapping (a repeated or reordered row), and two samples with no bad or skipped record between
-    them adjacent (a removed row leaves a gap nothing explains)."""
+    """The good samples' byte ranges tile the shard as the index pass found them
+    (:func:`~prealign.loaders.index.tiling.check_tiling`, the merged index's check, for one shard)."""
     positions = [e[0] for e in events]
     if any(not 0 <= p < num_events for p in positions) or any(b <= a for a, b in zip(positions, positions[1:])):
         raise bad("event positions out of range or out of order")
-    if len(spans) < 2:
-        return
-    ends, starts = spans[:-1, 1], spans[1:, 0]
-    if np.any(starts < ends):
-        i = int(np.argmax(starts < ends))
-        raise bad(f"sample {i + 1}'s bytes {int(spans[i + 1, 0])}..{int(spans[i + 1, 1])} overlap or precede "
-                  f"sample {i}'s {int(spans[i, 0])}..{int(spans[i, 1])} (a repeated or reordered row)")
-    ok = np.ones(num_events, dtype=bool)
-    ok[positions] = False
-    at = np.flatnonzero(ok)  # the event position of each good sample, in order
-    adjacent = at[1:] == at[:-1] + 1
-    gap = adjacent & (starts != ends)
-    if np.any(gap):
-        i = int(np.argmax(gap))
-        raise bad(f"a gap of {int(starts[i] - ends[i])} bytes between samples {i} and {i + 1} with no bad or "
-                  f"skipped record between them (a removed row)")
+    check_tiling(spans, np.zeros(len(spans), np.int64), np.asarray([num_events], np.int64),
+                 [(0, p) for p in positions], bad)
 
 
 def record_of(meta: dict, arrays: dict[str, np.ndarray], shard: int) -> dict:
@@ -410,70 +398,6 @@ def config_key(source, schema=None) -> str:
     return identity_digest(transform_fields(source))
 
 
-def shell_shards(urls: list[str]) -> str:
-    """``urls`` as shell arguments: a quoted brace range when they are one numbered run
-    (``'data/shard-{000..099}.tar'``), else each quoted.
-
-    >>> shell_shards(["d/s-008.tar", "d/s-009.tar", "d/s-010.tar"]), shell_shards(["a.tar", "b c.tar"])
-    ("'d/s-{008..010}.tar'", "a.tar 'b c.tar'")
-    """
-    import re
-    import shlex
-
-    parts = [re.fullmatch(r"(.*?)(\d+)(\D*)", u) for u in urls]
-    if len(urls) > 2 and all(parts):
-        heads = {(m.group(1), m.group(3), len(m.group(2))) for m in parts}
-        nums = [int(m.group(2)) for m in parts]
-        if len(heads) == 1 and nums == list(range(nums[0], nums[0] + len(nums))):
-            head, tail, width = heads.pop()
-            return shlex.quote(f"{head}{{{nums[0]:0{width}d}..{nums[-1]:0{width}d}}}{tail}")
-    return " ".join(shlex.quote(u) for u in urls)
-
-
-def index_command(source) -> str:
-    """The ``prealign index`` command that writes sidecars this loader's source accepts, every path quoted for
-    a POSIX shell. Remote shards with no ``index_dir`` get ``--out prealign-index`` (a sidecar cannot be
-    written beside a remote object) and what to give the loader then."""
-    import shlex
-
-    transform = indexed_transform(source.transform)
-    urls = shell_shards(source.urls)
-    index_dir = getattr(source, "index_dir", None) or (REMOTE_INDEX_DIR if _remote_unindexed(source) else None)
-    out = f" --out {shlex.quote(index_dir)}" if index_dir else ""
-    if transform is numpy_fields:
-        mode = "--text"
-    elif isinstance(transform, VLMSampleTransform):
-        path = getattr(getattr(transform.tokenizer, "tokenizer", None), "name_or_path", "") or "TOKENIZER_DIR"
-        mode = f"--tokenizer {shlex.quote(path)}" if getattr(transform.tokenizer, "tokenizer", None) is not None else ""
-        mode += " --processor DIR_WITH_preprocessor_config.json" if transform.processor_options else ""
-        if transform.model_config is not None:  # the family (a folder with the model's config.json)
-            folder = getattr(transform.model_config, "name_or_path", "") or "MODEL_DIR_WITH_config.json"
-            mode += f" --model-config {shlex.quote(folder)}"
-        mode += f" --topk {transform.topk}" if transform.topk else ""
-        mode = mode.strip()
-    else:
-        return (f"write_sidecars(source, schema, force=True) from prealign.loaders.index.header_pass with this "
-                f"source's transform ({describe_transform(transform)})"
-                f"{f' and out_dir={index_dir!r}' if index_dir else ''}")
-    return f"prealign index {mode + ' ' if mode else ''}--force{out} {urls}"
-
-
-REMOTE_INDEX_DIR = "prealign-index"
-"""Where :func:`index_command` has the sidecars of remote shards written (relative to the working directory)."""
-
-
-def _remote_unindexed(source) -> bool:
-    return not getattr(source, "index_dir", None) and any(remote.is_remote(u) for u in source.urls)
-
-
-def index_hint(source) -> str:
-    """``run `<index_command>` `` and, for remote shards with no ``index_dir``, where the loader then finds the
-    sidecars."""
-    then = (f", then give WebDatasetSource(..., index_dir={REMOTE_INDEX_DIR!r}) (the folder it writes in the "
-            f"directory it runs in; or upload the sidecars beside the shards)") if _remote_unindexed(source) else ""
-    return f"run `{index_command(source)}`{then}"
-
-
 def transform_difference(meta: dict, source) -> str:
     """The first field of :func:`transform_fields` in which a sidecar's ``meta`` differs from ``source``'s."""
     then, now = meta.get("transform") or {}, transform_fields(source)
@@ -523,16 +447,28 @@ def _local_size(path: str) -> int | None:
     return None if stat.S_ISDIR(st.st_mode) else st.st_size
 
 
+def shard_size_now(source, shard: int) -> int | None:
+    """A shard's size now (``-1``: none, a ``pipe:`` command's output), None when it does not exist."""
+    url = source.urls[shard]
+    if remote.is_remote(url) or remote.scheme(url) == "pipe":
+        try:
+            return remote.size(url, source.remote)
+        except MissingShardError:
+            return None
+    st = regular_stat(remote.local_path(url), "shard")
+    return None if st is None else st.st_size
+
+
 PROBE = 1 << 16
 
 
 def shard_probe(source, shard: int, size: int) -> str:
     """blake2b-64 of a shard's first and last ``PROBE`` bytes (two reads): with the size, what the
     build-time check compares. A shard read only front to back (``pipe:``) has none (``""``)."""
-    return _probe(source, shard, size)[0]
+    return read_probe(source, shard, size)[0]
 
 
-def _probe(source, shard: int, size: int) -> tuple[str, bytes, bytes]:
+def read_probe(source, shard: int, size: int) -> tuple[str, bytes, bytes]:
     """``(shard_probe, the first PROBE bytes read, the last PROBE bytes read)``."""
 
     url = source.urls[shard]
@@ -573,7 +509,7 @@ def read_sidecar_bytes(source, shard: int, size: int | None = None) -> bytes | N
     def limit(n: int) -> int:  # (with no size given, the shard's only for a sidecar bigger than an empty shard's)
         if size is not None:
             return sidecar_limit(size)
-        return sidecar_limit(_size_now(source, shard)) if n > sidecar_limit(0) else n
+        return sidecar_limit(shard_size_now(source, shard)) if n > sidecar_limit(0) else n
     if remote.is_remote(path):
         data = remote.read_small(path, source.remote)
         if data is not None and len(data) > sidecar_limit(size):
@@ -584,41 +520,6 @@ def read_sidecar_bytes(source, shard: int, size: int | None = None) -> bytes | N
     return read_regular(remote.local_path(path), "sidecar", limit)
 
 
-def sidecar_records(source, schema) -> dict[int, dict]:
-    """``{shard: record}`` for every shard of ``source`` with a sidecar, each checked for itself (format, keys,
-    dtypes, shapes, the shard it names) and against this loader's transform (the schema: :func:`~prealign.loaders.index.build.resolve_signatures`); the shard itself is not
-    read here (:class:`ShardChecks`: at its first read). Sidecars are read on up to 8 threads when the first
-    reads show a file system's latency (:func:`per_shard`). Raises :class:`StaleIndexError` naming the shard and the difference."""
-    if not getattr(source, "sidecars", False):
-        return {}
-    key = config_key(source, schema)
-
-    def record(shard: int) -> dict | None:
-        url = source.urls[shard]
-        data = read_sidecar_bytes(source, shard)
-        if data is None:
-            return None
-        meta, arrays = parse_sidecar(data, shard=url, source=source)
-        check_meta(source, url, meta, key)
-        return {**record_of(meta, arrays, shard), "check": expected_of(meta, arrays["spans"])}
-
-    records = per_shard(source, record, threads=_SIDECAR_THREADS)
-    return {shard: r for shard, r in enumerate(records) if r is not None}
-
-
-_SIDECAR_THREADS = 8
-
-
-def check_meta(source, url: str, meta: dict, key: str) -> None:
-    """A sidecar's ``meta`` is that of shard ``url`` of ``source`` and built for this loader's transform
-    (``key``: :func:`config_key`); a mismatch names the field that differs and the command that fixes it."""
-    if meta["shard"] != shard_name(url):
-        raise StaleIndexError(url, f"its sidecar describes shard {meta['shard']!r}", "a sidecar of another shard")
-    if meta["config"] != key:
-        raise StaleIndexError(url, f"sidecar built for another transform ({transform_difference(meta, source)})",
-                              index_hint(source))
-
-
 def expected_of(meta: dict, spans: np.ndarray) -> tuple[int, str, int, int]:
     """What a shard's first read checks (:class:`ShardChecks`): ``(size, probe, first, last)``; ``first`` the
     byte where its first good sample starts when that is its first record (else -1), ``last`` where its last
@@ -627,151 +528,6 @@ def expected_of(meta: dict, spans: np.ndarray) -> tuple[int, str, int, int]:
     first = int(spans[0, 0]) if len(spans) and not (events and events[0][0] == 0) else -1
     last = int(spans[-1, 1]) if len(spans) and not (events and events[-1][0] == meta["num_events"] - 1) else -1
     return int(meta["size"]), str(meta.get("probe", "")), first, last
-
-
-class ShardChecks:
-    """A shard checked against its sidecar when it is first read, in the process that reads it (a DataLoader
-    worker or the main process), before any of its samples is served: it exists (else
-    :class:`MissingShardError`), has the recorded size and the same first and last 64 KiB (else
-    :class:`ChangedShardError`), and its sidecar accounts for the bytes before its first and after its last
-    sample (else :class:`StaleIndexError`). Never bad data: raised under every bad-data policy. Set on a
-    :class:`~prealign.loaders.sources.webdataset.WebDatasetSource` as ``shard_check`` by the index pass; the
-    loader's start costs no read of any shard. ``sizes`` int64 ``[S]`` (``-2``: shard not checked, e.g. indexed
-    in process), ``probes`` ``S16 [S]`` (hex, ``b""``: none), ``first`` / ``last`` int64 ``[S]`` (see :func:`expected_of`)."""
-
-    UNCHECKED = -2
-
-    def __init__(self, num_shards: int, expected: dict[int, tuple[int, str, int, int]]):
-        self.sizes = np.full(num_shards, self.UNCHECKED, np.int64)
-        self.first = np.full(num_shards, -1, np.int64)
-        self.last = np.full(num_shards, -1, np.int64)
-        self.probes = np.zeros(num_shards, "S16")  # (fixed-width: 1.6 MB at 100k shards, pickled to each worker)
-        for shard, (size, probe, first, last) in expected.items():
-            self.sizes[shard], self.probes[shard], self.first[shard], self.last[shard] = size, probe, first, last
-
-    checked_at_start = frozenset()
-    """Shards checked when the loader started (remote objects), so never again at a first read."""
-
-    def covers(self, shard: int) -> bool:
-        """Shard ``shard`` is checked against an index (a shard gone later is then a :class:`MissingShardError`)."""
-        return int(self.sizes[shard]) != self.UNCHECKED
-
-    def __call__(self, source, shard: int, *, again: bool = False) -> None:
-        recorded = int(self.sizes[shard])
-        if recorded == self.UNCHECKED or shard in self.checked_at_start and not again:
-            return
-        url = source.urls[shard]
-        size = _size_now(source, shard)
-        if size is None:
-            raise MissingShardError(url, f"does not exist (it had {recorded} bytes when indexed)",
-                                    "check the path, or re-run `prealign index` on the data as it is now")
-        if recorded >= 0 and size >= 0 and size != recorded:
-            raise ChangedShardError(url, f"{size} bytes now, {recorded} when indexed",
-                                    "the shard changed since `prealign index`: re-run it")
-        probe, first, last = _probe(source, shard, size)
-        if self.probes[shard] != probe.encode():
-            raise ChangedShardError(url, "its first or last 64 KiB differ from when it was indexed",
-                                    "the shard changed since `prealign index`: re-run it")
-        _check_head(url, int(self.first[shard]), first)
-        _check_tail(source, shard, int(self.last[shard]), size, last)
-
-
-def _size_now(source, shard: int) -> int | None:
-    """A shard's size now (``-1``: none, a ``pipe:`` command's output), None when it does not exist."""
-    url = source.urls[shard]
-    if remote.is_remote(url) or remote.scheme(url) == "pipe":
-        try:
-            return remote.size(url, source.remote)
-        except MissingShardError:
-            return None
-    st = regular_stat(remote.local_path(url), "shard")
-    return None if st is None else st.st_size
-
-
-def check_remote_now(source) -> None:
-    """Remote shards (http, s3, ...) checked at the loader's start, in this process, their round trips overlapping
-    on 16 threads: the process learns each object's identity and whether its server ignores Range (then keeps the
-    object whole) before its workers fork, so no worker downloads an object again to check it. Local shards (a
-    parallel file system included) wait for their first read."""
-    checks = source.shard_check
-    if checks is None:
-        return
-    far = [s for s in range(source.num_shards) if remote.is_remote(source.urls[s]) and checks.sizes[s] != checks.UNCHECKED]
-    per_shard(source, lambda s: checks(source, s), far)
-    checks.checked_at_start = frozenset(far)
-
-
-def check_all_shards(source, shards=None) -> int:
-    """Check ``shards`` (default: all) of ``source`` against their sidecars as their first read does
-    (:class:`ShardChecks`; on up to 8 threads when the file system is slow, :func:`per_shard`): the whole data
-    set's check at once (``PackedLoader.verify_shards``). Returns the number of shards checked; raises the
-    first failure in shard order."""
-    check = getattr(source, "shard_check", None)
-    if check is None:
-        return 0
-    shards = list(range(source.num_shards)) if shards is None else list(shards)
-    per_shard(source, lambda s: check(source, s, again=True), shards, threads=_SIDECAR_THREADS)
-    return sum(int(check.sizes[s]) != ShardChecks.UNCHECKED for s in shards)
-
-
-_NO_SAMPLE = frozenset(b"5gxLK")
-"""Tar entries that hold no sample: a folder, a pax global or per-entry header, a GNU long name or link."""
-
-
-def _entries_without_samples(data: bytes, at: int, stop: int) -> int | None:
-    """Walk the tar headers in ``data`` from ``at``: skip entries that hold no sample (:data:`_NO_SAMPLE`, their
-    data included) and stop at ``stop``, at a zero block (the end of the archive) or at the end of ``data``.
-    Returns where the walk stopped, or None when it met a member that is a file (a sample's)."""
-    while at < stop and at + 512 <= len(data):
-        head = data[at:at + 512]
-        if head == bytes(512):
-            return at
-        if head[156] not in _NO_SAMPLE:
-            return None
-        try:
-            size = int(head[124:136].split(b"\0")[0].strip() or b"0", 8)
-        except ValueError:
-            return None
-        at += 512 + -(-size // 512) * 512
-    return at
-
-
-def _check_head(url: str, start: int, first: bytes) -> None:
-    """When a sidecar's first record is a good sample starting at byte ``start`` (``-1``: it is not), only
-    entries that hold no sample (folders, pax and GNU name headers) may precede it: a removed first row leaves
-    a sample's member there. Read from ``first`` (the probe's first ``PROBE`` bytes: no read of its own; past
-    them, not checked)."""
-    if start < 0 or start > len(first) or start % 512:
-        return
-    if _entries_without_samples(first, 0, start) != start:
-        raise StaleIndexError(url, f"sidecar index does not account for the shard: bytes 0..{start} before its first "
-                                   f"sample hold a member, not only folder or header entries (a removed row?)",
-                              "re-run `prealign index` on it")
-
-
-def _check_tail(source, shard: int, lo: int, size: int, last: bytes) -> None:
-    """When a sidecar's last record is a good sample ending at byte ``lo`` (``-1``: it is not), only entries
-    that hold no sample, then the end of the archive (a zero block, or the file's end) may follow it: a removed
-    last row leaves a sample's tar header there instead. Read from ``last`` (the probe's last ``PROBE`` bytes:
-    no read of its own), or for a local shard whose end lies before them one small read (a remote one: not
-    checked; none for a shard read only front to back)."""
-    url = source.urls[shard]
-    if lo < 0 or size < 0 or remote.is_sequential(url):
-        return
-    if len(last) == min(PROBE, size) and lo >= size - len(last):
-        tail = last[lo - (size - len(last)):]
-    elif remote.is_remote(url):
-        return
-    else:
-        with open(remote.local_path(url), "rb") as f:
-            f.seek(lo)
-            tail = f.read(PROBE)
-    stopped = _entries_without_samples(tail, 0, len(tail))
-    ended = stopped is not None and (stopped + 512 <= len(tail) or lo + stopped >= size)
-    if stopped is None or not ended and len(tail) == size - lo:
-        raise StaleIndexError(url, f"sidecar index does not account for the shard: the entries after its last "
-                                   f"sample (byte {lo}) hold a member, not only folder entries and the end of the "
-                                   f"archive (a removed row?)", "re-run `prealign index` on it")
 
 
 def per_shard(source, fn, shards=None, *, threads: int = 0) -> list:
@@ -795,6 +551,8 @@ def per_shard(source, fn, shards=None, *, threads: int = 0) -> list:
     return head + (_threaded(fn, rest, threads) if slow else [fn(s) for s in rest])
 
 
+SIDECAR_THREADS = 8
+"""Threads sidecars and shard checks are read on when the file system is slow (:func:`per_shard`)."""
 _TIMED_CALLS = 32
 _SLOW_CALL = 1e-3
 
@@ -802,65 +560,3 @@ _SLOW_CALL = 1e-3
 def _threaded(fn, shards: list, threads: int) -> list:
     with ThreadPoolExecutor(max_workers=min(threads, len(shards)), thread_name_prefix="prealign-shard") as pool:
         return list(pool.map(fn, shards))
-
-
-def check_source(source, schema, records: dict[int, dict] | None = None) -> tuple[dict[int, dict], dict | None]:
-    """Checks run when a loader is built, before any batch, whatever the bad-data policy, for a
-    :class:`~prealign.loaders.sources.webdataset.WebDatasetSource` (other sources: ``{}, None``): each sidecar
-    read and checked (:func:`sidecar_records`), and every shard without one (to be indexed now) exists (a brace
-    range naming absent files, an unreachable URL: :class:`MissingShardError`). A shard with a sidecar is not
-    touched here: ``source.shard_check`` (:class:`ShardChecks`) checks it when it is first read. Returns the
-    sidecar records (``{shard: record}``; ``records``: read already, from a merged index) and ``{"names",
-    "sizes"}`` of the shards (sizes as recorded)."""
-    if not hasattr(source, "urls"):
-        return {}, None
-    records = sidecar_records(source, schema) if records is None else records
-    rest = [s for s in range(source.num_shards) if s not in records]
-    sizes = dict(zip(rest, shard_sizes(source, rest))) if rest else {}
-    expected = {s: r.pop("check") for s, r in records.items()}
-    sizes.update((s, -1 if remote.scheme(source.urls[s]) == "pipe" else e[0]) for s, e in expected.items())
-    source.shard_check = ShardChecks(source.num_shards, expected) if expected else None
-    check_remote_now(source)
-    names = [shard_name(u) for u in source.urls]
-    return records, {"names": names, "sizes": [sizes[s] for s in range(source.num_shards)]}
-
-
-def check_index(index, source) -> None:
-    """A reused :class:`~prealign.loaders.index.sample_index.SampleIndex` against ``source``, before any batch: its
-    locations can be this source's (:meth:`~prealign.loaders.sources.source.Source.check_locations`: width, shards
-    and rows in range, else an :class:`~prealign.loaders.errors.IndexFileError`), the shard list (and, when
-    the index recorded them, the shard names and sizes). Raises an :class:`IndexMismatchError` subclass
-    naming the shard and the difference (:class:`ExtraShardError`, also an ``IndexFileError``, when the
-    index and the source name other shards)."""
-
-    n = source.num_shards
-    recorded = getattr(index, "source_shards", None) or {}
-    names, sizes = recorded.get("names") or [], recorded.get("sizes") or []
-    urls = getattr(source, "urls", None)
-    try:
-        source.check_locations(index.locations)
-    except IndexFileError as exc:
-        if not names or urls is None or len(names) == len(urls):
-            raise
-        here = [shard_name(u) for u in urls]
-        extra = [f"{m} (in the index, not in the source)" for m in names if m not in here] or ["?"]
-        raise ExtraShardError(extra[0], f"{exc}; the index covers {len(names)} shard(s), the source names "
-                                        f"{len(urls)}") from None
-    if names and urls is not None and len(names) != len(urls):
-        here = [shard_name(u) for u in urls]
-        extra = [f"{m} (in the index, not in the source)" for m in names if m not in here] or \
-                [f"{u} (in the source, not in the index)" for u in urls if shard_name(u) not in names]
-        raise ExtraShardError(extra[0] if extra else "?", f"the index covers {len(names)} shard(s), the source "
-                                                          f"names {len(urls)}")
-    shards = np.asarray(index.shards)
-    if shards.size and int(shards.max()) >= n:
-        raise ExtraShardError(f"#{int(shards.max())}", f"the index has samples of shard {int(shards.max())}, the "
-                                                       f"source has {n} shard(s)", "an index of other data")
-    if not names or urls is None:
-        return
-    for shard, (url, name) in enumerate(zip(urls, names)):
-        if shard_name(url) != name:
-            raise ExtraShardError(url, f"the index has {name!r} at position {shard}", "an index of other shards")
-    for shard, (url, now) in enumerate(zip(urls, shard_sizes(source))):
-        if shard < len(sizes) and sizes[shard] is not None and now != sizes[shard]:
-            raise ChangedShardError(url, f"{now} bytes now, {sizes[shard]} when indexed")

@@ -37,7 +37,13 @@ from prealign.loaders.errors import (
 )
 from prealign.loaders.sources import remote as _remote
 from prealign.loaders.sources.deadline import Stalled, TimedReader, call_with_timeout
-from prealign.loaders.sources.shard_files import NotRegular, check_index_dir_names, open_regular, sample_checksum
+from prealign.loaders.sources.shard_files import (
+    NotRegular,
+    check_index_dir_names,
+    open_regular,
+    plain_local,
+    sample_checksum,
+)
 from prealign.loaders.sources.source import Location, Skip, Source, Transform
 from prealign.loaders.sources.tar_decode import DEFAULT_LIMITS, DecodeLimits, decode_member, split_member_name
 from prealign.loaders.sources.tar_reader import TarFormatError, iter_members
@@ -191,7 +197,9 @@ class WebDatasetSource(Source):
         if remote is None:
             limit = {} if cache_limit is None else {"cache_limit": int(cache_limit)}
             remote = _remote.RemoteOptions(cache_dir=cache_dir, **limit)
-        if remote.cache_dir is None and remote.private_dir is None and any(
+        self.local_only = plain_local(self.urls)
+        """Every shard a plain local path (one check at the start: no per-shard question of the URLs then)."""
+        if remote.cache_dir is None and remote.private_dir is None and not self.local_only and any(
                 _remote.scheme(u) in ("http", "https") for u in self.urls):  # made here: see RemoteOptions
             remote = dataclasses.replace(remote, private_dir=_remote.private_folder())
         self.remote = remote
@@ -207,6 +215,9 @@ class WebDatasetSource(Source):
     def stream_only(self) -> bool:
         """True when some shard can only be read front to back (``pipe:``, ``.tar.gz``): the loader then
         shuffles micro-batches within a bounded window of steps, not over the whole epoch."""
+        if self.__dict__.get("local_only"):  # only a gzip-compressed tar can be sequential
+            joined = "\n".join(self.urls) + "\n"
+            return ".tar.gz\n" in joined or ".tgz\n" in joined
         return any(_remote.is_sequential(u) for u in self.urls)
 
     # ---- scanning -------------------------------------------------------------------------------
@@ -344,6 +355,16 @@ class WebDatasetSource(Source):
             raise self._gone(shard, start, f"{exc.kind} instead of the indexed file") from None
         files.move_to_end(shard)
         return out
+
+    def close_files(self) -> None:
+        """Close the shard files this process holds open and drop the streams it keeps (a loader calls it at the
+        end of each epoch in the process that read them, so no handle is left to the garbage collector); the
+        next read opens them again. Shards already checked against their index stay checked."""
+        local = self._local()
+        files = local.pop("files", None) or {}
+        local.pop("streams", None)
+        for f in files.values():
+            f.close()
 
     def _read_whole(self, shard: int, start: int):
         """A sequential shard (``pipe:``, ``.tar.gz``) read whole under the read deadline into an anonymous

@@ -1,0 +1,197 @@
+"""A shard checked against its index when it is first read (:class:`ShardChecks`), in the process that reads
+it; remote shards at the start (:func:`check_remote_now`); the whole data set at once on request
+(:func:`check_all_shards`).
+
+What is checked: the shard exists, has the recorded size (a ``stat``, or one ``HEAD`` for a URL) and the same
+first and last 64 KiB (two reads, the ``probe``), and its index accounts for the bytes before its first and
+after its last sample (a removed first or last row). Never bad data: raised under every bad-data policy.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from prealign.loaders.errors import ChangedShardError, MissingShardError, StaleIndexError
+from prealign.loaders.index.sidecar import PROBE, SIDECAR_THREADS, per_shard, read_probe, shard_size_now
+from prealign.loaders.index.tiling import MAX_REGION, count_samples
+from prealign.loaders.sources import remote
+
+
+class ShardChecks:
+    """A shard checked against its sidecar when it is first read, in the process that reads it (a DataLoader
+    worker or the main process), before any of its samples is served: it exists (else
+    :class:`MissingShardError`), has the recorded size and the same first and last 64 KiB (else
+    :class:`ChangedShardError`), and its sidecar accounts for the bytes before its first and after its last
+    sample (else :class:`StaleIndexError`). Never bad data: raised under every bad-data policy. Set on a
+    :class:`~prealign.loaders.sources.webdataset.WebDatasetSource` as ``shard_check`` by the index pass; the
+    loader's start costs no read of any shard. ``sizes`` int64 ``[S]`` (``-2``: shard not checked, e.g. indexed
+    in process), ``probes`` ``S16 [S]`` (hex, ``b""``: none), ``first`` / ``last`` int64 ``[S]`` (see :func:`expected_of`)."""
+
+    UNCHECKED = -2
+
+    def __init__(self, num_shards: int, expected: dict[int, tuple[int, str, int, int]]):
+        self.sizes = np.full(num_shards, self.UNCHECKED, np.int64)
+        self.first = np.full(num_shards, -1, np.int64)
+        self.last = np.full(num_shards, -1, np.int64)
+        self.probes = np.zeros(num_shards, "S16")  # (fixed-width: 1.6 MB at 100k shards, pickled to each worker)
+        self.probed = np.ones(num_shards, bool)
+        for shard, (size, probe, first, last) in expected.items():
+            self.sizes[shard], self.probes[shard], self.first[shard], self.last[shard] = size, probe, first, last
+
+    @classmethod
+    def of_sizes(cls, sizes) -> "ShardChecks":
+        """Checks of the sizes alone (a saved :class:`~prealign.loaders.index.sample_index.SampleIndex` records
+        no probe): ``sizes[s]`` None, not checked; ``-1``, only that the shard exists."""
+        checks = cls(len(sizes), {})
+        known = np.asarray([s is not None for s in sizes], bool)
+        checks.sizes[known] = np.asarray([s for s in sizes if s is not None], np.int64)
+        checks.probed[:] = False
+        return checks
+
+    checked_at_start = frozenset()
+    """Shards checked when the loader started (remote objects), so never again at a first read."""
+
+    def covers(self, shard: int) -> bool:
+        """Shard ``shard`` is checked against an index (a shard gone later is then a :class:`MissingShardError`)."""
+        return int(self.sizes[shard]) != self.UNCHECKED
+
+    def __call__(self, source, shard: int, *, again: bool = False) -> None:
+        recorded = int(self.sizes[shard])
+        if recorded == self.UNCHECKED or shard in self.checked_at_start and not again:
+            return
+        url = source.urls[shard]
+        size = shard_size_now(source, shard)
+        if size is None:
+            raise MissingShardError(url, f"does not exist (it had {recorded} bytes when indexed)",
+                                    "check the path, or re-run `prealign index` on the data as it is now")
+        if recorded >= 0 and size >= 0 and size != recorded:
+            raise ChangedShardError(url, f"{size} bytes now, {recorded} when indexed",
+                                    "the shard changed since `prealign index`: re-run it")
+        if not self.probed[shard]:
+            return
+        probe, first, last = read_probe(source, shard, size)
+        if self.probes[shard] != probe.encode():
+            raise ChangedShardError(url, "its first or last 64 KiB differ from when it was indexed",
+                                    "the shard changed since `prealign index`: re-run it")
+        _check_head(url, int(self.first[shard]), first)
+        _check_tail(source, shard, int(self.last[shard]), size, last)
+        for lo, hi, samples in self.regions.get(shard, ()):
+            _check_region(source, shard, lo, size if hi < 0 else hi, samples, size)
+
+    regions: dict = {}
+    """``{shard: [(lo, hi, samples), ...]}``: the stretches of bad records of each shard with some
+    (:func:`~prealign.loaders.index.tiling.bad_regions`), their samples counted at the shard's first read."""
+
+
+EAGER_SHARDS = 256
+"""Up to this many shards, a loader's start checks them itself (remote objects against their index; the sizes a
+saved index recorded): an error before any batch. Beyond it, each is checked by the process that first opens it
+(:class:`ShardChecks`), so a start over 100k shards makes no request or ``stat`` per shard, on any rank."""
+
+
+def check_remote_now(source) -> None:
+    """Remote shards (http, s3, ...) checked at the loader's start, in this process, their round trips overlapping
+    on 16 threads, when there are at most :data:`EAGER_SHARDS` (the process learns each object's identity and
+    whether its server ignores Range before its workers fork); more are checked lazily, each by the process that
+    first reads it. Local shards (a parallel file system included) wait for their first read."""
+    checks = source.shard_check
+    if checks is None or getattr(source, "local_only", False):
+        return
+    far = [s for s in np.flatnonzero(checks.sizes != checks.UNCHECKED).tolist() if remote.is_remote(source.urls[s])]
+    if len(far) > EAGER_SHARDS:
+        return
+    per_shard(source, lambda s: checks(source, s), far)
+    checks.checked_at_start = frozenset(far)
+
+
+def check_all_shards(source, shards=None) -> int:
+    """Check ``shards`` (default: all) of ``source`` against their sidecars as their first read does
+    (:class:`ShardChecks`; on up to 8 threads when the file system is slow, :func:`per_shard`): the whole data
+    set's check at once (``PackedLoader.verify_shards``). Returns the number of shards checked; raises the
+    first failure in shard order."""
+    check = getattr(source, "shard_check", None)
+    if check is None:
+        return 0
+    shards = list(range(source.num_shards)) if shards is None else list(shards)
+    per_shard(source, lambda s: check(source, s, again=True), shards, threads=SIDECAR_THREADS)
+    return sum(int(check.sizes[s]) != ShardChecks.UNCHECKED for s in shards)
+
+
+_NO_SAMPLE = frozenset(b"5gxLK")
+"""Tar entries that hold no sample: a folder, a pax global or per-entry header, a GNU long name or link."""
+
+
+def _entries_without_samples(data: bytes, at: int, stop: int) -> int | None:
+    """Walk the tar headers in ``data`` from ``at``: skip entries that hold no sample (:data:`_NO_SAMPLE`, their
+    data included) and stop at ``stop``, at a zero block (the end of the archive) or at the end of ``data``.
+    Returns where the walk stopped, or None when it met a member that is a file (a sample's)."""
+    while at < stop and at + 512 <= len(data):
+        head = data[at:at + 512]
+        if head == bytes(512):
+            return at
+        if head[156] not in _NO_SAMPLE:
+            return None
+        try:
+            size = int(head[124:136].split(b"\0")[0].strip() or b"0", 8)
+        except ValueError:
+            return None
+        at += 512 + -(-size // 512) * 512
+    return at
+
+
+def _check_head(url: str, start: int, first: bytes) -> None:
+    """When a sidecar's first record is a good sample starting at byte ``start`` (``-1``: it is not), only
+    entries that hold no sample (folders, pax and GNU name headers) may precede it: a removed first row leaves
+    a sample's member there. Read from ``first`` (the probe's first ``PROBE`` bytes: no read of its own; past
+    them, not checked)."""
+    if start < 0 or start > len(first) or start % 512:
+        return
+    if _entries_without_samples(first, 0, start) != start:
+        raise StaleIndexError(url, f"sidecar index does not account for the shard: bytes 0..{start} before its first "
+                                   f"sample hold a member, not only folder or header entries (a removed row?)",
+                              "re-run `prealign index` on it")
+
+
+def _check_tail(source, shard: int, lo: int, size: int, last: bytes) -> None:
+    """When a sidecar's last record is a good sample ending at byte ``lo`` (``-1``: it is not), only entries
+    that hold no sample, then the end of the archive (a zero block, or the file's end) may follow it: a removed
+    last row leaves a sample's tar header there instead. Read from ``last`` (the probe's last ``PROBE`` bytes:
+    no read of its own), or for a local shard whose end lies before them one small read (a remote one: not
+    checked; none for a shard read only front to back)."""
+    url = source.urls[shard]
+    if lo < 0 or size < 0 or remote.is_sequential(url):
+        return
+    if len(last) == min(PROBE, size) and lo >= size - len(last):
+        tail = last[lo - (size - len(last)):]
+    elif remote.is_remote(url):
+        return
+    else:
+        with open(remote.local_path(url), "rb") as f:
+            f.seek(lo)
+            tail = f.read(PROBE)
+    stopped = _entries_without_samples(tail, 0, len(tail))
+    ended = stopped is not None and (stopped + 512 <= len(tail) or lo + stopped >= size)
+    if stopped is None or not ended and len(tail) == size - lo:
+        raise StaleIndexError(url, f"sidecar index does not account for the shard: the entries after its last "
+                                   f"sample (byte {lo}) hold a member, not only folder entries and the end of the "
+                                   f"archive (a removed row?)", "re-run `prealign index` on it")
+
+
+def _check_region(source, shard: int, lo: int, hi: int, samples: int, size: int) -> None:
+    """The bytes ``[lo, hi)`` of a shard, where its index has ``samples`` bad samples (and maybe skipped members)
+    between two good ones, hold that many samples (:func:`~prealign.loaders.index.tiling.count_samples`): one
+    read. A removed good row next to a bad sample leaves one more. Not checked for a shard read only front to
+    back, a stretch over :data:`~prealign.loaders.index.tiling.MAX_REGION` bytes, or bytes past ``size``."""
+    url = source.urls[shard]
+    if remote.is_sequential(url) or size < 0 or not 0 <= lo <= hi <= size or hi - lo > MAX_REGION:
+        return
+    if remote.is_remote(url):
+        data = remote.read_range(url, lo, hi, source.remote) if hi > lo else b""
+    else:
+        with open(remote.local_path(url), "rb") as f:
+            f.seek(lo)
+            data = f.read(hi - lo)
+    found = count_samples(data, lo)
+    if found != samples:
+        raise StaleIndexError(url, f"index does not account for the shard: bytes {lo}..{hi}, where it records "
+                                   f"{samples} bad sample(s), hold {'no tar members' if found is None else found} "
+                                   f"(a removed row?)", "re-run `prealign index` on it")

@@ -1,0 +1,209 @@
+"""The loader's start does not grow faster than the shard count (issue #28): the work of a start (every
+function call, counted by ``cProfile``; file ``stat`` and ``open`` calls) is counted at 200 and at 2,000
+shards, never timed. A fix hint built for every healthy sidecar (each one walking every shard name with a
+regex) made the 2,000-shard start ~100x the 200-shard one; linear work gives 10x."""
+from __future__ import annotations
+
+import cProfile
+import os
+import pstats
+import shlex
+import sys
+import threading
+import warnings
+
+import numpy as np
+import pytest
+
+from prealign.loaders import IndexOptions, PackedLoader, WebDatasetSource
+from prealign.loaders.cli.main import main
+from prealign.loaders.index.header_pass import write_sidecars
+from prealign.loaders.index.merged import merge_sidecars, merged_path
+from prealign.loaders.index.source_index import MergedIndexWarning
+from prealign.schemas import ParallelLayout
+from prealign.schemas.schema import causal_lm_schema
+
+SCHEMA = causal_lm_schema()
+SIZES = (200, 2000)
+GROWTH = 10.5
+"""Work at 2,000 shards over work at 200: linear is 10x (the fixed part of a start makes it less)."""
+
+
+def _tar_header(name: bytes, size: int) -> bytes:
+    head = bytearray(512)
+    head[:len(name)] = name
+    head[100:108], head[108:116], head[116:124] = b"0000644\0", b"0000000\0", b"0000000\0"
+    head[124:136], head[136:148], head[156] = b"%011o\0" % size, b"00000000000\0", ord("0")
+    head[257:263], head[263:265] = b"ustar\0", b"00"
+    head[148:156] = b" " * 8
+    head[148:156] = b"%06o\0 " % sum(head)
+    return bytes(head)
+
+
+def _shards(root: str, n: int) -> list[str]:
+    """``n`` one-sample shards of pre-tokenized ids (8..63 tokens), written as raw tar bytes (fast)."""
+    os.makedirs(root, exist_ok=True)
+    rng = np.random.default_rng(n)
+    paths = []
+    for s in range(n):
+        ids = np.arange(int(rng.integers(8, 64)), dtype=np.int64) + s % 1000 + 1
+        header = b"{'descr': '<i8', 'fortran_order': False, 'shape': (%d,), }" % ids.size
+        header += b" " * (117 - len(header)) + b"\n"
+        data = b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header + ids.tobytes()
+        body = _tar_header(b"%06d.input_ids.npy" % s, len(data)) + data + bytes(-len(data) % 512) + bytes(1024)
+        path = os.path.join(root, f"s-{s:05d}.tar")
+        with open(path, "wb") as f:
+            f.write(body)
+        paths.append(path)
+    return paths
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """``{shards: paths}``: each size indexed (a sidecar per shard) and merged into ``<folder>/merged/``."""
+    out = {}
+    for n in SIZES:
+        paths = _shards(str(tmp_path_factory.mktemp(f"s{n}")), n)
+        write_sidecars(WebDatasetSource(paths), SCHEMA)
+        out[n] = paths
+    return out
+
+
+def _loader(source, **kw) -> PackedLoader:
+    return PackedLoader(source, schema=SCHEMA, layout=ParallelLayout(), token_budget=256, seed=1, **kw)
+
+
+class _Syscalls:
+    """Counts ``os.stat`` and file opens (``open``, ``os.open``) while installed."""
+
+    def __init__(self, monkeypatch):
+        self.stats = self.opens = 0
+        for mod, name, counter in ((os, "stat", "stats"), (os, "open", "opens")):
+            real = getattr(mod, name)
+
+            def counted(*a, _real=real, _counter=counter, **kw):
+                setattr(self, _counter, getattr(self, _counter) + 1)
+                return _real(*a, **kw)
+
+            monkeypatch.setattr(mod, name, counted)
+        real_open = open
+
+        def counted_open(*a, **kw):
+            self.opens += 1
+            return real_open(*a, **kw)
+
+        monkeypatch.setattr("builtins.open", counted_open)
+
+
+def _work(run, monkeypatch) -> tuple[int, pstats.Stats, _Syscalls]:
+    """Function calls (``cProfile``: Python and builtin, in this thread and every thread started meanwhile, e.g.
+    the threads sidecars are read on) of ``run()``, its profile, its stat / open counts."""
+    profiles = [cProfile.Profile()]
+
+    def in_new_thread(*_):  # a thread's first event: a profiler of its own for the rest of it
+        profiles.append(cProfile.Profile())
+        profiles[-1].enable()
+
+    with monkeypatch.context() as m:
+        calls = _Syscalls(m)
+        threading.setprofile(in_new_thread)
+        profiles[0].enable()
+        try:
+            run()
+        finally:
+            profiles[0].disable()
+            threading.setprofile(None)
+    stats = pstats.Stats(*profiles)
+    return sum(v[1] for v in stats.stats.values()), stats, calls
+
+
+def _growth(small: pstats.Stats, big: pstats.Stats) -> str:
+    """The functions whose call counts grew most: what a failure points at."""
+    rows = []
+    for fn, v in big.stats.items():
+        before = small.stats.get(fn, (0, 0))[1]
+        rows.append((v[1] - GROWTH * before, f"{fn[2]} ({os.path.basename(fn[0])}:{fn[1]}): {before} -> {v[1]}"))
+    return "; ".join(r for _, r in sorted(rows, reverse=True)[:6])
+
+
+def _first_batch_and_resume(make):
+    """A loader's first batch, then a new loader restored to the state after its second batch, its first."""
+    loader = make()
+    it = iter(loader)
+    next(it)
+    next(it)
+    state = loader.state_dict()
+    again = make()
+    again.load_state_dict(state)
+    next(iter(again))
+
+
+def _measure(data, monkeypatch, make) -> dict:
+    """``{shards: _work(...)}`` of a first batch and a resume at each size, after one unmeasured run at the
+    smaller size (the imports and caches of a first start are no part of the growth)."""
+    _first_batch_and_resume(lambda: make(data[SIZES[0]]))
+    return {n: _work(lambda n=n: _first_batch_and_resume(lambda: make(data[n])), monkeypatch) for n in SIZES}
+
+
+def _assert_linear(found: dict, what: str) -> None:
+    (small, s_stats, s_sys), (big, b_stats, b_sys) = found[SIZES[0]], found[SIZES[1]]
+    assert big <= GROWTH * small, (f"{what}: {big:,} calls at {SIZES[1]} shards, {small:,} at {SIZES[0]} "
+                                   f"({big / small:.1f}x > {GROWTH}x); grew most: {_growth(s_stats, b_stats)}")
+    assert b_sys.opens <= GROWTH * s_sys.opens and b_sys.stats <= GROWTH * max(s_sys.stats, 1), \
+        (what, "opens", s_sys.opens, b_sys.opens, "stats", s_sys.stats, b_sys.stats)
+
+
+def _assert_no_stat_per_shard(calls: _Syscalls) -> None:
+    """Two starts over 2,000 shards: the first batches read a few shards, never one ``stat`` or open each."""
+    assert calls.opens < SIZES[1] // 20 and calls.stats < SIZES[1] // 20, (calls.opens, calls.stats)
+
+
+@pytest.mark.slow
+def test_a_start_from_per_shard_sidecars_grows_linearly_with_the_shards(data, monkeypatch):
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        found = _measure(data, monkeypatch, lambda paths: _loader(WebDatasetSource(paths)))
+    _assert_linear(found, "start from sidecars")
+    # three starts over 2,000 sidecars, one warning naming the command that merges them (none at 200)
+    advice = [str(w.message) for w in seen if issubclass(w.category, MergedIndexWarning)]
+    assert len(advice) == 1 and "s-{00000..01999}.tar" in advice[0], advice
+    command = advice[0].split("run `", 1)[1].split("`", 1)[0]
+    assert command.startswith("prealign index --text --merge ")
+    assert main(shlex.split(command)[1:]) == 0
+    assert os.path.exists(merged_path(WebDatasetSource(data[SIZES[1]])))
+    os.remove(merged_path(WebDatasetSource(data[SIZES[1]])))
+
+
+@pytest.mark.slow
+def test_a_start_from_a_merged_index_reads_one_file_and_no_shard(data, monkeypatch, tmp_path_factory):
+    merged = {}
+    for n in SIZES:
+        folder = str(tmp_path_factory.mktemp(f"merged{n}"))
+        for p in data[n]:  # the sidecars in an index folder, merged there
+            os.link(p + ".prealign-index.npz", os.path.join(folder, os.path.basename(p) + ".prealign-index.npz"))
+        source = WebDatasetSource(data[n], index_dir=folder)
+        merge_sidecars(source)
+        assert os.path.exists(merged_path(source))
+        merged[n] = (n, folder)
+    found = _measure(merged, monkeypatch, lambda where: _loader(WebDatasetSource(data[where[0]], index_dir=where[1])))
+    _assert_linear(found, "start from a merged index")
+    _assert_no_stat_per_shard(found[SIZES[1]][2])
+
+
+@pytest.mark.slow
+def test_a_prebuilt_index_does_not_stat_every_shard_at_start(data, monkeypatch, tmp_path_factory):
+    saved = {}
+    for n in SIZES:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            index = _loader(WebDatasetSource(data[n])).prepare().index
+        saved[n] = (n, str(tmp_path_factory.mktemp(f"idx{n}") / "index.npz"))
+        index.save(saved[n][1])
+    found = _measure(saved, monkeypatch, lambda where: _loader(WebDatasetSource(data[where[0]], sidecars=False),
+                                                              indexing=IndexOptions(prebuilt=where[1])))
+    _assert_linear(found, "start from a prebuilt index")
+    _assert_no_stat_per_shard(found[SIZES[1]][2])
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(pytest.main([__file__, "-q"]))
