@@ -392,7 +392,7 @@ def _check_token_parts(tensors: list, spec: FieldSpec, key: str, flat: FlatBatch
         if not np.array_equal(sizes, flat.lengths.numpy()):
             _diagnose_token(tensors, spec, key, flat)
     # one dtype (torch.cat would promote); other ranks, devices make torch.cat fail: diagnosed then
-    if len(dtypes) != 1 or first.device.type != "cpu":
+    if len(dtypes) != 1 or first.device.type != "cpu" or len({t.ndim for t in tensors}) != 1:
         for i, t in enumerate(tensors):
             _check_device(t, i, key)
         _diagnose_token(tensors, spec, key, flat)

@@ -19,10 +19,10 @@ def lazy_names(package: str, where: dict[str, str], *, moved: dict[str, str] | N
     ``DeprecationWarning`` saying where it is now; anything else is an ``AttributeError``."""
     moved, renamed = moved or {}, renamed or {}
 
-    def getattr_(name: str):
+    def __getattr__(name: str):  # (PEP 562: a missing name is an AttributeError)
         if name in renamed:
             warnings.warn(f"{package}.{name} is renamed {renamed[name]}", DeprecationWarning, stacklevel=2)
-            return getattr_(renamed[name])
+            return __getattr__(renamed[name])
         if name in moved:
             warnings.warn(f"{package}.{name} is no longer exported from {package}: import it from {moved[name]}",
                           DeprecationWarning, stacklevel=2)
@@ -37,4 +37,4 @@ def lazy_names(package: str, where: dict[str, str], *, moved: dict[str, str] | N
     def dir_() -> list[str]:
         return sorted(where)
 
-    return getattr_, dir_
+    return __getattr__, dir_

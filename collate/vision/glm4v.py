@@ -152,12 +152,13 @@ class Glm4V(Qwen3VL):
         groups = -(-len(indices) // self.temporal_patch_size)
         return [str(int(indices[min(k * self.temporal_patch_size, len(indices) - 1)] / fps)) for k in range(groups)]
 
-    def video_ids(self, encode, grid, frames: int, fps: float) -> np.ndarray:
-        """int64 ids of one video (module docstring); ``encode(text) -> ids`` is the tokenizer's."""
+    def video_ids(self, encode, grid, frames: int, fps: float, frame_indices=None) -> np.ndarray:
+        """int64 ids of one video (module docstring); ``encode(text) -> ids`` is the tokenizer's;
+        ``frame_indices``: the kept frames' source indices (``fps`` then the source's rate)."""
         t, gh, gw = grid
         group = [self.vision_start_token_id, *([self.image_token_id] * (gh * gw // self.spatial_merge_size ** 2)),
                  self.vision_end_token_id]
-        body = [np.concatenate((group, encode(text))) for text in self.frame_texts(frames, fps)]
+        body = [np.concatenate((group, encode(text))) for text in self.frame_texts(frames, fps, frame_indices)]
         return np.concatenate(([self.video_start_token_id], *body, [self.video_end_token_id])).astype(np.int64)
 
     def token_types(self, input_ids) -> np.ndarray:

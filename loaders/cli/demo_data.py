@@ -142,14 +142,15 @@ def demo_transform(model: str | None, tok, topk: int | None = None):
                               video_processor_config=None if config is None else {})
 
 
-def _video(rng: np.random.Generator, members: dict) -> dict | str:
-    """A clip (one drawing drifting sideways) added to ``members``; returns its ``videos`` entry: half the time a
-    real mp4 file (4-12 frames at 10, 24 or 30 fps, encoded with PyAV), else a 2-5 frame list of JPEG members."""
+def _video(rng: np.random.Generator, members: dict, files: bool = True) -> dict | str:
+    """A clip (one drawing drifting sideways) added to ``members``; returns its ``videos`` entry: half the time
+    (with ``files``) a real mp4 file (4-12 frames at 10, 24 or 30 fps, encoded with PyAV), else a 2-5 frame list
+    of JPEG members."""
     from PIL import Image
 
     data, (w, h) = _image(rng, "png")
     base = np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
-    if rng.random() < 0.5:
+    if rng.random() < 0.5 and files:
         from prealign.loaders.media.video_file import encode_video
 
         frames = np.stack([np.roll(base, 3 * j, axis=1) for j in range(int(rng.integers(4, 13)))])
@@ -188,7 +189,7 @@ def _sample(rng: np.random.Generator, key: str, topk: int, tok: ByteTokenizer, g
         transform = None
     elif transform is not None:
         if bad is None and rng.random() < 0.4:
-            meta["videos"] = [_video(rng, members)]
+            meta["videos"] = [_video(rng, members, files=not transform.tiled)]  # (InternVL: frame lists)
             meta["messages"][0]["content"] = "<video>\n" + user
         videos = transform.header_video_ids(members, meta, key, _frame_size)
     if ids is None:

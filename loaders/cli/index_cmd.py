@@ -225,9 +225,9 @@ def cmd_index(args) -> int:
         print(f"{stats['indexed']} shard(s) indexed ({stats['samples']:,} samples in {dt:.2f} s), "
               f"{stats['up_to_date']} up to date" + (f", sidecars in {args.out}" if args.out else ""),
               file=sys.stderr)
-        if stats.get("bad") or stats.get("up_to_date"):  # (bad samples recorded now, or maybe before)
-            _say_refused(source, schema, shards)
         agree(lambda: _merge(source, args.merge, rank if not alone else -1))  # every rank returns once the merged index is written
+        if stats.get("bad") or stats.get("up_to_date"):  # (bad samples recorded now, or maybe before)
+            _say_refused(source, schema, shards, stats.get("bad") or {})
     return 0
 
 
@@ -260,7 +260,7 @@ def _index_mixture(args) -> int:
     return rc
 
 
-def _say_refused(source, schema, shards: list[int]) -> None:
+def _say_refused(source, schema, shards: list[int], recorded: dict) -> None:
     """How many samples of ``shards`` their sidecars refuse and why (what a loader leaves out under
     ``BadDataPolicy(on_error='skip')``, or raises under the default ``raise``), one line per cause with an
     example, on stderr; nothing when none is."""
@@ -268,13 +268,21 @@ def _say_refused(source, schema, shards: list[int]) -> None:
     from prealign.loaders.index.build import build_index
     from prealign.loaders.policy import BadDataPolicy
     from prealign.loaders.sources.webdataset import WebDatasetSource
+    from prealign.schemas.errors import PrealignError
 
     if not shards:
         return
     mine = WebDatasetSource([source.urls[s] for s in shards], transform=source.transform, image=source.image,
                             index_dir=source.index_dir, remote=source.remote)
     skip = BadDataPolicy(on_error="skip", warn=False, max_consecutive=2 ** 62)
-    report = build_index(mine, schema, policy=skip, distributed=False).report
+    try:
+        report = build_index(mine, schema, policy=skip, distributed=False).report
+    except PrealignError as exc:  # e.g. a stale merged index (a loader refuses it too): the pass's own counts
+        if recorded:
+            counts = ", ".join(f"{k} {v}" for k, v in sorted(recorded.items()))
+            print(f"{sum(recorded.values()):,} sample(s) refused ({counts}) in the sidecars just written; the "
+                  f"index as a loader reads it: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return
     if not report.total:
         return
     counts = ", ".join(f"{reason} {n}" for reason, n in sorted(report.counts.items(), key=lambda kv: -kv[1]))

@@ -387,7 +387,8 @@ def transform_fields(source) -> dict[str, str]:
     probe of its encoding and a hash of its whole definition (never its folder), image processor options, text
     member, top-k, the family's grids). Never the schema: pad id, vocabulary bound, ignore index and fields are
     checked when a loader reads the sidecar and loads the samples."""
-    fields = {"required": json.dumps(sorted(getattr(source, "required", ())))}
+    fields = {"required": json.dumps(sorted(getattr(source, "required", ()))),
+              "limits": repr(getattr(source, "limits", None))}  # (the decode limits decide which samples are bad)
     fields.update(index_fields(indexed_transform(source.transform), owner="the index key"))
     return fields
 

@@ -662,8 +662,9 @@ class VLMSampleTransform:
                 "text_key": self.text_key, "topk": str(self.topk), "images": "upright by EXIF",
                 **{f"vision_{k}": json.dumps(vlm.get(k), sort_keys=True)
                    for k in ("family", "images", "videos", "mrope", "system")},
+                "limits": repr(self.limits),  # (which samples are refused: part of the index key too)
                 "output_dtypes": json.dumps([self.log_prob_dtype, self.pixel_dtype]),
-                "output_limits": repr(self.limits)}
+                "output_decode_videos": str(self.decode_videos)}
 
     def video_ids(self, grid: tuple[int, int, int], frames: int, fps: float, frame_indices=None) -> np.ndarray:
         """int64 ids of one video as the family's processor and chat template write it: ``<|vision_start|>``,
@@ -672,7 +673,7 @@ class VLMSampleTransform:
         < 5.10: without that outer pair, as the installed processor writes it; :meth:`VisionFamily.wraps_video`)."""
         fam = self._require_family("video")
         if hasattr(fam, "video_ids"):  # GLM-4.1V: its own frame groups and timestamps
-            return fam.video_ids(self.tokenizer.encode, grid, frames, fps)
+            return fam.video_ids(self.tokenizer.encode, grid, frames, fps, frame_indices)
         t, gh, gw = grid
         per_group = gh * gw // fam.spatial_merge_size ** 2
         start, end, pad = fam.vision_start_token_id, fam.vision_end_token_id, fam.video_token_id
@@ -758,7 +759,8 @@ class VLMSampleTransform:
                                        for n, v in _tiled_frames(video, key)], self.image_processor)
                  for video in video_members(raw, meta, key, default_fps=self.video_fps, limits=self.limits)]
         ids, mask = render_chat(meta, tok, [n * fam.image_seq_length for n in tiles], sample=key,
-                                videos=[internvl.video_ids(tok, fam, c.shape[0]) for c in clips])
+                                videos=[internvl.video_ids(tok, fam, c.shape[0]) for c in clips],
+                                system=self.system_prompt)
         pixel_values, counts = internvl.arrange_tiles(internvl.media_order(meta), pixels, tiles, clips)
         input_ids = torch.from_numpy(ids)
         types = (input_ids == fam.image_token_id).to(torch.int64)

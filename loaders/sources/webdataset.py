@@ -362,9 +362,10 @@ class WebDatasetSource(Source):
         next read opens them again. Shards already checked against their index stay checked."""
         local = self._local()
         files = local.pop("files", None) or {}
-        local.pop("streams", None)
-        for f in files.values():
-            f.close()
+        streams = local.pop("streams", None) or {}
+        for f in [*files.values(), *streams.values()]:
+            if callable(getattr(f, "close", None)):
+                f.close()
 
     def _read_whole(self, shard: int, start: int):
         """A sequential shard (``pipe:``, ``.tar.gz``) read whole under the read deadline into an anonymous

@@ -22,7 +22,7 @@ from tests.consumers.test_gemma3 import blockless_masks
 
 transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "Gemma4ForConditionalGeneration"):
-    pytest.skip(f"platform: transformers {transformers.__version__} lacks Gemma 4", allow_module_level=True)
+    pytest.skip("platform: the installed transformers lacks Gemma 4", allow_module_level=True)
 VOCAB, WINDOW = 64, 6
 LAYOUT = ParallelLayout(tp=2, cp=2, pad_policy=PadPolicy.PER_SEQUENCE)
 SCHEMA = BatchSchema(name="gemma4", ignore_index=-100, fields=(
