@@ -61,7 +61,9 @@ def test_plan_invariants(lengths, layout, budget, dp, k, strategy, buffer, overs
                              chunk_size=chunk)
     check_plan(plan, lengths, layout, budget, dp)
     assert all(s <= k for s in plan.steps) and all(s == k for s in plan.steps[:-1])
-    if len(lengths) - len(plan.skipped) >= dp * plan.stats.microbatches_per_rank:
+    # (one chunk: the tail re-spread draws on the whole stream; with tiny chunks it draws on the last chunk
+    # alone and may leave a filler, as ChunkedPlan documents: 5 samples of 1 token, chunk_size=1, dp=2)
+    if chunk >= len(lengths) and len(lengths) - len(plan.skipped) >= dp * plan.stats.microbatches_per_rank:
         assert plan.stats.num_empty == 0, "no empty micro-batch while there are samples enough"
 
 
