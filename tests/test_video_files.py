@@ -394,7 +394,7 @@ def test_hf_rows_name_media_files_relative_to_their_folder(tmp_path, clips):
     (tmp_path / "secret.png").write_bytes(png(8, 8))
     rows = [{**chat("<image> and <video>"), "images": ["a.png"], "videos": ["clips/c.mp4"]},
             {**chat("<image>"), "images": ["../secret.png"], "videos": []},
-            {**chat("<video>"), "images": [], "videos": [{"file": "clips/none.mp4"}]}]
+            {**chat("<video>"), "images": [], "videos": ["clips/none.mp4"]}]  # (one type per column: datasets 3.1)
     data = tmp_path / "media" / "rows.jsonl"
     data.write_text("\n".join(json.dumps(r) for r in rows))
     ds = datasets.load_dataset("json", data_files=str(data), split="train", cache_dir=str(tmp_path / "cache"))
