@@ -43,12 +43,12 @@ from prealign.loaders.errors import (
     NotRegularFileError,
     StaleIndexError,
 )
+from prealign.loaders.handoff.identity import identity_digest
 from prealign.loaders.index.bulk_pass import bulk_text_pass
 from prealign.loaders.index.events import error_record, record_reason
 from prealign.loaders.index.sample_checks import BOUNDED, has_media, value_bounds
 from prealign.loaders.index.sidecar import (
     Fingerprint,
-    config_key,
     indexed_transform,
     parse_sidecar,
     per_shard,
@@ -511,8 +511,16 @@ def _stacked(rows: list) -> np.ndarray:
 
 
 # ---- writing sidecars ------------------------------------------------------------------------------
-def _up_to_date(source, schema, shard: int, out_dir: str | None) -> bool:
-    """True when shard ``shard`` has a readable sidecar of its current size and this configuration."""
+def sidecar_key(source) -> tuple[str, dict[str, str]]:
+    """``(config, transform fields)`` a sidecar of ``source`` records: computed once per ``write_sidecars``
+    call, not per shard (a transform's identity digests its code, globals and state)."""
+    fields = transform_fields(source)
+    return identity_digest(fields), fields
+
+
+def _up_to_date(source, schema, shard: int, out_dir: str | None, key: tuple | None = None) -> bool:
+    """True when shard ``shard`` has a readable sidecar of its current size and this configuration (``key``:
+    :func:`sidecar_key`, computed here when not given)."""
 
     src = source if out_dir is None else _with_index_dir(source, out_dir)
     size = shard_size(source, shard)
@@ -523,8 +531,8 @@ def _up_to_date(source, schema, shard: int, out_dir: str | None) -> bool:
         meta, _ = parse_sidecar(data, shard=source.urls[shard])
     except (StaleIndexError, OSError):
         return False
-    return (meta["size"] == size and meta["config"] == config_key(source)
-            and meta.get("probe", "") == shard_probe(source, shard, size))
+    config = (key or sidecar_key(source))[0]
+    return meta["size"] == size and meta["config"] == config and meta.get("probe", "") == shard_probe(source, shard, size)
 
 
 def verify_shards(source, shards=None, *, out_dir: str | None = None, progress=None) -> dict[str, str]:
@@ -567,20 +575,22 @@ def _with_index_dir(source, out_dir: str):
 
 
 def index_one(source, schema: BatchSchema, shard: int, *, out_dir: str | None = None, full: bool = False,
-              force: bool = False, verify_images: bool = True) -> tuple[int, str, int, dict]:
-    """Write the sidecar of one shard unless it is up to date (``force``: always).
-    Returns ``(shard, "indexed" | "up to date", samples, {reason: bad samples recorded})``."""
+              force: bool = False, verify_images: bool = True, key: tuple | None = None) -> tuple[int, str, int, dict]:
+    """Write the sidecar of one shard unless it is up to date (``force``: always); ``key``: :func:`sidecar_key`
+    of ``source`` (computed here when not given). Returns ``(shard, "indexed" | "up to date", samples,
+    {reason: bad samples recorded})``."""
 
     url = source.urls[shard]
-    if not force and _up_to_date(source, schema, shard, out_dir):
+    key = key or sidecar_key(source)
+    if not force and _up_to_date(source, schema, shard, out_dir, key):
         return shard, "up to date", 0, {}
     path = sidecar_path(url, out_dir)
     if remote.is_remote(path):
         raise ConfigError(f"{url}: a sidecar cannot be written beside a remote shard; give --out DIR "
                           f"(and index_dir=DIR to WebDatasetSource)")
     record, fingerprint = header_index_shard(source, schema, shard, full=full, verify_images=verify_images)
-    write_sidecar(path, record, shard=shard_name(url), fingerprint=fingerprint, config=config_key(source),
-                  extra={"probe": shard_probe(source, shard, fingerprint["size"]), "transform": transform_fields(source)})
+    write_sidecar(path, record, shard=shard_name(url), fingerprint=fingerprint, config=key[0],
+                  extra={"probe": shard_probe(source, shard, fingerprint["size"]), "transform": key[1]})
     bad: dict[str, int] = {}
     for event in record["events"]:
         if event[0] != "ok":
@@ -590,8 +600,8 @@ def index_one(source, schema: BatchSchema, shard: int, *, out_dir: str | None = 
 
 
 def _index_task(args):
-    source, schema, shard, out_dir, full, force, verify = args
-    return index_one(source, schema, shard, out_dir=out_dir, full=full, force=force, verify_images=verify)
+    source, schema, shard, out_dir, full, force, verify, key = args
+    return index_one(source, schema, shard, out_dir=out_dir, full=full, force=force, verify_images=verify, key=key)
 
 
 def write_sidecars(source, schema: BatchSchema, *, out_dir: str | None = None, workers: int = 1, full: bool = False,
@@ -616,16 +626,17 @@ def write_sidecars(source, schema: BatchSchema, *, out_dir: str | None = None, w
         check_index_dir_names(source.urls[s] for s in todo)
         os.makedirs(out_dir, exist_ok=True)
     stats = {"indexed": 0, "up_to_date": 0, "samples": 0}
+    key = sidecar_key(source)  # once, for every shard
     threshold = _POOL_MIN_FULL if full else _POOL_MIN
     if workers > 1 and len(todo) > 1 and not force and sum(max(n, 0) for n in sizes) >= threshold:
         # the pool pays off only for the bytes left to index: shards already up to date are found here first
-        fresh = per_shard(source, lambda s: _up_to_date(source, schema, s, out_dir), todo, threads=8)
+        fresh = per_shard(source, lambda s: _up_to_date(source, schema, s, out_dir, key), todo, threads=8)
         done = [(s, "up to date", 0, {}) for s, ok in zip(todo, fresh) if ok]
         todo, sizes = [s for s, ok in zip(todo, fresh) if not ok], [n for n, ok in zip(sizes, fresh) if not ok]
         force = True  # (the rest were just found out of date)
     else:
         done = []
-    tasks = [(source, schema, s, out_dir, full, force, verify_images) for s in todo]
+    tasks = [(source, schema, s, out_dir, full, force, verify_images, key) for s in todo]
     total = len(done) + len(tasks)
     if workers > 1 and len(tasks) > 1 and sum(max(n, 0) for n in sizes) >= threshold:
         with _pool(mp, min(workers, len(tasks))) as pool:
