@@ -1,6 +1,7 @@
 """Time to first batch and index throughput, with and without sidecar indexes (issue #7).
 
-    python benchmarks/bench_ttfb.py [--sizes 10000 100000 1000000] [--vlm 5000] [--dir DIR] [--no-full N]
+    python benchmarks/bench_ttfb.py [--sizes 10000 100000 1000000] [--vlm 5000] [--dir DIR]
+                                    [--no-full N]
 
 For each size: pre-tokenized webdataset shards (``<key>.input_ids.npy`` int64, 8..128 tokens, 10k
 samples per shard, written as raw tar bytes), then
@@ -87,12 +88,13 @@ from prealign.schemas import ParallelLayout, causal_lm_schema
 paths = {paths!r}
 t0 = time.perf_counter()
 loader = PackedLoader(WebDatasetSource(paths, sidecars={sidecars}), schema=causal_lm_schema(),
-                      layout=ParallelLayout(tp=2, cp=2), token_budget=8192, indexing=IndexOptions(workers={workers}),
-                      num_workers=0).prepare()
+                      layout=ParallelLayout(tp=2, cp=2), token_budget=8192,
+                      indexing=IndexOptions(workers={workers}), num_workers=0).prepare()
 t1 = time.perf_counter()
 batch = next(iter(loader))
 t2 = time.perf_counter()
-result = {{"build_s": t1 - t0, "ttfb_s": t2 - t0, "samples": len(loader.index), "tokens": int(batch["input_ids"].numel())}}
+result = {{"build_s": t1 - t0, "ttfb_s": t2 - t0, "samples": len(loader.index),
+           "tokens": int(batch["input_ids"].numel())}}
 """
 
 _INDEX = """
@@ -102,7 +104,8 @@ from prealign.schemas import causal_lm_schema
 paths = {paths!r}
 import resource
 def cpu():
-    return sum(getattr(resource.getrusage(w), a) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+    return sum(getattr(resource.getrusage(w), a)
+               for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
                for a in ("ru_utime", "ru_stime"))
 t0, c0 = time.perf_counter(), cpu()
 stats = write_sidecars(WebDatasetSource(paths), causal_lm_schema(), workers={workers}, force=True)
@@ -125,8 +128,8 @@ if not os.path.exists(os.path.join(root, "done")):
     build_demo_dataset(root, num_samples={n}, samples_per_shard=500, topk=8)
     open(os.path.join(root, "done"), "w").close()
 shards = sorted(os.path.join(root, f) for f in os.listdir(root) if f.endswith(".tar"))
-src = WebDatasetSource(shards, transform=VLMSampleTransform(tokenizer=ByteTokenizer(), topk=8), image="bytes",
-                       sidecars=False)
+src = WebDatasetSource(shards, transform=VLMSampleTransform(tokenizer=ByteTokenizer(), topk=8),
+                       image="bytes", sidecars=False)
 schema = vlm_schema(topk=8, vocab_size=ByteTokenizer.vocab_size)
 def timed(fn):
     t, c = time.perf_counter(), time.process_time()
@@ -135,7 +138,8 @@ def timed(fn):
 full, full_s, full_cpu = timed(lambda s: index_shard(src, schema, s))
 head, head_s, head_cpu = timed(lambda s: header_index_shard(src, schema, s)[0])
 only, only_s, only_cpu = timed(lambda s: header_index_shard(src, schema, s, verify_images=False)[0])
-same = all(f["lengths"] == h["lengths"] and f["locations"] == h["locations"] for f, h in zip(full, head))
+same = all(f["lengths"] == h["lengths"] and f["locations"] == h["locations"]
+           for f, h in zip(full, head))
 result = {{"full_s": full_s, "full_cpu": full_cpu, "header_s": head_s, "header_cpu": head_cpu,
           "header_only_s": only_s, "header_only_cpu": only_cpu, "identical": bool(same),
           "samples": sum(len(f["lengths"]) for f in full)}}

@@ -43,7 +43,9 @@ median [min..max] of the per-round ratios.
     python benchmarks/bench_vlm_loader.py                 # full run (several minutes on 2 cores)
     python benchmarks/bench_vlm_loader.py --video --samples 96 --rounds 3
     python benchmarks/bench_vlm_loader.py --samples 300 --rounds 1 --quick
-    for m in qwen2_vl qwen2_5_vl qwen3_vl qwen3_5; do python benchmarks/bench_vlm_loader.py --model $m --quick; done
+    for m in qwen2_vl qwen2_5_vl qwen3_vl qwen3_5; do
+        python benchmarks/bench_vlm_loader.py --model $m --quick
+    done
 """
 from __future__ import annotations
 

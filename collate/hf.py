@@ -245,8 +245,8 @@ class HFCollator:
 
     >>> from prealign.collate import THDCollator
     >>> from prealign.schemas import ParallelLayout, causal_lm_schema
-    >>> coll = HFCollator(collator=THDCollator(schema=causal_lm_schema(), layout=ParallelLayout(tp=2)),
-    ...                   attention=HFAttention.POSITIONS)
+    >>> thd = THDCollator(schema=causal_lm_schema(), layout=ParallelLayout(tp=2))
+    >>> coll = HFCollator(collator=thd, attention=HFAttention.POSITIONS)
     >>> sorted(coll([{"input_ids": torch.tensor([5, 6, 7])}]))
     ['input_ids', 'labels', 'position_ids', 'use_cache']
     """

@@ -9,8 +9,10 @@ dim of the packed tensor (1 for ``[1, T, ...]``, 2 for mRoPE-like ``[3, 1, T]``)
 >>> from prealign.collate import THDCollator
 >>> samples = [{"input_ids": torch.arange(1, 6)}, {"input_ids": torch.arange(6, 9)}]
 >>> lay = ParallelLayout(tp=2, cp=2)
->>> shards = [THDCollator(schema=causal_lm_schema(), layout=lay, cp_rank=r)(samples) for r in range(2)]
->>> whole = unshard_cp([s["input_ids"] for s in shards], cu_seqlens_padded=shards[0]["cu_seqlens_padded"])
+>>> shards = [THDCollator(schema=causal_lm_schema(), layout=lay, cp_rank=r)(samples)
+...           for r in range(2)]
+>>> whole = unshard_cp([s["input_ids"] for s in shards],
+...                    cu_seqlens_padded=shards[0]["cu_seqlens_padded"])
 >>> [t.tolist() for t in unpack_thd(whole, cu_seqlens=shards[0]["cu_seqlens"],
 ...                                  cu_seqlens_padded=shards[0]["cu_seqlens_padded"])]
 [[1, 2, 3, 4, 5], [6, 7, 8]]

@@ -106,8 +106,10 @@ class MRoPECollator:
 
     >>> from prealign.schemas import ParallelLayout, vlm_schema
     >>> from prealign.collate import THDCollator
-    >>> coll = MRoPECollator(collator=THDCollator(schema=vlm_schema(), layout=ParallelLayout(tp=2, cp=2), cp_rank=1))
-    >>> s = {"input_ids": torch.tensor([5, 6, 9, 9, 7]), "mm_token_type_ids": torch.tensor([0, 0, 1, 1, 0]),
+    >>> thd = THDCollator(schema=vlm_schema(), layout=ParallelLayout(tp=2, cp=2), cp_rank=1)
+    >>> coll = MRoPECollator(collator=thd)
+    >>> s = {"input_ids": torch.tensor([5, 6, 9, 9, 7]),
+    ...      "mm_token_type_ids": torch.tensor([0, 0, 1, 1, 0]),
     ...      "image_grid_thw": torch.tensor([[1, 2, 4]]), "pixel_values": torch.zeros(8, 1176)}
     >>> coll([s])["mrope_position_ids"].tolist()  # P=8: rank 1 keeps slots 2..5 (chunks 1 and 2)
     [[[2, 2, 4, 0]], [[2, 2, 4, 0]], [[2, 3, 4, 0]]]

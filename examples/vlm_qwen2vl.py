@@ -1,7 +1,8 @@
 """A VLM (Qwen2-VL): chat + images to packed batches with pixel values, image grids and mRoPE positions.
 
     {"json": chat with <image>, "0.png": image} ──ShardWriter(transform=...)──► shards + sidecars
-        ──PackedLoader(WebDatasetSource(..., transform=VLMSampleTransform(tokenizer)), vlm_schema)──► batches
+        ──PackedLoader(WebDatasetSource(..., transform=VLMSampleTransform(tokenizer)),
+                       vlm_schema)──► batches
 
 The tokenizer is your Hugging Face tokenizer wrapped by ``HFChatTokenizer`` (Qwen2-VL's special tokens); here a
 word-level one is built in memory so the example needs no download. The image processor is transformers'

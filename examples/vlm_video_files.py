@@ -1,11 +1,12 @@
 """Video files (mp4) in webdataset shards, for Qwen3-VL: written, indexed from their headers, and trained on.
 
     {"json": chat with <video>, "clip.mp4": {"frames": uint8 [T, H, W, 3], "fps": 24}}
-        ──ShardWriter(transform=...)──► shards (H.264 mp4 members, PyAV) + sidecars (lengths from the mp4 headers:
-                                        no frame decoded)
-        ──PackedLoader(WebDatasetSource(..., transform=VLMSampleTransform(model_config=Qwen3-VL)))──► batches
-          (each clip sampled at 2 fps as Qwen3-VL's video processor samples it, only those frames decoded,
-           `<t seconds>` text from their source timestamps, mRoPE positions)
+        ──ShardWriter(transform=...)──► shards (H.264 mp4 members, PyAV)
+                                        + sidecars (lengths from the mp4 headers: no frame decoded)
+        ──PackedLoader(WebDatasetSource(...,
+                       transform=VLMSampleTransform(model_config=Qwen3-VL)))──► batches
+          (each clip sampled at 2 fps as Qwen3-VL's video processor samples it, only those frames
+           decoded, `<t seconds>` text from their source timestamps, mRoPE positions)
         ──to_hf_kwargs──► a tiny Qwen3-VL (random weights) forward + backward: the loss is finite
 
 Everything is built in memory (a word-level tokenizer with Qwen's special tokens, a 2-layer Qwen3-VL config):

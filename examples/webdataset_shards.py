@@ -3,7 +3,8 @@
 
     samples ──ShardWriter──► shard-000000.tar + shard-000000.tar.prealign-index.npz, ...
             ──PackedLoader(WebDatasetSource(paths))──► batches
-            ──PackedLoader(WebDatasetSource("http://127.0.0.1:PORT/shard-{000000..000003}.tar"))──► same batches
+            ──PackedLoader(WebDatasetSource("http://127.0.0.1:PORT/shard-{000000..000003}.tar"))
+              ──► same batches
 
 The http server is started by this script on 127.0.0.1 (the standard library's, taught to answer ``Range``
 requests, as nginx, S3 or GCS do: only the samples' bytes travel). Run:

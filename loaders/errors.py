@@ -58,7 +58,8 @@ def reason_of(exc: BaseException) -> str:
 
     >>> reason_of(MissingMemberError(sample="k", field="jpg", expected="a member", actual="none"))
     'missing_member'
-    >>> reason_of(KeyError("text")), reason_of(BadSampleError(sample=1, field=None, expected="x", actual="y"))
+    >>> bad = BadSampleError(sample=1, field=None, expected="x", actual="y")
+    >>> reason_of(KeyError("text")), reason_of(bad)
     ('bad_sample', 'bad_sample')
     """
     reason = getattr(exc, "reason", None) if isinstance(exc, SampleError) else None

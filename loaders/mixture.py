@@ -1,6 +1,7 @@
 """``Mixture``: one source over many datasets, weighted by tokens (default) or samples.
 
-    Mixture({"web": (web, 0.6), "code": (code, 0.3), "math": Component(math, weight=0.1)}, by="tokens")
+    Mixture({"web": (web, 0.6), "code": (code, 0.3), "math": Component(math, weight=0.1)},
+            by="tokens")
         │ index pass: each component's own (its transform, its bad-data policy), merged: global ids
         ▼   0..N_web-1 | N_web..N_web+N_code-1 | ...
     per epoch (:mod:`prealign.loaders.plan.mixing`): each component's stream of whole reshuffled passes,

@@ -3,10 +3,10 @@
 construction (a mistake is a :class:`~prealign.loaders.errors.PlanError`, a ``ConfigError``).
 
     PackedLoader(source, schema=, layout=, token_budget=, seed=,
-                 workers=WorkerConfig(...),      where it runs: ranks, DataLoader workers, process group
-                                                 (or the flat dp_rank=, dp_size=, cp_rank=, num_workers=,
-                                                 group= keywords: the same, as sugar)
-                 planner=PlannerConfig(...),     how micro-batches are filled       (loaders.planner;
+                 workers=WorkerConfig(...),      where it runs: ranks, DataLoader workers,
+                                                 process group (or the flat dp_rank=, dp_size=,
+                                                 cp_rank=, num_workers=, group= keywords: sugar)
+                 planner=PlannerConfig(...),     how micro-batches are filled (loaders.planner;
                                                  the stream's buffer_size and oversize too)
                  bad_data=BadDataPolicy(...),    what a bad sample does             (loaders.policy)
                  shuffle=ShuffleOptions(...),    sample order
@@ -151,7 +151,8 @@ def worker_config(workers: WorkerConfig | None, **flat) -> WorkerConfig:
     ``dp_size``, ``cp_rank``, ``num_workers``, ``group``; ``None``: not given). A flat keyword given beside
     ``workers`` is a :class:`~prealign.loaders.errors.PlanError` (given twice).
 
-    >>> worker_config(None, dp_rank=1, dp_size=2, cp_rank=None, num_workers=None, group=None).dp_size
+    >>> config = worker_config(None, dp_rank=1, dp_size=2, cp_rank=None, num_workers=None, group=None)
+    >>> config.dp_size
     2
     """
     check_option("workers", workers, WorkerConfig)

@@ -75,7 +75,8 @@ class ConsumerUnsupportedError(PackingUnsupportedError):
 class ModelContract:
     """What one model needs from a packed batch (module docstring).
 
-    >>> ModelContract(model="gemma3", media_attention="bidirectional", local_attention="sliding").fields()
+    >>> ModelContract(model="gemma3", media_attention="bidirectional",
+    ...               local_attention="sliding").fields()
     ('position_ids', 'cu_seqlens_padded', 'attention_mask')
     """
 

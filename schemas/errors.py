@@ -34,7 +34,8 @@ class PrealignError(Exception):
     workers, ``all_gather_object``) with its type, although subclasses take keyword-only arguments:
 
     >>> import pickle
-    >>> err = pickle.loads(pickle.dumps(SampleError(sample=3, field="labels", expected="int64", actual="float32")))
+    >>> err = SampleError(sample=3, field="labels", expected="int64", actual="float32")
+    >>> err = pickle.loads(pickle.dumps(err))
     >>> type(err).__name__, err.sample, err.field, str(err)
     ('SampleError', 3, 'labels', "sample 3, field 'labels': expected int64, got float32")
     """

@@ -82,7 +82,8 @@ class FP8Recipe(enum.Enum):
     16-byte TMA-aligned access; TE's NVFP4 quantizer checks ``first_dim % 32``). It is also what
     ``"nvfp4"`` meant before it was named, so saved states keep their fingerprints (``"fp8": 32``).
 
-    >>> [r.multiple for r in FP8Recipe], FP8Recipe.coerce("nvfp4") is FP8Recipe.NVFP4 is FP8Recipe.MXFP8
+    >>> multiples = [r.multiple for r in FP8Recipe]
+    >>> multiples, FP8Recipe.coerce("nvfp4") is FP8Recipe.NVFP4 is FP8Recipe.MXFP8
     ([1, 16, 32, 128], True)
     """
 

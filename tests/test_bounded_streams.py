@@ -110,8 +110,8 @@ base = peak()
 source = WebDatasetSource([path], limits=DecodeLimits(max_ratio=ratio))
 try:
     index = build_index(source, causal_lm_schema(), num_workers=0)
-    loader = PackedLoader(source, schema=causal_lm_schema(), layout=ParallelLayout(), token_budget=64,
-                          indexing=IndexOptions(prebuilt=index))
+    loader = PackedLoader(source, schema=causal_lm_schema(), layout=ParallelLayout(),
+                          token_budget=64, indexing=IndexOptions(prebuilt=index))
     served = sum(len(b["sample_index"]) for b in loader)
     error = None
 except Exception as exc:

@@ -29,7 +29,8 @@ WORKER = r'''
 import gc, json, os, pickle, random, sys, time
 import torch
 from prealign.loaders.handoff import slots
-from prealign.loaders.handoff.share_folder import CLAIMED, HIT, SharedFolder, encode_record, decode_record
+from prealign.loaders.handoff.share_folder import (CLAIMED, HIT, SharedFolder, encode_record,
+                                                   decode_record)
 
 d, rank, ranks, keys, timeout, seed, out = sys.argv[1:]
 rank, ranks, keys, timeout, seed = int(rank), int(ranks), int(keys), float(timeout), int(seed)

@@ -3,9 +3,10 @@ no private name imported from another module. Read from the source with ``ast``:
 
 Layers, lowest first; a module may import its own layer and the layers below it, never one above:
 
-    schemas -> collate -> loaders.{errors,policy} -> loaders.sources -> loaders.handoff -> loaders.media
-    -> loaders.index -> loaders.plan -> loaders.serve -> loaders (options, state, loader, streaming, ...)
-    -> loaders.cli -> prealign (the package's lazy entry points)
+    schemas -> collate -> loaders.{errors,policy} -> loaders.sources -> loaders.handoff
+    -> loaders.media -> loaders.index -> loaders.plan -> loaders.serve
+    -> loaders (options, state, loader, streaming, ...) -> loaders.cli
+    -> prealign (the package's lazy entry points)
 """
 from __future__ import annotations
 

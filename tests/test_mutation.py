@@ -308,13 +308,17 @@ def test_validating_a_batch_loads_no_collate_module(subprocess_env):
     code = """
 import sys, torch
 from prealign.schemas import ParallelLayout, causal_lm_schema, validate_batch
+i32 = torch.int32
 b = {"input_ids": torch.tensor([[3, 4, 5, 0]]), "labels": torch.tensor([[4, 5, -100, -100]]),
-     "loss_mask": torch.tensor([[1.0, 1.0, 0.0, 0.0]]), "position_ids": torch.tensor([[0, 1, 2, 3]]),
-     "padding_mask": torch.tensor([[False, False, False, True]]), "cu_seqlens": torch.tensor([0, 3], dtype=torch.int32),
-     "cu_seqlens_padded": torch.tensor([0, 4], dtype=torch.int32), "max_seqlen": torch.tensor([4], dtype=torch.int32)}
+     "loss_mask": torch.tensor([[1.0, 1.0, 0.0, 0.0]]),
+     "position_ids": torch.tensor([[0, 1, 2, 3]]),
+     "padding_mask": torch.tensor([[False, False, False, True]]),
+     "cu_seqlens": torch.tensor([0, 3], dtype=i32), "cu_seqlens_padded": torch.tensor([0, 4], dtype=i32),
+     "max_seqlen": torch.tensor([4], dtype=i32)}
 assert validate_batch(b, causal_lm_schema(), ParallelLayout(cp=2)) == []
 b["labels"][0, 0] = 5
-assert [v.path for v in validate_batch(b, causal_lm_schema(), ParallelLayout(cp=2), raise_on_error=False)] == ["labels[slot 0]"]
+found = validate_batch(b, causal_lm_schema(), ParallelLayout(cp=2), raise_on_error=False)
+assert [v.path for v in found] == ["labels[slot 0]"]
 loaded = sorted(m for m in sys.modules if m.startswith(("prealign.collate", "prealign.loaders")))
 assert loaded == [], loaded
 print("alone")

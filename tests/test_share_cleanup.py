@@ -75,7 +75,8 @@ assert f.acquire("k2") == (CLAIMED, None)
 f.failed("k2")
 assert f.acquire("peerkey")[0] == HIT
 import os
-assert {{"k1.bin", "k1.claim", "k1.r0", "k2.err", "k2.claim", "peerkey.r0"}} <= set(os.listdir({d!r}))
+kept = {{"k1.bin", "k1.claim", "k1.r0", "k2.err", "k2.claim", "peerkey.r0"}}
+assert kept <= set(os.listdir({d!r}))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 INNER_CONFTEST = "from tests.conftest import pytest_configure  # noqa: F401 - the gate, as the suite has it\n"
 SKIPS = '''
 import pytest
-pytest.importorskip("s3fs")          # a declared test extra, missing: the whole module skipped at collection
+# a declared test extra, missing: the whole module skipped at collection
+pytest.importorskip("s3fs")
 
 def test_never_runs():
     pass

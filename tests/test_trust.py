@@ -157,7 +157,8 @@ def test_crafted_hf_configs_are_plan_errors(change):
 _FULL_DISK = """
 import resource, signal, sys
 from prealign.loaders.cli.main import main
-signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, as on a full disk
+# a write past the limit fails with EFBIG, as on a full disk
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 resource.setrlimit(resource.RLIMIT_FSIZE, (1024, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
 try:
     rc = main(["index", "--text", "--out", sys.argv[1], *sys.argv[2:]])

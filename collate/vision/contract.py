@@ -3,7 +3,8 @@ declarations, or any other model's read from its config: ``layer_types`` (Qwen3-
 ``linear_attention``, Llama 4 ``chunked_attention``, Gemma 3 / 4 ``sliding_attention``) and Gemma 4's
 ``use_bidirectional_attention == "vision"`` (image and video tokens attend bidirectionally within their block).
 
->>> model_contract({"model_type": "qwen3_next", "layer_types": ["linear_attention", "full_attention"]}).to_dict()
+>>> cfg = {"model_type": "qwen3_next", "layer_types": ["linear_attention", "full_attention"]}
+>>> model_contract(cfg).to_dict()
 {'model': 'qwen3_next', 'position_kind': '1d', 'media_attention': 'causal', 'local_attention': None, \
 'linear_attention': True}
 """

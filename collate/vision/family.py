@@ -185,7 +185,8 @@ def has_linear_attention(model_config: Any) -> bool:
     transformers config (object or dict; a VLM's ``text_config`` looked in first) whose ``layer_types`` hold
     ``"linear_attention"`` (Qwen3.5, Qwen3.6, Qwen3-Next). The one test every caller uses.
 
-    >>> has_linear_attention({"text_config": {"layer_types": ["linear_attention", "full_attention"]}})
+    >>> layers = ["linear_attention", "full_attention"]
+    >>> has_linear_attention({"text_config": {"layer_types": layers}})
     True
     """
     if isinstance(model_config, VisionFamily):

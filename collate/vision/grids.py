@@ -1,9 +1,11 @@
 """Grid arithmetic of the Qwen vision processors: an image's or a video's ``(t, gh, gw)`` from its size alone.
 
-    (height, width)              --image_grid-->       (1, gh, gw)   Qwen2-VL's ``smart_resize`` (every family's images)
-    (frames, height, width)      --video_grid-->       (ceil(frames / temporal), gh, gw)
+    (height, width)          --image_grid-->  (1, gh, gw)
+        Qwen2-VL's ``smart_resize`` (every family's images)
+    (frames, height, width)  --video_grid-->  (ceil(frames / temporal), gh, gw)
         per-frame area bound (Qwen2-VL / Qwen2.5-VL video processor)  or
-        whole-clip volume bound  (Qwen3-VL / Qwen3.5 video processor: ``frames * h * w`` within the pixel range)
+        whole-clip volume bound (Qwen3-VL / Qwen3.5 video processor: ``frames * h * w`` within the
+        pixel range)
 
 ``gh``, ``gw`` count patches (multiples of the merge size); the LLM sees ``t * gh * gw / merge**2`` tokens.
 The area rule is pure Python arithmetic written from the processors' resize rule (tested equal to it). The
@@ -76,7 +78,8 @@ def video_grid(frames: int, height: int, width: int, geometry: VisionGeometry, *
     ``volume=True`` (Qwen3-VL / Qwen3.5): the clip's volume, by transformers' Qwen3-VL video ``smart_resize``.
     What the processor refuses (too few frames, a bad aspect ratio) is a :class:`SampleError`.
 
-    >>> video_grid(5, 240, 320, VisionGeometry(patch_size=16, min_pixels=4096, max_pixels=2 ** 22), volume=True)
+    >>> geometry = VisionGeometry(patch_size=16, min_pixels=4096, max_pixels=2 ** 22)
+    >>> video_grid(5, 240, 320, geometry, volume=True)
     (3, 16, 20)
     """
     tp = geometry.temporal_patch_size

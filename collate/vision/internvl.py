@@ -99,8 +99,8 @@ class InternVL(VisionFamily):
     def tiles(self, height: int, width: int, *, sample=None, field: str = "image") -> int:
         """Tiles of one image (the thumbnail included): what its ``pixel_values`` rows and tokens count.
 
-        >>> fam = InternVL(model_type="internvl", image_token_id=5, patch_size=14, spatial_merge_size=2,
-        ...                temporal_patch_size=1)
+        >>> fam = InternVL(model_type="internvl", image_token_id=5, patch_size=14,
+        ...                spatial_merge_size=2, temporal_patch_size=1)
         >>> fam.tiles(300, 700), fam.tiles(448, 448), fam.image_tokens(300, 700)
         (11, 1, 2816)
         """

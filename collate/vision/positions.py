@@ -46,7 +46,8 @@ def rope_positions(types: np.ndarray, cu_seqlens: np.ndarray, image_grid: np.nda
         not match the grids in number, or a token type is not 0, 1 or 2.
 
     >>> t = np.array([0, 0, 1, 1, 1, 1, 1, 1, 0, 0])
-    >>> rope_positions(t, np.array([0, 10]), np.array([[1, 4, 6]]), np.zeros((0, 3)), None, 2).tolist()
+    >>> grids = np.array([[1, 4, 6]])
+    >>> rope_positions(t, np.array([0, 10]), grids, np.zeros((0, 3)), None, 2).tolist()
     [[0, 1, 2, 2, 2, 2, 2, 2, 5, 6], [0, 1, 2, 2, 2, 3, 3, 3, 5, 6], [0, 1, 2, 3, 4, 2, 3, 4, 5, 6]]
     """
     types = np.asarray(types).reshape(-1)

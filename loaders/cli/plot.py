@@ -3,10 +3,10 @@ each rank keeps, drawn with PIL only (no matplotlib).
 
 One panel per micro-batch::
 
-    global [1, T]   |seq0 text|img|text..pad|seq1 ....pad|seq2 ..|     one colour per sequence,
-    owner           |r0 |r1 |r1 |r0 |r0|r1|r1|r0|...                   image tokens darker, pads grey
-    cp rank 0       |chunks 0 and 3 of every sequence|                  T/cp slots; the dashed line
-    cp rank 1       |chunks 1 and 2 of every sequence|                  is the SP split over tp
+    global [1, T]   |seq0 text|img|text..pad|seq1 ....pad|seq2 ..|  one colour per sequence,
+    owner           |r0 |r1 |r1 |r0 |r0|r1|r1|r0|...                image tokens darker, pads grey
+    cp rank 0       |chunks 0 and 3 of every sequence|               T/cp slots; the dashed line
+    cp rank 1       |chunks 1 and 2 of every sequence|               is the SP split over tp
 
 Pixels per slot are the same in every row of a panel, so a rank's row is ``1/cp`` of the global one.
 """

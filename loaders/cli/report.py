@@ -1,6 +1,7 @@
 """Per-micro-batch statistics and the plain-text table ``prealign demo`` / ``inspect`` print.
 
->>> s = BatchStats(index=0, sequences=2, images=1, real_tokens=10, padded_tokens=12, local_tokens=(6, 6), violations=0)
+>>> s = BatchStats(index=0, sequences=2, images=1, real_tokens=10, padded_tokens=12,
+...                local_tokens=(6, 6), violations=0)
 >>> print(format_table([s], tp=2))
  mb  seqs  imgs   real  padded  pad %  T_local per CP rank  T_local % tp  valid
   0     2     1     10      12  16.7%  6, 6                 0             yes

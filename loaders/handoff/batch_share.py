@@ -194,7 +194,8 @@ class _SharedPlanned:
     def key(self, request) -> str:
         ids = ",".join(map(str, request.indices))
         text = f"{self.digest}|{request.epoch}|{request.position}|{request.filler_of}|{ids}"
-        return f"e{request.epoch}-p{request.position}-{hashlib.blake2b(text.encode(), digest_size=16).hexdigest()}"
+        digest = hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+        return f"e{request.epoch}-p{request.position}-{digest}"
 
     def __getitems__(self, request):
         key = self.key(request)

@@ -66,7 +66,8 @@ class Unfingerprintable(Exception):
 def qualified_name(obj) -> str:
     """``module.qualname`` of a function or class, else of the object's type."""
     named = obj if isinstance(obj, (type, types.FunctionType, types.BuiltinFunctionType)) else type(obj)
-    return f"{getattr(named, '__module__', '?')}.{getattr(named, '__qualname__', type(named).__qualname__)}"
+    qualname = getattr(named, "__qualname__", type(named).__qualname__)
+    return f"{getattr(named, '__module__', '?')}.{qualname}"
 
 
 def identity_fields(transform) -> dict[str, str]:

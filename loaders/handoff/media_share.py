@@ -77,8 +77,8 @@ class SharedMediaTransform:
 
     Use it as the source's transform; nothing else changes::
 
-        transform = SharedMediaTransform(transform=VLMSampleTransform(tokenizer=tok), run=f"{job}-dp{dp_rank}",
-                                         cp_rank=cp_rank, cp_size=cp_size)
+        transform = SharedMediaTransform(transform=VLMSampleTransform(tokenizer=tok),
+                                         run=f"{job}-dp{dp_rank}", cp_rank=cp_rank, cp_size=cp_size)
     """
 
     transform: Callable[[dict], dict]

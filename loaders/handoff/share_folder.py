@@ -7,14 +7,15 @@ computes, the others read (no pickle, no deadlock). Used by
     <key>.claim   the claimer's, locked (flock) by it until it publishes   (who is computing)
                   or fails: made under a temporary name, locked, then linked
                   here (O_EXCL-like); its pid inside is for people only
-    <key>.bin     the result: a slot header page (:mod:`~prealign.loaders.handoff.slots`: holder flags, the key),
-                  then ``PRMS1\\n``, a JSON header, raw tensor bytes (never pickled, read by mmap);
+    <key>.bin     the result: a slot header page (:mod:`~prealign.loaders.handoff.slots`: holder
+                  flags, the key), then ``PRMS1\\n``, a JSON header, raw tensor bytes (never
+                  pickled, read by mmap);
                   written to ``<key>.<pid>.tmp`` (O_EXCL|O_NOFOLLOW), or a pooled slot file linked
                   there (:meth:`SharedFolder.publish_slot`: no copy), then renamed (atomic)
-    <key>.err     the claimer failed: every rank computes for itself      (bad data raises locally)
-    <key>.r<k>    CP rank k has the result (the claimer's rank marks itself; a second request of that
-                  rank, e.g. its worker after its index pass, reads without using up the peers' turn);
-                  the last rank to read deletes                             (clean-up)
+    <key>.err     the claimer failed: every rank computes for itself  (bad data raises locally)
+    <key>.r<k>    CP rank k has the result (the claimer's rank marks itself; a second request of
+                  that rank, e.g. its worker after its index pass, reads without using up the
+                  peers' turn); the last rank to read deletes  (clean-up)
 
 :meth:`SharedFolder.acquire` answers ``CLAIMED`` (compute, then :meth:`~SharedFolder.publish` or
 :meth:`~SharedFolder.failed`), ``HIT`` with the record, or ``LOCAL`` (compute without publishing). A
@@ -27,7 +28,8 @@ are removed by their claimer at its exit (:func:`clean_up`), else swept after ``
 that are over are swept too (:func:`sweep_dead_runs`). Only the protocol's own names are ever deleted.
 The protocol and its invariants: ``PROTOCOL.md`` beside this file.
 
->>> rec = decode_record(bytearray(b"".join(bytes(p) for p in encode_record({"a": torch.arange(3), "n": 2}))))
+>>> parts = encode_record({"a": torch.arange(3), "n": 2})
+>>> rec = decode_record(bytearray(b"".join(bytes(p) for p in parts)))
 >>> rec["a"].tolist(), rec["n"]
 ([0, 1, 2], 2)
 """

@@ -23,8 +23,10 @@ def shell_shards(urls: list[str]) -> str:
     """``urls`` as shell arguments: a quoted brace range when they are one numbered run
     (``'data/shard-{000..099}.tar'``), else each quoted.
 
-    >>> shell_shards(["d/s-008.tar", "d/s-009.tar", "d/s-010.tar"]), shell_shards(["a.tar", "b c.tar"])
-    ("'d/s-{008..010}.tar'", "a.tar 'b c.tar'")
+    >>> shell_shards(["d/s-008.tar", "d/s-009.tar", "d/s-010.tar"])
+    "'d/s-{008..010}.tar'"
+    >>> shell_shards(["a.tar", "b c.tar"])
+    "a.tar 'b c.tar'"
     """
     parts = [re.fullmatch(r"(.*?)(\d+)(\D*)", u) for u in urls]
     if len(urls) > 2 and all(parts):

@@ -187,7 +187,8 @@ def value_bounds(arrays: dict) -> np.ndarray:
     """``int64 [3, 4]``: for each of :data:`BOUNDED` in ``arrays`` (numpy arrays or tensors), the maximum, the
     smallest non-negative value, and the smallest and largest negative values (:data:`NO_VALUES` where absent).
 
-    >>> value_bounds({"input_ids": np.array([5, 9, 2]), "labels": np.array([-100, 9, -100])})[:2].tolist()
+    >>> sample = {"input_ids": np.array([5, 9, 2]), "labels": np.array([-100, 9, -100])}
+    >>> value_bounds(sample)[:2].tolist()
     [[9, 2, 9223372036854775807, -9223372036854775808], [9, 9, -100, -100]]
     """
     out = _NONE.copy()

@@ -2,7 +2,8 @@
 
     {"__key__": "s0", "input_ids": int array [L], "json": {...}, "0.png": PIL image, ...}
         ─► out/shard-000000.tar  (members  s0.input_ids.npy  s0.json  s0.0.png ...)
-        ─► out/shard-000000.tar.prealign-index.npz   (written as the shard closes: no `prealign index` run)
+        ─► out/shard-000000.tar.prealign-index.npz
+           (written as the shard closes: no `prealign index` run)
 
 A sample is a dict: ``__key__`` (optional; ``000000042`` by position) and one entry per member. The entry's
 name is the member's extension (``input_ids`` -> ``<key>.input_ids.npy``) and its value says how it is stored:
@@ -123,7 +124,8 @@ class ShardWriter:
     >>> with tempfile.TemporaryDirectory() as out:
     ...     with ShardWriter(f"{out}/shard-%06d.tar", max_bytes=1 << 20) as w:
     ...         w.write({"__key__": "a", "input_ids": np.arange(1, 9)})
-    ...     [os.path.basename(p) for p in w.shards], w.count, os.path.exists(w.shards[0] + ".prealign-index.npz")
+    ...     sidecar = w.shards[0] + ".prealign-index.npz"
+    ...     [os.path.basename(p) for p in w.shards], w.count, os.path.exists(sidecar)
     (['shard-000000.tar'], 1, True)
     """
 

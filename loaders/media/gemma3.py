@@ -2,11 +2,12 @@
 and the Gemma 3 chat template write it: every image resized to the vision tower's square (pan-and-scan off),
 written as ``"\\n\\n<start_of_image>" + <image_soft_token> x mm_tokens_per_image + "<end_of_image>\\n\\n"``.
 
-    raw sample (as VLMSampleTransform's)           Gemma3SampleTransform(raw)
-    json   {"messages": [...], "images": [...]}    input_ids          int64   [L]
-    0.jpg  JPEG bytes                    ---->     loss_mask          float32 [L]  1 on model replies + <end_of_turn>
-                                                   mm_token_type_ids  int64   [L]  1 on image tokens
-                                                   pixel_values       float32 [num_images, 3, S, S]
+    raw sample (as VLMSampleTransform's)        Gemma3SampleTransform(raw)
+    json   {"messages": [...], "images": [...]} input_ids          int64   [L]
+    0.jpg  JPEG bytes                    ---->  loss_mask          float32 [L]  1 on model replies
+                                                                                + <end_of_turn>
+                                                mm_token_type_ids  int64   [L]  1 on image tokens
+                                                pixel_values       float32 [num_images, 3, S, S]
 
 The chat template (rendered here, tokenized as its string is: :func:`~.chat_tokenizer.encode_segments`):
 ``<bos>``, then per turn ``<start_of_turn>{role}\\n`` (``assistant`` written ``model``), the content trimmed

@@ -1,11 +1,11 @@
 """InternVL 3 / 3.5 samples, raw -> model-ready (:mod:`prealign.collate.vision.internvl` holds the tiling rule).
 
-    raw sample (as for every family)              VLMSampleTransform(model_config=InternVLConfig(...))(raw)
-    json  {"messages": [...], "images": [...],    input_ids          int64   [L]
-           "videos": [{"frames": [...]}]}         loss_mask          float32 [L]
-    0.jpg, v0_0.jpg, ...                   ---->  mm_token_type_ids  int64   [L]  1 on every <IMG_CONTEXT>
-                                                  pixel_values       float   [tiles, 3, 448, 448]
-                                                  image_num_patches  int64   [blocks]  tiles per <img> block
+    raw sample (as for every family)            VLMSampleTransform(model_config=InternVLConfig(...))
+    json  {"messages": [...], "images": [...],  input_ids          int64   [L]
+           "videos": [{"frames": [...]}]}       loss_mask          float32 [L]
+    0.jpg, v0_0.jpg, ...                 ---->  mm_token_type_ids  int64   [L]  1 on <IMG_CONTEXT>
+                                                pixel_values       float   [tiles, 3, 448, 448]
+                                                image_num_patches  int64   [blocks]  tiles per block
 
 Each ``<image>`` becomes ``<img>`` + ``256 * tiles`` x ``<IMG_CONTEXT>`` + ``</img>`` (the tiles of
 transformers' GotOcr2 image processor with ``crop_to_patches``: the canvas tiles plus a thumbnail); each

@@ -1,10 +1,10 @@
 """Video frames -> the Qwen video processors' ``pixel_values_videos``, as arrays (no torchvision).
 
-    frames   RGB PIL images, one size          --video_patches-->  uint8 [t*gh*gw, 3, tp, p, p]
-             (the video's sampled frames)                          (resized like the PIL image processor,
-                                                                    the last frame repeated to a multiple of tp,
-                                                                    cut in the video processors' patch order)
-             --normalize_patches(table)-->      float32 [t*gh*gw, 3*tp*p*p]
+    frames   RGB PIL images, one size     --video_patches-->  uint8 [t*gh*gw, 3, tp, p, p]
+             (the video's sampled frames)
+                 resized like the PIL image processor, the last frame repeated to a multiple of
+                 tp, cut in the video processors' patch order
+             --normalize_patches(table)-->  float32 [t*gh*gw, 3*tp*p*p]
 
 The values follow transformers' PIL image processor on each frame (bicubic resize, rescale, normalize, computed
 with a lookup table exactly as there); transformers' video processors resize with torchvision instead, whose

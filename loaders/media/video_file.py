@@ -1,11 +1,10 @@
 """Video files (``.mp4``, ``.webm``, ``.mkv``, ...) with PyAV: headers without decoding, then only the sampled
 frames decoded, each resized as it comes out of the decoder.
 
-    bytes --probe_video-->    VideoHeader(frames, fps, width, height, seconds)   headers only (a packet count,
-                                                                                 no decoding, where the stream
-                                                                                 header has no frame count)
-          --decode_frames(indices, size)-->  uint8 [n, 3, h, w]                  seek to the keyframe before each
-                                                                                 sampled frame, decode forward
+    bytes --probe_video-->  VideoHeader(frames, fps, width, height, seconds)
+              headers only (a packet count, no decoding, where the stream header has no frame count)
+          --decode_frames(indices, size)-->  uint8 [n, 3, h, w]
+              seek to the keyframe before each sampled frame, decode forward
 
 Frame ``i`` is the ``i``-th frame in presentation order, as transformers' ``load_video(..., backend="pyav")``
 counts them (its ``total_num_frames`` is the stream header's frame count, its ``fps`` the stream's average rate;

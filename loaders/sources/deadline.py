@@ -1,7 +1,8 @@
 """Reads that cannot hang: a shard stream read by a daemon thread, handed over chunk by chunk, with a
 deadline on every chunk (a FIFO, a hung network mount, a stuck ``pipe:``).
 
-    opener() ──thread: open, fstat, read 1 MiB chunks──► queue ──read(n), at most ``timeout`` s per chunk──► caller
+    opener() ──thread: open, fstat, read 1 MiB chunks──► queue
+             ──read(n), at most ``timeout`` s per chunk──► caller
 
 A stalled read raises :class:`Stalled` in the caller; the thread stays blocked in the kernel call
 (nothing can interrupt it) but is a daemon and holds only its file, so the process goes on and can

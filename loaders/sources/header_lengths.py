@@ -2,7 +2,7 @@
 
     .npy bytes  --npy_header-->          shape, dtype     (the header only; never unpickled)
     image bytes --image_header_size-->   (width, height)  (PIL's lazy open of the allowed formats)
-    (h, w)      --qwen2vl_grid-->        (t, gh, gw)      (the Qwen2-VL processor's resize arithmetic)
+    (h, w)      --qwen2vl_grid-->        (t, gh, gw)      (the Qwen2-VL processor's resize rule)
                 --tokens_of_grid-->      t*gh*gw / merge**2 image tokens
 
 A length then costs a few hundred bytes of header instead of a decode: ``qwen2vl_grid`` gives exactly

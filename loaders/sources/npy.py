@@ -1,6 +1,6 @@
 """The one reader of ``.npy`` headers and ``.npz`` archives: tar members, header-only lengths and sidecars.
 
-    .npy bytes --parse_npy_header--> NpyHeader(shape, dtype, fortran_order, offset)   (once per member)
+    .npy bytes --parse_npy_header--> NpyHeader(shape, dtype, fortran_order, offset)  (per member)
                --npy_array-------->  ndarray (a view of the bytes, or a writable copy)
     .npz bytes --read_npz--------->  {name: ndarray}
 

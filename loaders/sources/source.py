@@ -286,7 +286,8 @@ def media_paths(row: dict) -> list[str]:
     """The relative file paths a row's ``images`` / ``videos`` columns name: plain strings, ``{"file": path}`` and
     the strings of a ``{"frames": [...]}`` list.
 
-    >>> media_paths({"images": ["a.jpg"], "videos": [{"file": "v/c.mp4"}, {"frames": ["f0.png", "f1.png"]}]})
+    >>> videos = [{"file": "v/c.mp4"}, {"frames": ["f0.png", "f1.png"]}]
+    >>> media_paths({"images": ["a.jpg"], "videos": videos})
     ['a.jpg', 'v/c.mp4', 'f0.png', 'f1.png']
     """
     out = []

@@ -54,7 +54,8 @@ _KEY_EXT = re.compile(r"^((?:.*/)?[^./][^/.]*)\.([^/]+)$")
 class DecodeLimits:
     """Caps on what one member may decode to, checked from its header before decoding.
 
-    >>> DecodeLimits().max_image_pixels, DecodeLimits().max_array_bytes, DecodeLimits().max_member_bytes
+    >>> limits = DecodeLimits()
+    >>> limits.max_image_pixels, limits.max_array_bytes, limits.max_member_bytes
     (67108864, 268435456, 1073741824)
     """
 

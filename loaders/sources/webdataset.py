@@ -92,7 +92,8 @@ def check_unique(urls: Sequence[str]) -> None:
     """A :class:`ConfigError` naming both positions when one shard is listed twice (:func:`shard_identity`):
     its samples would be served twice per epoch.
 
-    >>> shard_identity("file:///d/x.tar") == shard_identity("/d/../d/x.tar"), shard_identity("S3://B/k/x.tar#f")
+    >>> same = shard_identity("file:///d/x.tar") == shard_identity("/d/../d/x.tar")
+    >>> same, shard_identity("S3://B/k/x.tar#f")
     (True, 's3://b/k/x.tar')
     """
     seen: dict[str, int] = {}

@@ -27,14 +27,16 @@ import inspect
 import torch
 
 
-def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                           cu_seqlens=None, use_qk_l2norm_in_kernel=False):
+def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
+                           output_final_state=False, cu_seqlens=None, use_qk_l2norm_in_kernel=False):
     from transformers.models.qwen3_5 import modeling_qwen3_5 as m
 
     ref = inspect.unwrap(m.torch_chunk_gated_delta_rule)
     cu = [0, q.shape[1]] if cu_seqlens is None else [int(c) for c in cu_seqlens]
-    return torch.cat([ref(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b],
-                          use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)[0] for a, b in zip(cu[:-1], cu[1:])], 1), None
+    parts = [ref(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b],
+                 use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)[0]
+             for a, b in zip(cu[:-1], cu[1:])]
+    return torch.cat(parts, 1), None
 '''
 CONV = '''
 import inspect
@@ -48,7 +50,9 @@ def causal_conv1d_fn(x, weight, bias=None, activation=None, seq_idx=None):
     ref = inspect.unwrap(m.causal_conv1d_fn)
     ids = torch.zeros(x.shape[-1], dtype=torch.int64) if seq_idx is None else seq_idx[0].long()
     cut = [0, *(torch.nonzero(ids.diff()).flatten() + 1).tolist(), x.shape[-1]]
-    return torch.cat([ref(x[..., a:b], weight, bias, activation=activation) for a, b in zip(cut[:-1], cut[1:])], -1)
+    parts = [ref(x[..., a:b], weight, bias, activation=activation)
+             for a, b in zip(cut[:-1], cut[1:])]
+    return torch.cat(parts, -1)
 '''
 SCRIPT = '''
 import json
@@ -64,13 +68,14 @@ cfg = tiny_config("qwen3_5")
 cfg.text_config.layer_types = ["linear_attention", "full_attention"]
 torch.manual_seed(0)
 model = transformers.Qwen3_5ForConditionalGeneration(cfg).to(torch.float64).eval()
-samples = [vision_sample("qwen3_5", [5, ("image", 2, 2), 3]), vision_sample("qwen3_5", [7, ("image", 2, 4), 9])]
+samples = [vision_sample("qwen3_5", [5, ("image", 2, 2), 3]),
+           vision_sample("qwen3_5", [7, ("image", 2, 4), 9])]
 g = torch.Generator().manual_seed(1)
 for s in samples:
     s["pixel_values"] = torch.randn(s["pixel_values"].shape, generator=g)
 layout = ParallelLayout(tp=2, pad_policy=PadPolicy.PER_SEQUENCE)
-batch = MRoPECollator(collator=THDCollator(schema=vlm_schema(vocab_size=TOK.vocab_size), layout=layout),
-                      model_config=cfg)(samples)
+thd = THDCollator(schema=vlm_schema(vocab_size=TOK.vocab_size), layout=layout)
+batch = MRoPECollator(collator=thd, model_config=cfg)(samples)
 
 
 def logits(kw):
@@ -79,18 +84,21 @@ def logits(kw):
         return model(**kw).logits[0]
 
 
-alone = [logits({"input_ids": s["input_ids"][None], "mm_token_type_ids": s["mm_token_type_ids"][None],
-                 "pixel_values": s["pixel_values"], "image_grid_thw": s["image_grid_thw"], "use_cache": False})
+alone = [logits({"input_ids": s["input_ids"][None],
+                 "mm_token_type_ids": s["mm_token_type_ids"][None],
+                 "pixel_values": s["pixel_values"], "image_grid_thw": s["image_grid_thw"],
+                 "use_cache": False})
          for s in samples]
 out = {}
 for mode in ("positions", "mask"):
     kw = to_hf_kwargs(batch, attention=mode, model_config=cfg, mask_dtype=torch.float64)
-    blind = {k: v for k, v in kw.items() if k not in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")}
+    varlen = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+    blind = {k: v for k, v in kw.items() if k not in varlen}
     row = []
     for packed in (logits(kw), logits(blind)):
         cu, pad = batch["cu_seqlens"], batch["cu_seqlens_padded"]
-        row.append(max(float((packed[int(pad[i]):int(pad[i]) + int(cu[i + 1] - cu[i])] - a).abs().max())
-                       for i, a in enumerate(alone)))
+        spans = [(int(pad[i]), int(pad[i]) + int(cu[i + 1] - cu[i])) for i in range(len(alone))]
+        row.append(max(float((packed[a:b] - x).abs().max()) for (a, b), x in zip(spans, alone)))
     out[mode] = row
 print(json.dumps(out))
 '''
