@@ -45,6 +45,7 @@ class LlavaOneVision(VisionFamily):
     position_kind = "1d"
     media_attention = "causal"
     local_attention = None
+    transform = "prealign.loaders.media.llava_onevision.LlavaOnevisionSampleTransform"
 
     vision_start_token_id: int | None = None
     vision_end_token_id: int | None = None
@@ -106,6 +107,26 @@ class LlavaOneVision(VisionFamily):
             return self.base_tokens + 1 - self.drop_first
         return _anyres_tokens(height, width, self.tile_size, self.patch_size, self.pinpoints, self.max_tiles) - \
             self.drop_first
+
+
+    def batch_schema(self, *, pad_token_id: int = 0, topk: int | str | None = None, vocab_size: int | None = None,
+                     pixel_dtypes: tuple[str, ...] = ("float32", "bfloat16")):
+        """The batch a LLaVA-OneVision transform's samples collate to: the token fields (1-D ``position_ids``),
+        ``mm_token_type_ids`` (0 text, 1 image), and MEDIA fields concatenated over the batch: ``pixel_values``
+        ``[tiles, 3, s, s]`` (each image's base view then its AnyRes tiles), ``image_sizes`` int64 ``[images, 2]``
+        (height, width as decoded) and ``batch_num_images`` int64 ``[samples]`` (images per sample: the model
+        tiles only an image alone in its sample); teacher top-k when ``topk`` is given."""
+        from prealign.schemas.schema import BatchSchema, FieldSpec, Role, core_token_fields, topk_fields
+
+        fields = (*core_token_fields(pad_token_id, -100, vocab_size),
+                  FieldSpec(name="mm_token_type_ids", dtypes=("int64", "int32"), pad_value=0, min_value=0, max_value=1),
+                  FieldSpec(name="pixel_values", role=Role.MEDIA, dtypes=pixel_dtypes,
+                            dense_shape=(3, self.tile_size, self.tile_size)),
+                  FieldSpec(name="image_sizes", role=Role.MEDIA, dtypes=("int64",), dense_shape=(2,)),
+                  FieldSpec(name="batch_num_images", role=Role.MEDIA, dtypes=("int64",)))
+        if topk is not None:
+            fields += topk_fields(topk, vocab_size)
+        return BatchSchema(name="llava_onevision" if topk is None else "llava_onevision_topk", fields=fields)
 
 
 @functools.lru_cache(maxsize=8192)
