@@ -146,6 +146,7 @@ def to_hf_kwargs(batch: dict, *, attention: HFAttention | str = HFAttention.VARL
     floating for sdpa).
 
     Video: ``pixel_values_videos``, ``video_grid_thw`` and ``second_per_grid_ts`` when the batch has videos.
+    LLaVA-OneVision: ``pixel_values`` tiles with ``image_sizes`` and ``batch_num_images`` (images per sample).
     ``model_config`` (the model's transformers config, its dict or a
     :class:`~prealign.collate.vision.VisionFamily`): for a model with linear-attention layers
     (:func:`~prealign.collate.vision.has_linear_attention`), ``seq_idx`` int32 ``[1, T]`` (each slot's padded
@@ -172,6 +173,8 @@ def to_hf_kwargs(batch: dict, *, attention: HFAttention | str = HFAttention.VARL
     media = ("pixel_values", "image_grid_thw") if batch.get("image_grid_thw", torch.zeros(1)).shape[0] else ()
     if "image_grid_thw" not in batch and batch.get("image_num_patches", torch.zeros(0)).shape[0]:
         media = ("pixel_values",)  # InternVL: tiles [n, 3, s, s], no grids
+    if "image_sizes" in batch and batch.get("pixel_values", torch.zeros(0)).shape[0]:
+        media = ("pixel_values", "image_sizes", "batch_num_images")  # LLaVA-OneVision: tiles, sizes, per sample
     if batch.get("video_grid_thw", torch.zeros(0)).shape[0]:
         media += ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
     for name in (*media, "mm_token_type_ids"):  # a batch without images sends no empty pixel_values

@@ -91,8 +91,9 @@ def config(*, tile: int = 384, patch: int = 14, pinpoints=None, strategy: str = 
     vision = dict(model_type="siglip_vision_model", image_size=tile, patch_size=patch)
     text = dict(model_type="qwen2", vocab_size=len(tok))
     if tiny:
-        vision.update(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
-        text.update(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        vision.update(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                      initializer_range=0.3)
+        text.update(hidden_size=32, initializer_range=0.3, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, max_position_embeddings=8192, eos_token_id=tok.eos_token_id,
                     pad_token_id=tok.pad_token_id)
     return transformers.LlavaOnevisionConfig(

@@ -1,0 +1,243 @@
+"""LLaVA-OneVision: prealign's transform equals transformers' ``LlavaOnevisionProcessor`` + ``apply_chat_template``
+(input ids with the leading-newline merges, AnyRes pixel values per image, ``image_sizes``, 1-D positions) on
+random samples; header-only ids equal the transform's; and a tiny LLaVA-OneVision (float64) gives the same logits
+for a packed THD batch (cp=2, every rank unsharded back) as for each sample alone, while positions that do not
+restart, or image features handed to the wrong image, are caught.
+
+What is real here (:mod:`tests.families.llava_onevision_reference`): the tokenizer class, the image processor,
+the processor's ``__call__`` and ``apply_chat_template``, the model; the processor's video slot is ``None``."""
+from __future__ import annotations
+
+import io
+import json
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from prealign.collate import HFAttention, THDCollator, to_hf_kwargs, unpack_thd, unshard_cp
+from prealign.loaders.media.llava_onevision import LlavaOnevisionSampleTransform
+from prealign.loaders.media.vlm import MediaError
+from prealign.schemas import ConfigError, ParallelLayout
+from tests.conftest import examples
+from tests.consumers.models import CORRUPT, real_slots
+from tests.families import llava_onevision_reference as ref
+
+transformers = pytest.importorskip("transformers")
+TOL = 1e-6
+PINS = ((56, 56), (56, 112), (112, 56), (112, 112), (56, 168), (168, 56), (168, 168))
+"""Small tiles (56 px, 4 x 4 patches of 14) so random samples run in milliseconds; the rule is the same."""
+
+
+def png(rng: np.random.Generator, w: int, h: int) -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def items(text: str) -> list[dict]:
+    """A content string as the other families' tests read it: ``<image>`` items and the text pieces between."""
+    import re
+
+    return [{"type": "image"} if p == "<image>" else {"type": "text", "text": p}
+            for p in re.split("(<image>)", text) if p]
+
+
+def sample(key: str, contents: list[str], sizes: list, seed: int) -> tuple[dict, list, list]:
+    """(raw sample, typed chat messages, PIL images) of alternating user / assistant ``contents``."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    members = {f"{i}.png": png(rng, w, h) for i, (w, h) in enumerate(sizes)}
+    roles = ["user", "assistant"] * len(contents)
+    messages = [{"role": r, "content": c} for r, c in zip(roles, contents)]
+    raw = {"__key__": key, "json": json.dumps({"messages": messages, "images": list(members)}), **members}
+    chat = [{"role": m["role"], "content": items(m["content"])} for m in messages]
+    images = [Image.open(io.BytesIO(members[f"{i}.png"])).convert("RGB") for i in range(len(sizes))]
+    return raw, chat, images
+
+
+def transform(processor, **cfg) -> LlavaOnevisionSampleTransform:
+    return LlavaOnevisionSampleTransform(model_config=ref.config(**cfg), tokenizer=ref.hf_tokenizer(),
+                                         processor=processor)
+
+
+PIECES = st.sampled_from(["\n", "\n\n", " ", "a", "b", "hello", "world", ".", "?", " \n", "what cat"])
+TEXT = st.lists(PIECES, max_size=5).map("".join)
+
+
+def check_equal(processor, t, raw, chat, images):
+    """Every field against the processor's output on the template's text."""
+    out = t(raw)
+    text = processor.apply_chat_template(chat, tokenize=False)
+    want = processor(text=text, images=[images] if images else None, return_tensors="pt")
+    assert out["input_ids"].tolist() == want["input_ids"][0].tolist()
+    assert t.header_ids(raw)[0].tolist() == out["input_ids"].tolist()
+    assert torch.equal(out["mm_token_type_ids"], (out["input_ids"] == ref.token_id("<image>")).long())
+    assert out["batch_num_images"].tolist() == [len(images)]
+    if images:
+        assert out["image_sizes"].tolist() == want["image_sizes"].tolist()
+        pv = want["pixel_values"].to(torch.float32)  # [images, most tiles, 3, s, s], zero rows padding the batch
+        tiles = [t.family.tiles(im.height, im.width, images_in_sample=len(images)) for im in images]
+        assert torch.equal(out["pixel_values"], torch.cat([pv[i, :n] for i, n in enumerate(tiles)]))
+        assert all(not pv[i, n:].any() for i, n in enumerate(tiles))
+    else:
+        assert out["pixel_values"].shape[0] == 0 and out["image_sizes"].shape == (0, 2)
+    return out
+
+
+@pytest.mark.slow
+@given(st.lists(st.tuples(st.integers(8, 400), st.integers(8, 400)), max_size=3), st.lists(TEXT, min_size=1, max_size=4),
+       st.sampled_from(["full", "default"]), st.sampled_from(["anyres_max_9", "anyres_max_1"]), st.integers(0, 2**31))
+@examples(30)
+def test_ids_pixels_sizes_and_positions_equal_the_processor(sizes, contents, strategy, aspect, seed):
+    processor = ref.hf_processor(tile=56, pinpoints=PINS, strategy=strategy, aspect=aspect)
+    t = transform(processor, tile=56, pinpoints=PINS, strategy=strategy, aspect=aspect)
+    contents = ["<image>" * len(sizes) + contents[0], *contents[1:]]
+    raw, chat, images = sample("s", contents, sizes, seed)
+    out = check_equal(processor, t, raw, chat, images)
+    schema = t.family.batch_schema(pad_token_id=0, vocab_size=len(ref.hf_tokenizer()), pixel_dtypes=("float32",))
+    batch = THDCollator(schema=schema, layout=ParallelLayout(tp=2))([out, out])
+    for got in unpack_thd(batch["position_ids"], cu_seqlens=batch["cu_seqlens"],
+                          cu_seqlens_padded=batch["cu_seqlens_padded"]):
+        assert torch.equal(got, torch.arange(out["input_ids"].numel()))  # the model's own positions: 0..L-1
+    assert batch["batch_num_images"].tolist() == [len(sizes)] * 2
+
+
+@pytest.mark.slow
+def test_the_released_geometry():
+    """384-px tiles, transformers' default 36 pinpoints, anyres_max_9: one image alone, then two in a sample."""
+    processor = ref.hf_processor()
+    for sizes in ([(700, 300)], [(300, 200), (90, 400)]):
+        raw, chat, images = sample("r", ["<image>" * len(sizes) + "\nWhat is it?", "A cat."], sizes, 7)
+        check_equal(processor, transform(processor), raw, chat, images)
+
+
+@given(st.lists(TEXT, min_size=1, max_size=4))
+@examples(40)
+def test_leading_newline_turns_equal_the_chat_template(contents):
+    """Text only (no pixels): ``"user "`` + ``"\\n" + text`` tokenized as the template's string, so a content
+    that starts with a newline merges with the template's one (and the space before it)."""
+    processor = ref.hf_processor(tile=56, pinpoints=PINS)
+    raw, chat, _ = sample("n", contents, [], 0)
+    text = processor.apply_chat_template(chat, tokenize=False)
+    ours = transform(processor, tile=56, pinpoints=PINS)(raw)
+    assert ours["input_ids"].tolist() == ref.hf_tokenizer()(text, add_special_tokens=False)["input_ids"]
+    end = ref.token_id("<|im_end|>")
+    trained_ends = int(((ours["input_ids"] == end) & (ours["loss_mask"] > 0)).sum())
+    assert trained_ends == sum(m["role"] == "assistant" for m in chat)
+
+
+def test_golden_leading_newline():
+    """``"\\nab"`` from the assistant: ``" \\n\\n"`` is one piece of the template's string (one token here)."""
+    processor = ref.hf_processor(tile=56, pinpoints=PINS)
+    raw, chat, _ = sample("g", ["hi", "\nab"], [], 0)
+    ours = transform(processor, tile=56, pinpoints=PINS)(raw)
+    text = processor.apply_chat_template(chat, tokenize=False)
+    assert text == "<|im_start|>user \nhi<|im_end|><|im_start|>assistant \n\nab<|im_end|>"
+    assert ours["input_ids"].tolist() == ref.hf_tokenizer()(text, add_special_tokens=False)["input_ids"]
+    trained = ours["input_ids"][ours["loss_mask"] > 0].tolist()
+    assert ref.hf_tokenizer().decode(trained) == " \n\nab<|im_end|>"
+
+
+def test_refusals():
+    processor = ref.hf_processor(tile=56, pinpoints=PINS)
+    with pytest.raises(ConfigError, match="pinpoints"):  # the processor's tiling is not the config's
+        transform(processor, tile=56)
+    raw, _, _ = sample("v", ["<video>\nhi", "ok"], [], 0)
+    with pytest.raises(MediaError, match="unprocessed_video"):
+        transform(processor, tile=56, pinpoints=PINS)(raw)
+    raw, _, _ = sample("m", ["<image><image>hi", "ok"], [(20, 20)], 0)
+    with pytest.raises(MediaError, match="placeholder_mismatch"):
+        transform(processor, tile=56, pinpoints=PINS)(raw)
+
+
+# ---- in-model ---------------------------------------------------------------------------------------
+MODEL = dict(tile=42, pinpoints=((42, 42), (42, 84), (84, 42), (84, 84), (42, 126), (126, 42)),
+             aspect="anyres_max_1")
+"""A tiny tower on 42-px tiles (3 x 3 patches), ``anyres_max_1`` so a two-tile image is pooled (interpolated)."""
+
+
+def model_samples() -> list[dict]:
+    processor = ref.hf_processor(tile=42, pinpoints=MODEL["pinpoints"], aspect=MODEL["aspect"])
+    t = transform(processor, **MODEL)
+    raws = [sample("a", ["<image>what?", "a cat."], [(80, 40)], 1)[0],  # alone: base + 2 tiles, pooled
+            sample("b", ["hi", "\nhello there"], [], 2)[0],
+            sample("c", ["<image>compare<image>", "same."], [(30, 60), (42, 42)], 3)[0]]  # two: base + newline
+    return [t(r) for r in raws]
+
+
+def logits(kwargs: dict) -> torch.Tensor:
+    with torch.no_grad():
+        return ref.tiny_model(MODEL["tile"], MODEL["pinpoints"], MODEL["aspect"])(**kwargs).logits[0]
+
+
+def alone(s: dict) -> torch.Tensor:
+    kwargs = {"input_ids": s["input_ids"][None], "use_cache": False}
+    if s["pixel_values"].shape[0]:
+        kwargs.update(pixel_values=s["pixel_values"].to(torch.float64), image_sizes=s["image_sizes"],
+                      batch_num_images=s["batch_num_images"])
+    return logits(kwargs)
+
+
+def packed(samples: list[dict]) -> tuple[dict, dict]:
+    """THD tp=2 cp=2: both CP ranks' shards unsharded back equal the whole batch; the model's kwargs from it."""
+    schema = samples[0] and transform(ref.hf_processor(tile=42, pinpoints=MODEL["pinpoints"]),
+                                      **MODEL).family.batch_schema(pad_token_id=ref.hf_tokenizer().pad_token_id,
+                                                                   vocab_size=len(ref.hf_tokenizer()),
+                                                                   pixel_dtypes=("float32",))
+    layout = ParallelLayout(tp=2, cp=2)
+    whole = THDCollator(schema=schema, layout=layout)(samples)
+    shards = [THDCollator(schema=schema, layout=layout, cp_rank=r)(samples) for r in range(2)]
+    for name in ("input_ids", "position_ids", "mm_token_type_ids"):
+        back = unshard_cp([s[name] for s in shards], cu_seqlens_padded=whole["cu_seqlens_padded"])
+        assert torch.equal(back, whole[name]), name
+    for name in ("pixel_values", "image_sizes", "batch_num_images"):  # media: never sharded
+        assert all(torch.equal(s[name], whole[name]) for s in shards), name
+    kwargs = to_hf_kwargs(whole, attention=HFAttention.POSITIONS, labels=False)
+    assert sorted(kwargs) == ["batch_num_images", "image_sizes", "input_ids", "mm_token_type_ids", "pixel_values",
+                              "position_ids", "use_cache"]
+    kwargs.pop("mm_token_type_ids")  # (LLaVA-OneVision's forward takes none)
+    kwargs["pixel_values"] = kwargs["pixel_values"].to(torch.float64)
+    return whole, kwargs
+
+
+def worst(batch: dict, kwargs: dict, samples: list[dict]) -> float:
+    out, bad = logits(kwargs), 0.0
+    for slots, s in zip(real_slots(batch), samples, strict=True):
+        bad = max(bad, float((out[slots] - alone(s)).abs().max()))
+    return bad
+
+
+@pytest.mark.slow
+def test_packed_logits_equal_each_sample_alone():
+    samples = model_samples()
+    assert [s["pixel_values"].shape[0] for s in samples] == [3, 0, 2]
+    # a: 80x40 alone: base 3x3, its 1x2 tiles' 3x6 features pooled (anyres_max_1) to 2x4, a newline per row;
+    # c: two images, each its base 3x3 + one newline
+    assert [int(s["mm_token_type_ids"].sum()) for s in samples] == [9 + 2 * 4 + 2, 0, 2 * (9 + 1)]
+    batch, kwargs = packed(samples)
+    assert batch["batch_num_images"].tolist() == [1, 0, 2]
+    assert worst(batch, kwargs, samples) < TOL
+
+
+@pytest.mark.slow
+def test_positions_that_do_not_restart_are_caught():
+    samples = model_samples()
+    batch, kwargs = packed(samples)
+    kwargs["position_ids"] = torch.arange(batch["input_ids"].shape[1])[None]
+    assert worst(batch, kwargs, samples) > CORRUPT
+
+
+@pytest.mark.slow
+def test_image_features_given_to_the_wrong_image_are_caught():
+    """Sample c's two images swapped in the packed pixel values (sizes kept): each image's tokens get the other's
+    features."""
+    samples = model_samples()
+    batch, kwargs = packed(samples)
+    kwargs["pixel_values"] = kwargs["pixel_values"][[0, 1, 2, 4, 3]]
+    assert worst(batch, kwargs, samples) > CORRUPT
