@@ -114,8 +114,8 @@ class LlavaOneVision(VisionFamily):
         """The batch a LLaVA-OneVision transform's samples collate to: the token fields (1-D ``position_ids``),
         ``mm_token_type_ids`` (0 text, 1 image), and MEDIA fields concatenated over the batch: ``pixel_values``
         ``[tiles, 3, s, s]`` (each image's base view then its AnyRes tiles), ``image_sizes`` int64 ``[images, 2]``
-        (height, width as decoded) and ``batch_num_images`` int64 ``[samples]`` (images per sample: the model
-        tiles only an image alone in its sample); teacher top-k when ``topk`` is given."""
+        (height, width as decoded) and ``batch_num_images`` int64 ``[samples with images]`` (images per sample:
+        the model tiles only an image alone in its sample); teacher top-k when ``topk`` is given."""
         from prealign.schemas.schema import BatchSchema, FieldSpec, Role, core_token_fields, topk_fields
 
         fields = (*core_token_fields(pad_token_id, -100, vocab_size),

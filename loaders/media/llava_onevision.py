@@ -9,6 +9,7 @@
                                                    pixel_values       float   [tiles, 3, s, s]
                                                    image_sizes        int64   [images, 2]  (height, width)
                                                    batch_num_images   int64   [1]  images in the sample
+                                                                               ([0] without images)
 
 The chat template (rendered here, tokenized as its string is: :func:`~.chat_tokenizer.encode_segments`): per
 turn ``<|im_start|>{role} ``, then the turn's images (``<image>`` each), then each text piece as ``"\\n" + text``,
@@ -23,7 +24,8 @@ alone in its sample, the base view + its unpadded AnyRes tiles + a newline per r
 its base view then its tiles of the best ``image_grid_pinpoints`` resolution; an image among several is padded to
 a square with the mean colour), each image's rows without the zero rows the processor pads a batch with: what the
 model's 4-D ``pixel_values`` path takes, with ``image_sizes`` and ``batch_num_images`` (concatenated over a packed
-batch, they tell it which images are tiled). Positions are 1-D (the collator's ``position_ids``). Videos are not
+batch, one count per sample that has images, they tell it which images are tiled; a text-only sample adds none,
+so it carries no media row). Positions are 1-D (the collator's ``position_ids``). Videos are not
 supported yet: a sample with one is refused (``unprocessed_video``).
 """
 from __future__ import annotations
@@ -226,13 +228,15 @@ class LlavaOnevisionSampleTransform:
             "probe": probe, "family": repr(self.family), "turn": [tok.im_start_id, tok.im_end_id],
             "topk": self.topk, "text_key": self.text_key}}, sort_keys=True)
 
-    def header_ids(self, raw: dict) -> tuple[np.ndarray, np.ndarray]:
-        """(``input_ids``, ``loss_mask``) from the images' header sizes alone (upright by EXIF, as decoded): what
-        :meth:`__call__` writes, without decoding a pixel (what an index pass needs)."""
+    def header_ids(self, raw: dict, sizes: list[tuple[int, int]] | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(``input_ids``, ``loss_mask``) from the images' header sizes alone (upright by EXIF, as decoded; or
+        ``sizes``, ``(height, width)`` per image, where the caller has read them): what :meth:`__call__` writes,
+        without decoding a pixel (what an index pass needs)."""
         key = raw.get("__key__", "?")
         meta = sample_metadata(raw, self.text_key, key)
         refuse_videos(raw, meta, key)
-        sizes = [self._header_size(name, value, key) for name, value in image_members(raw, meta, key)]
+        if sizes is None:
+            sizes = [self._header_size(name, value, key) for name, value in image_members(raw, meta, key)]
         return encode_segments(self.tokenizer, self.segments(meta, sizes, sample=key))
 
     @staticmethod
@@ -286,7 +290,7 @@ class LlavaOnevisionSampleTransform:
                "mm_token_type_ids": (input_ids == self.family.image_token_id).to(torch.int64),
                "pixel_values": self.pixels(images, sample=key).to(getattr(torch, self.pixel_dtype)),
                "image_sizes": torch.tensor(sizes, dtype=torch.int64).reshape(-1, 2),
-               "batch_num_images": torch.tensor([len(images)], dtype=torch.int64)}
+               "batch_num_images": torch.tensor([len(images)] if images else [], dtype=torch.int64)}
         if self.topk is not None:
             out.update(teacher_topk(raw, sample=key, length=input_ids.numel(), topk=self.topk,
                                     vocab_size=self.tokenizer.vocab_size,

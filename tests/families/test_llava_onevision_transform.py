@@ -78,7 +78,7 @@ def check_equal(processor, t, raw, chat, images):
     assert out["input_ids"].tolist() == want["input_ids"][0].tolist()
     assert t.header_ids(raw)[0].tolist() == out["input_ids"].tolist()
     assert torch.equal(out["mm_token_type_ids"], (out["input_ids"] == ref.token_id("<image>")).long())
-    assert out["batch_num_images"].tolist() == [len(images)]
+    assert out["batch_num_images"].tolist() == ([len(images)] if images else [])  # none without media
     if images:
         assert out["image_sizes"].tolist() == want["image_sizes"].tolist()
         pv = want["pixel_values"].to(torch.float32)  # [images, most tiles, 3, s, s], zero rows padding the batch
@@ -105,7 +105,7 @@ def test_ids_pixels_sizes_and_positions_equal_the_processor(sizes, contents, str
     for got in unpack_thd(batch["position_ids"], cu_seqlens=batch["cu_seqlens"],
                           cu_seqlens_padded=batch["cu_seqlens_padded"]):
         assert torch.equal(got, torch.arange(out["input_ids"].numel()))  # the model's own positions: 0..L-1
-    assert batch["batch_num_images"].tolist() == [len(sizes)] * 2
+    assert batch["batch_num_images"].tolist() == ([len(sizes)] * 2 if sizes else [])
 
 
 @pytest.mark.slow
@@ -221,7 +221,7 @@ def test_packed_logits_equal_each_sample_alone():
     # c: two images, each its base 3x3 + one newline
     assert [int(s["mm_token_type_ids"].sum()) for s in samples] == [9 + 2 * 4 + 2, 0, 2 * (9 + 1)]
     batch, kwargs = packed(samples)
-    assert batch["batch_num_images"].tolist() == [1, 0, 2]
+    assert batch["batch_num_images"].tolist() == [1, 2]  # per sample with images
     assert worst(batch, kwargs, samples) < TOL
 
 
@@ -241,3 +241,45 @@ def test_image_features_given_to_the_wrong_image_are_caught():
     batch, kwargs = packed(samples)
     kwargs["pixel_values"] = kwargs["pixel_values"][[0, 1, 2, 4, 3]]
     assert worst(batch, kwargs, samples) > CORRUPT
+
+
+# ---- the demo and the header-only index ----------------------------------------------------------------
+@pytest.mark.slow
+def test_demo_command_with_llava_onevision(tmp_path, capsys):
+    """``prealign demo --model llava_onevision``: every batch on every CP rank valid against the family's batch
+    schema; AnyRes tiles, image sizes and images per sample in the batches."""
+    import re
+
+    from prealign.loaders.cli import main
+
+    args = ["demo", "--model", "llava_onevision", "--samples", "30", "--out", str(tmp_path / "l.png"),
+            "--workers", "0"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    n = int(out.split("micro-batches  ")[1].split(" ")[0])
+    assert f"{2 * n}/{2 * n} batches valid" in out and "llava_onevision_topk" in out
+    assert re.search(r"pixel_values +float32 +\[\d+, 3, 384, 384\]", out) and "batch_num_images" in out
+
+
+def test_header_index_equals_the_full_pass(tmp_path):
+    """``prealign demo --model llava_onevision`` data: the header-only index (each image's header size and the
+    sample's image count give its AnyRes tokens; the chat rendered by the tokenizer alone) gives every sample the
+    length and media flag the full transform gives; a corrupt image is found by both."""
+    from prealign.loaders import BadDataPolicy, WebDatasetSource, build_index
+    from prealign.loaders.cli.demo_data import build_demo_dataset, demo_transform
+    from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
+    from prealign.loaders.index.header_pass import AnyResRule, length_rule, write_sidecars
+
+    ds = build_demo_dataset(str(tmp_path), num_samples=24, samples_per_shard=12, topk=4, model="llava_onevision")
+    t = demo_transform("llava_onevision", ByteTokenizer(), 4)
+    schema = t.family.batch_schema(topk=4, vocab_size=ds.vocab_size)
+    policy = BadDataPolicy(on_error="skip")
+    full = build_index(WebDatasetSource(list(ds.shards), transform=t, image="bytes", sidecars=False), schema,
+                       policy=policy)
+    source = WebDatasetSource(list(ds.shards), transform=t, image="bytes")
+    assert isinstance(length_rule(source, schema), AnyResRule)  # headers only, no pixel processed
+    write_sidecars(source, schema)
+    side = build_index(WebDatasetSource(list(ds.shards), transform=t, image="bytes"), schema, policy=policy)
+    assert len(full) == len(side) == 24 - len(ds.bad)
+    assert full.lengths.tolist() == side.lengths.tolist() and full.media.tolist() == side.media.tolist()
+    assert bool(full.media.any()) and not bool(full.media.all())
