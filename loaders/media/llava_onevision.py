@@ -9,7 +9,7 @@
                                                    pixel_values       float   [tiles, 3, s, s]
                                                    image_sizes        int64   [images, 2]  (height, width)
                                                    batch_num_images   int64   [1]  images in the sample
-                                                                               ([0] without images)
+                                                                               (empty without images)
 
 The chat template (rendered here, tokenized as its string is: :func:`~.chat_tokenizer.encode_segments`): per
 turn ``<|im_start|>{role} ``, then the turn's images (``<image>`` each), then each text piece as ``"\\n" + text``,
