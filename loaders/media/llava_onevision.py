@@ -42,19 +42,23 @@ import torch
 from prealign.collate.vision import LlavaOneVision, vision_family
 from prealign.loaders.media.chat_tokenizer import encode_segments
 from prealign.loaders.media.teacher_topk import teacher_topk
+from prealign.loaders.media.video import fused_normalize_table
+from prealign.loaders.media.video_file import resize_frames
 from prealign.loaders.media.vlm import (
     IMAGE_PLACEHOLDER,
     VIDEO_PLACEHOLDER,
     MediaError,
     MediaProblem,
+    VideoEntry,
     decode_image,
     image_members,
-    refuse_videos,
     sample_metadata,
+    video_members,
 )
 from prealign.loaders.sources.header_lengths import HeaderError, image_header_size
 from prealign.loaders.sources.tar_decode import DEFAULT_LIMITS, DecodeLimits
 from prealign.schemas.errors import ConfigError, SampleError
+from prealign.schemas.vlm import VIDEO_TOKEN_TYPE
 
 _SPLIT = re.compile("(" + re.escape(IMAGE_PLACEHOLDER) + "|" + re.escape(VIDEO_PLACEHOLDER) + ")")
 
@@ -177,29 +181,29 @@ class LlavaOnevisionSampleTransform:
             return getattr(self.processor, "image_processor", self.processor)
         return onevision_image_processor(self.family)
 
-    def segments(self, meta: dict, sizes: list[tuple[int, int]], *, sample) -> list[tuple]:
-        """The rendered chat as :func:`encode_segments` parts for images of ``sizes`` ``(height, width)``, in the
-        order the text names them."""
+    def segments(self, meta: dict, sizes: list[tuple[int, int]], frames: list[int] = (), *, sample) -> list[tuple]:
+        """The rendered chat as :func:`encode_segments` parts for images of ``sizes`` ``(height, width)`` and videos
+        of ``frames`` frames, each in the order the text names them."""
         tok, fam = self.tokenizer, self.family
         counts = [fam.image_tokens(h, w, images_in_sample=len(sizes), sample=sample, field=f"images[{i}]")
                   for i, (h, w) in enumerate(sizes)]
-        images = iter(counts)
+        images, videos = iter(counts), iter(fam.video_tokens(n) for n in frames)
         segments: list[tuple] = []
-        seen = 0
+        seen = {IMAGE_PLACEHOLDER: 0, VIDEO_PLACEHOLDER: 0}
 
-        def image_block() -> tuple:
-            nonlocal seen
-            seen += 1
-            n = next(images, None)
-            return ([tok.image_token_id] * (0 if n is None else n), False)
+        def media_block(kind: str) -> tuple:
+            seen[kind] += 1
+            n = next(images if kind == IMAGE_PLACEHOLDER else videos, None)
+            token = tok.image_token_id if kind == IMAGE_PLACEHOLDER else fam.video_token_id
+            return ([token] * (0 if n is None else n), False)
 
         turns = meta.get("messages")
         if not isinstance(turns, list):
             if not isinstance(meta.get("text"), str):
                 raise MediaError(MediaProblem.BAD_TEXT, sample=sample, field="json",
                                  expected="'messages' (a list) or 'text'", actual=f"keys {sorted(meta)}")
-            for part in _SPLIT.split(meta["text"]):  # plain text: the images where the text names them
-                segments.append(image_block() if part == IMAGE_PLACEHOLDER else (part, True))
+            for part in _SPLIT.split(meta["text"]):  # plain text: the media where the text names them
+                segments.append(media_block(part) if part in seen else (part, True))
         else:
             for i, turn in enumerate(turns):
                 if not isinstance(turn, dict) or not isinstance(turn.get("content"), str) \
@@ -209,13 +213,15 @@ class LlavaOnevisionSampleTransform:
                 reply = turn["role"] == "assistant"
                 parts = [p for p in _SPLIT.split(turn["content"]) if p]
                 segments += [([tok.im_start_id], False), (turn["role"] + " ", False)]
-                segments += [image_block() for p in parts if p == IMAGE_PLACEHOLDER]  # the template: images first
-                segments += [("\n" + p, reply) for p in parts if p not in (IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER)]
+                segments += [media_block(p) for p in parts if p == IMAGE_PLACEHOLDER]  # the template: images,
+                segments += [media_block(p) for p in parts if p == VIDEO_PLACEHOLDER]  # then videos, then text
+                segments += [("\n" + p, reply) for p in parts if p not in seen]
                 segments.append(([tok.im_end_id], reply))
-        if seen != len(sizes):
+        if (seen[IMAGE_PLACEHOLDER], seen[VIDEO_PLACEHOLDER]) != (len(sizes), len(frames)):
             raise MediaError(MediaProblem.PLACEHOLDER_MISMATCH, sample=sample, field="json",
-                             expected=f"{len(sizes)} '{IMAGE_PLACEHOLDER}' placeholders (one per image)",
-                             actual=f"{seen}")
+                             expected=f"{len(sizes)} '{IMAGE_PLACEHOLDER}' placeholders (one per image) and "
+                                      f"{len(frames)} '{VIDEO_PLACEHOLDER}' (one per video)",
+                             actual=f"{seen[IMAGE_PLACEHOLDER]} and {seen[VIDEO_PLACEHOLDER]}")
         return segments
 
     def index_key(self) -> str:
@@ -234,10 +240,34 @@ class LlavaOnevisionSampleTransform:
         without decoding a pixel (what an index pass needs)."""
         key = raw.get("__key__", "?")
         meta = sample_metadata(raw, self.text_key, key)
-        refuse_videos(raw, meta, key)
+        frames = [len(video) for video in self._videos(raw, meta, key)]
         if sizes is None:
             sizes = [self._header_size(name, value, key) for name, value in image_members(raw, meta, key)]
-        return encode_segments(self.tokenizer, self.segments(meta, sizes, sample=key))
+        return encode_segments(self.tokenizer, self.segments(meta, sizes, frames, sample=key))
+
+    def _videos(self, raw: dict, meta: dict, key) -> list[list]:
+        """Each video's ``(name, value)`` frames (frame lists only: a video file is a ``bad_video``)."""
+        return [_frames(video, key) for video in video_members(raw, meta, key, limits=self.limits)]
+
+    @property
+    def video_settings(self) -> tuple:
+        """``(tile, mean, std, rescale_factor)`` of the frames: the processor's video processor where it has one,
+        else the image processor's (transformers' LLaVA-OneVision video processor has the same defaults)."""
+        video = getattr(self.processor, "video_processor", None) or self.image_processor
+        size = video.size
+        get = size.get if isinstance(size, dict) else (lambda k, d=None: getattr(size, k, d))
+        return ((int(get("height")), int(get("width"))), tuple(float(v) for v in video.image_mean),
+                tuple(float(v) for v in video.image_std), float(video.rescale_factor))
+
+    def video_pixels(self, frames: list) -> torch.Tensor:
+        """A video's RGB PIL frames -> float32 ``[frames, 3, s, s]``, as transformers' video processors make them:
+        each frame resized by torch's bicubic with antialias on uint8, rescale fused into normalize."""
+        size, mean, std, rescale = self.video_settings
+        table = fused_normalize_table(mean, std, rescale)
+        codes = torch.cat([resize_frames(torch.from_numpy(np.array(im)).permute(2, 0, 1)[None], size)
+                           for im in frames]).numpy()
+        offsets = (np.arange(3, dtype=np.uint16) * 256).reshape(1, 3, 1, 1)
+        return torch.from_numpy(np.take(table, np.add(codes, offsets, dtype=np.uint16)))
 
     @staticmethod
     def _header_size(name: str, value, key) -> tuple[int, int]:
@@ -275,20 +305,26 @@ class LlavaOnevisionSampleTransform:
     def __call__(self, raw: dict) -> dict:
         key = raw.get("__key__", "?")
         meta = sample_metadata(raw, self.text_key, key)
-        refuse_videos(raw, meta, key)
         images = [decode_image(v, sample=key, name=n, limits=self.limits) for n, v in image_members(raw, meta, key)]
+        clips = [self.video_pixels([decode_image(v, sample=key, name=n, limits=self.limits) for n, v in video])
+                 for video in self._videos(raw, meta, key)]
         sizes = [(im.height, im.width) for im in images]
         try:
-            ids, mask = encode_segments(self.tokenizer, self.segments(meta, sizes, sample=key))
+            ids, mask = encode_segments(self.tokenizer, self.segments(meta, sizes, [c.shape[0] for c in clips],
+                                                                      sample=key))
         except SampleError as exc:
             if isinstance(exc, MediaError):
                 raise
             raise MediaError(MediaProblem.CORRUPT_IMAGE, sample=key, field=exc.field, expected=exc.expected,
                              actual=exc.actual) from None
         input_ids = torch.from_numpy(ids)
-        out = {"__key__": key, "input_ids": input_ids, "loss_mask": torch.from_numpy(mask),
-               "mm_token_type_ids": (input_ids == self.family.image_token_id).to(torch.int64),
-               "pixel_values": self.pixels(images, sample=key).to(getattr(torch, self.pixel_dtype)),
+        types = (input_ids == self.family.image_token_id).to(torch.int64)
+        types[input_ids == self.family.video_token_id] = VIDEO_TOKEN_TYPE
+        dtype, (h, w) = getattr(torch, self.pixel_dtype), self.video_settings[0]
+        out = {"__key__": key, "input_ids": input_ids, "loss_mask": torch.from_numpy(mask), "mm_token_type_ids": types,
+               "pixel_values": self.pixels(images, sample=key).to(dtype),
+               "pixel_values_videos": (torch.cat(clips) if clips else torch.zeros(0, 3, h, w)).to(dtype),
+               "video_num_frames": torch.tensor([c.shape[0] for c in clips], dtype=torch.int64),
                "image_sizes": torch.tensor(sizes, dtype=torch.int64).reshape(-1, 2),
                "batch_num_images": torch.tensor([len(images)] if images else [], dtype=torch.int64)}
         if self.topk is not None:
@@ -296,3 +332,11 @@ class LlavaOnevisionSampleTransform:
                                     vocab_size=self.tokenizer.vocab_size,
                                     log_prob_dtype=getattr(torch, self.log_prob_dtype)))
         return out
+
+
+def _frames(video: VideoEntry, key) -> list:
+    """A video's frames: a frame list only (LLaVA-OneVision's processor takes the frames it is given)."""
+    if video.frames is None:
+        raise MediaError(MediaProblem.BAD_VIDEO, sample=key, field=video.name, actual="a video file",
+                         expected="LLaVA-OneVision videos as frame lists ({'frames': [...]}); decode the file first")
+    return video.frames

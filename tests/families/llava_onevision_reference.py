@@ -59,21 +59,49 @@ def image_processor(tile: int = 384, pinpoints=None):
     return cls(size={"height": tile, "width": tile}, **kwargs)
 
 
+class FramesVideoProcessor:
+    """The stand-in for the video slot (transformers' LLaVA-OneVision video processor needs torchvision): its
+    steps written here with torch alone: each video's frames (one size per video) resized to ``tile`` square by
+    bicubic interpolation with antialias on uint8, rescaled by 1/255 and normalized with CLIP's mean and std.
+    The processor's own ``__call__`` turns its ``pixel_values_videos`` into the ``<video>`` text."""
+
+    def __init__(self, tile: int):
+        from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
+
+        self.size = {"height": tile, "width": tile}
+        self.image_mean, self.image_std, self.rescale_factor = OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, 1 / 255
+
+    def __call__(self, videos, **kwargs):
+        import numpy as np
+        from transformers import BatchFeature
+
+        mean = torch.tensor(self.image_mean)[:, None, None]
+        std = torch.tensor(self.image_std)[:, None, None]
+        out = []
+        for video in videos:
+            x = torch.stack([torch.from_numpy(np.array(f)).permute(2, 0, 1) for f in video])
+            x = torch.nn.functional.interpolate(x, size=(self.size["height"], self.size["width"]), mode="bicubic",
+                                                align_corners=False, antialias=True)
+            out.append((x.to(torch.float32) * self.rescale_factor - mean) / std)
+        return BatchFeature({"pixel_values_videos": torch.stack(out)})
+
+
 def hf_processor(tile: int = 384, patch: int = 14, pinpoints=None, strategy: str = "full",
-                 aspect: str = "anyres_max_9"):
+                 aspect: str = "anyres_max_9", video: bool = False):
     """``LlavaOnevisionProcessor`` around the real image processor and :func:`hf_tokenizer`, its video slot
-    ``None`` (the class check of that one argument skipped)."""
+    ``None`` or (``video``) :class:`FramesVideoProcessor` (the class check of that one argument skipped)."""
     from transformers import LlavaOnevisionProcessor
     from transformers.processing_utils import ProcessorMixin
 
     check = ProcessorMixin.check_argument_for_proper_class
 
     def lenient(self, name, arg):
-        return None if name == "video_processor" and arg is None else check(self, name, arg)
+        return None if name == "video_processor" else check(self, name, arg)
 
     ProcessorMixin.check_argument_for_proper_class = lenient
     try:
         return LlavaOnevisionProcessor(image_processor=image_processor(tile, pinpoints), tokenizer=hf_tokenizer(),
+                                       video_processor=FramesVideoProcessor(tile) if video else None,
                                        num_image_tokens=(tile // patch) ** 2, vision_feature_select_strategy=strategy,
                                        chat_template=CHAT_TEMPLATE, vision_aspect_ratio=aspect)
     finally:
