@@ -225,15 +225,15 @@ class ImageTokensRule(VLMRule):
 
 class AnyResRule(VLMRule):
     """:class:`~prealign.loaders.media.llava_onevision.LlavaOnevisionSampleTransform` samples: each image's header
-    size and the number of images give its AnyRes token count, then the chat (pixels verified with
-    ``verify_images``, as in the full pass)."""
+    size and the number of images give its AnyRes token count, each video's frame count its tokens, then the chat
+    (image pixels verified with ``verify_images``, as in the full pass)."""
 
     def __init__(self, transform, schema: BatchSchema, *, verify_images: bool = True):
         self.t, self.verify_images = transform, verify_images
 
     def _render(self, raw: dict, meta: dict, key, *, pretokenized: bool) -> tuple[np.ndarray | None, bool]:
         sizes = [self._size(name, data, key)[::-1] for name, data in image_members(raw, meta, key)]
-        return self.t.header_ids(raw, sizes)[0], bool(sizes)
+        return self.t.header_ids(raw, sizes)[0], bool(sizes or self.t.video_frames(raw, meta, key))
 
 
 def _verified_size(data: bytes, name: str, key) -> tuple[int, int]:

@@ -5,17 +5,19 @@
     raw sample (as VLMSampleTransform's)           LlavaOnevisionSampleTransform(raw)
     json   {"messages": [...], "images": [...]}    input_ids          int64   [L]
     0.jpg  JPEG bytes                    ---->     loss_mask          float32 [L]  1 on assistant text + <|im_end|>
-                                                   mm_token_type_ids  int64   [L]  1 on <image> tokens
+                                                   mm_token_type_ids  int64   [L]  1 <image>, 2 <video>
                                                    pixel_values       float   [tiles, 3, s, s]
                                                    image_sizes        int64   [images, 2]  (height, width)
                                                    batch_num_images   int64   [1]  images in the sample
                                                                                (empty without images)
+    json["videos"]: [{"frames": [...]}]  ---->     pixel_values_videos float  [frames, 3, s, s]
+                                                   video_num_frames   int64   [videos]
 
 The chat template (rendered here, tokenized as its string is: :func:`~.chat_tokenizer.encode_segments`): per
-turn ``<|im_start|>{role} ``, then the turn's images (``<image>`` each), then each text piece as ``"\\n" + text``,
-then ``<|im_end|>`` (no newline between turns, no default system turn). A message's content is read as the
-other families read it: ``<image>`` placeholders split it into image items and text items (a piece that starts
-with a newline keeps it: ``"<image>\\nWhat?"`` renders ``<image>`` + ``"\\n\\nWhat?"``, as the template renders
+turn ``<|im_start|>{role} ``, then the turn's images (``<image>`` each), its videos (``<video>`` each), each
+text piece as ``"\\n" + text``, then ``<|im_end|>`` (no newline between turns, no default system turn). A
+message's content is read as the other families read it: ``<image>`` / ``<video>`` placeholders split it into
+media items and text items (a piece that starts with a newline keeps it: ``"<image>\\nWhat?"`` renders ``<image>`` + ``"\\n\\nWhat?"``, as the template renders
 ``[image, text "\\nWhat?"]``). Each ``<image>`` becomes the processor's count of ``<image>`` tokens: an image
 alone in its sample, the base view + its unpadded AnyRes tiles + a newline per row; among several, the base view
 + one newline (``vision_feature_select_strategy == "default"``: one fewer).
@@ -25,8 +27,12 @@ its base view then its tiles of the best ``image_grid_pinpoints`` resolution; an
 a square with the mean colour), each image's rows without the zero rows the processor pads a batch with: what the
 model's 4-D ``pixel_values`` path takes, with ``image_sizes`` and ``batch_num_images`` (concatenated over a packed
 batch, one count per sample that has images, they tell it which images are tiled; a text-only sample adds none,
-so it carries no media row). Positions are 1-D (the collator's ``position_ids``). Videos are not
-supported yet: a sample with one is refused (``unprocessed_video``).
+so it carries no media row). Positions are 1-D (the collator's ``position_ids``).
+
+Videos are frame lists (``json["videos"]``, as for every family; a video file is a ``bad_video``: the processor
+takes the frames it is given, so decode and sample them first): each frame resized to the tile square as
+transformers' video processors resize (torch bicubic with antialias), written as ``frames * ceil(side / 2)**2 + 1``
+``<video>`` tokens (each frame's features pooled, one ``image_newline`` per video), ``mm_token_type_ids`` 2.
 """
 from __future__ import annotations
 
@@ -240,12 +246,12 @@ class LlavaOnevisionSampleTransform:
         without decoding a pixel (what an index pass needs)."""
         key = raw.get("__key__", "?")
         meta = sample_metadata(raw, self.text_key, key)
-        frames = [len(video) for video in self._videos(raw, meta, key)]
+        frames = [len(video) for video in self.video_frames(raw, meta, key)]
         if sizes is None:
             sizes = [self._header_size(name, value, key) for name, value in image_members(raw, meta, key)]
         return encode_segments(self.tokenizer, self.segments(meta, sizes, frames, sample=key))
 
-    def _videos(self, raw: dict, meta: dict, key) -> list[list]:
+    def video_frames(self, raw: dict, meta: dict, key) -> list[list]:
         """Each video's ``(name, value)`` frames (frame lists only: a video file is a ``bad_video``)."""
         return [_frames(video, key) for video in video_members(raw, meta, key, limits=self.limits)]
 
@@ -307,7 +313,7 @@ class LlavaOnevisionSampleTransform:
         meta = sample_metadata(raw, self.text_key, key)
         images = [decode_image(v, sample=key, name=n, limits=self.limits) for n, v in image_members(raw, meta, key)]
         clips = [self.video_pixels([decode_image(v, sample=key, name=n, limits=self.limits) for n, v in video])
-                 for video in self._videos(raw, meta, key)]
+                 for video in self.video_frames(raw, meta, key)]
         sizes = [(im.height, im.width) for im in images]
         try:
             ids, mask = encode_segments(self.tokenizer, self.segments(meta, sizes, [c.shape[0] for c in clips],

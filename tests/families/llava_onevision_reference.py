@@ -3,9 +3,10 @@ special tokens (Qwen's pre-tokenizer rule, so ``" \\n"`` and ``"\\n\\n"`` merge)
 ``LlavaOnevisionProcessor`` with the LLaVA-OneVision chat template, and a tiny model.
 
 What is real: the tokenizer class, the image processor, the processor's ``__call__`` (its placeholder expansion
-and ``_get_number_of_features``), ``apply_chat_template`` and the model. What is not: the video processor slot,
-left ``None`` (transformers' video processors need torchvision, which does not import beside CPU torch here):
-only the processor's class check of that one argument is skipped."""
+and ``_get_number_of_features``, its ``<video>`` expansion), ``apply_chat_template`` and the model. What is not:
+the video processor slot (transformers' video processors need torchvision, which does not import beside CPU
+torch here): ``None``, or :class:`FramesVideoProcessor`, a stand-in written here; only the processor's class
+check of that one argument is skipped."""
 from __future__ import annotations
 
 import functools

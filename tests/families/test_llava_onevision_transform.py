@@ -6,7 +6,7 @@ restart, or image features handed to the wrong image, are caught; videos (frame 
 them.
 
 What is real here (:mod:`tests.families.llava_onevision_reference`): the tokenizer class, the image processor,
-the processor's ``__call__`` and ``apply_chat_template``, the model; the processor's video slot is ``None``."""
+the processor's ``__call__`` and ``apply_chat_template``, the model; the video slot holds a stand-in (``FramesVideoProcessor``)."""
 from __future__ import annotations
 
 import io
