@@ -1,6 +1,6 @@
-"""One LLaVA-OneVision sample, raw -> model-ready (:class:`LlavaOnevisionSampleTransform`), as transformers'
-``LlavaOnevisionProcessor`` and the LLaVA-OneVision chat template write it (the AnyRes token count is
-:mod:`prealign.collate.vision.llava_onevision`'s).
+"""One LLaVA-OneVision sample, raw -> model-ready (:class:`LlavaOnevisionSampleTransform`), as
+transformers' ``LlavaOnevisionProcessor`` and the LLaVA-OneVision chat template write it (the
+AnyRes token count is :mod:`prealign.collate.vision.llava_onevision`'s).
 
     raw sample (as VLMSampleTransform's)           LlavaOnevisionSampleTransform(raw)
     json   {"messages": [...], "images": [...]}    input_ids          int64   [L]
@@ -13,27 +13,30 @@
     json["videos"]: [{"frames": [...]}]  ---->     pixel_values_videos float  [frames, 3, s, s]
                                                    video_num_frames   int64   [videos]
 
-The chat template (rendered here, tokenized as its string is: :func:`~.chat_tokenizer.encode_segments`): per
-turn ``<|im_start|>{role} ``, then the turn's images (``<image>`` each), its videos (``<video>`` each), each
-text piece as ``"\\n" + text``, then ``<|im_end|>`` (no newline between turns, no default system turn). A
-message's content is read as the other families read it: ``<image>`` / ``<video>`` placeholders split it into
-media items and text items (a piece that starts with a newline keeps it: ``"<image>\\nWhat?"`` renders ``<image>`` + ``"\\n\\nWhat?"``, as the template renders
-``[image, text "\\nWhat?"]``). Each ``<image>`` becomes the processor's count of ``<image>`` tokens: an image
-alone in its sample, the base view + its unpadded AnyRes tiles + a newline per row; among several, the base view
-+ one newline (``vision_feature_select_strategy == "default"``: one fewer).
+The chat template (rendered here, tokenized as its string is:
+:func:`~.chat_tokenizer.encode_segments`): per turn ``<|im_start|>{role} ``, then the turn's
+images (``<image>`` each), its videos (``<video>`` each), each text piece as ``"\\n" + text``,
+then ``<|im_end|>`` (no newline between turns, no default system turn). A message's content is
+read as the other families read it: ``<image>`` / ``<video>`` placeholders split it into media
+items and text items (a piece that starts with a newline keeps it: ``"<image>\\nWhat?"`` renders
+``<image>`` + ``"\\n\\nWhat?"``, as the template renders ``[image, text "\\nWhat?"]``). Each
+``<image>`` becomes the processor's count of ``<image>`` tokens: an image alone in its sample,
+the base view + its unpadded AnyRes tiles + a newline per row; among several, the base view +
+one newline (``vision_feature_select_strategy == "default"``: one fewer).
 
-``pixel_values`` are the image processor's own (transformers' LLaVA-OneVision image processor: an image alone is
-its base view then its tiles of the best ``image_grid_pinpoints`` resolution; an image among several is padded to
-a square with the mean colour), each image's rows without the zero rows the processor pads a batch with: what the
-model's 4-D ``pixel_values`` path takes, with ``image_sizes`` and ``batch_num_images`` (concatenated over a packed
-batch, one count per sample that has images, they tell it which images are tiled; a text-only sample adds none,
-so it carries no media row). Positions are 1-D (the collator's ``position_ids``).
+``pixel_values`` are the image processor's own (transformers' LLaVA-OneVision image processor:
+an image alone is its base view then its tiles of the best ``image_grid_pinpoints`` resolution;
+an image among several is padded to a square with the mean colour), each image's rows without
+the zero rows the processor pads a batch with: what the model's 4-D ``pixel_values`` path takes,
+with ``image_sizes`` and ``batch_num_images`` (concatenated over a packed batch, one count per
+sample that has images, they tell it which images are tiled; a text-only sample adds none, so it
+carries no media row). Positions are 1-D (the collator's ``position_ids``).
 
-Videos are frame lists (``json["videos"]``, as for every family; a video file is a ``bad_video``: the processor
-takes the frames it is given, so decode and sample them first): each frame resized to the tile square as
-transformers' video processors resize (torch bicubic with antialias), written as ``frames * ceil(side / 2)**2 + 1``
-``<video>`` tokens (each frame's features pooled, one ``image_newline`` per video), ``mm_token_type_ids`` 2.
-"""
+Videos are frame lists (``json["videos"]``, as for every family; a video file is a
+``bad_video``: the processor takes the frames it is given, so decode and sample them first):
+each frame resized to the tile square as transformers' video processors resize (torch bicubic
+with antialias), written as ``frames * ceil(side / 2)**2 + 1`` ``<video>`` tokens (each frame's
+features pooled, one ``image_newline`` per video), ``mm_token_type_ids`` 2."""
 from __future__ import annotations
 
 import functools

@@ -1,12 +1,14 @@
-"""transformers' own LLaVA-OneVision pieces built offline: a byte-level BPE tokenizer with LLaVA-OneVision's
-special tokens (Qwen's pre-tokenizer rule, so ``" \\n"`` and ``"\\n\\n"`` merge), its real image processor,
-``LlavaOnevisionProcessor`` with the LLaVA-OneVision chat template, and a tiny model.
+"""transformers' own LLaVA-OneVision pieces built offline: a byte-level BPE tokenizer with
+LLaVA-OneVision's special tokens (Qwen's pre-tokenizer rule, so ``" \\n"`` and ``"\\n\\n"``
+merge), its real image processor, ``LlavaOnevisionProcessor`` with the LLaVA-OneVision chat
+template, and a tiny model.
 
-What is real: the tokenizer class, the image processor, the processor's ``__call__`` (its placeholder expansion
-and ``_get_number_of_features``, its ``<video>`` expansion), ``apply_chat_template`` and the model. What is not:
-the video processor slot (transformers' video processors need torchvision, which does not import beside CPU
-torch here): ``None``, or :class:`FramesVideoProcessor`, a stand-in written here; only the processor's class
-check of that one argument is skipped."""
+What is real: the tokenizer class, the image processor, the processor's ``__call__`` (its
+placeholder expansion and ``_get_number_of_features``, its ``<video>`` expansion),
+``apply_chat_template`` and the model. What is not: the video processor slot (transformers'
+video processors need torchvision, which does not import beside CPU torch here): ``None``, or
+:class:`FramesVideoProcessor`, a stand-in written here; only the processor's class check of that
+one argument is skipped."""
 from __future__ import annotations
 
 import functools
@@ -122,9 +124,9 @@ def config(*, tile: int = 384, patch: int = 14, pinpoints=None, strategy: str = 
     if tiny:
         vision.update(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
                       initializer_range=0.3)
-        text.update(hidden_size=32, initializer_range=0.3, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                    num_key_value_heads=2, max_position_embeddings=8192, eos_token_id=tok.eos_token_id,
-                    pad_token_id=tok.pad_token_id)
+        text.update(hidden_size=32, initializer_range=0.3, intermediate_size=64, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
+                    eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     return transformers.LlavaOnevisionConfig(
         vision_config=vision, text_config=text, image_token_index=token_id("<image>"),
         video_token_index=token_id("<video>"), vision_feature_select_strategy=strategy, vision_feature_layer=-1,

@@ -1,12 +1,14 @@
-"""LLaVA-OneVision: prealign's transform equals transformers' ``LlavaOnevisionProcessor`` + ``apply_chat_template``
-(input ids with the leading-newline merges, AnyRes pixel values per image, ``image_sizes``, 1-D positions) on
-random samples; header-only ids equal the transform's; and a tiny LLaVA-OneVision (float64) gives the same logits
-for a packed THD batch (cp=2, every rank unsharded back) as for each sample alone, while positions that do not
-restart, or image features handed to the wrong image, are caught; videos (frame lists) as the processor writes
+"""LLaVA-OneVision: prealign's transform equals transformers' ``LlavaOnevisionProcessor`` +
+``apply_chat_template`` (input ids with the leading-newline merges, AnyRes pixel values per
+image, ``image_sizes``, 1-D positions) on random samples; header-only ids equal the transform's;
+and a tiny LLaVA-OneVision (float64) gives the same logits for a packed THD batch (cp=2, every
+rank unsharded back) as for each sample alone, while positions that do not restart, or image
+features handed to the wrong image, are caught; videos (frame lists) as the processor writes
 them.
 
-What is real here (:mod:`tests.families.llava_onevision_reference`): the tokenizer class, the image processor,
-the processor's ``__call__`` and ``apply_chat_template``, the model; the video slot holds a stand-in (``FramesVideoProcessor``)."""
+What is real here (:mod:`tests.families.llava_onevision_reference`): the tokenizer class, the
+image processor, the processor's ``__call__`` and ``apply_chat_template``, the model; the video
+slot holds a stand-in (``FramesVideoProcessor``)."""
 from __future__ import annotations
 
 import io
@@ -108,9 +110,10 @@ def check_equal(processor, t, raw, chat, images, clips=()):
 
 
 @pytest.mark.slow
-@given(st.lists(st.tuples(st.integers(8, 400), st.integers(8, 400)), max_size=3), st.lists(TEXT, min_size=1, max_size=4),
-       st.sampled_from(["full", "default"]), st.sampled_from(["anyres_max_9", "anyres_max_1"]), st.integers(0, 2**31),
-       st.integers(0, 2), st.integers(1, 3), st.booleans())
+@given(st.lists(st.tuples(st.integers(8, 400), st.integers(8, 400)), max_size=3),
+       st.lists(TEXT, min_size=1, max_size=4), st.sampled_from(["full", "default"]),
+       st.sampled_from(["anyres_max_9", "anyres_max_1"]), st.integers(0, 2**31), st.integers(0, 2),
+       st.integers(1, 3), st.booleans())
 @examples(30)
 def test_ids_pixels_sizes_and_positions_equal_the_processor(sizes, contents, strategy, aspect, seed, videos, frames,
                                                            video_first):
