@@ -146,6 +146,8 @@ def to_hf_kwargs(batch: dict, *, attention: HFAttention | str = HFAttention.VARL
     floating for sdpa).
 
     Video: ``pixel_values_videos``, ``video_grid_thw`` and ``second_per_grid_ts`` when the batch has videos.
+    LLaVA-OneVision: ``pixel_values`` tiles with ``image_sizes`` and ``batch_num_images`` (images per sample),
+    ``pixel_values_videos`` ``[videos, frames, 3, s, s]`` (:func:`onevision_videos`).
     ``model_config`` (the model's transformers config, its dict or a
     :class:`~prealign.collate.vision.VisionFamily`): for a model with linear-attention layers
     (:func:`~prealign.collate.vision.has_linear_attention`), ``seq_idx`` int32 ``[1, T]`` (each slot's padded
@@ -172,11 +174,16 @@ def to_hf_kwargs(batch: dict, *, attention: HFAttention | str = HFAttention.VARL
     media = ("pixel_values", "image_grid_thw") if batch.get("image_grid_thw", torch.zeros(1)).shape[0] else ()
     if "image_grid_thw" not in batch and batch.get("image_num_patches", torch.zeros(0)).shape[0]:
         media = ("pixel_values",)  # InternVL: tiles [n, 3, s, s], no grids
+    if "image_sizes" in batch:  # LLaVA-OneVision: tiles, sizes, images per sample (no image: none of them)
+        media = ("pixel_values", "image_sizes", "batch_num_images") if batch["image_sizes"].shape[0] else ()
     if batch.get("video_grid_thw", torch.zeros(0)).shape[0]:
         media += ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
     for name in (*media, "mm_token_type_ids"):  # a batch without images sends no empty pixel_values
         if name in batch:
             out[name] = batch[name]
+    frames = batch.get("video_num_frames")
+    if frames is not None and frames.shape[0]:  # LLaVA-OneVision: [videos, frames, 3, s, s]
+        out["pixel_values_videos"] = onevision_videos(batch["pixel_values_videos"], frames)
     linear = model_config is not None and has_linear_attention(model_config)
     if linear:
         check_gdn_packing(model_config, num_sequences(padded))  # (static shapes repeat the total past them)
@@ -195,6 +202,19 @@ def to_hf_kwargs(batch: dict, *, attention: HFAttention | str = HFAttention.VARL
     elif attention is HFAttention.MASK:
         out["attention_mask"] = block_causal_mask(padded, batch["cu_seqlens"], dtype=mask_dtype)
     return out
+
+
+def onevision_videos(pixel_values_videos: torch.Tensor, video_num_frames: torch.Tensor) -> torch.Tensor:
+    """LLaVA-OneVision's packed frames ``[sum frames, 3, s, s]`` -> ``[videos, frames, 3, s, s]``, the one layout
+    its forward takes (it pools every video of a forward as one block): the videos must share a frame count, else
+    a :class:`PackingUnsupportedError` naming the way out."""
+    counts = video_num_frames.reshape(-1)
+    if bool((counts != counts[0]).any()):
+        raise PackingUnsupportedError(
+            f"to_hf_kwargs: LLaVA-OneVision's forward takes its videos as one [videos, frames, 3, s, s] tensor, but "
+            f"the batch's videos have {sorted(set(counts.tolist()))} frames: sample the same number of frames per "
+            "video (the video processor's num_frames), or put one video per forward")
+    return pixel_values_videos.reshape(counts.shape[0], int(counts[0]), *pixel_values_videos.shape[1:])
 
 
 def model_layer_masks(batch: dict, model_config: Any, *, attention: HFAttention | str = HFAttention.MASK,

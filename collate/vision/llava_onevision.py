@@ -45,6 +45,7 @@ class LlavaOneVision(VisionFamily):
     position_kind = "1d"
     media_attention = "causal"
     local_attention = None
+    transform = "prealign.loaders.media.llava_onevision.LlavaOnevisionSampleTransform"
 
     vision_start_token_id: int | None = None
     vision_end_token_id: int | None = None
@@ -83,6 +84,23 @@ class LlavaOneVision(VisionFamily):
         """Tokens of the base (resized whole-image) view: ``(tile_size / patch_size)**2``."""
         return (self.tile_size // self.patch_size) ** 2
 
+    @property
+    def frame_tokens(self) -> int:
+        """``<video>`` tokens of one frame: its ``side x side`` features pooled (bilinear) to ``ceil(side / 2)``
+        per side (196 for 384 / 14)."""
+        return math.ceil(self.tile_size // self.patch_size / 2) ** 2
+
+    def video_tokens(self, frames: int) -> int:
+        """``<video>`` tokens of a video of ``frames`` frames, as the processor writes them: each frame's pooled
+        features, then one ``image_newline`` for the whole video.
+
+        >>> fam = LlavaOneVision(model_type="llava_onevision", image_token_id=1, video_token_id=2, patch_size=14,
+        ...                      spatial_merge_size=1, temporal_patch_size=1, pinpoints=((384, 384),))
+        >>> fam.video_tokens(8)
+        1569
+        """
+        return frames * self.frame_tokens + 1
+
     def tiles(self, height: int, width: int, *, images_in_sample: int = 1) -> int:
         """``pixel_values`` rows of one image: the base view plus the AnyRes tiles of its best pinpoint (an image
         among several: the base view alone)."""
@@ -106,6 +124,30 @@ class LlavaOneVision(VisionFamily):
             return self.base_tokens + 1 - self.drop_first
         return _anyres_tokens(height, width, self.tile_size, self.patch_size, self.pinpoints, self.max_tiles) - \
             self.drop_first
+
+
+    def batch_schema(self, *, pad_token_id: int = 0, topk: int | str | None = None, vocab_size: int | None = None,
+                     pixel_dtypes: tuple[str, ...] = ("float32", "bfloat16")):
+        """The batch a LLaVA-OneVision transform's samples collate to: the token fields (1-D ``position_ids``),
+        ``mm_token_type_ids`` (0 text, 1 image, 2 video), and MEDIA fields concatenated over the batch:
+        ``pixel_values_videos`` ``[frames, 3, s, s]`` with ``video_num_frames`` int64 ``[videos]``, ``pixel_values``
+        ``[tiles, 3, s, s]`` (each image's base view then its AnyRes tiles), ``image_sizes`` int64 ``[images, 2]``
+        (height, width as decoded) and ``batch_num_images`` int64 ``[samples with images]`` (images per sample:
+        the model tiles only an image alone in its sample); teacher top-k when ``topk`` is given."""
+        from prealign.schemas.schema import BatchSchema, FieldSpec, Role, core_token_fields, topk_fields
+
+        fields = (*core_token_fields(pad_token_id, -100, vocab_size),
+                  FieldSpec(name="mm_token_type_ids", dtypes=("int64", "int32"), pad_value=0, min_value=0, max_value=2),
+                  FieldSpec(name="pixel_values", role=Role.MEDIA, dtypes=pixel_dtypes,
+                            dense_shape=(3, self.tile_size, self.tile_size)),
+                  FieldSpec(name="pixel_values_videos", role=Role.MEDIA, dtypes=pixel_dtypes,
+                            dense_shape=(3, self.tile_size, self.tile_size)),
+                  FieldSpec(name="video_num_frames", role=Role.MEDIA, dtypes=("int64",)),
+                  FieldSpec(name="image_sizes", role=Role.MEDIA, dtypes=("int64",), dense_shape=(2,)),
+                  FieldSpec(name="batch_num_images", role=Role.MEDIA, dtypes=("int64",)))
+        if topk is not None:
+            fields += topk_fields(topk, vocab_size)
+        return BatchSchema(name="llava_onevision" if topk is None else "llava_onevision_topk", fields=fields)
 
 
 @functools.lru_cache(maxsize=8192)

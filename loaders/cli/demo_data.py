@@ -39,6 +39,7 @@ from prealign.loaders.sources.header_lengths import Qwen2VLGeometry, qwen2vl_gri
 
 DEMO_MODELS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "gemma3", "internvl")
 """The families ``prealign demo --model`` builds data for."""
+DEMO_MODELS += ("llava_onevision",)
 
 _WORDS = ("the a small large red blue green bright dark round square tall narrow old new quiet busy "
           "cat dog bird tree house river road window table cup book chart plot graph city field cloud "
@@ -120,6 +121,10 @@ def demo_model_config(model: str):
                          "pad_token_id": tok.pad_token_id}, vision_config={"image_size": 224, "patch_size": 14},
             mm_tokens_per_image=64, boi_token_index=tok.vision_start_token_id, eoi_token_index=tok.vision_end_token_id,
             image_token_index=tok.image_token_id)
+    if model == "llava_onevision":  # transformers' defaults: 384-px tiles of 14-px patches, 36 pinpoints
+        return transformers.LlavaOnevisionConfig(image_token_index=tok.image_token_id,
+                                                 video_token_index=tok.video_token_id,
+                                                 text_config={"model_type": "qwen2", **text})
     if model == "internvl":  # <img>, </img> are the tokenizer's vision start / end
         return transformers.InternVLConfig(image_token_id=tok.image_token_id, text_config={"model_type": "qwen2", **text})
     cls = {"qwen2_vl": transformers.Qwen2VLConfig, "qwen2_5_vl": transformers.Qwen2_5_VLConfig,
@@ -138,6 +143,10 @@ def demo_transform(model: str | None, tok, topk: int | None = None):
         from prealign.loaders.media.gemma3 import Gemma3SampleTransform
 
         return Gemma3SampleTransform(tokenizer=tok, model_config=config, topk=topk)
+    if model == "llava_onevision":
+        from prealign.loaders.media.llava_onevision import LlavaOnevisionSampleTransform
+
+        return LlavaOnevisionSampleTransform(tokenizer=tok, model_config=config, topk=topk)
     return VLMSampleTransform(tokenizer=tok, topk=topk, model_config=config,
                               video_processor_config=None if config is None else {})
 
@@ -184,7 +193,7 @@ def _sample(rng: np.random.Generator, key: str, topk: int, tok: ByteTokenizer, g
     reply = " ".join(_sentence(rng) for _ in range(int(rng.integers(1, 7))))
     meta = {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": reply}], "images": names}
     videos, ids = None, None
-    if hasattr(transform, "header_ids"):  # Gemma 3: no video, its own chat (lengths from the text and image count)
+    if hasattr(transform, "header_ids"):  # Gemma 3, LLaVA-OneVision: no video, their own chat (from image headers)
         ids = transform.header_ids({**members, "json": json.dumps(meta)})[0]
         transform = None
     elif transform is not None:

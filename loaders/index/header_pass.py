@@ -62,6 +62,7 @@ from prealign.loaders.index.sidecar import (
 )
 from prealign.loaders.media.chat_tokenizer import encode_segments
 from prealign.loaders.media.gemma3 import Gemma3SampleTransform
+from prealign.loaders.media.llava_onevision import LlavaOnevisionSampleTransform
 from prealign.loaders.media.teacher_topk import IDS, LOG_PROBS
 from prealign.loaders.media.vlm import (
     MediaError,
@@ -222,6 +223,19 @@ class ImageTokensRule(VLMRule):
         return ids, bool(images)
 
 
+class AnyResRule(VLMRule):
+    """:class:`~prealign.loaders.media.llava_onevision.LlavaOnevisionSampleTransform` samples: each image's header
+    size and the number of images give its AnyRes token count, each video's frame count its tokens, then the chat
+    (image pixels verified with ``verify_images``, as in the full pass)."""
+
+    def __init__(self, transform, schema: BatchSchema, *, verify_images: bool = True):
+        self.t, self.verify_images = transform, verify_images
+
+    def _render(self, raw: dict, meta: dict, key, *, pretokenized: bool) -> tuple[np.ndarray | None, bool]:
+        sizes = [self._size(name, data, key)[::-1] for name, data in image_members(raw, meta, key)]
+        return self.t.header_ids(raw, sizes)[0], bool(sizes or self.t.video_frames(raw, meta, key))
+
+
 def _verified_size(data: bytes, name: str, key) -> tuple[int, int]:
     """``(width, height)`` of an image whose pixel data decodes to the end (one open: the header, then
     the whole entropy-coded stream; a JPEG's inverse DCT at 1/8 scale, which finds the same truncation
@@ -314,6 +328,8 @@ def length_rule(source, schema: BatchSchema, *, verify_images: bool = True) -> C
         return VLMRule(transform, schema, verify_images=verify_images)
     if isinstance(transform, Gemma3SampleTransform):
         return ImageTokensRule(transform, schema, verify_images=verify_images)
+    if isinstance(transform, LlavaOnevisionSampleTransform):
+        return AnyResRule(transform, schema, verify_images=verify_images)
     return None
 
 

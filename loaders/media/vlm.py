@@ -472,9 +472,6 @@ class VLMSampleTransform:
                 raise ConfigError(f"VLMSampleTransform.{name}: expected 'float32' or 'bfloat16', got {getattr(self, name)!r}")
         if self.model_config is not None:
             object.__setattr__(self, "family", vision_family(self.model_config))
-            if self.family.model_type == "llava_onevision":
-                raise ConfigError("VLMSampleTransform: LLaVA-OneVision has header-only token counts "
-                                  "(prealign.collate.vision.LlavaOneVision.image_tokens) but no sample transform yet")
             if self.family.transform is not None:
                 raise ConfigError(f"VLMSampleTransform: {self.family.model_type} samples have their own transform: "
                                   f"{self.family.transform}")

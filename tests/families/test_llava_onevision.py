@@ -99,10 +99,10 @@ def test_golden_counts():
     assert fam.image_tokens(384, 384, images_in_sample=2) == 730
 
 
-def test_the_sample_transform_is_refused_until_it_exists():
+def test_vlm_sample_transform_points_to_the_familys_own():
     from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
     from prealign.loaders.media.vlm import VLMSampleTransform
     from prealign.schemas import ConfigError
 
-    with pytest.raises(ConfigError, match="no sample transform yet"):
+    with pytest.raises(ConfigError, match="LlavaOnevisionSampleTransform"):
         VLMSampleTransform(tokenizer=ByteTokenizer(), model_config=transformers.LlavaOnevisionConfig())
