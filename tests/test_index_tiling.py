@@ -12,10 +12,11 @@ import numpy as np
 import pytest
 
 from prealign.loaders import BadDataPolicy, PackedLoader, WebDatasetSource
-from prealign.loaders.errors import StaleIndexError
+from prealign.loaders.errors import BadSampleError, CorruptShardError, StaleIndexError
 from prealign.loaders.index.header_pass import write_sidecars
 from prealign.loaders.index.merged import merge_sidecars
 from prealign.loaders.index.tiling import bad_regions, count_samples
+from prealign.loaders.policy import BadRecord
 from prealign.loaders.sources.shard_files import SUFFIX
 from prealign.schemas import ParallelLayout
 from prealign.schemas.schema import causal_lm_schema
@@ -93,9 +94,9 @@ def test_a_row_removed_next_to_a_bad_sample_in_a_sidecar_is_refused(tmp_path):
 
 def test_bad_regions_name_the_bytes_around_each_run_of_bad_records():
     spans = np.asarray([[0, 10, 0], [10, 20, 0], [30, 40, 0], [50, 60, 0]], np.int64)
-    skip = ["skip", "ignored_member", "w", "m"]
-    bad = ["bad", "w", {"type": "sample"}]
-    corrupt = ["bad", "shard 0", {"type": "shard"}]
+    skip = BadRecord("ignored_member", "w", "m")
+    bad = BadRecord.of_error(BadSampleError(sample="w", field=None, expected="x", actual="y"))
+    corrupt = BadRecord.of_error(CorruptShardError("s.tar", 5, "truncated"), "shard 0")
     events = [[2, bad], [3, skip], [5, bad]]  # records: ok ok bad skip ok bad ok
     assert bad_regions(spans, events, 7) == [(20, 30, 1), (40, 50, 1)]
     assert bad_regions(spans[1:3], [[0, bad], [3, skip]], 4) == [(0, 10, 1), (40, -1, 0)]

@@ -20,6 +20,7 @@ import zlib
 import numpy as np
 
 from prealign.loaders.index.sample_checks import BOUNDED, NO_VALUES
+from prealign.loaders.policy import BadRecord
 from prealign.loaders.sources.npy import NpyFormatError, parse_npy_header
 from prealign.loaders.sources.tar_decode import split_member_name
 from prealign.loaders.sources.tar_index import walk
@@ -192,8 +193,8 @@ class _State:
             split = splits[j]
             if split is None:
                 flush()
-                events.append(["skip", "ignored_member", f"{url}:{w.names[j]}",
-                               "tar file member without an extension"])
+                events.append(BadRecord("ignored_member", f"{url}:{w.names[j]}",
+                                        "tar file member without an extension"))
                 continue
             if split[0] != key:
                 if count:

@@ -45,7 +45,6 @@ from prealign.loaders.errors import (
 )
 from prealign.loaders.handoff.identity import identity_digest
 from prealign.loaders.index.bulk_pass import bulk_text_pass
-from prealign.loaders.index.events import error_record, record_reason
 from prealign.loaders.index.sample_checks import BOUNDED, has_media, value_bounds
 from prealign.loaders.index.sidecar import (
     Fingerprint,
@@ -71,6 +70,7 @@ from prealign.loaders.media.vlm import (
     render_chat,
     sample_metadata,
 )
+from prealign.loaders.policy import BadRecord
 from prealign.loaders.sources import remote
 from prealign.loaders.sources.header_lengths import (
     IMAGE_FORMATS,
@@ -80,7 +80,6 @@ from prealign.loaders.sources.header_lengths import (
 )
 from prealign.loaders.sources.npy import NpyFormatError, parse_npy_header
 from prealign.loaders.sources.shard_files import check_index_dir_names, sample_checksum, shard_name, sidecar_path
-from prealign.loaders.sources.source import Skip
 from prealign.loaders.sources.tar_decode import IMAGES, decode_member, split_member_name
 from prealign.loaders.sources.tar_index import Unhandled
 from prealign.loaders.sources.tar_reader import TarFormatError, iter_members
@@ -273,8 +272,8 @@ def transform_pass(source, shard: int) -> dict:
     records (decode or transform errors)."""
     locations, lengths, media, events, dims, dim_ids, value_rows = [], [], [], [], [], [], []
     for loc, item in source.scan(shard):
-        if isinstance(item, Skip):
-            events.append(["skip", item.reason, item.where, item.message])
+        if isinstance(item, BadRecord):  # (a member that is not a sample: counted)
+            events.append(item)
             continue
         where = item.sample if isinstance(item, SampleError) and isinstance(item.sample, str) else \
             source.sample_name(item, loc) if loc is not None else f"shard {shard}"
@@ -286,10 +285,10 @@ def transform_pass(source, shard: int) -> dict:
         except SampleError as exc:
             err = exc if isinstance(exc, BadSampleError) else BadSampleError(
                 sample=where, field=exc.field, expected=exc.expected, actual=exc.actual)
-            events.append(["bad", where, error_record(err)])
+            events.append(BadRecord.of_error(err, where))
             continue
         except PrealignError as exc:  # e.g. a corrupt shard
-            events.append(["bad", where, error_record(exc)])
+            events.append(BadRecord.of_error(exc, where))
             continue
         sig = signature_record(_transformed_signature(sample, n))
         if sig not in dims:
@@ -299,7 +298,7 @@ def transform_pass(source, shard: int) -> dict:
         media.append(has_media(sample, MEDIA_MEMBERS))
         dim_ids.append(dims.index(sig))
         value_rows.append(value_bounds(sample))
-        events.append(["ok"])
+        events.append(None)
     return {"shard": shard, "locations": locations, "lengths": lengths, "media": media, "dims": dims,
             "dim_ids": dim_ids, "events": events, "bounds": _stacked(value_rows)}
 
@@ -338,7 +337,7 @@ def header_index_shard(source, schema: BatchSchema, shard: int, *, full: bool = 
             try:
                 bulk_text_pass(records, f)
                 return records.record(), f.finish()
-            except (Unhandled, OSError, EOFError):
+            except (Unhandled, TarFormatError, EOFError):  # (a read error, an OSError, propagates)
                 close = getattr(f.f, "close", None)
                 if close:
                     close()
@@ -369,10 +368,6 @@ def open_shard(url: str, opts=None) -> Fingerprint:
         if not remote.is_sequential(url):  # (a .tar.gz: the bytes read are more than the file's)
             length = st.st_size
     return Fingerprint(f, length, url)
-
-
-_OK = ["ok"]
-"""The event of an accepted sample (one object, shared: events are read, never changed)."""
 
 
 class ShardPass:
@@ -409,12 +404,12 @@ class ShardPass:
             n, has_media, sig, rendered = self.rule(exts, where)
             bounds = value_bounds({**_bounded_members(exts), **({} if rendered is None else {"input_ids": rendered})})
         except SampleError as exc:
-            events.append(["bad", where, error_record(exc if isinstance(exc, BadSampleError) else BadSampleError(
-                sample=where, field=exc.field, expected=exc.expected, actual=exc.actual))])
+            events.append(BadRecord.of_error(exc if isinstance(exc, BadSampleError) else BadSampleError(
+                sample=where, field=exc.field, expected=exc.expected, actual=exc.actual), where))
             return
         except (ValueError, UnicodeDecodeError) as exc:  # e.g. JSON that is not text
-            events.append(["bad", where, error_record(BadSampleError(sample=where, field=None, expected="a readable sample",
-                                                                actual=f"{type(exc).__name__}: {exc}"))])
+            events.append(BadRecord.of_error(BadSampleError(sample=where, field=None, expected="a readable sample",
+                                                            actual=f"{type(exc).__name__}: {exc}"), where))
             return
         if sig not in self.by_sig:  # the first of its kind: the full transform, its length compared with the rule's
             raw = source._sample(shard, key, members)
@@ -426,7 +421,7 @@ class ShardPass:
                 err = exc if isinstance(exc, BadSampleError) and exc.sample == where else BadSampleError(
                     sample=where, field=exc.field, expected=exc.expected, actual=exc.actual,
                     reason=getattr(exc, "reason", None) if isinstance(getattr(exc, "reason", None), str) else None)
-                events.append(["bad", where, error_record(err)])
+                events.append(BadRecord.of_error(err, where))
                 return
             if got != n:
                 raise LengthRuleError(f"{where}: the header rule gives {n} tokens, the transform {got}; "
@@ -438,7 +433,7 @@ class ShardPass:
         self.media.append(has_media)
         self.dim_ids.append(self.by_sig[sig])
         self.bounds.append(bounds[None])
-        events.append(["ok"])
+        events.append(None)
 
     def add_rows(self, locations: list, lengths: list, dim_ids: list, bounds: np.ndarray) -> None:
         """Append accepted samples without media: ``locations`` (lists ``[shard, start, end, checksum]``),
@@ -448,7 +443,7 @@ class ShardPass:
         self.media += [False] * len(lengths)
         self.dim_ids += dim_ids
         self.bounds.append(bounds)
-        self.events += [_OK] * len(lengths)
+        self.events += [None] * len(lengths)
 
     def record(self) -> dict:
         bounds = np.concatenate(self.bounds) if self.bounds else np.zeros((0, len(BOUNDED), 4), np.int64)
@@ -465,8 +460,8 @@ def _header_pass(source, schema, shard: int, rule, f) -> dict:
         for m in iter_members(f):
             split = split_member_name(m.name)
             if split is None:
-                events.append(["skip", "ignored_member", f"{url}:{m.name}", f"tar {m.kind} member without an "
-                               f"extension"])
+                events.append(BadRecord("ignored_member", f"{url}:{m.name}", f"tar {m.kind} member without "
+                                        f"an extension"))
                 continue
             if split[0] != key:
                 if members:
@@ -475,11 +470,10 @@ def _header_pass(source, schema, shard: int, rule, f) -> dict:
                 key, start, members = split[0], m.offset, []
             members.append((split[1], m.data, m.kind))
             end = m.end
-    except PrealignError:  # typed (a remote read error is an OSError too): raised as it is
-        raise
-    except (TarFormatError, OSError, EOFError) as exc:
+    except (TarFormatError, EOFError) as exc:  # a truncated or garbled tar; a read error (OSError) propagates
         lost = f"; sample {key!r} lost with the rest of the shard" if members else ""
-        events.append(["bad", f"shard {shard}", error_record(CorruptShardError(url, getattr(exc, "offset", 0), f"{exc}{lost}"))])
+        events.append(BadRecord.of_error(CorruptShardError(url, getattr(exc, "offset", 0), f"{exc}{lost}"),
+                                         f"shard {shard}"))
         members = []
     if members:
         sample(key, start, end, members, key in seen)
@@ -593,9 +587,8 @@ def index_one(source, schema: BatchSchema, shard: int, *, out_dir: str | None = 
                   extra={"probe": shard_probe(source, shard, fingerprint["size"]), "transform": key[1]})
     bad: dict[str, int] = {}
     for event in record["events"]:
-        if event[0] != "ok":
-            reason = event[1] if event[0] == "skip" else record_reason(event[2])
-            bad[reason] = bad.get(reason, 0) + 1
+        if event is not None:
+            bad[event.reason] = bad.get(event.reason, 0) + 1
     return shard, "indexed", len(record["lengths"]), bad
 
 
