@@ -241,7 +241,8 @@ no ``except ValueError`` catches (``issubclass(e, ValueError)`` is False for eve
 # ---- errors as data (a BadRecord's error: written into files, read back by other runs) ----------
 _ERROR_KEYS = {"shard": ("shard", "offset", "cause"),
                "sample": ("cls", "sample", "field", "expected", "actual")}
-"""The keys an :func:`error_record` of each ``type`` must have (``reason`` and ``message`` are optional)."""
+"""The keys an :func:`error_record` of each ``type`` must have (``reason`` and ``message`` are
+optional)."""
 
 
 def checked_error(rec) -> dict | None:
@@ -249,19 +250,22 @@ def checked_error(rec) -> dict | None:
     ``ValueError``."""
     if rec is None:
         return None
-    if not isinstance(rec, dict) or not all(k in rec for k in _ERROR_KEYS.get(rec.get("type"), ("?",))) \
-            or not isinstance(rec.get("cls", ""), str) or not isinstance(rec.get("reason", ""), str):
-        raise ValueError(f"a bad-data record's error: expected a sample or shard error record, got {rec!r:.80}")
+    keys = _ERROR_KEYS.get(rec.get("type"), ("?",)) if isinstance(rec, dict) else None
+    if keys is None or not all(k in rec for k in keys) or not isinstance(rec.get("cls", ""), str) \
+            or not isinstance(rec.get("reason", ""), str):
+        raise ValueError(f"a bad-data record's error: expected a sample or shard error record, "
+                         f"got {rec!r:.80}")
     return rec
 
 
 def error_record(exc: Exception) -> dict:
-    """An exception as JSON-safe data (records are written into sidecars, read by other runs); a sample's
-    keeps its cause (:func:`~prealign.loaders.errors.reason_of`) and its message."""
+    """An exception as JSON-safe data (records are written into sidecars, read by other runs); a
+    sample's keeps its cause (:func:`~prealign.loaders.errors.reason_of`) and its message."""
     if isinstance(exc, CorruptShardError):
-        return {"type": "shard", "cls": type(exc).__name__, "shard": exc.shard, "offset": exc.offset,
+        return {"type": "shard", "cls": type(exc).__name__, "shard": exc.shard,
+                "offset": exc.offset,
                 "cause": exc.cause, "reason": exc.reason}
-    if not isinstance(exc, SampleError):  # sources yield typed errors only; anything else is a bug of ours
+    if not isinstance(exc, SampleError):  # sources yield typed errors only; anything else: our bug
         raise TypeError(f"a scan record holds {type(exc).__name__}: {exc}") from exc
     return {"type": "sample", "cls": type(exc).__name__, "sample": exc.sample, "field": exc.field,
             "expected": exc.expected, "actual": exc.actual, "reason": reason_of(exc),
@@ -270,8 +274,8 @@ def error_record(exc: Exception) -> dict:
 
 def error_from_record(rec: dict) -> PrealignError:
     """The typed error of an :func:`error_record`: its class when the loader layer defines it (else
-    :class:`~prealign.loaders.errors.BadSampleError` / :class:`~prealign.loaders.errors.CorruptShardError`),
-    its fields, cause and message."""
+    :class:`~prealign.loaders.errors.BadSampleError` /
+    :class:`~prealign.loaders.errors.CorruptShardError`), its fields, cause and message."""
     if rec["type"] == "shard":
         shard_cls = globals().get(rec.get("cls", ""))
         if not (isinstance(shard_cls, type) and issubclass(shard_cls, CorruptShardError)):
@@ -283,7 +287,7 @@ def error_from_record(rec: dict) -> PrealignError:
     fields = {k: rec[k] for k in ("sample", "field", "expected", "actual")}
     try:
         err = cls(**fields)
-    except TypeError:  # a class with its own constructor (ShardGoneError): the general one, same fields
+    except TypeError:  # a class with its own constructor (ShardGoneError): the general one
         err = BadSampleError(**fields)
     err.reason = record_reason(rec)
     if rec.get("message"):

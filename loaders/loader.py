@@ -403,9 +403,10 @@ class PackedLoader(LoaderCore):
         if over.skipped:
             rep.counts["oversize_skipped"] = len(over.skipped)
         for i in self._skipped_media:
-            rep.add(BadRecord("oversize_media", self.source.where(tuple(self.index.locations[i].tolist())),
-                              f"{int(self.index.lengths[i])} tokens > {over.capacity} (token_budget "
-                              f"{self.token_budget}) and carries media: left out, not truncated"))
+            where = self.source.where(tuple(self.index.locations[i].tolist()))
+            rep.add(BadRecord("oversize_media", where, f"{int(self.index.lengths[i])} tokens > "
+                              f"{over.capacity} (token_budget {self.token_budget}) and carries "
+                              f"media: left out, not truncated"))
         return rep
 
     def _announce_oversize(self) -> None:

@@ -215,7 +215,8 @@ class Mixture(Source):
             shard0 += self._sources[c].num_shards
             for reason, count in part.report.counts.items():
                 report.counts[reason] = report.counts.get(reason, 0) + count
-            report.examples.extend(dataclasses.replace(e, where=f"{name}:{e.where}") for e in part.report.examples)
+            report.examples.extend(dataclasses.replace(e, where=f"{name}:{e.where}")
+                                   for e in part.report.examples)
         media = None if any(p.media is None for p in parts) else np.concatenate([p.media for p in parts])
         self.parts = list(parts)
         return SampleIndex(lengths=np.concatenate([p.lengths for p in parts]).astype(np.int64),

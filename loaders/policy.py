@@ -3,10 +3,10 @@
 Nothing is dropped silently: a skipped or truncated sample is counted in a :class:`BadDataReport`
 (by reason, with the first few records kept) and announced by a :class:`BadSampleWarning`.
 
-A :class:`BadRecord` is the one type of a sample or shard left out, wherever it was found: what the index
-pass records of a bad sample, a corrupt shard or an ignored tar member (kept in sidecars and merged indexes),
-what a streaming reader hands over, what a loader counts when a sample fails only at load time, and what a
-report keeps as its examples.
+A :class:`BadRecord` is the one type of a sample or shard left out, wherever it was found: what the
+index pass records of a bad sample, a corrupt shard or an ignored tar member (kept in sidecars and
+merged indexes), what a streaming reader hands over, what a loader counts when a sample fails only
+at load time, and what a report keeps as its examples.
 
     BadRecord.of_error(exc, where) ─► BadDataGate: to_error() raised (raise) or counted (skip)
     BadRecord(reason, where, message) (an ignored member, an oversize sample) ─► only counted
@@ -18,7 +18,13 @@ import enum
 import warnings
 from dataclasses import dataclass, field
 
-from prealign.loaders.errors import PlanError, TooManyBadSamplesError, checked_error, error_from_record, error_record
+from prealign.loaders.errors import (
+    PlanError,
+    TooManyBadSamplesError,
+    checked_error,
+    error_from_record,
+    error_record,
+)
 from prealign.schemas.errors import PrealignError
 
 
@@ -106,15 +112,16 @@ class BadRecord:
     """
 
     reason: str
-    """The cause it is counted under in the report (``bad_sample``, ``corrupt_shard``, ``dim_mismatch``, ...)."""
+    """The cause it is counted under in the report (``bad_sample``, ``corrupt_shard``,
+    ``dim_mismatch``, ...)."""
     where: str
     """The sample or shard it names (``s.tar:000007``, ``shard 3``, ``hf[12] (index row 40)``)."""
     message: str
     """What happened, for a person (the typed error's message when it is one)."""
     error: dict | None = field(default=None, hash=False, repr=False)
-    """The typed error as data (:func:`error_record`) when the record is an error (one the ``raise`` policy
-    raises: :meth:`to_error`); None for a record that is only counted (a tar member without an extension, an
-    oversize sample the planner leaves out)."""
+    """The typed error as data (:func:`error_record`) when the record is an error (one the ``raise``
+    policy raises: :meth:`to_error`); None for a record that is only counted (a tar member without
+    an extension, an oversize sample the planner leaves out)."""
 
     def __post_init__(self):
         for name in ("reason", "where", "message"):
@@ -123,9 +130,9 @@ class BadRecord:
 
     @classmethod
     def of_error(cls, exc: Exception, where: str | None = None) -> "BadRecord":
-        """The record of a typed bad-data error (a :class:`~prealign.schemas.errors.SampleError`, or a
-        :class:`~prealign.loaders.errors.CorruptShardError` found while scanning); ``where`` defaults to the
-        sample the error names (the shard, for a shard's)."""
+        """The record of a typed bad-data error (a :class:`~prealign.schemas.errors.SampleError`, or
+        a :class:`~prealign.loaders.errors.CorruptShardError` found while scanning); ``where``
+        defaults to the sample the error names (the shard, for a shard's)."""
         rec = error_record(exc)
         if where is None:
             where = str(exc.sample) if rec["type"] == "sample" else f"shard {exc.shard}"
@@ -133,18 +140,20 @@ class BadRecord:
 
     @property
     def is_error(self) -> bool:
-        """True for an error (the ``raise`` policy raises it), False for a record that is only counted."""
+        """True for an error (the ``raise`` policy raises it), False for a record that is only
+        counted."""
         return self.error is not None
 
     @property
     def is_shard(self) -> bool:
-        """True for a shard's record (the rest of a shard lost: ``corrupt_shard``, ``shard_timeout``)."""
+        """True for a shard's record (the rest of a shard lost: ``corrupt_shard``,
+        ``shard_timeout``)."""
         return self.error is not None and self.error["type"] == "shard"
 
     def to_error(self) -> PrealignError:
         """The typed error of an error record (:func:`error_from_record`)."""
         if self.error is None:
-            raise ValueError(f"BadRecord {self.where} ({self.reason}) is not an error: it is only counted")
+            raise ValueError(f"BadRecord {self.where} ({self.reason}): not an error, only counted")
         return error_from_record(self.error)
 
     def to_json(self) -> dict:
@@ -156,13 +165,15 @@ class BadRecord:
 
     @classmethod
     def from_json(cls, obj) -> "BadRecord":
-        """The record of :meth:`to_json`'s form, every key and type checked (a ``ValueError`` naming what is
-        wrong otherwise: records are read from files)."""
+        """The record of :meth:`to_json`'s form, every key and type checked (a ``ValueError`` naming
+        what is wrong otherwise: records are read from files)."""
         if not isinstance(obj, dict) or not {"reason", "where", "message"} <= obj.keys() <= \
                 {"reason", "where", "message", "error"}:
-            raise ValueError(f"a bad-data record: expected keys reason, where, message (+ error), got {obj!r:.80}")
+            raise ValueError(f"a bad-data record: expected keys reason, where, message (+ error), "
+                             f"got {obj!r:.80}")
         if not all(isinstance(obj[k], str) for k in ("reason", "where", "message")):
-            raise ValueError(f"a bad-data record: reason, where and message must be str, got {obj!r:.80}")
+            raise ValueError(f"a bad-data record: reason, where and message must be str, "
+                             f"got {obj!r:.80}")
         return cls(obj["reason"], obj["where"], obj["message"], checked_error(obj.get("error")))
 
 
@@ -200,12 +211,15 @@ class BadDataReport:
 
     @classmethod
     def from_dict(cls, d) -> "BadDataReport":
-        """The report of :meth:`to_dict` (examples as records, or as the ``[where, reason, message]`` lists
-        reports saved before records were typed), every key and type checked: a ``ValueError`` otherwise."""
-        if not (isinstance(d, dict) and isinstance(d.get("counts"), dict) and isinstance(d.get("examples"), list)
-                and all(isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 0
-                        for k, v in d["counts"].items())):
-            raise ValueError("a bad-data report: expected {'counts': {reason: int}, 'examples': [...]}")
+        """The report of :meth:`to_dict` (examples as records, or as the ``[where, reason,
+        message]`` lists reports saved before records were typed), every key and type checked: a
+        ``ValueError`` otherwise."""
+        if not (isinstance(d, dict) and isinstance(d.get("counts"), dict)
+                and isinstance(d.get("examples"), list)
+                and all(isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool)
+                        and v >= 0 for k, v in d["counts"].items())):
+            raise ValueError("a bad-data report: expected {'counts': {reason: int}, "
+                             "'examples': [...]}")
         examples = []
         for e in d["examples"]:
             if isinstance(e, list) and len(e) == 3 and all(isinstance(x, str) for x in e):
@@ -227,9 +241,10 @@ class BadDataGate:
         self.consecutive = 0
 
     def bad(self, record: BadRecord, error: Exception | None = None) -> None:
-        """An error record: raise ``error`` (default: the record's typed error, :meth:`BadRecord.to_error`;
-        RAISE: with a note naming the ``skip`` policy that would count it) or count ``record``; raise
-        :class:`TooManyBadSamplesError` past the limit. Either carries ``.report``, what was counted."""
+        """An error record: raise ``error`` (default: the record's typed error,
+        :meth:`BadRecord.to_error`; RAISE: with a note naming the ``skip`` policy that would count
+        it) or count ``record``; raise :class:`TooManyBadSamplesError` past the limit. Either
+        carries ``.report``, what was counted."""
         reason, where = record.reason, record.where
         if self.policy.on_error is OnBadSample.RAISE:
             error = error if error is not None else record.to_error()
@@ -242,7 +257,8 @@ class BadDataGate:
         self.report.add(record)
         self.consecutive += 1
         if self.policy.warn:
-            warnings.warn(BadSampleWarning(f"skipped {where} ({reason}): {record.message}"), stacklevel=2)
+            warnings.warn(BadSampleWarning(f"skipped {where} ({reason}): {record.message}"),
+                          stacklevel=2)
         if self.consecutive >= self.policy.max_consecutive:
             too_many = TooManyBadSamplesError(
                 f"{self.consecutive} bad samples in a row (limit max_consecutive={self.policy.max_consecutive}); "

@@ -230,8 +230,8 @@ class _Reader(IterableDataset):
                         reason = "oversize_skipped" if self.oversize is Oversize.SKIP else "oversize_media"
                         what = "left out" if self.oversize is Oversize.SKIP else \
                             "carries media: left out, not truncated"
-                        events.append(BadRecord(reason, where, f"{n} tokens > {self.cap} (the most a micro-batch of "
-                                                               f"the token budget holds); {what}"))
+                        events.append(BadRecord(reason, where, f"{n} tokens > {self.cap} (the most "
+                                                f"a micro-batch of the budget holds); {what}"))
                         continue
                     sample, n = truncate_sample(sample, self.schema, self.cap), self.cap
                 gate.good()
@@ -269,7 +269,7 @@ class _Reader(IterableDataset):
                 events.append(item)
                 continue
             if isinstance(item, Exception):
-                bad(where, item, as_is=False)  # (raised as the index raises it: rebuilt from its record)
+                bad(where, item, as_is=False)  # (raised as the index raises it: from its record)
                 continue
             try:
                 sample = self.source.apply_transform(item, loc)

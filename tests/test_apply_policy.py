@@ -59,7 +59,8 @@ def _three_ways(paths, policy):
 
 
 def _streamed(paths, policy):
-    """The streaming loader's report over one epoch (or its error), its shards read in the index's order."""
+    """The streaming loader's report over one epoch (or its error), its shards read in the index's
+    order."""
     seed = next(s for s in range(1000) if np.random.default_rng([s, 0]).permutation(len(paths)).tolist()
                 == list(range(len(paths))))  # (the loader's shard order of epoch 0: the stream order of the index)
     loader = StreamingPackedLoader(WebDatasetSource(paths, sidecars=False), schema=SCHEMA, layout=ParallelLayout(),
@@ -73,7 +74,8 @@ def _streamed(paths, policy):
 
 
 def _keys_of(paths) -> dict[str, str]:
-    """``url@offset`` (a sample as the streaming loader and the fixed-dims rule name it) -> ``url:key``."""
+    """``url@offset`` (a sample as the streaming loader and the fixed-dims rule name it) ->
+    ``url:key``."""
     out = {}
     for p in paths:
         with tarfile.open(p) as tf:
@@ -125,9 +127,9 @@ def test_the_three_paths_give_one_index_and_one_report(tmp_path, policy):
                                     BadDataPolicy(on_error="skip", max_consecutive=1, warn=False)],
                          ids=["skip", "raise", "consecutive"])
 def test_the_streaming_loader_gives_the_same_records(tmp_path, policy):
-    """The fourth path: the streaming loader applies the same policy and rule sample by sample; its report holds
-    the same records as the index's (the same reason, sample and message; a sample named by its byte offset
-    where the index names it by its key), or it raises the same error."""
+    """The fourth path: the streaming loader applies the same policy and rule sample by sample; its
+    report holds the same records as the index's (the same reason, sample and message; a sample
+    named by its byte offset where the index names it by its key), or it raises the same error."""
     lengths = sample_lengths(30)
     paths = write_shards(str(tmp_path), lengths, num_shards=3, extra=_members(lengths))
     try:

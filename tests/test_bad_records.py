@@ -1,6 +1,7 @@
-"""One bad-data record type (issue #27): :class:`BadRecord` round-trips through its JSON form exactly, turns back
-into the typed error it was made from, and reads the untyped forms files written before it hold (sidecar and
-merged-index events, a saved index's report), so no file needs rebuilding."""
+"""One bad-data record type (issue #27): :class:`BadRecord` round-trips through its JSON form
+exactly, turns back into the typed error it was made from, and reads the untyped forms files written
+before it hold (sidecar and merged-index events, a saved index's report), so no file needs
+rebuilding."""
 from __future__ import annotations
 
 import io

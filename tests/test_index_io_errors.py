@@ -1,10 +1,11 @@
-"""``prealign index`` and a read error: an ``OSError`` of the file system in the middle of a shard (EIO) is a
-system error (:data:`~prealign.loaders.errors.SYSTEM_ERRORS`): it propagates out of every index pass (the bulk
-text pass, the reference tar reader, the full pass) and no sidecar is written, never counted as a
-``corrupt_shard``; a truncated or garbled tar stays ``corrupt_shard``.
+"""``prealign index`` and a read error: an ``OSError`` of the file system in the middle of a shard
+(EIO) is a system error (:data:`~prealign.loaders.errors.SYSTEM_ERRORS`): it propagates out of every
+index pass (the bulk text pass, the reference tar reader, the full pass) and no sidecar is written,
+never counted as a ``corrupt_shard``; a truncated or garbled tar stays ``corrupt_shard``.
 
-The fault is injected below the index pass: the file object ``remote.open_stream`` opens for a shard is the
-real file, wrapped so that a read crossing byte ``fail_at`` raises ``OSError(EIO)`` as a failing disk does."""
+The fault is injected below the index pass: the file object ``remote.open_stream`` opens for a shard
+is the real file, wrapped so that a read crossing byte ``fail_at`` raises ``OSError(EIO)`` as a
+failing disk does."""
 from __future__ import annotations
 
 import errno
@@ -32,8 +33,8 @@ def _npy(a) -> bytes:
 
 
 def _shard(path, n: int, tokens: int, *, link_first: bool = False) -> str:
-    """A tar of ``n`` samples of ``tokens`` int64 ids each (``link_first``: a symbolic link first, which the bulk
-    walker leaves to the reference tar reader)."""
+    """A tar of ``n`` samples of ``tokens`` int64 ids each (``link_first``: a symbolic link first,
+    which the bulk walker leaves to the reference tar reader)."""
     with tarfile.open(path, "w", format=tarfile.GNU_FORMAT) as tf:
         if link_first:
             info = tarfile.TarInfo("README")
@@ -48,9 +49,10 @@ def _shard(path, n: int, tokens: int, *, link_first: bool = False) -> str:
 
 
 class _FailingDisk:
-    """A real shard file whose read crossing byte ``fault["at"]`` fails with ``EIO``, once (a transient media
-    or network-mount error: the bytes before it read, then the error; a later read of the same bytes, by this
-    open or another of the same shard, succeeds). ``fault["hit"]`` counts the errors raised."""
+    """A real shard file whose read crossing byte ``fault["at"]`` fails with ``EIO``, once (a
+    transient media or network-mount error: the bytes before it read, then the error; a later read
+    of the same bytes, by this open or another of the same shard, succeeds). ``fault["hit"]`` counts
+    the errors raised."""
 
     def __init__(self, f, fault: dict):
         self.f, self.fault, self.pos = f, fault, 0
@@ -76,8 +78,8 @@ class _FailingDisk:
 
 @pytest.fixture
 def failing_disk(monkeypatch):
-    """``fail(path, at)``: the first read of shard ``path`` crossing byte ``at`` fails with EIO; returns the
-    fault's record (``{"at", "hit"}``)."""
+    """``fail(path, at)``: the first read of shard ``path`` crossing byte ``at`` fails with EIO;
+    returns the fault's record (``{"at", "hit"}``)."""
     real, faults = remote.open_stream, {}
 
     def open_stream(url, *args, **kwargs):
@@ -97,7 +99,8 @@ def _raises_eio(call) -> OSError:
 
 @pytest.mark.parametrize("where", ["first_block", "second_block"])
 def test_a_read_error_in_the_bulk_text_pass_propagates(tmp_path, failing_disk, where):
-    """The bulk pass reads 8 MiB blocks: an error in the first, or after a whole block was indexed."""
+    """The bulk pass reads 8 MiB blocks: an error in the first, or after a whole block was indexed.
+    """
     path = _shard(tmp_path / "s-0.tar", 70, 16384)  # ~9 MiB: two blocks
     size = os.path.getsize(path)
     fault = failing_disk(path, size // 3 if where == "first_block" else size - 200_000)

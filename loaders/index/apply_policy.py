@@ -28,11 +28,12 @@ from prealign.schemas.schema import BatchSchema, Role
 class Records:
     """The records of a stream of samples (shard after shard, stream order inside).
 
-    ``lengths`` int64 ``[N]``, ``locations`` int64 ``[N, W]``, ``shards`` int64 ``[N]``, ``media`` bool ``[N]``
-    of the good rows; ``dim_ids`` int64 ``[N]`` the row of ``signatures`` (named dims, and under
-    :data:`~prealign.loaders.index.sample_checks.FIELDS_KEY` the optional fields present) of each;
-    ``good_at`` int64 ``[N]`` the stream position of each good row; ``events`` ``(position, record)`` of each bad
-    or skipped sample's :class:`~prealign.loaders.policy.BadRecord`, in order."""
+    ``lengths`` int64 ``[N]``, ``locations`` int64 ``[N, W]``, ``shards`` int64 ``[N]``, ``media``
+    bool ``[N]`` of the good rows; ``dim_ids`` int64 ``[N]`` the row of ``signatures`` (named dims,
+    and under :data:`~prealign.loaders.index.sample_checks.FIELDS_KEY` the optional fields present)
+    of each; ``good_at`` int64 ``[N]`` the stream position of each good row; ``events`` ``(position,
+    record)`` of each bad or skipped sample's :class:`~prealign.loaders.policy.BadRecord`, in order.
+    """
 
     lengths: np.ndarray
     locations: np.ndarray
@@ -104,7 +105,8 @@ def apply_policy(records: Records, policy: BadDataPolicy | None, schema: BatchSc
                 continue
             rows = np.flatnonzero(ids == ids[row])
             keep[rows] = False
-            found += [(int(records.good_at[r]), BadRecord.of_error(refuse(where(tuple(records.locations[r].tolist())))))
+            found += [(int(records.good_at[r]),
+                       BadRecord.of_error(refuse(where(tuple(records.locations[r].tolist())))))
                       for r in rows.tolist()]
     events = records.events if not found else sorted([*records.events, *found], key=lambda e: e[0])
     gate, last = BadDataGate(policy or BadDataPolicy()), -1
@@ -171,7 +173,8 @@ def records_of_sidecars(results: list[dict]) -> Records:
     records = np.asarray([len(r["events"]) for r in results], np.int64)
     offset = np.concatenate([[0], np.cumsum(records)])
     events = [(int(offset[i]) + pos, ev) for i, r in enumerate(results)
-              for pos, ev in r.get("bad_events", [[p, e] for p, e in enumerate(r["events"]) if e is not None])]
+              for pos, ev in r.get("bad_events",
+                                   [[p, e] for p, e in enumerate(r["events"]) if e is not None])]
     is_event = np.zeros(int(offset[-1]), bool)
     is_event[[at for at, _ in events]] = True
     n = int(counts.sum())

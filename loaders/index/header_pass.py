@@ -404,12 +404,14 @@ class ShardPass:
             n, has_media, sig, rendered = self.rule(exts, where)
             bounds = value_bounds({**_bounded_members(exts), **({} if rendered is None else {"input_ids": rendered})})
         except SampleError as exc:
-            events.append(BadRecord.of_error(exc if isinstance(exc, BadSampleError) else BadSampleError(
-                sample=where, field=exc.field, expected=exc.expected, actual=exc.actual), where))
+            err = exc if isinstance(exc, BadSampleError) else BadSampleError(
+                sample=where, field=exc.field, expected=exc.expected, actual=exc.actual)
+            events.append(BadRecord.of_error(err, where))
             return
         except (ValueError, UnicodeDecodeError) as exc:  # e.g. JSON that is not text
-            events.append(BadRecord.of_error(BadSampleError(sample=where, field=None, expected="a readable sample",
-                                                            actual=f"{type(exc).__name__}: {exc}"), where))
+            err = BadSampleError(sample=where, field=None, expected="a readable sample",
+                                 actual=f"{type(exc).__name__}: {exc}")
+            events.append(BadRecord.of_error(err, where))
             return
         if sig not in self.by_sig:  # the first of its kind: the full transform, its length compared with the rule's
             raw = source._sample(shard, key, members)
@@ -451,32 +453,65 @@ class ShardPass:
                 "dims": self.dims, "dim_ids": self.dim_ids, "events": self.events, "bounds": bounds}
 
 
+class MemberRuns:
+    """Tar members grouped into samples as the reference tar reader meets them, into ``records`` (a
+    :class:`ShardPass`): a run of members of one key is a sample, judged by :meth:`ShardPass.sample`
+    when the run ends; a member without an extension is an ``ignored_member`` record. A key seen
+    before is a duplicate (its sample judged so). State: the run in progress (``key``, its ``start``
+    and ``end`` bytes, ``members``) and the keys ``seen``."""
+
+    def __init__(self, records: ShardPass):
+        self.records = records
+        self.key: str | None = None
+        self.start = self.end = 0
+        self.members: list[tuple[str, bytes, str]] = []
+        self.seen: set[str] = set()
+
+    def add(self, m) -> None:
+        """One member (a :class:`~prealign.loaders.sources.tar_reader.Member`), in archive order."""
+        split = split_member_name(m.name)
+        if split is None:
+            self.records.events.append(BadRecord("ignored_member", f"{self.records.url}:{m.name}",
+                                                 f"tar {m.kind} member without an extension"))
+            return
+        if split[0] != self.key:
+            self._judge(m.offset)
+            self.key, self.start = split[0], m.offset
+        self.members.append((split[1], m.data, m.kind))
+        self.end = m.end
+
+    def lost(self, exc: Exception) -> None:
+        """The archive unreadable from here on (``exc``: a truncated or garbled tar): a
+        ``corrupt_shard`` record, the run in progress lost with the rest."""
+        rec = self.records
+        lost = f"; sample {self.key!r} lost with the rest of the shard" if self.members else ""
+        err = CorruptShardError(rec.url, getattr(exc, "offset", 0), f"{exc}{lost}")
+        rec.events.append(BadRecord.of_error(err, f"shard {rec.shard}"))
+        self.members = []
+
+    def finish(self) -> None:
+        """The end of the archive: the last run judged."""
+        self._judge(self.end)
+
+    def _judge(self, end: int) -> None:
+        if self.members:
+            self.records.sample(self.key, self.start, end, self.members, self.key in self.seen)
+            self.seen.add(self.key)
+            self.members = []
+
+
 def _header_pass(source, schema, shard: int, rule, f) -> dict:
-    """The header pass of one shard read member by member with the reference tar reader."""
+    """The header pass of one shard read member by member with the reference tar reader. A truncated
+    or garbled tar is a ``corrupt_shard`` record; a read error of the file (an ``OSError``)
+    propagates."""
     records = ShardPass(source, shard, rule)
-    url, events, sample = records.url, records.events, records.sample
-    key, start, end, members, seen = None, 0, 0, [], set()
+    runs = MemberRuns(records)
     try:
         for m in iter_members(f):
-            split = split_member_name(m.name)
-            if split is None:
-                events.append(BadRecord("ignored_member", f"{url}:{m.name}", f"tar {m.kind} member without "
-                                        f"an extension"))
-                continue
-            if split[0] != key:
-                if members:
-                    sample(key, start, m.offset, members, key in seen)
-                    seen.add(key)
-                key, start, members = split[0], m.offset, []
-            members.append((split[1], m.data, m.kind))
-            end = m.end
-    except (TarFormatError, EOFError) as exc:  # a truncated or garbled tar; a read error (OSError) propagates
-        lost = f"; sample {key!r} lost with the rest of the shard" if members else ""
-        events.append(BadRecord.of_error(CorruptShardError(url, getattr(exc, "offset", 0), f"{exc}{lost}"),
-                                         f"shard {shard}"))
-        members = []
-    if members:
-        sample(key, start, end, members, key in seen)
+            runs.add(m)
+    except (TarFormatError, EOFError) as exc:
+        runs.lost(exc)
+    runs.finish()
     return records.record()
 
 

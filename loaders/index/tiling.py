@@ -70,11 +70,12 @@ def check_tiling(spans: np.ndarray, owner: np.ndarray, num_events: np.ndarray, e
 
 
 def bad_regions(spans: np.ndarray, events: list, num_events: int) -> list[tuple[int, int, int]]:
-    """``(lo, hi, samples)`` of each stretch of one shard's bad records: the bytes from the end of the good sample
-    before them (``0``: none) to the start of the one after (``-1``: none, the end of the archive), and the bad
-    samples the index has there. ``events``: ``[position, record]`` of the shard's bad and skipped records
-    (:class:`~prealign.loaders.policy.BadRecord`), in order; a stretch holding a corrupt-shard record (the archive unreadable past it) is left out. A stretch of
-    skipped records alone holds no sample. A cost per bad record."""
+    """``(lo, hi, samples)`` of each stretch of one shard's bad records: the bytes from the end of
+    the good sample before them (``0``: none) to the start of the one after (``-1``: none, the end
+    of the archive), and the bad samples the index has there. ``events``: ``[position, record]`` of
+    the shard's bad and skipped records (:class:`~prealign.loaders.policy.BadRecord`), in order; a
+    stretch holding a corrupt-shard record (the archive unreadable past it) is left out. A stretch
+    of skipped records alone holds no sample. A cost per bad record."""
     out: list[tuple[int, int, int]] = []
     i = 0
     while i < len(events):

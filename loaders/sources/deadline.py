@@ -98,7 +98,7 @@ class TimedReader:
                         return
         except (OSError, EOFError, PrealignError) as exc:  # the caller decides what an unreadable shard is
             self._put(("error", exc))
-        except zlib.error as exc:  # corrupt deflate data in a .tar.gz: bad data (never an OSError, a system error)
+        except zlib.error as exc:  # corrupt deflate data in a .tar.gz: bad data (never an OSError)
             self._put(("error", TarFormatError(pumped, f"corrupt compressed data ({exc})")))
         except BaseException as exc:  # anything else is raised in the caller: a dead reader never looks stalled
             self._put(("error", exc))

@@ -33,8 +33,8 @@ data) and an ``OSError`` always propagate."""
 
 Skip = BadRecord
 """A scan record that is not a sample (a tar member without extension): a
-:class:`~prealign.loaders.policy.BadRecord` without error, ``Skip(reason, where, message)``: counted, never an
-error."""
+:class:`~prealign.loaders.policy.BadRecord` without error, ``Skip(reason, where, message)``:
+counted, never an error."""
 
 
 class Source(abc.ABC):

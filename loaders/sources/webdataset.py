@@ -249,8 +249,8 @@ class WebDatasetSource(Source):
                         key, start, members = split[0], m.offset, []
                     members.append((split[1], m.data, m.kind))
                     end = m.end
-            except (TarFormatError, EOFError, CorruptShardError, _remote.RemoteReadError, Stalled) as exc:
-                # (a read error of the file system, a bare OSError, is a system error: it propagates)
+            except (TarFormatError, EOFError, CorruptShardError, _remote.RemoteReadError,
+                    Stalled) as exc:  # (a bare OSError, a read error of the disk, propagates)
                 lost = f"; sample {key!r} lost with the rest of the shard" if members else ""
                 err = ShardTimeoutError if isinstance(exc, Stalled) else CorruptShardError
                 f.close()  # before the error is handed on: a stalled pipe: command is killed now
