@@ -114,7 +114,7 @@ class _PlannedSamples:
     def __getitems__(self, request: Request):
         """The micro-batch's samples as a :class:`~prealign.loaders.handoff.fetched.Fetched`, with :meth:`where`
         for the collate_fn's error messages (and, under the skip policy, the samples left out at load time,
-        ``(reason, where, message)``). In a worker, a typed error is handed to the collate_fn in place of the
+        their ``BadRecord``). In a worker, a typed error is handed to the collate_fn in place of the
         samples and returned from the worker as the batch (:func:`~prealign.loaders.serve.workers.worker_batches`
         raises it)."""
         try:

@@ -4,7 +4,6 @@ before it hold (sidecar and merged-index events, a saved index's report), so no 
 rebuilding."""
 from __future__ import annotations
 
-import io
 import json
 import os
 
@@ -35,7 +34,7 @@ from prealign.schemas.errors import SampleError
 from prealign.schemas.schema import causal_lm_schema
 from tests.conftest import examples
 
-from .loader_helpers import add_member, sample_lengths, write_shards
+from .loader_helpers import add_member, npz_meta, sample_lengths, save_npz_meta, write_shards
 
 SCHEMA = causal_lm_schema()
 SKIP = BadDataPolicy(on_error="skip", max_consecutive=50, warn=False)
@@ -122,20 +121,7 @@ def test_the_untyped_events_of_older_files_read_as_the_same_records(exc):
                                                                                       "s.tar:README", "m")
 
 
-# ---- files written before records were typed -------------------------------------------------------------
-def _arrays(path: str) -> tuple[dict, dict]:
-    with np.load(path) as z:
-        arrays = {k: z[k] for k in z.files}
-    return arrays, json.loads(arrays.pop("meta").tobytes())
-
-
-def _save(path: str, arrays: dict, meta: dict) -> None:
-    buf = io.BytesIO()
-    np.savez(buf, **arrays, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8))
-    with open(path, "wb") as f:
-        f.write(buf.getvalue())
-
-
+# ---- files written before records were typed ---------------------------------------------------
 def _untyped(ev: dict) -> list:
     """An event as files stored it before records were typed."""
     if "error" in ev:
@@ -169,10 +155,10 @@ def test_sidecars_and_a_merged_index_of_the_untyped_form_give_the_same_index(tmp
     assert typed.report.counts == {"bad_sample": 3, "corrupt_shard": 1, "ignored_member": 1}
     assert all(e.error is not None for e in typed.report.examples if e.reason != "ignored_member")
     for p in paths:  # written in the typed form; rewritten as older prealign wrote them
-        arrays, meta = _arrays(p + SUFFIX)
+        arrays, meta = npz_meta(p + SUFFIX)
         assert all(isinstance(ev, dict) for _, ev in meta["events"])
         meta["events"] = [[pos, _untyped(ev)] for pos, ev in meta["events"]]
-        _save(p + SUFFIX, arrays, meta)
+        save_npz_meta(p + SUFFIX, arrays, meta)
     untyped = _index(paths)
     assert untyped.report == typed.report and untyped.digest == typed.digest
 
@@ -180,15 +166,15 @@ def test_sidecars_and_a_merged_index_of_the_untyped_form_give_the_same_index(tmp
     for p in paths:
         os.rename(p + SUFFIX, p + SUFFIX + ".away")
     assert _index(paths).report == typed.report
-    arrays, meta = _arrays(merged_path(WebDatasetSource(paths)))
+    arrays, meta = npz_meta(merged_path(WebDatasetSource(paths)))
     assert all(isinstance(ev, dict) for _, _, ev in meta["events"])
     meta["events"] = [[s, pos, _untyped(ev)] for s, pos, ev in meta["events"]]
-    _save(merged_path(WebDatasetSource(paths)), arrays, meta)
+    save_npz_meta(merged_path(WebDatasetSource(paths)), arrays, meta)
     merged = _index(paths)
     assert merged.report == typed.report and merged.digest == typed.digest
 
     meta["events"][0][2] = ["bad", "x", {"type": "sample"}]  # and a malformed one is refused, as before
-    _save(merged_path(WebDatasetSource(paths)), arrays, meta)
+    save_npz_meta(merged_path(WebDatasetSource(paths)), arrays, meta)
     with pytest.raises(StaleIndexError, match="malformed event"):
         _index(paths)
 

@@ -4,8 +4,6 @@ the loader refuses the index instead of serving 8 of 9 good samples. The same th
 through a shard's own sidecar."""
 from __future__ import annotations
 
-import io
-import json
 import os
 
 import numpy as np
@@ -21,7 +19,7 @@ from prealign.loaders.sources.shard_files import SUFFIX
 from prealign.schemas import ParallelLayout
 from prealign.schemas.schema import causal_lm_schema
 
-from .loader_helpers import add_member, sample_lengths, write_shards
+from .loader_helpers import add_member, npz_meta, sample_lengths, save_npz_meta, write_shards
 
 SCHEMA = causal_lm_schema()
 SKIP = BadDataPolicy(on_error="skip", max_consecutive=50)
@@ -33,19 +31,6 @@ def _bad(at):
         if i in at:
             add_member(tf, f"{i:06d}.input_ids.npy", b"not an npy")
     return extra
-
-
-def _arrays(path: str) -> tuple[dict, dict]:
-    with np.load(path) as z:
-        arrays = {k: z[k] for k in z.files}
-    return arrays, json.loads(arrays.pop("meta").tobytes())
-
-
-def _save(path: str, arrays: dict, meta: dict) -> None:
-    buf = io.BytesIO()
-    np.savez(buf, **arrays, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8))
-    with open(path, "wb") as f:
-        f.write(buf.getvalue())
 
 
 def _served(paths) -> int:
@@ -62,7 +47,7 @@ def test_a_row_removed_next_to_a_bad_sample_in_a_merged_index_is_refused(tmp_pat
     for p in paths:  # the loader reads the merged file alone
         os.remove(p + SUFFIX)
     assert _served(paths) == 29
-    a, meta = _arrays(path)
+    a, meta = npz_meta(path)
     assert meta["events"][0][:2] == [1, 4]  # shard 1's fifth record is the bad sample 14
     row = 10 + (4 if side == "after" else 3)  # good sample 15 (or 13): shard 1's row next to it
     keep = np.arange(len(a["lengths"])) != row
@@ -71,7 +56,7 @@ def test_a_row_removed_next_to_a_bad_sample_in_a_merged_index_is_refused(tmp_pat
     a["shards"][1, 1:3] -= 1  # the counts adjusted: one row and one record fewer
     if side == "before":
         meta["events"][0][1] -= 1
-    _save(path, a, meta)
+    save_npz_meta(path, a, meta)
     with pytest.raises(StaleIndexError, match="shard-001.tar.*1 bad sample.*hold 2.*removed row"):
         _served(paths)
 
@@ -80,14 +65,14 @@ def test_a_row_removed_next_to_a_bad_sample_in_a_sidecar_is_refused(tmp_path):
     paths = write_shards(str(tmp_path), sample_lengths(30), num_shards=3, extra=_bad({14, 19}))
     write_sidecars(WebDatasetSource(paths), SCHEMA)
     assert _served(paths) == 28
-    a, meta = _arrays(paths[1] + SUFFIX)
+    a, meta = npz_meta(paths[1] + SUFFIX)
     assert [e[0] for e in meta["events"]] == [4, 9]
     keep = np.arange(len(a["lengths"])) != 7  # good sample 18, just before the bad last sample 19
     for key in _ROWS:
         a[key] = a[key][keep]
     meta["num_events"] -= 1
     meta["events"][1][0] -= 1
-    _save(paths[1] + SUFFIX, a, meta)
+    save_npz_meta(paths[1] + SUFFIX, a, meta)
     with pytest.raises(StaleIndexError, match="shard-001.tar.*hold 2.*removed row"):
         _served(paths)
 
