@@ -239,8 +239,8 @@ no ``except ValueError`` catches (``issubclass(e, ValueError)`` is False for eve
 
 
 # ---- errors as data (a BadRecord's error: written into files, read back by other runs) ----------
-_ERROR_KEYS = {"shard": ("shard", "offset", "cause"),
-               "sample": ("cls", "sample", "field", "expected", "actual")}
+_ERROR_KEYS = {"shard": frozenset({"shard", "offset", "cause"}),
+               "sample": frozenset({"cls", "sample", "field", "expected", "actual"})}
 """The keys an :func:`error_record` of each ``type`` must have (``reason`` and ``message`` are
 optional)."""
 
@@ -250,8 +250,8 @@ def checked_error(rec) -> dict | None:
     ``ValueError``."""
     if rec is None:
         return None
-    keys = _ERROR_KEYS.get(rec.get("type"), ("?",)) if isinstance(rec, dict) else None
-    if keys is None or not all(k in rec for k in keys) or not isinstance(rec.get("cls", ""), str) \
+    keys = _ERROR_KEYS.get(rec.get("type")) if isinstance(rec, dict) else None
+    if keys is None or not keys <= rec.keys() or not isinstance(rec.get("cls", ""), str) \
             or not isinstance(rec.get("reason", ""), str):
         raise ValueError(f"a bad-data record's error: expected a sample or shard error record, "
                          f"got {rec!r:.80}")

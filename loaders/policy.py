@@ -98,6 +98,10 @@ class BadDataPolicy:
         return {"on_error": self.on_error.value, "max_consecutive": self.max_consecutive}
 
 
+_RECORD_KEYS = frozenset({"reason", "where", "message"})
+_RECORD_KEYS_ERROR = _RECORD_KEYS | {"error"}
+
+
 @dataclass(frozen=True)
 class BadRecord:
     """One sample or shard left out (or changed), and why.
@@ -124,9 +128,9 @@ class BadRecord:
     an extension, an oversize sample the planner leaves out)."""
 
     def __post_init__(self):
-        for name in ("reason", "where", "message"):
-            if not isinstance(getattr(self, name), str):
-                raise TypeError(f"BadRecord.{name}: expected a str, got {getattr(self, name)!r}")
+        if not (isinstance(self.reason, str) and isinstance(self.where, str)
+                and isinstance(self.message, str)):
+            raise TypeError(f"BadRecord: reason, where and message must be str, got {self!r}")
 
     @classmethod
     def of_error(cls, exc: Exception, where: str | None = None) -> "BadRecord":
@@ -167,14 +171,14 @@ class BadRecord:
     def from_json(cls, obj) -> "BadRecord":
         """The record of :meth:`to_json`'s form, every key and type checked (a ``ValueError`` naming
         what is wrong otherwise: records are read from files)."""
-        if not isinstance(obj, dict) or not {"reason", "where", "message"} <= obj.keys() <= \
-                {"reason", "where", "message", "error"}:
+        if not isinstance(obj, dict) or not _RECORD_KEYS <= obj.keys() <= _RECORD_KEYS_ERROR:
             raise ValueError(f"a bad-data record: expected keys reason, where, message (+ error), "
                              f"got {obj!r:.80}")
-        if not all(isinstance(obj[k], str) for k in ("reason", "where", "message")):
+        reason, where, message = obj["reason"], obj["where"], obj["message"]
+        if not (isinstance(reason, str) and isinstance(where, str) and isinstance(message, str)):
             raise ValueError(f"a bad-data record: reason, where and message must be str, "
                              f"got {obj!r:.80}")
-        return cls(obj["reason"], obj["where"], obj["message"], checked_error(obj.get("error")))
+        return cls(reason, where, message, checked_error(obj.get("error")))
 
 
 
