@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 
 import numpy as np
 import pytest
@@ -54,6 +55,7 @@ ERRORS = [
 def test_a_record_turns_back_into_its_typed_error(exc):
     rec = BadRecord.of_error(exc)
     assert rec.is_error and rec.message == str(exc) and rec.is_shard == isinstance(exc, CorruptShardError)
+    assert pickle.loads(pickle.dumps(rec)) == rec  # (records cross DataLoader workers)
     again = BadRecord.from_json(json.loads(json.dumps(rec.to_json()))).to_error()
     assert type(again) is type(exc) and str(again) == str(exc)
     assert reason_of(again) == reason_of(exc)
