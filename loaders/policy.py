@@ -123,9 +123,9 @@ class BadRecord:
     message: str
     """What happened, for a person (the typed error's message when it is one)."""
     error: dict | None = field(default=None, hash=False, repr=False)
-    """The typed error as data (:func:`error_record`) when the record is an error (one the ``raise``
-    policy raises: :meth:`to_error`); None for a record that is only counted (a tar member without
-    an extension, an oversize sample the planner leaves out)."""
+    """The typed error as data (:func:`~prealign.loaders.errors.error_record`) when the record is
+    an error (one the ``raise`` policy raises: :meth:`to_error`); None for a record that is only
+    counted (a tar member without an extension, an oversize sample the planner leaves out)."""
 
     def __post_init__(self):
         if not (isinstance(self.reason, str) and isinstance(self.where, str)
@@ -155,7 +155,8 @@ class BadRecord:
         return self.error is not None and self.error["type"] == "shard"
 
     def to_error(self) -> PrealignError:
-        """The typed error of an error record (:func:`error_from_record`)."""
+        """The typed error of an error record
+        (:func:`~prealign.loaders.errors.error_from_record`)."""
         if self.error is None:
             raise ValueError(f"BadRecord {self.where} ({self.reason}): not an error, only counted")
         return error_from_record(self.error)
@@ -181,13 +182,12 @@ class BadRecord:
         return cls(reason, where, message, checked_error(obj.get("error")))
 
 
-
 @dataclass
 class BadDataReport:
     """Counts of everything left out or changed, by reason (JSON via :meth:`to_dict`, read back by
     :meth:`from_dict`).
 
-    ``examples`` keeps the first ``keep`` records (:class:`~BadRecord`).
+    ``examples`` keeps the first ``keep`` records (:class:`BadRecord`).
 
     >>> rep = BadDataReport()
     >>> rep.add(BadRecord("ignored_member", "s.tar:README", "no extension"))
