@@ -197,11 +197,13 @@ class LoaderCore:
         yield from worker_batches(loader, before_each=lambda: self._check_live(token))
 
     def _count_skipped(self, skipped, *, warn: bool) -> None:
-        """Count ``(reason, where, message)`` of samples left out while loading (and warn, if ``warn``)."""
-        for reason, where, message in skipped:
-            self._load_report.add(reason, where, message)
+        """Count the records (:class:`~prealign.loaders.policy.BadRecord`) of samples left out while
+        loading (and warn, if ``warn``)."""
+        for rec in skipped:
+            self._load_report.add(rec)
             if warn:
-                warnings.warn(BadSampleWarning(f"skipped {where} at load time ({reason}): {message}"))
+                warnings.warn(BadSampleWarning(f"skipped {rec.where} at load time ({rec.reason}): "
+                                               f"{rec.message}"))
 
     # ---- state ---------------------------------------------------------------------------------------
     def _config(self) -> dict:

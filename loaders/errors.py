@@ -237,3 +237,67 @@ no ``except ValueError`` catches (``issubclass(e, ValueError)`` is False for eve
 >>> issubclass(RemoteStallError, SYSTEM_ERRORS), issubclass(RemoteStallError, ValueError)
 (True, False)
 """
+
+
+# ---- errors as data (a BadRecord's error: written into files, read back by other runs) ----------
+_ERROR_KEYS = {"shard": frozenset({"shard", "offset", "cause"}),
+               "sample": frozenset({"cls", "sample", "field", "expected", "actual"})}
+"""The keys an :func:`error_record` of each ``type`` must have (``reason`` and ``message`` are
+optional)."""
+
+
+def checked_error(rec) -> dict | None:
+    """``rec`` when it is None or an :func:`error_record` with the keys its ``type`` needs, else a
+    ``ValueError``."""
+    if rec is None:
+        return None
+    keys = _ERROR_KEYS.get(rec.get("type")) if isinstance(rec, dict) else None
+    if keys is None or not keys <= rec.keys() or not isinstance(rec.get("cls", ""), str) \
+            or not isinstance(rec.get("reason", ""), str):
+        raise ValueError(f"a bad-data record's error: expected a sample or shard error record, "
+                         f"got {rec!r:.80}")
+    return rec
+
+
+def error_record(exc: Exception) -> dict:
+    """An exception as JSON-safe data (records are written into sidecars, read by other runs); a
+    sample's keeps its cause (:func:`~prealign.loaders.errors.reason_of`) and its message."""
+    if isinstance(exc, CorruptShardError):
+        return {"type": "shard", "cls": type(exc).__name__, "shard": exc.shard,
+                "offset": exc.offset,
+                "cause": exc.cause, "reason": exc.reason}
+    if not isinstance(exc, SampleError):  # sources yield typed errors only; anything else: our bug
+        raise TypeError(f"a scan record holds {type(exc).__name__}: {exc}") from exc
+    return {"type": "sample", "cls": type(exc).__name__, "sample": exc.sample, "field": exc.field,
+            "expected": exc.expected, "actual": exc.actual, "reason": reason_of(exc),
+            "message": str(exc)}
+
+
+def error_from_record(rec: dict) -> PrealignError:
+    """The typed error of an :func:`error_record`: its class when the loader layer defines it (else
+    :class:`~prealign.loaders.errors.BadSampleError` /
+    :class:`~prealign.loaders.errors.CorruptShardError`), its fields, cause and message."""
+    if rec["type"] == "shard":
+        shard_cls = globals().get(rec.get("cls", ""))
+        if not (isinstance(shard_cls, type) and issubclass(shard_cls, CorruptShardError)):
+            shard_cls = CorruptShardError
+        return shard_cls(rec["shard"], rec["offset"], rec["cause"])
+    cls = globals().get(rec["cls"])
+    if not (isinstance(cls, type) and issubclass(cls, SampleError)):
+        cls = SampleError if rec["cls"] == "SampleError" else BadSampleError
+    fields = {k: rec[k] for k in ("sample", "field", "expected", "actual")}
+    try:
+        err = cls(**fields)
+    except TypeError:  # a class with its own constructor (ShardGoneError): the general one
+        err = BadSampleError(**fields)
+    err.reason = record_reason(rec)
+    if rec.get("message"):
+        err.args = (rec["message"],)
+    return err
+
+
+def record_reason(rec: dict) -> str:
+    """The cause an :func:`error_record` is counted under in the bad-data report."""
+    if rec["type"] == "shard":
+        return rec.get("reason") or CorruptShardError.reason
+    return rec.get("reason") or BadSampleError.reason

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from prealign.loaders.core import LoaderCore, unpacked
-from prealign.loaders.errors import BadSampleError, ResumeError, SourceChangedError, reason_of
+from prealign.loaders.errors import BadSampleError, ResumeError, SourceChangedError
 from prealign.loaders.handoff.batch_share import BatchShare
 from prealign.loaders.handoff.fetched import Fetched
 from prealign.loaders.handoff.transport import pack_batch
@@ -48,7 +48,15 @@ from prealign.loaders.options import (
 )
 from prealign.loaders.plan.planner import MicrobatchPlan, PlannerConfig
 from prealign.loaders.plan.schedule import Request, Schedule, check_count
-from prealign.loaders.policy import BadDataPolicy, BadDataReport, BadSampleWarning, OnBadSample, Oversize, PackStrategy
+from prealign.loaders.policy import (
+    BadDataPolicy,
+    BadDataReport,
+    BadRecord,
+    BadSampleWarning,
+    OnBadSample,
+    Oversize,
+    PackStrategy,
+)
 from prealign.loaders.serve.workers import hand_over
 from prealign.loaders.shaping import filler_length, filler_sample, truncate_sample
 from prealign.loaders.sources.source import Source
@@ -106,7 +114,7 @@ class _PlannedSamples:
     def __getitems__(self, request: Request):
         """The micro-batch's samples as a :class:`~prealign.loaders.handoff.fetched.Fetched`, with :meth:`where`
         for the collate_fn's error messages (and, under the skip policy, the samples left out at load time,
-        ``(reason, where, message)``). In a worker, a typed error is handed to the collate_fn in place of the
+        their ``BadRecord``). In a worker, a typed error is handed to the collate_fn in place of the
         samples and returned from the worker as the batch (:func:`~prealign.loaders.serve.workers.worker_batches`
         raises it)."""
         try:
@@ -120,10 +128,10 @@ class _PlannedSamples:
                     samples.append(self._load(i))
                     kept.append(i)
                 except SampleError as exc:
-                    skipped.append((reason_of(exc), f"{self.where(i)} (index row {i})", str(exc)))
+                    skipped.append(BadRecord.of_error(exc, f"{self.where(i)} (index row {i})"))
             if not samples:
                 raise BadSampleError(sample=self.where(request.indices[0]), field=None, expected="a loadable "
-                                     "sample in the micro-batch", actual=f"all {len(skipped)} failed: {skipped[0][2]}")
+                                     "sample in the micro-batch", actual=f"all {len(skipped)} failed: {skipped[0].message}")
             return Fetched(dataclasses.replace(request, indices=tuple(kept)), samples, self.where, skipped)
         except PrealignError as exc:
             return Fetched(request, hand_over(exc), self.where)
@@ -155,7 +163,7 @@ class _CollatePlanned:
                     if self.pack:
                         return err
                     raise err from exc
-                skipped.append((reason_of(err), str(err.sample), str(err)))  # found bad at load: left out
+                skipped.append(BadRecord.of_error(err))  # found bad at load: left out
                 samples = samples[:pos] + samples[pos + 1:]
                 request = dataclasses.replace(request, indices=request.indices[:pos] + request.indices[pos + 1:])
             except PrealignError as exc:
@@ -386,8 +394,7 @@ class PackedLoader(LoaderCore):
                                  examples=list(self._failed_report.examples))
         self.prepare()
         rep = BadDataReport(counts=dict(self.index.report.counts), examples=list(self.index.report.examples))
-        for where, reason, message in self._load_report.examples:  # found bad only when loaded (counted once)
-            rep.examples.append((where, reason, message))
+        rep.examples.extend(self._load_report.examples)  # found bad only when loaded (counted once)
         for reason, n in self._load_report.counts.items():
             rep.counts[reason] = rep.counts.get(reason, 0) + n
         over = self._oversize
@@ -396,9 +403,10 @@ class PackedLoader(LoaderCore):
         if over.skipped:
             rep.counts["oversize_skipped"] = len(over.skipped)
         for i in self._skipped_media:
-            rep.add("oversize_media", self.source.where(tuple(self.index.locations[i].tolist())),
-                    f"{int(self.index.lengths[i])} tokens > {over.capacity} (token_budget {self.token_budget}) "
-                    f"and carries media: left out, not truncated")
+            where = self.source.where(tuple(self.index.locations[i].tolist()))
+            rep.add(BadRecord("oversize_media", where, f"{int(self.index.lengths[i])} tokens > "
+                              f"{over.capacity} (token_budget {self.token_budget}) and carries "
+                              f"media: left out, not truncated"))
         return rep
 
     def _announce_oversize(self) -> None:

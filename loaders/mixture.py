@@ -17,6 +17,7 @@ semantics side by side with Megatron's, Energon's, MosaicML's and HF's.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -215,7 +216,8 @@ class Mixture(Source):
             shard0 += self._sources[c].num_shards
             for reason, count in part.report.counts.items():
                 report.counts[reason] = report.counts.get(reason, 0) + count
-            report.examples.extend((f"{name}:{w_}", r, m) for w_, r, m in part.report.examples)
+            report.examples.extend(dataclasses.replace(e, where=f"{name}:{e.where}")
+                                   for e in part.report.examples)
         media = None if any(p.media is None for p in parts) else np.concatenate([p.media for p in parts])
         self.parts = list(parts)
         return SampleIndex(lengths=np.concatenate([p.lengths for p in parts]).astype(np.int64),
@@ -279,7 +281,7 @@ class Mixture(Source):
                 entry[f"share_{what}"] = float((tok if units else n)[c] / total) if total else 0.0
             rep = parts[c].report
             entry["bad"] = dict(rep.counts)
-            entry["bad_examples"] = [list(e) for e in rep.examples]
+            entry["bad_examples"] = [e.to_json() for e in rep.examples]
             out[name] = entry
         return out
 

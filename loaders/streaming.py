@@ -57,17 +57,16 @@ from prealign.loaders.core import LoaderCore, describe_digest, unpacked
 from prealign.loaders.errors import BadSampleError, CollectiveTimeoutError, OversizeSampleError, PlanError, ResumeError
 from prealign.loaders.handoff.transport import pack_batch
 from prealign.loaders.index.apply_policy import FixedDims
-from prealign.loaders.index.events import error_from_record, error_record, record_reason
 from prealign.loaders.index.sample_checks import has_media, media_keys, validated
 from prealign.loaders.mixture import Mixture
 from prealign.loaders.options import LoadingOptions, WorkerConfig, check_option, worker_config
 from prealign.loaders.plan.elastic import round_robin
 from prealign.loaders.plan.packing import best_fit_decreasing
 from prealign.loaders.plan.planner import PlannerConfig
-from prealign.loaders.policy import BadDataGate, BadDataPolicy, BadDataReport, Oversize
+from prealign.loaders.policy import BadDataGate, BadDataPolicy, BadDataReport, BadRecord, Oversize
 from prealign.loaders.serve.workers import hand_over
 from prealign.loaders.shaping import filler_length, filler_sample, truncate_sample
-from prealign.loaders.sources.source import Skip, Source
+from prealign.loaders.sources.source import Source
 from prealign.loaders.state import STREAM_STATE_KIND
 from prealign.schemas.errors import PrealignError, SampleError
 from prealign.schemas.layout import ParallelLayout
@@ -207,21 +206,21 @@ class _Reader(IterableDataset):
         rule = FixedDims(self.schema)  # (the index's rule: the first sample with a named dim fixes it)
         mkeys = media_keys(self.schema)
 
-        def bad(reason: str, where: str, err: Exception) -> None:
-            gate.bad(reason, where, err)  # raises under RAISE / past max_consecutive
-            events.append([reason, where, error_record(err) if isinstance(err, Exception) else err])
+        def bad(where: str, err: Exception, *, as_is: bool = True) -> None:
+            record = BadRecord.of_error(err, where)
+            gate.bad(record, err if as_is else None)  # raises under RAISE / past max_consecutive
+            events.append(record)
 
         def validate() -> None:
             for (sid, where, sample), res in zip(pending, validated([p[2] for p in pending], self.schema)):
                 if isinstance(res, SampleError):
-                    bad("bad_sample", where, BadSampleError(sample=where, field=res.field, expected=res.expected,
-                                                            actual=res.actual))
+                    bad(where, BadSampleError(sample=where, field=res.field, expected=res.expected,
+                                              actual=res.actual))
                     continue
                 n, dims = res
                 refuse = rule.admit(dims, where)
                 if refuse is not None:
-                    err = refuse(where)
-                    bad(err.reason, where, err)
+                    bad(where, refuse(where))
                     continue
                 if n > self.cap:
                     if self.oversize is Oversize.ERROR:
@@ -229,7 +228,10 @@ class _Reader(IterableDataset):
                                                   actual=f"{n} tokens")
                     if self.oversize is Oversize.SKIP or (mkeys and has_media(sample, mkeys)):
                         reason = "oversize_skipped" if self.oversize is Oversize.SKIP else "oversize_media"
-                        events.append([reason, where, None])
+                        what = "left out" if self.oversize is Oversize.SKIP else \
+                            "carries media: left out, not truncated"
+                        events.append(BadRecord(reason, where, f"{n} tokens > {self.cap} (the most "
+                                                f"a micro-batch of the budget holds); {what}"))
                         continue
                     sample, n = truncate_sample(sample, self.schema, self.cap), self.cap
                 gate.good()
@@ -263,17 +265,16 @@ class _Reader(IterableDataset):
 
         for shard, ordinal, loc, item in self._mine(units):
             where = self.source.where(loc) if loc is not None else f"shard {shard}"
-            if isinstance(item, Skip):
-                events.append([item.reason, item.where, None])
+            if isinstance(item, BadRecord):  # (a member that is not a sample: counted)
+                events.append(item)
                 continue
             if isinstance(item, Exception):
-                rec = error_record(item)
-                bad(record_reason(rec), where, error_from_record(rec))
+                bad(where, item, as_is=False)  # (raised as the index raises it: from its record)
                 continue
             try:
                 sample = self.source.apply_transform(item, loc)
             except SampleError as exc:
-                bad(record_reason(error_record(exc)), where, exc)
+                bad(where, exc)
                 continue
             if units is not None:  # a mixture's interleave by tokens
                 units[0] = len(sample.get("input_ids", ()))
@@ -470,9 +471,7 @@ class StreamingPackedLoader(LoaderCore):
     def _take(self, it):
         """The next real micro-batch of this rank's stream, or None at its end (bad-data events counted)."""
         for batch, events in it:
-            self._count_skipped([(reason, where, rec["message"] if isinstance(rec, dict) and "message" in rec
-                                  else str(error_from_record(rec)) if isinstance(rec, dict) else reason)
-                                 for reason, where, rec in events], warn=False)  # (the reader's gate warned)
+            self._count_skipped(events, warn=False)  # (the reader's gate warned)
             if batch is not None:
                 return unpacked(batch)
         return None

@@ -57,3 +57,18 @@ def hf_rows(lengths: list[int]) -> dict:
 
 def sample_id(batch_ids_row) -> int:
     return int(batch_ids_row) - 10_000
+
+
+def npz_meta(path: str) -> tuple[dict, dict]:
+    """``(arrays, meta)`` of a sidecar or merged index file (``meta`` its JSON), to edit in a test."""
+    with np.load(path) as z:
+        arrays = {k: z[k] for k in z.files}
+    return arrays, json.loads(arrays.pop("meta").tobytes())
+
+
+def save_npz_meta(path: str, arrays: dict, meta: dict) -> None:
+    """Write ``arrays`` and the JSON ``meta`` back as the file ``path`` (:func:`npz_meta`'s inverse)."""
+    buf = io.BytesIO()
+    np.savez(buf, **arrays, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8))
+    with open(path, "wb") as f:
+        f.write(buf.getvalue())

@@ -4,15 +4,18 @@ consecutive limit; the policy's cost does not depend on the number of good sampl
 from __future__ import annotations
 
 import os
+import tarfile
 
 import numpy as np
 import pytest
 
-from prealign.loaders import BadDataPolicy, WebDatasetSource, build_index
+from prealign.loaders import BadDataPolicy, StreamingPackedLoader, WebDatasetSource, build_index
 from prealign.loaders.index.apply_policy import FixedDims, Records, apply_policy
 from prealign.loaders.index.header_pass import write_sidecars
 from prealign.loaders.index.merged import merge_sidecars
+from prealign.loaders.policy import BadRecord
 from prealign.loaders.sources.shard_files import SUFFIX
+from prealign.schemas import ParallelLayout
 from prealign.schemas.errors import PrealignError
 from prealign.schemas.schema import causal_lm_schema
 
@@ -55,6 +58,33 @@ def _three_ways(paths, policy):
     return out
 
 
+def _streamed(paths, policy):
+    """The streaming loader's report over one epoch (or its error), its shards read in the index's
+    order."""
+    seed = next(s for s in range(1000) if np.random.default_rng([s, 0]).permutation(len(paths)).tolist()
+                == list(range(len(paths))))  # (the loader's shard order of epoch 0: the stream order of the index)
+    loader = StreamingPackedLoader(WebDatasetSource(paths, sidecars=False), schema=SCHEMA, layout=ParallelLayout(),
+                                   token_budget=256, seed=seed, bad_data=policy)
+    try:
+        for _ in loader:
+            pass
+    except PrealignError as exc:
+        return exc
+    return loader.report
+
+
+def _keys_of(paths) -> dict[str, str]:
+    """``url@offset`` (a sample as the streaming loader and the fixed-dims rule name it) ->
+    ``url:key``."""
+    out = {}
+    for p in paths:
+        with tarfile.open(p) as tf:
+            for m in tf.getmembers():
+                key = m.name.split(".", 1)[0]
+                out.setdefault((p, key), f"{p}@{m.offset}")
+    return {at: f"{p}:{key}" for (p, key), at in out.items()}
+
+
 def _named(exc) -> tuple:
     """What the policy decides of an error: its type, the sample it names and the cause it counts under (the
     decoders' wording of a bad npy differs between the full pass and the header pass)."""
@@ -70,9 +100,10 @@ def _same(results) -> None:
         else:
             assert other.digest == first.digest and other.dims == first.dims
             assert other.report.counts == first.report.counts
-            assert [e[:2] for e in other.report.examples] == [e[:2] for e in first.report.examples]
-            mismatch = [e for e in first.report.examples if e[1] == "dim_mismatch"]  # the rule's own words
-            assert mismatch and mismatch == [e for e in other.report.examples if e[1] == "dim_mismatch"]
+            assert [(e.where, e.reason) for e in other.report.examples] == \
+                [(e.where, e.reason) for e in first.report.examples]
+            mismatch = [e for e in first.report.examples if e.reason == "dim_mismatch"]  # the rule's own words
+            assert mismatch and mismatch == [e for e in other.report.examples if e.reason == "dim_mismatch"]
 
 
 @pytest.mark.parametrize("policy", [BadDataPolicy(on_error="skip", warn=False), BadDataPolicy(on_error="raise"),
@@ -92,6 +123,34 @@ def test_the_three_paths_give_one_index_and_one_report(tmp_path, policy):
         assert index.report.counts == {"bad_sample": 3, "dim_mismatch": 1, "ignored_member": 1}
 
 
+@pytest.mark.parametrize("policy", [BadDataPolicy(on_error="skip", warn=False), BadDataPolicy(on_error="raise"),
+                                    BadDataPolicy(on_error="skip", max_consecutive=1, warn=False)],
+                         ids=["skip", "raise", "consecutive"])
+def test_the_streaming_loader_gives_the_same_records(tmp_path, policy):
+    """The fourth path: the streaming loader applies the same policy and rule sample by sample; its
+    report holds the same records as the index's (the same reason, sample and message; a sample
+    named by its byte offset where the index names it by its key), or it raises the same error."""
+    lengths = sample_lengths(30)
+    paths = write_shards(str(tmp_path), lengths, num_shards=3, extra=_members(lengths))
+    try:
+        index = build_index(WebDatasetSource(paths, sidecars=False), SCHEMA, policy=policy)
+    except PrealignError as exc:
+        index = exc
+    streamed = _streamed(paths, policy)
+    if isinstance(index, Exception):
+        assert _named(streamed) == _named(index)
+        return
+    keys = _keys_of(paths)
+
+    def records(report):
+        return sorted((e.reason, keys.get(e.where, e.where), e.message, e.is_error) for e in report.examples)
+
+    assert streamed.counts == index.report.counts == {"bad_sample": 3, "dim_mismatch": 1, "ignored_member": 1}
+    assert records(streamed) == records(index.report)
+    typed = [e for e in streamed.examples if e.is_error]
+    assert [type(e.to_error()) for e in typed] == [type(e.to_error()) for e in index.report.examples if e.is_error]
+
+
 def test_fixed_dims_decide_a_signature_once_in_the_order_of_its_first_sample():
     rule = FixedDims()
     assert rule.admit({"K": 4}, "a") is None and rule.admit({"K": 4, "V": 2}, "b") is None
@@ -107,6 +166,6 @@ def test_the_policy_costs_per_signature_and_bad_record_not_per_sample():
     records = Records(lengths=np.ones(n, np.int64), locations=np.zeros((n, 4), np.int64),
                       shards=np.zeros(n, np.int64), media=np.zeros(n, bool), dim_ids=np.zeros(n, np.int64),
                       signatures=[{"K": 4}], good_at=np.arange(n, dtype=np.int64) + 1,
-                      events=[(0, ["skip", "ignored_member", "x", "m"])])
+                      events=[(0, BadRecord("ignored_member", "x", "m"))])
     index = apply_policy(records, None, None, where=lambda loc: names.append(loc) or "row")
     assert len(index) == n and index.report.counts == {"ignored_member": 1} and len(names) == 1

@@ -19,7 +19,7 @@ from prealign.loaders.errors import (
     ShardTimeoutError,
     WorkerError,
 )
-from prealign.loaders.policy import BadDataReport
+from prealign.loaders.policy import BadDataReport, BadRecord
 
 pytest.importorskip("transformers")
 
@@ -71,10 +71,10 @@ def test_warning_line_alone():
 def test_every_closing_hint_is_a_fix():
     report = BadDataReport()
     for reason in ("bad_sample", "bad_sample", "corrupt_shard", "some_new_reason"):
-        report.add(reason, "s.tar:k", "m")
+        report.add(BadRecord(reason, "s.tar:k", "m"))
     assert remedy(report) == f"{REMEDIES['bad_sample']}; {REMEDIES['corrupt_shard']}"
     only_new = BadDataReport()
-    only_new.add("some_new_reason", "s.tar:k", "m")
+    only_new.add(BadRecord("some_new_reason", "s.tar:k", "m"))
     assert "some_new_reason" in remedy(only_new)
     for text in REMEDIES.values():
         assert "causes listed below" not in text and not text.startswith("fix the causes")

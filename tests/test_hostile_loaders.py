@@ -121,7 +121,7 @@ def test_a_huge_pax_header_is_refused(tmp_path):
     path = _good_then(tmp_path / "pax.tar", bytes(member))
     idx = build_index(WebDatasetSource([path]), SCHEMA, policy=SKIP)
     assert idx.report.counts == {"corrupt_shard": 1} and len(idx) == 1
-    assert "extended header of" in idx.report.examples[0][2]
+    assert "extended header of" in idx.report.examples[0].message
 
 
 # ---- 13. links, duplicates, odd names --------------------------------------------------------------
@@ -205,7 +205,7 @@ def test_odd_array_dtypes(tmp_path):
     idx = build_index(src, SCHEMA, policy=SKIP)
     assert idx.report.counts == {"bad_sample": 3} and idx.lengths.tolist() == [5, 7, 5]
     assert src.load(tuple(idx.locations[1]))["input_ids"].tolist() == token_ids(4, 7).tolist()
-    assert {e[0].rsplit(":", 1)[1] for e in idx.report.examples} == {"000001", "000002", "000003"}
+    assert {e.where.rsplit(":", 1)[1] for e in idx.report.examples} == {"000001", "000002", "000003"}
 
 
 # ---- 14. configuration mistakes are never counted --------------------------------------------------

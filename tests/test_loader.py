@@ -212,8 +212,8 @@ def test_transform_errors_are_counted_by_their_reason(tmp_path):
     idx = build_index(src, SCHEMA, policy=BadDataPolicy(on_error="skip", warn=False), num_workers=2)
     assert idx.report.counts == {"unreadable_text": 4, "bad_sample": 2} and len(idx) == 14  # 0,5,10,15 | 7,14
     first = idx.report.examples[0]
-    assert first[:2] == (f"{paths[0]}:000000", "unreadable_text")
-    assert first[2].startswith(f"unreadable_text: sample {paths[0]}:000000, field 'json': expected text")
+    assert (first.where, first.reason) == (f"{paths[0]}:000000", "unreadable_text")
+    assert first.message.startswith(f"unreadable_text: sample {paths[0]}:000000, field 'json': expected text")
     with pytest.raises(BadSampleError) as err:  # under RAISE the typed error keeps the cause and names the sample
         build_index(src, SCHEMA)
     assert err.value.reason == "unreadable_text" and f"{paths[0]}:000000" in str(err.value)

@@ -146,7 +146,7 @@ def test_bad_samples_raise_or_skip_and_count(tmp_path, kind, reason, error):
     with pytest.warns(BadSampleWarning, match="000003"):
         idx = _index(paths, SKIP, required=req)
     assert len(idx) == 18 and idx.report.counts == {reason: 2}
-    assert [e[0] for e in idx.report.examples] == [f"{paths[0]}:000003", f"{paths[1]}:000012"]
+    assert [e.where for e in idx.report.examples] == [f"{paths[0]}:000003", f"{paths[1]}:000012"]
 
 
 def test_fields_that_disagree_are_bad_samples(tmp_path):
@@ -332,7 +332,7 @@ def test_index_rejects_what_the_collator_rejects_value_bounds():
     with pytest.warns(BadSampleWarning, match="teacher_topk_log_probs"):
         idx = build_index(src, TOPK, policy=SKIP)
     assert len(idx) == 87 and idx.report.counts == {"bad_sample": 3}
-    assert [e[0] for e in idx.report.examples] == ["hf[13]", "hf[40]", "hf[70]"]
+    assert [e.where for e in idx.report.examples] == ["hf[13]", "hf[40]", "hf[70]"]
     assert build_index(src, TOPK, policy=SKIP, num_workers=2).digest == idx.digest
 
 

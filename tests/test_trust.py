@@ -62,7 +62,7 @@ def test_an_empty_sample_is_counted_under_skip_and_typed_under_raise(tmp_path, i
         skipping = loader("skip")
         served = sorted(i for b in skipping for i in b["sample_index"].tolist())
     assert len(served) == 11 and skipping.report.counts == {"bad_sample": 1}
-    assert "000005" in skipping.report.examples[0][0]
+    assert "000005" in skipping.report.examples[0].where
     with pytest.raises(BadSampleError, match=r"sample .*shard-000\.tar:000005, field 'input_ids': expected a "
                                              r"non-empty 1-D token tensor, got shape \(0,\)"):
         next(iter(loader("raise")))

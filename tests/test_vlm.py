@@ -202,10 +202,11 @@ def test_webdataset_end_to_end_two_workers_every_cp_rank(demo_shards):
     policy = BadDataPolicy(on_error="skip", warn=False)
     index = build_index(source, schema, policy=policy, num_workers=2)
     assert len(index) == 45 and index.report.total == 3
-    assert sorted(w.rsplit(":", 1)[-1] for w, _, _ in index.report.examples) == sorted(demo_shards.bad)
+    assert sorted(e.where.rsplit(":", 1)[-1] for e in index.report.examples) == sorted(demo_shards.bad)
     # counted by cause (MediaError.reason through the source's transform wrapping), each sample named
     assert index.report.counts == {"corrupt_image": 1, "missing_image": 1, "placeholder_mismatch": 1}
-    assert sorted((w.rsplit(":", 1)[-1], r) for w, r, _ in index.report.examples) == sorted(demo_shards.bad.items())
+    assert sorted((e.where.rsplit(":", 1)[-1], e.reason) for e in index.report.examples) == \
+        sorted(demo_shards.bad.items())
     from prealign.loaders.cli.main import _skips
 
     shown = _skips(index.report)
@@ -315,7 +316,7 @@ def test_oversize_samples_with_media_are_skipped_not_truncated():
         said = [str(w.message) for w in warned]
         assert any("1 sample(s) truncated" in m for m in said) and any("oversize_media" in m for m in said)
         assert loader.report.counts == {"oversize_truncated": 1, "oversize_media": 1}
-        assert [(w, r) for w, r, _ in loader.report.examples] == [("ListSource[1]", "oversize_media")]
+        assert [(e.where, e.reason) for e in loader.report.examples] == [("ListSource[1]", "oversize_media")]
         seen = []
         for b in loader:
             validate_vlm_batch(b, schema, layout)  # every batch's media consistent with its tokens

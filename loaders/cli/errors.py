@@ -90,8 +90,8 @@ def cause_lines(report, limit: int = 110) -> list[str]:
     """One line per cause of a ``BadDataReport`` (most frequent first): the count and what it means,
     then a line with its first example (sample and message)."""
     first: dict[str, tuple[str, str]] = {}
-    for where, reason, message in report.examples:
-        first.setdefault(reason, (where, message))
+    for rec in report.examples:
+        first.setdefault(rec.reason, (rec.where, rec.message))
     out = []
     for reason, n in sorted(report.counts.items(), key=lambda kv: -kv[1]):
         out.append(f"  {reason} ({n}): {CAUSES.get(reason, reason.replace('_', ' '))}")

@@ -22,7 +22,7 @@ class Fetched:
     where: Callable[[int], str]
     """Name of index row ``i`` for error messages."""
     skipped: list | None = None
-    """Under the skip policy: ``(reason, where, message)`` of the samples left out while loading (None:
-    another policy, nothing may be left out)."""
+    """Under the skip policy: the records (:class:`~prealign.loaders.policy.BadRecord`) of the samples left
+    out while loading (None: another policy, nothing may be left out)."""
     share: Any = None
     """:class:`~prealign.loaders.handoff.batch_share.BatchShare`'s claim on the micro-batch (None: not shared)."""

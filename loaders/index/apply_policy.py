@@ -18,10 +18,9 @@ from typing import Callable
 import numpy as np
 
 from prealign.loaders.errors import BadSampleError
-from prealign.loaders.index.events import error_from_record, record_reason
 from prealign.loaders.index.sample_checks import FIELDS_KEY
 from prealign.loaders.index.sample_index import SampleIndex
-from prealign.loaders.policy import BadDataGate, BadDataPolicy
+from prealign.loaders.policy import BadDataGate, BadDataPolicy, BadRecord
 from prealign.schemas.schema import BatchSchema, Role
 
 
@@ -29,11 +28,12 @@ from prealign.schemas.schema import BatchSchema, Role
 class Records:
     """The records of a stream of samples (shard after shard, stream order inside).
 
-    ``lengths`` int64 ``[N]``, ``locations`` int64 ``[N, W]``, ``shards`` int64 ``[N]``, ``media`` bool ``[N]``
-    of the good rows; ``dim_ids`` int64 ``[N]`` the row of ``signatures`` (named dims, and under
-    :data:`~prealign.loaders.index.sample_checks.FIELDS_KEY` the optional fields present) of each;
-    ``good_at`` int64 ``[N]`` the stream position of each good row; ``events`` ``(position, event)`` of each bad
-    (``["bad", where, record]``) or skipped (``["skip", reason, where, message]``) record, in order."""
+    ``lengths`` int64 ``[N]``, ``locations`` int64 ``[N, W]``, ``shards`` int64 ``[N]``, ``media``
+    bool ``[N]`` of the good rows; ``dim_ids`` int64 ``[N]`` the row of ``signatures`` (named dims,
+    and under :data:`~prealign.loaders.index.sample_checks.FIELDS_KEY` the optional fields present)
+    of each; ``good_at`` int64 ``[N]`` the stream position of each good row; ``events`` ``(position,
+    record)`` of each bad or skipped sample's :class:`~prealign.loaders.policy.BadRecord`, in order.
+    """
 
     lengths: np.ndarray
     locations: np.ndarray
@@ -94,7 +94,7 @@ def apply_policy(records: Records, policy: BadDataPolicy | None, schema: BatchSc
     ``where(location)`` names a sample."""
     rule, n = FixedDims(schema), len(records.lengths)
     keep = np.ones(n, bool)
-    found: list[tuple[int, list]] = []
+    found: list[tuple[int, BadRecord]] = []
     if n and records.signatures:
         ids = np.asarray(records.dim_ids, np.int64)
         _, first = np.unique(ids, return_index=True)
@@ -105,34 +105,33 @@ def apply_policy(records: Records, policy: BadDataPolicy | None, schema: BatchSc
                 continue
             rows = np.flatnonzero(ids == ids[row])
             keep[rows] = False
-            found += [(int(records.good_at[r]), ["refused", refuse(where(tuple(records.locations[r].tolist())))])
+            found += [(int(records.good_at[r]),
+                       BadRecord.of_error(refuse(where(tuple(records.locations[r].tolist())))))
                       for r in rows.tolist()]
     events = records.events if not found else sorted([*records.events, *found], key=lambda e: e[0])
     gate, last = BadDataGate(policy or BadDataPolicy()), -1
-    for at, ev in events:
+    for at, rec in events:
         if at > last + 1:
             gate.good()  # an ok record between bad ones
         last = at
-        if ev[0] == "skip":
-            gate.report.add(ev[1], ev[2], ev[3])
-        elif ev[0] == "refused":
-            gate.bad(ev[1].reason, str(ev[1].sample), ev[1])
-        else:
-            gate.bad(record_reason(ev[2]), ev[1], error_from_record(ev[2]))
+        if rec.is_error:
+            gate.bad(rec)
+        else:  # (an ignored member: counted, never an error)
+            gate.report.add(rec)
     return SampleIndex(lengths=records.lengths[keep], locations=records.locations[keep],
                        shards=records.shards[keep], report=gate.report, media=records.media[keep], dims=rule.dims)
 
 
 def records_of_results(results: list[dict], width: int) -> Records:
     """:class:`Records` of :func:`~prealign.loaders.index.build.index_shard` results (the per-sample pass: events
-    ``["ok"]`` in place of each good sample, ``locations`` lists, ``dims`` per shard)."""
+    None in place of each good sample, ``locations`` lists, ``dims`` per shard)."""
     signatures, keys = [], {}
     lengths, locations, shards, media, dim_ids, good_at, events = [], [], [], [], [], [], []
     pos = 0
     for res in results:
         k = 0
         for ev in res["events"]:
-            if ev[0] == "ok":
+            if ev is None:
                 sig = res["dims"][res["dim_ids"][k]] if res.get("dims") else {}
                 key = json.dumps(sig, sort_keys=True)
                 if key not in keys:
@@ -174,7 +173,8 @@ def records_of_sidecars(results: list[dict]) -> Records:
     records = np.asarray([len(r["events"]) for r in results], np.int64)
     offset = np.concatenate([[0], np.cumsum(records)])
     events = [(int(offset[i]) + pos, ev) for i, r in enumerate(results)
-              for pos, ev in r.get("bad_events", [[p, e] for p, e in enumerate(r["events"]) if e[0] != "ok"])]
+              for pos, ev in r.get("bad_events",
+                                   [[p, e] for p, e in enumerate(r["events"]) if e is not None])]
     is_event = np.zeros(int(offset[-1]), bool)
     is_event[[at for at, _ in events]] = True
     n = int(counts.sum())

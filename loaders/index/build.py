@@ -25,7 +25,6 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from prealign.loaders.errors import BadSampleError
 from prealign.loaders.index.apply_policy import apply_policy, records_of_results, records_of_sidecars
-from prealign.loaders.index.events import error_record
 from prealign.loaders.index.merged import merged_index, merged_records, read_merged
 from prealign.loaders.index.sample_checks import (
     FIELDS_KEY,
@@ -40,8 +39,8 @@ from prealign.loaders.index.sample_checks import (
 )
 from prealign.loaders.index.sample_index import SampleIndex
 from prealign.loaders.index.source_index import check_source
-from prealign.loaders.policy import BadDataPolicy
-from prealign.loaders.sources.source import Skip, Source
+from prealign.loaders.policy import BadDataPolicy, BadRecord
+from prealign.loaders.sources.source import Source
 from prealign.schemas.errors import PrealignError, SampleError
 from prealign.schemas.schema import BatchSchema
 
@@ -53,58 +52,77 @@ def _name(source: Source, shard: int, loc, item) -> str:
     return source.sample_name(item, loc) if loc is not None else f"shard {shard}"
 
 
-def index_shard(source: Source, schema: BatchSchema, shard: int) -> dict:
-    """Scan one shard: ``{"shard", "locations", "lengths", "media", "dims", "dim_ids", "events"}``;
-    ``dims`` lists the distinct named-dim dicts of the shard's good samples, ``dim_ids`` (one per good
-    sample) points into it; events are, in stream order, ``["ok"]``, ``["bad", where, frozen error]``
-    or ``["skip", reason, where, message]``."""
-    locations, lengths, media, events = [], [], [], []
-    dims: list[dict[str, int]] = []
-    dim_ids: list[int] = []
-    keys = media_keys(schema)
-    optional = optional_keys(schema)
-    pending: list[tuple[tuple, str, dict]] = []  # transformed samples waiting for chunked validation
+class ShardRecord:
+    """What the per-sample pass keeps of one shard, in stream order: :meth:`bad` appends a bad or
+    skipped sample's record, :meth:`transformed` a transformed sample, validated with the collator
+    in chunks of :data:`~prealign.loaders.index.sample_checks.VALIDATION_CHUNK` (:meth:`flush`: the
+    chunk pending; every record waits for the samples before it), :meth:`record` is the shard's
+    record."""
 
-    def flush() -> None:
-        for (loc, where, transformed), result in zip(pending, validated([p[2] for p in pending], schema)):
+    def __init__(self, schema: BatchSchema, shard: int):
+        self.schema, self.shard = schema, shard
+        self.keys, self.optional = media_keys(schema), optional_keys(schema)
+        self.locations, self.lengths, self.media, self.events = [], [], [], []
+        self.dims: list[dict[str, int]] = []
+        self.dim_ids: list[int] = []
+        self.pending: list[tuple[tuple, str, dict]] = []  # transformed, waiting for validation
+
+    def bad(self, record: BadRecord) -> None:
+        self.flush()
+        self.events.append(record)
+
+    def transformed(self, loc: tuple, where: str, sample: dict) -> None:
+        self.pending.append((loc, where, sample))
+        if len(self.pending) >= VALIDATION_CHUNK:
+            self.flush()
+
+    def flush(self) -> None:
+        pending, dims = self.pending, self.dims
+        results = validated([p[2] for p in pending], self.schema)
+        for (loc, where, sample), result in zip(pending, results):
             if isinstance(result, SampleError):  # the collator's checks name sample 0 of a one-sample batch
                 err = BadSampleError(sample=where, field=result.field, expected=result.expected, actual=result.actual)
-                events.append(["bad", where, error_record(err)])
-            else:
-                present = {FIELDS_KEY: ",".join(k for k in optional if k in transformed)}
-                result = (result[0], {**result[1], **present})
-                if result[1] not in dims:
-                    dims.append(result[1])
-                locations.append(list(loc))
-                lengths.append(result[0])
-                media.append(has_media(transformed, keys))
-                dim_ids.append(dims.index(result[1]))
-                events.append(["ok"])
+                self.events.append(BadRecord.of_error(err, where))
+                continue
+            signature = {**result[1], FIELDS_KEY: ",".join(k for k in self.optional if k in sample)}
+            if signature not in dims:
+                dims.append(signature)
+            self.locations.append(list(loc))
+            self.lengths.append(result[0])
+            self.media.append(has_media(sample, self.keys))
+            self.dim_ids.append(dims.index(signature))
+            self.events.append(None)
         pending.clear()
 
+    def record(self) -> dict:
+        self.flush()
+        return {"shard": self.shard, "locations": self.locations, "lengths": self.lengths,
+                "media": self.media, "dims": self.dims, "dim_ids": self.dim_ids,
+                "events": self.events}
+
+
+def index_shard(source: Source, schema: BatchSchema, shard: int) -> dict:
+    """Scan one shard: ``{"shard", "locations", "lengths", "media", "dims", "dim_ids", "events"}``;
+    ``dims`` lists the distinct named-dim dicts of the shard's good samples, ``dim_ids`` (one per
+    good sample) points into it; events are, in stream order, None (a good sample) or the
+    :class:`~prealign.loaders.policy.BadRecord` of a bad or skipped one."""
+    out = ShardRecord(schema, shard)
     indexing = source.for_indexing() if hasattr(source, "for_indexing") else source  # lengths without pixels
     for loc, item in source.scan(shard):
-        if isinstance(item, Skip):
-            flush()
-            events.append(["skip", item.reason, item.where, item.message])
+        if isinstance(item, BadRecord):  # (a member that is not a sample: counted)
+            out.bad(item)
             continue
         where = _name(source, shard, loc, item)
         if isinstance(item, Exception):
-            flush()
-            events.append(["bad", where, error_record(item)])
+            out.bad(BadRecord.of_error(item, where))
             continue
         try:
             sample = indexing.apply_transform(item, loc)
         except SampleError as exc:
-            flush()
-            events.append(["bad", where, error_record(exc)])
+            out.bad(BadRecord.of_error(exc, where))
             continue
-        pending.append((loc, where, sample))
-        if len(pending) >= VALIDATION_CHUNK:
-            flush()
-    flush()
-    return {"shard": shard, "locations": locations, "lengths": lengths, "media": media, "dims": dims,
-            "dim_ids": dim_ids, "events": events}
+        out.transformed(loc, where, sample)
+    return out.record()
 
 
 class _ShardScan(IterableDataset):
@@ -199,14 +217,14 @@ def _with_bad_rows(r: dict, errors: dict[int, BadSampleError]) -> dict:
     drop = np.zeros(len(r["lengths"]), dtype=bool)
     drop[list(errors)] = True
     events = list(r["events"])
-    at = np.flatnonzero([ev[0] == "ok" for ev in events])  # event position of each good sample
+    at = np.flatnonzero([ev is None for ev in events])  # event position of each good sample
     for i in sorted(errors):
         events[int(at[i])] = bad_row_event(errors[i])
     keep = ~drop
     return {**r, "spans": r["spans"][keep], "lengths": np.asarray(r["lengths"])[keep],
             "media": np.asarray(r["media"])[keep], "dim_ids": np.asarray(r["dim_ids"])[keep],
             "bounds": np.asarray(r["bounds"]).reshape(-1, 3, 4)[keep], "events": events,
-            "bad_events": [[p, ev] for p, ev in enumerate(events) if ev[0] != "ok"]}
+            "bad_events": [[p, ev] for p, ev in enumerate(events) if ev is not None]}
 
 
 def build_index(source: Source, schema: BatchSchema, *, policy: BadDataPolicy | None = None,

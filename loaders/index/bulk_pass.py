@@ -20,6 +20,7 @@ import zlib
 import numpy as np
 
 from prealign.loaders.index.sample_checks import BOUNDED, NO_VALUES
+from prealign.loaders.policy import BadRecord
 from prealign.loaders.sources.npy import NpyFormatError, parse_npy_header
 from prealign.loaders.sources.tar_decode import split_member_name
 from prealign.loaders.sources.tar_index import walk
@@ -158,54 +159,72 @@ class _State:
               fast: dict | None) -> None:
         """The members ``[lo, stop)`` grouped into samples as the reference groups them; each
         sample judged here when ``fast`` says it may be, else by ``ShardPass.sample``."""
-        rec = self.records
-        url, shard, seen, by_sig, events = rec.url, rec.shard, self.seen, rec.by_sig, rec.events
-        data_at, size, offset = w.data_at.tolist(), w.size.tolist(), w.offset.tolist()
-        ok = fast["ok"].tolist() if fast is not None else [False] * stop
+        rec, seen = self.records, self.seen
+        out = _Samples(rec, seen, mv, base, w, splits, stop, fast)
+        offset = out.offset
         stop_at = offset[stop] if stop < len(splits) else None
-        rows: list[int] = []
-        locations: list = []
-
-        def flush():
-            if rows:
-                r = np.asarray(rows, np.int64)
-                rec.add_rows(locations[:], fast["tokens"][r].tolist(),
-                             [by_sig[fast["sig"][j]] for j in rows],
-                             _bounds(fast["max_id"][r], fast["min_id"][r]))
-                rows.clear(), locations.clear()
-
-        def close(key, first, last, end, count):
-            duplicate = key in seen
-            if count == 1 and ok[first] and not duplicate and fast["sig"][first] in by_sig:
-                a = data_at[first] - base
-                crc = zlib.crc32(mv[a:a + size[first]], _IDS_CRC)
-                locations.append([shard, offset[first], end, crc])
-                rows.append(first)
-                return
-            flush()
-            members = [(splits[j][1], mv[data_at[j] - base:data_at[j] - base + size[j]].tobytes(),
-                        "file") for j in range(first, last + 1) if splits[j] is not None]
-            rec.sample(key, offset[first], end, members, duplicate)
-
         key, first, last, count = None, 0, 0, 0
         for j in range(lo, stop):
             split = splits[j]
             if split is None:
-                flush()
-                events.append(["skip", "ignored_member", f"{url}:{w.names[j]}",
-                               "tar file member without an extension"])
+                out.flush()
+                rec.events.append(BadRecord("ignored_member", f"{rec.url}:{w.names[j]}",
+                                            "tar file member without an extension"))
                 continue
             if split[0] != key:
                 if count:
-                    close(key, first, last, offset[j], count)
+                    out.close(key, first, last, offset[j], count)
                     seen.add(key)
                 key, first, count = split[0], j, 0
             last = j
             count += 1
         if count:
-            close(key, first, last, int(w.end[last]) if stop_at is None else stop_at, count)
+            out.close(key, first, last, int(w.end[last]) if stop_at is None else stop_at, count)
             seen.add(key)
-        flush()
+        out.flush()
+
+
+class _Samples:
+    """The samples of one stretch of a block as :meth:`_State._emit` closes them: one judged in
+    arrays (a single ``input_ids.npy`` ``fast`` passed, of a known signature and a new key) waits
+    in ``rows`` / ``locations`` to be appended with its neighbours (:meth:`flush`); any other is
+    judged by ``ShardPass.sample`` (the rows waiting appended first: records keep stream order)."""
+
+    def __init__(self, rec, seen: set, mv: memoryview, base: int, w, splits: list, stop: int,
+                 fast: dict | None):
+        self.rec, self.seen, self.mv, self.base = rec, seen, mv, base
+        self.splits, self.fast = splits, fast
+        self.data_at, self.size = w.data_at.tolist(), w.size.tolist()
+        self.offset = w.offset.tolist()
+        self.ok = fast["ok"].tolist() if fast is not None else [False] * stop
+        self.rows: list[int] = []
+        self.locations: list = []
+
+    def flush(self) -> None:
+        rows, fast = self.rows, self.fast
+        if rows:
+            r = np.asarray(rows, np.int64)
+            self.rec.add_rows(self.locations[:], fast["tokens"][r].tolist(),
+                              [self.rec.by_sig[fast["sig"][j]] for j in rows],
+                              _bounds(fast["max_id"][r], fast["min_id"][r]))
+            rows.clear(), self.locations.clear()
+
+    def close(self, key: str, first: int, last: int, end: int, count: int) -> None:
+        """The sample of members ``[first, last]`` (``count`` named), ending at byte ``end``."""
+        duplicate = key in self.seen
+        data_at, size, base = self.data_at, self.size, self.base
+        if count == 1 and self.ok[first] and not duplicate \
+                and self.fast["sig"][first] in self.rec.by_sig:
+            a = data_at[first] - base
+            crc = zlib.crc32(self.mv[a:a + size[first]], _IDS_CRC)
+            self.locations.append([self.rec.shard, self.offset[first], end, crc])
+            self.rows.append(first)
+            return
+        self.flush()
+        splits, mv = self.splits, self.mv
+        members = [(splits[j][1], mv[data_at[j] - base:data_at[j] - base + size[j]].tobytes(),
+                    "file") for j in range(first, last + 1) if splits[j] is not None]
+        self.rec.sample(key, self.offset[first], end, members, duplicate)
 
 
 _NONE = np.tile(NO_VALUES, (len(BOUNDED), 1))

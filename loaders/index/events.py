@@ -1,49 +1,30 @@
-"""Scan events: what the index pass records of each sample, in a JSON-safe form.
+"""Scan events: what the index pass records of each sample of a shard, in stream order.
 
-An event is ``["ok"]``, ``["bad", where, record]`` or ``["skip", reason, where, message]``. A bad
-sample's ``record`` (:func:`error_record`) is plain data because events are written into sidecars
-(:mod:`prealign.loaders.index.sidecar`) and read back by other processes and other runs;
-:func:`error_from_record` turns one back into the typed error, and :func:`record_reason` gives the
-cause it is counted under.
+An event is None for an accepted sample, else the :class:`~prealign.loaders.policy.BadRecord` of a
+bad sample, a corrupt shard or an ignored member. Sidecars and merged indexes keep the bad ones as
+``[position, record.to_json()]``; :func:`parse_event` reads that form back, and also the form
+sidecars and merged indexes of the same format version wrote before records were typed (``["skip",
+reason, where, message]``, ``["bad", where, error record]``), so no file needs rebuilding.
 """
 from __future__ import annotations
 
-from prealign.loaders.errors import BadSampleError, CorruptShardError, reason_of
-from prealign.schemas.errors import PrealignError, SampleError
+from prealign.loaders.errors import checked_error, error_from_record, record_reason
+from prealign.loaders.policy import BadRecord
 
 
-def error_record(exc: Exception) -> dict:
-    """An exception as JSON-safe data (events are written into sidecars, read by other runs); a sample's
-    keeps its cause (:func:`~prealign.loaders.errors.reason_of`) and its message."""
-    if isinstance(exc, CorruptShardError):
-        return {"type": "shard", "cls": type(exc).__name__, "shard": exc.shard, "offset": exc.offset,
-                "cause": exc.cause, "reason": exc.reason}
-    if not isinstance(exc, SampleError):  # sources yield typed errors only; anything else is a bug of ours
-        raise TypeError(f"a scan record holds {type(exc).__name__}: {exc}") from exc
-    return {"type": "sample", "cls": type(exc).__name__, "sample": exc.sample, "field": exc.field,
-            "expected": exc.expected, "actual": exc.actual, "reason": reason_of(exc), "message": str(exc)}
-
-
-def error_from_record(rec: dict) -> PrealignError:
-    from prealign.loaders import errors
-
-    if rec["type"] == "shard":
-        shard_cls = getattr(errors, rec.get("cls", ""), None)
-        if not (isinstance(shard_cls, type) and issubclass(shard_cls, CorruptShardError)):
-            shard_cls = CorruptShardError
-        return shard_cls(rec["shard"], rec["offset"], rec["cause"])
-    cls = getattr(errors, rec["cls"], None)
-    if not (isinstance(cls, type) and issubclass(cls, SampleError)):
-        cls = SampleError if rec["cls"] == "SampleError" else BadSampleError
-    err = cls(sample=rec["sample"], field=rec["field"], expected=rec["expected"], actual=rec["actual"])
-    err.reason = record_reason(rec)
-    if rec.get("message"):
-        err.args = (rec["message"],)
-    return err
-
-
-def record_reason(rec: dict) -> str:
-    """The cause a record is counted under in the bad-data report."""
-    if rec["type"] == "shard":
-        return rec.get("reason") or CorruptShardError.reason
-    return rec.get("reason") or BadSampleError.reason
+def parse_event(obj) -> BadRecord:
+    """The record of a stored event (:meth:`BadRecord.to_json`'s form, or the older lists), every
+    key and type checked: a ``ValueError`` for anything else (events are read from files)."""
+    if isinstance(obj, dict):
+        return BadRecord.from_json(obj)
+    if isinstance(obj, list) and len(obj) == 4 and obj[0] == "skip" \
+            and all(isinstance(x, str) for x in obj):
+        return BadRecord(obj[1], obj[2], obj[3])
+    if isinstance(obj, list) and len(obj) == 3 and obj[0] == "bad" and isinstance(obj[1], str):
+        rec = checked_error(obj[2])
+        if rec is not None:
+            message = rec.get("message")
+            if not isinstance(message, str) or not message:
+                message = str(error_from_record(rec))
+            return BadRecord(record_reason(rec), obj[1], message, rec)
+    raise ValueError(f"a scan event: expected a bad-data record, got {str(obj)[:80]}")

@@ -45,7 +45,6 @@ from prealign.loaders.errors import (
 )
 from prealign.loaders.handoff.identity import identity_digest
 from prealign.loaders.index.bulk_pass import bulk_text_pass
-from prealign.loaders.index.events import error_record, record_reason
 from prealign.loaders.index.sample_checks import BOUNDED, has_media, value_bounds
 from prealign.loaders.index.sidecar import (
     Fingerprint,
@@ -72,6 +71,7 @@ from prealign.loaders.media.vlm import (
     render_chat,
     sample_metadata,
 )
+from prealign.loaders.policy import BadRecord
 from prealign.loaders.sources import remote
 from prealign.loaders.sources.header_lengths import (
     IMAGE_FORMATS,
@@ -81,7 +81,6 @@ from prealign.loaders.sources.header_lengths import (
 )
 from prealign.loaders.sources.npy import NpyFormatError, parse_npy_header
 from prealign.loaders.sources.shard_files import check_index_dir_names, sample_checksum, shard_name, sidecar_path
-from prealign.loaders.sources.source import Skip
 from prealign.loaders.sources.tar_decode import IMAGES, decode_member, split_member_name
 from prealign.loaders.sources.tar_index import Unhandled
 from prealign.loaders.sources.tar_reader import TarFormatError, iter_members
@@ -287,8 +286,8 @@ def transform_pass(source, shard: int) -> dict:
     records (decode or transform errors)."""
     locations, lengths, media, events, dims, dim_ids, value_rows = [], [], [], [], [], [], []
     for loc, item in source.scan(shard):
-        if isinstance(item, Skip):
-            events.append(["skip", item.reason, item.where, item.message])
+        if isinstance(item, BadRecord):  # (a member that is not a sample: counted)
+            events.append(item)
             continue
         where = item.sample if isinstance(item, SampleError) and isinstance(item.sample, str) else \
             source.sample_name(item, loc) if loc is not None else f"shard {shard}"
@@ -300,10 +299,10 @@ def transform_pass(source, shard: int) -> dict:
         except SampleError as exc:
             err = exc if isinstance(exc, BadSampleError) else BadSampleError(
                 sample=where, field=exc.field, expected=exc.expected, actual=exc.actual)
-            events.append(["bad", where, error_record(err)])
+            events.append(BadRecord.of_error(err, where))
             continue
         except PrealignError as exc:  # e.g. a corrupt shard
-            events.append(["bad", where, error_record(exc)])
+            events.append(BadRecord.of_error(exc, where))
             continue
         sig = signature_record(_transformed_signature(sample, n))
         if sig not in dims:
@@ -313,7 +312,7 @@ def transform_pass(source, shard: int) -> dict:
         media.append(has_media(sample, MEDIA_MEMBERS))
         dim_ids.append(dims.index(sig))
         value_rows.append(value_bounds(sample))
-        events.append(["ok"])
+        events.append(None)
     return {"shard": shard, "locations": locations, "lengths": lengths, "media": media, "dims": dims,
             "dim_ids": dim_ids, "events": events, "bounds": _stacked(value_rows)}
 
@@ -354,7 +353,7 @@ def header_index_shard(source, schema: BatchSchema, shard: int, *, full: bool = 
             try:
                 bulk_text_pass(records, f)
                 return records.record(), f.finish()
-            except (Unhandled, OSError, EOFError):
+            except (Unhandled, TarFormatError, EOFError):  # (a read error, an OSError, propagates)
                 close = getattr(f.f, "close", None)
                 if close:
                     close()
@@ -385,10 +384,6 @@ def open_shard(url: str, opts=None) -> Fingerprint:
         if not remote.is_sequential(url):  # (a .tar.gz: the bytes read are more than the file's)
             length = st.st_size
     return Fingerprint(f, length, url)
-
-
-_OK = ["ok"]
-"""The event of an accepted sample (one object, shared: events are read, never changed)."""
 
 
 class ShardPass:
@@ -425,12 +420,14 @@ class ShardPass:
             n, has_media, sig, rendered = self.rule(exts, where)
             bounds = value_bounds({**_bounded_members(exts), **({} if rendered is None else {"input_ids": rendered})})
         except SampleError as exc:
-            events.append(["bad", where, error_record(exc if isinstance(exc, BadSampleError) else BadSampleError(
-                sample=where, field=exc.field, expected=exc.expected, actual=exc.actual))])
+            err = exc if isinstance(exc, BadSampleError) else BadSampleError(
+                sample=where, field=exc.field, expected=exc.expected, actual=exc.actual)
+            events.append(BadRecord.of_error(err, where))
             return
         except (ValueError, UnicodeDecodeError) as exc:  # e.g. JSON that is not text
-            events.append(["bad", where, error_record(BadSampleError(sample=where, field=None, expected="a readable sample",
-                                                                actual=f"{type(exc).__name__}: {exc}"))])
+            err = BadSampleError(sample=where, field=None, expected="a readable sample",
+                                 actual=f"{type(exc).__name__}: {exc}")
+            events.append(BadRecord.of_error(err, where))
             return
         if sig not in self.by_sig:  # the first of its kind: the full transform, its length compared with the rule's
             raw = source._sample(shard, key, members)
@@ -442,7 +439,7 @@ class ShardPass:
                 err = exc if isinstance(exc, BadSampleError) and exc.sample == where else BadSampleError(
                     sample=where, field=exc.field, expected=exc.expected, actual=exc.actual,
                     reason=getattr(exc, "reason", None) if isinstance(getattr(exc, "reason", None), str) else None)
-                events.append(["bad", where, error_record(err)])
+                events.append(BadRecord.of_error(err, where))
                 return
             if got != n:
                 raise LengthRuleError(f"{where}: the header rule gives {n} tokens, the transform {got}; "
@@ -454,7 +451,7 @@ class ShardPass:
         self.media.append(has_media)
         self.dim_ids.append(self.by_sig[sig])
         self.bounds.append(bounds[None])
-        events.append(["ok"])
+        events.append(None)
 
     def add_rows(self, locations: list, lengths: list, dim_ids: list, bounds: np.ndarray) -> None:
         """Append accepted samples without media: ``locations`` (lists ``[shard, start, end, checksum]``),
@@ -464,7 +461,7 @@ class ShardPass:
         self.media += [False] * len(lengths)
         self.dim_ids += dim_ids
         self.bounds.append(bounds)
-        self.events += [_OK] * len(lengths)
+        self.events += [None] * len(lengths)
 
     def record(self) -> dict:
         bounds = np.concatenate(self.bounds) if self.bounds else np.zeros((0, len(BOUNDED), 4), np.int64)
@@ -472,33 +469,65 @@ class ShardPass:
                 "dims": self.dims, "dim_ids": self.dim_ids, "events": self.events, "bounds": bounds}
 
 
+class MemberRuns:
+    """Tar members grouped into samples as the reference tar reader meets them, into ``records`` (a
+    :class:`ShardPass`): a run of members of one key is a sample, judged by :meth:`ShardPass.sample`
+    when the run ends; a member without an extension is an ``ignored_member`` record. A key seen
+    before is a duplicate (its sample judged so). State: the run in progress (``key``, its ``start``
+    and ``end`` bytes, ``members``) and the keys ``seen``."""
+
+    def __init__(self, records: ShardPass):
+        self.records = records
+        self.key: str | None = None
+        self.start = self.end = 0
+        self.members: list[tuple[str, bytes, str]] = []
+        self.seen: set[str] = set()
+
+    def add(self, m) -> None:
+        """One member (a :class:`~prealign.loaders.sources.tar_reader.Member`), in archive order."""
+        split = split_member_name(m.name)
+        if split is None:
+            self.records.events.append(BadRecord("ignored_member", f"{self.records.url}:{m.name}",
+                                                 f"tar {m.kind} member without an extension"))
+            return
+        if split[0] != self.key:
+            self._judge(m.offset)
+            self.key, self.start = split[0], m.offset
+        self.members.append((split[1], m.data, m.kind))
+        self.end = m.end
+
+    def lost(self, exc: Exception) -> None:
+        """The archive unreadable from here on (``exc``: a truncated or garbled tar): a
+        ``corrupt_shard`` record, the run in progress lost with the rest."""
+        rec = self.records
+        lost = f"; sample {self.key!r} lost with the rest of the shard" if self.members else ""
+        err = CorruptShardError(rec.url, getattr(exc, "offset", 0), f"{exc}{lost}")
+        rec.events.append(BadRecord.of_error(err, f"shard {rec.shard}"))
+        self.members = []
+
+    def finish(self) -> None:
+        """The end of the archive: the last run judged."""
+        self._judge(self.end)
+
+    def _judge(self, end: int) -> None:
+        if self.members:
+            self.records.sample(self.key, self.start, end, self.members, self.key in self.seen)
+            self.seen.add(self.key)
+            self.members = []
+
+
 def _header_pass(source, schema, shard: int, rule, f) -> dict:
-    """The header pass of one shard read member by member with the reference tar reader."""
+    """The header pass of one shard read member by member with the reference tar reader. A truncated
+    or garbled tar is a ``corrupt_shard`` record; a read error of the file (an ``OSError``)
+    propagates."""
     records = ShardPass(source, shard, rule)
-    url, events, sample = records.url, records.events, records.sample
-    key, start, end, members, seen = None, 0, 0, [], set()
+    runs = MemberRuns(records)
     try:
         for m in iter_members(f):
-            split = split_member_name(m.name)
-            if split is None:
-                events.append(["skip", "ignored_member", f"{url}:{m.name}", f"tar {m.kind} member without an "
-                               f"extension"])
-                continue
-            if split[0] != key:
-                if members:
-                    sample(key, start, m.offset, members, key in seen)
-                    seen.add(key)
-                key, start, members = split[0], m.offset, []
-            members.append((split[1], m.data, m.kind))
-            end = m.end
-    except PrealignError:  # typed (a remote read error is an OSError too): raised as it is
-        raise
-    except (TarFormatError, OSError, EOFError) as exc:
-        lost = f"; sample {key!r} lost with the rest of the shard" if members else ""
-        events.append(["bad", f"shard {shard}", error_record(CorruptShardError(url, getattr(exc, "offset", 0), f"{exc}{lost}"))])
-        members = []
-    if members:
-        sample(key, start, end, members, key in seen)
+            runs.add(m)
+    except (TarFormatError, EOFError) as exc:
+        runs.lost(exc)
+    runs.finish()
     return records.record()
 
 
@@ -609,9 +638,8 @@ def index_one(source, schema: BatchSchema, shard: int, *, out_dir: str | None = 
                   extra={"probe": shard_probe(source, shard, fingerprint["size"]), "transform": key[1]})
     bad: dict[str, int] = {}
     for event in record["events"]:
-        if event[0] != "ok":
-            reason = event[1] if event[0] == "skip" else record_reason(event[2])
-            bad[reason] = bad.get(reason, 0) + 1
+        if event is not None:
+            bad[event.reason] = bad.get(event.reason, 0) + 1
     return shard, "indexed", len(record["lengths"]), bad
 
 

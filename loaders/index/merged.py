@@ -38,6 +38,7 @@ import numpy as np
 from prealign.loaders.errors import IndexMismatchError, StaleIndexError
 from prealign.loaders.index import sidecar
 from prealign.loaders.index.apply_policy import Records, apply_policy
+from prealign.loaders.index.events import parse_event
 from prealign.loaders.index.sample_checks import bad_row_event, signature_verdicts, value_errors
 from prealign.loaders.index.sample_index import SampleIndex
 from prealign.loaders.index.shard_checks import ShardChecks, check_remote_now
@@ -98,7 +99,7 @@ def merge_sidecars(source, path: str | None = None) -> dict:
         names.append(meta["shard"])
         probes.append(probe)
         table.append((size, len(arrays["lengths"]), meta["num_events"], first, last))
-        events.extend([shard, pos, ev] for pos, ev in meta["events"])
+        events.extend([shard, pos, ev.to_json()] for pos, ev in meta["events"])
         for key in ("spans", "lengths", "media", "bounds"):
             parts[key].append(arrays[key])
         parts["dim_ids"].append(ids[arrays["dim_ids"]] if len(ids) else arrays["dim_ids"])
@@ -311,11 +312,17 @@ def _parse(data: bytes, path: str) -> tuple[dict, dict[str, np.ndarray]]:
     if n and (spans[:, 0].min() < 0 or np.any(spans[:, 1] <= spans[:, 0]) or np.any(spans[:, 1] > sizes[owner])
               or a["lengths"].min() < 0 or a["dim_ids"].min() < 0 or a["dim_ids"].max() >= len(dims)):
         raise bad("byte ranges, lengths or dim ids out of bounds")
-    for e in events:  # (checked one by one: few, bad records only)
-        if not (isinstance(e, list) and len(e) == 3 and all(isinstance(x, int) and not isinstance(x, bool)
-                                                              for x in e[:2]) and 0 <= e[0] < s
-                and 0 <= e[1] < num_events[e[0]] and sidecar.event_ok(e[2])):
-            raise bad(f"malformed event {str(e)[:80]}")
+    parsed = []
+    for e in events:  # (checked one by one: few, bad records only; each a BadRecord from here on)
+        try:
+            if not (isinstance(e, list) and len(e) == 3 and all(isinstance(x, int) and not isinstance(x, bool)
+                                                                  for x in e[:2]) and 0 <= e[0] < s
+                    and 0 <= e[1] < num_events[e[0]]):
+                raise ValueError
+            parsed.append([e[0], e[1], parse_event(e[2])])
+        except ValueError:
+            raise bad(f"malformed event {str(e)[:80]}") from None
+    meta["events"] = events = parsed
     at = [(e[0], e[1]) for e in events]
     if np.any(rows + np.bincount([e[0] for e in events], minlength=s) != num_events) or \
             any(b <= a for a, b in zip(at, at[1:])):

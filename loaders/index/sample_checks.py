@@ -8,7 +8,7 @@ import torch
 from prealign.collate.samples import flatten, sample_token_keys
 from prealign.collate.thd import THDCollator
 from prealign.loaders.errors import BadSampleError, StaleIndexError
-from prealign.loaders.index.events import error_record
+from prealign.loaders.policy import BadRecord
 from prealign.schemas.errors import ConfigError, SampleError
 from prealign.schemas.layout import ParallelLayout
 from prealign.schemas.schema import BatchSchema, Role, Source
@@ -169,9 +169,9 @@ def _named(err: SampleError, where: str) -> BadSampleError:
                           reason=reason if isinstance(reason, str) else None)
 
 
-def bad_row_event(err: BadSampleError) -> list:
-    """A bad record (``["bad", where, record]``) of a sample found bad by ``err`` (naming it)."""
-    return ["bad", str(err.sample), error_record(err)]
+def bad_row_event(err: BadSampleError) -> BadRecord:
+    """The record of a sample found bad by ``err`` (naming it)."""
+    return BadRecord.of_error(err)
 
 
 BOUNDED = ("input_ids", "labels", "teacher_topk_ids")

@@ -153,14 +153,11 @@ def _checked_index(path: str, z) -> SampleIndex:
         raise IndexFileError(f"index {path}: lengths must be >= 1, locations and shards >= 0 (got minima "
                              f"{lengths.min()}, {locations.min()}, {shards.min()})")
     rep = _json_of(path, z, "report")
-    if not (isinstance(rep, dict) and isinstance(rep.get("counts"), dict) and isinstance(rep.get("examples"), list)
-            and all(isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 0
-                    for k, v in rep["counts"].items())
-            and all(isinstance(e, list) and len(e) == 3 and all(isinstance(x, str) for x in e)
-                    for e in rep["examples"])):
+    try:  # (examples as BadRecords, or the [where, reason, message] lists of older files)
+        report = BadDataReport.from_dict(rep)
+    except ValueError as exc:
         raise IndexFileError(f"index {path}: key 'report': expected {{'counts': {{reason: int}}, 'examples': "
-                             f"[[where, reason, message], ...]}}, got {str(rep)[:120]}")
-    report = BadDataReport(counts=dict(rep["counts"]), examples=[tuple(e) for e in rep["examples"]])
+                             f"[bad-data record, ...]}} ({exc}), got {str(rep)[:120]}") from None
     media = _index_array(path, z, "media", "b", 1, n) if "media" in files else None
     dims = _json_of(path, z, "dims") if "dims" in files else None
     if dims is not None and not (isinstance(dims, dict) and all(

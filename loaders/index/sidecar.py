@@ -13,8 +13,8 @@ key            dtype / shape   meaning
                                the transform it was built for, never of a schema), ``transform``
                                (the fields of that key, named when they differ), ``dims`` (the
                                distinct data signatures: ``{member: "dtype:shape"}``, ``L`` for the
-                               token dim when no other dim equals it), ``events`` (``[position, event]`` of each data-level skip /
-                               bad record: a corrupt tar, an undecodable member, a missing
+                               token dim when no other dim equals it), ``events`` (``[position, record]`` of each data-level skip /
+                               bad record (``BadRecord.to_json()``): a corrupt tar, an undecodable member, a missing
                                ``input_ids``)
 ``spans``      int64 ``[N,3]`` ``start, end, checksum`` of each good sample (byte range, crc32)
 ``lengths``    int64 ``[N]``   token lengths
@@ -76,6 +76,7 @@ from prealign.loaders.errors import (
 from prealign.loaders.handoff import identity
 from prealign.loaders.handoff.identity import identity_digest, index_fields
 from prealign.loaders.handoff.media_share import SharedMediaTransform
+from prealign.loaders.index.events import parse_event
 from prealign.loaders.index.tiling import check_tiling
 from prealign.loaders.media.vlm import VLMSampleTransform
 from prealign.loaders.sources import remote
@@ -213,7 +214,7 @@ def write_sidecar(path: str, record: dict, *, shard: str, fingerprint: dict, con
     locs = np.asarray(record["locations"], dtype=np.int64).reshape(n, -1 if n else 4)
     if locs.shape[1] != 4:
         raise StaleIndexError(shard, f"locations of width {locs.shape[1]}, expected (shard, start, end, checksum)")
-    events = [[i, ev] for i, ev in enumerate(record["events"]) if ev[0] != "ok"]
+    events = [[i, ev.to_json()] for i, ev in enumerate(record["events"]) if ev is not None]
     meta = {"format": FORMAT, "version": VERSION, "shard": shard, "size": int(fingerprint["size"]),
             "hash": str(fingerprint["hash"]), "config": config, "dims": record["dims"], "events": events,
             "num_events": len(record["events"]), **(extra or {})}
@@ -291,9 +292,12 @@ def parse_sidecar(data: bytes, *, shard: str, fix: str | Callable[[], str] | Non
         raise bad("byte ranges or lengths out of bounds")
     events = meta["events"]
     if not all(isinstance(e, list) and len(e) == 2 and isinstance(e[0], int) and not isinstance(e[0], bool)
-               and event_ok(e[1]) for e in events) \
-            or meta["num_events"] != n + len(events):
+               for e in events) or meta["num_events"] != n + len(events):
         raise bad("malformed events")
+    try:  # (each a BadRecord from here on)
+        meta["events"] = events = [[pos, parse_event(ev)] for pos, ev in events]
+    except ValueError:
+        raise bad("malformed events") from None
     _check_spans(spans, events, meta["num_events"], bad)
     return meta, arrays
 
@@ -303,20 +307,6 @@ def dims_ok(dims) -> bool:
     return isinstance(dims, list) and all(
         isinstance(d, dict) and all(isinstance(k, str) and isinstance(v, (int, str)) and not isinstance(v, bool)
                                     for k, v in d.items()) for d in dims)
-
-
-_RECORD_KEYS = {"shard": ("shard", "offset", "cause"), "sample": ("cls", "sample", "field", "expected", "actual")}
-
-
-def event_ok(ev) -> bool:
-    """``ev`` is a well-formed bad or skip event (:mod:`~prealign.loaders.index.events`): ``["skip", reason,
-    where, message]`` (str) or ``["bad", where, record]`` with the keys its record type needs."""
-    if not isinstance(ev, list) or not ev:
-        return False
-    if ev[0] == "skip":
-        return len(ev) == 4 and all(isinstance(x, str) for x in ev[1:])
-    return (ev[0] == "bad" and len(ev) == 3 and isinstance(ev[2], dict)
-            and all(k in ev[2] for k in _RECORD_KEYS.get(ev[2].get("type"), ("?",))))
 
 
 def _check_spans(spans: np.ndarray, events: list, num_events: int, bad) -> None:
@@ -333,7 +323,7 @@ def record_of(meta: dict, arrays: dict[str, np.ndarray], shard: int) -> dict:
     """The :func:`~prealign.loaders.index.build.index_shard` record a sidecar holds, for shard number ``shard``
     (arrays instead of lists; ``spans [N, 3]`` instead of ``locations``, which :func:`merge_records` builds
     once for all shards; ``"sidecar": True`` lets it take the vectorised path)."""
-    events: list = [["ok"]] * meta["num_events"]
+    events: list = [None] * meta["num_events"]
     for pos, ev in meta["events"]:
         if not 0 <= pos < len(events):
             raise StaleIndexError(str(meta["shard"]), "sidecar index unreadable: event position out of range")

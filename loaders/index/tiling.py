@@ -70,19 +70,20 @@ def check_tiling(spans: np.ndarray, owner: np.ndarray, num_events: np.ndarray, e
 
 
 def bad_regions(spans: np.ndarray, events: list, num_events: int) -> list[tuple[int, int, int]]:
-    """``(lo, hi, samples)`` of each stretch of one shard's bad records: the bytes from the end of the good sample
-    before them (``0``: none) to the start of the one after (``-1``: none, the end of the archive), and the bad
-    samples the index has there. ``events``: ``[position, event]`` of the shard's bad and skipped records, in
-    order; a stretch holding a corrupt-shard record (the archive unreadable past it) is left out. A stretch of
-    skipped records alone holds no sample. A cost per bad record."""
+    """``(lo, hi, samples)`` of each stretch of one shard's bad records: the bytes from the end of
+    the good sample before them (``0``: none) to the start of the one after (``-1``: none, the end
+    of the archive), and the bad samples the index has there. ``events``: ``[position, record]`` of
+    the shard's bad and skipped records (:class:`~prealign.loaders.policy.BadRecord`), in order; a
+    stretch holding a corrupt-shard record (the archive unreadable past it) is left out. A stretch
+    of skipped records alone holds no sample. A cost per bad record."""
     out: list[tuple[int, int, int]] = []
     i = 0
     while i < len(events):
         j, samples, corrupt = i, 0, False
         while True:  # a run of consecutive records that are not good samples
-            ev = events[j][1]
-            corrupt |= ev[0] == "bad" and ev[2].get("type") != "sample"
-            samples += ev[0] == "bad"
+            rec = events[j][1]
+            corrupt |= rec.is_shard
+            samples += rec.is_error
             if j + 1 < len(events) and events[j + 1][0] == events[j][0] + 1:
                 j += 1
             else:

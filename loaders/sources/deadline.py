@@ -29,6 +29,7 @@ import threading
 import zlib
 from typing import BinaryIO, Callable
 
+from prealign.loaders.sources.tar_reader import TarFormatError
 from prealign.schemas.errors import PrealignError
 
 _CHUNK = 1 << 20
@@ -83,6 +84,7 @@ class TimedReader:
             raise
 
     def _pump(self, opener) -> None:
+        pumped = 0
         try:
             with opener() as f:
                 self._opened = f
@@ -91,13 +93,14 @@ class TimedReader:
                 self._put(("length", _length(f)))
                 while not self._stop.is_set():
                     chunk = f.read(_CHUNK)
+                    pumped += len(chunk)
                     self._put(("data", chunk))
                     if not chunk:
                         return
         except (OSError, EOFError, PrealignError) as exc:  # the caller decides what an unreadable shard is
             self._put(("error", exc))
-        except zlib.error as exc:  # corrupt deflate data in a .tar.gz: unreadable, like a bad gzip header
-            self._put(("error", OSError(f"corrupt compressed data ({exc})")))
+        except zlib.error as exc:  # corrupt deflate data in a .tar.gz: bad data (never an OSError)
+            self._put(("error", TarFormatError(pumped, f"corrupt compressed data ({exc})")))
         except BaseException as exc:  # anything else is raised in the caller: a dead reader never looks stalled
             self._put(("error", exc))
 

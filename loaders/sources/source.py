@@ -18,6 +18,7 @@ from collections import OrderedDict
 from typing import Callable, Iterator
 
 from prealign.loaders.errors import BadSampleError, IndexFileError, reason_of
+from prealign.loaders.policy import BadRecord
 from prealign.schemas.errors import ConfigError, PrealignError, SampleError
 
 Location = tuple[int, ...]
@@ -30,13 +31,10 @@ TRANSFORM_ERRORS: tuple[type[BaseException], ...] = (ValueError, KeyError, Index
 data) and an ``OSError`` always propagate."""
 
 
-class Skip:
-    """A scan record that is not a sample (a tar member without extension): counted, never an error."""
-
-    __slots__ = ("reason", "where", "message")
-
-    def __init__(self, reason: str, where: str, message: str):
-        self.reason, self.where, self.message = reason, where, message
+Skip = BadRecord
+"""A scan record that is not a sample (a tar member without extension): a
+:class:`~prealign.loaders.policy.BadRecord` without error, ``Skip(reason, where, message)``:
+counted, never an error."""
 
 
 class Source(abc.ABC):

@@ -233,9 +233,6 @@ class WebDatasetSource(Source):
         except Stalled as exc:
             yield None, ShardTimeoutError(url, 0, f"opening: {exc}")
             return
-        except OSError as exc:
-            yield None, CorruptShardError(url, 0, f"{type(exc).__name__}: {exc}")
-            return
         with f:
             key, start, members, seen = None, 0, [], set()
             try:
@@ -253,7 +250,8 @@ class WebDatasetSource(Source):
                         key, start, members = split[0], m.offset, []
                     members.append((split[1], m.data, m.kind))
                     end = m.end
-            except (TarFormatError, OSError, EOFError, _remote.RemoteReadError, Stalled) as exc:
+            except (TarFormatError, EOFError, CorruptShardError, _remote.RemoteReadError,
+                    Stalled) as exc:  # (a bare OSError, a read error of the disk, propagates)
                 lost = f"; sample {key!r} lost with the rest of the shard" if members else ""
                 err = ShardTimeoutError if isinstance(exc, Stalled) else CorruptShardError
                 f.close()  # before the error is handed on: a stalled pipe: command is killed now
