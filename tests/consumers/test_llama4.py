@@ -15,13 +15,12 @@ import pytest
 import torch
 
 from prealign.collate import THDCollator, to_hf_kwargs
-from prealign.collate.hf import model_layer_masks
 from prealign.collate.vision import model_contract
 from prealign.collate.vision.attention import TokenMaskIndex, layer_masks, packed_token_mask
 from prealign.schemas import ParallelLayout, causal_lm_schema
 from prealign.schemas.contract import Consumer, ConsumerUnsupportedError, check_consumer
 from prealign.schemas.errors import PackingUnsupportedError
-from tests.consumers.models import CORRUPT, real_slots
+from tests.consumers.models import CORRUPT, assert_flex_equals_dense, real_slots
 
 transformers = pytest.importorskip("transformers")
 VOCAB, CHUNK, TOL = 64, 5, 1e-6  # 5: no multiple of the padding (2 * tp * cp = 8)
@@ -134,14 +133,7 @@ def test_the_mask_equals_transformers_chunked_mask_per_sequence():
 
 
 def test_the_flex_description_equals_the_dense_masks():
-    from torch.nn.attention.flex_attention import create_mask
-
-    batch, _ = packed()
-    mods = model_layer_masks(batch, tiny_config(), flex=True)
-    dense = model_layer_masks(batch, tiny_config())
-    T = batch["input_ids"].shape[1]
-    for kind, mod in mods.items():
-        assert torch.equal(create_mask(mod, 1, 1, T, T, device="cpu"), dense[kind])
+    assert_flex_equals_dense(packed()[0], tiny_config())
 
 
 def test_the_contract_packs_for_eager_sdpa_flex_and_refuses_flash():
