@@ -163,3 +163,27 @@ def test_a_row_past_the_temperature_floor_is_refused_and_would_differ():
     batch, kwargs = packed()
     assert worst(batch, kwargs, floor_scale=16) > CORRUPT
     assert worst(batch, kwargs, floor_scale=int(batch["cu_seqlens_padded"][-1]) + 1) < TOL
+
+
+@pytest.mark.slow
+def test_flex_attention_in_the_model_equals_each_sequence_alone():
+    """``attn_implementation="flex_attention"`` with block masks from ``model_layer_masks(flex=True)``: the same
+    logits packed as alone (float32: flex attention on CPU takes no float64; tolerance 1e-4, about 5e-6 seen)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from prealign.collate.hf import model_layer_masks
+
+    models = {}
+    for attn in ("flex_attention", "sdpa"):  # the same weights (one seed), float32
+        torch.manual_seed(0)
+        models[attn] = transformers.Llama4ForCausalLM(tiny_config(attn)).float().eval()
+    flex, alone = models["flex_attention"], models["sdpa"]
+    batch, kwargs = packed()
+    T = batch["input_ids"].shape[1]
+    kwargs["attention_mask"] = {kind: create_block_mask(mod, 1, None, T, T, device="cpu")
+                                for kind, mod in model_layer_masks(batch, tiny_config(), flex=True).items()}
+    with torch.no_grad():
+        out = flex(**kwargs).logits[0]
+        diffs = [(out[slots] - alone(input_ids=s["input_ids"][None], use_cache=False).logits[0]).abs().max()
+                 for slots, s in zip(real_slots(batch), samples(), strict=True)]
+    assert float(max(diffs)) < 1e-4
