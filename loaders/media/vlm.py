@@ -518,7 +518,10 @@ class VLMSampleTransform:
                               f"{self.decode_threads!r}")
         if self.video_sampling is not None:
             self.frame_sampling  # noqa: B018 (checks the settings now, not at the first video)
-        self.frame  # noqa: B018 (checks chat_frame now)
+        if self.frame is None and not hasattr(self.tokenizer, "im_start_id"):
+            raise ConfigError("VLMSampleTransform: chat_frame 'chatml' writes <|im_start|> / <|im_end|> turns, but "
+                              "the tokenizer has no such tokens (GLM's names them with its own frame); leave "
+                              "chat_frame unset or wrap the tokenizer with im_start= / im_end= names it has")
 
     @property
     def image_processor(self):

@@ -172,6 +172,14 @@ def test_glm_chat_frame_golden_ids_and_loss():
         ["\n", "<think>", "</think>", "\n", "a", "<|user|>"]
 
 
+def test_the_frame_switch_is_checked():
+    from prealign.schemas.errors import ConfigError
+
+    for name, match in (("chatml", "no such tokens"), ("glm5", "expected one of")):
+        with pytest.raises(ConfigError, match=match):
+            VLMSampleTransform(processor=ref.hf_processor(), model_config=ref.tiny_config(), chat_frame=name)
+
+
 def test_glm_chat_frame_refuses_other_roles():
     raw = {"__key__": "t", "json": json.dumps({"messages": [{"role": "tool", "content": "x"}]})}
     with pytest.raises(MediaError, match="roles this model's chat template writes"):
