@@ -226,16 +226,22 @@ def model_layer_masks(batch: dict, model_config: Any, *, attention: HFAttention 
     blocks are the runs of ``mm_token_type_ids > 0``; windows and chunks from the text config.
 
     Only ``attention="mask"`` can carry them: a packed row (``N > 1``) of a model with bidirectional image
-    blocks in any other mode, or of a chunked-attention model (no in-model test yet), is a
-    :class:`PackingUnsupportedError`."""
+    blocks or chunked local attention (Llama 4: chunks counted from each sequence's start) in any other mode
+    is a :class:`PackingUnsupportedError`, and so is a packed Llama 4 row too long for its attention
+    temperature (:func:`check_temperature_tuning`)."""
     attention = HFAttention(attention)
     contract = model_contract(model_config)
     padded = batch["cu_seqlens_padded"]
     sequences = num_sequences(padded)
+    text = _text_config(model_config)
     if contract.local_attention == "chunked" and sequences > 1:
-        raise PackingUnsupportedError(
-            f"to_hf_kwargs: {contract.model} has chunked local-attention layers and the batch packs {sequences} "
-            "sequences: no per-sequence chunked mask is checked in a model yet; ParallelLayout(max_seqs=1) (one sequence per row)")
+        if attention is not HFAttention.MASK:
+            raise PackingUnsupportedError(
+                f"to_hf_kwargs: {contract.model} has chunked local-attention layers and the batch packs "
+                f"{sequences} sequences: their chunks restart at each sequence's start, which only the "
+                f"per-sequence chunked masks carry: attention='mask' with attn_implementation 'sdpa' or 'eager' "
+                f"(or model_layer_masks(flex=True) for 'flex_attention'), not {attention.value!r}")
+        check_temperature_tuning(text, contract.model, int(padded[-1]))
     if contract.media_attention == "bidirectional" and attention is not HFAttention.MASK and sequences > 1:
         raise PackingUnsupportedError(
             f"to_hf_kwargs: {contract.model}'s image tokens attend bidirectionally within their image; a packed row "
@@ -243,12 +249,25 @@ def model_layer_masks(batch: dict, model_config: Any, *, attention: HFAttention 
             f"or 'eager' (or model_layer_masks(flex=True) for 'flex_attention'), not {attention.value!r}")
     if contract.local_attention and attention is not HFAttention.MASK:
         return None  # sliding windows: the model finds the packing from position_ids / cu_seq_lens itself
-    text = _text_config(model_config)
     types = batch.get("mm_token_type_ids") if contract.media_attention == "bidirectional" else None
     index = TokenMaskIndex.of(padded, batch["cu_seqlens"], types)
     return layer_masks(index, text("layer_types", None), bidirectional=contract.media_attention == "bidirectional",
                        window=text("sliding_window", None), chunk=text("attention_chunk_size", None), dtype=dtype,
                        flex=flex, bidirectional_layers=contract.bidirectional_layers)
+
+
+def check_temperature_tuning(text, model: str, total: int) -> None:
+    """Refuse a packed row of ``total`` slots that Llama 4's attention temperature tuning would see differently
+    from its sequences alone: its NoPE layers scale queries by ``log1p(floor((i + 1) / floor_scale))``, ``i``
+    the slot's index in the **row** (transformers 5.6 to 5.24), so a row longer than ``floor_scale - 1`` slots
+    scales tokens of later sequences as if they sat deeper in one sequence. ``text``: the text config getter."""
+    floor_scale = text("floor_scale", None)
+    if text("attn_temperature_tuning", False) and floor_scale and total >= floor_scale:
+        raise PackingUnsupportedError(
+            f"to_hf_kwargs: {model} tunes its NoPE layers' attention temperature by the slot's index in the row "
+            f"(floor_scale={floor_scale}); a packed row of {total} slots would scale later sequences' tokens as "
+            f"if deeper in one sequence. Way out: a token budget (row) under {floor_scale} slots, or one sequence "
+            "per row (ParallelLayout(max_seqs=1)).")
 
 
 def _text_config(model_config: Any):

@@ -24,7 +24,9 @@ plain causal               every implementation                     yes / yes
 bidirectional media        eager, sdpa (4-D mask per layer type),   refused (its THD attention is causal only)
                            flex_attention (block mask); flash no
 sliding window             every implementation                     yes / yes
-chunked (Llama 4)          refused (no per-sequence chunked mask)   refused
+chunked (Llama 4)          eager, sdpa (4-D mask per layer type,    refused
+                           chunks counted per sequence),
+                           flex_attention (mask_mod); flash no
 linear (Gated DeltaNet)    with fla + causal-conv1d kernels and     refused through 0.16.x (``GatedDeltaNet``
                            transformers >= 5.10 (``to_hf_kwargs``)  raises for packed_seq_params; CP must be 1)
 =========================  =======================================  ===========================================
@@ -195,10 +197,12 @@ def check_consumer(contract: ModelContract, consumer: Consumer, *, packed: bool 
                    "(transformers sets _supports_flash_attn = False for this model), packed or not",
                    "attn_implementation='sdpa' or 'eager' (prealign emits the per-layer 4-D masks: "
                    "to_hf_kwargs(attention='mask', model_config=...)) or 'flex_attention'")
-        if packed and contract.local_attention == "chunked":
-            refuse("chunked local-attention", "its chunk boundaries are counted from the start of the packed row, "
-                   "so they shift for every sequence after the first; no per-sequence chunked mask is emitted yet",
-                   "packing off (ParallelLayout(max_seqs=1): one sequence per row)")
+        if packed and contract.local_attention == "chunked" and impl not in MASK_IMPLEMENTATIONS:
+            refuse("chunked local-attention", f"{impl} takes no chunked mask (transformers sets "
+                   "_supports_flash_attn = False for Llama 4), and varlen offsets alone give each sequence whole "
+                   "causal attention, not its chunks", "attn_implementation='sdpa' or 'eager' (prealign emits "
+                   "the per-sequence chunked masks: to_hf_kwargs(attention='mask', model_config=...)) or "
+                   "'flex_attention' (model_layer_masks(flex=True)), or packing off (ParallelLayout(max_seqs=1))")
         gap = hf_linear_attention_gap(version) if packed and contract.linear_attention else None
         if gap:
             refuse("Gated DeltaNet (linear_attention)", f"{gap}: its pure-torch path runs each packed sequence's "

@@ -135,3 +135,45 @@ def test_plot_keeps_a_tiny_pad_visible(tmp_path):
     assert hatch.any()
     cols = np.flatnonzero(hatch.any(axis=0))
     assert len(cols) >= 3
+
+
+@pytest.mark.slow
+def test_demo_command_with_glm4v(tmp_path, capsys):
+    """``prealign demo --model glm4v``: every batch on every CP rank valid, mRoPE positions, GLM's images."""
+    args = ["demo", "--model", "glm4v", "--samples", "30", "--out", str(tmp_path / "l.png"), "--workers", "0",
+            "--token-budget", "4096"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    n = int(out.split("micro-batches  ")[1].split(" ")[0])
+    assert f"{2 * n}/{2 * n} batches valid" in out and "mrope_position_ids" in out
+
+
+@pytest.mark.parametrize("model", ["glm4v", "glm4v_moe"])
+def test_glm4v_demo_data_in_glm_frame_and_header_index_equals_the_full_pass(tmp_path, model):
+    """``prealign demo --model glm4v`` data: rendered in GLM's own chat frame (``[gMASK]<sop>``, ``<|user|>``
+    role tags; GLM-4.5V's think block), images only (one media kind per GLM forward), and the header-only index
+    gives every sample the length and media flag the full transform gives."""
+    import json
+
+    from prealign.loaders import BadDataPolicy, WebDatasetSource, build_index
+    from prealign.loaders.cli.demo_data import demo_transform
+    from prealign.loaders.index.header_pass import write_sidecars
+    from prealign.schemas import vlm_schema
+
+    ds = build_demo_dataset(str(tmp_path), num_samples=16, samples_per_shard=8, topk=4, model=model, bad=())
+    t = demo_transform(model, ByteTokenizer(), 4)
+    schema = vlm_schema(topk=4, vocab_size=ds.vocab_size)
+    policy = BadDataPolicy(on_error="raise")
+    full = build_index(WebDatasetSource(list(ds.shards), transform=t, image="bytes", sidecars=False), schema,
+                       policy=policy)
+    write_sidecars(WebDatasetSource(list(ds.shards), transform=t, image="bytes"), schema)
+    side = build_index(WebDatasetSource(list(ds.shards), transform=t, image="bytes"), schema, policy=policy)
+    assert len(full) == len(side) == 16 and full.lengths.tolist() == side.lengths.tolist()
+    assert full.media.tolist() == side.media.tolist() and bool(full.media.any())
+    with tarfile.open(ds.shards[0]) as tar:
+        raw = {m.name.split(".", 1)[1]: tar.extractfile(m).read() for m in tar.getmembers()
+               if m.name.startswith("s000000.")}
+    assert "videos" not in json.loads(raw["json"])
+    text = ByteTokenizer().decode(t({"__key__": "s000000", **raw})["input_ids"])
+    assert text.startswith("[gMASK]<sop><|user|>\n") and "<|assistant|>" in text and "<|im_start|>" not in text
+    assert ("<think></think>" in text) == (model == "glm4v_moe")

@@ -115,8 +115,9 @@ def test_the_refusal_matches_the_installed_megatron_core_source():
 
 def test_hf_refusals_by_layer_kind():
     llama4 = model_contract(transformers.Llama4TextConfig())
-    with pytest.raises(ConsumerUnsupportedError, match="max_seqs=1"):
-        check_consumer(llama4, Consumer.hf("sdpa"), packed=True)
+    with pytest.raises(ConsumerUnsupportedError, match="max_seqs=1"):  # per-sequence chunks: mask, not flash
+        check_consumer(llama4, Consumer.hf("flash_attention_2"), packed=True)
+    check_consumer(llama4, Consumer.hf("sdpa"), packed=True)  # tests/consumers/test_llama4.py
     check_consumer(llama4, Consumer.hf("sdpa"), packed=False)
     if importlib.util.find_spec("fla") is None:  # the CPU CI: no kernels, the pure-torch GDN cannot pack
         with pytest.raises(ConsumerUnsupportedError, match="fla, causal_conv1d not importable"):

@@ -18,6 +18,8 @@ Shard layout (one tar member per field, webdataset naming ``<key>.<field>``)::
 size, its video rules) and adds short videos to some of them, one ``<video>`` placeholder each: half real mp4
 files (member ``clip.mp4``, encoded with PyAV, sampled by the family's rules), half 2-5 frames as members
 ``v0_<j>.jpg`` listed in ``json["videos"]`` with their ``fps``.
+GLM-4.1V / 4.5V (``glm4v``, ``glm4v_moe``) get images only: one forward takes images or video, never both
+(:mod:`prealign.collate.vision.glm4v`), so a packed demo row could not mix them.
 
 ``bad`` plants deliberately broken samples (one of each :class:`~prealign.loaders.media.vlm.MediaProblem` asked
 for) so a loader's error policy can be seen to skip and count them.
@@ -37,9 +39,9 @@ from prealign.loaders.media.teacher_topk import encode_npy
 from prealign.loaders.media.vlm import MediaProblem, VLMSampleTransform, image_processor, render_chat
 from prealign.loaders.sources.header_lengths import Qwen2VLGeometry, qwen2vl_grid, tokens_of_grid
 
-DEMO_MODELS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "gemma3", "internvl")
+DEMO_MODELS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "gemma3", "internvl", "glm4v", "glm4v_moe",
+               "llava_onevision")
 """The families ``prealign demo --model`` builds data for."""
-DEMO_MODELS += ("llava_onevision",)
 
 _WORDS = ("the a small large red blue green bright dark round square tall narrow old new quiet busy "
           "cat dog bird tree house river road window table cup book chart plot graph city field cloud "
@@ -125,6 +127,11 @@ def demo_model_config(model: str):
         return transformers.LlavaOnevisionConfig(image_token_index=tok.image_token_id,
                                                  video_token_index=tok.video_token_id,
                                                  text_config={"model_type": "qwen2", **text})
+    if model in ("glm4v", "glm4v_moe"):  # GLM's frame writes its role tags as text: <|im_start|> / <|im_end|>
+        cls = transformers.Glm4vConfig if model == "glm4v" else transformers.Glm4vMoeConfig  # serve as the
+        return cls(image_token_id=tok.image_token_id, video_token_id=tok.video_token_id,  # video's start / end
+                   image_start_token_id=tok.vision_start_token_id, image_end_token_id=tok.vision_end_token_id,
+                   video_start_token_id=tok.im_start_id, video_end_token_id=tok.im_end_id, text_config=text)
     if model == "internvl":  # <img>, </img> are the tokenizer's vision start / end
         return transformers.InternVLConfig(image_token_id=tok.image_token_id, text_config={"model_type": "qwen2", **text})
     cls = {"qwen2_vl": transformers.Qwen2VLConfig, "qwen2_5_vl": transformers.Qwen2_5_VLConfig,
@@ -197,13 +204,15 @@ def _sample(rng: np.random.Generator, key: str, topk: int, tok: ByteTokenizer, g
         ids = transform.header_ids({**members, "json": json.dumps(meta)})[0]
         transform = None
     elif transform is not None:
-        if bad is None and rng.random() < 0.4:
+        one_kind = getattr(transform.family, "one_media_kind", False)  # GLM: images or video per batch, not both
+        if bad is None and not one_kind and rng.random() < 0.4:
             meta["videos"] = [_video(rng, members, files=not transform.tiled)]  # (InternVL: frame lists)
             meta["messages"][0]["content"] = "<video>\n" + user
         videos = transform.header_video_ids(members, meta, key, _frame_size)
     if ids is None:
         ids, _ = render_chat(meta, tok, tokens, sample=key, videos=videos,
-                             system=None if transform is None else transform.system_prompt)
+                             system=None if transform is None else transform.system_prompt,
+                             frame=None if transform is None else transform.frame)
     log_probs, top_ids = synthetic_teacher(ids, topk, tok.vocab_size, rng)
     if bad is MediaProblem.CORRUPT_IMAGE:
         members[names[0]] = members[names[0]][:64] + b"\x00 not an image" * 8

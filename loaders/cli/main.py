@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--topk", type=int, default=8, help="teacher top-k K [%(default)s]")
     demo.add_argument("--keep", metavar="DIR", help="write the shards to DIR and keep them (default: a temp dir)")
     demo.add_argument("--model", choices=("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "gemma3", "internvl",
-                                           "llava_onevision"),
+                                           "glm4v", "glm4v_moe", "llava_onevision"),
                       help="build that family's samples, with short videos (default: Qwen2-VL images only)")
     _add_common(demo, budget=DEMO_BUDGET)
     demo.set_defaults(func=cmd_demo)

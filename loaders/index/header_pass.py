@@ -191,7 +191,8 @@ class VLMRule:
             tokens.append(self.t.header_image_tokens(w, h, sample=key, field=name))
         videos = self.t.header_video_ids(raw, meta, key, lambda name, data: self._size(name, data, key))
         ids = None if pretokenized else render_chat(meta, self.t.tokenizer, tokens, sample=key, videos=videos,
-                                                    system=self.t.system_prompt)[0]
+                                                    system=self.t.system_prompt,
+                                                    frame=getattr(self.t, "frame", None))[0]
         return ids, bool(tokens or videos)
 
     def _size(self, name: str, data, key) -> tuple[int, int]:

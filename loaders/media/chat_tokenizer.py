@@ -52,8 +52,10 @@ class HFChatTokenizer:
     spatial_merge_size: int | None = None
     """Leave unset: :class:`~prealign.loaders.media.vlm.VLMSampleTransform` takes it from its image processor
     (``vision`` alone falls back to Qwen2-VL's 2)."""
-    im_start: str = "<|im_start|>"
-    im_end: str = "<|im_end|>"
+    im_start: str | None = "<|im_start|>"
+    im_end: str | None = "<|im_end|>"
+    """``None`` (both): a family whose chat frame writes its own role tags (GLM's); then ``im_start_id`` /
+    ``im_end_id`` are absent and the tokenizer must have an eos token."""
     vision_start: str = "<|vision_start|>"
     vision_end: str = "<|vision_end|>"
     image_pad: str = "<|image_pad|>"
@@ -64,6 +66,7 @@ class HFChatTokenizer:
     def __post_init__(self):
         names = {"im_start_id": self.im_start, "im_end_id": self.im_end, "vision_start_token_id": self.vision_start,
                  "vision_end_token_id": self.vision_end, "image_token_id": self.image_pad}
+        names = {attr: token for attr, token in names.items() if token is not None or attr[:3] != "im_"}
         unk = getattr(self.tokenizer, "unk_token_id", None)
         ids = {}
         for attr, token in names.items():
@@ -79,6 +82,8 @@ class HFChatTokenizer:
         if bos is not None:  # what a template that opens with bos_token writes first (Gemma 3)
             ids["bos_token_id"] = int(bos)
         eos = getattr(self.tokenizer, "eos_token_id", None)
+        if eos is None and "im_end_id" not in ids:
+            raise ConfigError("HFChatTokenizer: the tokenizer has no eos token and im_end=None")
         ids["eos_token_id"] = ids["im_end_id"] if eos is None else int(eos)
         pad = getattr(self.tokenizer, "pad_token_id", None)
         ids["pad_token_id"] = ids["eos_token_id"] if pad is None else int(pad)

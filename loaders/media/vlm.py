@@ -283,7 +283,8 @@ def _transformers_rgb():
 
 # ---- placeholder expansion -----------------------------------------------------------------------
 def render_chat(meta: dict, tokenizer: ChatTokenizer, tokens_per_image: list[int], *, sample,
-                videos: list[np.ndarray] | None = None, system: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+                videos: list[np.ndarray] | None = None, system: str | None = None, frame=None
+                ) -> tuple[np.ndarray, np.ndarray]:
     """Chat messages (or plain ``text``) -> (``input_ids`` int64 ``[L]``, ``loss_mask`` float32 ``[L]``).
 
     Each ``<image>`` in the text becomes ``<|vision_start|>`` + ``tokens_per_image[i]`` x
@@ -296,6 +297,8 @@ def render_chat(meta: dict, tokenizer: ChatTokenizer, tokens_per_image: list[int
     The text is tokenized as the chat template's rendered string is (:func:`~prealign.loaders.media.
     chat_tokenizer.encode_segments`): each turn's role header and the content up to its first vision block in
     one piece, so a content that starts with a newline merges with the header's as the template's does.
+    ``frame``: a family's own chat frame in place of ``<|im_start|>`` turns (GLM's:
+    :class:`~prealign.loaders.media.glm4v.GlmChatFrame`; :meth:`VLMSampleTransform.chat_frame`).
     """
     if isinstance(meta.get("messages"), list):
         turns = meta["messages"]
@@ -327,14 +330,20 @@ def render_chat(meta: dict, tokenizer: ChatTokenizer, tokens_per_image: list[int
 
     if turns is None:
         add_content(meta["text"], True)
+    elif frame is not None:
+        for i, turn in enumerate(turns):
+            _check_turn(turn, i, sample, getattr(frame, "roles", None))
+        for text, trained, content in frame.pieces(turns):
+            if content:
+                add_content(text, trained)
+            else:
+                segments.append((text, trained))
     else:
         if system is not None and not (turns and isinstance(turns[0], dict) and turns[0].get("role") == "system"):
             segments += [([tokenizer.im_start_id], False), (f"system\n{system}", False),
                          ([tokenizer.im_end_id], False), ("\n", False)]
         for i, turn in enumerate(turns):
-            if not isinstance(turn, dict) or not isinstance(turn.get("content"), str) or not isinstance(turn.get("role"), str):
-                raise MediaError(MediaProblem.BAD_TEXT, sample=sample, field=f"json.messages[{i}]",
-                                 expected="{'role': str, 'content': str}", actual=repr(turn)[:80])
+            _check_turn(turn, i, sample)
             reply = turn["role"] == "assistant"
             segments += [([tokenizer.im_start_id], False), (turn["role"] + "\n", False)]
             add_content(turn["content"], reply)
@@ -342,6 +351,17 @@ def render_chat(meta: dict, tokenizer: ChatTokenizer, tokens_per_image: list[int
     if next(images, None) is not None or next(clips, None) is not None:
         raise _placeholder_mismatch(meta, tokens_per_image, videos, sample)
     return encode_segments(tokenizer, segments)
+
+
+def _check_turn(turn, i: int, sample, roles=None) -> None:
+    """A chat turn is ``{'role': str, 'content': str}`` (with ``roles``: one of them), else a ``bad_text``."""
+    if not isinstance(turn, dict) or not isinstance(turn.get("content"), str) or not isinstance(turn.get("role"), str):
+        raise MediaError(MediaProblem.BAD_TEXT, sample=sample, field=f"json.messages[{i}]",
+                         expected="{'role': str, 'content': str}", actual=repr(turn)[:80])
+    if roles is not None and turn["role"] not in roles:
+        raise MediaError(MediaProblem.BAD_TEXT, sample=sample, field=f"json.messages[{i}].role",
+                         expected=f"one of {list(roles)} (the roles this model's chat template writes)",
+                         actual=repr(turn["role"]))
 
 
 def _placeholder_mismatch(meta: dict, tokens_per_image: list[int], videos: list, sample) -> MediaError:
@@ -459,12 +479,21 @@ class VLMSampleTransform:
     """Write the family's default system turn before a conversation that has none, as its chat template does
     (Qwen2-VL / Qwen2.5-VL: ``"You are a helpful assistant."``; :attr:`VisionFamily.default_system`). ``False``:
     the messages as given. Without ``model_config`` there is no family and no default."""
+    chat_frame: str | None = None
+    """The chat frame by name, over the family's own (:func:`~prealign.loaders.media.glm4v.chat_frame`):
+    ``"chatml"`` (``<|im_start|>`` turns), ``"glm4.1v"`` (GLM-4.1V's), ``"glm4.5v"`` (with GLM-4.5V's think
+    block: also the template of some ``glm4v`` checkpoints, e.g. GLM-4.6V-Flash); ``None``: the family's."""
     family: VisionFamily | None = field(init=False, repr=False, compare=False, default=None)
 
     @property
     def system_prompt(self) -> str | None:
         """The system turn :func:`render_chat` writes when the messages have none (``None``: nothing)."""
         return self.family.default_system if self.default_system and self.family is not None else None
+
+    @property
+    def frame(self):
+        """The chat frame :func:`render_chat` writes (``None``: ``<|im_start|>`` turns), :attr:`chat_frame`."""
+        return glm4v.chat_frame(self.family, self.chat_frame)
 
     def __post_init__(self):
         for name in ("log_prob_dtype", "pixel_dtype"):
@@ -486,6 +515,10 @@ class VLMSampleTransform:
                               f"{self.decode_threads!r}")
         if self.video_sampling is not None:
             self.frame_sampling  # noqa: B018 (checks the settings now, not at the first video)
+        if self.frame is None and not hasattr(self.tokenizer, "im_start_id"):
+            raise ConfigError("VLMSampleTransform: chat_frame 'chatml' writes <|im_start|> / <|im_end|> turns, but "
+                              "the tokenizer has no such tokens (GLM's names them with its own frame); leave "
+                              "chat_frame unset or wrap the tokenizer with im_start= / im_end= names it has")
 
     @property
     def image_processor(self):
@@ -636,7 +669,8 @@ class VLMSampleTransform:
                                    "topk": self.topk, "log_prob_dtype": self.log_prob_dtype,
                                    "pixel_dtype": self.pixel_dtype, "mrope": self.mrope, "family": repr(self.family),
                                    "images": self._image_key(), "videos": video,
-                                   "text_key": self.text_key, "system": self.system_prompt}},
+                                   "text_key": self.text_key, "system": self.system_prompt,
+                                   **({"frame": self.frame.name} if self.frame is not None else {})}},
                           sort_keys=True, default=str)
 
     def _image_key(self) -> str:
@@ -713,7 +747,7 @@ class VLMSampleTransform:
                                         dtype=torch.float32).reshape(-1)
         else:
             ids, mask = render_chat(meta, self.tokenizer, vision.tokens_per_image(grid).tolist(), sample=key,
-                                    system=self.system_prompt,
+                                    system=self.system_prompt, frame=self.frame,
                                     videos=None if videos is None else videos["ids"])
             input_ids, loss_mask = torch.from_numpy(ids), torch.from_numpy(mask)
         video_fields = {} if videos is None else {k: v for k, v in videos.items() if k != "ids"}

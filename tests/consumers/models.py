@@ -99,3 +99,17 @@ def qwen2_vl(attn: str = "sdpa"):
         vision_end_token_id=tok.vision_end_token_id, video_token_id=tok.vocab_size - 1, initializer_range=INIT,
         attn_implementation=attn)
     return transformers.Qwen2VLForConditionalGeneration(config).to(torch.float64).eval()
+
+
+def assert_flex_equals_dense(batch: dict, model_config) -> None:
+    """Each layer type's flex ``mask_mod`` (``model_layer_masks(flex=True)``) materialised equals its 4-D mask."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    from prealign.collate.hf import model_layer_masks
+
+    mods = model_layer_masks(batch, model_config, flex=True)
+    dense = model_layer_masks(batch, model_config)
+    T = batch["input_ids"].shape[1]
+    assert set(mods) == set(dense)
+    for kind, mod in mods.items():
+        assert torch.equal(create_mask(mod, 1, 1, T, T, device="cpu"), dense[kind])

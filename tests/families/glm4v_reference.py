@@ -9,16 +9,34 @@ import types
 
 import torch
 
+_USER = ("{% if m.content is string %}{{ m.content }}{% else %}{% for c in m.content %}"
+         "{% if c.type == 'video' %}<|begin_of_video|><|video|><|end_of_video|>"
+         "{% elif c.type == 'image' %}<|begin_of_image|><|image|><|end_of_image|>"
+         "{% elif c.type == 'text' %}{{ c.text }}{% endif %}{% endfor %}{% endif %}")
 CHAT_TEMPLATE = (
-    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n'}}{% if message['content'] is string %}"
-    "{{ message['content'] }}{% else %}{% for content in message['content'] %}{% if content['type'] == 'image' %}"
-    "{{ '<|begin_of_image|><|image|><|end_of_image|>' }}{% elif content['type'] == 'video' %}"
-    "{{ '<|begin_of_video|><|video|><|end_of_video|>' }}{% elif content['type'] == 'text' %}"
-    "{{ content['text'] }}{% endif %}{% endfor %}{% endif %}{{'<|im_end|>\n'}}{% endfor %}")
-"""GLM's media blocks inside the ``<|im_start|>`` frame prealign's chat rendering writes today (GLM's own frame,
-``[gMASK]<sop><|user|>\\n``, is the chat-rendering work of issue 32 item 3)."""
-SPECIALS = ("<unk>", "<|im_start|>", "<|im_end|>", "<|begin_of_image|>", "<|end_of_image|>", "<|image|>",
-            "<|begin_of_video|>", "<|end_of_video|>", "<|video|>", "<pad>")
+    "[gMASK]<sop>{% for m in messages %}{% if m.role == 'system' %}<|system|>{{ '\\n' }}{{ m.content }}"
+    "{% elif m.role == 'user' %}<|user|>{{ '\\n' }}" + _USER +
+    "{% elif m.role == 'assistant' %}<|assistant|>{{ '\\n' }}{{ m.content }}{% endif %}{% endfor %}")
+"""GLM-4.1V's chat frame as its released template renders a conversation (no generation prompt), written here
+from its rules (the released template text is not in transformers): ``[gMASK]<sop>``, each turn its role tag,
+``"\\n"`` and the content, no end-of-turn token."""
+THINKING_TEMPLATE = (
+    "{% set ns = namespace(last=-1) %}{% for m in messages %}{% if m.role == 'user' %}"
+    "{% set ns.last = loop.index0 %}{% endif %}{% endfor %}"
+    "[gMASK]<sop>{% for m in messages %}{% if m.role == 'system' %}<|system|>{{ '\\n' }}{{ m.content }}"
+    "{% elif m.role == 'user' %}<|user|>{{ '\\n' }}" + _USER +
+    "{% elif m.role == 'assistant' %}<|assistant|>{% set text = m.content %}{% set why = '' %}"
+    "{% if m.reasoning_content is string %}{% set why = m.reasoning_content %}"
+    "{% elif '</think>' in text %}"
+    "{% set why = text.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}"
+    "{% set text = text.split('</think>')[-1].lstrip('\\n') %}{% endif %}"
+    "{{ '\\n<think>' }}{% if loop.index0 > ns.last and why %}{{ why.strip() }}{% endif %}{{ '</think>' }}"
+    "{% if text.strip() %}{{ '\\n' + text.strip() }}{% endif %}{% endif %}{% endfor %}")
+"""GLM-4.5V's frame, the same written from its template's rules: an assistant turn is ``<|assistant|>``, a think
+block (its reasoning only after the last user turn), then ``"\\n"`` + the content stripped, when not empty."""
+SPECIALS = ("<unk>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|endoftext|>", "<think>",
+            "</think>", "<|begin_of_image|>", "<|end_of_image|>", "<|image|>", "<|begin_of_video|>",
+            "<|end_of_video|>", "<|video|>", "<pad>")
 CHARS = "".join(chr(c) for c in range(32, 127)) + "\n"
 
 
@@ -27,11 +45,12 @@ def hf_tokenizer():
     from tokenizers import Regex, Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {w: i for i, w in enumerate(SPECIALS + tuple(CHARS))}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    vocab = {w: i for i, w in enumerate(SPECIALS + tuple(CHARS) + ("\n\n",))}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))  # "\n\n" one token: the leading-newline case
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"\n\n|[\s\S]"), behavior="isolated")
     tok.add_special_tokens(list(SPECIALS))
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", eos_token="<|im_end|>")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>",
+                                   eos_token="<|endoftext|>")
 
 
 def ids() -> dict:
@@ -80,7 +99,7 @@ class FrameGrids:
                 "video_metadata": metas}
 
 
-def hf_processor(video_fps: list[float] = ()):
+def hf_processor(video_fps: list[float] = (), thinking: bool = False):
     """``Glm4vProcessor`` with transformers' GLM image processor and :class:`FrameGrids` for video (its class check
     of that argument skipped)."""
     from transformers import Glm4vProcessor
@@ -98,7 +117,8 @@ def hf_processor(video_fps: list[float] = ()):
     ProcessorMixin.check_argument_for_proper_class = lenient
     try:
         return Glm4vProcessor(image_processor=image_cls(), tokenizer=hf_tokenizer(),
-                              video_processor=FrameGrids(list(video_fps)), chat_template=CHAT_TEMPLATE)
+                              video_processor=FrameGrids(list(video_fps)),
+                              chat_template=THINKING_TEMPLATE if thinking else CHAT_TEMPLATE)
     finally:
         ProcessorMixin.check_argument_for_proper_class = check
 

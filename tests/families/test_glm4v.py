@@ -78,7 +78,7 @@ media = st.one_of(
 @examples(12)
 def test_ids_pixels_grids_types_and_positions_equal_transformers(case, question, reply, seed, model_type):
     sizes, videos = case
-    processor = ref.hf_processor([fps for *_, fps in videos])
+    processor = ref.hf_processor([fps for *_, fps in videos], thinking=model_type == "glm4v_moe")
     raw, messages, images, clips = raw_sample("g", sizes, videos, question, reply, seed)
     out = VLMSampleTransform(processor=processor, model_config=ref.tiny_config(model_type))(raw)
     text = processor.apply_chat_template(messages, tokenize=False)
@@ -105,6 +105,85 @@ def test_ids_pixels_grids_types_and_positions_equal_transformers(case, question,
     assert torch.equal(back, whole["mrope_position_ids"])
     for slots in real_slots(whole):
         assert torch.equal(whole["mrope_position_ids"][:, 0, slots], out["mrope_position_ids"])
+
+
+# ---- GLM's own chat frame ------------------------------------------------------------------------------
+texts = st.text(alphabet=" ab?\n", min_size=0, max_size=6)
+replies = st.one_of(texts, st.builds(lambda a, b, c: f"{a}<think>{b}</think>{c}", texts, texts, texts))
+
+
+def conversation(sizes, videos, system, turns, seed):
+    """(raw sample, HF messages, images, clips): an optional system turn, then ``turns`` (user, reply) pairs;
+    the media lead the first user turn."""
+    raw, _, images, clips = raw_sample("c", sizes, videos, "", "", seed)
+    media = "<video>" * len(videos) + "<image>" * len(sizes)
+    items = [{"type": "video"}] * len(videos) + [{"type": "image"}] * len(sizes)
+    ours, hf = [], []
+    if system is not None:
+        ours.append({"role": "system", "content": system})
+        hf.append({"role": "system", "content": system})
+    for k, (question, reply) in enumerate(turns):
+        ours += [{"role": "user", "content": (media if k == 0 else "") + question},
+                 {"role": "assistant", "content": reply}]
+        hf += [{"role": "user", "content": (items if k == 0 else []) + [{"type": "text", "text": question}]},
+               {"role": "assistant", "content": reply}]
+    meta = json.loads(raw["json"])
+    meta["messages"] = ours
+    return {**raw, "json": json.dumps(meta)}, hf, images, clips
+
+
+@pytest.mark.slow
+@given(media, st.one_of(st.none(), texts), st.lists(st.tuples(texts, replies), min_size=1, max_size=3),
+       st.integers(0, 2**31), st.sampled_from([("glm4v", None), ("glm4v_moe", None), ("glm4v", "glm4.5v")]))
+@examples(40)
+def test_glm_chat_frame_equals_apply_chat_template(case, system, turns, seed, frame):
+    """Random conversations (system turn or not, several turns, leading newlines, think blocks, images or
+    video): input_ids equal transformers' processor over the chat template's rendering."""
+    sizes, videos = case
+    model_type, name = frame
+    thinking = model_type == "glm4v_moe" or name == "glm4.5v"
+    processor = ref.hf_processor([fps for *_, fps in videos], thinking=thinking)
+    raw, messages, images, clips = conversation(sizes, videos, system, turns, seed)
+    t = VLMSampleTransform(processor=processor, model_config=ref.tiny_config(model_type), chat_frame=name)
+    out = t(raw)
+    text = processor.apply_chat_template(messages, tokenize=False)
+    want = processor(text=text, images=images or None, videos=clips or None, return_tensors="pt")
+    assert out["input_ids"].tolist() == want["input_ids"][0].tolist()
+    assert text.startswith("[gMASK]<sop>") and "<|im_start|>" not in text
+
+
+def test_glm_chat_frame_golden_ids_and_loss():
+    """GLM-4.1V: ``[gMASK]<sop><|user|>\\n\\nq<|assistant|>\\na<|user|>\\nb<|assistant|>\\nc``; the user's leading
+    newline merges into one ``\\n\\n`` token; loss on each reply and on the role tag after it."""
+    tok = ref.hf_tokenizer()
+    raw = {"__key__": "g", "json": json.dumps({"messages": [
+        {"role": "user", "content": "\nq"}, {"role": "assistant", "content": "a"},
+        {"role": "user", "content": "b"}, {"role": "assistant", "content": "c"}]})}
+    out = VLMSampleTransform(processor=ref.hf_processor(), model_config=ref.tiny_config())(raw)
+    names = tok.convert_ids_to_tokens(out["input_ids"].tolist())
+    assert names == ["[gMASK]", "<sop>", "<|user|>", "\n\n", "q", "<|assistant|>", "\n", "a", "<|user|>", "\n",
+                     "b", "<|assistant|>", "\n", "c"]
+    trained = [n for n, m in zip(names, out["loss_mask"].tolist(), strict=True) if m]
+    assert trained == ["a", "<|user|>", "c"]
+    thinking = VLMSampleTransform(processor=ref.hf_processor(), model_config=ref.tiny_config("glm4v_moe"))(raw)
+    names = tok.convert_ids_to_tokens(thinking["input_ids"].tolist())
+    assert names[5:10] == ["<|assistant|>", "\n", "<think>", "</think>", "\n"]
+    assert [n for n, m in zip(names, thinking["loss_mask"].tolist(), strict=True) if m][:6] == \
+        ["\n", "<think>", "</think>", "\n", "a", "<|user|>"]
+
+
+def test_the_frame_switch_is_checked():
+    from prealign.schemas.errors import ConfigError
+
+    for name, match in (("chatml", "no such tokens"), ("glm5", "expected one of")):
+        with pytest.raises(ConfigError, match=match):
+            VLMSampleTransform(processor=ref.hf_processor(), model_config=ref.tiny_config(), chat_frame=name)
+
+
+def test_glm_chat_frame_refuses_other_roles():
+    raw = {"__key__": "t", "json": json.dumps({"messages": [{"role": "tool", "content": "x"}]})}
+    with pytest.raises(MediaError, match="roles this model's chat template writes"):
+        VLMSampleTransform(processor=ref.hf_processor(), model_config=ref.tiny_config())(raw)
 
 
 @given(st.integers(1, 6000), st.integers(1, 6000), st.integers(2, 64),
