@@ -177,6 +177,11 @@ def to_hf_kwargs(batch: dict, *, attention: HFAttention | str = HFAttention.VARL
     for name in (*media, "mm_token_type_ids"):  # a batch without images sends no empty pixel_values
         if name in batch:
             out[name] = batch[name]
+    if batch.get("image_sizes", torch.zeros(0)).shape[0]:  # Mistral3 / Pixtral: patches -> padded images
+        from .vision.mistral3 import hf_pixel_values
+
+        out["pixel_values"] = hf_pixel_values(batch["pixel_values"], batch["image_sizes"])
+        out["image_sizes"] = batch["image_sizes"]
     linear = model_config is not None and has_linear_attention(model_config)
     if linear:
         check_gdn_packing(model_config, num_sequences(padded))  # (static shapes repeat the total past them)
