@@ -38,6 +38,7 @@ from prealign.loaders.media.vlm import MediaProblem, VLMSampleTransform, image_p
 from prealign.loaders.sources.header_lengths import Qwen2VLGeometry, qwen2vl_grid, tokens_of_grid
 
 DEMO_MODELS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "gemma3", "internvl")
+DEMO_MODELS += ("mistral3",)
 """The families ``prealign demo --model`` builds data for."""
 
 _WORDS = ("the a small large red blue green bright dark round square tall narrow old new quiet busy "
@@ -120,6 +121,9 @@ def demo_model_config(model: str):
                          "pad_token_id": tok.pad_token_id}, vision_config={"image_size": 224, "patch_size": 14},
             mm_tokens_per_image=64, boi_token_index=tok.vision_start_token_id, eoi_token_index=tok.vision_end_token_id,
             image_token_index=tok.image_token_id)
+    if model == "mistral3":  # Mistral Small 3.1's tower (14-px patches, merged 2 x 2, up to 1540 px)
+        return transformers.Mistral3Config(image_token_id=tok.image_token_id,
+                                           text_config={"model_type": "mistral", **text})
     if model == "internvl":  # <img>, </img> are the tokenizer's vision start / end
         return transformers.InternVLConfig(image_token_id=tok.image_token_id, text_config={"model_type": "qwen2", **text})
     cls = {"qwen2_vl": transformers.Qwen2VLConfig, "qwen2_5_vl": transformers.Qwen2_5_VLConfig,
@@ -138,6 +142,10 @@ def demo_transform(model: str | None, tok, topk: int | None = None):
         from prealign.loaders.media.gemma3 import Gemma3SampleTransform
 
         return Gemma3SampleTransform(tokenizer=tok, model_config=config, topk=topk)
+    if model == "mistral3":  # [INST] / [/INST] / [IMG_BREAK] / [IMG_END] / [IMG]: the byte tokenizer's 2 to 6
+        from prealign.loaders.media.mistral3 import Mistral3SampleTransform
+
+        return Mistral3SampleTransform(tokenizer=tok, model_config=config, topk=topk)
     return VLMSampleTransform(tokenizer=tok, topk=topk, model_config=config,
                               video_processor_config=None if config is None else {})
 

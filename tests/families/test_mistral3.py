@@ -219,3 +219,42 @@ def test_positions_that_do_not_restart_are_caught():
     batch, kwargs = packed(samples)
     kwargs["position_ids"] = torch.arange(batch["input_ids"].shape[1])[None]
     assert worst(batch, kwargs, samples) > CORRUPT
+
+
+# ---- the demo and the header pass -------------------------------------------------------------------
+@pytest.mark.slow
+def test_demo_command_with_mistral3(tmp_path, capsys):
+    """``prealign demo --model mistral3``: every batch on every CP rank valid against the family's schema, the
+    synthetic teacher rows as long as the transform's ids, patches of 14 px in pixel_values."""
+    from prealign.loaders.cli import main
+
+    args = ["demo", "--model", "mistral3", "--samples", "30", "--out", str(tmp_path / "l.png"), "--workers", "0",
+            "--token-budget", "2048"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    n = int(out.split("micro-batches  ")[1].split(" ")[0])
+    assert f"{2 * n}/{2 * n} batches valid" in out and "mistral3_topk" in out
+    assert re.search(r"pixel_values +float32 +\[\d+, 3, 14, 14\]", out) and re.search(r"image_sizes +int64", out)
+
+
+def test_header_index_equals_the_full_pass(tmp_path):
+    """``prealign demo --model mistral3`` data: the header-only index (image headers sized, the chat rendered by
+    the tokenizer alone) gives every sample the length and media flag the full transform gives."""
+    from prealign.loaders import BadDataPolicy, WebDatasetSource, build_index
+    from prealign.loaders.cli.demo_data import build_demo_dataset, demo_transform
+    from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
+    from prealign.loaders.index.header_pass import ImageSizesRule, length_rule, write_sidecars
+
+    ds = build_demo_dataset(str(tmp_path), num_samples=24, samples_per_shard=12, topk=4, model="mistral3")
+    t = demo_transform("mistral3", ByteTokenizer(), 4)
+    schema = t.family.batch_schema(topk=4, vocab_size=ds.vocab_size)
+    policy = BadDataPolicy(on_error="skip")
+    full = build_index(WebDatasetSource(list(ds.shards), transform=t, image="bytes", sidecars=False), schema,
+                       policy=policy)
+    source = WebDatasetSource(list(ds.shards), transform=t, image="bytes")
+    assert isinstance(length_rule(source, schema), ImageSizesRule)  # headers only, no pixel processed
+    write_sidecars(source, schema)
+    side = build_index(WebDatasetSource(list(ds.shards), transform=t, image="bytes"), schema, policy=policy)
+    assert len(full) == len(side) == 24 - len(ds.bad)
+    assert full.lengths.tolist() == side.lengths.tolist() and full.media.tolist() == side.media.tolist()
+    assert bool(full.media.any()) and not bool(full.media.all())
