@@ -182,6 +182,8 @@ def to_hf_kwargs(batch: dict, *, attention: HFAttention | str = HFAttention.VARL
 
         out["pixel_values"] = hf_pixel_values(batch["pixel_values"], batch["image_sizes"])
         out["image_sizes"] = batch["image_sizes"]
+    if batch.get("image_rows_cols", torch.zeros(0)).shape[0]:  # SmolVLM / Idefics3: tiles [1, n, 3, S, S]
+        out["pixel_values"] = batch["pixel_values"][None]
     linear = model_config is not None and has_linear_attention(model_config)
     if linear:
         check_gdn_packing(model_config, num_sequences(padded))  # (static shapes repeat the total past them)

@@ -38,7 +38,7 @@ from prealign.loaders.media.vlm import MediaProblem, VLMSampleTransform, image_p
 from prealign.loaders.sources.header_lengths import Qwen2VLGeometry, qwen2vl_grid, tokens_of_grid
 
 DEMO_MODELS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "gemma3", "internvl")
-DEMO_MODELS += ("mistral3",)
+DEMO_MODELS += ("mistral3", "smolvlm")
 """The families ``prealign demo --model`` builds data for."""
 
 _WORDS = ("the a small large red blue green bright dark round square tall narrow old new quiet busy "
@@ -124,6 +124,10 @@ def demo_model_config(model: str):
     if model == "mistral3":  # Mistral Small 3.1's tower (14-px patches, merged 2 x 2, up to 1540 px)
         return transformers.Mistral3Config(image_token_id=tok.image_token_id,
                                            text_config={"model_type": "mistral", **text})
+    if model == "smolvlm":  # 128-px tiles of 16-px patches, pixel shuffle 2: 16 tokens per tile (released: 512, 64)
+        return transformers.SmolVLMConfig(image_token_id=tok.image_token_id, scale_factor=2,
+                                          vision_config={"image_size": 128, "patch_size": 16},
+                                          text_config={"model_type": "llama", **text})
     if model == "internvl":  # <img>, </img> are the tokenizer's vision start / end
         return transformers.InternVLConfig(image_token_id=tok.image_token_id, text_config={"model_type": "qwen2", **text})
     cls = {"qwen2_vl": transformers.Qwen2VLConfig, "qwen2_5_vl": transformers.Qwen2_5_VLConfig,
@@ -142,6 +146,10 @@ def demo_transform(model: str | None, tok, topk: int | None = None):
         from prealign.loaders.media.gemma3 import Gemma3SampleTransform
 
         return Gemma3SampleTransform(tokenizer=tok, model_config=config, topk=topk)
+    if model == "smolvlm":  # <end_of_utterance>, <fake_token_around_image>, <image>: the byte tokenizer's 3, 4, 6
+        from prealign.loaders.media.idefics3 import Idefics3SampleTransform
+
+        return Idefics3SampleTransform(tokenizer=tok, model_config=config, topk=topk)
     if model == "mistral3":  # [INST] / [/INST] / [IMG_BREAK] / [IMG_END] / [IMG]: the byte tokenizer's 2 to 6
         from prealign.loaders.media.mistral3 import Mistral3SampleTransform
 

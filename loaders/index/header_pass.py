@@ -62,6 +62,7 @@ from prealign.loaders.index.sidecar import (
 )
 from prealign.loaders.media.chat_tokenizer import encode_segments
 from prealign.loaders.media.gemma3 import Gemma3SampleTransform
+from prealign.loaders.media.idefics3 import Idefics3SampleTransform
 from prealign.loaders.media.mistral3 import Mistral3SampleTransform
 from prealign.loaders.media.teacher_topk import IDS, LOG_PROBS
 from prealign.loaders.media.vlm import (
@@ -225,7 +226,8 @@ class ImageTokensRule(VLMRule):
 
 class ImageSizesRule(VLMRule):
     """Transforms whose lengths follow from the text and each image's size (:class:`~prealign.loaders.media.
-    mistral3.Mistral3SampleTransform`): ``header_ids(raw, size_of)`` with each image's header size (and its
+    mistral3.Mistral3SampleTransform`, :class:`~prealign.loaders.media.idefics3.Idefics3SampleTransform`):
+    ``header_ids(raw, size_of)`` with each image's header size (and its
     pixels decoded with ``verify_images``)."""
 
     def __init__(self, transform, schema: BatchSchema, *, verify_images: bool = True):
@@ -330,7 +332,7 @@ def length_rule(source, schema: BatchSchema, *, verify_images: bool = True) -> C
         return VLMRule(transform, schema, verify_images=verify_images)
     if isinstance(transform, Gemma3SampleTransform):
         return ImageTokensRule(transform, schema, verify_images=verify_images)
-    if isinstance(transform, Mistral3SampleTransform):
+    if isinstance(transform, (Mistral3SampleTransform, Idefics3SampleTransform)):
         return ImageSizesRule(transform, schema, verify_images=verify_images)
     return None
 

@@ -1,0 +1,234 @@
+"""One SmolVLM / Idefics3 sample, raw -> model-ready (:class:`Idefics3SampleTransform`), as transformers'
+``SmolVLMProcessor`` / ``Idefics3Processor`` and their chat template write it (:mod:`prealign.collate.vision.
+idefics3` holds the tiling rule).
+
+    raw sample (as VLMSampleTransform's)           Idefics3SampleTransform(raw)
+    json   {"messages": [...], "images": [...]}    input_ids          int64   [L]
+    0.jpg  JPEG bytes                    ---->     loss_mask          float32 [L]  1 on replies + <end_of_utterance>
+                                                   mm_token_type_ids  int64   [L]  1 on <image>
+                                                   pixel_values       float32 [tiles, 3, S, S]
+                                                   image_rows_cols    int64   [images, 2]
+
+The chat template (rendered here, tokenized as its string is: :func:`~.chat_tokenizer.encode_segments`): the
+tokenizer's bos (``<|im_start|>`` for SmolVLM, ``<|begin_of_text|>`` for Idefics3), then per turn the role
+capitalised, ``":"`` when the content opens with an image else ``": "``, the content (an ``<image>`` there is
+the image's tiles and global view, :mod:`prealign.collate.vision.idefics3`), ``<end_of_utterance>\\n``; assistant
+content and its ``<end_of_utterance>`` are trained. The length depends on the text and each image's size alone
+(:meth:`Idefics3SampleTransform.header_ids`). Positions are 1-D (the collator's ``position_ids``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from prealign.collate.vision import Idefics3, vision_family
+from prealign.loaders.media.chat_tokenizer import HFChatTokenizer, encode_segments
+from prealign.loaders.media.teacher_topk import teacher_topk
+from prealign.loaders.media.vlm import (
+    IMAGE_PLACEHOLDER,
+    MediaError,
+    MediaProblem,
+    decode_image,
+    image_members,
+    sample_metadata,
+)
+from prealign.loaders.sources.tar_decode import DEFAULT_LIMITS, DecodeLimits
+from prealign.schemas.errors import ConfigError
+
+IDEFICS3_TOKENS = {"im_start": "<fake_token_around_image>", "im_end": "<end_of_utterance>",
+                   "vision_start": "<fake_token_around_image>", "vision_end": "<fake_token_around_image>",
+                   "image_pad": "<image>"}
+""":class:`HFChatTokenizer` names of SmolVLM's tokens: ``<end_of_utterance>`` closes a turn (``im_end``),
+``<fake_token_around_image>`` wraps images (``vision_start``), ``<image>`` is the image token.
+``<row_r_col_c>`` and ``<global-img>`` are written as text (the tokenizer's added tokens)."""
+_SPLIT = re.compile("(" + re.escape(IMAGE_PLACEHOLDER) + ")")
+
+
+@functools.lru_cache(maxsize=4)
+def idefics3_image_processor(model_type: str, longest_edge: int, tile: int):
+    """transformers' SmolVLM / Idefics3 image processor (PIL backend where the installed transformers has one),
+    ``longest_edge`` and ``tile``-px tiles. Built locally; cached per process."""
+    import transformers
+
+    name = "SmolVLM" if model_type == "smolvlm" else "Idefics3"
+    cls = getattr(transformers, f"{name}ImageProcessorPil", None) or getattr(transformers, f"{name}ImageProcessor")
+    return cls(size={"longest_edge": longest_edge}, max_image_size={"longest_edge": tile})
+
+
+def _longest(size) -> int | None:
+    return size.get("longest_edge") if isinstance(size, dict) else getattr(size, "longest_edge", None)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Idefics3SampleTransform:
+    """Raw multimodal sample -> SmolVLM / Idefics3 fields (module docstring). ``model_config``: the
+    ``SmolVLMConfig`` / ``Idefics3Config`` (or its dict); ``tokenizer``: the model's HF tokenizer (wrapped with
+    :data:`IDEFICS3_TOKENS`) or a :class:`~prealign.loaders.media.chat_tokenizer.ChatTokenizer` with those ids;
+    ``processor``: the model's processor or image processor (default :func:`idefics3_image_processor`: longest
+    edge ``4 * S``, ``S`` the vision tower's ``image_size``). Picklable."""
+
+    model_config: Any
+    tokenizer: Any
+    processor: Any = None
+    topk: int | None = None
+    """Expect teacher top-k members with this K (as :class:`~prealign.loaders.media.vlm.VLMSampleTransform`)."""
+    log_prob_dtype: str = "float32"
+    pixel_dtype: str = "float32"
+    text_key: str = "json"
+    limits: DecodeLimits = DEFAULT_LIMITS
+    family: Idefics3 = field(init=False, repr=False, compare=False, default=None)
+
+    def __post_init__(self):
+        fam = vision_family(self.model_config)
+        if not isinstance(fam, Idefics3):
+            raise ConfigError(f"Idefics3SampleTransform: expected a smolvlm or idefics3 config, got {fam.model_type!r}")
+        if not hasattr(self.tokenizer, "encode"):
+            raise ConfigError("Idefics3SampleTransform: tokenizer must be a ChatTokenizer or an HF tokenizer")
+        if not hasattr(self.tokenizer, "im_start_id"):  # a plain HF tokenizer
+            object.__setattr__(self, "tokenizer", HFChatTokenizer(self.tokenizer, **IDEFICS3_TOKENS))
+        if self.tokenizer.image_token_id != fam.image_token_id:
+            raise ConfigError(f"Idefics3SampleTransform: the config's image_token_id {fam.image_token_id} is not the "
+                              f"tokenizer's <image> {self.tokenizer.image_token_id}")
+        ip = self.image_processor  # the splitting that runs decides the lengths
+        tile, edge = _longest(ip.max_image_size), _longest(ip.size)
+        if not tile or not edge:
+            raise ConfigError(f"Idefics3SampleTransform: expected an image processor with size and max_image_size "
+                              f"longest_edge, got {ip.size}, {ip.max_image_size}")
+        if int(tile) != fam.tile_size:
+            raise ConfigError(f"Idefics3SampleTransform: the image processor's {tile}-px tiles are not the vision "
+                              f"tower's image_size {fam.tile_size}")
+        object.__setattr__(self, "family", dataclasses.replace(fam, longest_edge=int(edge),
+                                                               split=bool(ip.do_image_splitting)))
+        for name in ("log_prob_dtype", "pixel_dtype"):
+            if getattr(self, name) not in ("float32", "bfloat16"):
+                raise ConfigError(f"Idefics3SampleTransform.{name}: expected 'float32' or 'bfloat16', "
+                                  f"got {getattr(self, name)!r}")
+
+    @property
+    def image_processor(self):
+        if self.processor is not None:
+            return getattr(self.processor, "image_processor", self.processor)
+        fam = self.family or vision_family(self.model_config)
+        return idefics3_image_processor(fam.model_type, fam.longest_edge, fam.tile_size)
+
+    def image_segments(self, rows: int, cols: int) -> list[tuple]:
+        """One image as :func:`encode_segments` parts: its tiles row by row, then its global view."""
+        tok, n = self.tokenizer, self.family.image_seq_len
+        fake, image = [tok.vision_start_token_id], [tok.image_token_id] * n
+        parts: list[tuple] = []
+        for r in range(rows):
+            for c in range(cols):
+                parts += [(fake, False), (f"<row_{r + 1}_col_{c + 1}>", False), (image, False)]
+            parts.append(("\n", False))
+        return parts + [("\n" if rows else "", False), (fake, False), ("<global-img>", False),
+                        (image + fake, False)]
+
+    def segments(self, meta: dict, grids: list[tuple[int, int]], *, sample) -> list[tuple]:
+        """The rendered chat as :func:`encode_segments` parts, one ``(rows, cols)`` tile grid per image."""
+        tok = self.tokenizer
+        turns = meta.get("messages")
+        if not isinstance(turns, list):
+            if not isinstance(meta.get("text"), str):
+                raise MediaError(MediaProblem.BAD_TEXT, sample=sample, field="json",
+                                 expected="'messages' (a list) or 'text'", actual=f"keys {sorted(meta)}")
+            turns = None
+        images = iter(grids)
+        segments: list[tuple] = []
+        seen = 0
+
+        def content(text: str, trained: bool):
+            nonlocal seen
+            for part in _SPLIT.split(text):
+                if part != IMAGE_PLACEHOLDER:
+                    segments.append((part, trained))
+                    continue
+                seen += 1
+                grid = next(images, None)
+                if grid is not None:
+                    segments.extend(self.image_segments(*grid))
+
+        if turns is None:
+            content(meta["text"], True)
+        else:
+            bos = getattr(tok, "bos_token_id", None)
+            if bos is not None:
+                segments.append(([bos], False))
+            for i, turn in enumerate(turns):
+                if not isinstance(turn, dict) or not isinstance(turn.get("content"), str) \
+                        or not isinstance(turn.get("role"), str):
+                    raise MediaError(MediaProblem.BAD_TEXT, sample=sample, field=f"json.messages[{i}]",
+                                     expected="{'role': str, 'content': str}", actual=repr(turn)[:80])
+                reply = turn["role"] == "assistant"
+                opens_with_image = _SPLIT.split(turn["content"])[0] == "" and IMAGE_PLACEHOLDER in turn["content"]
+                segments.append((turn["role"].capitalize() + (":" if opens_with_image else ": "), False))
+                content(turn["content"], reply)
+                segments += [([tok.im_end_id], reply), ("\n", False)]
+        if seen != len(grids):
+            raise MediaError(MediaProblem.PLACEHOLDER_MISMATCH, sample=sample, field="json",
+                             expected=f"{len(grids)} '{IMAGE_PLACEHOLDER}' placeholders (one per image)",
+                             actual=f"{seen}")
+        return segments
+
+    def header_ids(self, raw: dict, size_of=None) -> tuple[np.ndarray, np.ndarray]:
+        """(``input_ids``, ``loss_mask``) without decoding an image: each image's ``(width, height)`` from
+        ``size_of(name, value)`` (default: its header) is all the length depends on (what an index pass needs)."""
+        from prealign.loaders.sources.header_lengths import image_header_size
+
+        key = raw.get("__key__", "?")
+        meta = sample_metadata(raw, self.text_key, key)
+        size_of = size_of or (lambda name, value: image_header_size(value, field=name, sample=key))
+        grids = []
+        for name, value in image_members(raw, meta, key):
+            w, h = size_of(name, value)
+            grids.append(self.family.rows_cols(h, w, sample=key, field=name))
+        return encode_segments(self.tokenizer, self.segments(meta, grids, sample=key))
+
+    def index_key(self) -> str:
+        """What a sample's length depends on (an index sidecar's key): the tokenizer (ids and a probe encoding),
+        the family with the splitting in use, teacher K."""
+        tok = self.tokenizer
+        probe = np.asarray(tok.encode("prealign probe:\n\n <row_1_col_1><global-img> Hello, world!")).tolist()
+        return json.dumps({"idefics3": {"tokenizer": f"{type(tok).__module__}.{type(tok).__qualname__}",
+                                        "vocab_size": int(tok.vocab_size), "probe": probe, "family": repr(self.family),
+                                        "bos": getattr(tok, "bos_token_id", None),
+                                        "ids": [tok.vision_start_token_id, tok.im_end_id, tok.image_token_id],
+                                        "topk": self.topk, "text_key": self.text_key}}, sort_keys=True)
+
+    def __call__(self, raw: dict) -> dict:
+        key = raw.get("__key__", "?")
+        meta = sample_metadata(raw, self.text_key, key)
+        images = [decode_image(v, sample=key, name=n, limits=self.limits) for n, v in image_members(raw, meta, key)]
+        grids = [self.family.rows_cols(im.height, im.width, sample=key, field=f"images[{i}]")
+                 for i, im in enumerate(images)]
+        ids, mask = encode_segments(self.tokenizer, self.segments(meta, grids, sample=key))
+        s = self.family.tile_size
+        if images:
+            try:
+                out = self.image_processor(images=[images], return_row_col_info=True, return_tensors="pt")
+            except ValueError as exc:
+                raise MediaError(MediaProblem.CORRUPT_IMAGE, sample=key, field="images", actual=str(exc),
+                                 expected="images the SmolVLM / Idefics3 image processor accepts") from None
+            pixels = out["pixel_values"][0].to(torch.float32)
+            theirs = [[int(r), int(c)] for r, c in zip(out["rows"][0], out["cols"][0])]
+            if theirs != [list(g) for g in grids]:
+                raise MediaError(MediaProblem.VISION_TOKEN_MISMATCH, sample=key, field="images",
+                                 expected=f"tile grids {grids}", actual=f"the image processor's {theirs}")
+        else:
+            pixels = torch.zeros(0, 3, s, s)
+        input_ids = torch.from_numpy(ids)
+        result = {"__key__": key, "input_ids": input_ids, "loss_mask": torch.from_numpy(mask),
+                  "mm_token_type_ids": (input_ids == self.family.image_token_id).to(torch.int64),
+                  "pixel_values": pixels.to(getattr(torch, self.pixel_dtype)),
+                  "image_rows_cols": torch.tensor(grids, dtype=torch.int64).reshape(-1, 2)}
+        if self.topk is not None:
+            result.update(teacher_topk(raw, sample=key, length=input_ids.numel(), topk=self.topk,
+                                       vocab_size=self.tokenizer.vocab_size,
+                                       log_prob_dtype=getattr(torch, self.log_prob_dtype)))
+        return result
