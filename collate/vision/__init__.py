@@ -18,9 +18,9 @@ from .family import VisionFamily, has_linear_attention, local_attention
 from .gemma3 import Gemma3
 from .glm4v import Glm4V
 from .grids import VisionGeometry, image_grid, video_grid
+from .idefics3 import Idefics3
 from .internvl import InternVL
 from .llava_onevision import LlavaOneVision
-from .idefics3 import Idefics3
 from .mistral3 import Mistral3
 from .positions import IMAGE, TEXT, VIDEO, rope_positions
 from .qwen2_5_vl import Qwen2_5VL
