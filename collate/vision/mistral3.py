@@ -126,6 +126,16 @@ class Mistral3(VisionFamily):
         return BatchSchema(name=self.model_type if topk is None else f"{self.model_type}_topk", fields=fields)
 
 
+def is_pixtral(model_config) -> bool:
+    """Whether a config (object, dict or family) is Mistral3's or Pixtral's (``llava`` with a ``pixtral`` tower):
+    the models whose batches carry patches + ``image_sizes``."""
+    if isinstance(model_config, Mistral3):
+        return True
+    get = config_getter(model_config)
+    vision = config_getter(get("vision_config", None) or {})
+    return get("model_type") == "mistral3" or (get("model_type") == "llava" and vision("model_type") == "pixtral")
+
+
 def image_patches(image: torch.Tensor, patch: int) -> torch.Tensor:
     """float ``[3, H, W]`` (H, W multiples of ``patch``) -> ``[H/p * W/p, 3, p, p]``, patches in raster order."""
     c, h, w = image.shape
