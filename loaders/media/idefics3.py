@@ -21,16 +21,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import re
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import torch
 
 from prealign.collate.vision import Idefics3, vision_family
-from prealign.loaders.media.chat_tokenizer import HFChatTokenizer, encode_segments
-from prealign.loaders.media.teacher_topk import teacher_topk
+from prealign.loaders.media.chat_tokenizer import encode_segments
+from prealign.loaders.media.sized_images import SPLIT_IMAGES, SizedImagesTransform
 from prealign.loaders.media.vlm import (
     IMAGE_PLACEHOLDER,
     MediaError,
@@ -39,7 +37,6 @@ from prealign.loaders.media.vlm import (
     image_members,
     sample_metadata,
 )
-from prealign.loaders.sources.tar_decode import DEFAULT_LIMITS, DecodeLimits
 from prealign.schemas.errors import ConfigError
 
 IDEFICS3_TOKENS = {"im_start": "<fake_token_around_image>", "im_end": "<end_of_utterance>",
@@ -48,7 +45,6 @@ IDEFICS3_TOKENS = {"im_start": "<fake_token_around_image>", "im_end": "<end_of_u
 """:class:`HFChatTokenizer` names of SmolVLM's tokens: ``<end_of_utterance>`` closes a turn (``im_end``),
 ``<fake_token_around_image>`` wraps images (``vision_start``), ``<image>`` is the image token.
 ``<row_r_col_c>`` and ``<global-img>`` are written as text (the tokenizer's added tokens)."""
-_SPLIT = re.compile("(" + re.escape(IMAGE_PLACEHOLDER) + ")")
 
 
 @functools.lru_cache(maxsize=4)
@@ -67,35 +63,21 @@ def _longest(size) -> int | None:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Idefics3SampleTransform:
+class Idefics3SampleTransform(SizedImagesTransform):
     """Raw multimodal sample -> SmolVLM / Idefics3 fields (module docstring). ``model_config``: the
     ``SmolVLMConfig`` / ``Idefics3Config`` (or its dict); ``tokenizer``: the model's HF tokenizer (wrapped with
     :data:`IDEFICS3_TOKENS`) or a :class:`~prealign.loaders.media.chat_tokenizer.ChatTokenizer` with those ids;
     ``processor``: the model's processor or image processor (default :func:`idefics3_image_processor`: longest
-    edge ``4 * S``, ``S`` the vision tower's ``image_size``). Picklable."""
+    edge ``4 * S``, ``S`` the vision tower's ``image_size``). The other settings are
+    :class:`~prealign.loaders.media.sized_images.SizedImagesTransform`'s. Picklable."""
 
-    model_config: Any
-    tokenizer: Any
-    processor: Any = None
-    topk: int | None = None
-    """Expect teacher top-k members with this K (as :class:`~prealign.loaders.media.vlm.VLMSampleTransform`)."""
-    log_prob_dtype: str = "float32"
-    pixel_dtype: str = "float32"
-    text_key: str = "json"
-    limits: DecodeLimits = DEFAULT_LIMITS
     family: Idefics3 = field(init=False, repr=False, compare=False, default=None)
 
     def __post_init__(self):
         fam = vision_family(self.model_config)
         if not isinstance(fam, Idefics3):
             raise ConfigError(f"Idefics3SampleTransform: expected a smolvlm or idefics3 config, got {fam.model_type!r}")
-        if not hasattr(self.tokenizer, "encode"):
-            raise ConfigError("Idefics3SampleTransform: tokenizer must be a ChatTokenizer or an HF tokenizer")
-        if not hasattr(self.tokenizer, "im_start_id"):  # a plain HF tokenizer
-            object.__setattr__(self, "tokenizer", HFChatTokenizer(self.tokenizer, **IDEFICS3_TOKENS))
-        if self.tokenizer.image_token_id != fam.image_token_id:
-            raise ConfigError(f"Idefics3SampleTransform: the config's image_token_id {fam.image_token_id} is not the "
-                              f"tokenizer's <image> {self.tokenizer.image_token_id}")
+        self._setup(fam, IDEFICS3_TOKENS, "<image>")
         ip = self.image_processor  # the splitting that runs decides the lengths
         tile, edge = _longest(ip.max_image_size), _longest(ip.size)
         if not tile or not edge:
@@ -106,16 +88,9 @@ class Idefics3SampleTransform:
                               f"tower's image_size {fam.tile_size}")
         object.__setattr__(self, "family", dataclasses.replace(fam, longest_edge=int(edge),
                                                                split=bool(ip.do_image_splitting)))
-        for name in ("log_prob_dtype", "pixel_dtype"):
-            if getattr(self, name) not in ("float32", "bfloat16"):
-                raise ConfigError(f"Idefics3SampleTransform.{name}: expected 'float32' or 'bfloat16', "
-                                  f"got {getattr(self, name)!r}")
 
-    @property
-    def image_processor(self):
-        if self.processor is not None:
-            return getattr(self.processor, "image_processor", self.processor)
-        fam = self.family or vision_family(self.model_config)
+    def default_image_processor(self):
+        fam = self.family
         return idefics3_image_processor(fam.model_type, fam.longest_edge, fam.tile_size)
 
     def image_segments(self, rows: int, cols: int) -> list[tuple]:
@@ -133,19 +108,14 @@ class Idefics3SampleTransform:
     def segments(self, meta: dict, grids: list[tuple[int, int]], *, sample) -> list[tuple]:
         """The rendered chat as :func:`encode_segments` parts, one ``(rows, cols)`` tile grid per image."""
         tok = self.tokenizer
-        turns = meta.get("messages")
-        if not isinstance(turns, list):
-            if not isinstance(meta.get("text"), str):
-                raise MediaError(MediaProblem.BAD_TEXT, sample=sample, field="json",
-                                 expected="'messages' (a list) or 'text'", actual=f"keys {sorted(meta)}")
-            turns = None
+        turns = self.turns(meta, sample=sample)
         images = iter(grids)
         segments: list[tuple] = []
         seen = 0
 
         def content(text: str, trained: bool):
             nonlocal seen
-            for part in _SPLIT.split(text):
+            for part in SPLIT_IMAGES.split(text):
                 if part != IMAGE_PLACEHOLDER:
                     segments.append((part, trained))
                     continue
@@ -160,13 +130,9 @@ class Idefics3SampleTransform:
             bos = getattr(tok, "bos_token_id", None)
             if bos is not None:
                 segments.append(([bos], False))
-            for i, turn in enumerate(turns):
-                if not isinstance(turn, dict) or not isinstance(turn.get("content"), str) \
-                        or not isinstance(turn.get("role"), str):
-                    raise MediaError(MediaProblem.BAD_TEXT, sample=sample, field=f"json.messages[{i}]",
-                                     expected="{'role': str, 'content': str}", actual=repr(turn)[:80])
+            for turn in turns:
                 reply = turn["role"] == "assistant"
-                opens_with_image = _SPLIT.split(turn["content"])[0] == "" and IMAGE_PLACEHOLDER in turn["content"]
+                opens_with_image = turn["content"].startswith(IMAGE_PLACEHOLDER)
                 segments.append((turn["role"].capitalize() + (":" if opens_with_image else ": "), False))
                 content(turn["content"], reply)
                 segments += [([tok.im_end_id], reply), ("\n", False)]
@@ -176,19 +142,9 @@ class Idefics3SampleTransform:
                              actual=f"{seen}")
         return segments
 
-    def header_ids(self, raw: dict, size_of=None) -> tuple[np.ndarray, np.ndarray]:
-        """(``input_ids``, ``loss_mask``) without decoding an image: each image's ``(width, height)`` from
-        ``size_of(name, value)`` (default: its header) is all the length depends on (what an index pass needs)."""
-        from prealign.loaders.sources.header_lengths import image_header_size
-
-        key = raw.get("__key__", "?")
-        meta = sample_metadata(raw, self.text_key, key)
-        size_of = size_of or (lambda name, value: image_header_size(value, field=name, sample=key))
-        grids = []
-        for name, value in image_members(raw, meta, key):
-            w, h = size_of(name, value)
-            grids.append(self.family.rows_cols(h, w, sample=key, field=name))
-        return encode_segments(self.tokenizer, self.segments(meta, grids, sample=key))
+    def image_grid(self, width: int, height: int, *, sample, field: str) -> tuple[int, int]:
+        """``(rows, cols)`` of one image's tiles (``(0, 0)``: its global view alone; a header's size is enough)."""
+        return self.family.rows_cols(height, width, sample=sample, field=field)
 
     def index_key(self) -> str:
         """What a sample's length depends on (an index sidecar's key): the tokenizer (ids and a probe encoding),
@@ -205,8 +161,7 @@ class Idefics3SampleTransform:
         key = raw.get("__key__", "?")
         meta = sample_metadata(raw, self.text_key, key)
         images = [decode_image(v, sample=key, name=n, limits=self.limits) for n, v in image_members(raw, meta, key)]
-        grids = [self.family.rows_cols(im.height, im.width, sample=key, field=f"images[{i}]")
-                 for i, im in enumerate(images)]
+        grids = [self.image_grid(im.width, im.height, sample=key, field=f"images[{i}]") for i, im in enumerate(images)]
         ids, mask = encode_segments(self.tokenizer, self.segments(meta, grids, sample=key))
         s = self.family.tile_size
         if images:
@@ -222,13 +177,5 @@ class Idefics3SampleTransform:
                                  expected=f"tile grids {grids}", actual=f"the image processor's {theirs}")
         else:
             pixels = torch.zeros(0, 3, s, s)
-        input_ids = torch.from_numpy(ids)
-        result = {"__key__": key, "input_ids": input_ids, "loss_mask": torch.from_numpy(mask),
-                  "mm_token_type_ids": (input_ids == self.family.image_token_id).to(torch.int64),
-                  "pixel_values": pixels.to(getattr(torch, self.pixel_dtype)),
-                  "image_rows_cols": torch.tensor(grids, dtype=torch.int64).reshape(-1, 2)}
-        if self.topk is not None:
-            result.update(teacher_topk(raw, sample=key, length=input_ids.numel(), topk=self.topk,
-                                       vocab_size=self.tokenizer.vocab_size,
-                                       log_prob_dtype=getattr(torch, self.log_prob_dtype)))
-        return result
+        return self.output(raw, key, ids, mask, {"pixel_values": pixels, "image_rows_cols": torch.tensor(
+            grids, dtype=torch.int64).reshape(-1, 2)})

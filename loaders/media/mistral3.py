@@ -22,17 +22,15 @@ from __future__ import annotations
 
 import functools
 import json
-import re
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import torch
 
 from prealign.collate.vision import Mistral3, vision_family
 from prealign.collate.vision.mistral3 import image_patches
-from prealign.loaders.media.chat_tokenizer import HFChatTokenizer, encode_segments
-from prealign.loaders.media.teacher_topk import teacher_topk
+from prealign.loaders.media.chat_tokenizer import encode_segments
+from prealign.loaders.media.sized_images import SPLIT_IMAGES, SizedImagesTransform
 from prealign.loaders.media.vlm import (
     IMAGE_PLACEHOLDER,
     MediaError,
@@ -41,7 +39,6 @@ from prealign.loaders.media.vlm import (
     image_members,
     sample_metadata,
 )
-from prealign.loaders.sources.tar_decode import DEFAULT_LIMITS, DecodeLimits
 from prealign.schemas.errors import ConfigError
 
 MISTRAL3_TOKENS = {"im_start": "[INST]", "im_end": "[/INST]", "vision_start": "[IMG_BREAK]",
@@ -49,7 +46,6 @@ MISTRAL3_TOKENS = {"im_start": "[INST]", "im_end": "[/INST]", "vision_start": "[
 """:class:`HFChatTokenizer` names of Mistral3's tokens (a user turn's ``[INST]`` / ``[/INST]`` in the turn slots,
 ``[IMG_BREAK]`` / ``[IMG_END]`` in the vision start / end slots): ``HFChatTokenizer(tok, **MISTRAL3_TOKENS)``."""
 SYSTEM_TOKENS = ("[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]")
-_SPLIT = re.compile("(" + re.escape(IMAGE_PLACEHOLDER) + ")")
 
 
 @functools.lru_cache(maxsize=4)
@@ -64,50 +60,28 @@ def mistral3_image_processor(longest_edge: int, patch_size: int):
 
 
 @dataclass(frozen=True, kw_only=True)
-class Mistral3SampleTransform:
+class Mistral3SampleTransform(SizedImagesTransform):
     """Raw multimodal sample -> Mistral3 fields (module docstring). ``model_config``: the ``Mistral3Config`` (a
     Pixtral ``LlavaConfig``, their dicts, or a :class:`~prealign.collate.vision.Mistral3`); ``tokenizer``: the
     model's HF tokenizer (wrapped with :data:`MISTRAL3_TOKENS`) or a
     :class:`~prealign.loaders.media.chat_tokenizer.ChatTokenizer` with those ids; ``processor``: the model's
     processor or image processor (default :func:`mistral3_image_processor` with the vision tower's
-    ``image_size`` as longest edge); ``system``: a system prompt written when the messages have none. Picklable."""
+    ``image_size`` as longest edge); ``system``: a system prompt written when the messages have none. The other
+    settings are :class:`~prealign.loaders.media.sized_images.SizedImagesTransform`'s. Picklable."""
 
-    model_config: Any
-    tokenizer: Any
-    processor: Any = None
-    topk: int | None = None
-    """Expect teacher top-k members with this K (as :class:`~prealign.loaders.media.vlm.VLMSampleTransform`)."""
-    log_prob_dtype: str = "float32"
-    pixel_dtype: str = "float32"
-    text_key: str = "json"
-    limits: DecodeLimits = DEFAULT_LIMITS
     system: str | None = None
     family: Mistral3 = field(init=False, repr=False, compare=False, default=None)
 
     def __post_init__(self):
-        fam = self.model_config if isinstance(self.model_config, Mistral3) else \
-            Mistral3.from_config(self.model_config) if _model_type(self.model_config) == "llava" else \
-            vision_family(self.model_config)
+        config = self.model_config
+        fam = config if isinstance(config, Mistral3) else \
+            Mistral3.from_config(config) if _model_type(config) == "llava" else vision_family(config)
         if not isinstance(fam, Mistral3):
             raise ConfigError(f"Mistral3SampleTransform: expected a mistral3 (or Pixtral llava) config, got "
                               f"{fam.model_type!r}")
-        object.__setattr__(self, "family", fam)
-        if not hasattr(self.tokenizer, "encode"):
-            raise ConfigError("Mistral3SampleTransform: tokenizer must be a ChatTokenizer or an HF tokenizer")
-        if not hasattr(self.tokenizer, "im_start_id"):  # a plain HF tokenizer
-            object.__setattr__(self, "tokenizer", HFChatTokenizer(self.tokenizer, **MISTRAL3_TOKENS))
-        if self.tokenizer.image_token_id != fam.image_token_id:
-            raise ConfigError(f"Mistral3SampleTransform: the config's image_token_id {fam.image_token_id} is not the "
-                              f"tokenizer's [IMG] {self.tokenizer.image_token_id}")
-        for name in ("log_prob_dtype", "pixel_dtype"):
-            if getattr(self, name) not in ("float32", "bfloat16"):
-                raise ConfigError(f"Mistral3SampleTransform.{name}: expected 'float32' or 'bfloat16', "
-                                  f"got {getattr(self, name)!r}")
+        self._setup(fam, MISTRAL3_TOKENS, "[IMG]")
 
-    @property
-    def image_processor(self):
-        if self.processor is not None:
-            return getattr(self.processor, "image_processor", self.processor)
+    def default_image_processor(self):
         return mistral3_image_processor(self.family.longest_edge, self.family.patch_size)
 
     @property
@@ -130,19 +104,14 @@ class Mistral3SampleTransform:
     def segments(self, meta: dict, grids: list[tuple[int, int]], *, sample) -> list[tuple]:
         """The rendered chat as :func:`encode_segments` parts, one ``(rows, cols)`` token grid per image."""
         tok, fam = self.tokenizer, self.family
-        turns = meta.get("messages")
-        if not isinstance(turns, list):
-            if not isinstance(meta.get("text"), str):
-                raise MediaError(MediaProblem.BAD_TEXT, sample=sample, field="json",
-                                 expected="'messages' (a list) or 'text'", actual=f"keys {sorted(meta)}")
-            turns = None
+        turns = self.turns(meta, sample=sample, roles=("system", "user", "assistant"))
         images = iter(grids)
         segments: list[tuple] = []
         seen = 0
 
         def content(text: str, trained: bool, where: str, images_allowed: bool):
             nonlocal seen
-            for part in _SPLIT.split(text):
+            for part in SPLIT_IMAGES.split(text):
                 if part != IMAGE_PLACEHOLDER:
                     segments.append((part, trained))
                     continue
@@ -161,15 +130,9 @@ class Mistral3SampleTransform:
             bos = getattr(tok, "bos_token_id", None)
             if bos is not None:
                 segments.append(([bos], False))
-            has_system = bool(turns) and isinstance(turns[0], dict) and turns[0].get("role") == "system"
-            if self.system is not None and not has_system:
+            if self.system is not None and not (turns and turns[0]["role"] == "system"):
                 turns = [{"role": "system", "content": self.system}, *turns]
             for i, turn in enumerate(turns):
-                if not isinstance(turn, dict) or not isinstance(turn.get("content"), str) \
-                        or turn.get("role") not in ("system", "user", "assistant"):
-                    raise MediaError(MediaProblem.BAD_TEXT, sample=sample, field=f"json.messages[{i}]",
-                                     expected="{'role': 'system' | 'user' | 'assistant', 'content': str}",
-                                     actual=repr(turn)[:80])
                 role, where = turn["role"], f"json.messages[{i}]"
                 if role == "user":
                     segments.append(([tok.im_start_id], False))
@@ -189,20 +152,9 @@ class Mistral3SampleTransform:
                              actual=f"{seen}")
         return segments
 
-    def token_grid(self, width: int, height: int, *, sample, field: str) -> tuple[int, int]:
+    def image_grid(self, width: int, height: int, *, sample, field: str) -> tuple[int, int]:
         """``(rows, cols)`` of ``[IMG]`` tokens of a ``width x height`` image (its header is enough)."""
         return self.family.token_grid(height, width, longest_edge=self.longest_edge, sample=sample, field=field)
-
-    def header_ids(self, raw: dict, size_of=None) -> tuple[np.ndarray, np.ndarray]:
-        """(``input_ids``, ``loss_mask``) without decoding an image: each image's ``(width, height)`` from
-        ``size_of(name, value)`` (default: its header) is all the length depends on (what an index pass needs)."""
-        from prealign.loaders.sources.header_lengths import image_header_size
-
-        key = raw.get("__key__", "?")
-        meta = sample_metadata(raw, self.text_key, key)
-        size_of = size_of or (lambda name, value: image_header_size(value, field=name, sample=key))
-        grids = [self.token_grid(*size_of(n, v), sample=key, field=n) for n, v in image_members(raw, meta, key)]
-        return encode_segments(self.tokenizer, self.segments(meta, grids, sample=key))
 
     def index_key(self) -> str:
         """What a sample's length depends on (an index sidecar's key): the tokenizer (ids and a probe encoding),
@@ -221,7 +173,7 @@ class Mistral3SampleTransform:
         key = raw.get("__key__", "?")
         meta = sample_metadata(raw, self.text_key, key)
         images = [decode_image(v, sample=key, name=n, limits=self.limits) for n, v in image_members(raw, meta, key)]
-        grids = [self.token_grid(im.width, im.height, sample=key, field=f"images[{i}]") for i, im in enumerate(images)]
+        grids = [self.image_grid(im.width, im.height, sample=key, field=f"images[{i}]") for i, im in enumerate(images)]
         ids, mask = encode_segments(self.tokenizer, self.segments(meta, grids, sample=key))
         p, step = self.family.patch_size, self.family.token_step
         if images:
@@ -235,15 +187,7 @@ class Mistral3SampleTransform:
             raise MediaError(MediaProblem.VISION_TOKEN_MISMATCH, sample=key, field="images",
                              expected=f"resized sizes {[[r * step, c * step] for r, c in grids]}",
                              actual=f"the image processor's {sizes.tolist()}")
-        input_ids = torch.from_numpy(ids)
-        result = {"__key__": key, "input_ids": input_ids, "loss_mask": torch.from_numpy(mask),
-                  "mm_token_type_ids": (input_ids == self.family.image_token_id).to(torch.int64),
-                  "pixel_values": pixels.to(getattr(torch, self.pixel_dtype)), "image_sizes": sizes}
-        if self.topk is not None:
-            result.update(teacher_topk(raw, sample=key, length=input_ids.numel(), topk=self.topk,
-                                       vocab_size=self.tokenizer.vocab_size,
-                                       log_prob_dtype=getattr(torch, self.log_prob_dtype)))
-        return result
+        return self.output(raw, key, ids, mask, {"pixel_values": pixels, "image_sizes": sizes})
 
 
 def _model_type(config) -> str | None:

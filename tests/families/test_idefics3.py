@@ -16,16 +16,18 @@ import torch
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from prealign.collate import HFAttention, THDCollator, to_hf_kwargs, unshard_cp
+from prealign.collate import HFAttention, to_hf_kwargs
 from prealign.collate.vision import Idefics3, model_contract, vision_family
 from prealign.collate.vision.idefics3 import tile_grid
 from prealign.loaders.media.idefics3 import Idefics3SampleTransform
 from prealign.loaders.media.vlm import MediaError
-from prealign.schemas import ConfigError, ParallelLayout
+from prealign.schemas import ConfigError
 from prealign.schemas.contract import Consumer, check_consumer
 from tests.conftest import examples
-from tests.consumers.models import CORRUPT, real_slots
+from tests.consumers.models import CORRUPT
 from tests.families import idefics3_reference as ref
+from tests.families.header_index import assert_header_index_equals_full_pass
+from tests.families.packing import packed_batch, worst_gap
 
 transformers = pytest.importorskip("transformers")
 TOL = 1e-6
@@ -178,31 +180,20 @@ def model_samples(model_type: str) -> list[dict]:
             for i, m in enumerate(conversations)]
 
 
-def logits(model_type: str, kwargs: dict) -> torch.Tensor:
-    with torch.no_grad():
-        return ref.tiny_model(model_type)(**kwargs).logits[0]
-
-
-def alone(model_type: str, sample: dict) -> torch.Tensor:
+def alone(sample: dict) -> dict:
     kwargs = {"input_ids": sample["input_ids"][None], "use_cache": False}
     if sample["pixel_values"].shape[0]:
         kwargs["pixel_values"] = sample["pixel_values"][None].to(torch.float64)
-    return logits(model_type, kwargs)
+    return kwargs
 
 
 def packed(model_type: str, samples: list[dict]) -> tuple[dict, dict]:
-    """THD tp=2 cp=2: both CP ranks' shards unsharded back equal the whole batch; the model's kwargs from it."""
-    tok = ref.hf_tokenizer()
-    schema = vision_family(ref.tiny_config(model_type)).batch_schema(pad_token_id=tok.pad_token_id,
-                                                                     vocab_size=len(tok), pixel_dtypes=("float32",))
-    layout = ParallelLayout(tp=2, cp=2)
-    whole = THDCollator(schema=schema, layout=layout)(samples)
-    shards = [THDCollator(schema=schema, layout=layout, cp_rank=r)(samples) for r in range(2)]
-    for name in ("input_ids", "position_ids", "mm_token_type_ids"):
-        back = unshard_cp([s[name] for s in shards], cu_seqlens_padded=whole["cu_seqlens_padded"])
-        assert torch.equal(back, whole[name]), name
-    assert all(torch.equal(s["pixel_values"], whole["pixel_values"]) for s in shards)  # media: never sharded
-    kwargs = to_hf_kwargs(whole, attention=HFAttention.POSITIONS, labels=False, model_config=ref.tiny_config(model_type))
+    """THD tp=2 cp=2, every CP rank unsharded back; the model's kwargs from ``to_hf_kwargs``."""
+    tok, config = ref.hf_tokenizer(), ref.tiny_config(model_type)
+    schema = vision_family(config).batch_schema(pad_token_id=tok.pad_token_id, vocab_size=len(tok),
+                                                pixel_dtypes=("float32",))
+    whole = packed_batch(schema, samples)
+    kwargs = to_hf_kwargs(whole, attention=HFAttention.POSITIONS, labels=False, model_config=config)
     assert sorted(kwargs) == ["input_ids", "mm_token_type_ids", "pixel_values", "position_ids", "use_cache"]
     kwargs.pop("mm_token_type_ids")  # (the forward takes none)
     kwargs["pixel_values"] = kwargs["pixel_values"].to(torch.float64)
@@ -210,10 +201,7 @@ def packed(model_type: str, samples: list[dict]) -> tuple[dict, dict]:
 
 
 def worst(model_type: str, batch: dict, kwargs: dict, samples: list[dict]) -> float:
-    out, bad = logits(model_type, kwargs), 0.0
-    for slots, sample in zip(real_slots(batch), samples, strict=True):
-        bad = max(bad, float((out[slots] - alone(model_type, sample)).abs().max()))
-    return bad
+    return worst_gap(ref.tiny_model(model_type), kwargs, batch, samples, alone)
 
 
 @pytest.mark.slow
@@ -253,21 +241,4 @@ def test_demo_command_with_smolvlm(tmp_path, capsys):
 def test_header_index_equals_the_full_pass(tmp_path):
     """``prealign demo --model smolvlm`` data: the header-only index (image headers sized, the chat rendered by
     the tokenizer alone) gives every sample the length and media flag the full transform gives."""
-    from prealign.loaders import BadDataPolicy, WebDatasetSource, build_index
-    from prealign.loaders.cli.demo_data import build_demo_dataset, demo_transform
-    from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
-    from prealign.loaders.index.header_pass import ImageSizesRule, length_rule, write_sidecars
-
-    ds = build_demo_dataset(str(tmp_path), num_samples=16, samples_per_shard=8, topk=4, model="smolvlm")
-    t = demo_transform("smolvlm", ByteTokenizer(), 4)
-    schema = t.family.batch_schema(topk=4, vocab_size=ds.vocab_size)
-    policy = BadDataPolicy(on_error="skip")
-    full = build_index(WebDatasetSource(list(ds.shards), transform=t, image="bytes", sidecars=False), schema,
-                       policy=policy)
-    source = WebDatasetSource(list(ds.shards), transform=t, image="bytes")
-    assert isinstance(length_rule(source, schema), ImageSizesRule)  # headers only, no pixel processed
-    write_sidecars(source, schema)
-    side = build_index(WebDatasetSource(list(ds.shards), transform=t, image="bytes"), schema, policy=policy)
-    assert len(full) == len(side) == 16 - len(ds.bad)
-    assert full.lengths.tolist() == side.lengths.tolist() and full.media.tolist() == side.media.tolist()
-    assert bool(full.media.any()) and not bool(full.media.all())
+    assert_header_index_equals_full_pass(tmp_path, "smolvlm", 16)

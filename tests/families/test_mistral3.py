@@ -15,16 +15,18 @@ import torch
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from prealign.collate import HFAttention, THDCollator, to_hf_kwargs, unshard_cp
+from prealign.collate import HFAttention, to_hf_kwargs
 from prealign.collate.vision import Mistral3, model_contract, vision_family
 from prealign.collate.vision.mistral3 import hf_pixel_values, resized_size
 from prealign.loaders.media.mistral3 import Mistral3SampleTransform
 from prealign.loaders.media.vlm import MediaError
-from prealign.schemas import ConfigError, ParallelLayout
+from prealign.schemas import ConfigError
 from prealign.schemas.contract import Consumer, check_consumer
 from tests.conftest import examples
-from tests.consumers.models import CORRUPT, real_slots
+from tests.consumers.models import CORRUPT
 from tests.families import mistral3_reference as ref
+from tests.families.header_index import assert_header_index_equals_full_pass
+from tests.families.packing import packed_batch, worst_gap
 
 transformers = pytest.importorskip("transformers")
 TOL = 1e-6
@@ -168,28 +170,17 @@ def model_samples() -> list[dict]:
             for i, m in enumerate(conversations)]
 
 
-def logits(kwargs: dict) -> torch.Tensor:
-    with torch.no_grad():
-        return ref.tiny_model()(**kwargs).logits[0]
-
-
-def alone(sample: dict) -> torch.Tensor:
+def alone(sample: dict) -> dict:
     kwargs = {"input_ids": sample["input_ids"][None], "use_cache": False}
     if sample["image_sizes"].shape[0]:
         kwargs["pixel_values"] = hf_pixel_values(sample["pixel_values"], sample["image_sizes"]).to(torch.float64)
         kwargs["image_sizes"] = sample["image_sizes"]
-    return logits(kwargs)
+    return kwargs
 
 
 def packed(samples: list[dict]) -> tuple[dict, dict]:
-    """THD tp=2 cp=2: both CP ranks' shards unsharded back equal the whole batch; the model's kwargs from it."""
-    layout = ParallelLayout(tp=2, cp=2)
-    whole = THDCollator(schema=schema(), layout=layout)(samples)
-    shards = [THDCollator(schema=schema(), layout=layout, cp_rank=r)(samples) for r in range(2)]
-    for name in ("input_ids", "position_ids", "mm_token_type_ids"):
-        back = unshard_cp([s[name] for s in shards], cu_seqlens_padded=whole["cu_seqlens_padded"])
-        assert torch.equal(back, whole[name]), name
-    assert all(torch.equal(s["pixel_values"], whole["pixel_values"]) for s in shards)  # media: never sharded
+    """THD tp=2 cp=2, every CP rank unsharded back; the model's kwargs from ``to_hf_kwargs``."""
+    whole = packed_batch(schema(), samples)
     kwargs = to_hf_kwargs(whole, attention=HFAttention.POSITIONS, labels=False, model_config=ref.tiny_config())
     assert sorted(kwargs) == ["image_sizes", "input_ids", "mm_token_type_ids", "pixel_values", "position_ids",
                               "use_cache"]
@@ -199,10 +190,7 @@ def packed(samples: list[dict]) -> tuple[dict, dict]:
 
 
 def worst(batch: dict, kwargs: dict, samples: list[dict]) -> float:
-    out, bad = logits(kwargs), 0.0
-    for slots, sample in zip(real_slots(batch), samples, strict=True):
-        bad = max(bad, float((out[slots] - alone(sample)).abs().max()))
-    return bad
+    return worst_gap(ref.tiny_model(), kwargs, batch, samples, alone)
 
 
 @pytest.mark.slow
@@ -240,21 +228,4 @@ def test_demo_command_with_mistral3(tmp_path, capsys):
 def test_header_index_equals_the_full_pass(tmp_path):
     """``prealign demo --model mistral3`` data: the header-only index (image headers sized, the chat rendered by
     the tokenizer alone) gives every sample the length and media flag the full transform gives."""
-    from prealign.loaders import BadDataPolicy, WebDatasetSource, build_index
-    from prealign.loaders.cli.demo_data import build_demo_dataset, demo_transform
-    from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
-    from prealign.loaders.index.header_pass import ImageSizesRule, length_rule, write_sidecars
-
-    ds = build_demo_dataset(str(tmp_path), num_samples=24, samples_per_shard=12, topk=4, model="mistral3")
-    t = demo_transform("mistral3", ByteTokenizer(), 4)
-    schema = t.family.batch_schema(topk=4, vocab_size=ds.vocab_size)
-    policy = BadDataPolicy(on_error="skip")
-    full = build_index(WebDatasetSource(list(ds.shards), transform=t, image="bytes", sidecars=False), schema,
-                       policy=policy)
-    source = WebDatasetSource(list(ds.shards), transform=t, image="bytes")
-    assert isinstance(length_rule(source, schema), ImageSizesRule)  # headers only, no pixel processed
-    write_sidecars(source, schema)
-    side = build_index(WebDatasetSource(list(ds.shards), transform=t, image="bytes"), schema, policy=policy)
-    assert len(full) == len(side) == 24 - len(ds.bad)
-    assert full.lengths.tolist() == side.lengths.tolist() and full.media.tolist() == side.media.tolist()
-    assert bool(full.media.any()) and not bool(full.media.all())
+    assert_header_index_equals_full_pass(tmp_path, "mistral3", 24)
