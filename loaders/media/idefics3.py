@@ -51,11 +51,24 @@ IDEFICS3_TOKENS = {"im_start": "<fake_token_around_image>", "im_end": "<end_of_u
 def idefics3_image_processor(model_type: str, longest_edge: int, tile: int):
     """transformers' SmolVLM / Idefics3 image processor (PIL backend where the installed transformers has one),
     ``longest_edge`` and ``tile``-px tiles. Built locally; cached per process."""
+    return pil_image_processor_class(model_type)(size={"longest_edge": longest_edge},
+                                                 max_image_size={"longest_edge": tile})
+
+
+def pil_image_processor_class(model_type: str):
+    """transformers' PIL-backend image processor class of ``smolvlm`` / ``idefics3``, imported from its module
+    (transformers 5.6 and 5.10 list ``SmolVLMImageProcessorPil`` as needing torchvision at the top level, though
+    its module does not); the torchvision-free ``*ImageProcessor`` where no PIL module exists."""
+    import importlib
+
     import transformers
 
-    name = "SmolVLM" if model_type == "smolvlm" else "Idefics3"
-    cls = getattr(transformers, f"{name}ImageProcessorPil", None) or getattr(transformers, f"{name}ImageProcessor")
-    return cls(size={"longest_edge": longest_edge}, max_image_size={"longest_edge": tile})
+    name, module = ("SmolVLM", "smolvlm") if model_type == "smolvlm" else ("Idefics3", "idefics3")
+    try:
+        pil = importlib.import_module(f"transformers.models.{module}.image_processing_pil_{module}")
+        return getattr(pil, f"{name}ImageProcessorPil")
+    except (ImportError, AttributeError):  # pragma: no cover - older transformers
+        return getattr(transformers, f"{name}ImageProcessor")
 
 
 def _longest(size) -> int | None:

@@ -42,11 +42,9 @@ def tid(name: str) -> int:
 
 
 def image_processor(model_type: str = "smolvlm", *, split: bool = True, longest_edge: int = 4 * TILE):
-    import transformers
+    from prealign.loaders.media.idefics3 import pil_image_processor_class
 
-    name = "SmolVLM" if model_type == "smolvlm" else "Idefics3"
-    cls = getattr(transformers, f"{name}ImageProcessorPil", None) or getattr(transformers, f"{name}ImageProcessor")
-    return cls(size={"longest_edge": longest_edge}, max_image_size={"longest_edge": TILE}, do_image_splitting=split)
+    return pil_image_processor_class(model_type)(size={"longest_edge": longest_edge}, max_image_size={"longest_edge": TILE}, do_image_splitting=split)
 
 
 def hf_processor(model_type: str = "smolvlm", **kw):

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from prealign.collate import HFAttention, to_hf_kwargs
 from prealign.collate.vision import Idefics3, model_contract, vision_family
 from prealign.collate.vision.idefics3 import tile_grid
-from prealign.loaders.media.idefics3 import Idefics3SampleTransform
+from prealign.loaders.media.idefics3 import Idefics3SampleTransform, pil_image_processor_class
 from prealign.loaders.media.vlm import MediaError
 from prealign.schemas import ConfigError
 from prealign.schemas.contract import Consumer, check_consumer
@@ -156,9 +156,7 @@ def test_bad_samples_are_typed_errors():
         Idefics3SampleTransform(model_config=transformers.SmolVLMConfig(image_token_id=99), tokenizer=ref.hf_tokenizer())
     with pytest.raises(ConfigError, match="image_size"):  # 364-px tiles from a 32-px tower
         Idefics3SampleTransform(model_config=ref.tiny_config(), tokenizer=ref.hf_tokenizer(),
-                                processor=transformers.Idefics3ImageProcessorPil()
-                                if hasattr(transformers, "Idefics3ImageProcessorPil") else
-                                transformers.Idefics3ImageProcessor())
+                                processor=pil_image_processor_class("idefics3")())
 
 
 @pytest.mark.parametrize("model_type", ["smolvlm", "idefics3"])
