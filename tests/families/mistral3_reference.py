@@ -105,3 +105,22 @@ def tiny_model():
 
     torch.manual_seed(0)
     return transformers.Mistral3ForConditionalGeneration(tiny_config()).to(torch.float64).eval()
+
+
+def tiny_pixtral_config():
+    """Pixtral as transformers builds it: a ``llava`` config with the same tiny Pixtral tower (no patch merger,
+    ``vision_feature_select_strategy="full"``) and Mistral LM."""
+    import transformers
+
+    cfg = tiny_config()
+    return transformers.LlavaConfig(vision_config=cfg.vision_config.to_dict(), text_config=cfg.text_config.to_dict(),
+                                    image_token_id=tid("[IMG]"), vision_feature_select_strategy="full",
+                                    vision_feature_layer=-1, attn_implementation="sdpa")
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_pixtral_model():
+    import transformers
+
+    torch.manual_seed(0)
+    return transformers.LlavaForConditionalGeneration(tiny_pixtral_config()).to(torch.float64).eval()

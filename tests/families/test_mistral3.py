@@ -161,11 +161,12 @@ def schema():
                                                                 pixel_dtypes=("float32",))
 
 
-def model_samples() -> list[dict]:
+def model_samples(pixtral: bool = False) -> list[dict]:
     conversations = [[{"role": "user", "content": "what <image> is it?"}, {"role": "assistant", "content": "a cat."}],
                      [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "\n\nworld ."}],
                      [{"role": "user", "content": "<image>a b<image>"}, {"role": "assistant", "content": "c ?"}]]
-    t = transform()
+    t = Mistral3SampleTransform(model_config=ref.tiny_pixtral_config() if pixtral else ref.tiny_config(),
+                                tokenizer=ref.hf_tokenizer())
     return [t(raw_sample(m, [png(11 + 3 * i + j, 8, 90) for j in range(m[0]["content"].count("<image>"))]))
             for i, m in enumerate(conversations)]
 
@@ -178,10 +179,10 @@ def alone(sample: dict) -> dict:
     return kwargs
 
 
-def packed(samples: list[dict]) -> tuple[dict, dict]:
+def packed(samples: list[dict], config=None) -> tuple[dict, dict]:
     """THD tp=2 cp=2, every CP rank unsharded back; the model's kwargs from ``to_hf_kwargs``."""
     whole = packed_batch(schema(), samples)
-    kwargs = to_hf_kwargs(whole, attention=HFAttention.POSITIONS, labels=False, model_config=ref.tiny_config())
+    kwargs = to_hf_kwargs(whole, attention=HFAttention.POSITIONS, labels=False, model_config=config or ref.tiny_config())
     assert sorted(kwargs) == ["image_sizes", "input_ids", "mm_token_type_ids", "pixel_values", "position_ids",
                               "use_cache"]
     kwargs.pop("mm_token_type_ids")  # (Mistral3's forward takes none)
@@ -189,8 +190,8 @@ def packed(samples: list[dict]) -> tuple[dict, dict]:
     return whole, kwargs
 
 
-def worst(batch: dict, kwargs: dict, samples: list[dict]) -> float:
-    return worst_gap(ref.tiny_model(), kwargs, batch, samples, alone)
+def worst(batch: dict, kwargs: dict, samples: list[dict], model=None) -> float:
+    return worst_gap(model or ref.tiny_model(), kwargs, batch, samples, alone)
 
 
 @pytest.mark.slow
@@ -207,6 +208,29 @@ def test_positions_that_do_not_restart_are_caught():
     batch, kwargs = packed(samples)
     kwargs["position_ids"] = torch.arange(batch["input_ids"].shape[1])[None]
     assert worst(batch, kwargs, samples) > CORRUPT
+
+
+def test_pixtral_llava_ids_and_pixels_equal_the_processor():
+    """Pixtral (a ``llava`` config, no patch merger): a token per 4-px patch, as ``PixtralProcessor`` with
+    ``spatial_merge_size=1`` writes it."""
+    t = Mistral3SampleTransform(model_config=ref.tiny_pixtral_config(), tokenizer=ref.hf_tokenizer())
+    assert (t.family.model_type, t.family.spatial_merge_size, t.family.token_step) == ("llava", 1, 4)
+    for seed in range(4):
+        messages = [{"role": "user", "content": "\nlook <image> and<image>"}, {"role": "assistant", "content": "x"}]
+        images = [png(seed), png(seed + 50)]
+        ours, want = t(raw_sample(messages, images)), reference(messages, images, ref.hf_processor(merge=1))
+        assert ours["input_ids"].tolist() == want["input_ids"][0].tolist()
+        assert ours["image_sizes"].tolist() == want["image_sizes"].tolist()
+        assert torch.equal(hf_pixel_values(ours["pixel_values"], ours["image_sizes"]), want["pixel_values"])
+
+
+@pytest.mark.slow
+def test_pixtral_packed_logits_equal_each_sample_alone():
+    samples = model_samples(pixtral=True)
+    batch, kwargs = packed(samples, ref.tiny_pixtral_config())
+    assert worst(batch, kwargs, samples, ref.tiny_pixtral_model()) < TOL
+    kwargs["position_ids"] = torch.arange(batch["input_ids"].shape[1])[None]
+    assert worst(batch, kwargs, samples, ref.tiny_pixtral_model()) > CORRUPT
 
 
 # ---- the demo and the header pass -------------------------------------------------------------------
