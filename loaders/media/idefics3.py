@@ -23,19 +23,14 @@ import functools
 import json
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from prealign.collate.vision import Idefics3, vision_family
-from prealign.loaders.media.chat_tokenizer import encode_segments
 from prealign.loaders.media.sized_images import SPLIT_IMAGES, SizedImagesTransform
 from prealign.loaders.media.vlm import (
     IMAGE_PLACEHOLDER,
     MediaError,
     MediaProblem,
-    decode_image,
-    image_members,
-    sample_metadata,
 )
 from prealign.schemas.errors import ConfigError
 
@@ -160,22 +155,14 @@ class Idefics3SampleTransform(SizedImagesTransform):
         return self.family.rows_cols(height, width, sample=sample, field=field)
 
     def index_key(self) -> str:
-        """What a sample's length depends on (an index sidecar's key): the tokenizer (ids and a probe encoding),
-        the family with the splitting in use, teacher K."""
+        """What a sample's length depends on (an index sidecar's key): the shared fields (the family with the
+        splitting in use) and the token ids."""
         tok = self.tokenizer
-        probe = np.asarray(tok.encode("prealign probe:\n\n <row_1_col_1><global-img> Hello, world!")).tolist()
-        return json.dumps({"idefics3": {"tokenizer": f"{type(tok).__module__}.{type(tok).__qualname__}",
-                                        "vocab_size": int(tok.vocab_size), "probe": probe, "family": repr(self.family),
-                                        "bos": getattr(tok, "bos_token_id", None),
-                                        "ids": [tok.vision_start_token_id, tok.im_end_id, tok.image_token_id],
-                                        "topk": self.topk, "text_key": self.text_key}}, sort_keys=True)
+        return json.dumps({"idefics3": {**self.key_fields(), "ids": [tok.vision_start_token_id, tok.im_end_id,
+                                                                     tok.image_token_id]}}, sort_keys=True)
 
     def __call__(self, raw: dict) -> dict:
-        key = raw.get("__key__", "?")
-        meta = sample_metadata(raw, self.text_key, key)
-        images = [decode_image(v, sample=key, name=n, limits=self.limits) for n, v in image_members(raw, meta, key)]
-        grids = [self.image_grid(im.width, im.height, sample=key, field=f"images[{i}]") for i, im in enumerate(images)]
-        ids, mask = encode_segments(self.tokenizer, self.segments(meta, grids, sample=key))
+        key, images, grids, ids, mask = self.render(raw)
         s = self.family.tile_size
         if images:
             try:

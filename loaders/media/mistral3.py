@@ -24,20 +24,15 @@ import functools
 import json
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from prealign.collate.vision import Mistral3, vision_family
 from prealign.collate.vision.mistral3 import image_patches
-from prealign.loaders.media.chat_tokenizer import encode_segments
 from prealign.loaders.media.sized_images import SPLIT_IMAGES, SizedImagesTransform
 from prealign.loaders.media.vlm import (
     IMAGE_PLACEHOLDER,
     MediaError,
     MediaProblem,
-    decode_image,
-    image_members,
-    sample_metadata,
 )
 from prealign.schemas.errors import ConfigError
 
@@ -157,24 +152,15 @@ class Mistral3SampleTransform(SizedImagesTransform):
         return self.family.token_grid(height, width, longest_edge=self.longest_edge, sample=sample, field=field)
 
     def index_key(self) -> str:
-        """What a sample's length depends on (an index sidecar's key): the tokenizer (ids and a probe encoding),
-        the family and the longest edge, the system prompt, teacher K."""
+        """What a sample's length depends on (an index sidecar's key): the shared fields, the longest edge, the
+        token ids and the system prompt."""
         tok = self.tokenizer
-        probe = np.asarray(tok.encode("prealign probe:\n\n <image> Hello, world!")).tolist()
-        return json.dumps({"mistral3": {"tokenizer": f"{type(tok).__module__}.{type(tok).__qualname__}",
-                                        "vocab_size": int(tok.vocab_size), "probe": probe, "family": repr(self.family),
-                                        "longest_edge": self.longest_edge, "bos": getattr(tok, "bos_token_id", None),
+        return json.dumps({"mistral3": {**self.key_fields(), "longest_edge": self.longest_edge, "system": self.system,
                                         "ids": [tok.im_start_id, tok.im_end_id, tok.vision_start_token_id,
-                                                tok.vision_end_token_id, tok.eos_token_id],
-                                        "system": self.system, "topk": self.topk, "text_key": self.text_key}},
-                          sort_keys=True)
+                                                tok.vision_end_token_id, tok.eos_token_id]}}, sort_keys=True)
 
     def __call__(self, raw: dict) -> dict:
-        key = raw.get("__key__", "?")
-        meta = sample_metadata(raw, self.text_key, key)
-        images = [decode_image(v, sample=key, name=n, limits=self.limits) for n, v in image_members(raw, meta, key)]
-        grids = [self.image_grid(im.width, im.height, sample=key, field=f"images[{i}]") for i, im in enumerate(images)]
-        ids, mask = encode_segments(self.tokenizer, self.segments(meta, grids, sample=key))
+        key, images, grids, ids, mask = self.render(raw)
         p, step = self.family.patch_size, self.family.token_step
         if images:
             out = self.image_processor(images=images, patch_size={"height": step, "width": step}, return_tensors="pt")

@@ -13,7 +13,14 @@ import torch
 
 from prealign.loaders.media.chat_tokenizer import HFChatTokenizer, encode_segments
 from prealign.loaders.media.teacher_topk import teacher_topk
-from prealign.loaders.media.vlm import IMAGE_PLACEHOLDER, MediaError, MediaProblem, image_members, sample_metadata
+from prealign.loaders.media.vlm import (
+    IMAGE_PLACEHOLDER,
+    MediaError,
+    MediaProblem,
+    decode_image,
+    image_members,
+    sample_metadata,
+)
 from prealign.loaders.sources.tar_decode import DEFAULT_LIMITS, DecodeLimits
 from prealign.schemas.errors import ConfigError
 
@@ -99,6 +106,25 @@ class SizedImagesTransform:
         size_of = size_of or (lambda name, value: image_header_size(value, field=name, sample=key))
         grids = [self.image_grid(*size_of(n, v), sample=key, field=n) for n, v in image_members(raw, meta, key)]
         return encode_segments(self.tokenizer, self.segments(meta, grids, sample=key))
+
+    def render(self, raw: dict) -> tuple:
+        """``(key, images, grids, ids, mask)`` of a raw sample: its images decoded (RGB PIL), their grids, and the
+        chat's ``input_ids`` / ``loss_mask``."""
+        key = raw.get("__key__", "?")
+        meta = sample_metadata(raw, self.text_key, key)
+        images = [decode_image(v, sample=key, name=n, limits=self.limits) for n, v in image_members(raw, meta, key)]
+        grids = [self.image_grid(im.width, im.height, sample=key, field=f"images[{i}]") for i, im in enumerate(images)]
+        ids, mask = encode_segments(self.tokenizer, self.segments(meta, grids, sample=key))
+        return key, images, grids, ids, mask
+
+    def key_fields(self) -> dict:
+        """What every such transform's length depends on, for its ``index_key``: the tokenizer (class, vocabulary,
+        a probe encoding, bos), the family, teacher K and the JSON member."""
+        tok = self.tokenizer
+        probe = np.asarray(tok.encode("prealign probe:\n\n <image> <row_1_col_1> Hello, world!")).tolist()
+        return {"tokenizer": f"{type(tok).__module__}.{type(tok).__qualname__}", "vocab_size": int(tok.vocab_size),
+                "probe": probe, "bos": getattr(tok, "bos_token_id", None), "family": repr(self.family),
+                "topk": self.topk, "text_key": self.text_key}
 
     def output(self, raw: dict, key, ids: np.ndarray, mask: np.ndarray, media: dict) -> dict:
         """The sample dict: ids, loss mask, ``mm_token_type_ids`` (1 on the image token), ``media`` (pixels cast to

@@ -7,6 +7,8 @@ import functools
 
 import torch
 
+from tests.families.bpe import byte_bpe_tokenizer
+
 ROW_COL = [f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)]
 SPECIALS = ["<unk>", "<|im_start|>", "<|endoftext|>", "<pad>", "<end_of_utterance>", "<fake_token_around_image>",
             "<image>", "<global-img>", *ROW_COL]
@@ -22,19 +24,10 @@ TILE, PATCH, SCALE = 32, 4, 2
 
 @functools.lru_cache(maxsize=None)
 def hf_tokenizer():
-    import transformers
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(r"\s*[\r\n]+|\s+(?!\S)|\s+|[^\s]+"), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    tok.decoder = decoders.ByteLevel()
-    corpus = ["User: hello\n\n\nworld", "Assistant: a cat. \n\n", "a b\n\n c ? \n \n what is it"] * 50
-    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIALS, show_progress=False,
-                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>",
-                                                eos_token="<end_of_utterance>", pad_token="<pad>", unk_token="<unk>")
+    """A byte-level BPE tokenizer (:mod:`tests.families.bpe`) with SmolVLM's special tokens."""
+    corpus = ["User: hello\n\n\nworld", "Assistant: a cat. \n\n", "a b\n\n c ? \n \n what is it"]
+    return byte_bpe_tokenizer(SPECIALS, corpus, bos_token="<|im_start|>", eos_token="<end_of_utterance>",
+                              pad_token="<pad>", unk_token="<unk>")
 
 
 def tid(name: str) -> int:

@@ -10,6 +10,8 @@ import types
 
 import torch
 
+from tests.families.bpe import byte_bpe_tokenizer
+
 SPECIALS = ["<unk>", "<s>", "</s>", "<pad>", "[INST]", "[/INST]", "[IMG]", "[IMG_BREAK]", "[IMG_END]",
             "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]"]
 TEMPLATE = (
@@ -30,19 +32,9 @@ block written ``[IMG]`` (the processor expands it)."""
 def hf_tokenizer():
     """A byte-level BPE ``PreTrainedTokenizerFast`` (merges of newlines and spaces, so how a text is split
     matters) with Mistral's control tokens."""
-    import transformers
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(r"\s*[\r\n]+|\s+(?!\S)|\s+|[^\s]+"), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    tok.decoder = decoders.ByteLevel()
-    corpus = ["user\n\nhello\n\n\nworld", "a cat. \n\n", "a b\n\n c ? \n \n what is it"] * 50
-    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIALS, show_progress=False,
-                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
-                                                pad_token="<pad>", unk_token="<unk>")
+    corpus = ["user\n\nhello\n\n\nworld", "a cat. \n\n", "a b\n\n c ? \n \n what is it"]
+    return byte_bpe_tokenizer(SPECIALS, corpus, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                              unk_token="<unk>")
 
 
 def tid(name: str) -> int:
