@@ -45,6 +45,7 @@ from .indices import num_sequences
 from .vision.attention import TokenMaskIndex, layer_masks
 from .vision.contract import model_contract
 from .vision.family import VisionFamily, config_getter, has_linear_attention
+from .vision.mistral3 import hf_pixel_values, is_pixtral
 
 
 class HFAttention(enum.Enum):
@@ -148,6 +149,9 @@ def to_hf_kwargs(batch: dict, *, attention: HFAttention | str = HFAttention.VARL
     Video: ``pixel_values_videos``, ``video_grid_thw`` and ``second_per_grid_ts`` when the batch has videos.
     LLaVA-OneVision: ``pixel_values`` tiles with ``image_sizes`` and ``batch_num_images`` (images per sample),
     ``pixel_values_videos`` ``[videos, frames, 3, s, s]`` (:func:`onevision_videos`).
+    Mistral3 / Pixtral (``model_config`` theirs): ``pixel_values`` rebuilt from patches + ``image_sizes`` as the
+    zero-padded ``[images, 3, H_max, W_max]`` the model takes, and ``image_sizes``; SmolVLM / Idefics3 (a batch
+    with ``image_rows_cols``): ``pixel_values`` as ``[1, tiles, 3, S, S]``.
     ``model_config`` (the model's transformers config, its dict or a
     :class:`~prealign.collate.vision.VisionFamily`): for a model with linear-attention layers
     (:func:`~prealign.collate.vision.has_linear_attention`), ``seq_idx`` int32 ``[1, T]`` (each slot's padded
@@ -184,6 +188,11 @@ def to_hf_kwargs(batch: dict, *, attention: HFAttention | str = HFAttention.VARL
     frames = batch.get("video_num_frames")
     if frames is not None and frames.shape[0]:  # LLaVA-OneVision: [videos, frames, 3, s, s]
         out["pixel_values_videos"] = onevision_videos(batch["pixel_values_videos"], frames)
+    if model_config is not None and batch.get("image_sizes", torch.zeros(0)).shape[0] and is_pixtral(model_config):
+        out["pixel_values"] = hf_pixel_values(batch["pixel_values"], batch["image_sizes"])
+        out["image_sizes"] = batch["image_sizes"]
+    if batch.get("image_rows_cols", torch.zeros(0)).shape[0]:  # SmolVLM / Idefics3: tiles [1, n, 3, S, S]
+        out["pixel_values"] = batch["pixel_values"][None]
     linear = model_config is not None and has_linear_attention(model_config)
     if linear:
         check_gdn_packing(model_config, num_sequences(padded))  # (static shapes repeat the total past them)

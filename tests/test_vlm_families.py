@@ -161,7 +161,7 @@ def test_qwen3_5_default_layers_are_linear_attention_and_others_are_refused():
     with pytest.raises(ConfigError, match="supported: qwen2_vl, qwen2_5_vl, qwen3_vl"):
         vision_family(transformers.LlavaConfig())
     assert set(SUPPORTED_MODEL_TYPES) == set(FAMILY_TYPES) | {"gemma3", "internvl", "glm4v", "glm4v_moe",
-                                                               "llava_onevision"}
+                                                               "llava_onevision"} | {"mistral3", "idefics3", "smolvlm"}
     with pytest.raises(ConfigError, match="spatial_merge_size=4"):
         MRoPECollator(collator=THDCollator(schema=SCHEMA, layout=ParallelLayout()), spatial_merge_size=4,
                       model_config=tiny_config("qwen3_vl"))

@@ -18,8 +18,10 @@ from .family import VisionFamily, has_linear_attention, local_attention
 from .gemma3 import Gemma3
 from .glm4v import Glm4V
 from .grids import VisionGeometry, image_grid, video_grid
+from .idefics3 import Idefics3
 from .internvl import InternVL
 from .llava_onevision import LlavaOneVision
+from .mistral3 import Mistral3
 from .positions import IMAGE, TEXT, VIDEO, rope_positions
 from .qwen2_5_vl import Qwen2_5VL
 from .qwen2_vl import Qwen2VL
@@ -27,7 +29,7 @@ from .qwen3_5 import Qwen3_5
 from .qwen3_vl import Qwen3VL, frame_timestamps
 
 FAMILIES: tuple[type[VisionFamily], ...] = (Qwen2VL, Qwen2_5VL, Qwen3VL, Qwen3_5, Gemma3, InternVL, Glm4V,
-                                            LlavaOneVision)
+                                            LlavaOneVision, Mistral3, Idefics3)
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(t for f in FAMILIES for t in f.model_types)
 
 
@@ -49,5 +51,5 @@ def vision_family(model_config: Any) -> VisionFamily:
 __all__ = ["model_contract", "local_attention", "VisionFamily", "has_linear_attention", "VisionGeometry",
            "vision_family", "FAMILIES", "SUPPORTED_MODEL_TYPES", "Qwen2VL", "Qwen2_5VL", "Qwen3VL", "Qwen3_5",
            "Gemma3", "InternVL", "Glm4V", "LlavaOneVision", "image_grid", "video_grid", "rope_positions",
-           "frame_timestamps",
+           "frame_timestamps", "Mistral3", "Idefics3",
            "TEXT", "IMAGE", "VIDEO"]

@@ -40,7 +40,7 @@ from prealign.loaders.media.vlm import MediaProblem, VLMSampleTransform, image_p
 from prealign.loaders.sources.header_lengths import Qwen2VLGeometry, qwen2vl_grid, tokens_of_grid
 
 DEMO_MODELS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "gemma3", "internvl", "glm4v", "glm4v_moe",
-               "llava_onevision")
+               "llava_onevision", "mistral3", "smolvlm")
 """The families ``prealign demo --model`` builds data for."""
 
 _WORDS = ("the a small large red blue green bright dark round square tall narrow old new quiet busy "
@@ -132,6 +132,13 @@ def demo_model_config(model: str):
         return cls(image_token_id=tok.image_token_id, video_token_id=tok.video_token_id,  # video's start / end
                    image_start_token_id=tok.vision_start_token_id, image_end_token_id=tok.vision_end_token_id,
                    video_start_token_id=tok.im_start_id, video_end_token_id=tok.im_end_id, text_config=text)
+    if model == "mistral3":  # Mistral Small 3.1's tower (14-px patches, merged 2 x 2, up to 1540 px)
+        return transformers.Mistral3Config(image_token_id=tok.image_token_id,
+                                           text_config={"model_type": "mistral", **text})
+    if model == "smolvlm":  # 128-px tiles of 16-px patches, pixel shuffle 2: 16 tokens per tile (released: 512, 64)
+        return transformers.SmolVLMConfig(image_token_id=tok.image_token_id, scale_factor=2,
+                                          vision_config={"image_size": 128, "patch_size": 16},
+                                          text_config={"model_type": "llama", **text})
     if model == "internvl":  # <img>, </img> are the tokenizer's vision start / end
         return transformers.InternVLConfig(image_token_id=tok.image_token_id, text_config={"model_type": "qwen2", **text})
     cls = {"qwen2_vl": transformers.Qwen2VLConfig, "qwen2_5_vl": transformers.Qwen2_5_VLConfig,
@@ -154,6 +161,14 @@ def demo_transform(model: str | None, tok, topk: int | None = None):
         from prealign.loaders.media.llava_onevision import LlavaOnevisionSampleTransform
 
         return LlavaOnevisionSampleTransform(tokenizer=tok, model_config=config, topk=topk)
+    if model == "smolvlm":  # <end_of_utterance>, <fake_token_around_image>, <image>: the byte tokenizer's 3, 4, 6
+        from prealign.loaders.media.idefics3 import Idefics3SampleTransform
+
+        return Idefics3SampleTransform(tokenizer=tok, model_config=config, topk=topk)
+    if model == "mistral3":  # [INST] / [/INST] / [IMG_BREAK] / [IMG_END] / [IMG]: the byte tokenizer's 2 to 6
+        from prealign.loaders.media.mistral3 import Mistral3SampleTransform
+
+        return Mistral3SampleTransform(tokenizer=tok, model_config=config, topk=topk)
     return VLMSampleTransform(tokenizer=tok, topk=topk, model_config=config,
                               video_processor_config=None if config is None else {})
 

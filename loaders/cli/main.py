@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--topk", type=int, default=8, help="teacher top-k K [%(default)s]")
     demo.add_argument("--keep", metavar="DIR", help="write the shards to DIR and keep them (default: a temp dir)")
     demo.add_argument("--model", choices=("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "gemma3", "internvl",
-                                           "glm4v", "glm4v_moe", "llava_onevision"),
+                                           "glm4v", "glm4v_moe", "llava_onevision", "mistral3", "smolvlm"),
                       help="build that family's samples, with short videos (default: Qwen2-VL images only)")
     _add_common(demo, budget=DEMO_BUDGET)
     demo.set_defaults(func=cmd_demo)
@@ -162,6 +162,9 @@ def cmd_demo(args) -> int:
                                          image_size=transform.family.image_size)
         elif model == "llava_onevision":  # 1-D positions, AnyRes tiles, image sizes (the family's own batch)
             schema = transform.family.batch_schema(topk=args.topk, vocab_size=ds.vocab_size)
+        elif model in ("mistral3", "smolvlm"):  # 1-D positions, the family's own media fields
+            schema = transform.family.batch_schema(topk=args.topk, vocab_size=ds.vocab_size)
+            schema_name = f"{type(transform.family).__name__}.batch_schema"
         elif transform.tiled:  # InternVL: 1-D positions, tiles (the family's own batch)
             schema = transform.family.batch_schema(topk=args.topk, vocab_size=ds.vocab_size)
         title = (f"{args.samples} samples ({len(ds.bad)} broken on purpose) in {len(ds.shards)} webdataset shards, "

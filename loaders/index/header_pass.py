@@ -62,6 +62,8 @@ from prealign.loaders.index.sidecar import (
 from prealign.loaders.media.chat_tokenizer import encode_segments
 from prealign.loaders.media.gemma3 import Gemma3SampleTransform
 from prealign.loaders.media.llava_onevision import LlavaOnevisionSampleTransform
+from prealign.loaders.media.idefics3 import Idefics3SampleTransform
+from prealign.loaders.media.mistral3 import Mistral3SampleTransform
 from prealign.loaders.media.teacher_topk import IDS, LOG_PROBS
 from prealign.loaders.media.vlm import (
     MediaError,
@@ -236,6 +238,22 @@ class AnyResRule(VLMRule):
         return self.t.header_ids(raw, sizes)[0], bool(sizes or self.t.video_frames(raw, meta, key))
 
 
+class ImageSizesRule(VLMRule):
+    """Transforms whose lengths follow from the text and each image's size (:class:`~prealign.loaders.media.
+    mistral3.Mistral3SampleTransform`, :class:`~prealign.loaders.media.idefics3.Idefics3SampleTransform`):
+    ``header_ids(raw, size_of)`` with each image's header size (and its
+    pixels decoded with ``verify_images``)."""
+
+    def __init__(self, transform, schema: BatchSchema, *, verify_images: bool = True):
+        self.t, self.verify_images = transform, verify_images
+
+    def _render(self, raw: dict, meta: dict, key, *, pretokenized: bool) -> tuple[np.ndarray | None, bool]:
+        images = image_members(raw, meta, key)
+        sizes = {name: self._size(name, data, key) for name, data in images}
+        ids = None if pretokenized else self.t.header_ids(raw, lambda name, _: sizes[name])[0]
+        return ids, bool(images)
+
+
 def _verified_size(data: bytes, name: str, key) -> tuple[int, int]:
     """``(width, height)`` of an image whose pixel data decodes to the end (one open: the header, then
     the whole entropy-coded stream; a JPEG's inverse DCT at 1/8 scale, which finds the same truncation
@@ -330,6 +348,8 @@ def length_rule(source, schema: BatchSchema, *, verify_images: bool = True) -> C
         return ImageTokensRule(transform, schema, verify_images=verify_images)
     if isinstance(transform, LlavaOnevisionSampleTransform):
         return AnyResRule(transform, schema, verify_images=verify_images)
+    if isinstance(transform, (Mistral3SampleTransform, Idefics3SampleTransform)):
+        return ImageSizesRule(transform, schema, verify_images=verify_images)
     return None
 
 
