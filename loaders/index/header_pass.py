@@ -61,8 +61,8 @@ from prealign.loaders.index.sidecar import (
 )
 from prealign.loaders.media.chat_tokenizer import encode_segments
 from prealign.loaders.media.gemma3 import Gemma3SampleTransform
-from prealign.loaders.media.llava_onevision import LlavaOnevisionSampleTransform
 from prealign.loaders.media.idefics3 import Idefics3SampleTransform
+from prealign.loaders.media.llava_onevision import LlavaOnevisionSampleTransform
 from prealign.loaders.media.mistral3 import Mistral3SampleTransform
 from prealign.loaders.media.teacher_topk import IDS, LOG_PROBS
 from prealign.loaders.media.vlm import (
