@@ -105,14 +105,17 @@ class StreamFit:
             pos, window = self.pos, self.window
             end = min(n, pos + max(self.buffer_size - self.held, 1))
             part = sizes[pos:end]
-            idx = np.argsort(-part, kind="stable") if best else np.arange(end - pos)
-            for i, s in zip((idx + pos).tolist(), part[idx].tolist()):
-                hit = bins.best(s) if best else bins.first(s)
-                b = bins.new(window) if hit is None else hit[0]
-                bins.put(b, i, s, None if hit is None else hit[1])
-                if self.max_items is not None and len(bins.items[b]) >= self.max_items:  # full by count
-                    closed.append(bins.close((bins.cap - bins.load[b]) << _SHIFT | b))
-                    self.held -= len(bins.items[b])
+            if best:
+                idx = np.argsort(-part, kind="stable")
+                self._best_fit((idx + pos).tolist(), part[idx].tolist(), window, closed)
+            else:
+                for i, s in zip(range(pos, end), part.tolist()):
+                    hit = bins.first(s)
+                    b = bins.new(window) if hit is None else hit[0]
+                    bins.put(b, i, s, None if hit is None else hit[1])
+                    if self.max_items is not None and len(bins.items[b]) >= self.max_items:  # full by count
+                        closed.append(bins.close((bins.cap - bins.load[b]) << _SHIFT | b))
+                        self.held -= len(bins.items[b])
             self.held += end - pos
             self.pos = end
             # close what cannot grow, what is too old, then the fullest while too much is held
@@ -127,6 +130,30 @@ class StreamFit:
                 self.held -= len(bins.items[b])
             self.window += 1
         return [bins.items[b] for b in closed]
+
+    def _best_fit(self, positions: list[int], part: list[int], window: int, closed: list[int]) -> None:
+        """One window's samples (largest first), each into the open bin it fills best, else a new bin:
+        :meth:`_OpenBins.best` and :meth:`_OpenBins.put` inlined (the start plans a chunk of 16k samples
+        this way; a method call per sample was most of its time). Full bins (``max_items``) close."""
+        bins, max_items, cap, mask = self.bins, self.max_items, self.bins.cap, (1 << _SHIFT) - 1
+        keys, items, load, born = bins.keys, bins.items, bins.load, bins.born
+        for i, s in zip(positions, part):
+            j = bisect_left(keys, s << _SHIFT)
+            if j == len(keys):  # no open bin has room: a new one
+                b = len(items)
+                items.append([i])
+                load.append(s)
+                born.append(window)
+                insort(keys, (cap - s) << _SHIFT | b)
+            else:  # the fullest bin with room (the lowest id among equals)
+                b = keys[j] & mask
+                del keys[j]
+                items[b].append(i)
+                load[b] += s
+                insort(keys, (cap - load[b]) << _SHIFT | b)
+            if max_items is not None and len(items[b]) >= max_items:  # full by count
+                closed.append(bins.close((cap - load[b]) << _SHIFT | b))
+                self.held -= len(items[b])
 
     def finish(self) -> list[list[int]]:
         """Stream end: the samples still in open bins, re-packed together by best-fit decreasing."""
