@@ -107,7 +107,10 @@ class StreamFit:
             part = sizes[pos:end]
             if best:
                 idx = np.argsort(-part, kind="stable")
-                self._best_fit((idx + pos).tolist(), part[idx].tolist(), window, closed)
+                ranked = part[idx]
+                ends = np.flatnonzero(ranked[1:] != ranked[:-1]) + 1  # where each run of one size ends
+                self._best_fit((idx + pos).tolist(), ranked[np.r_[0, ends]].tolist(), [*ends.tolist(), end - pos],
+                               window, closed)
             else:
                 for i, s in zip(range(pos, end), part.tolist()):
                     hit = bins.first(s)
@@ -131,29 +134,38 @@ class StreamFit:
             self.window += 1
         return [bins.items[b] for b in closed]
 
-    def _best_fit(self, positions: list[int], part: list[int], window: int, closed: list[int]) -> None:
-        """One window's samples (largest first), each into the open bin it fills best, else a new bin:
-        :meth:`_OpenBins.best` and :meth:`_OpenBins.put` inlined (the start plans a chunk of 16k samples
-        this way; a method call per sample was most of its time). Full bins (``max_items``) close."""
+    def _best_fit(self, positions: list[int], run_sizes: list[int], run_ends: list[int], window: int,
+                  closed: list[int]) -> None:
+        """One window's samples (``positions``, largest first, in runs of one size), each into the open bin it
+        fills best, else a new bin; full bins (``max_items``) close. A run of equal sizes is placed a bin at
+        a time: the bin that fits the first fits the next ones best too (its room only shrinks, and no other
+        bin's room lies between), until it cannot take one more. Aligned lengths take few values, so this is
+        a step per size and bin, not per sample (a start plans a chunk of 16k samples this way)."""
         bins, max_items, cap, mask = self.bins, self.max_items, self.bins.cap, (1 << _SHIFT) - 1
         keys, items, load, born = bins.keys, bins.items, bins.load, bins.born
-        for i, s in zip(positions, part):
-            j = bisect_left(keys, s << _SHIFT)
-            if j == len(keys):  # no open bin has room: a new one
-                b = len(items)
-                items.append([i])
-                load.append(s)
-                born.append(window)
-                insort(keys, (cap - s) << _SHIFT | b)
-            else:  # the fullest bin with room (the lowest id among equals)
-                b = keys[j] & mask
-                del keys[j]
-                items[b].append(i)
-                load[b] += s
+        i = 0
+        for s, hi in zip(run_sizes, run_ends):  # ``positions[i:hi]``: samples of size ``s``
+            while i < hi:
+                j = bisect_left(keys, s << _SHIFT)
+                if j == len(keys):  # no open bin has room: a new one
+                    b = len(items)
+                    items.append([])
+                    load.append(0)
+                    born.append(window)
+                    room = cap
+                else:  # the fullest bin with room (the lowest id among equals)
+                    b = keys.pop(j) & mask
+                    room = cap - load[b]
+                take = min(hi - i, room // s)
+                if max_items is not None:
+                    take = min(take, max_items - len(items[b]))
+                items[b].extend(positions[i:i + take])
+                load[b] += take * s
+                i += take
                 insort(keys, (cap - load[b]) << _SHIFT | b)
-            if max_items is not None and len(items[b]) >= max_items:  # full by count
-                closed.append(bins.close((cap - load[b]) << _SHIFT | b))
-                self.held -= len(items[b])
+                if max_items is not None and len(items[b]) >= max_items:  # full by count
+                    closed.append(bins.close((cap - load[b]) << _SHIFT | b))
+                    self.held -= len(items[b])
 
     def finish(self) -> list[list[int]]:
         """Stream end: the samples still in open bins, re-packed together by best-fit decreasing."""
