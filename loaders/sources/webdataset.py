@@ -65,8 +65,11 @@ def expand_urls(urls: str | Sequence[str]) -> list[str]:
     import braceexpand
 
     items = [urls] if isinstance(urls, str) else list(urls)
-    out = [u for item in map(str, items)  # (a plain path as it is: braceexpand costs ~15 us a name)
-           for u in (braceexpand.braceexpand(item) if _BRACE.search(item) else (item,))]
+    if set(map(type, items)) == {str} and not _BRACE.search("".join(items)):  # (100k plain paths: one search)
+        out = items
+    else:
+        out = [u for item in map(str, items)  # (a plain path as it is: braceexpand costs ~15 us a name)
+               for u in (braceexpand.braceexpand(item) if _BRACE.search(item) else (item,))]
     if not out:
         raise ConfigError(f"urls: no shard URLs given ({urls!r})")
     check_unique(out)
@@ -112,7 +115,7 @@ _ABNORMAL = re.compile(r"//|/\.\.?(?:/|\n|$)|/\n|/$|\n(?!/)|\x00")
 def _normal_absolute(urls: Sequence[str]) -> bool:
     """Every url is an absolute local path already normal (``os.path.normpath(os.path.abspath(u)) == u``):
     its own :func:`shard_identity`. One regex over all of them (a start over 100k shards)."""
-    if not urls or not all(isinstance(u, str) for u in urls):
+    if not urls or set(map(type, urls)) != {str}:
         return False
     text = "\n".join(urls)
     return text.startswith("/") and text.count("\n") == len(urls) - 1 and not _ABNORMAL.search(text)
