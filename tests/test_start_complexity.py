@@ -222,6 +222,7 @@ def test_shard_list_check_no_call_per_shard(n, monkeypatch):
     monkeypatch.setattr(webdataset, "shard_identity", lambda u: calls.append(u) or real(u))
     urls = [f"/data/text/shard-{i:06d}.tar" for i in range(n)]
     webdataset.check_unique(urls)
+    assert webdataset.expand_urls(urls) == urls
     assert calls == []
     for twice in (urls + [urls[7]], urls + ["/data/text/./shard-000007.tar"],
                   urls[:3] + ["file:///data/text/shard-000001.tar"]):

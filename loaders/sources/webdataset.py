@@ -65,7 +65,8 @@ def expand_urls(urls: str | Sequence[str]) -> list[str]:
     import braceexpand
 
     items = [urls] if isinstance(urls, str) else list(urls)
-    if set(map(type, items)) == {str} and not _BRACE.search("".join(items)):  # (100k plain paths: one search)
+    joined = "".join(items) if set(map(type, items)) == {str} else "{"
+    if "{" not in joined and "}" not in joined and "\\" not in joined:  # (100k plain paths: three searches)
         out = items
     else:
         out = [u for item in map(str, items)  # (a plain path as it is: braceexpand costs ~15 us a name)
@@ -108,17 +109,19 @@ def check_unique(urls: Sequence[str]) -> None:
                               f"list each shard once (its samples would be served twice per epoch)")
 
 
-_ABNORMAL = re.compile(r"//|/\.\.?(?:/|\n|$)|/\n|/$|\n(?!/)|\x00")
-"""In ``"\n".join(urls)``: what makes one of them other than a normal absolute local path."""
+_ABNORMAL = ("//", "/./", "/../", "/.\n", "/..\n", "/\n", "\x00")
+"""In ``"\n".join(urls) + "\n"``: what makes one of them other than a normal absolute local path."""
 
 
 def _normal_absolute(urls: Sequence[str]) -> bool:
     """Every url is an absolute local path already normal (``os.path.normpath(os.path.abspath(u)) == u``):
-    its own :func:`shard_identity`. One regex over all of them (a start over 100k shards)."""
+    its own :func:`shard_identity`. A few substring searches over all of them (a start over 100k shards)."""
     if not urls or set(map(type, urls)) != {str}:
         return False
-    text = "\n".join(urls)
-    return text.startswith("/") and text.count("\n") == len(urls) - 1 and not _ABNORMAL.search(text)
+    text = "\n".join(urls) + "\n"
+    lines = len(urls)
+    return text.startswith("/") and text.count("\n") == lines and text.count("\n/") == lines - 1 and \
+        not any(bad in text for bad in _ABNORMAL)
 
 
 _TORCH_KINDS = "biufc"  # bool, int, uint, float, complex: what torch.from_numpy takes
