@@ -183,14 +183,10 @@ def read_npz(data: bytes, *, max_bytes: int, member: str = "npz", copy: bool = T
     view = memoryview(data)
     out: dict[str, np.ndarray] = {}
     stored = _plain_stored_entries(data, view, max_bytes, names)
-    if stored is not None:  # what np.savez writes, every check below passed: no zipfile objects (a sidecar per shard)
+    if stored is not None:  # what np.savez writes, the checks below passed: no zipfile (a sidecar per shard)
         for name, raw in stored:
-            header = parse_npy_header(raw, member=name)
-            if header.nbytes > max_bytes:
-                raise ArrayTooLarge(f"{name} declares shape {header.shape} {header.dtype} = {header.nbytes} "
-                                    f"bytes, over the {max_bytes} bytes left of {member}'s allowance")
-            max_bytes -= header.nbytes
-            out[name[:-4]] = npy_array(raw, header, member=name, copy=copy)
+            out[name[:-4]] = arr = _entry_array(raw, name, member, max_bytes, copy)
+            max_bytes -= arr.nbytes
         return out
     declared = _declared_entries(data)
     if names is not None and declared is not None and declared > len(names):  # before the directory is parsed
@@ -241,13 +237,19 @@ def read_npz(data: bytes, *, max_bytes: int, member: str = "npz", copy: bool = T
                     raw = f.read(info.file_size + 1)
                 if len(raw) != info.file_size:
                     raise bad(name, f"{info.file_size} bytes inflated (its directory size)", f"{len(raw)}")
-            header = parse_npy_header(raw, member=name)
-            if header.nbytes > max_bytes:
-                raise ArrayTooLarge(f"{name} declares shape {header.shape} {header.dtype} = {header.nbytes} "
-                                    f"bytes, over the {max_bytes} bytes left of {member}'s allowance")
-            max_bytes -= header.nbytes
-            out[name[:-4]] = npy_array(raw, header, member=name, copy=copy)
+            out[name[:-4]] = arr = _entry_array(raw, name, member, max_bytes, copy)
+            max_bytes -= arr.nbytes
     return out
+
+
+def _entry_array(raw, name: str, member: str, max_bytes: int, copy: bool) -> np.ndarray:
+    """The array of one ``.npz`` entry's bytes, refused (:class:`ArrayTooLarge`) when its header declares more
+    than the ``max_bytes`` left of the archive's allowance."""
+    header = parse_npy_header(raw, member=name)
+    if header.nbytes > max_bytes:
+        raise ArrayTooLarge(f"{name} declares shape {header.shape} {header.dtype} = {header.nbytes} "
+                            f"bytes, over the {max_bytes} bytes left of {member}'s allowance")
+    return npy_array(raw, header, member=name, copy=copy)
 
 
 _EOCD = struct.Struct("<4sHHHHIIH")  # end of central directory: signature, disks, entries, size, offset, comment
