@@ -52,14 +52,17 @@ def sidecar_records(source, schema) -> dict[int, dict]:
 
     parsed = per_shard(source, parse, threads=SIDECAR_THREADS)
     found = {shard: p for shard, p in enumerate(parsed) if p is not None}
-    if not check_values(list(found.values())):  # the first one at fault names itself and the difference
+    if not check_values(list(found.values())):  # the first one at fault names itself
         for shard in found:
-            parse_sidecar(read_sidecar_bytes(source, shard), shard=source.urls[shard], fix=lambda: index_hint(source))
-        raise StaleIndexError(source.urls[0], "sidecar indexes inconsistent", index_hint(source))  # (not reached)
-    records = {shard: {**record_of(meta, arrays, shard), "check": expected_of(meta, arrays["spans"]),
-                       "regions": bad_regions(arrays["spans"], meta["events"], meta["num_events"])
-                       if meta["events"] else []}
-               for shard, (meta, arrays) in found.items()}
+            parse_sidecar(read_sidecar_bytes(source, shard), shard=source.urls[shard],
+                          fix=lambda: index_hint(source))
+        raise StaleIndexError(source.urls[0], "sidecar indexes inconsistent",
+                              index_hint(source))  # (not reached)
+    records = {}
+    for shard, (meta, arrays) in found.items():
+        regions = bad_regions(arrays["spans"], meta["events"], meta["num_events"]) if meta["events"] else []
+        records[shard] = {**record_of(meta, arrays, shard), "check": expected_of(meta, arrays["spans"]),
+                          "regions": regions}
     if len(records) >= MERGE_ADVICE_SHARDS:
         _advise_merge(source)
     return records

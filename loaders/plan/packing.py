@@ -109,8 +109,8 @@ class StreamFit:
                 idx = np.argsort(-part, kind="stable")
                 ranked = part[idx]
                 ends = np.flatnonzero(ranked[1:] != ranked[:-1]) + 1  # where each run of one size ends
-                self._best_fit((idx + pos).tolist(), ranked[np.r_[0, ends]].tolist(), [*ends.tolist(), end - pos],
-                               window, closed)
+                self._best_fit((idx + pos).tolist(), ranked[np.r_[0, ends]].tolist(),
+                               [*ends.tolist(), end - pos], window, closed)
             else:
                 for i, s in zip(range(pos, end), part.tolist()):
                     hit = bins.first(s)

@@ -593,8 +593,9 @@ def _assemble(steps, order, true_len, aligned, layout, dp, cap, cost: CostModel 
     if where.size:
         used = counts[where] > 0
         padded[used] = [totals[a] for a in aligned_of[where][used].tolist()]
-    return PlannedChunk(microbatches=tuple(tuple(members[j] for j in rk) for rk in per_rank), steps=tuple(step_sizes),
-                        real_tokens=real, padded_lengths=padded, load_max=max_sum, load_mean=mean_sum, worst=worst)
+    return PlannedChunk(microbatches=tuple(tuple(members[j] for j in rk) for rk in per_rank),
+                        steps=tuple(step_sizes), real_tokens=real, padded_lengths=padded, load_max=max_sum,
+                        load_mean=mean_sum, worst=worst)
 
 
 def _bin_sums(values: np.ndarray, ends: np.ndarray, counts: np.ndarray) -> np.ndarray:
