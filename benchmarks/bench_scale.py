@@ -4,6 +4,7 @@ sample count, index workers, import time.
 
     python benchmarks/bench_scale.py [--samples 20000] [--shards 20 2000 100000] [--rounds 5]
                                      [--per-shard-max 2000] [--energon-max 2000] [--no-energon]
+                                     [--before DIR]
                                      [--index 10000 100000] [--state 10000 1000000] [--json out.json]
 
 * ``start``     the same ``--samples`` text samples (``<key>.input_ids.npy``, 8..128 tokens) cut into each of
@@ -13,8 +14,11 @@ sample count, index workers, import time.
                 fresh processes, interleaved over ``--rounds`` rounds: a PackedLoader's first batch and a resume (a
                 new loader, ``load_state_dict`` of a state taken 8 batches in, its first batch), from the per-shard
                 sidecars (up to ``--per-shard-max`` shards), from the merged index, and Energon's loader over the
-                same shards (``energon prepare`` run once; up to ``--energon-max`` shards). Each cell: median
-                [min..max] of wall and CPU seconds (no workers: the CPU time is the work).
+                same shards (``energon prepare`` run once; up to ``--energon-max`` shards); with ``--before DIR``
+                also the prealign importable from ``DIR`` (the code before a change), in the same rounds. Every
+                cell of every shard count runs once per round, in turn. Each cell: median [min..max] of wall and
+                CPU seconds (no workers: the CPU time is the work); then the ratios the issue sets targets for,
+                of CPU seconds: per-round ratios median [min..max], and the ratio of the medians.
 * ``state``     ``state_dict()`` of a prepared loader over ``--state`` samples (mean of 200 calls)
 * ``index``     ``write_sidecars`` (what ``prealign index`` runs) with 1 and 2 workers
 * ``import``    ``import prealign.loaders`` in a fresh process (and ``import torch`` alone, which it needs)
@@ -181,10 +185,13 @@ result = {{"samples_per_s": n / (time.perf_counter() - t)}}
 """
 
 
-def _phase(code: str) -> dict:
-    """Run ``code`` (defines ``result``) in a fresh interpreter; return its JSON result."""
+def _phase(code: str, path: str | None = None) -> dict:
+    """Run ``code`` (defines ``result``) in a fresh interpreter; return its JSON result. ``path``: a folder put
+    first on ``PYTHONPATH`` (``--before``: another prealign, imported instead of this one)."""
     prog = "import json, os, sys, time\n" + code + "\nif 'result' in globals(): print('RESULT' + json.dumps(result))"
-    run = subprocess.run([sys.executable, "-c", prog], capture_output=True, text=True)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [path, os.environ.get("PYTHONPATH")]))} \
+        if path else None
+    run = subprocess.run([sys.executable, "-c", prog], capture_output=True, text=True, env=env)
     if run.returncode or "RESULT" not in run.stdout:
         raise RuntimeError(f"phase failed ({run.returncode}):\n{run.stderr[-3000:]}")
     return json.loads(run.stdout.rsplit("RESULT", 1)[1])
@@ -222,12 +229,23 @@ def _cell(runs: dict, key: str) -> str:
 
 
 def _interleaved(contenders: dict, rounds: int) -> dict:
-    """``{name: {key: _stats}}``: each contender's code run in a fresh process once per round, in turn."""
-    got: dict = {name: [] for name in contenders}
-    for _ in range(rounds):
-        for name, code in contenders.items():
-            got[name].append(_phase(code))
-    return {name: {k: _stats([t[k] for t in tries]) for k in tries[0]} for name, tries in got.items()}
+    """``{cell: {key: _stats}}``: each contender (``cell: (code, PYTHONPATH or None)``) run in a fresh process
+    once per round, all of them in turn in every round (so a busy moment hits all cells of that round)."""
+    got: dict = {cell: [] for cell in contenders}
+    for r in range(rounds):
+        for cell, (code, path) in contenders.items():
+            got[cell].append(_phase(code, path))
+        print(f"  round {r + 1}/{rounds} done", file=sys.stderr, flush=True)
+    return {cell: {k: _stats([t[k] for t in tries]) for k in tries[0]} for cell, tries in got.items()}
+
+
+def _ratio(num: dict, den: dict, key: str) -> str:
+    """``median [min..max]`` of the per-round ratios ``num / den`` of ``key`` (same round, same machine
+    moment), then the ratio of the medians."""
+    per_round = [a / b for a, b in zip(num[key]["all"], den[key]["all"])]
+    r = _stats(per_round)
+    return (f"{r['median']:.2f}x [{r['min']:.2f}..{r['max']:.2f}] "
+            f"(medians {num[key]['median'] / den[key]['median']:.2f}x)")
 
 
 def _best(code: str, repeat: int, key: str) -> dict:
@@ -245,6 +263,8 @@ def main() -> int:
     ap.add_argument("--per-shard-max", type=int, default=2000, help="largest shard count started from sidecars")
     ap.add_argument("--energon-max", type=int, default=2000, help="largest shard count Energon is started on")
     ap.add_argument("--no-energon", action="store_true")
+    ap.add_argument("--before", help="a folder holding another prealign as an importable package (``prealign/``): "
+                                     "its starts run as more contenders of the same rounds (before / after a change)")
     ap.add_argument("--energon", default="", help="a folder holding megatron-energon, when not installed")
     ap.add_argument("--index", type=int, nargs="*", default=[10_000, 100_000])
     ap.add_argument("--state", type=int, nargs="*", default=[10_000, 1_000_000])
@@ -258,44 +278,47 @@ def main() -> int:
     enc = _ENERGON_ENCODER.format(energon=args.energon) if energon else ""
 
     print(f"\nfirst batch and resume, median [min..max] of {args.rounds} interleaved rounds (fresh processes, no "
-          f"workers)\n\n| shards (samples) | from | first batch | resume |\n|---|---|---|---|", flush=True)
+          f"workers)", flush=True)
+    contenders: dict = {}
+    sizes = {}
     for count in args.shards:
         n = max(args.samples, count)
         root = os.path.join(args.dir, f"text-{n}-{count}")
         merged_dir = root + "-merged"
-        paths = write_text_shards(root, n, per_shard=-(-n // count))
+        sizes[count] = (len(write_text_shards(root, n, per_shard=-(-n // count))), n)
         if not os.path.exists(os.path.join(merged_dir, "prealign-index.merged.npz")):
             _index_and_merge(root, merged_dir)
-        contenders = {"merged index": _START.format(root=root, index_dir=merged_dir)}
-        if count <= args.per_shard_max:
-            contenders["sidecars"] = _START.format(root=root, index_dir=None)
+        versions = [("", None)] + ([(" (before)", args.before)] if args.before else [])
+        for tag, path in versions:
+            contenders[(count, "merged index" + tag)] = (_START.format(root=root, index_dir=merged_dir), path)
+            if count <= args.per_shard_max:
+                contenders[(count, "sidecars" + tag)] = (_START.format(root=root, index_dir=None), path)
         if energon and count <= args.energon_max:
             if not os.path.exists(os.path.join(root, ".nv-meta", "dataset.yaml")):
                 numbers[f"energon_prepare_{count}"] = _phase(_PREPARE.format(energon=args.energon, root=root,
                                                                              workers=2))
-            contenders["energon"] = enc + _ENERGON_START.format(energon=args.energon, root=root)
-        row = numbers[f"start_{count}"] = _interleaved(contenders, args.rounds)
-        for name, runs in row.items():
-            print(f"| {len(paths):,} ({n:,}) | {name} | {_cell(runs, 'first')} | {_cell(runs, 'resume')} |",
-                  flush=True)
-    base = numbers.get(f"start_{args.shards[0]}") if args.shards else None
+            contenders[(count, "energon")] = (enc + _ENERGON_START.format(energon=args.energon, root=root), None)
+    got = _interleaved(contenders, args.rounds)
+    print("\n| shards (samples) | from | first batch | resume |\n|---|---|---|---|")
+    for (count, name), runs in got.items():
+        numbers.setdefault(f"start_{count}", {})[name] = runs
+        print(f"| {sizes[count][0]:,} ({sizes[count][1]:,}) | {name} | {_cell(runs, 'first')} | "
+              f"{_cell(runs, 'resume')} |", flush=True)
+    base = args.shards[0] if args.shards else None
+    print(f"\nratios, CPU seconds (per-round median [min..max], then the ratio of the medians); the targets of "
+          f"issue #28: <= 1.5x the {base}-shard start, <= 1.0x Energon's resume\n")
     for count in args.shards[1:]:
-        for name in ("sidecars", "merged index"):
-            if name not in numbers[f"start_{count}"] or name not in base:
-                continue
-            now, then = numbers[f"start_{count}"][name], base[name]
-            ratio = {k: now[k]["median"] / then[k]["median"] for k in now}
-            print(f"{name}, {count:,} vs {args.shards[0]:,} shards (medians): first batch {ratio['first_s']:.2f}x "
-                  f"({ratio['first_cpu_s']:.2f}x CPU), resume {ratio['resume_s']:.2f}x "
-                  f"({ratio['resume_cpu_s']:.2f}x CPU)", flush=True)
+        for name in [n for (c, n) in got if c == count]:
+            if (base, name) in got:
+                now, then = got[(count, name)], got[(base, name)]
+                print(f"- {name}, {count:,} vs {base:,} shards: first batch {_ratio(now, then, 'first_cpu_s')}, "
+                      f"resume {_ratio(now, then, 'resume_cpu_s')}", flush=True)
     for count in args.shards:
-        row = numbers[f"start_{count}"]
-        if "energon" in row:
-            m, e = row["merged index"], row["energon"]
-            print(f"{count:,} shards, merged index / Energon (medians): first batch "
-                  f"{m['first_cpu_s']['median'] / e['first_cpu_s']['median']:.2f}x CPU, resume "
-                  f"{m['resume_cpu_s']['median'] / e['resume_cpu_s']['median']:.2f}x CPU "
-                  f"({m['resume_s']['median'] / e['resume_s']['median']:.2f}x wall)", flush=True)
+        if (count, "energon") in got:
+            for name in [n for (c, n) in got if c == count and n.startswith("merged")]:
+                m, e = got[(count, name)], got[(count, "energon")]
+                print(f"- {name} / Energon at {count:,} shards: first batch {_ratio(m, e, 'first_cpu_s')}, resume "
+                      f"{_ratio(m, e, 'resume_cpu_s')}", flush=True)
 
     if energon and args.shards and args.throughput:
         root = os.path.join(args.dir, f"text-{max(args.samples, args.shards[0])}-{args.shards[0]}")

@@ -207,3 +207,24 @@ def test_a_prebuilt_index_does_not_stat_every_shard_at_start(data, monkeypatch, 
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_shard_list_check_no_call_per_shard(n, monkeypatch):
+    """The shard list's duplicate check (``check_unique``, run when a source is built) makes no per-shard call
+    for absolute normal paths (the 2,000 ``shard_identity`` calls were most of what a merged start at 2,000
+    shards added over 20), and still names a shard listed twice under two spellings."""
+    from prealign.loaders.errors import ConfigError
+    from prealign.loaders.sources import webdataset
+
+    calls = []
+    real = webdataset.shard_identity
+    monkeypatch.setattr(webdataset, "shard_identity", lambda u: calls.append(u) or real(u))
+    urls = [f"/data/text/shard-{i:06d}.tar" for i in range(n)]
+    webdataset.check_unique(urls)
+    assert webdataset.expand_urls(urls) == urls
+    assert calls == []
+    for twice in (urls + [urls[7]], urls + ["/data/text/./shard-000007.tar"],
+                  urls[:3] + ["file:///data/text/shard-000001.tar"]):
+        with pytest.raises(ConfigError, match="are one shard"):
+            webdataset.check_unique(twice)

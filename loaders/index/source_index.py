@@ -17,6 +17,7 @@ from prealign.loaders.index.hints import index_hint, merge_command
 from prealign.loaders.index.shard_checks import EAGER_SHARDS, ShardChecks, check_remote_now
 from prealign.loaders.index.sidecar import (
     SIDECAR_THREADS,
+    check_values,
     config_key,
     expected_of,
     parse_sidecar,
@@ -40,21 +41,31 @@ def sidecar_records(source, schema) -> dict[int, dict]:
         return {}
     key = config_key(source, schema)
 
-    def record(shard: int) -> dict | None:
+    def parse(shard: int) -> tuple[dict, dict] | None:
         url = source.urls[shard]
         data = read_sidecar_bytes(source, shard)
         if data is None:
             return None
-        meta, arrays = parse_sidecar(data, shard=url, fix=lambda: index_hint(source))
+        meta, arrays = parse_sidecar(data, shard=url, fix=lambda: index_hint(source), values=False)
         check_meta(source, url, meta, key)
-        return {**record_of(meta, arrays, shard), "check": expected_of(meta, arrays["spans"]),
-                "regions": bad_regions(arrays["spans"], meta["events"], meta["num_events"]) if meta["events"] else []}
+        return meta, arrays
 
-    records = per_shard(source, record, threads=SIDECAR_THREADS)
-    found = {shard: r for shard, r in enumerate(records) if r is not None}
-    if len(found) >= MERGE_ADVICE_SHARDS:
+    parsed = per_shard(source, parse, threads=SIDECAR_THREADS)
+    found = {shard: p for shard, p in enumerate(parsed) if p is not None}
+    if not check_values(list(found.values())):  # the first one at fault names itself
+        for shard in found:
+            parse_sidecar(read_sidecar_bytes(source, shard), shard=source.urls[shard],
+                          fix=lambda: index_hint(source))
+        raise StaleIndexError(source.urls[0], "sidecar indexes inconsistent",
+                              index_hint(source))  # (not reached)
+    records = {}
+    for shard, (meta, arrays) in found.items():
+        regions = bad_regions(arrays["spans"], meta["events"], meta["num_events"]) if meta["events"] else []
+        records[shard] = {**record_of(meta, arrays, shard), "check": expected_of(meta, arrays["spans"]),
+                          "regions": regions}
+    if len(records) >= MERGE_ADVICE_SHARDS:
         _advise_merge(source)
-    return found
+    return records
 
 
 MERGE_ADVICE_SHARDS = 1000

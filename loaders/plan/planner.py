@@ -514,9 +514,7 @@ def _bin_loads(bins: list[list[int]], sizes: np.ndarray) -> np.ndarray:
     """int64 ``[len(bins)]``: the sum of ``sizes`` over each bin's positions (vectorised: one cumsum)."""
     counts = np.fromiter((len(b) for b in bins), np.int64, len(bins))
     flat = np.fromiter(itertools.chain.from_iterable(bins), np.int64, int(counts.sum()))
-    sums = np.concatenate([np.zeros(1, np.int64), np.cumsum(sizes[flat], dtype=np.int64)])
-    ends = np.cumsum(counts)
-    return sums[ends] - sums[ends - counts]
+    return _bin_sums(sizes[flat], np.cumsum(counts), counts)
 
 
 def _cost_steps(bins: list[list[int]], costs: np.ndarray, dp: int, k: int) -> list[list[list[int]]]:
@@ -547,48 +545,61 @@ def _deal(loads: list[int], dp: int) -> list[list[int]]:
 
 def _assemble(steps, order, true_len, aligned, layout, dp, cap, cost: CostModel | None = None) -> PlannedChunk:
     """Steps of bins (positions) -> this chunk's per-rank micro-batches (sample indices) and statistics.
-    Without ``cost`` each step is dealt by tokens (:func:`_deal`); with it the steps come dealt, rank-major."""
-    per_rank: list[list[tuple[int, ...]]] = [[] for _ in range(dp)]
+    Without ``cost`` each step is dealt by tokens (:func:`_deal`); with it the steps come dealt, rank-major.
+    Per sample: a few numpy calls over the whole chunk (ids, lengths, per-bin sums); Python runs per
+    micro-batch and per step only (a resume re-plans the chunk it resumes in: issues #28, #31)."""
+    bins = [b for step in steps for b in step]
+    counts = np.fromiter((len(b) for b in bins), np.int64, len(bins))
+    ends = np.cumsum(counts)
+    flat = np.fromiter(itertools.chain.from_iterable(bins), np.int64, int(ends[-1]) if bins else 0)
+    ids = order[flat]
+    real_of = _bin_sums(true_len[ids], ends, counts)  # int64 [bins]: true tokens of each bin
+    aligned_of = _bin_sums(aligned[ids], ends, counts)
+    if aligned_of.size and int(aligned_of.max()) > cap:
+        raise AssertionError(f"planner bug: micro-batch over capacity ({int(aligned_of.max())} > {cap})")
+    id_list, bounds = ids.tolist(), (ends - counts).tolist()
+    members = [tuple(id_list[a:a + c]) for a, c in zip(bounds, counts.tolist())]
+    real_list = real_of.tolist()
+    per_rank: list[list[int]] = [[] for _ in range(dp)]  # bin numbers (into ``bins``) of each rank
     step_sizes: list[int] = []
     max_sum = mean_sum = 0.0
     worst = 1.0
-    # Python ints, looked up per sample: a numpy call per micro-batch costs more than its few samples
-    # (a resume replays a chunk per earlier segment: issue #31)
-    flat = [i for bins in steps for b in bins for i in b]
-    ids = dict(zip(flat, order[flat].tolist())) if flat else {}
-    lens = dict(zip(ids.values(), true_len[list(ids.values())].tolist())) if ids else {}
-    for bins in steps:
-        members = [tuple(ids[i] for i in b) if b else () for b in bins]
+    first = 0
+    for step in steps:
         if cost is None:
-            loads = [sum(lens[i] for i in mb) for mb in members]
+            loads = real_list[first:first + len(step)]
             dealt = _deal(loads, dp)
         else:
-            loads = [float(cost.of(true_len[list(mb)]).sum()) if mb else 0.0 for mb in members]
-            k = len(bins) // dp
+            loads = [float(cost.of(true_len[list(mb)]).sum()) if mb else 0.0
+                     for mb in members[first:first + len(step)]]
+            k = len(step) // dp
             dealt = [list(range(r * k, (r + 1) * k)) for r in range(dp)]
         rank_loads = [sum(loads[j] for j in d) for d in dealt]
         for r in range(dp):
-            per_rank[r].extend(members[j] for j in dealt[r])
-        step_sizes.append(len(bins) // dp)
+            per_rank[r].extend(first + j for j in dealt[r])
+        step_sizes.append(len(step) // dp)
         mean = sum(rank_loads) / dp
         max_sum += max(rank_loads)
         mean_sum += mean
         if mean > 0:
             worst = max(worst, max(rank_loads) / mean)
-    n_mb = len(per_rank[0])
-    real = np.zeros((dp, n_mb), np.int64)
-    padded = np.zeros((dp, n_mb), np.int64)
-    sized = dict(zip(lens, aligned[list(lens)].tolist())) if lens else {}
+        first += len(step)
+    where = np.asarray(per_rank, np.int64).reshape(dp, -1)  # [dp, micro-batches per rank]
+    real = real_of[where] if where.size else np.zeros(where.shape, np.int64)
+    padded = np.zeros(where.shape, np.int64)
     totals: dict[int, int] = {}  # aligned sum -> padded length (a few distinct values)
-    for r in range(dp):
-        for i, mb in enumerate(per_rank[r]):
-            if mb:
-                a = sum(sized[j] for j in mb)
-                if a > cap:
-                    raise AssertionError(f"planner bug: micro-batch over capacity ({a} > {cap})")
-                real[r, i] = sum(lens[j] for j in mb)
-                if a not in totals:
-                    totals[a] = layout.total_length(a)
-                padded[r, i] = totals[a]
-    return PlannedChunk(microbatches=tuple(tuple(rk) for rk in per_rank), steps=tuple(step_sizes),
-                        real_tokens=real, padded_lengths=padded, load_max=max_sum, load_mean=mean_sum, worst=worst)
+    for a in np.unique(aligned_of[counts > 0]).tolist():
+        totals[a] = layout.total_length(a)
+    if where.size:
+        used = counts[where] > 0
+        padded[used] = [totals[a] for a in aligned_of[where][used].tolist()]
+    return PlannedChunk(microbatches=tuple(tuple(members[j] for j in rk) for rk in per_rank),
+                        steps=tuple(step_sizes), real_tokens=real, padded_lengths=padded, load_max=max_sum,
+                        load_mean=mean_sum, worst=worst)
+
+
+def _bin_sums(values: np.ndarray, ends: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """int64 ``[len(counts)]``: the sum of ``values`` (by flat position) over each bin (``ends``: cumsum of
+    ``counts``), one cumsum for all bins."""
+    sums = np.concatenate([np.zeros(1, np.int64), np.cumsum(values, dtype=np.int64)])
+    return sums[ends] - sums[ends - counts]

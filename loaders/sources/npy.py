@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import io
 import re
+import struct
 import tokenize
 import zipfile
 import zlib
@@ -71,7 +72,7 @@ class NpyHeader:
     fortran_order: bool
     offset: int
 
-    @property
+    @functools.cached_property  # (headers are cached and shared: computed once each)
     def count(self) -> int:
         """Number of elements."""
         n = 1
@@ -79,7 +80,7 @@ class NpyHeader:
             n *= d
         return n
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
         """Bytes of data the header declares."""
         return self.count * self.dtype.itemsize
@@ -181,6 +182,12 @@ def read_npz(data: bytes, *, max_bytes: int, member: str = "npz", copy: bool = T
     bad = functools.partial(NpyFormatError, member)
     view = memoryview(data)
     out: dict[str, np.ndarray] = {}
+    stored = _plain_stored_entries(data, view, max_bytes, names)
+    if stored is not None:  # what np.savez writes, the checks below passed: no zipfile (a sidecar per shard)
+        for name, raw in stored:
+            out[name[:-4]] = arr = _entry_array(raw, name, member, max_bytes, copy)
+            max_bytes -= arr.nbytes
+        return out
     declared = _declared_entries(data)
     if names is not None and declared is not None and declared > len(names):  # before the directory is parsed
         raise bad("entries", f"at most the entries {sorted(names)}", f"{declared} entries")
@@ -230,12 +237,69 @@ def read_npz(data: bytes, *, max_bytes: int, member: str = "npz", copy: bool = T
                     raw = f.read(info.file_size + 1)
                 if len(raw) != info.file_size:
                     raise bad(name, f"{info.file_size} bytes inflated (its directory size)", f"{len(raw)}")
-            header = parse_npy_header(raw, member=name)
-            if header.nbytes > max_bytes:
-                raise ArrayTooLarge(f"{name} declares shape {header.shape} {header.dtype} = {header.nbytes} "
-                                    f"bytes, over the {max_bytes} bytes left of {member}'s allowance")
-            max_bytes -= header.nbytes
-            out[name[:-4]] = npy_array(raw, header, member=name, copy=copy)
+            out[name[:-4]] = arr = _entry_array(raw, name, member, max_bytes, copy)
+            max_bytes -= arr.nbytes
+    return out
+
+
+def _entry_array(raw, name: str, member: str, max_bytes: int, copy: bool) -> np.ndarray:
+    """The array of one ``.npz`` entry's bytes, refused (:class:`ArrayTooLarge`) when its header declares more
+    than the ``max_bytes`` left of the archive's allowance."""
+    header = parse_npy_header(raw, member=name)
+    if header.nbytes > max_bytes:
+        raise ArrayTooLarge(f"{name} declares shape {header.shape} {header.dtype} = {header.nbytes} "
+                            f"bytes, over the {max_bytes} bytes left of {member}'s allowance")
+    return npy_array(raw, header, member=name, copy=copy)
+
+
+_EOCD = struct.Struct("<4sHHHHIIH")  # end of central directory: signature, disks, entries, size, offset, comment
+_ENTRY = struct.Struct("<4s4xHH4xIIIHHH8xI")  # central directory entry, the fields read_npz checks
+
+
+def _plain_stored_entries(data: bytes, view: memoryview, max_bytes: int,
+                          names) -> list[tuple[str, memoryview]] | None:
+    """``[(entry name, its bytes)]`` in directory order when ``data`` is a plain zip of stored ``.npy`` entries
+    (no comment, no prefix, no zip64 directory, ASCII names, each entry once, unencrypted, inside the file, not
+    overlapping, of its recorded crc32; all of them within ``max_bytes`` and ``names``): what ``np.savez``
+    writes, parsed with one ``struct`` call per entry. None for anything else, which :func:`read_npz` then reads
+    with ``zipfile`` and all its checks (and names what is wrong), so this path accepts nothing that one refuses."""
+    at = len(data) - _EOCD.size
+    if at < 0:
+        return None
+    sig, disk, cd_disk, here, count, cd_size, cd_at, comment = _EOCD.unpack_from(data, at)
+    if sig != b"PK\x05\x06" or disk or cd_disk or here != count or comment or cd_at + cd_size != at or \
+            (names is not None and count > len(names)):
+        return None
+    entries, pos, total, seen = [], cd_at, 0, set()
+    for _ in range(count):
+        if pos + _ENTRY.size > at:
+            return None
+        sig, flags, method, crc, csize, size, nlen, elen, clen, local = _ENTRY.unpack_from(data, pos)
+        name_bytes = data[pos + _ENTRY.size:pos + _ENTRY.size + nlen]
+        pos += _ENTRY.size + nlen + elen + clen
+        if sig != b"PK\x01\x02" or flags & 1 or method != zipfile.ZIP_STORED or csize != size or \
+                0xFFFFFFFF in (size, local) or not name_bytes.isascii() or pos > at:
+            return None
+        name = name_bytes.decode()
+        if not name.endswith(".npy") or name in seen or (names is not None and name[:-4] not in names) or \
+                data[local:local + 4] != b"PK\x03\x04" or local + 30 > len(data):
+            return None
+        seen.add(name)
+        start = local + 30 + int.from_bytes(data[local + 26:local + 28], "little") + \
+            int.from_bytes(data[local + 28:local + 30], "little")
+        total += size
+        entries.append((local, start + size, name, start, crc))
+    if pos != at or total > max_bytes:
+        return None
+    spans = sorted(entries)
+    if any(begin < end for (_, end, *_), (begin, *_) in zip(spans, spans[1:])) or spans and spans[-1][1] > len(data):
+        return None
+    out = []
+    for _, end, name, start, crc in entries:
+        raw = view[start:end]
+        if zlib.crc32(raw) != crc:
+            return None
+        out.append((name, raw))
     return out
 
 
