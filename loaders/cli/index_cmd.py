@@ -59,8 +59,10 @@ def add_transform_args(p) -> None:
                                                       "preprocessor_config.json (default: Qwen2-VL's defaults) "
                                                       "and, for videos, its video_preprocessor_config.json")
     p.add_argument("--model-config", metavar="DIR", help="VLM: a local folder with the model's config.json: its "
-                                                         "family (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5) sets the "
-                                                         "token ids, grids and video rules (default: Qwen2-VL)")
+                                                         "family (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5, InternVL, "
+                                                         "GLM-4.1V, Gemma 3, LLaVA-OneVision) sets the transform, "
+                                                         "token ids, grids, batch schema and video rules (default: "
+                                                         "Qwen2-VL)")
 
 
 PROCESSOR_KEYS = ("min_pixels", "max_pixels", "patch_size", "temporal_patch_size", "merge_size", "image_mean",
