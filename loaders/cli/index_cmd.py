@@ -144,23 +144,25 @@ def chat_tokenizer(hf, family):
 
 def own_transform(family, model_config, tokenizer, topk, processor_dir):
     """The transform ``family.transform`` names (its class path), built from the model's config; ``processor_dir``:
-    the model's image processor read from that folder (``AutoImageProcessor``), else the family's default."""
+    the model's ``preprocessor_config.json`` read into the transform's own image processor class (its PIL
+    backend: transformers' auto class may want torchvision), else the family's default."""
+    import dataclasses
     import importlib
 
     from prealign.schemas.errors import ConfigError
 
     module, _, name = family.transform.rpartition(".")
-    processor = None
-    if processor_dir:
-        from transformers import AutoImageProcessor
-
-        try:
-            processor = AutoImageProcessor.from_pretrained(processor_dir, local_files_only=True)
-        except (OSError, ValueError, ImportError) as exc:
-            raise ConfigError(f"--processor {processor_dir}: no {family.model_type} image processor read from it "
-                              f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
-    cls = getattr(importlib.import_module(module), name)
-    return cls(model_config=model_config, tokenizer=tokenizer, processor=processor, topk=topk)
+    transform = getattr(importlib.import_module(module), name)(model_config=model_config, tokenizer=tokenizer,
+                                                               topk=topk)
+    if not processor_dir:
+        return transform
+    kind = type(transform.image_processor)
+    try:
+        processor = kind.from_pretrained(processor_dir, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"--processor {processor_dir}: no {kind.__name__} read from it "
+                          f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
+    return dataclasses.replace(transform, processor=processor)  # checked against the config again
 
 
 def transform_schema(transform, topk):
