@@ -59,8 +59,10 @@ def add_transform_args(p) -> None:
                                                       "preprocessor_config.json (default: Qwen2-VL's defaults) "
                                                       "and, for videos, its video_preprocessor_config.json")
     p.add_argument("--model-config", metavar="DIR", help="VLM: a local folder with the model's config.json: its "
-                                                         "family (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5) sets the "
-                                                         "token ids, grids and video rules (default: Qwen2-VL)")
+                                                         "family (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5, InternVL, "
+                                                         "GLM-4.1V, Gemma 3, LLaVA-OneVision) sets the transform, "
+                                                         "token ids, grids, batch schema and video rules (default: "
+                                                         "Qwen2-VL)")
 
 
 PROCESSOR_KEYS = ("min_pixels", "max_pixels", "patch_size", "temporal_patch_size", "merge_size", "image_mean",
@@ -69,27 +71,24 @@ PROCESSOR_KEYS = ("min_pixels", "max_pixels", "patch_size", "temporal_patch_size
 
 
 def vlm_transform(args, topk):
-    """The VLM transform ``args`` name, and a description of its tokenizer for the report."""
+    """The VLM transform ``args`` name, and a description of its tokenizer for the report: the family's own
+    transform where it has one (Gemma 3, LLaVA-OneVision: ``VisionFamily.transform``), else
+    :class:`VLMSampleTransform` (the Qwen families, InternVL), the tokenizer wrapped with the family's token
+    names."""
     import json
 
     from prealign.loaders.media.vlm import VLMSampleTransform
     from prealign.schemas.errors import ConfigError
 
+    hf = None
     if getattr(args, "tokenizer", None):
         from transformers import AutoTokenizer
 
-        from prealign.loaders.media.chat_tokenizer import HFChatTokenizer
-
         try:
-            tok = HFChatTokenizer(AutoTokenizer.from_pretrained(args.tokenizer, local_files_only=True))
+            hf = AutoTokenizer.from_pretrained(args.tokenizer, local_files_only=True)
         except (OSError, ValueError) as exc:
             raise ConfigError(f"--tokenizer {args.tokenizer}: not a local Hugging Face tokenizer folder "
                               f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
-        told = f"{args.tokenizer} ({type(tok.tokenizer).__name__}, vocabulary {tok.vocab_size})"
-    else:
-        from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
-
-        tok, told = ByteTokenizer(), "the demo byte tokenizer (give --tokenizer DIR for yours)"
     options = {}
     if getattr(args, "processor", None):
         path = os.path.join(args.processor, "preprocessor_config.json")
@@ -100,37 +99,98 @@ def vlm_transform(args, topk):
             raise ConfigError(f"--processor {args.processor}: no readable preprocessor_config.json "
                               f"({type(exc).__name__})") from None
         options = {k: config[k] for k in PROCESSOR_KEYS if k in config}
-    model_config = video = None
+    model_config = video = family = None
     if getattr(args, "model_config", None):
         from transformers import AutoConfig
+
+        from prealign.collate.vision import vision_family
 
         try:
             model_config = AutoConfig.from_pretrained(args.model_config, local_files_only=True)
         except (OSError, ValueError) as exc:
             raise ConfigError(f"--model-config {args.model_config}: no readable config.json of a model "
                               f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
+        family = vision_family(model_config)
         video_path = os.path.join(args.processor or "", "video_preprocessor_config.json")
         if args.processor and os.path.isfile(video_path):
             with open(video_path) as f:
                 video = json.load(f)
+    if hf is None:
+        from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
+
+        tok, told = ByteTokenizer(), "the demo byte tokenizer (give --tokenizer DIR for yours)"
+    else:
+        tok = hf if getattr(family, "transform", None) else chat_tokenizer(hf, family)  # own transforms wrap it
+        told = f"{args.tokenizer} ({type(hf).__name__}, vocabulary {len(hf)})"
+    if model_config is not None:
         told += f"; model family from {args.model_config} ({model_config.model_type})"
+    if getattr(family, "transform", None):
+        return own_transform(family, model_config, tok, topk, args.processor), told
     return VLMSampleTransform(tokenizer=tok, topk=topk, processor_options=options, model_config=model_config,
                               video_processor_config=video), told
+
+
+def chat_tokenizer(hf, family):
+    """A Hugging Face tokenizer as :class:`VLMSampleTransform`'s chat tokenizer, with ``family``'s token names
+    (InternVL's ``<img>`` ... ; GLM's; else Qwen's), as the transform wraps its processor's tokenizer."""
+    from prealign.loaders.media import glm4v, internvl
+    from prealign.loaders.media.chat_tokenizer import HFChatTokenizer
+
+    model_type = getattr(family, "model_type", "") or ""
+    if model_type == "internvl":
+        return internvl.internvl_chat_tokenizer(hf)
+    return HFChatTokenizer(hf, **(glm4v.TOKEN_NAMES if model_type.startswith("glm4v") else {}))
+
+
+def own_transform(family, model_config, tokenizer, topk, processor_dir):
+    """The transform ``family.transform`` names (its class path), built from the model's config; ``processor_dir``:
+    the model's ``preprocessor_config.json`` read into the transform's own image processor class (its PIL
+    backend: transformers' auto class may want torchvision), else the family's default."""
+    import dataclasses
+    import importlib
+
+    from prealign.schemas.errors import ConfigError
+
+    module, _, name = family.transform.rpartition(".")
+    transform = getattr(importlib.import_module(module), name)(model_config=model_config, tokenizer=tokenizer,
+                                                               topk=topk)
+    if not processor_dir:
+        return transform
+    kind = type(transform.image_processor)
+    try:
+        processor = kind.from_pretrained(processor_dir, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"--processor {processor_dir}: no {kind.__name__} read from it "
+                          f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
+    return dataclasses.replace(transform, processor=processor)  # checked against the config again
+
+
+def transform_schema(transform, topk):
+    """The batch schema ``transform``'s samples collate to: the family's own (Gemma 3: whole images; the
+    families with a ``batch_schema``: theirs), else :func:`~prealign.schemas.vlm.vlm_schema` (Qwen's grids)."""
+    from prealign.schemas.vlm import image_tokens_schema, vlm_schema
+
+    tok, family = transform.tokenizer, getattr(transform, "family", None)
+    common = dict(topk=topk, vocab_size=tok.vocab_size, pad_token_id=tok.pad_token_id)
+    model_type = getattr(family, "model_type", None)
+    if model_type == "gemma3":
+        return image_tokens_schema(image_size=family.image_size, **common)
+    if hasattr(family, "batch_schema"):  # InternVL, LLaVA-OneVision, Mistral3 / Pixtral, SmolVLM / Idefics3
+        return family.batch_schema(**common)
+    return vlm_schema(**common)
 
 
 def source_and_schema(args):
     """(WebDatasetSource, schema) for ``args`` as ``prealign inspect`` builds them."""
     from prealign.loaders.sources.webdataset import WebDatasetSource, numpy_fields
     from prealign.schemas.schema import causal_lm_schema
-    from prealign.schemas.vlm import vlm_schema
 
     topk = args.topk or None
     if args.text:
         schema, transform = causal_lm_schema(topk=topk, vocab_size=args.vocab_size), numpy_fields
     else:
         transform, _ = vlm_transform(args, topk)
-        schema = vlm_schema(topk=topk, vocab_size=transform.tokenizer.vocab_size,
-                            pad_token_id=transform.tokenizer.pad_token_id)
+        schema = transform_schema(transform, topk)
     return WebDatasetSource(args.shards, transform=transform, image="bytes", index_dir=args.out), schema
 
 

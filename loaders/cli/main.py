@@ -135,8 +135,8 @@ def main(argv: list[str] | None = None) -> int:
 def cmd_demo(args) -> int:
     from prealign.loaders.cli.demo_data import build_demo_dataset, demo_transform
     from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
+    from prealign.loaders.cli.index_cmd import transform_schema
     from prealign.loaders.sources.webdataset import WebDatasetSource
-    from prealign.schemas.vlm import image_tokens_schema, vlm_schema
 
     layout = _check_common(args)
     if getattr(args, "model", None) == "internvl" and args.token_budget == DEMO_BUDGET:
@@ -154,29 +154,19 @@ def cmd_demo(args) -> int:
         _note(f"data built in {time.perf_counter() - t0:.1f} s")
         transform = demo_transform(model, ByteTokenizer(), args.topk)
         source = WebDatasetSource(list(ds.shards), transform=transform, image="bytes")
-        schema = vlm_schema(topk=args.topk, vocab_size=ds.vocab_size)
+        schema = transform_schema(transform, args.topk)  # the family's own batch (1-D positions, tiles, ...)
         schema_name = {"gemma3": "image_tokens_schema", "internvl": "InternVL.batch_schema",
-                       "llava_onevision": "LlavaOneVision.batch_schema"}.get(model, "vlm_schema")
-        if model == "gemma3":  # 1-D positions, whole images
-            schema = image_tokens_schema(topk=args.topk, vocab_size=ds.vocab_size,
-                                         image_size=transform.family.image_size)
-        elif model == "llava_onevision":  # 1-D positions, AnyRes tiles, image sizes (the family's own batch)
-            schema = transform.family.batch_schema(topk=args.topk, vocab_size=ds.vocab_size)
-        elif model in ("mistral3", "smolvlm"):  # 1-D positions, the family's own media fields
-            schema = transform.family.batch_schema(topk=args.topk, vocab_size=ds.vocab_size)
-            schema_name = f"{type(transform.family).__name__}.batch_schema"
-        elif transform.tiled:  # InternVL: 1-D positions, tiles (the family's own batch)
-            schema = transform.family.batch_schema(topk=args.topk, vocab_size=ds.vocab_size)
+                       "llava_onevision": "LlavaOneVision.batch_schema", "mistral3": "Mistral3.batch_schema",
+                       "smolvlm": "Idefics3.batch_schema"}.get(model, "vlm_schema")
         title = (f"{args.samples} samples ({len(ds.bad)} broken on purpose) in {len(ds.shards)} webdataset shards, "
                  f"{schema_name}(topk={args.topk})")
         return _run(args, layout, source, schema, title=title)
 
 
 def cmd_inspect(args) -> int:
-    from prealign.loaders.cli.index_cmd import vlm_transform
+    from prealign.loaders.cli.index_cmd import transform_schema, vlm_transform
     from prealign.loaders.sources.webdataset import WebDatasetSource, numpy_fields
     from prealign.schemas.schema import causal_lm_schema
-    from prealign.schemas.vlm import vlm_schema
 
     if mixture_file(args.shards) and not args.hf:  # a mixture file (docs/mixtures.md)
         return _inspect_mixture(args)
@@ -193,8 +183,7 @@ def cmd_inspect(args) -> int:
         told = "none (--text: token ids as given)"
     else:
         transform, told = vlm_transform(args, topk)
-        schema = vlm_schema(topk=topk, vocab_size=transform.tokenizer.vocab_size,
-                            pad_token_id=transform.tokenizer.pad_token_id)
+        schema = transform_schema(transform, topk)
     if args.shards:
         from prealign.loaders.sources.webdataset import expand_urls
 

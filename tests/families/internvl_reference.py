@@ -43,9 +43,10 @@ def image_processor(tile: int = 448, max_patches: int = 12):
     return cls(size={"height": tile, "width": tile}, crop_to_patches=True, min_patches=1, max_patches=max_patches)
 
 
-def hf_processor(tile: int = 448, max_patches: int = 12, image_seq_length: int = 256):
+def hf_processor(tile: int = 448, max_patches: int = 12, image_seq_length: int = 256, tokenizer=None):
     """``InternVLProcessor`` without a video processor (transformers' needs torchvision, absent here): its class
-    check of that one argument is skipped for ``None``; images and text run through the processor itself."""
+    check of that one argument is skipped for ``None``; images and text run through the processor itself.
+    ``tokenizer``: another with InternVL's special tokens (default :func:`hf_tokenizer`)."""
     from transformers import InternVLProcessor
     from transformers.processing_utils import ProcessorMixin
 
@@ -56,7 +57,7 @@ def hf_processor(tile: int = 448, max_patches: int = 12, image_seq_length: int =
 
     ProcessorMixin.check_argument_for_proper_class = lenient
     try:
-        return InternVLProcessor(image_processor=image_processor(tile, max_patches), tokenizer=hf_tokenizer(),
+        return InternVLProcessor(image_processor=image_processor(tile, max_patches), tokenizer=tokenizer or hf_tokenizer(),
                                  chat_template=CHAT_TEMPLATE, image_seq_length=image_seq_length)
     finally:
         ProcessorMixin.check_argument_for_proper_class = check
