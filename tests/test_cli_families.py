@@ -1,5 +1,5 @@
-"""``prealign inspect`` / ``prealign index`` with ``--model-config`` of a family that is not Qwen's: Gemma 3 and
-LLaVA-OneVision (their own transforms), InternVL (its tiles): each runs its family's transform and batch schema
+"""``prealign inspect`` / ``prealign index`` with ``--model-config`` of a family that is not Qwen's: Gemma 3,
+LLaVA-OneVision, Mistral3 and SmolVLM (their own transforms), InternVL (its tiles): each runs its family's transform and batch schema
 on that family's demo shards; with ``--tokenizer`` / ``--processor`` folders the model's own tokenizer and image
 processor are read."""
 from __future__ import annotations
@@ -10,7 +10,8 @@ from prealign.loaders.cli import main
 from prealign.loaders.cli.demo_data import build_demo_dataset, demo_model_config
 
 pytest.importorskip("transformers")
-SCHEMA = {"gemma3": "image_tokens_topk", "internvl": "internvl_topk", "llava_onevision": "llava_onevision_topk"}
+SCHEMA = {"gemma3": "image_tokens_topk", "internvl": "internvl_topk", "llava_onevision": "llava_onevision_topk",
+          "mistral3": "mistral3_topk", "smolvlm": "smolvlm_topk"}
 
 
 @pytest.fixture(scope="module", params=sorted(SCHEMA))
@@ -46,7 +47,8 @@ def test_index_equals_the_full_pass(family_data, capsys):
     assert f"{len(ds.bad)} sample(s) refused" in capsys.readouterr().err
     t, _ = vlm_transform(Namespace(model_config=folder, tokenizer=None, processor=None), 4)  # as a loader's
     assert type(t).__name__ == {"gemma3": "Gemma3SampleTransform", "internvl": "VLMSampleTransform",
-                                "llava_onevision": "LlavaOnevisionSampleTransform"}[model]
+                                "llava_onevision": "LlavaOnevisionSampleTransform",
+                                "mistral3": "Mistral3SampleTransform", "smolvlm": "Idefics3SampleTransform"}[model]
     schema, policy = transform_schema(t, 4), BadDataPolicy(on_error="skip")
     full = build_index(WebDatasetSource(list(ds.shards), transform=t, image="bytes", sidecars=False), schema,
                        policy=policy)
