@@ -13,7 +13,8 @@ from tests.conftest import INSTALLED_BY_THE_TEST_COMMAND, PLATFORM_PREFIX, decla
 
 pytest_plugins = ["pytester"]
 ROOT = Path(__file__).resolve().parents[1]
-INNER_CONFTEST = "from tests.conftest import pytest_configure  # noqa: F401 - the gate, as the suite has it\n"
+INNER_CONFTEST = ("from tests.conftest import pytest_configure, pytest_unconfigure  # noqa: F401 - the gate, as "
+                  "the suite has it\n")
 SKIPS = '''
 import pytest
 pytest.importorskip("s3fs")          # a declared test extra, missing: the whole module skipped at collection
