@@ -131,6 +131,38 @@ class StrictSkips:
 def pytest_configure(config):
     if strict_skips():
         config.pluginmanager.register(StrictSkips(), "prealign-strict-skips")
+    _isolate_xdist_worker()
+
+
+# ---- pytest-xdist (`pytest -n auto`): each worker process its own temp folder and one torch thread ------
+_WORKER_TMP: list[str] = []
+
+
+def _isolate_xdist_worker() -> None:
+    """In an xdist worker: a temp folder of its own (``TMPDIR`` and ``tempfile.tempdir``, inherited by the
+    processes its tests start), so a test that compares the temp folder before and after sees only its own
+    worker's files; and, when the workers fill the cores, one intra-op torch thread per worker (and
+    ``OMP_NUM_THREADS=1`` for its children, unless set) instead of threads spinning against each other."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if not worker:
+        return
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix=f"prealign-tests-{worker}-")
+    _WORKER_TMP.append(folder)
+    os.environ["TMPDIR"] = tempfile.tempdir = folder
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if workers >= cores:
+        torch.set_num_threads(1)
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def pytest_unconfigure(config):
+    import shutil
+
+    for folder in _WORKER_TMP:  # the folder this process made (above), with what its tests left there
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 # ---- samples --------------------------------------------------------------------------------------

@@ -20,10 +20,11 @@ from prealign.loaders import BatchShare, IndexOptions, LoadingOptions, PackedLoa
 from prealign.loaders.handoff.batch_share import CPShard
 from prealign.schemas import CPLayout, ParallelLayout, causal_lm_schema
 from prealign.schemas.errors import ConfigError, PrealignError
+from tests import ROOT as REPO
 from tests.conftest import TOPK, examples, make_samples, schema_for
 from tests.test_media_share import _digest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(REPO)  # cwd and PYTHONPATH of the child processes
 BUDGET = 1024
 
 

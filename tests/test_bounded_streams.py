@@ -17,9 +17,10 @@ import pytest
 from prealign.loaders import WebDatasetSource
 from prealign.loaders.errors import CorruptShardError
 from prealign.loaders.sources.tar_decode import DecodeLimits
+from tests import ROOT as REPO
 from tests.loader_helpers import sample_lengths, write_shards
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(REPO)  # cwd and PYTHONPATH of the child processes
 MiB = 1 << 20
 _ZEROS = gzip.compress(b"\0" * MiB, compresslevel=9)  # one gzip member of 1 MiB of zeros (about 1 KiB)
 

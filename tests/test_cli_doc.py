@@ -12,12 +12,13 @@ import numpy as np
 import pytest
 
 from prealign.loaders.cli import main
+from tests import ROOT
 
 from .test_cli import _shard, _tokens
 
 pytest.importorskip("transformers")
 
-DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "cli.md"
+DOC = ROOT / "docs" / "cli.md"
 WRITE = bool(os.environ.get("PREALIGN_WRITE_DOCS"))
 ERRORS = ["prealign demo --tp 0", "prealign inspect data/f32.tar data/g.tar --text"]
 

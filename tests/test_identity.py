@@ -15,9 +15,10 @@ from prealign.loaders import WebDatasetSource
 from prealign.loaders.handoff.fingerprint import transform_fingerprint
 from prealign.loaders.handoff.identity import Unfingerprintable, canonical_digest, identity_fields
 from prealign.schemas.errors import ConfigError
+from tests import ROOT as REPO
 from tests.loader_helpers import sample_lengths, write_shards
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(REPO)  # cwd and PYTHONPATH of the child processes
 
 
 def _module(folder, source: str):

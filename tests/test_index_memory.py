@@ -52,6 +52,7 @@ def _peak(path: str) -> int:
     return int(out.stdout.split()[-1])
 
 
+@pytest.mark.slow  # a child process (end to end)
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="platform: no /proc (VmHWM)")
 def test_header_pass_peak_memory_is_a_sample_not_the_shard(tmp_path):
     small = _shard(str(tmp_path / "small.tar"), 2, 1000)

@@ -22,10 +22,10 @@ from prealign.loaders.errors import PlanError
 from prealign.loaders.handoff.fetched import Fetched
 from prealign.loaders.plan.schedule import Request
 from prealign.schemas import ParallelLayout, causal_lm_schema
+from tests import ROOT
 
 from .loader_helpers import hf_rows, sample_lengths
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCHEMA, LAYOUT, BUDGET = causal_lm_schema(), ParallelLayout(), 128
 STREAM = PlannerConfig(buffer_size=16)
 KINDS = {"packed": (PackedLoader, {}), "streaming": (StreamingPackedLoader, {"planner": STREAM})}

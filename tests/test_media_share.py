@@ -23,8 +23,9 @@ import torch
 
 from prealign.loaders.handoff.media_share import SharedMediaTransform, decode_sample, encode_sample
 from prealign.schemas.errors import ConfigError
+from tests import ROOT as REPO
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(REPO)  # cwd and PYTHONPATH of the child processes
 
 
 def _digest(batch: dict) -> str:

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from prealign.collate import BSHDCollator, THDCollator, unpack_bshd, unpack_thd, unshard_cp
 from prealign.collate.mrope import MRoPECollator, mrope_position_ids
 from prealign.schemas import ParallelLayout, SampleError, validate_batch, vlm_schema
+from tests.conftest import examples
 
 IMG, START, END, MERGE = 6, 4, 5, 2
 SCHEMA = vlm_schema()
@@ -83,6 +84,7 @@ def test_golden_trace():
 
 
 @given(batch_st)
+@examples(60)  # 60 here, a quarter under PREALIGN_EXAMPLES_SCALE=0.25 (verl, floor)
 def test_flat_batch_equals_transformers(batches):
     """One vectorised call over the concatenated batch == transformers row by row (text-only rows,
     several images per row, t=2 grids, rows starting or ending on an image)."""
@@ -97,6 +99,7 @@ def test_flat_batch_equals_transformers(batches):
 
 
 @given(batch_st, st.sampled_from([(1, 1), (2, 1), (2, 2), (1, 4)]))
+@examples(60)
 def test_thd_shards_unshard_to_transformers(batches, tp_cp):
     """Through THDCollator on every CP rank: [3, 1, T_local], SP-aligned, 0 on pads; all-gathering
     the shards and unpacking gives transformers' positions for every sample."""

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import pathlib
 import subprocess
 import sys
 
@@ -29,9 +28,9 @@ import prealign.collate.thd as thd
 from prealign.collate import BSHDCollator, THDCollator
 from prealign.collate.indices import Chunks, GatherPlan
 from prealign.schemas import CPLayout, ParallelLayout, validate_batch
+from tests import ROOT
 from tests.conftest import SCHEMA_TOPK, TOPK, make_samples, reference_bshd, reference_thd
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 LENGTHS = [5, 9, 2, 7]
 LAYOUTS = [ParallelLayout(), ParallelLayout(tp=2, cp=2), ParallelLayout(cp=3),
            ParallelLayout(tp=2, cp=2, cp_layout="contiguous"), ParallelLayout(tp=4, fp8="mxfp8"),

@@ -16,7 +16,7 @@ def test_readme_opens_with_demo_and_test_commands():
     cmds = _commands()
     assert len(cmds) >= 2, cmds
     assert cmds[0].endswith("prealign demo")
-    assert cmds[1].endswith("python -m pytest")
+    assert cmds[1].endswith("python -m pytest -n auto")  # every core (pytest-xdist, the test extra)
 
 
 def test_ci_runs_the_readme_test_command():

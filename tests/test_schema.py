@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
@@ -22,8 +21,9 @@ from prealign.schemas import (
     topk_fields,
 )
 from prealign.schemas.distributed import layout_fingerprint
+from tests import ROOT as REPO
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(REPO)  # cwd and PYTHONPATH of the child processes
 MROPE = FieldSpec(name="mrope_position_ids", leading_shape=(3,), cp_sharded=False, pad_value=0)
 CUSTOM = causal_lm_schema(pad_token_id=7, ignore_index=-1).with_fields(
     MROPE, FieldSpec(name="router", dtypes=("int32", "int64"), dense_shape=("layers", 8), required=False),

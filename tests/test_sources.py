@@ -408,7 +408,7 @@ def test_pax_record_length_zero_does_not_hang(tmp_path):
     code = ("import sys; from prealign.loaders.sources.tar_reader import TarFormatError, iter_members\n"
             "try:\n    list(iter_members(open(sys.argv[1], 'rb')))\n"
             "except TarFormatError as e:\n    print('TarFormatError', e)\n")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    from tests import ROOT as root
     try:
         out = subprocess.run([sys.executable, "-c", code, path], capture_output=True, text=True, timeout=60, cwd=root)
     except subprocess.TimeoutExpired:

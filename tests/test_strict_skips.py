@@ -13,7 +13,8 @@ from tests.conftest import INSTALLED_BY_THE_TEST_COMMAND, PLATFORM_PREFIX, decla
 
 pytest_plugins = ["pytester"]
 ROOT = Path(__file__).resolve().parents[1]
-INNER_CONFTEST = "from tests.conftest import pytest_configure  # noqa: F401 - the gate, as the suite has it\n"
+INNER_CONFTEST = ("from tests.conftest import pytest_configure, pytest_unconfigure  # noqa: F401 - the gate, as "
+                  "the suite has it\n")
 SKIPS = '''
 import pytest
 # a declared test extra, missing: the whole module skipped at collection
@@ -172,3 +173,26 @@ def test_quiet_runs_keep_the_summary_line(pytester):
     result = pytester.runpytest(*shlex.split(addopts), "-q", "-p", "no:cacheprovider")
     assert result.ret == pytest.ExitCode.OK
     assert re.search(r"^1 passed", result.stdout.str(), re.M), result.stdout.str()
+
+
+XDIST_SKIPS = '''
+import pytest
+
+def test_declared_module_missing():
+    pytest.skip("could not import 'boto3': No module named 'boto3'")   # what importorskip says
+
+def test_ok():
+    pass
+'''
+
+
+def test_the_gate_holds_under_xdist(gate, monkeypatch):
+    """``pytest -n 2`` (the README's ``-n auto``, CI): the workers' skips reach the gate in the controller, so a
+    forbidden skip still fails the run and is named."""
+    pytest.importorskip("xdist")
+    monkeypatch.setenv("CI", "true")
+    gate.makepyfile(test_xdist_skip=XDIST_SKIPS)
+    result = gate.runpytest("-p", "no:cacheprovider", "-n", "2")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()
+    result.stdout.fnmatch_lines(["*SKIP NOT ALLOWED*test_xdist_skip.py::test_declared_module_missing*boto3*declared*"])
+    result.assert_outcomes(passed=1, skipped=1)

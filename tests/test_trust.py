@@ -168,6 +168,7 @@ print(rc)
 """
 
 
+@pytest.mark.slow  # a child process (end to end)
 def test_a_failed_index_write_leaves_no_part_file(tmp_path):
     """Issue #31: disk full during `prealign index --out` left a .part file behind."""
     import subprocess

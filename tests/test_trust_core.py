@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import pathlib
 
 import numpy as np
 import pytest
@@ -39,9 +38,9 @@ from prealign.schemas import (
     rl_schema,
     validate_batch,
 )
+from tests import ROOT
 from tests.conftest import SCHEMA, collate_ranks, make_samples, to_nested
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 LAYOUTS = [ParallelLayout(), ParallelLayout(tp=2, cp=2), ParallelLayout(cp=2, cp_layout="contiguous"),
            ParallelLayout(tp=2, cp=4, fp8="fp8")]
 
