@@ -685,9 +685,10 @@ def test_a_locked_claim_naming_a_dead_pid_is_honoured(tmp_path):
                                os.path.join(d, "held.claim")], stdout=subprocess.PIPE)
     try:
         holder.stdout.readline()  # it holds the lock
-        waiter = SharedFolder(d, 1, 2, timeout=0.5)
+        waiter = SharedFolder(d, 1, 2, timeout=2.0)
+        os.utime(os.path.join(d, "held.claim"))  # the claim's age counts from now (not from a slow start)
         t0 = time.monotonic()
-        assert waiter.acquire("held") == (LOCAL, None) and time.monotonic() - t0 >= 0.4
+        assert waiter.acquire("held") == (LOCAL, None) and time.monotonic() - t0 >= 1.0
         assert (waiter.stats.took_over_dead, waiter.stats.took_over_timeout) == (0, 1)
     finally:
         holder.kill()
