@@ -17,6 +17,7 @@ zigzag; range intersections under the contiguous CP layout). Worked example, tp=
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, TypeVar
 
 import numpy as np
 import torch
@@ -25,6 +26,7 @@ from prealign.schemas.errors import ArgumentError, BucketOverflowError, OffsetOv
 from prealign.schemas.layout import MAX_PACKED_LENGTH, CPLayout, ParallelLayout
 
 INT32_MAX = MAX_PACKED_LENGTH
+T = TypeVar("T")
 
 
 def as_numpy(x) -> np.ndarray:
@@ -166,6 +168,18 @@ class GatherPlan:
         # first output slot of each bound sequence (slots are in sequence order; none held: the next one's)
         starts = np.append(self.chunk_out_start, self.num_slots)[np.searchsorted(self.chunk_seq, bounds)]
         return [(int(bounds[i]), int(bounds[i + 1]), int(starts[i]), int(starts[i + 1])) for i in range(bounds.size - 1)]
+
+
+def once(build: Callable[[], T]) -> Callable[[], T]:
+    """``build`` called on the first call only, its result returned to every call (a plan built only
+    when a field needs it; cheaper than ``functools.cache``, whose wrapper costs a few µs per batch)."""
+    box: list = []
+
+    def get() -> T:
+        if not box:
+            box.append(build())
+        return box[0]
+    return get
 
 
 def _interleave(a: np.ndarray, b: np.ndarray) -> np.ndarray:

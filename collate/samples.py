@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import operator
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
@@ -189,9 +190,10 @@ def flatten(batch, schema: BatchSchema, *, check_values: bool = True) -> FlatBat
         if key == "input_ids":
             ids = tensors
         _check_token_parts(tensors, spec, key, flat, dtypes)
+        # (a weak reference: the batch, its sources and this diagnosis form no cycle for the GC to find)
+        diagnose = functools.partial(_diagnose_token, tensors, spec, key, weakref.proxy(flat))
         flat.token[key] = TokenSource(parts=tensors, values=None, pad=_pad_rows(tensors[0], spec, next_pads.get(key)),
-                                      token_dim=spec.token_dim,
-                                      diagnose=functools.partial(_diagnose_token, tensors, spec, key, flat))
+                                      token_dim=spec.token_dim, diagnose=diagnose)
     for spec in _sequence_and_media(schema):
         if spec.name not in present:
             if spec.required or spec.name in keys:
