@@ -180,7 +180,7 @@ def run(batch_sizes, repeat: int, cases=("tokens", "topk"), with_verl: bool = Tr
     return rows
 
 
-HEADER = ("| B | case | T_local | out MiB | ours ms | nested ms | verl ms | floor ms | verl / ours | "
+HEADER = ("| B | case | T_local | out MiB | ours ms | nested ms | verl ms | floor ms | verl/ours | "
           "ours / floor: per round | ratio of medians | wall: ours ms | floor ms | per round | ratio of medians "
           "| peak/out |\n" + "|---" * 16 + "|")
 

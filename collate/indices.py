@@ -192,10 +192,17 @@ _ARANGE = [np.arange(0, dtype=np.int64)]
 _REAL_THEN_PAD = [np.zeros(0, dtype=bool)]
 
 
+_ARANGE_CACHED = 1 << 22
+"""Slots of the longest cached range (32 MiB); a longer batch builds its own."""
+
+
 def _arange(n: int) -> np.ndarray:
-    """Read-only int64 ``0 .. n-1``: a view of one cached range, grown (doubled) when a batch needs more."""
+    """Read-only int64 ``0 .. n-1``: a view of one cached range, grown (doubled) when a batch needs
+    more, up to :data:`_ARANGE_CACHED` slots."""
+    if n > _ARANGE_CACHED:
+        return np.arange(n, dtype=np.int64)
     if _ARANGE[0].size < n:
-        a = np.arange(max(n, 2 * _ARANGE[0].size), dtype=np.int64)
+        a = np.arange(min(max(n, 2 * _ARANGE[0].size), _ARANGE_CACHED), dtype=np.int64)
         a.flags.writeable = False
         _ARANGE[0] = a
     return _ARANGE[0][:n]
