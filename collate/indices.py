@@ -109,8 +109,7 @@ def cp_chunks(padded, layout: ParallelLayout, cp_rank: int | None) -> Chunks:
     if layout.cp_layout is CPLayout.ZIGZAG:
         c = padded // (2 * cp)
         # chunk r then chunk 2cp-1-r of every sequence, sequence after sequence
-        starts = np.stack((c * cp_rank, c * (2 * cp - 1 - cp_rank)), 1).reshape(-1)
-        return Chunks(np.repeat(seq, 2), starts, np.repeat(c, 2))
+        return Chunks(np.repeat(seq, 2), _interleave(c * cp_rank, c * (2 * cp - 1 - cp_rank)), np.repeat(c, 2))
     # contiguous: rank r owns global rows [r*T_local, (r+1)*T_local)
     cu = np.concatenate(([0], np.cumsum(padded)))
     local = int(cu[-1]) // cp

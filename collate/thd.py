@@ -56,7 +56,7 @@ class THDCollator:
 
     def __call__(self, batch) -> dict:
         flat = flatten(batch, self.schema, check_values=self.check_values)
-        padded = self.layout.padded_lengths(flat.lengths)
+        padded = self.layout.padded_lengths(flat.lengths.numpy())  # (int64 numpy: no conversion)
         cu_padded = lengths_to_cu_seqlens(padded)  # int32; refuses T >= 2**31 before anything of size T exists
         shard_rank = None if self.defer_cp_shard else self.cp_rank
         plan = gather_plan(flat.lengths, cp_chunks(padded, self.layout, shard_rank), flat.cu_seqlens)
