@@ -12,14 +12,16 @@ both sides):
                (measured in a fresh subprocess with /proc/self/clear_refs + VmHWM, default malloc)
 Timed runs pin glibc's malloc thresholds (see ``pin_allocator``) so that no contender's time
 depends on the allocator state the previous one left.
-Times are CPU seconds of the calling thread (torch on one thread; on a shared machine the wall clock
-adds whatever else ran). Rounds interleave the contenders (a round: verl once, each other contender 5
-calls, their median);
-each cell is the median [min..max] over the rounds, and each ratio the median of the per-round ratios (the ratio of the medians alongside in
-``--json``); absolute times depend on the machine. One thread, like one DataLoader worker.
+Times are CPU seconds of the process (``time.process_time``; torch on one thread, ``--threads``, on
+every side alike) and wall seconds. Rounds interleave the contenders (a round: verl once, each other
+contender 5 calls back to back, their median); each time is the median [min..max] over the rounds, and
+ours / floor is given both ways: the median [min..max] of the per-round ratios and the ratio of the
+medians (on a loaded machine they can differ; both are the figure). Absolute times depend on the machine.
 
     python benchmarks/bench_collate.py            # full table
     python benchmarks/bench_collate.py --quick    # B in {8, 64, 256}, fewer repeats
+    python benchmarks/bench_collate.py --sizes 256 --cases tokens --no-verl --no-memory --repeat 41
+                                                  # the ids-only figure (issue #28: <= 5x the floor)
 """
 from __future__ import annotations
 
@@ -71,28 +73,32 @@ def out_bytes(batch: dict) -> int:
     return sum(v.numel() * v.element_size() for v in batch.values() if isinstance(v, torch.Tensor))
 
 
-CLOCK = time.thread_time
-"""CPU seconds of this thread (torch runs on this one thread): what a call costs, whatever else the machine
-runs (a wall clock on a shared machine adds the time other processes held the core)."""
+CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
+"""CPU seconds of this process (torch on one thread: what a call costs, whatever else the machine runs) and
+wall seconds (on a shared machine it adds the time other processes held the core)."""
 
 
 def timeit_side_by_side(fns: dict, repeat: int, inner: int = 5, slow: tuple = ("verl",)) -> dict:
     """Seconds of each function in ``repeat`` rounds (interleaved, so every contender sees the same
-    machine): ``{name: [seconds of each round]}``. A round calls each of ``slow`` once and each other
-    contender ``inner`` times back to back, its value the median of those: a call right after a
-    0.2-10 s verl call measures the caches and allocator state verl left, and is not the contender's
-    steady state, so the per-round ratio compares calls made under the same conditions."""
+    machine): ``{name: {"cpu": [seconds of each round], "wall": [...]}}``. A round calls each of ``slow``
+    once and each other contender ``inner`` times back to back, its value the median of those calls: a
+    call right after a 0.2-10 s verl call measures the caches and allocator state verl left, and is not
+    the contender's steady state, so the per-round ratio compares calls made under the same conditions."""
     for fn in fns.values():
         fn()
-    times = {name: [] for name in fns}
+    times = {name: {clock: [] for clock in CLOCKS} for name in fns}
+    cpu, wall = CLOCKS["cpu"], CLOCKS["wall"]
     for _ in range(repeat):
         for name, fn in fns.items():
-            calls = []
+            calls = {"cpu": [], "wall": []}
             for _ in range(1 if name in slow else inner):
-                t0 = CLOCK()
+                c0, w0 = cpu(), wall()
                 fn()
-                calls.append(CLOCK() - t0)
-            times[name].append(statistics.median(calls))
+                w1, c1 = wall(), cpu()
+                calls["cpu"].append(c1 - c0)
+                calls["wall"].append(w1 - w0)
+            for clock, xs in calls.items():
+                times[name][clock].append(statistics.median(xs))
     return times
 
 
@@ -132,15 +138,17 @@ def peak_ratio(batch_size: int, topk: bool) -> float | None:
         return None
 
 
-def run(batch_sizes, repeat: int) -> list[dict]:
-    try:
-        from verl_reference import load_verl_mcore_util, patched_parallel_state
-        verl = load_verl_mcore_util()
-    except ImportError as exc:
-        print(f"(verl not available: {exc}; its column is empty)")
-        verl = None
+def run(batch_sizes, repeat: int, cases=("tokens", "topk"), with_verl: bool = True, memory: bool = True
+        ) -> list[dict]:
+    verl = None
+    if with_verl:
+        try:
+            from verl_reference import load_verl_mcore_util, patched_parallel_state
+            verl = load_verl_mcore_util()
+        except ImportError as exc:
+            print(f"(verl not available: {exc}; its column is empty)")
     rows = []
-    for topk in (False, True):
+    for topk in [c == "topk" for c in cases]:
         schema = causal_lm_schema(topk=K if topk else None)
         coll = THDCollator(schema=schema, layout=LAYOUT, cp_rank=0)
         for b in batch_sizes:
@@ -166,26 +174,33 @@ def run(batch_sizes, repeat: int) -> list[dict]:
                 fns["verl"] = run_verl
             # verl is 100-1000x slower: fewer rounds at large B (every contender in every round alike)
             row.update(timeit_side_by_side(fns, max(5, repeat // 4) if verl is not None and b >= 256 else repeat))
-            row["peak/out"] = peak_ratio(b, topk)
+            row["peak/out"] = peak_ratio(b, topk) if memory else None
             rows.append(row)
             print_row(row)
     return rows
 
 
-HEADER = ("| B | case | T_local | out MiB | ours ms | nested ms | verl ms | floor ms | verl / ours | "
-          "ours / floor (median of rounds) | ours / floor (ratio of medians) | peak/out |\n"
-          + "|---" * 12 + "|")
+HEADER = ("| B | case | T_local | out MiB | ours ms | nested ms | verl ms | floor ms | verl/ours | "
+          "ours / floor: per round | ratio of medians | wall: ours ms | floor ms | per round | ratio of medians "
+          "| peak/out |\n" + "|---" * 16 + "|")
+
+
+def ratios(r: dict, clock: str) -> tuple[list[float], float]:
+    """ours / floor on ``clock``: each round's ratio, and the ratio of the medians."""
+    ours, floor = r["ours"][clock], r["floor"][clock]
+    return [o / f for o, f in zip(ours, floor)], median(ours) / median(floor)
 
 
 def print_row(r: dict) -> None:
     verl, peak = r.get("verl"), r.get("peak/out")
-    per_round = [o / f for o, f in zip(r["ours"], r["floor"])]
-    speedup = "-" if verl is None else spread([v / o for v, o in zip(verl, r["ours"])], 1, "{:.0f}x")
-    print(f"| {r['B']} | {r['case']} | {r['T_local']} | {r['out_MiB']:.2f} | {spread(r['ours'])} | "
-          f"{spread(r['ours_nested'])} | {'-' if verl is None else spread(verl, 1e3, '{:.1f}')} | "
-          f"{spread(r['floor'])} | {speedup} | {spread(per_round, 1, '{:.2f}x')} | "
-          f"{median(r['ours']) / median(r['floor']):.2f}x | {'-' if peak is None else f'{peak:.2f}x'} |",
-          flush=True)
+    cpu, cpu_of_medians = ratios(r, "cpu")
+    wall, wall_of_medians = ratios(r, "wall")
+    speedup = "-" if verl is None else spread([v / o for v, o in zip(verl["cpu"], r["ours"]["cpu"])], 1, "{:.0f}x")
+    print(f"| {r['B']} | {r['case']} | {r['T_local']} | {r['out_MiB']:.2f} | {spread(r['ours']['cpu'])} | "
+          f"{spread(r['ours_nested']['cpu'])} | {'-' if verl is None else spread(verl['cpu'], 1e3, '{:.1f}')} | "
+          f"{spread(r['floor']['cpu'])} | {speedup} | {spread(cpu, 1, '{:.2f}x')} | {cpu_of_medians:.2f}x | "
+          f"{spread(r['ours']['wall'])} | {spread(r['floor']['wall'])} | {spread(wall, 1, '{:.2f}x')} | "
+          f"{wall_of_medians:.2f}x | {'-' if peak is None else f'{peak:.2f}x'} |", flush=True)
 
 
 def pin_allocator() -> bool:
@@ -207,20 +222,25 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="B in {8, 64, 256} and fewer repeats")
     p.add_argument("--repeat", type=int, default=None, help="rounds per cell (median [min..max])")
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--threads", type=int, default=1, help="torch threads (both sides alike; default 1)")
+    p.add_argument("--sizes", type=int, nargs="+", default=None, help="batch sizes B (default: per --quick)")
+    p.add_argument("--cases", nargs="+", choices=("tokens", "topk"), default=("tokens", "topk"),
+                   help="tokens: ids only (labels, loss mask, positions derived); topk: + teacher top-k")
+    p.add_argument("--no-verl", action="store_true", help="leave verl out (it takes most of the time)")
+    p.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocess")
     p.add_argument("--memory-probe", nargs=2, type=int, metavar=("B", "TOPK"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.memory_probe:
         memory_probe(args.memory_probe[0], bool(args.memory_probe[1]))
         return
-    sizes = (8, 64, 256) if args.quick else (8, 64, 256, 1024)
+    sizes = args.sizes or ((8, 64, 256) if args.quick else (8, 64, 256, 1024))
     pinned = pin_allocator()
     print(f"torch {torch.__version__}, {args.threads} thread(s), layout tp={LAYOUT.tp} cp={LAYOUT.cp} (rank 0), "
           f"padding {LAYOUT.pad_policy.value}, "
           f"lengths 16..1024, malloc thresholds {'pinned' if pinned else 'default'}")
     print(HEADER)
-    run(sizes, args.repeat or (11 if args.quick else 31))
+    run(sizes, args.repeat or (11 if args.quick else 31), args.cases, not args.no_verl, not args.no_memory)
 
 
 if __name__ == "__main__":

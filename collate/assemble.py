@@ -31,9 +31,8 @@ def token_fields(schema: BatchSchema, flat: FlatBatch, plan: GatherPlan,
     ``cp_sharded=False``.
     """
     out: dict[str, torch.Tensor] = {}
-    labels_spec = next((f for f in schema.of_role(Role.TOKEN) if f.source is Source.NEXT_TOKEN), None)
+    labels_spec, id_max = _labels_and_id_max(schema)
     labels_from_ids = labels_spec is not None and resolve_key(labels_spec, flat.token.keys()) == "input_ids"
-    id_max = next((f.max_value for f in schema.of_role(Role.TOKEN) if f.name == "input_ids"), None)
     for spec in _build_order(schema):
         p = plan if spec.cp_sharded or unsharded_plan is None else unsharded_plan()
         if spec.source in (Source.SAMPLE, Source.NEXT_TOKEN):
@@ -92,12 +91,20 @@ def non_token_fields(flat: FlatBatch, schema: BatchSchema, layout, cp_rank: int 
     sample's own), so that :func:`~prealign.schemas.validate_batch` knows which rule applies."""
     out = {**flat.sequence, **flat.media, "cp_rank": -1 if cp_rank is None else cp_rank, "cp_size": layout.cp,
            "cp_layout": layout.cp_layout.value}
-    labels_spec = next((f for f in schema.of_role(Role.TOKEN) if f.source is Source.NEXT_TOKEN), None)
+    labels_spec = _labels_and_id_max(schema)[0]
     if labels_spec is not None:
         key = resolve_key(labels_spec, flat.token.keys())
         if key is not None:
             out["label_source"] = key
     return out
+
+
+@functools.lru_cache(maxsize=64)
+def _labels_and_id_max(schema: BatchSchema) -> tuple[FieldSpec | None, float | None]:
+    """The schema's next-token field (the labels), and ``input_ids``' declared ``max_value``."""
+    tokens = schema.of_role(Role.TOKEN)
+    labels = next((f for f in tokens if f.source is Source.NEXT_TOKEN), None)
+    return labels, next((f.max_value for f in tokens if f.name == "input_ids"), None)
 
 
 @functools.lru_cache(maxsize=64)
@@ -149,7 +156,7 @@ def _loss_mask(spec, schema: BatchSchema, flat: FlatBatch, plan: GatherPlan, lab
     sample_mask = flat.token.get("loss_mask")
     if labels_from_ids and sample_mask is None:
         # labels are the next input_ids: trained on every real slot but each sequence's last
-        mask = plan.is_pad.logical_not().to(spec.dtype)
+        mask = torch.logical_not(plan.is_pad, out=torch.empty(plan.num_slots, dtype=spec.dtype))  # one pass
         return mask.index_fill_(0, plan.last_slots, 0)
     mask = ((labels != schema.ignore_index) if labels is not None else ~plan.is_pad).to(spec.dtype)
     if sample_mask is not None:

@@ -8,7 +8,6 @@
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,7 +18,7 @@ from prealign.schemas.layout import CPLayout, ParallelLayout
 from prealign.schemas.schema import BatchSchema
 
 from .assemble import check_cp_rank, non_token_fields, token_fields
-from .indices import Chunks, cp_chunks, gather_plan
+from .indices import Chunks, cp_chunks, gather_plan, once
 from .samples import flatten
 
 
@@ -61,7 +60,7 @@ class BSHDCollator:
                                       f"{self.layout.max_seqs}; plan with the same layout or raise max_seqs")
         s = self.layout.bshd_length(int(flat.lengths.max()), b)
         plan = gather_plan(flat.lengths, bshd_chunks(b, s, self.layout, self.cp_rank), flat.cu_seqlens)
-        whole = functools.cache(lambda: gather_plan(flat.lengths, bshd_chunks(b, s, self.layout, None), flat.cu_seqlens))
+        whole = once(lambda: gather_plan(flat.lengths, bshd_chunks(b, s, self.layout, None), flat.cu_seqlens))
         out = {}
         for name, v in token_fields(self.schema, flat, plan, whole).items():
             td = self.schema[name].token_dim

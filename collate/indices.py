@@ -17,6 +17,7 @@ zigzag; range intersections under the contiguous CP layout). Worked example, tp=
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, TypeVar
 
 import numpy as np
 import torch
@@ -25,6 +26,7 @@ from prealign.schemas.errors import ArgumentError, BucketOverflowError, OffsetOv
 from prealign.schemas.layout import MAX_PACKED_LENGTH, CPLayout, ParallelLayout
 
 INT32_MAX = MAX_PACKED_LENGTH
+T = TypeVar("T")
 
 
 def as_numpy(x) -> np.ndarray:
@@ -107,8 +109,7 @@ def cp_chunks(padded, layout: ParallelLayout, cp_rank: int | None) -> Chunks:
     if layout.cp_layout is CPLayout.ZIGZAG:
         c = padded // (2 * cp)
         # chunk r then chunk 2cp-1-r of every sequence, sequence after sequence
-        starts = np.stack((c * cp_rank, c * (2 * cp - 1 - cp_rank)), 1).reshape(-1)
-        return Chunks(np.repeat(seq, 2), starts, np.repeat(c, 2))
+        return Chunks(np.repeat(seq, 2), _interleave(c * cp_rank, c * (2 * cp - 1 - cp_rank)), np.repeat(c, 2))
     # contiguous: rank r owns global rows [r*T_local, (r+1)*T_local)
     cu = np.concatenate(([0], np.cumsum(padded)))
     local = int(cu[-1]) // cp
@@ -168,26 +169,61 @@ class GatherPlan:
         return [(int(bounds[i]), int(bounds[i + 1]), int(starts[i]), int(starts[i + 1])) for i in range(bounds.size - 1)]
 
 
+def once(build: Callable[[], T]) -> Callable[[], T]:
+    """``build`` called on the first call only, its result returned to every call (a plan built only
+    when a field needs it; cheaper than ``functools.cache``, whose wrapper costs a few µs per batch)."""
+    box: list = []
+
+    def get() -> T:
+        if not box:
+            box.append(build())
+        return box[0]
+    return get
+
+
 def _interleave(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    out = np.empty(2 * a.size, dtype=np.int64)
+    out = np.empty(2 * a.size, dtype=np.result_type(a, b))
     out[0::2], out[1::2] = a, b
     return out
 
 
-def _shift_in(first: int, values: np.ndarray) -> np.ndarray:
-    """``[first, values[0], ..., values[-2]]``: each run's predecessor value."""
-    out = np.empty_like(values)
-    out[0], out[1:] = first, values[:-1]
-    return out
+_ARANGE = [np.arange(0, dtype=np.int64)]
+_REAL_THEN_PAD = [np.zeros(0, dtype=bool)]
+
+
+_ARANGE_CACHED = 1 << 22
+"""Slots of the longest cached range (32 MiB); a longer batch builds its own."""
+
+
+def _arange(n: int) -> np.ndarray:
+    """Read-only int64 ``0 .. n-1``: a view of one cached range, grown (doubled) when a batch needs
+    more, up to :data:`_ARANGE_CACHED` slots."""
+    if n > _ARANGE_CACHED:
+        return np.arange(n, dtype=np.int64)
+    if _ARANGE[0].size < n:
+        a = np.arange(min(max(n, 2 * _ARANGE[0].size), _ARANGE_CACHED), dtype=np.int64)
+        a.flags.writeable = False
+        _ARANGE[0] = a
+    return _ARANGE[0][:n]
+
+
+def _real_then_pad(num_chunks: int) -> np.ndarray:
+    """Read-only bool ``[False, True] * num_chunks`` (each chunk's real run, then its pad run), cached."""
+    if _REAL_THEN_PAD[0].size < 2 * num_chunks:
+        a = np.tile(np.array([False, True]), max(num_chunks, _REAL_THEN_PAD[0].size))
+        a.flags.writeable = False
+        _REAL_THEN_PAD[0] = a
+    return _REAL_THEN_PAD[0][:2 * num_chunks]
 
 
 def gather_plan(lengths, chunks: Chunks, cu_seqlens=None) -> GatherPlan:
     """Build the :class:`GatherPlan` of ``chunks`` for sequences of true ``lengths`` (``[N]``).
 
-    Every per-slot quantity is piecewise linear over runs (a chunk's real tokens, then its pads),
-    built as the cumulative sum of per-slot steps with the jumps scattered (accumulated) at run
-    starts: seven full-size torch ops per batch, whatever the number of sequences; the per-run
-    tables are numpy. Empty runs need no filtering: their jumps telescope into the next run's.
+    Every per-slot quantity is a per-chunk constant repeated over the chunk's slots, plus the slot
+    number: positions ``= slot + (start - out_start)``, ``src = positions + cu[seq]`` on real slots
+    and ``num_real`` on pads, ``is_pad`` a run of False (the chunk's real tokens) then a run of True
+    (its pads). Six full-size numpy ops per batch (three ``np.repeat``, two in-place adds, one masked
+    copy), whatever the number of sequences; the per-chunk tables are numpy too.
     """
     lengths = as_numpy(lengths)
     cu = np.concatenate(([0], np.cumsum(lengths))) if cu_seqlens is None else as_numpy(cu_seqlens)
@@ -199,31 +235,21 @@ def gather_plan(lengths, chunks: Chunks, cu_seqlens=None) -> GatherPlan:
     ends = np.cumsum(length)
     out_start = ends - length
     total = int(ends[-1]) if ends.size else 0
-    n_real = np.clip(lengths[seq] - start, 0, length)
-    real_end = out_start + n_real  # first pad slot of each chunk (== next chunk's start when none)
+    seq_len = lengths[seq]
+    n_real = np.clip(seq_len - start, 0, length)
 
-    # positions: one run per chunk, step 1 (pads continue counting)
-    positions = torch.ones(total, dtype=torch.int64)
-    positions.index_add_(0, torch.from_numpy(out_start), torch.from_numpy(start - _shift_in(1, start + length)))
-    positions.cumsum_(0)
+    positions = np.repeat(start - out_start, length)
+    positions += _arange(total)
+    is_pad = np.repeat(_real_then_pad(seq.size), _interleave(n_real, length - n_real))
+    src = np.repeat(cu[seq], length)
+    src += positions
+    np.copyto(src, num_real, where=is_pad)
 
-    # src: per chunk a real run (step 1 from the token's row), then a pad run (constant num_real)
-    run_start = torch.from_numpy(_interleave(out_start, real_end))
-    run_first = _interleave(cu[seq] + start, np.full_like(start, num_real))
-    run_last = _interleave(cu[seq] + start + n_real - 1, np.full_like(start, num_real))
-    step_jump = np.tile(np.array([1, -1], dtype=np.int64), start.size)  # +1 entering a real run, -1 a pad run
-    steps = torch.zeros(total + 1, dtype=torch.int64)  # one spare slot: empty pad runs may start at `total`
-    steps.index_add_(0, run_start, torch.from_numpy(step_jump))
-    steps.cumsum_(0)  # 1 on real slots, 0 on pads
-    is_pad = steps[:total].logical_not()
-    run_step = np.tile(np.array([1, 0], dtype=np.int64), start.size)
-    steps.index_add_(0, run_start, torch.from_numpy(run_first - _shift_in(0, run_last) - run_step))
-    src = steps.cumsum_(0)[:total]
-
-    holds_last = (start + n_real == lengths[seq]) & (n_real > 0)  # chunks holding their sequence's last token
-    last_slots = torch.from_numpy((real_end - 1)[holds_last])
-    return GatherPlan(positions=positions, is_pad=is_pad, src=src, last_slots=last_slots,
-                      num_real=num_real, chunk_seq=seq, chunk_out_start=out_start)
+    holds_last = (start + n_real == seq_len) & (n_real > 0)  # chunks holding their sequence's last token
+    last_slots = torch.from_numpy((out_start + n_real - 1)[holds_last])
+    return GatherPlan(positions=torch.from_numpy(positions), is_pad=torch.from_numpy(is_pad),
+                      src=torch.from_numpy(src), last_slots=last_slots, num_real=num_real, chunk_seq=seq,
+                      chunk_out_start=out_start)
 
 
 def global_slots(chunks: Chunks, cu_padded) -> torch.Tensor:

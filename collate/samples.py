@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
@@ -81,8 +83,9 @@ class FlatBatch:
     dtypes: dict[str, str] = field(default_factory=dict)  # dtype of each sample field read
     check_values: bool = True
 
-    @property
+    @functools.cached_property
     def num_real(self) -> int:
+        """Rows of all samples together (``cu_seqlens[-1]``), read once."""
         return int(self.cu_seqlens[-1])
 
 
@@ -124,6 +127,11 @@ def _sample_keys_read(schema: BatchSchema) -> tuple[FieldSpec, ...]:
 
 
 @functools.lru_cache(maxsize=64)
+def _sequence_and_media(schema: BatchSchema) -> tuple[FieldSpec, ...]:
+    return schema.of_role(Role.SEQUENCE) + schema.of_role(Role.MEDIA)
+
+
+@functools.lru_cache(maxsize=64)
 def sample_token_keys(schema: BatchSchema) -> tuple[tuple[str, int], ...]:
     """``(sample key, token dim)`` of every per-token sample field the collator may read (e.g. for
     cutting a sample to a length: every such field must be cut alike)."""
@@ -152,17 +160,14 @@ def flatten(batch, schema: BatchSchema, *, check_values: bool = True) -> FlatBat
                           actual=type(batch).__name__)
     if len(batch) == 0:
         raise SampleError(sample=None, field=None, expected="at least one sample", actual="an empty batch")
-    if not all(type(s) is dict for s in batch):  # fast path for plain dicts; else name the culprit
+    if set(map(type, batch)) != _DICT:  # fast path for plain dicts; else name the culprit
         for i, s in enumerate(batch):
             if not isinstance(s, Mapping):
                 raise SampleError(sample=i, field=None, expected="a dict of fields", actual=type(s).__name__)
     ids = _column(batch, "input_ids")
-    try:
-        lengths = torch.from_numpy(np.fromiter((t.shape[0] for t in ids), np.int64, len(ids)))
-    except IndexError:  # a 0-d tensor has no token dim
-        i = next(i for i, t in enumerate(ids) if t.ndim == 0)
-        raise SampleError(sample=i, field="input_ids", expected="a non-empty 1-D token tensor",
-                          actual="a 0-d tensor") from None
+    # element counts: the lengths of 1-D token tensors (cheaper to read than shapes); a tensor of
+    # another rank fails the shape check of sample 0 or the concatenation, which names it
+    lengths = torch.from_numpy(_numels(ids))
     _check_lengths(lengths, ids)
     flat = FlatBatch(lengths=lengths, cu_seqlens=lengths_to_cu_seqlens(lengths, torch.int64),
                      check_values=check_values)
@@ -180,15 +185,16 @@ def flatten(batch, schema: BatchSchema, *, check_values: bool = True) -> FlatBat
             continue
         done.add(key)
         tensors = ids if key == "input_ids" else _column(batch, key)
-        dtypes = {t.dtype for t in tensors}  # once a field: the widening and the dtype check
+        dtypes = set(map(_DTYPE, tensors))  # once a field: the widening and the dtype check
         tensors = _widened(tensors, spec, dtypes)
         if key == "input_ids":
             ids = tensors
         _check_token_parts(tensors, spec, key, flat, dtypes)
+        # (a weak reference: the batch, its sources and this diagnosis form no cycle for the GC to find)
+        diagnose = functools.partial(_diagnose_token, tensors, spec, key, weakref.proxy(flat))
         flat.token[key] = TokenSource(parts=tensors, values=None, pad=_pad_rows(tensors[0], spec, next_pads.get(key)),
-                                      token_dim=spec.token_dim,
-                                      diagnose=functools.partial(_diagnose_token, tensors, spec, key, flat))
-    for spec in schema.of_role(Role.SEQUENCE) + schema.of_role(Role.MEDIA):
+                                      token_dim=spec.token_dim, diagnose=diagnose)
+    for spec in _sequence_and_media(schema):
         if spec.name not in present:
             if spec.required or spec.name in keys:
                 _missing(spec, batch)
@@ -277,7 +283,7 @@ def _flatten_nested(batch: Mapping, schema: BatchSchema, check_values: bool) -> 
         _check_token_shape(values.shape, values.dtype, spec, key, flat, None)
         flat.token[key] = TokenSource(parts=None, values=values, pad=_pad_rows(values[:1], spec, next_pads.get(key)),
                                       token_dim=spec.token_dim)
-    for spec in schema.of_role(Role.SEQUENCE) + schema.of_role(Role.MEDIA):
+    for spec in _sequence_and_media(schema):
         if spec.name in batch:
             target = flat.sequence if spec.role is Role.SEQUENCE else flat.media
             target[spec.name] = _nested_other(batch[spec.name], spec, flat, check_values)
@@ -326,6 +332,13 @@ def _column(batch: Sequence[Mapping], key: str) -> list[torch.Tensor]:
 
 
 _TENSOR = {torch.Tensor}
+_DICT = {dict}
+_DTYPE = operator.attrgetter("dtype")
+
+
+def _numels(tensors: list[torch.Tensor]) -> np.ndarray:
+    """int64 ``[N]``: each tensor's element count (one C-level pass; a shape costs a ``torch.Size`` each)."""
+    return np.fromiter(map(torch.Tensor.numel, tensors), np.int64, len(tensors))
 
 
 _NARROW_INTS = frozenset({torch.int8, torch.int16, torch.int32, torch.uint8, torch.uint16, torch.uint32})
@@ -385,14 +398,15 @@ def _check_token_parts(tensors: list, spec: FieldSpec, key: str, flat: FlatBatch
     checked here."""
     first = tensors[0]
     td = spec.token_dim
-    if first.ndim <= td:
+    if first.ndim <= td or first.shape[td] != int(flat.lengths[0]):
         _diagnose_token(tensors, spec, key, flat)
     if key != "input_ids":
-        sizes = np.fromiter((t.shape[td] if t.ndim > td else -1 for t in tensors), np.int64, len(tensors))
-        if not np.array_equal(sizes, flat.lengths.numpy()):
+        # the token-dim sizes, as element counts: a part whose other dims differ from sample 0's makes
+        # torch.cat fail, which names it, so equal counts mean equal token-dim sizes
+        if not np.array_equal(_numels(tensors), flat.lengths.numpy() * (first.numel() // first.shape[td])):
             _diagnose_token(tensors, spec, key, flat)
     # one dtype (torch.cat would promote); other ranks, devices make torch.cat fail: diagnosed then
-    if len(dtypes) != 1 or first.device.type != "cpu" or len({t.ndim for t in tensors}) != 1:
+    if len(dtypes) != 1 or first.device.type != "cpu":
         for i, t in enumerate(tensors):
             _check_device(t, i, key)
         _diagnose_token(tensors, spec, key, flat)
@@ -419,11 +433,18 @@ def _check_token_shape(shape, dtype, spec: FieldSpec, key: str, flat: FlatBatch,
 
 
 def _diagnose_token(tensors: list, spec: FieldSpec, key: str, flat: FlatBatch) -> None:
+    ids = flat.token.get("input_ids")
+    if key != "input_ids" and ids is not None and ids.diagnose is not None:
+        ids.diagnose()  # the lengths are input_ids' element counts: a bad input_ids is named first
     for i, t in enumerate(tensors):
         _check_device(t, i, key)
     dims = dict(flat.dims)
     lengths = flat.lengths.tolist()
     for i, t in enumerate(tensors):
+        if t.ndim == 0:  # (its element count was taken for a length)
+            raise SampleError(sample=i, field=key, actual="a 0-d tensor",
+                              expected="a non-empty 1-D token tensor" if key == "input_ids" else
+                              f"shape {(*spec.leading_shape, 'T', *spec.dense_shape)}")
         declared = (*spec.leading_shape, lengths[i], *spec.dense_shape)
         shape = tuple(t.shape)
         bad = len(shape) != len(declared)

@@ -10,7 +10,6 @@
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +18,7 @@ from prealign.schemas.layout import ParallelLayout
 from prealign.schemas.schema import BatchSchema
 
 from .assemble import check_cp_rank, non_token_fields, token_fields
-from .indices import cp_chunks, gather_plan, global_slots, lengths_to_cu_seqlens, static_offsets
+from .indices import cp_chunks, gather_plan, global_slots, lengths_to_cu_seqlens, once, static_offsets
 from .samples import flatten
 
 
@@ -57,11 +56,11 @@ class THDCollator:
 
     def __call__(self, batch) -> dict:
         flat = flatten(batch, self.schema, check_values=self.check_values)
-        padded = self.layout.padded_lengths(flat.lengths)
+        padded = self.layout.padded_lengths(flat.lengths.numpy())  # (int64 numpy: no conversion)
         cu_padded = lengths_to_cu_seqlens(padded)  # int32; refuses T >= 2**31 before anything of size T exists
         shard_rank = None if self.defer_cp_shard else self.cp_rank
         plan = gather_plan(flat.lengths, cp_chunks(padded, self.layout, shard_rank), flat.cu_seqlens)
-        whole = functools.cache(lambda: gather_plan(flat.lengths, cp_chunks(padded, self.layout, None), flat.cu_seqlens))
+        whole = once(lambda: gather_plan(flat.lengths, cp_chunks(padded, self.layout, None), flat.cu_seqlens))
         out = {name: v.unsqueeze(self.schema[name].token_dim)  # the batch dim, before the token dim
                for name, v in token_fields(self.schema, flat, plan, whole).items()}
         out["cu_seqlens"] = static_offsets(flat.cu_seqlens.to(torch.int32), self.layout.max_seqs)

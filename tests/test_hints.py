@@ -110,9 +110,9 @@ def test_changed_shard_hint_rerun_index_works(tmp_path, capsys):
     paths = write_shards(str(tmp_path), sample_lengths(20), num_shards=2)
     assert _cli(capsys, "index", "--text", *paths)[0] == 0
     write_shards(str(tmp_path), sample_lengths(24, seed=5), num_shards=2)  # the data changed since
-    with pytest.raises(ChangedShardError, match="re-run it") as exc:
+    with pytest.raises(ChangedShardError, match="changed since it was indexed: run `prealign index") as exc:
         PackedLoader(WebDatasetSource(paths), schema=causal_lm_schema(), layout=LAYOUT, token_budget=4096).prepare()
-    assert "`prealign index`" in str(exc.value)
+    assert "`prealign index --text --force " in str(exc.value)  # the command that rebuilds the sidecars
     assert _cli(capsys, "index", "--text", *paths)[0] == 0  # followed
     loader = PackedLoader(WebDatasetSource(paths), schema=causal_lm_schema(), layout=LAYOUT, token_budget=4096)
     assert len(loader.prepare().index) == 24

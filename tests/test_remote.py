@@ -195,8 +195,8 @@ def test_http_batches_equal_local_and_first_batch_reads_a_quarter(tmp_path, http
 
 
 def test_shards_are_checked_over_overlapping_requests(tmp_path, http_server):
-    """Building a loader over many remote shards (HEAD, sidecar, two 64 KiB probes each) overlaps the round
-    trips instead of making them one after another (hundreds of shards on an object store)."""
+    """Building a loader over many remote shards (a sidecar each; each shard checked at its first read) overlaps
+    the round trips instead of making them one after another (hundreds of shards on an object store)."""
     server, base = http_server
     paths = write_shards(server.root, sample_lengths(160), num_shards=8)
     write_sidecars(WebDatasetSource(paths), SCHEMA)

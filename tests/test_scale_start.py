@@ -1,5 +1,5 @@
 """What a start over many shards leaves to the first read (issue #28): a saved index's shard sizes are checked
-when each shard is first opened (not by a stat of every shard at the start), and a main-process loader closes
+when each shard is first opened (not by a stat of every shard at the start, at any shard count), and a main-process loader closes
 the shard files it opened when its epoch ends."""
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import pytest
 
 from prealign.loaders import IndexOptions, PackedLoader, WebDatasetSource, build_index
 from prealign.loaders.errors import ChangedShardError
-from prealign.loaders.index.shard_checks import EAGER_SHARDS
 from prealign.schemas import ParallelLayout
 from prealign.schemas.schema import causal_lm_schema
 
@@ -53,20 +52,27 @@ def test_a_main_process_loader_closes_its_shard_files_at_the_end_of_each_epoch(t
     assert _open_shards(paths) == []
 
 
-def test_a_saved_index_over_many_shards_checks_each_shard_size_at_its_first_read(tmp_path):
-    n = EAGER_SHARDS + 44
-    paths = write_shards(str(tmp_path), sample_lengths(n), num_shards=n)
+@pytest.mark.parametrize("n", [3, 60])
+def test_a_saved_index_checks_each_shard_size_at_its_first_read_not_at_the_start(tmp_path, monkeypatch, n):
+    paths = write_shards(str(tmp_path), sample_lengths(max(n, 30)), num_shards=n)
     saved = str(tmp_path / "index.npz")
     build_index(WebDatasetSource(paths, sidecars=False), SCHEMA).save(saved)
-    with open(paths[7], "ab") as f:  # another size than indexed
+    changed = paths[min(7, n - 1)]
+    with open(changed, "ab") as f:  # another size than indexed
         f.write(bytes(10240))
-    loader = _loader(WebDatasetSource(paths, sidecars=False), indexing=IndexOptions(prebuilt=saved)).prepare()
-    with pytest.raises(ChangedShardError, match="shard-007.tar.*bytes now"):  # before any of its samples
-        list(loader)
-    # a few shards: checked at the start, as before
-    few = paths[:3]
-    build_index(WebDatasetSource(few, sidecars=False), SCHEMA).save(saved)
-    with open(few[1], "ab") as f:
-        f.write(bytes(10240))
-    with pytest.raises(ChangedShardError, match="shard-001.tar"):
-        _loader(WebDatasetSource(few, sidecars=False), indexing=IndexOptions(prebuilt=saved)).prepare()
+    stats = []
+    real_stat = os.stat
+
+    def counted(path, *a, **kw):
+        stats.append(str(path))
+        return real_stat(path, *a, **kw)
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "stat", counted)
+        loader = _loader(WebDatasetSource(paths, sidecars=False), indexing=IndexOptions(prebuilt=saved)).prepare()
+    assert [p for p in stats if p.endswith(".tar")] == []  # the start stats no shard, at 3 as at 60
+    seen = []
+    with pytest.raises(ChangedShardError, match=f"{os.path.basename(changed)}.*bytes now.*build_index"):
+        for batch in loader:  # before any of its samples
+            seen.append(batch)
+    assert len(seen) < len(list(_loader(WebDatasetSource(paths, sidecars=False))))

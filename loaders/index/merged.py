@@ -41,7 +41,7 @@ from prealign.loaders.index.apply_policy import Records, apply_policy
 from prealign.loaders.index.events import parse_event
 from prealign.loaders.index.sample_checks import bad_row_event, signature_verdicts, value_errors
 from prealign.loaders.index.sample_index import SampleIndex
-from prealign.loaders.index.shard_checks import ShardChecks, check_remote_now
+from prealign.loaders.index.shard_checks import ShardChecks
 from prealign.loaders.index.source_index import check_meta
 from prealign.loaders.index.tiling import bad_regions, check_tiling
 from prealign.loaders.policy import BadDataPolicy
@@ -190,7 +190,6 @@ def _regions(meta: dict, spans: np.ndarray, table: np.ndarray) -> dict:
 def _install_checks(source, meta: dict, a: dict, table: np.ndarray) -> None:
     """``source.shard_check``: each shard checked against the merged index at its first read."""
     source.shard_check = _checks(meta, a, table)
-    check_remote_now(source)
 
 
 def _checks(meta: dict, a: dict, table: np.ndarray) -> ShardChecks:
@@ -219,7 +218,7 @@ def check_merged(source, shards=None) -> dict[str, str]:
     problems = {}
     for shard in range(source.num_shards) if shards is None else shards:
         try:
-            checks(source, shard, again=True)
+            checks(source, shard)
         except IndexMismatchError as exc:
             problems[source.urls[shard]] = f"the merged index {path} does not match: {exc}"
     return problems

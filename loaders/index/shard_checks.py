@@ -1,6 +1,6 @@
 """A shard checked against its index when it is first read (:class:`ShardChecks`), in the process that reads
-it; remote shards at the start (:func:`check_remote_now`); the whole data set at once on request
-(:func:`check_all_shards`).
+it, local or remote, whatever the shard count: a loader's start makes no request and no ``stat`` per shard,
+on any rank. The whole data set at once on request (:func:`check_all_shards`).
 
 What is checked: the shard exists, has the recorded size (a ``stat``, or one ``HEAD`` for a URL) and the same
 first and last 64 KiB (two reads, the ``probe``), and its index accounts for the bytes before its first and
@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from prealign.loaders.errors import ChangedShardError, MissingShardError, StaleIndexError
+from prealign.loaders.index.hints import index_hint
 from prealign.loaders.index.sidecar import PROBE, SIDECAR_THREADS, per_shard, read_probe, shard_size_now
 from prealign.loaders.index.tiling import MAX_REGION, count_samples
 from prealign.loaders.sources import remote
@@ -47,60 +48,42 @@ class ShardChecks:
         checks.probed[:] = False
         return checks
 
-    checked_at_start = frozenset()
-    """Shards checked when the loader started (remote objects), so never again at a first read."""
-
     def covers(self, shard: int) -> bool:
         """Shard ``shard`` is checked against an index (a shard gone later is then a :class:`MissingShardError`)."""
         return int(self.sizes[shard]) != self.UNCHECKED
 
-    def __call__(self, source, shard: int, *, again: bool = False) -> None:
+    def __call__(self, source, shard: int) -> None:
         recorded = int(self.sizes[shard])
-        if recorded == self.UNCHECKED or shard in self.checked_at_start and not again:
+        if recorded == self.UNCHECKED:
             return
         url = source.urls[shard]
         size = shard_size_now(source, shard)
         if size is None:
             raise MissingShardError(url, f"does not exist (it had {recorded} bytes when indexed)",
-                                    "check the path, or re-run `prealign index` on the data as it is now")
+                                    f"check the path, or {self._rebuild(source)} on the data as it is now")
         if recorded >= 0 and size >= 0 and size != recorded:
             raise ChangedShardError(url, f"{size} bytes now, {recorded} when indexed",
-                                    "the shard changed since `prealign index`: re-run it")
+                                    f"the shard changed since it was indexed: {self._rebuild(source)}")
         if not self.probed[shard]:
             return
         probe, first, last = read_probe(source, shard, size)
         if self.probes[shard] != probe.encode():
             raise ChangedShardError(url, "its first or last 64 KiB differ from when it was indexed",
-                                    "the shard changed since `prealign index`: re-run it")
+                                    f"the shard changed since it was indexed: {self._rebuild(source)}")
         _check_head(url, int(self.first[shard]), first)
         _check_tail(source, shard, int(self.last[shard]), size, last)
         for lo, hi, samples in self.regions.get(shard, ()):
             _check_region(source, shard, lo, size if hi < 0 else hi, samples, size)
 
+    def _rebuild(self, source) -> str:
+        """What rebuilds the index (built only when an error is raised: the command names every shard)."""
+        if not self.probed.any():  # sizes alone: a saved SampleIndex
+            return "rebuild the saved index: `build_index(source, schema).save(path)` on the data as it is now"
+        return index_hint(source)
+
     regions: dict = {}
     """``{shard: [(lo, hi, samples), ...]}``: the stretches of bad records of each shard with some
     (:func:`~prealign.loaders.index.tiling.bad_regions`), their samples counted at the shard's first read."""
-
-
-EAGER_SHARDS = 256
-"""Up to this many shards, a loader's start checks them itself (remote objects against their index; the sizes a
-saved index recorded): an error before any batch. Beyond it, each is checked by the process that first opens it
-(:class:`ShardChecks`), so a start over 100k shards makes no request or ``stat`` per shard, on any rank."""
-
-
-def check_remote_now(source) -> None:
-    """Remote shards (http, s3, ...) checked at the loader's start, in this process, their round trips overlapping
-    on 16 threads, when there are at most :data:`EAGER_SHARDS` (the process learns each object's identity and
-    whether its server ignores Range before its workers fork); more are checked lazily, each by the process that
-    first reads it. Local shards (a parallel file system included) wait for their first read."""
-    checks = source.shard_check
-    if checks is None or getattr(source, "local_only", False):
-        return
-    far = [s for s in np.flatnonzero(checks.sizes != checks.UNCHECKED).tolist() if remote.is_remote(source.urls[s])]
-    if len(far) > EAGER_SHARDS:
-        return
-    per_shard(source, lambda s: checks(source, s), far)
-    checks.checked_at_start = frozenset(far)
 
 
 def check_all_shards(source, shards=None) -> int:
@@ -112,7 +95,7 @@ def check_all_shards(source, shards=None) -> int:
     if check is None:
         return 0
     shards = list(range(source.num_shards)) if shards is None else list(shards)
-    per_shard(source, lambda s: check(source, s, again=True), shards, threads=SIDECAR_THREADS)
+    per_shard(source, lambda s: check(source, s), shards, threads=SIDECAR_THREADS)
     return sum(int(check.sizes[s]) != ShardChecks.UNCHECKED for s in shards)
 
 

@@ -46,7 +46,7 @@ process. Every key, dtype and shape is checked on reading; anything else is a
 When the loader is built, each sidecar is read and checked (on up to 8 threads on a slow file system; or all
 of them from one merged file, :mod:`~prealign.loaders.index.merged`). A shard itself is checked against its
 sidecar when it is first read, in the process that reads it, before any of its samples is served
-(:class:`ShardChecks`; remote objects at the start, :func:`check_remote_now`): it must exist, have the
+(:class:`ShardChecks`, local or remote, whatever the shard count): it must exist, have the
 recorded size (a ``stat``, or one ``HEAD`` for a URL) and the same first and last 64 KiB (two reads, the
 ``probe``). So a loader starts without touching its local shards; :func:`check_all_shards` checks them all at
 once. A byte changed elsewhere in place (same size) is caught when the sample is read: the crc32 of its

@@ -12,9 +12,9 @@ import warnings
 
 import numpy as np
 
-from prealign.loaders.errors import ChangedShardError, ExtraShardError, IndexFileError, StaleIndexError
+from prealign.loaders.errors import ExtraShardError, IndexFileError, StaleIndexError
 from prealign.loaders.index.hints import index_hint, merge_command
-from prealign.loaders.index.shard_checks import EAGER_SHARDS, ShardChecks, check_remote_now
+from prealign.loaders.index.shard_checks import ShardChecks
 from prealign.loaders.index.sidecar import (
     SIDECAR_THREADS,
     check_values,
@@ -120,7 +120,6 @@ def check_source(source, schema, records: dict[int, dict] | None = None) -> tupl
     source.shard_check = ShardChecks(source.num_shards, expected) if expected else None
     if regions:
         source.shard_check.regions = regions
-    check_remote_now(source)
     names = shard_names(source.urls)
     return records, {"names": names, "sizes": [sizes[s] for s in range(source.num_shards)]}
 
@@ -164,8 +163,3 @@ def check_index(index, source) -> None:
     recorded = [sizes[s] if s < len(sizes) else None for s in range(n)]
     if hasattr(source, "shard_check") and getattr(source, "shard_check", None) is None:
         source.shard_check = ShardChecks.of_sizes(recorded)  # each shard's size checked at its first read
-    if n > EAGER_SHARDS:  # (never a stat per shard at the start of a big data set)
-        return
-    for shard, (url, now) in enumerate(zip(urls, shard_sizes(source))):
-        if recorded[shard] is not None and now != recorded[shard]:
-            raise ChangedShardError(url, f"{now} bytes now, {recorded[shard]} when indexed")

@@ -42,6 +42,7 @@ import gzip
 import hashlib
 import http.client
 import itertools
+import json
 import multiprocessing.util
 import os
 import re
@@ -453,6 +454,44 @@ _private: list[str] = []
 _warned: set[str] = set()
 
 
+def _kept_name(url: str) -> str:
+    return "kept-" + hashlib.sha1(url.encode()).hexdigest()[:16]
+
+
+def _share_kept(url: str, kept: _Kept, opts: RemoteOptions) -> None:
+    """Record ``url``'s kept object in the run's private folder, so the other processes of this run (the
+    DataLoader workers of this and later epochs, each checking the shards it opens) read it from there
+    instead of downloading it again. Only there: that folder lives as long as the run, and holds only what
+    its processes downloaded."""
+    if opts.private_dir and kept.directory == _block_cache(opts.private_dir, opts.cache_limit).dir:
+        record = {"limit": kept.limit, "block_size": kept.block_size, "size": kept.size,
+                  "validators": list(kept.validators), "ident": kept.ident}
+        _block_cache(kept.directory, kept.limit).put(_kept_name(url), json.dumps(record).encode())
+
+
+def _kept_of(url: str, opts: RemoteOptions) -> _Kept | None:
+    """The object this process keeps for ``url``, or one another process of the run kept (:func:`_share_kept`),
+    when this process saw no other identity of it (a ``HEAD``)."""
+    kept = _kept.get(url)
+    if kept is not None or not opts.private_dir:
+        return kept
+    cache = _block_cache(opts.private_dir, opts.cache_limit)
+    data = cache.get(_kept_name(url))
+    if data is None:
+        return None
+    try:
+        r = json.loads(data)
+        kept = _Kept(cache.dir, int(r["limit"]), int(r["block_size"]), int(r["size"]), tuple(r["validators"]),
+                     str(r["ident"]))
+    except (ValueError, KeyError, TypeError):
+        return None
+    seen = _identity.get(url)
+    if seen is not None and seen != kept.ident and seen != _tag(*kept.validators, kept.size):
+        return None  # this process saw another version of the object
+    _kept[url] = kept
+    return kept
+
+
 def _validators(headers) -> tuple:
     return headers.get("ETag"), headers.get("Last-Modified")
 
@@ -514,6 +553,7 @@ def _keep_whole(url: str, reply: http_pool.Reply, start: int, end: int, opts: Re
         raise RemoteReadError(url, f"the whole object announced {announced} bytes, {total} came")
     cache.evict()
     _kept[url] = _Kept(cache.dir, cache.limit, bs, total, _validators(reply.headers), ident)
+    _share_kept(url, _kept[url], opts)
     if server not in _warned:
         _warned.add(server)
         warnings.warn(f"{server} ignores HTTP Range (it answered a ranged GET of {url} with 200 and the whole "
@@ -528,7 +568,7 @@ def read_range(url: str, start: int, end: int, opts: RemoteOptions | None = None
     """Bytes ``[start, end)`` of a remote object (through the block cache when ``opts.cache_dir``, or when
     this process keeps the object whole because its server ignores Range)."""
     opts = opts or DEFAULT
-    kept = _kept.get(url)
+    kept = _kept_of(url, opts)
     cache = _block_cache(kept.directory, kept.limit) if kept else _cache(opts)
     if cache is None:
         return _fetch(url, start, end, opts)
