@@ -5,7 +5,8 @@ sample count, index workers, import time.
     python benchmarks/bench_scale.py [--samples 20000] [--shards 20 2000 100000] [--rounds 5]
                                      [--per-shard-max 2000] [--energon-max 2000] [--no-energon]
                                      [--before DIR]
-                                     [--index 10000 100000] [--state 10000 1000000] [--json out.json]
+                                     [--index 10000 100000] [--state 10000 1000000]
+                                     [--json out.json]
 
 * ``start``     the same ``--samples`` text samples (``<key>.input_ids.npy``, 8..128 tokens) cut into each of
                 ``--shards`` shard counts (a shard count above ``--samples``: one sample per shard, so that many
@@ -52,7 +53,8 @@ again = loader()
 restore(again, state)
 next(iter(again))
 t4, c4 = time.perf_counter(), time.process_time()
-result = {{"first_s": t2 - t1, "resume_s": t4 - t3, "first_cpu_s": c2 - c1, "resume_cpu_s": c4 - c3}}
+result = {{"first_s": t2 - t1, "resume_s": t4 - t3,
+           "first_cpu_s": c2 - c1, "resume_cpu_s": c4 - c3}}
 """
 """First batch of a fresh loader; resume: a new loader restored to a state taken 8 batches in, its first batch
 (wall and CPU seconds: no workers, so the CPU time is the work, whatever else loads the machine). Each side
@@ -85,9 +87,11 @@ rng = np.random.default_rng(0)
 shard = np.arange(n) % len(paths)
 start = (np.arange(n) // len(paths)) * 1024
 locations = np.stack([shard, start, start + 1024, np.zeros(n, np.int64)], axis=1)
-index = SampleIndex(lengths=rng.integers(8, 129, n), locations=locations, shards=shard, report=BadDataReport())
-loader = PackedLoader(WebDatasetSource(paths, sidecars=False), schema=causal_lm_schema(), layout=ParallelLayout(),
-                      token_budget=8192, indexing=IndexOptions(prebuilt=index)).prepare()
+index = SampleIndex(lengths=rng.integers(8, 129, n), locations=locations, shards=shard,
+                    report=BadDataReport())
+loader = PackedLoader(WebDatasetSource(paths, sidecars=False), schema=causal_lm_schema(),
+                      layout=ParallelLayout(), token_budget=8192,
+                      indexing=IndexOptions(prebuilt=index)).prepare()
 loader.state_dict()
 t = time.perf_counter()
 for _ in range(200):
@@ -101,11 +105,13 @@ from prealign.loaders.index.header_pass import write_sidecars
 from prealign.schemas import causal_lm_schema
 import resource
 def cpu():  # this process and its children (a pool's workers)
-    return sum(getattr(resource.getrusage(w), a) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+    return sum(getattr(resource.getrusage(w), a)
+               for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
                for a in ("ru_utime", "ru_stime"))
 if __name__ == "__main__":
     t, c = time.perf_counter(), cpu()
-    stats = write_sidecars(WebDatasetSource({paths!r}), causal_lm_schema(), workers={workers}, force=True)
+    stats = write_sidecars(WebDatasetSource({paths!r}), causal_lm_schema(), workers={workers},
+                           force=True)
     result = {{"s": time.perf_counter() - t, "cpu_s": cpu() - c, "samples": stats["samples"]}}
 """
 
@@ -122,8 +128,8 @@ sys.path.append({energon!r})
 from megatron.energon import WorkerConfig, get_savable_loader, get_train_dataset
 def loader():
     wc = WorkerConfig(rank=0, world_size=1, num_workers=0)
-    ds = get_train_dataset({root!r}, batch_size=64, shuffle_buffer_size=None, max_samples_per_sequence=None,
-                           worker_config=wc, task_encoder=Encoder())
+    ds = get_train_dataset({root!r}, batch_size=64, shuffle_buffer_size=None,
+                           max_samples_per_sequence=None, worker_config=wc, task_encoder=Encoder())
     return get_savable_loader(ds)
 def save(loader):
     return loader.save_state_rank()
@@ -137,7 +143,8 @@ sys.path.append({energon!r})
 from megatron.energon import DefaultTaskEncoder
 class Encoder(DefaultTaskEncoder):
     def batch(self, samples):
-        return samples  # variable-length token arrays: a list (prealign packs them; energon's default stacks)
+        # variable-length token arrays: a list (prealign packs them; energon's default stacks)
+        return samples
 """
 
 _PREPARE = """
@@ -149,10 +156,11 @@ from megatron.energon.flavors import BaseWebdatasetFactory
 root = {root!r}
 paths = sorted(os.path.basename(p) for p in glob.glob(root + "/*.tar"))
 t = time.perf_counter()
-BaseWebdatasetFactory.prepare_dataset(EPath(root), paths, split_parts_ratio=[("train", 1.0)], workers={workers},
-                                      shuffle_seed=None)
+BaseWebdatasetFactory.prepare_dataset(EPath(root), paths, split_parts_ratio=[("train", 1.0)],
+                                      workers={workers}, shuffle_seed=None)
 with open(os.path.join(root, ".nv-meta", "dataset.yaml"), "w") as f:
-    f.write("sample_type:\\n  __module__: megatron.energon\\n  __class__: TextSample\\nfield_map:\\n  text: input_ids.npy\\n")
+    f.write("sample_type:\\n  __module__: megatron.energon\\n  __class__: TextSample\\n"
+            "field_map:\\n  text: input_ids.npy\\n")
 result = {{"s": time.perf_counter() - t}}
 """
 
@@ -164,15 +172,16 @@ kind = {kind!r}
 if kind == "prealign":
     from prealign.loaders import PackedLoader, WebDatasetSource
     from prealign.schemas import ParallelLayout, causal_lm_schema
-    loader = PackedLoader(WebDatasetSource(paths), schema=causal_lm_schema(), layout=ParallelLayout(),
-                          token_budget=8192, num_workers=2, seed=1)
+    loader = PackedLoader(WebDatasetSource(paths), schema=causal_lm_schema(),
+                          layout=ParallelLayout(), token_budget=8192, num_workers=2, seed=1)
     def count(batch):
         return len(batch["sample_index"])
 else:
     from megatron.energon import WorkerConfig, get_loader, get_train_dataset
     wc = WorkerConfig(rank=0, world_size=1, num_workers=2)
     loader = get_loader(get_train_dataset({root!r}, batch_size=64, shuffle_buffer_size=None,
-                                          max_samples_per_sequence=None, worker_config=wc, task_encoder=Encoder()))
+                                          max_samples_per_sequence=None, worker_config=wc,
+                                          task_encoder=Encoder()))
     def count(batch):
         return len(batch)
 it = iter(loader)
@@ -208,7 +217,8 @@ from prealign.loaders.index.merged import NAME, merge_sidecars
 from prealign.schemas import causal_lm_schema
 if __name__ == "__main__":
     source = WebDatasetSource(sorted(glob.glob({root!r} + "/*.tar")))
-    write_sidecars(source, causal_lm_schema(), workers=1)  # (a pool of 2 on 100k one-sample shards: slower)
+    # (a pool of 2 on 100k one-sample shards: slower)
+    write_sidecars(source, causal_lm_schema(), workers=1)
     os.makedirs({merged_dir!r}, exist_ok=True)
     merge_sidecars(source, os.path.join({merged_dir!r}, NAME))
     result = {{}}

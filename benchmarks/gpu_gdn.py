@@ -10,7 +10,7 @@ prealign's packing metadata. Needs CUDA, ``flash-linear-attention`` (``fla``) an
    (``cu_seq_lens_q/k``, ``seq_idx``, ``[4, 1, T]`` positions): logits at every real token equal each sample run
    alone within ``--tol``; the same batch without ``cu_seq_lens_q`` / ``seq_idx`` must not.
 
-    python benchmarks/gpu_gdn.py            # a GPU machine with fla + causal-conv1d: exit 0 if all hold
+    python benchmarks/gpu_gdn.py            # GPU + fla + causal-conv1d: exit 0 if all hold
     python benchmarks/gpu_gdn.py --dry-run  # CPU: builds the batches and the model kwargs only
 
 Exit codes: 0 all checks hold, 1 a check failed, 2 no CUDA / kernels missing (nothing measured).

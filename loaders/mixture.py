@@ -4,11 +4,12 @@
             by="tokens")
         │ index pass: each component's own (its transform, its bad-data policy), merged: global ids
         ▼   0..N_web-1 | N_web..N_web+N_code-1 | ...
-    per epoch (:mod:`prealign.loaders.plan.mixing`): each component's stream of whole reshuffled passes,
-    its first n_c draws (its weight of the epoch's tokens), interleaved by virtual finish time
+    per epoch (:mod:`prealign.loaders.plan.mixing`): each component's stream of whole reshuffled
+    passes, its first n_c draws (its weight of the epoch's tokens), interleaved by virtual finish
+    time
         ▼
-    the planner packs the interleave step by step (``PackStrategy.STEP_FIT``): each global step's tokens
-    hold the weights locally; batches carry ``sample_component`` int64 [N]
+    the planner packs the interleave step by step (``PackStrategy.STEP_FIT``): each global step's
+    tokens hold the weights locally; batches carry ``sample_component`` int64 [N]
 
 A ``Mixture`` is a :class:`~prealign.loaders.sources.source.Source` (``scan``/``read``/``load`` dispatch to
 the component; a location is ``(component, width, *its location, 0...)``), so every tool taking a source takes

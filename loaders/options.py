@@ -151,7 +151,8 @@ def worker_config(workers: WorkerConfig | None, **flat) -> WorkerConfig:
     ``dp_size``, ``cp_rank``, ``num_workers``, ``group``; ``None``: not given). A flat keyword given beside
     ``workers`` is a :class:`~prealign.loaders.errors.PlanError` (given twice).
 
-    >>> config = worker_config(None, dp_rank=1, dp_size=2, cp_rank=None, num_workers=None, group=None)
+    >>> config = worker_config(None, dp_rank=1, dp_size=2, cp_rank=None, num_workers=None,
+    ...                        group=None)
     >>> config.dp_size
     2
     """

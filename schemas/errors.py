@@ -44,10 +44,11 @@ class PrealignError(Exception):
         return _rebuilt, (type(self), self.args, self.__dict__)
 
     def __init_subclass__(cls, **kwargs):
-        """A subclass whose own constructor cannot take a lone message (``SampleError(sample=..., ...)``)
-        is also built by ``cls(message)``: torch's DataLoader re-raises an exception raised in a worker
-        as ``type(exc)(message)``, so a plain ``DataLoader(collate_fn=THDCollator(...), num_workers=2)``
-        keeps the error's type (its attributes are then None, the message names them)."""
+        """A subclass whose own constructor cannot take a lone message (as
+        ``SampleError(sample=..., ...)``) is also built by ``cls(message)``: torch's DataLoader
+        re-raises an exception raised in a worker as ``type(exc)(message)``, so a plain
+        ``DataLoader(collate_fn=THDCollator(...), num_workers=2)`` keeps the error's type (its
+        attributes are then None, the message names them)."""
         super().__init_subclass__(**kwargs)
         init = cls.__dict__.get("__init__")
         if init is None:

@@ -312,7 +312,8 @@ b = {"input_ids": torch.tensor([[3, 4, 5, 0]]), "labels": torch.tensor([[4, 5, -
      "loss_mask": torch.tensor([[1.0, 1.0, 0.0, 0.0]]),
      "position_ids": torch.tensor([[0, 1, 2, 3]]),
      "padding_mask": torch.tensor([[False, False, False, True]]),
-     "cu_seqlens": torch.tensor([0, 3], dtype=i32), "cu_seqlens_padded": torch.tensor([0, 4], dtype=i32),
+     "cu_seqlens": torch.tensor([0, 3], dtype=i32),
+     "cu_seqlens_padded": torch.tensor([0, 4], dtype=i32),
      "max_seqlen": torch.tensor([4], dtype=i32)}
 assert validate_batch(b, causal_lm_schema(), ParallelLayout(cp=2)) == []
 b["labels"][0, 0] = 5

@@ -94,8 +94,9 @@ class LlavaOneVision(VisionFamily):
         """``<video>`` tokens of a video of ``frames`` frames, as the processor writes them: each frame's pooled
         features, then one ``image_newline`` for the whole video.
 
-        >>> fam = LlavaOneVision(model_type="llava_onevision", image_token_id=1, video_token_id=2, patch_size=14,
-        ...                      spatial_merge_size=1, temporal_patch_size=1, pinpoints=((384, 384),))
+        >>> fam = LlavaOneVision(model_type="llava_onevision", image_token_id=1, video_token_id=2,
+        ...                      patch_size=14, spatial_merge_size=1, temporal_patch_size=1,
+        ...                      pinpoints=((384, 384),))
         >>> fam.video_tokens(8)
         1569
         """
@@ -113,8 +114,9 @@ class LlavaOneVision(VisionFamily):
                      field: str = "image") -> int:
         """``<image>`` tokens of one ``height x width`` image in a sample holding ``images_in_sample`` images.
 
-        >>> fam = LlavaOneVision(model_type="llava_onevision", image_token_id=1, video_token_id=2, patch_size=14,
-        ...                      spatial_merge_size=1, temporal_patch_size=1, pinpoints=((384, 384), (384, 768)))
+        >>> fam = LlavaOneVision(model_type="llava_onevision", image_token_id=1, video_token_id=2,
+        ...                      patch_size=14, spatial_merge_size=1, temporal_patch_size=1,
+        ...                      pinpoints=((384, 384), (384, 768)))
         >>> fam.image_tokens(300, 700), fam.image_tokens(300, 700, images_in_sample=2)
         (1994, 730)
         """

@@ -2,9 +2,9 @@
 a stream of samples, whichever way they were read (the in-process pass, a sidecar per shard, one merged
 index; the streaming loader applies the same :class:`FixedDims` rule sample by sample).
 
-    per-sample pass ─records_of_results─┐
-    per-shard sidecars ─records_of_sidecars─┼─► Records ─► apply_policy(records, policy, schema) ─► SampleIndex
-    merged index ─Records(...)──────────┘
+    per-sample pass ─records_of_results─────┐
+    per-shard sidecars ─records_of_sidecars─┼─► Records
+    merged index ─Records(...)──────────────┘      ─► apply_policy(records, policy, schema) ─► SampleIndex
 
 :class:`Records` is columnar: the good rows as arrays, the bad and skipped records by stream position, so a
 policy costs per data signature and per bad record, never per sample.

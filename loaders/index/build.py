@@ -1,8 +1,8 @@
 """The length index: one pass over a source that learns every sample's token length and location.
 
-    shards ──split by worker (DataLoader workers)──► scan ─► transform ─► validate against the schema
-                                                                            │ good: (location, length)
-                                                                            │ bad: failure record
+    shards ──split by worker (DataLoader workers)──► scan ─► transform ─► validate (the schema)
+                                                                          │ good: (location, length)
+                                                                          │ bad: failure record
     main process: merge shards in order ─► bad-data policy (raise / skip+count) ─► SampleIndex
 
 Validation is the collator's own: the real :class:`~prealign.collate.thd.THDCollator` (unsharded) runs on

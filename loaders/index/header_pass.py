@@ -1,12 +1,14 @@
 """The header pass: a shard's index record from member headers, not decoded samples.
 
     tar members ─group by key─► length rule ─► (length, media, signature) per sample
-                                  │ .npy token arrays: the header's shape           (numpy_fields)
-                                  │ chat + images: image headers -> Qwen2-VL grid    (VLMSampleTransform)
+                                  │ .npy token arrays: the header's shape  (numpy_fields)
+                                  │ chat + images: image headers -> Qwen2-VL grid
                                   │   -> tokens per image -> render_chat (tokenizer only)
+                                  │   (VLMSampleTransform)
                                   ▼
-    first sample of each data signature: the full transform too (its length must equal the rule's, else
-    :class:`LengthRuleError`); the signature is kept, and a loader checks one sample of it against its schema
+    first sample of each data signature: the full transform too (its length must equal the
+    rule's, else :class:`LengthRuleError`); the signature is kept, and a loader checks one
+    sample of it against its schema
 
 What the header pass checks on every sample: the tar structure (header checksums, end marker), member
 names, duplicate and required members, every ``.npy`` header (numeric dtype, token rows equal to
@@ -111,8 +113,10 @@ def shape_pattern(shape: tuple, n: int) -> str:
     signature; any other shape literally (``(4, 4)`` of a 4-token sample is ``"4x4"``, never ``"LxL"``, which
     would stand for ``(60, 60)`` too), so two distinct shapes never share a pattern.
 
-    >>> shape_pattern((6, 4), 6), shape_pattern((4, 4), 4), shape_pattern((3, 6), 6), shape_pattern((6,), 6)
-    ('Lx4', '4x4', '3x6', 'L')
+    >>> shape_pattern((6, 4), 6), shape_pattern((4, 4), 4)
+    ('Lx4', '4x4')
+    >>> shape_pattern((3, 6), 6), shape_pattern((6,), 6)
+    ('3x6', 'L')
     """
     literal = "x".join(map(str, shape))
     if not shape or shape[0] != n or n in shape[1:]:

@@ -1,6 +1,7 @@
 """Per-shard sidecar indexes: what the index pass learns about a shard, kept beside it.
 
-    shard-000.tar  ──prealign index──►  shard-000.tar.prealign-index.npz   (or DIR/<name>.prealign-index.npz)
+    shard-000.tar  ──prealign index──►  shard-000.tar.prealign-index.npz
+                                        (or DIR/<name>.prealign-index.npz)
 
 A sidecar is an ``.npz`` read with ``allow_pickle=False``:
 

@@ -120,7 +120,8 @@ def encode_segments(tokenizer: ChatTokenizer, segments) -> tuple[np.ndarray, np.
     encoding of the text before it stops being a prefix of the joined encoding.
 
     >>> from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
-    >>> ids, mask = encode_segments(ByteTokenizer(), [([2], False), ("ab", False), ("c", True), ([3], True)])
+    >>> segments = [([2], False), ("ab", False), ("c", True), ([3], True)]
+    >>> ids, mask = encode_segments(ByteTokenizer(), segments)
     >>> ids.tolist()[:1] + ids.tolist()[-1:], mask.tolist()
     ([2, 3], [0.0, 0.0, 0.0, 1.0, 1.0])
     """

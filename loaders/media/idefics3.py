@@ -4,7 +4,8 @@ idefics3` holds the tiling rule).
 
     raw sample (as VLMSampleTransform's)           Idefics3SampleTransform(raw)
     json   {"messages": [...], "images": [...]}    input_ids          int64   [L]
-    0.jpg  JPEG bytes                    ---->     loss_mask          float32 [L]  1 on replies + <end_of_utterance>
+    0.jpg  JPEG bytes                    ---->     loss_mask          float32 [L]  1 on replies (and
+                                                                              <end_of_utterance>)
                                                    mm_token_type_ids  int64   [L]  1 on <image>
                                                    pixel_values       float32 [tiles, 3, S, S]
                                                    image_rows_cols    int64   [images, 2]

@@ -2,16 +2,17 @@
 transformers' ``LlavaOnevisionProcessor`` and the LLaVA-OneVision chat template write it (the
 AnyRes token count is :mod:`prealign.collate.vision.llava_onevision`'s).
 
-    raw sample (as VLMSampleTransform's)           LlavaOnevisionSampleTransform(raw)
-    json   {"messages": [...], "images": [...]}    input_ids          int64   [L]
-    0.jpg  JPEG bytes                    ---->     loss_mask          float32 [L]  1 on assistant text + <|im_end|>
-                                                   mm_token_type_ids  int64   [L]  1 <image>, 2 <video>
-                                                   pixel_values       float   [tiles, 3, s, s]
-                                                   image_sizes        int64   [images, 2]  (height, width)
-                                                   batch_num_images   int64   [1]  images in the sample
-                                                                               (empty without images)
-    json["videos"]: [{"frames": [...]}]  ---->     pixel_values_videos float  [frames, 3, s, s]
-                                                   video_num_frames   int64   [videos]
+    raw sample (as VLMSampleTransform's): json {"messages": [...], "images": [...],
+    "videos": [{"frames": [...]}]}, 0.jpg (JPEG bytes), ...
+        ──LlavaOnevisionSampleTransform──►
+    input_ids            int64   [L]
+    loss_mask            float32 [L]                1 on assistant text + <|im_end|>
+    mm_token_type_ids    int64   [L]                1 <image>, 2 <video>
+    pixel_values         float   [tiles, 3, s, s]
+    image_sizes          int64   [images, 2]        (height, width)
+    batch_num_images     int64   [1]                images in the sample (empty without images)
+    pixel_values_videos  float   [frames, 3, s, s]  (from json["videos"])
+    video_num_frames     int64   [videos]
 
 The chat template (rendered here, tokenized as its string is:
 :func:`~.chat_tokenizer.encode_segments`): per turn ``<|im_start|>{role} ``, then the turn's

@@ -6,8 +6,8 @@ holds the image rules).
     json   {"messages": [...], "images": [...]}    input_ids          int64   [L]
     0.jpg  JPEG bytes                    ---->     loss_mask          float32 [L]  1 on replies + </s>
                                                    mm_token_type_ids  int64   [L]  1 on [IMG]
-                                                   pixel_values       float32 [sum h*w, 3, p, p]  patches
-                                                   image_sizes        int64   [images, 2]  resized (H, W)
+                                                   pixel_values       float32 [sum h*w, 3, p, p]
+                                                   image_sizes        int64   [images, 2]  resized H, W
 
 The chat template (rendered here, tokenized as its string is: :func:`~.chat_tokenizer.encode_segments`): ``<s>``,
 a first ``system`` turn as ``[SYSTEM_PROMPT]{text}[/SYSTEM_PROMPT]``, each user turn ``[INST]{content}[/INST]``

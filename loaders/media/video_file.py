@@ -121,8 +121,9 @@ def decode_frames(data: bytes, indices, header: VideoHeader, size: tuple[int, in
         stream.codec_context.thread_count = threads
         packets = [(p.pts, p.is_keyframe) for p in container.demux(stream) if p.size]
         if len(packets) != header.frames or any(pts is None for pts, _ in packets):
-            raise VideoFileError(f"the headers say {header.frames} frames, the stream holds {len(packets)} "
-                                 f"{'(some without timestamps)' if packets and packets[-1][0] is None else ''}".strip())
+            untimed = " (some without timestamps)" if packets and packets[-1][0] is None else ""
+            raise VideoFileError(f"the headers say {header.frames} frames, the stream holds "
+                                 f"{len(packets)}{untimed}")
         pts = np.array(sorted(p for p, _ in packets), dtype=np.int64)
         keys = np.array(sorted(p for p, k in packets if k), dtype=np.int64)
         out = np.empty((wanted.size, 3, *(size or (header.height, header.width))), dtype=np.uint8)

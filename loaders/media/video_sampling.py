@@ -1,19 +1,19 @@
 """Which frames of a video file each family's transformers video processor keeps, from the frame count and rate
 alone (headers), so an index knows a video's grid without decoding it.
 
-==========================  ===========================================  ============================================
-family                      default                                      with ``fps`` / ``num_frames``
-==========================  ===========================================  ============================================
-Qwen2-VL, Qwen2.5-VL        every frame (``do_sample_frames=False``)     ``n``: ``num_frames`` rounded to a multiple
-                                                                         of ``temporal_patch_size``, or ``total /
-                                                                         source_fps * fps`` within ``[min_frames,
-                                                                         max_frames]``, floored to that multiple;
-                                                                         indices ``arange(0, total, total / n)``
-Qwen3-VL, Qwen3.5           2 fps (``do_sample_frames=True``)            ``n``: ``num_frames``, or ``int(total /
-                                                                         source_fps * fps)`` within ``[min_frames,
-                                                                         max_frames]`` and ``total``; indices
-                                                                         ``linspace(0, total - 1, n).round()``
-==========================  ===========================================  ============================================
+====================  =================================  ===========================================
+family                default                            with ``fps`` / ``num_frames``
+====================  =================================  ===========================================
+Qwen2-VL, Qwen2.5-VL  every frame                        ``n``: ``num_frames`` rounded to a multiple
+                      (``do_sample_frames=False``)       ``temporal_patch_size``, or ``total /
+                                                         source_fps * fps`` within ``[min_frames,
+                                                         max_frames]``, floored to that multiple;
+                                                         indices ``arange(0, total, total / n)``
+Qwen3-VL, Qwen3.5     2 fps (``do_sample_frames=True``)  ``n``: ``num_frames``, or ``int(total /
+                                                         source_fps * fps)`` within ``[min_frames,
+                                                         max_frames]`` and ``total``; indices
+                                                         ``linspace(0, total - 1, n).round()``
+====================  =================================  ===========================================
 
 Qwen2.5-VL's ``second_per_grid_ts`` is ``temporal_patch_size / sampled_fps`` with ``sampled_fps = n / total *
 source_fps``; Qwen3-VL's ``<t seconds>`` are each frame group's mean of ``index / source_fps``. The settings come

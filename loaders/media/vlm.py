@@ -7,7 +7,7 @@ ids with a loss mask, teacher top-k decoded and checked.
 
     raw webdataset sample                          VLMSampleTransform(raw)
     __key__            "s000042"                   input_ids          int64   [L]
-    json               {"messages": [...],         loss_mask          float32 [L]  1 on assistant replies
+    json               {"messages": [...],         loss_mask          float32 [L]  1 on the replies
                         "images": ["0.jpg"]}       mm_token_type_ids  int64   [L]  1 on image tokens
                                                    mrope_position_ids int64   [3, L]
     0.jpg              JPEG bytes           ---->  pixel_values       float32 [sum t*h*w, 1176]
@@ -429,7 +429,8 @@ class VLMSampleTransform:
 
     >>> from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
     >>> from transformers import Qwen3VLConfig
-    >>> cfg = Qwen3VLConfig(image_token_id=6, video_token_id=7, vision_start_token_id=4, vision_end_token_id=5)
+    >>> cfg = Qwen3VLConfig(image_token_id=6, video_token_id=7, vision_start_token_id=4,
+    ...                     vision_end_token_id=5)
     >>> t = VLMSampleTransform(tokenizer=ByteTokenizer(), model_config=cfg)
     >>> t.family.patch_size, t.image_processor.patch_size, t.video_geometry.max_pixels
     (16, 16, 786432)

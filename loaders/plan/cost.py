@@ -40,7 +40,7 @@ class CostModel:
 
     >>> CostModel(linear=24576, quadratic=1).of([1024, 4096]).tolist()
     [26214400.0, 117440512.0]
-    >>> CostModel(linear=1, windows=((4, 1.0),)).of([2, 4, 8]).tolist()  # 2 + 4, 4 + 16, 8 + 16 + 32
+    >>> CostModel(linear=1, windows=((4, 1.0),)).of([2, 4, 8]).tolist()  # 2+4, 4+16, 8+16+32
     [6.0, 20.0, 56.0]
     """
 
@@ -83,10 +83,11 @@ class CostModel:
         MLA: ``qk_nope_head_dim + qk_rope_head_dim`` and ``v_head_dim``), ``q = H*d_qk``, ``kv =
         kv_heads*d_qk`` and ``V`` the vocabulary, per token and layer::
 
-            Q, K, V projections   2*h*(q + 2*kv)        MLA: 2*h*r_q + 2*r_q*q (2*h*q without a q LoRA)
-                                                             + 2*h*(r_kv + rope) + 2*r_kv*H*(nope + d_v)
+            Q, K, V projections   2*h*(q + 2*kv)
+                MLA: 2*h*r_q + 2*r_q*q (2*h*q without a q LoRA) + 2*h*(r_kv + rope)
+                     + 2*r_kv*H*(nope + d_v)
             attention output      2*H*d_v*h
-            MLP                   2*m*h*f              m = 3 gated (SwiGLU / GeGLU: gate, up, down), 2 otherwise
+            MLP                   2*m*h*f    m = 3 gated (SwiGLU / GeGLU: gate, up, down), 2 otherwise
             MoE layer             2*m*h*(f_e*k + f_s) + 2*h*E (+ 2*h for Qwen's shared-expert gate)
 
         ``f`` the dense width (``intermediate_size``); a MoE layer's token visits ``k`` of ``E``

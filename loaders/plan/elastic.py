@@ -3,8 +3,10 @@
 A run saved after ``p`` micro-batches per rank at ``dp_size=4`` and resumed at ``dp_size=3`` serves the
 rest of that epoch as a new *segment*::
 
-    epoch order ─► segment 0: plan of every sample (dp 4, k 1); its first p0 micro-batches per rank served
-                ─► segment 1: plan of the samples segment 0 left, in epoch order (dp 3, k 2); first p1 served
+    epoch order ─► segment 0: plan of every sample (dp 4, k 1); its first p0 micro-batches per
+                              rank served
+                ─► segment 1: plan of the samples segment 0 left, in epoch order (dp 3, k 2);
+                              first p1 served
                 ─► this run: plan of the samples still left, for this run's dp_size and k
 
 Each segment is planned by the same pure planner (seed, budget, layout, packing and dealing rules) over
@@ -14,7 +16,9 @@ lost or repeated, and the state holds one :class:`Segment` (four integers) per r
 samples. Inside a segment every rank has the same number of micro-batches and each is within budget,
 since it is an ordinary plan.
 
->>> rest_of_epoch(np.array([7, 3, 5, 1]), [Segment(dp_size=2, position=1)], lambda order, seg: np.array([0, 2]))
+>>> def planned(order, seg):
+...     return np.array([0, 2])
+>>> rest_of_epoch(np.array([7, 3, 5, 1]), [Segment(dp_size=2, position=1)], planned)
 array([3, 1])
 """
 from __future__ import annotations
@@ -59,7 +63,8 @@ class Segment:
         """A segment from unchecked values: :class:`ResumeError` naming ``where.<field>`` for anything but
         ints (``position >= min_position``; ``num_workers`` may be None).
 
-        >>> Segment.checked(dp_size=2, microbatches_per_step=1, num_workers=None, position=0, min_position=0)
+        >>> Segment.checked(dp_size=2, microbatches_per_step=1, num_workers=None, position=0,
+        ...                 min_position=0)
         Segment(dp_size=2, position=0, microbatches_per_step=1, num_workers=None)
         """
         return cls(dp_size=_count("dp_size", dp_size, 1, where),
@@ -157,7 +162,8 @@ def resumed_segments(segments: Sequence[Segment], saved: Segment, here: Segment,
     ((Segment(dp_size=4, position=5, microbatches_per_step=1, num_workers=None),), 0)
     >>> resumed_segments((), saved, Segment(dp_size=4, position=0), ("dp_size",))
     ((), 5)
-    >>> resumed_segments((saved,), Segment(dp_size=3, position=0), Segment(dp_size=4, position=0), ("dp_size",))
+    >>> then, now = Segment(dp_size=3, position=0), Segment(dp_size=4, position=0)
+    >>> resumed_segments((saved,), then, now, ("dp_size",))
     ((), 5)
     """
     if saved.same_config(here, keys):

@@ -70,13 +70,14 @@ def assign_cp_blocks(lengths, *, layout: ParallelLayout, token_budget: int, cost
 
     >>> from prealign.schemas import ParallelLayout
     >>> cost = CostModel(linear=24576, quadratic=1)
-    >>> for block in assign_cp_blocks([2000, 500, 500, 500, 500], layout=ParallelLayout(cp=4), token_budget=8192,
+    >>> cp4 = ParallelLayout(cp=4)
+    >>> for block in assign_cp_blocks([2000, 500, 500, 500, 500], layout=cp4, token_budget=8192,
     ...                               cost=cost):
     ...     print(block)
     CPBlock(first=0, size=2, members=(0,))
     CPBlock(first=2, size=1, members=(1, 3))
     CPBlock(first=3, size=1, members=(2, 4))
-    >>> assign_cp_blocks([6000, 700, 500], layout=ParallelLayout(cp=4), token_budget=8192, cost=cost)  # one dominates
+    >>> assign_cp_blocks([6000, 700, 500], layout=cp4, token_budget=8192, cost=cost)  # one dominates
     (CPBlock(first=0, size=4, members=(0, 1, 2)),)
     """
     _check(layout, comm_ratio)

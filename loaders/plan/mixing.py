@@ -11,7 +11,8 @@ within about one draw of its weight (weighted fair queueing), so a 5% component 
 not in bursts. Everything is numpy over whole arrays: no loop per sample.
 
 >>> mix = MixSpec(names=("a", "b"), weights=(0.75, 0.25), by="samples")
->>> drawn = mixed_order(mix, [np.ones(6, np.int64), np.ones(2, np.int64)], epoch=0, seed=0, shuffle=False)
+>>> lengths = [np.ones(6, np.int64), np.ones(2, np.int64)]
+>>> drawn = mixed_order(mix, lengths, epoch=0, seed=0, shuffle=False)
 >>> drawn.component.tolist()
 [0, 0, 1, 0, 0, 0, 1, 0]
 """
@@ -215,7 +216,8 @@ def window_shares(component: np.ndarray, units: np.ndarray, starts: np.ndarray, 
     """float64 ``[W, C]``: each component's share of the units in each window ``starts[w]:ends[w]`` of a
     served sequence (``component``, ``units`` int64 ``[M]``), from one cumulative sum (windows may overlap).
 
-    >>> window_shares(np.array([0, 1, 1, 0]), np.array([3, 1, 1, 1]), np.array([0, 1]), np.array([2, 4]), 2).tolist()
+    >>> components, lengths = np.array([0, 1, 1, 0]), np.array([3, 1, 1, 1])
+    >>> window_shares(components, lengths, np.array([0, 1]), np.array([2, 4]), 2).tolist()
     [[0.75, 0.25], [0.3333333333333333, 0.6666666666666666]]
     """
     onehot = np.zeros((component.size + 1, num_components))

@@ -3,7 +3,7 @@
 Which samples go together, and on which DP rank. Every DP rank runs the same plan on the same
 lengths and keeps its own row, so no communication is needed::
 
-    lengths L ──oversize policy──► aligned A_i = layout.aligned_length(L_i)      (cap from the budget)
+    lengths L ──oversize policy──► aligned A_i = layout.aligned_length(L_i)  (cap from the budget)
         │
         ▼ stream order (seeded shuffle, or as given)
     ┌──────────────── bounded buffer (buffer_size samples) ────────────────┐
@@ -20,7 +20,8 @@ token budget: the exact length the collator will produce (alignment, FP8 multipl
 length buckets included). The capacity ``cap`` is the largest aligned sum with that property.
 
 >>> from prealign.schemas import ParallelLayout
->>> plan = plan_microbatches([5, 3, 7, 2, 6], layout=ParallelLayout(cp=2), token_budget=16, dp_size=2)
+>>> plan = plan_microbatches([5, 3, 7, 2, 6], layout=ParallelLayout(cp=2), token_budget=16,
+...                         dp_size=2)
 >>> plan.microbatches
 (((0, 2),), ((4, 1, 3),))
 >>> plan.padded_lengths.tolist(), plan.real_tokens.tolist()
@@ -201,7 +202,8 @@ def microbatch_capacity(layout: ParallelLayout, token_budget: int) -> int:
     """Largest aligned-length sum ``A`` with ``layout.total_length(A) <= token_budget`` (a multiple of
     ``layout.seq_multiple``); raises :class:`PlanError` when not even one aligned token block fits.
 
-    >>> microbatch_capacity(ParallelLayout(tp=2, cp=2), 8192), microbatch_capacity(ParallelLayout(tp=2, cp=2), 8190)
+    >>> layout = ParallelLayout(tp=2, cp=2)
+    >>> microbatch_capacity(layout, 8192), microbatch_capacity(layout, 8190)
     (8192, 8188)
     """
     budget = _int_at_least("token_budget", token_budget, 1)
@@ -325,10 +327,11 @@ class ChunkedPlan:
     vectorised.
 
     >>> from prealign.schemas import ParallelLayout
-    >>> plan = ChunkedPlan([5, 3, 7, 2, 6, 4], layout=ParallelLayout(), token_budget=8, chunk_size=2)
-    >>> plan.num_chunks, plan.chunk(0).microbatches, plan.planned  # its first window reads past the chunk...
+    >>> plan = ChunkedPlan([5, 3, 7, 2, 6, 4], layout=ParallelLayout(), token_budget=8,
+    ...                    chunk_size=2)
+    >>> plan.num_chunks, plan.chunk(0).microbatches, plan.planned  # its first window reads on...
     (3, (((4, 3), (0, 1), (2,), (5,)),), 1)
-    >>> plan.chunk(2).microbatches, plan.full().microbatches  # ... to the stream's end: the rest is empty
+    >>> plan.chunk(2).microbatches, plan.full().microbatches  # ... to the end: the rest is empty
     (((),), (((4, 3), (0, 1), (2,), (5,)),))
     """
 

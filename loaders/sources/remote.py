@@ -1,7 +1,7 @@
 """Remote shards read by byte range, never copied whole.
 
-    http(s)://host/shard.tar   http.client over kept-alive connections (:mod:`.http_pool`): ``HEAD`` for the
-                               size, ``GET`` with ``Range``
+    http(s)://host/shard.tar   http.client over kept-alive connections (:mod:`.http_pool`):
+                               ``HEAD`` for the size, ``GET`` with ``Range``
     s3://bucket/shard.tar      fsspec (``pip install prealign[remote]``: fsspec + s3fs / gcsfs)
     gs://bucket/shard.tar      fsspec ``cat_file(url, start, end)``
     pipe:cmd ...               webdataset's ``pipe:``: the command's stdout, read sequentially
@@ -123,7 +123,9 @@ def local_path(url: str) -> str:
 def is_remote(url: str) -> bool:
     """True for URLs other than local paths and ``file://``.
 
-    >>> is_remote("s3://b/x.tar"), is_remote("/data/x.tar"), is_remote("file:///x.tar"), is_remote("C:/x.tar")
+    >>> is_remote("s3://b/x.tar"), is_remote("/data/x.tar")
+    (True, False)
+    >>> is_remote("file:///x.tar"), is_remote("C:/x.tar")
     (True, False, False, False)
     """
     return scheme(url) not in ("", "file")

@@ -28,7 +28,8 @@ import torch
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
-                           output_final_state=False, cu_seqlens=None, use_qk_l2norm_in_kernel=False):
+                           output_final_state=False, cu_seqlens=None,
+                           use_qk_l2norm_in_kernel=False):
     from transformers.models.qwen3_5 import modeling_qwen3_5 as m
 
     ref = inspect.unwrap(m.torch_chunk_gated_delta_rule)
