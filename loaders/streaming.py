@@ -68,7 +68,7 @@ from prealign.loaders.policy import BadDataGate, BadDataPolicy, BadDataReport, O
 from prealign.loaders.serve.workers import hand_over
 from prealign.loaders.shaping import filler_length, filler_sample, truncate_sample
 from prealign.loaders.sources.source import Skip, Source
-from prealign.loaders.state import STREAM_STATE_KIND
+from prealign.loaders.state import STREAM_STATE_KIND, LoaderState
 from prealign.schemas.errors import PrealignError, SampleError
 from prealign.schemas.layout import ParallelLayout
 from prealign.schemas.schema import BatchSchema
@@ -133,11 +133,21 @@ def served_in(served: torch.Tensor | None, shard: int) -> np.ndarray:
     return mask
 
 
+Entry = tuple  # (aligned size, stream id, sample dict, location): one buffered sample
+
+
+def entry_record(entry: Entry) -> list:
+    """A buffered sample as a cursor holds it: ``[stream id, aligned size, *location]`` (ints)."""
+    return [entry[1], entry[0], *(int(x) for x in entry[3])]
+
+
 @dataclass(frozen=True)
 class _Reader(IterableDataset):
     """One epoch of one DP rank's stream, packed; in DataLoader workers, worker ``w`` is reader
-    ``dp_rank * W + w``. Yields ``(batch, events)``: the collated micro-batch and the bad-data events
-    (``[reason, where, frozen error]``) met since the previous one."""
+    ``dp_rank * W + (w + rotate) % W`` (its *role*). Yields ``(batch, events, mark)``: the collated
+    micro-batch, the bad-data events (``[reason, where, frozen error]``) met since the previous one, and
+    ``(role, cursor or None)``: the reader's cursor (:meth:`_Packer.cursor`) with the first micro-batch of
+    each packing round, from which the reader goes on without re-reading what came before."""
 
     source: Source
     schema: BatchSchema
@@ -159,35 +169,50 @@ class _Reader(IterableDataset):
     """(workers, worker id) of a reader replayed outside a DataLoader; ``None``: the DataLoader's."""
     ids_only: bool = False
     """Yield each micro-batch's stream ids instead of collating it (a replay)."""
+    cursors: tuple | None = dataclasses.field(default=None, compare=False)
+    """Per role, the cursor to go on from (``None``: from the start of the epoch); ``None``: all from the start."""
+    rotate: int = 0
+    """Worker ``w`` plays role ``(w + rotate) % W``: the DataLoader asks worker 0 first, the saved run's
+    next reader was role ``rotate``."""
 
-    def _mine(self, units: list | None = None):
-        """``(shard, ordinal, location, raw)`` of this reader's samples, in stream order; bad records as
-        ``(shard, ordinal, location, exception or Skip)``. ``units``: ``[tokens]`` of the last sample, set by the
+    def _mine(self, at: list, units: list | None = None):
+        """``(role, records)``: this reader's role and its ``(shard, ordinal, location, raw)`` in stream order;
+        bad records as ``(shard, ordinal, location, exception or Skip)``. ``at`` is kept at the last record's
+        ``[shard position, ordinal, location, k]``; ``units``: ``[tokens]`` of the last sample, set by the
         caller once transformed (a :class:`Mixture` interleaves its components by them)."""
         info = get_worker_info()
         workers, w = self.worker or ((1, 0) if info is None else (info.num_workers, info.id))
-        g, readers = self.dp_rank * workers + w, self.dp_size * workers
+        role = (w + self.rotate) % workers
+        g, readers = self.dp_rank * workers + role, self.dp_size * workers
         n = self.source.num_shards
         order = np.random.default_rng([self.seed, self.epoch]).permutation(n).tolist()
         if isinstance(self.source, Mixture):  # each component's stream its own, interleaved by weight
-            return self.source.stream_interleave([self._scanned(part, g, readers) for part in
-                                                  self.source.shards_by_component(order)], units or [1])
-        return self._scanned(order, g, readers)
+            return role, self.source.stream_interleave([self._scanned(part, g, readers, []) for part in
+                                                        self.source.shards_by_component(order)], units or [1])
+        cursor = self.cursors[role] if self.cursors is not None else None
+        return role, self._scanned(order, g, readers, at, cursor)
 
-    def _scanned(self, order: list[int], g: int, readers: int):
-        """Reader ``g`` of ``readers``'s samples of the shards ``order`` (see :meth:`_mine`)."""
+    def _scanned(self, order: list[int], g: int, readers: int, at: list, cursor: dict | None = None):
+        """Reader ``g`` of ``readers``'s samples of the shards ``order`` (see :meth:`_mine`), from ``cursor``'s
+        record on (the records up to it are not decoded again: :meth:`Source.scan_after`)."""
         split_shards = len(order) >= readers
         shards = order[g::readers] if split_shards else order
-        k = 0
-        for shard in shards:
+        first, last, last_loc, k = (0, -1, None, 0) if cursor is None else (*cursor["at"], cursor["k"])
+        if cursor is not None and cursor["done"]:
+            return
+        for pos in range(first, len(shards)):
+            shard = shards[pos]
             left_out = served_in(self.served, shard)
-            for ordinal, (loc, item) in enumerate(self.source.scan(shard)):
+            records = (enumerate(self.source.scan_after(shard, last, tuple(last_loc)), last + 1)
+                       if pos == first and last_loc is not None else enumerate(self.source.scan(shard)))
+            for ordinal, (loc, item) in records:
                 if ordinal < left_out.size and left_out[ordinal]:
                     continue
                 if not split_shards:
                     k += 1
                     if (k - 1) % readers != g:
                         continue
+                at[:] = pos, ordinal, loc, k
                 yield shard, ordinal, loc, item
 
     def __iter__(self):
@@ -200,97 +225,157 @@ class _Reader(IterableDataset):
 
     def _packed(self):
         units = [0] if isinstance(self.source, Mixture) else None  # the last sample's tokens, for the interleave
-        gate = BadDataGate(self.policy)
-        events: list = []
-        buffer: list[tuple[int, int, dict]] = []  # (aligned size, id, sample)
-        pending: list[tuple[int, str, dict]] = []
-        rule = FixedDims(self.schema)  # (the index's rule: the first sample with a named dim fixes it)
-        mkeys = media_keys(self.schema)
+        seekable = units is None and not self.ids_only
+        packer, at = _Packer(self), [0, -1, None, 0]
+        role, records = self._mine(at, units)
+        cursor = self.cursors[role] if self.cursors is not None else None
+        for entries in packer.restore(cursor) if cursor is not None else ():
+            yield *packer.collated(entries), (role, None)
 
-        def bad(reason: str, where: str, err: Exception) -> None:
-            gate.bad(reason, where, err)  # raises under RAISE / past max_consecutive
-            events.append([reason, where, error_record(err) if isinstance(err, Exception) else err])
+        def rounds(final: bool):
+            bins = packer.emit(final)
+            mark = packer.cursor(at, bins, final) if seekable else None
+            for i, entries in enumerate(bins):
+                yield *packer.collated(entries), (role, mark if i == 0 else None)
 
-        def validate() -> None:
-            for (sid, where, sample), res in zip(pending, validated([p[2] for p in pending], self.schema)):
-                if isinstance(res, SampleError):
-                    bad("bad_sample", where, BadSampleError(sample=where, field=res.field, expected=res.expected,
-                                                            actual=res.actual))
-                    continue
-                n, dims = res
-                refuse = rule.admit(dims, where)
-                if refuse is not None:
-                    err = refuse(where)
-                    bad(err.reason, where, err)
-                    continue
-                if n > self.cap:
-                    if self.oversize is Oversize.ERROR:
-                        raise OversizeSampleError(sample=where, field="input_ids", expected=f"<= {self.cap} tokens",
-                                                  actual=f"{n} tokens")
-                    if self.oversize is Oversize.SKIP or (mkeys and has_media(sample, mkeys)):
-                        reason = "oversize_skipped" if self.oversize is Oversize.SKIP else "oversize_media"
-                        events.append([reason, where, None])
-                        continue
-                    sample, n = truncate_sample(sample, self.schema, self.cap), self.cap
-                gate.good()
-                buffer.append((self.layout.aligned_length(n), sid, sample))
-            pending.clear()
-
-        def emit(final: bool):
-            sizes = np.array([b[0] for b in buffer], dtype=np.int64)
-            bins = best_fit_decreasing(sizes, self.cap, self.layout.max_seqs)
-            bins.sort(key=lambda b: (-int(sizes[b].sum()), min(buffer[i][1] for i in b)))
-            keep = len(bins) if final else max(1, len(bins) // 2)  # the fuller half out; the rest may still grow
-            out, used = bins[:keep], set()
-            for b in out:
-                used.update(b)
-                yield b
-            rest = [buffer[i] for i in range(len(buffer)) if i not in used]
-            buffer[:] = rest
-
-        def collated(bin_, snapshot):
-            if self.ids_only:
-                return [snapshot[i][1] for i in bin_], []
-            samples = [snapshot[i][2] for i in bin_]
-            batch = self.collator(samples)
-            batch["sample_index"] = torch.tensor([snapshot[i][1] for i in bin_], dtype=torch.int64)
-            batch["is_filler"] = False
-            batch["epoch"] = self.epoch
-            batch["microbatch"] = -1
-            ev = list(events)
-            events.clear()
-            return (pack_batch(batch) if self.pack else batch), ev
-
-        for shard, ordinal, loc, item in self._mine(units):
+        for shard, ordinal, loc, item in records:
             where = self.source.where(loc) if loc is not None else f"shard {shard}"
             if isinstance(item, Skip):
-                events.append([item.reason, item.where, None])
+                packer.events.append([item.reason, item.where, None])
                 continue
             if isinstance(item, Exception):
                 rec = error_record(item)
-                bad(record_reason(rec), where, error_from_record(rec))
+                packer.bad(record_reason(rec), where, error_from_record(rec))
                 continue
             try:
                 sample = self.source.apply_transform(item, loc)
             except SampleError as exc:
-                bad(record_reason(error_record(exc)), where, exc)
+                packer.bad(record_reason(error_record(exc)), where, exc)
                 continue
             if units is not None:  # a mixture's interleave by tokens
                 units[0] = len(sample.get("input_ids", ()))
-            pending.append((stream_id(shard, ordinal), where, sample))
-            if len(pending) >= _CHUNK or len(buffer) + len(pending) >= self.buffer_size:
-                validate()
-            if len(buffer) >= self.buffer_size:
-                snapshot = list(buffer)
-                for b in list(emit(final=False)):
-                    yield collated(b, snapshot)
-        validate()
-        while buffer:
-            snapshot = list(buffer)
-            for b in list(emit(final=True)):
-                yield collated(b, snapshot)
-        if events:  # bad data after the last micro-batch: an empty hand-over carries it
-            yield None, list(events)
+            packer.pending.append((stream_id(shard, ordinal), where, sample, loc))
+            if len(packer.pending) >= _CHUNK or len(packer.buffer) + len(packer.pending) >= self.buffer_size:
+                packer.validate()
+            if len(packer.buffer) >= self.buffer_size:
+                yield from rounds(final=False)
+        packer.validate()
+        while packer.buffer:
+            yield from rounds(final=True)
+        if packer.events:  # bad data after the last micro-batch: an empty hand-over carries it
+            yield None, list(packer.events), (role, packer.cursor(at, [], True) if seekable else None)
+
+
+class _Packer:
+    """One reader's packing state (was a closure): the bad-data gate, the rule that fixes named dims, the
+    samples waiting to be validated, the bounded buffer, the bad-data events not handed over yet.
+    :meth:`cursor` writes it down with the stream position; :meth:`restore` reads it back."""
+
+    def __init__(self, reader: _Reader):
+        self.reader = reader
+        self.gate = BadDataGate(reader.policy)
+        self.events: list = []
+        self.buffer: list[Entry] = []
+        self.pending: list[tuple[int, str, dict, tuple]] = []  # (id, where, sample, location)
+        self.rule = FixedDims(reader.schema)  # (the index's rule: the first sample with a named dim fixes it)
+        self.mkeys = media_keys(reader.schema)
+
+    def bad(self, reason: str, where: str, err: Exception) -> None:
+        self.gate.bad(reason, where, err)  # raises under RAISE / past max_consecutive
+        self.events.append([reason, where, error_record(err) if isinstance(err, Exception) else err])
+
+    def validate(self) -> None:
+        r = self.reader
+        for (sid, where, sample, loc), res in zip(self.pending, validated([p[2] for p in self.pending], r.schema)):
+            if isinstance(res, SampleError):
+                self.bad("bad_sample", where, BadSampleError(sample=where, field=res.field, expected=res.expected,
+                                                             actual=res.actual))
+                continue
+            n, dims = res
+            refuse = self.rule.admit(dims, where)
+            if refuse is not None:
+                err = refuse(where)
+                self.bad(err.reason, where, err)
+                continue
+            if n > r.cap:
+                if r.oversize is Oversize.ERROR:
+                    raise OversizeSampleError(sample=where, field="input_ids", expected=f"<= {r.cap} tokens",
+                                              actual=f"{n} tokens")
+                if r.oversize is Oversize.SKIP or (self.mkeys and has_media(sample, self.mkeys)):
+                    reason = "oversize_skipped" if r.oversize is Oversize.SKIP else "oversize_media"
+                    self.events.append([reason, where, None])
+                    continue
+                sample, n = truncate_sample(sample, r.schema, r.cap), r.cap
+            self.gate.good()
+            self.buffer.append((r.layout.aligned_length(n), sid, sample, loc))
+        self.pending.clear()
+
+    def emit(self, final: bool) -> list[list[Entry]]:
+        """The next micro-batches' samples, best-fit decreasing over the buffer: all of them when ``final``,
+        else the fuller half (the rest may still grow); what they take leaves the buffer."""
+        buffer = self.buffer
+        sizes = np.array([b[0] for b in buffer], dtype=np.int64)
+        bins = best_fit_decreasing(sizes, self.reader.cap, self.reader.layout.max_seqs)
+        bins.sort(key=lambda b: (-int(sizes[b].sum()), min(buffer[i][1] for i in b)))
+        keep = len(bins) if final else max(1, len(bins) // 2)
+        used = {i for b in bins[:keep] for i in b}
+        self.buffer = [buffer[i] for i in range(len(buffer)) if i not in used]
+        return [[buffer[i] for i in b] for b in bins[:keep]]
+
+    def collated(self, entries: list[Entry]):
+        r = self.reader
+        if r.ids_only:
+            return [e[1] for e in entries], []
+        batch = r.collator([e[2] for e in entries])
+        batch["sample_index"] = torch.tensor([e[1] for e in entries], dtype=torch.int64)
+        batch["is_filler"] = False
+        batch["epoch"] = r.epoch
+        batch["microbatch"] = -1
+        ev = list(self.events)
+        self.events.clear()
+        return (pack_batch(batch) if r.pack else batch), ev
+
+    def cursor(self, at: list, bins: list[list[Entry]], done: bool) -> dict:
+        """JSON-friendly: where the stream goes on (``at``: ``[shard position, ordinal, location]`` of the last
+        record read, ``k`` the records counted for a split by sample, ``done`` at its end), the gate's count of
+        bad samples in a row, the fixed dims, the buffer and the micro-batches of this round (``bins``) as
+        ``[id, aligned size, *location]`` (re-read at a resume: at most ``buffer_size`` samples)."""
+        pos, ordinal, loc, k = at
+        rule = self.rule
+        return {"at": [pos, ordinal, None if loc is None else [int(x) for x in loc]], "k": k, "done": done,
+                "gate": self.gate.consecutive, "rule": [rule.fixed, rule.fixed_by, rule.fields],
+                "buffer": [entry_record(e) for e in self.buffer],
+                "bins": [[entry_record(e) for e in b] for b in bins]}
+
+    def restore(self, cursor: dict) -> list[list[Entry]]:
+        """Set the state ``cursor`` wrote down (its samples read back by location); returns the round's
+        micro-batches not served yet."""
+        self.gate.consecutive = int(cursor["gate"])
+        fixed, fixed_by, fields = cursor["rule"]
+        self.rule.fixed, self.rule.fixed_by = dict(fixed), dict(fixed_by)
+        self.rule.fields = None if fields is None else tuple(fields)
+        self.buffer = [self._read_back(e) for e in cursor["buffer"]]
+        return [[self._read_back(e) for e in b] for b in cursor["bins"]]
+
+    def _read_back(self, record: list) -> Entry:
+        """The buffered sample ``[id, aligned size, *location]`` read, transformed and cut as when it was
+        buffered; another size is a :class:`ResumeError` (the data changed since the state was saved)."""
+        r, (sid, size, *loc) = self.reader, record
+        loc = tuple(loc)
+        where = r.source.where(loc)
+        try:
+            sample = r.source.apply_transform(r.source.read(loc), loc)
+        except SampleError as exc:
+            raise ResumeError(f"loader state: cursor sample {where} (id {sid}) is bad data now ({exc}); the data "
+                              f"changed since the state was saved") from exc
+        res = validated([sample], r.schema)[0]
+        n = res[0] if not isinstance(res, SampleError) else None
+        if n is not None and n > r.cap:
+            sample, n = truncate_sample(sample, r.schema, r.cap), r.cap
+        if n is None or r.layout.aligned_length(n) != size:
+            raise ResumeError(f"loader state: cursor sample {where} (id {sid}): expected {size} aligned tokens, read "
+                              f"{res!r}; the data changed since the state was saved")
+        return size, sid, sample, loc
 
 
 class StreamingPackedLoader(LoaderCore):
@@ -331,6 +416,7 @@ class StreamingPackedLoader(LoaderCore):
         self.collective_timeout = None if collective_timeout is None else float(collective_timeout)
         self._filler: dict | None = None
         self._served_cache: tuple = (None, None)
+        self._track: _Track | None = None
 
     buffer_size = property(lambda self: self.planner.buffer_size)
     oversize = property(lambda self: self.planner.oversize)
@@ -420,8 +506,9 @@ class StreamingPackedLoader(LoaderCore):
         return _Reader(self.source, self.schema, self.collator, self.layout, self._capacity, self.buffer_size,
                        self.oversize, self.bad_data, dp_rank, dp_size, self.seed, epoch, served=served, **kwargs)
 
-    def _reader(self, epoch: int, served: torch.Tensor | None = None):
-        reader = self._reader_of(epoch, self.dp_rank, self.dp_size, served, pack=self.num_workers > 0)
+    def _reader(self, epoch: int, served: torch.Tensor | None = None, track: "_Track | None" = None):
+        seek = {} if track is None else {"cursors": tuple(track.saved()), "rotate": track.next}
+        reader = self._reader_of(epoch, self.dp_rank, self.dp_size, served, pack=self.num_workers > 0, **seek)
         return self._data_loader(reader, persistent=False, batch_size=None)
 
     def _served_before(self, epoch: int) -> torch.Tensor | None:
@@ -441,7 +528,7 @@ class StreamingPackedLoader(LoaderCore):
             for rank in range(seg.dp_size):
                 readers = [self._reader_of(epoch, rank, seg.dp_size, served, worker=(workers, w), ids_only=True)._packed()
                            for w in range(workers)]
-                first = round_robin([(ids for ids, _ in r if ids is not None) for r in readers], seg.position)
+                first = round_robin([(ids for ids, _, _ in r if ids is not None) for r in readers], seg.position)
                 longest = max(longest, len(first))
                 parts.append(np.fromiter((i for ids in first for i in ids), np.int64))
             if longest < seg.position:
@@ -468,11 +555,13 @@ class StreamingPackedLoader(LoaderCore):
                                   f"{seg.num_workers} readers; expected at most the {count} samples of the stream")
 
     def _take(self, it):
-        """The next real micro-batch of this rank's stream, or None at its end (bad-data events counted)."""
-        for batch, events in it:
+        """The next real micro-batch of this rank's stream, or None at its end (bad-data events counted, the
+        readers' cursors tracked)."""
+        for batch, events, (role, cursor) in it:
             self._count_skipped([(reason, where, rec["message"] if isinstance(rec, dict) and "message" in rec
                                   else str(error_from_record(rec)) if isinstance(rec, dict) else reason)
                                  for reason, where, rec in events], warn=False)  # (the reader's gate warned)
+            self._track.took(role, cursor, batch is not None)
             if batch is not None:
                 return unpacked(batch)
         return None
@@ -480,9 +569,11 @@ class StreamingPackedLoader(LoaderCore):
     def _batches(self, token: object):
         self.prepare()
         epoch, start = self._epoch, self._position
-        it = self._served(self._reader(epoch, self._served_before(epoch)), token)
-        exhausted, skipped = False, 0
-        for _ in range(start):  # resume: re-read and re-pack the stream up to the saved position
+        track = self._track if start and self._track is not None and self._track.at == (epoch, start) else None
+        self._track = _Track.fresh(epoch, max(self.num_workers, 1)) if track is None else track.copy()
+        it = self._served(self._reader(epoch, self._served_before(epoch), track), token)
+        exhausted, skipped = False, start if track is not None else 0  # with cursors: the readers go on there
+        for _ in range(start - skipped):  # resume without cursors: re-read and re-pack the stream up to there
             if self._take(it) is None:
                 exhausted = True
                 break
@@ -506,6 +597,7 @@ class StreamingPackedLoader(LoaderCore):
             batch["epoch"], batch["microbatch"] = epoch, position
             position += 1
             self._position = position
+            self._track.at = (epoch, position)
             yield batch
         if self._active is token:
             self._epoch, self._position = epoch + 1, 0
@@ -513,3 +605,76 @@ class StreamingPackedLoader(LoaderCore):
     # ---- state ---------------------------------------------------------------------------------------
     def _config(self) -> dict:
         return {**super()._config(), "num_workers": self.num_workers}
+
+    def state_dict(self, cursors: bool = False) -> dict:
+        """The state (:meth:`LoaderCore.state_dict`: the same on every rank); ``cursors=True`` adds this rank's
+        reader cursors (version 4, :mod:`prealign.loaders.state`): where each of its readers goes on and the
+        samples its buffer holds (at most ``buffer_size`` a reader), so that this rank resumes by seeking instead
+        of replaying its stream. Such a state is this rank's: load each rank's own (another rank, or another
+        ``dp_size`` / ``num_workers``, replays). A :class:`Mixture` stream has no cursors (it replays)."""
+        out = super().state_dict()
+        epoch, position = self._normalised()
+        track = self._track
+        if not cursors or not position or track is None or track.at != (epoch, position) or isinstance(
+                self.source, Mixture):
+            return out
+        state = LoaderState.from_dict(out, kind=self.state_kind)
+        return dataclasses.replace(state, cursors={
+            "dp_rank": self.dp_rank, "dp_size": self.dp_size, "num_workers": self.num_workers, "next": track.next,
+            "readers": track.saved()}).to_dict()
+
+    def load_state_dict(self, state) -> None:
+        super().load_state_dict(state)
+        self._track = None
+        cursors = LoaderState.from_dict(state, kind=self.state_kind).cursors
+        if cursors is None or not self._position:
+            return
+        here = {"dp_rank": self.dp_rank, "dp_size": self.dp_size, "num_workers": self.num_workers}
+        if any(cursors.get(k) != v for k, v in here.items()):
+            warnings.warn(f"StreamingPackedLoader.load_state_dict: the state's reader cursors are those of "
+                          f"{ {k: cursors.get(k) for k in here} }, this is {here}: this rank replays its stream up "
+                          f"to micro-batch {self._position} (load each rank's own state_dict(cursors=True) "
+                          f"to seek)", stacklevel=2)
+            return
+        self._track = _Track.loaded(cursors, (self._epoch, self._position), max(self.num_workers, 1))
+
+
+@dataclass
+class _Track:
+    """This rank's readers as its DataLoader served them: per role, the last cursor it sent and how many of that
+    round's micro-batches were served since; the role the DataLoader asks next; the ``(epoch, position)`` it
+    describes."""
+
+    at: tuple[int, int]
+    cursors: list
+    served: list
+    next: int = 0
+
+    @classmethod
+    def fresh(cls, epoch: int, workers: int) -> "_Track":
+        return cls((epoch, 0), [None] * workers, [0] * workers)
+
+    @classmethod
+    def loaded(cls, saved: dict, at: tuple[int, int], workers: int) -> "_Track":
+        """From a state's ``cursors`` (checked: one per role, the next role in range)."""
+        readers, nxt = saved.get("readers"), saved.get("next")
+        if not isinstance(readers, list) or len(readers) != workers or not all(
+                r is None or isinstance(r, dict) for r in readers) or not (
+                isinstance(nxt, int) and 0 <= nxt < workers):
+            raise ResumeError(f"loader state: key 'cursors': expected {workers} reader cursors and a next reader in "
+                              f"[0, {workers}), got {str(saved)[:200]}")
+        return cls(at, list(readers), [0] * workers, nxt)
+
+    def copy(self) -> "_Track":
+        return dataclasses.replace(self, cursors=list(self.cursors), served=list(self.served))
+
+    def took(self, role: int, cursor: dict | None, batch: bool) -> None:
+        """The DataLoader served an item of reader ``role`` (a micro-batch when ``batch``) carrying ``cursor``."""
+        if cursor is not None:
+            self.cursors[role], self.served[role] = cursor, 0
+        self.served[role] += int(batch)
+        self.next = (role + 1) % len(self.cursors)
+
+    def saved(self) -> list:
+        """Per role, its cursor without the micro-batches of its round already served."""
+        return [None if c is None else {**c, "bins": c["bins"][n:]} for c, n in zip(self.cursors, self.served)]
