@@ -354,28 +354,33 @@ class _Packer:
         fixed, fixed_by, fields = cursor["rule"]
         self.rule.fixed, self.rule.fixed_by = dict(fixed), dict(fixed_by)
         self.rule.fields = None if fields is None else tuple(fields)
-        self.buffer = [self._read_back(e) for e in cursor["buffer"]]
-        return [[self._read_back(e) for e in b] for b in cursor["bins"]]
+        records = [*cursor["buffer"], *(e for b in cursor["bins"] for e in b)]
+        entries = self._read_back(records)
+        self.buffer = entries[:len(cursor["buffer"])]
+        rest = iter(entries[len(cursor["buffer"]):])
+        return [[next(rest) for _ in b] for b in cursor["bins"]]
 
-    def _read_back(self, record: list) -> Entry:
-        """The buffered sample ``[id, aligned size, *location]`` read, transformed and cut as when it was
-        buffered; another size is a :class:`ResumeError` (the data changed since the state was saved)."""
-        r, (sid, size, *loc) = self.reader, record
-        loc = tuple(loc)
-        where = r.source.where(loc)
-        try:
-            sample = r.source.apply_transform(r.source.read(loc), loc)
-        except SampleError as exc:
-            raise ResumeError(f"loader state: cursor sample {where} (id {sid}) is bad data now ({exc}); the data "
-                              f"changed since the state was saved") from exc
-        res = validated([sample], r.schema)[0]
-        n = res[0] if not isinstance(res, SampleError) else None
-        if n is not None and n > r.cap:
-            sample, n = truncate_sample(sample, r.schema, r.cap), r.cap
-        if n is None or r.layout.aligned_length(n) != size:
-            raise ResumeError(f"loader state: cursor sample {where} (id {sid}): expected {size} aligned tokens, read "
-                              f"{res!r}; the data changed since the state was saved")
-        return size, sid, sample, loc
+    def _read_back(self, records: list[list]) -> list[Entry]:
+        """The buffered samples ``[id, aligned size, *location]`` read, transformed and cut as when they were
+        buffered (validated in one call); another size is a :class:`ResumeError` (the data changed since the
+        state was saved)."""
+        r, samples = self.reader, []
+        for sid, _, *loc in records:
+            try:
+                samples.append(r.source.apply_transform(r.source.read(tuple(loc)), tuple(loc)))
+            except SampleError as exc:
+                raise ResumeError(f"loader state: cursor sample {r.source.where(tuple(loc))} (id {sid}) is bad data "
+                                  f"now ({exc}); the data changed since the state was saved") from exc
+        out = []
+        for (sid, size, *loc), sample, res in zip(records, samples, validated(samples, r.schema)):
+            n = res[0] if not isinstance(res, SampleError) else None
+            if n is not None and n > r.cap:
+                sample, n = truncate_sample(sample, r.schema, r.cap), r.cap
+            if n is None or r.layout.aligned_length(n) != size:
+                raise ResumeError(f"loader state: cursor sample {r.source.where(tuple(loc))} (id {sid}): expected "
+                                  f"{size} aligned tokens, read {res!r}; the data changed since the state was saved")
+            out.append((size, sid, sample, tuple(loc)))
+        return out
 
 
 class StreamingPackedLoader(LoaderCore):
