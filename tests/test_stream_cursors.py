@@ -3,7 +3,11 @@ rank goes on, so a resume seeks instead of replaying the stream: the batches aft
 run's, and the work it does does not grow with the position it resumes at."""
 from __future__ import annotations
 
+import http.server
 import json
+import os
+import re
+import threading
 import warnings
 from itertools import islice
 
@@ -181,6 +185,59 @@ def test_skip_reads_members_without_decoding(tmp_path):
     after = list(src.scan_after(0, 9, records[9][0]))
     assert CountingSource.decoded == 20 and [loc for loc, _ in after] == [loc for loc, _ in records[10:]]
     assert [s["__key__"] for _, s in after] == [s["__key__"] for _, s in records[10:]]
+
+
+class _RangeHandler(http.server.BaseHTTPRequestHandler):
+    """Serves ``server.root`` with ``Range`` support (a buffered sample is read back by a range read)."""
+
+    def log_message(self, *args):
+        pass
+
+    def do_GET(self):
+        path = os.path.join(self.server.root, self.path.lstrip("/").split("?")[0])
+        if not os.path.isfile(path):
+            self.send_response(404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        size = os.path.getsize(path)
+        m = re.match(r"bytes=(\d+)-(\d*)", self.headers.get("Range", ""))
+        lo, hi = (int(m.group(1)), min(int(m.group(2)) + 1 if m.group(2) else size, size)) if m else (0, size)
+        self.send_response(206 if m else 200)
+        if m:
+            self.send_header("Content-Range", f"bytes {lo}-{hi - 1}/{size}")
+        self.send_header("Content-Length", str(hi - lo))
+        self.end_headers()
+        with open(path, "rb") as f:
+            f.seek(lo)
+            self.wfile.write(f.read(hi - lo))
+
+    def do_HEAD(self):
+        path = os.path.join(self.server.root, self.path.lstrip("/").split("?")[0])
+        self.send_response(200 if os.path.isfile(path) else 404)
+        self.send_header("Content-Length", str(os.path.getsize(path)) if os.path.isfile(path) else "0")
+        self.send_header("Accept-Ranges", "bytes")
+        self.end_headers()
+
+
+def test_cursor_resume_over_http(tmp_path):
+    """Shards on an HTTP server (127.0.0.1): the stream goes on by reading the current shard's members before
+    the cursor without decoding them; the buffered samples come back by range reads; the batches are the
+    uninterrupted run's."""
+    paths = write_shards(str(tmp_path / "www"), sample_lengths(160, seed=7), num_shards=4)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _RangeHandler)
+    server.root, server.daemon_threads = str(tmp_path / "www"), True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        urls = [f"http://127.0.0.1:{server.server_address[1]}/{os.path.basename(p)}" for p in paths]
+        full = list(_make(urls))
+        for stop in (3, len(full) // 2):
+            state, rest = _resumed(urls, stop)
+            assert "cursors" in state
+            _same(rest, full[stop:])
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 @pytest.mark.slow
