@@ -17,6 +17,15 @@ version 3, with the earlier segments of the epoch (``position`` is then within t
 
     {"version": 3, ..., "position": 4, "config": {..., "dp_size": 3, ...},
      "segments": [{"dp_size": 4, "microbatches_per_step": 1, "num_workers": null, "position": 17}]}
+
+A streaming state taken with ``state_dict(cursors=True)`` is version 4 and holds one rank's reader cursors, so
+that this rank seeks instead of replaying its stream (``docs/resume.md``); it is that rank's (other ranks replay):
+
+    {"version": 4, "kind": "prealign.StreamingPackedLoader", ..., "position": 917,
+     "cursors": {"dp_rank": 0, "dp_size": 1, "num_workers": 2, "next": 1, "readers": [
+         {"at": [3, 1721, [3, 882176, 883200, 51273]], "k": 0, "done": false, "gate": 0, "rule": [{}, {}, null],
+          "buffer": [[id, aligned size, *location], ...], "bins": [[[id, aligned size, *location], ...], ...]},
+         ...]}}
 """
 from __future__ import annotations
 

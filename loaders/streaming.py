@@ -24,9 +24,17 @@ naming the ranks and the position, not a hang of the process group's own timeout
 
 Resume: the state is ``(epoch, position)``, the same on every rank, in the format of
 :class:`~prealign.loaders.PackedLoader`'s (:mod:`prealign.loaders.state`; the data fingerprint is a digest
-of the source's description, taken once at :meth:`~StreamingPackedLoader.prepare`). Loading it re-reads this
-rank's stream from the start of the epoch and replays the deterministic packing, skipping the first
-``position`` micro-batches (cost: reading, and in workers collating, that much of the stream again). A
+of the source's description, taken once at :meth:`~StreamingPackedLoader.prepare`). ``state_dict(cursors=True)``
+adds this rank's reader *cursors* (version 4): per reader, the last record it read (shard position, ordinal,
+location), its packing state (gate, fixed dims) and the samples its buffer holds and the micro-batches of its
+round not served yet (ids and locations, at most ``buffer_size`` samples), and which reader the DataLoader
+asks next. Loading a rank's own such state seeks: each reader reads back its buffered samples by location,
+goes on in its shard after the last record (:meth:`~prealign.loaders.sources.source.Source.scan_after`: a
+webdataset shard's members before it are read, not decoded) and its DataLoader worker ``w`` plays the saved
+reader ``(w + next) % W``, so the batches are the uninterrupted run's at a cost that does not grow with the
+position. Without cursors (a state of another rank, of an older prealign, of a :class:`Mixture` stream)
+loading re-reads this rank's stream from the start of the epoch and replays the deterministic packing,
+skipping the first ``position`` micro-batches (cost: reading and collating that much of the stream again). A
 position past the end of its epoch (every rank's stream ends before it) cannot be known before the stream
 is read: it is a :class:`~prealign.loaders.errors.ResumeError` at the first ``next``, on every rank alike.
 A state of another ``num_workers`` or ``dp_size`` resumes too: at the first ``next`` every reader of the

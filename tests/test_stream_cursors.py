@@ -256,3 +256,18 @@ def test_cursor_resume_exact_at_any_stop(tmp_path_factory, num_shards, workers, 
     _, rest = _resumed(paths, at, **kw)
     _same(rest, full[at:])
 
+
+
+def test_cursor_state_under_other_workers_takes_the_elastic_path(tmp_path):
+    """A cursor state loaded under another worker count: the rest of the epoch re-split (the cursors unused),
+    every sample served once."""
+    paths = write_shards(str(tmp_path), sample_lengths(90, seed=8), num_shards=3)
+    a = _make(paths, num_workers=2)
+    it = iter(a)
+    first = [i for b in islice(it, 5) for i in b["sample_index"].tolist()]
+    state = json.loads(json.dumps(a.state_dict(cursors=True)))
+    it.close()
+    b = _make(paths, num_workers=0)
+    b.load_state_dict(state)
+    rest = [i for x in b for i in x["sample_index"].tolist()]
+    assert sorted(first + rest) == sorted((s << 32) | o for s in range(3) for o in range(30))
