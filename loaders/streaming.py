@@ -141,12 +141,13 @@ def served_in(served: torch.Tensor | None, shard: int) -> np.ndarray:
     return mask
 
 
-Entry = tuple  # (aligned size, stream id, sample dict, location): one buffered sample
+Entry = tuple
+"""One buffered sample: ``(aligned size, stream id, sample dict, record)``, ``record`` the sample as a cursor
+holds it, ``[stream id, aligned size, *location]`` (ints; made once, when the sample is buffered)."""
 
 
-def entry_record(entry: Entry) -> list:
-    """A buffered sample as a cursor holds it: ``[stream id, aligned size, *location]`` (ints)."""
-    return [entry[1], entry[0], *(int(x) for x in entry[3])]
+def entry(size: int, sid: int, sample: dict, loc) -> Entry:
+    return size, sid, sample, [sid, size, *map(int, loc)]
 
 
 @dataclass(frozen=True)
@@ -315,7 +316,7 @@ class _Packer:
                     continue
                 sample, n = truncate_sample(sample, r.schema, r.cap), r.cap
             self.gate.good()
-            self.buffer.append((r.layout.aligned_length(n), sid, sample, loc))
+            self.buffer.append(entry(r.layout.aligned_length(n), sid, sample, loc))
         self.pending.clear()
 
     def emit(self, final: bool) -> list[list[Entry]]:
@@ -352,8 +353,7 @@ class _Packer:
         rule = self.rule
         return {"at": [pos, ordinal, None if loc is None else [int(x) for x in loc]], "k": k, "done": done,
                 "gate": self.gate.consecutive, "rule": [rule.fixed, rule.fixed_by, rule.fields],
-                "buffer": [entry_record(e) for e in self.buffer],
-                "bins": [[entry_record(e) for e in b] for b in bins]}
+                "buffer": [e[3] for e in self.buffer], "bins": [[e[3] for e in b] for b in bins]}
 
     def restore(self, cursor: dict) -> list[list[Entry]]:
         """Set the state ``cursor`` wrote down (its samples read back by location); returns the round's
@@ -387,7 +387,7 @@ class _Packer:
             if n is None or r.layout.aligned_length(n) != size:
                 raise ResumeError(f"loader state: cursor sample {r.source.where(tuple(loc))} (id {sid}): expected "
                                   f"{size} aligned tokens, read {res!r}; the data changed since the state was saved")
-            out.append((size, sid, sample, tuple(loc)))
+            out.append(entry(size, sid, sample, loc))
         return out
 
 
