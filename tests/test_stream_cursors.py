@@ -271,3 +271,27 @@ def test_cursor_state_under_other_workers_takes_the_elastic_path(tmp_path):
     b.load_state_dict(state)
     rest = [i for x in b for i in x["sample_index"].tolist()]
     assert sorted(first + rest) == sorted((s << 32) | o for s in range(3) for o in range(30))
+
+
+def test_cursor_state_in_a_resized_epoch(tmp_path):
+    """Cursors taken in the segment after a resize (version 4 with segments): the same rank goes on where the
+    resized run stood, the earlier segment's samples still left out."""
+    paths = write_shards(str(tmp_path), sample_lengths(90, seed=9), num_shards=3)
+    a = _make(paths, num_workers=2)
+    it = iter(a)
+    list(islice(it, 4))
+    resized = a.state_dict()
+    it.close()
+    b = _make(paths)
+    b.load_state_dict(resized)
+    rest = list(b)
+    b = _make(paths)
+    b.load_state_dict(resized)
+    it = iter(b)
+    list(islice(it, 3))
+    state = json.loads(json.dumps(b.state_dict(cursors=True)))
+    it.close()
+    assert state["version"] == CURSOR_VERSION and state["segments"] and state["position"] == 3
+    c = _make(paths)
+    c.load_state_dict(state)
+    _same(list(c), rest[3:])
