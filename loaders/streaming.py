@@ -23,25 +23,28 @@ seconds (default 300): a peer that stopped iterating is a :class:`~prealign.load
 naming the ranks and the position, not a hang of the process group's own timeout (30 min by default).
 
 Resume: the state is ``(epoch, position)``, the same on every rank, in the format of
-:class:`~prealign.loaders.PackedLoader`'s (:mod:`prealign.loaders.state`; the data fingerprint is a digest
-of the source's description, taken once at :meth:`~StreamingPackedLoader.prepare`). ``state_dict(cursors=True)``
-adds this rank's reader *cursors* (version 4): per reader, the last record it read (shard position, ordinal,
-location), its packing state (gate, fixed dims) and the samples its buffer holds and the micro-batches of its
-round not served yet (ids and locations, at most ``buffer_size`` samples), and which reader the DataLoader
-asks next. Loading a rank's own such state seeks: each reader reads back its buffered samples by location,
-goes on in its shard after the last record (:meth:`~prealign.loaders.sources.source.Source.scan_after`: a
-webdataset shard's members before it are read, not decoded) and its DataLoader worker ``w`` plays the saved
-reader ``(w + next) % W``, so the batches are the uninterrupted run's at a cost that does not grow with the
-position. Without cursors (a state of another rank, of an older prealign, of a :class:`Mixture` stream)
-loading re-reads this rank's stream from the start of the epoch and replays the deterministic packing,
-skipping the first ``position`` micro-batches (cost: reading and collating that much of the stream again). A
-position past the end of its epoch (every rank's stream ends before it) cannot be known before the stream
-is read: it is a :class:`~prealign.loaders.errors.ResumeError` at the first ``next``, on every rank alike.
-A state of another ``num_workers`` or ``dp_size`` resumes too: at the first ``next`` every reader of the
-saved run (every rank's) is replayed in this process, ids only, and the samples its DataLoader had served
-(round-robin over its workers) are left out of this run's readers, which split the rest of the epoch anew
-(cost: packing every old rank's served part of the stream again, and with fewer shards than old readers
-reading that prefix once per old reader; the served ids are one shared sorted int64 tensor; ``docs/resume.md``).
+:class:`~prealign.loaders.PackedLoader`'s (:mod:`prealign.loaders.state`; the data fingerprint is a
+digest of the source's description, taken once at :meth:`~StreamingPackedLoader.prepare`).
+``state_dict(cursors=True)`` adds this rank's reader *cursors* (version 4): per reader, the last
+record it read (shard position, ordinal, location), its packing state (gate, fixed dims) and the
+samples its buffer holds and the micro-batches of its round not served yet (ids and locations, at
+most ``buffer_size`` samples), and which reader the DataLoader asks next. Loading a rank's own such
+state seeks: each reader reads back its buffered samples by location, goes on in its shard after the
+last record (:meth:`~prealign.loaders.sources.source.Source.scan_after`: a webdataset shard's
+members before it are read, not decoded) and its DataLoader worker ``w`` plays the saved reader
+``(w + next) % W``, so the batches are the uninterrupted run's at a cost that does not grow with the
+position. Without cursors (a state of another rank, of an older prealign, of a :class:`Mixture`
+stream) loading re-reads this rank's stream from the start of the epoch and replays the
+deterministic packing, skipping the first ``position`` micro-batches (cost: reading and collating
+that much of the stream again). A position past the end of its epoch (every rank's stream ends
+before it) cannot be known before the stream is read: it is a
+:class:`~prealign.loaders.errors.ResumeError` at the first ``next``, on every rank alike. A state of
+another ``num_workers`` or ``dp_size`` resumes too: at the first ``next`` every reader of the saved
+run (every rank's) is replayed in this process, ids only, and the samples its DataLoader had served
+(round-robin over its workers) are left out of this run's readers, which split the rest of the epoch
+anew (cost: packing every old rank's served part of the stream again, and with fewer shards than old
+readers reading that prefix once per old reader; the served ids are one shared sorted int64 tensor;
+``docs/resume.md``).
 
 Options, validation, ``set_epoch``, ``from_parallel_state``, the one-live-iterator guard, the state and the
 worker path (a sample's typed error raised as its own type, a dead worker a
@@ -142,8 +145,9 @@ def served_in(served: torch.Tensor | None, shard: int) -> np.ndarray:
 
 
 Entry = tuple
-"""One buffered sample: ``(aligned size, stream id, sample dict, record)``, ``record`` the sample as a cursor
-holds it, ``[stream id, aligned size, *location]`` (ints; made once, when the sample is buffered)."""
+"""One buffered sample: ``(aligned size, stream id, sample dict, record)``, ``record`` the sample as
+a cursor holds it, ``[stream id, aligned size, *location]`` (ints; made once, when the sample is
+buffered)."""
 
 
 def entry(size: int, sid: int, sample: dict, loc) -> Entry:
@@ -154,9 +158,10 @@ def entry(size: int, sid: int, sample: dict, loc) -> Entry:
 class _Reader(IterableDataset):
     """One epoch of one DP rank's stream, packed; in DataLoader workers, worker ``w`` is reader
     ``dp_rank * W + (w + rotate) % W`` (its *role*). Yields ``(batch, events, mark)``: the collated
-    micro-batch, the bad-data events (``[reason, where, frozen error]``) met since the previous one, and
-    ``(role, cursor or None)``: the reader's cursor (:meth:`_Packer.cursor`) with the first micro-batch of
-    each packing round, from which the reader goes on without re-reading what came before."""
+    micro-batch, the bad-data events (``[reason, where, frozen error]``) met since the previous one,
+    and ``(role, cursor or None)``: the reader's cursor (:meth:`_Packer.cursor`) with the first
+    micro-batch of each packing round, from which the reader goes on without re-reading what came
+    before."""
 
     source: Source
     schema: BatchSchema
@@ -179,16 +184,18 @@ class _Reader(IterableDataset):
     ids_only: bool = False
     """Yield each micro-batch's stream ids instead of collating it (a replay)."""
     cursors: tuple | None = dataclasses.field(default=None, compare=False)
-    """Per role, the cursor to go on from (``None``: from the start of the epoch); ``None``: all from the start."""
+    """Per role, the cursor to go on from (``None``: from the start of the epoch); ``None``: all
+    from the start."""
     rotate: int = 0
-    """Worker ``w`` plays role ``(w + rotate) % W``: the DataLoader asks worker 0 first, the saved run's
-    next reader was role ``rotate``."""
+    """Worker ``w`` plays role ``(w + rotate) % W``: the DataLoader asks worker 0 first, the saved
+    run's next reader was role ``rotate``."""
 
     def _mine(self, at: list, units: list | None = None):
-        """``(role, records)``: this reader's role and its ``(shard, ordinal, location, raw)`` in stream order;
-        bad records as ``(shard, ordinal, location, exception or Skip)``. ``at`` is kept at the last record's
-        ``[shard position, ordinal, location, k]``; ``units``: ``[tokens]`` of the last sample, set by the
-        caller once transformed (a :class:`Mixture` interleaves its components by them)."""
+        """``(role, records)``: this reader's role and its ``(shard, ordinal, location, raw)`` in
+        stream order; bad records as ``(shard, ordinal, location, exception or Skip)``. ``at`` is
+        kept at the last record's ``[shard position, ordinal, location, k]``; ``units``:
+        ``[tokens]`` of the last sample, set by the caller once transformed (a :class:`Mixture`
+        interleaves its components by them)."""
         info = get_worker_info()
         workers, w = self.worker or ((1, 0) if info is None else (info.num_workers, info.id))
         role = (w + self.rotate) % workers
@@ -196,24 +203,30 @@ class _Reader(IterableDataset):
         n = self.source.num_shards
         order = np.random.default_rng([self.seed, self.epoch]).permutation(n).tolist()
         if isinstance(self.source, Mixture):  # each component's stream its own, interleaved by weight
-            return role, self.source.stream_interleave([self._scanned(part, g, readers, []) for part in
-                                                        self.source.shards_by_component(order)], units or [1])
+            parts = self.source.shards_by_component(order)
+            streams = [self._scanned(part, g, readers, []) for part in parts]
+            return role, self.source.stream_interleave(streams, units or [1])
         cursor = self.cursors[role] if self.cursors is not None else None
         return role, self._scanned(order, g, readers, at, cursor)
 
-    def _scanned(self, order: list[int], g: int, readers: int, at: list, cursor: dict | None = None):
-        """Reader ``g`` of ``readers``'s samples of the shards ``order`` (see :meth:`_mine`), from ``cursor``'s
-        record on (the records up to it are not decoded again: :meth:`Source.scan_after`)."""
+    def _scanned(self, order: list[int], g: int, readers: int, at: list,
+                 cursor: dict | None = None):
+        """Reader ``g`` of ``readers``'s samples of the shards ``order`` (see :meth:`_mine`), from
+        ``cursor``'s record on (the records up to it are not decoded again:
+        :meth:`Source.scan_after`)."""
         split_shards = len(order) >= readers
         shards = order[g::readers] if split_shards else order
-        first, last, last_loc, k = (0, -1, None, 0) if cursor is None else (*cursor["at"], cursor["k"])
+        first, last, last_loc, k = (0, -1, None, 0) if cursor is None else (
+            *cursor["at"], cursor["k"])
         if cursor is not None and cursor["done"]:
             return
         for pos in range(first, len(shards)):
             shard = shards[pos]
             left_out = served_in(self.served, shard)
-            records = (enumerate(self.source.scan_after(shard, last, tuple(last_loc)), last + 1)
-                       if pos == first and last_loc is not None else enumerate(self.source.scan(shard)))
+            if pos == first and last_loc is not None:
+                records = enumerate(self.source.scan_after(shard, last, tuple(last_loc)), last + 1)
+            else:
+                records = enumerate(self.source.scan(shard))
             for ordinal, (loc, item) in records:
                 if ordinal < left_out.size and left_out[ordinal]:
                     continue
@@ -264,7 +277,8 @@ class _Reader(IterableDataset):
             if units is not None:  # a mixture's interleave by tokens
                 units[0] = len(sample.get("input_ids", ()))
             packer.pending.append((stream_id(shard, ordinal), where, sample, loc))
-            if len(packer.pending) >= _CHUNK or len(packer.buffer) + len(packer.pending) >= self.buffer_size:
+            waiting = len(packer.buffer) + len(packer.pending)
+            if len(packer.pending) >= _CHUNK or waiting >= self.buffer_size:
                 packer.validate()
             if len(packer.buffer) >= self.buffer_size:
                 yield from rounds(final=False)
@@ -272,13 +286,15 @@ class _Reader(IterableDataset):
         while packer.buffer:
             yield from rounds(final=True)
         if packer.events:  # bad data after the last micro-batch: an empty hand-over carries it
-            yield None, list(packer.events), (role, packer.cursor(at, [], True) if seekable else None)
+            last = packer.cursor(at, [], True) if seekable else None
+            yield None, list(packer.events), (role, last)
 
 
 class _Packer:
-    """One reader's packing state (was a closure): the bad-data gate, the rule that fixes named dims, the
-    samples waiting to be validated, the bounded buffer, the bad-data events not handed over yet.
-    :meth:`cursor` writes it down with the stream position; :meth:`restore` reads it back."""
+    """One reader's packing state (was a closure): the bad-data gate, the rule that fixes named
+    dims, the samples waiting to be validated, the bounded buffer, the bad-data events not handed
+    over yet. :meth:`cursor` writes it down with the stream position; :meth:`restore` reads it
+    back."""
 
     def __init__(self, reader: _Reader):
         self.reader = reader
@@ -286,19 +302,21 @@ class _Packer:
         self.events: list = []
         self.buffer: list[Entry] = []
         self.pending: list[tuple[int, str, dict, tuple]] = []  # (id, where, sample, location)
-        self.rule = FixedDims(reader.schema)  # (the index's rule: the first sample with a named dim fixes it)
+        self.rule = FixedDims(reader.schema)  # (the index's: the first sample with a dim fixes it)
         self.mkeys = media_keys(reader.schema)
 
     def bad(self, reason: str, where: str, err: Exception) -> None:
         self.gate.bad(reason, where, err)  # raises under RAISE / past max_consecutive
-        self.events.append([reason, where, error_record(err) if isinstance(err, Exception) else err])
+        record = error_record(err) if isinstance(err, Exception) else err
+        self.events.append([reason, where, record])
 
     def validate(self) -> None:
         r = self.reader
-        for (sid, where, sample, loc), res in zip(self.pending, validated([p[2] for p in self.pending], r.schema)):
+        results = validated([p[2] for p in self.pending], r.schema)
+        for (sid, where, sample, loc), res in zip(self.pending, results):
             if isinstance(res, SampleError):
-                self.bad("bad_sample", where, BadSampleError(sample=where, field=res.field, expected=res.expected,
-                                                             actual=res.actual))
+                self.bad("bad_sample", where, BadSampleError(
+                    sample=where, field=res.field, expected=res.expected, actual=res.actual))
                 continue
             n, dims = res
             refuse = self.rule.admit(dims, where)
@@ -308,8 +326,8 @@ class _Packer:
                 continue
             if n > r.cap:
                 if r.oversize is Oversize.ERROR:
-                    raise OversizeSampleError(sample=where, field="input_ids", expected=f"<= {r.cap} tokens",
-                                              actual=f"{n} tokens")
+                    raise OversizeSampleError(sample=where, field="input_ids",
+                                              expected=f"<= {r.cap} tokens", actual=f"{n} tokens")
                 if r.oversize is Oversize.SKIP or (self.mkeys and has_media(sample, self.mkeys)):
                     reason = "oversize_skipped" if r.oversize is Oversize.SKIP else "oversize_media"
                     self.events.append([reason, where, None])
@@ -320,8 +338,9 @@ class _Packer:
         self.pending.clear()
 
     def emit(self, final: bool) -> list[list[Entry]]:
-        """The next micro-batches' samples, best-fit decreasing over the buffer: all of them when ``final``,
-        else the fuller half (the rest may still grow); what they take leaves the buffer."""
+        """The next micro-batches' samples, best-fit decreasing over the buffer: all of them when
+        ``final``, else the fuller half (the rest may still grow); what they take leaves the
+        buffer."""
         buffer = self.buffer
         sizes = np.array([b[0] for b in buffer], dtype=np.int64)
         bins = best_fit_decreasing(sizes, self.reader.cap, self.reader.layout.max_seqs)
@@ -345,19 +364,21 @@ class _Packer:
         return (pack_batch(batch) if r.pack else batch), ev
 
     def cursor(self, at: list, bins: list[list[Entry]], done: bool) -> dict:
-        """JSON-friendly: where the stream goes on (``at``: ``[shard position, ordinal, location]`` of the last
-        record read, ``k`` the records counted for a split by sample, ``done`` at its end), the gate's count of
-        bad samples in a row, the fixed dims, the buffer and the micro-batches of this round (``bins``) as
-        ``[id, aligned size, *location]`` (re-read at a resume: at most ``buffer_size`` samples)."""
+        """JSON-friendly: where the stream goes on (``at``: ``[shard position, ordinal, location]``
+        of the last record read, ``k`` the records counted for a split by sample, ``done`` at its
+        end), the gate's count of bad samples in a row, the fixed dims, the buffer and the
+        micro-batches of this round (``bins``) as ``[id, aligned size, *location]`` (re-read at a
+        resume: at most ``buffer_size`` samples)."""
         pos, ordinal, loc, k = at
         rule = self.rule
-        return {"at": [pos, ordinal, None if loc is None else [int(x) for x in loc]], "k": k, "done": done,
+        where = None if loc is None else [int(x) for x in loc]
+        return {"at": [pos, ordinal, where], "k": k, "done": done,
                 "gate": self.gate.consecutive, "rule": [rule.fixed, rule.fixed_by, rule.fields],
                 "buffer": [e[3] for e in self.buffer], "bins": [[e[3] for e in b] for b in bins]}
 
     def restore(self, cursor: dict) -> list[list[Entry]]:
-        """Set the state ``cursor`` wrote down (its samples read back by location); returns the round's
-        micro-batches not served yet."""
+        """Set the state ``cursor`` wrote down (its samples read back by location); returns the
+        round's micro-batches not served yet."""
         self.gate.consecutive = int(cursor["gate"])
         fixed, fixed_by, fields = cursor["rule"]
         self.rule.fixed, self.rule.fixed_by = dict(fixed), dict(fixed_by)
@@ -369,24 +390,26 @@ class _Packer:
         return [[next(rest) for _ in b] for b in cursor["bins"]]
 
     def _read_back(self, records: list[list]) -> list[Entry]:
-        """The buffered samples ``[id, aligned size, *location]`` read, transformed and cut as when they were
-        buffered (validated in one call); another size is a :class:`ResumeError` (the data changed since the
-        state was saved)."""
+        """The buffered samples ``[id, aligned size, *location]`` read, transformed and cut as when
+        they were buffered (validated in one call); another size is a :class:`ResumeError` (the data
+        changed since the state was saved)."""
         r, samples = self.reader, []
         for sid, _, *loc in records:
             try:
                 samples.append(r.source.apply_transform(r.source.read(tuple(loc)), tuple(loc)))
             except SampleError as exc:
-                raise ResumeError(f"loader state: cursor sample {r.source.where(tuple(loc))} (id {sid}) is bad data "
-                                  f"now ({exc}); the data changed since the state was saved") from exc
+                raise ResumeError(f"loader state: cursor sample {r.source.where(tuple(loc))} (id "
+                                  f"{sid}) is bad data now ({exc}); the data changed since the "
+                                  f"state was saved") from exc
         out = []
         for (sid, size, *loc), sample, res in zip(records, samples, validated(samples, r.schema)):
             n = res[0] if not isinstance(res, SampleError) else None
             if n is not None and n > r.cap:
                 sample, n = truncate_sample(sample, r.schema, r.cap), r.cap
             if n is None or r.layout.aligned_length(n) != size:
-                raise ResumeError(f"loader state: cursor sample {r.source.where(tuple(loc))} (id {sid}): expected "
-                                  f"{size} aligned tokens, read {res!r}; the data changed since the state was saved")
+                raise ResumeError(f"loader state: cursor sample {r.source.where(tuple(loc))} (id "
+                                  f"{sid}): expected {size} aligned tokens, read {res!r}; the data "
+                                  f"changed since the state was saved")
             out.append(entry(size, sid, sample, loc))
         return out
 
@@ -519,9 +542,11 @@ class StreamingPackedLoader(LoaderCore):
         return _Reader(self.source, self.schema, self.collator, self.layout, self._capacity, self.buffer_size,
                        self.oversize, self.bad_data, dp_rank, dp_size, self.seed, epoch, served=served, **kwargs)
 
-    def _reader(self, epoch: int, served: torch.Tensor | None = None, track: "_Track | None" = None):
+    def _reader(self, epoch: int, served: torch.Tensor | None = None,
+                track: "_Track | None" = None):
         seek = {} if track is None else {"cursors": tuple(track.saved()), "rotate": track.next}
-        reader = self._reader_of(epoch, self.dp_rank, self.dp_size, served, pack=self.num_workers > 0, **seek)
+        reader = self._reader_of(epoch, self.dp_rank, self.dp_size, served,
+                                 pack=self.num_workers > 0, **seek)
         return self._data_loader(reader, persistent=False, batch_size=None)
 
     def _served_before(self, epoch: int) -> torch.Tensor | None:
@@ -541,7 +566,8 @@ class StreamingPackedLoader(LoaderCore):
             for rank in range(seg.dp_size):
                 readers = [self._reader_of(epoch, rank, seg.dp_size, served, worker=(workers, w), ids_only=True)._packed()
                            for w in range(workers)]
-                first = round_robin([(ids for ids, _, _ in r if ids is not None) for r in readers], seg.position)
+                streams = [(ids for ids, _, _ in r if ids is not None) for r in readers]
+                first = round_robin(streams, seg.position)
                 longest = max(longest, len(first))
                 parts.append(np.fromiter((i for ids in first for i in ids), np.int64))
             if longest < seg.position:
@@ -568,8 +594,8 @@ class StreamingPackedLoader(LoaderCore):
                                   f"{seg.num_workers} readers; expected at most the {count} samples of the stream")
 
     def _take(self, it):
-        """The next real micro-batch of this rank's stream, or None at its end (bad-data events counted, the
-        readers' cursors tracked)."""
+        """The next real micro-batch of this rank's stream, or None at its end (bad-data events
+        counted, the readers' cursors tracked)."""
         for batch, events, (role, cursor) in it:
             self._count_skipped([(reason, where, rec["message"] if isinstance(rec, dict) and "message" in rec
                                   else str(error_from_record(rec)) if isinstance(rec, dict) else reason)
@@ -582,11 +608,13 @@ class StreamingPackedLoader(LoaderCore):
     def _batches(self, token: object):
         self.prepare()
         epoch, start = self._epoch, self._position
-        track = self._track if start and self._track is not None and self._track.at == (epoch, start) else None
-        self._track = _Track.fresh(epoch, max(self.num_workers, 1)) if track is None else track.copy()
+        track = self._track if start and self._track and self._track.at == (epoch, start) else None
+        workers = max(self.num_workers, 1)
+        self._track = _Track.fresh(epoch, workers) if track is None else track.copy()
         it = self._served(self._reader(epoch, self._served_before(epoch), track), token)
-        exhausted, skipped = False, start if track is not None else 0  # with cursors: the readers go on there
-        for _ in range(start - skipped):  # resume without cursors: re-read and re-pack the stream up to there
+        exhausted = False
+        skipped = start if track is not None else 0  # with cursors: the readers go on there
+        for _ in range(start - skipped):  # without: re-read and re-pack the stream up to there
             if self._take(it) is None:
                 exhausted = True
                 break
@@ -620,21 +648,22 @@ class StreamingPackedLoader(LoaderCore):
         return {**super()._config(), "num_workers": self.num_workers}
 
     def state_dict(self, cursors: bool = False) -> dict:
-        """The state (:meth:`LoaderCore.state_dict`: the same on every rank); ``cursors=True`` adds this rank's
-        reader cursors (version 4, :mod:`prealign.loaders.state`): where each of its readers goes on and the
-        samples its buffer holds (at most ``buffer_size`` a reader), so that this rank resumes by seeking instead
-        of replaying its stream. Such a state is this rank's: load each rank's own (another rank, or another
-        ``dp_size`` / ``num_workers``, replays). A :class:`Mixture` stream has no cursors (it replays)."""
+        """The state (:meth:`LoaderCore.state_dict`: the same on every rank); ``cursors=True`` adds
+        this rank's reader cursors (version 4, :mod:`prealign.loaders.state`): where each of its
+        readers goes on and the samples its buffer holds (at most ``buffer_size`` a reader), so that
+        this rank resumes by seeking instead of replaying its stream. Such a state is this rank's:
+        load each rank's own (another rank, or another ``dp_size`` / ``num_workers``, replays). A
+        :class:`Mixture` stream has no cursors (it replays)."""
         out = super().state_dict()
         epoch, position = self._normalised()
         track = self._track
-        if not cursors or not position or track is None or track.at != (epoch, position) or isinstance(
-                self.source, Mixture):
+        current = track is not None and track.at == (epoch, position)
+        if not (cursors and position and current) or isinstance(self.source, Mixture):
             return out
         state = LoaderState.from_dict(out, kind=self.state_kind)
         return dataclasses.replace(state, cursors={
-            "dp_rank": self.dp_rank, "dp_size": self.dp_size, "num_workers": self.num_workers, "next": track.next,
-            "readers": track.saved()}).to_dict()
+            "dp_rank": self.dp_rank, "dp_size": self.dp_size, "num_workers": self.num_workers,
+            "next": track.next, "readers": track.saved()}).to_dict()
 
     def load_state_dict(self, state) -> None:
         super().load_state_dict(state)
@@ -644,19 +673,22 @@ class StreamingPackedLoader(LoaderCore):
             return
         here = {"dp_rank": self.dp_rank, "dp_size": self.dp_size, "num_workers": self.num_workers}
         if any(cursors.get(k) != v for k, v in here.items()):
-            warnings.warn(f"StreamingPackedLoader.load_state_dict: the state's reader cursors are those of "
-                          f"{ {k: cursors.get(k) for k in here} }, this is {here}: this rank replays its stream up "
-                          f"to micro-batch {self._position} (load each rank's own state_dict(cursors=True) "
+            saved = {k: cursors.get(k) for k in here}
+            warnings.warn(f"StreamingPackedLoader.load_state_dict: the state's reader cursors are "
+                          f"those of {saved}, this is {here}: this rank replays its stream up "
+                          f"to micro-batch {self._position} (load each rank's own "
+                          f"state_dict(cursors=True) "
                           f"to seek)", stacklevel=2)
             return
-        self._track = _Track.loaded(cursors, (self._epoch, self._position), max(self.num_workers, 1))
+        at, workers = (self._epoch, self._position), max(self.num_workers, 1)
+        self._track = _Track.loaded(cursors, at, workers)
 
 
 @dataclass
 class _Track:
-    """This rank's readers as its DataLoader served them: per role, the last cursor it sent and how many of that
-    round's micro-batches were served since; the role the DataLoader asks next; the ``(epoch, position)`` it
-    describes."""
+    """This rank's readers as its DataLoader served them: per role, the last cursor it sent and how
+    many of that round's micro-batches were served since; the role the DataLoader asks next; the
+    ``(epoch, position)`` it describes."""
 
     at: tuple[int, int]
     cursors: list
@@ -674,15 +706,16 @@ class _Track:
         if not isinstance(readers, list) or len(readers) != workers or not all(
                 r is None or isinstance(r, dict) for r in readers) or not (
                 isinstance(nxt, int) and 0 <= nxt < workers):
-            raise ResumeError(f"loader state: key 'cursors': expected {workers} reader cursors and a next reader in "
-                              f"[0, {workers}), got {str(saved)[:200]}")
+            raise ResumeError(f"loader state: key 'cursors': expected {workers} reader cursors and "
+                              f"a next reader in [0, {workers}), got {str(saved)[:200]}")
         return cls(at, list(readers), [0] * workers, nxt)
 
     def copy(self) -> "_Track":
         return dataclasses.replace(self, cursors=list(self.cursors), served=list(self.served))
 
     def took(self, role: int, cursor: dict | None, batch: bool) -> None:
-        """The DataLoader served an item of reader ``role`` (a micro-batch when ``batch``) carrying ``cursor``."""
+        """The DataLoader served an item of reader ``role`` (a micro-batch when ``batch``) carrying
+        ``cursor``."""
         if cursor is not None:
             self.cursors[role], self.served[role] = cursor, 0
         self.served[role] += int(batch)
@@ -690,4 +723,5 @@ class _Track:
 
     def saved(self) -> list:
         """Per role, its cursor without the micro-batches of its round already served."""
-        return [None if c is None else {**c, "bins": c["bins"][n:]} for c, n in zip(self.cursors, self.served)]
+        return [None if c is None else {**c, "bins": c["bins"][n:]}
+                for c, n in zip(self.cursors, self.served)]

@@ -1,6 +1,6 @@
-"""Streaming resume by cursors (issue #28, item 4): ``state_dict(cursors=True)`` writes where each reader of this
-rank goes on, so a resume seeks instead of replaying the stream: the batches after it are the uninterrupted
-run's, and the work it does does not grow with the position it resumes at."""
+"""Streaming resume by cursors (issue #28, item 4): ``state_dict(cursors=True)`` writes where each
+reader of this rank goes on, so a resume seeks instead of replaying the stream: the batches after it
+are the uninterrupted run's, and the work it does does not grow with the position it resumes at."""
 from __future__ import annotations
 
 import http.server
@@ -31,7 +31,8 @@ BUDGET = 256
 
 
 class CountingSource(WebDatasetSource):
-    """Counts the samples it decodes (in the stream and read back by location); its scan is the parent's."""
+    """Counts the samples it decodes (in the stream and read back by location); its scan is the
+    parent's."""
 
     decoded = 0
 
@@ -62,7 +63,8 @@ def _same(a: list[dict], b: list[dict]) -> None:
 
 
 def _resumed(paths, stop: int, *, cursors: bool = True, **kw) -> tuple[dict, list[dict]]:
-    """(the state after ``stop`` micro-batches, JSON round-tripped; the rest of the epoch after loading it)."""
+    """(the state after ``stop`` micro-batches, JSON round-tripped; the rest of the epoch after
+    loading it)."""
     a = _make(paths, **kw)
     it = iter(a)
     list(islice(it, stop))
@@ -74,7 +76,8 @@ def _resumed(paths, stop: int, *, cursors: bool = True, **kw) -> tuple[dict, lis
 
 
 def _with_bad_data(i: int, tf) -> bool:
-    """Every 13th sample's ids are not an array (bad data, counted), every 29th has a member without extension."""
+    """Every 13th sample's ids are not an array (bad data, counted), every 29th has a member without
+    extension."""
     if i % 29 == 0:
         add_member(tf, f"README{i}", b"x")
     if i % 13 == 5:
@@ -85,14 +88,17 @@ def _with_bad_data(i: int, tf) -> bool:
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_cursor_resume_is_the_uninterrupted_run(tmp_path, workers):
-    """Golden: 300 samples with bad data in 5 shards; resumed at the start, mid-epoch (twice in a row), near the
-    end and past this rank's data: the batches are the uninterrupted run's, and so is the next epoch."""
-    paths = write_shards(str(tmp_path), sample_lengths(300, seed=4), num_shards=5, extra=_with_bad_data)
+    """Golden: 300 samples with bad data in 5 shards; resumed at the start, mid-epoch (twice in a
+    row), near the end and past this rank's data: the batches are the uninterrupted run's, and so is
+    the next epoch."""
+    paths = write_shards(str(tmp_path), sample_lengths(300, seed=4), num_shards=5,
+                         extra=_with_bad_data)
     full = list(_make(paths, num_workers=workers))
     assert len(full) > 30
     for stop in (1, 7, 17, len(full) - 1):
         state, rest = _resumed(paths, stop, num_workers=workers)
-        assert state["version"] == CURSOR_VERSION and len(state["cursors"]["readers"]) == max(workers, 1)
+        assert state["version"] == CURSOR_VERSION
+        assert len(state["cursors"]["readers"]) == max(workers, 1)
         _same(rest, full[stop:])
     a = _make(paths, num_workers=workers)  # a resume of a resume
     b = _make(paths, num_workers=workers)
@@ -113,9 +119,9 @@ def _epoch1(paths, workers):
 
 
 def test_resume_work_does_not_grow_with_the_position(tmp_path):
-    """Counts the samples decoded from ``load_state_dict`` to the first batch: with cursors at ~1k and at
-    ~10k samples served, at most two buffers' worth either way; without them (the replay) the count grows with
-    the position (which is what this test would catch)."""
+    """Counts the samples decoded from ``load_state_dict`` to the first batch: with cursors at ~1k
+    and at ~10k samples served, at most two buffers' worth either way; without them (the replay) the
+    count grows with the position (which is what this test would catch)."""
     paths = write_shards(str(tmp_path), sample_lengths(12_000, seed=1), num_shards=12)
     a = _make(paths, source=CountingSource, buffer_size=64)
     it = iter(a)
@@ -138,12 +144,13 @@ def test_resume_work_does_not_grow_with_the_position(tmp_path):
             counts[name, kind] = CountingSource.decoded
     assert counts["10k", "seek"] <= 2 * 64 + 32 and counts["1k", "seek"] <= 2 * 64 + 32, counts
     assert counts["10k", "seek"] <= counts["1k", "seek"] + 64, counts
-    assert counts["10k", "replay"] >= 10_000 and counts["10k", "replay"] > 5 * counts["1k", "replay"], counts
+    assert counts["10k", "replay"] >= 10_000, counts
+    assert counts["10k", "replay"] > 5 * counts["1k", "replay"], counts
 
 
 def test_state_versions(tmp_path):
-    """Version 4 only with cursors; an older (version 2) state replays; cursors of another rank or worker
-    count replay with a warning; malformed cursors and changed data are a ResumeError."""
+    """Version 4 only with cursors; an older (version 2) state replays; cursors of another rank or
+    worker count replay with a warning; malformed cursors and changed data are a ResumeError."""
     paths = write_shards(str(tmp_path), sample_lengths(120, seed=2), num_shards=3)
     full = list(_make(paths))
     state, rest = _resumed(paths, 4, cursors=False)
@@ -164,7 +171,7 @@ def test_state_versions(tmp_path):
     with pytest.raises(ResumeError, match="key 'cursors'"):
         _make(paths).load_state_dict({**state, "version": 2})
     edited = json.loads(json.dumps(state))
-    edited["cursors"]["readers"][0]["buffer"][0][1] += 8  # a buffered sample's size that the data does not have
+    edited["cursors"]["readers"][0]["buffer"][0][1] += 8  # a size the data does not have
     c = _make(paths)
     c.load_state_dict(edited)
     with pytest.raises(ResumeError, match="the data changed since the state was saved"):
@@ -183,12 +190,14 @@ def test_skip_reads_members_without_decoding(tmp_path):
     records = list(src.scan(0))
     CountingSource.decoded = 0
     after = list(src.scan_after(0, 9, records[9][0]))
-    assert CountingSource.decoded == 20 and [loc for loc, _ in after] == [loc for loc, _ in records[10:]]
+    assert CountingSource.decoded == 20
+    assert [loc for loc, _ in after] == [loc for loc, _ in records[10:]]
     assert [s["__key__"] for _, s in after] == [s["__key__"] for _, s in records[10:]]
 
 
 class _RangeHandler(http.server.BaseHTTPRequestHandler):
-    """Serves ``server.root`` with ``Range`` support (a buffered sample is read back by a range read)."""
+    """Serves ``server.root`` with ``Range`` support (a buffered sample is read back by a range
+    read)."""
 
     def log_message(self, *args):
         pass
@@ -202,7 +211,9 @@ class _RangeHandler(http.server.BaseHTTPRequestHandler):
             return
         size = os.path.getsize(path)
         m = re.match(r"bytes=(\d+)-(\d*)", self.headers.get("Range", ""))
-        lo, hi = (int(m.group(1)), min(int(m.group(2)) + 1 if m.group(2) else size, size)) if m else (0, size)
+        lo, hi = 0, size
+        if m:
+            lo, hi = int(m.group(1)), min(int(m.group(2)) + 1 if m.group(2) else size, size)
         self.send_response(206 if m else 200)
         if m:
             self.send_header("Content-Range", f"bytes {lo}-{hi - 1}/{size}")
@@ -215,15 +226,16 @@ class _RangeHandler(http.server.BaseHTTPRequestHandler):
     def do_HEAD(self):
         path = os.path.join(self.server.root, self.path.lstrip("/").split("?")[0])
         self.send_response(200 if os.path.isfile(path) else 404)
-        self.send_header("Content-Length", str(os.path.getsize(path)) if os.path.isfile(path) else "0")
+        size = os.path.getsize(path) if os.path.isfile(path) else 0
+        self.send_header("Content-Length", str(size))
         self.send_header("Accept-Ranges", "bytes")
         self.end_headers()
 
 
 def test_cursor_resume_over_http(tmp_path):
-    """Shards on an HTTP server (127.0.0.1): the stream goes on by reading the current shard's members before
-    the cursor without decoding them; the buffered samples come back by range reads; the batches are the
-    uninterrupted run's."""
+    """Shards on an HTTP server (127.0.0.1): the stream goes on by reading the current shard's
+    members before the cursor without decoding them; the buffered samples come back by range reads;
+    the batches are the uninterrupted run's."""
     paths = write_shards(str(tmp_path / "www"), sample_lengths(160, seed=7), num_shards=4)
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _RangeHandler)
     server.root, server.daemon_threads = str(tmp_path / "www"), True
@@ -245,11 +257,14 @@ def test_cursor_resume_over_http(tmp_path):
                                                                HealthCheck.function_scoped_fixture])
 @given(num_shards=st.integers(1, 5), workers=st.sampled_from([0, 2]), stop=st.floats(0.0, 1.0),
        data_seed=st.integers(0, 2**32 - 1), buffer=st.sampled_from([8, 16, 40]))
-def test_cursor_resume_exact_at_any_stop(tmp_path_factory, num_shards, workers, stop, data_seed, buffer):
-    """Lognormal lengths, 1..5 shards (fewer shards than readers included), bad data, any stop point: the
-    batches after a cursor resume are the uninterrupted run's."""
-    lengths = np.clip(np.random.default_rng(data_seed).lognormal(3.0, 0.9, 150), 1, 250).astype(int).tolist()
-    paths = write_shards(str(tmp_path_factory.mktemp("cur")), lengths, num_shards=num_shards, extra=_with_bad_data)
+def test_cursor_resume_exact_at_any_stop(tmp_path_factory, num_shards, workers, stop, data_seed,
+                                         buffer):
+    """Lognormal lengths, 1..5 shards (fewer shards than readers included), bad data, any stop
+    point: the batches after a cursor resume are the uninterrupted run's."""
+    drawn = np.random.default_rng(data_seed).lognormal(3.0, 0.9, 150)
+    lengths = np.clip(drawn, 1, 250).astype(int).tolist()
+    paths = write_shards(str(tmp_path_factory.mktemp("cur")), lengths, num_shards=num_shards,
+                         extra=_with_bad_data)
     kw = {"num_workers": workers, "buffer_size": buffer}
     full = list(_make(paths, **kw))
     at = int(stop * len(full))
@@ -259,8 +274,8 @@ def test_cursor_resume_exact_at_any_stop(tmp_path_factory, num_shards, workers, 
 
 
 def test_cursor_state_under_other_workers_takes_the_elastic_path(tmp_path):
-    """A cursor state loaded under another worker count: the rest of the epoch re-split (the cursors unused),
-    every sample served once."""
+    """A cursor state loaded under another worker count: the rest of the epoch re-split (the cursors
+    unused), every sample served once."""
     paths = write_shards(str(tmp_path), sample_lengths(90, seed=8), num_shards=3)
     a = _make(paths, num_workers=2)
     it = iter(a)
@@ -274,8 +289,8 @@ def test_cursor_state_under_other_workers_takes_the_elastic_path(tmp_path):
 
 
 def test_cursor_state_in_a_resized_epoch(tmp_path):
-    """Cursors taken in the segment after a resize (version 4 with segments): the same rank goes on where the
-    resized run stood, the earlier segment's samples still left out."""
+    """Cursors taken in the segment after a resize (version 4 with segments): the same rank goes on
+    where the resized run stood, the earlier segment's samples still left out."""
     paths = write_shards(str(tmp_path), sample_lengths(90, seed=9), num_shards=3)
     a = _make(paths, num_workers=2)
     it = iter(a)

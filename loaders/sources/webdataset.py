@@ -222,15 +222,17 @@ class WebDatasetSource(Source):
 
     # ---- scanning -------------------------------------------------------------------------------
     def scan_after(self, shard: int, ordinal: int, location):
-        """The records after the sample at ``location`` (``(shard, start, end, ...)``): the members before byte
-        ``end`` are read (their keys recorded for the duplicate-key check) but not decoded. A subclass with its
-        own ``scan`` gets :meth:`Source.scan_after` (its scan again, records dropped)."""
+        """The records after the sample at ``location`` (``(shard, start, end, ...)``): the members
+        before byte ``end`` are read (their keys recorded for the duplicate-key check) but not
+        decoded. A subclass with its own ``scan`` gets :meth:`Source.scan_after` (its scan again,
+        records dropped)."""
         if type(self).scan is not WebDatasetSource.scan:
             return super().scan_after(shard, ordinal, location)
         return self.scan(shard, after=int(location[2]))
 
     def scan(self, shard: int, *, after: int = 0):
-        """:meth:`Source.scan`; ``after``: yield only the records from that byte on (see :meth:`scan_after`)."""
+        """:meth:`Source.scan`; ``after``: yield only the records from that byte on
+        (:meth:`scan_after`)."""
         url = self.urls[shard]
         try:
             f = TimedReader(lambda: _remote.open_stream(url, self.remote, limits=self.limits),
