@@ -669,8 +669,8 @@ class StreamingPackedLoader(LoaderCore):
         super().load_state_dict(state)
         self._track = None
         cursors = LoaderState.from_dict(state, kind=self.state_kind).cursors
-        if cursors is None or not self._position:
-            return
+        if cursors is None or not self._position or isinstance(self.source, Mixture):
+            return  # (a Mixture stream's interleave has no cursor: it replays)
         here = {"dp_rank": self.dp_rank, "dp_size": self.dp_size, "num_workers": self.num_workers}
         if any(cursors.get(k) != v for k, v in here.items()):
             saved = {k: cursors.get(k) for k in here}

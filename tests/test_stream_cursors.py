@@ -310,3 +310,28 @@ def test_cursor_state_in_a_resized_epoch(tmp_path):
     c = _make(paths)
     c.load_state_dict(state)
     _same(list(c), rest[3:])
+
+
+def test_a_mixture_stream_has_no_cursors(tmp_path):
+    """A Mixture's interleave has no cursor: ``state_dict(cursors=True)`` is the plain state
+    (replayed), and cursors edited into it are not used."""
+    from prealign.loaders import Mixture
+
+    shards = {name: write_shards(str(tmp_path / name), sample_lengths(60, seed=s), num_shards=2)
+              for s, name in enumerate(("a", "b"))}
+
+    def make():
+        parts = {name: (WebDatasetSource(p), 0.5) for name, p in shards.items()}
+        return StreamingPackedLoader(Mixture(parts, by="tokens"), schema=SCHEMA,
+                                     layout=ParallelLayout(), token_budget=BUDGET, cp_rank=None,
+                                     seed=3, buffer_size=8)
+
+    full = list(make())
+    a = make()
+    it = iter(a)
+    list(islice(it, 4))
+    state = a.state_dict(cursors=True)
+    assert state["version"] == 2 and "cursors" not in state
+    b = make()
+    b.load_state_dict(state)
+    _same(list(b), full[4:])
