@@ -335,3 +335,44 @@ def test_a_mixture_stream_has_no_cursors(tmp_path):
     b = make()
     b.load_state_dict(state)
     _same(list(b), full[4:])
+
+
+def _cursor_rank(rank: int, world: int, port: int, results, paths: list[str], stop: int) -> None:
+    """One gloo rank: the uninterrupted epoch's ids, then a run stopped ``-stop`` micro-batches
+    before the end whose own cursor state a fresh loader resumes (the resume check and the fillers'
+    agreement live)."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+
+    def ids(batches):
+        return [(b["is_filler"], b["sample_index"].tolist()) for b in batches]
+
+    full = ids(_make(paths, dp_size=world, dp_rank=rank))
+    a = _make(paths, dp_size=world, dp_rank=rank)
+    it = iter(a)
+    list(islice(it, len(full) + stop))
+    state = json.loads(json.dumps(a.state_dict(cursors=True)))
+    it.close()
+    b = _make(paths, dp_size=world, dp_rank=rank)
+    b.load_state_dict(state)
+    results[rank] = {"full": full, "rest": ids(b), "state": state}
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_cursor_resume_on_gloo_ranks(tmp_path):
+    """Two real ranks with unequal streams (one yields fillers at the end): each resumes from its
+    own cursor state, past the point where the shorter rank ran out, to exactly its uninterrupted
+    batches."""
+    from .conftest import spawn_ranks
+
+    lengths = sample_lengths(100, seed=11)
+    paths = write_shards(str(tmp_path), lengths, num_shards=3)  # 3 shards on 2 ranks: unequal
+    got = spawn_ranks(_cursor_rank, 2, paths, -2)
+    for r in range(2):
+        assert got[r]["state"]["cursors"]["dp_rank"] == r
+        assert got[r]["rest"] == got[r]["full"][-2:]
+    assert any(f for f, _ in got[0]["rest"] + got[1]["rest"])  # a rank ran out: it serves fillers
