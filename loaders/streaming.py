@@ -393,10 +393,11 @@ class _Packer:
         """The buffered samples ``[id, aligned size, *location]`` read, transformed and cut as when
         they were buffered (validated in one call); another size is a :class:`ResumeError` (the data
         changed since the state was saved)."""
-        r, samples = self.reader, []
-        for sid, _, *loc in records:
+        r, samples = self.reader, [None] * len(records)
+        for i in sorted(range(len(records)), key=lambda i: records[i][2:]):  # in stream order
+            sid, _, *loc = records[i]
             try:
-                samples.append(r.source.apply_transform(r.source.read(tuple(loc)), tuple(loc)))
+                samples[i] = r.source.apply_transform(r.source.read(tuple(loc)), tuple(loc))
             except SampleError as exc:
                 raise ResumeError(f"loader state: cursor sample {r.source.where(tuple(loc))} (id "
                                   f"{sid}) is bad data now ({exc}); the data changed since the "

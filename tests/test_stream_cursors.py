@@ -376,3 +376,25 @@ def test_cursor_resume_on_gloo_ranks(tmp_path):
         assert got[r]["state"]["cursors"]["dp_rank"] == r
         assert got[r]["rest"] == got[r]["full"][-2:]
     assert any(f for f, _ in got[0]["rest"] + got[1]["rest"])  # a rank ran out: it serves fillers
+
+
+def _ids_tensor(row: dict) -> dict:
+    return {"input_ids": torch.tensor(row["input_ids"])}
+
+
+def test_cursor_resume_of_a_hugging_face_stream():
+    """An ``HFSource`` over a ``datasets.IterableDataset`` (no byte offsets: the default
+    ``scan_after`` reads the shard's rows again and drops those before the cursor; the buffered
+    rows come back by the source's forward read): the batches are the uninterrupted run's."""
+    import datasets
+
+    from prealign.loaders import HFSource
+
+    from .loader_helpers import hf_rows
+
+    ds = datasets.Dataset.from_dict(hf_rows(sample_lengths(160))).to_iterable_dataset(num_shards=4)
+    full = list(_make(ds, source=lambda d: HFSource(d, transform=_ids_tensor)))
+    for stop in (2, len(full) // 2):
+        state, rest = _resumed(ds, stop, source=lambda d: HFSource(d, transform=_ids_tensor))
+        assert "cursors" in state
+        _same(rest, full[stop:])
