@@ -1,6 +1,10 @@
-"""Resume deep into a 1M-sample epoch from sidecars, same and other DP sizes (issue #21).
+"""Resume deep into a 1M-sample epoch from sidecars, same and other DP sizes (issue #21);
+``--stream``: the streaming loader resumed at sample 1M, by its reader cursors and by replaying the
+stream (issue #28).
 
     python benchmarks/bench_resume.py [--size 1000000] [--dir DIR] [--at 0.9] [--json out.json]
+    nice -n 10 python benchmarks/bench_resume.py --stream [--size 1100000] [--stream-at 1000000]
+        [--rounds 3] [--replay-rounds N]
 
 Data: ``--size`` pre-tokenized webdataset samples (int64 ``[8..128]`` tokens, 10k a shard, the writer of
 ``bench_ttfb.py``) with sidecar indexes (``write_sidecars``, written once and kept in ``--dir``). Layout
@@ -16,6 +20,15 @@ the loader built from the sidecars (``prepare``), ``load_state_dict`` and the fi
                micro-batches (one rank, no workers) times the ``p`` a rank skips, side by side
 
 Target: resume (built + loaded + first batch) <= 5 s at 900k of 1M.
+
+``--stream``: ``StreamingPackedLoader`` over the same kind of shards (``--size`` samples, no
+sidecars: nothing is indexed), tp=2 cp=2, budget 8192, one rank, no workers, default buffer (1,024).
+A setup process serves the stream until ``--stream-at`` samples are out and saves the state there
+twice: ``state_dict(cursors=True)`` (``seek``) and ``state_dict()`` (``replay``, the path before
+cursors; still what a state without cursors does). Each round runs both in fresh processes,
+interleaved, and times build + ``load_state_dict`` + first batch; the first batches must be equal.
+Reported: median [min..max] over rounds and the per-round ratio. Target: the seek <= 10 s at sample
+1M.
 """
 from __future__ import annotations
 
@@ -88,6 +101,94 @@ result = {{"per_microbatch_s": (time.perf_counter() - t0) / k}}
 """
 
 
+_STREAM_COMMON = """
+import json, time
+from prealign.loaders import StreamingPackedLoader, WebDatasetSource
+from prealign.schemas import ParallelLayout, causal_lm_schema
+paths = {paths!r}
+def make():
+    return StreamingPackedLoader(WebDatasetSource(paths), schema=causal_lm_schema(),
+                                 layout=ParallelLayout(tp=2, cp=2), token_budget=8192, cp_rank=0)
+"""
+
+_STREAM_SETUP = _STREAM_COMMON + """
+a = make()
+served, t0 = 0, time.perf_counter()
+for batch in a:
+    served += int(batch["sample_index"].numel())
+    if served >= {target}:
+        break
+result = {{"seek": a.state_dict(cursors=True), "replay": a.state_dict(), "served": served,
+          "serve_s": time.perf_counter() - t0}}
+"""
+
+_STREAM_RESUME = _STREAM_COMMON + """
+state = json.loads({state!r})
+t0 = time.perf_counter()
+loader = make()
+loader.load_state_dict(state)
+t1 = time.perf_counter()
+batch = next(iter(loader))
+t2 = time.perf_counter()
+result = {{"load_state_s": t1 - t0, "first_batch_s": t2 - t1, "total_s": t2 - t0,
+          "first_ids": batch["sample_index"].tolist(), "microbatch": batch["microbatch"]}}
+"""
+
+
+def _spread(xs: list[float]) -> str:
+    """``median [min..max]``."""
+    s = sorted(xs)
+    mid = s[len(s) // 2] if len(s) % 2 else (s[len(s) // 2 - 1] + s[len(s) // 2]) / 2
+    return f"{mid:.2f} [{s[0]:.2f}..{s[-1]:.2f}]"
+
+
+def stream_main(args) -> int:
+    """The streaming loader resumed at ``--stream-at`` samples: cursors (seek) vs replay,
+    interleaved rounds."""
+    if args.stream_at >= args.size:
+        raise SystemExit(f"--stream-at {args.stream_at} must be below --size {args.size}")
+    root = os.path.join(args.dir, f"stream-{args.size}")
+    paths = write_text_shards(root, args.size)
+    cached = os.path.join(root, f"states-{args.stream_at}.json")
+    if not os.path.exists(cached):
+        setup = _phase(_STREAM_SETUP.format(paths=paths, target=args.stream_at))
+        with open(cached + ".part", "w") as f:
+            json.dump(setup, f)
+        os.replace(cached + ".part", cached)
+    with open(cached) as f:
+        setup = json.load(f)
+    rounds: dict[str, list[dict]] = {"seek": [], "replay": []}
+    replays = args.rounds if args.replay_rounds is None else args.replay_rounds
+    for i in range(args.rounds):
+        for name in ("seek", "replay")[:2 if i < replays else 1]:
+            code = _STREAM_RESUME.format(paths=paths, state=json.dumps(setup[name]))
+            rounds[name].append(_phase(code))
+        if i < replays and rounds["seek"][-1]["first_ids"] != rounds["replay"][-1]["first_ids"]:
+            raise SystemExit("the seek and the replay resumed at different batches")
+    position = setup["seek"]["position"]
+    print(f"StreamingPackedLoader, {args.size:,} samples in {len(paths)} shards, resumed at "
+          f"micro-batch {position} ({setup['served']:,} samples served; serving them took "
+          f"{setup['serve_s']:.0f} s), {args.rounds} rounds (replay: {replays}), "
+          f"median [min..max]\n")
+    print("| resume | load_state_dict | first batch | total | per served sample |\n"
+          "|---|---|---|---|---|")
+    for name in ("seek", "replay")[:2 if replays else 1]:
+        rs = rounds[name]
+        load = _spread([r["load_state_s"] for r in rs])
+        first = _spread([r["first_batch_s"] for r in rs])
+        total = _spread([r["total_s"] for r in rs])
+        per = _spread([r["total_s"] / setup["served"] * 1e6 for r in rs])
+        print(f"| {name} | {load} s | {first} s | {total} s | {per} µs |")
+    ratios = [r["total_s"] / s["total_s"] for s, r in zip(rounds["seek"], rounds["replay"])]
+    if ratios:
+        print(f"\nreplay / seek per round: {_spread(ratios)}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"served": setup["served"], "position": position, "rounds": rounds,
+                       "ratios": ratios}, f, indent=1)
+    return 0
+
+
 def _phase(code: str) -> dict:
     prog = code + "\nprint('RESULT' + json.dumps(result))"
     out = subprocess.run([sys.executable, "-c", prog], capture_output=True, text=True, check=True).stdout
@@ -101,7 +202,17 @@ def main() -> int:
     ap.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "prealign-bench-resume"))
     ap.add_argument("--workers", type=int, default=2, help="processes writing the sidecars")
     ap.add_argument("--json", help="also write the numbers here")
+    ap.add_argument("--stream", action="store_true",
+                    help="the streaming loader's resume instead (see the docstring)")
+    ap.add_argument("--stream-at", type=int, default=1_000_000,
+                    help="samples served at the streaming state")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="interleaved rounds of the streaming resume")
+    ap.add_argument("--replay-rounds", type=int,
+                    help="of which the replay runs in the first N (default: all)")
     args = ap.parse_args()
+    if args.stream:
+        return stream_main(args)
     paths = write_text_shards(os.path.join(args.dir, f"text-{args.size}"), args.size)
     if not all(os.path.exists(p + ".prealign-index.npz") for p in paths):
         from prealign.loaders import WebDatasetSource

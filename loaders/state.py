@@ -17,6 +17,17 @@ version 3, with the earlier segments of the epoch (``position`` is then within t
 
     {"version": 3, ..., "position": 4, "config": {..., "dp_size": 3, ...},
      "segments": [{"dp_size": 4, "microbatches_per_step": 1, "num_workers": null, "position": 17}]}
+
+A streaming state taken with ``state_dict(cursors=True)`` is version 4 and holds one rank's
+reader cursors, so that this rank seeks instead of replaying its stream (``docs/resume.md``); it
+is that rank's (other ranks replay):
+
+    {"version": 4, "kind": "prealign.StreamingPackedLoader", ..., "position": 917,
+     "cursors": {"dp_rank": 0, "dp_size": 1, "num_workers": 2, "next": 1, "readers": [
+         {"at": [3, 1721, [3, 882176, 883200, 51273]], "k": 0, "done": false, "gate": 0,
+          "rule": [{}, {}, null], "buffer": [[id, aligned size, *location], ...],
+          "bins": [[[id, aligned size, *location], ...], ...]},
+         ...]}}
 """
 from __future__ import annotations
 
@@ -34,6 +45,11 @@ loader's own version 1 format, without ``data``, is refused too.)"""
 ELASTIC_VERSION = 3
 """3: a state with earlier segments of its epoch (a resize); written only then, so that a prealign that
 cannot honour them refuses the state instead of resuming the wrong samples."""
+CURSOR_VERSION = 4
+"""4: a streaming state with one rank's reader ``cursors`` (where each reader goes on: shard,
+record, the samples its buffer holds), written only by ``state_dict(cursors=True)``; it may hold
+``segments`` too. A prealign without cursors refuses it (version 2 and 3 states still load and
+replay)."""
 STATE_KIND = "prealign.PackedLoader"
 STREAM_STATE_KIND = "prealign.StreamingPackedLoader"
 
@@ -91,12 +107,18 @@ class LoaderState:
     kind: str = STATE_KIND
     segments: tuple[Segment, ...] = ()
     """Earlier segments of ``epoch``, served under other configurations (:mod:`prealign.loaders.plan.elastic`)."""
+    cursors: dict | None = None
+    """One rank's reader cursors (a stream's, version 4): checked by the loader that reads them."""
 
     def to_dict(self) -> dict:
-        out = {"version": ELASTIC_VERSION if self.segments else STATE_VERSION, "kind": self.kind, "epoch": self.epoch,
+        version = (CURSOR_VERSION if self.cursors is not None else
+                   ELASTIC_VERSION if self.segments else STATE_VERSION)
+        out = {"version": version, "kind": self.kind, "epoch": self.epoch,
                "position": self.position, "config": self.config, "data": self.data}
         if self.segments:
             out["segments"] = [s.to_dict() for s in self.segments]
+        if self.cursors is not None:
+            out["cursors"] = self.cursors
         return out
 
     @classmethod
@@ -118,9 +140,13 @@ class LoaderState:
         if not isinstance(state, dict) or state.get("kind") != kind:
             raise ResumeError(f"loader state: key 'kind': not a {kind} state: {str(state)[:200]}")
         version = state.get("version")
-        if isinstance(version, bool) or version not in (STATE_VERSION, ELASTIC_VERSION):
+        known = (STATE_VERSION, ELASTIC_VERSION)
+        known += (CURSOR_VERSION,) if kind == STREAM_STATE_KIND else ()
+        if isinstance(version, bool) or version not in known:
             raise ResumeError(f"loader state: key 'version': version {version!r} is not supported (this prealign writes "
-                              f"and reads versions {STATE_VERSION} and {ELASTIC_VERSION})")
+                              f"and reads versions {', '.join(map(str, known))} of a {kind} "
+                              f"state); a state of an older prealign cannot be resumed exactly: "
+                              f"start the epoch afresh (set_epoch)")
         missing = [k for k in ("epoch", "position", "config", "data") if k not in state]
         if missing:
             raise ResumeError(f"loader state: missing key(s) {missing}")
@@ -135,13 +161,23 @@ class LoaderState:
             bad = _non_finite(state[key], key)
             if bad:
                 raise ResumeError(f"loader state: key {bad!r}: a non-finite number")
+        cursors = state.get("cursors")
+        if (version == CURSOR_VERSION) != ("cursors" in state) or (
+                cursors is not None and not isinstance(cursors, dict)):
+            raise ResumeError(f"loader state: key 'cursors': an object in a version "
+                              f"{CURSOR_VERSION} state and only there; got {str(cursors)[:200]} in "
+                              f"version {version}")
         segments = state.get("segments")
-        if (version == ELASTIC_VERSION) != ("segments" in state) or (
+        wants_segments = version == ELASTIC_VERSION or (
+            version == CURSOR_VERSION and "segments" in state)
+        if wants_segments != ("segments" in state) or (
                 segments is not None and not (isinstance(segments, list) and segments)):
             raise ResumeError(f"loader state: key 'segments': a non-empty list in a version {ELASTIC_VERSION} state "
-                              f"and only there; got {str(segments)[:200]} in version {version}")
+                              f"(or {CURSOR_VERSION}) and only there; got {str(segments)[:200]} in "
+                              f"version {version}")
         return cls(epoch=state["epoch"], position=state["position"], config=dict(state["config"]),
                    data=dict(state["data"]), kind=kind,
+                   cursors=None if cursors is None else dict(cursors),
                    segments=tuple(Segment.from_dict(s, f"segments[{i}]") for i, s in enumerate(segments or ())))
 
     def check_compatible(self, config: dict, data: dict, elastic: tuple[str, ...] = ()) -> None:

@@ -23,17 +23,28 @@ seconds (default 300): a peer that stopped iterating is a :class:`~prealign.load
 naming the ranks and the position, not a hang of the process group's own timeout (30 min by default).
 
 Resume: the state is ``(epoch, position)``, the same on every rank, in the format of
-:class:`~prealign.loaders.PackedLoader`'s (:mod:`prealign.loaders.state`; the data fingerprint is a digest
-of the source's description, taken once at :meth:`~StreamingPackedLoader.prepare`). Loading it re-reads this
-rank's stream from the start of the epoch and replays the deterministic packing, skipping the first
-``position`` micro-batches (cost: reading, and in workers collating, that much of the stream again). A
-position past the end of its epoch (every rank's stream ends before it) cannot be known before the stream
-is read: it is a :class:`~prealign.loaders.errors.ResumeError` at the first ``next``, on every rank alike.
-A state of another ``num_workers`` or ``dp_size`` resumes too: at the first ``next`` every reader of the
-saved run (every rank's) is replayed in this process, ids only, and the samples its DataLoader had served
-(round-robin over its workers) are left out of this run's readers, which split the rest of the epoch anew
-(cost: packing every old rank's served part of the stream again, and with fewer shards than old readers
-reading that prefix once per old reader; the served ids are one shared sorted int64 tensor; ``docs/resume.md``).
+:class:`~prealign.loaders.PackedLoader`'s (:mod:`prealign.loaders.state`; the data fingerprint is a
+digest of the source's description, taken once at :meth:`~StreamingPackedLoader.prepare`).
+``state_dict(cursors=True)`` adds this rank's reader *cursors* (version 4): per reader, the last
+record it read (shard position, ordinal, location), its packing state (gate, fixed dims) and the
+samples its buffer holds and the micro-batches of its round not served yet (ids and locations, at
+most ``buffer_size`` samples), and which reader the DataLoader asks next. Loading a rank's own such
+state seeks: each reader reads back its buffered samples by location, goes on in its shard after the
+last record (:meth:`~prealign.loaders.sources.source.Source.scan_after`: a webdataset shard's
+members before it are read, not decoded) and its DataLoader worker ``w`` plays the saved reader
+``(w + next) % W``, so the batches are the uninterrupted run's at a cost that does not grow with the
+position. Without cursors (a state of another rank, of an older prealign, of a :class:`Mixture`
+stream) loading re-reads this rank's stream from the start of the epoch and replays the
+deterministic packing, skipping the first ``position`` micro-batches (cost: reading and collating
+that much of the stream again). A position past the end of its epoch (every rank's stream ends
+before it) cannot be known before the stream is read: it is a
+:class:`~prealign.loaders.errors.ResumeError` at the first ``next``, on every rank alike. A state of
+another ``num_workers`` or ``dp_size`` resumes too: at the first ``next`` every reader of the saved
+run (every rank's) is replayed in this process, ids only, and the samples its DataLoader had served
+(round-robin over its workers) are left out of this run's readers, which split the rest of the epoch
+anew (cost: packing every old rank's served part of the stream again, and with fewer shards than old
+readers reading that prefix once per old reader; the served ids are one shared sorted int64 tensor;
+``docs/resume.md``).
 
 Options, validation, ``set_epoch``, ``from_parallel_state``, the one-live-iterator guard, the state and the
 worker path (a sample's typed error raised as its own type, a dead worker a
@@ -67,7 +78,7 @@ from prealign.loaders.policy import BadDataGate, BadDataPolicy, BadDataReport, B
 from prealign.loaders.serve.workers import hand_over
 from prealign.loaders.shaping import filler_length, filler_sample, truncate_sample
 from prealign.loaders.sources.source import Source
-from prealign.loaders.state import STREAM_STATE_KIND
+from prealign.loaders.state import STREAM_STATE_KIND, LoaderState
 from prealign.schemas.errors import PrealignError, SampleError
 from prealign.schemas.layout import ParallelLayout
 from prealign.schemas.schema import BatchSchema
@@ -132,11 +143,24 @@ def served_in(served: torch.Tensor | None, shard: int) -> np.ndarray:
     return mask
 
 
+Entry = tuple
+"""One buffered sample: ``(aligned size, stream id, sample dict, record)``, ``record`` the sample as
+a cursor holds it, ``[stream id, aligned size, *location]`` (ints; made once, when the sample is
+buffered)."""
+
+
+def entry(size: int, sid: int, sample: dict, loc) -> Entry:
+    return size, sid, sample, [sid, size, *map(int, loc)]
+
+
 @dataclass(frozen=True)
 class _Reader(IterableDataset):
     """One epoch of one DP rank's stream, packed; in DataLoader workers, worker ``w`` is reader
-    ``dp_rank * W + w``. Yields ``(batch, events)``: the collated micro-batch and the bad-data events
-    (``[reason, where, frozen error]``) met since the previous one."""
+    ``dp_rank * W + (w + rotate) % W`` (its *role*). Yields ``(batch, events, mark)``: the collated
+    micro-batch, the bad-data events (``[reason, where, frozen error]``) met since the previous one,
+    and ``(role, cursor or None)``: the reader's cursor (:meth:`_Packer.cursor`) with the first
+    micro-batch of each packing round, from which the reader goes on without re-reading what came
+    before."""
 
     source: Source
     schema: BatchSchema
@@ -158,35 +182,58 @@ class _Reader(IterableDataset):
     """(workers, worker id) of a reader replayed outside a DataLoader; ``None``: the DataLoader's."""
     ids_only: bool = False
     """Yield each micro-batch's stream ids instead of collating it (a replay)."""
+    cursors: tuple | None = dataclasses.field(default=None, compare=False)
+    """Per role, the cursor to go on from (``None``: from the start of the epoch); ``None``: all
+    from the start."""
+    rotate: int = 0
+    """Worker ``w`` plays role ``(w + rotate) % W``: the DataLoader asks worker 0 first, the saved
+    run's next reader was role ``rotate``."""
 
-    def _mine(self, units: list | None = None):
-        """``(shard, ordinal, location, raw)`` of this reader's samples, in stream order; bad records as
-        ``(shard, ordinal, location, exception or Skip)``. ``units``: ``[tokens]`` of the last sample, set by the
-        caller once transformed (a :class:`Mixture` interleaves its components by them)."""
+    def _mine(self, at: list, units: list | None = None):
+        """``(role, records)``: this reader's role and its ``(shard, ordinal, location, raw)`` in
+        stream order; bad records as ``(shard, ordinal, location, exception or BadRecord)``. ``at`` is
+        kept at the last record's ``[shard position, ordinal, location, k]``; ``units``:
+        ``[tokens]`` of the last sample, set by the caller once transformed (a :class:`Mixture`
+        interleaves its components by them)."""
         info = get_worker_info()
         workers, w = self.worker or ((1, 0) if info is None else (info.num_workers, info.id))
-        g, readers = self.dp_rank * workers + w, self.dp_size * workers
+        role = (w + self.rotate) % workers
+        g, readers = self.dp_rank * workers + role, self.dp_size * workers
         n = self.source.num_shards
         order = np.random.default_rng([self.seed, self.epoch]).permutation(n).tolist()
         if isinstance(self.source, Mixture):  # each component's stream its own, interleaved by weight
-            return self.source.stream_interleave([self._scanned(part, g, readers) for part in
-                                                  self.source.shards_by_component(order)], units or [1])
-        return self._scanned(order, g, readers)
+            parts = self.source.shards_by_component(order)
+            streams = [self._scanned(part, g, readers, []) for part in parts]
+            return role, self.source.stream_interleave(streams, units or [1])
+        cursor = self.cursors[role] if self.cursors is not None else None
+        return role, self._scanned(order, g, readers, at, cursor)
 
-    def _scanned(self, order: list[int], g: int, readers: int):
-        """Reader ``g`` of ``readers``'s samples of the shards ``order`` (see :meth:`_mine`)."""
+    def _scanned(self, order: list[int], g: int, readers: int, at: list,
+                 cursor: dict | None = None):
+        """Reader ``g`` of ``readers``'s samples of the shards ``order`` (see :meth:`_mine`), from
+        ``cursor``'s record on (the records up to it are not decoded again:
+        :meth:`Source.scan_after`)."""
         split_shards = len(order) >= readers
         shards = order[g::readers] if split_shards else order
-        k = 0
-        for shard in shards:
+        first, last, last_loc, k = (0, -1, None, 0) if cursor is None else (
+            *cursor["at"], cursor["k"])
+        if cursor is not None and cursor["done"]:
+            return
+        for pos in range(first, len(shards)):
+            shard = shards[pos]
             left_out = served_in(self.served, shard)
-            for ordinal, (loc, item) in enumerate(self.source.scan(shard)):
+            if pos == first and last_loc is not None:
+                records = enumerate(self.source.scan_after(shard, last, tuple(last_loc)), last + 1)
+            else:
+                records = enumerate(self.source.scan(shard))
+            for ordinal, (loc, item) in records:
                 if ordinal < left_out.size and left_out[ordinal]:
                     continue
                 if not split_shards:
                     k += 1
                     if (k - 1) % readers != g:
                         continue
+                at[:] = pos, ordinal, loc, k
                 yield shard, ordinal, loc, item
 
     def __iter__(self):
@@ -199,99 +246,173 @@ class _Reader(IterableDataset):
 
     def _packed(self):
         units = [0] if isinstance(self.source, Mixture) else None  # the last sample's tokens, for the interleave
-        gate = BadDataGate(self.policy)
-        events: list = []
-        buffer: list[tuple[int, int, dict]] = []  # (aligned size, id, sample)
-        pending: list[tuple[int, str, dict]] = []
-        rule = FixedDims(self.schema)  # (the index's rule: the first sample with a named dim fixes it)
-        mkeys = media_keys(self.schema)
+        seekable = units is None and not self.ids_only
+        packer, at = _Packer(self), [0, -1, None, 0]
+        role, records = self._mine(at, units)
+        cursor = self.cursors[role] if self.cursors is not None else None
+        for entries in packer.restore(cursor) if cursor is not None else ():
+            yield *packer.collated(entries), (role, None)
 
-        def bad(where: str, err: Exception, *, as_is: bool = True) -> None:
-            record = BadRecord.of_error(err, where)
-            gate.bad(record, err if as_is else None)  # raises under RAISE / past max_consecutive
-            events.append(record)
+        def rounds(final: bool):
+            bins = packer.emit(final)
+            mark = packer.cursor(at, bins, final) if seekable else None
+            for i, entries in enumerate(bins):
+                yield *packer.collated(entries), (role, mark if i == 0 else None)
 
-        def validate() -> None:
-            for (sid, where, sample), res in zip(pending, validated([p[2] for p in pending], self.schema)):
-                if isinstance(res, SampleError):
-                    bad(where, BadSampleError(sample=where, field=res.field, expected=res.expected,
-                                              actual=res.actual))
-                    continue
-                n, dims = res
-                refuse = rule.admit(dims, where)
-                if refuse is not None:
-                    bad(where, refuse(where))
-                    continue
-                if n > self.cap:
-                    if self.oversize is Oversize.ERROR:
-                        raise OversizeSampleError(sample=where, field="input_ids", expected=f"<= {self.cap} tokens",
-                                                  actual=f"{n} tokens")
-                    if self.oversize is Oversize.SKIP or (mkeys and has_media(sample, mkeys)):
-                        reason = "oversize_skipped" if self.oversize is Oversize.SKIP else "oversize_media"
-                        what = "left out" if self.oversize is Oversize.SKIP else \
-                            "carries media: left out, not truncated"
-                        events.append(BadRecord(reason, where, f"{n} tokens > {self.cap} (the most "
-                                                f"a micro-batch of the budget holds); {what}"))
-                        continue
-                    sample, n = truncate_sample(sample, self.schema, self.cap), self.cap
-                gate.good()
-                buffer.append((self.layout.aligned_length(n), sid, sample))
-            pending.clear()
-
-        def emit(final: bool):
-            sizes = np.array([b[0] for b in buffer], dtype=np.int64)
-            bins = best_fit_decreasing(sizes, self.cap, self.layout.max_seqs)
-            bins.sort(key=lambda b: (-int(sizes[b].sum()), min(buffer[i][1] for i in b)))
-            keep = len(bins) if final else max(1, len(bins) // 2)  # the fuller half out; the rest may still grow
-            out, used = bins[:keep], set()
-            for b in out:
-                used.update(b)
-                yield b
-            rest = [buffer[i] for i in range(len(buffer)) if i not in used]
-            buffer[:] = rest
-
-        def collated(bin_, snapshot):
-            if self.ids_only:
-                return [snapshot[i][1] for i in bin_], []
-            samples = [snapshot[i][2] for i in bin_]
-            batch = self.collator(samples)
-            batch["sample_index"] = torch.tensor([snapshot[i][1] for i in bin_], dtype=torch.int64)
-            batch["is_filler"] = False
-            batch["epoch"] = self.epoch
-            batch["microbatch"] = -1
-            ev = list(events)
-            events.clear()
-            return (pack_batch(batch) if self.pack else batch), ev
-
-        for shard, ordinal, loc, item in self._mine(units):
+        for shard, ordinal, loc, item in records:
             where = self.source.where(loc) if loc is not None else f"shard {shard}"
             if isinstance(item, BadRecord):  # (a member that is not a sample: counted)
-                events.append(item)
+                packer.events.append(item)
                 continue
             if isinstance(item, Exception):
-                bad(where, item, as_is=False)  # (raised as the index raises it: from its record)
+                packer.bad(where, item, as_is=False)  # (raised as the index raises it: from its record)
                 continue
             try:
                 sample = self.source.apply_transform(item, loc)
             except SampleError as exc:
-                bad(where, exc)
+                packer.bad(where, exc)
                 continue
             if units is not None:  # a mixture's interleave by tokens
                 units[0] = len(sample.get("input_ids", ()))
-            pending.append((stream_id(shard, ordinal), where, sample))
-            if len(pending) >= _CHUNK or len(buffer) + len(pending) >= self.buffer_size:
-                validate()
-            if len(buffer) >= self.buffer_size:
-                snapshot = list(buffer)
-                for b in list(emit(final=False)):
-                    yield collated(b, snapshot)
-        validate()
-        while buffer:
-            snapshot = list(buffer)
-            for b in list(emit(final=True)):
-                yield collated(b, snapshot)
-        if events:  # bad data after the last micro-batch: an empty hand-over carries it
-            yield None, list(events)
+            packer.pending.append((stream_id(shard, ordinal), where, sample, loc))
+            waiting = len(packer.buffer) + len(packer.pending)
+            if len(packer.pending) >= _CHUNK or waiting >= self.buffer_size:
+                packer.validate()
+            if len(packer.buffer) >= self.buffer_size:
+                yield from rounds(final=False)
+        packer.validate()
+        while packer.buffer:
+            yield from rounds(final=True)
+        if packer.events:  # bad data after the last micro-batch: an empty hand-over carries it
+            last = packer.cursor(at, [], True) if seekable else None
+            yield None, list(packer.events), (role, last)
+
+
+class _Packer:
+    """One reader's packing state (was a closure): the bad-data gate, the rule that fixes named
+    dims, the samples waiting to be validated, the bounded buffer, the bad-data events not handed
+    over yet. :meth:`cursor` writes it down with the stream position; :meth:`restore` reads it
+    back."""
+
+    def __init__(self, reader: _Reader):
+        self.reader = reader
+        self.gate = BadDataGate(reader.policy)
+        self.events: list = []
+        self.buffer: list[Entry] = []
+        self.pending: list[tuple[int, str, dict, tuple]] = []  # (id, where, sample, location)
+        self.rule = FixedDims(reader.schema)  # (the index's: the first sample with a dim fixes it)
+        self.mkeys = media_keys(reader.schema)
+
+    def bad(self, where: str, err: Exception, *, as_is: bool = True) -> None:
+        record = BadRecord.of_error(err, where)
+        self.gate.bad(record, err if as_is else None)  # raises under RAISE / past max_consecutive
+        self.events.append(record)
+
+    def validate(self) -> None:
+        r = self.reader
+        results = validated([p[2] for p in self.pending], r.schema)
+        for (sid, where, sample, loc), res in zip(self.pending, results):
+            if isinstance(res, SampleError):
+                self.bad(where, BadSampleError(
+                    sample=where, field=res.field, expected=res.expected, actual=res.actual))
+                continue
+            n, dims = res
+            refuse = self.rule.admit(dims, where)
+            if refuse is not None:
+                self.bad(where, refuse(where))
+                continue
+            if n > r.cap:
+                if r.oversize is Oversize.ERROR:
+                    raise OversizeSampleError(sample=where, field="input_ids",
+                                              expected=f"<= {r.cap} tokens", actual=f"{n} tokens")
+                if r.oversize is Oversize.SKIP or (self.mkeys and has_media(sample, self.mkeys)):
+                    reason = "oversize_skipped" if r.oversize is Oversize.SKIP else "oversize_media"
+                    what = "left out" if r.oversize is Oversize.SKIP else \
+                        "carries media: left out, not truncated"
+                    self.events.append(BadRecord(reason, where, f"{n} tokens > {r.cap} (the most "
+                                                 f"a micro-batch of the budget holds); {what}"))
+                    continue
+                sample, n = truncate_sample(sample, r.schema, r.cap), r.cap
+            self.gate.good()
+            self.buffer.append(entry(r.layout.aligned_length(n), sid, sample, loc))
+        self.pending.clear()
+
+    def emit(self, final: bool) -> list[list[Entry]]:
+        """The next micro-batches' samples, best-fit decreasing over the buffer: all of them when
+        ``final``, else the fuller half (the rest may still grow); what they take leaves the
+        buffer."""
+        buffer = self.buffer
+        sizes = np.array([b[0] for b in buffer], dtype=np.int64)
+        bins = best_fit_decreasing(sizes, self.reader.cap, self.reader.layout.max_seqs)
+        bins.sort(key=lambda b: (-int(sizes[b].sum()), min(buffer[i][1] for i in b)))
+        keep = len(bins) if final else max(1, len(bins) // 2)
+        used = {i for b in bins[:keep] for i in b}
+        self.buffer = [buffer[i] for i in range(len(buffer)) if i not in used]
+        return [[buffer[i] for i in b] for b in bins[:keep]]
+
+    def collated(self, entries: list[Entry]):
+        r = self.reader
+        if r.ids_only:
+            return [e[1] for e in entries], []
+        batch = r.collator([e[2] for e in entries])
+        batch["sample_index"] = torch.tensor([e[1] for e in entries], dtype=torch.int64)
+        batch["is_filler"] = False
+        batch["epoch"] = r.epoch
+        batch["microbatch"] = -1
+        ev = list(self.events)
+        self.events.clear()
+        return (pack_batch(batch) if r.pack else batch), ev
+
+    def cursor(self, at: list, bins: list[list[Entry]], done: bool) -> dict:
+        """JSON-friendly: where the stream goes on (``at``: ``[shard position, ordinal, location]``
+        of the last record read, ``k`` the records counted for a split by sample, ``done`` at its
+        end), the gate's count of bad samples in a row, the fixed dims, the buffer and the
+        micro-batches of this round (``bins``) as ``[id, aligned size, *location]`` (re-read at a
+        resume: at most ``buffer_size`` samples)."""
+        pos, ordinal, loc, k = at
+        rule = self.rule
+        where = None if loc is None else [int(x) for x in loc]
+        return {"at": [pos, ordinal, where], "k": k, "done": done,
+                "gate": self.gate.consecutive, "rule": [rule.fixed, rule.fixed_by, rule.fields],
+                "buffer": [e[3] for e in self.buffer], "bins": [[e[3] for e in b] for b in bins]}
+
+    def restore(self, cursor: dict) -> list[list[Entry]]:
+        """Set the state ``cursor`` wrote down (its samples read back by location); returns the
+        round's micro-batches not served yet."""
+        self.gate.consecutive = int(cursor["gate"])
+        fixed, fixed_by, fields = cursor["rule"]
+        self.rule.fixed, self.rule.fixed_by = dict(fixed), dict(fixed_by)
+        self.rule.fields = None if fields is None else tuple(fields)
+        records = [*cursor["buffer"], *(e for b in cursor["bins"] for e in b)]
+        entries = self._read_back(records)
+        self.buffer = entries[:len(cursor["buffer"])]
+        rest = iter(entries[len(cursor["buffer"]):])
+        return [[next(rest) for _ in b] for b in cursor["bins"]]
+
+    def _read_back(self, records: list[list]) -> list[Entry]:
+        """The buffered samples ``[id, aligned size, *location]`` read, transformed and cut as when
+        they were buffered (validated in one call); another size is a :class:`ResumeError` (the data
+        changed since the state was saved)."""
+        r, samples = self.reader, [None] * len(records)
+        for i in sorted(range(len(records)), key=lambda i: records[i][2:]):  # in stream order
+            sid, _, *loc = records[i]
+            try:
+                samples[i] = r.source.apply_transform(r.source.read(tuple(loc)), tuple(loc))
+            except SampleError as exc:
+                raise ResumeError(f"loader state: cursor sample {r.source.where(tuple(loc))} (id "
+                                  f"{sid}) is bad data now ({exc}); the data changed since the "
+                                  f"state was saved") from exc
+        out = []
+        for (sid, size, *loc), sample, res in zip(records, samples, validated(samples, r.schema)):
+            n = res[0] if not isinstance(res, SampleError) else None
+            if n is not None and n > r.cap:
+                sample, n = truncate_sample(sample, r.schema, r.cap), r.cap
+            if n is None or r.layout.aligned_length(n) != size:
+                raise ResumeError(f"loader state: cursor sample {r.source.where(tuple(loc))} (id "
+                                  f"{sid}): expected {size} aligned tokens, read {res!r}; the data "
+                                  f"changed since the state was saved")
+            out.append(entry(size, sid, sample, loc))
+        return out
 
 
 class StreamingPackedLoader(LoaderCore):
@@ -332,6 +453,7 @@ class StreamingPackedLoader(LoaderCore):
         self.collective_timeout = None if collective_timeout is None else float(collective_timeout)
         self._filler: dict | None = None
         self._served_cache: tuple = (None, None)
+        self._track: _Track | None = None
 
     buffer_size = property(lambda self: self.planner.buffer_size)
     oversize = property(lambda self: self.planner.oversize)
@@ -421,8 +543,11 @@ class StreamingPackedLoader(LoaderCore):
         return _Reader(self.source, self.schema, self.collator, self.layout, self._capacity, self.buffer_size,
                        self.oversize, self.bad_data, dp_rank, dp_size, self.seed, epoch, served=served, **kwargs)
 
-    def _reader(self, epoch: int, served: torch.Tensor | None = None):
-        reader = self._reader_of(epoch, self.dp_rank, self.dp_size, served, pack=self.num_workers > 0)
+    def _reader(self, epoch: int, served: torch.Tensor | None = None,
+                track: "_Track | None" = None):
+        seek = {} if track is None else {"cursors": tuple(track.saved()), "rotate": track.next}
+        reader = self._reader_of(epoch, self.dp_rank, self.dp_size, served,
+                                 pack=self.num_workers > 0, **seek)
         return self._data_loader(reader, persistent=False, batch_size=None)
 
     def _served_before(self, epoch: int) -> torch.Tensor | None:
@@ -442,7 +567,8 @@ class StreamingPackedLoader(LoaderCore):
             for rank in range(seg.dp_size):
                 readers = [self._reader_of(epoch, rank, seg.dp_size, served, worker=(workers, w), ids_only=True)._packed()
                            for w in range(workers)]
-                first = round_robin([(ids for ids, _ in r if ids is not None) for r in readers], seg.position)
+                streams = [(ids for ids, _, _ in r if ids is not None) for r in readers]
+                first = round_robin(streams, seg.position)
                 longest = max(longest, len(first))
                 parts.append(np.fromiter((i for ids in first for i in ids), np.int64))
             if longest < seg.position:
@@ -469,9 +595,11 @@ class StreamingPackedLoader(LoaderCore):
                                   f"{seg.num_workers} readers; expected at most the {count} samples of the stream")
 
     def _take(self, it):
-        """The next real micro-batch of this rank's stream, or None at its end (bad-data events counted)."""
-        for batch, events in it:
+        """The next real micro-batch of this rank's stream, or None at its end (bad-data events
+        counted, the readers' cursors tracked)."""
+        for batch, events, (role, cursor) in it:
             self._count_skipped(events, warn=False)  # (the reader's gate warned)
+            self._track.took(role, cursor, batch is not None)
             if batch is not None:
                 return unpacked(batch)
         return None
@@ -479,9 +607,13 @@ class StreamingPackedLoader(LoaderCore):
     def _batches(self, token: object):
         self.prepare()
         epoch, start = self._epoch, self._position
-        it = self._served(self._reader(epoch, self._served_before(epoch)), token)
-        exhausted, skipped = False, 0
-        for _ in range(start):  # resume: re-read and re-pack the stream up to the saved position
+        track = self._track if start and self._track and self._track.at == (epoch, start) else None
+        workers = max(self.num_workers, 1)
+        self._track = _Track.fresh(epoch, workers) if track is None else track.copy()
+        it = self._served(self._reader(epoch, self._served_before(epoch), track), token)
+        exhausted = False
+        skipped = start if track is not None else 0  # with cursors: the readers go on there
+        for _ in range(start - skipped):  # without: re-read and re-pack the stream up to there
             if self._take(it) is None:
                 exhausted = True
                 break
@@ -505,6 +637,7 @@ class StreamingPackedLoader(LoaderCore):
             batch["epoch"], batch["microbatch"] = epoch, position
             position += 1
             self._position = position
+            self._track.at = (epoch, position)
             yield batch
         if self._active is token:
             self._epoch, self._position = epoch + 1, 0
@@ -512,3 +645,82 @@ class StreamingPackedLoader(LoaderCore):
     # ---- state ---------------------------------------------------------------------------------------
     def _config(self) -> dict:
         return {**super()._config(), "num_workers": self.num_workers}
+
+    def state_dict(self, cursors: bool = False) -> dict:
+        """The state (:meth:`LoaderCore.state_dict`: the same on every rank); ``cursors=True`` adds
+        this rank's reader cursors (version 4, :mod:`prealign.loaders.state`): where each of its
+        readers goes on and the samples its buffer holds (at most ``buffer_size`` a reader), so that
+        this rank resumes by seeking instead of replaying its stream. Such a state is this rank's:
+        load each rank's own (another rank, or another ``dp_size`` / ``num_workers``, replays). A
+        :class:`Mixture` stream has no cursors (it replays)."""
+        out = super().state_dict()
+        epoch, position = self._normalised()
+        track = self._track
+        current = track is not None and track.at == (epoch, position)
+        if not (cursors and position and current) or isinstance(self.source, Mixture):
+            return out
+        state = LoaderState.from_dict(out, kind=self.state_kind)
+        return dataclasses.replace(state, cursors={
+            "dp_rank": self.dp_rank, "dp_size": self.dp_size, "num_workers": self.num_workers,
+            "next": track.next, "readers": track.saved()}).to_dict()
+
+    def load_state_dict(self, state) -> None:
+        super().load_state_dict(state)
+        self._track = None
+        cursors = LoaderState.from_dict(state, kind=self.state_kind).cursors
+        if cursors is None or not self._position or isinstance(self.source, Mixture):
+            return  # (a Mixture stream's interleave has no cursor: it replays)
+        here = {"dp_rank": self.dp_rank, "dp_size": self.dp_size, "num_workers": self.num_workers}
+        if any(cursors.get(k) != v for k, v in here.items()):
+            saved = {k: cursors.get(k) for k in here}
+            warnings.warn(f"StreamingPackedLoader.load_state_dict: the state's reader cursors are "
+                          f"those of {saved}, this is {here}: this rank replays its stream up "
+                          f"to micro-batch {self._position} (load each rank's own "
+                          f"state_dict(cursors=True) "
+                          f"to seek)", stacklevel=2)
+            return
+        at, workers = (self._epoch, self._position), max(self.num_workers, 1)
+        self._track = _Track.loaded(cursors, at, workers)
+
+
+@dataclass
+class _Track:
+    """This rank's readers as its DataLoader served them: per role, the last cursor it sent and how
+    many of that round's micro-batches were served since; the role the DataLoader asks next; the
+    ``(epoch, position)`` it describes."""
+
+    at: tuple[int, int]
+    cursors: list
+    served: list
+    next: int = 0
+
+    @classmethod
+    def fresh(cls, epoch: int, workers: int) -> "_Track":
+        return cls((epoch, 0), [None] * workers, [0] * workers)
+
+    @classmethod
+    def loaded(cls, saved: dict, at: tuple[int, int], workers: int) -> "_Track":
+        """From a state's ``cursors`` (checked: one per role, the next role in range)."""
+        readers, nxt = saved.get("readers"), saved.get("next")
+        if not isinstance(readers, list) or len(readers) != workers or not all(
+                r is None or isinstance(r, dict) for r in readers) or not (
+                isinstance(nxt, int) and 0 <= nxt < workers):
+            raise ResumeError(f"loader state: key 'cursors': expected {workers} reader cursors and "
+                              f"a next reader in [0, {workers}), got {str(saved)[:200]}")
+        return cls(at, list(readers), [0] * workers, nxt)
+
+    def copy(self) -> "_Track":
+        return dataclasses.replace(self, cursors=list(self.cursors), served=list(self.served))
+
+    def took(self, role: int, cursor: dict | None, batch: bool) -> None:
+        """The DataLoader served an item of reader ``role`` (a micro-batch when ``batch``) carrying
+        ``cursor``."""
+        if cursor is not None:
+            self.cursors[role], self.served[role] = cursor, 0
+        self.served[role] += int(batch)
+        self.next = (role + 1) % len(self.cursors)
+
+    def saved(self) -> list:
+        """Per role, its cursor without the micro-batches of its round already served."""
+        return [None if c is None else {**c, "bins": c["bins"][n:]}
+                for c, n in zip(self.cursors, self.served)]

@@ -56,6 +56,16 @@ class Source(abc.ABC):
         could not be read; ``(None, Skip)`` for ignored records; a
         :class:`~prealign.loaders.errors.CorruptShardError` as ``(None, error)`` ends the shard."""
 
+    def scan_after(self, shard: int, ordinal: int,
+                   location: Location) -> Iterator[tuple[Location | None, object]]:
+        """:meth:`scan`'s records after its ``ordinal``-th (0-based), the sample at ``location``:
+        where a resumed stream goes on. The default scans the shard again and drops the first
+        ``ordinal + 1`` records (read and decoded again); a source that can skip without decoding
+        overrides it."""
+        import itertools
+
+        return itertools.islice(self.scan(shard), ordinal + 1, None)
+
     @abc.abstractmethod
     def read(self, location: Location) -> dict:
         """The raw sample at ``location`` (called in DataLoader workers)."""

@@ -243,7 +243,18 @@ class WebDatasetSource(Source):
         return any(_remote.is_sequential(u) for u in self.urls)
 
     # ---- scanning -------------------------------------------------------------------------------
-    def scan(self, shard: int):
+    def scan_after(self, shard: int, ordinal: int, location):
+        """The records after the sample at ``location`` (``(shard, start, end, ...)``): the members
+        before byte ``end`` are read (their keys recorded for the duplicate-key check) but not
+        decoded. A subclass with its own ``scan`` gets :meth:`Source.scan_after` (its scan again,
+        records dropped)."""
+        if type(self).scan is not WebDatasetSource.scan:
+            return super().scan_after(shard, ordinal, location)
+        return self.scan(shard, after=int(location[2]))
+
+    def scan(self, shard: int, *, after: int = 0):
+        """:meth:`Source.scan`; ``after``: yield only the records from that byte on
+        (:meth:`scan_after`)."""
         url = self.urls[shard]
         try:
             f = TimedReader(lambda: _remote.open_stream(url, self.remote, limits=self.limits),
@@ -260,13 +271,16 @@ class WebDatasetSource(Source):
                 for m in iter_members(f, max_member=self.limits.max_member_bytes):
                     split = split_member_name(m.name)
                     if split is None:
+                        if m.offset < after:
+                            continue
                         yield None, Skip("ignored_member", f"{url}:{m.name}", f"tar {m.kind} member without "
                                          f"an extension")
                         continue
                     if split[0] != key:
                         if members:
-                            yield (shard, start, m.offset, sample_checksum(members)), \
-                                self._sample(shard, key, members, key in seen)
+                            if start >= after:
+                                yield (shard, start, m.offset, sample_checksum(members)), \
+                                    self._sample(shard, key, members, key in seen)
                             seen.add(key)
                         key, start, members = split[0], m.offset, []
                     members.append((split[1], m.data, m.kind))
@@ -278,7 +292,7 @@ class WebDatasetSource(Source):
                 f.close()  # before the error is handed on: a stalled pipe: command is killed now
                 yield None, err(url, getattr(exc, "offset", getattr(exc, "at", 0)), f"{exc}{lost}")
                 return
-            if members:
+            if members and start >= after:
                 yield (shard, start, end, sample_checksum(members)), self._sample(shard, key, members, key in seen)
 
     def _sample(self, shard: int, key: str, members: list[tuple[str, bytes, str]], duplicate: bool = False):
