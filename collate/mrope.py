@@ -1,7 +1,7 @@
 """3-D rotary position ids (mRoPE) of the Qwen vision-language families, vectorised over a whole packed batch.
 
-Semantics (those of each family's transformers ``get_rope_index``, checked against it in ``tests/test_mrope.py``
-and ``tests/test_vlm_families.py``; the family rules live in :mod:`prealign.collate.vision`), per sequence, with
+Semantics (those of each family's transformers ``get_rope_index``, checked against it in ``tests/collate/test_mrope.py``
+and ``tests/families/test_vlm_families.py``; the family rules live in :mod:`prealign.collate.vision`), per sequence, with
 a running position ``p`` starting at 0 (Qwen2-VL images shown; video runs and Qwen2.5-VL's temporal step in
 :mod:`prealign.collate.vision.positions`):
 

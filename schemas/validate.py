@@ -5,7 +5,7 @@ a THD batch has ``cu_seqlens_padded``, a BSHD batch ``attention_mask``.
 The checker stands alone: what each slot must hold comes from :mod:`.slots` (the Megatron/TE
 definition), the CP/SP/FP8 shares from their definitions, and nothing is imported from
 ``prealign.collate``, so a bug in the collator's arithmetic cannot also hide here
-(``tests/test_mutation.py``). Sizes claimed by the offsets are compared with the tensors before
+(``tests/collate/test_mutation.py``). Sizes claimed by the offsets are compared with the tensors before
 anything of that size is built.
 """
 from __future__ import annotations

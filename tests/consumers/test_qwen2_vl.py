@@ -174,7 +174,7 @@ def test_a_batch_without_images_sends_no_empty_pixel_values():
 
 def test_the_chat_tokenizer_gives_pad_and_eos_ids():
     from prealign.loaders import HFChatTokenizer
-    from tests.test_vlm import _tiny_hf_tokenizer
+    from tests.loaders.media.test_vlm import _tiny_hf_tokenizer
 
     hf = _tiny_hf_tokenizer()  # no pad, no eos: eos falls back to <|im_end|>, pad to eos
     tok = HFChatTokenizer(hf)

@@ -14,7 +14,7 @@ from prealign.collate import HFAttention, MRoPECollator, THDCollator, to_hf_kwar
 from prealign.schemas import PadPolicy, ParallelLayout, validate_vlm_batch, vlm_schema
 from prealign.schemas.errors import PackingUnsupportedError
 from tests.consumers.models import CORRUPT, TOL, real_slots
-from tests.test_vlm_families import fractional_seconds
+from tests.families.test_vlm_families import fractional_seconds
 from tests.vlm_families import TOK, tiny_config, tiny_model, vision_sample
 
 transformers = pytest.importorskip("transformers")
@@ -132,7 +132,7 @@ def test_transformed_samples_pack_exactly(model_type):
     """Samples from the transform itself (the family's image processor, video frames, the timestamp text): packed
     logits equal each sample alone."""
     from prealign.loaders.media.vlm import VLMSampleTransform
-    from tests.test_vlm_video import video_raw
+    from tests.loaders.media.test_vlm_video import video_raw
 
     cfg = tiny_config(model_type)
     transform = VLMSampleTransform(tokenizer=TOK, model_config=cfg, mrope=False)

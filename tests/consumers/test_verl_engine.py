@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 from prealign.collate import THDCollator, to_verl_thd
 from prealign.schemas import ConfigError, PadPolicy, ParallelLayout
+from tests.collate.test_reference_verl import run_verl, verl_util  # noqa: F401  (the fixture loads verl without ray)
 from tests.conftest import TOPK, TOPK_FIELDS, examples, make_samples, schema_for, to_nested
-from tests.test_reference_verl import run_verl, verl_util  # noqa: F401  (the fixture loads verl without ray)
 
 PARAM_FIELDS = ("qkv_format", "cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded",
                 "max_seqlen_q", "max_seqlen_kv")

@@ -20,12 +20,12 @@ from hypothesis import strategies as st
 
 from prealign.loaders.media.chat_tokenizer import HFChatTokenizer
 from prealign.loaders.media.vlm import VLMSampleTransform
-from tests import test_chat_rendering as cr
-from tests import test_gemma3_transform as g
 from tests.conftest import examples
 from tests.families import internvl_reference as iv
 from tests.families import llava_onevision_reference as lo_ref
 from tests.families import test_llava_onevision_transform as lo
+from tests.loaders.media import test_chat_rendering as cr
+from tests.loaders.media import test_gemma3_transform as g
 
 transformers = pytest.importorskip("transformers")
 
