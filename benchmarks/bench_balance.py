@@ -1,31 +1,37 @@
-"""Equal work, not equal tokens: step-cost balance, hybrid CP and plan time, on one long-tail length set.
+"""Equal work, not equal tokens: step-cost balance, hybrid CP and plan time, on one long-tail length
+set.
 
-Lengths: N lognormal(log 2048, 1.0) clipped to 512..32768 (seed 0); budget 32768 tokens per micro-batch,
-k = 2 micro-batches per rank per step; cost 24576*L + L**2 per sequence (verl's 7B constants).
+Lengths: N lognormal(log 2048, 1.0) clipped to 512..32768 (seed 0); budget 32768 tokens per
+micro-batch, k = 2 micro-batches per rank per step; cost 24576*L + L**2 per sequence (verl's 7B
+constants).
 
-(a) step-cost imbalance, dp = 8: sum over steps of the slowest rank's cost / sum of the mean (worst step in
-    brackets), for the token-balanced plan, the compute-balanced one (``PlannerConfig(cost=...)``) and
-    megatron-core 0.16.1's ``BalancedCPScheduler`` scheduling each step's samples (CP off: every sample on
-    one rank; its groups run one after the other, so a step costs the sum of each group's slowest rank).
-    Then dp = 2, cp = 4 (same 8 ranks): predicted step makespan (sum over steps of the slowest DP rank,
-    a micro-batch taking its slowest CP block) of fixed CP, of the loader's hybrid CP
-    (``assign_cp_blocks``) and of ``BalancedCPScheduler`` over the 8 DP x CP ranks
-    (``max_seq_len_per_rank = budget / cp``), all with one time model: a sequence of L tokens on k ranks
-    takes ``cost(L)/k + 0.05 * 24576 * L * (k-1)/k``. Relative to the ideal (total / ranks).
+(a) step-cost imbalance, dp = 8: sum over steps of the slowest rank's cost / sum of the mean (worst
+    step in brackets), for the token-balanced plan, the compute-balanced one
+    (``PlannerConfig(cost=...)``) and megatron-core 0.16.1's ``BalancedCPScheduler`` scheduling each
+    step's samples (CP off: every sample on one rank; its groups run one after the other, so a step
+    costs the sum of each group's slowest rank). Then dp = 2, cp = 4 (same 8 ranks): predicted step
+    makespan (sum over steps of the slowest DP rank, a micro-batch taking its slowest CP block) of
+    fixed CP, of the loader's hybrid CP (``assign_cp_blocks``) and of ``BalancedCPScheduler`` over
+    the 8 DP x CP ranks (``max_seq_len_per_rank = budget / cp``), all with one time model: a
+    sequence of L tokens on k ranks takes ``cost(L)/k + 0.05 * 24576 * L * (k-1)/k``. Relative to
+    the ideal (total / ranks).
 (b) CPU proof, dp = 4 gloo processes (one thread each) run their own micro-batches step by step (an
-    all-gather of the step's times ends each step), lengths and budget scaled by 1/8 (64..4096, budget
-    4096). Two workloads: ``attention``, torch sdpa causal over each sequence of the micro-batch (hidden
-    128, 4 heads), and ``layer``, a whole transformer layer (QKV, attention, output projection, MLP; the
-    matmuls over the packed micro-batch at once). The cost model is fitted to
-    this layer's measured time (``--flops`` uses ``CostModel.from_hf_config`` instead). Step time = the
-    slowest rank's CPU time in the step (the CPU time of each rank, not wall time: this machine's cores
-    are shared, and ranks queueing for a core would hide the imbalance); wall time is printed too.
+    all-gather of the step's times ends each step), lengths and budget scaled by 1/8 (64..4096,
+    budget 4096). Two workloads: ``attention``, torch sdpa causal over each sequence of the
+    micro-batch (hidden 128, 4 heads), and ``layer``, a whole transformer layer (QKV, attention,
+    output projection, MLP; the matmuls over the packed micro-batch at once). The cost model is
+    fitted to this layer's measured time (``--flops`` uses ``CostModel.from_hf_config`` instead).
+    Step time = the slowest rank's CPU time in the step (the CPU time of each rank, not wall time:
+    this machine's cores are shared, and ranks queueing for a core would hide the imbalance); wall
+    time is printed too.
 (c) plan time per global batch of 512 samples (whole plan of the set, one core), tokens vs compute.
 (d) collation per CP rank in the loader, cp = 4: a fixed-CP rank's ``THDCollator`` vs hybrid CP's
-    ``HybridCPCollator`` (``PlannerConfig(hybrid_cp=True)``: the whole micro-batch collated as a fixed-CP
-    rank, then the rank's block again when the micro-batch splits), summed over every rank and 48
-    micro-batches spread over the compute-balanced plan, side by side; and the block assignment alone.
+    ``HybridCPCollator`` (``PlannerConfig(hybrid_cp=True)``: the whole micro-batch collated as a
+    fixed-CP rank, then the rank's block again when the micro-batch splits), summed over every rank
+    and 48 micro-batches spread over the compute-balanced plan, side by side; and the block
+    assignment alone.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,7 +63,9 @@ def long_tail(n: int, seed: int = 0, scale: int = 1) -> np.ndarray:
 def steps_of(plan):
     """[(step, rank, [micro-batches])]: each step's micro-batches per rank."""
     bounds = np.cumsum((0,) + plan.steps)
-    return [[list(rank[a:b]) for rank in plan.microbatches] for a, b in zip(bounds[:-1], bounds[1:])]
+    return [
+        [list(rank[a:b]) for rank in plan.microbatches] for a, b in zip(bounds[:-1], bounds[1:])
+    ]
 
 
 def imbalance(step_rank_cost) -> tuple[float, float]:
@@ -70,7 +78,8 @@ def imbalance(step_rank_cost) -> tuple[float, float]:
 
 
 class _Group:
-    """What ``BalancedCPScheduler`` reads of its process group: the size (no communication happens)."""
+    """What ``BalancedCPScheduler`` reads of its process group: the size (no communication
+    happens)."""
 
     def __init__(self, n: int):
         self.n = n
@@ -86,7 +95,9 @@ def megatron_step_time(lengths, ranks: int, max_per_rank: int, time_of) -> tuple
         from megatron.core.pipeline_parallel.hybrid_cp_schedule import BalancedCPScheduler
 
     sched = BalancedCPScheduler(max_seq_len_per_rank=max_per_rank, dp_cp_group=_Group(ranks))
-    _, id_groups = sched.get_groups_and_subsamples([(i, int(n)) for i, n in enumerate(lengths)], None)
+    _, id_groups = sched.get_groups_and_subsamples(
+        [(i, int(n)) for i, n in enumerate(lengths)], None
+    )
     makespan, placed = 0.0, set()
     for group in id_groups:
         holders: dict[int, int] = {}
@@ -101,13 +112,24 @@ def megatron_step_time(lengths, ranks: int, max_per_rank: int, time_of) -> tuple
 
 
 def part_a(lengths) -> None:
-    kw = dict(layout=ParallelLayout(), token_budget=32768, dp_size=8, microbatches_per_step=2, seed=0)
-    plans = {"tokens": plan_microbatches(lengths, **kw), "compute": plan_microbatches(lengths, cost=COST, **kw)}
+    kw = dict(
+        layout=ParallelLayout(), token_budget=32768, dp_size=8, microbatches_per_step=2, seed=0
+    )
+    plans = {
+        "tokens": plan_microbatches(lengths, **kw),
+        "compute": plan_microbatches(lengths, cost=COST, **kw),
+    }
     print(f"(a) {len(lengths)} samples, dp=8, k=2, budget 32768, cost 24576*L + L^2")
     for name, plan in plans.items():
-        costs = [[sum(COST.of(lengths[list(mb)]).sum() for mb in rank) for rank in step] for step in steps_of(plan)]
+        costs = [
+            [sum(COST.of(lengths[list(mb)]).sum() for mb in rank) for rank in step]
+            for step in steps_of(plan)
+        ]
         avg, worst = imbalance(costs)
-        print(f"    {name:<28} step cost max/mean {avg:.3f} (worst step {worst:.3f}), {len(plan.steps)} steps")
+        print(
+            f"    {name:<28} step cost max/mean {avg:.3f} (worst step {worst:.3f}), "
+            f"{len(plan.steps)} steps"
+        )
     step_time = lambda n, k: float(COST.of([n])[0]) / k  # noqa: E731  (DP only: every sample on one rank)
     costs = []
     for step in steps_of(plans["tokens"]):
@@ -115,24 +137,42 @@ def part_a(lengths) -> None:
         makespan, total = megatron_step_time(lengths[samples], 8, 32768, step_time)
         costs.append((makespan, total / 8))
     total_max, total_mean = map(sum, zip(*costs))
-    print(f"    {'megatron BalancedCPScheduler':<28} step cost max/mean {total_max / total_mean:.3f} (same steps' samples, "
-          f"worst {max(a / b for a, b in costs):.3f})")
+    print(
+        f"    {'megatron BalancedCPScheduler':<28} step cost max/mean "
+        f"{total_max / total_mean:.3f} (same steps' samples, "
+        f"worst {max(a / b for a, b in costs):.3f})"
+    )
 
     dp, cp, budget = 2, 4, 32768
     layout = ParallelLayout(cp=cp)
-    plan = plan_microbatches(lengths, layout=layout, token_budget=budget, dp_size=dp, microbatches_per_step=2,
-                             seed=0, cost=COST)
+    plan = plan_microbatches(
+        lengths,
+        layout=layout,
+        token_budget=budget,
+        dp_size=dp,
+        microbatches_per_step=2,
+        seed=0,
+        cost=COST,
+    )
     t = lambda n, k: float(sequence_time([n], k, COST, COMM)[0])  # noqa: E731
     fixed = hybrid = meg = ideal = 0.0
     splits = 0
     for step in steps_of(plan):
-        fixed += max(sum(float(sequence_time(lengths[list(mb)], cp, COST, COMM).sum()) for mb in rank) for rank in step)
+        fixed += max(
+            sum(float(sequence_time(lengths[list(mb)], cp, COST, COMM).sum()) for mb in rank)
+            for rank in step
+        )
         rank_times = []
         for rank in step:
             total = 0.0
             for mb in rank:
-                blocks = assign_cp_blocks(lengths[list(mb)], layout=layout, token_budget=budget, cost=COST,
-                                          comm_ratio=COMM)
+                blocks = assign_cp_blocks(
+                    lengths[list(mb)],
+                    layout=layout,
+                    token_budget=budget,
+                    cost=COST,
+                    comm_ratio=COMM,
+                )
                 splits += len(blocks) > 1
                 total += predicted_time(lengths[list(mb)], blocks, COST, COMM)
             rank_times.append(total)
@@ -142,31 +182,47 @@ def part_a(lengths) -> None:
         meg += makespan
         ideal += total / (dp * cp)
     n_mb = sum(plan.steps) * dp
-    print(f"    dp={dp} x cp={cp}, predicted step makespan / ideal (sum over {len(plan.steps)} steps):")
-    print(f"      fixed CP {fixed / ideal:.3f}   hybrid CP (loader) {hybrid / ideal:.3f} ({splits}/{n_mb} micro-batches "
-          f"split, 0 collectives)   megatron BalancedCPScheduler {meg / ideal:.3f} (all-gather + all-to-all per "
-          f"step)")
+    print(
+        f"    dp={dp} x cp={cp}, predicted step makespan / ideal (sum over {len(plan.steps)} "
+        f"steps):"
+    )
+    print(
+        f"      fixed CP {fixed / ideal:.3f}   hybrid CP (loader) {hybrid / ideal:.3f} "
+        f"({splits}/{n_mb} "
+        f"micro-batches "
+        f"split, 0 collectives)   megatron BalancedCPScheduler {meg / ideal:.3f} (all-gather + "
+        f"all-to-all per "
+        f"step)"
+    )
 
 
-# ---- (b) the CPU proof ----------------------------------------------------------------------------------
+# ---- (b) the CPU proof
+# ----------------------------------------------------------------------------------
 HIDDEN, HEADS, SCALE = 128, 4, 8
 
 
 def _workload(kind: str, seed: int = 0):
-    """``run(lengths)``: one micro-batch, packed THD. ``attention``: causal sdpa sequence by sequence (what
-    a varlen kernel does) on random q, k, v. ``layer``: a whole transformer layer, the projections and
+    """``run(lengths)``: one micro-batch, packed THD. ``attention``: causal sdpa sequence by
+    sequence (what a varlen kernel does) on random q, k, v. ``layer``: a whole transformer layer,
+    the projections and
     MLP over the micro-batch's tokens at once, the attention sequence by sequence."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
-    w = {name: torch.randn(shape, generator=g) / shape[0] ** 0.5 for name, shape in
-         (("qkv", (HIDDEN, 3 * HIDDEN)), ("out", (HIDDEN, HIDDEN)), ("up", (HIDDEN, 4 * HIDDEN)),
-          ("down", (4 * HIDDEN, HIDDEN)))}
+    w = {
+        name: torch.randn(shape, generator=g) / shape[0] ** 0.5
+        for name, shape in (
+            ("qkv", (HIDDEN, 3 * HIDDEN)),
+            ("out", (HIDDEN, HIDDEN)),
+            ("up", (HIDDEN, 4 * HIDDEN)),
+            ("down", (4 * HIDDEN, HIDDEN)),
+        )
+    }
 
     def attention(qkv, lengths):
         out, start = [], 0
         for n in lengths:
-            q, k, v = qkv[:, :, start:start + n].unsqueeze(1)
+            q, k, v = qkv[:, :, start : start + n].unsqueeze(1)
             out.append(torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)[0])
             start += n
         return torch.cat(out, 1)
@@ -177,14 +233,18 @@ def _workload(kind: str, seed: int = 0):
             attention(torch.randn(3, HEADS, total, HIDDEN // HEADS), lengths)
             return
         x = torch.randn(total, HIDDEN)
-        qkv = (x @ w["qkv"]).view(-1, 3, HEADS, HIDDEN // HEADS).permute(1, 2, 0, 3)  # [3, heads, T, d]
+        qkv = (
+            (x @ w["qkv"]).view(-1, 3, HEADS, HIDDEN // HEADS).permute(1, 2, 0, 3)
+        )  # [3, heads, T, d]
         x = x + attention(qkv, lengths).permute(1, 0, 2).reshape(-1, HIDDEN) @ w["out"]
         _ = x + torch.nn.functional.gelu(x @ w["up"]) @ w["down"]
+
     return run
 
 
 def fitted_cost(kind: str) -> CostModel:
-    """linear and quadratic (ns) of the workload's measured CPU time, least squares over a few lengths."""
+    """linear and quadratic (ns) of the workload's measured CPU time, least squares over a few
+    lengths."""
     import torch
 
     torch.set_num_threads(1)
@@ -210,7 +270,9 @@ def _rank(rank: int, world: int, port: int, kind: str, plans: dict, lengths, out
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600)
+    )
     run = _workload(kind)
     result = {}
     with torch.no_grad():
@@ -240,17 +302,32 @@ def part_b(n: int, flops: bool) -> None:
 
     lengths = long_tail(n, seed=1, scale=SCALE)
     budget = 32768 // SCALE
-    print(f"(b) CPU proof: {n} samples ({lengths.min()}..{lengths.max()} tokens), dp=4, k=2, budget {budget}")
+    print(
+        f"(b) CPU proof: {n} samples ({lengths.min()}..{lengths.max()} tokens), dp=4, k=2, budget "
+        f"{budget}"
+    )
     for kind in ("attention", "layer"):
         if flops and kind == "layer":
-            cost = CostModel.from_hf_config(GPT2Config(n_embd=HIDDEN, n_layer=1, n_head=HEADS), lm_head=False)
+            cost = CostModel.from_hf_config(
+                GPT2Config(n_embd=HIDDEN, n_layer=1, n_head=HEADS), lm_head=False
+            )
         else:
             cost = fitted_cost(kind)
-        kw = dict(layout=ParallelLayout(), token_budget=budget, dp_size=4, microbatches_per_step=2, seed=0)
-        plans = {"tokens": plan_microbatches(lengths, **kw), "compute": plan_microbatches(lengths, cost=cost, **kw)}
+        kw = dict(
+            layout=ParallelLayout(), token_budget=budget, dp_size=4, microbatches_per_step=2, seed=0
+        )
+        plans = {
+            "tokens": plan_microbatches(lengths, **kw),
+            "compute": plan_microbatches(lengths, cost=cost, **kw),
+        }
         steps = {name: steps_of(plan) for name, plan in plans.items()}
-        predicted = {name: sum(max(sum(cost.of(lengths[list(mb)]).sum() for mb in rank) for rank in step)
-                               for step in plan_steps) for name, plan_steps in steps.items()}
+        predicted = {
+            name: sum(
+                max(sum(cost.of(lengths[list(mb)]).sum() for mb in rank) for rank in step)
+                for step in plan_steps
+            )
+            for name, plan_steps in steps.items()
+        }
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
@@ -258,22 +335,36 @@ def part_b(n: int, flops: bool) -> None:
             out = manager.dict()
             mp.spawn(_rank, args=(4, port, kind, steps, lengths, out), nprocs=4, join=True)
             got = dict(out)
-        print(f"    {kind}: cost {cost.linear:.0f}*L + {cost.quadratic:.2f}*L^2 "
-              f"({'FLOPs' if flops and kind == 'layer' else 'ns, fitted to this CPU'})")
+        print(
+            f"    {kind}: cost {cost.linear:.0f}*L + {cost.quadratic:.2f}*L^2 "
+            f"({'FLOPs' if flops and kind == 'layer' else 'ns, fitted to this CPU'})"
+        )
         for name in plans:
             cpu, wall = got[name]
-            print(f"      {name:<8} sum of step times (slowest rank's CPU time) {cpu:7.2f} s   wall {wall:6.1f} s   "
-                  f"{len(plans[name].steps)} steps")
-        print(f"      compute-balanced steps faster by {got['tokens'][0] / got['compute'][0]:.3f}x (the cost model "
-              f"predicts {predicted['tokens'] / predicted['compute']:.3f}x)")
+            print(
+                f"      {name:<8} sum of step times (slowest rank's CPU time) {cpu:7.2f} s   wall "
+                f"{wall:6.1f} s   "
+                f"{len(plans[name].steps)} steps"
+            )
+        print(
+            f"      compute-balanced steps faster by {got['tokens'][0] / got['compute'][0]:.3f}x "
+            f"(the cost model "
+            f"predicts {predicted['tokens'] / predicted['compute']:.3f}x)"
+        )
 
 
 def part_c(lengths) -> None:
-    kw = dict(layout=ParallelLayout(), token_budget=32768, dp_size=8, microbatches_per_step=2, seed=0)
+    kw = dict(
+        layout=ParallelLayout(), token_budget=32768, dp_size=8, microbatches_per_step=2, seed=0
+    )
     print("(c) plan time per global batch of 512 samples (best of 5)")
     for name, cost in (("tokens", None), ("compute", COST)):
         best = min(_timed(lambda: plan_microbatches(lengths, cost=cost, **kw)) for _ in range(5))
-        print(f"    {name:<8} {best * 1e3 * 512 / len(lengths):.2f} ms   (whole plan of {len(lengths)}: {best * 1e3:.1f} ms)")
+        print(
+            f"    {name:<8} {best * 1e3 * 512 / len(lengths):.2f} ms   (whole plan of "
+            f"{len(lengths)}: "
+            f"{best * 1e3:.1f} ms)"
+        )
 
 
 def part_d(lengths, microbatches: int = 48) -> None:
@@ -285,13 +376,24 @@ def part_d(lengths, microbatches: int = 48) -> None:
 
     cp, budget, schema = 4, 32768, causal_lm_schema()
     layout = ParallelLayout(cp=cp)
-    plan = plan_microbatches(lengths, layout=layout, token_budget=budget, dp_size=1, cost=COST, oversize="truncate")
+    plan = plan_microbatches(
+        lengths, layout=layout, token_budget=budget, dp_size=1, cost=COST, oversize="truncate"
+    )
     mbs = [mb for mb in plan.microbatches[0] if mb]
-    mbs = mbs[::max(len(mbs) // microbatches, 1)][:microbatches]  # spread over the plan (sorted by cost)
-    batches = [[{"input_ids": torch.arange(min(int(lengths[i]), budget), dtype=torch.int64) % 30000 + 1} for i in mb]
-               for mb in mbs]
+    mbs = mbs[:: max(len(mbs) // microbatches, 1)][
+        :microbatches
+    ]  # spread over the plan (sorted by cost)
+    batches = [
+        [
+            {"input_ids": torch.arange(min(int(lengths[i]), budget), dtype=torch.int64) % 30000 + 1}
+            for i in mb
+        ]
+        for mb in mbs
+    ]
     fixed = [THDCollator(schema=schema, layout=layout, cp_rank=r) for r in range(cp)]
-    hybrid = [HybridCPCollator(collator=c, token_budget=budget, cost=COST, comm_ratio=COMM) for c in fixed]
+    hybrid = [
+        HybridCPCollator(collator=c, token_budget=budget, cost=COST, comm_ratio=COMM) for c in fixed
+    ]
 
     def run(collators):
         for samples in batches:
@@ -302,14 +404,28 @@ def part_d(lengths, microbatches: int = 48) -> None:
     t_fixed = min(_timed(lambda: run(fixed)) for _ in range(5))
     t_hybrid = min(_timed(lambda: run(hybrid)) for _ in range(5))
     lens = [[min(int(lengths[i]), budget) for i in mb] for mb in mbs]
-    t_assign = min(_timed(lambda: [assign_cp_blocks(x, layout=layout, token_budget=budget, cost=COST) for x in lens])
-                   for _ in range(5))
-    split = sum(len(assign_cp_blocks(x, layout=layout, token_budget=budget, cost=COST)) > 1 for x in lens)
+    t_assign = min(
+        _timed(
+            lambda: [
+                assign_cp_blocks(x, layout=layout, token_budget=budget, cost=COST) for x in lens
+            ]
+        )
+        for _ in range(5)
+    )
+    split = sum(
+        len(assign_cp_blocks(x, layout=layout, token_budget=budget, cost=COST)) > 1 for x in lens
+    )
     per = 1e3 / (len(batches) * cp)
-    print(f"(d) collation per CP rank and micro-batch, cp = {cp}, budget {budget} ({len(batches)} micro-batches, "
-          f"{split} split into sub-groups; best of 5)")
-    print(f"    fixed CP {t_fixed * per:.2f} ms   hybrid CP {t_hybrid * per:.2f} ms   ratio {t_hybrid / t_fixed:.2f}x   "
-          f"block assignment {t_assign * 1e3 / len(batches):.3f} ms per micro-batch")
+    print(
+        f"(d) collation per CP rank and micro-batch, cp = {cp}, budget {budget} ({len(batches)} "
+        f"micro-batches, "
+        f"{split} split into sub-groups; best of 5)"
+    )
+    print(
+        f"    fixed CP {t_fixed * per:.2f} ms   hybrid CP {t_hybrid * per:.2f} ms   ratio "
+        f"{t_hybrid / t_fixed:.2f}x   "
+        f"block assignment {t_assign * 1e3 / len(batches):.3f} ms per micro-batch"
+    )
 
 
 def _timed(fn) -> float:
@@ -319,10 +435,16 @@ def _timed(fn) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--samples", type=int, default=6000)
     ap.add_argument("--cpu-samples", type=int, default=3000, help="samples of the CPU proof (b)")
-    ap.add_argument("--flops", action="store_true", help="(b) layer: plan with the FLOPs cost model, not the fitted one")
+    ap.add_argument(
+        "--flops",
+        action="store_true",
+        help="(b) layer: plan with the FLOPs cost model, not the fitted one",
+    )
     ap.add_argument("--skip-cpu", action="store_true")
     args = ap.parse_args()
     lengths = long_tail(args.samples)

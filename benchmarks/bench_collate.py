@@ -14,15 +14,17 @@ Timed runs pin glibc's malloc thresholds (see ``pin_allocator``) so that no cont
 depends on the allocator state the previous one left.
 Times are CPU seconds of the process (``time.process_time``; torch on one thread, ``--threads``, on
 every side alike) and wall seconds. Rounds interleave the contenders (a round: verl once, each other
-contender 5 calls back to back, their median); each time is the median [min..max] over the rounds, and
-ours / floor is given both ways: the median [min..max] of the per-round ratios and the ratio of the
-medians (on a loaded machine they can differ; both are the figure). Absolute times depend on the machine.
+contender 5 calls back to back, their median); each time is the median [min..max] over the rounds,
+and ours / floor is given both ways: the median [min..max] of the per-round ratios and the ratio of
+the medians (on a loaded machine they can differ; both are the figure). Absolute times depend on the
+machine.
 
     python benchmarks/bench_collate.py            # full table
     python benchmarks/bench_collate.py --quick    # B in {8, 64, 256}, fewer repeats
     python benchmarks/bench_collate.py --sizes 256 --cases tokens --no-verl --no-memory --repeat 41
                                                   # the ids-only figure (issue #28: <= 5x the floor)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -66,7 +68,10 @@ def fields_of(samples: list[dict]) -> list[str]:
 
 
 def nested(samples: list[dict]) -> dict:
-    return {k: torch.nested.nested_tensor([s[k] for s in samples], layout=torch.jagged) for k in fields_of(samples)}
+    return {
+        k: torch.nested.nested_tensor([s[k] for s in samples], layout=torch.jagged)
+        for k in fields_of(samples)
+    }
 
 
 def out_bytes(batch: dict) -> int:
@@ -74,16 +79,19 @@ def out_bytes(batch: dict) -> int:
 
 
 CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
-"""CPU seconds of this process (torch on one thread: what a call costs, whatever else the machine runs) and
+"""CPU seconds of this process (torch on one thread: what a call costs, whatever else the machine
+runs) and
 wall seconds (on a shared machine it adds the time other processes held the core)."""
 
 
 def timeit_side_by_side(fns: dict, repeat: int, inner: int = 5, slow: tuple = ("verl",)) -> dict:
     """Seconds of each function in ``repeat`` rounds (interleaved, so every contender sees the same
-    machine): ``{name: {"cpu": [seconds of each round], "wall": [...]}}``. A round calls each of ``slow``
-    once and each other contender ``inner`` times back to back, its value the median of those calls: a
-    call right after a 0.2-10 s verl call measures the caches and allocator state verl left, and is not
-    the contender's steady state, so the per-round ratio compares calls made under the same conditions."""
+    machine): ``{name: {"cpu": [seconds of each round], "wall": [...]}}``. A round calls each of
+    ``slow`` once and each other contender ``inner`` times back to back, its value the median of
+    those calls: a call right after a 0.2-10 s verl call measures the caches and allocator state
+    verl left, and is not
+    the contender's steady state, so the per-round ratio compares calls made under the same
+    conditions."""
     for fn in fns.values():
         fn()
     times = {name: {clock: [] for clock in CLOCKS} for name in fns}
@@ -108,7 +116,10 @@ def median(xs: list) -> float:
 
 def spread(xs: list, scale: float = 1e3, fmt: str = "{:.3f}") -> str:
     """``median [min..max]`` of ``xs`` times ``scale``."""
-    return f"{fmt.format(median(xs) * scale)} [{fmt.format(min(xs) * scale)}..{fmt.format(max(xs) * scale)}]"
+    return (
+        f"{fmt.format(median(xs) * scale)} "
+        f"[{fmt.format(min(xs) * scale)}..{fmt.format(max(xs) * scale)}]"
+    )
 
 
 def _rss(key: str) -> int:
@@ -130,20 +141,27 @@ def memory_probe(batch_size: int, topk: bool) -> None:
 
 def peak_ratio(batch_size: int, topk: bool) -> float | None:
     try:
-        res = subprocess.run([sys.executable, __file__, "--memory-probe", str(batch_size), str(int(topk))],
-                             capture_output=True, text=True, timeout=300, check=True)
+        res = subprocess.run(
+            [sys.executable, __file__, "--memory-probe", str(batch_size), str(int(topk))],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=True,
+        )
         peak, out = map(int, res.stdout.split()[-2:])
         return peak / out
     except (subprocess.SubprocessError, ValueError, OSError):
         return None
 
 
-def run(batch_sizes, repeat: int, cases=("tokens", "topk"), with_verl: bool = True, memory: bool = True
-        ) -> list[dict]:
+def run(
+    batch_sizes, repeat: int, cases=("tokens", "topk"), with_verl: bool = True, memory: bool = True
+) -> list[dict]:
     verl = None
     if with_verl:
         try:
             from verl_reference import load_verl_mcore_util, patched_parallel_state
+
             verl = load_verl_mcore_util()
         except ImportError as exc:
             print(f"(verl not available: {exc}; its column is empty)")
@@ -163,26 +181,40 @@ def run(batch_sizes, repeat: int, cases=("tokens", "topk"), with_verl: bool = Tr
                     torch.cat([s[k] for s in samples])
                 torch.empty_like(src).copy_(src)
 
-            row = {"B": b, "case": "top-k K=64" if topk else "tokens", "T_local": batch["input_ids"].shape[1],
-                   "out_MiB": nbytes / 2**20}
+            row = {
+                "B": b,
+                "case": "top-k K=64" if topk else "tokens",
+                "T_local": batch["input_ids"].shape[1],
+                "out_MiB": nbytes / 2**20,
+            }
             fns = {"ours": lambda: coll(samples), "ours_nested": lambda: coll(nt), "floor": floor}
             if verl is not None:
+
                 def run_verl():
                     with patched_parallel_state(verl, tp=LAYOUT.tp, cp=LAYOUT.cp, cp_rank=0):
                         for k in fields_of(samples):
                             verl.preprocess_thd_engine(nt[k], pre_process=True)
+
                 fns["verl"] = run_verl
-            # verl is 100-1000x slower: fewer rounds at large B (every contender in every round alike)
-            row.update(timeit_side_by_side(fns, max(5, repeat // 4) if verl is not None and b >= 256 else repeat))
+            # verl is 100-1000x slower: fewer rounds at large B (every contender in every round
+            # alike)
+            row.update(
+                timeit_side_by_side(
+                    fns, max(5, repeat // 4) if verl is not None and b >= 256 else repeat
+                )
+            )
             row["peak/out"] = peak_ratio(b, topk) if memory else None
             rows.append(row)
             print_row(row)
     return rows
 
 
-HEADER = ("| B | case | T_local | out MiB | ours ms | nested ms | verl ms | floor ms | verl/ours | "
-          "ours / floor: per round | ratio of medians | wall: ours ms | floor ms | per round | ratio of medians "
-          "| peak/out |\n" + "|---" * 16 + "|")
+HEADER = (
+    "| B | case | T_local | out MiB | ours ms | nested ms | verl ms | floor ms | verl/ours | "
+    "ours / floor: per round | ratio of medians | wall: ours ms | floor ms | per round | ratio of "
+    "medians "
+    "| peak/out |\n" + "|---" * 16 + "|"
+)
 
 
 def ratios(r: dict, clock: str) -> tuple[list[float], float]:
@@ -195,12 +227,24 @@ def print_row(r: dict) -> None:
     verl, peak = r.get("verl"), r.get("peak/out")
     cpu, cpu_of_medians = ratios(r, "cpu")
     wall, wall_of_medians = ratios(r, "wall")
-    speedup = "-" if verl is None else spread([v / o for v, o in zip(verl["cpu"], r["ours"]["cpu"])], 1, "{:.0f}x")
-    print(f"| {r['B']} | {r['case']} | {r['T_local']} | {r['out_MiB']:.2f} | {spread(r['ours']['cpu'])} | "
-          f"{spread(r['ours_nested']['cpu'])} | {'-' if verl is None else spread(verl['cpu'], 1e3, '{:.1f}')} | "
-          f"{spread(r['floor']['cpu'])} | {speedup} | {spread(cpu, 1, '{:.2f}x')} | {cpu_of_medians:.2f}x | "
-          f"{spread(r['ours']['wall'])} | {spread(r['floor']['wall'])} | {spread(wall, 1, '{:.2f}x')} | "
-          f"{wall_of_medians:.2f}x | {'-' if peak is None else f'{peak:.2f}x'} |", flush=True)
+    speedup = (
+        "-"
+        if verl is None
+        else spread([v / o for v, o in zip(verl["cpu"], r["ours"]["cpu"])], 1, "{:.0f}x")
+    )
+    print(
+        f"| {r['B']} | {r['case']} | {r['T_local']} | {r['out_MiB']:.2f} | "
+        f"{spread(r['ours']['cpu'])} "
+        f"| "
+        f"{spread(r['ours_nested']['cpu'])} | "
+        f"{'-' if verl is None else spread(verl['cpu'], 1e3, '{:.1f}')} | "
+        f"{spread(r['floor']['cpu'])} | {speedup} | {spread(cpu, 1, '{:.2f}x')} | "
+        f"{cpu_of_medians:.2f}x | "
+        f"{spread(r['ours']['wall'])} | {spread(r['floor']['wall'])} | "
+        f"{spread(wall, 1, '{:.2f}x')} | "
+        f"{wall_of_medians:.2f}x | {'-' if peak is None else f'{peak:.2f}x'} |",
+        flush=True,
+    )
 
 
 def pin_allocator() -> bool:
@@ -213,22 +257,39 @@ def pin_allocator() -> bool:
 
         libc = ctypes.CDLL("libc.so.6")
         m_trim_threshold, m_mmap_threshold = -1, -3
-        return bool(libc.mallopt(m_mmap_threshold, 1 << 30) and libc.mallopt(m_trim_threshold, 1 << 30))
+        return bool(
+            libc.mallopt(m_mmap_threshold, 1 << 30) and libc.mallopt(m_trim_threshold, 1 << 30)
+        )
     except (OSError, AttributeError):
         return False
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--quick", action="store_true", help="B in {8, 64, 256} and fewer repeats")
     p.add_argument("--repeat", type=int, default=None, help="rounds per cell (median [min..max])")
-    p.add_argument("--threads", type=int, default=1, help="torch threads (both sides alike; default 1)")
-    p.add_argument("--sizes", type=int, nargs="+", default=None, help="batch sizes B (default: per --quick)")
-    p.add_argument("--cases", nargs="+", choices=("tokens", "topk"), default=("tokens", "topk"),
-                   help="tokens: ids only (labels, loss mask, positions derived); topk: + teacher top-k")
-    p.add_argument("--no-verl", action="store_true", help="leave verl out (it takes most of the time)")
+    p.add_argument(
+        "--threads", type=int, default=1, help="torch threads (both sides alike; default 1)"
+    )
+    p.add_argument(
+        "--sizes", type=int, nargs="+", default=None, help="batch sizes B (default: per --quick)"
+    )
+    p.add_argument(
+        "--cases",
+        nargs="+",
+        choices=("tokens", "topk"),
+        default=("tokens", "topk"),
+        help="tokens: ids only (labels, loss mask, positions derived); topk: + teacher top-k",
+    )
+    p.add_argument(
+        "--no-verl", action="store_true", help="leave verl out (it takes most of the time)"
+    )
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocess")
-    p.add_argument("--memory-probe", nargs=2, type=int, metavar=("B", "TOPK"), help=argparse.SUPPRESS)
+    p.add_argument(
+        "--memory-probe", nargs=2, type=int, metavar=("B", "TOPK"), help=argparse.SUPPRESS
+    )
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.memory_probe:
@@ -236,11 +297,20 @@ def main(argv=None) -> None:
         return
     sizes = args.sizes or ((8, 64, 256) if args.quick else (8, 64, 256, 1024))
     pinned = pin_allocator()
-    print(f"torch {torch.__version__}, {args.threads} thread(s), layout tp={LAYOUT.tp} cp={LAYOUT.cp} (rank 0), "
-          f"padding {LAYOUT.pad_policy.value}, "
-          f"lengths 16..1024, malloc thresholds {'pinned' if pinned else 'default'}")
+    print(
+        f"torch {torch.__version__}, {args.threads} thread(s), layout tp={LAYOUT.tp} "
+        f"cp={LAYOUT.cp} (rank 0), "
+        f"padding {LAYOUT.pad_policy.value}, "
+        f"lengths 16..1024, malloc thresholds {'pinned' if pinned else 'default'}"
+    )
     print(HEADER)
-    run(sizes, args.repeat or (11 if args.quick else 31), args.cases, not args.no_verl, not args.no_memory)
+    run(
+        sizes,
+        args.repeat or (11 if args.quick else 31),
+        args.cases,
+        not args.no_verl,
+        not args.no_memory,
+    )
 
 
 if __name__ == "__main__":

@@ -1,20 +1,23 @@
-"""Mixtures: plan time to the first batch, and realized shares per step against Megatron's BlendedDataset.
+"""Mixtures: plan time to the first batch, and realized shares per step against Megatron's
+BlendedDataset.
 
-(a) Time to the first micro-batch's request (what a loader does before its first batch once the index is
-    in memory: the epoch's order, the oversize screening and the first chunk's plan) for a 3-component
-    ``Mixture`` of N samples each vs one source of 3N samples with the same lengths; median [min..max] over
-    interleaved rounds, and their ratio (target <= 1.2). Equal work: ``by="samples"``, weights 1/3 each
-    (3N draws, as the single source's epoch). Then, for scale, ``by="tokens"`` with 0.6 / 0.3 / 0.1 on mean
-    lengths 100 / 1,000 / 4,000: the 100-token component is up-sampled ~30x to hold 60% of the tokens, so
-    that epoch has ~11x the draws (its time is printed with its draw count; no ratio).
-(b) Realized token share per window of 16 global steps (DP 2, budget 8,192) of three components of mean
-    lengths 100 / 1,000 / 4,000 tokens (uniform +-50%), token weights 0.6 / 0.3 / 0.1: ours, and
-    megatron-core's ``BlendedDataset`` index (``helpers.build_blending_indices``) given sample weights
-    converted by hand from the token weights by the mean lengths, its order packed by the same planner.
-    Max absolute deviation from the weight over the epoch and over any 16-step window.
+(a) Time to the first micro-batch's request (what a loader does before its first batch once the
+    index is in memory: the epoch's order, the oversize screening and the first chunk's plan) for a
+    3-component ``Mixture`` of N samples each vs one source of 3N samples with the same lengths;
+    median [min..max] over interleaved rounds, and their ratio (target <= 1.2). Equal work:
+    ``by="samples"``, weights 1/3 each (3N draws, as the single source's epoch). Then, for scale,
+    ``by="tokens"`` with 0.6 / 0.3 / 0.1 on mean lengths 100 / 1,000 / 4,000: the 100-token
+    component is up-sampled ~30x to hold 60% of the tokens, so that epoch has ~11x the draws (its
+    time is printed with its draw count; no ratio).
+(b) Realized token share per window of 16 global steps (DP 2, budget 8,192) of three components of
+    mean lengths 100 / 1,000 / 4,000 tokens (uniform +-50%), token weights 0.6 / 0.3 / 0.1: ours,
+    and megatron-core's ``BlendedDataset`` index (``helpers.build_blending_indices``) given sample
+    weights converted by hand from the token weights by the mean lengths, its order packed by the
+    same planner. Max absolute deviation from the weight over the epoch and over any 16-step window.
 
     .venv/bin/python benchmarks/bench_mixture.py [--samples 1000000] [--rounds 5]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,8 +54,12 @@ class _Unread(Source):
 
 def _part(lengths: np.ndarray) -> SampleIndex:
     n = lengths.size
-    return SampleIndex(lengths=lengths.astype(np.int64), locations=np.arange(n, dtype=np.int64)[:, None],
-                       shards=np.zeros(n, np.int64), report=BadDataReport())
+    return SampleIndex(
+        lengths=lengths.astype(np.int64),
+        locations=np.arange(n, dtype=np.int64)[:, None],
+        shards=np.zeros(n, np.int64),
+        report=BadDataReport(),
+    )
 
 
 def _lengths(n: int, seed: int = 0) -> list[np.ndarray]:
@@ -61,9 +68,19 @@ def _lengths(n: int, seed: int = 0) -> list[np.ndarray]:
 
 
 def _schedule(index: SampleIndex, order_of, strategy, dp=2, budget=8192) -> Schedule:
-    return Schedule(index, layout=ParallelLayout(), token_budget=budget, dp_size=dp,
-                    planner=PlannerConfig(strategy=strategy), seed=0, shuffle=True, sequential=False, window=1,
-                    step_window=1 if order_of else None, order_of=order_of)
+    return Schedule(
+        index,
+        layout=ParallelLayout(),
+        token_budget=budget,
+        dp_size=dp,
+        planner=PlannerConfig(strategy=strategy),
+        seed=0,
+        shuffle=True,
+        sequential=False,
+        window=1,
+        step_window=1 if order_of else None,
+        order_of=order_of,
+    )
 
 
 def first_batch(parts, mixed: bool, by: str = "samples") -> float:
@@ -72,8 +89,11 @@ def first_batch(parts, mixed: bool, by: str = "samples") -> float:
         weights = WEIGHTS if by == "tokens" else (1 / 3, 1 / 3, 1 / 3)
         mix = Mixture({n: (_Unread(), w) for n, w in zip("abc", weights)}, by=by)
         index = mix.merged(parts)
-        sch = _schedule(index, lambda e, served: mix.epoch_order(e, seed=0, shuffle=True, window=1, served=served),
-                        PackStrategy.STEP_FIT)
+        sch = _schedule(
+            index,
+            lambda e, served: mix.epoch_order(e, seed=0, shuffle=True, window=1, served=served),
+            PackStrategy.STEP_FIT,
+        )
     else:
         index = _part(np.concatenate([p.lengths for p in parts]))
         sch = _schedule(index, None, PackStrategy.BFD)
@@ -86,7 +106,7 @@ def deviations(ids, bounds, comp_of, lengths):
     comp, units = comp_of[ids], lengths[ids]
     epoch = window_shares(comp, units, np.array([0]), np.array([ids.size]), 3)[0]
     n = bounds.size - 1
-    win = window_shares(comp, units, bounds[:n - 15], bounds[16:], 3)
+    win = window_shares(comp, units, bounds[: n - 15], bounds[16:], 3)
     return np.abs(epoch - WEIGHTS).max(), np.abs(win - WEIGHTS).max(axis=0)
 
 
@@ -99,8 +119,11 @@ def shares_vs_megatron():
     mix = Mixture({n: (_Unread(), w) for n, w in zip(("web", "code", "math"), WEIGHTS)})
     index = mix.merged(parts)
     comp_of, flat = mix.component_of(), index.lengths
-    ours = _schedule(index, lambda e, s: mix.epoch_order(e, seed=0, shuffle=True, window=1, served=s),
-                     PackStrategy.STEP_FIT)
+    ours = _schedule(
+        index,
+        lambda e, s: mix.epoch_order(e, seed=0, shuffle=True, window=1, served=s),
+        PackStrategy.STEP_FIT,
+    )
     ids, bounds = steps_served(ours, 0)
     o_epoch, o_win = deviations(ids, bounds, comp_of, flat)
     w = np.array(WEIGHTS) / np.array([x.mean() for x in lengths])
@@ -108,22 +131,39 @@ def shares_vs_megatron():
     size = ids.size
     d_idx, s_idx = np.zeros(size, np.int16), np.zeros(size, np.int64)
     helpers.build_blending_indices(d_idx, s_idx, w, 3, size, False)
-    streams = [mixed_order(MixSpec(names=("x",), weights=(1.0,), by="samples", length=size), [x], epoch=0, seed=0,
-                           shuffle=True).ids for x in lengths]
+    streams = [
+        mixed_order(
+            MixSpec(names=("x",), weights=(1.0,), by="samples", length=size),
+            [x],
+            epoch=0,
+            seed=0,
+            shuffle=True,
+        ).ids
+        for x in lengths
+    ]
     offsets = np.cumsum([0] + [len(x) for x in lengths])
     theirs_order = np.array([offsets[d] + streams[d][j] for d, j in zip(d_idx, s_idx)])
     theirs = _schedule(index, lambda e, s: theirs_order, PackStrategy.STEP_FIT)
     t_epoch, t_win = deviations(*steps_served(theirs, 0), comp_of, flat)
-    print("(b) token share deviation from 0.6 / 0.3 / 0.1, DP 2, budget 8192, windows of 16 global steps")
-    print(f"    prealign Mixture(by='tokens'):          epoch {o_epoch:.4f}, 16-step windows "
-          f"{np.round(o_win, 4).tolist()} (max {o_win.max():.4f})")
-    print(f"    Megatron BlendedDataset (hand weights):  epoch {t_epoch:.4f}, 16-step windows "
-          f"{np.round(t_win, 4).tolist()} (max {t_win.max():.4f})")
+    print(
+        "(b) token share deviation from 0.6 / 0.3 / 0.1, DP 2, budget 8192, windows of 16 global "
+        "steps"
+    )
+    print(
+        f"    prealign Mixture(by='tokens'):          epoch {o_epoch:.4f}, 16-step windows "
+        f"{np.round(o_win, 4).tolist()} (max {o_win.max():.4f})"
+    )
+    print(
+        f"    Megatron BlendedDataset (hand weights):  epoch {t_epoch:.4f}, 16-step windows "
+        f"{np.round(t_win, 4).tolist()} (max {t_win.max():.4f})"
+    )
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--samples", type=int, default=1_000_000, help="samples per component [%(default)s]")
+    ap.add_argument(
+        "--samples", type=int, default=1_000_000, help="samples per component [%(default)s]"
+    )
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
     parts = [_part(x) for x in _lengths(args.samples)]
@@ -134,12 +174,20 @@ def main() -> None:
 
     def fmt(v):
         return f"{np.median(v):.3f} s [{min(v):.3f}..{max(v):.3f}]"
+
     ratio = [m / s for m, s in zip(times[True], times[False])]
-    print(f"(a) first micro-batch, 3 x {args.samples} samples: mixture {fmt(times[True])}, one source of "
-          f"{3 * args.samples} {fmt(times[False])}; ratio {np.median(ratio):.2f} [{min(ratio):.2f}..{max(ratio):.2f}]"
-          f" (target <= 1.2)")
+    print(
+        f"(a) first micro-batch, 3 x {args.samples} samples: mixture {fmt(times[True])}, one "
+        f"source of "
+        f"{3 * args.samples} {fmt(times[False])}; ratio {np.median(ratio):.2f} "
+        f"[{min(ratio):.2f}..{max(ratio):.2f}]"
+        f" (target <= 1.2)"
+    )
     t = [first_batch(parts, True, "tokens") for _ in range(max(1, args.rounds // 2))]
-    print(f"    by='tokens' 0.6 / 0.3 / 0.1 (~{_draws(parts) / 1e6:.0f}M draws in the epoch): {fmt(t)}")
+    print(
+        f"    by='tokens' 0.6 / 0.3 / 0.1 (~{_draws(parts) / 1e6:.0f}M draws in the epoch): "
+        f"{fmt(t)}"
+    )
     shares_vs_megatron()
 
 

@@ -1,21 +1,24 @@
-"""Planner benchmark: utilisation and DP imbalance of BFD vs first-fit vs in-order, and planning time.
+"""Planner benchmark: utilisation and DP imbalance of BFD vs first-fit vs in-order, and planning
+time.
 
 Data
   gsm8k/words  GSM8K train+test (read from ../shared/data/gsm8k/ relative to the repo root, never
-               copied), question + "\\n" + answer, tokenised by a deterministic regex standing in for a
-               BPE tokenizer (none can be downloaded here): one token per run of letters, per group
-               of up to 3 digits and per other non-space character, plus BOS and EOS. Mean ~155
-               tokens, close to what Llama/Qwen tokenizers give on GSM8K. Budget 8192.
-  gsm8k/bytes  the same text as UTF-8 bytes (a byte-level tokenizer, as ByT5), plus BOS/EOS. Budget 8192.
-  longtail     100k synthetic lengths, lognormal(5.5, 1.1) clipped to 32..8000 (seed 0). Budget 16384.
+               copied), question + "\\n" + answer, tokenised by a deterministic regex standing in
+               for a BPE tokenizer (none can be downloaded here): one token per run of letters, per
+               group of up to 3 digits and per other non-space character, plus BOS and EOS. Mean
+               ~155 tokens, close to what Llama/Qwen tokenizers give on GSM8K. Budget 8192.
+  gsm8k/bytes  the same text as UTF-8 bytes (a byte-level tokenizer, as ByT5), plus BOS/EOS. Budget
+  8192. longtail     100k synthetic lengths, lognormal(5.5, 1.1) clipped to 32..8000 (seed 0).
+        Budget 16384.
 Layout tp=2, cp=2 (sequence parallel), dp=4.
 
-Columns: utilisation = real tokens / (micro-batches x budget); steady = the same without the final (short)
-step; bound = what any planner could at best do under the equal-count rule:
+Columns: utilisation = real tokens / (micro-batches x budget); steady = the same without the final
+(short) step; bound = what any planner could at best do under the equal-count rule:
 real / (round_up(ceil(sum aligned / capacity), dp) x budget);
 imbalance = sum over steps of the max rank load / sum of the mean load (worst step in brackets);
 max T = the largest padded micro-batch (must be <= budget). ``--quick`` uses 20k synthetic samples.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -72,22 +75,36 @@ def run(name: str, lengths: np.ndarray, budget: int, layout: ParallelLayout, dp:
     rows = []
     for strategy in ("bfd", "first_fit", "in_order"):
         t0 = time.perf_counter()
-        plan = plan_microbatches(lengths, layout=layout, token_budget=budget, dp_size=dp, strategy=strategy, seed=0)
+        plan = plan_microbatches(
+            lengths, layout=layout, token_budget=budget, dp_size=dp, strategy=strategy, seed=0
+        )
         dt = time.perf_counter() - t0
         s = plan.stats
-        body = plan.real_tokens[:, :s.microbatches_per_rank - plan.steps[-1]]
-        rows.append({"data": name, "strategy": strategy, "samples": len(lengths),
-                     "mb/rank": s.microbatches_per_rank, "utilisation": s.utilisation,
-                     "steady": float(body.sum()) / max(body.size * budget, 1),
-                     "bound": bound(lengths, layout, budget, dp),
-                     "imbalance": s.imbalance, "worst step": s.worst_step_imbalance, "max T": s.max_padded_length,
-                     "budget": budget, "plan s": dt})
+        body = plan.real_tokens[:, : s.microbatches_per_rank - plan.steps[-1]]
+        rows.append(
+            {
+                "data": name,
+                "strategy": strategy,
+                "samples": len(lengths),
+                "mb/rank": s.microbatches_per_rank,
+                "utilisation": s.utilisation,
+                "steady": float(body.sum()) / max(body.size * budget, 1),
+                "bound": bound(lengths, layout, budget, dp),
+                "imbalance": s.imbalance,
+                "worst step": s.worst_step_imbalance,
+                "max T": s.max_padded_length,
+                "budget": budget,
+                "plan s": dt,
+            }
+        )
         assert s.max_padded_length <= budget
     return rows
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--quick", action="store_true", help="20k synthetic samples instead of 100k")
     ap.add_argument("--json", help="also write the rows to this file")
     args = ap.parse_args(argv)
@@ -100,15 +117,21 @@ def main(argv=None) -> int:
         rows += run("gsm8k/words", np.array([words_tokenizer(t) for t in texts]), 8192, layout, dp)
         rows += run("gsm8k/bytes", np.array([bytes_tokenizer(t) for t in texts]), 8192, layout, dp)
     rows += run("longtail", longtail(20_000 if args.quick else 100_000), 16384, layout, dp)
-    head = f"{'data':<12} {'strategy':<9} {'samples':>7} {'mb/rank':>7} {'util':>6} {'steady':>6} " \
-           f"{'bound':>6} " \
-           f"{'imbalance (worst)':>17} {'max T':>6} {'budget':>6} {'plan s':>7}"
+    head = (
+        f"{'data':<12} {'strategy':<9} {'samples':>7} {'mb/rank':>7} {'util':>6} {'steady':>6} "
+        f"{'bound':>6} "
+        f"{'imbalance (worst)':>17} {'max T':>6} {'budget':>6} {'plan s':>7}"
+    )
     print(f"tp=2 cp=2 dp={dp}\n{head}\n{'-' * len(head)}")
     for r in rows:
-        print(f"{r['data']:<12} {r['strategy']:<9} {r['samples']:>7} {r['mb/rank']:>7} {r['utilisation']:>6.4f} "
-              f"{r['steady']:>6.4f} {r['bound']:>6.4f} {r['imbalance']:>8.4f} ({r['worst step']:.3f}) "
-              f"{r['max T']:>6} {r['budget']:>6} "
-              f"{r['plan s']:>7.3f}")
+        print(
+            f"{r['data']:<12} {r['strategy']:<9} {r['samples']:>7} {r['mb/rank']:>7} "
+            f"{r['utilisation']:>6.4f} "
+            f"{r['steady']:>6.4f} {r['bound']:>6.4f} {r['imbalance']:>8.4f} "
+            f"({r['worst step']:.3f}) "
+            f"{r['max T']:>6} {r['budget']:>6} "
+            f"{r['plan s']:>7.3f}"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

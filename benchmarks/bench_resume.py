@@ -6,16 +6,19 @@ stream (issue #28).
     nice -n 10 python benchmarks/bench_resume.py --stream [--size 1100000] [--stream-at 1000000]
         [--rounds 3] [--replay-rounds N]
 
-Data: ``--size`` pre-tokenized webdataset samples (int64 ``[8..128]`` tokens, 10k a shard, the writer of
-``bench_ttfb.py``) with sidecar indexes (``write_sidecars``, written once and kept in ``--dir``). Layout
-tp=2, cp=2, budget 8192, seed 0. A setup process plans the epoch at dp=4 and finds the position ``p`` (micro-batches per
-rank) where ``--at`` of the epoch's samples have been served; the state there is what a dp=4 run saves.
-Each phase then runs in a fresh process (no warm caches but the OS page cache) and times, from nothing:
-the loader built from the sidecars (``prepare``), ``load_state_dict`` and the first batch after it.
+Data: ``--size`` pre-tokenized webdataset samples (int64 ``[8..128]`` tokens, 10k a shard, the
+writer of ``bench_ttfb.py``) with sidecar indexes (``write_sidecars``, written once and kept in
+``--dir``). Layout tp=2, cp=2, budget 8192, seed 0. A setup process plans the epoch at dp=4 and
+finds the position ``p`` (micro-batches per rank) where ``--at`` of the epoch's samples have been
+served; the state there is what a dp=4 run saves. Each phase then runs in a fresh process (no warm
+caches but the OS page cache) and times, from nothing: the loader built from the sidecars
+(``prepare``), ``load_state_dict`` and the first batch after it.
 
 * ``same``     dp 4 -> 4 (today's resume: the plan up to ``p``)
-* ``elastic``  dp 4 -> 3 (the dp-4 plan up to ``p``, what it served left out, the rest planned for dp 3)
-* ``chained``  dp 4 -> 3 at half of ``p``'s samples -> 5 at ``p`` (two earlier segments to recompute)
+* ``elastic``  dp 4 -> 3 (the dp-4 plan up to ``p``, what it served left out, the rest planned for
+  dp 3)
+* ``chained``  dp 4 -> 3 at half of ``p``'s samples -> 5 at ``p`` (two earlier segments to
+  recompute)
 * ``replay``   what replaying the skipped micro-batches would cost instead: the time to load 200
                micro-batches (one rank, no workers) times the ``p`` a rank skips, side by side
 
@@ -30,6 +33,7 @@ interleaved, and times build + ``load_state_dict`` + first batch; the first batc
 Reported: median [min..max] over rounds and the per-round ratio. Target: the seek <= 10 s at sample
 1M.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,10 +56,13 @@ from prealign.schemas import ParallelLayout, causal_lm_schema
 paths = {paths!r}
 def make(dp, rank=0):
     return PackedLoader(WebDatasetSource(paths, sidecars=True), schema=causal_lm_schema(),
-                        layout=ParallelLayout(tp=2, cp=2), token_budget=8192, dp_size=dp, dp_rank=rank, cp_rank=0)
+                        layout=ParallelLayout(tp=2, cp=2), token_budget=8192, dp_size=dp,
+                        dp_rank=rank, cp_rank=0)
 """
 
-_SETUP = _COMMON + """
+_SETUP = (
+    _COMMON
+    + """
 def first_position(loader, target, base=0):
     # the first position of the loader's (current) plan where base + the samples served reach target
     ep = loader._schedule._epoch(loader.epoch)  # (a benchmark peeks; the library never needs to)
@@ -74,11 +81,15 @@ q, half = first_position(a, {target} // 2)
 b = make(3)
 b.load_state_dict({{**base, "position": q}})
 r, _ = first_position(b, {target}, half)
-result = {{"state": {{**base, "position": p}}, "chained": {{**b.state_dict(), "position": r}}, "position": p,
-          "per_rank": len(a), "served": served, "half_position": q, "second_position": r}}
+result = {{"state": {{**base, "position": p}}, "chained": {{**b.state_dict(), "position": r}},
+          "position": p, "per_rank": len(a), "served": served, "half_position": q,
+          "second_position": r}}
 """
+)
 
-_RESUME = _COMMON + """
+_RESUME = (
+    _COMMON
+    + """
 state = json.loads({state!r})
 t0 = time.perf_counter()
 loader = make({dp}).prepare()
@@ -87,11 +98,15 @@ loader.load_state_dict(state)
 t2 = time.perf_counter()
 batch = next(iter(loader))
 t3 = time.perf_counter()
-result = {{"prepare_s": t1 - t0, "load_state_s": t2 - t1, "first_batch_s": t3 - t2, "total_s": t3 - t0,
-          "microbatch": batch["microbatch"], "state_after": loader.state_dict()}}
+result = {{"prepare_s": t1 - t0, "load_state_s": t2 - t1, "first_batch_s": t3 - t2,
+          "total_s": t3 - t0, "microbatch": batch["microbatch"],
+          "state_after": loader.state_dict()}}
 """
+)
 
-_REPLAY = _COMMON + """
+_REPLAY = (
+    _COMMON
+    + """
 loader = make(4).prepare()
 it = iter(loader)
 next(it)
@@ -99,6 +114,7 @@ t0 = time.perf_counter()
 k = sum(1 for _ in islice(it, 200))
 result = {{"per_microbatch_s": (time.perf_counter() - t0) / k}}
 """
+)
 
 
 _STREAM_COMMON = """
@@ -111,7 +127,9 @@ def make():
                                  layout=ParallelLayout(tp=2, cp=2), token_budget=8192, cp_rank=0)
 """
 
-_STREAM_SETUP = _STREAM_COMMON + """
+_STREAM_SETUP = (
+    _STREAM_COMMON
+    + """
 a = make()
 served, t0 = 0, time.perf_counter()
 for batch in a:
@@ -121,8 +139,11 @@ for batch in a:
 result = {{"seek": a.state_dict(cursors=True), "replay": a.state_dict(), "served": served,
           "serve_s": time.perf_counter() - t0}}
 """
+)
 
-_STREAM_RESUME = _STREAM_COMMON + """
+_STREAM_RESUME = (
+    _STREAM_COMMON
+    + """
 state = json.loads({state!r})
 t0 = time.perf_counter()
 loader = make()
@@ -133,6 +154,7 @@ t2 = time.perf_counter()
 result = {{"load_state_s": t1 - t0, "first_batch_s": t2 - t1, "total_s": t2 - t0,
           "first_ids": batch["sample_index"].tolist(), "microbatch": batch["microbatch"]}}
 """
+)
 
 
 def _spread(xs: list[float]) -> str:
@@ -160,19 +182,23 @@ def stream_main(args) -> int:
     rounds: dict[str, list[dict]] = {"seek": [], "replay": []}
     replays = args.rounds if args.replay_rounds is None else args.replay_rounds
     for i in range(args.rounds):
-        for name in ("seek", "replay")[:2 if i < replays else 1]:
+        for name in ("seek", "replay")[: 2 if i < replays else 1]:
             code = _STREAM_RESUME.format(paths=paths, state=json.dumps(setup[name]))
             rounds[name].append(_phase(code))
         if i < replays and rounds["seek"][-1]["first_ids"] != rounds["replay"][-1]["first_ids"]:
             raise SystemExit("the seek and the replay resumed at different batches")
     position = setup["seek"]["position"]
-    print(f"StreamingPackedLoader, {args.size:,} samples in {len(paths)} shards, resumed at "
-          f"micro-batch {position} ({setup['served']:,} samples served; serving them took "
-          f"{setup['serve_s']:.0f} s), {args.rounds} rounds (replay: {replays}), "
-          f"median [min..max]\n")
-    print("| resume | load_state_dict | first batch | total | per served sample |\n"
-          "|---|---|---|---|---|")
-    for name in ("seek", "replay")[:2 if replays else 1]:
+    print(
+        f"StreamingPackedLoader, {args.size:,} samples in {len(paths)} shards, resumed at "
+        f"micro-batch {position} ({setup['served']:,} samples served; serving them took "
+        f"{setup['serve_s']:.0f} s), {args.rounds} rounds (replay: {replays}), "
+        f"median [min..max]\n"
+    )
+    print(
+        "| resume | load_state_dict | first batch | total | per served sample |\n"
+        "|---|---|---|---|---|"
+    )
+    for name in ("seek", "replay")[: 2 if replays else 1]:
         rs = rounds[name]
         load = _spread([r["load_state_s"] for r in rs])
         first = _spread([r["first_batch_s"] for r in rs])
@@ -184,32 +210,50 @@ def stream_main(args) -> int:
         print(f"\nreplay / seek per round: {_spread(ratios)}x")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"served": setup["served"], "position": position, "rounds": rounds,
-                       "ratios": ratios}, f, indent=1)
+            json.dump(
+                {
+                    "served": setup["served"],
+                    "position": position,
+                    "rounds": rounds,
+                    "ratios": ratios,
+                },
+                f,
+                indent=1,
+            )
     return 0
 
 
 def _phase(code: str) -> dict:
     prog = code + "\nprint('RESULT' + json.dumps(result))"
-    out = subprocess.run([sys.executable, "-c", prog], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", prog], capture_output=True, text=True, check=True
+    ).stdout
     return json.loads(out.rsplit("RESULT", 1)[1])
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--size", type=int, default=1_000_000)
-    ap.add_argument("--at", type=float, default=0.9, help="fraction of the epoch's samples served at the state")
+    ap.add_argument(
+        "--at", type=float, default=0.9, help="fraction of the epoch's samples served at the state"
+    )
     ap.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "prealign-bench-resume"))
     ap.add_argument("--workers", type=int, default=2, help="processes writing the sidecars")
     ap.add_argument("--json", help="also write the numbers here")
-    ap.add_argument("--stream", action="store_true",
-                    help="the streaming loader's resume instead (see the docstring)")
-    ap.add_argument("--stream-at", type=int, default=1_000_000,
-                    help="samples served at the streaming state")
-    ap.add_argument("--rounds", type=int, default=3,
-                    help="interleaved rounds of the streaming resume")
-    ap.add_argument("--replay-rounds", type=int,
-                    help="of which the replay runs in the first N (default: all)")
+    ap.add_argument(
+        "--stream",
+        action="store_true",
+        help="the streaming loader's resume instead (see the docstring)",
+    )
+    ap.add_argument(
+        "--stream-at", type=int, default=1_000_000, help="samples served at the streaming state"
+    )
+    ap.add_argument(
+        "--rounds", type=int, default=3, help="interleaved rounds of the streaming resume"
+    )
+    ap.add_argument(
+        "--replay-rounds", type=int, help="of which the replay runs in the first N (default: all)"
+    )
     args = ap.parse_args()
     if args.stream:
         return stream_main(args)
@@ -228,19 +272,41 @@ def main() -> int:
     }
     replay = _phase(_REPLAY.format(paths=paths))
     replay_s = replay["per_microbatch_s"] * setup["position"]
-    print(f"{args.size:,} samples; state at micro-batch {setup['position']} of {setup['per_rank']} per rank (dp 4), "
-          f"{setup['served']:,} samples served; chained: dp 4 for {setup['half_position']}, dp 3 for "
-          f"{setup['second_position']}\n")
-    print("| resume | build from sidecars | load_state_dict | first batch | total | replaying instead |\n"
-          "|---|---|---|---|---|---|")
-    for name, label in (("same", "dp 4 -> 4"), ("elastic", "dp 4 -> 3"), ("chained", "dp 4 -> 3 -> 5")):
+    print(
+        f"{args.size:,} samples; state at micro-batch {setup['position']} of {setup['per_rank']} "
+        f"per rank (dp 4), "
+        f"{setup['served']:,} samples served; chained: dp 4 for {setup['half_position']}, dp 3 for "
+        f"{setup['second_position']}\n"
+    )
+    print(
+        "| resume | build from sidecars | load_state_dict | first batch | total | replaying "
+        "instead |\n"
+        "|---|---|---|---|---|---|"
+    )
+    for name, label in (
+        ("same", "dp 4 -> 4"),
+        ("elastic", "dp 4 -> 3"),
+        ("chained", "dp 4 -> 3 -> 5"),
+    ):
         r = runs[name]
-        print(f"| {label} | {r['prepare_s']:.2f} s | {r['load_state_s']:.2f} s | {r['first_batch_s']:.3f} s | "
-              f"{r['total_s']:.2f} s | {replay_s:.0f} s ({replay_s / r['total_s']:.0f}x) |")
+        print(
+            f"| {label} | {r['prepare_s']:.2f} s | {r['load_state_s']:.2f} s | "
+            f"{r['first_batch_s']:.3f} s "
+            f"| "
+            f"{r['total_s']:.2f} s | {replay_s:.0f} s ({replay_s / r['total_s']:.0f}x) |"
+        )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"setup": {k: v for k, v in setup.items() if k not in ("state", "chained")}, "runs": runs,
-                       "replay": {**replay, "estimated_s": replay_s}}, f, indent=1, default=str)
+            json.dump(
+                {
+                    "setup": {k: v for k, v in setup.items() if k not in ("state", "chained")},
+                    "runs": runs,
+                    "replay": {**replay, "estimated_s": replay_s},
+                },
+                f,
+                indent=1,
+                default=str,
+            )
     return 0
 
 

@@ -1,6 +1,6 @@
-"""Start and index at scale (issues #22, #28): first batch and resume against the shard count, with one sidecar per
-shard and with a merged index, side by side with Megatron-Energon in the same run; state_dict() against the
-sample count, index workers, import time.
+"""Start and index at scale (issues #22, #28): first batch and resume against the shard count, with
+one sidecar per shard and with a merged index, side by side with Megatron-Energon in the same run;
+state_dict() against the sample count, index workers, import time.
 
     python benchmarks/bench_scale.py [--samples 20000] [--shards 20 2000 100000] [--rounds 5]
                                      [--per-shard-max 2000] [--energon-max 2000] [--no-energon]
@@ -8,25 +8,32 @@ sample count, index workers, import time.
                                      [--index 10000 100000] [--state 10000 1000000]
                                      [--json out.json]
 
-* ``start``     the same ``--samples`` text samples (``<key>.input_ids.npy``, 8..128 tokens) cut into each of
-                ``--shards`` shard counts (a shard count above ``--samples``: one sample per shard, so that many
-                samples); ``prealign index`` writes a sidecar beside each shard and ``prealign index --merge``
-                one merged index into another folder (``index_dir``), so the same shards start both ways. Then, in
-                fresh processes, interleaved over ``--rounds`` rounds: a PackedLoader's first batch and a resume (a
-                new loader, ``load_state_dict`` of a state taken 8 batches in, its first batch), from the per-shard
-                sidecars (up to ``--per-shard-max`` shards), from the merged index, and Energon's loader over the
-                same shards (``energon prepare`` run once; up to ``--energon-max`` shards); with ``--before DIR``
-                also the prealign importable from ``DIR`` (the code before a change), in the same rounds. Every
-                cell of every shard count runs once per round, in turn. Each cell: median [min..max] of wall and
-                CPU seconds (no workers: the CPU time is the work); then the ratios the issue sets targets for,
-                of CPU seconds: per-round ratios median [min..max], and the ratio of the medians.
+* ``start``     the same ``--samples`` text samples (``<key>.input_ids.npy``, 8..128 tokens) cut
+  into each of
+                ``--shards`` shard counts (a shard count above ``--samples``: one sample per shard,
+                so that many samples); ``prealign index`` writes a sidecar beside each shard and
+                ``prealign index --merge`` one merged index into another folder (``index_dir``), so
+                the same shards start both ways. Then, in fresh processes, interleaved over
+                ``--rounds`` rounds: a PackedLoader's first batch and a resume (a new loader,
+                ``load_state_dict`` of a state taken 8 batches in, its first batch), from the
+                per-shard sidecars (up to ``--per-shard-max`` shards), from the merged index, and
+                Energon's loader over the same shards (``energon prepare`` run once; up to
+                ``--energon-max`` shards); with ``--before DIR`` also the prealign importable from
+                ``DIR`` (the code before a change), in the same rounds. Every cell of every shard
+                count runs once per round, in turn. Each cell: median [min..max] of wall and CPU
+                seconds (no workers: the CPU time is the work); then the ratios the issue sets
+                targets for, of CPU seconds: per-round ratios median [min..max], and the ratio of
+                the medians.
 * ``state``     ``state_dict()`` of a prepared loader over ``--state`` samples (mean of 200 calls)
 * ``index``     ``write_sidecars`` (what ``prealign index`` runs) with 1 and 2 workers
-* ``import``    ``import prealign.loaders`` in a fresh process (and ``import torch`` alone, which it needs)
-* ``throughput`` both loaders' samples/s over the same text samples (2 workers each; ``--throughput 0``: not run)
+* ``import``    ``import prealign.loaders`` in a fresh process (and ``import torch`` alone, which it
+  needs)
+* ``throughput`` both loaders' samples/s over the same text samples (2 workers each; ``--throughput
+  0``: not run)
 
 Prints Markdown tables; ``--json`` also writes the numbers.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,11 +63,13 @@ t4, c4 = time.perf_counter(), time.process_time()
 result = {{"first_s": t2 - t1, "resume_s": t4 - t3,
            "first_cpu_s": c2 - c1, "resume_cpu_s": c4 - c3}}
 """
-"""First batch of a fresh loader; resume: a new loader restored to a state taken 8 batches in, its first batch
-(wall and CPU seconds: no workers, so the CPU time is the work, whatever else loads the machine). Each side
+"""First batch of a fresh loader; resume: a new loader restored to a state taken 8 batches in, its
+first batch (wall and CPU seconds: no workers, so the CPU time is the work, whatever else loads the
+machine). Each side
 defines ``loader()``, ``save(loader)`` and ``restore(loader, state)``."""
 
-_START = """
+_START = (
+    """
 import glob
 from prealign.loaders import PackedLoader, WebDatasetSource
 from prealign.schemas import ParallelLayout, causal_lm_schema
@@ -74,7 +83,9 @@ def save(loader):
     return loader.state_dict()
 def restore(loader, state):
     loader.load_state_dict(state)
-""" + _TIMED
+"""
+    + _TIMED
+)
 
 _STATE = """
 import numpy as np
@@ -121,7 +132,8 @@ import {module}
 result = {{"s": time.perf_counter() - t}}
 """
 
-_ENERGON_START = """
+_ENERGON_START = (
+    """
 import glob, warnings
 warnings.simplefilter("ignore")
 sys.path.append({energon!r})
@@ -135,7 +147,9 @@ def save(loader):
     return loader.save_state_rank()
 def restore(loader, state):
     loader.restore_state_rank(state)
-""" + _TIMED
+"""
+    + _TIMED
+)
 
 _ENERGON_ENCODER = """
 import sys
@@ -195,11 +209,22 @@ result = {{"samples_per_s": n / (time.perf_counter() - t)}}
 
 
 def _phase(code: str, path: str | None = None) -> dict:
-    """Run ``code`` (defines ``result``) in a fresh interpreter; return its JSON result. ``path``: a folder put
+    """Run ``code`` (defines ``result``) in a fresh interpreter; return its JSON result. ``path``: a
+    folder put
     first on ``PYTHONPATH`` (``--before``: another prealign, imported instead of this one)."""
-    prog = "import json, os, sys, time\n" + code + "\nif 'result' in globals(): print('RESULT' + json.dumps(result))"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [path, os.environ.get("PYTHONPATH")]))} \
-        if path else None
+    prog = (
+        "import json, os, sys, time\n"
+        + code
+        + "\nif 'result' in globals(): print('RESULT' + json.dumps(result))"
+    )
+    env = (
+        {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [path, os.environ.get("PYTHONPATH")])),
+        }
+        if path
+        else None
+    )
     run = subprocess.run([sys.executable, "-c", prog], capture_output=True, text=True, env=env)
     if run.returncode or "RESULT" not in run.stdout:
         raise RuntimeError(f"phase failed ({run.returncode}):\n{run.stderr[-3000:]}")
@@ -208,7 +233,8 @@ def _phase(code: str, path: str | None = None) -> dict:
 
 def _index_and_merge(root: str, merged_dir: str) -> None:
     """A sidecar beside each shard of ``root`` (``write_sidecars``, as ``prealign index``),
-    and their merged index in ``merged_dir`` alone (a loader with ``index_dir=merged_dir`` reads one file)."""
+    and their merged index in ``merged_dir`` alone (a loader with ``index_dir=merged_dir`` reads one
+    file)."""
     _phase(f"""
 import glob, os
 from prealign.loaders import WebDatasetSource
@@ -227,35 +253,48 @@ if __name__ == "__main__":
 
 def _stats(values: list[float]) -> dict:
     v = sorted(values)
-    return {"median": v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2,
-            "min": v[0], "max": v[-1], "all": values}
+    return {
+        "median": v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2,
+        "min": v[0],
+        "max": v[-1],
+        "all": values,
+    }
 
 
 def _cell(runs: dict, key: str) -> str:
     """``median [min..max] s (CPU median [min..max] s)`` of ``key`` (``first`` or ``resume``)."""
     w, c = runs[key + "_s"], runs[key + "_cpu_s"]
-    return (f"{w['median']:.3f} [{w['min']:.3f}..{w['max']:.3f}] s (CPU {c['median']:.3f} "
-            f"[{c['min']:.3f}..{c['max']:.3f}])")
+    return (
+        f"{w['median']:.3f} [{w['min']:.3f}..{w['max']:.3f}] s (CPU {c['median']:.3f} "
+        f"[{c['min']:.3f}..{c['max']:.3f}])"
+    )
 
 
 def _interleaved(contenders: dict, rounds: int) -> dict:
-    """``{cell: {key: _stats}}``: each contender (``cell: (code, PYTHONPATH or None)``) run in a fresh process
-    once per round, all of them in turn in every round (so a busy moment hits all cells of that round)."""
+    """``{cell: {key: _stats}}``: each contender (``cell: (code, PYTHONPATH or None)``) run in a
+    fresh process
+    once per round, all of them in turn in every round (so a busy moment hits all cells of that
+    round)."""
     got: dict = {cell: [] for cell in contenders}
     for r in range(rounds):
         for cell, (code, path) in contenders.items():
             got[cell].append(_phase(code, path))
         print(f"  round {r + 1}/{rounds} done", file=sys.stderr, flush=True)
-    return {cell: {k: _stats([t[k] for t in tries]) for k in tries[0]} for cell, tries in got.items()}
+    return {
+        cell: {k: _stats([t[k] for t in tries]) for k in tries[0]} for cell, tries in got.items()
+    }
 
 
 def _ratio(num: dict, den: dict, key: str) -> str:
-    """``median [min..max]`` of the per-round ratios ``num / den`` of ``key`` (same round, same machine
+    """``median [min..max]`` of the per-round ratios ``num / den`` of ``key`` (same round, same
+    machine
     moment), then the ratio of the medians."""
     per_round = [a / b for a, b in zip(num[key]["all"], den[key]["all"])]
     r = _stats(per_round)
-    return (f"{r['median']:.2f}x [{r['min']:.2f}..{r['max']:.2f}] "
-            f"(medians {num[key]['median'] / den[key]['median']:.2f}x)")
+    return (
+        f"{r['median']:.2f}x [{r['min']:.2f}..{r['max']:.2f}] "
+        f"(medians {num[key]['median'] / den[key]['median']:.2f}x)"
+    )
 
 
 def _best(code: str, repeat: int, key: str) -> dict:
@@ -267,19 +306,38 @@ def _best(code: str, repeat: int, key: str) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--samples", type=int, default=20_000)
-    ap.add_argument("--shards", type=int, nargs="*", default=[20, 2000, 100_000],
-                    help="shard counts; each later one is compared with the first (the issue's target: <= 1.5x)")
-    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds of the start (fresh processes)")
-    ap.add_argument("--per-shard-max", type=int, default=2000, help="largest shard count started from sidecars")
-    ap.add_argument("--energon-max", type=int, default=2000, help="largest shard count Energon is started on")
+    ap.add_argument(
+        "--shards",
+        type=int,
+        nargs="*",
+        default=[20, 2000, 100_000],
+        help="shard counts; each later one is compared with the first (the issue's target: <= "
+        "1.5x)",
+    )
+    ap.add_argument(
+        "--rounds", type=int, default=5, help="interleaved rounds of the start (fresh processes)"
+    )
+    ap.add_argument(
+        "--per-shard-max", type=int, default=2000, help="largest shard count started from sidecars"
+    )
+    ap.add_argument(
+        "--energon-max", type=int, default=2000, help="largest shard count Energon is started on"
+    )
     ap.add_argument("--no-energon", action="store_true")
-    ap.add_argument("--before", help="a folder holding another prealign as an importable package (``prealign/``): "
-                                     "its starts run as more contenders of the same rounds (before / after a change)")
-    ap.add_argument("--energon", default="", help="a folder holding megatron-energon, when not installed")
+    ap.add_argument(
+        "--before",
+        help="a folder holding another prealign as an importable package (``prealign/``): "
+        "its starts run as more contenders of the same rounds (before / after a change)",
+    )
+    ap.add_argument(
+        "--energon", default="", help="a folder holding megatron-energon, when not installed"
+    )
     ap.add_argument("--index", type=int, nargs="*", default=[10_000, 100_000])
     ap.add_argument("--state", type=int, nargs="*", default=[10_000, 1_000_000])
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--throughput", type=int, default=50_000, help="samples timed per loader (0: not run)")
+    ap.add_argument(
+        "--throughput", type=int, default=50_000, help="samples timed per loader (0: not run)"
+    )
     ap.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "prealign-bench-scale"))
     ap.add_argument("--json", help="also write the numbers here")
     args = ap.parse_args()
@@ -287,8 +345,12 @@ def main() -> int:
     energon = not args.no_energon
     enc = _ENERGON_ENCODER.format(energon=args.energon) if energon else ""
 
-    print(f"\nfirst batch and resume, median [min..max] of {args.rounds} interleaved rounds (fresh processes, no "
-          f"workers)", flush=True)
+    print(
+        f"\nfirst batch and resume, median [min..max] of {args.rounds} interleaved rounds (fresh "
+        f"processes, no "
+        f"workers)",
+        flush=True,
+    )
     contenders: dict = {}
     sizes = {}
     for count in args.shards:
@@ -300,45 +362,77 @@ def main() -> int:
             _index_and_merge(root, merged_dir)
         versions = [("", None)] + ([(" (before)", args.before)] if args.before else [])
         for tag, path in versions:
-            contenders[(count, "merged index" + tag)] = (_START.format(root=root, index_dir=merged_dir), path)
+            contenders[(count, "merged index" + tag)] = (
+                _START.format(root=root, index_dir=merged_dir),
+                path,
+            )
             if count <= args.per_shard_max:
-                contenders[(count, "sidecars" + tag)] = (_START.format(root=root, index_dir=None), path)
+                contenders[(count, "sidecars" + tag)] = (
+                    _START.format(root=root, index_dir=None),
+                    path,
+                )
         if energon and count <= args.energon_max:
             if not os.path.exists(os.path.join(root, ".nv-meta", "dataset.yaml")):
-                numbers[f"energon_prepare_{count}"] = _phase(_PREPARE.format(energon=args.energon, root=root,
-                                                                             workers=2))
-            contenders[(count, "energon")] = (enc + _ENERGON_START.format(energon=args.energon, root=root), None)
+                numbers[f"energon_prepare_{count}"] = _phase(
+                    _PREPARE.format(energon=args.energon, root=root, workers=2)
+                )
+            contenders[(count, "energon")] = (
+                enc + _ENERGON_START.format(energon=args.energon, root=root),
+                None,
+            )
     got = _interleaved(contenders, args.rounds)
     print("\n| shards (samples) | from | first batch | resume |\n|---|---|---|---|")
     for (count, name), runs in got.items():
         numbers.setdefault(f"start_{count}", {})[name] = runs
-        print(f"| {sizes[count][0]:,} ({sizes[count][1]:,}) | {name} | {_cell(runs, 'first')} | "
-              f"{_cell(runs, 'resume')} |", flush=True)
+        print(
+            f"| {sizes[count][0]:,} ({sizes[count][1]:,}) | {name} | {_cell(runs, 'first')} | "
+            f"{_cell(runs, 'resume')} |",
+            flush=True,
+        )
     base = args.shards[0] if args.shards else None
-    print(f"\nratios, CPU seconds (per-round median [min..max], then the ratio of the medians); the targets of "
-          f"issue #28: <= 1.5x the {base}-shard start, <= 1.0x Energon's resume\n")
+    print(
+        f"\nratios, CPU seconds (per-round median [min..max], then the ratio of the medians); the "
+        f"targets of "
+        f"issue #28: <= 1.5x the {base}-shard start, <= 1.0x Energon's resume\n"
+    )
     for count in args.shards[1:]:
         for name in [n for (c, n) in got if c == count]:
             if (base, name) in got:
                 now, then = got[(count, name)], got[(base, name)]
-                print(f"- {name}, {count:,} vs {base:,} shards: first batch {_ratio(now, then, 'first_cpu_s')}, "
-                      f"resume {_ratio(now, then, 'resume_cpu_s')}", flush=True)
+                print(
+                    f"- {name}, {count:,} vs {base:,} shards: first batch "
+                    f"{_ratio(now, then, 'first_cpu_s')}, "
+                    f"resume {_ratio(now, then, 'resume_cpu_s')}",
+                    flush=True,
+                )
     for count in args.shards:
         if (count, "energon") in got:
             for name in [n for (c, n) in got if c == count and n.startswith("merged")]:
                 m, e = got[(count, name)], got[(count, "energon")]
-                print(f"- {name} / Energon at {count:,} shards: first batch {_ratio(m, e, 'first_cpu_s')}, resume "
-                      f"{_ratio(m, e, 'resume_cpu_s')}", flush=True)
+                print(
+                    f"- {name} / Energon at {count:,} shards: first batch "
+                    f"{_ratio(m, e, 'first_cpu_s')}, resume "
+                    f"{_ratio(m, e, 'resume_cpu_s')}",
+                    flush=True,
+                )
 
     if energon and args.shards and args.throughput:
         root = os.path.join(args.dir, f"text-{max(args.samples, args.shards[0])}-{args.shards[0]}")
-        tp = {k: _phase((enc if k == "energon" else "") + _THROUGHPUT.format(root=root, kind=k,
-                                                                             samples=args.throughput))
-              for k in ("prealign", "energon")}
+        tp = {
+            k: _phase(
+                (enc if k == "energon" else "")
+                + _THROUGHPUT.format(root=root, kind=k, samples=args.throughput)
+            )
+            for k in ("prealign", "energon")
+        }
         numbers["throughput"] = tp
-        print(f"\ntext loader, 2 workers: prealign {tp['prealign']['samples_per_s']:,.0f} samples/s, energon "
-              f"{tp['energon']['samples_per_s']:,.0f} samples/s "
-              f"({tp['prealign']['samples_per_s'] / tp['energon']['samples_per_s']:.2f}x)", flush=True)
+        print(
+            f"\ntext loader, 2 workers: prealign {tp['prealign']['samples_per_s']:,.0f} "
+            f"samples/s, energon "
+            f"{tp['energon']['samples_per_s']:,.0f} samples/s "
+            f"({tp['prealign']['samples_per_s'] / tp['energon']['samples_per_s']:.2f}x)",
+            flush=True,
+        )
 
     if args.state:
         print("\n| samples | state_dict() |\n|---|---|")
@@ -354,13 +448,21 @@ def main() -> int:
         one = _best(_INDEX.format(paths=paths, workers=1), args.repeat, "s")
         two = _best(_INDEX.format(paths=paths, workers=2), args.repeat, "s")
         numbers[f"index_{n}"] = {"1": one, "2": two}
-        print(f"| {n:,} | {one['s']:.2f} s ({one['cpu_s']:.2f} CPU s) | {two['s']:.2f} s ({two['cpu_s']:.2f} CPU s) |",
-              flush=True)
+        print(
+            f"| {n:,} | {one['s']:.2f} s ({one['cpu_s']:.2f} CPU s) | {two['s']:.2f} s "
+            f"({two['cpu_s']:.2f} CPU s) "
+            f"|",
+            flush=True,
+        )
 
-    imports = {m: _best(_IMPORT.format(module=m), args.repeat, "s") for m in ("torch", "prealign.loaders")}
+    imports = {
+        m: _best(_IMPORT.format(module=m), args.repeat, "s") for m in ("torch", "prealign.loaders")
+    }
     numbers["import"] = imports
-    print(f"\nimport prealign.loaders {imports['prealign.loaders']['s']:.2f} s (import torch alone "
-          f"{imports['torch']['s']:.2f} s)")
+    print(
+        f"\nimport prealign.loaders {imports['prealign.loaders']['s']:.2f} s (import torch alone "
+        f"{imports['torch']['s']:.2f} s)"
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(numbers, f, indent=1)

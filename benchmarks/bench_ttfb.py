@@ -6,16 +6,21 @@
 For each size: pre-tokenized webdataset shards (``<key>.input_ids.npy`` int64, 8..128 tokens, 10k
 samples per shard, written as raw tar bytes), then
 
-* ``full``      PackedLoader built and its first batch taken, the index pass in process (no sidecars)
-* ``index``     ``write_sidecars`` (what ``prealign index`` runs): samples/s with 1 and 2 processes, and
+* ``full``      PackedLoader built and its first batch taken, the index pass in process (no
+  sidecars)
+* ``index``     ``write_sidecars`` (what ``prealign index`` runs): samples/s with 1 and 2 processes,
+  and
                 per CPU-second (what one free core does, whatever else shares the machine)
-* ``sidecars``  PackedLoader built and its first batch taken from the sidecars (best of ``--repeat`` fresh
+* ``sidecars``  PackedLoader built and its first batch taken from the sidecars (best of ``--repeat``
+  fresh
                 processes; all of them in the JSON)
 
-and the demo's VLM set (chat + images + teacher top-k): the full pass against the header pass (with and
-without the pixel check), one shard after another on one thread, CPU seconds, lengths compared. Every phase runs in a fresh process (no warm caches but the OS page cache). Prints a
-Markdown table; ``--json`` also writes the numbers.
+and the demo's VLM set (chat + images + teacher top-k): the full pass against the header pass (with
+and without the pixel check), one shard after another on one thread, CPU seconds, lengths compared.
+Every phase runs in a fresh process (no warm caches but the OS page cache). Prints a Markdown table;
+``--json`` also writes the numbers.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,7 +37,7 @@ PER_SHARD = 10_000
 
 def _tar_header(name: bytes, size: int) -> bytes:
     head = bytearray(512)
-    head[0:len(name)] = name
+    head[0 : len(name)] = name
     head[100:108] = b"0000644\0"
     head[108:116] = b"0000000\0"
     head[116:124] = b"0000000\0"
@@ -47,7 +52,8 @@ def _tar_header(name: bytes, size: int) -> bytes:
 
 
 def write_text_shards(root: str, n: int, seed: int = 0, per_shard: int = PER_SHARD) -> list[str]:
-    """``ceil(n / per_shard)`` tar shards of pre-tokenized samples (int64 ``[8..128]``), raw tar bytes."""
+    """``ceil(n / per_shard)`` tar shards of pre-tokenized samples (int64 ``[8..128]``), raw tar
+    bytes."""
     os.makedirs(root, exist_ok=True)
     rng = np.random.default_rng(seed)
     lengths = rng.integers(8, 129, n)
@@ -62,8 +68,12 @@ def write_text_shards(root: str, n: int, seed: int = 0, per_shard: int = PER_SHA
             n_tok = int(lengths[i])
             header = b"{'descr': '<i8', 'fortran_order': False, 'shape': (%d,), }" % n_tok
             header = header + b" " * (127 - 10 - len(header)) + b"\n"
-            data = b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header + \
-                ((np.arange(n_tok, dtype=np.int64) * 7 + i) % 30000 + 1).tobytes()
+            data = (
+                b"\x93NUMPY\x01\x00"
+                + len(header).to_bytes(2, "little")
+                + header
+                + ((np.arange(n_tok, dtype=np.int64) * 7 + i) % 30000 + 1).tobytes()
+            )
             out.append(_tar_header(b"%09d.input_ids.npy" % i, len(data)))
             out.append(data + bytes(-len(data) % 512))
         out.append(bytes(1024))
@@ -77,7 +87,9 @@ def write_text_shards(root: str, n: int, seed: int = 0, per_shard: int = PER_SHA
 def _phase(code: str) -> dict:
     """Run ``code`` (defines ``result``) in a fresh interpreter; return its JSON result."""
     prog = "import json, time\n" + code + "\nprint('RESULT' + json.dumps(result))"
-    out = subprocess.run([sys.executable, "-c", prog], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", prog], capture_output=True, text=True, check=True
+    ).stdout
     return json.loads(out.rsplit("RESULT", 1)[1])
 
 
@@ -151,9 +163,16 @@ def main() -> int:
     ap.add_argument("--sizes", type=int, nargs="*", default=[10_000, 100_000, 1_000_000])
     ap.add_argument("--vlm", type=int, default=5000)
     ap.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "prealign-bench-ttfb"))
-    ap.add_argument("--no-full-above", type=int, default=10**9, help="skip the full pass above this size")
+    ap.add_argument(
+        "--no-full-above", type=int, default=10**9, help="skip the full pass above this size"
+    )
     ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--repeat", type=int, default=3, help="first batch from sidecars: best of this many fresh processes")
+    ap.add_argument(
+        "--repeat",
+        type=int,
+        default=3,
+        help="first batch from sidecars: best of this many fresh processes",
+    )
     ap.add_argument("--json", help="also write the numbers here")
     args = ap.parse_args()
     rows, numbers = [], {}
@@ -162,30 +181,50 @@ def main() -> int:
         for p in paths:  # fresh sidecars each run
             if os.path.exists(p + ".prealign-index.npz"):
                 os.remove(p + ".prealign-index.npz")
-        full = _phase(_TTFB.format(paths=paths, sidecars=False, workers=args.workers)) \
-            if n <= args.no_full_above else None
+        full = (
+            _phase(_TTFB.format(paths=paths, sidecars=False, workers=args.workers))
+            if n <= args.no_full_above
+            else None
+        )
         idx1 = _phase(_INDEX.format(paths=paths, workers=1))
         idx2 = _phase(_INDEX.format(paths=paths, workers=args.workers))
-        tries = [_phase(_TTFB.format(paths=paths, sidecars=True, workers=args.workers)) for _ in range(args.repeat)]
+        tries = [
+            _phase(_TTFB.format(paths=paths, sidecars=True, workers=args.workers))
+            for _ in range(args.repeat)
+        ]
         side = min(tries, key=lambda t: t["ttfb_s"])  # the VM's noise only adds time
         side["all_ttfb_s"] = [t["ttfb_s"] for t in tries]
-        numbers[n] = {"full": full, "index_1": idx1, f"index_{args.workers}": idx2, "sidecars": side}
-        rows.append(f"| {n:,} text | {full['ttfb_s']:.2f} s |" if full else f"| {n:,} text | (not run) |")
-        rows[-1] += (f" {side['ttfb_s']:.2f} s | {idx1['samples'] / idx1['s']:,.0f} / s | "
-                     f"{idx2['samples'] / idx2['s']:,.0f} / s | {idx1['samples'] / idx1['cpu_s']:,.0f} / s |")
+        numbers[n] = {
+            "full": full,
+            "index_1": idx1,
+            f"index_{args.workers}": idx2,
+            "sidecars": side,
+        }
+        rows.append(
+            f"| {n:,} text | {full['ttfb_s']:.2f} s |" if full else f"| {n:,} text | (not run) |"
+        )
+        rows[-1] += (
+            f" {side['ttfb_s']:.2f} s | {idx1['samples'] / idx1['s']:,.0f} / s | "
+            f"{idx2['samples'] / idx2['s']:,.0f} / s | {idx1['samples'] / idx1['cpu_s']:,.0f} / s |"
+        )
         print(rows[-1], flush=True)
     if args.vlm:
         root = os.path.join(args.dir, f"vlm-{args.vlm}")
         os.makedirs(root, exist_ok=True)
         v = _phase("import os\n" + _VLM.format(root=root, n=args.vlm, workers=args.workers))
         numbers["vlm"] = v
-        rows.append(f"| {args.vlm:,} VLM (demo), index CPU s | full pass {v['full_cpu']:.1f} | header pass "
-                    f"{v['header_cpu']:.1f} ({v['full_cpu'] / v['header_cpu']:.1f}x) | --header-only "
-                    f"{v['header_only_cpu']:.1f} ({v['full_cpu'] / v['header_only_cpu']:.1f}x) | lengths identical: "
-                    f"{v['identical']} | |")
+        rows.append(
+            f"| {args.vlm:,} VLM (demo), index CPU s | full pass {v['full_cpu']:.1f} | header pass "
+            f"{v['header_cpu']:.1f} ({v['full_cpu'] / v['header_cpu']:.1f}x) | --header-only "
+            f"{v['header_only_cpu']:.1f} ({v['full_cpu'] / v['header_only_cpu']:.1f}x) | lengths "
+            f"identical: "
+            f"{v['identical']} | |"
+        )
         print(rows[-1], flush=True)
-    print("\n| data | first batch, no sidecars | first batch, sidecars | index, 1 process | "
-          f"index, {args.workers} processes | index per CPU-second |\n|---|---|---|---|---|---|")
+    print(
+        "\n| data | first batch, no sidecars | first batch, sidecars | index, 1 process | "
+        f"index, {args.workers} processes | index per CPU-second |\n|---|---|---|---|---|---|"
+    )
     print("\n".join(rows))
     if args.json:
         with open(args.json, "w") as f:

@@ -5,6 +5,7 @@ padding mask, loss mask) come from the plan itself. Outputs have the token dim f
 ``[*leading, T_out, *dense]``. A large field sharded over CP ranks is gathered block by block
 (runs of whole sequences) so the transient concatenation stays about half the output's size.
 """
+
 from __future__ import annotations
 
 import functools
@@ -23,8 +24,12 @@ from .samples import FlatBatch, TokenSource, check_value_bounds, checked_spec, r
 BLOCK_MIN_BYTES = 4 << 20  # below this, one concatenation is cheaper than blocks
 
 
-def token_fields(schema: BatchSchema, flat: FlatBatch, plan: GatherPlan,
-                 unsharded_plan: Callable[[], GatherPlan] | None = None) -> dict[str, torch.Tensor]:
+def token_fields(
+    schema: BatchSchema,
+    flat: FlatBatch,
+    plan: GatherPlan,
+    unsharded_plan: Callable[[], GatherPlan] | None = None,
+) -> dict[str, torch.Tensor]:
     """name -> ``[*leading, T_out, *dense]`` for every TOKEN field the batch provides.
 
     ``unsharded_plan`` builds the plan of the whole padded batch, used by fields with
@@ -32,7 +37,9 @@ def token_fields(schema: BatchSchema, flat: FlatBatch, plan: GatherPlan,
     """
     out: dict[str, torch.Tensor] = {}
     labels_spec, id_max = _labels_and_id_max(schema)
-    labels_from_ids = labels_spec is not None and resolve_key(labels_spec, flat.token.keys()) == "input_ids"
+    labels_from_ids = (
+        labels_spec is not None and resolve_key(labels_spec, flat.token.keys()) == "input_ids"
+    )
     for spec in _build_order(schema):
         p = plan if spec.cp_sharded or unsharded_plan is None else unsharded_plan()
         if spec.source in (Source.SAMPLE, Source.NEXT_TOKEN):
@@ -42,11 +49,23 @@ def token_fields(schema: BatchSchema, flat: FlatBatch, plan: GatherPlan,
             index = p.src if spec.source is Source.SAMPLE else p.take_src_next()
             # bounds are checked on every row, not only this CP rank's: a bad token held by another
             # rank must fail here too, or this rank would go on into the next collective alone
-            # labels read from input_ids were checked as input_ids; a sample's own labels are checked here
+            # labels read from input_ids were checked as input_ids; a sample's own labels are
+            # checked here
             own = spec.source is Source.SAMPLE or key != "input_ids"
-            checked = checked_spec(spec, schema.ignore_index, id_max) if flat.check_values and own else None
-            check = (lambda rows, first, c=checked, key=key: check_value_bounds(rows, c[0], key, flat, first, *c[1:])) \
-                if checked is not None else None
+            checked = (
+                checked_spec(spec, schema.ignore_index, id_max)
+                if flat.check_values and own
+                else None
+            )
+            check = (
+                (
+                    lambda rows, first, c=checked, key=key: check_value_bounds(
+                        rows, c[0], key, flat, first, *c[1:]
+                    )
+                )
+                if checked is not None
+                else None
+            )
             out[spec.name] = gather(flat.token[key], index, p, flat, check)
             continue
         for source in flat.token.values():
@@ -77,10 +96,14 @@ def check_cp_rank(cp_rank, layout) -> int | None:
     except TypeError:
         rank = None
     if rank is None:
-        raise ArgumentError(f"cp_rank: expected None or an int in [0, {layout.cp}), got {cp_rank!r} "
-                            f"({type(cp_rank).__name__}; a bool is not a rank)")
+        raise ArgumentError(
+            f"cp_rank: expected None or an int in [0, {layout.cp}), got {cp_rank!r} "
+            f"({type(cp_rank).__name__}; a bool is not a rank)"
+        )
     if not 0 <= rank < layout.cp:
-        raise ArgumentError(f"cp_rank: expected None or an int in [0, {layout.cp}) (cp={layout.cp}), got {rank}")
+        raise ArgumentError(
+            f"cp_rank: expected None or an int in [0, {layout.cp}) (cp={layout.cp}), got {rank}"
+        )
     return rank
 
 
@@ -89,8 +112,13 @@ def non_token_fields(flat: FlatBatch, schema: BatchSchema, layout, cp_rank: int 
     metadata (``cp_rank`` -1 when unsharded, ``cp_size``, ``cp_layout``) and ``label_source``, the
     sample key the labels were read from (``"input_ids"``: the next tokens; ``"labels"``: the
     sample's own), so that :func:`~prealign.schemas.validate_batch` knows which rule applies."""
-    out = {**flat.sequence, **flat.media, "cp_rank": -1 if cp_rank is None else cp_rank, "cp_size": layout.cp,
-           "cp_layout": layout.cp_layout.value}
+    out = {
+        **flat.sequence,
+        **flat.media,
+        "cp_rank": -1 if cp_rank is None else cp_rank,
+        "cp_size": layout.cp,
+        "cp_layout": layout.cp_layout.value,
+    }
     labels_spec = _labels_and_id_max(schema)[0]
     if labels_spec is not None:
         key = resolve_key(labels_spec, flat.token.keys())
@@ -115,14 +143,23 @@ def _build_order(schema: BatchSchema) -> tuple:
     return tuple(sorted(schema.of_role(Role.TOKEN), key=lambda f: order.get(f.source, 2)))
 
 
-def gather(source: TokenSource, index: torch.Tensor, plan: GatherPlan, flat: FlatBatch,
-           check: Callable[[torch.Tensor, int], None] | None = None) -> torch.Tensor:
+def gather(
+    source: TokenSource,
+    index: torch.Tensor,
+    plan: GatherPlan,
+    flat: FlatBatch,
+    check: Callable[[torch.Tensor, int], None] | None = None,
+) -> torch.Tensor:
     """``source`` rows (then its two pad rows) selected by ``index`` along the token dim.
 
     ``check(rows, first_row)`` sees every real row once (all sequences, whatever ``index`` keeps).
     """
     td = source.token_dim
-    if td != 0 or index.numel() >= flat.num_real or flat.num_real * source.row_nbytes < BLOCK_MIN_BYTES:
+    if (
+        td != 0
+        or index.numel() >= flat.num_real
+        or flat.num_real * source.row_nbytes < BLOCK_MIN_BYTES
+    ):
         rows = source.rows()
         if check is not None:
             check(rows.narrow(td, 0, flat.num_real), 0)
@@ -132,7 +169,9 @@ def gather(source: TokenSource, index: torch.Tensor, plan: GatherPlan, flat: Fla
     cu = flat.cu_seqlens.tolist()
     blocks = plan.blocks(flat.cu_seqlens, max(index.numel() // 2, 1))
     # one buffer for every block's rows: fresh memory per block would cost a page fault per 4 KiB
-    buf = torch.empty((max(cu[s1] - cu[s0] for s0, s1, _, _ in blocks) + 2, *first.shape[1:]), dtype=first.dtype)
+    buf = torch.empty(
+        (max(cu[s1] - cu[s0] for s0, s1, _, _ in blocks) + 2, *first.shape[1:]), dtype=first.dtype
+    )
     for s0, s1, o0, o1 in blocks:
         if o0 == o1 and check is None:
             continue
@@ -147,8 +186,14 @@ def gather(source: TokenSource, index: torch.Tensor, plan: GatherPlan, flat: Fla
     return out
 
 
-def _loss_mask(spec, schema: BatchSchema, flat: FlatBatch, plan: GatherPlan, labels: torch.Tensor | None,
-               labels_from_ids: bool):
+def _loss_mask(
+    spec,
+    schema: BatchSchema,
+    flat: FlatBatch,
+    plan: GatherPlan,
+    labels: torch.Tensor | None,
+    labels_from_ids: bool,
+):
     """1.0 where a label is trained on (label != ignore_index, not a pad), times the sample's own
     ``loss_mask`` (aligned with its tokens, so shifted like the labels) when it has one. Sample
     weights are kept as given (0.5 stays 0.5; bool/int masks become 0.0/1.0) and must be finite
@@ -156,15 +201,24 @@ def _loss_mask(spec, schema: BatchSchema, flat: FlatBatch, plan: GatherPlan, lab
     sample_mask = flat.token.get("loss_mask")
     if labels_from_ids and sample_mask is None:
         # labels are the next input_ids: trained on every real slot but each sequence's last
-        mask = torch.logical_not(plan.is_pad, out=torch.empty(plan.num_slots, dtype=spec.dtype))  # one pass
+        mask = torch.logical_not(
+            plan.is_pad, out=torch.empty(plan.num_slots, dtype=spec.dtype)
+        )  # one pass
         return mask.index_fill_(0, plan.last_slots, 0)
     mask = ((labels != schema.ignore_index) if labels is not None else ~plan.is_pad).to(spec.dtype)
     if sample_mask is not None:
-        checked = checked_spec(_SAMPLE_WEIGHTS, schema.ignore_index) if flat.check_values else None  # no labels
-        check = (lambda rows, first: check_value_bounds(rows, checked[0], "loss_mask", flat, first)) \
-            if checked is not None else None
+        checked = (
+            checked_spec(_SAMPLE_WEIGHTS, schema.ignore_index) if flat.check_values else None
+        )  # no labels
+        check = (
+            (lambda rows, first: check_value_bounds(rows, checked[0], "loss_mask", flat, first))
+            if checked is not None
+            else None
+        )
         mask.mul_(gather(sample_mask, plan.src_next, plan, flat, check).to(spec.dtype))
     return mask
 
 
-_SAMPLE_WEIGHTS = FieldSpec(name="loss_mask", dtypes=("float32",), pad_value=0, finite=True, min_value=0)
+_SAMPLE_WEIGHTS = FieldSpec(
+    name="loss_mask", dtypes=("float32",), pad_value=0, finite=True, min_value=0
+)

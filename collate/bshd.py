@@ -6,6 +6,7 @@
 >>> b["input_ids"].tolist(), b["attention_mask"].tolist()
 ([[1, 2, 0, 0], [6, 7, 0, 0]], [[True, True, False, False], [True, True, False, False]])
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -22,15 +23,21 @@ from .indices import Chunks, cp_chunks, gather_plan, once
 from .samples import flatten
 
 
-def bshd_chunks(batch_size: int, seq_len: int, layout: ParallelLayout, cp_rank: int | None) -> Chunks:
+def bshd_chunks(
+    batch_size: int, seq_len: int, layout: ParallelLayout, cp_rank: int | None
+) -> Chunks:
     """Chunks of a ``[B, S]`` batch held by ``cp_rank``: zigzag per row as megatron-core's
-    ``get_batch_on_this_cp_rank``; contiguous keeps columns ``[r*S/cp, (r+1)*S/cp)`` of every row."""
+    ``get_batch_on_this_cp_rank``; contiguous keeps columns ``[r*S/cp, (r+1)*S/cp)`` of every
+    row."""
     padded = np.full(batch_size, seq_len, dtype=np.int64)
     if cp_rank is None or layout.cp == 1 or layout.cp_layout is CPLayout.ZIGZAG:
         return cp_chunks(padded, layout, cp_rank)
     local = seq_len // layout.cp
-    return Chunks(np.arange(batch_size, dtype=np.int64), np.full_like(padded, cp_rank * local),
-                  np.full_like(padded, local))
+    return Chunks(
+        np.arange(batch_size, dtype=np.int64),
+        np.full_like(padded, cp_rank * local),
+        np.full_like(padded, local),
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -40,8 +47,9 @@ class BSHDCollator:
     ``S`` is the longest sequence rounded up to :meth:`ParallelLayout.bshd_multiple` (then
     ``min_local_rows`` and length buckets). Fields as :class:`~prealign.collate.THDCollator`, plus
     ``attention_mask`` bool ``[B, S_out]`` (True on real tokens, the verl/HF convention) and
-    ``cu_seqlens`` int32 ``[B+1]`` of the true lengths. Under ``layout.max_seqs`` a batch of more rows is a
-    :class:`~prealign.schemas.errors.BucketOverflowError`, as in THD (the rows are not padded up to it).
+    ``cu_seqlens`` int32 ``[B+1]`` of the true lengths. Under ``layout.max_seqs`` a batch of more
+    rows is a :class:`~prealign.schemas.errors.BucketOverflowError`, as in THD (the rows are not
+    padded up to it).
     """
 
     schema: BatchSchema
@@ -50,17 +58,25 @@ class BSHDCollator:
     check_values: bool = True
 
     def __post_init__(self):
-        object.__setattr__(self, "cp_rank", check_cp_rank(self.cp_rank, self.layout))  # np.int64(1) -> 1
+        object.__setattr__(
+            self, "cp_rank", check_cp_rank(self.cp_rank, self.layout)
+        )  # np.int64(1) -> 1
 
     def __call__(self, batch) -> dict:
         flat = flatten(batch, self.schema, check_values=self.check_values)
         b = flat.lengths.numel()
         if self.layout.max_seqs is not None and b > self.layout.max_seqs:
-            raise BucketOverflowError(f"a batch of {b} sequences exceeds the layout's max_seqs = "
-                                      f"{self.layout.max_seqs}; plan with the same layout or raise max_seqs")
+            raise BucketOverflowError(
+                f"a batch of {b} sequences exceeds the layout's max_seqs = "
+                f"{self.layout.max_seqs}; plan with the same layout or raise max_seqs"
+            )
         s = self.layout.bshd_length(int(flat.lengths.max()), b)
-        plan = gather_plan(flat.lengths, bshd_chunks(b, s, self.layout, self.cp_rank), flat.cu_seqlens)
-        whole = once(lambda: gather_plan(flat.lengths, bshd_chunks(b, s, self.layout, None), flat.cu_seqlens))
+        plan = gather_plan(
+            flat.lengths, bshd_chunks(b, s, self.layout, self.cp_rank), flat.cu_seqlens
+        )
+        whole = once(
+            lambda: gather_plan(flat.lengths, bshd_chunks(b, s, self.layout, None), flat.cu_seqlens)
+        )
         out = {}
         for name, v in token_fields(self.schema, flat, plan, whole).items():
             td = self.schema[name].token_dim

@@ -14,6 +14,7 @@ zigzag; range intersections under the contiguous CP layout). Worked example, tp=
     rank 0  c0 c3 of a, c0 c3 of b  ->  a0 a1 _ _ b0 _
     rank 1  c1 c2 of a, c1 c2 of b  ->  a2 a3 a4 _ b1 b2
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -47,15 +48,18 @@ def lengths_to_cu_seqlens(lengths, dtype: torch.dtype = torch.int32) -> torch.Te
     cu = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(as_numpy(lengths), out=cu[1:])
     if dtype == torch.int32 and cu[-1] > INT32_MAX:
-        raise OffsetOverflowError(f"a packed length of {int(cu[-1])} rows does not fit int32 cu_seqlens (max "
-                                  f"{INT32_MAX}, what megatron-core and TE take); lower the token budget")
+        raise OffsetOverflowError(
+            f"a packed length of {int(cu[-1])} rows does not fit int32 cu_seqlens (max "
+            f"{INT32_MAX}, what megatron-core and TE take); lower the token budget"
+        )
     return torch.from_numpy(cu).to(dtype)
 
 
 def static_offsets(cu: torch.Tensor, max_seqs: int | None) -> torch.Tensor:
-    """``[N+1]`` offsets -> ``[max_seqs+1]``, the trailing entries repeating the total (CUDA graphs need
-    a fixed length); ``cu`` itself when ``max_seqs`` is None. More than ``max_seqs`` sequences is a
-    :class:`~prealign.schemas.errors.BucketOverflowError` (the planner never builds such a batch).
+    """``[N+1]`` offsets -> ``[max_seqs+1]``, the trailing entries repeating the total (CUDA graphs
+    need a fixed length); ``cu`` itself when ``max_seqs`` is None. More than ``max_seqs`` sequences
+    is a :class:`~prealign.schemas.errors.BucketOverflowError` (the planner never builds such a
+    batch).
 
     >>> static_offsets(torch.tensor([0, 5, 8]), 4).tolist()
     [0, 5, 8, 8, 8]
@@ -64,8 +68,10 @@ def static_offsets(cu: torch.Tensor, max_seqs: int | None) -> torch.Tensor:
         return cu
     n = cu.numel() - 1
     if n > max_seqs:
-        raise BucketOverflowError(f"a batch of {n} sequences exceeds the layout's max_seqs = {max_seqs} (static "
-                                  f"cu_seqlens of {max_seqs + 1} entries); plan with the same layout or raise max_seqs")
+        raise BucketOverflowError(
+            f"a batch of {n} sequences exceeds the layout's max_seqs = {max_seqs} (static "
+            f"cu_seqlens of {max_seqs + 1} entries); plan with the same layout or raise max_seqs"
+        )
     return torch.cat((cu, cu[-1:].expand(max_seqs - n)))
 
 
@@ -109,7 +115,9 @@ def cp_chunks(padded, layout: ParallelLayout, cp_rank: int | None) -> Chunks:
     if layout.cp_layout is CPLayout.ZIGZAG:
         c = padded // (2 * cp)
         # chunk r then chunk 2cp-1-r of every sequence, sequence after sequence
-        return Chunks(np.repeat(seq, 2), _interleave(c * cp_rank, c * (2 * cp - 1 - cp_rank)), np.repeat(c, 2))
+        return Chunks(
+            np.repeat(seq, 2), _interleave(c * cp_rank, c * (2 * cp - 1 - cp_rank)), np.repeat(c, 2)
+        )
     # contiguous: rank r owns global rows [r*T_local, (r+1)*T_local)
     cu = np.concatenate(([0], np.cumsum(padded)))
     local = int(cu[-1]) // cp
@@ -129,7 +137,9 @@ class GatherPlan:
 
     positions: torch.Tensor  # int64 [T_out], position of the slot inside its padded sequence
     is_pad: torch.Tensor  # bool  [T_out]
-    src: torch.Tensor | None  # int64 [T_out], row of the slot's token; num_real on pads (None once taken)
+    src: (
+        torch.Tensor | None
+    )  # int64 [T_out], row of the slot's token; num_real on pads (None once taken)
     last_slots: torch.Tensor  # int64 [<= N], slots holding a sequence's last token
     num_real: int  # sum of true lengths
     chunk_seq: np.ndarray  # int64 [C], sequence of each non-empty chunk, in output order
@@ -142,7 +152,8 @@ class GatherPlan:
 
     @property
     def src_next(self) -> torch.Tensor:
-        """int64 ``[T_out]``: row of the next token of the same sequence; ``num_real + 1`` if none."""
+        """int64 ``[T_out]``: row of the next token of the same sequence; ``num_real + 1`` if
+        none."""
         if self._src_next is None:
             self._src_next = self._next_of(self.src.clone())
         return self._src_next
@@ -159,25 +170,34 @@ class GatherPlan:
 
     def blocks(self, cu_seqlens, rows_per_block: int) -> list[tuple[int, int, int, int]]:
         """Split the batch into runs of whole sequences of about ``rows_per_block`` input rows:
-        ``(first_seq, end_seq, first_slot, end_slot)`` each; a block's slots read only its sequences."""
+        ``(first_seq, end_seq, first_slot, end_slot)`` each; a block's slots read only its
+        sequences."""
         cu = as_numpy(cu_seqlens)
         n = cu.size - 1
         cuts = np.searchsorted(cu, np.arange(rows_per_block, self.num_real, rows_per_block))
         bounds = np.unique(np.concatenate(([0, n], np.clip(cuts, 0, n))))
-        # first output slot of each bound sequence (slots are in sequence order; none held: the next one's)
-        starts = np.append(self.chunk_out_start, self.num_slots)[np.searchsorted(self.chunk_seq, bounds)]
-        return [(int(bounds[i]), int(bounds[i + 1]), int(starts[i]), int(starts[i + 1])) for i in range(bounds.size - 1)]
+        # first output slot of each bound sequence (slots are in sequence order; none held: the next
+        # one's)
+        starts = np.append(self.chunk_out_start, self.num_slots)[
+            np.searchsorted(self.chunk_seq, bounds)
+        ]
+        return [
+            (int(bounds[i]), int(bounds[i + 1]), int(starts[i]), int(starts[i + 1]))
+            for i in range(bounds.size - 1)
+        ]
 
 
 def once(build: Callable[[], T]) -> Callable[[], T]:
     """``build`` called on the first call only, its result returned to every call (a plan built only
-    when a field needs it; cheaper than ``functools.cache``, whose wrapper costs a few µs per batch)."""
+    when a field needs it; cheaper than ``functools.cache``, whose wrapper costs a few µs per
+    batch)."""
     box: list = []
 
     def get() -> T:
         if not box:
             box.append(build())
         return box[0]
+
     return get
 
 
@@ -208,12 +228,13 @@ def _arange(n: int) -> np.ndarray:
 
 
 def _real_then_pad(num_chunks: int) -> np.ndarray:
-    """Read-only bool ``[False, True] * num_chunks`` (each chunk's real run, then its pad run), cached."""
+    """Read-only bool ``[False, True] * num_chunks`` (each chunk's real run, then its pad run),
+    cached."""
     if _REAL_THEN_PAD[0].size < 2 * num_chunks:
         a = np.tile(np.array([False, True]), max(num_chunks, _REAL_THEN_PAD[0].size))
         a.flags.writeable = False
         _REAL_THEN_PAD[0] = a
-    return _REAL_THEN_PAD[0][:2 * num_chunks]
+    return _REAL_THEN_PAD[0][: 2 * num_chunks]
 
 
 def gather_plan(lengths, chunks: Chunks, cu_seqlens=None) -> GatherPlan:
@@ -222,8 +243,8 @@ def gather_plan(lengths, chunks: Chunks, cu_seqlens=None) -> GatherPlan:
     Every per-slot quantity is a per-chunk constant repeated over the chunk's slots, plus the slot
     number: positions ``= slot + (start - out_start)``, ``src = positions + cu[seq]`` on real slots
     and ``num_real`` on pads, ``is_pad`` a run of False (the chunk's real tokens) then a run of True
-    (its pads). Six full-size numpy ops per batch (three ``np.repeat``, two in-place adds, one masked
-    copy), whatever the number of sequences; the per-chunk tables are numpy too.
+    (its pads). Six full-size numpy ops per batch (three ``np.repeat``, two in-place adds, one
+    masked copy), whatever the number of sequences; the per-chunk tables are numpy too.
     """
     lengths = as_numpy(lengths)
     cu = np.concatenate(([0], np.cumsum(lengths))) if cu_seqlens is None else as_numpy(cu_seqlens)
@@ -245,22 +266,34 @@ def gather_plan(lengths, chunks: Chunks, cu_seqlens=None) -> GatherPlan:
     src += positions
     np.copyto(src, num_real, where=is_pad)
 
-    holds_last = (start + n_real == seq_len) & (n_real > 0)  # chunks holding their sequence's last token
+    holds_last = (start + n_real == seq_len) & (
+        n_real > 0
+    )  # chunks holding their sequence's last token
     last_slots = torch.from_numpy((out_start + n_real - 1)[holds_last])
-    return GatherPlan(positions=torch.from_numpy(positions), is_pad=torch.from_numpy(is_pad),
-                      src=torch.from_numpy(src), last_slots=last_slots, num_real=num_real, chunk_seq=seq,
-                      chunk_out_start=out_start)
+    return GatherPlan(
+        positions=torch.from_numpy(positions),
+        is_pad=torch.from_numpy(is_pad),
+        src=torch.from_numpy(src),
+        last_slots=last_slots,
+        num_real=num_real,
+        chunk_seq=seq,
+        chunk_out_start=out_start,
+    )
 
 
 def global_slots(chunks: Chunks, cu_padded) -> torch.Tensor:
     """int64 ``[T_out]``: the global padded row of every output slot (for the inverse maps)."""
     out_start = np.cumsum(chunks.length) - chunks.length
     offset = as_numpy(cu_padded)[chunks.seq] + chunks.start - out_start
-    return torch.arange(int(chunks.length.sum())) + torch.from_numpy(np.repeat(offset, chunks.length))
+    return torch.arange(int(chunks.length.sum())) + torch.from_numpy(
+        np.repeat(offset, chunks.length)
+    )
 
 
 def real_rows(lengths, starts) -> torch.Tensor:
     """int64 ``[sum(lengths)]``: ``starts[i] + 0 .. starts[i] + lengths[i] - 1`` for every i."""
     lengths = as_numpy(lengths)
     cu = np.concatenate(([0], np.cumsum(lengths)))
-    return torch.arange(int(cu[-1])) + torch.from_numpy(np.repeat(as_numpy(starts) - cu[:-1], lengths))
+    return torch.arange(int(cu[-1])) + torch.from_numpy(
+        np.repeat(as_numpy(starts) - cu[:-1], lengths)
+    )

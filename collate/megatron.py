@@ -16,6 +16,7 @@ The identity rule: TE decides ``pad_between_seqs`` by object identity (``cu_seql
 cu_seqlens_q``), and with padding between sequences it turns FlashAttention away. So when every
 ``P_i == L_i`` the true and padded offsets are one tensor object, in both conventions.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -49,18 +50,27 @@ def _enum_arg(name: str, enum_cls, value):
     try:
         return enum_cls(value.value if isinstance(value, enum.Enum) else value)
     except ValueError:
-        raise ArgumentError(f"{name}: expected one of {[e.value for e in enum_cls]}, got {value!r}") from None
+        raise ArgumentError(
+            f"{name}: expected one of {[e.value for e in enum_cls]}, got {value!r}"
+        ) from None
 
 
-def to_packed_seq_params(batch: dict, *, convention: PackedSeqConvention | str = PackedSeqConvention.PADDED,
-                         cp_layout: CPLayout | str | None = None, device: torch.device | str | None = None,
-                         cp_group=None, qkv_format: str = "thd"):
+def to_packed_seq_params(
+    batch: dict,
+    *,
+    convention: PackedSeqConvention | str = PackedSeqConvention.PADDED,
+    cp_layout: CPLayout | str | None = None,
+    device: torch.device | str | None = None,
+    cp_group=None,
+    qkv_format: str = "thd",
+):
     """Build ``megatron.core.packed_seq_params.PackedSeqParams(qkv_format="thd", ...)`` from a
-    :class:`~prealign.collate.THDCollator` batch. Offsets are int32 (moved to ``device`` when given).
+    :class:`~prealign.collate.THDCollator` batch. Offsets are int32 (moved to ``device`` when
+    given).
 
     ``qkv_format="sbhd"``: a batch of one sequence as megatron-core's hybrid-CP path feeds it (one
-    sub-sample per forward, ``get_batch_on_this_hybrid_cp_rank``): every offsets field ``[0, P]`` (one
-    tensor) and ``max_seqlen = P``, the sample's global padded length.
+    sub-sample per forward, ``get_batch_on_this_hybrid_cp_rank``): every offsets field ``[0, P]``
+    (one tensor) and ``max_seqlen = P``, the sample's global padded length.
 
     With a megatron-core that knows ``cp_partition_mode`` it is set from ``cp_layout`` (default: the
     batch's own ``cp_layout``, zigzag if it has none); an older one only supports zigzag, and a
@@ -68,59 +78,93 @@ def to_packed_seq_params(batch: dict, *, convention: PackedSeqConvention | str =
     ``pad_between_seqs`` gets it stated (True when ``cu_seqlens_q`` differs from the padded offsets,
     i.e. the UNPADDED convention with real padding; TE would otherwise infer it), and one with
     ``total_tokens`` gets ``T``, the global padded length (``cu_seqlens_padded[-1]``), from which it
-    derives ``seq_idx``; ``tokens_per_sample`` is ``T`` too: one packed sample, in the unit Megatron-LM's
-    ``pretrain_gpt.py`` gives it (``args.seq_length``, global tokens before the CP split).
-    A hybrid-CP batch (one with ``local_cp_size``, see :mod:`prealign.loaders.plan.hybrid_cp`) gets
-    ``local_cp_size`` and ``cp_group``, which must be the process group of exactly ``local_cp_size``
-    ranks this rank runs the block with (a singleton group for 1: newer megatron-core asserts
-    ``cp_group.size() == local_cp_size``); :class:`ArgumentError` otherwise, and
-    :class:`BackendVersionError` when the installed ``PackedSeqParams`` has no such fields (0.14).
+    derives ``seq_idx``; ``tokens_per_sample`` is ``T`` too: one packed sample, in the unit
+    Megatron-LM's ``pretrain_gpt.py`` gives it (``args.seq_length``, global tokens before the CP
+    split). A hybrid-CP batch (one with ``local_cp_size``, see
+    :mod:`prealign.loaders.plan.hybrid_cp`) gets ``local_cp_size`` and ``cp_group``, which must be
+    the process group of exactly ``local_cp_size`` ranks this rank runs the block with (a singleton
+    group for 1: newer megatron-core asserts ``cp_group.size() == local_cp_size``);
+    :class:`ArgumentError` otherwise, and :class:`BackendVersionError` when the installed
+    ``PackedSeqParams`` has no such fields (0.14).
     """
-    PackedSeqParams = import_megatron("megatron.core.packed_seq_params").PackedSeqParams  # (import warnings filtered)
+    PackedSeqParams = import_megatron(
+        "megatron.core.packed_seq_params"
+    ).PackedSeqParams  # (import warnings filtered)
     if not isinstance(batch, Mapping):
-        raise ArgumentError(f"batch: expected a THDCollator batch (a dict), got {type(batch).__name__}")
-    missing = [k for k in ("cu_seqlens", "cu_seqlens_padded", "max_seqlen") if not isinstance(batch.get(k), torch.Tensor)]
+        raise ArgumentError(
+            f"batch: expected a THDCollator batch (a dict), got {type(batch).__name__}"
+        )
+    missing = [
+        k
+        for k in ("cu_seqlens", "cu_seqlens_padded", "max_seqlen")
+        if not isinstance(batch.get(k), torch.Tensor)
+    ]
     if missing:
-        raise ArgumentError(f"batch: expected the THD keys {missing} as tensors (a THDCollator batch), got keys "
-                            f"{sorted(map(str, batch))}")
+        raise ArgumentError(
+            f"batch: expected the THD keys {missing} as tensors (a THDCollator batch), got keys "
+            f"{sorted(map(str, batch))}"
+        )
     convention = _enum_arg("convention", PackedSeqConvention, convention)
-    cp_layout = _enum_arg("cp_layout", CPLayout,
-                          cp_layout if cp_layout is not None else batch.get("cp_layout", CPLayout.ZIGZAG.value))
-    padded = batch["cu_seqlens_padded"].to(dtype=torch.int32)  # checked where they are (the loader's CPU),
+    cp_layout = _enum_arg(
+        "cp_layout",
+        CPLayout,
+        cp_layout if cp_layout is not None else batch.get("cp_layout", CPLayout.ZIGZAG.value),
+    )
+    padded = batch["cu_seqlens_padded"].to(
+        dtype=torch.int32
+    )  # checked where they are (the loader's CPU),
     true = batch["cu_seqlens"].to(dtype=torch.int32)  # then moved: no GPU sync per check
     if padded.ndim != 1 or padded.shape != true.shape or padded.numel() < 2:
-        raise ArgumentError(f"batch: expected cu_seqlens and cu_seqlens_padded int32 [N+1] alike, got "
-                            f"{tuple(true.shape)} and {tuple(padded.shape)}")
+        raise ArgumentError(
+            f"batch: expected cu_seqlens and cu_seqlens_padded int32 [N+1] alike, got "
+            f"{tuple(true.shape)} and {tuple(padded.shape)}"
+        )
     if batch["max_seqlen"].numel() != 1:
-        raise ArgumentError(f"batch: expected max_seqlen int32 [1], got shape {tuple(batch['max_seqlen'].shape)}")
+        raise ArgumentError(
+            f"batch: expected max_seqlen int32 [1], got shape {tuple(batch['max_seqlen'].shape)}"
+        )
     max_seqlen = int(batch["max_seqlen"].reshape(-1)[0])
     _check_offsets(true, padded, max_seqlen)
     if qkv_format not in ("thd", "sbhd"):
         raise ArgumentError(f"qkv_format: expected 'thd' or 'sbhd', got {qkv_format!r}")
     if qkv_format == "sbhd":
         if num_sequences(padded) != 1:
-            raise ArgumentError(f"batch: qkv_format='sbhd' takes a batch of one sequence (megatron-core's per-sample "
-                                f"hybrid-CP form), got {num_sequences(padded)}")
+            raise ArgumentError(
+                f"batch: qkv_format='sbhd' takes a batch of one sequence (megatron-core's "
+                f"per-sample "
+                f"hybrid-CP form), got {num_sequences(padded)}"
+            )
         true = padded = padded[[0, -1]]
         max_seqlen = int(padded[-1])
     if true is not padded and torch.equal(true, padded):
         true = padded  # the identity rule (module docstring)
     padded, true = padded.to(device), true.to(device) if true is not padded else None
     q = padded if convention is PackedSeqConvention.PADDED or true is None else true
-    kwargs = dict(qkv_format=qkv_format, cu_seqlens_q=q, cu_seqlens_kv=q, cu_seqlens_q_padded=padded,
-                  cu_seqlens_kv_padded=padded, max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen)
+    kwargs = dict(
+        qkv_format=qkv_format,
+        cu_seqlens_q=q,
+        cu_seqlens_kv=q,
+        cu_seqlens_q_padded=padded,
+        cu_seqlens_kv_padded=padded,
+        max_seqlen_q=max_seqlen,
+        max_seqlen_kv=max_seqlen,
+    )
     known = _known_fields(PackedSeqParams)
     if "cp_partition_mode" in known:
         kwargs["cp_partition_mode"] = cp_layout.value
     elif cp_layout is CPLayout.CONTIGUOUS and batch.get("cp_size", 1) > 1:
-        raise ArgumentError("cp_layout: the contiguous CP layout needs PackedSeqParams.cp_partition_mode, which "
-                            "this megatron-core does not have; use CPLayout.ZIGZAG or a newer megatron-core")
+        raise ArgumentError(
+            "cp_layout: the contiguous CP layout needs PackedSeqParams.cp_partition_mode, which "
+            "this megatron-core does not have; use CPLayout.ZIGZAG or a newer megatron-core"
+        )
     if "pad_between_seqs" in known:
         kwargs["pad_between_seqs"] = q is not padded
     total = int(batch["cu_seqlens_padded"][-1])
     local_cp = batch.get("local_cp_size")
     if local_cp is not None:
-        kwargs.update(local_cp_size=int(local_cp), cp_group=_hybrid_group(int(local_cp), cp_group, known))
+        kwargs.update(
+            local_cp_size=int(local_cp), cp_group=_hybrid_group(int(local_cp), cp_group, known)
+        )
     if "total_tokens" in known:
         kwargs["total_tokens"] = total
     if "tokens_per_sample" in known:
@@ -142,46 +186,68 @@ def megatron_core_version() -> str:
 
 
 def _hybrid_group(local_cp: int, cp_group, known: set[str]):
-    """``cp_group`` checked for a hybrid-CP batch of ``local_cp`` ranks (see :func:`to_packed_seq_params`)."""
+    """``cp_group`` checked for a hybrid-CP batch of ``local_cp`` ranks (see
+    :func:`to_packed_seq_params`)."""
     lacking = sorted({"local_cp_size", "cp_group"} - known)
     if lacking:
-        raise BackendVersionError(f"batch: a hybrid-CP batch (local_cp_size={local_cp}) needs PackedSeqParams fields "
-                                  f"{lacking}, which megatron-core {megatron_core_version()} does not have "
-                                  "(0.16 has them); plan without hybrid CP or upgrade megatron-core")
+        raise BackendVersionError(
+            f"batch: a hybrid-CP batch (local_cp_size={local_cp}) needs PackedSeqParams fields "
+            f"{lacking}, which megatron-core {megatron_core_version()} does not have "
+            "(0.16 has them); plan without hybrid CP or upgrade megatron-core"
+        )
     size = cp_group.size() if callable(getattr(cp_group, "size", None)) else None
     if size != local_cp:
-        raise ArgumentError(f"cp_group: expected the process group of this rank's {local_cp} hybrid-CP rank(s) "
-                            f"(size {local_cp}; a singleton group for local_cp_size 1), got "
-                            f"{'None' if cp_group is None else f'a group of size {size}'}")
+        raise ArgumentError(
+            f"cp_group: expected the process group of this rank's {local_cp} hybrid-CP rank(s) "
+            f"(size {local_cp}; a singleton group for local_cp_size 1), got "
+            f"{'None' if cp_group is None else f'a group of size {size}'}"
+        )
     return cp_group
 
 
 def seq_idx(cu_seqlens_padded: torch.Tensor, total: int) -> torch.Tensor:
-    """int32 ``[1, total]``: the sequence each padded slot belongs to (Mamba's ``seq_idx``); slots past
-    the last offset (none in a prealign batch) get one more index.
+    """int32 ``[1, total]``: the sequence each padded slot belongs to (Mamba's ``seq_idx``); slots
+    past the last offset (none in a prealign batch) get one more index.
 
     >>> seq_idx(torch.tensor([0, 2, 5]), 6).tolist()
     [[0, 0, 1, 1, 1, 2]]
     """
-    ends = torch.cat((cu_seqlens_padded.to(torch.int64), torch.tensor([total], device=cu_seqlens_padded.device)))
+    ends = torch.cat(
+        (cu_seqlens_padded.to(torch.int64), torch.tensor([total], device=cu_seqlens_padded.device))
+    )
     counts = ends.diff().clamp(min=0)
-    return torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts).to(torch.int32)[None]
+    return torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts).to(
+        torch.int32
+    )[None]
 
 
 def _check_offsets(true: torch.Tensor, padded: torch.Tensor, max_seqlen: int) -> None:
     """The offsets TE and megatron-core read describe a packed batch: both start at 0 and never
     decrease, each padded length ``P_i`` holds its true length ``L_i`` (``P_i >= L_i``), and
-    ``max_seqlen`` bounds every ``P_i`` (TE sizes its kernels by it: a smaller one reads out of bounds)."""
+    ``max_seqlen`` bounds every ``P_i`` (TE sizes its kernels by it: a smaller one reads out of
+    bounds)."""
     lengths, padded_lengths = true.diff(), padded.diff()
-    if int(true[0]) != 0 or int(padded[0]) != 0 or bool((lengths < 0).any()) or bool((padded_lengths < 0).any()):
-        raise ArgumentError(f"batch: expected cu_seqlens and cu_seqlens_padded starting at 0 and non-decreasing, got "
-                            f"{true.tolist()[:8]} and {padded.tolist()[:8]}")
+    if (
+        int(true[0]) != 0
+        or int(padded[0]) != 0
+        or bool((lengths < 0).any())
+        or bool((padded_lengths < 0).any())
+    ):
+        raise ArgumentError(
+            f"batch: expected cu_seqlens and cu_seqlens_padded starting at 0 and non-decreasing, "
+            f"got "
+            f"{true.tolist()[:8]} and {padded.tolist()[:8]}"
+        )
     short = torch.nonzero(padded_lengths < lengths).reshape(-1)
     if short.numel():
         i = int(short[0])
-        raise ArgumentError(f"batch: expected each padded length >= its true length (cu_seqlens_padded holds "
-                            f"cu_seqlens), got sequence {i} padded to {int(padded_lengths[i])} < {int(lengths[i])}")
+        raise ArgumentError(
+            f"batch: expected each padded length >= its true length (cu_seqlens_padded holds "
+            f"cu_seqlens), got sequence {i} padded to {int(padded_lengths[i])} < {int(lengths[i])}"
+        )
     longest = int(padded_lengths.max())
     if max_seqlen < max(longest, 1):
-        raise ArgumentError(f"batch: expected max_seqlen >= the longest padded sequence ({max(longest, 1)}), got "
-                            f"{max_seqlen}")
+        raise ArgumentError(
+            f"batch: expected max_seqlen >= the longest padded sequence ({max(longest, 1)}), got "
+            f"{max_seqlen}"
+        )

@@ -8,6 +8,7 @@
 >>> b["position_ids"].tolist(), b["labels"].tolist()
 ([[2, 3, 4, 5, 1, 2]], [[4, 5, -100, -100, 8, -100]])
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,7 +19,14 @@ from prealign.schemas.layout import ParallelLayout
 from prealign.schemas.schema import BatchSchema
 
 from .assemble import check_cp_rank, non_token_fields, token_fields
-from .indices import cp_chunks, gather_plan, global_slots, lengths_to_cu_seqlens, once, static_offsets
+from .indices import (
+    cp_chunks,
+    gather_plan,
+    global_slots,
+    lengths_to_cu_seqlens,
+    once,
+    static_offsets,
+)
 from .samples import flatten
 
 
@@ -28,7 +36,8 @@ class THDCollator:
 
     Input: a list of sample dicts (``input_ids`` int64 ``[L]``, optional ``labels`` ``[L]`` aligned
     with the tokens, ``loss_mask`` ``[L]``, any TOKEN field of the schema ``[L, *dense]``) or verl's
-    dict of jagged nested tensors. Output (``T_out = T/cp`` for a CP rank, ``T`` for ``cp_rank=None``):
+    dict of jagged nested tensors. Output (``T_out = T/cp`` for a CP rank, ``T`` for
+    ``cp_rank=None``):
 
     - every TOKEN field: ``[1, T_out, *dense]`` (``[*leading, 1, T_out]`` for leading dims), pads
       holding the field's pad value; ``labels[j]`` is the next token of the same sequence,
@@ -37,8 +46,8 @@ class THDCollator:
       ``padding_mask`` bool, True on pads.
     - ``cu_seqlens`` (true) and ``cu_seqlens_padded`` (global), int32 ``[N+1]`` (``[max_seqs+1]``
       under ``layout.max_seqs``, the trailing entries repeating each one's total); ``max_seqlen``
-      int32 ``[1]`` (the longest padded sequence; ``T`` under static shapes); ``cp_rank`` / ``cp_size`` ints (``cp_rank`` -1
-      when unsharded).
+      int32 ``[1]`` (the longest padded sequence; ``T`` under static shapes); ``cp_rank`` /
+      ``cp_size`` ints (``cp_rank`` -1 when unsharded).
     - SEQUENCE fields stacked ``[N, ...]``; MEDIA fields concatenated on dim 0.
     """
 
@@ -47,26 +56,41 @@ class THDCollator:
     cp_rank: int | None = None
     check_values: bool = True
     defer_cp_shard: bool = False
-    """VLM path: with a ``cp_rank``, emit the whole aligned batch ``[1, T]`` plus ``cp_gather_index``
-    int64 ``[T/cp]``, the rows this rank keeps, for one ``index_select`` in the forward after the
+    """VLM path: with a ``cp_rank``, emit the whole aligned batch ``[1, T]`` plus
+    ``cp_gather_index`` int64 ``[T/cp]``, the rows this rank keeps, for one ``index_select`` in the
+    forward after the
     vision embeddings are merged into the sequence."""
 
     def __post_init__(self):
-        object.__setattr__(self, "cp_rank", check_cp_rank(self.cp_rank, self.layout))  # np.int64(1) -> 1
+        object.__setattr__(
+            self, "cp_rank", check_cp_rank(self.cp_rank, self.layout)
+        )  # np.int64(1) -> 1
 
     def __call__(self, batch) -> dict:
         flat = flatten(batch, self.schema, check_values=self.check_values)
         padded = self.layout.padded_lengths(flat.lengths.numpy())  # (int64 numpy: no conversion)
-        cu_padded = lengths_to_cu_seqlens(padded)  # int32; refuses T >= 2**31 before anything of size T exists
+        cu_padded = lengths_to_cu_seqlens(
+            padded
+        )  # int32; refuses T >= 2**31 before anything of size T exists
         shard_rank = None if self.defer_cp_shard else self.cp_rank
-        plan = gather_plan(flat.lengths, cp_chunks(padded, self.layout, shard_rank), flat.cu_seqlens)
-        whole = once(lambda: gather_plan(flat.lengths, cp_chunks(padded, self.layout, None), flat.cu_seqlens))
-        out = {name: v.unsqueeze(self.schema[name].token_dim)  # the batch dim, before the token dim
-               for name, v in token_fields(self.schema, flat, plan, whole).items()}
+        plan = gather_plan(
+            flat.lengths, cp_chunks(padded, self.layout, shard_rank), flat.cu_seqlens
+        )
+        whole = once(
+            lambda: gather_plan(flat.lengths, cp_chunks(padded, self.layout, None), flat.cu_seqlens)
+        )
+        out = {
+            name: v.unsqueeze(self.schema[name].token_dim)  # the batch dim, before the token dim
+            for name, v in token_fields(self.schema, flat, plan, whole).items()
+        }
         out["cu_seqlens"] = static_offsets(flat.cu_seqlens.to(torch.int32), self.layout.max_seqs)
         out["cu_seqlens_padded"] = static_offsets(cu_padded, self.layout.max_seqs)
-        out["max_seqlen"] = torch.tensor([self.layout.static_length or int(padded.numpy().max())], dtype=torch.int32)
+        out["max_seqlen"] = torch.tensor(
+            [self.layout.static_length or int(padded.numpy().max())], dtype=torch.int32
+        )
         if self.defer_cp_shard and self.cp_rank is not None:
-            out["cp_gather_index"] = global_slots(cp_chunks(padded, self.layout, self.cp_rank), out["cu_seqlens_padded"])
+            out["cp_gather_index"] = global_slots(
+                cp_chunks(padded, self.layout, self.cp_rank), out["cu_seqlens_padded"]
+            )
         out.update(non_token_fields(flat, self.schema, self.layout, shard_rank))
         return out

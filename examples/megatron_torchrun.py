@@ -1,14 +1,17 @@
-"""A Megatron-style training loop that really runs on CPU: 4 processes under ``torchrun`` with gloo, tp=2 and cp=2
-from megatron-core's ``parallel_state``, ``check_startup`` on the first batch, a checkpoint with the loader's
-state, and a resume that continues with exactly the batches and losses of the uninterrupted run.
+"""A Megatron-style training loop that really runs on CPU: 4 processes under ``torchrun`` with gloo,
+tp=2 and cp=2 from megatron-core's ``parallel_state``, ``check_startup`` on the first batch, a
+checkpoint with the loader's state, and a resume that continues with exactly the batches and losses
+of the uninterrupted run.
 
     torchrun --standalone --nproc_per_node 4 examples/megatron_torchrun.py
 
-The model is a stand-in (an embedding and an output layer, replicated, gradients all-reduced over the world):
-what is shown is the data side, which is the same with a megatron-core GPT: each rank gets its CP shard of the
-same micro-batch (tp ranks of one CP rank get the same), ``to_packed_seq_params`` gives the
-``PackedSeqParams`` the GPT's attention takes, and the loss counts every real label once over the CP group.
+The model is a stand-in (an embedding and an output layer, replicated, gradients all-reduced over
+the world): what is shown is the data side, which is the same with a megatron-core GPT: each rank
+gets its CP shard of the same micro-batch (tp ranks of one CP rank get the same),
+``to_packed_seq_params`` gives the ``PackedSeqParams`` the GPT's attention takes, and the loss
+counts every real label once over the CP group.
 """
+
 from __future__ import annotations
 
 import os
@@ -39,18 +42,28 @@ def write_data(folder: str) -> list[str]:
         rng = np.random.default_rng(0)
         with ShardWriter(os.path.join(folder, "train-%04d.tar"), max_bytes=16 << 10) as w:
             for i in range(160):
-                w.write({"__key__": f"s{i}", "input_ids": rng.integers(1, VOCAB, int(rng.integers(5, 120)))})
+                w.write(
+                    {
+                        "__key__": f"s{i}",
+                        "input_ids": rng.integers(1, VOCAB, int(rng.integers(5, 120))),
+                    }
+                )
     dist.barrier()
     return sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".tar"))
 
 
 def build(shards: list[str]):
-    """Model, optimizer and loader, the same on every rank (the loader reads its ranks from parallel_state)."""
+    """Model, optimizer and loader, the same on every rank (the loader reads its ranks from
+    parallel_state)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Embedding(VOCAB, 32), torch.nn.Linear(32, VOCAB))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    loader = PackedLoader.from_parallel_state(WebDatasetSource(shards), schema=causal_lm_schema(vocab_size=VOCAB),
-                                              token_budget=512, seed=1)
+    loader = PackedLoader.from_parallel_state(
+        WebDatasetSource(shards),
+        schema=causal_lm_schema(vocab_size=VOCAB),
+        token_budget=512,
+        seed=1,
+    )
     return model, optimizer, loader
 
 
@@ -61,7 +74,9 @@ def train_step(model, optimizer, batch) -> float:
     losses = F.cross_entropy(logits, batch["labels"][0], reduction="none", ignore_index=-100)
     mask = batch["loss_mask"][0]
     tokens = mask.sum().detach()
-    dist.all_reduce(tokens)  # real labels over the world (each CP shard counted by its tp ranks alike)
+    dist.all_reduce(
+        tokens
+    )  # real labels over the world (each CP shard counted by its tp ranks alike)
     loss = (losses * mask).sum() / tokens
     loss.backward()
     for p in model.parameters():  # stand-in for the TP/CP/DP reductions of a real model
@@ -75,7 +90,9 @@ def train_step(model, optimizer, batch) -> float:
 
 def main() -> None:
     dist.init_process_group("gloo")
-    ps = import_megatron("megatron.core.parallel_state")  # (without its TE / Apex-absent warnings on a CPU)
+    ps = import_megatron(
+        "megatron.core.parallel_state"
+    )  # (without its TE / Apex-absent warnings on a CPU)
 
     ps.initialize_model_parallel(tensor_model_parallel_size=2, context_parallel_size=2)
     rank = dist.get_rank()
@@ -91,8 +108,14 @@ def main() -> None:
         run.append(train_step(model, optimizer, batch))
         seen.append(batch["sample_index"].tolist())
         if step + 1 == SAVE_AT:
-            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                        "loader": loader.state_dict()}, ckpt)
+            torch.save(
+                {
+                    "model": model.state_dict(),
+                    "optimizer": optimizer.state_dict(),
+                    "loader": loader.state_dict(),
+                },
+                ckpt,
+            )
         if step + 1 == STEPS:
             break
 
@@ -110,8 +133,11 @@ def main() -> None:
     assert resumed_seen == seen[SAVE_AT:], "the resumed job saw other samples"
     assert np.allclose(resumed, run[SAVE_AT:], rtol=1e-6, atol=0), (resumed, run[SAVE_AT:])
     if rank == 0:
-        print(f"tp=2 cp=2 dp={loader.dp_size}: losses {[round(x, 4) for x in run]}; resumed at step {SAVE_AT}: "
-              f"{[round(x, 4) for x in resumed]} (the same)")
+        print(
+            f"tp=2 cp=2 dp={loader.dp_size}: losses {[round(x, 4) for x in run]}; resumed at step "
+            f"{SAVE_AT}: "
+            f"{[round(x, 4) for x in resumed]} (the same)"
+        )
     dist.barrier()
     if rank == 0:
         import shutil

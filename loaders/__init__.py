@@ -5,11 +5,13 @@ bad-data policy) -> planner (:func:`plan_microbatches`, same plan on every rank)
 micro-batches -> DataLoader workers read, transform and collate -> :class:`PackedLoader` batches,
 resumable with ``state_dict`` / ``load_state_dict``.
 
-The names below are what a user needs, imported on first use (``import prealign.loaders`` loads neither
-torch nor any submodule). Everything else is importable from its module: the errors from
-:mod:`prealign.loaders.errors`, the planner's records from :mod:`prealign.loaders.plan.planner`, ... A name
-that used to be exported here still resolves, with a ``DeprecationWarning`` naming its module.
+The names below are what a user needs, imported on first use (``import prealign.loaders`` loads
+neither torch nor any submodule). Everything else is importable from its module: the errors from
+:mod:`prealign.loaders.errors`, the planner's records from :mod:`prealign.loaders.plan.planner`, ...
+A name that used to be exported here still resolves, with a ``DeprecationWarning`` naming its
+module.
 """
+
 from __future__ import annotations
 
 from prealign.schemas.lazy import lazy_names
@@ -25,7 +27,12 @@ _EXPORTS = {
     "prealign.loaders.sources.remote": ["RemoteOptions"],
     "prealign.loaders.sources.tar_decode": ["DecodeLimits"],
     # options and policies
-    "prealign.loaders.options": ["IndexOptions", "LoadingOptions", "ShuffleOptions", "WorkerConfig"],
+    "prealign.loaders.options": [
+        "IndexOptions",
+        "LoadingOptions",
+        "ShuffleOptions",
+        "WorkerConfig",
+    ],
     "prealign.loaders.policy": ["BadDataPolicy", "Oversize", "PackStrategy"],
     # planning
     "prealign.loaders.plan.planner": ["PlannerConfig", "plan_microbatches"],
@@ -47,12 +54,36 @@ _EXPORTS = {
 # Exported here before the surface was curated: still resolved, with a DeprecationWarning.
 _MOVED = {
     "prealign.loaders.errors": [
-        "BadSampleError", "ChangedShardError", "CollectiveTimeoutError", "CorruptShardError", "IndexFileError",
-        "LoaderUsageError", "MissingMemberError", "MissingShardError", "NotRegularFileError",
-        "OversizeSampleError", "PlanError", "RangeIgnoredWarning", "RemotePermissionError", "RemoteReadError",
-        "RemoteStallError", "ResumeError", "ShardGoneError", "ShardTimeoutError", "SourceChangedError",
-        "StaleIndexError", "TooManyBadSamplesError", "UnsafeMemberError", "UnsupportedTorchError"],
-    "prealign.loaders.media.vlm": ["MediaError", "MediaProblem", "VideoDefaultsWarning", "image_processor"],
+        "BadSampleError",
+        "ChangedShardError",
+        "CollectiveTimeoutError",
+        "CorruptShardError",
+        "IndexFileError",
+        "LoaderUsageError",
+        "MissingMemberError",
+        "MissingShardError",
+        "NotRegularFileError",
+        "OversizeSampleError",
+        "PlanError",
+        "RangeIgnoredWarning",
+        "RemotePermissionError",
+        "RemoteReadError",
+        "RemoteStallError",
+        "ResumeError",
+        "ShardGoneError",
+        "ShardTimeoutError",
+        "SourceChangedError",
+        "StaleIndexError",
+        "TooManyBadSamplesError",
+        "UnsafeMemberError",
+        "UnsupportedTorchError",
+    ],
+    "prealign.loaders.media.vlm": [
+        "MediaError",
+        "MediaProblem",
+        "VideoDefaultsWarning",
+        "image_processor",
+    ],
     "prealign.loaders.media.chat_tokenizer": ["ChatTokenizer"],
     "prealign.loaders.plan.planner": ["MicrobatchPlan", "PlanStats", "microbatch_capacity"],
     "prealign.loaders.policy": ["BadDataReport", "BadSampleWarning", "OnBadSample"],

@@ -11,10 +11,11 @@ batches when the state was taken
 3. at the end of an epoch (the resumed run starts the next epoch),
 4. mid-way through a later epoch.
 
-:func:`assert_resumes_elastically` checks a component that resumes under another configuration (another
-DP size, number of workers...): one epoch served in segments, every rank of a segment simulated in one
-process, nothing lost or repeated across them.
+:func:`assert_resumes_elastically` checks a component that resumes under another configuration
+(another DP size, number of workers...): one epoch served in segments, every rank of a segment
+simulated in one process, nothing lost or repeated across them.
 """
+
 from __future__ import annotations
 
 import json
@@ -30,16 +31,30 @@ class ResumeConformanceError(AssertionError):
 
 
 def batches_equal(a, b) -> bool:
-    """Deep equality of batches: tensors by dtype, shape and values; dicts, lists and scalars by value."""
+    """Deep equality of batches: tensors by dtype, shape and values; dicts, lists and scalars by
+    value."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
-                and a.shape == b.shape and bool(torch.equal(a, b)))
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and bool(torch.equal(a, b))
+        )
     if isinstance(a, dict) or isinstance(b, dict):
-        return isinstance(a, dict) and isinstance(b, dict) and a.keys() == b.keys() and all(
-            batches_equal(a[k], b[k]) for k in a)
+        return (
+            isinstance(a, dict)
+            and isinstance(b, dict)
+            and a.keys() == b.keys()
+            and all(batches_equal(a[k], b[k]) for k in a)
+        )
     if isinstance(a, (list, tuple)) or isinstance(b, (list, tuple)):
-        return (isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b)
-                and all(batches_equal(x, y) for x, y in zip(a, b)))
+        return (
+            isinstance(a, (list, tuple))
+            and isinstance(b, (list, tuple))
+            and len(a) == len(b)
+            and all(batches_equal(x, y) for x, y in zip(a, b))
+        )
     return a == b
 
 
@@ -49,14 +64,20 @@ def _roundtrip(state: dict) -> dict:
 
 def _check(case: str, got: list, want: list, equal) -> None:
     if len(got) != len(want):
-        raise ResumeConformanceError(f"{case}: resumed run yielded {len(got)} batches, expected {len(want)}")
+        raise ResumeConformanceError(
+            f"{case}: resumed run yielded {len(got)} batches, expected {len(want)}"
+        )
     for i, (g, w) in enumerate(zip(got, want)):
         if not equal(g, w):
             raise ResumeConformanceError(f"{case}: batch {i} differs from the uninterrupted run")
 
 
-def assert_resumes_exactly(make: Callable[[], object], *, midpoint: int | None = None,
-                           equal: Callable[[object, object], bool] = batches_equal) -> dict:
+def assert_resumes_exactly(
+    make: Callable[[], object],
+    *,
+    midpoint: int | None = None,
+    equal: Callable[[object, object], bool] = batches_equal,
+) -> dict:
     """Run the four resume cases (module docstring) on components built by ``make()``.
 
     Returns ``{"epoch_lengths": [n0, n1], "midpoint": m}`` so callers can assert the test was not
@@ -65,7 +86,9 @@ def assert_resumes_exactly(make: Callable[[], object], *, midpoint: int | None =
     ref = make()
     e0, e1 = list(ref), list(ref)
     if len(e0) < 2 or len(e1) < 2:
-        raise ResumeConformanceError(f"need epochs of >= 2 batches to test resume, got {len(e0)} and {len(e1)}")
+        raise ResumeConformanceError(
+            f"need epochs of >= 2 batches to test resume, got {len(e0)} and {len(e1)}"
+        )
     mid = midpoint if midpoint is not None else len(e0) // 2
     mid1 = min(mid, len(e1) - 1)
 
@@ -110,30 +133,42 @@ def _ids(batch) -> list[int]:
     return batch["sample_index"].tolist()
 
 
-def assert_resumes_elastically(make: Callable[[dict, int], object],
-                               segments: Sequence[tuple[dict, int | Callable[[object], int] | None]], *,
-                               budget: int, padded_length: Callable[[object], int] = _padded_length,
-                               sample_ids: Callable[[object], list[int]] = _ids) -> dict:
+def assert_resumes_elastically(
+    make: Callable[[dict, int], object],
+    segments: Sequence[tuple[dict, int | Callable[[object], int] | None]],
+    *,
+    budget: int,
+    padded_length: Callable[[object], int] = _padded_length,
+    sample_ids: Callable[[object], list[int]] = _ids,
+) -> dict:
     """Serve one epoch in segments under other configurations and check nothing is lost or repeated.
 
-    ``make(config, rank)`` builds rank ``rank`` of a run of ``config`` (keywords, with ``"dp_size"``).
-    ``segments[i] = (config, stop)``: every rank of segment ``i`` is built, loaded with the (JSON
-    round-tripped) state rank 0 of segment ``i - 1`` took, and yields ``stop`` micro-batches (``None``: the
-    rest of the epoch, the last segment's must be; a callable: ``stop(rank 0's component)`` once it loaded
-    the state, e.g. a fraction of its ``len``). Raises :class:`ResumeConformanceError` unless
+    ``make(config, rank)`` builds rank ``rank`` of a run of ``config`` (keywords, with
+    ``"dp_size"``). ``segments[i] = (config, stop)``: every rank of segment ``i`` is built, loaded
+    with the (JSON round-tripped) state rank 0 of segment ``i - 1`` took, and yields ``stop``
+    micro-batches (``None``: the rest of the epoch, the last segment's must be; a callable:
+    ``stop(rank 0's component)`` once it loaded the state, e.g. a fraction of its ``len``). Raises
+    :class:`ResumeConformanceError` unless
 
     1. every rank of a segment yields as many micro-batches as the others and takes the same state,
-    2. the samples served across all segments and ranks are those of an uninterrupted run of the first
-       configuration, each exactly once (``sample_ids(batch)``),
+    2. the samples served across all segments and ranks are those of an uninterrupted run of the
+       first configuration, each exactly once (``sample_ids(batch)``),
     3. every micro-batch is within ``budget`` (``padded_length(batch)``),
-    4. the next epoch of the last segment's ranks is what a fresh run of its configuration yields then.
+    4. the next epoch of the last segment's ranks is what a fresh run of its configuration yields
+       then.
 
-    Returns ``{"counts": [micro-batches per rank of each segment], "samples": n}`` (to check it was not vacuous).
+    Returns ``{"counts": [micro-batches per rank of each segment], "samples": n}`` (to check it was
+    not vacuous).
     """
     if not segments or segments[-1][1] is not None:
         raise ValueError("segments: the last one must run to the end of the epoch (stop None)")
     first = segments[0][0]
-    want = Counter(i for r in range(first["dp_size"]) for b in islice(iter(make(first, r)), None) for i in sample_ids(b))
+    want = Counter(
+        i
+        for r in range(first["dp_size"])
+        for b in islice(iter(make(first, r)), None)
+        for i in sample_ids(b)
+    )
     got: Counter = Counter()
     state, counts, epoch, last = None, [], None, []
     for s, (config, stop) in enumerate(segments):
@@ -148,15 +183,19 @@ def assert_resumes_elastically(make: Callable[[dict, int], object],
             batches = list(it) if stop is None else list(islice(it, stop))
             for i, b in enumerate(batches):
                 if padded_length(b) > budget:
-                    raise ResumeConformanceError(f"segment {s} ({config}), rank {r}: micro-batch {i} is "
-                                                 f"{padded_length(b)} tokens, over the budget {budget}")
+                    raise ResumeConformanceError(
+                        f"segment {s} ({config}), rank {r}: micro-batch {i} is "
+                        f"{padded_length(b)} tokens, over the budget {budget}"
+                    )
                 got.update(sample_ids(b))
             lengths.append(len(batches))
             states.append(c.state_dict())
             if stop is None:
                 last.append(c)
         if len(set(lengths)) != 1:
-            raise ResumeConformanceError(f"segment {s} ({config}): ranks yielded {lengths} micro-batches")
+            raise ResumeConformanceError(
+                f"segment {s} ({config}): ranks yielded {lengths} micro-batches"
+            )
         if any(st != states[0] for st in states):
             raise ResumeConformanceError(f"segment {s} ({config}): the ranks' states differ")
         counts.append(lengths[0])
@@ -164,12 +203,16 @@ def assert_resumes_elastically(make: Callable[[dict, int], object],
         epoch = state["epoch"]
     repeated = sorted(i for i, n in got.items() if n > 1)
     if repeated:
-        raise ResumeConformanceError(f"samples served more than once across the segments: {repeated[:20]}")
+        raise ResumeConformanceError(
+            f"samples served more than once across the segments: {repeated[:20]}"
+        )
     if got != want:
         lost = sorted((want - got).elements())
         extra = sorted((got - want).elements())
-        raise ResumeConformanceError(f"samples lost across the segments: {lost[:20]} ({len(lost)}); served but "
-                                     f"not in the epoch: {extra[:20]} ({len(extra)})")
+        raise ResumeConformanceError(
+            f"samples lost across the segments: {lost[:20]} ({len(lost)}); served but "
+            f"not in the epoch: {extra[:20]} ({len(extra)})"
+        )
     config = segments[-1][0]
     for r, c in enumerate(last):
         fresh = make(config, r)

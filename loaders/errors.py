@@ -1,12 +1,14 @@
 """Typed errors of the loader layer. All subclass :class:`prealign.schemas.errors.PrealignError`.
 
 Configuration mistakes are :class:`~prealign.schemas.errors.ConfigError`\ s and bad data
-:class:`~prealign.schemas.errors.DataError`\ s (both also ``ValueError``); per-sample problems subclass
-:class:`~prealign.schemas.errors.SampleError` and name the sample, the field, what was expected and what
-came. I/O, timeout and worker errors are ``OSError`` / ``RuntimeError`` subclasses and never ``ValueError``
-(:data:`SYSTEM_ERRORS`): a transform's ``except ValueError`` does not swallow them, and no bad-data policy
-counts one as a bad sample (a shard the source itself finds unreadable is a shard event of the index pass,
+:class:`~prealign.schemas.errors.DataError`\ s (both also ``ValueError``); per-sample problems
+subclass :class:`~prealign.schemas.errors.SampleError` and name the sample, the field, what was
+expected and what came. I/O, timeout and worker errors are ``OSError`` / ``RuntimeError`` subclasses
+and never ``ValueError`` (:data:`SYSTEM_ERRORS`): a transform's ``except ValueError`` does not
+swallow them, and no bad-data policy counts one as a bad sample (a shard the source itself finds
+unreadable is a shard event of the index pass,
 ``corrupt_shard`` / ``shard_timeout`` under ``skip``). The tree: ``docs/errors.md``."""
+
 from __future__ import annotations
 
 from prealign.schemas.errors import ConfigError, DataError, PrealignError, SampleError
@@ -24,15 +26,23 @@ class BadSampleError(SampleError):
     """A sample could not be decoded, transformed or validated against the schema.
 
     ``reason`` is the key a skipped sample is counted under in the
-    :class:`~prealign.loaders.policy.BadDataReport` (``"bad_sample"`` unless a subclass or the caller says
-    more, e.g. ``"corrupt_image"``); an explicit ``reason`` also prefixes the message, so the cause
-    survives being reported as text.
+    :class:`~prealign.loaders.policy.BadDataReport` (``"bad_sample"`` unless a subclass or the
+    caller says more, e.g. ``"corrupt_image"``); an explicit ``reason`` also prefixes the message,
+    so the cause survives being reported as text.
     """
 
     reason: str = "bad_sample"
 
-    def __init__(self, *, sample, field: str | None, expected: str, actual: str, hint: str = "",
-                 reason: str | None = None):
+    def __init__(
+        self,
+        *,
+        sample,
+        field: str | None,
+        expected: str,
+        actual: str,
+        hint: str = "",
+        reason: str | None = None,
+    ):
         super().__init__(sample=sample, field=field, expected=expected, actual=actual, hint=hint)
         if reason is not None and reason != type(self).reason:
             self.reason = reason
@@ -52,8 +62,9 @@ class MissingMemberError(BadSampleError):
 
 
 def reason_of(exc: BaseException) -> str:
-    """The cause a bad sample is counted under: a :class:`~prealign.schemas.errors.SampleError`'s ``reason``
-    (a non-empty ``str`` or an enum with such a value, e.g. :class:`prealign.loaders.media.vlm.MediaError`'s
+    """The cause a bad sample is counted under: a :class:`~prealign.schemas.errors.SampleError`'s
+    ``reason`` (a non-empty ``str`` or an enum with such a value, e.g.
+    :class:`prealign.loaders.media.vlm.MediaError`'s
     :class:`~prealign.loaders.media.vlm.MediaProblem`), else ``"bad_sample"``.
 
     >>> reason_of(MissingMemberError(sample="k", field="jpg", expected="a member", actual="none"))
@@ -68,9 +79,10 @@ def reason_of(exc: BaseException) -> str:
 
 
 class CorruptShardError(PrealignError, OSError):
-    """A shard could not be read past some byte offset (truncated or corrupt tar, a member larger than
-    the file, unreadable URL): an ``OSError``. When the source finds it while scanning, the index pass counts
-    it as a shard event under ``reason`` (``corrupt_shard``) with ``skip``; raised anywhere else (a transform,
+    """A shard could not be read past some byte offset (truncated or corrupt tar, a member larger
+    than the file, unreadable URL): an ``OSError``. When the source finds it while scanning, the
+    index pass counts it as a shard event under ``reason`` (``corrupt_shard``) with ``skip``; raised
+    anywhere else (a transform,
     a batch read) it propagates."""
 
     reason = "corrupt_shard"
@@ -83,15 +95,18 @@ class CorruptShardError(PrealignError, OSError):
 
 class ShardTimeoutError(CorruptShardError, TimeoutError):
     """A shard read made no progress within the source's ``read_timeout`` (a FIFO, a hung mount): a
-    ``TimeoutError`` (an ``OSError``). Found while scanning, it is counted as ``shard_timeout`` under
-    ``skip`` (the rest of the shard is lost), raised under ``raise``; anywhere else it propagates."""
+    ``TimeoutError`` (an ``OSError``). Found while scanning, it is counted as ``shard_timeout``
+    under
+    ``skip`` (the rest of the shard is lost), raised under ``raise``; anywhere else it
+    propagates."""
 
     reason = "shard_timeout"
 
 
 class ShardGoneError(BadSampleError):
-    """A sample read for a batch whose shard is gone since the index was built (deleted, renamed, no longer a
-    regular file): ``.shard`` names it. Bad data like any sample that no longer loads: counted under
+    """A sample read for a batch whose shard is gone since the index was built (deleted, renamed, no
+    longer a regular file): ``.shard`` names it. Bad data like any sample that no longer loads:
+    counted under
     ``missing_shard`` by the ``skip`` policy, raised under ``raise``."""
 
     reason = "missing_shard"
@@ -99,12 +114,16 @@ class ShardGoneError(BadSampleError):
 
     def __init__(self, shard: str, where: str, problem: str):
         self.shard = shard
-        super().__init__(sample=where, field=None, expected=f"shard {shard} as indexed", actual=problem)
+        super().__init__(
+            sample=where, field=None, expected=f"shard {shard} as indexed", actual=problem
+        )
 
 
 class CollectiveTimeoutError(PrealignError, TimeoutError):
-    """A collective of the loader (the streaming loader's end-of-epoch ``all_reduce``) did not complete within
-    its timeout: a peer rank stopped iterating, died or is stuck. Names the group's ranks and the position."""
+    """A collective of the loader (the streaming loader's end-of-epoch ``all_reduce``) did not
+    complete within
+    its timeout: a peer rank stopped iterating, died or is stuck. Names the group's ranks and the
+    position."""
 
 
 class WorkerError(PrealignError, RuntimeError):
@@ -113,19 +132,22 @@ class WorkerError(PrealignError, RuntimeError):
 
 
 class UnsupportedTorchError(ConfigError):
-    """The installed torch lacks a ``DataLoader`` internal that dead-worker recovery relies on (its iterator's
-    worker processes, its shutdown): raised at first use with workers, naming the torch version and the
+    """The installed torch lacks a ``DataLoader`` internal that dead-worker recovery relies on (its
+    iterator's worker processes, its shutdown): raised at first use with workers, naming the torch
+    version and the
     attribute, instead of silently not recovering."""
 
 
 class ShareRecordError(DataError):
-    """A shared record or slot (:mod:`prealign.loaders.handoff`) that is malformed or not trusted: never served,
+    """A shared record or slot (:mod:`prealign.loaders.handoff`) that is malformed or not trusted:
+    never served,
     the rank computes the batch for itself."""
 
 
 class ShmBudgetError(PrealignError, OSError):
     """A slot would take this process past its shared-memory cap
-    (:func:`~prealign.loaders.handoff.slots.shm_cap`): an ``OSError`` too, so every hand-off that cannot
+    (:func:`~prealign.loaders.handoff.slots.shm_cap`): an ``OSError`` too, so every hand-off that
+    cannot
     have a slot (a full ``/dev/shm`` alike) falls back to its copying path."""
 
 
@@ -142,13 +164,16 @@ class ResumeError(ConfigError):
 
 
 class SourceChangedError(DataError):
-    """A sample read for a batch no longer matches what the index recorded (data changed on disk)."""
+    """A sample read for a batch no longer matches what the index recorded (data changed on
+    disk)."""
 
 
 class IndexMismatchError(ConfigError):
-    """A reused index (sidecars, a saved :class:`~prealign.loaders.index.sample_index.SampleIndex`) does not describe the
-    data the loader was given: ``.shard`` names the shard, ``.difference`` says what differs. Raised when the
-    loader prepares (:meth:`~prealign.loaders.loader.PackedLoader.prepare` or first use), before any batch, under every bad-data policy (never counted as bad data)."""
+    """A reused index (sidecars, a saved :class:`~prealign.loaders.index.sample_index.SampleIndex`)
+    does not describe the data the loader was given: ``.shard`` names the shard, ``.difference``
+    says what differs. Raised when the
+    loader prepares (:meth:`~prealign.loaders.loader.PackedLoader.prepare` or first use), before any
+    batch, under every bad-data policy (never counted as bad data)."""
 
     shard = difference = None  # when rebuilt from its message alone (see PrealignError)
 
@@ -159,29 +184,34 @@ class IndexMismatchError(ConfigError):
 
 
 class MissingShardError(IndexMismatchError):
-    """A shard named by the source (a path, a URL, a brace range) does not exist or cannot be reached: a
-    configuration mistake, raised before the index pass (by
-    :func:`~prealign.loaders.index.sidecar.check_source`, with every missing local shard listed), never counted as bad data. ``.shard`` is None when several are listed."""
+    """A shard named by the source (a path, a URL, a brace range) does not exist or cannot be
+    reached: a configuration mistake, raised before the index pass (by
+    :func:`~prealign.loaders.index.sidecar.check_source`, with every missing local shard listed),
+    never counted as bad data. ``.shard`` is None when several are listed."""
 
 
 class NotRegularFileError(MissingShardError):
-    """A local shard (to index) or sidecar path that is not a regular file: a device such as ``/dev/zero``,
+    """A local shard (to index) or sidecar path that is not a regular file: a device such as
+    ``/dev/zero``,
     a FIFO, a socket. The index pass never reads one (it could be endless, or block forever)."""
 
 
 class ChangedShardError(IndexMismatchError):
-    """A shard's size or content differs from what its index recorded (re-run ``prealign index``)."""
+    """A shard's size or content differs from what its index recorded (re-run ``prealign
+    index``)."""
 
 
 class StaleIndexError(IndexMismatchError):
-    """A sidecar index of another format version or transform (the field that differs and the ``prealign index``
-    command that rebuilds it are named), or a malformed one. Never raised for another schema: a sidecar
+    """A sidecar index of another format version or transform (the field that differs and the
+    ``prealign index`` command that rebuilds it are named), or a malformed one. Never raised for
+    another schema: a sidecar
     describes the data, and any schema reads it."""
 
 
 class IndexFileError(StaleIndexError):
-    """A saved :class:`~prealign.loaders.index.sample_index.SampleIndex` file that is not one (no such file, missing or
-    extra keys, wrong dtype or shape, inconsistent lengths, undecodable report), or one of other data.
+    """A saved :class:`~prealign.loaders.index.sample_index.SampleIndex` file that is not one (no
+    such file, missing or extra keys, wrong dtype or shape, inconsistent lengths, undecodable
+    report), or one of other data.
     Raised with one message (``IndexFileError(message)``; ``.shard`` is None)."""
 
     def __init__(self, message: str, difference: str | None = None, hint: str = ""):
@@ -192,7 +222,8 @@ class IndexFileError(StaleIndexError):
 
 
 class ExtraShardError(IndexFileError):
-    """The index names a shard the source does not have, or the source a shard the index lacks (an index
+    """The index names a shard the source does not have, or the source a shard the index lacks (an
+    index
     of other data: also an :class:`IndexFileError`)."""
 
 
@@ -207,32 +238,40 @@ class RemoteReadError(PrealignError, OSError):
 
 
 class RemoteStallError(RemoteReadError, TimeoutError):
-    """A remote read received no byte for longer than ``RemoteOptions.timeout`` seconds (after the retries)."""
+    """A remote read received no byte for longer than ``RemoteOptions.timeout`` seconds (after the
+    retries)."""
 
 
 class RemotePermissionError(ConfigError):
-    """The server refused to serve a remote shard (HTTP 401/403, an object store's access denied): credentials
-    or permissions, not a missing shard. ``.url``, ``.status`` (None when the client gives no HTTP status).
+    """The server refused to serve a remote shard (HTTP 401/403, an object store's access denied):
+    credentials or permissions, not a missing shard. ``.url``, ``.status`` (None when the client
+    gives no HTTP status).
     A configuration error: raised whatever the bad-data policy, never retried."""
 
     url = status = None  # when rebuilt from its message alone (see PrealignError)
 
     def __init__(self, url: str, status: int | None, answer: str):
         self.url, self.status = url, status
-        super().__init__(f"{url}: permission denied: expected the object, the server answered {answer}; check the "
-                         f"credentials (storage_options, a token in the URL) and the object's permissions (S3 also "
-                         f"answers 403 for an absent object of a bucket the caller cannot list)")
+        super().__init__(
+            f"{url}: permission denied: expected the object, the server answered {answer}; check "
+            f"the "
+            f"credentials (storage_options, a token in the URL) and the object's permissions (S3 "
+            f"also "
+            f"answers 403 for an absent object of a bucket the caller cannot list)"
+        )
 
 
 class RangeIgnoredWarning(UserWarning):
-    """A server answered a ranged read with the whole object (it ignores ``Range``): emitted once per server
-    and process; each object is then downloaded whole once and kept (``RemoteOptions.cache_dir``, else a
+    """A server answered a ranged read with the whole object (it ignores ``Range``): emitted once
+    per server and process; each object is then downloaded whole once and kept
+    (``RemoteOptions.cache_dir``, else a
     private temporary folder), bounded by ``RemoteOptions.cache_limit``."""
 
 
 SYSTEM_ERRORS: tuple[type[BaseException], ...] = (OSError, RuntimeError)
-"""The system errors (I/O, timeouts, dead workers): what no bad-data policy counts as a bad sample, and what
-no ``except ValueError`` catches (``issubclass(e, ValueError)`` is False for every prealign error among them).
+"""The system errors (I/O, timeouts, dead workers): what no bad-data policy counts as a bad sample,
+and what no ``except ValueError`` catches (``issubclass(e, ValueError)`` is False for every prealign
+error among them).
 
 >>> issubclass(RemoteStallError, SYSTEM_ERRORS), issubclass(RemoteStallError, ValueError)
 (True, False)
@@ -240,8 +279,10 @@ no ``except ValueError`` catches (``issubclass(e, ValueError)`` is False for eve
 
 
 # ---- errors as data (a BadRecord's error: written into files, read back by other runs) ----------
-_ERROR_KEYS = {"shard": frozenset({"shard", "offset", "cause"}),
-               "sample": frozenset({"cls", "sample", "field", "expected", "actual"})}
+_ERROR_KEYS = {
+    "shard": frozenset({"shard", "offset", "cause"}),
+    "sample": frozenset({"cls", "sample", "field", "expected", "actual"}),
+}
 """The keys an :func:`error_record` of each ``type`` must have (``reason`` and ``message`` are
 optional)."""
 
@@ -252,10 +293,15 @@ def checked_error(rec) -> dict | None:
     if rec is None:
         return None
     keys = _ERROR_KEYS.get(rec.get("type")) if isinstance(rec, dict) else None
-    if keys is None or not keys <= rec.keys() or not isinstance(rec.get("cls", ""), str) \
-            or not isinstance(rec.get("reason", ""), str):
-        raise ValueError(f"a bad-data record's error: expected a sample or shard error record, "
-                         f"got {rec!r:.80}")
+    if (
+        keys is None
+        or not keys <= rec.keys()
+        or not isinstance(rec.get("cls", ""), str)
+        or not isinstance(rec.get("reason", ""), str)
+    ):
+        raise ValueError(
+            f"a bad-data record's error: expected a sample or shard error record, got {rec!r:.80}"
+        )
     return rec
 
 
@@ -263,14 +309,26 @@ def error_record(exc: Exception) -> dict:
     """An exception as JSON-safe data (records are written into sidecars, read by other runs); a
     sample's keeps its cause (:func:`~prealign.loaders.errors.reason_of`) and its message."""
     if isinstance(exc, CorruptShardError):
-        return {"type": "shard", "cls": type(exc).__name__, "shard": exc.shard,
-                "offset": exc.offset,
-                "cause": exc.cause, "reason": exc.reason}
+        return {
+            "type": "shard",
+            "cls": type(exc).__name__,
+            "shard": exc.shard,
+            "offset": exc.offset,
+            "cause": exc.cause,
+            "reason": exc.reason,
+        }
     if not isinstance(exc, SampleError):  # sources yield typed errors only; anything else: our bug
         raise TypeError(f"a scan record holds {type(exc).__name__}: {exc}") from exc
-    return {"type": "sample", "cls": type(exc).__name__, "sample": exc.sample, "field": exc.field,
-            "expected": exc.expected, "actual": exc.actual, "reason": reason_of(exc),
-            "message": str(exc)}
+    return {
+        "type": "sample",
+        "cls": type(exc).__name__,
+        "sample": exc.sample,
+        "field": exc.field,
+        "expected": exc.expected,
+        "actual": exc.actual,
+        "reason": reason_of(exc),
+        "message": str(exc),
+    }
 
 
 def error_from_record(rec: dict) -> PrealignError:

@@ -5,8 +5,10 @@
                     "chat": {"hf": "chat.jsonl", "transform": "text", "weight": 0.3},
                     "video": {"path": "video/", "transform": "qwen2_5_vl_config/", "repeat": 2}}}
 
-Relative paths resolve against the file's folder. A key this reader does not know is an error naming it.
+Relative paths resolve against the file's folder. A key this reader does not know is an error naming
+it.
 """
+
 from __future__ import annotations
 
 import glob
@@ -17,8 +19,15 @@ from prealign.schemas.errors import ConfigError
 
 _TOP = {"by", "length", "pack_within_component", "on_component_change", "components"}
 _COMPONENT = {"path", "hf", "split", "transform", "weight", "repeat"}
-_PROCESSOR_KEYS = ("min_pixels", "max_pixels", "patch_size", "temporal_patch_size", "merge_size", "image_mean",
-                   "image_std")
+_PROCESSOR_KEYS = (
+    "min_pixels",
+    "max_pixels",
+    "patch_size",
+    "temporal_patch_size",
+    "merge_size",
+    "image_mean",
+    "image_std",
+)
 
 
 def _resolve(base: str, path: str) -> str:
@@ -28,7 +37,8 @@ def _resolve(base: str, path: str) -> str:
 
 
 def _shards(path: str) -> list[str] | str:
-    """A folder: its ``.tar`` files (sorted); anything else (a file, a brace pattern, a URL) as given."""
+    """A folder: its ``.tar`` files (sorted); anything else (a file, a brace pattern, a URL) as
+    given."""
     if os.path.isdir(path):
         found = sorted(glob.glob(os.path.join(path, "*.tar")))
         if not found:
@@ -38,21 +48,30 @@ def _shards(path: str) -> list[str] | str:
 
 
 def resolved_shards(file: str, path: str) -> list[str] | str:
-    """``path`` of a component of the mixture file at ``file``, resolved against its folder (a folder of shards:
+    """``path`` of a component of the mixture file at ``file``, resolved against its folder (a
+    folder of shards:
     its ``.tar`` files)."""
     where = _resolve(os.path.dirname(os.path.abspath(file)), path)
-    return _shards(where) if os.path.isdir(where) and glob.glob(os.path.join(where, "*.tar")) else where
+    return (
+        _shards(where)
+        if os.path.isdir(where) and glob.glob(os.path.join(where, "*.tar"))
+        else where
+    )
 
 
 def _text_transform(tokenizer):
     if tokenizer is None:
-        raise ConfigError("mixture file: transform 'text' needs Mixture.from_file(..., tokenizer=...)")
+        raise ConfigError(
+            "mixture file: transform 'text' needs Mixture.from_file(..., tokenizer=...)"
+        )
     return _TokenizeText(tokenizer)
 
 
 def _vlm_transform(name: str, folder: str, tokenizer):
-    """The VLM transform of a model config folder (``config.json``; its ``preprocessor_config.json`` and
-    ``video_preprocessor_config.json`` when present; its tokenizer unless ``tokenizer`` is given)."""
+    """The VLM transform of a model config folder (``config.json``; its ``preprocessor_config.json``
+    and
+    ``video_preprocessor_config.json`` when present; its tokenizer unless ``tokenizer`` is
+    given)."""
     from transformers import AutoConfig
 
     from prealign.loaders.media.chat_tokenizer import HFChatTokenizer
@@ -63,24 +82,35 @@ def _vlm_transform(name: str, folder: str, tokenizer):
         if tokenizer is None:
             from transformers import AutoTokenizer
 
-            tokenizer = HFChatTokenizer(AutoTokenizer.from_pretrained(folder, local_files_only=True))
+            tokenizer = HFChatTokenizer(
+                AutoTokenizer.from_pretrained(folder, local_files_only=True)
+            )
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"mixture file: component {name!r}: transform {folder}: not a model config folder with "
-                          f"a tokenizer ({type(exc).__name__}); or pass Mixture.from_file(..., tokenizer=...)") from None
+        raise ConfigError(
+            f"mixture file: component {name!r}: transform {folder}: not a model config folder with "
+            f"a tokenizer ({type(exc).__name__}); or pass Mixture.from_file(..., tokenizer=...)"
+        ) from None
     extra = {}
-    for key, file in (("processor_options", "preprocessor_config.json"),
-                      ("video_processor_config", "video_preprocessor_config.json")):
+    for key, file in (
+        ("processor_options", "preprocessor_config.json"),
+        ("video_processor_config", "video_preprocessor_config.json"),
+    ):
         path = os.path.join(folder, file)
         if os.path.isfile(path):
             with open(path, encoding="utf-8") as f:
                 extra[key] = json.load(f)
-    if "processor_options" in extra:  # the image processor's own keys (as `prealign index --processor`)
-        extra["processor_options"] = {k: v for k, v in extra["processor_options"].items() if k in _PROCESSOR_KEYS}
+    if (
+        "processor_options" in extra
+    ):  # the image processor's own keys (as `prealign index --processor`)
+        extra["processor_options"] = {
+            k: v for k, v in extra["processor_options"].items() if k in _PROCESSOR_KEYS
+        }
     return VLMSampleTransform(tokenizer=tokenizer, model_config=config, **extra)
 
 
 class _TokenizeText:
-    """``{"text": str}`` -> ``{"input_ids": int64 [L]}`` with a Hugging Face tokenizer (picklable)."""
+    """``{"text": str}`` -> ``{"input_ids": int64 [L]}`` with a Hugging Face tokenizer
+    (picklable)."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
@@ -104,19 +134,28 @@ def _source(name: str, entry: dict, base: str, tokenizer):
     elif isinstance(kind, str):
         folder = _resolve(base, kind)
         if not os.path.isdir(folder):
-            raise ConfigError(f"mixture file: component {name!r}: transform {kind!r} is neither 'text' nor a model "
-                              f"config folder ({folder} does not exist)")
+            raise ConfigError(
+                f"mixture file: component {name!r}: transform {kind!r} is neither 'text' nor a "
+                f"model "
+                f"config folder ({folder} does not exist)"
+            )
         transform = _vlm_transform(name, folder, tokenizer)
     elif kind is None:
         transform = None
     else:
-        raise ConfigError(f"mixture file: component {name!r}: key transform: expected 'text' or a folder, got "
-                          f"{kind!r}")
+        raise ConfigError(
+            f"mixture file: component {name!r}: key transform: expected 'text' or a folder, got "
+            f"{kind!r}"
+        )
     if ("path" in entry) == ("hf" in entry):
-        raise ConfigError(f"mixture file: component {name!r}: give 'path' (webdataset shards) or 'hf' (a dataset "
-                          f"file or saved folder), not {'both' if 'path' in entry else 'neither'}")
+        raise ConfigError(
+            f"mixture file: component {name!r}: give 'path' (webdataset shards) or 'hf' (a dataset "
+            f"file or saved folder), not {'both' if 'path' in entry else 'neither'}"
+        )
     if "path" in entry:
-        return WebDatasetSource(_shards(_resolve(base, entry["path"])), transform=transform or numpy_fields)
+        return WebDatasetSource(
+            _shards(_resolve(base, entry["path"])), transform=transform or numpy_fields
+        )
     import datasets
 
     where = _resolve(base, entry["hf"])
@@ -124,10 +163,18 @@ def _source(name: str, entry: dict, base: str, tokenizer):
         ds = datasets.load_from_disk(where)
     else:
         ext = os.path.splitext(where)[1].lstrip(".")
-        builder = {"jsonl": "json", "json": "json", "parquet": "parquet", "arrow": "arrow", "csv": "csv"}.get(ext)
+        builder = {
+            "jsonl": "json",
+            "json": "json",
+            "parquet": "parquet",
+            "arrow": "arrow",
+            "csv": "csv",
+        }.get(ext)
         if builder is None:
-            raise ConfigError(f"mixture file: component {name!r}: hf {where}: expected a saved folder or a "
-                              f".jsonl/.json/.parquet/.arrow/.csv file")
+            raise ConfigError(
+                f"mixture file: component {name!r}: hf {where}: expected a saved folder or a "
+                f".jsonl/.json/.parquet/.arrow/.csv file"
+            )
         ds = datasets.load_dataset(builder, data_files=where, split=entry.get("split", "train"))
     if isinstance(ds, datasets.DatasetDict):
         ds = ds[entry.get("split", "train")]
@@ -135,24 +182,33 @@ def _source(name: str, entry: dict, base: str, tokenizer):
 
 
 def read_mixture_file(path: str) -> dict:
-    """The file's JSON, checked: unknown keys and a missing ``components`` are errors naming them."""
+    """The file's JSON, checked: unknown keys and a missing ``components`` are errors naming
+    them."""
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
     except (OSError, ValueError) as exc:
         raise ConfigError(f"mixture file {path}: {exc}") from None
     if not isinstance(data, dict) or not isinstance(data.get("components"), dict):
-        raise ConfigError(f"mixture file {path}: expected an object with 'components': {{name: {{...}}}}")
+        raise ConfigError(
+            f"mixture file {path}: expected an object with 'components': {{name: {{...}}}}"
+        )
     unknown = set(data) - _TOP
     if unknown:
-        raise ConfigError(f"mixture file {path}: unknown key(s) {sorted(unknown)}; expected {sorted(_TOP)}")
+        raise ConfigError(
+            f"mixture file {path}: unknown key(s) {sorted(unknown)}; expected {sorted(_TOP)}"
+        )
     for name, entry in data["components"].items():
         if not isinstance(entry, dict):
-            raise ConfigError(f"mixture file {path}: component {name!r}: expected an object, got {entry!r}")
+            raise ConfigError(
+                f"mixture file {path}: component {name!r}: expected an object, got {entry!r}"
+            )
         bad = set(entry) - _COMPONENT
         if bad:
-            raise ConfigError(f"mixture file {path}: component {name!r}: unknown key(s) {sorted(bad)}; expected "
-                              f"{sorted(_COMPONENT)}")
+            raise ConfigError(
+                f"mixture file {path}: component {name!r}: unknown key(s) {sorted(bad)}; expected "
+                f"{sorted(_COMPONENT)}"
+            )
     return data
 
 
@@ -162,7 +218,14 @@ def load_mixture_file(mixture_cls, component_cls, path: str, *, tokenizer=None):
     base = os.path.dirname(os.path.abspath(path))
     comps = {}
     for name, entry in data["components"].items():
-        comps[name] = component_cls(_source(name, entry, base, tokenizer), weight=entry.get("weight"),
-                                    repeat=entry.get("repeat"))
-    options = {k: data[k] for k in ("by", "length", "pack_within_component", "on_component_change") if k in data}
+        comps[name] = component_cls(
+            _source(name, entry, base, tokenizer),
+            weight=entry.get("weight"),
+            repeat=entry.get("repeat"),
+        )
+    options = {
+        k: data[k]
+        for k in ("by", "length", "pack_within_component", "on_component_change")
+        if k in data
+    }
     return mixture_cls(comps, **options)

@@ -1,6 +1,7 @@
 """The rarer knobs of both loaders (:class:`~prealign.loaders.PackedLoader`,
-:class:`~prealign.loaders.StreamingPackedLoader`), as small frozen keyword-only option objects validated at
-construction (a mistake is a :class:`~prealign.loaders.errors.PlanError`, a ``ConfigError``).
+:class:`~prealign.loaders.StreamingPackedLoader`), as small frozen keyword-only option objects
+validated at construction (a mistake is a :class:`~prealign.loaders.errors.PlanError`, a
+``ConfigError``).
 
     PackedLoader(source, schema=, layout=, token_budget=, seed=,
                  workers=WorkerConfig(...),      where it runs: ranks, DataLoader workers,
@@ -19,6 +20,7 @@ construction (a mistake is a :class:`~prealign.loaders.errors.PlanError`, a ``Co
 >>> ShuffleOptions(enabled=False).window
 1024
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -32,7 +34,9 @@ def _int(name: str, value, low: int, *, optional: bool = False) -> None:
     if optional and value is None:
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise PlanError(f"{name}: expected an int >= {low}{' or None' if optional else ''}, got {value!r}")
+        raise PlanError(
+            f"{name}: expected an int >= {low}{' or None' if optional else ''}, got {value!r}"
+        )
 
 
 def check_dp(dp_rank, dp_size) -> None:
@@ -45,7 +49,8 @@ def check_dp(dp_rank, dp_size) -> None:
 
 
 def check_option(name: str, value, cls: type):
-    """``value`` when it is a ``cls`` or None, else :class:`~prealign.loaders.errors.PlanError` naming ``name``."""
+    """``value`` when it is a ``cls`` or None, else :class:`~prealign.loaders.errors.PlanError`
+    naming ``name``."""
     if value is not None and not isinstance(value, cls):
         raise PlanError(f"{name}: expected a {cls.__name__} or None, got {type(value).__name__}")
     return value
@@ -76,7 +81,8 @@ class IndexOptions:
     loader, or at :meth:`PackedLoader.prepare`)."""
 
     prebuilt: SampleIndex | str | None = None
-    """A :class:`SampleIndex`, or the path of one saved with :meth:`SampleIndex.save`: no index pass."""
+    """A :class:`SampleIndex`, or the path of one saved with :meth:`SampleIndex.save`: no index
+    pass."""
     workers: int | None = None
     """DataLoader workers of the index pass (None: the loader's ``num_workers``)."""
     distributed: bool = True
@@ -85,15 +91,18 @@ class IndexOptions:
 
     def __post_init__(self):
         if self.prebuilt is not None and not isinstance(self.prebuilt, (SampleIndex, str)):
-            raise PlanError(f"IndexOptions.prebuilt: expected a SampleIndex, a path or None, got "
-                            f"{type(self.prebuilt).__name__}")
+            raise PlanError(
+                f"IndexOptions.prebuilt: expected a SampleIndex, a path or None, got "
+                f"{type(self.prebuilt).__name__}"
+            )
         _int("IndexOptions.workers", self.workers, 0, optional=True)
         _bool("IndexOptions.distributed", self.distributed)
 
 
 @dataclass(frozen=True, kw_only=True)
 class LoadingOptions:
-    """torch ``DataLoader`` settings of the batch workers (``num_workers`` is the loader's own argument)."""
+    """torch ``DataLoader`` settings of the batch workers (``num_workers`` is the loader's own
+    argument)."""
 
     prefetch_factor: int | None = None
     """Batches each worker loads ahead (None: torch's default; only with workers)."""
@@ -105,8 +114,9 @@ class LoadingOptions:
     timeout: float = 0
     """Seconds to wait for a batch from the workers (0: forever)."""
     shm_cap: int | None = None
-    """Bytes of shared memory (``/dev/shm``, memfd) each worker may hold in hand-off slots; past it batches
-    are handed over by copy (0: always). None: ``PREALIGN_SHM_CAP``, else the smaller of 1 GiB and 1/8 of
+    """Bytes of shared memory (``/dev/shm``, memfd) each worker may hold in hand-off slots; past it
+    batches are handed over by copy (0: always). None: ``PREALIGN_SHM_CAP``, else the smaller of 1
+    GiB and 1/8 of
     ``/dev/shm`` (Kubernetes counts tmpfs toward the pod's memory; Docker's default is 64 MB)."""
 
     def __post_init__(self):
@@ -117,17 +127,24 @@ class LoadingOptions:
         if self.shm_cap is None:
             shm_cap()  # a malformed PREALIGN_SHM_CAP is a ConfigError here, not at the first batch
         if self.multiprocessing_context not in (None, "fork", "spawn", "forkserver"):
-            raise PlanError(f"LoadingOptions.multiprocessing_context: expected 'fork', 'spawn', 'forkserver' or "
-                            f"None, got {self.multiprocessing_context!r}")
-        if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or not self.timeout >= 0:
+            raise PlanError(
+                f"LoadingOptions.multiprocessing_context: expected 'fork', 'spawn', 'forkserver' "
+                f"or "
+                f"None, got {self.multiprocessing_context!r}"
+            )
+        if (
+            isinstance(self.timeout, bool)
+            or not isinstance(self.timeout, (int, float))
+            or not self.timeout >= 0
+        ):
             raise PlanError(f"LoadingOptions.timeout: expected seconds >= 0, got {self.timeout!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
 class WorkerConfig:
-    """Where a loader runs: DP rank ``dp_rank`` of ``dp_size``, CP rank ``cp_rank`` (None: no CP shard),
-    ``num_workers`` DataLoader workers and ``group``, the process group of its collectives (None: the
-    world). Both loaders take one as ``workers=`` or build it from the same flat keywords
+    """Where a loader runs: DP rank ``dp_rank`` of ``dp_size``, CP rank ``cp_rank`` (None: no CP
+    shard), ``num_workers`` DataLoader workers and ``group``, the process group of its collectives
+    (None: the world). Both loaders take one as ``workers=`` or build it from the same flat keywords
     (``loader.workers``).
 
     >>> WorkerConfig(dp_rank=1, dp_size=4, num_workers=2).num_workers
@@ -147,9 +164,9 @@ class WorkerConfig:
 
 
 def worker_config(workers: WorkerConfig | None, **flat) -> WorkerConfig:
-    """A loader's :class:`WorkerConfig`: ``workers``, or one built from the flat keywords (``dp_rank``,
-    ``dp_size``, ``cp_rank``, ``num_workers``, ``group``; ``None``: not given). A flat keyword given beside
-    ``workers`` is a :class:`~prealign.loaders.errors.PlanError` (given twice).
+    """A loader's :class:`WorkerConfig`: ``workers``, or one built from the flat keywords
+    (``dp_rank``, ``dp_size``, ``cp_rank``, ``num_workers``, ``group``; ``None``: not given). A flat
+    keyword given beside ``workers`` is a :class:`~prealign.loaders.errors.PlanError` (given twice).
 
     >>> config = worker_config(None, dp_rank=1, dp_size=2, cp_rank=None, num_workers=None,
     ...                        group=None)
@@ -161,6 +178,8 @@ def worker_config(workers: WorkerConfig | None, **flat) -> WorkerConfig:
     if workers is None:
         return WorkerConfig(**given)
     if given:
-        raise PlanError(f"{', '.join(given)}: given twice, as a keyword and in workers= (give it in the "
-                        f"WorkerConfig)")
+        raise PlanError(
+            f"{', '.join(given)}: given twice, as a keyword and in workers= (give it in the "
+            f"WorkerConfig)"
+        )
     return workers

@@ -1,4 +1,5 @@
-"""Declared policies of the loader layer: enums, and the bad-data bookkeeping every skip goes through.
+"""Declared policies of the loader layer: enums, and the bad-data bookkeeping every skip goes
+through.
 
 Nothing is dropped silently: a skipped or truncated sample is counted in a :class:`BadDataReport`
 (by reason, with the first few records kept) and announced by a :class:`BadSampleWarning`.
@@ -12,6 +13,7 @@ at load time, and what a report keeps as its examples.
     BadRecord(reason, where, message) (an ignored member, an oversize sample) ─► only counted
     to_json() / from_json(): plain JSON, read back exactly (sidecars, merged and saved indexes)
 """
+
 from __future__ import annotations
 
 import enum
@@ -34,9 +36,9 @@ class PackStrategy(enum.Enum):
     BFD: best-fit decreasing inside the streaming buffer (each sample, largest first, goes to the
     open micro-batch it leaves the least room in). FIRST_FIT: arrival order, first open micro-batch
     that fits. IN_ORDER: next-fit in stream order (a micro-batch closes at the first sample that
-    does not fit); the baselines exist for comparison. STEP_FIT: each global step takes the next stretch
-    of the stream, first-fit decreasing into its micro-batches (what a mixture plans with: each step holds
-    the mixture's shares, :func:`~prealign.loaders.plan.mixing.step_fit`).
+    does not fit); the baselines exist for comparison. STEP_FIT: each global step takes the next
+    stretch of the stream, first-fit decreasing into its micro-batches (what a mixture plans with:
+    each step holds the mixture's shares, :func:`~prealign.loaders.plan.mixing.step_fit`).
     """
 
     BFD = "bfd"
@@ -46,7 +48,8 @@ class PackStrategy(enum.Enum):
 
 
 class Oversize(enum.Enum):
-    """A sample that cannot fit the token budget even alone: raise, cut it to fit, or leave it out."""
+    """A sample that cannot fit the token budget even alone: raise, cut it to fit, or leave it
+    out."""
 
     ERROR = "error"
     TRUNCATE = "truncate"
@@ -65,13 +68,16 @@ class BadSampleWarning(UserWarning):
 
 
 def coerce_enum(cls: type[enum.Enum], value, name: str):
-    """``"bfd"`` / ``PackStrategy.BFD`` -> ``PackStrategy.BFD``; anything else -> :class:`PlanError`."""
+    """``"bfd"`` / ``PackStrategy.BFD`` -> ``PackStrategy.BFD``; anything else ->
+    :class:`PlanError`."""
     if isinstance(value, cls):
         return value
     try:
         return cls(value.lower() if isinstance(value, str) else value)
     except ValueError:
-        raise PlanError(f"{name}: expected one of {[m.value for m in cls]}, got {value!r}") from None
+        raise PlanError(
+            f"{name}: expected one of {[m.value for m in cls]}, got {value!r}"
+        ) from None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,8 +96,11 @@ class BadDataPolicy:
 
     def __post_init__(self):
         object.__setattr__(self, "on_error", coerce_enum(OnBadSample, self.on_error, "on_error"))
-        if isinstance(self.max_consecutive, bool) or not isinstance(self.max_consecutive, int) \
-                or self.max_consecutive < 1:
+        if (
+            isinstance(self.max_consecutive, bool)
+            or not isinstance(self.max_consecutive, int)
+            or self.max_consecutive < 1
+        ):
             raise PlanError(f"max_consecutive: expected an int >= 1, got {self.max_consecutive!r}")
 
     def to_dict(self) -> dict:
@@ -128,8 +137,11 @@ class BadRecord:
     counted (a tar member without an extension, an oversize sample the planner leaves out)."""
 
     def __post_init__(self):
-        if not (isinstance(self.reason, str) and isinstance(self.where, str)
-                and isinstance(self.message, str)):
+        if not (
+            isinstance(self.reason, str)
+            and isinstance(self.where, str)
+            and isinstance(self.message, str)
+        ):
             raise TypeError(f"BadRecord: reason, where and message must be str, got {self!r}")
 
     @classmethod
@@ -173,12 +185,15 @@ class BadRecord:
         """The record of :meth:`to_json`'s form, every key and type checked (a ``ValueError`` naming
         what is wrong otherwise: records are read from files)."""
         if not isinstance(obj, dict) or not _RECORD_KEYS <= obj.keys() <= _RECORD_KEYS_ERROR:
-            raise ValueError(f"a bad-data record: expected keys reason, where, message (+ error), "
-                             f"got {obj!r:.80}")
+            raise ValueError(
+                f"a bad-data record: expected keys reason, where, message (+ error), "
+                f"got {obj!r:.80}"
+            )
         reason, where, message = obj["reason"], obj["where"], obj["message"]
         if not (isinstance(reason, str) and isinstance(where, str) and isinstance(message, str)):
-            raise ValueError(f"a bad-data record: reason, where and message must be str, "
-                             f"got {obj!r:.80}")
+            raise ValueError(
+                f"a bad-data record: reason, where and message must be str, got {obj!r:.80}"
+            )
         return cls(reason, where, message, checked_error(obj.get("error")))
 
 
@@ -210,20 +225,29 @@ class BadDataReport:
         return sum(self.counts.values())
 
     def to_dict(self) -> dict:
-        return {"counts": dict(sorted(self.counts.items())), "total": self.total,
-                "examples": [e.to_json() for e in self.examples]}
+        return {
+            "counts": dict(sorted(self.counts.items())),
+            "total": self.total,
+            "examples": [e.to_json() for e in self.examples],
+        }
 
     @classmethod
     def from_dict(cls, d) -> "BadDataReport":
         """The report of :meth:`to_dict` (examples as records, or as the ``[where, reason,
         message]`` lists reports saved before records were typed), every key and type checked: a
         ``ValueError`` otherwise."""
-        if not (isinstance(d, dict) and isinstance(d.get("counts"), dict)
-                and isinstance(d.get("examples"), list)
-                and all(isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool)
-                        and v >= 0 for k, v in d["counts"].items())):
-            raise ValueError("a bad-data report: expected {'counts': {reason: int}, "
-                             "'examples': [...]}")
+        if not (
+            isinstance(d, dict)
+            and isinstance(d.get("counts"), dict)
+            and isinstance(d.get("examples"), list)
+            and all(
+                isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                for k, v in d["counts"].items()
+            )
+        ):
+            raise ValueError(
+                "a bad-data report: expected {'counts': {reason: int}, 'examples': [...]}"
+            )
         examples = []
         for e in d["examples"]:
             if isinstance(e, list) and len(e) == 3 and all(isinstance(x, str) for x in e):
@@ -252,20 +276,27 @@ class BadDataGate:
         reason, where = record.reason, record.where
         if self.policy.on_error is OnBadSample.RAISE:
             error = error if error is not None else record.to_error()
-            note = (f"BadDataPolicy(on_error='skip') would count this as {reason!r} and leave it out "
-                    f"(loader.report)")
-            if hasattr(error, "add_note") and note not in getattr(error, "__notes__", ()):  # Python >= 3.11
+            note = (
+                f"BadDataPolicy(on_error='skip') would count this as {reason!r} and leave it out "
+                f"(loader.report)"
+            )
+            if hasattr(error, "add_note") and note not in getattr(
+                error, "__notes__", ()
+            ):  # Python >= 3.11
                 error.add_note(note)
             error.report = self.report
             raise error
         self.report.add(record)
         self.consecutive += 1
         if self.policy.warn:
-            warnings.warn(BadSampleWarning(f"skipped {where} ({reason}): {record.message}"),
-                          stacklevel=2)
+            warnings.warn(
+                BadSampleWarning(f"skipped {where} ({reason}): {record.message}"), stacklevel=2
+            )
         if self.consecutive >= self.policy.max_consecutive:
             too_many = TooManyBadSamplesError(
-                f"{self.consecutive} bad samples in a row (limit max_consecutive={self.policy.max_consecutive}); "
-                f"last: {where}: {record.message}. Counts so far: {self.report.counts}")
+                f"{self.consecutive} bad samples in a row (limit "
+                f"max_consecutive={self.policy.max_consecutive}); "
+                f"last: {where}: {record.message}. Counts so far: {self.report.counts}"
+            )
             too_many.report = self.report
             raise too_many from (error if error is not None else record.to_error())

@@ -1,7 +1,8 @@
-"""Sample shaping below both loaders: a sample cut to fit the token budget (:func:`truncate_sample`) and
-the all-pad filler a rank yields when it has no real micro-batch left (:func:`filler_sample`,
+"""Sample shaping below both loaders: a sample cut to fit the token budget (:func:`truncate_sample`)
+and the all-pad filler a rank yields when it has no real micro-batch left (:func:`filler_sample`,
 :func:`filler_length`: one mechanism for :class:`~prealign.loaders.loader.PackedLoader` and
 :class:`~prealign.loaders.streaming.StreamingPackedLoader`)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -15,7 +16,8 @@ from prealign.schemas.schema import BatchSchema, FieldSource, Role
 
 
 def filler_length(layout: ParallelLayout) -> int:
-    """Tokens of a filler: the smallest sequence the layout pads to (``layout.seq_multiple``), so a filler
+    """Tokens of a filler: the smallest sequence the layout pads to (``layout.seq_multiple``), so a
+    filler
     micro-batch costs one aligned sequence of pad."""
     return layout.seq_multiple
 
@@ -31,11 +33,19 @@ def truncate_sample(sample: dict, schema: BatchSchema, length: int) -> dict:
     mkeys = media_keys(schema)
     for key, dim in sample_token_keys(schema):
         if key in out and out[key] is not None:
-            t = torch.as_tensor(np.asarray(out[key])) if not isinstance(out[key], torch.Tensor) else out[key]
+            t = (
+                torch.as_tensor(np.asarray(out[key]))
+                if not isinstance(out[key], torch.Tensor)
+                else out[key]
+            )
             if t.shape[dim] > length and mkeys and has_media(sample, mkeys):
-                raise BadSampleError(sample=sample.get("__key__"), field=key, reason="oversize_media",
-                                     expected=f"at most {length} tokens (a sample carrying media is never cut)",
-                                     actual=f"{t.shape[dim]} tokens")
+                raise BadSampleError(
+                    sample=sample.get("__key__"),
+                    field=key,
+                    reason="oversize_media",
+                    expected=f"at most {length} tokens (a sample carrying media is never cut)",
+                    actual=f"{t.shape[dim]} tokens",
+                )
             out[key] = t.narrow(dim, 0, min(length, t.shape[dim]))
     return out
 
@@ -44,7 +54,8 @@ def filler_sample(sample: dict, schema: BatchSchema, length: int) -> dict:
     """A sample shaped like ``sample`` but ``length`` pad tokens long, labels all ``ignore_index``
     (so its loss mask is zero), sequence fields zero and media fields empty (no images: a VLM
     filler has ``pixel_values [0, patch_dim]``, ``image_grid_thw [0, 3]``, text-only token types
-    and zero ``mrope_position_ids``, consistent for :func:`prealign.schemas.vlm.validate_vlm_batch`)."""
+    and zero ``mrope_position_ids``, consistent for
+    :func:`prealign.schemas.vlm.validate_vlm_batch`)."""
     out = dict(sample)
     for spec in schema.of_role(Role.MEDIA):  # first: then the cut below never sees media
         if spec.name in out:
@@ -55,7 +66,8 @@ def filler_sample(sample: dict, schema: BatchSchema, length: int) -> dict:
             continue
         for key in spec.sample_keys:
             if key in out and not (spec.source is FieldSource.NEXT_TOKEN and key == "input_ids"):
-                # (labels read input_ids when a sample has no labels: the ids keep their own pad, not -100)
+                # (labels read input_ids when a sample has no labels: the ids keep their own pad,
+                # not -100)
                 out[key] = torch.full_like(torch.as_tensor(out[key]), spec.pad_value)
         if spec.source is FieldSource.NEXT_TOKEN:
             ids = torch.as_tensor(out["input_ids"])
@@ -66,4 +78,3 @@ def filler_sample(sample: dict, schema: BatchSchema, length: int) -> dict:
         if spec.name in out:
             out[spec.name] = torch.zeros_like(torch.as_tensor(out[spec.name]))
     return out
-

@@ -1,19 +1,22 @@
-"""Loader state: small, versioned, JSON-friendly; resume by replaying the deterministic plan (or stream).
+"""Loader state: small, versioned, JSON-friendly; resume by replaying the deterministic plan (or
+stream).
 
-One format for both loaders (``kind`` names which wrote it). The state is the same on every rank of a run
-(no rank id in it): save it once, load it everywhere. ``data`` holds fingerprints of the data computed once,
-when the loader prepares: taking a state touches no file.
+One format for both loaders (``kind`` names which wrote it). The state is the same on every rank of
+a run (no rank id in it): save it once, load it everywhere. ``data`` holds fingerprints of the data
+computed once, when the loader prepares: taking a state touches no file.
 
     {"version": 2, "kind": "prealign.PackedLoader", "epoch": 3, "position": 17,
      "config": {"seed": 0, "shuffle": true, "dp_size": 4, "token_budget": 8192,
-                "layout": {...}, "schema": "<fingerprint>", "planner": {...}, "shuffle_window": 1024},
+                "layout": {...}, "schema": "<fingerprint>", "planner": {...},
+                "shuffle_window": 1024},
      "data": {"source": "webdataset", "num_samples": 7473, "digest": "<16 hex>"}}
     {"version": 2, "kind": "prealign.StreamingPackedLoader", ..., "config": {..., "num_workers": 2},
      "data": {"source": "webdataset", "num_shards": 200, "digest": "<16 hex>"}}
 
-A run resumed with another ``dp_size`` (or ``microbatches_per_step``; ``num_workers`` for a stream) serves the
-rest of its epoch as a new segment (:mod:`prealign.loaders.plan.elastic`); until that epoch ends its state is
-version 3, with the earlier segments of the epoch (``position`` is then within the last one, ``config``'s):
+A run resumed with another ``dp_size`` (or ``microbatches_per_step``; ``num_workers`` for a stream)
+serves the rest of its epoch as a new segment (:mod:`prealign.loaders.plan.elastic`); until that
+epoch ends its state is version 3, with the earlier segments of the epoch (``position`` is then
+within the last one, ``config``'s):
 
     {"version": 3, ..., "position": 4, "config": {..., "dp_size": 3, ...},
      "segments": [{"dp_size": 4, "microbatches_per_step": 1, "num_workers": null, "position": 17}]}
@@ -29,6 +32,7 @@ is that rank's (other ranks replay):
           "bins": [[[id, aligned size, *location], ...], ...]},
          ...]}}
 """
+
 from __future__ import annotations
 
 import json
@@ -40,10 +44,12 @@ from prealign.loaders.plan.elastic import Segment
 
 STATE_VERSION = 2
 """2: epochs planned a chunk at a time (``PlannerConfig.chunk_size``), which serves micro-batches in
-another order than version 1's single plan: a version-1 state cannot be resumed exactly. (The streaming
+another order than version 1's single plan: a version-1 state cannot be resumed exactly. (The
+streaming
 loader's own version 1 format, without ``data``, is refused too.)"""
 ELASTIC_VERSION = 3
-"""3: a state with earlier segments of its epoch (a resize); written only then, so that a prealign that
+"""3: a state with earlier segments of its epoch (a resize); written only then, so that a prealign
+that
 cannot honour them refuses the state instead of resuming the wrong samples."""
 CURSOR_VERSION = 4
 """4: a streaming state with one rank's reader ``cursors`` (where each reader goes on: shard,
@@ -54,8 +60,10 @@ STATE_KIND = "prealign.PackedLoader"
 STREAM_STATE_KIND = "prealign.StreamingPackedLoader"
 
 _WHY = {
-    "dp_size": "micro-batches are dealt to dp_size ranks; another dp_size would repeat or lose samples",
-    "layout": "the layout sets the padded lengths, so the plan (which samples fit together) changes",
+    "dp_size": "micro-batches are dealt to dp_size ranks; another dp_size would repeat or lose "
+    "samples",
+    "layout": "the layout sets the padded lengths, so the plan (which samples fit together) "
+    "changes",
     "token_budget": "the budget sets which samples fit together",
     "schema": "batches would not have the saved run's fields",
     "planner": "another planner configuration gives another plan",
@@ -98,7 +106,8 @@ def _non_finite(value, path: str) -> str | None:
 
 @dataclass(frozen=True, kw_only=True)
 class LoaderState:
-    """Where a loader stands: ``position`` micro-batches of ``epoch`` already yielded on every rank."""
+    """Where a loader stands: ``position`` micro-batches of ``epoch`` already yielded on every
+    rank."""
 
     epoch: int
     position: int
@@ -106,15 +115,27 @@ class LoaderState:
     data: dict
     kind: str = STATE_KIND
     segments: tuple[Segment, ...] = ()
-    """Earlier segments of ``epoch``, served under other configurations (:mod:`prealign.loaders.plan.elastic`)."""
+    """Earlier segments of ``epoch``, served under other configurations
+    (:mod:`prealign.loaders.plan.elastic`)."""
     cursors: dict | None = None
     """One rank's reader cursors (a stream's, version 4): checked by the loader that reads them."""
 
     def to_dict(self) -> dict:
-        version = (CURSOR_VERSION if self.cursors is not None else
-                   ELASTIC_VERSION if self.segments else STATE_VERSION)
-        out = {"version": version, "kind": self.kind, "epoch": self.epoch,
-               "position": self.position, "config": self.config, "data": self.data}
+        version = (
+            CURSOR_VERSION
+            if self.cursors is not None
+            else ELASTIC_VERSION
+            if self.segments
+            else STATE_VERSION
+        )
+        out = {
+            "version": version,
+            "kind": self.kind,
+            "epoch": self.epoch,
+            "position": self.position,
+            "config": self.config,
+            "data": self.data,
+        }
         if self.segments:
             out["segments"] = [s.to_dict() for s in self.segments]
         if self.cursors is not None:
@@ -123,9 +144,10 @@ class LoaderState:
 
     @classmethod
     def from_dict(cls, state, kind: str = STATE_KIND) -> "LoaderState":
-        """Parse a saved state (a dict, or its JSON text) strictly: :class:`ResumeError` naming the key
-        for non-JSON text, another kind or version, a missing key, ``epoch`` / ``position`` that are not
-        non-negative ints (``2.7``, ``"3"``, ``True``, ``inf`` and ``NaN`` are refused, never coerced),
+        """Parse a saved state (a dict, or its JSON text) strictly: :class:`ResumeError` naming the
+        key for non-JSON text, another kind or version, a missing key, ``epoch`` / ``position`` that
+        are not non-negative ints (``2.7``, ``"3"``, ``True``, ``inf`` and ``NaN`` are refused,
+        never coerced),
         ``config`` / ``data`` that are not objects, or non-finite numbers anywhere."""
         if isinstance(state, (bytes, bytearray)):
             try:
@@ -143,57 +165,89 @@ class LoaderState:
         known = (STATE_VERSION, ELASTIC_VERSION)
         known += (CURSOR_VERSION,) if kind == STREAM_STATE_KIND else ()
         if isinstance(version, bool) or version not in known:
-            raise ResumeError(f"loader state: key 'version': version {version!r} is not supported (this prealign writes "
-                              f"and reads versions {', '.join(map(str, known))} of a {kind} "
-                              f"state); a state of an older prealign cannot be resumed exactly: "
-                              f"start the epoch afresh (set_epoch)")
+            raise ResumeError(
+                f"loader state: key 'version': version {version!r} is not supported (this "
+                f"prealign writes "
+                f"and reads versions {', '.join(map(str, known))} of a {kind} "
+                f"state); a state of an older prealign cannot be resumed exactly: "
+                f"start the epoch afresh (set_epoch)"
+            )
         missing = [k for k in ("epoch", "position", "config", "data") if k not in state]
         if missing:
             raise ResumeError(f"loader state: missing key(s) {missing}")
         for key in ("epoch", "position"):
             value = state[key]
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ResumeError(f"loader state: key {key!r}: expected an int >= 0, got {value!r} "
-                                  f"({type(value).__name__}); a state is never coerced")
+                raise ResumeError(
+                    f"loader state: key {key!r}: expected an int >= 0, got {value!r} "
+                    f"({type(value).__name__}); a state is never coerced"
+                )
         for key in ("config", "data"):
             if not isinstance(state[key], dict):
-                raise ResumeError(f"loader state: key {key!r}: expected an object, got {type(state[key]).__name__}")
+                raise ResumeError(
+                    f"loader state: key {key!r}: expected an object, got "
+                    f"{type(state[key]).__name__}"
+                )
             bad = _non_finite(state[key], key)
             if bad:
                 raise ResumeError(f"loader state: key {bad!r}: a non-finite number")
         cursors = state.get("cursors")
         if (version == CURSOR_VERSION) != ("cursors" in state) or (
-                cursors is not None and not isinstance(cursors, dict)):
-            raise ResumeError(f"loader state: key 'cursors': an object in a version "
-                              f"{CURSOR_VERSION} state and only there; got {str(cursors)[:200]} in "
-                              f"version {version}")
+            cursors is not None and not isinstance(cursors, dict)
+        ):
+            raise ResumeError(
+                f"loader state: key 'cursors': an object in a version "
+                f"{CURSOR_VERSION} state and only there; got {str(cursors)[:200]} in "
+                f"version {version}"
+            )
         segments = state.get("segments")
         wants_segments = version == ELASTIC_VERSION or (
-            version == CURSOR_VERSION and "segments" in state)
+            version == CURSOR_VERSION and "segments" in state
+        )
         if wants_segments != ("segments" in state) or (
-                segments is not None and not (isinstance(segments, list) and segments)):
-            raise ResumeError(f"loader state: key 'segments': a non-empty list in a version {ELASTIC_VERSION} state "
-                              f"(or {CURSOR_VERSION}) and only there; got {str(segments)[:200]} in "
-                              f"version {version}")
-        return cls(epoch=state["epoch"], position=state["position"], config=dict(state["config"]),
-                   data=dict(state["data"]), kind=kind,
-                   cursors=None if cursors is None else dict(cursors),
-                   segments=tuple(Segment.from_dict(s, f"segments[{i}]") for i, s in enumerate(segments or ())))
+            segments is not None and not (isinstance(segments, list) and segments)
+        ):
+            raise ResumeError(
+                f"loader state: key 'segments': a non-empty list in a version {ELASTIC_VERSION} "
+                f"state "
+                f"(or {CURSOR_VERSION}) and only there; got {str(segments)[:200]} in "
+                f"version {version}"
+            )
+        return cls(
+            epoch=state["epoch"],
+            position=state["position"],
+            config=dict(state["config"]),
+            data=dict(state["data"]),
+            kind=kind,
+            cursors=None if cursors is None else dict(cursors),
+            segments=tuple(
+                Segment.from_dict(s, f"segments[{i}]") for i, s in enumerate(segments or ())
+            ),
+        )
 
     def check_compatible(self, config: dict, data: dict, elastic: tuple[str, ...] = ()) -> None:
-        """Raise :class:`ResumeError` listing every difference with this run's ``config`` / ``data``, but
-        in the ``elastic`` keys (``"planner.microbatches_per_step"`` for a nested one): those the loader
+        """Raise :class:`ResumeError` listing every difference with this run's ``config`` /
+        ``data``, but in the ``elastic`` keys (``"planner.microbatches_per_step"`` for a nested
+        one): those the loader
         re-plans the rest of the epoch for."""
         problems = []
         saved_config, config = _without(self.config, elastic), _without(config, elastic)
         for key in sorted(set(config) | set(saved_config)):
             saved, here = saved_config.get(key), config.get(key)
             if saved != here:
-                problems.append(f"{key}: saved {saved!r}, this run {here!r} ({_WHY.get(key, 'changes the plan')})")
+                problems.append(
+                    f"{key}: saved {saved!r}, this run {here!r} "
+                    f"({_WHY.get(key, 'changes the plan')})"
+                )
         for key in sorted(set(data) | set(self.data)):
             if self.data.get(key) != data.get(key):
-                problems.append(f"data {key}: saved {self.data.get(key)!r}, this run {data.get(key)!r} "
-                                f"(the source or its transform changed)")
+                problems.append(
+                    f"data {key}: saved {self.data.get(key)!r}, this run {data.get(key)!r} "
+                    f"(the source or its transform changed)"
+                )
         if problems:
-            raise ResumeError("cannot resume this loader state:\n  " + "\n  ".join(problems) +
-                              "\nresume with the saved run's configuration, or start a fresh loader")
+            raise ResumeError(
+                "cannot resume this loader state:\n  "
+                + "\n  ".join(problems)
+                + "\nresume with the saved run's configuration, or start a fresh loader"
+            )

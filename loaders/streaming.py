@@ -3,24 +3,26 @@
     shards (seeded order per epoch) ──split: reader g = dp_rank * W + worker──► scan ─► transform
         ─► validate (the collator, per arrival chunk) ─► bounded buffer (``buffer_size`` samples)
         ─► best-fit decreasing when full: the fullest micro-batches out, the rest wait ─► collate
-    main process: one flag per micro-batch, all-reduced (MAX) over ``group``: while any rank still has
-    data every rank yields (a rank out of data yields a filler: all pad, zero loss), then the epoch
-    ends on every rank at the same micro-batch
+    main process: one flag per micro-batch, all-reduced (MAX) over ``group``: while any rank still
+    has data every rank yields (a rank out of data yields a filler: all pad, zero loss), then the
+    epoch ends on every rank at the same micro-batch
 
 Same hard budget and collator as :class:`~prealign.loaders.PackedLoader` and the same batch contract
-(the collator's fields plus ``sample_index`` int64 ``[N]``, ``is_filler``, ``epoch``, ``microbatch``);
-``sample_index`` holds stream ids ``shard << 32 | ordinal`` (the ordinal of the sample in its shard).
+(the collator's fields plus ``sample_index`` int64 ``[N]``, ``is_filler``, ``epoch``,
+``microbatch``); ``sample_index`` holds stream ids ``shard << 32 | ordinal`` (the ordinal of the
+sample in its shard).
 
-Readers take disjoint shards (``shards[g::G]`` of the epoch's shard order, ``G = dp_size * W``); with
-fewer shards than readers every reader scans them all and keeps every ``G``-th sample. Every sample is
-read by exactly one reader per epoch and either packed or counted by the bad-data policy: none is
-dropped or repeated. The first batch comes after at most ``buffer_size`` samples per worker.
+Readers take disjoint shards (``shards[g::G]`` of the epoch's shard order, ``G = dp_size * W``);
+with fewer shards than readers every reader scans them all and keeps every ``G``-th sample. Every
+sample is read by exactly one reader per epoch and either packed or counted by the bad-data policy:
+none is dropped or repeated. The first batch comes after at most ``buffer_size`` samples per worker.
 
-The end-of-epoch agreement costs one ``all_reduce`` of one int64 per micro-batch on ``group`` (default:
-the world; every rank of it must iterate, TP/CP ranks of a DP rank read the same stream). Without an
-initialised process group (or ``dp_size == 1``) there is none. It waits at most ``collective_timeout``
-seconds (default 300): a peer that stopped iterating is a :class:`~prealign.loaders.errors.CollectiveTimeoutError`
-naming the ranks and the position, not a hang of the process group's own timeout (30 min by default).
+The end-of-epoch agreement costs one ``all_reduce`` of one int64 per micro-batch on ``group``
+(default: the world; every rank of it must iterate, TP/CP ranks of a DP rank read the same stream).
+Without an initialised process group (or ``dp_size == 1``) there is none. It waits at most
+``collective_timeout`` seconds (default 300): a peer that stopped iterating is a
+:class:`~prealign.loaders.errors.CollectiveTimeoutError` naming the ranks and the position, not a
+hang of the process group's own timeout (30 min by default).
 
 Resume: the state is ``(epoch, position)``, the same on every rank, in the format of
 :class:`~prealign.loaders.PackedLoader`'s (:mod:`prealign.loaders.state`; the data fingerprint is a
@@ -46,11 +48,12 @@ anew (cost: packing every old rank's served part of the stream again, and with f
 readers reading that prefix once per old reader; the served ids are one shared sorted int64 tensor;
 ``docs/resume.md``).
 
-Options, validation, ``set_epoch``, ``from_parallel_state``, the one-live-iterator guard, the state and the
-worker path (a sample's typed error raised as its own type, a dead worker a
-:class:`~prealign.loaders.errors.WorkerError`) are :class:`~prealign.loaders.core.LoaderCore`'s, shared
-with :class:`~prealign.loaders.PackedLoader`.
+Options, validation, ``set_epoch``, ``from_parallel_state``, the one-live-iterator guard, the state
+and the worker path (a sample's typed error raised as its own type, a dead worker a
+:class:`~prealign.loaders.errors.WorkerError`) are :class:`~prealign.loaders.core.LoaderCore`'s,
+shared with :class:`~prealign.loaders.PackedLoader`.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -65,7 +68,13 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from prealign.loaders.core import LoaderCore, describe_digest, unpacked
-from prealign.loaders.errors import BadSampleError, CollectiveTimeoutError, OversizeSampleError, PlanError, ResumeError
+from prealign.loaders.errors import (
+    BadSampleError,
+    CollectiveTimeoutError,
+    OversizeSampleError,
+    PlanError,
+    ResumeError,
+)
 from prealign.loaders.handoff.transport import pack_batch
 from prealign.loaders.index.apply_policy import FixedDims
 from prealign.loaders.index.sample_checks import has_media, media_keys, validated
@@ -89,14 +98,19 @@ STREAM_PLANNER = PlannerConfig(buffer_size=1024)
 _STREAM_FIELDS = ("buffer_size", "oversize")
 
 
-def stream_planner(planner: PlannerConfig | None, buffer_size: int | None = None,
-                   oversize: Oversize | str | None = None) -> PlannerConfig:
+def stream_planner(
+    planner: PlannerConfig | None,
+    buffer_size: int | None = None,
+    oversize: Oversize | str | None = None,
+) -> PlannerConfig:
     """The :class:`PlannerConfig` of a stream: ``planner`` (default :data:`STREAM_PLANNER`) with the
-    ``buffer_size`` / ``oversize`` keywords (kept from the loader's first signature) applied. A keyword
-    given in ``planner`` too, or a planner field a stream cannot honour (it packs best-fit decreasing from
-    its buffer, one micro-batch per step) set to another value than its default, is a :class:`PlanError`.
+    ``buffer_size`` / ``oversize`` keywords (kept from the loader's first signature) applied. A
+    keyword given in ``planner`` too, or a planner field a stream cannot honour (it packs best-fit
+    decreasing from its buffer, one micro-batch per step) set to another value than its default, is
+    a :class:`PlanError`.
 
-    >>> stream_planner(None, buffer_size=64).buffer_size, stream_planner(PlannerConfig(oversize="skip")).oversize
+    >>> skip = PlannerConfig(oversize="skip")
+    >>> stream_planner(None, buffer_size=64).buffer_size, stream_planner(skip).oversize
     (64, <Oversize.SKIP: 'skip'>)
     """
     check_option("planner", planner, PlannerConfig)
@@ -105,15 +119,21 @@ def stream_planner(planner: PlannerConfig | None, buffer_size: int | None = None
         if value is None:
             continue
         if planner is not None:
-            raise PlanError(f"{name}: given twice, as a keyword and in planner= (give it in the PlannerConfig)")
+            raise PlanError(
+                f"{name}: given twice, as a keyword and in planner= (give it in the PlannerConfig)"
+            )
         out = dataclasses.replace(out, **{name: value})  # validated by PlannerConfig
     default = PlannerConfig()
     for field in dataclasses.fields(PlannerConfig):
         value = getattr(out, field.name)
         if field.name not in _STREAM_FIELDS and value != getattr(default, field.name):
-            raise PlanError(f"planner.{field.name}: {value!r} does not apply to StreamingPackedLoader (it packs "
-                            f"best-fit decreasing from its buffer, one micro-batch per step); leave it at its default "
-                            f"{getattr(default, field.name)!r}")
+            raise PlanError(
+                f"planner.{field.name}: {value!r} does not apply to StreamingPackedLoader (it "
+                f"packs "
+                f"best-fit decreasing from its buffer, one micro-batch per step); leave it at its "
+                f"default "
+                f"{getattr(default, field.name)!r}"
+            )
     return out
 
 
@@ -127,8 +147,8 @@ def stream_id(shard: int, ordinal: int) -> int:
 
 
 def served_in(served: torch.Tensor | None, shard: int) -> np.ndarray:
-    """Bool ``[max ordinal + 1]``: which ordinals of ``shard`` the sorted stream ids ``served`` hold (one
-    shard's mask at a time: a reader's memory stays that of the ids).
+    """Bool ``[max ordinal + 1]``: which ordinals of ``shard`` the sorted stream ids ``served`` hold
+    (one shard's mask at a time: a reader's memory stays that of the ids).
 
     >>> served_in(torch.tensor([stream_id(0, 1), stream_id(2, 0), stream_id(2, 3)]), 2).tolist()
     [True, False, False, True]
@@ -176,10 +196,12 @@ class _Reader(IterableDataset):
     epoch: int
     pack: bool = False
     served: torch.Tensor | None = dataclasses.field(default=None, compare=False)
-    """Sorted int64 ``[S]`` stream ids served by earlier segments of the epoch (a resize), left out before the
+    """Sorted int64 ``[S]`` stream ids served by earlier segments of the epoch (a resize), left out
+    before the
     split; 8 bytes a sample, in shared memory when workers read (handed to them, not copied)."""
     worker: tuple[int, int] | None = None
-    """(workers, worker id) of a reader replayed outside a DataLoader; ``None``: the DataLoader's."""
+    """(workers, worker id) of a reader replayed outside a DataLoader; ``None``: the
+    DataLoader's."""
     ids_only: bool = False
     """Yield each micro-batch's stream ids instead of collating it (a replay)."""
     cursors: tuple | None = dataclasses.field(default=None, compare=False)
@@ -191,8 +213,8 @@ class _Reader(IterableDataset):
 
     def _mine(self, at: list, units: list | None = None):
         """``(role, records)``: this reader's role and its ``(shard, ordinal, location, raw)`` in
-        stream order; bad records as ``(shard, ordinal, location, exception or BadRecord)``. ``at`` is
-        kept at the last record's ``[shard position, ordinal, location, k]``; ``units``:
+        stream order; bad records as ``(shard, ordinal, location, exception or BadRecord)``. ``at``
+        is kept at the last record's ``[shard position, ordinal, location, k]``; ``units``:
         ``[tokens]`` of the last sample, set by the caller once transformed (a :class:`Mixture`
         interleaves its components by them)."""
         info = get_worker_info()
@@ -201,22 +223,26 @@ class _Reader(IterableDataset):
         g, readers = self.dp_rank * workers + role, self.dp_size * workers
         n = self.source.num_shards
         order = np.random.default_rng([self.seed, self.epoch]).permutation(n).tolist()
-        if isinstance(self.source, Mixture):  # each component's stream its own, interleaved by weight
+        if isinstance(
+            self.source, Mixture
+        ):  # each component's stream its own, interleaved by weight
             parts = self.source.shards_by_component(order)
             streams = [self._scanned(part, g, readers, []) for part in parts]
             return role, self.source.stream_interleave(streams, units or [1])
         cursor = self.cursors[role] if self.cursors is not None else None
         return role, self._scanned(order, g, readers, at, cursor)
 
-    def _scanned(self, order: list[int], g: int, readers: int, at: list,
-                 cursor: dict | None = None):
+    def _scanned(
+        self, order: list[int], g: int, readers: int, at: list, cursor: dict | None = None
+    ):
         """Reader ``g`` of ``readers``'s samples of the shards ``order`` (see :meth:`_mine`), from
         ``cursor``'s record on (the records up to it are not decoded again:
         :meth:`Source.scan_after`)."""
         split_shards = len(order) >= readers
         shards = order[g::readers] if split_shards else order
-        first, last, last_loc, k = (0, -1, None, 0) if cursor is None else (
-            *cursor["at"], cursor["k"])
+        first, last, last_loc, k = (
+            (0, -1, None, 0) if cursor is None else (*cursor["at"], cursor["k"])
+        )
         if cursor is not None and cursor["done"]:
             return
         for pos in range(first, len(shards)):
@@ -237,7 +263,8 @@ class _Reader(IterableDataset):
                 yield shard, ordinal, loc, item
 
     def __iter__(self):
-        """The packed stream; a :class:`~prealign.schemas.errors.PrealignError` ends it, raised here in the main
+        """The packed stream; a :class:`~prealign.schemas.errors.PrealignError` ends it, raised here
+        in the main
         process, handed over as the last item in a worker (raised as its own type by the loader)."""
         try:
             yield from self._packed()
@@ -245,7 +272,9 @@ class _Reader(IterableDataset):
             yield hand_over(exc)
 
     def _packed(self):
-        units = [0] if isinstance(self.source, Mixture) else None  # the last sample's tokens, for the interleave
+        units = (
+            [0] if isinstance(self.source, Mixture) else None
+        )  # the last sample's tokens, for the interleave
         seekable = units is None and not self.ids_only
         packer, at = _Packer(self), [0, -1, None, 0]
         role, records = self._mine(at, units)
@@ -265,7 +294,9 @@ class _Reader(IterableDataset):
                 packer.events.append(item)
                 continue
             if isinstance(item, Exception):
-                packer.bad(where, item, as_is=False)  # (raised as the index raises it: from its record)
+                packer.bad(
+                    where, item, as_is=False
+                )  # (raised as the index raises it: from its record)
                 continue
             try:
                 sample = self.source.apply_transform(item, loc)
@@ -313,8 +344,12 @@ class _Packer:
         results = validated([p[2] for p in self.pending], r.schema)
         for (sid, where, sample, loc), res in zip(self.pending, results):
             if isinstance(res, SampleError):
-                self.bad(where, BadSampleError(
-                    sample=where, field=res.field, expected=res.expected, actual=res.actual))
+                self.bad(
+                    where,
+                    BadSampleError(
+                        sample=where, field=res.field, expected=res.expected, actual=res.actual
+                    ),
+                )
                 continue
             n, dims = res
             refuse = self.rule.admit(dims, where)
@@ -323,14 +358,27 @@ class _Packer:
                 continue
             if n > r.cap:
                 if r.oversize is Oversize.ERROR:
-                    raise OversizeSampleError(sample=where, field="input_ids",
-                                              expected=f"<= {r.cap} tokens", actual=f"{n} tokens")
+                    raise OversizeSampleError(
+                        sample=where,
+                        field="input_ids",
+                        expected=f"<= {r.cap} tokens",
+                        actual=f"{n} tokens",
+                    )
                 if r.oversize is Oversize.SKIP or (self.mkeys and has_media(sample, self.mkeys)):
                     reason = "oversize_skipped" if r.oversize is Oversize.SKIP else "oversize_media"
-                    what = "left out" if r.oversize is Oversize.SKIP else \
-                        "carries media: left out, not truncated"
-                    self.events.append(BadRecord(reason, where, f"{n} tokens > {r.cap} (the most "
-                                                 f"a micro-batch of the budget holds); {what}"))
+                    what = (
+                        "left out"
+                        if r.oversize is Oversize.SKIP
+                        else "carries media: left out, not truncated"
+                    )
+                    self.events.append(
+                        BadRecord(
+                            reason,
+                            where,
+                            f"{n} tokens > {r.cap} (the most "
+                            f"a micro-batch of the budget holds); {what}",
+                        )
+                    )
                     continue
                 sample, n = truncate_sample(sample, r.schema, r.cap), r.cap
             self.gate.good()
@@ -372,9 +420,15 @@ class _Packer:
         pos, ordinal, loc, k = at
         rule = self.rule
         where = None if loc is None else [int(x) for x in loc]
-        return {"at": [pos, ordinal, where], "k": k, "done": done,
-                "gate": self.gate.consecutive, "rule": [rule.fixed, rule.fixed_by, rule.fields],
-                "buffer": [e[3] for e in self.buffer], "bins": [[e[3] for e in b] for b in bins]}
+        return {
+            "at": [pos, ordinal, where],
+            "k": k,
+            "done": done,
+            "gate": self.gate.consecutive,
+            "rule": [rule.fixed, rule.fixed_by, rule.fields],
+            "buffer": [e[3] for e in self.buffer],
+            "bins": [[e[3] for e in b] for b in bins],
+        }
 
     def restore(self, cursor: dict) -> list[list[Entry]]:
         """Set the state ``cursor`` wrote down (its samples read back by location); returns the
@@ -385,8 +439,8 @@ class _Packer:
         self.rule.fields = None if fields is None else tuple(fields)
         records = [*cursor["buffer"], *(e for b in cursor["bins"] for e in b)]
         entries = self._read_back(records)
-        self.buffer = entries[:len(cursor["buffer"])]
-        rest = iter(entries[len(cursor["buffer"]):])
+        self.buffer = entries[: len(cursor["buffer"])]
+        rest = iter(entries[len(cursor["buffer"]) :])
         return [[next(rest) for _ in b] for b in cursor["bins"]]
 
     def _read_back(self, records: list[list]) -> list[Entry]:
@@ -399,57 +453,109 @@ class _Packer:
             try:
                 samples[i] = r.source.apply_transform(r.source.read(tuple(loc)), tuple(loc))
             except SampleError as exc:
-                raise ResumeError(f"loader state: cursor sample {r.source.where(tuple(loc))} (id "
-                                  f"{sid}) is bad data now ({exc}); the data changed since the "
-                                  f"state was saved") from exc
+                raise ResumeError(
+                    f"loader state: cursor sample {r.source.where(tuple(loc))} (id "
+                    f"{sid}) is bad data now ({exc}); the data changed since the "
+                    f"state was saved"
+                ) from exc
         out = []
         for (sid, size, *loc), sample, res in zip(records, samples, validated(samples, r.schema)):
             n = res[0] if not isinstance(res, SampleError) else None
             if n is not None and n > r.cap:
                 sample, n = truncate_sample(sample, r.schema, r.cap), r.cap
             if n is None or r.layout.aligned_length(n) != size:
-                raise ResumeError(f"loader state: cursor sample {r.source.where(tuple(loc))} (id "
-                                  f"{sid}): expected {size} aligned tokens, read {res!r}; the data "
-                                  f"changed since the state was saved")
+                raise ResumeError(
+                    f"loader state: cursor sample {r.source.where(tuple(loc))} (id "
+                    f"{sid}): expected {size} aligned tokens, read {res!r}; the data "
+                    f"changed since the state was saved"
+                )
             out.append(entry(size, sid, sample, loc))
         return out
 
 
 class StreamingPackedLoader(LoaderCore):
     """Iterable of packed micro-batches from a stream (see the module docstring). ``source``: any
-    :class:`~prealign.loaders.sources.source.Source` (``HFSource`` over an ``IterableDataset``, a webdataset of
-    any size); nothing is indexed. ``planner``: its ``buffer_size`` is the samples each reader holds before
-    packing (default 1,024: :data:`STREAM_PLANNER`), its ``oversize`` the policy for a sample longer than the
-    budget allows (the ``buffer_size`` and ``oversize`` keywords, deprecated, set the same). ``workers`` (or
-    the flat rank keywords) as :class:`~prealign.loaders.PackedLoader`'s; its ``group`` is the process group of
-    the end-of-epoch agreement (default: the world). ``loading``: DataLoader settings of the readers
-    (``persistent_workers`` does not apply: each epoch starts its readers afresh). The other arguments are
-    :class:`~prealign.loaders.PackedLoader`'s, validated the same way. ``collective_timeout``: seconds the
-    per-micro-batch agreement may wait for the other ranks before it is a
-    :class:`~prealign.loaders.errors.CollectiveTimeoutError` (``None``: the process group's own timeout)."""
+    :class:`~prealign.loaders.sources.source.Source` (``HFSource`` over an ``IterableDataset``, a
+    webdataset of any size); nothing is indexed. ``planner``: its ``buffer_size`` is the samples
+    each reader holds before packing (default 1,024: :data:`STREAM_PLANNER`), its ``oversize`` the
+    policy for a sample longer than the budget allows (the ``buffer_size`` and ``oversize``
+    keywords, deprecated, set the same). ``workers`` (or the flat rank keywords) as
+    :class:`~prealign.loaders.PackedLoader`'s; its ``group`` is the process group of the
+    end-of-epoch agreement (default: the world). ``loading``: DataLoader settings of the readers
+    (``persistent_workers`` does not apply: each epoch starts its readers afresh). The other
+    arguments are :class:`~prealign.loaders.PackedLoader`'s, validated the same way.
+    ``collective_timeout``: seconds the per-micro-batch agreement may wait for the other ranks
+    before it is a
+    :class:`~prealign.loaders.errors.CollectiveTimeoutError` (``None``: the process group's own
+    timeout)."""
 
     state_kind = STREAM_STATE_KIND
     elastic = ("dp_size", "num_workers")
 
-    def __init__(self, source: Source, *, schema: BatchSchema, layout: ParallelLayout, token_budget: int,
-                 seed: int = 0, workers: WorkerConfig | None = None, planner: PlannerConfig | None = None,
-                 bad_data: BadDataPolicy | None = None, loading: LoadingOptions | None = None,
-                 collator: Callable | None = None, collective_timeout: float | None = 300.0,
-                 dp_rank: int | None = None, dp_size: int | None = None, cp_rank: int | None = None,
-                 num_workers: int | None = None, group=None,
-                 buffer_size: int | None = None, oversize: Oversize | str | None = None):
+    def __init__(
+        self,
+        source: Source,
+        *,
+        schema: BatchSchema,
+        layout: ParallelLayout,
+        token_budget: int,
+        seed: int = 0,
+        workers: WorkerConfig | None = None,
+        planner: PlannerConfig | None = None,
+        bad_data: BadDataPolicy | None = None,
+        loading: LoadingOptions | None = None,
+        collator: Callable | None = None,
+        collective_timeout: float | None = 300.0,
+        dp_rank: int | None = None,
+        dp_size: int | None = None,
+        cp_rank: int | None = None,
+        num_workers: int | None = None,
+        group=None,
+        buffer_size: int | None = None,
+        oversize: Oversize | str | None = None,
+    ):
         if buffer_size is not None or oversize is not None:
-            given = " and ".join(n for n, v in (("buffer_size", buffer_size), ("oversize", oversize)) if v is not None)
-            warnings.warn(f"StreamingPackedLoader({given}=...) is deprecated: give planner=PlannerConfig({given}=...) "
-                          f"(defaults: STREAM_PLANNER)", DeprecationWarning, stacklevel=2)
+            given = " and ".join(
+                n
+                for n, v in (("buffer_size", buffer_size), ("oversize", oversize))
+                if v is not None
+            )
+            warnings.warn(
+                f"StreamingPackedLoader({given}=...) is deprecated: give "
+                f"planner=PlannerConfig({given}=...) "
+                f"(defaults: STREAM_PLANNER)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
         planner = stream_planner(planner, buffer_size, oversize)
-        if collective_timeout is not None and (isinstance(collective_timeout, bool) or not isinstance(
-                collective_timeout, (int, float)) or not collective_timeout > 0):
-            raise PlanError(f"collective_timeout: expected seconds > 0 or None, got {collective_timeout!r}")
-        workers = worker_config(workers, dp_rank=dp_rank, dp_size=dp_size, cp_rank=cp_rank,
-                                num_workers=num_workers, group=group)
-        super().__init__(source, schema=schema, layout=layout, token_budget=token_budget, workers=workers, seed=seed,
-                         planner=planner, bad_data=bad_data, loading=loading, collator=collator)
+        if collective_timeout is not None and (
+            isinstance(collective_timeout, bool)
+            or not isinstance(collective_timeout, (int, float))
+            or not collective_timeout > 0
+        ):
+            raise PlanError(
+                f"collective_timeout: expected seconds > 0 or None, got {collective_timeout!r}"
+            )
+        workers = worker_config(
+            workers,
+            dp_rank=dp_rank,
+            dp_size=dp_size,
+            cp_rank=cp_rank,
+            num_workers=num_workers,
+            group=group,
+        )
+        super().__init__(
+            source,
+            schema=schema,
+            layout=layout,
+            token_budget=token_budget,
+            workers=workers,
+            seed=seed,
+            planner=planner,
+            bad_data=bad_data,
+            loading=loading,
+            collator=collator,
+        )
         self.collective_timeout = None if collective_timeout is None else float(collective_timeout)
         self._filler: dict | None = None
         self._served_cache: tuple = (None, None)
@@ -465,24 +571,37 @@ class StreamingPackedLoader(LoaderCore):
         return self._load_report
 
     def prepare(self) -> "StreamingPackedLoader":
-        """Fingerprint the data (the source's description: shard names and sizes) once, for the state; a
+        """Fingerprint the data (the source's description: shard names and sizes) once, for the
+        state; a
         no-op once done. Nothing is read or indexed."""
         if self._fingerprint is None:
             description = self.source.describe()
-            self._fingerprint = {"source": description.get("kind"), "num_shards": self.source.num_shards,
-                                 "digest": describe_digest(description)}
+            self._fingerprint = {
+                "source": description.get("kind"),
+                "num_shards": self.source.num_shards,
+                "digest": describe_digest(description),
+            }
         return self
 
-    # ---- the collective ------------------------------------------------------------------------------
+    # ---- the collective
+    # ------------------------------------------------------------------------------
     def _any_rank(self, has_batch: bool, *, epoch: int = 0, position: int = 0) -> bool:
-        return self._max_over_ranks(int(has_batch), epoch=epoch, position=position,
-                                    what="the end-of-epoch agreement") > 0
+        return (
+            self._max_over_ranks(
+                int(has_batch), epoch=epoch, position=position, what="the end-of-epoch agreement"
+            )
+            > 0
+        )
 
-    def _max_over_ranks(self, value: int, *, epoch: int, position: int, what: str, timed: bool = True) -> int:
-        """MAX of ``value`` over ``group`` (``value`` itself without a process group), waiting at most
-        ``collective_timeout`` s when ``timed``: ``all_reduce(async_op=True)`` then ``wait(timeout)`` (gloo and
-        NCCL alike block the CPU until done or raise), a timeout a :class:`CollectiveTimeoutError` (final under
-        NCCL: the collective stays queued on the communicator). Untimed: the process group's own timeout."""
+    def _max_over_ranks(
+        self, value: int, *, epoch: int, position: int, what: str, timed: bool = True
+    ) -> int:
+        """MAX of ``value`` over ``group`` (``value`` itself without a process group), waiting at
+        most ``collective_timeout`` s when ``timed``: ``all_reduce(async_op=True)`` then
+        ``wait(timeout)`` (gloo and NCCL alike block the CPU until done or raise), a timeout a
+        :class:`CollectiveTimeoutError` (final under
+        NCCL: the collective stays queued on the communicator). Untimed: the process group's own
+        timeout."""
         import torch.distributed as dist
 
         if self.dp_size == 1 or not (dist.is_available() and dist.is_initialized()):
@@ -502,16 +621,25 @@ class StreamingPackedLoader(LoaderCore):
             raise self._collective_error(what, epoch, position, "wait returned without completing")
         return int(flag.item())
 
-    def _collective_error(self, what: str, epoch: int, position: int, cause: str) -> CollectiveTimeoutError:
+    def _collective_error(
+        self, what: str, epoch: int, position: int, cause: str
+    ) -> CollectiveTimeoutError:
         import torch.distributed as dist
 
-        ranks = dist.get_process_group_ranks(self.group) if self.group is not None else list(
-            range(dist.get_world_size()))
+        ranks = (
+            dist.get_process_group_ranks(self.group)
+            if self.group is not None
+            else list(range(dist.get_world_size()))
+        )
         return CollectiveTimeoutError(
-            f"StreamingPackedLoader (rank {dist.get_rank()}, dp_rank {self.dp_rank}): {what} all_reduce over ranks "
-            f"{ranks} did not complete within collective_timeout={self.collective_timeout:g} s at epoch {epoch}, "
-            f"micro-batch {position}: a peer rank stopped iterating this loader, died or is stuck (every rank of "
-            f"the group must iterate every micro-batch) ({cause})")
+            f"StreamingPackedLoader (rank {dist.get_rank()}, dp_rank {self.dp_rank}): {what} "
+            f"all_reduce over ranks "
+            f"{ranks} did not complete within collective_timeout={self.collective_timeout:g} s at "
+            f"epoch {epoch}, "
+            f"micro-batch {position}: a peer rank stopped iterating this loader, died or is stuck "
+            f"(every rank of "
+            f"the group must iterate every micro-batch) ({cause})"
+        )
 
     def _filler_batch(self, epoch: int, position: int) -> dict:
         """An all-pad, zero-loss micro-batch shaped like the stream's first good sample."""
@@ -529,32 +657,64 @@ class StreamingPackedLoader(LoaderCore):
                 if template is not None:
                     break
             if template is None:
-                raise BadSampleError(sample=None, field=None, expected="at least one good sample in the stream",
-                                     actual="none")
-            self._filler = self.collator([filler_sample(template, self.schema, filler_length(self.layout))])
+                raise BadSampleError(
+                    sample=None,
+                    field=None,
+                    expected="at least one good sample in the stream",
+                    actual="none",
+                )
+            self._filler = self.collator(
+                [filler_sample(template, self.schema, filler_length(self.layout))]
+            )
         batch = dict(self._filler)
-        batch.update(sample_index=torch.zeros(0, dtype=torch.int64), is_filler=True, epoch=epoch, microbatch=position)
+        batch.update(
+            sample_index=torch.zeros(0, dtype=torch.int64),
+            is_filler=True,
+            epoch=epoch,
+            microbatch=position,
+        )
         return batch
 
-    # ---- iteration -----------------------------------------------------------------------------------
-    def _reader_of(self, epoch: int, dp_rank: int, dp_size: int, served: torch.Tensor | None, **kwargs) -> _Reader:
-        """Reader of ``dp_rank`` of ``dp_size`` over ``epoch``, leaving out ``served``; ``kwargs``: the
+    # ---- iteration
+    # -----------------------------------------------------------------------------------
+    def _reader_of(
+        self, epoch: int, dp_rank: int, dp_size: int, served: torch.Tensor | None, **kwargs
+    ) -> _Reader:
+        """Reader of ``dp_rank`` of ``dp_size`` over ``epoch``, leaving out ``served``; ``kwargs``:
+        the
         rest of :class:`_Reader`'s fields (``pack``, ``worker``, ``ids_only``)."""
-        return _Reader(self.source, self.schema, self.collator, self.layout, self._capacity, self.buffer_size,
-                       self.oversize, self.bad_data, dp_rank, dp_size, self.seed, epoch, served=served, **kwargs)
+        return _Reader(
+            self.source,
+            self.schema,
+            self.collator,
+            self.layout,
+            self._capacity,
+            self.buffer_size,
+            self.oversize,
+            self.bad_data,
+            dp_rank,
+            dp_size,
+            self.seed,
+            epoch,
+            served=served,
+            **kwargs,
+        )
 
-    def _reader(self, epoch: int, served: torch.Tensor | None = None,
-                track: "_Track | None" = None):
+    def _reader(
+        self, epoch: int, served: torch.Tensor | None = None, track: "_Track | None" = None
+    ):
         seek = {} if track is None else {"cursors": tuple(track.saved()), "rotate": track.next}
-        reader = self._reader_of(epoch, self.dp_rank, self.dp_size, served,
-                                 pack=self.num_workers > 0, **seek)
+        reader = self._reader_of(
+            epoch, self.dp_rank, self.dp_size, served, pack=self.num_workers > 0, **seek
+        )
         return self._data_loader(reader, persistent=False, batch_size=None)
 
     def _served_before(self, epoch: int) -> torch.Tensor | None:
-        """Sorted int64 stream ids the earlier segments of ``epoch`` served (a resize; None without one),
-        built once per epoch and shared with the workers: each segment's readers replayed in this process,
-        ids only, every rank of it (another DP size or worker count reads other shards), over what the
-        segments before it left; a rank's first ``position`` micro-batches in the order its DataLoader
+        """Sorted int64 stream ids the earlier segments of ``epoch`` served (a resize; None without
+        one), built once per epoch and shared with the workers: each segment's readers replayed in
+        this process, ids only, every rank of it (another DP size or worker count reads other
+        shards), over what the segments before it left; a rank's first ``position`` micro-batches in
+        the order its DataLoader
         served them (:func:`~prealign.loaders.plan.elastic.round_robin`)."""
         segments = self._resized[1] if self._resized[0] == epoch else ()
         if not segments:
@@ -565,16 +725,25 @@ class StreamingPackedLoader(LoaderCore):
         for n, seg in enumerate(segments):
             parts, workers, longest = [served.numpy()], max(seg.num_workers or 0, 1), 0
             for rank in range(seg.dp_size):
-                readers = [self._reader_of(epoch, rank, seg.dp_size, served, worker=(workers, w), ids_only=True)._packed()
-                           for w in range(workers)]
+                readers = [
+                    self._reader_of(
+                        epoch, rank, seg.dp_size, served, worker=(workers, w), ids_only=True
+                    )._packed()
+                    for w in range(workers)
+                ]
                 streams = [(ids for ids, _, _ in r if ids is not None) for r in readers]
                 first = round_robin(streams, seg.position)
                 longest = max(longest, len(first))
                 parts.append(np.fromiter((i for ids in first for i in ids), np.int64))
             if longest < seg.position:
-                raise ResumeError(f"StreamingPackedLoader: the state's segment {n} (dp_size {seg.dp_size}, num_workers "
-                                  f"{seg.num_workers}) has position {seg.position}, past the end of epoch {epoch}, "
-                                  f"which has {longest} micro-batches on those ranks (a state of other data, or edited)")
+                raise ResumeError(
+                    f"StreamingPackedLoader: the state's segment {n} (dp_size {seg.dp_size}, "
+                    f"num_workers "
+                    f"{seg.num_workers}) has position {seg.position}, past the end of epoch "
+                    f"{epoch}, "
+                    f"which has {longest} micro-batches on those ranks (a state of other data, or "
+                    f"edited)"
+                )
             served = torch.from_numpy(np.sort(np.concatenate(parts)))
         if self.num_workers > 0:
             served.share_memory_()
@@ -582,17 +751,23 @@ class StreamingPackedLoader(LoaderCore):
         return served
 
     def _check_segment_sizes(self, segments) -> None:
-        """Refuse a segment with more readers (``dp_size * max(num_workers, 1)``) than the stream has samples
-        (counted up to the widest segment's readers, and only when it has more readers than shards)."""
+        """Refuse a segment with more readers (``dp_size * max(num_workers, 1)``) than the stream
+        has samples
+        (counted up to the widest segment's readers, and only when it has more readers than
+        shards)."""
         widest = max((seg.dp_size * max(seg.num_workers, 1) for seg in segments), default=0)
         if widest <= self.source.num_shards:
             return
-        scans = (item for shard in range(self.source.num_shards) for item in self.source.scan(shard))
+        scans = (
+            item for shard in range(self.source.num_shards) for item in self.source.scan(shard)
+        )
         count = sum(1 for _ in itertools.islice(scans, widest))
         for i, seg in enumerate(segments):
             if seg.dp_size * max(seg.num_workers, 1) > count:
-                raise ResumeError(f"loader state: key segments[{i}]: dp_size {seg.dp_size} * num_workers "
-                                  f"{seg.num_workers} readers; expected at most the {count} samples of the stream")
+                raise ResumeError(
+                    f"loader state: key segments[{i}]: dp_size {seg.dp_size} * num_workers "
+                    f"{seg.num_workers} readers; expected at most the {count} samples of the stream"
+                )
 
     def _take(self, it):
         """The next real micro-batch of this rank's stream, or None at its end (bad-data events
@@ -618,13 +793,18 @@ class StreamingPackedLoader(LoaderCore):
                 exhausted = True
                 break
             skipped += 1
-        if start:  # the epoch has max(real micro-batches over ranks): a position past it cannot be resumed
-            longest = self._max_over_ranks(skipped, epoch=epoch, position=start, what="the resume check",
-                                           timed=False)  # ranks replay at their own speed: an hour apart is no fault
+        if (
+            start
+        ):  # the epoch has max(real micro-batches over ranks): a position past it cannot be resumed
+            longest = self._max_over_ranks(
+                skipped, epoch=epoch, position=start, what="the resume check", timed=False
+            )  # ranks replay at their own speed: an hour apart is no fault
             if longest < start:
-                raise ResumeError(f"StreamingPackedLoader: the state's position {start} is past the end of epoch "
-                                  f"{epoch}, which has {longest} micro-batches on these ranks (a state of other "
-                                  f"data, or edited)")
+                raise ResumeError(
+                    f"StreamingPackedLoader: the state's position {start} is past the end of epoch "
+                    f"{epoch}, which has {longest} micro-batches on these ranks (a state of other "
+                    f"data, or edited)"
+                )
         position = start
         while True:
             batch = None if exhausted else self._take(it)
@@ -642,7 +822,8 @@ class StreamingPackedLoader(LoaderCore):
         if self._active is token:
             self._epoch, self._position = epoch + 1, 0
 
-    # ---- state ---------------------------------------------------------------------------------------
+    # ---- state
+    # ---------------------------------------------------------------------------------------
     def _config(self) -> dict:
         return {**super()._config(), "num_workers": self.num_workers}
 
@@ -660,9 +841,16 @@ class StreamingPackedLoader(LoaderCore):
         if not (cursors and position and current) or isinstance(self.source, Mixture):
             return out
         state = LoaderState.from_dict(out, kind=self.state_kind)
-        return dataclasses.replace(state, cursors={
-            "dp_rank": self.dp_rank, "dp_size": self.dp_size, "num_workers": self.num_workers,
-            "next": track.next, "readers": track.saved()}).to_dict()
+        return dataclasses.replace(
+            state,
+            cursors={
+                "dp_rank": self.dp_rank,
+                "dp_size": self.dp_size,
+                "num_workers": self.num_workers,
+                "next": track.next,
+                "readers": track.saved(),
+            },
+        ).to_dict()
 
     def load_state_dict(self, state) -> None:
         super().load_state_dict(state)
@@ -673,11 +861,14 @@ class StreamingPackedLoader(LoaderCore):
         here = {"dp_rank": self.dp_rank, "dp_size": self.dp_size, "num_workers": self.num_workers}
         if any(cursors.get(k) != v for k, v in here.items()):
             saved = {k: cursors.get(k) for k in here}
-            warnings.warn(f"StreamingPackedLoader.load_state_dict: the state's reader cursors are "
-                          f"those of {saved}, this is {here}: this rank replays its stream up "
-                          f"to micro-batch {self._position} (load each rank's own "
-                          f"state_dict(cursors=True) "
-                          f"to seek)", stacklevel=2)
+            warnings.warn(
+                f"StreamingPackedLoader.load_state_dict: the state's reader cursors are "
+                f"those of {saved}, this is {here}: this rank replays its stream up "
+                f"to micro-batch {self._position} (load each rank's own "
+                f"state_dict(cursors=True) "
+                f"to seek)",
+                stacklevel=2,
+            )
             return
         at, workers = (self._epoch, self._position), max(self.num_workers, 1)
         self._track = _Track.loaded(cursors, at, workers)
@@ -702,11 +893,16 @@ class _Track:
     def loaded(cls, saved: dict, at: tuple[int, int], workers: int) -> "_Track":
         """From a state's ``cursors`` (checked: one per role, the next role in range)."""
         readers, nxt = saved.get("readers"), saved.get("next")
-        if not isinstance(readers, list) or len(readers) != workers or not all(
-                r is None or isinstance(r, dict) for r in readers) or not (
-                isinstance(nxt, int) and 0 <= nxt < workers):
-            raise ResumeError(f"loader state: key 'cursors': expected {workers} reader cursors and "
-                              f"a next reader in [0, {workers}), got {str(saved)[:200]}")
+        if (
+            not isinstance(readers, list)
+            or len(readers) != workers
+            or not all(r is None or isinstance(r, dict) for r in readers)
+            or not (isinstance(nxt, int) and 0 <= nxt < workers)
+        ):
+            raise ResumeError(
+                f"loader state: key 'cursors': expected {workers} reader cursors and "
+                f"a next reader in [0, {workers}), got {str(saved)[:200]}"
+            )
         return cls(at, list(readers), [0] * workers, nxt)
 
     def copy(self) -> "_Track":
@@ -722,5 +918,7 @@ class _Track:
 
     def saved(self) -> list:
         """Per role, its cursor without the micro-batches of its round already served."""
-        return [None if c is None else {**c, "bins": c["bins"][n:]}
-                for c, n in zip(self.cursors, self.served)]
+        return [
+            None if c is None else {**c, "bins": c["bins"][n:]}
+            for c, n in zip(self.cursors, self.served)
+        ]

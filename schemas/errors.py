@@ -1,11 +1,13 @@
 """Typed errors, split as Energon splits them (the tree: ``docs/errors.md``).
 
 :class:`PrealignError` (an ``Exception``) is the base of every one. Configuration mistakes
-(:class:`ConfigError`) and bad data (:class:`DataError`: a sample, a batch) are also ``ValueError``s, so an
-``except ValueError`` around bad data keeps working. System errors (I/O, a timeout, a dead worker, in
-:mod:`prealign.loaders.errors`) are ``OSError`` / ``RuntimeError`` subclasses, never ``ValueError``: a
-transform's ``except ValueError`` does not swallow a stalled read, and no bad-data policy counts one as a
+(:class:`ConfigError`) and bad data (:class:`DataError`: a sample, a batch) are also
+``ValueError``s, so an ``except ValueError`` around bad data keeps working. System errors (I/O, a
+timeout, a dead worker, in :mod:`prealign.loaders.errors`) are ``OSError`` / ``RuntimeError``
+subclasses, never ``ValueError``: a transform's ``except ValueError`` does not swallow a stalled
+read, and no bad-data policy counts one as a
 bad sample."""
+
 from __future__ import annotations
 
 import functools
@@ -13,8 +15,10 @@ import inspect
 
 
 def _rebuilt(cls: type, args: tuple, state: dict) -> "PrealignError":
-    """``cls`` with ``args`` and attributes ``state``, its constructor not called (subclasses take other arguments).
-    Built by the first built-in base whose memory layout fits (one that is also an ``OSError`` needs OSError's)."""
+    """``cls`` with ``args`` and attributes ``state``, its constructor not called (subclasses take
+    other arguments).
+    Built by the first built-in base whose memory layout fits (one that is also an ``OSError`` needs
+    OSError's)."""
     for base in cls.__mro__:
         if base.__module__ == "builtins":
             try:
@@ -30,8 +34,9 @@ def _rebuilt(cls: type, args: tuple, state: dict) -> "PrealignError":
 class PrealignError(Exception):
     """Base class of every error prealign raises (configuration, bad data, I/O, workers).
 
-    Pickles as itself (same class, attributes and message), so it crosses process boundaries (DataLoader
-    workers, ``all_gather_object``) with its type, although subclasses take keyword-only arguments:
+    Pickles as itself (same class, attributes and message), so it crosses process boundaries
+    (DataLoader workers, ``all_gather_object``) with its type, although subclasses take keyword-only
+    arguments:
 
     >>> import pickle
     >>> err = SampleError(sample=3, field="labels", expected="int64", actual="float32")
@@ -71,22 +76,27 @@ class PrealignError(Exception):
 class ConfigError(PrealignError, ValueError):
     """A configuration mistake (layout, schema, arguments, paths, a state or index of another run).
 
-    Never bad data: no bad-data policy counts or skips it; it is raised before any batch where possible.
+    Never bad data: no bad-data policy counts or skips it; it is raised before any batch where
+    possible.
     """
 
 
 class PackingUnsupportedError(ConfigError):
-    """The model cannot keep packed sequences apart in this environment (e.g. Gated DeltaNet layers without the
-    fast kernels, whose pure-torch fallback lets the recurrent state run across sequence boundaries)."""
+    """The model cannot keep packed sequences apart in this environment (e.g. Gated DeltaNet layers
+    without the
+    fast kernels, whose pure-torch fallback lets the recurrent state run across sequence
+    boundaries)."""
 
 
 class LayoutError(ConfigError):
-    """An invalid :class:`~prealign.schemas.ParallelLayout` (tp/cp sizes, FP8 recipe, length buckets)."""
+    """An invalid :class:`~prealign.schemas.ParallelLayout` (tp/cp sizes, FP8 recipe, length
+    buckets)."""
 
 
 class ArgumentError(ConfigError):
     """A function was called with arguments that do not fit together: a ``cp_rank`` outside the CP
-    group, shards of another CP size, offsets that do not describe the tensor, a batch missing a key."""
+    group, shards of another CP size, offsets that do not describe the tensor, a batch missing a
+    key."""
 
 
 class BackendVersionError(ConfigError):
@@ -104,8 +114,10 @@ class SchemaError(ConfigError):
 
 
 class DataError(PrealignError, ValueError):
-    """Bad data: a sample, a batch or a record that does not satisfy the declared contract. A bad-data
-    policy may count the per-sample ones (:class:`SampleError`); everything else of this family is raised."""
+    """Bad data: a sample, a batch or a record that does not satisfy the declared contract. A
+    bad-data
+    policy may count the per-sample ones (:class:`SampleError`); everything else of this family is
+    raised."""
 
 
 class SampleError(DataError):
@@ -115,9 +127,13 @@ class SampleError(DataError):
     pipeline can log or skip exactly that sample.
     """
 
-    sample = field = expected = actual = None  # when rebuilt from its message alone (see PrealignError)
+    sample = field = expected = actual = (
+        None  # when rebuilt from its message alone (see PrealignError)
+    )
 
-    def __init__(self, *, sample: int | None, field: str | None, expected: str, actual: str, hint: str = ""):
+    def __init__(
+        self, *, sample: int | None, field: str | None, expected: str, actual: str, hint: str = ""
+    ):
         self.sample, self.field, self.expected, self.actual = sample, field, expected, actual
         where = "batch" if sample is None else f"sample {sample}"
         what = f"{where}, field {field!r}" if field else where

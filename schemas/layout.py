@@ -16,9 +16,10 @@ Notation (see README): ``L_i`` true length of sequence i, ``P_i`` its padded len
 Static shapes (CUDA graphs): ``length_buckets=(T,)`` makes every batch exactly ``T`` rows, and
 ``max_seqs=N`` gives ``cu_seqlens`` / ``cu_seqlens_padded`` exactly ``N + 1`` entries, the unused
 trailing ones repeating the total (megatron-core's own padding for graphs); the planner never puts
-more than ``N`` sequences in a micro-batch. With both, ``max_seqlen`` is ``T`` too (global, as TE and
-megatron-core read it under CP), so nothing TE is given varies between batches.
+more than ``N`` sequences in a micro-batch. With both, ``max_seqlen`` is ``T`` too (global, as TE
+and megatron-core read it under CP), so nothing TE is given varies between batches.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -104,15 +105,25 @@ class FP8Recipe(enum.Enum):
             return value
         if value is None or value is False:
             return cls.NONE
-        by_name = {"none": cls.NONE, "fp8": cls.FP8, "delayed": cls.FP8, "tensorwise": cls.FP8,
-                   "mxfp8": cls.MXFP8, "fp4": cls.MXFP8, "nvfp4": cls.NVFP4, "blockwise": cls.BLOCKWISE}
+        by_name = {
+            "none": cls.NONE,
+            "fp8": cls.FP8,
+            "delayed": cls.FP8,
+            "tensorwise": cls.FP8,
+            "mxfp8": cls.MXFP8,
+            "fp4": cls.MXFP8,
+            "nvfp4": cls.NVFP4,
+            "blockwise": cls.BLOCKWISE,
+        }
         if isinstance(value, str) and value.lower() in by_name:
             return by_name[value.lower()]
         if isinstance(value, int) and not isinstance(value, bool):
             for recipe in cls:
                 if recipe.value == value:
                     return recipe
-        raise LayoutError(f"fp8: expected one of none/16/32/128 or {sorted(by_name)}, got {value!r}")
+        raise LayoutError(
+            f"fp8: expected one of none/16/32/128 or {sorted(by_name)}, got {value!r}"
+        )
 
 
 class CPLayout(enum.Enum):
@@ -160,10 +171,12 @@ class ParallelLayout:
     """Every CP rank holds at least this many rows (``T >= cp * min_local_rows``)."""
     cp_layout: CPLayout = CPLayout.ZIGZAG
     token_multiple: int = 1
-    """The rows of one SP rank are also a multiple of this (e.g. 128 for HybridEP's dispatch chunks)."""
+    """The rows of one SP rank are also a multiple of this (e.g. 128 for HybridEP's dispatch
+    chunks)."""
     max_seqs: int | None = None
     """THD: ``cu_seqlens`` / ``cu_seqlens_padded`` have exactly ``max_seqs + 1`` entries (trailing
-    ones repeat the total), and no micro-batch holds more sequences (static shapes for CUDA graphs)."""
+    ones repeat the total), and no micro-batch holds more sequences (static shapes for CUDA
+    graphs)."""
 
     def __post_init__(self):
         _positive_int("tp", self.tp)
@@ -179,25 +192,41 @@ class ParallelLayout:
             set_("cp_layout", CPLayout(self.cp_layout))
         except ValueError as exc:
             raise LayoutError(str(exc)) from None
-        if isinstance(self.min_local_rows, bool) or not isinstance(self.min_local_rows, int) or self.min_local_rows < 0:
+        if (
+            isinstance(self.min_local_rows, bool)
+            or not isinstance(self.min_local_rows, int)
+            or self.min_local_rows < 0
+        ):
             raise LayoutError(f"min_local_rows: expected an int >= 0, got {self.min_local_rows!r}")
         if self.cp * self.min_local_rows > MAX_PACKED_LENGTH:
-            raise LayoutError(f"min_local_rows: cp * min_local_rows = {self.cp * self.min_local_rows} rows would not "
-                              f"fit int32 cu_seqlens (at most {MAX_PACKED_LENGTH})")
+            raise LayoutError(
+                f"min_local_rows: cp * min_local_rows = {self.cp * self.min_local_rows} rows "
+                f"would not "
+                f"fit int32 cu_seqlens (at most {MAX_PACKED_LENGTH})"
+            )
         if self.length_buckets is not None:
-            if isinstance(self.length_buckets, (str, bytes)) or not hasattr(self.length_buckets, "__iter__"):
-                raise LayoutError(f"length_buckets: expected a tuple of ints or None, got {self.length_buckets!r}")
-            buckets = tuple(sorted(_positive_int("length_buckets[*]", b) for b in self.length_buckets))
+            if isinstance(self.length_buckets, (str, bytes)) or not hasattr(
+                self.length_buckets, "__iter__"
+            ):
+                raise LayoutError(
+                    f"length_buckets: expected a tuple of ints or None, got {self.length_buckets!r}"
+                )
+            buckets = tuple(
+                sorted(_positive_int("length_buckets[*]", b) for b in self.length_buckets)
+            )
             if not buckets:
                 raise LayoutError("length_buckets: expected at least one bucket or None, got ()")
             if buckets[-1] > MAX_PACKED_LENGTH:
-                raise LayoutError(f"length_buckets: {buckets[-1]} rows would not fit int32 cu_seqlens (at most "
-                                  f"{MAX_PACKED_LENGTH})")
+                raise LayoutError(
+                    f"length_buckets: {buckets[-1]} rows would not fit int32 cu_seqlens (at most "
+                    f"{MAX_PACKED_LENGTH})"
+                )
             bad = [b for b in buckets if b % self.total_multiple]
             if bad:
                 raise LayoutError(
                     f"length_buckets: every bucket must be a multiple of the total multiple "
-                    f"{self.total_multiple} (tp={self.tp}, cp={self.cp}, sp={self.sp}, fp8={self.fp8.name}, "
+                    f"{self.total_multiple} (tp={self.tp}, cp={self.cp}, sp={self.sp}, "
+                    f"fp8={self.fp8.name}, "
                     f"token_multiple={self.token_multiple}), "
                     f"got {bad}; use e.g. {[round_up(b, self.total_multiple) for b in bad]}"
                 )
@@ -207,7 +236,11 @@ class ParallelLayout:
     def static_length(self) -> int | None:
         """``T`` when every THD batch has static shapes (one length bucket and ``max_seqs``): the
         ``max_seqlen`` emitted then (global, an upper bound of every ``P_i``); None otherwise."""
-        if self.max_seqs is not None and self.length_buckets is not None and len(self.length_buckets) == 1:
+        if (
+            self.max_seqs is not None
+            and self.length_buckets is not None
+            and len(self.length_buckets) == 1
+        ):
             return self.length_buckets[0]
         return None
 
@@ -260,15 +293,24 @@ class ParallelLayout:
         return round_up(length, self.seq_multiple)
 
     def total_length(self, aligned_sum: int) -> int:
-        """Global padded length ``T`` of a THD batch whose aligned lengths sum to ``aligned_sum``."""
-        total = max(round_up(aligned_sum, self.total_multiple), round_up(self.cp * self.min_local_rows, self.total_multiple))
+        """Global padded length ``T`` of a THD batch whose aligned lengths sum to
+        ``aligned_sum``."""
+        total = max(
+            round_up(aligned_sum, self.total_multiple),
+            round_up(self.cp * self.min_local_rows, self.total_multiple),
+        )
         return self._bucket(total)
 
     def padded_lengths(self, lengths) -> torch.Tensor:
-        """``[N]`` true lengths (tensor, array or list) -> int64 tensor ``[N]`` of padded lengths ``P``."""
+        """``[N]`` true lengths (tensor, array or list) -> int64 tensor ``[N]`` of padded lengths
+        ``P``."""
         import torch  # here: planning imports this module, and needs no torch
 
-        lengths = lengths.detach().cpu().numpy() if isinstance(lengths, torch.Tensor) else np.asarray(lengths)
+        lengths = (
+            lengths.detach().cpu().numpy()
+            if isinstance(lengths, torch.Tensor)
+            else np.asarray(lengths)
+        )
         padded = round_up_array(lengths, self.seq_multiple)
         aligned_sum = int(padded.sum())
         padded[-1] += self.total_length(aligned_sum) - aligned_sum
@@ -277,26 +319,35 @@ class ParallelLayout:
     # ---- BSHD -----------------------------------------------------------------------------------
     def bshd_multiple(self, batch_size: int) -> int:
         """The padded row length ``S`` is a multiple of this for a batch of ``batch_size`` rows."""
-        # zigzag cuts every row into 2*cp chunks; contiguous only into cp (columns [r*S/cp, (r+1)*S/cp))
+        # zigzag cuts every row into 2*cp chunks; contiguous only into cp (columns [r*S/cp,
+        # (r+1)*S/cp))
         if self.pad_policy is PadPolicy.PER_SEQUENCE:
             align = self.tp * self.cp * (2 if self.zigzag else 1)
         else:
             align = math.lcm(2 * self.cp if self.zigzag else 1, self.cp * self.sp_size)
         fp8 = self.row_multiple
         # the rows of one SP rank, B * S / (cp * sp_size), must be a multiple of the FP8 multiple
-        return math.lcm(align, self.cp * self.sp_size * fp8 // math.gcd(batch_size, fp8)) if fp8 > 1 else align
+        return (
+            math.lcm(align, self.cp * self.sp_size * fp8 // math.gcd(batch_size, fp8))
+            if fp8 > 1
+            else align
+        )
 
     def bshd_length(self, max_length: int, batch_size: int) -> int:
-        """Padded row length ``S`` for a BSHD batch whose longest sequence has ``max_length`` tokens."""
+        """Padded row length ``S`` for a BSHD batch whose longest sequence has ``max_length``
+        tokens."""
         multiple = self.bshd_multiple(batch_size)
         s = max(round_up(max_length, multiple), round_up(self.cp * self.min_local_rows, multiple))
         s = self._bucket(s)
         if s % multiple:
-            raise LayoutError(f"length bucket {s} is not a multiple of {multiple}, required for BSHD with "
-                              f"batch size {batch_size} under {self}")
+            raise LayoutError(
+                f"length bucket {s} is not a multiple of {multiple}, required for BSHD with "
+                f"batch size {batch_size} under {self}"
+            )
         return s
 
-    # ---- helpers ----------------------------------------------------------------------------------
+    # ---- helpers
+    # ----------------------------------------------------------------------------------
     def _bucket(self, length: int) -> int:
         if self.length_buckets is None:
             return length
@@ -310,11 +361,19 @@ class ParallelLayout:
 
     def to_dict(self) -> dict:
         """JSON-friendly description (used in fingerprints and loader state)."""
-        out = {"tp": self.tp, "cp": self.cp, "sp": self.sp, "fp8": self.fp8.value,
-               "pad_policy": self.pad_policy.value, "cp_layout": self.cp_layout.value,
-               "length_buckets": list(self.length_buckets) if self.length_buckets else None,
-               "min_local_rows": self.min_local_rows}
-        if self.token_multiple != 1:  # only when set: the fingerprints of layouts of before stay the same
+        out = {
+            "tp": self.tp,
+            "cp": self.cp,
+            "sp": self.sp,
+            "fp8": self.fp8.value,
+            "pad_policy": self.pad_policy.value,
+            "cp_layout": self.cp_layout.value,
+            "length_buckets": list(self.length_buckets) if self.length_buckets else None,
+            "min_local_rows": self.min_local_rows,
+        }
+        if (
+            self.token_multiple != 1
+        ):  # only when set: the fingerprints of layouts of before stay the same
             out["token_multiple"] = self.token_multiple
         if self.max_seqs is not None:
             out["max_seqs"] = self.max_seqs
@@ -324,10 +383,14 @@ class ParallelLayout:
     def from_dict(cls, data: dict) -> "ParallelLayout":
         """The inverse of :meth:`to_dict`; unknown keys are a :class:`LayoutError`."""
         if not isinstance(data, dict):
-            raise LayoutError(f"layout: expected a dict of ParallelLayout fields, got {type(data).__name__}")
+            raise LayoutError(
+                f"layout: expected a dict of ParallelLayout fields, got {type(data).__name__}"
+            )
         unknown = sorted(set(map(str, data)) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
-            raise LayoutError(f"layout: unknown key(s) {unknown}; expected some of {sorted(cls().to_dict())}")
+            raise LayoutError(
+                f"layout: unknown key(s) {unknown}; expected some of {sorted(cls().to_dict())}"
+            )
         data = dict(data)
         if data.get("length_buckets") is not None:
             data["length_buckets"] = tuple(data["length_buckets"])
@@ -338,7 +401,8 @@ class ParallelLayout:
         """Read tp/cp sizes from megatron-core: its initialised ``parallel_state``, or the
         ``ProcessGroupCollection`` newer releases pass around (``pg_collection``).
 
-        ``overrides`` set the fields megatron-core does not know (``sp``, ``fp8``, ``pad_policy``...).
+        ``overrides`` set the fields megatron-core does not know (``sp``, ``fp8``,
+        ``pad_policy``...).
         """
         sizes = megatron_parallel_sizes(pg_collection)
         return cls(**{"tp": sizes["tp"], "cp": sizes["cp"], **overrides})

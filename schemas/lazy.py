@@ -1,9 +1,11 @@
-"""Packages whose names are imported on first use (``import prealign`` and its layers stay cheap: no torch).
+"""Packages whose names are imported on first use (``import prealign`` and its layers stay cheap: no
+torch).
 
 >>> getattr_, dir_ = lazy_names("pkg", {"sqrt": "math"})
 >>> getattr_("sqrt")(4.0), dir_()
 (2.0, ['sqrt'])
 """
+
 from __future__ import annotations
 
 import importlib
@@ -11,21 +13,34 @@ import warnings
 from typing import Callable
 
 
-def lazy_names(package: str, where: dict[str, str], *, moved: dict[str, str] | None = None,
-               renamed: dict[str, str] | None = None, cache: dict | None = None) -> tuple[Callable, Callable]:
-    """``(__getattr__, __dir__)`` for ``package``: a name of ``where`` (name -> module) is imported from its
-    module on first use (and kept in ``cache``, the package's globals); a name of ``moved`` (name -> module:
-    no longer exported) or of ``renamed`` (old name -> new name) still resolves, with a
+def lazy_names(
+    package: str,
+    where: dict[str, str],
+    *,
+    moved: dict[str, str] | None = None,
+    renamed: dict[str, str] | None = None,
+    cache: dict | None = None,
+) -> tuple[Callable, Callable]:
+    """``(__getattr__, __dir__)`` for ``package``: a name of ``where`` (name -> module) is imported
+    from its module on first use (and kept in ``cache``, the package's globals); a name of ``moved``
+    (name -> module: no longer exported) or of ``renamed`` (old name -> new name) still resolves,
+    with a
     ``DeprecationWarning`` saying where it is now; anything else is an ``AttributeError``."""
     moved, renamed = moved or {}, renamed or {}
 
     def __getattr__(name: str):  # (PEP 562: a missing name is an AttributeError)
         if name in renamed:
-            warnings.warn(f"{package}.{name} is renamed {renamed[name]}", DeprecationWarning, stacklevel=2)
+            warnings.warn(
+                f"{package}.{name} is renamed {renamed[name]}", DeprecationWarning, stacklevel=2
+            )
             return __getattr__(renamed[name])
         if name in moved:
-            warnings.warn(f"{package}.{name} is no longer exported from {package}: import it from {moved[name]}",
-                          DeprecationWarning, stacklevel=2)
+            warnings.warn(
+                f"{package}.{name} is no longer exported from {package}: import it from "
+                f"{moved[name]}",
+                DeprecationWarning,
+                stacklevel=2,
+            )
             return getattr(importlib.import_module(moved[name]), name)
         if name not in where:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")

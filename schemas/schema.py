@@ -3,6 +3,7 @@
 A schema is data (JSON round trip, stable fingerprint) so that every rank can prove at startup that
 it builds the same batches (:func:`prealign.schemas.check_startup`).
 """
+
 from __future__ import annotations
 
 import enum
@@ -16,8 +17,15 @@ from .errors import SchemaError
 
 IGNORE_INDEX = -100
 
-_DTYPES = {"int64": torch.int64, "int32": torch.int32, "float32": torch.float32, "bfloat16": torch.bfloat16,
-           "float16": torch.float16, "bool": torch.bool, "uint8": torch.uint8}
+_DTYPES = {
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "bool": torch.bool,
+    "uint8": torch.uint8,
+}
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -36,7 +44,9 @@ def _enum_value(what: str, enum_cls, value):
     try:
         return enum_cls(value)
     except ValueError:
-        raise SchemaError(f"{what}: expected one of {[e.value for e in enum_cls]}, got {value!r}") from None
+        raise SchemaError(
+            f"{what}: expected one of {[e.value for e in enum_cls]}, got {value!r}"
+        ) from None
 
 
 class Role(enum.Enum):
@@ -53,13 +63,16 @@ class FieldSource(enum.Enum):
 
     SAMPLE = "sample"  # the sample's own field, as given
     NEXT_TOKEN = "next_token"  # the sample's field shifted left by one inside its sequence (labels)
-    LOSS_MASK = "loss_mask"  # 1.0 where the output label is not the ignore index (times sample loss_mask)
+    LOSS_MASK = (
+        "loss_mask"  # 1.0 where the output label is not the ignore index (times sample loss_mask)
+    )
     POSITIONS = "positions"  # each slot's position inside its (padded) sequence
     PADDING_MASK = "padding_mask"  # True on pad slots (Megatron convention)
 
 
 Source = FieldSource
-"""Deprecated alias of :class:`FieldSource` (``prealign.schemas.Source`` warns); it read as a data source."""
+"""Deprecated alias of :class:`FieldSource` (``prealign.schemas.Source`` warns); it read as a data
+source."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,8 +80,8 @@ class FieldSpec:
     """One field of a batch.
 
     For a TOKEN field a sample holds ``[L, *dense_shape]`` (or ``[*leading_shape, L]``) and the THD
-    batch ``[1, T_local, *dense_shape]`` (or ``[*leading_shape, 1, T_local]``); BSHD ``[B, S_local, ...]``.
-    Dense dims are ints or names (``"K"``) that must agree across the batch.
+    batch ``[1, T_local, *dense_shape]`` (or ``[*leading_shape, 1, T_local]``); BSHD ``[B, S_local,
+    ...]``. Dense dims are ints or names (``"K"``) that must agree across the batch.
     """
 
     name: str
@@ -78,7 +91,8 @@ class FieldSpec:
     dense_shape: tuple[int | str, ...] = ()
     """Trailing dims after the token dim (top-k ``("K",)``, router ``("layers", "K")``)."""
     leading_shape: tuple[int | str, ...] = ()
-    """Dims before the token dim (mRoPE ``(3,)``); a field has leading or trailing dims, not both."""
+    """Dims before the token dim (mRoPE ``(3,)``); a field has leading or trailing dims, not
+    both."""
     pad_value: float | int | bool = 0
     source: FieldSource = FieldSource.SAMPLE
     sample_keys: tuple[str, ...] = ()
@@ -99,7 +113,10 @@ class FieldSpec:
         set_("role", _enum_value(f"field {self.name!r}: role", Role, self.role))
         set_("source", _enum_value(f"field {self.name!r}: source", FieldSource, self.source))
         if isinstance(self.dtypes, str):
-            raise SchemaError(f"field {self.name!r}: dtypes must be a tuple of dtype names, got the str {self.dtypes!r}")
+            raise SchemaError(
+                f"field {self.name!r}: dtypes must be a tuple of dtype names, got the str "
+                f"{self.dtypes!r}"
+            )
         set_("dtypes", tuple(self.dtypes))
         for d in self.dtypes:
             torch_dtype(d)
@@ -109,15 +126,23 @@ class FieldSpec:
         set_("leading_shape", tuple(self.leading_shape))
         set_("sample_keys", tuple(self.sample_keys) or (self.name,))
         if self.dense_shape and self.leading_shape:
-            raise SchemaError(f"field {self.name!r}: declare leading_shape or dense_shape, not both")
+            raise SchemaError(
+                f"field {self.name!r}: declare leading_shape or dense_shape, not both"
+            )
         for d in (*self.dense_shape, *self.leading_shape):
-            if not (isinstance(d, str) and d) and not (isinstance(d, int) and not isinstance(d, bool) and d > 0):
-                raise SchemaError(f"field {self.name!r}: a dim must be a positive int or a name, got {d!r}")
+            if not (isinstance(d, str) and d) and not (
+                isinstance(d, int) and not isinstance(d, bool) and d > 0
+            ):
+                raise SchemaError(
+                    f"field {self.name!r}: a dim must be a positive int or a name, got {d!r}"
+                )
         if self.source is not FieldSource.SAMPLE and self.role is not Role.TOKEN:
             raise SchemaError(f"field {self.name!r}: source {self.source.value} needs role token")
         if not self.cp_sharded and self.source is not FieldSource.SAMPLE:
-            raise SchemaError(f"field {self.name!r}: only sample fields can skip CP sharding (cp_sharded=False); "
-                              f"a {self.source.value} field is sharded like the tokens it is derived with")
+            raise SchemaError(
+                f"field {self.name!r}: only sample fields can skip CP sharding (cp_sharded=False); "
+                f"a {self.source.value} field is sharded like the tokens it is derived with"
+            )
 
     @property
     def dtype(self) -> torch.dtype:
@@ -134,11 +159,21 @@ class FieldSpec:
         return len(self.leading_shape)
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "role": self.role.value, "dtypes": list(self.dtypes),
-                "dense_shape": list(self.dense_shape), "leading_shape": list(self.leading_shape),
-                "pad_value": self.pad_value, "source": self.source.value, "sample_keys": list(self.sample_keys),
-                "required": self.required, "cp_sharded": self.cp_sharded, "finite": self.finite,
-                "min_value": self.min_value, "max_value": self.max_value}
+        return {
+            "name": self.name,
+            "role": self.role.value,
+            "dtypes": list(self.dtypes),
+            "dense_shape": list(self.dense_shape),
+            "leading_shape": list(self.leading_shape),
+            "pad_value": self.pad_value,
+            "source": self.source.value,
+            "sample_keys": list(self.sample_keys),
+            "required": self.required,
+            "cp_sharded": self.cp_sharded,
+            "finite": self.finite,
+            "min_value": self.min_value,
+            "max_value": self.max_value,
+        }
 
     @classmethod
     def from_dict(cls, d: dict) -> "FieldSpec":
@@ -161,7 +196,9 @@ class BatchSchema:
         object.__setattr__(self, "fields", tuple(self.fields))
         bad = [f for f in self.fields if not isinstance(f, FieldSpec)]
         if bad:
-            raise SchemaError(f"schema {self.name!r}: fields must be FieldSpec objects, got {bad[:3]!r}")
+            raise SchemaError(
+                f"schema {self.name!r}: fields must be FieldSpec objects, got {bad[:3]!r}"
+            )
         names = [f.name for f in self.fields]
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
@@ -192,43 +229,78 @@ class BatchSchema:
 
     def with_fields(self, *extra: FieldSpec, name: str | None = None) -> "BatchSchema":
         """A copy with more fields (e.g. a per-token ``mm_token_type_ids``)."""
-        return BatchSchema(name=name or self.name, fields=(*self.fields, *extra), ignore_index=self.ignore_index)
+        return BatchSchema(
+            name=name or self.name, fields=(*self.fields, *extra), ignore_index=self.ignore_index
+        )
 
     def to_json(self) -> str:
-        return json.dumps({"name": self.name, "ignore_index": self.ignore_index,
-                           "fields": [f.to_dict() for f in self.fields]}, sort_keys=True)
+        return json.dumps(
+            {
+                "name": self.name,
+                "ignore_index": self.ignore_index,
+                "fields": [f.to_dict() for f in self.fields],
+            },
+            sort_keys=True,
+        )
 
     @classmethod
     def from_json(cls, text: str) -> "BatchSchema":
-        """The inverse of :meth:`to_json`; anything else is a :class:`SchemaError` naming what is wrong."""
+        """The inverse of :meth:`to_json`; anything else is a :class:`SchemaError` naming what is
+        wrong."""
         try:
             d = json.loads(text)
-            return cls(name=d["name"], ignore_index=d["ignore_index"],
-                       fields=tuple(FieldSpec.from_dict(f) for f in d["fields"]))
+            return cls(
+                name=d["name"],
+                ignore_index=d["ignore_index"],
+                fields=tuple(FieldSpec.from_dict(f) for f in d["fields"]),
+            )
         except json.JSONDecodeError as exc:
             raise SchemaError(f"schema JSON: not JSON ({exc})") from None
         except KeyError as exc:
             raise SchemaError(f"schema JSON: missing key {exc}") from None
         except (TypeError, AttributeError) as exc:
-            raise SchemaError(f"schema JSON: expected {{'name', 'ignore_index', 'fields': [field dicts]}}, "
-                              f"got {type(exc).__name__}: {exc}") from None
+            raise SchemaError(
+                f"schema JSON: expected {{'name', 'ignore_index', 'fields': [field dicts]}}, "
+                f"got {type(exc).__name__}: {exc}"
+            ) from None
 
     def fingerprint(self) -> str:
         """Stable 16-hex-digit digest of the JSON form (same schema -> same string, any process)."""
         return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
 
 
-# ---- built-in schemas -----------------------------------------------------------------------------
-def core_token_fields(pad_token_id: int, ignore_index: int, vocab_size: int | None = None) -> tuple[FieldSpec, ...]:
-    """input_ids (ids in ``[0, vocab_size)`` when declared, checked at collate time), labels, loss mask,
+# ---- built-in schemas
+# -----------------------------------------------------------------------------
+def core_token_fields(
+    pad_token_id: int, ignore_index: int, vocab_size: int | None = None
+) -> tuple[FieldSpec, ...]:
+    """input_ids (ids in ``[0, vocab_size)`` when declared, checked at collate time), labels, loss
+    mask,
     positions, padding mask."""
     return (
-        FieldSpec(name="input_ids", pad_value=pad_token_id, min_value=0,
-                  max_value=None if vocab_size is None else vocab_size - 1),
-        FieldSpec(name="labels", source=FieldSource.NEXT_TOKEN, sample_keys=("labels", "input_ids"), pad_value=ignore_index),
-        FieldSpec(name="loss_mask", dtypes=("float32",), source=FieldSource.LOSS_MASK, pad_value=0.0, required=False),
+        FieldSpec(
+            name="input_ids",
+            pad_value=pad_token_id,
+            min_value=0,
+            max_value=None if vocab_size is None else vocab_size - 1,
+        ),
+        FieldSpec(
+            name="labels",
+            source=FieldSource.NEXT_TOKEN,
+            sample_keys=("labels", "input_ids"),
+            pad_value=ignore_index,
+        ),
+        FieldSpec(
+            name="loss_mask",
+            dtypes=("float32",),
+            source=FieldSource.LOSS_MASK,
+            pad_value=0.0,
+            required=False,
+        ),
         FieldSpec(name="position_ids", source=FieldSource.POSITIONS),
-        FieldSpec(name="padding_mask", dtypes=("bool",), source=FieldSource.PADDING_MASK, pad_value=True),
+        FieldSpec(
+            name="padding_mask", dtypes=("bool",), source=FieldSource.PADDING_MASK, pad_value=True
+        ),
     )
 
 
@@ -238,20 +310,38 @@ def topk_fields(topk: int | str = "K", vocab_size: int | None = None) -> tuple[F
     distribution at position j predicts token j+1, like the student's logits at j): not shifted.
     """
     return (
-        FieldSpec(name="teacher_topk_log_probs", dtypes=("float32", "bfloat16"), dense_shape=(topk,), pad_value=0.0,
-                  finite=True, max_value=0.0),
-        FieldSpec(name="teacher_topk_ids", dtypes=("int64",), dense_shape=(topk,), pad_value=0, min_value=0,
-                  max_value=None if vocab_size is None else vocab_size - 1),
+        FieldSpec(
+            name="teacher_topk_log_probs",
+            dtypes=("float32", "bfloat16"),
+            dense_shape=(topk,),
+            pad_value=0.0,
+            finite=True,
+            max_value=0.0,
+        ),
+        FieldSpec(
+            name="teacher_topk_ids",
+            dtypes=("int64",),
+            dense_shape=(topk,),
+            pad_value=0,
+            min_value=0,
+            max_value=None if vocab_size is None else vocab_size - 1,
+        ),
     )
 
 
-def causal_lm_schema(*, pad_token_id: int = 0, topk: int | str | None = None, vocab_size: int | None = None,
-                     ignore_index: int = IGNORE_INDEX) -> BatchSchema:
+def causal_lm_schema(
+    *,
+    pad_token_id: int = 0,
+    topk: int | str | None = None,
+    vocab_size: int | None = None,
+    ignore_index: int = IGNORE_INDEX,
+) -> BatchSchema:
     """SFT / pre-training: input_ids, next-token labels, loss_mask, position_ids, padding_mask.
 
-    ``topk`` (an int, or ``"K"`` for any constant K) adds ``teacher_topk_log_probs`` / ``teacher_topk_ids``.
-    ``vocab_size`` bounds ``input_ids`` and the teacher ids to ``[0, vocab_size)``; ids are always
-    ``>= 0`` and never ``ignore_index`` (a negative id would become an ignored label still weighted 1).
+    ``topk`` (an int, or ``"K"`` for any constant K) adds ``teacher_topk_log_probs`` /
+    ``teacher_topk_ids``. ``vocab_size`` bounds ``input_ids`` and the teacher ids to ``[0,
+    vocab_size)``; ids are always ``>= 0`` and never ``ignore_index`` (a negative id would become an
+    ignored label still weighted 1).
 
     >>> causal_lm_schema(topk=64)["teacher_topk_ids"].dense_shape
     (64,)
@@ -259,7 +349,11 @@ def causal_lm_schema(*, pad_token_id: int = 0, topk: int | str | None = None, vo
     fields = core_token_fields(pad_token_id, ignore_index, vocab_size)
     if topk is not None:
         fields += topk_fields(topk, vocab_size)
-    return BatchSchema(name="causal_lm" if topk is None else "causal_lm_topk", fields=fields, ignore_index=ignore_index)
+    return BatchSchema(
+        name="causal_lm" if topk is None else "causal_lm_topk",
+        fields=fields,
+        ignore_index=ignore_index,
+    )
 
 
 def rl_schema(*, pad_token_id: int = 0, ignore_index: int = IGNORE_INDEX) -> BatchSchema:
@@ -271,7 +365,10 @@ def rl_schema(*, pad_token_id: int = 0, ignore_index: int = IGNORE_INDEX) -> Bat
         FieldSpec(name=n, dtypes=("float32",), pad_value=0.0, required=n != "ref_log_probs")
         for n in ("old_log_probs", "ref_log_probs", "advantages")
     )
-    fields = (*core_token_fields(pad_token_id, ignore_index), *per_token,
-              FieldSpec(name="response_mask", dtypes=("bool",), pad_value=False),
-              FieldSpec(name="rewards", role=Role.SEQUENCE, dtypes=("float32",), required=False))
+    fields = (
+        *core_token_fields(pad_token_id, ignore_index),
+        *per_token,
+        FieldSpec(name="response_mask", dtypes=("bool",), pad_value=False),
+        FieldSpec(name="rewards", role=Role.SEQUENCE, dtypes=("float32",), required=False),
+    )
     return BatchSchema(name="rl", fields=fields, ignore_index=ignore_index)

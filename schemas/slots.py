@@ -17,6 +17,7 @@ partition):
 >>> s.positions.tolist(), s.is_pad.tolist(), s.next_slot.tolist()
 ([0, 1, 6, 7, 0, 3], [False, False, True, True, False, True], [1, -1, -1, -1, -1, -1])
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -45,8 +46,14 @@ class Slots:
         return self.positions.numel()
 
 
-def held_rows(padded: torch.Tensor, *, cp: int, rank: int | None, zigzag: bool,
-              per_sequence_contiguous: bool = False) -> torch.Tensor:
+def held_rows(
+    padded: torch.Tensor,
+    *,
+    cp: int,
+    rank: int | None,
+    zigzag: bool,
+    per_sequence_contiguous: bool = False,
+) -> torch.Tensor:
     """int64 ``[T_out]``: the global rows CP rank ``rank`` holds, in output order (``None``: all).
 
     ``padded`` int64 ``[N]``: padded lengths (multiples of ``2*cp`` for zigzag). Contiguous CP cuts
@@ -65,18 +72,29 @@ def held_rows(padded: torch.Tensor, *, cp: int, rank: int | None, zigzag: bool,
     return torch.nonzero(keep).flatten()
 
 
-def expected_slots(lengths: torch.Tensor, padded: torch.Tensor, *, cp: int, rank: int | None, zigzag: bool,
-                   per_sequence_contiguous: bool = False) -> Slots:
+def expected_slots(
+    lengths: torch.Tensor,
+    padded: torch.Tensor,
+    *,
+    cp: int,
+    rank: int | None,
+    zigzag: bool,
+    per_sequence_contiguous: bool = False,
+) -> Slots:
     """:class:`Slots` of the rows rank ``rank`` holds, for true ``lengths`` and ``padded`` lengths
     (int64 ``[N]`` each). Allocates a few ``[T]`` tensors: callers compare ``T`` with the batch's
     real size first."""
     seq_all, pos_all = _row_seq_pos(padded)
-    rows = held_rows(padded, cp=cp, rank=rank, zigzag=zigzag, per_sequence_contiguous=per_sequence_contiguous)
+    rows = held_rows(
+        padded, cp=cp, rank=rank, zigzag=zigzag, per_sequence_contiguous=per_sequence_contiguous
+    )
     seq, pos = seq_all[rows], pos_all[rows]
     length = lengths[seq]
     is_pad = pos >= length
     last = pos == length - 1
-    local_of = torch.full((int(padded.sum()) + 1,), -1, dtype=torch.int64)  # global row -> local slot
+    local_of = torch.full(
+        (int(padded.sum()) + 1,), -1, dtype=torch.int64
+    )  # global row -> local slot
     local_of[rows] = torch.arange(rows.numel())
     has_next = ~is_pad & ~last
     next_slot = torch.where(has_next, local_of[torch.where(has_next, rows + 1, -1)], -1)

@@ -1,4 +1,6 @@
-"""Shared fixtures for the loader tests: tiny webdataset shards and HF datasets written on the fly."""
+"""Shared fixtures for the loader tests: tiny webdataset shards and HF datasets written on the
+fly."""
+
 from __future__ import annotations
 
 import io
@@ -15,7 +17,8 @@ def sample_lengths(n: int, seed: int = 0, low: int = 3, high: int = 60) -> list[
 
 
 def token_ids(i: int, length: int) -> np.ndarray:
-    """Deterministic ids of sample ``i``: the first token encodes the sample id (for coverage checks)."""
+    """Deterministic ids of sample ``i``: the first token encodes the sample id (for coverage
+    checks)."""
     ids = (np.arange(length, dtype=np.int64) * 7 + i) % 1000 + 1
     ids[0] = 10_000 + i
     return ids
@@ -35,7 +38,8 @@ def add_member(tf: tarfile.TarFile, name: str, data: bytes) -> None:
 
 def write_shards(root: str, lengths: list[int], *, num_shards: int = 3, extra=None) -> list[str]:
     """Write samples ``i`` (``{i:06d}.input_ids.npy`` + ``.json``) round-robin... in contiguous runs
-    over ``num_shards`` tar files; ``extra(i, tf)`` may add or replace members. Returns the paths."""
+    over ``num_shards`` tar files; ``extra(i, tf)`` may add or replace members. Returns the
+    paths."""
     os.makedirs(root, exist_ok=True)
     paths = []
     per = -(-len(lengths) // num_shards)
@@ -52,7 +56,10 @@ def write_shards(root: str, lengths: list[int], *, num_shards: int = 3, extra=No
 
 
 def hf_rows(lengths: list[int]) -> dict:
-    return {"input_ids": [token_ids(i, n).tolist() for i, n in enumerate(lengths)], "id": list(range(len(lengths)))}
+    return {
+        "input_ids": [token_ids(i, n).tolist() for i, n in enumerate(lengths)],
+        "id": list(range(len(lengths))),
+    }
 
 
 def sample_id(batch_ids_row) -> int:
@@ -60,14 +67,16 @@ def sample_id(batch_ids_row) -> int:
 
 
 def npz_meta(path: str) -> tuple[dict, dict]:
-    """``(arrays, meta)`` of a sidecar or merged index file (``meta`` its JSON), to edit in a test."""
+    """``(arrays, meta)`` of a sidecar or merged index file (``meta`` its JSON), to edit in a
+    test."""
     with np.load(path) as z:
         arrays = {k: z[k] for k in z.files}
     return arrays, json.loads(arrays.pop("meta").tobytes())
 
 
 def save_npz_meta(path: str, arrays: dict, meta: dict) -> None:
-    """Write ``arrays`` and the JSON ``meta`` back as the file ``path`` (:func:`npz_meta`'s inverse)."""
+    """Write ``arrays`` and the JSON ``meta`` back as the file ``path`` (:func:`npz_meta`'s
+    inverse)."""
     buf = io.BytesIO()
     np.savez(buf, **arrays, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8))
     with open(path, "wb") as f:

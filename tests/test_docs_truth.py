@@ -1,18 +1,34 @@
-"""What a user reads is true: docs/design.md's "Layout of the code" names every module and benchmark."""
+"""What a user reads is true: docs/design.md's "Layout of the code" names every module and
+benchmark."""
+
 from __future__ import annotations
 
 import pathlib
 import re
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-FOLDERS = ["schemas", "collate", "collate/vision", "loaders", "loaders/sources", "loaders/handoff", "loaders/media",
-           "loaders/index", "loaders/plan", "loaders/serve", "loaders/cli", "src/prealign"]
+FOLDERS = [
+    "schemas",
+    "collate",
+    "collate/vision",
+    "loaders",
+    "loaders/sources",
+    "loaders/handoff",
+    "loaders/media",
+    "loaders/index",
+    "loaders/plan",
+    "loaders/serve",
+    "loaders/cli",
+    "src/prealign",
+]
 
 
 def _layout_rows() -> dict[str, str]:
     text = ROOT.joinpath("docs", "design.md").read_text()
     section = text.split("## Layout of the code", 1)[1].split("\n## ", 1)[0]
-    return {m.group(1): m.group(2) for m in re.finditer(r"^\| `([^`]+)/` \| (.*) \|$", section, re.M)}
+    return {
+        m.group(1): m.group(2) for m in re.finditer(r"^\| `([^`]+)/` \| (.*) \|$", section, re.M)
+    }
 
 
 def test_the_layout_names_every_module_and_benchmark():
@@ -33,9 +49,13 @@ def test_the_layout_names_every_module_and_benchmark():
 
 def test_the_layout_names_no_module_that_is_gone():
     rows = _layout_rows()
-    for folder in [f for f in FOLDERS if f != "src/prealign"] + ["benchmarks"]:  # (src: "a user's own collate.py")
+    for folder in [f for f in FOLDERS if f != "src/prealign"] + [
+        "benchmarks"
+    ]:  # (src: "a user's own collate.py")
         for name in re.findall(r"`(\w+\.py)`", rows.get(folder, "")):
-            assert (ROOT / folder / name).exists(), f"docs/design.md names {folder}/{name}, which does not exist"
+            assert (ROOT / folder / name).exists(), (
+                f"docs/design.md names {folder}/{name}, which does not exist"
+            )
 
 
 def test_the_readme_quickstart_prints_what_the_readme_says(capsys):

@@ -1,5 +1,7 @@
-"""Hints that can be followed (issue #20, item 4): each test takes the advice an error gives, applies it as a
+"""Hints that can be followed (issue #20, item 4): each test takes the advice an error gives,
+applies it as a
 user would (the flag, the argument, the command it names) and checks that the run then succeeds."""
+
 from __future__ import annotations
 
 import os
@@ -34,15 +36,31 @@ def _hint(err: str) -> str:
 
 
 def _inspect(tmp_path, *extra):
-    return ["inspect", "--tp", "1", "--cp", "1", "--workers", "0", "--out", str(tmp_path / "p.png"), *extra]
+    return [
+        "inspect",
+        "--tp",
+        "1",
+        "--cp",
+        "1",
+        "--workers",
+        "0",
+        "--out",
+        str(tmp_path / "p.png"),
+        *extra,
+    ]
 
 
 def test_oversize_hint_is_a_budget_and_a_planner_config_that_work(tmp_path):
     paths = write_shards(str(tmp_path), sample_lengths(20, low=30, high=200), num_shards=1)
 
     def loader(budget, **kw):
-        return PackedLoader(WebDatasetSource(paths), schema=causal_lm_schema(), layout=LAYOUT, token_budget=budget,
-                            **kw)
+        return PackedLoader(
+            WebDatasetSource(paths),
+            schema=causal_lm_schema(),
+            layout=LAYOUT,
+            token_budget=budget,
+            **kw,
+        )
 
     with pytest.raises(OversizeSampleError) as exc:
         next(iter(loader(64)))
@@ -52,7 +70,9 @@ def test_oversize_hint_is_a_budget_and_a_planner_config_that_work(tmp_path):
     with pytest.raises(OversizeSampleError):
         next(iter(loader(budget - 1)))  # ... and no less would do
     config = re.search(r"planner=(PlannerConfig\(oversize='truncate'\))", hint).group(1)
-    planner = eval(config, {"PlannerConfig": PlannerConfig})  # the spelling the hint gives, as written
+    planner = eval(
+        config, {"PlannerConfig": PlannerConfig}
+    )  # the spelling the hint gives, as written
     assert next(iter(loader(64, planner=planner)))["input_ids"].shape[-1] <= 64
 
 
@@ -64,7 +84,13 @@ def test_oversize_hint_on_the_command_line_names_flags_that_work(tmp_path, capsy
     budget = re.search(r"--token-budget (\d+)", hint).group(1)
     assert _cli(capsys, *_inspect(tmp_path, "--text", "--token-budget", budget, *paths))[0] == 0
     assert "--oversize truncate" in hint
-    assert _cli(capsys, *_inspect(tmp_path, "--text", "--token-budget", "64", "--oversize", "truncate", *paths))[0] == 0
+    assert (
+        _cli(
+            capsys,
+            *_inspect(tmp_path, "--text", "--token-budget", "64", "--oversize", "truncate", *paths),
+        )[0]
+        == 0
+    )
 
 
 def test_forgotten_text_flag_is_suggested_and_adding_it_works(tmp_path, capsys):
@@ -90,7 +116,9 @@ def test_misspelt_flag_and_command_get_a_did_you_mean_that_works(tmp_path, capsy
 def test_untokenized_hf_rows_get_the_recipe_and_following_it_works():
     import datasets
 
-    rows = datasets.Dataset.from_dict({"prompt": ["the sky is", "two and two"], "response": ["blue", "four"]})
+    rows = datasets.Dataset.from_dict(
+        {"prompt": ["the sky is", "two and two"], "response": ["blue", "four"]}
+    )
     with pytest.raises(ConfigError, match="tokenize the rows first") as exc:
         HFSource(rows)
     assert "ds.map(tokenize, remove_columns=ds.column_names)" in str(exc.value)
@@ -100,8 +128,13 @@ def test_untokenized_hf_rows_get_the_recipe_and_following_it_works():
         return {"input_ids": prompt + response, "labels": [-100] * len(prompt) + response}
 
     ds = rows.map(tokenize, remove_columns=rows.column_names)  # the hint, followed
-    batch = next(iter(PackedLoader(HFSource(ds), schema=causal_lm_schema(), layout=ParallelLayout(),
-                                   token_budget=64)))
+    batch = next(
+        iter(
+            PackedLoader(
+                HFSource(ds), schema=causal_lm_schema(), layout=ParallelLayout(), token_budget=64
+            )
+        )
+    )
     assert len(batch["sample_index"]) == 2  # each response token is a label, no prompt token is
     assert int(batch["loss_mask"].sum()) == len("blue") + len("four")
 
@@ -110,26 +143,44 @@ def test_changed_shard_hint_rerun_index_works(tmp_path, capsys):
     paths = write_shards(str(tmp_path), sample_lengths(20), num_shards=2)
     assert _cli(capsys, "index", "--text", *paths)[0] == 0
     write_shards(str(tmp_path), sample_lengths(24, seed=5), num_shards=2)  # the data changed since
-    with pytest.raises(ChangedShardError, match="changed since it was indexed: run `prealign index") as exc:
-        PackedLoader(WebDatasetSource(paths), schema=causal_lm_schema(), layout=LAYOUT, token_budget=4096).prepare()
-    assert "`prealign index --text --force " in str(exc.value)  # the command that rebuilds the sidecars
+    with pytest.raises(
+        ChangedShardError, match="changed since it was indexed: run `prealign index"
+    ) as exc:
+        PackedLoader(
+            WebDatasetSource(paths), schema=causal_lm_schema(), layout=LAYOUT, token_budget=4096
+        ).prepare()
+    assert "`prealign index --text --force " in str(
+        exc.value
+    )  # the command that rebuilds the sidecars
     assert _cli(capsys, "index", "--text", *paths)[0] == 0  # followed
-    loader = PackedLoader(WebDatasetSource(paths), schema=causal_lm_schema(), layout=LAYOUT, token_budget=4096)
+    loader = PackedLoader(
+        WebDatasetSource(paths), schema=causal_lm_schema(), layout=LAYOUT, token_budget=4096
+    )
     assert len(loader.prepare().index) == 24
 
 
 @pytest.mark.slow
 def test_collators_and_packed_seq_params_print_no_megatron_warnings():
-    code = ("import torch\n"
-            "from prealign.collate import THDCollator, to_packed_seq_params\n"
-            "from prealign.schemas import ParallelLayout\n"
-            "from prealign.schemas.schema import causal_lm_schema\n"
-            "b = THDCollator(schema=causal_lm_schema(), layout=ParallelLayout())([{'input_ids': torch.arange(1, 9)}])\n"
-            "to_packed_seq_params(b)\n"
-            "from prealign.schemas.parallel_state import megatron_parallel_sizes\n"
-            "try:\n    megatron_parallel_sizes()\nexcept Exception as exc:\n    assert 'initialize_model_parallel' in str(exc)\n")
-    out = subprocess.run([sys.executable, "-W", "default", "-c", code], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "PYTHONWARNINGS": "default"})
+    code = (
+        "import torch\n"
+        "from prealign.collate import THDCollator, to_packed_seq_params\n"
+        "from prealign.schemas import ParallelLayout\n"
+        "from prealign.schemas.schema import causal_lm_schema\n"
+        "b = THDCollator(schema=causal_lm_schema(), layout=ParallelLayout())([{'input_ids': "
+        "torch.arange(1, 9)}])\n"
+        "to_packed_seq_params(b)\n"
+        "from prealign.schemas.parallel_state import megatron_parallel_sizes\n"
+        "try:\n    megatron_parallel_sizes()\nexcept Exception as exc:\n    assert "
+        "'initialize_model_parallel' "
+        "in str(exc)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-W", "default", "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONWARNINGS": "default"},
+    )
     assert out.returncode == 0, out.stderr
     assert "Transformer Engine" not in out.stderr and "Warning" not in out.stderr, out.stderr
 
@@ -141,11 +192,15 @@ def test_packed_seq_params_touch_the_warnings_state_only_at_the_first_import(mon
 
     from prealign.collate import THDCollator, to_packed_seq_params
 
-    batch = THDCollator(schema=causal_lm_schema(), layout=ParallelLayout())([{"input_ids": torch.arange(1, 9)}])
+    batch = THDCollator(schema=causal_lm_schema(), layout=ParallelLayout())(
+        [{"input_ids": torch.arange(1, 9)}]
+    )
     to_packed_seq_params(batch)  # megatron-core imported (its import warnings filtered)
 
     def touched(*args, **kwargs):
-        raise AssertionError("warnings.catch_warnings on a training step (process-wide, not thread-safe)")
+        raise AssertionError(
+            "warnings.catch_warnings on a training step (process-wide, not thread-safe)"
+        )
 
     monkeypatch.setattr(warnings, "catch_warnings", touched)
     assert to_packed_seq_params(batch).cu_seqlens_q.tolist() == [0, 8]

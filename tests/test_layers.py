@@ -1,5 +1,6 @@
-"""The import contract: which layer may import which, no import cycle (imports inside functions counted),
-no private name imported from another module. Read from the source with ``ast``: nothing is imported.
+"""The import contract: which layer may import which, no import cycle (imports inside functions
+counted), no private name imported from another module. Read from the source with ``ast``: nothing
+is imported.
 
 Layers, lowest first; a module may import its own layer and the layers below it, never one above:
 
@@ -8,6 +9,7 @@ Layers, lowest first; a module may import its own layer and the layers below it,
     -> loaders (options, state, loader, streaming, ...) -> loaders.cli
     -> prealign (the package's lazy entry points)
 """
+
 from __future__ import annotations
 
 import ast
@@ -16,8 +18,12 @@ import pathlib
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-FOLDERS = {"prealign.collate": "collate", "prealign.loaders": "loaders", "prealign.schemas": "schemas",
-           "prealign": "src/prealign"}
+FOLDERS = {
+    "prealign.collate": "collate",
+    "prealign.loaders": "loaders",
+    "prealign.schemas": "schemas",
+    "prealign": "src/prealign",
+}
 
 LAYERS = [
     ("schemas", ["prealign.schemas"]),
@@ -58,7 +64,8 @@ def modules() -> dict[str, pathlib.Path]:
 
 
 def imports(name: str, path: pathlib.Path, known: dict) -> list[tuple[int, str, list[str]]]:
-    """(line, imported module, names) of every import of a prealign module in ``path``, at any depth."""
+    """(line, imported module, names) of every import of a prealign module in ``path``, at any
+    depth."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     out = []
     for node in ast.walk(ast.parse(path.read_text())):
@@ -72,7 +79,9 @@ def imports(name: str, path: pathlib.Path, known: dict) -> list[tuple[int, str, 
                 continue
             for alias in node.names:  # `from pkg import module` imports the module
                 sub = f"{target}.{alias.name}"
-                out.append((node.lineno, sub, []) if sub in known else (node.lineno, target, [alias.name]))
+                out.append(
+                    (node.lineno, sub, []) if sub in known else (node.lineno, target, [alias.name])
+                )
         elif isinstance(node, ast.Import):
             out += [(node.lineno, a.name, []) for a in node.names if a.name.startswith("prealign.")]
     return out
@@ -84,18 +93,26 @@ def graph() -> tuple[dict, list[str]]:
     for name, path in known.items():
         edges[name] = set()
         for line, target, names in imports(name, path, known):
-            assert target in known, f"{path.relative_to(ROOT)}:{line} imports unknown module {target}"
+            assert target in known, (
+                f"{path.relative_to(ROOT)}:{line} imports unknown module {target}"
+            )
             edges[name].add(target)
-            private += [f"{path.relative_to(ROOT)}:{line} imports {target}.{n}" for n in names
-                        if n.startswith("_") and target != name]
+            private += [
+                f"{path.relative_to(ROOT)}:{line} imports {target}.{n}"
+                for n in names
+                if n.startswith("_") and target != name
+            ]
     return edges, private
 
 
 def test_every_import_goes_down_the_layers():
     edges, _ = graph()
-    wrong = [f"{a} ({LAYERS[layer_of(a)][0]}) imports {b} ({LAYERS[layer_of(b)][0]})"
-             for a, targets in edges.items() for b in targets
-             if layer_of(b) > layer_of(a) and not (a == "prealign" or b.startswith(a + "."))]
+    wrong = [
+        f"{a} ({LAYERS[layer_of(a)][0]}) imports {b} ({LAYERS[layer_of(b)][0]})"
+        for a, targets in edges.items()
+        for b in targets
+        if layer_of(b) > layer_of(a) and not (a == "prealign" or b.startswith(a + "."))
+    ]
     assert sum(map(len, edges.values())) > 150
     assert not wrong, "\n".join(wrong)
 
@@ -111,7 +128,7 @@ def test_no_import_cycle_even_inside_functions():
             if nxt.startswith(node + "."):  # a package importing its own submodules is no cycle
                 continue
             if state.get(nxt) == 1:
-                cycles.append(stack[stack.index(nxt):] + [nxt])
+                cycles.append(stack[stack.index(nxt) :] + [nxt])
             elif nxt not in state:
                 visit(nxt, stack + [nxt])
         state[node] = 2
@@ -132,9 +149,14 @@ def test_loaders_keeps_at_most_twelve_modules_at_its_top():
     assert 3 <= len(top) <= 12, top
 
 
-@pytest.mark.parametrize("module,expected", [("prealign.loaders.sources.remote", "sources"),
-                                             ("prealign.loaders.loader", "loaders"),
-                                             ("prealign.loaders.errors", "loaders base"),
-                                             ("prealign.schemas.layout", "schemas")])
+@pytest.mark.parametrize(
+    "module,expected",
+    [
+        ("prealign.loaders.sources.remote", "sources"),
+        ("prealign.loaders.loader", "loaders"),
+        ("prealign.loaders.errors", "loaders base"),
+        ("prealign.schemas.layout", "schemas"),
+    ],
+)
 def test_layer_of_takes_the_most_specific_prefix(module, expected):
     assert LAYERS[layer_of(module)][0] == expected

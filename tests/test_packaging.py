@@ -1,5 +1,7 @@
-"""prealign installs as one top-level package and works beside a user's own ``collate`` / ``schemas`` /
+"""prealign installs as one top-level package and works beside a user's own ``collate`` /
+``schemas`` /
 ``loaders``; every docstring example in the package runs."""
+
 from __future__ import annotations
 
 import doctest
@@ -75,8 +77,14 @@ def test_runs_from_a_folder_with_its_own_collate_schemas_and_loaders(tmp_path, s
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(text)
     (tmp_path / "train.py").write_text(USER_SCRIPT)
-    out = subprocess.run([sys.executable, "train.py"], cwd=tmp_path, capture_output=True, text=True, env=subprocess_env,
-                         timeout=300)
+    out = subprocess.run(
+        [sys.executable, "train.py"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=subprocess_env,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["ok", "4"]
 
@@ -84,14 +92,33 @@ def test_runs_from_a_folder_with_its_own_collate_schemas_and_loaders(tmp_path, s
 @pytest.mark.slow
 def test_the_wheel_installs_nothing_but_prealign_at_the_top_level(tmp_path):
     pytest.importorskip("setuptools", minversion="77")
-    out = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-                          "-w", str(tmp_path), str(ROOT)], capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(tmp_path),
+            str(ROOT),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     (wheel,) = tmp_path.glob("prealign-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/", 1)[0] for n in names}
     assert tops == {"prealign", next(t for t in tops if t.endswith(".dist-info"))}, tops
-    for module in ("prealign/collate/thd.py", "prealign/loaders/cli/main.py", "prealign/schemas/validate.py",
-                   "prealign/__main__.py"):
+    for module in (
+        "prealign/collate/thd.py",
+        "prealign/loaders/cli/main.py",
+        "prealign/schemas/validate.py",
+        "prealign/__main__.py",
+    ):
         assert module in names
     assert not any(n.startswith("prealign/tests") or "/benchmarks/" in n for n in names)

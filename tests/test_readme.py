@@ -1,5 +1,7 @@
-"""The README's two commands stay true (the test command is the one CI runs), it stays short and points into
+"""The README's two commands stay true (the test command is the one CI runs), it stays short and
+points into
 ``docs/``, its quickstart runs, and the documentation site lists every page it has."""
+
 import re
 from pathlib import Path
 
@@ -22,8 +24,9 @@ def test_readme_opens_with_demo_and_test_commands():
 def test_ci_runs_the_readme_test_command():
     test_cmd = _commands()[1]
     ci = ROOT.joinpath(".ci", "run").read_text()
-    normalised = test_cmd.replace("pip install -c", "pip install -q -c").replace("pip install --no-deps",
-                                                                                "pip install -q --no-deps")
+    normalised = test_cmd.replace("pip install -c", "pip install -q -c").replace(
+        "pip install --no-deps", "pip install -q --no-deps"
+    )
     assert normalised in ci
 
 
@@ -39,7 +42,8 @@ def test_readme_quickstart_runs():
 
 
 def test_collate_page_example_runs():
-    """The collate example (the README's first, now the first of docs/collate.md) runs as written."""
+    """The collate example (the README's first, now the first of docs/collate.md) runs as
+    written."""
     block = _python_blocks(ROOT.joinpath("docs", "collate.md").read_text())[0]
     exec(compile(block, "docs/collate.md", "exec"), {})
 
@@ -63,12 +67,22 @@ def test_moved_content_is_in_the_docs():
 
 
 def test_mkdocs_nav_lists_every_page_and_every_relative_link_resolves():
-    config = "\n".join(ln for ln in ROOT.joinpath("mkdocs.yml").read_text().splitlines()
-                       if not ln.lstrip().startswith("#"))
+    config = "\n".join(
+        ln
+        for ln in ROOT.joinpath("mkdocs.yml").read_text().splitlines()
+        if not ln.lstrip().startswith("#")
+    )
     listed = set(re.findall(r":\s*([\w./-]+\.md)\s*$", config, re.M))
     pages = {p.name for p in (ROOT / "docs").glob("*.md")}
-    later = {"vlm.md", "balance.md", "scale.md", "resume.md"}  # written alongside, added to the nav at merge
-    assert pages - later <= listed, f"pages not in mkdocs.yml's nav: {sorted(pages - later - listed)}"
+    later = {
+        "vlm.md",
+        "balance.md",
+        "scale.md",
+        "resume.md",
+    }  # written alongside, added to the nav at merge
+    assert pages - later <= listed, (
+        f"pages not in mkdocs.yml's nav: {sorted(pages - later - listed)}"
+    )
     assert listed <= pages, f"nav names missing pages: {sorted(listed - pages)}"
     for page in (ROOT / "docs").glob("*.md"):
         for target in re.findall(r"\]\(([^)#:]+\.md)(?:#[^)]*)?\)", page.read_text()):

@@ -1,5 +1,7 @@
-"""Tiny video files made with PyAV for the tests: moving colour patterns (every frame differs), any length, rate,
+"""Tiny video files made with PyAV for the tests: moving colour patterns (every frame differs), any
+length, rate,
 size, container and codec; a variable-frame-rate mp4 (frame durations alternating 1x and 2x)."""
+
 from __future__ import annotations
 
 import fractions
@@ -11,7 +13,8 @@ CODECS = {"mp4": "libx264", "webm": "libvpx", "mkv": "libx264"}
 
 
 def frame_pixels(i: int, w: int, h: int, seed: int = 0) -> np.ndarray:
-    """uint8 ``[h, w, 3]``: smooth gradients shifted by the frame number (compressible, distinct per frame)."""
+    """uint8 ``[h, w, 3]``: smooth gradients shifted by the frame number (compressible, distinct per
+    frame)."""
     y, x = np.mgrid[0:h, 0:w]
     r = (x * 255 // max(w - 1, 1) + 7 * i + seed) % 256
     g = (y * 255 // max(h - 1, 1) + 3 * i) % 256
@@ -19,10 +22,22 @@ def frame_pixels(i: int, w: int, h: int, seed: int = 0) -> np.ndarray:
     return np.stack([r, g, b], axis=-1).astype(np.uint8)
 
 
-def make_clip(frames: int, w: int, h: int, fps: float, *, container: str = "mp4", codec: str | None = None,
-              gop: int | None = None, vfr: bool = False, seed: int = 0) -> bytes:
-    """An encoded clip of ``frames`` frames ``w x h`` at ``fps`` (``vfr``: timestamps spaced 1 and 2 frame
-    durations alternately, the rate in the header then an average). ``gop``: frames between keyframes."""
+def make_clip(
+    frames: int,
+    w: int,
+    h: int,
+    fps: float,
+    *,
+    container: str = "mp4",
+    codec: str | None = None,
+    gop: int | None = None,
+    vfr: bool = False,
+    seed: int = 0,
+) -> bytes:
+    """An encoded clip of ``frames`` frames ``w x h`` at ``fps`` (``vfr``: timestamps spaced 1 and 2
+    frame
+    durations alternately, the rate in the header then an average). ``gop``: frames between
+    keyframes."""
     import av
 
     buf = io.BytesIO()
@@ -34,7 +49,11 @@ def make_clip(frames: int, w: int, h: int, fps: float, *, container: str = "mp4"
         if gop is not None:
             stream.codec_context.gop_size = gop
             if stream.codec_context.name == "libx264":
-                stream.codec_context.options = {"keyint": str(gop), "min-keyint": str(gop), "scenecut": "0"}
+                stream.codec_context.options = {
+                    "keyint": str(gop),
+                    "min-keyint": str(gop),
+                    "scenecut": "0",
+                }
         if vfr:
             stream.codec_context.time_base = fractions.Fraction(1, 1000)
         tick = 0

@@ -1,19 +1,23 @@
-"""SmolVLM and Idefics3 (``model_type`` ``smolvlm``, ``idefics3``): 1-D positions, images split into square tiles
-plus a global view, each tile pixel-shuffled to ``image_seq_len`` tokens.
+"""SmolVLM and Idefics3 (``model_type`` ``smolvlm``, ``idefics3``): 1-D positions, images split into
+square tiles plus a global view, each tile pixel-shuffled to ``image_seq_len`` tokens.
 
-An image of ``height x width`` is resized so its longest side is ``longest_edge`` (up or down; the other side
-keeps the aspect ratio, rounded to even), then each side rounded up to a multiple of the tile size ``S``
-(the vision tower's ``image_size``), cut into ``rows x cols`` tiles of ``S x S``, and a global view (the image
-resized to ``S x S``) is added (:func:`tile_grid`, transformers' Idefics3 image processor's arithmetic). An
-image no larger than one tile is its global view alone (``rows = cols = 0``). Every tile gives
-``image_seq_len = (S / patch)**2 / scale_factor**2`` image tokens (the pixel shuffle); the text holds, per tile
-row, ``<fake_token_around_image><row_r_col_c>`` + ``<image>`` x ``image_seq_len`` per tile and a ``\\n``, then
-``\\n<fake_token_around_image><global-img>`` + ``<image>`` x ``image_seq_len`` + ``<fake_token_around_image>``.
+An image of ``height x width`` is resized so its longest side is ``longest_edge`` (up or down; the
+other side keeps the aspect ratio, rounded to even), then each side rounded up to a multiple of the
+tile size ``S`` (the vision tower's ``image_size``), cut into ``rows x cols`` tiles of ``S x S``,
+and a global view (the image resized to ``S x S``) is added (:func:`tile_grid`, transformers'
+Idefics3 image processor's arithmetic). An image no larger than one tile is its global view alone
+(``rows = cols = 0``). Every tile gives ``image_seq_len = (S / patch)**2 / scale_factor**2`` image
+tokens (the pixel shuffle); the text holds, per tile row, ``<fake_token_around_image><row_r_col_c>``
++ ``<image>`` x ``image_seq_len`` per tile and a ``\\n``, then
+  ``\\n<fake_token_around_image><global-img>`` + ``<image>`` x ``image_seq_len`` +
+  ``<fake_token_around_image>``.
 
-The contract: 1-D positions, causal attention; the vision tower encodes each tile on its own (a batch of
-tiles), so packed rows need only ``cu_seqlens`` / ``position_ids``. Pixels are ``[tiles, 3, S, S]`` (each
-image's tiles row by row, then its global view) with ``image_rows_cols`` int64 ``[images, 2]``.
+The contract: 1-D positions, causal attention; the vision tower encodes each tile on its own (a
+batch of tiles), so packed rows need only ``cu_seqlens`` / ``position_ids``. Pixels are ``[tiles, 3,
+S, S]`` (each image's tiles row by row, then its global view) with ``image_rows_cols`` int64
+``[images, 2]``.
 """
+
 from __future__ import annotations
 
 import math
@@ -28,8 +32,8 @@ MAX_IMAGE_SIZE = 4096
 
 
 def resized_size(height: int, width: int, longest_edge: int) -> tuple[int, int]:
-    """``(height, width)`` after the first resize: the longest side set to ``longest_edge`` (the other by the
-    aspect ratio, truncated, made even), then both kept under :data:`MAX_IMAGE_SIZE`.
+    """``(height, width)`` after the first resize: the longest side set to ``longest_edge`` (the
+    other by the aspect ratio, truncated, made even), then both kept under :data:`MAX_IMAGE_SIZE`.
 
     >>> resized_size(30, 50, 1456), resized_size(500, 100, 1456)
     ((874, 1456), (1456, 292))
@@ -51,7 +55,8 @@ def resized_size(height: int, width: int, longest_edge: int) -> tuple[int, int]:
 
 
 def tile_grid(height: int, width: int, longest_edge: int, tile: int) -> tuple[int, int]:
-    """``(rows, cols)`` of ``tile``-px tiles an image is cut into (``(0, 0)``: its global view alone).
+    """``(rows, cols)`` of ``tile``-px tiles an image is cut into (``(0, 0)``: its global view
+    alone).
 
     >>> tile_grid(30, 50, 1456, 364), tile_grid(100, 100, 364, 364)
     ((3, 4), (0, 0))
@@ -71,10 +76,11 @@ def tile_grid(height: int, width: int, longest_edge: int, tile: int) -> tuple[in
 
 @dataclass(frozen=True, kw_only=True)
 class Idefics3(VisionFamily):
-    """``model_type`` ``idefics3`` / ``smolvlm``: ``image_token_id`` (``<image>``), the tile size and patch size
-    (``vision_config``), ``scale_factor`` (the pixel shuffle: ``spatial_merge_size``) from the config;
-    ``<fake_token_around_image>``, ``<global-img>`` and ``<row_r_col_c>`` are the tokenizer's. Splitting defaults
-    are the image processor's as checkpoints set them (longest edge ``4 * S``); a transform takes them from the
+    """``model_type`` ``idefics3`` / ``smolvlm``: ``image_token_id`` (``<image>``), the tile size
+    and patch size (``vision_config``), ``scale_factor`` (the pixel shuffle: ``spatial_merge_size``)
+    from the config; ``<fake_token_around_image>``, ``<global-img>`` and ``<row_r_col_c>`` are the
+    tokenizer's. Splitting defaults are the image processor's as checkpoints set them (longest edge
+    ``4 * S``); a transform takes them from the
     image processor it runs."""
 
     model_types = ("idefics3", "smolvlm")
@@ -95,24 +101,45 @@ class Idefics3(VisionFamily):
         vision = config_getter(get("vision_config", {}) or {})
         size, patch, scale = vision("image_size"), vision("patch_size"), get("scale_factor")
         if get("image_token_id") is None or None in (size, patch, scale):
-            raise ConfigError(f"Idefics3.from_config: the {get('model_type')} config has no image_token_id / "
-                              "scale_factor / vision_config.image_size / patch_size")
-        return cls(model_type=get("model_type"), image_token_id=int(get("image_token_id")), patch_size=int(patch),
-                   spatial_merge_size=int(scale), temporal_patch_size=1, tile_size=int(size),
-                   longest_edge=4 * int(size))
+            raise ConfigError(
+                f"Idefics3.from_config: the {get('model_type')} config has no image_token_id / "
+                "scale_factor / vision_config.image_size / patch_size"
+            )
+        return cls(
+            model_type=get("model_type"),
+            image_token_id=int(get("image_token_id")),
+            patch_size=int(patch),
+            spatial_merge_size=int(scale),
+            temporal_patch_size=1,
+            tile_size=int(size),
+            longest_edge=4 * int(size),
+        )
 
     def __post_init__(self):
-        for name in ("image_token_id", "patch_size", "spatial_merge_size", "tile_size", "longest_edge"):
+        for name in (
+            "image_token_id",
+            "patch_size",
+            "spatial_merge_size",
+            "tile_size",
+            "longest_edge",
+        ):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1 - (name == "image_token_id"):
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int)
+                or value < 1 - (name == "image_token_id")
+            ):
                 raise ConfigError(f"Idefics3.{name}: expected a positive int, got {value!r}")
 
     @property
     def image_seq_len(self) -> int:
-        """``<image>`` tokens per tile: ``(S / patch)**2 / scale_factor**2`` (the processors' formula)."""
-        return int((self.tile_size // self.patch_size) ** 2 / self.spatial_merge_size ** 2)
+        """``<image>`` tokens per tile: ``(S / patch)**2 / scale_factor**2`` (the processors'
+        formula)."""
+        return int((self.tile_size // self.patch_size) ** 2 / self.spatial_merge_size**2)
 
-    def rows_cols(self, height: int, width: int, *, sample=None, field: str = "image") -> tuple[int, int]:
+    def rows_cols(
+        self, height: int, width: int, *, sample=None, field: str = "image"
+    ) -> tuple[int, int]:
         """``(rows, cols)`` of one image's tiles (``(0, 0)``: the global view alone).
 
         >>> Idefics3(model_type="idefics3", image_token_id=9, patch_size=14, spatial_merge_size=2,
@@ -120,23 +147,53 @@ class Idefics3(VisionFamily):
         (2, 4)
         """
         if min(height, width) < 1:
-            raise SampleError(sample=sample, field=field, expected="at least 1x1 pixels", actual=f"{width}x{height}")
+            raise SampleError(
+                sample=sample,
+                field=field,
+                expected="at least 1x1 pixels",
+                actual=f"{width}x{height}",
+            )
         if not self.split:
             return 0, 0
         return tile_grid(height, width, self.longest_edge, self.tile_size)
 
-    def batch_schema(self, *, pad_token_id: int = 0, topk: int | str | None = None, vocab_size: int | None = None,
-                     pixel_dtypes: tuple[str, ...] = ("float32", "bfloat16")):
+    def batch_schema(
+        self,
+        *,
+        pad_token_id: int = 0,
+        topk: int | str | None = None,
+        vocab_size: int | None = None,
+        pixel_dtypes: tuple[str, ...] = ("float32", "bfloat16"),
+    ):
         """The batch the transform's samples collate to: the token fields (1-D ``position_ids``),
-        ``mm_token_type_ids`` (1 on ``<image>``), ``pixel_values`` ``[tiles, 3, S, S]`` and ``image_rows_cols``
+        ``mm_token_type_ids`` (1 on ``<image>``), ``pixel_values`` ``[tiles, 3, S, S]`` and
+        ``image_rows_cols``
         int64 ``[images, 2]`` (MEDIA), teacher top-k when ``topk`` is given."""
-        from prealign.schemas.schema import BatchSchema, FieldSpec, Role, core_token_fields, topk_fields
+        from prealign.schemas.schema import (
+            BatchSchema,
+            FieldSpec,
+            Role,
+            core_token_fields,
+            topk_fields,
+        )
 
         s = self.tile_size
-        fields = (*core_token_fields(pad_token_id, -100, vocab_size),
-                  FieldSpec(name="mm_token_type_ids", dtypes=("int64", "int32"), pad_value=0, min_value=0, max_value=1),
-                  FieldSpec(name="pixel_values", role=Role.MEDIA, dtypes=pixel_dtypes, dense_shape=(3, s, s)),
-                  FieldSpec(name="image_rows_cols", role=Role.MEDIA, dtypes=("int64",), dense_shape=(2,)))
+        fields = (
+            *core_token_fields(pad_token_id, -100, vocab_size),
+            FieldSpec(
+                name="mm_token_type_ids",
+                dtypes=("int64", "int32"),
+                pad_value=0,
+                min_value=0,
+                max_value=1,
+            ),
+            FieldSpec(
+                name="pixel_values", role=Role.MEDIA, dtypes=pixel_dtypes, dense_shape=(3, s, s)
+            ),
+            FieldSpec(name="image_rows_cols", role=Role.MEDIA, dtypes=("int64",), dense_shape=(2,)),
+        )
         if topk is not None:
             fields += topk_fields(topk, vocab_size)
-        return BatchSchema(name=self.model_type if topk is None else f"{self.model_type}_topk", fields=fields)
+        return BatchSchema(
+            name=self.model_type if topk is None else f"{self.model_type}_topk", fields=fields
+        )

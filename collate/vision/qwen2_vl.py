@@ -1,4 +1,5 @@
 """Qwen2-VL: patch 14, video as one run of ``<|video_pad|>`` tokens, temporal positions step 1."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,8 +1,10 @@
 """mkdocs hook: lets mkdocstrings find ``prealign``'s subpackages. setuptools installs them from the
 root folders (``package-dir``: ``collate/``, ``schemas/``, ``loaders/`` become ``prealign.collate``
 ...), which a documentation tool walking ``src/prealign`` does not see; this hook builds, in a
-temporary folder, a ``prealign/`` holding links to ``src/prealign``'s files and to the three folders,
+temporary folder, a ``prealign/`` holding links to ``src/prealign``'s files and to the three
+folders,
 and puts it first on ``sys.path`` for the build."""
+
 import atexit
 import os
 import shutil

@@ -2,6 +2,7 @@
 
 No library module imports this subpackage: it sits on top of ``prealign.loaders``.
 """
+
 from prealign.loaders.cli.main import main
 
 __all__ = ["main"]

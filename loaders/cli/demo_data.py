@@ -14,16 +14,18 @@ Shard layout (one tar member per field, webdataset naming ``<key>.<field>``)::
       s000000.teacher_topk_log_probs.npy   float32 [L, K], sorted descending, finite, < 0
       s000000.teacher_topk_ids.npy         int64   [L, K], distinct per row, column 0 = next token
 
-``model`` (one of :data:`DEMO_MODELS`) makes the samples that family's (:func:`demo_model_config`: its patch
-size, its video rules) and adds short videos to some of them, one ``<video>`` placeholder each: half real mp4
-files (member ``clip.mp4``, encoded with PyAV, sampled by the family's rules), half 2-5 frames as members
-``v0_<j>.jpg`` listed in ``json["videos"]`` with their ``fps``.
-GLM-4.1V / 4.5V (``glm4v``, ``glm4v_moe``) get images only: one forward takes images or video, never both
-(:mod:`prealign.collate.vision.glm4v`), so a packed demo row could not mix them.
+``model`` (one of :data:`DEMO_MODELS`) makes the samples that family's (:func:`demo_model_config`:
+its patch size, its video rules) and adds short videos to some of them, one ``<video>`` placeholder
+each: half real mp4 files (member ``clip.mp4``, encoded with PyAV, sampled by the family's rules),
+half 2-5 frames as members ``v0_<j>.jpg`` listed in ``json["videos"]`` with their ``fps``.
+GLM-4.1V / 4.5V (``glm4v``, ``glm4v_moe``) get images only: one forward takes images or video, never
+both (:mod:`prealign.collate.vision.glm4v`), so a packed demo row could not mix them.
 
-``bad`` plants deliberately broken samples (one of each :class:`~prealign.loaders.media.vlm.MediaProblem` asked
-for) so a loader's error policy can be seen to skip and count them.
+``bad`` plants deliberately broken samples (one of each
+:class:`~prealign.loaders.media.vlm.MediaProblem` asked for) so a loader's error policy can be seen
+to skip and count them.
 """
+
 from __future__ import annotations
 
 import io
@@ -36,20 +38,49 @@ import numpy as np
 
 from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
 from prealign.loaders.media.teacher_topk import encode_npy
-from prealign.loaders.media.vlm import MediaProblem, VLMSampleTransform, image_processor, render_chat
+from prealign.loaders.media.vlm import (
+    MediaProblem,
+    VLMSampleTransform,
+    image_processor,
+    render_chat,
+)
 from prealign.loaders.sources.header_lengths import Qwen2VLGeometry, qwen2vl_grid, tokens_of_grid
 
-DEMO_MODELS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "gemma3", "internvl", "glm4v", "glm4v_moe",
-               "llava_onevision", "mistral3", "smolvlm")
+DEMO_MODELS = (
+    "qwen2_vl",
+    "qwen2_5_vl",
+    "qwen3_vl",
+    "qwen3_5",
+    "gemma3",
+    "internvl",
+    "glm4v",
+    "glm4v_moe",
+    "llava_onevision",
+    "mistral3",
+    "smolvlm",
+)
 """The families ``prealign demo --model`` builds data for."""
 
-_WORDS = ("the a small large red blue green bright dark round square tall narrow old new quiet busy "
-          "cat dog bird tree house river road window table cup book chart plot graph city field cloud "
-          "sits stands shows holds crosses follows rises falls near under above beside behind inside "
-          "morning evening light shadow line point curve corner edge center pattern color shape").split()
-_QUESTIONS = ("What is in the picture?", "Describe the image.", "Compare the two images.", "What changed?",
-              "Summarise the scene in one paragraph.", "Which object is largest?", "Explain the chart.")
-BAD_KINDS = (MediaProblem.CORRUPT_IMAGE, MediaProblem.MISSING_IMAGE, MediaProblem.PLACEHOLDER_MISMATCH)
+_WORDS = (
+    "the a small large red blue green bright dark round square tall narrow old new quiet busy "
+    "cat dog bird tree house river road window table cup book chart plot graph city field cloud "
+    "sits stands shows holds crosses follows rises falls near under above beside behind inside "
+    "morning evening light shadow line point curve corner edge center pattern color shape"
+).split()
+_QUESTIONS = (
+    "What is in the picture?",
+    "Describe the image.",
+    "Compare the two images.",
+    "What changed?",
+    "Summarise the scene in one paragraph.",
+    "Which object is largest?",
+    "Explain the chart.",
+)
+BAD_KINDS = (
+    MediaProblem.CORRUPT_IMAGE,
+    MediaProblem.MISSING_IMAGE,
+    MediaProblem.PLACEHOLDER_MISMATCH,
+)
 
 
 @dataclass(frozen=True)
@@ -61,7 +92,8 @@ class DemoDataset:
     num_samples: int
     """Samples written, bad ones included."""
     bad: dict
-    """Key of each planted bad sample -> its :class:`~prealign.loaders.media.vlm.MediaProblem` value."""
+    """Key of each planted bad sample -> its :class:`~prealign.loaders.media.vlm.MediaProblem`
+    value."""
     topk: int
     vocab_size: int
 
@@ -72,7 +104,8 @@ def _sentence(rng: np.random.Generator) -> str:
 
 
 def _image(rng: np.random.Generator, fmt: str) -> tuple[bytes, tuple[int, int]]:
-    """A PIL drawing (gradient background, a few shapes) of a random size, encoded; returns (bytes, (w, h))."""
+    """A PIL drawing (gradient background, a few shapes) of a random size, encoded; returns (bytes,
+    (w, h))."""
     from PIL import Image, ImageDraw
 
     w, h = (int(v) for v in rng.integers(48, 360, size=2))
@@ -86,14 +119,19 @@ def _image(rng: np.random.Generator, fmt: str) -> tuple[bytes, tuple[int, int]]:
         x0, x1 = sorted(int(v) for v in rng.integers(0, w, 2))
         y0, y1 = sorted(int(v) for v in rng.integers(0, h, 2))
         fill = tuple(int(v) for v in rng.integers(0, 256, 3))
-        (draw.ellipse if rng.random() < 0.5 else draw.rectangle)((x0, y0, x1 + 1, y1 + 1), fill=fill)
+        (draw.ellipse if rng.random() < 0.5 else draw.rectangle)(
+            (x0, y0, x1 + 1, y1 + 1), fill=fill
+        )
     buf = io.BytesIO()
-    img.save(buf, format="JPEG" if fmt == "jpg" else "PNG", **({"quality": 85} if fmt == "jpg" else {}))
+    img.save(
+        buf, format="JPEG" if fmt == "jpg" else "PNG", **({"quality": 85} if fmt == "jpg" else {})
+    )
     return buf.getvalue(), (w, h)
 
 
-def synthetic_teacher(input_ids: np.ndarray, topk: int, vocab_size: int, rng: np.random.Generator
-                      ) -> tuple[np.ndarray, np.ndarray]:
+def synthetic_teacher(
+    input_ids: np.ndarray, topk: int, vocab_size: int, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
     """Plausible teacher top-k for a token sequence: float32 ``[L, K]`` log-probs (descending, < 0,
     total mass < 1) and int64 ``[L, K]`` distinct ids whose first column is the next token."""
     n = input_ids.size
@@ -107,50 +145,103 @@ def synthetic_teacher(input_ids: np.ndarray, topk: int, vocab_size: int, rng: np
 
 
 def demo_model_config(model: str):
-    """A transformers config of the ``model`` family with the demo byte tokenizer's special ids (its vision
-    sizes are transformers' defaults; no weights): what the demo's transform reads the family from."""
+    """A transformers config of the ``model`` family with the demo byte tokenizer's special ids (its
+    vision
+    sizes are transformers' defaults; no weights): what the demo's transform reads the family
+    from."""
     import transformers
 
     if model not in DEMO_MODELS:
         from prealign.schemas.errors import ConfigError
-        raise ConfigError(f"demo_model_config: expected one of {', '.join(DEMO_MODELS)}, got {model!r}")
+
+        raise ConfigError(
+            f"demo_model_config: expected one of {', '.join(DEMO_MODELS)}, got {model!r}"
+        )
     tok = ByteTokenizer()
-    text = {"vocab_size": tok.vocab_size, "bos_token_id": tok.eos_token_id, "eos_token_id": tok.eos_token_id,
-            "pad_token_id": tok.pad_token_id}
-    if model == "gemma3":  # 224-px images, 16 x 16 patches pooled to 8 x 8 = 64 image tokens (released: 896, 256)
+    text = {
+        "vocab_size": tok.vocab_size,
+        "bos_token_id": tok.eos_token_id,
+        "eos_token_id": tok.eos_token_id,
+        "pad_token_id": tok.pad_token_id,
+    }
+    if (
+        model == "gemma3"
+    ):  # 224-px images, 16 x 16 patches pooled to 8 x 8 = 64 image tokens (released: 896, 256)
         return transformers.Gemma3Config(
-            text_config={"vocab_size": tok.vocab_size, "bos_token_id": tok.eos_token_id, "eos_token_id": tok.eos_token_id,
-                         "pad_token_id": tok.pad_token_id}, vision_config={"image_size": 224, "patch_size": 14},
-            mm_tokens_per_image=64, boi_token_index=tok.vision_start_token_id, eoi_token_index=tok.vision_end_token_id,
-            image_token_index=tok.image_token_id)
-    if model == "llava_onevision":  # transformers' defaults: 384-px tiles of 14-px patches, 36 pinpoints
-        return transformers.LlavaOnevisionConfig(image_token_index=tok.image_token_id,
-                                                 video_token_index=tok.video_token_id,
-                                                 text_config={"model_type": "qwen2", **text})
-    if model in ("glm4v", "glm4v_moe"):  # GLM's frame writes its role tags as text: <|im_start|> / <|im_end|>
-        cls = transformers.Glm4vConfig if model == "glm4v" else transformers.Glm4vMoeConfig  # serve as the
-        return cls(image_token_id=tok.image_token_id, video_token_id=tok.video_token_id,  # video's start / end
-                   image_start_token_id=tok.vision_start_token_id, image_end_token_id=tok.vision_end_token_id,
-                   video_start_token_id=tok.im_start_id, video_end_token_id=tok.im_end_id, text_config=text)
-    if model == "mistral3":  # Mistral Small 3.1's tower (14-px patches, merged 2 x 2, up to 1540 px)
-        return transformers.Mistral3Config(image_token_id=tok.image_token_id,
-                                           text_config={"model_type": "mistral", **text})
-    if model == "smolvlm":  # 128-px tiles of 16-px patches, pixel shuffle 2: 16 tokens per tile (released: 512, 64)
-        return transformers.SmolVLMConfig(image_token_id=tok.image_token_id, scale_factor=2,
-                                          vision_config={"image_size": 128, "patch_size": 16},
-                                          text_config={"model_type": "llama", **text})
+            text_config={
+                "vocab_size": tok.vocab_size,
+                "bos_token_id": tok.eos_token_id,
+                "eos_token_id": tok.eos_token_id,
+                "pad_token_id": tok.pad_token_id,
+            },
+            vision_config={"image_size": 224, "patch_size": 14},
+            mm_tokens_per_image=64,
+            boi_token_index=tok.vision_start_token_id,
+            eoi_token_index=tok.vision_end_token_id,
+            image_token_index=tok.image_token_id,
+        )
+    if (
+        model == "llava_onevision"
+    ):  # transformers' defaults: 384-px tiles of 14-px patches, 36 pinpoints
+        return transformers.LlavaOnevisionConfig(
+            image_token_index=tok.image_token_id,
+            video_token_index=tok.video_token_id,
+            text_config={"model_type": "qwen2", **text},
+        )
+    if model in (
+        "glm4v",
+        "glm4v_moe",
+    ):  # GLM's frame writes its role tags as text: <|im_start|> / <|im_end|>
+        cls = (
+            transformers.Glm4vConfig if model == "glm4v" else transformers.Glm4vMoeConfig
+        )  # serve as the
+        return cls(
+            image_token_id=tok.image_token_id,
+            video_token_id=tok.video_token_id,  # video's start / end
+            image_start_token_id=tok.vision_start_token_id,
+            image_end_token_id=tok.vision_end_token_id,
+            video_start_token_id=tok.im_start_id,
+            video_end_token_id=tok.im_end_id,
+            text_config=text,
+        )
+    if (
+        model == "mistral3"
+    ):  # Mistral Small 3.1's tower (14-px patches, merged 2 x 2, up to 1540 px)
+        return transformers.Mistral3Config(
+            image_token_id=tok.image_token_id, text_config={"model_type": "mistral", **text}
+        )
+    if (
+        model == "smolvlm"
+    ):  # 128-px tiles of 16-px patches, pixel shuffle 2: 16 tokens per tile (released: 512, 64)
+        return transformers.SmolVLMConfig(
+            image_token_id=tok.image_token_id,
+            scale_factor=2,
+            vision_config={"image_size": 128, "patch_size": 16},
+            text_config={"model_type": "llama", **text},
+        )
     if model == "internvl":  # <img>, </img> are the tokenizer's vision start / end
-        return transformers.InternVLConfig(image_token_id=tok.image_token_id, text_config={"model_type": "qwen2", **text})
-    cls = {"qwen2_vl": transformers.Qwen2VLConfig, "qwen2_5_vl": transformers.Qwen2_5_VLConfig,
-           "qwen3_vl": transformers.Qwen3VLConfig, "qwen3_5": transformers.Qwen3_5Config}[model]
-    return cls(image_token_id=tok.image_token_id, video_token_id=tok.video_token_id,
-               vision_start_token_id=tok.vision_start_token_id, vision_end_token_id=tok.vision_end_token_id,
-               text_config=text)
+        return transformers.InternVLConfig(
+            image_token_id=tok.image_token_id, text_config={"model_type": "qwen2", **text}
+        )
+    cls = {
+        "qwen2_vl": transformers.Qwen2VLConfig,
+        "qwen2_5_vl": transformers.Qwen2_5_VLConfig,
+        "qwen3_vl": transformers.Qwen3VLConfig,
+        "qwen3_5": transformers.Qwen3_5Config,
+    }[model]
+    return cls(
+        image_token_id=tok.image_token_id,
+        video_token_id=tok.video_token_id,
+        vision_start_token_id=tok.vision_start_token_id,
+        vision_end_token_id=tok.vision_end_token_id,
+        text_config=text,
+    )
 
 
 def demo_transform(model: str | None, tok, topk: int | None = None):
     """The transform that reads ``model``'s demo samples: :class:`~prealign.loaders.media.gemma3.
-    Gemma3SampleTransform` for ``gemma3``, else :class:`VLMSampleTransform` (the family's default video settings:
+    Gemma3SampleTransform` for ``gemma3``, else :class:`VLMSampleTransform` (the family's default
+    video settings:
     no checkpoint to read them from)."""
     config = None if model is None else demo_model_config(model)
     if model == "gemma3":
@@ -161,21 +252,30 @@ def demo_transform(model: str | None, tok, topk: int | None = None):
         from prealign.loaders.media.llava_onevision import LlavaOnevisionSampleTransform
 
         return LlavaOnevisionSampleTransform(tokenizer=tok, model_config=config, topk=topk)
-    if model == "smolvlm":  # <end_of_utterance>, <fake_token_around_image>, <image>: the byte tokenizer's 3, 4, 6
+    if (
+        model == "smolvlm"
+    ):  # <end_of_utterance>, <fake_token_around_image>, <image>: the byte tokenizer's 3, 4, 6
         from prealign.loaders.media.idefics3 import Idefics3SampleTransform
 
         return Idefics3SampleTransform(tokenizer=tok, model_config=config, topk=topk)
-    if model == "mistral3":  # [INST] / [/INST] / [IMG_BREAK] / [IMG_END] / [IMG]: the byte tokenizer's 2 to 6
+    if (
+        model == "mistral3"
+    ):  # [INST] / [/INST] / [IMG_BREAK] / [IMG_END] / [IMG]: the byte tokenizer's 2 to 6
         from prealign.loaders.media.mistral3 import Mistral3SampleTransform
 
         return Mistral3SampleTransform(tokenizer=tok, model_config=config, topk=topk)
-    return VLMSampleTransform(tokenizer=tok, topk=topk, model_config=config,
-                              video_processor_config=None if config is None else {})
+    return VLMSampleTransform(
+        tokenizer=tok,
+        topk=topk,
+        model_config=config,
+        video_processor_config=None if config is None else {},
+    )
 
 
 def _video(rng: np.random.Generator, members: dict, files: bool = True) -> dict | str:
-    """A clip (one drawing drifting sideways) added to ``members``; returns its ``videos`` entry: half the time
-    (with ``files``) a real mp4 file (4-12 frames at 10, 24 or 30 fps, encoded with PyAV), else a 2-5 frame list
+    """A clip (one drawing drifting sideways) added to ``members``; returns its ``videos`` entry:
+    half the time (with ``files``) a real mp4 file (4-12 frames at 10, 24 or 30 fps, encoded with
+    PyAV), else a 2-5 frame list
     of JPEG members."""
     from PIL import Image
 
@@ -195,8 +295,15 @@ def _video(rng: np.random.Generator, members: dict, files: bool = True) -> dict 
     return {"frames": names, "fps": float(rng.choice([1.0, 2.0, 4.0]))}
 
 
-def _sample(rng: np.random.Generator, key: str, topk: int, tok: ByteTokenizer, geometry: Qwen2VLGeometry, bad: MediaProblem | None,
-            transform: VLMSampleTransform | None = None) -> dict[str, bytes]:
+def _sample(
+    rng: np.random.Generator,
+    key: str,
+    topk: int,
+    tok: ByteTokenizer,
+    geometry: Qwen2VLGeometry,
+    bad: MediaProblem | None,
+    transform: VLMSampleTransform | None = None,
+) -> dict[str, bytes]:
     n_images = int(rng.choice([0, 1, 1, 1, 2]))
     if bad is not None:
         n_images = max(n_images, 1)
@@ -207,27 +314,44 @@ def _sample(rng: np.random.Generator, key: str, topk: int, tok: ByteTokenizer, g
         data, (w, h) = _image(rng, fmt)
         names.append(f"{i}.{fmt}")
         members[names[-1]] = data
-        tokens.append(transform.header_image_tokens(w, h, sample=key, field=names[-1])
-                      if isinstance(transform, VLMSampleTransform) else
-                      tokens_of_grid(qwen2vl_grid(h, w, geometry), geometry))
+        tokens.append(
+            transform.header_image_tokens(w, h, sample=key, field=names[-1])
+            if isinstance(transform, VLMSampleTransform)
+            else tokens_of_grid(qwen2vl_grid(h, w, geometry), geometry)
+        )
     question = str(rng.choice(_QUESTIONS))
     user = "".join("<image>\n" for _ in range(n_images)) + question
     reply = " ".join(_sentence(rng) for _ in range(int(rng.integers(1, 7))))
-    meta = {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": reply}], "images": names}
+    meta = {
+        "messages": [{"role": "user", "content": user}, {"role": "assistant", "content": reply}],
+        "images": names,
+    }
     videos, ids = None, None
-    if hasattr(transform, "header_ids"):  # Gemma 3, LLaVA-OneVision: no video, their own chat (from image headers)
+    if hasattr(
+        transform, "header_ids"
+    ):  # Gemma 3, LLaVA-OneVision: no video, their own chat (from image headers)
         ids = transform.header_ids({**members, "json": json.dumps(meta)})[0]
         transform = None
     elif transform is not None:
-        one_kind = getattr(transform.family, "one_media_kind", False)  # GLM: images or video per batch, not both
+        one_kind = getattr(
+            transform.family, "one_media_kind", False
+        )  # GLM: images or video per batch, not both
         if bad is None and not one_kind and rng.random() < 0.4:
-            meta["videos"] = [_video(rng, members, files=not transform.tiled)]  # (InternVL: frame lists)
+            meta["videos"] = [
+                _video(rng, members, files=not transform.tiled)
+            ]  # (InternVL: frame lists)
             meta["messages"][0]["content"] = "<video>\n" + user
         videos = transform.header_video_ids(members, meta, key, _frame_size)
     if ids is None:
-        ids, _ = render_chat(meta, tok, tokens, sample=key, videos=videos,
-                             system=None if transform is None else transform.system_prompt,
-                             frame=None if transform is None else transform.frame)
+        ids, _ = render_chat(
+            meta,
+            tok,
+            tokens,
+            sample=key,
+            videos=videos,
+            system=None if transform is None else transform.system_prompt,
+            frame=None if transform is None else transform.frame,
+        )
     log_probs, top_ids = synthetic_teacher(ids, topk, tok.vocab_size, rng)
     if bad is MediaProblem.CORRUPT_IMAGE:
         members[names[0]] = members[names[0]][:64] + b"\x00 not an image" * 8
@@ -247,25 +371,46 @@ def _frame_size(name: str, data: bytes) -> tuple[int, int]:
     return image_header_size(data, field=name)
 
 
-def build_demo_dataset(out_dir: str, *, num_samples: int = 240, samples_per_shard: int = 60, topk: int = 8,
-                       seed: int = 0, bad: tuple[MediaProblem, ...] = BAD_KINDS,
-                       tokenizer: ByteTokenizer | None = None, model: str | None = None) -> DemoDataset:
+def build_demo_dataset(
+    out_dir: str,
+    *,
+    num_samples: int = 240,
+    samples_per_shard: int = 60,
+    topk: int = 8,
+    seed: int = 0,
+    bad: tuple[MediaProblem, ...] = BAD_KINDS,
+    tokenizer: ByteTokenizer | None = None,
+    model: str | None = None,
+) -> DemoDataset:
     """Write ``ceil(num_samples / samples_per_shard)`` tar shards under ``out_dir`` (created).
 
-    The planted bad samples sit at evenly spread positions. Takes ~0.5 s per 100 samples. ``model``: one of
-    :data:`DEMO_MODELS` (images of that family, and videos); read them with
+    The planted bad samples sit at evenly spread positions. Takes ~0.5 s per 100 samples. ``model``:
+    one of :data:`DEMO_MODELS` (images of that family, and videos); read them with
     ``VLMSampleTransform(tokenizer=ByteTokenizer(), model_config=demo_model_config(model))``.
     """
     if num_samples < 1 or samples_per_shard < 1 or topk < 1:
-        raise ValueError(f"build_demo_dataset: num_samples, samples_per_shard and topk must be >= 1, got "
-                         f"{num_samples}, {samples_per_shard}, {topk}")
+        raise ValueError(
+            f"build_demo_dataset: num_samples, samples_per_shard and topk must be >= 1, got "
+            f"{num_samples}, {samples_per_shard}, {topk}"
+        )
     tok = tokenizer or ByteTokenizer()
     transform = None if model is None else demo_transform(model, tok)
-    # the image processor's resize rule (the family's patch size with a model), the same on every transformers
-    geometry = Qwen2VLGeometry.of(image_processor()) if not isinstance(transform, VLMSampleTransform) else None
+    # the image processor's resize rule (the family's patch size with a model), the same on every
+    # transformers
+    geometry = (
+        Qwen2VLGeometry.of(image_processor())
+        if not isinstance(transform, VLMSampleTransform)
+        else None
+    )
     rng = np.random.default_rng(seed)
-    bad_at = {int(p): kind for p, kind in zip(np.linspace(num_samples // 7, num_samples - 1, len(bad)), bad)} \
-        if bad else {}
+    bad_at = (
+        {
+            int(p): kind
+            for p, kind in zip(np.linspace(num_samples // 7, num_samples - 1, len(bad)), bad)
+        }
+        if bad
+        else {}
+    )
     os.makedirs(out_dir, exist_ok=True)
     shards, planted = [], {}
     for first in range(0, num_samples, samples_per_shard):
@@ -281,5 +426,10 @@ def build_demo_dataset(out_dir: str, *, num_samples: int = 240, samples_per_shar
                     info.size, info.mtime, info.mode = len(data), 0, 0o644
                     tar.addfile(info, io.BytesIO(data))
         shards.append(path)
-    return DemoDataset(shards=tuple(shards), num_samples=num_samples, bad=planted, topk=topk,
-                       vocab_size=tok.vocab_size)
+    return DemoDataset(
+        shards=tuple(shards),
+        num_samples=num_samples,
+        bad=planted,
+        topk=topk,
+        vocab_size=tok.vocab_size,
+    )

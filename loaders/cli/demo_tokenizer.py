@@ -14,6 +14,7 @@ that token counts in tests and in ``prealign demo`` are reproducible.
 >>> tok.decode([tok.im_start_id, 8 + ord("a"), tok.image_token_id, tok.image_token_id])
 '<|im_start|>a<|image_pad|>*2'
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -22,8 +23,16 @@ import numpy as np
 
 from prealign.schemas.vlm import VisionTokens
 
-SPECIAL_TOKENS = ("<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
-                  "<|image_pad|>", "<|video_pad|>")
+SPECIAL_TOKENS = (
+    "<|pad|>",
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
 BYTE_OFFSET = len(SPECIAL_TOKENS)
 
 
@@ -45,15 +54,20 @@ class ByteTokenizer:
 
     @property
     def vision(self) -> VisionTokens:
-        return VisionTokens(image_token_id=self.image_token_id, vision_start_token_id=self.vision_start_token_id,
-                            vision_end_token_id=self.vision_end_token_id, spatial_merge_size=self.spatial_merge_size)
+        return VisionTokens(
+            image_token_id=self.image_token_id,
+            vision_start_token_id=self.vision_start_token_id,
+            vision_end_token_id=self.vision_end_token_id,
+            spatial_merge_size=self.spatial_merge_size,
+        )
 
     def encode(self, text: str) -> np.ndarray:
         """str -> int64 ``[num_utf8_bytes]`` (one token per byte, no special tokens)."""
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64) + BYTE_OFFSET
 
     def decode(self, ids) -> str:
-        """Ids -> text; special tokens by name, runs of ``<|image_pad|>`` shortened to ``<|image_pad|>*n``."""
+        """Ids -> text; special tokens by name, runs of ``<|image_pad|>`` shortened to
+        ``<|image_pad|>*n``."""
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         out: list[str] = []
         raw = bytearray()

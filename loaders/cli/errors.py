@@ -3,12 +3,13 @@
     prealign: error: --tp: expected a positive int, got 0 (hint: --tp and --cp take ints >= 1)
 
 :class:`UsageError` carries its own hint; any other :class:`~prealign.schemas.errors.PrealignError`
-gets one from its class (:func:`hint_for`). When no sample loads, :class:`NothingLoadedError` adds one
-line per cause, each with an example, under the error line.
+gets one from its class (:func:`hint_for`). When no sample loads, :class:`NothingLoadedError` adds
+one line per cause, each with an example, under the error line.
 
 >>> error_lines(UsageError("no such file: a.tar", hint="check the path"))
 ['prealign: error: no such file: a.tar (hint: check the path)']
 """
+
 from __future__ import annotations
 
 import os
@@ -23,7 +24,14 @@ from prealign.loaders.errors import (
     ShardTimeoutError,
     WorkerError,
 )
-from prealign.schemas.errors import ConfigError, DataError, LayoutError, PrealignError, SampleError, SchemaError
+from prealign.schemas.errors import (
+    ConfigError,
+    DataError,
+    LayoutError,
+    PrealignError,
+    SampleError,
+    SchemaError,
+)
 
 
 class UsageError(ConfigError):
@@ -34,7 +42,8 @@ class UsageError(ConfigError):
         super().__init__(message)
 
 
-# What each cause a bad-data report counts means, in words (reasons not listed are shown as they are).
+# What each cause a bad-data report counts means, in words (reasons not listed are shown as they
+# are).
 CAUSES = {
     "corrupt_shard": "unreadable shard (missing, truncated, compressed or not a tar file)",
     "missing_member": "a member the samples need is absent",
@@ -54,14 +63,16 @@ REMEDIES = {
     "corrupt_shard": "re-create the unreadable shards named below, or leave them out of the list",
     "shard_timeout": "check the mount or pipe the shards named below are read from",
     "missing_member": "write the member the samples lack (or leave those samples out)",
-    "bad_sample": "write the field as the schema expects it (the example names the field, what it expects and "
-                  "what came), or give the transform that makes it so",
+    "bad_sample": "write the field as the schema expects it (the example names the field, what it "
+    "expects and "
+    "what came), or give the transform that makes it so",
     "unsafe_member": "re-write the pickled members as .npy / .json",
     "dim_mismatch": "give every sample the same named dims (e.g. one top-k K)",
     "corrupt_image": "re-encode or drop the images named below",
     "missing_image": "add the image members the chats name",
     "placeholder_mismatch": "write one <image> placeholder per image",
-    "vision_token_mismatch": "index with the model's own processor settings (--processor DIR --model-config DIR)",
+    "vision_token_mismatch": "index with the model's own processor settings (--processor DIR "
+    "--model-config DIR)",
     "bad_text": "give each sample a chat (json) or a text member",
 }
 
@@ -69,7 +80,10 @@ REMEDIES = {
 def remedy(report) -> str:
     """The closing hint of a bad-data report: what to do about its two most frequent causes."""
     causes = [r for r, _ in sorted(report.counts.items(), key=lambda kv: -kv[1])][:2]
-    fixes = [REMEDIES.get(r, f"fix the samples counted as {r} (an example of each below)") for r in causes]
+    fixes = [
+        REMEDIES.get(r, f"fix the samples counted as {r} (an example of each below)")
+        for r in causes
+    ]
     return "; ".join(dict.fromkeys(fixes))
 
 
@@ -78,7 +92,9 @@ class NothingLoadedError(DataError):
 
     def __init__(self, what: str, report):
         self.report = report
-        counts = ", ".join(f"{k} {v}" for k, v in sorted(report.counts.items())) or "no samples at all"
+        counts = (
+            ", ".join(f"{k} {v}" for k, v in sorted(report.counts.items())) or "no samples at all"
+        )
         self.hint = remedy(report) if report.total else "give shards or a dataset that hold samples"
         super().__init__(f"no usable sample in {what}: {counts}")
 
@@ -103,8 +119,13 @@ def cause_lines(report, limit: int = 110) -> list[str]:
 
 def hint_for(exc: BaseException) -> str:
     """The hint shown after an error of this class (the command line's spelling of it)."""
-    if getattr(exc, "token_budget", None) is not None:  # an OversizeSampleError: the flags, not the kwargs
-        return f"give --token-budget {exc.token_budget} (the longest sample fits), or --oversize truncate (or skip)"
+    if (
+        getattr(exc, "token_budget", None) is not None
+    ):  # an OversizeSampleError: the flags, not the kwargs
+        return (
+            f"give --token-budget {exc.token_budget} (the longest sample fits), or --oversize "
+            f"truncate (or skip)"
+        )
     if getattr(exc, "hint", ""):
         return exc.hint
     if isinstance(exc, LayoutError):
@@ -116,29 +137,44 @@ def hint_for(exc: BaseException) -> str:
     if isinstance(exc, PermissionError):
         return "choose a path you can read and write"
     if isinstance(exc, ImportError):
-        return "install the missing package (remote shards: pip install 'prealign[remote]', gs:// also gcsfs)"
+        return (
+            "install the missing package (remote shards: pip install 'prealign[remote]', "
+            "gs:// "
+            "also gcsfs)"
+        )
     if isinstance(exc, ConfigError):
         return "check the arguments (prealign <command> --help)"
     if isinstance(exc, SYSTEM_HINTS):
         return next(h for cls, h in _SYSTEM_HINTS if isinstance(exc, cls))
     if isinstance(exc, SampleError):
-        return "fix or drop that sample; under BadDataPolicy(on_error='skip') it is counted and left out instead"
+        return (
+            "fix or drop that sample; under BadDataPolicy(on_error='skip') it is counted and "
+            "left out instead"
+        )
     return "run with --debug for the traceback"
 
 
 _SYSTEM_HINTS = (  # most specific first
-    (RemoteStallError, "the server stopped sending: check it and the network, or raise RemoteOptions(timeout=)"),
+    (
+        RemoteStallError,
+        "the server stopped sending: check it and the network, or raise RemoteOptions(timeout=)",
+    ),
     (RemoteReadError, "check the server and the network, then run again"),
     (ShardTimeoutError, "check the mount or pipe the shard is read from, or raise read_timeout="),
     (CorruptShardError, "re-create the shard, or leave it out of the list"),
-    (WorkerError, "run again (it continues from its state); give --workers 0 to see a worker's own error"),
+    (
+        WorkerError,
+        "run again (it continues from its state); give --workers 0 to see a worker's own error",
+    ),
 )
 SYSTEM_HINTS = tuple(cls for cls, _ in _SYSTEM_HINTS)
 
 
 def warning_line(message, category, filename, lineno, file=None, line=None) -> None:
-    """``warnings.showwarning`` for the command line: one ``prealign: warning: <Category>: <message>`` line on
-    stderr, without the library's file and source line; a progress bar's open line is ended first."""
+    """``warnings.showwarning`` for the command line: one ``prealign: warning: <Category>:
+    <message>`` line on
+    stderr, without the library's file and source line; a progress bar's open line is ended
+    first."""
     stream = file or sys.stderr
     text = "; ".join(part.strip() for part in str(message).splitlines() if part.strip())
     if OPEN_LINE[0]:
@@ -148,12 +184,16 @@ def warning_line(message, category, filename, lineno, file=None, line=None) -> N
 
 
 OPEN_LINE = [False]
-"""True while a progress bar's line on stderr is not ended (a warning then starts a line of its own)."""
+"""True while a progress bar's line on stderr is not ended (a warning then starts a line of its
+own)."""
 
 
 def error_lines(exc: BaseException) -> list[str]:
     """``prealign: error: <message> (hint: <hint>)`` on one line, then any cause lines."""
-    text = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip()) or type(exc).__name__
+    text = (
+        "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+        or type(exc).__name__
+    )
     lines = [f"prealign: error: {text} (hint: {hint_for(exc)})"]
     if isinstance(exc, NothingLoadedError):
         lines += exc.cause_lines()
@@ -161,9 +201,11 @@ def error_lines(exc: BaseException) -> list[str]:
 
 
 def run_reporting(parser, argv: list[str]) -> int:
-    """Parse ``argv`` with ``parser`` and run the command it names (``args.func(args)``); a person's mistake
-    or unusable input (a :class:`PrealignError`, an ``OSError``, a missing optional package) becomes
-    :func:`error_lines` on stderr and exit code 2, with the traceback when ``--debug`` is among ``argv``."""
+    """Parse ``argv`` with ``parser`` and run the command it names (``args.func(args)``); a person's
+    mistake or unusable input (a :class:`PrealignError`, an ``OSError``, a missing optional package)
+    becomes
+    :func:`error_lines` on stderr and exit code 2, with the traceback when ``--debug`` is among
+    ``argv``."""
     try:
         args = parser.parse_args(argv)
         with warnings.catch_warnings():
@@ -180,14 +222,19 @@ def run_reporting(parser, argv: list[str]) -> int:
 
 
 def _strip(message: str, where: str, reason: str) -> str:
-    """``message`` without the prefixes a bad-data report repeats (``reason: ``, ``sample <where>, ``),
+    """``message`` without the prefixes a bad-data report repeats (``reason: ``, ``sample <where>,
+    ``),
     naming the sample by its base name."""
     message = message.removeprefix(f"{reason}: ")
     for lead in (f"sample {where}, ", f"sample {where}: "):
         if message.startswith(lead):
-            message = message[len(lead):]
-    return f"{os.path.basename(where)}: {message}" if where and not where.startswith("shard ") else message
+            message = message[len(lead) :]
+    return (
+        f"{os.path.basename(where)}: {message}"
+        if where and not where.startswith("shard ")
+        else message
+    )
 
 
 def _clip(text: str, limit: int) -> str:
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -1,18 +1,20 @@
 """``prealign index SHARDS... [--out DIR] [--workers N]``: write a sidecar index beside each shard.
 
-The transform is chosen as ``prealign inspect`` chooses it (``--text`` for pre-tokenized ``.npy`` members,
-else the VLM transform with ``--tokenizer DIR`` / ``--processor DIR``: local Hugging Face folders, never
-downloaded; without ``--tokenizer``, the demo byte tokenizer). A sidecar describes the data: it serves any
-schema, pad id, vocabulary, layout and budget; only the transform is part of its key.
-Shards whose sidecar is up to date (same size, same first/last 64 KiB, same transform) are left
-alone, so a second run indexes only new or changed shards. ``--workers N`` local processes share the
-shards; under ``torchrun`` (an initialised ``torch.distributed`` group, or ``WORLD_SIZE`` > 1 in the
-environment) rank ``r`` of ``W`` indexes shards ``r, r+W, ...``, then the ranks agree in a gloo group
-(made from ``torchrun``'s environment when none exists). ``--merge`` then writes one merged index of all the
-shards (:mod:`~prealign.loaders.index.merged`; rank 0, after every rank is done), which a loader reads
-instead of one sidecar per shard; an existing merged index of exactly this run's shards is rewritten by
-every run, so it never lags its sidecars (one of other shards is left alone). Progress goes to stderr.
+The transform is chosen as ``prealign inspect`` chooses it (``--text`` for pre-tokenized ``.npy``
+members, else the VLM transform with ``--tokenizer DIR`` / ``--processor DIR``: local Hugging Face
+folders, never downloaded; without ``--tokenizer``, the demo byte tokenizer). A sidecar describes
+the data: it serves any schema, pad id, vocabulary, layout and budget; only the transform is part of
+its key. Shards whose sidecar is up to date (same size, same first/last 64 KiB, same transform) are
+left alone, so a second run indexes only new or changed shards. ``--workers N`` local processes
+share the shards; under ``torchrun`` (an initialised ``torch.distributed`` group, or ``WORLD_SIZE``
+> 1 in the environment) rank ``r`` of ``W`` indexes shards ``r, r+W, ...``, then the ranks agree in
+a gloo group (made from ``torchrun``'s environment when none exists). ``--merge`` then writes one
+merged index of all the shards (:mod:`~prealign.loaders.index.merged`; rank 0, after every rank is
+done), which a loader reads instead of one sidecar per shard; an existing merged index of exactly
+this run's shards is rewritten by every run, so it never lags its sidecars (one of other shards is
+left alone). Progress goes to stderr.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,55 +27,118 @@ from prealign.loaders.cli.errors import OPEN_LINE
 
 def add_parser(sub) -> None:
     """Register the ``index`` sub-command on ``sub`` (the ``prealign`` parser's sub-parsers)."""
-    p = sub.add_parser("index", help="write a sidecar index beside each shard (training then starts at once)",
-                       description="Index webdataset shards once: token lengths from headers, byte ranges, media "
-                                   "flags, named dims and a fingerprint of each shard, in a small sidecar file "
-                                   "that WebDatasetSource finds by itself.")
+    p = sub.add_parser(
+        "index",
+        help="write a sidecar index beside each shard (training then starts at once)",
+        description="Index webdataset shards once: token lengths from headers, byte ranges, media "
+        "flags, named dims and a fingerprint of each shard, in a small sidecar file "
+        "that WebDatasetSource finds by itself.",
+    )
     p.add_argument("shards", nargs="+", help="webdataset shards (paths, URLs, brace patterns)")
-    p.add_argument("--out", metavar="DIR", help="write the sidecars to DIR (then pass index_dir=DIR to "
-                                                "WebDatasetSource) instead of beside the shards")
-    p.add_argument("--workers", type=int, default=1, help="local processes, used above 192 MiB of shards (16 MiB "
-                                                          "with --full; below, one process is faster) [%(default)s]")
-    p.add_argument("--text", action="store_true", help="pre-tokenized .npy members (causal-LM schema) instead "
-                                                      "of the VLM transform")
-    p.add_argument("--topk", type=int, default=0, help="expect teacher top-k with this K (0: none) [%(default)s]")
+    p.add_argument(
+        "--out",
+        metavar="DIR",
+        help="write the sidecars to DIR (then pass index_dir=DIR to "
+        "WebDatasetSource) instead of beside the shards",
+    )
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="local processes, used above 192 MiB of shards (16 MiB "
+        "with --full; below, one process is faster) [%(default)s]",
+    )
+    p.add_argument(
+        "--text",
+        action="store_true",
+        help="pre-tokenized .npy members (causal-LM schema) instead of the VLM transform",
+    )
+    p.add_argument(
+        "--topk",
+        type=int,
+        default=0,
+        help="expect teacher top-k with this K (0: none) [%(default)s]",
+    )
     p.add_argument("--vocab-size", type=int, default=None, help="bound teacher ids (text mode)")
     add_transform_args(p)
-    p.add_argument("--full", action="store_true", help="run the full transform on every sample (no header rule)")
-    p.add_argument("--force", action="store_true", help="re-index shards whose sidecar is up to date")
-    p.add_argument("--check", action="store_true", help="index nothing: read every shard whole and compare it with "
-                                                        "its sidecar's recorded hash (exit 1 on any difference)")
-    p.add_argument("--merge", action="store_true", help="also write one merged index of all the shards (a loader "
-                                                        "then reads one file, not a sidecar per shard)")
+    p.add_argument(
+        "--full",
+        action="store_true",
+        help="run the full transform on every sample (no header rule)",
+    )
+    p.add_argument(
+        "--force", action="store_true", help="re-index shards whose sidecar is up to date"
+    )
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="index nothing: read every shard whole and compare it with "
+        "its sidecar's recorded hash (exit 1 on any difference)",
+    )
+    p.add_argument(
+        "--merge",
+        action="store_true",
+        help="also write one merged index of all the shards (a loader "
+        "then reads one file, not a sidecar per shard)",
+    )
     p.add_argument("--debug", action="store_true", help="show the traceback of an error")
-    p.add_argument("--header-only", action="store_true", help="VLM: read image headers only, no pixel decode "
-                                                             "(a corrupt image body is found when loaded)")
+    p.add_argument(
+        "--header-only",
+        action="store_true",
+        help="VLM: read image headers only, no pixel decode "
+        "(a corrupt image body is found when loaded)",
+    )
     p.set_defaults(func=cmd_index)
 
 
 def add_transform_args(p) -> None:
-    """``--tokenizer DIR`` / ``--processor DIR``: the VLM transform's tokenizer and image processor."""
-    p.add_argument("--tokenizer", metavar="DIR", help="VLM: a local Hugging Face tokenizer folder (never downloaded; "
-                                                      "default: the demo byte tokenizer)")
-    p.add_argument("--processor", metavar="DIR", help="VLM: a local folder with the image processor's "
-                                                      "preprocessor_config.json (default: Qwen2-VL's defaults) "
-                                                      "and, for videos, its video_preprocessor_config.json")
-    p.add_argument("--model-config", metavar="DIR", help="VLM: a local folder with the model's config.json: its "
-                                                         "family (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5, InternVL, "
-                                                         "GLM-4.1V, Gemma 3, LLaVA-OneVision) sets the transform, "
-                                                         "token ids, grids, batch schema and video rules (default: "
-                                                         "Qwen2-VL)")
+    """``--tokenizer DIR`` / ``--processor DIR``: the VLM transform's tokenizer and image
+    processor."""
+    p.add_argument(
+        "--tokenizer",
+        metavar="DIR",
+        help="VLM: a local Hugging Face tokenizer folder (never downloaded; "
+        "default: the demo byte tokenizer)",
+    )
+    p.add_argument(
+        "--processor",
+        metavar="DIR",
+        help="VLM: a local folder with the image processor's "
+        "preprocessor_config.json (default: Qwen2-VL's defaults) "
+        "and, for videos, its video_preprocessor_config.json",
+    )
+    p.add_argument(
+        "--model-config",
+        metavar="DIR",
+        help="VLM: a local folder with the model's config.json: its "
+        "family (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5, InternVL, "
+        "GLM-4.1V, Gemma 3, LLaVA-OneVision) sets the transform, "
+        "token ids, grids, batch schema and video rules (default: "
+        "Qwen2-VL)",
+    )
 
 
-PROCESSOR_KEYS = ("min_pixels", "max_pixels", "patch_size", "temporal_patch_size", "merge_size", "image_mean",
-                  "image_std", "do_resize", "do_rescale", "do_normalize", "rescale_factor")
+PROCESSOR_KEYS = (
+    "min_pixels",
+    "max_pixels",
+    "patch_size",
+    "temporal_patch_size",
+    "merge_size",
+    "image_mean",
+    "image_std",
+    "do_resize",
+    "do_rescale",
+    "do_normalize",
+    "rescale_factor",
+)
 """Image processor settings ``--processor DIR`` takes from its ``preprocessor_config.json``."""
 
 
 def vlm_transform(args, topk):
-    """The VLM transform ``args`` name, and a description of its tokenizer for the report: the family's own
-    transform where it has one (Gemma 3, LLaVA-OneVision: ``VisionFamily.transform``), else
-    :class:`VLMSampleTransform` (the Qwen families, InternVL), the tokenizer wrapped with the family's token
+    """The VLM transform ``args`` name, and a description of its tokenizer for the report: the
+    family's own transform where it has one (Gemma 3, LLaVA-OneVision: ``VisionFamily.transform``),
+    else :class:`VLMSampleTransform` (the Qwen families, InternVL), the tokenizer wrapped with the
+    family's token
     names."""
     import json
 
@@ -87,8 +152,10 @@ def vlm_transform(args, topk):
         try:
             hf = AutoTokenizer.from_pretrained(args.tokenizer, local_files_only=True)
         except (OSError, ValueError) as exc:
-            raise ConfigError(f"--tokenizer {args.tokenizer}: not a local Hugging Face tokenizer folder "
-                              f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
+            raise ConfigError(
+                f"--tokenizer {args.tokenizer}: not a local Hugging Face tokenizer folder "
+                f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+            ) from None
     options = {}
     if getattr(args, "processor", None):
         path = os.path.join(args.processor, "preprocessor_config.json")
@@ -96,8 +163,10 @@ def vlm_transform(args, topk):
             with open(path) as f:
                 config = json.load(f)
         except (OSError, ValueError) as exc:
-            raise ConfigError(f"--processor {args.processor}: no readable preprocessor_config.json "
-                              f"({type(exc).__name__})") from None
+            raise ConfigError(
+                f"--processor {args.processor}: no readable preprocessor_config.json "
+                f"({type(exc).__name__})"
+            ) from None
         options = {k: config[k] for k in PROCESSOR_KEYS if k in config}
     model_config = video = family = None
     if getattr(args, "model_config", None):
@@ -108,8 +177,10 @@ def vlm_transform(args, topk):
         try:
             model_config = AutoConfig.from_pretrained(args.model_config, local_files_only=True)
         except (OSError, ValueError) as exc:
-            raise ConfigError(f"--model-config {args.model_config}: no readable config.json of a model "
-                              f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
+            raise ConfigError(
+                f"--model-config {args.model_config}: no readable config.json of a model "
+                f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+            ) from None
         family = vision_family(model_config)
         video_path = os.path.join(args.processor or "", "video_preprocessor_config.json")
         if args.processor and os.path.isfile(video_path):
@@ -120,19 +191,28 @@ def vlm_transform(args, topk):
 
         tok, told = ByteTokenizer(), "the demo byte tokenizer (give --tokenizer DIR for yours)"
     else:
-        tok = hf if getattr(family, "transform", None) else chat_tokenizer(hf, family)  # own transforms wrap it
+        tok = (
+            hf if getattr(family, "transform", None) else chat_tokenizer(hf, family)
+        )  # own transforms wrap it
         told = f"{args.tokenizer} ({type(hf).__name__}, vocabulary {len(hf)})"
     if model_config is not None:
         told += f"; model family from {args.model_config} ({model_config.model_type})"
     if getattr(family, "transform", None):
         return own_transform(family, model_config, tok, topk, args.processor), told
-    return VLMSampleTransform(tokenizer=tok, topk=topk, processor_options=options, model_config=model_config,
-                              video_processor_config=video), told
+    return VLMSampleTransform(
+        tokenizer=tok,
+        topk=topk,
+        processor_options=options,
+        model_config=model_config,
+        video_processor_config=video,
+    ), told
 
 
 def chat_tokenizer(hf, family):
-    """A Hugging Face tokenizer as :class:`VLMSampleTransform`'s chat tokenizer, with ``family``'s token names
-    (InternVL's ``<img>`` ... ; GLM's; else Qwen's), as the transform wraps its processor's tokenizer."""
+    """A Hugging Face tokenizer as :class:`VLMSampleTransform`'s chat tokenizer, with ``family``'s
+    token names
+    (InternVL's ``<img>`` ... ; GLM's; else Qwen's), as the transform wraps its processor's
+    tokenizer."""
     from prealign.loaders.media import glm4v, internvl
     from prealign.loaders.media.chat_tokenizer import HFChatTokenizer
 
@@ -143,8 +223,9 @@ def chat_tokenizer(hf, family):
 
 
 def own_transform(family, model_config, tokenizer, topk, processor_dir):
-    """The transform ``family.transform`` names (its class path), built from the model's config; ``processor_dir``:
-    the model's ``preprocessor_config.json`` read into the transform's own image processor class (its PIL
+    """The transform ``family.transform`` names (its class path), built from the model's config;
+    ``processor_dir``: the model's ``preprocessor_config.json`` read into the transform's own image
+    processor class (its PIL
     backend: transformers' auto class may want torchvision), else the family's default."""
     import dataclasses
     import importlib
@@ -152,22 +233,27 @@ def own_transform(family, model_config, tokenizer, topk, processor_dir):
     from prealign.schemas.errors import ConfigError
 
     module, _, name = family.transform.rpartition(".")
-    transform = getattr(importlib.import_module(module), name)(model_config=model_config, tokenizer=tokenizer,
-                                                               topk=topk)
+    transform = getattr(importlib.import_module(module), name)(
+        model_config=model_config, tokenizer=tokenizer, topk=topk
+    )
     if not processor_dir:
         return transform
     kind = type(transform.image_processor)
     try:
         processor = kind.from_pretrained(processor_dir, local_files_only=True)
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"--processor {processor_dir}: no {kind.__name__} read from it "
-                          f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
+        raise ConfigError(
+            f"--processor {processor_dir}: no {kind.__name__} read from it "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+        ) from None
     return dataclasses.replace(transform, processor=processor)  # checked against the config again
 
 
 def transform_schema(transform, topk):
-    """The batch schema ``transform``'s samples collate to: the family's own (Gemma 3: whole images; the
-    families with a ``batch_schema``: theirs), else :func:`~prealign.schemas.vlm.vlm_schema` (Qwen's grids)."""
+    """The batch schema ``transform``'s samples collate to: the family's own (Gemma 3: whole images;
+    the
+    families with a ``batch_schema``: theirs), else :func:`~prealign.schemas.vlm.vlm_schema` (Qwen's
+    grids)."""
     from prealign.schemas.vlm import image_tokens_schema, vlm_schema
 
     tok, family = transform.tokenizer, getattr(transform, "family", None)
@@ -175,7 +261,9 @@ def transform_schema(transform, topk):
     model_type = getattr(family, "model_type", None)
     if model_type == "gemma3":
         return image_tokens_schema(image_size=family.image_size, **common)
-    if hasattr(family, "batch_schema"):  # InternVL, LLaVA-OneVision, Mistral3 / Pixtral, SmolVLM / Idefics3
+    if hasattr(
+        family, "batch_schema"
+    ):  # InternVL, LLaVA-OneVision, Mistral3 / Pixtral, SmolVLM / Idefics3
         return family.batch_schema(**common)
     return vlm_schema(**common)
 
@@ -191,7 +279,9 @@ def source_and_schema(args):
     else:
         transform, _ = vlm_transform(args, topk)
         schema = transform_schema(transform, topk)
-    return WebDatasetSource(args.shards, transform=transform, image="bytes", index_dir=args.out), schema
+    return WebDatasetSource(
+        args.shards, transform=transform, image="bytes", index_dir=args.out
+    ), schema
 
 
 def _grouped() -> bool:
@@ -210,10 +300,16 @@ def _rank_world() -> tuple[int, int]:
 
 
 class Progress:
-    """A plain-text progress bar on stderr: ``[#####.....] 12/40 shards, 120,000 samples, 85,000/s``."""
+    """A plain-text progress bar on stderr: ``[#####.....] 12/40 shards, 120,000 samples,
+    85,000/s``."""
 
     def __init__(self, label: str, stream=None):
-        self.label, self.stream, self.t0, self.last = label, stream or sys.stderr, time.perf_counter(), 0.0
+        self.label, self.stream, self.t0, self.last = (
+            label,
+            stream or sys.stderr,
+            time.perf_counter(),
+            0.0,
+        )
 
     def __call__(self, done: int, total: int, samples: int) -> None:
         now = time.perf_counter()
@@ -224,14 +320,19 @@ class Progress:
         fill = width * done // max(total, 1)
         rate = samples / max(now - self.t0, 1e-9)
         end = "\n" if done >= total else ""
-        OPEN_LINE[0] = not end  # a warning meanwhile ends the bar's line first (cli.errors.warning_line)
-        self.stream.write(f"\r{self.label} [{'#' * fill}{'.' * (width - fill)}] {done}/{total} shards, "
-                          f"{samples:,} samples, {rate:,.0f} samples/s{end}")
+        OPEN_LINE[
+            0
+        ] = not end  # a warning meanwhile ends the bar's line first (cli.errors.warning_line)
+        self.stream.write(
+            f"\r{self.label} [{'#' * fill}{'.' * (width - fill)}] {done}/{total} shards, "
+            f"{samples:,} samples, {rate:,.0f} samples/s{end}"
+        )
         self.stream.flush()
 
 
 def _refuse_special_files(urls: list[str]) -> None:
-    """A local shard that exists but is a device, FIFO or socket is refused before anything opens it (the
+    """A local shard that exists but is a device, FIFO or socket is refused before anything opens it
+    (the
     preflight's magic check would block on a FIFO, read ``/dev/zero`` as a shard)."""
     import os
     import stat
@@ -247,7 +348,9 @@ def _refuse_special_files(urls: list[str]) -> None:
         except (OSError, ValueError):
             continue  # missing: the preflight names every missing shard
         if not stat.S_ISREG(mode) and not stat.S_ISDIR(mode):
-            raise NotRegularFileError(url, "shard is not a regular file (a device, FIFO or socket)", "give a plain file")
+            raise NotRegularFileError(
+                url, "shard is not a regular file (a device, FIFO or socket)", "give a plain file"
+            )
 
 
 def cmd_index(args) -> int:
@@ -258,7 +361,11 @@ def cmd_index(args) -> int:
     preflight.check_int("--workers", args.workers, 1)
     preflight.check_topk_vocab(args)
     preflight.check_dir("--out", args.out)
-    if len(args.shards) == 1 and args.shards[0].endswith(".json") and os.path.isfile(args.shards[0]):
+    if (
+        len(args.shards) == 1
+        and args.shards[0].endswith(".json")
+        and os.path.isfile(args.shards[0])
+    ):
         return _index_mixture(args)
     urls = expand_urls(args.shards)
     _refuse_special_files(urls)
@@ -273,27 +380,46 @@ def cmd_index(args) -> int:
     if alone and args.merge:
         from prealign.schemas.errors import ConfigError
 
-        raise ConfigError(f"--merge with WORLD_SIZE={world} but no MASTER_ADDR (no torchrun): rank 0 cannot wait "
-                          "for the others; run `prealign index --merge` once after every rank is done")
+        raise ConfigError(
+            f"--merge with WORLD_SIZE={world} but no MASTER_ADDR (no torchrun): rank 0 cannot wait "
+            "for the others; run `prealign index --merge` once after every rank is done"
+        )
     label = "prealign index" + (f" (rank {rank}/{world})" if world > 1 else "")
     t0 = time.perf_counter()
     with _ranks_agree(1 if alone else world) as agree:
-        stats = agree(lambda: write_sidecars(source, schema, out_dir=args.out, workers=args.workers,
-                                             full=args.full, force=args.force, shards=shards,
-                                             progress=Progress(label), verify_images=not args.header_only))
+        stats = agree(
+            lambda: write_sidecars(
+                source,
+                schema,
+                out_dir=args.out,
+                workers=args.workers,
+                full=args.full,
+                force=args.force,
+                shards=shards,
+                progress=Progress(label),
+                verify_images=not args.header_only,
+            )
+        )
         dt = time.perf_counter() - t0
-        print(f"{stats['indexed']} shard(s) indexed ({stats['samples']:,} samples in {dt:.2f} s), "
-              f"{stats['up_to_date']} up to date" + (f", sidecars in {args.out}" if args.out else ""),
-              file=sys.stderr)
-        agree(lambda: _merge(source, args.merge, rank if not alone else -1))  # every rank returns once the merged index is written
-        if stats.get("bad") or stats.get("up_to_date"):  # (bad samples recorded now, or maybe before)
+        print(
+            f"{stats['indexed']} shard(s) indexed ({stats['samples']:,} samples in {dt:.2f} s), "
+            f"{stats['up_to_date']} up to date" + (f", sidecars in {args.out}" if args.out else ""),
+            file=sys.stderr,
+        )
+        agree(
+            lambda: _merge(source, args.merge, rank if not alone else -1)
+        )  # every rank returns once the merged index is written
+        if stats.get("bad") or stats.get(
+            "up_to_date"
+        ):  # (bad samples recorded now, or maybe before)
             _say_refused(source, schema, shards, stats.get("bad") or {})
     return 0
 
 
 def _index_mixture(args) -> int:
-    """``prealign index mix.json``: each webdataset component of the mixture file indexed as its own shards
-    (its transform: none -> ``--text``, a model config folder -> the VLM transform of that folder); an HF
+    """``prealign index mix.json``: each webdataset component of the mixture file indexed as its own
+    shards (its transform: none -> ``--text``, a model config folder -> the VLM transform of that
+    folder); an HF
     component needs no sidecar (said on stderr)."""
     import copy
 
@@ -322,7 +448,8 @@ def _index_mixture(args) -> int:
 
 def _say_refused(source, schema, shards: list[int], recorded: dict) -> None:
     """How many samples of ``shards`` their sidecars refuse and why (what a loader leaves out under
-    ``BadDataPolicy(on_error='skip')``, or raises under the default ``raise``), one line per cause with an
+    ``BadDataPolicy(on_error='skip')``, or raises under the default ``raise``), one line per cause
+    with an
     example, on stderr; nothing when none is."""
     from prealign.loaders.cli.errors import cause_lines
     from prealign.loaders.index.build import build_index
@@ -332,31 +459,48 @@ def _say_refused(source, schema, shards: list[int], recorded: dict) -> None:
 
     if not shards:
         return
-    mine = WebDatasetSource([source.urls[s] for s in shards], transform=source.transform, image=source.image,
-                            index_dir=source.index_dir, remote=source.remote)
-    skip = BadDataPolicy(on_error="skip", warn=False, max_consecutive=2 ** 62)
+    mine = WebDatasetSource(
+        [source.urls[s] for s in shards],
+        transform=source.transform,
+        image=source.image,
+        index_dir=source.index_dir,
+        remote=source.remote,
+    )
+    skip = BadDataPolicy(on_error="skip", warn=False, max_consecutive=2**62)
     try:
         report = build_index(mine, schema, policy=skip, distributed=False).report
-    except PrealignError as exc:  # e.g. a stale merged index (a loader refuses it too): the pass's own counts
+    except (
+        PrealignError
+    ) as exc:  # e.g. a stale merged index (a loader refuses it too): the pass's own counts
         if recorded:
             counts = ", ".join(f"{k} {v}" for k, v in sorted(recorded.items()))
-            print(f"{sum(recorded.values()):,} sample(s) refused ({counts}) in the sidecars just written; the "
-                  f"index as a loader reads it: {type(exc).__name__}: {exc}", file=sys.stderr)
+            print(
+                f"{sum(recorded.values()):,} sample(s) refused ({counts}) in the sidecars just "
+                f"written; the "
+                f"index as a loader reads it: {type(exc).__name__}: {exc}",
+                file=sys.stderr,
+            )
         return
     if not report.total:
         return
-    counts = ", ".join(f"{reason} {n}" for reason, n in sorted(report.counts.items(), key=lambda kv: -kv[1]))
-    print(f"{report.total:,} sample(s) refused ({counts}): a loader raises at the first under the default "
-          f"BadDataPolicy(on_error='raise'), leaves them out and counts them under on_error='skip'",
-          file=sys.stderr)
+    counts = ", ".join(
+        f"{reason} {n}" for reason, n in sorted(report.counts.items(), key=lambda kv: -kv[1])
+    )
+    print(
+        f"{report.total:,} sample(s) refused ({counts}): a loader raises at the first under the "
+        f"default "
+        f"BadDataPolicy(on_error='raise'), leaves them out and counts them under on_error='skip'",
+        file=sys.stderr,
+    )
     for line in cause_lines(report):
         print(line, file=sys.stderr)
 
 
 class _ranks_agree:
-    """Under ``torchrun`` (``WORLD_SIZE`` > 1), a gloo group for the command's life (created at the first
-    exchange when none is, from ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``; destroyed at the
-    end): ``agree(fn)`` runs ``fn`` on every rank, then waits for all of them and raises the first rank's
+    """Under ``torchrun`` (``WORLD_SIZE`` > 1), a gloo group for the command's life (created at the
+    first exchange when none is, from ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``;
+    destroyed at the end): ``agree(fn)`` runs ``fn`` on every rank, then waits for all of them and
+    raises the first rank's
     error on every rank, so rank 0 merges only after every rank wrote its sidecars."""
 
     def __init__(self, world: int):
@@ -369,7 +513,9 @@ class _ranks_agree:
         import torch.distributed as dist
 
         if not dist.is_initialized():
-            dist.init_process_group("gloo")  # (after the indexing: its worker processes fork without it)
+            dist.init_process_group(
+                "gloo"
+            )  # (after the indexing: its worker processes fork without it)
             self.own = True
 
     def __exit__(self, *exc) -> None:
@@ -391,20 +537,26 @@ class _ranks_agree:
         if self.world == 1:
             return out
         self._join()
-        typed = failure if failure is None or isinstance(failure, PrealignError) else \
-            PrealignError(f"{type(failure).__name__}: {failure}")
+        typed = (
+            failure
+            if failure is None or isinstance(failure, PrealignError)
+            else PrealignError(f"{type(failure).__name__}: {failure}")
+        )
         parts = all_gather_objects(None if failure is None else (process_rank_world()[0], typed))
         if failure is not None:
             raise failure
-        for rank, err in (p for p in parts if p is not None):  # another rank's error, as its own type
+        for rank, err in (
+            p for p in parts if p is not None
+        ):  # another rank's error, as its own type
             err.args = (f"rank {rank} failed: {err.args[0] if err.args else ''}", *err.args[1:])
             raise err
         return out
 
 
 def _merge(source, asked: bool, rank: int) -> None:
-    """``--merge``, or a merged index already there of exactly these shards (kept in step with its sidecars):
-    rank 0 writes it. A merged index of other shards (all of a folder, when this run indexes some) is left
+    """``--merge``, or a merged index already there of exactly these shards (kept in step with its
+    sidecars): rank 0 writes it. A merged index of other shards (all of a folder, when this run
+    indexes some) is left
     as it is, and said so."""
     from prealign.loaders.index.merged import merge_sidecars, merged_names, merged_path
     from prealign.loaders.sources import remote
@@ -412,45 +564,68 @@ def _merge(source, asked: bool, rank: int) -> None:
 
     path = merged_path(source)
     if rank != 0:
-        if rank < 0 and os.path.exists(path):  # (ranks split by hand: no rank knows when the others are done)
-            print(f"merged index {path} left as it is: ranks without torchrun; run `prealign index --merge` "
-                  "once every rank is done", file=sys.stderr)
+        if rank < 0 and os.path.exists(
+            path
+        ):  # (ranks split by hand: no rank knows when the others are done)
+            print(
+                f"merged index {path} left as it is: ranks without torchrun; run `prealign index "
+                f"--merge` "
+                "once every rank is done",
+                file=sys.stderr,
+            )
         return
     if not asked:
         if remote.is_remote(path) or not os.path.exists(remote.local_path(path)):
             return
         names = merged_names(path)
         if names != [shard_name(u) for u in source.urls]:
-            print(f"merged index {path} left as it is: it is of {'other' if names is None else len(names)} "
-                  f"shard(s), not of the {len(source.urls)} indexed now (give --merge to replace it with "
-                  f"one of these)", file=sys.stderr)
+            print(
+                f"merged index {path} left as it is: it is of "
+                f"{'other' if names is None else len(names)} "
+                f"shard(s), not of the {len(source.urls)} indexed now (give --merge to replace it "
+                f"with "
+                f"one of these)",
+                file=sys.stderr,
+            )
             return
     t0 = time.perf_counter()
     done = merge_sidecars(source)
-    print(f"merged index of {done['shards']} shard(s), {done['samples']:,} samples: {done['path']} "
-          f"({time.perf_counter() - t0:.2f} s)", file=sys.stderr)
+    print(
+        f"merged index of {done['shards']} shard(s), {done['samples']:,} samples: {done['path']} "
+        f"({time.perf_counter() - t0:.2f} s)",
+        file=sys.stderr,
+    )
 
 
 def _check(source, shards: list[int], out: str | None, rank: int, world: int) -> int:
-    """``prealign index --check``: each shard read whole against its sidecar's hash; 1 when any differs."""
+    """``prealign index --check``: each shard read whole against its sidecar's hash; 1 when any
+    differs."""
     from prealign.loaders.index.header_pass import verify_shards
 
     label = "prealign index --check" + (f" (rank {rank}/{world})" if world > 1 else "")
     problems = verify_shards(source, shards, out_dir=out, progress=Progress(label))
     for url, what in problems.items():
         print(f"prealign index --check: {url}: {what}", file=sys.stderr)
-    print(f"{len(shards) - len(problems)}/{len(shards)} shard(s) match their sidecars", file=sys.stderr)
+    print(
+        f"{len(shards) - len(problems)}/{len(shards)} shard(s) match their sidecars",
+        file=sys.stderr,
+    )
     stale = _check_merged(source, shards, out)  # what a loader reads first: checked as it checks it
     for where, what in stale.items():
         print(f"prealign index --check: {where}: {what}", file=sys.stderr)
     if stale:
-        print(f"the merged index is stale ({len(stale)} problem(s)): a loader refuses it; run `prealign index "
-              f"--merge` with the flags that built the sidecars to rewrite it", file=sys.stderr)
+        print(
+            f"the merged index is stale ({len(stale)} problem(s)): a loader refuses it; run "
+            f"`prealign index "
+            f"--merge` with the flags that built the sidecars to rewrite it",
+            file=sys.stderr,
+        )
     return 1 if problems or stale else 0
 
 
 def _check_merged(source, shards: list[int], out: str | None) -> dict[str, str]:
-    """:func:`~prealign.loaders.index.merged.check_merged` of the source (its sidecars in ``out`` when given)."""
+    """:func:`~prealign.loaders.index.merged.check_merged` of the source (its sidecars in ``out``
+    when given)."""
     import copy
 
     from prealign.loaders.index.merged import check_merged

@@ -10,6 +10,7 @@ One panel per micro-batch::
 
 Pixels per slot are the same in every row of a panel, so a rank's row is ``1/cp`` of the global one.
 """
+
 from __future__ import annotations
 
 import colorsys
@@ -24,8 +25,16 @@ from prealign.schemas.layout import ParallelLayout
 _BG, _INK, _PAD, _HATCH = (255, 255, 255), (30, 30, 30), (205, 205, 205), (90, 90, 90)
 _PAD_MIN_PX = 3
 _LEGEND_LINE = 20
-_RANK_COLORS = ((31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189), (140, 86, 75),
-                (227, 119, 194), (127, 127, 127))
+_RANK_COLORS = (
+    (31, 119, 180),
+    (255, 127, 14),
+    (44, 160, 44),
+    (214, 39, 40),
+    (148, 103, 189),
+    (140, 86, 75),
+    (227, 119, 194),
+    (127, 127, 127),
+)
 
 
 @dataclass(frozen=True)
@@ -42,7 +51,8 @@ class Panel:
 
 
 def _seq_colors(n: int) -> np.ndarray:
-    """uint8 ``[n, 3, 3]``: per sequence (text, image, pad) colours; hues spread by the golden ratio,
+    """uint8 ``[n, 3, 3]``: per sequence (text, image, pad) colours; hues spread by the golden
+    ratio,
     image tokens darker, padding one neutral grey."""
     out = np.empty((n, 3, 3), dtype=np.uint8)
     out[:, 2] = _PAD
@@ -85,7 +95,9 @@ def _hatched(width: int, height: int):
     from PIL import Image
 
     i, j = np.meshgrid(np.arange(height), np.arange(width), indexing="ij")
-    px = np.where(((i + j) % 5 == 0)[..., None], np.array(_HATCH, np.uint8), np.array(_PAD, np.uint8))
+    px = np.where(
+        ((i + j) % 5 == 0)[..., None], np.array(_HATCH, np.uint8), np.array(_PAD, np.uint8)
+    )
     return Image.fromarray(np.ascontiguousarray(px.astype(np.uint8)), "RGB")
 
 
@@ -114,8 +126,9 @@ def _font(size: int):
         return ImageFont.load_default()
 
 
-def draw_packed_layout(panels: list[Panel], layout: ParallelLayout, path: str, *, title: str = "",
-                       width: int = 1100) -> str:
+def draw_packed_layout(
+    panels: list[Panel], layout: ParallelLayout, path: str, *, title: str = "", width: int = 1100
+) -> str:
     """Draw ``panels`` (micro-batches) under ``layout`` to a PNG at ``path``; returns ``path``."""
     from PIL import Image, ImageDraw
 
@@ -139,8 +152,18 @@ def draw_packed_layout(panels: list[Panel], layout: ParallelLayout, path: str, *
     return path
 
 
-def _draw_panel(img, draw, p: Panel, layout: ParallelLayout, y: int, left: int, scale: float, bar_h: int,
-                gap: int, font) -> int:
+def _draw_panel(
+    img,
+    draw,
+    p: Panel,
+    layout: ParallelLayout,
+    y: int,
+    left: int,
+    scale: float,
+    bar_h: int,
+    gap: int,
+    font,
+) -> int:
     cp, tp = layout.cp, layout.tp
     cup = p.cu_seqlens_padded.to(torch.int64)
     total = int(cup[-1])
@@ -168,8 +191,17 @@ def _draw_panel(img, draw, p: Panel, layout: ParallelLayout, y: int, left: int, 
         lw = round(local * scale)
         img.paste(_bar(colors[rows.numpy()], lw, bar_h), (left, y))
         _hatch_pads(img, pads[rows.numpy()], left, y, scale, bar_h)
-        draw.rectangle([(left - 1, y - 1), (left + lw, y + bar_h)], outline=_RANK_COLORS[r % len(_RANK_COLORS)], width=1)
-        draw.text((10, y + 6), f"cp rank {r} [1, {local}]", fill=_RANK_COLORS[r % len(_RANK_COLORS)], font=font)
+        draw.rectangle(
+            [(left - 1, y - 1), (left + lw, y + bar_h)],
+            outline=_RANK_COLORS[r % len(_RANK_COLORS)],
+            width=1,
+        )
+        draw.text(
+            (10, y + 6),
+            f"cp rank {r} [1, {local}]",
+            fill=_RANK_COLORS[r % len(_RANK_COLORS)],
+            font=font,
+        )
         # chunk boundaries inside the rank's row, then the SP split over tp
         starts = torch.nonzero(torch.diff(rows, prepend=rows[:1] - 2) != 1).flatten().tolist()[1:]
         for s in starts:
@@ -179,18 +211,26 @@ def _draw_panel(img, draw, p: Panel, layout: ParallelLayout, y: int, left: int, 
             x = left + round(k * local / tp * scale)
             for yy in range(y - 3, y + bar_h + 3, 6):
                 draw.line([(x, yy), (x, yy + 3)], fill=_INK, width=2)
-        draw.text((left + lw + 8, y + 6), f"{local // tp} rows per tp rank" if layout.sp else "", fill=_INK, font=font)
+        draw.text(
+            (left + lw + 8, y + 6),
+            f"{local // tp} rows per tp rank" if layout.sp else "",
+            fill=_INK,
+            font=font,
+        )
         y += bar_h + gap
     return y
 
 
 def _legend(img, draw, x: int, y: int, font, layout: ParallelLayout) -> None:
-    """Three lines: what the colours are, who keeps which chunk, and why a sequence shows twice per rank."""
+    """Three lines: what the colours are, who keeps which chunk, and why a sequence shows twice per
+    rank."""
     cp = layout.cp
     colors = _seq_colors(3)
 
     def swatch(x: int, color) -> int:
-        draw.rectangle([(x, y + 2), (x + 12, y + 14)], fill=tuple(int(v) for v in color), outline=_INK)
+        draw.rectangle(
+            [(x, y + 2), (x + 12, y + 14)], fill=tuple(int(v) for v in color), outline=_INK
+        )
         return x + 14
 
     def label(x: int, text: str) -> int:
@@ -208,10 +248,19 @@ def _legend(img, draw, x: int, y: int, font, layout: ParallelLayout) -> None:
     x, y = 10, y + _LEGEND_LINE
     for r in range(cp):
         x = label(swatch(x, _RANK_COLORS[r % len(_RANK_COLORS)]), f"kept by cp rank {r}")
-    label(x - 18, "|  black bars: sequence boundaries, white ticks: chunk boundaries, dashed: SP split over tp")
+    label(
+        x - 18,
+        "|  black bars: sequence boundaries, white ticks: chunk boundaries, dashed: SP split over "
+        "tp",
+    )
     if cp > 1:
         zigzag = str(getattr(layout.cp_layout, "value", layout.cp_layout)) == "zigzag"
-        note = (f"zigzag CP: each padded sequence is cut into {2 * cp} chunks and cp rank r keeps chunks r and "
-                f"{2 * cp - 1}-r, so every sequence appears twice in each rank's row (its two chunks)" if zigzag else
-                f"contiguous CP: each padded sequence is cut into {cp} chunks and cp rank r keeps chunk r")
+        note = (
+            f"zigzag CP: each padded sequence is cut into {2 * cp} chunks and cp rank r keeps "
+            f"chunks r and "
+            f"{2 * cp - 1}-r, so every sequence appears twice in each rank's row (its two chunks)"
+            if zigzag
+            else f"contiguous CP: each padded sequence is cut into {cp} chunks and cp rank r "
+            f"keeps chunk r"
+        )
         draw.text((10, y + _LEGEND_LINE), note, fill=_INK, font=font)

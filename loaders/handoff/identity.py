@@ -1,38 +1,45 @@
 """One identity for a transform: the fields that both the share key
 (:class:`~prealign.loaders.handoff.batch_share.BatchShare`,
 :class:`~prealign.loaders.handoff.media_share.SharedMediaTransform`) and a sidecar's key
-(:func:`~prealign.loaders.index.sidecar.config_key`) are digests of, and that a mismatch message names.
+(:func:`~prealign.loaders.index.sidecar.config_key`) are digests of, and that a mismatch message
+names.
 
 :func:`identity_fields` ``(transform) -> {field: str}``:
 
-- ``None`` -> ``{"transform": "none"}``; the library's ``numpy_fields`` -> ``{"transform": "numpy_fields"}``;
+- ``None`` -> ``{"transform": "none"}``; the library's ``numpy_fields`` -> ``{"transform":
+  "numpy_fields"}``;
 - an object whose type defines ``identity_fields()`` gives its own (a wrapper gives what it wraps:
   :class:`~prealign.loaders.handoff.media_share.SharedMediaTransform`; a
-  :class:`~prealign.loaders.media.vlm.VLMSampleTransform` its tokenizer's whole definition, processor, family);
-- anything else: ``transform`` (its qualified name), ``index_key`` (when it has one) and ``transform_code``, a
-  digest of its canonical form (:func:`canonical_digest`; of its class alone when its state has none but it
-  has an ``index_key()``, which then names every setting its output depends on).
+  :class:`~prealign.loaders.media.vlm.VLMSampleTransform` its tokenizer's whole definition,
+  processor, family);
+- anything else: ``transform`` (its qualified name), ``index_key`` (when it has one) and
+  ``transform_code``, a digest of its canonical form (:func:`canonical_digest`; of its class alone
+  when its state has none but it has an ``index_key()``, which then names every setting its output
+  depends on).
 
-Fields named ``output_*`` decide what a transform outputs but not its lengths (a VLM's dtypes): the share key
-covers them, an index key (:func:`index_fields`) does not.
+Fields named ``output_*`` decide what a transform outputs but not its lengths (a VLM's dtypes): the
+share key covers them, an index key (:func:`index_fields`) does not.
 
 The canonical form is the same in every process (no ``id()``, no address, no hash order):
 
-- a function: its code (bytecode, constants, names; not its file or line numbers), defaults, keyword defaults,
-  closure cell values, and every module global its code names (``co_names`` resolved in ``__globals__``, of
-  nested code too; a global module of the user's: the attributes of it that the code names), recursively;
-- a class: its bases and its namespace (methods, class attributes); an instance: its class and its state
-  (``__getstate__()`` when the class defines one, else ``__dict__`` and ``__slots__``);
-- values: sets sorted by canonical form, dict items sorted by key, floats exactly (``float.hex``), arrays and
-  tensors by dtype, shape and a digest of their bytes; a tokenizer by its whole definition
-  (:func:`tokenizer_definition`);
-- code of installed packages (the standard library, site-packages, prealign) by module, name and version.
+- a function: its code (bytecode, constants, names; not its file or line numbers), defaults, keyword
+  defaults, closure cell values, and every module global its code names (``co_names`` resolved in
+  ``__globals__``, of nested code too; a global module of the user's: the attributes of it that the
+  code names), recursively;
+- a class: its bases and its namespace (methods, class attributes); an instance: its class and its
+  state (``__getstate__()`` when the class defines one, else ``__dict__`` and ``__slots__``);
+- values: sets sorted by canonical form, dict items sorted by key, floats exactly (``float.hex``),
+  arrays and tensors by dtype, shape and a digest of their bytes; a tokenizer by its whole
+  definition (:func:`tokenizer_definition`);
+- code of installed packages (the standard library, site-packages, prealign) by module, name and
+  version.
 
-Cycles are followed once (a recursive function, a class naming itself). What has no canonical form (an open
-file, a socket, a lock, a generator, an object of a C type with hidden state) raises :class:`Unfingerprintable`
-naming where it was found: the callers refuse with a :class:`~prealign.schemas.errors.ConfigError` naming the
-transform, never guess.
+Cycles are followed once (a recursive function, a class naming itself). What has no canonical form
+(an open file, a socket, a lock, a generator, an object of a C type with hidden state) raises
+:class:`Unfingerprintable` naming where it was found: the callers refuse with a
+:class:`~prealign.schemas.errors.ConfigError` naming the transform, never guess.
 """
+
 from __future__ import annotations
 
 import enum
@@ -51,8 +58,16 @@ import numpy as np
 from prealign.loaders.sources.webdataset import numpy_fields
 from prealign.schemas.errors import ConfigError
 
-__all__ = ["Unfingerprintable", "canonical_digest", "checked_identity_fields", "identity_fields", "identity_digest",
-           "index_fields", "qualified_name", "tokenizer_definition"]
+__all__ = [
+    "Unfingerprintable",
+    "canonical_digest",
+    "checked_identity_fields",
+    "identity_fields",
+    "identity_digest",
+    "index_fields",
+    "qualified_name",
+    "tokenizer_definition",
+]
 
 
 class Unfingerprintable(Exception):
@@ -65,13 +80,16 @@ class Unfingerprintable(Exception):
 
 def qualified_name(obj) -> str:
     """``module.qualname`` of a function or class, else of the object's type."""
-    named = obj if isinstance(obj, (type, types.FunctionType, types.BuiltinFunctionType)) else type(obj)
+    named = (
+        obj if isinstance(obj, (type, types.FunctionType, types.BuiltinFunctionType)) else type(obj)
+    )
     qualname = getattr(named, "__qualname__", type(named).__qualname__)
     return f"{getattr(named, '__module__', '?')}.{qualname}"
 
 
 def identity_fields(transform) -> dict[str, str]:
-    """The identity of ``transform`` field by field (see the module docstring); :class:`Unfingerprintable`
+    """The identity of ``transform`` field by field (see the module docstring);
+    :class:`Unfingerprintable`
     when it has none."""
     if transform is None:
         return {"transform": "none"}
@@ -94,22 +112,33 @@ def identity_fields(transform) -> dict[str, str]:
 
 
 def checked_identity_fields(transform, *, owner: str) -> dict[str, str]:
-    """:func:`identity_fields`, or a :class:`~prealign.schemas.errors.ConfigError` naming the transform, what in it
+    """:func:`identity_fields`, or a :class:`~prealign.schemas.errors.ConfigError` naming the
+    transform, what in it
     has no stable form, and the fix (``owner`` names the caller)."""
     try:
         return identity_fields(transform)
     except Unfingerprintable as exc:
         raise ConfigError(
-            f"{owner}: the transform {qualified_name(transform)} cannot be fingerprinted ({exc}), so two jobs or two "
-            f"indexes with other settings could not be told apart. Give the transform an identity_fields() method "
-            f"returning {{field: str}} (or an index_key() returning a str) that names every setting its output "
-            f"depends on, or, for sharing only, pass transform_key='...' (the same on every CP peer, another for "
-            f"another configuration)") from None
+            f"{owner}: the transform {qualified_name(transform)} cannot be fingerprinted ({exc}), "
+            f"so two jobs or two "
+            f"indexes with other settings could not be told apart. Give the transform an "
+            f"identity_fields() method "
+            f"returning {{field: str}} (or an index_key() returning a str) that names every "
+            f"setting its output "
+            f"depends on, or, for sharing only, pass transform_key='...' (the same on every CP "
+            f"peer, another for "
+            f"another configuration)"
+        ) from None
 
 
 def index_fields(transform, *, owner: str) -> dict[str, str]:
-    """The fields of :func:`checked_identity_fields` an index's lengths depend on (all but ``output_*``)."""
-    return {k: v for k, v in checked_identity_fields(transform, owner=owner).items() if not k.startswith("output_")}
+    """The fields of :func:`checked_identity_fields` an index's lengths depend on (all but
+    ``output_*``)."""
+    return {
+        k: v
+        for k, v in checked_identity_fields(transform, owner=owner).items()
+        if not k.startswith("output_")
+    }
 
 
 def identity_digest(fields: dict[str, str]) -> str:
@@ -127,17 +156,26 @@ def canonical_digest(obj, where: str = "the object") -> str:
 
 
 def _digest(form) -> str:
-    return hashlib.blake2b(json.dumps(form, separators=(",", ":")).encode(), digest_size=16).hexdigest()
+    return hashlib.blake2b(
+        json.dumps(form, separators=(",", ":")).encode(), digest_size=16
+    ).hexdigest()
 
 
-# ---- what counts as installed code ------------------------------------------------------------------------
-_INSTALLED = tuple({os.path.realpath(p) + os.sep for key in ("stdlib", "platstdlib", "purelib", "platlib")
-                    if (p := sysconfig.get_paths().get(key))})
+# ---- what counts as installed code
+# ------------------------------------------------------------------------
+_INSTALLED = tuple(
+    {
+        os.path.realpath(p) + os.sep
+        for key in ("stdlib", "platstdlib", "purelib", "platlib")
+        if (p := sysconfig.get_paths().get(key))
+    }
+)
 
 
 @functools.lru_cache(maxsize=4096)
 def _installed(module: str) -> bool:
-    """Code of the standard library, an installed package or prealign (named by version, not read)."""
+    """Code of the standard library, an installed package or prealign (named by version, not
+    read)."""
     top = module.partition(".")[0]
     if top in ("prealign", "builtins") or top in sys.builtin_module_names:
         return True
@@ -155,26 +193,61 @@ def _version(module: str) -> str:
 
 
 def _c_type(cls: type) -> bool:
-    """A class with state Python cannot see: defined in C (not a heap type, or in an extension module)."""
-    if not cls.__flags__ & (1 << 9) or cls.__module__ in sys.builtin_module_names:  # (Py_TPFLAGS_HEAPTYPE)
+    """A class with state Python cannot see: defined in C (not a heap type, or in an extension
+    module)."""
+    if (
+        not cls.__flags__ & (1 << 9) or cls.__module__ in sys.builtin_module_names
+    ):  # (Py_TPFLAGS_HEAPTYPE)
         return True
     path = getattr(sys.modules.get(cls.__module__), "__file__", None) or ""
     return path.endswith((".so", ".pyd", ".dll"))
 
 
-_VALUE_BASES = (object, int, float, complex, str, bytes, bytearray, tuple, list, dict, set, frozenset,
-                BaseException)
-_HANDLES = (io.IOBase, socket.socket, types.GeneratorType, types.CoroutineType, types.AsyncGeneratorType,
-            types.FrameType, types.TracebackType)
-_CLASS_SKIP = {"__module__", "__qualname__", "__doc__", "__dict__", "__weakref__", "__slotnames__",
-               "__firstlineno__", "__static_attributes__", "__annotations__", "__abstractmethods__",
-               "__orig_bases__", "__parameters__"}
+_VALUE_BASES = (
+    object,
+    int,
+    float,
+    complex,
+    str,
+    bytes,
+    bytearray,
+    tuple,
+    list,
+    dict,
+    set,
+    frozenset,
+    BaseException,
+)
+_HANDLES = (
+    io.IOBase,
+    socket.socket,
+    types.GeneratorType,
+    types.CoroutineType,
+    types.AsyncGeneratorType,
+    types.FrameType,
+    types.TracebackType,
+)
+_CLASS_SKIP = {
+    "__module__",
+    "__qualname__",
+    "__doc__",
+    "__dict__",
+    "__weakref__",
+    "__slotnames__",
+    "__firstlineno__",
+    "__static_attributes__",
+    "__annotations__",
+    "__abstractmethods__",
+    "__orig_bases__",
+    "__parameters__",
+}
 
 
 class _Canon:
-    """One canonicalisation: ``value(obj)`` is JSON-able and the same in every process. Compound objects
-    (functions, classes, instances, containers) are reduced to a digest; one on the path being followed is
-    a cycle (named by its distance up the path); one done already, whose form named nothing above it, is
+    """One canonicalisation: ``value(obj)`` is JSON-able and the same in every process. Compound
+    objects (functions, classes, instances, containers) are reduced to a digest; one on the path
+    being followed is a cycle (named by its distance up the path); one done already, whose form
+    named nothing above it, is
     reused."""
 
     def __init__(self):
@@ -197,26 +270,45 @@ class _Canon:
         if obj is Ellipsis or obj is NotImplemented:
             return ["const", repr(obj)]
         if kind in (range, slice):
-            return [kind.__name__, self.value(obj.start, where), self.value(obj.stop, where),
-                    self.value(obj.step, where)]
+            return [
+                kind.__name__,
+                self.value(obj.start, where),
+                self.value(obj.stop, where),
+                self.value(obj.step, where),
+            ]
         if isinstance(obj, types.ModuleType):
             return ["module", obj.__name__]
         if isinstance(obj, types.CodeType):
             return self._code(obj, where)
-        if isinstance(obj, (types.BuiltinFunctionType, types.WrapperDescriptorType, types.MethodDescriptorType,
-                            types.MethodWrapperType, types.GetSetDescriptorType, types.MemberDescriptorType,
-                            types.ClassMethodDescriptorType)):
+        if isinstance(
+            obj,
+            (
+                types.BuiltinFunctionType,
+                types.WrapperDescriptorType,
+                types.MethodDescriptorType,
+                types.MethodWrapperType,
+                types.GetSetDescriptorType,
+                types.MemberDescriptorType,
+                types.ClassMethodDescriptorType,
+            ),
+        ):
             owner = getattr(obj, "__self__", None)
             if owner is None or isinstance(owner, (types.ModuleType, type)):
-                return ["builtin", getattr(obj, "__module__", None) or "", getattr(obj, "__qualname__", repr(obj)),
-                        None if owner is None else self.value(owner, where)]
+                return [
+                    "builtin",
+                    getattr(obj, "__module__", None) or "",
+                    getattr(obj, "__qualname__", repr(obj)),
+                    None if owner is None else self.value(owner, where),
+                ]
             return ["bound builtin", obj.__qualname__, self.value(owner, f"{where}.__self__")]
         if isinstance(obj, np.dtype):
             return ["dtype", str(obj.descr)]
         if isinstance(obj, np.generic):
             return ["numpy", obj.dtype.str, obj.tobytes().hex()]
         if isinstance(obj, _HANDLES):
-            raise Unfingerprintable(where, f"a {qualified_name(obj)} (a handle, with no stable form)")
+            raise Unfingerprintable(
+                where, f"a {qualified_name(obj)} (a handle, with no stable form)"
+            )
         key = id(obj)
         if key in self.done:
             return self.done[key][1]
@@ -240,9 +332,19 @@ class _Canon:
         kind = type(obj)
         if isinstance(obj, np.ndarray):
             if obj.dtype.hasobject:
-                return ["ndarray", "O", list(obj.shape), [self.value(v, f"{where}[...]") for v in obj.ravel()]]
+                return [
+                    "ndarray",
+                    "O",
+                    list(obj.shape),
+                    [self.value(v, f"{where}[...]") for v in obj.ravel()],
+                ]
             data = np.ascontiguousarray(obj).view(np.uint8).tobytes() if obj.size else b""
-            return ["ndarray", str(obj.dtype.descr), list(obj.shape), hashlib.blake2b(data).hexdigest()]
+            return [
+                "ndarray",
+                str(obj.dtype.descr),
+                list(obj.shape),
+                hashlib.blake2b(data).hexdigest(),
+            ]
         if kind.__module__.partition(".")[0] == "torch":
             return self._torch(obj, where)
         if isinstance(obj, type):
@@ -250,14 +352,22 @@ class _Canon:
         if isinstance(obj, types.FunctionType):
             return self._function(obj, where)
         if isinstance(obj, types.MethodType):
-            return ["method", self.value(obj.__func__, where), self.value(obj.__self__, f"{where}.__self__")]
+            return [
+                "method",
+                self.value(obj.__func__, where),
+                self.value(obj.__self__, f"{where}.__self__"),
+            ]
         if isinstance(obj, (staticmethod, classmethod)):
             return [kind.__name__, self.value(obj.__func__, where)]
         if isinstance(obj, property):
             return ["property", *(self.value(f, where) for f in (obj.fget, obj.fset, obj.fdel))]
         if isinstance(obj, functools.partial):
-            return ["partial", self.value(obj.func, where), self.value(obj.args, where),
-                    self.value(obj.keywords, where)]
+            return [
+                "partial",
+                self.value(obj.func, where),
+                self.value(obj.args, where),
+                self.value(obj.keywords, where),
+            ]
         if isinstance(obj, enum.Enum):
             return ["enum", self.value(kind, where), obj.name]
         if callable(getattr(kind, "identity_fields", None)):
@@ -266,7 +376,9 @@ class _Canon:
             return ["tokenizer", qualified_name(obj), tokenizer_definition(obj)]
         if isinstance(obj, types.MappingProxyType):
             obj, kind = dict(obj), dict
-        if isinstance(obj, (list, tuple, dict, set, frozenset)):  # (and their subclasses' own attributes)
+        if isinstance(
+            obj, (list, tuple, dict, set, frozenset)
+        ):  # (and their subclasses' own attributes)
             extra = self.value(vars(obj), f"{where}.__dict__") if hasattr(obj, "__dict__") else None
         else:
             extra = self._state(obj, where)
@@ -274,11 +386,22 @@ class _Canon:
         if isinstance(obj, (list, tuple)):
             return ["seq", head, [self.value(v, f"{where}[{i}]") for i, v in enumerate(obj)]]
         if isinstance(obj, dict):
-            items = [(self.value(k, f"{where} key"), self.value(v, f"{where}[{k!r}]")) for k, v in obj.items()]
-            return ["dict", head, self.value(getattr(obj, "default_factory", None), where),
-                    sorted(items, key=lambda kv: json.dumps(kv[0]))]
+            items = [
+                (self.value(k, f"{where} key"), self.value(v, f"{where}[{k!r}]"))
+                for k, v in obj.items()
+            ]
+            return [
+                "dict",
+                head,
+                self.value(getattr(obj, "default_factory", None), where),
+                sorted(items, key=lambda kv: json.dumps(kv[0])),
+            ]
         if isinstance(obj, (set, frozenset)):
-            return ["set", head, sorted((self.value(v, f"{where} item") for v in obj), key=json.dumps)]
+            return [
+                "set",
+                head,
+                sorted((self.value(v, f"{where} item") for v in obj), key=json.dumps),
+            ]
         return ["object", head]
 
     def _state(self, obj, where: str):
@@ -290,20 +413,28 @@ class _Canon:
             return self.value(obj.__getstate__(), f"{where}.__getstate__()")
         slots = {}
         for c in kind.__mro__:
-            for name in [vars(c)["__slots__"]] if isinstance(vars(c).get("__slots__"), str) \
-                    else vars(c).get("__slots__", ()):
+            for name in (
+                [vars(c)["__slots__"]]
+                if isinstance(vars(c).get("__slots__"), str)
+                else vars(c).get("__slots__", ())
+            ):
                 if name not in ("__dict__", "__weakref__") and hasattr(obj, name):
                     slots[name] = getattr(obj, name)
         own = getattr(obj, "__dict__", None)
-        return [self.value(own, f"{where}.__dict__") if own is not None else None,
-                self.value(slots, where) if slots else None]
+        return [
+            self.value(own, f"{where}.__dict__") if own is not None else None,
+            self.value(slots, where) if slots else None,
+        ]
 
     def _reduced(self, obj, where: str):
         try:
             parts = obj.__reduce_ex__(4)
-        except Exception as exc:  # (TypeError "cannot pickle", and whatever a type's __reduce__ raises)
-            raise Unfingerprintable(where, f"a {qualified_name(obj)}, with no stable form "
-                                           f"({type(exc).__name__}: {exc})") from None
+        except (
+            Exception
+        ) as exc:  # (TypeError "cannot pickle", and whatever a type's __reduce__ raises)
+            raise Unfingerprintable(
+                where, f"a {qualified_name(obj)}, with no stable form ({type(exc).__name__}: {exc})"
+            ) from None
         if isinstance(parts, str):  # a module-level singleton
             return ["global", qualified_name(obj), parts]
         parts = [list(p) if i >= 3 and p is not None else p for i, p in enumerate(parts)]
@@ -327,9 +458,18 @@ class _Canon:
             return ["installed", cls.__module__, cls.__qualname__, _version(cls.__module__)]
         if _c_type(cls):
             raise Unfingerprintable(where, f"the class {qualified_name(cls)}, defined in C")
-        body = [(name, self.value(v, f"{cls.__qualname__}.{name}")) for name, v in sorted(vars(cls).items())
-                if name not in _CLASS_SKIP and not name.startswith("_abc_")]
-        return ["class", cls.__module__, cls.__qualname__, [self.value(b, where) for b in cls.__bases__], body]
+        body = [
+            (name, self.value(v, f"{cls.__qualname__}.{name}"))
+            for name, v in sorted(vars(cls).items())
+            if name not in _CLASS_SKIP and not name.startswith("_abc_")
+        ]
+        return [
+            "class",
+            cls.__module__,
+            cls.__qualname__,
+            [self.value(b, where) for b in cls.__bases__],
+            body,
+        ]
 
     def _function(self, fn: types.FunctionType, where: str):
         module = fn.__module__ or ""
@@ -343,8 +483,11 @@ class _Canon:
                 continue
             value = fn.__globals__[name]
             if isinstance(value, types.ModuleType) and not _installed(value.__name__):
-                attrs = [(a, self.value(getattr(value, a), f"{value.__name__}.{a}")) for a in names
-                         if hasattr(value, a)]
+                attrs = [
+                    (a, self.value(getattr(value, a), f"{value.__name__}.{a}"))
+                    for a in names
+                    if hasattr(value, a)
+                ]
                 reads.append((name, ["module", value.__name__, attrs]))
             else:
                 reads.append((name, self.value(value, f"{here}: global {name}")))
@@ -356,15 +499,33 @@ class _Canon:
                 cells.append(["empty cell"])
                 continue
             cells.append(self.value(contents, f"{here}: closure {fn.__code__.co_freevars[i]}"))
-        return ["function", module, fn.__qualname__, self._code(fn.__code__, here),
-                self.value(fn.__defaults__, f"{here}: defaults"),
-                self.value(fn.__kwdefaults__, f"{here}: keyword defaults"), cells, reads]
+        return [
+            "function",
+            module,
+            fn.__qualname__,
+            self._code(fn.__code__, here),
+            self.value(fn.__defaults__, f"{here}: defaults"),
+            self.value(fn.__kwdefaults__, f"{here}: keyword defaults"),
+            cells,
+            reads,
+        ]
 
     def _code(self, code: types.CodeType, where: str):
-        return ["code", code.co_name, code.co_argcount, code.co_posonlyargcount, code.co_kwonlyargcount,
-                code.co_flags, code.co_code.hex(), getattr(code, "co_exceptiontable", b"").hex(),
-                [self.value(c, where) for c in code.co_consts], list(code.co_names), list(code.co_varnames),
-                list(code.co_freevars), list(code.co_cellvars)]
+        return [
+            "code",
+            code.co_name,
+            code.co_argcount,
+            code.co_posonlyargcount,
+            code.co_kwonlyargcount,
+            code.co_flags,
+            code.co_code.hex(),
+            getattr(code, "co_exceptiontable", b"").hex(),
+            [self.value(c, where) for c in code.co_consts],
+            list(code.co_names),
+            list(code.co_varnames),
+            list(code.co_freevars),
+            list(code.co_cellvars),
+        ]
 
 
 def _names(code: types.CodeType) -> set[str]:
@@ -377,20 +538,26 @@ def _names(code: types.CodeType) -> set[str]:
 
 
 def _tokenizer(obj) -> bool:
-    """A Hugging Face tokenizer (or a ``tokenizers.Tokenizer``): identified by its whole definition."""
+    """A Hugging Face tokenizer (or a ``tokenizers.Tokenizer``): identified by its whole
+    definition."""
     mro = type(obj).__mro__
-    return any(c.__name__ == "PreTrainedTokenizerBase" for c in mro) or \
-        type(obj).__module__.partition(".")[0] == "tokenizers"
+    return (
+        any(c.__name__ == "PreTrainedTokenizerBase" for c in mro)
+        or type(obj).__module__.partition(".")[0] == "tokenizers"
+    )
 
 
-# ---- tokenizers ------------------------------------------------------------------------------------------
+# ---- tokenizers
+# ------------------------------------------------------------------------------------------
 def tokenizer_definition(tok) -> str:
-    """16 hex digits of everything that decides how ``tok`` (a chat tokenizer, or the Hugging Face tokenizer it
-    wraps) encodes: a fast tokenizer's whole definition (``backend_tokenizer.to_str()``: normalizer,
-    pre-tokenizer, model with its vocabulary and merges, post-processor), a slow one's state (its
-    SentencePiece model, vocabulary and BPE ranks), and either's added and special tokens and chat template.
-    Two tokenizers that differ in any of it (merges, a pre-tokenizer rule) get two keys. Computed once per
-    tokenizer object (a real tokenizer's definition is megabytes of JSON; the key is asked for every shard)."""
+    """16 hex digits of everything that decides how ``tok`` (a chat tokenizer, or the Hugging Face
+    tokenizer it wraps) encodes: a fast tokenizer's whole definition
+    (``backend_tokenizer.to_str()``: normalizer, pre-tokenizer, model with its vocabulary and
+    merges, post-processor), a slow one's state (its SentencePiece model, vocabulary and BPE ranks),
+    and either's added and special tokens and chat template. Two tokenizers that differ in any of it
+    (merges, a pre-tokenizer rule) get two keys. Computed once per
+    tokenizer object (a real tokenizer's definition is megabytes of JSON; the key is asked for every
+    shard)."""
     inner = getattr(tok, "tokenizer", tok)
     for known, digest in _DEFINITIONS:
         if known is inner:
@@ -401,7 +568,8 @@ def tokenizer_definition(tok) -> str:
 
 
 _DEFINITIONS: list[tuple[object, str]] = []
-"""The last few tokenizers asked about and their :func:`tokenizer_definition` (held, so identity stays valid)."""
+"""The last few tokenizers asked about and their :func:`tokenizer_definition` (held, so identity
+stays valid)."""
 
 
 def _definition_digest(inner) -> str:
@@ -420,9 +588,14 @@ def _definition_digest(inner) -> str:
         ranks = getattr(inner, "bpe_ranks", None)
         if isinstance(ranks, dict):
             parts["merges"] = sorted((" ".join(map(str, k)), v) for k, v in ranks.items())
-        if len(parts) == 1:  # no Hugging Face tokenizer: its plain settings (never an object's address)
-            parts["object"] = [(k, repr(v)) for k, v in sorted(getattr(inner, "__dict__", {}).items())
-                               if " at 0x" not in repr(v)]
+        if (
+            len(parts) == 1
+        ):  # no Hugging Face tokenizer: its plain settings (never an object's address)
+            parts["object"] = [
+                (k, repr(v))
+                for k, v in sorted(getattr(inner, "__dict__", {}).items())
+                if " at 0x" not in repr(v)
+            ]
     added = getattr(inner, "added_tokens_decoder", None)
     if isinstance(added, dict):
         parts["added"] = sorted((int(i), str(t)) for i, t in added.items())

@@ -2,11 +2,12 @@
 node-local cache.
 
 The CP ranks of one DP group load the same micro-batches (each keeps its own CP shard of them), so
-without sharing every rank decodes and processes every image. :class:`SharedMediaTransform` wraps the
-sample transform (e.g. :class:`~prealign.loaders.media.vlm.VLMSampleTransform`); for each sample the first
-process of the group to get there *claims* it, transforms it and publishes the result; the others
-read the result instead of computing it (the folder protocol is :mod:`prealign.loaders.handoff.share_folder`'s,
-shared with :class:`~prealign.loaders.handoff.batch_share.BatchShare`, which shares whole collated micro-batches
+without sharing every rank decodes and processes every image. :class:`SharedMediaTransform` wraps
+the sample transform (e.g. :class:`~prealign.loaders.media.vlm.VLMSampleTransform`); for each sample
+the first process of the group to get there *claims* it, transforms it and publishes the result; the
+others read the result instead of computing it (the folder protocol is
+:mod:`prealign.loaders.handoff.share_folder`'s, shared with
+:class:`~prealign.loaders.handoff.batch_share.BatchShare`, which shares whole collated micro-batches
 and also saves the shard reads and collation):
 
     cache dir (node-local, e.g. /dev/shm/prealign-media-<digest of run>)
@@ -18,29 +19,32 @@ and also saves the shard reads and collation):
 
 ``h`` is a digest of ``run``, the wrapped transform's configuration (its fingerprint,
 :mod:`~prealign.loaders.handoff.fingerprint`: its code, the globals it reads and its state, or
-``transform_key``; a transform holding what has no stable form is refused) and the raw sample (its ``__key__``, ``__url__`` and every member's bytes):
-a changed file never reuses a stale result. It holds no epoch: a result is deleted once every peer has
-read it, so each epoch computes afresh, and a peer far behind still finds it (or computes it). A
-transform with ``compact``/``expand`` (``VLMSampleTransform``: uint8 resized patches instead of float32
-``pixel_values``, 1/8 of the bytes) publishes the compact form; every rank expands it itself.
+``transform_key``; a transform holding what has no stable form is refused) and the raw sample (its
+``__key__``, ``__url__`` and every member's bytes): a changed file never reuses a stale result. It
+holds no epoch: a result is deleted once every peer has read it, so each epoch computes afresh, and
+a peer far behind still finds it (or computes it). A transform with ``compact``/``expand``
+(``VLMSampleTransform``: uint8 resized patches instead of float32 ``pixel_values``, 1/8 of the
+bytes) publishes the compact form; every rank expands it itself.
 
 No deadlock: a waiter polls with a short backoff and computes the sample itself when the claimer's
-process is gone (nobody holds the claim's lock: a killed or restarted worker), when the claim is older than
-``timeout`` seconds (a slow rank), or when the cache cannot be written. Outputs never depend on who
-computed them (the transform is deterministic), so batches are the same as without sharing on every
-rank and resuming is exactly the loader's own. Results nobody read (a peer that died, or an index pass
-split over ranks) are deleted after ``ttl`` seconds by the next sweep.
+process is gone (nobody holds the claim's lock: a killed or restarted worker), when the claim is
+older than ``timeout`` seconds (a slow rank), or when the cache cannot be written. Outputs never
+depend on who computed them (the transform is deterministic), so batches are the same as without
+sharing on every rank and resuming is exactly the loader's own. Results nobody read (a peer that
+died, or an index pass split over ranks) are deleted after ``ttl`` seconds by the next sweep.
 
 Limits:
 - node-local (``/dev/shm``): a CP group spanning nodes shares within each node (each node's part of
   the group computes each sample once; correctness is unaffected).
 - the peers must wrap the same transform configuration and agree on ``run`` and ``cp_size`` (``run``
-  should name the job and the DP rank: DP peers load other samples, sharing with them only wastes writes).
+  should name the job and the DP rank: DP peers load other samples, sharing with them only wastes
+  writes).
 - the peers must share the cache's file system (one ``/dev/shm``); PID namespaces do not matter (the
   liveness check is a ``flock``, see ``PROTOCOL.md``).
 - workers of one rank never share with each other (they load different micro-batches); the CPU saved
   is the transform's: reading the shards, collation and the worker hand-off stay per rank.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -67,13 +71,13 @@ class SharedMediaTransform:
 
     Args:
         transform: the sample transform (deterministic: the same raw sample gives the same output).
-        run: a name the CP peers agree on (e.g. the job id plus the DP rank); part of every cache key.
-        cp_rank, cp_size: this rank's place in its CP group (``cp_size == 1``: no sharing at all).
-        cache_dir: node-local directory (default ``/dev/shm`` when present, else the temp dir).
-        timeout: seconds a claim is honoured before a waiter computes the sample itself.
+        run: a name the CP peers agree on (e.g. the job id plus the DP rank); part of every cache
+        key. cp_rank, cp_size: this rank's place in its CP group (``cp_size == 1``: no sharing at
+        all). cache_dir: node-local directory (default ``/dev/shm`` when present, else the temp
+        dir). timeout: seconds a claim is honoured before a waiter computes the sample itself.
         ttl: seconds after which unread results and stale claims are swept.
-        transform_key: names ``transform``'s configuration in the keys instead of its fingerprint (needed
-            only for a transform holding what has no stable form: an open file, a socket).
+        transform_key: names ``transform``'s configuration in the keys instead of its fingerprint
+            (needed only for a transform holding what has no stable form: an open file, a socket).
 
     Use it as the source's transform; nothing else changes::
 
@@ -96,24 +100,40 @@ class SharedMediaTransform:
         for name in ("cp_rank", "cp_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ConfigError(f"SharedMediaTransform.{name}: expected an int >= 0, got {value!r}")
+                raise ConfigError(
+                    f"SharedMediaTransform.{name}: expected an int >= 0, got {value!r}"
+                )
         if self.cp_size < 1 or self.cp_rank >= self.cp_size:
-            raise ConfigError(f"SharedMediaTransform: expected 0 <= cp_rank < cp_size, got cp_rank={self.cp_rank}, "
-                              f"cp_size={self.cp_size}")
+            raise ConfigError(
+                f"SharedMediaTransform: expected 0 <= cp_rank < cp_size, got "
+                f"cp_rank={self.cp_rank}, "
+                f"cp_size={self.cp_size}"
+            )
         if not isinstance(self.run, str) or not self.run:
-            raise ConfigError(f"SharedMediaTransform.run: expected a non-empty str, got {self.run!r}")
+            raise ConfigError(
+                f"SharedMediaTransform.run: expected a non-empty str, got {self.run!r}"
+            )
         if not (self.timeout > 0 and self.ttl > self.timeout):
-            raise ConfigError(f"SharedMediaTransform: expected timeout > 0 and ttl > timeout, got timeout="
-                              f"{self.timeout}, ttl={self.ttl}")
+            raise ConfigError(
+                f"SharedMediaTransform: expected timeout > 0 and ttl > timeout, got timeout="
+                f"{self.timeout}, ttl={self.ttl}"
+            )
         if self.cp_size > 1:  # taken once, here: the workers get it as a string
-            object.__setattr__(self, "_config", transform_fingerprint(self.transform, owner="SharedMediaTransform",
-                                                                      key=self.transform_key))
+            object.__setattr__(
+                self,
+                "_config",
+                transform_fingerprint(
+                    self.transform, owner="SharedMediaTransform", key=self.transform_key
+                ),
+            )
 
     def identity_fields(self) -> dict[str, str]:
-        """The wrapped transform's (:mod:`~prealign.loaders.handoff.identity`): sharing changes no result."""
+        """The wrapped transform's (:mod:`~prealign.loaders.handoff.identity`): sharing changes no
+        result."""
         return identity_fields(self.transform)
 
-    # public attributes of the wrapped transform (processor, vision, spatial_merge_size, ...) stay reachable
+    # public attributes of the wrapped transform (processor, vision, spatial_merge_size, ...) stay
+    # reachable
     def __getattr__(self, name: str):
         if name.startswith("__") or name == "transform":
             raise AttributeError(name)
@@ -122,14 +142,19 @@ class SharedMediaTransform:
     @property
     def directory(self) -> str:
         """The cache directory of this run (created on first use)."""
-        base = self.cache_dir or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
+        base = self.cache_dir or (
+            "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        )
         run = hashlib.blake2b(self.run.encode(), digest_size=8).hexdigest()
         return os.path.join(base, f"prealign-media-{run}")
 
     def key(self, raw: dict) -> str:
-        """Digest of the run, the transform's configuration, the sample's name and every member's bytes
+        """Digest of the run, the transform's configuration, the sample's name and every member's
+        bytes
         (same input and configuration -> same key)."""
-        h = hashlib.blake2b(self.run.encode() + b"\0" + self._config.encode() + b"\0", digest_size=16)
+        h = hashlib.blake2b(
+            self.run.encode() + b"\0" + self._config.encode() + b"\0", digest_size=16
+        )
         for name in sorted(raw):
             value = raw[name]
             h.update(name.encode() + b"\0")
@@ -145,8 +170,15 @@ class SharedMediaTransform:
         return h.hexdigest()
 
     def _folder(self) -> SharedFolder:
-        return SharedFolder(self.directory, self.cp_rank, self.cp_size, timeout=self.timeout, ttl=self.ttl,
-                            stats=self.stats, owner="SharedMediaTransform")
+        return SharedFolder(
+            self.directory,
+            self.cp_rank,
+            self.cp_size,
+            timeout=self.timeout,
+            ttl=self.ttl,
+            stats=self.stats,
+            owner="SharedMediaTransform",
+        )
 
     def __call__(self, raw: dict) -> dict:
         if self.cp_size == 1:

@@ -1,29 +1,31 @@
-"""Recycled shared-memory slots: how a DataLoader worker hands batches to its main process (and, through
-:mod:`~prealign.loaders.handoff.batch_share`, to its CP peers) without fresh memory per batch.
+"""Recycled shared-memory slots: how a DataLoader worker hands batches to its main process (and,
+through :mod:`~prealign.loaders.handoff.batch_share`, to its CP peers) without fresh memory per
+batch.
 
-A fresh shared-memory segment per batch (what torch does for every tensor a worker returns) costs a page
-fault per 4 KiB page on both sides: on a VM about 0.7 ms per MB, more than copying the pixels. A worker
-instead keeps a small pool of shared files (``memfd``, or ``slot-<pid>-<n>`` in a folder when the slot is
-to be published under another name, removed when the process exits and swept once it is dead: an
-``O_TMPFILE`` could be linked only once), allocated up front
-(``posix_fallocate``: a full ``/dev/shm`` is an ``OSError``, never a ``SIGBUS``), and writes each batch
-into a free one with ``pwrite``:
+A fresh shared-memory segment per batch (what torch does for every tensor a worker returns) costs a
+page fault per 4 KiB page on both sides: on a VM about 0.7 ms per MB, more than copying the pixels.
+A worker instead keeps a small pool of shared files (``memfd``, or ``slot-<pid>-<n>`` in a folder
+when the slot is to be published under another name, removed when the process exits and swept once
+it is dead: an ``O_TMPFILE`` could be linked only once), allocated up front
+(``posix_fallocate``: a full ``/dev/shm`` is an ``OSError``, never a ``SIGBUS``), and writes each
+batch into a free one with ``pwrite``:
 
     slot file   [0, 4096)  header: magic, holder flags (one byte per CP rank), the key it holds
                 [4096, ..) data: the batch (``transport.pack_batch`` layout or a share record)
 
-The worker sets the holder flag of every rank that will map the slot; each holder's main process maps it
-(private, copy-on-write: its in-place writes never reach the slot) and clears its flag when the last
-tensor viewing it is freed. The worker reuses a slot only when every flag is clear, so a batch still held
-by a training loop is never overwritten; when every slot is held it makes a new one. The pool keeps track
-of the slots it made, held or free (up to ``files``: past that the oldest held one lives on in its
-holders' mappings only); their bytes, over all of a process's pools, stay under :func:`shm_cap`: past it,
-taking a slot is a :class:`~prealign.loaders.errors.ShmBudgetError` and the caller copies instead. The
-whole protocol: ``PROTOCOL.md`` beside this file.
+The worker sets the holder flag of every rank that will map the slot; each holder's main process
+maps it (private, copy-on-write: its in-place writes never reach the slot) and clears its flag when
+the last tensor viewing it is freed. The worker reuses a slot only when every flag is clear, so a
+batch still held by a training loop is never overwritten; when every slot is held it makes a new
+one. The pool keeps track of the slots it made, held or free (up to ``files``: past that the oldest
+held one lives on in its holders' mappings only); their bytes, over all of a process's pools, stay
+under :func:`shm_cap`: past it, taking a slot is a :class:`~prealign.loaders.errors.ShmBudgetError`
+and the caller copies instead. The whole protocol: ``PROTOCOL.md`` beside this file.
 
 Handing a slot over pickles a duplicate of its file descriptor (as torch does for its own shared
 tensors): only file descriptors and plain data cross the process boundary.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -53,7 +55,8 @@ _KEY_MAX = 1024
 
 
 class Slot:
-    """One pooled shared file ``fd`` (named ``path``, or unnamed) with room for ``capacity`` data bytes
+    """One pooled shared file ``fd`` (named ``path``, or unnamed) with room for ``capacity`` data
+    bytes
     after the header page."""
 
     def __init__(self, fd: int, path: str | None, capacity: int):
@@ -63,7 +66,8 @@ class Slot:
         self.grow(capacity)
 
     def grow(self, capacity: int) -> None:
-        """Room for ``capacity`` data bytes, allocated now (``OSError`` when the file system is full)."""
+        """Room for ``capacity`` data bytes, allocated now (``OSError`` when the file system is
+        full)."""
         capacity = pages(capacity)
         if capacity > self.capacity:
             os.posix_fallocate(self.fd, 0, HEADER + capacity)
@@ -74,7 +78,8 @@ class Slot:
         return write_at(self.fd, parts, HEADER)
 
     def free(self) -> bool:
-        """No holder maps it (read through a syscall: the holders clear their flag in the shared page)."""
+        """No holder maps it (read through a syscall: the holders clear their flag in the shared
+        page)."""
         return not any(os.pread(self.fd, MAX_HOLDERS, _FLAGS))
 
     def hold(self, holders) -> None:
@@ -87,7 +92,10 @@ class Slot:
         """Remove the name the slot was published under, if that name is still this slot's file."""
         name, self.published = self.published, None
         try:
-            if name is not None and os.stat(name, follow_symlinks=False).st_ino == os.fstat(self.fd).st_ino:
+            if (
+                name is not None
+                and os.stat(name, follow_symlinks=False).st_ino == os.fstat(self.fd).st_ino
+            ):
                 os.unlink(name)
         except OSError:
             pass
@@ -117,8 +125,10 @@ def pages(nbytes: int) -> int:
 
 
 def write_at(fd: int, parts: list, start: int = 0) -> int:
-    """``parts`` (bytes-like: bytes, uint8 arrays, or ``(offset, bytes-like)`` pairs) written to file ``fd``
-    from byte ``start`` in order, or each at ``start + offset``; returns the bytes spanned after ``start``."""
+    """``parts`` (bytes-like: bytes, uint8 arrays, or ``(offset, bytes-like)`` pairs) written to
+    file ``fd``
+    from byte ``start`` in order, or each at ``start + offset``; returns the bytes spanned after
+    ``start``."""
     end = 0
     for part in parts:
         offset, part = part if isinstance(part, tuple) else (end, part)
@@ -136,11 +146,12 @@ def _key_bytes(key: str) -> bytes:
 
 
 def header(key: str) -> bytes:
-    """The header page of a slot file holding ``key`` with no holder flags (for a record written in one go)."""
+    """The header page of a slot file holding ``key`` with no holder flags (for a record written in
+    one go)."""
     out = bytearray(HEADER)
-    out[:len(_MAGIC)] = _MAGIC
+    out[: len(_MAGIC)] = _MAGIC
     raw = _key_bytes(key)
-    out[_KEY:_KEY + len(raw)] = raw
+    out[_KEY : _KEY + len(raw)] = raw
     return bytes(out)
 
 
@@ -149,16 +160,18 @@ def is_slot_file(fd: int) -> bool:
 
 
 def hold(fd: int, holder: int) -> None:
-    """Set holder flag ``holder`` of slot file ``fd`` (before reading its key, inside :func:`key_lock`)."""
+    """Set holder flag ``holder`` of slot file ``fd`` (before reading its key, inside
+    :func:`key_lock`)."""
     os.pwrite(fd, b"\1", _FLAGS + holder)
 
 
 @contextlib.contextmanager
 def key_lock(fd: int, exclusive: bool):
-    """Orders a reader's "set my flag, then read the key" (or reading a copy while the key holds) against the
-    pool's "clear the key, then test the flags": an open-file-description lock (``F_OFD_SETLKW``, shared for
-    readers, exclusive for the pool) on the key's first byte. Without it each side's store could pass its
-    own later load (store-load reordering) and both would go ahead. Per open file, across processes,
+    """Orders a reader's "set my flag, then read the key" (or reading a copy while the key holds)
+    against the pool's "clear the key, then test the flags": an open-file-description lock
+    (``F_OFD_SETLKW``, shared for readers, exclusive for the pool) on the key's first byte. Without
+    it each side's store could pass its own later load (store-load reordering) and both would go
+    ahead. Per open file, across processes,
     independent of the ``flock`` of :func:`named_in`; the kernel drops it when a holder dies."""
     op = getattr(fcntl, "F_OFD_SETLKW", None)
     if op is None:  # (not Linux: no slots either; a record is then only ever read as a copy)
@@ -180,14 +193,15 @@ def key_of(fd: int) -> str:
     """The key a slot file holds (``""`` when none or being rewritten)."""
     head = os.pread(fd, 8 + _KEY_MAX, _KEY)
     n = min(int.from_bytes(head[:8], "little"), _KEY_MAX)
-    return head[8:8 + n].decode(errors="replace")
+    return head[8 : 8 + n].decode(errors="replace")
 
 
 class SlotPool:
-    """The slots of one process. ``make_fd()`` -> ``(fd, path)``: a new shared file and its name (None:
-    unnamed); default a ``memfd``; :func:`named_in` for slots that can be published under another name.
-    ``cap``: free slots kept for reuse; ``files``: slots it keeps track of (free or held: the oldest held
-    one is let go past that, living on in its holders' mappings); ``limit``: bytes of this process's
+    """The slots of one process. ``make_fd()`` -> ``(fd, path)``: a new shared file and its name
+    (None: unnamed); default a ``memfd``; :func:`named_in` for slots that can be published under
+    another name. ``cap``: free slots kept for reuse; ``files``: slots it keeps track of (free or
+    held: the oldest held one is let go past that, living on in its holders' mappings); ``limit``:
+    bytes of this process's
     tracked slots (every pool's), default :func:`shm_cap`."""
 
     def __init__(self, make_fd=None, cap: int = 6, *, files: int = 32, limit: int | None = None):
@@ -201,13 +215,14 @@ class SlotPool:
         return sum(HEADER + s.capacity for s in self.slots)
 
     def take(self, nbytes: int) -> Slot:
-        """A free slot with room for ``nbytes`` (the largest free one, grown; else a new one). A reused
-        slot first loses its published name and key, and is given up if a reader took hold of it in the
-        meantime (:func:`key_lock`: the reader then sees the key gone). Past the byte cap: a
+        """A free slot with room for ``nbytes`` (the largest free one, grown; else a new one). A
+        reused slot first loses its published name and key, and is given up if a reader took hold of
+        it in the meantime (:func:`key_lock`: the reader then sees the key gone). Past the byte cap:
+        a
         :class:`~prealign.loaders.errors.ShmBudgetError`, nothing made."""
         while True:
             free = [s for s in self.slots if s.free()]
-            for extra in sorted(free, key=lambda s: s.capacity)[:max(len(free) - self.cap, 0)]:
+            for extra in sorted(free, key=lambda s: s.capacity)[: max(len(free) - self.cap, 0)]:
                 free.remove(extra)  # idle beyond what is kept for reuse: the smallest go
                 self._drop(extra)
             if not free:
@@ -220,8 +235,12 @@ class SlotPool:
                     if path is not None:
                         os.unlink(path)
                     raise
-                if len(self.slots) >= self.files:  # the oldest held one lives on in its holders' mappings
-                    self._drop(self.slots[0])  # unpublished too: a peer that never read it (it fell back)
+                if (
+                    len(self.slots) >= self.files
+                ):  # the oldest held one lives on in its holders' mappings
+                    self._drop(
+                        self.slots[0]
+                    )  # unpublished too: a peer that never read it (it fell back)
                     # keeps no name of it alive in /dev/shm, uncounted, until the sweep
                 break
             slot = max(free, key=lambda s: s.capacity)
@@ -229,7 +248,9 @@ class SlotPool:
             with key_lock(slot.fd, exclusive=True):
                 slot.set_key("")
                 still_free = slot.free()
-            if still_free:  # (an OSError growing it: it stays pooled, and free, for a smaller batch)
+            if (
+                still_free
+            ):  # (an OSError growing it: it stays pooled, and free, for a smaller batch)
                 self._fits(pages(nbytes) - slot.capacity, slot)
                 slot.grow(nbytes)
                 self.slots.remove(slot)
@@ -239,15 +260,18 @@ class SlotPool:
         return slot
 
     def _fits(self, extra: int, keep) -> None:
-        """Room for ``extra`` more bytes under the limit, made by dropping free slots (other than ``keep``)
+        """Room for ``extra`` more bytes under the limit, made by dropping free slots (other than
+        ``keep``)
         if need be; else :class:`~prealign.loaders.errors.ShmBudgetError`."""
         if extra <= 0:
             return
         idle = [s for s in self.slots if s is not keep and s.free()]
         while _process_bytes(self) + extra > self.limit:
             if not idle:
-                raise ShmBudgetError(f"a slot of {extra} more bytes would take this process past its shared-"
-                                     f"memory cap of {self.limit} bytes (PREALIGN_SHM_CAP)")
+                raise ShmBudgetError(
+                    f"a slot of {extra} more bytes would take this process past its shared-"
+                    f"memory cap of {self.limit} bytes (PREALIGN_SHM_CAP)"
+                )
             self._drop(idle.pop())
 
     def _drop(self, slot: Slot) -> None:
@@ -269,7 +293,8 @@ _cap_in_this_process: int | None = None
 
 
 def init_worker(worker_id: int | None = None, *, shm_cap: int | None = None) -> None:
-    """The loaders' DataLoader ``worker_init_fn``: :func:`worker_heap`, and this worker's shared-memory cap
+    """The loaders' DataLoader ``worker_init_fn``: :func:`worker_heap`, and this worker's
+    shared-memory cap
     (``LoadingOptions.shm_cap``; None keeps :func:`shm_cap`'s default)."""
     global _cap_in_this_process
     worker_heap(worker_id)
@@ -277,8 +302,9 @@ def init_worker(worker_id: int | None = None, *, shm_cap: int | None = None) -> 
 
 
 def shm_cap() -> int:
-    """Bytes of slots one process may hold: the loader's ``LoadingOptions.shm_cap`` in its workers, else
-    ``PREALIGN_SHM_CAP`` (bytes) when set, else the smaller of 1 GiB and 1/8 of ``/dev/shm`` (Docker's
+    """Bytes of slots one process may hold: the loader's ``LoadingOptions.shm_cap`` in its workers,
+    else ``PREALIGN_SHM_CAP`` (bytes) when set, else the smaller of 1 GiB and 1/8 of ``/dev/shm``
+    (Docker's
     default 64 MB gives 8 MB: the rest stays for torch's own hand-off and the peers)."""
     if _cap_in_this_process is not None:
         return _cap_in_this_process
@@ -301,13 +327,17 @@ def shm_cap() -> int:
 def _process_bytes(pool: SlotPool) -> int:
     """Bytes held by this process's pools, ``pool`` included (registered or not)."""
     me = os.getpid()
-    return pool.nbytes() + sum(p.nbytes() for (pid, _), p in _pools.items() if pid == me and p is not pool)
+    return pool.nbytes() + sum(
+        p.nbytes() for (pid, _), p in _pools.items() if pid == me and p is not pool
+    )
 
 
 def pool(kind: object = None, make_fd=None, cap: int = 6) -> SlotPool:
-    """This process's pool for ``kind`` (a fork starts with none of its parent's). Its named slots are
-    removed when the process exits (a DataLoader worker exits through multiprocessing, which runs
-    ``Finalize`` callbacks, not ``atexit``); those of a killed process by a sweep (:func:`abandoned`)."""
+    """This process's pool for ``kind`` (a fork starts with none of its parent's). Its named slots
+    are removed when the process exits (a DataLoader worker exits through multiprocessing, which
+    runs
+    ``Finalize`` callbacks, not ``atexit``); those of a killed process by a sweep
+    (:func:`abandoned`)."""
     key = (os.getpid(), kind)
     if key not in _pools:
         from multiprocessing.util import Finalize
@@ -330,15 +360,18 @@ _numbers = itertools.count()
 
 
 def named_in(directory: str):
-    """``make_fd`` of a pool whose slots are ``slot-<pid>-<n>`` in ``directory`` (publishable there), each
-    held with a shared ``flock`` for as long as its process keeps it open: the kernel drops the lock when
-    the process dies, which is what a folder's sweep looks for (:func:`abandoned`; no pid involved, so
+    """``make_fd`` of a pool whose slots are ``slot-<pid>-<n>`` in ``directory`` (publishable
+    there), each held with a shared ``flock`` for as long as its process keeps it open: the kernel
+    drops the lock when the process dies, which is what a folder's sweep looks for
+    (:func:`abandoned`; no pid involved, so
     PID namespaces and reused pids cannot fool it)."""
+
     def make_fd() -> tuple[int, str]:
         path = os.path.join(directory, f"{_SLOT_PREFIX}{os.getpid()}-{next(_numbers)}")
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | getattr(os, "O_NOFOLLOW", 0), 0o600)
         fcntl.flock(fd, fcntl.LOCK_SH)
         return fd, path
+
     return make_fd
 
 
@@ -362,7 +395,8 @@ def abandoned(path: str) -> bool:
 
 
 def try_lock(fd: int) -> bool:
-    """Take an exclusive ``flock`` of ``fd`` if nobody holds one (a holder's lock goes when it dies)."""
+    """Take an exclusive ``flock`` of ``fd`` if nobody holds one (a holder's lock goes when it
+    dies)."""
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
@@ -371,9 +405,10 @@ def try_lock(fd: int) -> bool:
 
 
 def worker_heap(worker_id: int | None = None) -> None:
-    """Keep freed heap memory in this (worker) process for the next batch instead of returning it to the
-    kernel: a batch's large temporaries (``torch.cat`` of pixels) then reuse pages instead of faulting in
-    fresh ones (about 6x faster on a VM). glibc only; elsewhere nothing happens. The loaders' DataLoader
+    """Keep freed heap memory in this (worker) process for the next batch instead of returning it to
+    the kernel: a batch's large temporaries (``torch.cat`` of pixels) then reuse pages instead of
+    faulting in fresh ones (about 6x faster on a VM). glibc only; elsewhere nothing happens. The
+    loaders' DataLoader
     ``worker_init_fn``."""
     try:
         mallopt = ctypes.CDLL("libc.so.6").mallopt
@@ -386,9 +421,10 @@ def worker_heap(worker_id: int | None = None) -> None:
 
 @dataclass(frozen=True)
 class SlotRef:
-    """A slot as sent to a main process: ``fd`` (its own duplicate, closed with this object; duplicated
-    again when pickled), ``nbytes`` of data, the holder flag ``holder`` to clear when released, and what
-    to build from it (``build(buffer)`` in the receiver, ``buffer`` uint8 ``[nbytes]`` privately mapped).
+    """A slot as sent to a main process: ``fd`` (its own duplicate, closed with this object;
+    duplicated again when pickled), ``nbytes`` of data, the holder flag ``holder`` to clear when
+    released, and what to build from it (``build(buffer)`` in the receiver, ``buffer`` uint8
+    ``[nbytes]`` privately mapped).
     Make one with :func:`send`."""
 
     fd: int
@@ -403,8 +439,9 @@ class SlotRef:
 
 
 def send(slot: "Slot | int", nbytes: int, holder: int, build) -> SlotRef:
-    """A :class:`SlotRef` for the first ``nbytes`` of ``slot`` (a :class:`Slot` or a slot file's fd): it owns
-    a duplicate of the file descriptor, so the pool may drop the slot (or the caller close its fd) before
+    """A :class:`SlotRef` for the first ``nbytes`` of ``slot`` (a :class:`Slot` or a slot file's
+    fd): it owns a duplicate of the file descriptor, so the pool may drop the slot (or the caller
+    close its fd) before
     the DataLoader's queue thread pickles the reference."""
     fd = os.dup(slot if isinstance(slot, int) else slot.fd)
     ref = SlotRef(fd, nbytes, holder, build)
@@ -413,23 +450,36 @@ def send(slot: "Slot | int", nbytes: int, holder: int, build) -> SlotRef:
 
 
 def _receive(dup, nbytes: int, holder: int, build):
-    """Runs while the DataLoader unpickles a worker's batch: an error mapping or building it is returned as a
-    :class:`~prealign.loaders.handoff.share_folder.ShareRecordError` (raised by the loader with its context), never
+    """Runs while the DataLoader unpickles a worker's batch: an error mapping or building it is
+    returned as a :class:`~prealign.loaders.handoff.share_folder.ShareRecordError` (raised by the
+    loader with its context), never
     raised inside torch's queue handling (the batch and the iterator would be lost)."""
 
-    fd = dup.detach()  # fails when the worker died: torch's loader then reports the dead worker itself
+    fd = (
+        dup.detach()
+    )  # fails when the worker died: torch's loader then reports the dead worker itself
     try:
         return build(map_slot(fd, nbytes, holder))
-    except (OSError, ValueError, TypeError, LookupError, PrealignError) as exc:  # (not torch's RuntimeError, which its
-        # SIGCHLD handler raises wherever the main thread is when a worker dies: the loader handles that one)
-        return ShareRecordError(f"a batch from a DataLoader worker could not be mapped or built in the "
-                                f"main process ({type(exc).__name__}: {exc})")
+    except (
+        OSError,
+        ValueError,
+        TypeError,
+        LookupError,
+        PrealignError,
+    ) as exc:  # (not torch's RuntimeError, which its
+        # SIGCHLD handler raises wherever the main thread is when a worker dies: the loader handles
+        # that one)
+        return ShareRecordError(
+            f"a batch from a DataLoader worker could not be mapped or built in the "
+            f"main process ({type(exc).__name__}: {exc})"
+        )
 
 
 def map_slot(fd: int, nbytes: int, holder: int) -> torch.Tensor:
-    """uint8 ``[nbytes]``: the data of slot file ``fd`` mapped privately (copy-on-write), plus its header
-    page shared; ``fd`` is closed here (a held batch costs two mappings, no open file). When the last
-    tensor viewing the data is freed, holder flag ``holder`` is cleared and both are unmapped. (mmap
+    """uint8 ``[nbytes]``: the data of slot file ``fd`` mapped privately (copy-on-write), plus its
+    header page shared; ``fd`` is closed here (a held batch costs two mappings, no open file). When
+    the last tensor viewing the data is freed, holder flag ``holder`` is cleared and both are
+    unmapped. (mmap
     through libc: Python's ``mmap`` keeps a duplicate fd open per mapping.)"""
     length = HEADER + nbytes
     try:
@@ -441,10 +491,15 @@ def map_slot(fd: int, nbytes: int, holder: int) -> torch.Tensor:
             raise
     finally:
         os.close(fd)
-    whole = np.frombuffer((ctypes.c_ubyte * nbytes).from_address(data + HEADER), dtype=np.uint8) if nbytes \
+    whole = (
+        np.frombuffer((ctypes.c_ubyte * nbytes).from_address(data + HEADER), dtype=np.uint8)
+        if nbytes
         else np.zeros(0, dtype=np.uint8)
+    )
     release = weakref.finalize(whole, _release, os.getpid(), data, length, head, holder)
-    release.atexit = False  # at exit the mappings go anyway; a forked child's exit must not clear the flag
+    release.atexit = (
+        False  # at exit the mappings go anyway; a forked child's exit must not clear the flag
+    )
     return torch.from_numpy(whole)
 
 
@@ -469,11 +524,19 @@ def _map(fd: int, length: int, flags: int) -> int:
 def _libc():
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.mmap.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_long,
+    ]
     libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
     return libc
 
 
 def available() -> bool:
-    """Slots need ``memfd_create`` (Linux); elsewhere batches go through torch's own shared memory."""
+    """Slots need ``memfd_create`` (Linux); elsewhere batches go through torch's own shared
+    memory."""
     return hasattr(os, "memfd_create")

@@ -1,14 +1,17 @@
-"""The one place an index is assembled: the bad-data policy and the fixed-dims rule applied to the records of
-a stream of samples, whichever way they were read (the in-process pass, a sidecar per shard, one merged
-index; the streaming loader applies the same :class:`FixedDims` rule sample by sample).
+"""The one place an index is assembled: the bad-data policy and the fixed-dims rule applied to the
+records of a stream of samples, whichever way they were read (the in-process pass, a sidecar per
+shard, one merged index; the streaming loader applies the same :class:`FixedDims` rule sample by
+sample).
 
     per-sample pass ─records_of_results─────┐
     per-shard sidecars ─records_of_sidecars─┼─► Records
-    merged index ─Records(...)──────────────┘      ─► apply_policy(records, policy, schema) ─► SampleIndex
+    merged index ─Records(...)──────────────┘
+        ─► apply_policy(records, policy, schema) ─► SampleIndex
 
-:class:`Records` is columnar: the good rows as arrays, the bad and skipped records by stream position, so a
-policy costs per data signature and per bad record, never per sample.
+:class:`Records` is columnar: the good rows as arrays, the bad and skipped records by stream
+position, so a policy costs per data signature and per bad record, never per sample.
 """
+
 from __future__ import annotations
 
 import json
@@ -46,10 +49,11 @@ class Records:
 
 
 class FixedDims:
-    """The rule that keeps every micro-batch collatable: the first accepted sample with a named dense dim
-    (``K`` of a top-k field, a field's dtype) fixes it, and the first with optional fields fixes which it has; a
-    later sample with another size is bad data (``dim_mismatch``), one with other optional fields too
-    (``field_mismatch``). :meth:`admit` is called in stream order (a sample, or the first sample of a data
+    """The rule that keeps every micro-batch collatable: the first accepted sample with a named
+    dense dim (``K`` of a top-k field, a field's dtype) fixes it, and the first with optional fields
+    fixes which it has; a later sample with another size is bad data (``dim_mismatch``), one with
+    other optional fields too (``field_mismatch``). :meth:`admit` is called in stream order (a
+    sample, or the first sample of a data
     signature: the verdict of a signature never changes later, since what is fixed only grows)."""
 
     def __init__(self, schema: BatchSchema | None = None):
@@ -61,24 +65,42 @@ class FixedDims:
         return dict(self.fixed)
 
     def admit(self, dims: dict, who: str) -> Callable[[str], BadSampleError] | None:
-        """None when a sample with ``dims`` fits what is fixed (and fixes what it adds), else a function of a
+        """None when a sample with ``dims`` fits what is fixed (and fixes what it adds), else a
+        function of a
         sample's name giving its :class:`BadSampleError`."""
         dims = dict(dims)
         has = dims.pop(FIELDS_KEY, None)
         if has is not None and self.fields is not None and has != self.fields[0]:
-            mine, first = set(filter(None, has.split(","))), set(filter(None, self.fields[0].split(",")))
-            expected = (f"optional fields {sorted(first)} like the first indexed sample ({self.fields[1]}): a "
-                        f"micro-batch cannot mix samples with and without a field")
-            return lambda sample: BadSampleError(sample=sample, field=sorted(mine ^ first)[0], reason="field_mismatch",
-                                                 expected=expected, actual=f"fields {sorted(mine)}")
+            mine, first = (
+                set(filter(None, has.split(","))),
+                set(filter(None, self.fields[0].split(","))),
+            )
+            expected = (
+                f"optional fields {sorted(first)} like the first indexed sample "
+                f"({self.fields[1]}): a "
+                f"micro-batch cannot mix samples with and without a field"
+            )
+            return lambda sample: BadSampleError(
+                sample=sample,
+                field=sorted(mine ^ first)[0],
+                reason="field_mismatch",
+                expected=expected,
+                actual=f"fields {sorted(mine)}",
+            )
         clash = next((d for d, n in dims.items() if self.fixed.get(d, n) != n), None)
         if clash is not None:
             roles = self.schema.of_role(Role.TOKEN) if self.schema is not None else ()
-            field = next((f.name for f in roles if clash in (*f.leading_shape, *f.dense_shape)), None)
-            expected = f"{clash} = {self.fixed[clash]} (fixed by the first indexed sample with it, {self.fixed_by[clash]})"
+            field = next(
+                (f.name for f in roles if clash in (*f.leading_shape, *f.dense_shape)), None
+            )
+            expected = (
+                f"{clash} = {self.fixed[clash]} (fixed by the first indexed sample with "
+                f"it, {self.fixed_by[clash]})"
+            )
             actual = f"{clash} = {dims[clash]}"
-            return lambda sample: BadSampleError(sample=sample, field=field, reason="dim_mismatch", expected=expected,
-                                                 actual=actual)
+            return lambda sample: BadSampleError(
+                sample=sample, field=field, reason="dim_mismatch", expected=expected, actual=actual
+            )
         if has is not None and self.fields is None:
             self.fields = (has, who)
         for d in dims.keys() - self.fixed.keys():
@@ -86,11 +108,17 @@ class FixedDims:
         return None
 
 
-def apply_policy(records: Records, policy: BadDataPolicy | None, schema: BatchSchema | None, *,
-                 where: Callable[[tuple], str]) -> SampleIndex:
-    """The :class:`SampleIndex` of ``records``: :class:`FixedDims` per data signature (in the order their first
-    samples come), then the bad-data policy over every bad record in stream order (an ok record between two
-    bad ones resets the consecutive count; raises the first bad record's typed error under ``raise``).
+def apply_policy(
+    records: Records,
+    policy: BadDataPolicy | None,
+    schema: BatchSchema | None,
+    *,
+    where: Callable[[tuple], str],
+) -> SampleIndex:
+    """The :class:`SampleIndex` of ``records``: :class:`FixedDims` per data signature (in the order
+    their first samples come), then the bad-data policy over every bad record in stream order (an ok
+    record between two bad ones resets the consecutive count; raises the first bad record's typed
+    error under ``raise``).
     ``where(location)`` names a sample."""
     rule, n = FixedDims(schema), len(records.lengths)
     keep = np.ones(n, bool)
@@ -105,9 +133,13 @@ def apply_policy(records: Records, policy: BadDataPolicy | None, schema: BatchSc
                 continue
             rows = np.flatnonzero(ids == ids[row])
             keep[rows] = False
-            found += [(int(records.good_at[r]),
-                       BadRecord.of_error(refuse(where(tuple(records.locations[r].tolist())))))
-                      for r in rows.tolist()]
+            found += [
+                (
+                    int(records.good_at[r]),
+                    BadRecord.of_error(refuse(where(tuple(records.locations[r].tolist())))),
+                )
+                for r in rows.tolist()
+            ]
     events = records.events if not found else sorted([*records.events, *found], key=lambda e: e[0])
     gate, last = BadDataGate(policy or BadDataPolicy()), -1
     for at, rec in events:
@@ -118,12 +150,19 @@ def apply_policy(records: Records, policy: BadDataPolicy | None, schema: BatchSc
             gate.bad(rec)
         else:  # (an ignored member: counted, never an error)
             gate.report.add(rec)
-    return SampleIndex(lengths=records.lengths[keep], locations=records.locations[keep],
-                       shards=records.shards[keep], report=gate.report, media=records.media[keep], dims=rule.dims)
+    return SampleIndex(
+        lengths=records.lengths[keep],
+        locations=records.locations[keep],
+        shards=records.shards[keep],
+        report=gate.report,
+        media=records.media[keep],
+        dims=rule.dims,
+    )
 
 
 def records_of_results(results: list[dict], width: int) -> Records:
-    """:class:`Records` of :func:`~prealign.loaders.index.build.index_shard` results (the per-sample pass: events
+    """:class:`Records` of :func:`~prealign.loaders.index.build.index_shard` results (the per-sample
+    pass: events
     None in place of each good sample, ``locations`` lists, ``dims`` per shard)."""
     signatures, keys = [], {}
     lengths, locations, shards, media, dim_ids, good_at, events = [], [], [], [], [], [], []
@@ -149,15 +188,22 @@ def records_of_results(results: list[dict], width: int) -> Records:
             pos += 1
     n = len(lengths)
     width = max((len(loc) for loc in locations), default=width)
-    return Records(lengths=np.asarray(lengths, np.int64).reshape(n), locations=np.asarray(locations, np.int64)
-                   .reshape(n, width), shards=np.asarray(shards, np.int64).reshape(n),
-                   media=np.asarray(media, bool).reshape(n), dim_ids=np.asarray(dim_ids, np.int64).reshape(n),
-                   signatures=signatures, good_at=np.asarray(good_at, np.int64).reshape(n), events=events)
+    return Records(
+        lengths=np.asarray(lengths, np.int64).reshape(n),
+        locations=np.asarray(locations, np.int64).reshape(n, width),
+        shards=np.asarray(shards, np.int64).reshape(n),
+        media=np.asarray(media, bool).reshape(n),
+        dim_ids=np.asarray(dim_ids, np.int64).reshape(n),
+        signatures=signatures,
+        good_at=np.asarray(good_at, np.int64).reshape(n),
+        events=events,
+    )
 
 
 def records_of_sidecars(results: list[dict]) -> Records:
-    """:class:`Records` of sidecar records (:func:`~prealign.loaders.index.sidecar.record_of`, made this
-    schema's by :func:`~prealign.loaders.index.build.resolve_signatures`), vectorised: a cost per shard and per
+    """:class:`Records` of sidecar records (:func:`~prealign.loaders.index.sidecar.record_of`, made
+    this schema's by :func:`~prealign.loaders.index.build.resolve_signatures`), vectorised: a cost
+    per shard and per
     bad record."""
     signatures, keys, local = [], {}, []
     for r in results:
@@ -172,22 +218,50 @@ def records_of_sidecars(results: list[dict]) -> Records:
     counts = np.asarray([len(r["lengths"]) for r in results], np.int64)
     records = np.asarray([len(r["events"]) for r in results], np.int64)
     offset = np.concatenate([[0], np.cumsum(records)])
-    events = [(int(offset[i]) + pos, ev) for i, r in enumerate(results)
-              for pos, ev in r.get("bad_events",
-                                   [[p, e] for p, e in enumerate(r["events"]) if e is not None])]
+    events = [
+        (int(offset[i]) + pos, ev)
+        for i, r in enumerate(results)
+        for pos, ev in r.get(
+            "bad_events", [[p, e] for p, e in enumerate(r["events"]) if e is not None]
+        )
+    ]
     is_event = np.zeros(int(offset[-1]), bool)
     is_event[[at for at, _ in events]] = True
     n = int(counts.sum())
 
     def cat(key: str, dtype) -> np.ndarray:
-        return np.concatenate([np.asarray(r[key], dtype) for r in results]) if results else np.zeros(0, dtype)
+        return (
+            np.concatenate([np.asarray(r[key], dtype) for r in results])
+            if results
+            else np.zeros(0, dtype)
+        )
 
     shards = np.repeat(np.asarray([r["shard"] for r in results], np.int64), counts)
     locations = np.empty((n, 4), np.int64)
     locations[:, 0] = shards
     if n:
-        np.concatenate([np.asarray(r["spans"], np.int64).reshape(-1, 3) for r in results], out=locations[:, 1:])
-    dim_ids = np.concatenate([ids[np.asarray(r["dim_ids"], np.int64)] if len(r["lengths"]) else np.zeros(0, np.int64)
-                              for ids, r in zip(local, results)]) if results else np.zeros(0, np.int64)
-    return Records(lengths=cat("lengths", np.int64), locations=locations, shards=shards, media=cat("media", bool),
-                   dim_ids=dim_ids, signatures=signatures, good_at=np.flatnonzero(~is_event), events=events)
+        np.concatenate(
+            [np.asarray(r["spans"], np.int64).reshape(-1, 3) for r in results], out=locations[:, 1:]
+        )
+    dim_ids = (
+        np.concatenate(
+            [
+                ids[np.asarray(r["dim_ids"], np.int64)]
+                if len(r["lengths"])
+                else np.zeros(0, np.int64)
+                for ids, r in zip(local, results)
+            ]
+        )
+        if results
+        else np.zeros(0, np.int64)
+    )
+    return Records(
+        lengths=cat("lengths", np.int64),
+        locations=locations,
+        shards=shards,
+        media=cat("media", bool),
+        dim_ids=dim_ids,
+        signatures=signatures,
+        good_at=np.flatnonzero(~is_event),
+        events=events,
+    )

@@ -5,15 +5,16 @@
                                                                           │ bad: failure record
     main process: merge shards in order ─► bad-data policy (raise / skip+count) ─► SampleIndex
 
-Validation is the collator's own: the real :class:`~prealign.collate.thd.THDCollator` (unsharded) runs on
-each chunk of samples, and on each sample alone when a chunk fails, so shapes, dtypes and value
-bounds (``finite``, ``min_value``, ``max_value``) are checked on every row. The named dense dims
-(``K`` of a top-k field, ...) are recorded: the first accepted sample fixes them, and a later
+Validation is the collator's own: the real :class:`~prealign.collate.thd.THDCollator` (unsharded)
+runs on each chunk of samples, and on each sample alone when a chunk fails, so shapes, dtypes and
+value bounds (``finite``, ``min_value``, ``max_value``) are checked on every row. The named dense
+dims (``K`` of a top-k field, ...) are recorded: the first accepted sample fixes them, and a later
 sample with another value is bad data (``dim_mismatch``), since no micro-batch could hold both.
 So a sample that enters the index is one the collator accepts, alone or with any other. The policy
 runs in the main process over the records in shard order, so its consecutive-failure count and its
 error are the same whatever the number of workers.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -24,7 +25,11 @@ import numpy as np
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from prealign.loaders.errors import BadSampleError
-from prealign.loaders.index.apply_policy import apply_policy, records_of_results, records_of_sidecars
+from prealign.loaders.index.apply_policy import (
+    apply_policy,
+    records_of_results,
+    records_of_sidecars,
+)
 from prealign.loaders.index.merged import merged_index, merged_records, read_merged
 from prealign.loaders.index.sample_checks import (
     FIELDS_KEY,
@@ -80,8 +85,12 @@ class ShardRecord:
         pending, dims = self.pending, self.dims
         results = validated([p[2] for p in pending], self.schema)
         for (loc, where, sample), result in zip(pending, results):
-            if isinstance(result, SampleError):  # the collator's checks name sample 0 of a one-sample batch
-                err = BadSampleError(sample=where, field=result.field, expected=result.expected, actual=result.actual)
+            if isinstance(
+                result, SampleError
+            ):  # the collator's checks name sample 0 of a one-sample batch
+                err = BadSampleError(
+                    sample=where, field=result.field, expected=result.expected, actual=result.actual
+                )
                 self.events.append(BadRecord.of_error(err, where))
                 continue
             signature = {**result[1], FIELDS_KEY: ",".join(k for k in self.optional if k in sample)}
@@ -96,9 +105,15 @@ class ShardRecord:
 
     def record(self) -> dict:
         self.flush()
-        return {"shard": self.shard, "locations": self.locations, "lengths": self.lengths,
-                "media": self.media, "dims": self.dims, "dim_ids": self.dim_ids,
-                "events": self.events}
+        return {
+            "shard": self.shard,
+            "locations": self.locations,
+            "lengths": self.lengths,
+            "media": self.media,
+            "dims": self.dims,
+            "dim_ids": self.dim_ids,
+            "events": self.events,
+        }
 
 
 def index_shard(source: Source, schema: BatchSchema, shard: int) -> dict:
@@ -107,7 +122,9 @@ def index_shard(source: Source, schema: BatchSchema, shard: int) -> dict:
     good sample) points into it; events are, in stream order, None (a good sample) or the
     :class:`~prealign.loaders.policy.BadRecord` of a bad or skipped one."""
     out = ShardRecord(schema, shard)
-    indexing = source.for_indexing() if hasattr(source, "for_indexing") else source  # lengths without pixels
+    indexing = (
+        source.for_indexing() if hasattr(source, "for_indexing") else source
+    )  # lengths without pixels
     for loc, item in source.scan(shard):
         if isinstance(item, BadRecord):  # (a member that is not a sample: counted)
             out.bad(item)
@@ -133,7 +150,7 @@ class _ShardScan(IterableDataset):
 
     def __iter__(self):
         info = get_worker_info()
-        mine = self.shards if info is None else self.shards[info.id::info.num_workers]
+        mine = self.shards if info is None else self.shards[info.id :: info.num_workers]
         for shard in mine:
             try:
                 yield index_shard(self.source, self.schema, shard)
@@ -144,11 +161,21 @@ class _ShardScan(IterableDataset):
                 return
 
 
-def scan_shards(source: Source, schema: BatchSchema, shards: list[int], *, num_workers: int = 0,
-                progress: Callable[[], None] | None = None) -> list[dict]:
+def scan_shards(
+    source: Source,
+    schema: BatchSchema,
+    shards: list[int],
+    *,
+    num_workers: int = 0,
+    progress: Callable[[], None] | None = None,
+) -> list[dict]:
     """:func:`index_shard` over ``shards`` with ``num_workers`` DataLoader workers, in shard order;
     ``progress()`` is called as each shard is done."""
-    loader = DataLoader(_ShardScan(source, schema, shards), batch_size=None, num_workers=min(num_workers, len(shards)))
+    loader = DataLoader(
+        _ShardScan(source, schema, shards),
+        batch_size=None,
+        num_workers=min(num_workers, len(shards)),
+    )
     results = {}
     for r in loader:
         if isinstance(r, PrealignError):
@@ -159,24 +186,36 @@ def scan_shards(source: Source, schema: BatchSchema, shards: list[int], *, num_w
     return [results[s] for s in shards]
 
 
-def merge_shards(results: list[dict], policy: BadDataPolicy, width: int, *,
-                 where: Callable[[tuple], str] | None = None, schema: BatchSchema | None = None) -> SampleIndex:
-    """The index of :func:`index_shard` results in shard order: :func:`~prealign.loaders.index.apply_policy.
-    apply_policy` (the bad-data policy; the first good sample with a named dim, ``K``, ..., fixes its size, and a
-    later one with another size is a bad sample, reason ``dim_mismatch``, named by ``where(location)`` and, with
+def merge_shards(
+    results: list[dict],
+    policy: BadDataPolicy,
+    width: int,
+    *,
+    where: Callable[[tuple], str] | None = None,
+    schema: BatchSchema | None = None,
+) -> SampleIndex:
+    """The index of :func:`index_shard` results in shard order:
+    :func:`~prealign.loaders.index.apply_policy. apply_policy` (the bad-data policy; the first good
+    sample with a named dim, ``K``, ..., fixes its size, and a later one with another size is a bad
+    sample, reason ``dim_mismatch``, named by ``where(location)`` and, with
     ``schema``, by the first field declaring the dim)."""
     name = where or (lambda loc: f"location {list(loc)}")
     return apply_policy(records_of_results(results, width), policy, schema, where=name)
 
 
-def resolve_signatures(records: dict[int, dict], source: Source, schema: BatchSchema) -> dict[int, dict]:
-    """Sidecar records made this schema's. A sidecar keeps each sample's data signature (member dtypes and
-    shape patterns, :mod:`~prealign.loaders.index.header_pass`), not a schema's verdict: the signatures are
-    checked over all shards at once (:func:`~prealign.loaders.index.sample_checks.signature_verdicts`: rows of a
-    signature tried until one passes; a value error is its row's, a structure error its signature's), then every
-    sample's recorded id bounds against the schema's, vectorised (:func:`~prealign.loaders.index.sample_checks.
-    value_errors`: the suspects loaded and checked exactly). Bad rows become bad records, in place, for the
-    bad-data policy; the other values (finite log-probs, vision placeholders, ...) are checked when loaded."""
+def resolve_signatures(
+    records: dict[int, dict], source: Source, schema: BatchSchema
+) -> dict[int, dict]:
+    """Sidecar records made this schema's. A sidecar keeps each sample's data signature (member
+    dtypes and shape patterns, :mod:`~prealign.loaders.index.header_pass`), not a schema's verdict:
+    the signatures are checked over all shards at once
+    (:func:`~prealign.loaders.index.sample_checks.signature_verdicts`: rows of a signature tried
+    until one passes; a value error is its row's, a structure error its signature's), then every
+    sample's recorded id bounds against the schema's, vectorised
+    (:func:`~prealign.loaders.index.sample_checks. value_errors`: the suspects loaded and checked
+    exactly). Bad rows become bad records, in place, for the
+    bad-data policy; the other values (finite log-probs, vision placeholders, ...) are checked when
+    loaded."""
     shards = sorted(records)
     keys: dict[str, int] = {}
     signatures: list[dict] = []
@@ -191,14 +230,46 @@ def resolve_signatures(records: dict[int, dict], source: Source, schema: BatchSc
             ids.append(keys[key])
         local[s] = np.asarray(ids, np.int64)
     counts = [len(records[s]["lengths"]) for s in shards]
-    dim_ids = np.concatenate([local[s][np.asarray(records[s]["dim_ids"], np.int64)] if counts[i] else
-                              np.zeros(0, np.int64) for i, s in enumerate(shards)]) if shards else np.zeros(0, np.int64)
-    locations = np.concatenate([np.concatenate([np.full((n, 1), s, np.int64), np.asarray(records[s]["spans"],
-                                np.int64).reshape(n, 3)], axis=1) for s, n in zip(shards, counts)]) \
-        if shards else np.zeros((0, 4), np.int64)
-    lengths = np.concatenate([np.asarray(records[s]["lengths"], np.int64) for s in shards]) if shards else dim_ids
-    bounds = np.concatenate([np.asarray(records[s]["bounds"], np.int64).reshape(-1, 3, 4) for s in shards]) \
-        if shards else np.zeros((0, 3, 4), np.int64)
+    dim_ids = (
+        np.concatenate(
+            [
+                local[s][np.asarray(records[s]["dim_ids"], np.int64)]
+                if counts[i]
+                else np.zeros(0, np.int64)
+                for i, s in enumerate(shards)
+            ]
+        )
+        if shards
+        else np.zeros(0, np.int64)
+    )
+    locations = (
+        np.concatenate(
+            [
+                np.concatenate(
+                    [
+                        np.full((n, 1), s, np.int64),
+                        np.asarray(records[s]["spans"], np.int64).reshape(n, 3),
+                    ],
+                    axis=1,
+                )
+                for s, n in zip(shards, counts)
+            ]
+        )
+        if shards
+        else np.zeros((0, 4), np.int64)
+    )
+    lengths = (
+        np.concatenate([np.asarray(records[s]["lengths"], np.int64) for s in shards])
+        if shards
+        else dim_ids
+    )
+    bounds = (
+        np.concatenate(
+            [np.asarray(records[s]["bounds"], np.int64).reshape(-1, 3, 4) for s in shards]
+        )
+        if shards
+        else np.zeros((0, 3, 4), np.int64)
+    )
     verdicts, errors = signature_verdicts(source, schema, signatures, dim_ids, locations, lengths)
     errors.update(value_errors(source, schema, bounds, locations, dim_ids, verdicts, errors))
     bad_rows = np.asarray(sorted(errors), np.int64)
@@ -213,7 +284,8 @@ def resolve_signatures(records: dict[int, dict], source: Source, schema: BatchSc
 
 
 def _with_bad_rows(r: dict, errors: dict[int, BadSampleError]) -> dict:
-    """Record ``r`` with the good samples at rows ``errors`` turned into bad records (each named, with its error)."""
+    """Record ``r`` with the good samples at rows ``errors`` turned into bad records (each named,
+    with its error)."""
     drop = np.zeros(len(r["lengths"]), dtype=bool)
     drop[list(errors)] = True
     events = list(r["events"])
@@ -221,15 +293,28 @@ def _with_bad_rows(r: dict, errors: dict[int, BadSampleError]) -> dict:
     for i in sorted(errors):
         events[int(at[i])] = bad_row_event(errors[i])
     keep = ~drop
-    return {**r, "spans": r["spans"][keep], "lengths": np.asarray(r["lengths"])[keep],
-            "media": np.asarray(r["media"])[keep], "dim_ids": np.asarray(r["dim_ids"])[keep],
-            "bounds": np.asarray(r["bounds"]).reshape(-1, 3, 4)[keep], "events": events,
-            "bad_events": [[p, ev] for p, ev in enumerate(events) if ev is not None]}
+    return {
+        **r,
+        "spans": r["spans"][keep],
+        "lengths": np.asarray(r["lengths"])[keep],
+        "media": np.asarray(r["media"])[keep],
+        "dim_ids": np.asarray(r["dim_ids"])[keep],
+        "bounds": np.asarray(r["bounds"]).reshape(-1, 3, 4)[keep],
+        "events": events,
+        "bad_events": [[p, ev] for p, ev in enumerate(events) if ev is not None],
+    }
 
 
-def build_index(source: Source, schema: BatchSchema, *, policy: BadDataPolicy | None = None,
-                num_workers: int = 0, distributed: bool = False, group=None,
-                progress: Callable[[], None] | None = None) -> SampleIndex:
+def build_index(
+    source: Source,
+    schema: BatchSchema,
+    *,
+    policy: BadDataPolicy | None = None,
+    num_workers: int = 0,
+    distributed: bool = False,
+    group=None,
+    progress: Callable[[], None] | None = None,
+) -> SampleIndex:
     """Index every shard of ``source`` (see the module docstring). Raises the first bad sample's
     typed error under ``OnBadSample.RAISE``; counts it under ``SKIP``.
 
@@ -240,7 +325,6 @@ def build_index(source: Source, schema: BatchSchema, *, policy: BadDataPolicy | 
     """
     from prealign.schemas.distributed import all_gather_objects, process_rank_world
 
-
     found = read_merged(source, schema)  # (read once: the per-shard path below reuses it)
     index = merged_index(source, schema, policy or BadDataPolicy(), found=found) if found else None
     if index is not None:  # one merged file: no pass, no exchange
@@ -250,17 +334,27 @@ def build_index(source: Source, schema: BatchSchema, *, policy: BadDataPolicy | 
     checked = None
     failure: BaseException | None = None
     try:
-        # sidecar records (one merged file, or a sidecar per shard); unreachable / changed shards raise here
-        known, checked = check_source(source, schema, merged_records(source, schema, found=found) if found else None)
-        known = resolve_signatures(known, source, schema)  # the data's signatures checked against this schema
+        # sidecar records (one merged file, or a sidecar per shard); unreachable / changed shards
+        # raise here
+        known, checked = check_source(
+            source, schema, merged_records(source, schema, found=found) if found else None
+        )
+        known = resolve_signatures(
+            known, source, schema
+        )  # the data's signatures checked against this schema
         shards = [s for s in range(source.num_shards) if s not in known]
-        mine: dict = {"results": scan_shards(source, schema, shards[rank::world], num_workers=num_workers,
-                                             progress=progress)}
+        mine: dict = {
+            "results": scan_shards(
+                source, schema, shards[rank::world], num_workers=num_workers, progress=progress
+            )
+        }
     except Exception as exc:  # noqa: BLE001 - re-raised below: every rank must reach the exchange first
         if world == 1:
             raise
         failure = exc
-        typed = exc if isinstance(exc, PrealignError) else PrealignError(f"{type(exc).__name__}: {exc}")
+        typed = (
+            exc if isinstance(exc, PrealignError) else PrealignError(f"{type(exc).__name__}: {exc}")
+        )
         mine = {"rank": rank, "error": typed}
     parts = all_gather_objects(mine, group) if world > 1 else [mine]
     failed = [p for p in parts if "error" in p]
@@ -268,33 +362,58 @@ def build_index(source: Source, schema: BatchSchema, *, policy: BadDataPolicy | 
         raise failure
     if failed:  # another rank's error, as its own type, on every rank
         err = failed[0]["error"]
-        err.args = (f"index pass failed on rank {failed[0]['rank']}: {err.args[0] if err.args else ''}", *err.args[1:])
+        err.args = (
+            f"index pass failed on rank {failed[0]['rank']}: {err.args[0] if err.args else ''}",
+            *err.args[1:],
+        )
         raise err
-    results = sorted([*known.values(), *(r for p in parts for r in p["results"])], key=lambda r: r["shard"])
-    if known:  # some shards from their sidecars (merge_records falls back to merge_shards unless all are)
+    results = sorted(
+        [*known.values(), *(r for p in parts for r in p["results"])], key=lambda r: r["shard"]
+    )
+    if (
+        known
+    ):  # some shards from their sidecars (merge_records falls back to merge_shards unless all are)
         index = merge_records(results, policy or BadDataPolicy(), where=source.where, schema=schema)
     else:
-        index = merge_shards(results, policy or BadDataPolicy(), width=1, where=source.where, schema=schema)
+        index = merge_shards(
+            results, policy or BadDataPolicy(), width=1, where=source.where, schema=schema
+        )
     return _checked_non_empty(dataclasses.replace(index, source_shards=checked))
 
 
 def _checked_non_empty(index: SampleIndex) -> SampleIndex:
     if len(index) == 0:
-        raise BadSampleError(sample=None, field=None, expected="at least one good sample in the source",
-                             actual=f"none ({index.report.to_dict()['counts']})")
+        raise BadSampleError(
+            sample=None,
+            field=None,
+            expected="at least one good sample in the source",
+            actual=f"none ({index.report.to_dict()['counts']})",
+        )
     return index
+
+
 def merge_records(results: list[dict], policy, *, where, schema):
-    """:func:`merge_shards` for records read from sidecars, vectorised (:func:`~prealign.loaders.index.
-    apply_policy.records_of_sidecars`: a cost per shard and per bad record, not per sample): the same index and
-    report. Records some of which come from the pass in process go through the per-sample adapter."""
+    """:func:`merge_shards` for records read from sidecars, vectorised
+    (:func:`~prealign.loaders.index. apply_policy.records_of_sidecars`: a cost per shard and per bad
+    record, not per sample): the same index and
+    report. Records some of which come from the pass in process go through the per-sample
+    adapter."""
     if all(r.get("sidecar") for r in results):
         return apply_policy(records_of_sidecars(results), policy, schema, where=where)
-    return merge_shards([_with_locations(r) for r in results], policy, width=4, where=where, schema=schema)
+    return merge_shards(
+        [_with_locations(r) for r in results], policy, width=4, where=where, schema=schema
+    )
 
 
 def _with_locations(record: dict) -> dict:
-    """A record with ``locations [N, 4]`` (shard, start, end, checksum): a sidecar's gets them from its spans."""
+    """A record with ``locations [N, 4]`` (shard, start, end, checksum): a sidecar's gets them from
+    its spans."""
     if "locations" in record:
         return record
     n = len(record["lengths"])
-    return {**record, "locations": np.concatenate([np.full((n, 1), record["shard"], np.int64), record["spans"]], axis=1)}
+    return {
+        **record,
+        "locations": np.concatenate(
+            [np.full((n, 1), record["shard"], np.int64), record["spans"]], axis=1
+        ),
+    }

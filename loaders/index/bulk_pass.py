@@ -13,6 +13,7 @@ signature, bounds, events), in stream order; a shard the bulk walker does not pa
 :class:`~prealign.loaders.sources.tar_index.Unhandled`) is read again by the reference tar
 reader (``header_index_shard`` does it).
 """
+
 from __future__ import annotations
 
 import zlib
@@ -49,7 +50,7 @@ def bulk_text_pass(records, f) -> None:
         stop = state.take(buf, base, walked)
         if walked.ended:
             return
-        del buf[:stop - base]
+        del buf[: stop - base]
         base = stop
         want = max(BLOCK_BYTES, walked.need - base - len(buf))
 
@@ -80,14 +81,20 @@ class _State:
             lo = 0
             if fast is not None:  # a new signature's first sample (the reference's), then arrays
                 by_sig, sig = self.records.by_sig, fast["sig"]
-                new = next((k for k in range(stop) if sig[k] is not None and sig[k] not in by_sig),
-                           None)
-                if new is not None and new + 1 < stop and splits[new + 1] is not None \
-                        and splits[new + 1][0] != splits[new][0]:
+                new = next(
+                    (k for k in range(stop) if sig[k] is not None and sig[k] not in by_sig), None
+                )
+                if (
+                    new is not None
+                    and new + 1 < stop
+                    and splits[new + 1] is not None
+                    and splits[new + 1][0] != splits[new][0]
+                ):
                     self._emit(mv, base, w, splits, 0, new + 1, fast)
                     lo = new + 1
-            if lo < stop and not (fast is not None
-                                  and self._all_fast(mv, base, w, splits, lo, stop, fast)):
+            if lo < stop and not (
+                fast is not None and self._all_fast(mv, base, w, splits, lo, stop, fast)
+            ):
                 self._emit(mv, base, w, splits, lo, stop, fast)
         return int(w.offset[stop]) if stop < m else w.done
 
@@ -105,8 +112,10 @@ class _State:
         ok &= (head[:, :8] == np.frombuffer(_MAGIC, np.uint8)).all(1)
         hlen = 10 + head[:, 8].astype(np.int64) + 256 * head[:, 9].astype(np.int64)
         ok &= hlen <= size
-        parsed = [_header(mv[a:a + n].tobytes()) if good else None
-                  for a, n, good in zip(at.tolist(), hlen.tolist(), ok.tolist())]
+        parsed = [
+            _header(mv[a : a + n].tobytes()) if good else None
+            for a, n, good in zip(at.tolist(), hlen.tolist(), ok.tolist())
+        ]
         ok &= np.asarray([p is not None for p in parsed], bool)
         tokens = np.asarray([p[0] if p else 0 for p in parsed], np.int64)
         first = at + np.asarray([p[2] if p else 0 for p in parsed], np.int64)  # the first id
@@ -126,11 +135,17 @@ class _State:
             min_id[sel] = np.minimum.reduceat(ids, edges)[::2]
             del ids
         ok &= min_id >= 0
-        return {"ok": ok, "tokens": tokens, "sig": [p[1] if p else None for p in parsed],
-                "max_id": max_id, "min_id": min_id}
+        return {
+            "ok": ok,
+            "tokens": tokens,
+            "sig": [p[1] if p else None for p in parsed],
+            "max_id": max_id,
+            "min_id": min_id,
+        }
 
-    def _all_fast(self, mv: memoryview, base: int, w, splits: list, lo: int, hi: int,
-                  fast: dict) -> bool:
+    def _all_fast(
+        self, mv: memoryview, base: int, w, splits: list, lo: int, hi: int, fast: dict
+    ) -> bool:
         """Judge the members ``[lo, hi)`` in arrays when each is a sample of its own judged here,
         of a signature seen before and a key not; else False (nothing done)."""
         rec, seen = self.records, self.seen
@@ -139,24 +154,39 @@ class _State:
         keys = [s[0] for s in splits[lo:hi]]
         known = set(keys)
         sigs = fast["sig"][lo:hi]
-        if len(known) != hi - lo or not known.isdisjoint(seen) \
-                or not set(sigs) <= rec.by_sig.keys():
+        if (
+            len(known) != hi - lo
+            or not known.isdisjoint(seen)
+            or not set(sigs) <= rec.by_sig.keys()
+        ):
             return False
         ends = np.empty(hi - lo, np.int64)
-        ends[:-1] = w.offset[lo + 1:hi]
+        ends[:-1] = w.offset[lo + 1 : hi]
         ends[-1] = w.offset[hi] if hi < len(splits) else w.end[hi - 1]
         at = (w.data_at[lo:hi] - base).tolist()
-        crcs = [zlib.crc32(mv[a:a + n], _IDS_CRC) for a, n in zip(at, w.size[lo:hi].tolist())]
-        locations = np.stack([np.full(hi - lo, rec.shard, np.int64), w.offset[lo:hi], ends,
-                              np.asarray(crcs, np.int64)], 1)
+        crcs = [zlib.crc32(mv[a : a + n], _IDS_CRC) for a, n in zip(at, w.size[lo:hi].tolist())]
+        locations = np.stack(
+            [
+                np.full(hi - lo, rec.shard, np.int64),
+                w.offset[lo:hi],
+                ends,
+                np.asarray(crcs, np.int64),
+            ],
+            1,
+        )
         by_sig = rec.by_sig
-        rec.add_rows(locations.tolist(), fast["tokens"][lo:hi].tolist(), [by_sig[s] for s in sigs],
-                     _bounds(fast["max_id"][lo:hi], fast["min_id"][lo:hi]))
+        rec.add_rows(
+            locations.tolist(),
+            fast["tokens"][lo:hi].tolist(),
+            [by_sig[s] for s in sigs],
+            _bounds(fast["max_id"][lo:hi], fast["min_id"][lo:hi]),
+        )
         seen.update(keys)
         return True
 
-    def _emit(self, mv: memoryview, base: int, w, splits: list, lo: int, stop: int,
-              fast: dict | None) -> None:
+    def _emit(
+        self, mv: memoryview, base: int, w, splits: list, lo: int, stop: int, fast: dict | None
+    ) -> None:
         """The members ``[lo, stop)`` grouped into samples as the reference groups them; each
         sample judged here when ``fast`` says it may be, else by ``ShardPass.sample``."""
         rec, seen = self.records, self.seen
@@ -168,8 +198,13 @@ class _State:
             split = splits[j]
             if split is None:
                 out.flush()
-                rec.events.append(BadRecord("ignored_member", f"{rec.url}:{w.names[j]}",
-                                            "tar file member without an extension"))
+                rec.events.append(
+                    BadRecord(
+                        "ignored_member",
+                        f"{rec.url}:{w.names[j]}",
+                        "tar file member without an extension",
+                    )
+                )
                 continue
             if split[0] != key:
                 if count:
@@ -190,8 +225,17 @@ class _Samples:
     in ``rows`` / ``locations`` to be appended with its neighbours (:meth:`flush`); any other is
     judged by ``ShardPass.sample`` (the rows waiting appended first: records keep stream order)."""
 
-    def __init__(self, rec, seen: set, mv: memoryview, base: int, w, splits: list, stop: int,
-                 fast: dict | None):
+    def __init__(
+        self,
+        rec,
+        seen: set,
+        mv: memoryview,
+        base: int,
+        w,
+        splits: list,
+        stop: int,
+        fast: dict | None,
+    ):
         self.rec, self.seen, self.mv, self.base = rec, seen, mv, base
         self.splits, self.fast = splits, fast
         self.data_at, self.size = w.data_at.tolist(), w.size.tolist()
@@ -204,26 +248,36 @@ class _Samples:
         rows, fast = self.rows, self.fast
         if rows:
             r = np.asarray(rows, np.int64)
-            self.rec.add_rows(self.locations[:], fast["tokens"][r].tolist(),
-                              [self.rec.by_sig[fast["sig"][j]] for j in rows],
-                              _bounds(fast["max_id"][r], fast["min_id"][r]))
+            self.rec.add_rows(
+                self.locations[:],
+                fast["tokens"][r].tolist(),
+                [self.rec.by_sig[fast["sig"][j]] for j in rows],
+                _bounds(fast["max_id"][r], fast["min_id"][r]),
+            )
             rows.clear(), self.locations.clear()
 
     def close(self, key: str, first: int, last: int, end: int, count: int) -> None:
         """The sample of members ``[first, last]`` (``count`` named), ending at byte ``end``."""
         duplicate = key in self.seen
         data_at, size, base = self.data_at, self.size, self.base
-        if count == 1 and self.ok[first] and not duplicate \
-                and self.fast["sig"][first] in self.rec.by_sig:
+        if (
+            count == 1
+            and self.ok[first]
+            and not duplicate
+            and self.fast["sig"][first] in self.rec.by_sig
+        ):
             a = data_at[first] - base
-            crc = zlib.crc32(self.mv[a:a + size[first]], _IDS_CRC)
+            crc = zlib.crc32(self.mv[a : a + size[first]], _IDS_CRC)
             self.locations.append([self.rec.shard, self.offset[first], end, crc])
             self.rows.append(first)
             return
         self.flush()
         splits, mv = self.splits, self.mv
-        members = [(splits[j][1], mv[data_at[j] - base:data_at[j] - base + size[j]].tobytes(),
-                    "file") for j in range(first, last + 1) if splits[j] is not None]
+        members = [
+            (splits[j][1], mv[data_at[j] - base : data_at[j] - base + size[j]].tobytes(), "file")
+            for j in range(first, last + 1)
+            if splits[j] is not None
+        ]
         self.rec.sample(key, self.offset[first], end, members, duplicate)
 
 
@@ -253,8 +307,11 @@ def _header(raw: bytes) -> tuple | None:
         out = None
     else:
         dtype = head.dtype
-        one_d = len(head.shape) == 1 and dtype.kind in "iu" \
+        one_d = (
+            len(head.shape) == 1
+            and dtype.kind in "iu"
             and not (dtype.kind == "u" and dtype.itemsize == 8)
+        )
         sig = ((("input_ids", dtype.str, "L"),), ())
         out = (head.shape[0], sig, head.offset, dtype) if one_d else None
     if len(_HEADERS) >= 4096:
@@ -276,4 +333,4 @@ def split_name(name: str) -> tuple[str, str] | None:
     dot = name.find(".", slash)
     if dot <= slash or dot == len(name) - 1:
         return None
-    return name[:dot], name[dot + 1:].lower()
+    return name[:dot], name[dot + 1 :].lower()

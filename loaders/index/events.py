@@ -6,6 +6,7 @@ bad sample, a corrupt shard or an ignored member. Sidecars and merged indexes ke
 sidecars and merged indexes of the same format version wrote before records were typed (``["skip",
 reason, where, message]``, ``["bad", where, error record]``), so no file needs rebuilding.
 """
+
 from __future__ import annotations
 
 from prealign.loaders.errors import checked_error, error_from_record, record_reason
@@ -17,8 +18,12 @@ def parse_event(obj) -> BadRecord:
     key and type checked: a ``ValueError`` for anything else (events are read from files)."""
     if isinstance(obj, dict):
         return BadRecord.from_json(obj)
-    if isinstance(obj, list) and len(obj) == 4 and obj[0] == "skip" \
-            and all(isinstance(x, str) for x in obj):
+    if (
+        isinstance(obj, list)
+        and len(obj) == 4
+        and obj[0] == "skip"
+        and all(isinstance(x, str) for x in obj)
+    ):
         return BadRecord(obj[1], obj[2], obj[3])
     if isinstance(obj, list) and len(obj) == 3 and obj[0] == "bad" and isinstance(obj[1], str):
         rec = checked_error(obj[2])

@@ -10,21 +10,23 @@
     rule's, else :class:`LengthRuleError`); the signature is kept, and a loader checks one
     sample of it against its schema
 
-What the header pass checks on every sample: the tar structure (header checksums, end marker), member
-names, duplicate and required members, every ``.npy`` header (numeric dtype, token rows equal to
-``input_ids``' length), the chat JSON (renders with the tokenizer; placeholders match the images),
-every image header (an allowed format, a size, an aspect ratio the processor takes; by default the
-pixels are decoded too, without the processor's resize and normalisation) and the teacher top-k
-shapes (``[L, K]``). No schema is involved: a sidecar serves any schema. What it leaves to the loader: the
-schema's shapes, dtypes and optional fields (the samples of each data signature tried until one passes,
-when the sidecar is read), array values (ids within the vocabulary, finite and sorted log-probs, ...: when each sample is
-loaded, under the bad-data policy), and, with
-``VLMRule(verify_images=False)``, pixel data past the header. A sample found bad only then raises when it is loaded
-(the default policy); see :mod:`prealign.loaders.index.sidecar` for the checksum that catches changed bytes.
+What the header pass checks on every sample: the tar structure (header checksums, end marker),
+member names, duplicate and required members, every ``.npy`` header (numeric dtype, token rows equal
+to ``input_ids``' length), the chat JSON (renders with the tokenizer; placeholders match the
+images), every image header (an allowed format, a size, an aspect ratio the processor takes; by
+default the pixels are decoded too, without the processor's resize and normalisation) and the
+teacher top-k shapes (``[L, K]``). No schema is involved: a sidecar serves any schema. What it
+leaves to the loader: the schema's shapes, dtypes and optional fields (the samples of each data
+signature tried until one passes, when the sidecar is read), array values (ids within the
+vocabulary, finite and sorted log-probs, ...: when each sample is loaded, under the bad-data
+policy), and, with ``VLMRule(verify_images=False)``, pixel data past the header. A sample found bad
+only then raises when it is loaded (the default policy); see :mod:`prealign.loaders.index.sidecar`
+for the checksum that catches changed bytes.
 
 Any other transform has no length rule: its shards get the transform on every sample
 (:func:`transform_pass`), and a sidecar still saves it the next time.
 """
+
 from __future__ import annotations
 
 import io
@@ -84,7 +86,12 @@ from prealign.loaders.sources.header_lengths import (
     npy_header,
 )
 from prealign.loaders.sources.npy import NpyFormatError, parse_npy_header
-from prealign.loaders.sources.shard_files import check_index_dir_names, sample_checksum, shard_name, sidecar_path
+from prealign.loaders.sources.shard_files import (
+    check_index_dir_names,
+    sample_checksum,
+    shard_name,
+    sidecar_path,
+)
 from prealign.loaders.sources.tar_decode import IMAGES, decode_member, split_member_name
 from prealign.loaders.sources.tar_index import Unhandled
 from prealign.loaders.sources.tar_reader import TarFormatError, iter_members
@@ -94,13 +101,17 @@ from prealign.schemas.schema import BatchSchema
 
 
 class LengthRuleError(ConfigError):
-    """The header rule's length differs from the transform's for a sample: the transform is not the one
+    """The header rule's length differs from the transform's for a sample: the transform is not the
+    one
     the rule describes (index with the full pass instead)."""
 
 
 def _npy_headers(members: dict[str, bytes], where: str) -> dict[str, tuple]:
-    return {ext[:-4]: npy_header(data, field=ext, sample=where) for ext, data in members.items()
-            if ext.endswith(".npy")}
+    return {
+        ext[:-4]: npy_header(data, field=ext, sample=where)
+        for ext, data in members.items()
+        if ext.endswith(".npy")
+    }
 
 
 MEDIA_MEMBERS = ("pixel_values", "image_grid_thw")
@@ -108,10 +119,11 @@ MEDIA_MEMBERS = ("pixel_values", "image_grid_thw")
 
 
 def shape_pattern(shape: tuple, n: int) -> str:
-    """A shape as a data signature keeps it: the leading dim written ``L`` when it is the token count ``n``
-    and no other dim is, so ``(6, 4)`` of a 6-token sample is ``"Lx4"`` and samples of any length share their
-    signature; any other shape literally (``(4, 4)`` of a 4-token sample is ``"4x4"``, never ``"LxL"``, which
-    would stand for ``(60, 60)`` too), so two distinct shapes never share a pattern.
+    """A shape as a data signature keeps it: the leading dim written ``L`` when it is the token
+    count ``n`` and no other dim is, so ``(6, 4)`` of a 6-token sample is ``"Lx4"`` and samples of
+    any length share their signature; any other shape literally (``(4, 4)`` of a 4-token sample is
+    ``"4x4"``, never ``"LxL"``, which would stand for ``(60, 60)`` too), so two distinct shapes
+    never share a pattern.
 
     >>> shape_pattern((6, 4), 6), shape_pattern((4, 4), 4)
     ('Lx4', '4x4')
@@ -125,9 +137,10 @@ def shape_pattern(shape: tuple, n: int) -> str:
 
 
 class TextRule:
-    """``numpy_fields`` samples: the length is ``input_ids.npy``'s first dim (``input_ids`` must be ``[L]``).
-    Signature, of the data alone (no schema): each array's dtype and shape pattern (:func:`shape_pattern`) and the
-    other member names; a schema's token dims, dtypes and optional fields are checked on a sample of each
+    """``numpy_fields`` samples: the length is ``input_ids.npy``'s first dim (``input_ids`` must be
+    ``[L]``). Signature, of the data alone (no schema): each array's dtype and shape pattern
+    (:func:`shape_pattern`) and the other member names; a schema's token dims, dtypes and optional
+    fields are checked on a sample of each
     signature when a loader reads the sidecar."""
 
     def __init__(self, schema: BatchSchema | None = None):
@@ -140,25 +153,37 @@ class TextRule:
                 return shape[0], False, ((("input_ids", dtype.str, "L"),), ()), None
         heads = _npy_headers(members, where)
         if "input_ids" not in heads or len(heads["input_ids"][0]) != 1:
-            raise BadSampleError(sample=where, field="input_ids", expected="an input_ids.npy member of shape [L]",
-                                 actual=f"shape {list(heads['input_ids'][0])}" if "input_ids" in heads
-                                 else f"members {sorted(members)}")
+            raise BadSampleError(
+                sample=where,
+                field="input_ids",
+                expected="an input_ids.npy member of shape [L]",
+                actual=f"shape {list(heads['input_ids'][0])}"
+                if "input_ids" in heads
+                else f"members {sorted(members)}",
+            )
         n = heads["input_ids"][0][0]
-        sig = tuple((name, dtype.str, shape_pattern(shape, n)) for name, (shape, dtype) in sorted(heads.items()))
+        sig = tuple(
+            (name, dtype.str, shape_pattern(shape, n))
+            for name, (shape, dtype) in sorted(heads.items())
+        )
         media = any(not heads[k][0] or heads[k][0][0] > 0 for k in MEDIA_MEMBERS if k in heads)
         return n, media, (sig, tuple(sorted(e for e in members if not e.endswith(".npy")))), None
 
 
 class VLMRule:
-    """:class:`~prealign.loaders.media.vlm.VLMSampleTransform` samples: image headers -> Qwen2-VL grids -> tokens
-    per image -> the chat rendered by the tokenizer alone (or a pre-tokenized ``input_ids.npy`` header)."""
+    """:class:`~prealign.loaders.media.vlm.VLMSampleTransform` samples: image headers -> Qwen2-VL
+    grids -> tokens
+    per image -> the chat rendered by the tokenizer alone (or a pre-tokenized ``input_ids.npy``
+    header)."""
 
     def __init__(self, transform, schema: BatchSchema, *, verify_images: bool = True):
 
         self.t, self.verify_images = transform, verify_images
-        """``verify_images``: decode each image's pixels too (no resize, no processor), so a corrupt image
+        """``verify_images``: decode each image's pixels too (no resize, no processor), so a corrupt
+        image
         body is found here as the full pass finds it; False: headers only (found when loaded)."""
-        transform.spatial_merge_size  # (the processor and the config agree: checked before the first shard)
+        # (the processor and the config agree: checked before the first shard)
+        transform.spatial_merge_size
 
     def __call__(self, members: dict[str, bytes], where: str) -> tuple[int, bool, tuple, object]:
 
@@ -179,79 +204,125 @@ class VLMRule:
         if self.t.topk is not None:
             for name in (LOG_PROBS, IDS):
                 if name not in heads:
-                    raise BadSampleError(sample=key, field=name, expected=f"a member {name}.npy",
-                                         actual=f"members {sorted(members)}")
+                    raise BadSampleError(
+                        sample=key,
+                        field=name,
+                        expected=f"a member {name}.npy",
+                        actual=f"members {sorted(members)}",
+                    )
                 shape, dtype = heads[name]
                 if len(shape) != 2 or shape[0] != n or shape[1] != self.t.topk:
-                    raise BadSampleError(sample=key, field=name, expected=f"shape [L={n}, K={self.t.topk}]",
-                                         actual=f"shape {list(shape)}", hint="one row per token, constant K")
+                    raise BadSampleError(
+                        sample=key,
+                        field=name,
+                        expected=f"shape [L={n}, K={self.t.topk}]",
+                        actual=f"shape {list(shape)}",
+                        hint="one row per token, constant K",
+                    )
                 sig.append((name, dtype.str))
         return n, media, tuple(sig), None if "input_ids" in heads else ids
 
-    def _render(self, raw: dict, meta: dict, key, *, pretokenized: bool) -> tuple[np.ndarray | None, bool]:
-        """(the chat's ids, or None for a pre-tokenized sample; whether it has media): image headers -> Qwen2-VL
+    def _render(
+        self, raw: dict, meta: dict, key, *, pretokenized: bool
+    ) -> tuple[np.ndarray | None, bool]:
+        """(the chat's ids, or None for a pre-tokenized sample; whether it has media): image headers
+        -> Qwen2-VL
         grids -> tokens per image, the videos' ids, the chat rendered by the tokenizer alone."""
         tokens = []
         for name, data in image_members(raw, meta, key):
             w, h = self._size(name, data, key)
             tokens.append(self.t.header_image_tokens(w, h, sample=key, field=name))
-        videos = self.t.header_video_ids(raw, meta, key, lambda name, data: self._size(name, data, key))
-        ids = None if pretokenized else render_chat(meta, self.t.tokenizer, tokens, sample=key, videos=videos,
-                                                    system=self.t.system_prompt,
-                                                    frame=getattr(self.t, "frame", None))[0]
+        videos = self.t.header_video_ids(
+            raw, meta, key, lambda name, data: self._size(name, data, key)
+        )
+        ids = (
+            None
+            if pretokenized
+            else render_chat(
+                meta,
+                self.t.tokenizer,
+                tokens,
+                sample=key,
+                videos=videos,
+                system=self.t.system_prompt,
+                frame=getattr(self.t, "frame", None),
+            )[0]
+        )
         return ids, bool(tokens or videos)
 
     def _size(self, name: str, data, key) -> tuple[int, int]:
         """``(width, height)`` of an image or video frame member, from its header (decoded too with
         ``verify_images``); an unreadable one is a ``corrupt_image``."""
         try:
-            return _verified_size(data, name, key) if self.verify_images else \
-                image_header_size(data, field=name, sample=key)
+            return (
+                _verified_size(data, name, key)
+                if self.verify_images
+                else image_header_size(data, field=name, sample=key)
+            )
         except HeaderError as exc:
-            raise MediaError(MediaProblem.CORRUPT_IMAGE, sample=key, field=name, expected=exc.expected,
-                             actual=exc.actual) from None
+            raise MediaError(
+                MediaProblem.CORRUPT_IMAGE,
+                sample=key,
+                field=name,
+                expected=exc.expected,
+                actual=exc.actual,
+            ) from None
 
 
 class ImageTokensRule(VLMRule):
-    """:class:`~prealign.loaders.media.gemma3.Gemma3SampleTransform` samples: a fixed block per image, so the
-    length is the chat's with the images counted (each image's header read, and its pixels with
+    """:class:`~prealign.loaders.media.gemma3.Gemma3SampleTransform` samples: a fixed block per
+    image, so the length is the chat's with the images counted (each image's header read, and its
+    pixels with
     ``verify_images``, so a corrupt one is found as in the full pass)."""
 
     def __init__(self, transform, schema: BatchSchema, *, verify_images: bool = True):
         self.t, self.verify_images = transform, verify_images
 
-    def _render(self, raw: dict, meta: dict, key, *, pretokenized: bool) -> tuple[np.ndarray | None, bool]:
+    def _render(
+        self, raw: dict, meta: dict, key, *, pretokenized: bool
+    ) -> tuple[np.ndarray | None, bool]:
         images = image_members(raw, meta, key)
         for name, data in images:
             self._size(name, data, key)
-        ids = None if pretokenized else encode_segments(self.t.tokenizer,
-                                                        self.t.segments(meta, len(images), sample=key))[0]
+        ids = (
+            None
+            if pretokenized
+            else encode_segments(self.t.tokenizer, self.t.segments(meta, len(images), sample=key))[
+                0
+            ]
+        )
         return ids, bool(images)
 
 
 class AnyResRule(VLMRule):
-    """:class:`~prealign.loaders.media.llava_onevision.LlavaOnevisionSampleTransform` samples: each image's header
-    size and the number of images give its AnyRes token count, each video's frame count its tokens, then the chat
+    """:class:`~prealign.loaders.media.llava_onevision.LlavaOnevisionSampleTransform` samples: each
+    image's header size and the number of images give its AnyRes token count, each video's frame
+    count its tokens, then the chat
     (image pixels verified with ``verify_images``, as in the full pass)."""
 
     def __init__(self, transform, schema: BatchSchema, *, verify_images: bool = True):
         self.t, self.verify_images = transform, verify_images
 
-    def _render(self, raw: dict, meta: dict, key, *, pretokenized: bool) -> tuple[np.ndarray | None, bool]:
+    def _render(
+        self, raw: dict, meta: dict, key, *, pretokenized: bool
+    ) -> tuple[np.ndarray | None, bool]:
         sizes = [self._size(name, data, key)[::-1] for name, data in image_members(raw, meta, key)]
         return self.t.header_ids(raw, sizes)[0], bool(sizes or self.t.video_frames(raw, meta, key))
 
 
 class ImageSizesRule(VLMRule):
-    """Transforms whose lengths follow from the text and each image's size (:class:`~prealign.loaders.media.
-    mistral3.Mistral3SampleTransform`, :class:`~prealign.loaders.media.idefics3.Idefics3SampleTransform`):
-    ``header_ids(raw, size_of)`` with each image's header size (and its
+    """Transforms whose lengths follow from the text and each image's size
+    (:class:`~prealign.loaders.media. mistral3.Mistral3SampleTransform`,
+    :class:`~prealign.loaders.media.idefics3.Idefics3SampleTransform`): ``header_ids(raw, size_of)``
+    with each image's header size (and its
     pixels decoded with ``verify_images``)."""
 
     def __init__(self, transform, schema: BatchSchema, *, verify_images: bool = True):
         self.t, self.verify_images = transform, verify_images
 
-    def _render(self, raw: dict, meta: dict, key, *, pretokenized: bool) -> tuple[np.ndarray | None, bool]:
+    def _render(
+        self, raw: dict, meta: dict, key, *, pretokenized: bool
+    ) -> tuple[np.ndarray | None, bool]:
         images = image_members(raw, meta, key)
         sizes = {name: self._size(name, data, key) for name, data in images}
         ids = None if pretokenized else self.t.header_ids(raw, lambda name, _: sizes[name])[0]
@@ -259,13 +330,13 @@ class ImageSizesRule(VLMRule):
 
 
 def _verified_size(data: bytes, name: str, key) -> tuple[int, int]:
-    """``(width, height)`` of an image whose pixel data decodes to the end (one open: the header, then
-    the whole entropy-coded stream; a JPEG's inverse DCT at 1/8 scale, which finds the same truncation
+    """``(width, height)`` of an image whose pixel data decodes to the end (one open: the header,
+    then the whole entropy-coded stream; a JPEG's inverse DCT at 1/8 scale, which finds the same
+    truncation
     and corruption at a fraction of the cost). Formats limited to :data:`IMAGE_FORMATS`."""
     import warnings
 
     from PIL import Image, UnidentifiedImageError
-
 
     try:
         with warnings.catch_warnings():
@@ -276,9 +347,19 @@ def _verified_size(data: bytes, name: str, key) -> tuple[int, int]:
                     img.draft(img.mode, (max(1, size[0] // 8), max(1, size[1] // 8)))
                 img.load()
                 return size
-    except (UnidentifiedImageError, Image.DecompressionBombError, OSError, ValueError, SyntaxError) as exc:
-        raise HeaderError(sample=key, field=name, expected="a decodable image",
-                          actual=f"{len(data)} bytes ({type(exc).__name__}: {exc})") from None
+    except (
+        UnidentifiedImageError,
+        Image.DecompressionBombError,
+        OSError,
+        ValueError,
+        SyntaxError,
+    ) as exc:
+        raise HeaderError(
+            sample=key,
+            field=name,
+            expected="a decodable image",
+            actual=f"{len(data)} bytes ({type(exc).__name__}: {exc})",
+        ) from None
 
 
 def signature_record(sig) -> dict[str, str]:
@@ -290,38 +371,61 @@ def transformed_length(sample: dict, where: str) -> int:
     """Token count of a transformed sample: its ``input_ids``' last dim."""
     ids = sample.get("input_ids") if isinstance(sample, dict) else None
     if ids is None or not hasattr(ids, "shape") or len(ids.shape) < 1:
-        raise BadSampleError(sample=where, field="input_ids", expected="an input_ids array from the transform",
-                             actual="none" if ids is None else type(ids).__name__)
+        raise BadSampleError(
+            sample=where,
+            field="input_ids",
+            expected="an input_ids array from the transform",
+            actual="none" if ids is None else type(ids).__name__,
+        )
     return int(ids.shape[-1])
 
 
 def _transformed_signature(sample: dict, n: int) -> tuple:
-    """Data signature of a transformed sample (the full pass of a transform with no header rule): each
+    """Data signature of a transformed sample (the full pass of a transform with no header rule):
+    each
     array's dtype and shape pattern, and the other keys."""
-    arrays = tuple(sorted((k, str(v.dtype), shape_pattern(tuple(v.shape), n)) for k, v in sample.items()
-                          if hasattr(v, "shape") and hasattr(v, "dtype")))
-    return arrays, tuple(sorted(k for k, v in sample.items() if not (hasattr(v, "shape") and hasattr(v, "dtype"))))
+    arrays = tuple(
+        sorted(
+            (k, str(v.dtype), shape_pattern(tuple(v.shape), n))
+            for k, v in sample.items()
+            if hasattr(v, "shape") and hasattr(v, "dtype")
+        )
+    )
+    return arrays, tuple(
+        sorted(k for k, v in sample.items() if not (hasattr(v, "shape") and hasattr(v, "dtype")))
+    )
 
 
 def transform_pass(source, shard: int) -> dict:
-    """A shard's data-only record from the full transform (no header rule, no schema): locations, lengths,
-    media flags (:data:`MEDIA_MEMBERS` with a row), the data signature of each sample and data-level bad
+    """A shard's data-only record from the full transform (no header rule, no schema): locations,
+    lengths, media flags (:data:`MEDIA_MEMBERS` with a row), the data signature of each sample and
+    data-level bad
     records (decode or transform errors)."""
     locations, lengths, media, events, dims, dim_ids, value_rows = [], [], [], [], [], [], []
     for loc, item in source.scan(shard):
         if isinstance(item, BadRecord):  # (a member that is not a sample: counted)
             events.append(item)
             continue
-        where = item.sample if isinstance(item, SampleError) and isinstance(item.sample, str) else \
-            source.sample_name(item, loc) if loc is not None else f"shard {shard}"
+        where = (
+            item.sample
+            if isinstance(item, SampleError) and isinstance(item.sample, str)
+            else source.sample_name(item, loc)
+            if loc is not None
+            else f"shard {shard}"
+        )
         try:
             if isinstance(item, Exception):
                 raise item
             sample = source.apply_transform(item, loc)
             n = transformed_length(sample, where)
         except SampleError as exc:
-            err = exc if isinstance(exc, BadSampleError) else BadSampleError(
-                sample=where, field=exc.field, expected=exc.expected, actual=exc.actual)
+            err = (
+                exc
+                if isinstance(exc, BadSampleError)
+                else BadSampleError(
+                    sample=where, field=exc.field, expected=exc.expected, actual=exc.actual
+                )
+            )
             events.append(BadRecord.of_error(err, where))
             continue
         except PrealignError as exc:  # e.g. a corrupt shard
@@ -336,8 +440,16 @@ def transform_pass(source, shard: int) -> dict:
         dim_ids.append(dims.index(sig))
         value_rows.append(value_bounds(sample))
         events.append(None)
-    return {"shard": shard, "locations": locations, "lengths": lengths, "media": media, "dims": dims,
-            "dim_ids": dim_ids, "events": events, "bounds": _stacked(value_rows)}
+    return {
+        "shard": shard,
+        "locations": locations,
+        "lengths": lengths,
+        "media": media,
+        "dims": dims,
+        "dim_ids": dim_ids,
+        "events": events,
+        "bounds": _stacked(value_rows),
+    }
 
 
 def length_rule(source, schema: BatchSchema, *, verify_images: bool = True) -> Callable | None:
@@ -357,13 +469,16 @@ def length_rule(source, schema: BatchSchema, *, verify_images: bool = True) -> C
     return None
 
 
-def header_index_shard(source, schema: BatchSchema, shard: int, *, full: bool = False,
-                       verify_images: bool = True) -> tuple[dict, dict]:
-    """``(record, fingerprint)`` of one shard of a :class:`~prealign.loaders.sources.webdataset.WebDatasetSource`:
-    what a sidecar keeps, of the data alone (locations, lengths, media flags, data signatures in ``dims``,
-    data-level bad records), from headers; ``fingerprint`` is ``{"size", "hash"}`` of the bytes read.
-    ``full=True`` (or no rule for the transform) runs the transform on every sample instead
-    (:func:`transform_pass`). ``schema`` only chooses nothing: it is kept for callers; the schema's checks run
+def header_index_shard(
+    source, schema: BatchSchema, shard: int, *, full: bool = False, verify_images: bool = True
+) -> tuple[dict, dict]:
+    """``(record, fingerprint)`` of one shard of a
+    :class:`~prealign.loaders.sources.webdataset.WebDatasetSource`: what a sidecar keeps, of the
+    data alone (locations, lengths, media flags, data signatures in ``dims``, data-level bad
+    records), from headers; ``fingerprint`` is ``{"size", "hash"}`` of the bytes read. ``full=True``
+    (or no rule for the transform) runs the transform on every sample instead
+    (:func:`transform_pass`). ``schema`` only chooses nothing: it is kept for callers; the schema's
+    checks run
     when a loader reads the sidecar (:func:`~prealign.loaders.index.build.resolve_signatures`)."""
 
     url = source.urls[shard]
@@ -373,7 +488,9 @@ def header_index_shard(source, schema: BatchSchema, shard: int, *, full: bool = 
         if rule is None:
             record = transform_pass(source, shard)
             return record, f.finish()
-        if isinstance(rule, TextRule):  # blocks walked in bulk; a shard it does not parse exactly: below
+        if isinstance(
+            rule, TextRule
+        ):  # blocks walked in bulk; a shard it does not parse exactly: below
             records = ShardPass(source, shard, rule)
             try:
                 bulk_text_pass(records, f)
@@ -392,9 +509,11 @@ def header_index_shard(source, schema: BatchSchema, shard: int, *, full: bool = 
 
 
 def open_shard(url: str, opts=None) -> Fingerprint:
-    """A :class:`Fingerprint` reading shard ``url`` front to back. A local shard must be a regular file
-    (a device such as ``/dev/zero``, a FIFO or a socket is a :class:`NotRegularFileError`, checked before
-    the open, so a FIFO never blocks, and again on the opened file); its size bounds what is read."""
+    """A :class:`Fingerprint` reading shard ``url`` front to back. A local shard must be a regular
+    file (a device such as ``/dev/zero``, a FIFO or a socket is a :class:`NotRegularFileError`,
+    checked before
+    the open, so a FIFO never blocks, and again on the opened file); its size bounds what is
+    read."""
 
     local = not remote.is_remote(url)
     if local and regular_stat(remote.local_path(url), "shard") is None:
@@ -412,9 +531,10 @@ def open_shard(url: str, opts=None) -> Fingerprint:
 
 
 class ShardPass:
-    """What the header pass keeps of one shard, sample by sample, in stream order: :meth:`sample` judges one
-    sample from its members (the reference, whatever walked the tar), :meth:`add_rows` appends samples a bulk
-    pass judged the same way in arrays (:mod:`~prealign.loaders.index.bulk_pass`), :meth:`record` is the
+    """What the header pass keeps of one shard, sample by sample, in stream order: :meth:`sample`
+    judges one sample from its members (the reference, whatever walked the tar), :meth:`add_rows`
+    appends samples a bulk pass judged the same way in arrays
+    (:mod:`~prealign.loaders.index.bulk_pass`), :meth:`record` is the
     shard's record."""
 
     def __init__(self, source, shard: int, rule):
@@ -425,7 +545,9 @@ class ShardPass:
         self.bounds: list[np.ndarray] = []  # [k, 3, 4] parts
         self.checker = source.for_indexing()  # (video files sized from their headers, not decoded)
 
-    def sample(self, key: str, start: int, end: int, members: list[tuple[str, bytes, str]], duplicate: bool) -> None:
+    def sample(
+        self, key: str, start: int, end: int, members: list[tuple[str, bytes, str]], duplicate: bool
+    ) -> None:
         source, shard, events = self.source, self.shard, self.events
         where = f"{self.url}:{key}"
         loc = (shard, start, end, sample_checksum(members))
@@ -433,42 +555,86 @@ class ShardPass:
             check_members(where, key, members, duplicate)
             exts = {ext: data for ext, data, _ in members}
             if len(exts) != len(members):
-                raise MissingMemberError(sample=where, field=next(e for e in exts if [m[0] for m in members].count(e) > 1),
-                                         expected="one member per extension", actual="a duplicate member")
+                raise MissingMemberError(
+                    sample=where,
+                    field=next(e for e in exts if [m[0] for m in members].count(e) > 1),
+                    expected="one member per extension",
+                    actual="a duplicate member",
+                )
             missing = [r for r in source.required if r not in exts]
             if missing:
-                raise MissingMemberError(sample=where, field=missing[0], expected=f"members {list(source.required)}",
-                                         actual=f"members {sorted(exts)}")
-            for ext, data, _ in members:  # small members decoded as the full pass does (JSON, text, refusals)
+                raise MissingMemberError(
+                    sample=where,
+                    field=missing[0],
+                    expected=f"members {list(source.required)}",
+                    actual=f"members {sorted(exts)}",
+                )
+            for (
+                ext,
+                data,
+                _,
+            ) in members:  # small members decoded as the full pass does (JSON, text, refusals)
                 if not ext.endswith(".npy") and ext.rpartition(".")[2] not in IMAGES:
-                    decode_member(where, ext, data, image=source.image, extra=source.decoders, limits=source.limits)
+                    decode_member(
+                        where,
+                        ext,
+                        data,
+                        image=source.image,
+                        extra=source.decoders,
+                        limits=source.limits,
+                    )
             n, has_media, sig, rendered = self.rule(exts, where)
-            bounds = value_bounds({**_bounded_members(exts), **({} if rendered is None else {"input_ids": rendered})})
+            bounds = value_bounds(
+                {**_bounded_members(exts), **({} if rendered is None else {"input_ids": rendered})}
+            )
         except SampleError as exc:
-            err = exc if isinstance(exc, BadSampleError) else BadSampleError(
-                sample=where, field=exc.field, expected=exc.expected, actual=exc.actual)
+            err = (
+                exc
+                if isinstance(exc, BadSampleError)
+                else BadSampleError(
+                    sample=where, field=exc.field, expected=exc.expected, actual=exc.actual
+                )
+            )
             events.append(BadRecord.of_error(err, where))
             return
         except (ValueError, UnicodeDecodeError) as exc:  # e.g. JSON that is not text
-            err = BadSampleError(sample=where, field=None, expected="a readable sample",
-                                 actual=f"{type(exc).__name__}: {exc}")
+            err = BadSampleError(
+                sample=where,
+                field=None,
+                expected="a readable sample",
+                actual=f"{type(exc).__name__}: {exc}",
+            )
             events.append(BadRecord.of_error(err, where))
             return
-        if sig not in self.by_sig:  # the first of its kind: the full transform, its length compared with the rule's
+        if (
+            sig not in self.by_sig
+        ):  # the first of its kind: the full transform, its length compared with the rule's
             raw = source._sample(shard, key, members)
             try:
                 if isinstance(raw, Exception):
                     raise raw
                 got = transformed_length(self.checker.apply_transform(raw, loc), where)
             except SampleError as exc:
-                err = exc if isinstance(exc, BadSampleError) and exc.sample == where else BadSampleError(
-                    sample=where, field=exc.field, expected=exc.expected, actual=exc.actual,
-                    reason=getattr(exc, "reason", None) if isinstance(getattr(exc, "reason", None), str) else None)
+                err = (
+                    exc
+                    if isinstance(exc, BadSampleError) and exc.sample == where
+                    else BadSampleError(
+                        sample=where,
+                        field=exc.field,
+                        expected=exc.expected,
+                        actual=exc.actual,
+                        reason=getattr(exc, "reason", None)
+                        if isinstance(getattr(exc, "reason", None), str)
+                        else None,
+                    )
+                )
                 events.append(BadRecord.of_error(err, where))
                 return
             if got != n:
-                raise LengthRuleError(f"{where}: the header rule gives {n} tokens, the transform {got}; "
-                                      f"index this data with the full pass (prealign index --full)")
+                raise LengthRuleError(
+                    f"{where}: the header rule gives {n} tokens, the transform {got}; "
+                    f"index this data with the full pass (prealign index --full)"
+                )
             self.by_sig[sig] = len(self.dims)
             self.dims.append(signature_record(sig))
         self.locations.append(list(loc))
@@ -479,7 +645,8 @@ class ShardPass:
         events.append(None)
 
     def add_rows(self, locations: list, lengths: list, dim_ids: list, bounds: np.ndarray) -> None:
-        """Append accepted samples without media: ``locations`` (lists ``[shard, start, end, checksum]``),
+        """Append accepted samples without media: ``locations`` (lists ``[shard, start, end,
+        checksum]``),
         ``lengths`` and ``dim_ids`` (ints), ``bounds int64 [k, 3, 4]``."""
         self.locations += locations
         self.lengths += lengths
@@ -489,9 +656,19 @@ class ShardPass:
         self.events += [None] * len(lengths)
 
     def record(self) -> dict:
-        bounds = np.concatenate(self.bounds) if self.bounds else np.zeros((0, len(BOUNDED), 4), np.int64)
-        return {"shard": self.shard, "locations": self.locations, "lengths": self.lengths, "media": self.media,
-                "dims": self.dims, "dim_ids": self.dim_ids, "events": self.events, "bounds": bounds}
+        bounds = (
+            np.concatenate(self.bounds) if self.bounds else np.zeros((0, len(BOUNDED), 4), np.int64)
+        )
+        return {
+            "shard": self.shard,
+            "locations": self.locations,
+            "lengths": self.lengths,
+            "media": self.media,
+            "dims": self.dims,
+            "dim_ids": self.dim_ids,
+            "events": self.events,
+            "bounds": bounds,
+        }
 
 
 class MemberRuns:
@@ -512,8 +689,13 @@ class MemberRuns:
         """One member (a :class:`~prealign.loaders.sources.tar_reader.Member`), in archive order."""
         split = split_member_name(m.name)
         if split is None:
-            self.records.events.append(BadRecord("ignored_member", f"{self.records.url}:{m.name}",
-                                                 f"tar {m.kind} member without an extension"))
+            self.records.events.append(
+                BadRecord(
+                    "ignored_member",
+                    f"{self.records.url}:{m.name}",
+                    f"tar {m.kind} member without an extension",
+                )
+            )
             return
         if split[0] != self.key:
             self._judge(m.offset)
@@ -557,8 +739,9 @@ def _header_pass(source, schema, shard: int, rule, f) -> dict:
 
 
 def _bounded_members(exts: dict[str, bytes]) -> dict[str, np.ndarray]:
-    """The :data:`~prealign.loaders.index.sample_checks.BOUNDED` ``.npy`` members of a sample, as views of their
-    bytes (no copy; never unpickled; their headers were checked by the rule). An integer member whose data is
+    """The :data:`~prealign.loaders.index.sample_checks.BOUNDED` ``.npy`` members of a sample, as
+    views of their bytes (no copy; never unpickled; their headers were checked by the rule). An
+    integer member whose data is
     shorter than its header says is left out (the full pass refuses it when it loads)."""
     out = {}
     for name in BOUNDED:
@@ -579,17 +762,19 @@ def _stacked(rows: list) -> np.ndarray:
     return np.stack(rows) if rows else np.zeros((0, len(BOUNDED), 4), np.int64)
 
 
-
-# ---- writing sidecars ------------------------------------------------------------------------------
+# ---- writing sidecars
+# ------------------------------------------------------------------------------
 def sidecar_key(source) -> tuple[str, dict[str, str]]:
-    """``(config, transform fields)`` a sidecar of ``source`` records: computed once per ``write_sidecars``
+    """``(config, transform fields)`` a sidecar of ``source`` records: computed once per
+    ``write_sidecars``
     call, not per shard (a transform's identity digests its code, globals and state)."""
     fields = transform_fields(source)
     return identity_digest(fields), fields
 
 
 def _up_to_date(source, schema, shard: int, out_dir: str | None, key: tuple | None = None) -> bool:
-    """True when shard ``shard`` has a readable sidecar of its current size and this configuration (``key``:
+    """True when shard ``shard`` has a readable sidecar of its current size and this configuration
+    (``key``:
     :func:`sidecar_key`, computed here when not given)."""
 
     src = source if out_dir is None else _with_index_dir(source, out_dir)
@@ -602,15 +787,23 @@ def _up_to_date(source, schema, shard: int, out_dir: str | None, key: tuple | No
     except (StaleIndexError, OSError):
         return False
     config = (key or sidecar_key(source))[0]
-    return meta["size"] == size and meta["config"] == config and meta.get("probe", "") == shard_probe(source, shard, size)
+    return (
+        meta["size"] == size
+        and meta["config"] == config
+        and meta.get("probe", "") == shard_probe(source, shard, size)
+    )
 
 
-def verify_shards(source, shards=None, *, out_dir: str | None = None, progress=None) -> dict[str, str]:
-    """Read each shard of ``source`` that has a sidecar whole and compare it with the sidecar's recorded size
-    and hash (blake2b-128 of every byte): ``{shard url: what differs}`` for those that do not match (a byte
-    changed in place, a shard rewritten with another sidecar left beside it), empty when all match. Shards
-    without a sidecar are reported as such. The loaders check size and the first and last 64 KiB at start and
-    each sample's crc32 when read; this is the whole-file check, run on demand (``prealign index --check``)."""
+def verify_shards(
+    source, shards=None, *, out_dir: str | None = None, progress=None
+) -> dict[str, str]:
+    """Read each shard of ``source`` that has a sidecar whole and compare it with the sidecar's
+    recorded size and hash (blake2b-128 of every byte): ``{shard url: what differs}`` for those that
+    do not match (a byte changed in place, a shard rewritten with another sidecar left beside it),
+    empty when all match. Shards without a sidecar are reported as such. The loaders check size and
+    the first and last 64 KiB at start and
+    each sample's crc32 when read; this is the whole-file check, run on demand (``prealign index
+    --check``)."""
     src = source if out_dir is None else _with_index_dir(source, out_dir)
     todo = list(range(source.num_shards)) if shards is None else list(shards)
     problems: dict[str, str] = {}
@@ -629,8 +822,11 @@ def verify_shards(source, shards=None, *, out_dir: str | None = None, progress=N
                 if close:
                     close()
             if (got["size"], got["hash"]) != (meta["size"], meta["hash"]):
-                problems[url] = (f"{got['size']} bytes hashing to {got['hash']}, the sidecar recorded {meta['size']} "
-                                 f"bytes hashing to {meta['hash']}: re-run prealign index")
+                problems[url] = (
+                    f"{got['size']} bytes hashing to {got['hash']}, the sidecar recorded "
+                    f"{meta['size']} "
+                    f"bytes hashing to {meta['hash']}: re-run prealign index"
+                )
         if progress is not None:
             progress(done, len(todo), 0)
     return problems
@@ -644,10 +840,20 @@ def _with_index_dir(source, out_dir: str):
     return src
 
 
-def index_one(source, schema: BatchSchema, shard: int, *, out_dir: str | None = None, full: bool = False,
-              force: bool = False, verify_images: bool = True, key: tuple | None = None) -> tuple[int, str, int, dict]:
-    """Write the sidecar of one shard unless it is up to date (``force``: always); ``key``: :func:`sidecar_key`
-    of ``source`` (computed here when not given). Returns ``(shard, "indexed" | "up to date", samples,
+def index_one(
+    source,
+    schema: BatchSchema,
+    shard: int,
+    *,
+    out_dir: str | None = None,
+    full: bool = False,
+    force: bool = False,
+    verify_images: bool = True,
+    key: tuple | None = None,
+) -> tuple[int, str, int, dict]:
+    """Write the sidecar of one shard unless it is up to date (``force``: always); ``key``:
+    :func:`sidecar_key` of ``source`` (computed here when not given). Returns ``(shard, "indexed" |
+    "up to date", samples,
     {reason: bad samples recorded})``."""
 
     url = source.urls[shard]
@@ -656,11 +862,21 @@ def index_one(source, schema: BatchSchema, shard: int, *, out_dir: str | None = 
         return shard, "up to date", 0, {}
     path = sidecar_path(url, out_dir)
     if remote.is_remote(path):
-        raise ConfigError(f"{url}: a sidecar cannot be written beside a remote shard; give --out DIR "
-                          f"(and index_dir=DIR to WebDatasetSource)")
-    record, fingerprint = header_index_shard(source, schema, shard, full=full, verify_images=verify_images)
-    write_sidecar(path, record, shard=shard_name(url), fingerprint=fingerprint, config=key[0],
-                  extra={"probe": shard_probe(source, shard, fingerprint["size"]), "transform": key[1]})
+        raise ConfigError(
+            f"{url}: a sidecar cannot be written beside a remote shard; give --out DIR "
+            f"(and index_dir=DIR to WebDatasetSource)"
+        )
+    record, fingerprint = header_index_shard(
+        source, schema, shard, full=full, verify_images=verify_images
+    )
+    write_sidecar(
+        path,
+        record,
+        shard=shard_name(url),
+        fingerprint=fingerprint,
+        config=key[0],
+        extra={"probe": shard_probe(source, shard, fingerprint["size"]), "transform": key[1]},
+    )
     bad: dict[str, int] = {}
     for event in record["events"]:
         if event is not None:
@@ -670,27 +886,47 @@ def index_one(source, schema: BatchSchema, shard: int, *, out_dir: str | None = 
 
 def _index_task(args):
     source, schema, shard, out_dir, full, force, verify, key = args
-    return index_one(source, schema, shard, out_dir=out_dir, full=full, force=force, verify_images=verify, key=key)
+    return index_one(
+        source,
+        schema,
+        shard,
+        out_dir=out_dir,
+        full=full,
+        force=force,
+        verify_images=verify,
+        key=key,
+    )
 
 
-def write_sidecars(source, schema: BatchSchema, *, out_dir: str | None = None, workers: int = 1, full: bool = False,
-                   force: bool = False, shards: list[int] | None = None, verify_images: bool = True,
-                   progress: Callable[[int, int, int], None] | None = None) -> dict:
+def write_sidecars(
+    source,
+    schema: BatchSchema,
+    *,
+    out_dir: str | None = None,
+    workers: int = 1,
+    full: bool = False,
+    force: bool = False,
+    shards: list[int] | None = None,
+    verify_images: bool = True,
+    progress: Callable[[int, int, int], None] | None = None,
+) -> dict:
     """Index ``shards`` (default: all) of ``source`` into sidecars with ``workers`` local processes.
-    ``progress(done, total, samples)`` is called after each shard. ``verify_images=False``: image headers
-    only (no pixel decode; a corrupt image body is then found, and counted, when its sample is loaded). Returns ``{"indexed", "up_to_date",
-    "samples"}`` counts, and ``"bad": {reason: samples}`` when bad samples were recorded in the sidecars."""
+    ``progress(done, total, samples)`` is called after each shard. ``verify_images=False``: image
+    headers only (no pixel decode; a corrupt image body is then found, and counted, when its sample
+    is loaded). Returns ``{"indexed", "up_to_date",
+    "samples"}`` counts, and ``"bad": {reason: samples}`` when bad samples were recorded in the
+    sidecars."""
     import multiprocessing as mp
-
 
     todo = list(range(source.num_shards)) if shards is None else list(shards)
     sizes = shard_sizes(source, todo)  # missing shards or a brace typo, all named: before any work
-    for s in todo:  # a device, a FIFO: refused before any work (never read without end, never waited on)
+    for s in (
+        todo
+    ):  # a device, a FIFO: refused before any work (never read without end, never waited on)
         if not remote.is_remote(source.urls[s]):
             regular_stat(remote.local_path(source.urls[s]), "shard")
     if out_dir:
         import os
-
 
         check_index_dir_names(source.urls[s] for s in todo)
         os.makedirs(out_dir, exist_ok=True)
@@ -698,10 +934,16 @@ def write_sidecars(source, schema: BatchSchema, *, out_dir: str | None = None, w
     key = sidecar_key(source)  # once, for every shard
     threshold = _POOL_MIN_FULL if full else _POOL_MIN
     if workers > 1 and len(todo) > 1 and not force and sum(max(n, 0) for n in sizes) >= threshold:
-        # the pool pays off only for the bytes left to index: shards already up to date are found here first
-        fresh = per_shard(source, lambda s: _up_to_date(source, schema, s, out_dir, key), todo, threads=8)
+        # the pool pays off only for the bytes left to index: shards already up to date are found
+        # here first
+        fresh = per_shard(
+            source, lambda s: _up_to_date(source, schema, s, out_dir, key), todo, threads=8
+        )
         done = [(s, "up to date", 0, {}) for s, ok in zip(todo, fresh) if ok]
-        todo, sizes = [s for s, ok in zip(todo, fresh) if not ok], [n for n, ok in zip(sizes, fresh) if not ok]
+        todo, sizes = (
+            [s for s, ok in zip(todo, fresh) if not ok],
+            [n for n, ok in zip(sizes, fresh) if not ok],
+        )
         force = True  # (the rest were just found out of date)
     else:
         done = []
@@ -709,26 +951,36 @@ def write_sidecars(source, schema: BatchSchema, *, out_dir: str | None = None, w
     total = len(done) + len(tasks)
     if workers > 1 and len(tasks) > 1 and sum(max(n, 0) for n in sizes) >= threshold:
         with _pool(mp, min(workers, len(tasks))) as pool:
-            _collect(itertools.chain(done, pool.imap_unordered(_index_task, tasks)), stats, total, progress)
+            _collect(
+                itertools.chain(done, pool.imap_unordered(_index_task, tasks)),
+                stats,
+                total,
+                progress,
+            )
     else:
         _collect(itertools.chain(done, map(_index_task, tasks)), stats, total, progress)
     return stats
 
 
 _POOL_MIN = 192 << 20
-"""Shard bytes below which the header pass runs in this process even when given workers: a pool costs
-about a second to start (one import of torch), the header pass reads ~100 MB of text shards a second."""
+"""Shard bytes below which the header pass runs in this process even when given workers: a pool
+costs
+about a second to start (one import of torch), the header pass reads ~100 MB of text shards a
+second."""
 _POOL_MIN_FULL = 16 << 20
-"""The same for the full pass (``full=True``: every sample transformed and collated, ~10x slower a byte)."""
+"""The same for the full pass (``full=True``: every sample transformed and collated, ~10x slower a
+byte)."""
 
 
 def _pool(mp, n: int):
-    """``n`` worker processes forked from a forkserver that imported torch and this module once (``spawn``,
-    where there is no forkserver): no child re-imports torch (``spawn`` made the pool slower than one process
-    below ~300k samples), and none is forked from this process, whose torch / PIL threads may hold locks.
-    Each child runs torch on one thread: ``n`` processes, not ``n`` x cores threads. The pool's processes end
-    with it; the forkserver (one idle process holding torch, ~300 MB) stays alive until this process exits,
-    as ``multiprocessing`` keeps it, and serves the next pool of this process without a second torch import."""
+    """``n`` worker processes forked from a forkserver that imported torch and this module once
+    (``spawn``, where there is no forkserver): no child re-imports torch (``spawn`` made the pool
+    slower than one process below ~300k samples), and none is forked from this process, whose torch
+    / PIL threads may hold locks. Each child runs torch on one thread: ``n`` processes, not ``n`` x
+    cores threads. The pool's processes end with it; the forkserver (one idle process holding torch,
+    ~300 MB) stays alive until this process exits,
+    as ``multiprocessing`` keeps it, and serves the next pool of this process without a second torch
+    import."""
     try:
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(["torch", __name__])
@@ -747,7 +999,10 @@ def _collect(results, stats: dict, total: int, progress) -> None:
     for done, (_, what, n, bad) in enumerate(results, 1):
         stats["indexed" if what == "indexed" else "up_to_date"] += 1
         stats["samples"] += n
-        for reason, count in bad.items():  # "bad": {reason: samples}, present when some were recorded
+        for (
+            reason,
+            count,
+        ) in bad.items():  # "bad": {reason: samples}, present when some were recorded
             stats.setdefault("bad", {})[reason] = stats.get("bad", {}).get(reason, 0) + count
         if progress:
             progress(done, total, stats["samples"])

@@ -1,12 +1,14 @@
-"""The fix a user is told when an index does not fit: the ``prealign index`` command that rebuilds the
-sidecars of a source, every path quoted for a POSIX shell.
+"""The fix a user is told when an index does not fit: the ``prealign index`` command that rebuilds
+the sidecars of a source, every path quoted for a POSIX shell.
 
-Built only when an error is raised, never while a healthy sidecar is read: the command names every shard
-(a brace range when they are one numbered run, found by walking all their names), so building it for each of
-``S`` sidecars made a loader's start cost ``S**2`` regex matches (issue #28). Callers hand a ``lambda``
-(:func:`~prealign.loaders.index.sidecar.parse_sidecar`'s ``fix=``) or call :func:`index_hint` in the branch
-that raises; the command is then kept per source, so many errors of one source build it once.
+Built only when an error is raised, never while a healthy sidecar is read: the command names every
+shard (a brace range when they are one numbered run, found by walking all their names), so building
+it for each of ``S`` sidecars made a loader's start cost ``S**2`` regex matches (issue #28). Callers
+hand a ``lambda`` (:func:`~prealign.loaders.index.sidecar.parse_sidecar`'s ``fix=``) or call
+:func:`index_hint` in the branch that raises; the command is then kept per source, so many errors of
+one source build it once.
 """
+
 from __future__ import annotations
 
 import re
@@ -39,11 +41,18 @@ def shell_shards(urls: list[str]) -> str:
 
 
 def index_command(source) -> str:
-    """The ``prealign index`` command that writes sidecars this loader's source accepts, every path quoted for
-    a POSIX shell. Remote shards with no ``index_dir`` get ``--out prealign-index`` (a sidecar cannot be
-    written beside a remote object) and what to give the loader then. Built once per source (and shard list)."""
-    key = (len(source.urls), source.urls[0] if source.urls else None, source.urls[-1] if source.urls else None,
-           getattr(source, "index_dir", None), id(source.transform))
+    """The ``prealign index`` command that writes sidecars this loader's source accepts, every path
+    quoted for a POSIX shell. Remote shards with no ``index_dir`` get ``--out prealign-index`` (a
+    sidecar cannot be
+    written beside a remote object) and what to give the loader then. Built once per source (and
+    shard list)."""
+    key = (
+        len(source.urls),
+        source.urls[0] if source.urls else None,
+        source.urls[-1] if source.urls else None,
+        getattr(source, "index_dir", None),
+        id(source.transform),
+    )
     try:
         known = _COMMANDS.get(source)
     except TypeError:  # (a source that cannot be weakly referenced: built each time)
@@ -58,7 +67,8 @@ _COMMANDS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def merge_command(source) -> str:
-    """The ``prealign index --merge`` command that writes the one merged index of this source's shards (their
+    """The ``prealign index --merge`` command that writes the one merged index of this source's
+    shards (their
     sidecars, when up to date, are only checked)."""
     command = index_command(source)
     if not command.startswith("prealign index "):
@@ -69,28 +79,45 @@ def merge_command(source) -> str:
 def _command(source) -> str:
     transform = indexed_transform(source.transform)
     urls = shell_shards(source.urls)
-    index_dir = getattr(source, "index_dir", None) or (REMOTE_INDEX_DIR if _remote_unindexed(source) else None)
+    index_dir = getattr(source, "index_dir", None) or (
+        REMOTE_INDEX_DIR if _remote_unindexed(source) else None
+    )
     out = f" --out {shlex.quote(index_dir)}" if index_dir else ""
     if transform is numpy_fields:
         mode = "--text"
     elif isinstance(transform, VLMSampleTransform):
-        path = getattr(getattr(transform.tokenizer, "tokenizer", None), "name_or_path", "") or "TOKENIZER_DIR"
-        mode = f"--tokenizer {shlex.quote(path)}" if getattr(transform.tokenizer, "tokenizer", None) is not None else ""
-        mode += " --processor DIR_WITH_preprocessor_config.json" if transform.processor_options else ""
+        path = (
+            getattr(getattr(transform.tokenizer, "tokenizer", None), "name_or_path", "")
+            or "TOKENIZER_DIR"
+        )
+        mode = (
+            f"--tokenizer {shlex.quote(path)}"
+            if getattr(transform.tokenizer, "tokenizer", None) is not None
+            else ""
+        )
+        mode += (
+            " --processor DIR_WITH_preprocessor_config.json" if transform.processor_options else ""
+        )
         if transform.model_config is not None:  # the family (a folder with the model's config.json)
-            folder = getattr(transform.model_config, "name_or_path", "") or "MODEL_DIR_WITH_config.json"
+            folder = (
+                getattr(transform.model_config, "name_or_path", "") or "MODEL_DIR_WITH_config.json"
+            )
             mode += f" --model-config {shlex.quote(folder)}"
         mode += f" --topk {transform.topk}" if transform.topk else ""
         mode = mode.strip()
     else:
-        return (f"write_sidecars(source, schema, force=True) from prealign.loaders.index.header_pass with this "
-                f"source's transform ({describe_transform(transform)})"
-                f"{f' and out_dir={index_dir!r}' if index_dir else ''}")
+        return (
+            f"write_sidecars(source, schema, force=True) from prealign.loaders.index.header_pass "
+            f"with this "
+            f"source's transform ({describe_transform(transform)})"
+            f"{f' and out_dir={index_dir!r}' if index_dir else ''}"
+        )
     return f"prealign index {mode + ' ' if mode else ''}--force{out} {urls}"
 
 
 REMOTE_INDEX_DIR = "prealign-index"
-"""Where :func:`index_command` has the sidecars of remote shards written (relative to the working directory)."""
+"""Where :func:`index_command` has the sidecars of remote shards written (relative to the working
+directory)."""
 
 
 def _remote_unindexed(source) -> bool:
@@ -98,8 +125,16 @@ def _remote_unindexed(source) -> bool:
 
 
 def index_hint(source) -> str:
-    """``run `<index_command>` `` and, for remote shards with no ``index_dir``, where the loader then finds the
+    """``run `<index_command>` `` and, for remote shards with no ``index_dir``, where the loader
+    then finds the
     sidecars."""
-    then = (f", then give WebDatasetSource(..., index_dir={REMOTE_INDEX_DIR!r}) (the folder it writes in the "
-            f"directory it runs in; or upload the sidecars beside the shards)") if _remote_unindexed(source) else ""
+    then = (
+        (
+            f", then give WebDatasetSource(..., index_dir={REMOTE_INDEX_DIR!r}) (the folder it "
+            f"writes in the "
+            f"directory it runs in; or upload the sidecars beside the shards)"
+        )
+        if _remote_unindexed(source)
+        else ""
+    )
     return f"run `{index_command(source)}`{then}"

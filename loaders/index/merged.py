@@ -1,32 +1,39 @@
-"""One index file for all the shards of a data set: their sidecars merged, so a loader starts with one read
-instead of one per shard (100k shards: one file, not 100k opens and parses).
+"""One index file for all the shards of a data set: their sidecars merged, so a loader starts with
+one read instead of one per shard (100k shards: one file, not 100k opens and parses).
 
     shard-*.tar.prealign-index.npz ──prealign index --merge──► <folder>/prealign-index.merged.npz
 
-The merged file sits in ``index_dir`` when the source has one, else in the folder of the first shard. A
-loader uses it when it names exactly the source's shards, in order (else it reads the sidecars one by one,
-as before). It holds what the sidecars hold, read with ``allow_pickle=False`` and checked as a whole:
+The merged file sits in ``index_dir`` when the source has one, else in the folder of the first
+shard. A loader uses it when it names exactly the source's shards, in order (else it reads the
+sidecars one by one, as before). It holds what the sidecars hold, read with ``allow_pickle=False``
+and checked as a whole:
 
-=============  ==============  ======================================================================
-key            dtype / shape   meaning
-=============  ==============  ======================================================================
-``meta``       uint8 ``[B]``   UTF-8 JSON: ``format``, ``version``, ``names`` (shard file names, ``[S]``),
-                               ``common`` (the sidecar meta every shard shares: ``config``, ...),
-                               ``probes`` (``[S]``), ``dims`` (distinct named-dim dicts), ``events``
-                               (``[shard, position, event]`` of each skip / bad record)
-``shards``     int64 ``[S,5]`` ``size, rows, num_events, first, last`` of each shard (``first`` / ``last``:
-                               see :func:`~prealign.loaders.index.sidecar.expected_of`)
-``spans``      int64 ``[N,3]`` ``start, end, checksum`` of each good sample, shard after shard
-``lengths``    int64 ``[N]``   token lengths
-``media``      bool ``[N]``    the sample carries media
-``dim_ids``    int64 ``[N]``   row of ``meta.dims`` each sample has
-``bounds``     int64 [N,3,4]   value bounds of each sample's ids (as in the sidecars)
-=============  ==============  ======================================================================
+===========  ============  =========================================================================
+key          dtype /       meaning
+             shape
+===========  ============  =========================================================================
+``meta``     uint8         UTF-8 JSON: ``format``, ``version``, ``names`` (shard file names,
+             ``[B]``       ``[S]``), ``common`` (the sidecar meta every shard shares: ``config``,
+                           ...), ``probes`` (``[S]``), ``dims`` (distinct named-dim dicts),
+                           ``events`` (``[shard, position, event]`` of each skip / bad record)
+``shards``   int64         ``size, rows, num_events, first, last`` of each shard (``first`` /
+             ``[S,5]``     ``last``: see :func:`~prealign.loaders.index.sidecar.expected_of`)
+``spans``    int64         ``start, end, checksum`` of each good sample, shard after shard
+             ``[N,3]``
+``lengths``  int64         token lengths
+             ``[N]``
+``media``    bool ``[N]``  the sample carries media
+``dim_ids``  int64         row of ``meta.dims`` each sample has
+             ``[N]``
+``bounds``   int64         value bounds of each sample's ids (as in the sidecars)
+             [N,3,4]
+===========  ============  =========================================================================
 
-The records it gives are those the sidecars give, so the index is the same either way; each shard is still
-checked against it when first read (:class:`~prealign.loaders.index.sidecar.ShardChecks`). Anything
-malformed is a :class:`~prealign.loaders.errors.StaleIndexError` naming the file.
+The records it gives are those the sidecars give, so the index is the same either way; each shard is
+still checked against it when first read (:class:`~prealign.loaders.index.sidecar.ShardChecks`).
+Anything malformed is a :class:`~prealign.loaders.errors.StaleIndexError` naming the file.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -58,24 +65,28 @@ _KEYS = frozenset({"meta", "shards", "spans", "lengths", "media", "dim_ids", "bo
 _MAX_FILE = 1 << 36
 """64 GiB: a merged index holds 137 bytes a sample (about 500M samples)."""
 _INFLATE = 2
-""":func:`merge_sidecars` stores its members uncompressed (together the file's size): a file that inflates
+""":func:`merge_sidecars` stores its members uncompressed (together the file's size): a file that
+inflates
 to more than twice its size (and 1 MiB) is not one it wrote."""
 
 
 def merged_path(source) -> str:
-    """Where ``source``'s merged index lives: ``index_dir/`` or the first shard's folder, then :data:`NAME`."""
+    """Where ``source``'s merged index lives: ``index_dir/`` or the first shard's folder, then
+    :data:`NAME`."""
     folder = getattr(source, "index_dir", None)
     if not folder:
         first = source.urls[0].split("?", 1)[0]
-        first = first[len("file://"):] if first.startswith("file://") else first
+        first = first[len("file://") :] if first.startswith("file://") else first
         folder = first.rsplit("/", 1)[0] if "/" in first else "."
     return f"{folder.rstrip('/')}/{NAME}"
 
 
 def merge_sidecars(source, path: str | None = None) -> dict:
     """Write the sidecars of every shard of ``source`` as one merged index at ``path`` (default
-    :func:`merged_path`), atomically. Every shard needs its sidecar (else :class:`StaleIndexError`: run
-    ``prealign index`` first), and all of them the same configuration. Returns ``{"path", "shards", "samples"}``."""
+    :func:`merged_path`), atomically. Every shard needs its sidecar (else :class:`StaleIndexError`:
+    run
+    ``prealign index`` first), and all of them the same configuration. Returns ``{"path", "shards",
+    "samples"}``."""
     path = path or merged_path(source)
     names, probes, table, events, dims = [], [], [], [], []
     parts: dict[str, list] = {"spans": [], "lengths": [], "media": [], "dim_ids": [], "bounds": []}
@@ -83,18 +94,27 @@ def merge_sidecars(source, path: str | None = None) -> dict:
     for shard, url in enumerate(source.urls):
         data = sidecar.read_sidecar_bytes(source, shard)
         if data is None:
-            raise StaleIndexError(url, "no sidecar index to merge", "run `prealign index` on every shard first")
+            raise StaleIndexError(
+                url, "no sidecar index to merge", "run `prealign index` on every shard first"
+            )
         meta, arrays = sidecar.parse_sidecar(data, shard=url)
         if meta["shard"] != shard_name(url):
-            raise StaleIndexError(url, f"its sidecar describes shard {meta['shard']!r}", "a sidecar of another shard")
+            raise StaleIndexError(
+                url, f"its sidecar describes shard {meta['shard']!r}", "a sidecar of another shard"
+            )
         mine = {k: v for k, v in meta.items() if k not in _PER_SHARD}
         if common is None:
             common = mine
         elif mine != common:
-            raise StaleIndexError(url, f"its sidecar was built with {mine}, the first shard's with {common}",
-                                  "index every shard with one configuration before merging")
-        ids = np.asarray([dims.index(d) if d in dims else dims.append(d) or len(dims) - 1 for d in meta["dims"]],
-                         np.int64)
+            raise StaleIndexError(
+                url,
+                f"its sidecar was built with {mine}, the first shard's with {common}",
+                "index every shard with one configuration before merging",
+            )
+        ids = np.asarray(
+            [dims.index(d) if d in dims else dims.append(d) or len(dims) - 1 for d in meta["dims"]],
+            np.int64,
+        )
         size, probe, first, last = sidecar.expected_of(meta, arrays["spans"])
         names.append(meta["shard"])
         probes.append(probe)
@@ -103,22 +123,33 @@ def merge_sidecars(source, path: str | None = None) -> dict:
         for key in ("spans", "lengths", "media", "bounds"):
             parts[key].append(arrays[key])
         parts["dim_ids"].append(ids[arrays["dim_ids"]] if len(ids) else arrays["dim_ids"])
-    meta = {"format": FORMAT, "version": VERSION, "names": names, "common": common, "probes": probes,
-            "dims": dims, "events": events}
+    meta = {
+        "format": FORMAT,
+        "version": VERSION,
+        "names": names,
+        "common": common,
+        "probes": probes,
+        "dims": dims,
+        "events": events,
+    }
     buf = io.BytesIO()
-    np.savez(buf, meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8),
-             shards=np.asarray(table, np.int64).reshape(-1, 5),
-             spans=np.concatenate(parts["spans"]).reshape(-1, 3).astype(np.int64),
-             lengths=np.concatenate(parts["lengths"]).astype(np.int64),
-             media=np.concatenate(parts["media"]).astype(bool),
-             dim_ids=np.concatenate(parts["dim_ids"]).astype(np.int64),
-             bounds=np.concatenate(parts["bounds"]).reshape(-1, 3, 4).astype(np.int64))
+    np.savez(
+        buf,
+        meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8),
+        shards=np.asarray(table, np.int64).reshape(-1, 5),
+        spans=np.concatenate(parts["spans"]).reshape(-1, 3).astype(np.int64),
+        lengths=np.concatenate(parts["lengths"]).astype(np.int64),
+        media=np.concatenate(parts["media"]).astype(bool),
+        dim_ids=np.concatenate(parts["dim_ids"]).astype(np.int64),
+        bounds=np.concatenate(parts["bounds"]).reshape(-1, 3, 4).astype(np.int64),
+    )
     write_atomically(path, buf.getvalue())
     return {"path": path, "shards": len(names), "samples": int(sum(t[1] for t in table))}
 
 
 def merged_names(path: str) -> list[str] | None:
-    """The shard names of the local merged index at ``path``; None when it is missing or unreadable."""
+    """The shard names of the local merged index at ``path``; None when it is missing or
+    unreadable."""
     try:
         data = sidecar.read_regular(path, "merged index", _MAX_FILE)
         return None if data is None else _parse(data, path)[0]["names"]
@@ -137,13 +168,14 @@ def read_merged(source, schema) -> tuple[dict, dict[str, np.ndarray]] | None:
 
 
 def merged_index(source, schema, policy: BadDataPolicy, *, found=_UNREAD) -> SampleIndex | None:
-    """The :class:`SampleIndex` of ``source`` straight from its merged index, at a cost per file, per data
-    signature (its samples checked against ``schema`` as the sidecars' path checks them:
-    :func:`~prealign.loaders.index.sample_checks.signature_verdicts`) and per bad record, not per shard or
-    sample (the one :func:`~prealign.loaders.index.build.merge_records` makes from
+    """The :class:`SampleIndex` of ``source`` straight from its merged index, at a cost per file,
+    per data signature (its samples checked against ``schema`` as the sidecars' path checks them:
+    :func:`~prealign.loaders.index.sample_checks.signature_verdicts`) and per bad record, not per
+    shard or sample (the one :func:`~prealign.loaders.index.build.merge_records` makes from
     the same records: the bad-data policy applied to the recorded bad events in stream order); sets
-    ``source.shard_check``. The policy and the fixed-dims rule are :func:`~prealign.loaders.index.apply_policy.
-    apply_policy`'s, as on every path. None when there is no merged index for these shards. ``found``:
+    ``source.shard_check``. The policy and the fixed-dims rule are
+    :func:`~prealign.loaders.index.apply_policy. apply_policy`'s, as on every path. None when there
+    is no merged index for these shards. ``found``:
     :func:`read_merged`'s answer, when read already."""
     found = _read(source, schema) if found is _UNREAD else found
     if found is None:
@@ -154,8 +186,12 @@ def merged_index(source, schema, policy: BadDataPolicy, *, found=_UNREAD) -> Sam
     locations = np.empty((shards.size, 4), np.int64)
     locations[:, 0], locations[:, 1:] = shards, a["spans"]
     _install_checks(source, meta, a, table)  # (the samples loaded below are checked against it too)
-    verdicts, errors = signature_verdicts(source, schema, meta["dims"], a["dim_ids"], locations, a["lengths"])
-    errors.update(value_errors(source, schema, a["bounds"], locations, a["dim_ids"], verdicts, errors))
+    verdicts, errors = signature_verdicts(
+        source, schema, meta["dims"], a["dim_ids"], locations, a["lengths"]
+    )
+    errors.update(
+        value_errors(source, schema, a["bounds"], locations, a["dim_ids"], verdicts, errors)
+    )
     first_record = np.concatenate([[0], np.cumsum(table[:, 2])])
     events = [(int(first_record[shard]) + pos, ev) for shard, pos, ev in meta["events"]]
     is_event = np.zeros(int(first_record[-1]), bool)
@@ -164,27 +200,42 @@ def merged_index(source, schema, policy: BadDataPolicy, *, found=_UNREAD) -> Sam
     keep = np.ones(shards.size, bool)
     if errors:  # rows found bad under this schema: bad records at their places in the stream
         keep[list(errors)] = False
-        events = sorted([*events, *((int(good_at[row]), bad_row_event(err)) for row, err in errors.items())],
-                        key=lambda e: e[0])
-    records = Records(lengths=a["lengths"][keep], locations=locations[keep], shards=shards[keep],
-                      media=a["media"][keep], dim_ids=a["dim_ids"][keep], good_at=good_at[keep], events=events,
-                      signatures=[v or {} for v in verdicts])
+        events = sorted(
+            [*events, *((int(good_at[row]), bad_row_event(err)) for row, err in errors.items())],
+            key=lambda e: e[0],
+        )
+    records = Records(
+        lengths=a["lengths"][keep],
+        locations=locations[keep],
+        shards=shards[keep],
+        media=a["media"][keep],
+        dim_ids=a["dim_ids"][keep],
+        good_at=good_at[keep],
+        events=events,
+        signatures=[v or {} for v in verdicts],
+    )
     index = apply_policy(records, policy, schema, where=source.where)
     sizes = table[:, 0].tolist()
-    if not getattr(source, "local_only", False) and any(u[:5].lower() == "pipe:" for u in source.urls):
+    if not getattr(source, "local_only", False) and any(
+        u[:5].lower() == "pipe:" for u in source.urls
+    ):
         # a command's output has no size to check
         sizes = [-1 if remote.scheme(u) == "pipe" else n for u, n in zip(source.urls, sizes)]
     return dataclasses.replace(index, source_shards={"names": meta["names"], "sizes": sizes})
 
 
 def _regions(meta: dict, spans: np.ndarray, table: np.ndarray) -> dict:
-    """``{shard: bad_regions(...)}`` of the shards with bad or skipped records (a cost per bad record)."""
+    """``{shard: bad_regions(...)}`` of the shards with bad or skipped records (a cost per bad
+    record)."""
     by_shard: dict[int, list] = {}
     for shard, pos, ev in meta["events"]:
         by_shard.setdefault(shard, []).append([pos, ev])
     starts = np.concatenate([[0], np.cumsum(table[:, 1])])
-    return {s: r for s, evs in by_shard.items()
-            if (r := bad_regions(spans[starts[s]:starts[s + 1]], evs, int(table[s, 2])))}
+    return {
+        s: r
+        for s, evs in by_shard.items()
+        if (r := bad_regions(spans[starts[s] : starts[s + 1]], evs, int(table[s, 2])))
+    }
 
 
 def _install_checks(source, meta: dict, a: dict, table: np.ndarray) -> None:
@@ -201,11 +252,13 @@ def _checks(meta: dict, a: dict, table: np.ndarray) -> ShardChecks:
 
 
 def check_merged(source, shards=None) -> dict[str, str]:
-    """What a loader would refuse of ``source``'s merged index, checked as a loader checks it (``prealign index
-    --check``, so the two agree on staleness): the file itself (format, the shard names, the transform it was
-    built for; under its path), then each of ``shards`` (default: all) as its first read checks it (size, first
-    and last 64 KiB, the bytes around its bad records: :class:`ShardChecks`; under the shard's URL).
-    ``{where: what differs}``, empty when it matches or there is no merged index for exactly these shards."""
+    """What a loader would refuse of ``source``'s merged index, checked as a loader checks it
+    (``prealign index --check``, so the two agree on staleness): the file itself (format, the shard
+    names, the transform it was built for; under its path), then each of ``shards`` (default: all)
+    as its first read checks it (size, first and last 64 KiB, the bytes around its bad records:
+    :class:`ShardChecks`; under the shard's URL).
+    ``{where: what differs}``, empty when it matches or there is no merged index for exactly these
+    shards."""
     path = merged_path(source)
     try:
         found = _read(source, None)
@@ -225,7 +278,8 @@ def check_merged(source, shards=None) -> dict[str, str]:
 
 
 def _read(source, schema) -> tuple[dict, dict[str, np.ndarray]] | None:
-    """``(meta, arrays)`` of ``source``'s merged index, checked, when there is one for exactly its shards."""
+    """``(meta, arrays)`` of ``source``'s merged index, checked, when there is one for exactly its
+    shards."""
     if not getattr(source, "sidecars", False) or not getattr(source, "urls", None):
         return None
     if remote.scheme(source.urls[0]) == "pipe" and not getattr(source, "index_dir", None):
@@ -240,16 +294,21 @@ def _read(source, schema) -> tuple[dict, dict[str, np.ndarray]] | None:
     meta, a = _parse(data, path)
     if len(meta["names"]) != len(source.urls) or meta["names"] != shard_names(source.urls):
         return None  # an index of another selection of shards: the sidecars, one by one
-    check_meta(source, source.urls[0], {**meta["common"], "shard": meta["names"][0]},
-                       sidecar.config_key(source, schema))
+    check_meta(
+        source,
+        source.urls[0],
+        {**meta["common"], "shard": meta["names"][0]},
+        sidecar.config_key(source, schema),
+    )
     return meta, a
 
 
 def merged_records(source, schema, *, found=_UNREAD) -> dict[int, dict] | None:
-    """The sidecar records (:func:`~prealign.loaders.index.sidecar.sidecar_records`) of every shard of
-    ``source`` from its merged index, each with its ``"check"``; None when there is no merged index, it names
-    other shards, or the source reads no sidecars. Checked as a whole (vectorised: a cost per file, not per
-    shard), and against this loader's configuration (:class:`StaleIndexError`). ``found``: :func:`read_merged`'s
+    """The sidecar records (:func:`~prealign.loaders.index.sidecar.sidecar_records`) of every shard
+    of ``source`` from its merged index, each with its ``"check"``; None when there is no merged
+    index, it names other shards, or the source reads no sidecars. Checked as a whole (vectorised: a
+    cost per file, not per shard), and against this loader's configuration
+    (:class:`StaleIndexError`). ``found``: :func:`read_merged`'s
     answer, when read already."""
     found = _read(source, schema) if found is _UNREAD else found
     if found is None:
@@ -265,19 +324,37 @@ def merged_records(source, schema, *, found=_UNREAD) -> dict[int, dict] | None:
     for s, (size, _, num_events, first, last) in enumerate(table.tolist()):
         lo, hi = bounds[s], bounds[s + 1]
         arrays = {k: a[k][lo:hi] for k in ("spans", "lengths", "media", "dim_ids", "bounds")}
-        record = sidecar.record_of({"shard": meta["names"][s], "num_events": num_events, "dims": meta["dims"],
-                                    "events": by_shard.get(s, [])}, arrays, s)
-        out[s] = {**record, "check": (size, meta["probes"][s], first, last), "regions": regions.get(s, [])}
+        record = sidecar.record_of(
+            {
+                "shard": meta["names"][s],
+                "num_events": num_events,
+                "dims": meta["dims"],
+                "events": by_shard.get(s, []),
+            },
+            arrays,
+            s,
+        )
+        out[s] = {
+            **record,
+            "check": (size, meta["probes"][s], first, last),
+            "regions": regions.get(s, []),
+        }
     return out
 
 
 def _parse(data: bytes, path: str) -> tuple[dict, dict[str, np.ndarray]]:
-    """``(meta, arrays)`` of a merged index, every key, dtype, shape and bound checked (never unpickled)."""
+    """``(meta, arrays)`` of a merged index, every key, dtype, shape and bound checked (never
+    unpickled)."""
+
     def bad(what: str) -> StaleIndexError:
-        return StaleIndexError(path, f"merged index unreadable: {what}", "re-run `prealign index --merge`")
+        return StaleIndexError(
+            path, f"merged index unreadable: {what}", "re-run `prealign index --merge`"
+        )
 
     try:
-        a = read_npz(data, max_bytes=_INFLATE * len(data) + (1 << 20), member=path, copy=False, names=_KEYS)
+        a = read_npz(
+            data, max_bytes=_INFLATE * len(data) + (1 << 20), member=path, copy=False, names=_KEYS
+        )
         meta = json.loads(a["meta"].tobytes().decode()) if a.get("meta") is not None else None
     except StaleIndexError:
         raise
@@ -288,46 +365,82 @@ def _parse(data: bytes, path: str) -> tuple[dict, dict[str, np.ndarray]]:
     if meta.get("version") != VERSION:
         raise bad(f"format version {meta.get('version')!r}, this prealign reads version {VERSION}")
     names, probes, dims, events = (meta.get(k) for k in ("names", "probes", "dims", "events"))
-    if not (isinstance(names, list) and names and set(map(type, names)) == {str}  # (C loops: 100k names)
-            and isinstance(probes, list) and len(probes) == len(names) and set(map(type, probes)) == {str}
-            and max(map(len, probes)) <= 16 and "".join(probes).isascii()
-            and isinstance(meta.get("common"), dict) and isinstance(events, list)):
+    if not (
+        isinstance(names, list)
+        and names
+        and set(map(type, names)) == {str}  # (C loops: 100k names)
+        and isinstance(probes, list)
+        and len(probes) == len(names)
+        and set(map(type, probes)) == {str}
+        and max(map(len, probes)) <= 16
+        and "".join(probes).isascii()
+        and isinstance(meta.get("common"), dict)
+        and isinstance(events, list)
+    ):
         raise bad("meta names / probes / common / events malformed")
     if not sidecar.dims_ok(dims):
         raise bad("meta dims is not a list of {name: size} dicts")
     s, table = len(names), a["shards"]
     n = a["lengths"].shape[0] if a["lengths"].ndim == 1 else -1
-    want = {"shards": (np.int64, (s, 5)), "spans": (np.int64, (n, 3)), "lengths": (np.int64, (n,)),
-            "media": (np.bool_, (n,)), "dim_ids": (np.int64, (n,)), "bounds": (np.int64, (n, 3, 4))}
+    want = {
+        "shards": (np.int64, (s, 5)),
+        "spans": (np.int64, (n, 3)),
+        "lengths": (np.int64, (n,)),
+        "media": (np.bool_, (n,)),
+        "dim_ids": (np.int64, (n,)),
+        "bounds": (np.int64, (n, 3, 4)),
+    }
     for key, (dtype, shape) in want.items():
         if a[key].dtype != dtype or a[key].shape != shape:
-            raise bad(f"{key} of dtype {a[key].dtype} shape {a[key].shape}, expected {np.dtype(dtype)} {shape}")
+            raise bad(
+                f"{key} of dtype {a[key].dtype} shape {a[key].shape}, expected {np.dtype(dtype)} "
+                f"{shape}"
+            )
     sizes, rows, num_events = table[:, 0], table[:, 1], table[:, 2]
     if np.any(sizes < -1):
         raise bad(f"shard sizes: {int(sizes.min())} (a size is -1 or more)")
-    if rows.min() < 0 or int(rows.sum()) != n or np.any(num_events < rows) or np.any(table[:, 3:] < -1):
+    if (
+        rows.min() < 0
+        or int(rows.sum()) != n
+        or np.any(num_events < rows)
+        or np.any(table[:, 3:] < -1)
+    ):
         raise bad("per-shard rows / events inconsistent with the samples")
     spans, owner = a["spans"], np.repeat(np.arange(s), rows)
-    if n and (spans[:, 0].min() < 0 or np.any(spans[:, 1] <= spans[:, 0]) or np.any(spans[:, 1] > sizes[owner])
-              or a["lengths"].min() < 0 or a["dim_ids"].min() < 0 or a["dim_ids"].max() >= len(dims)):
+    if n and (
+        spans[:, 0].min() < 0
+        or np.any(spans[:, 1] <= spans[:, 0])
+        or np.any(spans[:, 1] > sizes[owner])
+        or a["lengths"].min() < 0
+        or a["dim_ids"].min() < 0
+        or a["dim_ids"].max() >= len(dims)
+    ):
         raise bad("byte ranges, lengths or dim ids out of bounds")
     parsed = []
     for e in events:  # (checked one by one: few, bad records only; each a BadRecord from here on)
         try:
-            if not (isinstance(e, list) and len(e) == 3 and all(isinstance(x, int) and not isinstance(x, bool)
-                                                                  for x in e[:2]) and 0 <= e[0] < s
-                    and 0 <= e[1] < num_events[e[0]]):
+            if not (
+                isinstance(e, list)
+                and len(e) == 3
+                and all(isinstance(x, int) and not isinstance(x, bool) for x in e[:2])
+                and 0 <= e[0] < s
+                and 0 <= e[1] < num_events[e[0]]
+            ):
                 raise ValueError
             parsed.append([e[0], e[1], parse_event(e[2])])
         except ValueError:
             raise bad(f"malformed event {str(e)[:80]}") from None
     meta["events"] = events = parsed
     at = [(e[0], e[1]) for e in events]
-    if np.any(rows + np.bincount([e[0] for e in events], minlength=s) != num_events) or \
-            any(b <= a for a, b in zip(at, at[1:])):
+    if np.any(rows + np.bincount([e[0] for e in events], minlength=s) != num_events) or any(
+        b <= a for a, b in zip(at, at[1:])
+    ):
         raise bad("per-shard event counts do not add up, or events out of order or given twice")
     first, last = check_tiling(spans, owner, num_events, at, bad)
     if np.any(table[:, 3] != first) or np.any(table[:, 4] != last):
         sh = int(np.argmax((table[:, 3] != first) | (table[:, 4] != last)))
-        raise bad(f"shard {sh}: first / last byte {table[sh, 3:].tolist()}, its samples give {[first[sh], last[sh]]}")
+        raise bad(
+            f"shard {sh}: first / last byte {table[sh, 3:].tolist()}, its samples give "
+            f"{[first[sh], last[sh]]}"
+        )
     return meta, a

@@ -1,31 +1,41 @@
-"""A shard checked against its index when it is first read (:class:`ShardChecks`), in the process that reads
-it, local or remote, whatever the shard count: a loader's start makes no request and no ``stat`` per shard,
-on any rank. The whole data set at once on request (:func:`check_all_shards`).
+"""A shard checked against its index when it is first read (:class:`ShardChecks`), in the process
+that reads it, local or remote, whatever the shard count: a loader's start makes no request and no
+``stat`` per shard, on any rank. The whole data set at once on request (:func:`check_all_shards`).
 
-What is checked: the shard exists, has the recorded size (a ``stat``, or one ``HEAD`` for a URL) and the same
-first and last 64 KiB (two reads, the ``probe``), and its index accounts for the bytes before its first and
-after its last sample (a removed first or last row). Never bad data: raised under every bad-data policy.
+What is checked: the shard exists, has the recorded size (a ``stat``, or one ``HEAD`` for a URL) and
+the same first and last 64 KiB (two reads, the ``probe``), and its index accounts for the bytes
+before its first and after its last sample (a removed first or last row). Never bad data: raised
+under every bad-data policy.
 """
+
 from __future__ import annotations
 
 import numpy as np
 
 from prealign.loaders.errors import ChangedShardError, MissingShardError, StaleIndexError
 from prealign.loaders.index.hints import index_hint
-from prealign.loaders.index.sidecar import PROBE, SIDECAR_THREADS, per_shard, read_probe, shard_size_now
+from prealign.loaders.index.sidecar import (
+    PROBE,
+    SIDECAR_THREADS,
+    per_shard,
+    read_probe,
+    shard_size_now,
+)
 from prealign.loaders.index.tiling import MAX_REGION, count_samples
 from prealign.loaders.sources import remote
 
 
 class ShardChecks:
-    """A shard checked against its sidecar when it is first read, in the process that reads it (a DataLoader
-    worker or the main process), before any of its samples is served: it exists (else
+    """A shard checked against its sidecar when it is first read, in the process that reads it (a
+    DataLoader worker or the main process), before any of its samples is served: it exists (else
     :class:`MissingShardError`), has the recorded size and the same first and last 64 KiB (else
-    :class:`ChangedShardError`), and its sidecar accounts for the bytes before its first and after its last
-    sample (else :class:`StaleIndexError`). Never bad data: raised under every bad-data policy. Set on a
-    :class:`~prealign.loaders.sources.webdataset.WebDatasetSource` as ``shard_check`` by the index pass; the
-    loader's start costs no read of any shard. ``sizes`` int64 ``[S]`` (``-2``: shard not checked, e.g. indexed
-    in process), ``probes`` ``S16 [S]`` (hex, ``b""``: none), ``first`` / ``last`` int64 ``[S]`` (see :func:`expected_of`)."""
+    :class:`ChangedShardError`), and its sidecar accounts for the bytes before its first and after
+    its last sample (else :class:`StaleIndexError`). Never bad data: raised under every bad-data
+    policy. Set on a :class:`~prealign.loaders.sources.webdataset.WebDatasetSource` as
+    ``shard_check`` by the index pass; the loader's start costs no read of any shard. ``sizes``
+    int64 ``[S]`` (``-2``: shard not checked, e.g. indexed
+    in process), ``probes`` ``S16 [S]`` (hex, ``b""``: none), ``first`` / ``last`` int64 ``[S]``
+    (see :func:`expected_of`)."""
 
     UNCHECKED = -2
 
@@ -33,14 +43,22 @@ class ShardChecks:
         self.sizes = np.full(num_shards, self.UNCHECKED, np.int64)
         self.first = np.full(num_shards, -1, np.int64)
         self.last = np.full(num_shards, -1, np.int64)
-        self.probes = np.zeros(num_shards, "S16")  # (fixed-width: 1.6 MB at 100k shards, pickled to each worker)
+        self.probes = np.zeros(
+            num_shards, "S16"
+        )  # (fixed-width: 1.6 MB at 100k shards, pickled to each worker)
         self.probed = np.ones(num_shards, bool)
         for shard, (size, probe, first, last) in expected.items():
-            self.sizes[shard], self.probes[shard], self.first[shard], self.last[shard] = size, probe, first, last
+            self.sizes[shard], self.probes[shard], self.first[shard], self.last[shard] = (
+                size,
+                probe,
+                first,
+                last,
+            )
 
     @classmethod
     def of_sizes(cls, sizes) -> "ShardChecks":
-        """Checks of the sizes alone (a saved :class:`~prealign.loaders.index.sample_index.SampleIndex` records
+        """Checks of the sizes alone (a saved
+        :class:`~prealign.loaders.index.sample_index.SampleIndex` records
         no probe): ``sizes[s]`` None, not checked; ``-1``, only that the shard exists."""
         checks = cls(len(sizes), {})
         known = np.asarray([s is not None for s in sizes], bool)
@@ -49,7 +67,8 @@ class ShardChecks:
         return checks
 
     def covers(self, shard: int) -> bool:
-        """Shard ``shard`` is checked against an index (a shard gone later is then a :class:`MissingShardError`)."""
+        """Shard ``shard`` is checked against an index (a shard gone later is then a
+        :class:`MissingShardError`)."""
         return int(self.sizes[shard]) != self.UNCHECKED
 
     def __call__(self, source, shard: int) -> None:
@@ -59,37 +78,53 @@ class ShardChecks:
         url = source.urls[shard]
         size = shard_size_now(source, shard)
         if size is None:
-            raise MissingShardError(url, f"does not exist (it had {recorded} bytes when indexed)",
-                                    f"check the path, or {self._rebuild(source)} on the data as it is now")
+            raise MissingShardError(
+                url,
+                f"does not exist (it had {recorded} bytes when indexed)",
+                f"check the path, or {self._rebuild(source)} on the data as it is now",
+            )
         if recorded >= 0 and size >= 0 and size != recorded:
-            raise ChangedShardError(url, f"{size} bytes now, {recorded} when indexed",
-                                    f"the shard changed since it was indexed: {self._rebuild(source)}")
+            raise ChangedShardError(
+                url,
+                f"{size} bytes now, {recorded} when indexed",
+                f"the shard changed since it was indexed: {self._rebuild(source)}",
+            )
         if not self.probed[shard]:
             return
         probe, first, last = read_probe(source, shard, size)
         if self.probes[shard] != probe.encode():
-            raise ChangedShardError(url, "its first or last 64 KiB differ from when it was indexed",
-                                    f"the shard changed since it was indexed: {self._rebuild(source)}")
+            raise ChangedShardError(
+                url,
+                "its first or last 64 KiB differ from when it was indexed",
+                f"the shard changed since it was indexed: {self._rebuild(source)}",
+            )
         _check_head(url, int(self.first[shard]), first)
         _check_tail(source, shard, int(self.last[shard]), size, last)
         for lo, hi, samples in self.regions.get(shard, ()):
             _check_region(source, shard, lo, size if hi < 0 else hi, samples, size)
 
     def _rebuild(self, source) -> str:
-        """What rebuilds the index (built only when an error is raised: the command names every shard)."""
+        """What rebuilds the index (built only when an error is raised: the command names every
+        shard)."""
         if not self.probed.any():  # sizes alone: a saved SampleIndex
-            return "rebuild the saved index: `build_index(source, schema).save(path)` on the data as it is now"
+            return (
+                "rebuild the saved index: `build_index(source, schema).save(path)` on the "
+                "data "
+                "as it is now"
+            )
         return index_hint(source)
 
     regions: dict = {}
     """``{shard: [(lo, hi, samples), ...]}``: the stretches of bad records of each shard with some
-    (:func:`~prealign.loaders.index.tiling.bad_regions`), their samples counted at the shard's first read."""
+    (:func:`~prealign.loaders.index.tiling.bad_regions`), their samples counted at the shard's first
+    read."""
 
 
 def check_all_shards(source, shards=None) -> int:
     """Check ``shards`` (default: all) of ``source`` against their sidecars as their first read does
-    (:class:`ShardChecks`; on up to 8 threads when the file system is slow, :func:`per_shard`): the whole data
-    set's check at once (``PackedLoader.verify_shards``). Returns the number of shards checked; raises the
+    (:class:`ShardChecks`; on up to 8 threads when the file system is slow, :func:`per_shard`): the
+    whole data set's check at once (``PackedLoader.verify_shards``). Returns the number of shards
+    checked; raises the
     first failure in shard order."""
     check = getattr(source, "shard_check", None)
     if check is None:
@@ -100,15 +135,17 @@ def check_all_shards(source, shards=None) -> int:
 
 
 _NO_SAMPLE = frozenset(b"5gxLK")
-"""Tar entries that hold no sample: a folder, a pax global or per-entry header, a GNU long name or link."""
+"""Tar entries that hold no sample: a folder, a pax global or per-entry header, a GNU long name or
+link."""
 
 
 def _entries_without_samples(data: bytes, at: int, stop: int) -> int | None:
-    """Walk the tar headers in ``data`` from ``at``: skip entries that hold no sample (:data:`_NO_SAMPLE`, their
-    data included) and stop at ``stop``, at a zero block (the end of the archive) or at the end of ``data``.
+    """Walk the tar headers in ``data`` from ``at``: skip entries that hold no sample
+    (:data:`_NO_SAMPLE`, their data included) and stop at ``stop``, at a zero block (the end of the
+    archive) or at the end of ``data``.
     Returns where the walk stopped, or None when it met a member that is a file (a sample's)."""
     while at < stop and at + 512 <= len(data):
-        head = data[at:at + 512]
+        head = data[at : at + 512]
         if head == bytes(512):
             return at
         if head[156] not in _NO_SAMPLE:
@@ -122,29 +159,34 @@ def _entries_without_samples(data: bytes, at: int, stop: int) -> int | None:
 
 
 def _check_head(url: str, start: int, first: bytes) -> None:
-    """When a sidecar's first record is a good sample starting at byte ``start`` (``-1``: it is not), only
-    entries that hold no sample (folders, pax and GNU name headers) may precede it: a removed first row leaves
-    a sample's member there. Read from ``first`` (the probe's first ``PROBE`` bytes: no read of its own; past
+    """When a sidecar's first record is a good sample starting at byte ``start`` (``-1``: it is
+    not), only entries that hold no sample (folders, pax and GNU name headers) may precede it: a
+    removed first row leaves a sample's member there. Read from ``first`` (the probe's first
+    ``PROBE`` bytes: no read of its own; past
     them, not checked)."""
     if start < 0 or start > len(first) or start % 512:
         return
     if _entries_without_samples(first, 0, start) != start:
-        raise StaleIndexError(url, f"sidecar index does not account for the shard: bytes 0..{start} before its first "
-                                   f"sample hold a member, not only folder or header entries (a removed row?)",
-                              "re-run `prealign index` on it")
+        raise StaleIndexError(
+            url,
+            f"sidecar index does not account for the shard: bytes 0..{start} before its first "
+            f"sample hold a member, not only folder or header entries (a removed row?)",
+            "re-run `prealign index` on it",
+        )
 
 
 def _check_tail(source, shard: int, lo: int, size: int, last: bytes) -> None:
-    """When a sidecar's last record is a good sample ending at byte ``lo`` (``-1``: it is not), only entries
-    that hold no sample, then the end of the archive (a zero block, or the file's end) may follow it: a removed
-    last row leaves a sample's tar header there instead. Read from ``last`` (the probe's last ``PROBE`` bytes:
-    no read of its own), or for a local shard whose end lies before them one small read (a remote one: not
+    """When a sidecar's last record is a good sample ending at byte ``lo`` (``-1``: it is not), only
+    entries that hold no sample, then the end of the archive (a zero block, or the file's end) may
+    follow it: a removed last row leaves a sample's tar header there instead. Read from ``last``
+    (the probe's last ``PROBE`` bytes: no read of its own), or for a local shard whose end lies
+    before them one small read (a remote one: not
     checked; none for a shard read only front to back)."""
     url = source.urls[shard]
     if lo < 0 or size < 0 or remote.is_sequential(url):
         return
     if len(last) == min(PROBE, size) and lo >= size - len(last):
-        tail = last[lo - (size - len(last)):]
+        tail = last[lo - (size - len(last)) :]
     elif remote.is_remote(url):
         return
     else:
@@ -154,16 +196,22 @@ def _check_tail(source, shard: int, lo: int, size: int, last: bytes) -> None:
     stopped = _entries_without_samples(tail, 0, len(tail))
     ended = stopped is not None and (stopped + 512 <= len(tail) or lo + stopped >= size)
     if stopped is None or not ended and len(tail) == size - lo:
-        raise StaleIndexError(url, f"sidecar index does not account for the shard: the entries after its last "
-                                   f"sample (byte {lo}) hold a member, not only folder entries and the end of the "
-                                   f"archive (a removed row?)", "re-run `prealign index` on it")
+        raise StaleIndexError(
+            url,
+            f"sidecar index does not account for the shard: the entries after its last "
+            f"sample (byte {lo}) hold a member, not only folder entries and the end of the "
+            f"archive (a removed row?)",
+            "re-run `prealign index` on it",
+        )
 
 
 def _check_region(source, shard: int, lo: int, hi: int, samples: int, size: int) -> None:
-    """The bytes ``[lo, hi)`` of a shard, where its index has ``samples`` bad samples (and maybe skipped members)
-    between two good ones, hold that many samples (:func:`~prealign.loaders.index.tiling.count_samples`): one
-    read. A removed good row next to a bad sample leaves one more. Not checked for a shard read only front to
-    back, a stretch over :data:`~prealign.loaders.index.tiling.MAX_REGION` bytes, or bytes past ``size``."""
+    """The bytes ``[lo, hi)`` of a shard, where its index has ``samples`` bad samples (and maybe
+    skipped members) between two good ones, hold that many samples
+    (:func:`~prealign.loaders.index.tiling.count_samples`): one read. A removed good row next to a
+    bad sample leaves one more. Not checked for a shard read only front to
+    back, a stretch over :data:`~prealign.loaders.index.tiling.MAX_REGION` bytes, or bytes past
+    ``size``."""
     url = source.urls[shard]
     if remote.is_sequential(url) or size < 0 or not 0 <= lo <= hi <= size or hi - lo > MAX_REGION:
         return
@@ -175,6 +223,10 @@ def _check_region(source, shard: int, lo: int, hi: int, samples: int, size: int)
             data = f.read(hi - lo)
     found = count_samples(data, lo)
     if found != samples:
-        raise StaleIndexError(url, f"index does not account for the shard: bytes {lo}..{hi}, where it records "
-                                   f"{samples} bad sample(s), hold {'no tar members' if found is None else found} "
-                                   f"(a removed row?)", "re-run `prealign index` on it")
+        raise StaleIndexError(
+            url,
+            f"index does not account for the shard: bytes {lo}..{hi}, where it records "
+            f"{samples} bad sample(s), hold {'no tar members' if found is None else found} "
+            f"(a removed row?)",
+            "re-run `prealign index` on it",
+        )

@@ -5,54 +5,63 @@
 
 A sidecar is an ``.npz`` read with ``allow_pickle=False``:
 
-=============  ==============  ======================================================================
-key            dtype / shape   meaning
-=============  ==============  ======================================================================
-``meta``       uint8 ``[B]``   UTF-8 JSON: ``format``, ``version``, ``shard`` (file name), ``size``
-                               (bytes), ``hash`` (blake2b-128 of every byte read), ``probe``
-                               (blake2b-64 of the first and last 64 KiB), ``config`` (key of
-                               the transform it was built for, never of a schema), ``transform``
-                               (the fields of that key, named when they differ), ``dims`` (the
-                               distinct data signatures: ``{member: "dtype:shape"}``, ``L`` for the
-                               token dim when no other dim equals it), ``events`` (``[position, record]`` of each data-level skip /
-                               bad record (``BadRecord.to_json()``): a corrupt tar, an undecodable member, a missing
-                               ``input_ids``)
-``spans``      int64 ``[N,3]`` ``start, end, checksum`` of each good sample (byte range, crc32)
-``lengths``    int64 ``[N]``   token lengths
-``media``      bool ``[N]``    the sample carries media
-``dim_ids``    int64 ``[N]``   row of ``meta.dims`` (the data signature) each sample has
-``bounds``     int64 [N,3,4]   per sample, for ``input_ids``, ``labels``, ``teacher_topk_ids``: the maximum,
-                               the smallest value ``>= 0``, the smallest and largest negative values
-                               (:func:`~prealign.loaders.index.sample_checks.value_bounds`)
-=============  ==============  ======================================================================
+===========  =========  ============================================================================
+key          dtype /    meaning
+             shape
+===========  =========  ============================================================================
+``meta``     uint8      UTF-8 JSON: ``format``, ``version``, ``shard`` (file name), ``size``
+             ``[B]``    (bytes), ``hash`` (blake2b-128 of every byte read), ``probe`` (blake2b-64 of
+                        the first and last 64 KiB), ``config`` (key of the transform it was built
+                        for, never of a schema), ``transform`` (the fields of that key, named when
+                        they differ), ``dims`` (the distinct data signatures: ``{member:
+                        "dtype:shape"}``, ``L`` for the token dim when no other dim equals it),
+                        ``events`` (``[position, record]`` of each data-level skip / bad record
+                        (``BadRecord.to_json()``): a corrupt tar, an undecodable member, a missing
+                        ``input_ids``)
+``spans``    int64      ``start, end, checksum`` of each good sample (byte range, crc32)
+             ``[N,3]``
+``lengths``  int64      token lengths
+             ``[N]``
+``media``    bool       the sample carries media
+             ``[N]``
+``dim_ids``  int64      row of ``meta.dims`` (the data signature) each sample has
+             ``[N]``
+``bounds``   int64      per sample, for ``input_ids``, ``labels``, ``teacher_topk_ids``: the
+             [N,3,4]    maximum, the smallest value ``>= 0``, the smallest and largest negative
+                        values (:func:`~prealign.loaders.index.sample_checks.value_bounds`)
+===========  =========  ============================================================================
 
 A sidecar describes the data, not one training configuration: it serves a loader with any schema,
-layout, token budget, pad id or vocabulary. What depends on the schema is decided when a loader reads
-it (:func:`~prealign.loaders.index.sample_checks.signature_verdicts`): the samples of each data signature
-run through the loader's collator until one passes (shapes, dtypes, named dims, optional fields; a value error
-is its sample's alone, a structure error its signature's), and every other sample's values (ids below the
-vocabulary, label rules, finite log-probs) are checked when it is loaded, under the bad-data policy (counted
-under ``skip``). Only the transform that turns a sample's members into tokens
-is part of the key (``config``): a VLM's lengths depend on its tokenizer and image processor. A loader
-with another transform gets a :class:`~prealign.loaders.errors.StaleIndexError` naming the field that
-differs and the ``prealign index`` command that rebuilds the sidecars for it. Sidecars of version 1
-(keyed by the schema) and 2 (whose shape patterns could collide: ``[4, 4]`` and ``[60, 60]`` were both
-``LxL``) are refused by version, with that command.
+layout, token budget, pad id or vocabulary. What depends on the schema is decided when a loader
+reads it (:func:`~prealign.loaders.index.sample_checks.signature_verdicts`): the samples of each
+data signature run through the loader's collator until one passes (shapes, dtypes, named dims,
+optional fields; a value error is its sample's alone, a structure error its signature's), and every
+other sample's values (ids below the vocabulary, label rules, finite log-probs) are checked when it
+is loaded, under the bad-data policy (counted under ``skip``). Only the transform that turns a
+sample's members into tokens is part of the key (``config``): a VLM's lengths depend on its
+tokenizer and image processor. A loader with another transform gets a
+:class:`~prealign.loaders.errors.StaleIndexError` naming the field that differs and the ``prealign
+index`` command that rebuilds the sidecars for it. Sidecars of version 1 (keyed by the schema) and 2
+(whose shape patterns could collide: ``[4, 4]`` and ``[60, 60]`` were both ``LxL``) are refused by
+version, with that command.
 
-A sidecar turns back into exactly the per-shard record :func:`~prealign.loaders.index.build.index_shard`
-returns, so the index (and the plan) is the same whether it came from sidecars or from the pass in
-process. Every key, dtype and shape is checked on reading; anything else is a
-:class:`~prealign.loaders.errors.StaleIndexError` (a :class:`ConfigError`) naming the shard.
+A sidecar turns back into exactly the per-shard record
+:func:`~prealign.loaders.index.build.index_shard` returns, so the index (and the plan) is the same
+whether it came from sidecars or from the pass in process. Every key, dtype and shape is checked on
+reading; anything else is a :class:`~prealign.loaders.errors.StaleIndexError` (a
+:class:`ConfigError`) naming the shard.
 
-When the loader is built, each sidecar is read and checked (on up to 8 threads on a slow file system; or all
-of them from one merged file, :mod:`~prealign.loaders.index.merged`). A shard itself is checked against its
-sidecar when it is first read, in the process that reads it, before any of its samples is served
-(:class:`ShardChecks`, local or remote, whatever the shard count): it must exist, have the
-recorded size (a ``stat``, or one ``HEAD`` for a URL) and the same first and last 64 KiB (two reads, the
-``probe``). So a loader starts without touching its local shards; :func:`check_all_shards` checks them all at
-once. A byte changed elsewhere in place (same size) is caught when the sample is read: the crc32 of its
-members recorded at indexing no longer matches (:class:`~prealign.loaders.errors.SourceChangedError`).
+When the loader is built, each sidecar is read and checked (on up to 8 threads on a slow file
+system; or all of them from one merged file, :mod:`~prealign.loaders.index.merged`). A shard itself
+is checked against its sidecar when it is first read, in the process that reads it, before any of
+its samples is served (:class:`ShardChecks`, local or remote, whatever the shard count): it must
+exist, have the recorded size (a ``stat``, or one ``HEAD`` for a URL) and the same first and last 64
+KiB (two reads, the ``probe``). So a loader starts without touching its local shards;
+:func:`check_all_shards` checks them all at once. A byte changed elsewhere in place (same size) is
+caught when the sample is read: the crc32 of its members recorded at indexing no longer matches
+(:class:`~prealign.loaders.errors.SourceChangedError`).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -93,47 +102,65 @@ from prealign.loaders.sources.shard_files import (
 
 FORMAT = "prealign-sidecar"
 VERSION = 3
-_ARRAYS = {"spans": (np.int64, 2), "lengths": (np.int64, 1), "media": (np.bool_, 1), "dim_ids": (np.int64, 1),
-           "bounds": (np.int64, 3)}
+_ARRAYS = {
+    "spans": (np.int64, 2),
+    "lengths": (np.int64, 1),
+    "media": (np.bool_, 1),
+    "dim_ids": (np.int64, 1),
+    "bounds": (np.int64, 3),
+}
 _MAX_META = 64 << 20
 _BUFFER = 1 << 20
 _ROW_BYTES = 8 * 3 + 8 + 1 + 8 + 8 * 12  # spans, lengths, media, dim_ids, bounds
 
 
 def regular_stat(path: str, what: str) -> os.stat_result | None:
-    """``os.stat`` of ``path`` (symlinks followed; never opened, so a FIFO cannot block), None when it
-    does not exist; :class:`NotRegularFileError` naming it when it is anything but a regular file."""
+    """``os.stat`` of ``path`` (symlinks followed; never opened, so a FIFO cannot block), None when
+    it
+    does not exist; :class:`NotRegularFileError` naming it when it is anything but a regular
+    file."""
     try:
         st = os.stat(path)
     except FileNotFoundError:
         return None
     if not stat.S_ISREG(st.st_mode):
-        raise NotRegularFileError(path, f"{what} is not a regular file ({file_kind(st.st_mode)})",
-                                  "give a plain file")
+        raise NotRegularFileError(
+            path, f"{what} is not a regular file ({file_kind(st.st_mode)})", "give a plain file"
+        )
     return st
 
 
 def read_regular(path: str, what: str, limit) -> bytes | None:
-    """The bytes of the regular file ``path`` (None when it does not exist), opened without blocking (a
-    FIFO is refused, never waited on) and checked after the open (``fstat``: no swap between check
-    and open); anything but a regular file, or more than ``limit`` bytes, is a :class:`StaleIndexError`
-    naming it (never an unbounded read). ``limit``: an int, or a function of the file's size giving it."""
+    """The bytes of the regular file ``path`` (None when it does not exist), opened without blocking
+    (a FIFO is refused, never waited on) and checked after the open (``fstat``: no swap between
+    check and open); anything but a regular file, or more than ``limit`` bytes, is a
+    :class:`StaleIndexError`
+    naming it (never an unbounded read). ``limit``: an int, or a function of the file's size giving
+    it."""
     try:
         f = open_regular(path)
     except FileNotFoundError:
         return None
     except NotRegular as exc:
-        raise StaleIndexError(path, f"{what} is not a regular file ({exc.kind})",
-                              "not a file prealign wrote: remove it and re-run `prealign index`") from None
+        raise StaleIndexError(
+            path,
+            f"{what} is not a regular file ({exc.kind})",
+            "not a file prealign wrote: remove it and re-run `prealign index`",
+        ) from None
     with f:
         st = os.fstat(f.fileno())
         if callable(limit):
             limit = limit(st.st_size)
         if st.st_size > limit:
-            raise StaleIndexError(path, f"{what} of {st.st_size} bytes, more than the {limit} bytes one can hold",
-                                  "not a file prealign wrote: re-run `prealign index`")
+            raise StaleIndexError(
+                path,
+                f"{what} of {st.st_size} bytes, more than the {limit} bytes one can hold",
+                "not a file prealign wrote: re-run `prealign index`",
+            )
         parts, got = [], 0  # (never read(limit): that allocates the limit up front)
-        while got <= limit and (part := f.read(min(max(st.st_size - got, 0) + 1, limit + 1 - got, 64 << 20))):
+        while got <= limit and (
+            part := f.read(min(max(st.st_size - got, 0) + 1, limit + 1 - got, 64 << 20))
+        ):
             parts.append(part)
             got += len(part)
         data = parts[0] if len(parts) == 1 else b"".join(parts)
@@ -143,13 +170,20 @@ def read_regular(path: str, what: str, limit) -> bytes | None:
 
 
 class Fingerprint:
-    """Counts and hashes the bytes of a file object as they are read, serving small reads (tar headers)
-    from a buffer of at most :data:`_BUFFER` bytes. ``length``: the bytes the file holds when known (a
-    local regular file), so a tar reader can bound member sizes by what is left (``length - pos``);
+    """Counts and hashes the bytes of a file object as they are read, serving small reads (tar
+    headers) from a buffer of at most :data:`_BUFFER` bytes. ``length``: the bytes the file holds
+    when known (a local regular file), so a tar reader can bound member sizes by what is left
+    (``length - pos``);
     ``name`` names the shard in errors."""
 
     def __init__(self, f, length: int | None = None, name: str | None = None):
-        self.f, self.size, self.hash, self.length, self.name = f, 0, hashlib.blake2b(digest_size=16), length, name
+        self.f, self.size, self.hash, self.length, self.name = (
+            f,
+            0,
+            hashlib.blake2b(digest_size=16),
+            length,
+            name,
+        )
         self._buf, self._at = b"", 0
 
     @property
@@ -162,28 +196,34 @@ class Fingerprint:
         self.size += len(data)
         self.hash.update(data)
         if self.length is not None and self.size > self.length:
-            raise ChangedShardError(self.name, f"grew past its {self.length} bytes while it was indexed",
-                                    "index it once it is written")
+            raise ChangedShardError(
+                self.name,
+                f"grew past its {self.length} bytes while it was indexed",
+                "index it once it is written",
+            )
         return data
 
     def read(self, n: int = -1) -> bytes:
         have = len(self._buf) - self._at
         if n is None or n < 0:
-            parts = [self._buf[self._at:]]
+            parts = [self._buf[self._at :]]
             while chunk := self._pull(_BUFFER):
                 parts.append(chunk)
             self._buf, self._at = b"", 0
             return b"".join(parts)
         if n <= have:  # the common case: a tar header from the buffer
-            out = self._buf[self._at:self._at + n]
+            out = self._buf[self._at : self._at + n]
             self._at += n
             return out
-        parts, need = [], n  # filled to n bytes unless the file ends (a stream may answer short reads)
+        parts, need = (
+            [],
+            n,
+        )  # filled to n bytes unless the file ends (a stream may answer short reads)
         while need > 0:
             have = len(self._buf) - self._at
             if have:
                 take = min(have, need)
-                parts.append(self._buf[self._at:self._at + take])
+                parts.append(self._buf[self._at : self._at + take])
                 self._at += take
                 need -= take
             elif need >= _BUFFER:  # a big member: straight from the file, never through the buffer
@@ -206,40 +246,70 @@ class Fingerprint:
         return {"size": self.size, "hash": self.hash.hexdigest()}
 
 
-# ---- writing / reading ------------------------------------------------------------------------------
-def write_sidecar(path: str, record: dict, *, shard: str, fingerprint: dict, config: str,
-                  extra: dict | None = None) -> None:
-    """Write ``record`` (an :func:`~prealign.loaders.index.build.index_shard` result) as the sidecar ``path``
+# ---- writing / reading
+# ------------------------------------------------------------------------------
+def write_sidecar(
+    path: str,
+    record: dict,
+    *,
+    shard: str,
+    fingerprint: dict,
+    config: str,
+    extra: dict | None = None,
+) -> None:
+    """Write ``record`` (an :func:`~prealign.loaders.index.build.index_shard` result) as the sidecar
+    ``path``
     (atomically: a temporary file renamed)."""
     n = len(record["lengths"])
     locs = np.asarray(record["locations"], dtype=np.int64).reshape(n, -1 if n else 4)
     if locs.shape[1] != 4:
-        raise StaleIndexError(shard, f"locations of width {locs.shape[1]}, expected (shard, start, end, checksum)")
+        raise StaleIndexError(
+            shard, f"locations of width {locs.shape[1]}, expected (shard, start, end, checksum)"
+        )
     events = [[i, ev.to_json()] for i, ev in enumerate(record["events"]) if ev is not None]
-    meta = {"format": FORMAT, "version": VERSION, "shard": shard, "size": int(fingerprint["size"]),
-            "hash": str(fingerprint["hash"]), "config": config, "dims": record["dims"], "events": events,
-            "num_events": len(record["events"]), **(extra or {})}
+    meta = {
+        "format": FORMAT,
+        "version": VERSION,
+        "shard": shard,
+        "size": int(fingerprint["size"]),
+        "hash": str(fingerprint["hash"]),
+        "config": config,
+        "dims": record["dims"],
+        "events": events,
+        "num_events": len(record["events"]),
+        **(extra or {}),
+    }
     buf = io.BytesIO()
-    np.savez(buf, meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), spans=locs[:, 1:].copy(),
-             lengths=np.asarray(record["lengths"], dtype=np.int64),
-             media=np.asarray(record["media"], dtype=bool).reshape(-1),
-             dim_ids=np.asarray(record["dim_ids"], dtype=np.int64).reshape(-1),
-             bounds=np.asarray(record["bounds"], dtype=np.int64).reshape(n, 3, 4))
+    np.savez(
+        buf,
+        meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8),
+        spans=locs[:, 1:].copy(),
+        lengths=np.asarray(record["lengths"], dtype=np.int64),
+        media=np.asarray(record["media"], dtype=bool).reshape(-1),
+        dim_ids=np.asarray(record["dim_ids"], dtype=np.int64).reshape(-1),
+        bounds=np.asarray(record["bounds"], dtype=np.int64).reshape(n, 3, 4),
+    )
     write_atomically(path, buf.getvalue())
 
 
-def parse_sidecar(data: bytes, *, shard: str, fix: str | Callable[[], str] | None = None, values: bool = True
-                  ) -> tuple[dict, dict[str, np.ndarray]]:
+def parse_sidecar(
+    data: bytes, *, shard: str, fix: str | Callable[[], str] | None = None, values: bool = True
+) -> tuple[dict, dict[str, np.ndarray]]:
     """``(meta, arrays)`` of sidecar bytes, every key, dtype and shape checked (never unpickled).
-    Raises :class:`StaleIndexError` naming ``shard`` on anything unexpected, with ``fix``: the command that
-    rebuilds it, or a function giving it (called only then: :func:`~prealign.loaders.index.hints.index_hint`
-    walks every shard name, never to be paid by a healthy sidecar). ``values=False``: the checks of the arrays'
-    values (dim ids, byte ranges, lengths, the tiling) are left to the caller, who makes them for many sidecars
-    at once (:func:`check_values`) and, when they fail, parses each again with ``values=True`` to name it."""
+    Raises :class:`StaleIndexError` naming ``shard`` on anything unexpected, with ``fix``: the
+    command that rebuilds it, or a function giving it (called only then:
+    :func:`~prealign.loaders.index.hints.index_hint` walks every shard name, never to be paid by a
+    healthy sidecar). ``values=False``: the checks of the arrays' values (dim ids, byte ranges,
+    lengths, the tiling) are left to the caller, who makes them for many sidecars
+    at once (:func:`check_values`) and, when they fail, parses each again with ``values=True`` to
+    name it."""
 
     def hint() -> str:
         if fix is None:
-            return "re-run `prealign index --force` on it, with the flags that built it (--text, --tokenizer DIR, ...)"
+            return (
+                "re-run `prealign index --force` on it, with the flags that built it (--text, "
+                "--tokenizer DIR, ...)"
+            )
         return fix() if callable(fix) else fix
 
     def bad(what: str) -> StaleIndexError:
@@ -247,8 +317,13 @@ def parse_sidecar(data: bytes, *, shard: str, fix: str | Callable[[], str] | Non
 
     try:
         # views of data (never unpickled); members may not declare far more than the file holds
-        members = read_npz(data, max_bytes=64 * len(data) + (1 << 20), member=shard, copy=False,
-                           names=frozenset({"meta", *_ARRAYS}))
+        members = read_npz(
+            data,
+            max_bytes=64 * len(data) + (1 << 20),
+            member=shard,
+            copy=False,
+            names=frozenset({"meta", *_ARRAYS}),
+        )
         if set(members) != {"meta", *_ARRAYS}:
             raise bad(f"keys {sorted(members)}, expected {sorted({'meta', *_ARRAYS})}")
         raw_meta = members["meta"]
@@ -266,18 +341,34 @@ def parse_sidecar(data: bytes, *, shard: str, fix: str | Callable[[], str] | Non
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise bad("not a prealign sidecar")
     if meta.get("version") != VERSION:
-        raise StaleIndexError(shard, f"sidecar format version {meta.get('version')!r}, this prealign reads "
-                                     f"version {VERSION} (version 3 sidecars serve any schema; their shape patterns "
-                                     "never collide)", hint())
-    types = {"shard": str, "size": int, "hash": str, "config": str, "dims": list, "events": list, "num_events": int}
+        raise StaleIndexError(
+            shard,
+            f"sidecar format version {meta.get('version')!r}, this prealign reads "
+            f"version {VERSION} (version 3 sidecars serve any schema; their shape patterns "
+            "never collide)",
+            hint(),
+        )
+    types = {
+        "shard": str,
+        "size": int,
+        "hash": str,
+        "config": str,
+        "dims": list,
+        "events": list,
+        "num_events": int,
+    }
     for key, typ in types.items():
         if not isinstance(meta.get(key), typ) or isinstance(meta.get(key), bool):
             raise bad(f"meta {key!r} is {type(meta.get(key)).__name__}, expected {typ.__name__}")
     n = None
     for key, (dtype, ndim) in _ARRAYS.items():
         a = arrays[key]
-        if a.dtype != dtype or a.ndim != ndim or (key == "spans" and a.shape[1] != 3) or \
-                (key == "bounds" and a.shape[1:] != (3, 4)):
+        if (
+            a.dtype != dtype
+            or a.ndim != ndim
+            or (key == "spans" and a.shape[1] != 3)
+            or (key == "bounds" and a.shape[1:] != (3, 4))
+        ):
             raise bad(f"{key} of dtype {a.dtype} shape {a.shape}")
         if n is None:
             n = a.shape[0]
@@ -292,11 +383,17 @@ def parse_sidecar(data: bytes, *, shard: str, fix: str | Callable[[], str] | Non
         if n and (ids.min() < 0 or ids.max() >= len(dims)):
             raise bad("dim_ids outside meta 'dims'")
         spans = arrays["spans"]
-        if n and (spans[:, 0].min() < 0 or np.any(spans[:, 1] <= spans[:, 0]) or spans[:, 1].max() > meta["size"]
-                  or arrays["lengths"].min() < 0):
+        if n and (
+            spans[:, 0].min() < 0
+            or np.any(spans[:, 1] <= spans[:, 0])
+            or spans[:, 1].max() > meta["size"]
+            or arrays["lengths"].min() < 0
+        ):
             raise bad("byte ranges or lengths out of bounds")
-    if not all(isinstance(e, list) and len(e) == 2 and isinstance(e[0], int) and not isinstance(e[0], bool)
-               for e in events) or meta["num_events"] != n + len(events):
+    if not all(
+        isinstance(e, list) and len(e) == 2 and isinstance(e[0], int) and not isinstance(e[0], bool)
+        for e in events
+    ) or meta["num_events"] != n + len(events):
         raise bad("malformed events")
     try:  # (each a BadRecord from here on)
         meta["events"] = events = [[pos, parse_event(ev)] for pos, ev in events]
@@ -308,8 +405,9 @@ def parse_sidecar(data: bytes, *, shard: str, fix: str | Callable[[], str] | Non
 
 
 def check_values(parsed: list[tuple[dict, dict[str, np.ndarray]]]) -> bool:
-    """Whether the value checks :func:`parse_sidecar` leaves out with ``values=False`` all pass for these
-    ``(meta, arrays)`` of many sidecars: a few numpy calls over all of them (a start over 2,000 sidecars), no
+    """Whether the value checks :func:`parse_sidecar` leaves out with ``values=False`` all pass for
+    these ``(meta, arrays)`` of many sidecars: a few numpy calls over all of them (a start over
+    2,000 sidecars), no
     call per shard but the gathering of their arrays."""
     if not parsed:
         return True
@@ -320,13 +418,22 @@ def check_values(parsed: list[tuple[dict, dict[str, np.ndarray]]]) -> bool:
     ids = np.concatenate([a["dim_ids"] for _, a in parsed])
     ndims = np.fromiter((len(m["dims"]) for m in metas), np.int64, len(parsed))
     sizes = np.fromiter((m["size"] for m in metas), np.int64, len(parsed))
-    if owner.size and (ids.min() < 0 or np.any(ids >= ndims[owner]) or spans[:, 0].min() < 0
-                       or np.any(spans[:, 1] <= spans[:, 0]) or np.any(spans[:, 1] > sizes[owner])
-                       or np.concatenate([a["lengths"] for _, a in parsed]).min() < 0):
+    if owner.size and (
+        ids.min() < 0
+        or np.any(ids >= ndims[owner])
+        or spans[:, 0].min() < 0
+        or np.any(spans[:, 1] <= spans[:, 0])
+        or np.any(spans[:, 1] > sizes[owner])
+        or np.concatenate([a["lengths"] for _, a in parsed]).min() < 0
+    ):
         return False
-    events = [(s, e[0]) for s, m in enumerate(metas) for e in m["events"]]  # (bad records only: few)
+    events = [
+        (s, e[0]) for s, m in enumerate(metas) for e in m["events"]
+    ]  # (bad records only: few)
     num_events = np.fromiter((m["num_events"] for m in metas), np.int64, len(parsed))
-    if any(not 0 <= p < num_events[s] for s, p in events) or any(b <= a for a, b in zip(events, events[1:])):
+    if any(not 0 <= p < num_events[s] for s, p in events) or any(
+        b <= a for a, b in zip(events, events[1:])
+    ):
         return False
 
     class _Untiled(Exception):
@@ -345,39 +452,66 @@ def check_values(parsed: list[tuple[dict, dict[str, np.ndarray]]]) -> bool:
 def dims_ok(dims) -> bool:
     """``dims`` is a list of ``{name: size}`` dicts (names str, sizes int or str)."""
     return isinstance(dims, list) and all(
-        isinstance(d, dict) and all(isinstance(k, str) and isinstance(v, (int, str)) and not isinstance(v, bool)
-                                    for k, v in d.items()) for d in dims)
+        isinstance(d, dict)
+        and all(
+            isinstance(k, str) and isinstance(v, (int, str)) and not isinstance(v, bool)
+            for k, v in d.items()
+        )
+        for d in dims
+    )
 
 
 def _check_spans(spans: np.ndarray, events: list, num_events: int, bad) -> None:
     """The good samples' byte ranges tile the shard as the index pass found them
-    (:func:`~prealign.loaders.index.tiling.check_tiling`, the merged index's check, for one shard)."""
+    (:func:`~prealign.loaders.index.tiling.check_tiling`, the merged index's check, for one
+    shard)."""
     positions = [e[0] for e in events]
-    if any(not 0 <= p < num_events for p in positions) or any(b <= a for a, b in zip(positions, positions[1:])):
+    if any(not 0 <= p < num_events for p in positions) or any(
+        b <= a for a, b in zip(positions, positions[1:])
+    ):
         raise bad("event positions out of range or out of order")
-    check_tiling(spans, np.zeros(len(spans), np.int64), np.asarray([num_events], np.int64),
-                 [(0, p) for p in positions], bad)
+    check_tiling(
+        spans,
+        np.zeros(len(spans), np.int64),
+        np.asarray([num_events], np.int64),
+        [(0, p) for p in positions],
+        bad,
+    )
 
 
 def record_of(meta: dict, arrays: dict[str, np.ndarray], shard: int) -> dict:
-    """The :func:`~prealign.loaders.index.build.index_shard` record a sidecar holds, for shard number ``shard``
-    (arrays instead of lists; ``spans [N, 3]`` instead of ``locations``, which :func:`merge_records` builds
+    """The :func:`~prealign.loaders.index.build.index_shard` record a sidecar holds, for shard
+    number ``shard`` (arrays instead of lists; ``spans [N, 3]`` instead of ``locations``, which
+    :func:`merge_records` builds
     once for all shards; ``"sidecar": True`` lets it take the vectorised path)."""
     events: list = [None] * meta["num_events"]
     for pos, ev in meta["events"]:
         if not 0 <= pos < len(events):
-            raise StaleIndexError(str(meta["shard"]), "sidecar index unreadable: event position out of range")
+            raise StaleIndexError(
+                str(meta["shard"]), "sidecar index unreadable: event position out of range"
+            )
         events[pos] = ev
-    return {"shard": shard, "spans": arrays["spans"], "lengths": arrays["lengths"], "media": arrays["media"],
-            "dims": meta["dims"], "dim_ids": arrays["dim_ids"], "bounds": arrays["bounds"], "events": events,
-            "sidecar": True,
-            "bad_events": meta["events"]}
+    return {
+        "shard": shard,
+        "spans": arrays["spans"],
+        "lengths": arrays["lengths"],
+        "media": arrays["media"],
+        "dims": meta["dims"],
+        "dim_ids": arrays["dim_ids"],
+        "bounds": arrays["bounds"],
+        "events": events,
+        "sidecar": True,
+        "bad_events": meta["events"],
+    }
 
 
-# ---- the configuration a sidecar was built for -----------------------------------------------------
+# ---- the configuration a sidecar was built for
+# -----------------------------------------------------
 def indexed_transform(transform):
-    """The transform whose lengths an index records: a :class:`~prealign.loaders.handoff.media_share.SharedMediaTransform`
-    shares its inner transform's results across a CP group without changing them, so it is looked through."""
+    """The transform whose lengths an index records: a
+    :class:`~prealign.loaders.handoff.media_share.SharedMediaTransform`
+    shares its inner transform's results across a CP group without changing them, so it is looked
+    through."""
 
     while isinstance(transform, SharedMediaTransform):
         transform = transform.transform
@@ -386,10 +520,16 @@ def indexed_transform(transform):
 
 def describe_transform(transform) -> str:
     """A stable description of what decides the lengths a transform gives (its index fields,
-    :func:`~prealign.loaders.handoff.identity.index_fields`): ``none``, ``numpy_fields``, else its qualified name
-    and the digest of its fields (its code, the globals it reads, its state; a VLM's tokenizer and processor)."""
+    :func:`~prealign.loaders.handoff.identity.index_fields`): ``none``, ``numpy_fields``, else its
+    qualified name
+    and the digest of its fields (its code, the globals it reads, its state; a VLM's tokenizer and
+    processor)."""
     fields = index_fields(indexed_transform(transform), owner="the index key")
-    return fields["transform"] if len(fields) == 1 else f"{fields['transform']}:{identity_digest(fields)}"
+    return (
+        fields["transform"]
+        if len(fields) == 1
+        else f"{fields['transform']}:{identity_digest(fields)}"
+    )
 
 
 def transform_name(transform) -> str:
@@ -399,8 +539,10 @@ def transform_name(transform) -> str:
     if isinstance(transform, VLMSampleTransform):
         tok = transform.tokenizer
         inner = getattr(tok, "tokenizer", None)
-        return (f"VLMSampleTransform (tokenizer {type(tok).__qualname__}"
-                f"{f' of {type(inner).__qualname__}' if inner is not None else ''})")
+        return (
+            f"VLMSampleTransform (tokenizer {type(tok).__qualname__}"
+            f"{f' of {type(inner).__qualname__}' if inner is not None else ''})"
+        )
     return describe_transform(transform)
 
 
@@ -411,26 +553,32 @@ def tokenizer_definition(tok) -> str:
 
 
 def transform_fields(source) -> dict[str, str]:
-    """What an index's lengths and data signatures depend on, field by field: the members the source requires and
-    the transform's index fields (:func:`~prealign.loaders.handoff.identity.index_fields`: a function's code and
-    the globals it reads, an instance's class and state; a VLM's tokenizer class, vocabulary, vision tokens, a
-    probe of its encoding and a hash of its whole definition (never its folder), image processor options, text
-    member, top-k, the family's grids). Never the schema: pad id, vocabulary bound, ignore index and fields are
+    """What an index's lengths and data signatures depend on, field by field: the members the source
+    requires and the transform's index fields
+    (:func:`~prealign.loaders.handoff.identity.index_fields`: a function's code and the globals it
+    reads, an instance's class and state; a VLM's tokenizer class, vocabulary, vision tokens, a
+    probe of its encoding and a hash of its whole definition (never its folder), image processor
+    options, text member, top-k, the family's grids). Never the schema: pad id, vocabulary bound,
+    ignore index and fields are
     checked when a loader reads the sidecar and loads the samples."""
-    fields = {"required": json.dumps(sorted(getattr(source, "required", ()))),
-              "limits": repr(getattr(source, "limits", None))}  # (the decode limits decide which samples are bad)
+    fields = {
+        "required": json.dumps(sorted(getattr(source, "required", ()))),
+        "limits": repr(getattr(source, "limits", None)),
+    }  # (the decode limits decide which samples are bad)
     fields.update(index_fields(indexed_transform(source.transform), owner="the index key"))
     return fields
 
 
 def config_key(source, schema=None) -> str:
-    """16 hex digits naming what a sidecar depends on: the digest of :func:`transform_fields` (``schema`` is not
+    """16 hex digits naming what a sidecar depends on: the digest of :func:`transform_fields`
+    (``schema`` is not
     part of it: a sidecar serves any schema; the argument is accepted for callers that pass it)."""
     return identity_digest(transform_fields(source))
 
 
 def transform_difference(meta: dict, source) -> str:
-    """The first field of :func:`transform_fields` in which a sidecar's ``meta`` differs from ``source``'s."""
+    """The first field of :func:`transform_fields` in which a sidecar's ``meta`` differs from
+    ``source``'s."""
     then, now = meta.get("transform") or {}, transform_fields(source)
     for field in sorted(set(then) | set(now)):
         if then.get(field) != now.get(field):
@@ -438,26 +586,37 @@ def transform_difference(meta: dict, source) -> str:
     return "the transform key differs"
 
 
-# ---- checks against the data ------------------------------------------------------------------------
+# ---- checks against the data
+# ------------------------------------------------------------------------
 def shard_sizes(source, shards=None) -> list[int]:
-    """Size in bytes of each of ``shards`` (default: all) of a :class:`WebDatasetSource` (a ``stat`` each,
-    bounded by the source's ``read_timeout``; one request per URL, overlapping). Every local shard that
-    does not exist or is a folder is listed in one :class:`MissingShardError` (a brace range naming absent
-    files); an unreachable URL raises its own; a ``stat`` that hangs (a dead mount) is a
+    """Size in bytes of each of ``shards`` (default: all) of a :class:`WebDatasetSource` (a ``stat``
+    each, bounded by the source's ``read_timeout``; one request per URL, overlapping). Every local
+    shard that does not exist or is a folder is listed in one :class:`MissingShardError` (a brace
+    range naming absent files); an unreachable URL raises its own; a ``stat`` that hangs (a dead
+    mount) is a
     :class:`ShardTimeoutError` naming the shard. ``-1``: no size (a ``pipe:`` command's output)."""
 
     urls = source.urls
     shards = list(range(len(urls))) if shards is None else list(shards)
     local = [s for s in shards if not remote.is_remote(urls[s])]
-    stats = map_with_timeout(_local_size, [remote.local_path(urls[s]) for s in local], source.read_timeout)
+    stats = map_with_timeout(
+        _local_size, [remote.local_path(urls[s]) for s in local], source.read_timeout
+    )
     for s, size in zip(local, stats):
         if isinstance(size, Stalled):
-            raise ShardTimeoutError(urls[s], 0, f"stat made no progress in {source.read_timeout} s (a hung mount?)")
-    missing = [urls[s] for s, size in zip(local, stats) if not isinstance(size, int)]  # (None, or a path stat refuses)
+            raise ShardTimeoutError(
+                urls[s], 0, f"stat made no progress in {source.read_timeout} s (a hung mount?)"
+            )
+    missing = [
+        urls[s] for s, size in zip(local, stats) if not isinstance(size, int)
+    ]  # (None, or a path stat refuses)
     if missing:
-        raise MissingShardError(None, f"{len(missing)} of {len(shards)} shard file(s) do not exist (or are folders): "
-                                f"{missing[:10]}{' ...' if len(missing) > 10 else ''}; check the path or brace "
-                                f"range given as urls=")
+        raise MissingShardError(
+            None,
+            f"{len(missing)} of {len(shards)} shard file(s) do not exist (or are folders): "
+            f"{missing[:10]}{' ...' if len(missing) > 10 else ''}; check the path or brace "
+            f"range given as urls=",
+        )
     sizes = dict(zip(local, stats))
     far = [s for s in shards if s not in sizes]
     sizes.update(zip(far, per_shard(source, lambda s: remote.size(urls[s], source.remote), far)))
@@ -479,7 +638,8 @@ def _local_size(path: str) -> int | None:
 
 
 def shard_size_now(source, shard: int) -> int | None:
-    """A shard's size now (``-1``: none, a ``pipe:`` command's output), None when it does not exist."""
+    """A shard's size now (``-1``: none, a ``pipe:`` command's output), None when it does not
+    exist."""
     url = source.urls[shard]
     if remote.is_remote(url) or remote.scheme(url) == "pipe":
         try:
@@ -510,7 +670,9 @@ def read_probe(source, shard: int, size: int) -> tuple[str, bytes, bytes]:
     uncached = dataclasses.replace(source.remote, cache_dir=None) if remote.is_remote(url) else None
     data, reads = b"", []
     for lo, hi in spans:
-        if remote.is_remote(url):  # never through the block cache: it may hold the object's old bytes
+        if remote.is_remote(
+            url
+        ):  # never through the block cache: it may hold the object's old bytes
             data = remote.read_range(url, lo, hi, uncached)
         else:
             with open(remote.local_path(url), "rb") as f:
@@ -522,53 +684,69 @@ def read_probe(source, shard: int, size: int) -> tuple[str, bytes, bytes]:
 
 
 def sidecar_limit(size: int | None) -> int:
-    """Most bytes the sidecar of a shard of ``size`` bytes can hold (``None`` or ``-1``: size unknown): its
-    meta (at most 64 MiB), a row of 41 bytes per sample (a sample takes at least one 512-byte tar
+    """Most bytes the sidecar of a shard of ``size`` bytes can hold (``None`` or ``-1``: size
+    unknown): its meta (at most 64 MiB), a row of 41 bytes per sample (a sample takes at least one
+    512-byte tar
     header; with no size, a shard of 1 TiB) and the zip's own framing."""
     shard = (1 << 40) if size is None or size < 0 else size
     return _MAX_META + (1 << 20) + _ROW_BYTES * (shard // 512 + 1)
 
 
 def read_sidecar_bytes(source, shard: int, size: int | None = None) -> bytes | None:
-    """The sidecar of shard ``shard`` (local file or URL), or None when there is none. A local sidecar must
-    be a regular file (a FIFO is refused, never waited on; a link to ``/dev/zero`` is refused) of at most
+    """The sidecar of shard ``shard`` (local file or URL), or None when there is none. A local
+    sidecar must be a regular file (a FIFO is refused, never waited on; a link to ``/dev/zero`` is
+    refused) of at most
     :func:`sidecar_limit` of the shard's ``size`` bytes, else :class:`StaleIndexError`."""
 
     if remote.scheme(source.urls[shard]) == "pipe" and not getattr(source, "index_dir", None):
         return None  # a command's output has no "beside": give index_dir
     path = sidecar_path(source.urls[shard], getattr(source, "index_dir", None))
-    def limit(n: int) -> int:  # (with no size given, the shard's only for a sidecar bigger than an empty shard's)
+
+    def limit(
+        n: int,
+    ) -> int:  # (with no size given, the shard's only for a sidecar bigger than an empty shard's)
         if size is not None:
             return sidecar_limit(size)
         return sidecar_limit(shard_size_now(source, shard)) if n > sidecar_limit(0) else n
+
     if remote.is_remote(path):
         data = remote.read_small(path, source.remote)
         if data is not None and len(data) > sidecar_limit(size):
-            raise StaleIndexError(path, f"sidecar of {len(data)} bytes, more than the {sidecar_limit(size)} bytes "
-                                        f"one can hold",
-                                  "re-run `prealign index`")
+            raise StaleIndexError(
+                path,
+                f"sidecar of {len(data)} bytes, more than the {sidecar_limit(size)} bytes "
+                f"one can hold",
+                "re-run `prealign index`",
+            )
         return data
     return read_regular(remote.local_path(path), "sidecar", limit)
 
 
 def expected_of(meta: dict, spans: np.ndarray) -> tuple[int, str, int, int]:
-    """What a shard's first read checks (:class:`ShardChecks`): ``(size, probe, first, last)``; ``first`` the
-    byte where its first good sample starts when that is its first record (else -1), ``last`` where its last
+    """What a shard's first read checks (:class:`ShardChecks`): ``(size, probe, first, last)``;
+    ``first`` the byte where its first good sample starts when that is its first record (else -1),
+    ``last`` where its last
     good sample ends when that is its last record (else -1)."""
     events = meta["events"]
     first = int(spans[0, 0]) if len(spans) and not (events and events[0][0] == 0) else -1
-    last = int(spans[-1, 1]) if len(spans) and not (events and events[-1][0] == meta["num_events"] - 1) else -1
+    last = (
+        int(spans[-1, 1])
+        if len(spans) and not (events and events[-1][0] == meta["num_events"] - 1)
+        else -1
+    )
     return int(meta["size"]), str(meta.get("probe", "")), first, last
 
 
 def per_shard(source, fn, shards=None, *, threads: int = 0) -> list:
-    """``[fn(s) for s in shards]`` (default: every shard), the first failure in shard order raised. With
-    URLs each call is a round trip or two, so they overlap on 16 threads (a thousand shards on an object
-    store cost a thousand round trips at once, not in a row). Local files are read in a row: from a local
-    disk or the page cache that is faster than threads contending for the GIL (2,000 sidecars: 0.20 s in a
-    row, 0.25 s on 4 threads, 0.35 s on 16). With ``threads``, the first :data:`_TIMED_CALLS` calls are timed,
-    and when they show a file system's latency (a median over :data:`_SLOW_CALL` s: a parallel file system's
-    metadata round trips, not a loaded machine's preemptions), the rest run on up to ``threads`` threads."""
+    """``[fn(s) for s in shards]`` (default: every shard), the first failure in shard order raised.
+    With URLs each call is a round trip or two, so they overlap on 16 threads (a thousand shards on
+    an object store cost a thousand round trips at once, not in a row). Local files are read in a
+    row: from a local disk or the page cache that is faster than threads contending for the GIL
+    (2,000 sidecars: 0.20 s in a row, 0.25 s on 4 threads, 0.35 s on 16). With ``threads``, the
+    first :data:`_TIMED_CALLS` calls are timed, and when they show a file system's latency (a median
+    over :data:`_SLOW_CALL` s: a parallel file system's
+    metadata round trips, not a loaded machine's preemptions), the rest run on up to ``threads``
+    threads."""
 
     shards = list(range(source.num_shards)) if shards is None else list(shards)
     if len(shards) > 1 and any(remote.is_remote(source.urls[s]) for s in shards):
@@ -580,17 +758,22 @@ def per_shard(source, fn, shards=None, *, threads: int = 0) -> list:
         t0 = time.perf_counter()
         head.append(fn(s))
         took.append(time.perf_counter() - t0)
-    slow = sorted(took)[len(took) // 2] > _SLOW_CALL  # the median: a busy machine's preemptions hit a few calls
+    slow = (
+        sorted(took)[len(took) // 2] > _SLOW_CALL
+    )  # the median: a busy machine's preemptions hit a few calls
     rest = shards[_TIMED_CALLS:]
     return head + (_threaded(fn, rest, threads) if slow else [fn(s) for s in rest])
 
 
 SIDECAR_THREADS = 8
-"""Threads sidecars and shard checks are read on when the file system is slow (:func:`per_shard`)."""
+"""Threads sidecars and shard checks are read on when the file system is slow
+(:func:`per_shard`)."""
 _TIMED_CALLS = 32
 _SLOW_CALL = 1e-3
 
 
 def _threaded(fn, shards: list, threads: int) -> list:
-    with ThreadPoolExecutor(max_workers=min(threads, len(shards)), thread_name_prefix="prealign-shard") as pool:
+    with ThreadPoolExecutor(
+        max_workers=min(threads, len(shards)), thread_name_prefix="prealign-shard"
+    ) as pool:
         return list(pool.map(fn, shards))

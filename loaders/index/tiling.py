@@ -1,18 +1,22 @@
-"""The one tiling check of an index (a sidecar is a one-shard case of a merged index): every record of a shard
-accounted for, so a row removed, repeated or reordered (its counts adjusted) is refused, never served short.
+"""The one tiling check of an index (a sidecar is a one-shard case of a merged index): every record
+of a shard accounted for, so a row removed, repeated or reordered (its counts adjusted) is refused,
+never served short.
 
-An index keeps the byte range ``[start, end)`` of each good sample and, for each bad or skipped record, only
-its stream position. So the check has two halves:
+An index keeps the byte range ``[start, end)`` of each good sample and, for each bad or skipped
+record, only its stream position. So the check has two halves:
 
-* :func:`check_tiling` when an index is read (vectorised, a cost per file): the good samples of a shard are in
-  order and never overlap, two with no record between them are adjacent, and each shard's ``first`` / ``last``
-  byte is that of its first / last good sample when that is its first / last record.
+* :func:`check_tiling` when an index is read (vectorised, a cost per file): the good samples of a
+  shard are in order and never overlap, two with no record between them are adjacent, and each
+  shard's ``first`` / ``last`` byte is that of its first / last good sample when that is its first /
+  last record.
 * :func:`bad_regions` and :func:`count_samples` at a shard's first read
-  (:class:`~prealign.loaders.index.shard_checks.ShardChecks`): the bytes between two good samples with bad
-  records between them (or before the first, or after the last) hold exactly as many samples as the index has
-  bad sample records there (one read of those bytes, per shard with bad records). A removed good row next to a
-  bad sample leaves one sample more in its gap than the index accounts for.
+  (:class:`~prealign.loaders.index.shard_checks.ShardChecks`): the bytes between two good samples
+  with bad records between them (or before the first, or after the last) hold exactly as many
+  samples as the index has bad sample records there (one read of those bytes, per shard with bad
+  records). A removed good row next to a bad sample leaves one sample more in its gap than the index
+  accounts for.
 """
+
 from __future__ import annotations
 
 import io
@@ -24,44 +28,67 @@ from prealign.loaders.sources.tar_decode import split_member_name
 from prealign.loaders.sources.tar_reader import TarFormatError, iter_members
 
 MAX_REGION = 64 << 20
-"""Largest stretch of bad samples read to count them at a shard's first read (bytes); a longer one (a shard of
+"""Largest stretch of bad samples read to count them at a shard's first read (bytes); a longer one
+(a shard of
 huge undecodable members) is not counted."""
 
 
-def check_tiling(spans: np.ndarray, owner: np.ndarray, num_events: np.ndarray, events: list[tuple[int, int]],
-                 bad: Callable[[str], Exception]) -> tuple[np.ndarray, np.ndarray]:
+def check_tiling(
+    spans: np.ndarray,
+    owner: np.ndarray,
+    num_events: np.ndarray,
+    events: list[tuple[int, int]],
+    bad: Callable[[str], Exception],
+) -> tuple[np.ndarray, np.ndarray]:
     """Raise ``bad(what)`` unless the good samples tile their shards as the index pass found them.
 
-    ``spans`` int64 ``[N, 3]`` (start, end, checksum) shard after shard; ``owner`` int64 ``[N]`` the shard of
-    each; ``num_events`` int64 ``[S]`` records (good and bad) per shard; ``events`` ``(shard, position)`` of
-    each bad or skipped record, in order (positions checked in range by the caller). Returns ``(first, last)``
-    int64 ``[S]``: per shard, the byte its first good sample starts at when that is its first record, where its
-    last good sample ends when that is its last record (else ``-1``), as
+    ``spans`` int64 ``[N, 3]`` (start, end, checksum) shard after shard; ``owner`` int64 ``[N]`` the
+    shard of each; ``num_events`` int64 ``[S]`` records (good and bad) per shard; ``events``
+    ``(shard, position)`` of each bad or skipped record, in order (positions checked in range by the
+    caller). Returns ``(first, last)`` int64 ``[S]``: per shard, the byte its first good sample
+    starts at when that is its first record, where its last good sample ends when that is its last
+    record (else ``-1``), as
     :func:`~prealign.loaders.index.sidecar.expected_of` records them."""
     first_record = np.concatenate([[0], np.cumsum(num_events)]).astype(np.int64)
     is_event = np.zeros(int(first_record[-1]), bool)
     if events:
         at = np.asarray(events, np.int64).reshape(-1, 2)
         is_event[first_record[at[:, 0]] + at[:, 1]] = True
-    good_at = np.flatnonzero(~is_event)  # the stream position of each good sample, shard after shard
+    good_at = np.flatnonzero(
+        ~is_event
+    )  # the stream position of each good sample, shard after shard
     if good_at.size != spans.shape[0]:
         raise bad(f"{spans.shape[0]} samples, {good_at.size} good records")
     same = owner[1:] == owner[:-1]
     if np.any(same & (spans[1:, 0] < spans[:-1, 1])):
         i = int(np.argmax(same & (spans[1:, 0] < spans[:-1, 1])))
-        raise bad(f"shard {int(owner[i])}: samples overlap or are out of order (bytes {int(spans[i + 1, 0])}.."
-                  f"{int(spans[i + 1, 1])} after {int(spans[i, 0])}..{int(spans[i, 1])}: a repeated or reordered row)")
+        raise bad(
+            f"shard {int(owner[i])}: samples overlap or are out of order (bytes "
+            f"{int(spans[i + 1, 0])}.."
+            f"{int(spans[i + 1, 1])} after {int(spans[i, 0])}..{int(spans[i, 1])}: a repeated or "
+            f"reordered row)"
+        )
     gap = same & (good_at[1:] == good_at[:-1] + 1) & (spans[1:, 0] != spans[:-1, 1])
     if np.any(gap):
         i = int(np.argmax(gap))
-        raise bad(f"shard {int(owner[i])}: a gap of {int(spans[i + 1, 0] - spans[i, 1])} bytes between two "
-                  f"samples with no bad or skipped record between them (a removed row)")
-    rows = np.bincount(owner, minlength=len(num_events)) if owner.size else np.zeros(len(num_events), np.int64)
+        raise bad(
+            f"shard {int(owner[i])}: a gap of {int(spans[i + 1, 0] - spans[i, 1])} bytes between "
+            f"two "
+            f"samples with no bad or skipped record between them (a removed row)"
+        )
+    rows = (
+        np.bincount(owner, minlength=len(num_events))
+        if owner.size
+        else np.zeros(len(num_events), np.int64)
+    )
     lo = np.concatenate([[0], np.cumsum(rows)])[:-1]
     has = rows > 0
     first = np.full(len(num_events), -1, np.int64)
     last = np.full(len(num_events), -1, np.int64)
-    head_good, tail_good = has.copy(), has.copy()  # (a shard with samples has records: indices in range)
+    head_good, tail_good = (
+        has.copy(),
+        has.copy(),
+    )  # (a shard with samples has records: indices in range)
     head_good[has] = ~is_event[first_record[:-1][has]]
     tail_good[has] = ~is_event[first_record[1:][has] - 1]
     first[head_good] = spans[lo[head_good], 0]
@@ -99,7 +126,8 @@ def bad_regions(spans: np.ndarray, events: list, num_events: int) -> list[tuple[
 
 
 def count_samples(data: bytes, base: int) -> int | None:
-    """The samples (runs of members sharing a key) in tar bytes ``data`` starting at archive offset ``base``,
+    """The samples (runs of members sharing a key) in tar bytes ``data`` starting at archive offset
+    ``base``,
     up to their end or an end-of-archive marker; None when they are not a tar stream."""
     keys, last = 0, None
     try:

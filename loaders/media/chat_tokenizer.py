@@ -4,15 +4,17 @@
 The transform only needs: ``encode(text) -> int64 [n]`` (no special tokens added), the ids of
 ``<|im_start|>`` / ``<|im_end|>`` (chat turns) and of ``<|vision_start|>`` / ``<|image_pad|>`` /
 ``<|vision_end|>`` (images), the vocabulary size (to bound teacher ids) and the vision-token config.
-``pad_token_id`` (what ``vlm_schema(pad_token_id=...)`` pads ``input_ids`` with) and ``eos_token_id``
-complete it for the model side. The merge size comes from the image processor the transform owns
-(``VLMSampleTransform.spatial_merge_size``), not from the tokenizer.
-The demo's :class:`~prealign.loaders.cli.demo_tokenizer.ByteTokenizer` is one; a real tokenizer is wrapped::
+``pad_token_id`` (what ``vlm_schema(pad_token_id=...)`` pads ``input_ids`` with) and
+``eos_token_id`` complete it for the model side. The merge size comes from the image processor the
+transform owns (``VLMSampleTransform.spatial_merge_size``), not from the tokenizer.
+The demo's :class:`~prealign.loaders.cli.demo_tokenizer.ByteTokenizer` is one; a real tokenizer is
+wrapped::
 
     from transformers import AutoTokenizer
     tok = HFChatTokenizer(AutoTokenizer.from_pretrained("Qwen/Qwen2-VL-2B-Instruct"))
     transform = VLMSampleTransform(tokenizer=tok, topk=64)
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -45,35 +47,50 @@ class HFChatTokenizer:
     """A Hugging Face (fast or slow) tokenizer as a :class:`ChatTokenizer`. Picklable when the
     wrapped tokenizer is (HF tokenizers are). Special-token names default to Qwen2-VL's.
 
-    ``pad_token_id``: the tokenizer's pad token, else its eos; ``eos_token_id``: its eos, else ``<|im_end|>``.
+    ``pad_token_id``: the tokenizer's pad token, else its eos; ``eos_token_id``: its eos, else
+    ``<|im_end|>``.
     """
 
     tokenizer: Any
     spatial_merge_size: int | None = None
-    """Leave unset: :class:`~prealign.loaders.media.vlm.VLMSampleTransform` takes it from its image processor
+    """Leave unset: :class:`~prealign.loaders.media.vlm.VLMSampleTransform` takes it from its image
+    processor
     (``vision`` alone falls back to Qwen2-VL's 2)."""
     im_start: str | None = "<|im_start|>"
     im_end: str | None = "<|im_end|>"
-    """``None`` (both): a family whose chat frame writes its own role tags (GLM's); then ``im_start_id`` /
+    """``None`` (both): a family whose chat frame writes its own role tags (GLM's); then
+    ``im_start_id`` /
     ``im_end_id`` are absent and the tokenizer must have an eos token."""
     vision_start: str = "<|vision_start|>"
     vision_end: str = "<|vision_end|>"
     image_pad: str = "<|image_pad|>"
     video_pad: str = "<|video_pad|>"
-    """Looked up when the tokenizer has it (``video_token_id``); a tokenizer without video tokens is fine."""
+    """Looked up when the tokenizer has it (``video_token_id``); a tokenizer without video tokens is
+    fine."""
     _ids: dict = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        names = {"im_start_id": self.im_start, "im_end_id": self.im_end, "vision_start_token_id": self.vision_start,
-                 "vision_end_token_id": self.vision_end, "image_token_id": self.image_pad}
-        names = {attr: token for attr, token in names.items() if token is not None or attr[:3] != "im_"}
+        names = {
+            "im_start_id": self.im_start,
+            "im_end_id": self.im_end,
+            "vision_start_token_id": self.vision_start,
+            "vision_end_token_id": self.vision_end,
+            "image_token_id": self.image_pad,
+        }
+        names = {
+            attr: token for attr, token in names.items() if token is not None or attr[:3] != "im_"
+        }
         unk = getattr(self.tokenizer, "unk_token_id", None)
         ids = {}
         for attr, token in names.items():
             tid = self.tokenizer.convert_tokens_to_ids(token)
             if tid is None or (tid == unk and token != getattr(self.tokenizer, "unk_token", None)):
-                raise ConfigError(f"HFChatTokenizer: the tokenizer has no {token!r} token ({attr}); pass the name "
-                                  f"this model uses, e.g. HFChatTokenizer(tok, {attr.removesuffix('_id').removesuffix('_token')}=...)")
+                raise ConfigError(
+                    f"HFChatTokenizer: the tokenizer has no {token!r} token ({attr}); pass the "
+                    f"name "
+                    f"this model uses, e.g. HFChatTokenizer(tok, "
+                    f"{attr.removesuffix('_id').removesuffix('_token')}=...)"
+                )
             ids[attr] = int(tid)
         video = self.tokenizer.convert_tokens_to_ids(self.video_pad)
         if video is not None and video != unk:
@@ -101,23 +118,29 @@ class HFChatTokenizer:
 
     @property
     def vision(self) -> VisionTokens:
-        return VisionTokens(image_token_id=self.image_token_id, vision_start_token_id=self.vision_start_token_id,
-                            vision_end_token_id=self.vision_end_token_id,
-                            spatial_merge_size=2 if self.spatial_merge_size is None else self.spatial_merge_size)
+        return VisionTokens(
+            image_token_id=self.image_token_id,
+            vision_start_token_id=self.vision_start_token_id,
+            vision_end_token_id=self.vision_end_token_id,
+            spatial_merge_size=2 if self.spatial_merge_size is None else self.spatial_merge_size,
+        )
 
     def encode(self, text: str) -> np.ndarray:
         """str -> int64 ``[n]``, without the special tokens a tokenizer may add around a text."""
-        return np.asarray(self.tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int64)
+        return np.asarray(
+            self.tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int64
+        )
 
 
 def encode_segments(tokenizer: ChatTokenizer, segments) -> tuple[np.ndarray, np.ndarray]:
-    """Chat segments -> (``input_ids`` int64 ``[L]``, ``loss_mask`` float32 ``[L]``), tokenized as a chat
-    template's rendered string is: ``segments`` is a sequence of ``(part, trained)``, ``part`` either text or
-    special-token ids (a list / array, never merged with anything). Consecutive texts are joined and encoded
-    together, as the tokenizer sees the text between two special tokens of the template's output (so a role
-    header's ``"\\n"`` and a content's leading ``"\\n"`` merge into ``"\\n\\n"`` where the tokenizer has it). A
-    token that straddles two texts belongs to the later one (its ``trained`` flag): the boundary is where the
-    encoding of the text before it stops being a prefix of the joined encoding.
+    """Chat segments -> (``input_ids`` int64 ``[L]``, ``loss_mask`` float32 ``[L]``), tokenized as a
+    chat template's rendered string is: ``segments`` is a sequence of ``(part, trained)``, ``part``
+    either text or special-token ids (a list / array, never merged with anything). Consecutive texts
+    are joined and encoded together, as the tokenizer sees the text between two special tokens of
+    the template's output (so a role header's ``"\\n"`` and a content's leading ``"\\n"`` merge into
+    ``"\\n\\n"`` where the tokenizer has it). A token that straddles two texts belongs to the later
+    one (its ``trained`` flag): the boundary is where the encoding of the text before it stops being
+    a prefix of the joined encoding.
 
     >>> from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
     >>> segments = [([2], False), ("ab", False), ("c", True), ([3], True)]
@@ -138,7 +161,11 @@ def encode_segments(tokenizer: ChatTokenizer, segments) -> tuple[np.ndarray, np.
         start, offset = 0, 0
         for part, trained in run:
             offset += len(part)
-            end = joined.size if offset == len(text) else _common_prefix(tokenizer.encode(text[:offset]), joined)
+            end = (
+                joined.size
+                if offset == len(text)
+                else _common_prefix(tokenizer.encode(text[:offset]), joined)
+            )
             end = max(end, start)
             mask[start:end] = trained
             start = end

@@ -1,6 +1,7 @@
-"""One Gemma 3 sample, raw -> model-ready (:class:`Gemma3SampleTransform`), as transformers' ``Gemma3Processor``
-and the Gemma 3 chat template write it: every image resized to the vision tower's square (pan-and-scan off),
-written as ``"\\n\\n<start_of_image>" + <image_soft_token> x mm_tokens_per_image + "<end_of_image>\\n\\n"``.
+"""One Gemma 3 sample, raw -> model-ready (:class:`Gemma3SampleTransform`), as transformers'
+``Gemma3Processor`` and the Gemma 3 chat template write it: every image resized to the vision
+tower's square (pan-and-scan off), written as ``"\\n\\n<start_of_image>" + <image_soft_token> x
+mm_tokens_per_image + "<end_of_image>\\n\\n"``.
 
     raw sample (as VLMSampleTransform's)        Gemma3SampleTransform(raw)
     json   {"messages": [...], "images": [...]} input_ids          int64   [L]
@@ -9,14 +10,16 @@ written as ``"\\n\\n<start_of_image>" + <image_soft_token> x mm_tokens_per_image
                                                 mm_token_type_ids  int64   [L]  1 on image tokens
                                                 pixel_values       float32 [num_images, 3, S, S]
 
-The chat template (rendered here, tokenized as its string is: :func:`~.chat_tokenizer.encode_segments`):
-``<bos>``, then per turn ``<start_of_turn>{role}\\n`` (``assistant`` written ``model``), the content trimmed
-(each text piece around an image trimmed, an image written ``<start_of_image>``), ``<end_of_turn>\\n``; a first
-``system`` turn is no turn of its own but its text + ``"\\n\\n"`` opens the first user turn. The length depends on
-the text and the number of images alone (:meth:`Gemma3SampleTransform.header_ids`), never on image sizes.
-Positions are 1-D (the collator's ``position_ids``); packed rows need the per-token masks
+The chat template (rendered here, tokenized as its string is:
+:func:`~.chat_tokenizer.encode_segments`): ``<bos>``, then per turn ``<start_of_turn>{role}\\n``
+(``assistant`` written ``model``), the content trimmed (each text piece around an image trimmed, an
+image written ``<start_of_image>``), ``<end_of_turn>\\n``; a first ``system`` turn is no turn of its
+own but its text + ``"\\n\\n"`` opens the first user turn. The length depends on the text and the
+number of images alone (:meth:`Gemma3SampleTransform.header_ids`), never on image sizes. Positions
+are 1-D (the collator's ``position_ids``); packed rows need the per-token masks
 ``to_hf_kwargs(attention="mask", model_config=...)`` emits (:mod:`prealign.collate.vision.gemma3`).
 """
+
 from __future__ import annotations
 
 import functools
@@ -42,15 +45,22 @@ from prealign.loaders.media.vlm import (
 from prealign.loaders.sources.tar_decode import DEFAULT_LIMITS, DecodeLimits
 from prealign.schemas.errors import ConfigError
 
-GEMMA3_TOKENS = {"im_start": "<start_of_turn>", "im_end": "<end_of_turn>", "vision_start": "<start_of_image>",
-                 "vision_end": "<end_of_image>", "image_pad": "<image_soft_token>"}
-""":class:`HFChatTokenizer` names of Gemma 3's special tokens: ``HFChatTokenizer(tok, **GEMMA3_TOKENS)``."""
+GEMMA3_TOKENS = {
+    "im_start": "<start_of_turn>",
+    "im_end": "<end_of_turn>",
+    "vision_start": "<start_of_image>",
+    "vision_end": "<end_of_image>",
+    "image_pad": "<image_soft_token>",
+}
+""":class:`HFChatTokenizer` names of Gemma 3's special tokens: ``HFChatTokenizer(tok,
+**GEMMA3_TOKENS)``."""
 _SPLIT = re.compile("(" + re.escape(IMAGE_PLACEHOLDER) + ")")
 
 
 @functools.lru_cache(maxsize=4)
 def gemma3_image_processor(image_size: int):
-    """transformers' Gemma 3 image processor (PIL backend where the installed transformers has one), resizing to
+    """transformers' Gemma 3 image processor (PIL backend where the installed transformers has one),
+    resizing to
     ``image_size`` square, pan-and-scan off. Built locally; cached per process."""
     try:
         from transformers import Gemma3ImageProcessorPil as cls
@@ -61,16 +71,18 @@ def gemma3_image_processor(image_size: int):
 
 @dataclass(frozen=True, kw_only=True)
 class Gemma3SampleTransform:
-    """Raw multimodal sample -> Gemma 3 fields (module docstring). ``model_config``: the ``Gemma3Config`` (or its
-    dict); ``tokenizer``: the model's HF tokenizer (wrapped with :data:`GEMMA3_TOKENS`) or a
-    :class:`~prealign.loaders.media.chat_tokenizer.ChatTokenizer` with those ids; ``processor``: the model's
+    """Raw multimodal sample -> Gemma 3 fields (module docstring). ``model_config``: the
+    ``Gemma3Config`` (or its dict); ``tokenizer``: the model's HF tokenizer (wrapped with
+    :data:`GEMMA3_TOKENS`) or a :class:`~prealign.loaders.media.chat_tokenizer.ChatTokenizer` with
+    those ids; ``processor``: the model's
     processor or image processor (default :func:`gemma3_image_processor`). Picklable."""
 
     model_config: Any
     tokenizer: Any
     processor: Any = None
     topk: int | None = None
-    """Expect teacher top-k members with this K (as :class:`~prealign.loaders.media.vlm.VLMSampleTransform`)."""
+    """Expect teacher top-k members with this K (as
+    :class:`~prealign.loaders.media.vlm.VLMSampleTransform`)."""
     log_prob_dtype: str = "float32"
     pixel_dtype: str = "float32"
     text_key: str = "json"
@@ -80,25 +92,37 @@ class Gemma3SampleTransform:
     def __post_init__(self):
         fam = vision_family(self.model_config)
         if not isinstance(fam, Gemma3):
-            raise ConfigError(f"Gemma3SampleTransform: expected a gemma3 config, got {fam.model_type!r}")
+            raise ConfigError(
+                f"Gemma3SampleTransform: expected a gemma3 config, got {fam.model_type!r}"
+            )
         object.__setattr__(self, "family", fam)
         if not hasattr(self.tokenizer, "encode"):
-            raise ConfigError("Gemma3SampleTransform: tokenizer must be a ChatTokenizer or an HF tokenizer")
+            raise ConfigError(
+                "Gemma3SampleTransform: tokenizer must be a ChatTokenizer or an HF tokenizer"
+            )
         if not hasattr(self.tokenizer, "im_start_id"):  # a plain HF tokenizer
             object.__setattr__(self, "tokenizer", HFChatTokenizer(self.tokenizer, **GEMMA3_TOKENS))
         tok = self.tokenizer
         ours = (fam.image_token_id, fam.vision_start_token_id, fam.vision_end_token_id)
         theirs = (tok.image_token_id, tok.vision_start_token_id, tok.vision_end_token_id)
         if ours != theirs:
-            raise ConfigError(f"Gemma3SampleTransform: the config's (image, start, end) ids {ours} differ from the "
-                              f"tokenizer's {theirs}")
+            raise ConfigError(
+                f"Gemma3SampleTransform: the config's (image, start, end) ids {ours} differ from "
+                f"the "
+                f"tokenizer's {theirs}"
+            )
         if getattr(self.image_processor, "do_pan_and_scan", None):
-            raise ConfigError("Gemma3SampleTransform: pan-and-scan crops are not supported (do_pan_and_scan=True); "
-                              "turn it off")
+            raise ConfigError(
+                "Gemma3SampleTransform: pan-and-scan crops are not supported "
+                "(do_pan_and_scan=True); "
+                "turn it off"
+            )
         for name in ("log_prob_dtype", "pixel_dtype"):
             if getattr(self, name) not in ("float32", "bfloat16"):
-                raise ConfigError(f"Gemma3SampleTransform.{name}: expected 'float32' or 'bfloat16', "
-                                  f"got {getattr(self, name)!r}")
+                raise ConfigError(
+                    f"Gemma3SampleTransform.{name}: expected 'float32' or 'bfloat16', "
+                    f"got {getattr(self, name)!r}"
+                )
 
     @property
     def image_processor(self):
@@ -107,15 +131,25 @@ class Gemma3SampleTransform:
         return gemma3_image_processor(self.family.image_size)
 
     def segments(self, meta: dict, images: int, *, sample) -> list[tuple]:
-        """The rendered chat as :func:`encode_segments` parts, ``images`` images expected in the text."""
+        """The rendered chat as :func:`encode_segments` parts, ``images`` images expected in the
+        text."""
         tok, fam = self.tokenizer, self.family
         turns = meta.get("messages")
         if not isinstance(turns, list):
             if not isinstance(meta.get("text"), str):
-                raise MediaError(MediaProblem.BAD_TEXT, sample=sample, field="json",
-                                 expected="'messages' (a list) or 'text'", actual=f"keys {sorted(meta)}")
+                raise MediaError(
+                    MediaProblem.BAD_TEXT,
+                    sample=sample,
+                    field="json",
+                    expected="'messages' (a list) or 'text'",
+                    actual=f"keys {sorted(meta)}",
+                )
             turns = None
-        block = [fam.vision_start_token_id, *[fam.image_token_id] * fam.mm_tokens_per_image, fam.vision_end_token_id]
+        block = [
+            fam.vision_start_token_id,
+            *[fam.image_token_id] * fam.mm_tokens_per_image,
+            fam.vision_end_token_id,
+        ]
         segments: list[tuple] = []
         seen = 0
 
@@ -136,63 +170,114 @@ class Gemma3SampleTransform:
         else:
             prefix = ""
             for i, turn in enumerate(turns):
-                if not isinstance(turn, dict) or not isinstance(turn.get("content"), str) \
-                        or not isinstance(turn.get("role"), str):
-                    raise MediaError(MediaProblem.BAD_TEXT, sample=sample, field=f"json.messages[{i}]",
-                                     expected="{'role': str, 'content': str}", actual=repr(turn)[:80])
+                if (
+                    not isinstance(turn, dict)
+                    or not isinstance(turn.get("content"), str)
+                    or not isinstance(turn.get("role"), str)
+                ):
+                    raise MediaError(
+                        MediaProblem.BAD_TEXT,
+                        sample=sample,
+                        field=f"json.messages[{i}]",
+                        expected="{'role': str, 'content': str}",
+                        actual=repr(turn)[:80],
+                    )
                 if i == 0 and turn["role"] == "system":
                     prefix = turn["content"] + "\n\n"
                     if IMAGE_PLACEHOLDER in prefix:
-                        raise MediaError(MediaProblem.PLACEHOLDER_MISMATCH, sample=sample, field="json.messages[0]",
-                                         expected="no image in the system turn (Gemma 3's template writes its text)",
-                                         actual="an '<image>'")
+                        raise MediaError(
+                            MediaProblem.PLACEHOLDER_MISMATCH,
+                            sample=sample,
+                            field="json.messages[0]",
+                            expected="no image in the system turn (Gemma 3's template writes its "
+                            "text)",
+                            actual="an '<image>'",
+                        )
                     continue
                 reply = turn["role"] == "assistant"
-                segments += [([tok.im_start_id], False), (("model" if reply else turn["role"]) + "\n", False)]
+                segments += [
+                    ([tok.im_start_id], False),
+                    (("model" if reply else turn["role"]) + "\n", False),
+                ]
                 if prefix:
                     segments.append((prefix, False))
                     prefix = ""
                 content(turn["content"], reply, trim=True)
                 segments += [([tok.im_end_id], reply), ("\n", False)]
         if seen != images:
-            raise MediaError(MediaProblem.PLACEHOLDER_MISMATCH, sample=sample, field="json",
-                             expected=f"{images} '{IMAGE_PLACEHOLDER}' placeholders (one per image)", actual=f"{seen}")
+            raise MediaError(
+                MediaProblem.PLACEHOLDER_MISMATCH,
+                sample=sample,
+                field="json",
+                expected=f"{images} '{IMAGE_PLACEHOLDER}' placeholders (one per image)",
+                actual=f"{seen}",
+            )
         return segments
 
     def index_key(self) -> str:
-        """What a sample's length depends on (an index sidecar's key): the tokenizer (ids and a probe encoding),
+        """What a sample's length depends on (an index sidecar's key): the tokenizer (ids and a
+        probe encoding),
         the family's image block, teacher K."""
         tok, fam = self.tokenizer, self.family
         probe = np.asarray(tok.encode("prealign probe:\n\n <image> Hello, world!")).tolist()
-        return json.dumps({"gemma3": {"tokenizer": f"{type(tok).__module__}.{type(tok).__qualname__}",
-                                      "vocab_size": int(tok.vocab_size), "probe": probe, "family": repr(fam),
-                                      "bos": getattr(tok, "bos_token_id", None), "turn": [tok.im_start_id,
-                                                                                          tok.im_end_id],
-                                      "topk": self.topk, "text_key": self.text_key}}, sort_keys=True)
+        return json.dumps(
+            {
+                "gemma3": {
+                    "tokenizer": f"{type(tok).__module__}.{type(tok).__qualname__}",
+                    "vocab_size": int(tok.vocab_size),
+                    "probe": probe,
+                    "family": repr(fam),
+                    "bos": getattr(tok, "bos_token_id", None),
+                    "turn": [tok.im_start_id, tok.im_end_id],
+                    "topk": self.topk,
+                    "text_key": self.text_key,
+                }
+            },
+            sort_keys=True,
+        )
 
     def header_ids(self, raw: dict) -> tuple[np.ndarray, np.ndarray]:
-        """(``input_ids``, ``loss_mask``) without decoding an image: the number of images is all the length
+        """(``input_ids``, ``loss_mask``) without decoding an image: the number of images is all the
+        length
         depends on (what an index pass needs)."""
         key = raw.get("__key__", "?")
         meta = sample_metadata(raw, self.text_key, key)
-        return encode_segments(self.tokenizer, self.segments(meta, len(image_members(raw, meta, key)), sample=key))
+        return encode_segments(
+            self.tokenizer, self.segments(meta, len(image_members(raw, meta, key)), sample=key)
+        )
 
     def __call__(self, raw: dict) -> dict:
         key = raw.get("__key__", "?")
         meta = sample_metadata(raw, self.text_key, key)
-        images = [decode_image(v, sample=key, name=n, limits=self.limits) for n, v in image_members(raw, meta, key)]
+        images = [
+            decode_image(v, sample=key, name=n, limits=self.limits)
+            for n, v in image_members(raw, meta, key)
+        ]
         ids, mask = encode_segments(self.tokenizer, self.segments(meta, len(images), sample=key))
         size = self.family.image_size
         if images:
-            pixels = self.image_processor(images=images, return_tensors="pt")["pixel_values"].to(torch.float32)
+            pixels = self.image_processor(images=images, return_tensors="pt")["pixel_values"].to(
+                torch.float32
+            )
         else:
             pixels = torch.zeros(0, 3, size, size)
         input_ids = torch.from_numpy(ids)
-        out = {"__key__": key, "input_ids": input_ids, "loss_mask": torch.from_numpy(mask),
-               "mm_token_type_ids": (input_ids == self.family.image_token_id).to(torch.int64),
-               "pixel_values": pixels.to(getattr(torch, self.pixel_dtype))}
+        out = {
+            "__key__": key,
+            "input_ids": input_ids,
+            "loss_mask": torch.from_numpy(mask),
+            "mm_token_type_ids": (input_ids == self.family.image_token_id).to(torch.int64),
+            "pixel_values": pixels.to(getattr(torch, self.pixel_dtype)),
+        }
         if self.topk is not None:
-            out.update(teacher_topk(raw, sample=key, length=input_ids.numel(), topk=self.topk,
-                                    vocab_size=self.tokenizer.vocab_size,
-                                    log_prob_dtype=getattr(torch, self.log_prob_dtype)))
+            out.update(
+                teacher_topk(
+                    raw,
+                    sample=key,
+                    length=input_ids.numel(),
+                    topk=self.topk,
+                    vocab_size=self.tokenizer.vocab_size,
+                    log_prob_dtype=getattr(torch, self.log_prob_dtype),
+                )
+            )
         return out

@@ -38,6 +38,7 @@ Videos are frame lists (``json["videos"]``, as for every family; a video file is
 each frame resized to the tile square as transformers' video processors resize (torch bicubic
 with antialias), written as ``frames * ceil(side / 2)**2 + 1`` ``<video>`` tokens (each frame's
 features pooled, one ``image_newline`` per video), ``mm_token_type_ids`` 2."""
+
 from __future__ import annotations
 
 import functools
@@ -75,8 +76,10 @@ _SPLIT = re.compile("(" + re.escape(IMAGE_PLACEHOLDER) + "|" + re.escape(VIDEO_P
 
 @dataclass(frozen=True)
 class OnevisionChatTokenizer:
-    """A Hugging Face tokenizer with LLaVA-OneVision's tokens (``<|im_start|>``, ``<|im_end|>``, ``<image>``,
-    ``<video>``) for the transform: ``encode(text) -> int64 [n]`` without added special tokens. Picklable."""
+    """A Hugging Face tokenizer with LLaVA-OneVision's tokens (``<|im_start|>``, ``<|im_end|>``,
+    ``<image>``,
+    ``<video>``) for the transform: ``encode(text) -> int64 [n]`` without added special tokens.
+    Picklable."""
 
     tokenizer: Any
     im_start: str = "<|im_start|>"
@@ -125,7 +128,9 @@ class OnevisionChatTokenizer:
         return self.eos_token_id if pad is None else int(pad)
 
     def encode(self, text: str) -> np.ndarray:
-        return np.asarray(self.tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int64)
+        return np.asarray(
+            self.tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int64
+        )
 
 
 @functools.lru_cache(maxsize=4)
@@ -134,7 +139,9 @@ def _image_processor(tile: int, pinpoints: tuple):
         from transformers import LlavaOnevisionImageProcessorPil as cls
     except ImportError:  # pragma: no cover - older transformers
         from transformers import LlavaOnevisionImageProcessor as cls
-    return cls(size={"height": tile, "width": tile}, image_grid_pinpoints=[list(p) for p in pinpoints])
+    return cls(
+        size={"height": tile, "width": tile}, image_grid_pinpoints=[list(p) for p in pinpoints]
+    )
 
 
 def onevision_image_processor(family: LlavaOneVision):
@@ -148,14 +155,17 @@ class LlavaOnevisionSampleTransform:
     """Raw multimodal sample -> LLaVA-OneVision fields (module docstring). ``model_config``: the
     ``LlavaOnevisionConfig`` (or its dict); ``tokenizer``: the model's HF tokenizer (wrapped by
     :class:`OnevisionChatTokenizer`) or an object with ``encode``, ``im_start_id``, ``im_end_id``,
-    ``image_token_id``, ``vocab_size``; ``processor``: the model's processor or image processor (default
-    :func:`onevision_image_processor`), whose tile size and pinpoints must be the config's. Picklable."""
+    ``image_token_id``, ``vocab_size``; ``processor``: the model's processor or image processor
+    (default
+    :func:`onevision_image_processor`), whose tile size and pinpoints must be the config's.
+    Picklable."""
 
     model_config: Any
     tokenizer: Any
     processor: Any = None
     topk: int | None = None
-    """Expect teacher top-k members with this K (as :class:`~prealign.loaders.media.vlm.VLMSampleTransform`)."""
+    """Expect teacher top-k members with this K (as
+    :class:`~prealign.loaders.media.vlm.VLMSampleTransform`)."""
     log_prob_dtype: str = "float32"
     pixel_dtype: str = "float32"
     text_key: str = "json"
@@ -165,25 +175,34 @@ class LlavaOnevisionSampleTransform:
     def __post_init__(self):
         fam = vision_family(self.model_config)
         if not isinstance(fam, LlavaOneVision):
-            raise ConfigError(f"LlavaOnevisionSampleTransform: expected a llava_onevision config, got "
-                              f"{fam.model_type!r}")
+            raise ConfigError(
+                f"LlavaOnevisionSampleTransform: expected a llava_onevision config, got "
+                f"{fam.model_type!r}"
+            )
         object.__setattr__(self, "family", fam)
         if not hasattr(self.tokenizer, "im_start_id"):  # a plain HF tokenizer
             object.__setattr__(self, "tokenizer", OnevisionChatTokenizer(self.tokenizer))
         if self.tokenizer.image_token_id != fam.image_token_id:
-            raise ConfigError(f"LlavaOnevisionSampleTransform: the config's image_token_index {fam.image_token_id} "
-                              f"is not the tokenizer's <image> {self.tokenizer.image_token_id}")
+            raise ConfigError(
+                f"LlavaOnevisionSampleTransform: the config's image_token_index "
+                f"{fam.image_token_id} "
+                f"is not the tokenizer's <image> {self.tokenizer.image_token_id}"
+            )
         size = self.image_processor.size
         get = size.get if isinstance(size, dict) else (lambda k, d=None: getattr(size, k, d))
         pins = tuple(tuple(int(v) for v in p) for p in self.image_processor.image_grid_pinpoints)
         if (get("height"), get("width")) != (fam.tile_size, fam.tile_size) or pins != fam.pinpoints:
-            raise ConfigError(f"LlavaOnevisionSampleTransform: the image processor's size {size} and pinpoints "
-                              f"{[list(p) for p in pins]} differ from the config's vision_config.image_size "
-                              f"{fam.tile_size} and image_grid_pinpoints {[list(p) for p in fam.pinpoints]}")
+            raise ConfigError(
+                f"LlavaOnevisionSampleTransform: the image processor's size {size} and pinpoints "
+                f"{[list(p) for p in pins]} differ from the config's vision_config.image_size "
+                f"{fam.tile_size} and image_grid_pinpoints {[list(p) for p in fam.pinpoints]}"
+            )
         for name in ("log_prob_dtype", "pixel_dtype"):
             if getattr(self, name) not in ("float32", "bfloat16"):
-                raise ConfigError(f"LlavaOnevisionSampleTransform.{name}: expected 'float32' or 'bfloat16', "
-                                  f"got {getattr(self, name)!r}")
+                raise ConfigError(
+                    f"LlavaOnevisionSampleTransform.{name}: expected 'float32' or 'bfloat16', "
+                    f"got {getattr(self, name)!r}"
+                )
 
     @property
     def image_processor(self):
@@ -191,12 +210,17 @@ class LlavaOnevisionSampleTransform:
             return getattr(self.processor, "image_processor", self.processor)
         return onevision_image_processor(self.family)
 
-    def segments(self, meta: dict, sizes: list[tuple[int, int]], frames: list[int] = (), *, sample) -> list[tuple]:
-        """The rendered chat as :func:`encode_segments` parts for images of ``sizes`` ``(height, width)`` and videos
+    def segments(
+        self, meta: dict, sizes: list[tuple[int, int]], frames: list[int] = (), *, sample
+    ) -> list[tuple]:
+        """The rendered chat as :func:`encode_segments` parts for images of ``sizes`` ``(height,
+        width)`` and videos
         of ``frames`` frames, each in the order the text names them."""
         tok, fam = self.tokenizer, self.family
-        counts = [fam.image_tokens(h, w, images_in_sample=len(sizes), sample=sample, field=f"images[{i}]")
-                  for i, (h, w) in enumerate(sizes)]
+        counts = [
+            fam.image_tokens(h, w, images_in_sample=len(sizes), sample=sample, field=f"images[{i}]")
+            for i, (h, w) in enumerate(sizes)
+        ]
         images, videos = iter(counts), iter(fam.video_tokens(n) for n in frames)
         segments: list[tuple] = []
         seen = {IMAGE_PLACEHOLDER: 0, VIDEO_PLACEHOLDER: 0}
@@ -210,72 +234,124 @@ class LlavaOnevisionSampleTransform:
         turns = meta.get("messages")
         if not isinstance(turns, list):
             if not isinstance(meta.get("text"), str):
-                raise MediaError(MediaProblem.BAD_TEXT, sample=sample, field="json",
-                                 expected="'messages' (a list) or 'text'", actual=f"keys {sorted(meta)}")
-            for part in _SPLIT.split(meta["text"]):  # plain text: the media where the text names them
+                raise MediaError(
+                    MediaProblem.BAD_TEXT,
+                    sample=sample,
+                    field="json",
+                    expected="'messages' (a list) or 'text'",
+                    actual=f"keys {sorted(meta)}",
+                )
+            for part in _SPLIT.split(
+                meta["text"]
+            ):  # plain text: the media where the text names them
                 segments.append(media_block(part) if part in seen else (part, True))
         else:
             for i, turn in enumerate(turns):
-                if not isinstance(turn, dict) or not isinstance(turn.get("content"), str) \
-                        or not isinstance(turn.get("role"), str):
-                    raise MediaError(MediaProblem.BAD_TEXT, sample=sample, field=f"json.messages[{i}]",
-                                     expected="{'role': str, 'content': str}", actual=repr(turn)[:80])
+                if (
+                    not isinstance(turn, dict)
+                    or not isinstance(turn.get("content"), str)
+                    or not isinstance(turn.get("role"), str)
+                ):
+                    raise MediaError(
+                        MediaProblem.BAD_TEXT,
+                        sample=sample,
+                        field=f"json.messages[{i}]",
+                        expected="{'role': str, 'content': str}",
+                        actual=repr(turn)[:80],
+                    )
                 reply = turn["role"] == "assistant"
                 parts = [p for p in _SPLIT.split(turn["content"]) if p]
                 segments += [([tok.im_start_id], False), (turn["role"] + " ", False)]
-                segments += [media_block(p) for p in parts if p == IMAGE_PLACEHOLDER]  # the template: images,
-                segments += [media_block(p) for p in parts if p == VIDEO_PLACEHOLDER]  # then videos, then text
+                segments += [
+                    media_block(p) for p in parts if p == IMAGE_PLACEHOLDER
+                ]  # the template: images,
+                segments += [
+                    media_block(p) for p in parts if p == VIDEO_PLACEHOLDER
+                ]  # then videos, then text
                 segments += [("\n" + p, reply) for p in parts if p not in seen]
                 segments.append(([tok.im_end_id], reply))
         if (seen[IMAGE_PLACEHOLDER], seen[VIDEO_PLACEHOLDER]) != (len(sizes), len(frames)):
-            raise MediaError(MediaProblem.PLACEHOLDER_MISMATCH, sample=sample, field="json",
-                             expected=f"{len(sizes)} '{IMAGE_PLACEHOLDER}' placeholders (one per image) and "
-                                      f"{len(frames)} '{VIDEO_PLACEHOLDER}' (one per video)",
-                             actual=f"{seen[IMAGE_PLACEHOLDER]} and {seen[VIDEO_PLACEHOLDER]}")
+            raise MediaError(
+                MediaProblem.PLACEHOLDER_MISMATCH,
+                sample=sample,
+                field="json",
+                expected=f"{len(sizes)} '{IMAGE_PLACEHOLDER}' placeholders (one per image) and "
+                f"{len(frames)} '{VIDEO_PLACEHOLDER}' (one per video)",
+                actual=f"{seen[IMAGE_PLACEHOLDER]} and {seen[VIDEO_PLACEHOLDER]}",
+            )
         return segments
 
     def index_key(self) -> str:
-        """What a sample's length depends on (an index sidecar's key): the tokenizer (ids and a probe encoding),
+        """What a sample's length depends on (an index sidecar's key): the tokenizer (ids and a
+        probe encoding),
         the family (tile size, pinpoints, ``anyres_max``, feature strategy), teacher K."""
         tok = self.tokenizer
         probe = np.asarray(tok.encode("prealign probe:\n\n <image> Hello, world!")).tolist()
-        return json.dumps({"llava_onevision": {
-            "tokenizer": f"{type(tok).__module__}.{type(tok).__qualname__}", "vocab_size": int(tok.vocab_size),
-            "probe": probe, "family": repr(self.family), "turn": [tok.im_start_id, tok.im_end_id],
-            "topk": self.topk, "text_key": self.text_key}}, sort_keys=True)
+        return json.dumps(
+            {
+                "llava_onevision": {
+                    "tokenizer": f"{type(tok).__module__}.{type(tok).__qualname__}",
+                    "vocab_size": int(tok.vocab_size),
+                    "probe": probe,
+                    "family": repr(self.family),
+                    "turn": [tok.im_start_id, tok.im_end_id],
+                    "topk": self.topk,
+                    "text_key": self.text_key,
+                }
+            },
+            sort_keys=True,
+        )
 
-    def header_ids(self, raw: dict, sizes: list[tuple[int, int]] | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """(``input_ids``, ``loss_mask``) from the images' header sizes alone (upright by EXIF, as decoded; or
-        ``sizes``, ``(height, width)`` per image, where the caller has read them): what :meth:`__call__` writes,
+    def header_ids(
+        self, raw: dict, sizes: list[tuple[int, int]] | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(``input_ids``, ``loss_mask``) from the images' header sizes alone (upright by EXIF, as
+        decoded; or ``sizes``, ``(height, width)`` per image, where the caller has read them): what
+        :meth:`__call__` writes,
         without decoding a pixel (what an index pass needs)."""
         key = raw.get("__key__", "?")
         meta = sample_metadata(raw, self.text_key, key)
         frames = [len(video) for video in self.video_frames(raw, meta, key)]
         if sizes is None:
-            sizes = [self._header_size(name, value, key) for name, value in image_members(raw, meta, key)]
+            sizes = [
+                self._header_size(name, value, key) for name, value in image_members(raw, meta, key)
+            ]
         return encode_segments(self.tokenizer, self.segments(meta, sizes, frames, sample=key))
 
     def video_frames(self, raw: dict, meta: dict, key) -> list[list]:
-        """Each video's ``(name, value)`` frames (frame lists only: a video file is a ``bad_video``)."""
+        """Each video's ``(name, value)`` frames (frame lists only: a video file is a
+        ``bad_video``)."""
         return [_frames(video, key) for video in video_members(raw, meta, key, limits=self.limits)]
 
     @property
     def video_settings(self) -> tuple:
-        """``(tile, mean, std, rescale_factor)`` of the frames: the processor's video processor where it has one,
-        else the image processor's (transformers' LLaVA-OneVision video processor has the same defaults)."""
+        """``(tile, mean, std, rescale_factor)`` of the frames: the processor's video processor
+        where it has one,
+        else the image processor's (transformers' LLaVA-OneVision video processor has the same
+        defaults)."""
         video = getattr(self.processor, "video_processor", None) or self.image_processor
         size = video.size
         get = size.get if isinstance(size, dict) else (lambda k, d=None: getattr(size, k, d))
-        return ((int(get("height")), int(get("width"))), tuple(float(v) for v in video.image_mean),
-                tuple(float(v) for v in video.image_std), float(video.rescale_factor))
+        return (
+            (int(get("height")), int(get("width"))),
+            tuple(float(v) for v in video.image_mean),
+            tuple(float(v) for v in video.image_std),
+            float(video.rescale_factor),
+        )
 
     def video_pixels(self, frames: list) -> torch.Tensor:
-        """A video's RGB PIL frames -> float32 ``[frames, 3, s, s]``, as transformers' video processors make them:
-        each frame resized by torch's bicubic with antialias on uint8, rescale fused into normalize."""
+        """A video's RGB PIL frames -> float32 ``[frames, 3, s, s]``, as transformers' video
+        processors make them:
+        each frame resized by torch's bicubic with antialias on uint8, rescale fused into
+        normalize."""
         size, mean, std, rescale = self.video_settings
         table = fused_normalize_table(mean, std, rescale)
-        codes = torch.cat([resize_frames(torch.from_numpy(np.array(im)).permute(2, 0, 1)[None], size)
-                           for im in frames]).numpy()
+        codes = torch.cat(
+            [
+                resize_frames(torch.from_numpy(np.array(im)).permute(2, 0, 1)[None], size)
+                for im in frames
+            ]
+        ).numpy()
         offsets = (np.arange(3, dtype=np.uint16) * 256).reshape(1, 3, 1, 1)
         return torch.from_numpy(np.take(table, np.add(codes, offsets, dtype=np.uint16)))
 
@@ -283,18 +359,26 @@ class LlavaOnevisionSampleTransform:
     def _header_size(name: str, value, key) -> tuple[int, int]:
         if isinstance(value, dict) and "bytes" in value:
             value = value["bytes"]
-        if hasattr(value, "size") and not isinstance(value, (bytes, bytearray, memoryview)):  # a PIL image
+        if hasattr(value, "size") and not isinstance(
+            value, (bytes, bytearray, memoryview)
+        ):  # a PIL image
             w, h = value.size
             return int(h), int(w)
         try:
             w, h = image_header_size(value, field=name, sample=key)
         except HeaderError as exc:
-            raise MediaError(MediaProblem.CORRUPT_IMAGE, sample=key, field=name, expected=exc.expected,
-                             actual=exc.actual) from None
+            raise MediaError(
+                MediaProblem.CORRUPT_IMAGE,
+                sample=key,
+                field=name,
+                expected=exc.expected,
+                actual=exc.actual,
+            ) from None
         return h, w
 
     def pixels(self, images: list, *, sample) -> torch.Tensor:
-        """RGB PIL images of one sample -> float32 ``[tiles, 3, s, s]``: the image processor run on them as one
+        """RGB PIL images of one sample -> float32 ``[tiles, 3, s, s]``: the image processor run on
+        them as one
         prompt's images, each image's rows without the processor's batch padding."""
         fam = self.family
         if not images:
@@ -302,51 +386,94 @@ class LlavaOnevisionSampleTransform:
         try:
             out = self.image_processor([images], return_tensors="pt")
         except ValueError as exc:
-            raise MediaError(MediaProblem.CORRUPT_IMAGE, sample=sample, field="images",
-                             expected="images the LLaVA-OneVision image processor accepts", actual=str(exc)) from None
+            raise MediaError(
+                MediaProblem.CORRUPT_IMAGE,
+                sample=sample,
+                field="images",
+                expected="images the LLaVA-OneVision image processor accepts",
+                actual=str(exc),
+            ) from None
         values = out["pixel_values"].to(torch.float32)  # [images, most tiles, 3, s, s]
         tiles = [fam.tiles(im.height, im.width, images_in_sample=len(images)) for im in images]
         if values.shape[:2] != (len(images), max(tiles)):
-            raise MediaError(MediaProblem.VISION_TOKEN_MISMATCH, sample=sample, field="pixel_values",
-                             expected=f"{len(images)} images of at most {max(tiles)} tiles {tiles}",
-                             actual=f"shape {tuple(values.shape)}")
+            raise MediaError(
+                MediaProblem.VISION_TOKEN_MISMATCH,
+                sample=sample,
+                field="pixel_values",
+                expected=f"{len(images)} images of at most {max(tiles)} tiles {tiles}",
+                actual=f"shape {tuple(values.shape)}",
+            )
         return torch.cat([values[i, :n] for i, n in enumerate(tiles)])
 
     def __call__(self, raw: dict) -> dict:
         key = raw.get("__key__", "?")
         meta = sample_metadata(raw, self.text_key, key)
-        images = [decode_image(v, sample=key, name=n, limits=self.limits) for n, v in image_members(raw, meta, key)]
-        clips = [self.video_pixels([decode_image(v, sample=key, name=n, limits=self.limits) for n, v in video])
-                 for video in self.video_frames(raw, meta, key)]
+        images = [
+            decode_image(v, sample=key, name=n, limits=self.limits)
+            for n, v in image_members(raw, meta, key)
+        ]
+        clips = [
+            self.video_pixels(
+                [decode_image(v, sample=key, name=n, limits=self.limits) for n, v in video]
+            )
+            for video in self.video_frames(raw, meta, key)
+        ]
         sizes = [(im.height, im.width) for im in images]
         try:
-            ids, mask = encode_segments(self.tokenizer, self.segments(meta, sizes, [c.shape[0] for c in clips],
-                                                                      sample=key))
+            ids, mask = encode_segments(
+                self.tokenizer, self.segments(meta, sizes, [c.shape[0] for c in clips], sample=key)
+            )
         except SampleError as exc:
             if isinstance(exc, MediaError):
                 raise
-            raise MediaError(MediaProblem.CORRUPT_IMAGE, sample=key, field=exc.field, expected=exc.expected,
-                             actual=exc.actual) from None
+            raise MediaError(
+                MediaProblem.CORRUPT_IMAGE,
+                sample=key,
+                field=exc.field,
+                expected=exc.expected,
+                actual=exc.actual,
+            ) from None
         input_ids = torch.from_numpy(ids)
         types = (input_ids == self.family.image_token_id).to(torch.int64)
         types[input_ids == self.family.video_token_id] = VIDEO_TOKEN_TYPE
         dtype, (h, w) = getattr(torch, self.pixel_dtype), self.video_settings[0]
-        out = {"__key__": key, "input_ids": input_ids, "loss_mask": torch.from_numpy(mask), "mm_token_type_ids": types,
-               "pixel_values": self.pixels(images, sample=key).to(dtype),
-               "pixel_values_videos": (torch.cat(clips) if clips else torch.zeros(0, 3, h, w)).to(dtype),
-               "video_num_frames": torch.tensor([c.shape[0] for c in clips], dtype=torch.int64),
-               "image_sizes": torch.tensor(sizes, dtype=torch.int64).reshape(-1, 2),
-               "batch_num_images": torch.tensor([len(images)] if images else [], dtype=torch.int64)}
+        out = {
+            "__key__": key,
+            "input_ids": input_ids,
+            "loss_mask": torch.from_numpy(mask),
+            "mm_token_type_ids": types,
+            "pixel_values": self.pixels(images, sample=key).to(dtype),
+            "pixel_values_videos": (torch.cat(clips) if clips else torch.zeros(0, 3, h, w)).to(
+                dtype
+            ),
+            "video_num_frames": torch.tensor([c.shape[0] for c in clips], dtype=torch.int64),
+            "image_sizes": torch.tensor(sizes, dtype=torch.int64).reshape(-1, 2),
+            "batch_num_images": torch.tensor([len(images)] if images else [], dtype=torch.int64),
+        }
         if self.topk is not None:
-            out.update(teacher_topk(raw, sample=key, length=input_ids.numel(), topk=self.topk,
-                                    vocab_size=self.tokenizer.vocab_size,
-                                    log_prob_dtype=getattr(torch, self.log_prob_dtype)))
+            out.update(
+                teacher_topk(
+                    raw,
+                    sample=key,
+                    length=input_ids.numel(),
+                    topk=self.topk,
+                    vocab_size=self.tokenizer.vocab_size,
+                    log_prob_dtype=getattr(torch, self.log_prob_dtype),
+                )
+            )
         return out
 
 
 def _frames(video: VideoEntry, key) -> list:
-    """A video's frames: a frame list only (LLaVA-OneVision's processor takes the frames it is given)."""
+    """A video's frames: a frame list only (LLaVA-OneVision's processor takes the frames it is
+    given)."""
     if video.frames is None:
-        raise MediaError(MediaProblem.BAD_VIDEO, sample=key, field=video.name, actual="a video file",
-                         expected="LLaVA-OneVision videos as frame lists ({'frames': [...]}); decode the file first")
+        raise MediaError(
+            MediaProblem.BAD_VIDEO,
+            sample=key,
+            field=video.name,
+            actual="a video file",
+            expected="LLaVA-OneVision videos as frame lists ({'frames': [...]}); decode the file "
+            "first",
+        )
     return video.frames

@@ -1,7 +1,10 @@
-"""What the transforms of families whose sample length follows from its text and each image's size share
-(:class:`SizedImagesTransform`: Mistral3 / Pixtral, SmolVLM / Idefics3): the settings, the tokenizer wrapping
-and checks, the conversation's turns, header-only ids and the teacher top-k of the output. A family's transform
-adds its chat rendering (``segments``), its image grid (``image_grid``) and its pixels (``__call__``)."""
+"""What the transforms of families whose sample length follows from its text and each image's size
+share (:class:`SizedImagesTransform`: Mistral3 / Pixtral, SmolVLM / Idefics3): the settings, the
+tokenizer wrapping and checks, the conversation's turns, header-only ids and the teacher top-k of
+the output. A family's transform
+adds its chat rendering (``segments``), its image grid (``image_grid``) and its pixels
+(``__call__``)."""
+
 from __future__ import annotations
 
 import re
@@ -30,23 +33,27 @@ SPLIT_IMAGES = re.compile("(" + re.escape(IMAGE_PLACEHOLDER) + ")")
 
 @dataclass(frozen=True, kw_only=True)
 class SizedImagesTransform:
-    """The settings every such transform takes: ``model_config`` (the model's transformers config, its dict or its
-    family), ``tokenizer`` (the model's HF tokenizer, wrapped with the family's token names, or a
-    :class:`~prealign.loaders.media.chat_tokenizer.ChatTokenizer`), ``processor`` (the model's processor or image
-    processor; unset: the family's default), teacher ``topk``, output dtypes, the JSON member and decode limits."""
+    """The settings every such transform takes: ``model_config`` (the model's transformers config,
+    its dict or its family), ``tokenizer`` (the model's HF tokenizer, wrapped with the family's
+    token names, or a :class:`~prealign.loaders.media.chat_tokenizer.ChatTokenizer`), ``processor``
+    (the model's processor or image
+    processor; unset: the family's default), teacher ``topk``, output dtypes, the JSON member and
+    decode limits."""
 
     model_config: Any
     tokenizer: Any
     processor: Any = None
     topk: int | None = None
-    """Expect teacher top-k members with this K (as :class:`~prealign.loaders.media.vlm.VLMSampleTransform`)."""
+    """Expect teacher top-k members with this K (as
+    :class:`~prealign.loaders.media.vlm.VLMSampleTransform`)."""
     log_prob_dtype: str = "float32"
     pixel_dtype: str = "float32"
     text_key: str = "json"
     limits: DecodeLimits = DEFAULT_LIMITS
 
     def _setup(self, family, token_names: dict, image_token: str) -> None:
-        """Keep ``family``, wrap a plain HF tokenizer with ``token_names`` and check its image token and the dtypes."""
+        """Keep ``family``, wrap a plain HF tokenizer with ``token_names`` and check its image token
+        and the dtypes."""
         name = type(self).__name__
         object.__setattr__(self, "family", family)
         if not hasattr(self.tokenizer, "encode"):
@@ -54,12 +61,17 @@ class SizedImagesTransform:
         if not hasattr(self.tokenizer, "im_start_id"):  # a plain HF tokenizer
             object.__setattr__(self, "tokenizer", HFChatTokenizer(self.tokenizer, **token_names))
         if self.tokenizer.image_token_id != family.image_token_id:
-            raise ConfigError(f"{name}: the config's image_token_id {family.image_token_id} is not the tokenizer's "
-                              f"{image_token} {self.tokenizer.image_token_id}")
+            raise ConfigError(
+                f"{name}: the config's image_token_id {family.image_token_id} is not the "
+                f"tokenizer's "
+                f"{image_token} {self.tokenizer.image_token_id}"
+            )
         for field_name in ("log_prob_dtype", "pixel_dtype"):
             if getattr(self, field_name) not in ("float32", "bfloat16"):
-                raise ConfigError(f"{name}.{field_name}: expected 'float32' or 'bfloat16', "
-                                  f"got {getattr(self, field_name)!r}")
+                raise ConfigError(
+                    f"{name}.{field_name}: expected 'float32' or 'bfloat16', "
+                    f"got {getattr(self, field_name)!r}"
+                )
 
     @property
     def image_processor(self):
@@ -71,7 +83,9 @@ class SizedImagesTransform:
     def default_image_processor(self):  # pragma: no cover - every family defines it
         raise NotImplementedError
 
-    def image_grid(self, width: int, height: int, *, sample, field: str) -> tuple[int, int]:  # pragma: no cover
+    def image_grid(
+        self, width: int, height: int, *, sample, field: str
+    ) -> tuple[int, int]:  # pragma: no cover
         """The ``(rows, cols)`` of one image (a header's size is enough)."""
         raise NotImplementedError
 
@@ -79,62 +93,115 @@ class SizedImagesTransform:
         """The rendered chat as :func:`encode_segments` parts, one grid per image."""
         raise NotImplementedError
 
-    def turns(self, meta: dict, *, sample, roles: tuple[str, ...] | None = None) -> list[dict] | None:
-        """The sample's messages, each checked to be ``{'role': str, 'content': str}`` (a role among ``roles`` when
+    def turns(
+        self, meta: dict, *, sample, roles: tuple[str, ...] | None = None
+    ) -> list[dict] | None:
+        """The sample's messages, each checked to be ``{'role': str, 'content': str}`` (a role among
+        ``roles`` when
         given); ``None`` for a plain ``text`` sample."""
         turns = meta.get("messages")
         if not isinstance(turns, list):
             if not isinstance(meta.get("text"), str):
-                raise MediaError(MediaProblem.BAD_TEXT, sample=sample, field="json",
-                                 expected="'messages' (a list) or 'text'", actual=f"keys {sorted(meta)}")
+                raise MediaError(
+                    MediaProblem.BAD_TEXT,
+                    sample=sample,
+                    field="json",
+                    expected="'messages' (a list) or 'text'",
+                    actual=f"keys {sorted(meta)}",
+                )
             return None
         for i, turn in enumerate(turns):
-            if not isinstance(turn, dict) or not isinstance(turn.get("content"), str) \
-                    or not isinstance(turn.get("role"), str) or (roles and turn["role"] not in roles):
-                raise MediaError(MediaProblem.BAD_TEXT, sample=sample, field=f"json.messages[{i}]",
-                                 expected=f"{{'role': {' | '.join(map(repr, roles)) if roles else 'str'}, "
-                                          "'content': str}", actual=repr(turn)[:80])
+            if (
+                not isinstance(turn, dict)
+                or not isinstance(turn.get("content"), str)
+                or not isinstance(turn.get("role"), str)
+                or (roles and turn["role"] not in roles)
+            ):
+                raise MediaError(
+                    MediaProblem.BAD_TEXT,
+                    sample=sample,
+                    field=f"json.messages[{i}]",
+                    expected=f"{{'role': {' | '.join(map(repr, roles)) if roles else 'str'}, "
+                    "'content': str}",
+                    actual=repr(turn)[:80],
+                )
         return turns
 
     def header_ids(self, raw: dict, size_of=None) -> tuple[np.ndarray, np.ndarray]:
-        """(``input_ids``, ``loss_mask``) without decoding an image: each image's ``(width, height)`` from
-        ``size_of(name, value)`` (default: its header) is all the length depends on (what an index pass needs)."""
+        """(``input_ids``, ``loss_mask``) without decoding an image: each image's ``(width,
+        height)`` from
+        ``size_of(name, value)`` (default: its header) is all the length depends on (what an index
+        pass needs)."""
         from prealign.loaders.sources.header_lengths import image_header_size
 
         key = raw.get("__key__", "?")
         meta = sample_metadata(raw, self.text_key, key)
         size_of = size_of or (lambda name, value: image_header_size(value, field=name, sample=key))
-        grids = [self.image_grid(*size_of(n, v), sample=key, field=n) for n, v in image_members(raw, meta, key)]
+        grids = [
+            self.image_grid(*size_of(n, v), sample=key, field=n)
+            for n, v in image_members(raw, meta, key)
+        ]
         return encode_segments(self.tokenizer, self.segments(meta, grids, sample=key))
 
     def render(self, raw: dict) -> tuple:
-        """``(key, images, grids, ids, mask)`` of a raw sample: its images decoded (RGB PIL), their grids, and the
+        """``(key, images, grids, ids, mask)`` of a raw sample: its images decoded (RGB PIL), their
+        grids, and the
         chat's ``input_ids`` / ``loss_mask``."""
         key = raw.get("__key__", "?")
         meta = sample_metadata(raw, self.text_key, key)
-        images = [decode_image(v, sample=key, name=n, limits=self.limits) for n, v in image_members(raw, meta, key)]
-        grids = [self.image_grid(im.width, im.height, sample=key, field=f"images[{i}]") for i, im in enumerate(images)]
+        images = [
+            decode_image(v, sample=key, name=n, limits=self.limits)
+            for n, v in image_members(raw, meta, key)
+        ]
+        grids = [
+            self.image_grid(im.width, im.height, sample=key, field=f"images[{i}]")
+            for i, im in enumerate(images)
+        ]
         ids, mask = encode_segments(self.tokenizer, self.segments(meta, grids, sample=key))
         return key, images, grids, ids, mask
 
     def key_fields(self) -> dict:
-        """What every such transform's length depends on, for its ``index_key``: the tokenizer (class, vocabulary,
+        """What every such transform's length depends on, for its ``index_key``: the tokenizer
+        (class, vocabulary,
         a probe encoding, bos), the family, teacher K and the JSON member."""
         tok = self.tokenizer
-        probe = np.asarray(tok.encode("prealign probe:\n\n <image> <row_1_col_1> Hello, world!")).tolist()
-        return {"tokenizer": f"{type(tok).__module__}.{type(tok).__qualname__}", "vocab_size": int(tok.vocab_size),
-                "probe": probe, "bos": getattr(tok, "bos_token_id", None), "family": repr(self.family),
-                "topk": self.topk, "text_key": self.text_key}
+        probe = np.asarray(
+            tok.encode("prealign probe:\n\n <image> <row_1_col_1> Hello, world!")
+        ).tolist()
+        return {
+            "tokenizer": f"{type(tok).__module__}.{type(tok).__qualname__}",
+            "vocab_size": int(tok.vocab_size),
+            "probe": probe,
+            "bos": getattr(tok, "bos_token_id", None),
+            "family": repr(self.family),
+            "topk": self.topk,
+            "text_key": self.text_key,
+        }
 
     def output(self, raw: dict, key, ids: np.ndarray, mask: np.ndarray, media: dict) -> dict:
-        """The sample dict: ids, loss mask, ``mm_token_type_ids`` (1 on the image token), ``media`` (pixels cast to
+        """The sample dict: ids, loss mask, ``mm_token_type_ids`` (1 on the image token), ``media``
+        (pixels cast to
         ``pixel_dtype``) and teacher top-k when ``topk`` is set."""
         input_ids = torch.from_numpy(ids)
-        out = {"__key__": key, "input_ids": input_ids, "loss_mask": torch.from_numpy(mask),
-               "mm_token_type_ids": (input_ids == self.family.image_token_id).to(torch.int64),
-               **{k: v.to(getattr(torch, self.pixel_dtype)) if k == "pixel_values" else v for k, v in media.items()}}
+        out = {
+            "__key__": key,
+            "input_ids": input_ids,
+            "loss_mask": torch.from_numpy(mask),
+            "mm_token_type_ids": (input_ids == self.family.image_token_id).to(torch.int64),
+            **{
+                k: v.to(getattr(torch, self.pixel_dtype)) if k == "pixel_values" else v
+                for k, v in media.items()
+            },
+        }
         if self.topk is not None:
-            out.update(teacher_topk(raw, sample=key, length=input_ids.numel(), topk=self.topk,
-                                    vocab_size=self.tokenizer.vocab_size,
-                                    log_prob_dtype=getattr(torch, self.log_prob_dtype)))
+            out.update(
+                teacher_topk(
+                    raw,
+                    sample=key,
+                    length=input_ids.numel(),
+                    topk=self.topk,
+                    vocab_size=self.tokenizer.vocab_size,
+                    log_prob_dtype=getattr(torch, self.log_prob_dtype),
+                )
+            )
         return out

@@ -1,15 +1,19 @@
-"""What a sequence costs to train on, and dealing micro-batches so every DP rank's step costs the same.
+"""What a sequence costs to train on, and dealing micro-batches so every DP rank's step costs the
+same.
 
 A sequence of ``L`` tokens costs ``linear * L + quadratic * L**2`` (:class:`CostModel`): the linear
 term is the per-token work (projections, MLP, LM head), the quadratic one the attention scores. Only
-ratios matter to the planner, so any unit works (:meth:`CostModel.from_hf_config` uses forward FLOPs).
+ratios matter to the planner, so any unit works (:meth:`CostModel.from_hf_config` uses forward
+FLOPs).
 
-Dealing (:func:`balanced_steps`): the micro-batches of a pool of steps are grouped into rank-shares of
-``k`` micro-batches each by LPT with a cardinality cap (costliest micro-batch first, into the cheapest
-share that still has room: the costliest micro-batches pair with the cheapest), then the shares are
-sorted by cost and cut into steps of ``dp`` consecutive shares, so that the shares of one step cost
-about the same. Micro-batches are never re-packed: the token budget stays the only cap on their size.
+Dealing (:func:`balanced_steps`): the micro-batches of a pool of steps are grouped into rank-shares
+of ``k`` micro-batches each by LPT with a cardinality cap (costliest micro-batch first, into the
+cheapest share that still has room: the costliest micro-batches pair with the cheapest), then the
+shares are sorted by cost and cut into steps of ``dp`` consecutive shares, so that the shares of one
+step cost about the same. Micro-batches are never re-packed: the token budget stays the only cap on
+their size.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -35,8 +39,8 @@ def _attr(cfg, *names, default=None):
 @dataclass(frozen=True)
 class CostModel:
     """Cost of one sequence of ``L`` tokens: ``linear * L + quadratic * L**2``, plus, for each
-    ``(w, c)`` of ``windows`` (sliding-window attention layers, window ``w``), ``c * (m**2 + 2*w*(L - m))``
-    with ``m = min(L, w)``: quadratic up to the window, linear beyond it (all >= 0, finite).
+    ``(w, c)`` of ``windows`` (sliding-window attention layers, window ``w``), ``c * (m**2 + 2*w*(L
+    - m))`` with ``m = min(L, w)``: quadratic up to the window, linear beyond it (all >= 0, finite).
 
     >>> CostModel(linear=24576, quadratic=1).of([1024, 4096]).tolist()
     [26214400.0, 117440512.0]
@@ -52,14 +56,20 @@ class CostModel:
         for name in ("linear", "quadratic"):
             object.__setattr__(self, name, _finite(f"CostModel.{name}", getattr(self, name)))
         try:
-            windows = tuple((int(w), _finite("CostModel.windows[*] coefficient", c)) for w, c in self.windows)
+            windows = tuple(
+                (int(w), _finite("CostModel.windows[*] coefficient", c)) for w, c in self.windows
+            )
         except (TypeError, ValueError):
-            raise PlanError(f"CostModel.windows: expected (window, coefficient) pairs, got {self.windows!r}") from None
+            raise PlanError(
+                f"CostModel.windows: expected (window, coefficient) pairs, got {self.windows!r}"
+            ) from None
         if any(w < 1 for w, _ in windows):
             raise PlanError(f"CostModel.windows: expected windows >= 1, got {self.windows!r}")
         object.__setattr__(self, "windows", windows)
         if self.linear == 0 and self.quadratic == 0 and not any(c for _, c in windows):
-            raise PlanError("CostModel: linear and quadratic are both 0 (every sequence would cost nothing)")
+            raise PlanError(
+                "CostModel: linear and quadratic are both 0 (every sequence would cost nothing)"
+            )
 
     def of(self, lengths) -> np.ndarray:
         """float64 ``[N]`` cost of each of ``lengths`` (int ``[N]``)."""
@@ -71,28 +81,32 @@ class CostModel:
         return out
 
     def to_dict(self) -> dict:
-        windows = {"windows": [[w, c] for w, c in self.windows]} if self.windows else {}  # (fingerprints of before)
+        windows = (
+            {"windows": [[w, c] for w, c in self.windows]} if self.windows else {}
+        )  # (fingerprints of before)
         return {"linear": self.linear, "quadratic": self.quadratic, **windows}
 
     @classmethod
-    def from_hf_config(cls, cfg, *, causal: bool = True, lm_head: bool = True, gated: bool | None = None) -> "CostModel":
+    def from_hf_config(
+        cls, cfg, *, causal: bool = True, lm_head: bool = True, gated: bool | None = None
+    ) -> "CostModel":
         """Forward FLOPs of one sequence through a decoder described by a ``transformers`` config.
 
-        A matmul ``[L, a] x [a, b]`` costs ``2*L*a*b``. With ``h`` the hidden size, ``n`` the layers,
-        ``H`` the heads, ``d_qk`` / ``d_v`` the query-key / value head dims (``head_dim`` for both;
-        MLA: ``qk_nope_head_dim + qk_rope_head_dim`` and ``v_head_dim``), ``q = H*d_qk``, ``kv =
-        kv_heads*d_qk`` and ``V`` the vocabulary, per token and layer::
+        A matmul ``[L, a] x [a, b]`` costs ``2*L*a*b``. With ``h`` the hidden size, ``n`` the
+        layers, ``H`` the heads, ``d_qk`` / ``d_v`` the query-key / value head dims (``head_dim``
+        for both; MLA: ``qk_nope_head_dim + qk_rope_head_dim`` and ``v_head_dim``), ``q = H*d_qk``,
+        ``kv = kv_heads*d_qk`` and ``V`` the vocabulary, per token and layer::
 
             Q, K, V projections   2*h*(q + 2*kv)
                 MLA: 2*h*r_q + 2*r_q*q (2*h*q without a q LoRA) + 2*h*(r_kv + rope)
                      + 2*r_kv*H*(nope + d_v)
             attention output      2*H*d_v*h
-            MLP                   2*m*h*f    m = 3 gated (SwiGLU / GeGLU: gate, up, down), 2 otherwise
+            MLP                   2*m*h*f    m = 3 gated (SwiGLU / GeGLU: gate, up, down), else 2
             MoE layer             2*m*h*(f_e*k + f_s) + 2*h*E (+ 2*h for Qwen's shared-expert gate)
 
         ``f`` the dense width (``intermediate_size``); a MoE layer's token visits ``k`` of ``E``
-        experts of width ``f_e`` (``moe_intermediate_size``) plus shared experts of total width ``f_s``.
-        Which layers are MoE follows the model's own rule: ``first_k_dense_replace`` and
+        experts of width ``f_e`` (``moe_intermediate_size``) plus shared experts of total width
+        ``f_s``. Which layers are MoE follows the model's own rule: ``first_k_dense_replace`` and
         ``moe_layer_freq`` (DeepSeek), ``mlp_only_layers`` and ``decoder_sparse_step`` (Qwen-MoE);
         other MoE layouts (``moe_layers``, ``interleave_moe_layer_step``, ``mlp_layer_types``) are a
         :class:`PlanError` naming the key. Once per token, the LM head ``2*h*V`` (``lm_head=False``
@@ -103,11 +117,12 @@ class CostModel:
         ``sliding_window`` and no ``layer_types``, like Mistral) is causal over at most ``w`` keys:
         it goes into ``windows`` (quadratic up to ``w``, linear beyond); with ``causal=False`` it
         counts in full, as eager computes it. Other ``layer_types`` are a :class:`PlanError`.
-        ``gated`` (None: read from the config: a SiLU / GLU activation or a Gemma model) picks ``m``.
-        Backward costs about twice the forward in every term, so the ratio (all the planner uses)
-        is that of a training step. Norms, rotary and activations are left out (a few per cent).
-        verl's ``24576*L + L**2`` for a 7B model is this formula for Llama-2-7B (``h = 4096``) with
-        ``causal=False``, without the LM head, divided by ``4*n*h``, up to the MLP's width.
+        ``gated`` (None: read from the config: a SiLU / GLU activation or a Gemma model) picks
+        ``m``. Backward costs about twice the forward in every term, so the ratio (all the planner
+        uses) is that of a training step. Norms, rotary and activations are left out (a few per
+        cent). verl's ``24576*L + L**2`` for a 7B model is this formula for Llama-2-7B (``h =
+        4096``) with ``causal=False``, without the LM head, divided by ``4*n*h``, up to the MLP's
+        width.
 
         >>> from types import SimpleNamespace
         >>> cfg = SimpleNamespace(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -120,22 +135,34 @@ class CostModel:
         except (TypeError, ValueError, OverflowError, ZeroDivisionError, AttributeError) as exc:
             if isinstance(exc, PlanError):
                 raise
-            raise PlanError(f"CostModel.from_hf_config: the config's sizes are not positive ints "
-                            f"({type(exc).__name__}: {exc}); give a transformers config of a decoder") from None
+            raise PlanError(
+                f"CostModel.from_hf_config: the config's sizes are not positive ints "
+                f"({type(exc).__name__}: {exc}); give a transformers config of a decoder"
+            ) from None
 
     @classmethod
-    def _from_hf_config(cls, cfg, *, causal: bool, lm_head: bool, gated: bool | None) -> "CostModel":
+    def _from_hf_config(
+        cls, cfg, *, causal: bool, lm_head: bool, gated: bool | None
+    ) -> "CostModel":
         cfg = getattr(cfg, "text_config", None) or cfg
         h = int(_attr(cfg, "hidden_size", "n_embd", "d_model"))
         layers = int(_attr(cfg, "num_hidden_layers", "n_layer", "num_layers"))
         heads = int(_attr(cfg, "num_attention_heads", "n_head", "num_heads"))
         projections, pair = _attention_flops(cfg, h, heads)
         if gated is None:
-            act = str(_attr(cfg, "hidden_act", "hidden_activation", "activation_function", default="gelu"))
-            gemma = str(getattr(cfg, "model_type", "")).startswith("gemma")  # GeGLU under a gelu name
+            act = str(
+                _attr(cfg, "hidden_act", "hidden_activation", "activation_function", default="gelu")
+            )
+            gemma = str(getattr(cfg, "model_type", "")).startswith(
+                "gemma"
+            )  # GeGLU under a gelu name
             gated = "glu" in act or act in ("silu", "swish") or gemma
         mlp = _mlp_flops(cfg, h, layers, 3 if gated else 2)
-        linear = layers * projections + sum(mlp) + (2 * h * int(_attr(cfg, "vocab_size")) if lm_head else 0)
+        linear = (
+            layers * projections
+            + sum(mlp)
+            + (2 * h * int(_attr(cfg, "vocab_size")) if lm_head else 0)
+        )
         if not causal:  # eager: every pair of every layer, windowed or not
             return cls(linear=float(linear), quadratic=float(layers * pair))
         windows = _windows(cfg, layers)
@@ -144,20 +171,36 @@ class CostModel:
         for w in windows:
             if w is not None:
                 merged[w] = merged.get(w, 0.0) + pair / 2
-        return cls(linear=float(linear), quadratic=float(full * pair / 2), windows=tuple(sorted(merged.items())))
+        return cls(
+            linear=float(linear),
+            quadratic=float(full * pair / 2),
+            windows=tuple(sorted(merged.items())),
+        )
 
 
 def _finite(name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not np.isfinite(value) or value < 0:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Real)
+        or not np.isfinite(value)
+        or value < 0
+    ):
         raise PlanError(f"{name}: expected a finite number >= 0, got {value!r}")
     return float(value)
 
 
 def _attention_flops(cfg, h: int, heads: int) -> tuple[int, int]:
-    """(FLOPs per token of one layer's Q/K/V/output projections, FLOPs per (query, key) pair of its scores)."""
-    if getattr(cfg, "kv_lora_rank", None):  # MLA (DeepSeek-V2/V3): low-rank K/V (and Q), split rope dims
+    """(FLOPs per token of one layer's Q/K/V/output projections, FLOPs per (query, key) pair of its
+    scores)."""
+    if getattr(
+        cfg, "kv_lora_rank", None
+    ):  # MLA (DeepSeek-V2/V3): low-rank K/V (and Q), split rope dims
         nope, rope = int(_attr(cfg, "qk_nope_head_dim")), int(_attr(cfg, "qk_rope_head_dim"))
-        d_v, r_kv, r_q = int(_attr(cfg, "v_head_dim")), int(cfg.kv_lora_rank), getattr(cfg, "q_lora_rank", None)
+        d_v, r_kv, r_q = (
+            int(_attr(cfg, "v_head_dim")),
+            int(cfg.kv_lora_rank),
+            getattr(cfg, "q_lora_rank", None),
+        )
         q = heads * (nope + rope)
         q_proj = 2 * h * int(r_q) + 2 * int(r_q) * q if r_q else 2 * h * q
         kv_proj = 2 * h * (r_kv + rope) + 2 * r_kv * heads * (nope + d_v)
@@ -176,8 +219,11 @@ def _mlp_flops(cfg, h: int, layers: int, m: int) -> list[int]:
         return [dense] * layers
     for key in ("moe_layers", "interleave_moe_layer_step", "mlp_layer_types"):
         if getattr(cfg, key, None) not in (None, 1):
-            raise PlanError(f"from_hf_config: cannot model which layers are MoE from {key}={getattr(cfg, key)!r}; "
-                            "pass CostModel(linear=, quadratic=) yourself")
+            raise PlanError(
+                f"from_hf_config: cannot model which layers are MoE from "
+                f"{key}={getattr(cfg, key)!r}; "
+                "pass CostModel(linear=, quadratic=) yourself"
+            )
     width = int(getattr(cfg, "moe_intermediate_size", None) or _attr(cfg, "intermediate_size"))
     shared = int(getattr(cfg, "shared_expert_intermediate_size", None) or 0)
     shared_gate = 2 * h if shared else 0  # Qwen-MoE's sigmoid gate on the shared expert
@@ -188,8 +234,12 @@ def _mlp_flops(cfg, h: int, layers: int, m: int) -> list[int]:
     freq = int(getattr(cfg, "moe_layer_freq", None) or 1)
     only_mlp = set(getattr(cfg, "mlp_only_layers", None) or ())
     step = int(getattr(cfg, "decoder_sparse_step", None) or 1)
-    return [moe if i >= first_dense and i % freq == 0 and i not in only_mlp and (i + 1) % step == 0 else dense
-            for i in range(layers)]
+    return [
+        moe
+        if i >= first_dense and i % freq == 0 and i not in only_mlp and (i + 1) % step == 0
+        else dense
+        for i in range(layers)
+    ]
 
 
 def _windows(cfg, layers: int) -> list[int | None]:
@@ -201,8 +251,11 @@ def _windows(cfg, layers: int) -> list[int | None]:
         return [int(window) if on else None] * layers
     unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
     if unknown or len(types) != layers or ("sliding_attention" in types and not window):
-        raise PlanError(f"from_hf_config: cannot model layer_types {unknown or list(types)[:8]} (sliding_window="
-                        f"{window!r}, {layers} layers); pass CostModel(linear=, quadratic=, windows=) yourself")
+        raise PlanError(
+            f"from_hf_config: cannot model layer_types {unknown or list(types)[:8]} "
+            f"(sliding_window="
+            f"{window!r}, {layers} layers); pass CostModel(linear=, quadratic=, windows=) yourself"
+        )
     return [int(window) if t == "sliding_attention" else None for t in types]
 
 
@@ -229,5 +282,5 @@ def balanced_steps(bins: list, costs: np.ndarray, dp: int, k: int) -> list[list]
     order = np.argsort(-total, kind="stable").tolist()
     steps = []
     for i in range(0, shares, dp):
-        steps.append([bins[j] for s in order[i:i + dp] for j in members[s]])
+        steps.append([bins[j] for s in order[i : i + dp] for j in members[s]])
     return steps

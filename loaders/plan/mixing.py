@@ -1,14 +1,15 @@
-"""A mixture's epoch order: how many draws of each component, and in which interleave (pure, seeded).
+"""A mixture's epoch order: how many draws of each component, and in which interleave (pure,
+seeded).
 
-Each component ``c`` has a *stream* for the epoch: whole passes over its samples, each pass in a seeded
-order of its own (:func:`component_stream`). The epoch takes the first ``n_c`` draws of each stream
-(:func:`draw_counts`: ``n_c`` below one pass is a deterministic subset, different each epoch; above it,
-whole reshuffled passes then part of one), and interleaves them by *virtual finish time*
+Each component ``c`` has a *stream* for the epoch: whole passes over its samples, each pass in a
+seeded order of its own (:func:`component_stream`). The epoch takes the first ``n_c`` draws of each
+stream (:func:`draw_counts`: ``n_c`` below one pass is a deterministic subset, different each epoch;
+above it, whole reshuffled passes then part of one), and interleaves them by *virtual finish time*
 (:func:`interleave`): draw ``i`` of component ``c`` is placed at ``(U_c[i] - u_i / 2) / s_c``, with
 ``U_c`` the cumulative units (tokens, or 1 per sample) of ``c``'s draws and ``s_c`` its share of the
-epoch's units. Sorting every draw by that time keeps each component's share of any stretch of the order
-within about one draw of its weight (weighted fair queueing), so a 5% component arrives every 20th unit,
-not in bursts. Everything is numpy over whole arrays: no loop per sample.
+epoch's units. Sorting every draw by that time keeps each component's share of any stretch of the
+order within about one draw of its weight (weighted fair queueing), so a 5% component arrives every
+20th unit, not in bursts. Everything is numpy over whole arrays: no loop per sample.
 
 >>> mix = MixSpec(names=("a", "b"), weights=(0.75, 0.25), by="samples")
 >>> lengths = [np.ones(6, np.int64), np.ones(2, np.int64)]
@@ -16,6 +17,7 @@ not in bursts. Everything is numpy over whole arrays: no loop per sample.
 >>> drawn.component.tolist()
 [0, 0, 1, 0, 0, 0, 1, 0]
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -26,10 +28,11 @@ import numpy as np
 from prealign.loaders.errors import PlanError
 
 LENGTHS = ("total", "all_exhausted", "first_exhausted")
-"""Epoch lengths derived from the components (the weighted ones; ``repeat=`` components add their counts):
-``total``: the weighted components' size summed (each seen once on average, at its weight: MosaicML's
-``proportion``); ``all_exhausted``: the smallest epoch in which every weighted component is seen whole at
-least once (HF ``interleave_datasets(stopping_strategy="all_exhausted")``); ``first_exhausted``: the
+"""Epoch lengths derived from the components (the weighted ones; ``repeat=`` components add their
+counts): ``total``: the weighted components' size summed (each seen once on average, at its weight:
+MosaicML's ``proportion``); ``all_exhausted``: the smallest epoch in which every weighted component
+is seen whole at least once (HF ``interleave_datasets(stopping_strategy="all_exhausted")``);
+``first_exhausted``: the
 largest in which none is repeated (HF's default)."""
 
 
@@ -37,10 +40,10 @@ largest in which none is repeated (HF's default)."""
 class MixSpec:
     """The mixture's semantics, pure data (JSON via :meth:`to_dict`).
 
-    ``weights[c]``: the component's share of the epoch's units, ``None`` for a ``repeat=`` component;
-    ``repeats[c]``: passes over the component per epoch (``1.5``: one and a half; ``None``: weighted);
-    ``by``: ``"tokens"`` or ``"samples"``; ``length``: the epoch's units (tokens or samples) of the weighted
-    components, or one of :data:`LENGTHS`.
+    ``weights[c]``: the component's share of the epoch's units, ``None`` for a ``repeat=``
+    component; ``repeats[c]``: passes over the component per epoch (``1.5``: one and a half;
+    ``None``: weighted); ``by``: ``"tokens"`` or ``"samples"``; ``length``: the epoch's units
+    (tokens or samples) of the weighted components, or one of :data:`LENGTHS`.
     """
 
     names: tuple[str, ...]
@@ -54,32 +57,52 @@ class MixSpec:
         if not self.repeats:
             object.__setattr__(self, "repeats", (None,) * n)
         if len(self.weights) != n or len(self.repeats) != n:
-            raise PlanError(f"mixture: {n} names, {len(self.weights)} weights, {len(self.repeats)} repeats")
+            raise PlanError(
+                f"mixture: {n} names, {len(self.weights)} weights, {len(self.repeats)} repeats"
+            )
         if self.by not in ("tokens", "samples"):
             raise PlanError(f"mixture by: expected 'tokens' or 'samples', got {self.by!r}")
         length = self.length
-        if isinstance(length, bool) or not (length in LENGTHS or (isinstance(length, (int, np.integer))
-                                                                  and length > 0)):
-            raise PlanError(f"mixture length: expected an int > 0 ({self.by}) or one of {LENGTHS}, got {length!r}")
+        if isinstance(length, bool) or not (
+            length in LENGTHS or (isinstance(length, (int, np.integer)) and length > 0)
+        ):
+            raise PlanError(
+                f"mixture length: expected an int > 0 ({self.by}) or one of {LENGTHS}, got "
+                f"{length!r}"
+            )
         for name, w, r in zip(self.names, self.weights, self.repeats):
             if (w is None) == (r is None):
-                raise PlanError(f"mixture component {name!r}: give a weight or a repeat, not "
-                                f"{'both' if w is not None else 'neither'}")
+                raise PlanError(
+                    f"mixture component {name!r}: give a weight or a repeat, not "
+                    f"{'both' if w is not None else 'neither'}"
+                )
             value, what = (w, "weight") if r is None else (r, "repeat")
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
-                raise PlanError(f"mixture component {name!r}: {what} must be a finite number > 0, got {value!r}")
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not 0 < value < float("inf")
+            ):
+                raise PlanError(
+                    f"mixture component {name!r}: {what} must be a finite number > 0, got {value!r}"
+                )
         if len(set(self.names)) != n or not n:
             raise PlanError(f"mixture: expected distinct component names, got {list(self.names)}")
 
     @property
     def shares(self) -> np.ndarray:
-        """float64 ``[C]``: the weights normalised over the weighted components (0 for ``repeat=`` ones)."""
+        """float64 ``[C]``: the weights normalised over the weighted components (0 for ``repeat=``
+        ones)."""
         w = np.array([0.0 if x is None else float(x) for x in self.weights])
         return w / w.sum() if w.sum() > 0 else w
 
     def to_dict(self) -> dict:
-        return {"names": list(self.names), "weights": list(self.weights), "repeats": list(self.repeats),
-                "by": self.by, "length": self.length}
+        return {
+            "names": list(self.names),
+            "weights": list(self.weights),
+            "repeats": list(self.repeats),
+            "by": self.by,
+            "length": self.length,
+        }
 
 
 def units_of(lengths: np.ndarray, by: str) -> np.ndarray:
@@ -87,11 +110,19 @@ def units_of(lengths: np.ndarray, by: str) -> np.ndarray:
     return lengths.astype(np.int64) if by == "tokens" else np.ones(lengths.shape[0], np.int64)
 
 
-def component_stream(n: int, count: int, *, seed: int, epoch: int, component: int, shuffle: bool,
-                     order: Callable[[int], np.ndarray] | None = None) -> np.ndarray:
-    """int64 ``[count]``: the local sample ids of a component's first ``count`` draws of ``epoch``: whole
-    passes over its ``n`` samples, pass ``p`` in the order ``order(p)`` (default: a seeded permutation of its
-    own, or ``arange(n)`` without ``shuffle``).
+def component_stream(
+    n: int,
+    count: int,
+    *,
+    seed: int,
+    epoch: int,
+    component: int,
+    shuffle: bool,
+    order: Callable[[int], np.ndarray] | None = None,
+) -> np.ndarray:
+    """int64 ``[count]``: the local sample ids of a component's first ``count`` draws of ``epoch``:
+    whole passes over its ``n`` samples, pass ``p`` in the order ``order(p)`` (default: a seeded
+    permutation of its own, or ``arange(n)`` without ``shuffle``).
 
     >>> component_stream(3, 7, seed=0, epoch=0, component=0, shuffle=False).tolist()
     [0, 1, 2, 0, 1, 2, 0]
@@ -111,7 +142,8 @@ def component_stream(n: int, count: int, *, seed: int, epoch: int, component: in
 
 
 def _count_for(units: np.ndarray, target: float, limit: int) -> int:
-    """Draws whose units' midpoints fall below ``target`` (the nearest count to it), at most ``limit``."""
+    """Draws whose units' midpoints fall below ``target`` (the nearest count to it), at most
+    ``limit``."""
     if target <= 0 or not units.size:
         return 0
     mid = np.cumsum(units) - units / 2.0
@@ -119,7 +151,8 @@ def _count_for(units: np.ndarray, target: float, limit: int) -> int:
 
 
 def epoch_units(mix: MixSpec, sizes: np.ndarray) -> float:
-    """The weighted components' units in one epoch, from ``sizes`` float64 ``[C]`` (units of one pass)."""
+    """The weighted components' units in one epoch, from ``sizes`` float64 ``[C]`` (units of one
+    pass)."""
     s = mix.shares
     on = s > 0
     if isinstance(mix.length, str):
@@ -132,8 +165,10 @@ def epoch_units(mix: MixSpec, sizes: np.ndarray) -> float:
 
 @dataclass(frozen=True)
 class MixedOrder:
-    """One epoch's interleave: ``ids`` int64 ``[M]`` (global sample ids, with repeats when up-sampled),
-    ``component`` int64 ``[M]``, ``draw`` int64 ``[M]`` (position of the draw in its component's stream)."""
+    """One epoch's interleave: ``ids`` int64 ``[M]`` (global sample ids, with repeats when
+    up-sampled),
+    ``component`` int64 ``[M]``, ``draw`` int64 ``[M]`` (position of the draw in its component's
+    stream)."""
 
     ids: np.ndarray
     component: np.ndarray
@@ -143,38 +178,62 @@ class MixedOrder:
 
 
 def interleave(units: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    """(component, draw) int64 ``[M]`` of every draw of ``units[c]`` (int64 units of component ``c``'s
-    draws, in stream order), sorted by virtual finish time ``(cumsum - u/2) / share`` (ties by component).
+    """(component, draw) int64 ``[M]`` of every draw of ``units[c]`` (int64 units of component
+    ``c``'s draws, in stream order), sorted by virtual finish time ``(cumsum - u/2) / share`` (ties
+    by component).
 
     >>> interleave([np.array([1, 1, 1]), np.array([3])])[0].tolist()
     [0, 0, 1, 0]
     """
     total = float(sum(int(u.sum()) for u in units))
-    tags = [(np.cumsum(u) - u / 2.0) / (float(u.sum()) / total) if u.size else np.zeros(0) for u in units]
+    tags = [
+        (np.cumsum(u) - u / 2.0) / (float(u.sum()) / total) if u.size else np.zeros(0)
+        for u in units
+    ]
     comp = np.repeat(np.arange(len(tags), dtype=np.int64), [t.size for t in tags])
     draw = np.concatenate([np.arange(t.size, dtype=np.int64) for t in tags]) if tags else comp
-    perm = np.argsort(np.concatenate(tags) if tags else np.zeros(0), kind="stable")  # timsort merges the C sorted
+    perm = np.argsort(
+        np.concatenate(tags) if tags else np.zeros(0), kind="stable"
+    )  # timsort merges the C sorted
     return comp[perm], draw[perm]  # runs; ties keep component order
 
 
-def mixed_order(mix: MixSpec, lengths: Sequence[np.ndarray], *, epoch: int, seed: int, shuffle: bool,
-                orders: Sequence[Callable[[int], np.ndarray] | None] | None = None,
-                served: Sequence[np.ndarray] | None = None) -> MixedOrder:
-    """The epoch's :class:`MixedOrder` of components with token ``lengths[c]`` (int64 ``[N_c]``, index order),
-    global ids offset by the components before. ``orders[c](p)``: pass ``p``'s order of component ``c``
-    (default: :func:`component_stream`'s). ``served[c]``: draws (stream positions) of ``c`` already served in
-    this epoch under earlier weights: left out of the stream, and their units out of the epoch's, so the rest
+def mixed_order(
+    mix: MixSpec,
+    lengths: Sequence[np.ndarray],
+    *,
+    epoch: int,
+    seed: int,
+    shuffle: bool,
+    orders: Sequence[Callable[[int], np.ndarray] | None] | None = None,
+    served: Sequence[np.ndarray] | None = None,
+) -> MixedOrder:
+    """The epoch's :class:`MixedOrder` of components with token ``lengths[c]`` (int64 ``[N_c]``,
+    index order), global ids offset by the components before. ``orders[c](p)``: pass ``p``'s order
+    of component ``c`` (default: :func:`component_stream`'s). ``served[c]``: draws (stream
+    positions) of ``c`` already served in this epoch under earlier weights: left out of the stream,
+    and their units out of the epoch's, so the rest
     of the epoch follows ``mix``'s weights."""
     C = len(lengths)
     sizes = np.array([float(units_of(np.asarray(x), mix.by).sum()) for x in lengths])
-    served = [np.zeros(0, np.int64) if served is None else np.asarray(served[c], np.int64) for c in range(C)]
+    served = [
+        np.zeros(0, np.int64) if served is None else np.asarray(served[c], np.int64)
+        for c in range(C)
+    ]
     offsets = np.concatenate([[0], np.cumsum([len(x) for x in lengths])]).astype(np.int64)
     shares = mix.shares
     done = np.zeros(C)  # units already served under earlier weights, per component
     for c in range(C):
         if served[c].size:
-            head = component_stream(len(lengths[c]), int(served[c].max()) + 1, seed=seed, epoch=epoch, component=c,
-                                    shuffle=shuffle, order=None if orders is None else orders[c])
+            head = component_stream(
+                len(lengths[c]),
+                int(served[c].max()) + 1,
+                seed=seed,
+                epoch=epoch,
+                component=c,
+                shuffle=shuffle,
+                order=None if orders is None else orders[c],
+            )
             done[c] = float(units_of(np.asarray(lengths[c])[head[served[c]]], mix.by).sum())
     weighted = np.array([r is None for r in mix.repeats])
     rest = max(epoch_units(mix, sizes) - float(done[weighted].sum()), 0.0)
@@ -183,19 +242,38 @@ def mixed_order(mix: MixSpec, lengths: Sequence[np.ndarray], *, epoch: int, seed
     for c in range(C):
         n, L = len(lengths[c]), np.asarray(lengths[c])
         repeat = mix.repeats[c]
-        want = max(float(repeat) * sizes[c] - done[c], 0.0) if repeat is not None else float(shares[c]) * rest
+        want = (
+            max(float(repeat) * sizes[c] - done[c], 0.0)
+            if repeat is not None
+            else float(shares[c]) * rest
+        )
         targets[c] = want
-        passes = int(np.ceil(want / sizes[c])) if n else 0  # (no draw of the next pass reaches the target)
+        passes = (
+            int(np.ceil(want / sizes[c])) if n else 0
+        )  # (no draw of the next pass reaches the target)
         count = passes * n + (int(served[c].max()) + 1 if served[c].size else 0)
-        stream = component_stream(n, count, seed=seed, epoch=epoch, component=c, shuffle=shuffle,
-                                  order=None if orders is None else orders[c]) if n else np.zeros(0, np.int64)
+        stream = (
+            component_stream(
+                n,
+                count,
+                seed=seed,
+                epoch=epoch,
+                component=c,
+                shuffle=shuffle,
+                order=None if orders is None else orders[c],
+            )
+            if n
+            else np.zeros(0, np.int64)
+        )
         if served[c].size:
             keep = np.ones(stream.size, bool)
             keep[served[c][served[c] < stream.size]] = False
             pos = np.flatnonzero(keep)
         else:
             pos = np.arange(stream.size, dtype=np.int64)
-        if mix.by == "samples":  # (every unit 1: the count is the target rounded, no cumulative sum)
+        if (
+            mix.by == "samples"
+        ):  # (every unit 1: the count is the target rounded, no cumulative sum)
             k = min(int(np.ceil(want - 0.5)) if want > 0 else 0, pos.size)
             u = np.ones(k, np.int64)
         else:
@@ -211,10 +289,16 @@ def mixed_order(mix: MixSpec, lengths: Sequence[np.ndarray], *, epoch: int, seed
     return MixedOrder(ids=flat_ids[at], component=comp, draw=flat_draws[at], targets=targets)
 
 
-def window_shares(component: np.ndarray, units: np.ndarray, starts: np.ndarray, ends: np.ndarray,
-                  num_components: int) -> np.ndarray:
-    """float64 ``[W, C]``: each component's share of the units in each window ``starts[w]:ends[w]`` of a
-    served sequence (``component``, ``units`` int64 ``[M]``), from one cumulative sum (windows may overlap).
+def window_shares(
+    component: np.ndarray,
+    units: np.ndarray,
+    starts: np.ndarray,
+    ends: np.ndarray,
+    num_components: int,
+) -> np.ndarray:
+    """float64 ``[W, C]``: each component's share of the units in each window ``starts[w]:ends[w]``
+    of a served sequence (``component``, ``units`` int64 ``[M]``), from one cumulative sum (windows
+    may overlap).
 
     >>> components, lengths = np.array([0, 1, 1, 0]), np.array([3, 1, 1, 1])
     >>> window_shares(components, lengths, np.array([0, 1]), np.array([2, 4]), 2).tolist()
@@ -228,15 +312,21 @@ def window_shares(component: np.ndarray, units: np.ndarray, starts: np.ndarray, 
     return np.divide(sums, tot, out=np.zeros_like(sums), where=tot > 0)
 
 
-def step_fit(sizes: np.ndarray, cap: int, per_step: int, max_items: int | None = None,
-             groups: np.ndarray | None = None) -> list[list[int]]:
-    """Pack a mixed stream step by step, so that each global step holds the next stretch of the stream:
-    take samples in stream order until they fill ``per_step`` bins' worth (``per_step * cap`` units, the
-    carry of the step before first), place them first-fit decreasing into ``per_step`` bins, and carry the
-    ones that do not fit into the next step. A sample is never more than a step or two away from its place
-    in the interleave, so each step keeps the mixture's shares (the planner's buffered best fit moves samples
-    by many steps). ``groups`` (int ``[N]``, e.g. component ids): a bin takes samples of one group only
-    (``pack_within_component``). Returns bins of stream positions, ``per_step`` per step (empty ones dropped).
+def step_fit(
+    sizes: np.ndarray,
+    cap: int,
+    per_step: int,
+    max_items: int | None = None,
+    groups: np.ndarray | None = None,
+) -> list[list[int]]:
+    """Pack a mixed stream step by step, so that each global step holds the next stretch of the
+    stream: take samples in stream order until they fill ``per_step`` bins' worth (``per_step *
+    cap`` units, the carry of the step before first), place them first-fit decreasing into
+    ``per_step`` bins, and carry the ones that do not fit into the next step. A sample is never more
+    than a step or two away from its place in the interleave, so each step keeps the mixture's
+    shares (the planner's buffered best fit moves samples by many steps). ``groups`` (int ``[N]``,
+    e.g. component ids): a bin takes samples of one group only (``pack_within_component``). Returns
+    bins of stream positions, ``per_step`` per step (empty ones dropped).
 
     >>> step_fit(np.array([4, 8, 4, 12, 4, 4]), 16, 2)
     [[3, 0], [1, 2, 4], [5]]
@@ -253,13 +343,19 @@ def step_fit(sizes: np.ndarray, cap: int, per_step: int, max_items: int | None =
             group.append(pos)
             total += slist[pos]
             pos += 1
-        group = carry + sorted(group, key=lambda i: (-slist[i], i))  # the carried first: none waits twice
+        group = carry + sorted(
+            group, key=lambda i: (-slist[i], i)
+        )  # the carried first: none waits twice
         load, items, label = [0] * per_step, [[] for _ in range(per_step)], [None] * per_step
         carry = []
         for i in group:
             g = None if glist is None else glist[i]
             for b in range(per_step):
-                if load[b] + slist[i] <= cap and len(items[b]) < limit and (label[b] is None or label[b] == g):
+                if (
+                    load[b] + slist[i] <= cap
+                    and len(items[b]) < limit
+                    and (label[b] is None or label[b] == g)
+                ):
                     items[b].append(i)
                     load[b] += slist[i]
                     label[b] = g
@@ -268,16 +364,19 @@ def step_fit(sizes: np.ndarray, cap: int, per_step: int, max_items: int | None =
                 carry.append(i)
         carry.sort()
         placed = [b for b in items if b]
-        if not placed:  # (cannot happen: every sample fits an empty bin) guard against a loop without progress
+        if (
+            not placed
+        ):  # (cannot happen: every sample fits an empty bin) guard against a loop without progress
             raise PlanError(f"step_fit: no sample of {len(group)} placed (cap {cap})")
         out.extend(placed)
     return out
 
 
 def split_bins(bins: list[list[int]], n_bins: int) -> list[list[int]]:
-    """``bins`` made ``n_bins >= len(bins)`` by moving single items out of the fullest bins (by count) into new
-    ones, then empty bins when every bin holds one item: no bin takes an item of another, so bins of one
-    group (``pack_within_component``) stay so; every bin is a subset of one before, so within capacity.
+    """``bins`` made ``n_bins >= len(bins)`` by moving single items out of the fullest bins (by
+    count) into new ones, then empty bins when every bin holds one item: no bin takes an item of
+    another, so bins of one group (``pack_within_component``) stay so; every bin is a subset of one
+    before, so within capacity.
 
     >>> split_bins([[0, 1, 2], [3]], 4)
     [[0], [3], [2], [1]]

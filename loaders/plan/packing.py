@@ -17,6 +17,7 @@ A bin also closes when it cannot take the smallest sample, after ``max_age`` win
 (which bounds how far apart in the stream two samples of one bin can be), or when it holds
 ``max_items`` samples (``ParallelLayout.max_seqs``: static ``cu_seqlens`` shapes).
 """
+
 from __future__ import annotations
 
 from bisect import bisect_left, insort
@@ -68,8 +69,15 @@ class _OpenBins:
         return key & ((1 << _SHIFT) - 1)
 
 
-def stream_fit(sizes: np.ndarray, cap: int, *, buffer_size: int, best: bool, max_age: int = 4,
-               max_items: int | None = None) -> list[list[int]]:
+def stream_fit(
+    sizes: np.ndarray,
+    cap: int,
+    *,
+    buffer_size: int,
+    best: bool,
+    max_age: int = 4,
+    max_items: int | None = None,
+) -> list[list[int]]:
     """Bins (lists of positions into ``sizes``) in the order they close, every bin ``<= cap``.
 
     ``best=True`` is best-fit decreasing per window, ``best=False`` first-fit in arrival order.
@@ -78,17 +86,28 @@ def stream_fit(sizes: np.ndarray, cap: int, *, buffer_size: int, best: bool, max
     >>> stream_fit(np.array([4, 8, 4, 12, 4]), 16, buffer_size=8, best=True)
     [[3, 0], [1, 2, 4]]
     """
-    fit = StreamFit(sizes, cap, buffer_size=buffer_size, best=best, max_age=max_age, max_items=max_items)
+    fit = StreamFit(
+        sizes, cap, buffer_size=buffer_size, best=best, max_age=max_age, max_items=max_items
+    )
     return fit.advance(int(sizes.shape[0])) + fit.finish()
 
 
 class StreamFit:
     """:func:`stream_fit` one stretch of the stream at a time: ``advance(stop)`` packs windows until
-    position ``stop`` is consumed and returns the bins closed meanwhile; ``finish()`` closes the rest.
+    position ``stop`` is consumed and returns the bins closed meanwhile; ``finish()`` closes the
+    rest.
     The bins are exactly those of one :func:`stream_fit` call, however the stream is cut."""
 
-    def __init__(self, sizes: np.ndarray, cap: int, *, buffer_size: int, best: bool, max_age: int = 4,
-                 max_items: int | None = None):
+    def __init__(
+        self,
+        sizes: np.ndarray,
+        cap: int,
+        *,
+        buffer_size: int,
+        best: bool,
+        max_age: int = 4,
+        max_items: int | None = None,
+    ):
         self.sizes, self.best, self.max_items = sizes, best, max_items
         self.buffer_size, self.max_age = buffer_size, max_age
         self.bins = _OpenBins(cap)
@@ -108,22 +127,35 @@ class StreamFit:
             if best:
                 idx = np.argsort(-part, kind="stable")
                 ranked = part[idx]
-                ends = np.flatnonzero(ranked[1:] != ranked[:-1]) + 1  # where each run of one size ends
-                self._best_fit((idx + pos).tolist(), ranked[np.r_[0, ends]].tolist(),
-                               [*ends.tolist(), end - pos], window, closed)
+                ends = (
+                    np.flatnonzero(ranked[1:] != ranked[:-1]) + 1
+                )  # where each run of one size ends
+                self._best_fit(
+                    (idx + pos).tolist(),
+                    ranked[np.r_[0, ends]].tolist(),
+                    [*ends.tolist(), end - pos],
+                    window,
+                    closed,
+                )
             else:
                 for i, s in zip(range(pos, end), part.tolist()):
                     hit = bins.first(s)
                     b = bins.new(window) if hit is None else hit[0]
                     bins.put(b, i, s, None if hit is None else hit[1])
-                    if self.max_items is not None and len(bins.items[b]) >= self.max_items:  # full by count
+                    if (
+                        self.max_items is not None and len(bins.items[b]) >= self.max_items
+                    ):  # full by count
                         closed.append(bins.close((bins.cap - bins.load[b]) << _SHIFT | b))
                         self.held -= len(bins.items[b])
             self.held += end - pos
             self.pos = end
             # close what cannot grow, what is too old, then the fullest while too much is held
-            for key in [k for k in bins.keys if (k >> _SHIFT) < self.min_size
-                        or bins.born[k & ((1 << _SHIFT) - 1)] <= window - self.max_age]:
+            for key in [
+                k
+                for k in bins.keys
+                if (k >> _SHIFT) < self.min_size
+                or bins.born[k & ((1 << _SHIFT) - 1)] <= window - self.max_age
+            ]:
                 b = bins.close(key)
                 closed.append(b)
                 self.held -= len(bins.items[b])
@@ -134,12 +166,19 @@ class StreamFit:
             self.window += 1
         return [bins.items[b] for b in closed]
 
-    def _best_fit(self, positions: list[int], run_sizes: list[int], run_ends: list[int], window: int,
-                  closed: list[int]) -> None:
-        """One window's samples (``positions``, largest first, in runs of one size), each into the open bin it
-        fills best, else a new bin; full bins (``max_items``) close. A run of equal sizes is placed a bin at
-        a time: the bin that fits the first fits the next ones best too (its room only shrinks, and no other
-        bin's room lies between), until it cannot take one more. Aligned lengths take few values, so this is
+    def _best_fit(
+        self,
+        positions: list[int],
+        run_sizes: list[int],
+        run_ends: list[int],
+        window: int,
+        closed: list[int],
+    ) -> None:
+        """One window's samples (``positions``, largest first, in runs of one size), each into the
+        open bin it fills best, else a new bin; full bins (``max_items``) close. A run of equal
+        sizes is placed a bin at a time: the bin that fits the first fits the next ones best too
+        (its room only shrinks, and no other bin's room lies between), until it cannot take one
+        more. Aligned lengths take few values, so this is
         a step per size and bin, not per sample (a start plans a chunk of 16k samples this way)."""
         bins, max_items, cap, mask = self.bins, self.max_items, self.bins.cap, (1 << _SHIFT) - 1
         keys, items, load, born = bins.keys, bins.items, bins.load, bins.born
@@ -159,7 +198,7 @@ class StreamFit:
                 take = min(hi - i, room // s)
                 if max_items is not None:
                     take = min(take, max_items - len(items[b]))
-                items[b].extend(positions[i:i + take])
+                items[b].extend(positions[i : i + take])
                 load[b] += take * s
                 i += take
                 insort(keys, (cap - load[b]) << _SHIFT | b)
@@ -172,15 +211,21 @@ class StreamFit:
         bins = self.bins
         open_bins = [bins.items[k & ((1 << _SHIFT) - 1)] for k in bins.keys]
         held_items = [i for b in open_bins for i in b]
-        rest = best_fit_decreasing(self.sizes[held_items], bins.cap, self.max_items) if held_items else []
+        rest = (
+            best_fit_decreasing(self.sizes[held_items], bins.cap, self.max_items)
+            if held_items
+            else []
+        )
         if len(rest) <= len(open_bins):  # never worse than closing the open bins as they are
             open_bins = [[held_items[j] for j in b] for b in rest]
         return open_bins
 
 
-def best_fit_decreasing(sizes: np.ndarray, cap: int, max_items: int | None = None) -> list[list[int]]:
-    """Offline best-fit decreasing of all ``sizes`` (positions into ``sizes``), bins in creation order,
-    at most ``max_items`` in a bin.
+def best_fit_decreasing(
+    sizes: np.ndarray, cap: int, max_items: int | None = None
+) -> list[list[int]]:
+    """Offline best-fit decreasing of all ``sizes`` (positions into ``sizes``), bins in creation
+    order, at most ``max_items`` in a bin.
 
     >>> best_fit_decreasing(np.array([4, 8, 4, 12, 4]), 16)
     [[3, 0], [1, 2, 4]]
@@ -217,12 +262,13 @@ def next_fit(sizes: np.ndarray, cap: int, max_items: int | None = None) -> list[
     return out
 
 
-def spread(bins: list[list[int]], sizes: np.ndarray, n_bins: int, cap: int,
-           max_items: int | None = None) -> list[list[int]]:
+def spread(
+    bins: list[list[int]], sizes: np.ndarray, n_bins: int, cap: int, max_items: int | None = None
+) -> list[list[int]]:
     """Re-pack the items of ``bins`` into exactly ``n_bins >= len(bins)`` bins as evenly as possible
     (largest first, each into the least-loaded bin that fits). When that greedy pass fails, keep
-    ``bins`` and move single items out to the new bins instead (always valid). A bin stays empty only
-    when there are fewer items than bins.
+    ``bins`` and move single items out to the new bins instead (always valid). A bin stays empty
+    only when there are fewer items than bins.
 
     >>> spread([[0, 1, 2, 3]], np.array([8, 4, 4, 4]), 2, 16)
     [[0, 3], [1, 2]]
@@ -232,8 +278,11 @@ def spread(bins: list[list[int]], sizes: np.ndarray, n_bins: int, cap: int,
     out: list[list[int]] = [[] for _ in range(n_bins)]
     for i in items:
         s = int(sizes[i])
-        b = min((c for c in range(n_bins) if loads[c] + s <= cap and len(out[c]) != max_items),
-                key=lambda c: (loads[c], c), default=None)
+        b = min(
+            (c for c in range(n_bins) if loads[c] + s <= cap and len(out[c]) != max_items),
+            key=lambda c: (loads[c], c),
+            default=None,
+        )
         if b is None:
             return _split_out(bins, sizes, n_bins)
         out[b].append(i)
@@ -242,7 +291,8 @@ def spread(bins: list[list[int]], sizes: np.ndarray, n_bins: int, cap: int,
 
 
 def _split_out(bins: list[list[int]], sizes: np.ndarray, n_bins: int) -> list[list[int]]:
-    """Valid fallback of :func:`spread`: move the smallest item of the fullest multi-item bin into a new bin."""
+    """Valid fallback of :func:`spread`: move the smallest item of the fullest multi-item bin into a
+    new bin."""
     out = [sorted(b) for b in bins] + [[] for _ in range(n_bins - len(bins))]
     for target in range(len(bins), n_bins):
         donors = [c for c in range(len(out)) if len(out[c]) > 1]

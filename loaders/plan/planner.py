@@ -27,6 +27,7 @@ length buckets included). The capacity ``cap`` is the largest aligned sum with t
 >>> plan.padded_lengths.tolist(), plan.real_tokens.tolist()
 ([[16], [16]], [[12], [11]])
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -63,31 +64,39 @@ class PlannerConfig:
     """Samples the planner holds at once (new window + open micro-batches): bounds memory and how
     far apart in the stream two samples of one micro-batch can be."""
     oversize: Oversize = Oversize.ERROR
-    """A sample longer than the budget allows even alone: raise, truncate to fit, or skip (counted)."""
+    """A sample longer than the budget allows even alone: raise, truncate to fit, or skip
+    (counted)."""
     microbatches_per_step: int = 1
-    """``k``: micro-batches each DP rank gets per step (gradient accumulation); the last step may be shorter."""
+    """``k``: micro-batches each DP rank gets per step (gradient accumulation); the last step may be
+    shorter."""
     max_age: int = 4
     """A micro-batch left open for this many windows closes (bounds stream locality)."""
     step_pool: int = 8
-    """Closed micro-batches are sorted by load in pools of this many steps before dealing, so that the
+    """Closed micro-batches are sorted by load in pools of this many steps before dealing, so that
+    the
     micro-batches of one step have similar loads (lower DP imbalance)."""
     chunk_size: int = 16384
-    """Samples planned together (:class:`ChunkedPlan`): a loader plans the chunk its next micro-batch
-    comes from when it gets there, so the first batch costs one chunk's planning whatever the size of
+    """Samples planned together (:class:`ChunkedPlan`): a loader plans the chunk its next
+    micro-batch comes from when it gets there, so the first batch costs one chunk's planning
+    whatever the size of
     the dataset (about 1.5 us a sample on one core)."""
     cost: CostModel | None = None
-    """Balance each step's DP ranks by compute (:class:`~prealign.loaders.plan.cost.CostModel`) instead
-    of tokens: the micro-batches of a pool are grouped into equal-cost shares of ``k``
-    (:func:`~prealign.loaders.plan.cost.balanced_steps`). ``None``: by tokens (the plans of before)."""
+    """Balance each step's DP ranks by compute (:class:`~prealign.loaders.plan.cost.CostModel`)
+    instead of tokens: the micro-batches of a pool are grouped into equal-cost shares of ``k``
+    (:func:`~prealign.loaders.plan.cost.balanced_steps`). ``None``: by tokens (the plans of
+    before)."""
     hybrid_cp: bool = False
-    """Hybrid context parallelism (megatron-core's ``hybrid_context_parallel``), planned in the loader: each
-    micro-batch's sequences are assigned to aligned CP sub-groups of 1, 2, 4, ... ranks
+    """Hybrid context parallelism (megatron-core's ``hybrid_context_parallel``), planned in the
+    loader: each micro-batch's sequences are assigned to aligned CP sub-groups of 1, 2, 4, ... ranks
     (:func:`~prealign.loaders.plan.hybrid_cp.assign_cp_blocks`) and each CP rank's batch holds its
-    sub-group's zigzag shards with ``local_cp_size``. Needs :attr:`cost`: the split trades a sequence's
-    attention (``cost.quadratic``) against its K/V exchange (``cp_comm_ratio * cost.linear``), a ratio only
-    the model knows (:meth:`CostModel.from_hf_config`). The micro-batches and steps are those of ``cost``."""
+    sub-group's zigzag shards with ``local_cp_size``. Needs :attr:`cost`: the split trades a
+    sequence's attention (``cost.quadratic``) against its K/V exchange (``cp_comm_ratio *
+    cost.linear``), a ratio only
+    the model knows (:meth:`CostModel.from_hf_config`). The micro-batches and steps are those of
+    ``cost``."""
     cp_comm_ratio: float = 0.05
-    """Hybrid CP only: the cost of receiving one token's K/V relative to ``cost.linear`` (about 0.02 to 0.1
+    """Hybrid CP only: the cost of receiving one token's K/V relative to ``cost.linear`` (about 0.02
+    to 0.1
     over NVLink, several times that across nodes)."""
 
     def __post_init__(self):
@@ -105,18 +114,38 @@ class PlannerConfig:
         if not isinstance(self.hybrid_cp, bool):
             raise PlanError(f"hybrid_cp: expected a bool, got {self.hybrid_cp!r}")
         ratio = self.cp_comm_ratio
-        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio < float("inf"):
+        if (
+            isinstance(ratio, bool)
+            or not isinstance(ratio, (int, float))
+            or not 0 <= ratio < float("inf")
+        ):
             raise PlanError(f"cp_comm_ratio: expected a finite number >= 0, got {ratio!r}")
         if self.hybrid_cp and self.cost is None:
-            raise PlanError("hybrid_cp: needs cost=CostModel(...) (e.g. CostModel.from_hf_config(model_config)) to "
-                            "weigh a sequence's attention against its K/V exchange when choosing its CP sub-group")
+            raise PlanError(
+                "hybrid_cp: needs cost=CostModel(...) (e.g. "
+                "CostModel.from_hf_config(model_config)) to "
+                "weigh a sequence's attention against its K/V exchange when choosing its CP "
+                "sub-group"
+            )
 
     def to_dict(self) -> dict:
-        return {"strategy": self.strategy.value, "buffer_size": self.buffer_size, "oversize": self.oversize.value,
-                "microbatches_per_step": self.microbatches_per_step, "max_age": self.max_age,
-                "step_pool": self.step_pool, "chunk_size": self.chunk_size,
-                **({"cost": self.cost.to_dict()} if self.cost is not None else {}),  # (fingerprints of before)
-                **({"hybrid_cp": True, "cp_comm_ratio": float(self.cp_comm_ratio)} if self.hybrid_cp else {})}
+        return {
+            "strategy": self.strategy.value,
+            "buffer_size": self.buffer_size,
+            "oversize": self.oversize.value,
+            "microbatches_per_step": self.microbatches_per_step,
+            "max_age": self.max_age,
+            "step_pool": self.step_pool,
+            "chunk_size": self.chunk_size,
+            **(
+                {"cost": self.cost.to_dict()} if self.cost is not None else {}
+            ),  # (fingerprints of before)
+            **(
+                {"hybrid_cp": True, "cp_comm_ratio": float(self.cp_comm_ratio)}
+                if self.hybrid_cp
+                else {}
+            ),
+        }
 
     @classmethod
     def from_dict(cls, data: dict) -> "PlannerConfig":
@@ -140,14 +169,16 @@ class PlanStats:
     utilisation: float
     """real tokens / (micro-batches x budget), over all ranks."""
     imbalance: float
-    """Step-synchronous DP imbalance: sum over steps of the max rank load / sum of the mean rank load
-    (1.0 = perfect; the time-weighted slowdown of the slowest rank). Load = real tokens, or their cost
+    """Step-synchronous DP imbalance: sum over steps of the max rank load / sum of the mean rank
+    load (1.0 = perfect; the time-weighted slowdown of the slowest rank). Load = real tokens, or
+    their cost
     under :attr:`PlannerConfig.cost`."""
     worst_step_imbalance: float
     """max over steps of (max rank load / mean rank load)."""
     max_padded_length: int
     num_empty: int
-    """Micro-batches with no sample (only when there are fewer samples than micro-batches to fill)."""
+    """Micro-batches with no sample (only when there are fewer samples than micro-batches to
+    fill)."""
     num_truncated: int
     truncated_tokens: int
     num_skipped: int
@@ -171,9 +202,11 @@ class MicrobatchPlan:
     microbatches: tuple[tuple[tuple[int, ...], ...], ...]
     steps: tuple[int, ...]
     real_tokens: np.ndarray
-    """int64 ``[dp_size, microbatches_per_rank]`` true tokens (after truncation) of each micro-batch."""
+    """int64 ``[dp_size, microbatches_per_rank]`` true tokens (after truncation) of each
+    micro-batch."""
     padded_lengths: np.ndarray
-    """int64 ``[dp_size, microbatches_per_rank]`` padded THD length T the collator will produce (0 if empty)."""
+    """int64 ``[dp_size, microbatches_per_rank]`` padded THD length T the collator will produce (0
+    if empty)."""
     truncated: dict[int, int]
     """sample index -> length it is cut to (``Oversize.TRUNCATE``)."""
     skipped: tuple[int, ...]
@@ -199,8 +232,9 @@ def budget_for(layout: ParallelLayout, length: int) -> int:
 
 
 def microbatch_capacity(layout: ParallelLayout, token_budget: int) -> int:
-    """Largest aligned-length sum ``A`` with ``layout.total_length(A) <= token_budget`` (a multiple of
-    ``layout.seq_multiple``); raises :class:`PlanError` when not even one aligned token block fits.
+    """Largest aligned-length sum ``A`` with ``layout.total_length(A) <= token_budget`` (a multiple
+    of ``layout.seq_multiple``); raises :class:`PlanError` when not even one aligned token block
+    fits.
 
     >>> layout = ParallelLayout(tp=2, cp=2)
     >>> microbatch_capacity(layout, 8192), microbatch_capacity(layout, 8190)
@@ -216,9 +250,14 @@ def microbatch_capacity(layout: ParallelLayout, token_budget: int) -> int:
 
     step = layout.seq_multiple
     if not fits(step):
-        raise PlanError(f"token_budget {budget} is below the smallest padded micro-batch "
-                        f"({_smallest(layout)} tokens under {layout.to_dict()}); raise the budget")
-    lo, hi = 1, budget // step  # in units of seq_multiple; fits(lo*step) holds, total_length is monotone
+        raise PlanError(
+            f"token_budget {budget} is below the smallest padded micro-batch "
+            f"({_smallest(layout)} tokens under {layout.to_dict()}); raise the budget"
+        )
+    lo, hi = (
+        1,
+        budget // step,
+    )  # in units of seq_multiple; fits(lo*step) holds, total_length is monotone
     while lo < hi:
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if fits(mid * step) else (lo, mid - 1)
@@ -235,11 +274,15 @@ def _smallest(layout: ParallelLayout) -> str:
 def _as_lengths(lengths) -> np.ndarray:
     arr = np.asarray(lengths.numpy() if hasattr(lengths, "numpy") else lengths)
     if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
-        raise PlanError(f"lengths: expected a 1-D sequence of ints, got shape {arr.shape} dtype {arr.dtype}")
+        raise PlanError(
+            f"lengths: expected a 1-D sequence of ints, got shape {arr.shape} dtype {arr.dtype}"
+        )
     arr = arr.astype(np.int64, copy=False)
     if arr.size and int(arr.min()) < 1:
         i = int(np.argmin(arr))
-        raise OversizeSampleError(sample=i, field="input_ids", expected="length >= 1", actual=str(int(arr[i])))
+        raise OversizeSampleError(
+            sample=i, field="input_ids", expected="length >= 1", actual=str(int(arr[i]))
+        )
     return arr
 
 
@@ -248,16 +291,26 @@ def _as_flags(flags, n: int) -> np.ndarray:
         return np.zeros(n, bool)
     arr = np.asarray(flags.numpy() if hasattr(flags, "numpy") else flags)
     if arr.shape != (n,) or (arr.size and arr.dtype != bool):
-        raise PlanError(f"has_media: expected bool [{n}] (one flag per length), got shape {arr.shape} "
-                        f"dtype {arr.dtype}")
+        raise PlanError(
+            f"has_media: expected bool [{n}] (one flag per length), got shape {arr.shape} "
+            f"dtype {arr.dtype}"
+        )
     return arr
 
 
-def plan_microbatches(lengths, *, layout: ParallelLayout, token_budget: int, dp_size: int = 1,
-                      config: PlannerConfig | None = None, seed: int | None = None, has_media=None,
-                      **options) -> MicrobatchPlan:
-    """Group samples into micro-batches whose padded THD length never exceeds ``token_budget``, dealt
-    to ``dp_size`` ranks with the same count per step and balanced token loads.
+def plan_microbatches(
+    lengths,
+    *,
+    layout: ParallelLayout,
+    token_budget: int,
+    dp_size: int = 1,
+    config: PlannerConfig | None = None,
+    seed: int | None = None,
+    has_media=None,
+    **options,
+) -> MicrobatchPlan:
+    """Group samples into micro-batches whose padded THD length never exceeds ``token_budget``,
+    dealt to ``dp_size`` ranks with the same count per step and balanced token loads.
 
     ``lengths``: int ``[N]`` true token lengths (list, numpy or torch). ``seed``: shuffle the stream
     order first (``None``: plan in the order given). ``options`` override :class:`PlannerConfig`
@@ -267,8 +320,16 @@ def plan_microbatches(lengths, *, layout: ParallelLayout, token_budget: int, dp_
     The token budget is the global padded length of one micro-batch (one CP group); each CP rank
     holds ``budget / cp`` of it. The whole plan of :class:`ChunkedPlan` (which loaders plan lazily).
     """
-    return ChunkedPlan(lengths, layout=layout, token_budget=token_budget, dp_size=dp_size, config=config,
-                       seed=seed, has_media=has_media, **options).full()
+    return ChunkedPlan(
+        lengths,
+        layout=layout,
+        token_budget=token_budget,
+        dp_size=dp_size,
+        config=config,
+        seed=seed,
+        has_media=has_media,
+        **options,
+    ).full()
 
 
 @dataclass(frozen=True)
@@ -276,7 +337,8 @@ class PlannedChunk:
     """The micro-batches of one chunk (see :class:`ChunkedPlan`), already dealt to the DP ranks."""
 
     microbatches: tuple[tuple[tuple[int, ...], ...], ...]
-    """``[dp][i]``: sample indices (into the plan's ``lengths``) of rank r's i-th micro-batch of the chunk."""
+    """``[dp][i]``: sample indices (into the plan's ``lengths``) of rank r's i-th micro-batch of the
+    chunk."""
     steps: tuple[int, ...]
     real_tokens: np.ndarray
     padded_lengths: np.ndarray
@@ -288,7 +350,8 @@ class PlannedChunk:
 
 @dataclass(frozen=True)
 class Screening:
-    """What the oversize policy did to a stream (it depends on lengths and media flags only, so it is
+    """What the oversize policy did to a stream (it depends on lengths and media flags only, so it
+    is
     the same every epoch). Indices are into the plan's ``lengths``."""
 
     capacity: int
@@ -299,8 +362,8 @@ class Screening:
 
 
 def chunk_bounds(n: int, chunk_size: int) -> list[int]:
-    """Start of each chunk, then ``n``: chunks of ``chunk_size`` samples, the last one taking a remainder
-    under half a chunk (so no chunk is tiny).
+    """Start of each chunk, then ``n``: chunks of ``chunk_size`` samples, the last one taking a
+    remainder under half a chunk (so no chunk is tiny).
 
     >>> chunk_bounds(9, 4), chunk_bounds(10, 4), chunk_bounds(3, 4), chunk_bounds(0, 4)
     ([0, 4, 9], [0, 4, 8, 10], [0, 3], [0, 0])
@@ -314,17 +377,17 @@ class ChunkedPlan:
 
     The stream (the samples in the order given, after the oversize policy) is cut into chunks of
     ``config.chunk_size`` samples (:func:`chunk_bounds`). One streaming packing pass
-    (:class:`~prealign.loaders.plan.packing.StreamFit`) runs over the whole stream, advanced to the end of
-    a chunk when the chunk is planned (its last window may run past the chunk, to the stream's end; the
-    chunks after the end are then empty): the micro-batches are those of a single pass (``in_order``
-    closes its micro-batch at each chunk end). A chunk's micro-batches are dealt in whole steps; those
-    short of a step are carried into the next chunk, so only the epoch's last step is short. The tail
-    re-spread (every rank one more micro-batch) draws on the chunk where the pass ends: with chunks far
-    smaller than the default and too few samples left, it can leave a filler one pass would not.
-    Steps are pooled by load within a chunk. Chunk ``c`` needs chunks ``0..c-1`` planned first and nothing
-    after it: a loader's first batch costs one chunk, whatever the dataset's size. The oversize policy
-    (``truncated``, ``skipped``, ``skipped_media``) is settled for the whole stream at construction,
-    vectorised.
+    (:class:`~prealign.loaders.plan.packing.StreamFit`) runs over the whole stream, advanced to the
+    end of a chunk when the chunk is planned (its last window may run past the chunk, to the
+    stream's end; the chunks after the end are then empty): the micro-batches are those of a single
+    pass (``in_order`` closes its micro-batch at each chunk end). A chunk's micro-batches are dealt
+    in whole steps; those short of a step are carried into the next chunk, so only the epoch's last
+    step is short. The tail re-spread (every rank one more micro-batch) draws on the chunk where the
+    pass ends: with chunks far smaller than the default and too few samples left, it can leave a
+    filler one pass would not. Steps are pooled by load within a chunk. Chunk ``c`` needs chunks
+    ``0..c-1`` planned first and nothing after it: a loader's first batch costs one chunk, whatever
+    the dataset's size. The oversize policy (``truncated``, ``skipped``, ``skipped_media``) is
+    settled for the whole stream at construction, vectorised.
 
     >>> from prealign.schemas import ParallelLayout
     >>> plan = ChunkedPlan([5, 3, 7, 2, 6, 4], layout=ParallelLayout(), token_budget=8,
@@ -335,9 +398,19 @@ class ChunkedPlan:
     (((),), (((4, 3), (0, 1), (2,), (5,)),))
     """
 
-    def __init__(self, lengths, *, layout: ParallelLayout, token_budget: int, dp_size: int = 1,
-                 config: PlannerConfig | None = None, seed: int | None = None, has_media=None, groups=None,
-                 **options):
+    def __init__(
+        self,
+        lengths,
+        *,
+        layout: ParallelLayout,
+        token_budget: int,
+        dp_size: int = 1,
+        config: PlannerConfig | None = None,
+        seed: int | None = None,
+        has_media=None,
+        groups=None,
+        **options,
+    ):
         cfg = self.config = dataclasses.replace(config or PlannerConfig(), **options)
         self.layout, self.token_budget = layout, token_budget
         self.dp = _int_at_least("dp_size", dp_size, 1)
@@ -345,7 +418,11 @@ class ChunkedPlan:
         media = _as_flags(has_media, true_len.size)
         self.cap = cap = microbatch_capacity(layout, token_budget)
         max_len = cap  # aligned_length(cap) == cap, so a sample of cap tokens fits alone
-        order = np.arange(true_len.size) if seed is None else np.random.default_rng(seed).permutation(true_len.size)
+        order = (
+            np.arange(true_len.size)
+            if seed is None
+            else np.random.default_rng(seed).permutation(true_len.size)
+        )
         self.truncated: dict[int, int] = {}
         """sample index -> length it is cut to (``Oversize.TRUNCATE``)."""
         self.cut_tokens = 0
@@ -356,16 +433,22 @@ class ChunkedPlan:
             if cfg.oversize is Oversize.ERROR:
                 i = int(over[0])
                 need = budget_for(layout, int(true_len[over].max()))
-                err = OversizeSampleError(sample=i, field="input_ids", expected=f"length <= {max_len}",
-                                          actual=str(int(true_len[i])),
-                                          hint=f"{over.size} sample(s) exceed token_budget {token_budget} under "
-                                               f"{layout.to_dict()}; give token_budget={need} (the longest fits), or "
-                                               f"cut or leave them out: planner=PlannerConfig(oversize='truncate') "
-                                               f"(or 'skip') to the loader")
+                err = OversizeSampleError(
+                    sample=i,
+                    field="input_ids",
+                    expected=f"length <= {max_len}",
+                    actual=str(int(true_len[i])),
+                    hint=f"{over.size} sample(s) exceed token_budget {token_budget} under "
+                    f"{layout.to_dict()}; give token_budget={need} (the longest fits), or "
+                    f"cut or leave them out: planner=PlannerConfig(oversize='truncate') "
+                    f"(or 'skip') to the loader",
+                )
                 err.token_budget = need
                 raise err
             if cfg.oversize is Oversize.TRUNCATE:
-                whole = over[media[over]]  # cutting would split an image's tokens from its pixels: leave out
+                whole = over[
+                    media[over]
+                ]  # cutting would split an image's tokens from its pixels: leave out
                 over = over[~media[over]]
                 self.skipped_media = tuple(int(i) for i in whole)
                 self.truncated = {int(i): max_len for i in over}
@@ -379,14 +462,20 @@ class ChunkedPlan:
                 self.skipped = tuple(int(i) for i in over)
                 order = order[true_len[order] <= max_len]
         self.order = order
-        """int64 ``[M]``: the sample indices the plan places, in stream order (oversize ones left out)."""
+        """int64 ``[M]``: the sample indices the plan places, in stream order (oversize ones left
+        out)."""
         self._true_len = true_len
-        self._aligned = round_up_array(true_len, layout.seq_multiple)  # exactly the collator's P_i before extension
+        self._aligned = round_up_array(
+            true_len, layout.seq_multiple
+        )  # exactly the collator's P_i before extension
         self._sizes = self._aligned[order]
         self._groups = None if groups is None else np.asarray(groups)[order]
-        """int ``[M]`` by stream position (``groups``: a label per sample, e.g. its mixture component): under
+        """int ``[M]`` by stream position (``groups``: a label per sample, e.g. its mixture
+        component): under
         ``STEP_FIT`` a micro-batch holds one label only."""
-        self._costs = None if cfg.cost is None else cfg.cost.of(true_len[order])  # float64 [M], by position
+        self._costs = (
+            None if cfg.cost is None else cfg.cost.of(true_len[order])
+        )  # float64 [M], by position
         self._bounds = chunk_bounds(order.size, cfg.chunk_size)
         self._chunks: list[PlannedChunk] = []
         self._carry: list[list[int]] = []
@@ -395,8 +484,13 @@ class ChunkedPlan:
 
     @property
     def screening(self) -> Screening:
-        return Screening(capacity=self.cap, truncated=self.truncated, skipped=self.skipped,
-                         skipped_media=self.skipped_media, cut_tokens=self.cut_tokens)
+        return Screening(
+            capacity=self.cap,
+            truncated=self.truncated,
+            skipped=self.skipped,
+            skipped_media=self.skipped_media,
+            cut_tokens=self.cut_tokens,
+        )
 
     @property
     def num_chunks(self) -> int:
@@ -419,34 +513,64 @@ class ChunkedPlan:
         cfg, cap, sizes = self.config, self.cap, self._sizes
         lo, hi = self._bounds[c], self._bounds[c + 1]
         if self._ended:  # the packing pass reached the stream's end in an earlier chunk
-            return _assemble([], self.order, self._true_len, self._aligned, self.layout, self.dp, cap, cfg.cost)
+            return _assemble(
+                [], self.order, self._true_len, self._aligned, self.layout, self.dp, cap, cfg.cost
+            )
         if cfg.strategy is PackStrategy.IN_ORDER:
             bins = [[lo + i for i in b] for b in next_fit(sizes[lo:hi], cap, self.layout.max_seqs)]
             self._ended = c == self.num_chunks - 1
-        elif cfg.strategy is PackStrategy.STEP_FIT:  # each step the next stretch of the stream (mixtures)
+        elif (
+            cfg.strategy is PackStrategy.STEP_FIT
+        ):  # each step the next stretch of the stream (mixtures)
             groups = None if self._groups is None else self._groups[lo:hi]
-            bins = [[lo + i for i in b] for b in step_fit(sizes[lo:hi], cap, self.dp * cfg.microbatches_per_step,
-                                                          self.layout.max_seqs, groups)]
+            bins = [
+                [lo + i for i in b]
+                for b in step_fit(
+                    sizes[lo:hi],
+                    cap,
+                    self.dp * cfg.microbatches_per_step,
+                    self.layout.max_seqs,
+                    groups,
+                )
+            ]
             self._ended = c == self.num_chunks - 1
         else:  # one packing pass over the whole stream, advanced a chunk at a time
             if self._fit is None:
-                self._fit = StreamFit(sizes, cap, buffer_size=cfg.buffer_size, best=cfg.strategy is PackStrategy.BFD,
-                                      max_age=cfg.max_age, max_items=self.layout.max_seqs)
+                self._fit = StreamFit(
+                    sizes,
+                    cap,
+                    buffer_size=cfg.buffer_size,
+                    best=cfg.strategy is PackStrategy.BFD,
+                    max_age=cfg.max_age,
+                    max_items=self.layout.max_seqs,
+                )
             bins = self._fit.advance(hi)
             self._ended = self._fit.pos >= sizes.shape[0]  # its last window may run past this chunk
             if self._ended:
                 bins += self._fit.finish()
                 self._fit = None  # (it holds every sample's bin)
         bins = self._carry + bins  # positions into the whole stream
-        if self._ended:  # the epoch's tail: re-spread over every rank here, with this chunk's steps to draw on
+        if (
+            self._ended
+        ):  # the epoch's tail: re-spread over every rank here, with this chunk's steps to draw on
             self._carry = []
         else:  # whole steps only; the rest joins the next chunk
             per_step = self.dp * cfg.microbatches_per_step
             full = len(bins) - len(bins) % per_step
             bins, self._carry = bins[:full], bins[full:]
-        steps = _form_steps(bins, sizes, cap, self.dp, cfg, self._costs, self.layout.max_seqs,
-                            grouped=self._groups is not None)
-        return _assemble(steps, self.order, self._true_len, self._aligned, self.layout, self.dp, cap, cfg.cost)
+        steps = _form_steps(
+            bins,
+            sizes,
+            cap,
+            self.dp,
+            cfg,
+            self._costs,
+            self.layout.max_seqs,
+            grouped=self._groups is not None,
+        )
+        return _assemble(
+            steps, self.order, self._true_len, self._aligned, self.layout, self.dp, cap, cfg.cost
+        )
 
     def full(self) -> MicrobatchPlan:
         """Every chunk, as one :class:`MicrobatchPlan` with its statistics."""
@@ -459,25 +583,49 @@ class ChunkedPlan:
         load_max, load_mean = sum(ch.load_max for ch in chunks), sum(ch.load_mean for ch in chunks)
         total = real.size
         stats = PlanStats(
-            num_samples=int(self.order.size), microbatches_per_rank=len(per_rank[0]), num_steps=len(steps),
-            token_budget=budget, capacity=self.cap, real_tokens=int(real.sum()), padded_tokens=int(padded.sum()),
+            num_samples=int(self.order.size),
+            microbatches_per_rank=len(per_rank[0]),
+            num_steps=len(steps),
+            token_budget=budget,
+            capacity=self.cap,
+            real_tokens=int(real.sum()),
+            padded_tokens=int(padded.sum()),
             utilisation=float(real.sum()) / (total * budget) if total else 0.0,
             imbalance=load_max / load_mean if load_mean else 1.0,
             worst_step_imbalance=max((ch.worst for ch in chunks), default=1.0),
             max_padded_length=int(padded.max()) if total else 0,
             num_empty=int(sum(1 for rk in per_rank for mb in rk if not mb)),
-            num_truncated=len(self.truncated), truncated_tokens=self.cut_tokens, num_skipped=len(self.skipped),
-            num_skipped_media=len(self.skipped_media))
-        return MicrobatchPlan(microbatches=tuple(tuple(rk) for rk in per_rank), steps=steps, real_tokens=real,
-                              padded_lengths=padded, truncated=self.truncated, skipped=self.skipped, stats=stats,
-                              skipped_media=self.skipped_media)
+            num_truncated=len(self.truncated),
+            truncated_tokens=self.cut_tokens,
+            num_skipped=len(self.skipped),
+            num_skipped_media=len(self.skipped_media),
+        )
+        return MicrobatchPlan(
+            microbatches=tuple(tuple(rk) for rk in per_rank),
+            steps=steps,
+            real_tokens=real,
+            padded_lengths=padded,
+            truncated=self.truncated,
+            skipped=self.skipped,
+            stats=stats,
+            skipped_media=self.skipped_media,
+        )
 
 
-def _form_steps(bins: list[list[int]], sizes: np.ndarray, cap: int, dp: int,
-                cfg: PlannerConfig, costs: np.ndarray | None = None,
-                max_items: int | None = None, grouped: bool = False) -> list[list[list[int]]]:
-    """Closed bins -> steps (lists of ``dp * k_s`` bins); the tail re-spread to a multiple of ``dp``.
-    With ``costs`` (float64, by stream position) the steps come dealt, rank-major (:func:`balanced_steps`)."""
+def _form_steps(
+    bins: list[list[int]],
+    sizes: np.ndarray,
+    cap: int,
+    dp: int,
+    cfg: PlannerConfig,
+    costs: np.ndarray | None = None,
+    max_items: int | None = None,
+    grouped: bool = False,
+) -> list[list[list[int]]]:
+    """Closed bins -> steps (lists of ``dp * k_s`` bins); the tail re-spread to a multiple of
+    ``dp``.
+    With ``costs`` (float64, by stream position) the steps come dealt, rank-major
+    (:func:`balanced_steps`)."""
     per_step = dp * cfg.microbatches_per_step
     full = len(bins) - len(bins) % per_step
     head, tail = bins[:full], bins[full:]
@@ -485,43 +633,53 @@ def _form_steps(bins: list[list[int]], sizes: np.ndarray, cap: int, dp: int,
     if tail:
         last = round_up(len(tail), dp)  # the final step: round_up(r, dp) micro-batches
         pulled = 0
-        while sum(map(len, tail)) < pulled * per_step + last and head:  # too few samples: take a step back
+        while (
+            sum(map(len, tail)) < pulled * per_step + last and head
+        ):  # too few samples: take a step back
             head, tail = head[:-per_step], head[-per_step:] + tail
             pulled += 1
-        if grouped:  # one group per bin (pack_within_component): items moved out alone, never into another bin
+        # one group per bin (pack_within_component): items moved out alone, never into another bin
+        if grouped:
             spread_bins = split_bins(tail, pulled * per_step + last)
         else:
             spread_bins = spread(tail, sizes, pulled * per_step + last, cap, max_items)
         spread_bins.sort(key=lambda b: -int(sizes[b].sum()) if b else 0)
         cut = pulled * per_step
         if costs is not None:
-            tail_steps = _cost_steps(spread_bins[:cut], costs, dp, cfg.microbatches_per_step) + \
-                _cost_steps(spread_bins[cut:], costs, dp, last // dp)
+            tail_steps = _cost_steps(
+                spread_bins[:cut], costs, dp, cfg.microbatches_per_step
+            ) + _cost_steps(spread_bins[cut:], costs, dp, last // dp)
         else:
-            tail_steps = [spread_bins[i:i + per_step] for i in range(0, cut, per_step)] + [spread_bins[cut:]]
+            tail_steps = [spread_bins[i : i + per_step] for i in range(0, cut, per_step)] + [
+                spread_bins[cut:]
+            ]
     out: list[list[list[int]]] = []
-    pool = per_step * (1 if cfg.strategy is PackStrategy.STEP_FIT else cfg.step_pool)  # (STEP_FIT: as formed)
+    pool = per_step * (
+        1 if cfg.strategy is PackStrategy.STEP_FIT else cfg.step_pool
+    )  # (STEP_FIT: as formed)
     all_loads = _bin_loads(head, sizes) if costs is None else None
     for start in range(0, len(head), pool):
-        chunk = head[start:start + pool]
+        chunk = head[start : start + pool]
         if costs is not None:
             out.extend(_cost_steps(chunk, costs, dp, cfg.microbatches_per_step))
             continue
-        loads = all_loads[start:start + pool]
+        loads = all_loads[start : start + pool]
         ranked = [chunk[j] for j in np.argsort(-loads, kind="stable")]
-        out.extend(ranked[i:i + per_step] for i in range(0, len(ranked), per_step))
+        out.extend(ranked[i : i + per_step] for i in range(0, len(ranked), per_step))
     return out + tail_steps
 
 
 def _bin_loads(bins: list[list[int]], sizes: np.ndarray) -> np.ndarray:
-    """int64 ``[len(bins)]``: the sum of ``sizes`` over each bin's positions (vectorised: one cumsum)."""
+    """int64 ``[len(bins)]``: the sum of ``sizes`` over each bin's positions (vectorised: one
+    cumsum)."""
     counts = np.fromiter((len(b) for b in bins), np.int64, len(bins))
     flat = np.fromiter(itertools.chain.from_iterable(bins), np.int64, int(counts.sum()))
     return _bin_sums(sizes[flat], np.cumsum(counts), counts)
 
 
 def _cost_steps(bins: list[list[int]], costs: np.ndarray, dp: int, k: int) -> list[list[list[int]]]:
-    """:func:`balanced_steps` of whole steps of ``bins``, their costs summed from ``costs`` (by position)."""
+    """:func:`balanced_steps` of whole steps of ``bins``, their costs summed from ``costs`` (by
+    position)."""
     if not bins:
         return []
     sizes = np.fromiter((len(b) for b in bins), np.int64, len(bins))
@@ -532,7 +690,8 @@ def _cost_steps(bins: list[list[int]], costs: np.ndarray, dp: int, k: int) -> li
 
 
 def _deal(loads: list[int], dp: int) -> list[list[int]]:
-    """Bins of one step (their loads) -> per-rank bin positions, ``len(loads) / dp`` each, LPT order."""
+    """Bins of one step (their loads) -> per-rank bin positions, ``len(loads) / dp`` each, LPT
+    order."""
     k = len(loads) // dp
     ranked = sorted(range(len(loads)), key=lambda j: (-loads[j], j))
     if k == 1:  # every rank starts empty: the r-th largest goes to rank r
@@ -546,10 +705,13 @@ def _deal(loads: list[int], dp: int) -> list[list[int]]:
     return [sorted(o) for o in out]
 
 
-def _assemble(steps, order, true_len, aligned, layout, dp, cap, cost: CostModel | None = None) -> PlannedChunk:
-    """Steps of bins (positions) -> this chunk's per-rank micro-batches (sample indices) and statistics.
-    Without ``cost`` each step is dealt by tokens (:func:`_deal`); with it the steps come dealt, rank-major.
-    Per sample: a few numpy calls over the whole chunk (ids, lengths, per-bin sums); Python runs per
+def _assemble(
+    steps, order, true_len, aligned, layout, dp, cap, cost: CostModel | None = None
+) -> PlannedChunk:
+    """Steps of bins (positions) -> this chunk's per-rank micro-batches (sample indices) and
+    statistics. Without ``cost`` each step is dealt by tokens (:func:`_deal`); with it the steps
+    come dealt, rank-major. Per sample: a few numpy calls over the whole chunk (ids, lengths,
+    per-bin sums); Python runs per
     micro-batch and per step only (a resume re-plans the chunk it resumes in: issues #28, #31)."""
     bins = [b for step in steps for b in step]
     counts = np.fromiter((len(b) for b in bins), np.int64, len(bins))
@@ -559,9 +721,11 @@ def _assemble(steps, order, true_len, aligned, layout, dp, cap, cost: CostModel 
     real_of = _bin_sums(true_len[ids], ends, counts)  # int64 [bins]: true tokens of each bin
     aligned_of = _bin_sums(aligned[ids], ends, counts)
     if aligned_of.size and int(aligned_of.max()) > cap:
-        raise AssertionError(f"planner bug: micro-batch over capacity ({int(aligned_of.max())} > {cap})")
+        raise AssertionError(
+            f"planner bug: micro-batch over capacity ({int(aligned_of.max())} > {cap})"
+        )
     id_list, bounds = ids.tolist(), (ends - counts).tolist()
-    members = [tuple(id_list[a:a + c]) for a, c in zip(bounds, counts.tolist())]
+    members = [tuple(id_list[a : a + c]) for a, c in zip(bounds, counts.tolist())]
     real_list = real_of.tolist()
     per_rank: list[list[int]] = [[] for _ in range(dp)]  # bin numbers (into ``bins``) of each rank
     step_sizes: list[int] = []
@@ -570,11 +734,13 @@ def _assemble(steps, order, true_len, aligned, layout, dp, cap, cost: CostModel 
     first = 0
     for step in steps:
         if cost is None:
-            loads = real_list[first:first + len(step)]
+            loads = real_list[first : first + len(step)]
             dealt = _deal(loads, dp)
         else:
-            loads = [float(cost.of(true_len[list(mb)]).sum()) if mb else 0.0
-                     for mb in members[first:first + len(step)]]
+            loads = [
+                float(cost.of(true_len[list(mb)]).sum()) if mb else 0.0
+                for mb in members[first : first + len(step)]
+            ]
             k = len(step) // dp
             dealt = [list(range(r * k, (r + 1) * k)) for r in range(dp)]
         rank_loads = [sum(loads[j] for j in d) for d in dealt]
@@ -596,13 +762,20 @@ def _assemble(steps, order, true_len, aligned, layout, dp, cap, cost: CostModel 
     if where.size:
         used = counts[where] > 0
         padded[used] = [totals[a] for a in aligned_of[where][used].tolist()]
-    return PlannedChunk(microbatches=tuple(tuple(members[j] for j in rk) for rk in per_rank),
-                        steps=tuple(step_sizes), real_tokens=real, padded_lengths=padded, load_max=max_sum,
-                        load_mean=mean_sum, worst=worst)
+    return PlannedChunk(
+        microbatches=tuple(tuple(members[j] for j in rk) for rk in per_rank),
+        steps=tuple(step_sizes),
+        real_tokens=real,
+        padded_lengths=padded,
+        load_max=max_sum,
+        load_mean=mean_sum,
+        worst=worst,
+    )
 
 
 def _bin_sums(values: np.ndarray, ends: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """int64 ``[len(counts)]``: the sum of ``values`` (by flat position) over each bin (``ends``: cumsum of
+    """int64 ``[len(counts)]``: the sum of ``values`` (by flat position) over each bin (``ends``:
+    cumsum of
     ``counts``), one cumsum for all bins."""
     sums = np.concatenate([np.zeros(1, np.int64), np.cumsum(values, dtype=np.int64)])
     return sums[ends] - sums[ends - counts]

@@ -1,18 +1,20 @@
 """DataLoader worker plumbing: typed errors out of workers, and recovery from a worker that died.
 
-torch re-raises an exception raised in a worker as ``exc_type(message)`` or, when that constructor call
-fails (our :class:`~prealign.schemas.errors.SampleError` takes keyword arguments), as a ``RuntimeError``.
-A worker therefore *returns* its :class:`~prealign.schemas.errors.PrealignError` in place of the batch
-(:func:`hand_over`; it pickles as itself: same type and attributes) and :func:`worker_batches` raises it
-in the main process.
+torch re-raises an exception raised in a worker as ``exc_type(message)`` or, when that constructor
+call fails (our :class:`~prealign.schemas.errors.SampleError` takes keyword arguments), as a
+``RuntimeError``. A worker therefore *returns* its :class:`~prealign.schemas.errors.PrealignError`
+in place of the batch (:func:`hand_over`; it pickles as itself: same type and attributes) and
+:func:`worker_batches` raises it in the main process.
 
-A dead worker (OOM killer, ``kill -9``) is found by its process, not by torch's message: torch has no
-public API for its worker processes, so this reads the multi-process iterator's ``_workers`` (and stops a
-broken one with ``_shutdown_workers``; a persistent one is forgotten through ``DataLoader._iterator``).
-:func:`check_torch_internals` checks they exist at each iteration with workers and raises
-:class:`~prealign.loaders.errors.UnsupportedTorchError` naming the torch version when they do not. A
-timeout is read from the loader's public ``timeout``: a ``RuntimeError`` after waiting that long.
+A dead worker (OOM killer, ``kill -9``) is found by its process, not by torch's message: torch has
+no public API for its worker processes, so this reads the multi-process iterator's ``_workers`` (and
+stops a broken one with ``_shutdown_workers``; a persistent one is forgotten through
+``DataLoader._iterator``). :func:`check_torch_internals` checks they exist at each iteration with
+workers and raises :class:`~prealign.loaders.errors.UnsupportedTorchError` naming the torch version
+when they do not. A timeout is read from the loader's public ``timeout``: a ``RuntimeError`` after
+waiting that long.
 """
+
 from __future__ import annotations
 
 import time
@@ -25,7 +27,8 @@ from prealign.schemas.errors import PrealignError
 
 
 def hand_over(exc: PrealignError) -> PrealignError:
-    """In a DataLoader worker: ``exc``, to return in place of the batch (:func:`worker_batches` raises it);
+    """In a DataLoader worker: ``exc``, to return in place of the batch (:func:`worker_batches`
+    raises it);
     in the main process: raise it."""
     if get_worker_info() is None:
         raise exc
@@ -33,7 +36,8 @@ def hand_over(exc: PrealignError) -> PrealignError:
 
 
 def check_torch_internals(loader, it=None) -> None:
-    """Raise :class:`UnsupportedTorchError` when ``loader`` (with workers) or its iterator ``it`` lacks an
+    """Raise :class:`UnsupportedTorchError` when ``loader`` (with workers) or its iterator ``it``
+    lacks an
     attribute the recovery reads; nothing to check without workers."""
     if not loader.num_workers:
         return
@@ -42,29 +46,36 @@ def check_torch_internals(loader, it=None) -> None:
         missing.append(f"{type(loader).__name__}._iterator")
     if it is not None:
         workers = getattr(it, "_workers", None)
-        if not isinstance(workers, list) or not all(hasattr(w, "is_alive") and hasattr(w, "pid") for w in workers):
+        if not isinstance(workers, list) or not all(
+            hasattr(w, "is_alive") and hasattr(w, "pid") for w in workers
+        ):
             missing.append(f"{type(it).__name__}._workers (a list of worker processes)")
         if not callable(getattr(it, "_shutdown_workers", None)):
             missing.append(f"{type(it).__name__}._shutdown_workers()")
     if missing:
-        raise UnsupportedTorchError(f"torch {torch.__version__}: the DataLoader lacks {', '.join(missing)}, which "
-                                    f"prealign reads to recover from a dead worker (torch 2.x has them); use a "
-                                    f"torch 2.x release")
+        raise UnsupportedTorchError(
+            f"torch {torch.__version__}: the DataLoader lacks {', '.join(missing)}, which "
+            f"prealign reads to recover from a dead worker (torch 2.x has them); use a "
+            f"torch 2.x release"
+        )
 
 
 def dead_workers(it) -> list[int]:
-    """Pids of the worker processes of iterator ``it`` that are no longer alive (none without workers)."""
+    """Pids of the worker processes of iterator ``it`` that are no longer alive (none without
+    workers)."""
     return [w.pid for w in getattr(it, "_workers", ()) if not w.is_alive()]
 
 
 def discard_iterator(loader, it) -> None:
-    """Shut down iterator ``it`` of ``loader`` (its live workers are stopped) and, when it is the loader's
+    """Shut down iterator ``it`` of ``loader`` (its live workers are stopped) and, when it is the
+    loader's
     persistent iterator, forget it: the next iteration starts fresh workers."""
     try:
         it._shutdown_workers()
     except (OSError, RuntimeError, ValueError):  # a dead worker's queues may already be gone
         pass
-    finally:  # its workers never again count for torch's SIGCHLD check (a later child's exit would raise)
+    # its workers never again count for torch's SIGCHLD check (a later child's exit would raise)
+    finally:
         if getattr(it, "_worker_pids_set", False):
             from torch.utils.data._utils import signal_handling
 
@@ -75,8 +86,13 @@ def discard_iterator(loader, it) -> None:
 
 
 def discard_if_broken(loader) -> bool:
-    """Drop ``loader``'s persistent iterator when one of its workers died (while idle); True when it did."""
-    it = getattr(loader, "_iterator", None) if loader.num_workers and loader.persistent_workers else None
+    """Drop ``loader``'s persistent iterator when one of its workers died (while idle); True when it
+    did."""
+    it = (
+        getattr(loader, "_iterator", None)
+        if loader.num_workers and loader.persistent_workers
+        else None
+    )
     if it is not None and dead_workers(it):
         discard_iterator(loader, it)
         return True
@@ -84,35 +100,48 @@ def discard_if_broken(loader) -> bool:
 
 
 def worker_failure(loader, it, exc: BaseException, waited: float) -> WorkerError | None:
-    """A :class:`~prealign.loaders.errors.WorkerError` for ``exc``, raised by ``next(it)`` after ``waited``
-    seconds, when a worker of ``it`` died or the wait reached the loader's ``timeout`` (the broken iterator
+    """A :class:`~prealign.loaders.errors.WorkerError` for ``exc``, raised by ``next(it)`` after
+    ``waited`` seconds, when a worker of ``it`` died or the wait reached the loader's ``timeout``
+    (the broken iterator
     is discarded), else None (``exc`` is something else)."""
     if not loader.num_workers or not isinstance(exc, (RuntimeError, ConnectionError, EOFError)):
         return None
     dead = dead_workers(it)
-    settle = time.monotonic() + 2.0  # a killed worker's broken pipe can come before its process is seen dead
+    settle = (
+        time.monotonic() + 2.0
+    )  # a killed worker's broken pipe can come before its process is seen dead
     while not dead and not isinstance(exc, RuntimeError) and time.monotonic() < settle:
         try:
             time.sleep(0.02)
         except RuntimeError:  # torch's SIGCHLD handler reporting that very death
             pass
         dead = dead_workers(it)
-    timed_out = not dead and type(exc) is RuntimeError and loader.timeout > 0 and waited >= 0.9 * loader.timeout
+    timed_out = (
+        not dead
+        and type(exc) is RuntimeError
+        and loader.timeout > 0
+        and waited >= 0.9 * loader.timeout
+    )
     if not (dead or timed_out):
         return None
     discard_iterator(loader, it)
     what = f"worker(s) {dead} died" if dead else f"timed out after {loader.timeout} s"
-    return WorkerError(f"DataLoader {what} ({type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}); iterate the "
-                       f"loader again to continue from its state")
+    return WorkerError(
+        f"DataLoader {what} ({type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}); iterate "
+        f"the "
+        f"loader again to continue from its state"
+    )
 
 
 def worker_batches(loader, before_each=None):
-    """Iterate the torch ``loader``: a :class:`~prealign.schemas.errors.PrealignError` a worker returned is
-    raised (as its own type); a dead or timed-out worker raises :class:`~prealign.loaders.errors.WorkerError`
-    after discarding the broken iterator, and a persistent iterator whose worker died while idle is
-    replaced before the first batch, so the next iteration always starts from working workers.
-    ``before_each()`` runs before each batch is asked for (it may raise: a superseded loop stops without
-    taking a batch meant for the loop that superseded it, with which it shares persistent workers)."""
+    """Iterate the torch ``loader``: a :class:`~prealign.schemas.errors.PrealignError` a worker
+    returned is raised (as its own type); a dead or timed-out worker raises
+    :class:`~prealign.loaders.errors.WorkerError` after discarding the broken iterator, and a
+    persistent iterator whose worker died while idle is replaced before the first batch, so the next
+    iteration always starts from working workers. ``before_each()`` runs before each batch is asked
+    for (it may raise: a superseded loop stops without
+    taking a batch meant for the loop that superseded it, with which it shares persistent
+    workers)."""
     check_torch_internals(loader)
     discard_if_broken(loader)
     it = iter(loader)
@@ -125,7 +154,11 @@ def worker_batches(loader, before_each=None):
             batch = next(it)
         except StopIteration:
             return
-        except (RuntimeError, ConnectionError, EOFError) as exc:  # a killed worker's pipe can break first
+        except (
+            RuntimeError,
+            ConnectionError,
+            EOFError,
+        ) as exc:  # a killed worker's pipe can break first
             failure = worker_failure(loader, it, exc, time.monotonic() - t0)
             if failure is None:
                 raise

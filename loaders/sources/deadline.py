@@ -1,22 +1,24 @@
-"""Reads that cannot hang: a shard stream read by a daemon thread, handed over chunk by chunk, with a
-deadline on every chunk (a FIFO, a hung network mount, a stuck ``pipe:``).
+"""Reads that cannot hang: a shard stream read by a daemon thread, handed over chunk by chunk, with
+a deadline on every chunk (a FIFO, a hung network mount, a stuck ``pipe:``).
 
     opener() ──thread: open, fstat, read 1 MiB chunks──► queue
              ──read(n), at most ``timeout`` s per chunk──► caller
 
 A stalled read raises :class:`Stalled` in the caller; the thread stays blocked in the kernel call
 (nothing can interrupt it) but is a daemon and holds only its file, so the process goes on and can
-exit. ``timeout=None`` reads directly (no thread). A ``pipe:`` command whose stream stalls is killed with
-its whole process group when the reader is closed (:func:`kill_stream`): no orphan keeps running.
+exit. ``timeout=None`` reads directly (no thread). A ``pipe:`` command whose stream stalls is killed
+with its whole process group when the reader is closed (:func:`kill_stream`): no orphan keeps
+running.
 
-:func:`call_with_timeout` runs one short call (a sample's ``open`` + ``seek`` + ``read``) under the same
-deadline, in a per-process daemon thread.
+:func:`call_with_timeout` runs one short call (a sample's ``open`` + ``seek`` + ``read``) under the
+same deadline, in a per-process daemon thread.
 
 >>> import io
 >>> r = TimedReader(lambda: io.BytesIO(b"abcdef"), timeout=5.0)
 >>> r.read(4), r.read(4), r.read(4), r.length
 (b'abcd', b'ef', b'', 6)
 """
+
 from __future__ import annotations
 
 import collections
@@ -40,11 +42,14 @@ class Stalled(Exception):
 
     def __init__(self, seconds: float, at: int):
         self.seconds, self.at = seconds, at
-        super().__init__(f"no data for {seconds:g} s at byte {at} (a stalled read: FIFO, hung mount?)")
+        super().__init__(
+            f"no data for {seconds:g} s at byte {at} (a stalled read: FIFO, hung mount?)"
+        )
 
 
 def _length(f) -> int | None:
-    """Size of a regular file (None for pipes, sockets, BytesIO without a descriptor, and a gzip stream,
+    """Size of a regular file (None for pipes, sockets, BytesIO without a descriptor, and a gzip
+    stream,
     whose decompressed size is not its file's)."""
     if isinstance(f, gzip.GzipFile):
         return None
@@ -57,10 +62,12 @@ def _length(f) -> int | None:
 
 
 class TimedReader:
-    """A forward-only binary reader over ``opener()`` whose every chunk arrives within ``timeout`` s.
+    """A forward-only binary reader over ``opener()`` whose every chunk arrives within ``timeout``
+    s.
 
     ``length``: bytes in the file when it is a regular file, else None; ``pos``: bytes read so far
-    (:func:`prealign.loaders.sources.tar_reader.iter_members` bounds member sizes by ``length - pos``). Errors of ``opener`` or of a read (``OSError``) are re-raised in the caller.
+    (:func:`prealign.loaders.sources.tar_reader.iter_members` bounds member sizes by ``length -
+    pos``). Errors of ``opener`` or of a read (``OSError``) are re-raised in the caller.
     """
 
     def __init__(self, opener: Callable[[], BinaryIO], *, timeout: float | None):
@@ -75,7 +82,9 @@ class TimedReader:
             return
         self._f = self._opened = None
         self._q: queue.Queue = queue.Queue(maxsize=4)
-        self._thread = threading.Thread(target=self._pump, args=(opener,), daemon=True, name="prealign-read")
+        self._thread = threading.Thread(
+            target=self._pump, args=(opener,), daemon=True, name="prealign-read"
+        )
         self._thread.start()
         try:
             self._take()  # the first message: the length (or the opener's error)
@@ -97,11 +106,17 @@ class TimedReader:
                     self._put(("data", chunk))
                     if not chunk:
                         return
-        except (OSError, EOFError, PrealignError) as exc:  # the caller decides what an unreadable shard is
+        except (
+            OSError,
+            EOFError,
+            PrealignError,
+        ) as exc:  # the caller decides what an unreadable shard is
             self._put(("error", exc))
         except zlib.error as exc:  # corrupt deflate data in a .tar.gz: bad data (never an OSError)
             self._put(("error", TarFormatError(pumped, f"corrupt compressed data ({exc})")))
-        except BaseException as exc:  # anything else is raised in the caller: a dead reader never looks stalled
+        except (
+            BaseException
+        ) as exc:  # anything else is raised in the caller: a dead reader never looks stalled
             self._put(("error", exc))
 
     def _put(self, item) -> None:
@@ -136,7 +151,9 @@ class TimedReader:
             try:
                 while (n < 0 or self._have < n) and not self._eof:
                     self._take()
-            except Exception as exc:  # the bytes before a failure are read first (a truncated stream's samples)
+            except (
+                Exception
+            ) as exc:  # the bytes before a failure are read first (a truncated stream's samples)
                 if not self._have or isinstance(exc, Stalled):
                     raise
                 self._failed = exc
@@ -144,7 +161,7 @@ class TimedReader:
             pieces = []
             while want:
                 head = self._parts[0]
-                piece = head[self._off:self._off + want]
+                piece = head[self._off : self._off + want]
                 pieces.append(piece)
                 want -= len(piece)
                 self._have -= len(piece)
@@ -157,7 +174,8 @@ class TimedReader:
         return out
 
     def close(self) -> None:
-        """Stop reading; a reader thread still blocked in a read (a stalled ``pipe:`` command) has its
+        """Stop reading; a reader thread still blocked in a read (a stalled ``pipe:`` command) has
+        its
         command killed (:func:`kill_stream`), so the thread ends and no process is left behind."""
         if self._stop.is_set():
             return
@@ -175,9 +193,11 @@ class TimedReader:
 
 
 def kill_stream(f) -> None:
-    """Kill the command behind a ``pipe:`` stream (``f.proc``, or a gzip stream's ``f.fileobj.proc``) and
-    its process group when it has its own (``start_new_session``): a stalled command would otherwise
-    outlive the reader. Anything else is left alone (a blocked regular read cannot be interrupted)."""
+    """Kill the command behind a ``pipe:`` stream (``f.proc``, or a gzip stream's
+    ``f.fileobj.proc``) and its process group when it has its own (``start_new_session``): a stalled
+    command would otherwise
+    outlive the reader. Anything else is left alone (a blocked regular read cannot be
+    interrupted)."""
     proc = getattr(f, "proc", None) or getattr(getattr(f, "fileobj", None), "proc", None)
     if proc is None or proc.poll() is not None:
         return
@@ -191,11 +211,11 @@ def kill_stream(f) -> None:
 
 
 def map_with_timeout(fn: Callable[[object], object], items, timeout: float | None) -> list:
-    """``[fn(x) for x in items]`` computed in one daemon thread, an exception kept as the item's result.
-    An item that takes over ``timeout`` s gives a :class:`Stalled` and ends the map there (the items after
-    it stay ``None``): a dead mount stalls every stat, so waiting on each would cost ``timeout`` apiece.
-    One thread for the whole list, not one per item: a stat per shard over thousands of shards costs
-    the stats.
+    """``[fn(x) for x in items]`` computed in one daemon thread, an exception kept as the item's
+    result. An item that takes over ``timeout`` s gives a :class:`Stalled` and ends the map there
+    (the items after it stay ``None``): a dead mount stalls every stat, so waiting on each would
+    cost ``timeout`` apiece. One thread for the whole list, not one per item: a stat per shard over
+    thousands of shards costs the stats.
 
     >>> map_with_timeout(len, ["ab", "c"], 1.0)
     [2, 1]
@@ -228,7 +248,8 @@ def _or_error(fn: Callable[[object], object], x):
 
 
 class _Caller:
-    """One daemon thread of this process running calls handed to it; abandoned (and replaced by the next
+    """One daemon thread of this process running calls handed to it; abandoned (and replaced by the
+    next
     call) when a call outlives its deadline, since a blocked kernel call cannot be interrupted."""
 
     def __init__(self):
@@ -249,7 +270,8 @@ _caller_lock = threading.Lock()
 
 
 def _after_fork_in_child() -> None:
-    """A forked child (a DataLoader worker) starts with no caller thread and a free lock, even when the parent
+    """A forked child (a DataLoader worker) starts with no caller thread and a free lock, even when
+    the parent
     forked while one of its threads was inside :func:`call_with_timeout`."""
     global _caller, _caller_lock
     _caller, _caller_lock = None, threading.Lock()
@@ -259,10 +281,11 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def call_with_timeout(fn: Callable[[], object], timeout: float | None):
-    """``fn()``, raising :class:`Stalled` when it has not returned within ``timeout`` s (``None``: called
-    directly). For short blocking calls (a local shard's ``open`` + ``seek`` + ``read``): a FIFO put in a
-    shard's place, a hung mount. Calls run one at a time in one daemon thread per process; one that stalls
-    is left blocked there and the next call gets a fresh thread. Its exceptions are re-raised here.
+    """``fn()``, raising :class:`Stalled` when it has not returned within ``timeout`` s (``None``:
+    called directly). For short blocking calls (a local shard's ``open`` + ``seek`` + ``read``): a
+    FIFO put in a shard's place, a hung mount. Calls run one at a time in one daemon thread per
+    process; one that stalls is left blocked there and the next call gets a fresh thread. Its
+    exceptions are re-raised here.
 
     >>> call_with_timeout(lambda: 6 * 7, 1.0)
     42

@@ -1,11 +1,12 @@
 """HTTP(S) requests over kept-alive connections (:mod:`http.client`, standard library).
 
 One pool per process (keyed by pid): a forked DataLoader worker opens its own connections and never
-writes to a socket of its parent. A request takes an idle connection to the same host (or opens one),
-and hands it back once the answer's body was read to its end; a kept connection the server closed
-meanwhile is replaced once, transparently. Redirects are followed; ``http_proxy`` / ``https_proxy`` /
-``no_proxy`` are honoured as :mod:`urllib` does.
+writes to a socket of its parent. A request takes an idle connection to the same host (or opens
+one), and hands it back once the answer's body was read to its end; a kept connection the server
+closed meanwhile is replaced once, transparently. Redirects are followed; ``http_proxy`` /
+``https_proxy`` / ``no_proxy`` are honoured as :mod:`urllib` does.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -28,8 +29,17 @@ CHUNK = 1 << 20
 MAX_IDLE = 8
 """Idle connections kept per host and process."""
 REDIRECTS = 10
-_DRAIN = 1 << 16  # a body at most this long is read to its end on close (error pages, HEAD): the connection is kept
-_STALE = (http.client.RemoteDisconnected, ConnectionResetError, ConnectionAbortedError, BrokenPipeError)
+_DRAIN = (
+    1 << 16
+    # a body at most this long is read to its end on close (error pages, HEAD): the connection is
+    # kept
+)
+_STALE = (
+    http.client.RemoteDisconnected,
+    ConnectionResetError,
+    ConnectionAbortedError,
+    BrokenPipeError,
+)
 
 
 class Unreachable(ConnectionError):
@@ -37,29 +47,50 @@ class Unreachable(ConnectionError):
 
 
 class DeadlineExceeded(TimeoutError):
-    """A request ran past its total deadline (a server sending a byte now and then never trips the per-recv
+    """A request ran past its total deadline (a server sending a byte now and then never trips the
+    per-recv
     ``timeout``): ``deadline`` seconds plus one second per ``min_rate`` bytes received."""
 
 
-_PIECE = 1 << 18  # bytes asked of one recv: a read returns what came, the deadline is checked between
+_PIECE = (
+    1 << 18
+)  # bytes asked of one recv: a read returns what came, the deadline is checked between
 
 
 class Reply:
-    """An answer being read: ``status``, ``reason``, ``headers``, ``url`` (after redirects), ``read(n)``.
-    Closing it hands the connection back to the pool when the body was read to its end. Its body is read one
-    ``recv`` at a time (at most ``_PIECE`` bytes, never a size the server announced), each under ``timeout`` and
+    """An answer being read: ``status``, ``reason``, ``headers``, ``url`` (after redirects),
+    ``read(n)``. Closing it hands the connection back to the pool when the body was read to its end.
+    Its body is read one ``recv`` at a time (at most ``_PIECE`` bytes, never a size the server
+    announced), each under ``timeout`` and
     the request's total deadline (:class:`DeadlineExceeded` past it)."""
 
-    def __init__(self, url: str, pool: "Pool", key: tuple, conn: http.client.HTTPConnection,
-                 resp: http.client.HTTPResponse, *, sock=None, timeout: float = 30.0, deadline: float | None = None,
-                 min_rate: float = 0.0):
+    def __init__(
+        self,
+        url: str,
+        pool: "Pool",
+        key: tuple,
+        conn: http.client.HTTPConnection,
+        resp: http.client.HTTPResponse,
+        *,
+        sock=None,
+        timeout: float = 30.0,
+        deadline: float | None = None,
+        min_rate: float = 0.0,
+    ):
         self.url, self._pool, self._key, self._conn, self._resp = url, pool, key, conn, resp
         self.status, self.reason, self.headers = resp.status, resp.reason, resp.headers
-        self._sock, self._timeout, self._deadline, self._min_rate, self._got = sock, timeout, deadline, min_rate, 0
+        self._sock, self._timeout, self._deadline, self._min_rate, self._got = (
+            sock,
+            timeout,
+            deadline,
+            min_rate,
+            0,
+        )
 
     def read(self, n: int = -1) -> bytes:
-        """Up to ``n`` bytes, fewer only at the body's end (``-1``: to the end). A body that ends before its
-        ``Content-Length`` (the connection dropped) is an ``http.client.IncompleteRead``, which the callers
+        """Up to ``n`` bytes, fewer only at the body's end (``-1``: to the end). A body that ends
+        before its ``Content-Length`` (the connection dropped) is an ``http.client.IncompleteRead``,
+        which the callers
         retry: ``http.client`` itself returns it short without a word."""
         chunks, left = [], (n if n is not None and n >= 0 else None)
         while left is None or left > 0:
@@ -75,7 +106,8 @@ class Reply:
         return data
 
     def paced_by_reader(self) -> "Reply":
-        """Read at the reader's pace (a shard streamed as training consumes it): the body has no total deadline,
+        """Read at the reader's pace (a shard streamed as training consumes it): the body has no
+        total deadline,
         only the per-read ``timeout`` (a stall); the headers already came within theirs."""
         self._deadline = None
         return self
@@ -84,7 +116,11 @@ class Reply:
         """Seconds left before the request's deadline (None: no deadline)."""
         if self._deadline is None:
             return None
-        return self._deadline + (self._got / self._min_rate if self._min_rate > 0 else 0.0) - time.monotonic()
+        return (
+            self._deadline
+            + (self._got / self._min_rate if self._min_rate > 0 else 0.0)
+            - time.monotonic()
+        )
 
     def _read_some(self, k: int) -> bytes:
         """What one ``recv`` brings (at most ``k`` bytes)."""
@@ -101,11 +137,15 @@ class Reply:
         except (socket.timeout, TimeoutError):
             left = self._left()
             if left is not None and left <= 0:
-                raise DeadlineExceeded(f"past the request deadline ({self._got} bytes came)") from None
+                raise DeadlineExceeded(
+                    f"past the request deadline ({self._got} bytes came)"
+                ) from None
             raise
         self._got += len(chunk)
         if self._resp.length == 0:
-            self._resp.read(0)  # the body's end: http.client releases the connection (read1 alone does not)
+            self._resp.read(
+                0
+            )  # the body's end: http.client releases the connection (read1 alone does not)
         return chunk
 
     def _check_complete(self, partial: bytes) -> None:
@@ -173,17 +213,31 @@ class Pool:
 
 
 class _Watchdog:
-    """Shuts down the socket of a request whose answer's headers have not come by its deadline (a server dripping
-    its headers a byte at a time never trips the per-recv timeout). One thread per process, started on first use."""
+    """Shuts down the socket of a request whose answer's headers have not come by its deadline (a
+    server dripping
+    its headers a byte at a time never trips the per-recv timeout). One thread per process, started
+    on first use."""
 
     def __init__(self):
-        self.cv, self.heap, self.seq, self.thread = threading.Condition(), [], itertools.count(), None
+        self.cv, self.heap, self.seq, self.thread = (
+            threading.Condition(),
+            [],
+            itertools.count(),
+            None,
+        )
 
     def arm(self, when: float, sock) -> list:
-        entry = [when, next(self.seq), sock, False]  # [deadline, order, socket (None: disarmed), fired]
+        entry = [
+            when,
+            next(self.seq),
+            sock,
+            False,
+        ]  # [deadline, order, socket (None: disarmed), fired]
         with self.cv:
             if self.thread is None:
-                self.thread = threading.Thread(target=self._run, name="prealign-http-deadline", daemon=True)
+                self.thread = threading.Thread(
+                    target=self._run, name="prealign-http-deadline", daemon=True
+                )
                 self.thread.start()
             heapq.heappush(self.heap, entry)
             self.cv.notify()
@@ -252,7 +306,8 @@ def _ssl_context() -> ssl.SSLContext:
 
 
 def _route(url: str) -> tuple[tuple, str, dict]:
-    """(pool key, request target, extra headers) of ``url``, through the environment's proxy if any."""
+    """(pool key, request target, extra headers) of ``url``, through the environment's proxy if
+    any."""
     parts = urllib.parse.urlsplit(url)
     scheme, host = parts.scheme.lower(), parts.hostname or ""
     port = parts.port or (443 if scheme == "https" else 80)
@@ -284,7 +339,9 @@ def _connection(key: tuple, timeout: float) -> http.client.HTTPConnection:
     return conn
 
 
-def _once(url: str, method: str, headers: dict, timeout: float, deadline: float | None, min_rate: float) -> Reply:
+def _once(
+    url: str, method: str, headers: dict, timeout: float, deadline: float | None, min_rate: float
+) -> Reply:
     key, target, extra = _route(url)
     p = pool()
     while True:
@@ -308,25 +365,47 @@ def _once(url: str, method: str, headers: dict, timeout: float, deadline: float 
             finally:
                 if watch is not None and _watchdog().disarm(watch):
                     conn.close()
-                    raise DeadlineExceeded("past the request deadline before the answer's headers came")
+                    raise DeadlineExceeded(
+                        "past the request deadline before the answer's headers came"
+                    )
         except DeadlineExceeded:
             raise
         except _STALE:
             conn.close()
-            if kept:  # the server closed a kept connection while it was idle: again, on the next one
+            if (
+                kept
+            ):  # the server closed a kept connection while it was idle: again, on the next one
                 continue
             raise
         except BaseException:
             conn.close()
             raise
-        return Reply(url, p, key, conn, resp, sock=sock, timeout=timeout, deadline=deadline, min_rate=min_rate)
+        return Reply(
+            url,
+            p,
+            key,
+            conn,
+            resp,
+            sock=sock,
+            timeout=timeout,
+            deadline=deadline,
+            min_rate=min_rate,
+        )
 
 
-def request(url: str, method: str = "GET", headers: dict | None = None, *, timeout: float = 30.0,
-            deadline: float | None = None, min_rate: float = 0.0) -> Reply:
-    """The answer to ``method url`` (redirects followed, at most ``REDIRECTS``), whatever its status.
-    Connection failures raise :class:`Unreachable`; a stall past ``timeout`` s, ``TimeoutError``; a request
-    still running ``deadline`` s (plus one per ``min_rate`` bytes of body received) after it began,
+def request(
+    url: str,
+    method: str = "GET",
+    headers: dict | None = None,
+    *,
+    timeout: float = 30.0,
+    deadline: float | None = None,
+    min_rate: float = 0.0,
+) -> Reply:
+    """The answer to ``method url`` (redirects followed, at most ``REDIRECTS``), whatever its
+    status. Connection failures raise :class:`Unreachable`; a stall past ``timeout`` s,
+    ``TimeoutError``; a request still running ``deadline`` s (plus one per ``min_rate`` bytes of
+    body received) after it began,
     :class:`DeadlineExceeded` (a ``TimeoutError``)."""
     headers = dict(headers or {})
     end = None if deadline is None else time.monotonic() + deadline

@@ -9,33 +9,37 @@
 
 A sample is one ``read_range(url, start, end)``: with sidecars, the first batch costs the bytes of
 its own samples, not the shard. ``RemoteOptions.cache_dir`` + ``cache_limit`` keep fetched blocks
-(``block_size`` bytes, aligned) on local disk, least recently used out past ``cache_limit`` bytes, named by
-URL and the object's identity (ETag, else Last-Modified and size, from the HEAD each loader build makes): an object
-replaced on the server never reads the old one's blocks. Bodies are read a ``recv`` at a time, bounded by what was
-asked (a range, ``cache_limit``, a sidecar's limit), never by an announced ``Content-Length``.
-Transient errors (connection reset, 5xx, 429) are retried ``retries`` times with exponential backoff;
-a read that stalls longer than ``timeout`` seconds (no byte arrives), or an HTTP request still running past
-``request_deadline`` seconds (plus one per ``min_rate`` bytes received: a server dripping bytes), is retried too and
-then raises :class:`RemoteStallError` naming the URL; a shard that does not exist is a
+(``block_size`` bytes, aligned) on local disk, least recently used out past ``cache_limit`` bytes,
+named by URL and the object's identity (ETag, else Last-Modified and size, from the HEAD each loader
+build makes): an object replaced on the server never reads the old one's blocks. Bodies are read a
+``recv`` at a time, bounded by what was asked (a range, ``cache_limit``, a sidecar's limit), never
+by an announced ``Content-Length``. Transient errors (connection reset, 5xx, 429) are retried
+``retries`` times with exponential backoff; a read that stalls longer than ``timeout`` seconds (no
+byte arrives), or an HTTP request still running past ``request_deadline`` seconds (plus one per
+``min_rate`` bytes received: a server dripping bytes), is retried too and then raises
+:class:`RemoteStallError` naming the URL; a shard that does not exist is a
 :class:`~prealign.loaders.errors.MissingShardError` (a configuration error), one the server refuses
 (HTTP 401/403, access denied) a :class:`~prealign.loaders.errors.RemotePermissionError`.
 
-A server that ignores ``Range`` (``python -m http.server``, many mirrors) answers a ranged read with the
-whole object: that body is read once, in blocks, into the block cache (``cache_dir``, else a private
-temporary folder of the process, removed when it exits, shared with the processes it forks later: the
-DataLoader workers of a loader built over sidecars read what the build's checks kept) and later ranges are
-served from there, with one :class:`~prealign.loaders.errors.RangeIgnoredWarning` per server. An object
-larger than ``cache_limit`` is refused (:class:`~prealign.loaders.errors.RemoteReadError` naming Range),
-never downloaded once per sample. A body kept by this process is dropped when a later ``HEAD`` (each
-loader build makes one) answers another size, ``ETag`` or ``Last-Modified`` (or neither of the latter).
+A server that ignores ``Range`` (``python -m http.server``, many mirrors) answers a ranged read with
+the whole object: that body is read once, in blocks, into the block cache (``cache_dir``, else a
+private temporary folder of the process, removed when it exits, shared with the processes it forks
+later: the DataLoader workers of a loader built over sidecars read what the build's checks kept) and
+later ranges are served from there, with one :class:`~prealign.loaders.errors.RangeIgnoredWarning`
+per server. An object larger than ``cache_limit`` is refused
+(:class:`~prealign.loaders.errors.RemoteReadError` naming Range), never downloaded once per sample.
+A body kept by this process is dropped when a later ``HEAD`` (each loader build makes one) answers
+another size, ``ETag`` or ``Last-Modified`` (or neither of the latter).
 
 Sequential shards (``pipe:``, gzip) cannot be read by range: a worker that needs a sample of one
-reads the whole shard once (decompressing it; a dropped or stalled HTTP body is a typed error) into an anonymous
-temporary file (never into memory) and keeps the last ``stream_shards`` such shards, so a shuffled epoch costs one
-sequential read per shard per worker, and temporary disk of one uncompressed shard per kept shard. Every gzip
-stream is read through :class:`BoundedGzip`: decompressed bytes per shard and the ratio to compressed bytes are
-capped (``DecodeLimits``), and tar members are capped by ``DecodeLimits.max_member_bytes`` before they are read.
+reads the whole shard once (decompressing it; a dropped or stalled HTTP body is a typed error) into
+an anonymous temporary file (never into memory) and keeps the last ``stream_shards`` such shards, so
+a shuffled epoch costs one sequential read per shard per worker, and temporary disk of one
+uncompressed shard per kept shard. Every gzip stream is read through :class:`BoundedGzip`:
+decompressed bytes per shard and the ratio to compressed bytes are capped (``DecodeLimits``), and
+tar members are capped by ``DecodeLimits.max_member_bytes`` before they are read.
 """
+
 from __future__ import annotations
 
 import gzip
@@ -88,18 +92,21 @@ class RemoteOptions:
     timeout: float = 30.0
     """Seconds without a byte before a read counts as stalled."""
     request_deadline: float = 300.0
-    """Seconds an HTTP request may take in all (a server sending a byte now and then never trips ``timeout``),
-    plus one second per ``min_rate`` bytes received: past it the request is stalled (retried, then
+    """Seconds an HTTP request may take in all (a server sending a byte now and then never trips
+    ``timeout``), plus one second per ``min_rate`` bytes received: past it the request is stalled
+    (retried, then
     :class:`RemoteStallError`)."""
     min_rate: float = 64 << 10
     """Bytes per second a long HTTP body must average to run past ``request_deadline``."""
     stream_shards: int = 2
-    """Sequential (``pipe:``, gzip) shards each worker keeps decompressed (in anonymous temporary files)."""
+    """Sequential (``pipe:``, gzip) shards each worker keeps decompressed (in anonymous temporary
+    files)."""
     storage_options: dict | None = None
     """Passed to ``fsspec.filesystem`` for ``s3://`` / ``gs://`` (endpoint, credentials)."""
     private_dir: str | None = None
-    """Where objects of a server that ignores Range are kept when there is no ``cache_dir``: a folder made
-    by :func:`private_folder` in the process that built the source (its DataLoader workers share it) and
+    """Where objects of a server that ignores Range are kept when there is no ``cache_dir``: a
+    folder made by :func:`private_folder` in the process that built the source (its DataLoader
+    workers share it) and
     removed when that process exits. ``None``: made on first need by the reading process."""
 
 
@@ -117,7 +124,7 @@ def local_path(url: str) -> str:
     >>> local_path("file:///d/x.tar"), local_path("/d/x.tar")
     ('/d/x.tar', '/d/x.tar')
     """
-    return url[len("file://"):] if url.startswith("file://") else url
+    return url[len("file://") :] if url.startswith("file://") else url
 
 
 def is_remote(url: str) -> bool:
@@ -141,26 +148,32 @@ def is_sequential(url: str) -> bool:
     return scheme(url) == "pipe" or path.endswith((".tar.gz", ".tgz"))
 
 
-# ---- retries ---------------------------------------------------------------------------------------
+# ---- retries
+# ---------------------------------------------------------------------------------------
 class _Transient(OSError):
     """An HTTP status worth retrying (429, 5xx)."""
 
 
 def _retrying(url: str, opts: RemoteOptions, fn):
-    """``fn()``, transient failures retried; typed errors (missing, permission, Range refused) raised at once."""
+    """``fn()``, transient failures retried; typed errors (missing, permission, Range refused)
+    raised at once."""
     delay = opts.backoff
     for attempt in range(opts.retries + 1):
         try:
             return fn()
-        except PrealignError:  # typed already (a RemoteReadError is an OSError): never retried, never re-wrapped
+        except (
+            PrealignError
+        ):  # typed already (a RemoteReadError is an OSError): never retried, never re-wrapped
             raise
         except PermissionError as exc:  # fsspec's access denied (s3fs: AccessDenied, 403)
             raise RemotePermissionError(url, None, f"{type(exc).__name__}: {exc}") from None
         except FileNotFoundError as exc:
             raise MissingShardError(url, f"not found ({exc})") from None
         except http_pool.DeadlineExceeded as exc:
-            last: BaseException = RemoteStallError(url, f"{exc} (request_deadline={opts.request_deadline} s, "
-                                                        f"min_rate={opts.min_rate} B/s)")
+            last: BaseException = RemoteStallError(
+                url,
+                f"{exc} (request_deadline={opts.request_deadline} s, min_rate={opts.min_rate} B/s)",
+            )
         except (socket.timeout, TimeoutError) as exc:
             last = RemoteStallError(url, f"no byte for {opts.timeout} s ({exc})")
         except (OSError, http.client.HTTPException) as exc:
@@ -169,10 +182,15 @@ def _retrying(url: str, opts: RemoteOptions, fn):
             time.sleep(delay)
             delay *= 2
     if isinstance(last, RemoteStallError):
-        raise RemoteStallError(url, f"{last.args[0].split(': ', 1)[-1]} after {opts.retries} retries")
+        raise RemoteStallError(
+            url, f"{last.args[0].split(': ', 1)[-1]} after {opts.retries} retries"
+        )
     if isinstance(last, http_pool.Unreachable):
-        raise MissingShardError(url, f"unreachable after {opts.retries} retries ({last})",
-                                "check the host and the network") from None
+        raise MissingShardError(
+            url,
+            f"unreachable after {opts.retries} retries ({last})",
+            "check the host and the network",
+        ) from None
     what = str(last) if isinstance(last, _Transient) else f"{type(last).__name__}: {last}"
     raise RemoteReadError(url, f"{what} after {opts.retries} retries")
 
@@ -183,18 +201,34 @@ def _fs(url: str, opts: RemoteOptions):
     except ImportError:
         from prealign.schemas.errors import ConfigError
 
-        raise ConfigError(f"{url}: reading {scheme(url)}:// needs fsspec and its backend "
-                          f"(pip install 'prealign[remote]')") from None
+        raise ConfigError(
+            f"{url}: reading {scheme(url)}:// needs fsspec and its backend "
+            f"(pip install 'prealign[remote]')"
+        ) from None
     return fsspec.filesystem(scheme(url), **(opts.storage_options or {}))
 
 
-def _http(url: str, opts: RemoteOptions, *, method: str = "GET", start: int | None = None,
-          end: int | None = None) -> http_pool.Reply:
-    """A 2xx answer to ``method url`` (bytes ``[start, end)`` asked when given); other answers raise:
-    401/403 :class:`RemotePermissionError`, other 4xx :class:`MissingShardError`, 429/5xx a retried error."""
+def _http(
+    url: str,
+    opts: RemoteOptions,
+    *,
+    method: str = "GET",
+    start: int | None = None,
+    end: int | None = None,
+) -> http_pool.Reply:
+    """A 2xx answer to ``method url`` (bytes ``[start, end)`` asked when given); other answers
+    raise:
+    401/403 :class:`RemotePermissionError`, other 4xx :class:`MissingShardError`, 429/5xx a retried
+    error."""
     headers = {"Range": f"bytes={start}-{end - 1}"} if start is not None else {}
-    reply = http_pool.request(url, method, headers, timeout=opts.timeout, deadline=opts.request_deadline,
-                              min_rate=opts.min_rate)
+    reply = http_pool.request(
+        url,
+        method,
+        headers,
+        timeout=opts.timeout,
+        deadline=opts.request_deadline,
+        min_rate=opts.min_rate,
+    )
     if 200 <= reply.status < 300:
         return reply
     reply.close()
@@ -208,12 +242,14 @@ def _http(url: str, opts: RemoteOptions, *, method: str = "GET", start: int | No
     raise RemoteReadError(url, f"{answer}: expected 200 (206 for a range)")
 
 
-# ---- size, small files, ranges ----------------------------------------------------------------------
+# ---- size, small files, ranges
+# ----------------------------------------------------------------------
 def size(url: str, opts: RemoteOptions | None = None) -> int:
     """Size in bytes of a remote object; :class:`MissingShardError` when it does not exist."""
     opts = opts or DEFAULT
     s = scheme(url)
     if s in ("http", "https"):
+
         def head():
             with _http(url, opts, method="HEAD") as r:
                 n = r.headers.get("Content-Length")
@@ -222,6 +258,7 @@ def size(url: str, opts: RemoteOptions | None = None) -> int:
                 _check_kept(url, int(n), r.headers)
                 _identity[url] = _tag(r.headers.get("ETag"), r.headers.get("Last-Modified"), int(n))
                 return int(n)
+
         return _retrying(url, opts, head)
     if s == "pipe":
         return -1  # unknown without running the command
@@ -233,9 +270,19 @@ def size(url: str, opts: RemoteOptions | None = None) -> int:
         meta = fs.info(url)
         n = int(meta["size"])
         etag = meta.get("ETag") or meta.get("etag") or meta.get("md5Hash")
-        _identity[url] = _tag(etag and str(etag), str(meta.get("LastModified") or meta.get("mtime") or
-                                                     meta.get("updated") or meta.get("generation") or ""), n)
+        _identity[url] = _tag(
+            etag and str(etag),
+            str(
+                meta.get("LastModified")
+                or meta.get("mtime")
+                or meta.get("updated")
+                or meta.get("generation")
+                or ""
+            ),
+            n,
+        )
         return n
+
     return _retrying(url, opts, info)
 
 
@@ -244,17 +291,24 @@ SMALL_LIMIT = 256 << 20
 
 
 def read_small(url: str, opts: RemoteOptions | None = None) -> bytes | None:
-    """A whole small remote file (a sidecar, optional), or None when it does not exist or the server refuses it
+    """A whole small remote file (a sidecar, optional), or None when it does not exist or the server
+    refuses it
     (S3 answers 403 for an absent key of a bucket the caller cannot list)."""
     opts = opts or DEFAULT
     try:
         if scheme(url) in ("http", "https"):
+
             def get():
                 with _http(url, opts) as r:
-                    data = _read_upto(r, SMALL_LIMIT + 1)  # never trust Content-Length: count what comes
+                    data = _read_upto(
+                        r, SMALL_LIMIT + 1
+                    )  # never trust Content-Length: count what comes
                 if len(data) > SMALL_LIMIT:
-                    raise RemoteReadError(url, f"a sidecar of more than {SMALL_LIMIT} bytes: not one prealign wrote")
+                    raise RemoteReadError(
+                        url, f"a sidecar of more than {SMALL_LIMIT} bytes: not one prealign wrote"
+                    )
                 return data
+
             return _retrying(url, opts, get)
         fs = _fs(url, opts)
         return _retrying(url, opts, lambda: fs.cat_file(url))
@@ -278,12 +332,17 @@ def _get_range(url: str, start: int, end: int, opts: RemoteOptions) -> bytes:
         sent = r.headers.get("Content-Range", "")
         m = re.match(r"bytes (\d+)-", sent)
         if r.status != 206 or (m and int(m.group(1)) != start):
-            raise RemoteReadError(url, f"asked bytes {start}..{end} (Range), the server answered HTTP {r.status} "
-                                       f"{r.reason} (Content-Range {sent!r})")
+            raise RemoteReadError(
+                url,
+                f"asked bytes {start}..{end} (Range), the server answered HTTP {r.status} "
+                f"{r.reason} (Content-Range {sent!r})",
+            )
         whole = re.search(r"/(\d+)$", sent)
         etag, modified = r.headers.get("ETag"), r.headers.get("Last-Modified")
         if whole and url in _identity and (etag or modified or _identity[url].startswith("m|")):
-            _identity[url] = _tag(etag, modified, int(whole.group(1)))  # as this answer gives it (it may have changed)
+            _identity[url] = _tag(
+                etag, modified, int(whole.group(1))
+            )  # as this answer gives it (it may have changed)
         return _read_upto(r, end - start)
 
 
@@ -299,15 +358,18 @@ def _fetch(url: str, start: int, end: int, opts: RemoteOptions) -> bytes:
 
 
 MARKER = ".prealign-block-cache"
-"""The file a :class:`BlockCache` writes in its folder (made or adopted): the folder holds prealign's blocks."""
+"""The file a :class:`BlockCache` writes in its folder (made or adopted): the folder holds
+prealign's blocks."""
 
 
 class BlockCache:
-    """Fetched blocks on local disk (``<dir>/<sha1(url, identity)[:16]>-<block size>-<block>``, the identity being
-    the object's ETag, else its Last-Modified and size: a changed object never reads the old one's blocks), least
-    recently used (by modification time, touched on each hit) out past ``limit`` bytes. Processes may share the
-    directory: each eviction pass looks at what is really there, and a block evicted under a reader is fetched
-    again. The folder is marked as a block cache (:data:`MARKER`); one removed under a run is made again."""
+    """Fetched blocks on local disk (``<dir>/<sha1(url, identity)[:16]>-<block size>-<block>``, the
+    identity being the object's ETag, else its Last-Modified and size: a changed object never reads
+    the old one's blocks), least recently used (by modification time, touched on each hit) out past
+    ``limit`` bytes. Processes may share the directory: each eviction pass looks at what is really
+    there, and a block evicted under a reader is fetched
+    again. The folder is marked as a block cache (:data:`MARKER`); one removed under a run is made
+    again."""
 
     def __init__(self, directory: str, limit: int):
         self.dir, self.limit, self.lock = directory, int(limit), threading.Lock()
@@ -320,11 +382,17 @@ class BlockCache:
             marker = os.path.join(self.dir, MARKER)
             if not os.path.exists(marker):
                 with open(marker, "w") as f:
-                    f.write("prealign block cache: files named <16 hex>-<block size>-<block> are fetched blocks, "
-                            "evicted least recently used first; nothing else here is ever removed\n")
+                    f.write(
+                        "prealign block cache: files named <16 hex>-<block size>-<block> are "
+                        "fetched blocks, "
+                        "evicted least recently used first; nothing else here is ever removed\n"
+                    )
         except OSError as exc:
-            raise RemoteReadError(self.dir, f"the block cache folder cannot be made or written "
-                                            f"({type(exc).__name__}: {exc}); check RemoteOptions.cache_dir") from None
+            raise RemoteReadError(
+                self.dir,
+                f"the block cache folder cannot be made or written "
+                f"({type(exc).__name__}: {exc}); check RemoteOptions.cache_dir",
+            ) from None
 
     def get(self, name: str) -> bytes | None:
         path = os.path.join(self.dir, name)
@@ -349,8 +417,10 @@ class BlockCache:
                 break
             except FileNotFoundError:  # the folder was removed under the run: made again, once
                 if not again:
-                    raise RemoteReadError(self.dir, "the block cache folder keeps vanishing while blocks are "
-                                                    "written to it") from None
+                    raise RemoteReadError(
+                        self.dir,
+                        "the block cache folder keeps vanishing while blocks are written to it",
+                    ) from None
                 self._own()
         if evict:
             self.evict()
@@ -364,8 +434,9 @@ class BlockCache:
                 pass
 
     def evict(self) -> None:
-        """Least recently used blocks out until this cache's blocks take at most ``limit`` bytes. Only files
-        named as blocks are counted and removed: nothing else in the folder (the user's ``cache_dir`` may
+        """Least recently used blocks out until this cache's blocks take at most ``limit`` bytes.
+        Only files named as blocks are counted and removed: nothing else in the folder (the user's
+        ``cache_dir`` may
         hold other files) is ever deleted."""
         with self.lock:
             self._evict()
@@ -402,7 +473,8 @@ _BLOCK_NAME = re.compile(r"[0-9a-f]{16}-\d+-\d+")
 
 
 def _block_cache(directory: str, limit: int) -> BlockCache:
-    """This process's :class:`BlockCache` over ``directory`` (its own lock, never one inherited across fork)."""
+    """This process's :class:`BlockCache` over ``directory`` (its own lock, never one inherited
+    across fork)."""
     key = (os.getpid(), directory, limit)
     if key not in _caches:
         _caches[key] = BlockCache(directory, limit)
@@ -414,14 +486,16 @@ def _cache(opts: RemoteOptions) -> BlockCache | None:
 
 
 def _block_name(url: str, ident: str, block_size: int, block: int) -> str:
-    """A block's file name: the URL and the object's identity (:func:`_tag`) hashed, so a changed object (another
+    """A block's file name: the URL and the object's identity (:func:`_tag`) hashed, so a changed
+    object (another
     ETag, Last-Modified or size) never reads the blocks of the one before it."""
     digest = hashlib.sha1((url + "\n" + ident).encode()).hexdigest()[:16]
     return f"{digest}-{block_size}-{block}"
 
 
 _identity: dict[str, str] = {}
-"""URL -> the object's identity as this process last saw it (a HEAD, object-store metadata, a 206 answer)."""
+"""URL -> the object's identity as this process last saw it (a HEAD, object-store metadata, a 206
+answer)."""
 
 
 def _tag(etag: str | None, modified: str | None, size) -> str:
@@ -430,16 +504,19 @@ def _tag(etag: str | None, modified: str | None, size) -> str:
 
 
 def _ident(url: str, opts: RemoteOptions) -> str:
-    """The identity of ``url``'s object in this process (one ``HEAD``, or metadata read, the first time)."""
+    """The identity of ``url``'s object in this process (one ``HEAD``, or metadata read, the first
+    time)."""
     if url not in _identity:
         size(url, opts)
     return _identity.get(url, "")
 
 
-# ---- servers that ignore Range -----------------------------------------------------------------------
+# ---- servers that ignore Range
+# -----------------------------------------------------------------------
 @dataclass(frozen=True)
 class _Kept:
-    """An object this process read whole (its server ignores Range), kept in blocks in a cache folder."""
+    """An object this process read whole (its server ignores Range), kept in blocks in a cache
+    folder."""
 
     directory: str
     limit: int
@@ -461,18 +538,25 @@ def _kept_name(url: str) -> str:
 
 
 def _share_kept(url: str, kept: _Kept, opts: RemoteOptions) -> None:
-    """Record ``url``'s kept object in the run's private folder, so the other processes of this run (the
-    DataLoader workers of this and later epochs, each checking the shards it opens) read it from there
-    instead of downloading it again. Only there: that folder lives as long as the run, and holds only what
+    """Record ``url``'s kept object in the run's private folder, so the other processes of this run
+    (the DataLoader workers of this and later epochs, each checking the shards it opens) read it
+    from there instead of downloading it again. Only there: that folder lives as long as the run,
+    and holds only what
     its processes downloaded."""
     if opts.private_dir and kept.directory == _block_cache(opts.private_dir, opts.cache_limit).dir:
-        record = {"limit": kept.limit, "block_size": kept.block_size, "size": kept.size,
-                  "validators": list(kept.validators), "ident": kept.ident}
+        record = {
+            "limit": kept.limit,
+            "block_size": kept.block_size,
+            "size": kept.size,
+            "validators": list(kept.validators),
+            "ident": kept.ident,
+        }
         _block_cache(kept.directory, kept.limit).put(_kept_name(url), json.dumps(record).encode())
 
 
 def _kept_of(url: str, opts: RemoteOptions) -> _Kept | None:
-    """The object this process keeps for ``url``, or one another process of the run kept (:func:`_share_kept`),
+    """The object this process keeps for ``url``, or one another process of the run kept
+    (:func:`_share_kept`),
     when this process saw no other identity of it (a ``HEAD``)."""
     kept = _kept.get(url)
     if kept is not None or not opts.private_dir:
@@ -483,8 +567,14 @@ def _kept_of(url: str, opts: RemoteOptions) -> _Kept | None:
         return None
     try:
         r = json.loads(data)
-        kept = _Kept(cache.dir, int(r["limit"]), int(r["block_size"]), int(r["size"]), tuple(r["validators"]),
-                     str(r["ident"]))
+        kept = _Kept(
+            cache.dir,
+            int(r["limit"]),
+            int(r["block_size"]),
+            int(r["size"]),
+            tuple(r["validators"]),
+            str(r["ident"]),
+        )
     except (ValueError, KeyError, TypeError):
         return None
     seen = _identity.get(url)
@@ -501,22 +591,30 @@ def _validators(headers) -> tuple:
 def _check_kept(url: str, n: int, headers) -> None:
     """Drop the body kept for ``url`` unless a ``HEAD`` now answers its size and validators."""
     kept = _kept.get(url)
-    if kept is not None and (kept.size != n or not any(kept.validators) or kept.validators != _validators(headers)):
+    if kept is not None and (
+        kept.size != n or not any(kept.validators) or kept.validators != _validators(headers)
+    ):
         _kept.pop(url, None)
 
 
 def private_folder() -> str:
-    """This process's temporary folder for the objects of servers that ignore Range (made once, removed
-    when the process exits; processes it forks or spawns write into it through ``RemoteOptions.private_dir``)."""
+    """This process's temporary folder for the objects of servers that ignore Range (made once,
+    removed
+    when the process exits; processes it forks or spawns write into it through
+    ``RemoteOptions.private_dir``)."""
     if not _private:
         _private.append(tempfile.mkdtemp(prefix="prealign-remote-"))
-        multiprocessing.util.Finalize(None, _remove_private, args=(_private[-1], os.getpid()), exitpriority=0)
+        multiprocessing.util.Finalize(
+            None, _remove_private, args=(_private[-1], os.getpid()), exitpriority=0
+        )
     return _private[0]
 
 
 def _private_cache(opts: RemoteOptions) -> BlockCache:
-    """The block cache of objects kept whole when there is no ``cache_dir``: ``opts.private_dir`` (the source's
-    process made it, so a worker's copies outlive neither that process nor one another), else this process's."""
+    """The block cache of objects kept whole when there is no ``cache_dir``: ``opts.private_dir``
+    (the source's
+    process made it, so a worker's copies outlive neither that process nor one another), else this
+    process's."""
     return _block_cache(opts.private_dir or private_folder(), opts.cache_limit)
 
 
@@ -525,16 +623,25 @@ def _remove_private(directory: str, owner: int) -> None:
         shutil.rmtree(directory, ignore_errors=True)
 
 
-def _keep_whole(url: str, reply: http_pool.Reply, start: int, end: int, opts: RemoteOptions) -> bytes:
-    """Bytes ``[start, end)`` of the whole object a server sent to a ranged GET: the body is read once into
-    the block cache (``opts.cache_dir``, else :func:`_private_cache`) and later ranges are read from there;
-    one larger than ``cache_limit`` is refused (announced or counted, never allocated by its announced size)."""
+def _keep_whole(
+    url: str, reply: http_pool.Reply, start: int, end: int, opts: RemoteOptions
+) -> bytes:
+    """Bytes ``[start, end)`` of the whole object a server sent to a ranged GET: the body is read
+    once into the block cache (``opts.cache_dir``, else :func:`_private_cache`) and later ranges are
+    read from there;
+    one larger than ``cache_limit`` is refused (announced or counted, never allocated by its
+    announced size)."""
     cache = _cache(opts) or _private_cache(opts)
     parts = urllib.parse.urlsplit(url)
     server = f"{parts.hostname}:{parts.port}" if parts.port else str(parts.hostname)
-    refused = (f"{server} ignores Range (it answered a ranged GET with 200 and the whole object, {{}}): an object "
-               f"is kept whole only up to cache_limit={cache.limit} bytes; raise RemoteOptions.cache_limit or "
-               f"serve the shards from a server that honours Range")
+    refused = (
+        f"{server} ignores Range (it answered a ranged GET with 200 and the whole object, {{}}): "
+        f"an object "
+        f"is kept whole only up to cache_limit={cache.limit} bytes; raise "
+        f"RemoteOptions.cache_limit "
+        f"or "
+        f"serve the shards from a server that honours Range"
+    )
     announced = reply.headers.get("Content-Length", "")
     if announced.isdigit() and int(announced) > cache.limit:
         raise RemoteReadError(url, refused.format(f"{announced} bytes"))
@@ -548,26 +655,36 @@ def _keep_whole(url: str, reply: http_pool.Reply, start: int, end: int, opts: Re
         if data:
             cache.put(_block_name(url, ident, bs, block), data, evict=block % 64 == 63)
         lo = block * bs
-        out.append(data[max(start - lo, 0):max(end - lo, 0)])
+        out.append(data[max(start - lo, 0) : max(end - lo, 0)])
         if len(data) < bs:
             break
-    if announced.isdigit() and total != int(announced):  # a body without Content-Length that stopped early
+    if announced.isdigit() and total != int(
+        announced
+    ):  # a body without Content-Length that stopped early
         raise RemoteReadError(url, f"the whole object announced {announced} bytes, {total} came")
     cache.evict()
     _kept[url] = _Kept(cache.dir, cache.limit, bs, total, _validators(reply.headers), ident)
     _share_kept(url, _kept[url], opts)
     if server not in _warned:
         _warned.add(server)
-        warnings.warn(f"{server} ignores HTTP Range (it answered a ranged GET of {url} with 200 and the whole "
-                      f"object): each object from it is downloaded whole once and kept in {cache.dir} (at most "
-                      f"cache_limit={cache.limit} bytes); a server that honours Range sends only the samples' bytes",
-                      RangeIgnoredWarning, stacklevel=2)
+        warnings.warn(
+            f"{server} ignores HTTP Range (it answered a ranged GET of {url} with 200 and the "
+            f"whole "
+            f"object): each object from it is downloaded whole once and kept in {cache.dir} (at "
+            f"most "
+            f"cache_limit={cache.limit} bytes); a server that honours Range sends only the "
+            f"samples' bytes",
+            RangeIgnoredWarning,
+            stacklevel=2,
+        )
     return b"".join(out)
 
 
-def read_range(url: str, start: int, end: int, opts: RemoteOptions | None = None, *, total: int | None = None
-               ) -> bytes:
-    """Bytes ``[start, end)`` of a remote object (through the block cache when ``opts.cache_dir``, or when
+def read_range(
+    url: str, start: int, end: int, opts: RemoteOptions | None = None, *, total: int | None = None
+) -> bytes:
+    """Bytes ``[start, end)`` of a remote object (through the block cache when ``opts.cache_dir``,
+    or when
     this process keeps the object whole because its server ignores Range)."""
     opts = opts or DEFAULT
     kept = _kept_of(url, opts)
@@ -583,15 +700,25 @@ def read_range(url: str, start: int, end: int, opts: RemoteOptions | None = None
         data = cache.get(name)
         if data is None and kept is not None and url not in _warned:
             _warned.add(url)
-            warnings.warn(f"{url}: a block of this object, kept whole because its server ignores Range, was evicted "
-                          f"from the block cache (cache_limit={kept.limit} bytes is less than the objects read "
-                          f"together): each such miss downloads the whole object again; raise "
-                          f"RemoteOptions.cache_limit", RangeIgnoredWarning, stacklevel=2)
+            warnings.warn(
+                f"{url}: a block of this object, kept whole because its server ignores Range, was "
+                f"evicted "
+                f"from the block cache (cache_limit={kept.limit} bytes is less than the objects "
+                f"read "
+                f"together): each such miss downloads the whole object again; raise "
+                f"RemoteOptions.cache_limit",
+                RangeIgnoredWarning,
+                stacklevel=2,
+            )
         if data is None:
             lo = block * bs
             hi = lo + bs if total is None else min(lo + bs, total)
-            data = _fetch(url, lo, hi, opts) if total is not None else _fetch_upto(url, lo, hi, opts)
-            if kept is None and _identity.get(url, ident) != ident:  # the object changed: its blocks under the new
+            data = (
+                _fetch(url, lo, hi, opts) if total is not None else _fetch_upto(url, lo, hi, opts)
+            )
+            if (
+                kept is None and _identity.get(url, ident) != ident
+            ):  # the object changed: its blocks under the new
                 ident = _identity[url]
                 name = _block_name(url, ident, bs, block)
             cache.put(name, data)
@@ -599,34 +726,50 @@ def read_range(url: str, start: int, end: int, opts: RemoteOptions | None = None
         names.append(name)
     buf = b"".join(out)
     off = start - (start // bs) * bs
-    data = buf[off:off + end - start]
-    if len(data) != end - start:  # a short block in the cache (another process's, or a size that changed)
+    data = buf[off : off + end - start]
+    if (
+        len(data) != end - start
+    ):  # a short block in the cache (another process's, or a size that changed)
         for name in names:
             cache.drop(name)
         _kept.pop(url, None)
-        raise RemoteReadError(url, f"bytes {start}..{end}: the block cache held {len(data)} bytes of them (dropped; "
-                                   f"read again)")
+        raise RemoteReadError(
+            url,
+            f"bytes {start}..{end}: the block cache held {len(data)} bytes of them (dropped; "
+            f"read again)",
+        )
     return data
 
 
 def _fetch_upto(url: str, lo: int, hi: int, opts: RemoteOptions) -> bytes:
-    """Block ``[lo, hi)`` that may run past the end of the object (size unknown): fetch the size once."""
+    """Block ``[lo, hi)`` that may run past the end of the object (size unknown): fetch the size
+    once."""
     n = size(url, opts)
     return _fetch(url, lo, min(hi, n), opts)
 
 
-# ---- sequential streams ------------------------------------------------------------------------------
-def open_stream(url: str, opts: RemoteOptions | None = None, *, paced_by_reader: bool = True,
-                limits: DecodeLimits | None = None):
-    """A file object reading the whole shard front to back (gzip decompressed for ``.tar.gz``/``.tgz``, through
-    :class:`BoundedGzip` capped by ``limits``). ``paced_by_reader``: read as the caller consumes it (a scan
-    feeding training), so an HTTP body has no total deadline, only the per-read stall timeout; False (read at
+# ---- sequential streams
+# ------------------------------------------------------------------------------
+def open_stream(
+    url: str,
+    opts: RemoteOptions | None = None,
+    *,
+    paced_by_reader: bool = True,
+    limits: DecodeLimits | None = None,
+):
+    """A file object reading the whole shard front to back (gzip decompressed for
+    ``.tar.gz``/``.tgz``, through :class:`BoundedGzip` capped by ``limits``). ``paced_by_reader``:
+    read as the caller consumes it (a scan feeding training), so an HTTP body has no total deadline,
+    only the per-read stall timeout; False (read at
     once, :func:`read_whole`): the request's deadline."""
     opts = opts or DEFAULT
     s = scheme(url)
     if s == "pipe":
-        # the user's own command, in its own process group: a stalled one is killed whole (deadline.kill_stream)
-        proc = subprocess.Popen(url[len("pipe:"):], shell=True, stdout=subprocess.PIPE, start_new_session=True)
+        # the user's own command, in its own process group: a stalled one is killed whole
+        # (deadline.kill_stream)
+        proc = subprocess.Popen(
+            url[len("pipe:") :], shell=True, stdout=subprocess.PIPE, start_new_session=True
+        )
         f = _PipeFile(proc, url)
     elif s in ("http", "https"):
         f = _HttpStream(url, _retrying(url, opts, lambda: _http(url, opts)), opts, paced_by_reader)
@@ -645,12 +788,14 @@ def open_stream(url: str, opts: RemoteOptions | None = None, *, paced_by_reader:
 
 
 _RATIO_FROM = 64 << 20
-"""Decompressed bytes past which :attr:`DecodeLimits.max_ratio` is checked (a small shard's headers compress
+"""Decompressed bytes past which :attr:`DecodeLimits.max_ratio` is checked (a small shard's headers
+compress
 far better than its data)."""
 
 
 class _Counted:
-    """``raw`` with the bytes read from it counted (``count``); its other attributes are ``raw``'s (``proc`` of a
+    """``raw`` with the bytes read from it counted (``count``); its other attributes are ``raw``'s
+    (``proc`` of a
     ``pipe:`` stream, ``fileno``)."""
 
     def __init__(self, raw):
@@ -667,10 +812,11 @@ class _Counted:
 
 class BoundedGzip(gzip.GzipFile):
     """A gzip stream whose decompressed bytes are counted and capped by ``limits``
-    (:class:`~prealign.loaders.sources.tar_decode.DecodeLimits`: ``max_shard_bytes``, ``max_ratio``); past a cap,
-    or on a corrupt or truncated stream, a read raises a
-    :class:`~prealign.loaders.sources.tar_reader.TarFormatError` at the decompressed byte offset it reached (the
-    tar offset; its caller names the shard and the member: a ``corrupt_shard``), never more memory or a bare
+    (:class:`~prealign.loaders.sources.tar_decode.DecodeLimits`: ``max_shard_bytes``,
+    ``max_ratio``); past a cap, or on a corrupt or truncated stream, a read raises a
+    :class:`~prealign.loaders.sources.tar_reader.TarFormatError` at the decompressed byte offset it
+    reached (the tar offset; its caller names the shard and the member: a ``corrupt_shard``), never
+    more memory or a bare
     ``EOFError`` at byte 0."""
 
     def __init__(self, raw, url: str, limits: DecodeLimits):
@@ -692,9 +838,12 @@ class BoundedGzip(gzip.GzipFile):
             try:
                 data = super().read1(size - got)  # (read() would drop what came before a failure)
             except (EOFError, zlib.error, gzip.BadGzipFile) as exc:
-                error = TarFormatError(self.decompressed, f"corrupt or truncated gzip stream after "
-                                                          f"{self.counted.count} compressed bytes ({type(exc).__name__}: "
-                                                          f"{exc})")
+                error = TarFormatError(
+                    self.decompressed,
+                    f"corrupt or truncated gzip stream after "
+                    f"{self.counted.count} compressed bytes ({type(exc).__name__}: "
+                    f"{exc})",
+                )
                 if not got:
                     raise error from None
                 self.failed = error  # the bytes before it first, the error at the next read
@@ -710,21 +859,27 @@ class BoundedGzip(gzip.GzipFile):
     def _check(self, last: int) -> None:
         limits, n, packed = self.limits, self.decompressed, max(self.counted.count, 1)
         if n > limits.max_shard_bytes:
-            raise TarFormatError(n - last, f"decompressed past DecodeLimits.max_shard_bytes "
-                                           f"({limits.max_shard_bytes} bytes)")
+            raise TarFormatError(
+                n - last,
+                f"decompressed past DecodeLimits.max_shard_bytes ({limits.max_shard_bytes} bytes)",
+            )
         if n > _RATIO_FROM and n > limits.max_ratio * packed:
-            raise TarFormatError(n - last, f"{n} bytes decompressed from {packed}: past DecodeLimits.max_ratio "
-                                           f"({limits.max_ratio}; a decompression bomb?)")
+            raise TarFormatError(
+                n - last,
+                f"{n} bytes decompressed from {packed}: past DecodeLimits.max_ratio "
+                f"({limits.max_ratio}; a decompression bomb?)",
+            )
 
     def read1(self, size: int = -1) -> bytes:
         return self.read(size if size and size > 0 else 1 << 20)
 
 
 class _HttpStream:
-    """The body of an HTTP GET read front to back. A connection dropped or stalled mid-body is taken up again where
-    it stopped (a ``Range`` GET from that byte, ``If-Range`` the object's validators) up to ``retries`` times per
-    stream, with backoff; past them, or from a server that cannot resume (it ignores Range, the object changed), it is a
-    :class:`RemoteReadError` / :class:`RemoteStallError` naming the URL and the byte, never a bare ``TimeoutError``
+    """The body of an HTTP GET read front to back. A connection dropped or stalled mid-body is taken
+    up again where it stopped (a ``Range`` GET from that byte, ``If-Range`` the object's validators)
+    up to ``retries`` times per stream, with backoff; past them, or from a server that cannot resume
+    (it ignores Range, the object changed), it is a :class:`RemoteReadError` /
+    :class:`RemoteStallError` naming the URL and the byte, never a bare ``TimeoutError``
     or ``IncompleteRead``."""
 
     def __init__(self, url: str, reply: http_pool.Reply, opts: RemoteOptions, paced: bool = True):
@@ -740,7 +895,7 @@ class _HttpStream:
                 error = self._typed(exc)
                 if self.resumes >= self.opts.retries:
                     raise error from None
-                time.sleep(self.opts.backoff * 2 ** self.resumes)
+                time.sleep(self.opts.backoff * 2**self.resumes)
                 self.resumes += 1
                 if not self._resume():
                     raise error from None
@@ -751,8 +906,11 @@ class _HttpStream:
     def _typed(self, exc: BaseException) -> RemoteReadError:
         at, opts = f"at byte {self.pos}", self.opts
         if isinstance(exc, http_pool.DeadlineExceeded):
-            return RemoteStallError(self.url, f"{at}: {exc} (request_deadline={opts.request_deadline} s, "
-                                              f"min_rate={opts.min_rate} B/s)")
+            return RemoteStallError(
+                self.url,
+                f"{at}: {exc} (request_deadline={opts.request_deadline} s, "
+                f"min_rate={opts.min_rate} B/s)",
+            )
         if isinstance(exc, (socket.timeout, TimeoutError)):
             return RemoteStallError(self.url, f"{at}: no byte for {opts.timeout} s ({exc})")
         return RemoteReadError(self.url, f"{at}: the body stopped ({type(exc).__name__}: {exc})")
@@ -764,12 +922,24 @@ class _HttpStream:
         if self.validator:
             headers["If-Range"] = self.validator
         try:
-            reply = http_pool.request(self.url, "GET", headers, timeout=self.opts.timeout,
-                                      deadline=self.opts.request_deadline, min_rate=self.opts.min_rate)
+            reply = http_pool.request(
+                self.url,
+                "GET",
+                headers,
+                timeout=self.opts.timeout,
+                deadline=self.opts.request_deadline,
+                min_rate=self.opts.min_rate,
+            )
         except (OSError, http.client.HTTPException, RemoteReadError):
             return False
         m = re.match(r"bytes (\d+)-", reply.headers.get("Content-Range", ""))
-        if not (reply.status == 206 and m and int(m.group(1)) == self.pos or reply.status == 200 and self.pos == 0):
+        if not (
+            reply.status == 206
+            and m
+            and int(m.group(1)) == self.pos
+            or reply.status == 200
+            and self.pos == 0
+        ):
             reply.close()
             return False
         self.reply = reply.paced_by_reader() if self.paced else reply
@@ -811,7 +981,8 @@ class _PipeFile:
 
 
 def read_whole(url: str, opts: RemoteOptions | None = None) -> bytes:
-    """A sequential shard, decompressed, as one bytes object (under the request's total deadline)."""
+    """A sequential shard, decompressed, as one bytes object (under the request's total
+    deadline)."""
     with open_stream(url, opts, paced_by_reader=False) as f:
         chunks = []
         while chunk := f.read(1 << 20):

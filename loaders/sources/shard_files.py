@@ -1,9 +1,10 @@
 """Names and checksums of webdataset shard files and of the sidecar index files kept beside them.
 
-What a source and the index agree on without either importing the other: where a shard's sidecar lives
-(:func:`sidecar_path`), the name it goes by (:func:`shard_name`) and the crc32 of a sample's members
-recorded at indexing and checked at every read (:func:`sample_checksum`).
+What a source and the index agree on without either importing the other: where a shard's sidecar
+lives (:func:`sidecar_path`), the name it goes by (:func:`shard_name`) and the crc32 of a sample's
+members recorded at indexing and checked at every read (:func:`sample_checksum`).
 """
+
 from __future__ import annotations
 
 import os
@@ -17,8 +18,8 @@ SUFFIX = ".prealign-index.npz"
 
 
 def sample_checksum(members: Iterable[tuple]) -> int:
-    """crc32 over a sample's members (``extension NUL data`` each, in tar order; ``(extension, data, ...)``
-    tuples, anything after the data ignored): what a read checks.
+    """crc32 over a sample's members (``extension NUL data`` each, in tar order; ``(extension, data,
+    ...)`` tuples, anything after the data ignored): what a read checks.
 
     >>> hi, ho = sample_checksum([("txt", b"hi")]), sample_checksum([("txt", b"ho")])
     >>> hi == sample_checksum([("txt", b"hi")]) != ho
@@ -39,13 +40,14 @@ def sidecar_path(url: str, index_dir: str | None = None) -> str:
     if index_dir:
         return os.path.join(index_dir, shard_name(url) + SUFFIX)
     if url.startswith("file://"):
-        url = url[len("file://"):]
+        url = url[len("file://") :]
     base, sep, query = url.partition("?")
     return base + SUFFIX + (sep + query if sep else "")
 
 
 def check_index_dir_names(urls: Iterable[str]) -> None:
-    """An index folder names each sidecar by its shard's file name: two shards of one name (``train/s-0.tar``
+    """An index folder names each sidecar by its shard's file name: two shards of one name
+    (``train/s-0.tar``
     and ``val/s-0.tar``) would share one sidecar, so they are a :class:`ConfigError` naming both."""
     urls = list(urls)
     names = shard_names(urls)
@@ -55,9 +57,11 @@ def check_index_dir_names(urls: Iterable[str]) -> None:
     for url, name in zip(urls, names):
         other = seen.setdefault(name, url)
         if other != url:
-            raise ConfigError(f"index_dir: shards {other} and {url} have the same file name {shard_name(url)!r}, "
-                              f"so their sidecars would overwrite each other; index them into separate folders "
-                              f"or beside the shards")
+            raise ConfigError(
+                f"index_dir: shards {other} and {url} have the same file name {shard_name(url)!r}, "
+                f"so their sidecars would overwrite each other; index them into separate folders "
+                f"or beside the shards"
+            )
 
 
 def shard_name(url: str) -> str:
@@ -66,8 +70,8 @@ def shard_name(url: str) -> str:
 
 
 def shard_names(urls: list[str]) -> list[str]:
-    """:func:`shard_name` of each of ``urls``; plain paths (no query, no trailing slash: the common case) at
-    a string method each, so 100k names cost milliseconds at a loader's start.
+    """:func:`shard_name` of each of ``urls``; plain paths (no query, no trailing slash: the common
+    case) at a string method each, so 100k names cost milliseconds at a loader's start.
 
     >>> shard_names(["/d/a.tar", "b.tar"]), shard_names(["http://h/d/a.tar?x=1", "/d/"])
     (['a.tar', 'b.tar'], ['a.tar', 'd'])
@@ -79,14 +83,16 @@ def shard_names(urls: list[str]) -> list[str]:
 
 
 def plain_local(urls: list[str]) -> bool:
-    """True when every one of ``urls`` is a plain local path (no scheme, no query): one check in C, so a start
+    """True when every one of ``urls`` is a plain local path (no scheme, no query): one check in C,
+    so a start
     over 100k local shards asks no per-shard question of its URLs."""
     joined = "\n".join(urls)
     return ":" not in joined and "?" not in joined
 
 
 class NotRegular(OSError):
-    """A path that is not a regular file (a FIFO, a device, a socket, a folder); ``kind`` says which."""
+    """A path that is not a regular file (a FIFO, a device, a socket, a folder); ``kind`` says
+    which."""
 
     def __init__(self, path: str, kind: str):
         self.kind = kind
@@ -99,20 +105,27 @@ def file_kind(mode: int) -> str:
     >>> file_kind(stat.S_IFIFO | 0o600), file_kind(stat.S_IFREG | 0o644)
     ('a FIFO', 'a regular file')
     """
-    for test, name in ((stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a folder"),
-                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-                       (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket")):
+    for test, name in (
+        (stat.S_ISREG, "a regular file"),
+        (stat.S_ISDIR, "a folder"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
         if test(mode):
             return name
     return f"mode {oct(mode)}"
 
 
 def open_regular(path: str):
-    """``open(path, "rb")`` of a regular file, opened without blocking (a FIFO nobody writes is refused at once,
-    never waited on) and checked after the open (``fstat``: no swap between a check and the open); anything
+    """``open(path, "rb")`` of a regular file, opened without blocking (a FIFO nobody writes is
+    refused at once, never waited on) and checked after the open (``fstat``: no swap between a check
+    and the open); anything
     else is :class:`NotRegular`. A missing path raises ``FileNotFoundError``."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    try:  # (checked on the descriptor: fdopen of a folder raises a bare IsADirectoryError, issue #31)
+    # (checked on the descriptor: fdopen of a folder raises a bare IsADirectoryError, issue #31)
+    try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
             raise NotRegular(path, file_kind(mode))
@@ -123,11 +136,14 @@ def open_regular(path: str):
 
 
 def write_atomically(path: str, data: bytes) -> None:
-    """``data`` written to ``<path>.<pid>.part`` then renamed to ``path`` (readers see the old file or the new
-    one, never half of one); a folder at ``path`` is a :class:`ConfigError`. A write that fails (disk full, a file size limit, an interrupt) removes its own
+    """``data`` written to ``<path>.<pid>.part`` then renamed to ``path`` (readers see the old file
+    or the new one, never half of one); a folder at ``path`` is a :class:`ConfigError`. A write that
+    fails (disk full, a file size limit, an interrupt) removes its own
     ``.part`` and raises: nothing half-written is left behind."""
     if os.path.isdir(path):
-        raise ConfigError(f"{path}: is a folder, where an index file is written; remove or rename the folder")
+        raise ConfigError(
+            f"{path}: is a folder, where an index file is written; remove or rename the folder"
+        )
     tmp = f"{path}.{os.getpid()}.part"
     try:
         with open(tmp, "wb") as f:

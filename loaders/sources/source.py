@@ -10,6 +10,7 @@ A location is a short tuple of ints (stored in the index as an int64 row).
 tokenizer). It runs once per sample at indexing (to learn lengths) and again when the sample is
 loaded for a batch, so it must be deterministic.
 """
+
 from __future__ import annotations
 
 import abc
@@ -27,7 +28,8 @@ TRANSFORM_ERRORS: tuple[type[BaseException], ...] = (ValueError, KeyError, Index
 """What a transform may raise on bad data besides a :class:`~prealign.schemas.errors.SampleError`
 (a missing key, an index past a list, an unparsable value): counted as ``bad_sample``. Anything else
 (``TypeError``, ``AttributeError``, ...) is a bug in the transform and propagates; any other
-:class:`~prealign.schemas.errors.PrealignError` (a ``ConfigError``, a remote read or a timeout: not bad
+:class:`~prealign.schemas.errors.PrealignError` (a ``ConfigError``, a remote read or a timeout: not
+bad
 data) and an ``OSError`` always propagate."""
 
 
@@ -52,12 +54,13 @@ class Source(abc.ABC):
 
     @abc.abstractmethod
     def scan(self, shard: int) -> Iterator[tuple[Location | None, object]]:
-        """``(location, raw sample dict)`` in stream order; ``(location, exception)`` for a sample that
-        could not be read; ``(None, Skip)`` for ignored records; a
+        """``(location, raw sample dict)`` in stream order; ``(location, exception)`` for a sample
+        that could not be read; ``(None, Skip)`` for ignored records; a
         :class:`~prealign.loaders.errors.CorruptShardError` as ``(None, error)`` ends the shard."""
 
-    def scan_after(self, shard: int, ordinal: int,
-                   location: Location) -> Iterator[tuple[Location | None, object]]:
+    def scan_after(
+        self, shard: int, ordinal: int, location: Location
+    ) -> Iterator[tuple[Location | None, object]]:
         """:meth:`scan`'s records after its ``ordinal``-th (0-based), the sample at ``location``:
         where a resumed stream goes on. The default scans the shard again and drops the first
         ``ordinal + 1`` records (read and decoded again); a source that can skip without decoding
@@ -72,11 +75,13 @@ class Source(abc.ABC):
 
     @abc.abstractmethod
     def describe(self) -> dict:
-        """JSON-friendly description of the data (``kind``, shard names, sizes); its ``kind`` is part of
+        """JSON-friendly description of the data (``kind``, shard names, sizes); its ``kind`` is
+        part of
         the loader's resume check (the index digest covers the content)."""
 
     def _local(self) -> dict:
-        """Per-process cache (open files, stream cursors): never pickled to workers, reset after a fork."""
+        """Per-process cache (open files, stream cursors): never pickled to workers, reset after a
+        fork."""
         cache = self.__dict__.get("_process_local")
         if cache is None or cache[0] != os.getpid():
             cache = self.__dict__["_process_local"] = (os.getpid(), {})
@@ -88,8 +93,9 @@ class Source(abc.ABC):
         return state
 
     def check_locations(self, locations) -> None:
-        """Raise :class:`~prealign.loaders.errors.IndexFileError` when int64 ``locations [N, K]`` (an index's)
-        cannot be this source's (another width, a shard or row out of range): an index of other data.
+        """Raise :class:`~prealign.loaders.errors.IndexFileError` when int64 ``locations [N, K]``
+        (an index's) cannot be this source's (another width, a shard or row out of range): an index
+        of other data.
         The default checks nothing."""
 
     def _check_range(self, locations, width: int, limits: dict[int, int]) -> None:
@@ -98,30 +104,40 @@ class Source(abc.ABC):
 
         locations = np.asarray(locations)
         if locations.ndim != 2 or locations.shape[1] != width:
-            raise IndexFileError(f"index locations: expected [N, {width}] for {type(self).__name__}, got "
-                                 f"{list(locations.shape)}; the index was built for another source")
+            raise IndexFileError(
+                f"index locations: expected [N, {width}] for {type(self).__name__}, got "
+                f"{list(locations.shape)}; the index was built for another source"
+            )
         for col, hi in limits.items():
-            if locations.shape[0] and not (0 <= locations[:, col].min() and locations[:, col].max() < hi):
-                raise IndexFileError(f"index locations column {col}: values in [{locations[:, col].min()}, "
-                                     f"{locations[:, col].max()}], this source has {hi}; the index was built for "
-                                     f"other data")
+            if locations.shape[0] and not (
+                0 <= locations[:, col].min() and locations[:, col].max() < hi
+            ):
+                raise IndexFileError(
+                    f"index locations column {col}: values in [{locations[:, col].min()}, "
+                    f"{locations[:, col].max()}], this source has {hi}; the index was built for "
+                    f"other data"
+                )
 
     def where(self, location: Location) -> str:
         """Human-readable name of a sample for error messages."""
         return f"{type(self).__name__}{list(location)}"
 
     def sample_name(self, raw, location: Location) -> str:
-        """The most telling name of a read sample: ``url:key`` for webdataset, else :meth:`where`."""
+        """The most telling name of a read sample: ``url:key`` for webdataset, else
+        :meth:`where`."""
         if isinstance(raw, dict) and "__key__" in raw and "__url__" in raw:
             return f"{raw['__url__']}:{raw['__key__']}"
         return self.where(location)
 
     def for_indexing(self) -> "Source":
-        """The source the index pass transforms with: this one, its transform replaced by the transform's
-        ``for_indexing()`` where its class defines one (the same lengths, shapes and bad-data verdicts on what the
-        headers show, without decoding what only pixels need: a VLM transform's video frames). A wrapper such as
+        """The source the index pass transforms with: this one, its transform replaced by the
+        transform's ``for_indexing()`` where its class defines one (the same lengths, shapes and
+        bad-data verdicts on what the headers show, without decoding what only pixels need: a VLM
+        transform's video frames). A wrapper such as
         ``SharedMediaTransform`` is kept as it is (its sharing is the point of it)."""
-        make = getattr(type(self.transform), "for_indexing", None)  # its own (a wrapper's delegation not taken)
+        make = getattr(
+            type(self.transform), "for_indexing", None
+        )  # its own (a wrapper's delegation not taken)
         if make is None:
             return self
         import copy
@@ -133,27 +149,45 @@ class Source(abc.ABC):
     def apply_transform(self, raw: dict, location: Location) -> dict:
         """``transform(raw)``; any failure becomes a :class:`BadSampleError` naming the sample.
 
-        A :class:`~prealign.schemas.errors.SampleError` raised by the transform keeps its field, expected,
-        actual and ``reason`` (:func:`~prealign.loaders.errors.reason_of`, e.g. a
-        :class:`~prealign.loaders.media.vlm.MediaError`'s ``corrupt_image``), so the index counts skips by cause;
-        one of :data:`TRANSFORM_ERRORS` is reported as ``transform to succeed`` under ``bad_sample``;
-        anything else (a bug) and any other :class:`~prealign.schemas.errors.PrealignError` propagate as they are.
+        A :class:`~prealign.schemas.errors.SampleError` raised by the transform keeps its field,
+        expected, actual and ``reason`` (:func:`~prealign.loaders.errors.reason_of`, e.g. a
+        :class:`~prealign.loaders.media.vlm.MediaError`'s ``corrupt_image``), so the index counts
+        skips by cause; one of :data:`TRANSFORM_ERRORS` is reported as ``transform to succeed``
+        under ``bad_sample``; anything else (a bug) and any other
+        :class:`~prealign.schemas.errors.PrealignError` propagate as they are.
         """
         if self.transform is None:
             return raw
         try:
             out = self.transform(raw)
         except SampleError as exc:  # a typed problem: keep what it says, rename the sample
-            raise BadSampleError(sample=self.sample_name(raw, location), field=exc.field, expected=exc.expected,
-                                 actual=exc.actual, reason=reason_of(exc)) from exc
-        except PrealignError:  # configuration or infrastructure (a remote read, a timeout): never bad data
+            raise BadSampleError(
+                sample=self.sample_name(raw, location),
+                field=exc.field,
+                expected=exc.expected,
+                actual=exc.actual,
+                reason=reason_of(exc),
+            ) from exc
+        except (
+            PrealignError
+        ):  # configuration or infrastructure (a remote read, a timeout): never bad data
             raise
-        except TRANSFORM_ERRORS as exc:  # bad data as the transform sees it, handled by the declared policy
-            raise BadSampleError(sample=self.sample_name(raw, location), field=None, expected="transform to succeed",
-                                 actual=f"{type(exc).__name__}: {exc}") from exc
+        except (
+            TRANSFORM_ERRORS
+        ) as exc:  # bad data as the transform sees it, handled by the declared policy
+            raise BadSampleError(
+                sample=self.sample_name(raw, location),
+                field=None,
+                expected="transform to succeed",
+                actual=f"{type(exc).__name__}: {exc}",
+            ) from exc
         if not isinstance(out, dict):
-            raise BadSampleError(sample=self.sample_name(raw, location), field=None,
-                                 expected="transform to return a dict", actual=type(out).__name__)
+            raise BadSampleError(
+                sample=self.sample_name(raw, location),
+                field=None,
+                expected="transform to return a dict",
+                actual=type(out).__name__,
+            )
         return out
 
     def load(self, location: Location) -> dict:
@@ -162,9 +196,12 @@ class Source(abc.ABC):
 
 
 UNTOKENIZED_HINT = (
-    "tokenize the rows first: `ds = ds.map(tokenize, remove_columns=ds.column_names)` with a function returning "
-    "input_ids (and, for SFT, labels: the ids with -100 on the prompt), or HFSource(ds, transform=tokenize); the "
-    "recipe is examples/hf_sft.py (docs/quickstart.md)")
+    "tokenize the rows first: `ds = ds.map(tokenize, remove_columns=ds.column_names)` with a "
+    "function returning "
+    "input_ids (and, for SFT, labels: the ids with -100 on the prompt), or HFSource(ds, "
+    "transform=tokenize); the "
+    "recipe is examples/hf_sft.py (docs/quickstart.md)"
+)
 """What to do with text rows (prompt / response, chat messages) a loader cannot pack as they are."""
 
 
@@ -172,10 +209,11 @@ class HFSource(Source):
     """A Hugging Face ``datasets.Dataset`` (map-style) or ``datasets.IterableDataset`` (streaming).
 
     Map-style: a sample's location is ``(row,)``; shards are ranges of ``rows_per_shard`` rows.
-    Streaming: location ``(shard, ordinal)`` over the dataset's own shards (``num_shards``); a worker
-    reads each shard forward, keeping the last ``lookback`` raw rows, and re-opens the shard only
-    when asked for an older row. DP ranks are split by the planner, not by ``split_dataset_by_node``
-    (see :mod:`prealign.loaders.index.build` for where the node split is used).
+    Streaming: location ``(shard, ordinal)`` over the dataset's own shards (``num_shards``); a
+    worker reads each shard forward, keeping the last ``lookback`` raw rows, and re-opens the shard
+    only when asked for an older row. DP ranks are split by the planner, not by
+    ``split_dataset_by_node`` (see :mod:`prealign.loaders.index.build` for where the node split is
+    used).
 
     >>> import datasets
     >>> src = HFSource(datasets.Dataset.from_dict({"input_ids": [[1, 2], [3]]}))
@@ -183,12 +221,21 @@ class HFSource(Source):
     (1, [(0,), (1,)], [3])
     """
 
-    def __init__(self, dataset, *, transform: Transform | None = None, rows_per_shard: int = 4096,
-                 lookback: int = 8192, name: str | None = None, media_root: str | None = None):
+    def __init__(
+        self,
+        dataset,
+        *,
+        transform: Transform | None = None,
+        rows_per_shard: int = 4096,
+        lookback: int = 8192,
+        name: str | None = None,
+        media_root: str | None = None,
+    ):
         import datasets
 
         self.media_root = None if media_root is None else os.path.realpath(media_root)
-        """Where the files an ``images`` / ``videos`` column names by relative path are read from (the dataset's
+        """Where the files an ``images`` / ``videos`` column names by relative path are read from
+        (the dataset's
         folder: :func:`attach_media_files`); ``None``: rows carry their media themselves."""
         if self.media_root is not None and not os.path.isdir(self.media_root):
             raise ConfigError(f"media_root: {media_root!r} is not a folder")
@@ -196,16 +243,20 @@ class HFSource(Source):
         self.transform = transform
         self.streaming = isinstance(dataset, datasets.IterableDataset)
         if not self.streaming and not isinstance(dataset, datasets.Dataset):
-            raise ConfigError(f"dataset: expected a datasets.Dataset or datasets.IterableDataset, got "
-                              f"{type(dataset).__name__}")
+            raise ConfigError(
+                f"dataset: expected a datasets.Dataset or datasets.IterableDataset, got "
+                f"{type(dataset).__name__}"
+            )
         self.sequential = self.streaming
         self.rows_per_shard = max(int(rows_per_shard), 1)
         self.lookback = max(int(lookback), 1)
         self.name = name or (getattr(getattr(dataset, "info", None), "dataset_name", None) or "hf")
         columns = getattr(dataset, "column_names", None)
         if transform is None and columns and "input_ids" not in columns:
-            raise ConfigError(f"dataset: rows with columns {sorted(columns)} and no input_ids, and no transform; "
-                              f"{UNTOKENIZED_HINT}")
+            raise ConfigError(
+                f"dataset: rows with columns {sorted(columns)} and no input_ids, and no transform; "
+                f"{UNTOKENIZED_HINT}"
+            )
 
     @property
     def num_shards(self) -> int:
@@ -223,7 +274,8 @@ class HFSource(Source):
             yield (row,), self._media((row,), self.dataset[row])
 
     def _media(self, location: Location, row):
-        """The row with the media files it names attached (with ``media_root``); a problem as the row's error."""
+        """The row with the media files it names attached (with ``media_root``); a problem as the
+        row's error."""
         if self.media_root is None or not isinstance(row, dict):
             return row
         try:
@@ -232,7 +284,8 @@ class HFSource(Source):
             return exc
 
     def _shard(self, shard: int):
-        """Rows of one streaming shard. ``IterableDataset.iter`` (unlike ``__iter__``) does not split
+        """Rows of one streaming shard. ``IterableDataset.iter`` (unlike ``__iter__``) does not
+        split
         shards by DataLoader worker, so any worker can read any shard."""
         part = self.dataset.shard(num_shards=self.dataset.num_shards, index=shard, contiguous=True)
         for batch in part.iter(batch_size=256):
@@ -262,8 +315,12 @@ class HFSource(Source):
             try:
                 recent[nxt] = next(it)
             except StopIteration:
-                raise BadSampleError(sample=self.where(location), field=None, expected="the row the index recorded",
-                                     actual=f"shard {shard} ends after {nxt} rows") from None
+                raise BadSampleError(
+                    sample=self.where(location),
+                    field=None,
+                    expected="the row the index recorded",
+                    actual=f"shard {shard} ends after {nxt} rows",
+                ) from None
             nxt += 1
             if len(recent) > self.lookback:
                 recent.popitem(last=False)
@@ -281,8 +338,13 @@ class HFSource(Source):
 
     def describe(self) -> dict:
         n = None if self.streaming else len(self.dataset)
-        return {"kind": "hf_streaming" if self.streaming else "hf", "name": self.name, "num_shards": self.num_shards,
-                "num_rows": n, "fingerprint": getattr(self.dataset, "_fingerprint", None)}
+        return {
+            "kind": "hf_streaming" if self.streaming else "hf",
+            "name": self.name,
+            "num_shards": self.num_shards,
+            "num_rows": n,
+            "fingerprint": getattr(self.dataset, "_fingerprint", None),
+        }
 
 
 MEDIA_COLUMNS = ("images", "videos")
@@ -291,8 +353,8 @@ MAX_MEDIA_FILE_BYTES = 1 << 32
 
 
 def media_paths(row: dict) -> list[str]:
-    """The relative file paths a row's ``images`` / ``videos`` columns name: plain strings, ``{"file": path}`` and
-    the strings of a ``{"frames": [...]}`` list.
+    """The relative file paths a row's ``images`` / ``videos`` columns name: plain strings,
+    ``{"file": path}`` and the strings of a ``{"frames": [...]}`` list.
 
     >>> videos = [{"file": "v/c.mp4"}, {"frames": ["f0.png", "f1.png"]}]
     >>> media_paths({"images": ["a.jpg"], "videos": videos})
@@ -311,9 +373,10 @@ def media_paths(row: dict) -> list[str]:
 
 
 def attach_media_files(row: dict, root: str, where: str) -> dict:
-    """``row`` plus ``{path: file bytes}`` for each path :func:`media_paths` finds, read from ``root`` (the
-    transform then finds them as a webdataset sample's members). A path that is absolute, leaves ``root``
-    (``..``, a link out), is missing or is over :data:`MAX_MEDIA_FILE_BYTES` is a :class:`BadSampleError`
+    """``row`` plus ``{path: file bytes}`` for each path :func:`media_paths` finds, read from
+    ``root`` (the transform then finds them as a webdataset sample's members). A path that is
+    absolute, leaves ``root`` (``..``, a link out), is missing or is over
+    :data:`MAX_MEDIA_FILE_BYTES` is a :class:`BadSampleError`
     (``missing_image``) naming the row and the path; nothing outside ``root`` is read."""
     files = {}
     for name in media_paths(row):
@@ -326,10 +389,17 @@ def attach_media_files(row: dict, root: str, where: str) -> dict:
         elif not os.path.isfile(path):
             problem = "no such file"
         elif os.path.getsize(path) > MAX_MEDIA_FILE_BYTES:
-            problem = f"{os.path.getsize(path)} bytes, over {MAX_MEDIA_FILE_BYTES} (MAX_MEDIA_FILE_BYTES)"
+            problem = (
+                f"{os.path.getsize(path)} bytes, over {MAX_MEDIA_FILE_BYTES} (MAX_MEDIA_FILE_BYTES)"
+            )
         if problem:
-            raise BadSampleError(sample=where, field=name, reason="missing_image", actual=problem,
-                                 expected=f"a file under the media root {root}")
+            raise BadSampleError(
+                sample=where,
+                field=name,
+                reason="missing_image",
+                actual=problem,
+                expected=f"a file under the media root {root}",
+            )
         with open(path, "rb") as f:
             files[name] = f.read()
     return {**row, **files} if files else row

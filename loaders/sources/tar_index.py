@@ -26,6 +26,7 @@ reference's by construction.
 >>> w.names, w.offset.tolist(), w.data_at.tolist(), w.size.tolist(), w.end.tolist(), w.ended
 (['k.txt'], [0], [512], [2], [1024], True)
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -97,7 +98,7 @@ class _View:
         stop = len(self.mv) if n < 0 else self.at + n
         if stop > len(self.mv):
             self.short = True
-        out = bytes(self.mv[self.at:stop])
+        out = bytes(self.mv[self.at : stop])
         self.at += len(out)
         return out
 
@@ -140,7 +141,7 @@ def walk(buf: bytes, base: int = 0, *, eof: bool) -> Walked:
             heads.append(i)
             i = nxt
             continue
-        head = buf[i * BLOCK:(i + 1) * BLOCK]
+        head = buf[i * BLOCK : (i + 1) * BLOCK]
         if head == _ZERO:
             ended = True
             break
@@ -169,8 +170,16 @@ def walk(buf: bytes, base: int = 0, *, eof: bool) -> Walked:
     for pos, member in extended:
         offset[pos], sizes[pos], names[pos] = member.offset, len(member.data), member.name
     data_at = base + (h + 1) * BLOCK
-    return Walked(offset, data_at, sizes, data_at + (sizes + BLOCK - 1) // BLOCK * BLOCK, names,
-                  base + i * BLOCK, ended, need)
+    return Walked(
+        offset,
+        data_at,
+        sizes,
+        data_at + (sizes + BLOCK - 1) // BLOCK * BLOCK,
+        names,
+        base + i * BLOCK,
+        ended,
+        need,
+    )
 
 
 def _names(blocks: np.ndarray, h: np.ndarray) -> list[str]:

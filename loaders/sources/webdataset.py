@@ -1,17 +1,19 @@
 """webdataset tar shards as a :class:`~prealign.loaders.sources.source.Source`.
 
 A sample is the run of consecutive members sharing a key (``0001.input_ids.npy``, ``0001.json``
--> key ``0001``), decoded safely by :mod:`prealign.loaders.sources.tar_decode` (never unpickled). Indexing walks
-each tar once and records each sample's byte range, so a worker reads one sample with one
-``seek`` + ``read``. Remote shards (``http(s)://``, ``s3://``, ``gs://``) are read by byte range, never
-copied whole; ``pipe:`` and ``.tar.gz`` shards front to back (:mod:`prealign.loaders.sources.remote`). Sidecar
-indexes (``prealign index``, :mod:`prealign.loaders.index.sidecar`) beside the shards, or in ``index_dir``, are
-found and used by themselves. A location is ``(shard, start, end, checksum)``: a read whose members
-no longer have the checksum recorded at indexing raises :class:`SourceChangedError`.
+-> key ``0001``), decoded safely by :mod:`prealign.loaders.sources.tar_decode` (never unpickled).
+Indexing walks each tar once and records each sample's byte range, so a worker reads one sample with
+one ``seek`` + ``read``. Remote shards (``http(s)://``, ``s3://``, ``gs://``) are read by byte
+range, never copied whole; ``pipe:`` and ``.tar.gz`` shards front to back
+(:mod:`prealign.loaders.sources.remote`). Sidecar indexes (``prealign index``,
+:mod:`prealign.loaders.index.sidecar`) beside the shards, or in ``index_dir``, are found and used by
+themselves. A location is ``(shard, start, end, checksum)``: a read whose members no longer have the
+checksum recorded at indexing raises :class:`SourceChangedError`.
 
 Sample dict: ``{"__key__": str, "__url__": str, "__shard__": int, <extension>: decoded value}``.
 Without a ``transform``, every ``<name>.npy`` member becomes a tensor field ``<name>``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -45,7 +47,12 @@ from prealign.loaders.sources.shard_files import (
     sample_checksum,
 )
 from prealign.loaders.sources.source import Location, Skip, Source, Transform
-from prealign.loaders.sources.tar_decode import DEFAULT_LIMITS, DecodeLimits, decode_member, split_member_name
+from prealign.loaders.sources.tar_decode import (
+    DEFAULT_LIMITS,
+    DecodeLimits,
+    decode_member,
+    split_member_name,
+)
 from prealign.loaders.sources.tar_reader import TarFormatError, iter_members
 from prealign.schemas.errors import ConfigError, SampleError
 
@@ -66,11 +73,16 @@ def expand_urls(urls: str | Sequence[str]) -> list[str]:
 
     items = [urls] if isinstance(urls, str) else list(urls)
     joined = "".join(items) if set(map(type, items)) == {str} else "{"
-    if "{" not in joined and "}" not in joined and "\\" not in joined:  # (100k plain paths: three searches)
+    if (
+        "{" not in joined and "}" not in joined and "\\" not in joined
+    ):  # (100k plain paths: three searches)
         out = items
     else:
-        out = [u for item in map(str, items)  # (a plain path as it is: braceexpand costs ~15 us a name)
-               for u in (braceexpand.braceexpand(item) if _BRACE.search(item) else (item,))]
+        out = [
+            u
+            for item in map(str, items)  # (a plain path as it is: braceexpand costs ~15 us a name)
+            for u in (braceexpand.braceexpand(item) if _BRACE.search(item) else (item,))
+        ]
     if not out:
         raise ConfigError(f"urls: no shard URLs given ({urls!r})")
     check_unique(out)
@@ -79,8 +91,9 @@ def expand_urls(urls: str | Sequence[str]) -> list[str]:
 
 def shard_identity(url: str) -> str:
     """What one shard is called whatever way it is written: a local path made absolute and normal
-    (``./d/../d/a.tar``, ``file:///w/d/a.tar`` and ``d/a.tar`` are one shard; no file system call, so symlinks
-    are not followed); a URL with its scheme and host in lower case, its fragment dropped; a ``pipe:`` command
+    (``./d/../d/a.tar``, ``file:///w/d/a.tar`` and ``d/a.tar`` are one shard; no file system call,
+    so symlinks are not followed); a URL with its scheme and host in lower case, its fragment
+    dropped; a ``pipe:`` command
     as it is."""
     if url.startswith("pipe:"):
         return url
@@ -88,26 +101,32 @@ def shard_identity(url: str) -> str:
         import urllib.parse
 
         parts = urllib.parse.urlsplit(url)
-        return urllib.parse.urlunsplit((parts.scheme.lower(), parts.netloc.lower(), parts.path, parts.query, ""))
+        return urllib.parse.urlunsplit(
+            (parts.scheme.lower(), parts.netloc.lower(), parts.path, parts.query, "")
+        )
     return os.path.normpath(os.path.abspath(_remote.local_path(url)))
 
 
 def check_unique(urls: Sequence[str]) -> None:
-    """A :class:`ConfigError` naming both positions when one shard is listed twice (:func:`shard_identity`):
-    its samples would be served twice per epoch.
+    """A :class:`ConfigError` naming both positions when one shard is listed twice
+    (:func:`shard_identity`): its samples would be served twice per epoch.
 
     >>> same = shard_identity("file:///d/x.tar") == shard_identity("/d/../d/x.tar")
     >>> same, shard_identity("S3://B/k/x.tar#f")
     (True, 's3://b/k/x.tar')
     """
-    if _normal_absolute(urls) and len(set(urls)) == len(urls):  # each its own identity: no call per shard
+    if _normal_absolute(urls) and len(set(urls)) == len(
+        urls
+    ):  # each its own identity: no call per shard
         return
     seen: dict[str, int] = {}
     for i, url in enumerate(urls):
         j = seen.setdefault(shard_identity(url), i)
         if j != i:
-            raise ConfigError(f"urls: shard {urls[j]!r} (position {j}) and {url!r} (position {i}) are one shard; "
-                              f"list each shard once (its samples would be served twice per epoch)")
+            raise ConfigError(
+                f"urls: shard {urls[j]!r} (position {j}) and {url!r} (position {i}) are one shard; "
+                f"list each shard once (its samples would be served twice per epoch)"
+            )
 
 
 _ABNORMAL = ("//", "/./", "/../", "/.\n", "/..\n", "/\n", "\x00")
@@ -115,29 +134,40 @@ _ABNORMAL = ("//", "/./", "/../", "/.\n", "/..\n", "/\n", "\x00")
 
 
 def _normal_absolute(urls: Sequence[str]) -> bool:
-    """Every url is an absolute local path already normal (``os.path.normpath(os.path.abspath(u)) == u``):
-    its own :func:`shard_identity`. A few substring searches over all of them (a start over 100k shards)."""
+    """Every url is an absolute local path already normal (``os.path.normpath(os.path.abspath(u)) ==
+    u``):
+    its own :func:`shard_identity`. A few substring searches over all of them (a start over 100k
+    shards)."""
     if not urls or set(map(type, urls)) != {str}:
         return False
     text = "\n".join(urls) + "\n"
     lines = len(urls)
-    return text.startswith("/") and text.count("\n") == lines and text.count("\n/") == lines - 1 and \
-        not any(bad in text for bad in _ABNORMAL)
+    return (
+        text.startswith("/")
+        and text.count("\n") == lines
+        and text.count("\n/") == lines - 1
+        and not any(bad in text for bad in _ABNORMAL)
+    )
 
 
 _TORCH_KINDS = "biufc"  # bool, int, uint, float, complex: what torch.from_numpy takes
 
 
 def numpy_fields(sample: dict) -> dict:
-    """Default transform: every ``<name>.npy`` member -> tensor ``<name>``; other keys kept as they are.
-    A big-endian array is converted to native order; an array torch cannot hold (strings, records,
+    """Default transform: every ``<name>.npy`` member -> tensor ``<name>``; other keys kept as they
+    are. A big-endian array is converted to native order; an array torch cannot hold (strings,
+    records,
     dates) is a :class:`~prealign.loaders.errors.BadSampleError` naming the member."""
     out = {}
     for k, v in sample.items():
         if isinstance(v, np.ndarray) and k.endswith(".npy"):
             if v.dtype.kind not in _TORCH_KINDS or v.dtype.fields is not None:
-                raise BadSampleError(sample=sample.get("__key__"), field=k, expected="a numeric or bool array",
-                                     actual=f"dtype {v.dtype}")
+                raise BadSampleError(
+                    sample=sample.get("__key__"),
+                    field=k,
+                    expected="a numeric or bool array",
+                    actual=f"dtype {v.dtype}",
+                )
             if not v.dtype.isnative:
                 v = v.astype(v.dtype.newbyteorder("="))
             out[k[:-4]] = torch.from_numpy(v)
@@ -146,64 +176,98 @@ def numpy_fields(sample: dict) -> dict:
     return out
 
 
-def check_members(where: str, key: str, members: list[tuple[str, bytes, str]], duplicate: bool) -> None:
+def check_members(
+    where: str, key: str, members: list[tuple[str, bytes, str]], duplicate: bool
+) -> None:
     """Raise the :class:`BadSampleError` of a sample whose key was already seen in its shard
-    (``duplicate_key``), that has a link member (``link_member``) or a member of another type (a directory,
+    (``duplicate_key``), that has a link member (``link_member``) or a member of another type (a
+    directory,
     GNU sparse, an unknown typeflag: ``unknown_member``); the full and the header pass alike."""
     if duplicate:
-        raise BadSampleError(sample=where, field=None, reason="duplicate_key", expected="a key once per shard",
-                             actual=f"key {key!r} again after other samples")
+        raise BadSampleError(
+            sample=where,
+            field=None,
+            reason="duplicate_key",
+            expected="a key once per shard",
+            actual=f"key {key!r} again after other samples",
+        )
     links = [(ext, kind) for ext, _, kind in members if kind != "file"]
     if links:
         ext, kind = links[0]
         if kind in ("hardlink", "symlink", "chardev", "blockdev", "fifo"):
-            raise BadSampleError(sample=where, field=ext, reason="link_member", expected="regular file members",
-                                 actual=f"a {kind} member (webdataset samples hold their bytes; links are not "
-                                        f"followed)")
-        raise BadSampleError(sample=where, field=ext, reason="unknown_member", expected="regular file members",
-                             actual=f"a {kind} member (its data is not read)")
+            raise BadSampleError(
+                sample=where,
+                field=ext,
+                reason="link_member",
+                expected="regular file members",
+                actual=f"a {kind} member (webdataset samples hold their bytes; links are not "
+                f"followed)",
+            )
+        raise BadSampleError(
+            sample=where,
+            field=ext,
+            reason="unknown_member",
+            expected="regular file members",
+            actual=f"a {kind} member (its data is not read)",
+        )
 
 
 class WebDatasetSource(Source):
     """webdataset shards (local paths, ``file://`` or remote URLs).
 
     ``required``: member extensions every sample must have (``("input_ids.npy",)``); a sample
-    without one is a :class:`~prealign.loaders.errors.MissingMemberError` (handled by the loader's bad-data
-    policy). ``image``: ``"pil"`` or ``"bytes"``. ``decoders``: extra ``{extension: bytes -> value}``
-    decoders (pickle-like extensions stay refused; they signal bad bytes with ``ValueError``).
-    ``limits``: caps on decoded pixels / array bytes (:class:`~prealign.loaders.sources.tar_decode.DecodeLimits`).
-    ``read_timeout``: seconds a shard read (open, one 1 MiB chunk, a sample's ``open`` + ``seek`` + ``read``)
-    may make no progress, in the index pass and when a batch is loaded alike, before it is a
-    :class:`~prealign.loaders.errors.ShardTimeoutError` (``None``: wait forever); a ``pipe:`` command that
-    stalls is killed.
+    without one is a :class:`~prealign.loaders.errors.MissingMemberError` (handled by the loader's
+    bad-data policy). ``image``: ``"pil"`` or ``"bytes"``. ``decoders``: extra ``{extension: bytes
+    -> value}`` decoders (pickle-like extensions stay refused; they signal bad bytes with
+    ``ValueError``). ``limits``: caps on decoded pixels / array bytes
+    (:class:`~prealign.loaders.sources.tar_decode.DecodeLimits`). ``read_timeout``: seconds a shard
+    read (open, one 1 MiB chunk, a sample's ``open`` + ``seek`` + ``read``) may make no progress, in
+    the index pass and when a batch is loaded alike, before it is a
+    :class:`~prealign.loaders.errors.ShardTimeoutError` (``None``: wait forever); a ``pipe:``
+    command that stalls is killed.
 
     Within a shard, a sample with a hard or symbolic link member (``link_member``) or a key already
     seen earlier in the shard (``duplicate_key``) is a bad sample; a local shard that does not exist
-    is a :class:`~prealign.loaders.errors.MissingShardError` (configuration, raised before the index pass by
-    :func:`~prealign.loaders.index.sidecar.check_source`, or at its first read or later when ``shard_check``
-    checks it against its sidecar); a shard indexed in process and gone when a batch is loaded (deleted or
-    replaced since indexing) a :class:`~prealign.loaders.errors.ShardGoneError` (bad data: counted under
-    ``skip``).
+    is a :class:`~prealign.loaders.errors.MissingShardError` (configuration, raised before the index
+    pass by :func:`~prealign.loaders.index.sidecar.check_source`, or at its first read or later when
+    ``shard_check`` checks it against its sidecar); a shard indexed in process and gone when a batch
+    is loaded (deleted or replaced since indexing) a
+    :class:`~prealign.loaders.errors.ShardGoneError` (bad data: counted under ``skip``).
     """
 
     sequential = True
     shard_check: Callable | None = None
-    """Set by the index pass from the shards' sidecars (:class:`~prealign.loaders.index.sidecar.ShardChecks`):
-    ``shard_check(source, shard)`` raises when a shard no longer matches its index. Called at the first read of
+    """Set by the index pass from the shards' sidecars
+    (:class:`~prealign.loaders.index.sidecar.ShardChecks`): ``shard_check(source, shard)`` raises
+    when a shard no longer matches its index. Called at the first read of
     each shard in each process, before any of its samples is served."""
 
-    def __init__(self, urls: str | Sequence[str], *, transform: Transform | None = numpy_fields,
-                 required: Sequence[str] = (), image: str = "pil",
-                 decoders: Mapping[str, Callable[[bytes], object]] | None = None, cache_dir: str | None = None,
-                 cache_limit: int | None = None, index_dir: str | None = None, sidecars: bool = True,
-                 remote: "_remote.RemoteOptions | None" = None, max_open_files: int = 16,
-                 limits: DecodeLimits = DEFAULT_LIMITS, read_timeout: float | None = 120.0):
+    def __init__(
+        self,
+        urls: str | Sequence[str],
+        *,
+        transform: Transform | None = numpy_fields,
+        required: Sequence[str] = (),
+        image: str = "pil",
+        decoders: Mapping[str, Callable[[bytes], object]] | None = None,
+        cache_dir: str | None = None,
+        cache_limit: int | None = None,
+        index_dir: str | None = None,
+        sidecars: bool = True,
+        remote: "_remote.RemoteOptions | None" = None,
+        max_open_files: int = 16,
+        limits: DecodeLimits = DEFAULT_LIMITS,
+        read_timeout: float | None = 120.0,
+    ):
         if image not in ("pil", "bytes"):
             raise ConfigError(f"image: expected 'pil' or 'bytes', got {image!r}")
         if not isinstance(limits, DecodeLimits):
             raise ConfigError(f"limits: expected a DecodeLimits, got {type(limits).__name__}")
-        if read_timeout is not None and (isinstance(read_timeout, bool) or not isinstance(read_timeout, (int, float))
-                                         or not read_timeout > 0):
+        if read_timeout is not None and (
+            isinstance(read_timeout, bool)
+            or not isinstance(read_timeout, (int, float))
+            or not read_timeout > 0
+        ):
             raise ConfigError(f"read_timeout: expected seconds > 0 or None, got {read_timeout!r}")
         self.urls = expand_urls(urls)
         self.transform = transform
@@ -211,18 +275,26 @@ class WebDatasetSource(Source):
         self.image = image
         self.decoders = dict(decoders or {})
         self.cache_dir = cache_dir
-        self.index_dir, self.sidecars, self.max_open_files = index_dir, bool(sidecars), max(int(max_open_files), 1)
+        self.index_dir, self.sidecars, self.max_open_files = (
+            index_dir,
+            bool(sidecars),
+            max(int(max_open_files), 1),
+        )
         """Sidecars: looked up beside each shard (or in ``index_dir``) when ``sidecars``."""
         if index_dir:
-
             check_index_dir_names(self.urls)
         if remote is None:
             limit = {} if cache_limit is None else {"cache_limit": int(cache_limit)}
             remote = _remote.RemoteOptions(cache_dir=cache_dir, **limit)
         self.local_only = plain_local(self.urls)
-        """Every shard a plain local path (one check at the start: no per-shard question of the URLs then)."""
-        if remote.cache_dir is None and remote.private_dir is None and not self.local_only and any(
-                _remote.scheme(u) in ("http", "https") for u in self.urls):  # made here: see RemoteOptions
+        """Every shard a plain local path (one check at the start: no per-shard question of the URLs
+        then)."""
+        if (
+            remote.cache_dir is None
+            and remote.private_dir is None
+            and not self.local_only
+            and any(_remote.scheme(u) in ("http", "https") for u in self.urls)
+        ):  # made here: see RemoteOptions
             remote = dataclasses.replace(remote, private_dir=_remote.private_folder())
         self.remote = remote
         self.limits = limits
@@ -235,7 +307,8 @@ class WebDatasetSource(Source):
 
     @property
     def stream_only(self) -> bool:
-        """True when some shard can only be read front to back (``pipe:``, ``.tar.gz``): the loader then
+        """True when some shard can only be read front to back (``pipe:``, ``.tar.gz``): the loader
+        then
         shuffles micro-batches within a bounded window of steps, not over the whole epoch."""
         if self.__dict__.get("local_only"):  # only a gzip-compressed tar can be sequential
             joined = "\n".join(self.urls) + "\n"
@@ -257,10 +330,15 @@ class WebDatasetSource(Source):
         (:meth:`scan_after`)."""
         url = self.urls[shard]
         try:
-            f = TimedReader(lambda: _remote.open_stream(url, self.remote, limits=self.limits),
-                            timeout=self.read_timeout)
+            f = TimedReader(
+                lambda: _remote.open_stream(url, self.remote, limits=self.limits),
+                timeout=self.read_timeout,
+            )
         except (CorruptShardError, _remote.RemoteReadError) as exc:
-            yield None, exc if isinstance(exc, CorruptShardError) else CorruptShardError(url, 0, str(exc))
+            yield (
+                None,
+                exc if isinstance(exc, CorruptShardError) else CorruptShardError(url, 0, str(exc)),
+            )
             return
         except Stalled as exc:
             yield None, ShardTimeoutError(url, 0, f"opening: {exc}")
@@ -273,30 +351,49 @@ class WebDatasetSource(Source):
                     if split is None:
                         if m.offset < after:
                             continue
-                        yield None, Skip("ignored_member", f"{url}:{m.name}", f"tar {m.kind} member without "
-                                         f"an extension")
+                        yield (
+                            None,
+                            Skip(
+                                "ignored_member",
+                                f"{url}:{m.name}",
+                                f"tar {m.kind} member without an extension",
+                            ),
+                        )
                         continue
                     if split[0] != key:
                         if members:
                             if start >= after:
-                                yield (shard, start, m.offset, sample_checksum(members)), \
-                                    self._sample(shard, key, members, key in seen)
+                                yield (
+                                    (shard, start, m.offset, sample_checksum(members)),
+                                    self._sample(shard, key, members, key in seen),
+                                )
                             seen.add(key)
                         key, start, members = split[0], m.offset, []
                     members.append((split[1], m.data, m.kind))
                     end = m.end
-            except (TarFormatError, EOFError, CorruptShardError, _remote.RemoteReadError,
-                    Stalled) as exc:  # (a bare OSError, a read error of the disk, propagates)
+            except (
+                TarFormatError,
+                EOFError,
+                CorruptShardError,
+                _remote.RemoteReadError,
+                Stalled,
+            ) as exc:  # (a bare OSError, a read error of the disk, propagates)
                 lost = f"; sample {key!r} lost with the rest of the shard" if members else ""
                 err = ShardTimeoutError if isinstance(exc, Stalled) else CorruptShardError
                 f.close()  # before the error is handed on: a stalled pipe: command is killed now
                 yield None, err(url, getattr(exc, "offset", getattr(exc, "at", 0)), f"{exc}{lost}")
                 return
             if members and start >= after:
-                yield (shard, start, end, sample_checksum(members)), self._sample(shard, key, members, key in seen)
+                yield (
+                    (shard, start, end, sample_checksum(members)),
+                    self._sample(shard, key, members, key in seen),
+                )
 
-    def _sample(self, shard: int, key: str, members: list[tuple[str, bytes, str]], duplicate: bool = False):
-        """Decoded sample dict, or the :class:`~prealign.schemas.errors.SampleError` that makes it a bad
+    def _sample(
+        self, shard: int, key: str, members: list[tuple[str, bytes, str]], duplicate: bool = False
+    ):
+        """Decoded sample dict, or the :class:`~prealign.schemas.errors.SampleError` that makes it a
+        bad
         sample (an error of any other type is a bug and propagates)."""
         url = self.urls[shard]
         where = f"{url}:{key}"
@@ -305,18 +402,29 @@ class WebDatasetSource(Source):
             sample: dict = {"__key__": key, "__url__": url, "__shard__": shard}
             for ext, data, _ in members:
                 if ext in sample:
-                    raise MissingMemberError(sample=where, field=ext, expected="one member per extension",
-                                             actual="a duplicate member")
-                sample[ext] = decode_member(where, ext, data, image=self.image, extra=self.decoders,
-                                            limits=self.limits)
+                    raise MissingMemberError(
+                        sample=where,
+                        field=ext,
+                        expected="one member per extension",
+                        actual="a duplicate member",
+                    )
+                sample[ext] = decode_member(
+                    where, ext, data, image=self.image, extra=self.decoders, limits=self.limits
+                )
             missing = [r for r in self.required if r not in sample]
             if missing:
-                raise MissingMemberError(sample=where, field=missing[0], expected=f"members {list(self.required)}",
-                                         actual=f"members {sorted(k for k in sample if not k.startswith('__'))}")
+                raise MissingMemberError(
+                    sample=where,
+                    field=missing[0],
+                    expected=f"members {list(self.required)}",
+                    actual=f"members {sorted(k for k in sample if not k.startswith('__'))}",
+                )
             return sample
         except ConfigError:
             raise
-        except SampleError as exc:  # decoding errors are typed; anything else is a bug and propagates
+        except (
+            SampleError
+        ) as exc:  # decoding errors are typed; anything else is a bug and propagates
             return exc
 
     # ---- random access --------------------------------------------------------------------------
@@ -324,38 +432,49 @@ class WebDatasetSource(Source):
         shard, start, end = (int(x) for x in location[:3])
         buf = self._bytes(shard, start, end)
         try:
-            members = [(*split_member_name(m.name), m.data, m.kind)
-                       for m in iter_members(io.BytesIO(buf), base=start, need_end_marker=False)
-                       if split_member_name(m.name) is not None]
+            members = [
+                (*split_member_name(m.name), m.data, m.kind)
+                for m in iter_members(io.BytesIO(buf), base=start, need_end_marker=False)
+                if split_member_name(m.name) is not None
+            ]
         except TarFormatError as exc:
-            raise SourceChangedError(f"{self.urls[shard]} bytes {start}..{end}: {exc}; the shard changed "
-                                     f"since indexing") from exc
+            raise SourceChangedError(
+                f"{self.urls[shard]} bytes {start}..{end}: {exc}; the shard changed since indexing"
+            ) from exc
         keys = {k for k, _, _, _ in members}
         if len(keys) != 1:
-            raise SourceChangedError(f"{self.urls[shard]} bytes {start}..{end}: keys {sorted(keys)} instead of one "
-                                     f"sample; the shard changed since indexing")
+            raise SourceChangedError(
+                f"{self.urls[shard]} bytes {start}..{end}: keys {sorted(keys)} instead of one "
+                f"sample; the shard changed since indexing"
+            )
         key_seen = keys.pop()
         members = [(ext, data, kind) for _, ext, data, kind in members]
         if len(location) > 3 and sample_checksum(members) != int(location[3]):
-            raise SourceChangedError(f"{self.urls[shard]} bytes {start}..{end} (sample {key_seen!r}): checksum "
-                                     f"{sample_checksum(members)}, {int(location[3])} at indexing; the shard changed "
-                                     f"since indexing")
+            raise SourceChangedError(
+                f"{self.urls[shard]} bytes {start}..{end} (sample {key_seen!r}): checksum "
+                f"{sample_checksum(members)}, {int(location[3])} at indexing; the shard changed "
+                f"since indexing"
+            )
         sample = self._sample(shard, key_seen, members)
         if isinstance(sample, Exception):
             raise sample
         return sample
 
     def _bytes(self, shard: int, start: int, end: int) -> bytes:
-        """Bytes ``[start, end)`` of a shard: a local ``seek`` + ``read`` (at most ``max_open_files`` files
-        open per process, least recently used closed), a remote range read, or a slice of a sequential
+        """Bytes ``[start, end)`` of a shard: a local ``seek`` + ``read`` (at most
+        ``max_open_files`` files open per process, least recently used closed), a remote range read,
+        or a slice of a sequential
         shard read whole (kept for ``remote.stream_shards`` shards)."""
         url = self.urls[shard]
         local = self._local()
         if self.shard_check is not None and shard not in local.setdefault("checked", set()):
-            try:  # (a stat and two 64 KiB reads, under the read deadline: a hung mount blocks in them)
+            # (a stat and two 64 KiB reads, under the read deadline: a hung mount blocks in them)
+            try:
                 call_with_timeout(lambda: self.shard_check(self, shard), self.read_timeout)
             except Stalled as exc:
-                raise ShardTimeoutError(url, 0, f"checking the shard against its index: {exc}") from None
+                raise ShardTimeoutError(
+                    url, 0, f"checking the shard against its index: {exc}"
+                ) from None
             local["checked"].add(shard)
         if _remote.is_sequential(url):
             streams = local.setdefault("streams", OrderedDict())
@@ -371,8 +490,12 @@ class WebDatasetSource(Source):
 
         def read():
             f = files.get(shard)
-            if f is None:  # the open under the read deadline (a hung mount blocks in it), once per shard
-                f = call_with_timeout(lambda: open_regular(_remote.local_path(url)), self.read_timeout)
+            if (
+                f is None
+            ):  # the open under the read deadline (a hung mount blocks in it), once per shard
+                f = call_with_timeout(
+                    lambda: open_regular(_remote.local_path(url)), self.read_timeout
+                )
                 files[shard] = f
                 while len(files) > self.max_open_files:
                     files.popitem(last=False)[1].close()
@@ -384,15 +507,18 @@ class WebDatasetSource(Source):
         except Stalled as exc:
             raise ShardTimeoutError(url, start, f"reading a sample: {exc}") from None
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError) as exc:
-            raise self._gone(shard, start, f"no such file ({exc.strerror}); deleted since indexing?") from None
+            raise self._gone(
+                shard, start, f"no such file ({exc.strerror}); deleted since indexing?"
+            ) from None
         except NotRegular as exc:
             raise self._gone(shard, start, f"{exc.kind} instead of the indexed file") from None
         files.move_to_end(shard)
         return out
 
     def close_files(self) -> None:
-        """Close the shard files this process holds open and drop the streams it keeps (a loader calls it at the
-        end of each epoch in the process that read them, so no handle is left to the garbage collector); the
+        """Close the shard files this process holds open and drop the streams it keeps (a loader
+        calls it at the end of each epoch in the process that read them, so no handle is left to the
+        garbage collector); the
         next read opens them again. Shards already checked against their index stay checked."""
         local = self._local()
         files = local.pop("files", None) or {}
@@ -402,15 +528,18 @@ class WebDatasetSource(Source):
                 f.close()
 
     def _read_whole(self, shard: int, start: int):
-        """A sequential shard (``pipe:``, ``.tar.gz``) read whole under the read deadline into an anonymous
-        temporary file (a chunk at a time: never held in memory; gzip through ``self.limits``); a stalled command
-        is a :class:`ShardTimeoutError` (and killed), a deleted file :meth:`_gone`, a corrupt stream or one past
+        """A sequential shard (``pipe:``, ``.tar.gz``) read whole under the read deadline into an
+        anonymous temporary file (a chunk at a time: never held in memory; gzip through
+        ``self.limits``); a stalled command is a :class:`ShardTimeoutError` (and killed), a deleted
+        file :meth:`_gone`, a corrupt stream or one past
         the limits a :class:`CorruptShardError` naming the byte."""
         url = self.urls[shard]
         spill = tempfile.TemporaryFile(prefix="prealign-stream-")
         try:
-            with TimedReader(lambda: _remote.open_stream(url, self.remote, limits=self.limits),
-                             timeout=self.read_timeout) as f:
+            with TimedReader(
+                lambda: _remote.open_stream(url, self.remote, limits=self.limits),
+                timeout=self.read_timeout,
+            ) as f:
                 while chunk := f.read(_SPILL_CHUNK):
                     spill.write(chunk)
             spill.flush()
@@ -418,39 +547,63 @@ class WebDatasetSource(Source):
         except BaseException as exc:
             spill.close()
             if isinstance(exc, Stalled):
-                raise ShardTimeoutError(url, exc.at, f"reading the stream for a sample: {exc}") from None
+                raise ShardTimeoutError(
+                    url, exc.at, f"reading the stream for a sample: {exc}"
+                ) from None
             if isinstance(exc, MissingShardError):
                 raise self._gone(shard, start, "no such file; deleted since indexing?") from None
             if isinstance(exc, TarFormatError):
-                raise CorruptShardError(url, exc.offset, f"reading the stream for a sample: {exc.message}") from None
+                raise CorruptShardError(
+                    url, exc.offset, f"reading the stream for a sample: {exc.message}"
+                ) from None
             raise
 
     def _gone(self, shard: int, start: int, problem: str) -> Exception:
-        """A shard gone under a read: a :class:`MissingShardError` (configuration, never bad data) when its first
-        read checked it against its index, as that check says before the first read; else a
+        """A shard gone under a read: a :class:`MissingShardError` (configuration, never bad data)
+        when its first read checked it against its index, as that check says before the first read;
+        else a
         :class:`ShardGoneError` (bad data)."""
         url = self.urls[shard]
         covers = getattr(self.shard_check, "covers", None)
         if covers is not None and covers(shard):
-            return MissingShardError(url, f"{problem.split(';')[0]}: gone since its first read in this run",
-                                     "the data changed under the run: restore the shard, or re-run `prealign index`")
+            return MissingShardError(
+                url,
+                f"{problem.split(';')[0]}: gone since its first read in this run",
+                "the data changed under the run: restore the shard, or re-run `prealign index`",
+            )
         return ShardGoneError(url, f"{url}@{start}", problem)
 
     def check_locations(self, locations) -> None:
-        """Rows ``(shard, start, end[, checksum])``: shards in range, byte ranges that end after they start."""
-        width = np.asarray(locations).shape[1] if np.ndim(locations) == 2 and np.shape(locations)[1] in (3, 4) else 4
+        """Rows ``(shard, start, end[, checksum])``: shards in range, byte ranges that end after
+        they start."""
+        width = (
+            np.asarray(locations).shape[1]
+            if np.ndim(locations) == 2 and np.shape(locations)[1] in (3, 4)
+            else 4
+        )
         self._check_range(locations, width, {0: self.num_shards})
-        if len(locations) and not bool(np.all(np.asarray(locations)[:, 1] < np.asarray(locations)[:, 2])):
-            raise IndexFileError("index locations: a byte range that ends before it starts; the index was not "
-                                 "built by WebDatasetSource")
+        if len(locations) and not bool(
+            np.all(np.asarray(locations)[:, 1] < np.asarray(locations)[:, 2])
+        ):
+            raise IndexFileError(
+                "index locations: a byte range that ends before it starts; the index was not "
+                "built by WebDatasetSource"
+            )
 
     def where(self, location: Location) -> str:
         return f"{self.urls[int(location[0])]}@{int(location[1])}"
 
     def describe(self) -> dict:
-        recorded = getattr(self.shard_check, "sizes", None)  # (from the index; each shard checked at its first read)
+        recorded = getattr(
+            self.shard_check, "sizes", None
+        )  # (from the index; each shard checked at its first read)
         if recorded is not None and recorded.min() >= 0 and not any(map(_FAR.match, self.urls)):
-            return {"kind": "webdataset", "urls": self.urls, "sizes": recorded.tolist(), "required": list(self.required)}
+            return {
+                "kind": "webdataset",
+                "urls": self.urls,
+                "sizes": recorded.tolist(),
+                "required": list(self.required),
+            }
         sizes = []
         for i, u in enumerate(self.urls):
             size = None
@@ -464,4 +617,9 @@ class WebDatasetSource(Source):
                 except (OSError, ValueError):  # missing (or a NUL byte in the path)
                     pass
             sizes.append(size)
-        return {"kind": "webdataset", "urls": self.urls, "sizes": sizes, "required": list(self.required)}
+        return {
+            "kind": "webdataset",
+            "urls": self.urls,
+            "sizes": sizes,
+            "required": list(self.required),
+        }

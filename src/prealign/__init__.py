@@ -6,7 +6,8 @@ The three layers are subpackages, each importable on its own:
 - :mod:`prealign.collate`: THD/BSHD collators, CP zigzag shards and their inverse, PackedSeqParams;
 - :mod:`prealign.loaders`: sources (HF, webdataset), token-budget planning, ``PackedLoader``.
 
-The common entry points are offered here too, imported on first use (``import prealign`` stays cheap):
+The common entry points are offered here too, imported on first use (``import prealign`` stays
+cheap):
 
 >>> import prealign
 >>> layout = prealign.ParallelLayout(tp=2, cp=2)
@@ -15,6 +16,7 @@ The common entry points are offered here too, imported on first use (``import pr
 >>> batch["input_ids"].shape, batch["cu_seqlens_padded"].tolist()
 (torch.Size([1, 8]), [0, 4, 8])
 """
+
 from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
@@ -27,11 +29,35 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree wi
     __version__ = "0+unknown"
 
 _EXPORTS = {
-    "prealign.schemas": ["ParallelLayout", "PadPolicy", "FP8Recipe", "BatchSchema", "FieldSpec", "causal_lm_schema",
-                         "rl_schema", "vlm_schema", "validate_batch", "check_startup", "PrealignError"],
-    "prealign.collate": ["THDCollator", "BSHDCollator", "unshard_cp", "unpack_thd", "unshard_bshd", "unpack_bshd",
-                         "to_packed_seq_params"],
-    "prealign.loaders": ["PackedLoader", "WebDatasetSource", "HFSource", "BadDataPolicy", "plan_microbatches"],
+    "prealign.schemas": [
+        "ParallelLayout",
+        "PadPolicy",
+        "FP8Recipe",
+        "BatchSchema",
+        "FieldSpec",
+        "causal_lm_schema",
+        "rl_schema",
+        "vlm_schema",
+        "validate_batch",
+        "check_startup",
+        "PrealignError",
+    ],
+    "prealign.collate": [
+        "THDCollator",
+        "BSHDCollator",
+        "unshard_cp",
+        "unpack_thd",
+        "unshard_bshd",
+        "unpack_bshd",
+        "to_packed_seq_params",
+    ],
+    "prealign.loaders": [
+        "PackedLoader",
+        "WebDatasetSource",
+        "HFSource",
+        "BadDataPolicy",
+        "plan_microbatches",
+    ],
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 

@@ -1,4 +1,5 @@
 """``python -m prealign ...`` is the ``prealign`` command."""
+
 import sys
 
 from prealign.loaders.cli import main

@@ -1,4 +1,5 @@
 """BSHDCollator: one sequence per row, every rank against the reference, alignment and inverse."""
+
 from __future__ import annotations
 
 import pytest
@@ -31,7 +32,9 @@ def test_every_rank_matches_the_reference_and_unshards_to_the_input(case):
     lengths, layout, samples, schema, whole, shards = collate_case_batches(BSHDCollator, case)
     b, s = len(lengths), whole["input_ids"].shape[1]
     assert s == brute_force_bshd_length(lengths, layout)
-    assert whole["cu_seqlens"].diff().tolist() == lengths and whole["cu_seqlens"].dtype == torch.int32
+    assert (
+        whole["cu_seqlens"].diff().tolist() == lengths and whole["cu_seqlens"].dtype == torch.int32
+    )
 
     for rank, batch in [(None, whole), *enumerate(shards)]:
         want = reference_bshd(samples, s, schema, layout, rank)
@@ -40,8 +43,12 @@ def test_every_rank_matches_the_reference_and_unshards_to_the_input(case):
         assert torch.equal(batch["attention_mask"], ~want["padding_mask"])
         assert validate_batch(batch, schema, layout) == []
     slot_len = torch.tensor(lengths).repeat_interleave(s)
-    ends = assert_labels_stay_in_sequence(whole["input_ids"].reshape(-1), whole["labels"].reshape(-1),
-                                          whole["position_ids"].reshape(-1), slot_len)
+    ends = assert_labels_stay_in_sequence(
+        whole["input_ids"].reshape(-1),
+        whole["labels"].reshape(-1),
+        whole["position_ids"].reshape(-1),
+        slot_len,
+    )
     assert ends == b
 
     for name in whole.keys() & set(want):
@@ -56,7 +63,9 @@ def test_every_rank_matches_the_reference_and_unshards_to_the_input(case):
 def test_nested_tensor_input_gives_the_list_input_batch():
     samples = make_samples([5, 17, 2], topk=TOPK)
     for rank in (None, 0, 1, 2):
-        coll = BSHDCollator(schema=schema_for(TOPK), layout=ParallelLayout(tp=2, cp=3), cp_rank=rank)
+        coll = BSHDCollator(
+            schema=schema_for(TOPK), layout=ParallelLayout(tp=2, cp=3), cp_rank=rank
+        )
         a, b = coll(samples), coll(to_nested(samples))
         assert a.keys() == b.keys()
         assert all(torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else a[k] == b[k] for k in a)
@@ -65,14 +74,19 @@ def test_nested_tensor_input_gives_the_list_input_batch():
 @pytest.mark.parametrize("policy, s", [(PadPolicy.MINIMAL, 4028), (PadPolicy.PER_SEQUENCE, 4032)])
 def test_seed_case_4026_tokens_tp2_cp2(policy, s):
     layout = ParallelLayout(tp=2, cp=2, pad_policy=policy)
-    for batch in collate_ranks(BSHDCollator, schema_for(TOPK), layout, make_samples([4026], topk=TOPK)):
+    for batch in collate_ranks(
+        BSHDCollator, schema_for(TOPK), layout, make_samples([4026], topk=TOPK)
+    ):
         assert batch["input_ids"].shape == (1, s // 2) and (s // 2) % 2 == 0
         assert batch["teacher_topk_log_probs"].shape == (1, s // 2, TOPK)
 
 
 def test_worked_example_rows():
     """L=[5,3], cp=2: S=8; rank 0 keeps columns 0,1,6,7 of each row, rank 1 columns 2..5."""
-    samples = [{"input_ids": torch.tensor([11, 12, 13, 14, 15])}, {"input_ids": torch.tensor([21, 22, 23])}]
+    samples = [
+        {"input_ids": torch.tensor([11, 12, 13, 14, 15])},
+        {"input_ids": torch.tensor([21, 22, 23])},
+    ]
     r0, r1 = collate_ranks(BSHDCollator, causal_lm_schema(), ParallelLayout(cp=2), samples)
     assert r0["input_ids"].tolist() == [[11, 12, 0, 0], [21, 22, 0, 0]]
     assert r1["input_ids"].tolist() == [[13, 14, 15, 0], [23, 0, 0, 0]]

@@ -1,8 +1,10 @@
-"""Collation does a fixed number of tensor ops per field per batch (issue #28): every torch call a collate makes
-(``torch.*`` functions and ``Tensor`` methods, through a :class:`~torch.overrides.TorchFunctionMode`) is
-counted at two batch sizes, and the counts are equal; the per-sample metadata reads (attribute getters such
-as a dtype, ``numel()``) are at most two per sample and field. A Python loop doing a tensor op per
+"""Collation does a fixed number of tensor ops per field per batch (issue #28): every torch call a
+collate makes (``torch.*`` functions and ``Tensor`` methods, through a
+:class:`~torch.overrides.TorchFunctionMode`) is counted at two batch sizes, and the counts are
+equal; the per-sample metadata reads (attribute getters such as a dtype, ``numel()``) are at most
+two per sample and field. A Python loop doing a tensor op per
 sequence makes the counts differ."""
+
 from __future__ import annotations
 
 import collections
@@ -20,11 +22,13 @@ LAYOUT = ParallelLayout(tp=2, cp=2, pad_policy=PadPolicy.PER_SEQUENCE)
 
 
 _METADATA = {"__get__", "numel", "dim", "size", "element_size", "is_contiguous", "stride"}
-"""Reads of a tensor's metadata (attribute getters such as ``shape`` and ``dtype``; ``numel()`` ...)."""
+"""Reads of a tensor's metadata (attribute getters such as ``shape`` and ``dtype``; ``numel()``
+...)."""
 
 
 class _Counted(TorchFunctionMode):
-    """Counts the torch calls made while active: ``ops`` (computations), ``reads`` (attribute getters)."""
+    """Counts the torch calls made while active: ``ops`` (computations), ``reads`` (attribute
+    getters)."""
 
     def __init__(self):
         super().__init__()
@@ -65,18 +69,23 @@ def _count(collate, batch) -> _Counted:
 @pytest.mark.parametrize("collator", ["thd", "thd-unsharded", "bshd"])
 def test_tensor_ops_per_batch_do_not_grow_with_the_number_of_sequences(collator, fields):
     schema = causal_lm_schema(topk=4 if "topk" in fields else None)
-    collate = {"thd": THDCollator(schema=schema, layout=LAYOUT, cp_rank=0),
-               "thd-unsharded": THDCollator(schema=schema, layout=LAYOUT),
-               "bshd": BSHDCollator(schema=schema, layout=LAYOUT, cp_rank=1)}[collator]
+    collate = {
+        "thd": THDCollator(schema=schema, layout=LAYOUT, cp_rank=0),
+        "thd-unsharded": THDCollator(schema=schema, layout=LAYOUT),
+        "bshd": BSHDCollator(schema=schema, layout=LAYOUT, cp_rank=1),
+    }[collator]
     small, big = (_count(collate, _samples(n, fields)) for n in SIZES)
     assert big.ops == small.ops, (small.ops - big.ops) + (big.ops - small.ops)
     num_fields = 1 + 2 * ("labels" in fields) + 2 * ("topk" in fields)
     per_sample = (big.reads - small.reads) / (SIZES[1] - SIZES[0]) / num_fields
-    assert per_sample <= 2, per_sample  # e.g. a dtype and an element count, read once per sample and field
+    assert per_sample <= 2, (
+        per_sample
+    )  # e.g. a dtype and an element count, read once per sample and field
 
 
 def test_the_count_sees_a_loop_per_sequence():
     """The instrument itself: a tensor op per sequence is counted once per sequence."""
+
     def collate(batch):
         return torch.cat([s["input_ids"].to(torch.int64) for s in batch])
 

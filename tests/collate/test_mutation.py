@@ -4,10 +4,12 @@ The validator (``prealign.schemas``) computes what every slot must hold from the
 definition and imports nothing from ``prealign.collate``, so a fault in the collator's index
 arithmetic cannot fool it. Each mutant names its killer: ``validate`` (``validate_batch`` reports a
 violation on some rank of some case) or ``reference`` (the property test
-``test_collate_thd.py::test_every_rank_matches_the_reference_and_unshards_to_the_input`` and its BSHD
-twin: the batch differs from ``conftest.reference_thd`` / ``reference_bshd``; for faults that keep every
-invariant a batch can show on its own, e.g. a sequence's first token read from the previous one).
+``test_collate_thd.py::test_every_rank_matches_the_reference_and_unshards_to_the_input`` and its
+BSHD twin: the batch differs from ``conftest.reference_thd`` / ``reference_bshd``; for faults that
+keep every invariant a batch can show on its own, e.g. a sequence's first token read from the
+previous one).
 """
+
 from __future__ import annotations
 
 import ast
@@ -32,9 +34,14 @@ from tests import ROOT
 from tests.conftest import SCHEMA_TOPK, TOPK, make_samples, reference_bshd, reference_thd
 
 LENGTHS = [5, 9, 2, 7]
-LAYOUTS = [ParallelLayout(), ParallelLayout(tp=2, cp=2), ParallelLayout(cp=3),
-           ParallelLayout(tp=2, cp=2, cp_layout="contiguous"), ParallelLayout(tp=4, fp8="mxfp8"),
-           ParallelLayout(tp=2, cp=2, fp8="fp8")]
+LAYOUTS = [
+    ParallelLayout(),
+    ParallelLayout(tp=2, cp=2),
+    ParallelLayout(cp=3),
+    ParallelLayout(tp=2, cp=2, cp_layout="contiguous"),
+    ParallelLayout(tp=4, fp8="mxfp8"),
+    ParallelLayout(tp=2, cp=2, fp8="fp8"),
+]
 
 
 def outputs():
@@ -43,7 +50,13 @@ def outputs():
     for cls in (THDCollator, BSHDCollator):
         for layout in LAYOUTS:
             for rank in (None, *range(layout.cp)):
-                yield cls, layout, rank, samples, cls(schema=SCHEMA_TOPK, layout=layout, cp_rank=rank)(samples)
+                yield (
+                    cls,
+                    layout,
+                    rank,
+                    samples,
+                    cls(schema=SCHEMA_TOPK, layout=layout, cp_rank=rank)(samples),
+                )
 
 
 def validate_kills(batch, layout) -> bool:
@@ -67,7 +80,8 @@ def reference_kills(cls, layout, rank, samples, batch) -> bool:
     return False
 
 
-# ---- the mutants ------------------------------------------------------------------------------------
+# ---- the mutants
+# ------------------------------------------------------------------------------------
 def _everywhere(mp, name: str, mutant) -> None:
     """Patch ``name`` where it is defined and wherever the collators imported it: a consistent bug,
     which a checker reusing the collator's arithmetic would share."""
@@ -85,6 +99,7 @@ def swapped_zigzag_chunks(mp):
         if cp_rank is None or layout.cp == 1 or layout.cp_layout is not CPLayout.ZIGZAG:
             return c
         return Chunks(c.seq, c.start.reshape(-1, 2)[:, ::-1].reshape(-1).copy(), c.length)
+
     _everywhere(mp, "cp_chunks", mutant)
 
 
@@ -99,6 +114,7 @@ def zigzag_wrong_chunk(mp):
         start = c.start.copy()
         start[1::2] -= c.length[1::2]
         return Chunks(c.seq, start, c.length)
+
     _everywhere(mp, "cp_chunks", mutant)
 
 
@@ -107,7 +123,12 @@ def contiguous_off_by_one(mp):
     orig = indices.cp_chunks
 
     def mutant(padded, layout, cp_rank):
-        if cp_rank is None or cp_rank == 0 or layout.cp == 1 or layout.cp_layout is not CPLayout.CONTIGUOUS:
+        if (
+            cp_rank is None
+            or cp_rank == 0
+            or layout.cp == 1
+            or layout.cp_layout is not CPLayout.CONTIGUOUS
+        ):
             return orig(padded, layout, cp_rank)
         padded = indices.as_numpy(padded)
         cu = np.concatenate(([0], np.cumsum(padded)))
@@ -115,6 +136,7 @@ def contiguous_off_by_one(mp):
         lo, hi = cp_rank * local - 1, (cp_rank + 1) * local - 1
         begin, end = np.clip(cu[:-1], lo, hi), np.clip(cu[1:], lo, hi)
         return Chunks(np.arange(padded.size), begin - cu[:-1], end - begin)
+
     _everywhere(mp, "cp_chunks", mutant)
 
 
@@ -126,6 +148,7 @@ def offsets_off_by_one(mp):
         cu = orig(lengths, dtype).clone()
         cu[1:-1] += 1
         return cu
+
     _everywhere(mp, "lengths_to_cu_seqlens", mutant)
 
 
@@ -137,12 +160,17 @@ def cu_seqlens_padded_not_padded(mp):
         out = orig(self, batch)
         out["cu_seqlens_padded"] = out["cu_seqlens"].clone()
         return out
+
     mp.setattr(THDCollator, "__call__", mutant)
 
 
 def labels_not_shifted(mp):
     """labels[j] = token j instead of token j+1."""
-    mp.setattr(GatherPlan, "_next_of", lambda self, src: src.index_fill_(0, self.last_slots, self.num_real + 1))
+    mp.setattr(
+        GatherPlan,
+        "_next_of",
+        lambda self, src: src.index_fill_(0, self.last_slots, self.num_real + 1),
+    )
 
 
 def labels_cross_the_boundary(mp):
@@ -153,7 +181,11 @@ def labels_cross_the_boundary(mp):
 def wrong_pad_value(mp):
     """Pads hold the pad value + 1."""
     orig = samples_mod._constant_pad_rows
-    mp.setattr(samples_mod, "_constant_pad_rows", lambda shape, dtype, dim, pad, nxt: orig(shape, dtype, dim, pad + 1, nxt))
+    mp.setattr(
+        samples_mod,
+        "_constant_pad_rows",
+        lambda shape, dtype, dim, pad, nxt: orig(shape, dtype, dim, pad + 1, nxt),
+    )
 
 
 def _plan_mutant(mp, edit):
@@ -161,14 +193,17 @@ def _plan_mutant(mp, edit):
 
     def mutant(lengths, chunks, cu_seqlens=None):
         return edit(orig(lengths, chunks, cu_seqlens))
+
     _everywhere(mp, "gather_plan", mutant)
 
 
 def positions_restart_in_pads(mp):
     """Pad positions restart at 0 instead of continuing L, L+1, ..."""
+
     def edit(plan):
         plan.positions = torch.where(plan.is_pad, 0, plan.positions)
         return plan
+
     _plan_mutant(mp, edit)
 
 
@@ -176,17 +211,21 @@ def first_token_from_the_previous_row(mp):
     """Every real slot reads the row before its own: the first token of a sequence is the previous
     sequence's last. Consistent in itself (labels are still the next slot's id): only the reference
     sees it."""
+
     def edit(plan):
         plan.src = torch.where(plan.is_pad, plan.src, (plan.src - 1).clamp(min=0))
         return plan
+
     _plan_mutant(mp, edit)
 
 
 def padding_mask_off_by_one(mp):
     """is_pad shifted by one slot."""
+
     def edit(plan):
         plan.is_pad = plan.is_pad.roll(1)
         return plan
+
     _plan_mutant(mp, edit)
 
 
@@ -195,9 +234,12 @@ def topk_not_sharded(mp):
     orig = assemble.token_fields
 
     def mutant(schema, flat, plan, unsharded_plan=None):
-        fields = tuple(dataclasses.replace(f, cp_sharded=False) if f.name.startswith("teacher_") else f
-                       for f in schema.fields)
+        fields = tuple(
+            dataclasses.replace(f, cp_sharded=False) if f.name.startswith("teacher_") else f
+            for f in schema.fields
+        )
         return orig(dataclasses.replace(schema, fields=fields), flat, plan, unsharded_plan)
+
     mp.setattr(thd, "token_fields", mutant)
     mp.setattr(bshd, "token_fields", mutant)
 
@@ -209,16 +251,23 @@ def topk_rows_of_the_next_rank(mp):
     def mutant(self, batch):
         out = orig(self, batch)
         if self.cp_rank is not None and self.layout.cp > 1:
-            other = orig(dataclasses.replace(self, cp_rank=(self.cp_rank + 1) % self.layout.cp), batch)
+            other = orig(
+                dataclasses.replace(self, cp_rank=(self.cp_rank + 1) % self.layout.cp), batch
+            )
             for name in ("teacher_topk_ids", "teacher_topk_log_probs"):
                 out[name] = other[name]
         return out
+
     mp.setattr(THDCollator, "__call__", mutant)
 
 
 def loss_mask_on_the_last_token(mp):
     """The loss mask is 1 on every real slot, the last of each sequence included."""
-    mp.setattr(assemble, "_loss_mask", lambda spec, schema, flat, plan, labels, from_ids: (~plan.is_pad).to(spec.dtype))
+    mp.setattr(
+        assemble,
+        "_loss_mask",
+        lambda spec, schema, flat, plan, labels, from_ids: (~plan.is_pad).to(spec.dtype),
+    )
 
 
 def max_seqlen_of_the_true_lengths(mp):
@@ -228,6 +277,7 @@ def max_seqlen_of_the_true_lengths(mp):
         out = orig(self, batch)
         out["max_seqlen"] = out["cu_seqlens"].diff().max().reshape(1).to(torch.int32)
         return out
+
     mp.setattr(THDCollator, "__call__", mutant)
 
 
@@ -236,15 +286,31 @@ def cp_rank_metadata_always_zero(mp):
 
     def mutant(flat, schema, layout, cp_rank):
         return orig(flat, schema, layout, None if cp_rank is None else 0)
+
     mp.setattr(thd, "non_token_fields", mutant)
     mp.setattr(bshd, "non_token_fields", mutant)
 
 
 def fp8_aligned_on_t_local_only(mp):
     """The rule before issue 8: T/cp a multiple of lcm(tp, fp8), not T/(cp*tp) of fp8."""
-    mp.setattr(ParallelLayout, "local_multiple", property(lambda self: int(np.lcm(self.sp_size, self.fp8.value))))
-    mp.setattr(ParallelLayout, "bshd_multiple", lambda self, b: int(np.lcm.reduce(
-        [2 * self.cp if self.zigzag else 1, self.cp * self.sp_size, self.cp * self.fp8.value // int(np.gcd(b, self.fp8.value))])))
+    mp.setattr(
+        ParallelLayout,
+        "local_multiple",
+        property(lambda self: int(np.lcm(self.sp_size, self.fp8.value))),
+    )
+    mp.setattr(
+        ParallelLayout,
+        "bshd_multiple",
+        lambda self, b: int(
+            np.lcm.reduce(
+                [
+                    2 * self.cp if self.zigzag else 1,
+                    self.cp * self.sp_size,
+                    self.cp * self.fp8.value // int(np.gcd(b, self.fp8.value)),
+                ]
+            )
+        ),
+    )
 
 
 def attention_mask_inverted(mp):
@@ -254,17 +320,29 @@ def attention_mask_inverted(mp):
         out = orig(self, batch)
         out["attention_mask"] = ~out["attention_mask"]
         return out
+
     mp.setattr(BSHDCollator, "__call__", mutant)
 
 
 MUTANTS = {
-    swapped_zigzag_chunks: "validate", zigzag_wrong_chunk: "validate", contiguous_off_by_one: "validate",
-    offsets_off_by_one: "validate", cu_seqlens_padded_not_padded: "validate", labels_not_shifted: "validate",
-    labels_cross_the_boundary: "validate", wrong_pad_value: "validate", positions_restart_in_pads: "validate",
-    padding_mask_off_by_one: "validate", topk_not_sharded: "validate", loss_mask_on_the_last_token: "validate",
-    max_seqlen_of_the_true_lengths: "validate", cp_rank_metadata_always_zero: "validate",
-    fp8_aligned_on_t_local_only: "validate", attention_mask_inverted: "validate",
-    first_token_from_the_previous_row: "reference", topk_rows_of_the_next_rank: "reference",
+    swapped_zigzag_chunks: "validate",
+    zigzag_wrong_chunk: "validate",
+    contiguous_off_by_one: "validate",
+    offsets_off_by_one: "validate",
+    cu_seqlens_padded_not_padded: "validate",
+    labels_not_shifted: "validate",
+    labels_cross_the_boundary: "validate",
+    wrong_pad_value: "validate",
+    positions_restart_in_pads: "validate",
+    padding_mask_off_by_one: "validate",
+    topk_not_sharded: "validate",
+    loss_mask_on_the_last_token: "validate",
+    max_seqlen_of_the_true_lengths: "validate",
+    cp_rank_metadata_always_zero: "validate",
+    fp8_aligned_on_t_local_only: "validate",
+    attention_mask_inverted: "validate",
+    first_token_from_the_previous_row: "reference",
+    topk_rows_of_the_next_rank: "reference",
 }
 
 
@@ -283,22 +361,34 @@ def test_every_mutant_is_killed(mutant, monkeypatch):
     killer = MUTANTS[mutant]
     kills = 0
     for cls, layout, rank, samples, batch in outputs():
-        kills += validate_kills(batch, layout) if killer == "validate" else \
-            reference_kills(cls, layout, rank, samples, batch)
+        kills += (
+            validate_kills(batch, layout)
+            if killer == "validate"
+            else reference_kills(cls, layout, rank, samples, batch)
+        )
     assert kills > 0, f"mutant {mutant.__name__} survived ({killer})"
 
 
-# ---- the validator stands alone -------------------------------------------------------------------------
+# ---- the validator stands alone
+# -------------------------------------------------------------------------
 def test_schemas_imports_nothing_from_collate_or_loaders():
     seen = 0
     for path in sorted((ROOT / "schemas").glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 seen += 1
-                names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
-                assert not any(n.startswith(("prealign.collate", "prealign.loaders", "collate", "loaders"))
-                               for n in names), f"{path.name}:{node.lineno} imports {names}"
-                assert not (isinstance(node, ast.ImportFrom) and node.level > 1), f"{path.name}:{node.lineno}"
+                names = (
+                    [a.name for a in node.names]
+                    if isinstance(node, ast.Import)
+                    else [node.module or ""]
+                )
+                assert not any(
+                    n.startswith(("prealign.collate", "prealign.loaders", "collate", "loaders"))
+                    for n in names
+                ), f"{path.name}:{node.lineno} imports {names}"
+                assert not (isinstance(node, ast.ImportFrom) and node.level > 1), (
+                    f"{path.name}:{node.lineno}"
+                )
     assert seen > 10
 
 
@@ -323,5 +413,11 @@ loaded = sorted(m for m in sys.modules if m.startswith(("prealign.collate", "pre
 assert loaded == [], loaded
 print("alone")
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=subprocess_env, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=subprocess_env,
+        timeout=120,
+    )
     assert out.returncode == 0 and out.stdout.strip() == "alone", out.stderr

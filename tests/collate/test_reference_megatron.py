@@ -1,4 +1,6 @@
-"""Differential tests against megatron-core: its own CP split of a BSHD batch, and PackedSeqParams."""
+"""Differential tests against megatron-core: its own CP split of a BSHD batch, and
+PackedSeqParams."""
+
 from __future__ import annotations
 
 import pytest
@@ -26,18 +28,32 @@ def megatron_cp_shard(batch: dict, cp: int, rank: int) -> dict:
     return out
 
 
-TOKEN_KEYS = ("input_ids", "labels", "loss_mask", "position_ids", "padding_mask", "teacher_topk_log_probs",
-              "teacher_topk_ids")
+TOKEN_KEYS = (
+    "input_ids",
+    "labels",
+    "loss_mask",
+    "position_ids",
+    "padding_mask",
+    "teacher_topk_log_probs",
+    "teacher_topk_ids",
+)
 
 
-@given(lengths=st.lists(st.integers(1, 700), min_size=1, max_size=5), tp=st.integers(1, 4), cp=st.integers(2, 8),
-       policy=st.sampled_from(list(PadPolicy)), topk=st.sampled_from([None, TOPK]))
+@given(
+    lengths=st.lists(st.integers(1, 700), min_size=1, max_size=5),
+    tp=st.integers(1, 4),
+    cp=st.integers(2, 8),
+    policy=st.sampled_from(list(PadPolicy)),
+    topk=st.sampled_from([None, TOPK]),
+)
 @examples(50)
 def test_bshd_shards_equal_get_batch_on_this_cp_rank(lengths, tp, cp, policy, topk):
     layout = ParallelLayout(tp=tp, cp=cp, pad_policy=policy)
     samples, schema = make_samples(lengths, topk=topk), schema_for(topk)
     whole = BSHDCollator(schema=schema, layout=layout)(samples)
-    theirs_in = {k: whole[k] for k in TOKEN_KEYS if k in whole} | {"mask_bs": whole["attention_mask"]}
+    theirs_in = {k: whole[k] for k in TOKEN_KEYS if k in whole} | {
+        "mask_bs": whole["attention_mask"]
+    }
     shards = collate_ranks(BSHDCollator, schema, layout, samples)
     compared = 0
     for rank, ours in enumerate(shards):
@@ -50,7 +66,8 @@ def test_bshd_shards_equal_get_batch_on_this_cp_rank(lengths, tp, cp, policy, to
 
 
 def test_megatron_split_of_a_thd_single_sequence_is_ours():
-    """With one sequence a THD batch [1, T] is also a BSHD batch: Megatron's split agrees with THD's."""
+    """With one sequence a THD batch [1, T] is also a BSHD batch: Megatron's split agrees with
+    THD's."""
     samples = make_samples([37], topk=TOPK)
     layout = ParallelLayout(tp=2, cp=4)
     whole = THDCollator(schema=schema_for(TOPK), layout=layout)(samples)
@@ -63,14 +80,20 @@ def test_megatron_split_of_a_thd_single_sequence_is_ours():
 @pytest.mark.parametrize("rank", [None, 0, 1])
 def test_packed_seq_params_conventions(convention, rank):
     batch = THDCollator(schema=schema_for(None), layout=ParallelLayout(tp=2, cp=2), cp_rank=rank)(
-        make_samples([5, 3, 11]))
+        make_samples([5, 3, 11])
+    )
     params = to_packed_seq_params(batch, convention=convention.value)
     assert isinstance(params, PackedSeqParams) and params.qkv_format == "thd"
     padded, true = [0, 8, 12, 24], [0, 5, 8, 19]
     q = padded if convention is PackedSeqConvention.PADDED else true
     assert params.cu_seqlens_q.tolist() == params.cu_seqlens_kv.tolist() == q
     assert params.cu_seqlens_q_padded.tolist() == params.cu_seqlens_kv_padded.tolist() == padded
-    for t in (params.cu_seqlens_q, params.cu_seqlens_kv, params.cu_seqlens_q_padded, params.cu_seqlens_kv_padded):
+    for t in (
+        params.cu_seqlens_q,
+        params.cu_seqlens_kv,
+        params.cu_seqlens_q_padded,
+        params.cu_seqlens_kv_padded,
+    ):
         assert t.dtype == torch.int32 and t.ndim == 1
     assert params.max_seqlen_q == params.max_seqlen_kv == 12
 
@@ -83,5 +106,7 @@ def test_packed_seq_params_contiguous_needs_a_newer_megatron():
     else:
         with pytest.raises(ArgumentError, match="cp_partition_mode"):
             to_packed_seq_params(batch, cp_layout="contiguous")
-    single = THDCollator(schema=schema_for(None), layout=ParallelLayout(cp_layout="contiguous"))(make_samples([5]))
+    single = THDCollator(schema=schema_for(None), layout=ParallelLayout(cp_layout="contiguous"))(
+        make_samples([5])
+    )
     assert to_packed_seq_params(single, cp_layout="contiguous").cu_seqlens_q.tolist() == [0, 5]

@@ -1,5 +1,6 @@
 """Differential test against TransformerEngine's THD CP partition (``thd_get_partitioned_indices``),
 implemented here token by token from its documented formula (TE itself needs CUDA)."""
+
 from __future__ import annotations
 
 import torch
@@ -27,7 +28,10 @@ def test_every_rank_holds_the_rows_te_assigns_it(case):
     # TE's index sets tile the batch exactly once, and our inverse undoes them
     assert torch.equal(torch.cat(indices).sort().values, torch.arange(cu_padded[-1]))
     rows = torch.arange(cu_padded[-1])[None]
-    assert torch.equal(unshard_cp([rows[:, i] for i in indices], cu_seqlens_padded=whole["cu_seqlens_padded"]), rows)
+    assert torch.equal(
+        unshard_cp([rows[:, i] for i in indices], cu_seqlens_padded=whole["cu_seqlens_padded"]),
+        rows,
+    )
 
 
 def test_te_formula_on_the_worked_example():

@@ -1,11 +1,13 @@
-"""A tiny Hugging Face causal LM consumes prealign's unsharded THD batch as it is: for every layout, each
-real token's next-token loss, read from the batch's own ``labels`` and ``loss_mask``, equals the loss
-of its sample run alone, and pads contribute nothing. transformers (5.x) sees the packing from
-``position_ids`` restarting at 0 with ``attention_mask=None`` (``find_packed_sequence_indices``); the
-4-D mask of :func:`prealign.collate.hf.block_causal_mask` is checked as the alternative.
+"""A tiny Hugging Face causal LM consumes prealign's unsharded THD batch as it is: for every layout,
+each real token's next-token loss, read from the batch's own ``labels`` and ``loss_mask``, equals
+the loss of its sample run alone, and pads contribute nothing. transformers (5.x) sees the packing
+from ``position_ids`` restarting at 0 with ``attention_mask=None``
+(``find_packed_sequence_indices``); the 4-D mask of :func:`prealign.collate.hf.block_causal_mask` is
+checked as the alternative.
 
 Each check is also shown to catch a corrupted batch (a shifted label, positions that do not restart,
 a mask built from the wrong offsets)."""
+
 from __future__ import annotations
 
 import pytest
@@ -37,7 +39,9 @@ LAYOUTS = {
     "tp2-cp2-per-sequence": ParallelLayout(tp=2, cp=2, pad_policy=PadPolicy.PER_SEQUENCE),
     "cp3": ParallelLayout(cp=3),
     "tp2-fp8": ParallelLayout(tp=2, fp8=FP8Recipe.FP8),
-    "tp2-cp2-mxfp8-per-sequence": ParallelLayout(tp=2, cp=2, fp8=FP8Recipe.MXFP8, pad_policy=PadPolicy.PER_SEQUENCE),
+    "tp2-cp2-mxfp8-per-sequence": ParallelLayout(
+        tp=2, cp=2, fp8=FP8Recipe.MXFP8, pad_policy=PadPolicy.PER_SEQUENCE
+    ),
     "cp2-min-local-rows": ParallelLayout(cp=2, min_local_rows=120),
     "tp2-cp2-buckets": ParallelLayout(tp=2, cp=2, length_buckets=(64, 160, 512)),
 }
@@ -50,13 +54,18 @@ def packed_logits(model, kwargs: dict) -> torch.Tensor:
 
 def raw_kwargs(batch: dict) -> dict:
     """The batch fed as it is: ids, positions, no mask, no cache."""
-    return {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "attention_mask": None,
-            "use_cache": False}
+    return {
+        "input_ids": batch["input_ids"],
+        "position_ids": batch["position_ids"],
+        "attention_mask": None,
+        "use_cache": False,
+    }
 
 
 def per_token_mismatch(model, batch: dict, samples: list[dict], kwargs: dict) -> tuple[float, int]:
-    """Largest difference, over every real token, between the packed run (logits and the next-token loss
-    read from the batch's ``labels`` and ``loss_mask``) and each sample run alone; and how many real
+    """Largest difference, over every real token, between the packed run (logits and the next-token
+    loss read from the batch's ``labels`` and ``loss_mask``) and each sample run alone; and how many
+    real
     tokens were compared."""
     logits = packed_logits(model, kwargs)
     loss = token_ce(logits, batch["labels"][0]) * batch["loss_mask"][0]
@@ -65,7 +74,11 @@ def per_token_mismatch(model, batch: dict, samples: list[dict], kwargs: dict) ->
         alone = packed_logits(model, {"input_ids": sample["input_ids"][None], "use_cache": False})
         labels, trained = sample_next_token_targets(sample)
         want = token_ce(alone, labels) * trained
-        worst = max(worst, float((logits[slots] - alone).abs().max()), float((loss[slots] - want).abs().max()))
+        worst = max(
+            worst,
+            float((logits[slots] - alone).abs().max()),
+            float((loss[slots] - want).abs().max()),
+        )
         seen += slots.numel()
     pads = batch["padding_mask"][0]
     assert float(loss[pads].abs().sum()) == 0.0 and not bool(batch["loss_mask"][0][pads].any())
@@ -95,7 +108,9 @@ def test_a_llama_model_too(attn):
     assert seen == sum(LENGTHS) and worst < TOL
 
 
-@pytest.mark.parametrize("attn,mask_dtype", [("sdpa", torch.bool), ("eager", torch.float64), ("sdpa", torch.float64)])
+@pytest.mark.parametrize(
+    "attn,mask_dtype", [("sdpa", torch.bool), ("eager", torch.float64), ("sdpa", torch.float64)]
+)
 def test_block_causal_mask_gives_the_same_losses(attn, mask_dtype):
     layout = LAYOUTS["tp2-cp2-per-sequence"]
     samples = random_samples(LENGTHS, seed=3)
@@ -106,7 +121,8 @@ def test_block_causal_mask_gives_the_same_losses(attn, mask_dtype):
 
 
 def test_the_models_own_loss_on_hf_kwargs_is_the_mean_of_the_per_sample_losses():
-    """``to_hf_kwargs`` labels (HF convention, the model shifts) give the model's own loss = the mean
+    """``to_hf_kwargs`` labels (HF convention, the model shifts) give the model's own loss = the
+    mean
     next-token loss over every trained token of every sample run alone."""
     layout = LAYOUTS["cp2-min-local-rows"]
     samples = random_samples(LENGTHS, seed=5, loss_mask=True)
@@ -116,7 +132,9 @@ def test_the_models_own_loss_on_hf_kwargs_is_the_mean_of_the_per_sample_losses()
     for s in samples:
         labels, trained = sample_next_token_targets(s)
         with torch.no_grad():
-            total += (token_ce(model(input_ids=s["input_ids"][None]).logits[0], labels) * trained).sum()
+            total += (
+                token_ce(model(input_ids=s["input_ids"][None]).logits[0], labels) * trained
+            ).sum()
         count += int(trained.sum())
     for attention in HFAttention:
         with torch.no_grad():
@@ -125,7 +143,8 @@ def test_the_models_own_loss_on_hf_kwargs_is_the_mean_of_the_per_sample_losses()
 
 
 def test_pad_tokens_change_nothing():
-    """Whatever the pads hold, the real tokens' logits stay the same (they never attend to a pad)."""
+    """Whatever the pads hold, the real tokens' logits stay the same (they never attend to a
+    pad)."""
     layout = LAYOUTS["tp2-cp2-per-sequence"]
     batch = THDCollator(schema=SCHEMA, layout=layout)(random_samples(LENGTHS, seed=9))
     pads = batch["padding_mask"]
@@ -138,9 +157,14 @@ def test_pad_tokens_change_nothing():
 
 
 @pytest.mark.slow
-@given(lengths=st.lists(st.integers(1, 30), min_size=1, max_size=5), tp=st.integers(1, 4), cp=st.integers(1, 3),
-       policy=st.sampled_from(list(PadPolicy)), fp8=st.sampled_from([FP8Recipe.NONE, FP8Recipe.FP8]),
-       rows=st.sampled_from([0, 0, 40]))
+@given(
+    lengths=st.lists(st.integers(1, 30), min_size=1, max_size=5),
+    tp=st.integers(1, 4),
+    cp=st.integers(1, 3),
+    policy=st.sampled_from(list(PadPolicy)),
+    fp8=st.sampled_from([FP8Recipe.NONE, FP8Recipe.FP8]),
+    rows=st.sampled_from([0, 0, 40]),
+)
 @examples(6)
 def test_any_layout_property(lengths, tp, cp, policy, fp8, rows):
     layout = ParallelLayout(tp=tp, cp=cp, pad_policy=policy, fp8=fp8, min_local_rows=rows)
@@ -150,7 +174,8 @@ def test_any_layout_property(lengths, tp, cp, policy, fp8, rows):
     assert seen == sum(lengths) and worst < TOL
 
 
-# ---- the same checks catch a corrupted batch ------------------------------------------------------
+# ---- the same checks catch a corrupted batch
+# ------------------------------------------------------
 CORRUPTED = LAYOUTS["tp2-cp2-per-sequence"]
 
 
@@ -168,7 +193,8 @@ def test_detects_a_label_shifted_by_one():
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_detects_positions_that_do_not_restart(attn):
-    """Positions counting on across sequences: transformers sees one long sequence, every later sample
+    """Positions counting on across sequences: transformers sees one long sequence, every later
+    sample
     attends to the earlier ones."""
     samples, batch = _corrupt_case()
     flat = {**batch, "position_ids": torch.arange(batch["input_ids"].shape[1])[None]}
@@ -187,7 +213,8 @@ def test_detects_one_sequence_whose_positions_do_not_restart():
 
 
 def test_detects_a_mask_built_from_the_true_offsets_of_a_padded_batch():
-    """The padded buffer's blocks are ``cu_seqlens_padded``; the true offsets misplace every block after
+    """The padded buffer's blocks are ``cu_seqlens_padded``; the true offsets misplace every block
+    after
     the first padded sequence (TE's padded-THD trap, here on the mask)."""
     samples, batch = _corrupt_case()
     assert not torch.equal(batch["cu_seqlens"], batch["cu_seqlens_padded"])

@@ -1,8 +1,10 @@
-"""A tiny Gemma 3 (float64, random weights, fixed seed) consumes prealign's packed THD batch (tp=2, cp=2 layout,
-every rank unsharded): with the per-layer-type masks ``to_hf_kwargs(attention="mask")`` emits (each image's
-tokens bidirectional, the sliding window inside each sequence) the logits at every real token equal those of
-each sample alone, where the model builds its own masks from ``token_type_ids``. Removing the bidirectional
+"""A tiny Gemma 3 (float64, random weights, fixed seed) consumes prealign's packed THD batch (tp=2,
+cp=2 layout, every rank unsharded): with the per-layer-type masks ``to_hf_kwargs(attention="mask")``
+emits (each image's tokens bidirectional, the sliding window inside each sequence) the logits at
+every real token equal those of each sample alone, where the model builds its own masks from
+``token_type_ids``. Removing the bidirectional
 image block, or the window, is caught. The flex-attention description equals the 4-D masks."""
+
 from __future__ import annotations
 
 import functools
@@ -23,24 +25,59 @@ transformers = pytest.importorskip("transformers")
 BOI, EOI, IMAGE, PAD = 4, 5, 6, 0
 VOCAB = 64
 TOKENS = 4  # image tokens per image (2 x 2, pooled from 4 x 4 patches)
-WINDOW = 6  # longer than an image (transformers < 5.24 OR the block over the window), shorter than a sample
+# longer than an image (transformers < 5.24 OR the block over the window), shorter than a sample
+WINDOW = 6
 TOL = 1e-6
 LAYOUT = ParallelLayout(tp=2, cp=2, pad_policy=PadPolicy.PER_SEQUENCE)
-SCHEMA = BatchSchema(name="gemma3", ignore_index=-100, fields=(
-    *core_token_fields(PAD, -100, VOCAB),
-    FieldSpec(name="mm_token_type_ids", dtypes=("int64",), pad_value=0, min_value=0, max_value=1)))
+SCHEMA = BatchSchema(
+    name="gemma3",
+    ignore_index=-100,
+    fields=(
+        *core_token_fields(PAD, -100, VOCAB),
+        FieldSpec(
+            name="mm_token_type_ids", dtypes=("int64",), pad_value=0, min_value=0, max_value=1
+        ),
+    ),
+)
 
 
 def tiny_config(attn: str = "sdpa"):
-    text = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=8, max_position_embeddings=512, sliding_window=WINDOW,
-                layer_types=["sliding_attention", "full_attention"], initializer_range=0.3, query_pre_attn_scalar=8,
-                pad_token_id=PAD, bos_token_id=2, eos_token_id=1)
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=16,
-                  patch_size=4, num_channels=3)
-    return transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=TOKENS,
-                                     boi_token_index=BOI, eoi_token_index=EOI, image_token_index=IMAGE,
-                                     initializer_range=0.3, attn_implementation=attn)
+    text = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=512,
+        sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention"],
+        initializer_range=0.3,
+        query_pre_attn_scalar=8,
+        pad_token_id=PAD,
+        bos_token_id=2,
+        eos_token_id=1,
+    )
+    vision = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=16,
+        patch_size=4,
+        num_channels=3,
+    )
+    return transformers.Gemma3Config(
+        text_config=text,
+        vision_config=vision,
+        mm_tokens_per_image=TOKENS,
+        boi_token_index=BOI,
+        eoi_token_index=EOI,
+        image_token_index=IMAGE,
+        initializer_range=0.3,
+        attn_implementation=attn,
+    )
 
 
 @functools.lru_cache(maxsize=None)
@@ -61,22 +98,41 @@ def sample(segments: list, seed: int) -> dict:
         else:
             ids += torch.randint(8, VOCAB, (seg,), generator=g).tolist()
             types += [0] * seg
-    return {"input_ids": torch.tensor(ids), "mm_token_type_ids": torch.tensor(types),
-            "pixel_values": torch.randn(images, 3, 16, 16, generator=g, dtype=torch.float64)}
+    return {
+        "input_ids": torch.tensor(ids),
+        "mm_token_type_ids": torch.tensor(types),
+        "pixel_values": torch.randn(images, 3, 16, 16, generator=g, dtype=torch.float64),
+    }
 
 
-SAMPLES = (sample([3, "image", 9, "image", 2], 1), sample([11], 2), sample(["image", 4, "image", "image", 7], 3))
+SAMPLES = (
+    sample([3, "image", 9, "image", 2], 1),
+    sample([11], 2),
+    sample(["image", 4, "image", "image", 7], 3),
+)
 
 
 def blockless_masks(batch: dict, window: int) -> dict:
-    """The sliding + full masks of ``batch`` without image blocks (causal per sequence), float64 additive."""
-    index = TokenMaskIndex.of(batch["cu_seqlens_padded"], batch["cu_seqlens"], batch["mm_token_type_ids"])
-    return layer_masks(index, ["sliding_attention", "full_attention"], bidirectional=False, window=window,
-                       dtype=torch.float64)
+    """The sliding + full masks of ``batch`` without image blocks (causal per sequence), float64
+    additive."""
+    index = TokenMaskIndex.of(
+        batch["cu_seqlens_padded"], batch["cu_seqlens"], batch["mm_token_type_ids"]
+    )
+    return layer_masks(
+        index,
+        ["sliding_attention", "full_attention"],
+        bidirectional=False,
+        window=window,
+        dtype=torch.float64,
+    )
 
 
 def alone(model, s: dict) -> torch.Tensor:
-    kw = {"input_ids": s["input_ids"][None], "token_type_ids": s["mm_token_type_ids"][None], "use_cache": False}
+    kw = {
+        "input_ids": s["input_ids"][None],
+        "token_type_ids": s["mm_token_type_ids"][None],
+        "use_cache": False,
+    }
     if s["pixel_values"].shape[0]:
         kw["pixel_values"] = s["pixel_values"]
     with torch.no_grad():
@@ -85,9 +141,15 @@ def alone(model, s: dict) -> torch.Tensor:
 
 def packed(attention="mask"):
     batch = THDCollator(schema=SCHEMA, layout=LAYOUT)(
-        [{k: v for k, v in s.items() if k != "pixel_values"} for s in SAMPLES])
-    kwargs = to_hf_kwargs(batch, attention=attention, model_config=tiny_config(), mask_dtype=torch.float64,
-                          labels=False)
+        [{k: v for k, v in s.items() if k != "pixel_values"} for s in SAMPLES]
+    )
+    kwargs = to_hf_kwargs(
+        batch,
+        attention=attention,
+        model_config=tiny_config(),
+        mask_dtype=torch.float64,
+        labels=False,
+    )
     kwargs["pixel_values"] = torch.cat([s["pixel_values"] for s in SAMPLES])
     return batch, kwargs
 
@@ -96,17 +158,28 @@ def worst(batch: dict, kwargs: dict, attn: str = "sdpa") -> float:
     model = tiny_model(attn)
     with torch.no_grad():
         out = model(**kwargs).logits[0]
-    diffs = [(out[slots] - alone(model, s)).abs().max() for slots, s in zip(real_slots(batch), SAMPLES, strict=True)]
+    diffs = [
+        (out[slots] - alone(model, s)).abs().max()
+        for slots, s in zip(real_slots(batch), SAMPLES, strict=True)
+    ]
     return float(max(diffs))
 
 
 def test_the_contract_declares_bidirectional_images_sliding_windows_and_1d_positions():
     c = model_contract(tiny_config())
-    assert (c.position_kind, c.media_attention, c.local_attention, c.linear_attention) == \
-        ("1d", "bidirectional", "sliding", False)
+    assert (c.position_kind, c.media_attention, c.local_attention, c.linear_attention) == (
+        "1d",
+        "bidirectional",
+        "sliding",
+        False,
+    )
     assert c.fields() == ("position_ids", "cu_seqlens_padded", "attention_mask")
     fam = vision_family(tiny_config())
-    assert (fam.image_token_id, fam.vision_start_token_id, fam.vision_end_token_id) == (IMAGE, BOI, EOI)
+    assert (fam.image_token_id, fam.vision_start_token_id, fam.vision_end_token_id) == (
+        IMAGE,
+        BOI,
+        EOI,
+    )
     assert fam.tokens_per_image() == TOKENS and fam.spatial_merge_size == 2
 
 
@@ -121,7 +194,8 @@ def test_packed_logits_equal_each_sample_alone(attn):
 
 @pytest.mark.slow
 def test_the_image_block_removed_is_caught():
-    """Negative control: the same masks without the bidirectional image block (causal per sequence)."""
+    """Negative control: the same masks without the bidirectional image block (causal per
+    sequence)."""
     batch, kwargs = packed()
     kwargs["attention_mask"] = blockless_masks(batch, WINDOW)
     assert worst(batch, kwargs) > CORRUPT
@@ -153,18 +227,22 @@ def test_the_flex_description_equals_the_dense_masks():
 
 
 def test_the_mask_is_the_per_sequence_rule():
-    """Golden case: two sequences (3 real + 1 pad, then 4 real), an image of 2 tokens at slots 1-2."""
-    index = TokenMaskIndex.of(torch.tensor([0, 4, 8]), torch.tensor([0, 3, 7]),
-                              torch.tensor([0, 1, 1, 0, 1, 1, 0, 0]))
+    """Golden case: two sequences (3 real + 1 pad, then 4 real), an image of 2 tokens at slots
+    1-2."""
+    index = TokenMaskIndex.of(
+        torch.tensor([0, 4, 8]), torch.tensor([0, 3, 7]), torch.tensor([0, 1, 1, 0, 1, 1, 0, 0])
+    )
     full = packed_token_mask(index, bidirectional=True)[0, 0].int().tolist()
-    assert full == [[1, 0, 0, 0, 0, 0, 0, 0],
-                    [1, 1, 1, 0, 0, 0, 0, 0],
-                    [1, 1, 1, 0, 0, 0, 0, 0],
-                    [1, 1, 1, 1, 0, 0, 0, 0],  # the pad sees its sequence (no NaN row), nothing sees it
-                    [0, 0, 0, 0, 1, 1, 0, 0],
-                    [0, 0, 0, 0, 1, 1, 0, 0],
-                    [0, 0, 0, 0, 1, 1, 1, 0],
-                    [0, 0, 0, 0, 1, 1, 1, 1]]
+    assert full == [
+        [1, 0, 0, 0, 0, 0, 0, 0],
+        [1, 1, 1, 0, 0, 0, 0, 0],
+        [1, 1, 1, 0, 0, 0, 0, 0],
+        [1, 1, 1, 1, 0, 0, 0, 0],  # the pad sees its sequence (no NaN row), nothing sees it
+        [0, 0, 0, 0, 1, 1, 0, 0],
+        [0, 0, 0, 0, 1, 1, 0, 0],
+        [0, 0, 0, 0, 1, 1, 1, 0],
+        [0, 0, 0, 0, 1, 1, 1, 1],
+    ]
     sliding = packed_token_mask(index, bidirectional=True, window=2)[0, 0].int().tolist()
     assert sliding[6] == [0, 0, 0, 0, 0, 1, 1, 0] and sliding[4] == [0, 0, 0, 0, 1, 1, 0, 0]
 
@@ -172,19 +250,29 @@ def test_the_mask_is_the_per_sequence_rule():
 @pytest.mark.slow
 @pytest.mark.parametrize("attention", ["mask", "positions"])
 def test_a_text_gemma3_packs_with_its_window_per_sequence(attention):
-    """Gemma 3 text (``gemma3_text``: sliding + full layers, no images): with ``attention="mask"`` the per-layer
-    masks (the window counted inside each sequence), with ``"positions"`` the model's own packing from
+    """Gemma 3 text (``gemma3_text``: sliding + full layers, no images): with ``attention="mask"``
+    the per-layer masks (the window counted inside each sequence), with ``"positions"`` the model's
+    own packing from
     ``position_ids``; both give each sample's logits."""
     cfg = tiny_config().text_config
     torch.manual_seed(0)
     model = transformers.Gemma3ForCausalLM(cfg).to(torch.float64).eval()
-    texts = [{"input_ids": s["input_ids"], "mm_token_type_ids": torch.zeros_like(s["input_ids"])} for s in SAMPLES]
+    texts = [
+        {"input_ids": s["input_ids"], "mm_token_type_ids": torch.zeros_like(s["input_ids"])}
+        for s in SAMPLES
+    ]
     batch = THDCollator(schema=SCHEMA, layout=LAYOUT)(texts)
-    kwargs = to_hf_kwargs(batch, attention=attention, model_config=cfg, mask_dtype=torch.float64, labels=False)
+    kwargs = to_hf_kwargs(
+        batch, attention=attention, model_config=cfg, mask_dtype=torch.float64, labels=False
+    )
     kwargs.pop("mm_token_type_ids", None)
     assert ("attention_mask" in kwargs) == (attention == "mask")
     with torch.no_grad():
         out = model(**kwargs).logits[0]
-        diffs = [(out[slots] - model(input_ids=t["input_ids"][None], use_cache=False).logits[0]).abs().max()
-                 for slots, t in zip(real_slots(batch), texts, strict=True)]
+        diffs = [
+            (out[slots] - model(input_ids=t["input_ids"][None], use_cache=False).logits[0])
+            .abs()
+            .max()
+            for slots, t in zip(real_slots(batch), texts, strict=True)
+        ]
     assert float(max(diffs)) < TOL

@@ -1,5 +1,7 @@
-"""The GDN GPU check (``benchmarks/gpu_gdn.py``) stays runnable: it compiles, its dry run builds the packed batch and
+"""The GDN GPU check (``benchmarks/gpu_gdn.py``) stays runnable: it compiles, its dry run builds the
+packed batch and
 the model kwargs (``seq_idx`` naming each slot's padded sequence), and without a GPU it says so."""
+
 from __future__ import annotations
 
 import runpy
@@ -26,10 +28,12 @@ def test_dry_run_builds_the_packed_kwargs(script, capsys):
     kw = script.model_kwargs(batch, script.model_config(), check=False)
     padded = batch["cu_seqlens_padded"].tolist()
     for i in range(len(samples)):  # every slot of padded sequence i says i
-        assert bool((kw["seq_idx"][0, padded[i]:padded[i + 1]] == i).all())
+        assert bool((kw["seq_idx"][0, padded[i] : padded[i + 1]] == i).all())
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="platform: a GPU is here: the real check would run")
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="platform: a GPU is here: the real check would run"
+)
 def test_without_a_gpu_it_says_so_and_exits_2(script, capsys):
     assert script.main([]) == 2
     assert "nothing measured" in capsys.readouterr().out

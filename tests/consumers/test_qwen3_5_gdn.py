@@ -1,9 +1,11 @@
-"""A tiny Qwen3.5 with a Gated DeltaNet layer packs exactly in every ``to_hf_kwargs`` mode: the fast kernels
-(``fla``'s chunked gated delta rule, ``causal_conv1d``) are stood in for by packages this test writes, which run
-transformers' own pure-torch functions once per segment of ``cu_seqlens`` / ``seq_idx`` (what the kernels
-honour). Packed logits equal each sample alone in POSITIONS and MASK modes; the same batch without
-``cu_seq_lens_q`` (what those modes gave before) leaks state between the packed samples. A fresh interpreter:
+"""A tiny Qwen3.5 with a Gated DeltaNet layer packs exactly in every ``to_hf_kwargs`` mode: the fast
+kernels (``fla``'s chunked gated delta rule, ``causal_conv1d``) are stood in for by packages this
+test writes, which run transformers' own pure-torch functions once per segment of ``cu_seqlens`` /
+``seq_idx`` (what the kernels honour). Packed logits equal each sample alone in POSITIONS and MASK
+modes; the same batch without ``cu_seq_lens_q`` (what those modes gave before) leaks state between
+the packed samples. A fresh interpreter:
 transformers picks its kernels when its Qwen3.5 module is imported."""
+
 from __future__ import annotations
 
 import json
@@ -21,7 +23,7 @@ from tests.consumers.models import CORRUPT, TOL
 transformers = pytest.importorskip("transformers")
 VERSION = tuple(int(p) for p in transformers.__version__.split(".")[:2])
 
-FLA = '''
+FLA = """
 import inspect
 
 import torch
@@ -38,8 +40,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
                  use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)[0]
              for a, b in zip(cu[:-1], cu[1:])]
     return torch.cat(parts, 1), None
-'''
-CONV = '''
+"""
+CONV = """
 import inspect
 
 import torch
@@ -54,8 +56,8 @@ def causal_conv1d_fn(x, weight, bias=None, activation=None, seq_idx=None):
     parts = [ref(x[..., a:b], weight, bias, activation=activation)
              for a, b in zip(cut[:-1], cut[1:])]
     return torch.cat(parts, -1)
-'''
-SCRIPT = '''
+"""
+SCRIPT = """
 import json
 
 import torch
@@ -102,11 +104,12 @@ for mode in ("positions", "mask"):
         row.append(max(float((packed[a:b] - x).abs().max()) for (a, b), x in zip(spans, alone)))
     out[mode] = row
 print(json.dumps(out))
-'''
+"""
 
 
 def gdn_reads_cu_seq_lens_q() -> bool:
-    """Whether the installed Gated DeltaNet forward takes the chunked kernel's boundaries from ``cu_seq_lens_q`` in
+    """Whether the installed Gated DeltaNet forward takes the chunked kernel's boundaries from
+    ``cu_seq_lens_q`` in
     its keyword arguments (not from the attention mask)."""
     import inspect
 
@@ -116,7 +119,8 @@ def gdn_reads_cu_seq_lens_q() -> bool:
 
 
 def test_qwen3_5_gdn_reads_cu_seq_lens_q_whatever_the_attention_mode():
-    """Why ``to_hf_kwargs`` sends ``cu_seq_lens_q`` in every mode from 5.10 on (and refuses packing below)."""
+    """Why ``to_hf_kwargs`` sends ``cu_seq_lens_q`` in every mode from 5.10 on (and refuses packing
+    below)."""
     assert gdn_reads_cu_seq_lens_q() == (VERSION >= GDN_MIN_TRANSFORMERS)
 
 
@@ -125,21 +129,35 @@ def test_gdn_packs_exactly_in_positions_and_mask_modes(tmp_path):
     from transformers.integrations import hub_kernels
 
     if not hasattr(hub_kernels, "use_kernel_func_from_hub_with_fallback"):
-        # transformers < 5.2x takes the kernels only from installed distributions (their metadata), which a test
-        # cannot stand in for; to_hf_kwargs refuses the packed row below 5.10 (test_vlm_gdn) and sends
-        # cu_seq_lens_q in every mode above, which this version's GDN forward reads (the test above)
+        # transformers < 5.2x takes the kernels only from installed distributions (their metadata),
+        # which a test cannot stand in for; to_hf_kwargs refuses the packed row below 5.10
+        # (test_vlm_gdn) and sends cu_seq_lens_q in every mode above, which this version's GDN
+        # forward reads (the test above)
         assert VERSION < GDN_MIN_TRANSFORMERS or gdn_reads_cu_seq_lens_q()
         return
     kernels = tmp_path / "kernels"
     (kernels / "fla" / "ops" / "gated_delta_rule").mkdir(parents=True)
     (kernels / "causal_conv1d").mkdir()
-    for path, text in (("fla/__init__.py", ""), ("fla/ops/__init__.py", ""),
-                       ("fla/ops/gated_delta_rule/__init__.py", FLA), ("causal_conv1d/__init__.py", CONV)):
+    for path, text in (
+        ("fla/__init__.py", ""),
+        ("fla/ops/__init__.py", ""),
+        ("fla/ops/gated_delta_rule/__init__.py", FLA),
+        ("causal_conv1d/__init__.py", CONV),
+    ):
         (kernels / path).write_text(textwrap.dedent(text))
     root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(kernels), str(root), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-c", SCRIPT], cwd=root, env=env, capture_output=True, text=True,
-                          timeout=600)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(kernels), str(root), os.environ.get("PYTHONPATH", "")]),
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     for mode, (worst, leak) in result.items():

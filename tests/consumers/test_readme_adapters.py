@@ -1,4 +1,6 @@
-"""The adapters page (docs/adapters.md): every Python example in it runs as written (asserts included)."""
+"""The adapters page (docs/adapters.md): every Python example in it runs as written (asserts
+included)."""
+
 from __future__ import annotations
 
 import re

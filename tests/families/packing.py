@@ -1,5 +1,8 @@
-"""The in-model packing check the family tests share: a THD batch (tp=2, cp=2) whose CP shards unshard back to
-the whole batch, and the largest logit difference between that packed forward and each sample run alone."""
+"""The in-model packing check the family tests share: a THD batch (tp=2, cp=2) whose CP shards
+unshard back to
+the whole batch, and the largest logit difference between that packed forward and each sample run
+alone."""
+
 from __future__ import annotations
 
 from typing import Callable
@@ -12,7 +15,8 @@ from tests.consumers.models import real_slots
 
 
 def packed_batch(schema, samples: list[dict]) -> dict:
-    """The unsharded THD batch (tp=2, cp=2) after checking that both CP ranks' shards unshard back to it and
+    """The unsharded THD batch (tp=2, cp=2) after checking that both CP ranks' shards unshard back
+    to it and
     that media (never sharded) is whole on each."""
     layout = ParallelLayout(tp=2, cp=2)
     whole = THDCollator(schema=schema, layout=layout)(samples)
@@ -24,8 +28,11 @@ def packed_batch(schema, samples: list[dict]) -> dict:
     return whole
 
 
-def worst_gap(model, kwargs: dict, batch: dict, samples: list[dict], alone: Callable[[dict], dict]) -> float:
-    """max |packed logits - alone logits| over every real token (``alone(sample)``: that sample's kwargs)."""
+def worst_gap(
+    model, kwargs: dict, batch: dict, samples: list[dict], alone: Callable[[dict], dict]
+) -> float:
+    """max |packed logits - alone logits| over every real token (``alone(sample)``: that sample's
+    kwargs)."""
     with torch.no_grad():
         out, bad = model(**kwargs).logits[0], 0.0
         for slots, sample in zip(real_slots(batch), samples, strict=True):

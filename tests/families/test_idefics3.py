@@ -1,9 +1,11 @@
-"""SmolVLM / Idefics3: prealign's transform equals transformers' ``Idefics3Processor`` + ``apply_chat_template``
-(input ids, tiles, pixel values, rows and columns) on random conversations with SmolVLM's and Idefics3's image
-processors; the image text equals SmolVLM's own ``get_image_prompt_string``; lengths from image headers alone
-equal the full pass; the tiling rule equals transformers'; and tiny SmolVLM and Idefics3 models (float64) give the
-same logits for a packed THD batch (cp=2, every rank unsharded back) as for each sample alone, while a row whose
+"""SmolVLM / Idefics3: prealign's transform equals transformers' ``Idefics3Processor`` +
+``apply_chat_template`` (input ids, tiles, pixel values, rows and columns) on random conversations
+with SmolVLM's and Idefics3's image processors; the image text equals SmolVLM's own
+``get_image_prompt_string``; lengths from image headers alone equal the full pass; the tiling rule
+equals transformers'; and tiny SmolVLM and Idefics3 models (float64) give the same logits for a
+packed THD batch (cp=2, every rank unsharded back) as for each sample alone, while a row whose
 positions do not restart is caught."""
+
 from __future__ import annotations
 
 import io
@@ -45,13 +47,19 @@ def png(seed: int, lo: int = 4, hi: int = 150) -> bytes:
 
 
 def transform(model_type: str = "smolvlm", **kw) -> Idefics3SampleTransform:
-    return Idefics3SampleTransform(model_config=ref.tiny_config(model_type), tokenizer=ref.hf_tokenizer(),
-                                   processor=ref.image_processor(model_type, **kw))
+    return Idefics3SampleTransform(
+        model_config=ref.tiny_config(model_type),
+        tokenizer=ref.hf_tokenizer(),
+        processor=ref.image_processor(model_type, **kw),
+    )
 
 
 def raw_sample(messages, images) -> dict:
-    return {"__key__": "s", "json": json.dumps({"messages": messages}).encode(),
-            **{f"{i}.png": b for i, b in enumerate(images)}}
+    return {
+        "__key__": "s",
+        "json": json.dumps({"messages": messages}).encode(),
+        **{f"{i}.png": b for i, b in enumerate(images)},
+    }
 
 
 def reference(messages: list[dict], images: list[bytes], processor) -> dict:
@@ -60,21 +68,33 @@ def reference(messages: list[dict], images: list[bytes], processor) -> dict:
     def content(text):
         if "<image>" not in text:
             return text
-        return [{"type": "image"} if p == "<image>" else {"type": "text", "text": p}
-                for p in re.split("(<image>)", text) if p]
+        return [
+            {"type": "image"} if p == "<image>" else {"type": "text", "text": p}
+            for p in re.split("(<image>)", text)
+            if p
+        ]
 
     chat = [{"role": m["role"], "content": content(m["content"])} for m in messages]
     text = processor.apply_chat_template(chat, tokenize=False)
     pil = [Image.open(io.BytesIO(b)).convert("RGB") for b in images]
-    return processor(text=[text], images=[pil] if pil else None, return_tensors="pt", add_special_tokens=False)
+    return processor(
+        text=[text], images=[pil] if pil else None, return_tensors="pt", add_special_tokens=False
+    )
 
 
-PIECES = st.sampled_from(["\n", "\n\n", " ", "a", "b", "hello", "world", ".", "?", " \n", "<image>"])
+PIECES = st.sampled_from(
+    ["\n", "\n\n", " ", "a", "b", "hello", "world", ".", "?", " \n", "<image>"]
+)
 TEXT = st.lists(PIECES, max_size=7).map("".join)
 
 
-@given(contents=st.lists(TEXT, min_size=1, max_size=4), system=st.booleans(), seed=st.integers(0, 99),
-       model_type=st.sampled_from(["smolvlm", "idefics3"]), split=st.booleans())
+@given(
+    contents=st.lists(TEXT, min_size=1, max_size=4),
+    system=st.booleans(),
+    seed=st.integers(0, 99),
+    model_type=st.sampled_from(["smolvlm", "idefics3"]),
+    split=st.booleans(),
+)
 @examples(25)
 def test_ids_tiles_and_pixels_equal_the_processor(contents, system, seed, model_type, split):
     roles = (["system"] if system else []) + ["user", "assistant"] * 3
@@ -94,10 +114,16 @@ def test_ids_tiles_and_pixels_equal_the_processor(contents, system, seed, model_
     assert t.header_ids(raw_sample(messages, images))[0].tolist() == ours["input_ids"].tolist()
     assert torch.equal(ours["mm_token_type_ids"], (ours["input_ids"] == ref.tid("<image>")).long())
     trained = ours["input_ids"][ours["loss_mask"] > 0]
-    assert int((trained == ref.tid("<end_of_utterance>")).sum()) == sum(m["role"] == "assistant" for m in messages)
+    assert int((trained == ref.tid("<end_of_utterance>")).sum()) == sum(
+        m["role"] == "assistant" for m in messages
+    )
 
 
-@given(st.integers(1, 5000), st.integers(1, 5000), st.sampled_from([(1456, 364), (2048, 512), (128, 32), (364, 364)]))
+@given(
+    st.integers(1, 5000),
+    st.integers(1, 5000),
+    st.sampled_from([(1456, 364), (2048, 512), (128, 32), (364, 364)]),
+)
 @examples(200)
 def test_tile_grid_equals_transformers(h, w, sizes):
     edge, tile = sizes
@@ -120,62 +146,124 @@ def test_image_text_equals_smolvlms_own_prompt_string():
         from prealign.loaders.media.chat_tokenizer import encode_segments
 
         ids, _ = encode_segments(t.tokenizer, t.image_segments(rows, cols))
-        text = get_image_prompt_string(rows, cols, 16, fake_token_around_image="<fake_token_around_image>",
-                                       image_token="<image>", global_image_token="<global-img>")
+        text = get_image_prompt_string(
+            rows,
+            cols,
+            16,
+            fake_token_around_image="<fake_token_around_image>",
+            image_token="<image>",
+            global_image_token="<global-img>",
+        )
         assert ids.tolist() == ref.hf_tokenizer()(text, add_special_tokens=False)["input_ids"]
 
 
 def test_golden_sample_and_the_released_families():
-    fam = vision_family(transformers.Idefics3Config(vision_config={"image_size": 364, "patch_size": 14}))
-    assert isinstance(fam, Idefics3) and (fam.image_seq_len, fam.tile_size, fam.longest_edge) == (169, 364, 1456)
-    smol = vision_family(transformers.SmolVLMConfig(vision_config={"image_size": 512, "patch_size": 16},
-                                                    scale_factor=4))
-    assert (smol.image_seq_len, smol.rows_cols(480, 640)) == (64, (3, 4))  # 2048 x 1536 -> 4 x 3 tiles of 512
-    messages = [{"role": "user", "content": "<image>\nwhat?"}, {"role": "assistant", "content": " a "}]
+    fam = vision_family(
+        transformers.Idefics3Config(vision_config={"image_size": 364, "patch_size": 14})
+    )
+    assert isinstance(fam, Idefics3) and (fam.image_seq_len, fam.tile_size, fam.longest_edge) == (
+        169,
+        364,
+        1456,
+    )
+    smol = vision_family(
+        transformers.SmolVLMConfig(
+            vision_config={"image_size": 512, "patch_size": 16}, scale_factor=4
+        )
+    )
+    assert (smol.image_seq_len, smol.rows_cols(480, 640)) == (
+        64,
+        (3, 4),
+    )  # 2048 x 1536 -> 4 x 3 tiles of 512
+    messages = [
+        {"role": "user", "content": "<image>\nwhat?"},
+        {"role": "assistant", "content": " a "},
+    ]
     from PIL import Image
 
     buf = io.BytesIO()
-    Image.new("RGB", (40, 20)).save(buf, format="PNG")  # 128 x 64 -> 4 x 2 tiles... of 32 px: 2 rows, 4 cols
+    Image.new("RGB", (40, 20)).save(
+        buf, format="PNG"
+    )  # 128 x 64 -> 4 x 2 tiles... of 32 px: 2 rows, 4 cols
     ours = transform()(raw_sample(messages, [buf.getvalue()]))
     text = ref.hf_tokenizer().decode(ours["input_ids"].tolist())
     tile = "<image>" * 16
-    rows = "".join("".join(f"<fake_token_around_image><row_{r}_col_{c}>{tile}" for c in range(1, 5)) + "\n"
-                   for r in (1, 2))
-    assert text == ("<|im_start|>User:" + rows + f"\n<fake_token_around_image><global-img>{tile}"
-                    "<fake_token_around_image>\nwhat?<end_of_utterance>\nAssistant:  a <end_of_utterance>\n")
-    assert ref.hf_tokenizer().decode(ours["input_ids"][ours["loss_mask"] > 0].tolist()) == " a <end_of_utterance>"
-    assert ours["image_rows_cols"].tolist() == [[2, 4]] and ours["pixel_values"].shape == (9, 3, S, S)
+    rows = "".join(
+        "".join(f"<fake_token_around_image><row_{r}_col_{c}>{tile}" for c in range(1, 5)) + "\n"
+        for r in (1, 2)
+    )
+    assert text == (
+        "<|im_start|>User:" + rows + f"\n<fake_token_around_image><global-img>{tile}"
+        "<fake_token_around_image>\nwhat?<end_of_utterance>\nAssistant:  a <end_of_utterance>\n"
+    )
+    assert (
+        ref.hf_tokenizer().decode(ours["input_ids"][ours["loss_mask"] > 0].tolist())
+        == " a <end_of_utterance>"
+    )
+    assert ours["image_rows_cols"].tolist() == [[2, 4]] and ours["pixel_values"].shape == (
+        9,
+        3,
+        S,
+        S,
+    )
 
 
 def test_bad_samples_are_typed_errors():
     with pytest.raises(MediaError, match="placeholder"):
         transform()(raw_sample([{"role": "user", "content": "<image> <image>"}], [png(1)]))
     with pytest.raises(ConfigError, match="smolvlm or idefics3"):
-        Idefics3SampleTransform(model_config=transformers.Qwen2VLConfig(), tokenizer=ref.hf_tokenizer())
+        Idefics3SampleTransform(
+            model_config=transformers.Qwen2VLConfig(), tokenizer=ref.hf_tokenizer()
+        )
     with pytest.raises(ConfigError, match="image_token_id 99"):
-        Idefics3SampleTransform(model_config=transformers.SmolVLMConfig(image_token_id=99), tokenizer=ref.hf_tokenizer())
+        Idefics3SampleTransform(
+            model_config=transformers.SmolVLMConfig(image_token_id=99), tokenizer=ref.hf_tokenizer()
+        )
     with pytest.raises(ConfigError, match="image_size"):  # 364-px tiles from a 32-px tower
-        Idefics3SampleTransform(model_config=ref.tiny_config(), tokenizer=ref.hf_tokenizer(),
-                                processor=pil_image_processor_class("idefics3")())
+        Idefics3SampleTransform(
+            model_config=ref.tiny_config(),
+            tokenizer=ref.hf_tokenizer(),
+            processor=pil_image_processor_class("idefics3")(),
+        )
 
 
 @pytest.mark.parametrize("model_type", ["smolvlm", "idefics3"])
 def test_the_contract_is_plain_packing_on_every_consumer(model_type):
     contract = model_contract(ref.tiny_config(model_type))
-    assert (contract.position_kind, contract.media_attention, contract.local_attention) == ("1d", "causal", None)
+    assert (contract.position_kind, contract.media_attention, contract.local_attention) == (
+        "1d",
+        "causal",
+        None,
+    )
     assert contract.fields() == ("position_ids", "cu_seqlens_padded")
-    for consumer in (Consumer.hf("flash_attention_2"), Consumer.hf("sdpa"), Consumer.megatron("0.16.1")):
+    for consumer in (
+        Consumer.hf("flash_attention_2"),
+        Consumer.hf("sdpa"),
+        Consumer.megatron("0.16.1"),
+    ):
         check_consumer(contract, consumer, cp=2)  # nothing refused
 
 
-# ---- in-model ---------------------------------------------------------------------------------------
+# ---- in-model
+# ---------------------------------------------------------------------------------------
 def model_samples(model_type: str) -> list[dict]:
-    conversations = [[{"role": "user", "content": "what <image> is it?"}, {"role": "assistant", "content": "a cat."}],
-                     [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "\n\nworld ."}],
-                     [{"role": "user", "content": "<image>a b<image>"}, {"role": "assistant", "content": "c ?"}]]
+    conversations = [
+        [
+            {"role": "user", "content": "what <image> is it?"},
+            {"role": "assistant", "content": "a cat."},
+        ],
+        [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "\n\nworld ."}],
+        [{"role": "user", "content": "<image>a b<image>"}, {"role": "assistant", "content": "c ?"}],
+    ]
     t = transform(model_type)
-    return [t(raw_sample(m, [png(11 + 3 * i + j, 8, 70) for j in range(m[0]["content"].count("<image>"))]))
-            for i, m in enumerate(conversations)]
+    return [
+        t(
+            raw_sample(
+                m, [png(11 + 3 * i + j, 8, 70) for j in range(m[0]["content"].count("<image>"))]
+            )
+        )
+        for i, m in enumerate(conversations)
+    ]
 
 
 def alone(sample: dict) -> dict:
@@ -188,11 +276,18 @@ def alone(sample: dict) -> dict:
 def packed(model_type: str, samples: list[dict]) -> tuple[dict, dict]:
     """THD tp=2 cp=2, every CP rank unsharded back; the model's kwargs from ``to_hf_kwargs``."""
     tok, config = ref.hf_tokenizer(), ref.tiny_config(model_type)
-    schema = vision_family(config).batch_schema(pad_token_id=tok.pad_token_id, vocab_size=len(tok),
-                                                pixel_dtypes=("float32",))
+    schema = vision_family(config).batch_schema(
+        pad_token_id=tok.pad_token_id, vocab_size=len(tok), pixel_dtypes=("float32",)
+    )
     whole = packed_batch(schema, samples)
     kwargs = to_hf_kwargs(whole, attention=HFAttention.POSITIONS, labels=False, model_config=config)
-    assert sorted(kwargs) == ["input_ids", "mm_token_type_ids", "pixel_values", "position_ids", "use_cache"]
+    assert sorted(kwargs) == [
+        "input_ids",
+        "mm_token_type_ids",
+        "pixel_values",
+        "position_ids",
+        "use_cache",
+    ]
     kwargs.pop("mm_token_type_ids")  # (the forward takes none)
     kwargs["pixel_values"] = kwargs["pixel_values"].to(torch.float64)
     return whole, kwargs
@@ -220,23 +315,39 @@ def test_positions_that_do_not_restart_are_caught():
     assert worst("smolvlm", batch, kwargs, samples) > CORRUPT
 
 
-# ---- the demo and the header pass -------------------------------------------------------------------
+# ---- the demo and the header pass
+# -------------------------------------------------------------------
 @pytest.mark.slow
 def test_demo_command_with_smolvlm(tmp_path, capsys):
-    """``prealign demo --model smolvlm``: every batch on every CP rank valid against the family's schema, the
+    """``prealign demo --model smolvlm``: every batch on every CP rank valid against the family's
+    schema, the
     synthetic teacher rows as long as the transform's ids, whole tiles in pixel_values."""
     from prealign.loaders.cli import main
 
-    args = ["demo", "--model", "smolvlm", "--samples", "30", "--out", str(tmp_path / "l.png"), "--workers", "0",
-            "--token-budget", "4096"]
+    args = [
+        "demo",
+        "--model",
+        "smolvlm",
+        "--samples",
+        "30",
+        "--out",
+        str(tmp_path / "l.png"),
+        "--workers",
+        "0",
+        "--token-budget",
+        "4096",
+    ]
     assert main(args) == 0
     out = capsys.readouterr().out
     n = int(out.split("micro-batches  ")[1].split(" ")[0])
     assert f"{2 * n}/{2 * n} batches valid" in out and "smolvlm_topk" in out
-    assert re.search(r"pixel_values +float32 +\[\d+, 3, 128, 128\]", out) and re.search(r"image_rows_cols +int64", out)
+    assert re.search(r"pixel_values +float32 +\[\d+, 3, 128, 128\]", out) and re.search(
+        r"image_rows_cols +int64", out
+    )
 
 
 def test_header_index_equals_the_full_pass(tmp_path):
-    """``prealign demo --model smolvlm`` data: the header-only index (image headers sized, the chat rendered by
+    """``prealign demo --model smolvlm`` data: the header-only index (image headers sized, the chat
+    rendered by
     the tokenizer alone) gives every sample the length and media flag the full transform gives."""
     assert_header_index_equals_full_pass(tmp_path, "smolvlm", 16)

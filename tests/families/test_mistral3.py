@@ -1,8 +1,10 @@
-"""Mistral3 (Mistral Small 3.1) / Pixtral: prealign's transform equals transformers' ``PixtralProcessor`` +
-``apply_chat_template`` (input ids, pixel values, image sizes) on random conversations; lengths from image headers
-alone equal the full pass; the resize rule equals transformers'; and a tiny Mistral3 (float64) gives the same
-logits for a packed THD batch (cp=2, every rank unsharded back) as for each sample alone, while a row whose
+"""Mistral3 (Mistral Small 3.1) / Pixtral: prealign's transform equals transformers'
+``PixtralProcessor`` + ``apply_chat_template`` (input ids, pixel values, image sizes) on random
+conversations; lengths from image headers alone equal the full pass; the resize rule equals
+transformers'; and a tiny Mistral3 (float64) gives the same logits for a packed THD batch (cp=2,
+every rank unsharded back) as for each sample alone, while a row whose
 positions do not restart is caught."""
+
 from __future__ import annotations
 
 import io
@@ -43,33 +45,48 @@ def png(seed: int, lo: int = 4, hi: int = 150) -> bytes:
 
 
 def transform(**kw) -> Mistral3SampleTransform:
-    return Mistral3SampleTransform(model_config=ref.tiny_config(), tokenizer=ref.hf_tokenizer(), **kw)
+    return Mistral3SampleTransform(
+        model_config=ref.tiny_config(), tokenizer=ref.hf_tokenizer(), **kw
+    )
 
 
 def raw_sample(messages, images) -> dict:
-    return {"__key__": "m", "json": json.dumps({"messages": messages}).encode(),
-            **{f"{i}.png": b for i, b in enumerate(images)}}
+    return {
+        "__key__": "m",
+        "json": json.dumps({"messages": messages}).encode(),
+        **{f"{i}.png": b for i, b in enumerate(images)},
+    }
 
 
 def reference(messages: list[dict], images: list[bytes], processor=None) -> dict:
     from PIL import Image
 
     def items(text):
-        return [{"type": "image"} if p == "<image>" else {"type": "text", "text": p}
-                for p in re.split("(<image>)", text) if p]
+        return [
+            {"type": "image"} if p == "<image>" else {"type": "text", "text": p}
+            for p in re.split("(<image>)", text)
+            if p
+        ]
 
     processor = processor or ref.hf_processor()
-    chat = [{"role": m["role"], "content": items(m["content"])} if m["role"] == "user" else m for m in messages]
+    chat = [
+        {"role": m["role"], "content": items(m["content"])} if m["role"] == "user" else m
+        for m in messages
+    ]
     text = processor.apply_chat_template(chat, tokenize=False)
     pil = [Image.open(io.BytesIO(b)).convert("RGB") for b in images]
     return processor(text=[text], images=pil or None, return_tensors="pt", add_special_tokens=False)
 
 
-PIECES = st.sampled_from(["\n", "\n\n", " ", "a", "b", "hello", "world", ".", "?", " \n", "<image>"])
+PIECES = st.sampled_from(
+    ["\n", "\n\n", " ", "a", "b", "hello", "world", ".", "?", " \n", "<image>"]
+)
 TEXT = st.lists(PIECES, max_size=7).map("".join)
 
 
-@given(contents=st.lists(TEXT, min_size=1, max_size=4), system=st.booleans(), seed=st.integers(0, 99))
+@given(
+    contents=st.lists(TEXT, min_size=1, max_size=4), system=st.booleans(), seed=st.integers(0, 99)
+)
 @examples(25)
 def test_ids_pixels_and_image_sizes_equal_the_processor(contents, system, seed):
     roles = (["system"] if system else []) + ["user", "assistant"] * 3
@@ -84,45 +101,86 @@ def test_ids_pixels_and_image_sizes_equal_the_processor(contents, system, seed):
     assert ours["input_ids"].tolist() == want["input_ids"][0].tolist()
     if n:
         assert ours["image_sizes"].tolist() == want["image_sizes"].tolist()
-        assert torch.equal(hf_pixel_values(ours["pixel_values"], ours["image_sizes"]),
-                           want["pixel_values"].to(torch.float32))
+        assert torch.equal(
+            hf_pixel_values(ours["pixel_values"], ours["image_sizes"]),
+            want["pixel_values"].to(torch.float32),
+        )
     else:
         assert ours["pixel_values"].shape == (0, 3, 4, 4) and "pixel_values" not in want
     assert t.header_ids(raw_sample(messages, images))[0].tolist() == ours["input_ids"].tolist()
     assert torch.equal(ours["mm_token_type_ids"], (ours["input_ids"] == ref.tid("[IMG]")).long())
     trained = ours["input_ids"][ours["loss_mask"] > 0]
-    assert int((trained == ref.tid("</s>")).sum()) == sum(m["role"] == "assistant" for m in messages)
+    assert int((trained == ref.tid("</s>")).sum()) == sum(
+        m["role"] == "assistant" for m in messages
+    )
 
 
-@given(st.integers(1, 5000), st.integers(1, 5000), st.sampled_from([64, 112, 1024, 1540]), st.sampled_from([14, 16, 28]))
+@given(
+    st.integers(1, 5000),
+    st.integers(1, 5000),
+    st.sampled_from([64, 112, 1024, 1540]),
+    st.sampled_from([14, 16, 28]),
+)
 @examples(200)
 def test_resize_rule_equals_transformers(h, w, edge, step):
-    from transformers.models.pixtral.image_processing_pil_pixtral import get_resize_output_image_size
+    from transformers.models.pixtral.image_processing_pil_pixtral import (
+        get_resize_output_image_size,
+    )
 
-    want = get_resize_output_image_size(np.zeros((3, h, w)), size=(edge, edge), patch_size=(step, step),
-                                        input_data_format="channels_first")
+    want = get_resize_output_image_size(
+        np.zeros((3, h, w)),
+        size=(edge, edge),
+        patch_size=(step, step),
+        input_data_format="channels_first",
+    )
     assert resized_size(h, w, edge, step) == tuple(want)
 
 
 def test_golden_sample_and_the_mistral_small_3_1_family():
     fam = vision_family(transformers.Mistral3Config())
-    assert isinstance(fam, Mistral3) and (fam.image_token_id, fam.patch_size, fam.spatial_merge_size,
-                                          fam.longest_edge) == (10, 14, 2, 1540)
-    assert fam.token_grid(600, 800) == (22, 29) and fam.token_grid(3000, 100) == (55, 2)  # 1540 / 28 = 55
-    pixtral = Mistral3.from_config(transformers.LlavaConfig(vision_config={"model_type": "pixtral"}))
+    assert isinstance(fam, Mistral3) and (
+        fam.image_token_id,
+        fam.patch_size,
+        fam.spatial_merge_size,
+        fam.longest_edge,
+    ) == (10, 14, 2, 1540)
+    assert fam.token_grid(600, 800) == (22, 29) and fam.token_grid(3000, 100) == (
+        55,
+        2,
+    )  # 1540 / 28 = 55
+    pixtral = Mistral3.from_config(
+        transformers.LlavaConfig(vision_config={"model_type": "pixtral"})
+    )
     assert (pixtral.patch_size, pixtral.spatial_merge_size, pixtral.longest_edge) == (16, 1, 1024)
     with pytest.raises(ConfigError, match="pixtral"):
         Mistral3.from_config(transformers.LlavaConfig())
-    messages = [{"role": "user", "content": "\nlook <image>?"}, {"role": "assistant", "content": " a "}]
+    messages = [
+        {"role": "user", "content": "\nlook <image>?"},
+        {"role": "assistant", "content": " a "},
+    ]
     from PIL import Image
 
     buf = io.BytesIO()
-    Image.new("RGB", (20, 9)).save(buf, format="PNG")  # 20x9 -> 24x16 pixels: 2 rows of 3 tokens (8 px each)
+    Image.new("RGB", (20, 9)).save(
+        buf, format="PNG"
+    )  # 20x9 -> 24x16 pixels: 2 rows of 3 tokens (8 px each)
     ours = transform()(raw_sample(messages, [buf.getvalue()]))
     text = ref.hf_tokenizer().decode(ours["input_ids"].tolist())
-    assert text == "<s>[INST]\nlook " + "[IMG]" * 3 + "[IMG_BREAK]" + "[IMG]" * 3 + "[IMG_END]?[/INST] a </s>"
+    assert (
+        text
+        == "<s>[INST]\nlook "
+        + "[IMG]" * 3
+        + "[IMG_BREAK]"
+        + "[IMG]" * 3
+        + "[IMG_END]?[/INST] a </s>"
+    )
     assert ref.hf_tokenizer().decode(ours["input_ids"][ours["loss_mask"] > 0].tolist()) == " a </s>"
-    assert ours["image_sizes"].tolist() == [[16, 24]] and ours["pixel_values"].shape == (4 * 6, 3, 4, 4)
+    assert ours["image_sizes"].tolist() == [[16, 24]] and ours["pixel_values"].shape == (
+        4 * 6,
+        3,
+        4,
+        4,
+    )
 
 
 def test_a_default_system_prompt_is_written_only_when_asked():
@@ -130,51 +188,92 @@ def test_a_default_system_prompt_is_written_only_when_asked():
     plain = transform()(raw_sample(messages, []))["input_ids"].tolist()
     with_system = transform(system="be brief")(raw_sample(messages, []))["input_ids"].tolist()
     assert plain == reference(messages, [])["input_ids"][0].tolist()
-    assert with_system == reference([{"role": "system", "content": "be brief"}, *messages], [])["input_ids"][0].tolist()
+    assert (
+        with_system
+        == reference([{"role": "system", "content": "be brief"}, *messages], [])["input_ids"][
+            0
+        ].tolist()
+    )
 
 
 def test_bad_samples_are_typed_errors():
     with pytest.raises(MediaError, match="placeholder"):
         transform()(raw_sample([{"role": "user", "content": "<image> <image>"}], [png(1)]))
     with pytest.raises(MediaError, match="user turns only"):
-        transform()(raw_sample([{"role": "user", "content": "x"}, {"role": "assistant", "content": "<image>"}],
-                               [png(1)]))
+        transform()(
+            raw_sample(
+                [{"role": "user", "content": "x"}, {"role": "assistant", "content": "<image>"}],
+                [png(1)],
+            )
+        )
     with pytest.raises(ConfigError, match="mistral3"):
-        Mistral3SampleTransform(model_config=transformers.Qwen2VLConfig(), tokenizer=ref.hf_tokenizer())
+        Mistral3SampleTransform(
+            model_config=transformers.Qwen2VLConfig(), tokenizer=ref.hf_tokenizer()
+        )
     with pytest.raises(ConfigError, match="image_token_id 99"):
-        Mistral3SampleTransform(model_config=transformers.Mistral3Config(image_token_id=99),
-                                tokenizer=ref.hf_tokenizer())
+        Mistral3SampleTransform(
+            model_config=transformers.Mistral3Config(image_token_id=99),
+            tokenizer=ref.hf_tokenizer(),
+        )
 
 
 def test_the_contract_is_plain_packing_on_every_consumer():
     contract = model_contract(ref.tiny_config())
-    assert (contract.position_kind, contract.media_attention, contract.local_attention) == ("1d", "causal", None)
-    assert not contract.needs_token_mask and contract.fields() == ("position_ids", "cu_seqlens_padded")
-    for consumer in (Consumer.hf("flash_attention_2"), Consumer.hf("sdpa"), Consumer.megatron("0.16.1")):
+    assert (contract.position_kind, contract.media_attention, contract.local_attention) == (
+        "1d",
+        "causal",
+        None,
+    )
+    assert not contract.needs_token_mask and contract.fields() == (
+        "position_ids",
+        "cu_seqlens_padded",
+    )
+    for consumer in (
+        Consumer.hf("flash_attention_2"),
+        Consumer.hf("sdpa"),
+        Consumer.megatron("0.16.1"),
+    ):
         check_consumer(contract, consumer, cp=2)  # nothing refused
 
 
-# ---- in-model ---------------------------------------------------------------------------------------
+# ---- in-model
+# ---------------------------------------------------------------------------------------
 def schema():
     tok = ref.hf_tokenizer()
-    return Mistral3.from_config(ref.tiny_config()).batch_schema(pad_token_id=tok.pad_token_id, vocab_size=len(tok),
-                                                                pixel_dtypes=("float32",))
+    return Mistral3.from_config(ref.tiny_config()).batch_schema(
+        pad_token_id=tok.pad_token_id, vocab_size=len(tok), pixel_dtypes=("float32",)
+    )
 
 
 def model_samples(pixtral: bool = False) -> list[dict]:
-    conversations = [[{"role": "user", "content": "what <image> is it?"}, {"role": "assistant", "content": "a cat."}],
-                     [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "\n\nworld ."}],
-                     [{"role": "user", "content": "<image>a b<image>"}, {"role": "assistant", "content": "c ?"}]]
-    t = Mistral3SampleTransform(model_config=ref.tiny_pixtral_config() if pixtral else ref.tiny_config(),
-                                tokenizer=ref.hf_tokenizer())
-    return [t(raw_sample(m, [png(11 + 3 * i + j, 8, 90) for j in range(m[0]["content"].count("<image>"))]))
-            for i, m in enumerate(conversations)]
+    conversations = [
+        [
+            {"role": "user", "content": "what <image> is it?"},
+            {"role": "assistant", "content": "a cat."},
+        ],
+        [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "\n\nworld ."}],
+        [{"role": "user", "content": "<image>a b<image>"}, {"role": "assistant", "content": "c ?"}],
+    ]
+    t = Mistral3SampleTransform(
+        model_config=ref.tiny_pixtral_config() if pixtral else ref.tiny_config(),
+        tokenizer=ref.hf_tokenizer(),
+    )
+    return [
+        t(
+            raw_sample(
+                m, [png(11 + 3 * i + j, 8, 90) for j in range(m[0]["content"].count("<image>"))]
+            )
+        )
+        for i, m in enumerate(conversations)
+    ]
 
 
 def alone(sample: dict) -> dict:
     kwargs = {"input_ids": sample["input_ids"][None], "use_cache": False}
     if sample["image_sizes"].shape[0]:
-        kwargs["pixel_values"] = hf_pixel_values(sample["pixel_values"], sample["image_sizes"]).to(torch.float64)
+        kwargs["pixel_values"] = hf_pixel_values(sample["pixel_values"], sample["image_sizes"]).to(
+            torch.float64
+        )
         kwargs["image_sizes"] = sample["image_sizes"]
     return kwargs
 
@@ -182,9 +281,20 @@ def alone(sample: dict) -> dict:
 def packed(samples: list[dict], config=None) -> tuple[dict, dict]:
     """THD tp=2 cp=2, every CP rank unsharded back; the model's kwargs from ``to_hf_kwargs``."""
     whole = packed_batch(schema(), samples)
-    kwargs = to_hf_kwargs(whole, attention=HFAttention.POSITIONS, labels=False, model_config=config or ref.tiny_config())
-    assert sorted(kwargs) == ["image_sizes", "input_ids", "mm_token_type_ids", "pixel_values", "position_ids",
-                              "use_cache"]
+    kwargs = to_hf_kwargs(
+        whole,
+        attention=HFAttention.POSITIONS,
+        labels=False,
+        model_config=config or ref.tiny_config(),
+    )
+    assert sorted(kwargs) == [
+        "image_sizes",
+        "input_ids",
+        "mm_token_type_ids",
+        "pixel_values",
+        "position_ids",
+        "use_cache",
+    ]
     kwargs.pop("mm_token_type_ids")  # (Mistral3's forward takes none)
     kwargs["pixel_values"] = kwargs["pixel_values"].to(torch.float64)
     return whole, kwargs
@@ -211,17 +321,32 @@ def test_positions_that_do_not_restart_are_caught():
 
 
 def test_pixtral_llava_ids_and_pixels_equal_the_processor():
-    """Pixtral (a ``llava`` config, no patch merger): a token per 4-px patch, as ``PixtralProcessor`` with
+    """Pixtral (a ``llava`` config, no patch merger): a token per 4-px patch, as
+    ``PixtralProcessor`` with
     ``spatial_merge_size=1`` writes it."""
-    t = Mistral3SampleTransform(model_config=ref.tiny_pixtral_config(), tokenizer=ref.hf_tokenizer())
-    assert (t.family.model_type, t.family.spatial_merge_size, t.family.token_step) == ("llava", 1, 4)
+    t = Mistral3SampleTransform(
+        model_config=ref.tiny_pixtral_config(), tokenizer=ref.hf_tokenizer()
+    )
+    assert (t.family.model_type, t.family.spatial_merge_size, t.family.token_step) == (
+        "llava",
+        1,
+        4,
+    )
     for seed in range(4):
-        messages = [{"role": "user", "content": "\nlook <image> and<image>"}, {"role": "assistant", "content": "x"}]
+        messages = [
+            {"role": "user", "content": "\nlook <image> and<image>"},
+            {"role": "assistant", "content": "x"},
+        ]
         images = [png(seed), png(seed + 50)]
-        ours, want = t(raw_sample(messages, images)), reference(messages, images, ref.hf_processor(merge=1))
+        ours, want = (
+            t(raw_sample(messages, images)),
+            reference(messages, images, ref.hf_processor(merge=1)),
+        )
         assert ours["input_ids"].tolist() == want["input_ids"][0].tolist()
         assert ours["image_sizes"].tolist() == want["image_sizes"].tolist()
-        assert torch.equal(hf_pixel_values(ours["pixel_values"], ours["image_sizes"]), want["pixel_values"])
+        assert torch.equal(
+            hf_pixel_values(ours["pixel_values"], ours["image_sizes"]), want["pixel_values"]
+        )
 
 
 @pytest.mark.slow
@@ -233,23 +358,39 @@ def test_pixtral_packed_logits_equal_each_sample_alone():
     assert worst(batch, kwargs, samples, ref.tiny_pixtral_model()) > CORRUPT
 
 
-# ---- the demo and the header pass -------------------------------------------------------------------
+# ---- the demo and the header pass
+# -------------------------------------------------------------------
 @pytest.mark.slow
 def test_demo_command_with_mistral3(tmp_path, capsys):
-    """``prealign demo --model mistral3``: every batch on every CP rank valid against the family's schema, the
+    """``prealign demo --model mistral3``: every batch on every CP rank valid against the family's
+    schema, the
     synthetic teacher rows as long as the transform's ids, patches of 14 px in pixel_values."""
     from prealign.loaders.cli import main
 
-    args = ["demo", "--model", "mistral3", "--samples", "30", "--out", str(tmp_path / "l.png"), "--workers", "0",
-            "--token-budget", "2048"]
+    args = [
+        "demo",
+        "--model",
+        "mistral3",
+        "--samples",
+        "30",
+        "--out",
+        str(tmp_path / "l.png"),
+        "--workers",
+        "0",
+        "--token-budget",
+        "2048",
+    ]
     assert main(args) == 0
     out = capsys.readouterr().out
     n = int(out.split("micro-batches  ")[1].split(" ")[0])
     assert f"{2 * n}/{2 * n} batches valid" in out and "mistral3_topk" in out
-    assert re.search(r"pixel_values +float32 +\[\d+, 3, 14, 14\]", out) and re.search(r"image_sizes +int64", out)
+    assert re.search(r"pixel_values +float32 +\[\d+, 3, 14, 14\]", out) and re.search(
+        r"image_sizes +int64", out
+    )
 
 
 def test_header_index_equals_the_full_pass(tmp_path):
-    """``prealign demo --model mistral3`` data: the header-only index (image headers sized, the chat rendered by
+    """``prealign demo --model mistral3`` data: the header-only index (image headers sized, the chat
+    rendered by
     the tokenizer alone) gives every sample the length and media flag the full transform gives."""
     assert_header_index_equals_full_pass(tmp_path, "mistral3", 24)

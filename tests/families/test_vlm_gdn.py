@@ -1,6 +1,9 @@
-"""Gated DeltaNet packing metadata in every ``to_hf_kwargs`` mode, and one "has linear attention" test for every way
-a model is named (a transformers config, its dict, a :class:`VisionFamily`). The fast kernels are stood in for by
-empty ``fla`` / ``causal_conv1d`` packages on ``sys.path``: ``check_gdn_packing`` only asks whether they import."""
+"""Gated DeltaNet packing metadata in every ``to_hf_kwargs`` mode, and one "has linear attention"
+test for every way a model is named (a transformers config, its dict, a :class:`VisionFamily`). The
+fast kernels are stood in for by
+empty ``fla`` / ``causal_conv1d`` packages on ``sys.path``: ``check_gdn_packing`` only asks whether
+they import."""
+
 from __future__ import annotations
 
 import importlib
@@ -27,8 +30,10 @@ def gdn_config():
 
 def packed_batch() -> dict:
     samples = [vision_sample("qwen3_5", [5, ("image", 2, 2), 3]), vision_sample("qwen3_5", [7])]
-    return MRoPECollator(collator=THDCollator(schema=vlm_schema(), layout=ParallelLayout(tp=2)),
-                         model_config=gdn_config())(samples)
+    return MRoPECollator(
+        collator=THDCollator(schema=vlm_schema(), layout=ParallelLayout(tp=2)),
+        model_config=gdn_config(),
+    )(samples)
 
 
 @pytest.fixture
@@ -44,7 +49,8 @@ def kernels(tmp_path, monkeypatch):
 @pytest.mark.parametrize("as_family", [False, True])
 @pytest.mark.parametrize("mode", list(HFAttention))
 def test_gdn_models_get_cu_seq_lens_and_seq_idx_in_every_mode(kernels, mode, as_family):
-    """transformers' Gated DeltaNet reads ``cu_seq_lens_q`` whatever the attention mode; a family names the model
+    """transformers' Gated DeltaNet reads ``cu_seq_lens_q`` whatever the attention mode; a family
+    names the model
     as well as its config."""
     batch = packed_batch()
     cfg = vision_family(gdn_config()) if as_family else gdn_config()
@@ -54,7 +60,9 @@ def test_gdn_models_get_cu_seq_lens_and_seq_idx_in_every_mode(kernels, mode, as_
         return
     kw = to_hf_kwargs(batch, attention=mode, model_config=cfg)
     padded = batch["cu_seqlens_padded"]
-    assert kw["cu_seq_lens_q"].dtype == torch.int32 and kw["cu_seq_lens_q"].tolist() == padded.tolist()
+    assert (
+        kw["cu_seq_lens_q"].dtype == torch.int32 and kw["cu_seq_lens_q"].tolist() == padded.tolist()
+    )
     assert kw["cu_seq_lens_k"].tolist() == padded.tolist()
     assert kw["max_length_q"] == kw["max_length_k"] == int(padded.diff().max())
     assert kw["seq_idx"].tolist() == [[0] * int(padded[1]) + [1] * int(padded[2] - padded[1])]
@@ -75,17 +83,25 @@ def test_a_family_is_checked_like_its_config():
         assert has_linear_attention(named)
         with pytest.raises(PackingUnsupportedError):
             to_hf_kwargs(packed_batch(), model_config=named)
-    for named in (tiny_config("qwen3_5"), vision_family(tiny_config("qwen3_vl")), {"layer_types": ["full_attention"]}):
+    for named in (
+        tiny_config("qwen3_5"),
+        vision_family(tiny_config("qwen3_vl")),
+        {"layer_types": ["full_attention"]},
+    ):
         assert not has_linear_attention(named)
     assert has_linear_attention({"layer_types": ["linear_attention"]})
 
 
 def test_one_sequence_of_a_static_batch_is_not_packing():
-    """Under ``max_seqs`` the offsets repeat the total past the real sequences: one sequence is no packing,
+    """Under ``max_seqs`` the offsets repeat the total past the real sequences: one sequence is no
+    packing,
     so a GDN model without the kernels takes it."""
     layout = ParallelLayout(length_buckets=(64,), max_seqs=4)
-    batch = MRoPECollator(collator=THDCollator(schema=vlm_schema(), layout=layout),
-                          model_config=gdn_config())([vision_sample("qwen3_5", [5, ("image", 2, 2), 3])])
+    batch = MRoPECollator(
+        collator=THDCollator(schema=vlm_schema(), layout=layout), model_config=gdn_config()
+    )([vision_sample("qwen3_5", [5, ("image", 2, 2), 3])])
     assert batch["cu_seqlens_padded"].numel() == 5
-    kw = to_hf_kwargs(batch, model_config=gdn_config())  # no PackingUnsupportedError: one real sequence
+    kw = to_hf_kwargs(
+        batch, model_config=gdn_config()
+    )  # no PackingUnsupportedError: one real sequence
     assert kw["seq_idx"].shape[-1] == 64

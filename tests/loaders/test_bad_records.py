@@ -2,6 +2,7 @@
 exactly, turns back into the typed error it was made from, and reads the untyped forms files written
 before it hold (sidecar and merged-index events, a saved index's report), so no file needs
 rebuilding."""
+
 from __future__ import annotations
 
 import json
@@ -41,9 +42,15 @@ SKIP = BadDataPolicy(on_error="skip", max_consecutive=50, warn=False)
 
 ERRORS = [
     BadSampleError(sample="s.tar:000003", field="input_ids", expected="an npy", actual="b'not'"),
-    BadSampleError(sample="s.tar:000004", field=None, expected="text", actual="bytes", reason="unreadable_text"),
-    MissingMemberError(sample="s.tar:000005", field="json", expected="members ['json']", actual="members []"),
-    UnsafeMemberError(sample="s.tar:000006", field="pkl", expected="no pickle", actual="a .pkl member"),
+    BadSampleError(
+        sample="s.tar:000004", field=None, expected="text", actual="bytes", reason="unreadable_text"
+    ),
+    MissingMemberError(
+        sample="s.tar:000005", field="json", expected="members ['json']", actual="members []"
+    ),
+    UnsafeMemberError(
+        sample="s.tar:000006", field="pkl", expected="no pickle", actual="a .pkl member"
+    ),
     SampleError(sample=7, field="labels", expected="int64", actual="float32"),
     CorruptShardError("s.tar", 10240, "truncated archive"),
     ShardTimeoutError("s.tar", 0, "no byte for 30 s"),
@@ -53,7 +60,11 @@ ERRORS = [
 @pytest.mark.parametrize("exc", ERRORS, ids=lambda e: type(e).__name__)
 def test_a_record_turns_back_into_its_typed_error(exc):
     rec = BadRecord.of_error(exc)
-    assert rec.is_error and rec.message == str(exc) and rec.is_shard == isinstance(exc, CorruptShardError)
+    assert (
+        rec.is_error
+        and rec.message == str(exc)
+        and rec.is_shard == isinstance(exc, CorruptShardError)
+    )
     assert pickle.loads(pickle.dumps(rec)) == rec  # (records cross DataLoader workers)
     again = BadRecord.from_json(json.loads(json.dumps(rec.to_json()))).to_error()
     assert type(again) is type(exc) and str(again) == str(exc)
@@ -67,7 +78,11 @@ def test_a_load_time_record_of_an_error_with_its_own_constructor_turns_back_too(
     rec = BadRecord.of_error(exc, "s.tar@512 (index row 3)")
     assert (rec.reason, rec.where) == ("missing_shard", "s.tar@512 (index row 3)")
     again = rec.to_error()
-    assert isinstance(again, BadSampleError) and str(again) == str(exc) and again.reason == "missing_shard"
+    assert (
+        isinstance(again, BadSampleError)
+        and str(again) == str(exc)
+        and again.reason == "missing_shard"
+    )
 
 
 def test_a_counted_record_is_no_error():
@@ -78,18 +93,44 @@ def test_a_counted_record_is_no_error():
 
 
 _text = st.text(max_size=40)
-_json_value = st.one_of(st.none(), st.integers(-2**53, 2**53), _text)
+_json_value = st.one_of(st.none(), st.integers(-(2**53), 2**53), _text)
 
 
 @examples(60)
-@given(reason=_text, where=_text, message=_text, sample=_json_value, field=st.one_of(st.none(), _text),
-       cls=st.sampled_from(["BadSampleError", "MissingMemberError", "MediaError", "SampleError"]),
-       shard=st.booleans(), offset=st.integers(0, 2**53))
-def test_the_json_form_round_trips_exactly(reason, where, message, sample, field, cls, shard, offset):
-    error = ({"type": "shard", "cls": "CorruptShardError", "shard": where, "offset": offset, "cause": message,
-              "reason": reason} if shard else
-             {"type": "sample", "cls": cls, "sample": sample, "field": field, "expected": message,
-              "actual": where, "reason": reason, "message": message})
+@given(
+    reason=_text,
+    where=_text,
+    message=_text,
+    sample=_json_value,
+    field=st.one_of(st.none(), _text),
+    cls=st.sampled_from(["BadSampleError", "MissingMemberError", "MediaError", "SampleError"]),
+    shard=st.booleans(),
+    offset=st.integers(0, 2**53),
+)
+def test_the_json_form_round_trips_exactly(
+    reason, where, message, sample, field, cls, shard, offset
+):
+    error = (
+        {
+            "type": "shard",
+            "cls": "CorruptShardError",
+            "shard": where,
+            "offset": offset,
+            "cause": message,
+            "reason": reason,
+        }
+        if shard
+        else {
+            "type": "sample",
+            "cls": cls,
+            "sample": sample,
+            "field": field,
+            "expected": message,
+            "actual": where,
+            "reason": reason,
+            "message": message,
+        }
+    )
     for rec in (BadRecord(reason, where, message), BadRecord(reason, where, message, error)):
         back = BadRecord.from_json(json.loads(json.dumps(rec.to_json())))
         assert back == rec and back.error == rec.error and back.to_json() == rec.to_json()
@@ -99,15 +140,36 @@ def test_the_json_form_round_trips_exactly(reason, where, message, sample, field
     assert BadDataReport.from_dict(json.loads(json.dumps(report.to_dict()))) == report
 
 
-@pytest.mark.parametrize("hostile", [
-    None, [], "skip", {"reason": "r", "where": "w"}, {"reason": 1, "where": "w", "message": "m"},
-    {"reason": "r", "where": "w", "message": "m", "extra": 1},
-    {"reason": "r", "where": "w", "message": "m", "error": {"type": "sample"}},
-    {"reason": "r", "where": "w", "message": "m", "error": {"type": "shard", "shard": "s"}},
-    {"reason": "r", "where": "w", "message": "m", "error": {"type": "pickle", "cls": "os.system"}},
-    ["skip"], ["skip", "r", "w"], ["skip", "r", "w", 3], ["bad", "x", {"type": "sample"}], ["bad", "x"],
-    ["bad", "x", {"type": "sample", "cls": 3, "sample": 1, "field": None, "expected": "", "actual": ""}],
-    ["ok"]])
+@pytest.mark.parametrize(
+    "hostile",
+    [
+        None,
+        [],
+        "skip",
+        {"reason": "r", "where": "w"},
+        {"reason": 1, "where": "w", "message": "m"},
+        {"reason": "r", "where": "w", "message": "m", "extra": 1},
+        {"reason": "r", "where": "w", "message": "m", "error": {"type": "sample"}},
+        {"reason": "r", "where": "w", "message": "m", "error": {"type": "shard", "shard": "s"}},
+        {
+            "reason": "r",
+            "where": "w",
+            "message": "m",
+            "error": {"type": "pickle", "cls": "os.system"},
+        },
+        ["skip"],
+        ["skip", "r", "w"],
+        ["skip", "r", "w", 3],
+        ["bad", "x", {"type": "sample"}],
+        ["bad", "x"],
+        [
+            "bad",
+            "x",
+            {"type": "sample", "cls": 3, "sample": 1, "field": None, "expected": "", "actual": ""},
+        ],
+        ["ok"],
+    ],
+)
 def test_a_malformed_stored_record_is_refused(hostile):
     with pytest.raises(ValueError):
         parse_event(hostile)
@@ -118,8 +180,9 @@ def test_the_untyped_events_of_older_files_read_as_the_same_records(exc):
     rec = BadRecord.of_error(exc, "shard 0" if isinstance(exc, CorruptShardError) else None)
     assert parse_event(["bad", rec.where, error_record(exc)]) == rec
     assert parse_event(rec.to_json()) == rec
-    assert parse_event(["skip", "ignored_member", "s.tar:README", "m"]) == BadRecord("ignored_member",
-                                                                                      "s.tar:README", "m")
+    assert parse_event(["skip", "ignored_member", "s.tar:README", "m"]) == BadRecord(
+        "ignored_member", "s.tar:README", "m"
+    )
 
 
 # ---- files written before records were typed ---------------------------------------------------
@@ -174,7 +237,11 @@ def test_sidecars_and_a_merged_index_of_the_untyped_form_give_the_same_index(tmp
     merged = _index(paths)
     assert merged.report == typed.report and merged.digest == typed.digest
 
-    meta["events"][0][2] = ["bad", "x", {"type": "sample"}]  # and a malformed one is refused, as before
+    meta["events"][0][2] = [
+        "bad",
+        "x",
+        {"type": "sample"},
+    ]  # and a malformed one is refused, as before
     save_npz_meta(merged_path(WebDatasetSource(paths)), arrays, meta)
     with pytest.raises(StaleIndexError, match="malformed event"):
         _index(paths)
@@ -195,5 +262,6 @@ def test_a_saved_index_of_the_untyped_report_loads(tmp_path):
         np.savez(f, **arrays)
     old = SampleIndex.load(path).report
     assert old.counts == index.report.counts
-    assert [(e.reason, e.where, e.message) for e in old.examples] == \
-        [(e.reason, e.where, e.message) for e in index.report.examples]
+    assert [(e.reason, e.where, e.message) for e in old.examples] == [
+        (e.reason, e.where, e.message) for e in index.report.examples
+    ]

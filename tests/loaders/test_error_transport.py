@@ -1,5 +1,8 @@
-"""Typed errors keep their type across processes: pickled (returned from a DataLoader worker, gathered
-across ranks) they keep their attributes; re-raised by torch from a worker's exception they keep their type."""
+"""Typed errors keep their type across processes: pickled (returned from a DataLoader worker,
+gathered
+across ranks) they keep their attributes; re-raised by torch from a worker's exception they keep
+their type."""
+
 from __future__ import annotations
 
 import pickle
@@ -26,8 +29,12 @@ from prealign.schemas.schema import causal_lm_schema
 
 ERRORS = [
     SampleError(sample=3, field="labels", expected="int64", actual="float32", hint="cast it"),
-    BadSampleError(sample="s/0", field="jpg", expected="an image", actual="bytes", reason="corrupt_image"),
-    MediaError(MediaProblem.CORRUPT_IMAGE, sample="k", field="jpg", expected="an image", actual="junk"),
+    BadSampleError(
+        sample="s/0", field="jpg", expected="an image", actual="bytes", reason="corrupt_image"
+    ),
+    MediaError(
+        MediaProblem.CORRUPT_IMAGE, sample="k", field="jpg", expected="an image", actual="junk"
+    ),
     CorruptShardError("s-0.tar", 512, "truncated"),
     MissingShardError("s-1.tar", "no such file"),
     IndexFileError("index x.npz: no such file"),
@@ -48,19 +55,29 @@ def test_a_pickled_error_is_the_same_error(err):
 
 @pytest.mark.parametrize("err", ERRORS, ids=lambda e: type(e).__name__)
 def test_an_error_rebuilt_from_its_message_alone_keeps_its_type(err):
-    """What torch's ExceptionWrapper.reraise does with a worker's exception: ``type(exc)(message)``."""
+    """What torch's ExceptionWrapper.reraise does with a worker's exception:
+    ``type(exc)(message)``."""
     back = type(err)(str(err))
     assert type(back) is type(err) and str(err) in str(back)
-    for name in vars(err):  # every attribute a handler may read exists (None when the message is all there is)
+    for name in vars(
+        err
+    ):  # every attribute a handler may read exists (None when the message is all there is)
         assert hasattr(back, name), name
 
 
 @pytest.mark.slow
 def test_a_plain_dataloader_with_workers_raises_the_collators_sample_error_as_itself():
     schema = causal_lm_schema(pad_token_id=0)
-    samples = [{"input_ids": torch.tensor([1, 2, 3])}, {"input_ids": torch.tensor([[1, 2]])}]  # a 2-D sample
-    loader = DataLoader(samples, batch_size=2, num_workers=1,
-                        collate_fn=THDCollator(schema=schema, layout=ParallelLayout(), cp_rank=None))
+    samples = [
+        {"input_ids": torch.tensor([1, 2, 3])},
+        {"input_ids": torch.tensor([[1, 2]])},
+    ]  # a 2-D sample
+    loader = DataLoader(
+        samples,
+        batch_size=2,
+        num_workers=1,
+        collate_fn=THDCollator(schema=schema, layout=ParallelLayout(), cp_rank=None),
+    )
     with pytest.raises(SampleError) as caught:
         next(iter(loader))
     assert "input_ids" in str(caught.value) and "sample 1" in str(caught.value)

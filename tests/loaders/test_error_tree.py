@@ -1,6 +1,8 @@
-"""The error tree (docs/errors.md): configuration and bad data are ``ValueError``s, system errors (I/O,
-timeouts, dead workers) are ``OSError`` / ``RuntimeError`` and never ``ValueError``, so a transform's
+"""The error tree (docs/errors.md): configuration and bad data are ``ValueError``s, system errors
+(I/O, timeouts, dead workers) are ``OSError`` / ``RuntimeError`` and never ``ValueError``, so a
+transform's
 ``except ValueError`` cannot swallow a stalled read and no bad-data policy counts one."""
+
 from __future__ import annotations
 
 import http.server
@@ -29,8 +31,15 @@ from prealign.schemas import errors as schema_errors
 from prealign.schemas.errors import ConfigError, DataError, PrealignError, SampleError
 from tests.loader_helpers import sample_lengths, write_shards
 
-SYSTEM = [CorruptShardError, ShardTimeoutError, RemoteReadError, RemoteStallError, ShmBudgetError,
-          CollectiveTimeoutError, WorkerError]
+SYSTEM = [
+    CorruptShardError,
+    ShardTimeoutError,
+    RemoteReadError,
+    RemoteStallError,
+    ShmBudgetError,
+    CollectiveTimeoutError,
+    WorkerError,
+]
 
 
 def _every_error() -> list[type]:
@@ -51,19 +60,27 @@ def test_the_tree_splits_system_errors_from_configuration_and_data():
         system = issubclass(cls, SYSTEM_ERRORS)
         assert system != issubclass(cls, ValueError), cls  # exactly one of the two families
         assert system == (cls in SYSTEM), cls
-        assert system or issubclass(cls, (ConfigError, DataError, schema_errors.StartupMismatchError)), cls
+        assert system or issubclass(
+            cls, (ConfigError, DataError, schema_errors.StartupMismatchError)
+        ), cls
     assert issubclass(SampleError, DataError) and issubclass(ShardTimeoutError, TimeoutError)
     assert issubclass(RemoteStallError, TimeoutError) and issubclass(WorkerError, RuntimeError)
 
 
 @pytest.mark.parametrize("cls", SYSTEM)
 def test_a_system_error_crosses_processes_as_itself(cls):
-    args = {CorruptShardError: ("s.tar", 7, "truncated"), ShardTimeoutError: ("s.tar", 7, "no data for 1 s"),
-            RemoteReadError: ("http://h/s.tar", "HTTP 500"), RemoteStallError: ("http://h/s.tar", "no byte")}
+    args = {
+        CorruptShardError: ("s.tar", 7, "truncated"),
+        ShardTimeoutError: ("s.tar", 7, "no data for 1 s"),
+        RemoteReadError: ("http://h/s.tar", "HTTP 500"),
+        RemoteStallError: ("http://h/s.tar", "no byte"),
+    }
     err = cls(*args.get(cls, ("a message",)))
     back = pickle.loads(pickle.dumps(err))
     assert type(back) is cls and str(back) == str(err) and back.__dict__ == err.__dict__
-    again = cls(str(err))  # as torch's DataLoader re-raises a worker's exception: type(exc)(message)
+    again = cls(
+        str(err)
+    )  # as torch's DataLoader re-raises a worker's exception: type(exc)(message)
     assert type(again) is cls and str(again) == str(err)
 
 
@@ -93,7 +110,8 @@ def stalling_url():
 
 
 class _CaptionFromServer:
-    """A transform that fetches a caption over http once ``flag`` exists, and falls back to a default on any
+    """A transform that fetches a caption over http once ``flag`` exists, and falls back to a
+    default on any
     ``ValueError`` (what a user writes around bad data)."""
 
     def __init__(self, url: str, flag: str):
@@ -113,10 +131,17 @@ def test_a_transform_catching_value_error_does_not_swallow_a_stalled_read(tmp_pa
     shards = write_shards(str(tmp_path), sample_lengths(12), num_shards=2)
     flag = str(tmp_path / "now")
     transform = _CaptionFromServer(stalling_url, flag)
-    loader = PackedLoader(WebDatasetSource(shards, transform=transform), schema=causal_lm_schema(),
-                          layout=ParallelLayout(), token_budget=256, seed=1,
-                          bad_data=BadDataPolicy(on_error="skip", warn=False)).prepare()
+    loader = PackedLoader(
+        WebDatasetSource(shards, transform=transform),
+        schema=causal_lm_schema(),
+        layout=ParallelLayout(),
+        token_budget=256,
+        seed=1,
+        bad_data=BadDataPolicy(on_error="skip", warn=False),
+    ).prepare()
     open(flag, "w").close()
     with pytest.raises(RemoteStallError, match="caption.txt.*no byte"):
         list(loader)
-    assert transform.fell_back == 0 and loader.report.total == 0  # neither swallowed nor counted as bad data
+    assert (
+        transform.fell_back == 0 and loader.report.total == 0
+    )  # neither swallowed nor counted as bad data

@@ -3,6 +3,7 @@ as a broken data source or a careless user would send them. Each case asserts it
 (the error class, the reason it is counted under, the argument or key it names), never a crash, a
 hang or an allocation the size of a lie.
 """
+
 from __future__ import annotations
 
 import io
@@ -19,7 +20,14 @@ import numpy as np
 import pytest
 import torch
 
-from prealign.loaders import BadDataPolicy, HFSource, PackedLoader, SampleIndex, WebDatasetSource, build_index
+from prealign.loaders import (
+    BadDataPolicy,
+    HFSource,
+    PackedLoader,
+    SampleIndex,
+    WebDatasetSource,
+    build_index,
+)
 from prealign.loaders.errors import (
     BadSampleError,
     CorruptShardError,
@@ -42,7 +50,8 @@ SCHEMA = causal_lm_schema()
 SKIP = BadDataPolicy(on_error="skip", max_consecutive=50, warn=False)
 
 
-# ---- helpers ---------------------------------------------------------------------------------------
+# ---- helpers
+# ---------------------------------------------------------------------------------------
 def _sample_members(tf: tarfile.TarFile, i: int, n: int = 5, prefix: str = "") -> None:
     add_member(tf, f"{prefix}{i:06d}.input_ids.npy", _npy(token_ids(i, n)))
 
@@ -55,11 +64,11 @@ def _tar(path, build, fmt=tarfile.USTAR_FORMAT) -> str:
 
 def _patch_header(data: bytearray, at: int, field: slice, value: bytes) -> None:
     """Overwrite ``field`` of the header at byte ``at`` and fix its checksum."""
-    head = data[at:at + 512]
+    head = data[at : at + 512]
     head[field] = value
     head[148:156] = b" " * 8
     head[148:156] = b"%06o\0 " % sum(head)
-    data[at:at + 512] = head
+    data[at : at + 512] = head
 
 
 def _good_then(path, tail: bytes) -> str:
@@ -84,7 +93,8 @@ def _member_bytes(name: str, data: bytes, fmt=tarfile.USTAR_FORMAT, **info) -> b
     return bytearray(raw + data + b"\0" * (-len(data) % 512))
 
 
-# ---- 1. sizes that lie -------------------------------------------------------------------------------
+# ---- 1. sizes that lie
+# -------------------------------------------------------------------------------
 @pytest.mark.parametrize("how", ["base256_100GiB", "octal_8GiB", "pax_1e30", "pax_header_1e30"])
 def test_a_member_larger_than_the_file_is_a_corrupt_shard_not_an_allocation(tmp_path, how):
     member = _member_bytes("000002.input_ids.npy", _npy(token_ids(2, 5)))
@@ -93,19 +103,31 @@ def test_a_member_larger_than_the_file_is_a_corrupt_shard_not_an_allocation(tmp_
     elif how == "octal_8GiB":
         _patch_header(member, 0, slice(124, 136), b"77777777777\0")
     elif how == "pax_1e30":  # a pax size record for the next member
-        member = _member_bytes("000002.input_ids.npy", _npy(token_ids(2, 5)), fmt=tarfile.PAX_FORMAT,
-                               pax_headers={"size": str(10 ** 30)})
+        member = _member_bytes(
+            "000002.input_ids.npy",
+            _npy(token_ids(2, 5)),
+            fmt=tarfile.PAX_FORMAT,
+            pax_headers={"size": str(10**30)},
+        )
     else:  # the pax header's own size field lies
-        member = _member_bytes("000002.input_ids.npy", _npy(token_ids(2, 5)), fmt=tarfile.PAX_FORMAT,
-                               pax_headers={"comment": "x"})
-        _patch_header(member, 0, slice(124, 136), b"\x80" + (10 ** 24).to_bytes(11, "big"))
+        member = _member_bytes(
+            "000002.input_ids.npy",
+            _npy(token_ids(2, 5)),
+            fmt=tarfile.PAX_FORMAT,
+            pax_headers={"comment": "x"},
+        )
+        _patch_header(member, 0, slice(124, 136), b"\x80" + (10**24).to_bytes(11, "big"))
     path = _good_then(tmp_path / "bad.tar", bytes(member))
     good = write_shards(str(tmp_path / "good"), [4, 6], num_shards=1)
-    with pytest.raises(CorruptShardError, match="bad.tar.*(claims .* left in the archive|bad pax size)"):
+    with pytest.raises(
+        CorruptShardError, match="bad.tar.*(claims .* left in the archive|bad pax size)"
+    ):
         build_index(WebDatasetSource([path]), SCHEMA)
     idx = build_index(WebDatasetSource([path] + good), SCHEMA, policy=SKIP)
     assert idx.report.counts == {"corrupt_shard": 1}
-    assert len(idx) == 3  # the first sample (the second is lost with the shard: its end is unknown) + 2 good
+    assert (
+        len(idx) == 3
+    )  # the first sample (the second is lost with the shard: its end is unknown) + 2 good
 
 
 def test_iter_members_never_reads_past_what_the_stream_holds():
@@ -116,15 +138,20 @@ def test_iter_members_never_reads_past_what_the_stream_holds():
 
 
 def test_a_huge_pax_header_is_refused(tmp_path):
-    member = _member_bytes("000002.input_ids.npy", _npy(token_ids(2, 5)), fmt=tarfile.PAX_FORMAT,
-                           pax_headers={"comment": "y" * (2 << 20)})
+    member = _member_bytes(
+        "000002.input_ids.npy",
+        _npy(token_ids(2, 5)),
+        fmt=tarfile.PAX_FORMAT,
+        pax_headers={"comment": "y" * (2 << 20)},
+    )
     path = _good_then(tmp_path / "pax.tar", bytes(member))
     idx = build_index(WebDatasetSource([path]), SCHEMA, policy=SKIP)
     assert idx.report.counts == {"corrupt_shard": 1} and len(idx) == 1
     assert "extended header of" in idx.report.examples[0].message
 
 
-# ---- 13. links, duplicates, odd names --------------------------------------------------------------
+# ---- 13. links, duplicates, odd names
+# --------------------------------------------------------------
 @pytest.mark.parametrize("kind", [tarfile.SYMTYPE, tarfile.LNKTYPE])
 def test_link_members_are_counted_under_the_policy(tmp_path, kind):
     def build(tf):
@@ -183,7 +210,7 @@ def test_zero_size_and_empty_shards(tmp_path):
 def test_truncated_member_data(tmp_path):
     path = write_shards(str(tmp_path), [30], num_shards=1)[0]
     data = open(path, "rb").read()
-    open(path, "wb").write(data[:512 + 100])  # header + part of the first member's data
+    open(path, "wb").write(data[: 512 + 100])  # header + part of the first member's data
     with pytest.raises(CorruptShardError, match="claims 368 bytes, only 100 left"):
         build_index(WebDatasetSource([path]), SCHEMA)
 
@@ -205,10 +232,15 @@ def test_odd_array_dtypes(tmp_path):
     idx = build_index(src, SCHEMA, policy=SKIP)
     assert idx.report.counts == {"bad_sample": 3} and idx.lengths.tolist() == [5, 7, 5]
     assert src.load(tuple(idx.locations[1]))["input_ids"].tolist() == token_ids(4, 7).tolist()
-    assert {e.where.rsplit(":", 1)[1] for e in idx.report.examples} == {"000001", "000002", "000003"}
+    assert {e.where.rsplit(":", 1)[1] for e in idx.report.examples} == {
+        "000001",
+        "000002",
+        "000003",
+    }
 
 
-# ---- 14. configuration mistakes are never counted --------------------------------------------------
+# ---- 14. configuration mistakes are never counted
+# --------------------------------------------------
 def test_missing_shards_are_a_config_error_before_scanning(tmp_path):
     good = write_shards(str(tmp_path), [4, 6, 8], num_shards=3)
     with pytest.raises(MissingShardError, match=r"2 of 5 shard file\(s\) do not exist") as exc:
@@ -245,8 +277,12 @@ def test_a_bug_in_a_user_decoder_propagates(tmp_path):
 
     paths = write_shards(str(tmp_path), [4, 5], num_shards=1, extra=extra)
     with pytest.raises(ZeroDivisionError):
-        build_index(WebDatasetSource(paths, decoders={"bin": lambda b: 1 // b[0]}), SCHEMA, policy=SKIP)
-    idx = build_index(WebDatasetSource(paths, decoders={"bin": lambda b: int("x")}), SCHEMA, policy=SKIP)
+        build_index(
+            WebDatasetSource(paths, decoders={"bin": lambda b: 1 // b[0]}), SCHEMA, policy=SKIP
+        )
+    idx = build_index(
+        WebDatasetSource(paths, decoders={"bin": lambda b: int("x")}), SCHEMA, policy=SKIP
+    )
     assert len(idx) == 1 and idx.report.counts == {"bad_sample": 1}
 
 
@@ -261,7 +297,8 @@ def test_typed_errors_from_index_workers_keep_their_type(tmp_path):
         build_index(WebDatasetSource(paths, transform=config_mistake), SCHEMA, num_workers=2)
 
 
-# ---- 2, 3. images and arrays -----------------------------------------------------------------------
+# ---- 2, 3. images and arrays
+# -----------------------------------------------------------------------
 def _eps() -> bytes:
     return b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 10 10\nshowpage\n%%EOF\n"
 
@@ -270,8 +307,11 @@ def test_postscript_named_jpg_never_reaches_the_eps_plugin(monkeypatch):
     from PIL import EpsImagePlugin
 
     reached = []
-    monkeypatch.setattr(EpsImagePlugin.EpsImageFile, "_open", lambda self: reached.append(1) or (_ for _ in ()).throw(
-        SyntaxError("EPS plugin reached")))
+    monkeypatch.setattr(
+        EpsImagePlugin.EpsImageFile,
+        "_open",
+        lambda self: reached.append(1) or (_ for _ in ()).throw(SyntaxError("EPS plugin reached")),
+    )
     with pytest.raises(BadSampleError, match="corrupt_image") as exc:
         decode_member("k", "0.jpg", _eps())
     assert exc.value.reason == "corrupt_image"
@@ -327,7 +367,9 @@ def _npz_of(entries: dict[str, tuple[bytes, int]]) -> bytes:
 
 def _npy_header(shape, dtype="<u1") -> bytes:
     buf = io.BytesIO()
-    np.lib.format.write_array_header_1_0(buf, {"descr": dtype, "fortran_order": False, "shape": shape})
+    np.lib.format.write_array_header_1_0(
+        buf, {"descr": dtype, "fortran_order": False, "shape": shape}
+    )
     return buf.getvalue()
 
 
@@ -344,7 +386,7 @@ def test_an_npz_bomb_is_refused_before_inflating():
 
 
 def test_an_npy_header_that_lies_is_refused_before_allocating():
-    liar = _npy_header((10 ** 12,), "<i8") + b"\0" * 80
+    liar = _npy_header((10**12,), "<i8") + b"\0" * 80
     with pytest.raises(BadSampleError) as exc:
         decode_member("k", "input_ids.npy", liar)
     assert exc.value.reason == "array_too_large"
@@ -373,7 +415,8 @@ def test_odd_member_contents():
         DecodeLimits(max_image_pixels=0)
 
 
-# ---- 4. a stalled read -----------------------------------------------------------------------------
+# ---- 4. a stalled read
+# -----------------------------------------------------------------------------
 def _release(fifo: str) -> None:
     """Let a reader blocked opening ``fifo`` go (open the write side without blocking, close it)."""
     try:
@@ -423,7 +466,6 @@ def test_a_read_that_stalls_mid_shard_times_out(tmp_path):
         t.join(5)
 
 
-
 def test_a_corrupt_tar_gz_is_a_corrupt_shard_at_once_not_a_stall(tmp_path):
     """Corrupt deflate data raises zlib.error in the reader thread: it must reach the caller as an
     unreadable shard, not leave it waiting out ``read_timeout``."""
@@ -432,17 +474,24 @@ def test_a_corrupt_tar_gz_is_a_corrupt_shard_at_once_not_a_stall(tmp_path):
 
     good = write_shards(str(tmp_path / "good"), [40, 60, 50], num_shards=1)
     blob = bytearray(gzip.compress(open(good[0], "rb").read()))
-    for i in range(20, 60):  # scramble the deflate stream near its start: zlib.error in the reader thread
+    for i in range(
+        20, 60
+    ):  # scramble the deflate stream near its start: zlib.error in the reader thread
         blob[i] ^= 0xFF
     bad = tmp_path / "bad.tar.gz"
     bad.write_bytes(bytes(blob))
     t0 = time.monotonic()
-    idx = build_index(WebDatasetSource([str(good[0]), str(bad)], read_timeout=30.0), SCHEMA,
-                      policy=BadDataPolicy(on_error="skip", warn=False))
+    idx = build_index(
+        WebDatasetSource([str(good[0]), str(bad)], read_timeout=30.0),
+        SCHEMA,
+        policy=BadDataPolicy(on_error="skip", warn=False),
+    )
     assert time.monotonic() - t0 < 20
     assert "corrupt_shard" in idx.report.counts and "shard_timeout" not in idx.report.counts
 
-# ---- 6. optional fields present in some samples only ------------------------------------------------
+
+# ---- 6. optional fields present in some samples only
+# ------------------------------------------------
 @pytest.mark.parametrize("field", ["loss_mask", "labels"])
 def test_a_mix_of_samples_with_and_without_an_optional_field_is_refused_at_indexing(field):
     lengths = sample_lengths(24, seed=3)
@@ -458,13 +507,16 @@ def test_a_mix_of_samples_with_and_without_an_optional_field_is_refused_at_index
     with pytest.raises(BadSampleError, match="field_mismatch") as exc:
         build_index(src, SCHEMA)
     assert exc.value.reason == "field_mismatch" and exc.value.field == field
-    loader = PackedLoader(src, schema=SCHEMA, layout=ParallelLayout(), token_budget=256, bad_data=SKIP)
+    loader = PackedLoader(
+        src, schema=SCHEMA, layout=ParallelLayout(), token_budget=256, bad_data=SKIP
+    )
     assert loader.report.counts == {"field_mismatch": 16} and len(loader.index) == 8
     seen = sum(len(b["sample_index"]) for b in loader)  # every micro-batch collates: nothing mixed
     assert seen == 8
 
 
-# ---- 15. crafted index files ------------------------------------------------------------------------
+# ---- 15. crafted index files
+# ------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def good_index(tmp_path_factory):
     src = HFSource(datasets.Dataset.from_dict(hf_rows(sample_lengths(10))))
@@ -493,16 +545,27 @@ def test_crafted_index_files_are_index_file_errors_naming_the_key(tmp_path, good
         "not_zip": ("not an .npz index", None),
         "missing": ("missing \\['shards'\\]", {k: v for k, v in z.items() if k != "shards"}),
         "extra": ("unknown \\['evil'\\]", {**z, "evil": np.zeros(1)}),
-        "float_lengths": ("'lengths': expected an integer", {**z, "lengths": z["lengths"].astype(float)}),
-        "flat_locations": ("'locations': expected an integer array of rank 2",
-                           {**z, "locations": z["locations"].ravel()}),
+        "float_lengths": (
+            "'lengths': expected an integer",
+            {**z, "lengths": z["lengths"].astype(float)},
+        ),
+        "flat_locations": (
+            "'locations': expected an integer array of rank 2",
+            {**z, "locations": z["locations"].ravel()},
+        ),
         "short_shards": ("'shards': .* with 10 rows", {**z, "shards": z["shards"][:3]}),
         "negative": ("lengths must be >= 1", {**z, "lengths": -z["lengths"]}),
         "report_text": ("'report': not JSON", {**z, "report": np.frombuffer(b"{nope", np.uint8)}),
-        "report_shape": ("'report': expected", {**z, "report": np.frombuffer(b'{"counts": [1]}', np.uint8)}),
+        "report_shape": (
+            "'report': expected",
+            {**z, "report": np.frombuffer(b'{"counts": [1]}', np.uint8)},
+        ),
         "media_int": ("'media': expected a bool", {**z, "media": np.ones(10, np.int64)}),
         "dims_list": ("'dims': expected", {**z, "dims": np.frombuffer(b"[1, 2]", np.uint8)}),
-        "pickle": ("'lengths' unreadable", {**z, "lengths": np.array([_Boom(str(flag))], dtype=object)}),
+        "pickle": (
+            "'lengths' unreadable",
+            {**z, "lengths": np.array([_Boom(str(flag))], dtype=object)},
+        ),
     }
     seen = 0
     for name, (says, arrays) in cases.items():
@@ -541,29 +604,36 @@ def test_an_index_of_other_data_is_refused_before_any_batch(tmp_path):
         PackedLoader(short, **kw, indexing=IndexOptions(prebuilt=build_index(hf, SCHEMA))).prepare()
 
 
-# ---- 15. edited resume states, seeds, epochs -------------------------------------------------------
+# ---- 15. edited resume states, seeds, epochs
+# -------------------------------------------------------
 @pytest.fixture(scope="module")
 def small_loader():
     src = HFSource(datasets.Dataset.from_dict(hf_rows(sample_lengths(40, seed=2))))
     return PackedLoader(src, schema=SCHEMA, layout=ParallelLayout(), token_budget=128)
 
 
-@pytest.mark.parametrize("edit, says", [
-    (lambda s: {**s, "epoch": 2.7}, "'epoch': expected an int >= 0, got 2.7"),
-    (lambda s: {**s, "epoch": "3"}, "'epoch': expected an int >= 0, got '3'"),
-    (lambda s: {**s, "position": True}, "'position': expected an int >= 0, got True"),
-    (lambda s: {**s, "position": float("inf")}, "'position': expected an int >= 0, got inf"),
-    (lambda s: {**s, "epoch": -1}, "'epoch': expected an int >= 0, got -1"),
-    (lambda s: {**s, "version": True}, "'version'"),
-    (lambda s: {**s, "config": [1]}, "'config': expected an object"),
-    (lambda s: {k: v for k, v in s.items() if k != "data"}, "missing key\\(s\\) \\['data'\\]"),
-    (lambda s: {**s, "position": 10 ** 6}, "'position': 1000000 is past the end of epoch 0"),
-    (lambda s: json.dumps(s).replace('"position": 0', '"position": Infinity'), "not JSON text"),
-    (lambda s: json.dumps(s).replace('"seed": 0', '"seed": NaN'), "not JSON text"),
-    (lambda s: {**s, "config": {**s["config"], "seed": float("nan")}}, "'config.seed': a non-finite"),
-    (lambda s: "{not json", "not JSON text"),
-    (lambda s: b"\xff\xfe", "not UTF-8"),
-])
+@pytest.mark.parametrize(
+    "edit, says",
+    [
+        (lambda s: {**s, "epoch": 2.7}, "'epoch': expected an int >= 0, got 2.7"),
+        (lambda s: {**s, "epoch": "3"}, "'epoch': expected an int >= 0, got '3'"),
+        (lambda s: {**s, "position": True}, "'position': expected an int >= 0, got True"),
+        (lambda s: {**s, "position": float("inf")}, "'position': expected an int >= 0, got inf"),
+        (lambda s: {**s, "epoch": -1}, "'epoch': expected an int >= 0, got -1"),
+        (lambda s: {**s, "version": True}, "'version'"),
+        (lambda s: {**s, "config": [1]}, "'config': expected an object"),
+        (lambda s: {k: v for k, v in s.items() if k != "data"}, "missing key\\(s\\) \\['data'\\]"),
+        (lambda s: {**s, "position": 10**6}, "'position': 1000000 is past the end of epoch 0"),
+        (lambda s: json.dumps(s).replace('"position": 0', '"position": Infinity'), "not JSON text"),
+        (lambda s: json.dumps(s).replace('"seed": 0', '"seed": NaN'), "not JSON text"),
+        (
+            lambda s: {**s, "config": {**s["config"], "seed": float("nan")}},
+            "'config.seed': a non-finite",
+        ),
+        (lambda s: "{not json", "not JSON text"),
+        (lambda s: b"\xff\xfe", "not UTF-8"),
+    ],
+)
 def test_edited_states_are_refused_naming_the_key(small_loader, edit, says):
     state = small_loader.state_dict()
     assert state["position"] == 0 and state["config"]["seed"] == 0
@@ -581,8 +651,14 @@ def test_seed_and_epoch_must_be_non_negative_ints(small_loader):
     src = small_loader.source
     for seed in (-1, 2.7, "3", True):  # never coerced
         with pytest.raises(PlanError, match="seed: expected an int >= 0"):
-            PackedLoader(src, schema=SCHEMA, layout=ParallelLayout(), token_budget=128, seed=seed,
-                         indexing=IndexOptions(prebuilt=small_loader.index))
+            PackedLoader(
+                src,
+                schema=SCHEMA,
+                layout=ParallelLayout(),
+                token_budget=128,
+                seed=seed,
+                indexing=IndexOptions(prebuilt=small_loader.index),
+            )
     for bad in (-1, 1.5, "2", True):
         with pytest.raises(PlanError, match="epoch"):
             small_loader.set_epoch(bad)
@@ -592,4 +668,6 @@ def test_every_error_here_is_a_prealign_error():
     for cls in (IndexFileError, MissingShardError, ShardTimeoutError, ResumeError, PlanError):
         assert issubclass(cls, PrealignError)
     assert issubclass(MissingShardError, ConfigError) and issubclass(IndexFileError, ConfigError)
-    assert not issubclass(ShardTimeoutError, ConfigError)  # a stall is counted under skip, like a corrupt shard
+    assert not issubclass(
+        ShardTimeoutError, ConfigError
+    )  # a stall is counted under skip, like a corrupt shard

@@ -1,6 +1,8 @@
-"""Both loaders configured alike (issue #27): ``workers=WorkerConfig(...)`` or the flat rank keywords, the
-stream's duplicate ``buffer_size=`` / ``oversize=`` keywords deprecated, sample shaping below both loaders,
+"""Both loaders configured alike (issue #27): ``workers=WorkerConfig(...)`` or the flat rank
+keywords, the stream's duplicate ``buffer_size=`` / ``oversize=`` keywords deprecated, sample
+shaping below both loaders,
 and the worker's hand-off to its collate_fn a :class:`Fetched`."""
+
 from __future__ import annotations
 
 import ast
@@ -66,25 +68,38 @@ def test_a_rank_keyword_beside_a_worker_config_is_given_twice(kind, source):
 
 
 def test_from_parallel_state_keeps_a_worker_configs_workers(source):
-    loader = PackedLoader.from_parallel_state(source, schema=SCHEMA, token_budget=BUDGET,
-                                              workers=WorkerConfig(num_workers=2, dp_size=8, dp_rank=7))
+    loader = PackedLoader.from_parallel_state(
+        source,
+        schema=SCHEMA,
+        token_budget=BUDGET,
+        workers=WorkerConfig(num_workers=2, dp_size=8, dp_rank=7),
+    )
     assert loader.workers == WorkerConfig(num_workers=2)  # ranks from the (absent) process groups
 
 
 @pytest.mark.parametrize("keyword, value", [("buffer_size", 16), ("oversize", "truncate")])
 def test_the_streams_duplicate_keywords_are_deprecated(keyword, value, source):
     with pytest.warns(DeprecationWarning, match=f"{keyword}=.*deprecated.*planner=PlannerConfig"):
-        legacy = StreamingPackedLoader(source, schema=SCHEMA, layout=LAYOUT, token_budget=BUDGET, **{keyword: value})
+        legacy = StreamingPackedLoader(
+            source, schema=SCHEMA, layout=LAYOUT, token_budget=BUDGET, **{keyword: value}
+        )
     assert getattr(legacy.planner, keyword) == getattr(PlannerConfig(**{keyword: value}), keyword)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        StreamingPackedLoader(source, schema=SCHEMA, layout=LAYOUT, token_budget=BUDGET,
-                              planner=PlannerConfig(**{keyword: value}))
+        StreamingPackedLoader(
+            source,
+            schema=SCHEMA,
+            layout=LAYOUT,
+            token_budget=BUDGET,
+            planner=PlannerConfig(**{keyword: value}),
+        )
 
 
 def _imports(path: pathlib.Path) -> set[str]:
     tree = ast.parse(path.read_text())
-    return {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+    return {
+        node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module
+    }
 
 
 def test_sample_shaping_lives_below_both_loaders():
@@ -102,7 +117,11 @@ def test_the_worker_hands_its_collate_fn_a_fetched(skip, source):
     loader = _make("packed", source, bad_data=policy).prepare()
     dataset, collate = loader._loader.dataset, loader._loader.collate_fn
     fetched = dataset.__getitems__(Request(epoch=0, position=0, indices=(0, 3)))
-    assert isinstance(fetched, Fetched) and fetched.request.indices == (0, 3) and len(fetched.samples) == 2
+    assert (
+        isinstance(fetched, Fetched)
+        and fetched.request.indices == (0, 3)
+        and len(fetched.samples) == 2
+    )
     assert fetched.skipped == ([] if skip else None) and fetched.share is None
     batch = collate(fetched)
     assert batch["sample_index"].tolist() == [0, 3] and batch["is_filler"] is False

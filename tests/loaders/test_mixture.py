@@ -1,5 +1,7 @@
-"""Mixtures (issue #30): components weighted by tokens or samples, interleaved so that every stretch of
+"""Mixtures (issue #30): components weighted by tokens or samples, interleaved so that every stretch
+of
 global steps holds the weights, packed together, resumable through resizes and weight changes."""
+
 from __future__ import annotations
 
 import json
@@ -12,7 +14,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from prealign.loaders import BadDataPolicy, BadSampleError, HFSource, PackedLoader, PlannerConfig, ResumeError
+from prealign.loaders import (
+    BadDataPolicy,
+    BadSampleError,
+    HFSource,
+    PackedLoader,
+    PlannerConfig,
+    ResumeError,
+)
 from prealign.loaders.conformance import assert_resumes_exactly
 from prealign.loaders.index.sample_index import SampleIndex
 from prealign.loaders.mixture import Component, Mixture, steps_served
@@ -41,28 +50,49 @@ class _Nothing(HFSource):
 
 def _part(lengths) -> SampleIndex:
     n = len(lengths)
-    return SampleIndex(lengths=np.asarray(lengths, np.int64), locations=np.arange(n, dtype=np.int64)[:, None],
-                       shards=np.zeros(n, np.int64), report=BadDataReport())
+    return SampleIndex(
+        lengths=np.asarray(lengths, np.int64),
+        locations=np.arange(n, dtype=np.int64)[:, None],
+        shards=np.zeros(n, np.int64),
+        report=BadDataReport(),
+    )
 
 
 def _lengths(seed=0, sizes=(20000, 2000, 500)):
     """Mean lengths 100 / 1,000 / 4,000 tokens (uniform within +-50%), 2M tokens per component."""
     rng = np.random.default_rng(seed)
-    return [rng.integers(50, 151, sizes[0]), rng.integers(500, 1501, sizes[1]), rng.integers(3000, 5001, sizes[2])]
+    return [
+        rng.integers(50, 151, sizes[0]),
+        rng.integers(500, 1501, sizes[1]),
+        rng.integers(3000, 5001, sizes[2]),
+    ]
 
 
 def _mixture(lengths, by="tokens", weights=WEIGHTS, **kw) -> Mixture:
-    mix = Mixture({n: (_Nothing(), w) for n, w in zip(("web", "code", "math"), weights)}, by=by, **kw)
+    mix = Mixture(
+        {n: (_Nothing(), w) for n, w in zip(("web", "code", "math"), weights)}, by=by, **kw
+    )
     mix.merged([_part(x) for x in lengths])
     return mix
 
 
 def _schedule(mix: Mixture, dp=DP, budget=BUDGET, strategy=PackStrategy.STEP_FIT) -> Schedule:
     index = mix.merged(mix.parts)
-    sch = Schedule(index, layout=ParallelLayout(), token_budget=budget, dp_size=dp,
-                   planner=PlannerConfig(strategy=strategy), seed=0, shuffle=True, sequential=False, window=1,
-                   step_window=1, order_of=lambda e, served: mix.epoch_order(e, seed=0, shuffle=True, window=1,
-                                                                             served=served))
+    sch = Schedule(
+        index,
+        layout=ParallelLayout(),
+        token_budget=budget,
+        dp_size=dp,
+        planner=PlannerConfig(strategy=strategy),
+        seed=0,
+        shuffle=True,
+        sequential=False,
+        window=1,
+        step_window=1,
+        order_of=lambda e, served: mix.epoch_order(
+            e, seed=0, shuffle=True, window=1, served=served
+        ),
+    )
     return sch
 
 
@@ -75,7 +105,7 @@ def _shares(mix: Mixture, ids, bounds, by):
     units = mix.merged(mix.parts).lengths[ids] if by == "tokens" else np.ones(ids.size, np.int64)
     epoch = window_shares(comp, units, np.array([0]), np.array([ids.size]), 3)[0]
     n = bounds.size - 1
-    windows = window_shares(comp, units, bounds[:n - WINDOW + 1], bounds[WINDOW:], 3)
+    windows = window_shares(comp, units, bounds[: n - WINDOW + 1], bounds[WINDOW:], 3)
     return epoch, windows
 
 
@@ -87,7 +117,8 @@ def test_shares_hold_over_the_epoch_and_every_16_steps(by):
     assert np.abs(epoch - WEIGHTS).max() <= 0.005, epoch
     assert np.abs(windows - WEIGHTS).max() <= 0.025, np.abs(windows - WEIGHTS).max(axis=0)
     assert windows.shape[0] > 100  # (not vacuous: hundreds of windows)
-    # each component's samples served evenly: counts of any two samples of one component differ by at most 1
+    # each component's samples served evenly: counts of any two samples of one component differ by
+    # at most 1
     counts = np.bincount(ids, minlength=sum(len(p) for p in mix.parts))
     comp_of = mix.component_of()
     for c in range(3):
@@ -96,7 +127,8 @@ def test_shares_hold_over_the_epoch_and_every_16_steps(by):
 
 
 def test_the_planners_buffered_best_fit_would_not_hold_the_shares_locally():
-    """Why mixtures plan with STEP_FIT: BFD's buffer moves samples by many steps (the window test fails)."""
+    """Why mixtures plan with STEP_FIT: BFD's buffer moves samples by many steps (the window test
+    fails)."""
     mix = _mixture(_lengths())
     ids, bounds = _served(_schedule(mix, strategy=PackStrategy.BFD))
     epoch, windows = _shares(mix, ids, bounds, "tokens")
@@ -105,8 +137,10 @@ def test_the_planners_buffered_best_fit_would_not_hold_the_shares_locally():
 
 
 def test_megatron_blended_dataset_on_the_same_lengths():
-    """Megatron's BlendedDataset given sample weights hand-converted from the token weights (by the mean
-    lengths), its order packed the same way: ours holds the token shares as tightly with no conversion."""
+    """Megatron's BlendedDataset given sample weights hand-converted from the token weights (by the
+    mean
+    lengths), its order packed the same way: ours holds the token shares as tightly with no
+    conversion."""
     try:
         from megatron.core.datasets import helpers
     except ImportError:  # pragma: no cover - a megatron-core without its compiled helpers
@@ -121,10 +155,20 @@ def test_megatron_blended_dataset_on_the_same_lengths():
     dataset_index = np.zeros(size, np.int16)
     dataset_sample_index = np.zeros(size, np.int64)
     helpers.build_blending_indices(dataset_index, dataset_sample_index, sample_w, 3, size, False)
-    streams = [mixed_order(MixSpec(names=("x",), weights=(1.0,), by="samples", length=size), [x], epoch=0,
-                           seed=0, shuffle=True).ids for x in lengths]  # each dataset's own shuffled passes
+    streams = [
+        mixed_order(
+            MixSpec(names=("x",), weights=(1.0,), by="samples", length=size),
+            [x],
+            epoch=0,
+            seed=0,
+            shuffle=True,
+        ).ids
+        for x in lengths
+    ]  # each dataset's own shuffled passes
     offsets = np.cumsum([0] + [len(x) for x in lengths])
-    theirs_order = np.array([offsets[d] + streams[d][j] for d, j in zip(dataset_index, dataset_sample_index)])
+    theirs_order = np.array(
+        [offsets[d] + streams[d][j] for d, j in zip(dataset_index, dataset_sample_index)]
+    )
     theirs_mix = _mixture(lengths)
     sch = _schedule(theirs_mix)
     sch.order_of = lambda e, served: theirs_order
@@ -134,13 +178,17 @@ def test_megatron_blended_dataset_on_the_same_lengths():
     assert ours <= 0.025 and ours <= theirs + 0.005, (ours, theirs, theirs_epoch)
 
 
-@pytest.mark.parametrize("length,expect", [("first_exhausted", None), ("all_exhausted", None), (3000, 3000)])
+@pytest.mark.parametrize(
+    "length,expect", [("first_exhausted", None), ("all_exhausted", None), (3000, 3000)]
+)
 def test_epoch_lengths_by_samples(length, expect):
     sizes = (300, 60, 40)
     mix = MixSpec(names=("a", "b", "c"), weights=WEIGHTS, by="samples", length=length)
     mo = mixed_order(mix, [np.ones(n, np.int64) for n in sizes], epoch=0, seed=1, shuffle=True)
     counts = np.bincount(mo.component, minlength=3)
-    if length == "first_exhausted":  # the largest epoch repeating nothing: one component exactly used up
+    if (
+        length == "first_exhausted"
+    ):  # the largest epoch repeating nothing: one component exactly used up
         assert (counts <= np.array(sizes)).all() and (counts == np.array(sizes)).any()
     elif length == "all_exhausted":  # the smallest in which every one is seen whole
         assert (counts >= np.array(sizes)).all() and (counts == np.array(sizes)).any()
@@ -154,22 +202,31 @@ def test_down_sampling_is_a_different_subset_each_epoch_and_up_sampling_whole_pa
     mix = MixSpec(names=("small", "big"), weights=(0.5, 0.5), by="tokens")
     e0, e1 = (mixed_order(mix, lengths, epoch=e, seed=0, shuffle=True) for e in (0, 1))
     small = np.bincount(e0.ids[e0.component == 0], minlength=100)
-    assert set(small.tolist()) == {5, 6} or set(small.tolist()) == {5} or small.max() - small.min() <= 1
+    assert (
+        set(small.tolist()) == {5, 6}
+        or set(small.tolist()) == {5}
+        or small.max() - small.min() <= 1
+    )
     assert small.sum() == 550  # up-sampled 5.5x: five whole passes and half of one
     big0, big1 = (set(e.ids[e.component == 1].tolist()) for e in (e0, e1))
-    assert len(big0) == 550 and len(big1) == 550 and big0 != big1  # down-sampled: another subset each epoch
+    assert (
+        len(big0) == 550 and len(big1) == 550 and big0 != big1
+    )  # down-sampled: another subset each epoch
 
 
 def test_repeat_gives_exact_counts():
     lengths = [np.full(50, 7), np.full(30, 9), np.full(20, 3)]
-    mix = MixSpec(names=("a", "b", "c"), weights=(None, None, 1.0), repeats=(2, 0.5, None), by="tokens")
+    mix = MixSpec(
+        names=("a", "b", "c"), weights=(None, None, 1.0), repeats=(2, 0.5, None), by="tokens"
+    )
     mo = mixed_order(mix, lengths, epoch=0, seed=0, shuffle=True)
     counts = np.bincount(mo.component, minlength=3)
     assert counts.tolist() == [100, 15, 20]
     assert np.bincount(mo.ids[mo.component == 0]).tolist() == [2] * 50
 
 
-# ---- the loader ------------------------------------------------------------------------------------
+# ---- the loader
+# ------------------------------------------------------------------------------------
 def _hf(n, lo, hi, seed, start=0):
     rows = hf_rows(sample_lengths(n, seed, lo, hi))
     rows["input_ids"] = [[10_000 + start + i] + r[1:] for i, r in enumerate(rows["input_ids"])]
@@ -178,12 +235,26 @@ def _hf(n, lo, hi, seed, start=0):
 
 @pytest.fixture(scope="module")
 def sources():
-    return {"web": _hf(240, 4, 20, 0, 0), "code": _hf(60, 20, 60, 1, 1000), "math": _hf(30, 40, 90, 2, 2000)}
+    return {
+        "web": _hf(240, 4, 20, 0, 0),
+        "code": _hf(60, 20, 60, 1, 1000),
+        "math": _hf(30, 40, 90, 2, 2000),
+    }
 
 
 def _loader(mix, *, dp=2, rank=0, k=1, seed=0, **kw):
-    return PackedLoader(mix, schema=SCHEMA, layout=ParallelLayout(cp=2), token_budget=256, cp_rank=0, dp_size=dp,
-                        dp_rank=rank, seed=seed, planner=PlannerConfig(microbatches_per_step=k, chunk_size=64), **kw)
+    return PackedLoader(
+        mix,
+        schema=SCHEMA,
+        layout=ParallelLayout(cp=2),
+        token_budget=256,
+        cp_rank=0,
+        dp_size=dp,
+        dp_rank=rank,
+        seed=seed,
+        planner=PlannerConfig(microbatches_per_step=k, chunk_size=64),
+        **kw,
+    )
 
 
 def _mix(sources, weights=WEIGHTS, **kw):
@@ -247,7 +318,8 @@ def test_elastic_resume_dp_4_3_5_serves_the_uninterrupted_epoch(sources):
 
 @pytest.mark.slow
 def test_elastic_resume_with_dataloader_workers_2_then_1(sources):
-    """The plan does not depend on the workers: a state of 2 workers per rank resumes under 1 (and DP 4 -> 3)."""
+    """The plan does not depend on the workers: a state of 2 workers per rank resumes under 1 (and
+    DP 4 -> 3)."""
     mix = _mix(sources)
 
     def make(*, workers, **kw):
@@ -264,12 +336,20 @@ def test_elastic_resume_with_dataloader_workers_2_then_1(sources):
 
 
 def test_changed_weights_at_resume_serve_nothing_twice_and_follow_the_new_weights():
-    big = {"web": _hf(3000, 4, 20, 0, 0), "code": _hf(600, 20, 60, 1, 1000), "math": _hf(300, 40, 90, 2, 2000)}
+    big = {
+        "web": _hf(3000, 4, 20, 0, 0),
+        "code": _hf(600, 20, 60, 1, 1000),
+        "math": _hf(300, 40, 90, 2, 2000),
+    }
     old, new = (0.6, 0.3, 0.1), (0.2, 0.3, 0.5)
 
     def ids_and_comps(loader, n=None):
         out = list(islice(iter(loader), n))
-        return [(i, c) for b in out for i, c in zip(b["sample_index"].tolist(), b["sample_component"].tolist())]
+        return [
+            (i, c)
+            for b in out
+            for i, c in zip(b["sample_index"].tolist(), b["sample_component"].tolist())
+        ]
 
     first = _loader(_mix(big, old, length="first_exhausted"), dp=1)
     before = ids_and_comps(first, 40)
@@ -284,8 +364,9 @@ def test_changed_weights_at_resume_serve_nothing_twice_and_follow_the_new_weight
     def share(pairs):
         tok = np.bincount([c for _, c in pairs], weights=[lens[i] for i, _ in pairs], minlength=3)
         return tok / tok.sum()
+
     assert np.abs(share(before) - old).max() < 0.05
-    assert np.abs(share(after[:len(after) * 3 // 4]) - new).max() < 0.05
+    assert np.abs(share(after[: len(after) * 3 // 4]) - new).max() < 0.05
     resumed = second.state_dict()
     assert resumed["mixture"]["phases"] == [] or resumed["epoch"] == 1  # (the epoch ran to its end)
     # a resume of the resumed run, mid-way, yields the same batches as going on
@@ -315,8 +396,12 @@ def test_added_or_removed_component_is_refused_unless_opted_in(sources):
 
 
 def test_an_empty_or_all_bad_component_is_an_error_naming_it(sources):
-    mix = Mixture({"web": (sources["web"], 0.9), "broken": (HFSource(datasets.Dataset.from_dict(
-        {"input_ids": [[], []]})), 0.1)})
+    mix = Mixture(
+        {
+            "web": (sources["web"], 0.9),
+            "broken": (HFSource(datasets.Dataset.from_dict({"input_ids": [[], []]})), 0.1),
+        }
+    )
     with pytest.raises(PrealignError, match="broken"):
         _loader(mix, bad_data=BadDataPolicy(on_error="skip", warn=False)).prepare()
     with pytest.raises(PrealignError, match="broken"):
@@ -345,12 +430,19 @@ def test_mixture_file_resolves_paths_against_the_file(tmp_path, sources):
     folder.mkdir()
     for name in ("web", "code"):
         sources[name].dataset.to_json(str(folder / f"{name}.jsonl"))
-    spec = {"by": "samples", "components": {"web": {"hf": "data/web.jsonl", "weight": 0.7},
-                                            "code": {"hf": "data/code.jsonl", "repeat": 1}}}
+    spec = {
+        "by": "samples",
+        "components": {
+            "web": {"hf": "data/web.jsonl", "weight": 0.7},
+            "code": {"hf": "data/code.jsonl", "repeat": 1},
+        },
+    }
     path = tmp_path / "mix.json"
     path.write_text(json.dumps(spec))
     mix = Mixture.from_file(str(path))
-    assert mix.names == ("web", "code") and mix.spec.by == "samples" and mix.spec.repeats == (None, 1)
+    assert (
+        mix.names == ("web", "code") and mix.spec.by == "samples" and mix.spec.repeats == (None, 1)
+    )
     assert len(list(_loader(mix))) > 0
     path.write_text(json.dumps({**spec, "weights": 1}))
     with pytest.raises(ConfigError, match="weights"):
@@ -360,14 +452,18 @@ def test_mixture_file_resolves_paths_against_the_file(tmp_path, sources):
 def test_mixture_report_counts_planned_served_and_bad_per_component(sources):
     rows = hf_rows(sample_lengths(20, 5, 4, 20))
     rows["input_ids"][3] = []  # bad: empty
-    mix = Mixture({"web": (sources["web"], 0.7), "flaky": (HFSource(datasets.Dataset.from_dict(rows)), 0.3)})
+    mix = Mixture(
+        {"web": (sources["web"], 0.7), "flaky": (HFSource(datasets.Dataset.from_dict(rows)), 0.3)}
+    )
     loader = _loader(mix, dp=2, bad_data=BadDataPolicy(on_error="skip", warn=False))
     before = loader.mixture_report()
     assert before["web"]["samples_served"] == 0 and sum(before["flaky"]["bad"].values()) == 1
     assert before["web"]["bad"] == {} and len(before["flaky"]["bad_examples"]) == 1
     batches = list(islice(iter(loader), 4))
     rep = loader.mixture_report(0)
-    served = Counter(int(c) for b in batches for c in b["sample_component"])  # rank 0's only: a lower bound
+    served = Counter(
+        int(c) for b in batches for c in b["sample_component"]
+    )  # rank 0's only: a lower bound
     assert rep["web"]["samples_served"] >= served[0] and rep["flaky"]["samples_served"] >= served[1]
     whole = loader.mixture_report(1)  # a later epoch: planned, nothing served yet
     assert whole["web"]["samples_served"] == 0
@@ -377,19 +473,30 @@ def test_mixture_report_counts_planned_served_and_bad_per_component(sources):
 
 @pytest.mark.slow
 @settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))
-@given(weights=st.lists(st.floats(0.05, 1.0), min_size=2, max_size=3), by=st.sampled_from(["tokens", "samples"]),
-       stops=st.lists(st.floats(0.05, 0.6), min_size=2, max_size=2), seed=st.integers(0, 50))
-def test_random_mixtures_resumed_at_random_points_dp_4_3_5_serve_the_uninterrupted_epoch(sources, weights, by,
-                                                                                        stops, seed):
-    names = list(sources)[:len(weights)]
+@given(
+    weights=st.lists(st.floats(0.05, 1.0), min_size=2, max_size=3),
+    by=st.sampled_from(["tokens", "samples"]),
+    stops=st.lists(st.floats(0.05, 0.6), min_size=2, max_size=2),
+    seed=st.integers(0, 50),
+)
+def test_random_mixtures_resumed_at_random_points_dp_4_3_5_serve_the_uninterrupted_epoch(
+    sources, weights, by, stops, seed
+):
+    names = list(sources)[: len(weights)]
     mix = Mixture({n: (sources[n], w) for n, w in zip(names, weights)}, by=by)
 
     def make(**kw):
         return _loader(mix, seed=seed, **kw)
 
     want, _ = _epoch_ids(make, [(4, 1, None)])
-    got, _ = _epoch_ids(make, [(4, 1, lambda lo: max(1, int(stops[0] * len(lo)))),
-                               (3, 2, lambda lo: max(1, int(stops[1] * len(lo)))), (5, 1, None)])
+    got, _ = _epoch_ids(
+        make,
+        [
+            (4, 1, lambda lo: max(1, int(stops[0] * len(lo)))),
+            (3, 2, lambda lo: max(1, int(stops[1] * len(lo)))),
+            (5, 1, None),
+        ],
+    )
     assert got == want and sum(want.values()) > 0
 
 
@@ -397,9 +504,14 @@ def test_components_of_different_kinds_webdataset_hf_map_and_hf_streaming(tmp_pa
     from prealign.loaders import WebDatasetSource
     from tests.loader_helpers import write_shards
 
-    wds = WebDatasetSource(write_shards(str(tmp_path), sample_lengths(40, seed=3, low=4, high=30), num_shards=2))
-    stream = HFSource(datasets.Dataset.from_dict(hf_rows(sample_lengths(30, 4, 4, 30))).to_iterable_dataset(
-        num_shards=3))
+    wds = WebDatasetSource(
+        write_shards(str(tmp_path), sample_lengths(40, seed=3, low=4, high=30), num_shards=2)
+    )
+    stream = HFSource(
+        datasets.Dataset.from_dict(hf_rows(sample_lengths(30, 4, 4, 30))).to_iterable_dataset(
+            num_shards=3
+        )
+    )
     mix = Mixture({"tar": (wds, 0.4), "map": (sources["code"], 0.3), "stream": (stream, 0.3)})
     loader = _loader(mix, dp=1)
     batches = list(loader)
@@ -411,16 +523,30 @@ def test_components_of_different_kinds_webdataset_hf_map_and_hf_streaming(tmp_pa
 
 @pytest.mark.slow
 @settings(max_examples=60, deadline=None)
-@given(lengths=st.lists(st.integers(1, 300), min_size=0, max_size=200), dp=st.integers(1, 4), k=st.integers(1, 3),
-       groups=st.one_of(st.none(), st.integers(1, 3)), chunk=st.sampled_from([7, 40, 16384]),
-       max_seqs=st.sampled_from([None, 3]), budget=st.sampled_from([256, 300, 1000]))
+@given(
+    lengths=st.lists(st.integers(1, 300), min_size=0, max_size=200),
+    dp=st.integers(1, 4),
+    k=st.integers(1, 3),
+    groups=st.one_of(st.none(), st.integers(1, 3)),
+    chunk=st.sampled_from([7, 40, 16384]),
+    max_seqs=st.sampled_from([None, 3]),
+    budget=st.sampled_from([256, 300, 1000]),
+)
 def test_step_fit_plans_keep_every_plan_invariant(lengths, dp, k, groups, chunk, max_seqs, budget):
-    """STEP_FIT plans as every strategy does: each sample once, every micro-batch within the budget and
+    """STEP_FIT plans as every strategy does: each sample once, every micro-batch within the budget
+    and
     ``max_seqs``, the same count on every rank; with groups, a micro-batch holds one group only."""
     layout = ParallelLayout(cp=2, max_seqs=max_seqs) if max_seqs else ParallelLayout(cp=2)
     label = None if groups is None else np.arange(len(lengths)) % groups
-    plan = ChunkedPlan(lengths, layout=layout, token_budget=budget, dp_size=dp, groups=label, oversize="skip",
-                       config=PlannerConfig(strategy="step_fit", microbatches_per_step=k, chunk_size=chunk)).full()
+    plan = ChunkedPlan(
+        lengths,
+        layout=layout,
+        token_budget=budget,
+        dp_size=dp,
+        groups=label,
+        oversize="skip",
+        config=PlannerConfig(strategy="step_fit", microbatches_per_step=k, chunk_size=chunk),
+    ).full()
     check_plan(plan, lengths, layout, budget, dp)
     for rank in plan.microbatches:
         for mb in rank:
@@ -429,9 +555,14 @@ def test_step_fit_plans_keep_every_plan_invariant(lengths, dp, k, groups, chunk,
 
 
 def test_changed_weights_and_dp_size_together_then_a_resume_in_the_new_phase():
-    """DP 2 under the old weights, DP 3 under the new ones from a state, and that run resumed mid-way (its
+    """DP 2 under the old weights, DP 3 under the new ones from a state, and that run resumed
+    mid-way (its
     phase replays the DP-2 part): no sample twice, and the resumed run goes on exactly."""
-    big = {"web": _hf(1500, 4, 20, 0, 0), "code": _hf(300, 20, 60, 1, 1000), "math": _hf(150, 40, 90, 2, 2000)}
+    big = {
+        "web": _hf(1500, 4, 20, 0, 0),
+        "code": _hf(300, 20, 60, 1, 1000),
+        "math": _hf(150, 40, 90, 2, 2000),
+    }
     old, new = (0.6, 0.3, 0.1), (0.3, 0.3, 0.4)
 
     def make(weights, dp, rank):

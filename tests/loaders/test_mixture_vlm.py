@@ -1,5 +1,7 @@
-"""A VLM mixture (issue #30): text-only, image and video-frame components packed together into Qwen2.5-VL
+"""A VLM mixture (issue #30): text-only, image and video-frame components packed together into
+Qwen2.5-VL
 THD batches under cp=2 equal each sample collated alone (positions, placeholders, pixels)."""
+
 from __future__ import annotations
 
 import json
@@ -39,21 +41,37 @@ class _Rows(Source):
 
 
 def _chat(key: str, text: str, image: bool) -> dict:
-    meta = {"messages": [{"role": "user", "content": ("<image> " if image else "") + text},
-                         {"role": "assistant", "content": "an answer " * (1 + len(key) % 3)}],
-            **({"images": ["0.png"]} if image else {})}
-    return {"__key__": key, "json": json.dumps(meta).encode(), **({"0.png": png(32 + 8 * (len(key) % 4), 40,
-                                                                                 seed=len(key))} if image else {})}
+    meta = {
+        "messages": [
+            {"role": "user", "content": ("<image> " if image else "") + text},
+            {"role": "assistant", "content": "an answer " * (1 + len(key) % 3)},
+        ],
+        **({"images": ["0.png"]} if image else {}),
+    }
+    return {
+        "__key__": key,
+        "json": json.dumps(meta).encode(),
+        **({"0.png": png(32 + 8 * (len(key) % 4), 40, seed=len(key))} if image else {}),
+    }
 
 
 @pytest.fixture(scope="module")
 def mixture():
-    vlm = VLMSampleTransform(tokenizer=TOK, model_config=tiny_config("qwen2_5_vl"), video_processor_config={})
-    text = [_chat(f"t{i}" + "x" * i, "say something " * (1 + i % 4), image=False) for i in range(10)]
+    vlm = VLMSampleTransform(
+        tokenizer=TOK, model_config=tiny_config("qwen2_5_vl"), video_processor_config={}
+    )
+    text = [
+        _chat(f"t{i}" + "x" * i, "say something " * (1 + i % 4), image=False) for i in range(10)
+    ]
     images = [_chat(f"i{i}" + "y" * i, "what is shown?", image=True) for i in range(6)]
     videos = [video_raw(f"v{i}", 2 + i % 3, 32, 32, 2.0, image=False) for i in range(4)]
-    return Mixture({"text": (_Rows(text, vlm), 0.4), "images": (_Rows(images, vlm), 0.4),
-                    "video": (_Rows(videos, vlm), 0.2)})
+    return Mixture(
+        {
+            "text": (_Rows(text, vlm), 0.4),
+            "images": (_Rows(images, vlm), 0.4),
+            "video": (_Rows(videos, vlm), 0.2),
+        }
+    )
 
 
 def _alone(sample: dict) -> dict:
@@ -62,8 +80,15 @@ def _alone(sample: dict) -> dict:
 
 def test_vlm_mixture_batches_equal_each_sample_collated_alone(mixture):
     def loader(cp_rank):
-        return PackedLoader(mixture, schema=SCHEMA, layout=LAYOUT, token_budget=2048, cp_rank=cp_rank, seed=1,
-                            planner=PlannerConfig(chunk_size=64))
+        return PackedLoader(
+            mixture,
+            schema=SCHEMA,
+            layout=LAYOUT,
+            token_budget=2048,
+            cp_rank=cp_rank,
+            seed=1,
+            planner=PlannerConfig(chunk_size=64),
+        )
 
     whole, ranks = list(loader(None)), [list(loader(r)) for r in range(2)]
     assert len(whole) == len(ranks[0]) == len(ranks[1]) >= 2
@@ -73,8 +98,10 @@ def test_vlm_mixture_batches_equal_each_sample_collated_alone(mixture):
     assert mixed, "no micro-batch packs two components together"
     seen_video = False
     for b, *shards in zip(whole, *ranks):
-        samples = [mixture.load(tuple(mixture_loc)) for mixture_loc in
-                   loader(None).index.locations[b["sample_index"].numpy()].tolist()]
+        samples = [
+            mixture.load(tuple(mixture_loc))
+            for mixture_loc in loader(None).index.locations[b["sample_index"].numpy()].tolist()
+        ]
         cu = b["cu_seqlens_padded"].tolist()
         pix = vids = 0
         for i, sample in enumerate(samples):
@@ -84,14 +111,16 @@ def test_vlm_mixture_batches_equal_each_sample_collated_alone(mixture):
             assert cu[i + 1] - cu[i] == n
             for key in ("input_ids", "labels", "mrope_position_ids", "mm_token_type_ids"):
                 if key in alone:
-                    got, want = b[key][..., cu[i]:cu[i] + n], alone[key][..., :n]
+                    got, want = b[key][..., cu[i] : cu[i] + n], alone[key][..., :n]
                     assert torch.equal(got, want), (key, i)
             p = alone["pixel_values"].shape[0]
-            assert torch.equal(b["pixel_values"][pix:pix + p], alone["pixel_values"])
+            assert torch.equal(b["pixel_values"][pix : pix + p], alone["pixel_values"])
             pix += p
             if "pixel_values_videos" in alone:
                 v = alone["pixel_values_videos"].shape[0]
-                assert torch.equal(b["pixel_values_videos"][vids:vids + v], alone["pixel_values_videos"])
+                assert torch.equal(
+                    b["pixel_values_videos"][vids : vids + v], alone["pixel_values_videos"]
+                )
                 vids += v
         assert pix == b["pixel_values"].shape[0]
         seen_video = seen_video or vids > 0

@@ -1,6 +1,8 @@
-"""One loader core under both loaders (issue #16): the same options, validation, state format, worker path
-for typed errors and dead workers, surface (set_epoch, from_parallel_state, one live iterator), a
+"""One loader core under both loaders (issue #16): the same options, validation, state format,
+worker path for typed errors and dead workers, surface (set_epoch, from_parallel_state, one live
+iterator), a
 state_dict that touches no file, and infrastructure errors never counted as bad data."""
+
 from __future__ import annotations
 
 import json
@@ -58,15 +60,33 @@ def _ids(batch) -> list[int]:
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
-    return write_shards(str(tmp_path_factory.mktemp("core")), sample_lengths(48, seed=3), num_shards=4)
+    return write_shards(
+        str(tmp_path_factory.mktemp("core")), sample_lengths(48, seed=3), num_shards=4
+    )
 
 
-# ---- 1, 2: one set of options, one validation ---------------------------------------------------------
-@pytest.mark.parametrize("bad", [{"token_budget": 4096.7}, {"token_budget": True}, {"token_budget": "128"},
-                                 {"seed": -1}, {"seed": True}, {"seed": 2.5}, {"dp_rank": 2, "dp_size": 2},
-                                 {"dp_rank": True}, {"dp_size": 0}, {"num_workers": -1}, {"num_workers": 1.0},
-                                 {"cp_rank": -1}, {"loading": {"timeout": 1}}, {"bad_data": "skip"},
-                                 {"planner": {"buffer_size": 8}}])
+# ---- 1, 2: one set of options, one validation
+# ---------------------------------------------------------
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"token_budget": 4096.7},
+        {"token_budget": True},
+        {"token_budget": "128"},
+        {"seed": -1},
+        {"seed": True},
+        {"seed": 2.5},
+        {"dp_rank": 2, "dp_size": 2},
+        {"dp_rank": True},
+        {"dp_size": 0},
+        {"num_workers": -1},
+        {"num_workers": 1.0},
+        {"cp_rank": -1},
+        {"loading": {"timeout": 1}},
+        {"bad_data": "skip"},
+        {"planner": {"buffer_size": 8}},
+    ],
+)
 def test_both_loaders_refuse_the_same_bad_values_with_the_same_error(shards, bad):
     errors = []
     for kind in KINDS:
@@ -79,8 +99,9 @@ def test_both_loaders_refuse_the_same_bad_values_with_the_same_error(shards, bad
 
 def test_streaming_takes_buffer_size_and_oversize_from_the_planner_like_packed(shards):
     src = WebDatasetSource(shards)
-    legacy = StreamingPackedLoader(src, schema=SCHEMA, layout=LAYOUT, token_budget=BUDGET, buffer_size=16,
-                                   oversize="truncate")
+    legacy = StreamingPackedLoader(
+        src, schema=SCHEMA, layout=LAYOUT, token_budget=BUDGET, buffer_size=16, oversize="truncate"
+    )
     planned = _make("streaming", src, planner=PlannerConfig(buffer_size=16, oversize="truncate"))
     assert legacy.planner == planned.planner == PlannerConfig(buffer_size=16, oversize="truncate")
     assert all(batches_equal(a, b) for a, b in zip(legacy, planned))
@@ -100,7 +121,11 @@ def test_one_state_format_for_both_loaders(shards):
         states[kind] = json.loads(json.dumps(loader.state_dict()))
         del it
     keys = {k: sorted(s) for k, s in states.items()}
-    assert keys["packed"] == keys["streaming"] == ["config", "data", "epoch", "kind", "position", "version"]
+    assert (
+        keys["packed"]
+        == keys["streaming"]
+        == ["config", "data", "epoch", "kind", "position", "version"]
+    )
     assert states["packed"]["version"] == states["streaming"]["version"]
     assert states["streaming"]["kind"] == "prealign.StreamingPackedLoader"
     assert (states["streaming"]["epoch"], states["streaming"]["position"]) == (0, 2)
@@ -120,12 +145,21 @@ def test_a_streaming_state_of_other_data_is_refused(shards, tmp_path):
         _make("streaming", WebDatasetSource(other)).load_state_dict(state)
 
 
-# ---- 3: one worker path for typed errors and dead workers --------------------------------------------
+# ---- 3: one worker path for typed errors and dead workers
+# --------------------------------------------
 class _FailOn:
-    """numpy_fields, but sample ``key`` raises ``make()`` once the file ``flag`` exists (after indexing);
+    """numpy_fields, but sample ``key`` raises ``make()`` once the file ``flag`` exists (after
+    indexing);
     in workers, writes its pid to ``pids/`` and sleeps ``delay``."""
 
-    def __init__(self, flag: str, key: str = "000005", error: str = "value", delay: float = 0.0, pids: str = ""):
+    def __init__(
+        self,
+        flag: str,
+        key: str = "000005",
+        error: str = "value",
+        delay: float = 0.0,
+        pids: str = "",
+    ):
         self.flag, self.key, self.error, self.delay, self.pids = flag, key, error, delay, pids
 
     def __call__(self, sample):
@@ -152,7 +186,9 @@ class _FailOn:
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_bad_sample_reaches_the_caller_as_its_own_type(kind, workers, shards, tmp_path):
     flag = tmp_path / "changed"
-    loader = _make(kind, WebDatasetSource(shards, transform=_FailOn(str(flag))), num_workers=workers)
+    loader = _make(
+        kind, WebDatasetSource(shards, transform=_FailOn(str(flag))), num_workers=workers
+    )
     loader.prepare()
     flag.write_text("")
     with pytest.raises(BadSampleError, match="transform to succeed") as exc:
@@ -166,8 +202,12 @@ def test_a_bad_sample_reaches_the_caller_as_its_own_type(kind, workers, shards, 
 @pytest.mark.parametrize("kind", KINDS)
 def test_another_prealign_error_keeps_its_type_and_attributes(kind, workers, shards, tmp_path):
     flag = tmp_path / "changed"
-    loader = _make(kind, WebDatasetSource(shards, transform=_FailOn(str(flag), error="remote")),
-                   num_workers=workers, bad_data=SKIP)
+    loader = _make(
+        kind,
+        WebDatasetSource(shards, transform=_FailOn(str(flag), error="remote")),
+        num_workers=workers,
+        bad_data=SKIP,
+    )
     loader.prepare()
     flag.write_text("")
     with pytest.raises(RemoteReadError) as exc:  # under skip too: not bad data
@@ -186,18 +226,24 @@ def _wait_for_pids(folder, n: int, timeout: float = 30.0) -> list[int]:
 
 
 @pytest.mark.slow
-def test_a_streaming_worker_killed_with_sigkill_is_a_worker_error_and_the_loader_continues(shards, tmp_path):
+def test_a_streaming_worker_killed_with_sigkill_is_a_worker_error_and_the_loader_continues(
+    shards, tmp_path
+):
     pids = tmp_path / "pids"
     pids.mkdir()
     ref = _make("streaming", WebDatasetSource(shards), num_workers=2)
     expected = [_ids(b) for b in ref]
     assert len(expected) >= 6
-    loader = _make("streaming", WebDatasetSource(shards, transform=_FailOn("/nonexistent", delay=0.02,
-                                                                           pids=str(pids))), num_workers=2)
+    loader = _make(
+        "streaming",
+        WebDatasetSource(shards, transform=_FailOn("/nonexistent", delay=0.02, pids=str(pids))),
+        num_workers=2,
+    )
     it = iter(loader)
     got = [_ids(next(it))]
     with pytest.raises(WorkerError, match="iterate the loader again"):
-        try:  # torch's SIGCHLD handler can raise in whatever the main thread runs when the worker dies
+        # torch's SIGCHLD handler can raise in whatever the main thread runs when the worker dies
+        try:
             os.kill(_wait_for_pids(pids, 2)[0], signal.SIGKILL)
         except RuntimeError:
             pass
@@ -210,8 +256,10 @@ def test_a_streaming_worker_killed_with_sigkill_is_a_worker_error_and_the_loader
 
 
 def _let_torch_report_the_killed_worker() -> None:
-    """torch's SIGCHLD handler raises ``RuntimeError`` wherever the main thread is when it learns of the killed
-    worker, which can be after the loader already reported it (then inside pytest's own frames): let it, here."""
+    """torch's SIGCHLD handler raises ``RuntimeError`` wherever the main thread is when it learns of
+    the killed
+    worker, which can be after the loader already reported it (then inside pytest's own frames): let
+    it, here."""
     for _ in range(10):
         try:
             time.sleep(0.05)
@@ -219,7 +267,8 @@ def _let_torch_report_the_killed_worker() -> None:
             return
 
 
-# ---- 4: the same surface ------------------------------------------------------------------------------
+# ---- 4: the same surface
+# ------------------------------------------------------------------------------
 @pytest.mark.parametrize("kind", KINDS)
 def test_set_epoch_from_parallel_state_and_one_live_iterator(kind, shards):
     ref = _make(kind, WebDatasetSource(shards))
@@ -244,11 +293,16 @@ def test_set_epoch_from_parallel_state_and_one_live_iterator(kind, shards):
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_superseded_iterator_takes_no_batch_of_the_new_one_with_persistent_workers(kind, shards):
-    """The two loops share the persistent workers: the superseded one stops before asking them for a batch,
+    """The two loops share the persistent workers: the superseded one stops before asking them for a
+    batch,
     so the new loop gets every micro-batch of the epoch, in order, none lost."""
     ref = [_ids(b) for b in _make(kind, WebDatasetSource(shards))]
-    loader = _make(kind, WebDatasetSource(shards), num_workers=1,
-                   loading=LoadingOptions(persistent_workers=True))
+    loader = _make(
+        kind,
+        WebDatasetSource(shards),
+        num_workers=1,
+        loading=LoadingOptions(persistent_workers=True),
+    )
     first = iter(loader)
     got = [_ids(next(first))]
     second = iter(loader)
@@ -272,9 +326,11 @@ def test_load_state_dict_under_a_live_iterator_is_refused(kind, shards):
     assert loader.state_dict()["position"] == 0
 
 
-# ---- 5: state_dict touches no file --------------------------------------------------------------------
+# ---- 5: state_dict touches no file
+# --------------------------------------------------------------------
 class _FileCalls:
-    """Counts os.stat / os.lstat calls and ``open`` audit events while active (the real calls still run)."""
+    """Counts os.stat / os.lstat calls and ``open`` audit events while active (the real calls still
+    run)."""
 
     hooked = False
     active: "_FileCalls | None" = None
@@ -315,7 +371,9 @@ class _FileCalls:
 
 @pytest.fixture(scope="module")
 def many_shards(tmp_path_factory):
-    return write_shards(str(tmp_path_factory.mktemp("many")), sample_lengths(400, seed=1), num_shards=200)
+    return write_shards(
+        str(tmp_path_factory.mktemp("many")), sample_lengths(400, seed=1), num_shards=200
+    )
 
 
 def test_the_counter_counts(many_shards):
@@ -327,8 +385,11 @@ def test_the_counter_counts(many_shards):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_state_dict_touches_no_file(kind, many_shards):
-    loader = _make(kind, WebDatasetSource(many_shards), indexing=IndexOptions(distributed=False)) \
-        if kind == "packed" else _make(kind, WebDatasetSource(many_shards))
+    loader = (
+        _make(kind, WebDatasetSource(many_shards), indexing=IndexOptions(distributed=False))
+        if kind == "packed"
+        else _make(kind, WebDatasetSource(many_shards))
+    )
     it = iter(loader)
     next(it)
     loader.state_dict()  # (the first may prepare)
@@ -340,12 +401,20 @@ def test_state_dict_touches_no_file(kind, many_shards):
     it.close()
 
 
-# ---- 6: only SampleErrors count as bad data ------------------------------------------------------------
-INFRA = {"remote": RemoteReadError, "timeout": ShardTimeoutError, "config": ConfigError, "os": OSError}
+# ---- 6: only SampleErrors count as bad data
+# ------------------------------------------------------------
+INFRA = {
+    "remote": RemoteReadError,
+    "timeout": ShardTimeoutError,
+    "config": ConfigError,
+    "os": OSError,
+}
 
 
 @pytest.mark.parametrize("error", sorted(INFRA))
-def test_an_infrastructure_error_in_a_transform_propagates_in_the_index_pass(error, shards, tmp_path):
+def test_an_infrastructure_error_in_a_transform_propagates_in_the_index_pass(
+    error, shards, tmp_path
+):
     flag = tmp_path / "on"
     flag.write_text("")
     src = WebDatasetSource(shards, transform=_FailOn(str(flag), error=error))
@@ -353,16 +422,24 @@ def test_an_infrastructure_error_in_a_transform_propagates_in_the_index_pass(err
         build_index(src, SCHEMA, policy=SKIP)
     with pytest.raises(INFRA[error]):
         list(_make("streaming", src, bad_data=SKIP))
-    counted = build_index(WebDatasetSource(shards, transform=_FailOn(str(flag))), SCHEMA, policy=SKIP)
+    counted = build_index(
+        WebDatasetSource(shards, transform=_FailOn(str(flag))), SCHEMA, policy=SKIP
+    )
     assert counted.report.counts == {"bad_sample": 1}  # a plain ValueError stays bad data
 
 
 @pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("error", sorted(INFRA))
-def test_an_infrastructure_error_at_load_time_propagates_under_skip(error, workers, shards, tmp_path):
+def test_an_infrastructure_error_at_load_time_propagates_under_skip(
+    error, workers, shards, tmp_path
+):
     flag = tmp_path / "on"
-    loader = _make("packed", WebDatasetSource(shards, transform=_FailOn(str(flag), error=error)), bad_data=SKIP,
-                   num_workers=workers)
+    loader = _make(
+        "packed",
+        WebDatasetSource(shards, transform=_FailOn(str(flag), error=error)),
+        bad_data=SKIP,
+        num_workers=workers,
+    )
     loader.prepare()
     flag.write_text("")
     with pytest.raises(INFRA[error]):
@@ -370,7 +447,8 @@ def test_an_infrastructure_error_at_load_time_propagates_under_skip(error, worke
     assert "bad_sample" not in loader.report.counts
 
 
-# ---- 7: torch internals checked, never assumed ----------------------------------------------------------
+# ---- 7: torch internals checked, never assumed
+# ----------------------------------------------------------
 class _Wrapped:
     """An iterator of a torch whose multi-process iterator lacks ``_workers``."""
 
@@ -401,9 +479,15 @@ def test_missing_torch_internals_fail_loudly_naming_the_version():
     from prealign.loaders.serve.workers import worker_batches
 
     data = list(range(4))
-    with pytest.raises(UnsupportedTorchError, match=re.escape(f"torch {torch.__version__}") + ".*_workers"):
+    with pytest.raises(
+        UnsupportedTorchError, match=re.escape(f"torch {torch.__version__}") + ".*_workers"
+    ):
         list(worker_batches(_OtherTorchLoader(data, num_workers=1)))
     with pytest.raises(UnsupportedTorchError, match="_iterator"):
         list(worker_batches(_NoIteratorSlot(data, num_workers=1, persistent_workers=True)))
-    assert [int(x) for x in worker_batches(DataLoader(data, num_workers=1))] == data  # the real one passes
-    assert [int(x) for x in worker_batches(_OtherTorchLoader(data, num_workers=0))] == data  # no workers: nothing needed
+    assert [
+        int(x) for x in worker_batches(DataLoader(data, num_workers=1))
+    ] == data  # the real one passes
+    assert [
+        int(x) for x in worker_batches(_OtherTorchLoader(data, num_workers=0))
+    ] == data  # no workers: nothing needed

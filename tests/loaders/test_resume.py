@@ -1,5 +1,6 @@
 """Exact resume: the shared conformance harness on every source kind, with 0 and 2 workers, and the
 refusal of incompatible states."""
+
 from __future__ import annotations
 
 import json
@@ -16,7 +17,11 @@ from prealign.loaders import (
     WebDatasetSource,
     build_index,
 )
-from prealign.loaders.conformance import ResumeConformanceError, assert_resumes_exactly, batches_equal
+from prealign.loaders.conformance import (
+    ResumeConformanceError,
+    assert_resumes_exactly,
+    batches_equal,
+)
 from prealign.schemas import ParallelLayout, causal_lm_schema, rl_schema
 from tests.loader_helpers import hf_rows, sample_lengths, write_shards
 
@@ -27,7 +32,9 @@ LENGTHS = sample_lengths(90, seed=5)
 
 @pytest.fixture(scope="module")
 def wds(tmp_path_factory):
-    src = WebDatasetSource(write_shards(str(tmp_path_factory.mktemp("shards")), LENGTHS, num_shards=3))
+    src = WebDatasetSource(
+        write_shards(str(tmp_path_factory.mktemp("shards")), LENGTHS, num_shards=3)
+    )
     return src, build_index(src, SCHEMA)
 
 
@@ -46,14 +53,20 @@ def _factory(src_idx, **kw):
 @pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("kind", ["webdataset", "hf_streaming"])
 def test_resume_conformance(kind, workers, wds, hf_stream):
-    result = assert_resumes_exactly(_factory(wds if kind == "webdataset" else hf_stream, num_workers=workers))
+    result = assert_resumes_exactly(
+        _factory(wds if kind == "webdataset" else hf_stream, num_workers=workers)
+    )
     assert min(result["epoch_lengths"]) >= 4 and result["midpoint"] >= 2  # not vacuous
 
 
 def test_resume_conformance_map_style_k_steps():
     src = HFSource(datasets.Dataset.from_dict(hf_rows(LENGTHS)))
-    make = _factory((src, build_index(src, SCHEMA)), planner=PlannerConfig(microbatches_per_step=3), dp_size=3,
-                    dp_rank=2)
+    make = _factory(
+        (src, build_index(src, SCHEMA)),
+        planner=PlannerConfig(microbatches_per_step=3),
+        dp_size=3,
+        dp_rank=2,
+    )
     assert assert_resumes_exactly(make, midpoint=1)["epoch_lengths"][0] >= 3
 
 
@@ -83,18 +96,26 @@ def test_state_is_small_json_and_rank_independent(wds):
     state = a.state_dict()
     assert len(json.dumps(state)) < 2048 and state["version"] == 2
     assert state["epoch"] == 0 and state["position"] == 2
-    b.load_state_dict(json.loads(json.dumps(state)))  # rank 0's state resumes rank 1 at the same step
+    b.load_state_dict(
+        json.loads(json.dumps(state))
+    )  # rank 0's state resumes rank 1 at the same step
     ref = _factory(wds, dp_rank=1)()
     assert all(batches_equal(x, y) for x, y in zip(list(b), list(ref)[2:]))
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"layout": ParallelLayout(tp=2, cp=4)}, "layout"),
-    ({"token_budget": 256}, "token_budget"),
-    ({"seed": 1}, "seed"),
-    ({"planner": PlannerConfig(strategy="first_fit")}, "planner"),
-    ({"planner": PlannerConfig(strategy="first_fit", microbatches_per_step=2)}, "strategy"),  # k changes, not only k
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"layout": ParallelLayout(tp=2, cp=4)}, "layout"),
+        ({"token_budget": 256}, "token_budget"),
+        ({"seed": 1}, "seed"),
+        ({"planner": PlannerConfig(strategy="first_fit")}, "planner"),
+        (
+            {"planner": PlannerConfig(strategy="first_fit", microbatches_per_step=2)},
+            "strategy",
+        ),  # k changes, not only k
+    ],
+)
 def test_incompatible_resume_is_refused(wds, change, message):
     state = _factory(wds)().state_dict()
     with pytest.raises(ResumeError, match=message):
@@ -104,14 +125,24 @@ def test_incompatible_resume_is_refused(wds, change, message):
 def test_other_schema_data_or_version_is_refused(wds, tmp_path):
     state = _factory(wds)().state_dict()
     src, idx = wds
-    other = PackedLoader(src, schema=rl_schema(), layout=LAYOUT, token_budget=192, dp_size=2,
-                         indexing=IndexOptions(prebuilt=idx))
+    other = PackedLoader(
+        src,
+        schema=rl_schema(),
+        layout=LAYOUT,
+        token_budget=192,
+        dp_size=2,
+        indexing=IndexOptions(prebuilt=idx),
+    )
     with pytest.raises(ResumeError, match="schema"):
         other.load_state_dict(state)
     fewer = WebDatasetSource(write_shards(str(tmp_path), LENGTHS[:60], num_shards=2))
     with pytest.raises(ResumeError, match="data num_samples: saved 90, this run 60"):
-        PackedLoader(fewer, schema=SCHEMA, layout=LAYOUT, token_budget=192, dp_size=2).load_state_dict(state)
-    with pytest.raises(ResumeError, match="version 1 is not supported"):  # before chunked plans: another order
+        PackedLoader(
+            fewer, schema=SCHEMA, layout=LAYOUT, token_budget=192, dp_size=2
+        ).load_state_dict(state)
+    with pytest.raises(
+        ResumeError, match="version 1 is not supported"
+    ):  # before chunked plans: another order
         _factory(wds)().load_state_dict({**state, "version": 1})
     with pytest.raises(ResumeError, match="not a prealign.PackedLoader state"):
         _factory(wds)().load_state_dict({"epoch": 0})
@@ -127,8 +158,12 @@ def test_named_dims_are_part_of_the_data_check():
     def source(k):
         def transform(row):
             n = len(row["input_ids"])
-            return {"input_ids": torch.tensor(row["input_ids"]), "teacher_topk_ids": torch.zeros(n, k, dtype=torch.long),
-                    "teacher_topk_log_probs": -torch.ones(n, k)}
+            return {
+                "input_ids": torch.tensor(row["input_ids"]),
+                "teacher_topk_ids": torch.zeros(n, k, dtype=torch.long),
+                "teacher_topk_log_probs": -torch.ones(n, k),
+            }
+
         return HFSource(datasets.Dataset.from_dict(hf_rows(LENGTHS[:30])), transform=transform)
 
     a, b = (PackedLoader(source(k), schema=schema, layout=LAYOUT, token_budget=192) for k in (4, 8))

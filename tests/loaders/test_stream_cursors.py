@@ -1,6 +1,7 @@
 """Streaming resume by cursors (issue #28, item 4): ``state_dict(cursors=True)`` writes where each
 reader of this rank goes on, so a resume seeks instead of replaying the stream: the batches after it
 are the uninterrupted run's, and the work it does does not grow with the position it resumes at."""
+
 from __future__ import annotations
 
 import http.server
@@ -41,13 +42,24 @@ class CountingSource(WebDatasetSource):
 
 
 def _make(paths, *, source=WebDatasetSource, **kw) -> StreamingPackedLoader:
-    kw = {"token_budget": BUDGET, "seed": 3, "cp_rank": None, "num_workers": 0,
-          "bad_data": BadDataPolicy(on_error="skip", max_consecutive=50, warn=False), **kw}
+    kw = {
+        "token_budget": BUDGET,
+        "seed": 3,
+        "cp_rank": None,
+        "num_workers": 0,
+        "bad_data": BadDataPolicy(on_error="skip", max_consecutive=50, warn=False),
+        **kw,
+    }
     buffer = kw.pop("buffer_size", 16)
     from prealign.loaders.plan.planner import PlannerConfig
 
-    return StreamingPackedLoader(source(paths), schema=SCHEMA, layout=ParallelLayout(),
-                                 planner=PlannerConfig(buffer_size=buffer), **kw)
+    return StreamingPackedLoader(
+        source(paths),
+        schema=SCHEMA,
+        layout=ParallelLayout(),
+        planner=PlannerConfig(buffer_size=buffer),
+        **kw,
+    )
 
 
 def _same(a: list[dict], b: list[dict]) -> None:
@@ -90,8 +102,9 @@ def test_cursor_resume_is_the_uninterrupted_run(tmp_path, workers):
     """Golden: 300 samples with bad data in 5 shards; resumed at the start, mid-epoch (twice in a
     row), near the end and past this rank's data: the batches are the uninterrupted run's, and so is
     the next epoch."""
-    paths = write_shards(str(tmp_path), sample_lengths(300, seed=4), num_shards=5,
-                         extra=_with_bad_data)
+    paths = write_shards(
+        str(tmp_path), sample_lengths(300, seed=4), num_shards=5, extra=_with_bad_data
+    )
     full = list(_make(paths, num_workers=workers))
     assert len(full) > 30
     for stop in (1, 7, 17, len(full) - 1):
@@ -252,24 +265,33 @@ def test_cursor_resume_over_http(tmp_path):
 
 
 @pytest.mark.slow
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow,
-                                                               HealthCheck.function_scoped_fixture])
-@given(num_shards=st.integers(1, 5), workers=st.sampled_from([0, 2]), stop=st.floats(0.0, 1.0),
-       data_seed=st.integers(0, 2**32 - 1), buffer=st.sampled_from([8, 16, 40]))
-def test_cursor_resume_exact_at_any_stop(tmp_path_factory, num_shards, workers, stop, data_seed,
-                                         buffer):
+@settings(
+    max_examples=8,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(
+    num_shards=st.integers(1, 5),
+    workers=st.sampled_from([0, 2]),
+    stop=st.floats(0.0, 1.0),
+    data_seed=st.integers(0, 2**32 - 1),
+    buffer=st.sampled_from([8, 16, 40]),
+)
+def test_cursor_resume_exact_at_any_stop(
+    tmp_path_factory, num_shards, workers, stop, data_seed, buffer
+):
     """Lognormal lengths, 1..5 shards (fewer shards than readers included), bad data, any stop
     point: the batches after a cursor resume are the uninterrupted run's."""
     drawn = np.random.default_rng(data_seed).lognormal(3.0, 0.9, 150)
     lengths = np.clip(drawn, 1, 250).astype(int).tolist()
-    paths = write_shards(str(tmp_path_factory.mktemp("cur")), lengths, num_shards=num_shards,
-                         extra=_with_bad_data)
+    paths = write_shards(
+        str(tmp_path_factory.mktemp("cur")), lengths, num_shards=num_shards, extra=_with_bad_data
+    )
     kw = {"num_workers": workers, "buffer_size": buffer}
     full = list(_make(paths, **kw))
     at = int(stop * len(full))
     _, rest = _resumed(paths, at, **kw)
     _same(rest, full[at:])
-
 
 
 def test_cursor_state_under_other_workers_takes_the_elastic_path(tmp_path):
@@ -316,14 +338,22 @@ def test_a_mixture_stream_has_no_cursors(tmp_path):
     (replayed), and cursors edited into it are not used."""
     from prealign.loaders import Mixture
 
-    shards = {name: write_shards(str(tmp_path / name), sample_lengths(60, seed=s), num_shards=2)
-              for s, name in enumerate(("a", "b"))}
+    shards = {
+        name: write_shards(str(tmp_path / name), sample_lengths(60, seed=s), num_shards=2)
+        for s, name in enumerate(("a", "b"))
+    }
 
     def make():
         parts = {name: (WebDatasetSource(p), 0.5) for name, p in shards.items()}
-        return StreamingPackedLoader(Mixture(parts, by="tokens"), schema=SCHEMA,
-                                     layout=ParallelLayout(), token_budget=BUDGET, cp_rank=None,
-                                     seed=3, buffer_size=8)
+        return StreamingPackedLoader(
+            Mixture(parts, by="tokens"),
+            schema=SCHEMA,
+            layout=ParallelLayout(),
+            token_budget=BUDGET,
+            cp_rank=None,
+            seed=3,
+            buffer_size=8,
+        )
 
     full = list(make())
     a = make()
@@ -343,8 +373,9 @@ def _cursor_rank(rank: int, world: int, port: int, results, paths: list[str], st
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
 
     def ids(batches):
         return [(b["is_filler"], b["sample_index"].tolist()) for b in batches]

@@ -1,5 +1,7 @@
-"""StreamingPackedLoader (issue #7, item 4): packs a stream from a bounded buffer, every sample once per
+"""StreamingPackedLoader (issue #7, item 4): packs a stream from a bounded buffer, every sample once
+per
 epoch, the same number of micro-batches on every DP rank (2 real gloo ranks), exact resume."""
+
 from __future__ import annotations
 
 import json
@@ -30,8 +32,11 @@ def _make(src, **kw):
 def _first_tokens(batch) -> list[int]:
     if batch["is_filler"]:
         return []
-    return [int(batch["input_ids"][0, s]) - 10_000 for s in batch["cu_seqlens_padded"][:-1].tolist()
-            if int(batch["input_ids"][0, s]) >= 10_000]
+    return [
+        int(batch["input_ids"][0, s]) - 10_000
+        for s in batch["cu_seqlens_padded"][:-1].tolist()
+        if int(batch["input_ids"][0, s]) >= 10_000
+    ]
 
 
 class CountingSource(WebDatasetSource):
@@ -56,25 +61,38 @@ def test_every_sample_once_budget_and_first_batch_after_the_buffer(tmp_path):
     assert sorted(seen) == list(range(400))
     assert all(b["input_ids"].shape[1] <= BUDGET for b in batches)
     assert sorted(i for b in batches for i in b["sample_index"].tolist()) == sorted(
-        (s << 32) | o for s in range(4) for o in range(100))
+        (s << 32) | o for s in range(4) for o in range(100)
+    )
     second = [i for b in loader for i in _first_tokens(b)]
     assert sorted(second) == list(range(400)) and second != seen  # epoch 1: another shard order
 
 
 def test_layout_max_seqs_caps_every_streamed_batch(tmp_path):
-    """The streaming bins respect ParallelLayout.max_seqs (static cu_seqlens of max_seqs + 1 entries)."""
+    """The streaming bins respect ParallelLayout.max_seqs (static cu_seqlens of max_seqs + 1
+    entries)."""
     paths = write_shards(str(tmp_path), sample_lengths(200), num_shards=2)
-    loader = StreamingPackedLoader(WebDatasetSource(paths), schema=SCHEMA, layout=ParallelLayout(max_seqs=2),
-                                   token_budget=BUDGET, buffer_size=48, seed=2, cp_rank=None)
+    loader = StreamingPackedLoader(
+        WebDatasetSource(paths),
+        schema=SCHEMA,
+        layout=ParallelLayout(max_seqs=2),
+        token_budget=BUDGET,
+        buffer_size=48,
+        seed=2,
+        cp_rank=None,
+    )
     batches = list(loader)
-    assert all(b["cu_seqlens"].numel() == 3 and b["cu_seqlens_padded"].numel() == 3 for b in batches)
+    assert all(
+        b["cu_seqlens"].numel() == 3 and b["cu_seqlens_padded"].numel() == 3 for b in batches
+    )
     assert sorted(i for b in batches for i in _first_tokens(b)) == list(range(200))
 
 
 def test_hf_iterable_dataset_resumes_exactly():
     lengths = sample_lengths(160)
     ds = datasets.Dataset.from_dict(hf_rows(lengths)).to_iterable_dataset(num_shards=4)
-    stats = assert_resumes_exactly(lambda: _make(HFSource(ds, transform=lambda r: {"input_ids": torch.tensor(r["input_ids"])})))
+    stats = assert_resumes_exactly(
+        lambda: _make(HFSource(ds, transform=lambda r: {"input_ids": torch.tensor(r["input_ids"])}))
+    )
     assert min(stats["epoch_lengths"]) > 4
 
 
@@ -105,7 +123,9 @@ def _rank_main(rank: int, port: int, shards: list[str], out_dir: str) -> None:
         torch.set_num_threads(1)
         import torch.distributed as dist
 
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2
+        )
 
         def make():
             return _make(WebDatasetSource(shards), dp_rank=rank, dp_size=2)
@@ -113,9 +133,19 @@ def _rank_main(rank: int, port: int, shards: list[str], out_dir: str) -> None:
         loader = make()
         epochs = [[_first_tokens(b) for b in loader] for _ in range(2)]
         fillers = sum(1 for b in make() if b["is_filler"])
-        stats = assert_resumes_exactly(make)  # collectives in lockstep: both ranks run the same cases
+        stats = assert_resumes_exactly(
+            make
+        )  # collectives in lockstep: both ranks run the same cases
         with open(os.path.join(out_dir, f"rank-{rank}.json"), "w") as f:
-            json.dump({"epochs": epochs, "state": loader.state_dict(), "fillers": fillers, "stats": stats}, f)
+            json.dump(
+                {
+                    "epochs": epochs,
+                    "state": loader.state_dict(),
+                    "fillers": fillers,
+                    "stats": stats,
+                },
+                f,
+            )
         dist.destroy_process_group()
     except BaseException:
         with open(os.path.join(out_dir, f"error-{rank}.txt"), "w") as f:
@@ -126,11 +156,15 @@ def _rank_main(rank: int, port: int, shards: list[str], out_dir: str) -> None:
 @pytest.mark.slow
 def test_two_gloo_ranks_cover_every_sample_once_with_equal_counts(tmp_path):
     lengths = sample_lengths(180, seed=4)
-    # 3 shards over 2 ranks: one rank reads 2, the other 1, runs dry first and yields fillers until the other ends
+    # 3 shards over 2 ranks: one rank reads 2, the other 1, runs dry first and yields fillers until
+    # the other ends
     paths = write_shards(str(tmp_path), lengths, num_shards=3)
     ctx = mp.get_context("fork")
     port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, port, paths, str(tmp_path)), daemon=True) for r in range(2)]
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, port, paths, str(tmp_path)), daemon=True)
+        for r in range(2)
+    ]
     for p in procs:
         p.start()
     for p in procs:
@@ -138,7 +172,11 @@ def test_two_gloo_ranks_cover_every_sample_once_with_equal_counts(tmp_path):
     alive = [p for p in procs if p.is_alive()]
     for p in alive:
         p.kill()
-    errors = [(tmp_path / f"error-{r}.txt").read_text() for r in range(2) if (tmp_path / f"error-{r}.txt").exists()]
+    errors = [
+        (tmp_path / f"error-{r}.txt").read_text()
+        for r in range(2)
+        if (tmp_path / f"error-{r}.txt").exists()
+    ]
     assert not errors, errors[0]
     assert not alive, "a rank did not finish (hang?)"
     ranks = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(2)]
@@ -158,5 +196,7 @@ def test_dataloader_workers_read_disjoint_shards(tmp_path):
     loader = _make(WebDatasetSource(paths), num_workers=2)
     seen = [i for b in loader for i in _first_tokens(b)]
     assert sorted(seen) == list(range(200))
-    one_shard = _make(WebDatasetSource(paths[:1]), num_workers=2, dp_size=2, dp_rank=1)  # fewer shards than readers
+    one_shard = _make(
+        WebDatasetSource(paths[:1]), num_workers=2, dp_size=2, dp_rank=1
+    )  # fewer shards than readers
     assert 0 < len([i for b in one_shard for i in _first_tokens(b)]) < 40

@@ -1,5 +1,8 @@
-"""The curated surface: ``prealign.loaders`` exports at most 30 names, imported on first use; a name it
-exported before still resolves (with a DeprecationWarning naming its module); planning imports no torch."""
+"""The curated surface: ``prealign.loaders`` exports at most 30 names, imported on first use; a name
+it
+exported before still resolves (with a DeprecationWarning naming its module); planning imports no
+torch."""
+
 from __future__ import annotations
 
 import subprocess
@@ -11,17 +14,32 @@ import pytest
 import prealign.loaders as loaders
 import prealign.schemas as schemas
 
-# Modules that must load without torch (pure numpy / JSON): planning, and the index's columnar records.
-TORCH_FREE = ["prealign.loaders", "prealign.schemas.errors", "prealign.loaders.errors", "prealign.loaders.policy",
-              "prealign.loaders.plan.packing", "prealign.loaders.plan.planner", "prealign.loaders.plan.schedule",
-              "prealign.loaders.plan.cost", "prealign.loaders.plan.elastic", "prealign.loaders.plan.hybrid_cp",
-              "prealign.loaders.index.sample_index", "prealign.loaders.index.events"]
+# Modules that must load without torch (pure numpy / JSON): planning, and the index's columnar
+# records.
+TORCH_FREE = [
+    "prealign.loaders",
+    "prealign.schemas.errors",
+    "prealign.loaders.errors",
+    "prealign.loaders.policy",
+    "prealign.loaders.plan.packing",
+    "prealign.loaders.plan.planner",
+    "prealign.loaders.plan.schedule",
+    "prealign.loaders.plan.cost",
+    "prealign.loaders.plan.elastic",
+    "prealign.loaders.plan.hybrid_cp",
+    "prealign.loaders.index.sample_index",
+    "prealign.loaders.index.events",
+]
 
 
 def _imported(module: str) -> list[str]:
     """Every module ``python -X importtime -c "import module"`` reports, in a fresh interpreter."""
-    out = subprocess.run([sys.executable, "-X", "importtime", "-c", f"import {module}"], capture_output=True,
-                         text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-X", "importtime", "-c", f"import {module}"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return [line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if "|" in line]
 
 
@@ -40,7 +58,9 @@ def test_importing_the_loaders_package_loads_none_of_its_modules():
 
 def test_at_most_30_names_each_resolving():
     assert len(loaders.__all__) <= 30
-    assert len(set(loaders.__all__)) == len(loaders.__all__) and sorted(loaders.__all__) == dir(loaders)
+    assert len(set(loaders.__all__)) == len(loaders.__all__) and sorted(loaders.__all__) == dir(
+        loaders
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no exported name is deprecated
         for name in loaders.__all__:

@@ -1,5 +1,7 @@
-"""Issue #31, third trust pass: one URL once, empty samples as bad data, max_seqs in BSHD, unknown tar members
+"""Issue #31, third trust pass: one URL once, empty samples as bad data, max_seqs in BSHD, unknown
+tar members
 counted, ShardWriter refusals, typed errors for crafted configs and folder paths."""
+
 from __future__ import annotations
 
 import os
@@ -10,9 +12,16 @@ from prealign.loaders import WebDatasetSource
 from tests.loader_helpers import sample_lengths, write_shards
 
 
-# ---- one URL once (issue #31: a shard listed twice was served twice, 30 samples per epoch, 20 distinct) -------
-@pytest.mark.parametrize("twice", [lambda p: p, lambda p: "file://" + p,
-                                   lambda p: os.path.join(os.path.dirname(p), ".", os.path.basename(p))])
+# ---- one URL once (issue #31: a shard listed twice was served twice, 30 samples per epoch, 20
+# distinct) -------
+@pytest.mark.parametrize(
+    "twice",
+    [
+        lambda p: p,
+        lambda p: "file://" + p,
+        lambda p: os.path.join(os.path.dirname(p), ".", os.path.basename(p)),
+    ],
+)
 def test_a_shard_listed_twice_is_refused_naming_both_positions(tmp_path, twice):
     from prealign.loaders import PackedLoader
     from prealign.schemas import ParallelLayout, causal_lm_schema
@@ -21,11 +30,18 @@ def test_a_shard_listed_twice_is_refused_naming_both_positions(tmp_path, twice):
     a, b = write_shards(str(tmp_path), sample_lengths(20), num_shards=2)
     with pytest.raises(ConfigError, match=r"\(position 0\) and .* \(position 2\) are one shard"):
         source = WebDatasetSource([a, b, twice(a)])
-        next(iter(PackedLoader(source, schema=causal_lm_schema(), layout=ParallelLayout(), token_budget=4096)))
+        next(
+            iter(
+                PackedLoader(
+                    source, schema=causal_lm_schema(), layout=ParallelLayout(), token_budget=4096
+                )
+            )
+        )
     assert len(WebDatasetSource([a, b]).urls) == 2
 
 
-# ---- empty (0-token) samples are bad data (issue #31: one stopped the run under `skip`) ---------------------
+# ---- empty (0-token) samples are bad data (issue #31: one stopped the run under `skip`)
+# ---------------------
 def _with_empty(tmp_path, row: int = 5) -> list[str]:
     import numpy as np
 
@@ -54,8 +70,13 @@ def test_an_empty_sample_is_counted_under_skip_and_typed_under_raise(tmp_path, i
         assert main(["index", "--text", *paths]) == 0
 
     def loader(policy):
-        return PackedLoader(WebDatasetSource(paths), schema=causal_lm_schema(), layout=ParallelLayout(),
-                            token_budget=4096, bad_data=BadDataPolicy(on_error=policy))
+        return PackedLoader(
+            WebDatasetSource(paths),
+            schema=causal_lm_schema(),
+            layout=ParallelLayout(),
+            token_budget=4096,
+            bad_data=BadDataPolicy(on_error=policy),
+        )
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -63,8 +84,11 @@ def test_an_empty_sample_is_counted_under_skip_and_typed_under_raise(tmp_path, i
         served = sorted(i for b in skipping for i in b["sample_index"].tolist())
     assert len(served) == 11 and skipping.report.counts == {"bad_sample": 1}
     assert "000005" in skipping.report.examples[0].where
-    with pytest.raises(BadSampleError, match=r"sample .*shard-000\.tar:000005, field 'input_ids': expected a "
-                                             r"non-empty 1-D token tensor, got shape \(0,\)"):
+    with pytest.raises(
+        BadSampleError,
+        match=r"sample .*shard-000\.tar:000005, field 'input_ids': expected a "
+        r"non-empty 1-D token tensor, got shape \(0,\)",
+    ):
         next(iter(loader("raise")))
 
 
@@ -80,12 +104,16 @@ def test_bshd_honours_max_seqs_as_thd_does():
     rows = [{"input_ids": torch.arange(1, 4 + i)} for i in range(5)]
     for collator in (THDCollator, BSHDCollator):
         coll = collator(schema=causal_lm_schema(), layout=layout)
-        with pytest.raises(BucketOverflowError, match="5 sequences exceeds the layout's max_seqs = 4"):
+        with pytest.raises(
+            BucketOverflowError, match="5 sequences exceeds the layout's max_seqs = 4"
+        ):
             coll(rows)
         assert coll(rows[:4])["input_ids"].numel() > 0
 
 
-@pytest.mark.parametrize("typeflag, kind", [(b"5", "directory"), (b"S", "GNU sparse"), (b"Z", "typeflag b'Z'")])
+@pytest.mark.parametrize(
+    "typeflag, kind", [(b"5", "directory"), (b"S", "GNU sparse"), (b"Z", "typeflag b'Z'")]
+)
 def test_tar_members_of_unknown_type_are_counted_never_dropped(tmp_path, typeflag, kind):
     """Issue #31: a sample member of an unknown type vanished with no count."""
     import io
@@ -108,29 +136,41 @@ def test_tar_members_of_unknown_type_are_counted_never_dropped(tmp_path, typefla
     with pytest.raises(BadSampleError, match=f"unknown_member|a {kind} member") as exc:
         build_index(WebDatasetSource([path]), causal_lm_schema())
     assert exc.value.reason == "unknown_member" and "000001" in str(exc.value)
-    index = build_index(WebDatasetSource([path]), causal_lm_schema(), policy=BadDataPolicy(on_error="skip", warn=False))
+    index = build_index(
+        WebDatasetSource([path]),
+        causal_lm_schema(),
+        policy=BadDataPolicy(on_error="skip", warn=False),
+    )
     assert len(index) == 2 and index.report.counts == {"unknown_member": 1}
 
 
-@pytest.mark.parametrize("sample, message", [
-    ({"input_ids": [1, 2], "txt": "a", "TXT": "b"}, "differ in more than case"),
-    ({"input_ids": [1, 2], "__url__": "x"}, "reserved"),
-    ({"input_ids": [1, 2], "__shard__": b"3"}, "reserved"),
-    ({"input_ids": 7}, "token ids are 1-D"),
-    ({"input_ids": [1, 2], 3: b"x"}, "not a plain name"),
-    ({"input_ids": [1, 2], "meta": {"a": {1, 2}}}, "not JSON"),
-    ({"input_ids": [1, 2], "meta": [float("nan")]}, "not JSON"),
-])
+@pytest.mark.parametrize(
+    "sample, message",
+    [
+        ({"input_ids": [1, 2], "txt": "a", "TXT": "b"}, "differ in more than case"),
+        ({"input_ids": [1, 2], "__url__": "x"}, "reserved"),
+        ({"input_ids": [1, 2], "__shard__": b"3"}, "reserved"),
+        ({"input_ids": 7}, "token ids are 1-D"),
+        ({"input_ids": [1, 2], 3: b"x"}, "not a plain name"),
+        ({"input_ids": [1, 2], "meta": {"a": {1, 2}}}, "not JSON"),
+        ({"input_ids": [1, 2], "meta": [float("nan")]}, "not JSON"),
+    ],
+)
 def test_shard_writer_refuses_samples_that_cannot_load(tmp_path, sample, message):
-    """Issue #31: ShardWriter accepted members that can never load and a 0-d input_ids, or raised a bare
+    """Issue #31: ShardWriter accepted members that can never load and a 0-d input_ids, or raised a
+    bare
     TypeError."""
     import numpy as np
 
     from prealign.loaders import ShardWriter
     from prealign.schemas.errors import ConfigError
 
-    sample = {k: np.asarray(v) if k == "input_ids" or (isinstance(k, str) and k.startswith("input_ids")) else v
-              for k, v in sample.items()}
+    sample = {
+        k: np.asarray(v)
+        if k == "input_ids" or (isinstance(k, str) and k.startswith("input_ids"))
+        else v
+        for k, v in sample.items()
+    }
     with ShardWriter(str(tmp_path / "s-%03d.tar")) as w:
         with pytest.raises(ConfigError, match=message):
             w.write(sample)
@@ -138,8 +178,16 @@ def test_shard_writer_refuses_samples_that_cannot_load(tmp_path, sample, message
     assert w.count == 1
 
 
-@pytest.mark.parametrize("change", [{"hidden_size": "abc"}, {"hidden_size": None}, {"hidden_size": float("inf")},
-                                    {"num_attention_heads": 0}, {"vocab_size": [3]}])
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"hidden_size": "abc"},
+        {"hidden_size": None},
+        {"hidden_size": float("inf")},
+        {"num_attention_heads": 0},
+        {"vocab_size": [3]},
+    ],
+)
 def test_crafted_hf_configs_are_plan_errors(change):
     """Issue #31: crafted configs raised a bare TypeError / OverflowError / ZeroDivisionError."""
     from types import SimpleNamespace
@@ -147,8 +195,14 @@ def test_crafted_hf_configs_are_plan_errors(change):
     from prealign.loaders.errors import PlanError
     from prealign.loaders.plan.cost import CostModel
 
-    base = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, vocab_size=100,
-                hidden_act="silu")
+    base = dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        vocab_size=100,
+        hidden_act="silu",
+    )
     CostModel.from_hf_config(SimpleNamespace(**base))
     with pytest.raises(PlanError, match="from_hf_config"):
         CostModel.from_hf_config(SimpleNamespace(**{**base, **change}))
@@ -176,8 +230,12 @@ def test_a_failed_index_write_leaves_no_part_file(tmp_path):
 
     paths = write_shards(str(tmp_path / "data"), sample_lengths(200), num_shards=2)
     out = tmp_path / "index"
-    run = subprocess.run([sys.executable, "-c", _FULL_DISK, str(out), *paths], capture_output=True, text=True,
-                         timeout=300)
+    run = subprocess.run(
+        [sys.executable, "-c", _FULL_DISK, str(out), *paths],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.stdout.strip() not in ("0", ""), (run.stdout, run.stderr[-2000:])  # it did fail
     left = [p for p in os.listdir(out)] if out.exists() else []
     assert not [p for p in left if p.endswith(".part")], left
@@ -194,8 +252,16 @@ def test_a_sidecar_path_that_is_a_folder_is_a_typed_error(tmp_path, capsys):
     paths = write_shards(str(tmp_path), sample_lengths(20), num_shards=2)
     os.makedirs(paths[0] + ".prealign-index.npz")
     with pytest.raises(StaleIndexError, match="sidecar is not a regular file \\(a folder\\)"):
-        next(iter(PackedLoader(WebDatasetSource(paths), schema=causal_lm_schema(), layout=ParallelLayout(),
-                               token_budget=4096)))
+        next(
+            iter(
+                PackedLoader(
+                    WebDatasetSource(paths),
+                    schema=causal_lm_schema(),
+                    layout=ParallelLayout(),
+                    token_budget=4096,
+                )
+            )
+        )
     capsys.readouterr()
     assert main(["index", "--text", *paths]) == 2  # the CLI's one-line error
     assert "is a folder, where an index file is written" in capsys.readouterr().err
@@ -206,7 +272,8 @@ def test_a_sidecar_path_that_is_a_folder_is_a_typed_error(tmp_path, capsys):
 
 
 def test_an_oversize_sample_is_named_by_index_row_and_location(tmp_path):
-    """Issue #31: the oversize error named the sample's position in the shuffled epoch (11), not row 5."""
+    """Issue #31: the oversize error named the sample's position in the shuffled epoch (11), not row
+    5."""
     from prealign.loaders import PackedLoader
     from prealign.loaders.errors import OversizeSampleError
     from prealign.schemas import ParallelLayout, causal_lm_schema
@@ -214,6 +281,16 @@ def test_an_oversize_sample_is_named_by_index_row_and_location(tmp_path):
     lengths = sample_lengths(12, seed=1)
     lengths[5] = 500
     paths = write_shards(str(tmp_path), lengths, num_shards=2)
-    with pytest.raises(OversizeSampleError, match=r"sample .*shard-000\.tar@\d+ \(index row 5\), field 'input_ids'"):
-        next(iter(PackedLoader(WebDatasetSource(paths), schema=causal_lm_schema(), layout=ParallelLayout(),
-                               token_budget=128)))
+    with pytest.raises(
+        OversizeSampleError, match=r"sample .*shard-000\.tar@\d+ \(index row 5\), field 'input_ids'"
+    ):
+        next(
+            iter(
+                PackedLoader(
+                    WebDatasetSource(paths),
+                    schema=causal_lm_schema(),
+                    layout=ParallelLayout(),
+                    token_budget=128,
+                )
+            )
+        )

@@ -1,5 +1,6 @@
 """ParallelLayout.from_megatron / megatron_parallel_sizes on a real megatron-core parallel state
 (4 gloo processes: tp=2 x cp=2), and the collator fed from it."""
+
 import os
 
 import pytest
@@ -22,7 +23,9 @@ def _worker(rank: int, world: int, port: int, results) -> None:
     from prealign.schemas.parallel_state import megatron_parallel_sizes
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=__import__("datetime").timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world, timeout=__import__("datetime").timedelta(seconds=60)
+    )
     try:
         ps.initialize_model_parallel(tensor_model_parallel_size=2, context_parallel_size=2)
         layout = ParallelLayout.from_megatron(fp8="fp8")
@@ -30,8 +33,15 @@ def _worker(rank: int, world: int, port: int, results) -> None:
         coll = THDCollator(schema=causal_lm_schema(), layout=layout, cp_rank=sizes["cp_rank"])
         batch = coll([{"input_ids": torch.arange(1, 4027)}])  # the seed's B=1, 4026 tokens
         validate_batch(batch, causal_lm_schema(), layout)
-        results[rank] = (layout.tp, layout.cp, layout.sp, layout.fp8.value, sizes["tp_rank"], sizes["cp_rank"],
-                         batch["input_ids"].shape[1])
+        results[rank] = (
+            layout.tp,
+            layout.cp,
+            layout.sp,
+            layout.fp8.value,
+            sizes["tp_rank"],
+            sizes["cp_rank"],
+            batch["input_ids"].shape[1],
+        )
     finally:
         ps.destroy_model_parallel()
         dist.destroy_process_group()

@@ -1,9 +1,11 @@
 """check_startup across real processes (gloo): agreement returns one fingerprint everywhere; a
-mismatched layout or a bad batch on one rank raises StartupMismatchError on every rank, never a hang.
+mismatched layout or a bad batch on one rank raises StartupMismatchError on every rank, never a
+hang.
 
 One spawn of four processes runs every scenario in turn in the same process group (each scenario
 either succeeds or fails on all ranks, so the group stays in step); the tests read its results.
 """
+
 from __future__ import annotations
 
 import json
@@ -40,12 +42,21 @@ def corrupted(rank: int) -> dict:
 SCENARIOS = {
     "agree": lambda rank: (batch_for(rank), LAYOUT),
     "rank 1 other layout": lambda rank: (
-        (batch_for(rank, ParallelLayout(tp=2, cp=2, pad_policy=PadPolicy.PER_SEQUENCE)),
-         ParallelLayout(tp=2, cp=2, pad_policy=PadPolicy.PER_SEQUENCE)) if rank == 1 else (batch_for(rank), LAYOUT)),
-    "rank 2 corrupted batch": lambda rank: (corrupted(rank) if rank == 2 else batch_for(rank), LAYOUT),
+        (
+            batch_for(rank, ParallelLayout(tp=2, cp=2, pad_policy=PadPolicy.PER_SEQUENCE)),
+            ParallelLayout(tp=2, cp=2, pad_policy=PadPolicy.PER_SEQUENCE),
+        )
+        if rank == 1
+        else (batch_for(rank), LAYOUT)
+    ),
+    "rank 2 corrupted batch": lambda rank: (
+        corrupted(rank) if rank == 2 else batch_for(rank),
+        LAYOUT,
+    ),
     "rank 3 unreadable batch": lambda rank: (None if rank == 3 else batch_for(rank), LAYOUT),
     "agree again": lambda rank: (batch_for(rank), LAYOUT),
-    # issue 8 item 4: a rank that calls late / never, with a short timeout; the others name it, never hang
+    # issue 8 item 4: a rank that calls late / never, with a short timeout; the others name it,
+    # never hang
     "rank 3 late": lambda rank: (batch_for(rank), LAYOUT),
     "rank 3 absent": lambda rank: (batch_for(rank), LAYOUT),
 }
@@ -54,12 +65,21 @@ SHORT_TIMEOUT_S = 3.0
 
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=60),
+    )
     results = {}
     for name, make in SCENARIOS.items():
         batch, layout = make(rank)
-        kwargs = {"timeout": SHORT_TIMEOUT_S} if name.startswith("rank 3 l") or name.startswith("rank 3 a") else {}
+        kwargs = (
+            {"timeout": SHORT_TIMEOUT_S}
+            if name.startswith("rank 3 l") or name.startswith("rank 3 a")
+            else {}
+        )
         if rank == 3 and name == "rank 3 absent":
             results[name] = {"skipped": True}
             continue
@@ -102,15 +122,23 @@ def outcomes(tmp_path_factory) -> dict[str, list[dict]]:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["agree", "agree again"])
 def test_agreeing_ranks_return_the_same_fingerprint(outcomes, name):
-    assert [o.get("fingerprint") for o in outcomes[name]] == [layout_fingerprint(SCHEMA, LAYOUT)] * WORLD
+    assert [o.get("fingerprint") for o in outcomes[name]] == [
+        layout_fingerprint(SCHEMA, LAYOUT)
+    ] * WORLD
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name, says", [
-    ("rank 1 other layout", "fingerprints differ across ranks"),
-    ("rank 2 corrupted batch", "rank 2: "),
-    ("rank 3 unreadable batch", "rank 3: 1 violation(s): batch: expected a"),  # validate_batch reports a non-dict
-])
+@pytest.mark.parametrize(
+    "name, says",
+    [
+        ("rank 1 other layout", "fingerprints differ across ranks"),
+        ("rank 2 corrupted batch", "rank 2: "),
+        (
+            "rank 3 unreadable batch",
+            "rank 3: 1 violation(s): batch: expected a",
+        ),  # validate_batch reports a non-dict
+    ],
+)
 def test_one_bad_rank_fails_every_rank(outcomes, name, says):
     for rank, o in enumerate(outcomes[name]):
         assert o.get("error") == StartupMismatchError.__name__, (rank, o)

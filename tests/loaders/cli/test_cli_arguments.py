@@ -1,5 +1,8 @@
-"""Every argument the ``prealign`` command cannot use is one ``prealign: error: ... (hint: ...)`` line and
-exit code 2, before any work: no traceback, no run until killed, no exit 0 with every sample marked bad."""
+"""Every argument the ``prealign`` command cannot use is one ``prealign: error: ... (hint: ...)``
+line and
+exit code 2, before any work: no traceback, no run until killed, no exit 0 with every sample marked
+bad."""
+
 from __future__ import annotations
 
 import pytest
@@ -7,20 +10,31 @@ import pytest
 from prealign.loaders.cli.main import main
 
 
-@pytest.mark.parametrize("argv,words", [
-    (["demo", "--seed", "-1"], "--seed: expected an int >= 0"),
-    (["demo", "--seed", str(2**64)], "--seed: expected an int <="),
-    (["demo", "--topk", str(10**9)], "--topk: expected an int <="),
-    (["demo", "--samples", str(10**12)], "--samples: expected an int <="),
-    (["inspect", "--text", "--vocab-size", "-1", "x.tar"], "--vocab-size: expected an int >= 1"),
-    (["inspect", "--text", "--vocab-size", "10", "--topk", "11", "x.tar"], "--topk: expected an int <= 10"),
-    (["index", "--text", "--vocab-size", "-1", "x.tar"], "--vocab-size: expected an int >= 1"),
-    (["index", "--workers", "0", "x.tar"], "--workers: expected an int >= 1"),
-    (["index", "--debug", "--text", "no-such-shard.tar"], "no such shard: no-such-shard.tar"),
-    (["inspect", "ftp://host/shard.tar"], "shards are not read over ftp://"),
-    (["index", "--text", "ftp://host/shard.tar"], "shards are not read over ftp://"),
-])
-def test_an_unusable_argument_is_one_error_line_and_exit_2(argv, words, capsys, tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "argv,words",
+    [
+        (["demo", "--seed", "-1"], "--seed: expected an int >= 0"),
+        (["demo", "--seed", str(2**64)], "--seed: expected an int <="),
+        (["demo", "--topk", str(10**9)], "--topk: expected an int <="),
+        (["demo", "--samples", str(10**12)], "--samples: expected an int <="),
+        (
+            ["inspect", "--text", "--vocab-size", "-1", "x.tar"],
+            "--vocab-size: expected an int >= 1",
+        ),
+        (
+            ["inspect", "--text", "--vocab-size", "10", "--topk", "11", "x.tar"],
+            "--topk: expected an int <= 10",
+        ),
+        (["index", "--text", "--vocab-size", "-1", "x.tar"], "--vocab-size: expected an int >= 1"),
+        (["index", "--workers", "0", "x.tar"], "--workers: expected an int >= 1"),
+        (["index", "--debug", "--text", "no-such-shard.tar"], "no such shard: no-such-shard.tar"),
+        (["inspect", "ftp://host/shard.tar"], "shards are not read over ftp://"),
+        (["index", "--text", "ftp://host/shard.tar"], "shards are not read over ftp://"),
+    ],
+)
+def test_an_unusable_argument_is_one_error_line_and_exit_2(
+    argv, words, capsys, tmp_path, monkeypatch
+):
     monkeypatch.chdir(tmp_path)
     assert main(argv) == 2
     err = capsys.readouterr().err

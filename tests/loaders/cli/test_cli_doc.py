@@ -1,6 +1,8 @@
-"""docs/cli.md shows what the commands print: its sample outputs are the real commands' output, normalised
-(timings vary). ``PREALIGN_WRITE_DOCS=1 python -m pytest tests/loaders/cli/test_cli_doc.py`` rewrites the blocks from a
+"""docs/cli.md shows what the commands print: its sample outputs are the real commands' output,
+normalised (timings vary). ``PREALIGN_WRITE_DOCS=1 python -m pytest
+tests/loaders/cli/test_cli_doc.py`` rewrites the blocks from a
 run instead of comparing them."""
+
 from __future__ import annotations
 
 import os
@@ -38,8 +40,10 @@ def _check_or_write(marker: str, produced: str, normalise=lambda s: s) -> None:
         DOC.write_text(text[:a] + produced + text[b:])
         return
     assert normalise(text[a:b]) == normalise(produced), (
-        "docs/cli.md differs from what the command prints; rewrite it with PREALIGN_WRITE_DOCS=1 python -m pytest "
-        "tests/loaders/cli/test_cli_doc.py")
+        "docs/cli.md differs from what the command prints; rewrite it with PREALIGN_WRITE_DOCS=1 "
+        "python -m pytest "
+        "tests/loaders/cli/test_cli_doc.py"
+    )
 
 
 def test_the_error_examples_are_what_the_commands_print(tmp_path, capsys, monkeypatch):
@@ -51,12 +55,16 @@ def test_the_error_examples_are_what_the_commands_print(tmp_path, capsys, monkey
     for command in ERRORS:
         assert main(shlex.split(command)[1:]) == 2
         err = capsys.readouterr().err
-        out += [f"$ {command}"] + [ln for ln in err.splitlines() if ln.startswith(("prealign: ", "  "))]
+        out += [f"$ {command}"] + [
+            ln for ln in err.splitlines() if ln.startswith(("prealign: ", "  "))
+        ]
     _check_or_write("$ prealign demo --tp 0", "\n".join(out) + "\n")
 
 
-_TIMED = [(re.compile(r"^(throughput\s+).*$", re.M), r"\1<timed>"),
-          (re.compile(r"^(picture\s+).*$", re.M), r"\1<the --out file>")]
+_TIMED = [
+    (re.compile(r"^(throughput\s+).*$", re.M), r"\1<timed>"),
+    (re.compile(r"^(picture\s+).*$", re.M), r"\1<the --out file>"),
+]
 
 
 def _demo_normalised(text: str) -> str:
@@ -72,7 +80,7 @@ def _demo_doc_block(out: str) -> str:
     if len(rows) <= 3:
         return "\n".join(lines) + "\n"
     table = [lines[i] for i in rows[:2]] + ["  ..."] + [lines[rows[-1]]]
-    return "\n".join(lines[:rows[0]] + table + lines[rows[-1] + 1:]) + "\n"
+    return "\n".join(lines[: rows[0]] + table + lines[rows[-1] + 1 :]) + "\n"
 
 
 @pytest.mark.slow

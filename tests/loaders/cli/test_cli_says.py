@@ -1,6 +1,9 @@
-"""What the command line tells a person is true and says what to do (issue #27): ``prealign index`` says how
-many samples it refused and why; a warning is one line without the library's file and source line, also
-inside a progress bar; every closing hint is a fix; a bad sample's error names the ``skip`` policy."""
+"""What the command line tells a person is true and says what to do (issue #27): ``prealign index``
+says how many samples it refused and why; a warning is one line without the library's file and
+source line, also
+inside a progress bar; every closing hint is a fix; a bad sample's error names the ``skip``
+policy."""
+
 from __future__ import annotations
 
 import io
@@ -37,7 +40,9 @@ def test_index_says_how_many_samples_it_refused_and_why(tmp_path, capsys):
     for reason in set(ds.bad.values()):
         assert f"{reason} 1" in refused.group(2) and f"  {reason} (1): " in err
     assert "on_error='skip'" in err
-    assert main(["index", *ds.shards, "--topk", "4"]) == 0  # up to date: still said, from the sidecars
+    assert (
+        main(["index", *ds.shards, "--topk", "4"]) == 0
+    )  # up to date: still said, from the sidecars
     assert f"{len(ds.bad)} sample(s) refused" in capsys.readouterr().err
 
 
@@ -78,8 +83,12 @@ def test_every_closing_hint_is_a_fix():
     assert "some_new_reason" in remedy(only_new)
     for text in REMEDIES.values():
         assert "causes listed below" not in text and not text.startswith("fix the causes")
-    for exc in (RemoteStallError("http://h/s.tar", "no byte"), ShardTimeoutError("s.tar", 0, "stalled"),
-                CorruptShardError("s.tar", 9, "truncated"), WorkerError("worker(s) [1] died")):
+    for exc in (
+        RemoteStallError("http://h/s.tar", "no byte"),
+        ShardTimeoutError("s.tar", 0, "stalled"),
+        CorruptShardError("s.tar", 9, "truncated"),
+        WorkerError("worker(s) [1] died"),
+    ):
         assert "--debug" not in hint_for(exc), exc
 
 
@@ -91,8 +100,15 @@ def test_a_bad_samples_error_names_the_skip_policy():
 def test_nothing_loaded_closes_with_the_fix_of_its_causes(tmp_path, capsys):
     garbage = tmp_path / "g.tar"
     garbage.write_bytes(b"not a tar file " * 100)
-    assert main(["inspect", str(garbage), "--text", "--workers", "0", "--out", str(tmp_path / "x.png")]) == 2
-    head = next(ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("prealign: error:"))
+    assert (
+        main(
+            ["inspect", str(garbage), "--text", "--workers", "0", "--out", str(tmp_path / "x.png")]
+        )
+        == 2
+    )
+    head = next(
+        ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("prealign: error:")
+    )
     assert head.endswith(f"(hint: {REMEDIES['corrupt_shard']})"), head
 
 
@@ -107,7 +123,9 @@ def _missing_ids(i, tf):
 
 
 @pytest.mark.parametrize("sidecars", [False, True])
-def test_a_raised_bad_sample_names_the_skip_policy_and_the_report_stays_readable(tmp_path, sidecars):
+def test_a_raised_bad_sample_names_the_skip_policy_and_the_report_stays_readable(
+    tmp_path, sidecars
+):
     import sys
     import traceback
 
@@ -123,15 +141,21 @@ def test_a_raised_bad_sample_names_the_skip_policy_and_the_report_stays_readable
         write_sidecars(WebDatasetSource(paths), schema)
 
     def loader(**kw):
-        return PackedLoader(WebDatasetSource(paths, sidecars=sidecars), schema=schema, layout=ParallelLayout(),
-                            token_budget=256, **kw)
+        return PackedLoader(
+            WebDatasetSource(paths, sidecars=sidecars),
+            schema=schema,
+            layout=ParallelLayout(),
+            token_budget=256,
+            **kw,
+        )
 
     raising = loader()
     with pytest.raises(SampleError) as exc:
         raising.prepare()
     if sys.version_info >= (3, 11):  # (exception notes)
         assert "BadDataPolicy(on_error='skip') would count this as" in "".join(
-            traceback.format_exception(exc.value))
+            traceback.format_exception(exc.value)
+        )
     assert raising.report.total == 0  # nothing left out: the pass stopped at the first
     too_many = loader(bad_data=BadDataPolicy(on_error="skip", warn=False, max_consecutive=1))
     with pytest.raises(Exception, match="1 bad samples in a row"):

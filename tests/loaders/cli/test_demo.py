@@ -1,5 +1,6 @@
 """The ``prealign`` command: ``demo`` end to end (table + PNG), ``inspect`` on shards and on an HF
 dataset, ``--help``; the synthetic data builder and the PNG drawer."""
+
 from __future__ import annotations
 
 import subprocess
@@ -20,17 +21,41 @@ pytest.importorskip("transformers")
 
 @pytest.mark.slow
 def test_demo_help_works_as_a_console_command(subprocess_env):
-    out = subprocess.run([sys.executable, "-m", "prealign", "demo", "--help"], capture_output=True, text=True,
-                         env=subprocess_env, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "prealign", "demo", "--help"],
+        capture_output=True,
+        text=True,
+        env=subprocess_env,
+        timeout=120,
+    )
     assert out.returncode == 0 and "usage: prealign demo" in out.stdout and "--out" in out.stdout
 
 
 def test_demo_prints_the_table_and_writes_the_png(tmp_path, capsys):
     png = tmp_path / "layout.png"
-    assert main(["demo", "--samples", "40", "--out", str(png), "--workers", "0", "--token-budget", "2048"]) == 0
+    assert (
+        main(
+            [
+                "demo",
+                "--samples",
+                "40",
+                "--out",
+                str(png),
+                "--workers",
+                "0",
+                "--token-budget",
+                "2048",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "T_local per CP rank" in out and "valid" in out
-    assert "skipped        3 sample(s)" in out and "corrupt_image" in out and "placeholder_mismatch" in out
+    assert (
+        "skipped        3 sample(s)" in out
+        and "corrupt_image" in out
+        and "placeholder_mismatch" in out
+    )
     n = int(out.split("micro-batches  ")[1].split(" ")[0])
     assert n > 1 and f"{2 * n}/{2 * n} batches valid" in out
     assert "mrope_position_ids      int64     [3, 1, " in out
@@ -41,10 +66,27 @@ def test_demo_prints_the_table_and_writes_the_png(tmp_path, capsys):
 
 
 def test_inspect_shards_and_deferred_cp_shard(tmp_path, capsys):
-    ds = build_demo_dataset(str(tmp_path / "wds"), num_samples=24, samples_per_shard=12, topk=4, bad=())
+    ds = build_demo_dataset(
+        str(tmp_path / "wds"), num_samples=24, samples_per_shard=12, topk=4, bad=()
+    )
     png = tmp_path / "i.png"
-    rc = main(["inspect", *ds.shards, "--topk", "4", "--out", str(png), "--workers", "0", "--defer-cp-shard",
-               "--token-budget", "2048", "--limit", "2"])
+    rc = main(
+        [
+            "inspect",
+            *ds.shards,
+            "--topk",
+            "4",
+            "--out",
+            str(png),
+            "--workers",
+            "0",
+            "--defer-cp-shard",
+            "--token-budget",
+            "2048",
+            "--limit",
+            "2",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0 and "deferred CP shard" in out and "cp_gather_index" in out and png.exists()
     assert "skipped        none" in out
@@ -56,8 +98,20 @@ def test_inspect_hf_dataset_text_mode(tmp_path, capsys):
     rows = [rng.integers(8, 264, size=int(n)).tolist() for n in rng.integers(20, 300, size=30)]
     ds = datasets.Dataset.from_dict({"input_ids": rows})
     ds.save_to_disk(str(tmp_path / "hf"))
-    rc = main(["inspect", "--hf", str(tmp_path / "hf"), "--text", "--workers", "0", "--out", str(tmp_path / "h.png"),
-               "--token-budget", "1024"])
+    rc = main(
+        [
+            "inspect",
+            "--hf",
+            str(tmp_path / "hf"),
+            "--text",
+            "--workers",
+            "0",
+            "--out",
+            str(tmp_path / "h.png"),
+            "--token-budget",
+            "1024",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0 and "causal_lm" in out and "30 sequences" in out
 
@@ -66,7 +120,8 @@ def test_inspect_needs_exactly_one_input(capsys):
     assert main(["inspect"]) == 2
 
 
-# ---- the synthetic data ------------------------------------------------------------------------------
+# ---- the synthetic data
+# ------------------------------------------------------------------------------
 def _members(path: str) -> dict[str, bytes]:
     with tarfile.open(path) as tar:
         return {m.name: tar.extractfile(m).read() for m in tar.getmembers()}
@@ -82,7 +137,10 @@ def test_demo_data_is_deterministic_and_teacher_rows_match_the_expanded_tokens(t
     for path in a.shards:
         members = _members(path)
         for key in sorted({n.split(".")[0] for n in members}):
-            raw = {"__key__": key, **{n.split(".", 1)[1]: v for n, v in members.items() if n.startswith(key + ".")}}
+            raw = {
+                "__key__": key,
+                **{n.split(".", 1)[1]: v for n, v in members.items() if n.startswith(key + ".")},
+            }
             if key in a.bad:
                 continue
             out = transform(raw)  # teacher [L, K] must match the expanded length, or this raises
@@ -109,11 +167,18 @@ def test_plot_draws_one_panel_per_microbatch(tmp_path):
     from prealign.loaders.cli.plot import Panel, draw_packed_layout
     from prealign.schemas import ParallelLayout
 
-    cu, cup = torch.tensor([0, 5, 8], dtype=torch.int32), torch.tensor([0, 8, 12], dtype=torch.int32)
+    cu, cup = (
+        torch.tensor([0, 5, 8], dtype=torch.int32),
+        torch.tensor([0, 8, 12], dtype=torch.int32),
+    )
     image = torch.zeros(12, dtype=torch.bool)
     image[1:3] = True
-    path = draw_packed_layout([Panel(cu, cup, image, title="a"), Panel(cu, cup, None, title="b")],
-                              ParallelLayout(tp=2, cp=2), str(tmp_path / "p.png"), title="t")
+    path = draw_packed_layout(
+        [Panel(cu, cup, image, title="a"), Panel(cu, cup, None, title="b")],
+        ParallelLayout(tp=2, cp=2),
+        str(tmp_path / "p.png"),
+        title="t",
+    )
     with Image.open(path) as img:
         px = np.asarray(img.convert("RGB"))
     assert px.shape[0] > 200 and len({tuple(p) for p in px.reshape(-1, 3)[::7]}) > 6
@@ -127,8 +192,13 @@ def test_plot_keeps_a_tiny_pad_visible(tmp_path):
     from prealign.loaders.cli.plot import _HATCH, Panel, draw_packed_layout
     from prealign.schemas import ParallelLayout
 
-    cu, cup = torch.tensor([0, 2046, 4094], dtype=torch.int32), torch.tensor([0, 2048, 4096], dtype=torch.int32)
-    path = draw_packed_layout([Panel(cu, cup, None, title="a")], ParallelLayout(tp=2, cp=2), str(tmp_path / "p.png"))
+    cu, cup = (
+        torch.tensor([0, 2046, 4094], dtype=torch.int32),
+        torch.tensor([0, 2048, 4096], dtype=torch.int32),
+    )
+    path = draw_packed_layout(
+        [Panel(cu, cup, None, title="a")], ParallelLayout(tp=2, cp=2), str(tmp_path / "p.png")
+    )
     with Image.open(path) as img:
         px = np.asarray(img.convert("RGB"))
     hatch = np.all(px == np.array(_HATCH, np.uint8), axis=-1)
@@ -139,9 +209,21 @@ def test_plot_keeps_a_tiny_pad_visible(tmp_path):
 
 @pytest.mark.slow
 def test_demo_command_with_glm4v(tmp_path, capsys):
-    """``prealign demo --model glm4v``: every batch on every CP rank valid, mRoPE positions, GLM's images."""
-    args = ["demo", "--model", "glm4v", "--samples", "30", "--out", str(tmp_path / "l.png"), "--workers", "0",
-            "--token-budget", "4096"]
+    """``prealign demo --model glm4v``: every batch on every CP rank valid, mRoPE positions, GLM's
+    images."""
+    args = [
+        "demo",
+        "--model",
+        "glm4v",
+        "--samples",
+        "30",
+        "--out",
+        str(tmp_path / "l.png"),
+        "--workers",
+        "0",
+        "--token-budget",
+        "4096",
+    ]
     assert main(args) == 0
     out = capsys.readouterr().out
     n = int(out.split("micro-batches  ")[1].split(" ")[0])
@@ -150,8 +232,9 @@ def test_demo_command_with_glm4v(tmp_path, capsys):
 
 @pytest.mark.parametrize("model", ["glm4v", "glm4v_moe"])
 def test_glm4v_demo_data_in_glm_frame_and_header_index_equals_the_full_pass(tmp_path, model):
-    """``prealign demo --model glm4v`` data: rendered in GLM's own chat frame (``[gMASK]<sop>``, ``<|user|>``
-    role tags; GLM-4.5V's think block), images only (one media kind per GLM forward), and the header-only index
+    """``prealign demo --model glm4v`` data: rendered in GLM's own chat frame (``[gMASK]<sop>``,
+    ``<|user|>`` role tags; GLM-4.5V's think block), images only (one media kind per GLM forward),
+    and the header-only index
     gives every sample the length and media flag the full transform gives."""
     import json
 
@@ -160,20 +243,34 @@ def test_glm4v_demo_data_in_glm_frame_and_header_index_equals_the_full_pass(tmp_
     from prealign.loaders.index.header_pass import write_sidecars
     from prealign.schemas import vlm_schema
 
-    ds = build_demo_dataset(str(tmp_path), num_samples=16, samples_per_shard=8, topk=4, model=model, bad=())
+    ds = build_demo_dataset(
+        str(tmp_path), num_samples=16, samples_per_shard=8, topk=4, model=model, bad=()
+    )
     t = demo_transform(model, ByteTokenizer(), 4)
     schema = vlm_schema(topk=4, vocab_size=ds.vocab_size)
     policy = BadDataPolicy(on_error="raise")
-    full = build_index(WebDatasetSource(list(ds.shards), transform=t, image="bytes", sidecars=False), schema,
-                       policy=policy)
+    full = build_index(
+        WebDatasetSource(list(ds.shards), transform=t, image="bytes", sidecars=False),
+        schema,
+        policy=policy,
+    )
     write_sidecars(WebDatasetSource(list(ds.shards), transform=t, image="bytes"), schema)
-    side = build_index(WebDatasetSource(list(ds.shards), transform=t, image="bytes"), schema, policy=policy)
+    side = build_index(
+        WebDatasetSource(list(ds.shards), transform=t, image="bytes"), schema, policy=policy
+    )
     assert len(full) == len(side) == 16 and full.lengths.tolist() == side.lengths.tolist()
     assert full.media.tolist() == side.media.tolist() and bool(full.media.any())
     with tarfile.open(ds.shards[0]) as tar:
-        raw = {m.name.split(".", 1)[1]: tar.extractfile(m).read() for m in tar.getmembers()
-               if m.name.startswith("s000000.")}
+        raw = {
+            m.name.split(".", 1)[1]: tar.extractfile(m).read()
+            for m in tar.getmembers()
+            if m.name.startswith("s000000.")
+        }
     assert "videos" not in json.loads(raw["json"])
     text = ByteTokenizer().decode(t({"__key__": "s000000", **raw})["input_ids"])
-    assert text.startswith("[gMASK]<sop><|user|>\n") and "<|assistant|>" in text and "<|im_start|>" not in text
+    assert (
+        text.startswith("[gMASK]<sop><|user|>\n")
+        and "<|assistant|>" in text
+        and "<|im_start|>" not in text
+    )
     assert ("<think></think>" in text) == (model == "glm4v_moe")

@@ -1,5 +1,7 @@
-"""``prealign index`` (issue #7): sidecars written, a second run indexes only new or changed shards, ranks
+"""``prealign index`` (issue #7): sidecars written, a second run indexes only new or changed shards,
+ranks
 split the shards, a missing shard is reported before any work."""
+
 from __future__ import annotations
 
 import os
@@ -40,15 +42,25 @@ def test_index_workers_in_a_pool_write_the_sidecars_one_process_writes(tmp_path,
     paths = write_shards(str(tmp_path), sample_lengths(40), num_shards=4)
     header_pass.write_sidecars(WebDatasetSource(paths), causal_lm_schema())
     one = [np.load(p + SUFFIX)["lengths"].tolist() for p in paths]
-    monkeypatch.setattr(header_pass, "_POOL_MIN", 0)  # (small data runs in process: the pool costs a torch import)
+    monkeypatch.setattr(
+        header_pass, "_POOL_MIN", 0
+    )  # (small data runs in process: the pool costs a torch import)
     started = []
-    monkeypatch.setattr(header_pass, "_pool", lambda mp, n, pool=header_pass._pool: started.append(n) or pool(mp, n))
-    stats = header_pass.write_sidecars(WebDatasetSource(paths), causal_lm_schema(), workers=2, force=True)
+    monkeypatch.setattr(
+        header_pass, "_pool", lambda mp, n, pool=header_pass._pool: started.append(n) or pool(mp, n)
+    )
+    stats = header_pass.write_sidecars(
+        WebDatasetSource(paths), causal_lm_schema(), workers=2, force=True
+    )
     assert started == [2] and stats == {"indexed": 4, "up_to_date": 0, "samples": 40}
     assert [np.load(p + SUFFIX)["lengths"].tolist() for p in paths] == one
     monkeypatch.setattr(header_pass, "_POOL_MIN", 1)  # the threshold is on the bytes left to index
     stats = header_pass.write_sidecars(WebDatasetSource(paths), causal_lm_schema(), workers=2)
-    assert started == [2] and stats == {"indexed": 0, "up_to_date": 4, "samples": 0}  # all up to date: no pool
+    assert started == [2] and stats == {
+        "indexed": 0,
+        "up_to_date": 4,
+        "samples": 0,
+    }  # all up to date: no pool
     with open(paths[1], "ab") as f:
         f.write(b"\0" * 1024)  # one shard changed: indexed in this process
     stats = header_pass.write_sidecars(WebDatasetSource(paths), causal_lm_schema(), workers=2)
@@ -74,7 +86,12 @@ def test_index_command_out_dir_ranks_and_missing_shards(tmp_path, capsys, monkey
     monkeypatch.setenv("WORLD_SIZE", "1")
     assert main(["index", str(tmp_path / "shard-{000..005}.tar"), "--text", "--out", out]) == 2
     err = capsys.readouterr().err
-    assert "no such shards:" in err and "shard-004.tar" in err and "shard-005.tar" in err and "samples" not in err
+    assert (
+        "no such shards:" in err
+        and "shard-004.tar" in err
+        and "shard-005.tar" in err
+        and "samples" not in err
+    )
 
 
 def _index_rank(rank: int, port: int, paths: list[str], out: str, log: str) -> None:
@@ -103,25 +120,40 @@ def test_index_command_splits_shards_over_gloo_ranks(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out, log = str(tmp_path / "idx"), str(tmp_path / "log")
-    procs = [mp.get_context("fork").Process(target=_index_rank, args=(r, port, paths, out, log)) for r in range(2)]
+    procs = [
+        mp.get_context("fork").Process(target=_index_rank, args=(r, port, paths, out, log))
+        for r in range(2)
+    ]
     for p in procs:
         p.start()
     for p in procs:
         p.join(timeout=120)
     logs = [open(f"{log}-{r}").read() for r in range(2)]
     assert [s.split("\n", 1)[0] for s in logs] == ["0", "0"]
-    assert "(rank 0/2)" in logs[0] and "3 shard(s) indexed" in logs[0] and "2 shard(s) indexed" in logs[1]
-    assert "merged index of 5 shard(s), 50 samples" in logs[0] and "merged" not in logs[1]  # rank 0, after both
+    assert (
+        "(rank 0/2)" in logs[0]
+        and "3 shard(s) indexed" in logs[0]
+        and "2 shard(s) indexed" in logs[1]
+    )
+    assert (
+        "merged index of 5 shard(s), 50 samples" in logs[0] and "merged" not in logs[1]
+    )  # rank 0, after both
     assert len(os.listdir(out)) == 6
-    for name in os.listdir(out):  # the loader reads the merged file alone: the same index as in process
+    for name in os.listdir(
+        out
+    ):  # the loader reads the merged file alone: the same index as in process
         if name.endswith(SUFFIX):
             os.remove(os.path.join(out, name))
     merged = build_index(WebDatasetSource(paths, index_dir=out), causal_lm_schema())
-    assert merged.digest == build_index(WebDatasetSource(paths, sidecars=False), causal_lm_schema()).digest
+    assert (
+        merged.digest
+        == build_index(WebDatasetSource(paths, sidecars=False), causal_lm_schema()).digest
+    )
 
 
 def test_index_check_finds_a_byte_changed_in_place_that_the_start_checks_cannot(tmp_path, capsys):
-    """Same size, first and last 64 KiB untouched: only the whole-file hash recorded in the sidecar sees it."""
+    """Same size, first and last 64 KiB untouched: only the whole-file hash recorded in the sidecar
+    sees it."""
     paths = write_shards(str(tmp_path), sample_lengths(3000, low=40, high=60), num_shards=2)
     assert os.path.getsize(paths[1]) > 3 * 65536
     assert main(["index", *paths, "--text"]) == 0
@@ -149,7 +181,8 @@ def _doubled(sample: dict) -> dict:
 
 
 def _follow_the_printed_command(source, cwd) -> str:
-    """Load ``source`` (its sidecars are of another transform), run the command the error prints through a real
+    """Load ``source`` (its sidecars are of another transform), run the command the error prints
+    through a real
     shell in ``cwd`` (``prealign`` being this interpreter's) and return the rest of the hint."""
     import re
     import subprocess
@@ -162,10 +195,17 @@ def _follow_the_printed_command(source, cwd) -> str:
     from prealign.schemas import ParallelLayout
 
     with pytest.raises(StaleIndexError, match="another transform") as exc:
-        PackedLoader(source, schema=causal_lm_schema(), layout=ParallelLayout(), token_budget=4096).prepare()
+        PackedLoader(
+            source, schema=causal_lm_schema(), layout=ParallelLayout(), token_budget=4096
+        ).prepare()
     command, rest = re.search(r"run `(prealign index [^`]*)`(.*)$", str(exc.value)).groups()
-    done = subprocess.run(["bash", "-c", f'prealign() {{ "{sys.executable}" -m prealign "$@"; }}; {command}'],
-                          cwd=cwd, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        ["bash", "-c", f'prealign() {{ "{sys.executable}" -m prealign "$@"; }}; {command}'],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, (command, done.stderr)
     return rest
 
@@ -178,10 +218,16 @@ def test_the_printed_index_command_runs_with_spaces_in_paths(tmp_path):
     paths = write_shards(str(tmp_path / "data dir"), sample_lengths(20), num_shards=3)
     index_dir = str(tmp_path / "my index")
     os.makedirs(index_dir)
-    write_sidecars(WebDatasetSource(paths, transform=_doubled), causal_lm_schema(), out_dir=index_dir)
+    write_sidecars(
+        WebDatasetSource(paths, transform=_doubled), causal_lm_schema(), out_dir=index_dir
+    )
     _follow_the_printed_command(WebDatasetSource(paths, index_dir=index_dir), cwd=str(tmp_path))
-    loader = PackedLoader(WebDatasetSource(paths, index_dir=index_dir), schema=causal_lm_schema(),
-                          layout=ParallelLayout(), token_budget=4096)
+    loader = PackedLoader(
+        WebDatasetSource(paths, index_dir=index_dir),
+        schema=causal_lm_schema(),
+        layout=ParallelLayout(),
+        token_budget=4096,
+    )
     assert len(loader.prepare().index) == 20
 
 
@@ -196,7 +242,9 @@ def test_the_printed_index_command_runs_for_http_shards_with_sidecars_beside_the
 
     served = tmp_path / "served"
     paths = write_shards(str(served), sample_lengths(20), num_shards=3)
-    write_sidecars(WebDatasetSource(paths, transform=_doubled), causal_lm_schema())  # beside them, stale
+    write_sidecars(
+        WebDatasetSource(paths, transform=_doubled), causal_lm_schema()
+    )  # beside them, stale
     handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(served))
     handler.log_message = lambda *a: None
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
@@ -205,8 +253,12 @@ def test_the_printed_index_command_runs_for_http_shards_with_sidecars_beside_the
         urls = [f"http://127.0.0.1:{server.server_port}/{os.path.basename(p)}" for p in paths]
         rest = _follow_the_printed_command(WebDatasetSource(urls), cwd=str(tmp_path))
         assert "index_dir='prealign-index'" in rest
-        source = WebDatasetSource(urls, index_dir=str(tmp_path / "prealign-index"))  # the rest of the hint, followed
-        loader = PackedLoader(source, schema=causal_lm_schema(), layout=ParallelLayout(), token_budget=4096)
+        source = WebDatasetSource(
+            urls, index_dir=str(tmp_path / "prealign-index")
+        )  # the rest of the hint, followed
+        loader = PackedLoader(
+            source, schema=causal_lm_schema(), layout=ParallelLayout(), token_budget=4096
+        )
         assert len(loader.prepare().index) == 20
     finally:
         server.shutdown()
@@ -214,15 +266,29 @@ def test_the_printed_index_command_runs_for_http_shards_with_sidecars_beside_the
 
 
 def _launch_rank(rank: int, port: int, args: list[str], cwd: str):
-    """``python -m prealign.loaders.cli.index_cmd ARGS`` as ``torchrun`` starts rank ``rank`` of 2: the
+    """``python -m prealign.loaders.cli.index_cmd ARGS`` as ``torchrun`` starts rank ``rank`` of 2:
+    the
     environment variables only, no process group."""
     import subprocess
     import sys
 
-    env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    return subprocess.Popen([sys.executable, "-m", "prealign.loaders.cli.index_cmd", *args], env=env, cwd=cwd,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    env = {
+        **os.environ,
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": "2",
+        "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
+    return subprocess.Popen(
+        [sys.executable, "-m", "prealign.loaders.cli.index_cmd", *args],
+        env=env,
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 @pytest.mark.slow
@@ -240,7 +306,9 @@ def test_index_merge_under_torchrun_waits_for_every_rank(tmp_path):
     first = _launch_rank(0, port, args, str(tmp_path))
     deadline = time.monotonic() + 120
     while len(os.listdir(out)) < 3 and first.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)  # rank 1 starts only once rank 0 wrote its 3 sidecars: rank 0 must wait for it
+        time.sleep(
+            0.05
+        )  # rank 1 starts only once rank 0 wrote its 3 sidecars: rank 0 must wait for it
     time.sleep(0.5)
     second = _launch_rank(1, port, args, str(tmp_path))
     logs = [p.communicate(timeout=120) for p in (first, second)]
@@ -259,16 +327,23 @@ def test_index_of_some_shards_leaves_the_merged_index_of_all(tmp_path, capsys, m
     names = [os.path.basename(p) for p in paths]
     assert merged_names(merged) == names
     capsys.readouterr()
-    assert main(["index", paths[0], "--text", "--force"]) == 0  # one shard re-indexed: the merged file kept
+    assert (
+        main(["index", paths[0], "--text", "--force"]) == 0
+    )  # one shard re-indexed: the merged file kept
     assert merged_names(merged) == names and "left as it is" in capsys.readouterr().err
-    assert main(["index", *paths, "--text", "--force"]) == 0  # the same shards: kept in step, no --merge needed
+    assert (
+        main(["index", *paths, "--text", "--force"]) == 0
+    )  # the same shards: kept in step, no --merge needed
     assert merged_names(merged) == names and "merged index of 4 shard(s)" in capsys.readouterr().err
-    assert main(["index", paths[0], "--text", "--merge"]) == 0  # asked for: a merged index of that one shard
+    assert (
+        main(["index", paths[0], "--text", "--merge"]) == 0
+    )  # asked for: a merged index of that one shard
     assert merged_names(merged) == names[:1]
 
 
 def test_index_merge_with_ranks_split_by_hand_is_refused(tmp_path, capsys, monkeypatch):
-    """``RANK`` / ``WORLD_SIZE`` without ``MASTER_ADDR``: no rank can wait for the others, so no ``--merge``."""
+    """``RANK`` / ``WORLD_SIZE`` without ``MASTER_ADDR``: no rank can wait for the others, so no
+    ``--merge``."""
     paths = write_shards(str(tmp_path), sample_lengths(20), num_shards=2)
     monkeypatch.delenv("MASTER_ADDR", raising=False)
     monkeypatch.setenv("RANK", "0")

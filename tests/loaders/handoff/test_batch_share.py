@@ -1,5 +1,7 @@
-"""BatchShare: each micro-batch loaded and collated once per CP group; every rank's batches equal the
+"""BatchShare: each micro-batch loaded and collated once per CP group; every rank's batches equal
+the
 unshared loader's; dead / slow claimers, resume, and hostile cache files."""
+
 from __future__ import annotations
 
 import json
@@ -16,7 +18,14 @@ from hypothesis import strategies as st
 
 from prealign.collate import THDCollator
 from prealign.collate.mrope import MRoPECollator
-from prealign.loaders import BatchShare, IndexOptions, LoadingOptions, PackedLoader, PlanError, WebDatasetSource
+from prealign.loaders import (
+    BatchShare,
+    IndexOptions,
+    LoadingOptions,
+    PackedLoader,
+    PlanError,
+    WebDatasetSource,
+)
 from prealign.loaders.handoff.batch_share import CPShard
 from prealign.schemas import CPLayout, ParallelLayout, causal_lm_schema
 from prealign.schemas.errors import ConfigError, PrealignError
@@ -37,25 +46,37 @@ def assert_same_batch(got: dict, want: dict) -> None:
             assert got[k] == v, k
 
 
-# ---- the shard of a whole batch -------------------------------------------------------------------
+# ---- the shard of a whole batch
+# -------------------------------------------------------------------
 @examples(40)
-@given(lengths=st.lists(st.integers(1, 40), min_size=1, max_size=6), cp=st.sampled_from([2, 4]),
-       tp=st.sampled_from([1, 2]), cp_layout=st.sampled_from(list(CPLayout)), defer=st.booleans())
+@given(
+    lengths=st.lists(st.integers(1, 40), min_size=1, max_size=6),
+    cp=st.sampled_from([2, 4]),
+    tp=st.sampled_from([1, 2]),
+    cp_layout=st.sampled_from(list(CPLayout)),
+    defer=st.booleans(),
+)
 def test_shard_of_the_whole_batch_is_the_ranks_batch(lengths, cp, tp, cp_layout, defer):
     schema = schema_for(TOPK)
     layout = ParallelLayout(tp=tp, cp=cp, cp_layout=cp_layout)
     samples = make_samples(lengths, topk=TOPK, loss_mask=True)
     whole = THDCollator(schema=schema, layout=layout)(samples)
     for rank in range(cp):
-        want = THDCollator(schema=schema, layout=layout, cp_rank=rank, defer_cp_shard=defer)(samples)
-        assert_same_batch(CPShard(schema=schema, layout=layout, cp_rank=rank, deferred=defer)(whole), want)
+        want = THDCollator(schema=schema, layout=layout, cp_rank=rank, defer_cp_shard=defer)(
+            samples
+        )
+        assert_same_batch(
+            CPShard(schema=schema, layout=layout, cp_rank=rank, deferred=defer)(whole), want
+        )
 
 
 def test_shard_golden_case():
-    """The worked example of collate/thd.py: L=[5, 3], cp=2, rank 1 keeps chunks 1 and 2 of each sequence."""
+    """The worked example of collate/thd.py: L=[5, 3], cp=2, rank 1 keeps chunks 1 and 2 of each
+    sequence."""
     layout = ParallelLayout(cp=2)
     whole = THDCollator(schema=causal_lm_schema(), layout=layout)(
-        [{"input_ids": torch.tensor([1, 2, 3, 4, 5])}, {"input_ids": torch.tensor([6, 7, 8])}])
+        [{"input_ids": torch.tensor([1, 2, 3, 4, 5])}, {"input_ids": torch.tensor([6, 7, 8])}]
+    )
     out = CPShard(schema=causal_lm_schema(), layout=layout, cp_rank=1)(whole)
     assert out["input_ids"].tolist() == [[3, 4, 5, 0, 7, 8]] and out["cp_rank"] == 1
     assert out["labels"].tolist() == [[4, 5, -100, -100, 8, -100]]
@@ -63,14 +84,26 @@ def test_shard_golden_case():
 
 
 def test_configuration_errors(tmp_path):
-    for bad in ({"run": ""}, {"run": "r", "timeout": 0}, {"run": "r", "timeout": 5, "ttl": 5}, {"run": "r", "cache_dir": 3}):
+    for bad in (
+        {"run": ""},
+        {"run": "r", "timeout": 0},
+        {"run": "r", "timeout": 5, "ttl": 5},
+        {"run": "r", "cache_dir": 3},
+    ):
         with pytest.raises(ConfigError):
             BatchShare(**bad)
     with pytest.raises(PlanError, match="share: expected a BatchShare"):
-        PackedLoader(None, schema=causal_lm_schema(), layout=ParallelLayout(cp=2), token_budget=64, share="yes")
+        PackedLoader(
+            None,
+            schema=causal_lm_schema(),
+            layout=ParallelLayout(cp=2),
+            token_budget=64,
+            share="yes",
+        )
 
 
-# ---- loaders in one process -----------------------------------------------------------------------------
+# ---- loaders in one process
+# -----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     from prealign.loaders import build_index
@@ -80,20 +113,39 @@ def data(tmp_path_factory):
     from prealign.schemas import vlm_schema
 
     d = tmp_path_factory.mktemp("batch_share")
-    shards = build_demo_dataset(str(d / "wds"), num_samples=48, samples_per_shard=16, topk=4, bad=()).shards
+    shards = build_demo_dataset(
+        str(d / "wds"), num_samples=48, samples_per_shard=16, topk=4, bad=()
+    ).shards
     tok = ByteTokenizer()
-    source = WebDatasetSource(list(shards), transform=VLMSampleTransform(tokenizer=tok, topk=4), image="bytes")
+    source = WebDatasetSource(
+        list(shards), transform=VLMSampleTransform(tokenizer=tok, topk=4), image="bytes"
+    )
     schema = vlm_schema(topk=4, vocab_size=tok.vocab_size)
     index = build_index(source, schema, num_workers=0)
     path = str(d / "index.npz")
     index.save(path)
-    return {"shards": list(shards), "source": source, "schema": schema, "index": index, "index_path": path}
+    return {
+        "shards": list(shards),
+        "source": source,
+        "schema": schema,
+        "index": index,
+        "index_path": path,
+    }
 
 
 def make_loader(data, cp_rank, *, cp=2, share=None, collator=None, num_workers=0, persistent=False):
-    return PackedLoader(data["source"], schema=data["schema"], layout=ParallelLayout(cp=cp), token_budget=BUDGET,
-                        cp_rank=cp_rank, num_workers=num_workers, indexing=IndexOptions(prebuilt=data["index"]),
-                        share=share, collator=collator, loading=LoadingOptions(persistent_workers=persistent))
+    return PackedLoader(
+        data["source"],
+        schema=data["schema"],
+        layout=ParallelLayout(cp=cp),
+        token_budget=BUDGET,
+        cp_rank=cp_rank,
+        num_workers=num_workers,
+        indexing=IndexOptions(prebuilt=data["index"]),
+        share=share,
+        collator=collator,
+        loading=LoadingOptions(persistent_workers=persistent),
+    )
 
 
 def stats(loader):
@@ -102,15 +154,20 @@ def stats(loader):
 
 @pytest.mark.parametrize("variant", ["plain", "deferred", "mrope"])
 def test_every_cp_rank_gets_the_unshared_batches(data, tmp_path, variant):
-    """cp=2 (and cp=4 for the plain collator): rank 0 publishes every micro-batch, the others read them all,
+    """cp=2 (and cp=4 for the plain collator): rank 0 publishes every micro-batch, the others read
+    them all,
     and each rank's batches equal its unshared loader's, field for field."""
     cp = 4 if variant == "plain" else 2
 
     def collator(rank):
         if variant == "plain":
             return None
-        inner = THDCollator(schema=data["schema"], layout=ParallelLayout(cp=cp), cp_rank=rank,
-                            defer_cp_shard=variant == "deferred")
+        inner = THDCollator(
+            schema=data["schema"],
+            layout=ParallelLayout(cp=cp),
+            cp_rank=rank,
+            defer_cp_shard=variant == "deferred",
+        )
         return MRoPECollator(collator=inner) if variant == "mrope" else inner
 
     share = BatchShare(run="t", cache_dir=str(tmp_path))
@@ -132,19 +189,27 @@ def _share_mappings(directory: str) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="platform: slot files need memfd_create (Linux)")
-def test_workers_hand_the_published_record_to_the_main_process_without_copying(data, tmp_path, monkeypatch):
-    """With workers, the claimer writes each whole micro-batch once into a slot file that is both published
-    and sent to its own main process; a reader's worker sends the published file. Both main processes map
-    it (no copy of the pixels) and shard it on arrival: every batch equals the unshared loader's, the
+@pytest.mark.skipif(
+    not hasattr(os, "memfd_create"), reason="platform: slot files need memfd_create (Linux)"
+)
+def test_workers_hand_the_published_record_to_the_main_process_without_copying(
+    data, tmp_path, monkeypatch
+):
+    """With workers, the claimer writes each whole micro-batch once into a slot file that is both
+    published and sent to its own main process; a reader's worker sends the published file. Both
+    main processes map it (no copy of the pixels) and shard it on arrival: every batch equals the
+    unshared loader's, the
     batches map files of the share folder while held, and nothing is left once they are dropped."""
     import gc
 
     from prealign.loaders.handoff import transport
 
-    monkeypatch.setattr(transport, "SMALL", 0)  # this data's fields are all small: none copied out here
+    monkeypatch.setattr(
+        transport, "SMALL", 0
+    )  # this data's fields are all small: none copied out here
     share = BatchShare(run="fd", cache_dir=str(tmp_path))
-    kept = []  # rank 0's workers live on while rank 1 reads (a worker's exit removes what nobody read)
+    # rank 0's workers live on while rank 1 reads (a worker's exit removes what nobody read)
+    kept = []
     for rank in range(2):
         want = list(make_loader(data, rank))
         kept.append(make_loader(data, rank, share=share, num_workers=1, persistent=True))
@@ -152,20 +217,27 @@ def test_workers_hand_the_published_record_to_the_main_process_without_copying(d
         assert len(got) == len(want) >= 5
         for g, w in zip(got, want):
             assert_same_batch(g, w)
-        assert _share_mappings(share.directory()), "the batches should be views of the shared record files"
+        assert _share_mappings(share.directory()), (
+            "the batches should be views of the shared record files"
+        )
         del got, g
         gc.collect()
         assert not _share_mappings(share.directory())
-    assert [f for f in os.listdir(share.directory()) if not f.startswith("slot-")] == []  # the last reader's work
+    assert [
+        f for f in os.listdir(share.directory()) if not f.startswith("slot-")
+    ] == []  # the last reader's work
     del kept
     gc.collect()
-    assert not os.path.exists(share.directory())  # the workers' exit: their slots, then the empty folder
+    assert not os.path.exists(
+        share.directory()
+    )  # the workers' exit: their slots, then the empty folder
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="platform: slot files need Linux")
 def test_kept_metadata_of_shared_batches_pins_no_record_file(data, tmp_path):
-    """Each rank keeps every batch's ``cu_seqlens``: no record file of the folder stays mapped (small fields
+    """Each rank keeps every batch's ``cu_seqlens``: no record file of the folder stays mapped
+    (small fields
     are copied out on arrival; before, each kept one pinned its record's two mappings)."""
     import gc
 
@@ -182,9 +254,16 @@ def test_dp_peers_and_other_runs_never_read_each_other(data, tmp_path):
     other_run = make_loader(data, 1, share=BatchShare(run="job2", cache_dir=str(tmp_path)))
     list(other_run)
     assert stats(other_run).shared == 0
-    other_seed = PackedLoader(data["source"], schema=data["schema"], layout=ParallelLayout(cp=2), token_budget=BUDGET,
-                              cp_rank=1, seed=7, indexing=IndexOptions(prebuilt=data["index"]),
-                              share=BatchShare(run="job1", cache_dir=str(tmp_path)))
+    other_seed = PackedLoader(
+        data["source"],
+        schema=data["schema"],
+        layout=ParallelLayout(cp=2),
+        token_budget=BUDGET,
+        cp_rank=1,
+        seed=7,
+        indexing=IndexOptions(prebuilt=data["index"]),
+        share=BatchShare(run="job1", cache_dir=str(tmp_path)),
+    )
     list(other_seed)
     assert stats(other_seed).shared == 0
 
@@ -204,10 +283,15 @@ def test_dead_and_slow_claimers_fall_back_without_waiting(data, tmp_path):
     dead = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     dead.send_signal(signal.SIGKILL)
     dead.wait()
-    for key, pid in ((keys[0], dead.pid), (keys[1], os.getpid())):  # a SIGKILLed claimer; a live one that stalls
+    for key, pid in (
+        (keys[0], dead.pid),
+        (keys[1], os.getpid()),
+    ):  # a SIGKILLed claimer; a live one that stalls
         with open(os.path.join(share.directory(), key + ".claim"), "w") as f:
             f.write(str(pid))
-    stalled = _hold_lock(os.path.join(share.directory(), keys[1] + ".claim"))  # the live one holds its lock
+    stalled = _hold_lock(
+        os.path.join(share.directory(), keys[1] + ".claim")
+    )  # the live one holds its lock
     t0 = time.monotonic()
     got = list(loader)
     os.close(stalled)
@@ -221,8 +305,10 @@ def test_dead_and_slow_claimers_fall_back_without_waiting(data, tmp_path):
 
 
 def test_hostile_cache_files_are_refused(data, tmp_path):
-    """Rank 0 publishes; then one record becomes a link, one lies about its sizes, one belongs to another
-    user, one is writable by others: rank 1 refuses those four, loads them itself, reads the rest."""
+    """Rank 0 publishes; then one record becomes a link, one lies about its sizes, one belongs to
+    another
+    user, one is writable by others: rank 1 refuses those four, loads them itself, reads the
+    rest."""
     share = BatchShare(run="t", cache_dir=str(tmp_path / "c"))
     list(make_loader(data, 0, share=share))
     loader = make_loader(data, 1, share=share)
@@ -234,7 +320,9 @@ def test_hostile_cache_files_are_refused(data, tmp_path):
     raw = bytearray(open(bins[1], "rb").read())
     end = raw.index(b'"values"')
     shape_at = raw.index(b'"input_ids": ["int64", [1, ') + len(b'"input_ids": ["int64", [1, ')
-    raw[shape_at:shape_at + 1] = b"8" if raw[shape_at] != ord("8") else b"7"  # T's first digit: sizes disagree
+    raw[shape_at : shape_at + 1] = (
+        b"8" if raw[shape_at] != ord("8") else b"7"
+    )  # T's first digit: sizes disagree
     assert shape_at < end
     with open(bins[1], "wb") as f:
         f.write(raw)
@@ -258,8 +346,10 @@ def test_an_open_folder_is_never_used(data, tmp_path):
 
 
 def test_resume_is_exact_with_sharing(data, tmp_path):
-    """Rank 0 publishes two epochs; rank 1 reads epoch 0, stops inside epoch 1 and resumes from its state:
-    its batches are the unshared loader's, read from the peer under the keys of (epoch, position)."""
+    """Rank 0 publishes two epochs; rank 1 reads epoch 0, stops inside epoch 1 and resumes from its
+    state:
+    its batches are the unshared loader's, read from the peer under the keys of (epoch,
+    position)."""
     share = BatchShare(run="t", cache_dir=str(tmp_path))
     plain = make_loader(data, 1)
     want = [_digest(b) for b in plain] + [_digest(b) for b in plain]
@@ -277,9 +367,11 @@ def test_resume_is_exact_with_sharing(data, tmp_path):
     assert stats(first).shared + stats(resumed).shared == len(want)
 
 
-# ---- real processes: cp=2, a SIGKILLed worker -----------------------------------------------------------
+# ---- real processes: cp=2, a SIGKILLed worker
+# -----------------------------------------------------------
 def rank_main(shards, index_path, out, *, cp_rank, cache, kill_after=-1, timeout=120.0):
-    """One CP rank with one worker: digests of the epoch; ``kill_after``: SIGKILL the worker after that many
+    """One CP rank with one worker: digests of the epoch; ``kill_after``: SIGKILL the worker after
+    that many
     batches and resume a fresh loader from the state saved then."""
     import multiprocessing
 
@@ -290,20 +382,30 @@ def rank_main(shards, index_path, out, *, cp_rank, cache, kill_after=-1, timeout
 
     torch.set_num_threads(1)
     tok = ByteTokenizer()
-    source = WebDatasetSource(shards, transform=VLMSampleTransform(tokenizer=tok, topk=4), image="bytes")
+    source = WebDatasetSource(
+        shards, transform=VLMSampleTransform(tokenizer=tok, topk=4), image="bytes"
+    )
     index = SampleIndex.load(index_path)
 
     def loader():
-        return PackedLoader(source, schema=vlm_schema(topk=4, vocab_size=tok.vocab_size), layout=ParallelLayout(cp=2),
-                            token_budget=BUDGET, cp_rank=cp_rank, num_workers=1, indexing=IndexOptions(prebuilt=index),
-                            share=BatchShare(run="proc", cache_dir=cache, timeout=timeout))
+        return PackedLoader(
+            source,
+            schema=vlm_schema(topk=4, vocab_size=tok.vocab_size),
+            layout=ParallelLayout(cp=2),
+            token_budget=BUDGET,
+            cp_rank=cp_rank,
+            num_workers=1,
+            indexing=IndexOptions(prebuilt=index),
+            share=BatchShare(run="proc", cache_dir=cache, timeout=timeout),
+        )
 
     digests, killed, it, first = [], False, None, loader()
     it = iter(first)
     while True:
         if len(digests) == kill_after and not killed:
             state = first.state_dict()
-            try:  # (torch's SIGCHLD handler may raise as soon as the worker dies, even inside this loop)
+            # (torch's SIGCHLD handler may raise as soon as the worker dies, even inside this loop)
+            try:
                 for w in multiprocessing.active_children():
                     os.kill(w.pid, signal.SIGKILL)
                 while True:
@@ -331,13 +433,21 @@ def test_cp2_processes_with_a_killed_worker_resume_exactly(data, tmp_path):
     procs = []
     for r in range(2):
         kw = {"cp_rank": r, "cache": cache, "kill_after": 2 if r == 0 else -1}
-        code = (f"from tests.loaders.handoff.test_batch_share import rank_main; "
-                f"rank_main({data['shards']!r}, {data['index_path']!r}, {outs[r]!r}, **{kw!r})")
-        procs.append(subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}))
+        code = (
+            f"from tests.loaders.handoff.test_batch_share import rank_main; "
+            f"rank_main({data['shards']!r}, {data['index_path']!r}, {outs[r]!r}, **{kw!r})"
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}
+            )
+        )
     t0 = time.monotonic()
     for p in procs:
         assert p.wait(timeout=300) == 0
-    assert time.monotonic() - t0 < 110  # nobody sat out the 120 s claim timeout of the killed worker
+    assert (
+        time.monotonic() - t0 < 110
+    )  # nobody sat out the 120 s claim timeout of the killed worker
     res = [json.load(open(o)) for o in outs]
     assert res[0]["killed"]
     for r in range(2):
@@ -346,24 +456,38 @@ def test_cp2_processes_with_a_killed_worker_resume_exactly(data, tmp_path):
 
 def lone_rank_main(shards, index_path, cache, num_workers, persistent=False):
     """CP rank 0 of 2 with no peer running: nobody reads what it publishes. Iterates an epoch, then
-    exits normally (the loader and its persistent workers still alive, as at the end of a script)."""
+    exits normally (the loader and its persistent workers still alive, as at the end of a
+    script)."""
     from prealign.loaders import LoadingOptions, SampleIndex
     from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
     from prealign.loaders.media.vlm import VLMSampleTransform
     from prealign.schemas import vlm_schema
 
     tok = ByteTokenizer()
-    source = WebDatasetSource(shards, transform=VLMSampleTransform(tokenizer=tok, topk=4), image="bytes")
-    loader = PackedLoader(source, loading=LoadingOptions(persistent_workers=persistent), schema=vlm_schema(topk=4, vocab_size=tok.vocab_size), layout=ParallelLayout(cp=2),
-                          token_budget=BUDGET, cp_rank=0, num_workers=num_workers,
-                          indexing=IndexOptions(prebuilt=SampleIndex.load(index_path)),
-                          share=BatchShare(run="lone", cache_dir=cache))
+    source = WebDatasetSource(
+        shards, transform=VLMSampleTransform(tokenizer=tok, topk=4), image="bytes"
+    )
+    loader = PackedLoader(
+        source,
+        loading=LoadingOptions(persistent_workers=persistent),
+        schema=vlm_schema(topk=4, vocab_size=tok.vocab_size),
+        layout=ParallelLayout(cp=2),
+        token_budget=BUDGET,
+        cp_rank=0,
+        num_workers=num_workers,
+        indexing=IndexOptions(prebuilt=SampleIndex.load(index_path)),
+        share=BatchShare(run="lone", cache_dir=cache),
+    )
     n, published = 0, False
     for _ in loader:
         n += 1
-        published = published or any(f.endswith(".bin") for f in os.listdir(loader.share.directory()))
+        published = published or any(
+            f.endswith(".bin") for f in os.listdir(loader.share.directory())
+        )
     assert n >= 5 and published, (n, published)
-    _KEPT.append(loader)  # alive until the interpreter exits, as a script's loader is: its exit hooks do the work
+    _KEPT.append(
+        loader
+    )  # alive until the interpreter exits, as a script's loader is: its exit hooks do the work
     print("batches", n, flush=True)
 
 
@@ -373,25 +497,41 @@ _KEPT: list = []
 @pytest.mark.slow
 @pytest.mark.parametrize("num_workers, persistent", [(0, False), (2, False), (2, True)])
 def test_a_lone_rank_leaves_nothing_after_a_normal_exit(data, tmp_path, num_workers, persistent):
-    """Issue #18: records nobody read, claims, markers and the run's folder are gone once a lone rank (cp=2,
-    only rank 0 running) exits normally, whether its workers exit at the epoch's end or (persistent) are
+    """Issue #18: records nobody read, claims, markers and the run's folder are gone once a lone
+    rank (cp=2, only rank 0 running) exits normally, whether its workers exit at the epoch's end or
+    (persistent) are
     terminated with the process; a user's file in the cache folder stays."""
     cache = tmp_path / "cache"
     cache.mkdir()
     (cache / "mine.txt").write_text("a user's file")
-    code = (f"from tests.loaders.handoff.test_batch_share import lone_rank_main; "
-            f"lone_rank_main({data['shards']!r}, {data['index_path']!r}, {str(cache)!r}, {num_workers}, {persistent})")
-    path = os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), ROOT]))  # (a PYTHONPATH naming prealign kept)
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "PYTHONPATH": path},
-                         capture_output=True, text=True, timeout=300)
+    code = (
+        f"from tests.loaders.handoff.test_batch_share import lone_rank_main; "
+        f"lone_rank_main({data['shards']!r}, {data['index_path']!r}, {str(cache)!r}, "
+        f"{num_workers}, "
+        f"{persistent})"
+    )
+    path = os.pathsep.join(
+        filter(None, [os.environ.get("PYTHONPATH"), ROOT])
+    )  # (a PYTHONPATH naming prealign kept)
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": path},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0 and "batches" in out.stdout, out.stderr[-3000:]
     assert "Traceback" not in out.stderr and "Error" not in out.stderr, out.stderr[-3000:]
-    left = sorted(os.path.relpath(os.path.join(d, f), cache) for d, _, fs in os.walk(cache) for f in fs)
+    left = sorted(
+        os.path.relpath(os.path.join(d, f), cache) for d, _, fs in os.walk(cache) for f in fs
+    )
     assert left == ["mine.txt"] and os.listdir(cache) == ["mine.txt"], left
 
 
 def test_a_rank_reading_its_own_result_leaves_it_for_the_peer(tmp_path):
-    """A rank whose second request meets its own published result (its worker after its index pass) reads
+    """A rank whose second request meets its own published result (its worker after its index pass)
+    reads
     it without freeing it: the peer still finds it, and the last rank to read cleans up."""
     from prealign.loaders.handoff.share_folder import CLAIMED, HIT, SharedFolder
 
@@ -403,25 +543,35 @@ def test_a_rank_reading_its_own_result_leaves_it_for_the_peer(tmp_path):
     assert os.listdir(tmp_path / "f") == []
 
 
-# ---- regressions of the review fixes (commit 4bc9448) ------------------------------------------------------
+# ---- regressions of the review fixes (commit 4bc9448)
+# ------------------------------------------------------
 # 1. the CP shard is the collator's
 def _collator(data, cp_rank, **kw):
     return THDCollator(schema=data["schema"], layout=ParallelLayout(cp=2), cp_rank=cp_rank, **kw)
 
 
 @pytest.mark.parametrize("loader_rank, collator_rank", [(1, None), (0, 1), (None, None)])
-def test_a_collator_without_the_loaders_cp_rank_is_refused(data, tmp_path, loader_rank, collator_rank):
-    """A collator without cp_rank (it would make whole batches) or with another rank than the loader's:
-    ConfigError at prepare, before any batch (else the rank would be served another rank's shard)."""
-    loader = make_loader(data, loader_rank, share=BatchShare(run="t", cache_dir=str(tmp_path)),
-                         collator=_collator(data, collator_rank))
+def test_a_collator_without_the_loaders_cp_rank_is_refused(
+    data, tmp_path, loader_rank, collator_rank
+):
+    """A collator without cp_rank (it would make whole batches) or with another rank than the
+    loader's:
+    ConfigError at prepare, before any batch (else the rank would be served another rank's
+    shard)."""
+    loader = make_loader(
+        data,
+        loader_rank,
+        share=BatchShare(run="t", cache_dir=str(tmp_path)),
+        collator=_collator(data, collator_rank),
+    )
     with pytest.raises(ConfigError, match="cp_rank"):
         loader.prepare()
 
 
 @pytest.mark.parametrize("defer", [False, True])
 def test_the_shard_follows_the_collators_cp_rank(data, tmp_path, defer):
-    """Loader cp_rank=None, collator cp_rank=1: the shared loader is rank 1 (it reads rank 0's records and
+    """Loader cp_rank=None, collator cp_rank=1: the shared loader is rank 1 (it reads rank 0's
+    records and
     frees them) and its batches are the unshared loader's with that collator."""
     share = BatchShare(run="t", cache_dir=str(tmp_path))
     list(make_loader(data, 0, share=share, collator=_collator(data, 0, defer_cp_shard=defer)))
@@ -437,7 +587,8 @@ def test_the_shard_follows_the_collators_cp_rank(data, tmp_path, defer):
 
 # 2. the key is scoped by the source and its transform
 class _ZeroPixels:
-    """The fixture's transform with every pixel zeroed: the same lengths (its index holds), other batches."""
+    """The fixture's transform with every pixel zeroed: the same lengths (its index holds), other
+    batches."""
 
     def __init__(self, inner):
         self.inner = inner
@@ -449,7 +600,8 @@ class _ZeroPixels:
 
 
 def _copy(shards, folder) -> list[str]:
-    """The shards copied byte for byte into ``folder``: the same data (the index fits) from another source."""
+    """The shards copied byte for byte into ``folder``: the same data (the index fits) from another
+    source."""
     import shutil
 
     os.makedirs(folder)
@@ -458,8 +610,9 @@ def _copy(shards, folder) -> list[str]:
 
 @pytest.mark.parametrize("differs", ["transform", "source"])
 def test_another_source_or_transform_never_reads_the_records(data, tmp_path, differs):
-    """Two loaders of one run over the same index: one with another transform (or the same data from other
-    files) publishes its own records instead of reading the first one's, and its batches are its unshared
+    """Two loaders of one run over the same index: one with another transform (or the same data from
+    other files) publishes its own records instead of reading the first one's, and its batches are
+    its unshared
     loader's (with another transform, they differ from the first loader's)."""
     from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
     from prealign.loaders.media.vlm import VLMSampleTransform
@@ -475,7 +628,9 @@ def test_another_source_or_transform_never_reads_the_records(data, tmp_path, dif
     if differs == "transform":
         source = WebDatasetSource(data["shards"], transform=_ZeroPixels(base), image="bytes")
     else:
-        source = WebDatasetSource(_copy(data["shards"], str(tmp_path / "copy")), transform=base, image="bytes")
+        source = WebDatasetSource(
+            _copy(data["shards"], str(tmp_path / "copy")), transform=base, image="bytes"
+        )
     other = {**data, "source": source}
     want = list(make_loader(other, 1))
     if differs == "transform":  # other batches indeed
@@ -489,7 +644,8 @@ def test_another_source_or_transform_never_reads_the_records(data, tmp_path, dif
 
 
 class _Plus:
-    """The fixture's transform with ``c`` added to the pixels: one class (no ``index_key``), a configuration
+    """The fixture's transform with ``c`` added to the pixels: one class (no ``index_key``), a
+    configuration
     per instance, the same lengths (its index holds)."""
 
     def __init__(self, inner, c: float):
@@ -503,7 +659,8 @@ class _Plus:
 
 def test_one_run_with_other_transform_settings_never_reads_the_records(data, tmp_path):
     """Two jobs with one ``run``, the same transform class with other settings (issue #18: 18 of 40
-    micro-batches were read across): the second computes its own batches, its unshared loader's; a loader
+    micro-batches were read across): the second computes its own batches, its unshared loader's; a
+    loader
     with the same settings (another instance) reads them all."""
     from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
     from prealign.loaders.media.vlm import VLMSampleTransform
@@ -512,7 +669,10 @@ def test_one_run_with_other_transform_settings_never_reads_the_records(data, tmp
 
     def plus(c):
         transform = _Plus(VLMSampleTransform(tokenizer=ByteTokenizer(), topk=4), c)
-        return {**data, "source": WebDatasetSource(data["shards"], transform=transform, image="bytes")}
+        return {
+            **data,
+            "source": WebDatasetSource(data["shards"], transform=transform, image="bytes"),
+        }
 
     n = len(list(make_loader(plus(1.0), 0, share=share)))
     want = list(make_loader(plus(2.0), 1))
@@ -536,7 +696,9 @@ def test_a_transform_without_a_fingerprint_is_refused_unless_keyed(data, tmp_pat
     other = {**data, "source": WebDatasetSource(data["shards"], transform=transform, image="bytes")}
     with pytest.raises(ConfigError, match="closure lock.*index_key.*transform_key"):
         make_loader(other, 0, share=BatchShare(run="t", cache_dir=str(tmp_path))).prepare()
-    keyed = make_loader(other, 0, share=BatchShare(run="t", cache_dir=str(tmp_path), transform_key="vlm-topk4"))
+    keyed = make_loader(
+        other, 0, share=BatchShare(run="t", cache_dir=str(tmp_path), transform_key="vlm-topk4")
+    )
     assert len(list(keyed)) >= 5
     with pytest.raises(ConfigError, match="transform_key"):
         BatchShare(run="t", transform_key="")
@@ -544,7 +706,8 @@ def test_a_transform_without_a_fingerprint_is_refused_unless_keyed(data, tmp_pat
 
 # 3. publish order: the claimer's marker exists before its record does
 def test_a_peer_reading_right_after_the_rename_frees_the_record(tmp_path, monkeypatch):
-    """The peer (cp_size=2) reads the record the moment it appears: it must find the claimer's marker
+    """The peer (cp_size=2) reads the record the moment it appears: it must find the claimer's
+    marker
     and delete every file of the key (else they would linger until ttl)."""
     from prealign.loaders.handoff.share_folder import CLAIMED, HIT, SharedFolder
 
@@ -588,7 +751,9 @@ def test_a_claimer_failing_at_load_releases_the_peer_at_once(data, tmp_path):
     assert_same_batch(got, want)
     s = stats(peer)
     assert (s.shared, s.took_over_timeout, s.took_over_dead) == (0, 0, 0), s
-    assert os.path.exists(os.path.join(share.directory(), keys[0] + ".err"))  # what released the peer
+    assert os.path.exists(
+        os.path.join(share.directory(), keys[0] + ".err")
+    )  # what released the peer
 
 
 # 5. a dead claim is retaken by one waiter only
@@ -607,7 +772,8 @@ def _dead_claim(d: str, key: str) -> None:
 
 
 def _hold_lock(path: str) -> int:
-    """An fd holding ``path``'s flock, as a live claimer does (any other open of the file is refused it)."""
+    """An fd holding ``path``'s flock, as a live claimer does (any other open of the file is refused
+    it)."""
     import fcntl
 
     fd = os.open(path, os.O_RDONLY)
@@ -616,7 +782,8 @@ def _hold_lock(path: str) -> int:
 
 
 def test_a_dead_claim_is_retaken_by_one_waiter(tmp_path, monkeypatch):
-    """Waiter A finds the claim unlocked (its claimer died) and retakes it; waiter B, arriving while A
+    """Waiter A finds the claim unlocked (its claimer died) and retakes it; waiter B, arriving while
+    A
     retakes, finds it locked: it waits and reads what A publishes."""
     import threading
 
@@ -641,11 +808,16 @@ def test_a_dead_claim_is_retaken_by_one_waiter(tmp_path, monkeypatch):
     assert got["waiter"].is_alive()  # B waits for the retaken (live) claim
     a.publish("k", {"a": torch.arange(3)})
     got["waiter"].join(10)
-    assert got["b"][0] == HIT and got["b"][1]["a"].tolist() == [0, 1, 2] and b.stats.took_over_dead == 0
+    assert (
+        got["b"][0] == HIT
+        and got["b"][1]["a"].tolist() == [0, 1, 2]
+        and b.stats.took_over_dead == 0
+    )
 
 
 def test_many_waiters_of_a_dead_claim_claim_once(tmp_path):
-    """Eight waiters (threads, each its own folder object and open file) find one dead claim at once:
+    """Eight waiters (threads, each its own folder object and open file) find one dead claim at
+    once:
     exactly one takes it over, the others read its record."""
     import threading
 
@@ -674,19 +846,29 @@ def test_many_waiters_of_a_dead_claim_claim_once(tmp_path):
 @pytest.mark.slow
 def test_a_locked_claim_naming_a_dead_pid_is_honoured(tmp_path):
     """The claim's lock decides, never the pid written in it: a claim whose pid is dead (another PID
-    namespace, a pid reused) but whose lock a live process holds is waited on until ``timeout``; a claim
+    namespace, a pid reused) but whose lock a live process holds is waited on until ``timeout``; a
+    claim
     naming a live pid (ours) that nobody holds is taken over at once."""
     from prealign.loaders.handoff.share_folder import CLAIMED, LOCAL, SharedFolder
 
     d = str(tmp_path / "f")
     _dead_claim(d, "held")
-    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys, time; fd = os.open(sys.argv[1], "
-                               "os.O_RDONLY); fcntl.flock(fd, fcntl.LOCK_EX); print(flush=True); time.sleep(60)",
-                               os.path.join(d, "held.claim")], stdout=subprocess.PIPE)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import fcntl, os, sys, time; fd = os.open(sys.argv[1], "
+            "os.O_RDONLY); fcntl.flock(fd, fcntl.LOCK_EX); print(flush=True); time.sleep(60)",
+            os.path.join(d, "held.claim"),
+        ],
+        stdout=subprocess.PIPE,
+    )
     try:
         holder.stdout.readline()  # it holds the lock
         waiter = SharedFolder(d, 1, 2, timeout=2.0)
-        os.utime(os.path.join(d, "held.claim"))  # the claim's age counts from now (not from a slow start)
+        os.utime(
+            os.path.join(d, "held.claim")
+        )  # the claim's age counts from now (not from a slow start)
         t0 = time.monotonic()
         assert waiter.acquire("held") == (LOCAL, None) and time.monotonic() - t0 >= 1.0
         assert (waiter.stats.took_over_dead, waiter.stats.took_over_timeout) == (0, 1)
@@ -702,7 +884,9 @@ def test_a_locked_claim_naming_a_dead_pid_is_honoured(tmp_path):
 
 
 # 6. malformed records are ShareRecordError, nothing else
-def _record(tensors: dict, payload: bytes = b"\0" * 64, *, header: bytes | None = None) -> bytearray:
+def _record(
+    tensors: dict, payload: bytes = b"\0" * 64, *, header: bytes | None = None
+) -> bytearray:
     from prealign.loaders.handoff.share_folder import _MAGIC
 
     head = json.dumps({"tensors": tensors, "values": {}}).encode() if header is None else header
@@ -710,8 +894,8 @@ def _record(tensors: dict, payload: bytes = b"\0" * 64, *, header: bytes | None 
 
 
 MALFORMED = {
-    "int64 overflow": {"a": ["int8", [2 ** 40, 2 ** 40], 0, 0]},
-    "int64 overflow, float": {"a": ["float32", [2 ** 32, 2 ** 32, 3], 0, 0]},
+    "int64 overflow": {"a": ["int8", [2**40, 2**40], 0, 0]},
+    "int64 overflow, float": {"a": ["float32", [2**32, 2**32, 3], 0, 0]},
     "foreign byte order": {"a": [">f4", [2], 0, 8]},
     "object": {"a": ["O", [1], 0, 8]},
     "negative offset": {"a": ["int8", [2], -1, 2]},
@@ -725,7 +909,9 @@ def test_malformed_records_are_share_record_errors(case):
     from prealign.loaders.handoff.share_folder import decode_record
 
     if case == "nested 100k deep":
-        buf = _record({}, header=b'{"tensors": ' + b"[" * 100_000 + b"]" * 100_000 + b', "values": {}}')
+        buf = _record(
+            {}, header=b'{"tensors": ' + b"[" * 100_000 + b"]" * 100_000 + b', "values": {}}'
+        )
     else:
         buf = _record(MALFORMED[case])
     with pytest.raises(ShareRecordError):
@@ -736,21 +922,52 @@ def test_a_well_formed_record_decodes():
     """The golden case next to the refusals: the same header shape, consistent, decodes."""
     from prealign.loaders.handoff.share_folder import decode_record
 
-    rec = decode_record(_record({"a": ["<f4", [2], 4, 8], "b": ["int8", [0, 3], 0, 0]},
-                                b"\0" * 4 + torch.tensor([1.5, -2.0]).numpy().tobytes()))
+    rec = decode_record(
+        _record(
+            {"a": ["<f4", [2], 4, 8], "b": ["int8", [0, 3], 0, 0]},
+            b"\0" * 4 + torch.tensor([1.5, -2.0]).numpy().tobytes(),
+        )
+    )
     assert rec["a"].tolist() == [1.5, -2.0] and rec["b"].shape == (0, 3)
 
 
-_DIMS = st.one_of(st.integers(-2, 6), st.sampled_from([2 ** 31, 2 ** 32, 2 ** 40, 2 ** 62, 2 ** 63, 2 ** 64]))
+_DIMS = st.one_of(st.integers(-2, 6), st.sampled_from([2**31, 2**32, 2**40, 2**62, 2**63, 2**64]))
 
 
 @examples(200)
-@given(dtype=st.sampled_from(["int8", "uint8", "<i4", ">i4", "=i8", "float32", ">f4", "<f8", "e", "bfloat16",
-                              "bool", "c8", "O", "S4", "U2", "V8", "M8", "f4,f4", "(2,)i2", "nonsense", "int"]),
-       shape=st.lists(_DIMS, max_size=40), offset=st.integers(-4, 80),
-       nbytes=st.one_of(st.integers(-4, 80), st.integers(-4, 2 ** 70)))
+@given(
+    dtype=st.sampled_from(
+        [
+            "int8",
+            "uint8",
+            "<i4",
+            ">i4",
+            "=i8",
+            "float32",
+            ">f4",
+            "<f8",
+            "e",
+            "bfloat16",
+            "bool",
+            "c8",
+            "O",
+            "S4",
+            "U2",
+            "V8",
+            "M8",
+            "f4,f4",
+            "(2,)i2",
+            "nonsense",
+            "int",
+        ]
+    ),
+    shape=st.lists(_DIMS, max_size=40),
+    offset=st.integers(-4, 80),
+    nbytes=st.one_of(st.integers(-4, 80), st.integers(-4, 2**70)),
+)
 def test_any_header_decodes_or_is_a_share_record_error(dtype, shape, offset, nbytes):
-    """Whatever a header says, decode_record returns tensors inside the buffer or raises ShareRecordError.
+    """Whatever a header says, decode_record returns tensors inside the buffer or raises
+    ShareRecordError.
     (Shapes with a 0 whose other dims overflow int64 have their own test below.)"""
     from prealign.loaders.errors import ShareRecordError
     from prealign.loaders.handoff.share_folder import decode_record
@@ -765,14 +982,15 @@ def test_any_header_decodes_or_is_a_share_record_error(dtype, shape, offset, nby
 
 
 def _empty_but_huge(shape) -> bool:
-    """A shape with a 0 (so no bytes) whose other dims overflow int64 (so torch cannot hold the shape)."""
+    """A shape with a 0 (so no bytes) whose other dims overflow int64 (so torch cannot hold the
+    shape)."""
     rest = 1
     for d in shape:
         rest *= d or 1
-    return 0 in shape and min(shape) >= 0 and rest >= 2 ** 63
+    return 0 in shape and min(shape) >= 0 and rest >= 2**63
 
 
-@pytest.mark.parametrize("shape", [[2 ** 31, 2 ** 40, 0], [0, 2 ** 63]])
+@pytest.mark.parametrize("shape", [[2**31, 2**40, 0], [0, 2**63]])
 def test_an_empty_shape_with_huge_dims_is_refused(shape):
     from prealign.loaders.errors import ShareRecordError
     from prealign.loaders.handoff.share_folder import decode_record
@@ -797,18 +1015,24 @@ def test_an_infinite_dim_is_refused():
     from prealign.loaders.handoff.share_folder import decode_record
 
     with pytest.raises(ShareRecordError):
-        decode_record(_record({}, header=b'{"tensors": {"a": ["int8", [Infinity], 0, 1]}, "values": {}}'))
+        decode_record(
+            _record({}, header=b'{"tensors": {"a": ["int8", [Infinity], 0, 1]}, "values": {}}')
+        )
 
 
 @pytest.mark.slow
 def test_a_killed_unreaped_claimer_is_dead(tmp_path):
-    """A SIGKILLed worker stays a zombie until its parent reaps it (a busy parent may take long); the kernel
-    dropped its claim's lock when it died: the claim is taken over at once, not after the claim timeout."""
+    """A SIGKILLed worker stays a zombie until its parent reaps it (a busy parent may take long);
+    the kernel
+    dropped its claim's lock when it died: the claim is taken over at once, not after the claim
+    timeout."""
     from prealign.loaders.handoff.share_folder import CLAIMED, SharedFolder
 
     d = str(tmp_path / "f")
-    code = ("import sys, time; from prealign.loaders.handoff.share_folder import SharedFolder; "
-            "print(SharedFolder(sys.argv[1], 0, 2).acquire('k')[0], flush=True); time.sleep(60)")
+    code = (
+        "import sys, time; from prealign.loaders.handoff.share_folder import SharedFolder; "
+        "print(SharedFolder(sys.argv[1], 0, 2).acquire('k')[0], flush=True); time.sleep(60)"
+    )
     child = subprocess.Popen([sys.executable, "-c", code, d], stdout=subprocess.PIPE)
     try:
         assert child.stdout.readline().strip() == b"claimed"

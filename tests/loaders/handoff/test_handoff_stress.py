@@ -1,12 +1,13 @@
 """Randomized multi-process stress of the share folder and its slots (loaders/handoff/PROTOCOL.md).
 
-Four real processes (CP ranks) go through the same keys in their own random order, with random delays:
-a claimer publishes either a plain record or a pooled slot (a small pool, so slots are reused while
-peers still read them); a reader maps the record by fd (holding its flag for a random while) or reads a
-copy. The parent SIGKILLs random ranks at random times and starts them again. Asserted: every record
-served equals what its key says, and no acquire waits much past the claim timeout. Seeded
-(``PREALIGN_STRESS_SEED``): a failure names its seed and reproduces with it.
+Four real processes (CP ranks) go through the same keys in their own random order, with random
+delays: a claimer publishes either a plain record or a pooled slot (a small pool, so slots are
+reused while peers still read them); a reader maps the record by fd (holding its flag for a random
+while) or reads a copy. The parent SIGKILLs random ranks at random times and starts them again.
+Asserted: every record served equals what its key says, and no acquire waits much past the claim
+timeout. Seeded (``PREALIGN_STRESS_SEED``): a failure names its seed and reproduces with it.
 """
+
 from __future__ import annotations
 
 import json
@@ -21,11 +22,14 @@ import pytest
 
 from prealign.loaders.handoff import slots
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(not slots.available(), reason="platform: slots need Linux")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not slots.available(), reason="platform: slots need Linux"),
+]
 
 RANKS, KEYS, TIMEOUT, KILLS, LIMIT_S = 4, 60, 1.0, 6, 180.0  # LIMIT_S: a hang, not a speed bound
 
-WORKER = r'''
+WORKER = r"""
 import gc, json, os, pickle, random, sys, time
 import torch
 from prealign.loaders.handoff import slots
@@ -91,7 +95,7 @@ with open(out, "a") as log:
             ok = check(key, got)
         log.write(json.dumps([key, state, ok, waited]) + "\n")
         log.flush()
-'''
+"""
 
 
 def _lines(path: str) -> int:
@@ -103,8 +107,20 @@ def _lines(path: str) -> int:
 
 
 def _start(d: str, rank: int, seed: int, out: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", WORKER, d, str(rank), str(RANKS), str(KEYS), str(TIMEOUT),
-                             str(seed), out])
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            WORKER,
+            d,
+            str(rank),
+            str(RANKS),
+            str(KEYS),
+            str(TIMEOUT),
+            str(seed),
+            out,
+        ]
+    )
 
 
 def test_random_claims_reads_and_kills_serve_nothing_wrong(tmp_path):
@@ -118,8 +134,9 @@ def test_random_claims_reads_and_kills_serve_nothing_wrong(tmp_path):
     kills, restarts, t0 = 0, 0, time.monotonic()
     while any(p.poll() is None for p in procs.values()) and time.monotonic() - t0 < LIMIT_S:
         time.sleep(rng.random() * 0.3)
-        # only a rank that has started working (imports done, a key handled since its start) is killed: the
-        # kill then lands at a random step of the protocol, not during the interpreter's start
+        # only a rank that has started working (imports done, a key handled since its start) is
+        # killed: the kill then lands at a random step of the protocol, not during the interpreter's
+        # start
         working = [r for r, p in procs.items() if p.poll() is None and _lines(outs[r]) > base[r]]
         if working and kills < KILLS:
             r = rng.choice(working)
@@ -127,18 +144,26 @@ def test_random_claims_reads_and_kills_serve_nothing_wrong(tmp_path):
             procs[r].wait()
             kills += 1
             base[r] = _lines(outs[r])
-            procs[r] = _start(d, r, seed * 100 + r + 10 * (restarts + 1), outs[r])  # a restarted worker
+            procs[r] = _start(
+                d, r, seed * 100 + r + 10 * (restarts + 1), outs[r]
+            )  # a restarted worker
             restarts += 1
     for p in procs.values():
         if p.poll() is None:
             p.kill()
         p.wait()
     assert time.monotonic() - t0 < LIMIT_S, f"seed {seed}: ranks still running after {LIMIT_S} s"
-    assert all(p.returncode == 0 for p in procs.values()), f"seed {seed}: {[p.returncode for p in procs.values()]}"
+    assert all(p.returncode == 0 for p in procs.values()), (
+        f"seed {seed}: {[p.returncode for p in procs.values()]}"
+    )
     lines = [json.loads(line) for out in outs for line in open(out) if line.endswith("\n")]
     wrong = [entry for entry in lines if not entry[2]]
     stuck = [entry for entry in lines if entry[3] > TIMEOUT + 2.0]
     assert not wrong, f"seed {seed}: records served wrong: {wrong[:5]}"
     assert not stuck, f"seed {seed}: waits past the claim timeout: {stuck[:5]}"
     states = [entry[1] for entry in lines]
-    assert kills == KILLS and states.count("hit") > KEYS, (seed, kills, {s: states.count(s) for s in set(states)})
+    assert kills == KILLS and states.count("hit") > KEYS, (
+        seed,
+        kills,
+        {s: states.count(s) for s in set(states)},
+    )

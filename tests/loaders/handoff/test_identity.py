@@ -1,5 +1,8 @@
-"""A transform's identity (loaders/handoff/identity.py): the share key and the index key are the code, the
-globals it reads and its state, the same in every process; what has no stable form is refused (issue #31)."""
+"""A transform's identity (loaders/handoff/identity.py): the share key and the index key are the
+code, the
+globals it reads and its state, the same in every process; what has no stable form is refused (issue
+#31)."""
+
 from __future__ import annotations
 
 import json
@@ -22,7 +25,8 @@ ROOT = str(REPO)  # cwd and PYTHONPATH of the child processes
 
 
 def _module(folder, source: str):
-    """``source`` loaded as the module ``jobmod`` from ``folder`` (two folders: two modules of one name)."""
+    """``source`` loaded as the module ``jobmod`` from ``folder`` (two folders: two modules of one
+    name)."""
     import importlib.util
 
     os.makedirs(folder, exist_ok=True)
@@ -36,9 +40,14 @@ def _module(folder, source: str):
 
 
 # the attacks of issue #31, as jobmod.py sources: (job A, job B), the same names, other outputs
-PLAIN = ("import numpy as np\ndef transform(s):\n    return {'input_ids': np.asarray(s['input_ids.npy'])}\n",
-         "import numpy as np\ndef transform(s):\n    return {'input_ids': np.asarray(s['input_ids.npy']) + 1}\n")
-GLOBAL = tuple(f"""
+PLAIN = (
+    "import numpy as np\ndef transform(s):\n    return {'input_ids': "
+    "np.asarray(s['input_ids.npy'])}\n",
+    "import numpy as np\ndef transform(s):\n    return {'input_ids': "
+    "np.asarray(s['input_ids.npy']) + 1}\n",
+)
+GLOBAL = tuple(
+    f"""
 import numpy as np
 OFFSET = {k}
 class Shift:
@@ -46,7 +55,9 @@ class Shift:
         return {{'input_ids': np.asarray(s['input_ids.npy']) + OFFSET}}
 def make():
     return Shift()
-""" for k in (0, 3))
+"""
+    for k in (0, 3)
+)
 
 
 def _transform(mod):
@@ -58,21 +69,29 @@ def test_same_names_other_code_or_globals_other_fingerprints(tmp_path, sources):
     a, b = (_transform(_module(tmp_path / n, s)) for n, s in zip("ab", sources))
     assert transform_fingerprint(a, owner="t") != transform_fingerprint(b, owner="t")
     again = _transform(_module(tmp_path / "c", sources[0]))
-    assert transform_fingerprint(again, owner="t") == transform_fingerprint(a, owner="t")  # same code, same key
+    assert transform_fingerprint(again, owner="t") == transform_fingerprint(
+        a, owner="t"
+    )  # same code, same key
 
 
 def test_the_index_key_is_the_same_identity(tmp_path):
     from prealign.loaders.index.sidecar import config_key, transform_difference, transform_fields
 
     paths = write_shards(str(tmp_path / "d"), sample_lengths(6), num_shards=1)
-    a, b = (WebDatasetSource(paths, transform=_transform(_module(tmp_path / n, s))) for n, s in zip("ab", PLAIN))
+    a, b = (
+        WebDatasetSource(paths, transform=_transform(_module(tmp_path / n, s)))
+        for n, s in zip("ab", PLAIN)
+    )
     assert config_key(a) != config_key(b)
-    assert "transform_code: indexed with" in transform_difference({"transform": transform_fields(a)}, b)
+    assert "transform_code: indexed with" in transform_difference(
+        {"transform": transform_fields(a)}, b
+    )
 
 
 def _closure(k):
     def f(x):
         return x + k
+
     return f
 
 
@@ -91,10 +110,16 @@ def _recursive(n):
 def test_closures_defaults_and_cycles():
     assert canonical_digest(_closure(1)) != canonical_digest(_closure(2))
     assert canonical_digest(_closure(1)) == canonical_digest(_closure(1))
-    before = canonical_digest(_defaults), canonical_digest(_kwdefaults), canonical_digest(_recursive)
+    before = (
+        canonical_digest(_defaults),
+        canonical_digest(_kwdefaults),
+        canonical_digest(_recursive),
+    )
     _defaults.__defaults__, _kwdefaults.__kwdefaults__ = (2,), {"k": 2}
     try:
-        assert canonical_digest(_defaults) != before[0] and canonical_digest(_kwdefaults) != before[1]
+        assert (
+            canonical_digest(_defaults) != before[0] and canonical_digest(_kwdefaults) != before[1]
+        )
     finally:
         _defaults.__defaults__, _kwdefaults.__kwdefaults__ = (1,), {"k": 1}
     assert canonical_digest(_recursive) == before[2]  # a function naming itself: followed once
@@ -105,8 +130,11 @@ def test_closures_defaults_and_cycles():
 def test_a_transform_with_no_stable_form_is_refused_naming_it(tmp_path):
     sock = socket.socket()
     try:
-        with pytest.raises(ConfigError, match=r"the transform .*<lambda> cannot be fingerprinted .*closure sock"
-                                              r".*socket.*transform_key"):
+        with pytest.raises(
+            ConfigError,
+            match=r"the transform .*<lambda> cannot be fingerprinted .*closure sock"
+            r".*socket.*transform_key",
+        ):
             transform_fingerprint(lambda s: sock, owner="BatchShare")
     finally:
         sock.close()
@@ -141,16 +169,27 @@ def _fingerprint_here() -> None:
 def test_a_transform_holding_a_set_has_one_fingerprint_in_every_process():
     prints = set()
     for seed in ("1", "2", "3", "4"):
-        out = subprocess.run([sys.executable, "-c", "from tests.loaders.handoff.test_identity import _fingerprint_here as f; f()"],
-                             cwd=ROOT, env={**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": ROOT},
-                             capture_output=True, text=True, check=True)
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "from tests.loaders.handoff.test_identity import _fingerprint_here as f; f()",
+            ],
+            cwd=ROOT,
+            env={**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": ROOT},
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         prints.add(out.stdout.strip())
     assert len(prints) == 1, prints
 
 
-# ---- two jobs on one node, one run name: real BatchShare, two processes ------------------------------------
+# ---- two jobs on one node, one run name: real BatchShare, two processes
+# ------------------------------------
 def job_main(shards, index_path, module_dir, out, *, cp_rank, cache, ready, crash=False):
-    """One CP rank (of 2) of a job whose transform is ``module_dir``/jobmod.py: its unshared batches, then its
+    """One CP rank (of 2) of a job whose transform is ``module_dir``/jobmod.py: its unshared
+    batches, then its
     batches with ``BatchShare(run="same")`` once every job named in ``ready`` has come this far."""
     import time
 
@@ -165,8 +204,15 @@ def job_main(shards, index_path, module_dir, out, *, cp_rank, cache, ready, cras
     index = SampleIndex.load(index_path)
 
     def loader(share=None):
-        return PackedLoader(source, schema=causal_lm_schema(), layout=ParallelLayout(cp=2), token_budget=256,
-                            cp_rank=cp_rank, indexing=IndexOptions(prebuilt=index), share=share)
+        return PackedLoader(
+            source,
+            schema=causal_lm_schema(),
+            layout=ParallelLayout(cp=2),
+            token_budget=256,
+            cp_rank=cp_rank,
+            indexing=IndexOptions(prebuilt=index),
+            share=share,
+        )
 
     own = [_digest(b) for b in loader()]
     open(ready[cp_rank], "w").close()
@@ -190,10 +236,18 @@ def _run_jobs(tmp_path, shards, index_path, jobs, *, together: bool) -> list[dic
     procs, outs = [], []
     for i, (folder, rank, crash) in enumerate(jobs):
         outs.append(str(tmp_path / f"out{i}.json"))
-        code = (f"from tests.loaders.handoff.test_identity import job_main; job_main({shards!r}, {index_path!r}, {str(folder)!r}, "
-                f"{outs[-1]!r}, cp_rank={rank}, cache={str(tmp_path / 'cache')!r}, ready={ready!r}, crash={crash})")
-        procs.append(subprocess.Popen([sys.executable, "-c", code], cwd=ROOT,
-                                      env={**os.environ, "PYTHONPATH": ROOT}))
+        code = (
+            f"from tests.loaders.handoff.test_identity import job_main; job_main({shards!r}, "
+            f"{index_path!r}, "
+            f"{str(folder)!r}, "
+            f"{outs[-1]!r}, cp_rank={rank}, cache={str(tmp_path / 'cache')!r}, ready={ready!r}, "
+            f"crash={crash})"
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}
+            )
+        )
         if not together:
             assert procs[-1].wait(timeout=300) == 0
     for p in procs:
@@ -204,9 +258,10 @@ def _run_jobs(tmp_path, shards, index_path, jobs, *, together: bool) -> list[dic
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["function body", "module global", "fixed and restarted"])
 def test_two_jobs_with_one_run_name_read_none_of_each_others_batches(tmp_path, case):
-    """Issue #31: 11 of 11 batches came from the peer job. Job A (CP rank 0) and job B (CP rank 1) of one node,
-    one ``BatchShare(run=...)``, transforms of one name and other outputs: each gets its own batches, 0 read
-    from the other. "fixed and restarted": job A publishes an epoch and crashes (its records stay), then its
+    """Issue #31: 11 of 11 batches came from the peer job. Job A (CP rank 0) and job B (CP rank 1)
+    of one node, one ``BatchShare(run=...)``, transforms of one name and other outputs: each gets
+    its own batches, 0 read from the other. "fixed and restarted": job A publishes an epoch and
+    crashes (its records stay), then its
     fixed transform restarts under the same run name."""
     from prealign.loaders import build_index
     from prealign.schemas import causal_lm_schema
@@ -220,8 +275,13 @@ def test_two_jobs_with_one_run_name_read_none_of_each_others_batches(tmp_path, c
         folders.append(tmp_path / name)
         _module(folders[-1], src)
     crash = case == "fixed and restarted"
-    a, b = _run_jobs(tmp_path, shards, index_path, [(folders[0], 0, crash), (folders[1], 1, False)],
-                     together=not crash)
+    a, b = _run_jobs(
+        tmp_path,
+        shards,
+        index_path,
+        [(folders[0], 0, crash), (folders[1], 1, False)],
+        together=not crash,
+    )
     assert a["own"] != b["own"]  # the two transforms indeed give other batches
     for job in (a, b):
         assert job["got"] == job["own"] and len(job["got"]) >= 5

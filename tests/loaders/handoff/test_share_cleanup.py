@@ -1,5 +1,7 @@
-"""Share folders leave nothing behind (issue #18): the folders of runs that are over are swept (flock
+"""Share folders leave nothing behind (issue #18): the folders of runs that are over are swept
+(flock
 liveness, never a pid), and only names the protocol makes are ever deleted."""
+
 from __future__ import annotations
 
 import fcntl
@@ -28,18 +30,28 @@ def _folder(base, name: str, files: dict) -> str:
 def test_the_folders_of_runs_that_are_over_are_swept_and_nothing_else(tmp_path):
     base = str(tmp_path)
     key = "e0-p1-" + "ab" * 16
-    entries = {f"{key}.claim": "1", f"{key}.bin": "x", f"{key}.r0": "", f"{key}.err": "", "slot-1-2": "",
-               f"{key}.12-34.tmp": ""}
+    entries = {
+        f"{key}.claim": "1",
+        f"{key}.bin": "x",
+        f"{key}.r0": "",
+        f"{key}.err": "",
+        "slot-1-2": "",
+        f"{key}.12-34.tmp": "",
+    }
     dead = _folder(base, "prealign-batch-" + "0" * 16, entries)
     live = _folder(base, "prealign-batch-" + "1" * 16, entries)
     held = os.open(os.path.join(live, f"{key}.claim"), os.O_RDONLY)
-    fcntl.flock(held, fcntl.LOCK_EX)  # a live claimer (another open file: its lock is not the sweeper's)
+    fcntl.flock(
+        held, fcntl.LOCK_EX
+    )  # a live claimer (another open file: its lock is not the sweeper's)
     users = _folder(base, "prealign-media-" + "2" * 16, {**entries, "notes.txt": "a user's"})
     young = _folder(base, "prealign-media-" + "3" * 16, {})
     with open(os.path.join(young, f"{key}.bin"), "w") as fh:
         fh.write("x")  # a run that wrote a moment ago
     other = _folder(base, "someone-else", entries)
-    here = SharedFolder(os.path.join(base, "prealign-batch-" + "4" * 16), 0, 2, timeout=0.5, ttl=10.0)
+    here = SharedFolder(
+        os.path.join(base, "prealign-batch-" + "4" * 16), 0, 2, timeout=0.5, ttl=10.0
+    )
     os.makedirs(here.directory, mode=0o700)
     _folder(here.directory, "sub", {})
     for name in ("notes.txt", f"{key}.bin"):
@@ -50,7 +62,9 @@ def test_the_folders_of_runs_that_are_over_are_swept_and_nothing_else(tmp_path):
     os.close(held)
     assert not os.path.exists(dead)
     assert sorted(os.listdir(live)) == sorted(entries)
-    assert sorted(os.listdir(users)) == sorted([*entries, "notes.txt"])  # nothing of a folder with a user's file
+    assert sorted(os.listdir(users)) == sorted(
+        [*entries, "notes.txt"]
+    )  # nothing of a folder with a user's file
     assert os.listdir(young) == [f"{key}.bin"]
     assert sorted(os.listdir(other)) == sorted(entries)
     # in its own folder the ttl sweep deletes the old record, never the user's file nor a folder
@@ -60,7 +74,8 @@ def test_the_folders_of_runs_that_are_over_are_swept_and_nothing_else(tmp_path):
 
 @pytest.mark.slow
 def test_a_process_removes_its_claims_and_markers_at_exit_and_keeps_the_peers(tmp_path):
-    """A claimer whose record nobody read, a failed claim (``.err``), and a reader of a peer's record
+    """A claimer whose record nobody read, a failed claim (``.err``), and a reader of a peer's
+    record
     whose other peer never came: at exit each removes its own files; the peer's record stays."""
     d = str(tmp_path / ("prealign-media-" + "5" * 16))
     peer = SharedFolder(d, 2, 3)

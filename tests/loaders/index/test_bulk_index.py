@@ -3,6 +3,7 @@ reader (``tar_reader.iter_members``, and ``tarfile``) member for member, and the
 writes sidecars equal, array for array and key for key, to the reference pass's, on shards with
 long names (GNU and pax), odd sizes, bad samples, links, corruption and samples cut by the block
 boundary."""
+
 from __future__ import annotations
 
 import io
@@ -57,15 +58,17 @@ def _walked(data: bytes, block: int | None = None):
     block = block or len(data) + 1
     pos = 0
     while True:
-        chunk = data[pos:pos + block]
+        chunk = data[pos : pos + block]
         pos += len(chunk)
         buf += chunk
         w = walk(buf, base, eof=pos >= len(data))
-        out += [(n, int(o), int(e), buf[int(a) - base:int(a) - base + int(s)])
-                for n, o, a, s, e in zip(w.names, w.offset, w.data_at, w.size, w.end)]
+        out += [
+            (n, int(o), int(e), buf[int(a) - base : int(a) - base + int(s)])
+            for n, o, a, s, e in zip(w.names, w.offset, w.data_at, w.size, w.end)
+        ]
         if w.ended:
             return out
-        buf, base = buf[w.done - base:], w.done
+        buf, base = buf[w.done - base :], w.done
 
 
 def _reference(data: bytes):
@@ -77,8 +80,11 @@ _paths = st.lists(_names, min_size=1, max_size=8).map("/".join)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(st.tuples(_paths, st.binary(max_size=1500)), max_size=12), st.sampled_from(FORMATS),
-       st.sampled_from([None, 512, 1536, 4096]))
+@given(
+    st.lists(st.tuples(_paths, st.binary(max_size=1500)), max_size=12),
+    st.sampled_from(FORMATS),
+    st.sampled_from([None, 512, 1536, 4096]),
+)
 def test_bulk_walk_equals_the_reference_reader_and_tarfile(members, fmt, block):
     try:
         data = _tar(members, fmt)
@@ -87,8 +93,9 @@ def test_bulk_walk_equals_the_reference_reader_and_tarfile(members, fmt, block):
     ref = _reference(data)
     assert _walked(data, block) == ref
     with tarfile.open(fileobj=io.BytesIO(data)) as tf:
-        assert [(m.name, m.offset_data, m.size) for m in tf.getmembers()] == \
-            [(n, e - -(-len(d) // 512) * 512, len(d)) for n, _, e, d in ref]
+        assert [(m.name, m.offset_data, m.size) for m in tf.getmembers()] == [
+            (n, e - -(-len(d) // 512) * 512, len(d)) for n, _, e, d in ref
+        ]
 
 
 @pytest.mark.parametrize("kind", ["symlink", "dir", "checksum", "truncated", "no_end", "base256"])
@@ -100,9 +107,9 @@ def test_what_the_bulk_walk_does_not_parse_exactly_is_left_to_the_reference(kind
     if kind == "checksum":
         data[1024 + 512 + 3] ^= 1  # the second header's name
     elif kind == "truncated":
-        data = data[:1024 + 300]
+        data = data[: 1024 + 300]
     elif kind == "no_end":
-        data = data[:-len(data) + 512 * 5]
+        data = data[: -len(data) + 512 * 5]
     elif kind == "base256":
         data[124:136] = b"\x80" + (700).to_bytes(11, "big")
         data[148:156] = b"%06o\0 " % (sum(data[:148]) + sum(data[156:512]) + 256)
@@ -133,22 +140,30 @@ def _varied_shards(root) -> list[str]:
         ("p00008.input_ids.npy", _npy(_ids(40, 8))[:-9]),  # data cut short
         ("p00009.input_ids.npy", b"\x93NUMPY\x01\x00\x05\x00{'de"),  # a broken header
         ("p00010.input_ids.npy", b"not npy at all"),
-        ("p00011.input_ids.npy", _npy(_ids(20, 11))), ("p00011.labels.npy", _npy(_ids(20, 12))),
-        ("p00012.input_ids.npy", _npy(_ids(20, 13))), ("p00012.json", b"{not json"),
+        ("p00011.input_ids.npy", _npy(_ids(20, 11))),
+        ("p00011.labels.npy", _npy(_ids(20, 12))),
+        ("p00012.input_ids.npy", _npy(_ids(20, 13))),
+        ("p00012.json", b"{not json"),
         ("p00013.txt", b"no ids"),
         ("README", b"no extension"),
-        ("p00014.input_ids.npy", _npy(_ids(20, 14))), ("skip-me", b"x"),
+        ("p00014.input_ids.npy", _npy(_ids(20, 14))),
+        ("skip-me", b"x"),
         ("p00014.labels.npy", _npy(_ids(20, 15))),
         ("00003.input_ids.npy", _npy(_ids(20, 16))),  # a key seen before: a duplicate
         ("p00015.input_ids.npy", _npy(_ids(20, 17).astype(">i8"))),  # big-endian
         ("p00016.input_ids.npy", _npy(_ids(20, 18).astype(np.uint8))),
         ("p00017.input_ids.npy", _npy(np.array([2**63 - 1, 5], np.int64))),
         ("p00018.input_ids.npy", _npy(_ids(3000, 19))),  # bigger than a small block
-        ("p00019.input_ids.npy", _npy(_ids(20, 20))), ("p00019.input_ids.npy", _npy(_ids(20, 21))),
+        ("p00019.input_ids.npy", _npy(_ids(20, 20))),
+        ("p00019.input_ids.npy", _npy(_ids(20, 21))),
     ]
-    shards = {"good": good, "odd": good[:10] + odd + good[10:], "empty": [],
-              "linked": good[:5] + [("l00001.input_ids.npy", None)] + good[5:10],
-              "dir": good[:3] + [("sub", "dir")] + good[3:6]}
+    shards = {
+        "good": good,
+        "odd": good[:10] + odd + good[10:],
+        "empty": [],
+        "linked": good[:5] + [("l00001.input_ids.npy", None)] + good[5:10],
+        "dir": good[:3] + [("sub", "dir")] + good[3:6],
+    }
     os.makedirs(root)
     paths = []
     for fmt in FORMATS:
@@ -163,9 +178,12 @@ def _varied_shards(root) -> list[str]:
             paths.append(path)
     good_tar = _tar(good)
     third = _reference(good_tar)[2][1]
-    for name, data in {"cut": good_tar[:5000], "cut-at-header": good_tar[:4096],
-                       "no-end": good_tar[:-1024 * 10],
-                       "flipped": good_tar[:third + 3] + b"#" + good_tar[third + 4:]}.items():
+    for name, data in {
+        "cut": good_tar[:5000],
+        "cut-at-header": good_tar[:4096],
+        "no-end": good_tar[: -1024 * 10],
+        "flipped": good_tar[: third + 3] + b"#" + good_tar[third + 4 :],
+    }.items():
         path = os.path.join(root, f"{name}.tar")
         with open(path, "wb") as f:
             f.write(data)
@@ -178,8 +196,9 @@ def _sidecars(paths, out) -> dict:
     got = {}
     for name in sorted(os.listdir(out)):
         with np.load(os.path.join(out, name)) as z:
-            arrays = {k: (z[k].dtype.str, z[k].shape, z[k].tobytes())
-                      for k in z.files if k != "meta"}
+            arrays = {
+                k: (z[k].dtype.str, z[k].shape, z[k].tobytes()) for k in z.files if k != "meta"
+            }
             got[name] = (json.loads(z["meta"].tobytes()), arrays)
     return got
 
@@ -204,22 +223,39 @@ def test_bulk_text_pass_writes_the_reference_passs_sidecars(tmp_path, monkeypatc
         assert bulk[name] == reference[name], name
     odd = reference["odd-1.tar.prealign-index.npz"][0]  # (the shards hold what they say)
     assert len(odd["events"]) == 9 and len(odd["dims"]) == 6 and odd["num_events"] == 62
-    assert [ev[1]["reason"] for name in ("cut", "cut-at-header", "no-end", "flipped")
-            for ev in reference[f"{name}.tar.prealign-index.npz"][0]["events"]] \
-        == ["corrupt_shard"] * 4
+    assert [
+        ev[1]["reason"]
+        for name in ("cut", "cut-at-header", "no-end", "flipped")
+        for ev in reference[f"{name}.tar.prealign-index.npz"][0]["events"]
+    ] == ["corrupt_shard"] * 4
 
 
-@settings(max_examples=40, deadline=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-@given(st.lists(st.tuples(st.sampled_from(["a", "b", "c", "a/b" * 40]), st.integers(0, 300),
-                          st.sampled_from(["input_ids.npy", "labels.npy", "txt", "input_ids.npy"]),
-                          st.sampled_from([np.int64, np.int32, np.uint16])), max_size=25),
-       st.sampled_from([1024, 2048, 1 << 20]), st.sampled_from(FORMATS))
-def test_bulk_text_pass_equals_the_reference_on_generated_shards(tmp_path_factory, monkeypatch,
-                                                                 members, block, fmt):
+@settings(
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["a", "b", "c", "a/b" * 40]),
+            st.integers(0, 300),
+            st.sampled_from(["input_ids.npy", "labels.npy", "txt", "input_ids.npy"]),
+            st.sampled_from([np.int64, np.int32, np.uint16]),
+        ),
+        max_size=25,
+    ),
+    st.sampled_from([1024, 2048, 1 << 20]),
+    st.sampled_from(FORMATS),
+)
+def test_bulk_text_pass_equals_the_reference_on_generated_shards(
+    tmp_path_factory, monkeypatch, members, block, fmt
+):
     root = tmp_path_factory.mktemp("gen")
-    shard = [(f"{key}{i // 3}.{ext}", _npy(_ids(n, i, dtype)) if ext.endswith("npy") else b"t")
-             for i, (key, n, ext, dtype) in enumerate(members)]
+    shard = [
+        (f"{key}{i // 3}.{ext}", _npy(_ids(n, i, dtype)) if ext.endswith("npy") else b"t")
+        for i, (key, n, ext, dtype) in enumerate(members)
+    ]
     path = str(root / "s.tar")
     try:
         data = _tar(shard, fmt)
@@ -262,13 +298,16 @@ def test_the_reference_judges_one_sample_per_signature_at_any_shard_size(tmp_pat
     counts = {}
     for n in (100, 2000):
         path = str(tmp_path / f"s{n}.tar")
-        members = [(f"{i:05d}.input_ids.npy",
-                    _npy(_ids(16 + i % 240, i, np.int32 if i % 2 else np.int64))) for i in range(n)]
+        members = [
+            (f"{i:05d}.input_ids.npy", _npy(_ids(16 + i % 240, i, np.int32 if i % 2 else np.int64)))
+            for i in range(n)
+        ]
         with open(path, "wb") as f:
             f.write(_tar(members))
         calls.update(sample=0, iter_members=0)
-        stats = write_sidecars(WebDatasetSource([path]), SCHEMA, out_dir=str(tmp_path / f"o{n}"),
-                               force=True)
+        stats = write_sidecars(
+            WebDatasetSource([path]), SCHEMA, out_dir=str(tmp_path / f"o{n}"), force=True
+        )
         assert stats["samples"] == n
         counts[n] = dict(calls)
     assert counts[100] == counts[2000] == {"sample": 2, "iter_members": 0}  # two dtypes, two sigs

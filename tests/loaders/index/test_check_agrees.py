@@ -1,6 +1,8 @@
-"""``prealign index --check`` and the loader agree on a merged index (issue #31): a merged index left stale by a
-shard re-indexed on its own (its sidecar up to date, the merged file not) is what a loader reads first and
+"""``prealign index --check`` and the loader agree on a merged index (issue #31): a merged index
+left stale by a shard re-indexed on its own (its sidecar up to date, the merged file not) is what a
+loader reads first and
 refuses, so ``--check`` reports it too instead of "2/2 shard(s) match"."""
+
 from __future__ import annotations
 
 import pytest
@@ -23,8 +25,12 @@ def test_index_check_refuses_the_stale_merged_index_the_loader_refuses(tmp_path,
     assert "2/2 shard(s) match" in capsys.readouterr().err
     write_shards(str(tmp_path), sample_lengths(40, seed=5), num_shards=2)  # other data, same names
     write_sidecars(WebDatasetSource(paths), causal_lm_schema(), force=True)  # the sidecars only
-    loader = PackedLoader(WebDatasetSource(paths), schema=causal_lm_schema(), layout=ParallelLayout(),
-                          token_budget=256)
+    loader = PackedLoader(
+        WebDatasetSource(paths),
+        schema=causal_lm_schema(),
+        layout=ParallelLayout(),
+        token_budget=256,
+    )
     with pytest.raises(ChangedShardError):
         list(loader)
     assert main(["index", *paths, "--text", "--check"]) == 1
@@ -33,5 +39,16 @@ def test_index_check_refuses_the_stale_merged_index_the_loader_refuses(tmp_path,
     assert merged_path(WebDatasetSource(paths)) in err and paths[0] + ": " in err
     assert main(["index", *paths, "--text", "--merge"]) == 0  # the command it names fixes it
     assert main(["index", *paths, "--text", "--check"]) == 0
-    assert len(list(PackedLoader(WebDatasetSource(paths), schema=causal_lm_schema(), layout=ParallelLayout(),
-                                 token_budget=256))) > 0
+    assert (
+        len(
+            list(
+                PackedLoader(
+                    WebDatasetSource(paths),
+                    schema=causal_lm_schema(),
+                    layout=ParallelLayout(),
+                    token_budget=256,
+                )
+            )
+        )
+        > 0
+    )

@@ -6,6 +6,7 @@ never counted as a ``corrupt_shard``; a truncated or garbled tar stays ``corrupt
 The fault is injected below the index pass: the file object ``remote.open_stream`` opens for a shard
 is the real file, wrapped so that a read crossing byte ``fail_at`` raises ``OSError(EIO)`` as a
 failing disk does."""
+
 from __future__ import annotations
 
 import errno
@@ -93,14 +94,16 @@ def failing_disk(monkeypatch):
 def _raises_eio(call) -> OSError:
     with pytest.raises(OSError) as err:
         call()
-    assert err.value.errno == errno.EIO and not isinstance(err.value, PrealignError), repr(err.value)
+    assert err.value.errno == errno.EIO and not isinstance(err.value, PrealignError), repr(
+        err.value
+    )
     return err.value
 
 
 @pytest.mark.parametrize("where", ["first_block", "second_block"])
 def test_a_read_error_in_the_bulk_text_pass_propagates(tmp_path, failing_disk, where):
-    """The bulk pass reads 8 MiB blocks: an error in the first, or after a whole block was indexed.
-    """
+    """The bulk pass reads 8 MiB blocks: an error in the first, or after a whole block was
+    indexed."""
     path = _shard(tmp_path / "s-0.tar", 70, 16384)  # ~9 MiB: two blocks
     size = os.path.getsize(path)
     fault = failing_disk(path, size // 3 if where == "first_block" else size - 200_000)
@@ -110,8 +113,12 @@ def test_a_read_error_in_the_bulk_text_pass_propagates(tmp_path, failing_disk, w
 
 
 @pytest.mark.parametrize("full", [False, True], ids=["reference_reader", "full_pass"])
-def test_a_read_error_in_the_reference_reader_and_the_full_pass_propagates(tmp_path, failing_disk, full):
-    path = _shard(tmp_path / "s-0.tar", 40, 64, link_first=not full)  # (a link: the reference tar reader)
+def test_a_read_error_in_the_reference_reader_and_the_full_pass_propagates(
+    tmp_path, failing_disk, full
+):
+    path = _shard(
+        tmp_path / "s-0.tar", 40, 64, link_first=not full
+    )  # (a link: the reference tar reader)
     fault = failing_disk(path, os.path.getsize(path) // 2)
     _raises_eio(lambda: write_sidecars(WebDatasetSource([path]), SCHEMA, force=True, full=full))
     assert fault["hit"] == 1

@@ -1,5 +1,8 @@
-"""The index pass streams a shard (issue #18): its peak memory is about one sample's, not the shard's (it
-held the shard twice: a 390 MiB shard peaked at 1 GiB); a device or FIFO given as a shard is refused."""
+"""The index pass streams a shard (issue #18): its peak memory is about one sample's, not the
+shard's (it
+held the shard twice: a 390 MiB shard peaked at 1 GiB); a device or FIFO given as a shard is
+refused."""
+
 from __future__ import annotations
 
 import io
@@ -31,8 +34,9 @@ with open("/proc/self/status") as f:
 
 
 def _shard(path: str, members: int, tokens: int) -> int:
-    """A shard of ``members`` samples, each one ``input_ids.npy`` of ``tokens`` int32 tokens but the first
-    (10 tokens: the one sample the pass also transforms and collates in full, whose peak is the
+    """A shard of ``members`` samples, each one ``input_ids.npy`` of ``tokens`` int32 tokens but the
+    first (10 tokens: the one sample the pass also transforms and collates in full, whose peak is
+    the
     transform's, is small, so what is measured is the reading of the shard)."""
     rng = np.random.default_rng(0)
     with tarfile.open(path, "w") as tf:
@@ -47,7 +51,9 @@ def _shard(path: str, members: int, tokens: int) -> int:
 
 
 def _peak(path: str) -> int:
-    out = subprocess.run([sys.executable, "-c", _PEAK, path], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", _PEAK, path], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     return int(out.stdout.split()[-1])
 
@@ -59,9 +65,12 @@ def test_header_pass_peak_memory_is_a_sample_not_the_shard(tmp_path):
     big = _shard(str(tmp_path / "big.tar"), 9, 6_000_000)  # 8 members of 24 MB: a 192 MB shard
     base, peak = _peak(str(tmp_path / "small.tar")), _peak(str(tmp_path / "big.tar"))
     grown = peak - base
-    print(f"shard {big / 2**20:.0f} MiB ({small} B baseline): peak {peak / 2**20:.0f} MiB, "
-          f"{base / 2**20:.0f} MiB baseline, +{grown / 2**20:.0f} MiB")
-    # streamed: a few copies of the largest member (24 MB), never the shard (before: +2.6x the shard)
+    print(
+        f"shard {big / 2**20:.0f} MiB ({small} B baseline): peak {peak / 2**20:.0f} MiB, "
+        f"{base / 2**20:.0f} MiB baseline, +{grown / 2**20:.0f} MiB"
+    )
+    # streamed: a few copies of the largest member (24 MB), never the shard (before: +2.6x the
+    # shard)
     assert grown < 0.5 * big, f"indexing a {big} B shard grew the peak by {grown} B"
 
 

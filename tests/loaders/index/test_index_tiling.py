@@ -1,7 +1,9 @@
-"""Every row accounted for (issue #31): a good row removed next to a bad sample (its counts adjusted) leaves a
-gap that the bad sample's record seemed to explain; the shard's first read counts the samples in that gap, so
-the loader refuses the index instead of serving 8 of 9 good samples. The same through a merged index and
+"""Every row accounted for (issue #31): a good row removed next to a bad sample (its counts
+adjusted) leaves a gap that the bad sample's record seemed to explain; the shard's first read counts
+the samples in that gap, so the loader refuses the index instead of serving 8 of 9 good samples. The
+same through a merged index and
 through a shard's own sidecar."""
+
 from __future__ import annotations
 
 import os
@@ -29,12 +31,19 @@ def _bad(at):
     def extra(i, tf):
         if i in at:
             add_member(tf, f"{i:06d}.input_ids.npy", b"not an npy")
+
     return extra
 
 
 def _served(paths) -> int:
-    loader = PackedLoader(WebDatasetSource(paths), schema=SCHEMA, layout=ParallelLayout(), token_budget=128,
-                          seed=3, bad_data=SKIP)
+    loader = PackedLoader(
+        WebDatasetSource(paths),
+        schema=SCHEMA,
+        layout=ParallelLayout(),
+        token_budget=128,
+        seed=3,
+        bad_data=SKIP,
+    )
     return sum(len(b["sample_index"]) for b in loader)
 
 

@@ -1,6 +1,9 @@
-"""A merged index is checked as strictly as the sidecars it stands for (review of issue #22): rows removed,
-repeated or reordered with the counts adjusted, a malformed event or dims entry, a size that would switch
-off a shard's first-read check; each a StaleIndexError naming the merged file, never a sample silently lost."""
+"""A merged index is checked as strictly as the sidecars it stands for (review of issue #22): rows
+removed, repeated or reordered with the counts adjusted, a malformed event or dims entry, a size
+that would switch
+off a shard's first-read check; each a StaleIndexError naming the merged file, never a sample
+silently lost."""
+
 from __future__ import annotations
 
 import io
@@ -43,19 +46,32 @@ def _load(paths):
     for p in paths:  # the loader reads the merged file alone
         if os.path.exists(p + ".prealign-index.npz"):
             os.remove(p + ".prealign-index.npz")
-    loader = PackedLoader(WebDatasetSource(paths), schema=SCHEMA, layout=ParallelLayout(), token_budget=128,
-                          seed=3, bad_data=BadDataPolicy(on_error="skip", max_consecutive=50)).prepare()
+    loader = PackedLoader(
+        WebDatasetSource(paths),
+        schema=SCHEMA,
+        layout=ParallelLayout(),
+        token_budget=128,
+        seed=3,
+        bad_data=BadDataPolicy(on_error="skip", max_consecutive=50),
+    ).prepare()
     return len(loader.index), list(loader)
 
 
-@pytest.mark.parametrize("edit", ["removed", "repeated", "swapped", "first_removed", "last_removed", "past_the_end"])
+@pytest.mark.parametrize(
+    "edit", ["removed", "repeated", "swapped", "first_removed", "last_removed", "past_the_end"]
+)
 def test_a_merged_index_with_rows_edited_and_counts_adjusted_is_refused(tmp_path, edit):
     paths, path, a, meta = _merged(tmp_path)
     assert a["shards"][:, 1].tolist() == [10, 10, 10] and not meta["events"]
     keep = list(range(30))
-    rows = {"removed": keep[:15] + keep[16:], "repeated": keep[:15] + [14] + keep[15:],
-            "swapped": keep[:14] + [15, 14] + keep[16:], "first_removed": keep[:10] + keep[11:],
-            "last_removed": keep[:19] + keep[20:], "past_the_end": keep}[edit]
+    rows = {
+        "removed": keep[:15] + keep[16:],
+        "repeated": keep[:15] + [14] + keep[15:],
+        "swapped": keep[:14] + [15, 14] + keep[16:],
+        "first_removed": keep[:10] + keep[11:],
+        "last_removed": keep[:19] + keep[20:],
+        "past_the_end": keep,
+    }[edit]
     for key in _ROWS:
         a[key] = a[key][rows]
     a["shards"][1, 1:3] += len(rows) - 30
@@ -69,21 +85,33 @@ def test_a_merged_index_with_rows_edited_and_counts_adjusted_is_refused(tmp_path
 
 
 def test_first_and_last_bytes_must_be_those_of_the_samples(tmp_path):
-    """A crafted ``first = -1`` would switch off the check of the bytes before a shard's first sample."""
+    """A crafted ``first = -1`` would switch off the check of the bytes before a shard's first
+    sample."""
     paths, path, a, meta = _merged(tmp_path)
     a["shards"][0, 3] = -1
     with pytest.raises(StaleIndexError, match="first / last byte"):
         _parse(_save(path, a, meta), path)
 
 
-@pytest.mark.parametrize("hostile", ["skip_short", "bad_no_record", "event_twice", "dims", "dims_bool", "size"])
+@pytest.mark.parametrize(
+    "hostile", ["skip_short", "bad_no_record", "event_twice", "dims", "dims_bool", "size"]
+)
 def test_a_crafted_merged_index_is_a_typed_error_naming_the_field(tmp_path, hostile):
     paths, path, a, meta = _merged(tmp_path)
-    field = {"skip_short": "malformed event", "bad_no_record": "malformed event", "event_twice": "events",
-             "dims": "dims", "dims_bool": "dims", "size": "shard sizes"}[hostile]
+    field = {
+        "skip_short": "malformed event",
+        "bad_no_record": "malformed event",
+        "event_twice": "events",
+        "dims": "dims",
+        "dims_bool": "dims",
+        "size": "shard sizes",
+    }[hostile]
     if hostile in ("skip_short", "bad_no_record", "event_twice"):
-        ev = {"skip_short": ["skip"], "bad_no_record": ["bad", "x", {"type": "sample"}],
-              "event_twice": ["skip", "r", "w", "m"]}[hostile]
+        ev = {
+            "skip_short": ["skip"],
+            "bad_no_record": ["bad", "x", {"type": "sample"}],
+            "event_twice": ["skip", "r", "w", "m"],
+        }[hostile]
         extra = 2 if hostile == "event_twice" else 1
         a["shards"][1, 2] += extra
         meta["events"] += [[1, 10, ev]] * extra
@@ -98,6 +126,7 @@ def test_a_crafted_merged_index_is_a_typed_error_naming_the_field(tmp_path, host
 
 def test_a_real_merged_index_with_bad_samples_still_loads(tmp_path):
     """Gaps where bad samples were (a shard's first and last too) are explained by their events."""
+
     def extra(i, tf):
         if i in (0, 9, 14):
             add_member(tf, f"{i:06d}.input_ids.npy", b"not an npy")
@@ -109,7 +138,8 @@ def test_a_real_merged_index_with_bad_samples_still_loads(tmp_path):
 
 
 def test_a_merged_index_that_inflates_past_its_size_is_refused_before_inflating(tmp_path):
-    """``merge_sidecars`` stores members uncompressed: a deflated file that inflates to more than twice its
+    """``merge_sidecars`` stores members uncompressed: a deflated file that inflates to more than
+    twice its
     size (a zip bomb) is refused."""
     paths, path, a, meta = _merged(tmp_path)
     a["dim_ids"] = np.random.default_rng(0).integers(0, 4, 1 << 19)  # 4 MiB that deflate ~20x

@@ -1,6 +1,8 @@
-"""What a start over many shards leaves to the first read (issue #28): a saved index's shard sizes are checked
-when each shard is first opened (not by a stat of every shard at the start, at any shard count), and a main-process loader closes
+"""What a start over many shards leaves to the first read (issue #28): a saved index's shard sizes
+are checked when each shard is first opened (not by a stat of every shard at the start, at any shard
+count), and a main-process loader closes
 the shard files it opened when its epoch ends."""
+
 from __future__ import annotations
 
 import os
@@ -17,7 +19,9 @@ SCHEMA = causal_lm_schema()
 
 
 def _loader(source, **kw) -> PackedLoader:
-    return PackedLoader(source, schema=SCHEMA, layout=ParallelLayout(), token_budget=256, seed=1, **kw)
+    return PackedLoader(
+        source, schema=SCHEMA, layout=ParallelLayout(), token_budget=256, seed=1, **kw
+    )
 
 
 def _open_shards(paths) -> list[str]:
@@ -33,7 +37,9 @@ def _open_shards(paths) -> list[str]:
     return found
 
 
-@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="platform: no /proc/self/fd to list open files")
+@pytest.mark.skipif(
+    not os.path.isdir("/proc/self/fd"), reason="platform: no /proc/self/fd to list open files"
+)
 def test_a_main_process_loader_closes_its_shard_files_at_the_end_of_each_epoch(tmp_path):
     paths = write_shards(str(tmp_path), sample_lengths(60), num_shards=4)
     loader = _loader(WebDatasetSource(paths, max_open_files=8)).prepare()
@@ -52,7 +58,9 @@ def test_a_main_process_loader_closes_its_shard_files_at_the_end_of_each_epoch(t
 
 
 @pytest.mark.parametrize("n", [3, 60])
-def test_a_saved_index_checks_each_shard_size_at_its_first_read_not_at_the_start(tmp_path, monkeypatch, n):
+def test_a_saved_index_checks_each_shard_size_at_its_first_read_not_at_the_start(
+    tmp_path, monkeypatch, n
+):
     paths = write_shards(str(tmp_path), sample_lengths(max(n, 30)), num_shards=n)
     saved = str(tmp_path / "index.npz")
     build_index(WebDatasetSource(paths, sidecars=False), SCHEMA).save(saved)
@@ -68,10 +76,14 @@ def test_a_saved_index_checks_each_shard_size_at_its_first_read_not_at_the_start
 
     with monkeypatch.context() as m:
         m.setattr(os, "stat", counted)
-        loader = _loader(WebDatasetSource(paths, sidecars=False), indexing=IndexOptions(prebuilt=saved)).prepare()
+        loader = _loader(
+            WebDatasetSource(paths, sidecars=False), indexing=IndexOptions(prebuilt=saved)
+        ).prepare()
     assert [p for p in stats if p.endswith(".tar")] == []  # the start stats no shard, at 3 as at 60
     seen = []
-    with pytest.raises(ChangedShardError, match=f"{os.path.basename(changed)}.*bytes now.*build_index"):
+    with pytest.raises(
+        ChangedShardError, match=f"{os.path.basename(changed)}.*bytes now.*build_index"
+    ):
         for batch in loader:  # before any of its samples
             seen.append(batch)
     assert len(seen) < len(list(_loader(WebDatasetSource(paths, sidecars=False))))

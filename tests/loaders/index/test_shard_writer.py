@@ -1,5 +1,8 @@
-"""``ShardWriter`` (issue #20, item 2): samples -> webdataset shards of a target size with their sidecars, in
-one call; write -> index -> load gives back the samples; hostile names are refused and nothing is overwritten."""
+"""``ShardWriter`` (issue #20, item 2): samples -> webdataset shards of a target size with their
+sidecars, in
+one call; write -> index -> load gives back the samples; hostile names are refused and nothing is
+overwritten."""
+
 from __future__ import annotations
 
 import io
@@ -27,7 +30,12 @@ def _samples(n: int, seed: int = 0, topk: int | None = None) -> list[dict]:
         ids = rng.integers(1, 1000, int(rng.integers(3, 80))).astype(np.int64)
         labels = ids.copy()
         labels[: len(ids) // 3] = -100
-        sample = {"__key__": f"s{i:05d}", "input_ids": ids, "labels": torch.from_numpy(labels), "json": {"id": i}}
+        sample = {
+            "__key__": f"s{i:05d}",
+            "input_ids": ids,
+            "labels": torch.from_numpy(labels),
+            "json": {"id": i},
+        }
         if topk:
             sample["teacher_topk_log_probs"] = -rng.random((len(ids), topk)).astype(np.float32)
             sample["teacher_topk_ids"] = rng.integers(0, 1000, (len(ids), topk))
@@ -45,7 +53,9 @@ def test_write_index_load_gives_back_the_samples(tmp_path, monkeypatch):
         for s in samples:
             w.write(s)
     assert len(w.shards) > 3 and w.count == 120
-    for path in w.shards:  # about the target size: a shard closes before a sample that would take it past
+    for (
+        path
+    ) in w.shards:  # about the target size: a shard closes before a sample that would take it past
         assert os.path.getsize(path) <= (32 << 10) + 10240 and os.path.exists(path + SUFFIX)
         meta, _ = parse_sidecar(open(path + SUFFIX, "rb").read(), shard=path)
         assert meta["size"] == os.path.getsize(path)
@@ -59,10 +69,17 @@ def test_write_index_load_gives_back_the_samples(tmp_path, monkeypatch):
         want = by_key[got["__key__"]]
         assert torch.equal(got["input_ids"], torch.from_numpy(want["input_ids"]))
         assert torch.equal(got["labels"], want["labels"])
-        assert torch.equal(got["teacher_topk_log_probs"], torch.from_numpy(want["teacher_topk_log_probs"]))
-        assert json.loads(got["json"]) == want["json"] if isinstance(got["json"], (str, bytes)) else \
-            got["json"] == want["json"]
-    loader = PackedLoader(src, schema=causal_lm_schema(topk=4), layout=ParallelLayout(), token_budget=4096)
+        assert torch.equal(
+            got["teacher_topk_log_probs"], torch.from_numpy(want["teacher_topk_log_probs"])
+        )
+        assert (
+            json.loads(got["json"]) == want["json"]
+            if isinstance(got["json"], (str, bytes))
+            else got["json"] == want["json"]
+        )
+    loader = PackedLoader(
+        src, schema=causal_lm_schema(topk=4), layout=ParallelLayout(), token_budget=4096
+    )
     assert sum(len(b["sample_index"]) for b in loader) == 120  # every sample, from the sidecars
 
 
@@ -74,7 +91,9 @@ def test_every_sample_lands_in_exactly_one_shard_in_order(tmp_path_factory, leng
         for i, n in enumerate(lengths):
             w.write({"__key__": f"k{i}", "input_ids": np.arange(1, n + 1, dtype=np.int32)})
     index = build_index(WebDatasetSource(w.shards), causal_lm_schema())
-    assert index.lengths.tolist() == lengths  # canonical order: shard by shard, written order inside
+    assert (
+        index.lengths.tolist() == lengths
+    )  # canonical order: shard by shard, written order inside
 
 
 def test_vlm_samples_with_images_round_trip_with_the_transform(tmp_path, monkeypatch):
@@ -89,29 +108,43 @@ def test_vlm_samples_with_images_round_trip_with_the_transform(tmp_path, monkeyp
     with ShardWriter(str(tmp_path / "vlm-%03d.tar"), max_bytes=64 << 10, transform=transform) as w:
         for i in range(12):
             img = Image.fromarray(rng.integers(0, 255, (56 + 8 * i, 64, 3), dtype=np.uint8))
-            chat = {"messages": [{"role": "user", "content": "<image>\nwhat is it?"},
-                                 {"role": "assistant", "content": "a picture."}], "images": ["0.png"]}
+            chat = {
+                "messages": [
+                    {"role": "user", "content": "<image>\nwhat is it?"},
+                    {"role": "assistant", "content": "a picture."},
+                ],
+                "images": ["0.png"],
+            }
             w.write({"__key__": f"v{i}", "json": chat, "0.png": img})
     monkeypatch.setattr(WebDatasetSource, "scan", _no_scan)
     src = WebDatasetSource(w.shards, transform=transform, image="bytes")
-    batches = list(PackedLoader(src, schema=vlm_schema(vocab_size=ByteTokenizer().vocab_size),
-                                layout=ParallelLayout(), token_budget=8192))
+    batches = list(
+        PackedLoader(
+            src,
+            schema=vlm_schema(vocab_size=ByteTokenizer().vocab_size),
+            layout=ParallelLayout(),
+            token_budget=8192,
+        )
+    )
     assert sum(len(b["sample_index"]) for b in batches) == 12
     assert sum(int(b["image_grid_thw"].shape[0]) for b in batches) == 12
 
 
-@pytest.mark.parametrize("sample", [
-    {"__key__": "../escape", "input_ids": np.arange(3)},
-    {"__key__": "a/b", "input_ids": np.arange(3)},
-    {"__key__": "has.dot", "input_ids": np.arange(3)},
-    {"__key__": "ok", "../x": b"1"},
-    {"__key__": "ok", ".hidden": b"1"},
-    {"__key__": "ok", "a/b.txt": b"1"},
-    {"__key__": "ok", "bad\nname": b"1"},
-    {"__key__": "ok", "input_ids": np.array([object()])},
-    {"__key__": "ok", "thing": object()},
-    {"__key__": "ok"},
-])
+@pytest.mark.parametrize(
+    "sample",
+    [
+        {"__key__": "../escape", "input_ids": np.arange(3)},
+        {"__key__": "a/b", "input_ids": np.arange(3)},
+        {"__key__": "has.dot", "input_ids": np.arange(3)},
+        {"__key__": "ok", "../x": b"1"},
+        {"__key__": "ok", ".hidden": b"1"},
+        {"__key__": "ok", "a/b.txt": b"1"},
+        {"__key__": "ok", "bad\nname": b"1"},
+        {"__key__": "ok", "input_ids": np.array([object()])},
+        {"__key__": "ok", "thing": object()},
+        {"__key__": "ok"},
+    ],
+)
 def test_hostile_names_and_values_are_refused_and_nothing_escapes(tmp_path, sample):
     inner = tmp_path / "inner"
     with pytest.raises(ConfigError):
@@ -135,19 +168,44 @@ def test_members_are_stored_as_the_format_page_says(tmp_path):
     from PIL import Image
 
     with ShardWriter(str(tmp_path / "s-%03d.tar"), sidecars=False) as w:
-        w.write({"__key__": "a", "input_ids": np.arange(1, 5, dtype=np.int32), "json": {"x": 1}, "txt": "hi",
-                 "0.jpg": b"\xff\xd8raw", "frame": Image.new("RGB", (4, 4)), "video": np.zeros((2, 4, 4, 3), np.uint8)})
+        w.write(
+            {
+                "__key__": "a",
+                "input_ids": np.arange(1, 5, dtype=np.int32),
+                "json": {"x": 1},
+                "txt": "hi",
+                "0.jpg": b"\xff\xd8raw",
+                "frame": Image.new("RGB", (4, 4)),
+                "video": np.zeros((2, 4, 4, 3), np.uint8),
+            }
+        )
     with tarfile.open(w.shards[0]) as tf:
         names = tf.getnames()
-        assert names == ["a.input_ids.npy", "a.json", "a.txt", "a.0.jpg", "a.frame.png", "a.video.npy"]
-        assert np.load(io.BytesIO(tf.extractfile("a.input_ids.npy").read())).tolist() == [1, 2, 3, 4]
+        assert names == [
+            "a.input_ids.npy",
+            "a.json",
+            "a.txt",
+            "a.0.jpg",
+            "a.frame.png",
+            "a.video.npy",
+        ]
+        assert np.load(io.BytesIO(tf.extractfile("a.input_ids.npy").read())).tolist() == [
+            1,
+            2,
+            3,
+            4,
+        ]
         assert json.loads(tf.extractfile("a.json").read()) == {"x": 1}
         assert tf.extractfile("a.0.jpg").read() == b"\xff\xd8raw"
 
 
 def _load(paths, **kw) -> int:
-    loader = PackedLoader(WebDatasetSource(paths, **kw), schema=causal_lm_schema(), layout=ParallelLayout(),
-                          token_budget=4096)
+    loader = PackedLoader(
+        WebDatasetSource(paths, **kw),
+        schema=causal_lm_schema(),
+        layout=ParallelLayout(),
+        token_budget=4096,
+    )
     return len(loader.prepare().index)
 
 
@@ -158,23 +216,38 @@ def test_a_with_block_that_fails_leaves_its_shard_as_part_with_no_sidecar(tmp_pa
                 w.write({"input_ids": np.arange(1, 9)})
             raise RuntimeError("tokenizer crashed")
     assert sorted(os.listdir(tmp_path)) == ["s-000.tar", "s-000.tar" + SUFFIX, "s-001.tar.part"]
-    assert w.shards == [str(tmp_path / "s-000.tar")] and _load(w.shards) == 10  # the closed shard, whole
+    assert (
+        w.shards == [str(tmp_path / "s-000.tar")] and _load(w.shards) == 10
+    )  # the closed shard, whole
 
 
 def test_a_shard_being_written_never_has_its_final_name(tmp_path):
     w = ShardWriter(str(tmp_path / "s-%03d.tar"))
     w.write({"input_ids": np.arange(1, 9)})
-    assert os.listdir(tmp_path) == ["s-000.tar.part"]  # killed here: no truncated s-000.tar for a loader to read
+    assert os.listdir(tmp_path) == [
+        "s-000.tar.part"
+    ]  # killed here: no truncated s-000.tar for a loader to read
     w.close()
     assert sorted(os.listdir(tmp_path)) == ["s-000.tar", "s-000.tar" + SUFFIX]
 
 
-@pytest.mark.parametrize("sample, match", [
-    ({"__key__": "k" * 80, "input_ids": np.arange(1, 9), "teacher_topk_log_probs": -np.ones((8, 2), np.float32)},
-     "k{80}.teacher_topk_log_probs.npy is 107 bytes.*at most 100"),
-    ({"__key__": "s1", "input_ids": np.arange(1, 9), "input_ids.npy": np.arange(1, 5)},
-     "'s1': entries 'input_ids' and 'input_ids.npy' are both member s1.input_ids.npy"),
-])
+@pytest.mark.parametrize(
+    "sample, match",
+    [
+        (
+            {
+                "__key__": "k" * 80,
+                "input_ids": np.arange(1, 9),
+                "teacher_topk_log_probs": -np.ones((8, 2), np.float32),
+            },
+            "k{80}.teacher_topk_log_probs.npy is 107 bytes.*at most 100",
+        ),
+        (
+            {"__key__": "s1", "input_ids": np.arange(1, 9), "input_ids.npy": np.arange(1, 5)},
+            "'s1': entries 'input_ids' and 'input_ids.npy' are both member s1.input_ids.npy",
+        ),
+    ],
+)
 def test_a_bad_sample_is_refused_whole_before_any_member_is_written(tmp_path, sample, match):
     w = ShardWriter(str(tmp_path / "s-%03d.tar"))
     w.write({"__key__": "s0", "input_ids": np.arange(1, 9)})
@@ -220,15 +293,34 @@ def test_pre_tokenized_vlm_samples_load_their_own_ids_from_sidecars_and_in_proce
     written = []
     with ShardWriter(str(tmp_path / "v-%03d.tar"), transform=transform) as w:
         for i in range(4):
-            chat = {"messages": [{"role": "user", "content": "<image>\nwhat?"},
-                                 {"role": "assistant", "content": "x" * (5 + i)}], "images": ["0.png"]}
-            ids = transform({"__key__": "k", "json": chat, "0.png": png.getvalue()})["input_ids"].numpy()
+            chat = {
+                "messages": [
+                    {"role": "user", "content": "<image>\nwhat?"},
+                    {"role": "assistant", "content": "x" * (5 + i)},
+                ],
+                "images": ["0.png"],
+            }
+            ids = transform({"__key__": "k", "json": chat, "0.png": png.getvalue()})[
+                "input_ids"
+            ].numpy()
             written.append(ids)  # the ids are the sample (its text member says nothing of them)
-            w.write({"__key__": f"s{i}", "input_ids": ids, "json": {"text": "<image>\n", "images": ["0.png"]},
-                     "0.png": png.getvalue()})
+            w.write(
+                {
+                    "__key__": f"s{i}",
+                    "input_ids": ids,
+                    "json": {"text": "<image>\n", "images": ["0.png"]},
+                    "0.png": png.getvalue(),
+                }
+            )
     for sidecars in (True, False):
-        loader = PackedLoader(WebDatasetSource(w.shards, transform=transform, image="bytes", sidecars=sidecars),
-                              schema=vlm_schema(), layout=ParallelLayout(), token_budget=8192,
-                              bad_data=BadDataPolicy(on_error="skip", warn=False))
+        loader = PackedLoader(
+            WebDatasetSource(w.shards, transform=transform, image="bytes", sidecars=sidecars),
+            schema=vlm_schema(),
+            layout=ParallelLayout(),
+            token_budget=8192,
+            bad_data=BadDataPolicy(on_error="skip", warn=False),
+        )
         batch = next(iter(loader))
-        assert sorted(batch["input_ids"].reshape(-1).tolist()) == sorted(np.concatenate(written).tolist()), sidecars
+        assert sorted(batch["input_ids"].reshape(-1).tolist()) == sorted(
+            np.concatenate(written).tolist()
+        ), sidecars

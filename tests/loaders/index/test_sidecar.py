@@ -1,5 +1,7 @@
-"""Sidecar indexes and the header pass (issue #7, items 1 and 2): the same index and plan from sidecars,
+"""Sidecar indexes and the header pass (issue #7, items 1 and 2): the same index and plan from
+sidecars,
 a saved SampleIndex or the in-process pass; every mismatch with the data raises before any batch."""
+
 from __future__ import annotations
 
 import io
@@ -17,7 +19,12 @@ from prealign.loaders import (
     WebDatasetSource,
     build_index,
 )
-from prealign.loaders.errors import ChangedShardError, ExtraShardError, MissingShardError, StaleIndexError
+from prealign.loaders.errors import (
+    ChangedShardError,
+    ExtraShardError,
+    MissingShardError,
+    StaleIndexError,
+)
 from prealign.loaders.index.build import index_shard
 from prealign.loaders.index.header_pass import header_index_shard, write_sidecars
 from prealign.loaders.index.sidecar import parse_sidecar
@@ -33,9 +40,19 @@ LAYOUT = ParallelLayout()
 
 
 def _loader(src, index=None, **kw):
-    """A prepared loader (the index pass, or the prebuilt ``index`` checked against ``src``, has run)."""
-    return PackedLoader(src, schema=SCHEMA, layout=LAYOUT, token_budget=128, dp_size=2, dp_rank=1, seed=3,
-                        indexing=IndexOptions(prebuilt=index), **kw).prepare()
+    """A prepared loader (the index pass, or the prebuilt ``index`` checked against ``src``, has
+    run)."""
+    return PackedLoader(
+        src,
+        schema=SCHEMA,
+        layout=LAYOUT,
+        token_budget=128,
+        dp_size=2,
+        dp_rank=1,
+        seed=3,
+        indexing=IndexOptions(prebuilt=index),
+        **kw,
+    ).prepare()
 
 
 def _bad_members(i, tf):
@@ -63,9 +80,15 @@ def _npy(a) -> bytes:
 def test_header_pass_equals_the_full_pass_and_sidecars_give_the_same_plan(tmp_path):
     paths = write_shards(str(tmp_path), sample_lengths(60), num_shards=3, extra=_bad_members)
     src = WebDatasetSource(paths, sidecars=False)
-    for shard in range(3):  # record by record: the header pass (data alone) keeps every sample the full pass
-        head, fp = header_index_shard(src, SCHEMA, shard)  # keeps, with its length; the schema's verdicts
-        full = index_shard(src, SCHEMA, shard)  # (sample 15's labels) are the loader's, when it reads the sidecar
+    for shard in range(
+        3
+    ):  # record by record: the header pass (data alone) keeps every sample the full pass
+        head, fp = header_index_shard(
+            src, SCHEMA, shard
+        )  # keeps, with its length; the schema's verdicts
+        full = index_shard(
+            src, SCHEMA, shard
+        )  # (sample 15's labels) are the loader's, when it reads the sidecar
         kept = dict(zip(map(tuple, head["locations"]), head["lengths"]))
         assert all(kept[tuple(loc)] == n for loc, n in zip(full["locations"], full["lengths"]))
         assert len(head["events"]) == len(full["events"])
@@ -78,13 +101,25 @@ def test_header_pass_equals_the_full_pass_and_sidecars_give_the_same_plan(tmp_pa
     os.rename(paths[1] + SUFFIX, str(tmp_path / "aside"))  # some shards from sidecars, one scanned
     assert build_index(WebDatasetSource(paths), SCHEMA, policy=SKIP).digest == in_process.digest
     os.rename(str(tmp_path / "aside"), paths[1] + SUFFIX)
-    assert from_sidecars.report.counts == in_process.report.counts == {"bad_sample": 2, "missing_member": 1} \
+    assert (
+        from_sidecars.report.counts
+        == in_process.report.counts
+        == {"bad_sample": 2, "missing_member": 1}
         or from_sidecars.report.counts == in_process.report.counts
+    )
     in_process.save(str(tmp_path / "d.index"))  # exactly this path (issue #7: not d.index.npz)
     assert not os.path.exists(tmp_path / "d.index.npz")
-    plans = [_loader(WebDatasetSource(paths, sidecars=False), bad_data=SKIP).epoch_samples(e) for e in (0, 1)]
-    assert plans == [_loader(WebDatasetSource(paths), bad_data=SKIP).epoch_samples(e) for e in (0, 1)]
-    assert plans == [_loader(WebDatasetSource(paths), index=str(tmp_path / "d.index")).epoch_samples(e) for e in (0, 1)]
+    plans = [
+        _loader(WebDatasetSource(paths, sidecars=False), bad_data=SKIP).epoch_samples(e)
+        for e in (0, 1)
+    ]
+    assert plans == [
+        _loader(WebDatasetSource(paths), bad_data=SKIP).epoch_samples(e) for e in (0, 1)
+    ]
+    assert plans == [
+        _loader(WebDatasetSource(paths), index=str(tmp_path / "d.index")).epoch_samples(e)
+        for e in (0, 1)
+    ]
     assert sum(len(mb) for mb in plans[0]) > 0
 
 
@@ -106,9 +141,15 @@ def test_loader_from_sidecars_touches_no_sample(tmp_path, monkeypatch):
 def test_second_run_indexes_only_new_or_changed_shards(tmp_path):
     paths = write_shards(str(tmp_path), sample_lengths(30), num_shards=3)
     out = str(tmp_path / "idx")
-    assert write_sidecars(WebDatasetSource(paths), SCHEMA, out_dir=out) == {"indexed": 3, "up_to_date": 0, "samples": 30}
+    assert write_sidecars(WebDatasetSource(paths), SCHEMA, out_dir=out) == {
+        "indexed": 3,
+        "up_to_date": 0,
+        "samples": 30,
+    }
     assert write_sidecars(WebDatasetSource(paths), SCHEMA, out_dir=out)["indexed"] == 0
-    write_shards(str(tmp_path), sample_lengths(33), num_shards=3)  # every shard rewritten, only the last longer
+    write_shards(
+        str(tmp_path), sample_lengths(33), num_shards=3
+    )  # every shard rewritten, only the last longer
     stats = write_sidecars(WebDatasetSource(paths), SCHEMA, out_dir=out)
     assert stats["indexed"] >= 1 and stats["up_to_date"] + stats["indexed"] == 3
     idx = build_index(WebDatasetSource(paths, index_dir=out), SCHEMA)
@@ -128,10 +169,13 @@ def test_changed_extra_and_foreign_indexes_raise_before_any_batch(tmp_path):
     write_sidecars(WebDatasetSource(paths), SCHEMA)
     idx = build_index(WebDatasetSource(paths), SCHEMA)
     idx.save(str(tmp_path / "two.index"))
-    with pytest.raises(ExtraShardError, match="shard-001.tar|2 shard"):  # an index of 2 shards, 1 given
+    with pytest.raises(
+        ExtraShardError, match="shard-001.tar|2 shard"
+    ):  # an index of 2 shards, 1 given
         _loader(WebDatasetSource(paths[:1]), index=str(tmp_path / "two.index"), bad_data=SKIP)
-    # shards rewritten with other data: other bytes in the first 64 KiB (shard 0), another size (shard 1)
-    # (a shard is checked at its first read: before any of its samples is served, never counted as bad data)
+    # shards rewritten with other data: other bytes in the first 64 KiB (shard 0), another size
+    # (shard 1) (a shard is checked at its first read: before any of its samples is served, never
+    # counted as bad data)
     write_shards(str(tmp_path / "a"), sample_lengths(30, seed=1), num_shards=2)
     with pytest.raises(ChangedShardError, match="shard-000.tar.*64 KiB differ"):
         list(_loader(WebDatasetSource(paths), bad_data=SKIP))
@@ -140,8 +184,16 @@ def test_changed_extra_and_foreign_indexes_raise_before_any_batch(tmp_path):
         f.write(bytes(10240))
     with pytest.raises(ChangedShardError, match="shard-001.tar.*bytes now"):
         list(_loader(WebDatasetSource(paths), bad_data=SKIP))
-    with pytest.raises(ChangedShardError, match="shard-001.tar"):  # a saved index: also at the first read
-        list(_loader(WebDatasetSource(paths, sidecars=False), index=str(tmp_path / "two.index"), bad_data=SKIP))
+    with pytest.raises(
+        ChangedShardError, match="shard-001.tar"
+    ):  # a saved index: also at the first read
+        list(
+            _loader(
+                WebDatasetSource(paths, sidecars=False),
+                index=str(tmp_path / "two.index"),
+                bad_data=SKIP,
+            )
+        )
     # a sidecar of another shard, and one of another schema
     paths_b = write_shards(str(tmp_path / "b"), sample_lengths(30), num_shards=2)
     shutil.copy(paths_b[0], paths_b[1])
@@ -155,8 +207,19 @@ def test_changed_extra_and_foreign_indexes_raise_before_any_batch(tmp_path):
         _loader(WebDatasetSource(paths_b, required=("input_ids.npy",)))
 
 
-@pytest.mark.parametrize("craft", ["garbage", "pickle", "wrong_dtype", "bad_ranges", "version", "flipped_byte",
-                                   "short_data", "fortran_pickle"])
+@pytest.mark.parametrize(
+    "craft",
+    [
+        "garbage",
+        "pickle",
+        "wrong_dtype",
+        "bad_ranges",
+        "version",
+        "flipped_byte",
+        "short_data",
+        "fortran_pickle",
+    ],
+)
 def test_crafted_sidecars_are_typed_config_errors(tmp_path, craft):
     paths = write_shards(str(tmp_path), sample_lengths(10), num_shards=1)
     write_sidecars(WebDatasetSource(paths), SCHEMA)
@@ -173,15 +236,25 @@ def test_crafted_sidecars_are_typed_config_errors(tmp_path, craft):
         elif craft == "bad_ranges":
             arrays["spans"][0, 1] = 1 << 40
         elif craft == "version":
-            arrays["meta"] = np.frombuffer(bytes(arrays["meta"]).replace(b'"version": 3', b'"version": 9'), np.uint8)
-        elif craft == "fortran_pickle":  # a header the fast reader does not take: numpy's reader refuses it
+            arrays["meta"] = np.frombuffer(
+                bytes(arrays["meta"]).replace(b'"version": 3', b'"version": 9'), np.uint8
+            )
+        elif (
+            craft == "fortran_pickle"
+        ):  # a header the fast reader does not take: numpy's reader refuses it
             arrays["lengths"] = np.asfortranarray(np.array([[object()]] * 10, dtype=object))
         buf = io.BytesIO()
         np.savez(buf, **arrays)
         data = buf.getvalue()
-        lengths_at = data.index(arrays["lengths"].tobytes()) if craft in ("flipped_byte", "short_data") else 0
-        if craft == "flipped_byte":  # a byte of the data changed: the member's crc32 no longer matches
-            data = data[:lengths_at] + bytes([data[lengths_at] ^ 1]) + data[lengths_at + 1:]
+        lengths_at = (
+            data.index(arrays["lengths"].tobytes())
+            if craft in ("flipped_byte", "short_data")
+            else 0
+        )
+        if (
+            craft == "flipped_byte"
+        ):  # a byte of the data changed: the member's crc32 no longer matches
+            data = data[:lengths_at] + bytes([data[lengths_at] ^ 1]) + data[lengths_at + 1 :]
         elif craft == "short_data":  # the npy header promises more rows than the member holds
             data = data.replace(b"'shape': (10,), }", b"'shape': (11,), }", 1)
     with open(path, "wb") as f:
@@ -195,11 +268,15 @@ def test_crafted_sidecars_are_typed_config_errors(tmp_path, craft):
 def test_byte_changed_in_place_is_source_changed(tmp_path):
     paths = write_shards(str(tmp_path), [20] * 12, num_shards=1)
     write_sidecars(WebDatasetSource(paths), SCHEMA)
-    loader = PackedLoader(WebDatasetSource(paths), schema=SCHEMA, layout=LAYOUT, token_budget=128).prepare()
+    loader = PackedLoader(
+        WebDatasetSource(paths), schema=SCHEMA, layout=LAYOUT, token_budget=128
+    ).prepare()
     raw = bytearray(open(paths[0], "rb").read())
     at = raw.index(b"\x93NUMPY", 0) + 128 + 8  # inside the first sample's token data
     raw[at] ^= 0x55
-    next(iter(loader))  # the shard checked against its sidecar (size, first and last 64 KiB) at its first read
+    next(
+        iter(loader)
+    )  # the shard checked against its sidecar (size, first and last 64 KiB) at its first read
     with open(paths[0], "wb") as f:
         f.write(raw)  # same size, changed after that check: caught per sample
     loader.set_epoch(1)
@@ -218,21 +295,32 @@ def test_vlm_header_index_equals_the_full_pass_on_the_demo_set(tmp_path):
     transform = VLMSampleTransform(tokenizer=ByteTokenizer(), topk=4)
     schema = vlm_schema(topk=4, vocab_size=ds.vocab_size)
     with pytest.warns(Warning):
-        full = build_index(WebDatasetSource(list(ds.shards), transform=transform, image="bytes", sidecars=False),
-                           schema, policy=SKIP)
+        full = build_index(
+            WebDatasetSource(list(ds.shards), transform=transform, image="bytes", sidecars=False),
+            schema,
+            policy=SKIP,
+        )
     write_sidecars(WebDatasetSource(list(ds.shards), transform=transform, image="bytes"), schema)
     with pytest.warns(Warning):
-        side = build_index(WebDatasetSource(list(ds.shards), transform=transform, image="bytes"), schema, policy=SKIP)
+        side = build_index(
+            WebDatasetSource(list(ds.shards), transform=transform, image="bytes"),
+            schema,
+            policy=SKIP,
+        )
     assert len(full) == len(side) == 90 - len(ds.bad)
-    assert full.lengths.tolist() == side.lengths.tolist() and full.media.tolist() == side.media.tolist()
+    assert (
+        full.lengths.tolist() == side.lengths.tolist()
+        and full.media.tolist() == side.media.tolist()
+    )
     assert full.digest == side.digest and full.dims == side.dims
     assert side.report.counts == full.report.counts == {k: 1 for k in ds.bad.values()}
 
 
 def test_sample_bad_only_at_load_time_is_counted_under_skip(tmp_path):
-    """A sidecar bounds the ids, not every value: a positive teacher log-prob in sample 7 (not the first of its
-    signature) is found when loaded; under the skip policy it is left out of its micro-batch and counted (under
-    the default policy the first bad record raises). An id past the vocabulary in sample 11 is found when the
+    """A sidecar bounds the ids, not every value: a positive teacher log-prob in sample 7 (not the
+    first of its signature) is found when loaded; under the skip policy it is left out of its
+    micro-batch and counted (under the default policy the first bad record raises). An id past the
+    vocabulary in sample 11 is found when the
     loader is built, from the ids' recorded bounds, as the in-process pass finds it."""
     from prealign.loaders.policy import BadSampleWarning
 
@@ -256,13 +344,21 @@ def test_sample_bad_only_at_load_time_is_counted_under_skip(tmp_path):
         side = build_index(WebDatasetSource(paths), schema, policy=SKIP)
     with pytest.warns(BadSampleWarning):
         full = build_index(WebDatasetSource(paths, sidecars=False), schema, policy=SKIP)
-    assert len(side) == 29 and len(full) == 28  # the sidecars' index keeps sample 7; the full pass does not
-    loader = PackedLoader(WebDatasetSource(paths), schema=schema, layout=LAYOUT, token_budget=64, bad_data=SKIP)
+    assert (
+        len(side) == 29 and len(full) == 28
+    )  # the sidecars' index keeps sample 7; the full pass does not
+    loader = PackedLoader(
+        WebDatasetSource(paths), schema=schema, layout=LAYOUT, token_budget=64, bad_data=SKIP
+    )
     with pytest.warns(BadSampleWarning, match="index row 7. at load time"):
         rows = [int(i) for b in loader for i in b["sample_index"]]
-    assert sorted(rows) == [r for r in range(29) if r != 7]  # (index row 7 is sample 7; sample 11 is not in it)
+    assert sorted(rows) == [
+        r for r in range(29) if r != 7
+    ]  # (index row 7 is sample 7; sample 11 is not in it)
     assert loader.report.counts == {"bad_sample": 2}
-    with pytest.raises(SampleError, match="000011"):  # the default policy: the first bad id, when it is built
+    with pytest.raises(
+        SampleError, match="000011"
+    ):  # the default policy: the first bad id, when it is built
         list(PackedLoader(WebDatasetSource(paths), schema=schema, layout=LAYOUT, token_budget=64))
 
 
@@ -275,7 +371,8 @@ def test_saved_index_path_that_is_not_an_index_is_a_config_error(tmp_path):
 
 
 def test_vlm_header_only_index_finds_corrupt_pixels_at_load_time(tmp_path):
-    """``prealign index --header-only``: no pixel decode; the planted corrupt image body passes the header
+    """``prealign index --header-only``: no pixel decode; the planted corrupt image body passes the
+    header
     pass, and is then left out and counted (``corrupt_image``) when loaded under the skip policy."""
     from prealign.loaders.cli.demo_data import build_demo_dataset
     from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
@@ -288,12 +385,17 @@ def test_vlm_header_only_index_finds_corrupt_pixels_at_load_time(tmp_path):
     src = WebDatasetSource(list(ds.shards), transform=transform, image="bytes")
     write_sidecars(src, schema, verify_images=False)
     with pytest.warns(Warning):
-        full = build_index(WebDatasetSource(list(ds.shards), transform=transform, image="bytes", sidecars=False),
-                           schema, policy=SKIP)
+        full = build_index(
+            WebDatasetSource(list(ds.shards), transform=transform, image="bytes", sidecars=False),
+            schema,
+            policy=SKIP,
+        )
         side = build_index(src, schema, policy=SKIP)
     assert len(side) == len(full) + 1 and "corrupt_image" not in side.report.counts
     common = {tuple(r): n for r, n in zip(side.locations.tolist(), side.lengths.tolist())}
-    assert all(common[tuple(r)] == n for r, n in zip(full.locations.tolist(), full.lengths.tolist()))
+    assert all(
+        common[tuple(r)] == n for r, n in zip(full.locations.tolist(), full.lengths.tolist())
+    )
     loader = PackedLoader(src, schema=schema, layout=LAYOUT, token_budget=4096, bad_data=SKIP)
     with pytest.warns(Warning):
         rows = [int(i) for b in loader for i in b["sample_index"]]
@@ -301,7 +403,8 @@ def test_vlm_header_only_index_finds_corrupt_pixels_at_load_time(tmp_path):
 
 
 def test_shards_of_one_file_name_never_share_a_sidecar_in_an_index_folder(tmp_path):
-    """``train/s-0.tar`` and ``val/s-0.tar`` in one index folder would overwrite each other's sidecar
+    """``train/s-0.tar`` and ``val/s-0.tar`` in one index folder would overwrite each other's
+    sidecar
     (and every re-index would too): refused up front, naming both."""
     a = write_shards(str(tmp_path / "train"), sample_lengths(10), num_shards=1)
     b = write_shards(str(tmp_path / "val"), sample_lengths(12, seed=1), num_shards=1)
@@ -326,8 +429,12 @@ def test_the_sidecar_key_looks_through_shared_media_and_reads_index_key():
 
     bare = VLMSampleTransform(tokenizer=ByteTokenizer(), topk=4)
     shared = SharedMediaTransform(transform=bare, run="r", cp_rank=0, cp_size=2)
-    other = SharedMediaTransform(transform=VLMSampleTransform(tokenizer=ByteTokenizer(), topk=8), run="r",
-                                 cp_rank=0, cp_size=2)
+    other = SharedMediaTransform(
+        transform=VLMSampleTransform(tokenizer=ByteTokenizer(), topk=8),
+        run="r",
+        cp_rank=0,
+        cp_size=2,
+    )
     assert describe_transform(shared) == describe_transform(bare) != describe_transform(other)
 
     class Trunc:
@@ -353,8 +460,9 @@ def test_sidecar_fast_reader_equals_numpy_and_takes_compressed_sidecars(tmp_path
     with np.load(io.BytesIO(data)) as z:
         want = {k: z[k] for k in z.files}
     fast = read_npz(data, max_bytes=len(data), copy=False)
-    assert sorted(fast) == sorted(want) and all(np.array_equal(fast[k], want[k]) and fast[k].dtype == want[k].dtype
-                                                for k in want)
+    assert sorted(fast) == sorted(want) and all(
+        np.array_equal(fast[k], want[k]) and fast[k].dtype == want[k].dtype for k in want
+    )
     buf = io.BytesIO()
     np.savez_compressed(buf, **want)  # compressed members: inflated within their directory sizes
     meta, arrays = parse_sidecar(buf.getvalue(), shard=paths[0])

@@ -1,6 +1,8 @@
-"""A start over many sidecars checks their values (dim ids, byte ranges, lengths, the tiling) together, a few
-numpy calls for all of them (issue #28); a sidecar that fails is still named, with the message its own parse
+"""A start over many sidecars checks their values (dim ids, byte ranges, lengths, the tiling)
+together, a few numpy calls for all of them (issue #28); a sidecar that fails is still named, with
+the message its own parse
 gives (the start parses each again, in order, when the joint check fails)."""
+
 from __future__ import annotations
 
 import io
@@ -51,9 +53,16 @@ def _gap(a, m):
     a["spans"][1, 0] += 1
 
 
-@pytest.mark.parametrize("edit,what", [(_swap_rows, "overlap or are out of order"),
-                                       (_past_the_end, "out of bounds"), (_dim_id, "dim_ids outside"),
-                                       (_negative_length, "out of bounds"), (_gap, "a gap of")])
+@pytest.mark.parametrize(
+    "edit,what",
+    [
+        (_swap_rows, "overlap or are out of order"),
+        (_past_the_end, "out of bounds"),
+        (_dim_id, "dim_ids outside"),
+        (_negative_length, "out of bounds"),
+        (_gap, "a gap of"),
+    ],
+)
 def test_a_bad_sidecar_among_many_is_named(tmp_path, edit, what):
     paths = write_shards(str(tmp_path), sample_lengths(60), num_shards=6)
     write_sidecars(WebDatasetSource(paths), SCHEMA)
@@ -62,13 +71,19 @@ def test_a_bad_sidecar_among_many_is_named(tmp_path, edit, what):
         with pytest.raises(StaleIndexError, match=what) as own:  # what its own parse says
             parse_sidecar(f.read(), shard=paths[4])
     with pytest.raises(StaleIndexError) as start:
-        PackedLoader(WebDatasetSource(paths), schema=SCHEMA, layout=ParallelLayout(), token_budget=256).prepare()
-    said = str(own.value).split(": ", 1)[1].split(" (re-run")[0]  # its own words, less the fix command
+        PackedLoader(
+            WebDatasetSource(paths), schema=SCHEMA, layout=ParallelLayout(), token_budget=256
+        ).prepare()
+    said = (
+        str(own.value).split(": ", 1)[1].split(" (re-run")[0]
+    )  # its own words, less the fix command
     assert str(start.value).startswith(f"shard {paths[4]}: {said}"), (str(start.value), said)
 
 
 def test_healthy_sidecars_pass_the_joint_check(tmp_path):
     paths = write_shards(str(tmp_path), sample_lengths(60), num_shards=6)
     write_sidecars(WebDatasetSource(paths), SCHEMA)
-    loader = PackedLoader(WebDatasetSource(paths), schema=SCHEMA, layout=ParallelLayout(), token_budget=256, seed=0)
+    loader = PackedLoader(
+        WebDatasetSource(paths), schema=SCHEMA, layout=ParallelLayout(), token_budget=256, seed=0
+    )
     assert sum(len(b["sample_index"]) for b in loader) == 60

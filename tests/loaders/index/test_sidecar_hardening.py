@@ -1,6 +1,8 @@
-"""Sidecars read with bounds (issue #18): only regular files of a size the format allows; a sidecar of
-many members parses in linear time; a consistent but edited sidecar (rows removed or repeated, counts
+"""Sidecars read with bounds (issue #18): only regular files of a size the format allows; a sidecar
+of many members parses in linear time; a consistent but edited sidecar (rows removed or repeated,
+counts
 adjusted) is refused at load, never silently fewer or more samples."""
+
 from __future__ import annotations
 
 import io
@@ -25,8 +27,16 @@ SCHEMA = causal_lm_schema()
 
 
 def _prepare(paths):
-    return PackedLoader(WebDatasetSource(paths), schema=SCHEMA, layout=ParallelLayout(), token_budget=128,
-                        dp_size=1, dp_rank=0, seed=3, indexing=IndexOptions()).prepare()
+    return PackedLoader(
+        WebDatasetSource(paths),
+        schema=SCHEMA,
+        layout=ParallelLayout(),
+        token_budget=128,
+        dp_size=1,
+        dp_rank=0,
+        seed=3,
+        indexing=IndexOptions(),
+    ).prepare()
 
 
 def _in_thread(fn, timeout: float):
@@ -92,27 +102,40 @@ def _save(side, arrays, meta, rows):
     return buf.getvalue()
 
 
-@pytest.mark.parametrize("edit", ["removed", "repeated", "last_removed", "first_removed", "swapped", "past_the_end"])
+@pytest.mark.parametrize(
+    "edit", ["removed", "repeated", "last_removed", "first_removed", "swapped", "past_the_end"]
+)
 def test_an_edited_but_consistent_sidecar_is_refused(tmp_path, edit):
     paths = write_shards(str(tmp_path), sample_lengths(10), num_shards=1)
     side, arrays, meta = _sidecar_arrays(paths)
     n = len(arrays["lengths"])
     assert not meta["events"] and n == 10
-    rows = {"removed": [i for i in range(n) if i != 4], "repeated": list(range(n)) + [3],
-            "last_removed": list(range(n - 1)), "first_removed": list(range(1, n)), "swapped": [1, 0, *range(2, n)],
-            "past_the_end": list(range(n))}[edit]
+    rows = {
+        "removed": [i for i in range(n) if i != 4],
+        "repeated": list(range(n)) + [3],
+        "last_removed": list(range(n - 1)),
+        "first_removed": list(range(1, n)),
+        "swapped": [1, 0, *range(2, n)],
+        "past_the_end": list(range(n)),
+    }[edit]
     if edit == "past_the_end":
         arrays["spans"][-1, 1] = meta["size"] + 512
     data = _save(side, arrays, meta, rows)
-    if edit not in ("last_removed", "first_removed"):  # (found only against the shard's first / last bytes)
+    if edit not in (
+        "last_removed",
+        "first_removed",
+    ):  # (found only against the shard's first / last bytes)
         with pytest.raises(StaleIndexError, match="shard-000.tar"):
             parse_sidecar(data, shard=paths[0])
-    with pytest.raises(StaleIndexError, match="shard-000.tar"):  # at the shard's first read at the latest
+    with pytest.raises(
+        StaleIndexError, match="shard-000.tar"
+    ):  # at the shard's first read at the latest
         list(_prepare(paths))
 
 
 def test_an_unedited_sidecar_with_bad_samples_still_loads(tmp_path):
-    """Gaps where bad samples were (the last one too) are explained by their events: a real sidecar passes."""
+    """Gaps where bad samples were (the last one too) are explained by their events: a real sidecar
+    passes."""
     from prealign.loaders import BadDataPolicy
     from tests.loader_helpers import add_member
 
@@ -124,13 +147,22 @@ def test_an_unedited_sidecar_with_bad_samples_still_loads(tmp_path):
     side, arrays, meta = _sidecar_arrays(paths)
     assert len(meta["events"]) == 2 and len(arrays["lengths"]) == 8
     parse_sidecar(open(side, "rb").read(), shard=paths[0])
-    loader = PackedLoader(WebDatasetSource(paths), schema=SCHEMA, layout=ParallelLayout(), token_budget=128,
-                          dp_size=1, dp_rank=0, seed=3, bad_data=BadDataPolicy(on_error="skip", max_consecutive=50))
+    loader = PackedLoader(
+        WebDatasetSource(paths),
+        schema=SCHEMA,
+        layout=ParallelLayout(),
+        token_budget=128,
+        dp_size=1,
+        dp_rank=0,
+        seed=3,
+        bad_data=BadDataPolicy(on_error="skip", max_consecutive=50),
+    )
     assert len(loader.prepare().index) == 8
 
 
 def test_a_sidecar_of_many_members_parses_in_linear_time():
-    """16k stored members (a crafted sidecar): refused from the zip end record, before its directory is parsed (was 6.2 s)."""
+    """16k stored members (a crafted sidecar): refused from the zip end record, before its directory
+    is parsed (was 6.2 s)."""
     one = io.BytesIO()
     np.save(one, np.zeros(0, np.uint8))
     buf = io.BytesIO()
@@ -145,8 +177,10 @@ def test_a_sidecar_of_many_members_parses_in_linear_time():
 
 
 def test_a_prebuilt_index_bomb_is_refused_before_it_is_inflated(tmp_path):
-    """A small ``.npz`` whose ``lengths`` inflate to 256 MiB (a bomb: 1 MB of it inflated 2 GiB) is an
-    IndexFileError before anything is inflated (its declared size is past what the file can hold)."""
+    """A small ``.npz`` whose ``lengths`` inflate to 256 MiB (a bomb: 1 MB of it inflated 2 GiB) is
+    an
+    IndexFileError before anything is inflated (its declared size is past what the file can
+    hold)."""
     import tracemalloc
 
     from prealign.loaders.errors import IndexFileError
@@ -154,7 +188,9 @@ def test_a_prebuilt_index_bomb_is_refused_before_it_is_inflated(tmp_path):
 
     n = 1 << 25  # int64: 256 MiB
     head = io.BytesIO()
-    np.lib.format.write_array_header_1_0(head, {"descr": "<i8", "fortran_order": False, "shape": (n,)})
+    np.lib.format.write_array_header_1_0(
+        head, {"descr": "<i8", "fortran_order": False, "shape": (n,)}
+    )
     path = tmp_path / "bomb.npz"
     with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as zf:
         with zf.open("lengths.npy", "w", force_zip64=True) as f:
@@ -176,7 +212,8 @@ def test_a_prebuilt_index_bomb_is_refused_before_it_is_inflated(tmp_path):
 
 
 def test_a_shard_that_opens_with_a_folder_entry_still_loads_from_its_sidecar(tmp_path):
-    """``tar cf x.tar dir/`` puts the folder's entry first: bytes before the first sample the index pass
+    """``tar cf x.tar dir/`` puts the folder's entry first: bytes before the first sample the index
+    pass
     skips, which the check of what precedes the first sample allows."""
     import tarfile
 
@@ -204,8 +241,10 @@ def _dir(name):
 
 
 def _tar_variant(path: str, kind: str) -> None:
-    """Shards as real tools write them: folders first (with pax headers for a float mtime), a pax global header
-    (git archive), a trailing folder, GNU long names, pax headers per member, one zero block at the end."""
+    """Shards as real tools write them: folders first (with pax headers for a float mtime), a pax
+    global header
+    (git archive), a trailing folder, GNU long names, pax headers per member, one zero block at the
+    end."""
     import tarfile
 
     from tests.loader_helpers import _npy, token_ids
@@ -225,8 +264,10 @@ def _tar_variant(path: str, kind: str) -> None:
             add(tf, f"{prefix}{i:06d}.input_ids.npy", _npy(token_ids(i, 10 + i)), mtime=mtime)
             add(tf, f"{prefix}{i:06d}.json", json.dumps({"id": i}).encode(), mtime=mtime)
 
-    kw = {"global_pax": dict(format=tarfile.PAX_FORMAT, pax_headers={"comment": "git"}),
-          "gnu_long_names": dict(format=tarfile.GNU_FORMAT)}.get(kind, {})
+    kw = {
+        "global_pax": dict(format=tarfile.PAX_FORMAT, pax_headers={"comment": "git"}),
+        "gnu_long_names": dict(format=tarfile.GNU_FORMAT),
+    }.get(kind, {})
     with tarfile.open(path, "w", **kw) as tf:
         if kind == "folder_first_float_mtime":
             add(tf, "data/", folder=True, mtime=time.time() + 0.5)
@@ -246,8 +287,17 @@ def _tar_variant(path: str, kind: str) -> None:
             f.write(data + b"\0" * (-len(data) % 512) + bytes(512))
 
 
-@pytest.mark.parametrize("kind", ["folder_first_float_mtime", "global_pax", "trailing_folder", "gnu_long_names",
-                                  "pax_per_member", "one_zero_block"])
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "folder_first_float_mtime",
+        "global_pax",
+        "trailing_folder",
+        "gnu_long_names",
+        "pax_per_member",
+        "one_zero_block",
+    ],
+)
 def test_sidecars_of_shards_real_tools_write_are_accepted(tmp_path, kind):
     path = str(tmp_path / f"{kind}.tar")
     _tar_variant(path, kind)
@@ -256,7 +306,9 @@ def test_sidecars_of_shards_real_tools_write_are_accepted(tmp_path, kind):
     assert _prepare([path]).index.lengths.tolist() == plain and len(plain) == 4
 
 
-def test_a_sidecar_that_lies_about_a_signature_is_a_typed_error_at_that_sample_never_served(tmp_path):
+def test_a_sidecar_that_lies_about_a_signature_is_a_typed_error_at_that_sample_never_served(
+    tmp_path,
+):
     from prealign.loaders import BadDataPolicy
     from prealign.loaders.sources.shard_files import SUFFIX
     from prealign.schemas.errors import SampleError
@@ -266,12 +318,20 @@ def test_a_sidecar_that_lies_about_a_signature_is_a_typed_error_at_that_sample_n
     write_sidecars(WebDatasetSource(paths), causal_lm_schema())
     with np.load(paths[0] + SUFFIX) as z:
         arrays = dict(z)
-    assert set(arrays["dim_ids"].tolist()) == {0, 1}  # sample 15 (labels one row short) has a signature of its own
+    assert set(arrays["dim_ids"].tolist()) == {
+        0,
+        1,
+    }  # sample 15 (labels one row short) has a signature of its own
     arrays["dim_ids"][:] = 0  # the lie: every sample has the first one
     with open(paths[0] + SUFFIX, "wb") as f:
         np.savez(f, **arrays)
-    loader = PackedLoader(WebDatasetSource(paths), schema=causal_lm_schema(), layout=ParallelLayout(),
-                          token_budget=4096, bad_data=BadDataPolicy(on_error="skip", warn=False))
+    loader = PackedLoader(
+        WebDatasetSource(paths),
+        schema=causal_lm_schema(),
+        layout=ParallelLayout(),
+        token_budget=4096,
+        bad_data=BadDataPolicy(on_error="skip", warn=False),
+    )
     with pytest.raises(SampleError, match="field .labels.: expected shape") as exc:
         list(loader)
     assert exc.value.field == "labels"

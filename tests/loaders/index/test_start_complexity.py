@@ -1,7 +1,9 @@
-"""The loader's start does not grow faster than the shard count (issue #28): the work of a start (every
-function call, counted by ``cProfile``; file ``stat`` and ``open`` calls) is counted at 200 and at 2,000
-shards, never timed. A fix hint built for every healthy sidecar (each one walking every shard name with a
+"""The loader's start does not grow faster than the shard count (issue #28): the work of a start
+(every function call, counted by ``cProfile``; file ``stat`` and ``open`` calls) is counted at 200
+and at 2,000 shards, never timed. A fix hint built for every healthy sidecar (each one walking every
+shard name with a
 regex) made the 2,000-shard start ~100x the 200-shard one; linear work gives 10x."""
+
 from __future__ import annotations
 
 import cProfile
@@ -26,12 +28,13 @@ from prealign.schemas.schema import causal_lm_schema
 SCHEMA = causal_lm_schema()
 SIZES = (200, 2000)
 GROWTH = 10.5
-"""Work at 2,000 shards over work at 200: linear is 10x (the fixed part of a start makes it less)."""
+"""Work at 2,000 shards over work at 200: linear is 10x (the fixed part of a start makes it
+less)."""
 
 
 def _tar_header(name: bytes, size: int) -> bytes:
     head = bytearray(512)
-    head[:len(name)] = name
+    head[: len(name)] = name
     head[100:108], head[108:116], head[116:124] = b"0000644\0", b"0000000\0", b"0000000\0"
     head[124:136], head[136:148], head[156] = b"%011o\0" % size, b"00000000000\0", ord("0")
     head[257:263], head[263:265] = b"ustar\0", b"00"
@@ -41,7 +44,8 @@ def _tar_header(name: bytes, size: int) -> bytes:
 
 
 def _shards(root: str, n: int) -> list[str]:
-    """``n`` one-sample shards of pre-tokenized ids (8..63 tokens), written as raw tar bytes (fast)."""
+    """``n`` one-sample shards of pre-tokenized ids (8..63 tokens), written as raw tar bytes
+    (fast)."""
     os.makedirs(root, exist_ok=True)
     rng = np.random.default_rng(n)
     paths = []
@@ -50,7 +54,12 @@ def _shards(root: str, n: int) -> list[str]:
         header = b"{'descr': '<i8', 'fortran_order': False, 'shape': (%d,), }" % ids.size
         header += b" " * (117 - len(header)) + b"\n"
         data = b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header + ids.tobytes()
-        body = _tar_header(b"%06d.input_ids.npy" % s, len(data)) + data + bytes(-len(data) % 512) + bytes(1024)
+        body = (
+            _tar_header(b"%06d.input_ids.npy" % s, len(data))
+            + data
+            + bytes(-len(data) % 512)
+            + bytes(1024)
+        )
         path = os.path.join(root, f"s-{s:05d}.tar")
         with open(path, "wb") as f:
             f.write(body)
@@ -60,7 +69,8 @@ def _shards(root: str, n: int) -> list[str]:
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    """``{shards: paths}``: each size indexed (a sidecar per shard) and merged into ``<folder>/merged/``."""
+    """``{shards: paths}``: each size indexed (a sidecar per shard) and merged into
+    ``<folder>/merged/``."""
     out = {}
     for n in SIZES:
         paths = _shards(str(tmp_path_factory.mktemp(f"s{n}")), n)
@@ -70,7 +80,9 @@ def data(tmp_path_factory):
 
 
 def _loader(source, **kw) -> PackedLoader:
-    return PackedLoader(source, schema=SCHEMA, layout=ParallelLayout(), token_budget=256, seed=1, **kw)
+    return PackedLoader(
+        source, schema=SCHEMA, layout=ParallelLayout(), token_budget=256, seed=1, **kw
+    )
 
 
 class _Syscalls:
@@ -96,7 +108,8 @@ class _Syscalls:
 
 
 def _work(run, monkeypatch) -> tuple[int, pstats.Stats, _Syscalls]:
-    """Function calls (``cProfile``: Python and builtin, in this thread and every thread started meanwhile, e.g.
+    """Function calls (``cProfile``: Python and builtin, in this thread and every thread started
+    meanwhile, e.g.
     the threads sidecars are read on) of ``run()``, its profile, its stat / open counts."""
     profiles = [cProfile.Profile()]
 
@@ -122,12 +135,18 @@ def _growth(small: pstats.Stats, big: pstats.Stats) -> str:
     rows = []
     for fn, v in big.stats.items():
         before = small.stats.get(fn, (0, 0))[1]
-        rows.append((v[1] - GROWTH * before, f"{fn[2]} ({os.path.basename(fn[0])}:{fn[1]}): {before} -> {v[1]}"))
+        rows.append(
+            (
+                v[1] - GROWTH * before,
+                f"{fn[2]} ({os.path.basename(fn[0])}:{fn[1]}): {before} -> {v[1]}",
+            )
+        )
     return "; ".join(r for _, r in sorted(rows, reverse=True)[:6])
 
 
 def _first_batch_and_resume(make):
-    """A loader's first batch, then a new loader restored to the state after its second batch, its first."""
+    """A loader's first batch, then a new loader restored to the state after its second batch, its
+    first."""
     loader = make()
     it = iter(loader)
     next(it)
@@ -139,22 +158,36 @@ def _first_batch_and_resume(make):
 
 
 def _measure(data, monkeypatch, make) -> dict:
-    """``{shards: _work(...)}`` of a first batch and a resume at each size, after one unmeasured run at the
+    """``{shards: _work(...)}`` of a first batch and a resume at each size, after one unmeasured run
+    at the
     smaller size (the imports and caches of a first start are no part of the growth)."""
     _first_batch_and_resume(lambda: make(data[SIZES[0]]))
-    return {n: _work(lambda n=n: _first_batch_and_resume(lambda: make(data[n])), monkeypatch) for n in SIZES}
+    return {
+        n: _work(lambda n=n: _first_batch_and_resume(lambda: make(data[n])), monkeypatch)
+        for n in SIZES
+    }
 
 
 def _assert_linear(found: dict, what: str) -> None:
     (small, s_stats, s_sys), (big, b_stats, b_sys) = found[SIZES[0]], found[SIZES[1]]
-    assert big <= GROWTH * small, (f"{what}: {big:,} calls at {SIZES[1]} shards, {small:,} at {SIZES[0]} "
-                                   f"({big / small:.1f}x > {GROWTH}x); grew most: {_growth(s_stats, b_stats)}")
-    assert b_sys.opens <= GROWTH * s_sys.opens and b_sys.stats <= GROWTH * max(s_sys.stats, 1), \
-        (what, "opens", s_sys.opens, b_sys.opens, "stats", s_sys.stats, b_sys.stats)
+    assert big <= GROWTH * small, (
+        f"{what}: {big:,} calls at {SIZES[1]} shards, {small:,} at {SIZES[0]} "
+        f"({big / small:.1f}x > {GROWTH}x); grew most: {_growth(s_stats, b_stats)}"
+    )
+    assert b_sys.opens <= GROWTH * s_sys.opens and b_sys.stats <= GROWTH * max(s_sys.stats, 1), (
+        what,
+        "opens",
+        s_sys.opens,
+        b_sys.opens,
+        "stats",
+        s_sys.stats,
+        b_sys.stats,
+    )
 
 
 def _assert_no_stat_per_shard(calls: _Syscalls) -> None:
-    """Two starts over 2,000 shards: the first batches read a few shards, never one ``stat`` or open each."""
+    """Two starts over 2,000 shards: the first batches read a few shards, never one ``stat`` or open
+    each."""
     assert calls.opens < SIZES[1] // 20 and calls.stats < SIZES[1] // 20, (calls.opens, calls.stats)
 
 
@@ -164,7 +197,8 @@ def test_a_start_from_per_shard_sidecars_grows_linearly_with_the_shards(data, mo
         warnings.simplefilter("always")
         found = _measure(data, monkeypatch, lambda paths: _loader(WebDatasetSource(paths)))
     _assert_linear(found, "start from sidecars")
-    # three starts over 2,000 sidecars, one warning naming the command that merges them (none at 200)
+    # three starts over 2,000 sidecars, one warning naming the command that merges them (none at
+    # 200)
     advice = [str(w.message) for w in seen if issubclass(w.category, MergedIndexWarning)]
     assert len(advice) == 1 and "s-{00000..01999}.tar" in advice[0], advice
     command = advice[0].split("run `", 1)[1].split("`", 1)[0]
@@ -175,17 +209,26 @@ def test_a_start_from_per_shard_sidecars_grows_linearly_with_the_shards(data, mo
 
 
 @pytest.mark.slow
-def test_a_start_from_a_merged_index_reads_one_file_and_no_shard(data, monkeypatch, tmp_path_factory):
+def test_a_start_from_a_merged_index_reads_one_file_and_no_shard(
+    data, monkeypatch, tmp_path_factory
+):
     merged = {}
     for n in SIZES:
         folder = str(tmp_path_factory.mktemp(f"merged{n}"))
         for p in data[n]:  # the sidecars in an index folder, merged there
-            os.link(p + ".prealign-index.npz", os.path.join(folder, os.path.basename(p) + ".prealign-index.npz"))
+            os.link(
+                p + ".prealign-index.npz",
+                os.path.join(folder, os.path.basename(p) + ".prealign-index.npz"),
+            )
         source = WebDatasetSource(data[n], index_dir=folder)
         merge_sidecars(source)
         assert os.path.exists(merged_path(source))
         merged[n] = (n, folder)
-    found = _measure(merged, monkeypatch, lambda where: _loader(WebDatasetSource(data[where[0]], index_dir=where[1])))
+    found = _measure(
+        merged,
+        monkeypatch,
+        lambda where: _loader(WebDatasetSource(data[where[0]], index_dir=where[1])),
+    )
     _assert_linear(found, "start from a merged index")
     _assert_no_stat_per_shard(found[SIZES[1]][2])
 
@@ -199,8 +242,14 @@ def test_a_prebuilt_index_does_not_stat_every_shard_at_start(data, monkeypatch, 
             index = _loader(WebDatasetSource(data[n])).prepare().index
         saved[n] = (n, str(tmp_path_factory.mktemp(f"idx{n}") / "index.npz"))
         index.save(saved[n][1])
-    found = _measure(saved, monkeypatch, lambda where: _loader(WebDatasetSource(data[where[0]], sidecars=False),
-                                                              indexing=IndexOptions(prebuilt=where[1])))
+    found = _measure(
+        saved,
+        monkeypatch,
+        lambda where: _loader(
+            WebDatasetSource(data[where[0]], sidecars=False),
+            indexing=IndexOptions(prebuilt=where[1]),
+        ),
+    )
     _assert_linear(found, "start from a prebuilt index")
     _assert_no_stat_per_shard(found[SIZES[1]][2])
 
@@ -211,8 +260,9 @@ if __name__ == "__main__":  # pragma: no cover
 
 @pytest.mark.parametrize("n", SIZES)
 def test_shard_list_check_no_call_per_shard(n, monkeypatch):
-    """The shard list's duplicate check (``check_unique``, run when a source is built) makes no per-shard call
-    for absolute normal paths (the 2,000 ``shard_identity`` calls were most of what a merged start at 2,000
+    """The shard list's duplicate check (``check_unique``, run when a source is built) makes no
+    per-shard call for absolute normal paths (the 2,000 ``shard_identity`` calls were most of what a
+    merged start at 2,000
     shards added over 20), and still names a shard listed twice under two spellings."""
     from prealign.loaders.errors import ConfigError
     from prealign.loaders.sources import webdataset
@@ -224,7 +274,10 @@ def test_shard_list_check_no_call_per_shard(n, monkeypatch):
     webdataset.check_unique(urls)
     assert webdataset.expand_urls(urls) == urls
     assert calls == []
-    for twice in (urls + [urls[7]], urls + ["/data/text/./shard-000007.tar"],
-                  urls[:3] + ["file:///data/text/shard-000001.tar"]):
+    for twice in (
+        urls + [urls[7]],
+        urls + ["/data/text/./shard-000007.tar"],
+        urls[:3] + ["file:///data/text/shard-000001.tar"],
+    ):
         with pytest.raises(ConfigError, match="are one shard"):
             webdataset.check_unique(twice)

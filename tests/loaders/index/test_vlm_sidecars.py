@@ -1,6 +1,8 @@
-"""Sidecars of VLM data know the model family they were built for: a sidecar of Qwen2-VL lengths is refused
-by a Qwen3-VL loader (the field named), and the printed `prealign index` command, run as printed, writes
+"""Sidecars of VLM data know the model family they were built for: a sidecar of Qwen2-VL lengths is
+refused by a Qwen3-VL loader (the field named), and the printed `prealign index` command, run as
+printed, writes
 sidecars that loader accepts (`--model-config DIR`)."""
+
 from __future__ import annotations
 
 import json
@@ -9,15 +11,28 @@ import warnings
 
 import pytest
 
-from prealign.loaders import PackedLoader, ShardWriter, StaleIndexError, VLMSampleTransform, WebDatasetSource
+from prealign.loaders import (
+    PackedLoader,
+    ShardWriter,
+    StaleIndexError,
+    VLMSampleTransform,
+    WebDatasetSource,
+)
 from prealign.loaders.cli.main import main
 from prealign.loaders.index.build import build_index
 from prealign.schemas import ParallelLayout, vlm_schema
 from tests.loaders.media.test_vlm_video import png
 from tests.vlm_families import TOK, tiny_config
 
-META = json.dumps({"messages": [{"role": "user", "content": "<image> what?"},
-                                {"role": "assistant", "content": "a cat"}], "images": ["0.png"]}).encode()
+META = json.dumps(
+    {
+        "messages": [
+            {"role": "user", "content": "<image> what?"},
+            {"role": "assistant", "content": "a cat"},
+        ],
+        "images": ["0.png"],
+    }
+).encode()
 SCHEMA = vlm_schema(vocab_size=TOK.vocab_size)
 
 
@@ -41,7 +56,9 @@ def test_sidecars_of_another_family_are_refused_and_the_printed_command_fixes_th
     def source(sidecars=True):
         return WebDatasetSource(paths, transform=qwen3, image="bytes", sidecars=sidecars)
 
-    with pytest.raises(StaleIndexError, match="vision_family: indexed with .*qwen2_vl.*qwen3_vl") as stale:
+    with pytest.raises(
+        StaleIndexError, match="vision_family: indexed with .*qwen2_vl.*qwen3_vl"
+    ) as stale:
         build_index(source(), SCHEMA)
     command = str(stale.value).split("run `")[-1].split("`")[0]
     assert "--model-config" in command
@@ -51,8 +68,15 @@ def test_sidecars_of_another_family_are_refused_and_the_printed_command_fixes_th
         warnings.simplefilter("ignore")
         assert main(args[1:]) == 0  # the command, as printed
     from_sidecars = build_index(source(), SCHEMA)
-    assert from_sidecars.lengths.tolist() == build_index(source(sidecars=False), SCHEMA).lengths.tolist()
-    assert from_sidecars.lengths.tolist() != build_index(
-        WebDatasetSource(paths, transform=qwen2, image="bytes", sidecars=False), SCHEMA).lengths.tolist()
+    assert (
+        from_sidecars.lengths.tolist()
+        == build_index(source(sidecars=False), SCHEMA).lengths.tolist()
+    )
+    assert (
+        from_sidecars.lengths.tolist()
+        != build_index(
+            WebDatasetSource(paths, transform=qwen2, image="bytes", sidecars=False), SCHEMA
+        ).lengths.tolist()
+    )
     loader = PackedLoader(source(), schema=SCHEMA, layout=ParallelLayout(), token_budget=4096)
     assert sum(len(b["sample_index"]) for b in loader) == 4

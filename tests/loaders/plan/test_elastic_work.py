@@ -1,5 +1,8 @@
-"""Elastic resume costs work linear in the earlier segments (issue #31: a 64-segment state over 200k samples
-took minutes): each segment's replay plans one chunk, whatever the segments before it; counted, not timed."""
+"""Elastic resume costs work linear in the earlier segments (issue #31: a 64-segment state over 200k
+samples
+took minutes): each segment's replay plans one chunk, whatever the segments before it; counted, not
+timed."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -16,7 +19,8 @@ CHUNK = 400
 
 
 def _work(num_segments: int, n: int, monkeypatch) -> dict:
-    """Chunks planned and samples packed to serve the first micro-batch after ``num_segments`` earlier segments
+    """Chunks planned and samples packed to serve the first micro-batch after ``num_segments``
+    earlier segments
     of one micro-batch each, alternating DP 2 / 3 (the hostile state of issue #31)."""
     counts = {"chunks": 0, "packed": 0}
     plan_chunk, advance = planner_module.ChunkedPlan._plan_chunk, planner_module.StreamFit.advance
@@ -34,11 +38,27 @@ def _work(num_segments: int, n: int, monkeypatch) -> dict:
     monkeypatch.setattr(planner_module.ChunkedPlan, "_plan_chunk", counted_chunk)
     monkeypatch.setattr(planner_module.StreamFit, "advance", counted_advance)
     lengths = np.random.default_rng(0).integers(3, 60, n).astype(np.int64)
-    index = SampleIndex(lengths=lengths, locations=np.arange(n, dtype=np.int64)[:, None],
-                        shards=np.zeros(n, np.int64), report=BadDataReport())
-    schedule = Schedule(index, layout=ParallelLayout(cp=2), token_budget=128, dp_size=4,
-                        planner=PlannerConfig(chunk_size=CHUNK), seed=3, shuffle=True, sequential=False, window=None)
-    schedule.resized = (0, tuple(Segment(dp_size=2 + i % 2, position=1) for i in range(num_segments)))
+    index = SampleIndex(
+        lengths=lengths,
+        locations=np.arange(n, dtype=np.int64)[:, None],
+        shards=np.zeros(n, np.int64),
+        report=BadDataReport(),
+    )
+    schedule = Schedule(
+        index,
+        layout=ParallelLayout(cp=2),
+        token_budget=128,
+        dp_size=4,
+        planner=PlannerConfig(chunk_size=CHUNK),
+        seed=3,
+        shuffle=True,
+        sequential=False,
+        window=None,
+    )
+    schedule.resized = (
+        0,
+        tuple(Segment(dp_size=2 + i % 2, position=1) for i in range(num_segments)),
+    )
     requests = schedule(0, 0)
     next(iter(requests))
     monkeypatch.undo()

@@ -1,6 +1,8 @@
-"""The plan is made chunk by chunk as batches are requested (issue #7: the first batch must not wait for
-the whole epoch's plan): what the first batch costs, what the epoch covers, resume across chunks, and the
+"""The plan is made chunk by chunk as batches are requested (issue #7: the first batch must not wait
+for the whole epoch's plan): what the first batch costs, what the epoch covers, resume across
+chunks, and the
 epoch order's vectorised shuffle."""
+
 from __future__ import annotations
 
 import datasets
@@ -32,7 +34,9 @@ def _planned(loader) -> tuple[int, int]:
 
 
 def test_first_batch_plans_one_chunk_and_len_plans_all(tmp_path):
-    loader = _loader(WebDatasetSource(write_shards(str(tmp_path), sample_lengths(1500), num_shards=5)))
+    loader = _loader(
+        WebDatasetSource(write_shards(str(tmp_path), sample_lengths(1500), num_shards=5))
+    )
     next(iter(loader))
     planned, chunks = _planned(loader)
     assert chunks == 10 and planned == 1
@@ -56,8 +60,14 @@ def test_every_sample_once_per_epoch_across_chunks_and_ranks(tmp_path):
         assert len(per_rank[0]) == len(per_rank[1])  # the same count on every DP rank
         ids = [i for got in per_rank for mb in got for i in mb]
         assert sorted(ids) == list(range(len(lengths)))  # nothing dropped or repeated
-    # the plan's micro-batches equal those of one pass over the epoch (chunking changes only the cost)
-    one = _loader(WebDatasetSource(paths), dp_rank=0, dp_size=2, planner=PlannerConfig(chunk_size=10**6, buffer_size=32))
+    # the plan's micro-batches equal those of one pass over the epoch (chunking changes only the
+    # cost)
+    one = _loader(
+        WebDatasetSource(paths),
+        dp_rank=0,
+        dp_size=2,
+        planner=PlannerConfig(chunk_size=10**6, buffer_size=32),
+    )
     bins = lambda p: sorted(tuple(sorted(mb)) for rank in p.microbatches for mb in rank)  # noqa: E731
     assert bins(one.plan(0)) == bins(_loader(WebDatasetSource(paths), dp_rank=0, dp_size=2).plan(0))
 
@@ -107,16 +117,21 @@ def test_the_tail_spreads_like_one_pass_when_the_pass_ends_early():
     chunked = plan_microbatches(lengths, **kw, config=PlannerConfig(chunk_size=16))
     whole = plan_microbatches(lengths, **kw, config=PlannerConfig(chunk_size=10**6))
     assert chunked.stats.num_empty == whole.stats.num_empty == 0
-    assert sorted(map(sorted, chunked.microbatches[0] + chunked.microbatches[1])) == \
-        sorted(map(sorted, whole.microbatches[0] + whole.microbatches[1]))
+    assert sorted(map(sorted, chunked.microbatches[0] + chunked.microbatches[1])) == sorted(
+        map(sorted, whole.microbatches[0] + whole.microbatches[1])
+    )
 
 
 def test_a_loader_keeps_no_planned_epoch_it_left(tmp_path):
     from prealign.loaders.plan.planner import Screening
 
-    loader = _loader(WebDatasetSource(write_shards(str(tmp_path), sample_lengths(900), num_shards=3)))
+    loader = _loader(
+        WebDatasetSource(write_shards(str(tmp_path), sample_lengths(900), num_shards=3))
+    )
     list(loader)
     list(loader)
     assert isinstance(loader._oversize, Screening)  # not epoch 0's ChunkedPlan with its chunks
     plan = loader._schedule._cached.plan
-    assert plan.planned == plan.num_chunks and plan._fit is None  # the packing pass let go at the stream's end
+    assert (
+        plan.planned == plan.num_chunks and plan._fit is None
+    )  # the packing pass let go at the stream's end

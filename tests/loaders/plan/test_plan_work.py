@@ -1,8 +1,10 @@
-"""The plan of a chunk at the start (issue #28): the same plan bit for bit as before its per-sample Python was
-cut, and a work count (function calls, not time) per sample of the chunk.
+"""The plan of a chunk at the start (issue #28): the same plan bit for bit as before its per-sample
+Python was cut, and a work count (function calls, not time) per sample of the chunk.
 
-The digests were taken from the planner before the change (a best fit with a method call per sample, a
+The digests were taken from the planner before the change (a best fit with a method call per sample,
+a
 micro-batch assembled sample by sample); any change to a plan changes them."""
+
 from __future__ import annotations
 
 import cProfile
@@ -20,13 +22,23 @@ from prealign.loaders.plan.packing import stream_fit
 from prealign.loaders.plan.planner import ChunkedPlan, plan_microbatches
 from prealign.schemas import ParallelLayout
 
-# (samples, longest, dp, k, strategy, buffer, chunk, seed, layout, budget, max_seqs, oversize) -> digest
+# (samples, longest, dp, k, strategy, buffer, chunk, seed, layout, budget, max_seqs, oversize) ->
+# digest
 GOLDEN = [
-    ((20000, 128, 1, 1, "bfd", 2048, 16384, 1, dict(tp=2, cp=2), 8192, None, "error"), "780844a2467efdad"),
+    (
+        (20000, 128, 1, 1, "bfd", 2048, 16384, 1, dict(tp=2, cp=2), 8192, None, "error"),
+        "780844a2467efdad",
+    ),
     ((5000, 2000, 2, 1, "bfd", 64, 16384, 3, dict(cp=2), 4096, None, "error"), "0e424d3f6d5281b5"),
-    ((5000, 3000, 4, 2, "first_fit", 128, 1000, 5, dict(), 4096, None, "truncate"), "ad77ca448fa8f86e"),
+    (
+        (5000, 3000, 4, 2, "first_fit", 128, 1000, 5, dict(), 4096, None, "truncate"),
+        "ad77ca448fa8f86e",
+    ),
     ((3000, 500, 2, 2, "bfd", 32, 700, None, dict(tp=2), 2048, 8, "skip"), "4bbcf9fffbb04b30"),
-    ((40000, 256, 8, 1, "bfd", 2048, 16384, 7, dict(tp=2, cp=2), 8192, None, "error"), "df2a8b77fcb225e0"),
+    (
+        (40000, 256, 8, 1, "bfd", 2048, 16384, 7, dict(tp=2, cp=2), 8192, None, "error"),
+        "df2a8b77fcb225e0",
+    ),
     ((777, 64, 3, 1, "bfd", 8, 100, 9, dict(), 256, 4, "error"), "0cb952fdc6f9938e"),
 ]
 GOLDEN_COST = [((2, 1), "8980e56669f73fc9"), ((4, 2), "559a5d36b18d8082")]
@@ -34,8 +46,16 @@ GOLDEN_COST = [((2, 1), "8980e56669f73fc9"), ((4, 2), "559a5d36b18d8082")]
 
 def _digest(plan) -> str:
     h = hashlib.sha256()
-    h.update(json.dumps([plan.microbatches, plan.steps, plan.truncated and sorted(plan.truncated.items()),
-                         plan.skipped]).encode())
+    h.update(
+        json.dumps(
+            [
+                plan.microbatches,
+                plan.steps,
+                plan.truncated and sorted(plan.truncated.items()),
+                plan.skipped,
+            ]
+        ).encode()
+    )
     h.update(plan.real_tokens.tobytes())
     h.update(plan.padded_lengths.tobytes())
     h.update(json.dumps(plan.stats.to_dict(), sort_keys=True).encode())
@@ -47,22 +67,40 @@ def test_plans_unchanged(case, want):
     n, hi, dp, k, strategy, buf, chunk, seed, layout, budget, max_seqs, oversize = case
     lengths = np.random.default_rng(n).integers(1, hi, n)
     lay = ParallelLayout(**layout, **({"max_seqs": max_seqs} if max_seqs else {}))
-    plan = plan_microbatches(lengths, layout=lay, token_budget=budget, dp_size=dp, seed=seed, strategy=strategy,
-                             buffer_size=buf, chunk_size=chunk, microbatches_per_step=k, oversize=oversize)
+    plan = plan_microbatches(
+        lengths,
+        layout=lay,
+        token_budget=budget,
+        dp_size=dp,
+        seed=seed,
+        strategy=strategy,
+        buffer_size=buf,
+        chunk_size=chunk,
+        microbatches_per_step=k,
+        oversize=oversize,
+    )
     assert _digest(plan) == want
 
 
 @pytest.mark.parametrize("dpk,want", GOLDEN_COST)
 def test_cost_plans_unchanged(dpk, want):
     lengths = np.random.default_rng(0).integers(1, 900, 6000)
-    plan = plan_microbatches(lengths, layout=ParallelLayout(cp=2), token_budget=2048, dp_size=dpk[0], seed=2,
-                             microbatches_per_step=dpk[1], cost=CostModel(linear=1.0, quadratic=0.003),
-                             chunk_size=1500)
+    plan = plan_microbatches(
+        lengths,
+        layout=ParallelLayout(cp=2),
+        token_budget=2048,
+        dp_size=dpk[0],
+        seed=2,
+        microbatches_per_step=dpk[1],
+        cost=CostModel(linear=1.0, quadratic=0.003),
+        chunk_size=1500,
+    )
     assert _digest(plan) == want
 
 
 def _reference_stream_fit(sizes, cap, buffer_size, max_age, max_items):
-    """Streaming best-fit decreasing as the packing module's docstring states it, written plainly (a list
+    """Streaming best-fit decreasing as the packing module's docstring states it, written plainly (a
+    list
     scan per sample): the oracle of the inlined best fit."""
     sizes = [int(s) for s in sizes]
     items, load, born, open_, closed = [], [], [], [], []
@@ -99,22 +137,43 @@ def _reference_stream_fit(sizes, cap, buffer_size, max_age, max_items):
             closed.append(b)
             held -= len(items[b])
         window += 1
-    return [items[b] for b in closed], [items[b] for b in sorted(open_, key=lambda b: (cap - load[b], b))]
+    return [items[b] for b in closed], [
+        items[b] for b in sorted(open_, key=lambda b: (cap - load[b], b))
+    ]
 
 
 @settings(max_examples=60, deadline=None)
-@given(sizes=st.lists(st.integers(1, 64), min_size=1, max_size=300), cap=st.integers(64, 200),
-       buffer_size=st.integers(2, 40), max_age=st.integers(1, 5), max_items=st.one_of(st.none(), st.integers(1, 6)))
+@given(
+    sizes=st.lists(st.integers(1, 64), min_size=1, max_size=300),
+    cap=st.integers(64, 200),
+    buffer_size=st.integers(2, 40),
+    max_age=st.integers(1, 5),
+    max_items=st.one_of(st.none(), st.integers(1, 6)),
+)
 def test_best_fit_matches_reference(sizes, cap, buffer_size, max_age, max_items):
     from prealign.loaders.plan.packing import StreamFit
 
-    fit = StreamFit(np.asarray(sizes, np.int64), cap, buffer_size=buffer_size, best=True, max_age=max_age,
-                    max_items=max_items)
+    fit = StreamFit(
+        np.asarray(sizes, np.int64),
+        cap,
+        buffer_size=buffer_size,
+        best=True,
+        max_age=max_age,
+        max_items=max_items,
+    )
     closed = fit.advance(len(sizes))
     still_open = [fit.bins.items[k & ((1 << 32) - 1)] for k in fit.bins.keys]
-    assert (closed, still_open) == _reference_stream_fit(sizes, cap, buffer_size, max_age, max_items)
-    whole = stream_fit(np.asarray(sizes, np.int64), cap, buffer_size=buffer_size, best=True, max_age=max_age,
-                       max_items=max_items)
+    assert (closed, still_open) == _reference_stream_fit(
+        sizes, cap, buffer_size, max_age, max_items
+    )
+    whole = stream_fit(
+        np.asarray(sizes, np.int64),
+        cap,
+        buffer_size=buffer_size,
+        best=True,
+        max_age=max_age,
+        max_items=max_items,
+    )
     assert sorted(i for b in whole for i in b) == list(range(len(sizes)))
 
 
@@ -128,11 +187,14 @@ def _calls(n: int, layout: ParallelLayout) -> int:
     return pstats.Stats(prof).total_calls
 
 
-@pytest.mark.parametrize("layout", [ParallelLayout(tp=2, cp=2), ParallelLayout()], ids=["aligned-8", "unaligned"])
+@pytest.mark.parametrize(
+    "layout", [ParallelLayout(tp=2, cp=2), ParallelLayout()], ids=["aligned-8", "unaligned"]
+)
 def test_chunk_plan_calls_per_sample(layout):
-    """Planning one chunk (what a start and a resume pay) makes fewer than one function call per sample at the
-    margin (every builtin counted): the best fit places a run of equal sizes a bin at a time, the micro-batches
-    are assembled with a few numpy calls. Before: 11.4 calls per sample (two method calls of the open bins, a
+    """Planning one chunk (what a start and a resume pay) makes fewer than one function call per
+    sample at the margin (every builtin counted): the best fit places a run of equal sizes a bin at
+    a time, the micro-batches are assembled with a few numpy calls. Before: 11.4 calls per sample
+    (two method calls of the open bins, a
     bisect and an insort per sample, a generator step per sample to assemble the micro-batches)."""
     _calls(1000, layout)  # (first calls: caches)
     small, big = _calls(4000, layout), _calls(16000, layout)

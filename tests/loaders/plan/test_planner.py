@@ -1,5 +1,6 @@
 """Planner invariants (hypothesis), a golden case, oversize policies, DP balance and the exact
 agreement between the planned padded length and what THDCollator produces."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -9,14 +10,27 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prealign.collate import THDCollator
-from prealign.loaders import OversizeSampleError, PlanError, PlannerConfig, microbatch_capacity, plan_microbatches
+from prealign.loaders import (
+    OversizeSampleError,
+    PlanError,
+    PlannerConfig,
+    microbatch_capacity,
+    plan_microbatches,
+)
 from prealign.loaders.plan.packing import next_fit, spread, stream_fit
 from prealign.loaders.plan.planner import ChunkedPlan
 from prealign.schemas import FP8Recipe, PadPolicy, ParallelLayout, causal_lm_schema
 
-LAYOUTS = [ParallelLayout(), ParallelLayout(tp=2), ParallelLayout(cp=2), ParallelLayout(tp=2, cp=2),
-           ParallelLayout(tp=2, cp=2, fp8="fp8"), ParallelLayout(tp=2, cp=2, pad_policy=PadPolicy.PER_SEQUENCE),
-           ParallelLayout(cp=2, min_local_rows=24), ParallelLayout(tp=2, cp=2, length_buckets=(64, 128, 200, 256))]
+LAYOUTS = [
+    ParallelLayout(),
+    ParallelLayout(tp=2),
+    ParallelLayout(cp=2),
+    ParallelLayout(tp=2, cp=2),
+    ParallelLayout(tp=2, cp=2, fp8="fp8"),
+    ParallelLayout(tp=2, cp=2, pad_policy=PadPolicy.PER_SEQUENCE),
+    ParallelLayout(cp=2, min_local_rows=24),
+    ParallelLayout(tp=2, cp=2, length_buckets=(64, 128, 200, 256)),
+]
 
 
 def check_plan(plan, lengths, layout, budget, dp):
@@ -28,7 +42,9 @@ def check_plan(plan, lengths, layout, budget, dp):
     assert sum(plan.steps) == plan.stats.microbatches_per_rank
     seen = [i for rank in plan.microbatches for mb in rank for i in mb]
     assert len(seen) == len(set(seen)), "no sample twice"
-    assert set(seen) | set(plan.skipped) == set(range(len(lengths))), "every sample placed or skipped (counted)"
+    assert set(seen) | set(plan.skipped) == set(range(len(lengths))), (
+        "every sample placed or skipped (counted)"
+    )
     assert not set(seen) & set(plan.skipped)
     for r, rank in enumerate(plan.microbatches):
         for i, mb in enumerate(rank):
@@ -46,40 +62,71 @@ def check_plan(plan, lengths, layout, budget, dp):
 
 @pytest.mark.slow
 @settings(max_examples=150, deadline=None)
-@given(lengths=st.lists(st.integers(1, 300), min_size=0, max_size=200), layout=st.sampled_from(LAYOUTS),
-       budget=st.sampled_from([256, 300, 512, 1000]), dp=st.integers(1, 4), k=st.integers(1, 3),
-       strategy=st.sampled_from(["bfd", "first_fit", "in_order"]), buffer=st.integers(2, 64),
-       oversize=st.sampled_from(["truncate", "skip"]), seed=st.one_of(st.none(), st.integers(0, 3)),
-       chunk=st.sampled_from([1, 7, 40, 16384]))
+@given(
+    lengths=st.lists(st.integers(1, 300), min_size=0, max_size=200),
+    layout=st.sampled_from(LAYOUTS),
+    budget=st.sampled_from([256, 300, 512, 1000]),
+    dp=st.integers(1, 4),
+    k=st.integers(1, 3),
+    strategy=st.sampled_from(["bfd", "first_fit", "in_order"]),
+    buffer=st.integers(2, 64),
+    oversize=st.sampled_from(["truncate", "skip"]),
+    seed=st.one_of(st.none(), st.integers(0, 3)),
+    chunk=st.sampled_from([1, 7, 40, 16384]),
+)
 def test_plan_invariants(lengths, layout, budget, dp, k, strategy, buffer, oversize, seed, chunk):
     try:
         microbatch_capacity(layout, budget)
     except PlanError:
         return  # e.g. length buckets all above the budget: refused up front (tested below)
-    plan = plan_microbatches(lengths, layout=layout, token_budget=budget, dp_size=dp, strategy=strategy,
-                             buffer_size=buffer, oversize=oversize, microbatches_per_step=k, seed=seed,
-                             chunk_size=chunk)
+    plan = plan_microbatches(
+        lengths,
+        layout=layout,
+        token_budget=budget,
+        dp_size=dp,
+        strategy=strategy,
+        buffer_size=buffer,
+        oversize=oversize,
+        microbatches_per_step=k,
+        seed=seed,
+        chunk_size=chunk,
+    )
     check_plan(plan, lengths, layout, budget, dp)
     assert all(s <= k for s in plan.steps) and all(s == k for s in plan.steps[:-1])
-    # (one chunk: the tail re-spread draws on the whole stream; with tiny chunks it draws on the last chunk
-    # alone and may leave a filler, as ChunkedPlan documents: 5 samples of 1 token, chunk_size=1, dp=2)
-    if chunk >= len(lengths) and len(lengths) - len(plan.skipped) >= dp * plan.stats.microbatches_per_rank:
+    # (one chunk: the tail re-spread draws on the whole stream; with tiny chunks it draws on the
+    # last chunk alone and may leave a filler, as ChunkedPlan documents: 5 samples of 1 token,
+    # chunk_size=1, dp=2)
+    if (
+        chunk >= len(lengths)
+        and len(lengths) - len(plan.skipped) >= dp * plan.stats.microbatches_per_rank
+    ):
         assert plan.stats.num_empty == 0, "no empty micro-batch while there are samples enough"
 
 
 @settings(max_examples=40, deadline=None)
-@given(lengths=st.lists(st.integers(1, 120), min_size=1, max_size=60), layout=st.sampled_from(LAYOUTS[:7]),
-       dp=st.integers(1, 3))
+@given(
+    lengths=st.lists(st.integers(1, 120), min_size=1, max_size=60),
+    layout=st.sampled_from(LAYOUTS[:7]),
+    dp=st.integers(1, 3),
+)
 def test_planned_length_is_what_the_collator_produces(lengths, layout, dp):
-    """The planner's padded length equals THDCollator's cu_seqlens_padded[-1] for every micro-batch."""
+    """The planner's padded length equals THDCollator's cu_seqlens_padded[-1] for every
+    micro-batch."""
     budget = 256
-    plan = plan_microbatches(lengths, layout=layout, token_budget=budget, dp_size=dp, oversize="truncate")
+    plan = plan_microbatches(
+        lengths, layout=layout, token_budget=budget, dp_size=dp, oversize="truncate"
+    )
     coll = THDCollator(schema=causal_lm_schema(), layout=layout)
     checked = 0
     for r, rank in enumerate(plan.microbatches):
         for i, mb in enumerate(rank):
             if mb:
-                batch = coll([{"input_ids": torch.arange(1, min(lengths[j], plan.stats.capacity) + 1)} for j in mb])
+                batch = coll(
+                    [
+                        {"input_ids": torch.arange(1, min(lengths[j], plan.stats.capacity) + 1)}
+                        for j in mb
+                    ]
+                )
                 assert int(batch["cu_seqlens_padded"][-1]) == plan.padded_lengths[r, i] <= budget
                 assert batch["input_ids"].shape[1] == plan.padded_lengths[r, i]
                 checked += 1
@@ -87,9 +134,11 @@ def test_planned_length_is_what_the_collator_produces(lengths, layout, dp):
 
 
 def test_golden_case():
-    plan = plan_microbatches([5, 3, 7, 2, 6, 9], layout=ParallelLayout(tp=2, cp=2), token_budget=24, dp_size=2)
-    # aligned to 4: [8, 4, 8, 4, 8, 12], capacity 24. BFD, largest first: 12 (#5) opens A, 8 (#0) fills A
-    # to 20, 8 (#2) opens B, 8 (#4) -> B, 4 (#1) fits A exactly (best fit), 4 (#3) -> B.
+    plan = plan_microbatches(
+        [5, 3, 7, 2, 6, 9], layout=ParallelLayout(tp=2, cp=2), token_budget=24, dp_size=2
+    )
+    # aligned to 4: [8, 4, 8, 4, 8, 12], capacity 24. BFD, largest first: 12 (#5) opens A, 8 (#0)
+    # fills A to 20, 8 (#2) opens B, 8 (#4) -> B, 4 (#1) fits A exactly (best fit), 4 (#3) -> B.
     # One step; the heavier micro-batch (17 real tokens) is dealt first, to rank 0.
     assert plan.stats.capacity == 24
     assert plan.microbatches == (((5, 0, 1),), ((2, 4, 3),))
@@ -189,26 +238,43 @@ def test_bfd_beats_baselines_and_balances_dp():
 
 def test_packing_helpers():
     sizes = np.array([4, 8, 4, 12, 4])
-    for bins in (stream_fit(sizes, 16, buffer_size=4, best=True), stream_fit(sizes, 16, buffer_size=4, best=False),
-                 next_fit(sizes, 16)):
+    for bins in (
+        stream_fit(sizes, 16, buffer_size=4, best=True),
+        stream_fit(sizes, 16, buffer_size=4, best=False),
+        next_fit(sizes, 16),
+    ):
         assert sorted(i for b in bins for i in b) == list(range(5))
         assert all(sizes[b].sum() <= 16 for b in bins)
     assert spread([[0, 1, 2]], np.array([15, 1, 1]), 3, 16) == [[0], [1], [2]]
     # spread falls back to moving single items out when the greedy pass cannot fit
-    # (largest first into the least-loaded bin fails here: 3 3 | 2 2 | 2 -> 7 > 6): keep the valid packing
+    # (largest first into the least-loaded bin fails here: 3 3 | 2 2 | 2 -> 7 > 6): keep the valid
+    # packing
     assert spread([[0, 1], [2, 3, 4]], np.array([3, 3, 2, 2, 2]), 2, 6) == [[0, 1], [2, 3, 4]]
     assert spread([[0, 1], [2, 3, 4]], np.array([3, 3, 2, 2, 2]), 5, 6) == [[0], [1], [2], [3], [4]]
 
 
 @pytest.mark.slow
 @settings(max_examples=80, deadline=None)
-@given(lengths=st.lists(st.integers(1, 300), min_size=40, max_size=300), dp=st.integers(1, 4), k=st.integers(1, 3),
-       strategy=st.sampled_from(["bfd", "first_fit"]), buffer=st.integers(2, 64), chunk=st.integers(16, 64))
+@given(
+    lengths=st.lists(st.integers(1, 300), min_size=40, max_size=300),
+    dp=st.integers(1, 4),
+    k=st.integers(1, 3),
+    strategy=st.sampled_from(["bfd", "first_fit"]),
+    buffer=st.integers(2, 64),
+    chunk=st.integers(16, 64),
+)
 def test_chunked_plan_packs_like_one_pass(lengths, dp, k, strategy, buffer, chunk):
-    """Planning chunk by chunk (what a loader does, lazily) gives the micro-batches of one pass, with whole
+    """Planning chunk by chunk (what a loader does, lazily) gives the micro-batches of one pass,
+    with whole
     steps up to the last, and planning chunk c touches no chunk after it."""
-    kw = dict(layout=ParallelLayout(cp=2), token_budget=512, dp_size=dp, strategy=strategy, buffer_size=buffer,
-              microbatches_per_step=k)
+    kw = dict(
+        layout=ParallelLayout(cp=2),
+        token_budget=512,
+        dp_size=dp,
+        strategy=strategy,
+        buffer_size=buffer,
+        microbatches_per_step=k,
+    )
     whole = plan_microbatches(lengths, **kw, chunk_size=10**6)
     lazy = ChunkedPlan(lengths, **kw, chunk_size=chunk)
     lazy.chunk(0)
@@ -225,7 +291,12 @@ def test_chunked_plan_packs_like_one_pass(lengths, dp, k, strategy, buffer, chun
 def test_chunk_bounds_golden():
     from prealign.loaders.plan.planner import chunk_bounds
 
-    assert chunk_bounds(100, 30) == [0, 30, 60, 100]  # a remainder of 10 (< 15) joins the last chunk
+    assert chunk_bounds(100, 30) == [
+        0,
+        30,
+        60,
+        100,
+    ]  # a remainder of 10 (< 15) joins the last chunk
     assert chunk_bounds(110, 30) == [0, 30, 60, 90, 110]
     assert chunk_bounds(5, 30) == [0, 5]
     with pytest.raises(PlanError, match="chunk_size"):

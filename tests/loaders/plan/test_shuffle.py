@@ -1,5 +1,7 @@
-"""Shuffling (issue #7, item 5): micro-batch order seeded after planning, shard order and in-shard windows
+"""Shuffling (issue #7, item 5): micro-batch order seeded after planning, shard order and in-shard
+windows
 new every epoch; epoch-to-epoch correlation of sample positions measured; open files bounded."""
+
 from __future__ import annotations
 
 import os
@@ -38,10 +40,14 @@ def epoch_correlation(loader, epochs: int = 32) -> float:
     return float(np.mean(rs))
 
 
-@pytest.mark.parametrize("n, shards", [(1200, 6), (60, 1)])  # a small dataset: smaller than the BFD window
+@pytest.mark.parametrize(
+    "n, shards", [(1200, 6), (60, 1)]
+)  # a small dataset: smaller than the BFD window
 def test_epoch_to_epoch_correlation_is_small(tmp_path, n, shards):
     lengths = sample_lengths(n)
-    wds = _loader(WebDatasetSource(write_shards(str(tmp_path), lengths, num_shards=shards)), token_budget=128)
+    wds = _loader(
+        WebDatasetSource(write_shards(str(tmp_path), lengths, num_shards=shards)), token_budget=128
+    )
     hf = _loader(HFSource(datasets.Dataset.from_dict(hf_rows(lengths))), token_budget=128)
     for loader in (wds, hf):
         r = epoch_correlation(loader)
@@ -56,27 +62,40 @@ def test_small_dataset_is_not_served_longest_first(tmp_path):
     for epoch in range(4):
         loads = [sum(lengths[s] for s in mb) for mb in loader.epoch_samples(epoch)]
         assert loads != sorted(loads, reverse=True)
-    rho = np.mean([np.corrcoef(np.arange(len(mbs)), [-max(lengths[s] for s in mb) for mb in mbs])[0, 1]
-                   for mbs in (loader.epoch_samples(e) for e in range(8))])
-    assert abs(rho) < 0.3  # BFD opens micro-batches longest-first; the served order does not follow it
+    rho = np.mean(
+        [
+            np.corrcoef(np.arange(len(mbs)), [-max(lengths[s] for s in mb) for mb in mbs])[0, 1]
+            for mbs in (loader.epoch_samples(e) for e in range(8))
+        ]
+    )
+    assert (
+        abs(rho) < 0.3
+    )  # BFD opens micro-batches longest-first; the served order does not follow it
 
 
 def test_steps_are_shuffled_whole_and_every_rank_alike():
     order = step_order((3, 3, 3, 2), epoch=1, seed=0, shuffle=True, window=None)
     assert sorted(order.tolist()) == list(range(11))
-    groups = [tuple(order[i:i + 3].tolist()) for i in (0, 3, 6)] + [tuple(order[9:].tolist())]
-    assert all(g in {(0, 1, 2), (3, 4, 5), (6, 7, 8), (9, 10)} for g in groups if len(g) == 3 or g == (9, 10)) \
-        or sorted(len(g) for g in groups) == [2, 3, 3, 3]
+    groups = [tuple(order[i : i + 3].tolist()) for i in (0, 3, 6)] + [tuple(order[9:].tolist())]
+    assert all(
+        g in {(0, 1, 2), (3, 4, 5), (6, 7, 8), (9, 10)}
+        for g in groups
+        if len(g) == 3 or g == (9, 10)
+    ) or sorted(len(g) for g in groups) == [2, 3, 3, 3]
     windowed = step_order(tuple([1] * 200), epoch=0, seed=0, shuffle=True, window=8)
-    assert all(set(windowed[i:i + 8].tolist()) == set(range(i, i + 8)) for i in range(0, 200, 8))
+    assert all(set(windowed[i : i + 8].tolist()) == set(range(i, i + 8)) for i in range(0, 200, 8))
 
 
 def test_dp_ranks_still_cover_every_sample_once(tmp_path):
     lengths = sample_lengths(300)
     paths = write_shards(str(tmp_path), lengths, num_shards=3)
     for epoch in (0, 1):
-        seen = [s for r in range(2) for mb in _loader(WebDatasetSource(paths), dp_size=2, dp_rank=r).epoch_samples(epoch)
-                for s in mb]
+        seen = [
+            s
+            for r in range(2)
+            for mb in _loader(WebDatasetSource(paths), dp_size=2, dp_rank=r).epoch_samples(epoch)
+            for s in mb
+        ]
         assert sorted(seen) == list(range(300))
 
 

@@ -1,6 +1,8 @@
-"""Compressed shards read through counters capped by DecodeLimits, streamed member by member, never held whole
-(issue #31): a gzip bomb is a typed corrupt_shard naming the shard, the member and the byte; a truncated
+"""Compressed shards read through counters capped by DecodeLimits, streamed member by member, never
+held whole (issue #31): a gzip bomb is a typed corrupt_shard naming the shard, the member and the
+byte; a truncated
 .tar.gz names the byte it stopped at; memory stays bounded (measured in a subprocess)."""
+
 from __future__ import annotations
 
 import gzip
@@ -22,7 +24,9 @@ from tests.loader_helpers import sample_lengths, write_shards
 
 ROOT = str(REPO)  # cwd and PYTHONPATH of the child processes
 MiB = 1 << 20
-_ZEROS = gzip.compress(b"\0" * MiB, compresslevel=9)  # one gzip member of 1 MiB of zeros (about 1 KiB)
+_ZEROS = gzip.compress(
+    b"\0" * MiB, compresslevel=9
+)  # one gzip member of 1 MiB of zeros (about 1 KiB)
 
 
 def _header(name: str, size: int) -> bytes:
@@ -45,8 +49,10 @@ def _member(name: str, data: bytes) -> bytes:
 
 
 def bomb(path: str, *, members: int, member_mib: int) -> str:
-    """A .tar.gz of ``members`` samples, each a small ``input_ids.npy`` and ``member_mib`` MiB of zeros
-    (``pad.bin``), written as concatenated gzip members (a valid gzip stream) without ever holding it."""
+    """A .tar.gz of ``members`` samples, each a small ``input_ids.npy`` and ``member_mib`` MiB of
+    zeros
+    (``pad.bin``), written as concatenated gzip members (a valid gzip stream) without ever holding
+    it."""
     with open(path, "wb") as f:
         for i in range(members):
             f.write(_member(f"{i:06d}.input_ids.npy", _npy(8)))
@@ -58,13 +64,17 @@ def bomb(path: str, *, members: int, member_mib: int) -> str:
 
 
 def test_a_member_declaring_past_the_limit_is_refused_before_it_is_read(tmp_path):
-    """A 1.5 MB .tar.gz whose member declares 1.5 GiB: a typed error at its header, nothing inflated."""
+    """A 1.5 MB .tar.gz whose member declares 1.5 GiB: a typed error at its header, nothing
+    inflated."""
     path = bomb(str(tmp_path / "one.tar.gz"), members=1, member_mib=1536)
     assert os.path.getsize(path) < 2_000_000
-    (loc, err), = list(WebDatasetSource([path]).scan(0))
+    ((loc, err),) = list(WebDatasetSource([path]).scan(0))
     assert loc is None and isinstance(err, CorruptShardError)
     assert err.shard == path and err.offset == 1024  # the second member's header
-    assert "'000000.pad.bin' declares 1610612736 bytes" in err.cause and "max_member_bytes" in err.cause
+    assert (
+        "'000000.pad.bin' declares 1610612736 bytes" in err.cause
+        and "max_member_bytes" in err.cause
+    )
 
 
 def test_a_bomb_past_the_ratio_is_a_typed_error_naming_member_and_byte(tmp_path):
@@ -74,7 +84,9 @@ def test_a_bomb_past_the_ratio_is_a_typed_error_naming_member_and_byte(tmp_path)
     err = events[0]
     assert "max_ratio" in err.cause and "in member '" in err.cause and err.offset >= 64 * MiB
     with pytest.raises(CorruptShardError, match=r"unreadable at byte \d+: .*max_ratio"):
-        WebDatasetSource([path]).read((0, 0, 512 + 512))  # a sample's read: the stream read whole, capped too
+        WebDatasetSource([path]).read(
+            (0, 0, 512 + 512)
+        )  # a sample's read: the stream read whole, capped too
     small = DecodeLimits(max_shard_bytes=8 * MiB, max_ratio=10_000)
     with pytest.raises(CorruptShardError, match="max_shard_bytes"):
         WebDatasetSource([path], limits=small).read((0, 0, 1024))
@@ -92,7 +104,9 @@ def test_a_truncated_tar_gz_names_the_byte_it_stopped_at(tmp_path):
     good = [loc for loc, s in out if loc is not None]
     err = out[-1][1]
     assert isinstance(err, CorruptShardError) and "truncated gzip stream" in err.cause
-    assert good and good[-1][2] <= err.offset < len(data)  # past the samples it served, inside the shard
+    assert good and good[-1][2] <= err.offset < len(
+        data
+    )  # past the samples it served, inside the shard
     assert err.offset > 0
 
 
@@ -122,26 +136,40 @@ print(json.dumps({"base": base, "peak": peak(), "served": served, "error": error
 
 
 def _measure(path: str, ratio: int) -> dict:
-    out = subprocess.run([sys.executable, "-c", _MEASURE, path, str(ratio)], cwd=ROOT, capture_output=True,
-                         text=True, env={**os.environ, "PYTHONPATH": ROOT}, timeout=600)
+    out = subprocess.run(
+        [sys.executable, "-c", _MEASURE, path, str(ratio)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": ROOT},
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.slow
 def test_a_shard_of_1024_one_mib_members_streams_in_bounded_memory(tmp_path):
-    """Issue #31: a 1.2 MB .tar.gz of 1,024 x 1 MiB members took 2.3 GiB at the first batch. Default limits: a
-    typed error (its ratio); limits that let it through: every sample served, the peak under 300 MiB over the
+    """Issue #31: a 1.2 MB .tar.gz of 1,024 x 1 MiB members took 2.3 GiB at the first batch. Default
+    limits: a typed error (its ratio); limits that let it through: every sample served, the peak
+    under 300 MiB over the
     process's own (the shard decompressed to a temporary file, a member at a time)."""
     path = bomb(str(tmp_path / "wide.tar.gz"), members=1024, member_mib=1)
     assert os.path.getsize(path) < 2_000_000
     refused = _measure(path, 250)
-    assert refused["served"] == 0 and "CorruptShardError" in refused["error"] and "max_ratio" in refused["error"]
+    assert (
+        refused["served"] == 0
+        and "CorruptShardError" in refused["error"]
+        and "max_ratio" in refused["error"]
+    )
     served = _measure(path, 10_000)
     assert served["error"] is None and served["served"] == 1024, served
     assert served["peak"] - served["base"] < 300 * MiB, served
-    print(f"1024 x 1 MiB .tar.gz: peak {(served['peak'] - served['base']) / MiB:.0f} MiB over the process's "
-          f"{served['base'] / MiB:.0f} MiB")
+    print(
+        f"1024 x 1 MiB .tar.gz: peak {(served['peak'] - served['base']) / MiB:.0f} MiB over the "
+        f"process's "
+        f"{served['base'] / MiB:.0f} MiB"
+    )
 
 
 def test_gzip_bounded_reader_counts(tmp_path):
@@ -156,9 +184,11 @@ def test_gzip_bounded_reader_counts(tmp_path):
         while part := f.read(MiB // 2):
             got += len(part)
     assert got == 2 * MiB and exc.value.offset == 2 * MiB
-    bad = BoundedGzip(io.BytesIO(b"\x1f\x8b\x08\x00" + zlib.compress(b"y")[2:] + b"junk" * 8), "x.tar.gz",
-                      DecodeLimits())
+    bad = BoundedGzip(
+        io.BytesIO(b"\x1f\x8b\x08\x00" + zlib.compress(b"y")[2:] + b"junk" * 8),
+        "x.tar.gz",
+        DecodeLimits(),
+    )
     with pytest.raises(TarFormatError, match="corrupt or truncated gzip stream"):
         while bad.read(100):
             pass
-

@@ -1,5 +1,7 @@
-"""Header-only sizes: npy shapes without loading, image sizes without decoding, and the Qwen2-VL grid
+"""Header-only sizes: npy shapes without loading, image sizes without decoding, and the Qwen2-VL
+grid
 arithmetic equal to transformers' own processing."""
+
 from __future__ import annotations
 
 import io
@@ -36,7 +38,7 @@ def test_npy_header_reads_shape_and_dtype_only(dtype):
     arr = np.zeros((7, 3), dtype=dtype)
     data = _npy(arr)
     assert npy_header(data) == ((7, 3), arr.dtype)
-    assert npy_header(data[:128]) == ((7, 3), arr.dtype)   # the data itself is never needed
+    assert npy_header(data[:128]) == ((7, 3), arr.dtype)  # the data itself is never needed
 
 
 def test_npy_header_refuses_object_arrays_and_garbage():
@@ -50,7 +52,7 @@ def test_npy_header_refuses_object_arrays_and_garbage():
 
 def test_image_header_size_without_decoding_and_only_allowed_formats():
     buf = io.BytesIO()
-    Image.new("RGB", (13000, 13000)).save(buf, format="PNG")    # a bomb: the header alone is read
+    Image.new("RGB", (13000, 13000)).save(buf, format="PNG")  # a bomb: the header alone is read
     assert image_header_size(buf.getvalue()) == (13000, 13000)
     eps = b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 10 10\nshowpage\n"
     with pytest.raises(HeaderError, match="JPEG"):
@@ -63,8 +65,10 @@ def _processor_grid(height: int, width: int, **options) -> tuple[int, ...]:
     return tuple(out["image_grid_thw"][0].tolist())
 
 
-@pytest.mark.parametrize("size", [(1, 1), (27, 29), (28, 28), (56, 1000), (480, 640), (1080, 1920), (3, 600),
-                                  (2000, 2000)])
+@pytest.mark.parametrize(
+    "size",
+    [(1, 1), (27, 29), (28, 28), (56, 1000), (480, 640), (1080, 1920), (3, 600), (2000, 2000)],
+)
 def test_grid_equals_the_real_processor(size):
     h, w = size
     assert qwen2vl_grid(h, w) == _processor_grid(h, w)
@@ -93,12 +97,17 @@ def test_grid_property_against_transformers_arithmetic(h, w):
         with pytest.raises(HeaderError, match="aspect ratio"):
             qwen2vl_grid(h, w, geo)
         return
-    rh, rw = smart_resize(h, w, factor=geo.patch_size * geo.merge_size, min_pixels=geo.min_pixels,
-                          max_pixels=geo.max_pixels)
+    rh, rw = smart_resize(
+        h,
+        w,
+        factor=geo.patch_size * geo.merge_size,
+        min_pixels=geo.min_pixels,
+        max_pixels=geo.max_pixels,
+    )
     t, gh, gw = qwen2vl_grid(h, w, geo)
     assert (t, gh * geo.patch_size, gw * geo.patch_size) == (1, rh, rw)
     assert gh % geo.merge_size == 0 and gw % geo.merge_size == 0
-    assert tokens_of_grid((t, gh, gw), geo) * geo.merge_size ** 2 == gh * gw
+    assert tokens_of_grid((t, gh, gw), geo) * geo.merge_size**2 == gh * gw
 
 
 def test_every_demo_image_header_gives_the_transform_grid(tmp_path):
@@ -128,10 +137,15 @@ def test_every_demo_image_header_gives_the_transform_grid(tmp_path):
 
 
 @settings(max_examples=40, deadline=None)
-@given(w=st.integers(8, 90), h=st.integers(8, 90), orientation=st.integers(1, 8),
-       fmt=st.sampled_from(["JPEG", "PNG", "WEBP", "TIFF"]))
+@given(
+    w=st.integers(8, 90),
+    h=st.integers(8, 90),
+    orientation=st.integers(1, 8),
+    fmt=st.sampled_from(["JPEG", "PNG", "WEBP", "TIFF"]),
+)
 def test_exif_orientation_is_applied_as_transformers_load_image_does(w, h, orientation, fmt):
-    """A photo stored sideways (EXIF orientation 5-8) is decoded upright, pixel for pixel as transformers'
+    """A photo stored sideways (EXIF orientation 5-8) is decoded upright, pixel for pixel as
+    transformers'
     ``load_image`` gives it, and the header pass's size is the upright one (the grid agrees)."""
     import io
 
@@ -155,13 +169,18 @@ def test_exif_orientation_is_applied_as_transformers_load_image_does(w, h, orien
 
 
 def test_a_png_oriented_by_xmp_is_measured_as_decoded():
-    """ImageMagick and phones also put the orientation in a PNG's XMP: the header pass agrees with decoding."""
+    """ImageMagick and phones also put the orientation in a PNG's XMP: the header pass agrees with
+    decoding."""
     from PIL import PngImagePlugin
 
     from prealign.loaders.sources.tar_decode import open_image
 
-    xmp = ('<x:xmpmeta xmlns:x="adobe:ns:meta/"><rdf:RDF xmlns:rdf="http://www.w3.org/1999/02/22-rdf-syntax-ns#">'
-           '<rdf:Description xmlns:tiff="http://ns.adobe.com/tiff/1.0/" tiff:Orientation="6"/></rdf:RDF></x:xmpmeta>')
+    xmp = (
+        '<x:xmpmeta xmlns:x="adobe:ns:meta/"><rdf:RDF '
+        'xmlns:rdf="http://www.w3.org/1999/02/22-rdf-syntax-ns#">'
+        '<rdf:Description xmlns:tiff="http://ns.adobe.com/tiff/1.0/" '
+        'tiff:Orientation="6"/></rdf:RDF></x:xmpmeta>'
+    )
     info = PngImagePlugin.PngInfo()
     info.add_itxt("XML:com.adobe.xmp", xmp)
     buf = io.BytesIO()

@@ -1,7 +1,9 @@
-"""Nothing hangs (issue #18): one read deadline (``read_timeout``) for the index pass and load time, a stalled
-``pipe:`` command killed, a shard gone since indexing a typed error, a peer that stops iterating a
-:class:`CollectiveTimeoutError`, a resume position past the epoch a :class:`ResumeError`. Real files, FIFOs,
+"""Nothing hangs (issue #18): one read deadline (``read_timeout``) for the index pass and load time,
+a stalled ``pipe:`` command killed, a shard gone since indexing a typed error, a peer that stops
+iterating a :class:`CollectiveTimeoutError`, a resume position past the epoch a
+:class:`ResumeError`. Real files, FIFOs,
 processes and gloo ranks."""
+
 from __future__ import annotations
 
 import json
@@ -14,7 +16,12 @@ import pytest
 import torch
 
 from prealign.loaders import BadDataPolicy, PackedLoader, WebDatasetSource
-from prealign.loaders.errors import CollectiveTimeoutError, ResumeError, ShardGoneError, ShardTimeoutError
+from prealign.loaders.errors import (
+    CollectiveTimeoutError,
+    ResumeError,
+    ShardGoneError,
+    ShardTimeoutError,
+)
 from prealign.loaders.streaming import StreamingPackedLoader
 from prealign.schemas import ParallelLayout
 from prealign.schemas.schema import causal_lm_schema
@@ -48,7 +55,8 @@ def test_a_shard_swapped_for_a_fifo_after_prepare_is_refused_without_waiting(tmp
 
 @pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.slow)])
 def test_streaming_over_a_fifo_shard_times_out(tmp_path, workers):
-    """(The streaming loader scans with the index pass's deadline: a guard, this passed before #18 too.)"""
+    """(The streaming loader scans with the index pass's deadline: a guard, this passed before #18
+    too.)"""
     paths = write_shards(str(tmp_path), sample_lengths(60), num_shards=3)
     os.remove(paths[1])
     os.mkfifo(paths[1])
@@ -56,7 +64,9 @@ def test_streaming_over_a_fifo_shard_times_out(tmp_path, workers):
     with pytest.raises(ShardTimeoutError, match="shard-001"):
         list(_stream(WebDatasetSource(paths, read_timeout=1.0), num_workers=workers))
     assert time.monotonic() - t0 < 20
-    skipping = _stream(WebDatasetSource(paths, read_timeout=1.0), num_workers=workers, bad_data=SKIP)
+    skipping = _stream(
+        WebDatasetSource(paths, read_timeout=1.0), num_workers=workers, bad_data=SKIP
+    )
     assert sum(len(b["sample_index"]) for b in skipping) == 40
     assert skipping.report.counts == {"shard_timeout": 1}
 
@@ -76,7 +86,8 @@ def _processes_with(marker: str) -> list[int]:
 
 
 def _stalling_pipe(tmp_path, marker: str) -> tuple[list[str], str]:
-    """Shards whose first is a ``pipe:`` command that streams the tar until ``flag`` exists, then sleeps."""
+    """Shards whose first is a ``pipe:`` command that streams the tar until ``flag`` exists, then
+    sleeps."""
     paths = write_shards(str(tmp_path), sample_lengths(40), num_shards=2)
     flag = str(tmp_path / "stall")
     urls = [f"pipe:if [ -e {flag} ]; then sleep {marker}; fi; cat {paths[0]}", paths[1]]
@@ -130,7 +141,9 @@ def test_a_resume_position_past_the_end_of_the_epoch_is_refused(tmp_path):
     n = len(list(_stream(WebDatasetSource(paths))))
     state = _stream(WebDatasetSource(paths)).state_dict()
     at_end = _stream(WebDatasetSource(paths))
-    at_end.load_state_dict({**state, "position": n})  # saved after the last micro-batch: an empty rest
+    at_end.load_state_dict(
+        {**state, "position": n}
+    )  # saved after the last micro-batch: an empty rest
     assert list(at_end) == [] and at_end.epoch == 1
     past = _stream(WebDatasetSource(paths))
     past.load_state_dict({**state, "position": n + 1})
@@ -143,7 +156,9 @@ def _rank_main(rank: int, port: int, shards: list[str], out_dir: str) -> None:
         torch.set_num_threads(1)
         import torch.distributed as dist
 
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2
+        )
         loader = _stream(WebDatasetSource(shards), dp_rank=rank, dp_size=2, collective_timeout=3.0)
         it = iter(loader)
         next(it)
@@ -172,7 +187,10 @@ def test_a_rank_that_stops_iterating_is_a_collective_timeout_on_the_other(tmp_pa
     paths = write_shards(str(tmp_path), sample_lengths(120), num_shards=2)
     ctx = mp.get_context("fork")
     port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, port, paths, str(tmp_path)), daemon=True) for r in range(2)]
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, port, paths, str(tmp_path)), daemon=True)
+        for r in range(2)
+    ]
     for p in procs:
         p.start()
     procs[0].join(timeout=60)
@@ -181,16 +199,25 @@ def test_a_rank_that_stops_iterating_is_a_collective_timeout_on_the_other(tmp_pa
         if p.is_alive():
             p.kill()
         p.join()
-    errors = [(tmp_path / f"error-{r}.txt").read_text() for r in range(2) if (tmp_path / f"error-{r}.txt").exists()]
+    errors = [
+        (tmp_path / f"error-{r}.txt").read_text()
+        for r in range(2)
+        if (tmp_path / f"error-{r}.txt").exists()
+    ]
     assert not errors, errors[0]
     assert not alive, "rank 0 hung in the end-of-epoch all_reduce"
     result = json.loads((tmp_path / "rank-0.json").read_text())
-    assert result["error"] and "collective_timeout=3 s" in result["error"] and "[0, 1]" in result["error"]
+    assert (
+        result["error"]
+        and "collective_timeout=3 s" in result["error"]
+        and "[0, 1]" in result["error"]
+    )
     assert result["seconds"] < 15
 
 
 def test_a_child_forked_during_a_timed_call_can_make_its_own():
-    """A DataLoader worker forked while another thread of the main process waits in call_with_timeout starts
+    """A DataLoader worker forked while another thread of the main process waits in
+    call_with_timeout starts
     with the lock free: its first sample read does not deadlock."""
     import threading
 

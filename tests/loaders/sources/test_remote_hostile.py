@@ -1,6 +1,8 @@
-"""Remote reads against hostile or changing servers (issue #18), real servers on 127.0.0.1: an object replaced
-under a warm block cache, a cache folder removed mid-run, absurd ``Content-Length`` announcements, a server
+"""Remote reads against hostile or changing servers (issue #18), real servers on 127.0.0.1: an
+object replaced under a warm block cache, a cache folder removed mid-run, absurd ``Content-Length``
+announcements, a server
 dripping one byte at a time, a connection dropped under a sequential (``.tar.gz``) stream."""
+
 from __future__ import annotations
 
 import gzip
@@ -15,13 +17,21 @@ import pytest
 from prealign.loaders import WebDatasetSource
 from prealign.loaders.errors import RemoteReadError, RemoteStallError
 from prealign.loaders.index.header_pass import write_sidecars
-from prealign.loaders.sources.remote import RemoteOptions, open_stream, read_range, read_small, read_whole, size
+from prealign.loaders.sources.remote import (
+    RemoteOptions,
+    open_stream,
+    read_range,
+    read_small,
+    read_whole,
+    size,
+)
 from tests.loader_helpers import sample_lengths, write_shards
 from tests.loaders.sources.test_remote import SCHEMA, _Handler, _loader, _same_batches, _serve
 
 
 class _ETagHandler(_Handler):
-    """:class:`_Handler` that names each version of a file with an ETag (its content's hash), as object stores do."""
+    """:class:`_Handler` that names each version of a file with an ETag (its content's hash), as
+    object stores do."""
 
     def end_headers(self):
         name = self.path.lstrip("/").split("?")[0]
@@ -33,9 +43,10 @@ class _ETagHandler(_Handler):
 
 
 class _Hostile(_Handler):
-    """Answers GETs as ``server.mode`` says: ``huge`` announces ``Content-Length: 10**15`` (206, or 200 when
-    ``server.ignore_range``) and sends ``server.send`` bytes, then holds (``server.hold`` s) and closes;
-    ``drip`` announces the true length and sends one byte every ``server.drip`` seconds; ``drip_headers`` sends its
+    """Answers GETs as ``server.mode`` says: ``huge`` announces ``Content-Length: 10**15`` (206, or
+    200 when ``server.ignore_range``) and sends ``server.send`` bytes, then holds (``server.hold``
+    s) and closes; ``drip`` announces the true length and sends one byte every ``server.drip``
+    seconds; ``drip_headers`` sends its
     headers so."""
 
     def do_GET(self):
@@ -55,7 +66,7 @@ class _Hostile(_Handler):
                 self.send_header("Content-Range", f"bytes 0-{10**15 - 1}/{10**15}")
             self.send_header("Content-Length", str(10**15))
             self.end_headers()
-            self.wfile.write(data[:srv.send])
+            self.wfile.write(data[: srv.send])
             self.wfile.flush()
             time.sleep(srv.hold)
             self.close_connection = True
@@ -69,7 +80,7 @@ class _Hostile(_Handler):
             if time.monotonic() > deadline:
                 break
             try:
-                self.wfile.write(data[i:i + 1])
+                self.wfile.write(data[i : i + 1])
                 self.wfile.flush()
             except OSError:
                 break
@@ -86,9 +97,11 @@ def hostile(tmp_path):
     server.server_close()
 
 
-# ---- 1. stale cache ---------------------------------------------------------------------------------------
+# ---- 1. stale cache
+# ---------------------------------------------------------------------------------------
 def test_a_changed_object_never_reads_the_old_objects_blocks(tmp_path):
-    """Same URL, same size, new content (a new ETag): once the object is looked at again (a loader build makes
+    """Same URL, same size, new content (a new ETag): once the object is looked at again (a loader
+    build makes
     a HEAD), reads through a warm block cache return the new bytes, never the old blocks."""
     server, base = _serve(tmp_path, _ETagHandler)
     try:
@@ -107,17 +120,27 @@ def test_a_changed_object_never_reads_the_old_objects_blocks(tmp_path):
 
 
 def test_a_reindexed_shard_is_read_through_a_warm_cache(tmp_path):
-    """A shard replaced on the server and indexed again: a loader over the same cache_dir yields the new
-    shard's batches (before: the old blocks were served, SourceChangedError until the cache was deleted)."""
+    """A shard replaced on the server and indexed again: a loader over the same cache_dir yields the
+    new
+    shard's batches (before: the old blocks were served, SourceChangedError until the cache was
+    deleted)."""
     server, base = _serve(tmp_path, _ETagHandler)
     try:
         url = f"{base}/shard-000.tar"
-        opts = RemoteOptions(cache_dir=str(tmp_path / "cache"), block_size=4096, retries=1, backoff=0.01)
+        opts = RemoteOptions(
+            cache_dir=str(tmp_path / "cache"), block_size=4096, retries=1, backoff=0.01
+        )
         for seed in (0, 1):
-            paths = write_shards(server.root, sample_lengths(60, seed=seed, low=20, high=80), num_shards=1)
+            paths = write_shards(
+                server.root, sample_lengths(60, seed=seed, low=20, high=80), num_shards=1
+            )
             write_sidecars(WebDatasetSource(paths), SCHEMA)
             local = list(_loader(WebDatasetSource(paths)))
-            assert _same_batches(list(_loader(WebDatasetSource(url, remote=opts))), local) == len(local) > 2
+            assert (
+                _same_batches(list(_loader(WebDatasetSource(url, remote=opts))), local)
+                == len(local)
+                > 2
+            )
     finally:
         server.shutdown()
         server.server_close()
@@ -137,10 +160,12 @@ def test_a_cache_folder_removed_mid_run_is_made_again(tmp_path, hostile):
     assert (cache / ".prealign-block-cache").is_file() and len(os.listdir(cache)) > 1
 
 
-# ---- 2. bounded bodies ------------------------------------------------------------------------------------
+# ---- 2. bounded bodies
+# ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("ignore_range", [False, True])
 def test_a_huge_content_length_never_allocates(hostile, tmp_path, ignore_range):
-    """``Content-Length: 10**15`` with a few bytes sent: every read is a typed error or the bytes asked, with
+    """``Content-Length: 10**15`` with a few bytes sent: every read is a typed error or the bytes
+    asked, with
     memory bounded by what was asked (never the announced size)."""
     server, base = hostile
     data = os.urandom(200_000)
@@ -155,9 +180,13 @@ def test_a_huge_content_length_never_allocates(hostile, tmp_path, ignore_range):
                 read_range(url, 0, 512, opts)
         else:  # more bytes than asked came: only the range is read
             assert read_range(url, 0, 512, opts) == data[:512]
-            with pytest.raises(RemoteReadError, match="obj.bin"):  # fewer than asked: cut short, typed
+            with pytest.raises(
+                RemoteReadError, match="obj.bin"
+            ):  # fewer than asked: cut short, typed
                 read_range(url, 0, 150_000, opts)
-        with pytest.raises(RemoteReadError, match="obj.bin"):  # a "sidecar" announced at 10**15 bytes
+        with pytest.raises(
+            RemoteReadError, match="obj.bin"
+        ):  # a "sidecar" announced at 10**15 bytes
             read_small(url, opts)
         peak = tracemalloc.get_traced_memory()[1]
     finally:
@@ -165,13 +194,17 @@ def test_a_huge_content_length_never_allocates(hostile, tmp_path, ignore_range):
     assert peak < 16 << 20, peak
 
 
-# ---- 3. total deadline per request ------------------------------------------------------------------------
+# ---- 3. total deadline per request
+# ------------------------------------------------------------------------
 def test_a_dripping_server_is_stalled_past_the_request_deadline(hostile, tmp_path):
-    """One byte every 0.2 s never trips the 5 s per-recv timeout; the request deadline ends each try."""
+    """One byte every 0.2 s never trips the 5 s per-recv timeout; the request deadline ends each
+    try."""
     server, base = hostile
     (tmp_path / "www" / "obj.bin").write_bytes(os.urandom(4096))
     server.mode = "drip"
-    opts = RemoteOptions(retries=1, backoff=0.01, timeout=5.0, request_deadline=1.0, min_rate=1 << 20)
+    opts = RemoteOptions(
+        retries=1, backoff=0.01, timeout=5.0, request_deadline=1.0, min_rate=1 << 20
+    )
     t0 = time.monotonic()
     with pytest.raises(RemoteStallError, match="obj.bin.*deadline"):
         read_range(f"{base}/obj.bin", 0, 4096, opts)
@@ -190,19 +223,23 @@ def test_headers_dripping_in_are_stalled_past_the_request_deadline(hostile, tmp_
 
 
 def test_a_body_arriving_at_min_rate_runs_past_the_deadline(hostile, tmp_path):
-    """The deadline grows with the bytes received (one second per ``min_rate`` bytes): a slow body that keeps
+    """The deadline grows with the bytes received (one second per ``min_rate`` bytes): a slow body
+    that keeps
     up ``min_rate`` is never cut, however long it takes."""
     server, base = hostile
     data = os.urandom(100)
     (tmp_path / "www" / "obj.bin").write_bytes(data)
     server.mode, server.drip = "drip", 0.01  # ~1 s for the body, a byte every 0.01 s
-    opts = RemoteOptions(retries=0, timeout=5.0, request_deadline=0.3, min_rate=40.0)  # a byte: 0.025 s more
+    opts = RemoteOptions(
+        retries=0, timeout=5.0, request_deadline=0.3, min_rate=40.0
+    )  # a byte: 0.025 s more
     t0 = time.monotonic()
     assert read_small(f"{base}/obj.bin", opts) == data
     assert time.monotonic() - t0 > 0.5
 
 
-# ---- 4. sequential streams over http ----------------------------------------------------------------------
+# ---- 4. sequential streams over http
+# ----------------------------------------------------------------------
 def _gz(tmp_path) -> bytes:
     raw = os.urandom(1 << 20)
     (tmp_path / "www" / "obj.tar.gz").write_bytes(gzip.compress(raw))
@@ -215,13 +252,19 @@ def test_a_dropped_tar_gz_stream_is_resumed_or_a_typed_error(hostile, tmp_path):
     url = f"{base}/obj.tar.gz"
     opts = RemoteOptions(retries=1, backoff=0.01, timeout=5.0)
     assert read_whole(url, opts) == raw
-    server.cut = 1  # the connection drops halfway through the body: taken up again from where it stopped
+    server.cut = (
+        1  # the connection drops halfway through the body: taken up again from where it stopped
+    )
     assert read_whole(url, opts) == raw and server.cut == 0
     server.cut = 2  # past the retries
-    with pytest.raises(RemoteReadError, match=r"obj.tar.gz: at byte \d+: the body stopped.*IncompleteRead"):
+    with pytest.raises(
+        RemoteReadError, match=r"obj.tar.gz: at byte \d+: the body stopped.*IncompleteRead"
+    ):
         read_whole(url, opts)
     server.cut, server.ignore_range = 1, True  # a server that cannot resume: no retry helps
-    with pytest.raises(RemoteReadError, match=r"obj.tar.gz: at byte \d+: the body stopped.*IncompleteRead"):
+    with pytest.raises(
+        RemoteReadError, match=r"obj.tar.gz: at byte \d+: the body stopped.*IncompleteRead"
+    ):
         read_whole(url, RemoteOptions(retries=3, backoff=0.01, timeout=5.0))
 
 
@@ -231,7 +274,10 @@ def test_a_stalled_tar_gz_stream_is_a_stall_error(hostile, tmp_path):
     server.mode = "drip"
     t0 = time.monotonic()
     with pytest.raises(RemoteStallError, match="obj.tar.gz.*deadline"):
-        read_whole(f"{base}/obj.tar.gz", RemoteOptions(retries=0, timeout=3.0, request_deadline=0.8, min_rate=1 << 20))
+        read_whole(
+            f"{base}/obj.tar.gz",
+            RemoteOptions(retries=0, timeout=3.0, request_deadline=0.8, min_rate=1 << 20),
+        )
     server.drip = 1.0  # a byte a second: the per-recv timeout (0.3 s) trips first
     with pytest.raises(RemoteStallError, match="obj.tar.gz.*no byte"):
         with open_stream(f"{base}/obj.tar.gz", RemoteOptions(retries=0, timeout=0.3)) as f:
@@ -239,14 +285,18 @@ def test_a_stalled_tar_gz_stream_is_a_stall_error(hostile, tmp_path):
     assert time.monotonic() - t0 < 6.0
 
 
-
 def test_a_stream_read_at_the_readers_pace_has_no_total_deadline(tmp_path):
-    """A shard scanned as training consumes it (slower than min_rate) reads to its end: the total deadline is for
+    """A shard scanned as training consumes it (slower than min_rate) reads to its end: the total
+    deadline is for
     requests read at once, a stalled stream is caught by the per-read timeout."""
     server, base = _serve(tmp_path, _Handler)
-    write_shards(str(tmp_path / "www"), sample_lengths(3000, high=400), num_shards=1)  # ~10 MB: past the read-ahead
-    src = WebDatasetSource([f"{base}/shard-000.tar"],
-                           remote=RemoteOptions(request_deadline=0.2, min_rate=64 << 20, retries=0))
+    write_shards(
+        str(tmp_path / "www"), sample_lengths(3000, high=400), num_shards=1
+    )  # ~10 MB: past the read-ahead
+    src = WebDatasetSource(
+        [f"{base}/shard-000.tar"],
+        remote=RemoteOptions(request_deadline=0.2, min_rate=64 << 20, retries=0),
+    )
     read = 0
     for location, item in src.scan(0):
         assert location is not None, item

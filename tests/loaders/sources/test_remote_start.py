@@ -1,6 +1,8 @@
-"""A start over remote shards makes no request per shard (issue #28): each object is checked against its index
-by the process that first reads it (a ``HEAD`` and the two 64 KiB probes), before any of its samples is served,
+"""A start over remote shards makes no request per shard (issue #28): each object is checked against
+its index by the process that first reads it (a ``HEAD`` and the two 64 KiB probes), before any of
+its samples is served,
 whatever the shard count. Counted against a real HTTP server on 127.0.0.1, at two shard counts."""
+
 from __future__ import annotations
 
 import os
@@ -21,7 +23,8 @@ SCHEMA = causal_lm_schema()
 
 
 class _Logged(_Handler):
-    """:class:`_Handler` that logs every request: ``server.log`` ``[(method, name, Range header)]``."""
+    """:class:`_Handler` that logs every request: ``server.log`` ``[(method, name, Range
+    header)]``."""
 
     def _log(self):
         with self.server.lock:
@@ -46,7 +49,8 @@ def server(tmp_path):
 
 
 def _data(server, base, n: int) -> tuple[str, list[str]]:
-    """``n`` shards of 3 samples each on the server, a sidecar each and one merged index beside them."""
+    """``n`` shards of 3 samples each on the server, a sidecar each and one merged index beside
+    them."""
     root = os.path.join(server.root, f"n{n}")
     paths = write_shards(root, sample_lengths(3 * n, seed=n), num_shards=n)
     write_sidecars(WebDatasetSource(paths), SCHEMA)
@@ -55,8 +59,13 @@ def _data(server, base, n: int) -> tuple[str, list[str]]:
 
 
 def _loader(url: str) -> PackedLoader:
-    return PackedLoader(WebDatasetSource(url, remote=FAST), schema=SCHEMA, layout=ParallelLayout(),
-                        token_budget=256, seed=1)
+    return PackedLoader(
+        WebDatasetSource(url, remote=FAST),
+        schema=SCHEMA,
+        layout=ParallelLayout(),
+        token_budget=256,
+        seed=1,
+    )
 
 
 def _shard_requests(log) -> list[tuple]:
@@ -71,8 +80,9 @@ def test_a_start_sends_no_request_per_shard(server):
         srv.log.clear()
         _loader(url).prepare()
         starts[n] = list(srv.log)
-    # the same requests at 40 shards as at 4: the merged index, and the shard of the one sample whose data
-    # signature is checked against the schema (its check included: a HEAD and two probes, then its bytes)
+    # the same requests at 40 shards as at 4: the merged index, and the shard of the one sample
+    # whose data signature is checked against the schema (its check included: a HEAD and two probes,
+    # then its bytes)
     assert len(starts[40]) == len(starts[4]) <= 6, starts
     assert len({name for _, name, _ in _shard_requests(starts[40])}) <= 1, starts[40]
 
@@ -91,12 +101,17 @@ def test_a_changed_shard_is_caught_by_its_first_read_before_any_of_its_data(serv
         f.write(bytes(head))
     assert os.path.getsize(paths[victim]) == size
     srv.log.clear()
-    with pytest.raises(ChangedShardError, match=f"{name}.*first or last 64 KiB differ.*prealign index"):
+    with pytest.raises(
+        ChangedShardError, match=f"{name}.*first or last 64 KiB differ.*prealign index"
+    ):
         list(loader)
     theirs = [(m, r) for m, n, r in _shard_requests(srv.log) if n.endswith(name)]
     # its check: the size, then the two probes; no read of a sample's bytes
-    assert theirs == [("HEAD", None), ("GET", f"bytes=0-{min(PROBE, size) - 1}"),
-                      ("GET", f"bytes={max(size - PROBE, 0)}-{size - 1}")], theirs
+    assert theirs == [
+        ("HEAD", None),
+        ("GET", f"bytes=0-{min(PROBE, size) - 1}"),
+        ("GET", f"bytes={max(size - PROBE, 0)}-{size - 1}"),
+    ], theirs
 
 
 def test_a_shard_of_another_size_is_caught_by_its_head_alone(server):
@@ -110,4 +125,3 @@ def test_a_shard_of_another_size_is_caught_by_its_head_alone(server):
     with pytest.raises(ChangedShardError, match=f"{name}.*bytes now.*when indexed.*prealign index"):
         list(loader)
     assert [m for m, n, _ in _shard_requests(srv.log) if n.endswith(name)] == ["HEAD"]
-

@@ -1,4 +1,6 @@
-"""Sources and the index pass: safe webdataset decoding, bad-data policies, HF map-style/streaming."""
+"""Sources and the index pass: safe webdataset decoding, bad-data policies, HF
+map-style/streaming."""
+
 from __future__ import annotations
 
 import io
@@ -77,7 +79,9 @@ def test_pickle_like_members_are_refused_never_unpickled(tmp_path, ext):
     flag = tmp_path / "unpickled"
     payload = pickle.dumps(_Boom(str(flag)))
     with pytest.raises(UnsafeMemberError) as exc:
-        decode_member("s/0", ext, payload, extra={ext: pickle.loads})  # even a user decoder cannot override
+        decode_member(
+            "s/0", ext, payload, extra={ext: pickle.loads}
+        )  # even a user decoder cannot override
     assert exc.value.field == ext and "pickle" in exc.value.actual
     assert not flag.exists()
 
@@ -98,7 +102,9 @@ def _index(paths, policy=None, **kw):
 def test_webdataset_index_and_read(tmp_path):
     lengths = sample_lengths(30)
     paths = write_shards(str(tmp_path), lengths, num_shards=3)
-    src = WebDatasetSource(str(tmp_path / "shard-{000..002}.tar"), required=("input_ids.npy", "json"))
+    src = WebDatasetSource(
+        str(tmp_path / "shard-{000..002}.tar"), required=("input_ids.npy", "json")
+    )
     assert src.num_shards == 3
     idx = build_index(src, SCHEMA)
     assert idx.lengths.tolist() == lengths and idx.shards.tolist() == [0] * 10 + [1] * 10 + [2] * 10
@@ -130,12 +136,18 @@ def _with_bad(bad: set[int], kind: str):
             add_member(tf, f"{i:06d}.input_ids.npy", _npy_bytes(token_ids(i, 5)))
             add_member(tf, f"{i:06d}.json", b"{not json")
         return True
+
     return extra
 
 
-@pytest.mark.parametrize("kind, reason, error", [("missing", "missing_member", MissingMemberError),
-                                                  ("pickle", "unsafe_member", UnsafeMemberError),
-                                                  ("badjson", "bad_sample", BadSampleError)])
+@pytest.mark.parametrize(
+    "kind, reason, error",
+    [
+        ("missing", "missing_member", MissingMemberError),
+        ("pickle", "unsafe_member", UnsafeMemberError),
+        ("badjson", "bad_sample", BadSampleError),
+    ],
+)
 def test_bad_samples_raise_or_skip_and_count(tmp_path, kind, reason, error):
     lengths = sample_lengths(20)
     paths = write_shards(str(tmp_path), lengths, num_shards=2, extra=_with_bad({3, 12}, kind))
@@ -184,15 +196,24 @@ def test_truncated_shard(tmp_path):
         idx = _index(paths, SKIP)
     assert idx.report.counts == {"corrupt_shard": 1}
     assert 10 < len(idx) < 20  # the first shard and the readable part of the second
-    # a shard file that does not exist is a configuration mistake, never a counted skip (issue 8, item 14)
+    # a shard file that does not exist is a configuration mistake, never a counted skip (issue 8,
+    # item 14)
     with pytest.raises(MissingShardError, match="nope.tar") as exc:
         _index(paths[:1] + [str(tmp_path / "nope.tar")], SKIP)
     assert isinstance(exc.value, ConfigError)
 
 
 def test_too_many_bad_samples_in_a_row(tmp_path):
-    paths = write_shards(str(tmp_path), sample_lengths(20), num_shards=1, extra=_with_bad(set(range(4, 12)), "badjson"))
-    with pytest.warns(BadSampleWarning), pytest.raises(TooManyBadSamplesError, match="5 bad samples in a row"):
+    paths = write_shards(
+        str(tmp_path),
+        sample_lengths(20),
+        num_shards=1,
+        extra=_with_bad(set(range(4, 12)), "badjson"),
+    )
+    with (
+        pytest.warns(BadSampleWarning),
+        pytest.raises(TooManyBadSamplesError, match="5 bad samples in a row"),
+    ):
         _index(paths, SKIP)
     idx = _index(paths, BadDataPolicy(on_error="skip", max_consecutive=9, warn=False))
     assert len(idx) == 12 and idx.report.total == 8
@@ -210,7 +231,9 @@ def test_members_without_extension_are_counted(tmp_path):
 
 def test_pipe_url_is_read_sequentially(tmp_path):
     paths = write_shards(str(tmp_path / "src"), sample_lengths(6), num_shards=1)
-    src = WebDatasetSource([f"pipe:cat {paths[0]}"])  # no cache_dir needed, nothing copied (issue #7)
+    src = WebDatasetSource(
+        [f"pipe:cat {paths[0]}"]
+    )  # no cache_dir needed, nothing copied (issue #7)
     idx = build_index(src, SCHEMA)
     assert len(idx) == 6
     assert src.load(tuple(idx.locations[5]))["json"] == {"id": 5}
@@ -228,8 +251,17 @@ def test_hf_map_style_and_streaming():
     assert stream.num_shards == 4 and stream.sequential
     sidx = build_index(stream, SCHEMA)
     assert sidx.lengths.tolist() == lengths
-    for i in (20, 3, 4, 24, 0, 1):  # out of order: forward reads, look-back window, re-opened shards
-        assert stream.load(tuple(sidx.locations[i]))["input_ids"] == token_ids(i, lengths[i]).tolist()
+    for i in (
+        20,
+        3,
+        4,
+        24,
+        0,
+        1,
+    ):  # out of order: forward reads, look-back window, re-opened shards
+        assert (
+            stream.load(tuple(sidx.locations[i]))["input_ids"] == token_ids(i, lengths[i]).tolist()
+        )
     with pytest.raises(ConfigError, match="datasets.Dataset"):
         HFSource([{"input_ids": [1]}])
 
@@ -279,7 +311,9 @@ def test_long_member_names_and_read_paths(tmp_path):
 def test_mixed_dtypes_are_checked_per_sample(tmp_path):
     def transform(s):
         ids = torch.from_numpy(s["input_ids.npy"])
-        return {"input_ids": ids.to(torch.float32) if s["json"]["id"] == 3 else ids}  # (int32 would become int64)
+        return {
+            "input_ids": ids.to(torch.float32) if s["json"]["id"] == 3 else ids
+        }  # (int32 would become int64)
 
     paths = write_shards(str(tmp_path), sample_lengths(8), num_shards=1)
     with pytest.raises(BadSampleError, match="000003.*dtype"):
@@ -293,9 +327,14 @@ def test_pax_names_and_corrupt_headers(tmp_path):
         add_member(tf, name, _npy_bytes(token_ids(0, 7)))
     src = WebDatasetSource([path])
     idx = build_index(src, SCHEMA)
-    assert idx.lengths.tolist() == [7] and src.load(tuple(idx.locations[0]))["__key__"] == "p" * 150 + "/000"
+    assert (
+        idx.lengths.tolist() == [7]
+        and src.load(tuple(idx.locations[0]))["__key__"] == "p" * 150 + "/000"
+    )
     data = bytearray(open(path, "rb").read())
-    data[1030] ^= 0xFF  # inside the member header after the pax header: its checksum no longer matches
+    data[1030] ^= (
+        0xFF  # inside the member header after the pax header: its checksum no longer matches
+    )
     bad = tmp_path / "bad.tar"
     bad.write_bytes(bytes(data))
     with pytest.raises(CorruptShardError, match="checksum"):
@@ -308,7 +347,9 @@ TOPK = causal_lm_schema(topk="K", vocab_size=1000)
 
 def _topk_rows(n: int, bad: dict[int, str], k: int = 4) -> datasets.Dataset:
     """``n`` rows of teacher top-k data; ``bad[i]`` makes row ``i`` wrong in one way."""
-    return datasets.Dataset.from_list([{"n": 5 + i % 7, "bad": bad.get(i, ""), "k": k} for i in range(n)])
+    return datasets.Dataset.from_list(
+        [{"n": 5 + i % 7, "bad": bad.get(i, ""), "k": k} for i in range(n)]
+    )
 
 
 def _topk(row) -> dict:
@@ -318,7 +359,11 @@ def _topk(row) -> dict:
     lp[1, 0] = {"nan": float("nan"), "positive": 0.5}.get(bad, -1.0)
     if bad == "bf16":
         lp = lp.bfloat16()
-    return {"input_ids": torch.arange(1, n + 1), "teacher_topk_ids": ids, "teacher_topk_log_probs": lp}
+    return {
+        "input_ids": torch.arange(1, n + 1),
+        "teacher_topk_ids": ids,
+        "teacher_topk_log_probs": lp,
+    }
 
 
 @pytest.mark.slow
@@ -337,13 +382,18 @@ def test_index_rejects_what_the_collator_rejects_value_bounds():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("rows_per_shard", [64, 3])  # the odd one inside a chunk / alone in its shard
+@pytest.mark.parametrize(
+    "rows_per_shard", [64, 3]
+)  # the odd one inside a chunk / alone in its shard
 def test_index_fixes_named_dims_by_the_first_sample(tmp_path, rows_per_shard):
     """K differing between samples passes per-sample validation, but no micro-batch could hold
     both: the first accepted sample fixes K, a later other K is bad data (``dim_mismatch``)."""
     src = HFSource(_topk_rows(20, {7: "k"}), transform=_topk, rows_per_shard=rows_per_shard)
-    with pytest.raises(BadSampleError, match=r"dim_mismatch: sample hf\[7\], field 'teacher_topk_log_probs': "
-                                             r"expected K = 4 .*hf\[0\].*got K = 2") as err:
+    with pytest.raises(
+        BadSampleError,
+        match=r"dim_mismatch: sample hf\[7\], field 'teacher_topk_log_probs': "
+        r"expected K = 4 .*hf\[0\].*got K = 2",
+    ) as err:
         build_index(src, TOPK)
     assert err.value.reason == "dim_mismatch"
     idx = build_index(src, TOPK, policy=BadDataPolicy(on_error="skip", warn=False), num_workers=2)
@@ -354,15 +404,24 @@ def test_index_fixes_named_dims_by_the_first_sample(tmp_path, rows_per_shard):
     back = SampleIndex.load(path)
     assert back.dims == idx.dims and back.digest == idx.digest
     # the dims are part of the digest: the same lengths and locations with another K differ
-    other = build_index(HFSource(_topk_rows(20, {7: "k"}, k=8), transform=_topk), TOPK,
-                        policy=BadDataPolicy(on_error="skip", warn=False))
+    other = build_index(
+        HFSource(_topk_rows(20, {7: "k"}, k=8), transform=_topk),
+        TOPK,
+        policy=BadDataPolicy(on_error="skip", warn=False),
+    )
     assert other.dims["K"] == 8 and other.lengths.tolist() == idx.lengths.tolist()
     assert other.digest != idx.digest
     # the loader collates every micro-batch of the index (no mid-epoch error)
     from prealign.loaders import IndexOptions, PackedLoader
     from prealign.schemas import ParallelLayout
 
-    loader = PackedLoader(src, schema=TOPK, layout=ParallelLayout(cp=2), token_budget=48, indexing=IndexOptions(prebuilt=idx))
+    loader = PackedLoader(
+        src,
+        schema=TOPK,
+        layout=ParallelLayout(cp=2),
+        token_budget=48,
+        indexing=IndexOptions(prebuilt=idx),
+    )
     assert sorted(i for b in loader for i in b["sample_index"].tolist()) == list(range(19))
 
 
@@ -376,8 +435,16 @@ def test_index_fixes_each_field_dtype_by_the_first_sample():
     from prealign.loaders import IndexOptions, PackedLoader
     from prealign.schemas import ParallelLayout
 
-    loader = PackedLoader(src, schema=TOPK, layout=ParallelLayout(cp=2), token_budget=48, indexing=IndexOptions(prebuilt=idx))
-    assert sorted(i for b in loader for i in b["sample_index"].tolist()) == list(range(89))  # index rows
+    loader = PackedLoader(
+        src,
+        schema=TOPK,
+        layout=ParallelLayout(cp=2),
+        token_budget=48,
+        indexing=IndexOptions(prebuilt=idx),
+    )
+    assert sorted(i for b in loader for i in b["sample_index"].tolist()) == list(
+        range(89)
+    )  # index rows
     assert 70 not in idx.locations[:, 0].tolist()
 
 
@@ -394,7 +461,7 @@ def _pax_tar(tmp_path, length: bytes) -> str:
             tf.addfile(info, io.BytesIO(data))
     raw = buf.getvalue()
     i = raw.index(b" comment=x\n")
-    path.write_bytes(raw[:i - 2] + length + raw[i:])
+    path.write_bytes(raw[: i - 2] + length + raw[i:])
     return str(path)
 
 
@@ -405,15 +472,23 @@ def test_pax_record_length_zero_does_not_hang(tmp_path):
     import sys
 
     path = _pax_tar(tmp_path, b"00")
-    code = ("import sys; from prealign.loaders.sources.tar_reader import TarFormatError, iter_members\n"
-            "try:\n    list(iter_members(open(sys.argv[1], 'rb')))\n"
-            "except TarFormatError as e:\n    print('TarFormatError', e)\n")
+    code = (
+        "import sys; from prealign.loaders.sources.tar_reader import TarFormatError, iter_members\n"
+        "try:\n    list(iter_members(open(sys.argv[1], 'rb')))\n"
+        "except TarFormatError as e:\n    print('TarFormatError', e)\n"
+    )
     from tests import ROOT as root
+
     try:
-        out = subprocess.run([sys.executable, "-c", code, path], capture_output=True, text=True, timeout=60, cwd=root)
+        out = subprocess.run(
+            [sys.executable, "-c", code, path], capture_output=True, text=True, timeout=60, cwd=root
+        )
     except subprocess.TimeoutExpired:
         pytest.fail("the tar reader hangs on a pax record of length 0")
-    assert out.stdout.startswith("TarFormatError bad pax record length b'00 comment=x") and "at byte 512" in out.stdout
+    assert (
+        out.stdout.startswith("TarFormatError bad pax record length b'00 comment=x")
+        and "at byte 512" in out.stdout
+    )
     with pytest.raises(CorruptShardError, match="bad pax record"):
         _index([path])
     with pytest.warns(BadSampleWarning), pytest.raises(BadSampleError, match="corrupt_shard"):
@@ -422,7 +497,8 @@ def test_pax_record_length_zero_does_not_hang(tmp_path):
 
 @pytest.mark.parametrize("length", [b"zz", b"99", b" 1", b"-5"])
 def test_bad_pax_record_is_a_corrupt_shard(tmp_path, length):
-    """Non-numeric, too long or signed lengths are a corrupt shard by policy, not a bare ValueError."""
+    """Non-numeric, too long or signed lengths are a corrupt shard by policy, not a bare
+    ValueError."""
     path = _pax_tar(tmp_path, length)
     good = write_shards(str(tmp_path / "good"), sample_lengths(4), num_shards=1)
     with pytest.raises(CorruptShardError, match="bad pax record"):
@@ -445,7 +521,9 @@ def test_a_hung_stat_costs_one_timeout_and_a_path_stat_refuses_is_missing(tmp_pa
     with pytest.raises(MissingShardError, match="1 of 4"):
         sidecar.shard_sizes(WebDatasetSource(good + [good[0] + "\x00x"], read_timeout=None))
     release = threading.Event()
-    monkeypatch.setattr(sidecar, "_local_size", lambda path: release.wait(30))  # every stat hangs (a dead mount)
+    monkeypatch.setattr(
+        sidecar, "_local_size", lambda path: release.wait(30)
+    )  # every stat hangs (a dead mount)
     before = sum(t.name == "prealign-map" for t in threading.enumerate())
     with pytest.raises(ShardTimeoutError, match="shard-000.tar.*hung mount"):
         sidecar.shard_sizes(WebDatasetSource(good, read_timeout=0.2))
