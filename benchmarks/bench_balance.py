@@ -188,11 +188,9 @@ def part_a(lengths) -> None:
     )
     print(
         f"      fixed CP {fixed / ideal:.3f}   hybrid CP (loader) {hybrid / ideal:.3f} "
-        f"({splits}/{n_mb} "
-        f"micro-batches "
+        f"({splits}/{n_mb} micro-batches "
         f"split, 0 collectives)   megatron BalancedCPScheduler {meg / ideal:.3f} (all-gather + "
-        f"all-to-all per "
-        f"step)"
+        f"all-to-all per step)"
     )
 
 
@@ -204,8 +202,8 @@ HIDDEN, HEADS, SCALE = 128, 4, 8
 def _workload(kind: str, seed: int = 0):
     """``run(lengths)``: one micro-batch, packed THD. ``attention``: causal sdpa sequence by
     sequence (what a varlen kernel does) on random q, k, v. ``layer``: a whole transformer layer,
-    the projections and
-    MLP over the micro-batch's tokens at once, the attention sequence by sequence."""
+    the projections and MLP over the micro-batch's tokens at once, the attention sequence by
+    sequence."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
@@ -343,13 +341,11 @@ def part_b(n: int, flops: bool) -> None:
             cpu, wall = got[name]
             print(
                 f"      {name:<8} sum of step times (slowest rank's CPU time) {cpu:7.2f} s   wall "
-                f"{wall:6.1f} s   "
-                f"{len(plans[name].steps)} steps"
+                f"{wall:6.1f} s   {len(plans[name].steps)} steps"
             )
         print(
             f"      compute-balanced steps faster by {got['tokens'][0] / got['compute'][0]:.3f}x "
-            f"(the cost model "
-            f"predicts {predicted['tokens'] / predicted['compute']:.3f}x)"
+            f"(the cost model predicts {predicted['tokens'] / predicted['compute']:.3f}x)"
         )
 
 
@@ -362,8 +358,7 @@ def part_c(lengths) -> None:
         best = min(_timed(lambda: plan_microbatches(lengths, cost=cost, **kw)) for _ in range(5))
         print(
             f"    {name:<8} {best * 1e3 * 512 / len(lengths):.2f} ms   (whole plan of "
-            f"{len(lengths)}: "
-            f"{best * 1e3:.1f} ms)"
+            f"{len(lengths)}: {best * 1e3:.1f} ms)"
         )
 
 
@@ -418,8 +413,7 @@ def part_d(lengths, microbatches: int = 48) -> None:
     per = 1e3 / (len(batches) * cp)
     print(
         f"(d) collation per CP rank and micro-batch, cp = {cp}, budget {budget} ({len(batches)} "
-        f"micro-batches, "
-        f"{split} split into sub-groups; best of 5)"
+        f"micro-batches, {split} split into sub-groups; best of 5)"
     )
     print(
         f"    fixed CP {t_fixed * per:.2f} ms   hybrid CP {t_hybrid * per:.2f} ms   ratio "

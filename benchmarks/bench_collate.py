@@ -80,8 +80,7 @@ def out_bytes(batch: dict) -> int:
 
 CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
 """CPU seconds of this process (torch on one thread: what a call costs, whatever else the machine
-runs) and
-wall seconds (on a shared machine it adds the time other processes held the core)."""
+runs) and wall seconds (on a shared machine it adds the time other processes held the core)."""
 
 
 def timeit_side_by_side(fns: dict, repeat: int, inner: int = 5, slow: tuple = ("verl",)) -> dict:
@@ -89,9 +88,8 @@ def timeit_side_by_side(fns: dict, repeat: int, inner: int = 5, slow: tuple = ("
     machine): ``{name: {"cpu": [seconds of each round], "wall": [...]}}``. A round calls each of
     ``slow`` once and each other contender ``inner`` times back to back, its value the median of
     those calls: a call right after a 0.2-10 s verl call measures the caches and allocator state
-    verl left, and is not
-    the contender's steady state, so the per-round ratio compares calls made under the same
-    conditions."""
+    verl left, and is not the contender's steady state, so the per-round ratio compares calls made
+    under the same conditions."""
     for fn in fns.values():
         fn()
     times = {name: {clock: [] for clock in CLOCKS} for name in fns}
@@ -212,8 +210,7 @@ def run(
 HEADER = (
     "| B | case | T_local | out MiB | ours ms | nested ms | verl ms | floor ms | verl/ours | "
     "ours / floor: per round | ratio of medians | wall: ours ms | floor ms | per round | ratio of "
-    "medians "
-    "| peak/out |\n" + "|---" * 16 + "|"
+    "medians | peak/out |\n" + "|---" * 16 + "|"
 )
 
 
@@ -234,13 +231,10 @@ def print_row(r: dict) -> None:
     )
     print(
         f"| {r['B']} | {r['case']} | {r['T_local']} | {r['out_MiB']:.2f} | "
-        f"{spread(r['ours']['cpu'])} "
-        f"| "
-        f"{spread(r['ours_nested']['cpu'])} | "
+        f"{spread(r['ours']['cpu'])} | {spread(r['ours_nested']['cpu'])} | "
         f"{'-' if verl is None else spread(verl['cpu'], 1e3, '{:.1f}')} | "
         f"{spread(r['floor']['cpu'])} | {speedup} | {spread(cpu, 1, '{:.2f}x')} | "
-        f"{cpu_of_medians:.2f}x | "
-        f"{spread(r['ours']['wall'])} | {spread(r['floor']['wall'])} | "
+        f"{cpu_of_medians:.2f}x | {spread(r['ours']['wall'])} | {spread(r['floor']['wall'])} | "
         f"{spread(wall, 1, '{:.2f}x')} | "
         f"{wall_of_medians:.2f}x | {'-' if peak is None else f'{peak:.2f}x'} |",
         flush=True,
@@ -299,8 +293,7 @@ def main(argv=None) -> None:
     pinned = pin_allocator()
     print(
         f"torch {torch.__version__}, {args.threads} thread(s), layout tp={LAYOUT.tp} "
-        f"cp={LAYOUT.cp} (rank 0), "
-        f"padding {LAYOUT.pad_policy.value}, "
+        f"cp={LAYOUT.cp} (rank 0), padding {LAYOUT.pad_policy.value}, "
         f"lengths 16..1024, malloc thresholds {'pinned' if pinned else 'default'}"
     )
     print(HEADER)

@@ -13,8 +13,7 @@ processes and in this order, for each size and worker count:
   included)
 * ``import``    the same interpreter importing what that command imports, and nothing else
 * ``energon``   ``BaseWebdatasetFactory.prepare_dataset(..., workers=W)`` (what ``energon prepare``
-  runs;
-                imports included)
+  runs; imports included)
 * ``energon import``  the interpreter importing what that script imports, and nothing else
 * ``tarfile``   ``tarfile.open(shard).getmembers()`` over the same shards (CPU of the listing alone)
 * ``--reference``  ``write_sidecars`` in process, its CPU alone: the bulk pass, then the reference
@@ -131,8 +130,8 @@ def write_shards(
 ) -> list[str]:
     """``ceil(n / per_shard)`` tar shards of pre-tokenized samples (int32, 16..256 tokens); existing
     ones kept. ``distinct``: only the first ``distinct`` shards are written, the others are hard
-    links to them in turn
-    (taken from folder ``like`` when it holds them: a large set costs no disk and no writing)."""
+    links to them in turn (taken from folder ``like`` when it holds them: a large set costs no disk
+    and no writing)."""
     os.makedirs(root, exist_ok=True)
     lengths = np.random.default_rng(seed).integers(16, 257, n)
     npy = _npy_headers()
@@ -287,8 +286,7 @@ def main() -> int:
                 )
     print(
         "\n| samples | workers | prealign wall s | prealign CPU s | CPU-µs a sample beyond import "
-        "| "
-        "samples per CPU-s beyond import | beyond import / tarfile listing CPU |"
+        "| samples per CPU-s beyond import | beyond import / tarfile listing CPU |"
         + (
             " energon wall s | energon CPU s | energon / prealign wall | energon / prealign CPU | "
             "the same CPU, beyond both imports |"
@@ -328,8 +326,7 @@ def main() -> int:
     if args.reference:
         print(
             "\n| samples | the pass in process: bulk CPU s | reference tar reader CPU s | "
-            "reference / bulk |"
-            "\n|---|---|---|---|"
+            "reference / bulk |\n|---|---|---|---|"
         )
         for (n, w), rs in rounds.items():
             bulk, ref = [r["bulk_pass"][1] for r in rs], [r["reference_pass"][1] for r in rs]

@@ -155,8 +155,7 @@ def energon_prepare(root: str, paths: list[str], workers: int) -> float:
 
 def energon_epoch(root: str, n: int, workers: int) -> tuple[int, float]:
     """Samples and seconds of a fresh Energon loader (``workers`` fresh workers) reading ``n``
-    samples (its
-    train dataset loops: read until ``n``), batches of 32 samples as lists."""
+    samples (its train dataset loops: read until ``n``), batches of 32 samples as lists."""
     from megatron.energon import WorkerConfig, get_loader, get_train_dataset
 
     t0 = time.perf_counter()
@@ -280,8 +279,7 @@ def main(argv=None) -> int:
     )
     print(
         f"PackedLoader, 0 workers: {isamp / it:,.0f} samples/s; collate share of its per-batch "
-        f"work "
-        f"{icoll / it:.3f} ({1000 * icoll / ib:.2f} ms per batch of ~{isamp / ib:.0f} samples)"
+        f"work {icoll / it:.3f} ({1000 * icoll / ib:.2f} ms per batch of ~{isamp / ib:.0f} samples)"
     )
     return 0
 

@@ -178,10 +178,8 @@ def main() -> None:
     ratio = [m / s for m, s in zip(times[True], times[False])]
     print(
         f"(a) first micro-batch, 3 x {args.samples} samples: mixture {fmt(times[True])}, one "
-        f"source of "
-        f"{3 * args.samples} {fmt(times[False])}; ratio {np.median(ratio):.2f} "
-        f"[{min(ratio):.2f}..{max(ratio):.2f}]"
-        f" (target <= 1.2)"
+        f"source of {3 * args.samples} {fmt(times[False])}; ratio {np.median(ratio):.2f} "
+        f"[{min(ratio):.2f}..{max(ratio):.2f}] (target <= 1.2)"
     )
     t = [first_batch(parts, True, "tokens") for _ in range(max(1, args.rounds // 2))]
     print(

@@ -119,8 +119,7 @@ def main(argv=None) -> int:
     rows += run("longtail", longtail(20_000 if args.quick else 100_000), 16384, layout, dp)
     head = (
         f"{'data':<12} {'strategy':<9} {'samples':>7} {'mb/rank':>7} {'util':>6} {'steady':>6} "
-        f"{'bound':>6} "
-        f"{'imbalance (worst)':>17} {'max T':>6} {'budget':>6} {'plan s':>7}"
+        f"{'bound':>6} {'imbalance (worst)':>17} {'max T':>6} {'budget':>6} {'plan s':>7}"
     )
     print(f"tp=2 cp=2 dp={dp}\n{head}\n{'-' * len(head)}")
     for r in rows:
@@ -128,9 +127,7 @@ def main(argv=None) -> int:
             f"{r['data']:<12} {r['strategy']:<9} {r['samples']:>7} {r['mb/rank']:>7} "
             f"{r['utilisation']:>6.4f} "
             f"{r['steady']:>6.4f} {r['bound']:>6.4f} {r['imbalance']:>8.4f} "
-            f"({r['worst step']:.3f}) "
-            f"{r['max T']:>6} {r['budget']:>6} "
-            f"{r['plan s']:>7.3f}"
+            f"({r['worst step']:.3f}) {r['max T']:>6} {r['budget']:>6} {r['plan s']:>7.3f}"
         )
     if args.json:
         with open(args.json, "w") as f:

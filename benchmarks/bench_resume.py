@@ -191,8 +191,7 @@ def stream_main(args) -> int:
     print(
         f"StreamingPackedLoader, {args.size:,} samples in {len(paths)} shards, resumed at "
         f"micro-batch {position} ({setup['served']:,} samples served; serving them took "
-        f"{setup['serve_s']:.0f} s), {args.rounds} rounds (replay: {replays}), "
-        f"median [min..max]\n"
+        f"{setup['serve_s']:.0f} s), {args.rounds} rounds (replay: {replays}), median [min..max]\n"
     )
     print(
         "| resume | load_state_dict | first batch | total | per served sample |\n"
@@ -280,8 +279,7 @@ def main() -> int:
     )
     print(
         "| resume | build from sidecars | load_state_dict | first batch | total | replaying "
-        "instead |\n"
-        "|---|---|---|---|---|---|"
+        "instead |\n|---|---|---|---|---|---|"
     )
     for name, label in (
         ("same", "dp 4 -> 4"),
@@ -291,8 +289,7 @@ def main() -> int:
         r = runs[name]
         print(
             f"| {label} | {r['prepare_s']:.2f} s | {r['load_state_s']:.2f} s | "
-            f"{r['first_batch_s']:.3f} s "
-            f"| "
+            f"{r['first_batch_s']:.3f} s | "
             f"{r['total_s']:.2f} s | {replay_s:.0f} s ({replay_s / r['total_s']:.0f}x) |"
         )
     if args.json:

@@ -4,13 +4,11 @@ state_dict() against the sample count, index workers, import time.
 
     python benchmarks/bench_scale.py [--samples 20000] [--shards 20 2000 100000] [--rounds 5]
                                      [--per-shard-max 2000] [--energon-max 2000] [--no-energon]
-                                     [--before DIR]
-                                     [--index 10000 100000] [--state 10000 1000000]
+                                     [--before DIR] [--index 10000 100000] [--state 10000 1000000]
                                      [--json out.json]
 
 * ``start``     the same ``--samples`` text samples (``<key>.input_ids.npy``, 8..128 tokens) cut
-  into each of
-                ``--shards`` shard counts (a shard count above ``--samples``: one sample per shard,
+  into each of ``--shards`` shard counts (a shard count above ``--samples``: one sample per shard,
                 so that many samples); ``prealign index`` writes a sidecar beside each shard and
                 ``prealign index --merge`` one merged index into another folder (``index_dir``), so
                 the same shards start both ways. Then, in fresh processes, interleaved over
@@ -65,8 +63,7 @@ result = {{"first_s": t2 - t1, "resume_s": t4 - t3,
 """
 """First batch of a fresh loader; resume: a new loader restored to a state taken 8 batches in, its
 first batch (wall and CPU seconds: no workers, so the CPU time is the work, whatever else loads the
-machine). Each side
-defines ``loader()``, ``save(loader)`` and ``restore(loader, state)``."""
+machine). Each side defines ``loader()``, ``save(loader)`` and ``restore(loader, state)``."""
 
 _START = (
     """
@@ -210,8 +207,8 @@ result = {{"samples_per_s": n / (time.perf_counter() - t)}}
 
 def _phase(code: str, path: str | None = None) -> dict:
     """Run ``code`` (defines ``result``) in a fresh interpreter; return its JSON result. ``path``: a
-    folder put
-    first on ``PYTHONPATH`` (``--before``: another prealign, imported instead of this one)."""
+    folder put first on ``PYTHONPATH`` (``--before``: another prealign, imported instead of this
+    one)."""
     prog = (
         "import json, os, sys, time\n"
         + code
@@ -272,9 +269,8 @@ def _cell(runs: dict, key: str) -> str:
 
 def _interleaved(contenders: dict, rounds: int) -> dict:
     """``{cell: {key: _stats}}``: each contender (``cell: (code, PYTHONPATH or None)``) run in a
-    fresh process
-    once per round, all of them in turn in every round (so a busy moment hits all cells of that
-    round)."""
+    fresh process once per round, all of them in turn in every round (so a busy moment hits all
+    cells of that round)."""
     got: dict = {cell: [] for cell in contenders}
     for r in range(rounds):
         for cell, (code, path) in contenders.items():
@@ -287,8 +283,7 @@ def _interleaved(contenders: dict, rounds: int) -> dict:
 
 def _ratio(num: dict, den: dict, key: str) -> str:
     """``median [min..max]`` of the per-round ratios ``num / den`` of ``key`` (same round, same
-    machine
-    moment), then the ratio of the medians."""
+    machine moment), then the ratio of the medians."""
     per_round = [a / b for a, b in zip(num[key]["all"], den[key]["all"])]
     r = _stats(per_round)
     return (
@@ -347,8 +342,7 @@ def main() -> int:
 
     print(
         f"\nfirst batch and resume, median [min..max] of {args.rounds} interleaved rounds (fresh "
-        f"processes, no "
-        f"workers)",
+        f"processes, no workers)",
         flush=True,
     )
     contenders: dict = {}
@@ -392,8 +386,7 @@ def main() -> int:
     base = args.shards[0] if args.shards else None
     print(
         f"\nratios, CPU seconds (per-round median [min..max], then the ratio of the medians); the "
-        f"targets of "
-        f"issue #28: <= 1.5x the {base}-shard start, <= 1.0x Energon's resume\n"
+        f"targets of issue #28: <= 1.5x the {base}-shard start, <= 1.0x Energon's resume\n"
     )
     for count in args.shards[1:]:
         for name in [n for (c, n) in got if c == count]:
@@ -411,8 +404,7 @@ def main() -> int:
                 m, e = got[(count, name)], got[(count, "energon")]
                 print(
                     f"- {name} / Energon at {count:,} shards: first batch "
-                    f"{_ratio(m, e, 'first_cpu_s')}, resume "
-                    f"{_ratio(m, e, 'resume_cpu_s')}",
+                    f"{_ratio(m, e, 'first_cpu_s')}, resume {_ratio(m, e, 'resume_cpu_s')}",
                     flush=True,
                 )
 
@@ -428,8 +420,7 @@ def main() -> int:
         numbers["throughput"] = tp
         print(
             f"\ntext loader, 2 workers: prealign {tp['prealign']['samples_per_s']:,.0f} "
-            f"samples/s, energon "
-            f"{tp['energon']['samples_per_s']:,.0f} samples/s "
+            f"samples/s, energon {tp['energon']['samples_per_s']:,.0f} samples/s "
             f"({tp['prealign']['samples_per_s'] / tp['energon']['samples_per_s']:.2f}x)",
             flush=True,
         )
@@ -450,8 +441,7 @@ def main() -> int:
         numbers[f"index_{n}"] = {"1": one, "2": two}
         print(
             f"| {n:,} | {one['s']:.2f} s ({one['cpu_s']:.2f} CPU s) | {two['s']:.2f} s "
-            f"({two['cpu_s']:.2f} CPU s) "
-            f"|",
+            f"({two['cpu_s']:.2f} CPU s) |",
             flush=True,
         )
 

@@ -9,11 +9,9 @@ samples per shard, written as raw tar bytes), then
 * ``full``      PackedLoader built and its first batch taken, the index pass in process (no
   sidecars)
 * ``index``     ``write_sidecars`` (what ``prealign index`` runs): samples/s with 1 and 2 processes,
-  and
-                per CPU-second (what one free core does, whatever else shares the machine)
+  and per CPU-second (what one free core does, whatever else shares the machine)
 * ``sidecars``  PackedLoader built and its first batch taken from the sidecars (best of ``--repeat``
-  fresh
-                processes; all of them in the JSON)
+  fresh processes; all of them in the JSON)
 
 and the demo's VLM set (chat + images + teacher top-k): the full pass against the header pass (with
 and without the pixel check), one shard after another on one thread, CPU seconds, lengths compared.
@@ -217,8 +215,7 @@ def main() -> int:
             f"| {args.vlm:,} VLM (demo), index CPU s | full pass {v['full_cpu']:.1f} | header pass "
             f"{v['header_cpu']:.1f} ({v['full_cpu'] / v['header_cpu']:.1f}x) | --header-only "
             f"{v['header_only_cpu']:.1f} ({v['full_cpu'] / v['header_only_cpu']:.1f}x) | lengths "
-            f"identical: "
-            f"{v['identical']} | |"
+            f"identical: {v['identical']} | |"
         )
         print(rows[-1], flush=True)
     print(

@@ -150,9 +150,8 @@ class BaselineSample:
 
     def frame_processor(self, frames: int):
         """The family's image processor with the video processor's pixel range per frame (the clip's
-        range shared
-        by its temporal groups where the family bounds the volume): frames resized to about the same
-        size."""
+        range shared by its temporal groups where the family bounds the volume): frames resized to
+        about the same size."""
         from prealign.loaders.media.vlm import image_processor
 
         geo, fam = self.videos.video_geometry, self.videos.family
@@ -430,8 +429,7 @@ def group_cpu(
                 sys.executable,
                 "-c",
                 "import sys; sys.path.insert(0, %r); from benchmarks.bench_vlm_loader import "
-                "group_rank;"
-                " group_rank(%r, %r, %r, %d, %d, %r, %r, %d)"
+                "group_rank; group_rank(%r, %r, %r, %d, %d, %r, %r, %d)"
                 % (ROOT, list(shards), index_path, o, cp, r, mode, cache, budget),
             ],
             cwd=ROOT,
@@ -549,8 +547,7 @@ def main() -> None:
         if ratio:
             print(
                 f"baseline / prealign CPU per sample per round: "
-                f"{', '.join(f'{x:.2f}' for x in cpu)} "
-                f"(median {float(np.median(cpu)):.2f})"
+                f"{', '.join(f'{x:.2f}' for x in cpu)} (median {float(np.median(cpu)):.2f})"
             )
             print(
                 f"prealign / baseline samples/s per round: {', '.join(f'{x:.2f}' for x in ratio)} "
@@ -569,8 +566,7 @@ def main() -> None:
                 one, n = group_cpu(data.shards, index_path, 2, "none", args.budget, tmp, ranks=1)
                 print(
                     f"group round {r}: one loader alone (cp rank 0, 1 worker, no sharing) "
-                    f"{one:.1f} CPU s for "
-                    f"{n} samples (load {os.getloadavg()[0]:.2f})",
+                    f"{one:.1f} CPU s for {n} samples (load {os.getloadavg()[0]:.2f})",
                     flush=True,
                 )
                 for cp in (2, 4):
@@ -583,8 +579,7 @@ def main() -> None:
                     print(
                         f"  cp={cp} group (its {cp} ranks at once), CPU / one loader: no sharing "
                         f"{cpu['none'] / one:.2f}x, SharedMediaTransform "
-                        f"{cpu['sample'] / one:.2f}x, "
-                        f"BatchShare "
+                        f"{cpu['sample'] / one:.2f}x, BatchShare "
                         f"{cpu['batch'] / one:.2f}x ({cpu['batch']:.1f} s); load "
                         f"{os.getloadavg()[0]:.2f}",
                         flush=True,
@@ -643,8 +638,7 @@ def write_video_shards(folder: str, n: int, model: str) -> list[str]:
 
 class BaselineVideoSample(BaselineSample):
     """A user's per-sample code today: PyAV reader of transformers (every frame decoded), the family
-    video
-    processor's frame choice, the family's image processor on the chosen frames (module
+    video processor's frame choice, the family's image processor on the chosen frames (module
     docstring)."""
 
     def __call__(self, sample: dict) -> dict:
@@ -749,8 +743,7 @@ def video_main(args) -> None:
                 rows[name].append((got / wall, cpu / got * 1e3))
                 print(
                     f"round {r} {name:9s} {got / wall:7.2f} samples/s {cpu / got * 1e3:8.1f} CPU "
-                    f"ms/sample "
-                    f"(load {os.getloadavg()[0]:.2f})",
+                    f"ms/sample (load {os.getloadavg()[0]:.2f})",
                     flush=True,
                 )
         speed = [p[0] / b[0] for p, b in zip(rows["prealign"], rows["baseline"])]

@@ -82,8 +82,7 @@ def model_config():
 
 def model_kwargs(batch, cfg, *, check: bool = True) -> dict:
     """``to_hf_kwargs`` with the model config (``seq_idx`` added); ``check=False`` builds the same
-    where the
-    kernels are missing (the dry run), without the GDN packing check."""
+    where the kernels are missing (the dry run), without the GDN packing check."""
     from prealign.collate.hf import HFAttention, packed_seq_idx, to_hf_kwargs
 
     if check:

@@ -105,9 +105,8 @@ def build_batches(seed: int = 0) -> list[tuple[str, object, list[dict], dict]]:
 
 def feeds(batch: dict, device=None) -> dict:
     """The PackedSeqParams each case is run with: both conventions, and the broken feed (true
-    offsets,
-    no padded ones: TE then reads the padded buffer as if it held no pads) that the check must
-    catch."""
+    offsets, no padded ones: TE then reads the padded buffer as if it held no pads) that the check
+    must catch."""
     from prealign.collate import PackedSeqConvention, to_packed_seq_params
 
     padded = to_packed_seq_params(batch, convention=PackedSeqConvention.PADDED, device=device)
@@ -280,8 +279,7 @@ def gpu_check(atol: float) -> int:
         return 1
     print(
         f"OK: {n_cases} layouts x 2 conventions agree with per-sample runs; the broken feed was "
-        f"caught in "
-        f"the {must_catch_cases} where it matters"
+        f"caught in the {must_catch_cases} where it matters"
     )
     return 0
 

@@ -106,8 +106,7 @@ def block_causal_mask(
 def hf_labels(batch: dict, *, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
     """The batch's next-token ``labels`` ``[1, T]`` (Megatron convention, already shifted) -> HF's
     (aligned with the tokens; the model shifts): one slot right, ``ignore_index`` where
-    ``loss_mask``
-    is 0 (when the batch has one) and at slot 0. int64 ``[1, T]``."""
+    ``loss_mask`` is 0 (when the batch has one) and at slot 0. int64 ``[1, T]``."""
     labels = batch["labels"]
     if "loss_mask" in batch:
         labels = labels.masked_fill(batch["loss_mask"] <= 0, ignore_index)
@@ -130,9 +129,8 @@ def packed_seq_idx(cu_seqlens_padded: torch.Tensor) -> torch.Tensor:
 def check_gdn_packing(model_config: Any, sequences: int) -> None:
     """Refuse a packed row (``sequences > 1``) for a model with linear-attention layers unless
     transformers hands the packing on to the fast kernels and both are importable: else the torch
-    fallback would let each sequence's
-    recurrent and convolution state leak into the next, silently. Raises
-    :class:`PackingUnsupportedError`."""
+    fallback would let each sequence's recurrent and convolution state leak into the next, silently.
+    Raises :class:`PackingUnsupportedError`."""
     if sequences <= 1 or not has_linear_attention(model_config):
         return
     import transformers
@@ -276,8 +274,7 @@ def onevision_videos(
 ) -> torch.Tensor:
     """LLaVA-OneVision's packed frames ``[sum frames, 3, s, s]`` -> ``[videos, frames, 3, s, s]``,
     the one layout its forward takes (it pools every video of a forward as one block): the videos
-    must share a frame count, else
-    a :class:`PackingUnsupportedError` naming the way out."""
+    must share a frame count, else a :class:`PackingUnsupportedError` naming the way out."""
     counts = video_num_frames.reshape(-1)
     if bool((counts != counts[0]).any()):
         raise PackingUnsupportedError(
@@ -310,8 +307,7 @@ def model_layer_masks(
     Only ``attention="mask"`` can carry them: a packed row (``N > 1``) of a model with bidirectional
     image blocks or chunked local attention (Llama 4: chunks counted from each sequence's start) in
     any other mode is a :class:`PackingUnsupportedError`, and so is a packed Llama 4 row too long
-    for its attention
-    temperature (:func:`check_temperature_tuning`)."""
+    for its attention temperature (:func:`check_temperature_tuning`)."""
     attention = HFAttention(attention)
     contract = model_contract(model_config)
     padded = batch["cu_seqlens_padded"]
@@ -363,9 +359,8 @@ def check_temperature_tuning(text, model: str, total: int) -> None:
     """Refuse a packed row of ``total`` slots that Llama 4's attention temperature tuning would see
     differently from its sequences alone: its NoPE layers scale queries by ``log1p(floor((i + 1) /
     floor_scale))``, ``i`` the slot's index in the **row** (transformers 5.6 to 5.24), so a row
-    longer than ``floor_scale - 1`` slots
-    scales tokens of later sequences as if they sat deeper in one sequence. ``text``: the text
-    config getter."""
+    longer than ``floor_scale - 1`` slots scales tokens of later sequences as if they sat deeper in
+    one sequence. ``text``: the text config getter."""
     floor_scale = text("floor_scale", None)
     if text("attn_temperature_tuning", False) and floor_scale and total >= floor_scale:
         raise PackingUnsupportedError(

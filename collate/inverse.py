@@ -33,8 +33,7 @@ from .indices import cp_chunks, global_slots, num_sequences, real_rows
 
 def _check_shards(shards: Sequence[torch.Tensor], dim: int, cp_size) -> int:
     """The CP size the shards describe (their count), checked against ``cp_size`` when given; the
-    shards
-    agree in shape, dtype and device."""
+    shards agree in shape, dtype and device."""
     if isinstance(shards, torch.Tensor) or not isinstance(shards, Sequence) or not shards:
         raise ArgumentError(
             f"shards: expected a list of one tensor per CP rank, got "

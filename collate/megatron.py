@@ -131,8 +131,7 @@ def to_packed_seq_params(
         if num_sequences(padded) != 1:
             raise ArgumentError(
                 f"batch: qkv_format='sbhd' takes a batch of one sequence (megatron-core's "
-                f"per-sample "
-                f"hybrid-CP form), got {num_sequences(padded)}"
+                f"per-sample hybrid-CP form), got {num_sequences(padded)}"
             )
         true = padded = padded[[0, -1]]
         max_seqlen = int(padded[-1])
@@ -235,8 +234,7 @@ def _check_offsets(true: torch.Tensor, padded: torch.Tensor, max_seqlen: int) ->
     ):
         raise ArgumentError(
             f"batch: expected cu_seqlens and cu_seqlens_padded starting at 0 and non-decreasing, "
-            f"got "
-            f"{true.tolist()[:8]} and {padded.tolist()[:8]}"
+            f"got {true.tolist()[:8]} and {padded.tolist()[:8]}"
         )
     short = torch.nonzero(padded_lengths < lengths).reshape(-1)
     if short.numel():

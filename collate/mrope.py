@@ -306,8 +306,7 @@ def _check_pixel_rows(
 ) -> None:
     """Each sample's ``pixel_values`` (``pixel_values_videos``) rows are the patches its
     ``image_grid_thw`` (``video_grid_thw``) declares (``sum(t*h*w)``): an edited grid would give the
-    vision tower other positions
-    than its pixels, silently."""
+    vision tower other positions than its pixels, silently."""
     for pixel_key, grid_key, per_sample in (
         ("pixel_values", "image_grid_thw", grids),
         ("pixel_values_videos", "video_grid_thw", videos),
@@ -328,8 +327,7 @@ def _check_pixel_rows(
 
 def _finite_pixels(out: dict, batch: Sequence[dict]) -> dict:
     """The collated ``pixel_values`` are finite (one reduction; a NaN or inf image would poison the
-    vision
-    tower's activations for the whole micro-batch): else a SampleError naming the first such
+    vision tower's activations for the whole micro-batch): else a SampleError naming the first such
     sample."""
     for key in ("pixel_values", "pixel_values_videos"):
         pixels = out.get(key)

@@ -29,8 +29,7 @@ from .indices import lengths_to_cu_seqlens
 class TokenSource:
     """One token field's rows before gathering: per-sample ``parts`` (list input) or one flat
     ``values`` tensor (nested input), plus ``pad``: two rows, the field's pad value then the value
-    of
-    a slot with no next token (what a next-token field such as ``labels`` holds there)."""
+    of a slot with no next token (what a next-token field such as ``labels`` holds there)."""
 
     parts: list[torch.Tensor] | None
     values: torch.Tensor | None
@@ -64,8 +63,7 @@ class TokenSource:
         self, first_seq: int, end_seq: int, first_row: int, end_row: int, out: torch.Tensor
     ) -> torch.Tensor:
         """Rows of sequences ``[first_seq, end_seq)`` (rows ``[first_row, end_row)``) then the two
-        pad
-        rows, written to ``out`` (a buffer reused across blocks)."""
+        pad rows, written to ``out`` (a buffer reused across blocks)."""
         if self.parts is not None:
             return self._cat((*self.parts[first_seq:end_seq], self.pad), out)
         return self._cat(
@@ -260,8 +258,7 @@ def _check_contiguous_jagged(nt: torch.Tensor, key: str) -> None:
     """Only a CPU jagged nested tensor whose offsets run from 0 to the end of its values, without
     holes, is read: a strided one has no offsets, a narrowed one (holes between rows, or rows
     starting past 0) would be read wrongly from ``offsets()``/``values()`` (``nt.contiguous()``
-    fixes it), and
-    offsets past the end would index out of the values."""
+    fixes it), and offsets past the end would index out of the values."""
     if nt.layout != torch.jagged:
         raise SampleError(
             sample=None,
@@ -308,8 +305,7 @@ def _check_device(t: torch.Tensor, i: int | None, key: str) -> None:
 def _resolve_in_batch(spec: FieldSpec, batch: Sequence[Mapping], present, keys: set) -> str | None:
     """The sample key ``spec`` reads, the same for every sample: sample 0's first present key,
     unless another sample has a key of higher priority (``labels`` over ``input_ids``), which is an
-    error
-    rather than silently ignoring that sample's labels. ``keys``: every sample's keys."""
+    error rather than silently ignoring that sample's labels. ``keys``: every sample's keys."""
     key = resolve_key(spec, present)
     higher = spec.sample_keys if key is None else spec.sample_keys[: spec.sample_keys.index(key)]
     for k in higher:
@@ -470,8 +466,8 @@ def _widened(
 ) -> list[torch.Tensor]:
     """Narrower integer parts (int32 / uint16 ``.npy`` token ids) of a field declared int64 only,
     cast to int64, as a list from a Hugging Face column becomes; anything else unchanged (checked
-    later).
-    ``dtypes``: the parts' dtypes when known (a set, updated in place when parts are cast)."""
+    later). ``dtypes``: the parts' dtypes when known (a set, updated in place when parts are
+    cast)."""
     if dtypes is None:
         dtypes = {t.dtype for t in tensors}
     if spec.dtypes != ("int64",) or dtypes.isdisjoint(_NARROW_INTS):
@@ -643,8 +639,7 @@ def _diagnose_token(tensors: list, spec: FieldSpec, key: str, flat: FlatBatch) -
 
 def _in_unsigned_range(rows: torch.Tensor, lo, hi) -> bool:
     """Fast path for ids bounded below by 0 (teacher top-k ids): viewed as unsigned, a negative id
-    is
-    huge, so one max reduction checks both ends (about 3x cheaper than min and max of int64)."""
+    is huge, so one max reduction checks both ends (about 3x cheaper than min and max of int64)."""
     if (
         lo != 0
         or rows.dtype != torch.int64
@@ -664,9 +659,8 @@ def checked_spec(
     rows, or None: the declared ``finite`` / ``min_value`` / ``max_value``; ``input_ids`` are
     moreover always ``>= 0`` and never the ignore index (an id of -100 would give label -100 with
     loss weight 1); a sample's own labels (a NEXT_TOKEN field) are token ids in ``[0, id_max]``
-    (``input_ids``' bounds, the
-    vocabulary) or the ignore index: a label of 99 with a vocabulary of 10, or -5, would be trained
-    on."""
+    (``input_ids``' bounds, the vocabulary) or the ignore index: a label of 99 with a vocabulary of
+    10, or -5, would be trained on."""
     if spec.name == "input_ids":
         if spec.min_value is None or spec.min_value < 0:
             spec = dataclasses.replace(spec, min_value=0)

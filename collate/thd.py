@@ -58,8 +58,7 @@ class THDCollator:
     defer_cp_shard: bool = False
     """VLM path: with a ``cp_rank``, emit the whole aligned batch ``[1, T]`` plus
     ``cp_gather_index`` int64 ``[T/cp]``, the rows this rank keeps, for one ``index_select`` in the
-    forward after the
-    vision embeddings are merged into the sequence."""
+    forward after the vision embeddings are merged into the sequence."""
 
     def __post_init__(self):
         object.__setattr__(

@@ -52,8 +52,7 @@ def local_tokenizer(texts: list[str]):
 
 def sft_tokenize(tokenizer):
     """Row -> ``input_ids`` (prompt + response + eos) and ``labels``: the same ids with -100 on the
-    prompt, so
-    only the response is trained on (prealign shifts labels to the next token)."""
+    prompt, so only the response is trained on (prealign shifts labels to the next token)."""
 
     def tokenize(row: dict) -> dict:
         prompt = tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]

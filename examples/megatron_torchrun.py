@@ -135,8 +135,7 @@ def main() -> None:
     if rank == 0:
         print(
             f"tp=2 cp=2 dp={loader.dp_size}: losses {[round(x, 4) for x in run]}; resumed at step "
-            f"{SAVE_AT}: "
-            f"{[round(x, 4) for x in resumed]} (the same)"
+            f"{SAVE_AT}: {[round(x, 4) for x in resumed]} (the same)"
         )
     dist.barrier()
     if rank == 0:

@@ -52,9 +52,8 @@ _WORKER_LOADERS: weakref.WeakSet = weakref.WeakSet()
 def _shut_down_workers() -> None:
     """At the main process's exit, before multiprocessing terminates its daemonic children (its exit
     hook was registered earlier, so it runs later): each live loader's persistent workers are told
-    to stop and joined
-    as torch does it, so they exit normally and run their own exit hooks (a share folder's
-    clean-up)."""
+    to stop and joined as torch does it, so they exit normally and run their own exit hooks (a share
+    folder's clean-up)."""
     for loader in list(_WORKER_LOADERS):
         it = getattr(
             loader, "_iterator", None
@@ -81,15 +80,13 @@ def unpacked(batch):
 
 class LoaderCore:
     """Base of both loaders. Subclasses set :attr:`state_kind`, implement :meth:`prepare` (which
-    sets
-    ``self._fingerprint``) and :meth:`_batches`, and may add to :meth:`_config`."""
+    sets ``self._fingerprint``) and :meth:`_batches`, and may add to :meth:`_config`."""
 
     state_kind: str = STATE_KIND
     elastic: tuple[str, ...] = ()
     """What a state may change (names of :class:`~prealign.loaders.plan.elastic.Segment` fields):
-    the saved
-    run's part of its epoch becomes a segment and the rest of the epoch is served under this
-    run's."""
+    the saved run's part of its epoch becomes a segment and the rest of the epoch is served under
+    this run's."""
 
     def __init__(
         self,
@@ -164,8 +161,8 @@ class LoaderCore:
     ):
         """Ranks (and, without ``layout``, tp/cp sizes) read from megatron-core's ``parallel_state``
         when initialised, else from ``torch.distributed`` (every rank a DP rank, no CP); a
-        ``workers=``
-        :class:`~prealign.loaders.options.WorkerConfig` keeps its ``num_workers`` and ``group``."""
+        ``workers=`` :class:`~prealign.loaders.options.WorkerConfig` keeps its ``num_workers`` and
+        ``group``."""
         from prealign.schemas.parallel_state import data_parallel_info
 
         info = data_parallel_info()
@@ -215,16 +212,14 @@ class LoaderCore:
         """Micro-batches per rank that ``epoch`` (default: the current one) served before the
         segment this loader serves it in (0 unless it was resumed under another configuration):
         ``batch["microbatch"] + loader.epoch_offset(batch["epoch"])`` counts each rank's
-        micro-batches from
-        the start of the epoch across resizes (``microbatch``, ``len()`` and ``plan()`` are the
-        segment's)."""
+        micro-batches from the start of the epoch across resizes (``microbatch``, ``len()`` and
+        ``plan()`` are the segment's)."""
         epoch = self.epoch if epoch is None else check_count("epoch", epoch)
         return sum(s.position for s in self._resized[1]) if self._resized[0] == epoch else 0
 
     def set_epoch(self, epoch: int) -> None:
         """Go to the start of ``epoch``; the epoch in progress keeps its position (a live iterator
-        over
-        another epoch stops with :class:`~prealign.loaders.errors.LoaderUsageError`)."""
+        over another epoch stops with :class:`~prealign.loaders.errors.LoaderUsageError`)."""
         epoch = check_count("epoch", epoch)
         if epoch != self._normalised()[0]:
             self._epoch, self._position = epoch, 0
@@ -253,9 +248,8 @@ class LoaderCore:
 
     def _data_loader(self, dataset, *, persistent: bool, **kwargs) -> DataLoader:
         """A torch DataLoader over ``dataset`` with the loader's workers and
-        :class:`LoadingOptions`; its
-        persistent workers are shut down gracefully when the process exits
-        (:func:`_shut_down_workers`)."""
+        :class:`LoadingOptions`; its persistent workers are shut down gracefully when the process
+        exits (:func:`_shut_down_workers`)."""
         lo, workers = self.loading, self.num_workers > 0
         if workers and lo.prefetch_factor is not None:
             kwargs["prefetch_factor"] = lo.prefetch_factor
@@ -275,8 +269,7 @@ class LoaderCore:
 
     def _served(self, loader: DataLoader, token: object):
         """``loader``'s items through the one worker path (typed errors as their own type, a dead
-        worker a
-        WorkerError), stopping when a newer iterator took over."""
+        worker a WorkerError), stopping when a newer iterator took over."""
         yield from worker_batches(loader, before_each=lambda: self._check_live(token))
 
     def _count_skipped(self, skipped, *, warn: bool) -> None:
@@ -310,8 +303,7 @@ class LoaderCore:
 
     def _segment(self, config: dict, position: int) -> Segment:
         """The :class:`Segment` of a run of ``config`` (a :meth:`_config`, or a state's: checked)
-        that served
-        ``position`` micro-batches."""
+        that served ``position`` micro-batches."""
         planner = config.get("planner")
         return Segment.checked(
             dp_size=config.get("dp_size"),
@@ -334,13 +326,12 @@ class LoaderCore:
 
     def _check_segment_sizes(self, segments: tuple[Segment, ...]) -> None:
         """Refuse earlier segments with more ranks (readers) than the epoch has samples (default:
-        none to
-        refuse): replaying one costs time and memory in its size, and no real run is that wide."""
+        none to refuse): replaying one costs time and memory in its size, and no real run is that
+        wide."""
 
     def state_dict(self) -> dict:
         """JSON-serialisable state, identical on every rank of the run
-        (:mod:`prealign.loaders.state`);
-        touches no file."""
+        (:mod:`prealign.loaders.state`); touches no file."""
         data = self._data()
         epoch, position = self._normalised()
         segments = self._resized[1] if self._resized[0] == epoch else ()
@@ -358,9 +349,8 @@ class LoaderCore:
         when the state was saved under another of :attr:`elastic` (``dp_size``...), the rest of its
         epoch re-planned for this run (:mod:`prealign.loaders.plan.elastic`). Refuses
         (:class:`~prealign.loaders.errors.ResumeError`) a state of another kind, version,
-        configuration or
-        data, and (:class:`~prealign.loaders.errors.LoaderUsageError`) any while an iterator is
-        live."""
+        configuration or data, and (:class:`~prealign.loaders.errors.LoaderUsageError`) any while an
+        iterator is live."""
         if self._active is not None:
             raise LoaderUsageError(
                 f"{type(self).__name__}.load_state_dict: a live iterator over this loader "

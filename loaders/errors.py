@@ -82,8 +82,7 @@ class CorruptShardError(PrealignError, OSError):
     """A shard could not be read past some byte offset (truncated or corrupt tar, a member larger
     than the file, unreadable URL): an ``OSError``. When the source finds it while scanning, the
     index pass counts it as a shard event under ``reason`` (``corrupt_shard``) with ``skip``; raised
-    anywhere else (a transform,
-    a batch read) it propagates."""
+    anywhere else (a transform, a batch read) it propagates."""
 
     reason = "corrupt_shard"
     shard = offset = cause = None  # when rebuilt from its message alone (see PrealignError)
@@ -96,8 +95,7 @@ class CorruptShardError(PrealignError, OSError):
 class ShardTimeoutError(CorruptShardError, TimeoutError):
     """A shard read made no progress within the source's ``read_timeout`` (a FIFO, a hung mount): a
     ``TimeoutError`` (an ``OSError``). Found while scanning, it is counted as ``shard_timeout``
-    under
-    ``skip`` (the rest of the shard is lost), raised under ``raise``; anywhere else it
+    under ``skip`` (the rest of the shard is lost), raised under ``raise``; anywhere else it
     propagates."""
 
     reason = "shard_timeout"
@@ -106,8 +104,7 @@ class ShardTimeoutError(CorruptShardError, TimeoutError):
 class ShardGoneError(BadSampleError):
     """A sample read for a batch whose shard is gone since the index was built (deleted, renamed, no
     longer a regular file): ``.shard`` names it. Bad data like any sample that no longer loads:
-    counted under
-    ``missing_shard`` by the ``skip`` policy, raised under ``raise``."""
+    counted under ``missing_shard`` by the ``skip`` policy, raised under ``raise``."""
 
     reason = "missing_shard"
     shard = None  # when rebuilt from its message alone (see PrealignError)
@@ -121,9 +118,8 @@ class ShardGoneError(BadSampleError):
 
 class CollectiveTimeoutError(PrealignError, TimeoutError):
     """A collective of the loader (the streaming loader's end-of-epoch ``all_reduce``) did not
-    complete within
-    its timeout: a peer rank stopped iterating, died or is stuck. Names the group's ranks and the
-    position."""
+    complete within its timeout: a peer rank stopped iterating, died or is stuck. Names the group's
+    ranks and the position."""
 
 
 class WorkerError(PrealignError, RuntimeError):
@@ -134,21 +130,18 @@ class WorkerError(PrealignError, RuntimeError):
 class UnsupportedTorchError(ConfigError):
     """The installed torch lacks a ``DataLoader`` internal that dead-worker recovery relies on (its
     iterator's worker processes, its shutdown): raised at first use with workers, naming the torch
-    version and the
-    attribute, instead of silently not recovering."""
+    version and the attribute, instead of silently not recovering."""
 
 
 class ShareRecordError(DataError):
     """A shared record or slot (:mod:`prealign.loaders.handoff`) that is malformed or not trusted:
-    never served,
-    the rank computes the batch for itself."""
+    never served, the rank computes the batch for itself."""
 
 
 class ShmBudgetError(PrealignError, OSError):
     """A slot would take this process past its shared-memory cap
     (:func:`~prealign.loaders.handoff.slots.shm_cap`): an ``OSError`` too, so every hand-off that
-    cannot
-    have a slot (a full ``/dev/shm`` alike) falls back to its copying path."""
+    cannot have a slot (a full ``/dev/shm`` alike) falls back to its copying path."""
 
 
 class LoaderUsageError(ConfigError):
@@ -171,9 +164,9 @@ class SourceChangedError(DataError):
 class IndexMismatchError(ConfigError):
     """A reused index (sidecars, a saved :class:`~prealign.loaders.index.sample_index.SampleIndex`)
     does not describe the data the loader was given: ``.shard`` names the shard, ``.difference``
-    says what differs. Raised when the
-    loader prepares (:meth:`~prealign.loaders.loader.PackedLoader.prepare` or first use), before any
-    batch, under every bad-data policy (never counted as bad data)."""
+    says what differs. Raised when the loader prepares
+    (:meth:`~prealign.loaders.loader.PackedLoader.prepare` or first use), before any batch, under
+    every bad-data policy (never counted as bad data)."""
 
     shard = difference = None  # when rebuilt from its message alone (see PrealignError)
 
@@ -192,8 +185,8 @@ class MissingShardError(IndexMismatchError):
 
 class NotRegularFileError(MissingShardError):
     """A local shard (to index) or sidecar path that is not a regular file: a device such as
-    ``/dev/zero``,
-    a FIFO, a socket. The index pass never reads one (it could be endless, or block forever)."""
+    ``/dev/zero``, a FIFO, a socket. The index pass never reads one (it could be endless, or block
+    forever)."""
 
 
 class ChangedShardError(IndexMismatchError):
@@ -204,15 +197,14 @@ class ChangedShardError(IndexMismatchError):
 class StaleIndexError(IndexMismatchError):
     """A sidecar index of another format version or transform (the field that differs and the
     ``prealign index`` command that rebuilds it are named), or a malformed one. Never raised for
-    another schema: a sidecar
-    describes the data, and any schema reads it."""
+    another schema: a sidecar describes the data, and any schema reads it."""
 
 
 class IndexFileError(StaleIndexError):
     """A saved :class:`~prealign.loaders.index.sample_index.SampleIndex` file that is not one (no
     such file, missing or extra keys, wrong dtype or shape, inconsistent lengths, undecodable
-    report), or one of other data.
-    Raised with one message (``IndexFileError(message)``; ``.shard`` is None)."""
+    report), or one of other data. Raised with one message (``IndexFileError(message)``; ``.shard``
+    is None)."""
 
     def __init__(self, message: str, difference: str | None = None, hint: str = ""):
         if difference is None:
@@ -223,8 +215,7 @@ class IndexFileError(StaleIndexError):
 
 class ExtraShardError(IndexFileError):
     """The index names a shard the source does not have, or the source a shard the index lacks (an
-    index
-    of other data: also an :class:`IndexFileError`)."""
+    index of other data: also an :class:`IndexFileError`)."""
 
 
 class RemoteReadError(PrealignError, OSError):
@@ -245,8 +236,8 @@ class RemoteStallError(RemoteReadError, TimeoutError):
 class RemotePermissionError(ConfigError):
     """The server refused to serve a remote shard (HTTP 401/403, an object store's access denied):
     credentials or permissions, not a missing shard. ``.url``, ``.status`` (None when the client
-    gives no HTTP status).
-    A configuration error: raised whatever the bad-data policy, never retried."""
+    gives no HTTP status). A configuration error: raised whatever the bad-data policy, never
+    retried."""
 
     url = status = None  # when rebuilt from its message alone (see PrealignError)
 
@@ -256,16 +247,15 @@ class RemotePermissionError(ConfigError):
             f"{url}: permission denied: expected the object, the server answered {answer}; check "
             f"the "
             f"credentials (storage_options, a token in the URL) and the object's permissions (S3 "
-            f"also "
-            f"answers 403 for an absent object of a bucket the caller cannot list)"
+            f"also answers 403 for an absent object of a bucket the caller cannot list)"
         )
 
 
 class RangeIgnoredWarning(UserWarning):
     """A server answered a ranged read with the whole object (it ignores ``Range``): emitted once
     per server and process; each object is then downloaded whole once and kept
-    (``RemoteOptions.cache_dir``, else a
-    private temporary folder), bounded by ``RemoteOptions.cache_limit``."""
+    (``RemoteOptions.cache_dir``, else a private temporary folder), bounded by
+    ``RemoteOptions.cache_limit``."""
 
 
 SYSTEM_ERRORS: tuple[type[BaseException], ...] = (OSError, RuntimeError)

@@ -71,9 +71,8 @@ def _with_media_flags(
     index: SampleIndex, source: Source, schema: BatchSchema, max_len: int
 ) -> SampleIndex:
     """``index`` with ``media`` filled in, for an index that lacks it (built by other code): only
-    the
-    samples the planner would cut (longer than ``max_len``) are loaded, to see whether they carry
-    media."""
+    the samples the planner would cut (longer than ``max_len``) are loaded, to see whether they
+    carry media."""
     keys = media_keys(schema)
     media = np.zeros(len(index), dtype=bool)
     for i in np.nonzero(index.lengths > max_len)[0]:
@@ -223,8 +222,8 @@ class _CollatePlanned:
 
 def _renamed(exc: SampleError, request: Request, where: Callable[[int], str]) -> SampleError:
     """``exc`` (same type, field, expected, actual, reason, hint) naming the dataset sample instead
-    of
-    its position ``exc.sample`` in ``request``'s micro-batch: ``"<source name> (index row i)"``."""
+    of its position ``exc.sample`` in ``request``'s micro-batch: ``"<source name> (index row
+    i)"``."""
     pos = exc.sample
     if isinstance(pos, bool) or not isinstance(pos, int) or not 0 <= pos < len(request.indices):
         return exc  # a batch-level problem, or a filler: nothing to rename
@@ -322,8 +321,7 @@ class PackedLoader(LoaderCore):
                 "share: BatchShare publishes one collated micro-batch for the whole CP group, "
                 "while "
                 "under PlannerConfig(hybrid_cp=True) each CP sub-group collates its own samples; "
-                "use "
-                "one of them"
+                "use one of them"
             )
         workers = worker_config(
             workers,
@@ -455,9 +453,8 @@ class PackedLoader(LoaderCore):
         """Check every shard against its sidecar now (size, first and last 64 KiB: what each shard's
         first read checks, :class:`~prealign.loaders.index.sidecar.ShardChecks`), on a few threads;
         raises the first :class:`~prealign.loaders.errors.MissingShardError` / ``ChangedShardError``
-        in shard order. Returns the
-        number of shards checked (0 when none came from sidecars). The loader itself never waits for
-        it."""
+        in shard order. Returns the number of shards checked (0 when none came from sidecars). The
+        loader itself never waits for it."""
         return check_all_shards(self.prepare().source)
 
     @property
@@ -503,8 +500,7 @@ class PackedLoader(LoaderCore):
 
     def plan(self, epoch: int | None = None) -> MicrobatchPlan:
         """The (all-rank) plan of ``epoch`` (default: the current one), with its statistics; of an
-        epoch resumed
-        after a resize, the plan of the samples its earlier segments left."""
+        epoch resumed after a resize, the plan of the samples its earlier segments left."""
         epoch = self.epoch if epoch is None else check_count("epoch", epoch)
         return self.prepare()._schedule.plan(epoch)[1]
 
@@ -521,8 +517,7 @@ class PackedLoader(LoaderCore):
         (``oversize_truncated``, ``oversize_skipped``, and ``oversize_media`` for samples carrying
         media that ``Oversize.TRUNCATE`` leaves out rather than cut, each one named). After a
         :meth:`prepare` that raised (a bad sample under ``raise``, too many under ``skip``): what
-        its index pass
-        counted before it stopped, without running it again."""
+        its index pass counted before it stopped, without running it again."""
         if self._index is None and self._failed_report is not None:
             return BadDataReport(
                 counts=dict(self._failed_report.counts), examples=list(self._failed_report.examples)
@@ -613,8 +608,8 @@ class PackedLoader(LoaderCore):
 
     def _mixture_setup(self) -> None:
         """A :class:`Mixture` plans with ``STEP_FIT`` (each step the next stretch of its interleave)
-        unless the
-        planner names a strategy other than the default BFD; its steps are served in plan order."""
+        unless the planner names a strategy other than the default BFD; its steps are served in plan
+        order."""
         self._phases: tuple = (-1, ())
         if isinstance(self.source, Mixture) and self.planner.strategy is PackStrategy.BFD:
             self.planner = dataclasses.replace(self.planner, strategy=PackStrategy.STEP_FIT)
@@ -678,8 +673,7 @@ class PackedLoader(LoaderCore):
 
     def load_state_dict(self, state) -> None:
         """As :meth:`LoaderCore.load_state_dict`; over a :class:`Mixture`, a state saved with other
-        weights
-        resumes with what it served left out and the rest of its epoch under this mixture's
+        weights resumes with what it served left out and the rest of its epoch under this mixture's
         weights."""
         if not isinstance(self.source, Mixture):
             return super().load_state_dict(state)

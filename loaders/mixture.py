@@ -38,9 +38,8 @@ from prealign.schemas.schema import BatchSchema
 
 SCAN_WIDTH = 4
 """Location ints of a component sample when the mixture is scanned as one source
-(``build_index(mixture)``;
-a loader indexes each component on its own): every location is padded to ``(component, width, *4
-ints)``."""
+(``build_index(mixture)``; a loader indexes each component on its own): every location is padded to
+``(component, width, *4 ints)``."""
 
 
 @dataclass(frozen=True)
@@ -48,8 +47,8 @@ class Component:
     """One dataset of a mixture: its ``source`` (with its own transform) and either a ``weight`` (a
     share of the epoch's tokens or samples) or ``repeat`` (exact passes per epoch, Energon's
     ``blend_epochized``; ``0.5``: a deterministic half, another each epoch). ``policy``: its own
-    bad-data policy (default: the
-    loader's). ``index``: a prebuilt :class:`SampleIndex` (or its path) of this source."""
+    bad-data policy (default: the loader's). ``index``: a prebuilt :class:`SampleIndex` (or its
+    path) of this source."""
 
     source: Source
     weight: float | None = None
@@ -235,8 +234,8 @@ class Mixture(Source):
         group=None,
     ) -> SampleIndex:
         """Each component's index (its own policy, or ``policy``), merged; sets :attr:`parts`. A
-        component whose
-        samples do not fit ``schema``, or that is empty or all bad, raises naming the component."""
+        component whose samples do not fit ``schema``, or that is empty or all bad, raises naming
+        the component."""
         parts = []
         for name, comp in self.components.items():
             try:
@@ -309,8 +308,8 @@ class Mixture(Source):
 
     def adopt(self, index: SampleIndex) -> SampleIndex:
         """Set :attr:`parts` from ``index``, a merged index of this mixture built elsewhere
-        (``build_index`` of the
-        mixture as one source, or a saved one): its rows must be in component order."""
+        (``build_index`` of the mixture as one source, or a saved one): its rows must be in
+        component order."""
         if self.parts is not None and sum(len(p) for p in self.parts) == len(index):
             return index
         comp = np.asarray(index.locations[:, 0]) if len(index) else np.zeros(0, np.int64)
@@ -363,8 +362,7 @@ class Mixture(Source):
     def accounting(self, planned: np.ndarray, served: np.ndarray) -> dict:
         """Per component: samples and tokens ``planned`` and ``served`` (int64 global ids, repeats
         counted), the realized share (of tokens or samples, as :attr:`spec` ``by``) against the
-        weight, and the bad samples of
-        its index pass with their reasons. JSON-friendly."""
+        weight, and the bad samples of its index pass with their reasons. JSON-friendly."""
         parts = self._checked_parts()
         comp_of = self.component_of()
         lengths = np.concatenate([p.lengths for p in parts]).astype(np.int64)
@@ -438,9 +436,8 @@ class Mixture(Source):
 
     def _pass_order(self, c: int, epoch: int, seed: int, shuffle: bool, window: int):
         """Pass ``p``'s order of component ``c``: a sequential source (tar shards, a stream) in
-        shuffled shards
-        and a bounded window (reads stay near-sequential); any other, ``None`` (a seeded
-        permutation)."""
+        shuffled shards and a bounded window (reads stay near-sequential); any other, ``None`` (a
+        seeded permutation)."""
         if not (shuffle and self._sources[c].sequential):
             return None
         part = self.parts[c]
@@ -461,9 +458,8 @@ class Mixture(Source):
         """How a state whose ``"mixture"`` entry is ``saved`` resumes here: ``("same", its phases)``
         when its weights are this mixture's; ``("changed", phases)`` with the saved run's part of
         the epoch (its earlier ``segments`` and its ``own`` segment) closed as one more phase under
-        its weights; ``("next_epoch", ())``
-        for other component names under ``on_component_change="next_epoch"``, else
-        :class:`ResumeError`."""
+        its weights; ``("next_epoch", ())`` for other component names under
+        ``on_component_change="next_epoch"``, else :class:`ResumeError`."""
         if not isinstance(saved, dict) or not isinstance(saved.get("spec"), dict):
             raise ResumeError(
                 "loader state: key 'mixture': missing; the state was not saved by a loader over a "
@@ -534,9 +530,8 @@ class Mixture(Source):
         dataset saved by ``save_to_disk`` (a folder) or an ``.arrow`` / ``.parquet`` / ``.jsonl``
         file. ``transform``: none (the samples hold ``input_ids``), ``"text"`` (tokenise a ``text``
         field with ``tokenizer``) or a model config folder (its ``config.json``, processor configs
-        and tokenizer: a
-        :class:`~prealign.loaders.media.vlm.VLMSampleTransform`). Relative paths resolve against the
-        file's folder."""
+        and tokenizer: a :class:`~prealign.loaders.media.vlm.VLMSampleTransform`). Relative paths
+        resolve against the file's folder."""
         from prealign.loaders.mixture_file import load_mixture_file
 
         return load_mixture_file(cls, Component, path, tokenizer=tokenizer)
@@ -545,8 +540,7 @@ class Mixture(Source):
 def steps_served(schedule: Schedule, epoch: int) -> tuple[np.ndarray, np.ndarray]:
     """(int64 sample ids in serving order, int64 ``[S + 1]`` bounds of each global step in them):
     every DP rank's micro-batches of each step of ``epoch``, step by step (for shares per step or
-    per window of steps,
-    :func:`~prealign.loaders.plan.mixing.window_shares`)."""
+    per window of steps, :func:`~prealign.loaders.plan.mixing.window_shares`)."""
     ids, bounds, pos = [], [0], 0
     reqs = [list(schedule(epoch, r)) for r in range(schedule.dp_size)]
     for k in schedule.plan(epoch)[1].steps:

@@ -49,8 +49,7 @@ def _shards(path: str) -> list[str] | str:
 
 def resolved_shards(file: str, path: str) -> list[str] | str:
     """``path`` of a component of the mixture file at ``file``, resolved against its folder (a
-    folder of shards:
-    its ``.tar`` files)."""
+    folder of shards: its ``.tar`` files)."""
     where = _resolve(os.path.dirname(os.path.abspath(file)), path)
     return (
         _shards(where)
@@ -69,8 +68,7 @@ def _text_transform(tokenizer):
 
 def _vlm_transform(name: str, folder: str, tokenizer):
     """The VLM transform of a model config folder (``config.json``; its ``preprocessor_config.json``
-    and
-    ``video_preprocessor_config.json`` when present; its tokenizer unless ``tokenizer`` is
+    and ``video_preprocessor_config.json`` when present; its tokenizer unless ``tokenizer`` is
     given)."""
     from transformers import AutoConfig
 
@@ -136,8 +134,7 @@ def _source(name: str, entry: dict, base: str, tokenizer):
         if not os.path.isdir(folder):
             raise ConfigError(
                 f"mixture file: component {name!r}: transform {kind!r} is neither 'text' nor a "
-                f"model "
-                f"config folder ({folder} does not exist)"
+                f"model config folder ({folder} does not exist)"
             )
         transform = _vlm_transform(name, folder, tokenizer)
     elif kind is None:

@@ -116,8 +116,8 @@ class LoadingOptions:
     shm_cap: int | None = None
     """Bytes of shared memory (``/dev/shm``, memfd) each worker may hold in hand-off slots; past it
     batches are handed over by copy (0: always). None: ``PREALIGN_SHM_CAP``, else the smaller of 1
-    GiB and 1/8 of
-    ``/dev/shm`` (Kubernetes counts tmpfs toward the pod's memory; Docker's default is 64 MB)."""
+    GiB and 1/8 of ``/dev/shm`` (Kubernetes counts tmpfs toward the pod's memory; Docker's default
+    is 64 MB)."""
 
     def __post_init__(self):
         _int("LoadingOptions.prefetch_factor", self.prefetch_factor, 1, optional=True)
@@ -129,8 +129,7 @@ class LoadingOptions:
         if self.multiprocessing_context not in (None, "fork", "spawn", "forkserver"):
             raise PlanError(
                 f"LoadingOptions.multiprocessing_context: expected 'fork', 'spawn', 'forkserver' "
-                f"or "
-                f"None, got {self.multiprocessing_context!r}"
+                f"or None, got {self.multiprocessing_context!r}"
             )
         if (
             isinstance(self.timeout, bool)

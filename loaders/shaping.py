@@ -17,8 +17,7 @@ from prealign.schemas.schema import BatchSchema, FieldSource, Role
 
 def filler_length(layout: ParallelLayout) -> int:
     """Tokens of a filler: the smallest sequence the layout pads to (``layout.seq_multiple``), so a
-    filler
-    micro-batch costs one aligned sequence of pad."""
+    filler micro-batch costs one aligned sequence of pad."""
     return layout.seq_multiple
 
 

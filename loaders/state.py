@@ -45,12 +45,10 @@ from prealign.loaders.plan.elastic import Segment
 STATE_VERSION = 2
 """2: epochs planned a chunk at a time (``PlannerConfig.chunk_size``), which serves micro-batches in
 another order than version 1's single plan: a version-1 state cannot be resumed exactly. (The
-streaming
-loader's own version 1 format, without ``data``, is refused too.)"""
+streaming loader's own version 1 format, without ``data``, is refused too.)"""
 ELASTIC_VERSION = 3
 """3: a state with earlier segments of its epoch (a resize); written only then, so that a prealign
-that
-cannot honour them refuses the state instead of resuming the wrong samples."""
+that cannot honour them refuses the state instead of resuming the wrong samples."""
 CURSOR_VERSION = 4
 """4: a streaming state with one rank's reader ``cursors`` (where each reader goes on: shard,
 record, the samples its buffer holds), written only by ``state_dict(cursors=True)``; it may hold
@@ -147,8 +145,8 @@ class LoaderState:
         """Parse a saved state (a dict, or its JSON text) strictly: :class:`ResumeError` naming the
         key for non-JSON text, another kind or version, a missing key, ``epoch`` / ``position`` that
         are not non-negative ints (``2.7``, ``"3"``, ``True``, ``inf`` and ``NaN`` are refused,
-        never coerced),
-        ``config`` / ``data`` that are not objects, or non-finite numbers anywhere."""
+        never coerced), ``config`` / ``data`` that are not objects, or non-finite numbers
+        anywhere."""
         if isinstance(state, (bytes, bytearray)):
             try:
                 state = bytes(state).decode("utf-8")
@@ -167,8 +165,7 @@ class LoaderState:
         if isinstance(version, bool) or version not in known:
             raise ResumeError(
                 f"loader state: key 'version': version {version!r} is not supported (this "
-                f"prealign writes "
-                f"and reads versions {', '.join(map(str, known))} of a {kind} "
+                f"prealign writes and reads versions {', '.join(map(str, known))} of a {kind} "
                 f"state); a state of an older prealign cannot be resumed exactly: "
                 f"start the epoch afresh (set_epoch)"
             )
@@ -209,8 +206,7 @@ class LoaderState:
         ):
             raise ResumeError(
                 f"loader state: key 'segments': a non-empty list in a version {ELASTIC_VERSION} "
-                f"state "
-                f"(or {CURSOR_VERSION}) and only there; got {str(segments)[:200]} in "
+                f"state (or {CURSOR_VERSION}) and only there; got {str(segments)[:200]} in "
                 f"version {version}"
             )
         return cls(
@@ -228,8 +224,7 @@ class LoaderState:
     def check_compatible(self, config: dict, data: dict, elastic: tuple[str, ...] = ()) -> None:
         """Raise :class:`ResumeError` listing every difference with this run's ``config`` /
         ``data``, but in the ``elastic`` keys (``"planner.microbatches_per_step"`` for a nested
-        one): those the loader
-        re-plans the rest of the epoch for."""
+        one): those the loader re-plans the rest of the epoch for."""
         problems = []
         saved_config, config = _without(self.config, elastic), _without(config, elastic)
         for key in sorted(set(config) | set(saved_config)):

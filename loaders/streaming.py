@@ -131,8 +131,7 @@ def stream_planner(
                 f"planner.{field.name}: {value!r} does not apply to StreamingPackedLoader (it "
                 f"packs "
                 f"best-fit decreasing from its buffer, one micro-batch per step); leave it at its "
-                f"default "
-                f"{getattr(default, field.name)!r}"
+                f"default {getattr(default, field.name)!r}"
             )
     return out
 
@@ -197,8 +196,8 @@ class _Reader(IterableDataset):
     pack: bool = False
     served: torch.Tensor | None = dataclasses.field(default=None, compare=False)
     """Sorted int64 ``[S]`` stream ids served by earlier segments of the epoch (a resize), left out
-    before the
-    split; 8 bytes a sample, in shared memory when workers read (handed to them, not copied)."""
+    before the split; 8 bytes a sample, in shared memory when workers read (handed to them, not
+    copied)."""
     worker: tuple[int, int] | None = None
     """(workers, worker id) of a reader replayed outside a DataLoader; ``None``: the
     DataLoader's."""
@@ -264,8 +263,8 @@ class _Reader(IterableDataset):
 
     def __iter__(self):
         """The packed stream; a :class:`~prealign.schemas.errors.PrealignError` ends it, raised here
-        in the main
-        process, handed over as the last item in a worker (raised as its own type by the loader)."""
+        in the main process, handed over as the last item in a worker (raised as its own type by the
+        loader)."""
         try:
             yield from self._packed()
         except PrealignError as exc:
@@ -455,8 +454,7 @@ class _Packer:
             except SampleError as exc:
                 raise ResumeError(
                     f"loader state: cursor sample {r.source.where(tuple(loc))} (id "
-                    f"{sid}) is bad data now ({exc}); the data changed since the "
-                    f"state was saved"
+                    f"{sid}) is bad data now ({exc}); the data changed since the state was saved"
                 ) from exc
         out = []
         for (sid, size, *loc), sample, res in zip(records, samples, validated(samples, r.schema)):
@@ -485,9 +483,8 @@ class StreamingPackedLoader(LoaderCore):
     (``persistent_workers`` does not apply: each epoch starts its readers afresh). The other
     arguments are :class:`~prealign.loaders.PackedLoader`'s, validated the same way.
     ``collective_timeout``: seconds the per-micro-batch agreement may wait for the other ranks
-    before it is a
-    :class:`~prealign.loaders.errors.CollectiveTimeoutError` (``None``: the process group's own
-    timeout)."""
+    before it is a :class:`~prealign.loaders.errors.CollectiveTimeoutError` (``None``: the process
+    group's own timeout)."""
 
     state_kind = STREAM_STATE_KIND
     elastic = ("dp_size", "num_workers")
@@ -522,8 +519,7 @@ class StreamingPackedLoader(LoaderCore):
             )
             warnings.warn(
                 f"StreamingPackedLoader({given}=...) is deprecated: give "
-                f"planner=PlannerConfig({given}=...) "
-                f"(defaults: STREAM_PLANNER)",
+                f"planner=PlannerConfig({given}=...) (defaults: STREAM_PLANNER)",
                 DeprecationWarning,
                 stacklevel=2,
             )
@@ -572,8 +568,7 @@ class StreamingPackedLoader(LoaderCore):
 
     def prepare(self) -> "StreamingPackedLoader":
         """Fingerprint the data (the source's description: shard names and sizes) once, for the
-        state; a
-        no-op once done. Nothing is read or indexed."""
+        state; a no-op once done. Nothing is read or indexed."""
         if self._fingerprint is None:
             description = self.source.describe()
             self._fingerprint = {
@@ -637,8 +632,7 @@ class StreamingPackedLoader(LoaderCore):
             f"{ranks} did not complete within collective_timeout={self.collective_timeout:g} s at "
             f"epoch {epoch}, "
             f"micro-batch {position}: a peer rank stopped iterating this loader, died or is stuck "
-            f"(every rank of "
-            f"the group must iterate every micro-batch) ({cause})"
+            f"(every rank of the group must iterate every micro-batch) ({cause})"
         )
 
     def _filler_batch(self, epoch: int, position: int) -> dict:
@@ -681,8 +675,7 @@ class StreamingPackedLoader(LoaderCore):
         self, epoch: int, dp_rank: int, dp_size: int, served: torch.Tensor | None, **kwargs
     ) -> _Reader:
         """Reader of ``dp_rank`` of ``dp_size`` over ``epoch``, leaving out ``served``; ``kwargs``:
-        the
-        rest of :class:`_Reader`'s fields (``pack``, ``worker``, ``ids_only``)."""
+        the rest of :class:`_Reader`'s fields (``pack``, ``worker``, ``ids_only``)."""
         return _Reader(
             self.source,
             self.schema,
@@ -714,8 +707,8 @@ class StreamingPackedLoader(LoaderCore):
         one), built once per epoch and shared with the workers: each segment's readers replayed in
         this process, ids only, every rank of it (another DP size or worker count reads other
         shards), over what the segments before it left; a rank's first ``position`` micro-batches in
-        the order its DataLoader
-        served them (:func:`~prealign.loaders.plan.elastic.round_robin`)."""
+        the order its DataLoader served them
+        (:func:`~prealign.loaders.plan.elastic.round_robin`)."""
         segments = self._resized[1] if self._resized[0] == epoch else ()
         if not segments:
             return None
@@ -752,9 +745,8 @@ class StreamingPackedLoader(LoaderCore):
 
     def _check_segment_sizes(self, segments) -> None:
         """Refuse a segment with more readers (``dp_size * max(num_workers, 1)``) than the stream
-        has samples
-        (counted up to the widest segment's readers, and only when it has more readers than
-        shards)."""
+        has samples (counted up to the widest segment's readers, and only when it has more readers
+        than shards)."""
         widest = max((seg.dp_size * max(seg.num_workers, 1) for seg in segments), default=0)
         if widest <= self.source.num_shards:
             return
@@ -864,8 +856,7 @@ class StreamingPackedLoader(LoaderCore):
             warnings.warn(
                 f"StreamingPackedLoader.load_state_dict: the state's reader cursors are "
                 f"those of {saved}, this is {here}: this rank replays its stream up "
-                f"to micro-batch {self._position} (load each rank's own "
-                f"state_dict(cursors=True) "
+                f"to micro-batch {self._position} (load each rank's own state_dict(cursors=True) "
                 f"to seek)",
                 stacklevel=2,
             )

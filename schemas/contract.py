@@ -53,24 +53,21 @@ MASK_IMPLEMENTATIONS = ("eager", "sdpa", "flex_attention")
 mask)."""
 GDN_KERNELS = ("fla", "causal_conv1d")
 """The packages whose kernels honour ``cu_seq_lens_q`` (``fla``'s chunked gated delta rule) and
-``seq_idx``
-(``causal_conv1d``); transformers' pure-torch fallbacks ignore both."""
+``seq_idx`` (``causal_conv1d``); transformers' pure-torch fallbacks ignore both."""
 GDN_MIN_TRANSFORMERS = (5, 10)
 """The oldest transformers checked to hand ``cu_seq_lens_q`` and ``seq_idx`` on to those kernels
 (5.6 does not)."""
 MEGATRON_GDN_PACKED = None
 """The first megatron-core release whose ``GatedDeltaNet`` takes ``packed_seq_params`` and context
 parallelism: none released yet (0.16.1 raises ``NotImplementedError("GDN does not support packed
-sequence for now.")`` and
-``TransformerConfig`` asserts ``context_parallel_size == 1``). Set it to a version tuple when one
-does."""
+sequence for now.")`` and ``TransformerConfig`` asserts ``context_parallel_size == 1``). Set it to a
+version tuple when one does."""
 
 
 class ConsumerUnsupportedError(PackingUnsupportedError):
     """The consumer (an HF attention implementation, a megatron-core version) cannot run the model's
     batches as configured. ``.model``, ``.layer``, ``.consumer``, ``.version`` and ``.way_out`` say
-    which, why and
-    what to do."""
+    which, why and what to do."""
 
     model = layer = consumer = version = problem = way_out = (
         None  # when rebuilt from its message alone
@@ -83,8 +80,7 @@ class ConsumerUnsupportedError(PackingUnsupportedError):
         self.problem, self.way_out = problem, way_out
         super().__init__(
             f"{model}: its {layer} layers cannot run on {consumer} (installed {version}): "
-            f"{problem}. "
-            f"Way out: {way_out}"
+            f"{problem}. Way out: {way_out}"
         )
 
     def details(self) -> dict:
@@ -111,8 +107,8 @@ class ModelContract:
     linear_attention: bool = False
     bidirectional_layers: tuple[str, ...] | None = None
     """With bidirectional media: the layer types (``layer_types`` values) whose mask has the image
-    blocks;
-    ``None``: every layer (Gemma 3). Gemma 4 in transformers >= 5.17: ``("sliding_attention",)``."""
+    blocks; ``None``: every layer (Gemma 3). Gemma 4 in transformers >= 5.17:
+    ``("sliding_attention",)``."""
 
     def __post_init__(self):
         for name, allowed in (
@@ -213,9 +209,8 @@ class Consumer:
 
 def hf_linear_attention_gap(transformers_version: str) -> str | None:
     """Why transformers ``transformers_version`` cannot keep packed sequences apart in Gated
-    DeltaNet layers
-    here (a kernel package not importable, or a release that does not hand them the offsets), else
-    ``None``."""
+    DeltaNet layers here (a kernel package not importable, or a release that does not hand them the
+    offsets), else ``None``."""
     import importlib.util
 
     missing = [name for name in GDN_KERNELS if importlib.util.find_spec(name) is None]
@@ -231,8 +226,8 @@ def check_consumer(
     contract: ModelContract, consumer: Consumer, *, packed: bool = True, cp: int = 1
 ) -> None:
     """Raise :class:`ConsumerUnsupportedError` where ``consumer`` cannot run ``contract``'s model
-    with packed
-    rows (``packed``) or context parallelism ``cp`` (module docstring's table); return otherwise."""
+    with packed rows (``packed``) or context parallelism ``cp`` (module docstring's table); return
+    otherwise."""
     version = consumer.installed_version()
     pkg = "transformers" if consumer.kind == "hf" else "megatron-core"
 
@@ -261,8 +256,7 @@ def check_consumer(
                 "chunked local-attention",
                 f"{impl} takes no chunked mask (transformers sets "
                 "_supports_flash_attn = False for Llama 4), and varlen offsets alone give each "
-                "sequence whole "
-                "causal attention, not its chunks",
+                "sequence whole causal attention, not its chunks",
                 "attn_implementation='sdpa' or 'eager' (prealign emits "
                 "the per-sequence chunked masks: to_hf_kwargs(attention='mask', "
                 "model_config=...)) or "
@@ -302,8 +296,7 @@ def check_consumer(
                 "GatedDeltaNet.forward raises NotImplementedError('GDN does "
                 "not support packed sequence for now.') for packed_seq_params",
                 "packing off (BSHD batches from BSHDCollator, no packed_seq_params), or a "
-                "megatron-core "
-                "release whose GatedDeltaNet takes packed sequences",
+                "megatron-core release whose GatedDeltaNet takes packed sequences",
             )
         if cp > 1:
             refuse(

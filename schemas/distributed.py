@@ -52,9 +52,8 @@ _startup_calls: dict[tuple[int, ...], int] = {}
 class _Rendezvous:
     """Every rank of ``ranks`` posts a JSON payload under ``prefix`` in the process group's
     key-value store; :meth:`gather` waits at most ``timeout`` s for all of them. A rank that gives
-    up marks the
-    round aborted (naming who was absent), so a rank arriving later fails too instead of passing
-    alone."""
+    up marks the round aborted (naming who was absent), so a rank arriving later fails too instead
+    of passing alone."""
 
     def __init__(self, store, prefix: str, ranks: list[int]):
         self.store, self.prefix, self.ranks = store, prefix, ranks
@@ -98,8 +97,7 @@ class _Rendezvous:
 
 def _rendezvous(group) -> _Rendezvous:
     """The rendezvous of this ``check_startup`` call (calls are numbered per group, so repeated
-    checks
-    use fresh keys); on the default store of the process group."""
+    checks use fresh keys); on the default store of the process group."""
     store = dist.distributed_c10d._get_default_store()  # noqa: SLF001 - the one public-enough handle on it
     ranks = (
         sorted(dist.get_process_group_ranks(group))

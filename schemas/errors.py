@@ -16,9 +16,8 @@ import inspect
 
 def _rebuilt(cls: type, args: tuple, state: dict) -> "PrealignError":
     """``cls`` with ``args`` and attributes ``state``, its constructor not called (subclasses take
-    other arguments).
-    Built by the first built-in base whose memory layout fits (one that is also an ``OSError`` needs
-    OSError's)."""
+    other arguments). Built by the first built-in base whose memory layout fits (one that is also an
+    ``OSError`` needs OSError's)."""
     for base in cls.__mro__:
         if base.__module__ == "builtins":
             try:
@@ -83,8 +82,7 @@ class ConfigError(PrealignError, ValueError):
 
 class PackingUnsupportedError(ConfigError):
     """The model cannot keep packed sequences apart in this environment (e.g. Gated DeltaNet layers
-    without the
-    fast kernels, whose pure-torch fallback lets the recurrent state run across sequence
+    without the fast kernels, whose pure-torch fallback lets the recurrent state run across sequence
     boundaries)."""
 
 
@@ -115,9 +113,8 @@ class SchemaError(ConfigError):
 
 class DataError(PrealignError, ValueError):
     """Bad data: a sample, a batch or a record that does not satisfy the declared contract. A
-    bad-data
-    policy may count the per-sample ones (:class:`SampleError`); everything else of this family is
-    raised."""
+    bad-data policy may count the per-sample ones (:class:`SampleError`); everything else of this
+    family is raised."""
 
 
 class SampleError(DataError):

@@ -201,8 +201,7 @@ class ParallelLayout:
         if self.cp * self.min_local_rows > MAX_PACKED_LENGTH:
             raise LayoutError(
                 f"min_local_rows: cp * min_local_rows = {self.cp * self.min_local_rows} rows "
-                f"would not "
-                f"fit int32 cu_seqlens (at most {MAX_PACKED_LENGTH})"
+                f"would not fit int32 cu_seqlens (at most {MAX_PACKED_LENGTH})"
             )
         if self.length_buckets is not None:
             if isinstance(self.length_buckets, (str, bytes)) or not hasattr(
@@ -226,8 +225,7 @@ class ParallelLayout:
                 raise LayoutError(
                     f"length_buckets: every bucket must be a multiple of the total multiple "
                     f"{self.total_multiple} (tp={self.tp}, cp={self.cp}, sp={self.sp}, "
-                    f"fp8={self.fp8.name}, "
-                    f"token_multiple={self.token_multiple}), "
+                    f"fp8={self.fp8.name}, token_multiple={self.token_multiple}), "
                     f"got {bad}; use e.g. {[round_up(b, self.total_multiple) for b in bad]}"
                 )
             set_("length_buckets", buckets)

@@ -24,8 +24,7 @@ def lazy_names(
     """``(__getattr__, __dir__)`` for ``package``: a name of ``where`` (name -> module) is imported
     from its module on first use (and kept in ``cache``, the package's globals); a name of ``moved``
     (name -> module: no longer exported) or of ``renamed`` (old name -> new name) still resolves,
-    with a
-    ``DeprecationWarning`` saying where it is now; anything else is an ``AttributeError``."""
+    with a ``DeprecationWarning`` saying where it is now; anything else is an ``AttributeError``."""
     moved, renamed = moved or {}, renamed or {}
 
     def __getattr__(name: str):  # (PEP 562: a missing name is an AttributeError)

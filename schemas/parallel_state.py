@@ -13,8 +13,8 @@ def import_megatron(module: str):
     """``importlib.import_module(module)`` (a ``megatron.core`` module) without the warnings
     megatron-core prints on import where Transformer Engine / Apex are absent, and the deprecations
     it triggers: only those, and only during this import. Once imported, the module is returned as
-    it is (no process-wide warnings state
-    touched again: this runs on every ``to_packed_seq_params`` call)."""
+    it is (no process-wide warnings state touched again: this runs on every ``to_packed_seq_params``
+    call)."""
     import importlib
     import sys
     import warnings

@@ -275,8 +275,7 @@ def core_token_fields(
     pad_token_id: int, ignore_index: int, vocab_size: int | None = None
 ) -> tuple[FieldSpec, ...]:
     """input_ids (ids in ``[0, vocab_size)`` when declared, checked at collate time), labels, loss
-    mask,
-    positions, padding mask."""
+    mask, positions, padding mask."""
     return (
         FieldSpec(
             name="input_ids",

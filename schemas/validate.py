@@ -39,8 +39,7 @@ def validate_batch(
 ) -> list[Violation]:
     """All violations of ``batch`` (empty when valid); raises :class:`BatchValidationError` listing
     them when ``raise_on_error``. A hybrid-CP batch (one with ``local_cp_size``, a power of two
-    dividing
-    ``layout.cp``) is checked as the batch of a CP group of that size."""
+    dividing ``layout.cp``) is checked as the batch of a CP group of that size."""
     local = batch.get("local_cp_size") if isinstance(batch, Mapping) else None
     if local is not None:
         n = as_int(local)
@@ -93,8 +92,7 @@ class _Checker:
     def offsets(self, key: str, static: int | None = None) -> torch.Tensor | None:
         """The offsets under ``key`` (int64), checked; with ``static`` (``layout.max_seqs``) they
         must have exactly ``static + 1`` entries, the trailing ones repeating the total, and are
-        returned
-        without those."""
+        returned without those."""
         cu = self.batch.get(key)
         if not isinstance(cu, torch.Tensor):
             self.bad(key, "int32 tensor [N+1]", type(cu).__name__)
@@ -161,8 +159,7 @@ class _Checker:
                 self.bad(
                     path,
                     f"{rows} rows per SP rank (cp={lay.cp}, tp={lay.tp}, sp={lay.sp}) to be a "
-                    f"multiple "
-                    f"of {block} ({name})",
+                    f"multiple of {block} ({name})",
                     total,
                 )
 
@@ -309,8 +306,7 @@ class _Checker:
                 "S (attention_mask.shape[1] * cp)",
                 f"a multiple of {multiple} (tp={lay.tp} cp={lay.cp} "
                 f"sp={lay.sp} fp8={lay.fp8.name}, B={n}: B*S/(cp*{lay.sp_size}) rows per SP rank "
-                f"a multiple "
-                f"of {lay.row_multiple})",
+                f"a multiple of {lay.row_multiple})",
                 s,
             )
         else:  # and from the definitions, in case the derived multiple is wrong
@@ -459,8 +455,7 @@ class _Checker:
     def check_label_ids(self, spec, labels: torch.Tensor, slots) -> None:
         """Real slots' labels are the ignore index or token ids: ``>= 0`` and within ``input_ids``'
         declared bounds (the vocabulary). A label outside them is trained on with weight 1 (a
-        device-side assert in
-        the loss on a GPU, or a silently wrong target)."""
+        device-side assert in the loss on a GPU, or a silently wrong target)."""
         ids_spec = next((f for f in self.schema.fields if f.name == "input_ids"), None)
         lo = (
             0 if spec.min_value is None else spec.min_value
@@ -500,8 +495,7 @@ class _Checker:
 
     def check_loss_mask(self, spec, mask: torch.Tensor) -> None:
         """Weights finite and >= 0, and 0 wherever the label is the ignore index (a pad or a
-        sequence's
-        last token included)."""
+        sequence's last token included)."""
         bad = ~torch.isfinite(mask.float()) | (mask < 0)
         if bool(bad.any()):
             k = int(torch.nonzero(bad)[0])
@@ -528,8 +522,8 @@ class _Checker:
     def check_labels_follow_tokens(self, spec, labels: torch.Tensor, slots) -> None:
         """Labels derived from ``input_ids`` (the batch's ``label_source``, the default): wherever
         the next token of a sequence is held by this rank, the label is exactly that token. A
-        sample's own
-        labels (``label_source == "labels"``) are only held to the boundary and pad rules."""
+        sample's own labels (``label_source == "labels"``) are only held to the boundary and pad
+        rules."""
         ids = self.batch.get("input_ids")
         source = self.batch.get("label_source", "input_ids")
         if (

@@ -92,8 +92,7 @@ def strict_skips() -> bool:
 
 def declared_modules(pyproject: Path = _PYPROJECT) -> frozenset[str]:
     """Top-level import names of what ``pyproject.toml`` declares (dependencies, the ``test`` extra,
-    the build
-    system's requires), plus :data:`INSTALLED_BY_THE_TEST_COMMAND`."""
+    the build system's requires), plus :data:`INSTALLED_BY_THE_TEST_COMMAND`."""
     if sys.version_info >= (3, 11):
         import tomllib
 
@@ -191,9 +190,8 @@ def _isolate_xdist_worker() -> None:
     """In an xdist worker: a temp folder of its own (``TMPDIR`` and ``tempfile.tempdir``, inherited
     by the processes its tests start), so a test that compares the temp folder before and after sees
     only its own worker's files; and, when the workers fill the cores, one intra-op torch thread per
-    worker (and
-    ``OMP_NUM_THREADS=1`` for its children, unless set) instead of threads spinning against each
-    other."""
+    worker (and ``OMP_NUM_THREADS=1`` for its children, unless set) instead of threads spinning
+    against each other."""
     worker = os.environ.get("PYTEST_XDIST_WORKER")
     if not worker:
         return
@@ -312,8 +310,8 @@ def local_ok(layout: ParallelLayout, rows_per_rank_total: int) -> bool:
 def brute_force_total(lengths, layout: ParallelLayout) -> int:
     """Smallest T a THD batch of ``lengths`` can have under ``layout``'s constraints, found by
     search: every P_i >= L_i a multiple of the per-sequence multiple m (so T >=
-    sum(naive_round_up(L_i, m)) and
-    T % m == 0), T % cp == 0, T/cp meets SP/FP8, T >= cp*min_local_rows, T a bucket."""
+    sum(naive_round_up(L_i, m)) and T % m == 0), T % cp == 0, T/cp meets SP/FP8, T >=
+    cp*min_local_rows, T a bucket."""
     m = required_seq_multiple(layout)
     start = max(sum(naive_round_up(n, m) for n in lengths), layout.cp * layout.min_local_rows)
     candidates = (
@@ -442,8 +440,7 @@ def assert_labels_stay_in_sequence(
 ) -> int:
     """On an unsharded buffer (one sequence after another): label j is token j+1 of the same
     sequence, the last real token of each sequence and every pad hold the ignore index. Returns the
-    number of
-    sequence ends seen (the caller asserts it is > 0)."""
+    number of sequence ends seen (the caller asserts it is > 0)."""
     real = positions < lengths_of_slot
     last = positions == lengths_of_slot - 1
     inner = real & ~last
@@ -462,8 +459,7 @@ sizes_st = st.integers(1, 8)
 @st.composite
 def layout_st(draw, lengths, *, pad_policy=None, cp_layout=None, fp8=True, extras=True, bshd=False):
     """A valid ParallelLayout for ``lengths`` (buckets, when drawn, always fit the batch and are
-    valid
-    for both pad policies, so the same buckets compare MINIMAL with PER_SEQUENCE)."""
+    valid for both pad policies, so the same buckets compare MINIMAL with PER_SEQUENCE)."""
     tp, cp = draw(sizes_st), draw(sizes_st)
     kw = dict(
         tp=tp,
@@ -538,8 +534,7 @@ def free_port() -> int:
 
 def spawn_ranks(worker, world: int, *args) -> dict:
     """Run ``worker(rank, world, port, results, *args)`` in ``world`` processes (a free port on
-    127.0.0.1
-    for their gloo group) and return ``results``, the dict each rank fills in."""
+    127.0.0.1 for their gloo group) and return ``results``, the dict each rank fills in."""
     import torch.multiprocessing as mp
 
     with mp.Manager() as manager:

@@ -1,6 +1,6 @@
 """Every file under ``examples/`` runs as a user runs it (a subprocess, offline, small data) and
-succeeds; each
-checks its own results (the SFT labels, local == http batches, resume == uninterrupted run)."""
+succeeds; each checks its own results (the SFT labels, local == http batches, resume ==
+uninterrupted run)."""
 
 from __future__ import annotations
 

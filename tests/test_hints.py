@@ -1,6 +1,6 @@
 """Hints that can be followed (issue #20, item 4): each test takes the advice an error gives,
-applies it as a
-user would (the flag, the argument, the command it names) and checks that the run then succeeds."""
+applies it as a user would (the flag, the argument, the command it names) and checks that the run
+then succeeds."""
 
 from __future__ import annotations
 
@@ -162,17 +162,14 @@ def test_changed_shard_hint_rerun_index_works(tmp_path, capsys):
 @pytest.mark.slow
 def test_collators_and_packed_seq_params_print_no_megatron_warnings():
     code = (
-        "import torch\n"
-        "from prealign.collate import THDCollator, to_packed_seq_params\n"
+        "import torch\nfrom prealign.collate import THDCollator, to_packed_seq_params\n"
         "from prealign.schemas import ParallelLayout\n"
         "from prealign.schemas.schema import causal_lm_schema\n"
         "b = THDCollator(schema=causal_lm_schema(), layout=ParallelLayout())([{'input_ids': "
-        "torch.arange(1, 9)}])\n"
-        "to_packed_seq_params(b)\n"
+        "torch.arange(1, 9)}])\nto_packed_seq_params(b)\n"
         "from prealign.schemas.parallel_state import megatron_parallel_sizes\n"
         "try:\n    megatron_parallel_sizes()\nexcept Exception as exc:\n    assert "
-        "'initialize_model_parallel' "
-        "in str(exc)\n"
+        "'initialize_model_parallel' in str(exc)\n"
     )
     out = subprocess.run(
         [sys.executable, "-W", "default", "-c", code],

@@ -1,6 +1,5 @@
 """prealign installs as one top-level package and works beside a user's own ``collate`` /
-``schemas`` /
-``loaders``; every docstring example in the package runs."""
+``schemas`` / ``loaders``; every docstring example in the package runs."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """The README's two commands stay true (the test command is the one CI runs), it stays short and
-points into
-``docs/``, its quickstart runs, and the documentation site lists every page it has."""
+points into ``docs/``, its quickstart runs, and the documentation site lists every page it has."""
 
 import re
 from pathlib import Path

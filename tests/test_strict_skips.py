@@ -1,7 +1,6 @@
 """The CI gates (issue #16): the strict-skip gate of ``tests/conftest.py`` (run with ``pytester``),
-every skip
-site's reason classifiable, ``.ci/run``'s lint stage and installs, and pytest's summary line
-kept."""
+every skip site's reason classifiable, ``.ci/run``'s lint stage and installs, and pytest's summary
+line kept."""
 
 from __future__ import annotations
 
@@ -246,8 +245,7 @@ def test_ok():
 
 def test_the_gate_holds_under_xdist(gate, monkeypatch):
     """``pytest -n 2`` (the README's ``-n auto``, CI): the workers' skips reach the gate in the
-    controller, so a
-    forbidden skip still fails the run and is named."""
+    controller, so a forbidden skip still fails the run and is named."""
     pytest.importorskip("xdist")
     monkeypatch.setenv("CI", "true")
     gate.makepyfile(test_xdist_skip=XDIST_SKIPS)

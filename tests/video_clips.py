@@ -1,6 +1,6 @@
 """Tiny video files made with PyAV for the tests: moving colour patterns (every frame differs), any
-length, rate,
-size, container and codec; a variable-frame-rate mp4 (frame durations alternating 1x and 2x)."""
+length, rate, size, container and codec; a variable-frame-rate mp4 (frame durations alternating 1x
+and 2x)."""
 
 from __future__ import annotations
 
@@ -35,8 +35,7 @@ def make_clip(
     seed: int = 0,
 ) -> bytes:
     """An encoded clip of ``frames`` frames ``w x h`` at ``fps`` (``vfr``: timestamps spaced 1 and 2
-    frame
-    durations alternately, the rate in the header then an average). ``gop``: frames between
+    frame durations alternately, the rate in the header then an average). ``gop``: frames between
     keyframes."""
     import av
 

@@ -1,6 +1,6 @@
 """Tiny configs and models of every Qwen vision family (random weights, fixed seed, no downloads),
-whose
-special ids are the demo byte tokenizer's, and builders of token sequences with images and video."""
+whose special ids are the demo byte tokenizer's, and builders of token sequences with images and
+video."""
 
 from __future__ import annotations
 
@@ -18,8 +18,7 @@ TIMESTAMPED = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
 
 def tiny_config(model_type: str, *, attn: str = "sdpa", tokens_per_second: int = 2):
     """A 2-layer, hidden-32 config of ``model_type`` (Qwen3.5: full attention on every layer, so
-    that the
-    pure-torch path can pack), the demo tokenizer's special ids."""
+    that the pure-torch path can pack), the demo tokenizer's special ids."""
     import transformers
 
     text = dict(
@@ -135,8 +134,8 @@ def tiny_model(model_type: str, *, attn: str = "sdpa", dtype: torch.dtype = torc
 def vision_sample(model_type: str, segments: list, *, text_id: int = 9) -> dict:
     """Token fields of one sample: ``segments`` are ints (runs of text), ``("image", h, w)`` grids
     and ``("video", t, h, w, seconds)`` grids, written as the family's processor writes them
-    (Qwen3-VL / 3.5: each
-    frame group after a 5-token timestamp, inside its own vision start/end)."""
+    (Qwen3-VL / 3.5: each frame group after a 5-token timestamp, inside its own vision
+    start/end)."""
     merge = 2
     ids, types, images, videos, seconds = [], [], [], [], []
 

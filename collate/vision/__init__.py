@@ -48,8 +48,7 @@ SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(t for f in FAMILIES for t in f.mo
 def vision_family(model_config: Any) -> VisionFamily:
     """The :class:`VisionFamily` of a transformers config (object or dict), by its ``model_type``; a
     family instance is returned as is. Anything else is a :class:`~prealign.schemas.ConfigError`
-    naming the supported
-    model types."""
+    naming the supported model types."""
     if isinstance(model_config, VisionFamily):
         return model_config
     model_type = (

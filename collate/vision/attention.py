@@ -30,8 +30,8 @@ from prealign.schemas.errors import ConfigError
 @dataclass(frozen=True)
 class TokenMaskIndex:
     """The per-slot tensors the mask reads, all int64 ``[T]``: ``seq`` (padded sequence), ``pos``
-    (index in it),
-    ``block`` (media block id, -1 on text), ``real`` (1 on real tokens, 0 on pads)."""
+    (index in it), ``block`` (media block id, -1 on text), ``real`` (1 on real tokens, 0 on
+    pads)."""
 
     seq: torch.Tensor
     pos: torch.Tensor
@@ -47,8 +47,7 @@ class TokenMaskIndex:
     ) -> "TokenMaskIndex":
         """From the row's padded and true offsets (int ``[N+1]``) and its token types (int ``[T]``
         or ``[1, T]``: 1 image, 2 video tokens form blocks; 0 text and any other type, e.g. audio,
-        do not; ``None``:
-        all text). A fixed number of tensor ops."""
+        do not; ``None``: all text). A fixed number of tensor ops."""
         padded = cu_seqlens_padded.to(torch.int64).reshape(-1)
         true = cu_seqlens.to(torch.int64).reshape(-1)
         if true.shape != padded.shape:
@@ -112,8 +111,8 @@ def packed_token_mask(
     dtype: torch.dtype = torch.bool,
 ) -> torch.Tensor:
     """``[1, 1, T, T]``: True (bool) or 0 (floating, else ``finfo(dtype).min``) where query row
-    ``q`` may attend
-    key column ``k`` (module docstring). ``O(T^2)`` memory: for eager / sdpa on short rows."""
+    ``q`` may attend key column ``k`` (module docstring). ``O(T^2)`` memory: for eager / sdpa on
+    short rows."""
     slots = torch.arange(index.seq.numel())
     allowed = index.allowed(
         slots[:, None], slots[None, :], bidirectional=bidirectional, window=window, chunk=chunk
@@ -135,8 +134,8 @@ def flex_mask_mod(
     chunk: int | None = None,
 ):
     """``mask_mod(b, h, q_idx, kv_idx) -> bool tensor`` for flex attention's
-    ``create_block_mask(mask_mod, 1,
-    None, T, T)``: the predicate of :func:`packed_token_mask` on index tensors."""
+    ``create_block_mask(mask_mod, 1, None, T, T)``: the predicate of :func:`packed_token_mask` on
+    index tensors."""
 
     def mask_mod(b, h, q_idx, kv_idx):
         return index.allowed(q_idx, kv_idx, bidirectional=bidirectional, window=window, chunk=chunk)

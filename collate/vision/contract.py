@@ -6,8 +6,8 @@ tokens attend bidirectionally within their block).
 
 >>> cfg = {"model_type": "qwen3_next", "layer_types": ["linear_attention", "full_attention"]}
 >>> model_contract(cfg).to_dict()
-{'model': 'qwen3_next', 'position_kind': '1d', 'media_attention': 'causal', 'local_attention': None,
-\ 'linear_attention': True}
+{'model': 'qwen3_next', 'position_kind': '1d', 'media_attention': 'causal', \
+'local_attention': None, 'linear_attention': True}
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from .family import VisionFamily, config_getter, has_linear_attention, local_att
 def model_contract(model_config: Any) -> ModelContract:
     """The contract of ``model_config`` (a transformers config, its dict, or a
     :class:`~prealign.collate.vision.VisionFamily`): a supported vision-language ``model_type``
-    gives its
-    family's (:meth:`VisionFamily.contract`), any other a text LM's (1-D positions, causal)."""
+    gives its family's (:meth:`VisionFamily.contract`), any other a text LM's (1-D positions,
+    causal)."""
     from . import FAMILIES, vision_family
 
     if isinstance(model_config, VisionFamily):

@@ -84,21 +84,18 @@ class VisionFamily:
     (``mrope_position_ids`` too)."""
     media_attention: ClassVar[str] = "causal"
     """``"causal"`` (image tokens attend like text) or ``"bidirectional"`` (each image's tokens see
-    each other:
-    packing needs a per-token mask, :mod:`prealign.collate.vision.attention`)."""
+    each other: packing needs a per-token mask, :mod:`prealign.collate.vision.attention`)."""
     transform: ClassVar[str | None] = None
     """The family's own sample transform where ``VLMSampleTransform`` does not write its samples
-    (Gemma 3:
-    ``prealign.loaders.media.gemma3.Gemma3SampleTransform``); ``None``: ``VLMSampleTransform``."""
+    (Gemma 3: ``prealign.loaders.media.gemma3.Gemma3SampleTransform``); ``None``:
+    ``VLMSampleTransform``."""
     default_system: ClassVar[str | None] = None
     """The system turn the family's chat template writes before a conversation that has none
-    (Qwen2-VL /
-    Qwen2.5-VL: ``"You are a helpful assistant."``), which the transform writes too (a switch turns
-    it off)."""
+    (Qwen2-VL / Qwen2.5-VL: ``"You are a helpful assistant."``), which the transform writes too (a
+    switch turns it off)."""
     local_attention: ClassVar[str | None] = None
     """``None``, ``"sliding"`` or ``"chunked"``: the text model's local layers (``None`` here: read
-    from the
-    config's ``layer_types`` by :meth:`contract`)."""
+    from the config's ``layer_types`` by :meth:`contract`)."""
     volume_resize: ClassVar[bool] = False
     """Video resize bounds the clip's volume (Qwen3-VL) rather than each frame's area (Qwen2-VL)."""
     video_defaults: ClassVar[dict] = {
@@ -108,8 +105,7 @@ class VisionFamily:
         "image_std": (0.26862954, 0.26130258, 0.27577711),
     }
     """transformers' video processor defaults (``size`` and normalisation), used when no video
-    processor is
-    given (transformers' video processors need torchvision)."""
+    processor is given (transformers' video processors need torchvision)."""
 
     model_type: str
     image_token_id: int
@@ -121,8 +117,8 @@ class VisionFamily:
     temporal_patch_size: int
     linear_attention: bool = False
     """The text model has Gated DeltaNet / causal-conv layers (``layer_types`` with
-    ``linear_attention``):
-    packed sequences need ``cu_seq_lens_q`` and ``seq_idx`` honoured by the fast kernels."""
+    ``linear_attention``): packed sequences need ``cu_seq_lens_q`` and ``seq_idx`` honoured by the
+    fast kernels."""
 
     @classmethod
     def from_config(cls, config: Any) -> "VisionFamily":
@@ -164,8 +160,7 @@ class VisionFamily:
         ):
             raise ConfigError(
                 f"{type(self).__name__}: expected four distinct non-negative token ids (image, "
-                f"video, "
-                f"vision start, vision end), got {ids}"
+                f"video, vision start, vision end), got {ids}"
             )
         for name in ("patch_size", "spatial_merge_size", "temporal_patch_size"):
             value = getattr(self, name)
@@ -176,8 +171,7 @@ class VisionFamily:
 
     def contract(self, config: Any = None) -> ModelContract:
         """This family's :class:`~prealign.schemas.contract.ModelContract`: the class declarations,
-        the local
-        attention of ``config``'s ``layer_types`` where the class declares none, and
+        the local attention of ``config``'s ``layer_types`` where the class declares none, and
         :attr:`linear_attention`."""
         local = (
             self.local_attention
@@ -238,8 +232,7 @@ class VisionFamily:
 
     def wraps_video(self) -> bool:
         """Whether a video's runs stay inside the chat template's outer ``<|vision_start|>`` ...
-        ``<|vision_end|>``
-        (every Qwen2 processor; Qwen3-VL: depends on the installed transformers,
+        ``<|vision_end|>`` (every Qwen2 processor; Qwen3-VL: depends on the installed transformers,
         :mod:`.qwen3_vl`)."""
         return True
 
@@ -261,8 +254,8 @@ class VisionFamily:
         grids_per_sample=None,
     ) -> torch.Tensor:
         """int64 ``[3, T]`` mRoPE positions of ``T`` packed tokens (``cu_seqlens`` int ``[N+1]``),
-        equal to the
-        family's transformers ``get_rope_index`` on each sequence (:mod:`.positions`)."""
+        equal to the family's transformers ``get_rope_index`` on each sequence
+        (:mod:`.positions`)."""
         images = np.zeros((0, 3), np.int64) if image_grid_thw is None else _np(image_grid_thw)
         videos = np.zeros((0, 3), np.int64) if video_grid_thw is None else _np(video_grid_thw)
         out = rope_positions(

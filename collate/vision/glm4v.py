@@ -133,8 +133,7 @@ class Glm4V(Qwen3VL):
     volume_resize = False
     one_media_kind = True
     """One forward takes images or video, not both (module docstring): the transform refuses a
-    sample holding
-    both, :meth:`positions` a batch."""
+    sample holding both, :meth:`positions` a batch."""
     video_defaults = {
         "min_pixels": 112 * 112,
         "max_pixels": 28 * 28 * 2 * 30000,
@@ -203,8 +202,7 @@ class Glm4V(Qwen3VL):
 
     def frame_texts(self, frames: int, fps: float, frame_indices=None) -> list[str]:
         """Each frame group's time in whole seconds, written after its tokens: the group's first
-        frame at
-        ``index / fps``, truncated (``int``), as ``Glm4vProcessor`` writes it."""
+        frame at ``index / fps``, truncated (``int``), as ``Glm4vProcessor`` writes it."""
         indices = list(range(frames) if frame_indices is None else frame_indices)
         groups = -(-len(indices) // self.temporal_patch_size)
         return [
@@ -231,8 +229,8 @@ class Glm4V(Qwen3VL):
 
     def token_types(self, input_ids) -> np.ndarray:
         """int64 ``[L]`` types of one sequence's ids: 1 on image tokens, 2 on image tokens inside a
-        video's
-        ``<|begin_of_video|>`` ... ``<|end_of_video|>`` (a running count of the pair, no loop)."""
+        video's ``<|begin_of_video|>`` ... ``<|end_of_video|>`` (a running count of the pair, no
+        loop)."""
         ids = np.asarray(input_ids).reshape(-1)
         inside = (
             np.cumsum(
@@ -270,8 +268,8 @@ class Glm4V(Qwen3VL):
 
 def check_media(family: Glm4V, image_grid_thw, video_grid_thw, *, sample=None) -> None:
     """Refuse images and video in one forward (one sample or a packed batch): ``Glm4vModel.forward``
-    counts the
-    video's tokens as image tokens, so its check of image features against image tokens fails."""
+    counts the video's tokens as image tokens, so its check of image features against image tokens
+    fails."""
     images = (
         0 if image_grid_thw is None else int(np.asarray(image_grid_thw).reshape(-1, 3).shape[0])
     )
@@ -286,6 +284,5 @@ def check_media(family: Glm4V, image_grid_thw, video_grid_thw, *, sample=None) -
             "Glm4vModel.forward counts video tokens as image tokens (both are image_token_id), so "
             "one forward "
             "cannot take both. Way out: keep image and video samples in separate batches "
-            "(separate datasets or "
-            "loaders), or give each batch one kind of media."
+            "(separate datasets or loaders), or give each batch one kind of media."
         )

@@ -45,8 +45,7 @@ class VisionGeometry:
         if self.min_pixels > self.max_pixels:
             raise ConfigError(
                 f"{type(self).__name__}: expected min_pixels <= max_pixels, got {self.min_pixels} "
-                f"> "
-                f"{self.max_pixels}"
+                f"> {self.max_pixels}"
             )
 
     @classmethod

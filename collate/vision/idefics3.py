@@ -167,8 +167,7 @@ class Idefics3(VisionFamily):
     ):
         """The batch the transform's samples collate to: the token fields (1-D ``position_ids``),
         ``mm_token_type_ids`` (1 on ``<image>``), ``pixel_values`` ``[tiles, 3, S, S]`` and
-        ``image_rows_cols``
-        int64 ``[images, 2]`` (MEDIA), teacher top-k when ``topk`` is given."""
+        ``image_rows_cols`` int64 ``[images, 2]`` (MEDIA), teacher top-k when ``topk`` is given."""
         from prealign.schemas.schema import (
             BatchSchema,
             FieldSpec,

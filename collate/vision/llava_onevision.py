@@ -44,9 +44,8 @@ def best_resolution(
 @dataclass(frozen=True, kw_only=True)
 class LlavaOneVision(VisionFamily):
     """``model_type`` ``llava_onevision``: ``image_token_index`` / ``video_token_index``, the
-    pinpoints, the
-    feature strategy and ``vision_aspect_ratio`` from the config; 384-px tiles of 14-px patches by
-    default."""
+    pinpoints, the feature strategy and ``vision_aspect_ratio`` from the config; 384-px tiles of
+    14-px patches by default."""
 
     model_types = ("llava_onevision",)
     position_kind = "1d"
@@ -105,8 +104,7 @@ class LlavaOneVision(VisionFamily):
     @property
     def frame_tokens(self) -> int:
         """``<video>`` tokens of one frame: its ``side x side`` features pooled (bilinear) to
-        ``ceil(side / 2)``
-        per side (196 for 384 / 14)."""
+        ``ceil(side / 2)`` per side (196 for 384 / 14)."""
         return math.ceil(self.tile_size // self.patch_size / 2) ** 2
 
     def video_tokens(self, frames: int) -> int:
@@ -123,8 +121,7 @@ class LlavaOneVision(VisionFamily):
 
     def tiles(self, height: int, width: int, *, images_in_sample: int = 1) -> int:
         """``pixel_values`` rows of one image: the base view plus the AnyRes tiles of its best
-        pinpoint (an image
-        among several: the base view alone)."""
+        pinpoint (an image among several: the base view alone)."""
         if images_in_sample != 1:
             return 1
         bh, bw = best_resolution(height, width, self.pinpoints)

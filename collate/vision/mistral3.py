@@ -50,14 +50,13 @@ class Mistral3(VisionFamily):
     """``model_type`` ``mistral3`` (patch merger ``spatial_merge_size``) or ``llava`` with a Pixtral
     tower (merge 1): ``image_token_id`` the ``[IMG]`` token, ``patch_size`` and ``longest_edge``
     (the vision tower's ``image_size``) from the config; ``[IMG_BREAK]`` / ``[IMG_END]`` are the
-    tokenizer's (``vision_start`` /
-    ``vision_end_token_id`` stay ``None`` until a transform reads them from its tokenizer)."""
+    tokenizer's (``vision_start`` / ``vision_end_token_id`` stay ``None`` until a transform reads
+    them from its tokenizer)."""
 
     model_types = ("mistral3",)
     """(Pixtral's ``llava`` configs are not dispatched by ``model_type``, which most LLaVA models
-    share: build
-    the family with ``Mistral3.from_config(llava_config)``, which takes a ``pixtral`` vision tower
-    only.)"""
+    share: build the family with ``Mistral3.from_config(llava_config)``, which takes a ``pixtral``
+    vision tower only.)"""
     position_kind = "1d"
     media_attention = "causal"
     transform = "prealign.loaders.media.mistral3.Mistral3SampleTransform"
@@ -155,8 +154,7 @@ class Mistral3(VisionFamily):
     ):
         """The batch the transform's samples collate to: the token fields (1-D ``position_ids``),
         ``mm_token_type_ids`` (1 on ``[IMG]``), ``pixel_values`` ``[patches, 3, p, p]`` and
-        ``image_sizes`` int64
-        ``[images, 2]`` (MEDIA), teacher top-k when ``topk`` is given."""
+        ``image_sizes`` int64 ``[images, 2]`` (MEDIA), teacher top-k when ``topk`` is given."""
         from prealign.schemas.schema import (
             BatchSchema,
             FieldSpec,
@@ -189,8 +187,7 @@ class Mistral3(VisionFamily):
 
 def is_pixtral(model_config) -> bool:
     """Whether a config (object, dict or family) is Mistral3's or Pixtral's (``llava`` with a
-    ``pixtral`` tower):
-    the models whose batches carry patches + ``image_sizes``."""
+    ``pixtral`` tower): the models whose batches carry patches + ``image_sizes``."""
     if isinstance(model_config, Mistral3):
         return True
     get = config_getter(model_config)
@@ -213,8 +210,7 @@ def image_patches(image: torch.Tensor, patch: int) -> torch.Tensor:
 
 def hf_pixel_values(patches: torch.Tensor, image_sizes: torch.Tensor) -> torch.Tensor:
     """Patches ``[sum h*w, 3, p, p]`` + ``image_sizes`` int ``[n, 2]`` (pixels) -> ``[n, 3, H_max,
-    W_max]``, each image
-    top-left and zeros around it: what ``PixtralImageProcessor`` hands
+    W_max]``, each image top-left and zeros around it: what ``PixtralImageProcessor`` hands
     ``Mistral3ForConditionalGeneration``."""
     sizes = torch.as_tensor(image_sizes, dtype=torch.int64).reshape(-1, 2)
     p = patches.shape[-1]

@@ -1,8 +1,7 @@
 """Qwen2.5-VL: Qwen2-VL's layout, with video temporal positions spaced by ``tokens_per_second *
 second_per_grid_ts`` (fractional seconds, computed in float32 and truncated, as transformers >= 5.18
 and the original Qwen2.5-VL code do; the released transformers wheels through 5.17 truncate
-``second_per_grid_ts`` to an
-int first)."""
+``second_per_grid_ts`` to an int first)."""
 
 from __future__ import annotations
 
@@ -27,8 +26,7 @@ class Qwen2_5VL(VisionFamily):
 
     def video_steps(self, video_grid_thw, second_per_grid_ts):
         """float32 ``[num_videos]``: ``tokens_per_second * second_per_grid_ts`` (1 second per grid
-        when not given,
-        as transformers; given, checked by :func:`~.family.check_seconds`)."""
+        when not given, as transformers; given, checked by :func:`~.family.check_seconds`)."""
         n = np.asarray(video_grid_thw).reshape(-1, 3).shape[0]
         seconds = (
             np.ones(n, dtype=np.float32)

@@ -1,7 +1,7 @@
 """Qwen3.5 (and its MoE, e.g. Qwen3.6-35B-A3B): Qwen3-VL's vision and video text; a text model
 mixing Gated DeltaNet (``linear_attention``) layers with full attention, which see sequence
-boundaries only through
-``cu_seq_lens_q`` (the chunked delta rule) and ``seq_idx`` (the causal conv)."""
+boundaries only through ``cu_seq_lens_q`` (the chunked delta rule) and ``seq_idx`` (the causal
+conv)."""
 
 from __future__ import annotations
 

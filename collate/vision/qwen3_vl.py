@@ -46,8 +46,7 @@ class Qwen3VL(VisionFamily):
 
     def frame_texts(self, frames: int, fps: float, frame_indices=None) -> list[str]:
         """``<{t:.1f} seconds>`` per frame group (:func:`frame_timestamps` of the frames' indices,
-        ``0..frames-1``
-        unless given, at ``fps``)."""
+        ``0..frames-1`` unless given, at ``fps``)."""
         indices = range(frames) if frame_indices is None else frame_indices
         return [
             f"<{t:.1f} seconds>" for t in frame_timestamps(indices, fps, self.temporal_patch_size)
@@ -77,8 +76,7 @@ def processor_keeps_video_wrapper() -> bool:
     ``<|vision_start|>``
     ... ``<|vision_end|>`` around a video's frame groups: True where it expands a video through
     ``replace_video_token`` (>= 5.10, which replaces the ``<|video_pad|>`` alone), False where its
-    ``__call__``
-    replaces the whole ``<|vision_start|><|video_pad|><|vision_end|>`` block (5.6)."""
+    ``__call__`` replaces the whole ``<|vision_start|><|video_pad|><|vision_end|>`` block (5.6)."""
     from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 
     return hasattr(Qwen3VLProcessor, "replace_video_token")

@@ -2,8 +2,7 @@
 root folders (``package-dir``: ``collate/``, ``schemas/``, ``loaders/`` become ``prealign.collate``
 ...), which a documentation tool walking ``src/prealign`` does not see; this hook builds, in a
 temporary folder, a ``prealign/`` holding links to ``src/prealign``'s files and to the three
-folders,
-and puts it first on ``sys.path`` for the build."""
+folders, and puts it first on ``sys.path`` for the build."""
 
 import atexit
 import os

@@ -146,8 +146,7 @@ def synthetic_teacher(
 
 def demo_model_config(model: str):
     """A transformers config of the ``model`` family with the demo byte tokenizer's special ids (its
-    vision
-    sizes are transformers' defaults; no weights): what the demo's transform reads the family
+    vision sizes are transformers' defaults; no weights): what the demo's transform reads the family
     from."""
     import transformers
 
@@ -241,8 +240,7 @@ def demo_model_config(model: str):
 def demo_transform(model: str | None, tok, topk: int | None = None):
     """The transform that reads ``model``'s demo samples: :class:`~prealign.loaders.media.gemma3.
     Gemma3SampleTransform` for ``gemma3``, else :class:`VLMSampleTransform` (the family's default
-    video settings:
-    no checkpoint to read them from)."""
+    video settings: no checkpoint to read them from)."""
     config = None if model is None else demo_model_config(model)
     if model == "gemma3":
         from prealign.loaders.media.gemma3 import Gemma3SampleTransform
@@ -275,8 +273,7 @@ def demo_transform(model: str | None, tok, topk: int | None = None):
 def _video(rng: np.random.Generator, members: dict, files: bool = True) -> dict | str:
     """A clip (one drawing drifting sideways) added to ``members``; returns its ``videos`` entry:
     half the time (with ``files``) a real mp4 file (4-12 frames at 10, 24 or 30 fps, encoded with
-    PyAV), else a 2-5 frame list
-    of JPEG members."""
+    PyAV), else a 2-5 frame list of JPEG members."""
     from PIL import Image
 
     data, (w, h) = _image(rng, "png")

@@ -64,8 +64,7 @@ REMEDIES = {
     "shard_timeout": "check the mount or pipe the shards named below are read from",
     "missing_member": "write the member the samples lack (or leave those samples out)",
     "bad_sample": "write the field as the schema expects it (the example names the field, what it "
-    "expects and "
-    "what came), or give the transform that makes it so",
+    "expects and what came), or give the transform that makes it so",
     "unsafe_member": "re-write the pickled members as .npy / .json",
     "dim_mismatch": "give every sample the same named dims (e.g. one top-k K)",
     "corrupt_image": "re-encode or drop the images named below",
@@ -138,8 +137,7 @@ def hint_for(exc: BaseException) -> str:
         return "choose a path you can read and write"
     if isinstance(exc, ImportError):
         return (
-            "install the missing package (remote shards: pip install 'prealign[remote]', "
-            "gs:// "
+            "install the missing package (remote shards: pip install 'prealign[remote]', gs:// "
             "also gcsfs)"
         )
     if isinstance(exc, ConfigError):
@@ -172,9 +170,8 @@ SYSTEM_HINTS = tuple(cls for cls, _ in _SYSTEM_HINTS)
 
 def warning_line(message, category, filename, lineno, file=None, line=None) -> None:
     """``warnings.showwarning`` for the command line: one ``prealign: warning: <Category>:
-    <message>`` line on
-    stderr, without the library's file and source line; a progress bar's open line is ended
-    first."""
+    <message>`` line on stderr, without the library's file and source line; a progress bar's open
+    line is ended first."""
     stream = file or sys.stderr
     text = "; ".join(part.strip() for part in str(message).splitlines() if part.strip())
     if OPEN_LINE[0]:
@@ -203,9 +200,8 @@ def error_lines(exc: BaseException) -> list[str]:
 def run_reporting(parser, argv: list[str]) -> int:
     """Parse ``argv`` with ``parser`` and run the command it names (``args.func(args)``); a person's
     mistake or unusable input (a :class:`PrealignError`, an ``OSError``, a missing optional package)
-    becomes
-    :func:`error_lines` on stderr and exit code 2, with the traceback when ``--debug`` is among
-    ``argv``."""
+    becomes :func:`error_lines` on stderr and exit code 2, with the traceback when ``--debug`` is
+    among ``argv``."""
     try:
         args = parser.parse_args(argv)
         with warnings.catch_warnings():
@@ -223,8 +219,7 @@ def run_reporting(parser, argv: list[str]) -> int:
 
 def _strip(message: str, where: str, reason: str) -> str:
     """``message`` without the prefixes a bad-data report repeats (``reason: ``, ``sample <where>,
-    ``),
-    naming the sample by its base name."""
+    ``), naming the sample by its base name."""
     message = message.removeprefix(f"{reason}: ")
     for lead in (f"sample {where}, ", f"sample {where}: "):
         if message.startswith(lead):

@@ -113,8 +113,7 @@ def add_transform_args(p) -> None:
         help="VLM: a local folder with the model's config.json: its "
         "family (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5, InternVL, "
         "GLM-4.1V, Gemma 3, LLaVA-OneVision) sets the transform, "
-        "token ids, grids, batch schema and video rules (default: "
-        "Qwen2-VL)",
+        "token ids, grids, batch schema and video rules (default: Qwen2-VL)",
     )
 
 
@@ -138,8 +137,7 @@ def vlm_transform(args, topk):
     """The VLM transform ``args`` name, and a description of its tokenizer for the report: the
     family's own transform where it has one (Gemma 3, LLaVA-OneVision: ``VisionFamily.transform``),
     else :class:`VLMSampleTransform` (the Qwen families, InternVL), the tokenizer wrapped with the
-    family's token
-    names."""
+    family's token names."""
     import json
 
     from prealign.loaders.media.vlm import VLMSampleTransform
@@ -210,9 +208,8 @@ def vlm_transform(args, topk):
 
 def chat_tokenizer(hf, family):
     """A Hugging Face tokenizer as :class:`VLMSampleTransform`'s chat tokenizer, with ``family``'s
-    token names
-    (InternVL's ``<img>`` ... ; GLM's; else Qwen's), as the transform wraps its processor's
-    tokenizer."""
+    token names (InternVL's ``<img>`` ... ; GLM's; else Qwen's), as the transform wraps its
+    processor's tokenizer."""
     from prealign.loaders.media import glm4v, internvl
     from prealign.loaders.media.chat_tokenizer import HFChatTokenizer
 
@@ -225,8 +222,8 @@ def chat_tokenizer(hf, family):
 def own_transform(family, model_config, tokenizer, topk, processor_dir):
     """The transform ``family.transform`` names (its class path), built from the model's config;
     ``processor_dir``: the model's ``preprocessor_config.json`` read into the transform's own image
-    processor class (its PIL
-    backend: transformers' auto class may want torchvision), else the family's default."""
+    processor class (its PIL backend: transformers' auto class may want torchvision), else the
+    family's default."""
     import dataclasses
     import importlib
 
@@ -251,9 +248,8 @@ def own_transform(family, model_config, tokenizer, topk, processor_dir):
 
 def transform_schema(transform, topk):
     """The batch schema ``transform``'s samples collate to: the family's own (Gemma 3: whole images;
-    the
-    families with a ``batch_schema``: theirs), else :func:`~prealign.schemas.vlm.vlm_schema` (Qwen's
-    grids)."""
+    the families with a ``batch_schema``: theirs), else :func:`~prealign.schemas.vlm.vlm_schema`
+    (Qwen's grids)."""
     from prealign.schemas.vlm import image_tokens_schema, vlm_schema
 
     tok, family = transform.tokenizer, getattr(transform, "family", None)
@@ -332,8 +328,7 @@ class Progress:
 
 def _refuse_special_files(urls: list[str]) -> None:
     """A local shard that exists but is a device, FIFO or socket is refused before anything opens it
-    (the
-    preflight's magic check would block on a FIFO, read ``/dev/zero`` as a shard)."""
+    (the preflight's magic check would block on a FIFO, read ``/dev/zero`` as a shard)."""
     import os
     import stat
 
@@ -419,8 +414,7 @@ def cmd_index(args) -> int:
 def _index_mixture(args) -> int:
     """``prealign index mix.json``: each webdataset component of the mixture file indexed as its own
     shards (its transform: none -> ``--text``, a model config folder -> the VLM transform of that
-    folder); an HF
-    component needs no sidecar (said on stderr)."""
+    folder); an HF component needs no sidecar (said on stderr)."""
     import copy
 
     from prealign.loaders.mixture_file import read_mixture_file, resolved_shards
@@ -449,8 +443,7 @@ def _index_mixture(args) -> int:
 def _say_refused(source, schema, shards: list[int], recorded: dict) -> None:
     """How many samples of ``shards`` their sidecars refuse and why (what a loader leaves out under
     ``BadDataPolicy(on_error='skip')``, or raises under the default ``raise``), one line per cause
-    with an
-    example, on stderr; nothing when none is."""
+    with an example, on stderr; nothing when none is."""
     from prealign.loaders.cli.errors import cause_lines
     from prealign.loaders.index.build import build_index
     from prealign.loaders.policy import BadDataPolicy
@@ -476,8 +469,7 @@ def _say_refused(source, schema, shards: list[int], recorded: dict) -> None:
             counts = ", ".join(f"{k} {v}" for k, v in sorted(recorded.items()))
             print(
                 f"{sum(recorded.values()):,} sample(s) refused ({counts}) in the sidecars just "
-                f"written; the "
-                f"index as a loader reads it: {type(exc).__name__}: {exc}",
+                f"written; the index as a loader reads it: {type(exc).__name__}: {exc}",
                 file=sys.stderr,
             )
         return
@@ -500,8 +492,8 @@ class _ranks_agree:
     """Under ``torchrun`` (``WORLD_SIZE`` > 1), a gloo group for the command's life (created at the
     first exchange when none is, from ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``;
     destroyed at the end): ``agree(fn)`` runs ``fn`` on every rank, then waits for all of them and
-    raises the first rank's
-    error on every rank, so rank 0 merges only after every rank wrote its sidecars."""
+    raises the first rank's error on every rank, so rank 0 merges only after every rank wrote its
+    sidecars."""
 
     def __init__(self, world: int):
         self.world, self.own = world, False
@@ -556,8 +548,7 @@ class _ranks_agree:
 def _merge(source, asked: bool, rank: int) -> None:
     """``--merge``, or a merged index already there of exactly these shards (kept in step with its
     sidecars): rank 0 writes it. A merged index of other shards (all of a folder, when this run
-    indexes some) is left
-    as it is, and said so."""
+    indexes some) is left as it is, and said so."""
     from prealign.loaders.index.merged import merge_sidecars, merged_names, merged_path
     from prealign.loaders.sources import remote
     from prealign.loaders.sources.shard_files import shard_name
@@ -583,8 +574,7 @@ def _merge(source, asked: bool, rank: int) -> None:
                 f"merged index {path} left as it is: it is of "
                 f"{'other' if names is None else len(names)} "
                 f"shard(s), not of the {len(source.urls)} indexed now (give --merge to replace it "
-                f"with "
-                f"one of these)",
+                f"with one of these)",
                 file=sys.stderr,
             )
             return
@@ -616,8 +606,7 @@ def _check(source, shards: list[int], out: str | None, rank: int, world: int) ->
     if stale:
         print(
             f"the merged index is stale ({len(stale)} problem(s)): a loader refuses it; run "
-            f"`prealign index "
-            f"--merge` with the flags that built the sidecars to rewrite it",
+            f"`prealign index --merge` with the flags that built the sidecars to rewrite it",
             file=sys.stderr,
         )
     return 1 if problems or stale else 0

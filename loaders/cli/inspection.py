@@ -198,8 +198,8 @@ def _index(
     source: Source, schema: BatchSchema, policy: BadDataPolicy, num_workers: int, progress: bool
 ):
     """The index as a loader builds it: from the sidecars where they exist (``prealign index``), the
-    other
-    shards scanned (decode, transform, validate every sample once); what it did said on stderr."""
+    other shards scanned (decode, transform, validate every sample once); what it did said on
+    stderr."""
     from prealign.loaders.sources import remote
     from prealign.loaders.sources.shard_files import sidecar_path
 

@@ -46,8 +46,7 @@ def _option_strings(parser: argparse.ArgumentParser) -> dict[str, list[str]]:
 
 def did_you_mean(parser: argparse.ArgumentParser, message: str) -> str:
     """``did you mean --tokenizer?`` for a misspelt flag, ``did you mean 'index'?`` for a misspelt
-    command
-    (``""`` when nothing is close)."""
+    command (``""`` when nothing is close)."""
     import difflib
     import re
 
@@ -259,8 +258,7 @@ def cmd_demo(args) -> int:
         }.get(model, "vlm_schema")
         title = (
             f"{args.samples} samples ({len(ds.bad)} broken on purpose) in {len(ds.shards)} "
-            f"webdataset shards, "
-            f"{schema_name}(topk={args.topk})"
+            f"webdataset shards, {schema_name}(topk={args.topk})"
         )
         return _run(args, layout, source, schema, title=title)
 
@@ -442,10 +440,8 @@ def _run(args, layout: ParallelLayout, source, schema, *, title: str) -> int:
     checks = len(res.stats) * layout.cp
     lines = [
         f"prealign: {title}",
-        f"layout: tp={layout.tp} cp={layout.cp} sp={layout.sp} (T_local % "
-        f"{layout.local_multiple}, "
-        f"every P_i % "
-        f"{layout.seq_multiple}), THD {mode}, token budget {args.token_budget}",
+        f"layout: tp={layout.tp} cp={layout.cp} sp={layout.sp} (T_local % {layout.local_multiple}, "
+        f"every P_i % {layout.seq_multiple}), THD {mode}, token budget {args.token_budget}",
         "",
         format_table(res.stats, tp=layout.tp, max_rows=args.rows),
         "",
@@ -456,8 +452,7 @@ def _run(args, layout: ParallelLayout, source, schema, *, title: str) -> int:
         f"tokens         {tot['real_tokens']} real / {tot['padded_tokens']} padded ({pad:.1f}% "
         f"padding)",
         f"validated      {checks - sum(1 for s in res.stats if s.violations)}/{checks} batches "
-        f"valid "
-        f"(schema {schema.name} {schema.fingerprint()}, media counts, SP/CP alignment)",
+        f"valid (schema {schema.name} {schema.fingerprint()}, media counts, SP/CP alignment)",
         *_skips(res.report),
         f"throughput     {_throughput(res, args.workers)}; index pass {res.index_seconds:.1f} s",
     ]
@@ -492,15 +487,13 @@ def _run(args, layout: ParallelLayout, source, schema, *, title: str) -> int:
 
 def _throughput(res, workers: int) -> str:
     """Real tokens/s over all CP ranks, timed from the first micro-batch's arrival to the last
-    (worker
-    start-up left out): n/a below two micro-batches."""
+    (worker start-up left out): n/a below two micro-batches."""
     if res.steady_batches < 1 or res.steady_seconds <= 0:
         return "n/a (fewer than 2 micro-batches to time)"
     return (
         f"{res.steady_tokens / res.steady_seconds:,.0f} real tokens/s over all CP ranks "
         f"({res.steady_batches / res.steady_seconds:.1f} micro-batches/s after the first; decode "
-        f"+ image "
-        f"processing + collate, {_plural(workers, 'worker', 'workers')} per rank)"
+        f"+ image processing + collate, {_plural(workers, 'worker', 'workers')} per rank)"
     )
 
 

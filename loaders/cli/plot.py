@@ -52,8 +52,7 @@ class Panel:
 
 def _seq_colors(n: int) -> np.ndarray:
     """uint8 ``[n, 3, 3]``: per sequence (text, image, pad) colours; hues spread by the golden
-    ratio,
-    image tokens darker, padding one neutral grey."""
+    ratio, image tokens darker, padding one neutral grey."""
     out = np.empty((n, 3, 3), dtype=np.uint8)
     out[:, 2] = _PAD
     for i in range(n):

@@ -98,8 +98,7 @@ def check_dir(option: str, path: str | None) -> None:
 def check_shards(urls: list[str]) -> None:
     """Every local shard exists (all missing ones named at once), is a file and is a plain
     (uncompressed) tar; a remote URL has a scheme and backend the loaders read
-    (:func:`check_remote`), its shards are
-    checked by the index pass."""
+    (:func:`check_remote`), its shards are checked by the index pass."""
     missing = [
         url
         for url in urls
@@ -112,8 +111,7 @@ def check_shards(urls: list[str]) -> None:
         raise UsageError(
             f"no such shard{'s' if len(missing) > 1 else ''}: {', '.join(missing[:5])}{more}",
             hint="check the path; brace patterns like shard-{000..009}.tar are expanded, quote "
-            "them "
-            "for the shell",
+            "them for the shell",
         )
     checked: set[str] = set()
     for url in urls:
@@ -155,8 +153,7 @@ def check_shards(urls: list[str]) -> None:
 
 def check_remote(url: str) -> None:
     """A remote shard URL the loaders can read: a known scheme, its backend installed, and for
-    ``s3://``
-    credentials botocore can find (the command has no way to pass others)."""
+    ``s3://`` credentials botocore can find (the command has no way to pass others)."""
     import importlib.util
 
     scheme = url.split("://", 1)[0].lower()
@@ -253,8 +250,7 @@ def _split(ds, split: str, path: str):
 
 def first_member_names(url: str, limit: int = 8) -> list[str]:
     """Names of the first ``limit`` members of a local tar shard (headers only; [] when it is not
-    local or
-    not readable as a tar: the other checks name that)."""
+    local or not readable as a tar: the other checks name that)."""
     import tarfile
 
     from prealign.loaders.sources import remote
@@ -274,8 +270,8 @@ def first_member_names(url: str, limit: int = 8) -> list[str]:
 
 def check_mode(urls: list[str], text: bool, command: str) -> None:
     """``--text`` given for chat + image shards, or forgotten for pre-tokenized ``.npy`` ones (read
-    from the
-    first shard's first members): a :class:`UsageError` saying which flag to add or drop."""
+    from the first shard's first members): a :class:`UsageError` saying which flag to add or
+    drop."""
     names = first_member_names(urls[0]) if urls else []
     tokens = [n for n in names if n.endswith(".input_ids.npy")]
     chats = [n for n in names if n.endswith(".json")]

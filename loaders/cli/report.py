@@ -70,8 +70,7 @@ _HEADER = (" mb  seqs  imgs   real  padded  pad %  T_local per CP rank  T_local 
 
 def format_table(stats: list[BatchStats], *, tp: int, max_rows: int = 10) -> str:
     """One line per micro-batch (the first ``max_rows - 1`` and the last when there are more); a
-    ``vids`` column
-    when some micro-batch holds videos."""
+    ``vids`` column when some micro-batch holds videos."""
     rows = list(stats) if len(stats) <= max_rows else [*stats[: max_rows - 1], None, stats[-1]]
     vids = any(s.videos for s in stats)
     lines = [_HEADER[0].replace("imgs ", "imgs  vids ") if vids else _HEADER[0]]

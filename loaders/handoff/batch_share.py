@@ -135,8 +135,7 @@ class BatchShare:
         is read instead of loaded. ``scope``: plain data naming the plan (DP rank, configuration,
         index digest); ``transform``: the source's transform, whose configuration's fingerprint
         joins the key (a :class:`~prealign.schemas.errors.ConfigError` when it has none: see
-        ``transform_key``).
-        Without CP (``cp == 1``) they are returned as they are."""
+        ``transform_key``). Without CP (``cp == 1``) they are returned as they are."""
         layout = getattr(collator, "layout", None)
         if layout is None or layout.cp == 1:
             return planned, collate
@@ -147,8 +146,7 @@ class BatchShare:
         if rank is None or (cp_rank is not None and cp_rank != rank):
             raise ConfigError(
                 f"BatchShare: the collator's cp_rank is {rank}, the loader's {cp_rank}: sharing "
-                f"needs "
-                f"each CP rank's own cp_rank (the same on the loader and its collator)"
+                f"needs each CP rank's own cp_rank (the same on the loader and its collator)"
             )
         cp_rank = rank
         scope = {
@@ -202,8 +200,7 @@ def _unsharded(collator) -> Callable:
     if not isinstance(inner, THDCollator):
         raise ConfigError(
             f"BatchShare: the collator must be a THDCollator (optionally inside MRoPECollator), "
-            f"got "
-            f"{type(inner).__name__}"
+            f"got {type(inner).__name__}"
         )
     whole = dataclasses.replace(inner, cp_rank=None, defer_cp_shard=False)
     return (
@@ -218,8 +215,7 @@ class CPShard:
     """Whole THD batch (a ``cp_rank=None`` collator's output) -> this rank's batch, as the collator
     with ``cp_rank`` (and ``defer_cp_shard``) would have built it: every CP-sharded token field
     ``[*leading, 1, T]`` -> ``[*leading, 1, T/cp]`` by one ``index_select`` of the rank's global
-    slots
-    (``deferred``: the fields stay whole and ``cp_gather_index`` int64 ``[T/cp]`` is added),
+    slots (``deferred``: the fields stay whole and ``cp_gather_index`` int64 ``[T/cp]`` is added),
     ``cp_rank`` set."""
 
     schema: object
@@ -297,8 +293,7 @@ class _SharedCollate:
     """The collate_fn: a read batch is sharded; a claimed one is collated whole, published, then
     sharded; otherwise the loader's own collate_fn runs. ``by_fd`` (in workers): the whole record
     goes to the main process as its slot file (:mod:`~prealign.loaders.handoff.slots`), sharded
-    there on arrival, so
-    neither a reading nor the claiming rank copies the pixels again."""
+    there on arrival, so neither a reading nor the claiming rank copies the pixels again."""
 
     plain: Callable
     whole: Callable
@@ -346,8 +341,7 @@ class _SharedCollate:
 
     def _publish_slot(self, key: str, whole: dict):
         """Write the whole record once into a pooled slot file of the folder, publish that file and
-        send
-        it to this rank's main process; None when no slot can hold it (then the plain way)."""
+        send it to this rank's main process; None when no slot can hold it (then the plain way)."""
         try:
             parts = encode_record(whole)
             slot = slots.pool(
@@ -378,9 +372,8 @@ class _SharedCollate:
 class ShardOnArrival:
     """Builds a rank's batch in its main process from a received record (uint8 ``[nbytes]``, a
     private map of the slot file): decoded in place (the pixels are never copied) and CP-sharded;
-    small fields are
-    copied out (:func:`~prealign.loaders.handoff.transport.own_small`: a kept ``cu_seqlens`` pins no
-    file)."""
+    small fields are copied out (:func:`~prealign.loaders.handoff.transport.own_small`: a kept
+    ``cu_seqlens`` pins no file)."""
 
     shard: CPShard
 
@@ -390,6 +383,5 @@ class ShardOnArrival:
 
 _SHARED_SLOTS = 12
 """Pooled slots per claiming worker: a published record is reused only once every CP rank dropped
-it, so
-the pool spans the ranks' drift (a smaller pool makes fresh memory for each batch while a rank
-lags)."""
+it, so the pool spans the ranks' drift (a smaller pool makes fresh memory for each batch while a
+rank lags)."""

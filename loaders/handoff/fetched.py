@@ -1,6 +1,6 @@
 """The worker's hand-off from loading to collating: what a planned dataset's
-``__getitems__(request)``
-returns and the loader's collate_fn takes, in the same DataLoader worker (or the main process)."""
+``__getitems__(request)`` returns and the loader's collate_fn takes, in the same DataLoader worker
+(or the main process)."""
 
 from __future__ import annotations
 
@@ -27,8 +27,7 @@ class Fetched:
     """Name of index row ``i`` for error messages."""
     skipped: list | None = None
     """Under the skip policy: the records (:class:`~prealign.loaders.policy.BadRecord`) of the
-    samples left
-    out while loading (None: another policy, nothing may be left out)."""
+    samples left out while loading (None: another policy, nothing may be left out)."""
     share: Any = None
     """:class:`~prealign.loaders.handoff.batch_share.BatchShare`'s claim on the micro-batch (None:
     not shared)."""

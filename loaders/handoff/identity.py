@@ -89,8 +89,7 @@ def qualified_name(obj) -> str:
 
 def identity_fields(transform) -> dict[str, str]:
     """The identity of ``transform`` field by field (see the module docstring);
-    :class:`Unfingerprintable`
-    when it has none."""
+    :class:`Unfingerprintable` when it has none."""
     if transform is None:
         return {"transform": "none"}
     if transform is numpy_fields:
@@ -113,8 +112,7 @@ def identity_fields(transform) -> dict[str, str]:
 
 def checked_identity_fields(transform, *, owner: str) -> dict[str, str]:
     """:func:`identity_fields`, or a :class:`~prealign.schemas.errors.ConfigError` naming the
-    transform, what in it
-    has no stable form, and the fix (``owner`` names the caller)."""
+    transform, what in it has no stable form, and the fix (``owner`` names the caller)."""
     try:
         return identity_fields(transform)
     except Unfingerprintable as exc:
@@ -126,8 +124,7 @@ def checked_identity_fields(transform, *, owner: str) -> dict[str, str]:
             f"returning {{field: str}} (or an index_key() returning a str) that names every "
             f"setting its output "
             f"depends on, or, for sharing only, pass transform_key='...' (the same on every CP "
-            f"peer, another for "
-            f"another configuration)"
+            f"peer, another for another configuration)"
         ) from None
 
 
@@ -247,8 +244,7 @@ class _Canon:
     """One canonicalisation: ``value(obj)`` is JSON-able and the same in every process. Compound
     objects (functions, classes, instances, containers) are reduced to a digest; one on the path
     being followed is a cycle (named by its distance up the path); one done already, whose form
-    named nothing above it, is
-    reused."""
+    named nothing above it, is reused."""
 
     def __init__(self):
         self.path: dict[int, int] = {}

@@ -106,8 +106,7 @@ class SharedMediaTransform:
         if self.cp_size < 1 or self.cp_rank >= self.cp_size:
             raise ConfigError(
                 f"SharedMediaTransform: expected 0 <= cp_rank < cp_size, got "
-                f"cp_rank={self.cp_rank}, "
-                f"cp_size={self.cp_size}"
+                f"cp_rank={self.cp_rank}, cp_size={self.cp_size}"
             )
         if not isinstance(self.run, str) or not self.run:
             raise ConfigError(
@@ -150,8 +149,7 @@ class SharedMediaTransform:
 
     def key(self, raw: dict) -> str:
         """Digest of the run, the transform's configuration, the sample's name and every member's
-        bytes
-        (same input and configuration -> same key)."""
+        bytes (same input and configuration -> same key)."""
         h = hashlib.blake2b(
             self.run.encode() + b"\0" + self._config.encode() + b"\0", digest_size=16
         )

@@ -89,8 +89,7 @@ _TORCH_DTYPES = frozenset(
 def encode_record(record: dict) -> list:
     """dict -> the buffers of one record (write them in order, e.g. ``os.writev``): ``PRMS1\\n``, a
     uint32 header length, a JSON header (each tensor's dtype, shape, byte offset and size; the other
-    values as
-    JSON), then the raw tensor bytes. Never pickled: a value JSON cannot hold raises
+    values as JSON), then the raw tensor bytes. Never pickled: a value JSON cannot hold raises
     ``TypeError``."""
     header: dict[str, Any] = {"order": list(record), "tensors": {}, "values": {}}
     blobs, offset = [], 0
@@ -112,8 +111,7 @@ def encode_record(record: dict) -> list:
 def decode_record(buf, start: int = 0) -> dict:
     """Inverse of :func:`encode_record` (``buf``: the joined record from byte ``start``, e.g. a
     private mmap of a record file), keys in their written order; the tensors share ``buf``'s memory.
-    A malformed
-    record is a :class:`ShareRecordError`."""
+    A malformed record is a :class:`ShareRecordError`."""
     if bytes(buf[start : start + len(_MAGIC)]) != _MAGIC:
         raise ShareRecordError("not a prealign share record")
     n = int.from_bytes(buf[start + len(_MAGIC) : start + len(_MAGIC) + 4], "little")
@@ -207,9 +205,8 @@ class SharedFolder:
     def acquire(self, key: str, *, by_fd: bool = False) -> tuple[str, Any]:
         """``(CLAIMED, None)``: compute and publish; ``(HIT, record)``; ``(LOCAL, None)``: compute
         only. ``by_fd``: a hit is ``(fd, nbytes)`` of the record's slot file instead, with this
-        rank's holder flag
-        set (hand it on with :func:`~prealign.loaders.handoff.slots.send`; the receiver clears the
-        flag)."""
+        rank's holder flag set (hand it on with :func:`~prealign.loaders.handoff.slots.send`; the
+        receiver clears the flag)."""
         path = os.path.join(self.directory, key)
         for attempt in (0, 1):
             try:
@@ -251,8 +248,8 @@ class SharedFolder:
 
     def publish_slot(self, key: str, slot) -> bool:
         """Publish the record already written in ``slot`` (a named pooled slot file in this folder,
-        its key
-        set) under ``key`` without copying it: the slot's file is linked to the record's name."""
+        its key set) under ``key`` without copying it: the slot's file is linked to the record's
+        name."""
         path = os.path.join(self.directory, key)
         tmp = f"{path}.{_me()}.tmp"
         try:
@@ -296,8 +293,8 @@ class SharedFolder:
     def _read(self, path: str, key: str, by_fd: bool):
         """The published record of ``key`` (see :meth:`acquire`), or None when it is not (or no
         longer) there. ``by_fd`` is honoured for this rank's first turn only (one holder flag per
-        rank: a second request,
-        e.g. the claimer's own rank asking again, gets a copy read into private memory)."""
+        rank: a second request, e.g. the claimer's own rank asking again, gets a copy read into
+        private memory)."""
         fd = open_record(path + ".bin")  # (the common case while waiting: not there yet, OSError)
         try:
             if not slots.is_slot_file(fd):
@@ -335,8 +332,7 @@ class SharedFolder:
 
     def _wait(self, path: str, key: str, by_fd: bool) -> tuple[str, Any]:
         """Poll for the record with a short backoff (0.5 ms doubling to 20 ms); the claim (failed,
-        gone,
-        dead, too old) is looked at every 50 ms only: a poll is then one failed ``open``."""
+        gone, dead, too old) is looked at every 50 ms only: a poll is then one failed ``open``."""
         delay, check, started = 0.0005, 0.0, time.monotonic()
         while True:
             try:
@@ -405,8 +401,7 @@ class SharedFolder:
 
     def _sweep(self, last: dict[str, float] | None = None) -> None:
         """Delete entries older than ``ttl`` (at most once per ``ttl / 4`` seconds per process, by
-        ``last``:
-        when each folder was last swept, this process's record by default)."""
+        ``last``: when each folder was last swept, this process's record by default)."""
         last = _LAST_SWEEP if last is None else last
         now, d = time.time(), self.directory
         if now - last.get(d, 0.0) < self.ttl / 4:
@@ -441,8 +436,7 @@ def _me() -> str:
 def open_record(path: str) -> int:
     """A read-write fd of the record file ``path``: only a regular file of this user that no one
     else can write, opened without following a link; anything else is a :class:`ShareRecordError` (a
-    missing file:
-    ``OSError``). Read-write so that a reader can set its holder flag
+    missing file: ``OSError``). Read-write so that a reader can set its holder flag
     (:mod:`~prealign.loaders.handoff.slots`)."""
     try:
         fd = os.open(path, os.O_RDWR | _NOFOLLOW)
@@ -488,8 +482,7 @@ def _read_all(fd: int) -> bytearray:
 
 def _map_private(fd: int, size: int):
     """The file as a private (copy-on-write) mapping: its tensors cost no copy and stay valid after
-    the
-    file is deleted or the fd closed."""
+    the file is deleted or the fd closed."""
     return mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
 
 
@@ -522,8 +515,7 @@ def _unlink(path: str) -> None:
 def _claim(path: str) -> bool:
     """Claim ``path`` (``<folder>/<key>``): a file made under a temporary name, ``flock``-ed, then
     linked to ``<key>.claim`` (so no one ever sees it unlocked while its claimer lives); False when
-    a claim is there.
-    The lock is held (:data:`_HELD`) until :func:`_let_go` or the process dies."""
+    a claim is there. The lock is held (:data:`_HELD`) until :func:`_let_go` or the process dies."""
     tmp = f"{path}.{_me()}.claiming"
     fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR | _NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
@@ -544,9 +536,8 @@ def _claim(path: str) -> bool:
 
 def _retake(path: str, fd: int) -> bool:
     """The claim ``fd`` of ``path``, whose lock this waiter just took (its claimer died), becomes
-    this
-    process's, if ``<key>.claim`` still names that file: its age restarts and it is held like a new
-    one."""
+    this process's, if ``<key>.claim`` still names that file: its age restarts and it is held like a
+    new one."""
     try:
         st, now = os.fstat(fd), os.stat(path + ".claim", follow_symlinks=False)
         if (st.st_dev, st.st_ino) != (now.st_dev, now.st_ino):
@@ -570,9 +561,8 @@ def _let_go(path: str) -> None:
 
 def _forget_claims() -> None:
     """In a forked child: the parent's claims are not the child's (closing its copies keeps the
-    parent's
-    locks, which belong to the open files, not to the descriptors), nor are its files to remove at
-    exit."""
+    parent's locks, which belong to the open files, not to the descriptors), nor are its files to
+    remove at exit."""
     for fd in _HELD.values():
         os.close(fd)
     _HELD.clear()
@@ -589,8 +579,7 @@ _ENTRY = re.compile(
 _RUN_FOLDER = re.compile(r"prealign-(batch|media)-[0-9a-f]{16}")
 _OWN: dict[str, tuple[int, int, tuple[int, int] | None]] = {}
 """``<folder>/<key>`` -> (cp_rank, cp_size, the claim's (st_dev, st_ino)): keys this process claimed
-(or,
-claim None, read: its ``.r<k>`` marker only). Pruned of keys whose files are all gone."""
+(or, claim None, read: its ``.r<k>`` marker only). Pruned of keys whose files are all gone."""
 _DIRS: set[str] = set()
 _EXIT_HOOK = [0]  # the pid whose exit hook is registered
 _PRUNE_AT = [4096]
@@ -604,8 +593,7 @@ def is_entry_name(name: str) -> bool:
 
 def _own(path: str, cp_rank: int, cp_size: int, claim_fd: int | None = None) -> None:
     """Remember that this process made files of ``path`` (claimed it, with its claim ``claim_fd``,
-    or only
-    read it), to remove them at its exit (:func:`clean_up`)."""
+    or only read it), to remove them at its exit (:func:`clean_up`)."""
     if _EXIT_HOOK[0] != os.getpid():
         _register_exit_hook()
     if claim_fd is None:
@@ -637,8 +625,7 @@ def clean_up() -> None:
     then every folder it used that is left empty. A key claimed anew by another process since (its
     ``.claim`` is another file) is left alone. Run at exit (multiprocessing's exit hook: a
     DataLoader worker exits through it, not through ``atexit``: see :func:`_register_exit_hook`); a
-    peer that comes later computes
-    what it finds gone."""
+    peer that comes later computes what it finds gone."""
     for fd in _HELD.values():
         os.close(fd)
     _HELD.clear()
@@ -666,8 +653,7 @@ def _register_exit_hook() -> None:
     a DataLoader worker runs when it exits normally: the loaders shut their persistent workers down
     that way when the main process exits, :mod:`prealign.loaders.core`). No ``SIGTERM`` handler: one
     cannot run while a worker is stuck in C code, and would make it unkillable; what a killed worker
-    left is swept (``ttl``,
-    :func:`sweep_dead_runs`)."""
+    left is swept (``ttl``, :func:`sweep_dead_runs`)."""
     from multiprocessing.util import Finalize
 
     _EXIT_HOOK[0] = os.getpid()
@@ -678,8 +664,7 @@ def sweep_dead_runs(base: str, ttl: float, keep: str | None = None) -> None:
     """Remove the share folders (``prealign-batch-*``, ``prealign-media-*``, this user's) in
     ``base`` of runs that are over: every claim's lock free, no pooled slot's lock held, and every
     file older than ``ttl``. Only names the protocol makes are deleted (a folder holding anything
-    else stays). ``keep``: a
-    folder in use here, never touched."""
+    else stays). ``keep``: a folder in use here, never touched."""
     now = time.time()
     try:
         names = os.listdir(base)

@@ -56,8 +56,7 @@ _KEY_MAX = 1024
 
 class Slot:
     """One pooled shared file ``fd`` (named ``path``, or unnamed) with room for ``capacity`` data
-    bytes
-    after the header page."""
+    bytes after the header page."""
 
     def __init__(self, fd: int, path: str | None, capacity: int):
         self.fd, self.path, self.capacity = fd, path, 0
@@ -126,9 +125,8 @@ def pages(nbytes: int) -> int:
 
 def write_at(fd: int, parts: list, start: int = 0) -> int:
     """``parts`` (bytes-like: bytes, uint8 arrays, or ``(offset, bytes-like)`` pairs) written to
-    file ``fd``
-    from byte ``start`` in order, or each at ``start + offset``; returns the bytes spanned after
-    ``start``."""
+    file ``fd`` from byte ``start`` in order, or each at ``start + offset``; returns the bytes
+    spanned after ``start``."""
     end = 0
     for part in parts:
         offset, part = part if isinstance(part, tuple) else (end, part)
@@ -201,8 +199,7 @@ class SlotPool:
     (None: unnamed); default a ``memfd``; :func:`named_in` for slots that can be published under
     another name. ``cap``: free slots kept for reuse; ``files``: slots it keeps track of (free or
     held: the oldest held one is let go past that, living on in its holders' mappings); ``limit``:
-    bytes of this process's
-    tracked slots (every pool's), default :func:`shm_cap`."""
+    bytes of this process's tracked slots (every pool's), default :func:`shm_cap`."""
 
     def __init__(self, make_fd=None, cap: int = 6, *, files: int = 32, limit: int | None = None):
         self.make_fd = make_fd or (lambda: (os.memfd_create("prealign-slot", os.MFD_CLOEXEC), None))
@@ -218,8 +215,7 @@ class SlotPool:
         """A free slot with room for ``nbytes`` (the largest free one, grown; else a new one). A
         reused slot first loses its published name and key, and is given up if a reader took hold of
         it in the meantime (:func:`key_lock`: the reader then sees the key gone). Past the byte cap:
-        a
-        :class:`~prealign.loaders.errors.ShmBudgetError`, nothing made."""
+        a :class:`~prealign.loaders.errors.ShmBudgetError`, nothing made."""
         while True:
             free = [s for s in self.slots if s.free()]
             for extra in sorted(free, key=lambda s: s.capacity)[: max(len(free) - self.cap, 0)]:
@@ -261,8 +257,7 @@ class SlotPool:
 
     def _fits(self, extra: int, keep) -> None:
         """Room for ``extra`` more bytes under the limit, made by dropping free slots (other than
-        ``keep``)
-        if need be; else :class:`~prealign.loaders.errors.ShmBudgetError`."""
+        ``keep``) if need be; else :class:`~prealign.loaders.errors.ShmBudgetError`."""
         if extra <= 0:
             return
         idle = [s for s in self.slots if s is not keep and s.free()]
@@ -294,8 +289,7 @@ _cap_in_this_process: int | None = None
 
 def init_worker(worker_id: int | None = None, *, shm_cap: int | None = None) -> None:
     """The loaders' DataLoader ``worker_init_fn``: :func:`worker_heap`, and this worker's
-    shared-memory cap
-    (``LoadingOptions.shm_cap``; None keeps :func:`shm_cap`'s default)."""
+    shared-memory cap (``LoadingOptions.shm_cap``; None keeps :func:`shm_cap`'s default)."""
     global _cap_in_this_process
     worker_heap(worker_id)
     _cap_in_this_process = shm_cap
@@ -304,8 +298,7 @@ def init_worker(worker_id: int | None = None, *, shm_cap: int | None = None) -> 
 def shm_cap() -> int:
     """Bytes of slots one process may hold: the loader's ``LoadingOptions.shm_cap`` in its workers,
     else ``PREALIGN_SHM_CAP`` (bytes) when set, else the smaller of 1 GiB and 1/8 of ``/dev/shm``
-    (Docker's
-    default 64 MB gives 8 MB: the rest stays for torch's own hand-off and the peers)."""
+    (Docker's default 64 MB gives 8 MB: the rest stays for torch's own hand-off and the peers)."""
     if _cap_in_this_process is not None:
         return _cap_in_this_process
     text = os.environ.get("PREALIGN_SHM_CAP")
@@ -335,8 +328,7 @@ def _process_bytes(pool: SlotPool) -> int:
 def pool(kind: object = None, make_fd=None, cap: int = 6) -> SlotPool:
     """This process's pool for ``kind`` (a fork starts with none of its parent's). Its named slots
     are removed when the process exits (a DataLoader worker exits through multiprocessing, which
-    runs
-    ``Finalize`` callbacks, not ``atexit``); those of a killed process by a sweep
+    runs ``Finalize`` callbacks, not ``atexit``); those of a killed process by a sweep
     (:func:`abandoned`)."""
     key = (os.getpid(), kind)
     if key not in _pools:
@@ -408,8 +400,7 @@ def worker_heap(worker_id: int | None = None) -> None:
     """Keep freed heap memory in this (worker) process for the next batch instead of returning it to
     the kernel: a batch's large temporaries (``torch.cat`` of pixels) then reuse pages instead of
     faulting in fresh ones (about 6x faster on a VM). glibc only; elsewhere nothing happens. The
-    loaders' DataLoader
-    ``worker_init_fn``."""
+    loaders' DataLoader ``worker_init_fn``."""
     try:
         mallopt = ctypes.CDLL("libc.so.6").mallopt
         mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
@@ -424,8 +415,7 @@ class SlotRef:
     """A slot as sent to a main process: ``fd`` (its own duplicate, closed with this object;
     duplicated again when pickled), ``nbytes`` of data, the holder flag ``holder`` to clear when
     released, and what to build from it (``build(buffer)`` in the receiver, ``buffer`` uint8
-    ``[nbytes]`` privately mapped).
-    Make one with :func:`send`."""
+    ``[nbytes]`` privately mapped). Make one with :func:`send`."""
 
     fd: int
     nbytes: int
@@ -441,8 +431,7 @@ class SlotRef:
 def send(slot: "Slot | int", nbytes: int, holder: int, build) -> SlotRef:
     """A :class:`SlotRef` for the first ``nbytes`` of ``slot`` (a :class:`Slot` or a slot file's
     fd): it owns a duplicate of the file descriptor, so the pool may drop the slot (or the caller
-    close its fd) before
-    the DataLoader's queue thread pickles the reference."""
+    close its fd) before the DataLoader's queue thread pickles the reference."""
     fd = os.dup(slot if isinstance(slot, int) else slot.fd)
     ref = SlotRef(fd, nbytes, holder, build)
     weakref.finalize(ref, os.close, fd)
@@ -452,8 +441,8 @@ def send(slot: "Slot | int", nbytes: int, holder: int, build) -> SlotRef:
 def _receive(dup, nbytes: int, holder: int, build):
     """Runs while the DataLoader unpickles a worker's batch: an error mapping or building it is
     returned as a :class:`~prealign.loaders.handoff.share_folder.ShareRecordError` (raised by the
-    loader with its context), never
-    raised inside torch's queue handling (the batch and the iterator would be lost)."""
+    loader with its context), never raised inside torch's queue handling (the batch and the iterator
+    would be lost)."""
 
     fd = (
         dup.detach()
@@ -479,8 +468,7 @@ def map_slot(fd: int, nbytes: int, holder: int) -> torch.Tensor:
     """uint8 ``[nbytes]``: the data of slot file ``fd`` mapped privately (copy-on-write), plus its
     header page shared; ``fd`` is closed here (a held batch costs two mappings, no open file). When
     the last tensor viewing the data is freed, holder flag ``holder`` is cleared and both are
-    unmapped. (mmap
-    through libc: Python's ``mmap`` keeps a duplicate fd open per mapping.)"""
+    unmapped. (mmap through libc: Python's ``mmap`` keeps a duplicate fd open per mapping.)"""
     length = HEADER + nbytes
     try:
         data = _map(fd, length, mmap.MAP_PRIVATE)

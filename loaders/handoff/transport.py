@@ -24,16 +24,14 @@ from prealign.loaders.handoff import slots
 _ALIGN = 16
 SMALL = 64 * 1024
 """Fields of fewer bytes (``cu_seqlens``, ``sample_index``, ...) are copied out of a received
-buffer: a
-kept one then pins no shared slot (:func:`own_small`). Token-sized fields (``input_ids``, pixels)
-stay views."""
+buffer: a kept one then pins no shared slot (:func:`own_small`). Token-sized fields (``input_ids``,
+pixels) stay views."""
 
 
 @dataclass(frozen=True)
 class PackedBatch:
     """``buffer`` uint8 ``[nbytes]``; ``fields`` ``(name, dtype, shape, offset)`` per tensor;
-    ``other``
-    the non-tensor entries as they were; ``order`` the batch's keys in their order."""
+    ``other`` the non-tensor entries as they were; ``order`` the batch's keys in their order."""
 
     buffer: torch.Tensor
     fields: tuple[tuple[str, torch.dtype, tuple[int, ...], int], ...]
@@ -102,8 +100,8 @@ class _AsPacked:
 
 def own_small(batch: dict) -> dict:
     """``batch`` with each tensor of fewer than :data:`SMALL` bytes replaced by a copy of its own,
-    so that
-    keeping it (a training loop keeping ``cu_seqlens``) does not keep the buffer it views mapped."""
+    so that keeping it (a training loop keeping ``cu_seqlens``) does not keep the buffer it views
+    mapped."""
     return {
         k: v.clone() if isinstance(v, torch.Tensor) and v.numel() * v.element_size() < SMALL else v
         for k, v in batch.items()
@@ -112,8 +110,7 @@ def own_small(batch: dict) -> dict:
 
 def unpack_batch(packed: PackedBatch) -> dict:
     """The batch of :func:`pack_batch`, tensors as views of the one buffer (keys in their order),
-    but small
-    ones copied out (:func:`own_small`)."""
+    but small ones copied out (:func:`own_small`)."""
     out = {}
     for name, dtype, shape, off in packed.fields:
         n = 1

@@ -53,8 +53,8 @@ class FixedDims:
     dense dim (``K`` of a top-k field, a field's dtype) fixes it, and the first with optional fields
     fixes which it has; a later sample with another size is bad data (``dim_mismatch``), one with
     other optional fields too (``field_mismatch``). :meth:`admit` is called in stream order (a
-    sample, or the first sample of a data
-    signature: the verdict of a signature never changes later, since what is fixed only grows)."""
+    sample, or the first sample of a data signature: the verdict of a signature never changes later,
+    since what is fixed only grows)."""
 
     def __init__(self, schema: BatchSchema | None = None):
         self.schema, self.fixed, self.fixed_by, self.fields = schema, {}, {}, None
@@ -66,8 +66,7 @@ class FixedDims:
 
     def admit(self, dims: dict, who: str) -> Callable[[str], BadSampleError] | None:
         """None when a sample with ``dims`` fits what is fixed (and fixes what it adds), else a
-        function of a
-        sample's name giving its :class:`BadSampleError`."""
+        function of a sample's name giving its :class:`BadSampleError`."""
         dims = dict(dims)
         has = dims.pop(FIELDS_KEY, None)
         if has is not None and self.fields is not None and has != self.fields[0]:
@@ -77,8 +76,7 @@ class FixedDims:
             )
             expected = (
                 f"optional fields {sorted(first)} like the first indexed sample "
-                f"({self.fields[1]}): a "
-                f"micro-batch cannot mix samples with and without a field"
+                f"({self.fields[1]}): a micro-batch cannot mix samples with and without a field"
             )
             return lambda sample: BadSampleError(
                 sample=sample,
@@ -118,8 +116,7 @@ def apply_policy(
     """The :class:`SampleIndex` of ``records``: :class:`FixedDims` per data signature (in the order
     their first samples come), then the bad-data policy over every bad record in stream order (an ok
     record between two bad ones resets the consecutive count; raises the first bad record's typed
-    error under ``raise``).
-    ``where(location)`` names a sample."""
+    error under ``raise``). ``where(location)`` names a sample."""
     rule, n = FixedDims(schema), len(records.lengths)
     keep = np.ones(n, bool)
     found: list[tuple[int, BadRecord]] = []
@@ -162,8 +159,7 @@ def apply_policy(
 
 def records_of_results(results: list[dict], width: int) -> Records:
     """:class:`Records` of :func:`~prealign.loaders.index.build.index_shard` results (the per-sample
-    pass: events
-    None in place of each good sample, ``locations`` lists, ``dims`` per shard)."""
+    pass: events None in place of each good sample, ``locations`` lists, ``dims`` per shard)."""
     signatures, keys = [], {}
     lengths, locations, shards, media, dim_ids, good_at, events = [], [], [], [], [], [], []
     pos = 0
@@ -203,8 +199,7 @@ def records_of_results(results: list[dict], width: int) -> Records:
 def records_of_sidecars(results: list[dict]) -> Records:
     """:class:`Records` of sidecar records (:func:`~prealign.loaders.index.sidecar.record_of`, made
     this schema's by :func:`~prealign.loaders.index.build.resolve_signatures`), vectorised: a cost
-    per shard and per
-    bad record."""
+    per shard and per bad record."""
     signatures, keys, local = [], {}, []
     for r in results:
         ids = []

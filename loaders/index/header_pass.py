@@ -102,8 +102,7 @@ from prealign.schemas.schema import BatchSchema
 
 class LengthRuleError(ConfigError):
     """The header rule's length differs from the transform's for a sample: the transform is not the
-    one
-    the rule describes (index with the full pass instead)."""
+    one the rule describes (index with the full pass instead)."""
 
 
 def _npy_headers(members: dict[str, bytes], where: str) -> dict[str, tuple]:
@@ -140,8 +139,7 @@ class TextRule:
     """``numpy_fields`` samples: the length is ``input_ids.npy``'s first dim (``input_ids`` must be
     ``[L]``). Signature, of the data alone (no schema): each array's dtype and shape pattern
     (:func:`shape_pattern`) and the other member names; a schema's token dims, dtypes and optional
-    fields are checked on a sample of each
-    signature when a loader reads the sidecar."""
+    fields are checked on a sample of each signature when a loader reads the sidecar."""
 
     def __init__(self, schema: BatchSchema | None = None):
         del schema  # (a sidecar describes the data: the schema is checked when it is read)
@@ -172,16 +170,15 @@ class TextRule:
 
 class VLMRule:
     """:class:`~prealign.loaders.media.vlm.VLMSampleTransform` samples: image headers -> Qwen2-VL
-    grids -> tokens
-    per image -> the chat rendered by the tokenizer alone (or a pre-tokenized ``input_ids.npy``
-    header)."""
+    grids -> tokens per image -> the chat rendered by the tokenizer alone (or a pre-tokenized
+    ``input_ids.npy`` header)."""
 
     def __init__(self, transform, schema: BatchSchema, *, verify_images: bool = True):
 
         self.t, self.verify_images = transform, verify_images
         """``verify_images``: decode each image's pixels too (no resize, no processor), so a corrupt
-        image
-        body is found here as the full pass finds it; False: headers only (found when loaded)."""
+        image body is found here as the full pass finds it; False: headers only (found when
+        loaded)."""
         # (the processor and the config agree: checked before the first shard)
         transform.spatial_merge_size
 
@@ -226,8 +223,8 @@ class VLMRule:
         self, raw: dict, meta: dict, key, *, pretokenized: bool
     ) -> tuple[np.ndarray | None, bool]:
         """(the chat's ids, or None for a pre-tokenized sample; whether it has media): image headers
-        -> Qwen2-VL
-        grids -> tokens per image, the videos' ids, the chat rendered by the tokenizer alone."""
+        -> Qwen2-VL grids -> tokens per image, the videos' ids, the chat rendered by the tokenizer
+        alone."""
         tokens = []
         for name, data in image_members(raw, meta, key):
             w, h = self._size(name, data, key)
@@ -272,8 +269,7 @@ class VLMRule:
 class ImageTokensRule(VLMRule):
     """:class:`~prealign.loaders.media.gemma3.Gemma3SampleTransform` samples: a fixed block per
     image, so the length is the chat's with the images counted (each image's header read, and its
-    pixels with
-    ``verify_images``, so a corrupt one is found as in the full pass)."""
+    pixels with ``verify_images``, so a corrupt one is found as in the full pass)."""
 
     def __init__(self, transform, schema: BatchSchema, *, verify_images: bool = True):
         self.t, self.verify_images = transform, verify_images
@@ -297,8 +293,8 @@ class ImageTokensRule(VLMRule):
 class AnyResRule(VLMRule):
     """:class:`~prealign.loaders.media.llava_onevision.LlavaOnevisionSampleTransform` samples: each
     image's header size and the number of images give its AnyRes token count, each video's frame
-    count its tokens, then the chat
-    (image pixels verified with ``verify_images``, as in the full pass)."""
+    count its tokens, then the chat (image pixels verified with ``verify_images``, as in the full
+    pass)."""
 
     def __init__(self, transform, schema: BatchSchema, *, verify_images: bool = True):
         self.t, self.verify_images = transform, verify_images
@@ -314,8 +310,7 @@ class ImageSizesRule(VLMRule):
     """Transforms whose lengths follow from the text and each image's size
     (:class:`~prealign.loaders.media. mistral3.Mistral3SampleTransform`,
     :class:`~prealign.loaders.media.idefics3.Idefics3SampleTransform`): ``header_ids(raw, size_of)``
-    with each image's header size (and its
-    pixels decoded with ``verify_images``)."""
+    with each image's header size (and its pixels decoded with ``verify_images``)."""
 
     def __init__(self, transform, schema: BatchSchema, *, verify_images: bool = True):
         self.t, self.verify_images = transform, verify_images
@@ -332,8 +327,8 @@ class ImageSizesRule(VLMRule):
 def _verified_size(data: bytes, name: str, key) -> tuple[int, int]:
     """``(width, height)`` of an image whose pixel data decodes to the end (one open: the header,
     then the whole entropy-coded stream; a JPEG's inverse DCT at 1/8 scale, which finds the same
-    truncation
-    and corruption at a fraction of the cost). Formats limited to :data:`IMAGE_FORMATS`."""
+    truncation and corruption at a fraction of the cost). Formats limited to
+    :data:`IMAGE_FORMATS`."""
     import warnings
 
     from PIL import Image, UnidentifiedImageError
@@ -382,8 +377,7 @@ def transformed_length(sample: dict, where: str) -> int:
 
 def _transformed_signature(sample: dict, n: int) -> tuple:
     """Data signature of a transformed sample (the full pass of a transform with no header rule):
-    each
-    array's dtype and shape pattern, and the other keys."""
+    each array's dtype and shape pattern, and the other keys."""
     arrays = tuple(
         sorted(
             (k, str(v.dtype), shape_pattern(tuple(v.shape), n))
@@ -399,8 +393,7 @@ def _transformed_signature(sample: dict, n: int) -> tuple:
 def transform_pass(source, shard: int) -> dict:
     """A shard's data-only record from the full transform (no header rule, no schema): locations,
     lengths, media flags (:data:`MEDIA_MEMBERS` with a row), the data signature of each sample and
-    data-level bad
-    records (decode or transform errors)."""
+    data-level bad records (decode or transform errors)."""
     locations, lengths, media, events, dims, dim_ids, value_rows = [], [], [], [], [], [], []
     for loc, item in source.scan(shard):
         if isinstance(item, BadRecord):  # (a member that is not a sample: counted)
@@ -478,8 +471,8 @@ def header_index_shard(
     records), from headers; ``fingerprint`` is ``{"size", "hash"}`` of the bytes read. ``full=True``
     (or no rule for the transform) runs the transform on every sample instead
     (:func:`transform_pass`). ``schema`` only chooses nothing: it is kept for callers; the schema's
-    checks run
-    when a loader reads the sidecar (:func:`~prealign.loaders.index.build.resolve_signatures`)."""
+    checks run when a loader reads the sidecar
+    (:func:`~prealign.loaders.index.build.resolve_signatures`)."""
 
     url = source.urls[shard]
     rule = None if full else length_rule(source, schema, verify_images=verify_images)
@@ -511,9 +504,8 @@ def header_index_shard(
 def open_shard(url: str, opts=None) -> Fingerprint:
     """A :class:`Fingerprint` reading shard ``url`` front to back. A local shard must be a regular
     file (a device such as ``/dev/zero``, a FIFO or a socket is a :class:`NotRegularFileError`,
-    checked before
-    the open, so a FIFO never blocks, and again on the opened file); its size bounds what is
-    read."""
+    checked before the open, so a FIFO never blocks, and again on the opened file); its size bounds
+    what is read."""
 
     local = not remote.is_remote(url)
     if local and regular_stat(remote.local_path(url), "shard") is None:
@@ -646,8 +638,7 @@ class ShardPass:
 
     def add_rows(self, locations: list, lengths: list, dim_ids: list, bounds: np.ndarray) -> None:
         """Append accepted samples without media: ``locations`` (lists ``[shard, start, end,
-        checksum]``),
-        ``lengths`` and ``dim_ids`` (ints), ``bounds int64 [k, 3, 4]``."""
+        checksum]``), ``lengths`` and ``dim_ids`` (ints), ``bounds int64 [k, 3, 4]``."""
         self.locations += locations
         self.lengths += lengths
         self.media += [False] * len(lengths)
@@ -741,8 +732,8 @@ def _header_pass(source, schema, shard: int, rule, f) -> dict:
 def _bounded_members(exts: dict[str, bytes]) -> dict[str, np.ndarray]:
     """The :data:`~prealign.loaders.index.sample_checks.BOUNDED` ``.npy`` members of a sample, as
     views of their bytes (no copy; never unpickled; their headers were checked by the rule). An
-    integer member whose data is
-    shorter than its header says is left out (the full pass refuses it when it loads)."""
+    integer member whose data is shorter than its header says is left out (the full pass refuses it
+    when it loads)."""
     out = {}
     for name in BOUNDED:
         data = exts.get(f"{name}.npy")
@@ -766,16 +757,15 @@ def _stacked(rows: list) -> np.ndarray:
 # ------------------------------------------------------------------------------
 def sidecar_key(source) -> tuple[str, dict[str, str]]:
     """``(config, transform fields)`` a sidecar of ``source`` records: computed once per
-    ``write_sidecars``
-    call, not per shard (a transform's identity digests its code, globals and state)."""
+    ``write_sidecars`` call, not per shard (a transform's identity digests its code, globals and
+    state)."""
     fields = transform_fields(source)
     return identity_digest(fields), fields
 
 
 def _up_to_date(source, schema, shard: int, out_dir: str | None, key: tuple | None = None) -> bool:
     """True when shard ``shard`` has a readable sidecar of its current size and this configuration
-    (``key``:
-    :func:`sidecar_key`, computed here when not given)."""
+    (``key``: :func:`sidecar_key`, computed here when not given)."""
 
     src = source if out_dir is None else _with_index_dir(source, out_dir)
     size = shard_size(source, shard)
@@ -801,9 +791,8 @@ def verify_shards(
     recorded size and hash (blake2b-128 of every byte): ``{shard url: what differs}`` for those that
     do not match (a byte changed in place, a shard rewritten with another sidecar left beside it),
     empty when all match. Shards without a sidecar are reported as such. The loaders check size and
-    the first and last 64 KiB at start and
-    each sample's crc32 when read; this is the whole-file check, run on demand (``prealign index
-    --check``)."""
+    the first and last 64 KiB at start and each sample's crc32 when read; this is the whole-file
+    check, run on demand (``prealign index --check``)."""
     src = source if out_dir is None else _with_index_dir(source, out_dir)
     todo = list(range(source.num_shards)) if shards is None else list(shards)
     problems: dict[str, str] = {}
@@ -824,8 +813,7 @@ def verify_shards(
             if (got["size"], got["hash"]) != (meta["size"], meta["hash"]):
                 problems[url] = (
                     f"{got['size']} bytes hashing to {got['hash']}, the sidecar recorded "
-                    f"{meta['size']} "
-                    f"bytes hashing to {meta['hash']}: re-run prealign index"
+                    f"{meta['size']} bytes hashing to {meta['hash']}: re-run prealign index"
                 )
         if progress is not None:
             progress(done, len(todo), 0)
@@ -853,8 +841,7 @@ def index_one(
 ) -> tuple[int, str, int, dict]:
     """Write the sidecar of one shard unless it is up to date (``force``: always); ``key``:
     :func:`sidecar_key` of ``source`` (computed here when not given). Returns ``(shard, "indexed" |
-    "up to date", samples,
-    {reason: bad samples recorded})``."""
+    "up to date", samples, {reason: bad samples recorded})``."""
 
     url = source.urls[shard]
     key = key or sidecar_key(source)
@@ -964,8 +951,7 @@ def write_sidecars(
 
 _POOL_MIN = 192 << 20
 """Shard bytes below which the header pass runs in this process even when given workers: a pool
-costs
-about a second to start (one import of torch), the header pass reads ~100 MB of text shards a
+costs about a second to start (one import of torch), the header pass reads ~100 MB of text shards a
 second."""
 _POOL_MIN_FULL = 16 << 20
 """The same for the full pass (``full=True``: every sample transformed and collated, ~10x slower a

@@ -43,9 +43,8 @@ def shell_shards(urls: list[str]) -> str:
 def index_command(source) -> str:
     """The ``prealign index`` command that writes sidecars this loader's source accepts, every path
     quoted for a POSIX shell. Remote shards with no ``index_dir`` get ``--out prealign-index`` (a
-    sidecar cannot be
-    written beside a remote object) and what to give the loader then. Built once per source (and
-    shard list)."""
+    sidecar cannot be written beside a remote object) and what to give the loader then. Built once
+    per source (and shard list)."""
     key = (
         len(source.urls),
         source.urls[0] if source.urls else None,
@@ -68,8 +67,7 @@ _COMMANDS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 def merge_command(source) -> str:
     """The ``prealign index --merge`` command that writes the one merged index of this source's
-    shards (their
-    sidecars, when up to date, are only checked)."""
+    shards (their sidecars, when up to date, are only checked)."""
     command = index_command(source)
     if not command.startswith("prealign index "):
         return "prealign index --merge (with the flags that built the sidecars) on the same shards"
@@ -108,8 +106,7 @@ def _command(source) -> str:
     else:
         return (
             f"write_sidecars(source, schema, force=True) from prealign.loaders.index.header_pass "
-            f"with this "
-            f"source's transform ({describe_transform(transform)})"
+            f"with this source's transform ({describe_transform(transform)})"
             f"{f' and out_dir={index_dir!r}' if index_dir else ''}"
         )
     return f"prealign index {mode + ' ' if mode else ''}--force{out} {urls}"
@@ -126,13 +123,11 @@ def _remote_unindexed(source) -> bool:
 
 def index_hint(source) -> str:
     """``run `<index_command>` `` and, for remote shards with no ``index_dir``, where the loader
-    then finds the
-    sidecars."""
+    then finds the sidecars."""
     then = (
         (
             f", then give WebDatasetSource(..., index_dir={REMOTE_INDEX_DIR!r}) (the folder it "
-            f"writes in the "
-            f"directory it runs in; or upload the sidecars beside the shards)"
+            f"writes in the directory it runs in; or upload the sidecars beside the shards)"
         )
         if _remote_unindexed(source)
         else ""

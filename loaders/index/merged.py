@@ -66,8 +66,7 @@ _MAX_FILE = 1 << 36
 """64 GiB: a merged index holds 137 bytes a sample (about 500M samples)."""
 _INFLATE = 2
 """:func:`merge_sidecars` stores its members uncompressed (together the file's size): a file that
-inflates
-to more than twice its size (and 1 MiB) is not one it wrote."""
+inflates to more than twice its size (and 1 MiB) is not one it wrote."""
 
 
 def merged_path(source) -> str:
@@ -84,9 +83,8 @@ def merged_path(source) -> str:
 def merge_sidecars(source, path: str | None = None) -> dict:
     """Write the sidecars of every shard of ``source`` as one merged index at ``path`` (default
     :func:`merged_path`), atomically. Every shard needs its sidecar (else :class:`StaleIndexError`:
-    run
-    ``prealign index`` first), and all of them the same configuration. Returns ``{"path", "shards",
-    "samples"}``."""
+    run ``prealign index`` first), and all of them the same configuration. Returns ``{"path",
+    "shards", "samples"}``."""
     path = path or merged_path(source)
     names, probes, table, events, dims = [], [], [], [], []
     parts: dict[str, list] = {"spans": [], "lengths": [], "media": [], "dim_ids": [], "bounds": []}

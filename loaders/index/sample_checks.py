@@ -189,9 +189,8 @@ def signature_verdicts(
 
 def _length_mismatch(source, loc: tuple, indexed: int, got: int) -> StaleIndexError:
     """A sample's length from its sidecar differs from this loader's transform's: the sidecars were
-    built with
-    another transform (one the key does not tell apart), named with the command that rebuilds
-    them."""
+    built with another transform (one the key does not tell apart), named with the command that
+    rebuilds them."""
     from prealign.loaders.index.hints import index_hint
     from prealign.loaders.index.sidecar import transform_name
 
@@ -239,8 +238,8 @@ def bad_row_event(err: BadSampleError) -> BadRecord:
 
 BOUNDED = ("input_ids", "labels", "teacher_topk_ids")
 """Integer sample arrays whose values a sidecar bounds (``bounds [N, 3, 4]``), so that a loader
-holds every sample
-to its schema's id bounds when it is built, as the in-process pass does (:func:`bound_suspects`)."""
+holds every sample to its schema's id bounds when it is built, as the in-process pass does
+(:func:`bound_suspects`)."""
 _BIG = int(np.iinfo(np.int64).max)
 NO_VALUES = np.array([-_BIG - 1, _BIG, _BIG, -_BIG - 1], np.int64)
 """The bounds of an absent (or non-integer) array: ``max``, ``min >= 0``, ``min < 0``, ``max < 0``
@@ -326,8 +325,7 @@ def bound_errors(
     source, schema: BatchSchema, rows: np.ndarray, locations: np.ndarray
 ) -> dict[int, BadSampleError]:
     """The samples at ``rows`` (suspects of :func:`bound_suspects`) loaded and checked by the
-    collator: ``{row:
-    error}`` of those it refuses, each named as the in-process pass names it."""
+    collator: ``{row: error}`` of those it refuses, each named as the in-process pass names it."""
     errors: dict[int, BadSampleError] = {}
     for row in map(int, rows):
         loc = tuple(int(x) for x in locations[row])
@@ -354,8 +352,7 @@ def value_errors(
 ) -> dict[int, BadSampleError]:
     """The id-bound errors of the samples a sidecar index keeps, vectorised: the rows of accepted
     signatures not already bad (``errors``) whose recorded ``bounds`` break ``schema``'s
-    (:func:`bound_suspects`), each checked
-    exactly (:func:`bound_errors`)."""
+    (:func:`bound_suspects`), each checked exactly (:func:`bound_errors`)."""
     accepted = np.asarray([v is not None for v in verdicts] + [False], bool)
     rows = np.flatnonzero(
         bound_suspects(schema, bounds) & accepted[np.minimum(dim_ids, len(verdicts))]

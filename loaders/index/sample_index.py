@@ -1,6 +1,5 @@
 """``SampleIndex``: every good sample of a source (length, location, shard, media), saved and loaded
-as a
-checked ``.npz`` (never unpickled)."""
+as a checked ``.npz`` (never unpickled)."""
 
 from __future__ import annotations
 
@@ -56,9 +55,8 @@ class SampleIndex:
     def digest(self) -> str:
         """16 hex digits over lengths, locations, (when any sample has media) the media flags and
         (when any) the named dims: changes when the data does. Computed once per index (it is
-        immutable:
-        ``dataclasses.replace`` makes a new one), so a checkpoint's ``state_dict`` never rehashes
-        it."""
+        immutable: ``dataclasses.replace`` makes a new one), so a checkpoint's ``state_dict`` never
+        rehashes it."""
         h = hashlib.sha256()
         arrays = [self.lengths, self.locations, self.shards]
         if self.media is not None and bool(
@@ -73,8 +71,8 @@ class SampleIndex:
 
     def save(self, path: str) -> None:
         """Write as an ``.npz`` archive (arrays only, no pickle) at exactly ``path`` (no suffix
-        added), for
-        reuse across runs (``PackedLoader(..., indexing=IndexOptions(prebuilt=path))``)."""
+        added), for reuse across runs (``PackedLoader(...,
+        indexing=IndexOptions(prebuilt=path))``)."""
         extra = {} if self.media is None else {"media": np.asarray(self.media, dtype=bool)}
         if self.dims is not None:
             extra["dims"] = np.frombuffer(
@@ -185,8 +183,7 @@ def _checked_index(path: str, z) -> SampleIndex:
     if missing or extra:
         raise IndexFileError(
             f"index {path}: expected keys lengths, locations, shards, report (+ media, dims, "
-            f"source_shards), "
-            f"missing {sorted(missing)}, unknown {sorted(extra)}"
+            f"source_shards), missing {sorted(missing)}, unknown {sorted(extra)}"
         )
     lengths = _index_array(path, z, "lengths", "i", 1, None).astype(np.int64)
     n = lengths.shape[0]
@@ -234,8 +231,8 @@ def _checked_index(path: str, z) -> SampleIndex:
 
 def _check_source_shards(path: str, rec, shards: np.ndarray) -> None:
     """Key ``source_shards`` (written by :meth:`SampleIndex.save` for webdataset sources):
-    ``{"names": [str],
-    "sizes": [int or None]}`` of equal lengths, covering every shard the rows name."""
+    ``{"names": [str], "sizes": [int or None]}`` of equal lengths, covering every shard the rows
+    name."""
 
     def _size(v) -> bool:
         return v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= -1)

@@ -108,8 +108,7 @@ class ShardChecks:
         shard)."""
         if not self.probed.any():  # sizes alone: a saved SampleIndex
             return (
-                "rebuild the saved index: `build_index(source, schema).save(path)` on the "
-                "data "
+                "rebuild the saved index: `build_index(source, schema).save(path)` on the data "
                 "as it is now"
             )
         return index_hint(source)
@@ -124,8 +123,7 @@ def check_all_shards(source, shards=None) -> int:
     """Check ``shards`` (default: all) of ``source`` against their sidecars as their first read does
     (:class:`ShardChecks`; on up to 8 threads when the file system is slow, :func:`per_shard`): the
     whole data set's check at once (``PackedLoader.verify_shards``). Returns the number of shards
-    checked; raises the
-    first failure in shard order."""
+    checked; raises the first failure in shard order."""
     check = getattr(source, "shard_check", None)
     if check is None:
         return 0
@@ -142,8 +140,8 @@ link."""
 def _entries_without_samples(data: bytes, at: int, stop: int) -> int | None:
     """Walk the tar headers in ``data`` from ``at``: skip entries that hold no sample
     (:data:`_NO_SAMPLE`, their data included) and stop at ``stop``, at a zero block (the end of the
-    archive) or at the end of ``data``.
-    Returns where the walk stopped, or None when it met a member that is a file (a sample's)."""
+    archive) or at the end of ``data``. Returns where the walk stopped, or None when it met a member
+    that is a file (a sample's)."""
     while at < stop and at + 512 <= len(data):
         head = data[at : at + 512]
         if head == bytes(512):

@@ -67,8 +67,7 @@ _MEMBER = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,100}")
 
 def member_bytes(name: str, value, *, sample: str) -> tuple[str, bytes]:
     """``(extension, bytes)`` of one sample entry (see the module's table); anything that could not
-    be read back
-    as written is a :class:`ConfigError` naming the sample and the entry."""
+    be read back as written is a :class:`ConfigError` naming the sample and the entry."""
     if (
         not isinstance(name, str)
         or not _MEMBER.fullmatch(name)
@@ -83,8 +82,7 @@ def member_bytes(name: str, value, *, sample: str) -> tuple[str, bytes]:
     ):  # the loader's own keys (__url__, __shard__, __key__): a member would be lost
         raise ConfigError(
             f"sample {sample!r}: member name {name!r} is reserved (names starting with '__' are "
-            f"the "
-            f"loader's: __key__, __url__, __shard__)"
+            f"the loader's: __key__, __url__, __shard__)"
         )
     if (
         is_video_file(name) and isinstance(value, dict) and "frames" in value
@@ -96,8 +94,7 @@ def member_bytes(name: str, value, *, sample: str) -> tuple[str, bytes]:
         except ValueError as exc:
             raise ConfigError(
                 f"sample {sample!r}: video member {name!r}: {exc} (give {{'frames': uint8 [T, H, "
-                f"W, 3], "
-                f"'fps': float}})"
+                f"W, 3], 'fps': float}})"
             ) from None
     if hasattr(value, "detach") and hasattr(value, "cpu"):  # a torch tensor
         value = value.detach().cpu().numpy()
@@ -139,14 +136,12 @@ def member_bytes(name: str, value, *, sample: str) -> tuple[str, bytes]:
         except (OSError, ValueError, KeyError, TypeError) as exc:  # (e.g. an RGBA image as JPEG)
             raise ConfigError(
                 f"sample {sample!r}: member {name!r}: a {value.mode} image cannot be written as "
-                f"{fmt} "
-                f"({type(exc).__name__}: {exc})"
+                f"{fmt} ({type(exc).__name__}: {exc})"
             ) from None
         return (name if name.rsplit(".", 1)[-1].lower() == ext else f"{name}.{ext}"), buf.getvalue()
     raise ConfigError(
         f"sample {sample!r}: member {name!r} is a {type(value).__name__}; expected an array, a "
-        f"dict or "
-        f"list (JSON), str, bytes or a PIL image"
+        f"dict or list (JSON), str, bytes or a PIL image"
     )
 
 
@@ -271,8 +266,7 @@ class ShardWriter:
             raise ConfigError(
                 f"{side}: a sidecar is there already (another data set's, in a shared index_dir?); "
                 f"the writer never overwrites a file it did not create: write to another pattern "
-                f"or "
-                f"index_dir"
+                f"or index_dir"
             )
         if os.path.lexists(path):
             raise ConfigError(f"{path}: exists; write the shards to a new folder or pattern")
@@ -281,8 +275,7 @@ class ShardWriter:
         except FileExistsError:
             raise ConfigError(
                 f"{path}.part: exists (a writer's unfinished shard?); delete it or write the "
-                f"shards to "
-                f"a new folder or pattern"
+                f"shards to a new folder or pattern"
             ) from None
         self._tar = tarfile.open(fileobj=self._file, mode="w", format=tarfile.USTAR_FORMAT)
         self._path = path

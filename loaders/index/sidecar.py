@@ -116,8 +116,7 @@ _ROW_BYTES = 8 * 3 + 8 + 1 + 8 + 8 * 12  # spans, lengths, media, dim_ids, bound
 
 def regular_stat(path: str, what: str) -> os.stat_result | None:
     """``os.stat`` of ``path`` (symlinks followed; never opened, so a FIFO cannot block), None when
-    it
-    does not exist; :class:`NotRegularFileError` naming it when it is anything but a regular
+    it does not exist; :class:`NotRegularFileError` naming it when it is anything but a regular
     file."""
     try:
         st = os.stat(path)
@@ -134,9 +133,8 @@ def read_regular(path: str, what: str, limit) -> bytes | None:
     """The bytes of the regular file ``path`` (None when it does not exist), opened without blocking
     (a FIFO is refused, never waited on) and checked after the open (``fstat``: no swap between
     check and open); anything but a regular file, or more than ``limit`` bytes, is a
-    :class:`StaleIndexError`
-    naming it (never an unbounded read). ``limit``: an int, or a function of the file's size giving
-    it."""
+    :class:`StaleIndexError` naming it (never an unbounded read). ``limit``: an int, or a function
+    of the file's size giving it."""
     try:
         f = open_regular(path)
     except FileNotFoundError:
@@ -173,8 +171,7 @@ class Fingerprint:
     """Counts and hashes the bytes of a file object as they are read, serving small reads (tar
     headers) from a buffer of at most :data:`_BUFFER` bytes. ``length``: the bytes the file holds
     when known (a local regular file), so a tar reader can bound member sizes by what is left
-    (``length - pos``);
-    ``name`` names the shard in errors."""
+    (``length - pos``); ``name`` names the shard in errors."""
 
     def __init__(self, f, length: int | None = None, name: str | None = None):
         self.f, self.size, self.hash, self.length, self.name = (
@@ -258,8 +255,7 @@ def write_sidecar(
     extra: dict | None = None,
 ) -> None:
     """Write ``record`` (an :func:`~prealign.loaders.index.build.index_shard` result) as the sidecar
-    ``path``
-    (atomically: a temporary file renamed)."""
+    ``path`` (atomically: a temporary file renamed)."""
     n = len(record["lengths"])
     locs = np.asarray(record["locations"], dtype=np.int64).reshape(n, -1 if n else 4)
     if locs.shape[1] != 4:
@@ -407,8 +403,7 @@ def parse_sidecar(
 def check_values(parsed: list[tuple[dict, dict[str, np.ndarray]]]) -> bool:
     """Whether the value checks :func:`parse_sidecar` leaves out with ``values=False`` all pass for
     these ``(meta, arrays)`` of many sidecars: a few numpy calls over all of them (a start over
-    2,000 sidecars), no
-    call per shard but the gathering of their arrays."""
+    2,000 sidecars), no call per shard but the gathering of their arrays."""
     if not parsed:
         return True
     metas = [m for m, _ in parsed]
@@ -482,8 +477,8 @@ def _check_spans(spans: np.ndarray, events: list, num_events: int, bad) -> None:
 def record_of(meta: dict, arrays: dict[str, np.ndarray], shard: int) -> dict:
     """The :func:`~prealign.loaders.index.build.index_shard` record a sidecar holds, for shard
     number ``shard`` (arrays instead of lists; ``spans [N, 3]`` instead of ``locations``, which
-    :func:`merge_records` builds
-    once for all shards; ``"sidecar": True`` lets it take the vectorised path)."""
+    :func:`merge_records` builds once for all shards; ``"sidecar": True`` lets it take the
+    vectorised path)."""
     events: list = [None] * meta["num_events"]
     for pos, ev in meta["events"]:
         if not 0 <= pos < len(events):
@@ -521,9 +516,8 @@ def indexed_transform(transform):
 def describe_transform(transform) -> str:
     """A stable description of what decides the lengths a transform gives (its index fields,
     :func:`~prealign.loaders.handoff.identity.index_fields`): ``none``, ``numpy_fields``, else its
-    qualified name
-    and the digest of its fields (its code, the globals it reads, its state; a VLM's tokenizer and
-    processor)."""
+    qualified name and the digest of its fields (its code, the globals it reads, its state; a VLM's
+    tokenizer and processor)."""
     fields = index_fields(indexed_transform(transform), owner="the index key")
     return (
         fields["transform"]
@@ -559,8 +553,7 @@ def transform_fields(source) -> dict[str, str]:
     reads, an instance's class and state; a VLM's tokenizer class, vocabulary, vision tokens, a
     probe of its encoding and a hash of its whole definition (never its folder), image processor
     options, text member, top-k, the family's grids). Never the schema: pad id, vocabulary bound,
-    ignore index and fields are
-    checked when a loader reads the sidecar and loads the samples."""
+    ignore index and fields are checked when a loader reads the sidecar and loads the samples."""
     fields = {
         "required": json.dumps(sorted(getattr(source, "required", ()))),
         "limits": repr(getattr(source, "limits", None)),
@@ -571,8 +564,8 @@ def transform_fields(source) -> dict[str, str]:
 
 def config_key(source, schema=None) -> str:
     """16 hex digits naming what a sidecar depends on: the digest of :func:`transform_fields`
-    (``schema`` is not
-    part of it: a sidecar serves any schema; the argument is accepted for callers that pass it)."""
+    (``schema`` is not part of it: a sidecar serves any schema; the argument is accepted for callers
+    that pass it)."""
     return identity_digest(transform_fields(source))
 
 
@@ -593,8 +586,8 @@ def shard_sizes(source, shards=None) -> list[int]:
     each, bounded by the source's ``read_timeout``; one request per URL, overlapping). Every local
     shard that does not exist or is a folder is listed in one :class:`MissingShardError` (a brace
     range naming absent files); an unreachable URL raises its own; a ``stat`` that hangs (a dead
-    mount) is a
-    :class:`ShardTimeoutError` naming the shard. ``-1``: no size (a ``pipe:`` command's output)."""
+    mount) is a :class:`ShardTimeoutError` naming the shard. ``-1``: no size (a ``pipe:`` command's
+    output)."""
 
     urls = source.urls
     shards = list(range(len(urls))) if shards is None else list(shards)
@@ -686,8 +679,7 @@ def read_probe(source, shard: int, size: int) -> tuple[str, bytes, bytes]:
 def sidecar_limit(size: int | None) -> int:
     """Most bytes the sidecar of a shard of ``size`` bytes can hold (``None`` or ``-1``: size
     unknown): its meta (at most 64 MiB), a row of 41 bytes per sample (a sample takes at least one
-    512-byte tar
-    header; with no size, a shard of 1 TiB) and the zip's own framing."""
+    512-byte tar header; with no size, a shard of 1 TiB) and the zip's own framing."""
     shard = (1 << 40) if size is None or size < 0 else size
     return _MAX_META + (1 << 20) + _ROW_BYTES * (shard // 512 + 1)
 
@@ -695,8 +687,8 @@ def sidecar_limit(size: int | None) -> int:
 def read_sidecar_bytes(source, shard: int, size: int | None = None) -> bytes | None:
     """The sidecar of shard ``shard`` (local file or URL), or None when there is none. A local
     sidecar must be a regular file (a FIFO is refused, never waited on; a link to ``/dev/zero`` is
-    refused) of at most
-    :func:`sidecar_limit` of the shard's ``size`` bytes, else :class:`StaleIndexError`."""
+    refused) of at most :func:`sidecar_limit` of the shard's ``size`` bytes, else
+    :class:`StaleIndexError`."""
 
     if remote.scheme(source.urls[shard]) == "pipe" and not getattr(source, "index_dir", None):
         return None  # a command's output has no "beside": give index_dir
@@ -725,8 +717,7 @@ def read_sidecar_bytes(source, shard: int, size: int | None = None) -> bytes | N
 def expected_of(meta: dict, spans: np.ndarray) -> tuple[int, str, int, int]:
     """What a shard's first read checks (:class:`ShardChecks`): ``(size, probe, first, last)``;
     ``first`` the byte where its first good sample starts when that is its first record (else -1),
-    ``last`` where its last
-    good sample ends when that is its last record (else -1)."""
+    ``last`` where its last good sample ends when that is its last record (else -1)."""
     events = meta["events"]
     first = int(spans[0, 0]) if len(spans) and not (events and events[0][0] == 0) else -1
     last = (

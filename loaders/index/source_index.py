@@ -39,9 +39,8 @@ def sidecar_records(source, schema) -> dict[int, dict]:
     (format, keys, dtypes, shapes, the shard it names) and against this loader's transform (the
     schema: :func:`~prealign.loaders.index.build.resolve_signatures`); the shard itself is not read
     here (:class:`ShardChecks`: at its first read). Sidecars are read on up to 8 threads when the
-    first
-    reads show a file system's latency (:func:`per_shard`). Raises :class:`StaleIndexError` naming
-    the shard and the difference."""
+    first reads show a file system's latency (:func:`per_shard`). Raises :class:`StaleIndexError`
+    naming the shard and the difference."""
     if not getattr(source, "sidecars", False):
         return {}
     key = config_key(source, schema)
@@ -116,9 +115,8 @@ def _advise_merge(source) -> None:
 
 def check_meta(source, url: str, meta: dict, key: str) -> None:
     """A sidecar's ``meta`` is that of shard ``url`` of ``source`` and built for this loader's
-    transform
-    (``key``: :func:`config_key`); a mismatch names the field that differs and the command that
-    fixes it."""
+    transform (``key``: :func:`config_key`); a mismatch names the field that differs and the command
+    that fixes it."""
     if meta["shard"] != shard_name(url):
         raise StaleIndexError(
             url, f"its sidecar describes shard {meta['shard']!r}", "a sidecar of another shard"
@@ -166,8 +164,7 @@ def check_index(index, source) -> None:
     range, else an :class:`~prealign.loaders.errors.IndexFileError`), the shard list (and, when the
     index recorded them, the shard names and sizes). Raises an :class:`IndexMismatchError` subclass
     naming the shard and the difference (:class:`ExtraShardError`, also an ``IndexFileError``, when
-    the
-    index and the source name other shards)."""
+    the index and the source name other shards)."""
 
     n = source.num_shards
     recorded = getattr(index, "source_shards", None) or {}

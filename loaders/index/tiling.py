@@ -29,8 +29,7 @@ from prealign.loaders.sources.tar_reader import TarFormatError, iter_members
 
 MAX_REGION = 64 << 20
 """Largest stretch of bad samples read to count them at a shard's first read (bytes); a longer one
-(a shard of
-huge undecodable members) is not counted."""
+(a shard of huge undecodable members) is not counted."""
 
 
 def check_tiling(
@@ -47,8 +46,7 @@ def check_tiling(
     ``(shard, position)`` of each bad or skipped record, in order (positions checked in range by the
     caller). Returns ``(first, last)`` int64 ``[S]``: per shard, the byte its first good sample
     starts at when that is its first record, where its last good sample ends when that is its last
-    record (else ``-1``), as
-    :func:`~prealign.loaders.index.sidecar.expected_of` records them."""
+    record (else ``-1``), as :func:`~prealign.loaders.index.sidecar.expected_of` records them."""
     first_record = np.concatenate([[0], np.cumsum(num_events)]).astype(np.int64)
     is_event = np.zeros(int(first_record[-1]), bool)
     if events:
@@ -73,8 +71,7 @@ def check_tiling(
         i = int(np.argmax(gap))
         raise bad(
             f"shard {int(owner[i])}: a gap of {int(spans[i + 1, 0] - spans[i, 1])} bytes between "
-            f"two "
-            f"samples with no bad or skipped record between them (a removed row)"
+            f"two samples with no bad or skipped record between them (a removed row)"
         )
     rows = (
         np.bincount(owner, minlength=len(num_events))
@@ -127,8 +124,7 @@ def bad_regions(spans: np.ndarray, events: list, num_events: int) -> list[tuple[
 
 def count_samples(data: bytes, base: int) -> int | None:
     """The samples (runs of members sharing a key) in tar bytes ``data`` starting at archive offset
-    ``base``,
-    up to their end or an end-of-archive marker; None when they are not a tar stream."""
+    ``base``, up to their end or an end-of-archive marker; None when they are not a tar stream."""
     keys, last = 0, None
     try:
         for m in iter_members(io.BytesIO(data), base=base, need_end_marker=False):

@@ -10,9 +10,9 @@ transform owns (``VLMSampleTransform.spatial_merge_size``), not from the tokeniz
 The demo's :class:`~prealign.loaders.cli.demo_tokenizer.ByteTokenizer` is one; a real tokenizer is
 wrapped::
 
-    from transformers import AutoTokenizer
-    tok = HFChatTokenizer(AutoTokenizer.from_pretrained("Qwen/Qwen2-VL-2B-Instruct"))
-    transform = VLMSampleTransform(tokenizer=tok, topk=64)
+    from transformers import AutoTokenizer tok =
+    HFChatTokenizer(AutoTokenizer.from_pretrained("Qwen/Qwen2-VL-2B-Instruct")) transform =
+    VLMSampleTransform(tokenizer=tok, topk=64)
 """
 
 from __future__ import annotations
@@ -54,13 +54,11 @@ class HFChatTokenizer:
     tokenizer: Any
     spatial_merge_size: int | None = None
     """Leave unset: :class:`~prealign.loaders.media.vlm.VLMSampleTransform` takes it from its image
-    processor
-    (``vision`` alone falls back to Qwen2-VL's 2)."""
+    processor (``vision`` alone falls back to Qwen2-VL's 2)."""
     im_start: str | None = "<|im_start|>"
     im_end: str | None = "<|im_end|>"
     """``None`` (both): a family whose chat frame writes its own role tags (GLM's); then
-    ``im_start_id`` /
-    ``im_end_id`` are absent and the tokenizer must have an eos token."""
+    ``im_start_id`` / ``im_end_id`` are absent and the tokenizer must have an eos token."""
     vision_start: str = "<|vision_start|>"
     vision_end: str = "<|vision_end|>"
     image_pad: str = "<|image_pad|>"
@@ -87,8 +85,7 @@ class HFChatTokenizer:
             if tid is None or (tid == unk and token != getattr(self.tokenizer, "unk_token", None)):
                 raise ConfigError(
                     f"HFChatTokenizer: the tokenizer has no {token!r} token ({attr}); pass the "
-                    f"name "
-                    f"this model uses, e.g. HFChatTokenizer(tok, "
+                    f"name this model uses, e.g. HFChatTokenizer(tok, "
                     f"{attr.removesuffix('_id').removesuffix('_token')}=...)"
                 )
             ids[attr] = int(tid)

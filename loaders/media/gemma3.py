@@ -60,8 +60,7 @@ _SPLIT = re.compile("(" + re.escape(IMAGE_PLACEHOLDER) + ")")
 @functools.lru_cache(maxsize=4)
 def gemma3_image_processor(image_size: int):
     """transformers' Gemma 3 image processor (PIL backend where the installed transformers has one),
-    resizing to
-    ``image_size`` square, pan-and-scan off. Built locally; cached per process."""
+    resizing to ``image_size`` square, pan-and-scan off. Built locally; cached per process."""
     try:
         from transformers import Gemma3ImageProcessorPil as cls
     except ImportError:  # older transformers: the PIL / NumPy one is Gemma3ImageProcessor
@@ -74,8 +73,8 @@ class Gemma3SampleTransform:
     """Raw multimodal sample -> Gemma 3 fields (module docstring). ``model_config``: the
     ``Gemma3Config`` (or its dict); ``tokenizer``: the model's HF tokenizer (wrapped with
     :data:`GEMMA3_TOKENS`) or a :class:`~prealign.loaders.media.chat_tokenizer.ChatTokenizer` with
-    those ids; ``processor``: the model's
-    processor or image processor (default :func:`gemma3_image_processor`). Picklable."""
+    those ids; ``processor``: the model's processor or image processor (default
+    :func:`gemma3_image_processor`). Picklable."""
 
     model_config: Any
     tokenizer: Any
@@ -108,14 +107,12 @@ class Gemma3SampleTransform:
         if ours != theirs:
             raise ConfigError(
                 f"Gemma3SampleTransform: the config's (image, start, end) ids {ours} differ from "
-                f"the "
-                f"tokenizer's {theirs}"
+                f"the tokenizer's {theirs}"
             )
         if getattr(self.image_processor, "do_pan_and_scan", None):
             raise ConfigError(
                 "Gemma3SampleTransform: pan-and-scan crops are not supported "
-                "(do_pan_and_scan=True); "
-                "turn it off"
+                "(do_pan_and_scan=True); turn it off"
             )
         for name in ("log_prob_dtype", "pixel_dtype"):
             if getattr(self, name) not in ("float32", "bfloat16"):
@@ -216,8 +213,7 @@ class Gemma3SampleTransform:
 
     def index_key(self) -> str:
         """What a sample's length depends on (an index sidecar's key): the tokenizer (ids and a
-        probe encoding),
-        the family's image block, teacher K."""
+        probe encoding), the family's image block, teacher K."""
         tok, fam = self.tokenizer, self.family
         probe = np.asarray(tok.encode("prealign probe:\n\n <image> Hello, world!")).tolist()
         return json.dumps(
@@ -238,8 +234,7 @@ class Gemma3SampleTransform:
 
     def header_ids(self, raw: dict) -> tuple[np.ndarray, np.ndarray]:
         """(``input_ids``, ``loss_mask``) without decoding an image: the number of images is all the
-        length
-        depends on (what an index pass needs)."""
+        length depends on (what an index pass needs)."""
         key = raw.get("__key__", "?")
         meta = sample_metadata(raw, self.text_key, key)
         return encode_segments(

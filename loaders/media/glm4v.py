@@ -1,8 +1,7 @@
 """GLM-4.1V / 4.5V samples (:mod:`prealign.collate.vision.glm4v` holds the rules): the token names
 its tokenizer uses, transformers' GLM-4.1V image processor, for the transform's Qwen-style path
-(grids, mRoPE), and GLM's own
-chat frame (:class:`GlmChatFrame`: ``[gMASK]<sop>``, ``<|user|>`` ... role tags, GLM-4.5V's think
-block)."""
+(grids, mRoPE), and GLM's own chat frame (:class:`GlmChatFrame`: ``[gMASK]<sop>``, ``<|user|>`` ...
+role tags, GLM-4.5V's think block)."""
 
 from __future__ import annotations
 
@@ -18,9 +17,8 @@ TOKEN_NAMES = {
     "video_pad": "<|video|>",
 }
 """:class:`~prealign.loaders.media.chat_tokenizer.HFChatTokenizer` names of GLM-4.1V's media tokens
-(no
-``<|im_start|>`` / ``<|im_end|>``: :class:`GlmChatFrame` writes GLM's role tags as the template's
-text)."""
+(no ``<|im_start|>`` / ``<|im_end|>``: :class:`GlmChatFrame` writes GLM's role tags as the
+template's text)."""
 
 
 @functools.lru_cache(maxsize=4)
@@ -110,9 +108,8 @@ class GlmChatFrame:
 def chat_frame(family, name: str | None = None) -> GlmChatFrame | None:
     """The chat frame a family's samples are rendered in: ``name`` (``"glm4.1v"``, ``"glm4.5v"``,
     ``"chatml"``) where given, else the family's: GLM-4.1V (``glm4v``) without thinking, GLM-4.5V /
-    4.6V (``glm4v_moe``) with;
-    ``None``: the ``<|im_start|>`` frame :func:`~prealign.loaders.media.vlm.render_chat` writes
-    itself."""
+    4.6V (``glm4v_moe``) with; ``None``: the ``<|im_start|>`` frame
+    :func:`~prealign.loaders.media.vlm.render_chat` writes itself."""
     model_type = getattr(family, "model_type", "")
     if name is None:
         name = {"glm4v": "glm4.1v", "glm4v_moe": "glm4.5v"}.get(model_type, "chatml")

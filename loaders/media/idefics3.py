@@ -46,15 +46,15 @@ IDEFICS3_TOKENS = {
 }
 """:class:`HFChatTokenizer` names of SmolVLM's tokens: ``<end_of_utterance>`` closes a turn
 (``im_end``), ``<fake_token_around_image>`` wraps images (``vision_start``), ``<image>`` is the
-image token.
-``<row_r_col_c>`` and ``<global-img>`` are written as text (the tokenizer's added tokens)."""
+image token. ``<row_r_col_c>`` and ``<global-img>`` are written as text (the tokenizer's added
+tokens)."""
 
 
 @functools.lru_cache(maxsize=4)
 def idefics3_image_processor(model_type: str, longest_edge: int, tile: int):
     """transformers' SmolVLM / Idefics3 image processor (PIL backend where the installed
-    transformers has one),
-    ``longest_edge`` and ``tile``-px tiles. Built locally; cached per process."""
+    transformers has one), ``longest_edge`` and ``tile``-px tiles. Built locally; cached per
+    process."""
     return pil_image_processor_class(model_type)(
         size={"longest_edge": longest_edge}, max_image_size={"longest_edge": tile}
     )
@@ -63,8 +63,8 @@ def idefics3_image_processor(model_type: str, longest_edge: int, tile: int):
 def pil_image_processor_class(model_type: str):
     """transformers' PIL-backend image processor class of ``smolvlm`` / ``idefics3``, imported from
     its module (transformers 5.6 and 5.10 list ``SmolVLMImageProcessorPil`` as needing torchvision
-    at the top level, though
-    its module does not); the torchvision-free ``*ImageProcessor`` where no PIL module exists."""
+    at the top level, though its module does not); the torchvision-free ``*ImageProcessor`` where no
+    PIL module exists."""
     import importlib
 
     import transformers
@@ -108,14 +108,12 @@ class Idefics3SampleTransform(SizedImagesTransform):
         if not tile or not edge:
             raise ConfigError(
                 f"Idefics3SampleTransform: expected an image processor with size and "
-                f"max_image_size "
-                f"longest_edge, got {ip.size}, {ip.max_image_size}"
+                f"max_image_size longest_edge, got {ip.size}, {ip.max_image_size}"
             )
         if int(tile) != fam.tile_size:
             raise ConfigError(
                 f"Idefics3SampleTransform: the image processor's {tile}-px tiles are not the "
-                f"vision "
-                f"tower's image_size {fam.tile_size}"
+                f"vision tower's image_size {fam.tile_size}"
             )
         object.__setattr__(
             self,
@@ -195,8 +193,7 @@ class Idefics3SampleTransform(SizedImagesTransform):
 
     def index_key(self) -> str:
         """What a sample's length depends on (an index sidecar's key): the shared fields (the family
-        with the
-        splitting in use) and the token ids."""
+        with the splitting in use) and the token ids."""
         tok = self.tokenizer
         return json.dumps(
             {

@@ -41,8 +41,7 @@ _ORDER = re.compile(re.escape(IMAGE_PLACEHOLDER) + "|" + re.escape(VIDEO_PLACEHO
 
 def internvl_chat_tokenizer(tokenizer):
     """A Hugging Face InternVL tokenizer as the transform's chat tokenizer (its ``<img>``,
-    ``</img>``,
-    ``<IMG_CONTEXT>`` and ``<video>`` tokens)."""
+    ``</img>``, ``<IMG_CONTEXT>`` and ``<video>`` tokens)."""
     from prealign.loaders.media.chat_tokenizer import HFChatTokenizer
 
     return HFChatTokenizer(
@@ -65,9 +64,8 @@ def _processor(options: tuple):
 
 def internvl_image_processor(family: InternVL, **options):
     """transformers' GotOcr2 image processor as InternVL's checkpoints configure it (``tile_size``
-    square tiles,
-    ``crop_to_patches``, 1 to 12 tiles), overridden by ``options``; built locally, cached per
-    process."""
+    square tiles, ``crop_to_patches``, 1 to 12 tiles), overridden by ``options``; built locally,
+    cached per process."""
     settings = {
         "size": {"height": family.tile_size, "width": family.tile_size},
         "crop_to_patches": True,
@@ -87,8 +85,8 @@ def internvl_image_processor(family: InternVL, **options):
 
 def tiling_family(family: InternVL, image_processor) -> InternVL:
     """``family`` with the tiling settings of the image processor that runs (its ``size``,
-    ``crop_to_patches``,
-    ``min_patches``, ``max_patches``): what header-only lengths must use to match the pixels."""
+    ``crop_to_patches``, ``min_patches``, ``max_patches``): what header-only lengths must use to
+    match the pixels."""
     size = image_processor.size
     get = size.get if isinstance(size, dict) else (lambda k, d=None: getattr(size, k, d))
     if get("height") != get("width"):
@@ -116,9 +114,8 @@ def media_order(meta: dict) -> list[str]:
 
 def video_ids(tokenizer, family: InternVL, frames: int) -> np.ndarray:
     """int64 ids of a video of ``frames`` frames: ``Frame{i}: <img>`` + ``image_seq_length`` x
-    ``<IMG_CONTEXT>`` +
-    ``</img>``, the frames joined by ``\\n`` (encoded with the next frame's label, as one text
-    run)."""
+    ``<IMG_CONTEXT>`` + ``</img>``, the frames joined by ``\\n`` (encoded with the next frame's
+    label, as one text run)."""
     block = [
         tokenizer.vision_start_token_id,
         *([tokenizer.image_token_id] * family.image_seq_length),
@@ -132,8 +129,7 @@ def video_ids(tokenizer, family: InternVL, frames: int) -> np.ndarray:
 
 def image_tiles(images: list, processor) -> tuple[torch.Tensor, list[int]]:
     """RGB PIL images -> (``pixel_values`` float32 ``[tiles, 3, s, s]``, tiles per image), the
-    processor run as is
-    (its ``ValueError`` on an image it refuses passes through)."""
+    processor run as is (its ``ValueError`` on an image it refuses passes through)."""
     if not images:
         s = int(
             processor.size["height"] if isinstance(processor.size, dict) else processor.size.height
@@ -156,8 +152,7 @@ def arrange_tiles(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Images' and videos' tiles in the order the text names them (``order`` from
     :func:`media_order`), as ``InternVLProcessor`` concatenates them -> (``pixel_values`` ``[tiles,
-    3, s, s]``, int64 tiles per ``<img>``
-    block: an image's tiles, 1 per video frame)."""
+    3, s, s]``, int64 tiles per ``<img>`` block: an image's tiles, 1 per video frame)."""
     starts = np.concatenate(([0], np.cumsum(tiles))).astype(int)
     blocks, counts, images, videos = [], [], iter(range(len(tiles))), iter(clips)
     for kind in order:
@@ -177,7 +172,6 @@ def check_tokenizer(tokenizer, family: InternVL) -> None:
     if tokenizer.image_token_id != family.image_token_id:
         raise ConfigError(
             f"VLMSampleTransform: the internvl config's image_token_id {family.image_token_id} is "
-            f"not "
-            f"the tokenizer's image token {tokenizer.image_token_id}; wrap the tokenizer with "
+            f"not the tokenizer's image token {tokenizer.image_token_id}; wrap the tokenizer with "
             "internvl_chat_tokenizer() (its <IMG_CONTEXT>)"
         )

@@ -77,9 +77,8 @@ _SPLIT = re.compile("(" + re.escape(IMAGE_PLACEHOLDER) + "|" + re.escape(VIDEO_P
 @dataclass(frozen=True)
 class OnevisionChatTokenizer:
     """A Hugging Face tokenizer with LLaVA-OneVision's tokens (``<|im_start|>``, ``<|im_end|>``,
-    ``<image>``,
-    ``<video>``) for the transform: ``encode(text) -> int64 [n]`` without added special tokens.
-    Picklable."""
+    ``<image>``, ``<video>``) for the transform: ``encode(text) -> int64 [n]`` without added special
+    tokens. Picklable."""
 
     tokenizer: Any
     im_start: str = "<|im_start|>"
@@ -156,8 +155,7 @@ class LlavaOnevisionSampleTransform:
     ``LlavaOnevisionConfig`` (or its dict); ``tokenizer``: the model's HF tokenizer (wrapped by
     :class:`OnevisionChatTokenizer`) or an object with ``encode``, ``im_start_id``, ``im_end_id``,
     ``image_token_id``, ``vocab_size``; ``processor``: the model's processor or image processor
-    (default
-    :func:`onevision_image_processor`), whose tile size and pinpoints must be the config's.
+    (default :func:`onevision_image_processor`), whose tile size and pinpoints must be the config's.
     Picklable."""
 
     model_config: Any
@@ -214,8 +212,7 @@ class LlavaOnevisionSampleTransform:
         self, meta: dict, sizes: list[tuple[int, int]], frames: list[int] = (), *, sample
     ) -> list[tuple]:
         """The rendered chat as :func:`encode_segments` parts for images of ``sizes`` ``(height,
-        width)`` and videos
-        of ``frames`` frames, each in the order the text names them."""
+        width)`` and videos of ``frames`` frames, each in the order the text names them."""
         tok, fam = self.tokenizer, self.family
         counts = [
             fam.image_tokens(h, w, images_in_sample=len(sizes), sample=sample, field=f"images[{i}]")
@@ -283,8 +280,8 @@ class LlavaOnevisionSampleTransform:
 
     def index_key(self) -> str:
         """What a sample's length depends on (an index sidecar's key): the tokenizer (ids and a
-        probe encoding),
-        the family (tile size, pinpoints, ``anyres_max``, feature strategy), teacher K."""
+        probe encoding), the family (tile size, pinpoints, ``anyres_max``, feature strategy),
+        teacher K."""
         tok = self.tokenizer
         probe = np.asarray(tok.encode("prealign probe:\n\n <image> Hello, world!")).tolist()
         return json.dumps(
@@ -307,8 +304,7 @@ class LlavaOnevisionSampleTransform:
     ) -> tuple[np.ndarray, np.ndarray]:
         """(``input_ids``, ``loss_mask``) from the images' header sizes alone (upright by EXIF, as
         decoded; or ``sizes``, ``(height, width)`` per image, where the caller has read them): what
-        :meth:`__call__` writes,
-        without decoding a pixel (what an index pass needs)."""
+        :meth:`__call__` writes, without decoding a pixel (what an index pass needs)."""
         key = raw.get("__key__", "?")
         meta = sample_metadata(raw, self.text_key, key)
         frames = [len(video) for video in self.video_frames(raw, meta, key)]
@@ -326,9 +322,8 @@ class LlavaOnevisionSampleTransform:
     @property
     def video_settings(self) -> tuple:
         """``(tile, mean, std, rescale_factor)`` of the frames: the processor's video processor
-        where it has one,
-        else the image processor's (transformers' LLaVA-OneVision video processor has the same
-        defaults)."""
+        where it has one, else the image processor's (transformers' LLaVA-OneVision video processor
+        has the same defaults)."""
         video = getattr(self.processor, "video_processor", None) or self.image_processor
         size = video.size
         get = size.get if isinstance(size, dict) else (lambda k, d=None: getattr(size, k, d))
@@ -341,9 +336,8 @@ class LlavaOnevisionSampleTransform:
 
     def video_pixels(self, frames: list) -> torch.Tensor:
         """A video's RGB PIL frames -> float32 ``[frames, 3, s, s]``, as transformers' video
-        processors make them:
-        each frame resized by torch's bicubic with antialias on uint8, rescale fused into
-        normalize."""
+        processors make them: each frame resized by torch's bicubic with antialias on uint8, rescale
+        fused into normalize."""
         size, mean, std, rescale = self.video_settings
         table = fused_normalize_table(mean, std, rescale)
         codes = torch.cat(
@@ -378,8 +372,7 @@ class LlavaOnevisionSampleTransform:
 
     def pixels(self, images: list, *, sample) -> torch.Tensor:
         """RGB PIL images of one sample -> float32 ``[tiles, 3, s, s]``: the image processor run on
-        them as one
-        prompt's images, each image's rows without the processor's batch padding."""
+        them as one prompt's images, each image's rows without the processor's batch padding."""
         fam = self.family
         if not images:
             return torch.zeros(0, 3, fam.tile_size, fam.tile_size)

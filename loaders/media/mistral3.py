@@ -47,17 +47,15 @@ MISTRAL3_TOKENS = {
     "image_pad": "[IMG]",
 }
 """:class:`HFChatTokenizer` names of Mistral3's tokens (a user turn's ``[INST]`` / ``[/INST]`` in
-the turn slots,
-``[IMG_BREAK]`` / ``[IMG_END]`` in the vision start / end slots): ``HFChatTokenizer(tok,
-**MISTRAL3_TOKENS)``."""
+the turn slots, ``[IMG_BREAK]`` / ``[IMG_END]`` in the vision start / end slots):
+``HFChatTokenizer(tok, **MISTRAL3_TOKENS)``."""
 SYSTEM_TOKENS = ("[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]")
 
 
 @functools.lru_cache(maxsize=4)
 def mistral3_image_processor(longest_edge: int, patch_size: int):
     """transformers' Pixtral image processor (its PIL backend where the installed transformers has
-    one) with
-    ``longest_edge`` and ``patch_size``. Built locally; cached per process."""
+    one) with ``longest_edge`` and ``patch_size``. Built locally; cached per process."""
     try:
         from transformers import PixtralImageProcessorPil as cls
     except (
@@ -209,8 +207,7 @@ class Mistral3SampleTransform(SizedImagesTransform):
 
     def index_key(self) -> str:
         """What a sample's length depends on (an index sidecar's key): the shared fields, the
-        longest edge, the
-        token ids and the system prompt."""
+        longest edge, the token ids and the system prompt."""
         tok = self.tokenizer
         return json.dumps(
             {

@@ -1,9 +1,8 @@
 """What the transforms of families whose sample length follows from its text and each image's size
 share (:class:`SizedImagesTransform`: Mistral3 / Pixtral, SmolVLM / Idefics3): the settings, the
 tokenizer wrapping and checks, the conversation's turns, header-only ids and the teacher top-k of
-the output. A family's transform
-adds its chat rendering (``segments``), its image grid (``image_grid``) and its pixels
-(``__call__``)."""
+the output. A family's transform adds its chat rendering (``segments``), its image grid
+(``image_grid``) and its pixels (``__call__``)."""
 
 from __future__ import annotations
 
@@ -36,9 +35,8 @@ class SizedImagesTransform:
     """The settings every such transform takes: ``model_config`` (the model's transformers config,
     its dict or its family), ``tokenizer`` (the model's HF tokenizer, wrapped with the family's
     token names, or a :class:`~prealign.loaders.media.chat_tokenizer.ChatTokenizer`), ``processor``
-    (the model's processor or image
-    processor; unset: the family's default), teacher ``topk``, output dtypes, the JSON member and
-    decode limits."""
+    (the model's processor or image processor; unset: the family's default), teacher ``topk``,
+    output dtypes, the JSON member and decode limits."""
 
     model_config: Any
     tokenizer: Any
@@ -63,8 +61,7 @@ class SizedImagesTransform:
         if self.tokenizer.image_token_id != family.image_token_id:
             raise ConfigError(
                 f"{name}: the config's image_token_id {family.image_token_id} is not the "
-                f"tokenizer's "
-                f"{image_token} {self.tokenizer.image_token_id}"
+                f"tokenizer's {image_token} {self.tokenizer.image_token_id}"
             )
         for field_name in ("log_prob_dtype", "pixel_dtype"):
             if getattr(self, field_name) not in ("float32", "bfloat16"):
@@ -97,8 +94,7 @@ class SizedImagesTransform:
         self, meta: dict, *, sample, roles: tuple[str, ...] | None = None
     ) -> list[dict] | None:
         """The sample's messages, each checked to be ``{'role': str, 'content': str}`` (a role among
-        ``roles`` when
-        given); ``None`` for a plain ``text`` sample."""
+        ``roles`` when given); ``None`` for a plain ``text`` sample."""
         turns = meta.get("messages")
         if not isinstance(turns, list):
             if not isinstance(meta.get("text"), str):
@@ -129,9 +125,8 @@ class SizedImagesTransform:
 
     def header_ids(self, raw: dict, size_of=None) -> tuple[np.ndarray, np.ndarray]:
         """(``input_ids``, ``loss_mask``) without decoding an image: each image's ``(width,
-        height)`` from
-        ``size_of(name, value)`` (default: its header) is all the length depends on (what an index
-        pass needs)."""
+        height)`` from ``size_of(name, value)`` (default: its header) is all the length depends on
+        (what an index pass needs)."""
         from prealign.loaders.sources.header_lengths import image_header_size
 
         key = raw.get("__key__", "?")
@@ -145,8 +140,7 @@ class SizedImagesTransform:
 
     def render(self, raw: dict) -> tuple:
         """``(key, images, grids, ids, mask)`` of a raw sample: its images decoded (RGB PIL), their
-        grids, and the
-        chat's ``input_ids`` / ``loss_mask``."""
+        grids, and the chat's ``input_ids`` / ``loss_mask``."""
         key = raw.get("__key__", "?")
         meta = sample_metadata(raw, self.text_key, key)
         images = [
@@ -162,8 +156,7 @@ class SizedImagesTransform:
 
     def key_fields(self) -> dict:
         """What every such transform's length depends on, for its ``index_key``: the tokenizer
-        (class, vocabulary,
-        a probe encoding, bos), the family, teacher K and the JSON member."""
+        (class, vocabulary, a probe encoding, bos), the family, teacher K and the JSON member."""
         tok = self.tokenizer
         probe = np.asarray(
             tok.encode("prealign probe:\n\n <image> <row_1_col_1> Hello, world!")
@@ -180,8 +173,7 @@ class SizedImagesTransform:
 
     def output(self, raw: dict, key, ids: np.ndarray, mask: np.ndarray, media: dict) -> dict:
         """The sample dict: ids, loss mask, ``mm_token_type_ids`` (1 on the image token), ``media``
-        (pixels cast to
-        ``pixel_dtype``) and teacher top-k when ``topk`` is set."""
+        (pixels cast to ``pixel_dtype``) and teacher top-k when ``topk`` is set."""
         input_ids = torch.from_numpy(ids)
         out = {
             "__key__": key,

@@ -1,9 +1,8 @@
 """Video frames -> the Qwen video processors' ``pixel_values_videos``, as arrays (no torchvision).
 
     frames   RGB PIL images, one size     --video_patches-->  uint8 [t*gh*gw, 3, tp, p, p]
-             (the video's sampled frames)
-                 resized like the PIL image processor, the last frame repeated to a multiple of
-                 tp, cut in the video processors' patch order
+             (the video's sampled frames) resized like the PIL image processor, the last frame
+                 repeated to a multiple of tp, cut in the video processors' patch order
              --normalize_patches(table)-->  float32 [t*gh*gw, 3*tp*p*p]
 
 The values follow transformers' PIL image processor on each frame (bicubic resize, rescale,
@@ -43,8 +42,7 @@ def video_patches(
 ) -> np.ndarray:
     """RGB PIL frames of one size -> uint8 ``[t*gh*gw, 3, tp, p, p]`` for ``grid = (t, gh, gw)``:
     each frame resized (PIL bicubic) to ``gw*p x gh*p``, the last repeated up to ``t * tp`` frames,
-    patches in the video
-    processors' order ``(t, gh/m, gw/m, m, m)``."""
+    patches in the video processors' order ``(t, gh/m, gw/m, m, m)``."""
     from PIL import Image
 
     t, gh, gw = grid
@@ -99,8 +97,7 @@ def patchify(
 ) -> np.ndarray:
     """uint8 ``[n, 3, gh*p, gw*p]`` resized frames -> uint8 ``[t*gh*gw, 3, tp, p, p]`` for ``grid =
     (t, gh, gw)``: the last frame repeated up to ``t * tp`` frames, patches in the video processors'
-    order ``(t, gh/m, gw/m, m,
-    m)``."""
+    order ``(t, gh/m, gw/m, m, m)``."""
     t, gh, gw = grid
     p, m, tp = patch_size, merge_size, temporal_patch_size
     if frames.shape[0] < t * tp:

@@ -33,8 +33,8 @@ DECODE_COUNT = [0]
 
 class VideoFileError(ValueError):
     """A video file that cannot be read as asked: not a container PyAV opens, no video stream, a
-    codec it cannot
-    decode, truncated data, frames that disagree with the headers, or a decode past its deadline."""
+    codec it cannot decode, truncated data, frames that disagree with the headers, or a decode past
+    its deadline."""
 
 
 @dataclass(frozen=True)
@@ -83,8 +83,8 @@ def _open(data: bytes):
 
 def probe_video(data: bytes) -> VideoHeader:
     """A video's :class:`VideoHeader` from its headers: no frame is decoded (where the stream header
-    has no frame
-    count, the video stream's packets are counted, which reads the file but decodes nothing)."""
+    has no frame count, the video stream's packets are counted, which reads the file but decodes
+    nothing)."""
     av = _av()
 
     container = _open(data)
@@ -205,8 +205,7 @@ def decode_frames(
 def resize_frames(frames: torch.Tensor, size: tuple[int, int] | None) -> torch.Tensor:
     """uint8 ``[n, 3, H, W]`` -> uint8 ``[n, 3, h, w]``: torch's bicubic interpolation with
     antialias on the uint8 tensor, what transformers' video processors run (through torchvision) on
-    a CPU video tensor; as is at its
-    own size or with ``size=None``."""
+    a CPU video tensor; as is at its own size or with ``size=None``."""
     if size is None or tuple(frames.shape[-2:]) == tuple(size):
         return frames
     return torch.nn.functional.interpolate(

@@ -58,8 +58,8 @@ class FrameSampling:
         cls, *, volume: bool, settings=None, overrides: dict | None = None
     ) -> "FrameSampling":
         """``volume``: the Qwen3-VL rules (:attr:`VisionFamily.volume_resize`); ``settings``: a
-        video processor or
-        its config dict; ``overrides``: per-call values of :data:`SAMPLING_KEYS`."""
+        video processor or its config dict; ``overrides``: per-call values of
+        :data:`SAMPLING_KEYS`."""
         values = (
             {"do_sample_frames": True, "fps": 2.0, "num_frames": None}
             if volume
@@ -110,9 +110,8 @@ class FrameSampling:
 
     def indices(self, total: int, source_fps: float, temporal_patch_size: int) -> np.ndarray:
         """int64 ``[n]``: the frames kept of a ``total``-frame video at ``source_fps``, as the
-        family's
-        processor keeps them; a :class:`ValueError` where it refuses (more frames asked than there
-        are)."""
+        family's processor keeps them; a :class:`ValueError` where it refuses (more frames asked
+        than there are)."""
         if not self.do_sample_frames:
             return np.arange(total, dtype=np.int64)
         if self.linspace:

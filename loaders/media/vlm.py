@@ -94,8 +94,8 @@ VIDEO_EXTENSIONS = ("mp4", "webm", "mkv", "mov", "avi", "m4v")
 """Member extensions that hold a video file (decoded with PyAV, never opened as an image)."""
 MIN_FPS, MAX_FPS = 1e-3, 1e3
 """The frame rates a video entry may declare (a frame every ~17 minutes to 1000 a second): finite,
-and far from
-the ``temporal_patch_size / fps`` seconds per grid that would overflow the temporal positions."""
+and far from the ``temporal_patch_size / fps`` seconds per grid that would overflow the temporal
+positions."""
 
 
 MEDIA_ROOT_HINT = (
@@ -111,9 +111,8 @@ def _row_hint(raw: dict) -> str:
 
 class VideoDefaultsWarning(UserWarning):
     """Videos are sized and normalised with transformers' class defaults: no video processor could
-    be built and
-    no ``video_processor_config`` was given, so a checkpoint with other video settings would get
-    other grids."""
+    be built and no ``video_processor_config`` was given, so a checkpoint with other video settings
+    would get other grids."""
 
 
 _WARNED_DEFAULTS: set[str] = set()
@@ -206,8 +205,8 @@ def _fast_tables(processor):
     resize, rescale, normalize): ``(table, geometry)`` where ``table`` float32 ``[3, 256]`` holds
     what rescale + normalize make of each uint8 value per channel, computed with transformers' own
     operations (float64 rescale, float32 cast, float32 ``(x - mean) / std``), so a lookup gives
-    bit-identical values.
-    ``None`` otherwise (then the processor itself runs). Cached per processor object."""
+    bit-identical values. ``None`` otherwise (then the processor itself runs). Cached per processor
+    object."""
     hit = _FAST.get(id(processor))
     if hit is not None and hit[0] is processor:
         return hit[1]
@@ -240,8 +239,7 @@ def image_codes(
     """RGB PIL images -> (uint8 ``[sum gh*gw, 3, p, p]`` resized pixels in transformers' patch
     order, int64 ``[num_images, 3]`` grids): :func:`process_images` before rescale + normalize, 1/8
     of its size. ``(None, None)`` when the processor is not the standard PIL-backend Qwen2-VL one or
-    an image
-    is not RGB (the processor then runs as is)."""
+    an image is not RGB (the processor then runs as is)."""
     fast = _fast_tables(processor)
     if fast is None or not images or not all(getattr(im, "mode", None) == "RGB" for im in images):
         return None, None
@@ -252,8 +250,8 @@ def image_codes(
 
 def expand_codes(codes: torch.Tensor, processor) -> torch.Tensor:
     """uint8 ``[N, 3, p, p]`` from :func:`image_codes` -> float32 ``[N, 3*t*p*p]``, bit-identical to
-    the
-    processor's ``pixel_values``: one table lookup (rescale + normalize) and the temporal copies."""
+    the processor's ``pixel_values``: one table lookup (rescale + normalize) and the temporal
+    copies."""
     table, geometry = _fast_tables(processor)
     n, c, p, _ = codes.shape
     t = geometry.temporal_patch_size
@@ -267,8 +265,7 @@ def expand_codes(codes: torch.Tensor, processor) -> torch.Tensor:
 
 def _resized_patches(img, geometry, *, sample) -> tuple[np.ndarray, list[int]]:
     """One RGB PIL image -> (uint8 ``[gh*gw, 3, p, p]``, ``[1, gh, gw]``): the processor's resize
-    (the
-    same PIL call), cut into patches in transformers' order."""
+    (the same PIL call), cut into patches in transformers' order."""
     from PIL import Image
 
     try:
@@ -301,8 +298,7 @@ def decode_image(value, *, sample, name: str, limits: DecodeLimits = DEFAULT_LIM
     :data:`~prealign.loaders.sources.tar_decode.IMAGE_FORMATS` (never PostScript through
     Ghostscript); an image over ``limits.max_image_pixels`` (checked from its header, before
     decoding; a PIL image given as is, by its size, and refused before loading when another format
-    opened it) is a ``corrupt_image``
-    bomb."""
+    opened it) is a ``corrupt_image`` bomb."""
     from PIL import Image
 
     if isinstance(value, dict) and "bytes" in value:
@@ -353,9 +349,8 @@ def decode_image(value, *, sample, name: str, limits: DecodeLimits = DEFAULT_LIM
 def to_rgb(img):
     """A decoded PIL image -> RGB as the installed transformers' image processors convert it: an
     image with an alpha band or a transparency index (a palette PNG's) goes through transformers'
-    own ``convert_to_rgb``
-    (5.24 composites it onto white; 5.10 and older drop the alpha), any other through
-    ``convert("RGB")``."""
+    own ``convert_to_rgb`` (5.24 composites it onto white; 5.10 and older drop the alpha), any other
+    through ``convert("RGB")``."""
     if img.mode == "RGB":
         return img
     if "A" not in img.getbands() and img.info.get("transparency") is None:
@@ -536,9 +531,8 @@ def vision_types_and_mrope(
     ``t*h*w / merge**2`` tokens, and (``mrope``) the family's positions, of one sequence in one pass
     of NumPy operations (:func:`prealign.collate.vision.rope_positions`; a fixed number, no loop
     over tokens or images). With a ``family``, its video tokens are type 2 and its video runs are
-    checked against ``video_grid_thw``.
-    Returns ``mm_token_type_ids`` int64 ``[L]`` and ``mrope_position_ids`` int64 ``[3, L]`` (or
-    ``None``)."""
+    checked against ``video_grid_thw``. Returns ``mm_token_type_ids`` int64 ``[L]`` and
+    ``mrope_position_ids`` int64 ``[3, L]`` (or ``None``)."""
     ids = input_ids.numpy()
     merge = vision.spatial_merge_size
     grid = np.asarray(image_grid_thw, dtype=np.int64).reshape(-1, 3)
@@ -624,8 +618,7 @@ class VLMSampleTransform:
     tokenizer: ChatTokenizer | None = None
     """Any :class:`~prealign.loaders.media.chat_tokenizer.ChatTokenizer`: a real one wrapped by
     :class:`~prealign.loaders.media.chat_tokenizer.HFChatTokenizer` (the demo uses its byte
-    tokenizer); unset,
-    ``processor.tokenizer`` wrapped."""
+    tokenizer); unset, ``processor.tokenizer`` wrapped."""
     topk: int | None = None
     """Expect teacher top-k members with this K (``None``: none expected, any present are
     ignored)."""
@@ -638,8 +631,7 @@ class VLMSampleTransform:
     mrope: bool = True
     """Add ``mrope_position_ids`` int64 ``[3, L]`` (the family's positions of this sample), so the
     sample validates against the full :func:`prealign.schemas.vlm_schema` when a loader indexes it;
-    the collator then
-    pads and shards them like the tokens."""
+    the collator then pads and shards them like the tokens."""
     model_config: Any = None
     """The model's transformers config (object or dict) or a
     :class:`~prealign.collate.vision.VisionFamily`."""
@@ -665,12 +657,11 @@ class VLMSampleTransform:
     """Decoder threads per video file (one per DataLoader worker by default)."""
     decode_videos: bool = True
     """False: video files are sampled and sized from their headers and their frames left undecoded
-    (zero pixels):
-    what the index pass's check of a header rule runs, so indexing decodes no video."""
+    (zero pixels): what the index pass's check of a header rule runs, so indexing decodes no
+    video."""
     limits: DecodeLimits = DEFAULT_LIMITS
     """Caps checked before decoding or stacking: an image's pixels, a video's frames and its pixels
-    over all frames
-    (:class:`~prealign.loaders.sources.tar_decode.DecodeLimits`)."""
+    over all frames (:class:`~prealign.loaders.sources.tar_decode.DecodeLimits`)."""
     default_system: bool = True
     """Write the family's default system turn before a conversation that has none, as its chat
     template does (Qwen2-VL / Qwen2.5-VL: ``"You are a helpful assistant."``;
@@ -710,8 +701,7 @@ class VLMSampleTransform:
             if self.family.transform is not None:
                 raise ConfigError(
                     f"VLMSampleTransform: {self.family.model_type} samples have their own "
-                    f"transform: "
-                    f"{self.family.transform}"
+                    f"transform: {self.family.transform}"
                 )
         if self.tokenizer is None:
             if getattr(self.processor, "tokenizer", None) is None:
@@ -734,24 +724,22 @@ class VLMSampleTransform:
         ):
             raise ConfigError(
                 f"VLMSampleTransform.decode_threads: expected an int >= 0 (0: ffmpeg's choice), "
-                f"got "
-                f"{self.decode_threads!r}"
+                f"got {self.decode_threads!r}"
             )
         if self.video_sampling is not None:
             self.frame_sampling  # noqa: B018 (checks the settings now, not at the first video)
         if self.frame is None and not hasattr(self.tokenizer, "im_start_id"):
             raise ConfigError(
                 "VLMSampleTransform: chat_frame 'chatml' writes <|im_start|> / <|im_end|> turns, "
-                "but "
-                "the tokenizer has no such tokens (GLM's names them with its own frame); leave "
+                "but the tokenizer has no such tokens (GLM's names them with its own frame); leave "
                 "chat_frame unset or wrap the tokenizer with im_start= / im_end= names it has"
             )
 
     @property
     def image_processor(self):
         """The image processor this transform runs: ``processor``'s, else transformers' Qwen2-VL one
-        with the
-        family's patch / merge / temporal sizes and ``processor_options`` (cached per process)."""
+        with the family's patch / merge / temporal sizes and ``processor_options`` (cached per
+        process)."""
         if self.processor is not None:
             return getattr(self.processor, "image_processor", self.processor)
         if self.tiled:
@@ -813,8 +801,7 @@ class VLMSampleTransform:
     @property
     def frame_sampling(self) -> FrameSampling:
         """Which frames of a video file are kept: the family's processor rules with
-        :attr:`video_settings` and
-        :attr:`video_sampling`."""
+        :attr:`video_settings` and :attr:`video_sampling`."""
         fam = self._require_family("video")
         return FrameSampling.for_family(
             volume=fam.volume_resize, settings=self.video_settings, overrides=self.video_sampling
@@ -833,10 +820,8 @@ class VLMSampleTransform:
             warnings.warn(
                 VideoDefaultsWarning(
                     f"VLMSampleTransform: no video processor (transformers' needs torchvision) "
-                    f"and no "
-                    f"video_processor_config: {fam.model_type} videos are sized with "
-                    f"transformers' class "
-                    f"defaults "
+                    f"and no video_processor_config: {fam.model_type} videos are sized with "
+                    f"transformers' class defaults "
                     f"{fam.video_defaults}; pass video_processor_config= (the checkpoint's "
                     "video_preprocessor_config.json as a dict) to use the checkpoint's"
                 ),
@@ -884,8 +869,7 @@ class VLMSampleTransform:
     @property
     def spatial_merge_size(self) -> int:
         """Patches merged per side (one vision token per ``merge**2`` patches): the family's, else
-        the image
-        processor's; handed on to ``MRoPECollator`` and ``validate_vlm_batch``."""
+        the image processor's; handed on to ``MRoPECollator`` and ``validate_vlm_batch``."""
         if self.tiled:
             return self.family.spatial_merge_size
         merge = int(self.image_processor.merge_size)
@@ -900,8 +884,7 @@ class VLMSampleTransform:
     def vision(self) -> VisionTokens:
         """The vision token ids (the family's, which the tokenizer must agree with, else the
         tokenizer's) with the merge size. A tokenizer that declares another ``spatial_merge_size``
-        or other ids is a
-        :class:`~prealign.schemas.ConfigError`."""
+        or other ids is a :class:`~prealign.schemas.ConfigError`."""
         merge = self.spatial_merge_size
         declared = getattr(self.tokenizer, "spatial_merge_size", None)
         if declared is not None and declared != merge:
@@ -1328,8 +1311,7 @@ class VLMSampleTransform:
 
     def _file_plan(self, video: "VideoEntry", key) -> "VideoPlan":
         """A video file's header, kept frames, grid, ids and seconds per grid, from its headers
-        alone; every limit
-        checked before anything is decoded."""
+        alone; every limit checked before anything is decoded."""
         try:
             header = probe_video(video.data)
         except VideoFileError as exc:
@@ -1429,9 +1411,8 @@ class VLMSampleTransform:
 
     def expand(self, sample: dict) -> dict:
         """:meth:`compact`'s output -> the sample (``pixel_codes`` -> ``pixel_values`` of
-        ``pixel_dtype``,
-        in the same position among the fields). Anything without ``pixel_codes`` is returned as
-        is."""
+        ``pixel_dtype``, in the same position among the fields). Anything without ``pixel_codes`` is
+        returned as is."""
         if "pixel_codes" not in sample:
             return sample
         pixels = expand_codes(sample["pixel_codes"], self.image_processor).to(
@@ -1534,8 +1515,8 @@ def _frame_names(meta: dict) -> set:
 @dataclass(frozen=True)
 class VideoEntry:
     """One video of a sample: a frame list (``frames``: ``[(frame name, value)]`` at ``fps``,
-    optionally with the
-    source's ``frame_indices`` and ``source_fps``) or a video file (``data``: its bytes)."""
+    optionally with the source's ``frame_indices`` and ``source_fps``) or a video file (``data``:
+    its bytes)."""
 
     name: str
     frames: list | None = None
@@ -1548,8 +1529,8 @@ class VideoEntry:
 @dataclass(frozen=True)
 class VideoPlan:
     """A video file from its headers: the header, the kept frames' indices int64 ``[n]``, the grid,
-    the seconds per
-    temporal grid step (``temporal_patch_size / sampled fps``) and the ids the text gets."""
+    the seconds per temporal grid step (``temporal_patch_size / sampled fps``) and the ids the text
+    gets."""
 
     header: VideoHeader
     indices: np.ndarray

@@ -95,9 +95,8 @@ class Segment:
     @classmethod
     def from_dict(cls, data, where: str = "segments") -> "Segment":
         """Parse strictly: :class:`ResumeError` naming the key for anything but the four fields as
-        ints
-        (``position >= 1``: a segment that served nothing is never written; ``num_workers`` may be
-        null)."""
+        ints (``position >= 1``: a segment that served nothing is never written; ``num_workers`` may
+        be null)."""
         if not isinstance(data, dict) or set(data) != {
             "dp_size",
             "microbatches_per_step",
@@ -117,9 +116,8 @@ class Segment:
 
 MAX_SEGMENTS = 64
 """Most earlier segments (resizes) one epoch's state may hold: each costs a replay of its plan (or,
-for a
-stream, of its readers) at every resume of that epoch; a state with more is refused, not slowly
-honoured."""
+for a stream, of its readers) at every resume of that epoch; a state with more is refused, not
+slowly honoured."""
 
 
 def check_segments(
@@ -136,8 +134,7 @@ def check_segments(
     ...                Segment(dp_size=3, position=0), ("dp_size",))
     Traceback (most recent call last):
     ...
-    prealign.loaders.errors.ResumeError: loader state: key segments[0]: dp_size 4 as in the state's
-    config: a resume under the same configuration goes on in the same segment, so no run writes this
+    prealign.loaders.errors.ResumeError: loader state: key segments[0]: dp_size 4 as in the ...
     """
     if len(segments) > MAX_SEGMENTS:
         raise ResumeError(

@@ -62,8 +62,7 @@ def _check(layout: ParallelLayout, comm_ratio) -> None:
     if layout.cp_layout is not CPLayout.ZIGZAG:
         raise PlanError(
             f"hybrid CP: the blocks are zigzag-sharded (megatron-core's "
-            f"get_batch_on_this_cp_rank), "
-            f"got cp_layout={layout.cp_layout.value!r}"
+            f"get_batch_on_this_cp_rank), got cp_layout={layout.cp_layout.value!r}"
         )
     if (
         isinstance(comm_ratio, bool)
@@ -212,8 +211,7 @@ def hybrid_cp_batch(
     """This CP rank's batch of a hybrid-CP micro-batch: its block's samples (``samples`` is the
     whole micro-batch, in plan order) collated THD and zigzag-sharded over the block, plus
     ``local_cp_size`` (int, the block's size, also its ``cp_size``) and ``hybrid_cp_members`` (the
-    positions in the
-    micro-batch it holds). :func:`~prealign.collate.to_packed_seq_params` fills
+    positions in the micro-batch it holds). :func:`~prealign.collate.to_packed_seq_params` fills
     ``local_cp_size``."""
     from prealign.collate import THDCollator
 
@@ -237,8 +235,7 @@ def _thd(collator):
 def _block_batch(collator, samples: list, blocks: tuple[CPBlock, ...]) -> dict:
     """``collator`` (a THDCollator of the whole CP group with this rank's ``cp_rank``, optionally
     inside an MRoPECollator) run as the collator of this rank's block over the block's samples; a
-    :class:`SampleError`
-    names the position in ``samples``."""
+    :class:`SampleError` names the position in ``samples``."""
     inner = _thd(collator)
     rank = inner.cp_rank or 0
     block = block_of(blocks, rank)
@@ -291,8 +288,7 @@ class HybridCPCollator:
         if _thd(self.collator) is None:
             raise ConfigError(
                 f"hybrid CP: the collator must be a THDCollator, optionally inside an "
-                f"MRoPECollator "
-                f"(each CP rank's batch is its block's THD shards), got "
+                f"MRoPECollator (each CP rank's batch is its block's THD shards), got "
                 f"{type(self.collator).__name__}"
             )
         _check(self.layout, self.comm_ratio)
@@ -340,8 +336,8 @@ def hybrid_cp_samples(
     """megatron-core's per-sample form of this CP rank's share: one :func:`hybrid_cp_batch` per
     sequence of its block (block order), each a forward of its own, as megatron-core's hybrid-CP
     path runs them. Give each ``to_packed_seq_params(batch, qkv_format="sbhd", cp_group=...)``:
-    megatron-core 0.16.1's
-    ``GPTModel`` slices RoPE by that group in this form (not in the THD one)."""
+    megatron-core 0.16.1's ``GPTModel`` slices RoPE by that group in this form (not in the THD
+    one)."""
     block = block_of(blocks, cp_rank)
     return [
         hybrid_cp_batch(

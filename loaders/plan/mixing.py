@@ -32,8 +32,7 @@ LENGTHS = ("total", "all_exhausted", "first_exhausted")
 counts): ``total``: the weighted components' size summed (each seen once on average, at its weight:
 MosaicML's ``proportion``); ``all_exhausted``: the smallest epoch in which every weighted component
 is seen whole at least once (HF ``interleave_datasets(stopping_strategy="all_exhausted")``);
-``first_exhausted``: the
-largest in which none is repeated (HF's default)."""
+``first_exhausted``: the largest in which none is repeated (HF's default)."""
 
 
 @dataclass(frozen=True)
@@ -166,9 +165,8 @@ def epoch_units(mix: MixSpec, sizes: np.ndarray) -> float:
 @dataclass(frozen=True)
 class MixedOrder:
     """One epoch's interleave: ``ids`` int64 ``[M]`` (global sample ids, with repeats when
-    up-sampled),
-    ``component`` int64 ``[M]``, ``draw`` int64 ``[M]`` (position of the draw in its component's
-    stream)."""
+    up-sampled), ``component`` int64 ``[M]``, ``draw`` int64 ``[M]`` (position of the draw in its
+    component's stream)."""
 
     ids: np.ndarray
     component: np.ndarray

@@ -95,8 +95,7 @@ def stream_fit(
 class StreamFit:
     """:func:`stream_fit` one stretch of the stream at a time: ``advance(stop)`` packs windows until
     position ``stop`` is consumed and returns the bins closed meanwhile; ``finish()`` closes the
-    rest.
-    The bins are exactly those of one :func:`stream_fit` call, however the stream is cut."""
+    rest. The bins are exactly those of one :func:`stream_fit` call, however the stream is cut."""
 
     def __init__(
         self,

@@ -73,13 +73,11 @@ class PlannerConfig:
     """A micro-batch left open for this many windows closes (bounds stream locality)."""
     step_pool: int = 8
     """Closed micro-batches are sorted by load in pools of this many steps before dealing, so that
-    the
-    micro-batches of one step have similar loads (lower DP imbalance)."""
+    the micro-batches of one step have similar loads (lower DP imbalance)."""
     chunk_size: int = 16384
     """Samples planned together (:class:`ChunkedPlan`): a loader plans the chunk its next
     micro-batch comes from when it gets there, so the first batch costs one chunk's planning
-    whatever the size of
-    the dataset (about 1.5 us a sample on one core)."""
+    whatever the size of the dataset (about 1.5 us a sample on one core)."""
     cost: CostModel | None = None
     """Balance each step's DP ranks by compute (:class:`~prealign.loaders.plan.cost.CostModel`)
     instead of tokens: the micro-batches of a pool are grouped into equal-cost shares of ``k``
@@ -91,13 +89,11 @@ class PlannerConfig:
     (:func:`~prealign.loaders.plan.hybrid_cp.assign_cp_blocks`) and each CP rank's batch holds its
     sub-group's zigzag shards with ``local_cp_size``. Needs :attr:`cost`: the split trades a
     sequence's attention (``cost.quadratic``) against its K/V exchange (``cp_comm_ratio *
-    cost.linear``), a ratio only
-    the model knows (:meth:`CostModel.from_hf_config`). The micro-batches and steps are those of
-    ``cost``."""
+    cost.linear``), a ratio only the model knows (:meth:`CostModel.from_hf_config`). The
+    micro-batches and steps are those of ``cost``."""
     cp_comm_ratio: float = 0.05
     """Hybrid CP only: the cost of receiving one token's K/V relative to ``cost.linear`` (about 0.02
-    to 0.1
-    over NVLink, several times that across nodes)."""
+    to 0.1 over NVLink, several times that across nodes)."""
 
     def __post_init__(self):
         object.__setattr__(self, "strategy", coerce_enum(PackStrategy, self.strategy, "strategy"))
@@ -171,8 +167,7 @@ class PlanStats:
     imbalance: float
     """Step-synchronous DP imbalance: sum over steps of the max rank load / sum of the mean rank
     load (1.0 = perfect; the time-weighted slowdown of the slowest rank). Load = real tokens, or
-    their cost
-    under :attr:`PlannerConfig.cost`."""
+    their cost under :attr:`PlannerConfig.cost`."""
     worst_step_imbalance: float
     """max over steps of (max rank load / mean rank load)."""
     max_padded_length: int
@@ -351,8 +346,7 @@ class PlannedChunk:
 @dataclass(frozen=True)
 class Screening:
     """What the oversize policy did to a stream (it depends on lengths and media flags only, so it
-    is
-    the same every epoch). Indices are into the plan's ``lengths``."""
+    is the same every epoch). Indices are into the plan's ``lengths``."""
 
     capacity: int
     truncated: dict[int, int]
@@ -471,8 +465,7 @@ class ChunkedPlan:
         self._sizes = self._aligned[order]
         self._groups = None if groups is None else np.asarray(groups)[order]
         """int ``[M]`` by stream position (``groups``: a label per sample, e.g. its mixture
-        component): under
-        ``STEP_FIT`` a micro-batch holds one label only."""
+        component): under ``STEP_FIT`` a micro-batch holds one label only."""
         self._costs = (
             None if cfg.cost is None else cfg.cost.of(true_len[order])
         )  # float64 [M], by position
@@ -623,8 +616,7 @@ def _form_steps(
     grouped: bool = False,
 ) -> list[list[list[int]]]:
     """Closed bins -> steps (lists of ``dp * k_s`` bins); the tail re-spread to a multiple of
-    ``dp``.
-    With ``costs`` (float64, by stream position) the steps come dealt, rank-major
+    ``dp``. With ``costs`` (float64, by stream position) the steps come dealt, rank-major
     (:func:`balanced_steps`)."""
     per_step = dp * cfg.microbatches_per_step
     full = len(bins) - len(bins) % per_step
@@ -711,8 +703,8 @@ def _assemble(
     """Steps of bins (positions) -> this chunk's per-rank micro-batches (sample indices) and
     statistics. Without ``cost`` each step is dealt by tokens (:func:`_deal`); with it the steps
     come dealt, rank-major. Per sample: a few numpy calls over the whole chunk (ids, lengths,
-    per-bin sums); Python runs per
-    micro-batch and per step only (a resume re-plans the chunk it resumes in: issues #28, #31)."""
+    per-bin sums); Python runs per micro-batch and per step only (a resume re-plans the chunk it
+    resumes in: issues #28, #31)."""
     bins = [b for step in steps for b in step]
     counts = np.fromiter((len(b) for b in bins), np.int64, len(bins))
     ends = np.cumsum(counts)
@@ -775,7 +767,6 @@ def _assemble(
 
 def _bin_sums(values: np.ndarray, ends: np.ndarray, counts: np.ndarray) -> np.ndarray:
     """int64 ``[len(counts)]``: the sum of ``values`` (by flat position) over each bin (``ends``:
-    cumsum of
-    ``counts``), one cumsum for all bins."""
+    cumsum of ``counts``), one cumsum for all bins."""
     sums = np.concatenate([np.zeros(1, np.int64), np.cumsum(values, dtype=np.int64)])
     return sums[ends] - sums[ends - counts]

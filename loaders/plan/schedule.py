@@ -134,8 +134,7 @@ def step_order(
 
 class Schedule:
     """Plans epochs lazily (one epoch cached, its chunks planned as requests reach them) and lists
-    one
-    rank's requests. Every DP rank plans the same chunks, so all agree without communication."""
+    one rank's requests. Every DP rank plans the same chunks, so all agree without communication."""
 
     def __init__(
         self,
@@ -170,8 +169,7 @@ class Schedule:
         self.step_window = step_window
         """Steps are served in a seeded order (:func:`step_order`) inside each chunk of the plan:
         all of the chunk's steps permuted (``None``), or only within groups of ``step_window`` steps
-        (sources read
-        front to back)."""
+        (sources read front to back)."""
         self.order_of = order_of
         """``order_of(epoch, served)``: the epoch's sample ids in order, instead of
         :func:`epoch_order` (a mixture's interleave; ``served(order, segment)`` as
@@ -272,8 +270,7 @@ class Schedule:
 
     def screening(self) -> tuple[Screening, np.ndarray]:
         """(what the oversize policy does, epoch 0's order): lengths and media flags decide it, so
-        it is
-        the same every epoch; no chunk is planned."""
+        it is the same every epoch; no chunk is planned."""
         ep = self._epoch(0)
         return ep.plan.screening, ep.order
 
@@ -286,9 +283,8 @@ class Schedule:
 
     def count_to(self, epoch: int, position: int) -> int:
         """Micro-batches per rank in the chunks planned to reach ``position`` (all of them when the
-        epoch
-        is shorter): ``position < count_to(...)`` says whether ``position`` exists, planning no
-        more."""
+        epoch is shorter): ``position < count_to(...)`` says whether ``position`` exists, planning
+        no more."""
         return self._epoch(epoch).count(position)
 
 
@@ -348,15 +344,13 @@ class _Epoch:
 
     def samples_before(self, position: int) -> np.ndarray:
         """int64 positions into :attr:`order` of the samples in the first ``position`` micro-batches
-        of
-        every rank (what a run stopped there had served); :class:`ResumeError` past the epoch's
+        of every rank (what a run stopped there had served); :class:`ResumeError` past the epoch's
         end."""
         if position > self.count(position):
             raise ResumeError(
                 f"loader state: a segment's position {position} is past the end of epoch "
                 f"{self.epoch} planned for dp_size {self.plan.dp} ({self.count(None)} "
-                f"micro-batches "
-                f"per rank)"
+                f"micro-batches per rank)"
             )
         parts = [np.zeros(0, np.int64)]
         for c, served in enumerate(self.served):
@@ -371,8 +365,7 @@ class _Epoch:
 class Requests:
     """One rank's requests from micro-batch ``start`` on, built as they are iterated (chunks are
     planned when the first of their micro-batches is requested: an epoch of a million samples is not
-    planned
-    before its first batch). ``len()`` plans the whole epoch."""
+    planned before its first batch). ``len()`` plans the whole epoch."""
 
     def __init__(self, epoch: _Epoch, dp_rank: int, start: int):
         self.ep, self.dp_rank, self.start = epoch, dp_rank, start

@@ -28,8 +28,7 @@ from prealign.schemas.errors import PrealignError
 
 def hand_over(exc: PrealignError) -> PrealignError:
     """In a DataLoader worker: ``exc``, to return in place of the batch (:func:`worker_batches`
-    raises it);
-    in the main process: raise it."""
+    raises it); in the main process: raise it."""
     if get_worker_info() is None:
         raise exc
     return exc
@@ -37,8 +36,7 @@ def hand_over(exc: PrealignError) -> PrealignError:
 
 def check_torch_internals(loader, it=None) -> None:
     """Raise :class:`UnsupportedTorchError` when ``loader`` (with workers) or its iterator ``it``
-    lacks an
-    attribute the recovery reads; nothing to check without workers."""
+    lacks an attribute the recovery reads; nothing to check without workers."""
     if not loader.num_workers:
         return
     missing = []
@@ -68,8 +66,7 @@ def dead_workers(it) -> list[int]:
 
 def discard_iterator(loader, it) -> None:
     """Shut down iterator ``it`` of ``loader`` (its live workers are stopped) and, when it is the
-    loader's
-    persistent iterator, forget it: the next iteration starts fresh workers."""
+    loader's persistent iterator, forget it: the next iteration starts fresh workers."""
     try:
         it._shutdown_workers()
     except (OSError, RuntimeError, ValueError):  # a dead worker's queues may already be gone
@@ -102,8 +99,7 @@ def discard_if_broken(loader) -> bool:
 def worker_failure(loader, it, exc: BaseException, waited: float) -> WorkerError | None:
     """A :class:`~prealign.loaders.errors.WorkerError` for ``exc``, raised by ``next(it)`` after
     ``waited`` seconds, when a worker of ``it`` died or the wait reached the loader's ``timeout``
-    (the broken iterator
-    is discarded), else None (``exc`` is something else)."""
+    (the broken iterator is discarded), else None (``exc`` is something else)."""
     if not loader.num_workers or not isinstance(exc, (RuntimeError, ConnectionError, EOFError)):
         return None
     dead = dead_workers(it)
@@ -128,8 +124,7 @@ def worker_failure(loader, it, exc: BaseException, waited: float) -> WorkerError
     what = f"worker(s) {dead} died" if dead else f"timed out after {loader.timeout} s"
     return WorkerError(
         f"DataLoader {what} ({type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}); iterate "
-        f"the "
-        f"loader again to continue from its state"
+        f"the loader again to continue from its state"
     )
 
 

@@ -49,8 +49,7 @@ class Stalled(Exception):
 
 def _length(f) -> int | None:
     """Size of a regular file (None for pipes, sockets, BytesIO without a descriptor, and a gzip
-    stream,
-    whose decompressed size is not its file's)."""
+    stream, whose decompressed size is not its file's)."""
     if isinstance(f, gzip.GzipFile):
         return None
     try:
@@ -175,8 +174,8 @@ class TimedReader:
 
     def close(self) -> None:
         """Stop reading; a reader thread still blocked in a read (a stalled ``pipe:`` command) has
-        its
-        command killed (:func:`kill_stream`), so the thread ends and no process is left behind."""
+        its command killed (:func:`kill_stream`), so the thread ends and no process is left
+        behind."""
         if self._stop.is_set():
             return
         self._stop.set()
@@ -195,9 +194,8 @@ class TimedReader:
 def kill_stream(f) -> None:
     """Kill the command behind a ``pipe:`` stream (``f.proc``, or a gzip stream's
     ``f.fileobj.proc``) and its process group when it has its own (``start_new_session``): a stalled
-    command would otherwise
-    outlive the reader. Anything else is left alone (a blocked regular read cannot be
-    interrupted)."""
+    command would otherwise outlive the reader. Anything else is left alone (a blocked regular read
+    cannot be interrupted)."""
     proc = getattr(f, "proc", None) or getattr(getattr(f, "fileobj", None), "proc", None)
     if proc is None or proc.poll() is not None:
         return
@@ -249,8 +247,8 @@ def _or_error(fn: Callable[[object], object], x):
 
 class _Caller:
     """One daemon thread of this process running calls handed to it; abandoned (and replaced by the
-    next
-    call) when a call outlives its deadline, since a blocked kernel call cannot be interrupted."""
+    next call) when a call outlives its deadline, since a blocked kernel call cannot be
+    interrupted."""
 
     def __init__(self):
         self.pid, self.jobs = os.getpid(), queue.SimpleQueue()
@@ -271,8 +269,7 @@ _caller_lock = threading.Lock()
 
 def _after_fork_in_child() -> None:
     """A forked child (a DataLoader worker) starts with no caller thread and a free lock, even when
-    the parent
-    forked while one of its threads was inside :func:`call_with_timeout`."""
+    the parent forked while one of its threads was inside :func:`call_with_timeout`."""
     global _caller, _caller_lock
     _caller, _caller_lock = None, threading.Lock()
 

@@ -48,8 +48,7 @@ class Unreachable(ConnectionError):
 
 class DeadlineExceeded(TimeoutError):
     """A request ran past its total deadline (a server sending a byte now and then never trips the
-    per-recv
-    ``timeout``): ``deadline`` seconds plus one second per ``min_rate`` bytes received."""
+    per-recv ``timeout``): ``deadline`` seconds plus one second per ``min_rate`` bytes received."""
 
 
 _PIECE = (
@@ -61,8 +60,8 @@ class Reply:
     """An answer being read: ``status``, ``reason``, ``headers``, ``url`` (after redirects),
     ``read(n)``. Closing it hands the connection back to the pool when the body was read to its end.
     Its body is read one ``recv`` at a time (at most ``_PIECE`` bytes, never a size the server
-    announced), each under ``timeout`` and
-    the request's total deadline (:class:`DeadlineExceeded` past it)."""
+    announced), each under ``timeout`` and the request's total deadline (:class:`DeadlineExceeded`
+    past it)."""
 
     def __init__(
         self,
@@ -90,8 +89,7 @@ class Reply:
     def read(self, n: int = -1) -> bytes:
         """Up to ``n`` bytes, fewer only at the body's end (``-1``: to the end). A body that ends
         before its ``Content-Length`` (the connection dropped) is an ``http.client.IncompleteRead``,
-        which the callers
-        retry: ``http.client`` itself returns it short without a word."""
+        which the callers retry: ``http.client`` itself returns it short without a word."""
         chunks, left = [], (n if n is not None and n >= 0 else None)
         while left is None or left > 0:
             chunk = self._read_some(_PIECE if left is None else min(left, _PIECE))
@@ -107,8 +105,8 @@ class Reply:
 
     def paced_by_reader(self) -> "Reply":
         """Read at the reader's pace (a shard streamed as training consumes it): the body has no
-        total deadline,
-        only the per-read ``timeout`` (a stall); the headers already came within theirs."""
+        total deadline, only the per-read ``timeout`` (a stall); the headers already came within
+        theirs."""
         self._deadline = None
         return self
 
@@ -214,9 +212,8 @@ class Pool:
 
 class _Watchdog:
     """Shuts down the socket of a request whose answer's headers have not come by its deadline (a
-    server dripping
-    its headers a byte at a time never trips the per-recv timeout). One thread per process, started
-    on first use."""
+    server dripping its headers a byte at a time never trips the per-recv timeout). One thread per
+    process, started on first use."""
 
     def __init__(self):
         self.cv, self.heap, self.seq, self.thread = (
@@ -405,8 +402,7 @@ def request(
     """The answer to ``method url`` (redirects followed, at most ``REDIRECTS``), whatever its
     status. Connection failures raise :class:`Unreachable`; a stall past ``timeout`` s,
     ``TimeoutError``; a request still running ``deadline`` s (plus one per ``min_rate`` bytes of
-    body received) after it began,
-    :class:`DeadlineExceeded` (a ``TimeoutError``)."""
+    body received) after it began, :class:`DeadlineExceeded` (a ``TimeoutError``)."""
     headers = dict(headers or {})
     end = None if deadline is None else time.monotonic() + deadline
     for _ in range(REDIRECTS + 1):

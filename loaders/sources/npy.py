@@ -68,8 +68,7 @@ _CACHE_SIZE = 4096
 
 class NpyFormatError(ValueError):
     """An ``.npy`` header or ``.npz`` archive that is malformed or declares something refused; names
-    the
-    member, the part of it (``field``), what was expected and what came."""
+    the member, the part of it (``field``), what was expected and what came."""
 
     def __init__(self, member: str, field: str, expected: str, actual: str):
         self.member, self.field, self.expected, self.actual = member, field, expected, actual
@@ -200,8 +199,8 @@ def npy_array(
     data: bytes | memoryview, header: NpyHeader, *, member: str = "npy", copy: bool = True
 ) -> np.ndarray:
     """The array of ``.npy`` bytes whose header is ``header`` (exactly its declared bytes must
-    follow):
-    a writable copy, or with ``copy=False`` a view of ``data``. Raises :class:`NpyFormatError`."""
+    follow): a writable copy, or with ``copy=False`` a view of ``data``. Raises
+    :class:`NpyFormatError`."""
     have = len(data) - header.offset
     if have != header.nbytes:
         raise NpyFormatError(
@@ -219,8 +218,7 @@ def read_npy(
     data: bytes | memoryview, *, max_bytes: int, member: str = "npy", copy: bool = True
 ) -> np.ndarray:
     """``.npy`` bytes -> array, its header parsed once; :class:`ArrayTooLarge` if it declares more
-    than
-    ``max_bytes`` (before anything is allocated), :class:`NpyFormatError` if malformed."""
+    than ``max_bytes`` (before anything is allocated), :class:`NpyFormatError` if malformed."""
     header = parse_npy_header(data, member=member)
     if header.nbytes > max_bytes:
         raise ArrayTooLarge(
@@ -343,8 +341,7 @@ def read_npz(
 
 def _entry_array(raw, name: str, member: str, max_bytes: int, copy: bool) -> np.ndarray:
     """The array of one ``.npz`` entry's bytes, refused (:class:`ArrayTooLarge`) when its header
-    declares more
-    than the ``max_bytes`` left of the archive's allowance."""
+    declares more than the ``max_bytes`` left of the archive's allowance."""
     header = parse_npy_header(raw, member=name)
     if header.nbytes > max_bytes:
         raise ArrayTooLarge(
@@ -441,8 +438,7 @@ def _plain_stored_entries(
 
 def _declared_entries(data: bytes) -> int | None:
     """The entry count a zip's end-of-central-directory record declares (zip64's when it defers to
-    it),
-    None when there is none to read (``zipfile`` then says what is wrong)."""
+    it), None when there is none to read (``zipfile`` then says what is wrong)."""
     at = data.rfind(b"PK\x05\x06", max(0, len(data) - (22 + 0xFFFF)))
     if at < 0 or at + 22 > len(data):
         return None

@@ -94,8 +94,7 @@ class RemoteOptions:
     request_deadline: float = 300.0
     """Seconds an HTTP request may take in all (a server sending a byte now and then never trips
     ``timeout``), plus one second per ``min_rate`` bytes received: past it the request is stalled
-    (retried, then
-    :class:`RemoteStallError`)."""
+    (retried, then :class:`RemoteStallError`)."""
     min_rate: float = 64 << 10
     """Bytes per second a long HTTP body must average to run past ``request_deadline``."""
     stream_shards: int = 2
@@ -106,8 +105,8 @@ class RemoteOptions:
     private_dir: str | None = None
     """Where objects of a server that ignores Range are kept when there is no ``cache_dir``: a
     folder made by :func:`private_folder` in the process that built the source (its DataLoader
-    workers share it) and
-    removed when that process exits. ``None``: made on first need by the reading process."""
+    workers share it) and removed when that process exits. ``None``: made on first need by the
+    reading process."""
 
 
 DEFAULT = RemoteOptions()
@@ -133,7 +132,7 @@ def is_remote(url: str) -> bool:
     >>> is_remote("s3://b/x.tar"), is_remote("/data/x.tar")
     (True, False)
     >>> is_remote("file:///x.tar"), is_remote("C:/x.tar")
-    (True, False, False, False)
+    (False, False)
     """
     return scheme(url) not in ("", "file")
 
@@ -217,9 +216,8 @@ def _http(
     end: int | None = None,
 ) -> http_pool.Reply:
     """A 2xx answer to ``method url`` (bytes ``[start, end)`` asked when given); other answers
-    raise:
-    401/403 :class:`RemotePermissionError`, other 4xx :class:`MissingShardError`, 429/5xx a retried
-    error."""
+    raise: 401/403 :class:`RemotePermissionError`, other 4xx :class:`MissingShardError`, 429/5xx a
+    retried error."""
     headers = {"Range": f"bytes={start}-{end - 1}"} if start is not None else {}
     reply = http_pool.request(
         url,
@@ -292,8 +290,7 @@ SMALL_LIMIT = 256 << 20
 
 def read_small(url: str, opts: RemoteOptions | None = None) -> bytes | None:
     """A whole small remote file (a sidecar, optional), or None when it does not exist or the server
-    refuses it
-    (S3 answers 403 for an absent key of a bucket the caller cannot list)."""
+    refuses it (S3 answers 403 for an absent key of a bucket the caller cannot list)."""
     opts = opts or DEFAULT
     try:
         if scheme(url) in ("http", "https"):
@@ -436,8 +433,7 @@ class BlockCache:
     def evict(self) -> None:
         """Least recently used blocks out until this cache's blocks take at most ``limit`` bytes.
         Only files named as blocks are counted and removed: nothing else in the folder (the user's
-        ``cache_dir`` may
-        hold other files) is ever deleted."""
+        ``cache_dir`` may hold other files) is ever deleted."""
         with self.lock:
             self._evict()
 
@@ -487,8 +483,7 @@ def _cache(opts: RemoteOptions) -> BlockCache | None:
 
 def _block_name(url: str, ident: str, block_size: int, block: int) -> str:
     """A block's file name: the URL and the object's identity (:func:`_tag`) hashed, so a changed
-    object (another
-    ETag, Last-Modified or size) never reads the blocks of the one before it."""
+    object (another ETag, Last-Modified or size) never reads the blocks of the one before it."""
     digest = hashlib.sha1((url + "\n" + ident).encode()).hexdigest()[:16]
     return f"{digest}-{block_size}-{block}"
 
@@ -541,8 +536,7 @@ def _share_kept(url: str, kept: _Kept, opts: RemoteOptions) -> None:
     """Record ``url``'s kept object in the run's private folder, so the other processes of this run
     (the DataLoader workers of this and later epochs, each checking the shards it opens) read it
     from there instead of downloading it again. Only there: that folder lives as long as the run,
-    and holds only what
-    its processes downloaded."""
+    and holds only what its processes downloaded."""
     if opts.private_dir and kept.directory == _block_cache(opts.private_dir, opts.cache_limit).dir:
         record = {
             "limit": kept.limit,
@@ -556,8 +550,7 @@ def _share_kept(url: str, kept: _Kept, opts: RemoteOptions) -> None:
 
 def _kept_of(url: str, opts: RemoteOptions) -> _Kept | None:
     """The object this process keeps for ``url``, or one another process of the run kept
-    (:func:`_share_kept`),
-    when this process saw no other identity of it (a ``HEAD``)."""
+    (:func:`_share_kept`), when this process saw no other identity of it (a ``HEAD``)."""
     kept = _kept.get(url)
     if kept is not None or not opts.private_dir:
         return kept
@@ -599,8 +592,7 @@ def _check_kept(url: str, n: int, headers) -> None:
 
 def private_folder() -> str:
     """This process's temporary folder for the objects of servers that ignore Range (made once,
-    removed
-    when the process exits; processes it forks or spawns write into it through
+    removed when the process exits; processes it forks or spawns write into it through
     ``RemoteOptions.private_dir``)."""
     if not _private:
         _private.append(tempfile.mkdtemp(prefix="prealign-remote-"))
@@ -612,9 +604,8 @@ def private_folder() -> str:
 
 def _private_cache(opts: RemoteOptions) -> BlockCache:
     """The block cache of objects kept whole when there is no ``cache_dir``: ``opts.private_dir``
-    (the source's
-    process made it, so a worker's copies outlive neither that process nor one another), else this
-    process's."""
+    (the source's process made it, so a worker's copies outlive neither that process nor one
+    another), else this process's."""
     return _block_cache(opts.private_dir or private_folder(), opts.cache_limit)
 
 
@@ -628,19 +619,15 @@ def _keep_whole(
 ) -> bytes:
     """Bytes ``[start, end)`` of the whole object a server sent to a ranged GET: the body is read
     once into the block cache (``opts.cache_dir``, else :func:`_private_cache`) and later ranges are
-    read from there;
-    one larger than ``cache_limit`` is refused (announced or counted, never allocated by its
-    announced size)."""
+    read from there; one larger than ``cache_limit`` is refused (announced or counted, never
+    allocated by its announced size)."""
     cache = _cache(opts) or _private_cache(opts)
     parts = urllib.parse.urlsplit(url)
     server = f"{parts.hostname}:{parts.port}" if parts.port else str(parts.hostname)
     refused = (
         f"{server} ignores Range (it answered a ranged GET with 200 and the whole object, {{}}): "
-        f"an object "
-        f"is kept whole only up to cache_limit={cache.limit} bytes; raise "
-        f"RemoteOptions.cache_limit "
-        f"or "
-        f"serve the shards from a server that honours Range"
+        f"an object is kept whole only up to cache_limit={cache.limit} bytes; raise "
+        f"RemoteOptions.cache_limit or serve the shards from a server that honours Range"
     )
     announced = reply.headers.get("Content-Length", "")
     if announced.isdigit() and int(announced) > cache.limit:
@@ -671,8 +658,7 @@ def _keep_whole(
             f"{server} ignores HTTP Range (it answered a ranged GET of {url} with 200 and the "
             f"whole "
             f"object): each object from it is downloaded whole once and kept in {cache.dir} (at "
-            f"most "
-            f"cache_limit={cache.limit} bytes); a server that honours Range sends only the "
+            f"most cache_limit={cache.limit} bytes); a server that honours Range sends only the "
             f"samples' bytes",
             RangeIgnoredWarning,
             stacklevel=2,
@@ -684,8 +670,7 @@ def read_range(
     url: str, start: int, end: int, opts: RemoteOptions | None = None, *, total: int | None = None
 ) -> bytes:
     """Bytes ``[start, end)`` of a remote object (through the block cache when ``opts.cache_dir``,
-    or when
-    this process keeps the object whole because its server ignores Range)."""
+    or when this process keeps the object whole because its server ignores Range)."""
     opts = opts or DEFAULT
     kept = _kept_of(url, opts)
     cache = _block_cache(kept.directory, kept.limit) if kept else _cache(opts)
@@ -704,8 +689,7 @@ def read_range(
                 f"{url}: a block of this object, kept whole because its server ignores Range, was "
                 f"evicted "
                 f"from the block cache (cache_limit={kept.limit} bytes is less than the objects "
-                f"read "
-                f"together): each such miss downloads the whole object again; raise "
+                f"read together): each such miss downloads the whole object again; raise "
                 f"RemoteOptions.cache_limit",
                 RangeIgnoredWarning,
                 stacklevel=2,
@@ -789,14 +773,12 @@ def open_stream(
 
 _RATIO_FROM = 64 << 20
 """Decompressed bytes past which :attr:`DecodeLimits.max_ratio` is checked (a small shard's headers
-compress
-far better than its data)."""
+compress far better than its data)."""
 
 
 class _Counted:
     """``raw`` with the bytes read from it counted (``count``); its other attributes are ``raw``'s
-    (``proc`` of a
-    ``pipe:`` stream, ``fileno``)."""
+    (``proc`` of a ``pipe:`` stream, ``fileno``)."""
 
     def __init__(self, raw):
         self.raw, self.count = raw, 0
@@ -816,8 +798,7 @@ class BoundedGzip(gzip.GzipFile):
     ``max_ratio``); past a cap, or on a corrupt or truncated stream, a read raises a
     :class:`~prealign.loaders.sources.tar_reader.TarFormatError` at the decompressed byte offset it
     reached (the tar offset; its caller names the shard and the member: a ``corrupt_shard``), never
-    more memory or a bare
-    ``EOFError`` at byte 0."""
+    more memory or a bare ``EOFError`` at byte 0."""
 
     def __init__(self, raw, url: str, limits: DecodeLimits):
         self.counted = _Counted(raw)
@@ -841,8 +822,7 @@ class BoundedGzip(gzip.GzipFile):
                 error = TarFormatError(
                     self.decompressed,
                     f"corrupt or truncated gzip stream after "
-                    f"{self.counted.count} compressed bytes ({type(exc).__name__}: "
-                    f"{exc})",
+                    f"{self.counted.count} compressed bytes ({type(exc).__name__}: {exc})",
                 )
                 if not got:
                     raise error from None

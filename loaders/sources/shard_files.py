@@ -47,8 +47,8 @@ def sidecar_path(url: str, index_dir: str | None = None) -> str:
 
 def check_index_dir_names(urls: Iterable[str]) -> None:
     """An index folder names each sidecar by its shard's file name: two shards of one name
-    (``train/s-0.tar``
-    and ``val/s-0.tar``) would share one sidecar, so they are a :class:`ConfigError` naming both."""
+    (``train/s-0.tar`` and ``val/s-0.tar``) would share one sidecar, so they are a
+    :class:`ConfigError` naming both."""
     urls = list(urls)
     names = shard_names(urls)
     if len(set(names)) == len(names):  # (the common case, in C: no name twice)
@@ -84,8 +84,7 @@ def shard_names(urls: list[str]) -> list[str]:
 
 def plain_local(urls: list[str]) -> bool:
     """True when every one of ``urls`` is a plain local path (no scheme, no query): one check in C,
-    so a start
-    over 100k local shards asks no per-shard question of its URLs."""
+    so a start over 100k local shards asks no per-shard question of its URLs."""
     joined = "\n".join(urls)
     return ":" not in joined and "?" not in joined
 
@@ -121,8 +120,8 @@ def file_kind(mode: int) -> str:
 def open_regular(path: str):
     """``open(path, "rb")`` of a regular file, opened without blocking (a FIFO nobody writes is
     refused at once, never waited on) and checked after the open (``fstat``: no swap between a check
-    and the open); anything
-    else is :class:`NotRegular`. A missing path raises ``FileNotFoundError``."""
+    and the open); anything else is :class:`NotRegular`. A missing path raises
+    ``FileNotFoundError``."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     # (checked on the descriptor: fdopen of a folder raises a bare IsADirectoryError, issue #31)
     try:

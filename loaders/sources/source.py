@@ -25,12 +25,11 @@ from prealign.schemas.errors import ConfigError, PrealignError, SampleError
 Location = tuple[int, ...]
 Transform = Callable[[dict], dict]
 TRANSFORM_ERRORS: tuple[type[BaseException], ...] = (ValueError, KeyError, IndexError, UnicodeError)
-"""What a transform may raise on bad data besides a :class:`~prealign.schemas.errors.SampleError`
-(a missing key, an index past a list, an unparsable value): counted as ``bad_sample``. Anything else
+"""What a transform may raise on bad data besides a :class:`~prealign.schemas.errors.SampleError` (a
+missing key, an index past a list, an unparsable value): counted as ``bad_sample``. Anything else
 (``TypeError``, ``AttributeError``, ...) is a bug in the transform and propagates; any other
 :class:`~prealign.schemas.errors.PrealignError` (a ``ConfigError``, a remote read or a timeout: not
-bad
-data) and an ``OSError`` always propagate."""
+bad data) and an ``OSError`` always propagate."""
 
 
 Skip = BadRecord
@@ -76,8 +75,7 @@ class Source(abc.ABC):
     @abc.abstractmethod
     def describe(self) -> dict:
         """JSON-friendly description of the data (``kind``, shard names, sizes); its ``kind`` is
-        part of
-        the loader's resume check (the index digest covers the content)."""
+        part of the loader's resume check (the index digest covers the content)."""
 
     def _local(self) -> dict:
         """Per-process cache (open files, stream cursors): never pickled to workers, reset after a
@@ -95,8 +93,7 @@ class Source(abc.ABC):
     def check_locations(self, locations) -> None:
         """Raise :class:`~prealign.loaders.errors.IndexFileError` when int64 ``locations [N, K]``
         (an index's) cannot be this source's (another width, a shard or row out of range): an index
-        of other data.
-        The default checks nothing."""
+        of other data. The default checks nothing."""
 
     def _check_range(self, locations, width: int, limits: dict[int, int]) -> None:
         """``locations`` has ``width`` columns and column ``c`` lies in ``[0, limits[c])``."""
@@ -199,8 +196,7 @@ UNTOKENIZED_HINT = (
     "tokenize the rows first: `ds = ds.map(tokenize, remove_columns=ds.column_names)` with a "
     "function returning "
     "input_ids (and, for SFT, labels: the ids with -100 on the prompt), or HFSource(ds, "
-    "transform=tokenize); the "
-    "recipe is examples/hf_sft.py (docs/quickstart.md)"
+    "transform=tokenize); the recipe is examples/hf_sft.py (docs/quickstart.md)"
 )
 """What to do with text rows (prompt / response, chat messages) a loader cannot pack as they are."""
 
@@ -235,8 +231,8 @@ class HFSource(Source):
 
         self.media_root = None if media_root is None else os.path.realpath(media_root)
         """Where the files an ``images`` / ``videos`` column names by relative path are read from
-        (the dataset's
-        folder: :func:`attach_media_files`); ``None``: rows carry their media themselves."""
+        (the dataset's folder: :func:`attach_media_files`); ``None``: rows carry their media
+        themselves."""
         if self.media_root is not None and not os.path.isdir(self.media_root):
             raise ConfigError(f"media_root: {media_root!r} is not a folder")
         self.dataset = dataset
@@ -285,8 +281,7 @@ class HFSource(Source):
 
     def _shard(self, shard: int):
         """Rows of one streaming shard. ``IterableDataset.iter`` (unlike ``__iter__``) does not
-        split
-        shards by DataLoader worker, so any worker can read any shard."""
+        split shards by DataLoader worker, so any worker can read any shard."""
         part = self.dataset.shard(num_shards=self.dataset.num_shards, index=shard, contiguous=True)
         for batch in part.iter(batch_size=256):
             n = len(next(iter(batch.values()))) if batch else 0

@@ -74,32 +74,27 @@ class DecodeLimits:
     """Frames of one video (the Qwen video processors sample at most 768); more is ``bad_video``."""
     max_video_pixels: int = 1 << 30
     """Width x height summed over one video's frames, as decoded (about 512 frames of 1920 x 1080, 3
-    GiB as RGB);
-    more is ``bad_video``."""
+    GiB as RGB); more is ``bad_video``."""
     max_member_bytes: int = 1 << 30
     """Bytes of one tar member (1 GiB): a header declaring more is ``corrupt_shard`` before any of
-    it is read
-    (a compressed shard's declared sizes are not bounded by its file's)."""
+    it is read (a compressed shard's declared sizes are not bounded by its file's)."""
     max_shard_bytes: int = 1 << 36
     """Decompressed bytes of one compressed shard (``.tar.gz``, 64 GiB); more is
     ``corrupt_shard``."""
     max_ratio: int = 250
     """Decompressed / compressed bytes of a compressed shard, checked once past 64 MiB decompressed
     (gzip's best is about 1000 for zeros; real shards of tokens, text and images stay far below);
-    more is
-    ``corrupt_shard`` (a decompression bomb)."""
+    more is ``corrupt_shard`` (a decompression bomb)."""
 
     max_video_seconds: int = 4 * 3600
     """Duration of one video file from its headers (four hours); longer is ``bad_video``, found
     before decoding."""
     max_video_bytes: int = 1 << 32
     """RGB bytes of one video file's sampled frames at their source size (4 GiB), from the headers
-    before
-    decoding; more is ``bad_video``."""
+    before decoding; more is ``bad_video``."""
     max_video_decode_seconds: int = 600
     """Wall seconds to decode one video file's sampled frames; longer is ``corrupt_video`` (checked
-    between
-    frames: bounds a decoder stuck on hostile data frame after frame)."""
+    between frames: bounds a decoder stuck on hostile data frame after frame)."""
 
     def __post_init__(self):
         for name in (
@@ -144,8 +139,7 @@ ARRAY_ERRORS: tuple[type[BaseException], ...] = (
     NotImplementedError,
 )
 """What the ``.npy`` / ``.npz`` reader (``NpyFormatError``, a ``ValueError``), ``zipfile`` and
-``zlib`` raise
-on malformed bytes."""
+``zlib`` raise on malformed bytes."""
 TEXT_ERRORS: tuple[type[BaseException], ...] = (ValueError, RecursionError)
 """``UnicodeDecodeError`` / ``JSONDecodeError`` (both ``ValueError``) and JSON nested too deep."""
 
@@ -180,8 +174,7 @@ def decode_npy(data: bytes, limits: DecodeLimits = DEFAULT_LIMITS) -> np.ndarray
     """``.npy`` bytes -> a writable array, its header parsed once
     (:func:`~prealign.loaders.sources.npy.read_npy`); raises
     :class:`~prealign.loaders.sources.npy.NpyFormatError` (a ``ValueError``: malformed, a dtype
-    torch
-    does not hold, short data) or :class:`ArrayTooLarge` before allocating."""
+    torch does not hold, short data) or :class:`ArrayTooLarge` before allocating."""
     return read_npy(data, max_bytes=limits.max_array_bytes, member="npy")
 
 
@@ -199,8 +192,8 @@ def open_image(data: bytes, limits: DecodeLimits = DEFAULT_LIMITS):
     checked from the header before decoding, turned upright by its EXIF orientation as transformers'
     ``load_image`` does (a phone photo stored sideways is trained on as it is shown; the header
     pass's :func:`~prealign.loaders.sources.header_lengths.image_header_size` swaps width and height
-    alike). Raises
-    one of :data:`IMAGE_ERRORS` on malformed bytes, :class:`ImageTooLarge` on a bomb."""
+    alike). Raises one of :data:`IMAGE_ERRORS` on malformed bytes, :class:`ImageTooLarge` on a
+    bomb."""
     from PIL import Image, ImageOps
 
     with warnings.catch_warnings():  # PIL's own bomb warning: the cap below decides

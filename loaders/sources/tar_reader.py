@@ -60,8 +60,7 @@ class Member:
     kind: str = "file"
     """``"file"`` (a regular member, with its data), or ``"hardlink"`` / ``"symlink"`` /
     ``"chardev"`` / ``"blockdev"`` / ``"fifo"`` / ``"directory"`` / ``"GNU sparse"`` / ``"typeflag
-    b'X'"``... (no data:
-    webdataset has no use for them; the caller counts them)."""
+    b'X'"``... (no data: webdataset has no use for them; the caller counts them)."""
 
 
 def _padded(n: int) -> int:
@@ -85,8 +84,7 @@ def _text(raw: bytes) -> str:
 def _pax(data: bytes, offset: int) -> dict[str, str]:
     """Records (``<length> <key>=<value>`` and a newline) of a pax header whose data starts at byte
     ``offset``; a malformed record (a length that is not a positive decimal or runs past the data,
-    no
-    ``=``, a key that is not UTF-8) is a :class:`TarFormatError`, never a hang or a bare
+    no ``=``, a key that is not UTF-8) is a :class:`TarFormatError`, never a hang or a bare
     ``ValueError``."""
     out, pos = {}, 0
     while pos < len(data):
@@ -109,9 +107,8 @@ def _pax(data: bytes, offset: int) -> dict[str, str]:
 
 def _remaining(f: BinaryIO) -> int | None:
     """Bytes left in ``f`` after its current position, or None when it cannot tell (a pipe). A
-    reader
-    with ``length`` and ``pos`` attributes (:class:`~prealign.loaders.sources.deadline.TimedReader`)
-    says so itself."""
+    reader with ``length`` and ``pos`` attributes
+    (:class:`~prealign.loaders.sources.deadline.TimedReader`) says so itself."""
     if getattr(f, "length", None) is not None:
         return f.length - f.pos
     try:
@@ -127,8 +124,7 @@ def _remaining(f: BinaryIO) -> int | None:
 
 def _read(f: BinaryIO, n: int) -> bytes:
     """Up to ``n`` bytes of ``f``, read in chunks (a lying size never allocates more than arrives)
-    until ``n`` or
-    the end (a short read is read on: a failure behind it is raised by the next)."""
+    until ``n`` or the end (a short read is read on: a failure behind it is raised by the next)."""
     first = f.read(min(n, _CHUNK))
     if len(first) == n or not first:
         return first

@@ -93,8 +93,7 @@ def shard_identity(url: str) -> str:
     """What one shard is called whatever way it is written: a local path made absolute and normal
     (``./d/../d/a.tar``, ``file:///w/d/a.tar`` and ``d/a.tar`` are one shard; no file system call,
     so symlinks are not followed); a URL with its scheme and host in lower case, its fragment
-    dropped; a ``pipe:`` command
-    as it is."""
+    dropped; a ``pipe:`` command as it is."""
     if url.startswith("pipe:"):
         return url
     if _remote.is_remote(url):
@@ -135,9 +134,8 @@ _ABNORMAL = ("//", "/./", "/../", "/.\n", "/..\n", "/\n", "\x00")
 
 def _normal_absolute(urls: Sequence[str]) -> bool:
     """Every url is an absolute local path already normal (``os.path.normpath(os.path.abspath(u)) ==
-    u``):
-    its own :func:`shard_identity`. A few substring searches over all of them (a start over 100k
-    shards)."""
+    u``): its own :func:`shard_identity`. A few substring searches over all of them (a start over
+    100k shards)."""
     if not urls or set(map(type, urls)) != {str}:
         return False
     text = "\n".join(urls) + "\n"
@@ -156,8 +154,7 @@ _TORCH_KINDS = "biufc"  # bool, int, uint, float, complex: what torch.from_numpy
 def numpy_fields(sample: dict) -> dict:
     """Default transform: every ``<name>.npy`` member -> tensor ``<name>``; other keys kept as they
     are. A big-endian array is converted to native order; an array torch cannot hold (strings,
-    records,
-    dates) is a :class:`~prealign.loaders.errors.BadSampleError` naming the member."""
+    records, dates) is a :class:`~prealign.loaders.errors.BadSampleError` naming the member."""
     out = {}
     for k, v in sample.items():
         if isinstance(v, np.ndarray) and k.endswith(".npy"):
@@ -181,8 +178,8 @@ def check_members(
 ) -> None:
     """Raise the :class:`BadSampleError` of a sample whose key was already seen in its shard
     (``duplicate_key``), that has a link member (``link_member``) or a member of another type (a
-    directory,
-    GNU sparse, an unknown typeflag: ``unknown_member``); the full and the header pass alike."""
+    directory, GNU sparse, an unknown typeflag: ``unknown_member``); the full and the header pass
+    alike."""
     if duplicate:
         raise BadSampleError(
             sample=where,
@@ -308,8 +305,7 @@ class WebDatasetSource(Source):
     @property
     def stream_only(self) -> bool:
         """True when some shard can only be read front to back (``pipe:``, ``.tar.gz``): the loader
-        then
-        shuffles micro-batches within a bounded window of steps, not over the whole epoch."""
+        then shuffles micro-batches within a bounded window of steps, not over the whole epoch."""
         if self.__dict__.get("local_only"):  # only a gzip-compressed tar can be sequential
             joined = "\n".join(self.urls) + "\n"
             return ".tar.gz\n" in joined or ".tgz\n" in joined
@@ -393,8 +389,7 @@ class WebDatasetSource(Source):
         self, shard: int, key: str, members: list[tuple[str, bytes, str]], duplicate: bool = False
     ):
         """Decoded sample dict, or the :class:`~prealign.schemas.errors.SampleError` that makes it a
-        bad
-        sample (an error of any other type is a bug and propagates)."""
+        bad sample (an error of any other type is a bug and propagates)."""
         url = self.urls[shard]
         where = f"{url}:{key}"
         try:
@@ -463,8 +458,7 @@ class WebDatasetSource(Source):
     def _bytes(self, shard: int, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` of a shard: a local ``seek`` + ``read`` (at most
         ``max_open_files`` files open per process, least recently used closed), a remote range read,
-        or a slice of a sequential
-        shard read whole (kept for ``remote.stream_shards`` shards)."""
+        or a slice of a sequential shard read whole (kept for ``remote.stream_shards`` shards)."""
         url = self.urls[shard]
         local = self._local()
         if self.shard_check is not None and shard not in local.setdefault("checked", set()):
@@ -518,8 +512,8 @@ class WebDatasetSource(Source):
     def close_files(self) -> None:
         """Close the shard files this process holds open and drop the streams it keeps (a loader
         calls it at the end of each epoch in the process that read them, so no handle is left to the
-        garbage collector); the
-        next read opens them again. Shards already checked against their index stay checked."""
+        garbage collector); the next read opens them again. Shards already checked against their
+        index stay checked."""
         local = self._local()
         files = local.pop("files", None) or {}
         streams = local.pop("streams", None) or {}
@@ -561,8 +555,7 @@ class WebDatasetSource(Source):
     def _gone(self, shard: int, start: int, problem: str) -> Exception:
         """A shard gone under a read: a :class:`MissingShardError` (configuration, never bad data)
         when its first read checked it against its index, as that check says before the first read;
-        else a
-        :class:`ShardGoneError` (bad data)."""
+        else a :class:`ShardGoneError` (bad data)."""
         url = self.urls[shard]
         covers = getattr(self.shard_check, "covers", None)
         if covers is not None and covers(shard):

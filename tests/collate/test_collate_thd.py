@@ -1,6 +1,5 @@
 """THDCollator: every field of every CP rank against the reference packer, the alignment it
-promises,
-the inverse maps, and the worked examples."""
+promises, the inverse maps, and the worked examples."""
 
 from __future__ import annotations
 

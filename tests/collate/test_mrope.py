@@ -275,8 +275,7 @@ def test_non_finite_pixels_are_refused_naming_the_sample(bad, precomputed):
 @given(grid=grid_st, delta=st.sampled_from([-4, -1, 1, 4]))
 def test_pixel_rows_other_than_the_grids_patches_are_refused(grid, delta):
     """An edited image_grid_thw whose token run still fits (t*h*w / merge**2 image tokens) but whose
-    patches
-    are not the pixels' rows: refused, never collated with the other positions."""
+    patches are not the pixels' rows: refused, never collated with the other positions."""
     sample = vlm_sample([2, grid, 1])
     rows = sample["pixel_values"].shape[0]
     if rows + delta <= 0:

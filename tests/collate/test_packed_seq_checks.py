@@ -1,7 +1,6 @@
 """``to_packed_seq_params`` refuses offsets that do not describe a packed batch (the ones TE would
 read out of bounds with): a ``max_seqlen`` below the longest padded sequence, padded lengths shorter
-than true ones,
-offsets not starting at 0 or decreasing. Every collator batch passes."""
+than true ones, offsets not starting at 0 or decreasing. Every collator batch passes."""
 
 from __future__ import annotations
 

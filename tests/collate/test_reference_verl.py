@@ -68,9 +68,8 @@ def verl_util():
 def run_verl(util, name: str, *args, tp: int, cp: int, rank: int, **kwargs):
     """``util.name(*args, **kwargs)`` with megatron's parallel_state getters patched to (tp, cp,
     rank). megatron-core 0.16 has no ``PackedSeqParams.cp_partition_mode``, which verl requires for
-    its
-    contiguous layout; a namespace stands in for PackedSeqParams there (the rows do not depend on
-    it)."""
+    its contiguous layout; a namespace stands in for PackedSeqParams there (the rows do not depend
+    on it)."""
     with pytest.MonkeyPatch.context() as mp:
         for getter, value in [
             ("get_tensor_model_parallel_world_size", tp),

@@ -46,8 +46,7 @@ def random_samples(
     lengths, *, seed: int = 0, topk: int | None = None, loss_mask: bool = False
 ) -> list[dict]:
     """Text samples of random ids in ``[1, VOCAB)``; optional teacher top-k (distinct ids per row,
-    log-probs
-    of a random distribution) and a sample loss mask that drops every third token."""
+    log-probs of a random distribution) and a sample loss mask that drops every third token."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for n in lengths:
@@ -85,8 +84,7 @@ def topk_kl(
 
 def sample_next_token_targets(sample: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """A sample run alone: (next-token labels ``[L]``, -100 on the last; trained mask ``[L]``: a
-    label
-    exists and the sample's own mask keeps the *next* token)."""
+    label exists and the sample's own mask keeps the *next* token)."""
     ids = sample["input_ids"]
     labels = torch.cat((ids[1:], torch.tensor([-100])))
     keep = sample.get("loss_mask", torch.ones(ids.numel()))
@@ -106,8 +104,7 @@ def real_slots(batch: dict) -> list[torch.Tensor]:
 @functools.lru_cache(maxsize=None)
 def qwen2_vl(attn: str = "sdpa"):
     """A tiny ``Qwen2VLForConditionalGeneration`` (1-block vision tower, 2-layer LM, hidden 32)
-    whose
-    special ids are the demo byte tokenizer's, float64, eval mode."""
+    whose special ids are the demo byte tokenizer's, float64, eval mode."""
     import transformers
 
     from prealign.loaders.cli.demo_tokenizer import ByteTokenizer

@@ -65,8 +65,7 @@ def raw_kwargs(batch: dict) -> dict:
 def per_token_mismatch(model, batch: dict, samples: list[dict], kwargs: dict) -> tuple[float, int]:
     """Largest difference, over every real token, between the packed run (logits and the next-token
     loss read from the batch's ``labels`` and ``loss_mask``) and each sample run alone; and how many
-    real
-    tokens were compared."""
+    real tokens were compared."""
     logits = packed_logits(model, kwargs)
     loss = token_ce(logits, batch["labels"][0]) * batch["loss_mask"][0]
     worst, seen = 0.0, 0
@@ -122,8 +121,7 @@ def test_block_causal_mask_gives_the_same_losses(attn, mask_dtype):
 
 def test_the_models_own_loss_on_hf_kwargs_is_the_mean_of_the_per_sample_losses():
     """``to_hf_kwargs`` labels (HF convention, the model shifts) give the model's own loss = the
-    mean
-    next-token loss over every trained token of every sample run alone."""
+    mean next-token loss over every trained token of every sample run alone."""
     layout = LAYOUTS["cp2-min-local-rows"]
     samples = random_samples(LENGTHS, seed=5, loss_mask=True)
     batch = THDCollator(schema=SCHEMA, layout=layout)(samples)
@@ -194,8 +192,7 @@ def test_detects_a_label_shifted_by_one():
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_detects_positions_that_do_not_restart(attn):
     """Positions counting on across sequences: transformers sees one long sequence, every later
-    sample
-    attends to the earlier ones."""
+    sample attends to the earlier ones."""
     samples, batch = _corrupt_case()
     flat = {**batch, "position_ids": torch.arange(batch["input_ids"].shape[1])[None]}
     worst, _ = per_token_mismatch(causal_lm(attn), flat, samples, raw_kwargs(flat))
@@ -214,8 +211,7 @@ def test_detects_one_sequence_whose_positions_do_not_restart():
 
 def test_detects_a_mask_built_from_the_true_offsets_of_a_padded_batch():
     """The padded buffer's blocks are ``cu_seqlens_padded``; the true offsets misplace every block
-    after
-    the first padded sequence (TE's padded-THD trap, here on the mask)."""
+    after the first padded sequence (TE's padded-THD trap, here on the mask)."""
     samples, batch = _corrupt_case()
     assert not torch.equal(batch["cu_seqlens"], batch["cu_seqlens_padded"])
     total = int(batch["cu_seqlens_padded"][-1])

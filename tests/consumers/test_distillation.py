@@ -1,8 +1,7 @@
 """Top-k distillation on a packed batch: KL(teacher || student) on the teacher's top-k, read from
 the batch's ``teacher_topk_log_probs`` / ``teacher_topk_ids`` (aligned with the logits at each
 position) and weighted by its ``loss_mask``, equals the same loss of every sample run alone, token
-by token and in
-total. A teacher shifted by one slot is caught."""
+by token and in total. A teacher shifted by one slot is caught."""
 
 from __future__ import annotations
 

@@ -252,8 +252,7 @@ def test_the_mask_is_the_per_sequence_rule():
 def test_a_text_gemma3_packs_with_its_window_per_sequence(attention):
     """Gemma 3 text (``gemma3_text``: sliding + full layers, no images): with ``attention="mask"``
     the per-layer masks (the window counted inside each sequence), with ``"positions"`` the model's
-    own packing from
-    ``position_ids``; both give each sample's logits."""
+    own packing from ``position_ids``; both give each sample's logits."""
     cfg = tiny_config().text_config
     torch.manual_seed(0)
     model = transformers.Gemma3ForCausalLM(cfg).to(torch.float64).eval()

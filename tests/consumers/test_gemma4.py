@@ -172,8 +172,7 @@ def test_a_causal_gemma4_packs_from_its_positions():
 @pytest.mark.slow
 def test_the_other_releases_layer_rule_is_caught():
     """transformers releases differ in which layers get the blocks (5.6 and >= 5.17 sliding only,
-    5.10 all):
-    the rule of the other kind of release does not give the installed model's logits."""
+    5.10 all): the rule of the other kind of release does not give the installed model's logits."""
     from prealign.collate.vision.attention import layer_masks
 
     batch, kwargs = packed()

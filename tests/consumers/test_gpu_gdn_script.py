@@ -1,6 +1,6 @@
 """The GDN GPU check (``benchmarks/gpu_gdn.py``) stays runnable: it compiles, its dry run builds the
-packed batch and
-the model kwargs (``seq_idx`` naming each slot's padded sequence), and without a GPU it says so."""
+packed batch and the model kwargs (``seq_idx`` naming each slot's padded sequence), and without a
+GPU it says so."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The GPU check (``benchmarks/gpu_megatron_te.py``) stays runnable: it compiles, and its CPU part
-(the
-batches with ``cu_seqlens_padded != cu_seqlens`` and the three PackedSeqParams feeds) runs here."""
+(the batches with ``cu_seqlens_padded != cu_seqlens`` and the three PackedSeqParams feeds) runs
+here."""
 
 from __future__ import annotations
 

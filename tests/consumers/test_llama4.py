@@ -6,8 +6,7 @@ those of each sequence alone, where the model builds its own chunked mask. Seque
 multiples of the chunk, so the chunks counted from the row's start (what the model itself would do
 with a packed row) are caught. The flex-attention description equals the 4-D masks; the contract
 lets eager / sdpa / flex pack and refuses flash; a row longer than the attention-temperature floor
-is
-refused (the control shows why)."""
+is refused (the control shows why)."""
 
 from __future__ import annotations
 
@@ -39,8 +38,7 @@ LENGTHS = (
 
 def tiny_config(attn: str = "sdpa", floor_scale: int = 8192):
     """2 dense layers: a RoPE layer with chunked attention (chunk 5) and a NoPE layer with full
-    attention (the
-    temperature-tuned one), as Llama 4 interleaves them."""
+    attention (the temperature-tuned one), as Llama 4 interleaves them."""
     return transformers.Llama4TextConfig(
         vocab_size=VOCAB,
         hidden_size=32,
@@ -98,8 +96,8 @@ def worst(batch: dict, kwargs: dict, attn: str = "sdpa", floor_scale: int = 8192
 
 def row_chunked_masks(batch: dict) -> dict:
     """Negative control: the same masks with chunks counted from the row's start (global chunk
-    boundaries),
-    still inside each sequence: what the model's own chunked mask does to a packed row."""
+    boundaries), still inside each sequence: what the model's own chunked mask does to a packed
+    row."""
     index = TokenMaskIndex.of(batch["cu_seqlens_padded"], batch["cu_seqlens"], None)
     index = dataclasses.replace(index, pos=torch.arange(index.pos.numel()))
     return layer_masks(
@@ -195,9 +193,8 @@ def test_a_packed_row_without_its_masks_is_refused():
 @pytest.mark.slow
 def test_a_row_past_the_temperature_floor_is_refused_and_would_differ():
     """Llama 4's NoPE layers scale queries by the slot's index in the row: with ``floor_scale`` 16 a
-    packed row
-    of 48 slots is refused, and the control shows its logits would differ from each sequence
-    alone."""
+    packed row of 48 slots is refused, and the control shows its logits would differ from each
+    sequence alone."""
     with pytest.raises(PackingUnsupportedError, match="floor_scale=16"):
         packed(floor_scale=16)
     batch, kwargs = packed()

@@ -3,8 +3,7 @@ through the real Qwen2-VL image processor (built locally), several per sample, 3
 the batch (``MRoPECollator``), fed as transformers' packed layout ``[text; t; h; w]`` by
 ``to_hf_kwargs``. The logits at every real token equal those of the sample run alone, where the
 model computes its own mRoPE positions (``get_rope_index``). Corruptions (a wrong mRoPE block, text
-positions that do not
-restart, mRoPE without the text row) are caught."""
+positions that do not restart, mRoPE without the text row) are caught."""
 
 from __future__ import annotations
 

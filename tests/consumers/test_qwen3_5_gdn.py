@@ -109,8 +109,7 @@ print(json.dumps(out))
 
 def gdn_reads_cu_seq_lens_q() -> bool:
     """Whether the installed Gated DeltaNet forward takes the chunked kernel's boundaries from
-    ``cu_seq_lens_q`` in
-    its keyword arguments (not from the attention mask)."""
+    ``cu_seq_lens_q`` in its keyword arguments (not from the attention mask)."""
     import inspect
 
     from transformers.models.qwen3_5 import modeling_qwen3_5

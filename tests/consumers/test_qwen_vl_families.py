@@ -108,8 +108,7 @@ def test_packed_logits_equal_each_sample_alone(model_type):
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_a_video_frame_shifted_by_one_is_caught(model_type):
     """The first sample's video tokens one temporal step later (rotary positions are relative: only
-    a block
-    moved against its text shows)."""
+    a block moved against its text shows)."""
     batch, kwargs = packed(model_type)
     video = torch.nonzero(batch["mm_token_type_ids"][0] == 2).flatten()
     video = video[video < int(batch["cu_seqlens_padded"][1])]
@@ -130,8 +129,7 @@ def test_a_text_row_that_does_not_restart_is_caught():
 
 def test_gdn_packing_without_the_kernels_is_refused():
     """Qwen3.5's default layers mix linear attention in: a packed row needs fla + causal-conv1d
-    (absent here);
-    one sequence per row needs neither; seq_idx names each slot's padded sequence."""
+    (absent here); one sequence per row needs neither; seq_idx names each slot's padded sequence."""
     cfg = transformers.Qwen3_5Config()
     batch, _ = packed("qwen3_5")
     with pytest.raises(PackingUnsupportedError, match="fla, causal_conv1d not importable"):
@@ -151,8 +149,7 @@ def test_gdn_packing_without_the_kernels_is_refused():
 @pytest.mark.parametrize("model_type", ["qwen2_5_vl", "qwen3_5"])
 def test_transformed_samples_pack_exactly(model_type):
     """Samples from the transform itself (the family's image processor, video frames, the timestamp
-    text): packed
-    logits equal each sample alone."""
+    text): packed logits equal each sample alone."""
     from prealign.loaders.media.vlm import VLMSampleTransform
     from tests.loaders.media.test_vlm_video import video_raw
 
@@ -174,8 +171,7 @@ def test_transformed_samples_pack_exactly(model_type):
 def test_gdn_packing_keys_leave_full_attention_layers_exact():
     """What ``to_hf_kwargs`` adds for a Gated DeltaNet model in every mode (``cu_seq_lens_q/k``,
     ``max_length_q/k``, ``seq_idx``) is read by the GDN layers only: the full-attention (sdpa)
-    layers, in this test's POSITIONS mode,
-    give the same exact per-sample logits with them."""
+    layers, in this test's POSITIONS mode, give the same exact per-sample logits with them."""
     batch, kwargs = packed("qwen3_5")
     padded = batch["cu_seqlens_padded"].to(torch.int32)
     extra = to_hf_kwargs(batch, attention=HFAttention.VARLEN)

@@ -1,7 +1,6 @@
 """``to_verl_thd`` gives verl's engine forward what its own ``preprocess_thd_engine`` (verl 0.9.1)
 would: the same rows on every CP rank, the same ``PackedSeqParams`` and the same positions on real
-tokens,
-so verl can take prealign's batch and skip its per-sequence preprocess."""
+tokens, so verl can take prealign's batch and skip its per-sequence preprocess."""
 
 from __future__ import annotations
 
@@ -62,8 +61,8 @@ def test_to_verl_thd_equals_preprocess_thd_engine(verl_util, lengths, tp, cp):
 
 def test_labels_are_verls_rolled_ids_but_on_each_sequence_end(verl_util):
     """The loss side: ``to_verl_thd(batch, "labels")`` equals verl's ``need_roll`` ids on every
-    label
-    inside a sequence (verl wraps each last token to the sequence's first, prealign ignores it)."""
+    label inside a sequence (verl wraps each last token to the sequence's first, prealign ignores
+    it)."""
     lengths, tp, cp = [5, 33, 17, 2], 2, 2
     layout = ParallelLayout(tp=tp, cp=cp, pad_policy=PadPolicy.PER_SEQUENCE)
     nested = to_nested(make_samples(lengths))

@@ -1,15 +1,13 @@
 """A small byte-level BPE tokenizer trained on the spot (merges of newlines and spaces, so how a
 text is split before encoding matters, as with real tokenizers) with a family's special tokens: what
-the family tests build
-their processors on (no download)."""
+the family tests build their processors on (no download)."""
 
 from __future__ import annotations
 
 
 def byte_bpe_tokenizer(specials: list[str], corpus: list[str], **tokens):
     """A ``PreTrainedTokenizerFast`` of 300 ids, ``specials`` first, trained on ``corpus``
-    (repeated);
-    ``tokens``: its ``bos_token``, ``eos_token``, ``pad_token``, ... by name."""
+    (repeated); ``tokens``: its ``bos_token``, ``eos_token``, ``pad_token``, ... by name."""
     import transformers
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 

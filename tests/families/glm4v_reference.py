@@ -20,22 +20,19 @@ _USER = (
 )
 CHAT_TEMPLATE = (
     "[gMASK]<sop>{% for m in messages %}{% if m.role == 'system' %}<|system|>{{ '\\n' }}{{ "
-    "m.content }}"
-    "{% elif m.role == 'user' %}<|user|>{{ '\\n' }}"
+    "m.content }}{% elif m.role == 'user' %}<|user|>{{ '\\n' }}"
     + _USER
     + "{% elif m.role == 'assistant' %}<|assistant|>{{ '\\n' }}{{ m.content }}{% endif %}{% "
     "endfor %}"
 )
 """GLM-4.1V's chat frame as its released template renders a conversation (no generation prompt),
 written here from its rules (the released template text is not in transformers): ``[gMASK]<sop>``,
-each turn its role tag,
-``"\\n"`` and the content, no end-of-turn token."""
+each turn its role tag, ``"\\n"`` and the content, no end-of-turn token."""
 THINKING_TEMPLATE = (
     "{% set ns = namespace(last=-1) %}{% for m in messages %}{% if m.role == 'user' %}"
     "{% set ns.last = loop.index0 %}{% endif %}{% endfor %}"
     "[gMASK]<sop>{% for m in messages %}{% if m.role == 'system' %}<|system|>{{ '\\n' }}{{ "
-    "m.content }}"
-    "{% elif m.role == 'user' %}<|user|>{{ '\\n' }}"
+    "m.content }}{% elif m.role == 'user' %}<|user|>{{ '\\n' }}"
     + _USER
     + "{% elif m.role == 'assistant' %}<|assistant|>{% set text = m.content %}{% set why = '' %}"
     "{% if m.reasoning_content is string %}{% set why = m.reasoning_content %}"
@@ -43,13 +40,11 @@ THINKING_TEMPLATE = (
     "{% set why = text.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}"
     "{% set text = text.split('</think>')[-1].lstrip('\\n') %}{% endif %}"
     "{{ '\\n<think>' }}{% if loop.index0 > ns.last and why %}{{ why.strip() }}{% endif %}{{ "
-    "'</think>' }}"
-    "{% if text.strip() %}{{ '\\n' + text.strip() }}{% endif %}{% endif %}{% endfor %}"
+    "'</think>' }}{% if text.strip() %}{{ '\\n' + text.strip() }}{% endif %}{% endif %}{% endfor %}"
 )
 """GLM-4.5V's frame, the same written from its template's rules: an assistant turn is
-``<|assistant|>``, a think
-block (its reasoning only after the last user turn), then ``"\\n"`` + the content stripped, when not
-empty."""
+``<|assistant|>``, a think block (its reasoning only after the last user turn), then ``"\\n"`` + the
+content stripped, when not empty."""
 SPECIALS = (
     "<unk>",
     "[gMASK]",
@@ -103,8 +98,8 @@ def ids() -> dict:
 class FrameGrids:
     """A stand-in for ``Glm4vVideoProcessor`` (torchvision) over frames already sampled:
     ``video_grid_thw`` from transformers' GLM video ``smart_resize`` with the class defaults,
-    ``video_metadata`` with the frames at
-    ``index / fps``; pixels are zeros (the test compares text and grids)."""
+    ``video_metadata`` with the frames at ``index / fps``; pixels are zeros (the test compares text
+    and grids)."""
 
     def __init__(self, fps: list[float]):
         try:
@@ -166,8 +161,7 @@ class FrameGrids:
 
 def hf_processor(video_fps: list[float] = (), thinking: bool = False):
     """``Glm4vProcessor`` with transformers' GLM image processor and :class:`FrameGrids` for video
-    (its class check
-    of that argument skipped)."""
+    (its class check of that argument skipped)."""
     from transformers import Glm4vProcessor
     from transformers.processing_utils import ProcessorMixin
 

@@ -1,7 +1,6 @@
 """The header-pass check the family tests share: on ``prealign demo --model <model>`` data, the
 header-only index (image headers sized, the chat rendered by the tokenizer alone) gives every sample
-the length and media flag the
-full transform gives."""
+the length and media flag the full transform gives."""
 
 from __future__ import annotations
 

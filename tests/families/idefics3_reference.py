@@ -25,15 +25,13 @@ SPECIALS = [
 ]
 TEMPLATE = (
     "<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}{% if "
-    "message['content'] is string "
-    "%}"
+    "message['content'] is string %}"
     "{{': ' + message['content']}}{% else %}{% if message['content'][0]['type'] == 'image' "
     "%}{{':'}}{% else %}"
     "{{': '}}{% endif %}{% for line in message['content'] %}{% if line['type'] == 'text' "
     "%}{{line['text']}}"
     "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}{% endif "
-    "%}<end_of_utterance>\n"
-    "{% endfor %}"
+    "%}<end_of_utterance>\n{% endfor %}"
 )
 """SmolVLM's chat template (transformers' ``DEFAULT_CHAT_TEMPLATE`` of ``processing_smolvlm``)."""
 TILE, PATCH, SCALE = 32, 4, 2
@@ -72,8 +70,8 @@ def image_processor(
 def hf_processor(model_type: str = "smolvlm", **kw):
     """``Idefics3Processor`` with the ``model_type``'s image processor. (``SmolVLMProcessor`` needs
     ``num2words``, which prealign does not declare, and a torchvision video processor; its image
-    text is the module function
-    ``get_image_prompt_string``, compared with Idefics3's separately.)"""
+    text is the module function ``get_image_prompt_string``, compared with Idefics3's
+    separately.)"""
     import transformers
 
     seq = (TILE // PATCH // SCALE) ** 2
@@ -87,8 +85,7 @@ def hf_processor(model_type: str = "smolvlm", **kw):
 
 def tiny_config(model_type: str = "smolvlm", attn: str = "sdpa"):
     """A tiny SmolVLM / Idefics3 (1-layer vision tower of ``PATCH``-px patches on ``TILE``-px tiles,
-    pixel shuffle
-    ``SCALE``, 2-layer Llama LM, hidden 32) with :func:`hf_tokenizer`'s ids."""
+    pixel shuffle ``SCALE``, 2-layer Llama LM, hidden 32) with :func:`hf_tokenizer`'s ids."""
     import transformers
 
     tok = hf_tokenizer()

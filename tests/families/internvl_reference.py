@@ -1,7 +1,6 @@
 """transformers' own InternVL pieces built offline: a character-level tokenizer with InternVL's
-special tokens,
-the GotOcr2 image processor, ``InternVLProcessor`` with InternVL 3's chat template, and a tiny
-model."""
+special tokens, the GotOcr2 image processor, ``InternVLProcessor`` with InternVL 3's chat template,
+and a tiny model."""
 
 from __future__ import annotations
 
@@ -12,11 +11,9 @@ import torch
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n'}}{% if "
-    "message['content'] is string "
-    "%}"
+    "message['content'] is string %}"
     "{{ message['content'] }}{% else %}{% for content in message['content'] %}{% if "
-    "content['type'] == 'image' "
-    "%}"
+    "content['type'] == 'image' %}"
     "{{ '<IMG_CONTEXT>\n' }}{% elif content['type'] == 'video' %}{{ '<video>\n' }}{% elif "
     "content['type'] == 'text' %}"
     "{{ content['text'] }}{% endif %}{% endfor %}{% endif %}{{'<|im_end|>\n'}}{% endfor %}"
@@ -40,8 +37,8 @@ CHARS = "".join(chr(c) for c in range(32, 127)) + "\n"
 @functools.lru_cache(maxsize=None)
 def hf_tokenizer():
     """A ``PreTrainedTokenizerFast`` of one token per character (so any split of a text encodes the
-    same) with
-    InternVL's special tokens as its processor reads them (``start_image_token``, ...)."""
+    same) with InternVL's special tokens as its processor reads them (``start_image_token``,
+    ...)."""
     from tokenizers import Regex, Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -81,8 +78,8 @@ def hf_processor(
 ):
     """``InternVLProcessor`` without a video processor (transformers' needs torchvision, absent
     here): its class check of that one argument is skipped for ``None``; images and text run through
-    the processor itself.
-    ``tokenizer``: another with InternVL's special tokens (default :func:`hf_tokenizer`)."""
+    the processor itself. ``tokenizer``: another with InternVL's special tokens (default
+    :func:`hf_tokenizer`)."""
     from transformers import InternVLProcessor
     from transformers.processing_utils import ProcessorMixin
 
@@ -105,8 +102,7 @@ def hf_processor(
 
 def expand_video_text(processor, text: str, frames: list[int]) -> str:
     """The processor's own text for each ``<video>`` of ``text`` (``frames[i]`` frames, one tile
-    each):
-    ``_insert_media_placeholders`` (transformers 5.6, 5.10) or else ``replace_video_token``
+    each): ``_insert_media_placeholders`` (transformers 5.6, 5.10) or else ``replace_video_token``
     (5.24)."""
     import numpy as np
 
@@ -135,8 +131,7 @@ def expand_video_text(processor, text: str, frames: list[int]) -> str:
 
 def tiny_config(*, tile: int = 56):
     """A tiny InternVL (1-layer ViT of 14-px patches on ``tile``-px tiles, 2-layer Qwen2 LM, hidden
-    32): ``(tile /
-    14)**2 / 4`` image tokens per tile; ids of :func:`hf_tokenizer`."""
+    32): ``(tile / 14)**2 / 4`` image tokens per tile; ids of :func:`hf_tokenizer`."""
     import transformers
 
     tok = hf_tokenizer()

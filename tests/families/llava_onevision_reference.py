@@ -21,16 +21,14 @@ CHAT_TEMPLATE = (
     "{% for c in message['content'] | selectattr('type', 'equalto', 'image') %}{{ '<image>' }}{% "
     "endfor %}"
     "{% for c in message['content'] | selectattr('type', 'equalto', 'video') %}{{ '<video>' }}{% "
-    "endfor %}"
-    "{% for c in message['content'] | selectattr('type', 'equalto', 'text') %}"
+    "endfor %}{% for c in message['content'] | selectattr('type', 'equalto', 'text') %}"
     "{% if message['role'] == 'assistant' %}{% generation %}{{ '\n' + c['text'] }}{% "
     "endgeneration %}"
     "{% else %}{{ '\n' + c['text'] }}{% endif %}{% endfor %}{{ '<|im_end|>' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 """The LLaVA-OneVision (Qwen2) template's shape: ``<|im_start|>role `` + the turn's images, then its
-videos, then
-``"\\n" + text`` per text item, ``<|im_end|>``; no newline between turns."""
+videos, then ``"\\n" + text`` per text item, ``<|im_end|>``; no newline between turns."""
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>", "<video>"]
 
 
@@ -38,8 +36,7 @@ SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>", "<video>"]
 def hf_tokenizer():
     """A byte-level BPE trained here on newline-heavy text with Qwen's pre-tokenizer rule (a run of
     newlines and the spaces before it is one piece), so the template's ``"user "`` + ``"\\n..."``
-    merge as Qwen2's tokenizer merges
-    them."""
+    merge as Qwen2's tokenizer merges them."""
     import transformers
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -133,9 +130,8 @@ def hf_processor(
     video: bool = False,
 ):
     """``LlavaOnevisionProcessor`` around the real image processor and :func:`hf_tokenizer`, its
-    video slot
-    ``None`` or (``video``) :class:`FramesVideoProcessor` (the class check of that one argument
-    skipped)."""
+    video slot ``None`` or (``video``) :class:`FramesVideoProcessor` (the class check of that one
+    argument skipped)."""
     from transformers import LlavaOnevisionProcessor
     from transformers.processing_utils import ProcessorMixin
 
@@ -169,8 +165,7 @@ def config(
     tiny: bool = False,
 ):
     """A ``LlavaOnevisionConfig`` with :func:`hf_tokenizer`'s ids; ``tiny``: a 1-layer SigLIP tower
-    and a 2-layer
-    Qwen2 LM of hidden size 32 (float64 logits in a second on CPU)."""
+    and a 2-layer Qwen2 LM of hidden size 32 (float64 logits in a second on CPU)."""
     import transformers
 
     tok = hf_tokenizer()

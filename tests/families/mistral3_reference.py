@@ -1,8 +1,7 @@
 """transformers' own Mistral3 / Pixtral pieces built offline: a byte-level BPE tokenizer with
 Mistral's control tokens, the Pixtral image processor (PIL backend), ``PixtralProcessor`` with a
-chat template written after Mistral
-Small 3.1's (without its dated default system prompt), and a tiny
-``Mistral3ForConditionalGeneration``."""
+chat template written after Mistral Small 3.1's (without its dated default system prompt), and a
+tiny ``Mistral3ForConditionalGeneration``."""
 
 from __future__ import annotations
 
@@ -31,8 +30,7 @@ SPECIALS = [
 TEMPLATE = (
     "{{ bos_token }}{% if messages[0]['role'] == 'system' %}"
     "{{ '[SYSTEM_PROMPT]' + messages[0]['content'] + '[/SYSTEM_PROMPT]' }}{% set turns = "
-    "messages[1:] %}"
-    "{% else %}{% set turns = messages %}{% endif %}{% for message in turns %}"
+    "messages[1:] %}{% else %}{% set turns = messages %}{% endif %}{% for message in turns %}"
     "{% if message['role'] == 'user' %}{% if message['content'] is string %}"
     "{{ '[INST]' + message['content'] + '[/INST]' }}{% else %}{{ '[INST]' }}{% for block in "
     "message['content'] %}"
@@ -40,19 +38,17 @@ TEMPLATE = (
     "'[IMG]' }}{% endif %}"
     "{% endfor %}{{ '[/INST]' }}{% endif %}{% elif message['role'] == 'system' %}"
     "{{ '[SYSTEM_PROMPT]' + message['content'] + '[/SYSTEM_PROMPT]' }}{% elif message['role'] == "
-    "'assistant' %}"
-    "{{ message['content'] + eos_token }}{% endif %}{% endfor %}"
+    "'assistant' %}{{ message['content'] + eos_token }}{% endif %}{% endfor %}"
 )
 """Mistral Small 3.1's template shape:
-``<s>[SYSTEM_PROMPT]..[/SYSTEM_PROMPT][INST]..[/INST]reply</s>``, an image
-block written ``[IMG]`` (the processor expands it)."""
+``<s>[SYSTEM_PROMPT]..[/SYSTEM_PROMPT][INST]..[/INST]reply</s>``, an image block written ``[IMG]``
+(the processor expands it)."""
 
 
 @functools.lru_cache(maxsize=None)
 def hf_tokenizer():
     """A byte-level BPE ``PreTrainedTokenizerFast`` (merges of newlines and spaces, so how a text is
-    split
-    matters) with Mistral's control tokens."""
+    split matters) with Mistral's control tokens."""
     corpus = ["user\n\nhello\n\n\nworld", "a cat. \n\n", "a b\n\n c ? \n \n what is it"]
     return byte_bpe_tokenizer(
         SPECIALS, corpus, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
@@ -75,9 +71,8 @@ def image_processor(longest_edge: int, patch: int):
 def processor_class():
     """transformers' ``PixtralProcessor`` class. Its module imports ``get_resize_output_image_size``
     from the torchvision image processor module, absent here: that module is stood in for, during
-    the import only, by the
-    PIL backend's module, which defines the same function (the processor's own code runs
-    unchanged)."""
+    the import only, by the PIL backend's module, which defines the same function (the processor's
+    own code runs unchanged)."""
     name = "transformers.models.pixtral.image_processing_pixtral"
     try:
         importlib.import_module(name)
@@ -111,8 +106,7 @@ def hf_processor(longest_edge: int = 64, patch: int = 4, merge: int = 2):
 
 def tiny_config(*, longest_edge: int = 64, patch: int = 4, merge: int = 2, attn: str = "sdpa"):
     """A tiny Mistral3 (1-layer Pixtral tower of ``patch``-px patches up to ``longest_edge`` px,
-    patch merger
-    ``merge``, 2-layer Mistral LM, hidden 32) with :func:`hf_tokenizer`'s ids."""
+    patch merger ``merge``, 2-layer Mistral LM, hidden 32) with :func:`hf_tokenizer`'s ids."""
     import transformers
 
     tok = hf_tokenizer()
@@ -160,8 +154,7 @@ def tiny_model():
 
 def tiny_pixtral_config():
     """Pixtral as transformers builds it: a ``llava`` config with the same tiny Pixtral tower (no
-    patch merger,
-    ``vision_feature_select_strategy="full"``) and Mistral LM."""
+    patch merger, ``vision_feature_select_strategy="full"``) and Mistral LM."""
     import transformers
 
     cfg = tiny_config()

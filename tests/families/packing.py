@@ -1,7 +1,6 @@
 """The in-model packing check the family tests share: a THD batch (tp=2, cp=2) whose CP shards
-unshard back to
-the whole batch, and the largest logit difference between that packed forward and each sample run
-alone."""
+unshard back to the whole batch, and the largest logit difference between that packed forward and
+each sample run alone."""
 
 from __future__ import annotations
 
@@ -16,8 +15,7 @@ from tests.consumers.models import real_slots
 
 def packed_batch(schema, samples: list[dict]) -> dict:
     """The unsharded THD batch (tp=2, cp=2) after checking that both CP ranks' shards unshard back
-    to it and
-    that media (never sharded) is whole on each."""
+    to it and that media (never sharded) is whole on each."""
     layout = ParallelLayout(tp=2, cp=2)
     whole = THDCollator(schema=schema, layout=layout)(samples)
     shards = [THDCollator(schema=schema, layout=layout, cp_rank=r)(samples) for r in range(2)]

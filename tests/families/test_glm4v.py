@@ -173,8 +173,7 @@ replies = st.one_of(
 
 def conversation(sizes, videos, system, turns, seed):
     """(raw sample, HF messages, images, clips): an optional system turn, then ``turns`` (user,
-    reply) pairs;
-    the media lead the first user turn."""
+    reply) pairs; the media lead the first user turn."""
     raw, _, images, clips = raw_sample("c", sizes, videos, "", "", seed)
     media = "<video>" * len(videos) + "<image>" * len(sizes)
     items = [{"type": "video"}] * len(videos) + [{"type": "image"}] * len(sizes)
@@ -210,8 +209,7 @@ def conversation(sizes, videos, system, turns, seed):
 @examples(40)
 def test_glm_chat_frame_equals_apply_chat_template(case, system, turns, seed, frame):
     """Random conversations (system turn or not, several turns, leading newlines, think blocks,
-    images or
-    video): input_ids equal transformers' processor over the chat template's rendering."""
+    images or video): input_ids equal transformers' processor over the chat template's rendering."""
     sizes, videos = case
     model_type, name = frame
     thinking = model_type == "glm4v_moe" or name == "glm4.5v"
@@ -229,8 +227,8 @@ def test_glm_chat_frame_equals_apply_chat_template(case, system, turns, seed, fr
 
 def test_glm_chat_frame_golden_ids_and_loss():
     """GLM-4.1V: ``[gMASK]<sop><|user|>\\n\\nq<|assistant|>\\na<|user|>\\nb<|assistant|>\\nc``; the
-    user's leading
-    newline merges into one ``\\n\\n`` token; loss on each reply and on the role tag after it."""
+    user's leading newline merges into one ``\\n\\n`` token; loss on each reply and on the role tag
+    after it."""
     tok = ref.hf_tokenizer()
     raw = {
         "__key__": "g",
@@ -326,8 +324,7 @@ def test_frame_sampler_equals_transformers(total, video_fps, fps):
     except ImportError:
         pytest.skip(
             "platform: the installed transformers lacks a torchvision-free GLM-4.1V video "
-            "processor "
-            "module (it imports torchvision)"
+            "processor module (it imports torchvision)"
         )
     import types
 

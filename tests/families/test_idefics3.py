@@ -320,8 +320,8 @@ def test_positions_that_do_not_restart_are_caught():
 @pytest.mark.slow
 def test_demo_command_with_smolvlm(tmp_path, capsys):
     """``prealign demo --model smolvlm``: every batch on every CP rank valid against the family's
-    schema, the
-    synthetic teacher rows as long as the transform's ids, whole tiles in pixel_values."""
+    schema, the synthetic teacher rows as long as the transform's ids, whole tiles in
+    pixel_values."""
     from prealign.loaders.cli import main
 
     args = [
@@ -348,6 +348,6 @@ def test_demo_command_with_smolvlm(tmp_path, capsys):
 
 def test_header_index_equals_the_full_pass(tmp_path):
     """``prealign demo --model smolvlm`` data: the header-only index (image headers sized, the chat
-    rendered by
-    the tokenizer alone) gives every sample the length and media flag the full transform gives."""
+    rendered by the tokenizer alone) gives every sample the length and media flag the full transform
+    gives."""
     assert_header_index_equals_full_pass(tmp_path, "smolvlm", 16)

@@ -142,9 +142,8 @@ def test_ids_tiles_pixels_and_positions_equal_the_processor(
 @examples(10)
 def test_video_frames_are_written_as_the_processor_writes_them(frames, question):
     """``Frame{i}: <img>...</img>`` per frame, joined by newlines: the text the installed processor
-    makes of the
-    template's ``<video>`` (its own expansion method; its video processor needs torchvision, absent
-    here)."""
+    makes of the template's ``<video>`` (its own expansion method; its video processor needs
+    torchvision, absent here)."""
     processor = ref.hf_processor(tile=56)
     raw, messages, _ = raw_sample("v", [], question, "ok", 0, videos=frames)
     out = transform(processor)(raw)

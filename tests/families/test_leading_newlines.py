@@ -7,8 +7,8 @@ Gemma 3's template trims instead.
 
 Each family reuses its own test's reference builders (tokenizer, processor, chat template);
 InternVL's own test tokenizes one character per token (merging nothing), so a merging tokenizer with
-its special tokens is
-built here. GLM-4.1V / 4.5V is left out (its chat frame is being changed elsewhere)."""
+its special tokens is built here. GLM-4.1V / 4.5V is left out (its chat frame is being changed
+elsewhere)."""
 
 from __future__ import annotations
 
@@ -112,8 +112,7 @@ def gemma3(messages, images):
 @functools.lru_cache(maxsize=None)
 def internvl_tokenizer():
     """A byte-level BPE with InternVL's special tokens, trained here on newline-heavy text with
-    Qwen's
-    pre-tokenizer rule (InternVL 3's LM is Qwen2.5's), so ``"\\n\\n"`` is one token."""
+    Qwen's pre-tokenizer rule (InternVL 3's LM is Qwen2.5's), so ``"\\n\\n"`` is one token."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())

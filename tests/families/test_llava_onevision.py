@@ -1,8 +1,7 @@
 """LLaVA-OneVision: the token count of an image from its size alone (AnyRes pinpoint, unpadding,
 pooling past ``anyres_max_9``, a newline per row; the base view plus one newline for an image among
-several) equals what
-transformers' ``LlavaOnevisionProcessor`` writes, and its tile count equals the image processor's
-rows."""
+several) equals what transformers' ``LlavaOnevisionProcessor`` writes, and its tile count equals the
+image processor's rows."""
 
 from __future__ import annotations
 
@@ -23,8 +22,8 @@ transformers = pytest.importorskip("transformers")
 @functools.lru_cache(maxsize=None)
 def processor(strategy: str = "full"):
     """``LlavaOnevisionProcessor`` with a word-level tokenizer and transformers' image processor;
-    without a video
-    processor (transformers' needs torchvision), its class check of that one argument skipped."""
+    without a video processor (transformers' needs torchvision), its class check of that one
+    argument skipped."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlavaOnevisionProcessor, PreTrainedTokenizerFast
     from transformers.processing_utils import ProcessorMixin
@@ -84,8 +83,7 @@ def test_image_tokens_equal_the_processor(images, strategy):
 @examples(4)
 def test_tokens_and_tiles_equal_the_processors_output(images):
     """The processor run on real images (one prompt's images nested in one list, as a chat
-    sample's): ``<image>``
-    tokens written and ``pixel_values`` rows per image."""
+    sample's): ``<image>`` tokens written and ``pixel_values`` rows per image."""
     from PIL import Image
 
     p, fam = processor(), family()

@@ -46,8 +46,7 @@ def png(rng: np.random.Generator, w: int, h: int) -> bytes:
 
 def items(text: str) -> list[dict]:
     """A content string as the other families' tests read it: ``<image>`` / ``<video>`` items and
-    the text
-    pieces between."""
+    the text pieces between."""
     import re
 
     return [
@@ -59,8 +58,7 @@ def items(text: str) -> list[dict]:
 
 def sample(key: str, contents: list[str], sizes: list, seed: int, frames: list[int] = ()) -> tuple:
     """(raw sample, typed chat messages, PIL images, PIL frames per video) of alternating user /
-    assistant
-    ``contents``; video ``v`` has ``frames[v]`` frames of one random size, listed in
+    assistant ``contents``; video ``v`` has ``frames[v]`` frames of one random size, listed in
     ``json["videos"]``."""
     from PIL import Image
 
@@ -148,9 +146,8 @@ def test_ids_pixels_sizes_and_positions_equal_the_processor(
     sizes, contents, strategy, aspect, seed, videos, frames, video_first
 ):
     """0-3 images and 0-2 videos (one frame count per sample: transformers 5.6 / 5.10 expand every
-    ``<video>`` by
-    the first video's), the placeholders in either order (the template writes a turn's images
-    first)."""
+    ``<video>`` by the first video's), the placeholders in either order (the template writes a
+    turn's images first)."""
     processor = ref.hf_processor(
         tile=56, pinpoints=PINS, strategy=strategy, aspect=aspect, video=True
     )
@@ -190,8 +187,8 @@ def test_the_released_geometry():
 @examples(40)
 def test_leading_newline_turns_equal_the_chat_template(contents):
     """Text only (no pixels): ``"user "`` + ``"\\n" + text`` tokenized as the template's string, so
-    a content
-    that starts with a newline merges with the template's one (and the space before it)."""
+    a content that starts with a newline merges with the template's one (and the space before
+    it)."""
     processor = ref.hf_processor(tile=56, pinpoints=PINS)
     raw, chat, _, _ = sample("n", contents, [], 0)
     text = processor.apply_chat_template(chat, tokenize=False)
@@ -369,8 +366,7 @@ def test_positions_that_do_not_restart_are_caught():
 @pytest.mark.slow
 def test_image_features_given_to_the_wrong_image_are_caught():
     """Sample c's two images swapped in the packed pixel values (sizes kept): each image's tokens
-    get the other's
-    features."""
+    get the other's features."""
     samples = model_samples()
     batch, kwargs = packed(samples)
     kwargs["pixel_values"] = kwargs["pixel_values"][[0, 1, 2, 4, 3, 5, 6]]
@@ -382,8 +378,7 @@ def test_image_features_given_to_the_wrong_image_are_caught():
 @pytest.mark.slow
 def test_demo_command_with_llava_onevision(tmp_path, capsys):
     """``prealign demo --model llava_onevision``: every batch on every CP rank valid against the
-    family's batch
-    schema; AnyRes tiles, image sizes and images per sample in the batches."""
+    family's batch schema; AnyRes tiles, image sizes and images per sample in the batches."""
     import re
 
     from prealign.loaders.cli import main
@@ -411,8 +406,8 @@ def test_demo_command_with_llava_onevision(tmp_path, capsys):
 def test_header_index_equals_the_full_pass(tmp_path):
     """``prealign demo --model llava_onevision`` data: the header-only index (each image's header
     size and the sample's image count give its AnyRes tokens; the chat rendered by the tokenizer
-    alone) gives every sample the
-    length and media flag the full transform gives; a corrupt image is found by both."""
+    alone) gives every sample the length and media flag the full transform gives; a corrupt image is
+    found by both."""
     from prealign.loaders import BadDataPolicy, WebDatasetSource, build_index
     from prealign.loaders.cli.demo_data import build_demo_dataset, demo_transform
     from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
@@ -445,8 +440,7 @@ def test_header_index_equals_the_full_pass(tmp_path):
 
 def test_videos_of_different_frame_counts_cannot_share_a_forward():
     """LLaVA-OneVision's forward takes one ``[videos, frames, 3, s, s]`` tensor: packed frames are
-    reshaped to it,
-    and videos of different lengths are refused with the way out."""
+    reshaped to it, and videos of different lengths are refused with the way out."""
     from prealign.collate.hf import onevision_videos
     from prealign.schemas import PackingUnsupportedError
 

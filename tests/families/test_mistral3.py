@@ -322,8 +322,7 @@ def test_positions_that_do_not_restart_are_caught():
 
 def test_pixtral_llava_ids_and_pixels_equal_the_processor():
     """Pixtral (a ``llava`` config, no patch merger): a token per 4-px patch, as
-    ``PixtralProcessor`` with
-    ``spatial_merge_size=1`` writes it."""
+    ``PixtralProcessor`` with ``spatial_merge_size=1`` writes it."""
     t = Mistral3SampleTransform(
         model_config=ref.tiny_pixtral_config(), tokenizer=ref.hf_tokenizer()
     )
@@ -363,8 +362,8 @@ def test_pixtral_packed_logits_equal_each_sample_alone():
 @pytest.mark.slow
 def test_demo_command_with_mistral3(tmp_path, capsys):
     """``prealign demo --model mistral3``: every batch on every CP rank valid against the family's
-    schema, the
-    synthetic teacher rows as long as the transform's ids, patches of 14 px in pixel_values."""
+    schema, the synthetic teacher rows as long as the transform's ids, patches of 14 px in
+    pixel_values."""
     from prealign.loaders.cli import main
 
     args = [
@@ -391,6 +390,6 @@ def test_demo_command_with_mistral3(tmp_path, capsys):
 
 def test_header_index_equals_the_full_pass(tmp_path):
     """``prealign demo --model mistral3`` data: the header-only index (image headers sized, the chat
-    rendered by
-    the tokenizer alone) gives every sample the length and media flag the full transform gives."""
+    rendered by the tokenizer alone) gives every sample the length and media flag the full transform
+    gives."""
     assert_header_index_equals_full_pass(tmp_path, "mistral3", 24)

@@ -1,8 +1,7 @@
 """Every Qwen vision family's mRoPE positions, images and video: equal to transformers' own
 ``get_rope_index`` of a tiny model built from the family's config, per sample, packed (THD, tp=2,
-cp=2) on every CP rank and
-unsharded, on every real token. Plus golden traces of each family's video rule and the config
-checks."""
+cp=2) on every CP rank and unsharded, on every real token. Plus golden traces of each family's video
+rule and the config checks."""
 
 from __future__ import annotations
 
@@ -40,9 +39,8 @@ SCHEMA = vlm_schema()
 @functools.lru_cache(maxsize=None)
 def fractional_seconds() -> bool:
     """Whether the installed transformers keeps Qwen2.5-VL's ``second_per_grid_ts`` fractional (>=
-    5.18; the
-    wheels through 5.17 truncate it to an int first, the bug prealign does not copy): only then are
-    fractions compared with it."""
+    5.18; the wheels through 5.17 truncate it to an int first, the bug prealign does not copy): only
+    then are fractions compared with it."""
     s = vision_sample("qwen2_5_vl", [("video", 2, 2, 2, 0.75)])
     return int(hf_positions("qwen2_5_vl", [s])[0][0, -2]) == 1 + int(2 * 0.75)
 
@@ -94,8 +92,7 @@ def family_batch(draw):
 @examples(40)
 def test_positions_equal_transformers_packed_sharded_and_unsharded(case):
     """THD tp=2 cp=2: each CP rank's shard, all-gathered and unpacked, and the unsharded batch,
-    equal
-    transformers' get_rope_index on every real token of every sample, for every family."""
+    equal transformers' get_rope_index on every real token of every sample, for every family."""
     model_type, samples = case
     cfg = tiny_config(model_type)
     want = hf_positions(model_type, samples)
@@ -138,8 +135,7 @@ def test_positions_equal_transformers_packed_sharded_and_unsharded(case):
 @examples(30)
 def test_qwen2_5_vl_video_time_steps_equal_transformers(videos):
     """Qwen2.5-VL videos of several temporal grids and fractional seconds per grid (integral ones
-    where the
-    installed transformers truncates them): the temporal rows equal get_rope_index's."""
+    where the installed transformers truncates them): the temporal rows equal get_rope_index's."""
     fractional = fractional_seconds()
     samples = [
         vision_sample(

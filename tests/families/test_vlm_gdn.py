@@ -1,8 +1,7 @@
 """Gated DeltaNet packing metadata in every ``to_hf_kwargs`` mode, and one "has linear attention"
 test for every way a model is named (a transformers config, its dict, a :class:`VisionFamily`). The
-fast kernels are stood in for by
-empty ``fla`` / ``causal_conv1d`` packages on ``sys.path``: ``check_gdn_packing`` only asks whether
-they import."""
+fast kernels are stood in for by empty ``fla`` / ``causal_conv1d`` packages on ``sys.path``:
+``check_gdn_packing`` only asks whether they import."""
 
 from __future__ import annotations
 
@@ -50,8 +49,7 @@ def kernels(tmp_path, monkeypatch):
 @pytest.mark.parametrize("mode", list(HFAttention))
 def test_gdn_models_get_cu_seq_lens_and_seq_idx_in_every_mode(kernels, mode, as_family):
     """transformers' Gated DeltaNet reads ``cu_seq_lens_q`` whatever the attention mode; a family
-    names the model
-    as well as its config."""
+    names the model as well as its config."""
     batch = packed_batch()
     cfg = vision_family(gdn_config()) if as_family else gdn_config()
     if VERSION < GDN_MIN_TRANSFORMERS:  # the floor's GDN does not pass cu_seq_lens_q on: refused
@@ -94,8 +92,7 @@ def test_a_family_is_checked_like_its_config():
 
 def test_one_sequence_of_a_static_batch_is_not_packing():
     """Under ``max_seqs`` the offsets repeat the total past the real sequences: one sequence is no
-    packing,
-    so a GDN model without the kernels takes it."""
+    packing, so a GDN model without the kernels takes it."""
     layout = ParallelLayout(length_buckets=(64,), max_seqs=4)
     batch = MRoPECollator(
         collator=THDCollator(schema=vlm_schema(), layout=layout), model_config=gdn_config()

@@ -2,8 +2,7 @@
 per step resumes under another. Across the segments of the epoch every sample is served exactly
 once, every micro-batch is within budget and the ranks of a segment yield as many micro-batches
 each. Ranks are simulated in one process (one loader per ``dp_rank``); the streaming loader's DP
-resize runs on real gloo
-ranks."""
+resize runs on real gloo ranks."""
 
 from __future__ import annotations
 
@@ -158,8 +157,7 @@ def test_any_resizes_serve_every_sample_once(lengths, configs, seed, chunk_size)
 )
 def test_lognormal_data_4_3_5(data_seed, stops, oversize):
     """Lengths drawn independently of the test (lognormal, a seed hypothesis picks), some longer
-    than the
-    budget allows (left out or cut, the same in every segment)."""
+    than the budget allows (left out or cut, the same in every segment)."""
     lengths = (
         np.clip(np.random.default_rng(data_seed).lognormal(3.3, 0.9, 160), 1, 300)
         .astype(int)
@@ -276,8 +274,7 @@ def test_resize_at_the_start_or_the_end_of_an_epoch(wds):
 
 def test_fewer_samples_left_than_new_ranks_gives_fillers():
     """dp 1 stopped before its last micro-batch, resumed at dp 5: the few samples left are spread,
-    every
-    rank gets one micro-batch, the ranks with none get a filler (pads only)."""
+    every rank gets one micro-batch, the ranks with none get a filler (pads only)."""
     make = _packed_maker(*_hf([60, 61, 62, 63, 5, 6]), chunk_size=16384)
     n = len(make({"dp_size": 1}, 0))
     result = assert_resumes_elastically(
@@ -382,13 +379,11 @@ def test_budget_layout_and_seed_changes_stay_refused(wds, change, message):
         ),
         (
             lambda s: {**s, "segments": [s["segments"][0]] * 2},
-            r"segments\[0\]: dp_size 4, microbatches_per_step 1 as in "
-            r"segments\[1\]",
+            r"segments\[0\]: dp_size 4, microbatches_per_step 1 as in segments\[1\]",
         ),
         (
             lambda s: {**s, "segments": [{**s["segments"][0], "dp_size": 3}]},
-            r"segments\[0\]: dp_size 3, .* the state's "
-            r"config",
+            r"segments\[0\]: dp_size 3, .* the state's config",
         ),
         (
             lambda s: {
@@ -434,8 +429,7 @@ def test_at_most_max_segments_are_resumed():
 
 def test_a_resize_and_back_at_its_start_goes_on_in_the_same_segment(wds):
     """dp 4 -> 3 (saved before its first micro-batch) -> 4: the run at 4 goes on where the first
-    stopped,
-    as if never resized (no segment, the batches of the uninterrupted run)."""
+    stopped, as if never resized (no segment, the batches of the uninterrupted run)."""
     make = _packed_maker(*wds)
     ref = list(make({"dp_size": 4}, 1))
     a = make({"dp_size": 4}, 1)
@@ -451,8 +445,8 @@ def test_a_resize_and_back_at_its_start_goes_on_in_the_same_segment(wds):
 
 def test_epoch_offset_counts_micro_batches_from_the_start_of_the_epoch(wds):
     """After resizes ``microbatch`` restarts at 0 in each segment; ``microbatch +
-    epoch_offset(epoch)`` does
-    not: each (epoch, micro-batch in epoch) of a rank once, in order, across dp 4 -> 3 -> 5."""
+    epoch_offset(epoch)`` does not: each (epoch, micro-batch in epoch) of a rank once, in order,
+    across dp 4 -> 3 -> 5."""
     make = _packed_maker(*wds)
 
     def keys(loader, stop=None):
@@ -477,8 +471,8 @@ def test_epoch_offset_counts_micro_batches_from_the_start_of_the_epoch(wds):
 
 def test_the_harness_catches_a_loader_that_ignores_the_resize(wds):
     """Planted bug: a loader that resumes a resized state at its position as if nothing changed
-    (Megatron's
-    failure mode) repeats and loses samples; a budget overrun and unequal counts are caught too."""
+    (Megatron's failure mode) repeats and loses samples; a budget overrun and unequal counts are
+    caught too."""
     make = _packed_maker(*wds)
 
     class Unaware:
@@ -562,8 +556,7 @@ def test_streaming_other_num_workers_serves_every_sample_once(tmp_path):
 )
 def test_streaming_any_worker_counts(tmp_path_factory, num_shards, configs, data_seed):
     """Lognormal lengths (a seed hypothesis draws), 1..6 shards (fewer shards than readers
-    included), any
-    chain of worker counts and stops."""
+    included), any chain of worker counts and stops."""
     lengths = (
         np.clip(np.random.default_rng(data_seed).lognormal(3.0, 0.7, 120), 1, 120)
         .astype(int)
@@ -632,8 +625,7 @@ def _stream_resized(paths, first: dict, stop: int, then: dict, rank: int = 0, **
 )
 def test_streaming_refuses_segments_no_run_writes(tmp_path, edit, message):
     """At load_state_dict, before any replay: more readers than the stream has samples (counted: 2
-    shards),
-    a field a stream's batches do not depend on, an elastic one null."""
+    shards), a field a stream's batches do not depend on, an elastic one null."""
     paths = write_shards(str(tmp_path), sample_lengths(40, seed=3), num_shards=2)
     _, b = _stream_resized(paths, {"dp_size": 1, "num_workers": 2}, 2, {"dp_size": 1})
     state = b.state_dict()
@@ -649,8 +641,7 @@ def test_streaming_refuses_segments_no_run_writes(tmp_path, edit, message):
 @pytest.mark.slow
 def test_streaming_served_ids_are_one_shared_sorted_array(tmp_path):
     """The ids earlier segments served: one sorted int64 tensor (8 bytes a sample), built once, in
-    shared
-    memory for the workers; a spawned worker gets it and the epoch is served exactly once."""
+    shared memory for the workers; a spawned worker gets it and the epoch is served exactly once."""
     from prealign.loaders import LoadingOptions
 
     paths = write_shards(str(tmp_path), sample_lengths(60, seed=9), num_shards=3)
@@ -678,8 +669,7 @@ def test_streaming_served_ids_are_one_shared_sorted_array(tmp_path):
 @pytest.mark.slow
 def test_round_robin_is_the_dataloader_order():
     """What the streaming replay assumes: a DataLoader over W iterable readers serves them in turn,
-    a reader
-    that ran out left out (unequal lengths)."""
+    a reader that ran out left out (unequal lengths)."""
 
     class Readers(torch.utils.data.IterableDataset):
         def __iter__(self):
@@ -698,8 +688,7 @@ def _stream_rank(
     rank: int, world: int, port: int, results, config: dict, stop, paths: list[str], state
 ) -> None:
     """One gloo rank of a segment (:func:`tests.conftest.spawn_ranks`): its micro-batches' ids and
-    padded
-    lengths, and the state it takes."""
+    padded lengths, and the state it takes."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -723,8 +712,7 @@ def _stream_rank(
 @pytest.mark.slow
 def test_streaming_dp_4_3_5_on_gloo_ranks(tmp_path):
     """Real ranks (gloo on 127.0.0.1, the end-of-epoch agreement live): dp 4 (2 workers) -> 3 (none)
-    -> 5
-    (1 worker); 7 shards, so the readers' shard split changes at each resize."""
+    -> 5 (1 worker); 7 shards, so the readers' shard split changes at each resize."""
     paths = write_shards(str(tmp_path / "shards"), sample_lengths(210, seed=12), num_shards=7)
     state, served, counts = None, [], []
     for config, stop in [

@@ -1,7 +1,6 @@
 """Typed errors keep their type across processes: pickled (returned from a DataLoader worker,
-gathered
-across ranks) they keep their attributes; re-raised by torch from a worker's exception they keep
-their type."""
+gathered across ranks) they keep their attributes; re-raised by torch from a worker's exception they
+keep their type."""
 
 from __future__ import annotations
 

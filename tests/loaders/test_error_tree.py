@@ -1,7 +1,7 @@
 """The error tree (docs/errors.md): configuration and bad data are ``ValueError``s, system errors
 (I/O, timeouts, dead workers) are ``OSError`` / ``RuntimeError`` and never ``ValueError``, so a
-transform's
-``except ValueError`` cannot swallow a stalled read and no bad-data policy counts one."""
+transform's ``except ValueError`` cannot swallow a stalled read and no bad-data policy counts
+one."""
 
 from __future__ import annotations
 
@@ -111,8 +111,7 @@ def stalling_url():
 
 class _CaptionFromServer:
     """A transform that fetches a caption over http once ``flag`` exists, and falls back to a
-    default on any
-    ``ValueError`` (what a user writes around bad data)."""
+    default on any ``ValueError`` (what a user writes around bad data)."""
 
     def __init__(self, url: str, flag: str):
         self.url, self.flag, self.fell_back = url, flag, 0

@@ -2,8 +2,7 @@
 every micro-batch the CP ranks' batches together hold exactly the micro-batch's sequences (unsharded
 block by block and compared with an unsharded collate of the same plan), each rank's block is the
 one ``hybrid_cp_plan`` gives, the batches validate and fill ``PackedSeqParams.local_cp_size``,
-resume is exact, and the setting is
-part of the state."""
+resume is exact, and the setting is part of the state."""
 
 from __future__ import annotations
 
@@ -90,8 +89,7 @@ def sequences(
     batch: dict, shards: list[dict] | None = None, schema=SCHEMA
 ) -> dict[str, list[torch.Tensor]]:
     """Each token field's per-sequence tensors (true rows only) of ``batch``, unsharding ``shards``
-    (the
-    batches of every rank of its CP group, in rank order) first when given."""
+    (the batches of every rank of its CP group, in rank order) first when given."""
     out = {}
     for name in (spec.name for spec in schema.of_role(Role.TOKEN)):
         whole = (
@@ -111,9 +109,8 @@ def sequences(
 
 def check_microbatch(ref: dict, got: list[dict], blocks, schema=SCHEMA) -> None:
     """``got`` (one batch per CP rank) against ``ref`` (the unsharded collate of the same
-    micro-batch) and the
-    micro-batch's ``blocks`` from :func:`hybrid_cp_plan`: raises AssertionError on any
-    difference."""
+    micro-batch) and the micro-batch's ``blocks`` from :func:`hybrid_cp_plan`: raises AssertionError
+    on any difference."""
     ids, want = ref["sample_index"].tolist(), sequences(ref, schema=schema)
     held = []
     for block in blocks:
@@ -284,8 +281,7 @@ def test_refusals(wds, tmp_path):
 
 def refused_without_its_group(batch: dict, size: int) -> None:
     """``to_packed_seq_params`` of a hybrid batch asks for its ``cp_group`` of ``size`` ranks (a
-    megatron-core
-    without ``local_cp_size``, 0.14, refuses the batch by version instead)."""
+    megatron-core without ``local_cp_size``, 0.14, refuses the batch by version instead)."""
     with pytest.raises((ArgumentError, BackendVersionError)) as refused:
         to_packed_seq_params(batch)
     said = str(refused.value)
@@ -307,8 +303,8 @@ def test_without_cp_every_batch_is_one_block(wds):
 
 class CPGroup:
     """The loaders of every CP rank of one DP rank as one component: each merged batch holds the
-    sample ids and
-    padded tokens of the micro-batch's blocks, each block counted once (at its first rank)."""
+    sample ids and padded tokens of the micro-batch's blocks, each block counted once (at its first
+    rank)."""
 
     def __init__(self, loaders):
         self.loaders = loaders
@@ -381,11 +377,9 @@ def test_deferred_cp_shard_keeps_whole_rows_and_the_gather_index(wds):
 
 def test_a_sample_bad_only_at_load_time_fails_alike_on_every_cp_rank(tmp_path):
     """A positive teacher log-prob in sample 7, which the header-only index does not read (its ids
-    it bounds), is found on every
-    CP rank whatever block it would have gone to: under the skip policy all ranks leave it out and
-    assign the rest alike (each micro-batch still reconstructs, its blocks those of the samples
-    left); under the default
-    policy every rank raises naming it."""
+    it bounds), is found on every CP rank whatever block it would have gone to: under the skip
+    policy all ranks leave it out and assign the rest alike (each micro-batch still reconstructs,
+    its blocks those of the samples left); under the default policy every rank raises naming it."""
     from prealign.loaders.index.header_pass import write_sidecars
 
     lengths = sample_lengths(40, seed=2, low=8, high=120)
@@ -460,8 +454,7 @@ def test_a_sample_bad_only_at_load_time_fails_alike_on_every_cp_rank(tmp_path):
 def test_vlm_microbatch_each_block_holds_its_images_and_transformers_positions():
     """A VLM micro-batch through HybridCPCollator(MRoPECollator(THDCollator)) at cp=4: each block's
     ranks hold exactly their sequences' images (pixel_values, image_grid_thw) and, unsharded, their
-    tokens and
-    transformers' own Qwen2-VL mRoPE positions."""
+    tokens and transformers' own Qwen2-VL mRoPE positions."""
     from prealign.collate.mrope import MRoPECollator
     from prealign.loaders.plan.hybrid_cp import HybridCPCollator
     from prealign.schemas import vlm_schema
@@ -529,8 +522,7 @@ def test_vlm_microbatch_each_block_holds_its_images_and_transformers_positions()
 @examples(60)
 def test_hybrid_collator_ranks_reconstruct_any_microbatch(lengths, cp, tp, comm):
     """Property: for any micro-batch that fits the budget, the HybridCPCollator batches of all CP
-    ranks hold
-    its sequences exactly once, block by block, as assign_cp_blocks says."""
+    ranks hold its sequences exactly once, block by block, as assign_cp_blocks says."""
     from prealign.loaders.plan.hybrid_cp import HybridCPCollator
 
     layout, budget = ParallelLayout(cp=cp, tp=tp), 1024 * cp

@@ -1,7 +1,6 @@
 """Both loaders configured alike (issue #27): ``workers=WorkerConfig(...)`` or the flat rank
 keywords, the stream's duplicate ``buffer_size=`` / ``oversize=`` keywords deprecated, sample
-shaping below both loaders,
-and the worker's hand-off to its collate_fn a :class:`Fetched`."""
+shaping below both loaders, and the worker's hand-off to its collate_fn a :class:`Fetched`."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """Mixtures (issue #30): components weighted by tokens or samples, interleaved so that every stretch
-of
-global steps holds the weights, packed together, resumable through resizes and weight changes."""
+of global steps holds the weights, packed together, resumable through resizes and weight changes."""
 
 from __future__ import annotations
 
@@ -138,8 +137,7 @@ def test_the_planners_buffered_best_fit_would_not_hold_the_shares_locally():
 
 def test_megatron_blended_dataset_on_the_same_lengths():
     """Megatron's BlendedDataset given sample weights hand-converted from the token weights (by the
-    mean
-    lengths), its order packed the same way: ours holds the token shares as tightly with no
+    mean lengths), its order packed the same way: ours holds the token shares as tightly with no
     conversion."""
     try:
         from megatron.core.datasets import helpers
@@ -534,8 +532,8 @@ def test_components_of_different_kinds_webdataset_hf_map_and_hf_streaming(tmp_pa
 )
 def test_step_fit_plans_keep_every_plan_invariant(lengths, dp, k, groups, chunk, max_seqs, budget):
     """STEP_FIT plans as every strategy does: each sample once, every micro-batch within the budget
-    and
-    ``max_seqs``, the same count on every rank; with groups, a micro-batch holds one group only."""
+    and ``max_seqs``, the same count on every rank; with groups, a micro-batch holds one group
+    only."""
     layout = ParallelLayout(cp=2, max_seqs=max_seqs) if max_seqs else ParallelLayout(cp=2)
     label = None if groups is None else np.arange(len(lengths)) % groups
     plan = ChunkedPlan(
@@ -556,8 +554,8 @@ def test_step_fit_plans_keep_every_plan_invariant(lengths, dp, k, groups, chunk,
 
 def test_changed_weights_and_dp_size_together_then_a_resume_in_the_new_phase():
     """DP 2 under the old weights, DP 3 under the new ones from a state, and that run resumed
-    mid-way (its
-    phase replays the DP-2 part): no sample twice, and the resumed run goes on exactly."""
+    mid-way (its phase replays the DP-2 part): no sample twice, and the resumed run goes on
+    exactly."""
     big = {
         "web": _hf(1500, 4, 20, 0, 0),
         "code": _hf(300, 20, 60, 1, 1000),

@@ -1,7 +1,6 @@
 """StreamingPackedLoader over a Mixture (issue #30): the components' streams read forward and
-interleaved by
-weight in each reader; exact resume, and elastic resume across workers 2 -> 1 (every sample
-once)."""
+interleaved by weight in each reader; exact resume, and elastic resume across workers 2 -> 1 (every
+sample once)."""
 
 from __future__ import annotations
 

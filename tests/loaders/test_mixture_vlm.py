@@ -1,6 +1,6 @@
 """A VLM mixture (issue #30): text-only, image and video-frame components packed together into
-Qwen2.5-VL
-THD batches under cp=2 equal each sample collated alone (positions, placeholders, pixels)."""
+Qwen2.5-VL THD batches under cp=2 equal each sample collated alone (positions, placeholders,
+pixels)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """One loader core under both loaders (issue #16): the same options, validation, state format,
 worker path for typed errors and dead workers, surface (set_epoch, from_parallel_state, one live
-iterator), a
-state_dict that touches no file, and infrastructure errors never counted as bad data."""
+iterator), a state_dict that touches no file, and infrastructure errors never counted as bad
+data."""
 
 from __future__ import annotations
 
@@ -149,8 +149,7 @@ def test_a_streaming_state_of_other_data_is_refused(shards, tmp_path):
 # --------------------------------------------
 class _FailOn:
     """numpy_fields, but sample ``key`` raises ``make()`` once the file ``flag`` exists (after
-    indexing);
-    in workers, writes its pid to ``pids/`` and sleeps ``delay``."""
+    indexing); in workers, writes its pid to ``pids/`` and sleeps ``delay``."""
 
     def __init__(
         self,
@@ -257,9 +256,8 @@ def test_a_streaming_worker_killed_with_sigkill_is_a_worker_error_and_the_loader
 
 def _let_torch_report_the_killed_worker() -> None:
     """torch's SIGCHLD handler raises ``RuntimeError`` wherever the main thread is when it learns of
-    the killed
-    worker, which can be after the loader already reported it (then inside pytest's own frames): let
-    it, here."""
+    the killed worker, which can be after the loader already reported it (then inside pytest's own
+    frames): let it, here."""
     for _ in range(10):
         try:
             time.sleep(0.05)
@@ -294,8 +292,7 @@ def test_set_epoch_from_parallel_state_and_one_live_iterator(kind, shards):
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_superseded_iterator_takes_no_batch_of_the_new_one_with_persistent_workers(kind, shards):
     """The two loops share the persistent workers: the superseded one stops before asking them for a
-    batch,
-    so the new loop gets every micro-batch of the epoch, in order, none lost."""
+    batch, so the new loop gets every micro-batch of the epoch, in order, none lost."""
     ref = [_ids(b) for b in _make(kind, WebDatasetSource(shards))]
     loader = _make(
         kind,

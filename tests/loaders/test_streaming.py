@@ -1,6 +1,5 @@
 """StreamingPackedLoader (issue #7, item 4): packs a stream from a bounded buffer, every sample once
-per
-epoch, the same number of micro-batches on every DP rank (2 real gloo ranks), exact resume."""
+per epoch, the same number of micro-batches on every DP rank (2 real gloo ranks), exact resume."""
 
 from __future__ import annotations
 

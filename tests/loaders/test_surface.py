@@ -1,6 +1,5 @@
 """The curated surface: ``prealign.loaders`` exports at most 30 names, imported on first use; a name
-it
-exported before still resolves (with a DeprecationWarning naming its module); planning imports no
+it exported before still resolves (with a DeprecationWarning naming its module); planning imports no
 torch."""
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
 """Issue #31, third trust pass: one URL once, empty samples as bad data, max_seqs in BSHD, unknown
-tar members
-counted, ShardWriter refusals, typed errors for crafted configs and folder paths."""
+tar members counted, ShardWriter refusals, typed errors for crafted configs and folder paths."""
 
 from __future__ import annotations
 
@@ -158,8 +157,7 @@ def test_tar_members_of_unknown_type_are_counted_never_dropped(tmp_path, typefla
 )
 def test_shard_writer_refuses_samples_that_cannot_load(tmp_path, sample, message):
     """Issue #31: ShardWriter accepted members that can never load and a 0-d input_ids, or raised a
-    bare
-    TypeError."""
+    bare TypeError."""
     import numpy as np
 
     from prealign.loaders import ShardWriter

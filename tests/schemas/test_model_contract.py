@@ -1,8 +1,7 @@
 """The per-model data contract (prealign.schemas.contract): each family and text LM declares its
 positions, attention structure and recurrent state; check_startup refuses, on every rank and before
 the batch reaches the model, what the consumer cannot run, with a typed error naming the model, the
-layer kind, the installed version
-and the way out."""
+layer kind, the installed version and the way out."""
 
 from __future__ import annotations
 
@@ -93,8 +92,8 @@ def test_gemma3_with_flash_attention_is_refused_naming_the_way_out():
 
 def test_gated_deltanet_on_megatron_core_packed_is_refused():
     """megatron-core 0.16.1 (pinned) raises NotImplementedError for packed sequences in
-    GatedDeltaNet.forward and
-    asserts context_parallel_size == 1; the floor's 0.14 has no GatedDeltaNet: refused on both."""
+    GatedDeltaNet.forward and asserts context_parallel_size == 1; the floor's 0.14 has no
+    GatedDeltaNet: refused on both."""
     version = Consumer.megatron().installed_version()
     with pytest.raises(ConsumerUnsupportedError) as err:
         check_startup(batch(), SCHEMA, LAYOUT, contract=gdn(), consumer=Consumer.megatron())
@@ -116,8 +115,7 @@ def test_gated_deltanet_on_megatron_core_packed_is_refused():
 
 def test_the_refusal_matches_the_installed_megatron_core_source():
     """What the contract claims, read in the installed megatron-core: when a release takes packed
-    sequences,
-    this fails until MEGATRON_GDN_PACKED names it."""
+    sequences, this fails until MEGATRON_GDN_PACKED names it."""
     if (
         importlib.util.find_spec("megatron") is None
         or importlib.util.find_spec("megatron.core.ssm") is None

@@ -1,7 +1,7 @@
 """Today's Megatron / TE batch contract: the identity rule, static shapes (one length bucket,
 max_seqs), the MXFP8 / NVFP4 / token_multiple recipes and the newer PackedSeqParams fields; each
-rule also checked by the
-validator on its own (a batch or PackedSeqParams broken in exactly that rule is named)."""
+rule also checked by the validator on its own (a batch or PackedSeqParams broken in exactly that
+rule is named)."""
 
 from __future__ import annotations
 
@@ -336,8 +336,7 @@ NEWER_FIELDS = {"total_tokens", "seq_idx", "tokens_per_sample", "pad_between_seq
 @pytest.mark.skipif(
     not NEWER_FIELDS <= {f.name for f in dataclasses.fields(megatron_psp.PackedSeqParams)},
     reason="platform: the installed megatron-core's PackedSeqParams has no total_tokens / seq_idx "
-    "/ "
-    "tokens_per_sample / pad_between_seqs (Megatron-LM main after 0.16)",
+    "/ tokens_per_sample / pad_between_seqs (Megatron-LM main after 0.16)",
 )
 def test_newer_fields_against_the_installed_class():
     """The real class (its own __post_init__ derives seq_idx from total_tokens): ours agrees with

@@ -1,7 +1,6 @@
 """The ``prealign`` command as people use it: a mistake is one ``prealign: error: ... (hint: ...)``
 line on stderr with exit code 2 (``--debug`` adds the traceback), the causes are named when nothing
-loads,
-``--hf`` reads local files without the Hub, int32 / uint16 token arrays load from shards."""
+loads, ``--hf`` reads local files without the Hub, int32 / uint16 token arrays load from shards."""
 
 from __future__ import annotations
 

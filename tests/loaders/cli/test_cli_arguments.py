@@ -1,7 +1,6 @@
 """Every argument the ``prealign`` command cannot use is one ``prealign: error: ... (hint: ...)``
-line and
-exit code 2, before any work: no traceback, no run until killed, no exit 0 with every sample marked
-bad."""
+line and exit code 2, before any work: no traceback, no run until killed, no exit 0 with every
+sample marked bad."""
 
 from __future__ import annotations
 

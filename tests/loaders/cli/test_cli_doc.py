@@ -41,8 +41,7 @@ def _check_or_write(marker: str, produced: str, normalise=lambda s: s) -> None:
         return
     assert normalise(text[a:b]) == normalise(produced), (
         "docs/cli.md differs from what the command prints; rewrite it with PREALIGN_WRITE_DOCS=1 "
-        "python -m pytest "
-        "tests/loaders/cli/test_cli_doc.py"
+        "python -m pytest tests/loaders/cli/test_cli_doc.py"
     )
 
 

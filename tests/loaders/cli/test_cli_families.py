@@ -59,8 +59,7 @@ def test_inspect_runs_the_family_transform_and_schema(family_data, capsys):
 
 def test_index_equals_the_full_pass(family_data, capsys):
     """The sidecars ``prealign index --model-config`` writes give every sample the length the
-    family's transform
-    gives it (the bad ones refused by both)."""
+    family's transform gives it (the bad ones refused by both)."""
     from argparse import Namespace
 
     from prealign.loaders import BadDataPolicy, WebDatasetSource, build_index
@@ -102,9 +101,8 @@ def test_index_equals_the_full_pass(family_data, capsys):
 
 def test_the_model_tokenizer_and_image_processor_are_read(tmp_path, capsys):
     """LLaVA-OneVision with its own tokenizer (``<image>``, ``<|im_start|>`` ...) and image
-    processor saved in
-    folders, as a checkpoint holds them; without teacher top-k (the demo's is the byte
-    tokenizer's)."""
+    processor saved in folders, as a checkpoint holds them; without teacher top-k (the demo's is the
+    byte tokenizer's)."""
     from tests.families import llava_onevision_reference as ref
 
     ds = build_demo_dataset(

@@ -1,8 +1,7 @@
 """What the command line tells a person is true and says what to do (issue #27): ``prealign index``
 says how many samples it refused and why; a warning is one line without the library's file and
-source line, also
-inside a progress bar; every closing hint is a fix; a bad sample's error names the ``skip``
-policy."""
+source line, also inside a progress bar; every closing hint is a fix; a bad sample's error names the
+``skip`` policy."""
 
 from __future__ import annotations
 

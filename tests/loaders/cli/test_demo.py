@@ -234,8 +234,8 @@ def test_demo_command_with_glm4v(tmp_path, capsys):
 def test_glm4v_demo_data_in_glm_frame_and_header_index_equals_the_full_pass(tmp_path, model):
     """``prealign demo --model glm4v`` data: rendered in GLM's own chat frame (``[gMASK]<sop>``,
     ``<|user|>`` role tags; GLM-4.5V's think block), images only (one media kind per GLM forward),
-    and the header-only index
-    gives every sample the length and media flag the full transform gives."""
+    and the header-only index gives every sample the length and media flag the full transform
+    gives."""
     import json
 
     from prealign.loaders import BadDataPolicy, WebDatasetSource, build_index

@@ -1,6 +1,5 @@
 """``prealign index`` (issue #7): sidecars written, a second run indexes only new or changed shards,
-ranks
-split the shards, a missing shard is reported before any work."""
+ranks split the shards, a missing shard is reported before any work."""
 
 from __future__ import annotations
 
@@ -182,8 +181,8 @@ def _doubled(sample: dict) -> dict:
 
 def _follow_the_printed_command(source, cwd) -> str:
     """Load ``source`` (its sidecars are of another transform), run the command the error prints
-    through a real
-    shell in ``cwd`` (``prealign`` being this interpreter's) and return the rest of the hint."""
+    through a real shell in ``cwd`` (``prealign`` being this interpreter's) and return the rest of
+    the hint."""
     import re
     import subprocess
     import sys
@@ -267,8 +266,7 @@ def test_the_printed_index_command_runs_for_http_shards_with_sidecars_beside_the
 
 def _launch_rank(rank: int, port: int, args: list[str], cwd: str):
     """``python -m prealign.loaders.cli.index_cmd ARGS`` as ``torchrun`` starts rank ``rank`` of 2:
-    the
-    environment variables only, no process group."""
+    the environment variables only, no process group."""
     import subprocess
     import sys
 

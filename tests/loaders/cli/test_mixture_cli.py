@@ -1,6 +1,5 @@
 """`prealign inspect mix.json` and `prealign index mix.json` (issue #30): a mixture file's
-components, paths
-relative to the file, the per-component shares and bad samples in the report."""
+components, paths relative to the file, the per-component shares and bad samples in the report."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """BatchShare: each micro-batch loaded and collated once per CP group; every rank's batches equal
-the
-unshared loader's; dead / slow claimers, resume, and hostile cache files."""
+the unshared loader's; dead / slow claimers, resume, and hostile cache files."""
 
 from __future__ import annotations
 
@@ -155,8 +154,7 @@ def stats(loader):
 @pytest.mark.parametrize("variant", ["plain", "deferred", "mrope"])
 def test_every_cp_rank_gets_the_unshared_batches(data, tmp_path, variant):
     """cp=2 (and cp=4 for the plain collator): rank 0 publishes every micro-batch, the others read
-    them all,
-    and each rank's batches equal its unshared loader's, field for field."""
+    them all, and each rank's batches equal its unshared loader's, field for field."""
     cp = 4 if variant == "plain" else 2
 
     def collator(rank):
@@ -198,8 +196,8 @@ def test_workers_hand_the_published_record_to_the_main_process_without_copying(
     """With workers, the claimer writes each whole micro-batch once into a slot file that is both
     published and sent to its own main process; a reader's worker sends the published file. Both
     main processes map it (no copy of the pixels) and shard it on arrival: every batch equals the
-    unshared loader's, the
-    batches map files of the share folder while held, and nothing is left once they are dropped."""
+    unshared loader's, the batches map files of the share folder while held, and nothing is left
+    once they are dropped."""
     import gc
 
     from prealign.loaders.handoff import transport
@@ -237,8 +235,8 @@ def test_workers_hand_the_published_record_to_the_main_process_without_copying(
 @pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="platform: slot files need Linux")
 def test_kept_metadata_of_shared_batches_pins_no_record_file(data, tmp_path):
     """Each rank keeps every batch's ``cu_seqlens``: no record file of the folder stays mapped
-    (small fields
-    are copied out on arrival; before, each kept one pinned its record's two mappings)."""
+    (small fields are copied out on arrival; before, each kept one pinned its record's two
+    mappings)."""
     import gc
 
     share = BatchShare(run="meta", cache_dir=str(tmp_path))
@@ -306,8 +304,7 @@ def test_dead_and_slow_claimers_fall_back_without_waiting(data, tmp_path):
 
 def test_hostile_cache_files_are_refused(data, tmp_path):
     """Rank 0 publishes; then one record becomes a link, one lies about its sizes, one belongs to
-    another
-    user, one is writable by others: rank 1 refuses those four, loads them itself, reads the
+    another user, one is writable by others: rank 1 refuses those four, loads them itself, reads the
     rest."""
     share = BatchShare(run="t", cache_dir=str(tmp_path / "c"))
     list(make_loader(data, 0, share=share))
@@ -347,8 +344,7 @@ def test_an_open_folder_is_never_used(data, tmp_path):
 
 def test_resume_is_exact_with_sharing(data, tmp_path):
     """Rank 0 publishes two epochs; rank 1 reads epoch 0, stops inside epoch 1 and resumes from its
-    state:
-    its batches are the unshared loader's, read from the peer under the keys of (epoch,
+    state: its batches are the unshared loader's, read from the peer under the keys of (epoch,
     position)."""
     share = BatchShare(run="t", cache_dir=str(tmp_path))
     plain = make_loader(data, 1)
@@ -371,8 +367,7 @@ def test_resume_is_exact_with_sharing(data, tmp_path):
 # -----------------------------------------------------------
 def rank_main(shards, index_path, out, *, cp_rank, cache, kill_after=-1, timeout=120.0):
     """One CP rank with one worker: digests of the epoch; ``kill_after``: SIGKILL the worker after
-    that many
-    batches and resume a fresh loader from the state saved then."""
+    that many batches and resume a fresh loader from the state saved then."""
     import multiprocessing
 
     from prealign.loaders import SampleIndex, WorkerError
@@ -499,16 +494,14 @@ _KEPT: list = []
 def test_a_lone_rank_leaves_nothing_after_a_normal_exit(data, tmp_path, num_workers, persistent):
     """Issue #18: records nobody read, claims, markers and the run's folder are gone once a lone
     rank (cp=2, only rank 0 running) exits normally, whether its workers exit at the epoch's end or
-    (persistent) are
-    terminated with the process; a user's file in the cache folder stays."""
+    (persistent) are terminated with the process; a user's file in the cache folder stays."""
     cache = tmp_path / "cache"
     cache.mkdir()
     (cache / "mine.txt").write_text("a user's file")
     code = (
         f"from tests.loaders.handoff.test_batch_share import lone_rank_main; "
         f"lone_rank_main({data['shards']!r}, {data['index_path']!r}, {str(cache)!r}, "
-        f"{num_workers}, "
-        f"{persistent})"
+        f"{num_workers}, {persistent})"
     )
     path = os.pathsep.join(
         filter(None, [os.environ.get("PYTHONPATH"), ROOT])
@@ -531,8 +524,7 @@ def test_a_lone_rank_leaves_nothing_after_a_normal_exit(data, tmp_path, num_work
 
 def test_a_rank_reading_its_own_result_leaves_it_for_the_peer(tmp_path):
     """A rank whose second request meets its own published result (its worker after its index pass)
-    reads
-    it without freeing it: the peer still finds it, and the last rank to read cleans up."""
+    reads it without freeing it: the peer still finds it, and the last rank to read cleans up."""
     from prealign.loaders.handoff.share_folder import CLAIMED, HIT, SharedFolder
 
     own, again, peer = (SharedFolder(str(tmp_path / "f"), rank, 2) for rank in (0, 0, 1))
@@ -555,8 +547,7 @@ def test_a_collator_without_the_loaders_cp_rank_is_refused(
     data, tmp_path, loader_rank, collator_rank
 ):
     """A collator without cp_rank (it would make whole batches) or with another rank than the
-    loader's:
-    ConfigError at prepare, before any batch (else the rank would be served another rank's
+    loader's: ConfigError at prepare, before any batch (else the rank would be served another rank's
     shard)."""
     loader = make_loader(
         data,
@@ -571,8 +562,7 @@ def test_a_collator_without_the_loaders_cp_rank_is_refused(
 @pytest.mark.parametrize("defer", [False, True])
 def test_the_shard_follows_the_collators_cp_rank(data, tmp_path, defer):
     """Loader cp_rank=None, collator cp_rank=1: the shared loader is rank 1 (it reads rank 0's
-    records and
-    frees them) and its batches are the unshared loader's with that collator."""
+    records and frees them) and its batches are the unshared loader's with that collator."""
     share = BatchShare(run="t", cache_dir=str(tmp_path))
     list(make_loader(data, 0, share=share, collator=_collator(data, 0, defer_cp_shard=defer)))
     want = list(make_loader(data, None, collator=_collator(data, 1, defer_cp_shard=defer)))
@@ -612,8 +602,7 @@ def _copy(shards, folder) -> list[str]:
 def test_another_source_or_transform_never_reads_the_records(data, tmp_path, differs):
     """Two loaders of one run over the same index: one with another transform (or the same data from
     other files) publishes its own records instead of reading the first one's, and its batches are
-    its unshared
-    loader's (with another transform, they differ from the first loader's)."""
+    its unshared loader's (with another transform, they differ from the first loader's)."""
     from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
     from prealign.loaders.media.vlm import VLMSampleTransform
 
@@ -645,8 +634,7 @@ def test_another_source_or_transform_never_reads_the_records(data, tmp_path, dif
 
 class _Plus:
     """The fixture's transform with ``c`` added to the pixels: one class (no ``index_key``), a
-    configuration
-    per instance, the same lengths (its index holds)."""
+    configuration per instance, the same lengths (its index holds)."""
 
     def __init__(self, inner, c: float):
         self.inner, self.c = inner, c
@@ -660,8 +648,7 @@ class _Plus:
 def test_one_run_with_other_transform_settings_never_reads_the_records(data, tmp_path):
     """Two jobs with one ``run``, the same transform class with other settings (issue #18: 18 of 40
     micro-batches were read across): the second computes its own batches, its unshared loader's; a
-    loader
-    with the same settings (another instance) reads them all."""
+    loader with the same settings (another instance) reads them all."""
     from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
     from prealign.loaders.media.vlm import VLMSampleTransform
 
@@ -707,8 +694,7 @@ def test_a_transform_without_a_fingerprint_is_refused_unless_keyed(data, tmp_pat
 # 3. publish order: the claimer's marker exists before its record does
 def test_a_peer_reading_right_after_the_rename_frees_the_record(tmp_path, monkeypatch):
     """The peer (cp_size=2) reads the record the moment it appears: it must find the claimer's
-    marker
-    and delete every file of the key (else they would linger until ttl)."""
+    marker and delete every file of the key (else they would linger until ttl)."""
     from prealign.loaders.handoff.share_folder import CLAIMED, HIT, SharedFolder
 
     d = str(tmp_path / "f")
@@ -783,8 +769,7 @@ def _hold_lock(path: str) -> int:
 
 def test_a_dead_claim_is_retaken_by_one_waiter(tmp_path, monkeypatch):
     """Waiter A finds the claim unlocked (its claimer died) and retakes it; waiter B, arriving while
-    A
-    retakes, finds it locked: it waits and reads what A publishes."""
+    A retakes, finds it locked: it waits and reads what A publishes."""
     import threading
 
     from prealign.loaders.handoff import share_folder as share_cache
@@ -817,8 +802,7 @@ def test_a_dead_claim_is_retaken_by_one_waiter(tmp_path, monkeypatch):
 
 def test_many_waiters_of_a_dead_claim_claim_once(tmp_path):
     """Eight waiters (threads, each its own folder object and open file) find one dead claim at
-    once:
-    exactly one takes it over, the others read its record."""
+    once: exactly one takes it over, the others read its record."""
     import threading
 
     from prealign.loaders.handoff.share_folder import CLAIMED, HIT, SharedFolder
@@ -847,8 +831,7 @@ def test_many_waiters_of_a_dead_claim_claim_once(tmp_path):
 def test_a_locked_claim_naming_a_dead_pid_is_honoured(tmp_path):
     """The claim's lock decides, never the pid written in it: a claim whose pid is dead (another PID
     namespace, a pid reused) but whose lock a live process holds is waited on until ``timeout``; a
-    claim
-    naming a live pid (ours) that nobody holds is taken over at once."""
+    claim naming a live pid (ours) that nobody holds is taken over at once."""
     from prealign.loaders.handoff.share_folder import CLAIMED, LOCAL, SharedFolder
 
     d = str(tmp_path / "f")
@@ -967,8 +950,8 @@ _DIMS = st.one_of(st.integers(-2, 6), st.sampled_from([2**31, 2**32, 2**40, 2**6
 )
 def test_any_header_decodes_or_is_a_share_record_error(dtype, shape, offset, nbytes):
     """Whatever a header says, decode_record returns tensors inside the buffer or raises
-    ShareRecordError.
-    (Shapes with a 0 whose other dims overflow int64 have their own test below.)"""
+    ShareRecordError. (Shapes with a 0 whose other dims overflow int64 have their own test
+    below.)"""
     from prealign.loaders.errors import ShareRecordError
     from prealign.loaders.handoff.share_folder import decode_record
 
@@ -1023,9 +1006,8 @@ def test_an_infinite_dim_is_refused():
 @pytest.mark.slow
 def test_a_killed_unreaped_claimer_is_dead(tmp_path):
     """A SIGKILLed worker stays a zombie until its parent reaps it (a busy parent may take long);
-    the kernel
-    dropped its claim's lock when it died: the claim is taken over at once, not after the claim
-    timeout."""
+    the kernel dropped its claim's lock when it died: the claim is taken over at once, not after the
+    claim timeout."""
     from prealign.loaders.handoff.share_folder import CLAIMED, SharedFolder
 
     d = str(tmp_path / "f")

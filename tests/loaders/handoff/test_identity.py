@@ -1,6 +1,6 @@
 """A transform's identity (loaders/handoff/identity.py): the share key and the index key are the
-code, the
-globals it reads and its state, the same in every process; what has no stable form is refused (issue
+code, the globals it reads and its state, the same in every process; what has no stable form is
+refused (issue
 #31)."""
 
 from __future__ import annotations
@@ -189,8 +189,8 @@ def test_a_transform_holding_a_set_has_one_fingerprint_in_every_process():
 # ------------------------------------
 def job_main(shards, index_path, module_dir, out, *, cp_rank, cache, ready, crash=False):
     """One CP rank (of 2) of a job whose transform is ``module_dir``/jobmod.py: its unshared
-    batches, then its
-    batches with ``BatchShare(run="same")`` once every job named in ``ready`` has come this far."""
+    batches, then its batches with ``BatchShare(run="same")`` once every job named in ``ready`` has
+    come this far."""
     import time
 
     from prealign.loaders import BatchShare, IndexOptions, PackedLoader, SampleIndex
@@ -238,8 +238,7 @@ def _run_jobs(tmp_path, shards, index_path, jobs, *, together: bool) -> list[dic
         outs.append(str(tmp_path / f"out{i}.json"))
         code = (
             f"from tests.loaders.handoff.test_identity import job_main; job_main({shards!r}, "
-            f"{index_path!r}, "
-            f"{str(folder)!r}, "
+            f"{index_path!r}, {str(folder)!r}, "
             f"{outs[-1]!r}, cp_rank={rank}, cache={str(tmp_path / 'cache')!r}, ready={ready!r}, "
             f"crash={crash})"
         )
@@ -261,8 +260,7 @@ def test_two_jobs_with_one_run_name_read_none_of_each_others_batches(tmp_path, c
     """Issue #31: 11 of 11 batches came from the peer job. Job A (CP rank 0) and job B (CP rank 1)
     of one node, one ``BatchShare(run=...)``, transforms of one name and other outputs: each gets
     its own batches, 0 read from the other. "fixed and restarted": job A publishes an epoch and
-    crashes (its records stay), then its
-    fixed transform restarts under the same run name."""
+    crashes (its records stay), then its fixed transform restarts under the same run name."""
     from prealign.loaders import build_index
     from prealign.schemas import causal_lm_schema
 

@@ -59,8 +59,7 @@ def rank_main(
     ``out``.
 
     ``kill_after >= 0``: SIGKILL this rank's DataLoader worker after that many batches, then resume
-    a
-    fresh loader from the state saved at that point and finish the epoch."""
+    a fresh loader from the state saved at that point and finish the epoch."""
     import multiprocessing
     import resource
 
@@ -156,8 +155,7 @@ def rank_main(
 def _start_together(out: str, cp_rank: int, cp_size: int, limit: float = 120.0) -> None:
     """The CP ranks of one run begin their index pass together, as torchrun's ranks do after
     ``init_process_group``: a rank's imports (compiling bytecode in a fresh clone) can take longer
-    than a
-    whole index pass, and ranks that do not overlap have nothing to share."""
+    than a whole index pass, and ranks that do not overlap have nothing to share."""
     base = re.sub(
         r"\d+\.json$", "ready-", out
     )  # (the ranks' outputs differ only in their rank digit)
@@ -171,8 +169,7 @@ def _start_together(out: str, cp_rank: int, cp_size: int, limit: float = 120.0) 
 def _spawn(shards, out, **kw) -> subprocess.Popen:
     code = (
         f"from tests.loaders.handoff.test_media_share import rank_main; "
-        f"rank_main({list(shards)!r}, "
-        f"{out!r}, **{kw!r})"
+        f"rank_main({list(shards)!r}, {out!r}, **{kw!r})"
     )
     return subprocess.Popen(
         [sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}
@@ -367,8 +364,7 @@ def test_configuration_errors():
 
 def test_a_malformed_or_planted_result_is_never_served(tmp_path):
     """A record whose sizes disagree is a ValueError (the waiter then computes the sample itself); a
-    cache
-    folder that is not this user's private one is never used; a planted link is never written
+    cache folder that is not this user's private one is never used; a planted link is never written
     through."""
     sample = {"__key__": "s1", "a": torch.arange(6)}
     buf = bytearray(b"".join(bytes(p) for p in encode_sample(sample)))
@@ -404,8 +400,7 @@ def test_a_malformed_or_planted_result_is_never_served(tmp_path):
 
 def test_a_published_record_that_cannot_be_read_is_waited_for_at_most_timeout(tmp_path):
     """The claim is free (its claimer let go) and the record's name is there but never opens (here a
-    folder):
-    the waiter loads the item itself after ``timeout`` instead of polling forever."""
+    folder): the waiter loads the item itself after ``timeout`` instead of polling forever."""
     import time
 
     from prealign.loaders.handoff.share_folder import LOCAL, SharedFolder
@@ -431,8 +426,7 @@ class _Plus:
 
 def test_one_run_with_other_transform_settings_never_reads_the_others_results(tmp_path):
     """Two jobs with one ``run``, the same transform class, other settings (issue #18): each
-    computes its
-    own results; the same settings (another instance) still share."""
+    computes its own results; the same settings (another instance) still share."""
 
     def share(c, rank, **kw):
         return SharedMediaTransform(

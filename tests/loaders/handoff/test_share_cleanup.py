@@ -1,6 +1,5 @@
 """Share folders leave nothing behind (issue #18): the folders of runs that are over are swept
-(flock
-liveness, never a pid), and only names the protocol makes are ever deleted."""
+(flock liveness, never a pid), and only names the protocol makes are ever deleted."""
 
 from __future__ import annotations
 
@@ -75,8 +74,8 @@ def test_the_folders_of_runs_that_are_over_are_swept_and_nothing_else(tmp_path):
 @pytest.mark.slow
 def test_a_process_removes_its_claims_and_markers_at_exit_and_keeps_the_peers(tmp_path):
     """A claimer whose record nobody read, a failed claim (``.err``), and a reader of a peer's
-    record
-    whose other peer never came: at exit each removes its own files; the peer's record stays."""
+    record whose other peer never came: at exit each removes its own files; the peer's record
+    stays."""
     d = str(tmp_path / ("prealign-media-" + "5" * 16))
     peer = SharedFolder(d, 2, 3)
     assert peer.acquire("peerkey") == (CLAIMED, None)

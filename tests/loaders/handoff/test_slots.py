@@ -41,8 +41,7 @@ def _open_fds() -> int:
 
 def _settled_fds(at_most: int) -> int:
     """Open fds once the DataLoader's exiting workers let go of their pipes (torch closes them as
-    they
-    shut down, asynchronously): polled up to 2 s for at most ``at_most``."""
+    they shut down, asynchronously): polled up to 2 s for at most ``at_most``."""
     deadline = time.monotonic() + 2.0
     while (n := _open_fds()) > at_most and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -58,8 +57,7 @@ def _slot_mappings() -> int:
 def test_held_batches_are_never_overwritten_and_hold_no_file_descriptor():
     """20 batches from 2 workers, all kept (more than a pool holds): each still has its own values
     at the end and costs a mapping, not an open file (a list of batches never runs out of fds); once
-    dropped,
-    nothing is left mapped."""
+    dropped, nothing is left mapped."""
     before = _open_fds()
     kept = []
     for b in DataLoader(range(20), batch_size=1, num_workers=2, collate_fn=_batch):
@@ -107,8 +105,7 @@ def test_a_slot_is_reused_only_after_its_holder_lets_go():
 
 def test_the_receivers_writes_never_reach_the_slot():
     """Mapped copy-on-write: a training loop writing into its batch changes nothing a peer or the
-    next
-    batch sees."""
+    next batch sees."""
     pool = slots.SlotPool()
     slot = pool.take(64)
     slot.write([bytes([1]) * 64])
@@ -203,8 +200,8 @@ def test_a_published_slot_is_read_by_fd_and_reused_only_after_every_rank_let_go(
 
 def test_a_slot_a_late_reader_took_hold_of_is_given_up_not_overwritten(tmp_path, monkeypatch):
     """A reader that opened the old name sets its flag before reading the key: if it did so while
-    the pool
-    was taking the slot for reuse, the pool leaves that slot to the reader and makes a new one."""
+    the pool was taking the slot for reuse, the pool leaves that slot to the reader and makes a new
+    one."""
     from prealign.loaders.handoff.share_folder import SharedFolder
 
     d = str(tmp_path / "f")
@@ -254,8 +251,7 @@ def test_a_stale_published_name_of_another_record_is_left_alone(tmp_path):
 def test_a_rank_asking_again_for_a_record_it_maps_gets_a_copy(tmp_path):
     """One holder flag per rank: a second request of the same key by a rank that already has it (the
     claimer's own batch, a new iterator re-asking prefetched positions) is served as a copy, so
-    dropping
-    one of the two never frees the slot under the other."""
+    dropping one of the two never frees the slot under the other."""
     from prealign.loaders.handoff.share_folder import HIT, SharedFolder, decode_record
 
     d = str(tmp_path / "f")
@@ -284,8 +280,7 @@ def test_a_rank_asking_again_for_a_record_it_maps_gets_a_copy(tmp_path):
 
 def test_a_full_file_system_is_an_oserror_not_a_bus_error(tmp_path, monkeypatch):
     """Slots are allocated up front: when /dev/shm is full, taking one fails (and the caller falls
-    back)
-    instead of the first write into a sparse file killing the worker with SIGBUS."""
+    back) instead of the first write into a sparse file killing the worker with SIGBUS."""
 
     def full(fd, offset, length):
         raise OSError(28, "No space left on device")
@@ -337,8 +332,8 @@ def _broken(buffer):
 
 def test_a_slot_is_published_again_after_its_last_name_went(tmp_path):
     """The readers remove a record's name once all have it; the claimer then reuses the slot for the
-    next
-    record and publishes it again (the bug an O_TMPFILE slot had: it can be linked only once)."""
+    next record and publishes it again (the bug an O_TMPFILE slot had: it can be linked only
+    once)."""
     from prealign.loaders.handoff.share_folder import HIT, SharedFolder
 
     d = str(tmp_path / "f")
@@ -359,8 +354,8 @@ def test_a_slot_is_published_again_after_its_last_name_went(tmp_path):
 @pytest.mark.slow
 def test_the_sweep_removes_the_slots_of_a_dead_process_at_once(tmp_path):
     """A pooled slot is held with a lock by its process: the sweep removes those nobody holds (a
-    killed
-    worker's) at once and never one a live process holds, whatever the pid in its name says."""
+    killed worker's) at once and never one a live process holds, whatever the pid in its name
+    says."""
     from prealign.loaders.handoff.share_folder import SharedFolder
 
     d = tmp_path / "f"
@@ -398,8 +393,7 @@ def test_a_slot_that_cannot_grow_stays_pooled(tmp_path, monkeypatch):
 
 def test_two_requests_of_one_rank_get_one_fd_and_one_private_copy(tmp_path):
     """Only a rank's first turn maps the slot (one holder flag per rank); any other request of that
-    rank
-    reads the record into private memory, which a later rewrite of the slot never reaches."""
+    rank reads the record into private memory, which a later rewrite of the slot never reaches."""
     from prealign.loaders.handoff.share_folder import HIT, SharedFolder
 
     d = str(tmp_path / "f")
@@ -466,8 +460,7 @@ def _thd(items):
 @pytest.mark.slow
 def test_kept_metadata_pins_no_slot():
     """A training loop keeping each batch's ``cu_seqlens`` (60 batches, 2 workers) keeps no slot
-    mapped: small
-    fields are copied out when unpacked; the token field stays a view of the slot."""
+    mapped: small fields are copied out when unpacked; the token field stays a view of the slot."""
     kept, big = [], None
     for b in DataLoader(range(60), batch_size=1, num_workers=2, collate_fn=_thd):
         d = unpack_batch(b)
@@ -524,9 +517,8 @@ def _capped(worker_id):
 @pytest.mark.slow
 def test_a_loop_keeping_every_batch_stays_under_the_cap():
     """Two workers, each capped at two slots' bytes; the loop keeps all 20 batches whole: at most
-    two slots
-    per worker stay mapped, the other batches come as copies, every value right, nothing left
-    behind."""
+    two slots per worker stay mapped, the other batches come as copies, every value right, nothing
+    left behind."""
     before = _open_fds()
     kept = [
         unpack_batch(b)
@@ -547,8 +539,8 @@ def test_a_loop_keeping_every_batch_stays_under_the_cap():
 @pytest.mark.slow
 def test_the_loaders_shm_cap_reaches_their_workers(tmp_path):
     """``LoadingOptions(shm_cap=0)``: a PackedLoader's two workers hand every batch over by copy (no
-    slot is
-    mapped while the loop keeps them all), and the batches equal those of the default hand-off."""
+    slot is mapped while the loop keeps them all), and the batches equal those of the default
+    hand-off."""
     from prealign.loaders import LoadingOptions, PackedLoader, WebDatasetSource
     from prealign.schemas import ParallelLayout
     from prealign.schemas.schema import causal_lm_schema
@@ -581,8 +573,7 @@ def test_the_loaders_shm_cap_reaches_their_workers(tmp_path):
 def test_a_record_no_peer_reads_stays_under_the_cap(tmp_path):
     """cp=2, rank 1 fell back and never reads: rank 0's published slots hold rank 1's flag forever.
     The pool lets the oldest go past ``files`` and unpublishes it, so the records in the folder stay
-    under the cap
-    instead of growing one per micro-batch until the sweep."""
+    under the cap instead of growing one per micro-batch until the sweep."""
     from prealign.loaders.errors import ShmBudgetError
     from prealign.loaders.handoff.share_folder import CLAIMED, SharedFolder, encode_record
 

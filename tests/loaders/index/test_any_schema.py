@@ -1,8 +1,7 @@
 """Sidecars describe the data (issue #20, item 1): one `prealign index --text` serves loaders with
 other schemas, layouts and budgets from the sidecars alone; values are checked at load under the
-bad-data policy;
-a sidecar of another transform or an older format is refused with a command that, followed, fixes
-it."""
+bad-data policy; a sidecar of another transform or an older format is refused with a command that,
+followed, fixes it."""
 
 from __future__ import annotations
 
@@ -364,8 +363,7 @@ def test_processor_folder_settings_key_the_vlm_sidecars(tmp_path, monkeypatch, c
 @pytest.fixture(scope="module")
 def indexed_once(tmp_path_factory):
     """Shards with labels on every third sample (the others are then bad data: a micro-batch cannot
-    mix samples
-    with and without a field), indexed once by `prealign index --text`."""
+    mix samples with and without a field), indexed once by `prealign index --text`."""
     from tests.loader_helpers import _npy
 
     def labelled(i, tf):
@@ -400,8 +398,7 @@ def test_sidecars_give_the_in_process_plan_under_any_schema(
 ):
     """Differential: whatever the pad id, ignore index, vocabulary (holding every id), layout,
     budget and DP size, a loader from the sidecars plans exactly the micro-batches of the in-process
-    index pass, and counts
-    the same bad samples."""
+    index pass, and counts the same bad samples."""
     schema = causal_lm_schema(
         pad_token_id=pad, ignore_index=ignore, vocab_size=10_060 + extra_vocab
     )

@@ -1,7 +1,7 @@
 """One policy, one fixed-dims rule (issue #27): the same records through the pass in process, the
 sidecars and the merged index give the same index and the same report, example for example, under
-skip, raise and a
-consecutive limit; the policy's cost does not depend on the number of good samples."""
+skip, raise and a consecutive limit; the policy's cost does not depend on the number of good
+samples."""
 
 from __future__ import annotations
 
@@ -27,8 +27,8 @@ SCHEMA = causal_lm_schema(topk="K")
 
 def _members(lengths):
     """Top-k samples (K = 4; sample 23: K = 8, another shard than the first), samples 5, 6 and 17
-    with a bad
-    npy (5 and 6 in a row), a member without an extension after sample 11 (a skipped record)."""
+    with a bad npy (5 and 6 in a row), a member without an extension after sample 11 (a skipped
+    record)."""
 
     def extra(i, tf):
         n, k = lengths[i], (8 if i == 23 else 4)
@@ -108,8 +108,7 @@ def _keys_of(paths) -> dict[str, str]:
 
 def _named(exc) -> tuple:
     """What the policy decides of an error: its type, the sample it names and the cause it counts
-    under (the
-    decoders' wording of a bad npy differs between the full pass and the header pass)."""
+    under (the decoders' wording of a bad npy differs between the full pass and the header pass)."""
     cause = getattr(exc, "__cause__", None) or exc
     return (
         type(exc),

@@ -1,7 +1,6 @@
 """``prealign index --check`` and the loader agree on a merged index (issue #31): a merged index
 left stale by a shard re-indexed on its own (its sidecar up to date, the merged file not) is what a
-loader reads first and
-refuses, so ``--check`` reports it too instead of "2/2 shard(s) match"."""
+loader reads first and refuses, so ``--check`` reports it too instead of "2/2 shard(s) match"."""
 
 from __future__ import annotations
 

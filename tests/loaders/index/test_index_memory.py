@@ -1,7 +1,6 @@
 """The index pass streams a shard (issue #18): its peak memory is about one sample's, not the
-shard's (it
-held the shard twice: a 390 MiB shard peaked at 1 GiB); a device or FIFO given as a shard is
-refused."""
+shard's (it held the shard twice: a 390 MiB shard peaked at 1 GiB); a device or FIFO given as a
+shard is refused."""
 
 from __future__ import annotations
 
@@ -36,8 +35,7 @@ with open("/proc/self/status") as f:
 def _shard(path: str, members: int, tokens: int) -> int:
     """A shard of ``members`` samples, each one ``input_ids.npy`` of ``tokens`` int32 tokens but the
     first (10 tokens: the one sample the pass also transforms and collates in full, whose peak is
-    the
-    transform's, is small, so what is measured is the reading of the shard)."""
+    the transform's, is small, so what is measured is the reading of the shard)."""
     rng = np.random.default_rng(0)
     with tarfile.open(path, "w") as tf:
         for i in range(members):

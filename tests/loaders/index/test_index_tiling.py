@@ -1,8 +1,7 @@
 """Every row accounted for (issue #31): a good row removed next to a bad sample (its counts
 adjusted) leaves a gap that the bad sample's record seemed to explain; the shard's first read counts
 the samples in that gap, so the loader refuses the index instead of serving 8 of 9 good samples. The
-same through a merged index and
-through a shard's own sidecar."""
+same through a merged index and through a shard's own sidecar."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """A merged index is checked as strictly as the sidecars it stands for (review of issue #22): rows
 removed, repeated or reordered with the counts adjusted, a malformed event or dims entry, a size
-that would switch
-off a shard's first-read check; each a StaleIndexError naming the merged file, never a sample
-silently lost."""
+that would switch off a shard's first-read check; each a StaleIndexError naming the merged file,
+never a sample silently lost."""
 
 from __future__ import annotations
 
@@ -139,8 +138,7 @@ def test_a_real_merged_index_with_bad_samples_still_loads(tmp_path):
 
 def test_a_merged_index_that_inflates_past_its_size_is_refused_before_inflating(tmp_path):
     """``merge_sidecars`` stores members uncompressed: a deflated file that inflates to more than
-    twice its
-    size (a zip bomb) is refused."""
+    twice its size (a zip bomb) is refused."""
     paths, path, a, meta = _merged(tmp_path)
     a["dim_ids"] = np.random.default_rng(0).integers(0, 4, 1 << 19)  # 4 MiB that deflate ~20x
     buf = io.BytesIO()

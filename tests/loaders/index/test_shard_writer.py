@@ -1,7 +1,6 @@
 """``ShardWriter`` (issue #20, item 2): samples -> webdataset shards of a target size with their
-sidecars, in
-one call; write -> index -> load gives back the samples; hostile names are refused and nothing is
-overwritten."""
+sidecars, in one call; write -> index -> load gives back the samples; hostile names are refused and
+nothing is overwritten."""
 
 from __future__ import annotations
 

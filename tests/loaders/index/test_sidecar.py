@@ -1,6 +1,6 @@
 """Sidecar indexes and the header pass (issue #7, items 1 and 2): the same index and plan from
-sidecars,
-a saved SampleIndex or the in-process pass; every mismatch with the data raises before any batch."""
+sidecars, a saved SampleIndex or the in-process pass; every mismatch with the data raises before any
+batch."""
 
 from __future__ import annotations
 
@@ -372,8 +372,8 @@ def test_saved_index_path_that_is_not_an_index_is_a_config_error(tmp_path):
 
 def test_vlm_header_only_index_finds_corrupt_pixels_at_load_time(tmp_path):
     """``prealign index --header-only``: no pixel decode; the planted corrupt image body passes the
-    header
-    pass, and is then left out and counted (``corrupt_image``) when loaded under the skip policy."""
+    header pass, and is then left out and counted (``corrupt_image``) when loaded under the skip
+    policy."""
     from prealign.loaders.cli.demo_data import build_demo_dataset
     from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
     from prealign.loaders.media.vlm import VLMSampleTransform
@@ -404,8 +404,7 @@ def test_vlm_header_only_index_finds_corrupt_pixels_at_load_time(tmp_path):
 
 def test_shards_of_one_file_name_never_share_a_sidecar_in_an_index_folder(tmp_path):
     """``train/s-0.tar`` and ``val/s-0.tar`` in one index folder would overwrite each other's
-    sidecar
-    (and every re-index would too): refused up front, naming both."""
+    sidecar (and every re-index would too): refused up front, naming both."""
     a = write_shards(str(tmp_path / "train"), sample_lengths(10), num_shards=1)
     b = write_shards(str(tmp_path / "val"), sample_lengths(12, seed=1), num_shards=1)
     assert os.path.basename(a[0]) == os.path.basename(b[0])

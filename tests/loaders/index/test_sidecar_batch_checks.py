@@ -1,7 +1,7 @@
 """A start over many sidecars checks their values (dim ids, byte ranges, lengths, the tiling)
 together, a few numpy calls for all of them (issue #28); a sidecar that fails is still named, with
-the message its own parse
-gives (the start parses each again, in order, when the joint check fails)."""
+the message its own parse gives (the start parses each again, in order, when the joint check
+fails)."""
 
 from __future__ import annotations
 

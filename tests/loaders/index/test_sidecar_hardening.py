@@ -1,7 +1,6 @@
 """Sidecars read with bounds (issue #18): only regular files of a size the format allows; a sidecar
 of many members parses in linear time; a consistent but edited sidecar (rows removed or repeated,
-counts
-adjusted) is refused at load, never silently fewer or more samples."""
+counts adjusted) is refused at load, never silently fewer or more samples."""
 
 from __future__ import annotations
 
@@ -178,8 +177,7 @@ def test_a_sidecar_of_many_members_parses_in_linear_time():
 
 def test_a_prebuilt_index_bomb_is_refused_before_it_is_inflated(tmp_path):
     """A small ``.npz`` whose ``lengths`` inflate to 256 MiB (a bomb: 1 MB of it inflated 2 GiB) is
-    an
-    IndexFileError before anything is inflated (its declared size is past what the file can
+    an IndexFileError before anything is inflated (its declared size is past what the file can
     hold)."""
     import tracemalloc
 
@@ -213,8 +211,7 @@ def test_a_prebuilt_index_bomb_is_refused_before_it_is_inflated(tmp_path):
 
 def test_a_shard_that_opens_with_a_folder_entry_still_loads_from_its_sidecar(tmp_path):
     """``tar cf x.tar dir/`` puts the folder's entry first: bytes before the first sample the index
-    pass
-    skips, which the check of what precedes the first sample allows."""
+    pass skips, which the check of what precedes the first sample allows."""
     import tarfile
 
     path = str(tmp_path / "shard-000.tar")
@@ -242,9 +239,8 @@ def _dir(name):
 
 def _tar_variant(path: str, kind: str) -> None:
     """Shards as real tools write them: folders first (with pax headers for a float mtime), a pax
-    global header
-    (git archive), a trailing folder, GNU long names, pax headers per member, one zero block at the
-    end."""
+    global header (git archive), a trailing folder, GNU long names, pax headers per member, one zero
+    block at the end."""
     import tarfile
 
     from tests.loader_helpers import _npy, token_ids

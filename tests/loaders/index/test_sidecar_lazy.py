@@ -1,7 +1,6 @@
 """Shard checks off the loader's start (issue #22): a shard is checked against its sidecar at its
-first read, in
-the process that reads it, before any of its samples is served; one merged index file stands for the
-sidecars."""
+first read, in the process that reads it, before any of its samples is served; one merged index file
+stands for the sidecars."""
 
 from __future__ import annotations
 
@@ -218,8 +217,8 @@ def test_an_index_cannot_be_edited_in_place_under_its_cached_digest(tmp_path):
 
 def test_a_checked_shard_deleted_after_its_first_read_is_missing_never_bad_data(tmp_path):
     """Before its first read a deleted shard is a MissingShardError (the first-read check); after it
-    (its file
-    closed by ``max_open_files=1`` and opened again) the same, never a skipped bad sample."""
+    (its file closed by ``max_open_files=1`` and opened again) the same, never a skipped bad
+    sample."""
     paths = write_shards(str(tmp_path), sample_lengths(300), num_shards=3)
     write_sidecars(WebDatasetSource(paths), SCHEMA)
     loader = PackedLoader(
@@ -242,8 +241,7 @@ def test_a_checked_shard_deleted_after_its_first_read_is_missing_never_bad_data(
 
 def test_the_merged_index_is_read_once_when_the_per_shard_path_takes_over(tmp_path, monkeypatch):
     """Shards that disagree on which optional fields they have: ``merged_index`` falls back to the
-    per-shard
-    records, from the merged file already read (one read, not two)."""
+    per-shard records, from the merged file already read (one read, not two)."""
     from prealign.loaders.index import sidecar
     from tests.loader_helpers import _npy, add_member, token_ids
 

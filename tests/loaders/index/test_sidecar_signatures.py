@@ -1,7 +1,6 @@
 """A sidecar's data signatures made a schema's (issue #20's review): the index from the sidecars,
 from the merged index and from the in-process pass is one index under any schema; a value error is
-its sample's alone, a
-structure error its signature's."""
+its sample's alone, a structure error its signature's."""
 
 from __future__ import annotations
 
@@ -112,8 +111,7 @@ def test_the_first_bad_value_raises_under_the_default_policy_whichever_the_index
 @example([5, 3, 5], 5, [7, 3, 7], 7).via("a trailing dim equal to L")
 def test_a_shape_pattern_never_stands_for_two_shapes(shape, n, other, m):
     """Samples of one data signature have one shape up to their token count: the pattern read back
-    with
-    each sample's own token count gives its shape, so two distinct [L, K] shapes never share a
+    with each sample's own token count gives its shape, so two distinct [L, K] shapes never share a
     pattern."""
 
     def read_back(pattern: str, tokens: int) -> list[int]:
@@ -163,8 +161,7 @@ def test_top_k_with_k_equal_to_l_keeps_its_own_signature(tmp_path):
 
 def _word_tokenizer(path, split: str):
     """A real fast tokenizer saved to ``path`` (no download): one vocabulary and special tokens, the
-    pre-tokenizer
-    rule ``split``."""
+    pre-tokenizer rule ``split``."""
     from tokenizers import Regex, Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -318,9 +315,8 @@ def test_recorded_bounds_flag_every_sample_the_collator_refuses_for_an_id(
     ids, labels, topk, with_labels, with_topk, ignore
 ):
     """``bound_suspects`` is a superset of the collator's id-value refusals (vocabulary 100, the
-    ignore index on
-    labels), and flags nothing where every id is in range and every negative label is the ignore
-    index."""
+    ignore index on labels), and flags nothing where every id is in range and every negative label
+    is the ignore index."""
     import torch
 
     from prealign.loaders.index.sample_checks import bound_suspects, validated, value_bounds

@@ -1,8 +1,8 @@
 """The loader's start does not grow faster than the shard count (issue #28): the work of a start
 (every function call, counted by ``cProfile``; file ``stat`` and ``open`` calls) is counted at 200
 and at 2,000 shards, never timed. A fix hint built for every healthy sidecar (each one walking every
-shard name with a
-regex) made the 2,000-shard start ~100x the 200-shard one; linear work gives 10x."""
+shard name with a regex) made the 2,000-shard start ~100x the 200-shard one; linear work gives
+10x."""
 
 from __future__ import annotations
 
@@ -109,8 +109,8 @@ class _Syscalls:
 
 def _work(run, monkeypatch) -> tuple[int, pstats.Stats, _Syscalls]:
     """Function calls (``cProfile``: Python and builtin, in this thread and every thread started
-    meanwhile, e.g.
-    the threads sidecars are read on) of ``run()``, its profile, its stat / open counts."""
+    meanwhile, e.g. the threads sidecars are read on) of ``run()``, its profile, its stat / open
+    counts."""
     profiles = [cProfile.Profile()]
 
     def in_new_thread(*_):  # a thread's first event: a profiler of its own for the rest of it
@@ -159,8 +159,7 @@ def _first_batch_and_resume(make):
 
 def _measure(data, monkeypatch, make) -> dict:
     """``{shards: _work(...)}`` of a first batch and a resume at each size, after one unmeasured run
-    at the
-    smaller size (the imports and caches of a first start are no part of the growth)."""
+    at the smaller size (the imports and caches of a first start are no part of the growth)."""
     _first_batch_and_resume(lambda: make(data[SIZES[0]]))
     return {
         n: _work(lambda n=n: _first_batch_and_resume(lambda: make(data[n])), monkeypatch)
@@ -262,8 +261,8 @@ if __name__ == "__main__":  # pragma: no cover
 def test_shard_list_check_no_call_per_shard(n, monkeypatch):
     """The shard list's duplicate check (``check_unique``, run when a source is built) makes no
     per-shard call for absolute normal paths (the 2,000 ``shard_identity`` calls were most of what a
-    merged start at 2,000
-    shards added over 20), and still names a shard listed twice under two spellings."""
+    merged start at 2,000 shards added over 20), and still names a shard listed twice under two
+    spellings."""
     from prealign.loaders.errors import ConfigError
     from prealign.loaders.sources import webdataset
 

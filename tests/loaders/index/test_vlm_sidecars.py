@@ -1,7 +1,6 @@
 """Sidecars of VLM data know the model family they were built for: a sidecar of Qwen2-VL lengths is
 refused by a Qwen3-VL loader (the field named), and the printed `prealign index` command, run as
-printed, writes
-sidecars that loader accepts (`--model-config DIR`)."""
+printed, writes sidecars that loader accepts (`--model-config DIR`)."""
 
 from __future__ import annotations
 

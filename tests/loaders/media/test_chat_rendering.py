@@ -39,8 +39,7 @@ TURNS = (
     "{{ message['content'] }}{% else %}{% for c in message['content'] %}{% if c['type'] == "
     "'image' %}"
     "<|vision_start|><|image_pad|><|vision_end|>{% else %}{{ c['text'] }}{% endif %}{% endfor "
-    "%}{% endif %}"
-    "<|im_end|>\n{% endfor %}"
+    "%}{% endif %}<|im_end|>\n{% endfor %}"
 )
 # the Qwen2-VL / Qwen2.5-VL template writes a default system turn; Qwen3-VL's does not
 TEMPLATES = {
@@ -59,9 +58,8 @@ PATCH = {"qwen2_vl": 14, "qwen3_vl": 16}
 @functools.lru_cache(maxsize=None)
 def tokenizer():
     """A byte-level BPE trained here on newline-heavy text; Qwen's pre-tokenizer rule (a run of
-    newlines and the
-    spaces before it is one piece), so ``"\\n" + "\\n"`` tokenizes apart but ``"\\n\\n"`` as one
-    token."""
+    newlines and the spaces before it is one piece), so ``"\\n" + "\\n"`` tokenizes apart but
+    ``"\\n\\n"`` as one token."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -108,8 +106,8 @@ def image_processor(family: str):
 
 def processor(family: str):
     """transformers' Qwen2-VL processor around the tokenizer (built without its video processor,
-    which needs
-    torchvision): its ``__call__`` expands each ``<|image_pad|>`` by the image's grid."""
+    which needs torchvision): its ``__call__`` expands each ``<|image_pad|>`` by the image's
+    grid."""
     proc = object.__new__(transformers.Qwen2VLProcessor)
     proc.tokenizer, proc.image_processor, proc.video_processor = (
         tokenizer(),

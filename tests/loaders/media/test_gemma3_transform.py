@@ -37,19 +37,16 @@ SPECIALS = [
 ]
 TEMPLATE = (
     "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{% set prefix = "
-    "messages[0]['content'] + "
-    "'\n\n' %}"
+    "messages[0]['content'] + '\n\n' %}"
     "{% set turns = messages[1:] %}{% else %}{% set prefix = '' %}{% set turns = messages %}{% "
     "endif %}"
     "{% for message in turns %}{% if message['role'] == 'assistant' %}{% set role = 'model' %}{% "
-    "else %}"
-    "{% set role = message['role'] %}{% endif %}<start_of_turn>{{ role }}\n{{ prefix if "
+    "else %}{% set role = message['role'] %}{% endif %}<start_of_turn>{{ role }}\n{{ prefix if "
     "loop.first else '' }}"
     "{% if message['content'] is string %}{{ message['content'] | trim }}{% else %}{% for item in "
     "message['content'] %}"
     "{% if item['type'] == 'image' %}<start_of_image>{% elif item['type'] == 'text' %}{{ "
-    "item['text'] | trim }}"
-    "{% endif %}{% endfor %}{% endif %}<end_of_turn>\n{% endfor %}"
+    "item['text'] | trim }}{% endif %}{% endfor %}{% endif %}<end_of_turn>\n{% endfor %}"
 )
 TOKENS, SIZE = 4, 16
 
@@ -257,8 +254,8 @@ def test_bad_samples_are_typed_errors():
 @pytest.mark.slow
 def test_transformed_samples_pack_exactly():
     """Samples from the transform, packed THD (tp=2, cp=2, unsharded) with the emitted masks: the
-    logits at every
-    real token equal each sample alone (the model building its own masks from token_type_ids)."""
+    logits at every real token equal each sample alone (the model building its own masks from
+    token_type_ids)."""
     from prealign.collate import THDCollator, to_hf_kwargs
     from prealign.schemas import BatchSchema, FieldSpec, PadPolicy, ParallelLayout
     from prealign.schemas.schema import core_token_fields
@@ -317,8 +314,7 @@ def test_transformed_samples_pack_exactly():
 @pytest.mark.slow
 def test_demo_command_with_gemma3(tmp_path, capsys):
     """``prealign demo --model gemma3``: every batch on every CP rank valid against the image-tokens
-    schema, the
-    synthetic teacher rows as long as the transform's ids (its chat), whole images in
+    schema, the synthetic teacher rows as long as the transform's ids (its chat), whole images in
     pixel_values."""
     from prealign.loaders.cli import main
 
@@ -345,8 +341,7 @@ def test_demo_command_with_gemma3(tmp_path, capsys):
 def test_header_index_equals_the_full_pass(tmp_path):
     """``prealign demo --model gemma3`` data: the header-only index (image headers counted, the chat
     rendered by the tokenizer alone) gives every sample the length and media flag the full transform
-    gives; a corrupt image
-    is found by both."""
+    gives; a corrupt image is found by both."""
     from prealign.loaders import BadDataPolicy, WebDatasetSource, build_index
     from prealign.loaders.cli.demo_data import build_demo_dataset, demo_transform
     from prealign.loaders.cli.demo_tokenizer import ByteTokenizer

@@ -90,8 +90,7 @@ def _dropped_cases(clips) -> dict[str, dict]:
 )
 def test_a_transform_without_video_rules_refuses_every_video(clips, case):
     """The default transform (no model_config), full pass and header pass: a typed error naming the
-    sample and
-    the member or placeholder, never the text kept with ``<video>`` literal and the video
+    sample and the member or placeholder, never the text kept with ``<video>`` literal and the video
     dropped."""
     from prealign.loaders.index.header_pass import VLMRule
 
@@ -159,9 +158,8 @@ def test_index_under_skip_counts_each_video_sample(tmp_path, clips):
 
 def test_prealign_index_and_inspect_never_drop_a_video(tmp_path, clips, capsys):
     """``prealign index`` (header pass) counts both video samples as bad (recorded in the sidecar,
-    so a loader raises
-    or skips them by its policy); ``prealign inspect`` (reading those sidecars) counts both as
-    skipped."""
+    so a loader raises or skips them by its policy); ``prealign inspect`` (reading those sidecars)
+    counts both as skipped."""
     from prealign.loaders.cli import main
 
     shards = _shards(tmp_path, clips)
@@ -187,8 +185,7 @@ def test_prealign_index_and_inspect_never_drop_a_video(tmp_path, clips, capsys):
 # -----------------------------------------------------------------------
 def _qwen2_sampler():
     """transformers' Qwen2-VL ``sample_frames`` (its module imports torchvision at the top, only for
-    the resize
-    this test does not run: a stand-in module lets it import)."""
+    the resize this test does not run: a stand-in module lets it import)."""
     import sys
 
     saved = {
@@ -216,8 +213,7 @@ def _qwen2_sampler():
 
 def _theirs(family: str, total: int, source_fps: float, **over):
     """The frame indices transformers' video processor of ``family`` keeps (its sample_frames on its
-    class
-    defaults, with ``over`` as call arguments)."""
+    class defaults, with ``over`` as call arguments)."""
     from transformers.video_utils import VideoMetadata
 
     meta = VideoMetadata(total_num_frames=total, fps=source_fps)
@@ -337,8 +333,7 @@ def test_decoded_frames_equal_transformers_load_video(clips, name):
 
 def test_webm_and_mkv_frame_counts_come_from_packets(clips):
     """A matroska/webm stream header has no frame count: the packets are counted (nothing decoded);
-    the frames
-    decoded match them."""
+    the frames decoded match them."""
     for name, frames in (("webm", 20), ("mkv", 16)):
         before = video_file.DECODE_COUNT[0]
         header = probe_video(clips[name])
@@ -348,8 +343,7 @@ def test_webm_and_mkv_frame_counts_come_from_packets(clips):
 
 def test_decoding_seeks_keyframes_and_work_scales_with_sampled_frames():
     """Keyframe every 10 frames: 3 sampled frames of 60 and of 240 decode at most 3 * 10 frames each
-    (counted, not
-    timed); the whole clip would decode 60 or 240."""
+    (counted, not timed); the whole clip would decode 60 or 240."""
     work = []
     for total in (60, 240):
         data = make_clip(total, 64, 48, 30, gop=10)
@@ -443,8 +437,8 @@ def processor_video_text_meta(grid, metadata) -> str:
 @pytest.mark.parametrize("over", [None, {"do_sample_frames": True, "fps": 2.0}])
 def test_file_videos_equal_transformers(clips, family, name, over):
     """Frames chosen, grid, token count, second_per_grid_ts (Qwen2.5-VL: 2 / sampled fps), the
-    Qwen3-VL timestamp
-    text from source indices / source fps, and mRoPE positions == transformers' get_rope_index."""
+    Qwen3-VL timestamp text from source indices / source fps, and mRoPE positions == transformers'
+    get_rope_index."""
     from tests.families.test_vlm_families import fractional_seconds, hf_positions
     from tests.loaders.media.test_vlm_video import _runs
 
@@ -554,8 +548,8 @@ def test_index_pass_decodes_no_pixels_and_lengths_equal_the_loaders(tmp_path, cl
 def test_hf_rows_name_media_files_relative_to_their_folder(tmp_path, clips):
     """A jsonl whose rows name an image and a video by path (the common layout): read from the
     jsonl's folder, through the same decoders and sampling as a shard's members; a path leaving the
-    folder or missing is a
-    counted bad sample naming the row and the path, and no file outside the folder is read."""
+    folder or missing is a counted bad sample naming the row and the path, and no file outside the
+    folder is read."""
     import datasets
 
     from prealign.loaders import BadDataPolicy, build_index
@@ -621,9 +615,8 @@ def test_hf_rows_name_media_files_relative_to_their_folder(tmp_path, clips):
 )
 def test_fused_normalisation_equals_transformers_fused_mean_and_std(mean, std):
     """Every uint8 value of every channel: ``(x - 255*mean) / (255*std)`` with transformers' own
-    fused mean and std
-    (its backend's helper), in float32 as ``normalize`` runs it; the unfused rescale-then-normalize
-    differs."""
+    fused mean and std (its backend's helper), in float32 as ``normalize`` runs it; the unfused
+    rescale-then-normalize differs."""
     from transformers.image_processing_backends import (
         TorchvisionBackend,
     )  # (5.6.1 to 5.24: importable alone)
@@ -642,9 +635,8 @@ def test_fused_normalisation_equals_transformers_fused_mean_and_std(mean, std):
 
 def test_pixels_equal_the_video_processor_where_it_runs(clips):
     """Where transformers' Qwen3-VL video processor can be built (it needs torchvision, which cannot
-    be installed
-    beside CPU torch 2.13): pixel_values_videos bit-equal to it given load_video(backend="pyav")
-    frames."""
+    be installed beside CPU torch 2.13): pixel_values_videos bit-equal to it given
+    load_video(backend="pyav") frames."""
     pytest.importorskip(
         "torchvision"
     )  # (not a declared dependency: it cannot be installed beside CPU torch 2.13)
@@ -677,9 +669,8 @@ def test_pixels_equal_the_video_processor_where_it_runs(clips):
 def test_frames_resized_one_by_one_equal_the_stacked_video_resized():
     """transformers resizes a video's stacked uint8 frames at once; we resize each as it is decoded
     (memory bounded by the sampled frames): the same values, down and up, odd sizes, with torch's
-    uint8 bicubic-antialias kernel
-    (what torchvision's CPU resize runs for a uint8 bicubic resize); a frame at its size is left as
-    is."""
+    uint8 bicubic-antialias kernel (what torchvision's CPU resize runs for a uint8 bicubic resize);
+    a frame at its size is left as is."""
     from prealign.loaders.media.video_file import resize_frames
 
     rng = np.random.default_rng(0)
@@ -745,8 +736,8 @@ def test_demo_data_holds_real_mp4_clips_read_by_the_family(tmp_path):
 
 def test_frames_that_disagree_with_the_headers_are_a_counted_bad_sample(clips, monkeypatch):
     """The index trusted the headers; when the decoded stream holds other frames or sizes, the
-    loader's sample is
-    a corrupt_video naming the video (never a crash, never a silently different length)."""
+    loader's sample is a corrupt_video naming the video (never a crash, never a silently different
+    length)."""
     import dataclasses
 
     from prealign.loaders.media import vlm

@@ -289,8 +289,7 @@ def demo_shards(tmp_path_factory):
 def test_webdataset_end_to_end_two_workers_every_cp_rank(demo_shards):
     """48 samples (3 broken) in 4 shards -> WebDatasetSource -> PackedLoader(num_workers=2) on both
     CP ranks of tp=2, cp=2: every batch valid, SP-aligned, every good sample exactly once, the
-    broken
-    ones skipped and counted, and the shards all-gather back to each sample's own tensors."""
+    broken ones skipped and counted, and the shards all-gather back to each sample's own tensors."""
     from prealign.loaders import (
         BadDataPolicy,
         IndexOptions,
@@ -444,8 +443,8 @@ def vlm_sample(
 
 def test_oversize_samples_with_media_are_skipped_not_truncated():
     """Oversize.TRUNCATE cuts text-only samples but leaves out (counted, warned, named) a sample
-    that
-    carries images: a cut would split its image tokens from its pixel_values / image_grid_thw."""
+    that carries images: a cut would split its image tokens from its pixel_values /
+    image_grid_thw."""
     import dataclasses
 
     from prealign.loaders import (

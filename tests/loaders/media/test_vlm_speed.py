@@ -78,8 +78,7 @@ def test_golden_black_image():
 
 def test_demo_images_and_non_rgb_fallback(tmp_path):
     """Every image of the demo data (JPEG and PNG, 48..360 px) equal to transformers'; a grayscale
-    PIL
-    image (not RGB) takes transformers' own path and gives its result."""
+    PIL image (not RGB) takes transformers' own path and gives its result."""
     from PIL import Image
 
     from prealign.loaders import WebDatasetSource
@@ -227,8 +226,7 @@ def test_vision_types_and_mrope_golden():
 
 def reference_types(input_ids: torch.Tensor, image_grid_thw: torch.Tensor, vision) -> torch.Tensor:
     """An independent torch reference: ``mm_token_type_ids`` (1 on image tokens), after asserting
-    one run of
-    ``t*h*w / merge**2`` image tokens per grid."""
+    one run of ``t*h*w / merge**2`` image tokens per grid."""
     is_img = input_ids == vision.image_token_id
     edges = torch.diff(
         is_img.to(torch.int8),

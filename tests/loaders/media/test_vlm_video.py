@@ -140,8 +140,7 @@ def test_image_grids_and_pixels_equal_the_family_image_processor(family, size):
 @pytest.mark.parametrize("mean", [(0.5, 0.5, 0.5), (0.48145466, 0.4578275, 0.40821073)])
 def test_a_still_video_equals_the_image_processor(mean):
     """Two copies of one frame (one temporal patch) == the image processor's patches of that frame
-    (it repeats a
-    still image over the temporal patch): the patch order and normalisation of
+    (it repeats a still image over the temporal patch): the patch order and normalisation of
     pixel_values_videos."""
     from PIL import Image
 
@@ -177,8 +176,7 @@ def test_frames_fill_the_temporal_patches_in_order():
 def test_video_ids_are_the_qwen3_vl_processors_text(frames, fps, gh, gw):
     """The chat template's ``<|vision_start|><|video_pad|><|vision_end|>`` expanded by the installed
     processor's own code (its video processor, which needs torchvision, stood in for by its grid and
-    metadata): on every
-    transformers, what the transform writes, tokenized."""
+    metadata): on every transformers, what the transform writes, tokenized."""
     t = VLMSampleTransform(tokenizer=TOK, model_config=tiny_config("qwen3_5"))
     grid = (math.ceil(frames / 2), 2 * gh, 2 * gw)
     ours = t.video_ids(grid, frames, fps)
@@ -191,8 +189,7 @@ def test_video_ids_are_the_qwen3_vl_processors_text(frames, fps, gh, gw):
 def processor_video_text(grid, frames: int, fps: float, metadata=None) -> str:
     """What the installed ``Qwen3VLProcessor`` makes of the chat template's video block: >= 5.10
     through ``replace_video_token`` and ``ProcessorMixin.get_text_with_replacements`` (what its
-    ``__call__`` runs), older
-    through its own ``__call__``."""
+    ``__call__`` runs), older through its own ``__call__``."""
     from transformers.processing_utils import ProcessorMixin
 
     block = "<|vision_start|><|video_pad|><|vision_end|>"
@@ -250,8 +247,7 @@ def _runs(text: str) -> str:
 @pytest.mark.parametrize("family", FAMILY_TYPES)
 def test_transform_video_end_to_end(family):
     """An image and a 5-frame video at 3 fps: fields, fractional second_per_grid_ts, token runs, the
-    family's
-    positions == transformers' get_rope_index, and a collated THD batch that validates."""
+    family's positions == transformers' get_rope_index, and a collated THD batch that validates."""
     cfg = tiny_config(family)
     t = VLMSampleTransform(tokenizer=TOK, model_config=cfg)
     fps = (
@@ -312,8 +308,7 @@ def test_bad_videos_are_typed_errors():
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
 def test_an_fps_out_of_range_is_a_bad_video(fps, family):
     """A frame rate outside [MIN_FPS, MAX_FPS] (whose seconds per grid would be inf or overflow the
-    int64
-    temporal positions) names the sample and the field."""
+    int64 temporal positions) names the sample and the field."""
     t = VLMSampleTransform(tokenizer=TOK, model_config=tiny_config(family))
     raw = video_raw("f", 4, 64, 64, 2.0, image=False)
     meta = json.loads(raw["json"])
@@ -334,8 +329,8 @@ def test_an_fps_out_of_range_is_a_bad_video(fps, family):
 @pytest.mark.parametrize("model", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5"])
 def test_header_index_equals_the_full_pass_with_videos(tmp_path, model):
     """``prealign demo --model`` data (images and videos): the header-only index (frame headers ->
-    family video
-    grid -> the family's video ids) gives every sample the length the full transform gives."""
+    family video grid -> the family's video ids) gives every sample the length the full transform
+    gives."""
     from prealign.loaders import BadDataPolicy, WebDatasetSource, build_index
     from prealign.loaders.cli.demo_data import build_demo_dataset, demo_model_config
     from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
@@ -409,8 +404,8 @@ def _image_size(data: bytes) -> tuple[int, int]:
 
 def _processor_video_block(model: str, transform, frames: int, h: int, w: int, fps: float) -> str:
     """The chat template's video block as the installed processor expands it, the grid from
-    transformers' resize
-    (Qwen3-VL: the video processor's volume rule; Qwen2 families: the per-frame area rule)."""
+    transformers' resize (Qwen3-VL: the video processor's volume rule; Qwen2 families: the per-frame
+    area rule)."""
     geo = transform.video_geometry
     factor = geo.patch_size * geo.merge_size
     if model in ("qwen3_vl", "qwen3_5"):
@@ -463,8 +458,7 @@ def test_demo_command_with_a_model_streams_videos(tmp_path, capsys, model):
 
 def test_processor_and_tokenizer_ids_come_together_with_the_config():
     """``processor=`` an image processor is used as given; a processor with a tokenizer gives the
-    tokenizer; ids that
-    disagree with the config are a ConfigError naming both."""
+    tokenizer; ids that disagree with the config are a ConfigError naming both."""
     from prealign.loaders.media.chat_tokenizer import HFChatTokenizer
     from prealign.schemas import ConfigError
     from tests.loaders.media.test_vlm import _tiny_hf_tokenizer
@@ -510,9 +504,8 @@ def test_index_key_names_the_family_and_the_grid_settings():
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "qwen3_5"])
 def test_index_key_names_transformers_where_its_video_rules_apply(family, monkeypatch):
     """Qwen3-VL's video grids (smart_resize) and video text change between transformers releases: a
-    sidecar built
-    under one is never taken under another. Qwen2.5-VL's arithmetic is prealign's own: its key does
-    not move."""
+    sidecar built under one is never taken under another. Qwen2.5-VL's arithmetic is prealign's own:
+    its key does not move."""
     t = VLMSampleTransform(tokenizer=TOK, model_config=tiny_config(family))
     before = t.index_key()
     installed = sys.modules[
@@ -526,8 +519,8 @@ def test_index_key_names_transformers_where_its_video_rules_apply(family, monkey
 
 def test_video_frame_and_pixel_limits_are_bad_videos_before_decoding():
     """``DecodeLimits.max_video_frames`` is checked before any frame is decoded,
-    ``max_video_pixels`` on the running
-    total while decoding (the header pass refuses the same sample from the frames' sizes)."""
+    ``max_video_pixels`` on the running total while decoding (the header pass refuses the same
+    sample from the frames' sizes)."""
     from prealign.loaders.sources.tar_decode import DecodeLimits
 
     t = VLMSampleTransform(
@@ -574,9 +567,8 @@ def test_video_frame_and_pixel_limits_are_bad_videos_before_decoding():
 
 def test_video_processor_config_sets_the_video_grids_and_defaults_warn_once(monkeypatch):
     """The checkpoint's video_preprocessor_config.json (a dict) decides the grids where no video
-    processor can be
-    built; without it the class defaults are used and a VideoDefaultsWarning says so once per
-    family."""
+    processor can be built; without it the class defaults are used and a VideoDefaultsWarning says
+    so once per family."""
     import warnings
 
     import prealign.loaders.media.vlm as vlm

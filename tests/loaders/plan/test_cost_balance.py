@@ -23,8 +23,8 @@ transformers = pytest.importorskip("transformers")
 
 def counted_flops(cfg, lengths=(16, 32, 64)) -> tuple[float, float]:
     """(linear, quadratic) fitted exactly to the forward FLOPs torch's FlopCounterMode counts on a
-    model
-    built from ``cfg`` (eager attention: the full L x L score matrix), rotary tables excluded."""
+    model built from ``cfg`` (eager attention: the full L x L score matrix), rotary tables
+    excluded."""
     from torch.utils.flop_counter import FlopCounterMode
 
     torch.manual_seed(0)
@@ -117,8 +117,7 @@ def test_from_hf_config_matches_counted_flops(name):
 def active_matmul_flops(cfg) -> float:
     """Forward FLOPs per token of the matmuls a real model built from ``cfg`` runs, from its
     parameter shapes alone: 2 per weight of every matmul module (embedding lookups excluded, a tied
-    LM head
-    included), the routed experts' weights scaled by the share of experts a token visits."""
+    LM head included), the routed experts' weights scaled by the share of experts a token visits."""
     model = transformers.AutoModelForCausalLM.from_config(cfg)
     k = getattr(cfg, "num_experts_per_tok", None)
     total = 0.0
@@ -227,8 +226,7 @@ MOE = {
 @pytest.mark.parametrize("name", sorted(MOE))
 def test_from_hf_config_moe_and_mla_match_the_real_model(name):
     """MoE / MLA: the linear term from the real model's parameter shapes (FlopCounterMode does not
-    see
-    HF's routed experts), the quadratic one counted (eager attention scores)."""
+    see HF's routed experts), the quadratic one counted (eager attention scores)."""
     cfg = MOE[name]()
     full = CostModel.from_hf_config(cfg, causal=False)
     assert full.linear == pytest.approx(active_matmul_flops(cfg), abs=1e-6)
@@ -500,8 +498,7 @@ def test_balanced_steps_is_a_permutation_of_whole_steps(costs, dp, k):
 def test_golden_cost_plan():
     """Four full micro-batches of 1000 tokens: equal by tokens, not by cost (L + L^2). Costs 1001000
     (one sequence of 1000), 501000 (2 x 500), 251000 (4 x 250), 101000 (10 x 100): the best 2 + 2
-    split pairs
-    the costliest with the cheapest; the token deal pairs by arrival."""
+    split pairs the costliest with the cheapest; the token deal pairs by arrival."""
     lengths = [1000, 500, 500, 250, 250, 250, 250] + [100] * 10
     kw = dict(layout=ParallelLayout(), token_budget=1000, dp_size=2, microbatches_per_step=2)
     cost = CostModel(linear=1, quadratic=1)

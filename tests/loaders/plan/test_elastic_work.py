@@ -1,7 +1,6 @@
 """Elastic resume costs work linear in the earlier segments (issue #31: a 64-segment state over 200k
-samples
-took minutes): each segment's replay plans one chunk, whatever the segments before it; counted, not
-timed."""
+samples took minutes): each segment's replay plans one chunk, whatever the segments before it;
+counted, not timed."""
 
 from __future__ import annotations
 
@@ -20,8 +19,8 @@ CHUNK = 400
 
 def _work(num_segments: int, n: int, monkeypatch) -> dict:
     """Chunks planned and samples packed to serve the first micro-batch after ``num_segments``
-    earlier segments
-    of one micro-batch each, alternating DP 2 / 3 (the hostile state of issue #31)."""
+    earlier segments of one micro-batch each, alternating DP 2 / 3 (the hostile state of issue
+    #31)."""
     counts = {"chunks": 0, "packed": 0}
     plan_chunk, advance = planner_module.ChunkedPlan._plan_chunk, planner_module.StreamFit.advance
 

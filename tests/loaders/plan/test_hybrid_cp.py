@@ -1,8 +1,7 @@
 """Hybrid CP planned in the loader: the blocks (hypothesis invariants, golden cases), each rank's
 batch (validated, local_cp_size in PackedSeqParams), and a differential test against megatron-core
 0.16.1's own hybrid-CP path on 4 gloo processes: its sub-groups hold the ranks of our blocks, and
-its
-``get_batch_on_this_cp_rank`` over them cuts the same shards from the same samples."""
+its ``get_batch_on_this_cp_rank`` over them cuts the same shards from the same samples."""
 
 from __future__ import annotations
 

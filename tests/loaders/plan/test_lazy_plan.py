@@ -1,7 +1,6 @@
 """The plan is made chunk by chunk as batches are requested (issue #7: the first batch must not wait
 for the whole epoch's plan): what the first batch costs, what the epoch covers, resume across
-chunks, and the
-epoch order's vectorised shuffle."""
+chunks, and the epoch order's vectorised shuffle."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 Python was cut, and a work count (function calls, not time) per sample of the chunk.
 
 The digests were taken from the planner before the change (a best fit with a method call per sample,
-a
-micro-batch assembled sample by sample); any change to a plan changes them."""
+a micro-batch assembled sample by sample); any change to a plan changes them."""
 
 from __future__ import annotations
 
@@ -100,8 +99,7 @@ def test_cost_plans_unchanged(dpk, want):
 
 def _reference_stream_fit(sizes, cap, buffer_size, max_age, max_items):
     """Streaming best-fit decreasing as the packing module's docstring states it, written plainly (a
-    list
-    scan per sample): the oracle of the inlined best fit."""
+    list scan per sample): the oracle of the inlined best fit."""
     sizes = [int(s) for s in sizes]
     items, load, born, open_, closed = [], [], [], [], []
     held, pos, window = 0, 0, 0
@@ -194,8 +192,8 @@ def test_chunk_plan_calls_per_sample(layout):
     """Planning one chunk (what a start and a resume pay) makes fewer than one function call per
     sample at the margin (every builtin counted): the best fit places a run of equal sizes a bin at
     a time, the micro-batches are assembled with a few numpy calls. Before: 11.4 calls per sample
-    (two method calls of the open bins, a
-    bisect and an insort per sample, a generator step per sample to assemble the micro-batches)."""
+    (two method calls of the open bins, a bisect and an insort per sample, a generator step per
+    sample to assemble the micro-batches)."""
     _calls(1000, layout)  # (first calls: caches)
     small, big = _calls(4000, layout), _calls(16000, layout)
     assert (big - small) / 12000 <= 1.0, (small, big)

@@ -265,8 +265,7 @@ def test_packing_helpers():
 )
 def test_chunked_plan_packs_like_one_pass(lengths, dp, k, strategy, buffer, chunk):
     """Planning chunk by chunk (what a loader does, lazily) gives the micro-batches of one pass,
-    with whole
-    steps up to the last, and planning chunk c touches no chunk after it."""
+    with whole steps up to the last, and planning chunk c touches no chunk after it."""
     kw = dict(
         layout=ParallelLayout(cp=2),
         token_budget=512,

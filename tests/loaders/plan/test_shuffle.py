@@ -1,6 +1,6 @@
 """Shuffling (issue #7, item 5): micro-batch order seeded after planning, shard order and in-shard
-windows
-new every epoch; epoch-to-epoch correlation of sample positions measured; open files bounded."""
+windows new every epoch; epoch-to-epoch correlation of sample positions measured; open files
+bounded."""
 
 from __future__ import annotations
 

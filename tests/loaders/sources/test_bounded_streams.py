@@ -1,7 +1,7 @@
 """Compressed shards read through counters capped by DecodeLimits, streamed member by member, never
 held whole (issue #31): a gzip bomb is a typed corrupt_shard naming the shard, the member and the
-byte; a truncated
-.tar.gz names the byte it stopped at; memory stays bounded (measured in a subprocess)."""
+byte; a truncated .tar.gz names the byte it stopped at; memory stays bounded (measured in a
+subprocess)."""
 
 from __future__ import annotations
 
@@ -50,9 +50,8 @@ def _member(name: str, data: bytes) -> bytes:
 
 def bomb(path: str, *, members: int, member_mib: int) -> str:
     """A .tar.gz of ``members`` samples, each a small ``input_ids.npy`` and ``member_mib`` MiB of
-    zeros
-    (``pad.bin``), written as concatenated gzip members (a valid gzip stream) without ever holding
-    it."""
+    zeros (``pad.bin``), written as concatenated gzip members (a valid gzip stream) without ever
+    holding it."""
     with open(path, "wb") as f:
         for i in range(members):
             f.write(_member(f"{i:06d}.input_ids.npy", _npy(8)))
@@ -152,8 +151,8 @@ def _measure(path: str, ratio: int) -> dict:
 def test_a_shard_of_1024_one_mib_members_streams_in_bounded_memory(tmp_path):
     """Issue #31: a 1.2 MB .tar.gz of 1,024 x 1 MiB members took 2.3 GiB at the first batch. Default
     limits: a typed error (its ratio); limits that let it through: every sample served, the peak
-    under 300 MiB over the
-    process's own (the shard decompressed to a temporary file, a member at a time)."""
+    under 300 MiB over the process's own (the shard decompressed to a temporary file, a member at a
+    time)."""
     path = bomb(str(tmp_path / "wide.tar.gz"), members=1024, member_mib=1)
     assert os.path.getsize(path) < 2_000_000
     refused = _measure(path, 250)
@@ -167,8 +166,7 @@ def test_a_shard_of_1024_one_mib_members_streams_in_bounded_memory(tmp_path):
     assert served["peak"] - served["base"] < 300 * MiB, served
     print(
         f"1024 x 1 MiB .tar.gz: peak {(served['peak'] - served['base']) / MiB:.0f} MiB over the "
-        f"process's "
-        f"{served['base'] / MiB:.0f} MiB"
+        f"process's {served['base'] / MiB:.0f} MiB"
     )
 
 

@@ -1,6 +1,5 @@
 """Header-only sizes: npy shapes without loading, image sizes without decoding, and the Qwen2-VL
-grid
-arithmetic equal to transformers' own processing."""
+grid arithmetic equal to transformers' own processing."""
 
 from __future__ import annotations
 
@@ -145,8 +144,8 @@ def test_every_demo_image_header_gives_the_transform_grid(tmp_path):
 )
 def test_exif_orientation_is_applied_as_transformers_load_image_does(w, h, orientation, fmt):
     """A photo stored sideways (EXIF orientation 5-8) is decoded upright, pixel for pixel as
-    transformers'
-    ``load_image`` gives it, and the header pass's size is the upright one (the grid agrees)."""
+    transformers' ``load_image`` gives it, and the header pass's size is the upright one (the grid
+    agrees)."""
     import io
 
     import numpy as np

@@ -217,8 +217,7 @@ def test_a_rank_that_stops_iterating_is_a_collective_timeout_on_the_other(tmp_pa
 
 def test_a_child_forked_during_a_timed_call_can_make_its_own():
     """A DataLoader worker forked while another thread of the main process waits in
-    call_with_timeout starts
-    with the lock free: its first sample read does not deadlock."""
+    call_with_timeout starts with the lock free: its first sample read does not deadlock."""
     import threading
 
     from prealign.loaders.sources.deadline import call_with_timeout

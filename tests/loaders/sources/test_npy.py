@@ -1,8 +1,7 @@
 """The one ``.npy`` header parser and ``.npz`` reader (issue #16): equal to ``numpy.lib.format`` on
 every valid array of an accepted dtype, shape and order; hostile headers and archives are typed
-errors; every
-call site (tar members, header-only lengths, sidecars) goes through it, parsing a member's header
-once."""
+errors; every call site (tar members, header-only lengths, sidecars) goes through it, parsing a
+member's header once."""
 
 from __future__ import annotations
 

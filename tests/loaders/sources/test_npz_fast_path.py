@@ -1,7 +1,7 @@
 """``read_npz``'s path for plain ``np.savez`` files (one ``struct`` call per entry, no ``zipfile``
 objects: a start reads a sidecar per shard) accepts nothing the ``zipfile`` path refuses and reads
-the same arrays: a
-differential test over valid files and files with a byte changed, cut or added."""
+the same arrays: a differential test over valid files and files with a byte changed, cut or
+added."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """Remote shards (issue #7, item 3) against real servers on 127.0.0.1: an HTTP server honouring
-``Range``
-(started here) and moto's S3 server spoken to by the real s3fs / botocore client."""
+``Range`` (started here) and moto's S3 server spoken to by the real s3fs / botocore client."""
 
 from __future__ import annotations
 
@@ -40,9 +39,8 @@ FAST = RemoteOptions(retries=1, backoff=0.01, timeout=5.0)
 
 class _Counting:
     """Counts the connections a server accepts (``server.connections``); sends without Nagle's delay
-    (as
-    servers keeping connections alive do: a header and a body written apart would wait for a delayed
-    ACK)."""
+    (as servers keeping connections alive do: a header and a body written apart would wait for a
+    delayed ACK)."""
 
     disable_nagle_algorithm = True
 
@@ -60,9 +58,8 @@ class _Counting:
 
 class _Handler(_Counting, http.server.BaseHTTPRequestHandler):
     """Serves ``server.root`` with ``Range`` support (ignored when ``server.ignore_range``), keeping
-    connections
-    alive; counts the bytes of each path it sends; answers ``server.deny[name]`` (401, 403) for a
-    name there."""
+    connections alive; counts the bytes of each path it sends; answers ``server.deny[name]`` (401,
+    403) for a name there."""
 
     protocol_version = "HTTP/1.1"
 
@@ -230,9 +227,8 @@ def test_http_batches_equal_local_and_first_batch_reads_a_quarter(tmp_path, http
 
 def test_shards_are_checked_over_overlapping_requests(tmp_path, http_server):
     """Building a loader over many remote shards (a sidecar each; each shard checked at its first
-    read) overlaps
-    the round trips instead of making them one after another (hundreds of shards on an object
-    store)."""
+    read) overlaps the round trips instead of making them one after another (hundreds of shards on
+    an object store)."""
     server, base = http_server
     paths = write_shards(server.root, sample_lengths(160), num_shards=8)
     write_sidecars(WebDatasetSource(paths), SCHEMA)
@@ -337,9 +333,8 @@ def test_s3_batches_equal_local_through_moto_server(tmp_path):
 
 def test_a_replaced_object_is_seen_through_a_warm_block_cache(tmp_path, http_server):
     """The build-time check reads the shard's ends from the server, never from the block cache: a
-    shard
-    replaced by another of the same size is a ChangedShardError even when the cache holds its old
-    bytes."""
+    shard replaced by another of the same size is a ChangedShardError even when the cache holds its
+    old bytes."""
     server, base = http_server
     paths = write_shards(server.root, sample_lengths(60, low=20, high=40), num_shards=1)
     write_sidecars(WebDatasetSource(paths), SCHEMA)
@@ -373,8 +368,8 @@ def _moved(server) -> int:
 def test_a_server_ignoring_range_sends_each_shard_about_once(tmp_path, handler, num_workers):
     """A server answering a ranged GET with 200 and the whole object (``python -m http.server``,
     many mirrors): each shard is downloaded once and kept, two epochs move at most 3x the shards'
-    bytes (not one shard per
-    sample), the batches equal local ones, and a warning names the server."""
+    bytes (not one shard per sample), the batches equal local ones, and a warning names the
+    server."""
     server, base = _serve(tmp_path, handler)
     server.ignore_range = True
     try:
@@ -419,8 +414,7 @@ def _read_spans(url: str, spans, data: bytes, out) -> None:
 @pytest.mark.slow
 def test_reads_reuse_a_connection_per_process(tmp_path, http_server):
     """Reads of one host reuse one kept-alive connection; a forked process (a DataLoader worker)
-    opens its
-    own, never the parent's socket."""
+    opens its own, never the parent's socket."""
     server, base = http_server
     paths = write_shards(server.root, sample_lengths(40), num_shards=1)
     url = f"{base}/shard-000.tar"
@@ -458,8 +452,7 @@ def test_401_and_403_are_permission_errors_not_missing_shards(tmp_path, http_ser
 
 def test_a_refused_sidecar_is_no_sidecar(tmp_path, http_server):
     """A sidecar is optional: one the server refuses (S3 answers 403 for an absent key of a bucket
-    it will not
-    list) is looked past, and the loader indexes the shard itself."""
+    it will not list) is looked past, and the loader indexes the shard itself."""
     server, base = http_server
     paths = write_shards(server.root, sample_lengths(40), num_shards=1)
     write_sidecars(WebDatasetSource(paths), SCHEMA)
@@ -488,8 +481,8 @@ def test_a_kept_connection_the_server_closed_is_replaced(tmp_path, http_server):
 @pytest.mark.parametrize("ignore_range", [False, True])
 def test_a_body_cut_short_is_retried_and_never_kept_short(tmp_path, http_server, ignore_range):
     """A connection dropped mid-body (206, or a Range-ignoring server's whole object) is an
-    incomplete read,
-    retried; a body kept whole is never a short one, so every later read is exact too."""
+    incomplete read, retried; a body kept whole is never a short one, so every later read is exact
+    too."""
     server, base = http_server
     data = bytes(range(256)) * 12288  # 3 MiB
     (tmp_path / "www" / "obj.bin").write_bytes(data)
@@ -533,8 +526,7 @@ def test_a_cache_dir_holding_other_files_keeps_them(tmp_path, http_server):
 @pytest.mark.slow
 def test_range_ignoring_objects_go_to_one_folder_the_source_made(tmp_path):
     """Without cache_dir, whole objects are kept in a folder the source's process made (its workers
-    write
-    there; removed when that process exits): persistent workers leave no folder of their own
+    write there; removed when that process exits): persistent workers leave no folder of their own
     behind."""
     import tempfile
 

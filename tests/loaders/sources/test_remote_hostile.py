@@ -1,7 +1,7 @@
 """Remote reads against hostile or changing servers (issue #18), real servers on 127.0.0.1: an
 object replaced under a warm block cache, a cache folder removed mid-run, absurd ``Content-Length``
-announcements, a server
-dripping one byte at a time, a connection dropped under a sequential (``.tar.gz``) stream."""
+announcements, a server dripping one byte at a time, a connection dropped under a sequential
+(``.tar.gz``) stream."""
 
 from __future__ import annotations
 
@@ -46,8 +46,7 @@ class _Hostile(_Handler):
     """Answers GETs as ``server.mode`` says: ``huge`` announces ``Content-Length: 10**15`` (206, or
     200 when ``server.ignore_range``) and sends ``server.send`` bytes, then holds (``server.hold``
     s) and closes; ``drip`` announces the true length and sends one byte every ``server.drip``
-    seconds; ``drip_headers`` sends its
-    headers so."""
+    seconds; ``drip_headers`` sends its headers so."""
 
     def do_GET(self):
         srv = self.server
@@ -101,8 +100,8 @@ def hostile(tmp_path):
 # ---------------------------------------------------------------------------------------
 def test_a_changed_object_never_reads_the_old_objects_blocks(tmp_path):
     """Same URL, same size, new content (a new ETag): once the object is looked at again (a loader
-    build makes
-    a HEAD), reads through a warm block cache return the new bytes, never the old blocks."""
+    build makes a HEAD), reads through a warm block cache return the new bytes, never the old
+    blocks."""
     server, base = _serve(tmp_path, _ETagHandler)
     try:
         obj = tmp_path / "www" / "obj.bin"
@@ -121,8 +120,7 @@ def test_a_changed_object_never_reads_the_old_objects_blocks(tmp_path):
 
 def test_a_reindexed_shard_is_read_through_a_warm_cache(tmp_path):
     """A shard replaced on the server and indexed again: a loader over the same cache_dir yields the
-    new
-    shard's batches (before: the old blocks were served, SourceChangedError until the cache was
+    new shard's batches (before: the old blocks were served, SourceChangedError until the cache was
     deleted)."""
     server, base = _serve(tmp_path, _ETagHandler)
     try:
@@ -165,8 +163,7 @@ def test_a_cache_folder_removed_mid_run_is_made_again(tmp_path, hostile):
 @pytest.mark.parametrize("ignore_range", [False, True])
 def test_a_huge_content_length_never_allocates(hostile, tmp_path, ignore_range):
     """``Content-Length: 10**15`` with a few bytes sent: every read is a typed error or the bytes
-    asked, with
-    memory bounded by what was asked (never the announced size)."""
+    asked, with memory bounded by what was asked (never the announced size)."""
     server, base = hostile
     data = os.urandom(200_000)
     (tmp_path / "www" / "obj.bin").write_bytes(data)
@@ -224,8 +221,7 @@ def test_headers_dripping_in_are_stalled_past_the_request_deadline(hostile, tmp_
 
 def test_a_body_arriving_at_min_rate_runs_past_the_deadline(hostile, tmp_path):
     """The deadline grows with the bytes received (one second per ``min_rate`` bytes): a slow body
-    that keeps
-    up ``min_rate`` is never cut, however long it takes."""
+    that keeps up ``min_rate`` is never cut, however long it takes."""
     server, base = hostile
     data = os.urandom(100)
     (tmp_path / "www" / "obj.bin").write_bytes(data)
@@ -287,8 +283,7 @@ def test_a_stalled_tar_gz_stream_is_a_stall_error(hostile, tmp_path):
 
 def test_a_stream_read_at_the_readers_pace_has_no_total_deadline(tmp_path):
     """A shard scanned as training consumes it (slower than min_rate) reads to its end: the total
-    deadline is for
-    requests read at once, a stalled stream is caught by the per-read timeout."""
+    deadline is for requests read at once, a stalled stream is caught by the per-read timeout."""
     server, base = _serve(tmp_path, _Handler)
     write_shards(
         str(tmp_path / "www"), sample_lengths(3000, high=400), num_shards=1

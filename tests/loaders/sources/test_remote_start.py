@@ -1,7 +1,7 @@
 """A start over remote shards makes no request per shard (issue #28): each object is checked against
 its index by the process that first reads it (a ``HEAD`` and the two 64 KiB probes), before any of
-its samples is served,
-whatever the shard count. Counted against a real HTTP server on 127.0.0.1, at two shard counts."""
+its samples is served, whatever the shard count. Counted against a real HTTP server on 127.0.0.1, at
+two shard counts."""
 
 from __future__ import annotations
 
