@@ -178,32 +178,31 @@ class StrictSkips:
 def pytest_configure(config):
     if strict_skips():
         config.pluginmanager.register(StrictSkips(), "prealign-strict-skips")
-    _isolate_xdist_worker()
+    _isolate_xdist_worker(config)
 
 
 # ---- pytest-xdist (`pytest -n auto`): each worker process its own temp folder and one torch thread
-# ------
-_WORKER_TMP: list[str] = []
+_WORKER_TMP: dict = {}  # {"config": the session that made the folder, "folder": it}
 
 
-def _isolate_xdist_worker() -> None:
+def _isolate_xdist_worker(config) -> None:
     """In an xdist worker: a temp folder of its own (``TMPDIR`` and ``tempfile.tempdir``, inherited
     by the processes its tests start), so a test that compares the temp folder before and after sees
     only its own worker's files; and, when the workers fill the cores, one intra-op torch thread per
     worker (and ``OMP_NUM_THREADS=1`` for its children, unless set) instead of threads spinning
-    against each other."""
+    against each other. Once per process: a pytest session a test runs inside the worker (pytester)
+    neither makes nor removes one."""
     worker = os.environ.get("PYTEST_XDIST_WORKER")
-    if not worker:
+    if not worker or _WORKER_TMP:
         return
     import tempfile
 
     folder = tempfile.mkdtemp(prefix=f"prealign-tests-{worker}-")
-    _WORKER_TMP.append(folder)
+    _WORKER_TMP.update(config=config, folder=folder)
     os.environ["TMPDIR"] = tempfile.tempdir = folder
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    cores = (
-        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    )
+    affinity = getattr(os, "sched_getaffinity", None)
+    cores = len(affinity(0)) if affinity else (os.cpu_count() or 1)
     if workers >= cores:
         torch.set_num_threads(1)
         os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -212,10 +211,8 @@ def _isolate_xdist_worker() -> None:
 def pytest_unconfigure(config):
     import shutil
 
-    for (
-        folder
-    ) in _WORKER_TMP:  # the folder this process made (above), with what its tests left there
-        shutil.rmtree(folder, ignore_errors=True)
+    if _WORKER_TMP.get("config") is config:  # the folder this session made, and what tests left
+        shutil.rmtree(_WORKER_TMP["folder"], ignore_errors=True)
 
 
 # ---- samples
