@@ -288,10 +288,14 @@ def write_sidecar(
     write_atomically(path, buf.getvalue())
 
 
+_MAX_COUNT = 2**62  # a shard's size in bytes, its records: far past any real one, inside int64
+
+
 def parse_sidecar(
     data: bytes, *, shard: str, fix: str | Callable[[], str] | None = None, values: bool = True
 ) -> tuple[dict, dict[str, np.ndarray]]:
-    """``(meta, arrays)`` of sidecar bytes, every key, dtype and shape checked (never unpickled).
+    """``(meta, arrays)`` of sidecar bytes, every key, dtype and shape checked (never unpickled;
+    ``size`` and ``num_events`` within 0..2**62).
     Raises :class:`StaleIndexError` naming ``shard`` on anything unexpected, with ``fix``: the
     command that rebuilds it, or a function giving it (called only then:
     :func:`~prealign.loaders.index.hints.index_hint` walks every shard name, never to be paid by a
@@ -356,6 +360,9 @@ def parse_sidecar(
     for key, typ in types.items():
         if not isinstance(meta.get(key), typ) or isinstance(meta.get(key), bool):
             raise bad(f"meta {key!r} is {type(meta.get(key)).__name__}, expected {typ.__name__}")
+    for key in ("size", "num_events"):  # (int64 in the checks over many sidecars)
+        if not 0 <= meta[key] <= _MAX_COUNT:
+            raise bad(f"meta {key!r} is {meta[key]}, expected 0..2**62")
     n = None
     for key, (dtype, ndim) in _ARRAYS.items():
         a = arrays[key]

@@ -177,8 +177,9 @@ class StreamFit:
         open bin it fills best, else a new bin; full bins (``max_items``) close. A run of equal
         sizes is placed a bin at a time: the bin that fits the first fits the next ones best too
         (its room only shrinks, and no other bin's room lies between), until it cannot take one
-        more. Aligned lengths take few values, so this is
-        a step per size and bin, not per sample (a start plans a chunk of 16k samples this way)."""
+        more (a size past the capacity fills a new bin alone, as on the first-fit path). Aligned
+        lengths take few values, so this is a step per size and bin, not per sample (a start plans
+        a chunk of 16k samples this way)."""
         bins, max_items, cap, mask = self.bins, self.max_items, self.bins.cap, (1 << _SHIFT) - 1
         keys, items, load, born = bins.keys, bins.items, bins.load, bins.born
         i = 0
@@ -194,7 +195,7 @@ class StreamFit:
                 else:  # the fullest bin with room (the lowest id among equals)
                     b = keys.pop(j) & mask
                     room = cap - load[b]
-                take = min(hi - i, room // s)
+                take = min(hi - i, max(room // s, 1))  # a size past cap: a bin of its own
                 if max_items is not None:
                     take = min(take, max_items - len(items[b]))
                 items[b].extend(positions[i : i + take])

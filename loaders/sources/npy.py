@@ -354,19 +354,22 @@ def _entry_array(raw, name: str, member: str, max_bytes: int, copy: bool) -> np.
 _EOCD = struct.Struct(
     "<4sHHHHIIH"
 )  # end of central directory: signature, disks, entries, size, offset, comment
-_ENTRY = struct.Struct("<4s4xHH4xIIIHHH8xI")  # central directory entry, the fields read_npz checks
+_ENTRY = struct.Struct(
+    "<4s2xHHH4xIIIHHH8xI"
+)  # central directory entry, the fields read_npz checks (the version needed to extract on)
 
 
 def _plain_stored_entries(
     data: bytes, view: memoryview, max_bytes: int, names
 ) -> list[tuple[str, memoryview]] | None:
     """``[(entry name, its bytes)]`` in directory order when ``data`` is a plain zip of stored
-    ``.npy`` entries (no comment, no prefix, no zip64 directory, ASCII names, each entry once,
-    unencrypted, inside the file, not overlapping, of its recorded crc32; all of them within
-    ``max_bytes`` and ``names``): what ``np.savez`` writes, parsed with one ``struct`` call per
-    entry. None for anything else, which :func:`read_npz` then reads
-    with ``zipfile`` and all its checks (and names what is wrong), so this path accepts nothing that
-    one refuses."""
+    ``.npy`` entries (no comment, no prefix, no zip64 locator, no extra field in the directory,
+    ASCII names without NUL, a version ``zipfile`` implements, each entry once, unencrypted, inside
+    the file, not overlapping, of its recorded crc32; all of them within ``max_bytes`` and
+    ``names``): what ``np.savez`` writes, parsed with one ``struct`` call per entry. None for
+    anything else, which :func:`read_npz` then reads with ``zipfile`` and all its checks (and names
+    what is wrong), so this path accepts nothing that one refuses and reads what it reads. (A local
+    header's extra field, 20 bytes from ``np.savez``, is skipped unread, as ``zipfile`` does.)"""
     at = len(data) - _EOCD.size
     if at < 0:
         return None
@@ -379,19 +382,23 @@ def _plain_stored_entries(
         or comment
         or cd_at + cd_size != at
         or (names is not None and count > len(names))
+        or (at >= 20 and data[at - 20 : at - 16] == b"PK\x06\x07")  # zipfile follows zip64
     ):
         return None
     entries, pos, total, seen = [], cd_at, 0, set()
     for _ in range(count):
         if pos + _ENTRY.size > at:
             return None
-        sig, flags, method, crc, csize, size, nlen, elen, clen, local = _ENTRY.unpack_from(
+        sig, version, flags, method, crc, csize, size, nlen, elen, clen, local = _ENTRY.unpack_from(
             data, pos
         )
         name_bytes = data[pos + _ENTRY.size : pos + _ENTRY.size + nlen]
         pos += _ENTRY.size + nlen + elen + clen
         if (
             sig != b"PK\x01\x02"
+            or version > zipfile.MAX_EXTRACT_VERSION  # zipfile: NotImplementedError
+            or elen  # zipfile parses an extra field (and refuses a corrupt one)
+            or b"\x00" in name_bytes  # zipfile cuts a name at NUL
             or flags & 1
             or method != zipfile.ZIP_STORED
             or csize != size

@@ -331,3 +331,22 @@ def test_a_sidecar_that_lies_about_a_signature_is_a_typed_error_at_that_sample_n
     with pytest.raises(SampleError, match="field .labels.: expected shape") as exc:
         list(loader)
     assert exc.value.field == "labels"
+
+
+@pytest.mark.parametrize(
+    "key, value", [("size", 2**70), ("size", -5), ("num_events", 2**70), ("num_events", -1)]
+)
+def test_a_sidecar_count_outside_int64_is_a_typed_error_at_the_start(tmp_path, key, value):
+    """``size`` / ``num_events`` past what an int64 holds (or negative) is refused as a malformed
+    sidecar naming the shard, never an OverflowError out of the vectorised checks."""
+    paths = write_shards(str(tmp_path), sample_lengths(10), num_shards=1)
+    side, arrays, meta = _sidecar_arrays(paths)
+    arrays["meta"] = np.frombuffer(json.dumps(dict(meta, **{key: value})).encode(), np.uint8)
+    buf = io.BytesIO()
+    np.savez(buf, **arrays)
+    with open(side, "wb") as f:
+        f.write(buf.getvalue())
+    with pytest.raises(StaleIndexError, match=f"shard-000.tar.*{key}"):
+        parse_sidecar(buf.getvalue(), shard=paths[0])
+    with pytest.raises(StaleIndexError, match="shard-000.tar"):
+        _prepare(paths)

@@ -147,10 +147,15 @@ def _reference_stream_fit(sizes, cap, buffer_size, max_age, max_items):
     buffer_size=st.integers(2, 40),
     max_age=st.integers(1, 5),
     max_items=st.one_of(st.none(), st.integers(1, 6)),
+    over=st.lists(st.integers(0, 299), max_size=3),
 )
-def test_best_fit_matches_reference(sizes, cap, buffer_size, max_age, max_items):
+def test_best_fit_matches_reference(sizes, cap, buffer_size, max_age, max_items, over):
+    """``over``: positions (modulo the stream's length) whose size is past ``cap`` (each a bin of
+    its own, as the reference and the first-fit path place it)."""
     from prealign.loaders.plan.packing import StreamFit
 
+    for p in over:
+        sizes[p % len(sizes)] = cap + 1 + p % 7
     fit = StreamFit(
         np.asarray(sizes, np.int64),
         cap,
@@ -173,6 +178,18 @@ def test_best_fit_matches_reference(sizes, cap, buffer_size, max_age, max_items)
         max_items=max_items,
     )
     assert sorted(i for b in whole for i in b) == list(range(len(sizes)))
+
+
+@pytest.mark.parametrize("best", [False, True], ids=["first_fit", "best_fit"])
+def test_a_sample_over_the_capacity_is_a_bin_of_its_own(best):
+    """A size past ``cap`` (only a direct call can pass one: the planner refuses or cuts an
+    oversize sample first) gets a bin of its own on both paths, as before the best fit was
+    inlined; the inlined one made bins that took none of it, forever."""
+    assert stream_fit(np.array([20, 4]), 16, buffer_size=8, best=best) == [[0], [1]]
+    sizes = np.array([20, 4, 20, 3, 17, 1])
+    got = stream_fit(sizes, 16, buffer_size=4, best=best)
+    assert sorted(i for b in got for i in b) == list(range(len(sizes)))
+    assert [b for b in got if sizes[b].sum() > 16] == [[0], [2], [4]]
 
 
 def _calls(n: int, layout: ParallelLayout) -> int:
