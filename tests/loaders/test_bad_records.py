@@ -391,8 +391,7 @@ def test_any_json_in_any_field_of_a_stored_event_is_refused_or_a_valid_record(
 
 def test_an_error_with_fields_of_other_types_is_written_as_it_is_read_back():
     """A transform's own SampleError with an int ``actual`` or a tuple sample: written as
-    ``str``, so
-    the sidecar it goes into reads back (never refused as malformed)."""
+    ``str``, so the sidecar it goes into reads back (never refused as malformed)."""
     exc = SampleError(sample=(1, 2), field="labels", expected=3, actual=4)
     rec = BadRecord.from_json(json.loads(json.dumps(BadRecord.of_error(exc, "w").to_json())))
     again = rec.to_error()
