@@ -269,35 +269,57 @@ error among them).
 
 
 # ---- errors as data (a BadRecord's error: written into files, read back by other runs) ----------
+_STR = (str, type(None))
+_INT = (int, type(None))
 _ERROR_KEYS = {
-    "shard": frozenset({"shard", "offset", "cause"}),
-    "sample": frozenset({"cls", "sample", "field", "expected", "actual"}),
+    "shard": {"shard": _STR, "offset": _INT, "cause": _STR},
+    "sample": {
+        "cls": str,
+        "sample": (str, int, type(None)),
+        "field": _STR,
+        "expected": _STR,
+        "actual": _STR,
+    },
 }
-"""The keys an :func:`error_record` of each ``type`` must have (``reason`` and ``message`` are
-optional)."""
+"""The keys an :func:`error_record` of each ``type`` must have, with the types each may hold (None
+where an error rebuilt from its message alone has none); ``reason`` and ``message`` (a ``str`` or
+None) are optional, and so is a shard's ``cls`` (a ``str``); no other key is allowed."""
+_OPTIONAL_KEYS = {"type": str, "cls": str, "reason": _STR, "message": _STR}
 
 
 def checked_error(rec) -> dict | None:
-    """``rec`` when it is None or an :func:`error_record` with the keys its ``type`` needs, else a
-    ``ValueError``."""
+    """``rec`` when it is None or an :func:`error_record` with the keys its ``type`` needs, each of
+    its type (an ``offset`` an ``int``, never a ``bool``), and no other; else a ``ValueError``
+    (records are read from files)."""
     if rec is None:
         return None
-    keys = _ERROR_KEYS.get(rec.get("type")) if isinstance(rec, dict) else None
-    if (
-        keys is None
-        or not keys <= rec.keys()
-        or not isinstance(rec.get("cls", ""), str)
-        or not isinstance(rec.get("reason", ""), str)
-    ):
+    kind = rec.get("type") if isinstance(rec, dict) else None
+    keys = _ERROR_KEYS.get(kind) if isinstance(kind, str) else None
+    if keys is None or not keys.keys() <= rec.keys():
         raise ValueError(
             f"a bad-data record's error: expected a sample or shard error record, got {rec!r:.80}"
         )
+    for key, value in rec.items():
+        want = keys.get(key, _OPTIONAL_KEYS.get(key))
+        if want is None or isinstance(value, bool) or not isinstance(value, want):
+            raise ValueError(
+                f"a bad-data record's error: key {key!r:.40} of a {kind} error record: expected "
+                f"{_type_names(want)}, got {type(value).__name__} {value!r:.40}"
+            )
     return rec
+
+
+def _type_names(want) -> str:
+    if want is None:
+        return "no such key"
+    return " or ".join(t.__name__ for t in (want if isinstance(want, tuple) else (want,)))
 
 
 def error_record(exc: Exception) -> dict:
     """An exception as JSON-safe data (records are written into sidecars, read by other runs); a
-    sample's keeps its cause (:func:`~prealign.loaders.errors.reason_of`) and its message."""
+    sample's keeps its cause (:func:`~prealign.loaders.errors.reason_of`) and its message, its
+    fields as :func:`checked_error` reads them back (a ``field``, ``expected`` or ``actual`` that is
+    not a ``str``, or a sample that is neither ``str`` nor ``int``, as its ``str``)."""
     if isinstance(exc, CorruptShardError):
         return {
             "type": "shard",
@@ -312,19 +334,25 @@ def error_record(exc: Exception) -> dict:
     return {
         "type": "sample",
         "cls": type(exc).__name__,
-        "sample": exc.sample,
-        "field": exc.field,
-        "expected": exc.expected,
-        "actual": exc.actual,
+        "sample": exc.sample if type(exc.sample) in (str, int, type(None)) else str(exc.sample),
+        "field": _str_or_none(exc.field),
+        "expected": _str_or_none(exc.expected),
+        "actual": _str_or_none(exc.actual),
         "reason": reason_of(exc),
         "message": str(exc),
     }
 
 
+def _str_or_none(value) -> str | None:
+    return value if value is None or isinstance(value, str) else str(value)
+
+
 def error_from_record(rec: dict) -> PrealignError:
     """The typed error of an :func:`error_record`: its class when the loader layer defines it (else
     :class:`~prealign.loaders.errors.BadSampleError` /
-    :class:`~prealign.loaders.errors.CorruptShardError`), its fields, cause and message."""
+    :class:`~prealign.loaders.errors.CorruptShardError`), its fields, cause and message; a
+    ``ValueError`` for a malformed record (:func:`checked_error`)."""
+    checked_error(rec)
     if rec["type"] == "shard":
         shard_cls = globals().get(rec.get("cls", ""))
         if not (isinstance(shard_cls, type) and issubclass(shard_cls, CorruptShardError)):

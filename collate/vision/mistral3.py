@@ -133,7 +133,16 @@ class Mistral3(VisionFamily):
                 expected="at least 1x1 pixels",
                 actual=f"{width}x{height}",
             )
-        h, w = resized_size(height, width, longest_edge or self.longest_edge, self.token_step)
+        edge = longest_edge or self.longest_edge
+        h, w = resized_size(height, width, edge, self.token_step)
+        if min(h, w) < 1:  # a side floors to 0 once scaled (transformers' processor fails too)
+            raise SampleError(
+                sample=sample,
+                field=field,
+                expected=f"an image whose shorter side keeps >= 1 pixel once its longer side is "
+                f"scaled to {edge}",
+                actual=f"{width}x{height}",
+            )
         return h // self.token_step, w // self.token_step
 
     def image_ids(self, rows: int, cols: int, image_break: int, image_end: int) -> torch.Tensor:

@@ -339,6 +339,11 @@ class WebDatasetSource(Source):
         except Stalled as exc:
             yield None, ShardTimeoutError(url, 0, f"opening: {exc}")
             return
+        except (IsADirectoryError, NotADirectoryError) as exc:
+            # a folder where a shard is named (data laid out wrong, like a garbled tar); any other
+            # OSError at open (EIO, EACCES) is a system error: it propagates
+            yield None, CorruptShardError(url, 0, f"{type(exc).__name__}: {exc}")
+            return
         with f:
             key, start, members, seen = None, 0, [], set()
             try:

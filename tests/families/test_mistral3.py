@@ -393,3 +393,30 @@ def test_header_index_equals_the_full_pass(tmp_path):
     rendered by the tokenizer alone) gives every sample the length and media flag the full transform
     gives."""
     assert_header_index_equals_full_pass(tmp_path, "mistral3", 24)
+
+
+@pytest.mark.parametrize("height, width", [(1, 320), (320, 1), (2, 4000)])
+def test_an_image_too_thin_to_keep_a_row_is_a_typed_error(height, width):
+    """Scaled to fit the longest edge, a side floors to 0 pixels (transformers' processor fails on
+    it too): a SampleError naming the sample and the size (bad data, counted under skip), never an
+    IndexError or an image of no rows."""
+    from PIL import Image
+
+    from prealign.schemas.errors import SampleError
+
+    family = Mistral3(
+        model_type="mistral3",
+        image_token_id=10,
+        patch_size=14,
+        spatial_merge_size=2,
+        temporal_patch_size=1,
+        longest_edge=112,
+    )
+    with pytest.raises(SampleError, match=f"sample s7, field 'img'.*{width}x{height}"):
+        family.token_grid(height, width, sample="s7", field="img")
+    t = transform()  # and an image 1 pixel high, twice the transform's longest edge wide
+    buf = io.BytesIO()
+    Image.new("RGB", (2 * t.longest_edge + 2, 1)).save(buf, format="PNG")
+    with pytest.raises(SampleError, match=f"{2 * t.longest_edge + 2}x1") as err:
+        t(raw_sample([{"role": "user", "content": "<image> x"}], [buf.getvalue()]))
+    assert err.value.sample == "m", repr(err.value)

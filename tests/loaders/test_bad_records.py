@@ -265,3 +265,135 @@ def test_a_saved_index_of_the_untyped_report_loads(tmp_path):
     assert [(e.reason, e.where, e.message) for e in old.examples] == [
         (e.reason, e.where, e.message) for e in index.report.examples
     ]
+
+
+# ---- untrusted stored events: any JSON in any field ---------------------------------------------
+_VALID_ERRORS = {
+    "sample": {
+        "type": "sample",
+        "cls": "BadSampleError",
+        "sample": "s.tar:000003",
+        "field": "input_ids",
+        "expected": "an npy",
+        "actual": "b'not'",
+        "reason": "bad_sample",
+        "message": "sample s.tar:000003: not an npy",
+    },
+    "shard": {
+        "type": "shard",
+        "cls": "CorruptShardError",
+        "shard": "s.tar",
+        "offset": 512,
+        "cause": "truncated",
+        "reason": "corrupt_shard",
+    },
+}
+_FIELDS = sorted({k for e in _VALID_ERRORS.values() for k in e} | {"zzz"})
+_DROP = object()  # the key left out
+_any_json = st.recursive(
+    st.one_of(
+        st.none(),
+        st.booleans(),
+        st.integers(-(2**70), 2**70),
+        st.floats(allow_nan=False),
+        st.text(max_size=20),
+        st.sampled_from(["sample", "shard", "x" * 200_000]),
+    ),
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=6), inner, max_size=3)
+    ),
+    max_leaves=6,
+)
+
+
+def _stored(kind: str, where: str, key: str, value, typed: bool):
+    """A valid stored event of an error of ``kind`` with ``where`` (``"error"``: its error record,
+    ``"outer"``: the record itself) ``[key]`` set to ``value`` (left out for ``_DROP``), in the
+    typed or the untyped form."""
+    error = dict(_VALID_ERRORS[kind])
+    event = {"reason": error["reason"], "where": "s.tar:000003", "message": "m", "error": error}
+    target = error if where == "error" else event
+    if value is _DROP:
+        target.pop(key, None)
+    else:
+        target[key] = value
+    if typed:
+        return event
+    return ["bad", event.get("where"), event.get("error")]
+
+
+def _check_valid(rec: BadRecord) -> None:
+    """``rec`` is a record whose every field has its documented type, and it round-trips."""
+    assert all(isinstance(x, str) for x in (rec.reason, rec.where, rec.message))
+    back = BadRecord.from_json(json.loads(json.dumps(rec.to_json())))
+    assert back == rec and back.error == rec.error
+    if not rec.is_error:
+        return
+    err = rec.to_error()
+    assert isinstance(err, (BadSampleError, SampleError, CorruptShardError)) and str(err)
+    if rec.is_shard:
+        assert isinstance(err.shard, (str, type(None))) and isinstance(err.cause, (str, type(None)))
+        assert err.offset is None or (type(err.offset) is int), err.offset
+    else:
+        assert err.sample is None or type(err.sample) in (str, int), err.sample
+        for name in ("field", "expected", "actual"):
+            assert isinstance(getattr(err, name), (str, type(None))), name
+
+
+def _parse_or_refuse(obj) -> None:
+    try:
+        rec = parse_event(obj)
+    except ValueError:
+        return
+    _check_valid(rec)
+
+
+@pytest.mark.parametrize(
+    "kind, where, key, value",
+    [
+        ("shard", "error", "type", ["shard"]),
+        ("sample", "error", "type", {"a": 1}),
+        ("shard", "error", "shard", [1]),
+        ("shard", "error", "offset", {}),
+        ("shard", "error", "offset", True),
+        ("shard", "error", "cause", 5),
+        ("sample", "error", "message", 7),
+        ("sample", "error", "sample", {"a": 1}),
+        ("sample", "error", "field", [1]),
+        ("sample", "error", "expected", 1.5),
+        ("sample", "error", "zzz", 1),
+        ("sample", "error", "reason", ["bad_sample"]),
+    ],
+)
+@pytest.mark.parametrize("typed", [True, False], ids=["typed", "untyped"])
+def test_a_stored_event_with_a_field_of_the_wrong_type_is_refused(kind, where, key, value, typed):
+    with pytest.raises(ValueError):
+        parse_event(_stored(kind, where, key, value, typed))
+
+
+@pytest.mark.slow
+@examples(400)
+@given(
+    kind=st.sampled_from(sorted(_VALID_ERRORS)),
+    where=st.sampled_from(["error", "outer"]),
+    key=st.sampled_from(_FIELDS),
+    value=st.one_of(st.just(_DROP), _any_json),
+    typed=st.booleans(),
+)
+def test_any_json_in_any_field_of_a_stored_event_is_refused_or_a_valid_record(
+    kind, where, key, value, typed
+):
+    """A stored event (read from a sidecar or a merged index: untrusted) with any JSON value in one
+    field: a ``ValueError`` (what the sidecar readers turn into ``StaleIndexError``) or a record
+    whose every field has its documented type, never another exception."""
+    _parse_or_refuse(_stored(kind, where, key, value, typed))
+
+
+def test_an_error_with_fields_of_other_types_is_written_as_it_is_read_back():
+    """A transform's own SampleError with an int ``actual`` or a tuple sample: written as
+    ``str``, so the sidecar it goes into reads back (never refused as malformed)."""
+    exc = SampleError(sample=(1, 2), field="labels", expected=3, actual=4)
+    rec = BadRecord.from_json(json.loads(json.dumps(BadRecord.of_error(exc, "w").to_json())))
+    again = rec.to_error()
+    assert (again.sample, again.expected, again.actual) == ("(1, 2)", "3", "4")
+    assert str(again) == str(exc)

@@ -350,3 +350,31 @@ def test_a_sidecar_count_outside_int64_is_a_typed_error_at_the_start(tmp_path, k
         parse_sidecar(buf.getvalue(), shard=paths[0])
     with pytest.raises(StaleIndexError, match="shard-000.tar"):
         _prepare(paths)
+
+
+@pytest.mark.parametrize(
+    "key, value", [("type", ["sample"]), ("type", {"a": 1}), ("sample", {"a": 1}), ("zzz", 1)]
+)
+def test_a_sidecar_event_with_a_field_of_the_wrong_type_is_refused_at_start(tmp_path, key, value):
+    """A damaged event (a list where its error's ``type`` is, a dict for a sample): the typed
+    StaleIndexError naming the shard and the rebuild command when the loader starts, never a
+    TypeError."""
+    from tests.loader_helpers import add_member, npz_meta, save_npz_meta
+
+    def extra(i, tf):
+        if i == 3:
+            add_member(tf, f"{i:06d}.input_ids.npy", b"not an npy")
+
+    paths = write_shards(str(tmp_path), sample_lengths(10), num_shards=1, extra=extra)
+    write_sidecars(WebDatasetSource(paths), SCHEMA, force=True)
+    side = paths[0] + ".prealign-index.npz"
+    arrays, meta = npz_meta(side)
+    assert len(meta["events"]) == 1 and meta["events"][0][1]["error"]["type"] == "sample"
+    meta["events"][0][1]["error"][key] = value
+    save_npz_meta(side, arrays, meta)
+    data = open(side, "rb").read()
+    with pytest.raises(StaleIndexError, match="shard-000.tar") as err:
+        parse_sidecar(data, shard=paths[0])
+    assert "malformed events" in str(err.value)
+    with pytest.raises(StaleIndexError, match="shard-000.tar.*prealign index"):
+        _prepare(paths)

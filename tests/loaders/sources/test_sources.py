@@ -531,3 +531,45 @@ def test_a_hung_stat_costs_one_timeout_and_a_path_stat_refuses_is_missing(tmp_pa
     release.set()
     assert stuck == 1  # one stat waited on, not one thread (and one timeout) per shard
     time.sleep(0.05)
+
+
+def test_a_shard_path_that_is_a_folder_is_a_corrupt_shard(tmp_path):
+    """A folder where a shard is named (data laid out wrong, like a garbled tar): the scan yields a
+    ``CorruptShardError`` naming it (``corrupt_shard`` under skip), never a bare
+    ``IsADirectoryError``; a path through a file (``NotADirectoryError``) alike."""
+    folder = tmp_path / "x.tar"
+    folder.mkdir()
+    (tmp_path / "f").write_bytes(b"")
+    for path in (str(folder), str(tmp_path / "f" / "y.tar")):
+        records = list(WebDatasetSource([path]).scan(0))
+        assert len(records) == 1 and records[0][0] is None, records
+        err = records[0][1]
+        assert type(err) is CorruptShardError and err.shard == path, repr(err)
+        assert err.reason == "corrupt_shard" and "Directory" in err.cause
+
+
+def test_a_shard_that_cannot_be_opened_for_a_system_reason_propagates(tmp_path, monkeypatch):
+    """EIO or EACCES at open is a system error: it propagates out of the scan, never counted."""
+    import errno
+
+    from prealign.loaders.sources import remote
+    from prealign.schemas.errors import PrealignError
+
+    path = write_shards(str(tmp_path), sample_lengths(2), num_shards=1)[0]
+
+    def failing_open(url, *args, **kwargs):
+        raise OSError(errno.EIO, os.strerror(errno.EIO), url)
+
+    with monkeypatch.context() as m:
+        m.setattr(remote, "open_stream", failing_open)
+        with pytest.raises(OSError) as err:
+            list(WebDatasetSource([path]).scan(0))
+    assert err.value.errno == errno.EIO and not isinstance(err.value, PrealignError)
+    if os.geteuid() == 0:
+        pytest.skip("platform: running as root, chmod 000 does not deny root a read")
+    os.chmod(path, 0)
+    try:
+        with pytest.raises(PermissionError):
+            list(WebDatasetSource([path]).scan(0))
+    finally:
+        os.chmod(path, 0o644)
