@@ -427,9 +427,9 @@ def test_cp2_processes_with_a_killed_worker_resume_exactly(data, tmp_path):
     outs = [str(tmp_path / f"r{r}.json") for r in range(2)]
     procs = []
     for r in range(2):
-        # a claim timeout far above any loaded machine's run time: a finish well before it shows
-        # that nobody sat it out
-        kw = {"cp_rank": r, "cache": cache, "kill_after": 2 if r == 0 else -1, "timeout": 600.0}
+        # a claim timeout well above a loaded machine's run time (and below the share's ttl): a
+        # finish well before it shows that nobody sat it out
+        kw = {"cp_rank": r, "cache": cache, "kill_after": 2 if r == 0 else -1, "timeout": 240.0}
         code = (
             f"from tests.loaders.handoff.test_batch_share import rank_main; "
             f"rank_main({data['shards']!r}, {data['index_path']!r}, {outs[r]!r}, **{kw!r})"
@@ -441,9 +441,9 @@ def test_cp2_processes_with_a_killed_worker_resume_exactly(data, tmp_path):
         )
     t0 = time.monotonic()
     for p in procs:
-        assert p.wait(timeout=900) == 0
-    # nobody sat out the 600 s claim timeout of the killed worker
-    assert time.monotonic() - t0 < 500
+        assert p.wait(timeout=600) == 0
+    # nobody sat out the 240 s claim timeout of the killed worker
+    assert time.monotonic() - t0 < 200
     res = [json.load(open(o)) for o in outs]
     assert res[0]["killed"]
     for r in range(2):
