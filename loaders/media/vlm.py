@@ -169,7 +169,19 @@ def _processor(options: tuple):
         from transformers import Qwen2VLImageProcessorPil as cls
     except ImportError:  # older transformers
         from transformers import Qwen2VLImageProcessor as cls
-    return cls(**dict(options))
+    kwargs = dict(options)
+    if "size" not in kwargs:  # the pixel range as a size of its own: transformers 5.10 writes
+        # min_pixels= / max_pixels= into the class's default size, which every processor built
+        # after it then starts from (so a default built later would silently get that range)
+        kwargs["size"] = {
+            "shortest_edge": kwargs.pop("min_pixels", QWEN2VL_MIN_PIXELS),
+            "longest_edge": kwargs.pop("max_pixels", QWEN2VL_MAX_PIXELS),
+        }
+    return cls(**kwargs)
+
+
+QWEN2VL_MIN_PIXELS, QWEN2VL_MAX_PIXELS = 56 * 56, 28 * 28 * 1280
+"""The Qwen2-VL image processor's default pixel range (``size``'s shortest / longest edge)."""
 
 
 def image_processor(**options):

@@ -99,8 +99,10 @@ def ids(name: str) -> int:
 
 @functools.lru_cache(maxsize=None)
 def image_processor(family: str):
+    # the pixel range as ``size`` (a dict of its own): transformers 5.10 writes ``min_pixels=``
+    # / ``max_pixels=`` into the class's default ``size``, which later processors start from
     return transformers.Qwen2VLImageProcessorPil(
-        patch_size=PATCH[family], min_pixels=56 * 56, max_pixels=64 * 64 * 4
+        patch_size=PATCH[family], size={"shortest_edge": 56 * 56, "longest_edge": 64 * 64 * 4}
     )
 
 
