@@ -103,17 +103,15 @@ def test_debug_shows_the_traceback(capsys):
     )
 
 
-def test_nothing_loaded_names_each_cause_with_an_example(tmp_path, capsys):
-    floats = _shard(
-        tmp_path / "f.tar", {k: v.astype(np.float32) for k, v in _tokens(3, np.int64).items()}
-    )
-    garbage = tmp_path / "g.tar"
-    garbage.write_bytes(b"not a tar file " * 100)
+def test_nothing_loaded_names_each_cause_with_an_example(tmp_path, capsys, monkeypatch):
+    _shard(tmp_path / "f.tar", {k: v.astype(np.float32) for k, v in _tokens(3, np.int64).items()})
+    (tmp_path / "g.tar").write_bytes(b"not a tar file " * 100)
+    monkeypatch.chdir(tmp_path)  # short shard names: each example line is cut at a fixed width
     rc = main(
         [
             "inspect",
-            floats,
-            str(garbage),
+            "f.tar",
+            "g.tar",
             "--text",
             "--workers",
             "0",
