@@ -38,6 +38,7 @@ from prealign.loaders.media.vlm import (
     IMAGE_PLACEHOLDER,
     MediaError,
     MediaProblem,
+    check_float_dtypes,
     decode_image,
     image_members,
     sample_metadata,
@@ -114,12 +115,7 @@ class Gemma3SampleTransform:
                 "Gemma3SampleTransform: pan-and-scan crops are not supported "
                 "(do_pan_and_scan=True); turn it off"
             )
-        for name in ("log_prob_dtype", "pixel_dtype"):
-            if getattr(self, name) not in ("float32", "bfloat16"):
-                raise ConfigError(
-                    f"Gemma3SampleTransform.{name}: expected 'float32' or 'bfloat16', "
-                    f"got {getattr(self, name)!r}"
-                )
+        check_float_dtypes(self)
 
     @property
     def image_processor(self):

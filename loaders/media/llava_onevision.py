@@ -61,6 +61,7 @@ from prealign.loaders.media.vlm import (
     MediaError,
     MediaProblem,
     VideoEntry,
+    check_float_dtypes,
     decode_image,
     image_members,
     sample_metadata,
@@ -195,12 +196,7 @@ class LlavaOnevisionSampleTransform:
                 f"{[list(p) for p in pins]} differ from the config's vision_config.image_size "
                 f"{fam.tile_size} and image_grid_pinpoints {[list(p) for p in fam.pinpoints]}"
             )
-        for name in ("log_prob_dtype", "pixel_dtype"):
-            if getattr(self, name) not in ("float32", "bfloat16"):
-                raise ConfigError(
-                    f"LlavaOnevisionSampleTransform.{name}: expected 'float32' or 'bfloat16', "
-                    f"got {getattr(self, name)!r}"
-                )
+        check_float_dtypes(self)
 
     @property
     def image_processor(self):

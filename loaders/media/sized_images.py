@@ -19,6 +19,7 @@ from prealign.loaders.media.vlm import (
     IMAGE_PLACEHOLDER,
     MediaError,
     MediaProblem,
+    check_float_dtypes,
     decode_image,
     image_members,
     sample_metadata,
@@ -63,12 +64,7 @@ class SizedImagesTransform:
                 f"{name}: the config's image_token_id {family.image_token_id} is not the "
                 f"tokenizer's {image_token} {self.tokenizer.image_token_id}"
             )
-        for field_name in ("log_prob_dtype", "pixel_dtype"):
-            if getattr(self, field_name) not in ("float32", "bfloat16"):
-                raise ConfigError(
-                    f"{name}.{field_name}: expected 'float32' or 'bfloat16', "
-                    f"got {getattr(self, field_name)!r}"
-                )
+        check_float_dtypes(self)
 
     @property
     def image_processor(self):

@@ -161,6 +161,17 @@ class MediaError(BadSampleError):
         )
 
 
+def check_float_dtypes(transform) -> None:
+    """``transform.log_prob_dtype`` / ``pixel_dtype`` each ``'float32'`` or ``'bfloat16'``, else a
+    :class:`ConfigError` naming the transform's class and the field."""
+    for name in ("log_prob_dtype", "pixel_dtype"):
+        if getattr(transform, name) not in ("float32", "bfloat16"):
+            raise ConfigError(
+                f"{type(transform).__name__}.{name}: expected 'float32' or 'bfloat16', got "
+                f"{getattr(transform, name)!r}"
+            )
+
+
 # ---- the image processor -------------------------------------------------------------------------
 @functools.lru_cache(maxsize=4)
 def _processor(options: tuple):
@@ -702,12 +713,7 @@ class VLMSampleTransform:
         return glm4v.chat_frame(self.family, self.chat_frame)
 
     def __post_init__(self):
-        for name in ("log_prob_dtype", "pixel_dtype"):
-            if getattr(self, name) not in ("float32", "bfloat16"):
-                raise ConfigError(
-                    f"VLMSampleTransform.{name}: expected 'float32' or 'bfloat16', got "
-                    f"{getattr(self, name)!r}"
-                )
+        check_float_dtypes(self)
         if self.model_config is not None:
             object.__setattr__(self, "family", vision_family(self.model_config))
             if self.family.transform is not None:
