@@ -223,6 +223,8 @@ def to_hf_kwargs(
             if batch["image_sizes"].shape[0]
             else ()
         )
+    if batch.get("image_position_ids", torch.zeros(0)).shape[0]:  # Gemma 4: padded patches
+        media = ("pixel_values", "image_position_ids")
     if batch.get("video_grid_thw", torch.zeros(0)).shape[0]:
         media += ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
     for name in (*media, "mm_token_type_ids"):  # a batch without images sends no empty pixel_values

@@ -18,6 +18,7 @@ from prealign.schemas.errors import ConfigError
 from .contract import model_contract
 from .family import VisionFamily, has_linear_attention, local_attention
 from .gemma3 import Gemma3
+from .gemma4 import Gemma4
 from .glm4v import Glm4V
 from .grids import VisionGeometry, image_grid, video_grid
 from .idefics3 import Idefics3
@@ -36,6 +37,7 @@ FAMILIES: tuple[type[VisionFamily], ...] = (
     Qwen3VL,
     Qwen3_5,
     Gemma3,
+    Gemma4,
     InternVL,
     Glm4V,
     LlavaOneVision,
@@ -79,6 +81,7 @@ __all__ = [
     "Qwen3VL",
     "Qwen3_5",
     "Gemma3",
+    "Gemma4",
     "InternVL",
     "Glm4V",
     "LlavaOneVision",

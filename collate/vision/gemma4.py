@@ -1,0 +1,204 @@
+"""Gemma 4 (``model_type`` ``gemma4``): a vision tower fed each image at its own aspect ratio,
+resized so its ``p``-px patches fit the image processor's budget (``max_soft_tokens * k^2``
+patches, ``k`` the pooling kernel) with both sides multiples of ``k * p``, then pooled ``k x k``:
+``(H / p) * (W / p) / k^2`` soft tokens per image, written by the processor as ``<|image>`` +
+``<|image|>`` x tokens + ``<image|>``. :func:`resized_size` is transformers'
+``get_aspect_ratio_preserving_size`` in prealign's own code (the same rule in 5.6.1, 5.10.4 and
+5.24; tested equal).
+
+The contract: 1-D positions; with ``text_config.use_bidirectional_attention == "vision"`` (the
+larger models) image and video tokens (``mm_token_type_ids`` 1 / 2) attend bidirectionally within
+their run, on the layer types :func:`~.contract.gemma4_bidirectional_layers` reads from the
+installed release; a packed row then needs the per-token masks ``to_hf_kwargs(attention="mask")``
+emits (:mod:`.attention`), and flash attention is refused (transformers sets
+``_supports_flash_attn = False``). Smaller Gemma 4 models are plain causal.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from prealign.schemas.contract import ModelContract
+from prealign.schemas.errors import SampleError
+
+from .family import VisionFamily, config_getter, has_linear_attention, local_attention
+
+VISION_DEFAULTS = {"patch_size": 16, "pooling_kernel_size": 3}
+"""transformers' ``Gemma4VisionConfig`` defaults, used where a config has no ``vision_config``."""
+
+
+def resized_size(
+    height: int,
+    width: int,
+    *,
+    patch_size: int,
+    max_soft_tokens: int,
+    pooling: int,
+    sample=None,
+    field: str = "image",
+) -> tuple[int, int]:
+    """``(H, W)`` Gemma 4's image processor resizes a ``height x width`` image to: the largest
+    multiples of ``pooling * patch_size`` within ``max_soft_tokens * pooling^2`` patches at the
+    image's aspect ratio; a side that rounds to 0 gets one cell and the other ``floor(ratio)``
+    cells (at most ``max_soft_tokens`` cells). An empty size is a
+    :class:`~prealign.schemas.SampleError` naming ``sample`` and ``field``.
+
+    >>> resized_size(480, 640, patch_size=16, max_soft_tokens=280, pooling=3)
+    (672, 912)
+    """
+    if height < 1 or width < 1:
+        raise SampleError(
+            sample=sample,
+            field=field,
+            expected="an image of at least 1 x 1 px",
+            actual=f"{height} x {width}",
+        )
+    max_patches = max_soft_tokens * pooling**2
+    target = max_patches * patch_size**2
+    factor = math.sqrt(target / (height * width))
+    side = pooling * patch_size
+    h = int(math.floor(factor * height / side)) * side
+    w = int(math.floor(factor * width / side)) * side
+    longest = (max_patches // pooling**2) * side
+    if h == 0 and w == 0:  # pragma: no cover - the budget's area always leaves one side >= a cell
+        raise SampleError(
+            sample=sample,
+            field=field,
+            expected=f"a size that fits one {side}-px cell",
+            actual=f"{height} x {width}",
+        )
+    if h == 0:
+        h, w = side, min(int(math.floor(width / height)) * side, longest)
+    elif w == 0:
+        h, w = min(int(math.floor(height / width)) * side, longest), side
+    if h * w > target:  # pragma: no cover - as above
+        raise SampleError(
+            sample=sample,
+            field=field,
+            expected=f"at most {max_patches} patches",
+            actual=f"{height} x {width} resized to {h} x {w}",
+        )
+    return h, w
+
+
+@dataclass(frozen=True, kw_only=True)
+class Gemma4(VisionFamily):
+    """``model_type`` ``gemma4``: ``image_token_id`` ``<|image|>``, ``video_token_id``
+    ``<|video|>``, ``vision_start_token_id`` / ``vision_end_token_id`` ``<|image>`` / ``<image|>``
+    (``boi`` / ``eoi_token_id``); ``spatial_merge_size`` the pooling kernel ``k``;
+    ``bidirectional``: ``text_config.use_bidirectional_attention == "vision"``."""
+
+    model_types = ("gemma4",)
+    position_kind = "1d"
+    transform = "prealign.loaders.media.gemma4.Gemma4SampleTransform"
+    bidirectional: bool = False
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()
+
+    @classmethod
+    def from_config(cls, config: Any) -> "Gemma4":
+        get = config_getter(config)
+        vision = config_getter(get("vision_config", None) or VISION_DEFAULTS)
+        text = config_getter(get("text_config", None) or {})
+        return cls(
+            model_type=get("model_type"),
+            image_token_id=get("image_token_id"),
+            video_token_id=get("video_token_id"),
+            vision_start_token_id=get("boi_token_id"),
+            vision_end_token_id=get("eoi_token_id"),
+            patch_size=vision("patch_size"),
+            spatial_merge_size=vision("pooling_kernel_size"),
+            temporal_patch_size=1,
+            linear_attention=has_linear_attention(config),
+            bidirectional=text("use_bidirectional_attention") == "vision",
+            sliding_window=text("sliding_window"),
+            layer_types=tuple(text("layer_types") or ()),
+        )
+
+    @property
+    def media_attention(self) -> str:  # the config's, not the class's
+        return "bidirectional" if self.bidirectional else "causal"
+
+    def contract(self, config: Any = None) -> ModelContract:
+        """1-D positions, the image / video blocks where the config asks for them (on the layers
+        the installed transformers gives them), the text config's local layers."""
+        from .contract import gemma4_bidirectional_layers
+
+        return ModelContract(
+            model=self.model_type,
+            position_kind="1d",
+            media_attention=self.media_attention,
+            local_attention=local_attention(
+                {"layer_types": list(self.layer_types)} if config is None else config
+            ),
+            linear_attention=self.linear_attention,
+            bidirectional_layers=gemma4_bidirectional_layers() if self.bidirectional else None,
+        )
+
+    def token_grid(
+        self, height: int, width: int, *, max_soft_tokens: int, sample=None, field: str = "image"
+    ) -> tuple[int, int]:
+        """``(rows, cols)`` of soft tokens of a ``height x width`` image (its header is enough):
+        the resized size (:func:`resized_size`) over ``k * p``."""
+        cell = self.spatial_merge_size * self.patch_size
+        h, w = resized_size(
+            height,
+            width,
+            patch_size=self.patch_size,
+            max_soft_tokens=max_soft_tokens,
+            pooling=self.spatial_merge_size,
+            sample=sample,
+            field=field,
+        )
+        return h // cell, w // cell
+
+    def batch_schema(
+        self,
+        *,
+        pad_token_id: int = 0,
+        topk: int | str | None = None,
+        vocab_size: int | None = None,
+        pixel_dtypes: tuple[str, ...] = ("float32", "bfloat16"),
+    ):
+        """The batch the transform's samples collate to: the token fields (1-D ``position_ids``),
+        ``mm_token_type_ids`` (1 image, 2 video), and as MEDIA what the image processor hands the
+        model: ``pixel_values`` float ``[images, max_patches, 3 p^2]`` (each image's patches,
+        zero-padded to the budget) and ``image_position_ids`` int64 ``[images, max_patches, 2]``
+        (each patch's ``(x, y)``, -1 on padding); teacher top-k when ``topk`` is given."""
+        from prealign.schemas.schema import (
+            BatchSchema,
+            FieldSpec,
+            Role,
+            core_token_fields,
+            topk_fields,
+        )
+
+        fields = (
+            *core_token_fields(pad_token_id, -100, vocab_size),
+            FieldSpec(
+                name="mm_token_type_ids",
+                dtypes=("int64", "int32"),
+                pad_value=0,
+                min_value=0,
+                max_value=2,
+            ),
+            FieldSpec(
+                name="pixel_values",
+                role=Role.MEDIA,
+                dtypes=pixel_dtypes,
+                dense_shape=("max_patches", 3 * self.patch_size**2),
+            ),
+            FieldSpec(
+                name="image_position_ids",
+                role=Role.MEDIA,
+                dtypes=("int64",),
+                dense_shape=("max_patches", 2),
+            ),
+        )
+        if topk is not None:
+            fields += topk_fields(topk, vocab_size)
+        return BatchSchema(
+            name=self.model_type if topk is None else f"{self.model_type}_topk", fields=fields
+        )

@@ -1,0 +1,323 @@
+"""Gemma 4 (issue 32): Gemma4SampleTransform against transformers' ``Gemma4Processor`` on
+``apply_chat_template``'s text (tests/families/gemma4_reference.py) on random conversations and
+images of random sizes: ``input_ids``, ``mm_token_type_ids``, ``pixel_values`` and
+``image_position_ids`` equal, header-only ids equal the full pass, the resize rule equals
+transformers'; a tiny Gemma 4 with bidirectional vision (float64, the vision tower run) gives the
+same logits for a packed THD batch (cp=2, every rank unsharded) as for each sample alone, and the
+image blocks removed, or the other release's layer rule, are caught."""
+
+from __future__ import annotations
+
+import functools
+import io
+import json
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import assume, given
+from hypothesis import strategies as st
+
+from prealign.collate import to_hf_kwargs
+from prealign.collate.vision import Gemma4, model_contract, vision_family
+from prealign.collate.vision.gemma4 import resized_size
+from prealign.loaders.media.gemma4 import Gemma4SampleTransform
+from prealign.loaders.media.vlm import MediaError
+from prealign.schemas import ConfigError
+from prealign.schemas.contract import Consumer, ConsumerUnsupportedError, check_consumer
+from tests.conftest import examples
+from tests.consumers.models import CORRUPT
+from tests.families import gemma4_reference as ref
+from tests.families.packing import packed_batch, worst_gap
+
+transformers = pytest.importorskip("transformers")
+if not hasattr(transformers, "Gemma4ForConditionalGeneration"):
+    pytest.skip("platform: the installed transformers lacks Gemma 4", allow_module_level=True)
+PATCH, POOL, BUDGET, WINDOW = 4, 2, 70, 6
+
+
+def config(bidirectional: str | None = "vision"):
+    tid = ref.tid
+    text = dict(
+        vocab_size=len(ref.tokenizer()),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        global_head_dim=8,
+        max_position_embeddings=1024,
+        sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention"],
+        use_bidirectional_attention=bidirectional,
+        vocab_size_per_layer_input=len(ref.tokenizer()),
+        hidden_size_per_layer_input=8,
+        initializer_range=0.3,
+        pad_token_id=tid("<pad>"),
+        bos_token_id=tid("<bos>"),
+        eos_token_id=tid("<eos>"),
+    )
+    vision = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=16,
+        patch_size=PATCH,
+        pooling_kernel_size=POOL,
+        position_embedding_size=64,
+    )
+    return transformers.Gemma4Config(
+        text_config=text,
+        vision_config=vision,
+        audio_config=None,
+        boi_token_id=tid("<|image>"),
+        eoi_token_id=tid("<image|>"),
+        image_token_id=tid("<|image|>"),
+        video_token_id=tid("<|video|>"),
+        boa_token_id=tid("<|audio>"),
+        eoa_token_index=tid("<audio|>"),
+        audio_token_id=tid("<|audio|>"),
+        initializer_range=0.3,
+        attn_implementation="sdpa",
+    )
+
+
+def transform(budget: int = BUDGET) -> Gemma4SampleTransform:
+    return Gemma4SampleTransform(
+        model_config=config(),
+        tokenizer=ref.tokenizer(),
+        processor=ref.image_processor(PATCH, POOL, budget),
+    )
+
+
+def png(seed: int, lo: int = 4, hi: int = 120) -> bytes:
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    w, h = (int(x) for x in rng.integers(lo, hi, 2))
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (h, w, 3), np.uint8)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def raw_sample(messages, images) -> dict:
+    return {
+        "__key__": "g4",
+        "json": json.dumps({"messages": messages}).encode(),
+        **{f"{i}.png": b for i, b in enumerate(images)},
+    }
+
+
+PIECES = st.sampled_from(
+    ["\n", "\n\n", " ", "a", "b", "hello", "world", ".", "?", " \n", "<image>"]
+)
+TEXT = st.lists(PIECES, max_size=7).map("".join)
+
+
+@pytest.mark.slow
+@given(
+    contents=st.lists(TEXT, min_size=1, max_size=4),
+    roles=st.lists(st.sampled_from(["user", "assistant"]), min_size=4, max_size=4),
+    system=st.sampled_from([None, "system", "developer"]),
+    budget=st.sampled_from([70, 140]),
+    seed=st.integers(0, 99),
+)
+@examples(60)
+def test_ids_types_pixels_and_positions_equal_the_processor(contents, roles, system, budget, seed):
+    messages = [{"role": r, "content": c} for r, c in zip(roles, contents)]
+    if system:
+        messages.insert(0, {"role": system, "content": "\n sys \n"})
+    n = sum(m["content"].count("<image>") for m in messages)
+    assume(n <= 3)
+    images = [png(seed + i) for i in range(n)]
+    t = transform(budget)
+    ours = t(raw_sample(messages, images))
+    want = ref.reference(messages, images, PATCH, POOL, budget)
+    assert ours["input_ids"].tolist() == want["input_ids"][0].tolist()
+    assert ours["mm_token_type_ids"].tolist() == want["mm_token_type_ids"][0].tolist()
+    if n:
+        assert torch.equal(ours["pixel_values"], want["pixel_values"].to(torch.float32))
+        assert torch.equal(ours["image_position_ids"], want["image_position_ids"].long())
+    assert t.header_ids(raw_sample(messages, images))[0].tolist() == ours["input_ids"].tolist()
+    ends = (ours["input_ids"] == ref.tid("<turn|>")) & (ours["loss_mask"] > 0)
+    assert int(ends.sum()) == sum(m["role"] == "assistant" for m in messages)
+
+
+@given(
+    h=st.integers(1, 3000),
+    w=st.integers(1, 3000),
+    patch=st.sampled_from([4, 14, 16]),
+    pool=st.sampled_from([1, 2, 3]),
+    budget=st.sampled_from([70, 140, 280, 560, 1120]),
+)
+@examples(300)
+def test_resize_rule_equals_transformers(h, w, patch, pool, budget):
+    from transformers.models.gemma4.image_processing_pil_gemma4 import (
+        get_aspect_ratio_preserving_size,
+    )
+
+    try:
+        want = get_aspect_ratio_preserving_size(h, w, patch, budget * pool**2, pool)
+    except ValueError:  # transformers refuses it: so do we
+        with pytest.raises(Exception):
+            resized_size(h, w, patch_size=patch, max_soft_tokens=budget, pooling=pool)
+        return
+    assert resized_size(h, w, patch_size=patch, max_soft_tokens=budget, pooling=pool) == want
+
+
+def test_golden_sample():
+    messages = [
+        {"role": "system", "content": " be brief\n"},
+        {"role": "user", "content": "\nlook <image>?"},
+        {"role": "assistant", "content": " <|channel>hm<channel|>a "},
+        {"role": "assistant", "content": "b"},
+    ]
+    t = transform()
+    ours = t(raw_sample(messages, [png(1, 20, 21)]))  # 20 x 20 -> 64 x 64: 8 x 8 soft tokens
+    text = ref.tokenizer().decode(ours["input_ids"].tolist())
+    assert text == (
+        "<bos><|turn>system\nbe brief<turn|>\n<|turn>user\nlook<|image>"
+        + "<|image|>" * 64
+        + "<image|>?<turn|>\n<|turn>model\na<turn|>\nb<turn|>\n"
+    )
+    trained = ref.tokenizer().decode(ours["input_ids"][ours["loss_mask"] > 0].tolist())
+    assert trained == "a<turn|>b<turn|>"
+    assert ours["pixel_values"].shape == (1, BUDGET * POOL**2, 3 * PATCH**2)
+    assert ours["image_position_ids"][0, 255].tolist() == [15, 15]  # the 16 x 16 patches' last
+    assert ours["image_position_ids"][0, 256:].eq(-1).all()
+
+
+def test_bad_samples_are_typed_errors():
+    with pytest.raises(MediaError, match="placeholder"):
+        transform()(raw_sample([{"role": "user", "content": "<image> <image>"}], [png(1)]))
+    with pytest.raises(MediaError, match="system"):
+        transform()(raw_sample([{"role": "system", "content": "<image>"}], [png(1)]))
+    with pytest.raises(MediaError, match="tool"):
+        transform()(raw_sample([{"role": "tool", "content": "x"}], []))
+    with pytest.raises(MediaError, match="unprocessed_video"):
+        transform()(raw_sample([{"role": "user", "content": "<video>"}], []))
+    with pytest.raises(MediaError, match="unprocessed_video"):
+        transform().header_ids(raw_sample([{"role": "user", "content": "<video>"}], []))
+    with pytest.raises(ConfigError, match="gemma4"):
+        Gemma4SampleTransform(model_config=transformers.Qwen2VLConfig(), tokenizer=ref.tokenizer())
+    with pytest.raises(ConfigError, match="pooling_kernel_size"):
+        Gemma4SampleTransform(
+            model_config=config(),
+            tokenizer=ref.tokenizer(),
+            processor=ref.image_processor(PATCH, 3, BUDGET),
+        )
+
+
+def test_the_family_and_its_contract():
+    fam = vision_family(config())
+    assert isinstance(fam, Gemma4) and (fam.patch_size, fam.spatial_merge_size) == (PATCH, POOL)
+    contract = model_contract(config())
+    assert contract.media_attention == "bidirectional" and contract.local_attention == "sliding"
+    assert model_contract(config(None)).media_attention == "causal"
+    with pytest.raises(ConsumerUnsupportedError, match="gemma4"):
+        check_consumer(contract, Consumer.hf("flash_attention_2"))
+    # a config without a vision tower falls back to transformers' vision defaults
+    assert vision_family(transformers.Gemma4Config()).patch_size == 16
+
+
+# ---- in a tiny model --------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def model(bidirectional: str | None = "vision"):
+    torch.manual_seed(0)
+    return (
+        transformers.Gemma4ForConditionalGeneration(config(bidirectional)).to(torch.float64).eval()
+    )
+
+
+CONVERSATIONS = (
+    [{"role": "user", "content": "hello <image> world\n\n"}, {"role": "assistant", "content": "a"}],
+    [{"role": "user", "content": "a b"}, {"role": "assistant", "content": "\n\nhello ."}],
+    [{"role": "user", "content": "<image><image> ? "}, {"role": "assistant", "content": "b"}],
+)
+
+
+@functools.lru_cache(maxsize=None)
+def samples() -> list[dict]:
+    t = transform()
+    return [
+        t(raw_sample(m, [png(7 + i, 6, 40) for i in range(m[0]["content"].count("<image>"))]))
+        for m in CONVERSATIONS
+    ]
+
+
+def alone(sample: dict) -> dict:
+    kw = {
+        "input_ids": sample["input_ids"][None],
+        "mm_token_type_ids": sample["mm_token_type_ids"][None],
+        "use_cache": False,
+    }
+    if sample["pixel_values"].shape[0]:
+        kw["pixel_values"] = sample["pixel_values"].to(torch.float64)
+        kw["image_position_ids"] = sample["image_position_ids"]
+    return kw
+
+
+def packed(bidirectional: str | None = "vision"):
+    schema = vision_family(config(bidirectional)).batch_schema(
+        pad_token_id=ref.tid("<pad>"), vocab_size=len(ref.tokenizer())
+    )
+    rows = [{k: v for k, v in s.items() if k != "__key__"} for s in samples()]
+    batch = packed_batch(schema, rows)
+    kwargs = to_hf_kwargs(
+        batch,
+        attention="mask",
+        model_config=config(bidirectional),
+        mask_dtype=torch.float64,
+        labels=False,
+    )
+    kwargs["pixel_values"] = kwargs["pixel_values"].to(torch.float64)
+    return batch, kwargs
+
+
+@pytest.mark.slow
+def test_packed_logits_equal_each_sample_alone():
+    batch, kwargs = packed()
+    assert set(kwargs) >= {"pixel_values", "image_position_ids", "attention_mask"}
+    from tests.consumers.models import real_slots
+
+    for slots, s in zip(real_slots(batch), samples(), strict=True):  # positions restart
+        assert batch["position_ids"][0, slots].tolist() == list(range(s["input_ids"].numel()))
+    assert worst_gap(model(), kwargs, batch, samples(), alone) < 1e-6
+
+
+@pytest.mark.slow
+def test_the_image_blocks_removed_are_caught():
+    from tests.consumers.test_gemma3 import blockless_masks
+
+    batch, kwargs = packed()
+    kwargs["attention_mask"] = blockless_masks(batch, WINDOW)
+    assert worst_gap(model(), kwargs, batch, samples(), alone) > CORRUPT
+
+
+@pytest.mark.slow
+def test_the_other_releases_layer_rule_is_caught():
+    from prealign.collate.vision.attention import TokenMaskIndex, layer_masks
+
+    batch, kwargs = packed()
+    index = TokenMaskIndex.of(
+        batch["cu_seqlens_padded"], batch["cu_seqlens"], batch["mm_token_type_ids"]
+    )
+    ours = model_contract(config()).bidirectional_layers
+    kwargs["attention_mask"] = layer_masks(
+        index,
+        ["sliding_attention", "full_attention"],
+        bidirectional=True,
+        window=WINDOW,
+        dtype=torch.float64,
+        bidirectional_layers=None if ours else ("sliding_attention",),
+    )
+    assert worst_gap(model(), kwargs, batch, samples(), alone) > CORRUPT
+
+
+@pytest.mark.slow
+def test_a_causal_gemma4_packs_from_its_masks_too():
+    batch, kwargs = packed(None)
+    assert worst_gap(model(None), kwargs, batch, samples(), alone) < 1e-6
