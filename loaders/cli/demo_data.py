@@ -52,6 +52,7 @@ DEMO_MODELS = (
     "qwen3_vl",
     "qwen3_5",
     "gemma3",
+    "gemma4",
     "internvl",
     "glm4v",
     "glm4v_moe",
@@ -179,6 +180,15 @@ def demo_model_config(model: str):
             eoi_token_index=tok.vision_end_token_id,
             image_token_index=tok.image_token_id,
         )
+    if model == "gemma4":  # transformers' vision defaults: 16-px patches pooled 3 x 3
+        return transformers.Gemma4Config(
+            text_config={**text, "use_bidirectional_attention": "vision"},
+            vision_config={"patch_size": 16, "pooling_kernel_size": 3},
+            boi_token_id=tok.vision_start_token_id,
+            eoi_token_id=tok.vision_end_token_id,
+            image_token_id=tok.image_token_id,
+            video_token_id=tok.video_token_id,
+        )
     if (
         model == "llava_onevision"
     ):  # transformers' defaults: 384-px tiles of 14-px patches, 36 pinpoints
@@ -246,6 +256,10 @@ def demo_transform(model: str | None, tok, topk: int | None = None):
         from prealign.loaders.media.gemma3 import Gemma3SampleTransform
 
         return Gemma3SampleTransform(tokenizer=tok, model_config=config, topk=topk)
+    if model == "gemma4":  # <|turn> / <turn|> / <|image> / <image|> / <|image|>: ids 2 to 6
+        from prealign.loaders.media.gemma4 import Gemma4SampleTransform
+
+        return Gemma4SampleTransform(tokenizer=tok, model_config=config, topk=topk)
     if model == "llava_onevision":
         from prealign.loaders.media.llava_onevision import LlavaOnevisionSampleTransform
 

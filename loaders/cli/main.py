@@ -139,6 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
             "qwen3_vl",
             "qwen3_5",
             "gemma3",
+            "gemma4",
             "internvl",
             "glm4v",
             "glm4v_moe",
@@ -251,6 +252,7 @@ def cmd_demo(args) -> int:
         )  # the family's own batch (1-D positions, tiles, ...)
         schema_name = {
             "gemma3": "image_tokens_schema",
+            "gemma4": "Gemma4.batch_schema",
             "internvl": "InternVL.batch_schema",
             "llava_onevision": "LlavaOneVision.batch_schema",
             "mistral3": "Mistral3.batch_schema",

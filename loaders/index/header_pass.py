@@ -65,6 +65,7 @@ from prealign.loaders.index.sidecar import (
 )
 from prealign.loaders.media.chat_tokenizer import encode_segments
 from prealign.loaders.media.gemma3 import Gemma3SampleTransform
+from prealign.loaders.media.gemma4 import Gemma4SampleTransform
 from prealign.loaders.media.idefics3 import Idefics3SampleTransform
 from prealign.loaders.media.llava_onevision import LlavaOnevisionSampleTransform
 from prealign.loaders.media.mistral3 import Mistral3SampleTransform
@@ -309,7 +310,8 @@ class AnyResRule(VLMRule):
 class ImageSizesRule(VLMRule):
     """Transforms whose lengths follow from the text and each image's size
     (:class:`~prealign.loaders.media. mistral3.Mistral3SampleTransform`,
-    :class:`~prealign.loaders.media.idefics3.Idefics3SampleTransform`): ``header_ids(raw, size_of)``
+    :class:`~prealign.loaders.media.idefics3.Idefics3SampleTransform`,
+    :class:`~prealign.loaders.media.gemma4.Gemma4SampleTransform`): ``header_ids(raw, size_of)``
     with each image's header size (and its pixels decoded with ``verify_images``)."""
 
     def __init__(self, transform, schema: BatchSchema, *, verify_images: bool = True):
@@ -457,7 +459,9 @@ def length_rule(source, schema: BatchSchema, *, verify_images: bool = True) -> C
         return ImageTokensRule(transform, schema, verify_images=verify_images)
     if isinstance(transform, LlavaOnevisionSampleTransform):
         return AnyResRule(transform, schema, verify_images=verify_images)
-    if isinstance(transform, (Mistral3SampleTransform, Idefics3SampleTransform)):
+    if isinstance(
+        transform, (Mistral3SampleTransform, Idefics3SampleTransform, Gemma4SampleTransform)
+    ):
         return ImageSizesRule(transform, schema, verify_images=verify_images)
     return None
 

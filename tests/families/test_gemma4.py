@@ -321,3 +321,27 @@ def test_the_other_releases_layer_rule_is_caught():
 def test_a_causal_gemma4_packs_from_its_masks_too():
     batch, kwargs = packed(None)
     assert worst_gap(model(None), kwargs, batch, samples(), alone) < 1e-6
+
+
+# ---- the demo, the header-only index and the CLI ----------------------------------------------
+def test_header_index_equals_the_full_pass(tmp_path):
+    from tests.families.header_index import assert_header_index_equals_full_pass
+
+    assert_header_index_equals_full_pass(tmp_path, "gemma4")
+
+
+@pytest.mark.slow
+def test_demo_command_with_gemma4(tmp_path, capsys):
+    """``prealign demo --model gemma4``: every batch on every CP rank valid against Gemma 4's
+    schema, padded patches and their positions in the media fields."""
+    import re
+
+    from prealign.loaders.cli import main
+
+    args = ["demo", "--model", "gemma4", "--samples", "16", "--out", str(tmp_path / "l.png")]
+    assert main([*args, "--workers", "0", "--token-budget", "4096"]) == 0
+    out = capsys.readouterr().out
+    n = int(out.split("micro-batches  ")[1].split(" ")[0])
+    assert f"{2 * n}/{2 * n} batches valid" in out and "Gemma4.batch_schema" in out
+    assert re.search(r"pixel_values +float32 +\[\d+, 2520, 768\]", out)
+    assert re.search(r"image_position_ids +int64 +\[\d+, 2520, 2\]", out)
