@@ -354,6 +354,7 @@ def model_layer_masks(
         dtype=dtype,
         flex=flex,
         bidirectional_layers=contract.bidirectional_layers,
+        block_over_window=contract.media_over_window,
     )
 
 

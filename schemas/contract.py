@@ -109,6 +109,11 @@ class ModelContract:
     """With bidirectional media: the layer types (``layer_types`` values) whose mask has the image
     blocks; ``None``: every layer (Gemma 3). Gemma 4 in transformers >= 5.17:
     ``("sliding_attention",)``."""
+    media_over_window: bool = False
+    """With bidirectional media and a sliding window: the image block is ORed over the windowed
+    causal mask (``OR(AND(window, causal), block)``: an image token sees its whole image however
+    long; Gemma 4 in transformers 5.6 to 5.16) rather than the window ANDed after it (``False``:
+    ``AND(window, OR(causal, block))``, transformers >= 5.17)."""
 
     def __post_init__(self):
         for name, allowed in (
@@ -152,6 +157,7 @@ class ModelContract:
                 if self.bidirectional_layers
                 else {}
             ),
+            **({"media_over_window": True} if self.media_over_window else {}),
         }
 
 

@@ -85,14 +85,19 @@ class TokenMaskIndex:
         bidirectional: bool,
         window: int | None = None,
         chunk: int | None = None,
+        block_over_window: bool = False,
     ) -> torch.Tensor:
         """The mask predicate on broadcastable slot indices ``q``, ``k`` (what both builders
-        evaluate)."""
+        evaluate). ``block_over_window``: the media block is ORed after the window
+        (``OR(AND(window, causal), block)``, Gemma 4 in transformers 5.6 to 5.16) instead of the
+        window ANDed after the block."""
         ok = (self.seq[q] == self.seq[k]) & (k <= q)
+        if window is not None and block_over_window:
+            ok = ok & (self.pos[k] > self.pos[q] - window)
         if bidirectional:  # block ids are unique in the row: the same block is the same sequence
             ok = ok | (self.block[q] == self.block[k]) & (self.block[q] >= 0)
         ok = ok & ((self.real[k] == 1) | (k == q))
-        if window is not None:
+        if window is not None and not block_over_window:
             ok = ok & (self.pos[k] > self.pos[q] - window)
         if chunk is not None:
             ok = ok & (
@@ -109,13 +114,19 @@ def packed_token_mask(
     window: int | None = None,
     chunk: int | None = None,
     dtype: torch.dtype = torch.bool,
+    block_over_window: bool = False,
 ) -> torch.Tensor:
     """``[1, 1, T, T]``: True (bool) or 0 (floating, else ``finfo(dtype).min``) where query row
     ``q`` may attend key column ``k`` (module docstring). ``O(T^2)`` memory: for eager / sdpa on
     short rows."""
     slots = torch.arange(index.seq.numel())
     allowed = index.allowed(
-        slots[:, None], slots[None, :], bidirectional=bidirectional, window=window, chunk=chunk
+        slots[:, None],
+        slots[None, :],
+        bidirectional=bidirectional,
+        window=window,
+        chunk=chunk,
+        block_over_window=block_over_window,
     )[None, None]
     if dtype == torch.bool:
         return allowed
@@ -132,13 +143,21 @@ def flex_mask_mod(
     bidirectional: bool,
     window: int | None = None,
     chunk: int | None = None,
+    block_over_window: bool = False,
 ):
     """``mask_mod(b, h, q_idx, kv_idx) -> bool tensor`` for flex attention's
     ``create_block_mask(mask_mod, 1, None, T, T)``: the predicate of :func:`packed_token_mask` on
     index tensors."""
 
     def mask_mod(b, h, q_idx, kv_idx):
-        return index.allowed(q_idx, kv_idx, bidirectional=bidirectional, window=window, chunk=chunk)
+        return index.allowed(
+            q_idx,
+            kv_idx,
+            bidirectional=bidirectional,
+            window=window,
+            chunk=chunk,
+            block_over_window=block_over_window,
+        )
 
     return mask_mod
 
@@ -153,13 +172,15 @@ def layer_masks(
     dtype: torch.dtype = torch.bool,
     flex: bool = False,
     bidirectional_layers=None,
+    block_over_window: bool = False,
 ) -> dict:
     """``{layer type: mask}`` for the distinct ``layer_types`` of a transformers text config: what a
     model with per-layer-type masks (Gemma 3, Llama 4, ...) takes as ``attention_mask`` in place of
     the masks it would build. ``sliding_attention`` layers get ``window``, ``chunked_attention``
     layers ``chunk``, others neither; each a :func:`packed_token_mask` (``flex=False``) or a
     :func:`flex_mask_mod` (``flex=True``). ``bidirectional``
-    applies to the layer types in ``bidirectional_layers`` (``None``: all)."""
+    applies to the layer types in ``bidirectional_layers`` (``None``: all); ``block_over_window``:
+    see :meth:`TokenMaskIndex.allowed`."""
     out = {}
     for kind in dict.fromkeys(layer_types or ("full_attention",)):
         local = {
@@ -167,6 +188,7 @@ def layer_masks(
             "chunk": chunk if kind == "chunked_attention" else None,
             "bidirectional": bidirectional
             and (bidirectional_layers is None or kind in bidirectional_layers),
+            "block_over_window": block_over_window,
         }
         out[kind] = (
             flex_mask_mod(index, **local)

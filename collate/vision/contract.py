@@ -46,6 +46,7 @@ def model_contract(model_config: Any) -> ModelContract:
         local_attention=local_attention(model_config),
         linear_attention=has_linear_attention(model_config),
         bidirectional_layers=gemma4_bidirectional_layers() if bidirectional else None,
+        media_over_window=bidirectional and gemma4_block_over_window(),
     )
 
 
@@ -65,3 +66,15 @@ def gemma4_bidirectional_layers() -> tuple[str, ...] | None:
         for name in ("create_masks_for_vision_model", "create_causal_mask_mapping")
     )
     return ("sliding_attention",) if sliding_only else None
+
+
+def gemma4_block_over_window() -> bool:
+    """Whether the installed transformers ORs Gemma 4's image / video blocks over the sliding
+    window (``OR(AND(window, causal), block)``: 5.6's ``create_causal_mask_mapping`` and 5.10's
+    ``block_sequence_ids`` overlay, read in their sources) rather than ANDing the window after them
+    (5.17 and newer: ``create_masks_for_vision_model``)."""
+    try:
+        from transformers.models.gemma4 import modeling_gemma4
+    except ImportError:
+        return False
+    return not hasattr(modeling_gemma4, "create_masks_for_vision_model")

@@ -92,6 +92,7 @@ class Gemma4(VisionFamily):
 
     model_types = ("gemma4",)
     position_kind = "1d"
+    media_attention = "bidirectional"  # what the family may need; contract(): the config's
     transform = "prealign.loaders.media.gemma4.Gemma4SampleTransform"
     bidirectional: bool = False
     sliding_window: int | None = None
@@ -117,24 +118,21 @@ class Gemma4(VisionFamily):
             layer_types=tuple(text("layer_types") or ()),
         )
 
-    @property
-    def media_attention(self) -> str:  # the config's, not the class's
-        return "bidirectional" if self.bidirectional else "causal"
-
     def contract(self, config: Any = None) -> ModelContract:
         """1-D positions, the image / video blocks where the config asks for them (on the layers
         the installed transformers gives them), the text config's local layers."""
-        from .contract import gemma4_bidirectional_layers
+        from .contract import gemma4_bidirectional_layers, gemma4_block_over_window
 
         return ModelContract(
             model=self.model_type,
             position_kind="1d",
-            media_attention=self.media_attention,
+            media_attention="bidirectional" if self.bidirectional else "causal",
             local_attention=local_attention(
                 {"layer_types": list(self.layer_types)} if config is None else config
             ),
             linear_attention=self.linear_attention,
             bidirectional_layers=gemma4_bidirectional_layers() if self.bidirectional else None,
+            media_over_window=self.bidirectional and gemma4_block_over_window(),
         )
 
     def token_grid(

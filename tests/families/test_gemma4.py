@@ -318,6 +318,29 @@ def test_the_other_releases_layer_rule_is_caught():
 
 
 @pytest.mark.slow
+def test_the_other_releases_window_rule_is_caught():
+    """Images longer than the window (64 tokens, window 6): transformers 5.6 / 5.10 OR the block
+    over the windowed causal mask, 5.17+ AND the window after it; the other rule is caught."""
+    from prealign.collate.vision.attention import TokenMaskIndex, layer_masks
+
+    batch, kwargs = packed()
+    index = TokenMaskIndex.of(
+        batch["cu_seqlens_padded"], batch["cu_seqlens"], batch["mm_token_type_ids"]
+    )
+    contract = model_contract(config())
+    kwargs["attention_mask"] = layer_masks(
+        index,
+        ["sliding_attention", "full_attention"],
+        bidirectional=True,
+        window=WINDOW,
+        dtype=torch.float64,
+        bidirectional_layers=contract.bidirectional_layers,
+        block_over_window=not contract.media_over_window,
+    )
+    assert worst_gap(model(), kwargs, batch, samples(), alone) > CORRUPT
+
+
+@pytest.mark.slow
 def test_a_causal_gemma4_packs_from_its_masks_too():
     batch, kwargs = packed(None)
     assert worst_gap(model(None), kwargs, batch, samples(), alone) < 1e-6
@@ -345,3 +368,48 @@ def test_demo_command_with_gemma4(tmp_path, capsys):
     assert f"{2 * n}/{2 * n} batches valid" in out and "Gemma4.batch_schema" in out
     assert re.search(r"pixel_values +float32 +\[\d+, 2520, 768\]", out)
     assert re.search(r"image_position_ids +int64 +\[\d+, 2520, 2\]", out)
+
+
+@pytest.mark.slow
+def test_inspect_and_index_with_the_model_config(tmp_path, capsys):
+    """``prealign inspect`` / ``prealign index --model-config`` of a Gemma 4 folder (its config
+    and image processor, a budget of 70 soft tokens): Gemma4SampleTransform with that budget and
+    its batch schema; the sidecars give every sample the full pass's length. No teacher top-k:
+    the demo's rows follow the default budget of 280."""
+    from argparse import Namespace
+
+    from prealign.loaders import BadDataPolicy, WebDatasetSource, build_index
+    from prealign.loaders.cli import main
+    from prealign.loaders.cli.demo_data import build_demo_dataset, demo_model_config
+    from prealign.loaders.cli.index_cmd import transform_schema, vlm_transform
+
+    ds = build_demo_dataset(
+        str(tmp_path), num_samples=12, samples_per_shard=6, topk=4, model="gemma4"
+    )
+    folder = str(tmp_path / "model")
+    demo_model_config("gemma4").save_pretrained(folder)
+    ref.image_processor(16, 3, 70).save_pretrained(folder)
+    common = ["--model-config", folder, "--processor", folder, "--topk", "0"]
+    args = ["inspect", *ds.shards, *common, "--workers", "0", "--out", str(tmp_path / "i.png")]
+    assert main(args) == 0
+    said = capsys.readouterr()
+    out = said.out + said.err
+    n = int(out.split("validated")[1].split("/")[0])
+    assert n > 0 and f"{n}/{n} batches valid (schema gemma4 " in out and "(gemma4)" in out
+    out_dir = str(tmp_path / "index")
+    assert main(["index", *ds.shards, *common, "--out", out_dir]) == 0
+    t, _ = vlm_transform(Namespace(model_config=folder, tokenizer=None, processor=folder), None)
+    assert isinstance(t, Gemma4SampleTransform) and t.max_soft_tokens == 70
+    schema, policy = transform_schema(t, None), BadDataPolicy(on_error="skip")
+    full = build_index(
+        WebDatasetSource(list(ds.shards), transform=t, image="bytes", sidecars=False),
+        schema,
+        policy=policy,
+    )
+    side = build_index(
+        WebDatasetSource(list(ds.shards), transform=t, image="bytes", index_dir=out_dir),
+        schema,
+        policy=policy,
+    )
+    assert len(full) == len(side) == 12 - len(ds.bad)
+    assert full.lengths.tolist() == side.lengths.tolist()

@@ -249,6 +249,7 @@ def test_qwen3_5_default_layers_are_linear_attention_and_others_are_refused():
         vision_family(transformers.LlavaConfig())
     assert set(SUPPORTED_MODEL_TYPES) == set(FAMILY_TYPES) | {
         "gemma3",
+        "gemma4",
         "internvl",
         "glm4v",
         "glm4v_moe",
