@@ -15,7 +15,11 @@ import re
 
 import transformers
 
+from prealign.loaders.media.gemma4 import Gemma4SampleTransform
 from tests.families.bpe import byte_bpe_tokenizer
+
+PATCH, POOL, BUDGET, WINDOW = 4, 2, 70, 6
+"""The tests' vision tower (4-px patches pooled 2 x 2), soft-token budget and sliding window."""
 
 SPECIALS = [
     "<pad>",
@@ -104,6 +108,65 @@ def hf_processor(patch: int, pooling: int, budget: int):
         tokenizer=tokenizer(),
         video_processor=None,
         chat_template=TEMPLATE,
+    )
+
+
+def config(bidirectional: str | None = "vision"):
+    """A tiny ``Gemma4Config`` on :func:`tokenizer`'s ids (bidirectional vision unless
+    ``bidirectional`` is ``None``), sdpa attention."""
+    text = dict(
+        vocab_size=len(tokenizer()),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        global_head_dim=8,
+        max_position_embeddings=1024,
+        sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention"],
+        use_bidirectional_attention=bidirectional,
+        vocab_size_per_layer_input=len(tokenizer()),
+        hidden_size_per_layer_input=8,
+        initializer_range=0.3,
+        pad_token_id=tid("<pad>"),
+        bos_token_id=tid("<bos>"),
+        eos_token_id=tid("<eos>"),
+    )
+    vision = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=16,
+        patch_size=PATCH,
+        pooling_kernel_size=POOL,
+        position_embedding_size=64,
+    )
+    return transformers.Gemma4Config(
+        text_config=text,
+        vision_config=vision,
+        audio_config=None,
+        boi_token_id=tid("<|image>"),
+        eoi_token_id=tid("<image|>"),
+        image_token_id=tid("<|image|>"),
+        video_token_id=tid("<|video|>"),
+        boa_token_id=tid("<|audio>"),
+        eoa_token_index=tid("<audio|>"),
+        audio_token_id=tid("<|audio|>"),
+        initializer_range=0.3,
+        attn_implementation="sdpa",
+    )
+
+
+def transform(budget: int = BUDGET) -> Gemma4SampleTransform:
+    """prealign's transform on :func:`config` with the image processor of ``budget``."""
+    return Gemma4SampleTransform(
+        model_config=config(),
+        tokenizer=tokenizer(),
+        processor=image_processor(PATCH, POOL, budget),
     )
 
 

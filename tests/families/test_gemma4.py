@@ -33,64 +33,8 @@ from tests.families.packing import packed_batch, worst_gap
 transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "Gemma4ForConditionalGeneration"):
     pytest.skip("platform: the installed transformers lacks Gemma 4", allow_module_level=True)
-PATCH, POOL, BUDGET, WINDOW = 4, 2, 70, 6
-
-
-def config(bidirectional: str | None = "vision"):
-    tid = ref.tid
-    text = dict(
-        vocab_size=len(ref.tokenizer()),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        global_head_dim=8,
-        max_position_embeddings=1024,
-        sliding_window=WINDOW,
-        layer_types=["sliding_attention", "full_attention"],
-        use_bidirectional_attention=bidirectional,
-        vocab_size_per_layer_input=len(ref.tokenizer()),
-        hidden_size_per_layer_input=8,
-        initializer_range=0.3,
-        pad_token_id=tid("<pad>"),
-        bos_token_id=tid("<bos>"),
-        eos_token_id=tid("<eos>"),
-    )
-    vision = dict(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        head_dim=16,
-        patch_size=PATCH,
-        pooling_kernel_size=POOL,
-        position_embedding_size=64,
-    )
-    return transformers.Gemma4Config(
-        text_config=text,
-        vision_config=vision,
-        audio_config=None,
-        boi_token_id=tid("<|image>"),
-        eoi_token_id=tid("<image|>"),
-        image_token_id=tid("<|image|>"),
-        video_token_id=tid("<|video|>"),
-        boa_token_id=tid("<|audio>"),
-        eoa_token_index=tid("<audio|>"),
-        audio_token_id=tid("<|audio|>"),
-        initializer_range=0.3,
-        attn_implementation="sdpa",
-    )
-
-
-def transform(budget: int = BUDGET) -> Gemma4SampleTransform:
-    return Gemma4SampleTransform(
-        model_config=config(),
-        tokenizer=ref.tokenizer(),
-        processor=ref.image_processor(PATCH, POOL, budget),
-    )
+PATCH, POOL, BUDGET, WINDOW = ref.PATCH, ref.POOL, ref.BUDGET, ref.WINDOW
+config, transform = ref.config, ref.transform
 
 
 def png(seed: int, lo: int = 4, hi: int = 120) -> bytes:

@@ -3,7 +3,7 @@ and end with newlines and spaces (or are empty), with 0-2 images opening the fir
 prealign's ``input_ids`` equal transformers' processor on ``apply_chat_template``'s text. Each
 family's tokenizer merges runs of newlines (Qwen's pre-tokenizer rule), so a content's leading
 ``"\\n"`` is one token with the role header's where the template's string has them side by side;
-Gemma 3's template trims instead.
+Gemma 3's and Gemma 4's templates trim instead.
 
 Each family reuses its own test's reference builders (tokenizer, processor, chat template);
 InternVL's own test tokenizes one character per token (merging nothing), so a merging tokenizer with
@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from prealign.loaders.media.chat_tokenizer import HFChatTokenizer
 from prealign.loaders.media.vlm import VLMSampleTransform
 from tests.conftest import examples
+from tests.families import gemma4_reference as g4_ref
 from tests.families import internvl_reference as iv
 from tests.families import llava_onevision_reference as lo_ref
 from tests.families import test_llava_onevision_transform as lo
@@ -109,6 +110,12 @@ def gemma3(messages, images):
     return ours["input_ids"].tolist(), g.reference(messages, images)["input_ids"][0].tolist()
 
 
+def gemma4(messages, images):
+    ours = g4_ref.transform()(raw(messages, images))
+    want = g4_ref.reference(messages, images, g4_ref.PATCH, g4_ref.POOL, g4_ref.BUDGET)
+    return ours["input_ids"].tolist(), want["input_ids"][0].tolist()
+
+
 @functools.lru_cache(maxsize=None)
 def internvl_tokenizer():
     """A byte-level BPE with InternVL's special tokens, trained here on newline-heavy text with
@@ -188,6 +195,7 @@ def llava_onevision(messages, images):
 FAMILIES = {
     **{f: functools.partial(qwen, f) for f in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5")},
     "gemma3": gemma3,
+    "gemma4": gemma4,
     "internvl": internvl,
     "llava_onevision": llava_onevision,
 }
