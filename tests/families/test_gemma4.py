@@ -357,3 +357,42 @@ def test_inspect_and_index_with_the_model_config(tmp_path, capsys):
     )
     assert len(full) == len(side) == 12 - len(ds.bad)
     assert full.lengths.tolist() == side.lengths.tolist()
+
+
+def test_the_flex_description_equals_the_dense_masks():
+    from torch.nn.attention.flex_attention import create_mask
+
+    from prealign.collate.hf import model_layer_masks
+
+    batch, _ = packed()
+    mods = model_layer_masks(batch, config(), flex=True)
+    dense = model_layer_masks(batch, config())
+    T = batch["input_ids"].shape[1]
+    for kind, mod in mods.items():
+        assert torch.equal(create_mask(mod, 1, 1, T, T, device="cpu"), dense[kind])
+
+
+def test_the_window_rules_golden():
+    """One sequence of 5 slots, an image at slots 1-3, window 2: ORed over the window (5.6, 5.10)
+    the image's last token still sees its first; ANDed after it (5.17+) it does not."""
+    from prealign.collate.vision.attention import TokenMaskIndex, packed_token_mask
+
+    index = TokenMaskIndex.of(
+        torch.tensor([0, 5]), torch.tensor([0, 5]), torch.tensor([0, 1, 1, 1, 0])
+    )
+    over = packed_token_mask(index, bidirectional=True, window=2, block_over_window=True)
+    after = packed_token_mask(index, bidirectional=True, window=2)
+    assert over[0, 0].int().tolist() == [
+        [1, 0, 0, 0, 0],
+        [1, 1, 1, 1, 0],
+        [0, 1, 1, 1, 0],
+        [0, 1, 1, 1, 0],
+        [0, 0, 0, 1, 1],
+    ]
+    assert after[0, 0].int().tolist() == [
+        [1, 0, 0, 0, 0],
+        [1, 1, 1, 1, 0],
+        [0, 1, 1, 1, 0],
+        [0, 0, 1, 1, 0],
+        [0, 0, 0, 1, 1],
+    ]
