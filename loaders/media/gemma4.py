@@ -190,14 +190,7 @@ class Gemma4SampleTransform(SizedImagesTransform):
                 content(turn["content"], reply, strip_thinking if reply else str.strip)
                 segments += [([tok.im_end_id], reply), ("\n", False)]
                 previous = role
-        if seen != len(grids):
-            raise MediaError(
-                MediaProblem.PLACEHOLDER_MISMATCH,
-                sample=sample,
-                field="json",
-                expected=f"{len(grids)} '{IMAGE_PLACEHOLDER}' placeholders (one per image)",
-                actual=f"{seen}",
-            )
+        self.check_placeholders(seen, len(grids), sample=sample)
         return segments
 
     def _system(self, text: str, segments: list, sample) -> None:

@@ -119,6 +119,19 @@ class SizedImagesTransform:
                 )
         return turns
 
+    @staticmethod
+    def check_placeholders(seen: int, images: int, *, sample) -> None:
+        """A :class:`MediaError` (``placeholder_mismatch``) naming ``sample`` unless the text's
+        ``seen`` ``<image>`` placeholders are one per image."""
+        if seen != images:
+            raise MediaError(
+                MediaProblem.PLACEHOLDER_MISMATCH,
+                sample=sample,
+                field="json",
+                expected=f"{images} '{IMAGE_PLACEHOLDER}' placeholders (one per image)",
+                actual=f"{seen}",
+            )
+
     def header_ids(self, raw: dict, size_of=None) -> tuple[np.ndarray, np.ndarray]:
         """(``input_ids``, ``loss_mask``) without decoding an image: each image's ``(width,
         height)`` from ``size_of(name, value)`` (default: its header) is all the length depends on
