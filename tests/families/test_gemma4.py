@@ -132,6 +132,10 @@ def test_golden_sample():
     assert ours["pixel_values"].shape == (1, BUDGET * POOL**2, 3 * PATCH**2)
     assert ours["image_position_ids"][0, 255].tolist() == [15, 15]  # the 16 x 16 patches' last
     assert ours["image_position_ids"][0, 256:].eq(-1).all()
+    import pickle  # the transform goes to loader workers
+
+    again = pickle.loads(pickle.dumps(t))(raw_sample(messages, [png(1, 20, 21)]))
+    assert torch.equal(again["input_ids"], ours["input_ids"])
 
 
 def test_bad_samples_are_typed_errors():
