@@ -222,9 +222,10 @@ class Gemma4SampleTransform(SizedImagesTransform):
             raise MediaError(
                 MediaProblem.UNPROCESSED_VIDEO,
                 sample=key,
-                field="videos",
-                expected="images only: Gemma4SampleTransform has no video rules",
-                actual=str(exc).split("got ")[-1][:80],
+                field=exc.field,
+                expected="images only: Gemma4SampleTransform has no video rules (transformers' "
+                "Gemma 4 video processor needs torchvision)",
+                actual=exc.actual,
             ) from None
 
     def index_key(self) -> str:
