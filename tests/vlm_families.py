@@ -9,9 +9,14 @@ import functools
 import torch
 
 from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
+from tests.consumers.models import (
+    INIT,
+    seeded_model,
+    tiny_qwen_vision_config,
+    tiny_text_config,
+)
 
 TOK = ByteTokenizer()
-INIT = 0.3
 FAMILY_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
 TIMESTAMPED = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
 
@@ -21,29 +26,14 @@ def tiny_config(model_type: str, *, attn: str = "sdpa", tokens_per_second: int =
     that the pure-torch path can pack), the demo tokenizer's special ids."""
     import transformers
 
-    text = dict(
-        vocab_size=TOK.vocab_size,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+    text = tiny_text_config(
+        TOK.vocab_size,
         head_dim=8,
-        max_position_embeddings=4096,
-        initializer_range=INIT,
         bos_token_id=TOK.eos_token_id,
         eos_token_id=TOK.eos_token_id,
         pad_token_id=TOK.pad_token_id,
     )
-    vision = dict(
-        depth=1,
-        hidden_size=32,
-        num_heads=2,
-        spatial_merge_size=2,
-        temporal_patch_size=2,
-        in_channels=3,
-        initializer_range=INIT,
-    )
+    vision = tiny_qwen_vision_config(in_channels=3)
     ids = dict(
         image_token_id=TOK.image_token_id,
         video_token_id=TOK.video_token_id,
@@ -116,7 +106,6 @@ def tiny_model(model_type: str, *, attn: str = "sdpa", dtype: torch.dtype = torc
     """``*ForConditionalGeneration`` of :func:`tiny_config`, seed 0, eval mode."""
     import transformers
 
-    torch.manual_seed(0)
     name = {
         "qwen2_vl": "Qwen2VL",
         "qwen2_5_vl": "Qwen2_5_VL",
@@ -125,10 +114,8 @@ def tiny_model(model_type: str, *, attn: str = "sdpa", dtype: torch.dtype = torc
         "qwen3_5": "Qwen3_5",
         "qwen3_5_moe": "Qwen3_5Moe",
     }[model_type]
-    model = getattr(transformers, f"{name}ForConditionalGeneration")(
-        tiny_config(model_type, attn=attn)
-    )
-    return model.to(dtype).eval()
+    cls = getattr(transformers, f"{name}ForConditionalGeneration")
+    return seeded_model(cls, tiny_config(model_type, attn=attn), dtype)
 
 
 def vision_sample(model_type: str, segments: list, *, text_id: int = 9) -> dict:

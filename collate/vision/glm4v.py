@@ -27,7 +27,8 @@ import torch
 
 from prealign.schemas.errors import ConfigError, PackingUnsupportedError, SampleError
 
-from .grids import VisionGeometry
+from .common import config_readers
+from .grids import VisionGeometry, check_aspect_ratio
 from .qwen3_vl import Qwen3VL
 
 
@@ -64,13 +65,7 @@ def glm4v_resize(
     if height < factor or width < factor:
         scale = max(factor / height, factor / width)
         height, width = int(height * scale), int(width * scale)
-    if max(height, width) / min(height, width) > 200:
-        raise SampleError(
-            sample=sample,
-            field=field,
-            expected="an aspect ratio of at most 200",
-            actual=f"{width}x{height}",
-        )
+    check_aspect_ratio(height, width, sample=sample, field=field)
     h_bar, w_bar = round(height / factor) * factor, round(width / factor) * factor
     t_bar = round(frames / tp) * tp
     if t_bar * h_bar * w_bar > geometry.max_pixels:
@@ -145,9 +140,7 @@ class Glm4V(Qwen3VL):
 
     @classmethod
     def from_config(cls, config) -> "Glm4V":
-        get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
-        vision = get("vision_config", {}) or {}
-        vget = vision.get if isinstance(vision, dict) else lambda k, d=None: getattr(vision, k, d)
+        get, vget = config_readers(config)
         values = dict(
             model_type=get("model_type"),
             image_token_id=get("image_token_id"),

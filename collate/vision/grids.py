@@ -136,11 +136,18 @@ def video_grid(
     return -(-frames // tp), h_bar // geometry.patch_size, w_bar // geometry.patch_size
 
 
-def _check_size(height: int, width: int, sample, field: str) -> None:
+def check_pixels(height: int, width: int, *, sample=None, field: str = "image") -> None:
+    """A :class:`SampleError` naming ``sample`` and ``field`` for an image of no pixels (every
+    family's first check of a size)."""
     if min(height, width) < 1:
         raise SampleError(
             sample=sample, field=field, expected="at least 1x1 pixels", actual=f"{width}x{height}"
         )
+
+
+def check_aspect_ratio(height: int, width: int, *, sample=None, field: str = "image") -> None:
+    """A :class:`SampleError` for a side over 200 times the other (what Qwen's and GLM's processors
+    refuse)."""
     if max(height, width) / min(height, width) > 200:
         raise SampleError(
             sample=sample,
@@ -148,6 +155,11 @@ def _check_size(height: int, width: int, sample, field: str) -> None:
             expected="an aspect ratio of at most 200",
             actual=f"{width}x{height}",
         )
+
+
+def _check_size(height: int, width: int, sample, field: str) -> None:
+    check_pixels(height, width, sample=sample, field=field)
+    check_aspect_ratio(height, width, sample=sample, field=field)
 
 
 def _resize(height: int, width: int, factor: int, geometry: VisionGeometry) -> tuple[int, int]:

@@ -23,9 +23,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from prealign.schemas.errors import ConfigError, SampleError
+from prealign.schemas.errors import ConfigError
 
-from .family import VisionFamily, config_getter
+from .common import (
+    OneDimFamily,
+    check_positive_ints,
+    config_readers,
+    int64_field,
+    tiles_field,
+)
+from .grids import check_pixels
 
 MAX_IMAGE_SIZE = 4096
 """transformers' cap on a resized side (Idefics3's ``MAX_IMAGE_SIZE``)."""
@@ -75,7 +82,7 @@ def tile_grid(height: int, width: int, longest_edge: int, tile: int) -> tuple[in
 
 
 @dataclass(frozen=True, kw_only=True)
-class Idefics3(VisionFamily):
+class Idefics3(OneDimFamily):
     """``model_type`` ``idefics3`` / ``smolvlm``: ``image_token_id`` (``<image>``), the tile size
     and patch size (``vision_config``), ``scale_factor`` (the pixel shuffle: ``spatial_merge_size``)
     from the config; ``<fake_token_around_image>``, ``<global-img>`` and ``<row_r_col_c>`` are the
@@ -97,8 +104,7 @@ class Idefics3(VisionFamily):
 
     @classmethod
     def from_config(cls, config) -> "Idefics3":
-        get = config_getter(config)
-        vision = config_getter(get("vision_config", {}) or {})
+        get, vision = config_readers(config)
         size, patch, scale = vision("image_size"), vision("patch_size"), get("scale_factor")
         if get("image_token_id") is None or None in (size, patch, scale):
             raise ConfigError(
@@ -116,20 +122,10 @@ class Idefics3(VisionFamily):
         )
 
     def __post_init__(self):
-        for name in (
-            "image_token_id",
-            "patch_size",
-            "spatial_merge_size",
-            "tile_size",
-            "longest_edge",
-        ):
-            value = getattr(self, name)
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, int)
-                or value < 1 - (name == "image_token_id")
-            ):
-                raise ConfigError(f"Idefics3.{name}: expected a positive int, got {value!r}")
+        check_positive_ints(
+            self,
+            ("image_token_id", "patch_size", "spatial_merge_size", "tile_size", "longest_edge"),
+        )
 
     @property
     def image_seq_len(self) -> int:
@@ -146,53 +142,16 @@ class Idefics3(VisionFamily):
         ...          temporal_patch_size=1).rows_cols(300, 700)
         (2, 4)
         """
-        if min(height, width) < 1:
-            raise SampleError(
-                sample=sample,
-                field=field,
-                expected="at least 1x1 pixels",
-                actual=f"{width}x{height}",
-            )
+        check_pixels(height, width, sample=sample, field=field)
         if not self.split:
             return 0, 0
         return tile_grid(height, width, self.longest_edge, self.tile_size)
 
-    def batch_schema(
-        self,
-        *,
-        pad_token_id: int = 0,
-        topk: int | str | None = None,
-        vocab_size: int | None = None,
-        pixel_dtypes: tuple[str, ...] = ("float32", "bfloat16"),
-    ):
-        """The batch the transform's samples collate to: the token fields (1-D ``position_ids``),
-        ``mm_token_type_ids`` (1 on ``<image>``), ``pixel_values`` ``[tiles, 3, S, S]`` and
-        ``image_rows_cols`` int64 ``[images, 2]`` (MEDIA), teacher top-k when ``topk`` is given."""
-        from prealign.schemas.schema import (
-            BatchSchema,
-            FieldSpec,
-            Role,
-            core_token_fields,
-            topk_fields,
-        )
-
-        s = self.tile_size
-        fields = (
-            *core_token_fields(pad_token_id, -100, vocab_size),
-            FieldSpec(
-                name="mm_token_type_ids",
-                dtypes=("int64", "int32"),
-                pad_value=0,
-                min_value=0,
-                max_value=1,
-            ),
-            FieldSpec(
-                name="pixel_values", role=Role.MEDIA, dtypes=pixel_dtypes, dense_shape=(3, s, s)
-            ),
-            FieldSpec(name="image_rows_cols", role=Role.MEDIA, dtypes=("int64",), dense_shape=(2,)),
-        )
-        if topk is not None:
-            fields += topk_fields(topk, vocab_size)
-        return BatchSchema(
-            name=self.model_type if topk is None else f"{self.model_type}_topk", fields=fields
+    def media_fields(self, pixel_dtypes: tuple[str, ...]) -> tuple:
+        """``pixel_values`` ``[tiles, 3, S, S]`` (each image's tiles row by row, then its global
+        view) and ``image_rows_cols`` int64 ``[images, 2]``; ``mm_token_type_ids`` is 1 on
+        ``<image>``."""
+        return (
+            tiles_field("pixel_values", pixel_dtypes, self.tile_size),
+            int64_field("image_rows_cols", pairs=True),
         )

@@ -15,9 +15,16 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from prealign.schemas.errors import ConfigError, SampleError
+from prealign.schemas.errors import ConfigError
 
-from .family import VisionFamily
+from .common import (
+    OneDimFamily,
+    check_positive_ints,
+    config_readers,
+    int64_field,
+    tiles_field,
+)
+from .grids import check_pixels
 
 
 @functools.lru_cache(maxsize=16)
@@ -60,7 +67,7 @@ def tile_canvas(
 
 
 @dataclass(frozen=True, kw_only=True)
-class InternVL(VisionFamily):
+class InternVL(OneDimFamily):
     """``model_type`` ``internvl``: ``image_token_id`` (``<IMG_CONTEXT>``), ``image_seq_length`` and
     the tile size from the config; ``<img>`` / ``</img>`` are the tokenizer's
     (``vision_start/end_token_id`` stay ``None`` until a transform sets them from its tokenizer).
@@ -72,6 +79,7 @@ class InternVL(VisionFamily):
     position_kind = "1d"
     media_attention = "causal"
     local_attention = None
+    schema_name = "internvl"
 
     video_token_id: int | None = None
     vision_start_token_id: int | None = None
@@ -84,8 +92,7 @@ class InternVL(VisionFamily):
 
     @classmethod
     def from_config(cls, config) -> "InternVL":
-        get = _reader(config)
-        vision = _reader(get("vision_config", {}) or {})
+        get, vision = config_readers(config)
         size, patch = vision("image_size", 448), vision("patch_size", 14)
         size = size[0] if isinstance(size, (list, tuple)) else size
         patch = patch[0] if isinstance(patch, (list, tuple)) else patch
@@ -106,22 +113,18 @@ class InternVL(VisionFamily):
         )
 
     def __post_init__(self):
-        for name in (
-            "image_token_id",
-            "patch_size",
-            "spatial_merge_size",
-            "image_seq_length",
-            "tile_size",
-            "min_tiles",
-            "max_tiles",
-        ):
-            value = getattr(self, name)
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, int)
-                or value < 1 - (name == "image_token_id")
-            ):
-                raise ConfigError(f"InternVL.{name}: expected a positive int, got {value!r}")
+        check_positive_ints(
+            self,
+            (
+                "image_token_id",
+                "patch_size",
+                "spatial_merge_size",
+                "image_seq_length",
+                "tile_size",
+                "min_tiles",
+                "max_tiles",
+            ),
+        )
         if self.min_tiles > self.max_tiles:
             raise ConfigError(
                 f"InternVL: expected min_tiles <= max_tiles, got {self.min_tiles} > "
@@ -137,13 +140,7 @@ class InternVL(VisionFamily):
         >>> fam.tiles(300, 700), fam.tiles(448, 448), fam.image_tokens(300, 700)
         (11, 1, 2816)
         """
-        if min(height, width) < 1:
-            raise SampleError(
-                sample=sample,
-                field=field,
-                expected="at least 1x1 pixels",
-                actual=f"{width}x{height}",
-            )
+        check_pixels(height, width, sample=sample, field=field)
         if not self.crop_to_patches or self.max_tiles <= 1:
             return 1
         columns, rows = tile_canvas(
@@ -156,55 +153,15 @@ class InternVL(VisionFamily):
         ``</img>`` not counted)."""
         return self.image_seq_length * self.tiles(height, width, sample=sample, field=field)
 
-    def batch_schema(
-        self,
-        *,
-        pad_token_id: int = 0,
-        topk: int | str | None = None,
-        vocab_size: int | None = None,
-        pixel_dtypes: tuple[str, ...] = ("float32", "bfloat16"),
-    ):
-        """The batch an InternVL transform's samples collate to: the token fields (no
-        ``mrope_position_ids``: 1-D ``position_ids``), ``mm_token_type_ids`` (0 text, 1 image),
-        ``pixel_values`` ``[tiles, 3, s, s]`` and
-        ``image_num_patches`` int64 ``[blocks]`` (MEDIA), teacher top-k when ``topk`` is given."""
-        from prealign.schemas.schema import (
-            BatchSchema,
-            FieldSpec,
-            Role,
-            core_token_fields,
-            topk_fields,
+    def media_fields(self, pixel_dtypes: tuple[str, ...]) -> tuple:
+        """``pixel_values`` ``[tiles, 3, s, s]`` and ``image_num_patches`` int64 ``[blocks]``;
+        ``mm_token_type_ids`` is 1 on ``<IMG_CONTEXT>``."""
+        return (
+            tiles_field("pixel_values", pixel_dtypes, self.tile_size),
+            int64_field("image_num_patches"),
         )
-
-        fields = (
-            *core_token_fields(pad_token_id, -100, vocab_size),
-            FieldSpec(
-                name="mm_token_type_ids",
-                dtypes=("int64", "int32"),
-                pad_value=0,
-                min_value=0,
-                max_value=1,
-            ),
-            FieldSpec(
-                name="pixel_values",
-                role=Role.MEDIA,
-                dtypes=pixel_dtypes,
-                dense_shape=(3, self.tile_size, self.tile_size),
-            ),
-            FieldSpec(name="image_num_patches", role=Role.MEDIA, dtypes=("int64",)),
-        )
-        if topk is not None:
-            fields += topk_fields(topk, vocab_size)
-        return BatchSchema(name="internvl" if topk is None else "internvl_topk", fields=fields)
 
     def frame_text(self, index: int) -> str:
         """The text before frame ``index`` (from 0) of a video, as the InternVL processor writes
         it."""
         return f"Frame{index + 1}: "
-
-
-def _reader(obj):
-    """``get(key, default)`` over a config object or its dict."""
-    if isinstance(obj, dict):
-        return lambda key, default=None: obj.get(key, default)
-    return lambda key, default=None: getattr(obj, key, default)

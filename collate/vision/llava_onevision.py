@@ -16,9 +16,10 @@ import functools
 import math
 from dataclasses import dataclass
 
-from prealign.schemas.errors import ConfigError, SampleError
+from prealign.schemas.errors import ConfigError
 
-from .family import VisionFamily
+from .common import OneDimFamily, config_readers, int64_field, tiles_field
+from .grids import check_pixels
 
 
 def best_resolution(
@@ -42,7 +43,7 @@ def best_resolution(
 
 
 @dataclass(frozen=True, kw_only=True)
-class LlavaOneVision(VisionFamily):
+class LlavaOneVision(OneDimFamily):
     """``model_type`` ``llava_onevision``: ``image_token_index`` / ``video_token_index``, the
     pinpoints, the feature strategy and ``vision_aspect_ratio`` from the config; 384-px tiles of
     14-px patches by default."""
@@ -51,6 +52,8 @@ class LlavaOneVision(VisionFamily):
     position_kind = "1d"
     media_attention = "causal"
     local_attention = None
+    schema_name = "llava_onevision"
+    max_token_type = 2
     transform = "prealign.loaders.media.llava_onevision.LlavaOnevisionSampleTransform"
 
     vision_start_token_id: int | None = None
@@ -63,9 +66,7 @@ class LlavaOneVision(VisionFamily):
 
     @classmethod
     def from_config(cls, config) -> "LlavaOneVision":
-        get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
-        vision = get("vision_config", {}) or {}
-        vget = vision.get if isinstance(vision, dict) else lambda k, d=None: getattr(vision, k, d)
+        get, vget = config_readers(config)
         image = get("image_token_id", get("image_token_index"))
         video = get("video_token_id", get("video_token_index"))
         ratio = str(get("vision_aspect_ratio", "anyres_max_9"))
@@ -145,13 +146,7 @@ class LlavaOneVision(VisionFamily):
         >>> fam.image_tokens(300, 700), fam.image_tokens(300, 700, images_in_sample=2)
         (1994, 730)
         """
-        if min(height, width) < 1:
-            raise SampleError(
-                sample=sample,
-                field=field,
-                expected="at least 1x1 pixels",
-                actual=f"{width}x{height}",
-            )
+        check_pixels(height, width, sample=sample, field=field)
         if images_in_sample != 1:
             return self.base_tokens + 1 - self.drop_first
         return (
@@ -161,58 +156,18 @@ class LlavaOneVision(VisionFamily):
             - self.drop_first
         )
 
-    def batch_schema(
-        self,
-        *,
-        pad_token_id: int = 0,
-        topk: int | str | None = None,
-        vocab_size: int | None = None,
-        pixel_dtypes: tuple[str, ...] = ("float32", "bfloat16"),
-    ):
-        """The batch a LLaVA-OneVision transform's samples collate to: the token fields (1-D
-        ``position_ids``), ``mm_token_type_ids`` (0 text, 1 image, 2 video), and MEDIA fields
-        concatenated over the batch: ``pixel_values_videos`` ``[frames, 3, s, s]`` with
+    def media_fields(self, pixel_dtypes: tuple[str, ...]) -> tuple:
+        """Concatenated over the batch: ``pixel_values_videos`` ``[frames, 3, s, s]`` with
         ``video_num_frames`` int64 ``[videos]``, ``pixel_values`` ``[tiles, 3, s, s]`` (each image's
         base view then its AnyRes tiles), ``image_sizes`` int64 ``[images, 2]`` (height, width as
-        decoded) and ``batch_num_images`` int64 ``[samples with images]`` (images per sample:
-        the model tiles only an image alone in its sample); teacher top-k when ``topk`` is given."""
-        from prealign.schemas.schema import (
-            BatchSchema,
-            FieldSpec,
-            Role,
-            core_token_fields,
-            topk_fields,
-        )
-
-        fields = (
-            *core_token_fields(pad_token_id, -100, vocab_size),
-            FieldSpec(
-                name="mm_token_type_ids",
-                dtypes=("int64", "int32"),
-                pad_value=0,
-                min_value=0,
-                max_value=2,
-            ),
-            FieldSpec(
-                name="pixel_values",
-                role=Role.MEDIA,
-                dtypes=pixel_dtypes,
-                dense_shape=(3, self.tile_size, self.tile_size),
-            ),
-            FieldSpec(
-                name="pixel_values_videos",
-                role=Role.MEDIA,
-                dtypes=pixel_dtypes,
-                dense_shape=(3, self.tile_size, self.tile_size),
-            ),
-            FieldSpec(name="video_num_frames", role=Role.MEDIA, dtypes=("int64",)),
-            FieldSpec(name="image_sizes", role=Role.MEDIA, dtypes=("int64",), dense_shape=(2,)),
-            FieldSpec(name="batch_num_images", role=Role.MEDIA, dtypes=("int64",)),
-        )
-        if topk is not None:
-            fields += topk_fields(topk, vocab_size)
-        return BatchSchema(
-            name="llava_onevision" if topk is None else "llava_onevision_topk", fields=fields
+        decoded) and ``batch_num_images`` int64 ``[samples with images]`` (images per sample: the
+        model tiles only an image alone in its sample); ``mm_token_type_ids`` 1 image, 2 video."""
+        return (
+            tiles_field("pixel_values", pixel_dtypes, self.tile_size),
+            tiles_field("pixel_values_videos", pixel_dtypes, self.tile_size),
+            int64_field("video_num_frames"),
+            int64_field("image_sizes", pairs=True),
+            int64_field("batch_num_images"),
         )
 
 

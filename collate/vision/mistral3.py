@@ -28,7 +28,15 @@ import torch
 
 from prealign.schemas.errors import ConfigError, SampleError
 
-from .family import VisionFamily, config_getter
+from .common import (
+    OneDimFamily,
+    check_positive_ints,
+    config_readers,
+    int64_field,
+    tiles_field,
+)
+from .family import config_getter
+from .grids import check_pixels
 
 
 def resized_size(height: int, width: int, longest_edge: int, step: int) -> tuple[int, int]:
@@ -46,7 +54,7 @@ def resized_size(height: int, width: int, longest_edge: int, step: int) -> tuple
 
 
 @dataclass(frozen=True, kw_only=True)
-class Mistral3(VisionFamily):
+class Mistral3(OneDimFamily):
     """``model_type`` ``mistral3`` (patch merger ``spatial_merge_size``) or ``llava`` with a Pixtral
     tower (merge 1): ``image_token_id`` the ``[IMG]`` token, ``patch_size`` and ``longest_edge``
     (the vision tower's ``image_size``) from the config; ``[IMG_BREAK]`` / ``[IMG_END]`` are the
@@ -68,8 +76,7 @@ class Mistral3(VisionFamily):
 
     @classmethod
     def from_config(cls, config) -> "Mistral3":
-        get = config_getter(config)
-        vision = config_getter(get("vision_config", {}) or {})
+        get, vision = config_readers(config)
         model_type = get("model_type")
         if model_type == "llava" and vision("model_type") != "pixtral":
             raise ConfigError(
@@ -96,14 +103,9 @@ class Mistral3(VisionFamily):
         )
 
     def __post_init__(self):
-        for name in ("image_token_id", "patch_size", "spatial_merge_size", "longest_edge"):
-            value = getattr(self, name)
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, int)
-                or value < 1 - (name == "image_token_id")
-            ):
-                raise ConfigError(f"Mistral3.{name}: expected a positive int, got {value!r}")
+        check_positive_ints(
+            self, ("image_token_id", "patch_size", "spatial_merge_size", "longest_edge")
+        )
 
     @property
     def token_step(self) -> int:
@@ -126,13 +128,7 @@ class Mistral3(VisionFamily):
         ...          temporal_patch_size=1).token_grid(600, 800)
         (22, 29)
         """
-        if min(height, width) < 1:
-            raise SampleError(
-                sample=sample,
-                field=field,
-                expected="at least 1x1 pixels",
-                actual=f"{width}x{height}",
-            )
+        check_pixels(height, width, sample=sample, field=field)
         edge = longest_edge or self.longest_edge
         h, w = resized_size(height, width, edge, self.token_step)
         if min(h, w) < 1:  # a side floors to 0 once scaled (transformers' processor fails too)
@@ -153,44 +149,12 @@ class Mistral3(VisionFamily):
         grid[-1, -1] = image_end
         return grid.reshape(-1)
 
-    def batch_schema(
-        self,
-        *,
-        pad_token_id: int = 0,
-        topk: int | str | None = None,
-        vocab_size: int | None = None,
-        pixel_dtypes: tuple[str, ...] = ("float32", "bfloat16"),
-    ):
-        """The batch the transform's samples collate to: the token fields (1-D ``position_ids``),
-        ``mm_token_type_ids`` (1 on ``[IMG]``), ``pixel_values`` ``[patches, 3, p, p]`` and
-        ``image_sizes`` int64 ``[images, 2]`` (MEDIA), teacher top-k when ``topk`` is given."""
-        from prealign.schemas.schema import (
-            BatchSchema,
-            FieldSpec,
-            Role,
-            core_token_fields,
-            topk_fields,
-        )
-
-        p = self.patch_size
-        fields = (
-            *core_token_fields(pad_token_id, -100, vocab_size),
-            FieldSpec(
-                name="mm_token_type_ids",
-                dtypes=("int64", "int32"),
-                pad_value=0,
-                min_value=0,
-                max_value=1,
-            ),
-            FieldSpec(
-                name="pixel_values", role=Role.MEDIA, dtypes=pixel_dtypes, dense_shape=(3, p, p)
-            ),
-            FieldSpec(name="image_sizes", role=Role.MEDIA, dtypes=("int64",), dense_shape=(2,)),
-        )
-        if topk is not None:
-            fields += topk_fields(topk, vocab_size)
-        return BatchSchema(
-            name=self.model_type if topk is None else f"{self.model_type}_topk", fields=fields
+    def media_fields(self, pixel_dtypes: tuple[str, ...]) -> tuple:
+        """``pixel_values`` ``[patches, 3, p, p]`` and ``image_sizes`` int64 ``[images, 2]``;
+        ``mm_token_type_ids`` is 1 on ``[IMG]``."""
+        return (
+            tiles_field("pixel_values", pixel_dtypes, self.patch_size),
+            int64_field("image_sizes", pairs=True),
         )
 
 

@@ -18,28 +18,67 @@ CORRUPT = 1e-3  # a corrupted batch must move some compared value by more than t
 INIT = 0.3  # weights' std: large enough that attention is sharp and every position moves the logits
 
 
+def tiny_text_config(vocab_size: int, **extra) -> dict:
+    """The text model of every tiny test model, as config keywords: 2 layers, hidden 32, MLP 64,
+    GQA 4/2 heads, 4096 positions, weights' std :data:`INIT`; ``extra`` adds keys or overrides
+    them."""
+    return {
+        "vocab_size": vocab_size,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 4096,
+        "initializer_range": INIT,
+        **extra,
+    }
+
+
+def tiny_vit_config(**extra) -> dict:
+    """A 1-layer ViT tower (hidden 32, MLP 64, 2 heads, std :data:`INIT`) as config keywords, for
+    the SigLIP / Idefics3 / Pixtral / InternVL towers; ``extra``: its patch and image sizes."""
+    return {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "initializer_range": INIT,
+        **extra,
+    }
+
+
+def tiny_qwen_vision_config(**extra) -> dict:
+    """A 1-block Qwen-style vision tower (hidden 32, 2 heads, merge 2, temporal patch 2, std
+    :data:`INIT`) as config keywords, for the Qwen and GLM-4V families; ``extra``: the family's
+    own keys."""
+    return {
+        "depth": 1,
+        "hidden_size": 32,
+        "num_heads": 2,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "initializer_range": INIT,
+        **extra,
+    }
+
+
+def seeded_model(cls, config, dtype: torch.dtype = torch.float64):
+    """``cls(config)`` with weights drawn after ``torch.manual_seed(0)``, in ``dtype``, eval
+    mode."""
+    torch.manual_seed(0)
+    return cls(config).to(dtype).eval()
+
+
 @functools.lru_cache(maxsize=None)
 def causal_lm(attn: str = "sdpa", family: str = "qwen2"):
     """A 2-layer causal LM (hidden 32, vocab 128, GQA 4/2 heads), float64, eval mode."""
     import transformers
 
-    torch.manual_seed(0)
-    common = dict(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        initializer_range=INIT,
-        attn_implementation=attn,
-    )
+    common = tiny_text_config(VOCAB, attn_implementation=attn)
     if family == "qwen2":
-        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
-    else:
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
-    return model.to(torch.float64).eval()
+        return seeded_model(transformers.Qwen2ForCausalLM, transformers.Qwen2Config(**common))
+    return seeded_model(transformers.LlamaForCausalLM, transformers.LlamaConfig(**common))
 
 
 def random_samples(
@@ -110,17 +149,9 @@ def qwen2_vl(attn: str = "sdpa"):
     from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
 
     tok = ByteTokenizer()
-    torch.manual_seed(0)
     config = transformers.Qwen2VLConfig(
-        text_config=dict(
-            vocab_size=tok.vocab_size,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=4096,
-            initializer_range=INIT,
+        text_config=tiny_text_config(
+            tok.vocab_size,
             bos_token_id=tok.eos_token_id,
             eos_token_id=tok.eos_token_id,
             rope_parameters={
@@ -129,17 +160,8 @@ def qwen2_vl(attn: str = "sdpa"):
                 "mrope_section": [2, 1, 1],
             },
         ),
-        vision_config=dict(
-            depth=1,
-            embed_dim=32,
-            hidden_size=32,
-            num_heads=2,
-            mlp_ratio=2,
-            patch_size=14,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-            in_channels=3,
-            initializer_range=INIT,
+        vision_config=tiny_qwen_vision_config(
+            embed_dim=32, mlp_ratio=2, patch_size=14, in_channels=3
         ),
         image_token_id=tok.image_token_id,
         vision_start_token_id=tok.vision_start_token_id,
@@ -148,7 +170,7 @@ def qwen2_vl(attn: str = "sdpa"):
         initializer_range=INIT,
         attn_implementation=attn,
     )
-    return transformers.Qwen2VLForConditionalGeneration(config).to(torch.float64).eval()
+    return seeded_model(transformers.Qwen2VLForConditionalGeneration, config)
 
 
 def assert_flex_equals_dense(batch: dict, model_config) -> None:

@@ -12,6 +12,9 @@ import types
 
 import torch
 
+from tests.consumers.models import seeded_model, tiny_qwen_vision_config, tiny_text_config
+from tests.families.offline import any_video_processor, char_tokenizer, image_processor_class
+
 _USER = (
     "{% if m.content is string %}{{ m.content }}{% else %}{% for c in m.content %}"
     "{% if c.type == 'video' %}<|begin_of_video|><|video|><|end_of_video|>"
@@ -63,22 +66,18 @@ SPECIALS = (
     "<|video|>",
     "<pad>",
 )
-CHARS = "".join(chr(c) for c in range(32, 127)) + "\n"
 
 
 @functools.lru_cache(maxsize=None)
 def hf_tokenizer():
-    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {w: i for i, w in enumerate(SPECIALS + tuple(CHARS) + ("\n\n",))}
-    tok = Tokenizer(
-        models.WordLevel(vocab, unk_token="<unk>")
-    )  # "\n\n" one token: the leading-newline case
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"\n\n|[\s\S]"), behavior="isolated")
-    tok.add_special_tokens(list(SPECIALS))
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", eos_token="<|endoftext|>"
+    """One token per character, ``"\n\n"`` one token too (the leading-newline case)."""
+    return char_tokenizer(
+        SPECIALS,
+        ("\n\n",),
+        split=r"\n\n|[\s\S]",
+        unk_token="<unk>",
+        pad_token="<pad>",
+        eos_token="<|endoftext|>",
     )
 
 
@@ -163,27 +162,14 @@ def hf_processor(video_fps: list[float] = (), thinking: bool = False):
     """``Glm4vProcessor`` with transformers' GLM image processor and :class:`FrameGrids` for video
     (its class check of that argument skipped)."""
     from transformers import Glm4vProcessor
-    from transformers.processing_utils import ProcessorMixin
 
-    try:
-        from transformers import Glm4vImageProcessorPil as image_cls
-    except ImportError:  # pragma: no cover
-        from transformers import Glm4vImageProcessor as image_cls
-    check = ProcessorMixin.check_argument_for_proper_class
-
-    def lenient(self, name, arg):
-        return None if name == "video_processor" else check(self, name, arg)
-
-    ProcessorMixin.check_argument_for_proper_class = lenient
-    try:
+    with any_video_processor():
         return Glm4vProcessor(
-            image_processor=image_cls(),
+            image_processor=image_processor_class("Glm4v")(),
             tokenizer=hf_tokenizer(),
             video_processor=FrameGrids(list(video_fps)),
             chat_template=THINKING_TEMPLATE if thinking else CHAT_TEMPLATE,
         )
-    finally:
-        ProcessorMixin.check_argument_for_proper_class = check
 
 
 def tiny_config(model_type: str = "glm4v"):
@@ -192,16 +178,10 @@ def tiny_config(model_type: str = "glm4v"):
     import transformers
 
     tok = hf_tokenizer()
-    text = dict(
-        vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+    text = tiny_text_config(
+        len(tok),
         head_dim=8,
         max_position_embeddings=8192,
-        initializer_range=0.3,
         pad_token_id=tok.pad_token_id,
         eos_token_id=tok.eos_token_id,
         rope_parameters={
@@ -221,17 +201,8 @@ def tiny_config(model_type: str = "glm4v"):
             n_group=1,
             topk_group=1,
         )
-    vision = dict(
-        depth=1,
-        hidden_size=32,
-        num_heads=2,
-        intermediate_size=32,
-        out_hidden_size=32,
-        patch_size=14,
-        spatial_merge_size=2,
-        temporal_patch_size=2,
-        image_size=112,
-        initializer_range=0.3,
+    vision = tiny_qwen_vision_config(
+        intermediate_size=32, out_hidden_size=32, patch_size=14, image_size=112
     )
     cls = transformers.Glm4vConfig if model_type == "glm4v" else transformers.Glm4vMoeConfig
     cfg = cls(text_config=text, vision_config=vision, attn_implementation="sdpa", **ids())
@@ -244,10 +215,9 @@ def tiny_config(model_type: str = "glm4v"):
 def tiny_model(model_type: str = "glm4v"):
     import transformers
 
-    torch.manual_seed(0)
     cls = (
         transformers.Glm4vForConditionalGeneration
         if model_type == "glm4v"
         else transformers.Glm4vMoeForConditionalGeneration
     )
-    return cls(tiny_config(model_type)).to(torch.float64).eval()
+    return seeded_model(cls, tiny_config(model_type))

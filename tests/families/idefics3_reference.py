@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import functools
 
-import torch
-
+from tests.consumers.models import seeded_model, tiny_text_config, tiny_vit_config
 from tests.families.bpe import byte_bpe_tokenizer
 
 ROW_COL = [f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)]
@@ -89,26 +88,12 @@ def tiny_config(model_type: str = "smolvlm", attn: str = "sdpa"):
     import transformers
 
     tok = hf_tokenizer()
-    vision = dict(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        image_size=TILE,
-        patch_size=PATCH,
-        initializer_range=0.3,
-    )
-    text = dict(
+    vision = tiny_vit_config(image_size=TILE, patch_size=PATCH)
+    text = tiny_text_config(
+        len(tok),
         model_type="llama",
-        vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         head_dim=8,
         max_position_embeddings=8192,
-        initializer_range=0.3,
         bos_token_id=tid("<|im_start|>"),
         eos_token_id=tid("<end_of_utterance>"),
         pad_token_id=tid("<pad>"),
@@ -127,10 +112,9 @@ def tiny_config(model_type: str = "smolvlm", attn: str = "sdpa"):
 def tiny_model(model_type: str = "smolvlm"):
     import transformers
 
-    torch.manual_seed(0)
     cls = (
         transformers.SmolVLMForConditionalGeneration
         if model_type == "smolvlm"
         else transformers.Idefics3ForConditionalGeneration
     )
-    return cls(tiny_config(model_type)).to(torch.float64).eval()
+    return seeded_model(cls, tiny_config(model_type))

@@ -7,7 +7,8 @@ from __future__ import annotations
 import functools
 import re
 
-import torch
+from tests.consumers.models import seeded_model, tiny_text_config, tiny_vit_config
+from tests.families.offline import any_video_processor, char_tokenizer, image_processor_class
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n'}}{% if "
@@ -31,7 +32,6 @@ SPECIALS = (
     "<video>",
     "<pad>",
 )
-CHARS = "".join(chr(c) for c in range(32, 127)) + "\n"
 
 
 @functools.lru_cache(maxsize=None)
@@ -39,15 +39,8 @@ def hf_tokenizer():
     """A ``PreTrainedTokenizerFast`` of one token per character (so any split of a text encodes the
     same) with InternVL's special tokens as its processor reads them (``start_image_token``,
     ...)."""
-    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {w: i for i, w in enumerate(SPECIALS + tuple(CHARS))}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    tok.add_special_tokens(list(SPECIALS))
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
+    return char_tokenizer(
+        SPECIALS,
         unk_token="<unk>",
         pad_token="<pad>",
         eos_token="<|im_end|>",
@@ -61,11 +54,7 @@ def hf_tokenizer():
 
 
 def image_processor(tile: int = 448, max_patches: int = 12):
-    try:
-        from transformers import GotOcr2ImageProcessorPil as cls
-    except ImportError:  # pragma: no cover
-        from transformers import GotOcr2ImageProcessor as cls
-    return cls(
+    return image_processor_class("GotOcr2")(
         size={"height": tile, "width": tile},
         crop_to_patches=True,
         min_patches=1,
@@ -81,23 +70,14 @@ def hf_processor(
     the processor itself. ``tokenizer``: another with InternVL's special tokens (default
     :func:`hf_tokenizer`)."""
     from transformers import InternVLProcessor
-    from transformers.processing_utils import ProcessorMixin
 
-    check = ProcessorMixin.check_argument_for_proper_class
-
-    def lenient(self, name, arg):
-        return None if name == "video_processor" and arg is None else check(self, name, arg)
-
-    ProcessorMixin.check_argument_for_proper_class = lenient
-    try:
+    with any_video_processor():
         return InternVLProcessor(
             image_processor=image_processor(tile, max_patches),
             tokenizer=tokenizer or hf_tokenizer(),
             chat_template=CHAT_TEMPLATE,
             image_seq_length=image_seq_length,
         )
-    finally:
-        ProcessorMixin.check_argument_for_proper_class = check
 
 
 def expand_video_text(processor, text: str, frames: list[int]) -> str:
@@ -135,25 +115,11 @@ def tiny_config(*, tile: int = 56):
     import transformers
 
     tok = hf_tokenizer()
-    vision = dict(
-        hidden_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=64,
-        image_size=[tile, tile],
-        patch_size=[14, 14],
-        initializer_range=0.3,
-    )
-    text = dict(
+    vision = tiny_vit_config(image_size=[tile, tile], patch_size=[14, 14])
+    text = tiny_text_config(
+        len(tok),
         model_type="qwen2",
-        vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         max_position_embeddings=8192,
-        initializer_range=0.3,
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
     )
@@ -170,5 +136,4 @@ def tiny_config(*, tile: int = 56):
 def tiny_model():
     import transformers
 
-    torch.manual_seed(0)
-    return transformers.InternVLForConditionalGeneration(tiny_config()).to(torch.float64).eval()
+    return seeded_model(transformers.InternVLForConditionalGeneration, tiny_config())

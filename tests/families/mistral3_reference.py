@@ -10,9 +10,9 @@ import importlib
 import sys
 import types
 
-import torch
-
+from tests.consumers.models import seeded_model, tiny_text_config, tiny_vit_config
 from tests.families.bpe import byte_bpe_tokenizer
+from tests.families.offline import image_processor_class
 
 SPECIALS = [
     "<unk>",
@@ -60,11 +60,9 @@ def tid(name: str) -> int:
 
 
 def image_processor(longest_edge: int, patch: int):
-    try:
-        from transformers import PixtralImageProcessorPil as cls
-    except ImportError:  # pragma: no cover
-        from transformers import PixtralImageProcessor as cls
-    return cls(size={"longest_edge": longest_edge}, patch_size={"height": patch, "width": patch})
+    return image_processor_class("Pixtral")(
+        size={"longest_edge": longest_edge}, patch_size={"height": patch, "width": patch}
+    )
 
 
 @functools.lru_cache(maxsize=None)
@@ -110,27 +108,11 @@ def tiny_config(*, longest_edge: int = 64, patch: int = 4, merge: int = 2, attn:
     import transformers
 
     tok = hf_tokenizer()
-    vision = dict(
-        model_type="pixtral",
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        image_size=longest_edge,
-        patch_size=patch,
-        initializer_range=0.3,
-    )
-    text = dict(
+    vision = tiny_vit_config(model_type="pixtral", image_size=longest_edge, patch_size=patch)
+    text = tiny_text_config(
+        len(tok),
         model_type="mistral",
-        vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         head_dim=8,
-        max_position_embeddings=4096,
-        initializer_range=0.3,
         bos_token_id=tid("<s>"),
         eos_token_id=tid("</s>"),
         pad_token_id=tid("<pad>"),
@@ -148,8 +130,7 @@ def tiny_config(*, longest_edge: int = 64, patch: int = 4, merge: int = 2, attn:
 def tiny_model():
     import transformers
 
-    torch.manual_seed(0)
-    return transformers.Mistral3ForConditionalGeneration(tiny_config()).to(torch.float64).eval()
+    return seeded_model(transformers.Mistral3ForConditionalGeneration, tiny_config())
 
 
 def tiny_pixtral_config():
@@ -172,7 +153,4 @@ def tiny_pixtral_config():
 def tiny_pixtral_model():
     import transformers
 
-    torch.manual_seed(0)
-    return (
-        transformers.LlavaForConditionalGeneration(tiny_pixtral_config()).to(torch.float64).eval()
-    )
+    return seeded_model(transformers.LlavaForConditionalGeneration, tiny_pixtral_config())

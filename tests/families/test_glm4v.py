@@ -7,10 +7,8 @@ are refused."""
 
 from __future__ import annotations
 
-import io
 import json
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import given
@@ -25,6 +23,7 @@ from prealign.schemas.errors import PackingUnsupportedError
 from tests.conftest import examples
 from tests.consumers.models import CORRUPT, real_slots
 from tests.families import glm4v_reference as ref
+from tests.families.chat_samples import media_sample
 
 transformers = pytest.importorskip("transformers")
 TOL = 1e-6
@@ -34,51 +33,10 @@ SCHEMA = vlm_schema(
 words = st.text(alphabet=" abcdefgh?.\n", min_size=0, max_size=10)
 
 
-def png(rng, w: int, h: int) -> bytes:
-    from PIL import Image
-
-    buf = io.BytesIO()
-    Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(buf, format="PNG")
-    return buf.getvalue()
-
-
 def raw_sample(key, sizes, videos, question, reply, seed):
     """(raw sample, chat messages, PIL images, PIL frame lists); ``videos``: ``(frames, w, h,
     fps)``."""
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
-    members = {f"{i}.png": png(rng, w, h) for i, (w, h) in enumerate(sizes)}
-    meta = {
-        "messages": [
-            {
-                "role": "user",
-                "content": "<video>" * len(videos) + "<image>" * len(sizes) + question,
-            },
-            {"role": "assistant", "content": reply},
-        ],
-        "images": list(members),
-    }
-    clips = []
-    if videos:
-        meta["videos"] = []
-        for v, (n, w, h, fps) in enumerate(videos):
-            names = [f"v{v}_{j}.png" for j in range(n)]
-            members.update({name: png(rng, w, h) for name in names})
-            meta["videos"].append({"frames": names, "fps": fps})
-            clips.append([Image.open(io.BytesIO(members[n])).convert("RGB") for n in names])
-    content = (
-        [{"type": "video"}] * len(videos)
-        + [{"type": "image"}] * len(sizes)
-        + [{"type": "text", "text": question}]
-    )
-    images = [Image.open(io.BytesIO(members[f"{i}.png"])).convert("RGB") for i in range(len(sizes))]
-    return (
-        {"__key__": key, "json": json.dumps(meta), **members},
-        [{"role": "user", "content": content}, {"role": "assistant", "content": reply}],
-        images,
-        clips,
-    )
+    return media_sample(key, sizes, question, reply, seed, videos=videos)
 
 
 def hf_positions(model_type, out) -> torch.Tensor:

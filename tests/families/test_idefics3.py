@@ -9,7 +9,6 @@ positions do not restart is caught."""
 from __future__ import annotations
 
 import io
-import json
 import re
 
 import numpy as np
@@ -18,32 +17,22 @@ import torch
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from prealign.collate import HFAttention, to_hf_kwargs
-from prealign.collate.vision import Idefics3, model_contract, vision_family
+from prealign.collate.vision import Idefics3, vision_family
 from prealign.collate.vision.idefics3 import tile_grid
 from prealign.loaders.media.idefics3 import Idefics3SampleTransform, pil_image_processor_class
 from prealign.loaders.media.vlm import MediaError
 from prealign.schemas import ConfigError
-from prealign.schemas.contract import Consumer, check_consumer
 from tests.conftest import examples
 from tests.consumers.models import CORRUPT
 from tests.families import idefics3_reference as ref
-from tests.families.header_index import assert_header_index_equals_full_pass
-from tests.families.packing import packed_batch, worst_gap
+from tests.families.chat_samples import CHAT_TEXT, image_items, png, raw_sample
+from tests.families.chat_samples import model_samples as transformed
+from tests.families.header_index import assert_header_index_equals_full_pass, run_demo
+from tests.families.packing import assert_plain_packing, hf_kwargs, packed_batch, worst_gap
 
 transformers = pytest.importorskip("transformers")
 TOL = 1e-6
 S = ref.TILE
-
-
-def png(seed: int, lo: int = 4, hi: int = 150) -> bytes:
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
-    w, h = int(rng.integers(lo, hi)), int(rng.integers(lo, hi))
-    buf = io.BytesIO()
-    Image.fromarray(rng.integers(0, 256, (h, w, 3), np.uint8)).save(buf, format="PNG")
-    return buf.getvalue()
 
 
 def transform(model_type: str = "smolvlm", **kw) -> Idefics3SampleTransform:
@@ -54,25 +43,11 @@ def transform(model_type: str = "smolvlm", **kw) -> Idefics3SampleTransform:
     )
 
 
-def raw_sample(messages, images) -> dict:
-    return {
-        "__key__": "s",
-        "json": json.dumps({"messages": messages}).encode(),
-        **{f"{i}.png": b for i, b in enumerate(images)},
-    }
-
-
 def reference(messages: list[dict], images: list[bytes], processor) -> dict:
     from PIL import Image
 
     def content(text):
-        if "<image>" not in text:
-            return text
-        return [
-            {"type": "image"} if p == "<image>" else {"type": "text", "text": p}
-            for p in re.split("(<image>)", text)
-            if p
-        ]
+        return image_items(text) if "<image>" in text else text
 
     chat = [{"role": m["role"], "content": content(m["content"])} for m in messages]
     text = processor.apply_chat_template(chat, tokenize=False)
@@ -82,14 +57,8 @@ def reference(messages: list[dict], images: list[bytes], processor) -> dict:
     )
 
 
-PIECES = st.sampled_from(
-    ["\n", "\n\n", " ", "a", "b", "hello", "world", ".", "?", " \n", "<image>"]
-)
-TEXT = st.lists(PIECES, max_size=7).map("".join)
-
-
 @given(
-    contents=st.lists(TEXT, min_size=1, max_size=4),
+    contents=st.lists(CHAT_TEXT, min_size=1, max_size=4),
     system=st.booleans(),
     seed=st.integers(0, 99),
     model_type=st.sampled_from(["smolvlm", "idefics3"]),
@@ -229,41 +198,13 @@ def test_bad_samples_are_typed_errors():
 
 @pytest.mark.parametrize("model_type", ["smolvlm", "idefics3"])
 def test_the_contract_is_plain_packing_on_every_consumer(model_type):
-    contract = model_contract(ref.tiny_config(model_type))
-    assert (contract.position_kind, contract.media_attention, contract.local_attention) == (
-        "1d",
-        "causal",
-        None,
-    )
-    assert contract.fields() == ("position_ids", "cu_seqlens_padded")
-    for consumer in (
-        Consumer.hf("flash_attention_2"),
-        Consumer.hf("sdpa"),
-        Consumer.megatron("0.16.1"),
-    ):
-        check_consumer(contract, consumer, cp=2)  # nothing refused
+    assert_plain_packing(ref.tiny_config(model_type))
 
 
 # ---- in-model
 # ---------------------------------------------------------------------------------------
 def model_samples(model_type: str) -> list[dict]:
-    conversations = [
-        [
-            {"role": "user", "content": "what <image> is it?"},
-            {"role": "assistant", "content": "a cat."},
-        ],
-        [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "\n\nworld ."}],
-        [{"role": "user", "content": "<image>a b<image>"}, {"role": "assistant", "content": "c ?"}],
-    ]
-    t = transform(model_type)
-    return [
-        t(
-            raw_sample(
-                m, [png(11 + 3 * i + j, 8, 70) for j in range(m[0]["content"].count("<image>"))]
-            )
-        )
-        for i, m in enumerate(conversations)
-    ]
+    return transformed(transform(model_type), hi=70)
 
 
 def alone(sample: dict) -> dict:
@@ -280,17 +221,8 @@ def packed(model_type: str, samples: list[dict]) -> tuple[dict, dict]:
         pad_token_id=tok.pad_token_id, vocab_size=len(tok), pixel_dtypes=("float32",)
     )
     whole = packed_batch(schema, samples)
-    kwargs = to_hf_kwargs(whole, attention=HFAttention.POSITIONS, labels=False, model_config=config)
-    assert sorted(kwargs) == [
-        "input_ids",
-        "mm_token_type_ids",
-        "pixel_values",
-        "position_ids",
-        "use_cache",
-    ]
-    kwargs.pop("mm_token_type_ids")  # (the forward takes none)
-    kwargs["pixel_values"] = kwargs["pixel_values"].to(torch.float64)
-    return whole, kwargs
+    keys = ["input_ids", "mm_token_type_ids", "pixel_values", "position_ids", "use_cache"]
+    return whole, hf_kwargs(whole, keys, config)
 
 
 def worst(model_type: str, batch: dict, kwargs: dict, samples: list[dict]) -> float:
@@ -322,25 +254,8 @@ def test_demo_command_with_smolvlm(tmp_path, capsys):
     """``prealign demo --model smolvlm``: every batch on every CP rank valid against the family's
     schema, the synthetic teacher rows as long as the transform's ids, whole tiles in
     pixel_values."""
-    from prealign.loaders.cli import main
-
-    args = [
-        "demo",
-        "--model",
-        "smolvlm",
-        "--samples",
-        "30",
-        "--out",
-        str(tmp_path / "l.png"),
-        "--workers",
-        "0",
-        "--token-budget",
-        "4096",
-    ]
-    assert main(args) == 0
-    out = capsys.readouterr().out
-    n = int(out.split("micro-batches  ")[1].split(" ")[0])
-    assert f"{2 * n}/{2 * n} batches valid" in out and "smolvlm_topk" in out
+    out = run_demo(tmp_path, capsys, "smolvlm", token_budget=4096)
+    assert "smolvlm_topk" in out
     assert re.search(r"pixel_values +float32 +\[\d+, 3, 128, 128\]", out) and re.search(
         r"image_rows_cols +int64", out
     )

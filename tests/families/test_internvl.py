@@ -6,23 +6,21 @@ for each sample alone, while a row whose positions do not restart is caught."""
 
 from __future__ import annotations
 
-import io
-import json
-
-import numpy as np
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from prealign.collate import HFAttention, THDCollator, to_hf_kwargs, unpack_thd, unshard_cp
+from prealign.collate import THDCollator, unpack_thd
 from prealign.collate.vision import InternVL, vision_family
 from prealign.collate.vision.internvl import tile_arrangements, tile_canvas
 from prealign.loaders.media.vlm import VLMSampleTransform
 from prealign.schemas import ConfigError, ParallelLayout
 from tests.conftest import examples
-from tests.consumers.models import CORRUPT, real_slots
+from tests.consumers.models import CORRUPT
 from tests.families import internvl_reference as ref
+from tests.families.chat_samples import media_sample
+from tests.families.packing import hf_kwargs, packed_batch, worst_gap
 
 transformers = pytest.importorskip("transformers")
 TOL = 1e-6
@@ -38,14 +36,6 @@ def schema(tile: int):
     )
 
 
-def png(rng: np.random.Generator, w: int, h: int) -> bytes:
-    from PIL import Image
-
-    buf = io.BytesIO()
-    Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(buf, format="PNG")
-    return buf.getvalue()
-
-
 def transform(processor, **cfg) -> VLMSampleTransform:
     tok = ref.hf_tokenizer()
     config = transformers.InternVLConfig(
@@ -59,35 +49,10 @@ def transform(processor, **cfg) -> VLMSampleTransform:
 def raw_sample(
     key: str, sizes: list, question: str, reply: str, seed: int, videos: list[int] = ()
 ) -> tuple:
-    """(raw sample for prealign, chat messages for transformers, PIL images)."""
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
-    members = {f"{i}.png": png(rng, w, h) for i, (w, h) in enumerate(sizes)}
-    meta = {
-        "messages": [
-            {
-                "role": "user",
-                "content": "<video>\n" * len(videos) + "<image>\n" * len(sizes) + question,
-            },
-            {"role": "assistant", "content": reply},
-        ],
-        "images": list(members),
-    }
-    if videos:
-        meta["videos"] = []
-        for v, n in enumerate(videos):
-            names = [f"v{v}_{j}.png" for j in range(n)]
-            members.update({name: png(rng, 40, 30) for name in names})
-            meta["videos"].append({"frames": names})
-    content = (
-        [{"type": "video"}] * len(videos)
-        + [{"type": "image"}] * len(sizes)
-        + [{"type": "text", "text": question}]
-    )
-    messages = [{"role": "user", "content": content}, {"role": "assistant", "content": reply}]
-    images = [Image.open(io.BytesIO(members[f"{i}.png"])).convert("RGB") for i in range(len(sizes))]
-    return {"__key__": key, "json": json.dumps(meta), **members}, messages, images
+    """(raw sample for prealign, chat messages for transformers, PIL images); a video is ``n``
+    frames of 40x30."""
+    clips = [(n, 40, 30, None) for n in videos]
+    return media_sample(key, sizes, question, reply, seed, videos=clips, newline=True)[:3]
 
 
 words = st.text(alphabet=" abcdefgh?.\n", min_size=0, max_size=12)
@@ -224,48 +189,25 @@ def model_samples() -> list[dict]:
     return [t(r) for r in raws]
 
 
-def logits(kwargs: dict) -> torch.Tensor:
-    with torch.no_grad():
-        return ref.tiny_model()(**kwargs).logits[0]
-
-
-def alone(sample: dict) -> torch.Tensor:
+def alone(sample: dict) -> dict:
+    """One sample's kwargs: its tiles ``[tiles, 3, s, s]`` as they are (InternVL takes no batch
+    axis)."""
     kwargs = {"input_ids": sample["input_ids"][None], "use_cache": False}
     if sample["pixel_values"].shape[0]:
         kwargs["pixel_values"] = sample["pixel_values"].to(torch.float64)
-    return logits(kwargs)
+    return kwargs
 
 
 def packed(samples: list[dict]) -> tuple[dict, dict]:
     """THD tp=2 cp=2: both CP ranks' shards unsharded back equal the whole batch; the model's kwargs
     from it."""
-    layout = ParallelLayout(tp=2, cp=2)
-    whole = THDCollator(schema=schema(56), layout=layout)(samples)
-    shards = [THDCollator(schema=schema(56), layout=layout, cp_rank=r)(samples) for r in range(2)]
-    for name in ("input_ids", "position_ids", "mm_token_type_ids"):
-        back = unshard_cp([s[name] for s in shards], cu_seqlens_padded=whole["cu_seqlens_padded"])
-        assert torch.equal(back, whole[name]), name
-    assert all(
-        torch.equal(s["pixel_values"], whole["pixel_values"]) for s in shards
-    )  # media: never sharded
-    kwargs = to_hf_kwargs(whole, attention=HFAttention.POSITIONS, labels=False)
-    assert sorted(kwargs) == [
-        "input_ids",
-        "mm_token_type_ids",
-        "pixel_values",
-        "position_ids",
-        "use_cache",
-    ]
-    kwargs.pop("mm_token_type_ids")  # (InternVL's forward takes none)
-    kwargs["pixel_values"] = kwargs["pixel_values"].to(torch.float64)
-    return whole, kwargs
+    whole = packed_batch(schema(56), samples)
+    keys = ["input_ids", "mm_token_type_ids", "pixel_values", "position_ids", "use_cache"]
+    return whole, hf_kwargs(whole, keys)
 
 
 def worst(batch: dict, kwargs: dict, samples: list[dict]) -> float:
-    out, bad = logits(kwargs), 0.0
-    for slots, sample in zip(real_slots(batch), samples, strict=True):
-        bad = max(bad, float((out[slots] - alone(sample)).abs().max()))
-    return bad
+    return worst_gap(ref.tiny_model(), kwargs, batch, samples, alone)
 
 
 @pytest.mark.slow

@@ -8,7 +8,6 @@ positions do not restart is caught."""
 from __future__ import annotations
 
 import io
-import json
 import re
 
 import numpy as np
@@ -17,31 +16,21 @@ import torch
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from prealign.collate import HFAttention, to_hf_kwargs
-from prealign.collate.vision import Mistral3, model_contract, vision_family
+from prealign.collate.vision import Mistral3, vision_family
 from prealign.collate.vision.mistral3 import hf_pixel_values, resized_size
 from prealign.loaders.media.mistral3 import Mistral3SampleTransform
 from prealign.loaders.media.vlm import MediaError
 from prealign.schemas import ConfigError
-from prealign.schemas.contract import Consumer, check_consumer
 from tests.conftest import examples
 from tests.consumers.models import CORRUPT
+from tests.families import chat_samples
 from tests.families import mistral3_reference as ref
-from tests.families.header_index import assert_header_index_equals_full_pass
-from tests.families.packing import packed_batch, worst_gap
+from tests.families.chat_samples import CHAT_TEXT, image_items, png
+from tests.families.header_index import assert_header_index_equals_full_pass, run_demo
+from tests.families.packing import assert_plain_packing, hf_kwargs, packed_batch, worst_gap
 
 transformers = pytest.importorskip("transformers")
 TOL = 1e-6
-
-
-def png(seed: int, lo: int = 4, hi: int = 150) -> bytes:
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
-    w, h = int(rng.integers(lo, hi)), int(rng.integers(lo, hi))
-    buf = io.BytesIO()
-    Image.fromarray(rng.integers(0, 256, (h, w, 3), np.uint8)).save(buf, format="PNG")
-    return buf.getvalue()
 
 
 def transform(**kw) -> Mistral3SampleTransform:
@@ -51,26 +40,15 @@ def transform(**kw) -> Mistral3SampleTransform:
 
 
 def raw_sample(messages, images) -> dict:
-    return {
-        "__key__": "m",
-        "json": json.dumps({"messages": messages}).encode(),
-        **{f"{i}.png": b for i, b in enumerate(images)},
-    }
+    return chat_samples.raw_sample(messages, images, "m")
 
 
 def reference(messages: list[dict], images: list[bytes], processor=None) -> dict:
     from PIL import Image
 
-    def items(text):
-        return [
-            {"type": "image"} if p == "<image>" else {"type": "text", "text": p}
-            for p in re.split("(<image>)", text)
-            if p
-        ]
-
     processor = processor or ref.hf_processor()
     chat = [
-        {"role": m["role"], "content": items(m["content"])} if m["role"] == "user" else m
+        {"role": m["role"], "content": image_items(m["content"])} if m["role"] == "user" else m
         for m in messages
     ]
     text = processor.apply_chat_template(chat, tokenize=False)
@@ -78,14 +56,10 @@ def reference(messages: list[dict], images: list[bytes], processor=None) -> dict
     return processor(text=[text], images=pil or None, return_tensors="pt", add_special_tokens=False)
 
 
-PIECES = st.sampled_from(
-    ["\n", "\n\n", " ", "a", "b", "hello", "world", ".", "?", " \n", "<image>"]
-)
-TEXT = st.lists(PIECES, max_size=7).map("".join)
-
-
 @given(
-    contents=st.lists(TEXT, min_size=1, max_size=4), system=st.booleans(), seed=st.integers(0, 99)
+    contents=st.lists(CHAT_TEXT, min_size=1, max_size=4),
+    system=st.booleans(),
+    seed=st.integers(0, 99),
 )
 @examples(25)
 def test_ids_pixels_and_image_sizes_equal_the_processor(contents, system, seed):
@@ -218,22 +192,7 @@ def test_bad_samples_are_typed_errors():
 
 
 def test_the_contract_is_plain_packing_on_every_consumer():
-    contract = model_contract(ref.tiny_config())
-    assert (contract.position_kind, contract.media_attention, contract.local_attention) == (
-        "1d",
-        "causal",
-        None,
-    )
-    assert not contract.needs_token_mask and contract.fields() == (
-        "position_ids",
-        "cu_seqlens_padded",
-    )
-    for consumer in (
-        Consumer.hf("flash_attention_2"),
-        Consumer.hf("sdpa"),
-        Consumer.megatron("0.16.1"),
-    ):
-        check_consumer(contract, consumer, cp=2)  # nothing refused
+    assert_plain_packing(ref.tiny_config())
 
 
 # ---- in-model
@@ -246,26 +205,11 @@ def schema():
 
 
 def model_samples(pixtral: bool = False) -> list[dict]:
-    conversations = [
-        [
-            {"role": "user", "content": "what <image> is it?"},
-            {"role": "assistant", "content": "a cat."},
-        ],
-        [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "\n\nworld ."}],
-        [{"role": "user", "content": "<image>a b<image>"}, {"role": "assistant", "content": "c ?"}],
-    ]
     t = Mistral3SampleTransform(
         model_config=ref.tiny_pixtral_config() if pixtral else ref.tiny_config(),
         tokenizer=ref.hf_tokenizer(),
     )
-    return [
-        t(
-            raw_sample(
-                m, [png(11 + 3 * i + j, 8, 90) for j in range(m[0]["content"].count("<image>"))]
-            )
-        )
-        for i, m in enumerate(conversations)
-    ]
+    return chat_samples.model_samples(t, hi=90, key="m")
 
 
 def alone(sample: dict) -> dict:
@@ -281,23 +225,8 @@ def alone(sample: dict) -> dict:
 def packed(samples: list[dict], config=None) -> tuple[dict, dict]:
     """THD tp=2 cp=2, every CP rank unsharded back; the model's kwargs from ``to_hf_kwargs``."""
     whole = packed_batch(schema(), samples)
-    kwargs = to_hf_kwargs(
-        whole,
-        attention=HFAttention.POSITIONS,
-        labels=False,
-        model_config=config or ref.tiny_config(),
-    )
-    assert sorted(kwargs) == [
-        "image_sizes",
-        "input_ids",
-        "mm_token_type_ids",
-        "pixel_values",
-        "position_ids",
-        "use_cache",
-    ]
-    kwargs.pop("mm_token_type_ids")  # (Mistral3's forward takes none)
-    kwargs["pixel_values"] = kwargs["pixel_values"].to(torch.float64)
-    return whole, kwargs
+    keys = ["image_sizes", "input_ids", "mm_token_type_ids", "pixel_values", "position_ids"]
+    return whole, hf_kwargs(whole, [*keys, "use_cache"], config or ref.tiny_config())
 
 
 def worst(batch: dict, kwargs: dict, samples: list[dict], model=None) -> float:
@@ -364,25 +293,8 @@ def test_demo_command_with_mistral3(tmp_path, capsys):
     """``prealign demo --model mistral3``: every batch on every CP rank valid against the family's
     schema, the synthetic teacher rows as long as the transform's ids, patches of 14 px in
     pixel_values."""
-    from prealign.loaders.cli import main
-
-    args = [
-        "demo",
-        "--model",
-        "mistral3",
-        "--samples",
-        "30",
-        "--out",
-        str(tmp_path / "l.png"),
-        "--workers",
-        "0",
-        "--token-budget",
-        "2048",
-    ]
-    assert main(args) == 0
-    out = capsys.readouterr().out
-    n = int(out.split("micro-batches  ")[1].split(" ")[0])
-    assert f"{2 * n}/{2 * n} batches valid" in out and "mistral3_topk" in out
+    out = run_demo(tmp_path, capsys, "mistral3", token_budget=2048)
+    assert "mistral3_topk" in out
     assert re.search(r"pixel_values +float32 +\[\d+, 3, 14, 14\]", out) and re.search(
         r"image_sizes +int64", out
     )
