@@ -38,9 +38,10 @@ members): a file keeps the frames transformers' LLaVA-OneVision video processor 
 by default; ``video_sampling={"num_frames": n}`` or ``{"fps": f}`` as its call takes them, by the
 installed transformers' rule: :class:`~.video_sampling.UniformSampling`), read from its headers
 and checked against the decode limits before only those frames are decoded
-(:mod:`~.video_plan`). Each frame is resized to the tile square as transformers' video processors
-resize (torch bicubic with antialias), written as ``frames * ceil(side / 2)**2 + 1`` ``<video>``
-tokens (each frame's features pooled, one ``image_newline`` per video), ``mm_token_type_ids`` 2.
+(:func:`~.vlm.file_plan`). Each frame is resized to the tile square as transformers' video
+processors resize (torch bicubic with antialias), written as ``frames * ceil(side / 2)**2 + 1``
+``<video>`` tokens (each frame's features pooled, one ``image_newline`` per video),
+``mm_token_type_ids`` 2.
 The token count depends on the kept frame count alone, so an index reads it from the headers."""
 
 from __future__ import annotations
@@ -60,7 +61,6 @@ from prealign.loaders.media.chat_tokenizer import encode_segments
 from prealign.loaders.media.teacher_topk import teacher_topk
 from prealign.loaders.media.video import fused_normalize_table
 from prealign.loaders.media.video_file import resize_frames
-from prealign.loaders.media.video_plan import decode_plan, file_plan
 from prealign.loaders.media.video_sampling import UniformSampling
 from prealign.loaders.media.vlm import (
     IMAGE_PLACEHOLDER,
@@ -70,6 +70,8 @@ from prealign.loaders.media.vlm import (
     VideoEntry,
     check_float_dtypes,
     decode_image,
+    decode_kept,
+    file_plan,
     image_members,
     sample_metadata,
     video_members,
@@ -362,7 +364,7 @@ class LlavaOnevisionSampleTransform:
         from its headers (nothing decoded)."""
         if video.frames is not None:
             return len(video.frames)
-        return len(file_plan(video, self.frame_sampling, key, self.limits).indices)
+        return len(file_plan(video, self.frame_sampling.indices, key, self.limits)[1])
 
     @property
     def video_settings(self) -> tuple:
@@ -397,11 +399,12 @@ class LlavaOnevisionSampleTransform:
         """A video file -> float32 ``[kept frames, 3, s, s]``: its kept frames decoded (each
         resized as it leaves the decoder) and normalised as :meth:`video_pixels`; with
         ``decode_videos=False`` zeros of that shape, nothing decoded."""
-        size, plan = self.video_settings[0], file_plan(video, self.frame_sampling, key, self.limits)
+        size = self.video_settings[0]
+        header, indices = file_plan(video, self.frame_sampling.indices, key, self.limits)
         if not self.decode_videos:
-            return torch.zeros(len(plan.indices), 3, *size)
+            return torch.zeros(len(indices), 3, *size)
         return self.normalize_frames(
-            decode_plan(video, plan, size, key, self.limits, threads=self.decode_threads)
+            decode_kept(video, header, indices, size, key, self.limits, threads=self.decode_threads)
         )
 
     def normalize_frames(self, codes: np.ndarray) -> torch.Tensor:
