@@ -360,11 +360,38 @@ class LlavaOnevisionSampleTransform:
         return video_members(raw, meta, key, limits=self.limits)
 
     def _frame_count(self, video: VideoEntry, key) -> int:
-        """A video's frames as the processor keeps them: a frame list's, or a file's kept frames
-        from its headers (nothing decoded)."""
+        """A video's frames as the processor keeps them: a frame list's (their pixels summed from
+        their headers, checked against ``limits.max_video_pixels``), or a file's kept frames from
+        its headers (nothing decoded)."""
         if video.frames is not None:
+            area = 0
+            for name, value in video.frames:
+                h, w = self._header_size(name, value, key)
+                area += h * w
+                self._check_video_pixels(video.name, area, key)
             return len(video.frames)
         return len(file_plan(video, self.frame_sampling.indices, key, self.limits)[1])
+
+    def _list_frames(self, video: VideoEntry, key) -> list:
+        """A frame list's frames decoded (RGB PIL), their running pixel total checked against
+        ``limits.max_video_pixels`` frame by frame: never more than the limit in memory."""
+        frames, area = [], 0
+        for name, value in video.frames:
+            frames.append(decode_image(value, sample=key, name=name, limits=self.limits))
+            area += frames[-1].width * frames[-1].height
+            self._check_video_pixels(video.name, area, key)
+        return frames
+
+    def _check_video_pixels(self, name: str, pixels: int, key) -> None:
+        if pixels > self.limits.max_video_pixels:
+            raise MediaError(
+                MediaProblem.BAD_VIDEO,
+                sample=key,
+                field=name,
+                actual=f"{pixels} pixels or more",
+                expected=f"at most {self.limits.max_video_pixels} pixels over its frames "
+                "(DecodeLimits.max_video_pixels)",
+            )
 
     @property
     def video_settings(self) -> tuple:
@@ -474,9 +501,7 @@ class LlavaOnevisionSampleTransform:
         clips = [
             self.file_pixels(video, key)
             if video.frames is None
-            else self.video_pixels(
-                [decode_image(v, sample=key, name=n, limits=self.limits) for n, v in video.frames]
-            )
+            else self.video_pixels(self._list_frames(video, key))
             for video in self.video_frames(raw, meta, key)
         ]
         sizes = [(im.height, im.width) for im in images]

@@ -33,7 +33,7 @@ from prealign.loaders.sources.tar_decode import DecodeLimits
 from prealign.schemas import ConfigError, ParallelLayout
 from tests.conftest import examples
 from tests.families import llava_onevision_reference as ref
-from tests.families.test_llava_onevision_transform import PINS, items, transform
+from tests.families.test_llava_onevision_transform import PINS, items, sample, transform
 from tests.video_clips import make_clip
 
 av = pytest.importorskip("av")
@@ -250,6 +250,28 @@ def test_limits_are_typed_errors_before_decoding(limits, clip, name):
     small = dataclasses.replace(t, video_sampling={"do_sample_frames": True, "num_frames": 2})
     if name != "max_video_seconds":  # the way out: fewer frames
         assert small(raw)["video_num_frames"].tolist() == [2]
+
+
+def test_a_frame_lists_pixels_are_held_to_the_limit_too():
+    """A frame list's frames summed (from their headers in the header-only lengths, as decoded in
+    the loader) over ``max_video_pixels`` is a ``bad_video`` naming the video; at the limit it
+    passes."""
+    from prealign.loaders.media.llava_onevision import LlavaOnevisionSampleTransform
+
+    processor = ref.hf_processor(tile=56, pinpoints=PINS, video=True)
+    raw, _, _, clips = sample("fl", ["<video>what?", "ok"], [], 3, [3])
+    total = sum(f.width * f.height for f in clips[0])
+    t = transform(processor, tile=56, pinpoints=PINS)
+    assert isinstance(t, LlavaOnevisionSampleTransform)
+    for limit, ok in ((total, True), (total - 1, False)):
+        limited = dataclasses.replace(t, limits=DecodeLimits(max_video_pixels=limit))
+        for run in (limited, limited.header_ids):
+            if ok:
+                run(raw)
+                continue
+            with pytest.raises(MediaError, match="max_video_pixels") as err:
+                run(raw)
+            assert err.value.sample == "fl" and err.value.field == "videos[0]"
 
 
 def test_corrupt_and_truncated_files_are_corrupt_videos():
