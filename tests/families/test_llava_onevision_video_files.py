@@ -346,3 +346,28 @@ def test_packed_logits_equal_alone_with_a_video_file():
     assert lo.worst(batch, kwargs, samples) < lo.TOL
     kwargs["pixel_values_videos"] = kwargs["pixel_values_videos"][[1, 0]]  # videos swapped
     assert lo.worst(batch, kwargs, samples) > lo.CORRUPT
+
+
+def test_demo_data_holds_mp4_clips_with_four_frames_kept(tmp_path):
+    """``prealign demo --model llava_onevision``'s data: some samples hold an mp4 (no image beside
+    it), each read as 4 kept frames (one frame count per forward) with the teacher rows' length."""
+    import tarfile
+
+    from prealign.loaders.cli.demo_data import build_demo_dataset, demo_transform
+    from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
+
+    ds = build_demo_dataset(
+        str(tmp_path), num_samples=16, samples_per_shard=16, topk=2, model="llava_onevision", bad=()
+    )
+    t = demo_transform("llava_onevision", ByteTokenizer(), 2)
+    raws: dict = {}
+    with tarfile.open(ds.shards[0]) as tar:
+        for member in tar.getmembers():
+            key, ext = member.name.split(".", 1)
+            raws.setdefault(key, {"__key__": key})[ext] = tar.extractfile(member).read()
+    clips = [r for r in raws.values() if "clip.mp4" in r]
+    assert clips
+    for raw in clips:
+        out = t(raw)
+        assert out["video_num_frames"].tolist() == [4] and out["pixel_values"].shape[0] == 0
+        assert out["teacher_topk_ids"].shape[0] == out["input_ids"].numel()
