@@ -111,3 +111,25 @@ def test_components_that_collate_to_different_schemas_are_refused_naming_both(tm
     message = str(err.value)
     assert "'left'" in message and "'right'" in message and "llava_onevision" in message
     assert "pixel_values" in message and "(3, 56, 56)" in message and "(3, 42, 42)" in message
+
+
+def test_inspect_a_mixture_file_of_llava_onevision_folders(tmp_path, capsys):
+    """``prealign inspect mix.json``: the components' own transforms, every batch valid against
+    their family's schema (not Qwen's)."""
+    from prealign.loaders.cli.main import main
+
+    model_folder(tmp_path / "model")
+    shards(tmp_path / "a", 6, 0)
+    shards(tmp_path / "b", 4, 1)
+    path = write_mixture(
+        tmp_path,
+        {
+            "a": {"path": "a", "transform": "model", "weight": 0.6},
+            "b": {"path": "b", "transform": "model", "weight": 0.4},
+        },
+    )
+    args = ["inspect", path, "--workers", "0", "--tp", "1", "--token-budget", "2048"]
+    assert main([*args, "--out", str(tmp_path / "x.png")]) == 0
+    out = capsys.readouterr().out
+    assert "schema llava_onevision" in out and "batches valid" in out
+    assert "mixture (shares of the samples)" in out
