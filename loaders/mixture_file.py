@@ -6,7 +6,12 @@
                     "video": {"path": "video/", "transform": "qwen2_5_vl_config/", "repeat": 2}}}
 
 Relative paths resolve against the file's folder. A key this reader does not know is an error naming
-it.
+it. A model config folder's transform is its family's, as ``prealign inspect --model-config``
+builds it (:mod:`prealign.loaders.media.families`: the Qwen families, InternVL and GLM-4V through
+``VLMSampleTransform``; Gemma 3, LLaVA-OneVision, Mistral3, SmolVLM, ... their own); the folder's
+``preprocessor_config.json`` sets its image processor. All VLM components must collate to one
+batch schema (one family, tokenizer and vision settings), else a
+:class:`~prealign.loaders.media.families.MixedFamiliesError` names two that differ.
 """
 
 from __future__ import annotations
@@ -69,10 +74,11 @@ def _text_transform(tokenizer):
 def _vlm_transform(name: str, folder: str, tokenizer):
     """The VLM transform of a model config folder (``config.json``; its ``preprocessor_config.json``
     and ``video_preprocessor_config.json`` when present; its tokenizer unless ``tokenizer`` is
-    given)."""
-    from transformers import AutoConfig
+    given): the family's own transform where it has one, else ``VLMSampleTransform``."""
+    from transformers import AutoConfig, PreTrainedTokenizerBase
 
-    from prealign.loaders.media.chat_tokenizer import HFChatTokenizer
+    from prealign.collate.vision import vision_family
+    from prealign.loaders.media.families import chat_tokenizer, own_transform
     from prealign.loaders.media.vlm import VLMSampleTransform
 
     try:
@@ -80,14 +86,18 @@ def _vlm_transform(name: str, folder: str, tokenizer):
         if tokenizer is None:
             from transformers import AutoTokenizer
 
-            tokenizer = HFChatTokenizer(
-                AutoTokenizer.from_pretrained(folder, local_files_only=True)
-            )
+            tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     except (OSError, ValueError) as exc:
         raise ConfigError(
             f"mixture file: component {name!r}: transform {folder}: not a model config folder with "
             f"a tokenizer ({type(exc).__name__}); or pass Mixture.from_file(..., tokenizer=...)"
         ) from None
+    family = vision_family(config)
+    if family.transform:  # its own transform wraps the HF tokenizer itself
+        has_processor = os.path.isfile(os.path.join(folder, "preprocessor_config.json"))
+        return own_transform(family, config, tokenizer, None, folder if has_processor else None)
+    if isinstance(tokenizer, PreTrainedTokenizerBase):  # the family's token names, as the CLI
+        tokenizer = chat_tokenizer(tokenizer, family)
     extra = {}
     for key, file in (
         ("processor_options", "preprocessor_config.json"),
@@ -220,6 +230,9 @@ def load_mixture_file(mixture_cls, component_cls, path: str, *, tokenizer=None):
             weight=entry.get("weight"),
             repeat=entry.get("repeat"),
         )
+    from prealign.loaders.media.families import common_schema
+
+    common_schema({name: comp.source.transform for name, comp in comps.items()})
     options = {
         k: data[k]
         for k in ("by", "length", "pack_within_component", "on_component_change")

@@ -18,6 +18,8 @@ Shard layout (one tar member per field, webdataset naming ``<key>.<field>``)::
 its patch size, its video rules) and adds short videos to some of them, one ``<video>`` placeholder
 each: half real mp4 files (member ``clip.mp4``, encoded with PyAV, sampled by the family's rules),
 half 2-5 frames as members ``v0_<j>.jpg`` listed in ``json["videos"]`` with their ``fps``.
+LLaVA-OneVision gets mp4 files only, in samples without images, 4 frames kept of each (its forward
+takes one frame count for every video).
 GLM-4.1V / 4.5V (``glm4v``, ``glm4v_moe``) get images only: one forward takes images or video, never
 both (:mod:`prealign.collate.vision.glm4v`), so a packed demo row could not mix them.
 
@@ -263,7 +265,12 @@ def demo_transform(model: str | None, tok, topk: int | None = None):
     if model == "llava_onevision":
         from prealign.loaders.media.llava_onevision import LlavaOnevisionSampleTransform
 
-        return LlavaOnevisionSampleTransform(tokenizer=tok, model_config=config, topk=topk)
+        return LlavaOnevisionSampleTransform(
+            tokenizer=tok,
+            model_config=config,
+            topk=topk,
+            video_sampling={"do_sample_frames": True, "num_frames": 4},  # one count per forward
+        )
     if (
         model == "smolvlm"
     ):  # <end_of_utterance>, <fake_token_around_image>, <image>: the byte tokenizer's 3, 4, 6
@@ -284,7 +291,9 @@ def demo_transform(model: str | None, tok, topk: int | None = None):
     )
 
 
-def _video(rng: np.random.Generator, members: dict, files: bool = True) -> dict | str:
+def _video(
+    rng: np.random.Generator, members: dict, files: bool = True, only_files: bool = False
+) -> dict | str:
     """A clip (one drawing drifting sideways) added to ``members``; returns its ``videos`` entry:
     half the time (with ``files``) a real mp4 file (4-12 frames at 10, 24 or 30 fps, encoded with
     PyAV), else a 2-5 frame list of JPEG members."""
@@ -292,7 +301,7 @@ def _video(rng: np.random.Generator, members: dict, files: bool = True) -> dict 
 
     data, (w, h) = _image(rng, "png")
     base = np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
-    if rng.random() < 0.5 and files:
+    if only_files or (rng.random() < 0.5 and files):
         from prealign.loaders.media.video_file import encode_video
 
         frames = np.stack([np.roll(base, 3 * j, axis=1) for j in range(int(rng.integers(4, 13)))])
@@ -340,7 +349,11 @@ def _sample(
     videos, ids = None, None
     if hasattr(
         transform, "header_ids"
-    ):  # Gemma 3, LLaVA-OneVision: no video, their own chat (from image headers)
+    ):  # Gemma 3, LLaVA-OneVision: their own chat (from image headers); LLaVA-OneVision's videos
+        if getattr(transform, "video_sampling", None) and bad is None and not n_images:
+            if rng.random() < 0.5:  # (mp4 files, 4 frames kept: one frame count per forward)
+                meta["videos"] = [_video(rng, members, only_files=True)]
+                meta["messages"][0]["content"] = "<video>\n" + user
         ids = transform.header_ids({**members, "json": json.dumps(meta)})[0]
         transform = None
     elif transform is not None:

@@ -23,6 +23,11 @@ import sys
 import time
 
 from prealign.loaders.cli.errors import OPEN_LINE
+from prealign.loaders.media.families import (  # (also what `main` imports from here)
+    chat_tokenizer,
+    own_transform,
+    transform_schema,
+)
 
 
 def add_parser(sub) -> None:
@@ -204,64 +209,6 @@ def vlm_transform(args, topk):
         model_config=model_config,
         video_processor_config=video,
     ), told
-
-
-def chat_tokenizer(hf, family):
-    """A Hugging Face tokenizer as :class:`VLMSampleTransform`'s chat tokenizer, with ``family``'s
-    token names (InternVL's ``<img>`` ... ; GLM's; else Qwen's), as the transform wraps its
-    processor's tokenizer."""
-    from prealign.loaders.media import glm4v, internvl
-    from prealign.loaders.media.chat_tokenizer import HFChatTokenizer
-
-    model_type = getattr(family, "model_type", "") or ""
-    if model_type == "internvl":
-        return internvl.internvl_chat_tokenizer(hf)
-    return HFChatTokenizer(hf, **(glm4v.TOKEN_NAMES if model_type.startswith("glm4v") else {}))
-
-
-def own_transform(family, model_config, tokenizer, topk, processor_dir):
-    """The transform ``family.transform`` names (its class path), built from the model's config;
-    ``processor_dir``: the model's ``preprocessor_config.json`` read into the transform's own image
-    processor class (its PIL backend: transformers' auto class may want torchvision), else the
-    family's default."""
-    import dataclasses
-    import importlib
-
-    from prealign.schemas.errors import ConfigError
-
-    module, _, name = family.transform.rpartition(".")
-    transform = getattr(importlib.import_module(module), name)(
-        model_config=model_config, tokenizer=tokenizer, topk=topk
-    )
-    if not processor_dir:
-        return transform
-    kind = type(transform.image_processor)
-    try:
-        processor = kind.from_pretrained(processor_dir, local_files_only=True)
-    except (OSError, ValueError) as exc:
-        raise ConfigError(
-            f"--processor {processor_dir}: no {kind.__name__} read from it "
-            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
-        ) from None
-    return dataclasses.replace(transform, processor=processor)  # checked against the config again
-
-
-def transform_schema(transform, topk):
-    """The batch schema ``transform``'s samples collate to: the family's own (Gemma 3: whole images;
-    the families with a ``batch_schema``: theirs), else :func:`~prealign.schemas.vlm.vlm_schema`
-    (Qwen's grids)."""
-    from prealign.schemas.vlm import image_tokens_schema, vlm_schema
-
-    tok, family = transform.tokenizer, getattr(transform, "family", None)
-    common = dict(topk=topk, vocab_size=tok.vocab_size, pad_token_id=tok.pad_token_id)
-    model_type = getattr(family, "model_type", None)
-    if model_type == "gemma3":
-        return image_tokens_schema(image_size=family.image_size, **common)
-    if hasattr(
-        family, "batch_schema"
-    ):  # InternVL, LLaVA-OneVision, Mistral3 / Pixtral, SmolVLM / Idefics3
-        return family.batch_schema(**common)
-    return vlm_schema(**common)
 
 
 def source_and_schema(args):

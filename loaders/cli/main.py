@@ -346,14 +346,12 @@ def _inspect_mixture(args) -> int:
     source = Mixture.from_file(args.shards[0], tokenizer=tokenizer)
     if args.text:
         schema = causal_lm_schema(topk=topk, vocab_size=args.vocab_size)
-    else:
-        tok = next(
-            c.source.transform.tokenizer
-            for c in source.components.values()
-            if hasattr(c.source.transform, "tokenizer")
-            and hasattr(c.source.transform, "model_config")
-        )
-        schema = vlm_schema(topk=topk, vocab_size=tok.vocab_size, pad_token_id=tok.pad_token_id)
+    else:  # the VLM components' one schema (their family's; different ones were refused)
+        from prealign.loaders.media.families import common_schema
+
+        schema = common_schema(
+            {n: c.source.transform for n, c in source.components.items()}, topk
+        ) or vlm_schema(topk=topk)
     return _run(
         args,
         layout,

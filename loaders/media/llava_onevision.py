@@ -33,14 +33,20 @@ with ``image_sizes`` and ``batch_num_images`` (concatenated over a packed batch,
 sample that has images, they tell it which images are tiled; a text-only sample adds none, so it
 carries no media row). Positions are 1-D (the collator's ``position_ids``).
 
-Videos are frame lists (``json["videos"]``, as for every family; a video file is a
-``bad_video``: the processor takes the frames it is given, so decode and sample them first):
-each frame resized to the tile square as transformers' video processors resize (torch bicubic
-with antialias), written as ``frames * ceil(side / 2)**2 + 1`` ``<video>`` tokens (each frame's
-features pooled, one ``image_newline`` per video), ``mm_token_type_ids`` 2."""
+Videos are frame lists (``json["videos"]``, as for every family) or video files (``clip.mp4``
+members): a file keeps the frames transformers' LLaVA-OneVision video processor keeps (every frame
+by default; ``video_sampling={"num_frames": n}`` or ``{"fps": f}`` as its call takes them, by the
+installed transformers' rule: :class:`~.video_sampling.UniformSampling`), read from its headers
+and checked against the decode limits before only those frames are decoded
+(:func:`~.vlm.file_plan`). Each frame is resized to the tile square as transformers' video
+processors resize (torch bicubic with antialias), written as ``frames * ceil(side / 2)**2 + 1``
+``<video>`` tokens (each frame's features pooled, one ``image_newline`` per video),
+``mm_token_type_ids`` 2.
+The token count depends on the kept frame count alone, so an index reads it from the headers."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import re
@@ -55,6 +61,7 @@ from prealign.loaders.media.chat_tokenizer import encode_segments
 from prealign.loaders.media.teacher_topk import teacher_topk
 from prealign.loaders.media.video import fused_normalize_table
 from prealign.loaders.media.video_file import resize_frames
+from prealign.loaders.media.video_sampling import UniformSampling
 from prealign.loaders.media.vlm import (
     IMAGE_PLACEHOLDER,
     VIDEO_PLACEHOLDER,
@@ -63,6 +70,8 @@ from prealign.loaders.media.vlm import (
     VideoEntry,
     check_float_dtypes,
     decode_image,
+    decode_kept,
+    file_plan,
     image_members,
     sample_metadata,
     video_members,
@@ -169,6 +178,18 @@ class LlavaOnevisionSampleTransform:
     pixel_dtype: str = "float32"
     text_key: str = "json"
     limits: DecodeLimits = DEFAULT_LIMITS
+    """Caps checked before decoding: an image's pixels; a video file's seconds, kept frames, their
+    pixels and bytes (from its headers); a frame list's frames."""
+    video_sampling: dict | None = None
+    """Per-call overrides of a video file's frame choice (``do_sample_frames``, ``num_frames``,
+    ``fps``: what a call of the video processor takes), over the processor's video processor
+    settings, over the class defaults (every frame). Part of the index key."""
+    decode_threads: int = 1
+    """Decoder threads per video file (one per DataLoader worker by default; 0: ffmpeg's
+    choice)."""
+    decode_videos: bool = True
+    """False: video files are sampled from their headers and left undecoded (zero pixels): what an
+    index pass runs (:meth:`for_indexing`)."""
     family: LlavaOneVision = field(init=False, repr=False, compare=False, default=None)
 
     def __post_init__(self):
@@ -197,6 +218,29 @@ class LlavaOnevisionSampleTransform:
                 f"{fam.tile_size} and image_grid_pinpoints {[list(p) for p in fam.pinpoints]}"
             )
         check_float_dtypes(self)
+        if (
+            isinstance(self.decode_threads, bool)
+            or not isinstance(self.decode_threads, int)
+            or self.decode_threads < 0
+        ):
+            raise ConfigError(
+                f"LlavaOnevisionSampleTransform.decode_threads: expected an int >= 0, got "
+                f"{self.decode_threads!r}"
+            )
+        self.frame_sampling  # noqa: B018 (the settings checked now, not at the first video)
+
+    @property
+    def frame_sampling(self) -> UniformSampling:
+        """Which frames of a video file are kept: the video processor's settings (where the
+        processor has one) and :attr:`video_sampling`, by the installed transformers' rule."""
+        return UniformSampling.for_processor(
+            getattr(self.processor, "video_processor", None), self.video_sampling
+        )
+
+    def for_indexing(self) -> "LlavaOnevisionSampleTransform":
+        """This transform with video files sampled from their headers and left undecoded
+        (``decode_videos=False``): the same lengths and shapes, no frame decoded."""
+        return dataclasses.replace(self, decode_videos=False) if self.decode_videos else self
 
     @property
     def image_processor(self):
@@ -290,6 +334,7 @@ class LlavaOnevisionSampleTransform:
                     "turn": [tok.im_start_id, tok.im_end_id],
                     "topk": self.topk,
                     "text_key": self.text_key,
+                    "video_sampling": self.frame_sampling.key(),
                 }
             },
             sort_keys=True,
@@ -303,17 +348,50 @@ class LlavaOnevisionSampleTransform:
         :meth:`__call__` writes, without decoding a pixel (what an index pass needs)."""
         key = raw.get("__key__", "?")
         meta = sample_metadata(raw, self.text_key, key)
-        frames = [len(video) for video in self.video_frames(raw, meta, key)]
+        frames = [self._frame_count(video, key) for video in self.video_frames(raw, meta, key)]
         if sizes is None:
             sizes = [
                 self._header_size(name, value, key) for name, value in image_members(raw, meta, key)
             ]
         return encode_segments(self.tokenizer, self.segments(meta, sizes, frames, sample=key))
 
-    def video_frames(self, raw: dict, meta: dict, key) -> list[list]:
-        """Each video's ``(name, value)`` frames (frame lists only: a video file is a
-        ``bad_video``)."""
-        return [_frames(video, key) for video in video_members(raw, meta, key, limits=self.limits)]
+    def video_frames(self, raw: dict, meta: dict, key) -> list[VideoEntry]:
+        """The sample's videos (frame lists and video files), in placeholder order."""
+        return video_members(raw, meta, key, limits=self.limits)
+
+    def _frame_count(self, video: VideoEntry, key) -> int:
+        """A video's frames as the processor keeps them: a frame list's (their pixels summed from
+        their headers, checked against ``limits.max_video_pixels``), or a file's kept frames from
+        its headers (nothing decoded)."""
+        if video.frames is not None:
+            area = 0
+            for name, value in video.frames:
+                h, w = self._header_size(name, value, key)
+                area += h * w
+                self._check_video_pixels(video.name, area, key)
+            return len(video.frames)
+        return len(file_plan(video, self.frame_sampling.indices, key, self.limits)[1])
+
+    def _list_frames(self, video: VideoEntry, key) -> list:
+        """A frame list's frames decoded (RGB PIL), their running pixel total checked against
+        ``limits.max_video_pixels`` frame by frame: never more than the limit in memory."""
+        frames, area = [], 0
+        for name, value in video.frames:
+            frames.append(decode_image(value, sample=key, name=name, limits=self.limits))
+            area += frames[-1].width * frames[-1].height
+            self._check_video_pixels(video.name, area, key)
+        return frames
+
+    def _check_video_pixels(self, name: str, pixels: int, key) -> None:
+        if pixels > self.limits.max_video_pixels:
+            raise MediaError(
+                MediaProblem.BAD_VIDEO,
+                sample=key,
+                field=name,
+                actual=f"{pixels} pixels or more",
+                expected=f"at most {self.limits.max_video_pixels} pixels over its frames "
+                "(DecodeLimits.max_video_pixels)",
+            )
 
     @property
     def video_settings(self) -> tuple:
@@ -334,14 +412,33 @@ class LlavaOnevisionSampleTransform:
         """A video's RGB PIL frames -> float32 ``[frames, 3, s, s]``, as transformers' video
         processors make them: each frame resized by torch's bicubic with antialias on uint8, rescale
         fused into normalize."""
-        size, mean, std, rescale = self.video_settings
+        size = self.video_settings[0]
+        return self.normalize_frames(
+            torch.cat(
+                [
+                    resize_frames(torch.from_numpy(np.array(im)).permute(2, 0, 1)[None], size)
+                    for im in frames
+                ]
+            ).numpy()
+        )
+
+    def file_pixels(self, video: VideoEntry, key) -> torch.Tensor:
+        """A video file -> float32 ``[kept frames, 3, s, s]``: its kept frames decoded (each
+        resized as it leaves the decoder) and normalised as :meth:`video_pixels`; with
+        ``decode_videos=False`` zeros of that shape, nothing decoded."""
+        size = self.video_settings[0]
+        header, indices = file_plan(video, self.frame_sampling.indices, key, self.limits)
+        if not self.decode_videos:
+            return torch.zeros(len(indices), 3, *size)
+        return self.normalize_frames(
+            decode_kept(video, header, indices, size, key, self.limits, threads=self.decode_threads)
+        )
+
+    def normalize_frames(self, codes: np.ndarray) -> torch.Tensor:
+        """uint8 ``[n, 3, s, s]`` resized frames -> float32: rescale fused into normalize, one
+        table lookup per value."""
+        _, mean, std, rescale = self.video_settings
         table = fused_normalize_table(mean, std, rescale)
-        codes = torch.cat(
-            [
-                resize_frames(torch.from_numpy(np.array(im)).permute(2, 0, 1)[None], size)
-                for im in frames
-            ]
-        ).numpy()
         offsets = (np.arange(3, dtype=np.uint16) * 256).reshape(1, 3, 1, 1)
         return torch.from_numpy(np.take(table, np.add(codes, offsets, dtype=np.uint16)))
 
@@ -402,9 +499,9 @@ class LlavaOnevisionSampleTransform:
             for n, v in image_members(raw, meta, key)
         ]
         clips = [
-            self.video_pixels(
-                [decode_image(v, sample=key, name=n, limits=self.limits) for n, v in video]
-            )
+            self.file_pixels(video, key)
+            if video.frames is None
+            else self.video_pixels(self._list_frames(video, key))
             for video in self.video_frames(raw, meta, key)
         ]
         sizes = [(im.height, im.width) for im in images]
@@ -452,17 +549,3 @@ class LlavaOnevisionSampleTransform:
             )
         return out
 
-
-def _frames(video: VideoEntry, key) -> list:
-    """A video's frames: a frame list only (LLaVA-OneVision's processor takes the frames it is
-    given)."""
-    if video.frames is None:
-        raise MediaError(
-            MediaProblem.BAD_VIDEO,
-            sample=key,
-            field=video.name,
-            actual="a video file",
-            expected="LLaVA-OneVision videos as frame lists ({'frames': [...]}); decode the file "
-            "first",
-        )
-    return video.frames

@@ -23,6 +23,7 @@ source_fps``. The settings come from the video processor (or the checkpoint's
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -158,3 +159,149 @@ def sampled_fps(indices: np.ndarray, total: int, source_fps: float) -> float:
     1.2632
     """
     return len(indices) / total * source_fps
+
+
+UNIFORM_KEYS = ("do_sample_frames", "fps", "num_frames")
+"""The settings (and call arguments) that choose frames for transformers' base video processor."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class UniformSampling:
+    """transformers' base video processor's frame choice (``BaseVideoProcessor.sample_frames``),
+    what LLaVA-OneVision's video processor inherits: by default every frame
+    (``do_sample_frames=False``); asked for ``num_frames`` or ``fps``, ``n`` frames spread evenly,
+    by the rule of the installed transformers (:func:`uniform_rule`):
+
+    ==========  ===========================================  ====================================
+    rule        ``n`` from ``fps``                           indices
+    ==========  ===========================================  ====================================
+    ``arange``  ``int(total / source_fps * fps)`` (0 is      ``torch.arange(0, total, total /
+    (5.6-5.10)  refused)                                     n).int()``, those ``< total`` (a
+                                                             float step can reach ``total``; the
+                                                             PyAV reader drops it)
+    ``floor``   ``max(1, int(total / source_fps * fps))``    ``arange(n) * total // n``
+    (5.24)
+    ==========  ===========================================  ====================================
+
+    Either refuses ``n > total`` and ``fps`` with ``num_frames``.
+
+    >>> UniformSampling(rule="floor", do_sample_frames=True, num_frames=4).indices(10, 1.0).tolist()
+    [0, 2, 5, 7]
+    """
+
+    rule: str
+    do_sample_frames: bool = False
+    fps: float | None = None
+    num_frames: int | None = None
+
+    @classmethod
+    def for_processor(
+        cls, settings=None, overrides: dict | None = None, *, rule: str | None = None
+    ) -> "UniformSampling":
+        """``settings``: a video processor or its config dict (its :data:`UNIFORM_KEYS`, else the
+        class defaults: every frame); ``overrides``: per-call values; ``rule``: the installed
+        transformers' unless given."""
+        get = (
+            settings.get
+            if isinstance(settings, dict)
+            else (lambda k, d=None: getattr(settings, k, d))
+        )
+        values = {"do_sample_frames": False, "fps": None, "num_frames": None}
+        for key in UNIFORM_KEYS:
+            if settings is not None and get(key, None) is not None:
+                values[key] = get(key)
+        unknown = sorted(set(overrides or {}) - set(UNIFORM_KEYS))
+        if unknown:
+            raise ConfigError(
+                f"video_sampling: unknown settings {unknown} (known: {list(UNIFORM_KEYS)})"
+            )
+        values.update(overrides or {})
+        out = cls(rule=rule or uniform_rule(), **values)
+        if out.rule not in ("arange", "floor"):
+            raise ConfigError(f"video sampling rule: 'arange' or 'floor', not {out.rule!r}")
+        FrameSampling(  # (the same checks of fps and num_frames)
+            linspace=False, do_sample_frames=True, fps=out.fps, num_frames=out.num_frames
+        )._check()
+        return out
+
+    def key(self) -> dict:
+        """The settings as the index key records them."""
+        return {
+            "rule": self.rule,
+            "do_sample_frames": self.do_sample_frames,
+            "fps": self.fps,
+            "num_frames": self.num_frames,
+        }
+
+    def indices(self, total: int, source_fps: float) -> np.ndarray:
+        """int64 ``[n]``: the frames kept of a ``total``-frame video at ``source_fps``; a
+        :class:`ValueError` where transformers refuses."""
+        if not self.do_sample_frames:
+            return np.arange(total, dtype=np.int64)
+        n = self.num_frames
+        if self.fps is not None and n is not None:
+            raise ValueError("fps and num_frames are mutually exclusive; give one")
+        if n is None and self.fps is not None:
+            n = int(total / source_fps * self.fps)
+            n = max(1, n) if self.rule == "floor" else n
+        if n is None:
+            if self.rule == "floor":
+                return np.arange(total, dtype=np.int64)
+            raise ValueError("do_sample_frames=True needs fps or num_frames (transformers fails)")
+        if n > total or n < 1:
+            raise ValueError(
+                f"{n} frames to sample of a {total}-frame video (fps={self.fps}, "
+                f"num_frames={self.num_frames})"
+            )
+        if self.rule == "floor":
+            return np.arange(n, dtype=np.int64) * total // n
+        kept = torch.arange(0, total, total / n).int().numpy().astype(np.int64)
+        return kept[kept < total]
+
+
+def uniform_rule() -> str:
+    """Which :class:`UniformSampling` rule the installed transformers' base video processor
+    follows, found once per process by asking its ``sample_frames`` two questions (1 frame per 20
+    of 10 at 1 fps: ``[0]`` for ``floor``, refused for ``arange``; 4 of 10: ``[0, 2, 5, 7]`` for
+    both); ``floor`` without transformers. A third behaviour is a :class:`ConfigError`."""
+    return _uniform_rule()
+
+
+@functools.lru_cache(maxsize=1)
+def _uniform_rule() -> str:
+    try:
+        from transformers.video_processing_utils import BaseVideoProcessor
+        from transformers.video_utils import VideoMetadata
+    except ImportError:  # pragma: no cover - the LLaVA-OneVision transform needs transformers
+        return "floor"
+    import types
+
+    settings = types.SimpleNamespace(num_frames=None, fps=None)
+
+    def ask(total, **kw):  # (the indices a PyAV reader keeps: those below ``total``)
+        meta = VideoMetadata(total_num_frames=total, fps=1.0)
+        try:
+            got = np.asarray(BaseVideoProcessor.sample_frames(settings, meta, **kw))
+        except (ValueError, ZeroDivisionError):
+            return None
+        return got[got < total].tolist()
+
+    def mine(rule, total, **kw):
+        try:
+            return UniformSampling(rule=rule, do_sample_frames=True, **kw).indices(total, 1.0)
+        except ValueError:
+            return None
+
+    questions = ((10, {"fps": 0.05}), (10, {"num_frames": 4}))
+    seen = [ask(total, **kw) for total, kw in questions]
+    for rule in ("floor", "arange"):
+        want = [mine(rule, total, **kw) for total, kw in questions]
+        if all((a is None) == (b is None) and (a is None or a == b.tolist()) for a, b in
+               zip(seen, want)):
+            return rule
+    import transformers
+
+    raise ConfigError(
+        f"transformers {transformers.__version__}: its video processors sample frames by a rule "
+        f"prealign does not know ({seen}); give videos as frame lists"
+    )

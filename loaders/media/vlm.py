@@ -1237,23 +1237,15 @@ class VLMSampleTransform:
                     seconds.append(plan.seconds)
                     ids.append(plan.ids)
                     continue
-                try:
-                    frames = decode_frames(
-                        video.data,
-                        plan.indices,
-                        plan.header,
-                        (plan.grid[1] * p, plan.grid[2] * p),
-                        threads=self.decode_threads,
-                        deadline_s=self.limits.max_video_decode_seconds,
-                    )
-                except VideoFileError as exc:
-                    raise MediaError(
-                        MediaProblem.CORRUPT_VIDEO,
-                        sample=key,
-                        field=video.name,
-                        actual=str(exc),
-                        expected="a video file whose sampled frames decode as its headers say",
-                    ) from None
+                frames = decode_kept(
+                    video,
+                    plan.header,
+                    plan.indices,
+                    (plan.grid[1] * p, plan.grid[2] * p),
+                    key,
+                    self.limits,
+                    threads=self.decode_threads,
+                )
                 grid, block, second = plan.grid, plan.ids, plan.seconds
             else:
                 decoded, area = [], 0
@@ -1329,56 +1321,12 @@ class VLMSampleTransform:
 
     def _file_plan(self, video: "VideoEntry", key) -> "VideoPlan":
         """A video file's header, kept frames, grid, ids and seconds per grid, from its headers
-        alone; every limit checked before anything is decoded."""
-        try:
-            header = probe_video(video.data)
-        except VideoFileError as exc:
-            raise MediaError(
-                MediaProblem.CORRUPT_VIDEO,
-                sample=key,
-                field=video.name,
-                actual=str(exc),
-                expected="a video file PyAV reads (mp4, webm, mkv, ...)",
-            ) from None
-        limits = self.limits
-        if header.seconds > limits.max_video_seconds:
-            raise MediaError(
-                MediaProblem.BAD_VIDEO,
-                sample=key,
-                field=video.name,
-                actual=f"{header.seconds:.1f} s",
-                expected=f"at most {limits.max_video_seconds} s (DecodeLimits.max_video_seconds)",
-            )
+        alone; every limit checked before anything is decoded (:func:`file_plan`)."""
         tp = self.video_geometry.temporal_patch_size
-        try:
-            indices = self.frame_sampling.indices(header.frames, header.fps, tp)
-        except ValueError as exc:
-            raise MediaError(
-                MediaProblem.BAD_VIDEO,
-                sample=key,
-                field=video.name,
-                actual=str(exc),
-                expected="a video the family's frame sampling takes",
-            ) from None
+        header, indices = file_plan(
+            video, lambda total, fps: self.frame_sampling.indices(total, fps, tp), key, self.limits
+        )
         n = len(indices)
-        if n > limits.max_video_frames:
-            raise MediaError(
-                MediaProblem.BAD_VIDEO,
-                sample=key,
-                field=video.name,
-                actual=f"{n} sampled frames",
-                expected=f"at most {limits.max_video_frames} frames "
-                f"(DecodeLimits.max_video_frames)",
-            )
-        if n * header.width * header.height * 3 > limits.max_video_bytes:
-            raise MediaError(
-                MediaProblem.BAD_VIDEO,
-                sample=key,
-                field=video.name,
-                actual=f"{n} frames of {header.width}x{header.height}",
-                expected=f"at most {limits.max_video_bytes} decoded bytes "
-                f"(DecodeLimits.max_video_bytes)",
-            )
         grid = self._video_grid(
             video.name, [(header.width, header.height)] * n, self.video_geometry, key
         )
@@ -1555,6 +1503,93 @@ class VideoPlan:
     grid: tuple[int, int, int]
     seconds: float
     ids: np.ndarray
+
+
+def file_plan(
+    video: VideoEntry, choose, key, limits: DecodeLimits
+) -> tuple[VideoHeader, np.ndarray]:
+    """A video file's header and kept frames' indices int64 ``[n]`` (``choose(total, source_fps)``,
+    the family's frame choice), from its headers alone: ``corrupt_video`` where PyAV cannot read
+    them, ``bad_video`` where ``choose`` refuses (a :class:`ValueError`) or the video is over
+    ``limits`` (its seconds; its kept frames, their pixels and RGB bytes at the source size), all
+    before anything is decoded."""
+
+    def bad(actual: str, expected: str) -> MediaError:
+        return MediaError(
+            MediaProblem.BAD_VIDEO, sample=key, field=video.name, actual=actual, expected=expected
+        )
+
+    try:
+        header = probe_video(video.data)
+    except VideoFileError as exc:
+        raise MediaError(
+            MediaProblem.CORRUPT_VIDEO,
+            sample=key,
+            field=video.name,
+            actual=str(exc),
+            expected="a video file PyAV reads (mp4, webm, mkv, ...)",
+        ) from None
+    if header.seconds > limits.max_video_seconds:
+        raise bad(
+            f"{header.seconds:.1f} s",
+            f"at most {limits.max_video_seconds} s (DecodeLimits.max_video_seconds)",
+        )
+    try:
+        indices = choose(header.frames, header.fps)
+    except ValueError as exc:
+        raise bad(str(exc), "a video the family's frame sampling takes") from None
+    n, area = len(indices), header.width * header.height
+    if n > limits.max_video_frames:
+        raise bad(
+            f"{n} sampled frames of {header.frames}",
+            f"at most {limits.max_video_frames} frames (DecodeLimits.max_video_frames; "
+            "sample fewer: video_sampling={'num_frames': ...} or {'fps': ...})",
+        )
+    if n * area > limits.max_video_pixels:
+        raise bad(
+            f"{n} frames of {header.width}x{header.height} = {n * area} pixels",
+            f"at most {limits.max_video_pixels} pixels over its frames "
+            "(DecodeLimits.max_video_pixels)",
+        )
+    if n * area * 3 > limits.max_video_bytes:
+        raise bad(
+            f"{n} frames of {header.width}x{header.height}",
+            f"at most {limits.max_video_bytes} decoded bytes (DecodeLimits.max_video_bytes)",
+        )
+    return header, indices
+
+
+def decode_kept(
+    video: VideoEntry,
+    header: VideoHeader,
+    indices: np.ndarray,
+    size: tuple[int, int],
+    key,
+    limits: DecodeLimits,
+    *,
+    threads: int = 1,
+) -> np.ndarray:
+    """A video file's frames at ``indices`` (:func:`file_plan`'s) -> uint8 ``[n, 3, *size]``
+    (:func:`~.video_file.decode_frames`: only those frames decoded, each resized as decoded); a
+    stream that disagrees with its headers, or a decode over ``limits.max_video_decode_seconds``,
+    is ``corrupt_video``."""
+    try:
+        return decode_frames(
+            video.data,
+            indices,
+            header,
+            size,
+            threads=threads,
+            deadline_s=limits.max_video_decode_seconds,
+        )
+    except VideoFileError as exc:
+        raise MediaError(
+            MediaProblem.CORRUPT_VIDEO,
+            sample=key,
+            field=video.name,
+            actual=str(exc),
+            expected="a video file whose sampled frames decode as its headers say",
+        ) from None
 
 
 def _tiled_frames(video: VideoEntry, key) -> list:

@@ -232,7 +232,7 @@ def test_refusals():
         "json": json.dumps({"messages": [{"role": "user", "content": "<video>"}]}),
         "mp4": b"x",
     }
-    with pytest.raises(MediaError, match="frame lists"):  # a video file: not decoded here
+    with pytest.raises(MediaError, match="corrupt_video"):  # not a video container
         transform(processor, tile=56, pinpoints=PINS)(clip)
     raw, _, _, _ = sample("m", ["<image><image>hi", "ok"], [(20, 20)], 0)
     with pytest.raises(MediaError, match="placeholder_mismatch"):
