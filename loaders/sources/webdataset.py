@@ -41,6 +41,7 @@ from prealign.loaders.sources import remote as _remote
 from prealign.loaders.sources.deadline import Stalled, TimedReader, call_with_timeout
 from prealign.loaders.sources.shard_files import (
     NotRegular,
+    all_distinct,
     check_index_dir_names,
     one_folder,
     open_regular,
@@ -81,7 +82,10 @@ def _expanded(urls: str | Sequence[str]) -> tuple[list[str], str, str | None]:
     import braceexpand
 
     items = [urls] if isinstance(urls, str) else list(urls)
-    text = url_text(items) if set(map(type, items)) == {str} else "{"
+    try:
+        text = url_text(items)
+    except TypeError:  # (not all strings: each made one below)
+        text = "{"
     if "{" not in text and "}" not in text and "\\" not in text:  # (100k plain paths: 3 searches)
         out = items
     else:
@@ -131,7 +135,7 @@ def _check_unique(urls: Sequence[str], text: str | None) -> str | None:
     if urls and (text is not None or set(map(type, urls)) == {str}):
         text = url_text(urls) if text is None else text
         folder = one_folder(text, len(urls))
-        if _normal_absolute(urls, text, folder) and len(set(urls)) == len(urls):
+        if _normal_absolute(urls, text, folder) and all_distinct(urls, text):
             return folder  # each its own identity: no call per shard
     seen: dict[str, int] = {}
     for i, url in enumerate(urls):
@@ -322,7 +326,7 @@ class WebDatasetSource(Source):
         self.read_timeout = None if read_timeout is None else float(read_timeout)
         self._local()["url_text"] = text  # (for the merged index's check of the names)
         self._stream_only = (
-            (".tar.gz\n" in text or ".tgz\n" in text)
+            ("gz\n" in text and (".tar.gz\n" in text or ".tgz\n" in text))
             if self.local_only  # (only a gzip-compressed tar can be sequential)
             else any(_remote.is_sequential(u) for u in self.urls)
         )
