@@ -2,14 +2,17 @@
 one sidecar per shard and with a merged index, side by side with Megatron-Energon in the same run;
 state_dict() against the sample count, index workers, import time.
 
-    python benchmarks/bench_scale.py [--samples 20000] [--shards 20 2000 100000] [--rounds 5]
-                                     [--per-shard-max 2000] [--energon-max 2000] [--no-energon]
-                                     [--before DIR] [--index 10000 100000] [--state 10000 1000000]
-                                     [--json out.json]
+    python benchmarks/bench_scale.py [--samples 20000] [--shards 20 2000 100000 20:20000]
+                                     [--rounds 5] [--per-shard-max 2000] [--energon-max 2000]
+                                     [--no-energon] [--before DIR] [--index 10000 100000]
+                                     [--state 10000 1000000] [--json out.json]
 
 * ``start``     the same ``--samples`` text samples (``<key>.input_ids.npy``, 8..128 tokens) cut
   into each of ``--shards`` shard counts (a shard count above ``--samples``: one sample per shard,
-                so that many samples); ``prealign index`` writes a sidecar beside each shard and
+                so that many samples; ``COUNT:SAMPLES``: that shard count with its own sample
+                count, e.g. ``--samples 100000 --shards 20 100000 20:20000`` compares 100,000
+                shards with the same samples in 20 shards and with 20,000 samples in 20 shards);
+                ``prealign index`` writes a sidecar beside each shard and
                 ``prealign index --merge`` one merged index into another folder (``index_dir``), so
                 the same shards start both ways. Then, in fresh processes, interleaved over
                 ``--rounds`` rounds: a PackedLoader's first batch and a resume (a new loader,
@@ -298,16 +301,22 @@ def _best(code: str, repeat: int, key: str) -> dict:
     return {**best, f"all_{key}": [t[key] for t in tries]}
 
 
+def _shard_count(text: str, samples: int) -> tuple[int, int]:
+    """``(shards, samples)`` of a ``--shards`` entry: ``COUNT`` (``--samples``, or one sample per
+    shard when there are more shards) or ``COUNT:SAMPLES``."""
+    count, _, own = text.partition(":")
+    return int(count), int(own) if own else max(samples, int(count))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--samples", type=int, default=20_000)
     ap.add_argument(
         "--shards",
-        type=int,
         nargs="*",
-        default=[20, 2000, 100_000],
-        help="shard counts; each later one is compared with the first (the issue's target: <= "
-        "1.5x)",
+        default=["20", "2000", "100000"],
+        help="shard counts (COUNT, or COUNT:SAMPLES for a sample count of its own); each is "
+        "compared with every one of fewer shards (the issue's target: <= 1.5x)",
     )
     ap.add_argument(
         "--rounds", type=int, default=5, help="interleaved rounds of the start (fresh processes)"
@@ -336,6 +345,7 @@ def main() -> int:
     ap.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "prealign-bench-scale"))
     ap.add_argument("--json", help="also write the numbers here")
     args = ap.parse_args()
+    args.shards = [_shard_count(s, args.samples) for s in args.shards]
     numbers: dict = {}
     energon = not args.no_energon
     enc = _ENERGON_ENCODER.format(energon=args.energon) if energon else ""
@@ -347,21 +357,20 @@ def main() -> int:
     )
     contenders: dict = {}
     sizes = {}
-    for count in args.shards:
-        n = max(args.samples, count)
+    for count, n in args.shards:
         root = os.path.join(args.dir, f"text-{n}-{count}")
         merged_dir = root + "-merged"
-        sizes[count] = (len(write_text_shards(root, n, per_shard=-(-n // count))), n)
+        sizes[(count, n)] = (len(write_text_shards(root, n, per_shard=-(-n // count))), n)
         if not os.path.exists(os.path.join(merged_dir, "prealign-index.merged.npz")):
             _index_and_merge(root, merged_dir)
         versions = [("", None)] + ([(" (before)", args.before)] if args.before else [])
         for tag, path in versions:
-            contenders[(count, "merged index" + tag)] = (
+            contenders[((count, n), "merged index" + tag)] = (
                 _START.format(root=root, index_dir=merged_dir),
                 path,
             )
             if count <= args.per_shard_max:
-                contenders[(count, "sidecars" + tag)] = (
+                contenders[((count, n), "sidecars" + tag)] = (
                     _START.format(root=root, index_dir=None),
                     path,
                 )
@@ -370,46 +379,49 @@ def main() -> int:
                 numbers[f"energon_prepare_{count}"] = _phase(
                     _PREPARE.format(energon=args.energon, root=root, workers=2)
                 )
-            contenders[(count, "energon")] = (
+            contenders[((count, n), "energon")] = (
                 enc + _ENERGON_START.format(energon=args.energon, root=root),
                 None,
             )
     got = _interleaved(contenders, args.rounds)
     print("\n| shards (samples) | from | first batch | resume |\n|---|---|---|---|")
-    for (count, name), runs in got.items():
-        numbers.setdefault(f"start_{count}", {})[name] = runs
+    for ((count, n), name), runs in got.items():
+        numbers.setdefault(f"start_{count}" + (f"_{n}" if n != args.samples else ""), {})[
+            name
+        ] = runs
         print(
-            f"| {sizes[count][0]:,} ({sizes[count][1]:,}) | {name} | {_cell(runs, 'first')} | "
-            f"{_cell(runs, 'resume')} |",
+            f"| {sizes[(count, n)][0]:,} ({sizes[(count, n)][1]:,}) | {name} | "
+            f"{_cell(runs, 'first')} | {_cell(runs, 'resume')} |",
             flush=True,
         )
-    base = args.shards[0] if args.shards else None
     print(
-        f"\nratios, CPU seconds (per-round median [min..max], then the ratio of the medians); the "
-        f"targets of issue #28: <= 1.5x the {base}-shard start, <= 1.0x Energon's resume\n"
+        "\nratios, CPU seconds (per-round median [min..max], then the ratio of the medians); the "
+        "targets of issue #28: <= 1.5x the start over fewer shards, <= 1.0x Energon's resume\n"
     )
-    for count in args.shards[1:]:
-        for name in [n for (c, n) in got if c == count]:
-            if (base, name) in got:
-                now, then = got[(count, name)], got[(base, name)]
+    for big in args.shards:
+        for small in args.shards:
+            if small[0] >= big[0]:
+                continue
+            for name in [n for (c, n) in got if c == big and (small, n) in got]:
+                now, then = got[(big, name)], got[(small, name)]
                 print(
-                    f"- {name}, {count:,} vs {base:,} shards: first batch "
-                    f"{_ratio(now, then, 'first_cpu_s')}, "
+                    f"- {name}, {big[0]:,} shards ({big[1]:,} samples) vs {small[0]:,} "
+                    f"({small[1]:,}): first batch {_ratio(now, then, 'first_cpu_s')}, "
                     f"resume {_ratio(now, then, 'resume_cpu_s')}",
                     flush=True,
                 )
-    for count in args.shards:
-        if (count, "energon") in got:
-            for name in [n for (c, n) in got if c == count and n.startswith("merged")]:
-                m, e = got[(count, name)], got[(count, "energon")]
+    for shards in args.shards:
+        if (shards, "energon") in got:
+            for name in [n for (c, n) in got if c == shards and n.startswith("merged")]:
+                m, e = got[(shards, name)], got[(shards, "energon")]
                 print(
-                    f"- {name} / Energon at {count:,} shards: first batch "
+                    f"- {name} / Energon at {shards[0]:,} shards: first batch "
                     f"{_ratio(m, e, 'first_cpu_s')}, resume {_ratio(m, e, 'resume_cpu_s')}",
                     flush=True,
                 )
 
     if energon and args.shards and args.throughput:
-        root = os.path.join(args.dir, f"text-{max(args.samples, args.shards[0])}-{args.shards[0]}")
+        root = os.path.join(args.dir, f"text-{args.shards[0][1]}-{args.shards[0][0]}")
         tp = {
             k: _phase(
                 (enc if k == "energon" else "")

@@ -54,7 +54,12 @@ from prealign.loaders.index.tiling import bad_regions, check_tiling
 from prealign.loaders.policy import BadDataPolicy
 from prealign.loaders.sources import remote
 from prealign.loaders.sources.npy import read_npz
-from prealign.loaders.sources.shard_files import shard_name, shard_names, write_atomically
+from prealign.loaders.sources.shard_files import (
+    shard_name,
+    shard_names,
+    url_text,
+    write_atomically,
+)
 from prealign.schemas.errors import PrealignError
 
 FORMAT = "prealign-merged-index"
@@ -244,7 +249,7 @@ def _install_checks(source, meta: dict, a: dict, table: np.ndarray) -> None:
 def _checks(meta: dict, a: dict, table: np.ndarray) -> ShardChecks:
     checks = ShardChecks(len(table), {})
     checks.sizes[:], checks.first[:], checks.last[:] = table[:, 0], table[:, 3], table[:, 4]
-    checks.probes[:] = meta["probes"]
+    checks.probes[:] = _probe_array(meta["probes"])
     checks.regions = _regions(meta, a["spans"], table)
     return checks
 
@@ -290,7 +295,7 @@ def _read(source, schema) -> tuple[dict, dict[str, np.ndarray]] | None:
     if data is None:
         return None
     meta, a = _parse(data, path)
-    if len(meta["names"]) != len(source.urls) or meta["names"] != shard_names(source.urls):
+    if not _same_names(meta["names"], source):
         return None  # an index of another selection of shards: the sidecars, one by one
     check_meta(
         source,
@@ -299,6 +304,20 @@ def _read(source, schema) -> tuple[dict, dict[str, np.ndarray]] | None:
         sidecar.config_key(source, schema),
     )
     return meta, a
+
+
+def _same_names(names: list[str], source) -> bool:
+    """``names`` (a merged index's) are the :func:`shard_name` of each of the source's shards: for
+    shards of one folder (``source.folder``), one join and one comparison of two texts (no name
+    made per shard)."""
+    urls = source.urls
+    if len(names) != len(urls):
+        return False
+    text = source.url_text() if hasattr(source, "url_text") else url_text(urls)
+    folder = getattr(source, "folder", None)
+    if folder is not None:  # (a name with a newline or a "/" makes the texts differ)
+        return text == folder + ("\n" + folder).join(names) + "\n"
+    return names == shard_names(urls, text)
 
 
 def merged_records(source, schema, *, found=_UNREAD) -> dict[int, dict] | None:
@@ -340,6 +359,35 @@ def merged_records(source, schema, *, found=_UNREAD) -> dict[int, dict] | None:
     return out
 
 
+def _all_str(items: list) -> bool:
+    """Every one of ``items`` a ``str`` (a join in C refuses anything else)."""
+    try:
+        "".join(items)
+    except TypeError:
+        return False
+    return True
+
+
+def _probes_ok(probes: list) -> bool:
+    """Each of ``probes`` an ASCII string of at most 16 characters, as an ``S16`` array holds it
+    (all of 16, hex digests: two C calls)."""
+    try:
+        text = "".join(probes)
+    except TypeError:
+        return False
+    if not text.isascii():
+        return False
+    return len(text) == 16 * len(probes) or max(map(len, probes)) <= 16
+
+
+def _probe_array(probes: list[str]) -> np.ndarray:
+    """``probes`` (:func:`_probes_ok`) as ``S16 [S]``: one buffer when all are 16 characters."""
+    text = "".join(probes).encode()
+    if len(text) == 16 * len(probes):
+        return np.frombuffer(text, "S16")
+    return np.asarray(probes, "S16")
+
+
 def _parse(data: bytes, path: str) -> tuple[dict, dict[str, np.ndarray]]:
     """``(meta, arrays)`` of a merged index, every key, dtype, shape and bound checked (never
     unpickled)."""
@@ -366,12 +414,10 @@ def _parse(data: bytes, path: str) -> tuple[dict, dict[str, np.ndarray]]:
     if not (
         isinstance(names, list)
         and names
-        and set(map(type, names)) == {str}  # (C loops: 100k names)
+        and _all_str(names)  # (C loops: 100k names)
         and isinstance(probes, list)
         and len(probes) == len(names)
-        and set(map(type, probes)) == {str}
-        and max(map(len, probes)) <= 16
-        and "".join(probes).isascii()
+        and _probes_ok(probes)
         and isinstance(meta.get("common"), dict)
         and isinstance(events, list)
     ):

@@ -10,6 +10,9 @@ under every bad-data policy.
 
 from __future__ import annotations
 
+import hashlib
+import os
+
 import numpy as np
 
 from prealign.loaders.errors import ChangedShardError, MissingShardError, StaleIndexError
@@ -38,6 +41,9 @@ class ShardChecks:
     (see :func:`expected_of`)."""
 
     UNCHECKED = -2
+    takes_open_file = True
+    """Called as ``check(source, shard, file)`` with a local shard's file open already (the
+    source's first read opens it once, for the check and its samples)."""
 
     def __init__(self, num_shards: int, expected: dict[int, tuple[int, str, int, int]]):
         self.sizes = np.full(num_shards, self.UNCHECKED, np.int64)
@@ -71,12 +77,18 @@ class ShardChecks:
         :class:`MissingShardError`)."""
         return int(self.sizes[shard]) != self.UNCHECKED
 
-    def __call__(self, source, shard: int) -> None:
+    def __call__(self, source, shard: int, opened=None) -> None:
+        """Check ``shard`` of ``source``; ``opened``: the shard's local file, opened already (a
+        regular file: its size from ``fstat``, the probe read from it, one read for a shard of up to
+        twice :data:`PROBE` bytes), else it is looked up by its URL."""
         recorded = int(self.sizes[shard])
         if recorded == self.UNCHECKED:
             return
         url = source.urls[shard]
-        size = shard_size_now(source, shard)
+        if opened is None:
+            size = shard_size_now(source, shard)
+        else:
+            size = os.fstat(opened.fileno()).st_size
         if size is None:
             raise MissingShardError(
                 url,
@@ -91,7 +103,9 @@ class ShardChecks:
             )
         if not self.probed[shard]:
             return
-        probe, first, last = read_probe(source, shard, size)
+        probe, first, last = (
+            read_probe(source, shard, size) if opened is None else _probe_of_file(opened, size)
+        )
         if self.probes[shard] != probe.encode():
             raise ChangedShardError(
                 url,
@@ -117,6 +131,20 @@ class ShardChecks:
     """``{shard: [(lo, hi, samples), ...]}``: the stretches of bad records of each shard with some
     (:func:`~prealign.loaders.index.tiling.bad_regions`), their samples counted at the shard's first
     read."""
+
+
+def _probe_of_file(f, size: int) -> tuple[str, bytes, bytes]:
+    """``read_probe`` of an open local shard of ``size`` bytes (the same digest of the same spans):
+    one read when the first and last :data:`PROBE` bytes overlap or touch, else two."""
+    fd = f.fileno()
+    if size <= 2 * PROBE:
+        data = os.pread(fd, size, 0)
+        first, last = data[:PROBE], data[max(size - PROBE, 0) :]
+    else:
+        first, last = os.pread(fd, PROBE, 0), os.pread(fd, PROBE, size - PROBE)
+    h = hashlib.blake2b(first, digest_size=8)
+    h.update(last)
+    return h.hexdigest(), first, last
 
 
 def check_all_shards(source, shards=None) -> int:

@@ -41,10 +41,13 @@ from prealign.loaders.sources import remote as _remote
 from prealign.loaders.sources.deadline import Stalled, TimedReader, call_with_timeout
 from prealign.loaders.sources.shard_files import (
     NotRegular,
+    all_distinct,
     check_index_dir_names,
+    one_folder,
     open_regular,
     plain_local,
     sample_checksum,
+    url_text,
 )
 from prealign.loaders.sources.source import Location, Skip, Source, Transform
 from prealign.loaders.sources.tar_decode import (
@@ -69,13 +72,21 @@ def expand_urls(urls: str | Sequence[str]) -> list[str]:
     >>> expand_urls("s-{0..2}.tar")
     ['s-0.tar', 's-1.tar', 's-2.tar']
     """
+    return _expanded(urls)[0]
+
+
+def _expanded(urls: str | Sequence[str]) -> tuple[list[str], str, str | None]:
+    """:func:`expand_urls`, the :func:`~prealign.loaders.sources.shard_files.url_text` of the list
+    (made once: a start over 100k shards searches it instead of stepping through the names) and the
+    one folder of them all (:func:`~prealign.loaders.sources.shard_files.one_folder`)."""
     import braceexpand
 
     items = [urls] if isinstance(urls, str) else list(urls)
-    joined = "".join(items) if set(map(type, items)) == {str} else "{"
-    if (
-        "{" not in joined and "}" not in joined and "\\" not in joined
-    ):  # (100k plain paths: three searches)
+    try:
+        text = url_text(items)
+    except TypeError:  # (not all strings: each made one below)
+        text = "{"
+    if "{" not in text and "}" not in text and "\\" not in text:  # (100k plain paths: 3 searches)
         out = items
     else:
         out = [
@@ -83,10 +94,10 @@ def expand_urls(urls: str | Sequence[str]) -> list[str]:
             for item in map(str, items)  # (a plain path as it is: braceexpand costs ~15 us a name)
             for u in (braceexpand.braceexpand(item) if _BRACE.search(item) else (item,))
         ]
+        text = url_text(out)
     if not out:
         raise ConfigError(f"urls: no shard URLs given ({urls!r})")
-    check_unique(out)
-    return out
+    return out, text, _check_unique(out, text)
 
 
 def shard_identity(url: str) -> str:
@@ -106,18 +117,26 @@ def shard_identity(url: str) -> str:
     return os.path.normpath(os.path.abspath(_remote.local_path(url)))
 
 
-def check_unique(urls: Sequence[str]) -> None:
+def check_unique(urls: Sequence[str], text: str | None = None) -> None:
     """A :class:`ConfigError` naming both positions when one shard is listed twice
-    (:func:`shard_identity`): its samples would be served twice per epoch.
+    (:func:`shard_identity`): its samples would be served twice per epoch. ``text``:
+    :func:`~prealign.loaders.sources.shard_files.url_text` of ``urls``, when made already.
 
     >>> same = shard_identity("file:///d/x.tar") == shard_identity("/d/../d/x.tar")
     >>> same, shard_identity("S3://B/k/x.tar#f")
     (True, 's3://b/k/x.tar')
     """
-    if _normal_absolute(urls) and len(set(urls)) == len(
-        urls
-    ):  # each its own identity: no call per shard
-        return
+    _check_unique(urls, text)
+
+
+def _check_unique(urls: Sequence[str], text: str | None) -> str | None:
+    """:func:`check_unique`; returns the one folder of ``urls`` (``one_folder``), when found."""
+    folder = None
+    if urls and (text is not None or set(map(type, urls)) == {str}):
+        text = url_text(urls) if text is None else text
+        folder = one_folder(text, len(urls))
+        if _normal_absolute(urls, text, folder) and all_distinct(urls, text):
+            return folder  # each its own identity: no call per shard
     seen: dict[str, int] = {}
     for i, url in enumerate(urls):
         j = seen.setdefault(shard_identity(url), i)
@@ -126,20 +145,26 @@ def check_unique(urls: Sequence[str]) -> None:
                 f"urls: shard {urls[j]!r} (position {j}) and {url!r} (position {i}) are one shard; "
                 f"list each shard once (its samples would be served twice per epoch)"
             )
+    return folder
 
 
 _ABNORMAL = ("//", "/./", "/../", "/.\n", "/..\n", "/\n", "\x00")
 """In ``"\n".join(urls) + "\n"``: what makes one of them other than a normal absolute local path."""
 
 
-def _normal_absolute(urls: Sequence[str]) -> bool:
+def _normal_absolute(urls: Sequence[str], text: str, folder: str | None) -> bool:
     """Every url is an absolute local path already normal (``os.path.normpath(os.path.abspath(u)) ==
-    u``): its own :func:`shard_identity`. A few substring searches over all of them (a start over
-    100k shards)."""
-    if not urls or set(map(type, urls)) != {str}:
-        return False
-    text = "\n".join(urls) + "\n"
+    u``): its own :func:`shard_identity`. A few substring searches over their ``url_text``
+    (a start over 100k shards); fewer when they are all in ``folder`` (``one_folder``): then only
+    the folder and the names ``.`` and ``..`` can be other than normal."""
     lines = len(urls)
+    if folder is not None:
+        return (
+            folder.startswith("/")
+            and "//" not in folder
+            and (folder == "/" or os.path.normpath(folder) + "/" == folder)
+            and not any(bad in text for bad in ("/.\n", "/..\n", "\x00"))
+        )
     return (
         text.startswith("/")
         and text.count("\n") == lines
@@ -266,7 +291,9 @@ class WebDatasetSource(Source):
             or not read_timeout > 0
         ):
             raise ConfigError(f"read_timeout: expected seconds > 0 or None, got {read_timeout!r}")
-        self.urls = expand_urls(urls)
+        self.urls, text, self.folder = _expanded(urls)
+        """``folder``: the one folder that holds every shard
+        (:func:`~prealign.loaders.sources.shard_files.one_folder`), None when there is none."""
         self.transform = transform
         self.required = tuple(required)
         self.image = image
@@ -278,12 +305,13 @@ class WebDatasetSource(Source):
             max(int(max_open_files), 1),
         )
         """Sidecars: looked up beside each shard (or in ``index_dir``) when ``sidecars``."""
-        if index_dir:
+        if index_dir and self.folder is None:
+            # (shards of one folder: distinct paths, as _expanded checked, have distinct names)
             check_index_dir_names(self.urls)
         if remote is None:
             limit = {} if cache_limit is None else {"cache_limit": int(cache_limit)}
             remote = _remote.RemoteOptions(cache_dir=cache_dir, **limit)
-        self.local_only = plain_local(self.urls)
+        self.local_only = plain_local(self.urls, text)
         """Every shard a plain local path (one check at the start: no per-shard question of the URLs
         then)."""
         if (
@@ -296,20 +324,32 @@ class WebDatasetSource(Source):
         self.remote = remote
         self.limits = limits
         self.read_timeout = None if read_timeout is None else float(read_timeout)
+        self._local()["url_text"] = text  # (for the merged index's check of the names)
+        self._stream_only = (
+            ("gz\n" in text and (".tar.gz\n" in text or ".tgz\n" in text))
+            if self.local_only  # (only a gzip-compressed tar can be sequential)
+            else any(_remote.is_sequential(u) for u in self.urls)
+        )
 
     # ---- shards ---------------------------------------------------------------------------------
     @property
     def num_shards(self) -> int:
         return len(self.urls)
 
+    def url_text(self) -> str:
+        """:func:`~prealign.loaders.sources.shard_files.url_text` of the shards (made once per
+        process)."""
+        local = self._local()
+        if "url_text" not in local:
+            local["url_text"] = url_text(self.urls)
+        return local["url_text"]
+
     @property
     def stream_only(self) -> bool:
         """True when some shard can only be read front to back (``pipe:``, ``.tar.gz``): the loader
         then shuffles micro-batches within a bounded window of steps, not over the whole epoch."""
-        if self.__dict__.get("local_only"):  # only a gzip-compressed tar can be sequential
-            joined = "\n".join(self.urls) + "\n"
-            return ".tar.gz\n" in joined or ".tgz\n" in joined
-        return any(_remote.is_sequential(u) for u in self.urls)
+        found = self.__dict__.get("_stream_only")  # (found once, at __init__)
+        return any(_remote.is_sequential(u) for u in self.urls) if found is None else found
 
     # ---- scanning -------------------------------------------------------------------------------
     def scan_after(self, shard: int, ordinal: int, location):
@@ -466,7 +506,11 @@ class WebDatasetSource(Source):
         or a slice of a sequential shard read whole (kept for ``remote.stream_shards`` shards)."""
         url = self.urls[shard]
         local = self._local()
-        if self.shard_check is not None and shard not in local.setdefault("checked", set()):
+        checking = self.shard_check is not None and shard not in local.setdefault("checked", set())
+        plain_file = self.__dict__.get("local_only") or not (
+            _remote.is_sequential(url) or _remote.is_remote(url)
+        )
+        if checking and not (plain_file and getattr(self.shard_check, "takes_open_file", False)):
             # (a stat and two 64 KiB reads, under the read deadline: a hung mount blocks in them)
             try:
                 call_with_timeout(lambda: self.shard_check(self, shard), self.read_timeout)
@@ -475,6 +519,7 @@ class WebDatasetSource(Source):
                     url, 0, f"checking the shard against its index: {exc}"
                 ) from None
             local["checked"].add(shard)
+            checking = False
         if _remote.is_sequential(url):
             streams = local.setdefault("streams", OrderedDict())
             if shard not in streams:
@@ -486,15 +531,17 @@ class WebDatasetSource(Source):
         if _remote.is_remote(url):
             return _remote.read_range(url, start, end, self.remote)
         files = local.setdefault("files", OrderedDict())
+        if checking and shard in files:  # (opened before its check was set: checked on a new open)
+            files.pop(shard).close()
 
         def read():
             f = files.get(shard)
-            if (
-                f is None
-            ):  # the open under the read deadline (a hung mount blocks in it), once per shard
-                f = call_with_timeout(
-                    lambda: open_regular(_remote.local_path(url)), self.read_timeout
-                )
+            if f is None:
+                # the open (and at the first read, the check against the index, on the open file)
+                # under the read deadline (a hung mount blocks in them), once per shard
+                f = call_with_timeout(lambda: self._open(shard, checking), self.read_timeout)
+                if checking:
+                    local["checked"].add(shard)
                 files[shard] = f
                 while len(files) > self.max_open_files:
                     files.popitem(last=False)[1].close()
@@ -504,7 +551,8 @@ class WebDatasetSource(Source):
         try:
             out = read()
         except Stalled as exc:
-            raise ShardTimeoutError(url, start, f"reading a sample: {exc}") from None
+            what = "checking the shard against its index" if checking else "reading a sample"
+            raise ShardTimeoutError(url, 0 if checking else start, f"{what}: {exc}") from None
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError) as exc:
             raise self._gone(
                 shard, start, f"no such file ({exc.strerror}); deleted since indexing?"
@@ -513,6 +561,25 @@ class WebDatasetSource(Source):
             raise self._gone(shard, start, f"{exc.kind} instead of the indexed file") from None
         files.move_to_end(shard)
         return out
+
+    def _open(self, shard: int, check: bool):
+        """Shard ``shard``'s local file, open (``open_regular``); ``check``: first checked against
+        its index on the open file (``shard_check(self, shard, file)``: an ``fstat`` and one or two
+        reads, no second open). A shard that cannot be opened is checked by its path, which names
+        what is wrong (a :class:`MissingShardError`, ...), before the open's error is raised."""
+        try:
+            f = open_regular(_remote.local_path(self.urls[shard]))
+        except OSError:
+            if check:
+                self.shard_check(self, shard)
+            raise
+        if check:
+            try:
+                self.shard_check(self, shard, f)
+            except BaseException:
+                f.close()
+                raise
+        return f
 
     def close_files(self) -> None:
         """Close the shard files this process holds open and drop the streams it keeps (a loader
@@ -595,7 +662,11 @@ class WebDatasetSource(Source):
         recorded = getattr(
             self.shard_check, "sizes", None
         )  # (from the index; each shard checked at its first read)
-        if recorded is not None and recorded.min() >= 0 and not any(map(_FAR.match, self.urls)):
+        if (
+            recorded is not None
+            and recorded.min() >= 0
+            and (self.__dict__.get("local_only") or not any(map(_FAR.match, self.urls)))
+        ):
             return {
                 "kind": "webdataset",
                 "urls": self.urls,

@@ -20,7 +20,7 @@ import pytest
 from prealign.loaders import IndexOptions, PackedLoader, WebDatasetSource
 from prealign.loaders.cli.main import main
 from prealign.loaders.index.header_pass import write_sidecars
-from prealign.loaders.index.merged import merge_sidecars, merged_path
+from prealign.loaders.index.merged import NAME, merge_sidecars, merged_path
 from prealign.loaders.index.source_index import MergedIndexWarning
 from prealign.schemas import ParallelLayout
 from prealign.schemas.schema import causal_lm_schema
@@ -130,14 +130,15 @@ def _work(run, monkeypatch) -> tuple[int, pstats.Stats, _Syscalls]:
     return sum(v[1] for v in stats.stats.values()), stats, calls
 
 
-def _growth(small: pstats.Stats, big: pstats.Stats) -> str:
-    """The functions whose call counts grew most: what a failure points at."""
+def _growth(small: pstats.Stats, big: pstats.Stats, growth: float = GROWTH) -> str:
+    """The functions whose call counts grew most (beyond ``growth`` times): what a failure points
+    at."""
     rows = []
     for fn, v in big.stats.items():
         before = small.stats.get(fn, (0, 0))[1]
         rows.append(
             (
-                v[1] - GROWTH * before,
+                v[1] - growth * before,
                 f"{fn[2]} ({os.path.basename(fn[0])}:{fn[1]}): {before} -> {v[1]}",
             )
         )
@@ -280,3 +281,51 @@ def test_shard_list_check_no_call_per_shard(n, monkeypatch):
     ):
         with pytest.raises(ConfigError, match="are one shard"):
             webdataset.check_unique(twice)
+
+
+def _regrouped(paths: list[str], root: str, per_shard: int) -> list[str]:
+    """The samples of the one-sample shards ``paths``, the same bytes, ``per_shard`` to a shard."""
+    os.makedirs(root, exist_ok=True)
+    out = []
+    for k in range(0, len(paths), per_shard):
+        body = b""
+        for p in paths[k : k + per_shard]:
+            with open(p, "rb") as f:
+                body += f.read()[:-1024]  # (each ends with the archive's two zero blocks)
+        out.append(os.path.join(root, f"g-{k // per_shard:05d}.tar"))
+        with open(out[-1], "wb") as f:
+            f.write(body + bytes(1024))
+    return out
+
+
+@pytest.mark.slow
+def test_a_merged_start_makes_no_call_per_shard(data, monkeypatch, tmp_path_factory):
+    """From a merged index, the same 2,000 samples in 2,000 shards and in 20: the start over 100x
+    the shards makes fewer extra function calls than there are extra shards, and opens only the
+    shards its batches read (the shard names are compared, checked for duplicates and expanded
+    as whole texts; no ``stat`` or probe open per shard). A Python step per shard name (a
+    ``rpartition`` per name, a regex match per URL in ``describe``) was 3 calls per shard."""
+    many = data[SIZES[1]]
+    few = _regrouped(many, str(tmp_path_factory.mktemp("few")), len(many) // 20)
+    write_sidecars(WebDatasetSource(few), SCHEMA)  # (the 2,000 have theirs: ``data``)
+    where = {}
+    for paths in (few, many):  # the merged index in a folder of its own, the sidecars not there
+        folder = str(tmp_path_factory.mktemp("merged"))
+        merge_sidecars(WebDatasetSource(paths), os.path.join(folder, NAME))
+        where[len(paths)] = (paths, folder)
+
+    def start(n):
+        paths, folder = where[n]
+        _first_batch_and_resume(lambda: _loader(WebDatasetSource(paths, index_dir=folder)))
+
+    start(len(few))  # (the imports and caches of a first start)
+    found = {n: _work(lambda n=n: start(n), monkeypatch) for n in where}
+    (small, s_stats, _), (big, b_stats, b_sys) = found[len(few)], found[len(many)]
+    extra_shards = len(many) - len(few)
+    assert big - small < extra_shards // 2, (
+        f"{big:,} calls at {len(many)} shards, {small:,} at {len(few)} (same samples); grew most: "
+        f"{_growth(s_stats, b_stats, 1.0)}"
+    )
+    # two starts: the first batches read a few dozen shards, each opened once (its check on the
+    # open file), never a stat or open per shard
+    assert b_sys.opens + b_sys.stats < 100, (b_sys.opens, b_sys.stats)
