@@ -109,6 +109,8 @@ _ARRAYS = {
     "dim_ids": (np.int64, 1),
     "bounds": (np.int64, 3),
 }
+KEYS = frozenset({"meta", *_ARRAYS})
+"""The entries of a sidecar (without ``.npy``)."""
 _MAX_META = 64 << 20
 _BUFFER = 1 << 20
 _ROW_BYTES = 8 * 3 + 8 + 1 + 8 + 8 * 12  # spans, lengths, media, dim_ids, bounds
@@ -322,7 +324,7 @@ def parse_sidecar(
             max_bytes=64 * len(data) + (1 << 20),
             member=shard,
             copy=False,
-            names=frozenset({"meta", *_ARRAYS}),
+            names=KEYS,
         )
         if set(members) != {"meta", *_ARRAYS}:
             raise bad(f"keys {sorted(members)}, expected {sorted({'meta', *_ARRAYS})}")

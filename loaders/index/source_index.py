@@ -79,7 +79,7 @@ def sidecar_records(source, schema) -> dict[int, dict]:
             "regions": regions,
         }
     if len(records) >= MERGE_ADVICE_SHARDS:
-        _advise_merge(source)
+        advise_merge(source)
     return records
 
 
@@ -96,7 +96,7 @@ class MergedIndexWarning(UserWarning):
 _ADVISED: set[tuple] = set()
 
 
-def _advise_merge(source) -> None:
+def advise_merge(source) -> None:
     """Warn once per process and data set (the shard list): the command that writes its merged
     index."""
     key = (len(source.urls), source.urls[0], source.urls[-1], getattr(source, "index_dir", None))

@@ -1,0 +1,462 @@
+"""Every sidecar of a source read and checked at once: a loader's start over many small shards at a
+cost per distinct sidecar layout, not a parse per sidecar (issue #28).
+
+    sidecar files ──open, fstat, read, close each──► grouped by byte length
+      a group's first file: read alone (parse_sidecar, check_meta: every check): its template
+      every other file compared with it in a few numpy calls, byte for byte: the zip's records and
+          the npy headers (but for the crc32 and time fields), the meta JSON (but for the values of
+          ``shard``, ``size``, ``hash``, ``probe``: bytes that can neither end nor escape a JSON
+          string, digits); then each entry's crc32, and its arrays are slices of the group's bytes
+      any file that differs anywhere else: read alone, as a file that is its own template
+    ──► the in-memory form of a merged index (``meta``, ``arrays``), its values checked at once
+        (:func:`~prealign.loaders.index.tiling.check_tiling`); the loader builds its index from it
+        as from a merged file (:func:`~prealign.loaders.index.merged.merged_index`)
+
+A file that equals a template outside those bytes is parsed by the path that read the template into
+the same entries, headers and meta (the fields' values aside, each checked for its type), so this
+accepts nothing :func:`~prealign.loaders.index.sidecar.parse_sidecar` refuses, and what it refuses
+is read alone and named by that function, the first failure in shard order raised. Only local
+sidecars of plain paths take this path (URLs are read on threads, one by one:
+:func:`~prealign.loaders.index.source_index.sidecar_records`), and only when every shard has one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from prealign.loaders.errors import StaleIndexError
+from prealign.loaders.index.hints import index_hint
+from prealign.loaders.index.sidecar import (
+    KEYS,
+    config_key,
+    expected_of,
+    parse_sidecar,
+    read_sidecar_bytes,
+    sidecar_limit,
+)
+from prealign.loaders.index.source_index import MERGE_ADVICE_SHARDS, advise_merge, check_meta
+from prealign.loaders.index.tiling import check_tiling
+from prealign.loaders.sources import remote
+from prealign.loaders.sources.npy import parse_npy_header, plain_npz_entries
+from prealign.loaders.sources.shard_files import SUFFIX, plain_local, shard_names
+
+TEMPLATES = 4
+"""Templates tried per byte length before the files left over are read one by one (sidecars of one
+data set have a few layouts: their sample counts, the digits of their sizes)."""
+_ARRAYS = sorted(KEYS - {"meta"})
+_FIELDS = (("shard", str), ("size", int), ("hash", str), ("probe", str))
+"""The meta fields whose values differ from shard to shard, and their JSON types."""
+_DIGITS = 18
+"""Most digits of a ``size`` read here (below 2**62, the bound parse_sidecar checks)."""
+
+
+def sidecars_merged(source, schema) -> tuple[dict, dict[str, np.ndarray]] | None:
+    """``(meta, arrays)`` as a merged index holds them (``meta``: ``names``, ``probes``, ``dims``,
+    ``events`` as ``[shard, position, BadRecord]``; ``arrays``: ``shards [S, 5]``, ``spans``,
+    ``lengths``, ``media``, ``dim_ids`` (rows of ``meta["dims"]``), ``bounds``) from every shard's
+    sidecar, each checked as :func:`~prealign.loaders.index.source_index.sidecar_records` checks it
+    (a :class:`StaleIndexError` naming the first shard at fault). None when the source reads no
+    sidecars, a shard or folder is not a plain local path, or a shard has no sidecar (then the
+    sidecars are read one by one and the others' shards indexed)."""
+    paths = _paths(source)
+    if paths is None:
+        return None
+    datas = _read_all(paths)
+    if datas is None:
+        return None
+    key = config_key(source, schema)
+    expected = shard_names(source.urls)
+    parts, alone = [], []
+    lengths = np.fromiter((-1 if d is None else len(d) for d in datas), np.int64, len(datas))
+    order = np.argsort(lengths, kind="stable")
+    cuts = np.flatnonzero(np.diff(lengths[order])) + 1
+    for group in np.split(order, cuts):
+        if lengths[group[0]] < 0:
+            alone.extend(group.tolist())
+            continue
+        left = group
+        for _ in range(TEMPLATES):
+            if not left.size:
+                break
+            part, rest, bad = _group(source, datas, left, expected, key)
+            alone.extend(bad)
+            if part is not None:
+                parts.append(part)
+            left = rest
+        alone.extend(left.tolist())
+    for shard in sorted(alone):  # read alone, every check: the first at fault raises
+        part = _Part.alone(source, shard, key)
+        if part is None:  # (removed since: that shard is indexed, the others read one by one)
+            return None
+        parts.append(part)
+    if len(paths) >= MERGE_ADVICE_SHARDS:
+        advise_merge(source)
+    return _assemble(source, parts)
+
+
+def _paths(source) -> list[str] | None:
+    """The sidecar path of each shard when every shard and the index folder are plain local paths
+    (:func:`~prealign.loaders.sources.shard_files.sidecar_path`, at a string operation each)."""
+    urls = getattr(source, "urls", None)
+    if not getattr(source, "sidecars", False) or not urls or not plain_local(urls):
+        return None
+    index_dir = getattr(source, "index_dir", None)
+    if not index_dir:
+        return [u + SUFFIX for u in urls]
+    if remote.scheme(index_dir):
+        return None
+    prefix = os.path.join(index_dir, "")
+    return [prefix + name + SUFFIX for name in shard_names(urls)]
+
+
+def _read_all(paths: list[str]) -> list[bytes | None] | None:
+    """The bytes of each file (opened without blocking, checked a regular file after the open);
+    None for one to read alone (not a regular file, over :func:`sidecar_limit` of an empty shard,
+    unreadable: that reader names why); None when one does not exist."""
+    out: list[bytes | None] = []
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC
+    limit = sidecar_limit(0)
+    for path in paths:
+        try:
+            fd = os.open(path, flags)
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError):
+            out.append(None)
+            continue
+        try:
+            st = os.fstat(fd)
+            data = None
+            if stat.S_ISREG(st.st_mode) and st.st_size <= limit:
+                data = os.read(fd, st.st_size + 1)
+                if len(data) != st.st_size:  # (grew, or shrank, while read)
+                    data = None
+        except OSError:
+            data = None
+        finally:
+            os.close(fd)
+        out.append(data)
+    return out
+
+
+@dataclass
+class _Part:
+    """Sidecars of some shards (``shards``, in the order their rows are), parsed: ``rows`` samples
+    each, ``num_events`` records each, the per-shard ``names``, ``sizes``, ``probes``, the shared
+    ``dims`` and ``events`` (``[position, BadRecord]``) and the arrays, shard after shard
+    (``dim_ids`` rows of ``dims``)."""
+
+    shards: np.ndarray
+    rows: np.ndarray
+    num_events: np.ndarray
+    names: list
+    sizes: np.ndarray
+    probes: list
+    dims: list
+    events: list
+    arrays: dict
+    suspect: bool = False  # a value out of range: each file to be read alone, to name it
+
+    @classmethod
+    def of(cls, shards, meta: dict, arrays: dict, names, sizes, probes) -> _Part:
+        k = len(shards)
+        return cls(
+            shards=np.asarray(shards, np.int64),
+            rows=np.full(k, len(arrays["lengths"]) // max(k, 1), np.int64),
+            num_events=np.full(k, meta["num_events"], np.int64),
+            names=names,
+            sizes=np.asarray(sizes, np.int64),
+            probes=probes,
+            dims=meta["dims"],
+            events=meta["events"],
+            arrays=arrays,
+        )
+
+    @classmethod
+    def alone(cls, source, shard: int, key: str, data: bytes | None = None) -> _Part | None:
+        """Shard ``shard``'s sidecar (``data``, else read now) parsed by itself, every check made
+        (the errors of :func:`~prealign.loaders.index.source_index.sidecar_records`); None when it
+        has none."""
+        data = read_sidecar_bytes(source, shard) if data is None else data
+        return None if data is None else cls.parsed(shard, *_parse(source, shard, data, key))
+
+    @classmethod
+    def parsed(cls, shard: int, meta: dict, arrays: dict) -> _Part:
+        """The part of one sidecar parsed already."""
+        size, probe, _, _ = expected_of(meta, arrays["spans"])
+        return cls.of([shard], meta, arrays, [meta["shard"]], [size], [probe])
+
+
+def _parse(source, shard: int, data: bytes, key: str) -> tuple[dict, dict]:
+    """``parse_sidecar`` with every check, and ``check_meta``: one sidecar read alone."""
+    url = source.urls[shard]
+    meta, arrays = parse_sidecar(data, shard=url, fix=lambda: index_hint(source))
+    check_meta(source, url, meta, key)
+    return meta, arrays
+
+
+def _group(source, datas, left: np.ndarray, expected, key):
+    """``(part, rest, bad)``: the files of ``left`` (shards of one byte length, in order) that equal
+    the first of them (read alone: the template) but for their values, as one :class:`_Part`;
+    ``rest`` those of another layout; ``bad`` those of its layout with a value it refuses (a
+    crc32, a name, a character: read alone, to be named)."""
+    first = int(left[0])
+    try:
+        meta, arrays = _parse(source, first, datas[first], key)
+    except StaleIndexError:
+        return None, left[1:], [first]
+    layout = _Layout.of(datas[first], meta)
+    if layout is None or left.size == 1:
+        return _Part.parsed(first, meta, arrays), left[1:], []
+    rows = np.frombuffer(b"".join([datas[s] for s in left.tolist()]), np.uint8).reshape(
+        left.size, -1
+    )
+    same = (rows[:, layout.fixed] == rows[0, layout.fixed]).all(axis=1)
+    rest, mine = left[~same], left[same]
+    if not same.all():
+        rows = rows[same]
+    values = layout.values(rows)
+    names = values.get("shard", [meta["shard"]] * mine.size)
+    ok = layout.values_ok(rows) & layout.crc_ok(rows)
+    ok &= np.fromiter((n == expected[s] for n, s in zip(names, mine.tolist())), bool, mine.size)
+    bad = mine[~ok].tolist()
+    if not ok.all():
+        mine, rows = mine[ok], rows[ok]
+        values = layout.values(rows)
+        names = values.get("shard", [meta["shard"]] * mine.size)
+    _, probe, _, _ = expected_of(meta, arrays["spans"])
+    part = _Part.of(
+        mine,
+        meta,
+        layout.arrays(rows),
+        names,
+        values.get("size", np.full(mine.size, meta["size"], np.int64)),
+        values.get("probe", [probe] * mine.size),
+    )
+    ids = part.arrays["dim_ids"]
+    part.suspect = bool(ids.size) and (ids.min() < 0 or ids.max() >= len(meta["dims"]))
+    return part, rest, bad
+
+
+@dataclass
+class _Layout:
+    """Where a template sidecar's bytes are: ``fixed`` the columns every file of its layout has
+    alike (zip records but their crc32 and time fields, npy headers, the meta JSON but the
+    values of :data:`_FIELDS`), ``crcs`` ``(start, end, column of its recorded crc32)`` of each
+    entry, ``data`` ``{entry: (start, end, header)}`` of each array, ``fields`` ``{name: (start,
+    end)}`` of each value in the file."""
+
+    fixed: np.ndarray
+    crcs: list
+    data: dict
+    fields: dict
+
+    @classmethod
+    def of(cls, data: bytes, meta: dict) -> _Layout | None:
+        """The layout of template ``data`` (whose parsed meta is ``meta``), None when it is not
+        what :func:`~prealign.loaders.sources.npy.plain_npz_entries` reads."""
+        entries = plain_npz_entries(data, 64 * len(data) + (1 << 20), KEYS)
+        if entries is None:
+            return None
+        view = memoryview(data)
+        varies = np.zeros(len(data), bool)
+        regions, crcs = {}, []
+        for e in entries:
+            header = parse_npy_header(view[e.start : e.end], member=e.name)
+            if header.fortran_order and len(header.shape) > 1:
+                return None
+            varies[e.local + 10 : e.local + 18] = True  # time, date, crc32 (local header)
+            varies[e.directory + 12 : e.directory + 20] = True  # (directory record)
+            regions[e.name[:-4]] = (e.start + header.offset, e.end, header)
+            crcs.append((e.start, e.end, e.directory + 16))
+        lo, hi, _ = regions["meta"]
+        fields = _meta_fields(data[lo:hi], meta)
+        if fields is None:
+            return None
+        for name in _ARRAYS:
+            a, b, _ = regions[name]
+            varies[a:b] = True
+        for a, b in fields.values():
+            varies[lo + a : lo + b] = True
+        return cls(
+            fixed=np.flatnonzero(~varies),
+            crcs=crcs,
+            data=regions,
+            fields={name: (lo + a, lo + b) for name, (a, b) in fields.items()},
+        )
+
+    def crc_ok(self, rows: np.ndarray) -> np.ndarray:
+        """Each file's entries of their recorded crc32 (one ``zlib.crc32`` an entry)."""
+        k, width = rows.shape
+        view = memoryview(rows.reshape(-1))
+        spans = [(a, b) for a, b, _ in self.crcs]
+        found = np.fromiter(
+            (zlib.crc32(view[base + a : base + b]) for base in range(0, k * width, width)
+             for a, b in spans),
+            np.uint32,
+            k * len(spans),
+        ).reshape(k, len(spans))
+        cols = np.asarray([c for _, _, c in self.crcs])[:, None] + np.arange(4)
+        recorded = np.ascontiguousarray(rows[:, cols.reshape(-1)]).view("<u4")
+        return (found == recorded).all(axis=1)
+
+    def values_ok(self, rows: np.ndarray) -> np.ndarray:
+        """Each file's values are what parse_sidecar reads as the template's: a string's bytes
+        printable ASCII without ``"`` or ``\\`` (nothing ends or escapes it), a size's digits
+        without a leading zero."""
+        ok = np.ones(len(rows), bool)
+        for name, (a, b) in self.fields.items():
+            block = rows[:, a:b]
+            if dict(_FIELDS)[name] is int:
+                ok &= ((block >= 48) & (block <= 57)).all(axis=1)
+                if b - a > 1:
+                    ok &= block[:, 0] != 48
+            else:
+                ok &= ((block >= 32) & (block <= 126) & (block != 34) & (block != 92)).all(axis=1)
+        return ok
+
+    def values(self, rows: np.ndarray) -> dict:
+        """``{field: values}``: a list of str, or an int64 array of sizes."""
+        out = {}
+        for name, (a, b) in self.fields.items():
+            block = np.ascontiguousarray(rows[:, a:b])
+            if dict(_FIELDS)[name] is int:
+                digits = block.astype(np.int64) - 48
+                out[name] = digits @ (10 ** np.arange(b - a - 1, -1, -1, dtype=np.int64))
+            else:
+                text, w = block.tobytes().decode("latin-1"), b - a
+                out[name] = [text[i : i + w] for i in range(0, len(text), w)]
+        return out
+
+    def arrays(self, rows: np.ndarray) -> dict[str, np.ndarray]:
+        """Each array of every file, file after file: one slice of the group's bytes each."""
+        out = {}
+        for name in _ARRAYS:
+            a, b, header = self.data[name]
+            flat = np.ascontiguousarray(rows[:, a:b]).view(header.dtype)
+            out[name] = flat.reshape((len(rows) * header.shape[0], *header.shape[1:]))
+        return out
+
+
+def _meta_fields(text: bytes, meta: dict) -> dict[str, tuple[int, int]] | None:
+    """``{field: (start, end)}`` in the meta JSON ``text`` of each value of :data:`_FIELDS` that
+    stands once, as ``"field": value``, proven the top level's: the text with each replaced by
+    another value of the same length parses to ``meta`` with those values replaced (so a file that
+    differs from ``text`` only there holds its own values in ``meta``'s place). None when ``text``
+    does not parse as ``meta`` did."""
+    try:
+        raw = json.loads(text.decode())
+    except (ValueError, UnicodeDecodeError):
+        return None
+    fields, changed, swapped = {}, dict(raw), bytearray(text)
+    for name, kind in _FIELDS:
+        value = raw.get(name)
+        if type(value) is not kind or value == "":
+            continue
+        token = json.dumps(value).encode()
+        if kind is str:
+            token = token[1:-1]
+            pattern = b'"%s": "%s"' % (name.encode(), token)
+            lo = text.find(pattern) + len(name) + 5
+        else:
+            pattern = b'"%s": %s' % (name.encode(), token)
+            lo = text.find(pattern) + len(name) + 4
+        if text.count(pattern) != 1 or (kind is int and len(token) > _DIGITS):
+            continue
+        hi = lo + len(token)
+        other = (b"1" if token[:1] != b"1" else b"2") + b"0" * (len(token) - 1)
+        swapped[lo:hi] = other
+        changed[name] = other.decode() if kind is str else int(other)
+        fields[name] = (lo, hi)
+    try:
+        if json.loads(bytes(swapped).decode()) != changed:
+            return None
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return fields
+
+
+def _assemble(source, parts: list[_Part]):
+    """The merged form of ``parts`` in shard order, its values checked (every shard at once: ids,
+    byte ranges, lengths, the tiling); a failure read again shard by shard to name it."""
+    n = source.num_shards
+    slot_shards = np.concatenate([p.shards for p in parts])
+    slot_rows = np.concatenate([p.rows for p in parts])
+    slot_of = np.empty(n, np.int64)
+    slot_of[slot_shards] = np.arange(n)
+    rows = slot_rows[slot_of]
+    if any(p.suspect for p in parts):
+        _name_fault(source)
+    dims: list = []
+    cat = {name: [] for name in _ARRAYS}
+    events = []
+    for p in parts:
+        ids = np.asarray(
+            [dims.index(d) if d in dims else dims.append(d) or len(dims) - 1 for d in p.dims],
+            np.int64,
+        )
+        for name in _ARRAYS:
+            a = p.arrays[name]
+            cat[name].append(ids[a] if name == "dim_ids" and a.size else a)
+        if p.events:
+            events.extend([s, pos, ev] for s in p.shards.tolist() for pos, ev in p.events)
+    arrays = {name: np.concatenate(cat[name]) for name in _ARRAYS}
+    if not np.array_equal(slot_shards, np.arange(n)):  # rows into shard order
+        starts = np.concatenate([[0], np.cumsum(slot_rows)])[:-1][slot_of]
+        take = np.repeat(starts - np.concatenate([[0], np.cumsum(rows)])[:-1], rows)
+        take += np.arange(take.size)
+        arrays = {name: a[take] for name, a in arrays.items()}
+    events.sort(key=lambda e: (e[0], e[1]))
+    names = np.empty(n, object)
+    probes = np.empty(n, object)
+    sizes = np.empty(n, np.int64)
+    num_events = np.empty(n, np.int64)
+    for p in parts:
+        names[p.shards], probes[p.shards] = p.names, p.probes
+        sizes[p.shards], num_events[p.shards] = p.sizes, p.num_events
+    owner = np.repeat(np.arange(n), rows)
+    first_last = _checked_values(arrays, owner, sizes, num_events, events)
+    if first_last is None:
+        _name_fault(source)
+    table = np.stack([sizes, rows, num_events, *first_last], axis=1)
+    meta = {"names": names.tolist(), "probes": probes.tolist(), "dims": dims, "events": events}
+    return meta, {"shards": table, **arrays}
+
+
+def _name_fault(source) -> None:
+    """Raise the error of the first sidecar at fault, each read again alone (a value the checks of
+    all sidecars at once refused: an id, a byte range, the tiling)."""
+    key = config_key(source, None)
+    for shard in range(source.num_shards):
+        _Part.alone(source, shard, key)
+    raise StaleIndexError(source.urls[0], "sidecar indexes inconsistent", index_hint(source))
+
+
+def _checked_values(arrays, owner, sizes, num_events, events):
+    """``(first, last)`` of each shard (:func:`~prealign.loaders.index.tiling.check_tiling`) when
+    the value checks of ``parse_sidecar`` pass for all of them, else None."""
+    spans = arrays["spans"]
+    if owner.size and (
+        spans[:, 0].min() < 0
+        or np.any(spans[:, 1] <= spans[:, 0])
+        or np.any(spans[:, 1] > sizes[owner])
+        or arrays["lengths"].min() < 0
+    ):
+        return None
+
+    class _Untiled(Exception):
+        pass
+
+    def bad(what: str) -> Exception:
+        return _Untiled(what)
+
+    try:
+        return check_tiling(spans, owner, num_events, [(s, pos) for s, pos, _ in events], bad)
+    except _Untiled:
+        return None
