@@ -416,41 +416,66 @@ def check_values(parsed: list[tuple[dict, dict[str, np.ndarray]]]) -> bool:
     if not parsed:
         return True
     metas = [m for m, _ in parsed]
-    rows = np.fromiter((len(a["lengths"]) for _, a in parsed), np.int64, len(parsed))
-    owner = np.repeat(np.arange(len(parsed)), rows)
-    spans = np.concatenate([a["spans"] for _, a in parsed])
-    ids = np.concatenate([a["dim_ids"] for _, a in parsed])
-    ndims = np.fromiter((len(m["dims"]) for m in metas), np.int64, len(parsed))
-    sizes = np.fromiter((m["size"] for m in metas), np.int64, len(parsed))
+
+    def per_shard(key: str) -> np.ndarray:
+        return np.fromiter((m[key] for m in metas), np.int64, len(parsed))
+
+    return (
+        joint_values(
+            {k: np.concatenate([a[k] for _, a in parsed]) for k in ("spans", "lengths", "dim_ids")},
+            rows=np.fromiter((len(a["lengths"]) for _, a in parsed), np.int64, len(parsed)),
+            ndims=np.fromiter((len(m["dims"]) for m in metas), np.int64, len(parsed)),
+            sizes=per_shard("size"),
+            num_events=per_shard("num_events"),
+            events=[(s, e[0]) for s, m in enumerate(metas) for e in m["events"]],
+        )
+        is not None
+    )
+
+
+class _Untiled(Exception):
+    pass
+
+
+def _untiled(what: str) -> Exception:
+    return _Untiled(what)
+
+
+def joint_values(
+    arrays: dict[str, np.ndarray],
+    *,
+    rows: np.ndarray,
+    ndims: np.ndarray,
+    sizes: np.ndarray,
+    num_events: np.ndarray,
+    events: list[tuple[int, int]],
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """The value checks :func:`parse_sidecar` leaves out with ``values=False``, for many sidecars
+    at once: ``arrays`` ``spans [N, 3]``, ``lengths [N]``, ``dim_ids [N]`` (rows of each shard's own
+    dims) shard after shard; per shard int64 ``[S]`` its ``rows``, ``ndims`` (dims), ``sizes``,
+    ``num_events``; ``events`` ``(shard, position)`` of each bad record (few), in order. Returns
+    ``(first, last)`` of each shard (:func:`~prealign.loaders.index.tiling.check_tiling`) when all
+    pass, else None (the caller parses each again with ``values=True`` to name the first at
+    fault)."""
+    owner = np.repeat(np.arange(len(rows)), rows)
+    spans, ids = arrays["spans"], arrays["dim_ids"]
     if owner.size and (
         ids.min() < 0
         or np.any(ids >= ndims[owner])
         or spans[:, 0].min() < 0
         or np.any(spans[:, 1] <= spans[:, 0])
         or np.any(spans[:, 1] > sizes[owner])
-        or np.concatenate([a["lengths"] for _, a in parsed]).min() < 0
+        or arrays["lengths"].min() < 0
     ):
-        return False
-    events = [
-        (s, e[0]) for s, m in enumerate(metas) for e in m["events"]
-    ]  # (bad records only: few)
-    num_events = np.fromiter((m["num_events"] for m in metas), np.int64, len(parsed))
+        return None
     if any(not 0 <= p < num_events[s] for s, p in events) or any(
         b <= a for a, b in zip(events, events[1:])
     ):
-        return False
-
-    class _Untiled(Exception):
-        pass
-
-    def bad(what: str) -> Exception:
-        return _Untiled(what)
-
+        return None
     try:
-        check_tiling(spans, owner, num_events, events, bad)
+        return check_tiling(spans, owner, num_events, events, _untiled)
     except _Untiled:
-        return False
-    return True
+        return None
 
 
 def dims_ok(dims) -> bool:

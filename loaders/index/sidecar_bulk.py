@@ -38,12 +38,12 @@ from prealign.loaders.index.sidecar import (
     KEYS,
     config_key,
     expected_of,
+    joint_values,
     parse_sidecar,
     read_sidecar_bytes,
     sidecar_limit,
 )
 from prealign.loaders.index.source_index import MERGE_ADVICE_SHARDS, advise_merge, check_meta
-from prealign.loaders.index.tiling import check_tiling
 from prealign.loaders.sources import remote
 from prealign.loaders.sources.npy import parse_npy_header, plain_npz_entries
 from prealign.loaders.sources.shard_files import SUFFIX, plain_local, shard_names
@@ -163,7 +163,6 @@ class _Part:
     dims: list
     events: list
     arrays: dict
-    suspect: bool = False  # a value out of range: each file to be read alone, to name it
 
     @classmethod
     def of(cls, shards, meta: dict, arrays: dict, names, sizes, probes) -> _Part:
@@ -196,9 +195,11 @@ class _Part:
 
 
 def _parse(source, shard: int, data: bytes, key: str) -> tuple[dict, dict]:
-    """``parse_sidecar`` with every check, and ``check_meta``: one sidecar read alone."""
+    """``parse_sidecar`` and ``check_meta``: one sidecar read alone, as
+    :func:`~prealign.loaders.index.source_index.sidecar_records` reads it (its values checked with
+    all the others': :func:`~prealign.loaders.index.sidecar.joint_values`)."""
     url = source.urls[shard]
-    meta, arrays = parse_sidecar(data, shard=url, fix=lambda: index_hint(source))
+    meta, arrays = parse_sidecar(data, shard=url, fix=lambda: index_hint(source), values=False)
     check_meta(source, url, meta, key)
     return meta, arrays
 
@@ -240,8 +241,6 @@ def _group(source, datas, left: np.ndarray, expected, key):
         values.get("size", np.full(mine.size, meta["size"], np.int64)),
         values.get("probe", [probe] * mine.size),
     )
-    ids = part.arrays["dim_ids"]
-    part.suspect = bool(ids.size) and (ids.min() < 0 or ids.max() >= len(meta["dims"]))
     return part, rest, bad
 
 
@@ -398,80 +397,60 @@ def _meta_fields(text: bytes, meta: dict) -> dict[str, tuple[int, int]] | None:
 
 
 def _assemble(source, parts: list[_Part]):
-    """The merged form of ``parts`` in shard order, its values checked (every shard at once: ids,
-    byte ranges, lengths, the tiling); a failure read again shard by shard to name it."""
+    """The merged form of ``parts`` in shard order, its values checked (every shard at once:
+    :func:`~prealign.loaders.index.sidecar.joint_values`); a failure read again shard by shard to
+    name it."""
     n = source.num_shards
-    slot_shards = np.concatenate([p.shards for p in parts])
+    slots = np.concatenate([p.shards for p in parts])  # (the shard of each slot)
     slot_rows = np.concatenate([p.rows for p in parts])
     slot_of = np.empty(n, np.int64)
-    slot_of[slot_shards] = np.arange(n)
+    slot_of[slots] = np.arange(n)
     rows = slot_rows[slot_of]
-    if any(p.suspect for p in parts):
-        _name_fault(source)
-    dims: list = []
-    cat = {name: [] for name in _ARRAYS}
-    events = []
-    for p in parts:
-        ids = np.asarray(
-            [dims.index(d) if d in dims else dims.append(d) or len(dims) - 1 for d in p.dims],
-            np.int64,
-        )
-        for name in _ARRAYS:
-            a = p.arrays[name]
-            cat[name].append(ids[a] if name == "dim_ids" and a.size else a)
-        if p.events:
-            events.extend([s, pos, ev] for s in p.shards.tolist() for pos, ev in p.events)
-    arrays = {name: np.concatenate(cat[name]) for name in _ARRAYS}
-    if not np.array_equal(slot_shards, np.arange(n)):  # rows into shard order
+    arrays = {name: np.concatenate([p.arrays[name] for p in parts]) for name in _ARRAYS}
+    if not np.array_equal(slots, np.arange(n)):  # rows into shard order
         starts = np.concatenate([[0], np.cumsum(slot_rows)])[:-1][slot_of]
         take = np.repeat(starts - np.concatenate([[0], np.cumsum(rows)])[:-1], rows)
         take += np.arange(take.size)
         arrays = {name: a[take] for name, a in arrays.items()}
-    events.sort(key=lambda e: (e[0], e[1]))
-    names = np.empty(n, object)
-    probes = np.empty(n, object)
-    sizes = np.empty(n, np.int64)
-    num_events = np.empty(n, np.int64)
-    for p in parts:
+    dims: list = []  # each part's dims, as rows of all the distinct ones
+    tables = [
+        np.asarray(
+            [dims.index(d) if d in dims else dims.append(d) or len(dims) - 1 for d in p.dims],
+            np.int64,
+        )
+        for p in parts
+    ]
+    base = np.concatenate([[0], np.cumsum([len(t) for t in tables])])[:-1]
+    per_shard = {key: np.empty(n, np.int64) for key in ("sizes", "num_events", "ndims", "base")}
+    names, probes = np.empty(n, object), np.empty(n, object)
+    events = []
+    for p, t, b in zip(parts, tables, base.tolist()):
         names[p.shards], probes[p.shards] = p.names, p.probes
-        sizes[p.shards], num_events[p.shards] = p.sizes, p.num_events
-    owner = np.repeat(np.arange(n), rows)
-    first_last = _checked_values(arrays, owner, sizes, num_events, events)
+        per_shard["sizes"][p.shards], per_shard["num_events"][p.shards] = p.sizes, p.num_events
+        per_shard["ndims"][p.shards], per_shard["base"][p.shards] = len(t), b
+        if p.events:
+            events.extend([s, pos, ev] for s in p.shards.tolist() for pos, ev in p.events)
+    events.sort(key=lambda e: (e[0], e[1]))
+    first_last = joint_values(
+        arrays,
+        rows=rows,
+        ndims=per_shard["ndims"],
+        sizes=per_shard["sizes"],
+        num_events=per_shard["num_events"],
+        events=[(s, pos) for s, pos, _ in events],
+    )
     if first_last is None:
         _name_fault(source)
-    table = np.stack([sizes, rows, num_events, *first_last], axis=1)
+    table = np.concatenate(tables) if tables else np.zeros(0, np.int64)
+    arrays["dim_ids"] = table[np.repeat(per_shard["base"], rows) + arrays["dim_ids"]]
+    shards = np.stack([per_shard["sizes"], rows, per_shard["num_events"], *first_last], axis=1)
     meta = {"names": names.tolist(), "probes": probes.tolist(), "dims": dims, "events": events}
-    return meta, {"shards": table, **arrays}
+    return meta, {"shards": shards, **arrays}
 
 
 def _name_fault(source) -> None:
-    """Raise the error of the first sidecar at fault, each read again alone (a value the checks of
-    all sidecars at once refused: an id, a byte range, the tiling)."""
-    key = config_key(source, None)
-    for shard in range(source.num_shards):
-        _Part.alone(source, shard, key)
+    """Raise the error of the first sidecar at fault, each parsed again alone with every check (a
+    value the checks of all sidecars at once refused: an id, a byte range, the tiling)."""
+    for shard, url in enumerate(source.urls):
+        parse_sidecar(read_sidecar_bytes(source, shard), shard=url, fix=lambda: index_hint(source))
     raise StaleIndexError(source.urls[0], "sidecar indexes inconsistent", index_hint(source))
-
-
-def _checked_values(arrays, owner, sizes, num_events, events):
-    """``(first, last)`` of each shard (:func:`~prealign.loaders.index.tiling.check_tiling`) when
-    the value checks of ``parse_sidecar`` pass for all of them, else None."""
-    spans = arrays["spans"]
-    if owner.size and (
-        spans[:, 0].min() < 0
-        or np.any(spans[:, 1] <= spans[:, 0])
-        or np.any(spans[:, 1] > sizes[owner])
-        or arrays["lengths"].min() < 0
-    ):
-        return None
-
-    class _Untiled(Exception):
-        pass
-
-    def bad(what: str) -> Exception:
-        return _Untiled(what)
-
-    try:
-        return check_tiling(spans, owner, num_events, [(s, pos) for s, pos, _ in events], bad)
-    except _Untiled:
-        return None
