@@ -117,34 +117,66 @@ def _paths(source) -> list[str] | None:
     return [prefix + name + SUFFIX for name in shard_names(urls)]
 
 
+_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC
+_AT_ONCE = 256
+"""Files open at once while read (well below a process's usual limit of 1,024)."""
+
+
 def _read_all(paths: list[str]) -> list[bytes | None] | None:
     """The bytes of each file (opened without blocking, checked a regular file after the open);
     None for one to read alone (not a regular file, over :func:`sidecar_limit` of an empty shard,
-    unreadable: that reader names why); None when one does not exist."""
+    unreadable: that reader names why); None when one does not exist. :data:`_AT_ONCE` files at a
+    time, each step one ``map`` over them (no Python step per file); a step that fails anywhere
+    reads its files again one by one."""
     out: list[bytes | None] = []
-    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC
-    limit = sidecar_limit(0)
-    for path in paths:
+    for lo in range(0, len(paths), _AT_ONCE):
+        chunk = paths[lo : lo + _AT_ONCE]
         try:
-            fd = os.open(path, flags)
-        except FileNotFoundError:
-            return None
+            out.extend(_read_chunk(chunk))
         except (OSError, ValueError):
-            out.append(None)
-            continue
-        try:
-            st = os.fstat(fd)
-            data = None
-            if stat.S_ISREG(st.st_mode) and st.st_size <= limit:
-                data = os.read(fd, st.st_size + 1)
-                if len(data) != st.st_size:  # (grew, or shrank, while read)
-                    data = None
-        except OSError:
-            data = None
-        finally:
-            os.close(fd)
-        out.append(data)
+            for path in chunk:
+                try:
+                    out.append(_read_one(path))
+                except FileNotFoundError:
+                    return None
     return out
+
+
+def _read_chunk(paths: list[str]) -> list[bytes | None]:
+    fds: list[int] = []
+    try:
+        fds.extend(map(os.open, paths, itertools.repeat(_FLAGS)))
+        limit = sidecar_limit(0)
+        want = [
+            st.st_size + 1 if stat.S_ISREG(st.st_mode) and st.st_size <= limit else 0
+            for st in map(os.fstat, fds)
+        ]
+        datas = list(map(os.read, fds, want))
+    finally:
+        for fd in fds:
+            os.close(fd)
+    return [d if len(d) + 1 == n else None for d, n in zip(datas, want)]
+
+
+def _read_one(path: str) -> bytes | None:
+    """:func:`_read_all` of one file, whatever it is (``FileNotFoundError`` when it does not
+    exist)."""
+    try:
+        fd = os.open(path, _FLAGS)
+    except FileNotFoundError:
+        raise
+    except (OSError, ValueError):
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > sidecar_limit(0):
+            return None
+        data = os.read(fd, st.st_size + 1)
+        return data if len(data) == st.st_size else None  # (else grew, or shrank, while read)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
 
 @dataclass
@@ -223,23 +255,21 @@ def _group(source, datas, left: np.ndarray, expected, key):
     rest, mine = left[~same], left[same]
     if not same.all():
         rows = rows[same]
-    values = layout.values(rows)
-    names = values.get("shard", [meta["shard"]] * mine.size)
-    ok = layout.values_ok(rows) & layout.crc_ok(rows, [datas[s] for s in mine.tolist()])
-    ok &= np.fromiter((n == expected[s] for n, s in zip(names, mine.tolist())), bool, mine.size)
+    names = [expected[s] for s in mine.tolist()]  # (what each must name: checked)
+    ok = layout.values_ok(rows) & layout.names_ok(rows, names, meta["shard"])
+    ok &= layout.crc_ok(rows, [datas[s] for s in mine.tolist()])
     bad = mine[~ok].tolist()
     if not ok.all():
         mine, rows = mine[ok], rows[ok]
-        values = layout.values(rows)
-        names = values.get("shard", [meta["shard"]] * mine.size)
+        names = [expected[s] for s in mine.tolist()]
     _, probe, _, _ = expected_of(meta, arrays["spans"])
     part = _Part.of(
         mine,
         meta,
         layout.arrays(rows),
         names,
-        values.get("size", np.full(mine.size, meta["size"], np.int64)),
-        values.get("probe", [probe] * mine.size),
+        layout.sizes(rows) if "size" in layout.fields else np.full(mine.size, meta["size"]),
+        layout.strings(rows, "probe") if "probe" in layout.fields else [probe] * mine.size,
     )
     return part, rest, bad
 
@@ -328,18 +358,29 @@ class _Layout:
                 ok &= ((block >= 32) & (block <= 126) & (block != 34) & (block != 92)).all(axis=1)
         return ok
 
-    def values(self, rows: np.ndarray) -> dict:
-        """``{field: values}``: a list of str, or an int64 array of sizes."""
-        out = {}
-        for name, (a, b) in self.fields.items():
-            block = np.ascontiguousarray(rows[:, a:b])
-            if dict(_FIELDS)[name] is int:
-                digits = block.astype(np.int64) - 48
-                out[name] = digits @ (10 ** np.arange(b - a - 1, -1, -1, dtype=np.int64))
-            else:
-                text, w = block.tobytes().decode("latin-1"), b - a
-                out[name] = [text[i : i + w] for i in range(0, len(text), w)]
-        return out
+    def names_ok(self, rows: np.ndarray, names: list[str], template: str) -> np.ndarray:
+        """Each file names its shard, ``names`` (the template's name, ``template``, when names are
+        not a value of the layout)."""
+        if "shard" not in self.fields:
+            return np.asarray([n == template for n in names], bool)
+        a, b = self.fields["shard"]
+        joined = "".join(names)
+        if len(joined) != len(names) * (b - a) or not joined.isascii():
+            return np.zeros(len(rows), bool)  # (other lengths: each read alone, to be named)
+        wanted = np.frombuffer(joined.encode(), np.uint8).reshape(len(rows), b - a)
+        return (rows[:, a:b] == wanted).all(axis=1)
+
+    def sizes(self, rows: np.ndarray) -> np.ndarray:
+        """The ``size`` of each file (int64; its digits checked by :meth:`values_ok`)."""
+        a, b = self.fields["size"]
+        digits = rows[:, a:b].astype(np.int64) - 48
+        return digits @ (10 ** np.arange(b - a - 1, -1, -1, dtype=np.int64))
+
+    def strings(self, rows: np.ndarray, name: str) -> list[str]:
+        """The value ``name`` of each file (str; its bytes checked by :meth:`values_ok`)."""
+        a, b = self.fields[name]
+        text = np.ascontiguousarray(rows[:, a:b]).tobytes().decode("ascii")
+        return [text[i : i + b - a] for i in range(0, len(text), b - a)]
 
     def arrays(self, rows: np.ndarray) -> dict[str, np.ndarray]:
         """Each array of every file, file after file: one slice of the group's bytes each."""
