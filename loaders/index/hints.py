@@ -30,13 +30,14 @@ def shell_shards(urls: list[str]) -> str:
     >>> shell_shards(["a.tar", "b c.tar"])
     "a.tar 'b c.tar'"
     """
-    parts = [re.fullmatch(r"(.*?)(\d+)(\D*)", u) for u in urls]
-    if len(urls) > 2 and all(parts):
-        heads = {(m.group(1), m.group(3), len(m.group(2))) for m in parts}
-        nums = [int(m.group(2)) for m in parts]
-        if len(heads) == 1 and nums == list(range(nums[0], nums[0] + len(nums))):
-            head, tail, width = heads.pop()
-            return shlex.quote(f"{head}{{{nums[0]:0{width}d}..{nums[-1]:0{width}d}}}{tail}")
+    first = re.fullmatch(r"(.*?)(\d+)(\D*)", urls[0]) if len(urls) > 2 else None
+    if first is not None:  # (the run the first name starts, spelled out: one format a name)
+        head, digits, tail = first.groups()
+        start, stop, width = int(digits), int(digits) + len(urls) - 1, len(digits)
+        if stop < 10**width and list(urls) == [
+            f"{head}{n:0{width}d}{tail}" for n in range(start, stop + 1)
+        ]:
+            return shlex.quote(f"{head}{{{start:0{width}d}..{stop:0{width}d}}}{tail}")
     return " ".join(shlex.quote(u) for u in urls)
 
 
