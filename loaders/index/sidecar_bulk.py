@@ -86,10 +86,9 @@ def sidecars_merged(source, schema) -> tuple[dict, dict[str, np.ndarray]] | None
         for _ in range(TEMPLATES):
             if not left.size:
                 break
-            part, rest, bad = _group(source, datas, left, expected, key)
+            mine, rest, bad = _group(source, datas, left, expected, key)
             alone.extend(bad)
-            if part is not None:
-                parts.append(part)
+            parts.extend(mine)
             left = rest
         alone.extend(left.tolist())
     for shard in sorted(alone):  # read alone, every check: the first at fault raises
@@ -237,41 +236,44 @@ def _parse(source, shard: int, data: bytes, key: str) -> tuple[dict, dict]:
 
 
 def _group(source, datas, left: np.ndarray, expected, key):
-    """``(part, rest, bad)``: the files of ``left`` (shards of one byte length, in order) that equal
-    the first of them (read alone: the template) but for their values, as one :class:`_Part`;
-    ``rest`` those of another layout; ``bad`` those of its layout with a value it refuses (a
-    crc32, a name, a character: read alone, to be named)."""
+    """``(parts, rest, bad)``: the files of ``left`` (shards of one byte length, in order) that
+    equal the first of them (read alone: the template) but for their values, as :class:`_Part`\\ s
+    (one per :data:`_AT_ONCE` files: their bytes stay in the cache); ``rest`` those of another
+    layout; ``bad`` those of its layout with a value it refuses (a crc32, a name, a character: read
+    alone, to be named)."""
     first = int(left[0])
     try:
         meta, arrays = _parse(source, first, datas[first], key)
     except StaleIndexError:
-        return None, left[1:], [first]
+        return [], left[1:], [first]
     layout = _Layout.of(datas[first], meta)
     if layout is None or left.size == 1:
-        return _Part.parsed(first, meta, arrays), left[1:], []
-    joined = b"".join([datas[s] for s in left.tolist()]) + bytes(8)
-    rows = np.frombuffer(joined, np.uint8, len(joined) - 8).reshape(left.size, -1)
-    same = layout.same(joined, left.size)
-    rest, mine = left[~same], left[same]
-    if not same.all():
-        rows = rows[same]
-    names = [expected[s] for s in mine.tolist()]  # (what each must name: checked)
-    ok = layout.values_ok(rows) & layout.names_ok(rows, names, meta["shard"])
-    ok &= layout.crc_ok(rows, [datas[s] for s in mine.tolist()])
-    bad = mine[~ok].tolist()
-    if not ok.all():
-        mine, rows = mine[ok], rows[ok]
-        names = [expected[s] for s in mine.tolist()]
+        return [_Part.parsed(first, meta, arrays)], left[1:], []
     _, probe, _, _ = expected_of(meta, arrays["spans"])
-    part = _Part.of(
-        mine,
-        meta,
-        layout.arrays(rows),
-        names,
-        layout.sizes(rows) if "size" in layout.fields else np.full(mine.size, meta["size"]),
-        layout.strings(rows, "probe") if "probe" in layout.fields else [probe] * mine.size,
-    )
-    return part, rest, bad
+    template = layout.fixed_words(datas[first])
+    parts, rest, bad = [], [], []
+    for lo in range(0, left.size, _AT_ONCE):
+        chunk = left[lo : lo + _AT_ONCE]
+        joined = b"".join([datas[s] for s in chunk.tolist()]) + bytes(8)
+        rows = np.frombuffer(joined, np.uint8, len(joined) - 8).reshape(chunk.size, -1)
+        same = layout.same(joined, chunk.size, template)
+        mine = chunk[same]
+        if not same.all():
+            rest.append(chunk[~same])
+            rows = rows[same]
+        names = [expected[s] for s in mine.tolist()]  # (what each must name: checked)
+        ok = layout.values_ok(rows) & layout.names_ok(rows, names, meta["shard"])
+        ok &= layout.crc_ok(rows, [datas[s] for s in mine.tolist()])
+        if not ok.all():
+            bad.extend(mine[~ok].tolist())
+            mine, rows = mine[ok], rows[ok]
+            names = [expected[s] for s in mine.tolist()]
+        if mine.size:
+            k, fields = mine.size, layout.fields
+            sizes = layout.sizes(rows) if "size" in fields else np.full(k, meta["size"])
+            probes = layout.strings(rows, "probe") if "probe" in fields else [probe] * k
+            parts.append(_Part.of(mine, meta, layout.arrays(rows), names, sizes, probes))
+    return parts, np.concatenate(rest) if rest else left[:0], bad
 
 
 @dataclass
@@ -323,12 +325,15 @@ class _Layout:
             fields={name: (lo + a, lo + b) for name, (a, b) in fields.items()},
         )
 
-    def same(self, joined: bytes, k: int) -> np.ndarray:
+    def fixed_words(self, data: bytes) -> np.ndarray:
+        """The :attr:`fixed` bytes of one file (``length`` bytes), masked, as uint64 words."""
+        return self.fixed & np.frombuffer(data + bytes(-len(data) % 8), "<u8")
+
+    def same(self, joined: bytes, k: int, template: np.ndarray) -> np.ndarray:
         """Which of the ``k`` files in ``joined`` (their bytes one after the other, then 8 zero
-        bytes) have the first one's :attr:`fixed` bytes: compared 8 at a time, masked."""
+        bytes) have the ``template``'s :meth:`fixed_words`: compared 8 bytes at a time."""
         words = np.ndarray((k, len(self.fixed)), "<u8", buffer=joined, strides=(self.length, 8))
-        words = words & self.fixed
-        return (words == words[0]).all(axis=1)
+        return ((words & self.fixed) == template).all(axis=1)
 
     def crc_ok(self, rows: np.ndarray, datas: list[bytes]) -> np.ndarray:
         """Each file's entries (``datas``, the bytes of ``rows``) of their recorded crc32 (one
