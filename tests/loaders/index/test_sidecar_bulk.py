@@ -104,8 +104,11 @@ def _start(paths, index_dir, *, bulk: bool):
     )
 
 
-def test_the_sidecars_read_at_once_give_the_index_read_one_by_one(shards, monkeypatch):
+@pytest.mark.parametrize("at_once", [256, 3])
+def test_the_sidecars_read_at_once_give_the_index_read_one_by_one(shards, monkeypatch, at_once):
+    """(``at_once``: files read, and compared, at a time: 3 makes parts of a layout's files.)"""
     paths, index_dir = shards
+    monkeypatch.setattr(sidecar_bulk, "_AT_ONCE", at_once)
     for where in (index_dir, None):
         if where is None:  # the sidecars beside their shards
             for p in paths:
@@ -119,7 +122,7 @@ def test_the_sidecars_read_at_once_give_the_index_read_one_by_one(shards, monkey
             sidecar_bulk, "parse_sidecar", lambda *a, **k: parsed.append(1) or real(*a, **k)
         )
         assert _start(paths, where, bulk=True) == one_by_one
-        monkeypatch.undo()
+        monkeypatch.setattr(sidecar_bulk, "parse_sidecar", real)
         # the shard with a bad record, the one with two signatures, the short last one, a template
         assert len(parsed) <= 5, len(parsed)
 
