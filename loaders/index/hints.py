@@ -18,6 +18,7 @@ import weakref
 from prealign.loaders.index.sidecar import describe_transform, indexed_transform
 from prealign.loaders.media.vlm import VLMSampleTransform
 from prealign.loaders.sources import remote
+from prealign.loaders.sources.shard_files import plain_local
 from prealign.loaders.sources.webdataset import numpy_fields
 
 
@@ -119,7 +120,12 @@ directory)."""
 
 
 def _remote_unindexed(source) -> bool:
-    return not getattr(source, "index_dir", None) and any(remote.is_remote(u) for u in source.urls)
+    urls = source.urls
+    return (
+        not getattr(source, "index_dir", None)
+        and not plain_local(urls)  # (one check in C: no question a shard)
+        and any(remote.is_remote(u) for u in urls)
+    )
 
 
 def index_hint(source) -> str:
