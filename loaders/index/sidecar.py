@@ -51,8 +51,10 @@ whether it came from sidecars or from the pass in process. Every key, dtype and 
 reading; anything else is a :class:`~prealign.loaders.errors.StaleIndexError` (a
 :class:`ConfigError`) naming the shard.
 
-When the loader is built, each sidecar is read and checked (on up to 8 threads on a slow file
-system; or all of them from one merged file, :mod:`~prealign.loaders.index.merged`). A shard itself
+When the loader is built, each sidecar is read and checked: local ones all at once, compared with a
+few read alone (:mod:`~prealign.loaders.index.sidecar_bulk`), URLs one by one on up to 16 threads
+(:func:`per_shard`); or all of them from one merged file (:mod:`~prealign.loaders.index.merged`).
+A shard itself
 is checked against its sidecar when it is first read, in the process that reads it, before any of
 its samples is served (:class:`ShardChecks`, local or remote, whatever the shard count): it must
 exist, have the recorded size (a ``stat``, or one ``HEAD`` for a URL) and the same first and last 64

@@ -40,7 +40,9 @@ def sidecar_records(source, schema) -> dict[int, dict]:
     schema: :func:`~prealign.loaders.index.build.resolve_signatures`); the shard itself is not read
     here (:class:`ShardChecks`: at its first read). Sidecars are read on up to 8 threads when the
     first reads show a file system's latency (:func:`per_shard`). Raises :class:`StaleIndexError`
-    naming the shard and the difference."""
+    naming the shard and the difference. (The path of URLs, and of sources some of whose shards
+    have no sidecar: when every local shard has one, the loader reads them all at once,
+    :func:`~prealign.loaders.index.sidecar_bulk.sidecars_merged`.)"""
     if not getattr(source, "sidecars", False):
         return {}
     key = config_key(source, schema)
