@@ -9,7 +9,7 @@ cost per distinct sidecar layout, not a parse per sidecar (issue #28).
           string, digits); then each entry's crc32, and its arrays are slices of the group's bytes
       any file that differs anywhere else: read alone, as a file that is its own template
     ──► the in-memory form of a merged index (``meta``, ``arrays``), its values checked at once
-        (:func:`~prealign.loaders.index.tiling.check_tiling`); the loader builds its index from it
+        (:func:`~prealign.loaders.index.sidecar.joint_values`); the loader builds its index from it
         as from a merged file (:func:`~prealign.loaders.index.merged.merged_index`)
 
 A file that equals a template outside those bytes is parsed by the path that read the template into
@@ -96,9 +96,10 @@ def sidecars_merged(source, schema) -> tuple[dict, dict[str, np.ndarray]] | None
         if part is None:  # (removed since: that shard is indexed, the others read one by one)
             return None
         parts.append(part)
+    found = _assemble(source, parts)
     if len(paths) >= MERGE_ADVICE_SHARDS:
         advise_merge(source)
-    return _assemble(source, parts)
+    return found
 
 
 def _paths(source) -> list[str] | None:
@@ -197,6 +198,7 @@ class _Part:
 
     @classmethod
     def of(cls, shards, meta: dict, arrays: dict, names, sizes, probes) -> _Part:
+        """The part of ``shards`` whose sidecars share the parsed ``meta`` but for their values."""
         k = len(shards)
         return cls(
             shards=np.asarray(shards, np.int64),
