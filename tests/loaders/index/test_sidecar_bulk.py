@@ -289,3 +289,27 @@ def test_a_meta_field_is_taken_from_its_top_level_key_only():
     }
     nested = b'{"transform": {"shard": "a.tar"}, "shard":"a.tar", "size": 12}'
     assert sidecar_bulk._meta_fields(nested, json.loads(nested)) is None
+
+
+def _directory(data: bytes, name: str) -> int:
+    return next(e.directory for e in plain_npz_entries(data, 1 << 30, None) if e.name == name)
+
+
+@pytest.mark.parametrize(
+    "where,value",
+    [
+        # the cases the one-by-one reader leaves to zipfile (review of the npz fast path)
+        (lambda d: _directory(d, "spans.npy") + 6, b"\xff"),  # a version zipfile lacks
+        (lambda d: _directory(d, "lengths.npy") + 46 + 2, b"\x00"),  # a NUL in a name
+        (lambda d: _directory(d, "media.npy") + 30, b"\x04"),  # an extra field (corrupt)
+        (lambda d: len(d) - 22 - 20, b"PK\x06\x07"),  # a zip64 locator before the end record
+        (lambda d: len(d) - 22 + 20, b"\x01"),  # a comment
+    ],
+    ids=["version", "nul-in-name", "extra-field", "zip64-locator", "comment"],
+)
+def test_a_sidecar_zipfile_reads_among_many_reads_as_one_by_one(shards, tmp_path, where, value):
+    paths, index_dir = shards
+    with open(os.path.join(index_dir, os.path.basename(paths[MUTATED]) + SUFFIX), "rb") as f:
+        at = where(f.read())
+    for crafted in (False, True):
+        _assert_as_one_by_one(paths, index_dir, str(tmp_path), at, value, crafted)
