@@ -43,6 +43,7 @@ from prealign.loaders.index.sample_checks import (
     value_errors,
 )
 from prealign.loaders.index.sample_index import SampleIndex
+from prealign.loaders.index.sidecar_bulk import sidecars_merged
 from prealign.loaders.index.source_index import check_source
 from prealign.loaders.policy import BadDataPolicy, BadRecord
 from prealign.loaders.sources.source import Source
@@ -326,8 +327,10 @@ def build_index(
     from prealign.schemas.distributed import all_gather_objects, process_rank_world
 
     found = read_merged(source, schema)  # (read once: the per-shard path below reuses it)
-    index = merged_index(source, schema, policy or BadDataPolicy(), found=found) if found else None
-    if index is not None:  # one merged file: no pass, no exchange
+    # else every shard's sidecar, read and checked at once, in the form of a merged index
+    every = sidecars_merged(source, schema) if found is None else None
+    index = merged_index(source, schema, policy or BadDataPolicy(), found=found or every)
+    if index is not None:  # one merged file, or a sidecar for every shard: no pass, no exchange
         return _checked_non_empty(index)
     rank, world = process_rank_world(group) if distributed else (0, 1)
     known: dict = {}

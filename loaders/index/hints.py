@@ -18,6 +18,7 @@ import weakref
 from prealign.loaders.index.sidecar import describe_transform, indexed_transform
 from prealign.loaders.media.vlm import VLMSampleTransform
 from prealign.loaders.sources import remote
+from prealign.loaders.sources.shard_files import plain_local
 from prealign.loaders.sources.webdataset import numpy_fields
 
 
@@ -30,13 +31,14 @@ def shell_shards(urls: list[str]) -> str:
     >>> shell_shards(["a.tar", "b c.tar"])
     "a.tar 'b c.tar'"
     """
-    parts = [re.fullmatch(r"(.*?)(\d+)(\D*)", u) for u in urls]
-    if len(urls) > 2 and all(parts):
-        heads = {(m.group(1), m.group(3), len(m.group(2))) for m in parts}
-        nums = [int(m.group(2)) for m in parts]
-        if len(heads) == 1 and nums == list(range(nums[0], nums[0] + len(nums))):
-            head, tail, width = heads.pop()
-            return shlex.quote(f"{head}{{{nums[0]:0{width}d}..{nums[-1]:0{width}d}}}{tail}")
+    first = re.fullmatch(r"(.*?)(\d+)(\D*)", urls[0]) if len(urls) > 2 else None
+    if first is not None:  # (the run the first name starts, spelled out: one format a name)
+        head, digits, tail = first.groups()
+        start, stop, width = int(digits), int(digits) + len(urls) - 1, len(digits)
+        if stop < 10**width and list(urls) == [
+            f"{head}{n:0{width}d}{tail}" for n in range(start, stop + 1)
+        ]:
+            return shlex.quote(f"{head}{{{start:0{width}d}..{stop:0{width}d}}}{tail}")
     return " ".join(shlex.quote(u) for u in urls)
 
 
@@ -118,7 +120,12 @@ directory)."""
 
 
 def _remote_unindexed(source) -> bool:
-    return not getattr(source, "index_dir", None) and any(remote.is_remote(u) for u in source.urls)
+    urls = source.urls
+    return (
+        not getattr(source, "index_dir", None)
+        and not plain_local(urls)  # (one check in C: no question a shard)
+        and any(remote.is_remote(u) for u in urls)
+    )
 
 
 def index_hint(source) -> str:

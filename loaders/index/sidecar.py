@@ -51,8 +51,10 @@ whether it came from sidecars or from the pass in process. Every key, dtype and 
 reading; anything else is a :class:`~prealign.loaders.errors.StaleIndexError` (a
 :class:`ConfigError`) naming the shard.
 
-When the loader is built, each sidecar is read and checked (on up to 8 threads on a slow file
-system; or all of them from one merged file, :mod:`~prealign.loaders.index.merged`). A shard itself
+When the loader is built, each sidecar is read and checked: local ones all at once, compared with a
+few read alone (:mod:`~prealign.loaders.index.sidecar_bulk`), URLs one by one on up to 16 threads
+(:func:`per_shard`); or all of them from one merged file (:mod:`~prealign.loaders.index.merged`).
+A shard itself
 is checked against its sidecar when it is first read, in the process that reads it, before any of
 its samples is served (:class:`ShardChecks`, local or remote, whatever the shard count): it must
 exist, have the recorded size (a ``stat``, or one ``HEAD`` for a URL) and the same first and last 64
@@ -109,6 +111,8 @@ _ARRAYS = {
     "dim_ids": (np.int64, 1),
     "bounds": (np.int64, 3),
 }
+KEYS = frozenset({"meta", *_ARRAYS})
+"""The entries of a sidecar (without ``.npy``)."""
 _MAX_META = 64 << 20
 _BUFFER = 1 << 20
 _ROW_BYTES = 8 * 3 + 8 + 1 + 8 + 8 * 12  # spans, lengths, media, dim_ids, bounds
@@ -322,7 +326,7 @@ def parse_sidecar(
             max_bytes=64 * len(data) + (1 << 20),
             member=shard,
             copy=False,
-            names=frozenset({"meta", *_ARRAYS}),
+            names=KEYS,
         )
         if set(members) != {"meta", *_ARRAYS}:
             raise bad(f"keys {sorted(members)}, expected {sorted({'meta', *_ARRAYS})}")
@@ -414,41 +418,66 @@ def check_values(parsed: list[tuple[dict, dict[str, np.ndarray]]]) -> bool:
     if not parsed:
         return True
     metas = [m for m, _ in parsed]
-    rows = np.fromiter((len(a["lengths"]) for _, a in parsed), np.int64, len(parsed))
-    owner = np.repeat(np.arange(len(parsed)), rows)
-    spans = np.concatenate([a["spans"] for _, a in parsed])
-    ids = np.concatenate([a["dim_ids"] for _, a in parsed])
-    ndims = np.fromiter((len(m["dims"]) for m in metas), np.int64, len(parsed))
-    sizes = np.fromiter((m["size"] for m in metas), np.int64, len(parsed))
+
+    def per_shard(key: str) -> np.ndarray:
+        return np.fromiter((m[key] for m in metas), np.int64, len(parsed))
+
+    return (
+        joint_values(
+            {k: np.concatenate([a[k] for _, a in parsed]) for k in ("spans", "lengths", "dim_ids")},
+            rows=np.fromiter((len(a["lengths"]) for _, a in parsed), np.int64, len(parsed)),
+            ndims=np.fromiter((len(m["dims"]) for m in metas), np.int64, len(parsed)),
+            sizes=per_shard("size"),
+            num_events=per_shard("num_events"),
+            events=[(s, e[0]) for s, m in enumerate(metas) for e in m["events"]],
+        )
+        is not None
+    )
+
+
+class _Untiled(Exception):
+    pass
+
+
+def _untiled(what: str) -> Exception:
+    return _Untiled(what)
+
+
+def joint_values(
+    arrays: dict[str, np.ndarray],
+    *,
+    rows: np.ndarray,
+    ndims: np.ndarray,
+    sizes: np.ndarray,
+    num_events: np.ndarray,
+    events: list[tuple[int, int]],
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """The value checks :func:`parse_sidecar` leaves out with ``values=False``, for many sidecars
+    at once: ``arrays`` ``spans [N, 3]``, ``lengths [N]``, ``dim_ids [N]`` (rows of each shard's own
+    dims) shard after shard; per shard int64 ``[S]`` its ``rows``, ``ndims`` (dims), ``sizes``,
+    ``num_events``; ``events`` ``(shard, position)`` of each bad record (few), in order. Returns
+    ``(first, last)`` of each shard (:func:`~prealign.loaders.index.tiling.check_tiling`) when all
+    pass, else None (the caller parses each again with ``values=True`` to name the first at
+    fault)."""
+    owner = np.repeat(np.arange(len(rows)), rows)
+    spans, ids = arrays["spans"], arrays["dim_ids"]
     if owner.size and (
         ids.min() < 0
         or np.any(ids >= ndims[owner])
         or spans[:, 0].min() < 0
         or np.any(spans[:, 1] <= spans[:, 0])
         or np.any(spans[:, 1] > sizes[owner])
-        or np.concatenate([a["lengths"] for _, a in parsed]).min() < 0
+        or arrays["lengths"].min() < 0
     ):
-        return False
-    events = [
-        (s, e[0]) for s, m in enumerate(metas) for e in m["events"]
-    ]  # (bad records only: few)
-    num_events = np.fromiter((m["num_events"] for m in metas), np.int64, len(parsed))
+        return None
     if any(not 0 <= p < num_events[s] for s, p in events) or any(
         b <= a for a, b in zip(events, events[1:])
     ):
-        return False
-
-    class _Untiled(Exception):
-        pass
-
-    def bad(what: str) -> Exception:
-        return _Untiled(what)
-
+        return None
     try:
-        check_tiling(spans, owner, num_events, events, bad)
+        return check_tiling(spans, owner, num_events, events, _untiled)
     except _Untiled:
-        return False
-    return True
+        return None
 
 
 def dims_ok(dims) -> bool:

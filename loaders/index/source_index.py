@@ -40,7 +40,9 @@ def sidecar_records(source, schema) -> dict[int, dict]:
     schema: :func:`~prealign.loaders.index.build.resolve_signatures`); the shard itself is not read
     here (:class:`ShardChecks`: at its first read). Sidecars are read on up to 8 threads when the
     first reads show a file system's latency (:func:`per_shard`). Raises :class:`StaleIndexError`
-    naming the shard and the difference."""
+    naming the shard and the difference. (The path of URLs, and of sources some of whose shards
+    have no sidecar: when every local shard has one, the loader reads them all at once,
+    :func:`~prealign.loaders.index.sidecar_bulk.sidecars_merged`.)"""
     if not getattr(source, "sidecars", False):
         return {}
     key = config_key(source, schema)
@@ -79,7 +81,7 @@ def sidecar_records(source, schema) -> dict[int, dict]:
             "regions": regions,
         }
     if len(records) >= MERGE_ADVICE_SHARDS:
-        _advise_merge(source)
+        advise_merge(source)
     return records
 
 
@@ -96,7 +98,7 @@ class MergedIndexWarning(UserWarning):
 _ADVISED: set[tuple] = set()
 
 
-def _advise_merge(source) -> None:
+def advise_merge(source) -> None:
     """Warn once per process and data set (the shard list): the command that writes its merged
     index."""
     key = (len(source.urls), source.urls[0], source.urls[-1], getattr(source, "index_dir", None))

@@ -359,17 +359,37 @@ _ENTRY = struct.Struct(
 )  # central directory entry, the fields read_npz checks (the version needed to extract on)
 
 
+@dataclass(frozen=True)
+class StoredEntry:
+    """One entry of a plain stored ``.npz`` (:func:`plain_npz_entries`): its ``name``, the offsets
+    of its local header (``local``), of its ``.npy`` bytes (``start..end``) and of its record in the
+    zip directory (``directory``), and its ``crc`` (crc32)."""
+
+    name: str
+    local: int
+    start: int
+    end: int
+    directory: int
+    crc: int
+
+
 def _plain_stored_entries(
     data: bytes, view: memoryview, max_bytes: int, names
 ) -> list[tuple[str, memoryview]] | None:
-    """``[(entry name, its bytes)]`` in directory order when ``data`` is a plain zip of stored
-    ``.npy`` entries (no comment, no prefix, no zip64 locator, no extra field in the directory,
-    ASCII names without NUL, a version ``zipfile`` implements, each entry once, unencrypted, inside
-    the file, not overlapping, of its recorded crc32; all of them within ``max_bytes`` and
-    ``names``): what ``np.savez`` writes, parsed with one ``struct`` call per entry. None for
-    anything else, which :func:`read_npz` then reads with ``zipfile`` and all its checks (and names
-    what is wrong), so this path accepts nothing that one refuses and reads what it reads. (A local
-    header's extra field, 20 bytes from ``np.savez``, is skipped unread, as ``zipfile`` does.)"""
+    """``[(entry name, its bytes)]`` of :func:`plain_npz_entries`, None where that is None."""
+    entries = plain_npz_entries(data, max_bytes, names)
+    return None if entries is None else [(e.name, view[e.start : e.end]) for e in entries]
+
+
+def plain_npz_entries(data: bytes, max_bytes: int, names) -> list[StoredEntry] | None:
+    """The entries in directory order when ``data`` is a plain zip of stored ``.npy`` entries (no
+    comment, no prefix, no zip64 locator, no extra field in the directory, ASCII names without NUL,
+    a version ``zipfile`` implements, each entry once, unencrypted, inside the file, not
+    overlapping, of its recorded crc32; all of them within ``max_bytes`` and ``names``): what
+    ``np.savez`` writes, parsed with one ``struct`` call per entry. None for anything else, which
+    :func:`read_npz` then reads with ``zipfile`` and all its checks (and names what is wrong), so
+    this path accepts nothing that one refuses and reads what it reads. (A local header's extra
+    field, 20 bytes from ``np.savez``, is skipped unread, as ``zipfile`` does.)"""
     at = len(data) - _EOCD.size
     if at < 0:
         return None
@@ -393,6 +413,7 @@ def _plain_stored_entries(
             data, pos
         )
         name_bytes = data[pos + _ENTRY.size : pos + _ENTRY.size + nlen]
+        directory = pos
         pos += _ENTRY.size + nlen + elen + clen
         if (
             sig != b"PK\x01\x02"
@@ -424,23 +445,20 @@ def _plain_stored_entries(
             + int.from_bytes(data[local + 28 : local + 30], "little")
         )
         total += size
-        entries.append((local, start + size, name, start, crc))
+        entries.append(StoredEntry(name, local, start, start + size, directory, crc))
     if pos != at or total > max_bytes:
         return None
-    spans = sorted(entries)
+    spans = sorted((e.local, e.end) for e in entries)
     if (
-        any(begin < end for (_, end, *_), (begin, *_) in zip(spans, spans[1:]))
+        any(begin < end for (_, end), (begin, _) in zip(spans, spans[1:]))
         or spans
         and spans[-1][1] > len(data)
     ):
         return None
-    out = []
-    for _, end, name, start, crc in entries:
-        raw = view[start:end]
-        if zlib.crc32(raw) != crc:
-            return None
-        out.append((name, raw))
-    return out
+    view = memoryview(data)
+    if any(zlib.crc32(view[e.start : e.end]) != e.crc for e in entries):
+        return None
+    return entries
 
 
 def _declared_entries(data: bytes) -> int | None:

@@ -30,6 +30,10 @@ SIZES = (200, 2000)
 GROWTH = 10.5
 """Work at 2,000 shards over work at 200: linear is 10x (the fixed part of a start makes it
 less)."""
+SIDECAR_CALLS = 6.0
+"""Function calls of a start from per-shard sidecars at 2,000 shards over 200: they are read and
+checked at once (:mod:`~prealign.loaders.index.sidecar_bulk`: a few calls a layout, the file reads
+made from C), 4.4x measured; one parse a sidecar made it 10x."""
 
 
 def _tar_header(name: bytes, size: int) -> bytes:
@@ -168,11 +172,11 @@ def _measure(data, monkeypatch, make) -> dict:
     }
 
 
-def _assert_linear(found: dict, what: str) -> None:
+def _assert_linear(found: dict, what: str, calls: float = GROWTH) -> None:
     (small, s_stats, s_sys), (big, b_stats, b_sys) = found[SIZES[0]], found[SIZES[1]]
-    assert big <= GROWTH * small, (
+    assert big <= calls * small, (
         f"{what}: {big:,} calls at {SIZES[1]} shards, {small:,} at {SIZES[0]} "
-        f"({big / small:.1f}x > {GROWTH}x); grew most: {_growth(s_stats, b_stats)}"
+        f"({big / small:.1f}x > {calls}x); grew most: {_growth(s_stats, b_stats)}"
     )
     assert b_sys.opens <= GROWTH * s_sys.opens and b_sys.stats <= GROWTH * max(s_sys.stats, 1), (
         what,
@@ -196,7 +200,7 @@ def test_a_start_from_per_shard_sidecars_grows_linearly_with_the_shards(data, mo
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         found = _measure(data, monkeypatch, lambda paths: _loader(WebDatasetSource(paths)))
-    _assert_linear(found, "start from sidecars")
+    _assert_linear(found, "start from sidecars", calls=SIDECAR_CALLS)
     # three starts over 2,000 sidecars, one warning naming the command that merges them (none at
     # 200)
     advice = [str(w.message) for w in seen if issubclass(w.category, MergedIndexWarning)]

@@ -1,0 +1,504 @@
+"""Every sidecar of a source read and checked at once: a loader's start over many small shards at a
+cost per distinct sidecar layout, not a parse per sidecar (issue #28).
+
+    sidecar files ──open, fstat, read, close each──► grouped by byte length
+      a group's first file: read alone (parse_sidecar, check_meta: every check): its template
+      every other file compared with it in a few numpy calls, byte for byte: the zip's records and
+          the npy headers (but for the crc32 and time fields), the meta JSON (but for the values of
+          ``shard``, ``size``, ``hash``, ``probe``: bytes that can neither end nor escape a JSON
+          string, digits); then each entry's crc32, and its arrays are slices of the group's bytes
+      any file that differs anywhere else: read alone, as a file that is its own template
+    ──► the in-memory form of a merged index (``meta``, ``arrays``), its values checked at once
+        (:func:`~prealign.loaders.index.sidecar.joint_values`); the loader builds its index from it
+        as from a merged file (:func:`~prealign.loaders.index.merged.merged_index`)
+
+A file that equals a template outside those bytes is parsed by the path that read the template into
+the same entries, headers and meta (the fields' values aside, each checked for its type), so this
+accepts nothing :func:`~prealign.loaders.index.sidecar.parse_sidecar` refuses, and what it refuses
+is read alone and named by that function, the first failure in shard order raised. Only local
+sidecars of plain paths take this path (URLs are read on threads, one by one:
+:func:`~prealign.loaders.index.source_index.sidecar_records`), and only when every shard has one.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import operator
+import os
+import stat
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from prealign.loaders.errors import StaleIndexError
+from prealign.loaders.index.hints import index_hint
+from prealign.loaders.index.sidecar import (
+    KEYS,
+    config_key,
+    expected_of,
+    joint_values,
+    parse_sidecar,
+    read_sidecar_bytes,
+    sidecar_limit,
+)
+from prealign.loaders.index.source_index import MERGE_ADVICE_SHARDS, advise_merge, check_meta
+from prealign.loaders.sources import remote
+from prealign.loaders.sources.npy import parse_npy_header, plain_npz_entries
+from prealign.loaders.sources.shard_files import SUFFIX, plain_local, shard_names
+
+TEMPLATES = 4
+"""Templates tried per byte length before the files left over are read one by one (sidecars of one
+data set have a few layouts: their sample counts, the digits of their sizes)."""
+_ARRAYS = sorted(KEYS - {"meta"})
+_FIELDS = (("shard", str), ("size", int), ("hash", str), ("probe", str))
+"""The meta fields whose values differ from shard to shard, and their JSON types."""
+_DIGITS = 18
+"""Most digits of a ``size`` read here (below 2**62, the bound parse_sidecar checks)."""
+
+
+def sidecars_merged(source, schema) -> tuple[dict, dict[str, np.ndarray]] | None:
+    """``(meta, arrays)`` as a merged index holds them (``meta``: ``names``, ``probes``, ``dims``,
+    ``events`` as ``[shard, position, BadRecord]``; ``arrays``: ``shards [S, 5]``, ``spans``,
+    ``lengths``, ``media``, ``dim_ids`` (rows of ``meta["dims"]``), ``bounds``) from every shard's
+    sidecar, each checked as :func:`~prealign.loaders.index.source_index.sidecar_records` checks it
+    (a :class:`StaleIndexError` naming the first shard at fault). None when the source reads no
+    sidecars, a shard or folder is not a plain local path, or a shard has no sidecar (then the
+    sidecars are read one by one and the others' shards indexed)."""
+    paths = _paths(source)
+    if paths is None:
+        return None
+    datas = _read_all(paths)
+    if datas is None:
+        return None
+    key = config_key(source, schema)
+    expected = shard_names(source.urls)
+    parts, alone = [], []
+    lengths = np.fromiter((-1 if d is None else len(d) for d in datas), np.int64, len(datas))
+    order = np.argsort(lengths, kind="stable")
+    cuts = np.flatnonzero(np.diff(lengths[order])) + 1
+    for group in np.split(order, cuts):
+        if lengths[group[0]] < 0:
+            alone.extend(group.tolist())
+            continue
+        left = group
+        for _ in range(TEMPLATES):
+            if not left.size:
+                break
+            mine, rest, bad = _group(source, datas, left, expected, key)
+            alone.extend(bad)
+            parts.extend(mine)
+            left = rest
+        alone.extend(left.tolist())
+    for shard in sorted(alone):  # read alone, every check: the first at fault raises
+        part = _Part.alone(source, shard, key)
+        if part is None:  # (removed since: that shard is indexed, the others read one by one)
+            return None
+        parts.append(part)
+    found = _assemble(source, parts)
+    if len(paths) >= MERGE_ADVICE_SHARDS:
+        advise_merge(source)
+    return found
+
+
+def _paths(source) -> list[str] | None:
+    """The sidecar path of each shard when every shard and the index folder are plain local paths
+    (:func:`~prealign.loaders.sources.shard_files.sidecar_path`, at a string operation each)."""
+    urls = getattr(source, "urls", None)
+    if not getattr(source, "sidecars", False) or not urls or not plain_local(urls):
+        return None
+    index_dir = getattr(source, "index_dir", None)
+    if not index_dir:
+        return [u + SUFFIX for u in urls]
+    if remote.scheme(index_dir):
+        return None
+    prefix = os.path.join(index_dir, "")
+    return [prefix + name + SUFFIX for name in shard_names(urls)]
+
+
+_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC
+_AT_ONCE = 256
+"""Files open at once while read (well below a process's usual limit of 1,024)."""
+
+
+def _read_all(paths: list[str]) -> list[bytes | None] | None:
+    """The bytes of each file (opened without blocking, checked a regular file after the open);
+    None for one to read alone (not a regular file, over :func:`sidecar_limit` of an empty shard,
+    unreadable: that reader names why); None when one does not exist. :data:`_AT_ONCE` files at a
+    time, each step one ``map`` over them (no Python step per file); a step that fails anywhere
+    reads its files again one by one."""
+    out: list[bytes | None] = []
+    for lo in range(0, len(paths), _AT_ONCE):
+        chunk = paths[lo : lo + _AT_ONCE]
+        try:
+            out.extend(_read_chunk(chunk))
+        except (OSError, ValueError):
+            for path in chunk:
+                try:
+                    out.append(_read_one(path))
+                except FileNotFoundError:
+                    return None
+    return out
+
+
+def _read_chunk(paths: list[str]) -> list[bytes | None]:
+    fds: list[int] = []
+    try:
+        fds.extend(map(os.open, paths, itertools.repeat(_FLAGS)))
+        limit = sidecar_limit(0)
+        want = [
+            st.st_size + 1 if stat.S_ISREG(st.st_mode) and st.st_size <= limit else 0
+            for st in map(os.fstat, fds)
+        ]
+        datas = list(map(os.read, fds, want))
+    finally:
+        for fd in fds:
+            os.close(fd)
+    return [d if len(d) + 1 == n else None for d, n in zip(datas, want)]
+
+
+def _read_one(path: str) -> bytes | None:
+    """:func:`_read_all` of one file, whatever it is (``FileNotFoundError`` when it does not
+    exist)."""
+    try:
+        fd = os.open(path, _FLAGS)
+    except FileNotFoundError:
+        raise
+    except (OSError, ValueError):
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > sidecar_limit(0):
+            return None
+        data = os.read(fd, st.st_size + 1)
+        return data if len(data) == st.st_size else None  # (else grew, or shrank, while read)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+@dataclass
+class _Part:
+    """Sidecars of some shards (``shards``, in the order their rows are), parsed: ``rows`` samples
+    each, ``num_events`` records each, the per-shard ``names``, ``sizes``, ``probes``, the shared
+    ``dims`` and ``events`` (``[position, BadRecord]``) and the arrays, shard after shard
+    (``dim_ids`` rows of ``dims``)."""
+
+    shards: np.ndarray
+    rows: np.ndarray
+    num_events: np.ndarray
+    names: list
+    sizes: np.ndarray
+    probes: list
+    dims: list
+    events: list
+    arrays: dict
+
+    @classmethod
+    def of(cls, shards, meta: dict, arrays: dict, names, sizes, probes) -> _Part:
+        """The part of ``shards`` whose sidecars share the parsed ``meta`` but for their values."""
+        k = len(shards)
+        return cls(
+            shards=np.asarray(shards, np.int64),
+            rows=np.full(k, len(arrays["lengths"]) // max(k, 1), np.int64),
+            num_events=np.full(k, meta["num_events"], np.int64),
+            names=names,
+            sizes=np.asarray(sizes, np.int64),
+            probes=probes,
+            dims=meta["dims"],
+            events=meta["events"],
+            arrays=arrays,
+        )
+
+    @classmethod
+    def alone(cls, source, shard: int, key: str, data: bytes | None = None) -> _Part | None:
+        """Shard ``shard``'s sidecar (``data``, else read now) parsed by itself, every check made
+        (the errors of :func:`~prealign.loaders.index.source_index.sidecar_records`); None when it
+        has none."""
+        data = read_sidecar_bytes(source, shard) if data is None else data
+        return None if data is None else cls.parsed(shard, *_parse(source, shard, data, key))
+
+    @classmethod
+    def parsed(cls, shard: int, meta: dict, arrays: dict) -> _Part:
+        """The part of one sidecar parsed already."""
+        size, probe, _, _ = expected_of(meta, arrays["spans"])
+        return cls.of([shard], meta, arrays, [meta["shard"]], [size], [probe])
+
+
+def _parse(source, shard: int, data: bytes, key: str) -> tuple[dict, dict]:
+    """``parse_sidecar`` and ``check_meta``: one sidecar read alone, as
+    :func:`~prealign.loaders.index.source_index.sidecar_records` reads it (its values checked with
+    all the others': :func:`~prealign.loaders.index.sidecar.joint_values`)."""
+    url = source.urls[shard]
+    meta, arrays = parse_sidecar(data, shard=url, fix=lambda: index_hint(source), values=False)
+    check_meta(source, url, meta, key)
+    return meta, arrays
+
+
+def _group(source, datas, left: np.ndarray, expected, key):
+    """``(parts, rest, bad)``: the files of ``left`` (shards of one byte length, in order) that
+    equal the first of them (read alone: the template) but for their values, as :class:`_Part`\\ s
+    (one per :data:`_AT_ONCE` files: their bytes stay in the cache); ``rest`` those of another
+    layout; ``bad`` those of its layout with a value it refuses (a crc32, a name, a character: read
+    alone, to be named)."""
+    first = int(left[0])
+    try:
+        meta, arrays = _parse(source, first, datas[first], key)
+    except StaleIndexError:
+        return [], left[1:], [first]
+    layout = _Layout.of(datas[first], meta)
+    if layout is None or left.size == 1:
+        return [_Part.parsed(first, meta, arrays)], left[1:], []
+    _, probe, _, _ = expected_of(meta, arrays["spans"])
+    template = layout.fixed_words(datas[first])
+    parts, rest, bad = [], [], []
+    for lo in range(0, left.size, _AT_ONCE):
+        chunk = left[lo : lo + _AT_ONCE]
+        joined = b"".join([datas[s] for s in chunk.tolist()]) + bytes(8)
+        rows = np.frombuffer(joined, np.uint8, len(joined) - 8).reshape(chunk.size, -1)
+        same = layout.same(joined, chunk.size, template)
+        mine = chunk[same]
+        if not same.all():
+            rest.append(chunk[~same])
+            rows = rows[same]
+        names = [expected[s] for s in mine.tolist()]  # (what each must name: checked)
+        ok = layout.values_ok(rows) & layout.names_ok(rows, names, meta["shard"])
+        ok &= layout.crc_ok(rows, [datas[s] for s in mine.tolist()])
+        if not ok.all():
+            bad.extend(mine[~ok].tolist())
+            mine, rows = mine[ok], rows[ok]
+            names = [expected[s] for s in mine.tolist()]
+        if mine.size:
+            k, fields = mine.size, layout.fields
+            sizes = layout.sizes(rows) if "size" in fields else np.full(k, meta["size"])
+            probes = layout.strings(rows, "probe") if "probe" in fields else [probe] * k
+            parts.append(_Part.of(mine, meta, layout.arrays(rows), names, sizes, probes))
+    return parts, np.concatenate(rest) if rest else left[:0], bad
+
+
+@dataclass
+class _Layout:
+    """Where the ``length`` bytes of a template sidecar are: ``fixed`` uint64 ``[length / 8]``
+    masks of the bytes every file of its layout has alike (zip records but their crc32 and time
+    fields, npy headers, the meta JSON but the values of :data:`_FIELDS`), ``crcs`` ``(start,
+    end, column of its recorded crc32)`` of each entry, ``data`` ``{entry: (start, end,
+    header)}`` of each array, ``fields`` ``{name: (start, end)}`` of each value in the file."""
+
+    fixed: np.ndarray
+    length: int
+    crcs: list
+    data: dict
+    fields: dict
+
+    @classmethod
+    def of(cls, data: bytes, meta: dict) -> _Layout | None:
+        """The layout of template ``data`` (whose parsed meta is ``meta``), None when it is not
+        what :func:`~prealign.loaders.sources.npy.plain_npz_entries` reads."""
+        entries = plain_npz_entries(data, 64 * len(data) + (1 << 20), KEYS)
+        if entries is None:
+            return None
+        view = memoryview(data)
+        varies = np.zeros(len(data), bool)
+        regions, crcs = {}, []
+        for e in entries:
+            header = parse_npy_header(view[e.start : e.end], member=e.name)
+            if header.fortran_order and len(header.shape) > 1:
+                return None
+            varies[e.local + 10 : e.local + 18] = True  # time, date, crc32 (local header)
+            varies[e.directory + 12 : e.directory + 20] = True  # (directory record)
+            regions[e.name[:-4]] = (e.start + header.offset, e.end, header)
+            crcs.append((e.start, e.end, e.directory + 16))
+        lo, hi, _ = regions["meta"]
+        fields = _meta_fields(data[lo:hi], meta)
+        if fields is None:
+            return None
+        for name in _ARRAYS:
+            a, b, _ = regions[name]
+            varies[a:b] = True
+        for a, b in fields.values():
+            varies[lo + a : lo + b] = True
+        return cls(
+            fixed=_words(~varies),
+            length=len(data),
+            crcs=crcs,
+            data=regions,
+            fields={name: (lo + a, lo + b) for name, (a, b) in fields.items()},
+        )
+
+    def fixed_words(self, data: bytes) -> np.ndarray:
+        """The :attr:`fixed` bytes of one file (``length`` bytes), masked, as uint64 words."""
+        return self.fixed & np.frombuffer(data + bytes(-len(data) % 8), "<u8")
+
+    def same(self, joined: bytes, k: int, template: np.ndarray) -> np.ndarray:
+        """Which of the ``k`` files in ``joined`` (their bytes one after the other, then 8 zero
+        bytes) have the ``template``'s :meth:`fixed_words`: compared 8 bytes at a time."""
+        words = np.ndarray((k, len(self.fixed)), "<u8", buffer=joined, strides=(self.length, 8))
+        return ((words & self.fixed) == template).all(axis=1)
+
+    def crc_ok(self, rows: np.ndarray, datas: list[bytes]) -> np.ndarray:
+        """Each file's entries (``datas``, the bytes of ``rows``) of their recorded crc32 (one
+        ``zlib.crc32`` an entry, called from C: no Python step per file)."""
+        entries = operator.itemgetter(*(slice(a, b) for a, b, _ in self.crcs))
+        found = np.fromiter(
+            map(zlib.crc32, itertools.chain.from_iterable(map(entries, datas))),
+            np.uint32,
+            len(datas) * len(self.crcs),
+        ).reshape(len(datas), len(self.crcs))
+        cols = np.asarray([c for _, _, c in self.crcs])[:, None] + np.arange(4)
+        recorded = np.ascontiguousarray(rows[:, cols.reshape(-1)]).view("<u4")
+        return (found == recorded).all(axis=1)
+
+    def values_ok(self, rows: np.ndarray) -> np.ndarray:
+        """Each file's values are what parse_sidecar reads as the template's: a string's bytes
+        printable ASCII without ``"`` or ``\\`` (nothing ends or escapes it), a size's digits
+        without a leading zero."""
+        ok = np.ones(len(rows), bool)
+        for name, (a, b) in self.fields.items():
+            block = rows[:, a:b]
+            if dict(_FIELDS)[name] is int:
+                ok &= ((block >= 48) & (block <= 57)).all(axis=1)
+                if b - a > 1:
+                    ok &= block[:, 0] != 48
+            else:
+                ok &= ((block >= 32) & (block <= 126) & (block != 34) & (block != 92)).all(axis=1)
+        return ok
+
+    def names_ok(self, rows: np.ndarray, names: list[str], template: str) -> np.ndarray:
+        """Each file names its shard, ``names`` (the template's name, ``template``, when names are
+        not a value of the layout)."""
+        if "shard" not in self.fields:
+            return np.asarray([n == template for n in names], bool)
+        a, b = self.fields["shard"]
+        joined = "".join(names)
+        if len(joined) != len(names) * (b - a) or not joined.isascii():
+            return np.zeros(len(rows), bool)  # (other lengths: each read alone, to be named)
+        wanted = np.frombuffer(joined.encode(), np.uint8).reshape(len(rows), b - a)
+        return (rows[:, a:b] == wanted).all(axis=1)
+
+    def sizes(self, rows: np.ndarray) -> np.ndarray:
+        """The ``size`` of each file (int64; its digits checked by :meth:`values_ok`)."""
+        a, b = self.fields["size"]
+        digits = rows[:, a:b].astype(np.int64) - 48
+        return digits @ (10 ** np.arange(b - a - 1, -1, -1, dtype=np.int64))
+
+    def strings(self, rows: np.ndarray, name: str) -> list[str]:
+        """The value ``name`` of each file (str; its bytes checked by :meth:`values_ok`)."""
+        a, b = self.fields[name]
+        text = np.ascontiguousarray(rows[:, a:b]).tobytes().decode("ascii")
+        return [text[i : i + b - a] for i in range(0, len(text), b - a)]
+
+    def arrays(self, rows: np.ndarray) -> dict[str, np.ndarray]:
+        """Each array of every file, file after file: one slice of the group's bytes each."""
+        out = {}
+        for name in _ARRAYS:
+            a, b, header = self.data[name]
+            flat = np.ascontiguousarray(rows[:, a:b]).view(header.dtype)
+            out[name] = flat.reshape((len(rows) * header.shape[0], *header.shape[1:]))
+        return out
+
+
+def _words(mask: np.ndarray) -> np.ndarray:
+    """``mask`` (bool ``[L]``) as uint64 words of bytes 0xFF (True) and 0 (False; past ``L``)."""
+    out = np.zeros(-(-len(mask) // 8) * 8, np.uint8)
+    out[: len(mask)] = np.where(mask, 0xFF, 0)
+    return out.view("<u8")
+
+
+def _meta_fields(text: bytes, meta: dict) -> dict[str, tuple[int, int]] | None:
+    """``{field: (start, end)}`` in the meta JSON ``text`` of each value of :data:`_FIELDS` that
+    stands once, as ``"field": value``, proven the top level's: the text with each replaced by
+    another value of the same length parses to ``meta`` with those values replaced (so a file that
+    differs from ``text`` only there holds its own values in ``meta``'s place). None when ``text``
+    does not parse as ``meta`` did."""
+    try:
+        raw = json.loads(text.decode())
+    except (ValueError, UnicodeDecodeError):
+        return None
+    fields, changed, swapped = {}, dict(raw), bytearray(text)
+    for name, kind in _FIELDS:
+        value = raw.get(name)
+        if type(value) is not kind or value == "":
+            continue
+        token = json.dumps(value).encode()
+        if kind is str:
+            token = token[1:-1]
+            pattern = b'"%s": "%s"' % (name.encode(), token)
+            lo = text.find(pattern) + len(name) + 5
+        else:
+            pattern = b'"%s": %s' % (name.encode(), token)
+            lo = text.find(pattern) + len(name) + 4
+        if text.count(pattern) != 1 or (kind is int and len(token) > _DIGITS):
+            continue
+        hi = lo + len(token)
+        other = (b"1" if token[:1] != b"1" else b"2") + b"0" * (len(token) - 1)
+        swapped[lo:hi] = other
+        changed[name] = other.decode() if kind is str else int(other)
+        fields[name] = (lo, hi)
+    try:
+        if json.loads(bytes(swapped).decode()) != changed:
+            return None
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return fields
+
+
+def _assemble(source, parts: list[_Part]):
+    """The merged form of ``parts`` in shard order, its values checked (every shard at once:
+    :func:`~prealign.loaders.index.sidecar.joint_values`); a failure read again shard by shard to
+    name it."""
+    n = source.num_shards
+    slots = np.concatenate([p.shards for p in parts])  # (the shard of each slot)
+    slot_rows = np.concatenate([p.rows for p in parts])
+    slot_of = np.empty(n, np.int64)
+    slot_of[slots] = np.arange(n)
+    rows = slot_rows[slot_of]
+    arrays = {name: np.concatenate([p.arrays[name] for p in parts]) for name in _ARRAYS}
+    if not np.array_equal(slots, np.arange(n)):  # rows into shard order
+        starts = np.concatenate([[0], np.cumsum(slot_rows)])[:-1][slot_of]
+        take = np.repeat(starts - np.concatenate([[0], np.cumsum(rows)])[:-1], rows)
+        take += np.arange(take.size)
+        arrays = {name: a[take] for name, a in arrays.items()}
+    dims: list = []  # each part's dims, as rows of all the distinct ones
+    tables = [
+        np.asarray(
+            [dims.index(d) if d in dims else dims.append(d) or len(dims) - 1 for d in p.dims],
+            np.int64,
+        )
+        for p in parts
+    ]
+    base = np.concatenate([[0], np.cumsum([len(t) for t in tables])])[:-1]
+    per_shard = {key: np.empty(n, np.int64) for key in ("sizes", "num_events", "ndims", "base")}
+    names, probes = np.empty(n, object), np.empty(n, object)
+    events = []
+    for p, t, b in zip(parts, tables, base.tolist()):
+        names[p.shards], probes[p.shards] = p.names, p.probes
+        per_shard["sizes"][p.shards], per_shard["num_events"][p.shards] = p.sizes, p.num_events
+        per_shard["ndims"][p.shards], per_shard["base"][p.shards] = len(t), b
+        if p.events:
+            events.extend([s, pos, ev] for s in p.shards.tolist() for pos, ev in p.events)
+    events.sort(key=lambda e: (e[0], e[1]))
+    first_last = joint_values(
+        arrays,
+        rows=rows,
+        ndims=per_shard["ndims"],
+        sizes=per_shard["sizes"],
+        num_events=per_shard["num_events"],
+        events=[(s, pos) for s, pos, _ in events],
+    )
+    if first_last is None:
+        _name_fault(source)
+    table = np.concatenate(tables) if tables else np.zeros(0, np.int64)
+    arrays["dim_ids"] = table[np.repeat(per_shard["base"], rows) + arrays["dim_ids"]]
+    shards = np.stack([per_shard["sizes"], rows, per_shard["num_events"], *first_last], axis=1)
+    meta = {"names": names.tolist(), "probes": probes.tolist(), "dims": dims, "events": events}
+    return meta, {"shards": shards, **arrays}
+
+
+def _name_fault(source) -> None:
+    """Raise the error of the first sidecar at fault, each parsed again alone with every check (a
+    value the checks of all sidecars at once refused: an id, a byte range, the tiling)."""
+    for shard, url in enumerate(source.urls):
+        parse_sidecar(read_sidecar_bytes(source, shard), shard=url, fix=lambda: index_hint(source))
+    raise StaleIndexError(source.urls[0], "sidecar indexes inconsistent", index_hint(source))
