@@ -1083,10 +1083,16 @@ def merge_rank_states(states: list) -> dict:
         elif st.stream is not None:
             shape = {k: v for k, v in st.stream.items() if k != "ranks"}
             mine = {r: e for r, e in enumerate(st.stream.get("ranks") or []) if e is not None}
+        elif not st.position and not st.segments:  # nothing served yet: every rank's is known
+            dp, workers = st.config.get("dp_size"), st.config.get("num_workers")
+            if not (isinstance(dp, int) and isinstance(workers, int) and dp >= 1):
+                raise ResumeError(f"merge_rank_states: state {i}: config without dp_size")
+            shape = {"dp_size": dp, "num_workers": workers, "offset": 0, "skip": None}
+            mine = {r: {"next": 0, "readers": [None] * max(workers, 1)} for r in range(dp)}
         else:
             raise ResumeError(
-                f"merge_rank_states: state {i} (version 2 or 3) has no cursors: save with "
-                f"state_dict(cursors=True)"
+                f"merge_rank_states: state {i} (version 2 or 3, at micro-batch {st.position}) "
+                f"has no cursors: save with state_dict(cursors=True)"
             )
         base = dataclasses.replace(st, cursors=None, stream=shape)
         if merged is None:
