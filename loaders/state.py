@@ -31,6 +31,15 @@ is that rank's (other ranks replay):
           "rule": [{}, {}, null], "buffer": [[id, aligned size, *location], ...],
           "bins": [[[id, aligned size, *location], ...], ...]},
          ...]}}
+
+A streaming state taken with ``state_dict(cursors="all")`` (or merged from every rank's
+``cursors=True`` state) is version 5: every DP rank's cursors and what earlier segments of the
+epoch consumed (``skip``), so that any topology resumes it without replaying:
+
+    {"version": 5, "kind": "prealign.StreamingPackedLoader", ..., "position": 917,
+     "stream": {"dp_size": 2, "num_workers": 0, "offset": 0, "skip": null | {"done": [...],
+                "partial": [[shard, ordinal, location], ...], "extra": [...], "returns": [...]},
+                "ranks": [{"next": 0, "readers": [...]} | null, ...]}}
 """
 
 from __future__ import annotations

@@ -47,6 +47,13 @@ run (every rank's) is replayed in this process, ids only, and the samples its Da
 anew (cost: packing every old rank's served part of the stream again, and with fewer shards than old
 readers reading that prefix once per old reader; the served ids are one shared sorted int64 tensor;
 ``docs/resume.md``).
+``state_dict(cursors="all")`` (a collective) gathers every DP rank's cursors into one state
+(version 5; :func:`merge_rank_states` merges per-rank ones): under the same topology each rank
+seeks as above; under another, ``load_state_dict`` folds the old readers' cursors into the shards
+the epoch consumed whole (never opened again), the shards it consumed in part (entered after their
+last consumed sample: a seek, an HTTP ``Range`` read) and the samples read but not served (read
+back by location) (:mod:`~prealign.loaders.stream_skip`), and this run's readers split the rest:
+no replay, at a cost that does not grow with the position.
 
 Options, validation, ``set_epoch``, ``from_parallel_state``, the one-live-iterator guard, the state
 and the worker path (a sample's typed error raised as its own type, a dead worker a
