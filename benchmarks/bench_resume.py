@@ -200,6 +200,34 @@ def _spread(xs: list[float]) -> str:
     return f"{mid:.2f} [{s[0]:.2f}..{s[-1]:.2f}]"
 
 
+def _stream_setup(args, name: str, setup_code: str) -> tuple[list[str], dict]:
+    """The shards and the setup's states (run once, kept in ``--dir``)."""
+    root = os.path.join(args.dir, f"stream-{args.size}")
+    paths = write_text_shards(root, args.size)
+    cached = os.path.join(root, f"{name}-{args.stream_at}.json")
+    if not os.path.exists(cached):
+        setup = _phase(setup_code.format(paths=paths, target=args.stream_at))
+        with open(cached + ".part", "w") as f:
+            json.dump(setup, f)
+        os.replace(cached + ".part", cached)
+    with open(cached) as f:
+        return paths, json.load(f)
+
+
+def _interleaved(args, paths, setup, names, workers: int) -> tuple[dict, int]:
+    """``--rounds`` rounds, each resuming ``setup[name]`` for both names in fresh processes (the
+    second, the replay, only in the first ``--replay-rounds``); (rounds by name, replay rounds)."""
+    rounds: dict[str, list[dict]] = {n: [] for n in names}
+    replays = args.rounds if args.replay_rounds is None else args.replay_rounds
+    for i in range(args.rounds):
+        for name in names[: 2 if i < replays else 1]:
+            code = _STREAM_RESUME.format(
+                paths=paths, state=json.dumps(setup[name]), workers=workers
+            )
+            rounds[name].append(_phase(code))
+    return rounds, replays
+
+
 def stream_main(args) -> int:
     """The streaming loader resumed at ``--stream-at`` samples: cursors (seek) vs replay,
     interleaved rounds."""
@@ -207,23 +235,10 @@ def stream_main(args) -> int:
         raise SystemExit(f"--stream-at {args.stream_at} must be below --size {args.size}")
     if args.elastic:
         return elastic_main(args)
-    root = os.path.join(args.dir, f"stream-{args.size}")
-    paths = write_text_shards(root, args.size)
-    cached = os.path.join(root, f"states-{args.stream_at}.json")
-    if not os.path.exists(cached):
-        setup = _phase(_STREAM_SETUP.format(paths=paths, target=args.stream_at))
-        with open(cached + ".part", "w") as f:
-            json.dump(setup, f)
-        os.replace(cached + ".part", cached)
-    with open(cached) as f:
-        setup = json.load(f)
-    rounds: dict[str, list[dict]] = {"seek": [], "replay": []}
-    replays = args.rounds if args.replay_rounds is None else args.replay_rounds
-    for i in range(args.rounds):
-        for name in ("seek", "replay")[: 2 if i < replays else 1]:
-            code = _STREAM_RESUME.format(paths=paths, state=json.dumps(setup[name]), workers=0)
-            rounds[name].append(_phase(code))
-        if i < replays and rounds["seek"][-1]["first_ids"] != rounds["replay"][-1]["first_ids"]:
+    paths, setup = _stream_setup(args, "states", _STREAM_SETUP)
+    rounds, replays = _interleaved(args, paths, setup, ("seek", "replay"), 0)
+    for s, r in zip(rounds["seek"], rounds["replay"]):
+        if s["first_ids"] != r["first_ids"]:
             raise SystemExit("the seek and the replay resumed at different batches")
     position = setup["seek"]["position"]
     print(
@@ -231,20 +246,7 @@ def stream_main(args) -> int:
         f"micro-batch {position} ({setup['served']:,} samples served; serving them took "
         f"{setup['serve_s']:.0f} s), {args.rounds} rounds (replay: {replays}), median [min..max]\n"
     )
-    print(
-        "| resume | load_state_dict | first batch | total | per served sample |\n"
-        "|---|---|---|---|---|"
-    )
-    for name in ("seek", "replay")[: 2 if replays else 1]:
-        rs = rounds[name]
-        load = _spread([r["load_state_s"] for r in rs])
-        first = _spread([r["first_batch_s"] for r in rs])
-        total = _spread([r["total_s"] for r in rs])
-        per = _spread([r["total_s"] / setup["served"] * 1e6 for r in rs])
-        print(f"| {name} | {load} s | {first} s | {total} s | {per} µs |")
-    ratios = [r["total_s"] / s["total_s"] for s, r in zip(rounds["seek"], rounds["replay"])]
-    if ratios:
-        print(f"\nreplay / seek per round: {_spread(ratios)}x")
+    ratios = _table("resume", rounds, setup["served"])
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
@@ -264,24 +266,8 @@ def elastic_main(args) -> int:
     """``--stream --elastic``: a dp-2 stream state resumed on one rank (``--elastic-workers``
     DataLoader workers): skipping what the old readers consumed (a merged version-5 state) vs
     replaying both old ranks (a plain state, what an elastic resume did before), interleaved."""
-    root = os.path.join(args.dir, f"stream-{args.size}")
-    paths = write_text_shards(root, args.size)
-    cached = os.path.join(root, f"elastic-{args.stream_at}.json")
-    if not os.path.exists(cached):
-        setup = _phase(_ELASTIC_SETUP.format(paths=paths, target=args.stream_at))
-        with open(cached + ".part", "w") as f:
-            json.dump(setup, f)
-        os.replace(cached + ".part", cached)
-    with open(cached) as f:
-        setup = json.load(f)
-    rounds: dict[str, list[dict]] = {"skip": [], "replay": []}
-    replays = args.rounds if args.replay_rounds is None else args.replay_rounds
-    for i in range(args.rounds):
-        for name in ("skip", "replay")[: 2 if i < replays else 1]:
-            code = _STREAM_RESUME.format(
-                paths=paths, state=json.dumps(setup[name]), workers=args.elastic_workers
-            )
-            rounds[name].append(_phase(code))
+    paths, setup = _stream_setup(args, "elastic", _ELASTIC_SETUP)
+    rounds, replays = _interleaved(args, paths, setup, ("skip", "replay"), args.elastic_workers)
     served = setup["served"]
     print(
         f"StreamingPackedLoader, {args.size:,} samples in {len(paths)} shards, a dp-2 state at "
@@ -289,24 +275,33 @@ def elastic_main(args) -> int:
         f"dp 1 with {args.elastic_workers} workers, {args.rounds} rounds (replay: {replays}), "
         f"median [min..max]\n"
     )
+    ratios = _table("elastic resume", rounds, served)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"served": served, "rounds": rounds, "ratios": ratios}, f, indent=1)
+    return 0
+
+
+def _table(what: str, rounds: dict[str, list[dict]], served: int) -> list[float]:
+    """Print the rounds of two contenders (the fast one first, ``replay`` second) as a table of
+    median [min..max] and their per-round ratio; returns the ratios."""
+    fast, slow = rounds
     print(
-        "| elastic resume | load_state_dict | first batch | total | per served sample |\n"
+        f"| {what} | load_state_dict | first batch | total | per served sample |\n"
         "|---|---|---|---|---|"
     )
-    for name in ("skip", "replay")[: 2 if replays else 1]:
-        rs = rounds[name]
+    for name, rs in rounds.items():
+        if not rs:
+            continue
         load = _spread([r["load_state_s"] for r in rs])
         first = _spread([r["first_batch_s"] for r in rs])
         total = _spread([r["total_s"] for r in rs])
         per = _spread([r["total_s"] / served * 1e6 for r in rs])
         print(f"| {name} | {load} s | {first} s | {total} s | {per} µs |")
-    ratios = [r["total_s"] / s["total_s"] for s, r in zip(rounds["skip"], rounds["replay"])]
+    ratios = [r["total_s"] / s["total_s"] for s, r in zip(rounds[fast], rounds[slow])]
     if ratios:
-        print(f"\nreplay / skip per round: {_spread(ratios)}x")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"served": served, "rounds": rounds, "ratios": ratios}, f, indent=1)
-    return 0
+        print(f"\n{slow} / {fast} per round: {_spread(ratios)}x")
+    return ratios
 
 
 def _phase(code: str) -> dict:

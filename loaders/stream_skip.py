@@ -176,6 +176,8 @@ def fold(
             low = min(ks)
             slow = ks.index(low)
             start = None
+            if low and cursors[slow]["at"][2] is None:  # (a bad record last: walk from the start)
+                low = 0
             if low:
                 pos, ordinal, loc = cursors[slow]["at"]
                 start = (pos, ordinal, tuple(loc))

@@ -28,7 +28,13 @@ from prealign.loaders.errors import ResumeError
 from prealign.loaders.state import STREAM_VERSION
 from prealign.loaders.streaming import merge_rank_states
 from tests.loader_helpers import sample_lengths, write_shards
-from tests.loaders.test_stream_cursors import BUDGET, CountingSource, _make, _with_bad_data
+from tests.loaders.test_stream_cursors import (
+    BUDGET,
+    CountingSource,
+    _make,
+    _RangeHandler,
+    _with_bad_data,
+)
 
 
 def _ids(batches) -> list[int]:
@@ -181,37 +187,23 @@ def test_elastic_resume_at_any_position(
 
 
 # ---- HTTP: a consumed shard is never read again ------------------------------------------------
-class _CountingHandler(http.server.BaseHTTPRequestHandler):
-    """Serves ``server.root`` with ``Range``; logs each GET as ``(file, first byte, end)``."""
-
-    def log_message(self, *args):
-        pass
+class _CountingHandler(_RangeHandler):
+    """:class:`_RangeHandler` that logs each request as ``(file, first byte, end)`` (``"HEAD"``
+    for a HEAD)."""
 
     def do_GET(self):
         name = self.path.lstrip("/").split("?")[0]
-        path = os.path.join(self.server.root, name)
-        size = os.path.getsize(path)
+        size = os.path.getsize(os.path.join(self.server.root, name))
         m = re.match(r"bytes=(\d+)-(\d*)", self.headers.get("Range", ""))
         lo, hi = 0, size
         if m:
             lo, hi = int(m.group(1)), min(int(m.group(2)) + 1 if m.group(2) else size, size)
         self.server.log.append((name, lo, hi))
-        self.send_response(206 if m else 200)
-        if m:
-            self.send_header("Content-Range", f"bytes {lo}-{hi - 1}/{size}")
-        self.send_header("Content-Length", str(hi - lo))
-        self.end_headers()
-        with open(path, "rb") as f:
-            f.seek(lo)
-            self.wfile.write(f.read(hi - lo))
+        super().do_GET()
 
     def do_HEAD(self):
-        path = os.path.join(self.server.root, self.path.lstrip("/").split("?")[0])
-        self.server.log.append((os.path.basename(path), "HEAD", 0))
-        self.send_response(200)
-        self.send_header("Content-Length", str(os.path.getsize(path)))
-        self.send_header("Accept-Ranges", "bytes")
-        self.end_headers()
+        self.server.log.append((self.path.lstrip("/").split("?")[0], "HEAD", 0))
+        super().do_HEAD()
 
 
 @pytest.fixture
