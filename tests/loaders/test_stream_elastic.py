@@ -367,3 +367,45 @@ def test_seek_reads_nothing_before_the_consumed_sample(tmp_path):
     after = list(src.scan_after(0, 19, records[19][0], seek=records[9][0]))
     assert [loc for loc, _ in after] == [loc for loc, _ in records[20:]]
     assert CountingSource.decoded == 10
+
+
+# ---- the fold, by hand ---------------------------------------------------------------------------
+def _cursor(at, k=0, done=False, buffer=(), bins=()):
+    return {"at": at, "k": k, "done": done, "buffer": list(buffer), "bins": list(bins)}
+
+
+def test_fold_golden():
+    """Split by shard: a reader's shards before its cursor are done, the one it is in partial up to
+    its last record, its buffer and unserved micro-batches returned; a reader that served nothing
+    consumed nothing. Split by sample (3 readers, 1 shard of 10 records, each reader kept every
+    third): everything up to the slowest reader's record is partial, the records read past it are
+    listed (walked once), the others left."""
+    from prealign.loaders.stream_skip import Skip, fold
+
+    def records(shard, after, base):
+        first = -1 if after is None else after[0]
+        return ((o, (shard, o, o + 1, 0), None) for o in range(first + 1, 10))
+
+    def sid(shard, o):
+        return shard << 32 | o
+
+    order = [2, 0, 3, 1]  # reader 0: shards [2, 3]; reader 1: [0, 1]
+    c0 = _cursor([1, 4, [3, 4, 5, 0]], buffer=[[sid(3, 2), 8, 3, 2, 3, 0]],
+                 bins=[[[sid(3, 1), 8, 3, 1, 2, 0]]])
+    skip = fold(None, order, [c0, None], records)
+    assert skip.done == {2} and skip.partial == {3: (4, (3, 4, 5, 0))}
+    assert skip.returns == ((sid(3, 1), 8, 3, 1, 2, 0), (sid(3, 2), 8, 3, 2, 3, 0))
+    assert skip.remaining(order) == [0, 3, 1] and not skip.extra.size
+    again = Skip.from_dict(json.loads(json.dumps(skip.to_dict())), 4)
+    assert again.to_dict() == skip.to_dict()
+    # the next segment, 3 readers over [0, 3, 1]: reader 1 (shard 3) read on to ordinal 6, served
+    # its returns; reader 0 finished shard 0; reader 2 served nothing
+    c = [_cursor([0, 9, [0, 9, 10, 0]], done=True), _cursor([0, 6, [3, 6, 7, 0]]), None]
+    skip2 = fold(skip, order, c, records)
+    assert skip2.done == {2, 0} and skip2.partial == {3: (6, (3, 6, 7, 0))} and not skip2.returns
+    # split by sample
+    ks = [4, 8, 3]  # reader 0 read j = 1, 4; reader 1: 2, 5, 8; reader 2: 3
+    cs = [_cursor([0, k - 1, [0, k - 1, k, 0]], k=k) for k in ks]
+    skip3 = fold(None, [0], cs, records)
+    assert skip3.partial == {0: (2, (0, 2, 3, 0))} and not skip3.done
+    assert skip3.extra.tolist() == [sid(0, 3), sid(0, 4), sid(0, 7)]
