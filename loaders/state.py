@@ -67,9 +67,9 @@ STREAM_VERSION = 5
 """5: a streaming state with ``stream``: the reader cursors of every DP rank of the run (those it
 was given: ``state_dict(cursors="all")`` gathers them, :func:`~prealign.loaders.streaming.
 merge_rank_states` merges per-rank states) and what earlier segments of the epoch consumed
-(``skip``, :mod:`prealign.loaders.stream_skip`), so that a resume under another ``dp_size`` or
-``num_workers`` skips the consumed shards and seeks into the partly consumed ones instead of
-replaying. A prealign without it refuses it (versions 2 to 4 still load)."""
+(``skip``, :mod:`prealign.loaders.plan.stream_skip`), so that a resume under another
+``dp_size`` or ``num_workers`` skips the consumed shards and seeks into the partly consumed ones
+instead of replaying. A prealign without it refuses it (versions 2 to 4 still load)."""
 STATE_KIND = "prealign.PackedLoader"
 STREAM_STATE_KIND = "prealign.StreamingPackedLoader"
 

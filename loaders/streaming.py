@@ -52,8 +52,8 @@ readers reading that prefix once per old reader; the served ids are one shared s
 seeks as above; under another, ``load_state_dict`` folds the old readers' cursors into the shards
 the epoch consumed whole (never opened again), the shards it consumed in part (entered after their
 last consumed sample: a seek, an HTTP ``Range`` read) and the samples read but not served (read
-back by location) (:mod:`~prealign.loaders.stream_skip`), and this run's readers split the rest:
-no replay, at a cost that does not grow with the position.
+back by location) (:mod:`~prealign.loaders.plan.stream_skip`), and this run's readers split the
+rest: no replay, at a cost that does not grow with the position.
 
 Options, validation, ``set_epoch``, ``from_parallel_state``, the one-live-iterator guard, the state
 and the worker path (a sample's typed error raised as its own type, a dead worker a
@@ -90,13 +90,13 @@ from prealign.loaders.options import LoadingOptions, WorkerConfig, check_option,
 from prealign.loaders.plan.elastic import round_robin
 from prealign.loaders.plan.packing import best_fit_decreasing
 from prealign.loaders.plan.planner import PlannerConfig
+from prealign.loaders.plan.stream_skip import Skip, fold, kept
 from prealign.loaders.policy import BadDataGate, BadDataPolicy, BadDataReport, BadRecord, Oversize
 from prealign.loaders.serve.workers import hand_over
 from prealign.loaders.shaping import filler_length, filler_sample, truncate_sample
 from prealign.loaders.sources.source import Source
 from prealign.loaders.sources.webdataset import WebDatasetSource
 from prealign.loaders.state import STREAM_STATE_KIND, LoaderState
-from prealign.loaders.stream_skip import Skip, fold, kept
 from prealign.schemas.errors import PrealignError, SampleError
 from prealign.schemas.layout import ParallelLayout
 from prealign.schemas.schema import BatchSchema
@@ -172,7 +172,7 @@ def served_in(served: torch.Tensor | None, shard: int) -> np.ndarray:
 
 
 def records_of(source: Source):
-    """``records(shard, after, base)`` of :func:`~prealign.loaders.stream_skip.kept` over
+    """``records(shard, after, base)`` of :func:`~prealign.loaders.plan.stream_skip.kept` over
     ``source``: a shard's ``(ordinal, location, item)`` from its start, or after the record
     ``after`` (:meth:`Source.scan_after`: not decoded again); a webdataset shard with a ``base`` is
     entered at ``base``'s end (a seek, a range read), what comes before it not read at all."""
@@ -236,8 +236,9 @@ class _Reader(IterableDataset):
     """Worker ``w`` plays role ``(w + rotate) % W``: the DataLoader asks worker 0 first, the saved
     run's next reader was role ``rotate``."""
     skip: Skip | None = dataclasses.field(default=None, compare=False)
-    """What earlier segments of the epoch consumed (an elastic resume, :mod:`~prealign.loaders.
-    stream_skip`): the readers split the shards it leaves and read its returned samples back."""
+    """What earlier segments of the epoch consumed (an elastic resume,
+    :mod:`~prealign.loaders.plan.stream_skip`): the readers split the shards it leaves and read its
+    returned samples back."""
 
     def _place(self) -> tuple[int, int, int]:
         """``(role, g, G)``: this reader's role among its rank's, its number among all readers, and
@@ -987,7 +988,7 @@ class StreamingPackedLoader(LoaderCore):
     def _load_stream(self, st: LoaderState) -> None:
         """A version-5 state: same ``dp_size`` / ``num_workers``: this rank's cursors (exact);
         another: the old readers' cursors folded into what the epoch consumed
-        (:func:`~prealign.loaders.stream_skip.fold`), this run a new segment at position 0."""
+        (:func:`~prealign.loaders.plan.stream_skip.fold`), this run a new segment at position 0."""
         stream = st.stream
         shape = (stream.get("dp_size"), stream.get("num_workers"))
         ranks, offset = stream.get("ranks"), stream.get("offset")

@@ -380,7 +380,7 @@ def test_fold_golden():
     consumed nothing. Split by sample (3 readers, 1 shard of 10 records, each reader kept every
     third): everything up to the slowest reader's record is partial, the records read past it are
     listed (walked once), the others left."""
-    from prealign.loaders.stream_skip import Skip, fold
+    from prealign.loaders.plan.stream_skip import Skip, fold
 
     def records(shard, after, base):
         first = -1 if after is None else after[0]
