@@ -79,16 +79,17 @@ class Skip:
         if not isinstance(d, dict) or set(d) != {"done", "partial", "extra", "returns"}:
             bad("", f"expected done, partial, extra and returns, got {str(d)[:200]}")
 
-        def ints(v) -> bool:
+        def ints(v, low: int | None = 0) -> bool:
             return isinstance(v, list) and all(
-                isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v
+                isinstance(x, int) and not isinstance(x, bool) and (low is None or x >= low)
+                for x in v
             )
 
         if not ints(d["done"]) or any(s >= num_shards for s in d["done"]):
             bad("done", f"expected shard numbers below {num_shards}")
         partial = {}
         for p in d["partial"] if isinstance(d["partial"], list) else [None]:
-            if not (isinstance(p, list) and len(p) == 3 and ints(p[:2]) and ints(p[2])):
+            if not (isinstance(p, list) and len(p) == 3 and ints(p[:2]) and ints(p[2], None)):
                 bad("partial", f"expected [shard, ordinal, location], got {str(p)[:100]}")
             if p[0] >= num_shards or p[0] in partial or p[0] in d["done"]:
                 bad("partial", f"shard {p[0]} out of range, repeated or done")
@@ -96,7 +97,10 @@ class Skip:
         if not ints(d["extra"]):
             bad("extra", "expected stream ids")
         returns = d["returns"]
-        if not (isinstance(returns, list) and all(ints(r) and len(r) >= 2 for r in returns)):
+        if not (
+            isinstance(returns, list)
+            and all(ints(r, None) and len(r) >= 2 and r[0] >= 0 for r in returns)
+        ):
             bad("returns", "expected [id, aligned size, *location] lists")
         return cls(
             frozenset(d["done"]),

@@ -409,3 +409,36 @@ def test_fold_golden():
     skip3 = fold(None, [0], cs, records)
     assert skip3.partial == {0: (2, (0, 2, 3, 0))} and not skip3.done
     assert skip3.extra.tolist() == [sid(0, 3), sid(0, 4), sid(0, 7)]
+
+
+def test_http_server_that_ignores_range(tmp_path):
+    """A server that ignores ``Range`` (``http.server``'s own handler): a partly consumed shard
+    cannot be entered mid-way, so it is read from its start without decoding; every sample is
+    still served once."""
+    import functools
+    import warnings
+
+    root = tmp_path / "www"
+    paths = write_shards(str(root), sample_lengths(150, seed=13), num_shards=4)
+    handler = functools.partial(_QuietFiles, directory=str(root))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        port = server.server_address[1]
+        urls = [f"http://127.0.0.1:{port}/{os.path.basename(p)}" for p in paths]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (the loader's warning that the server ignores Range)
+            full = _ids(_make(urls))
+            state, served, _ = _serve(urls, 2, 0, 3)
+            assert state["version"] == STREAM_VERSION
+            rest = _resume(urls, state, 1, 0)
+        _check_once(full, served, _ids(rest[0]))
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+class _QuietFiles(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
