@@ -4,7 +4,7 @@ stream (issue #28).
 
     python benchmarks/bench_resume.py [--size 1000000] [--dir DIR] [--at 0.9] [--json out.json]
     nice -n 10 python benchmarks/bench_resume.py --stream [--size 1100000] [--stream-at 1000000]
-        [--rounds 3] [--replay-rounds N]
+        [--rounds 3] [--replay-rounds N] [--elastic [--elastic-workers W]]
 
 Data: ``--size`` pre-tokenized webdataset samples (int64 ``[8..128]`` tokens, 10k a shard, the
 writer of ``bench_ttfb.py``) with sidecar indexes (``write_sidecars``, written once and kept in
@@ -32,6 +32,15 @@ cursors; still what a state without cursors does). Each round runs both in fresh
 interleaved, and times build + ``load_state_dict`` + first batch; the first batches must be equal.
 Reported: median [min..max] over rounds and the per-round ratio. Target: the seek <= 10 s at sample
 1M.
+
+``--stream --elastic``: the same shards served by both ranks of a dp-2 run (simulated one after the
+other in the setup process) until ``--stream-at`` samples are out together; each rank's
+``state_dict(cursors=True)`` merged (``merge_rank_states``: a version-5 state, what
+``state_dict(cursors="all")`` gathers) and the plain state saved. Each round resumes both on one
+rank with ``--elastic-workers`` workers, in fresh processes, interleaved: ``skip`` (the consumed
+shards skipped, the partly consumed ones entered by seek) and ``replay`` (every old rank's stream
+replayed, ids only, as an elastic resume did before). Target (issue #28): <= 5 µs per served
+sample, or skipped.
 """
 
 from __future__ import annotations
@@ -122,10 +131,37 @@ import json, time
 from prealign.loaders import StreamingPackedLoader, WebDatasetSource
 from prealign.schemas import ParallelLayout, causal_lm_schema
 paths = {paths!r}
-def make():
+def make(dp=1, rank=0, workers=0):
     return StreamingPackedLoader(WebDatasetSource(paths), schema=causal_lm_schema(),
-                                 layout=ParallelLayout(tp=2, cp=2), token_budget=8192, cp_rank=0)
+                                 layout=ParallelLayout(tp=2, cp=2), token_budget=8192, cp_rank=0,
+                                 dp_size=dp, dp_rank=rank, num_workers=workers)
 """
+
+_ELASTIC_SETUP = (
+    _STREAM_COMMON
+    + """
+from itertools import islice
+from prealign.loaders.streaming import merge_rank_states
+# both ranks of a dp-2 run (simulated one after the other) serve p micro-batches, p the first
+# position where they served {target} samples together (rank 0's count doubled to find it)
+t0 = time.perf_counter()
+counts = []
+for batch in make(2, 0):
+    counts.append(int(batch["sample_index"].numel()))
+    if 2 * sum(counts) >= {target}:
+        break
+p, states, served = len(counts), [], 0
+for rank in range(2):
+    a = make(2, rank)
+    it = iter(a)
+    served += sum(int(b["sample_index"].numel()) for b in islice(it, p))
+    states.append(a.state_dict(cursors=True))
+    plain = a.state_dict()
+    it.close()
+result = {{"skip": merge_rank_states(states), "replay": plain, "served": served, "position": p,
+          "serve_s": time.perf_counter() - t0}}
+"""
+)
 
 _STREAM_SETUP = (
     _STREAM_COMMON
@@ -146,7 +182,7 @@ _STREAM_RESUME = (
     + """
 state = json.loads({state!r})
 t0 = time.perf_counter()
-loader = make()
+loader = make(workers={workers})
 loader.load_state_dict(state)
 t1 = time.perf_counter()
 batch = next(iter(loader))
@@ -164,28 +200,45 @@ def _spread(xs: list[float]) -> str:
     return f"{mid:.2f} [{s[0]:.2f}..{s[-1]:.2f}]"
 
 
+def _stream_setup(args, name: str, setup_code: str) -> tuple[list[str], dict]:
+    """The shards and the setup's states (run once, kept in ``--dir``)."""
+    root = os.path.join(args.dir, f"stream-{args.size}")
+    paths = write_text_shards(root, args.size)
+    cached = os.path.join(root, f"{name}-{args.stream_at}.json")
+    if not os.path.exists(cached):
+        setup = _phase(setup_code.format(paths=paths, target=args.stream_at))
+        with open(cached + ".part", "w") as f:
+            json.dump(setup, f)
+        os.replace(cached + ".part", cached)
+    with open(cached) as f:
+        return paths, json.load(f)
+
+
+def _interleaved(args, paths, setup, names, workers: int) -> tuple[dict, int]:
+    """``--rounds`` rounds, each resuming ``setup[name]`` for both names in fresh processes (the
+    second, the replay, only in the first ``--replay-rounds``); (rounds by name, replay rounds)."""
+    rounds: dict[str, list[dict]] = {n: [] for n in names}
+    replays = args.rounds if args.replay_rounds is None else args.replay_rounds
+    for i in range(args.rounds):
+        for name in names[: 2 if i < replays else 1]:
+            code = _STREAM_RESUME.format(
+                paths=paths, state=json.dumps(setup[name]), workers=workers
+            )
+            rounds[name].append(_phase(code))
+    return rounds, replays
+
+
 def stream_main(args) -> int:
     """The streaming loader resumed at ``--stream-at`` samples: cursors (seek) vs replay,
     interleaved rounds."""
     if args.stream_at >= args.size:
         raise SystemExit(f"--stream-at {args.stream_at} must be below --size {args.size}")
-    root = os.path.join(args.dir, f"stream-{args.size}")
-    paths = write_text_shards(root, args.size)
-    cached = os.path.join(root, f"states-{args.stream_at}.json")
-    if not os.path.exists(cached):
-        setup = _phase(_STREAM_SETUP.format(paths=paths, target=args.stream_at))
-        with open(cached + ".part", "w") as f:
-            json.dump(setup, f)
-        os.replace(cached + ".part", cached)
-    with open(cached) as f:
-        setup = json.load(f)
-    rounds: dict[str, list[dict]] = {"seek": [], "replay": []}
-    replays = args.rounds if args.replay_rounds is None else args.replay_rounds
-    for i in range(args.rounds):
-        for name in ("seek", "replay")[: 2 if i < replays else 1]:
-            code = _STREAM_RESUME.format(paths=paths, state=json.dumps(setup[name]))
-            rounds[name].append(_phase(code))
-        if i < replays and rounds["seek"][-1]["first_ids"] != rounds["replay"][-1]["first_ids"]:
+    if args.elastic:
+        return elastic_main(args)
+    paths, setup = _stream_setup(args, "states", _STREAM_SETUP)
+    rounds, replays = _interleaved(args, paths, setup, ("seek", "replay"), 0)
+    for s, r in zip(rounds["seek"], rounds["replay"]):
+        if s["first_ids"] != r["first_ids"]:
             raise SystemExit("the seek and the replay resumed at different batches")
     position = setup["seek"]["position"]
     print(
@@ -193,20 +246,7 @@ def stream_main(args) -> int:
         f"micro-batch {position} ({setup['served']:,} samples served; serving them took "
         f"{setup['serve_s']:.0f} s), {args.rounds} rounds (replay: {replays}), median [min..max]\n"
     )
-    print(
-        "| resume | load_state_dict | first batch | total | per served sample |\n"
-        "|---|---|---|---|---|"
-    )
-    for name in ("seek", "replay")[: 2 if replays else 1]:
-        rs = rounds[name]
-        load = _spread([r["load_state_s"] for r in rs])
-        first = _spread([r["first_batch_s"] for r in rs])
-        total = _spread([r["total_s"] for r in rs])
-        per = _spread([r["total_s"] / setup["served"] * 1e6 for r in rs])
-        print(f"| {name} | {load} s | {first} s | {total} s | {per} µs |")
-    ratios = [r["total_s"] / s["total_s"] for s, r in zip(rounds["seek"], rounds["replay"])]
-    if ratios:
-        print(f"\nreplay / seek per round: {_spread(ratios)}x")
+    ratios = _table("resume", rounds, setup["served"])
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
@@ -220,6 +260,48 @@ def stream_main(args) -> int:
                 indent=1,
             )
     return 0
+
+
+def elastic_main(args) -> int:
+    """``--stream --elastic``: a dp-2 stream state resumed on one rank (``--elastic-workers``
+    DataLoader workers): skipping what the old readers consumed (a merged version-5 state) vs
+    replaying both old ranks (a plain state, what an elastic resume did before), interleaved."""
+    paths, setup = _stream_setup(args, "elastic", _ELASTIC_SETUP)
+    rounds, replays = _interleaved(args, paths, setup, ("skip", "replay"), args.elastic_workers)
+    served = setup["served"]
+    print(
+        f"StreamingPackedLoader, {args.size:,} samples in {len(paths)} shards, a dp-2 state at "
+        f"micro-batch {setup['position']} of each rank ({served:,} samples served) resumed at "
+        f"dp 1 with {args.elastic_workers} workers, {args.rounds} rounds (replay: {replays}), "
+        f"median [min..max]\n"
+    )
+    ratios = _table("elastic resume", rounds, served)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"served": served, "rounds": rounds, "ratios": ratios}, f, indent=1)
+    return 0
+
+
+def _table(what: str, rounds: dict[str, list[dict]], served: int) -> list[float]:
+    """Print the rounds of two contenders (the fast one first, ``replay`` second) as a table of
+    median [min..max] and their per-round ratio; returns the ratios."""
+    fast, slow = rounds
+    print(
+        f"| {what} | load_state_dict | first batch | total | per served sample |\n"
+        "|---|---|---|---|---|"
+    )
+    for name, rs in rounds.items():
+        if not rs:
+            continue
+        load = _spread([r["load_state_s"] for r in rs])
+        first = _spread([r["first_batch_s"] for r in rs])
+        total = _spread([r["total_s"] for r in rs])
+        per = _spread([r["total_s"] / served * 1e6 for r in rs])
+        print(f"| {name} | {load} s | {first} s | {total} s | {per} µs |")
+    ratios = [r["total_s"] / s["total_s"] for s, r in zip(rounds[fast], rounds[slow])]
+    if ratios:
+        print(f"\n{slow} / {fast} per round: {_spread(ratios)}x")
+    return ratios
 
 
 def _phase(code: str) -> dict:
@@ -252,6 +334,14 @@ def main() -> int:
     )
     ap.add_argument(
         "--replay-rounds", type=int, help="of which the replay runs in the first N (default: all)"
+    )
+    ap.add_argument(
+        "--elastic",
+        action="store_true",
+        help="with --stream: a dp-2 state resumed at dp 1, skip vs replay (see the docstring)",
+    )
+    ap.add_argument(
+        "--elastic-workers", type=int, default=0, help="DataLoader workers of the elastic resume"
     )
     args = ap.parse_args()
     if args.stream:

@@ -31,6 +31,15 @@ is that rank's (other ranks replay):
           "rule": [{}, {}, null], "buffer": [[id, aligned size, *location], ...],
           "bins": [[[id, aligned size, *location], ...], ...]},
          ...]}}
+
+A streaming state taken with ``state_dict(cursors="all")`` (or merged from every rank's
+``cursors=True`` state) is version 5: every DP rank's cursors and what earlier segments of the
+epoch consumed (``skip``), so that any topology resumes it without replaying:
+
+    {"version": 5, "kind": "prealign.StreamingPackedLoader", ..., "position": 917,
+     "stream": {"dp_size": 2, "num_workers": 0, "offset": 0, "skip": null | {"done": [...],
+                "partial": [[shard, ordinal, location], ...], "extra": [...], "returns": [...]},
+                "ranks": [{"next": 0, "readers": [...]} | null, ...]}}
 """
 
 from __future__ import annotations
@@ -54,6 +63,13 @@ CURSOR_VERSION = 4
 record, the samples its buffer holds), written only by ``state_dict(cursors=True)``; it may hold
 ``segments`` too. A prealign without cursors refuses it (version 2 and 3 states still load and
 replay)."""
+STREAM_VERSION = 5
+"""5: a streaming state with ``stream``: the reader cursors of every DP rank of the run (those it
+was given: ``state_dict(cursors="all")`` gathers them, :func:`~prealign.loaders.streaming.
+merge_rank_states` merges per-rank states) and what earlier segments of the epoch consumed
+(``skip``, :mod:`prealign.loaders.plan.stream_skip`), so that a resume under another
+``dp_size`` or ``num_workers`` skips the consumed shards and seeks into the partly consumed ones
+instead of replaying. A prealign without it refuses it (versions 2 to 4 still load)."""
 STATE_KIND = "prealign.PackedLoader"
 STREAM_STATE_KIND = "prealign.StreamingPackedLoader"
 
@@ -117,10 +133,15 @@ class LoaderState:
     (:mod:`prealign.loaders.plan.elastic`)."""
     cursors: dict | None = None
     """One rank's reader cursors (a stream's, version 4): checked by the loader that reads them."""
+    stream: dict | None = None
+    """Every rank's cursors and the epoch's consumed shards (a stream's, version 5): checked by the
+    loader that reads them."""
 
     def to_dict(self) -> dict:
         version = (
-            CURSOR_VERSION
+            STREAM_VERSION
+            if self.stream is not None
+            else CURSOR_VERSION
             if self.cursors is not None
             else ELASTIC_VERSION
             if self.segments
@@ -138,6 +159,8 @@ class LoaderState:
             out["segments"] = [s.to_dict() for s in self.segments]
         if self.cursors is not None:
             out["cursors"] = self.cursors
+        if self.stream is not None:
+            out["stream"] = self.stream
         return out
 
     @classmethod
@@ -161,7 +184,7 @@ class LoaderState:
             raise ResumeError(f"loader state: key 'kind': not a {kind} state: {str(state)[:200]}")
         version = state.get("version")
         known = (STATE_VERSION, ELASTIC_VERSION)
-        known += (CURSOR_VERSION,) if kind == STREAM_STATE_KIND else ()
+        known += (CURSOR_VERSION, STREAM_VERSION) if kind == STREAM_STATE_KIND else ()
         if isinstance(version, bool) or version not in known:
             raise ResumeError(
                 f"loader state: key 'version': version {version!r} is not supported (this "
@@ -197,6 +220,15 @@ class LoaderState:
                 f"{CURSOR_VERSION} state and only there; got {str(cursors)[:200]} in "
                 f"version {version}"
             )
+        stream = state.get("stream")
+        if (version == STREAM_VERSION) != ("stream" in state) or not isinstance(
+            stream, (dict, type(None))
+        ) or (version == STREAM_VERSION and ("segments" in state or "cursors" in state)):
+            raise ResumeError(
+                f"loader state: key 'stream': an object in a version {STREAM_VERSION} state (which "
+                f"has no 'segments' nor 'cursors') and only there; got {str(stream)[:200]} in "
+                f"version {version}"
+            )
         segments = state.get("segments")
         wants_segments = version == ELASTIC_VERSION or (
             version == CURSOR_VERSION and "segments" in state
@@ -216,6 +248,7 @@ class LoaderState:
             data=dict(state["data"]),
             kind=kind,
             cursors=None if cursors is None else dict(cursors),
+            stream=None if stream is None else dict(stream),
             segments=tuple(
                 Segment.from_dict(s, f"segments[{i}]") for i, s in enumerate(segments or ())
             ),

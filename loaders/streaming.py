@@ -47,6 +47,13 @@ run (every rank's) is replayed in this process, ids only, and the samples its Da
 anew (cost: packing every old rank's served part of the stream again, and with fewer shards than old
 readers reading that prefix once per old reader; the served ids are one shared sorted int64 tensor;
 ``docs/resume.md``).
+``state_dict(cursors="all")`` (a collective) gathers every DP rank's cursors into one state
+(version 5; :func:`merge_rank_states` merges per-rank ones): under the same topology each rank
+seeks as above; under another, ``load_state_dict`` folds the old readers' cursors into the shards
+the epoch consumed whole (never opened again), the shards it consumed in part (entered after their
+last consumed sample: a seek, an HTTP ``Range`` read) and the samples read but not served (read
+back by location) (:mod:`~prealign.loaders.plan.stream_skip`), and this run's readers split the
+rest: no replay, at a cost that does not grow with the position.
 
 Options, validation, ``set_epoch``, ``from_parallel_state``, the one-live-iterator guard, the state
 and the worker path (a sample's typed error raised as its own type, a dead worker a
@@ -83,10 +90,12 @@ from prealign.loaders.options import LoadingOptions, WorkerConfig, check_option,
 from prealign.loaders.plan.elastic import round_robin
 from prealign.loaders.plan.packing import best_fit_decreasing
 from prealign.loaders.plan.planner import PlannerConfig
+from prealign.loaders.plan.stream_skip import Skip, fold, kept
 from prealign.loaders.policy import BadDataGate, BadDataPolicy, BadDataReport, BadRecord, Oversize
 from prealign.loaders.serve.workers import hand_over
 from prealign.loaders.shaping import filler_length, filler_sample, truncate_sample
 from prealign.loaders.sources.source import Source
+from prealign.loaders.sources.webdataset import WebDatasetSource
 from prealign.loaders.state import STREAM_STATE_KIND, LoaderState
 from prealign.schemas.errors import PrealignError, SampleError
 from prealign.schemas.layout import ParallelLayout
@@ -162,6 +171,23 @@ def served_in(served: torch.Tensor | None, shard: int) -> np.ndarray:
     return mask
 
 
+def records_of(source: Source):
+    """``records(shard, after, base)`` of :func:`~prealign.loaders.plan.stream_skip.kept` over
+    ``source``: a shard's ``(ordinal, location, item)`` from its start, or after the record
+    ``after`` (:meth:`Source.scan_after`: not decoded again); a webdataset shard with a ``base`` is
+    entered at ``base``'s end (a seek, a range read), what comes before it not read at all."""
+    seeks = isinstance(source, WebDatasetSource)
+
+    def records(shard: int, after, base):
+        if after is None:
+            return ((o, loc, item) for o, (loc, item) in enumerate(source.scan(shard)))
+        kw = {"seek": base[1]} if seeks and base is not None else {}
+        rest = source.scan_after(shard, after[0], tuple(after[1]), **kw)
+        return ((o, loc, item) for o, (loc, item) in enumerate(rest, after[0] + 1))
+
+    return records
+
+
 Entry = tuple
 """One buffered sample: ``(aligned size, stream id, sample dict, record)``, ``record`` the sample as
 a cursor holds it, ``[stream id, aligned size, *location]`` (ints; made once, when the sample is
@@ -209,6 +235,18 @@ class _Reader(IterableDataset):
     rotate: int = 0
     """Worker ``w`` plays role ``(w + rotate) % W``: the DataLoader asks worker 0 first, the saved
     run's next reader was role ``rotate``."""
+    skip: Skip | None = dataclasses.field(default=None, compare=False)
+    """What earlier segments of the epoch consumed (an elastic resume,
+    :mod:`~prealign.loaders.plan.stream_skip`): the readers split the shards it leaves and read its
+    returned samples back."""
+
+    def _place(self) -> tuple[int, int, int]:
+        """``(role, g, G)``: this reader's role among its rank's, its number among all readers, and
+        how many readers there are."""
+        info = get_worker_info()
+        workers, w = self.worker or ((1, 0) if info is None else (info.num_workers, info.id))
+        role = (w + self.rotate) % workers
+        return role, self.dp_rank * workers + role, self.dp_size * workers
 
     def _mine(self, at: list, units: list | None = None):
         """``(role, records)``: this reader's role and its ``(shard, ordinal, location, raw)`` in
@@ -216,10 +254,7 @@ class _Reader(IterableDataset):
         is kept at the last record's ``[shard position, ordinal, location, k]``; ``units``:
         ``[tokens]`` of the last sample, set by the caller once transformed (a :class:`Mixture`
         interleaves its components by them)."""
-        info = get_worker_info()
-        workers, w = self.worker or ((1, 0) if info is None else (info.num_workers, info.id))
-        role = (w + self.rotate) % workers
-        g, readers = self.dp_rank * workers + role, self.dp_size * workers
+        role, g, readers = self._place()
         n = self.source.num_shards
         order = np.random.default_rng([self.seed, self.epoch]).permutation(n).tolist()
         if isinstance(
@@ -237,29 +272,29 @@ class _Reader(IterableDataset):
         """Reader ``g`` of ``readers``'s samples of the shards ``order`` (see :meth:`_mine`), from
         ``cursor``'s record on (the records up to it are not decoded again:
         :meth:`Source.scan_after`)."""
+        order = order if self.skip is None else self.skip.remaining(order)
         split_shards = len(order) >= readers
         shards = order[g::readers] if split_shards else order
-        first, last, last_loc, k = (
-            (0, -1, None, 0) if cursor is None else (*cursor["at"], cursor["k"])
-        )
-        if cursor is not None and cursor["done"]:
-            return
-        for pos in range(first, len(shards)):
-            shard = shards[pos]
-            left_out = served_in(self.served, shard)
-            if pos == first and last_loc is not None:
-                records = enumerate(self.source.scan_after(shard, last, tuple(last_loc)), last + 1)
-            else:
-                records = enumerate(self.source.scan(shard))
-            for ordinal, (loc, item) in records:
-                if ordinal < left_out.size and left_out[ordinal]:
+        start, k = None, 0
+        if cursor is not None:
+            if cursor["done"]:
+                return
+            (pos, last, last_loc), k = cursor["at"], cursor["k"]
+            start = (pos, last, None if last_loc is None else tuple(last_loc))
+        current, left_out = None, np.zeros(0, bool)
+        for pos, shard, ordinal, loc, item in kept(
+            shards, self.skip, records_of(self.source), start=start
+        ):
+            if shard != current:
+                current, left_out = shard, served_in(self.served, shard)
+            if ordinal < left_out.size and left_out[ordinal]:
+                continue
+            if not split_shards:
+                k += 1
+                if (k - 1) % readers != g:
                     continue
-                if not split_shards:
-                    k += 1
-                    if (k - 1) % readers != g:
-                        continue
-                at[:] = pos, ordinal, loc, k
-                yield shard, ordinal, loc, item
+            at[:] = pos, ordinal, loc, k
+            yield shard, ordinal, loc, item
 
     def __iter__(self):
         """The packed stream; a :class:`~prealign.schemas.errors.PrealignError` ends it, raised here
@@ -286,6 +321,12 @@ class _Reader(IterableDataset):
             mark = packer.cursor(at, bins, final) if seekable else None
             for i, entries in enumerate(bins):
                 yield *packer.collated(entries), (role, mark if i == 0 else None)
+
+        if cursor is None and self.skip is not None and self.skip.returns:
+            _, g, readers = self._place()  # samples an earlier segment read but did not serve
+            packer.buffer += packer.read_back(self.skip.returns_of(g, readers))
+            while len(packer.buffer) >= self.buffer_size:
+                yield from rounds(final=False)
 
         for shard, ordinal, loc, item in records:
             where = self.source.where(loc) if loc is not None else f"shard {shard}"
@@ -437,12 +478,12 @@ class _Packer:
         self.rule.fixed, self.rule.fixed_by = dict(fixed), dict(fixed_by)
         self.rule.fields = None if fields is None else tuple(fields)
         records = [*cursor["buffer"], *(e for b in cursor["bins"] for e in b)]
-        entries = self._read_back(records)
+        entries = self.read_back(records)
         self.buffer = entries[: len(cursor["buffer"])]
         rest = iter(entries[len(cursor["buffer"]) :])
         return [[next(rest) for _ in b] for b in cursor["bins"]]
 
-    def _read_back(self, records: list[list]) -> list[Entry]:
+    def read_back(self, records: list[list]) -> list[Entry]:
         """The buffered samples ``[id, aligned size, *location]`` read, transformed and cut as when
         they were buffered (validated in one call); another size is a :class:`ResumeError` (the data
         changed since the state was saved)."""
@@ -556,6 +597,9 @@ class StreamingPackedLoader(LoaderCore):
         self._filler: dict | None = None
         self._served_cache: tuple = (None, None)
         self._track: _Track | None = None
+        self._skip: tuple[int, Skip | None, int] = (-1, None, 0)
+        """(epoch, what its earlier segments consumed, their micro-batches per rank): a version-5
+        state's (an elastic resume that skips instead of replaying)."""
 
     buffer_size = property(lambda self: self.planner.buffer_size)
     oversize = property(lambda self: self.planner.oversize)
@@ -690,6 +734,7 @@ class StreamingPackedLoader(LoaderCore):
             self.seed,
             epoch,
             served=served,
+            skip=self._skip[1] if self._skip[0] == epoch else None,
             **kwargs,
         )
 
@@ -710,7 +755,7 @@ class StreamingPackedLoader(LoaderCore):
         the order its DataLoader served them
         (:func:`~prealign.loaders.plan.elastic.round_robin`)."""
         segments = self._resized[1] if self._resized[0] == epoch else ()
-        if not segments:
+        if not segments or self._skip[0] == epoch:
             return None
         if self._served_cache[0] == (epoch, segments):
             return self._served_cache[1]
@@ -819,18 +864,91 @@ class StreamingPackedLoader(LoaderCore):
     def _config(self) -> dict:
         return {**super()._config(), "num_workers": self.num_workers}
 
-    def state_dict(self, cursors: bool = False) -> dict:
-        """The state (:meth:`LoaderCore.state_dict`: the same on every rank); ``cursors=True`` adds
+    def epoch_offset(self, epoch: int | None = None) -> int:
+        epoch = self.epoch if epoch is None else epoch
+        folded = self._skip[2] if self._skip[0] == epoch else 0
+        return super().epoch_offset(epoch) + folded
+
+    def set_epoch(self, epoch: int) -> None:
+        if epoch != self._normalised()[0]:
+            self._skip = (-1, None, 0)
+        super().set_epoch(epoch)
+
+    def _entry(self) -> dict | None:
+        """This rank's cursors as a version-5 state holds them (``None``: not known at this
+        position, e.g. before a replay ran)."""
+        epoch, position = self._normalised()
+        track = self._track
+        if not position:
+            return {"next": 0, "readers": [None] * max(self.num_workers, 1)}
+        if track is None or track.at != (epoch, position):
+            return None
+        return {"next": track.next, "readers": track.saved()}
+
+    def _gathered(self, entry: dict | None) -> list:
+        """Every DP rank's :meth:`_entry` (``None`` for a rank not heard from): an
+        ``all_gather_object`` over ``group`` (a collective: every rank of it calls it) when a
+        process group is up, else this rank's alone."""
+        import torch.distributed as dist
+
+        ranks: list = [None] * self.dp_size
+        if self.dp_size == 1 or not (dist.is_available() and dist.is_initialized()):
+            ranks[self.dp_rank] = entry
+            return ranks
+        got: list = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(got, (self.dp_rank, entry), group=self.group)
+        for rank, e in got:  # (TP / CP ranks of a DP rank read the same stream: the first one)
+            if ranks[rank] is None:
+                ranks[rank] = e
+        return ranks
+
+    def state_dict(self, cursors: bool | str = False) -> dict:
+        """The state (:meth:`LoaderCore.state_dict`: the same on every rank). ``cursors=True`` adds
         this rank's reader cursors (version 4, :mod:`prealign.loaders.state`): where each of its
         readers goes on and the samples its buffer holds (at most ``buffer_size`` a reader), so that
         this rank resumes by seeking instead of replaying its stream. Such a state is this rank's:
-        load each rank's own (another rank, or another ``dp_size`` / ``num_workers``, replays). A
-        :class:`Mixture` stream has no cursors (it replays)."""
+        load each rank's own (another rank replays). ``cursors="all"`` gathers every DP rank's
+        cursors over ``group`` (a collective: call it on every rank) into one state, the same on
+        every rank (version 5): it resumes under the same ``dp_size`` / ``num_workers`` exactly
+        (each rank seeks), and under others without replaying (the shards the old readers
+        consumed are skipped, the partly consumed ones entered by seek, their buffered samples
+        read back; ``docs/resume.md``). :func:`merge_rank_states` merges per-rank
+        ``cursors=True`` states into the same. An epoch resumed from a version-5 state under
+        another topology writes version 5 (``stream.skip``: what its earlier segments consumed)
+        whatever ``cursors`` is. A :class:`Mixture` stream has no cursors (it replays)."""
+        if cursors not in (False, True, "all"):
+            raise PlanError(f"state_dict: cursors expected False, True or 'all', got {cursors!r}")
         out = super().state_dict()
+        if isinstance(self.source, Mixture):
+            return out
         epoch, position = self._normalised()
+        skip, folded = (self._skip[1], self._skip[2]) if self._skip[0] == epoch else (None, 0)
+        elastic = self._skip[0] == epoch
+        if cursors == "all" and "segments" in out:  # an epoch resumed by replay of old segments
+            warnings.warn(
+                "StreamingPackedLoader.state_dict(cursors='all'): this epoch was resumed from a "
+                "version-3 state (earlier segments replayed), whose readers cannot be written as "
+                "cursors: the state is version 3 (a resume replays); the next epoch has cursors",
+                stacklevel=2,
+            )
+            return out
+        if cursors == "all" or elastic:
+            entry = self._entry() if cursors else None
+            ranks = self._gathered(entry) if cursors == "all" else [None] * self.dp_size
+            if cursors is True:
+                ranks[self.dp_rank] = entry
+            state = LoaderState.from_dict(out, kind=self.state_kind)
+            stream = {
+                "dp_size": self.dp_size,
+                "num_workers": self.num_workers,
+                "offset": folded,
+                "skip": None if skip is None else skip.to_dict(),
+                "ranks": ranks,
+            }
+            return dataclasses.replace(state, stream=stream).to_dict()
         track = self._track
         current = track is not None and track.at == (epoch, position)
-        if not (cursors and position and current) or isinstance(self.source, Mixture):
+        if not (cursors and position and current):
             return out
         state = LoaderState.from_dict(out, kind=self.state_kind)
         return dataclasses.replace(
@@ -845,9 +963,12 @@ class StreamingPackedLoader(LoaderCore):
         ).to_dict()
 
     def load_state_dict(self, state) -> None:
+        st = LoaderState.from_dict(state, kind=self.state_kind)
+        if st.stream is not None:
+            return self._load_stream(st)
         super().load_state_dict(state)
-        self._track = None
-        cursors = LoaderState.from_dict(state, kind=self.state_kind).cursors
+        self._track, self._skip = None, (-1, None, 0)
+        cursors = st.cursors
         if cursors is None or not self._position or isinstance(self.source, Mixture):
             return  # (a Mixture stream's interleave has no cursor: it replays)
         here = {"dp_rank": self.dp_rank, "dp_size": self.dp_size, "num_workers": self.num_workers}
@@ -863,6 +984,140 @@ class StreamingPackedLoader(LoaderCore):
             return
         at, workers = (self._epoch, self._position), max(self.num_workers, 1)
         self._track = _Track.loaded(cursors, at, workers)
+
+    def _load_stream(self, st: LoaderState) -> None:
+        """A version-5 state: same ``dp_size`` / ``num_workers``: this rank's cursors (exact);
+        another: the old readers' cursors folded into what the epoch consumed
+        (:func:`~prealign.loaders.plan.stream_skip.fold`), this run a new segment at position 0."""
+        stream = st.stream
+        shape = (stream.get("dp_size"), stream.get("num_workers"))
+        ranks, offset = stream.get("ranks"), stream.get("offset")
+        if (
+            not all(isinstance(x, int) and not isinstance(x, bool) for x in (*shape, offset))
+            or shape[0] < 1
+            or shape[1] < 0
+            or offset < 0
+            or not isinstance(ranks, list)
+            or len(ranks) != shape[0]
+            or not all(r is None or isinstance(r, dict) for r in ranks)
+            or set(stream) != {"dp_size", "num_workers", "offset", "skip", "ranks"}
+        ):
+            raise ResumeError(
+                f"loader state: key 'stream': expected dp_size, num_workers, offset, skip and "
+                f"one entry per DP rank, got {str(stream)[:200]}"
+            )
+        if isinstance(self.source, Mixture):
+            raise ResumeError("loader state: key 'stream': a Mixture stream has no cursors")
+        saved = {**st.config, "dp_size": shape[0], "num_workers": shape[1]}
+        plain = dataclasses.replace(st, stream=None, config=saved).to_dict()
+        super().load_state_dict(plain)  # (the configuration and data checked)
+        self._set_resized(-1, ())
+        self._track = None
+        raw = stream["skip"]
+        skip = None if raw is None else Skip.from_dict(raw, self.source.num_shards)
+        old_workers = max(shape[1], 1)
+        if shape == (self.dp_size, self.num_workers):
+            self._skip = (st.epoch, skip, offset)
+            entry = ranks[self.dp_rank]
+            if not st.position:
+                return
+            if entry is None:
+                warnings.warn(
+                    f"StreamingPackedLoader.load_state_dict: the state has no cursors of dp_rank "
+                    f"{self.dp_rank}: this rank replays its stream up to micro-batch "
+                    f"{st.position} (save with state_dict(cursors='all') to seek)",
+                    stacklevel=3,
+                )
+                return
+            self._track = _Track.loaded(entry, (st.epoch, st.position), old_workers)
+            return
+        missing = [r for r, e in enumerate(ranks) if e is None]
+        if missing and st.position:
+            raise ResumeError(
+                f"loader state: key 'stream.ranks': no cursors of dp_rank(s) {missing[:8]} of the "
+                f"saved run (dp_size {shape[0]}), so what they consumed is not known: resume "
+                f"under dp_size {shape[0]} and num_workers {shape[1]}, or save with "
+                f"state_dict(cursors='all') on every rank (or merge_rank_states of every rank's "
+                f"state_dict(cursors=True))"
+            )
+        cursors = []
+        for r, e in enumerate(ranks):
+            readers = [None] * old_workers if e is None else e.get("readers")
+            if not (
+                isinstance(readers, list)
+                and len(readers) == old_workers
+                and all(c is None or isinstance(c, dict) for c in readers)
+            ):
+                raise ResumeError(
+                    f"loader state: key 'stream.ranks[{r}]': expected {old_workers} reader "
+                    f"cursors, got {str(e)[:200]}"
+                )
+            cursors += readers
+        order = np.random.default_rng([self.seed, st.epoch]).permutation(self.source.num_shards)
+        try:
+            folded = fold(skip, order.tolist(), cursors, records_of(self.source))
+        except (KeyError, TypeError, ValueError, IndexError) as exc:
+            raise ResumeError(
+                f"loader state: key 'stream.ranks': a reader cursor is not one this prealign "
+                f"writes ({type(exc).__name__}: {exc})"
+            ) from None
+        self._skip = (st.epoch, folded, offset + st.position)
+        self._epoch, self._position = st.epoch, 0
+
+
+def merge_rank_states(states: list) -> dict:
+    """One version-5 state from per-rank states of one run (each rank's
+    ``state_dict(cursors=True)``, version 4 or 5, or a gathered one): the same epoch, position,
+    configuration and data, each rank's cursors in its place, so that a run under another
+    ``dp_size`` / ``num_workers`` resumes it without replaying (Energon's ``save_state_rank``
+    files merged, like its ``redist`` tool). A :class:`ResumeError` names what differs."""
+    parsed = [LoaderState.from_dict(s, kind=STREAM_STATE_KIND) for s in states]
+    if not parsed:
+        raise ResumeError("merge_rank_states: no state given")
+    merged, ranks = None, None
+    for i, st in enumerate(parsed):
+        if st.cursors is not None:
+            if st.segments:
+                raise ResumeError(
+                    f"merge_rank_states: state {i} is of an epoch resumed by replay of earlier "
+                    f"segments (version 4 with segments): it cannot be merged; resume it under its "
+                    f"own dp_size and num_workers"
+                )
+            c = st.cursors
+            entry = {"next": c.get("next"), "readers": c.get("readers")}
+            shape = {"dp_size": c.get("dp_size"), "num_workers": c.get("num_workers"),
+                     "offset": 0, "skip": None}
+            mine = {c.get("dp_rank"): entry}
+        elif st.stream is not None:
+            shape = {k: v for k, v in st.stream.items() if k != "ranks"}
+            mine = {r: e for r, e in enumerate(st.stream.get("ranks") or []) if e is not None}
+        elif not st.position and not st.segments:  # nothing served yet: every rank's is known
+            dp, workers = st.config.get("dp_size"), st.config.get("num_workers")
+            if not (isinstance(dp, int) and isinstance(workers, int) and dp >= 1):
+                raise ResumeError(f"merge_rank_states: state {i}: config without dp_size")
+            shape = {"dp_size": dp, "num_workers": workers, "offset": 0, "skip": None}
+            mine = {r: {"next": 0, "readers": [None] * max(workers, 1)} for r in range(dp)}
+        else:
+            raise ResumeError(
+                f"merge_rank_states: state {i} (version 2 or 3, at micro-batch {st.position}) "
+                f"has no cursors: save with state_dict(cursors=True)"
+            )
+        base = dataclasses.replace(st, cursors=None, stream=shape)
+        if merged is None:
+            merged, ranks = base, [None] * int(shape["dp_size"])
+        elif base != merged:
+            raise ResumeError(
+                f"merge_rank_states: state {i} is not of the same run, epoch and position as "
+                f"state 0 (epoch {st.epoch} position {st.position} vs {merged.epoch} "
+                f"{merged.position})"
+            )
+        for r, e in mine.items():
+            if not (isinstance(r, int) and 0 <= r < len(ranks)):
+                raise ResumeError(f"merge_rank_states: state {i}: dp_rank {r!r} out of range")
+            if ranks[r] is not None and ranks[r] != e:
+                raise ResumeError(f"merge_rank_states: two different states of dp_rank {r}")
+            ranks[r] = e
+    return dataclasses.replace(merged, stream={**merged.stream, "ranks": ranks}).to_dict()
 
 
 @dataclass

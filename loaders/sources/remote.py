@@ -218,7 +218,9 @@ def _http(
     """A 2xx answer to ``method url`` (bytes ``[start, end)`` asked when given); other answers
     raise: 401/403 :class:`RemotePermissionError`, other 4xx :class:`MissingShardError`, 429/5xx a
     retried error."""
-    headers = {"Range": f"bytes={start}-{end - 1}"} if start is not None else {}
+    headers = {}
+    if start is not None:
+        headers["Range"] = f"bytes={start}-{'' if end is None else end - 1}"
     reply = http_pool.request(
         url,
         method,
@@ -768,6 +770,35 @@ def open_stream(
         f = _retrying(url, opts, lambda: fs.open(url, "rb", block_size=opts.block_size))
     if url.split("?", 1)[0].endswith((".tar.gz", ".tgz")):
         return BoundedGzip(f, url, limits or DEFAULT_LIMITS)
+    return f
+
+
+def open_stream_at(url: str, start: int, opts: RemoteOptions | None = None):
+    """A file object reading the shard from byte ``start`` to its end (a file seek; an HTTP GET of
+    ``Range: bytes=start-``), or None where the shard cannot be entered there: a compressed shard,
+    a ``pipe:``, a server that ignores ``Range`` (the caller reads it from the start)."""
+    opts = opts or DEFAULT
+    s = scheme(url)
+    if s == "pipe" or url.split("?", 1)[0].endswith((".tar.gz", ".tgz")):
+        return None
+    if s in ("http", "https"):
+        reply = _retrying(url, opts, lambda: _http(url, opts, start=start))
+        sent = re.match(r"bytes (\d+)-", reply.headers.get("Content-Range", ""))
+        if reply.status != 206 or not sent or int(sent.group(1)) != start:
+            reply.close()
+            return None
+        f = _HttpStream(url, reply, opts)
+        f.pos = start
+        return f
+    if s in ("", "file"):
+        try:
+            f = open(local_path(url), "rb")
+        except FileNotFoundError:
+            raise MissingShardError(url, "no such shard") from None
+    else:
+        fs = _fs(url, opts)
+        f = _retrying(url, opts, lambda: fs.open(url, "rb", block_size=opts.block_size))
+    f.seek(start)
     return f
 
 

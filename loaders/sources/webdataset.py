@@ -352,24 +352,34 @@ class WebDatasetSource(Source):
         return any(_remote.is_sequential(u) for u in self.urls) if found is None else found
 
     # ---- scanning -------------------------------------------------------------------------------
-    def scan_after(self, shard: int, ordinal: int, location):
+    def scan_after(self, shard: int, ordinal: int, location, *, seek=None):
         """The records after the sample at ``location`` (``(shard, start, end, ...)``): the members
         before byte ``end`` are read (their keys recorded for the duplicate-key check) but not
-        decoded. A subclass with its own ``scan`` gets :meth:`Source.scan_after` (its scan again,
+        decoded. ``seek``: the location of a sample at or before it that an earlier run consumed:
+        the shard is opened at its end (a file seek, an HTTP ``Range`` read; a compressed or piped
+        shard is read from its start) and nothing before it is read (nor checked for duplicate
+        keys). A subclass with its own ``scan`` gets :meth:`Source.scan_after` (its scan again,
         records dropped)."""
         if type(self).scan is not WebDatasetSource.scan:
             return super().scan_after(shard, ordinal, location)
-        return self.scan(shard, after=int(location[2]))
+        return self.scan(shard, after=int(location[2]), seek=int(seek[2]) if seek else 0)
 
-    def scan(self, shard: int, *, after: int = 0):
+    def scan(self, shard: int, *, after: int = 0, seek: int = 0):
         """:meth:`Source.scan`; ``after``: yield only the records from that byte on
-        (:meth:`scan_after`)."""
+        (:meth:`scan_after`); ``seek``: start reading at that byte (a member boundary)."""
         url = self.urls[shard]
+
+        base = [0]  # the byte the stream starts at: ``seek`` where the shard could be entered
+
+        def opened():
+            f = _remote.open_stream_at(url, seek, self.remote) if seek else None
+            base[0] = seek if f is not None else 0
+            return f or _remote.open_stream(url, self.remote, limits=self.limits)
+
         try:
-            f = TimedReader(
-                lambda: _remote.open_stream(url, self.remote, limits=self.limits),
-                timeout=self.read_timeout,
-            )
+            f = TimedReader(opened, timeout=self.read_timeout)
+            if base[0] and f.length is not None:
+                f.length -= base[0]  # (a file's size: the bytes after the seek)
         except (CorruptShardError, _remote.RemoteReadError) as exc:
             yield (
                 None,
@@ -387,7 +397,8 @@ class WebDatasetSource(Source):
         with f:
             key, start, members, seen = None, 0, [], set()
             try:
-                for m in iter_members(f, max_member=self.limits.max_member_bytes):
+                members_of = iter_members(f, base=base[0], max_member=self.limits.max_member_bytes)
+                for m in members_of:
                     split = split_member_name(m.name)
                     if split is None:
                         if m.offset < after:
