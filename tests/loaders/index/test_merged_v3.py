@@ -41,6 +41,14 @@ def test_very_long_names_and_many_names_round_trip():
     assert decode_names(arrays["names"], arrays["name_bytes"]) == names
 
 
+def test_a_surrogate_pair_stays_two_code_points_and_a_name_may_be_just_a_newline():
+    names = ["\ud800\udc00", "\n", "a\udcff\n", "\x00", ""]
+    arrays = encode_names(names)
+    assert arrays["name_bytes"].tolist() == [6, 1, 5, 1, 0]
+    back = decode_names(arrays["names"], arrays["name_bytes"])
+    assert back == names and len(back[0]) == 2
+
+
 @examples(40)
 @given(st.lists(_NAME, min_size=3, max_size=3))
 def test_hostile_names_round_trip_through_a_merged_file(tmp_path_factory, names):
