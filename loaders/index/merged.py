@@ -12,10 +12,16 @@ and checked as a whole:
 key          dtype /       meaning
              shape
 ===========  ============  =========================================================================
-``meta``     uint8         UTF-8 JSON: ``format``, ``version``, ``names`` (shard file names,
-             ``[B]``       ``[S]``), ``common`` (the sidecar meta every shard shares: ``config``,
-                           ...), ``probes`` (``[S]``), ``dims`` (distinct named-dim dicts),
-                           ``events`` (``[shard, position, event]`` of each skip / bad record)
+``meta``     uint8         UTF-8 JSON: ``format``, ``version`` (3), ``common`` (the sidecar meta
+             ``[B]``       every shard shares: ``config``, ...), ``dims`` (distinct named-dim
+                           dicts), ``events`` (``[shard, position, event]`` of each skip / bad
+                           record)
+``names``    uint8         the shard file names as one UTF-8 text (lone surrogates kept:
+             ``[B]``       ``surrogatepass``), a newline between two (:func:`encode_names`)
+``name_by``  int64         each name's length in bytes: what tells a newline inside a name from
+``tes``      ``[S]``       one between two
+``probes``   uint8         each shard's probe digest (ASCII hex, NUL-padded: ``S16``)
+             ``[S,16]``
 ``shards``   int64         ``size, rows, num_events, first, last`` of each shard (``first`` /
              ``[S,5]``     ``last``: see :func:`~prealign.loaders.index.sidecar.expected_of`)
 ``spans``    int64         ``start, end, checksum`` of each good sample, shard after shard
@@ -32,6 +38,10 @@ key          dtype /       meaning
 The records it gives are those the sidecars give, so the index is the same either way; each shard is
 still checked against it when first read (:class:`~prealign.loaders.index.sidecar.ShardChecks`).
 Anything malformed is a :class:`~prealign.loaders.errors.StaleIndexError` naming the file.
+
+Version 3 stores the names and probes as arrays (read in a few C calls; compared with the source's
+paths as one text); version 2 (the same, with ``names`` and ``probes`` as JSON lists in ``meta``) is
+still read; version 1 is refused with the command that rewrites it.
 """
 
 from __future__ import annotations
@@ -63,10 +73,12 @@ from prealign.loaders.sources.shard_files import (
 from prealign.schemas.errors import PrealignError
 
 FORMAT = "prealign-merged-index"
-VERSION = 2
+VERSION = 3
 NAME = "prealign-index.merged.npz"
+_READS = (2, 3)
 _PER_SHARD = frozenset({"shard", "size", "hash", "probe", "dims", "events", "num_events"})
-_KEYS = frozenset({"meta", "shards", "spans", "lengths", "media", "dim_ids", "bounds"})
+_KEYS_V2 = frozenset({"meta", "shards", "spans", "lengths", "media", "dim_ids", "bounds"})
+_KEYS = _KEYS_V2 | {"names", "name_bytes", "probes"}
 _MAX_FILE = 1 << 36
 """64 GiB: a merged index holds 137 bytes a sample (about 500M samples)."""
 _INFLATE = 2
@@ -126,19 +138,13 @@ def merge_sidecars(source, path: str | None = None) -> dict:
         for key in ("spans", "lengths", "media", "bounds"):
             parts[key].append(arrays[key])
         parts["dim_ids"].append(ids[arrays["dim_ids"]] if len(ids) else arrays["dim_ids"])
-    meta = {
-        "format": FORMAT,
-        "version": VERSION,
-        "names": names,
-        "common": common,
-        "probes": probes,
-        "dims": dims,
-        "events": events,
-    }
+    meta = {"format": FORMAT, "version": VERSION, "common": common, "dims": dims, "events": events}
     buf = io.BytesIO()
     np.savez(
         buf,
         meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8),
+        **encode_names(names),
+        probes=np.frombuffer(_probe_array(probes).tobytes(), np.uint8).reshape(-1, 16),
         shards=np.asarray(table, np.int64).reshape(-1, 5),
         spans=np.concatenate(parts["spans"]).reshape(-1, 3).astype(np.int64),
         lengths=np.concatenate(parts["lengths"]).astype(np.int64),
@@ -148,6 +154,36 @@ def merge_sidecars(source, path: str | None = None) -> dict:
     )
     write_atomically(path, buf.getvalue())
     return {"path": path, "shards": len(names), "samples": int(sum(t[1] for t in table))}
+
+
+def encode_names(names: list[str]) -> dict[str, np.ndarray]:
+    """``names`` as a merged index's ``names`` (uint8 ``[B]``: one UTF-8 text, a newline between
+    two names, lone surrogates kept) and ``name_bytes`` (int64 ``[S]``: each name's length in
+    bytes); :func:`decode_names` reads them back."""
+    encoded = [n.encode("utf-8", "surrogatepass") for n in names]
+    return {
+        "names": np.frombuffer(b"\n".join(encoded), np.uint8),
+        "name_bytes": np.asarray([len(b) for b in encoded], np.int64),
+    }
+
+
+def decode_names(text: np.ndarray, lengths: np.ndarray) -> list[str]:
+    """The names of :func:`encode_names`' arrays: a few C calls over the text (a step per name
+    only when a name holds a newline). ``ValueError`` when the arrays are not such (dtype, shape,
+    lengths that do not tile the text with a newline between two names, text not UTF-8)."""
+    if text.dtype != np.uint8 or text.ndim != 1 or lengths.dtype != np.int64 or lengths.ndim != 1:
+        raise ValueError("names / name_bytes of the wrong dtype or shape")
+    s, raw = len(lengths), text.tobytes()
+    if not s or lengths.min() < 0 or lengths.max() > len(raw):
+        raise ValueError("no names, or a name length out of bounds")
+    ends = np.cumsum(lengths) + np.arange(s)  # (each name's end, exclusive; no overflow)
+    if int(ends[-1]) != len(raw) or np.any(text[ends[:-1]] != ord("\n")):
+        raise ValueError("name lengths do not tile the names with a newline between two")
+    joined = raw.decode("utf-8", "surrogatepass")  # (UnicodeDecodeError is a ValueError)
+    if raw.count(b"\n") == s - 1:  # each newline between two names: none inside one
+        return joined.split("\n")
+    starts = (ends - lengths).tolist()
+    return [raw[a:b].decode("utf-8", "surrogatepass") for a, b in zip(starts, ends.tolist())]
 
 
 def merged_names(path: str) -> list[str] | None:
@@ -249,7 +285,7 @@ def _install_checks(source, meta: dict, a: dict, table: np.ndarray) -> None:
 def _checks(meta: dict, a: dict, table: np.ndarray) -> ShardChecks:
     checks = ShardChecks(len(table), {})
     checks.sizes[:], checks.first[:], checks.last[:] = table[:, 0], table[:, 3], table[:, 4]
-    checks.probes[:] = _probe_array(meta["probes"])
+    checks.probes[:] = meta["probes"]
     checks.regions = _regions(meta, a["spans"], table)
     return checks
 
@@ -295,7 +331,7 @@ def _read(source, schema) -> tuple[dict, dict[str, np.ndarray]] | None:
     if data is None:
         return None
     meta, a = _parse(data, path)
-    if not _same_names(meta["names"], source):
+    if not _same_names(meta, source):
         return None  # an index of another selection of shards: the sidecars, one by one
     check_meta(
         source,
@@ -306,17 +342,18 @@ def _read(source, schema) -> tuple[dict, dict[str, np.ndarray]] | None:
     return meta, a
 
 
-def _same_names(names: list[str], source) -> bool:
-    """``names`` (a merged index's) are the :func:`shard_name` of each of the source's shards: for
-    shards of one folder (``source.folder``), one join and one comparison of two texts (no name
-    made per shard)."""
-    urls = source.urls
+def _same_names(meta: dict, source) -> bool:
+    """The names of a merged index (``meta``: :func:`_parse`'s) are the :func:`shard_name` of each
+    of the source's shards: for shards of one folder (``source.folder``), one join and one
+    comparison in place of two texts (no name made per shard)."""
+    names, urls = meta["names"], source.urls
     if len(names) != len(urls):
         return False
     text = source.url_text() if hasattr(source, "url_text") else url_text(urls)
     folder = getattr(source, "folder", None)
     if folder is not None:  # (a name with a newline or a "/" makes the texts differ)
-        return text == folder + ("\n" + folder).join(names) + "\n"
+        body = ("\n" + folder).join(names)  # text is folder + body + "\n" (no copy of text)
+        return len(text) == len(folder) + len(body) + 1 and text.startswith(body, len(folder))
     return names == shard_names(urls, text)
 
 
@@ -353,7 +390,7 @@ def merged_records(source, schema, *, found=_UNREAD) -> dict[int, dict] | None:
         )
         out[s] = {
             **record,
-            "check": (size, meta["probes"][s], first, last),
+            "check": (size, meta["probes"][s].decode(), first, last),
             "regions": regions.get(s, []),
         }
     return out
@@ -406,22 +443,41 @@ def _parse(data: bytes, path: str) -> tuple[dict, dict[str, np.ndarray]]:
         raise
     except Exception as exc:  # noqa: BLE001 - any failure to parse a crafted file is a typed error
         raise bad(f"{type(exc).__name__}: {exc}") from None
-    if set(a) != _KEYS or not isinstance(meta, dict) or meta.get("format") != FORMAT:
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT or not _KEYS_V2 <= set(a):
         raise bad("not a prealign merged index")
-    if meta.get("version") != VERSION:
-        raise bad(f"format version {meta.get('version')!r}, this prealign reads version {VERSION}")
-    names, probes, dims, events = (meta.get(k) for k in ("names", "probes", "dims", "events"))
-    if not (
-        isinstance(names, list)
-        and names
-        and _all_str(names)  # (C loops: 100k names)
-        and isinstance(probes, list)
-        and len(probes) == len(names)
-        and _probes_ok(probes)
-        and isinstance(meta.get("common"), dict)
-        and isinstance(events, list)
-    ):
-        raise bad("meta names / probes / common / events malformed")
+    version = meta.get("version")
+    if version not in _READS:
+        raise bad(f"format version {version!r}, this prealign reads versions {list(_READS)}")
+    if set(a) != (_KEYS_V2 if version == 2 else _KEYS):
+        raise bad(f"members {sorted(set(a))}, version {version} has {sorted(_KEYS)}")
+    if version == 2:  # names and probes as JSON lists
+        names, probes = meta.get("names"), meta.get("probes")
+        if not (
+            isinstance(names, list)
+            and names
+            and _all_str(names)  # (C loops: 100k names)
+            and isinstance(probes, list)
+            and len(probes) == len(names)
+            and _probes_ok(probes)
+        ):
+            raise bad("meta names / probes malformed")
+        probes = _probe_array(probes)
+    else:
+        try:
+            names = decode_names(a["names"], a["name_bytes"])
+        except ValueError as exc:
+            raise bad(f"names: {exc}") from None
+        probes = a["probes"]
+        if probes.dtype != np.uint8 or probes.shape != (len(names), 16) or np.any(probes >= 128):
+            raise bad(
+                f"probes of dtype {probes.dtype} shape {probes.shape}, expected ASCII "
+                f"uint8 {(len(names), 16)}"
+            )
+        probes = np.ascontiguousarray(probes).view("S16")[:, 0]
+    meta["names"], meta["probes"] = names, probes
+    dims, events = meta.get("dims"), meta.get("events")
+    if not (isinstance(meta.get("common"), dict) and isinstance(events, list)):
+        raise bad("meta common / events malformed")
     if not sidecar.dims_ok(dims):
         raise bad("meta dims is not a list of {name: size} dicts")
     s, table = len(names), a["shards"]

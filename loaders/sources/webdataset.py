@@ -43,6 +43,7 @@ from prealign.loaders.sources.shard_files import (
     NotRegular,
     all_distinct,
     check_index_dir_names,
+    has_line,
     one_folder,
     open_regular,
     plain_local,
@@ -163,7 +164,10 @@ def _normal_absolute(urls: Sequence[str], text: str, folder: str | None) -> bool
             folder.startswith("/")
             and "//" not in folder
             and (folder == "/" or os.path.normpath(folder) + "/" == folder)
-            and not any(bad in text for bad in ("/.\n", "/..\n", "\x00"))
+            and "\x00" not in text
+            # (each line is folder + a name without "/": abnormal only when the name is . or ..)
+            and not has_line(text, folder + ".")
+            and not has_line(text, folder + "..")
         )
     return (
         text.startswith("/")
