@@ -46,7 +46,8 @@ def token_fields(
             key = resolve_key(spec, flat.token.keys())
             if key is None:
                 continue  # optional and absent from every sample (flatten checked that)
-            index = p.src if spec.source is Source.SAMPLE else p.take_src_next()
+            # a next-token field reads the row after each slot's own (see GatherPlan)
+            shift = 0 if spec.source is Source.SAMPLE else 1
             # bounds are checked on every row, not only this CP rank's: a bad token held by another
             # rank must fail here too, or this rank would go on into the next collective alone
             # labels read from input_ids were checked as input_ids; a sample's own labels are
@@ -66,7 +67,10 @@ def token_fields(
                 if checked is not None
                 else None
             )
-            out[spec.name] = gather(flat.token[key], index, p, flat, check)
+            source = flat.token[key]
+            out[spec.name] = gather(source, p.src, p, flat, check, shift)
+            if shift:
+                p.next_rows(out[spec.name], source.token_dim, source.no_next)
             continue
         for source in flat.token.values():
             source.release()
@@ -137,8 +141,8 @@ def _labels_and_id_max(schema: BatchSchema) -> tuple[FieldSpec | None, float | N
 
 @functools.lru_cache(maxsize=64)
 def _build_order(schema: BatchSchema) -> tuple:
-    """Sample fields first (they read ``src``), then next-token fields (``src`` turned into
-    ``src_next`` in place), then the derived ones, once the concatenated rows are released."""
+    """Fields read from the samples first (sample fields, then next-token fields), then the derived
+    ones, once the concatenated rows are released."""
     order = {Source.SAMPLE: 0, Source.NEXT_TOKEN: 1}
     return tuple(sorted(schema.of_role(Role.TOKEN), key=lambda f: order.get(f.source, 2)))
 
@@ -149,8 +153,10 @@ def gather(
     plan: GatherPlan,
     flat: FlatBatch,
     check: Callable[[torch.Tensor, int], None] | None = None,
+    shift: int = 0,
 ) -> torch.Tensor:
-    """``source`` rows (then its two pad rows) selected by ``index`` along the token dim.
+    """``source`` rows (then its two pad rows) selected by ``index + shift`` along the token dim
+    (``shift=1``: the next row, for a next-token field; the index itself is never rewritten).
 
     ``check(rows, first_row)`` sees every real row once (all sequences, whatever ``index`` keeps).
     """
@@ -163,6 +169,8 @@ def gather(
         rows = source.rows()
         if check is not None:
             check(rows.narrow(td, 0, flat.num_real), 0)
+        if shift:
+            rows = rows.narrow(td, shift, flat.num_real + 2 - shift)
         return rows.index_select(td, index)
     first = source.pad
     out = torch.empty((index.numel(), *first.shape[1:]), dtype=first.dtype)
@@ -182,6 +190,8 @@ def gather(
         idx = index[o0:o1]
         # real rows shift by the block's first row; the two pad rows follow the block's own rows
         local = torch.where(idx >= flat.num_real, idx - flat.num_real + n, idx - cu[s0])
+        if shift:
+            rows = rows.narrow(0, shift, n + 2 - shift)
         torch.index_select(rows, 0, local, out=out[o0:o1])
     return out
 
@@ -200,10 +210,14 @@ def _loss_mask(
     and >= 0: anything else is a :class:`SampleError`, never a silent change."""
     sample_mask = flat.token.get("loss_mask")
     if labels_from_ids and sample_mask is None:
-        # labels are the next input_ids: trained on every real slot but each sequence's last
-        mask = torch.logical_not(
-            plan.is_pad, out=torch.empty(plan.num_slots, dtype=spec.dtype)
-        )  # one pass
+        # labels are the next input_ids: trained on every real slot but each sequence's last (in
+        # numpy: a torch element-wise op costs about 3x numpy's on a few 10k slots)
+        np_dtype = _NUMPY_FLOATS.get(spec.dtype)
+        if np_dtype is not None:
+            mask = np.logical_not(plan.is_pad.numpy(), out=np.empty(plan.num_slots, np_dtype))
+            mask[plan.last_slots.numpy()] = 0
+            return torch.from_numpy(mask)
+        mask = torch.logical_not(plan.is_pad, out=torch.empty(plan.num_slots, dtype=spec.dtype))
         return mask.index_fill_(0, plan.last_slots, 0)
     mask = ((labels != schema.ignore_index) if labels is not None else ~plan.is_pad).to(spec.dtype)
     if sample_mask is not None:
@@ -215,8 +229,14 @@ def _loss_mask(
             if checked is not None
             else None
         )
-        mask.mul_(gather(sample_mask, plan.src_next, plan, flat, check).to(spec.dtype))
+        weights = gather(sample_mask, plan.src, plan, flat, check, shift=1)  # shifted as labels
+        plan.next_rows(weights, sample_mask.token_dim, sample_mask.no_next)
+        mask.mul_(weights.to(spec.dtype))
     return mask
+
+
+_NUMPY_FLOATS = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16}
+"""Loss-mask dtypes built in numpy (torch.bfloat16 has no numpy twin: built in torch)."""
 
 
 _SAMPLE_WEIGHTS = FieldSpec(

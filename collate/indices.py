@@ -130,43 +130,30 @@ def cp_chunks(padded, layout: ParallelLayout, cp_rank: int | None) -> Chunks:
 class GatherPlan:
     """For each output slot: where its value comes from. Built once per batch, used by every field.
 
-    ``src`` / ``src_next`` index the rows of all samples concatenated, followed by two pad rows:
-    row ``num_real`` holds a field's pad value (pad slots point there) and row ``num_real + 1`` the
-    value of a slot that has no next token (``src_next`` of a sequence's last token and of pads).
+    ``src`` indexes the rows of all samples concatenated, followed by two pad rows: row
+    ``num_real`` holds a field's pad value (pad slots point there) and row ``num_real + 1`` the
+    value of a slot that has no next token. A next-token field (``labels``) reads the same ``src``
+    shifted by one row (:meth:`next_rows`): row ``src + 1`` is the next token, and a pad slot reads
+    row ``num_real + 1``; only the slots holding a sequence's last token (``last_slots``, at most
+    one per sequence) are then overwritten.
     """
 
     positions: torch.Tensor  # int64 [T_out], position of the slot inside its padded sequence
     is_pad: torch.Tensor  # bool  [T_out]
-    src: (
-        torch.Tensor | None
-    )  # int64 [T_out], row of the slot's token; num_real on pads (None once taken)
+    src: torch.Tensor  # int64 [T_out], row of the slot's token; num_real on pads
     last_slots: torch.Tensor  # int64 [<= N], slots holding a sequence's last token
     num_real: int  # sum of true lengths
     chunk_seq: np.ndarray  # int64 [C], sequence of each non-empty chunk, in output order
     chunk_out_start: np.ndarray  # int64 [C], first output slot of each non-empty chunk
-    _src_next: torch.Tensor | None = None
 
     @property
     def num_slots(self) -> int:
         return self.positions.numel()
 
-    @property
-    def src_next(self) -> torch.Tensor:
-        """int64 ``[T_out]``: row of the next token of the same sequence; ``num_real + 1`` if
-        none."""
-        if self._src_next is None:
-            self._src_next = self._next_of(self.src.clone())
-        return self._src_next
-
-    def take_src_next(self) -> torch.Tensor:
-        """``src_next`` built in place over ``src``, for a caller done with ``src`` (one ``[T_out]``
-        buffer less at the peak); ``src`` is None afterwards."""
-        if self._src_next is None:
-            self._src_next, self.src = self._next_of(self.src), None
-        return self._src_next
-
-    def _next_of(self, src: torch.Tensor) -> torch.Tensor:
-        return src.add_(1).index_fill_(0, self.last_slots, self.num_real + 1)  # pads: num_real + 1
+    def next_rows(self, gathered: torch.Tensor, dim: int, no_next) -> torch.Tensor:
+        """``gathered`` (rows ``src + 1`` along ``dim``, in place) with ``no_next`` in every slot
+        holding a sequence's last token: there row ``src + 1`` is the next sequence's first."""
+        return gathered.index_fill_(dim, self.last_slots, no_next)
 
     def blocks(self, cu_seqlens, rows_per_block: int) -> list[tuple[int, int, int, int]]:
         """Split the batch into runs of whole sequences of about ``rows_per_block`` input rows:
@@ -257,7 +244,7 @@ def gather_plan(lengths, chunks: Chunks, cu_seqlens=None) -> GatherPlan:
     out_start = ends - length
     total = int(ends[-1]) if ends.size else 0
     seq_len = lengths[seq]
-    n_real = np.clip(seq_len - start, 0, length)
+    n_real = np.minimum(np.maximum(seq_len - start, 0), length)  # (np.clip: ~5x the call cost)
 
     positions = np.repeat(start - out_start, length)
     positions += _arange(total)

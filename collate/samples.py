@@ -38,6 +38,8 @@ class TokenSource:
     diagnose: "Callable[[], None] | None" = field(default=None, repr=False)
     """Called when concatenating ``parts`` fails: raises a :class:`SampleError` naming the
     sample."""
+    no_next: float = 0
+    """The value of ``pad``'s second row (a slot with no next token), as a number."""
     _all_rows: torch.Tensor | None = field(default=None, repr=False)
 
     @property
@@ -242,6 +244,7 @@ def flatten(batch, schema: BatchSchema, *, check_values: bool = True) -> FlatBat
             pad=_pad_rows(tensors[0], spec, next_pads.get(key)),
             token_dim=spec.token_dim,
             diagnose=diagnose,
+            no_next=next_pads.get(key, spec.pad_value),
         )
     for spec in _sequence_and_media(schema):
         if spec.name not in present:
@@ -374,6 +377,7 @@ def _flatten_nested(batch: Mapping, schema: BatchSchema, check_values: bool) -> 
             values=values,
             pad=_pad_rows(values[:1], spec, next_pads.get(key)),
             token_dim=spec.token_dim,
+            no_next=next_pads.get(key, spec.pad_value),
         )
     for spec in _sequence_and_media(schema):
         if spec.name in batch:

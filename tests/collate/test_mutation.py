@@ -166,16 +166,17 @@ def cu_seqlens_padded_not_padded(mp):
 
 def labels_not_shifted(mp):
     """labels[j] = token j instead of token j+1."""
-    mp.setattr(
-        GatherPlan,
-        "_next_of",
-        lambda self, src: src.index_fill_(0, self.last_slots, self.num_real + 1),
-    )
+    orig = assemble.gather
+
+    def mutant(source, index, plan, flat, check=None, shift=0):
+        return orig(source, index, plan, flat, check, 0)
+
+    mp.setattr(assemble, "gather", mutant)
 
 
 def labels_cross_the_boundary(mp):
     """A sequence's last label is the next sequence's first token."""
-    mp.setattr(GatherPlan, "_next_of", lambda self, src: src.add_(1))
+    mp.setattr(GatherPlan, "next_rows", lambda self, gathered, dim, no_next: gathered)
 
 
 def wrong_pad_value(mp):
