@@ -45,13 +45,17 @@ def lengths_to_cu_seqlens(lengths, dtype: torch.dtype = torch.int32) -> torch.Te
     >>> lengths_to_cu_seqlens(torch.tensor([5, 3])).tolist()
     [0, 5, 8]
     """
-    cu = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(as_numpy(lengths), out=cu[1:])
-    if dtype == torch.int32 and cu[-1] > INT32_MAX:
-        raise OffsetOverflowError(
-            f"a packed length of {int(cu[-1])} rows does not fit int32 cu_seqlens (max "
-            f"{INT32_MAX}, what megatron-core and TE take); lower the token budget"
-        )
+    lengths = as_numpy(lengths)
+    cu = np.empty(lengths.size + 1, dtype=np.int64)
+    cu[0] = 0
+    np.cumsum(lengths, out=cu[1:])
+    if dtype == torch.int32:
+        if cu[-1] > INT32_MAX:
+            raise OffsetOverflowError(
+                f"a packed length of {int(cu[-1])} rows does not fit int32 cu_seqlens (max "
+                f"{INT32_MAX}, what megatron-core and TE take); lower the token budget"
+            )
+        return torch.from_numpy(cu.astype(np.int32))  # (numpy's cast: cheaper than torch's)
     return torch.from_numpy(cu).to(dtype)
 
 
@@ -140,7 +144,8 @@ class GatherPlan:
 
     positions: torch.Tensor  # int64 [T_out], position of the slot inside its padded sequence
     is_pad: torch.Tensor  # bool  [T_out]
-    src: torch.Tensor  # int64 [T_out], row of the slot's token; num_real on pads
+    src: torch.Tensor  # int32 (int64 past 2**31 rows) [T_out], row of the slot's token; num_real
+    # on pads
     last_slots: torch.Tensor  # int64 [<= N], slots holding a sequence's last token
     num_real: int  # sum of true lengths
     chunk_seq: np.ndarray  # int64 [C], sequence of each non-empty chunk, in output order
@@ -194,24 +199,37 @@ def _interleave(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return out
 
 
-_ARANGE = [np.arange(0, dtype=np.int64)]
+_ARANGE = {np.dtype(np.int64): np.arange(0, dtype=np.int64)}
 _REAL_THEN_PAD = [np.zeros(0, dtype=bool)]
 
 
 _ARANGE_CACHED = 1 << 22
-"""Slots of the longest cached range (32 MiB); a longer batch builds its own."""
+"""Slots of the longest cached range (32 MiB in int64); a longer batch builds its own."""
 
 
-def _arange(n: int) -> np.ndarray:
-    """Read-only int64 ``0 .. n-1``: a view of one cached range, grown (doubled) when a batch needs
-    more, up to :data:`_ARANGE_CACHED` slots."""
+def _arange(n: int, dtype=np.int64) -> np.ndarray:
+    """Read-only ``0 .. n-1`` of ``dtype``: a view of one cached range per dtype, grown (doubled)
+    when a batch needs more, up to :data:`_ARANGE_CACHED` slots."""
+    dtype = np.dtype(dtype)
     if n > _ARANGE_CACHED:
-        return np.arange(n, dtype=np.int64)
-    if _ARANGE[0].size < n:
-        a = np.arange(min(max(n, 2 * _ARANGE[0].size), _ARANGE_CACHED), dtype=np.int64)
-        a.flags.writeable = False
-        _ARANGE[0] = a
-    return _ARANGE[0][:n]
+        return np.arange(n, dtype=dtype)
+    cached = _ARANGE.get(dtype)
+    if cached is None or cached.size < n:
+        size = cached.size if cached is not None else 0
+        cached = np.arange(min(max(n, 2 * size), _ARANGE_CACHED), dtype=dtype)
+        cached.flags.writeable = False
+        _ARANGE[dtype] = cached
+    return cached[:n]
+
+
+def _runs(first: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """int64 ``first[i] .. first[i] + counts[i] - 1`` for every i, concatenated.
+
+    >>> _runs(np.array([3, 10]), np.array([2, 1])).tolist()
+    [3, 4, 10]
+    """
+    ends = np.cumsum(counts)
+    return np.repeat(first - (ends - counts), counts) + _arange(int(ends[-1]) if ends.size else 0)
 
 
 def _real_then_pad(num_chunks: int) -> np.ndarray:
@@ -228,10 +246,12 @@ def gather_plan(lengths, chunks: Chunks, cu_seqlens=None) -> GatherPlan:
     """Build the :class:`GatherPlan` of ``chunks`` for sequences of true ``lengths`` (``[N]``).
 
     Every per-slot quantity is a per-chunk constant repeated over the chunk's slots, plus the slot
-    number: positions ``= slot + (start - out_start)``, ``src = positions + cu[seq]`` on real slots
-    and ``num_real`` on pads, ``is_pad`` a run of False (the chunk's real tokens) then a run of True
-    (its pads). Six full-size numpy ops per batch (three ``np.repeat``, two in-place adds, one
-    masked copy), whatever the number of sequences; the per-chunk tables are numpy too.
+    number: positions ``= slot + (start - out_start)``, ``src = slot + (cu[seq] + start -
+    out_start)`` on real slots and ``num_real`` on pads, ``is_pad`` a run of False (the chunk's
+    real tokens) then a run of True (its pads). Five full-size numpy ops per batch (three
+    ``np.repeat``, two in-place adds), whatever the number of sequences; the pad slots of ``src``
+    are set by their indices (a few per sequence), the per-chunk tables are numpy too. ``src`` is
+    int32 when the rows fit (half the bytes to write; ``index_select`` takes either).
     """
     lengths = as_numpy(lengths)
     cu = np.concatenate(([0], np.cumsum(lengths))) if cu_seqlens is None else as_numpy(cu_seqlens)
@@ -248,10 +268,12 @@ def gather_plan(lengths, chunks: Chunks, cu_seqlens=None) -> GatherPlan:
 
     positions = np.repeat(start - out_start, length)
     positions += _arange(total)
-    is_pad = np.repeat(_real_then_pad(seq.size), _interleave(n_real, length - n_real))
-    src = np.repeat(cu[seq], length)
-    src += positions
-    np.copyto(src, num_real, where=is_pad)
+    n_pad = length - n_real
+    is_pad = np.repeat(_real_then_pad(seq.size), _interleave(n_real, n_pad))
+    index_dtype = np.int32 if num_real + 2 <= INT32_MAX else np.int64
+    src = np.repeat((cu[seq] + (start - out_start)).astype(index_dtype), length)
+    src += _arange(total, index_dtype)
+    src[_runs(out_start + n_real, n_pad)] = num_real
 
     holds_last = (start + n_real == seq_len) & (
         n_real > 0
