@@ -150,6 +150,8 @@ class GatherPlan:
     num_real: int  # sum of true lengths
     chunk_seq: np.ndarray  # int64 [C], sequence of each non-empty chunk, in output order
     chunk_out_start: np.ndarray  # int64 [C], first output slot of each non-empty chunk
+    run_ends: np.ndarray  # int64 [<= C], last slot of each chunk's run of real slots (if any)
+    pad_slots: np.ndarray  # int64 [T_out - real slots], the pad slots, ascending
 
     @property
     def num_slots(self) -> int:
@@ -273,7 +275,8 @@ def gather_plan(lengths, chunks: Chunks, cu_seqlens=None) -> GatherPlan:
     index_dtype = np.int32 if num_real + 2 <= INT32_MAX else np.int64
     src = np.repeat((cu[seq] + (start - out_start)).astype(index_dtype), length)
     src += _arange(total, index_dtype)
-    src[_runs(out_start + n_real, n_pad)] = num_real
+    pad_slots = _runs(out_start + n_real, n_pad)
+    src[pad_slots] = num_real
 
     holds_last = (start + n_real == seq_len) & (
         n_real > 0
@@ -287,6 +290,8 @@ def gather_plan(lengths, chunks: Chunks, cu_seqlens=None) -> GatherPlan:
         num_real=num_real,
         chunk_seq=seq,
         chunk_out_start=out_start,
+        run_ends=(out_start + n_real - 1)[n_real > 0],
+        pad_slots=pad_slots,
     )
 
 
