@@ -56,7 +56,7 @@ def lengths_to_cu_seqlens(lengths, dtype: torch.dtype = torch.int32) -> torch.Te
                 f"{INT32_MAX}, what megatron-core and TE take); lower the token budget"
             )
         return torch.from_numpy(cu.astype(np.int32))  # (numpy's cast: cheaper than torch's)
-    return torch.from_numpy(cu).to(dtype)
+    return torch.from_numpy(cu) if dtype == torch.int64 else torch.from_numpy(cu).to(dtype)
 
 
 def static_offsets(cu: torch.Tensor, max_seqs: int | None) -> torch.Tensor:
