@@ -1,8 +1,8 @@
 """Index arithmetic shared by every collator: which input row lands in which output slot.
 
 Per-sequence metadata (lengths, chunk tables: a few hundred numbers) is computed with numpy, where
-an op costs about a microsecond; per-token work is a fixed number of full-size torch ops per batch,
-independent of the number of sequences.
+an op costs about a microsecond; per-token work is a fixed number of full-size numpy ops per batch
+(a few repeats and adds), independent of the number of sequences.
 
 A batch is described by *chunks*: runs of consecutive padded positions of one sequence that are
 stored consecutively in the output (whole sequences without CP; two chunks per sequence under CP
