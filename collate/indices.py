@@ -268,20 +268,22 @@ def gather_plan(lengths, chunks: Chunks, cu_seqlens=None) -> GatherPlan:
     seq_len = lengths[seq]
     n_real = np.minimum(np.maximum(seq_len - start, 0), length)  # (np.clip: ~5x the call cost)
 
-    positions = np.repeat(start - out_start, length)
+    delta = start - out_start  # position of a chunk's slot = slot + delta
+    positions = np.repeat(delta, length)
     positions += _arange(total)
     n_pad = length - n_real
     is_pad = np.repeat(_real_then_pad(seq.size), _interleave(n_real, n_pad))
     index_dtype = np.int32 if num_real + 2 <= INT32_MAX else np.int64
-    src = np.repeat((cu[seq] + (start - out_start)).astype(index_dtype), length)
+    src = np.repeat((cu[seq] + delta).astype(index_dtype), length)
     src += _arange(total, index_dtype)
-    pad_slots = _runs(out_start + n_real, n_pad)
+    real_end = out_start + n_real  # first pad slot of each chunk
+    pad_slots = _runs(real_end, n_pad)
     src[pad_slots] = num_real
 
-    holds_last = (start + n_real == seq_len) & (
-        n_real > 0
-    )  # chunks holding their sequence's last token
-    last_slots = torch.from_numpy((out_start + n_real - 1)[holds_last])
+    has_real = n_real > 0
+    last_real = real_end - 1
+    # chunks holding their sequence's last token
+    last_slots = torch.from_numpy(last_real[(start + n_real == seq_len) & has_real])
     return GatherPlan(
         positions=torch.from_numpy(positions),
         is_pad=torch.from_numpy(is_pad),
@@ -290,7 +292,7 @@ def gather_plan(lengths, chunks: Chunks, cu_seqlens=None) -> GatherPlan:
         num_real=num_real,
         chunk_seq=seq,
         chunk_out_start=out_start,
-        run_ends=(out_start + n_real - 1)[n_real > 0],
+        run_ends=last_real[has_real],
         pad_slots=pad_slots,
     )
 
