@@ -86,7 +86,11 @@ def token_fields(
             out[spec.name] = gather(source, p.src, p, flat, check, shift)
             if shift:
                 p.next_rows(out[spec.name], source.token_dim, source.no_next)
-            elif out[spec.name].dtype in _SHIFTABLE and _in_one_pass(source, p.src, flat):
+            elif (
+                source.token_dim == 0
+                and out[spec.name].dtype in _SHIFTABLE
+                and _in_one_pass(source, p.src, flat)
+            ):
                 gathered[key] = (p, out[spec.name])
             continue
         for source in flat.token.values():

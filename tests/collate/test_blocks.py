@@ -23,11 +23,12 @@ LAYOUTS = [
 SCHEMA = causal_lm_schema(topk=3)
 
 
-def _samples():
+def _samples(own_labels: bool = True):
     samples = make_samples(LENGTHS, topk=3, loss_mask=True)
     for i, s in enumerate(samples):  # a sample's own labels: a next-token field gathered in blocks
-        s["labels"] = s["input_ids"].clone()
-        s["labels"][:: 2 + i % 3] = -100
+        if own_labels:
+            s["labels"] = s["input_ids"].clone()
+            s["labels"][:: 2 + i % 3] = -100
     return samples
 
 
@@ -49,8 +50,10 @@ def _equal(a: dict, b: dict) -> None:
 @pytest.mark.parametrize("layout", LAYOUTS, ids=repr)
 @pytest.mark.parametrize("cls", [THDCollator, BSHDCollator])
 @pytest.mark.parametrize("block_bytes", [1, 100, 1000])
-def test_blocks_give_the_one_pass_batch(monkeypatch, layout, cls, block_bytes):
-    samples = _samples()
+@pytest.mark.parametrize("own_labels", [True, False], ids=["own-labels", "labels-of-ids"])
+def test_blocks_give_the_one_pass_batch(monkeypatch, layout, cls, block_bytes, own_labels):
+    """(Labels of input_ids: one pass copies them from the gathered ids, blocks gather them.)"""
+    samples = _samples(own_labels)
     for rank in range(layout.cp):
         coll = cls(schema=SCHEMA, layout=layout, cp_rank=rank)
         _blocks(monkeypatch, None)
