@@ -1,8 +1,8 @@
 """Index arithmetic shared by every collator: which input row lands in which output slot.
 
 Per-sequence metadata (lengths, chunk tables: a few hundred numbers) is computed with numpy, where
-an op costs about a microsecond; per-token work is a fixed number of full-size torch ops per batch,
-independent of the number of sequences.
+an op costs about a microsecond; per-token work is a fixed number of full-size numpy ops per batch
+(a few repeats and adds), independent of the number of sequences.
 
 A batch is described by *chunks*: runs of consecutive padded positions of one sequence that are
 stored consecutively in the output (whole sequences without CP; two chunks per sequence under CP
@@ -45,14 +45,18 @@ def lengths_to_cu_seqlens(lengths, dtype: torch.dtype = torch.int32) -> torch.Te
     >>> lengths_to_cu_seqlens(torch.tensor([5, 3])).tolist()
     [0, 5, 8]
     """
-    cu = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(as_numpy(lengths), out=cu[1:])
-    if dtype == torch.int32 and cu[-1] > INT32_MAX:
-        raise OffsetOverflowError(
-            f"a packed length of {int(cu[-1])} rows does not fit int32 cu_seqlens (max "
-            f"{INT32_MAX}, what megatron-core and TE take); lower the token budget"
-        )
-    return torch.from_numpy(cu).to(dtype)
+    lengths = as_numpy(lengths)
+    cu = np.empty(lengths.size + 1, dtype=np.int64)
+    cu[0] = 0
+    np.cumsum(lengths, out=cu[1:])
+    if dtype == torch.int32:
+        if cu[-1] > INT32_MAX:
+            raise OffsetOverflowError(
+                f"a packed length of {int(cu[-1])} rows does not fit int32 cu_seqlens (max "
+                f"{INT32_MAX}, what megatron-core and TE take); lower the token budget"
+            )
+        return torch.from_numpy(cu.astype(np.int32))  # (numpy's cast: cheaper than torch's)
+    return torch.from_numpy(cu) if dtype == torch.int64 else torch.from_numpy(cu).to(dtype)
 
 
 def static_offsets(cu: torch.Tensor, max_seqs: int | None) -> torch.Tensor:
@@ -130,43 +134,33 @@ def cp_chunks(padded, layout: ParallelLayout, cp_rank: int | None) -> Chunks:
 class GatherPlan:
     """For each output slot: where its value comes from. Built once per batch, used by every field.
 
-    ``src`` / ``src_next`` index the rows of all samples concatenated, followed by two pad rows:
-    row ``num_real`` holds a field's pad value (pad slots point there) and row ``num_real + 1`` the
-    value of a slot that has no next token (``src_next`` of a sequence's last token and of pads).
+    ``src`` indexes the rows of all samples concatenated, followed by two pad rows: row
+    ``num_real`` holds a field's pad value (pad slots point there) and row ``num_real + 1`` the
+    value of a slot that has no next token. A next-token field (``labels``) reads the same ``src``
+    shifted by one row (:meth:`next_rows`): row ``src + 1`` is the next token, and a pad slot reads
+    row ``num_real + 1``; only the slots holding a sequence's last token (``last_slots``, at most
+    one per sequence) are then overwritten.
     """
 
     positions: torch.Tensor  # int64 [T_out], position of the slot inside its padded sequence
     is_pad: torch.Tensor  # bool  [T_out]
-    src: (
-        torch.Tensor | None
-    )  # int64 [T_out], row of the slot's token; num_real on pads (None once taken)
+    src: torch.Tensor  # int32 (int64 past 2**31 rows) [T_out], row of the slot's token; num_real
+    # on pads
     last_slots: torch.Tensor  # int64 [<= N], slots holding a sequence's last token
     num_real: int  # sum of true lengths
     chunk_seq: np.ndarray  # int64 [C], sequence of each non-empty chunk, in output order
     chunk_out_start: np.ndarray  # int64 [C], first output slot of each non-empty chunk
-    _src_next: torch.Tensor | None = None
+    run_ends: np.ndarray  # int64 [<= C], last slot of each chunk's run of real slots (if any)
+    pad_slots: np.ndarray  # int64 [T_out - real slots], the pad slots, ascending
 
     @property
     def num_slots(self) -> int:
         return self.positions.numel()
 
-    @property
-    def src_next(self) -> torch.Tensor:
-        """int64 ``[T_out]``: row of the next token of the same sequence; ``num_real + 1`` if
-        none."""
-        if self._src_next is None:
-            self._src_next = self._next_of(self.src.clone())
-        return self._src_next
-
-    def take_src_next(self) -> torch.Tensor:
-        """``src_next`` built in place over ``src``, for a caller done with ``src`` (one ``[T_out]``
-        buffer less at the peak); ``src`` is None afterwards."""
-        if self._src_next is None:
-            self._src_next, self.src = self._next_of(self.src), None
-        return self._src_next
-
-    def _next_of(self, src: torch.Tensor) -> torch.Tensor:
-        return src.add_(1).index_fill_(0, self.last_slots, self.num_real + 1)  # pads: num_real + 1
+    def next_rows(self, gathered: torch.Tensor, dim: int, no_next) -> torch.Tensor:
+        """``gathered`` (rows ``src + 1`` along ``dim``, in place) with ``no_next`` in every slot
+        holding a sequence's last token: there row ``src + 1`` is the next sequence's first."""
+        return gathered.index_fill_(dim, self.last_slots, no_next)
 
     def blocks(self, cu_seqlens, rows_per_block: int) -> list[tuple[int, int, int, int]]:
         """Split the batch into runs of whole sequences of about ``rows_per_block`` input rows:
@@ -207,24 +201,37 @@ def _interleave(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return out
 
 
-_ARANGE = [np.arange(0, dtype=np.int64)]
+_ARANGE = {np.dtype(np.int64): np.arange(0, dtype=np.int64)}
 _REAL_THEN_PAD = [np.zeros(0, dtype=bool)]
 
 
 _ARANGE_CACHED = 1 << 22
-"""Slots of the longest cached range (32 MiB); a longer batch builds its own."""
+"""Slots of the longest cached range (32 MiB in int64); a longer batch builds its own."""
 
 
-def _arange(n: int) -> np.ndarray:
-    """Read-only int64 ``0 .. n-1``: a view of one cached range, grown (doubled) when a batch needs
-    more, up to :data:`_ARANGE_CACHED` slots."""
+def _arange(n: int, dtype=np.int64) -> np.ndarray:
+    """Read-only ``0 .. n-1`` of ``dtype``: a view of one cached range per dtype, grown (doubled)
+    when a batch needs more, up to :data:`_ARANGE_CACHED` slots."""
+    dtype = np.dtype(dtype)
     if n > _ARANGE_CACHED:
-        return np.arange(n, dtype=np.int64)
-    if _ARANGE[0].size < n:
-        a = np.arange(min(max(n, 2 * _ARANGE[0].size), _ARANGE_CACHED), dtype=np.int64)
-        a.flags.writeable = False
-        _ARANGE[0] = a
-    return _ARANGE[0][:n]
+        return np.arange(n, dtype=dtype)
+    cached = _ARANGE.get(dtype)
+    if cached is None or cached.size < n:
+        size = cached.size if cached is not None else 0
+        cached = np.arange(min(max(n, 2 * size), _ARANGE_CACHED), dtype=dtype)
+        cached.flags.writeable = False
+        _ARANGE[dtype] = cached
+    return cached[:n]
+
+
+def _runs(first: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """int64 ``first[i] .. first[i] + counts[i] - 1`` for every i, concatenated.
+
+    >>> _runs(np.array([3, 10]), np.array([2, 1])).tolist()
+    [3, 4, 10]
+    """
+    ends = np.cumsum(counts)
+    return np.repeat(first - (ends - counts), counts) + _arange(int(ends[-1]) if ends.size else 0)
 
 
 def _real_then_pad(num_chunks: int) -> np.ndarray:
@@ -241,10 +248,12 @@ def gather_plan(lengths, chunks: Chunks, cu_seqlens=None) -> GatherPlan:
     """Build the :class:`GatherPlan` of ``chunks`` for sequences of true ``lengths`` (``[N]``).
 
     Every per-slot quantity is a per-chunk constant repeated over the chunk's slots, plus the slot
-    number: positions ``= slot + (start - out_start)``, ``src = positions + cu[seq]`` on real slots
-    and ``num_real`` on pads, ``is_pad`` a run of False (the chunk's real tokens) then a run of True
-    (its pads). Six full-size numpy ops per batch (three ``np.repeat``, two in-place adds, one
-    masked copy), whatever the number of sequences; the per-chunk tables are numpy too.
+    number: positions ``= slot + (start - out_start)``, ``src = slot + (cu[seq] + start -
+    out_start)`` on real slots and ``num_real`` on pads, ``is_pad`` a run of False (the chunk's
+    real tokens) then a run of True (its pads). Five full-size numpy ops per batch (three
+    ``np.repeat``, two in-place adds), whatever the number of sequences; the pad slots of ``src``
+    are set by their indices (a few per sequence), the per-chunk tables are numpy too. ``src`` is
+    int32 when the rows fit (half the bytes to write; ``index_select`` takes either).
     """
     lengths = as_numpy(lengths)
     cu = np.concatenate(([0], np.cumsum(lengths))) if cu_seqlens is None else as_numpy(cu_seqlens)
@@ -257,19 +266,24 @@ def gather_plan(lengths, chunks: Chunks, cu_seqlens=None) -> GatherPlan:
     out_start = ends - length
     total = int(ends[-1]) if ends.size else 0
     seq_len = lengths[seq]
-    n_real = np.clip(seq_len - start, 0, length)
+    n_real = np.minimum(np.maximum(seq_len - start, 0), length)  # (np.clip: ~5x the call cost)
 
-    positions = np.repeat(start - out_start, length)
+    delta = start - out_start  # position of a chunk's slot = slot + delta
+    positions = np.repeat(delta, length)
     positions += _arange(total)
-    is_pad = np.repeat(_real_then_pad(seq.size), _interleave(n_real, length - n_real))
-    src = np.repeat(cu[seq], length)
-    src += positions
-    np.copyto(src, num_real, where=is_pad)
+    n_pad = length - n_real
+    is_pad = np.repeat(_real_then_pad(seq.size), _interleave(n_real, n_pad))
+    index_dtype = np.int32 if num_real + 2 <= INT32_MAX else np.int64
+    src = np.repeat((cu[seq] + delta).astype(index_dtype), length)
+    src += _arange(total, index_dtype)
+    real_end = out_start + n_real  # first pad slot of each chunk
+    pad_slots = _runs(real_end, n_pad)
+    src[pad_slots] = num_real
 
-    holds_last = (start + n_real == seq_len) & (
-        n_real > 0
-    )  # chunks holding their sequence's last token
-    last_slots = torch.from_numpy((out_start + n_real - 1)[holds_last])
+    has_real = n_real > 0
+    last_real = real_end - 1
+    # chunks holding their sequence's last token
+    last_slots = torch.from_numpy(last_real[(start + n_real == seq_len) & has_real])
     return GatherPlan(
         positions=torch.from_numpy(positions),
         is_pad=torch.from_numpy(is_pad),
@@ -278,6 +292,8 @@ def gather_plan(lengths, chunks: Chunks, cu_seqlens=None) -> GatherPlan:
         num_real=num_real,
         chunk_seq=seq,
         chunk_out_start=out_start,
+        run_ends=last_real[has_real],
+        pad_slots=pad_slots,
     )
 
 

@@ -38,6 +38,8 @@ class TokenSource:
     diagnose: "Callable[[], None] | None" = field(default=None, repr=False)
     """Called when concatenating ``parts`` fails: raises a :class:`SampleError` naming the
     sample."""
+    no_next: float = 0
+    """The value of ``pad``'s second row (a slot with no next token), as a number."""
     _all_rows: torch.Tensor | None = field(default=None, repr=False)
 
     @property
@@ -100,7 +102,7 @@ class FlatBatch:
     @functools.cached_property
     def num_real(self) -> int:
         """Rows of all samples together (``cu_seqlens[-1]``), read once."""
-        return int(self.cu_seqlens[-1])
+        return int(self.cu_seqlens.numpy()[-1])
 
 
 @functools.lru_cache(maxsize=64)
@@ -207,10 +209,10 @@ def flatten(batch, schema: BatchSchema, *, check_values: bool = True) -> FlatBat
     ids = _column(batch, "input_ids")
     # element counts: the lengths of 1-D token tensors (cheaper to read than shapes); a tensor of
     # another rank fails the shape check of sample 0 or the concatenation, which names it
-    lengths = torch.from_numpy(_numels(ids))
+    lengths = _numels(ids)
     _check_lengths(lengths, ids)
     flat = FlatBatch(
-        lengths=lengths,
+        lengths=torch.from_numpy(lengths),
         cu_seqlens=lengths_to_cu_seqlens(lengths, torch.int64),
         check_values=check_values,
     )
@@ -242,6 +244,7 @@ def flatten(batch, schema: BatchSchema, *, check_values: bool = True) -> FlatBat
             pad=_pad_rows(tensors[0], spec, next_pads.get(key)),
             token_dim=spec.token_dim,
             diagnose=diagnose,
+            no_next=next_pads.get(key, spec.pad_value),
         )
     for spec in _sequence_and_media(schema):
         if spec.name not in present:
@@ -340,7 +343,7 @@ def _flatten_nested(batch: Mapping, schema: BatchSchema, check_values: bool) -> 
         raise SampleError(
             sample=None, field=None, expected="at least one sample", actual="an empty batch"
         )
-    _check_lengths(lengths, None)
+    _check_lengths(lengths.numpy(), None)
     flat = FlatBatch(lengths=lengths, cu_seqlens=offsets, check_values=check_values)
     next_pads = _next_pad_values(schema)
     for spec in _sample_keys_read(schema):
@@ -374,6 +377,7 @@ def _flatten_nested(batch: Mapping, schema: BatchSchema, check_values: bool) -> 
             values=values,
             pad=_pad_rows(values[:1], spec, next_pads.get(key)),
             token_dim=spec.token_dim,
+            no_next=next_pads.get(key, spec.pad_value),
         )
     for spec in _sequence_and_media(schema):
         if spec.name in batch:
@@ -493,8 +497,7 @@ def _as_tensor(value, i: int, key: str) -> torch.Tensor:
         ) from None
 
 
-def _check_lengths(lengths: torch.Tensor, ids: list | None) -> None:
-    lengths = lengths.numpy()
+def _check_lengths(lengths: np.ndarray, ids: list | None) -> None:
     if lengths.min() > 0:
         return
     i = int(np.argmin(lengths))
@@ -536,7 +539,7 @@ def _check_token_parts(
     checked here."""
     first = tensors[0]
     td = spec.token_dim
-    if first.ndim <= td or first.shape[td] != int(flat.lengths[0]):
+    if first.ndim <= td or first.shape[td] != flat.lengths.numpy()[0]:
         _diagnose_token(tensors, spec, key, flat)
     if key != "input_ids":
         # the token-dim sizes, as element counts: a part whose other dims differ from sample 0's
@@ -648,7 +651,10 @@ def _in_unsigned_range(rows: torch.Tensor, lo, hi) -> bool:
     ):
         return False
     top = int(rows.numpy().view(np.uint64).max())
-    return top <= (hi if hi is not None else np.iinfo(np.int64).max)
+    return top <= (hi if hi is not None else _INT64_MAX)
+
+
+_INT64_MAX = int(np.iinfo(np.int64).max)
 
 
 @functools.lru_cache(maxsize=64)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from prealign.schemas.layout import ParallelLayout
@@ -67,25 +68,24 @@ class THDCollator:
 
     def __call__(self, batch) -> dict:
         flat = flatten(batch, self.schema, check_values=self.check_values)
-        padded = self.layout.padded_lengths(flat.lengths.numpy())  # (int64 numpy: no conversion)
+        lengths, cu = flat.lengths.numpy(), flat.cu_seqlens.numpy()  # int64, no copy
+        padded = self.layout.padded_lengths(lengths).numpy()
         cu_padded = lengths_to_cu_seqlens(
             padded
         )  # int32; refuses T >= 2**31 before anything of size T exists
         shard_rank = None if self.defer_cp_shard else self.cp_rank
-        plan = gather_plan(
-            flat.lengths, cp_chunks(padded, self.layout, shard_rank), flat.cu_seqlens
-        )
-        whole = once(
-            lambda: gather_plan(flat.lengths, cp_chunks(padded, self.layout, None), flat.cu_seqlens)
-        )
+        plan = gather_plan(lengths, cp_chunks(padded, self.layout, shard_rank), cu)
+        whole = once(lambda: gather_plan(lengths, cp_chunks(padded, self.layout, None), cu))
         out = {
             name: v.unsqueeze(self.schema[name].token_dim)  # the batch dim, before the token dim
             for name, v in token_fields(self.schema, flat, plan, whole).items()
         }
-        out["cu_seqlens"] = static_offsets(flat.cu_seqlens.to(torch.int32), self.layout.max_seqs)
+        # (int32 casts and the one-element max_seqlen in numpy: each torch call costs µs)
+        cu32 = torch.from_numpy(cu.astype(np.int32))
+        out["cu_seqlens"] = static_offsets(cu32, self.layout.max_seqs)
         out["cu_seqlens_padded"] = static_offsets(cu_padded, self.layout.max_seqs)
-        out["max_seqlen"] = torch.tensor(
-            [self.layout.static_length or int(padded.numpy().max())], dtype=torch.int32
+        out["max_seqlen"] = torch.from_numpy(
+            np.array([self.layout.static_length or padded.max()], dtype=np.int32)
         )
         if self.defer_cp_shard and self.cp_rank is not None:
             out["cp_gather_index"] = global_slots(

@@ -21,6 +21,21 @@ SIZES = (16, 128)
 LAYOUT = ParallelLayout(tp=2, cp=2, pad_policy=PadPolicy.PER_SEQUENCE)
 
 
+MAX_OPS = {
+    ("thd", "ids"): 21,
+    ("thd-unsharded", "ids"): 21,
+    ("bshd", "ids"): 25,
+    ("thd", "ids+labels+loss_mask"): 39,
+    ("thd-unsharded", "ids+labels+loss_mask"): 39,
+    ("bshd", "ids+labels+loss_mask"): 43,
+    ("thd", "ids+topk"): 37,
+    ("thd-unsharded", "ids+topk"): 37,
+    ("bshd", "ids+topk"): 41,
+}
+"""Torch ops of one collate (issue #28: 34 for ids only on THD before the per-token work moved to
+numpy, where a small op costs about a third of torch's). A change that adds one says why here."""
+
+
 _METADATA = {"__get__", "numel", "dim", "size", "element_size", "is_contiguous", "stride"}
 """Reads of a tensor's metadata (attribute getters such as ``shape`` and ``dtype``; ``numel()``
 ...)."""
@@ -76,6 +91,7 @@ def test_tensor_ops_per_batch_do_not_grow_with_the_number_of_sequences(collator,
     }[collator]
     small, big = (_count(collate, _samples(n, fields)) for n in SIZES)
     assert big.ops == small.ops, (small.ops - big.ops) + (big.ops - small.ops)
+    assert sum(big.ops.values()) <= MAX_OPS[collator, fields], big.ops
     num_fields = 1 + 2 * ("labels" in fields) + 2 * ("topk" in fields)
     per_sample = (big.reads - small.reads) / (SIZES[1] - SIZES[0]) / num_fields
     assert per_sample <= 2, (

@@ -165,17 +165,45 @@ def cu_seqlens_padded_not_padded(mp):
 
 
 def labels_not_shifted(mp):
-    """labels[j] = token j instead of token j+1."""
+    """labels[j] = token j instead of token j+1 (read from the rows, or copied from input_ids)."""
+    orig = assemble.gather
+
+    def mutant(source, index, plan, flat, check=None, shift=0):
+        return orig(source, index, plan, flat, check, 0)
+
+    mp.setattr(assemble, "gather", mutant)
     mp.setattr(
-        GatherPlan,
-        "_next_of",
-        lambda self, src: src.index_fill_(0, self.last_slots, self.num_real + 1),
+        assemble,
+        "_next_of_gathered",
+        lambda rows, gathered, plan, no_next: plan.next_rows(gathered.clone(), 0, no_next),
     )
+
+
+def labels_of_a_chunk_end_from_the_next_slot(mp):
+    """The last real slot of a chunk takes the next slot's token (a pad, or under CP the token of
+    another chunk) instead of its own next row: consistent where a chunk ends a sequence, so the
+    reference (the next token held by another CP rank) sees it."""
+
+    def edit(plan):
+        plan.run_ends = plan.run_ends[:0]
+        return plan
+
+    _plan_mutant(mp, edit)
+
+
+def labels_on_pads_copied_from_the_next_slot(mp):
+    """Pad slots of the labels hold the next slot's token instead of the ignore index."""
+
+    def edit(plan):
+        plan.pad_slots = plan.pad_slots[:0]
+        return plan
+
+    _plan_mutant(mp, edit)
 
 
 def labels_cross_the_boundary(mp):
     """A sequence's last label is the next sequence's first token."""
-    mp.setattr(GatherPlan, "_next_of", lambda self, src: src.add_(1))
+    mp.setattr(GatherPlan, "next_rows", lambda self, gathered, dim, no_next: gathered)
 
 
 def wrong_pad_value(mp):
@@ -332,6 +360,8 @@ MUTANTS = {
     cu_seqlens_padded_not_padded: "validate",
     labels_not_shifted: "validate",
     labels_cross_the_boundary: "validate",
+    labels_of_a_chunk_end_from_the_next_slot: "reference",
+    labels_on_pads_copied_from_the_next_slot: "validate",
     wrong_pad_value: "validate",
     positions_restart_in_pads: "validate",
     padding_mask_off_by_one: "validate",
