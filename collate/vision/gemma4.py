@@ -121,7 +121,7 @@ class Gemma4(VisionFamily):
     def contract(self, config: Any = None) -> ModelContract:
         """1-D positions, the image / video blocks where the config asks for them (on the layers
         the installed transformers gives them), the text config's local layers."""
-        from .contract import gemma4_bidirectional_layers, gemma4_block_over_window
+        from .contract import block_over_window, gemma4_bidirectional_layers
 
         return ModelContract(
             model=self.model_type,
@@ -132,7 +132,7 @@ class Gemma4(VisionFamily):
             ),
             linear_attention=self.linear_attention,
             bidirectional_layers=gemma4_bidirectional_layers() if self.bidirectional else None,
-            media_over_window=self.bidirectional and gemma4_block_over_window(),
+            media_over_window=self.bidirectional and block_over_window(self.model_type),
         )
 
     def token_grid(

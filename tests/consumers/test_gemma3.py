@@ -27,6 +27,7 @@ VOCAB = 64
 TOKENS = 4  # image tokens per image (2 x 2, pooled from 4 x 4 patches)
 # longer than an image (transformers < 5.24 OR the block over the window), shorter than a sample
 WINDOW = 6
+SHORT_WINDOW = 2  # shorter than an image: there the releases' window rules differ
 TOL = 1e-6
 LAYOUT = ParallelLayout(tp=2, cp=2, pad_policy=PadPolicy.PER_SEQUENCE)
 SCHEMA = BatchSchema(
@@ -41,7 +42,7 @@ SCHEMA = BatchSchema(
 )
 
 
-def tiny_config(attn: str = "sdpa"):
+def tiny_config(attn: str = "sdpa", window: int = WINDOW):
     text = dict(
         vocab_size=VOCAB,
         hidden_size=32,
@@ -51,7 +52,7 @@ def tiny_config(attn: str = "sdpa"):
         num_key_value_heads=2,
         head_dim=8,
         max_position_embeddings=512,
-        sliding_window=WINDOW,
+        sliding_window=window,
         layer_types=["sliding_attention", "full_attention"],
         initializer_range=0.3,
         query_pre_attn_scalar=8,
@@ -81,9 +82,14 @@ def tiny_config(attn: str = "sdpa"):
 
 
 @functools.lru_cache(maxsize=None)
-def tiny_model(attn: str = "sdpa"):
+def tiny_model(attn: str = "sdpa", window: int = WINDOW):
     torch.manual_seed(0)
-    return transformers.Gemma3ForConditionalGeneration(tiny_config(attn)).to(torch.float64).eval()
+    model = transformers.Gemma3ForConditionalGeneration(tiny_config(attn, window))
+    with torch.no_grad():  # transformers starts the projection at 0: every image token alike
+        for name, weight in model.named_parameters():
+            if name.endswith("mm_input_projection_weight"):
+                weight.normal_(std=0.3)
+    return model.to(torch.float64).eval()
 
 
 def sample(segments: list, seed: int) -> dict:
@@ -139,14 +145,14 @@ def alone(model, s: dict) -> torch.Tensor:
         return model(**kw).logits[0]
 
 
-def packed(attention="mask"):
+def packed(attention="mask", window: int = WINDOW):
     batch = THDCollator(schema=SCHEMA, layout=LAYOUT)(
         [{k: v for k, v in s.items() if k != "pixel_values"} for s in SAMPLES]
     )
     kwargs = to_hf_kwargs(
         batch,
         attention=attention,
-        model_config=tiny_config(),
+        model_config=tiny_config(window=window),
         mask_dtype=torch.float64,
         labels=False,
     )
@@ -154,8 +160,8 @@ def packed(attention="mask"):
     return batch, kwargs
 
 
-def worst(batch: dict, kwargs: dict, attn: str = "sdpa") -> float:
-    model = tiny_model(attn)
+def worst(batch: dict, kwargs: dict, attn: str = "sdpa", window: int = WINDOW) -> float:
+    model = tiny_model(attn, window)
     with torch.no_grad():
         out = model(**kwargs).logits[0]
     diffs = [
@@ -190,6 +196,32 @@ def test_packed_logits_equal_each_sample_alone(attn):
     assert set(kwargs["attention_mask"]) == {"sliding_attention", "full_attention"}
     assert "mm_token_type_ids" not in kwargs and batch["cu_seqlens_padded"].shape[0] == 4
     assert worst(batch, kwargs, attn) < TOL
+
+
+@pytest.mark.slow
+def test_an_image_longer_than_the_window_packs_under_the_installed_rule():
+    """Window 2, images of 4 tokens: transformers 5.6 / 5.10 OR each image's block over the
+    windowed causal mask (an image token sees its whole image), 5.24 ANDs the window after the
+    block; the masks follow the installed release (``ModelContract.media_over_window``)."""
+    batch, kwargs = packed(window=SHORT_WINDOW)
+    assert worst(batch, kwargs, window=SHORT_WINDOW) < TOL
+
+
+@pytest.mark.slow
+def test_the_other_releases_window_rule_is_caught():
+    batch, kwargs = packed(window=SHORT_WINDOW)
+    index = TokenMaskIndex.of(
+        batch["cu_seqlens_padded"], batch["cu_seqlens"], batch["mm_token_type_ids"]
+    )
+    kwargs["attention_mask"] = layer_masks(
+        index,
+        ["sliding_attention", "full_attention"],
+        bidirectional=True,
+        window=SHORT_WINDOW,
+        dtype=torch.float64,
+        block_over_window=not model_contract(tiny_config(window=SHORT_WINDOW)).media_over_window,
+    )
+    assert worst(batch, kwargs, window=SHORT_WINDOW) > CORRUPT
 
 
 @pytest.mark.slow
