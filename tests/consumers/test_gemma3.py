@@ -19,7 +19,7 @@ from prealign.collate.vision.attention import TokenMaskIndex, layer_masks, packe
 from prealign.schemas import BatchSchema, FieldSpec, PadPolicy, ParallelLayout
 from prealign.schemas.errors import PackingUnsupportedError
 from prealign.schemas.schema import core_token_fields
-from tests.consumers.models import CORRUPT, real_slots
+from tests.consumers.models import CORRUPT, real_slots, tiny_text_config
 
 transformers = pytest.importorskip("transformers")
 BOI, EOI, IMAGE, PAD = 4, 5, 6, 0
@@ -43,18 +43,12 @@ SCHEMA = BatchSchema(
 
 
 def tiny_config(attn: str = "sdpa", window: int = WINDOW):
-    text = dict(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+    text = tiny_text_config(
+        VOCAB,
         head_dim=8,
         max_position_embeddings=512,
         sliding_window=window,
         layer_types=["sliding_attention", "full_attention"],
-        initializer_range=0.3,
         query_pre_attn_scalar=8,
         pad_token_id=PAD,
         bos_token_id=2,

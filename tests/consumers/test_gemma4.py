@@ -19,7 +19,7 @@ from prealign.collate.vision.attention import TokenMaskIndex
 from prealign.schemas import BatchSchema, FieldSpec, PadPolicy, ParallelLayout
 from prealign.schemas.contract import Consumer, ConsumerUnsupportedError, check_consumer
 from prealign.schemas.schema import core_token_fields
-from tests.consumers.models import CORRUPT, real_slots
+from tests.consumers.models import CORRUPT, real_slots, tiny_text_config
 from tests.consumers.test_gemma3 import blockless_masks
 
 transformers = pytest.importorskip("transformers")
@@ -40,13 +40,8 @@ SCHEMA = BatchSchema(
 
 
 def config(bidirectional: str | None = "vision"):
-    text = dict(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+    text = tiny_text_config(
+        VOCAB,
         head_dim=8,
         global_head_dim=8,
         max_position_embeddings=512,
@@ -55,7 +50,6 @@ def config(bidirectional: str | None = "vision"):
         use_bidirectional_attention=bidirectional,
         vocab_size_per_layer_input=VOCAB,
         hidden_size_per_layer_input=8,
-        initializer_range=0.3,
         pad_token_id=0,
         bos_token_id=2,
         eos_token_id=1,

@@ -9,10 +9,7 @@ image blocks removed, or the other release's layer rule, are caught."""
 from __future__ import annotations
 
 import functools
-import io
-import json
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import assume, given
@@ -27,6 +24,7 @@ from prealign.schemas import ConfigError
 from prealign.schemas.contract import Consumer, ConsumerUnsupportedError, check_consumer
 from tests.conftest import examples
 from tests.consumers.models import CORRUPT
+from tests.families import chat_samples
 from tests.families import gemma4_reference as ref
 from tests.families.packing import packed_batch, worst_gap
 
@@ -38,21 +36,11 @@ config, transform = ref.config, ref.transform
 
 
 def png(seed: int, lo: int = 4, hi: int = 120) -> bytes:
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
-    w, h = (int(x) for x in rng.integers(lo, hi, 2))
-    buf = io.BytesIO()
-    Image.fromarray(rng.integers(0, 256, (h, w, 3), np.uint8)).save(buf, format="PNG")
-    return buf.getvalue()
+    return chat_samples.png(seed, lo, hi)
 
 
 def raw_sample(messages, images) -> dict:
-    return {
-        "__key__": "g4",
-        "json": json.dumps({"messages": messages}).encode(),
-        **{f"{i}.png": b for i, b in enumerate(images)},
-    }
+    return chat_samples.raw_sample(messages, images, key="g4")
 
 
 PIECES = st.sampled_from(
@@ -307,13 +295,10 @@ def test_demo_command_with_gemma4(tmp_path, capsys):
     schema, padded patches and their positions in the media fields."""
     import re
 
-    from prealign.loaders.cli import main
+    from tests.families.header_index import run_demo
 
-    args = ["demo", "--model", "gemma4", "--samples", "16", "--out", str(tmp_path / "l.png")]
-    assert main([*args, "--workers", "0", "--token-budget", "4096"]) == 0
-    out = capsys.readouterr().out
-    n = int(out.split("micro-batches  ")[1].split(" ")[0])
-    assert f"{2 * n}/{2 * n} batches valid" in out and "Gemma4.batch_schema" in out
+    out = run_demo(tmp_path, capsys, "gemma4", token_budget=4096)
+    assert "Gemma4.batch_schema" in out
     assert re.search(r"pixel_values +float32 +\[\d+, 2520, 768\]", out)
     assert re.search(r"image_position_ids +int64 +\[\d+, 2520, 2\]", out)
 
