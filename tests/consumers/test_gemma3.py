@@ -112,19 +112,26 @@ SAMPLES = (
 )
 
 
-def blockless_masks(batch: dict, window: int) -> dict:
-    """The sliding + full masks of ``batch`` without image blocks (causal per sequence), float64
-    additive."""
+def two_layer_masks(batch: dict, window: int, *, bidirectional: bool = True, **rule) -> dict:
+    """The sliding + full masks of ``batch``, float64 additive: each image's block where
+    ``bidirectional``; ``rule``: :func:`~prealign.collate.vision.attention.layer_masks`'
+    ``bidirectional_layers`` / ``block_over_window``."""
     index = TokenMaskIndex.of(
         batch["cu_seqlens_padded"], batch["cu_seqlens"], batch["mm_token_type_ids"]
     )
     return layer_masks(
         index,
         ["sliding_attention", "full_attention"],
-        bidirectional=False,
+        bidirectional=bidirectional,
         window=window,
         dtype=torch.float64,
+        **rule,
     )
+
+
+def blockless_masks(batch: dict, window: int) -> dict:
+    """:func:`two_layer_masks` without image blocks (causal per sequence)."""
+    return two_layer_masks(batch, window, bidirectional=False)
 
 
 def alone(model, s: dict) -> torch.Tensor:
@@ -204,17 +211,8 @@ def test_an_image_longer_than_the_window_packs_under_the_installed_rule():
 @pytest.mark.slow
 def test_the_other_releases_window_rule_is_caught():
     batch, kwargs = packed(window=SHORT_WINDOW)
-    index = TokenMaskIndex.of(
-        batch["cu_seqlens_padded"], batch["cu_seqlens"], batch["mm_token_type_ids"]
-    )
-    kwargs["attention_mask"] = layer_masks(
-        index,
-        ["sliding_attention", "full_attention"],
-        bidirectional=True,
-        window=SHORT_WINDOW,
-        dtype=torch.float64,
-        block_over_window=not model_contract(tiny_config(window=SHORT_WINDOW)).media_over_window,
-    )
+    ours = model_contract(tiny_config(window=SHORT_WINDOW)).media_over_window
+    kwargs["attention_mask"] = two_layer_masks(batch, SHORT_WINDOW, block_over_window=not ours)
     assert worst(batch, kwargs, window=SHORT_WINDOW) > CORRUPT
 
 

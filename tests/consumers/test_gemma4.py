@@ -15,12 +15,11 @@ import torch
 
 from prealign.collate import THDCollator, to_hf_kwargs
 from prealign.collate.vision import model_contract
-from prealign.collate.vision.attention import TokenMaskIndex
 from prealign.schemas import BatchSchema, FieldSpec, PadPolicy, ParallelLayout
 from prealign.schemas.contract import Consumer, ConsumerUnsupportedError, check_consumer
 from prealign.schemas.schema import core_token_fields
 from tests.consumers.models import CORRUPT, real_slots, tiny_text_config
-from tests.consumers.test_gemma3 import blockless_masks
+from tests.consumers.test_gemma3 import blockless_masks, two_layer_masks
 
 transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "Gemma4ForConditionalGeneration"):
@@ -167,20 +166,8 @@ def test_a_causal_gemma4_packs_from_its_positions():
 def test_the_other_releases_layer_rule_is_caught():
     """transformers releases differ in which layers get the blocks (5.6 and >= 5.17 sliding only,
     5.10 all): the rule of the other kind of release does not give the installed model's logits."""
-    from prealign.collate.vision.attention import layer_masks
-
     batch, kwargs = packed()
-    index = TokenMaskIndex.of(
-        batch["cu_seqlens_padded"], batch["cu_seqlens"], batch["mm_token_type_ids"]
-    )
     ours = model_contract(config()).bidirectional_layers
     other = None if ours else ("sliding_attention",)
-    kwargs["attention_mask"] = layer_masks(
-        index,
-        ["sliding_attention", "full_attention"],
-        bidirectional=True,
-        window=WINDOW,
-        dtype=torch.float64,
-        bidirectional_layers=other,
-    )
+    kwargs["attention_mask"] = two_layer_masks(batch, WINDOW, bidirectional_layers=other)
     assert worst(batch, kwargs) > CORRUPT

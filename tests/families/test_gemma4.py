@@ -43,10 +43,7 @@ def raw_sample(messages, images) -> dict:
     return chat_samples.raw_sample(messages, images, key="g4")
 
 
-PIECES = st.sampled_from(
-    ["\n", "\n\n", " ", "a", "b", "hello", "world", ".", "?", " \n", "<image>"]
-)
-TEXT = st.lists(PIECES, max_size=7).map("".join)
+TEXT = chat_samples.CHAT_TEXT
 
 
 @pytest.mark.slow
@@ -235,21 +232,12 @@ def test_the_image_blocks_removed_are_caught():
 
 @pytest.mark.slow
 def test_the_other_releases_layer_rule_is_caught():
-    from prealign.collate.vision.attention import TokenMaskIndex, layer_masks
+    from tests.consumers.test_gemma3 import two_layer_masks
 
     batch, kwargs = packed()
-    index = TokenMaskIndex.of(
-        batch["cu_seqlens_padded"], batch["cu_seqlens"], batch["mm_token_type_ids"]
-    )
     ours = model_contract(config()).bidirectional_layers
-    kwargs["attention_mask"] = layer_masks(
-        index,
-        ["sliding_attention", "full_attention"],
-        bidirectional=True,
-        window=WINDOW,
-        dtype=torch.float64,
-        bidirectional_layers=None if ours else ("sliding_attention",),
-    )
+    other = None if ours else ("sliding_attention",)
+    kwargs["attention_mask"] = two_layer_masks(batch, WINDOW, bidirectional_layers=other)
     assert worst_gap(model(), kwargs, batch, samples(), alone) > CORRUPT
 
 
@@ -257,19 +245,13 @@ def test_the_other_releases_layer_rule_is_caught():
 def test_the_other_releases_window_rule_is_caught():
     """Images longer than the window (64 tokens, window 6): transformers 5.6 / 5.10 OR the block
     over the windowed causal mask, 5.17+ AND the window after it; the other rule is caught."""
-    from prealign.collate.vision.attention import TokenMaskIndex, layer_masks
+    from tests.consumers.test_gemma3 import two_layer_masks
 
     batch, kwargs = packed()
-    index = TokenMaskIndex.of(
-        batch["cu_seqlens_padded"], batch["cu_seqlens"], batch["mm_token_type_ids"]
-    )
     contract = model_contract(config())
-    kwargs["attention_mask"] = layer_masks(
-        index,
-        ["sliding_attention", "full_attention"],
-        bidirectional=True,
-        window=WINDOW,
-        dtype=torch.float64,
+    kwargs["attention_mask"] = two_layer_masks(
+        batch,
+        WINDOW,
         bidirectional_layers=contract.bidirectional_layers,
         block_over_window=not contract.media_over_window,
     )

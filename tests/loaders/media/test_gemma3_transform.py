@@ -168,10 +168,7 @@ def raw_sample(messages, images) -> dict:
     return chat_samples.raw_sample(messages, images, key="g")
 
 
-PIECES = st.sampled_from(
-    ["\n", "\n\n", " ", "a", "b", "hello", "world", ".", "?", " \n", "<image>"]
-)
-TEXT = st.lists(PIECES, max_size=7).map("".join)
+TEXT = chat_samples.CHAT_TEXT
 
 
 @pytest.mark.slow
