@@ -13,13 +13,17 @@ import pytest
 import torch
 
 from prealign.collate import THDCollator, to_hf_kwargs
-from prealign.collate.hf import model_layer_masks
 from prealign.collate.vision import model_contract, vision_family
 from prealign.collate.vision.attention import TokenMaskIndex, layer_masks, packed_token_mask
 from prealign.schemas import BatchSchema, FieldSpec, PadPolicy, ParallelLayout
 from prealign.schemas.errors import PackingUnsupportedError
 from prealign.schemas.schema import core_token_fields
-from tests.consumers.models import CORRUPT, real_slots, tiny_text_config
+from tests.consumers.models import (
+    CORRUPT,
+    assert_flex_equals_dense,
+    real_slots,
+    tiny_text_config,
+)
 
 transformers = pytest.importorskip("transformers")
 BOI, EOI, IMAGE, PAD = 4, 5, 6, 0
@@ -239,15 +243,9 @@ def test_a_packed_row_without_its_masks_is_refused():
             packed(attention)
 
 
-def test_the_flex_description_equals_the_dense_masks():
-    from torch.nn.attention.flex_attention import create_mask
-
-    batch, kwargs = packed()
-    mods = model_layer_masks(batch, tiny_config(), flex=True)
-    dense = model_layer_masks(batch, tiny_config())
-    T = batch["input_ids"].shape[1]
-    for kind, mod in mods.items():
-        assert torch.equal(create_mask(mod, 1, 1, T, T, device="cpu"), dense[kind])
+@pytest.mark.parametrize("window", [WINDOW, SHORT_WINDOW])
+def test_the_flex_description_equals_the_dense_masks(window):
+    assert_flex_equals_dense(packed(window=window)[0], tiny_config(window=window))
 
 
 def test_the_mask_is_the_per_sequence_rule():

@@ -331,16 +331,9 @@ def test_inspect_and_index_with_the_model_config(tmp_path, capsys):
 
 
 def test_the_flex_description_equals_the_dense_masks():
-    from torch.nn.attention.flex_attention import create_mask
+    from tests.consumers.models import assert_flex_equals_dense
 
-    from prealign.collate.hf import model_layer_masks
-
-    batch, _ = packed()
-    mods = model_layer_masks(batch, config(), flex=True)
-    dense = model_layer_masks(batch, config())
-    T = batch["input_ids"].shape[1]
-    for kind, mod in mods.items():
-        assert torch.equal(create_mask(mod, 1, 1, T, T, device="cpu"), dense[kind])
+    assert_flex_equals_dense(packed()[0], config())
 
 
 def test_the_window_rules_golden():
