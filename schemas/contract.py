@@ -112,7 +112,7 @@ class ModelContract:
     media_over_window: bool = False
     """With bidirectional media and a sliding window: the image block is ORed over the windowed
     causal mask (``OR(AND(window, causal), block)``: an image token sees its whole image however
-    long; Gemma 4 in transformers 5.6 to 5.16) rather than the window ANDed after it (``False``:
+    long; Gemma 3 / 4 in transformers 5.6 to 5.16) rather than the window ANDed after it (``False``:
     ``AND(window, OR(causal, block))``, transformers >= 5.17)."""
 
     def __post_init__(self):

@@ -89,7 +89,7 @@ class TokenMaskIndex:
     ) -> torch.Tensor:
         """The mask predicate on broadcastable slot indices ``q``, ``k`` (what both builders
         evaluate). ``block_over_window``: the media block is ORed after the window
-        (``OR(AND(window, causal), block)``, Gemma 4 in transformers 5.6 to 5.16) instead of the
+        (``OR(AND(window, causal), block)``, Gemma 3 / 4 in transformers 5.6 to 5.16) instead of the
         window ANDed after the block."""
         ok = (self.seq[q] == self.seq[k]) & (k <= q)
         if window is not None and block_over_window:

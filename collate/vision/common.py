@@ -1,5 +1,5 @@
-"""What the 1-D-position families (Idefics3, Mistral3, InternVL, LLaVA-OneVision; GLM-4V's config
-reader too) share, so that each family module says only what differs: the config readers, the
+"""What the 1-D-position families (Idefics3, Mistral3, InternVL, LLaVA-OneVision, Gemma 4; GLM-4V's
+config reader too) share, so that each family module says only what differs: the config readers, the
 positive-int check of their constants, and :class:`OneDimFamily`, whose batch schema is the token
 fields, ``mm_token_type_ids``, the family's own MEDIA fields (:meth:`OneDimFamily.media_fields`)
 and teacher top-k.

@@ -46,7 +46,7 @@ def model_contract(model_config: Any) -> ModelContract:
         local_attention=local_attention(model_config),
         linear_attention=has_linear_attention(model_config),
         bidirectional_layers=gemma4_bidirectional_layers() if bidirectional else None,
-        media_over_window=bidirectional and gemma4_block_over_window(),
+        media_over_window=bidirectional and block_over_window("gemma4"),
     )
 
 
@@ -68,13 +68,19 @@ def gemma4_bidirectional_layers() -> tuple[str, ...] | None:
     return ("sliding_attention",) if sliding_only else None
 
 
-def gemma4_block_over_window() -> bool:
-    """Whether the installed transformers ORs Gemma 4's image / video blocks over the sliding
-    window (``OR(AND(window, causal), block)``: 5.6's ``create_causal_mask_mapping`` and 5.10's
-    ``block_sequence_ids`` overlay, read in their sources) rather than ANDing the window after them
-    (5.17 and newer: ``create_masks_for_vision_model``)."""
+def block_over_window(model_type: str) -> bool:
+    """Whether the installed transformers ORs ``model_type``'s (``"gemma3"`` / ``"gemma4"``) image
+    blocks over the sliding window (``OR(AND(window, causal), block)``: an image token sees its
+    whole image however long; 5.6's ``create_causal_mask_mapping`` / ``or_mask_function`` and
+    5.10's ``block_sequence_ids`` overlay, both added after the window in
+    ``create_sliding_window_causal_mask``) rather than ANDing the window after them (5.17 and newer:
+    its ``modeling_<model_type>`` builds the masks with ``create_masks_for_vision_model``,
+    ``AND(sliding_window, OR(causal, blockwise))``)."""
+    import importlib
+
     try:
-        from transformers.models.gemma4 import modeling_gemma4
+        name = f"transformers.models.{model_type}.modeling_{model_type}"
+        modeling = importlib.import_module(name)
     except ImportError:
         return False
-    return not hasattr(modeling_gemma4, "create_masks_for_vision_model")
+    return not hasattr(modeling, "create_masks_for_vision_model")

@@ -8,7 +8,10 @@ The contract: 1-D positions; **image tokens attend bidirectionally within their 
 (transformers' ``create_masks_for_vision_model``), so a packed row needs a per-token mask per layer
 type (:func:`.attention.layer_masks`, handed to the model by ``to_hf_kwargs(attention="mask")``):
 ``full_attention`` layers ``OR(causal, image block)``, ``sliding_attention`` layers that intersected
-with the window (``text_config.sliding_window``), each inside its sequence. Flash attention drops
+with the window (``text_config.sliding_window``), each inside its sequence, in transformers 5.17 and
+newer; 5.6 to 5.16 OR the image block over the windowed causal mask instead (an image token sees
+its whole image however long the window): ``ModelContract.media_over_window``, read from the
+installed release. Flash attention drops
 that mask (transformers sets ``_supports_flash_attn = False`` for the multimodal model): refused by
 the contract.
 """
@@ -86,10 +89,16 @@ class Gemma3(VisionFamily):
 
     def contract(self, config: Any = None):
         """The class declarations, local attention from the text config's ``layer_types`` (kept at
-        build)."""
-        return super().contract(
+        build), and how the installed transformers meets an image longer than the window
+        (:func:`~.contract.block_over_window`)."""
+        from dataclasses import replace
+
+        from .contract import block_over_window
+
+        declared = super().contract(
             {"layer_types": list(self.layer_types)} if config is None else config
         )
+        return replace(declared, media_over_window=block_over_window(self.model_type))
 
     def tokens_per_image(self) -> int:
         return self.mm_tokens_per_image

@@ -23,7 +23,8 @@ from typing import Any
 from prealign.schemas.contract import ModelContract
 from prealign.schemas.errors import SampleError
 
-from .family import VisionFamily, config_getter, has_linear_attention, local_attention
+from .common import OneDimFamily
+from .family import config_getter, has_linear_attention, local_attention
 
 VISION_DEFAULTS = {"patch_size": 16, "pooling_kernel_size": 3}
 """transformers' ``Gemma4VisionConfig`` defaults, used where a config has no ``vision_config``."""
@@ -84,13 +85,16 @@ def resized_size(
 
 
 @dataclass(frozen=True, kw_only=True)
-class Gemma4(VisionFamily):
+class Gemma4(OneDimFamily):
     """``model_type`` ``gemma4``: ``image_token_id`` ``<|image|>``, ``video_token_id``
     ``<|video|>``, ``vision_start_token_id`` / ``vision_end_token_id`` ``<|image>`` / ``<image|>``
     (``boi`` / ``eoi_token_id``); ``spatial_merge_size`` the pooling kernel ``k``;
-    ``bidirectional``: ``text_config.use_bidirectional_attention == "vision"``."""
+    ``bidirectional``: ``text_config.use_bidirectional_attention == "vision"``. The batch schema
+    (:meth:`~.common.OneDimFamily.batch_schema`): the token fields, ``mm_token_type_ids`` (1 image,
+    2 video), :meth:`media_fields`, teacher top-k when asked."""
 
     model_types = ("gemma4",)
+    max_token_type = 2
     position_kind = "1d"
     media_attention = "bidirectional"  # what the family may need; contract(): the config's
     transform = "prealign.loaders.media.gemma4.Gemma4SampleTransform"
@@ -121,7 +125,7 @@ class Gemma4(VisionFamily):
     def contract(self, config: Any = None) -> ModelContract:
         """1-D positions, the image / video blocks where the config asks for them (on the layers
         the installed transformers gives them), the text config's local layers."""
-        from .contract import gemma4_bidirectional_layers, gemma4_block_over_window
+        from .contract import block_over_window, gemma4_bidirectional_layers
 
         return ModelContract(
             model=self.model_type,
@@ -132,7 +136,7 @@ class Gemma4(VisionFamily):
             ),
             linear_attention=self.linear_attention,
             bidirectional_layers=gemma4_bidirectional_layers() if self.bidirectional else None,
-            media_over_window=self.bidirectional and gemma4_block_over_window(),
+            media_over_window=self.bidirectional and block_over_window(self.model_type),
         )
 
     def token_grid(
@@ -152,36 +156,14 @@ class Gemma4(VisionFamily):
         )
         return h // cell, w // cell
 
-    def batch_schema(
-        self,
-        *,
-        pad_token_id: int = 0,
-        topk: int | str | None = None,
-        vocab_size: int | None = None,
-        pixel_dtypes: tuple[str, ...] = ("float32", "bfloat16"),
-    ):
-        """The batch the transform's samples collate to: the token fields (1-D ``position_ids``),
-        ``mm_token_type_ids`` (1 image, 2 video), and as MEDIA what the image processor hands the
-        model: ``pixel_values`` float ``[images, max_patches, 3 p^2]`` (each image's patches,
-        zero-padded to the budget) and ``image_position_ids`` int64 ``[images, max_patches, 2]``
-        (each patch's ``(x, y)``, -1 on padding); teacher top-k when ``topk`` is given."""
-        from prealign.schemas.schema import (
-            BatchSchema,
-            FieldSpec,
-            Role,
-            core_token_fields,
-            topk_fields,
-        )
+    def media_fields(self, pixel_dtypes: tuple[str, ...]) -> tuple:
+        """What the image processor hands the model: ``pixel_values`` float ``[images,
+        max_patches, 3 p^2]`` (each image's patches, zero-padded to the budget) and
+        ``image_position_ids`` int64 ``[images, max_patches, 2]`` (each patch's ``(x, y)``, -1 on
+        padding)."""
+        from prealign.schemas.schema import FieldSpec, Role
 
-        fields = (
-            *core_token_fields(pad_token_id, -100, vocab_size),
-            FieldSpec(
-                name="mm_token_type_ids",
-                dtypes=("int64", "int32"),
-                pad_value=0,
-                min_value=0,
-                max_value=2,
-            ),
+        return (
             FieldSpec(
                 name="pixel_values",
                 role=Role.MEDIA,
@@ -194,9 +176,4 @@ class Gemma4(VisionFamily):
                 dtypes=("int64",),
                 dense_shape=("max_patches", 2),
             ),
-        )
-        if topk is not None:
-            fields += topk_fields(topk, vocab_size)
-        return BatchSchema(
-            name=self.model_type if topk is None else f"{self.model_type}_topk", fields=fields
         )

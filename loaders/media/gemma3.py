@@ -33,6 +33,7 @@ import torch
 
 from prealign.collate.vision import Gemma3, vision_family
 from prealign.loaders.media.chat_tokenizer import HFChatTokenizer, encode_segments
+from prealign.loaders.media.sized_images import SizedImagesTransform
 from prealign.loaders.media.teacher_topk import teacher_topk
 from prealign.loaders.media.vlm import (
     IMAGE_PLACEHOLDER,
@@ -197,14 +198,7 @@ class Gemma3SampleTransform:
                     prefix = ""
                 content(turn["content"], reply, trim=True)
                 segments += [([tok.im_end_id], reply), ("\n", False)]
-        if seen != images:
-            raise MediaError(
-                MediaProblem.PLACEHOLDER_MISMATCH,
-                sample=sample,
-                field="json",
-                expected=f"{images} '{IMAGE_PLACEHOLDER}' placeholders (one per image)",
-                actual=f"{seen}",
-            )
+        SizedImagesTransform.check_placeholders(seen, images, sample=sample)
         return segments
 
     def index_key(self) -> str:

@@ -176,14 +176,7 @@ class Idefics3SampleTransform(SizedImagesTransform):
                 )
                 content(turn["content"], reply)
                 segments += [([tok.im_end_id], reply), ("\n", False)]
-        if seen != len(grids):
-            raise MediaError(
-                MediaProblem.PLACEHOLDER_MISMATCH,
-                sample=sample,
-                field="json",
-                expected=f"{len(grids)} '{IMAGE_PLACEHOLDER}' placeholders (one per image)",
-                actual=f"{seen}",
-            )
+        self.check_placeholders(seen, len(grids), sample=sample)
         return segments
 
     def image_grid(self, width: int, height: int, *, sample, field: str) -> tuple[int, int]:

@@ -69,6 +69,7 @@ from prealign.loaders.media.vlm import (
     MediaProblem,
     VideoEntry,
     check_float_dtypes,
+    check_video_pixels,
     decode_image,
     decode_kept,
     file_plan,
@@ -368,7 +369,7 @@ class LlavaOnevisionSampleTransform:
             for name, value in video.frames:
                 h, w = self._header_size(name, value, key)
                 area += h * w
-                self._check_video_pixels(video.name, area, key)
+                check_video_pixels(video.name, area, key, self.limits)
             return len(video.frames)
         return len(file_plan(video, self.frame_sampling.indices, key, self.limits)[1])
 
@@ -379,19 +380,8 @@ class LlavaOnevisionSampleTransform:
         for name, value in video.frames:
             frames.append(decode_image(value, sample=key, name=name, limits=self.limits))
             area += frames[-1].width * frames[-1].height
-            self._check_video_pixels(video.name, area, key)
+            check_video_pixels(video.name, area, key, self.limits)
         return frames
-
-    def _check_video_pixels(self, name: str, pixels: int, key) -> None:
-        if pixels > self.limits.max_video_pixels:
-            raise MediaError(
-                MediaProblem.BAD_VIDEO,
-                sample=key,
-                field=name,
-                actual=f"{pixels} pixels or more",
-                expected=f"at most {self.limits.max_video_pixels} pixels over its frames "
-                "(DecodeLimits.max_video_pixels)",
-            )
 
     @property
     def video_settings(self) -> tuple:

@@ -188,14 +188,7 @@ class Mistral3SampleTransform(SizedImagesTransform):
                     segments.append(([start], False))
                     content(turn["content"], False, where, False)
                     segments.append(([end], False))
-        if seen != len(grids):
-            raise MediaError(
-                MediaProblem.PLACEHOLDER_MISMATCH,
-                sample=sample,
-                field="json",
-                expected=f"{len(grids)} '{IMAGE_PLACEHOLDER}' placeholders (one per image)",
-                actual=f"{seen}",
-            )
+        self.check_placeholders(seen, len(grids), sample=sample)
         return segments
 
     def image_grid(self, width: int, height: int, *, sample, field: str) -> tuple[int, int]:

@@ -1257,7 +1257,7 @@ class VLMSampleTransform:
                 ):  # the running total is checked frame by frame: never more than the limit
                     decoded.append(decode_image(v, sample=key, name=n, limits=self.limits))
                     area += decoded[-1].width * decoded[-1].height
-                    self._check_video_pixels(video.name, area, key)
+                    check_video_pixels(video.name, area, key, self.limits)
                 grid = self._video_grid(video.name, [im.size for im in decoded], geometry, key)
                 frames = np.concatenate(
                     [
@@ -1351,7 +1351,7 @@ class VLMSampleTransform:
                 actual=f"sizes {sorted(set(sizes))}",
             )
         w, h = sizes[0]
-        self._check_video_pixels(name, len(sizes) * w * h, key)
+        check_video_pixels(name, len(sizes) * w * h, key, self.limits)
         self._warn_if_defaults()
         try:
             return self.family.video_grid(len(sizes), h, w, geometry, sample=key, field=name)
@@ -1363,17 +1363,6 @@ class VLMSampleTransform:
                 expected=exc.expected,
                 actual=exc.actual,
             ) from None
-
-    def _check_video_pixels(self, name: str, pixels: int, key) -> None:
-        if pixels > self.limits.max_video_pixels:
-            raise MediaError(
-                MediaProblem.BAD_VIDEO,
-                sample=key,
-                field=name,
-                actual=f"{pixels} pixels or more",
-                expected=f"at most {self.limits.max_video_pixels} pixels over its frames "
-                "(DecodeLimits.max_video_pixels)",
-            )
 
     def expand(self, sample: dict) -> dict:
         """:meth:`compact`'s output -> the sample (``pixel_codes`` -> ``pixel_values`` of
@@ -1505,6 +1494,27 @@ class VideoPlan:
     ids: np.ndarray
 
 
+def check_video_pixels(name: str, pixels: int, key, limits: DecodeLimits) -> None:
+    """``bad_video`` naming sample ``key`` and video ``name`` where its frames' running pixel total
+    ``pixels`` is over ``limits.max_video_pixels``."""
+    if pixels > limits.max_video_pixels:
+        raise MediaError(
+            MediaProblem.BAD_VIDEO,
+            sample=key,
+            field=name,
+            actual=f"{pixels} pixels or more",
+            expected=f"at most {limits.max_video_pixels} pixels over its frames "
+            "(DecodeLimits.max_video_pixels)",
+        )
+
+
+def corrupt_video(video: VideoEntry, key, actual: str, expected: str) -> MediaError:
+    """``corrupt_video`` naming sample ``key`` and ``video``."""
+    return MediaError(
+        MediaProblem.CORRUPT_VIDEO, sample=key, field=video.name, actual=actual, expected=expected
+    )
+
+
 def file_plan(
     video: VideoEntry, choose, key, limits: DecodeLimits
 ) -> tuple[VideoHeader, np.ndarray]:
@@ -1522,12 +1532,8 @@ def file_plan(
     try:
         header = probe_video(video.data)
     except VideoFileError as exc:
-        raise MediaError(
-            MediaProblem.CORRUPT_VIDEO,
-            sample=key,
-            field=video.name,
-            actual=str(exc),
-            expected="a video file PyAV reads (mp4, webm, mkv, ...)",
+        raise corrupt_video(
+            video, key, str(exc), "a video file PyAV reads (mp4, webm, mkv, ...)"
         ) from None
     if header.seconds > limits.max_video_seconds:
         raise bad(
@@ -1583,12 +1589,8 @@ def decode_kept(
             deadline_s=limits.max_video_decode_seconds,
         )
     except VideoFileError as exc:
-        raise MediaError(
-            MediaProblem.CORRUPT_VIDEO,
-            sample=key,
-            field=video.name,
-            actual=str(exc),
-            expected="a video file whose sampled frames decode as its headers say",
+        raise corrupt_video(
+            video, key, str(exc), "a video file whose sampled frames decode as its headers say"
         ) from None
 
 

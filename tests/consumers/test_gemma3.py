@@ -13,13 +13,17 @@ import pytest
 import torch
 
 from prealign.collate import THDCollator, to_hf_kwargs
-from prealign.collate.hf import model_layer_masks
 from prealign.collate.vision import model_contract, vision_family
 from prealign.collate.vision.attention import TokenMaskIndex, layer_masks, packed_token_mask
 from prealign.schemas import BatchSchema, FieldSpec, PadPolicy, ParallelLayout
 from prealign.schemas.errors import PackingUnsupportedError
 from prealign.schemas.schema import core_token_fields
-from tests.consumers.models import CORRUPT, real_slots
+from tests.consumers.models import (
+    CORRUPT,
+    assert_flex_equals_dense,
+    real_slots,
+    tiny_text_config,
+)
 
 transformers = pytest.importorskip("transformers")
 BOI, EOI, IMAGE, PAD = 4, 5, 6, 0
@@ -27,6 +31,7 @@ VOCAB = 64
 TOKENS = 4  # image tokens per image (2 x 2, pooled from 4 x 4 patches)
 # longer than an image (transformers < 5.24 OR the block over the window), shorter than a sample
 WINDOW = 6
+SHORT_WINDOW = 2  # shorter than an image: there the releases' window rules differ
 TOL = 1e-6
 LAYOUT = ParallelLayout(tp=2, cp=2, pad_policy=PadPolicy.PER_SEQUENCE)
 SCHEMA = BatchSchema(
@@ -41,19 +46,13 @@ SCHEMA = BatchSchema(
 )
 
 
-def tiny_config(attn: str = "sdpa"):
-    text = dict(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+def tiny_config(attn: str = "sdpa", window: int = WINDOW):
+    text = tiny_text_config(
+        VOCAB,
         head_dim=8,
         max_position_embeddings=512,
-        sliding_window=WINDOW,
+        sliding_window=window,
         layer_types=["sliding_attention", "full_attention"],
-        initializer_range=0.3,
         query_pre_attn_scalar=8,
         pad_token_id=PAD,
         bos_token_id=2,
@@ -81,9 +80,14 @@ def tiny_config(attn: str = "sdpa"):
 
 
 @functools.lru_cache(maxsize=None)
-def tiny_model(attn: str = "sdpa"):
+def tiny_model(attn: str = "sdpa", window: int = WINDOW):
     torch.manual_seed(0)
-    return transformers.Gemma3ForConditionalGeneration(tiny_config(attn)).to(torch.float64).eval()
+    model = transformers.Gemma3ForConditionalGeneration(tiny_config(attn, window))
+    with torch.no_grad():  # transformers starts the projection at 0: every image token alike
+        for name, weight in model.named_parameters():
+            if name.endswith("mm_input_projection_weight"):
+                weight.normal_(std=0.3)
+    return model.to(torch.float64).eval()
 
 
 def sample(segments: list, seed: int) -> dict:
@@ -112,19 +116,26 @@ SAMPLES = (
 )
 
 
-def blockless_masks(batch: dict, window: int) -> dict:
-    """The sliding + full masks of ``batch`` without image blocks (causal per sequence), float64
-    additive."""
+def two_layer_masks(batch: dict, window: int, *, bidirectional: bool = True, **rule) -> dict:
+    """The sliding + full masks of ``batch``, float64 additive: each image's block where
+    ``bidirectional``; ``rule``: :func:`~prealign.collate.vision.attention.layer_masks`'
+    ``bidirectional_layers`` / ``block_over_window``."""
     index = TokenMaskIndex.of(
         batch["cu_seqlens_padded"], batch["cu_seqlens"], batch["mm_token_type_ids"]
     )
     return layer_masks(
         index,
         ["sliding_attention", "full_attention"],
-        bidirectional=False,
+        bidirectional=bidirectional,
         window=window,
         dtype=torch.float64,
+        **rule,
     )
+
+
+def blockless_masks(batch: dict, window: int) -> dict:
+    """:func:`two_layer_masks` without image blocks (causal per sequence)."""
+    return two_layer_masks(batch, window, bidirectional=False)
 
 
 def alone(model, s: dict) -> torch.Tensor:
@@ -139,14 +150,14 @@ def alone(model, s: dict) -> torch.Tensor:
         return model(**kw).logits[0]
 
 
-def packed(attention="mask"):
+def packed(attention="mask", window: int = WINDOW):
     batch = THDCollator(schema=SCHEMA, layout=LAYOUT)(
         [{k: v for k, v in s.items() if k != "pixel_values"} for s in SAMPLES]
     )
     kwargs = to_hf_kwargs(
         batch,
         attention=attention,
-        model_config=tiny_config(),
+        model_config=tiny_config(window=window),
         mask_dtype=torch.float64,
         labels=False,
     )
@@ -154,8 +165,8 @@ def packed(attention="mask"):
     return batch, kwargs
 
 
-def worst(batch: dict, kwargs: dict, attn: str = "sdpa") -> float:
-    model = tiny_model(attn)
+def worst(batch: dict, kwargs: dict, attn: str = "sdpa", window: int = WINDOW) -> float:
+    model = tiny_model(attn, window)
     with torch.no_grad():
         out = model(**kwargs).logits[0]
     diffs = [
@@ -193,6 +204,23 @@ def test_packed_logits_equal_each_sample_alone(attn):
 
 
 @pytest.mark.slow
+def test_an_image_longer_than_the_window_packs_under_the_installed_rule():
+    """Window 2, images of 4 tokens: transformers 5.6 / 5.10 OR each image's block over the
+    windowed causal mask (an image token sees its whole image), 5.24 ANDs the window after the
+    block; the masks follow the installed release (``ModelContract.media_over_window``)."""
+    batch, kwargs = packed(window=SHORT_WINDOW)
+    assert worst(batch, kwargs, window=SHORT_WINDOW) < TOL
+
+
+@pytest.mark.slow
+def test_the_other_releases_window_rule_is_caught():
+    batch, kwargs = packed(window=SHORT_WINDOW)
+    ours = model_contract(tiny_config(window=SHORT_WINDOW)).media_over_window
+    kwargs["attention_mask"] = two_layer_masks(batch, SHORT_WINDOW, block_over_window=not ours)
+    assert worst(batch, kwargs, window=SHORT_WINDOW) > CORRUPT
+
+
+@pytest.mark.slow
 def test_the_image_block_removed_is_caught():
     """Negative control: the same masks without the bidirectional image block (causal per
     sequence)."""
@@ -215,15 +243,9 @@ def test_a_packed_row_without_its_masks_is_refused():
             packed(attention)
 
 
-def test_the_flex_description_equals_the_dense_masks():
-    from torch.nn.attention.flex_attention import create_mask
-
-    batch, kwargs = packed()
-    mods = model_layer_masks(batch, tiny_config(), flex=True)
-    dense = model_layer_masks(batch, tiny_config())
-    T = batch["input_ids"].shape[1]
-    for kind, mod in mods.items():
-        assert torch.equal(create_mask(mod, 1, 1, T, T, device="cpu"), dense[kind])
+@pytest.mark.parametrize("window", [WINDOW, SHORT_WINDOW])
+def test_the_flex_description_equals_the_dense_masks(window):
+    assert_flex_equals_dense(packed(window=window)[0], tiny_config(window=window))
 
 
 def test_the_mask_is_the_per_sequence_rule():

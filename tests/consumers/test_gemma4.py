@@ -15,12 +15,11 @@ import torch
 
 from prealign.collate import THDCollator, to_hf_kwargs
 from prealign.collate.vision import model_contract
-from prealign.collate.vision.attention import TokenMaskIndex
 from prealign.schemas import BatchSchema, FieldSpec, PadPolicy, ParallelLayout
 from prealign.schemas.contract import Consumer, ConsumerUnsupportedError, check_consumer
 from prealign.schemas.schema import core_token_fields
-from tests.consumers.models import CORRUPT, real_slots
-from tests.consumers.test_gemma3 import blockless_masks
+from tests.consumers.models import CORRUPT, real_slots, tiny_text_config
+from tests.consumers.test_gemma3 import blockless_masks, two_layer_masks
 
 transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "Gemma4ForConditionalGeneration"):
@@ -40,13 +39,8 @@ SCHEMA = BatchSchema(
 
 
 def config(bidirectional: str | None = "vision"):
-    text = dict(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+    text = tiny_text_config(
+        VOCAB,
         head_dim=8,
         global_head_dim=8,
         max_position_embeddings=512,
@@ -55,7 +49,6 @@ def config(bidirectional: str | None = "vision"):
         use_bidirectional_attention=bidirectional,
         vocab_size_per_layer_input=VOCAB,
         hidden_size_per_layer_input=8,
-        initializer_range=0.3,
         pad_token_id=0,
         bos_token_id=2,
         eos_token_id=1,
@@ -173,20 +166,8 @@ def test_a_causal_gemma4_packs_from_its_positions():
 def test_the_other_releases_layer_rule_is_caught():
     """transformers releases differ in which layers get the blocks (5.6 and >= 5.17 sliding only,
     5.10 all): the rule of the other kind of release does not give the installed model's logits."""
-    from prealign.collate.vision.attention import layer_masks
-
     batch, kwargs = packed()
-    index = TokenMaskIndex.of(
-        batch["cu_seqlens_padded"], batch["cu_seqlens"], batch["mm_token_type_ids"]
-    )
     ours = model_contract(config()).bidirectional_layers
     other = None if ours else ("sliding_attention",)
-    kwargs["attention_mask"] = layer_masks(
-        index,
-        ["sliding_attention", "full_attention"],
-        bidirectional=True,
-        window=WINDOW,
-        dtype=torch.float64,
-        bidirectional_layers=other,
-    )
+    kwargs["attention_mask"] = two_layer_masks(batch, WINDOW, bidirectional_layers=other)
     assert worst(batch, kwargs) > CORRUPT

@@ -16,7 +16,9 @@ import re
 import transformers
 
 from prealign.loaders.media.gemma4 import Gemma4SampleTransform
+from tests.consumers.models import tiny_text_config
 from tests.families.bpe import byte_bpe_tokenizer
+from tests.families.offline import any_video_processor
 
 PATCH, POOL, BUDGET, WINDOW = 4, 2, 70, 6
 """The tests' vision tower (4-px patches pooled 2 x 2), soft-token budget and sliding window."""
@@ -96,31 +98,21 @@ def hf_processor(patch: int, pooling: int, budget: int):
     except (ImportError, ModuleNotFoundError):
         return None
 
-    class NoVideo(base):
-        def check_argument_for_proper_class(self, name, arg):
-            if arg is None and name == "video_processor":
-                return None
-            return super().check_argument_for_proper_class(name, arg)
-
-    return NoVideo(
-        feature_extractor=transformers.Gemma4AudioFeatureExtractor(),
-        image_processor=image_processor(patch, pooling, budget),
-        tokenizer=tokenizer(),
-        video_processor=None,
-        chat_template=TEMPLATE,
-    )
+    with any_video_processor():
+        return base(
+            feature_extractor=transformers.Gemma4AudioFeatureExtractor(),
+            image_processor=image_processor(patch, pooling, budget),
+            tokenizer=tokenizer(),
+            video_processor=None,
+            chat_template=TEMPLATE,
+        )
 
 
 def config(bidirectional: str | None = "vision"):
     """A tiny ``Gemma4Config`` on :func:`tokenizer`'s ids (bidirectional vision unless
     ``bidirectional`` is ``None``), sdpa attention."""
-    text = dict(
-        vocab_size=len(tokenizer()),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+    text = tiny_text_config(
+        len(tokenizer()),
         head_dim=8,
         global_head_dim=8,
         max_position_embeddings=1024,
@@ -129,7 +121,6 @@ def config(bidirectional: str | None = "vision"):
         use_bidirectional_attention=bidirectional,
         vocab_size_per_layer_input=len(tokenizer()),
         hidden_size_per_layer_input=8,
-        initializer_range=0.3,
         pad_token_id=tid("<pad>"),
         bos_token_id=tid("<bos>"),
         eos_token_id=tid("<eos>"),

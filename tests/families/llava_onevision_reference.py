@@ -133,15 +133,10 @@ def hf_processor(
     video slot ``None`` or (``video``) :class:`FramesVideoProcessor` (the class check of that one
     argument skipped)."""
     from transformers import LlavaOnevisionProcessor
-    from transformers.processing_utils import ProcessorMixin
 
-    check = ProcessorMixin.check_argument_for_proper_class
+    from tests.families.offline import any_video_processor
 
-    def lenient(self, name, arg):
-        return None if name == "video_processor" else check(self, name, arg)
-
-    ProcessorMixin.check_argument_for_proper_class = lenient
-    try:
+    with any_video_processor():
         return LlavaOnevisionProcessor(
             image_processor=image_processor(tile, pinpoints),
             tokenizer=hf_tokenizer(),
@@ -151,8 +146,6 @@ def hf_processor(
             chat_template=CHAT_TEMPLATE,
             vision_aspect_ratio=aspect,
         )
-    finally:
-        ProcessorMixin.check_argument_for_proper_class = check
 
 
 def config(
@@ -170,23 +163,15 @@ def config(
 
     tok = hf_tokenizer()
     kw = {} if pinpoints is None else {"image_grid_pinpoints": [list(p) for p in pinpoints]}
+    from tests.consumers.models import tiny_text_config, tiny_vit_config
+
     vision = dict(model_type="siglip_vision_model", image_size=tile, patch_size=patch)
     text = dict(model_type="qwen2", vocab_size=len(tok))
     if tiny:
-        vision.update(
-            hidden_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            intermediate_size=64,
-            initializer_range=0.3,
-        )
-        text.update(
-            hidden_size=32,
-            initializer_range=0.3,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
+        vision = tiny_vit_config(**vision, num_hidden_layers=2)
+        text = tiny_text_config(
+            len(tok),
+            model_type="qwen2",
             max_position_embeddings=8192,
             eos_token_id=tok.eos_token_id,
             pad_token_id=tok.pad_token_id,

@@ -9,10 +9,7 @@ image blocks removed, or the other release's layer rule, are caught."""
 from __future__ import annotations
 
 import functools
-import io
-import json
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import assume, given
@@ -27,6 +24,7 @@ from prealign.schemas import ConfigError
 from prealign.schemas.contract import Consumer, ConsumerUnsupportedError, check_consumer
 from tests.conftest import examples
 from tests.consumers.models import CORRUPT
+from tests.families import chat_samples
 from tests.families import gemma4_reference as ref
 from tests.families.packing import packed_batch, worst_gap
 
@@ -38,27 +36,14 @@ config, transform = ref.config, ref.transform
 
 
 def png(seed: int, lo: int = 4, hi: int = 120) -> bytes:
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
-    w, h = (int(x) for x in rng.integers(lo, hi, 2))
-    buf = io.BytesIO()
-    Image.fromarray(rng.integers(0, 256, (h, w, 3), np.uint8)).save(buf, format="PNG")
-    return buf.getvalue()
+    return chat_samples.png(seed, lo, hi)
 
 
 def raw_sample(messages, images) -> dict:
-    return {
-        "__key__": "g4",
-        "json": json.dumps({"messages": messages}).encode(),
-        **{f"{i}.png": b for i, b in enumerate(images)},
-    }
+    return chat_samples.raw_sample(messages, images, key="g4")
 
 
-PIECES = st.sampled_from(
-    ["\n", "\n\n", " ", "a", "b", "hello", "world", ".", "?", " \n", "<image>"]
-)
-TEXT = st.lists(PIECES, max_size=7).map("".join)
+TEXT = chat_samples.CHAT_TEXT
 
 
 @pytest.mark.slow
@@ -247,21 +232,12 @@ def test_the_image_blocks_removed_are_caught():
 
 @pytest.mark.slow
 def test_the_other_releases_layer_rule_is_caught():
-    from prealign.collate.vision.attention import TokenMaskIndex, layer_masks
+    from tests.consumers.test_gemma3 import two_layer_masks
 
     batch, kwargs = packed()
-    index = TokenMaskIndex.of(
-        batch["cu_seqlens_padded"], batch["cu_seqlens"], batch["mm_token_type_ids"]
-    )
     ours = model_contract(config()).bidirectional_layers
-    kwargs["attention_mask"] = layer_masks(
-        index,
-        ["sliding_attention", "full_attention"],
-        bidirectional=True,
-        window=WINDOW,
-        dtype=torch.float64,
-        bidirectional_layers=None if ours else ("sliding_attention",),
-    )
+    other = None if ours else ("sliding_attention",)
+    kwargs["attention_mask"] = two_layer_masks(batch, WINDOW, bidirectional_layers=other)
     assert worst_gap(model(), kwargs, batch, samples(), alone) > CORRUPT
 
 
@@ -269,19 +245,13 @@ def test_the_other_releases_layer_rule_is_caught():
 def test_the_other_releases_window_rule_is_caught():
     """Images longer than the window (64 tokens, window 6): transformers 5.6 / 5.10 OR the block
     over the windowed causal mask, 5.17+ AND the window after it; the other rule is caught."""
-    from prealign.collate.vision.attention import TokenMaskIndex, layer_masks
+    from tests.consumers.test_gemma3 import two_layer_masks
 
     batch, kwargs = packed()
-    index = TokenMaskIndex.of(
-        batch["cu_seqlens_padded"], batch["cu_seqlens"], batch["mm_token_type_ids"]
-    )
     contract = model_contract(config())
-    kwargs["attention_mask"] = layer_masks(
-        index,
-        ["sliding_attention", "full_attention"],
-        bidirectional=True,
-        window=WINDOW,
-        dtype=torch.float64,
+    kwargs["attention_mask"] = two_layer_masks(
+        batch,
+        WINDOW,
         bidirectional_layers=contract.bidirectional_layers,
         block_over_window=not contract.media_over_window,
     )
@@ -307,13 +277,10 @@ def test_demo_command_with_gemma4(tmp_path, capsys):
     schema, padded patches and their positions in the media fields."""
     import re
 
-    from prealign.loaders.cli import main
+    from tests.families.header_index import run_demo
 
-    args = ["demo", "--model", "gemma4", "--samples", "16", "--out", str(tmp_path / "l.png")]
-    assert main([*args, "--workers", "0", "--token-budget", "4096"]) == 0
-    out = capsys.readouterr().out
-    n = int(out.split("micro-batches  ")[1].split(" ")[0])
-    assert f"{2 * n}/{2 * n} batches valid" in out and "Gemma4.batch_schema" in out
+    out = run_demo(tmp_path, capsys, "gemma4", token_budget=4096)
+    assert "Gemma4.batch_schema" in out
     assert re.search(r"pixel_values +float32 +\[\d+, 2520, 768\]", out)
     assert re.search(r"image_position_ids +int64 +\[\d+, 2520, 2\]", out)
 
@@ -364,16 +331,9 @@ def test_inspect_and_index_with_the_model_config(tmp_path, capsys):
 
 
 def test_the_flex_description_equals_the_dense_masks():
-    from torch.nn.attention.flex_attention import create_mask
+    from tests.consumers.models import assert_flex_equals_dense
 
-    from prealign.collate.hf import model_layer_masks
-
-    batch, _ = packed()
-    mods = model_layer_masks(batch, config(), flex=True)
-    dense = model_layer_masks(batch, config())
-    T = batch["input_ids"].shape[1]
-    for kind, mod in mods.items():
-        assert torch.equal(create_mask(mod, 1, 1, T, T, device="cpu"), dense[kind])
+    assert_flex_equals_dense(packed()[0], config())
 
 
 def test_the_window_rules_golden():

@@ -28,20 +28,13 @@ from prealign.schemas import ConfigError, ParallelLayout
 from tests.conftest import examples
 from tests.consumers.models import CORRUPT, real_slots
 from tests.families import llava_onevision_reference as ref
+from tests.families.chat_samples import sized_png
 
 transformers = pytest.importorskip("transformers")
 TOL = 1e-6
 PINS = ((56, 56), (56, 112), (112, 56), (112, 112), (56, 168), (168, 56), (168, 168))
 """Small tiles (56 px, 4 x 4 patches of 14) so random samples run in milliseconds; the rule is the
 same."""
-
-
-def png(rng: np.random.Generator, w: int, h: int) -> bytes:
-    from PIL import Image
-
-    buf = io.BytesIO()
-    Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(buf, format="PNG")
-    return buf.getvalue()
 
 
 def items(text: str) -> list[dict]:
@@ -63,14 +56,14 @@ def sample(key: str, contents: list[str], sizes: list, seed: int, frames: list[i
     from PIL import Image
 
     rng = np.random.default_rng(seed)
-    members = {f"{i}.png": png(rng, w, h) for i, (w, h) in enumerate(sizes)}
+    members = {f"{i}.png": sized_png(rng, w, h) for i, (w, h) in enumerate(sizes)}
     roles = ["user", "assistant"] * len(contents)
     messages = [{"role": r, "content": c} for r, c in zip(roles, contents)]
     meta = {"messages": messages, "images": list(members), "videos": []}
     for v, n in enumerate(frames):
         w, h = (int(x) for x in rng.integers(10, 90, 2))
         names = [f"v{v}_{j}.png" for j in range(n)]
-        members.update({name: png(rng, w, h) for name in names})
+        members.update({name: sized_png(rng, w, h) for name in names})
         meta["videos"].append({"frames": names})
     raw = {"__key__": key, "json": json.dumps(meta), **members}
     chat = [{"role": m["role"], "content": items(m["content"])} for m in messages]
@@ -381,23 +374,10 @@ def test_demo_command_with_llava_onevision(tmp_path, capsys):
     family's batch schema; AnyRes tiles, image sizes and images per sample in the batches."""
     import re
 
-    from prealign.loaders.cli import main
+    from tests.families.header_index import run_demo
 
-    args = [
-        "demo",
-        "--model",
-        "llava_onevision",
-        "--samples",
-        "30",
-        "--out",
-        str(tmp_path / "l.png"),
-        "--workers",
-        "0",
-    ]
-    assert main(args) == 0
-    out = capsys.readouterr().out
-    n = int(out.split("micro-batches  ")[1].split(" ")[0])
-    assert f"{2 * n}/{2 * n} batches valid" in out and "llava_onevision_topk" in out
+    out = run_demo(tmp_path, capsys, "llava_onevision")
+    assert "llava_onevision_topk" in out
     assert (
         re.search(r"pixel_values +float32 +\[\d+, 3, 384, 384\]", out) and "batch_num_images" in out
     )
@@ -408,34 +388,10 @@ def test_header_index_equals_the_full_pass(tmp_path):
     size and the sample's image count give its AnyRes tokens; the chat rendered by the tokenizer
     alone) gives every sample the length and media flag the full transform gives; a corrupt image is
     found by both."""
-    from prealign.loaders import BadDataPolicy, WebDatasetSource, build_index
-    from prealign.loaders.cli.demo_data import build_demo_dataset, demo_transform
-    from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
-    from prealign.loaders.index.header_pass import AnyResRule, length_rule, write_sidecars
+    from prealign.loaders.index.header_pass import AnyResRule
+    from tests.families.header_index import assert_header_index_equals_full_pass
 
-    ds = build_demo_dataset(
-        str(tmp_path), num_samples=24, samples_per_shard=12, topk=4, model="llava_onevision"
-    )
-    t = demo_transform("llava_onevision", ByteTokenizer(), 4)
-    schema = t.family.batch_schema(topk=4, vocab_size=ds.vocab_size)
-    policy = BadDataPolicy(on_error="skip")
-    full = build_index(
-        WebDatasetSource(list(ds.shards), transform=t, image="bytes", sidecars=False),
-        schema,
-        policy=policy,
-    )
-    source = WebDatasetSource(list(ds.shards), transform=t, image="bytes")
-    assert isinstance(length_rule(source, schema), AnyResRule)  # headers only, no pixel processed
-    write_sidecars(source, schema)
-    side = build_index(
-        WebDatasetSource(list(ds.shards), transform=t, image="bytes"), schema, policy=policy
-    )
-    assert len(full) == len(side) == 24 - len(ds.bad)
-    assert (
-        full.lengths.tolist() == side.lengths.tolist()
-        and full.media.tolist() == side.media.tolist()
-    )
-    assert bool(full.media.any()) and not bool(full.media.all())
+    assert_header_index_equals_full_pass(tmp_path, "llava_onevision", 24, rule=AnyResRule)
 
 
 def test_videos_of_different_frame_counts_cannot_share_a_forward():

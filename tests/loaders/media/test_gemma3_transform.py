@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import functools
 import io
-import json
 import re
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import assume, given
@@ -23,6 +21,8 @@ from prealign.loaders.media.gemma3 import Gemma3SampleTransform
 from prealign.loaders.media.vlm import MediaError
 from prealign.schemas.errors import ConfigError
 from tests.conftest import examples
+from tests.consumers.models import tiny_text_config
+from tests.families import chat_samples
 
 transformers = pytest.importorskip("transformers")
 SPECIALS = [
@@ -91,18 +91,12 @@ def tid(name: str) -> int:
 
 
 def config(attn: str = "sdpa"):
-    text = dict(
-        vocab_size=len(tokenizer()),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+    text = tiny_text_config(
+        len(tokenizer()),
         head_dim=8,
         max_position_embeddings=512,
         sliding_window=8,
         layer_types=["sliding_attention", "full_attention"],
-        initializer_range=0.3,
         query_pre_attn_scalar=8,
         pad_token_id=tid("<pad>"),
         bos_token_id=tid("<bos>"),
@@ -147,13 +141,7 @@ def transform() -> Gemma3SampleTransform:
 
 
 def png(seed: int) -> bytes:
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
-    w, h = int(rng.integers(8, 70)), int(rng.integers(8, 70))
-    buf = io.BytesIO()
-    Image.fromarray(rng.integers(0, 256, (h, w, 3), np.uint8)).save(buf, format="PNG")
-    return buf.getvalue()
+    return chat_samples.png(seed, 8, 70)
 
 
 def reference(messages: list[dict], images: list[bytes]) -> dict:
@@ -177,17 +165,10 @@ def reference(messages: list[dict], images: list[bytes]) -> dict:
 
 
 def raw_sample(messages, images) -> dict:
-    return {
-        "__key__": "g",
-        "json": json.dumps({"messages": messages}).encode(),
-        **{f"{i}.png": b for i, b in enumerate(images)},
-    }
+    return chat_samples.raw_sample(messages, images, key="g")
 
 
-PIECES = st.sampled_from(
-    ["\n", "\n\n", " ", "a", "b", "hello", "world", ".", "?", " \n", "<image>"]
-)
-TEXT = st.lists(PIECES, max_size=7).map("".join)
+TEXT = chat_samples.CHAT_TEXT
 
 
 @pytest.mark.slow
@@ -316,25 +297,10 @@ def test_demo_command_with_gemma3(tmp_path, capsys):
     """``prealign demo --model gemma3``: every batch on every CP rank valid against the image-tokens
     schema, the synthetic teacher rows as long as the transform's ids (its chat), whole images in
     pixel_values."""
-    from prealign.loaders.cli import main
+    from tests.families.header_index import run_demo
 
-    args = [
-        "demo",
-        "--model",
-        "gemma3",
-        "--samples",
-        "30",
-        "--out",
-        str(tmp_path / "l.png"),
-        "--workers",
-        "0",
-        "--token-budget",
-        "2048",
-    ]
-    assert main(args) == 0
-    out = capsys.readouterr().out
-    n = int(out.split("micro-batches  ")[1].split(" ")[0])
-    assert f"{2 * n}/{2 * n} batches valid" in out and "image_tokens_topk" in out
+    out = run_demo(tmp_path, capsys, "gemma3", token_budget=2048)
+    assert "image_tokens_topk" in out
     assert re.search(r"pixel_values +float32 +\[\d+, 3, 224, 224\]", out)
 
 
@@ -342,34 +308,13 @@ def test_header_index_equals_the_full_pass(tmp_path):
     """``prealign demo --model gemma3`` data: the header-only index (image headers counted, the chat
     rendered by the tokenizer alone) gives every sample the length and media flag the full transform
     gives; a corrupt image is found by both."""
-    from prealign.loaders import BadDataPolicy, WebDatasetSource, build_index
-    from prealign.loaders.cli.demo_data import build_demo_dataset, demo_transform
-    from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
-    from prealign.loaders.index.header_pass import ImageTokensRule, length_rule, write_sidecars
+    from prealign.loaders.index.header_pass import ImageTokensRule
     from prealign.schemas import image_tokens_schema
+    from tests.families.header_index import assert_header_index_equals_full_pass
 
-    ds = build_demo_dataset(
-        str(tmp_path), num_samples=24, samples_per_shard=12, topk=4, model="gemma3"
+    def schema(t, vocab_size):
+        return image_tokens_schema(topk=4, vocab_size=vocab_size, image_size=t.family.image_size)
+
+    assert_header_index_equals_full_pass(
+        tmp_path, "gemma3", 24, rule=ImageTokensRule, schema=schema
     )
-    t = demo_transform("gemma3", ByteTokenizer(), 4)
-    schema = image_tokens_schema(topk=4, vocab_size=ds.vocab_size, image_size=t.family.image_size)
-    policy = BadDataPolicy(on_error="skip")
-    full = build_index(
-        WebDatasetSource(list(ds.shards), transform=t, image="bytes", sidecars=False),
-        schema,
-        policy=policy,
-    )
-    source = WebDatasetSource(list(ds.shards), transform=t, image="bytes")
-    assert isinstance(
-        length_rule(source, schema), ImageTokensRule
-    )  # headers only, no pixel processed
-    write_sidecars(source, schema)
-    side = build_index(
-        WebDatasetSource(list(ds.shards), transform=t, image="bytes"), schema, policy=policy
-    )
-    assert len(full) == len(side) == 24 - len(ds.bad)
-    assert (
-        full.lengths.tolist() == side.lengths.tolist()
-        and full.media.tolist() == side.media.tolist()
-    )
-    assert bool(full.media.any()) and not bool(full.media.all())
