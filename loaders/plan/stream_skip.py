@@ -79,27 +79,37 @@ class Skip:
         if not isinstance(d, dict) or set(d) != {"done", "partial", "extra", "returns"}:
             bad("", f"expected done, partial, extra and returns, got {str(d)[:200]}")
 
-        def ints(v, low: int | None = 0) -> bool:
+        def ints(v, low: int | None = 0, high: int = 2**63) -> bool:
             return isinstance(v, list) and all(
-                isinstance(x, int) and not isinstance(x, bool) and (low is None or x >= low)
+                isinstance(x, int)
+                and not isinstance(x, bool)
+                and (-(2**63) if low is None else low) <= x < high  # (int64: numpy, seeks)
                 for x in v
             )
+
+        ids = num_shards << 32  # (a stream id: shard << 32 | ordinal)
 
         if not ints(d["done"]) or any(s >= num_shards for s in d["done"]):
             bad("done", f"expected shard numbers below {num_shards}")
         partial = {}
         for p in d["partial"] if isinstance(d["partial"], list) else [None]:
-            if not (isinstance(p, list) and len(p) == 3 and ints(p[:2]) and ints(p[2], None)):
+            if not (
+                isinstance(p, list)
+                and len(p) == 3
+                and ints(p[:1])
+                and ints(p[1:2], 0, 2**32)
+                and ints(p[2], None)
+            ):
                 bad("partial", f"expected [shard, ordinal, location], got {str(p)[:100]}")
             if p[0] >= num_shards or p[0] in partial or p[0] in d["done"]:
                 bad("partial", f"shard {p[0]} out of range, repeated or done")
             partial[p[0]] = (p[1], tuple(p[2]))
-        if not ints(d["extra"]):
+        if not ints(d["extra"], 0, ids):
             bad("extra", "expected stream ids")
         returns = d["returns"]
         if not (
             isinstance(returns, list)
-            and all(ints(r, None) and len(r) >= 2 and r[0] >= 0 for r in returns)
+            and all(ints(r, None) and len(r) >= 2 and 0 <= r[0] < ids for r in returns)
         ):
             bad("returns", "expected [id, aligned size, *location] lists")
         return cls(
