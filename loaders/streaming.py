@@ -1056,7 +1056,8 @@ class StreamingPackedLoader(LoaderCore):
         order = np.random.default_rng([self.seed, st.epoch]).permutation(self.source.num_shards)
         try:
             folded = fold(skip, order.tolist(), cursors, records_of(self.source))
-        except (KeyError, TypeError, ValueError, IndexError) as exc:
+            folded = Skip.from_dict(folded.to_dict(), self.source.num_shards)  # (its bounds)
+        except (KeyError, TypeError, ValueError, IndexError, OverflowError) as exc:
             raise ResumeError(
                 f"loader state: key 'stream.ranks': a reader cursor is not one this prealign "
                 f"writes ({type(exc).__name__}: {exc})"

@@ -41,3 +41,13 @@ def test_a_stream_skip_past_int64_is_a_resume_error(tmp_path, skip):
         b = _make(paths, dp_size=1)
         b.load_state_dict(state)
         list(b)
+
+
+def test_a_reader_cursor_past_int64_is_a_resume_error(tmp_path):
+    paths, state = _state(tmp_path)
+    cursor = state["stream"]["ranks"][0]["readers"][0]
+    cursor["at"][2] = [int(x) for x in cursor["at"][2][:1]] + [0, 2**70, 0]
+    with pytest.raises(ResumeError, match="stream"):
+        b = _make(paths, dp_size=1)
+        b.load_state_dict(state)
+        list(b)
