@@ -26,6 +26,7 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 
 from prealign.loaders.errors import ResumeError
+from prealign.schemas.errors import PrealignError
 
 
 def _ordinal(sid: int) -> int:
@@ -68,6 +69,32 @@ class Skip:
             "extra": [int(i) for i in self.extra],
             "returns": [list(map(int, r)) for r in self.returns],
         }
+
+    def check_locations(self, source) -> None:
+        """A :class:`ResumeError` naming the key when a ``partial`` or ``returns`` location cannot
+        be one of ``source``'s (:meth:`~prealign.loaders.sources.source.Source.check_locations`: its
+        width, shards and rows in range; a ``partial`` location in another shard)."""
+        for key, locs, shards in (
+            ("partial", [loc for _, loc in self.partial.values()], list(self.partial)),
+            ("returns", [r[2:] for r in self.returns], [_shard(r[0]) for r in self.returns]),
+        ):
+            if not locs:
+                continue
+            try:
+                if len(set(map(len, locs))) != 1:
+                    raise ValueError(f"locations of widths {sorted(set(map(len, locs)))}")
+                source.check_locations(np.asarray(locs, np.int64))
+            except (PrealignError, ValueError) as exc:
+                raise ResumeError(
+                    f"loader state: key 'stream.skip.{key}': not this source's ({exc})"
+                ) from None
+            if key == "partial" and getattr(source, "urls", None) is not None:
+                other = [s for s, loc in zip(shards, locs) if loc[0] != s]  # (shard, start, ...)
+                if other:
+                    raise ResumeError(
+                        f"loader state: key 'stream.skip.partial': shard {other[0]}'s location "
+                        f"is in another shard"
+                    )
 
     @classmethod
     def from_dict(cls, d, num_shards: int) -> "Skip":

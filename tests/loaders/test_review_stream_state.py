@@ -51,3 +51,21 @@ def test_a_reader_cursor_past_int64_is_a_resume_error(tmp_path):
         b = _make(paths, dp_size=1)
         b.load_state_dict(state)
         list(b)
+
+
+@pytest.mark.parametrize(
+    "skip",
+    [
+        {"done": [], "partial": [[0, 1, [0, 512]]], "extra": [], "returns": []},
+        {"done": [], "partial": [[0, 1, [9, 0, 512, 0]]], "extra": [], "returns": []},
+        {"done": [], "partial": [], "extra": [], "returns": [[5, 8, 0, 512]]},
+    ],
+    ids=["partial-width", "partial-shard", "returns-width"],
+)
+def test_a_stream_skip_location_not_of_this_source_is_a_resume_error(tmp_path, skip):
+    paths, state = _state(tmp_path)
+    state["stream"]["skip"] = skip
+    with pytest.raises(ResumeError, match="stream.skip"):
+        b = _make(paths, dp_size=1)
+        b.load_state_dict(state)
+        list(b)
