@@ -1015,6 +1015,8 @@ class StreamingPackedLoader(LoaderCore):
         self._track = None
         raw = stream["skip"]
         skip = None if raw is None else Skip.from_dict(raw, self.source.num_shards)
+        if skip is not None:
+            skip.check_locations(self.source)
         old_workers = max(shape[1], 1)
         if shape == (self.dp_size, self.num_workers):
             self._skip = (st.epoch, skip, offset)
@@ -1056,7 +1058,9 @@ class StreamingPackedLoader(LoaderCore):
         order = np.random.default_rng([self.seed, st.epoch]).permutation(self.source.num_shards)
         try:
             folded = fold(skip, order.tolist(), cursors, records_of(self.source))
-        except (KeyError, TypeError, ValueError, IndexError) as exc:
+            folded = Skip.from_dict(folded.to_dict(), self.source.num_shards)  # (its bounds)
+            folded.check_locations(self.source)
+        except (KeyError, TypeError, ValueError, IndexError, OverflowError) as exc:
             raise ResumeError(
                 f"loader state: key 'stream.ranks': a reader cursor is not one this prealign "
                 f"writes ({type(exc).__name__}: {exc})"

@@ -372,7 +372,7 @@ class _Layout:
             return np.asarray([n == template for n in names], bool)
         a, b = self.fields["shard"]
         joined = "".join(names)
-        if len(joined) != len(names) * (b - a) or not joined.isascii():
+        if set(map(len, names)) != {b - a} or not joined.isascii():
             return np.zeros(len(rows), bool)  # (other lengths: each read alone, to be named)
         wanted = np.frombuffer(joined.encode(), np.uint8).reshape(len(rows), b - a)
         return (rows[:, a:b] == wanted).all(axis=1)

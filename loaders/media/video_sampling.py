@@ -216,6 +216,12 @@ class UniformSampling:
                 f"video_sampling: unknown settings {unknown} (known: {list(UNIFORM_KEYS)})"
             )
         values.update(overrides or {})
+        call = overrides or {}
+        if call.get("fps") is None or call.get("num_frames") is None:
+            # (transformers refuses the two only from one call: else num_frames, the call's or
+            # the settings', is used and fps ignored)
+            if values["num_frames"] is not None:
+                values["fps"] = None
         out = cls(rule=rule or uniform_rule(), **values)
         if out.rule not in ("arange", "floor"):
             raise ConfigError(f"video sampling rule: 'arange' or 'floor', not {out.rule!r}")

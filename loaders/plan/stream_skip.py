@@ -26,6 +26,7 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 
 from prealign.loaders.errors import ResumeError
+from prealign.schemas.errors import PrealignError
 
 
 def _ordinal(sid: int) -> int:
@@ -69,6 +70,32 @@ class Skip:
             "returns": [list(map(int, r)) for r in self.returns],
         }
 
+    def check_locations(self, source) -> None:
+        """A :class:`ResumeError` naming the key when a ``partial`` or ``returns`` location cannot
+        be one of ``source``'s (:meth:`~prealign.loaders.sources.source.Source.check_locations`: its
+        width, shards and rows in range; a ``partial`` location in another shard)."""
+        for key, locs, shards in (
+            ("partial", [loc for _, loc in self.partial.values()], list(self.partial)),
+            ("returns", [r[2:] for r in self.returns], [_shard(r[0]) for r in self.returns]),
+        ):
+            if not locs:
+                continue
+            try:
+                if len(set(map(len, locs))) != 1:
+                    raise ValueError(f"locations of widths {sorted(set(map(len, locs)))}")
+                source.check_locations(np.asarray(locs, np.int64))
+            except (PrealignError, ValueError) as exc:
+                raise ResumeError(
+                    f"loader state: key 'stream.skip.{key}': not this source's ({exc})"
+                ) from None
+            if key == "partial" and getattr(source, "urls", None) is not None:
+                other = [s for s, loc in zip(shards, locs) if loc[0] != s]  # (shard, start, ...)
+                if other:
+                    raise ResumeError(
+                        f"loader state: key 'stream.skip.partial': shard {other[0]}'s location "
+                        f"is in another shard"
+                    )
+
     @classmethod
     def from_dict(cls, d, num_shards: int) -> "Skip":
         """Parse (strictly: a :class:`ResumeError` naming the key) a :meth:`to_dict`."""
@@ -79,27 +106,37 @@ class Skip:
         if not isinstance(d, dict) or set(d) != {"done", "partial", "extra", "returns"}:
             bad("", f"expected done, partial, extra and returns, got {str(d)[:200]}")
 
-        def ints(v, low: int | None = 0) -> bool:
+        def ints(v, low: int | None = 0, high: int = 2**63) -> bool:
             return isinstance(v, list) and all(
-                isinstance(x, int) and not isinstance(x, bool) and (low is None or x >= low)
+                isinstance(x, int)
+                and not isinstance(x, bool)
+                and (-(2**63) if low is None else low) <= x < high  # (int64: numpy, seeks)
                 for x in v
             )
+
+        ids = num_shards << 32  # (a stream id: shard << 32 | ordinal)
 
         if not ints(d["done"]) or any(s >= num_shards for s in d["done"]):
             bad("done", f"expected shard numbers below {num_shards}")
         partial = {}
         for p in d["partial"] if isinstance(d["partial"], list) else [None]:
-            if not (isinstance(p, list) and len(p) == 3 and ints(p[:2]) and ints(p[2], None)):
+            if not (
+                isinstance(p, list)
+                and len(p) == 3
+                and ints(p[:1])
+                and ints(p[1:2], 0, 2**32)
+                and ints(p[2], None)
+            ):
                 bad("partial", f"expected [shard, ordinal, location], got {str(p)[:100]}")
             if p[0] >= num_shards or p[0] in partial or p[0] in d["done"]:
                 bad("partial", f"shard {p[0]} out of range, repeated or done")
             partial[p[0]] = (p[1], tuple(p[2]))
-        if not ints(d["extra"]):
+        if not ints(d["extra"], 0, ids):
             bad("extra", "expected stream ids")
         returns = d["returns"]
         if not (
             isinstance(returns, list)
-            and all(ints(r, None) and len(r) >= 2 and r[0] >= 0 for r in returns)
+            and all(ints(r, None) and len(r) >= 2 and 0 <= r[0] < ids for r in returns)
         ):
             bad("returns", "expected [id, aligned size, *location] lists")
         return cls(

@@ -522,9 +522,9 @@ class WebDatasetSource(Source):
         url = self.urls[shard]
         local = self._local()
         checking = self.shard_check is not None and shard not in local.setdefault("checked", set())
-        plain_file = self.__dict__.get("local_only") or not (
-            _remote.is_sequential(url) or _remote.is_remote(url)
-        )
+        plain_file = (
+            self.__dict__.get("local_only") and not self.__dict__.get("_stream_only")
+        ) or not (_remote.is_sequential(url) or _remote.is_remote(url))  # (a local .tar.gz: no)
         if checking and not (plain_file and getattr(self.shard_check, "takes_open_file", False)):
             # (a stat and two 64 KiB reads, under the read deadline: a hung mount blocks in them)
             try:
