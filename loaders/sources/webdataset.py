@@ -262,6 +262,8 @@ class WebDatasetSource(Source):
     """
 
     sequential = True
+    KIND = "webdataset"
+    """:meth:`describe`'s kind (without the per-shard list that ``describe`` makes)."""
     shard_check: Callable | None = None
     """Set by the index pass from the shards' sidecars
     (:class:`~prealign.loaders.index.sidecar.ShardChecks`): ``shard_check(source, shard)`` raises
@@ -683,7 +685,7 @@ class WebDatasetSource(Source):
             and (self.__dict__.get("local_only") or not any(map(_FAR.match, self.urls)))
         ):
             return {
-                "kind": "webdataset",
+                "kind": self.KIND,
                 "urls": self.urls,
                 "sizes": recorded.tolist(),
                 "required": list(self.required),
@@ -702,7 +704,7 @@ class WebDatasetSource(Source):
                     pass
             sizes.append(size)
         return {
-            "kind": "webdataset",
+            "kind": self.KIND,
             "urls": self.urls,
             "sizes": sizes,
             "required": list(self.required),
