@@ -95,32 +95,57 @@ def url_text(urls: list[str]) -> str:
     return "\n".join([*urls, ""])
 
 
-def all_distinct(urls: list[str], text: str) -> bool:
+def line_width(text: str, count: int) -> int:
+    """The length of every line of ``text`` (:func:`url_text` of ``count`` urls), its newline
+    included, when all lines have one length, are ASCII and hold no other newline (a list of
+    zero-padded shard numbers); 0 otherwise. A few numpy calls over the text: the checks of such a
+    list then look at fixed columns instead of searching the text.
+
+    >>> line_width(url_text(["/d/a-1", "/d/a-2"]), 2), line_width(url_text(["/d/a", "/d/bb"]), 2)
+    (7, 0)
+    """
+    if not count or len(text) % count or not text.isascii():
+        return 0
+    width = len(text) // count
+    u = np.frombuffer(text.encode("ascii"), np.uint8)
+    if not bool(np.all(u[width - 1 :: width] == 10)) or np.count_nonzero(u == 10) != count:
+        return 0
+    return width
+
+
+def _rows(text: str, width: int) -> np.ndarray:
+    """``text`` of :func:`line_width` ``width`` as ``uint8 [lines, width]``."""
+    return np.frombuffer(text.encode("ascii"), np.uint8).reshape(-1, width)
+
+
+def all_distinct(urls: list[str], text: str, width: int | None = None, folder: str = "") -> bool:
     """No two of ``urls`` are equal (``text``: their :func:`url_text`). Names of one length in
     sorted order (zero-padded shard numbers, a sorted glob) are compared as one fixed-width array
     whose rows strictly increase (a few C calls over the text, no hash per name); others go
-    through a set.
+    through a set. ``width``: :func:`line_width`'s answer, when known; ``folder``: a start that
+    every line has (:func:`one_folder`), when known (then only what follows it is compared).
 
     >>> all_distinct(["/d/a-1", "/d/a-2"], url_text(["/d/a-1", "/d/a-2"]))
     True
     >>> all_distinct(["/d/a-2", "/d/a-2"], url_text(["/d/a-2", "/d/a-2"]))
     False
     """
-    width = len(urls[0]) + 1 if urls else 0
-    if len(urls) > 1 and len(text) == len(urls) * width and text.isascii():
-        rows = np.frombuffer(text.encode("ascii"), f"S{width}")
-        ends = rows.view(np.uint8)[width - 1 :: width]
-        if text.count("\n") == len(urls) and bool(np.all(ends == ord("\n"))):
-            if bool(np.all(rows[1:] > rows[:-1])):  # each row one url: sorted, so distinct
-                return True
+    width = line_width(text, len(urls)) if width is None else width
+    if len(urls) > 1 and width:
+        cut = len(folder)
+        tail = {"names": ["r"], "formats": [f"S{width - cut}"], "offsets": [cut], "itemsize": width}
+        rows = np.frombuffer(text.encode("ascii"), np.dtype(tail))["r"]  # (each line past cut)
+        if bool(np.all(rows[1:] > rows[:-1])):  # each row one url: sorted, so distinct
+            return True
     return len(set(urls)) == len(urls)
 
 
-def one_folder(text: str, count: int) -> str | None:
+def one_folder(text: str, count: int, width: int | None = None) -> str | None:
     """The folder (``"/d/"``, ``"s3://b/d/"``) that directly holds each of the ``count`` shards of
     ``text`` (:func:`url_text`), when they all sit in it, none has a query string or a newline and
     each has a file name: their :func:`shard_name` is then what follows the folder, and two shards
-    have one name only when they are one path. None otherwise. A few C calls over the text.
+    have one name only when they are one path. None otherwise. A few C calls over the text (lines
+    of one length, ``width`` = :func:`line_width`: fixed columns compared).
 
     >>> one_folder(url_text(["/d/a.tar", "/d/b.tar"]), 2), one_folder(url_text(["/d/a", "/e/b"]), 2)
     ('/d/', None)
@@ -129,17 +154,42 @@ def one_folder(text: str, count: int) -> str | None:
     """
     folder = text[: text.find("\n")]
     folder = folder[: folder.rfind("/") + 1]
+    if not (count and folder and "?" not in text):
+        return None
+    width = line_width(text, count) if width is None else width
+    if width:  # each line folder + a name of width - 1 - len(folder) characters, none a "/"
+        rows, cut = _rows(text, width), len(folder)
+        if (
+            cut < width - 1
+            and bool(np.all(rows[:, :cut] == rows[0, :cut]))
+            and np.count_nonzero(rows == ord("/")) == count * folder.count("/")
+        ):
+            return folder
+        return None
     if (
-        count
-        and folder
-        and "?" not in text
-        and text.count("\n") == count
+        text.count("\n") == count
         and text.count("\n" + folder) == count - 1
         and text.count("/") == count * folder.count("/")
         and not has_line(text, folder)  # (each line is folder + a name without "/": none empty)
     ):
         return folder
     return None
+
+
+def any_line_ends(text: str, suffix: str, width: int = 0) -> bool:
+    """Some line of ``text`` (:func:`url_text`) ends with ``suffix``; ``width``: the
+    :func:`line_width` of ``text`` when known (nonzero: each line's last columns compared instead of
+    a search of the text).
+
+    >>> any_line_ends(url_text(["/d/a.tar", "/d/b.tgz"]), ".tgz", 9)
+    True
+    """
+    if not width:
+        return suffix + "\n" in text
+    if width - 1 < len(suffix) or not suffix.isascii():
+        return False
+    tail = _rows(text, width)[:, width - 1 - len(suffix) : width - 1]
+    return bool(np.any(np.all(tail == np.frombuffer(suffix.encode(), np.uint8), axis=1)))
 
 
 def has_line(text: str, line: str) -> bool:

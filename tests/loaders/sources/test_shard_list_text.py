@@ -14,6 +14,8 @@ from hypothesis import strategies as st
 from prealign.loaders.errors import ConfigError
 from prealign.loaders.sources.shard_files import (
     all_distinct,
+    any_line_ends,
+    line_width,
     one_folder,
     shard_name,
     shard_names,
@@ -53,6 +55,40 @@ def test_all_distinct_and_check_unique_agree_with_a_set(urls, ordered):
     else:
         with pytest.raises(ConfigError, match="are one shard"):
             check_unique(urls)
+
+
+# lines of one length (what the fixed-column checks take): folders of one length, names of one
+# length, with a "/" inside, ".", "..", an empty name, a query, gzip endings
+_SAME_FOLDERS = ["/d/", "/e/", "//d", "/d/x/", "/./", "d/e/", "a:/b"]
+_SAME_NAMES = ["a.tar", "b.tar", "c/tar", "b.tgz", "a?tar", "/.tar", "..", ".", "", "ar.gz"]
+
+
+@st.composite
+def _same_width_lists(draw) -> list[str]:
+    folders = draw(st.lists(st.sampled_from(_SAME_FOLDERS), min_size=1, max_size=2))
+    names = draw(st.lists(st.sampled_from(_SAME_NAMES), min_size=1, max_size=6))
+    return [draw(st.sampled_from(folders)) + n for n in names]
+
+
+@settings(max_examples=600, deadline=None)
+@given(_same_width_lists(), st.booleans())
+def test_fixed_columns_agree_with_the_searches_of_the_text(urls, ordered):
+    urls = sorted(urls) if ordered else urls
+    text, n = url_text(urls), len(urls)
+    width = line_width(text, n)
+    assert width == (len(urls[0]) + 1 if len({len(u) for u in urls}) == 1 else 0)
+    folder = one_folder(text, n, width)
+    assert folder == one_folder(text, n, 0)  # (0: the searches of the text)
+    distinct = len(set(urls)) == n
+    assert all_distinct(urls, text, width, folder or "") == distinct
+    identities = [shard_identity(u) for u in urls]  # (the path of fixed columns: "." and "..")
+    if len(set(identities)) == len(identities):
+        check_unique(urls)
+    else:
+        with pytest.raises(ConfigError, match="are one shard"):
+            check_unique(urls)
+    for end in (".tar.gz", ".tgz", "gz", "ar.gz"):
+        assert any_line_ends(text, end, width) == (end + "\n" in text), end
 
 
 def test_fixed_width_rows_see_a_duplicate_and_an_unsorted_list():
