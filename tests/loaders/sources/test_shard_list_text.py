@@ -15,7 +15,7 @@ from prealign.loaders.errors import ConfigError
 from prealign.loaders.sources.shard_files import (
     all_distinct,
     any_line_ends,
-    line_width,
+    line_rows,
     one_folder,
     shard_name,
     shard_names,
@@ -75,12 +75,13 @@ def _same_width_lists(draw) -> list[str]:
 def test_fixed_columns_agree_with_the_searches_of_the_text(urls, ordered):
     urls = sorted(urls) if ordered else urls
     text, n = url_text(urls), len(urls)
-    width = line_width(text, n)
-    assert width == (len(urls[0]) + 1 if len({len(u) for u in urls}) == 1 else 0)
-    folder = one_folder(text, n, width)
-    assert folder == one_folder(text, n, 0)  # (0: the searches of the text)
+    rows = line_rows(text, n)
+    assert (rows is not None) == (len({len(u) for u in urls}) == 1)
+    fixed = False if rows is None else rows
+    folder = one_folder(text, n, fixed)
+    assert folder == one_folder(text, n, False)  # (False: the searches of the text)
     distinct = len(set(urls)) == n
-    assert all_distinct(urls, text, width, folder or "") == distinct
+    assert all_distinct(urls, text, fixed, folder or "") == distinct
     identities = [shard_identity(u) for u in urls]  # (the path of fixed columns: "." and "..")
     if len(set(identities)) == len(identities):
         check_unique(urls)
@@ -88,7 +89,7 @@ def test_fixed_columns_agree_with_the_searches_of_the_text(urls, ordered):
         with pytest.raises(ConfigError, match="are one shard"):
             check_unique(urls)
     for end in (".tar.gz", ".tgz", "gz", "ar.gz"):
-        assert any_line_ends(text, end, width) == (end + "\n" in text), end
+        assert any_line_ends(text, end, rows) == (end + "\n" in text), end
 
 
 def test_fixed_width_rows_see_a_duplicate_and_an_unsorted_list():
