@@ -29,9 +29,9 @@ _NAMES += ["c.tgz", "d.tar.gz"]
 
 
 @st.composite
-def _url_lists(draw) -> list[str]:
-    folders = draw(st.lists(st.sampled_from(_FOLDERS), min_size=1, max_size=2))
-    names = draw(st.lists(st.sampled_from(_NAMES), min_size=1, max_size=6))
+def _url_lists(draw, folders=_FOLDERS, names=_NAMES) -> list[str]:
+    folders = draw(st.lists(st.sampled_from(folders), min_size=1, max_size=2))
+    names = draw(st.lists(st.sampled_from(names), min_size=1, max_size=6))
     return [draw(st.sampled_from(folders)) + n for n in names]
 
 
@@ -63,15 +63,8 @@ _SAME_FOLDERS = ["/d/", "/e/", "//d", "/d/x/", "/./", "d/e/", "a:/b"]
 _SAME_NAMES = ["a.tar", "b.tar", "c/tar", "b.tgz", "a?tar", "/.tar", "..", ".", "", "ar.gz"]
 
 
-@st.composite
-def _same_width_lists(draw) -> list[str]:
-    folders = draw(st.lists(st.sampled_from(_SAME_FOLDERS), min_size=1, max_size=2))
-    names = draw(st.lists(st.sampled_from(_SAME_NAMES), min_size=1, max_size=6))
-    return [draw(st.sampled_from(folders)) + n for n in names]
-
-
 @settings(max_examples=600, deadline=None)
-@given(_same_width_lists(), st.booleans())
+@given(_url_lists(_SAME_FOLDERS, _SAME_NAMES), st.booleans())
 def test_fixed_columns_agree_with_the_searches_of_the_text(urls, ordered):
     urls = sorted(urls) if ordered else urls
     text, n = url_text(urls), len(urls)
