@@ -416,7 +416,9 @@ class PackedLoader(LoaderCore):
         self._schedule.where = planned.where  # (an oversize sample named by index row and location)
         planned.skip_at_load = self.bad_data.on_error is OnBadSample.SKIP
         collate_fn = _CollatePlanned(self.collator, pack=num_workers > 0)
-        description = source.describe()  # (stats local shards: once, here, never in state_dict)
+        description = (  # (stats local shards: once, here, never in state_dict)
+            source.describe() if self.share is not None else {"kind": _source_kind(source)}
+        )
         if (
             self.share is not None
         ):  # CP peers read each other's micro-batches (loaders/handoff/batch_share.py)
@@ -700,6 +702,13 @@ class PackedLoader(LoaderCore):
         except BaseException:
             self._set_phases(*before)
             raise
+
+
+def _source_kind(source) -> str | None:
+    """``source.describe()["kind"]`` without the description where the class fixes it
+    (``KIND``: a webdataset source's description lists a size per shard)."""
+    kind = getattr(type(source), "KIND", None)
+    return kind if kind is not None else source.describe().get("kind")
 
 
 def _mixture_entry(text) -> dict:

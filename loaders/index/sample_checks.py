@@ -129,17 +129,17 @@ def signature_verdicts(
     errors: dict[int, SampleError] = {}
     order = np.argsort(dim_ids, kind="stable")
     bounds = np.searchsorted(dim_ids[order], np.arange(len(signatures) + 1))
-    left = {
-        k: order[bounds[k] : bounds[k + 1]][
-            ::-1
-        ].tolist()  # each signature's rows, the next to try last
+    left = {  # each signature's rows in stream order (an array: no Python int per row)
+        k: order[bounds[k] : bounds[k + 1]]
         for k in range(len(signatures))
         if bounds[k + 1] > bounds[k]
     }
+    tries = 0  # rows tried of each undecided signature (all of them start together)
     # a round: the next row of every undecided signature, validated in chunks (one collator call
     # each)
     while left:
-        tried = [(k, rows.pop()) for k, rows in left.items()]
+        tried = [(k, int(rows[tries])) for k, rows in left.items()]
+        tries += 1
         samples: list = []
         names: list[str] = []  # each sample named as the in-process pass names it (``url:key``)
         for _, row in tried:
@@ -179,10 +179,10 @@ def signature_verdicts(
                 errors.update(
                     {
                         r: _named(result, source.where(tuple(int(x) for x in locations[r])))
-                        for r in left.pop(k)
+                        for r in left.pop(k)[tries:].tolist()
                     }
                 )  # the signature's: every sample of it has it (not read)
-            elif not left[k]:
+            elif tries == len(left[k]):
                 del left[k]  # every row failed, each on its own value
     return verdicts, errors
 

@@ -95,32 +95,64 @@ def url_text(urls: list[str]) -> str:
     return "\n".join([*urls, ""])
 
 
-def all_distinct(urls: list[str], text: str) -> bool:
+def line_rows(text: str, count: int) -> np.ndarray | None:
+    """``text`` (:func:`url_text` of ``count`` urls) as ``uint8 [count, width]``, a line (its
+    newline last) a row, when all lines have one length, are ASCII and hold no other newline (a
+    list of zero-padded shard numbers); None otherwise. One copy and a few numpy calls: the checks
+    of such a list then look at fixed columns instead of searching the text.
+
+    >>> line_rows(url_text(["/d/a-1", "/d/a-2"]), 2).shape, line_rows(url_text(["/a", "/bb"]), 2)
+    ((2, 7), None)
+    """
+    if not count or len(text) % count or not text.isascii():
+        return None
+    width = len(text) // count
+    u = np.frombuffer(text.encode("ascii"), np.uint8)
+    if not bool(np.all(u[width - 1 :: width] == 10)) or np.count_nonzero(u == 10) != count:
+        return None
+    return u.reshape(count, width)
+
+
+_SEARCH = False
+"""``rows=_SEARCH``: no :func:`line_rows`, the text searched (what the fixed columns replace)."""
+
+
+def _fixed(text: str, count: int, rows):
+    """``rows`` as given (an array, or ``_SEARCH``); None: :func:`line_rows` made, ``_SEARCH``
+    when the lines are of other lengths."""
+    if rows is None:
+        rows = line_rows(text, count)
+    return _SEARCH if rows is None else rows
+
+
+def all_distinct(urls: list[str], text: str, rows=None, folder: str = "") -> bool:
     """No two of ``urls`` are equal (``text``: their :func:`url_text`). Names of one length in
     sorted order (zero-padded shard numbers, a sorted glob) are compared as one fixed-width array
     whose rows strictly increase (a few C calls over the text, no hash per name); others go
-    through a set.
+    through a set. ``rows``: :func:`line_rows`' answer, when known; ``folder``: a start that
+    every line has (:func:`one_folder`), when known (then only what follows it is compared).
 
     >>> all_distinct(["/d/a-1", "/d/a-2"], url_text(["/d/a-1", "/d/a-2"]))
     True
     >>> all_distinct(["/d/a-2", "/d/a-2"], url_text(["/d/a-2", "/d/a-2"]))
     False
     """
-    width = len(urls[0]) + 1 if urls else 0
-    if len(urls) > 1 and len(text) == len(urls) * width and text.isascii():
-        rows = np.frombuffer(text.encode("ascii"), f"S{width}")
-        ends = rows.view(np.uint8)[width - 1 :: width]
-        if text.count("\n") == len(urls) and bool(np.all(ends == ord("\n"))):
-            if bool(np.all(rows[1:] > rows[:-1])):  # each row one url: sorted, so distinct
-                return True
+    rows = _fixed(text, len(urls), rows)
+    if len(urls) > 1 and rows is not _SEARCH:
+        width, cut = rows.shape[1], len(folder)
+        tail = {"names": ["r"], "formats": [f"S{width - cut}"], "offsets": [cut], "itemsize": width}
+        lines = rows.reshape(-1).view(np.dtype(tail))["r"]  # (each line past cut)
+        if bool(np.all(lines[1:] > lines[:-1])):  # each row one url: sorted, so distinct
+            return True
     return len(set(urls)) == len(urls)
 
 
-def one_folder(text: str, count: int) -> str | None:
+def one_folder(text: str, count: int, rows=None) -> str | None:
     """The folder (``"/d/"``, ``"s3://b/d/"``) that directly holds each of the ``count`` shards of
     ``text`` (:func:`url_text`), when they all sit in it, none has a query string or a newline and
     each has a file name: their :func:`shard_name` is then what follows the folder, and two shards
-    have one name only when they are one path. None otherwise. A few C calls over the text.
+    have one name only when they are one path. None otherwise. A few C calls over the text (lines
+    of one length, ``rows`` = :func:`line_rows`' answer when known: fixed columns compared).
 
     >>> one_folder(url_text(["/d/a.tar", "/d/b.tar"]), 2), one_folder(url_text(["/d/a", "/e/b"]), 2)
     ('/d/', None)
@@ -129,17 +161,48 @@ def one_folder(text: str, count: int) -> str | None:
     """
     folder = text[: text.find("\n")]
     folder = folder[: folder.rfind("/") + 1]
+    if not (count and folder and "?" not in text):
+        return None
+    rows = _fixed(text, count, rows)
+    if rows is not _SEARCH:  # each line folder + a name of width - 1 - len(folder) chars, no "/"
+        cut = len(folder)
+        if (
+            cut < rows.shape[1] - 1
+            and bool(np.all(rows[:, :cut] == rows[0, :cut]))
+            and np.count_nonzero(rows == ord("/")) == count * folder.count("/")
+        ):
+            return folder
+        return None
     if (
-        count
-        and folder
-        and "?" not in text
-        and text.count("\n") == count
+        text.count("\n") == count
         and text.count("\n" + folder) == count - 1
         and text.count("/") == count * folder.count("/")
         and not has_line(text, folder)  # (each line is folder + a name without "/": none empty)
     ):
         return folder
     return None
+
+
+def any_line_ends(text: str, suffix: str, rows=_SEARCH) -> bool:
+    """Some line of ``text`` (:func:`url_text`) ends with ``suffix``; ``rows``: the
+    :func:`line_rows` of ``text`` when known (each line's last columns compared instead of a search
+    of the text).
+
+    >>> text = url_text(["/d/a.tar", "/d/b.tgz"])
+    >>> any_line_ends(text, ".tgz", line_rows(text, 2)), any_line_ends(text, ".tar.gz")
+    (True, False)
+    """
+    if rows is None or rows is _SEARCH:
+        return suffix + "\n" in text
+    width = rows.shape[1]
+    if not suffix:
+        return True
+    if width - 1 < len(suffix) or not suffix.isascii():
+        return False
+    if not bool(np.any(rows[:, width - 2] == ord(suffix[-1]))):  # (one column: most lists)
+        return False
+    tail = rows[:, width - 1 - len(suffix) : width - 1]
+    return bool(np.any(np.all(tail == np.frombuffer(suffix.encode(), np.uint8), axis=1)))
 
 
 def has_line(text: str, line: str) -> bool:

@@ -42,8 +42,10 @@ from prealign.loaders.sources.deadline import Stalled, TimedReader, call_with_ti
 from prealign.loaders.sources.shard_files import (
     NotRegular,
     all_distinct,
+    any_line_ends,
     check_index_dir_names,
     has_line,
+    line_rows,
     one_folder,
     open_regular,
     plain_local,
@@ -76,10 +78,12 @@ def expand_urls(urls: str | Sequence[str]) -> list[str]:
     return _expanded(urls)[0]
 
 
-def _expanded(urls: str | Sequence[str]) -> tuple[list[str], str, str | None]:
+def _expanded(urls: str | Sequence[str]) -> tuple[list[str], str, str | None, object]:
     """:func:`expand_urls`, the :func:`~prealign.loaders.sources.shard_files.url_text` of the list
-    (made once: a start over 100k shards searches it instead of stepping through the names) and the
-    one folder of them all (:func:`~prealign.loaders.sources.shard_files.one_folder`)."""
+    (made once: a start over 100k shards searches it instead of stepping through the names), the
+    one folder of them all (:func:`~prealign.loaders.sources.shard_files.one_folder`) and the
+    text's :func:`~prealign.loaders.sources.shard_files.line_rows` (None: lines of other lengths
+    or not made)."""
     import braceexpand
 
     items = [urls] if isinstance(urls, str) else list(urls)
@@ -98,7 +102,7 @@ def _expanded(urls: str | Sequence[str]) -> tuple[list[str], str, str | None]:
         text = url_text(out)
     if not out:
         raise ConfigError(f"urls: no shard URLs given ({urls!r})")
-    return out, text, _check_unique(out, text)
+    return (out, text, *_check_unique(out, text))
 
 
 def shard_identity(url: str) -> str:
@@ -130,14 +134,19 @@ def check_unique(urls: Sequence[str], text: str | None = None) -> None:
     _check_unique(urls, text)
 
 
-def _check_unique(urls: Sequence[str], text: str | None) -> str | None:
-    """:func:`check_unique`; returns the one folder of ``urls`` (``one_folder``), when found."""
-    folder = None
+def _check_unique(urls: Sequence[str], text: str | None) -> tuple[str | None, object]:
+    """:func:`check_unique`; returns the one folder of ``urls`` (``one_folder``), when found, and
+    the ``line_rows`` of their text (None when not made or of lines of other lengths)."""
+    folder, rows = None, None
     if urls and (text is not None or set(map(type, urls)) == {str}):
         text = url_text(urls) if text is None else text
-        folder = one_folder(text, len(urls))
-        if _normal_absolute(urls, text, folder) and all_distinct(urls, text):
-            return folder  # each its own identity: no call per shard
+        rows = line_rows(text, len(urls))
+        fixed = False if rows is None else rows  # (False: the text searched)
+        folder = one_folder(text, len(urls), fixed)
+        if _normal_absolute(urls, text, folder, rows) and all_distinct(
+            urls, text, fixed, folder or ""
+        ):
+            return folder, rows  # each its own identity: no call per shard
     seen: dict[str, int] = {}
     for i, url in enumerate(urls):
         j = seen.setdefault(shard_identity(url), i)
@@ -146,18 +155,19 @@ def _check_unique(urls: Sequence[str], text: str | None) -> str | None:
                 f"urls: shard {urls[j]!r} (position {j}) and {url!r} (position {i}) are one shard; "
                 f"list each shard once (its samples would be served twice per epoch)"
             )
-    return folder
+    return folder, rows
 
 
 _ABNORMAL = ("//", "/./", "/../", "/.\n", "/..\n", "/\n", "\x00")
 """In ``"\n".join(urls) + "\n"``: what makes one of them other than a normal absolute local path."""
 
 
-def _normal_absolute(urls: Sequence[str], text: str, folder: str | None) -> bool:
+def _normal_absolute(urls: Sequence[str], text: str, folder: str | None, rows=None) -> bool:
     """Every url is an absolute local path already normal (``os.path.normpath(os.path.abspath(u)) ==
     u``): its own :func:`shard_identity`. A few substring searches over their ``url_text``
     (a start over 100k shards); fewer when they are all in ``folder`` (``one_folder``): then only
-    the folder and the names ``.`` and ``..`` can be other than normal."""
+    the folder and the names ``.`` and ``..`` can be other than normal; ``rows``: the text's
+    ``line_rows`` (a line of another length than its rows is not searched for)."""
     lines = len(urls)
     if folder is not None:
         return (
@@ -166,8 +176,10 @@ def _normal_absolute(urls: Sequence[str], text: str, folder: str | None) -> bool
             and (folder == "/" or os.path.normpath(folder) + "/" == folder)
             and "\x00" not in text
             # (each line is folder + a name without "/": abnormal only when the name is . or ..)
-            and not has_line(text, folder + ".")
-            and not has_line(text, folder + "..")
+            and not any(
+                (rows is None or len(line) == rows.shape[1] - 1) and has_line(text, line)
+                for line in (folder + ".", folder + "..")
+            )
         )
     return (
         text.startswith("/")
@@ -262,6 +274,8 @@ class WebDatasetSource(Source):
     """
 
     sequential = True
+    KIND = "webdataset"
+    """:meth:`describe`'s kind (without the per-shard list that ``describe`` makes)."""
     shard_check: Callable | None = None
     """Set by the index pass from the shards' sidecars
     (:class:`~prealign.loaders.index.sidecar.ShardChecks`): ``shard_check(source, shard)`` raises
@@ -295,7 +309,7 @@ class WebDatasetSource(Source):
             or not read_timeout > 0
         ):
             raise ConfigError(f"read_timeout: expected seconds > 0 or None, got {read_timeout!r}")
-        self.urls, text, self.folder = _expanded(urls)
+        self.urls, text, self.folder, rows = _expanded(urls)
         """``folder``: the one folder that holds every shard
         (:func:`~prealign.loaders.sources.shard_files.one_folder`), None when there is none."""
         self.transform = transform
@@ -330,7 +344,7 @@ class WebDatasetSource(Source):
         self.read_timeout = None if read_timeout is None else float(read_timeout)
         self._local()["url_text"] = text  # (for the merged index's check of the names)
         self._stream_only = (
-            ("gz\n" in text and (".tar.gz\n" in text or ".tgz\n" in text))
+            any(any_line_ends(text, end, rows) for end in (".tar.gz", ".tgz"))
             if self.local_only  # (only a gzip-compressed tar can be sequential)
             else any(_remote.is_sequential(u) for u in self.urls)
         )
@@ -683,7 +697,7 @@ class WebDatasetSource(Source):
             and (self.__dict__.get("local_only") or not any(map(_FAR.match, self.urls)))
         ):
             return {
-                "kind": "webdataset",
+                "kind": self.KIND,
                 "urls": self.urls,
                 "sizes": recorded.tolist(),
                 "required": list(self.required),
@@ -702,7 +716,7 @@ class WebDatasetSource(Source):
                     pass
             sizes.append(size)
         return {
-            "kind": "webdataset",
+            "kind": self.KIND,
             "urls": self.urls,
             "sizes": sizes,
             "required": list(self.required),

@@ -333,3 +333,19 @@ def test_a_merged_start_makes_no_call_per_shard(data, monkeypatch, tmp_path_fact
     # two starts: the first batches read a few dozen shards, each opened once (its check on the
     # open file), never a stat or open per shard
     assert b_sys.opens + b_sys.stats < 100, (b_sys.opens, b_sys.stats)
+
+
+def test_a_start_does_not_describe_a_webdataset_source(tmp_path, monkeypatch):
+    """``describe()`` lists a size per shard (a list of 100,000 at 100,000 shards); a start without
+    a batch share takes only its kind, from the class (``KIND``), and still records it."""
+    paths = _shards(str(tmp_path), 20)
+    write_sidecars(WebDatasetSource(paths), SCHEMA)
+    described = []
+    real = WebDatasetSource.describe
+    monkeypatch.setattr(
+        WebDatasetSource, "describe", lambda self: described.append(1) or real(self)
+    )
+    loader = _loader(WebDatasetSource(paths))
+    next(iter(loader))
+    assert not described
+    assert loader._fingerprint["source"] == WebDatasetSource.KIND == real(loader.source)["kind"]

@@ -14,6 +14,8 @@ from hypothesis import strategies as st
 from prealign.loaders.errors import ConfigError
 from prealign.loaders.sources.shard_files import (
     all_distinct,
+    any_line_ends,
+    line_rows,
     one_folder,
     shard_name,
     shard_names,
@@ -27,9 +29,9 @@ _NAMES += ["c.tgz", "d.tar.gz"]
 
 
 @st.composite
-def _url_lists(draw) -> list[str]:
-    folders = draw(st.lists(st.sampled_from(_FOLDERS), min_size=1, max_size=2))
-    names = draw(st.lists(st.sampled_from(_NAMES), min_size=1, max_size=6))
+def _url_lists(draw, folders=_FOLDERS, names=_NAMES) -> list[str]:
+    folders = draw(st.lists(st.sampled_from(folders), min_size=1, max_size=2))
+    names = draw(st.lists(st.sampled_from(names), min_size=1, max_size=6))
     return [draw(st.sampled_from(folders)) + n for n in names]
 
 
@@ -53,6 +55,34 @@ def test_all_distinct_and_check_unique_agree_with_a_set(urls, ordered):
     else:
         with pytest.raises(ConfigError, match="are one shard"):
             check_unique(urls)
+
+
+# lines of one length (what the fixed-column checks take): folders of one length, names of one
+# length, with a "/" inside, ".", "..", an empty name, a query, gzip endings
+_SAME_FOLDERS = ["/d/", "/e/", "//d", "/d/x/", "/./", "d/e/", "a:/b"]
+_SAME_NAMES = ["a.tar", "b.tar", "c/tar", "b.tgz", "a?tar", "/.tar", "..", ".", "", "ar.gz"]
+
+
+@settings(max_examples=600, deadline=None)
+@given(_url_lists(_SAME_FOLDERS, _SAME_NAMES), st.booleans())
+def test_fixed_columns_agree_with_the_searches_of_the_text(urls, ordered):
+    urls = sorted(urls) if ordered else urls
+    text, n = url_text(urls), len(urls)
+    rows = line_rows(text, n)
+    assert (rows is not None) == (len({len(u) for u in urls}) == 1)
+    fixed = False if rows is None else rows
+    folder = one_folder(text, n, fixed)
+    assert folder == one_folder(text, n, False)  # (False: the searches of the text)
+    distinct = len(set(urls)) == n
+    assert all_distinct(urls, text, fixed, folder or "") == distinct
+    identities = [shard_identity(u) for u in urls]  # (the path of fixed columns: "." and "..")
+    if len(set(identities)) == len(identities):
+        check_unique(urls)
+    else:
+        with pytest.raises(ConfigError, match="are one shard"):
+            check_unique(urls)
+    for end in (".tar.gz", ".tgz", "gz", "ar.gz"):
+        assert any_line_ends(text, end, rows) == (end + "\n" in text), end
 
 
 def test_fixed_width_rows_see_a_duplicate_and_an_unsorted_list():
