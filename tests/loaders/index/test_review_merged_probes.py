@@ -1,6 +1,6 @@
-"""Review: a merged index whose probes are not each at most 16 characters is refused, even when
-their lengths add up to 16 per shard (``["<32 characters>", ""]``: read as one buffer, each shard
-would be checked against another's probe bytes)."""
+"""Review: a version-2 merged index (probes as a JSON list) whose probes are not each at most 16
+characters is refused, even when their lengths add up to 16 per shard (``["<32 characters>",
+""]``: read as one buffer, each shard would be checked against another's probe bytes)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import pytest
 from prealign.loaders import WebDatasetSource
 from prealign.loaders.errors import StaleIndexError
 from prealign.loaders.index.merged import merge_sidecars, merged_path
+from tests.loaders.index.test_merged_v3 import _as_version_2
 from tests.loaders.index.test_sidecar_lazy import _loader, _shards
 
 
@@ -22,7 +23,7 @@ def test_probes_that_only_add_up_to_16_characters_a_shard_are_refused(tmp_path):
     path = merged_path(WebDatasetSource(paths))
     with np.load(path) as z:
         arrays = {k: z[k] for k in z.files}
-    meta = json.loads(arrays["meta"].tobytes().decode())
+    arrays, meta = _as_version_2(arrays, json.loads(arrays["meta"].tobytes().decode()))
     assert [len(p) for p in meta["probes"]] == [16, 16, 16]
     meta["probes"] = [meta["probes"][0] + meta["probes"][1], "", meta["probes"][2]]
     arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), np.uint8)
