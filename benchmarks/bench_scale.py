@@ -386,9 +386,9 @@ def main() -> int:
     got = _interleaved(contenders, args.rounds)
     print("\n| shards (samples) | from | first batch | resume |\n|---|---|---|---|")
     for ((count, n), name), runs in got.items():
-        numbers.setdefault(f"start_{count}" + (f"_{n}" if n != args.samples else ""), {})[
-            name
-        ] = runs
+        numbers.setdefault(f"start_{count}" + (f"_{n}" if n != args.samples else ""), {})[name] = (
+            runs
+        )
         print(
             f"| {sizes[(count, n)][0]:,} ({sizes[(count, n)][1]:,}) | {name} | "
             f"{_cell(runs, 'first')} | {_cell(runs, 'resume')} |",

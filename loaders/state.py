@@ -221,9 +221,11 @@ class LoaderState:
                 f"version {version}"
             )
         stream = state.get("stream")
-        if (version == STREAM_VERSION) != ("stream" in state) or not isinstance(
-            stream, (dict, type(None))
-        ) or (version == STREAM_VERSION and ("segments" in state or "cursors" in state)):
+        if (
+            (version == STREAM_VERSION) != ("stream" in state)
+            or not isinstance(stream, (dict, type(None)))
+            or (version == STREAM_VERSION and ("segments" in state or "cursors" in state))
+        ):
             raise ResumeError(
                 f"loader state: key 'stream': an object in a version {STREAM_VERSION} state (which "
                 f"has no 'segments' nor 'cursors') and only there; got {str(stream)[:200]} in "

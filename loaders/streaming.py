@@ -1089,8 +1089,12 @@ def merge_rank_states(states: list) -> dict:
                 )
             c = st.cursors
             entry = {"next": c.get("next"), "readers": c.get("readers")}
-            shape = {"dp_size": c.get("dp_size"), "num_workers": c.get("num_workers"),
-                     "offset": 0, "skip": None}
+            shape = {
+                "dp_size": c.get("dp_size"),
+                "num_workers": c.get("num_workers"),
+                "offset": 0,
+                "skip": None,
+            }
             mine = {c.get("dp_rank"): entry}
         elif st.stream is not None:
             shape = {k: v for k, v in st.stream.items() if k != "ranks"}

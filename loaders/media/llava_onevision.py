@@ -538,4 +538,3 @@ class LlavaOnevisionSampleTransform:
                 )
             )
         return out
-

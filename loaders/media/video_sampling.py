@@ -302,8 +302,10 @@ def _uniform_rule() -> str:
     seen = [ask(total, **kw) for total, kw in questions]
     for rule in ("floor", "arange"):
         want = [mine(rule, total, **kw) for total, kw in questions]
-        if all((a is None) == (b is None) and (a is None or a == b.tolist()) for a, b in
-               zip(seen, want)):
+        if all(
+            (a is None) == (b is None) and (a is None or a == b.tolist())
+            for a, b in zip(seen, want)
+        ):
             return rule
     import transformers
 

@@ -64,8 +64,10 @@ class Skip:
     def to_dict(self) -> dict:
         return {
             "done": sorted(int(s) for s in self.done),
-            "partial": [[int(s), int(o), [int(x) for x in loc]] for s, (o, loc) in
-                        sorted(self.partial.items())],
+            "partial": [
+                [int(s), int(o), [int(x) for x in loc]]
+                for s, (o, loc) in sorted(self.partial.items())
+            ],
             "extra": [int(i) for i in self.extra],
             "returns": [list(map(int, r)) for r in self.returns],
         }
@@ -234,7 +236,8 @@ def fold(
     for s in done:
         partial.pop(s, None)
     left = [
-        i for i in extra
+        i
+        for i in extra
         if _shard(i) not in done
         and not (_shard(i) in partial and _ordinal(i) <= partial[_shard(i)][0])
     ]

@@ -91,10 +91,36 @@ def test_each_rule_golden():
     assert floor(fps=0.05).indices(10, 1.0).tolist() == [0]
     with pytest.raises(ValueError, match="0 frames"):
         arange(fps=0.05).indices(10, 1.0)
-    assert floor(num_frames=13).indices(15, 1.0).tolist() == [0, 1, 2, 3, 4, 5, 6, 8, 9, 10, 11,
-                                                                12, 13]
-    assert arange(num_frames=13).indices(15, 1.0).tolist() == [0, 1, 2, 3, 4, 5, 6, 8, 9, 10, 11,
-                                                                 12, 13]
+    assert floor(num_frames=13).indices(15, 1.0).tolist() == [
+        0,
+        1,
+        2,
+        3,
+        4,
+        5,
+        6,
+        8,
+        9,
+        10,
+        11,
+        12,
+        13,
+    ]
+    assert arange(num_frames=13).indices(15, 1.0).tolist() == [
+        0,
+        1,
+        2,
+        3,
+        4,
+        5,
+        6,
+        8,
+        9,
+        10,
+        11,
+        12,
+        13,
+    ]
     assert floor(num_frames=4).indices(95, 30.0).tolist() == [0, 23, 47, 71]
     assert UniformSampling(rule="floor").indices(5, 30.0).tolist() == [0, 1, 2, 3, 4]  # default
     version = tuple(int(v) for v in transformers.__version__.split(".")[:2])
@@ -311,8 +337,11 @@ def test_header_index_decodes_no_frame_and_equals_the_full_pass(tmp_path):
     before = video_file.DECODE_COUNT[0]
     write_sidecars(source, schema, workers=1)
     assert video_file.DECODE_COUNT[0] == before
-    side = build_index(WebDatasetSource(w.shards, transform=t, image="bytes"), schema,
-                       policy=BadDataPolicy(on_error="raise"))
+    side = build_index(
+        WebDatasetSource(w.shards, transform=t, image="bytes"),
+        schema,
+        policy=BadDataPolicy(on_error="raise"),
+    )
     scanned = WebDatasetSource(w.shards, transform=t, image="bytes", sidecars=False)
     before = video_file.DECODE_COUNT[0]
     full = build_index(scanned, schema, policy=BadDataPolicy(on_error="raise"))

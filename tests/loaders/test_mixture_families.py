@@ -93,9 +93,7 @@ def test_components_that_collate_to_different_schemas_are_refused_naming_both(tm
     """Another tile size (42 px: another pixel shape) in a second folder: refused when the file is
     read, naming both components and the field that differs."""
     model_folder(tmp_path / "m56")
-    model_folder(
-        tmp_path / "m42", tile=42, pins=((42, 42), (42, 84), (84, 42)), processor=False
-    )
+    model_folder(tmp_path / "m42", tile=42, pins=((42, 42), (42, 84), (84, 42)), processor=False)
     shards(tmp_path / "a", 3, 0)
     shards(tmp_path / "b", 3, 1)
     path = write_mixture(

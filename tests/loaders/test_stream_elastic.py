@@ -390,8 +390,11 @@ def test_fold_golden():
         return shard << 32 | o
 
     order = [2, 0, 3, 1]  # reader 0: shards [2, 3]; reader 1: [0, 1]
-    c0 = _cursor([1, 4, [3, 4, 5, 0]], buffer=[[sid(3, 2), 8, 3, 2, 3, 0]],
-                 bins=[[[sid(3, 1), 8, 3, 1, 2, 0]]])
+    c0 = _cursor(
+        [1, 4, [3, 4, 5, 0]],
+        buffer=[[sid(3, 2), 8, 3, 2, 3, 0]],
+        bins=[[[sid(3, 1), 8, 3, 1, 2, 0]]],
+    )
     skip = fold(None, order, [c0, None], records)
     assert skip.done == {2} and skip.partial == {3: (4, (3, 4, 5, 0))}
     assert skip.returns == ((sid(3, 1), 8, 3, 1, 2, 0), (sid(3, 2), 8, 3, 2, 3, 0))

@@ -79,9 +79,7 @@ def _start(paths, index_dir, *, bulk: bool):
     build.sidecars_merged = real if bulk else (lambda *a: None)
     try:
         source = WebDatasetSource(paths, index_dir=index_dir)
-        index = build.build_index(
-            source, SCHEMA, policy=BadDataPolicy(on_error="skip", warn=False)
-        )
+        index = build.build_index(source, SCHEMA, policy=BadDataPolicy(on_error="skip", warn=False))
     except PrealignError as exc:  # (less the address of an object a message may name)
         return ("error", type(exc).__name__, re.sub(" at 0x[0-9a-f]+", "", str(exc)))
     finally:

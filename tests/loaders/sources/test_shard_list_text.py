@@ -113,7 +113,11 @@ def test_a_source_over_one_folder_refuses_a_shard_twice_and_keeps_the_folder(tmp
 
 def test_stream_only_is_found_once_from_the_text(tmp_path):
     folder = str(tmp_path)
-    for names, stream in ((["a.tar", "b.tar"], False), (["a.tar", "b.tar.gz"], True),
-                          (["a.tgz"], True), (["a.gz.tar"], False)):
+    for names, stream in (
+        (["a.tar", "b.tar"], False),
+        (["a.tar", "b.tar.gz"], True),
+        (["a.tgz"], True),
+        (["a.gz.tar"], False),
+    ):
         source = WebDatasetSource([os.path.join(folder, n) for n in names])
         assert source.stream_only is stream, names
