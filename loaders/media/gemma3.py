@@ -34,12 +34,13 @@ import torch
 from prealign.collate.vision import Gemma3, vision_family
 from prealign.loaders.media.chat_tokenizer import HFChatTokenizer, encode_segments
 from prealign.loaders.media.sized_images import SizedImagesTransform
-from prealign.loaders.media.teacher_topk import teacher_topk
+from prealign.loaders.media.teacher_topk import with_teacher_topk
 from prealign.loaders.media.vlm import (
     IMAGE_PLACEHOLDER,
     MediaError,
     MediaProblem,
     check_float_dtypes,
+    check_turn,
     decode_image,
     image_members,
     sample_metadata,
@@ -164,18 +165,7 @@ class Gemma3SampleTransform:
         else:
             prefix = ""
             for i, turn in enumerate(turns):
-                if (
-                    not isinstance(turn, dict)
-                    or not isinstance(turn.get("content"), str)
-                    or not isinstance(turn.get("role"), str)
-                ):
-                    raise MediaError(
-                        MediaProblem.BAD_TEXT,
-                        sample=sample,
-                        field=f"json.messages[{i}]",
-                        expected="{'role': str, 'content': str}",
-                        actual=repr(turn)[:80],
-                    )
+                check_turn(turn, i, sample)
                 if i == 0 and turn["role"] == "system":
                     prefix = turn["content"] + "\n\n"
                     if IMAGE_PLACEHOLDER in prefix:
@@ -254,15 +244,4 @@ class Gemma3SampleTransform:
             "mm_token_type_ids": (input_ids == self.family.image_token_id).to(torch.int64),
             "pixel_values": pixels.to(getattr(torch, self.pixel_dtype)),
         }
-        if self.topk is not None:
-            out.update(
-                teacher_topk(
-                    raw,
-                    sample=key,
-                    length=input_ids.numel(),
-                    topk=self.topk,
-                    vocab_size=self.tokenizer.vocab_size,
-                    log_prob_dtype=getattr(torch, self.log_prob_dtype),
-                )
-            )
-        return out
+        return with_teacher_topk(out, raw, self)

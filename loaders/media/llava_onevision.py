@@ -58,7 +58,7 @@ import torch
 
 from prealign.collate.vision import LlavaOneVision, vision_family
 from prealign.loaders.media.chat_tokenizer import encode_segments
-from prealign.loaders.media.teacher_topk import teacher_topk
+from prealign.loaders.media.teacher_topk import with_teacher_topk
 from prealign.loaders.media.video import fused_normalize_table
 from prealign.loaders.media.video_file import resize_frames
 from prealign.loaders.media.video_sampling import UniformSampling
@@ -69,6 +69,7 @@ from prealign.loaders.media.vlm import (
     MediaProblem,
     VideoEntry,
     check_float_dtypes,
+    check_turn,
     check_video_pixels,
     decode_image,
     decode_kept,
@@ -285,18 +286,7 @@ class LlavaOnevisionSampleTransform:
                 segments.append(media_block(part) if part in seen else (part, True))
         else:
             for i, turn in enumerate(turns):
-                if (
-                    not isinstance(turn, dict)
-                    or not isinstance(turn.get("content"), str)
-                    or not isinstance(turn.get("role"), str)
-                ):
-                    raise MediaError(
-                        MediaProblem.BAD_TEXT,
-                        sample=sample,
-                        field=f"json.messages[{i}]",
-                        expected="{'role': str, 'content': str}",
-                        actual=repr(turn)[:80],
-                    )
+                check_turn(turn, i, sample)
                 reply = turn["role"] == "assistant"
                 parts = [p for p in _SPLIT.split(turn["content"]) if p]
                 segments += [([tok.im_start_id], False), (turn["role"] + " ", False)]
@@ -526,15 +516,4 @@ class LlavaOnevisionSampleTransform:
             "image_sizes": torch.tensor(sizes, dtype=torch.int64).reshape(-1, 2),
             "batch_num_images": torch.tensor([len(images)] if images else [], dtype=torch.int64),
         }
-        if self.topk is not None:
-            out.update(
-                teacher_topk(
-                    raw,
-                    sample=key,
-                    length=input_ids.numel(),
-                    topk=self.topk,
-                    vocab_size=self.tokenizer.vocab_size,
-                    log_prob_dtype=getattr(torch, self.log_prob_dtype),
-                )
-            )
-        return out
+        return with_teacher_topk(out, raw, self)

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from prealign.loaders.media.chat_tokenizer import HFChatTokenizer, encode_segments
-from prealign.loaders.media.teacher_topk import teacher_topk
+from prealign.loaders.media.teacher_topk import with_teacher_topk
 from prealign.loaders.media.vlm import (
     IMAGE_PLACEHOLDER,
     MediaError,
@@ -194,15 +194,4 @@ class SizedImagesTransform:
                 for k, v in media.items()
             },
         }
-        if self.topk is not None:
-            out.update(
-                teacher_topk(
-                    raw,
-                    sample=key,
-                    length=input_ids.numel(),
-                    topk=self.topk,
-                    vocab_size=self.tokenizer.vocab_size,
-                    log_prob_dtype=getattr(torch, self.log_prob_dtype),
-                )
-            )
-        return out
+        return with_teacher_topk(out, raw, self)

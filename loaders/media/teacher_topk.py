@@ -120,6 +120,24 @@ def teacher_topk(
     return {LOG_PROBS: lp.to(log_prob_dtype), IDS: ids.to(torch.int64)}
 
 
+def with_teacher_topk(out: dict, raw: dict, transform) -> dict:
+    """``out`` (a transform's sample dict: ``__key__``, ``input_ids`` ``[L]``) with the teacher
+    top-k fields of ``raw`` added when ``transform.topk`` is set (checked against
+    ``transform.tokenizer.vocab_size``, log-probs cast to ``transform.log_prob_dtype``)."""
+    if transform.topk is not None:
+        out.update(
+            teacher_topk(
+                raw,
+                sample=out["__key__"],
+                length=out["input_ids"].numel(),
+                topk=transform.topk,
+                vocab_size=transform.tokenizer.vocab_size,
+                log_prob_dtype=getattr(torch, transform.log_prob_dtype),
+            )
+        )
+    return out
+
+
 def encode_npy(array: np.ndarray) -> bytes:
     """An array -> ``.npy`` bytes (for writing webdataset members)."""
     buf = io.BytesIO()

@@ -57,7 +57,7 @@ from prealign.loaders.errors import BadSampleError
 from prealign.loaders.handoff.identity import tokenizer_definition
 from prealign.loaders.media import glm4v, internvl
 from prealign.loaders.media.chat_tokenizer import ChatTokenizer, HFChatTokenizer, encode_segments
-from prealign.loaders.media.teacher_topk import teacher_topk
+from prealign.loaders.media.teacher_topk import with_teacher_topk
 from prealign.loaders.media.video import (
     fused_normalize_table,
     normalize_patches,
@@ -471,7 +471,7 @@ def render_chat(
         add_content(meta["text"], True)
     elif frame is not None:
         for i, turn in enumerate(turns):
-            _check_turn(turn, i, sample, getattr(frame, "roles", None))
+            check_turn(turn, i, sample, getattr(frame, "roles", None))
         for text, trained, content in frame.pieces(turns):
             if content:
                 add_content(text, trained)
@@ -488,7 +488,7 @@ def render_chat(
                 ("\n", False),
             ]
         for i, turn in enumerate(turns):
-            _check_turn(turn, i, sample)
+            check_turn(turn, i, sample)
             reply = turn["role"] == "assistant"
             segments += [([tokenizer.im_start_id], False), (turn["role"] + "\n", False)]
             add_content(turn["content"], reply)
@@ -498,7 +498,7 @@ def render_chat(
     return encode_segments(tokenizer, segments)
 
 
-def _check_turn(turn, i: int, sample, roles=None) -> None:
+def check_turn(turn, i: int, sample, roles=None) -> None:
     """A chat turn is ``{'role': str, 'content': str}`` (with ``roles``: one of them), else a
     ``bad_text``."""
     if (
@@ -1127,18 +1127,7 @@ class VLMSampleTransform:
             out["second_per_grid_ts"] = video_fields["second_per_grid_ts"]
         if positions is not None:
             out["mrope_position_ids"] = positions
-        if self.topk is not None:
-            out.update(
-                teacher_topk(
-                    raw,
-                    sample=key,
-                    length=input_ids.numel(),
-                    topk=self.topk,
-                    vocab_size=self.tokenizer.vocab_size,
-                    log_prob_dtype=getattr(torch, self.log_prob_dtype),
-                )
-            )
-        return out
+        return with_teacher_topk(out, raw, self)
 
     def _compact_tiled(self, raw: dict) -> dict:
         """An InternVL sample (:mod:`prealign.loaders.media.internvl`): tiles, ``<img>`` blocks,
@@ -1202,18 +1191,7 @@ class VLMSampleTransform:
             "pixel_values": pixel_values.to(getattr(torch, self.pixel_dtype)),
             "image_num_patches": counts,
         }
-        if self.topk is not None:
-            out.update(
-                teacher_topk(
-                    raw,
-                    sample=key,
-                    length=input_ids.numel(),
-                    topk=self.topk,
-                    vocab_size=tok.vocab_size,
-                    log_prob_dtype=getattr(torch, self.log_prob_dtype),
-                )
-            )
-        return out
+        return with_teacher_topk(out, raw, self)
 
     def _videos(self, raw: dict, meta: dict, key) -> dict:
         """The sample's videos: ``pixel_values_videos`` float32, ``video_grid_thw`` int64 ``[n,
