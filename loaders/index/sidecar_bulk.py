@@ -27,7 +27,9 @@ import json
 import operator
 import os
 import stat
+import time
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,6 +38,7 @@ from prealign.loaders.errors import StaleIndexError
 from prealign.loaders.index.hints import index_hint
 from prealign.loaders.index.sidecar import (
     KEYS,
+    SIDECAR_THREADS,
     config_key,
     expected_of,
     joint_values,
@@ -120,14 +123,45 @@ def _paths(source) -> list[str] | None:
 _FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC
 _AT_ONCE = 256
 """Files open at once while read (well below a process's usual limit of 1,024)."""
+_TIMED = 32
+"""Files read first, timed: their wall time per file says whether the file system is slow."""
+_SLOW_FILE = 1e-3
+"""Wall seconds per file (open, seek, read, close) from which the rest are read on threads: a
+parallel or network file system's metadata round trips, not a local disk or the page cache
+(2 to 5 µs)."""
+_THREAD_FILES = 32
+"""Files a thread reads per step once the file system is slow (so all threads have work)."""
 
 
 def _read_all(paths: list[str]) -> list[bytes | None] | None:
-    """The bytes of each file (opened without blocking, checked a regular file after the open);
-    None for one to read alone (not a regular file, over :func:`sidecar_limit` of an empty shard,
-    unreadable: that reader names why); None when one does not exist. :data:`_AT_ONCE` files at a
-    time, each step one ``map`` over them (no Python step per file); a step that fails anywhere
-    reads its files again one by one."""
+    """The bytes of each file (opened without blocking, its size taken by a seek to its end, read
+    from 0: :func:`_read_chunk`); None for one to read alone (over :func:`sidecar_limit` of an
+    empty shard, not seekable, changed while read, unreadable: that reader names why); None when
+    one does not exist. :data:`_AT_ONCE` files at a time, each step one ``map`` over them (no
+    Python step per file); a step that fails anywhere reads its files again one by one. The first
+    :data:`_TIMED` files are timed: on a slow file system (:data:`_SLOW_FILE` a file) the rest are
+    read on up to :data:`~prealign.loaders.index.sidecar.SIDECAR_THREADS` threads, the system calls
+    overlapping (they release the GIL)."""
+    t0 = time.perf_counter()
+    head = _read_steps(paths[:_TIMED])
+    if head is None or len(paths) <= _TIMED:
+        return head
+    rest = paths[_TIMED:]
+    if time.perf_counter() - t0 <= _SLOW_FILE * _TIMED:
+        tail = _read_steps(rest)
+        return None if tail is None else head + tail
+    steps = [rest[lo : lo + _THREAD_FILES] for lo in range(0, len(rest), _THREAD_FILES)]
+    with ThreadPoolExecutor(
+        max_workers=min(SIDECAR_THREADS, len(steps)), thread_name_prefix="prealign-sidecars"
+    ) as pool:
+        tails = list(pool.map(_read_steps, steps))
+    if any(t is None for t in tails):
+        return None
+    return head + list(itertools.chain.from_iterable(tails))
+
+
+def _read_steps(paths: list[str]) -> list[bytes | None] | None:
+    """:func:`_read_all` of ``paths`` in this thread, :data:`_AT_ONCE` files a step."""
     out: list[bytes | None] = []
     for lo in range(0, len(paths), _AT_ONCE):
         chunk = paths[lo : lo + _AT_ONCE]
@@ -143,15 +177,18 @@ def _read_all(paths: list[str]) -> list[bytes | None] | None:
 
 
 def _read_chunk(paths: list[str]) -> list[bytes | None]:
+    """Each file's bytes: four system calls a file (open, a seek to its end for its size, a read
+    of one byte more from 0, close), each step one ``map`` (called from C). A FIFO or socket
+    cannot seek (``OSError``: the step is read again one by one, and refused there); a character
+    device seeks to 0 and then reads more than that, a file that grew or shrank while read reads
+    another length, one over the limit is not read: each None, read alone."""
     fds: list[int] = []
     try:
         fds.extend(map(os.open, paths, itertools.repeat(_FLAGS)))
         limit = sidecar_limit(0)
-        want = [
-            st.st_size + 1 if stat.S_ISREG(st.st_mode) and st.st_size <= limit else 0
-            for st in map(os.fstat, fds)
-        ]
-        datas = list(map(os.read, fds, want))
+        sizes = list(map(os.lseek, fds, itertools.repeat(0), itertools.repeat(os.SEEK_END)))
+        want = [n + 1 if n <= limit else 0 for n in sizes]
+        datas = list(map(os.pread, fds, want, itertools.repeat(0)))
     finally:
         for fd in fds:
             os.close(fd)
@@ -283,8 +320,9 @@ class _Layout:
     """Where the ``length`` bytes of a template sidecar are: ``fixed`` uint64 ``[length / 8]``
     masks of the bytes every file of its layout has alike (zip records but their crc32 and time
     fields, npy headers, the meta JSON but the values of :data:`_FIELDS`), ``crcs`` ``(start,
-    end, column of its recorded crc32)`` of each entry, ``data`` ``{entry: (start, end,
-    header)}`` of each array, ``fields`` ``{name: (start, end)}`` of each value in the file."""
+    end, column of its recorded crc32, crc32 of the entry's bytes before start)`` of each entry
+    (:func:`_crc_from`), ``data`` ``{entry: (start, end, header)}`` of each array, ``fields``
+    ``{name: (start, end)}`` of each value in the file."""
 
     fixed: np.ndarray
     length: int
@@ -319,6 +357,7 @@ class _Layout:
             varies[a:b] = True
         for a, b in fields.values():
             varies[lo + a : lo + b] = True
+        crcs = [_crc_from(data, varies, *c) for c in crcs]
         return cls(
             fixed=_words(~varies),
             length=len(data),
@@ -338,15 +377,21 @@ class _Layout:
         return ((words & self.fixed) == template).all(axis=1)
 
     def crc_ok(self, rows: np.ndarray, datas: list[bytes]) -> np.ndarray:
-        """Each file's entries (``datas``, the bytes of ``rows``) of their recorded crc32 (one
-        ``zlib.crc32`` an entry, called from C: no Python step per file)."""
-        entries = operator.itemgetter(*(slice(a, b) for a, b, _ in self.crcs))
+        """Each file's entries (``datas``, the bytes of ``rows``) of their recorded crc32: each
+        entry's crc32 over all its bytes, its bytes from its first that may vary (those before are
+        the template's, :meth:`same`: their crc32 is the template's, the ``zlib.crc32`` it starts
+        from). One ``zlib.crc32`` an entry, called from C: no Python step per file."""
+        entries = operator.itemgetter(*(slice(a, b) for a, b, _, _ in self.crcs))
         found = np.fromiter(
-            map(zlib.crc32, itertools.chain.from_iterable(map(entries, datas))),
+            map(
+                zlib.crc32,
+                itertools.chain.from_iterable(map(entries, datas)),
+                itertools.cycle([seed for _, _, _, seed in self.crcs]),
+            ),
             np.uint32,
             len(datas) * len(self.crcs),
         ).reshape(len(datas), len(self.crcs))
-        cols = np.asarray([c for _, _, c in self.crcs])[:, None] + np.arange(4)
+        cols = np.asarray([c for _, _, c, _ in self.crcs])[:, None] + np.arange(4)
         recorded = np.ascontiguousarray(rows[:, cols.reshape(-1)]).view("<u4")
         return (found == recorded).all(axis=1)
 
@@ -397,6 +442,15 @@ class _Layout:
             flat = np.ascontiguousarray(rows[:, a:b]).view(header.dtype)
             out[name] = flat.reshape((len(rows) * header.shape[0], *header.shape[1:]))
         return out
+
+
+def _crc_from(data: bytes, varies: np.ndarray, start: int, end: int, column: int) -> tuple:
+    """``(first, end, column, seed)`` of the entry ``data[start:end]``: ``first`` its first byte
+    that ``varies`` (or ``end``), ``seed`` the crc32 of the bytes before it, the same in every file
+    of the layout (``zlib.crc32(entry[first:], seed)`` is the crc32 of the whole entry)."""
+    moving = np.flatnonzero(varies[start:end])
+    first = start + int(moving[0]) if moving.size else end
+    return first, end, column, zlib.crc32(data[start:first])
 
 
 def _words(mask: np.ndarray) -> np.ndarray:
