@@ -59,6 +59,12 @@ _FIELDS = (("shard", str), ("size", int), ("hash", str), ("probe", str))
 """The meta fields whose values differ from shard to shard, and their JSON types."""
 _DIGITS = 18
 """Most digits of a ``size`` read here (below 2**62, the bound parse_sidecar checks)."""
+_TEXT = np.zeros(256, bool)
+_TEXT[32:127] = True
+_TEXT[[ord('"'), ord("\\")]] = False
+"""The bytes a string value may hold: printable ASCII but the two that end or escape it."""
+_DIGIT = np.zeros(256, bool)
+_DIGIT[ord("0") : ord("9") + 1] = True
 
 
 def sidecars_merged(source, schema) -> tuple[dict, dict[str, np.ndarray]] | None:
@@ -78,11 +84,11 @@ def sidecars_merged(source, schema) -> tuple[dict, dict[str, np.ndarray]] | None
     key = config_key(source, schema)
     expected = shard_names(source.urls)
     parts, alone = [], []
-    lengths = np.fromiter((-1 if d is None else len(d) for d in datas), np.int64, len(datas))
+    lengths = np.fromiter(map(len, datas), np.int64, len(datas))
     order = np.argsort(lengths, kind="stable")
     cuts = np.flatnonzero(np.diff(lengths[order])) + 1
     for group in np.split(order, cuts):
-        if lengths[group[0]] < 0:
+        if lengths[group[0]] == 0:  # (none read: an empty file is no sidecar either)
             alone.extend(group.tolist())
             continue
         left = group
@@ -133,9 +139,9 @@ _THREAD_FILES = 32
 """Files a thread reads per step once the file system is slow (so all threads have work)."""
 
 
-def _read_all(paths: list[str]) -> list[bytes | None] | None:
+def _read_all(paths: list[str]) -> list[bytes] | None:
     """The bytes of each file (opened without blocking, its size taken by a seek to its end, read
-    from 0: :func:`_read_chunk`); None for one to read alone (over :func:`sidecar_limit` of an
+    from 0: :func:`_read_chunk`); ``b""`` for one to read alone (over :func:`sidecar_limit` of an
     empty shard, not seekable, changed while read, unreadable: that reader names why); None when
     one does not exist. :data:`_AT_ONCE` files at a time, each step one ``map`` over them (no
     Python step per file); a step that fails anywhere reads its files again one by one. The first
@@ -160,9 +166,9 @@ def _read_all(paths: list[str]) -> list[bytes | None] | None:
     return head + list(itertools.chain.from_iterable(tails))
 
 
-def _read_steps(paths: list[str]) -> list[bytes | None] | None:
+def _read_steps(paths: list[str]) -> list[bytes] | None:
     """:func:`_read_all` of ``paths`` in this thread, :data:`_AT_ONCE` files a step."""
-    out: list[bytes | None] = []
+    out: list[bytes] = []
     for lo in range(0, len(paths), _AT_ONCE):
         chunk = paths[lo : lo + _AT_ONCE]
         try:
@@ -176,26 +182,32 @@ def _read_steps(paths: list[str]) -> list[bytes | None] | None:
     return out
 
 
-def _read_chunk(paths: list[str]) -> list[bytes | None]:
+def _read_chunk(paths: list[str]) -> list[bytes]:
     """Each file's bytes: four system calls a file (open, a seek to its end for its size, a read
     of one byte more from 0, close), each step one ``map`` (called from C). A FIFO or socket
     cannot seek (``OSError``: the step is read again one by one, and refused there); a character
     device seeks to 0 and then reads more than that, a file that grew or shrank while read reads
-    another length, one over the limit is not read: each None, read alone."""
+    another length, one over the limit is not read: each ``b""``, read alone."""
     fds: list[int] = []
     try:
         fds.extend(map(os.open, paths, itertools.repeat(_FLAGS)))
         limit = sidecar_limit(0)
-        sizes = list(map(os.lseek, fds, itertools.repeat(0), itertools.repeat(os.SEEK_END)))
-        want = [n + 1 if n <= limit else 0 for n in sizes]
-        datas = list(map(os.pread, fds, want, itertools.repeat(0)))
+        sizes = np.fromiter(
+            map(os.lseek, fds, itertools.repeat(0), itertools.repeat(os.SEEK_END)),
+            np.int64,
+            len(fds),
+        )
+        want = np.where(sizes <= limit, sizes + 1, 0)
+        datas = list(map(os.pread, fds, want.tolist(), itertools.repeat(0)))
     finally:
         for fd in fds:
             os.close(fd)
-    return [d if len(d) + 1 == n else None for d, n in zip(datas, want)]
+    for i in np.flatnonzero(np.fromiter(map(len, datas), np.int64, len(datas)) + 1 != want):
+        datas[i] = b""
+    return datas
 
 
-def _read_one(path: str) -> bytes | None:
+def _read_one(path: str) -> bytes:
     """:func:`_read_all` of one file, whatever it is (``FileNotFoundError`` when it does not
     exist)."""
     try:
@@ -203,15 +215,15 @@ def _read_one(path: str) -> bytes | None:
     except FileNotFoundError:
         raise
     except (OSError, ValueError):
-        return None
+        return b""
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_size > sidecar_limit(0):
-            return None
+            return b""
         data = os.read(fd, st.st_size + 1)
-        return data if len(data) == st.st_size else None  # (else grew, or shrank, while read)
+        return data if len(data) == st.st_size else b""  # (else grew, or shrank, while read)
     except OSError:
-        return None
+        return b""
     finally:
         os.close(fd)
 
@@ -293,26 +305,33 @@ def _group(source, datas, left: np.ndarray, expected, key):
     parts, rest, bad = [], [], []
     for lo in range(0, left.size, _AT_ONCE):
         chunk = left[lo : lo + _AT_ONCE]
-        joined = b"".join([datas[s] for s in chunk.tolist()]) + bytes(8)
+        joined = b"".join(_pick(datas, chunk)) + bytes(8)
         rows = np.frombuffer(joined, np.uint8, len(joined) - 8).reshape(chunk.size, -1)
         same = layout.same(joined, chunk.size, template)
         mine = chunk[same]
         if not same.all():
             rest.append(chunk[~same])
             rows = rows[same]
-        names = [expected[s] for s in mine.tolist()]  # (what each must name: checked)
+        names = _pick(expected, mine)  # (what each must name: checked)
         ok = layout.values_ok(rows) & layout.names_ok(rows, names, meta["shard"])
-        ok &= layout.crc_ok(rows, [datas[s] for s in mine.tolist()])
+        ok &= layout.crc_ok(rows, _pick(datas, mine))
         if not ok.all():
             bad.extend(mine[~ok].tolist())
             mine, rows = mine[ok], rows[ok]
-            names = [expected[s] for s in mine.tolist()]
+            names = _pick(expected, mine)
         if mine.size:
             k, fields = mine.size, layout.fields
             sizes = layout.sizes(rows) if "size" in fields else np.full(k, meta["size"])
             probes = layout.strings(rows, "probe") if "probe" in fields else [probe] * k
             parts.append(_Part.of(mine, meta, layout.arrays(rows), names, sizes, probes))
     return parts, np.concatenate(rest) if rest else left[:0], bad
+
+
+def _pick(items: list, at: np.ndarray) -> list:
+    """``[items[i] for i in at]``, taken from C."""
+    if at.size < 2:
+        return [items[i] for i in at.tolist()]
+    return list(operator.itemgetter(*at.tolist())(items))
 
 
 @dataclass
@@ -322,13 +341,16 @@ class _Layout:
     fields, npy headers, the meta JSON but the values of :data:`_FIELDS`), ``crcs`` ``(start,
     end, column of its recorded crc32, crc32 of the entry's bytes before start)`` of each entry
     (:func:`_crc_from`), ``data`` ``{entry: (start, end, header)}`` of each array, ``fields``
-    ``{name: (start, end)}`` of each value in the file."""
+    ``{name: (start, end)}`` of each value in the file, ``text`` and ``digits`` the offsets of
+    the bytes of its string values and of its int values."""
 
     fixed: np.ndarray
     length: int
     crcs: list
     data: dict
     fields: dict
+    text: np.ndarray
+    digits: np.ndarray
 
     @classmethod
     def of(cls, data: bytes, meta: dict) -> _Layout | None:
@@ -358,12 +380,15 @@ class _Layout:
         for a, b in fields.values():
             varies[lo + a : lo + b] = True
         crcs = [_crc_from(data, varies, *c) for c in crcs]
+        fields = {name: (lo + a, lo + b) for name, (a, b) in fields.items()}
         return cls(
             fixed=_words(~varies),
             length=len(data),
             crcs=crcs,
             data=regions,
-            fields={name: (lo + a, lo + b) for name, (a, b) in fields.items()},
+            fields=fields,
+            text=_offsets(fields, str),
+            digits=_offsets(fields, int),
         )
 
     def fixed_words(self, data: bytes) -> np.ndarray:
@@ -399,15 +424,11 @@ class _Layout:
         """Each file's values are what parse_sidecar reads as the template's: a string's bytes
         printable ASCII without ``"`` or ``\\`` (nothing ends or escapes it), a size's digits
         without a leading zero."""
-        ok = np.ones(len(rows), bool)
+        ok = _TEXT.take(rows.take(self.text, axis=1)).all(axis=1)
+        ok &= _DIGIT.take(rows.take(self.digits, axis=1)).all(axis=1)
         for name, (a, b) in self.fields.items():
-            block = rows[:, a:b]
-            if dict(_FIELDS)[name] is int:
-                ok &= ((block >= 48) & (block <= 57)).all(axis=1)
-                if b - a > 1:
-                    ok &= block[:, 0] != 48
-            else:
-                ok &= ((block >= 32) & (block <= 126) & (block != 34) & (block != 92)).all(axis=1)
+            if dict(_FIELDS)[name] is int and b - a > 1:
+                ok &= rows[:, a] != 48
         return ok
 
     def names_ok(self, rows: np.ndarray, names: list[str], template: str) -> np.ndarray:
@@ -442,6 +463,13 @@ class _Layout:
             flat = np.ascontiguousarray(rows[:, a:b]).view(header.dtype)
             out[name] = flat.reshape((len(rows) * header.shape[0], *header.shape[1:]))
         return out
+
+
+def _offsets(fields: dict, kind: type) -> np.ndarray:
+    """The offsets (int64) of the bytes of the ``fields`` (``{name: (start, end)}``) of type
+    ``kind``."""
+    spans = [np.arange(a, b) for name, (a, b) in fields.items() if dict(_FIELDS)[name] is kind]
+    return np.concatenate(spans + [np.zeros(0, np.int64)])
 
 
 def _crc_from(data: bytes, varies: np.ndarray, start: int, end: int, column: int) -> tuple:
