@@ -1,12 +1,14 @@
 """Every sidecar of a source read and checked at once: a loader's start over many small shards at a
 cost per distinct sidecar layout, not a parse per sidecar (issue #28).
 
-    sidecar files ──open, fstat, read, close each──► grouped by byte length
+    sidecar files ──open, seek to the end, read, close each (on threads where the file system
+                    is slow)──► grouped by byte length
       a group's first file: read alone (parse_sidecar, check_meta: every check): its template
       every other file compared with it in a few numpy calls, byte for byte: the zip's records and
           the npy headers (but for the crc32 and time fields), the meta JSON (but for the values of
           ``shard``, ``size``, ``hash``, ``probe``: bytes that can neither end nor escape a JSON
-          string, digits); then each entry's crc32, and its arrays are slices of the group's bytes
+          string, digits); then each entry's crc32 (from its first byte that may differ: the
+          template's crc32 of the bytes before), and its arrays are slices of the group's bytes
       any file that differs anywhere else: read alone, as a file that is its own template
     ──► the in-memory form of a merged index (``meta``, ``arrays``), its values checked at once
         (:func:`~prealign.loaders.index.sidecar.joint_values`); the loader builds its index from it
@@ -18,6 +20,11 @@ accepts nothing :func:`~prealign.loaders.index.sidecar.parse_sidecar` refuses, a
 is read alone and named by that function, the first failure in shard order raised. Only local
 sidecars of plain paths take this path (URLs are read on threads, one by one:
 :func:`~prealign.loaders.index.source_index.sidecar_records`), and only when every shard has one.
+
+Its cost is about 10 µs of CPU per sidecar (2,000 sidecars of 10 samples: ~20 ms): 4 system calls
+(~2 µs to open and close, ~2 µs to seek and read), 6 ``zlib.crc32`` calls (~2.5 µs) and its share
+of the numpy calls of its group; from 1,000 sidecars a start says once that a merged index is one
+read (:class:`~prealign.loaders.index.source_index.MergedIndexWarning`).
 """
 
 from __future__ import annotations
