@@ -312,7 +312,7 @@ def _group(source, datas, left: np.ndarray, expected, key):
     parts, rest, bad = [], [], []
     for lo in range(0, left.size, _AT_ONCE):
         chunk = left[lo : lo + _AT_ONCE]
-        joined = b"".join(_pick(datas, chunk)) + bytes(8)
+        joined = b"".join([*_pick(datas, chunk), bytes(8)])  # (one copy)
         rows = np.frombuffer(joined, np.uint8, len(joined) - 8).reshape(chunk.size, -1)
         same = layout.same(joined, chunk.size, template)
         mine = chunk[same]
