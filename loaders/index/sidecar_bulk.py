@@ -194,7 +194,10 @@ def _read_chunk(paths: list[str]) -> list[bytes]:
     of one byte more from 0, close), each step one ``map`` (called from C). A FIFO or socket
     cannot seek (``OSError``: the step is read again one by one, and refused there); a character
     device seeks to 0 and then reads more than that, a file that grew or shrank while read reads
-    another length, one over the limit is not read: each ``b""``, read alone."""
+    another length, one over the limit is not read: each ``b""``, read alone. (No ``fstat``:
+    the seek and the read's length stand for it. A block device, the one other kind of file that
+    seeks to its size, is read like a file: bounded, never waited on; its bytes must still be a
+    valid sidecar of this shard, where the one-by-one reader refuses it unread.)"""
     fds: list[int] = []
     try:
         fds.extend(map(os.open, paths, itertools.repeat(_FLAGS)))
