@@ -14,6 +14,8 @@ import shutil
 import struct
 import tarfile
 import tempfile
+import threading
+import time
 import zlib
 
 import numpy as np
@@ -123,6 +125,35 @@ def test_the_sidecars_read_at_once_give_the_index_read_one_by_one(shards, monkey
         monkeypatch.setattr(sidecar_bulk, "parse_sidecar", real)
         # the shard with a bad record, the one with two signatures, the short last one, a template
         assert len(parsed) <= 5, len(parsed)
+
+
+@pytest.mark.parametrize("latency", [0.0, 0.003])
+def test_sidecars_on_a_slow_file_system_are_read_on_threads(shards, monkeypatch, latency):
+    """A file system whose opens take ``latency`` s (a parallel or network file system's round
+    trips): past the first files, timed, the sidecars are read on a few threads at once, the same
+    index as one by one; on a fast one they are read in the calling thread."""
+    paths, index_dir = shards
+    one_by_one = _start(paths, index_dir, bulk=False)
+    monkeypatch.setattr(sidecar_bulk, "_TIMED", 2)
+    monkeypatch.setattr(sidecar_bulk, "_THREAD_FILES", 2)
+    monkeypatch.setattr(sidecar_bulk, "_SLOW_FILE", 1e-3 if latency else 10.0)
+    threads = []
+    real = os.open
+
+    def open_(path, *a, **k):
+        if str(path).endswith(SUFFIX):
+            threads.append(threading.current_thread().name)
+            time.sleep(latency)
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(os, "open", open_)
+    assert _start(paths, index_dir, bulk=True) == one_by_one
+    workers = {t for t in threads if t.startswith("prealign-sidecars")}
+    assert len(threads) >= SHARDS
+    if latency:
+        assert threads[:2] == ["MainThread"] * 2 and len(workers) >= 2, threads
+    else:
+        assert not workers, threads
 
 
 def _interesting(data: bytes) -> list[int]:

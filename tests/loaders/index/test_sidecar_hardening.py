@@ -55,14 +55,22 @@ def _in_thread(fn, timeout: float):
     return out.get("exc", "hung")
 
 
-@pytest.mark.parametrize("kind", ["dev_zero", "fifo"])
-def test_a_sidecar_that_is_not_a_regular_file_is_refused_without_reading_it(tmp_path, kind):
-    paths = write_shards(str(tmp_path), sample_lengths(10), num_shards=1)
-    side = paths[0] + ".prealign-index.npz"
-    if kind == "dev_zero":
-        os.symlink("/dev/zero", side)
-    else:
+@pytest.mark.parametrize("shards", [1, 40])
+@pytest.mark.parametrize("kind", ["dev_zero", "dev_null", "fifo"])
+def test_a_sidecar_that_is_not_a_regular_file_is_refused_without_reading_it(
+    tmp_path, kind, shards
+):
+    """(40 shards: the odd sidecar among many read at once, past the first files timed.)"""
+    paths = write_shards(str(tmp_path), sample_lengths(4 * shards), num_shards=shards)
+    if shards > 1:
+        write_sidecars(WebDatasetSource(paths), SCHEMA)
+    side = paths[-3 if shards > 1 else 0] + ".prealign-index.npz"
+    if shards > 1:
+        os.remove(side)
+    if kind == "fifo":
         os.mkfifo(side)
+    else:
+        os.symlink("/" + kind.replace("_", "/"), side)
     try:
         exc = _in_thread(lambda: _prepare(paths), 20)
         assert isinstance(exc, StaleIndexError) and "not a regular file" in str(exc), exc

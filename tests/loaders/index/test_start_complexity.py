@@ -90,11 +90,16 @@ def _loader(source, **kw) -> PackedLoader:
 
 
 class _Syscalls:
-    """Counts ``os.stat`` and file opens (``open``, ``os.open``) while installed."""
+    """Counts ``os.stat`` and file opens (``open``, ``os.open``), and the reads of an open file
+    (``os.fstat``, ``os.lseek``, ``os.read``, ``os.pread``) while installed."""
+
+    READS = ("fstat", "lseek", "read", "pread")
 
     def __init__(self, monkeypatch):
-        self.stats = self.opens = 0
-        for mod, name, counter in ((os, "stat", "stats"), (os, "open", "opens")):
+        self.stats = self.opens = self.reads = 0
+        counted_calls = [(os, "stat", "stats"), (os, "open", "opens")]
+        counted_calls += [(os, name, "reads") for name in self.READS]
+        for mod, name, counter in counted_calls:
             real = getattr(mod, name)
 
             def counted(*a, _real=real, _counter=counter, **kw):
@@ -187,6 +192,7 @@ def _assert_linear(found: dict, what: str, calls: float = GROWTH) -> None:
         s_sys.stats,
         b_sys.stats,
     )
+    assert b_sys.reads <= GROWTH * max(s_sys.reads, 1), (what, "reads", s_sys.reads, b_sys.reads)
 
 
 def _assert_no_stat_per_shard(calls: _Syscalls) -> None:
@@ -201,6 +207,13 @@ def test_a_start_from_per_shard_sidecars_grows_linearly_with_the_shards(data, mo
         warnings.simplefilter("always")
         found = _measure(data, monkeypatch, lambda paths: _loader(WebDatasetSource(paths)))
     _assert_linear(found, "start from sidecars", calls=SIDECAR_CALLS)
+    # each extra sidecar of the two starts (first batch, resume) costs at most an open, a seek to
+    # its end and one read (its close uncounted): no stat, no second read
+    (_, _, small), (_, _, big) = found[SIZES[0]], found[SIZES[1]]
+    extra = 2 * (SIZES[1] - SIZES[0])
+    assert big.opens + big.reads + big.stats - small.opens - small.reads - small.stats <= (
+        3 * extra + 300
+    ), (small.opens, small.reads, small.stats, big.opens, big.reads, big.stats)
     # three starts over 2,000 sidecars, one warning naming the command that merges them (none at
     # 200)
     advice = [str(w.message) for w in seen if issubclass(w.category, MergedIndexWarning)]
