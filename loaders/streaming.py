@@ -88,9 +88,10 @@ from prealign.loaders.index.sample_checks import has_media, media_keys, validate
 from prealign.loaders.mixture import Mixture
 from prealign.loaders.options import LoadingOptions, WorkerConfig, check_option, worker_config
 from prealign.loaders.plan.elastic import round_robin
+from prealign.loaders.plan.mixing import StreamMix
 from prealign.loaders.plan.packing import best_fit_decreasing
 from prealign.loaders.plan.planner import PlannerConfig
-from prealign.loaders.plan.stream_skip import Skip, fold, kept
+from prealign.loaders.plan.stream_skip import Skip, fold, fold_parts, kept
 from prealign.loaders.policy import BadDataGate, BadDataPolicy, BadDataReport, BadRecord, Oversize
 from prealign.loaders.serve.workers import hand_over
 from prealign.loaders.shaping import filler_length, filler_sample, truncate_sample
@@ -176,7 +177,7 @@ def records_of(source: Source):
     ``source``: a shard's ``(ordinal, location, item)`` from its start, or after the record
     ``after`` (:meth:`Source.scan_after`: not decoded again); a webdataset shard with a ``base`` is
     entered at ``base``'s end (a seek, a range read), what comes before it not read at all."""
-    seeks = isinstance(source, WebDatasetSource)
+    seeks = isinstance(source, (WebDatasetSource, Mixture))
 
     def records(shard: int, after, base):
         if after is None:
@@ -248,23 +249,28 @@ class _Reader(IterableDataset):
         role = (w + self.rotate) % workers
         return role, self.dp_rank * workers + role, self.dp_size * workers
 
-    def _mine(self, at: list, units: list | None = None):
-        """``(role, records)``: this reader's role and its ``(shard, ordinal, location, raw)`` in
-        stream order; bad records as ``(shard, ordinal, location, exception or BadRecord)``. ``at``
-        is kept at the last record's ``[shard position, ordinal, location, k]``; ``units``:
-        ``[tokens]`` of the last sample, set by the caller once transformed (a :class:`Mixture`
-        interleaves its components by them)."""
+    def _mine(self, at: list):
+        """``(role, records, mix)``: this reader's role and its ``(shard, ordinal, location, raw)``
+        in stream order; bad records as ``(shard, ordinal, location, exception or BadRecord)``.
+        ``at`` is kept at the last record's ``[shard position, ordinal, location, k]``. ``mix``: a
+        :class:`Mixture`'s interleave (each component's stream its own, read from its own cursor;
+        the caller sets ``mix.units[0]`` to each sample's tokens once transformed), else None."""
         role, g, readers = self._place()
         n = self.source.num_shards
         order = np.random.default_rng([self.seed, self.epoch]).permutation(n).tolist()
-        if isinstance(
-            self.source, Mixture
-        ):  # each component's stream its own, interleaved by weight
-            parts = self.source.shards_by_component(order)
-            streams = [self._scanned(part, g, readers, []) for part in parts]
-            return role, self.source.stream_interleave(streams, units or [1])
         cursor = self.cursors[role] if self.cursors is not None else None
-        return role, self._scanned(order, g, readers, at, cursor)
+        if not isinstance(self.source, Mixture):
+            return role, self._scanned(order, g, readers, at, cursor), None
+        parts = self.source.shards_by_component(order)
+        saved = None if cursor is None else cursor["mix"]
+        mix = _MixCursor(self.source.stream_mix(None if saved is None else saved["state"]))
+        subs = [None] * len(parts) if saved is None else saved["streams"]
+        for sub in subs:
+            mix.ats.append([0, -1, None, 0] if sub is None else [*sub["at"], sub["k"]])
+        streams = [
+            self._scanned(part, g, readers, a, sub) for part, a, sub in zip(parts, mix.ats, subs)
+        ]
+        return role, mix.mix(*streams), mix
 
     def _scanned(
         self, order: list[int], g: int, readers: int, at: list, cursor: dict | None = None
@@ -306,19 +312,16 @@ class _Reader(IterableDataset):
             yield hand_over(exc)
 
     def _packed(self):
-        units = (
-            [0] if isinstance(self.source, Mixture) else None
-        )  # the last sample's tokens, for the interleave
-        seekable = units is None and not self.ids_only
         packer, at = _Packer(self), [0, -1, None, 0]
-        role, records = self._mine(at, units)
+        role, records, mix = self._mine(at)
+        seekable = not self.ids_only
         cursor = self.cursors[role] if self.cursors is not None else None
         for entries in packer.restore(cursor) if cursor is not None else ():
             yield *packer.collated(entries), (role, None)
 
         def rounds(final: bool):
             bins = packer.emit(final)
-            mark = packer.cursor(at, bins, final) if seekable else None
+            mark = packer.cursor(at, bins, final, mix) if seekable else None
             for i, entries in enumerate(bins):
                 yield *packer.collated(entries), (role, mark if i == 0 else None)
 
@@ -343,8 +346,8 @@ class _Reader(IterableDataset):
             except SampleError as exc:
                 packer.bad(where, exc)
                 continue
-            if units is not None:  # a mixture's interleave by tokens
-                units[0] = len(sample.get("input_ids", ()))
+            if mix is not None:  # a mixture's interleave by tokens
+                mix.mix.units[0] = len(sample.get("input_ids", ()))
             packer.pending.append((stream_id(shard, ordinal), where, sample, loc))
             waiting = len(packer.buffer) + len(packer.pending)
             if len(packer.pending) >= _CHUNK or waiting >= self.buffer_size:
@@ -355,8 +358,31 @@ class _Reader(IterableDataset):
         while packer.buffer:
             yield from rounds(final=True)
         if packer.events:  # bad data after the last micro-batch: an empty hand-over carries it
-            last = packer.cursor(at, [], True) if seekable else None
+            last = packer.cursor(at, [], True, mix) if seekable else None
             yield None, list(packer.events), (role, last)
+
+
+@dataclass
+class _MixCursor:
+    """A :class:`Mixture` reader's position: the interleave of its component streams (``mix``)
+    and each stream's ``[shard position, ordinal, location, k]`` of its last record (``ats``)."""
+
+    mix: StreamMix
+    ats: list = dataclasses.field(default_factory=list)
+
+    def saved(self) -> dict:
+        """JSON-friendly: ``{"state": the interleave's, "streams": [{at, k, done}, ...]}``, O(
+        components)."""
+        state = self.mix.state()
+        streams = [
+            {
+                "at": [pos, ordinal, None if loc is None else [int(x) for x in loc]],
+                "k": k,
+                "done": ended,
+            }
+            for (pos, ordinal, loc, k), ended in zip(self.ats, state["ended"])
+        ]
+        return {"state": state, "streams": streams}
 
 
 class _Packer:
@@ -451,12 +477,16 @@ class _Packer:
         self.events.clear()
         return (pack_batch(batch) if r.pack else batch), ev
 
-    def cursor(self, at: list, bins: list[list[Entry]], done: bool) -> dict:
+    def cursor(
+        self, at: list, bins: list[list[Entry]], done: bool, mix: "_MixCursor | None" = None
+    ) -> dict:
         """JSON-friendly: where the stream goes on (``at``: ``[shard position, ordinal, location]``
         of the last record read, ``k`` the records counted for a split by sample, ``done`` at its
         end), the gate's count of bad samples in a row, the fixed dims, the buffer and the
         micro-batches of this round (``bins``) as ``[id, aligned size, *location]`` (re-read at a
-        resume: at most ``buffer_size`` samples)."""
+        resume: at most ``buffer_size`` samples); a :class:`Mixture`'s reader adds ``mix``
+        (:meth:`_MixCursor.saved`: each component stream's own ``at`` / ``k`` / ``done`` and the
+        interleave's state)."""
         pos, ordinal, loc, k = at
         rule = self.rule
         where = None if loc is None else [int(x) for x in loc]
@@ -468,6 +498,7 @@ class _Packer:
             "rule": [rule.fixed, rule.fixed_by, rule.fields],
             "buffer": [e[3] for e in self.buffer],
             "bins": [[e[3] for e in b] for b in bins],
+            **({} if mix is None else {"mix": mix.saved()}),
         }
 
     def restore(self, cursor: dict) -> list[list[Entry]]:
@@ -915,12 +946,11 @@ class StreamingPackedLoader(LoaderCore):
         read back; ``docs/resume.md``). :func:`merge_rank_states` merges per-rank
         ``cursors=True`` states into the same. An epoch resumed from a version-5 state under
         another topology writes version 5 (``stream.skip``: what its earlier segments consumed)
-        whatever ``cursors`` is. A :class:`Mixture` stream has no cursors (it replays)."""
+        whatever ``cursors`` is. A :class:`Mixture` stream's reader cursors hold each component
+        stream's cursor and the interleave's state (``docs/resume.md``)."""
         if cursors not in (False, True, "all"):
             raise PlanError(f"state_dict: cursors expected False, True or 'all', got {cursors!r}")
         out = super().state_dict()
-        if isinstance(self.source, Mixture):
-            return out
         epoch, position = self._normalised()
         skip, folded = (self._skip[1], self._skip[2]) if self._skip[0] == epoch else (None, 0)
         elastic = self._skip[0] == epoch
@@ -969,8 +999,8 @@ class StreamingPackedLoader(LoaderCore):
         super().load_state_dict(state)
         self._track, self._skip = None, (-1, None, 0)
         cursors = st.cursors
-        if cursors is None or not self._position or isinstance(self.source, Mixture):
-            return  # (a Mixture stream's interleave has no cursor: it replays)
+        if cursors is None or not self._position:
+            return
         here = {"dp_rank": self.dp_rank, "dp_size": self.dp_size, "num_workers": self.num_workers}
         if any(cursors.get(k) != v for k, v in here.items()):
             saved = {k: cursors.get(k) for k in here}
@@ -984,6 +1014,31 @@ class StreamingPackedLoader(LoaderCore):
             return
         at, workers = (self._epoch, self._position), max(self.num_workers, 1)
         self._track = _Track.loaded(cursors, at, workers)
+        self._check_mix(self._track.cursors, "cursors.readers")
+
+    def _check_mix(self, readers: list, key: str) -> None:
+        """A :class:`ResumeError` naming ``key`` when a reader cursor of a :class:`Mixture` stream
+        lacks its ``mix`` (:meth:`_MixCursor.saved`) over this mixture's components."""
+        if not isinstance(self.source, Mixture):
+            return
+        n = len(self.source.names)
+        for g, c in enumerate(readers):
+            mix = None if c is None else c.get("mix")
+            state = mix.get("state") if isinstance(mix, dict) else None
+            streams = mix.get("streams") if isinstance(mix, dict) else None
+            if c is None or (
+                isinstance(state, dict)
+                and all(len(state.get(k) or ()) == n for k in ("used", "recent", "ended"))
+                and isinstance(streams, list)
+                and len(streams) == n
+                and all(isinstance(x, dict) and {"at", "k", "done"} <= set(x) for x in streams)
+            ):
+                continue
+            raise ResumeError(
+                f"loader state: key '{key}[{g}].mix': expected the interleave's state and "
+                f"{n} component cursors (this mixture's {list(self.source.names)}), got "
+                f"{str(mix)[:200]}"
+            )
 
     def _load_stream(self, st: LoaderState) -> None:
         """A version-5 state: same ``dp_size`` / ``num_workers``: this rank's cursors (exact);
@@ -1006,8 +1061,6 @@ class StreamingPackedLoader(LoaderCore):
                 f"loader state: key 'stream': expected dp_size, num_workers, offset, skip and "
                 f"one entry per DP rank, got {str(stream)[:200]}"
             )
-        if isinstance(self.source, Mixture):
-            raise ResumeError("loader state: key 'stream': a Mixture stream has no cursors")
         saved = {**st.config, "dp_size": shape[0], "num_workers": shape[1]}
         plain = dataclasses.replace(st, stream=None, config=saved).to_dict()
         super().load_state_dict(plain)  # (the configuration and data checked)
@@ -1032,6 +1085,7 @@ class StreamingPackedLoader(LoaderCore):
                 )
                 return
             self._track = _Track.loaded(entry, (st.epoch, st.position), old_workers)
+            self._check_mix(self._track.cursors, f"stream.ranks[{self.dp_rank}].readers")
             return
         missing = [r for r, e in enumerate(ranks) if e is None]
         if missing and st.position:
@@ -1054,10 +1108,16 @@ class StreamingPackedLoader(LoaderCore):
                     f"loader state: key 'stream.ranks[{r}]': expected {old_workers} reader "
                     f"cursors, got {str(e)[:200]}"
                 )
+            self._check_mix(readers, f"stream.ranks[{r}].readers")
             cursors += readers
         order = np.random.default_rng([self.seed, st.epoch]).permutation(self.source.num_shards)
         try:
-            folded = fold(skip, order.tolist(), cursors, records_of(self.source))
+            records = records_of(self.source)
+            if isinstance(self.source, Mixture):  # each component's stream folded on its own
+                parts = self.source.shards_by_component(order.tolist())
+                folded = fold_parts(skip, parts, cursors, records)
+            else:
+                folded = fold(skip, order.tolist(), cursors, records)
             folded = Skip.from_dict(folded.to_dict(), self.source.num_shards)  # (its bounds)
             folded.check_locations(self.source)
         except (KeyError, TypeError, ValueError, IndexError, OverflowError) as exc:
