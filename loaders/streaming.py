@@ -916,24 +916,45 @@ class StreamingPackedLoader(LoaderCore):
             return None
         return {"next": track.next, "readers": track.saved()}
 
-    def _gathered(self, entry: dict | None) -> list:
+    def _gathered(self, entry: dict | None, dst: int | None = None) -> list | None:
         """Every DP rank's :meth:`_entry` (``None`` for a rank not heard from): an
         ``all_gather_object`` over ``group`` (a collective: every rank of it calls it) when a
-        process group is up, else this rank's alone."""
+        process group is up, else this rank's alone. ``dst``: a ``gather_object`` to that global
+        rank instead (the others get ``None``: they receive nothing)."""
         import torch.distributed as dist
 
         ranks: list = [None] * self.dp_size
-        if self.dp_size == 1 or not (dist.is_available() and dist.is_initialized()):
+        if not (dist.is_available() and dist.is_initialized()):
             ranks[self.dp_rank] = entry
             return ranks
-        got: list = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(got, (self.dp_rank, entry), group=self.group)
+        if dst is not None:
+            group = (
+                dist.get_process_group_ranks(self.group)
+                if self.group is not None
+                else list(range(dist.get_world_size()))
+            )
+            if dst not in group:
+                raise PlanError(
+                    f"state_dict(dst={dst}): global rank {dst} is not in the loader's group "
+                    f"(ranks {group[:16]})"
+                )
+        if self.dp_size == 1:
+            ranks[self.dp_rank] = entry
+            return ranks if dst is None or dist.get_rank() == dst else None
+        got: list | None = [None] * dist.get_world_size(self.group)
+        if dst is None:
+            dist.all_gather_object(got, (self.dp_rank, entry), group=self.group)
+        else:
+            got = got if dist.get_rank() == dst else None
+            dist.gather_object((self.dp_rank, entry), got, dst=dst, group=self.group)
+            if got is None:
+                return None
         for rank, e in got:  # (TP / CP ranks of a DP rank read the same stream: the first one)
             if ranks[rank] is None:
                 ranks[rank] = e
         return ranks
 
-    def state_dict(self, cursors: bool | str = False) -> dict:
+    def state_dict(self, cursors: bool | str = False, dst: int | None = None) -> dict | None:
         """The state (:meth:`LoaderCore.state_dict`: the same on every rank). ``cursors=True`` adds
         this rank's reader cursors (version 4, :mod:`prealign.loaders.state`): where each of its
         readers goes on and the samples its buffer holds (at most ``buffer_size`` a reader), so that
@@ -947,9 +968,23 @@ class StreamingPackedLoader(LoaderCore):
         ``cursors=True`` states into the same. An epoch resumed from a version-5 state under
         another topology writes version 5 (``stream.skip``: what its earlier segments consumed)
         whatever ``cursors`` is. A :class:`Mixture` stream's reader cursors hold each component
-        stream's cursor and the interleave's state (``docs/resume.md``)."""
+        stream's cursor and the interleave's state (``docs/resume.md``).
+
+        ``dst`` (with ``cursors="all"``): the global rank that gathers the state (a
+        ``gather_object``, as Energon's ``save_state_global(global_dst_rank)``): it returns the
+        state, every other rank ``None`` (it receives nothing; at hundreds of ranks every rank
+        receiving every rank's cursors is the cost ``dst`` avoids). Save it from ``dst``; every
+        rank of the next run loads the same file. Without a process group the state is
+        returned."""
         if cursors not in (False, True, "all"):
             raise PlanError(f"state_dict: cursors expected False, True or 'all', got {cursors!r}")
+        if dst is not None and (
+            cursors != "all" or isinstance(dst, bool) or not isinstance(dst, int) or dst < 0
+        ):
+            raise PlanError(
+                f"state_dict: dst expected a global rank >= 0 with cursors='all', got dst={dst!r} "
+                f"with cursors={cursors!r}"
+            )
         out = super().state_dict()
         epoch, position = self._normalised()
         skip, folded = (self._skip[1], self._skip[2]) if self._skip[0] == epoch else (None, 0)
@@ -961,10 +996,15 @@ class StreamingPackedLoader(LoaderCore):
                 "cursors: the state is version 3 (a resume replays); the next epoch has cursors",
                 stacklevel=2,
             )
-            return out
+            import torch.distributed as dist
+
+            here = dist.get_rank() if dist.is_available() and dist.is_initialized() else dst
+            return out if dst in (None, here) else None
         if cursors == "all" or elastic:
             entry = self._entry() if cursors else None
-            ranks = self._gathered(entry) if cursors == "all" else [None] * self.dp_size
+            ranks = self._gathered(entry, dst) if cursors == "all" else [None] * self.dp_size
+            if ranks is None:  # (gathered to another rank)
+                return None
             if cursors is True:
                 ranks[self.dp_rank] = entry
             state = LoaderState.from_dict(out, kind=self.state_kind)
