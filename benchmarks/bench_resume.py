@@ -322,6 +322,56 @@ def _table(what: str, rounds: dict[str, list[dict]], served: int) -> list[float]
     return ratios
 
 
+def state_size_main(args) -> int:
+    """``--state-size``: the bytes of a version-5 state (``state_dict(cursors="all")``) as a
+    function of DP ranks, workers and ``buffer_size``. One rank's real ``state_dict(cursors=True)``
+    (a stream of ``[8..128]``-token samples served until every reader's buffer is full) is copied
+    to every rank (``dp_rank`` changed) and merged with ``merge_rank_states``, as the gather does;
+    its JSON size is what the all-gather delivers to every rank, and what ``dst`` delivers to one.
+    """
+    from itertools import islice
+
+    from prealign.loaders import StreamingPackedLoader, WebDatasetSource
+    from prealign.loaders.plan.planner import PlannerConfig
+    from prealign.loaders.streaming import merge_rank_states
+    from prealign.schemas import ParallelLayout, causal_lm_schema
+
+    paths = write_text_shards(os.path.join(args.dir, "size-40000"), 40_000, per_shard=2_000)
+    print(
+        "| DP ranks | workers | buffer_size | one rank's cursors | merged state (JSON) | "
+        "per rank, all-gather | per rank, dst (others) |\n|---|---|---|---|---|---|---|"
+    )
+    for workers, buffer in ((1, 256), (8, 256), (8, 1024)):
+        loader = StreamingPackedLoader(
+            WebDatasetSource(paths),
+            schema=causal_lm_schema(),
+            layout=ParallelLayout(tp=2, cp=2),
+            token_budget=8192,
+            cp_rank=0,
+            dp_size=1,
+            dp_rank=0,
+            num_workers=workers,
+            planner=PlannerConfig(buffer_size=buffer),
+        )
+        it = iter(loader)
+        list(islice(it, 4 * workers))
+        own = loader.state_dict(cursors=True)
+        it.close()
+        one = len(json.dumps(own["cursors"]["readers"]))
+        for ranks in (8, 64, 512):
+            per = [
+                {**own, "config": {**own["config"], "dp_size": ranks},
+                 "cursors": {**own["cursors"], "dp_rank": r, "dp_size": ranks}}
+                for r in range(ranks)
+            ]
+            merged = len(json.dumps(merge_rank_states(per)))
+            print(
+                f"| {ranks} | {workers} | {buffer} | {one / 1e3:.0f} kB | {merged / 1e6:.1f} MB | "
+                f"{merged / 1e6:.1f} MB | 0 |"
+            )
+    return 0
+
+
 def _phase(code: str) -> dict:
     prog = code + "\nprint('RESULT' + json.dumps(result))"
     out = subprocess.run(
@@ -366,7 +416,14 @@ def main() -> int:
         action="store_true",
         help="with --stream: the shards as a 2-component Mixture (see the docstring)",
     )
+    ap.add_argument(
+        "--state-size",
+        action="store_true",
+        help="the size of a gathered stream state by ranks, workers and buffer (see its docstring)",
+    )
     args = ap.parse_args()
+    if args.state_size:
+        return state_size_main(args)
     if args.stream:
         return stream_main(args)
     paths = write_text_shards(os.path.join(args.dir, f"text-{args.size}"), args.size)

@@ -97,7 +97,7 @@ from prealign.loaders.serve.workers import hand_over
 from prealign.loaders.shaping import filler_length, filler_sample, truncate_sample
 from prealign.loaders.sources.source import Source
 from prealign.loaders.sources.webdataset import WebDatasetSource
-from prealign.loaders.state import STREAM_STATE_KIND, LoaderState
+from prealign.loaders.state import STREAM_STATE_KIND, LoaderState, pack_cursor, unpack_cursor
 from prealign.schemas.errors import PrealignError, SampleError
 from prealign.schemas.layout import ParallelLayout
 from prealign.schemas.schema import BatchSchema
@@ -1002,6 +1002,7 @@ class StreamingPackedLoader(LoaderCore):
             return out if dst in (None, here) else None
         if cursors == "all" or elastic:
             entry = self._entry() if cursors else None
+            entry = _packed(entry) if cursors == "all" else entry
             ranks = self._gathered(entry, dst) if cursors == "all" else [None] * self.dp_size
             if ranks is None:  # (gathered to another rank)
                 return None
@@ -1113,7 +1114,7 @@ class StreamingPackedLoader(LoaderCore):
         old_workers = max(shape[1], 1)
         if shape == (self.dp_size, self.num_workers):
             self._skip = (st.epoch, skip, offset)
-            entry = ranks[self.dp_rank]
+            entry = _unpacked(ranks[self.dp_rank], f"stream.ranks[{self.dp_rank}]")
             if not st.position:
                 return
             if entry is None:
@@ -1138,6 +1139,7 @@ class StreamingPackedLoader(LoaderCore):
             )
         cursors = []
         for r, e in enumerate(ranks):
+            e = _unpacked(e, f"stream.ranks[{r}]")
             readers = [None] * old_workers if e is None else e.get("readers")
             if not (
                 isinstance(readers, list)
@@ -1188,7 +1190,7 @@ def merge_rank_states(states: list) -> dict:
                     f"own dp_size and num_workers"
                 )
             c = st.cursors
-            entry = {"next": c.get("next"), "readers": c.get("readers")}
+            entry = _packed({"next": c.get("next"), "readers": c.get("readers")})
             shape = {
                 "dp_size": c.get("dp_size"),
                 "num_workers": c.get("num_workers"),
@@ -1198,7 +1200,8 @@ def merge_rank_states(states: list) -> dict:
             mine = {c.get("dp_rank"): entry}
         elif st.stream is not None:
             shape = {k: v for k, v in st.stream.items() if k != "ranks"}
-            mine = {r: e for r, e in enumerate(st.stream.get("ranks") or []) if e is not None}
+            ranks_of = enumerate(st.stream.get("ranks") or [])
+            mine = {r: _packed(e) for r, e in ranks_of if e is not None}
         elif not st.position and not st.segments:  # nothing served yet: every rank's is known
             dp, workers = st.config.get("dp_size"), st.config.get("num_workers")
             if not (isinstance(dp, int) and isinstance(workers, int) and dp >= 1):
@@ -1226,6 +1229,26 @@ def merge_rank_states(states: list) -> dict:
                 raise ResumeError(f"merge_rank_states: two different states of dp_rank {r}")
             ranks[r] = e
     return dataclasses.replace(merged, stream={**merged.stream, "ranks": ranks}).to_dict()
+
+
+def _packed(entry: dict | None) -> dict | None:
+    """A rank's entry of a version-5 state with its reader cursors packed
+    (:func:`~prealign.loaders.state.pack_cursor`: one int array per reader)."""
+    readers = entry.get("readers") if isinstance(entry, dict) else None
+    if not isinstance(readers, list):
+        return entry
+    return {**entry, "readers": [pack_cursor(c) if isinstance(c, dict) else c for c in readers]}
+
+
+def _unpacked(entry: dict | None, where: str) -> dict | None:
+    """:func:`_packed` undone (an entry of a version-5 state is returned as it is)."""
+    readers = entry.get("readers") if isinstance(entry, dict) else None
+    if not isinstance(readers, list):
+        return entry
+    return {
+        **entry,
+        "readers": [unpack_cursor(c, f"{where}.readers[{g}]") for g, c in enumerate(readers)],
+    }
 
 
 @dataclass

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from prealign.loaders import Mixture, WebDatasetSource
 from prealign.loaders.errors import ResumeError
-from prealign.loaders.state import CURSOR_VERSION, STREAM_VERSION
+from prealign.loaders.state import CURSOR_VERSION, PACKED_VERSION
 from tests.loader_helpers import sample_lengths, write_shards
 from tests.loaders.test_stream_cursors import CountingSource, _make, _same, _with_bad_data
 from tests.loaders.test_stream_elastic import (
@@ -102,7 +102,7 @@ def test_gathered_mixture_state_same_topology_is_exact(mix_paths, dp, workers, s
     uninterrupted rest."""
     src = _source()
     state, _, rests = _serve(mix_paths, dp, workers, stop, source=src)
-    assert state["version"] == STREAM_VERSION and None not in state["stream"]["ranks"]
+    assert state["version"] == PACKED_VERSION and None not in state["stream"]["ranks"]
     again = _resume(mix_paths, state, dp, workers, source=src)
     for r in range(dp):
         _same(again[r], rests[r])

@@ -1,19 +1,24 @@
-"""``state_dict(cursors="all", dst=r)``: every DP rank's cursors gathered to one global rank (a
-``gather_object``, Energon's ``save_state_global(global_dst_rank)``), the others receive nothing
-and get ``None``; the state is the all-gathered one, and every rank of the next run loads it."""
+"""The gathered stream state at scale (issue #28): ``state_dict(cursors="all", dst=r)`` gathers
+every DP rank's cursors to one global rank (a ``gather_object``, Energon's
+``save_state_global(global_dst_rank)``), the others receive nothing and get ``None``; the state is
+the all-gathered one, and every rank of the next run loads it. Its reader cursors are packed (one
+int array per reader, version 6); version-5 states (lists) still load."""
 
 from __future__ import annotations
 
+import base64
 import json
+import zlib
 from itertools import islice
 
 import pytest
 import torch
 
-from prealign.loaders.errors import PlanError
+from prealign.loaders.errors import PlanError, ResumeError
+from prealign.loaders.state import PACKED_VERSION, STREAM_VERSION, unpack_cursor
 from tests.loader_helpers import sample_lengths, write_shards
 from tests.loaders.test_stream_cursors import _make
-from tests.loaders.test_stream_elastic import _check_once, _ids, _resume
+from tests.loaders.test_stream_elastic import _check_once, _ids, _resume, _serve
 
 
 def _gloo_rank(rank: int, world: int, port: int, results, paths: list[str], stop: int) -> None:
@@ -80,3 +85,56 @@ def test_dst_needs_cursors_all(tmp_path):
         with pytest.raises(PlanError, match="dst"):
             a.state_dict(**kw)
     assert a.state_dict(cursors="all", dst=0) == a.state_dict(cursors="all")
+
+
+# ---- packed cursors (version 6) ----------------------------------------------------------------
+def _as_version_5(state: dict) -> dict:
+    """``state`` (version 6) as a version-5 prealign wrote it: every reader's samples as lists."""
+    ranks = [
+        None
+        if e is None
+        else {**e, "readers": [unpack_cursor(c, "r") for c in e["readers"]]}
+        for e in state["stream"]["ranks"]
+    ]
+    return {**state, "version": STREAM_VERSION, "stream": {**state["stream"], "ranks": ranks}}
+
+
+def test_packed_state_is_smaller_and_version_5_still_loads(tmp_path):
+    """The merged state of 2 ranks x 2 workers (buffer 64) is version 6, its cursors at most half
+    the same cursors with their samples as lists (version 5); both resume alike: exactly under the
+    same topology, every sample once under another."""
+    paths = write_shards(str(tmp_path), sample_lengths(600, seed=8), num_shards=6)
+    state, served, rests = _serve(paths, 2, 2, 6, buffer_size=64)
+    lists = _as_version_5(state)
+    assert state["version"] == PACKED_VERSION and lists["version"] == STREAM_VERSION
+    assert all("packed" in c for e in state["stream"]["ranks"] for c in e["readers"])
+    sizes = [len(json.dumps(s["stream"]["ranks"])) for s in (state, lists)]
+    assert 2 * sizes[0] <= sizes[1], sizes
+    full = _ids(_make(paths, buffer_size=64))
+    for saved in (state, lists):
+        again = _resume(paths, saved, 2, 2, buffer_size=64)
+        assert [_ids(r) for r in again] == [_ids(r) for r in rests]
+        other = _resume(paths, saved, 1, 0, buffer_size=64)
+        _check_once(full, served, _ids(other[0]))
+
+
+def test_malformed_packed_cursor_is_refused(tmp_path):
+    """A packed cursor with other sizes, bytes that are not base64 zlib, or more bytes than it
+    says (a decompression bomb) is a ResumeError naming the key; an unknown version is refused."""
+    paths = write_shards(str(tmp_path), sample_lengths(200, seed=9), num_shards=4)
+    state, _, _ = _serve(paths, 2, 0, 3)
+    packed = state["stream"]["ranks"][1]["readers"][0]["packed"]
+    bomb = base64.b64encode(zlib.compress(b"\0" * (packed["rows"] * packed["width"] * 8 + 800)))
+    for edit in (
+        {"rows": packed["rows"] + 1},
+        {"ints": "not base64!"},
+        {"ints": base64.b64encode(b"not zlib").decode()},
+        {"ints": bomb.decode()},
+        {"split": [-1]},
+    ):
+        bad = json.loads(json.dumps(state))
+        bad["stream"]["ranks"][1]["readers"][0]["packed"].update(edit)
+        with pytest.raises(ResumeError, match=r"stream.ranks\[1\].readers\[0\].packed"):
+            _make(paths).load_state_dict(bad)  # (another topology: every rank's cursors read)
+    with pytest.raises(ResumeError, match="version 7"):
+        _make(paths).load_state_dict({**state, "version": 7})
