@@ -328,18 +328,21 @@ def state_size_main(args) -> int:
     (a stream of ``[8..128]``-token samples served until every reader's buffer is full) is copied
     to every rank (``dp_rank`` changed) and merged with ``merge_rank_states``, as the gather does;
     its JSON size is what the all-gather delivers to every rank, and what ``dst`` delivers to one.
+    ``lists``: the same state with its samples as lists (version 5); ``packed``: as written
+    (version 6, one int array per reader).
     """
     from itertools import islice
 
     from prealign.loaders import StreamingPackedLoader, WebDatasetSource
     from prealign.loaders.plan.planner import PlannerConfig
+    from prealign.loaders.state import unpack_cursor
     from prealign.loaders.streaming import merge_rank_states
     from prealign.schemas import ParallelLayout, causal_lm_schema
 
     paths = write_text_shards(os.path.join(args.dir, "size-40000"), 40_000, per_shard=2_000)
     print(
-        "| DP ranks | workers | buffer_size | one rank's cursors | merged state (JSON) | "
-        "per rank, all-gather | per rank, dst (others) |\n|---|---|---|---|---|---|---|"
+        "| DP ranks | workers | buffer_size | merged, lists (v5) | merged, packed (v6) | "
+        "each rank receives: all-gather | with dst (the others) |\n|---|---|---|---|---|---|---|"
     )
     for workers, buffer in ((1, 256), (8, 256), (8, 1024)):
         loader = StreamingPackedLoader(
@@ -357,17 +360,22 @@ def state_size_main(args) -> int:
         list(islice(it, 4 * workers))
         own = loader.state_dict(cursors=True)
         it.close()
-        one = len(json.dumps(own["cursors"]["readers"]))
         for ranks in (8, 64, 512):
             per = [
                 {**own, "config": {**own["config"], "dp_size": ranks},
                  "cursors": {**own["cursors"], "dp_rank": r, "dp_size": ranks}}
                 for r in range(ranks)
             ]
-            merged = len(json.dumps(merge_rank_states(per)))
+            merged = merge_rank_states(per)
+            lists = [
+                {**e, "readers": [unpack_cursor(c, "") for c in e["readers"]]}
+                for e in merged["stream"]["ranks"]
+            ]
+            plain = len(json.dumps({**merged, "stream": {**merged["stream"], "ranks": lists}}))
+            packed = len(json.dumps(merged))
             print(
-                f"| {ranks} | {workers} | {buffer} | {one / 1e3:.0f} kB | {merged / 1e6:.1f} MB | "
-                f"{merged / 1e6:.1f} MB | 0 |"
+                f"| {ranks} | {workers} | {buffer} | {plain / 1e6:.1f} MB | {packed / 1e6:.1f} MB "
+                f"| {packed / 1e6:.1f} MB (v5: {plain / 1e6:.1f} MB) | 0 |"
             )
     return 0
 

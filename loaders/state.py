@@ -37,13 +37,15 @@ A :class:`~prealign.loaders.Mixture` stream's reader cursor adds ``"mix": {"stat
 component stream's own cursor (one per component).
 
 A streaming state taken with ``state_dict(cursors="all")`` (or merged from every rank's
-``cursors=True`` state) is version 5: every DP rank's cursors and what earlier segments of the
-epoch consumed (``skip``), so that any topology resumes it without replaying:
+``cursors=True`` state) is version 6 (version 5 with each reader's samples packed into one int
+array, :func:`pack_cursor`; version 5 still loads): every DP rank's cursors and what earlier
+segments of the epoch consumed (``skip``), so that any topology resumes it without replaying:
 
-    {"version": 5, "kind": "prealign.StreamingPackedLoader", ..., "position": 917,
+    {"version": 6, "kind": "prealign.StreamingPackedLoader", ..., "position": 917,
      "stream": {"dp_size": 2, "num_workers": 0, "offset": 0, "skip": null | {"done": [...],
                 "partial": [[shard, ordinal, location], ...], "extra": [...], "returns": [...]},
-                "ranks": [{"next": 0, "readers": [...]} | null, ...]}}
+                "ranks": [{"next": 0, "readers": [{..., "packed": {"rows": 733, "width": 6,
+                           "split": [366, 42, ...], "ints": "<base64>"}}, ...]} | null, ...]}}
 """
 
 from __future__ import annotations

@@ -48,7 +48,8 @@ anew (cost: packing every old rank's served part of the stream again, and with f
 readers reading that prefix once per old reader; the served ids are one shared sorted int64 tensor;
 ``docs/resume.md``).
 ``state_dict(cursors="all")`` (a collective) gathers every DP rank's cursors into one state
-(version 5; :func:`merge_rank_states` merges per-rank ones): under the same topology each rank
+(version 6, its cursors packed; ``dst=r``: gathered to rank ``r`` only;
+:func:`merge_rank_states` merges per-rank ones): under the same topology each rank
 seeks as above; under another, ``load_state_dict`` folds the old readers' cursors into the shards
 the epoch consumed whole (never opened again), the shards it consumed in part (entered after their
 last consumed sample: a seek, an HTTP ``Range`` read) and the samples read but not served (read
@@ -961,14 +962,16 @@ class StreamingPackedLoader(LoaderCore):
         this rank resumes by seeking instead of replaying its stream. Such a state is this rank's:
         load each rank's own (another rank replays). ``cursors="all"`` gathers every DP rank's
         cursors over ``group`` (a collective: call it on every rank) into one state, the same on
-        every rank (version 5): it resumes under the same ``dp_size`` / ``num_workers`` exactly
-        (each rank seeks), and under others without replaying (the shards the old readers
-        consumed are skipped, the partly consumed ones entered by seek, their buffered samples
-        read back; ``docs/resume.md``). :func:`merge_rank_states` merges per-rank
-        ``cursors=True`` states into the same. An epoch resumed from a version-5 state under
-        another topology writes version 5 (``stream.skip``: what its earlier segments consumed)
-        whatever ``cursors`` is. A :class:`Mixture` stream's reader cursors hold each component
-        stream's cursor and the interleave's state (``docs/resume.md``).
+        every rank (version 6: version 5 with each reader's samples packed,
+        :func:`~prealign.loaders.state.pack_cursor`): it resumes under the same ``dp_size`` /
+        ``num_workers`` exactly (each rank seeks), and under others without replaying (the
+        shards the old readers consumed are skipped, the partly consumed ones entered by seek,
+        their buffered samples read back; ``docs/resume.md``). :func:`merge_rank_states`
+        merges per-rank ``cursors=True`` states into the same. An epoch resumed from a version-5
+        or 6 state under another topology writes version 5 or 6 (``stream.skip``: what its
+        earlier segments consumed) whatever ``cursors`` is. A :class:`Mixture` stream's reader
+        cursors hold each component stream's cursor and the interleave's state
+        (``docs/resume.md``).
 
         ``dst`` (with ``cursors="all"``): the global rank that gathers the state (a
         ``gather_object``, as Energon's ``save_state_global(global_dst_rank)``): it returns the
@@ -1172,7 +1175,7 @@ class StreamingPackedLoader(LoaderCore):
 
 
 def merge_rank_states(states: list) -> dict:
-    """One version-5 state from per-rank states of one run (each rank's
+    """One version-6 state (version 5, cursors packed) from per-rank states of one run (each rank's
     ``state_dict(cursors=True)``, version 4 or 5, or a gathered one): the same epoch, position,
     configuration and data, each rank's cursors in its place, so that a run under another
     ``dp_size`` / ``num_workers`` resumes it without replaying (Energon's ``save_state_rank``
