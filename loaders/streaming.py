@@ -35,11 +35,13 @@ state seeks: each reader reads back its buffered samples by location, goes on in
 last record (:meth:`~prealign.loaders.sources.source.Source.scan_after`: a webdataset shard's
 members before it are read, not decoded) and its DataLoader worker ``w`` plays the saved reader
 ``(w + next) % W``, so the batches are the uninterrupted run's at a cost that does not grow with the
-position. Without cursors (a state of another rank, of an older prealign, of a :class:`Mixture`
-stream) loading re-reads this rank's stream from the start of the epoch and replays the
-deterministic packing, skipping the first ``position`` micro-batches (cost: reading and collating
-that much of the stream again). A position past the end of its epoch (every rank's stream ends
-before it) cannot be known before the stream is read: it is a
+position. A :class:`Mixture` stream's cursor holds each component stream's cursor and the
+interleave's state (:class:`~prealign.loaders.plan.mixing.StreamMix`): it seeks every component.
+Without cursors (a state of another rank, of an older prealign) loading re-reads this rank's
+stream from the start of the epoch and replays the deterministic packing, skipping the first
+``position`` micro-batches (cost: reading and collating that much of the stream again). A
+position past the end of its epoch (every rank's stream ends before it) cannot be known before
+the stream is read: it is a
 :class:`~prealign.loaders.errors.ResumeError` at the first ``next``, on every rank alike. A state of
 another ``num_workers`` or ``dp_size`` resumes too: at the first ``next`` every reader of the saved
 run (every rank's) is replayed in this process, ids only, and the samples its DataLoader had served
