@@ -4,7 +4,7 @@ stream (issue #28).
 
     python benchmarks/bench_resume.py [--size 1000000] [--dir DIR] [--at 0.9] [--json out.json]
     nice -n 10 python benchmarks/bench_resume.py --stream [--size 1100000] [--stream-at 1000000]
-        [--rounds 3] [--replay-rounds N] [--elastic [--elastic-workers W]]
+        [--rounds 3] [--replay-rounds N] [--elastic [--elastic-workers W]] [--mixture]
 
 Data: ``--size`` pre-tokenized webdataset samples (int64 ``[8..128]`` tokens, 10k a shard, the
 writer of ``bench_ttfb.py``) with sidecar indexes (``write_sidecars``, written once and kept in
@@ -41,6 +41,12 @@ rank with ``--elastic-workers`` workers, in fresh processes, interleaved: ``skip
 shards skipped, the partly consumed ones entered by seek) and ``replay`` (every old rank's stream
 replayed, ids only, as an elastic resume did before). Target (issue #28): <= 5 µs per served
 sample, or skipped.
+
+``--stream --mixture`` (with or without ``--elastic``): the same shards as a 2-component
+:class:`~prealign.loaders.Mixture` (the first half of the shards ``a``, the rest ``b``, weighted 0.6
+/ 0.4 by tokens): the seek reads each component's stream from its own cursor and restores the
+interleave. Target: the seek <= 10 s at sample 1M. The replay grows with the position: measure it
+at a smaller ``--stream-at`` (or in ``--replay-rounds 1``) and scale by the samples served.
 """
 
 from __future__ import annotations
@@ -128,11 +134,17 @@ result = {{"per_microbatch_s": (time.perf_counter() - t0) / k}}
 
 _STREAM_COMMON = """
 import json, time
-from prealign.loaders import StreamingPackedLoader, WebDatasetSource
+from prealign.loaders import Mixture, StreamingPackedLoader, WebDatasetSource
 from prealign.schemas import ParallelLayout, causal_lm_schema
 paths = {paths!r}
+def source():
+    if not {mixture!r}:
+        return WebDatasetSource(paths)
+    half = len(paths) // 2  # two components, weighted 0.6 / 0.4 by tokens
+    return Mixture({{"a": (WebDatasetSource(paths[:half]), 0.6),
+                    "b": (WebDatasetSource(paths[half:]), 0.4)}}, by="tokens")
 def make(dp=1, rank=0, workers=0):
-    return StreamingPackedLoader(WebDatasetSource(paths), schema=causal_lm_schema(),
+    return StreamingPackedLoader(source(), schema=causal_lm_schema(),
                                  layout=ParallelLayout(tp=2, cp=2), token_budget=8192, cp_rank=0,
                                  dp_size=dp, dp_rank=rank, num_workers=workers)
 """
@@ -204,9 +216,11 @@ def _stream_setup(args, name: str, setup_code: str) -> tuple[list[str], dict]:
     """The shards and the setup's states (run once, kept in ``--dir``)."""
     root = os.path.join(args.dir, f"stream-{args.size}")
     paths = write_text_shards(root, args.size)
-    cached = os.path.join(root, f"{name}-{args.stream_at}.json")
+    kind = "-mixture" if args.mixture else ""
+    cached = os.path.join(root, f"{name}{kind}-{args.stream_at}.json")
     if not os.path.exists(cached):
-        setup = _phase(setup_code.format(paths=paths, target=args.stream_at))
+        code = setup_code.format(paths=paths, target=args.stream_at, mixture=args.mixture)
+        setup = _phase(code)
         with open(cached + ".part", "w") as f:
             json.dump(setup, f)
         os.replace(cached + ".part", cached)
@@ -222,7 +236,7 @@ def _interleaved(args, paths, setup, names, workers: int) -> tuple[dict, int]:
     for i in range(args.rounds):
         for name in names[: 2 if i < replays else 1]:
             code = _STREAM_RESUME.format(
-                paths=paths, state=json.dumps(setup[name]), workers=workers
+                paths=paths, state=json.dumps(setup[name]), workers=workers, mixture=args.mixture
             )
             rounds[name].append(_phase(code))
     return rounds, replays
@@ -241,8 +255,10 @@ def stream_main(args) -> int:
         if s["first_ids"] != r["first_ids"]:
             raise SystemExit("the seek and the replay resumed at different batches")
     position = setup["seek"]["position"]
+    what = "a 2-component Mixture (0.6 / 0.4 by tokens) of " if args.mixture else ""
     print(
-        f"StreamingPackedLoader, {args.size:,} samples in {len(paths)} shards, resumed at "
+        f"StreamingPackedLoader over {what}{args.size:,} samples in {len(paths)} shards, "
+        f"resumed at "
         f"micro-batch {position} ({setup['served']:,} samples served; serving them took "
         f"{setup['serve_s']:.0f} s), {args.rounds} rounds (replay: {replays}), median [min..max]\n"
     )
@@ -269,8 +285,10 @@ def elastic_main(args) -> int:
     paths, setup = _stream_setup(args, "elastic", _ELASTIC_SETUP)
     rounds, replays = _interleaved(args, paths, setup, ("skip", "replay"), args.elastic_workers)
     served = setup["served"]
+    what = "a 2-component Mixture (0.6 / 0.4 by tokens) of " if args.mixture else ""
     print(
-        f"StreamingPackedLoader, {args.size:,} samples in {len(paths)} shards, a dp-2 state at "
+        f"StreamingPackedLoader over {what}{args.size:,} samples in {len(paths)} shards, a dp-2 "
+        f"state at "
         f"micro-batch {setup['position']} of each rank ({served:,} samples served) resumed at "
         f"dp 1 with {args.elastic_workers} workers, {args.rounds} rounds (replay: {replays}), "
         f"median [min..max]\n"
@@ -302,6 +320,64 @@ def _table(what: str, rounds: dict[str, list[dict]], served: int) -> list[float]
     if ratios:
         print(f"\n{slow} / {fast} per round: {_spread(ratios)}x")
     return ratios
+
+
+def state_size_main(args) -> int:
+    """``--state-size``: the bytes of a version-5 state (``state_dict(cursors="all")``) as a
+    function of DP ranks, workers and ``buffer_size``. One rank's real ``state_dict(cursors=True)``
+    (a stream of ``[8..128]``-token samples served until every reader's buffer is full) is copied
+    to every rank (``dp_rank`` changed) and merged with ``merge_rank_states``, as the gather does;
+    its JSON size is what the all-gather delivers to every rank, and what ``dst`` delivers to one.
+    ``lists``: the same state with its samples as lists (version 5); ``packed``: as written
+    (version 6, one int array per reader).
+    """
+    from itertools import islice
+
+    from prealign.loaders import StreamingPackedLoader, WebDatasetSource
+    from prealign.loaders.plan.planner import PlannerConfig
+    from prealign.loaders.state import unpack_cursor
+    from prealign.loaders.streaming import merge_rank_states
+    from prealign.schemas import ParallelLayout, causal_lm_schema
+
+    paths = write_text_shards(os.path.join(args.dir, "size-40000"), 40_000, per_shard=2_000)
+    print(
+        "| DP ranks | workers | buffer_size | merged, lists (v5) | merged, packed (v6) | "
+        "each rank receives: all-gather | with dst (the others) |\n|---|---|---|---|---|---|---|"
+    )
+    for workers, buffer in ((1, 256), (8, 256), (8, 1024)):
+        loader = StreamingPackedLoader(
+            WebDatasetSource(paths),
+            schema=causal_lm_schema(),
+            layout=ParallelLayout(tp=2, cp=2),
+            token_budget=8192,
+            cp_rank=0,
+            dp_size=1,
+            dp_rank=0,
+            num_workers=workers,
+            planner=PlannerConfig(buffer_size=buffer),
+        )
+        it = iter(loader)
+        list(islice(it, 4 * workers))
+        own = loader.state_dict(cursors=True)
+        it.close()
+        for ranks in (8, 64, 512):
+            per = [
+                {**own, "config": {**own["config"], "dp_size": ranks},
+                 "cursors": {**own["cursors"], "dp_rank": r, "dp_size": ranks}}
+                for r in range(ranks)
+            ]
+            merged = merge_rank_states(per)
+            lists = [
+                {**e, "readers": [unpack_cursor(c, "") for c in e["readers"]]}
+                for e in merged["stream"]["ranks"]
+            ]
+            plain = len(json.dumps({**merged, "stream": {**merged["stream"], "ranks": lists}}))
+            packed = len(json.dumps(merged))
+            print(
+                f"| {ranks} | {workers} | {buffer} | {plain / 1e6:.1f} MB | {packed / 1e6:.1f} MB "
+                f"| {packed / 1e6:.1f} MB (v5: {plain / 1e6:.1f} MB) | 0 |"
+            )
+    return 0
 
 
 def _phase(code: str) -> dict:
@@ -343,7 +419,19 @@ def main() -> int:
     ap.add_argument(
         "--elastic-workers", type=int, default=0, help="DataLoader workers of the elastic resume"
     )
+    ap.add_argument(
+        "--mixture",
+        action="store_true",
+        help="with --stream: the shards as a 2-component Mixture (see the docstring)",
+    )
+    ap.add_argument(
+        "--state-size",
+        action="store_true",
+        help="the size of a gathered stream state by ranks, workers and buffer (see its docstring)",
+    )
     args = ap.parse_args()
+    if args.state_size:
+        return state_size_main(args)
     if args.stream:
         return stream_main(args)
     paths = write_text_shards(os.path.join(args.dir, f"text-{args.size}"), args.size)

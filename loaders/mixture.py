@@ -29,10 +29,11 @@ from prealign.loaders.errors import BadSampleError, ResumeError
 from prealign.loaders.index.build import build_index
 from prealign.loaders.index.sample_index import SampleIndex
 from prealign.loaders.plan.elastic import Segment, rest_of_epoch
-from prealign.loaders.plan.mixing import LENGTHS, MixSpec, mixed_order
+from prealign.loaders.plan.mixing import LENGTHS, MixSpec, StreamMix, mixed_order
 from prealign.loaders.plan.schedule import Schedule, epoch_order
 from prealign.loaders.policy import BadDataPolicy, BadDataReport
 from prealign.loaders.sources.source import Location, Source
+from prealign.loaders.sources.webdataset import WebDatasetSource
 from prealign.schemas.errors import ConfigError, SampleError
 from prealign.schemas.schema import BatchSchema
 
@@ -157,10 +158,19 @@ class Mixture(Source):
                     f"mixture component {self.names[c]!r}: locations of {len(loc)} ints; a mixture "
                     f"scanned as one source holds at most {SCAN_WIDTH}"
                 )
-            yield (
-                (None if loc is None else (c, len(loc), *loc, *(0,) * (SCAN_WIDTH - len(loc)))),
-                raw,
-            )
+            yield _wrapped(c, loc), raw
+
+    def scan_after(self, shard: int, ordinal: int, location: Location, *, seek=None):
+        """The component's :meth:`~prealign.loaders.sources.source.Source.scan_after` (a
+        webdataset's reads the members before ``location`` without decoding them; ``seek``: a
+        consumed sample's location, where it opens the shard), locations wrapped as :meth:`scan`'s.
+        """
+        c, local = self._shard(shard)
+        source, loc = self._split(location)
+        seeks = seek is not None and isinstance(source, WebDatasetSource)
+        kw = {"seek": self._split(seek)[1]} if seeks else {}
+        for loc, raw in source.scan_after(local, ordinal, loc, **kw):
+            yield _wrapped(c, loc), raw
 
     def _split(self, location: Location) -> tuple[Source, Location]:
         c, width = int(location[0]), int(location[1])
@@ -195,32 +205,14 @@ class Mixture(Source):
         comp = np.searchsorted(starts, np.asarray(order, np.int64), side="right") - 1
         return [[int(s) for s, k in zip(order, comp) if k == c] for c in range(len(self._sources))]
 
-    def stream_interleave(self, streams: Sequence, last: list):
-        """Items of the components' ``streams`` (iterators, read forward) interleaved by weight: the
-        next item is the stream's whose virtual time ``(U_c + u/2) / w_c`` is least, ``U_c`` its
-        units so far (samples, or the tokens ``last[0]`` the reader sets once it transformed each
-        item), ``u`` its last item's units. A stream that ends leaves the rest; every item is read
-        once (the epoch is every sample once: ``length`` and
-        ``repeat`` do not apply to streams, whose sizes are not known)."""
+    def stream_mix(self, state: dict | None = None) -> StreamMix:
+        """The interleave of the components' streams in a reader (:class:`~prealign.loaders.plan.
+        mixing.StreamMix`): by weight (a ``repeat=`` component's repeat as its weight), in units of
+        :attr:`spec` ``by``; from ``state`` (a cursor's) when given. Every item is read once (the
+        epoch is every sample once: ``length`` and ``repeat`` do not apply to streams, whose sizes
+        are not known)."""
         weights = [w if w is not None else r for w, r in zip(self.spec.weights, self.spec.repeats)]
-        live = [iter(s) for s in streams]
-        used = [0.0] * len(live)
-        recent = [1.0] * len(live)
-        while any(it is not None for it in live):
-            c = min(
-                (c for c, it in enumerate(live) if it is not None),
-                key=lambda c: ((used[c] + recent[c] / 2) / weights[c], c),
-            )
-            try:
-                item = next(live[c])
-            except StopIteration:
-                live[c] = None
-                continue
-            last[0] = 1
-            yield item
-            units = 1.0 if self.spec.by == "samples" else float(last[0])
-            used[c] += units
-            recent[c] = units or recent[c]
+        return StreamMix(weights, self.spec.by, state)
 
     # ---- the index
     # ---------------------------------------------------------------------------------
@@ -550,6 +542,11 @@ def steps_served(schedule: Schedule, epoch: int) -> tuple[np.ndarray, np.ndarray
         pos += k
         bounds.append(len(ids))
     return np.asarray(ids, np.int64), np.asarray(bounds, np.int64)
+
+
+def _wrapped(c: int, loc: Location | None) -> Location | None:
+    """A component ``c``'s location as the mixture's: ``(c, width, *loc, 0...)``."""
+    return None if loc is None else (c, len(loc), *loc, *(0,) * (SCAN_WIDTH - len(loc)))
 
 
 def _spec_of(data, where: str) -> MixSpec:

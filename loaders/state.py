@@ -32,21 +32,32 @@ is that rank's (other ranks replay):
           "bins": [[[id, aligned size, *location], ...], ...]},
          ...]}}
 
-A streaming state taken with ``state_dict(cursors="all")`` (or merged from every rank's
-``cursors=True`` state) is version 5: every DP rank's cursors and what earlier segments of the
-epoch consumed (``skip``), so that any topology resumes it without replaying:
+A :class:`~prealign.loaders.Mixture` stream's reader cursor adds ``"mix": {"state": {"used",
+"recent", "ended"}, "streams": [{"at", "k", "done"}, ...]}``: the interleave's state and each
+component stream's own cursor (one per component).
 
-    {"version": 5, "kind": "prealign.StreamingPackedLoader", ..., "position": 917,
+A streaming state taken with ``state_dict(cursors="all")`` (or merged from every rank's
+``cursors=True`` state) is version 6 (version 5 with each reader's samples packed into one int
+array, :func:`pack_cursor`; version 5 still loads): every DP rank's cursors and what earlier
+segments of the epoch consumed (``skip``), so that any topology resumes it without replaying:
+
+    {"version": 6, "kind": "prealign.StreamingPackedLoader", ..., "position": 917,
      "stream": {"dp_size": 2, "num_workers": 0, "offset": 0, "skip": null | {"done": [...],
                 "partial": [[shard, ordinal, location], ...], "extra": [...], "returns": [...]},
-                "ranks": [{"next": 0, "readers": [...]} | null, ...]}}
+                "ranks": [{"next": 0, "readers": [{..., "packed": {"rows": 733, "width": 6,
+                           "split": [366, 42, ...], "ints": "<base64>"}}, ...]} | null, ...]}}
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import math
+import zlib
 from dataclasses import dataclass
+
+import numpy as np
 
 from prealign.loaders.errors import ResumeError
 from prealign.loaders.plan.elastic import Segment
@@ -70,6 +81,11 @@ merge_rank_states` merges per-rank states) and what earlier segments of the epoc
 (``skip``, :mod:`prealign.loaders.plan.stream_skip`), so that a resume under another
 ``dp_size`` or ``num_workers`` skips the consumed shards and seeks into the partly consumed ones
 instead of replaying. A prealign without it refuses it (versions 2 to 4 still load)."""
+PACKED_VERSION = 6
+"""6: a version-5 state whose reader cursors hold their samples packed (:func:`pack_cursor`: one
+int array per reader, about 4x smaller than version 5's lists), what ``state_dict(cursors="all")``
+and :func:`~prealign.loaders.streaming.merge_rank_states` write. A prealign without it refuses it
+(versions 2 to 5 still load)."""
 STATE_KIND = "prealign.PackedLoader"
 STREAM_STATE_KIND = "prealign.StreamingPackedLoader"
 
@@ -139,7 +155,7 @@ class LoaderState:
 
     def to_dict(self) -> dict:
         version = (
-            STREAM_VERSION
+            (PACKED_VERSION if _has_packed(self.stream) else STREAM_VERSION)
             if self.stream is not None
             else CURSOR_VERSION
             if self.cursors is not None
@@ -184,7 +200,9 @@ class LoaderState:
             raise ResumeError(f"loader state: key 'kind': not a {kind} state: {str(state)[:200]}")
         version = state.get("version")
         known = (STATE_VERSION, ELASTIC_VERSION)
-        known += (CURSOR_VERSION, STREAM_VERSION) if kind == STREAM_STATE_KIND else ()
+        known += (
+            (CURSOR_VERSION, STREAM_VERSION, PACKED_VERSION) if kind == STREAM_STATE_KIND else ()
+        )
         if isinstance(version, bool) or version not in known:
             raise ResumeError(
                 f"loader state: key 'version': version {version!r} is not supported (this "
@@ -221,10 +239,11 @@ class LoaderState:
                 f"version {version}"
             )
         stream = state.get("stream")
+        streamed = version in (STREAM_VERSION, PACKED_VERSION)
         if (
-            (version == STREAM_VERSION) != ("stream" in state)
+            streamed != ("stream" in state)
             or not isinstance(stream, (dict, type(None)))
-            or (version == STREAM_VERSION and ("segments" in state or "cursors" in state))
+            or (streamed and ("segments" in state or "cursors" in state))
         ):
             raise ResumeError(
                 f"loader state: key 'stream': an object in a version {STREAM_VERSION} state (which "
@@ -281,3 +300,83 @@ class LoaderState:
                 + "\n  ".join(problems)
                 + "\nresume with the saved run's configuration, or start a fresh loader"
             )
+
+
+_PACK_LIMIT = 1 << 28
+"""Most ints a packed cursor may hold (2 GiB unpacked): a bigger one is not a state this writes."""
+
+
+def _has_packed(stream: dict | None) -> bool:
+    ranks = (stream or {}).get("ranks")
+    return isinstance(ranks, list) and any(
+        isinstance(c, dict) and "packed" in c
+        for e in ranks
+        if isinstance(e, dict) and isinstance(e.get("readers"), list)
+        for c in e["readers"]
+    )
+
+
+def pack_cursor(cursor: dict | None) -> dict | None:
+    """A reader cursor with its ``buffer`` and ``bins`` (``[id, aligned size, *location]`` lists)
+    as one int64 array ``[rows, width]``, each column delta-coded along the rows, zlib-compressed
+    and base64 text (``"packed": {"rows", "width", "split", "ints"}``; ``split``: the buffer's
+    length, then each bin's). The same cursor when it is already packed, is ``None``, or holds
+    records of different widths.
+
+    >>> c = {"k": 0, "buffer": [[4294967297, 64, 1, 0, 512, 9]], "bins": [[[4294967298, 32, 1,
+    ...      512, 1024, 7]], []]}
+    >>> unpack_cursor(pack_cursor(c), "readers[0]") == c
+    True
+    """
+    if cursor is None or "packed" in cursor:
+        return cursor
+    records = [*cursor["buffer"], *(r for b in cursor["bins"] for r in b)]
+    widths = {len(r) for r in records}
+    if len(widths) > 1:
+        return cursor
+    a = np.asarray(records, dtype=np.int64).reshape(len(records), widths.pop() if widths else 0)
+    deltas = np.diff(a, axis=0, prepend=np.zeros((1, a.shape[1]), np.int64))
+    ints = base64.b64encode(zlib.compress(deltas.T.astype("<i8").tobytes(), 6)).decode("ascii")
+    split = [len(cursor["buffer"]), *(len(b) for b in cursor["bins"])]
+    out = {k: v for k, v in cursor.items() if k not in ("buffer", "bins")}
+    out["packed"] = {"rows": a.shape[0], "width": a.shape[1], "split": split, "ints": ints}
+    return out
+
+
+def unpack_cursor(cursor: dict | None, where: str) -> dict | None:
+    """:func:`pack_cursor` undone (a cursor with ``buffer`` and ``bins`` is returned as it is); a
+    malformed ``packed`` is a :class:`ResumeError` naming ``where``."""
+    if not isinstance(cursor, dict) or "packed" not in cursor:
+        return cursor
+    p = cursor["packed"]
+
+    def bad(why: str):
+        raise ResumeError(f"loader state: key '{where}.packed': {why}")
+
+    if not (isinstance(p, dict) and set(p) == {"rows", "width", "split", "ints"}):
+        bad(f"expected rows, width, split and ints, got {str(p)[:200]}")
+    rows, width, split = p["rows"], p["width"], p["split"]
+    if not (
+        all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in (rows, width))
+        and rows * width <= _PACK_LIMIT
+        and isinstance(split, list)
+        and split
+        and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in split)
+        and sum(split) == rows
+        and isinstance(p["ints"], str)
+    ):
+        bad(f"rows {rows!r} x width {width!r} split {str(split)[:100]}: not a packed cursor")
+    try:
+        inflate = zlib.decompressobj()
+        raw = inflate.decompress(base64.b64decode(p["ints"], validate=True), rows * width * 8 + 1)
+    except (binascii.Error, ValueError, zlib.error) as exc:
+        bad(f"not base64 zlib text ({exc})")
+    if len(raw) != rows * width * 8 or inflate.unconsumed_tail:
+        bad(f"{len(raw)} bytes unpacked, expected {rows * width * 8} ({rows} x {width} int64)")
+    deltas = np.frombuffer(raw, dtype="<i8").reshape(width, rows).T
+    records = np.cumsum(deltas, axis=0, dtype=np.int64).tolist()
+    out = {k: v for k, v in cursor.items() if k != "packed"}
+    bounds = np.cumsum([0, *split]).tolist()
+    out["buffer"] = records[: bounds[1]]
+    out["bins"] = [records[lo:hi] for lo, hi in zip(bounds[1:-1], bounds[2:])]
+    return out

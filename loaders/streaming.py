@@ -35,11 +35,13 @@ state seeks: each reader reads back its buffered samples by location, goes on in
 last record (:meth:`~prealign.loaders.sources.source.Source.scan_after`: a webdataset shard's
 members before it are read, not decoded) and its DataLoader worker ``w`` plays the saved reader
 ``(w + next) % W``, so the batches are the uninterrupted run's at a cost that does not grow with the
-position. Without cursors (a state of another rank, of an older prealign, of a :class:`Mixture`
-stream) loading re-reads this rank's stream from the start of the epoch and replays the
-deterministic packing, skipping the first ``position`` micro-batches (cost: reading and collating
-that much of the stream again). A position past the end of its epoch (every rank's stream ends
-before it) cannot be known before the stream is read: it is a
+position. A :class:`Mixture` stream's cursor holds each component stream's cursor and the
+interleave's state (:class:`~prealign.loaders.plan.mixing.StreamMix`): it seeks every component.
+Without cursors (a state of another rank, of an older prealign) loading re-reads this rank's
+stream from the start of the epoch and replays the deterministic packing, skipping the first
+``position`` micro-batches (cost: reading and collating that much of the stream again). A
+position past the end of its epoch (every rank's stream ends before it) cannot be known before
+the stream is read: it is a
 :class:`~prealign.loaders.errors.ResumeError` at the first ``next``, on every rank alike. A state of
 another ``num_workers`` or ``dp_size`` resumes too: at the first ``next`` every reader of the saved
 run (every rank's) is replayed in this process, ids only, and the samples its DataLoader had served
@@ -48,7 +50,8 @@ anew (cost: packing every old rank's served part of the stream again, and with f
 readers reading that prefix once per old reader; the served ids are one shared sorted int64 tensor;
 ``docs/resume.md``).
 ``state_dict(cursors="all")`` (a collective) gathers every DP rank's cursors into one state
-(version 5; :func:`merge_rank_states` merges per-rank ones): under the same topology each rank
+(version 6, its cursors packed; ``dst=r``: gathered to rank ``r`` only;
+:func:`merge_rank_states` merges per-rank ones): under the same topology each rank
 seeks as above; under another, ``load_state_dict`` folds the old readers' cursors into the shards
 the epoch consumed whole (never opened again), the shards it consumed in part (entered after their
 last consumed sample: a seek, an HTTP ``Range`` read) and the samples read but not served (read
@@ -88,15 +91,16 @@ from prealign.loaders.index.sample_checks import has_media, media_keys, validate
 from prealign.loaders.mixture import Mixture
 from prealign.loaders.options import LoadingOptions, WorkerConfig, check_option, worker_config
 from prealign.loaders.plan.elastic import round_robin
+from prealign.loaders.plan.mixing import StreamMix
 from prealign.loaders.plan.packing import best_fit_decreasing
 from prealign.loaders.plan.planner import PlannerConfig
-from prealign.loaders.plan.stream_skip import Skip, fold, kept
+from prealign.loaders.plan.stream_skip import Skip, fold, fold_parts, kept
 from prealign.loaders.policy import BadDataGate, BadDataPolicy, BadDataReport, BadRecord, Oversize
 from prealign.loaders.serve.workers import hand_over
 from prealign.loaders.shaping import filler_length, filler_sample, truncate_sample
 from prealign.loaders.sources.source import Source
 from prealign.loaders.sources.webdataset import WebDatasetSource
-from prealign.loaders.state import STREAM_STATE_KIND, LoaderState
+from prealign.loaders.state import STREAM_STATE_KIND, LoaderState, pack_cursor, unpack_cursor
 from prealign.schemas.errors import PrealignError, SampleError
 from prealign.schemas.layout import ParallelLayout
 from prealign.schemas.schema import BatchSchema
@@ -176,7 +180,7 @@ def records_of(source: Source):
     ``source``: a shard's ``(ordinal, location, item)`` from its start, or after the record
     ``after`` (:meth:`Source.scan_after`: not decoded again); a webdataset shard with a ``base`` is
     entered at ``base``'s end (a seek, a range read), what comes before it not read at all."""
-    seeks = isinstance(source, WebDatasetSource)
+    seeks = isinstance(source, (WebDatasetSource, Mixture))
 
     def records(shard: int, after, base):
         if after is None:
@@ -248,23 +252,28 @@ class _Reader(IterableDataset):
         role = (w + self.rotate) % workers
         return role, self.dp_rank * workers + role, self.dp_size * workers
 
-    def _mine(self, at: list, units: list | None = None):
-        """``(role, records)``: this reader's role and its ``(shard, ordinal, location, raw)`` in
-        stream order; bad records as ``(shard, ordinal, location, exception or BadRecord)``. ``at``
-        is kept at the last record's ``[shard position, ordinal, location, k]``; ``units``:
-        ``[tokens]`` of the last sample, set by the caller once transformed (a :class:`Mixture`
-        interleaves its components by them)."""
+    def _mine(self, at: list):
+        """``(role, records, mix)``: this reader's role and its ``(shard, ordinal, location, raw)``
+        in stream order; bad records as ``(shard, ordinal, location, exception or BadRecord)``.
+        ``at`` is kept at the last record's ``[shard position, ordinal, location, k]``. ``mix``: a
+        :class:`Mixture`'s interleave (each component's stream its own, read from its own cursor;
+        the caller sets ``mix.units[0]`` to each sample's tokens once transformed), else None."""
         role, g, readers = self._place()
         n = self.source.num_shards
         order = np.random.default_rng([self.seed, self.epoch]).permutation(n).tolist()
-        if isinstance(
-            self.source, Mixture
-        ):  # each component's stream its own, interleaved by weight
-            parts = self.source.shards_by_component(order)
-            streams = [self._scanned(part, g, readers, []) for part in parts]
-            return role, self.source.stream_interleave(streams, units or [1])
         cursor = self.cursors[role] if self.cursors is not None else None
-        return role, self._scanned(order, g, readers, at, cursor)
+        if not isinstance(self.source, Mixture):
+            return role, self._scanned(order, g, readers, at, cursor), None
+        parts = self.source.shards_by_component(order)
+        saved = None if cursor is None else cursor["mix"]
+        mix = _MixCursor(self.source.stream_mix(None if saved is None else saved["state"]))
+        subs = [None] * len(parts) if saved is None else saved["streams"]
+        for sub in subs:
+            mix.ats.append([0, -1, None, 0] if sub is None else [*sub["at"], sub["k"]])
+        streams = [
+            self._scanned(part, g, readers, a, sub) for part, a, sub in zip(parts, mix.ats, subs)
+        ]
+        return role, mix.mix(*streams), mix
 
     def _scanned(
         self, order: list[int], g: int, readers: int, at: list, cursor: dict | None = None
@@ -306,19 +315,16 @@ class _Reader(IterableDataset):
             yield hand_over(exc)
 
     def _packed(self):
-        units = (
-            [0] if isinstance(self.source, Mixture) else None
-        )  # the last sample's tokens, for the interleave
-        seekable = units is None and not self.ids_only
         packer, at = _Packer(self), [0, -1, None, 0]
-        role, records = self._mine(at, units)
+        role, records, mix = self._mine(at)
+        seekable = not self.ids_only
         cursor = self.cursors[role] if self.cursors is not None else None
         for entries in packer.restore(cursor) if cursor is not None else ():
             yield *packer.collated(entries), (role, None)
 
         def rounds(final: bool):
             bins = packer.emit(final)
-            mark = packer.cursor(at, bins, final) if seekable else None
+            mark = packer.cursor(at, bins, final, mix) if seekable else None
             for i, entries in enumerate(bins):
                 yield *packer.collated(entries), (role, mark if i == 0 else None)
 
@@ -343,8 +349,8 @@ class _Reader(IterableDataset):
             except SampleError as exc:
                 packer.bad(where, exc)
                 continue
-            if units is not None:  # a mixture's interleave by tokens
-                units[0] = len(sample.get("input_ids", ()))
+            if mix is not None:  # a mixture's interleave by tokens
+                mix.mix.units[0] = len(sample.get("input_ids", ()))
             packer.pending.append((stream_id(shard, ordinal), where, sample, loc))
             waiting = len(packer.buffer) + len(packer.pending)
             if len(packer.pending) >= _CHUNK or waiting >= self.buffer_size:
@@ -355,8 +361,31 @@ class _Reader(IterableDataset):
         while packer.buffer:
             yield from rounds(final=True)
         if packer.events:  # bad data after the last micro-batch: an empty hand-over carries it
-            last = packer.cursor(at, [], True) if seekable else None
+            last = packer.cursor(at, [], True, mix) if seekable else None
             yield None, list(packer.events), (role, last)
+
+
+@dataclass
+class _MixCursor:
+    """A :class:`Mixture` reader's position: the interleave of its component streams (``mix``)
+    and each stream's ``[shard position, ordinal, location, k]`` of its last record (``ats``)."""
+
+    mix: StreamMix
+    ats: list = dataclasses.field(default_factory=list)
+
+    def saved(self) -> dict:
+        """JSON-friendly: ``{"state": the interleave's, "streams": [{at, k, done}, ...]}``, O(
+        components)."""
+        state = self.mix.state()
+        streams = [
+            {
+                "at": [pos, ordinal, None if loc is None else [int(x) for x in loc]],
+                "k": k,
+                "done": ended,
+            }
+            for (pos, ordinal, loc, k), ended in zip(self.ats, state["ended"])
+        ]
+        return {"state": state, "streams": streams}
 
 
 class _Packer:
@@ -451,12 +480,16 @@ class _Packer:
         self.events.clear()
         return (pack_batch(batch) if r.pack else batch), ev
 
-    def cursor(self, at: list, bins: list[list[Entry]], done: bool) -> dict:
+    def cursor(
+        self, at: list, bins: list[list[Entry]], done: bool, mix: "_MixCursor | None" = None
+    ) -> dict:
         """JSON-friendly: where the stream goes on (``at``: ``[shard position, ordinal, location]``
         of the last record read, ``k`` the records counted for a split by sample, ``done`` at its
         end), the gate's count of bad samples in a row, the fixed dims, the buffer and the
         micro-batches of this round (``bins``) as ``[id, aligned size, *location]`` (re-read at a
-        resume: at most ``buffer_size`` samples)."""
+        resume: at most ``buffer_size`` samples); a :class:`Mixture`'s reader adds ``mix``
+        (:meth:`_MixCursor.saved`: each component stream's own ``at`` / ``k`` / ``done`` and the
+        interleave's state)."""
         pos, ordinal, loc, k = at
         rule = self.rule
         where = None if loc is None else [int(x) for x in loc]
@@ -468,6 +501,7 @@ class _Packer:
             "rule": [rule.fixed, rule.fixed_by, rule.fields],
             "buffer": [e[3] for e in self.buffer],
             "bins": [[e[3] for e in b] for b in bins],
+            **({} if mix is None else {"mix": mix.saved()}),
         }
 
     def restore(self, cursor: dict) -> list[list[Entry]]:
@@ -885,42 +919,78 @@ class StreamingPackedLoader(LoaderCore):
             return None
         return {"next": track.next, "readers": track.saved()}
 
-    def _gathered(self, entry: dict | None) -> list:
+    def _gathered(self, entry: dict | None, dst: int | None = None) -> list | None:
         """Every DP rank's :meth:`_entry` (``None`` for a rank not heard from): an
         ``all_gather_object`` over ``group`` (a collective: every rank of it calls it) when a
-        process group is up, else this rank's alone."""
+        process group is up, else this rank's alone. ``dst``: a ``gather_object`` to that global
+        rank instead (the others get ``None``: they receive nothing)."""
         import torch.distributed as dist
 
         ranks: list = [None] * self.dp_size
-        if self.dp_size == 1 or not (dist.is_available() and dist.is_initialized()):
+        if not (dist.is_available() and dist.is_initialized()):
             ranks[self.dp_rank] = entry
             return ranks
-        got: list = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(got, (self.dp_rank, entry), group=self.group)
+        if dst is not None:
+            group = (
+                dist.get_process_group_ranks(self.group)
+                if self.group is not None
+                else list(range(dist.get_world_size()))
+            )
+            if dst not in group:
+                raise PlanError(
+                    f"state_dict(dst={dst}): global rank {dst} is not in the loader's group "
+                    f"(ranks {group[:16]})"
+                )
+        if self.dp_size == 1:
+            ranks[self.dp_rank] = entry
+            return ranks if dst is None or dist.get_rank() == dst else None
+        got: list | None = [None] * dist.get_world_size(self.group)
+        if dst is None:
+            dist.all_gather_object(got, (self.dp_rank, entry), group=self.group)
+        else:
+            got = got if dist.get_rank() == dst else None
+            dist.gather_object((self.dp_rank, entry), got, dst=dst, group=self.group)
+            if got is None:
+                return None
         for rank, e in got:  # (TP / CP ranks of a DP rank read the same stream: the first one)
             if ranks[rank] is None:
                 ranks[rank] = e
         return ranks
 
-    def state_dict(self, cursors: bool | str = False) -> dict:
+    def state_dict(self, cursors: bool | str = False, dst: int | None = None) -> dict | None:
         """The state (:meth:`LoaderCore.state_dict`: the same on every rank). ``cursors=True`` adds
         this rank's reader cursors (version 4, :mod:`prealign.loaders.state`): where each of its
         readers goes on and the samples its buffer holds (at most ``buffer_size`` a reader), so that
         this rank resumes by seeking instead of replaying its stream. Such a state is this rank's:
         load each rank's own (another rank replays). ``cursors="all"`` gathers every DP rank's
         cursors over ``group`` (a collective: call it on every rank) into one state, the same on
-        every rank (version 5): it resumes under the same ``dp_size`` / ``num_workers`` exactly
-        (each rank seeks), and under others without replaying (the shards the old readers
-        consumed are skipped, the partly consumed ones entered by seek, their buffered samples
-        read back; ``docs/resume.md``). :func:`merge_rank_states` merges per-rank
-        ``cursors=True`` states into the same. An epoch resumed from a version-5 state under
-        another topology writes version 5 (``stream.skip``: what its earlier segments consumed)
-        whatever ``cursors`` is. A :class:`Mixture` stream has no cursors (it replays)."""
+        every rank (version 6: version 5 with each reader's samples packed,
+        :func:`~prealign.loaders.state.pack_cursor`): it resumes under the same ``dp_size`` /
+        ``num_workers`` exactly (each rank seeks), and under others without replaying (the
+        shards the old readers consumed are skipped, the partly consumed ones entered by seek,
+        their buffered samples read back; ``docs/resume.md``). :func:`merge_rank_states`
+        merges per-rank ``cursors=True`` states into the same. An epoch resumed from a version-5
+        or 6 state under another topology writes version 5 or 6 (``stream.skip``: what its
+        earlier segments consumed) whatever ``cursors`` is. A :class:`Mixture` stream's reader
+        cursors hold each component stream's cursor and the interleave's state
+        (``docs/resume.md``).
+
+        ``dst`` (with ``cursors="all"``): the global rank that gathers the state (a
+        ``gather_object``, as Energon's ``save_state_global(global_dst_rank)``): it returns the
+        state, every other rank ``None`` (it receives nothing; at hundreds of ranks every rank
+        receiving every rank's cursors is the cost ``dst`` avoids). Save it from ``dst``; every
+        rank of the next run loads the same file. Without a process group the state is
+        returned."""
         if cursors not in (False, True, "all"):
             raise PlanError(f"state_dict: cursors expected False, True or 'all', got {cursors!r}")
+        if dst is not None and (
+            cursors != "all" or isinstance(dst, bool) or not isinstance(dst, int) or dst < 0
+        ):
+            raise PlanError(
+                f"state_dict: dst expected a global rank >= 0 with cursors='all', got dst={dst!r} "
+                f"with cursors={cursors!r}"
+            )
         out = super().state_dict()
-        if isinstance(self.source, Mixture):
-            return out
         epoch, position = self._normalised()
         skip, folded = (self._skip[1], self._skip[2]) if self._skip[0] == epoch else (None, 0)
         elastic = self._skip[0] == epoch
@@ -931,10 +1001,16 @@ class StreamingPackedLoader(LoaderCore):
                 "cursors: the state is version 3 (a resume replays); the next epoch has cursors",
                 stacklevel=2,
             )
-            return out
+            import torch.distributed as dist
+
+            here = dist.get_rank() if dist.is_available() and dist.is_initialized() else dst
+            return out if dst in (None, here) else None
         if cursors == "all" or elastic:
             entry = self._entry() if cursors else None
-            ranks = self._gathered(entry) if cursors == "all" else [None] * self.dp_size
+            entry = _packed(entry) if cursors == "all" else entry
+            ranks = self._gathered(entry, dst) if cursors == "all" else [None] * self.dp_size
+            if ranks is None:  # (gathered to another rank)
+                return None
             if cursors is True:
                 ranks[self.dp_rank] = entry
             state = LoaderState.from_dict(out, kind=self.state_kind)
@@ -969,8 +1045,8 @@ class StreamingPackedLoader(LoaderCore):
         super().load_state_dict(state)
         self._track, self._skip = None, (-1, None, 0)
         cursors = st.cursors
-        if cursors is None or not self._position or isinstance(self.source, Mixture):
-            return  # (a Mixture stream's interleave has no cursor: it replays)
+        if cursors is None or not self._position:
+            return
         here = {"dp_rank": self.dp_rank, "dp_size": self.dp_size, "num_workers": self.num_workers}
         if any(cursors.get(k) != v for k, v in here.items()):
             saved = {k: cursors.get(k) for k in here}
@@ -984,6 +1060,31 @@ class StreamingPackedLoader(LoaderCore):
             return
         at, workers = (self._epoch, self._position), max(self.num_workers, 1)
         self._track = _Track.loaded(cursors, at, workers)
+        self._check_mix(self._track.cursors, "cursors.readers")
+
+    def _check_mix(self, readers: list, key: str) -> None:
+        """A :class:`ResumeError` naming ``key`` when a reader cursor of a :class:`Mixture` stream
+        lacks its ``mix`` (:meth:`_MixCursor.saved`) over this mixture's components."""
+        if not isinstance(self.source, Mixture):
+            return
+        n = len(self.source.names)
+        for g, c in enumerate(readers):
+            mix = None if c is None else c.get("mix")
+            state = mix.get("state") if isinstance(mix, dict) else None
+            streams = mix.get("streams") if isinstance(mix, dict) else None
+            if c is None or (
+                isinstance(state, dict)
+                and all(len(state.get(k) or ()) == n for k in ("used", "recent", "ended"))
+                and isinstance(streams, list)
+                and len(streams) == n
+                and all(isinstance(x, dict) and {"at", "k", "done"} <= set(x) for x in streams)
+            ):
+                continue
+            raise ResumeError(
+                f"loader state: key '{key}[{g}].mix': expected the interleave's state and "
+                f"{n} component cursors (this mixture's {list(self.source.names)}), got "
+                f"{str(mix)[:200]}"
+            )
 
     def _load_stream(self, st: LoaderState) -> None:
         """A version-5 state: same ``dp_size`` / ``num_workers``: this rank's cursors (exact);
@@ -1006,8 +1107,6 @@ class StreamingPackedLoader(LoaderCore):
                 f"loader state: key 'stream': expected dp_size, num_workers, offset, skip and "
                 f"one entry per DP rank, got {str(stream)[:200]}"
             )
-        if isinstance(self.source, Mixture):
-            raise ResumeError("loader state: key 'stream': a Mixture stream has no cursors")
         saved = {**st.config, "dp_size": shape[0], "num_workers": shape[1]}
         plain = dataclasses.replace(st, stream=None, config=saved).to_dict()
         super().load_state_dict(plain)  # (the configuration and data checked)
@@ -1020,7 +1119,7 @@ class StreamingPackedLoader(LoaderCore):
         old_workers = max(shape[1], 1)
         if shape == (self.dp_size, self.num_workers):
             self._skip = (st.epoch, skip, offset)
-            entry = ranks[self.dp_rank]
+            entry = _unpacked(ranks[self.dp_rank], f"stream.ranks[{self.dp_rank}]")
             if not st.position:
                 return
             if entry is None:
@@ -1032,6 +1131,7 @@ class StreamingPackedLoader(LoaderCore):
                 )
                 return
             self._track = _Track.loaded(entry, (st.epoch, st.position), old_workers)
+            self._check_mix(self._track.cursors, f"stream.ranks[{self.dp_rank}].readers")
             return
         missing = [r for r, e in enumerate(ranks) if e is None]
         if missing and st.position:
@@ -1044,6 +1144,7 @@ class StreamingPackedLoader(LoaderCore):
             )
         cursors = []
         for r, e in enumerate(ranks):
+            e = _unpacked(e, f"stream.ranks[{r}]")
             readers = [None] * old_workers if e is None else e.get("readers")
             if not (
                 isinstance(readers, list)
@@ -1054,10 +1155,16 @@ class StreamingPackedLoader(LoaderCore):
                     f"loader state: key 'stream.ranks[{r}]': expected {old_workers} reader "
                     f"cursors, got {str(e)[:200]}"
                 )
+            self._check_mix(readers, f"stream.ranks[{r}].readers")
             cursors += readers
         order = np.random.default_rng([self.seed, st.epoch]).permutation(self.source.num_shards)
         try:
-            folded = fold(skip, order.tolist(), cursors, records_of(self.source))
+            records = records_of(self.source)
+            if isinstance(self.source, Mixture):  # each component's stream folded on its own
+                parts = self.source.shards_by_component(order.tolist())
+                folded = fold_parts(skip, parts, cursors, records)
+            else:
+                folded = fold(skip, order.tolist(), cursors, records)
             folded = Skip.from_dict(folded.to_dict(), self.source.num_shards)  # (its bounds)
             folded.check_locations(self.source)
         except (KeyError, TypeError, ValueError, IndexError, OverflowError) as exc:
@@ -1070,7 +1177,7 @@ class StreamingPackedLoader(LoaderCore):
 
 
 def merge_rank_states(states: list) -> dict:
-    """One version-5 state from per-rank states of one run (each rank's
+    """One version-6 state (version 5, cursors packed) from per-rank states of one run (each rank's
     ``state_dict(cursors=True)``, version 4 or 5, or a gathered one): the same epoch, position,
     configuration and data, each rank's cursors in its place, so that a run under another
     ``dp_size`` / ``num_workers`` resumes it without replaying (Energon's ``save_state_rank``
@@ -1088,7 +1195,7 @@ def merge_rank_states(states: list) -> dict:
                     f"own dp_size and num_workers"
                 )
             c = st.cursors
-            entry = {"next": c.get("next"), "readers": c.get("readers")}
+            entry = _packed({"next": c.get("next"), "readers": c.get("readers")})
             shape = {
                 "dp_size": c.get("dp_size"),
                 "num_workers": c.get("num_workers"),
@@ -1098,7 +1205,8 @@ def merge_rank_states(states: list) -> dict:
             mine = {c.get("dp_rank"): entry}
         elif st.stream is not None:
             shape = {k: v for k, v in st.stream.items() if k != "ranks"}
-            mine = {r: e for r, e in enumerate(st.stream.get("ranks") or []) if e is not None}
+            ranks_of = enumerate(st.stream.get("ranks") or [])
+            mine = {r: _packed(e) for r, e in ranks_of if e is not None}
         elif not st.position and not st.segments:  # nothing served yet: every rank's is known
             dp, workers = st.config.get("dp_size"), st.config.get("num_workers")
             if not (isinstance(dp, int) and isinstance(workers, int) and dp >= 1):
@@ -1126,6 +1234,26 @@ def merge_rank_states(states: list) -> dict:
                 raise ResumeError(f"merge_rank_states: two different states of dp_rank {r}")
             ranks[r] = e
     return dataclasses.replace(merged, stream={**merged.stream, "ranks": ranks}).to_dict()
+
+
+def _packed(entry: dict | None) -> dict | None:
+    """A rank's entry of a version-5 state with its reader cursors packed
+    (:func:`~prealign.loaders.state.pack_cursor`: one int array per reader)."""
+    readers = entry.get("readers") if isinstance(entry, dict) else None
+    if not isinstance(readers, list):
+        return entry
+    return {**entry, "readers": [pack_cursor(c) if isinstance(c, dict) else c for c in readers]}
+
+
+def _unpacked(entry: dict | None, where: str) -> dict | None:
+    """:func:`_packed` undone (an entry of a version-5 state is returned as it is)."""
+    readers = entry.get("readers") if isinstance(entry, dict) else None
+    if not isinstance(readers, list):
+        return entry
+    return {
+        **entry,
+        "readers": [unpack_cursor(c, f"{where}.readers[{g}]") for g, c in enumerate(readers)],
+    }
 
 
 @dataclass

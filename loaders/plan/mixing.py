@@ -387,3 +387,67 @@ def split_bins(bins: list[list[int]], n_bins: int) -> list[list[int]]:
             continue
         out.append([out[big].pop()])
     return out
+
+
+class StreamMix:
+    """Items of streams read forward, interleaved by weight, resumable (a :class:`~prealign.
+    loaders.mixture.Mixture` in a streaming loader's reader): the next item is the stream's whose
+    virtual time ``(U_c + u/2) / w_c`` is least, ``U_c`` its units so far (samples, or the tokens
+    the reader sets in ``units[0]`` once it transformed each item), ``u`` its last item's units. A
+    stream that ends leaves the rest. :meth:`state` writes down ``U``, ``u`` and the ended streams
+    (O(streams), JSON-friendly); a :class:`StreamMix` built from it, over streams that go on where
+    they stood, makes the same choices as the uninterrupted one.
+
+    >>> mix = StreamMix((3.0, 1.0), "samples")
+    >>> list(mix(["a", "b", "c", "d"], ["X", "Y"]))
+    ['a', 'b', 'X', 'c', 'd', 'Y']
+    >>> mix = StreamMix((3.0, 1.0), "samples")
+    >>> from itertools import islice
+    >>> first = list(islice(mix(["a", "b", "c", "d"], ["X", "Y"]), 3))
+    >>> first + list(StreamMix((3.0, 1.0), "samples", mix.state())(["c", "d"], ["Y"]))
+    ['a', 'b', 'X', 'c', 'd', 'Y']
+    """
+
+    def __init__(self, weights: Sequence[float], by: str, state: dict | None = None):
+        n = len(weights)
+        self.weights, self.by = tuple(float(w) for w in weights), by
+        state = state or {"used": [0.0] * n, "recent": [1.0] * n, "ended": [False] * n}
+        self.used = [float(x) for x in state["used"]]
+        self.recent = [float(x) for x in state["recent"]]
+        self.ended = [bool(x) for x in state["ended"]]
+        if not len(self.used) == len(self.recent) == len(self.ended) == n:
+            raise PlanError(f"stream mix state: expected {n} streams, got {str(state)[:200]}")
+        self.units = [1]
+        """``[units of the last item]``: set by the consumer once it knows them (tokens)."""
+        self._last: int | None = None
+
+    def __call__(self, *streams):
+        live = [None if done else iter(s) for s, done in zip(streams, self.ended)]
+        while any(it is not None for it in live):
+            c = min(
+                (c for c, it in enumerate(live) if it is not None),
+                key=lambda c: ((self.used[c] + self.recent[c] / 2) / self.weights[c], c),
+            )
+            try:
+                item = next(live[c])
+            except StopIteration:
+                live[c], self.ended[c] = None, True
+                continue
+            self.units[0], self._last = 1, c
+            yield item
+            self.used, self.recent = self._settled()
+            self._last = None
+
+    def _settled(self) -> tuple[list, list]:
+        """``(U, u)`` with the last item's units counted."""
+        used, recent, c = list(self.used), list(self.recent), self._last
+        if c is not None:
+            units = 1.0 if self.by == "samples" else float(self.units[0])
+            used[c] += units
+            recent[c] = units or recent[c]
+        return used, recent
+
+    def state(self) -> dict:
+        """``{"used": U, "recent": u, "ended": [bool]}`` once the last item is counted."""
+        used, recent = self._settled()
+        return {"used": used, "recent": recent, "ended": list(self.ended)}

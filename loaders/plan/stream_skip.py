@@ -247,3 +247,44 @@ def fold(
         np.unique(np.asarray(left, dtype=np.int64)),
         tuple(tuple(map(int, r)) for r in sorted(returns)),
     )
+
+
+def fold_parts(
+    skip: Skip | None,
+    parts: list[list[int]],
+    cursors: list,
+    records: Records,
+) -> Skip:
+    """:func:`fold` of a mixture's readers: each component's stream (``parts[i]``, its shards in
+    the epoch's order) folded from its own cursors (``cursors[g]["mix"]["streams"][i]``), the
+    readers' buffered samples once; the components' shards are disjoint, so the skips' union is the
+    epoch's."""
+    skip = skip or Skip()
+    out = []
+    for i, part in enumerate(parts):
+        own = [
+            None
+            if c is None
+            else {
+                **c["mix"]["streams"][i],
+                "buffer": c["buffer"] if i == 0 else [],
+                "bins": c["bins"] if i == 0 else [],
+            }
+            for c in cursors
+        ]
+        base = skip if i == 0 else Skip(skip.done, skip.partial, skip.extra)
+        folded, mine = fold(base, part, own, records), set(part)
+        out.append(
+            Skip(
+                folded.done & mine,
+                {k: v for k, v in folded.partial.items() if k in mine},
+                folded.extra[np.isin(folded.extra >> 32, part)],
+                folded.returns,
+            )
+        )
+    return Skip(
+        frozenset().union(*(s.done for s in out)),
+        {k: v for s in out for k, v in s.partial.items()},
+        np.unique(np.concatenate([s.extra for s in out])),
+        out[0].returns,
+    )

@@ -333,9 +333,10 @@ def test_cursor_state_in_a_resized_epoch(tmp_path):
     _same(list(c), rest[3:])
 
 
-def test_a_mixture_stream_has_no_cursors(tmp_path):
-    """A Mixture's interleave has no cursor: ``state_dict(cursors=True)`` is the plain state
-    (replayed), and cursors edited into it are not used."""
+def test_a_mixture_stream_has_cursors(tmp_path):
+    """A Mixture stream's ``state_dict(cursors=True)`` is version 4 with each reader's ``mix``
+    (its component streams' cursors and the interleave's state) and resumes exactly
+    (``tests/loaders/test_mixture_stream_resume.py`` has the rest)."""
     from prealign.loaders import Mixture
 
     shards = {
@@ -360,7 +361,7 @@ def test_a_mixture_stream_has_no_cursors(tmp_path):
     it = iter(a)
     list(islice(it, 4))
     state = a.state_dict(cursors=True)
-    assert state["version"] == 2 and "cursors" not in state
+    assert state["version"] == CURSOR_VERSION and "mix" in state["cursors"]["readers"][0]
     b = make()
     b.load_state_dict(state)
     _same(list(b), full[4:])

@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from prealign.loaders.errors import ResumeError
-from prealign.loaders.state import STREAM_VERSION
+from prealign.loaders.state import PACKED_VERSION
 from prealign.loaders.streaming import merge_rank_states
 from tests.loader_helpers import sample_lengths, write_shards
 from tests.loaders.test_stream_cursors import (
@@ -100,7 +100,7 @@ def test_elastic_resume_serves_the_rest_once(tmp_path, old_dp, old_w, new_dp, ne
     )
     full = _ids(_make(paths))
     state, served, _ = _serve(paths, old_dp, old_w, stop)
-    assert state["version"] == STREAM_VERSION and None not in state["stream"]["ranks"]
+    assert state["version"] == PACKED_VERSION and None not in state["stream"]["ranks"]
     rest = _resume(paths, state, new_dp, new_w)
     _check_once(full, served, *map(_ids, rest))
     assert all(map(_within_budget, rest))
@@ -434,7 +434,7 @@ def test_http_server_that_ignores_range(tmp_path):
             warnings.simplefilter("ignore")  # (the loader's warning that the server ignores Range)
             full = _ids(_make(urls))
             state, served, _ = _serve(urls, 2, 0, 3)
-            assert state["version"] == STREAM_VERSION
+            assert state["version"] == PACKED_VERSION
             rest = _resume(urls, state, 1, 0)
         _check_once(full, served, _ids(rest[0]))
     finally:
