@@ -42,7 +42,10 @@ import tempfile
 import numpy as np
 
 PER_SHARD = 2_000
-_IMPORT = "import prealign.loaders.cli.main, prealign.loaders.index.header_pass"
+_IMPORT = (  # (torch is not among them: the command imports none, issue #28)
+    "import prealign.loaders.cli.main, prealign.loaders.cli.index_cmd, "
+    "prealign.loaders.index.header_pass, prealign.loaders.index.merged, braceexpand, tarfile"
+)
 _ENERGON = """
 import glob, os, sys, warnings
 warnings.simplefilter("ignore")
