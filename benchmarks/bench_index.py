@@ -19,9 +19,10 @@ processes and in this order, for each size and worker count:
 * ``--reference``  ``write_sidecars`` in process, its CPU alone: the bulk pass, then the reference
                 tar reader (``tar_reader.iter_members``, what every shard took before issue #28)
 
-Wall and CPU seconds (this process's children: ``RUSAGE_CHILDREN``; a pool of index workers, started
-above 192 MiB of shards with ``--workers`` > 1, runs in children of a forkserver that exits
-unreaped, so its CPU is not counted: such rows give the wall clock only) of each; the table gives
+Wall and CPU seconds of each: the CPU of the process and of every descendant (``RUSAGE_CHILDREN`` of
+a small parent that is their subreaper on Linux, so a pool's workers, children of a forkserver that
+outlives the pool and exits unreaped by the command, are counted too, as are energon's); the table
+gives
 median [min..max] over the rounds of wall and CPU seconds, CPU-µs a sample beyond the import, and
 per-round ratios (energon / prealign, whole and beyond both imports; prealign beyond its import /
 tarfile). The machine's load only adds time: compare ratios from the same run, never figures from
@@ -33,17 +34,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 import numpy as np
 
 PER_SHARD = 2_000
-_IMPORT = "import prealign.loaders.cli.main, prealign.loaders.index.header_pass"
+_IMPORT = (  # (torch is not among them: the command imports none, issue #28)
+    "import prealign.loaders.cli.main, prealign.loaders.cli.index_cmd, "
+    "prealign.loaders.index.header_pass, prealign.loaders.index.merged, braceexpand, tarfile"
+)
 _ENERGON = """
 import glob, os, sys, warnings
 warnings.simplefilter("ignore")
@@ -165,17 +167,34 @@ def write_shards(
     return paths
 
 
+_REAPER = """
+import ctypes, json, os, resource, subprocess, sys, time
+if sys.platform == "linux":  # PR_SET_CHILD_SUBREAPER: orphaned descendants become our children
+    ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)
+t = time.perf_counter()
+out = subprocess.run(sys.argv[1:], capture_output=True, text=True)
+wall = time.perf_counter() - t
+while True:  # the orphans (a forkserver, what it forked and left): reaped, so their CPU counts
+    try:
+        os.wait()
+    except ChildProcessError:
+        break
+r = resource.getrusage(resource.RUSAGE_CHILDREN)
+print(json.dumps({"wall": wall, "cpu": r.ru_utime + r.ru_stime, "rc": out.returncode,
+                  "stdout": out.stdout, "stderr": out.stderr[-3000:]}))
+"""
+
+
 def _run(args: list[str]) -> tuple[float, float, str]:
-    """Wall and CPU seconds (itself and its reaped descendants) of a child process, and its
-    stdout."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    t = time.perf_counter()
-    out = subprocess.run(args, capture_output=True, text=True)
-    wall = time.perf_counter() - t
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    """Wall and CPU seconds of a child process (its CPU and every descendant's, reaped by a parent
+    that is their subreaper: the parent's own start is not counted), and its stdout."""
+    out = subprocess.run([sys.executable, "-c", _REAPER, *args], capture_output=True, text=True)
     if out.returncode:
-        raise SystemExit(f"{args[:4]} failed:\n{out.stderr[-3000:]}")
-    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime), out.stdout
+        raise SystemExit(f"the reaper of {args[:4]} failed:\n{out.stderr[-3000:]}")
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    if r["rc"]:
+        raise SystemExit(f"{args[:4]} failed:\n{r['stderr']}")
+    return r["wall"], r["cpu"], r["stdout"]
 
 
 def _round(
@@ -296,15 +315,6 @@ def main() -> int:
     )
     print("|---" * (7 + 5 * energon) + "|")
     for (n, w), rs in rounds.items():
-        if w > 1 and sum(os.path.getsize(p) for p in data[n]) >= 192 << 20:
-            print(
-                f"| {n:,} | {w} | {_spread([r['prealign'][0] for r in rs])} | n/a: a pool's "
-                f"workers are "
-                "children of its forkserver, which exits unreaped, so RUSAGE_CHILDREN misses them "
-                "|",
-                flush=True,
-            )
-            continue
         pw, pc = [r["prealign"][0] for r in rs], [r["prealign"][1] for r in rs]
         beyond = [r["prealign"][1] - r["import"][1] for r in rs]
         tar = [r["tarfile"][1] for r in rs] if "tarfile" in rs[0] else [float("nan")] * len(rs)

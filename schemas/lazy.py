@@ -9,6 +9,7 @@ torch).
 from __future__ import annotations
 
 import importlib
+import sys
 import warnings
 from typing import Callable
 
@@ -52,3 +53,16 @@ def lazy_names(
         return sorted(where)
 
     return __getattr__, dir_
+
+
+def is_instance(obj, module: str, name: str) -> bool:
+    """``isinstance(obj, module.name)`` without importing ``module``: an object cannot be an
+    instance of a class whose module was never imported, so a check on a path that must stay light
+    (``prealign index --text``: no torch) costs a dict look-up.
+
+    >>> import numbers
+    >>> is_instance(1.0, "numbers", "Real"), is_instance(1.0, "a_module.never_imported", "Real")
+    (True, False)
+    """
+    cls = getattr(sys.modules.get(module), name, None)
+    return cls is not None and isinstance(obj, cls)

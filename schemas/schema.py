@@ -10,30 +10,31 @@ import enum
 import hashlib
 import json
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from .errors import SchemaError
 
+if TYPE_CHECKING:
+    import torch
+
 IGNORE_INDEX = -100
 
-_DTYPES = {
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "bool": torch.bool,
-    "uint8": torch.uint8,
-}
+_DTYPES = ("int64", "int32", "float32", "bfloat16", "float16", "bool", "uint8")
+"""The dtype names a schema may declare (torch is imported only when one is turned into a
+``torch.dtype``: a schema is built without it, e.g. by ``prealign index``)."""
 
 
 def torch_dtype(name: str) -> torch.dtype:
     """``"int64"`` -> ``torch.int64`` (only the dtypes batches use)."""
-    try:
-        return _DTYPES[name]
-    except KeyError:
-        raise SchemaError(f"unknown dtype {name!r}; expected one of {sorted(_DTYPES)}") from None
+    _check_dtype_name(name)
+    import torch
+
+    return getattr(torch, name)
+
+
+def _check_dtype_name(name: str) -> None:
+    if name not in _DTYPES:
+        raise SchemaError(f"unknown dtype {name!r}; expected one of {sorted(_DTYPES)}")
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -119,7 +120,7 @@ class FieldSpec:
             )
         set_("dtypes", tuple(self.dtypes))
         for d in self.dtypes:
-            torch_dtype(d)
+            _check_dtype_name(d)
         if not self.dtypes:
             raise SchemaError(f"field {self.name!r}: dtypes must not be empty")
         set_("dense_shape", tuple(self.dense_shape))

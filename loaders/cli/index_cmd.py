@@ -227,17 +227,22 @@ def source_and_schema(args):
     ), schema
 
 
+def _initialized_group():
+    """``torch.distributed`` when this process has an initialised group, else None (looked up, not
+    imported: a group exists only where torch is imported already, and ``prealign index --text``
+    imports no torch)."""
+    dist = sys.modules.get("torch.distributed")
+    return dist if dist is not None and dist.is_available() and dist.is_initialized() else None
+
+
 def _grouped() -> bool:
     """A process group exists, or ``torchrun``'s rendezvous address is set (one can be made)."""
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized() or bool(os.environ.get("MASTER_ADDR"))
+    return _initialized_group() is not None or bool(os.environ.get("MASTER_ADDR"))
 
 
 def _rank_world() -> tuple[int, int]:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
+    dist = _initialized_group()
+    if dist is not None:
         return dist.get_rank(), dist.get_world_size()
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
@@ -464,9 +469,6 @@ class _ranks_agree:
             dist.destroy_process_group()
 
     def __call__(self, fn):
-        from prealign.schemas.distributed import all_gather_objects, process_rank_world
-        from prealign.schemas.errors import PrealignError
-
         try:
             out, failure = fn(), None
         except Exception as exc:  # noqa: BLE001 - re-raised below: every rank must reach the exchange first
@@ -475,6 +477,9 @@ class _ranks_agree:
             out, failure = None, exc
         if self.world == 1:
             return out
+        from prealign.schemas.distributed import all_gather_objects, process_rank_world
+        from prealign.schemas.errors import PrealignError
+
         self._join()
         typed = (
             failure

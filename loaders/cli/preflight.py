@@ -47,14 +47,12 @@ def check_topk_vocab(args) -> None:
     """``--topk`` (0: none) and ``--vocab-size`` (ids are ``< vocab_size``): a top-k larger than the
     vocabulary (the demo tokenizer's in VLM mode without ``--tokenizer``) names ids that cannot all
     differ."""
-    from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
-
     check_int("--vocab-size", args.vocab_size, 1, optional=True)
-    vocab = (
-        args.vocab_size
-        if args.text or getattr(args, "tokenizer", None)
-        else ByteTokenizer().vocab_size
-    )
+    vocab = args.vocab_size
+    if not (args.text or getattr(args, "tokenizer", None)):
+        from prealign.loaders.cli.demo_tokenizer import ByteTokenizer  # (its module: torch)
+
+        vocab = ByteTokenizer().vocab_size
     check_int("--topk", args.topk, 0, high=vocab if vocab is not None else MAX_TOPK)
 
 

@@ -18,11 +18,11 @@ error are the same whatever the number of workers.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from typing import Callable
 
 import numpy as np
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from prealign.loaders.errors import BadSampleError
 from prealign.loaders.index.apply_policy import (
@@ -143,25 +143,6 @@ def index_shard(source: Source, schema: BatchSchema, shard: int) -> dict:
     return out.record()
 
 
-class _ShardScan(IterableDataset):
-    """Shards split over DataLoader workers (worker w takes shards w, w+W, ...)."""
-
-    def __init__(self, source: Source, schema: BatchSchema, shards: list[int]):
-        self.source, self.schema, self.shards = source, schema, shards
-
-    def __iter__(self):
-        info = get_worker_info()
-        mine = self.shards if info is None else self.shards[info.id :: info.num_workers]
-        for shard in mine:
-            try:
-                yield index_shard(self.source, self.schema, shard)
-            except PrealignError as exc:  # typed: re-raised as the same type in the main process
-                if info is None:
-                    raise
-                yield exc
-                return
-
-
 def scan_shards(
     source: Source,
     schema: BatchSchema,
@@ -172,19 +153,16 @@ def scan_shards(
 ) -> list[dict]:
     """:func:`index_shard` over ``shards`` with ``num_workers`` DataLoader workers, in shard order;
     ``progress()`` is called as each shard is done."""
-    loader = DataLoader(
-        _ShardScan(source, schema, shards),
-        batch_size=None,
-        num_workers=min(num_workers, len(shards)),
+    if not shards:  # (every shard known from its sidecar: no DataLoader, no torch)
+        return []
+    from prealign.loaders.index.shard_workers import map_shards
+
+    return map_shards(
+        functools.partial(index_shard, source, schema),
+        shards,
+        num_workers=num_workers,
+        progress=progress,
     )
-    results = {}
-    for r in loader:
-        if isinstance(r, PrealignError):
-            raise r
-        results[r["shard"]] = r
-        if progress is not None:
-            progress()
-    return [results[s] for s in shards]
 
 
 def merge_shards(
@@ -324,14 +302,14 @@ def build_index(
     makes) and the ranks exchange their records, so every rank ends with the same full index.
     ``progress()`` is called as each shard without a sidecar is scanned (on this rank).
     """
-    from prealign.schemas.distributed import all_gather_objects, process_rank_world
-
     found = read_merged(source, schema)  # (read once: the per-shard path below reuses it)
     # else every shard's sidecar, read and checked at once, in the form of a merged index
     every = sidecars_merged(source, schema) if found is None else None
     index = merged_index(source, schema, policy or BadDataPolicy(), found=found or every)
     if index is not None:  # one merged file, or a sidecar for every shard: no pass, no exchange
         return _checked_non_empty(index)
+    from prealign.schemas.distributed import all_gather_objects, process_rank_world  # (torch)
+
     rank, world = process_rank_world(group) if distributed else (0, 1)
     known: dict = {}
     checked = None

@@ -29,6 +29,7 @@ Any other transform has no length rule: its shards get the transform on every sa
 
 from __future__ import annotations
 
+import copy
 import io
 import itertools
 import json
@@ -63,21 +64,6 @@ from prealign.loaders.index.sidecar import (
     transform_fields,
     write_sidecar,
 )
-from prealign.loaders.media.chat_tokenizer import encode_segments
-from prealign.loaders.media.gemma3 import Gemma3SampleTransform
-from prealign.loaders.media.gemma4 import Gemma4SampleTransform
-from prealign.loaders.media.idefics3 import Idefics3SampleTransform
-from prealign.loaders.media.llava_onevision import LlavaOnevisionSampleTransform
-from prealign.loaders.media.mistral3 import Mistral3SampleTransform
-from prealign.loaders.media.teacher_topk import IDS, LOG_PROBS
-from prealign.loaders.media.vlm import (
-    MediaError,
-    MediaProblem,
-    VLMSampleTransform,
-    image_members,
-    render_chat,
-    sample_metadata,
-)
 from prealign.loaders.policy import BadRecord
 from prealign.loaders.sources import remote
 from prealign.loaders.sources.header_lengths import (
@@ -96,7 +82,7 @@ from prealign.loaders.sources.shard_files import (
 from prealign.loaders.sources.tar_decode import IMAGES, decode_member, split_member_name
 from prealign.loaders.sources.tar_index import Unhandled
 from prealign.loaders.sources.tar_reader import TarFormatError, iter_members
-from prealign.loaders.sources.webdataset import check_members, numpy_fields
+from prealign.loaders.sources.webdataset import check_members, numpy_arrays, numpy_fields
 from prealign.schemas.errors import ConfigError, PrealignError, SampleError
 from prealign.schemas.schema import BatchSchema
 
@@ -184,6 +170,8 @@ class VLMRule:
         transform.spatial_merge_size
 
     def __call__(self, members: dict[str, bytes], where: str) -> tuple[int, bool, tuple, object]:
+        from prealign.loaders.media.teacher_topk import IDS, LOG_PROBS
+        from prealign.loaders.media.vlm import sample_metadata
 
         key = where
         raw = {"__key__": key, **{e: d for e, d in members.items() if not e.endswith(".npy")}}
@@ -226,6 +214,8 @@ class VLMRule:
         """(the chat's ids, or None for a pre-tokenized sample; whether it has media): image headers
         -> Qwen2-VL grids -> tokens per image, the videos' ids, the chat rendered by the tokenizer
         alone."""
+        from prealign.loaders.media.vlm import image_members, render_chat
+
         tokens = []
         for name, data in image_members(raw, meta, key):
             w, h = self._size(name, data, key)
@@ -251,6 +241,8 @@ class VLMRule:
     def _size(self, name: str, data, key) -> tuple[int, int]:
         """``(width, height)`` of an image or video frame member, from its header (decoded too with
         ``verify_images``); an unreadable one is a ``corrupt_image``."""
+        from prealign.loaders.media.vlm import MediaError, MediaProblem
+
         try:
             return (
                 _verified_size(data, name, key)
@@ -278,6 +270,9 @@ class ImageTokensRule(VLMRule):
     def _render(
         self, raw: dict, meta: dict, key, *, pretokenized: bool
     ) -> tuple[np.ndarray | None, bool]:
+        from prealign.loaders.media.chat_tokenizer import encode_segments
+        from prealign.loaders.media.vlm import image_members
+
         images = image_members(raw, meta, key)
         for name, data in images:
             self._size(name, data, key)
@@ -303,6 +298,8 @@ class AnyResRule(VLMRule):
     def _render(
         self, raw: dict, meta: dict, key, *, pretokenized: bool
     ) -> tuple[np.ndarray | None, bool]:
+        from prealign.loaders.media.vlm import image_members
+
         sizes = [self._size(name, data, key)[::-1] for name, data in image_members(raw, meta, key)]
         return self.t.header_ids(raw, sizes)[0], bool(sizes or self.t.video_frames(raw, meta, key))
 
@@ -320,6 +317,8 @@ class ImageSizesRule(VLMRule):
     def _render(
         self, raw: dict, meta: dict, key, *, pretokenized: bool
     ) -> tuple[np.ndarray | None, bool]:
+        from prealign.loaders.media.vlm import image_members
+
         images = image_members(raw, meta, key)
         sizes = {name: self._size(name, data, key) for name, data in images}
         ids = None if pretokenized else self.t.header_ids(raw, lambda name, _: sizes[name])[0]
@@ -448,11 +447,19 @@ def transform_pass(source, shard: int) -> dict:
 
 
 def length_rule(source, schema: BatchSchema, *, verify_images: bool = True) -> Callable | None:
-    """The header rule for ``source``'s transform, or None (no rule: the full pass)."""
-
+    """The header rule for ``source``'s transform, or None (no rule: the full pass). The VLM
+    transforms are imported here, after the text check: ``prealign index --text`` imports no
+    torch."""
     transform = indexed_transform(source.transform)
     if transform is numpy_fields:
         return TextRule(schema)
+    from prealign.loaders.media.gemma3 import Gemma3SampleTransform
+    from prealign.loaders.media.gemma4 import Gemma4SampleTransform
+    from prealign.loaders.media.idefics3 import Idefics3SampleTransform
+    from prealign.loaders.media.llava_onevision import LlavaOnevisionSampleTransform
+    from prealign.loaders.media.mistral3 import Mistral3SampleTransform
+    from prealign.loaders.media.vlm import VLMSampleTransform
+
     if isinstance(transform, VLMSampleTransform):
         return VLMRule(transform, schema, verify_images=verify_images)
     if isinstance(transform, Gemma3SampleTransform):
@@ -540,6 +547,9 @@ class ShardPass:
         self.by_sig: dict[tuple, int] = {}
         self.bounds: list[np.ndarray] = []  # [k, 3, 4] parts
         self.checker = source.for_indexing()  # (video files sized from their headers, not decoded)
+        if self.checker.transform is numpy_fields:  # its checks and lengths, without torch
+            self.checker = copy.copy(self.checker)
+            self.checker.transform = numpy_arrays
 
     def sample(
         self, key: str, start: int, end: int, members: list[tuple[str, bytes, str]], duplicate: bool
@@ -941,7 +951,8 @@ def write_sidecars(
     tasks = [(source, schema, s, out_dir, full, force, verify_images, key) for s in todo]
     total = len(done) + len(tasks)
     if workers > 1 and len(tasks) > 1 and sum(max(n, 0) for n in sizes) >= threshold:
-        with _pool(mp, min(workers, len(tasks))) as pool:
+        needs_torch = full or indexed_transform(source.transform) is not numpy_fields
+        with _pool(mp, min(workers, len(tasks)), torch=needs_torch) as pool:
             _collect(
                 itertools.chain(done, pool.imap_unordered(_index_task, tasks)),
                 stats,
@@ -955,28 +966,30 @@ def write_sidecars(
 
 _POOL_MIN = 192 << 20
 """Shard bytes below which the header pass runs in this process even when given workers: a pool
-costs about a second to start (one import of torch), the header pass reads ~100 MB of text shards a
-second."""
+costs about a second to start where the work needs torch (its import), the header pass reads ~100 MB
+of text shards a second."""
 _POOL_MIN_FULL = 16 << 20
 """The same for the full pass (``full=True``: every sample transformed and collated, ~10x slower a
 byte)."""
 
 
-def _pool(mp, n: int):
-    """``n`` worker processes forked from a forkserver that imported torch and this module once
-    (``spawn``, where there is no forkserver): no child re-imports torch (``spawn`` made the pool
-    slower than one process below ~300k samples), and none is forked from this process, whose torch
-    / PIL threads may hold locks. Each child runs torch on one thread: ``n`` processes, not ``n`` x
-    cores threads. The pool's processes end with it; the forkserver (one idle process holding torch,
-    ~300 MB) stays alive until this process exits,
-    as ``multiprocessing`` keeps it, and serves the next pool of this process without a second torch
-    import."""
+def _pool(mp, n: int, *, torch: bool = True):
+    """``n`` worker processes forked from a forkserver that imported this module once, and torch
+    when the work needs it (``torch``: a VLM transform or the full pass; the header pass of text
+    shards imports none) (``spawn``, where there is no forkserver): no child re-imports them
+    (``spawn`` made the pool slower than one process below ~300k samples), and none is forked from
+    this process, whose torch / PIL threads may hold locks. With torch, each child runs it on one
+    thread: ``n`` processes, not ``n`` x cores threads (the text pass's numpy calls are
+    single-threaded: no BLAS). The pool's processes end with it; the forkserver (one idle process,
+    ~300 MB with torch) stays alive until this process exits, as ``multiprocessing`` keeps it, and
+    serves the next pool of this process (its preload is the first pool's: a child imports what
+    else its tasks need)."""
     try:
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", __name__])
+        ctx.set_forkserver_preload(["torch", __name__] if torch else [__name__])
     except ValueError:
         ctx = mp.get_context("spawn")
-    return ctx.Pool(n, initializer=_one_thread)
+    return ctx.Pool(n, initializer=_one_thread if torch else None)
 
 
 def _one_thread() -> None:

@@ -16,10 +16,10 @@ import shlex
 import weakref
 
 from prealign.loaders.index.sidecar import describe_transform, indexed_transform
-from prealign.loaders.media.vlm import VLMSampleTransform
 from prealign.loaders.sources import remote
 from prealign.loaders.sources.shard_files import plain_local
 from prealign.loaders.sources.webdataset import numpy_fields
+from prealign.schemas.lazy import is_instance
 
 
 def shell_shards(urls: list[str]) -> str:
@@ -85,7 +85,7 @@ def _command(source) -> str:
     out = f" --out {shlex.quote(index_dir)}" if index_dir else ""
     if transform is numpy_fields:
         mode = "--text"
-    elif isinstance(transform, VLMSampleTransform):
+    elif is_instance(transform, "prealign.loaders.media.vlm", "VLMSampleTransform"):  # (no torch)
         path = (
             getattr(getattr(transform.tokenizer, "tokenizer", None), "name_or_path", "")
             or "TOKENIZER_DIR"

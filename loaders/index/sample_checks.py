@@ -4,14 +4,10 @@ sample may have, and whether it carries media."""
 from __future__ import annotations
 
 import numpy as np
-import torch
 
-from prealign.collate.samples import flatten, sample_token_keys
-from prealign.collate.thd import THDCollator
 from prealign.loaders.errors import BadSampleError, StaleIndexError
 from prealign.loaders.policy import BadRecord
 from prealign.schemas.errors import ConfigError, SampleError
-from prealign.schemas.layout import ParallelLayout
 from prealign.schemas.schema import BatchSchema, Role, Source
 
 
@@ -46,6 +42,8 @@ def optional_keys(schema: BatchSchema) -> tuple[str, ...]:
     """Sample keys the collator reads that a sample may have or lack (``labels``, ``loss_mask``,
     ...):
     every sample of one index must agree on them, since a micro-batch cannot mix them."""
+    from prealign.collate.samples import sample_token_keys
+
     keys = {k for k, _ in sample_token_keys(schema)}
     for spec in schema.of_role(Role.TOKEN):
         keys.update(spec.sample_keys)
@@ -57,6 +55,10 @@ def _collate_check(samples: list[dict], schema: BatchSchema) -> tuple[list[int],
     bounds of every row): their token lengths and what they fix for every later sample: the named
     dims (``{"K": 64}``) and each field's dtype (``{"dtype[teacher_topk_log_probs]": "bfloat16"}``;
     a batch never mixes dtypes). Raises the collator's :class:`SampleError` (or anything else)."""
+    from prealign.collate.samples import flatten
+    from prealign.collate.thd import THDCollator
+    from prealign.schemas.layout import ParallelLayout
+
     THDCollator(schema=schema, layout=ParallelLayout(), cp_rank=None)(samples)
     flat = flatten(
         samples, schema, check_values=False
@@ -75,6 +77,8 @@ def validated(
     fails (or its samples' tensors differ in dtype or rank, which a concatenation could hide by
     type promotion). Samples accepted alone may still disagree on a named dim: the dims returned let
     :func:`merge_shards` hold each to the first accepted sample's."""
+    import torch  # (in the functions that collate: the index pass of headers needs none)
+
     if not samples:
         return []
     first = samples[0]
@@ -209,6 +213,8 @@ def _length_mismatch(source, loc: tuple, indexed: int, got: int) -> StaleIndexEr
 
 def _structure_error(sample: dict, schema: BatchSchema) -> SampleError | None:
     """The collator's shape / dtype / field error for ``sample`` (values not looked at), or None."""
+    from prealign.collate.samples import flatten
+
     try:
         flatten([sample], schema, check_values=False)
     except SampleError as exc:

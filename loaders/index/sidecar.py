@@ -87,10 +87,8 @@ from prealign.loaders.errors import (
 )
 from prealign.loaders.handoff import identity
 from prealign.loaders.handoff.identity import identity_digest, index_fields
-from prealign.loaders.handoff.media_share import SharedMediaTransform
 from prealign.loaders.index.events import parse_event
 from prealign.loaders.index.tiling import check_tiling
-from prealign.loaders.media.vlm import VLMSampleTransform
 from prealign.loaders.sources import remote
 from prealign.loaders.sources.deadline import Stalled, map_with_timeout
 from prealign.loaders.sources.npy import read_npz
@@ -101,6 +99,7 @@ from prealign.loaders.sources.shard_files import (
     sidecar_path,
     write_atomically,
 )
+from prealign.schemas.lazy import is_instance  # (not importing torch: see indexed_transform)
 
 FORMAT = "prealign-sidecar"
 VERSION = 3
@@ -544,7 +543,7 @@ def indexed_transform(transform):
     shares its inner transform's results across a CP group without changing them, so it is looked
     through."""
 
-    while isinstance(transform, SharedMediaTransform):
+    while is_instance(transform, "prealign.loaders.handoff.media_share", "SharedMediaTransform"):
         transform = transform.transform
     return transform
 
@@ -566,7 +565,7 @@ def transform_name(transform) -> str:
     """A short name of a transform for messages: ``numpy_fields``, ``mymodule.tokenize``,
     ``VLMSampleTransform (tokenizer HFChatTokenizer of Qwen2TokenizerFast)``."""
     transform = indexed_transform(transform)
-    if isinstance(transform, VLMSampleTransform):
+    if is_instance(transform, "prealign.loaders.media.vlm", "VLMSampleTransform"):
         tok = transform.tokenizer
         inner = getattr(tok, "tokenizer", None)
         return (

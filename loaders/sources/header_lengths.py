@@ -14,13 +14,16 @@ from __future__ import annotations
 
 import io
 import warnings
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from prealign.collate.vision import VisionGeometry, image_grid
 from prealign.loaders.sources.npy import NpyFormatError, parse_npy_header
 from prealign.loaders.sources.tar_decode import IMAGE_FORMATS
 from prealign.schemas.errors import SampleError
+
+if TYPE_CHECKING:
+    from prealign.collate.vision import VisionGeometry
 
 
 class HeaderError(SampleError):
@@ -121,15 +124,21 @@ def _orientation(img) -> int:
         return 1
 
 
-Qwen2VLGeometry = VisionGeometry
-"""The image processor settings that decide an image's grid (the family package's
-:class:`VisionGeometry`)."""
+def __getattr__(name: str):
+    """``Qwen2VLGeometry``: the image processor settings that decide an image's grid (the family
+    package's :class:`VisionGeometry`), imported on first use (this module is on the path of
+    ``prealign index --text``, which imports no torch; the family package does)."""
+    if name == "Qwen2VLGeometry":
+        from prealign.collate.vision import VisionGeometry
+
+        return VisionGeometry
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def qwen2vl_grid(
     height: int,
     width: int,
-    geometry: VisionGeometry = VisionGeometry(),
+    geometry: VisionGeometry | None = None,
     *,
     sample=None,
     field: str = "image",
@@ -144,8 +153,16 @@ def qwen2vl_grid(
     >>> qwen2vl_grid(20, 20)   # scaled up to min_pixels
     (1, 4, 4)
     """
+    from prealign.collate.vision import VisionGeometry, image_grid
+
     try:
-        return image_grid(height, width, geometry, sample=sample, field=field)
+        return image_grid(
+            height,
+            width,
+            VisionGeometry() if geometry is None else geometry,
+            sample=sample,
+            field=field,
+        )
     except SampleError as exc:
         raise HeaderError(
             sample=sample, field=field, expected=exc.expected, actual=exc.actual
@@ -153,12 +170,16 @@ def qwen2vl_grid(
 
 
 def tokens_of_grid(
-    grid: tuple[int, int, int], geometry: Qwen2VLGeometry = Qwen2VLGeometry()
+    grid: tuple[int, int, int], geometry: VisionGeometry | None = None
 ) -> int:
     """Image tokens the LLM sees for one ``(t, gh, gw)`` grid: ``t*gh*gw / merge_size**2``.
 
     >>> tokens_of_grid((1, 34, 46))
     391
     """
+    if geometry is None:
+        from prealign.collate.vision import VisionGeometry
+
+        geometry = VisionGeometry()
     t, gh, gw = grid
     return t * gh * gw // geometry.merge_size**2

@@ -25,7 +25,6 @@ from collections import OrderedDict
 from typing import Callable, Mapping, Sequence
 
 import numpy as np
-import torch
 
 from prealign.loaders.errors import (
     BadSampleError,
@@ -196,6 +195,15 @@ def numpy_fields(sample: dict) -> dict:
     """Default transform: every ``<name>.npy`` member -> tensor ``<name>``; other keys kept as they
     are. A big-endian array is converted to native order; an array torch cannot hold (strings,
     records, dates) is a :class:`~prealign.loaders.errors.BadSampleError` naming the member."""
+    import torch  # (here: ``prealign index --text`` imports this module, never torch)
+
+    return numpy_arrays(sample, torch.from_numpy)
+
+
+def numpy_arrays(sample: dict, convert: Callable | None = None) -> dict:
+    """:func:`numpy_fields` without torch: the same fields, checks and errors, each array as it is
+    (or ``convert(array)``). The index pass checks a text sample with it: same lengths, no
+    torch."""
     out = {}
     for k, v in sample.items():
         if isinstance(v, np.ndarray) and k.endswith(".npy"):
@@ -208,7 +216,7 @@ def numpy_fields(sample: dict) -> dict:
                 )
             if not v.dtype.isnative:
                 v = v.astype(v.dtype.newbyteorder("="))
-            out[k[:-4]] = torch.from_numpy(v)
+            out[k[:-4]] = v if convert is None else convert(v)
         else:
             out[k] = v
     return out

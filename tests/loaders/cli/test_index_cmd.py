@@ -46,7 +46,9 @@ def test_index_workers_in_a_pool_write_the_sidecars_one_process_writes(tmp_path,
     )  # (small data runs in process: the pool costs a torch import)
     started = []
     monkeypatch.setattr(
-        header_pass, "_pool", lambda mp, n, pool=header_pass._pool: started.append(n) or pool(mp, n)
+        header_pass,
+        "_pool",
+        lambda mp, n, pool=header_pass._pool, **kw: started.append(n) or pool(mp, n, **kw),
     )
     stats = header_pass.write_sidecars(
         WebDatasetSource(paths), causal_lm_schema(), workers=2, force=True
