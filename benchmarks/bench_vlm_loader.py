@@ -74,6 +74,11 @@ def cpu_seconds() -> float:
     return sum(u.ru_utime + u.ru_stime for u in usage)
 
 
+def _spread(xs: list[float], fmt: str = "{:.2f}") -> str:
+    """``median [min..max]`` of ``xs``."""
+    return f"{fmt.format(float(np.median(xs)))} [{fmt.format(min(xs))}..{fmt.format(max(xs))}]"
+
+
 # ---- the two pipelines
 # ------------------------------------------------------------------------------
 def make_transform(
@@ -545,13 +550,21 @@ def main() -> None:
             for p, b in zip(rows["prealign"], rows["baseline"])
         ]
         if ratio:
+            for name, rs in rows.items():
+                print(
+                    f"{name}: wall s {_spread([r['wall'] for r in rs])}, CPU s "
+                    f"{_spread([r['cpu'] for r in rs])}, CPU ms/sample "
+                    f"{_spread([r['cpu'] / r['samples'] * 1e3 for r in rs])}, samples/s "
+                    f"{_spread([r['samples'] / r['wall'] for r in rs], '{:.1f}')} "
+                    f"(median [min..max] of {len(rs)} rounds)"
+                )
             print(
                 f"baseline / prealign CPU per sample per round: "
-                f"{', '.join(f'{x:.2f}' for x in cpu)} (median {float(np.median(cpu)):.2f})"
+                f"{', '.join(f'{x:.2f}' for x in cpu)} (median [min..max] {_spread(cpu)})"
             )
             print(
                 f"prealign / baseline samples/s per round: {', '.join(f'{x:.2f}' for x in ratio)} "
-                f"(median {float(np.median(ratio)):.2f})"
+                f"(median [min..max] {_spread(ratio)})"
             )
         split = stages(data.shards, index, args.stage_samples, args.model)
         for name, parts in split.items():
