@@ -282,6 +282,7 @@ def stages(shards, index, n: int, model: str | None = None) -> dict:
 
     from prealign.collate import THDCollator
     from prealign.loaders import WebDatasetSource
+    from prealign.loaders.handoff.fetched import Fetched
     from prealign.loaders.loader import _CollatePlanned
     from prealign.loaders.media.vlm import (
         decode_image,
@@ -345,7 +346,7 @@ def stages(shards, index, n: int, model: str | None = None) -> dict:
         pack=True,
     )  # whole batches
     reqs = [
-        (
+        Fetched(
             Request(epoch=0, position=k, indices=tuple(range(k, min(k + per, len(samples))))),
             samples[k : k + per],
             str,
@@ -759,6 +760,11 @@ def video_main(args) -> None:
                     f"ms/sample (load {os.getloadavg()[0]:.2f})",
                     flush=True,
                 )
+        for name, rs in rows.items():
+            print(
+                f"{name}: samples/s {_spread([r[0] for r in rs])}, CPU ms/sample "
+                f"{_spread([r[1] for r in rs], '{:.1f}')} (median [min..max] of {len(rs)} rounds)"
+            )
         speed = [p[0] / b[0] for p, b in zip(rows["prealign"], rows["baseline"])]
         cpu = [b[1] / p[1] for p, b in zip(rows["prealign"], rows["baseline"])]
         for label, v in (
