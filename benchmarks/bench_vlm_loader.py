@@ -170,6 +170,32 @@ class BaselineSample:
             image_std=tuple(fam.video_defaults["image_std"]),
         )
 
+    def sampler(self, metadata):
+        """The family's video processor ``sample_frames`` (Qwen3-VL's; Qwen2's default keeps every
+        frame)."""
+        import types
+
+        if not self.videos.family.volume_resize:
+            return np.arange(metadata.total_num_frames)
+        from transformers.models.qwen3_vl.video_processing_qwen3_vl import (
+            Qwen3VLVideoProcessor as cls,
+        )
+
+        me = types.SimpleNamespace(
+            fps=cls.fps, num_frames=None, min_frames=cls.min_frames, max_frames=cls.max_frames
+        )
+        return np.asarray(cls.sample_frames(me, metadata))
+
+    def file_frames(self, data: bytes) -> list:
+        """An mp4 member's frames as a user reads them: transformers' PyAV reader decodes every
+        frame, then the family's frame choice (:meth:`sampler`)."""
+        from transformers.video_utils import read_video_pyav
+
+        video, metadata = read_video_pyav(
+            io.BytesIO(data), lambda metadata, **kw: np.arange(metadata.total_num_frames)
+        )
+        return list(video[self.sampler(metadata)])
+
     def __call__(self, sample: dict) -> dict:
         from PIL import Image
 
@@ -187,7 +213,11 @@ class BaselineSample:
         if self.videos is not None:
             pieces = []
             for v in meta.get("videos", []):
-                frames = [Image.open(io.BytesIO(sample[n])).convert("RGB") for n in v["frames"]]
+                frames = (
+                    self.file_frames(sample[v])
+                    if isinstance(v, str)  # an mp4 member
+                    else [Image.open(io.BytesIO(sample[n])).convert("RGB") for n in v["frames"]]
+                )
                 pieces.append(
                     self.frame_processor(len(frames))(images=frames, return_tensors="pt")[
                         "pixel_values"
@@ -656,17 +686,10 @@ class BaselineVideoSample(BaselineSample):
     docstring)."""
 
     def __call__(self, sample: dict) -> dict:
-        from transformers.video_utils import read_video_pyav
-
         from prealign.loaders.media.vlm import render_chat
 
         meta = _json(sample["json"])
-        video, metadata = read_video_pyav(
-            io.BytesIO(sample["clip.mp4"]),
-            lambda metadata, **kw: np.arange(metadata.total_num_frames),
-        )
-        keep = self.sampler(metadata)
-        frames = list(video[keep])
+        frames = self.file_frames(sample["clip.mp4"])
         pixels = self.frame_processor(len(frames))(images=frames, return_tensors="pt")[
             "pixel_values"
         ]
@@ -681,22 +704,6 @@ class BaselineVideoSample(BaselineSample):
             "image_grid_thw": torch.zeros(0, 3, dtype=torch.int64),
             "pixel_values_videos": pixels,
         }
-
-    def sampler(self, metadata):
-        """The family's video processor ``sample_frames`` (Qwen3-VL's; Qwen2's default keeps every
-        frame)."""
-        import types
-
-        if not self.videos.family.volume_resize:
-            return np.arange(metadata.total_num_frames)
-        from transformers.models.qwen3_vl.video_processing_qwen3_vl import (
-            Qwen3VLVideoProcessor as cls,
-        )
-
-        me = types.SimpleNamespace(
-            fps=cls.fps, num_frames=None, min_frames=cls.min_frames, max_frames=cls.max_frames
-        )
-        return np.asarray(cls.sample_frames(me, metadata))
 
 
 def video_main(args) -> None:
