@@ -168,7 +168,19 @@ class BaselineSample:
             max_pixels=geo.max_pixels // share,
             image_mean=tuple(fam.video_defaults["image_mean"]),
             image_std=tuple(fam.video_defaults["image_std"]),
+            temporal_patch_size=1,
         )
+
+    def frame_pixels(self, frames: list) -> torch.Tensor:
+        """A video's pixel rows float32 ``[t*h*w, 3*2*p*p]`` as the video processor lays them out:
+        the image processor on each frame (one temporal slice each), then consecutive frames paired
+        into temporal patches, the last frame repeated to an even count (the image processor alone
+        would duplicate every frame into its own temporal patch: twice the rows prealign writes)."""
+        frames = frames + frames[-1:] if len(frames) % 2 else frames
+        x = self.frame_processor(len(frames))(images=frames, return_tensors="pt")["pixel_values"]
+        p, pairs = self.videos.video_geometry.patch_size, len(frames) // 2
+        x = x.view(pairs, 2, x.shape[0] // len(frames), 3, p * p)
+        return x.permute(0, 2, 3, 1, 4).reshape(-1, 3 * 2 * p * p)
 
     def sampler(self, metadata):
         """The family's video processor ``sample_frames`` (Qwen3-VL's; Qwen2's default keeps every
@@ -218,11 +230,7 @@ class BaselineSample:
                     if isinstance(v, str)  # an mp4 member
                     else [Image.open(io.BytesIO(sample[n])).convert("RGB") for n in v["frames"]]
                 )
-                pieces.append(
-                    self.frame_processor(len(frames))(images=frames, return_tensors="pt")[
-                        "pixel_values"
-                    ]
-                )
+                pieces.append(self.frame_pixels(frames))
             if pieces:
                 video_pixels = torch.cat(pieces)
             videos = self.videos.header_video_ids(
@@ -690,9 +698,7 @@ class BaselineVideoSample(BaselineSample):
 
         meta = _json(sample["json"])
         frames = self.file_frames(sample["clip.mp4"])
-        pixels = self.frame_processor(len(frames))(images=frames, return_tensors="pt")[
-            "pixel_values"
-        ]
+        pixels = self.frame_pixels(frames)
         blocks = self.videos.header_video_ids(sample, meta, sample["__key__"], None)
         ids, mask = render_chat(meta, self.tok, [], sample=sample["__key__"], videos=blocks)
         labels = np.where(mask > 0, ids, -100)

@@ -72,3 +72,29 @@ def test_vlm_stage_split_runs_on_the_current_loader(tmp_path):
     assert set(split) == {"prealign", "baseline"}
     assert "collate + hand-off packing" in split["prealign"]
     assert all(np.isfinite(v) and v >= 0 for parts in split.values() for v in parts.values())
+
+
+@pytest.mark.slow
+def test_vlm_baseline_writes_the_video_rows_prealign_writes(tmp_path):
+    """Equal work (issue #28): on the ``--model`` demo data the hand-written baseline's video pixels
+    have prealign's shape (frames paired into temporal patches, not each frame duplicated into its
+    own), and its values within resampling noise; ids equal where the family adds no system turn."""
+    bench = load("bench_vlm_loader")
+    from prealign.loaders import WebDatasetSource
+    from prealign.loaders.cli.demo_data import build_demo_dataset
+
+    data = build_demo_dataset(
+        str(tmp_path), num_samples=24, samples_per_shard=24, bad=(), model="qwen3_vl"
+    )
+    ours, theirs = bench.make_transform(model="qwen3_vl"), bench.BaselineSample("qwen3_vl")
+    files = 0
+    for _, raw in WebDatasetSource(list(data.shards), image="bytes").scan(0):
+        videos = bench._json(raw["json"]).get("videos") or []
+        if not any(isinstance(v, str) for v in videos):  # mp4 members
+            continue
+        a, b = ours(dict(raw)), theirs(dict(raw))
+        assert a["pixel_values_videos"].shape == b["pixel_values_videos"].shape
+        assert (a["pixel_values_videos"].float() - b["pixel_values_videos"]).abs().max() < 0.05
+        assert list(a["input_ids"]) == b["input_ids"]
+        files += 1
+    assert files >= 2
