@@ -256,7 +256,7 @@ def main() -> int:
     print(
         f"\nmedian [min..max] of {args.rounds} interleaved rounds\n"
         "| data | first batch, no sidecars | first batch, sidecars | index, 1 process | "
-        f"index, {args.workers} processes | index per CPU-second | no sidecars / sidecars, "
+        f"index, {args.workers} processes | index per CPU-second | no sidecars / sidecars (wall), "
         "per round |\n|---|---|---|---|---|---|---|"
     )
     print("\n".join(rows))
