@@ -23,12 +23,15 @@ constants).
     fitted to this layer's measured time (``--flops`` uses ``CostModel.from_hf_config`` instead).
     Step time = the slowest rank's CPU time in the step (the CPU time of each rank, not wall time:
     this machine's cores are shared, and ranks queueing for a core would hide the imbalance); wall
-    time is printed too.
-(c) plan time per global batch of 512 samples (whole plan of the set, one core), tokens vs compute.
+    time is printed too. The two plans run alternately over ``--cpu-rounds`` rounds in the same
+    processes: median [min..max] and the per-round ratio.
+(c) plan time per global batch of 512 samples (whole plan of the set, one core), tokens vs compute,
+    CPU (``time.process_time``) and wall, median [min..max] of ``--rounds`` interleaved rounds.
 (d) collation per CP rank in the loader, cp = 4: a fixed-CP rank's ``THDCollator`` vs hybrid CP's
     ``HybridCPCollator`` (``PlannerConfig(hybrid_cp=True)``: the whole micro-batch collated as a
     fixed-CP rank, then the rank's block again when the micro-batch splits), summed over every rank
-    and 48 micro-batches spread over the compute-balanced plan, side by side; and the block
+    and 48 micro-batches spread over the compute-balanced plan, side by side over ``--rounds``
+    interleaved rounds (CPU and wall, median [min..max], the per-round ratio); and the block
     assignment alone.
 """
 
@@ -262,7 +265,9 @@ def fitted_cost(kind: str) -> CostModel:
     return CostModel(linear=max(linear, 1e-12) * 1e9, quadratic=max(quadratic, 0.0) * 1e9)
 
 
-def _rank(rank: int, world: int, port: int, kind: str, plans: dict, lengths, out) -> None:
+def _rank(
+    rank: int, world: int, port: int, kind: str, plans: dict, lengths, rounds: int, out
+) -> None:
     import torch
     import torch.distributed as dist
 
@@ -272,29 +277,39 @@ def _rank(rank: int, world: int, port: int, kind: str, plans: dict, lengths, out
         "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600)
     )
     run = _workload(kind)
-    result = {}
+    result = {name: [] for name in plans}
+    names = list(plans)
     with torch.no_grad():
         run([256])
-        for name, steps in plans.items():
-            cpu = []
-            dist.barrier()
-            wall = time.perf_counter()
-            for step in steps:
-                t = time.thread_time()
-                for mb in step[rank]:
-                    if mb:
-                        run(lengths[list(mb)].tolist())
-                mine = torch.tensor([time.thread_time() - t], dtype=torch.float64)
-                every = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
-                dist.all_gather(every, mine)  # the step's end: every rank waits for the slowest
-                cpu.append(max(float(e) for e in every))
-            result[name] = (sum(cpu), time.perf_counter() - wall)
+        for r in range(rounds):  # interleaved, the order alternating
+            for name in names if r % 2 == 0 else names[::-1]:
+                result[name].append(_steps(run, plans[name], rank, world, lengths))
     if rank == 0:
         out.update(result)
     dist.destroy_process_group()
 
 
-def part_b(n: int, flops: bool) -> None:
+def _steps(run, steps, rank: int, world: int, lengths) -> tuple[float, float]:
+    """(sum over steps of the slowest rank's CPU s, wall s) of one pass over ``steps``."""
+    import torch
+    import torch.distributed as dist
+
+    cpu = []
+    dist.barrier()
+    wall = time.perf_counter()
+    for step in steps:
+        t = time.thread_time()
+        for mb in step[rank]:
+            if mb:
+                run(lengths[list(mb)].tolist())
+        mine = torch.tensor([time.thread_time() - t], dtype=torch.float64)
+        every = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
+        dist.all_gather(every, mine)  # the step's end: every rank waits for the slowest
+        cpu.append(max(float(e) for e in every))
+    return sum(cpu), time.perf_counter() - wall
+
+
+def part_b(n: int, flops: bool, rounds: int = 3) -> None:
     import torch.multiprocessing as mp
     from transformers import GPT2Config
 
@@ -331,38 +346,52 @@ def part_b(n: int, flops: bool) -> None:
             port = s.getsockname()[1]
         with mp.Manager() as manager:
             out = manager.dict()
-            mp.spawn(_rank, args=(4, port, kind, steps, lengths, out), nprocs=4, join=True)
+            mp.spawn(
+                _rank, args=(4, port, kind, steps, lengths, rounds, out), nprocs=4, join=True
+            )
             got = dict(out)
         print(
             f"    {kind}: cost {cost.linear:.0f}*L + {cost.quadratic:.2f}*L^2 "
             f"({'FLOPs' if flops and kind == 'layer' else 'ns, fitted to this CPU'})"
         )
         for name in plans:
-            cpu, wall = got[name]
+            cpu, wall = zip(*got[name])
             print(
-                f"      {name:<8} sum of step times (slowest rank's CPU time) {cpu:7.2f} s   wall "
-                f"{wall:6.1f} s   {len(plans[name].steps)} steps"
+                f"      {name:<8} sum of step times (slowest rank's CPU time) {_spread(cpu)} s   "
+                f"wall {_spread(wall)} s   {len(plans[name].steps)} steps"
             )
+        faster = [t[0] / c[0] for t, c in zip(got["tokens"], got["compute"])]
         print(
-            f"      compute-balanced steps faster by {got['tokens'][0] / got['compute'][0]:.3f}x "
-            f"(the cost model predicts {predicted['tokens'] / predicted['compute']:.3f}x)"
+            f"      compute-balanced steps faster by {_spread(faster, '{:.3f}')}x per round, "
+            f"median [min..max] of {rounds} interleaved rounds (the cost model predicts "
+            f"{predicted['tokens'] / predicted['compute']:.3f}x)"
         )
 
 
-def part_c(lengths) -> None:
+def part_c(lengths, rounds: int = 5) -> None:
     kw = dict(
         layout=ParallelLayout(), token_budget=32768, dp_size=8, microbatches_per_step=2, seed=0
     )
-    print("(c) plan time per global batch of 512 samples (best of 5)")
-    for name, cost in (("tokens", None), ("compute", COST)):
-        best = min(_timed(lambda: plan_microbatches(lengths, cost=cost, **kw)) for _ in range(5))
+    got = _interleaved(
+        {
+            name: (lambda cost=cost: plan_microbatches(lengths, cost=cost, **kw))
+            for name, cost in (("tokens", None), ("compute", COST))
+        },
+        rounds,
+    )
+    print(
+        f"(c) plan time per global batch of 512 samples, ms, median [min..max] of {rounds} "
+        f"interleaved rounds (whole plan of {len(lengths)} / {len(lengths) / 512:.1f})"
+    )
+    per = 1e3 * 512 / len(lengths)
+    for name, (wall, cpu) in got.items():
         print(
-            f"    {name:<8} {best * 1e3 * 512 / len(lengths):.2f} ms   (whole plan of "
-            f"{len(lengths)}: {best * 1e3:.1f} ms)"
+            f"    {name:<8} CPU {_spread([c * per for c in cpu])}   wall "
+            f"{_spread([w * per for w in wall])}"
         )
 
 
-def part_d(lengths, microbatches: int = 48) -> None:
+def part_d(lengths, microbatches: int = 48, rounds: int = 5) -> None:
     import torch
 
     from prealign.collate import THDCollator
@@ -396,36 +425,52 @@ def part_d(lengths, microbatches: int = 48) -> None:
                 c(samples)
 
     run(fixed), run(hybrid)  # warm-up
-    t_fixed = min(_timed(lambda: run(fixed)) for _ in range(5))
-    t_hybrid = min(_timed(lambda: run(hybrid)) for _ in range(5))
     lens = [[min(int(lengths[i]), budget) for i in mb] for mb in mbs]
-    t_assign = min(
-        _timed(
-            lambda: [
+    got = _interleaved(
+        {
+            "fixed": lambda: run(fixed),
+            "hybrid": lambda: run(hybrid),
+            "assign": lambda: [
                 assign_cp_blocks(x, layout=layout, token_budget=budget, cost=COST) for x in lens
-            ]
-        )
-        for _ in range(5)
+            ],
+        },
+        rounds,
     )
     split = sum(
         len(assign_cp_blocks(x, layout=layout, token_budget=budget, cost=COST)) > 1 for x in lens
     )
     per = 1e3 / (len(batches) * cp)
     print(
-        f"(d) collation per CP rank and micro-batch, cp = {cp}, budget {budget} ({len(batches)} "
-        f"micro-batches, {split} split into sub-groups; best of 5)"
+        f"(d) collation per CP rank and micro-batch, ms, cp = {cp}, budget {budget} "
+        f"({len(batches)} micro-batches, {split} split into sub-groups; median [min..max] of "
+        f"{rounds} interleaved rounds)"
     )
-    print(
-        f"    fixed CP {t_fixed * per:.2f} ms   hybrid CP {t_hybrid * per:.2f} ms   ratio "
-        f"{t_hybrid / t_fixed:.2f}x   "
-        f"block assignment {t_assign * 1e3 / len(batches):.3f} ms per micro-batch"
-    )
+    for i, what in ((1, "CPU"), (0, "wall")):
+        fx, hy = got["fixed"][i], got["hybrid"][i]
+        print(
+            f"    {what}: fixed CP {_spread([t * per for t in fx])}   hybrid CP "
+            f"{_spread([t * per for t in hy])}   hybrid / fixed per round "
+            f"{_spread([h / f for h, f in zip(hy, fx)])}x   block assignment "
+            f"{_spread([t * 1e3 / len(batches) for t in got['assign'][i]], '{:.3f}')} per "
+            f"micro-batch"
+        )
 
 
-def _timed(fn) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
+def _interleaved(contenders: dict, rounds: int) -> dict:
+    """{name: ([wall s], [CPU s])}: each contender once per round, the order rotating."""
+    names, got = list(contenders), {name: ([], []) for name in contenders}
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            t, c = time.perf_counter(), time.process_time()
+            contenders[name]()
+            got[name][0].append(time.perf_counter() - t)
+            got[name][1].append(time.process_time() - c)
+    return got
+
+
+def _spread(xs, fmt: str = "{:.2f}") -> str:
+    """``median [min..max]`` of ``xs``."""
+    return f"{fmt.format(float(np.median(xs)))} [{fmt.format(min(xs))}..{fmt.format(max(xs))}]"
 
 
 def main() -> None:
@@ -440,13 +485,15 @@ def main() -> None:
         help="(b) layer: plan with the FLOPs cost model, not the fitted one",
     )
     ap.add_argument("--skip-cpu", action="store_true")
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds of (c) and (d)")
+    ap.add_argument("--cpu-rounds", type=int, default=3, help="interleaved rounds of (b)")
     args = ap.parse_args()
     lengths = long_tail(args.samples)
     part_a(lengths)
     if not args.skip_cpu:
-        part_b(args.cpu_samples, args.flops)
-    part_c(lengths)
-    part_d(lengths)
+        part_b(args.cpu_samples, args.flops, args.cpu_rounds)
+    part_c(lengths, args.rounds)
+    part_d(lengths, rounds=args.rounds)
 
 
 if __name__ == "__main__":

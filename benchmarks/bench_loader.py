@@ -13,7 +13,11 @@ once. Megatron-Energon (``--no-energon`` to leave it out): ``energon prepare`` o
 once (untimed, like the index pass), then a fresh ``get_loader(get_train_dataset(...))`` with the
 same workers reading as many samples, decoded, in lists of 32 (no packing, no collation). Every
 contender starts fresh workers in its first epoch in every round; the rounds interleave the
-contenders; samples/s are given as median [min..max] over the rounds with the per-round ratio.
+contenders (the order rotating); samples/s, wall and CPU seconds of each epoch (this process and
+its joined workers, ``RUSAGE_SELF + RUSAGE_CHILDREN``) are given as median [min..max] over the
+rounds, with the per-round ratios. The loader reads and decodes every sample of each micro-batch and
+collates CP rank 0's half of its tokens; the raw and Energon contenders decode the same samples and
+collate nothing (their lists of 32 are what they hand over).
 The collate share is measured in-process (``num_workers=0``): time in the collator / time per epoch.
 The one-off index pass (lengths + byte offsets) is timed separately and not part of the epoch.
 """
@@ -21,9 +25,11 @@ The one-off index pass (lengths + byte offsets) is timed separately and not part
 from __future__ import annotations
 
 import argparse
+import gc
 import io
 import json
 import os
+import resource
 import statistics
 import sys
 import tarfile
@@ -86,6 +92,21 @@ class TimedCollator:
         out = self.inner(samples)
         out["_collate_s"] = time.perf_counter() - t0
         return out
+
+
+def cpu_seconds() -> float:
+    """CPU seconds of this process and its joined children (workers)."""
+    usage = [resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    return sum(u.ru_utime + u.ru_stime for u in usage)
+
+
+def timed(epoch, *args) -> tuple[int, float, float]:
+    """(samples, wall s, CPU s) of ``epoch(*args)``, which returns (samples, ...); its workers are
+    joined (garbage collected) before the CPU is read."""
+    c0, t0 = cpu_seconds(), time.perf_counter()
+    samples = epoch(*args)[0]
+    gc.collect()
+    return samples, time.perf_counter() - t0, cpu_seconds() - c0
 
 
 def _as_list(samples):
@@ -228,14 +249,18 @@ def main(argv=None) -> int:
                 loading=LoadingOptions(persistent_workers=False, prefetch_factor=4),
             )
 
+        runs = {
+            "raw0": lambda: timed(raw_epoch, paths, 0),
+            "raw": lambda: timed(raw_epoch, paths, args.workers),
+            "loader": lambda: timed(lambda: loader_epoch(loader())[1:]),
+        }
+        if energon:
+            runs["energon"] = lambda: timed(energon_epoch, root, n, args.workers)
         rows = []
-        for _ in range(args.rounds):  # interleaved: page cache and machine load favour no contender
-            row = {"raw0": raw_epoch(paths, 0), "raw": raw_epoch(paths, args.workers)}
-            lb, ls, lt, _ = loader_epoch(loader())
-            row["loader"] = (ls, lt)
-            if energon:
-                row["energon"] = energon_epoch(root, n, args.workers)
-            rows.append(row)
+        contenders = list(runs)
+        for r in range(args.rounds):  # interleaved: page cache and machine load favour no contender
+            order = contenders[r % len(contenders) :] + contenders[: r % len(contenders)]
+            rows.append({k: runs[k]() for k in order})
         inproc = PackedLoader(
             src,
             schema=schema,
@@ -249,7 +274,10 @@ def main(argv=None) -> int:
         ib, isamp, it, icoll = loader_epoch(inproc)
     for row in rows:
         assert row["raw0"][0] == row["raw"][0] == row["loader"][0] == n, row
-    sps = {k: [r[k][0] / r[k][1] for r in rows] for k in rows[0]}
+    keys = [k for k in ("raw0", "raw", "energon", "loader") if k in rows[0]]
+    sps = {k: [r[k][0] / r[k][1] for r in rows] for k in keys}
+    wall = {k: [r[k][1] for r in rows] for k in keys}
+    cpu = {k: [r[k][2] for r in rows] for k in keys}
     print(
         f"{n} samples in 8 shards, tp=2 cp=2 budget 8192, {args.workers} workers, {args.rounds} "
         f"interleaved "
@@ -257,7 +285,10 @@ def main(argv=None) -> int:
         + (f", energon prepare {prepare_s:.2f} s" if energon else "")
         + " (once, not timed below)\n"
     )
-    print("| run | samples/s, median [min..max] | PackedLoader / it, per round |\n|---|---|---|")
+    print(
+        "| run | samples/s | wall s | CPU s | PackedLoader / it, samples/s per round | "
+        "its CPU / PackedLoader's, per round |\n|---|---|---|---|---|---|"
+    )
     names = {
         "raw0": "raw webdataset, 0 workers",
         "raw": f"raw webdataset, {args.workers} workers",
@@ -271,7 +302,15 @@ def main(argv=None) -> int:
                 if k == "loader"
                 else _spread([a / b for a, b in zip(sps["loader"], sps[k])], "{:.2f}")
             )
-            print(f"| {name} | {_spread(sps[k])} | {ratio} |")
+            cpu_ratio = (
+                "-"
+                if k == "loader"
+                else _spread([a / b for a, b in zip(cpu[k], cpu["loader"])], "{:.2f}")
+            )
+            print(
+                f"| {name} | {_spread(sps[k])} | {_spread(wall[k], '{:.2f}')} | "
+                f"{_spread(cpu[k], '{:.2f}')} | {ratio} | {cpu_ratio} |"
+            )
     faster = [lo / max(a, b) for lo, a, b in zip(sps["loader"], sps["raw0"], sps["raw"])]
     print(
         f"\nPackedLoader / faster raw (samples/s), per round: {_spread(faster, '{:.3f}')}   "

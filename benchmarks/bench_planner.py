@@ -17,6 +17,9 @@ Columns: utilisation = real tokens / (micro-batches x budget); steady = the same
 real / (round_up(ceil(sum aligned / capacity), dp) x budget);
 imbalance = sum over steps of the max rank load / sum of the mean load (worst step in brackets);
 max T = the largest padded micro-batch (must be <= budget). ``--quick`` uses 20k synthetic samples.
+Plan time: the three strategies planned alternately over ``--rounds`` rounds (the order rotating),
+wall and CPU seconds (``time.process_time``) as median [min..max]. ``--gsm8k DIR`` reads GSM8K from
+DIR (a folder with train.jsonl and test.jsonl).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import sys
 import time
 
@@ -33,17 +37,18 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from prealign.loaders import microbatch_capacity, plan_microbatches  # noqa: E402
+from prealign.loaders import plan_microbatches  # noqa: E402
+from prealign.loaders.plan.planner import microbatch_capacity  # noqa: E402
 from prealign.schemas import ParallelLayout  # noqa: E402
 
 GSM8K = os.path.join(ROOT, "..", "shared", "data", "gsm8k")
 _WORDS = re.compile(r"[A-Za-z]+|\d{1,3}|[^\sA-Za-z\d]")
 
 
-def gsm8k_texts() -> list[str] | None:
+def gsm8k_texts(folder: str = GSM8K) -> list[str] | None:
     texts = []
     for split in ("train", "test"):
-        path = os.path.join(GSM8K, f"{split}.jsonl")
+        path = os.path.join(folder, f"{split}.jsonl")
         if not os.path.exists(path):
             return None
         with open(path, encoding="utf-8") as f:
@@ -71,14 +76,28 @@ def bound(lengths: np.ndarray, layout: ParallelLayout, budget: int, dp: int) -> 
     return float(lengths.sum()) / (-(-bins // dp) * dp * budget)
 
 
-def run(name: str, lengths: np.ndarray, budget: int, layout: ParallelLayout, dp: int) -> list[dict]:
+STRATEGIES = ("bfd", "first_fit", "in_order")
+
+
+def _spread(xs: list[float]) -> str:
+    return f"{statistics.median(xs):.3f} [{min(xs):.3f}..{max(xs):.3f}]"
+
+
+def run(
+    name: str, lengths: np.ndarray, budget: int, layout: ParallelLayout, dp: int, rounds: int = 5
+) -> list[dict]:
+    plans, wall, cpu = {}, {k: [] for k in STRATEGIES}, {k: [] for k in STRATEGIES}
+    for r in range(rounds):  # interleaved, the order rotating: no strategy always runs first
+        for strategy in STRATEGIES[r % 3 :] + STRATEGIES[: r % 3]:
+            t0, c0 = time.perf_counter(), time.process_time()
+            plans[strategy] = plan_microbatches(
+                lengths, layout=layout, token_budget=budget, dp_size=dp, strategy=strategy, seed=0
+            )
+            wall[strategy].append(time.perf_counter() - t0)
+            cpu[strategy].append(time.process_time() - c0)
     rows = []
-    for strategy in ("bfd", "first_fit", "in_order"):
-        t0 = time.perf_counter()
-        plan = plan_microbatches(
-            lengths, layout=layout, token_budget=budget, dp_size=dp, strategy=strategy, seed=0
-        )
-        dt = time.perf_counter() - t0
+    for strategy in STRATEGIES:
+        plan = plans[strategy]
         s = plan.stats
         body = plan.real_tokens[:, : s.microbatches_per_rank - plan.steps[-1]]
         rows.append(
@@ -94,7 +113,9 @@ def run(name: str, lengths: np.ndarray, budget: int, layout: ParallelLayout, dp:
                 "worst step": s.worst_step_imbalance,
                 "max T": s.max_padded_length,
                 "budget": budget,
-                "plan s": dt,
+                "plan s": statistics.median(wall[strategy]),
+                "plan wall s": _spread(wall[strategy]),
+                "plan CPU s": _spread(cpu[strategy]),
             }
         )
         assert s.max_padded_length <= budget
@@ -107,16 +128,20 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--quick", action="store_true", help="20k synthetic samples instead of 100k")
     ap.add_argument("--json", help="also write the rows to this file")
+    ap.add_argument("--gsm8k", default=GSM8K, help="folder of GSM8K's train/test.jsonl")
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds of plan time")
     args = ap.parse_args(argv)
-    layout, dp = ParallelLayout(tp=2, cp=2), 4
+    layout, dp, k = ParallelLayout(tp=2, cp=2), 4, args.rounds
     rows = []
-    texts = gsm8k_texts()
+    texts = gsm8k_texts(args.gsm8k)
     if texts is None:
-        print(f"(GSM8K not found under {GSM8K}: skipped)")
+        print(f"(GSM8K not found under {args.gsm8k}: skipped)")
     else:
-        rows += run("gsm8k/words", np.array([words_tokenizer(t) for t in texts]), 8192, layout, dp)
-        rows += run("gsm8k/bytes", np.array([bytes_tokenizer(t) for t in texts]), 8192, layout, dp)
-    rows += run("longtail", longtail(20_000 if args.quick else 100_000), 16384, layout, dp)
+        words = np.array([words_tokenizer(t) for t in texts])
+        rows += run("gsm8k/words", words, 8192, layout, dp, k)
+        nbytes = np.array([bytes_tokenizer(t) for t in texts])
+        rows += run("gsm8k/bytes", nbytes, 8192, layout, dp, k)
+    rows += run("longtail", longtail(20_000 if args.quick else 100_000), 16384, layout, dp, k)
     head = (
         f"{'data':<12} {'strategy':<9} {'samples':>7} {'mb/rank':>7} {'util':>6} {'steady':>6} "
         f"{'bound':>6} {'imbalance (worst)':>17} {'max T':>6} {'budget':>6} {'plan s':>7}"
@@ -128,6 +153,12 @@ def main(argv=None) -> int:
             f"{r['utilisation']:>6.4f} "
             f"{r['steady']:>6.4f} {r['bound']:>6.4f} {r['imbalance']:>8.4f} "
             f"({r['worst step']:.3f}) {r['max T']:>6} {r['budget']:>6} {r['plan s']:>7.3f}"
+        )
+    print(f"\nplan time, median [min..max] over {args.rounds} interleaved rounds")
+    for r in rows:
+        print(
+            f"{r['data']:<12} {r['strategy']:<9} wall s {r['plan wall s']}  "
+            f"CPU s {r['plan CPU s']}"
         )
     if args.json:
         with open(args.json, "w") as f:

@@ -10,13 +10,16 @@ samples per shard, written as raw tar bytes), then
   sidecars)
 * ``index``     ``write_sidecars`` (what ``prealign index`` runs): samples/s with 1 and 2 processes,
   and per CPU-second (what one free core does, whatever else shares the machine)
-* ``sidecars``  PackedLoader built and its first batch taken from the sidecars (best of ``--repeat``
-  fresh processes; all of them in the JSON)
+* ``sidecars``  PackedLoader built and its first batch taken from the sidecars (written once before
+  the rounds)
 
 and the demo's VLM set (chat + images + teacher top-k): the full pass against the header pass (with
 and without the pixel check), one shard after another on one thread, CPU seconds, lengths compared.
-Every phase runs in a fresh process (no warm caches but the OS page cache). Prints a Markdown table;
-``--json`` also writes the numbers.
+Every phase runs in a fresh process (no warm caches but the OS page cache). The phases of a size run
+once per round over ``--rounds`` rounds, the order rotating; wall and CPU seconds (the process and
+its joined children) are given as median [min..max], with the per-round ratios (the VLM passes
+alternate in one process, ``--rounds`` times). Prints a Markdown table; ``--json`` also writes the
+numbers.
 """
 
 from __future__ import annotations
@@ -91,36 +94,45 @@ def _phase(code: str) -> dict:
     return json.loads(out.rsplit("RESULT", 1)[1])
 
 
-_TTFB = """
+_CPU = """
+import resource
+def cpu():
+    return sum(getattr(resource.getrusage(w), a)
+               for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+               for a in ("ru_utime", "ru_stime"))
+"""
+
+_TTFB = (
+    _CPU
+    + """
 from prealign.loaders import IndexOptions, PackedLoader, WebDatasetSource
 from prealign.loaders.sources.webdataset import numpy_fields
 from prealign.schemas import ParallelLayout, causal_lm_schema
 paths = {paths!r}
-t0 = time.perf_counter()
+t0, c0 = time.perf_counter(), cpu()
 loader = PackedLoader(WebDatasetSource(paths, sidecars={sidecars}), schema=causal_lm_schema(),
                       layout=ParallelLayout(tp=2, cp=2), token_budget=8192,
                       indexing=IndexOptions(workers={workers}), num_workers=0).prepare()
 t1 = time.perf_counter()
 batch = next(iter(loader))
 t2 = time.perf_counter()
-result = {{"build_s": t1 - t0, "ttfb_s": t2 - t0, "samples": len(loader.index),
-           "tokens": int(batch["input_ids"].numel())}}
+result = {{"build_s": t1 - t0, "ttfb_s": t2 - t0, "cpu_s": cpu() - c0,
+           "samples": len(loader.index), "tokens": int(batch["input_ids"].numel())}}
 """
+)
 
-_INDEX = """
+_INDEX = (
+    _CPU
+    + """
 from prealign.loaders import WebDatasetSource
 from prealign.loaders.index.header_pass import write_sidecars
 from prealign.schemas import causal_lm_schema
 paths = {paths!r}
-import resource
-def cpu():
-    return sum(getattr(resource.getrusage(w), a)
-               for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
-               for a in ("ru_utime", "ru_stime"))
 t0, c0 = time.perf_counter(), cpu()
 stats = write_sidecars(WebDatasetSource(paths), causal_lm_schema(), workers={workers}, force=True)
 result = {{"s": time.perf_counter() - t0, "cpu_s": cpu() - c0, "samples": stats["samples"]}}
 """
+)
 
 _VLM = """
 import numpy as np, torch
@@ -141,19 +153,38 @@ shards = sorted(os.path.join(root, f) for f in os.listdir(root) if f.endswith(".
 src = WebDatasetSource(shards, transform=VLMSampleTransform(tokenizer=ByteTokenizer(), topk=8),
                        image="bytes", sidecars=False)
 schema = vlm_schema(topk=8, vocab_size=ByteTokenizer.vocab_size)
-def timed(fn):
-    t, c = time.perf_counter(), time.process_time()
-    out = [fn(s) for s in range(len(shards))]
-    return out, time.perf_counter() - t, time.process_time() - c
-full, full_s, full_cpu = timed(lambda s: index_shard(src, schema, s))
-head, head_s, head_cpu = timed(lambda s: header_index_shard(src, schema, s)[0])
-only, only_s, only_cpu = timed(lambda s: header_index_shard(src, schema, s, verify_images=False)[0])
+passes = {{
+    "full": lambda s: index_shard(src, schema, s),
+    "header": lambda s: header_index_shard(src, schema, s)[0],
+    "header_only": lambda s: header_index_shard(src, schema, s, verify_images=False)[0],
+}}
+names, result, outs = list(passes), {{}}, {{}}
+for r in range({rounds}):  # interleaved, the order rotating
+    for name in names[r % 3:] + names[:r % 3]:
+        t, c = time.perf_counter(), time.process_time()
+        outs[name] = [passes[name](s) for s in range(len(shards))]
+        result.setdefault(name + "_s", []).append(time.perf_counter() - t)
+        result.setdefault(name + "_cpu", []).append(time.process_time() - c)
+full, head = outs["full"], outs["header"]
 same = all(f["lengths"] == h["lengths"] and f["locations"] == h["locations"]
            for f, h in zip(full, head))
-result = {{"full_s": full_s, "full_cpu": full_cpu, "header_s": head_s, "header_cpu": head_cpu,
-          "header_only_s": only_s, "header_only_cpu": only_cpu, "identical": bool(same),
-          "samples": sum(len(f["lengths"]) for f in full)}}
+result.update(identical=bool(same), samples=sum(len(f["lengths"]) for f in full))
 """
+
+
+def _rounds(phases: dict, rounds: int) -> dict:
+    """{name: [result of each round]}: every phase once a round in a fresh process, the order
+    rotating."""
+    names, got = list(phases), {name: [] for name in phases}
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            got[name].append(_phase(phases[name]))
+    return got
+
+
+def _spread(xs, fmt: str = "{:.2f}") -> str:
+    """``median [min..max]`` of ``xs``."""
+    return f"{fmt.format(float(np.median(xs)))} [{fmt.format(min(xs))}..{fmt.format(max(xs))}]"
 
 
 def main() -> int:
@@ -165,12 +196,7 @@ def main() -> int:
         "--no-full-above", type=int, default=10**9, help="skip the full pass above this size"
     )
     ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument(
-        "--repeat",
-        type=int,
-        default=3,
-        help="first batch from sidecars: best of this many fresh processes",
-    )
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds of every phase")
     ap.add_argument("--json", help="also write the numbers here")
     args = ap.parse_args()
     rows, numbers = [], {}
@@ -179,48 +205,59 @@ def main() -> int:
         for p in paths:  # fresh sidecars each run
             if os.path.exists(p + ".prealign-index.npz"):
                 os.remove(p + ".prealign-index.npz")
-        full = (
-            _phase(_TTFB.format(paths=paths, sidecars=False, workers=args.workers))
-            if n <= args.no_full_above
-            else None
-        )
-        idx1 = _phase(_INDEX.format(paths=paths, workers=1))
-        idx2 = _phase(_INDEX.format(paths=paths, workers=args.workers))
-        tries = [
-            _phase(_TTFB.format(paths=paths, sidecars=True, workers=args.workers))
-            for _ in range(args.repeat)
-        ]
-        side = min(tries, key=lambda t: t["ttfb_s"])  # the VM's noise only adds time
-        side["all_ttfb_s"] = [t["ttfb_s"] for t in tries]
-        numbers[n] = {
-            "full": full,
-            "index_1": idx1,
-            f"index_{args.workers}": idx2,
-            "sidecars": side,
+        _phase(_INDEX.format(paths=paths, workers=1))  # the sidecars the "sidecars" phase reads
+        phases = {
+            "index_1": _INDEX.format(paths=paths, workers=1),
+            f"index_{args.workers}": _INDEX.format(paths=paths, workers=args.workers),
+            "sidecars": _TTFB.format(paths=paths, sidecars=True, workers=args.workers),
         }
+        if n <= args.no_full_above:
+            phases["full"] = _TTFB.format(paths=paths, sidecars=False, workers=args.workers)
+        got = _rounds(phases, args.rounds)
+        numbers[n] = got
+        idx1, idx2, side = got["index_1"], got[f"index_{args.workers}"], got["sidecars"]
+        full = got.get("full")
         rows.append(
-            f"| {n:,} text | {full['ttfb_s']:.2f} s |" if full else f"| {n:,} text | (not run) |"
+            f"| {n:,} text | {_spread([r['ttfb_s'] for r in full])} s "
+            f"(CPU {_spread([r['cpu_s'] for r in full])}) |"
+            if full
+            else f"| {n:,} text | (not run) |"
         )
         rows[-1] += (
-            f" {side['ttfb_s']:.2f} s | {idx1['samples'] / idx1['s']:,.0f} / s | "
-            f"{idx2['samples'] / idx2['s']:,.0f} / s | {idx1['samples'] / idx1['cpu_s']:,.0f} / s |"
+            f" {_spread([r['ttfb_s'] for r in side])} s (CPU {_spread([r['cpu_s'] for r in side])})"
+            f" | {_spread([r['samples'] / r['s'] for r in idx1], '{:,.0f}')} / s | "
+            f"{_spread([r['samples'] / r['s'] for r in idx2], '{:,.0f}')} / s | "
+            f"{_spread([r['samples'] / r['cpu_s'] for r in idx1], '{:,.0f}')} / s |"
         )
+        if full:
+            rows[-1] += (
+                f" {_spread([f['ttfb_s'] / s['ttfb_s'] for f, s in zip(full, side)], '{:.1f}')}x |"
+            )
         print(rows[-1], flush=True)
     if args.vlm:
         root = os.path.join(args.dir, f"vlm-{args.vlm}")
         os.makedirs(root, exist_ok=True)
-        v = _phase("import os\n" + _VLM.format(root=root, n=args.vlm, workers=args.workers))
+        v = _phase(
+            "import os\n"
+            + _VLM.format(root=root, n=args.vlm, workers=args.workers, rounds=args.rounds)
+        )
         numbers["vlm"] = v
+
+        def vs(name):
+            per = [f / h for f, h in zip(v["full_cpu"], v[name + "_cpu"])]
+            return f"{_spread(v[name + '_cpu'], '{:.1f}')} ({_spread(per, '{:.1f}')}x)"
+
         rows.append(
-            f"| {args.vlm:,} VLM (demo), index CPU s | full pass {v['full_cpu']:.1f} | header pass "
-            f"{v['header_cpu']:.1f} ({v['full_cpu'] / v['header_cpu']:.1f}x) | --header-only "
-            f"{v['header_only_cpu']:.1f} ({v['full_cpu'] / v['header_only_cpu']:.1f}x) | lengths "
-            f"identical: {v['identical']} | |"
+            f"| {args.vlm:,} VLM (demo), index CPU s | full pass "
+            f"{_spread(v['full_cpu'], '{:.1f}')} | header pass {vs('header')} | --header-only "
+            f"{vs('header_only')} | lengths identical: {v['identical']} | | |"
         )
         print(rows[-1], flush=True)
     print(
-        "\n| data | first batch, no sidecars | first batch, sidecars | index, 1 process | "
-        f"index, {args.workers} processes | index per CPU-second |\n|---|---|---|---|---|---|"
+        f"\nmedian [min..max] of {args.rounds} interleaved rounds\n"
+        "| data | first batch, no sidecars | first batch, sidecars | index, 1 process | "
+        f"index, {args.workers} processes | index per CPU-second | no sidecars / sidecars (wall), "
+        "per round |\n|---|---|---|---|---|---|---|"
     )
     print("\n".join(rows))
     if args.json:

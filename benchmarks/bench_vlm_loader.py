@@ -74,6 +74,11 @@ def cpu_seconds() -> float:
     return sum(u.ru_utime + u.ru_stime for u in usage)
 
 
+def _spread(xs: list[float], fmt: str = "{:.2f}") -> str:
+    """``median [min..max]`` of ``xs``."""
+    return f"{fmt.format(float(np.median(xs)))} [{fmt.format(min(xs))}..{fmt.format(max(xs))}]"
+
+
 # ---- the two pipelines
 # ------------------------------------------------------------------------------
 def make_transform(
@@ -163,7 +168,45 @@ class BaselineSample:
             max_pixels=geo.max_pixels // share,
             image_mean=tuple(fam.video_defaults["image_mean"]),
             image_std=tuple(fam.video_defaults["image_std"]),
+            temporal_patch_size=1,
         )
+
+    def frame_pixels(self, frames: list) -> torch.Tensor:
+        """A video's pixel rows float32 ``[t*h*w, 3*2*p*p]`` as the video processor lays them out:
+        the image processor on each frame (one temporal slice each), then consecutive frames paired
+        into temporal patches, the last frame repeated to an even count (the image processor alone
+        would duplicate every frame into its own temporal patch: twice the rows prealign writes)."""
+        frames = frames + frames[-1:] if len(frames) % 2 else frames
+        x = self.frame_processor(len(frames))(images=frames, return_tensors="pt")["pixel_values"]
+        p, pairs = self.videos.video_geometry.patch_size, len(frames) // 2
+        x = x.view(pairs, 2, x.shape[0] // len(frames), 3, p * p)
+        return x.permute(0, 2, 3, 1, 4).reshape(-1, 3 * 2 * p * p)
+
+    def sampler(self, metadata):
+        """The family's video processor ``sample_frames`` (Qwen3-VL's; Qwen2's default keeps every
+        frame)."""
+        import types
+
+        if not self.videos.family.volume_resize:
+            return np.arange(metadata.total_num_frames)
+        from transformers.models.qwen3_vl.video_processing_qwen3_vl import (
+            Qwen3VLVideoProcessor as cls,
+        )
+
+        me = types.SimpleNamespace(
+            fps=cls.fps, num_frames=None, min_frames=cls.min_frames, max_frames=cls.max_frames
+        )
+        return np.asarray(cls.sample_frames(me, metadata))
+
+    def file_frames(self, data: bytes) -> list:
+        """An mp4 member's frames as a user reads them: transformers' PyAV reader decodes every
+        frame, then the family's frame choice (:meth:`sampler`)."""
+        from transformers.video_utils import read_video_pyav
+
+        video, metadata = read_video_pyav(
+            io.BytesIO(data), lambda metadata, **kw: np.arange(metadata.total_num_frames)
+        )
+        return list(video[self.sampler(metadata)])
 
     def __call__(self, sample: dict) -> dict:
         from PIL import Image
@@ -182,12 +225,12 @@ class BaselineSample:
         if self.videos is not None:
             pieces = []
             for v in meta.get("videos", []):
-                frames = [Image.open(io.BytesIO(sample[n])).convert("RGB") for n in v["frames"]]
-                pieces.append(
-                    self.frame_processor(len(frames))(images=frames, return_tensors="pt")[
-                        "pixel_values"
-                    ]
+                frames = (
+                    self.file_frames(sample[v])
+                    if isinstance(v, str)  # an mp4 member
+                    else [Image.open(io.BytesIO(sample[n])).convert("RGB") for n in v["frames"]]
                 )
+                pieces.append(self.frame_pixels(frames))
             if pieces:
                 video_pixels = torch.cat(pieces)
             videos = self.videos.header_video_ids(
@@ -277,6 +320,7 @@ def stages(shards, index, n: int, model: str | None = None) -> dict:
 
     from prealign.collate import THDCollator
     from prealign.loaders import WebDatasetSource
+    from prealign.loaders.handoff.fetched import Fetched
     from prealign.loaders.loader import _CollatePlanned
     from prealign.loaders.media.vlm import (
         decode_image,
@@ -340,7 +384,7 @@ def stages(shards, index, n: int, model: str | None = None) -> dict:
         pack=True,
     )  # whole batches
     reqs = [
-        (
+        Fetched(
             Request(epoch=0, position=k, indices=tuple(range(k, min(k + per, len(samples))))),
             samples[k : k + per],
             str,
@@ -545,13 +589,21 @@ def main() -> None:
             for p, b in zip(rows["prealign"], rows["baseline"])
         ]
         if ratio:
+            for name, rs in rows.items():
+                print(
+                    f"{name}: wall s {_spread([r['wall'] for r in rs])}, CPU s "
+                    f"{_spread([r['cpu'] for r in rs])}, CPU ms/sample "
+                    f"{_spread([r['cpu'] / r['samples'] * 1e3 for r in rs])}, samples/s "
+                    f"{_spread([r['samples'] / r['wall'] for r in rs], '{:.1f}')} "
+                    f"(median [min..max] of {len(rs)} rounds)"
+                )
             print(
                 f"baseline / prealign CPU per sample per round: "
-                f"{', '.join(f'{x:.2f}' for x in cpu)} (median {float(np.median(cpu)):.2f})"
+                f"{', '.join(f'{x:.2f}' for x in cpu)} (median [min..max] {_spread(cpu)})"
             )
             print(
                 f"prealign / baseline samples/s per round: {', '.join(f'{x:.2f}' for x in ratio)} "
-                f"(median {float(np.median(ratio)):.2f})"
+                f"(median [min..max] {_spread(ratio)})"
             )
         split = stages(data.shards, index, args.stage_samples, args.model)
         for name, parts in split.items():
@@ -642,20 +694,11 @@ class BaselineVideoSample(BaselineSample):
     docstring)."""
 
     def __call__(self, sample: dict) -> dict:
-        from transformers.video_utils import read_video_pyav
-
         from prealign.loaders.media.vlm import render_chat
 
         meta = _json(sample["json"])
-        video, metadata = read_video_pyav(
-            io.BytesIO(sample["clip.mp4"]),
-            lambda metadata, **kw: np.arange(metadata.total_num_frames),
-        )
-        keep = self.sampler(metadata)
-        frames = list(video[keep])
-        pixels = self.frame_processor(len(frames))(images=frames, return_tensors="pt")[
-            "pixel_values"
-        ]
+        frames = self.file_frames(sample["clip.mp4"])
+        pixels = self.frame_pixels(frames)
         blocks = self.videos.header_video_ids(sample, meta, sample["__key__"], None)
         ids, mask = render_chat(meta, self.tok, [], sample=sample["__key__"], videos=blocks)
         labels = np.where(mask > 0, ids, -100)
@@ -667,22 +710,6 @@ class BaselineVideoSample(BaselineSample):
             "image_grid_thw": torch.zeros(0, 3, dtype=torch.int64),
             "pixel_values_videos": pixels,
         }
-
-    def sampler(self, metadata):
-        """The family's video processor ``sample_frames`` (Qwen3-VL's; Qwen2's default keeps every
-        frame)."""
-        import types
-
-        if not self.videos.family.volume_resize:
-            return np.arange(metadata.total_num_frames)
-        from transformers.models.qwen3_vl.video_processing_qwen3_vl import (
-            Qwen3VLVideoProcessor as cls,
-        )
-
-        me = types.SimpleNamespace(
-            fps=cls.fps, num_frames=None, min_frames=cls.min_frames, max_frames=cls.max_frames
-        )
-        return np.asarray(cls.sample_frames(me, metadata))
 
 
 def video_main(args) -> None:
@@ -746,6 +773,11 @@ def video_main(args) -> None:
                     f"ms/sample (load {os.getloadavg()[0]:.2f})",
                     flush=True,
                 )
+        for name, rs in rows.items():
+            print(
+                f"{name}: samples/s {_spread([r[0] for r in rs])}, CPU ms/sample "
+                f"{_spread([r[1] for r in rs], '{:.1f}')} (median [min..max] of {len(rs)} rounds)"
+            )
         speed = [p[0] / b[0] for p, b in zip(rows["prealign"], rows["baseline"])]
         cpu = [b[1] / p[1] for p, b in zip(rows["prealign"], rows["baseline"])]
         for label, v in (
