@@ -347,7 +347,7 @@ def _read(source, schema) -> tuple[dict, dict[str, np.ndarray]] | None:
     if data is None:
         return None
     meta, a = _parse(data, path)
-    if not _same_names(meta, source):
+    if not _same_names(meta, source, a.get("names")):
         return None  # an index of another selection of shards: the sidecars, one by one
     check_meta(
         source,
@@ -364,16 +364,22 @@ def _first_name(meta: dict) -> str:
     return meta["names"][0] if joined is None else joined.partition("\n")[0]
 
 
-def _same_names(meta: dict, source) -> bool:
+def _same_names(meta: dict, source, encoded: np.ndarray | None = None) -> bool:
     """The names of a merged index (``meta``: :func:`_parse`'s) are the :func:`shard_name` of each
     of the source's shards: for shards of one folder (``source.folder``), one join and one
-    comparison in place of two texts (no name made per shard)."""
+    comparison in place of two texts (no name made per shard); for paths of one length
+    (``source.url_rows()``), the columns past the folder compared with the names as stored
+    (``encoded``: version 3's ``names``, uint8 ``[B]``)."""
     names, urls = meta["names"], source.urls
     if len(names) != len(urls):
         return False
-    text = source.url_text() if hasattr(source, "url_text") else url_text(urls)
     folder = getattr(source, "folder", None)
     joined = meta.get("names_text")
+    rows = source.url_rows() if folder is not None and hasattr(source, "url_rows") else None
+    if rows is not None and joined is not None and encoded is not None:
+        names_and_newlines = rows[:, len(folder) :].reshape(-1)  # (a copy: the names' bytes)
+        return bool(np.array_equal(names_and_newlines[:-1], encoded))
+    text = source.url_text() if hasattr(source, "url_text") else url_text(urls)
     if folder is not None and joined is not None:  # (no name with a newline: no list of names)
         body = joined.replace("\n", "\n" + folder)  # text is folder + body + "\n"
         return len(text) == len(folder) + len(body) + 1 and text.startswith(body, len(folder))

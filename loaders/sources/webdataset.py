@@ -342,7 +342,7 @@ class WebDatasetSource(Source):
         self.remote = remote
         self.limits = limits
         self.read_timeout = None if read_timeout is None else float(read_timeout)
-        self._local()["url_text"] = text  # (for the merged index's check of the names)
+        self._local().update(url_text=text, url_rows=rows)  # (for the merged index's check)
         self._stream_only = (
             any(any_line_ends(text, end, rows) for end in (".tar.gz", ".tgz"))
             if self.local_only  # (only a gzip-compressed tar can be sequential)
@@ -361,6 +361,15 @@ class WebDatasetSource(Source):
         if "url_text" not in local:
             local["url_text"] = url_text(self.urls)
         return local["url_text"]
+
+    def url_rows(self) -> np.ndarray | None:
+        """:func:`~prealign.loaders.sources.shard_files.line_rows` of :meth:`url_text` (uint8
+        ``[S, width]``: a shard a row) when every line has one length, else None (made once per
+        process)."""
+        local = self._local()
+        if "url_rows" not in local:
+            local["url_rows"] = line_rows(self.url_text(), self.num_shards)
+        return local["url_rows"]
 
     @property
     def stream_only(self) -> bool:
