@@ -63,6 +63,8 @@ from prealign.loaders.sources.tar_reader import TarFormatError, iter_members
 from prealign.schemas.errors import ConfigError, SampleError
 
 _SPILL_CHUNK = 4 << 20
+_AHEAD_BYTES = 64 << 20
+"""At most this many bytes of a micro-batch read ahead (:meth:`WebDatasetSource.read_ahead`)."""
 _REMOTE = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*:")
 _BRACE = re.compile(r"[{}\\]")
 _FAR = re.compile(r"^(?!file://)[a-zA-Z][a-zA-Z0-9+.-]*:")
@@ -545,7 +547,10 @@ class WebDatasetSource(Source):
         (:func:`~prealign.loaders.sources.deadline.call_with_timeout`) instead of one each (a
         micro-batch over 90 one-sample shards: one handoff to the deadline's thread, not 90). It
         stops at the first read that fails or at a stall: that row and those after it are read one
-        by one, as without it, so each raises what it raises there. Anything else: nothing done."""
+        by one, as without it, so each raises what it raises there. Nothing is done when every
+        shard of the rows is open and checked already (each read is then a seek and a read in this
+        thread, no handoff), and rows past :data:`_AHEAD_BYTES` are left to be read one by one;
+        nor for other sources (remote, ``pipe:``, ``.tar.gz``, ``read_timeout=None``)."""
         local = self._local()
         local.pop("ahead", None)
         if (
@@ -556,10 +561,14 @@ class WebDatasetSource(Source):
             or len(locations) < 2
         ):
             return
-        rows = np.asarray(locations)[:, :3].tolist()
+        rows = np.asarray(locations)[:, :3].astype(np.int64)
+        within = np.cumsum(rows[:, 2] - rows[:, 1]) <= _AHEAD_BYTES  # (the rest: one by one)
+        rows = rows[: int(np.argmin(within)) if not within.all() else len(rows)].tolist()
         files = local.setdefault("files", OrderedDict())
         checked = local.setdefault("checked", set())
         check = self.shard_check
+        if all(s in files and (check is None or s in checked) for s, _, _ in rows):
+            return  # (each read a seek and a read of an open file: no handoff to save)
         stop: list = []
         got: dict = {}
         opened: OrderedDict = OrderedDict()  # (shard -> file this call opened)

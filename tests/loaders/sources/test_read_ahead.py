@@ -106,3 +106,24 @@ def test_a_shard_gone_mid_batch_raises_as_one_by_one(one_sample_shards):
             next(iter(loader))
         errors.append(str(exc.value))
     assert errors[0] == errors[1] and os.path.basename(gone) in errors[0]
+
+
+def test_no_handoff_when_every_shard_of_the_batch_is_open(tmp_path, monkeypatch):
+    paths = write_shards(str(tmp_path), sample_lengths(120), num_shards=2)
+    write_sidecars(WebDatasetSource(paths), SCHEMA)
+    loader = _loader(WebDatasetSource(paths)).prepare()
+    it = iter(loader)
+    next(it)  # (opens and checks both shards)
+    handoffs = _Handoffs(monkeypatch)
+    next(it)
+    assert handoffs.calls == 0
+
+
+def test_rows_past_the_byte_cap_are_read_one_by_one(one_sample_shards, monkeypatch):
+    direct = list(_loader(WebDatasetSource(one_sample_shards, read_timeout=None)))
+    monkeypatch.setattr(webdataset, "_AHEAD_BYTES", 4096)  # (a few samples of the batch)
+    handoffs = _Handoffs(monkeypatch)
+    capped = list(_loader(WebDatasetSource(one_sample_shards)))
+    assert handoffs.calls > len(capped)  # (past the cap: a handoff a shard opened)
+    for a, b in zip(capped, direct):
+        assert torch.equal(a["input_ids"], b["input_ids"])
