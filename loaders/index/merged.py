@@ -504,7 +504,7 @@ def _parse(data: bytes, path: str) -> tuple[dict, dict[str, np.ndarray]]:
         names = LazyList(functools.partial(decode_names, a["names"], a["name_bytes"]), count)
         meta["names_text"] = joined if starts_ends is None else None
         probes = a["probes"]
-        if probes.dtype != np.uint8 or probes.shape != (count, 16) or np.any(probes >= 128):
+        if probes.dtype != np.uint8 or probes.shape != (count, 16) or probes.max(initial=0) >= 128:
             raise bad(
                 f"probes of dtype {probes.dtype} shape {probes.shape}, expected ASCII "
                 f"uint8 {(count, 16)}"

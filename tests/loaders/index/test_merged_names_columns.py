@@ -6,6 +6,7 @@ sizes the index records are made only when read (``source_shards``), and equal t
 from __future__ import annotations
 
 import json
+import pickle
 
 import numpy as np
 from hypothesis import given
@@ -76,3 +77,6 @@ def test_lazy_source_shards_equal_the_lists_and_save_as_them(tmp_path):
     back = SampleIndex.load(str(tmp_path / "i.npz"))
     assert back.source_shards == {"names": ["a.tar", "b.tar"], "sizes": [10, 20]}
     assert json.loads(json.dumps(list(names))) == ["a.tar", "b.tar"] and made == [1]
+    again = pickle.loads(pickle.dumps(index))  # (to a DataLoader worker: the lists)
+    assert again.source_shards == {"names": ["a.tar", "b.tar"], "sizes": [10, 20]}
+    assert type(again.source_shards["names"]) is list
