@@ -186,6 +186,33 @@ def one_folder(text: str, count: int, rows=None) -> str | None:
     return None
 
 
+def folder_rows(text: str, count: int) -> tuple[np.ndarray | None, str | None]:
+    """``(line_rows(text, count), one_folder(text, count, rows))`` in fewer passes over the text
+    when its lines have one length and sit in one folder (a zero-padded shard list): the row ends,
+    the columns before the file name (each row's equal to the first's) and the file names'
+    columns (no newline, no ``"/"``) checked, not every column twice. Anything else:
+    :func:`line_rows` then :func:`one_folder`.
+
+    >>> rows, folder = folder_rows(url_text(["/d/a-1", "/d/a-2"]), 2)
+    >>> rows.shape, folder, folder_rows(url_text(["/d/a-1", "/e/a-2"]), 2)[1]
+    ((2, 7), '/d/', None)
+    """
+    first = text[: text.find("\n")]
+    cut = first.rfind("/") + 1
+    if count and cut and not len(text) % count and text.isascii() and "?" not in text:
+        width = len(text) // count
+        if cut < width - 1:
+            rows = np.frombuffer(text.encode("ascii"), np.uint8).reshape(count, width)
+            if bool(np.all(rows[:, width - 1] == 10)) and bool(
+                np.all(rows[:, :cut] == rows[0, :cut])  # (no newline there: row 0 has none)
+            ):
+                names = rows[:, cut : width - 1]
+                if not bool(np.any((names == 10) | (names == ord("/")))):
+                    return rows, first[:cut]
+    rows = line_rows(text, count)
+    return rows, one_folder(text, count, _SEARCH if rows is None else rows)
+
+
 def any_line_ends(text: str, suffix: str, rows=_SEARCH) -> bool:
     """Some line of ``text`` (:func:`url_text`) ends with ``suffix``; ``rows``: the
     :func:`line_rows` of ``text`` when known (each line's last columns compared instead of a search

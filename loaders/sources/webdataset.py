@@ -44,9 +44,9 @@ from prealign.loaders.sources.shard_files import (
     all_distinct,
     any_line_ends,
     check_index_dir_names,
+    folder_rows,
     has_line,
     line_rows,
-    one_folder,
     open_regular,
     plain_local,
     sample_checksum,
@@ -142,9 +142,8 @@ def _check_unique(urls: Sequence[str], text: str | None) -> tuple[str | None, ob
     folder, rows = None, None
     if urls and (text is not None or set(map(type, urls)) == {str}):
         text = url_text(urls) if text is None else text
-        rows = line_rows(text, len(urls))
+        rows, folder = folder_rows(text, len(urls))
         fixed = False if rows is None else rows  # (False: the text searched)
-        folder = one_folder(text, len(urls), fixed)
         if _normal_absolute(urls, text, folder, rows) and all_distinct(
             urls, text, fixed, folder or ""
         ):
