@@ -135,6 +135,9 @@ class _PlannedSamples:
         try:
             if not request.indices:
                 return Fetched(request, [self._filler(request.filler_of)], self.where)
+            read_ahead = getattr(self.source, "read_ahead", None)
+            if read_ahead is not None:  # (one read deadline for the micro-batch's shards)
+                read_ahead(self.locations[list(request.indices)])
             if not self.skip_at_load:
                 return Fetched(request, [self._load(i) for i in request.indices], self.where)
             samples, kept, skipped = [], [], []

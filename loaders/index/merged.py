@@ -47,6 +47,7 @@ still read; version 1 is refused with the command that rewrites it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import json
 
@@ -57,7 +58,7 @@ from prealign.loaders.index import sidecar
 from prealign.loaders.index.apply_policy import Records, apply_policy
 from prealign.loaders.index.events import parse_event
 from prealign.loaders.index.sample_checks import bad_row_event, signature_verdicts, value_errors
-from prealign.loaders.index.sample_index import SampleIndex
+from prealign.loaders.index.sample_index import LazyList, SampleIndex
 from prealign.loaders.index.shard_checks import ShardChecks
 from prealign.loaders.index.source_index import check_meta
 from prealign.loaders.index.tiling import bad_regions, check_tiling
@@ -171,6 +172,17 @@ def decode_names(text: np.ndarray, lengths: np.ndarray) -> list[str]:
     """The names of :func:`encode_names`' arrays: a few C calls over the text (a step per name
     only when a name holds a newline). ``ValueError`` when the arrays are not such (dtype, shape,
     lengths that do not tile the text with a newline between two names, text not UTF-8)."""
+    joined, starts_ends = _names_text(text, lengths)
+    if starts_ends is None:
+        return joined.split("\n")
+    raw = text.tobytes()
+    return [raw[a:b].decode("utf-8", "surrogatepass") for a, b in zip(*starts_ends)]
+
+
+def _names_text(text: np.ndarray, lengths: np.ndarray) -> tuple[str, tuple | None]:
+    """:func:`decode_names`' checks, and the names as one text (a newline between two), with
+    ``None`` when no name holds a newline (the text then splits into them), else each name's
+    ``(starts, ends)`` in bytes. No object per name."""
     if text.dtype != np.uint8 or text.ndim != 1 or lengths.dtype != np.int64 or lengths.ndim != 1:
         raise ValueError("names / name_bytes of the wrong dtype or shape")
     s, raw = len(lengths), text.tobytes()
@@ -181,9 +193,8 @@ def decode_names(text: np.ndarray, lengths: np.ndarray) -> list[str]:
         raise ValueError("name lengths do not tile the names with a newline between two")
     joined = raw.decode("utf-8", "surrogatepass")  # (UnicodeDecodeError is a ValueError)
     if raw.count(b"\n") == s - 1:  # each newline between two names: none inside one
-        return joined.split("\n")
-    starts = (ends - lengths).tolist()
-    return [raw[a:b].decode("utf-8", "surrogatepass") for a, b in zip(starts, ends.tolist())]
+        return joined, None
+    return joined, ((ends - lengths).tolist(), ends.tolist())
 
 
 def merged_names(path: str) -> list[str] | None:
@@ -254,13 +265,18 @@ def merged_index(source, schema, policy: BadDataPolicy, *, found=_UNREAD) -> Sam
         signatures=[v or {} for v in verdicts],
     )
     index = apply_policy(records, policy, schema, where=source.where)
+    sizes = LazyList(functools.partial(_sizes, source, table), len(table))
+    return dataclasses.replace(index, source_shards={"names": meta["names"], "sizes": sizes})
+
+
+def _sizes(source, table: np.ndarray) -> list[int]:
+    """Each shard's recorded size (``-1`` for a ``pipe:`` command's output: no size to check)."""
     sizes = table[:, 0].tolist()
     if not getattr(source, "local_only", False) and any(
         u[:5].lower() == "pipe:" for u in source.urls
     ):
-        # a command's output has no size to check
         sizes = [-1 if remote.scheme(u) == "pipe" else n for u, n in zip(source.urls, sizes)]
-    return dataclasses.replace(index, source_shards={"names": meta["names"], "sizes": sizes})
+    return sizes
 
 
 def _regions(meta: dict, spans: np.ndarray, table: np.ndarray) -> dict:
@@ -269,6 +285,8 @@ def _regions(meta: dict, spans: np.ndarray, table: np.ndarray) -> dict:
     by_shard: dict[int, list] = {}
     for shard, pos, ev in meta["events"]:
         by_shard.setdefault(shard, []).append([pos, ev])
+    if not by_shard:
+        return {}
     starts = np.concatenate([[0], np.cumsum(table[:, 1])])
     return {
         s: r
@@ -283,9 +301,7 @@ def _install_checks(source, meta: dict, a: dict, table: np.ndarray) -> None:
 
 
 def _checks(meta: dict, a: dict, table: np.ndarray) -> ShardChecks:
-    checks = ShardChecks(len(table), {})
-    checks.sizes[:], checks.first[:], checks.last[:] = table[:, 0], table[:, 3], table[:, 4]
-    checks.probes[:] = meta["probes"]
+    checks = ShardChecks.of_arrays(table[:, 0], meta["probes"], table[:, 3], table[:, 4])
     checks.regions = _regions(meta, a["spans"], table)
     return checks
 
@@ -331,26 +347,42 @@ def _read(source, schema) -> tuple[dict, dict[str, np.ndarray]] | None:
     if data is None:
         return None
     meta, a = _parse(data, path)
-    if not _same_names(meta, source):
+    if not _same_names(meta, source, a.get("names")):
         return None  # an index of another selection of shards: the sidecars, one by one
     check_meta(
         source,
         source.urls[0],
-        {**meta["common"], "shard": meta["names"][0]},
+        {**meta["common"], "shard": _first_name(meta)},
         sidecar.config_key(source, schema),
     )
     return meta, a
 
 
-def _same_names(meta: dict, source) -> bool:
+def _first_name(meta: dict) -> str:
+    """The first shard name of a merged index (``meta``: :func:`_parse`'s), not splitting them."""
+    joined = meta.get("names_text")
+    return meta["names"][0] if joined is None else joined.partition("\n")[0]
+
+
+def _same_names(meta: dict, source, encoded: np.ndarray | None = None) -> bool:
     """The names of a merged index (``meta``: :func:`_parse`'s) are the :func:`shard_name` of each
     of the source's shards: for shards of one folder (``source.folder``), one join and one
-    comparison in place of two texts (no name made per shard)."""
+    comparison in place of two texts (no name made per shard); for paths of one length
+    (``source.url_rows()``), the columns past the folder compared with the names as stored
+    (``encoded``: version 3's ``names``, uint8 ``[B]``)."""
     names, urls = meta["names"], source.urls
     if len(names) != len(urls):
         return False
-    text = source.url_text() if hasattr(source, "url_text") else url_text(urls)
     folder = getattr(source, "folder", None)
+    joined = meta.get("names_text")
+    rows = source.url_rows() if folder is not None and hasattr(source, "url_rows") else None
+    if rows is not None and joined is not None and encoded is not None:
+        names_and_newlines = rows[:, len(folder) :].reshape(-1)  # (a copy: the names' bytes)
+        return bool(np.array_equal(names_and_newlines[:-1], encoded))
+    text = source.url_text() if hasattr(source, "url_text") else url_text(urls)
+    if folder is not None and joined is not None:  # (no name with a newline: no list of names)
+        body = joined.replace("\n", "\n" + folder)  # text is folder + body + "\n"
+        return len(text) == len(folder) + len(body) + 1 and text.startswith(body, len(folder))
     if folder is not None:  # (a name with a newline or a "/" makes the texts differ)
         body = ("\n" + folder).join(names)  # text is folder + body + "\n" (no copy of text)
         return len(text) == len(folder) + len(body) + 1 and text.startswith(body, len(folder))
@@ -462,16 +494,20 @@ def _parse(data: bytes, path: str) -> tuple[dict, dict[str, np.ndarray]]:
         ):
             raise bad("meta names / probes malformed")
         probes = _probe_array(probes)
+        meta["names_text"] = None
     else:
         try:
-            names = decode_names(a["names"], a["name_bytes"])
+            joined, starts_ends = _names_text(a["names"], a["name_bytes"])
         except ValueError as exc:
             raise bad(f"names: {exc}") from None
+        count = len(a["name_bytes"])  # (a list of them made only when a name is asked for)
+        names = LazyList(functools.partial(decode_names, a["names"], a["name_bytes"]), count)
+        meta["names_text"] = joined if starts_ends is None else None
         probes = a["probes"]
-        if probes.dtype != np.uint8 or probes.shape != (len(names), 16) or np.any(probes >= 128):
+        if probes.dtype != np.uint8 or probes.shape != (count, 16) or probes.max(initial=0) >= 128:
             raise bad(
                 f"probes of dtype {probes.dtype} shape {probes.shape}, expected ASCII "
-                f"uint8 {(len(names), 16)}"
+                f"uint8 {(count, 16)}"
             )
         probes = np.ascontiguousarray(probes).view("S16")[:, 0]
     meta["names"], meta["probes"] = names, probes

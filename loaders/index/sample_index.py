@@ -6,12 +6,59 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
 from prealign.loaders.errors import IndexFileError, StaleIndexError
 from prealign.loaders.policy import BadDataReport
+
+
+class LazyList(Sequence):
+    """A list made by ``make()`` when an item is first asked for; ``len`` without making it. What
+    a merged index's start keeps per shard (``source_shards``' 100,000 names and sizes): made only
+    by what reads them (a saved index, the check of a reused one), never at a start. Equal to any
+    sequence of the same items; pickled as the list."""
+
+    def __init__(self, make: Callable[[], list], length: int):
+        self._make, self._length, self._items = make, int(length), None
+
+    def _list(self) -> list:
+        if self._items is None:
+            self._items = list(self._make())
+            self._make = None
+        return self._items
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __getitem__(self, i):
+        return self._list()[i]
+
+    def __iter__(self):
+        return iter(self._list())
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, Sequence) or isinstance(other, (str, bytes)):
+            return NotImplemented
+        return len(other) == self._length and self._list() == list(other)
+
+    __hash__ = None  # type: ignore[assignment] - (mutable like a list)
+
+    def __repr__(self) -> str:
+        return repr(self._list())
+
+    def __reduce__(self):
+        return list, (self._list(),)
+
+
+def _plain(value):
+    """``value`` with each :class:`LazyList` made a list (for JSON)."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return list(value) if isinstance(value, LazyList) else value
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,7 +127,7 @@ class SampleIndex:
             )
         if self.source_shards is not None:
             extra["source_shards"] = np.frombuffer(
-                json.dumps(self.source_shards).encode(), dtype=np.uint8
+                json.dumps(_plain(self.source_shards)).encode(), dtype=np.uint8
             )
         with open(path, "wb") as f:
             np.savez(

@@ -62,6 +62,16 @@ class ShardChecks:
             )
 
     @classmethod
+    def of_arrays(cls, sizes, probes, first, last) -> "ShardChecks":
+        """Checks of every shard from the index's arrays as they are (no copy: a merged index's
+        columns): ``sizes``, ``first``, ``last`` int64 ``[S]``, ``probes`` ``S16 [S]``."""
+        checks = cls.__new__(cls)
+        checks.sizes, checks.first, checks.last = sizes, first, last
+        checks.probes = np.asarray(probes, "S16")  # (hex text: a list of them, from sidecars)
+        checks.probed = np.ones(len(sizes), bool)
+        return checks
+
+    @classmethod
     def of_sizes(cls, sizes) -> "ShardChecks":
         """Checks of the sizes alone (a saved
         :class:`~prealign.loaders.index.sample_index.SampleIndex` records

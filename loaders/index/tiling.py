@@ -47,16 +47,18 @@ def check_tiling(
     caller). Returns ``(first, last)`` int64 ``[S]``: per shard, the byte its first good sample
     starts at when that is its first record, where its last good sample ends when that is its last
     record (else ``-1``), as :func:`~prealign.loaders.index.sidecar.expected_of` records them."""
-    first_record = np.concatenate([[0], np.cumsum(num_events)]).astype(np.int64)
-    is_event = np.zeros(int(first_record[-1]), bool)
-    if events:
+    if not events:  # every record a good sample (a healthy data set): no position looked up
+        good = int(num_events.sum())
+        is_event = good_at = None
+    else:
+        first_record = np.concatenate([[0], np.cumsum(num_events)]).astype(np.int64)
+        is_event = np.zeros(int(first_record[-1]), bool)
         at = np.asarray(events, np.int64).reshape(-1, 2)
         is_event[first_record[at[:, 0]] + at[:, 1]] = True
-    good_at = np.flatnonzero(
-        ~is_event
-    )  # the stream position of each good sample, shard after shard
-    if good_at.size != spans.shape[0]:
-        raise bad(f"{spans.shape[0]} samples, {good_at.size} good records")
+        good_at = np.flatnonzero(~is_event)  # each good sample's stream position, in shard order
+        good = good_at.size
+    if good != spans.shape[0]:
+        raise bad(f"{spans.shape[0]} samples, {good} good records")
     same = owner[1:] == owner[:-1]
     if np.any(same & (spans[1:, 0] < spans[:-1, 1])):
         i = int(np.argmax(same & (spans[1:, 0] < spans[:-1, 1])))
@@ -66,7 +68,9 @@ def check_tiling(
             f"{int(spans[i + 1, 1])} after {int(spans[i, 0])}..{int(spans[i, 1])}: a repeated or "
             f"reordered row)"
         )
-    gap = same & (good_at[1:] == good_at[:-1] + 1) & (spans[1:, 0] != spans[:-1, 1])
+    gap = same & (spans[1:, 0] != spans[:-1, 1])
+    if good_at is not None:  # (two good samples with bad records between them may have a gap)
+        gap &= good_at[1:] == good_at[:-1] + 1
     if np.any(gap):
         i = int(np.argmax(gap))
         raise bad(
@@ -80,6 +84,14 @@ def check_tiling(
     )
     lo = np.concatenate([[0], np.cumsum(rows)])[:-1]
     has = rows > 0
+    if is_event is None:  # (no bad record: a shard's first and last records are good samples)
+        if bool(has.all()):
+            ends = spans[lo + rows - 1, 1]
+            return spans[lo, 0].astype(np.int64, copy=False), ends.astype(np.int64, copy=False)
+        first = np.full(len(num_events), -1, np.int64)
+        last = np.full(len(num_events), -1, np.int64)
+        first[has], last[has] = spans[lo[has], 0], spans[lo[has] + rows[has] - 1, 1]
+        return first, last
     first = np.full(len(num_events), -1, np.int64)
     last = np.full(len(num_events), -1, np.int64)
     head_good, tail_good = (

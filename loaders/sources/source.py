@@ -187,6 +187,10 @@ class Source(abc.ABC):
             )
         return out
 
+    def read_ahead(self, locations) -> None:
+        """A hint: the rows ``locations`` (int64 ``[K, >=3]``, a micro-batch's) are read next, one
+        by one (:meth:`load`); a source may read them now, together (none by default)."""
+
     def load(self, location: Location) -> dict:
         """Read and transform one sample."""
         return self.apply_transform(self.read(location), location)

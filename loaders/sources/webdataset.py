@@ -43,9 +43,9 @@ from prealign.loaders.sources.shard_files import (
     all_distinct,
     any_line_ends,
     check_index_dir_names,
+    folder_rows,
     has_line,
     line_rows,
-    one_folder,
     open_regular,
     plain_local,
     sample_checksum,
@@ -62,6 +62,8 @@ from prealign.loaders.sources.tar_reader import TarFormatError, iter_members
 from prealign.schemas.errors import ConfigError, SampleError
 
 _SPILL_CHUNK = 4 << 20
+_AHEAD_BYTES = 64 << 20
+"""At most this many bytes of a micro-batch read ahead (:meth:`WebDatasetSource.read_ahead`)."""
 _REMOTE = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*:")
 _BRACE = re.compile(r"[{}\\]")
 _FAR = re.compile(r"^(?!file://)[a-zA-Z][a-zA-Z0-9+.-]*:")
@@ -139,9 +141,8 @@ def _check_unique(urls: Sequence[str], text: str | None) -> tuple[str | None, ob
     folder, rows = None, None
     if urls and (text is not None or set(map(type, urls)) == {str}):
         text = url_text(urls) if text is None else text
-        rows = line_rows(text, len(urls))
+        rows, folder = folder_rows(text, len(urls))
         fixed = False if rows is None else rows  # (False: the text searched)
-        folder = one_folder(text, len(urls), fixed)
         if _normal_absolute(urls, text, folder, rows) and all_distinct(
             urls, text, fixed, folder or ""
         ):
@@ -350,7 +351,7 @@ class WebDatasetSource(Source):
         self.remote = remote
         self.limits = limits
         self.read_timeout = None if read_timeout is None else float(read_timeout)
-        self._local()["url_text"] = text  # (for the merged index's check of the names)
+        self._local().update(url_text=text, url_rows=rows)  # (for the merged index's check)
         self._stream_only = (
             any(any_line_ends(text, end, rows) for end in (".tar.gz", ".tgz"))
             if self.local_only  # (only a gzip-compressed tar can be sequential)
@@ -369,6 +370,15 @@ class WebDatasetSource(Source):
         if "url_text" not in local:
             local["url_text"] = url_text(self.urls)
         return local["url_text"]
+
+    def url_rows(self) -> np.ndarray | None:
+        """:func:`~prealign.loaders.sources.shard_files.line_rows` of :meth:`url_text` (uint8
+        ``[S, width]``: a shard a row) when every line has one length, else None (made once per
+        process)."""
+        local = self._local()
+        if "url_rows" not in local:
+            local["url_rows"] = line_rows(self.url_text(), self.num_shards)
+        return local["url_rows"]
 
     @property
     def stream_only(self) -> bool:
@@ -537,12 +547,90 @@ class WebDatasetSource(Source):
             raise sample
         return sample
 
+    def read_ahead(self, locations) -> None:
+        """Read the byte ranges of ``locations`` (int64 ``[K, >=3]``: a micro-batch's rows) now,
+        for :meth:`read` to take: when every shard is a plain local file, the opens, first-read
+        checks and reads of the whole micro-batch run under ONE call of the read deadline
+        (:func:`~prealign.loaders.sources.deadline.call_with_timeout`) instead of one each (a
+        micro-batch over 90 one-sample shards: one handoff to the deadline's thread, not 90). It
+        stops at the first read that fails or at a stall: that row and those after it are read one
+        by one, as without it, so each raises what it raises there. Nothing is done when every
+        shard of the rows is open and checked already (each read is then a seek and a read in this
+        thread, no handoff), and rows past :data:`_AHEAD_BYTES` are left to be read one by one;
+        nor for other sources (remote, ``pipe:``, ``.tar.gz``, ``read_timeout=None``)."""
+        local = self._local()
+        local.pop("ahead", None)
+        if (
+            self.read_timeout is None
+            or not self.__dict__.get("local_only")
+            or self.__dict__.get("_stream_only")
+            or type(self)._bytes is not WebDatasetSource._bytes
+            or len(locations) < 2
+        ):
+            return
+        rows = np.asarray(locations)[:, :3].astype(np.int64)
+        within = np.cumsum(rows[:, 2] - rows[:, 1]) <= _AHEAD_BYTES  # (the rest: one by one)
+        rows = rows[: int(np.argmin(within)) if not within.all() else len(rows)].tolist()
+        files = local.setdefault("files", OrderedDict())
+        checked = local.setdefault("checked", set())
+        check = self.shard_check
+        if all(s in files and (check is None or s in checked) for s, _, _ in rows):
+            return  # (each read a seek and a read of an open file: no handoff to save)
+        stop: list = []
+        got: dict = {}
+        opened: OrderedDict = OrderedDict()  # (shard -> file this call opened)
+        new_checked: set = set()
+
+        def run() -> None:  # (in the deadline's thread: reads files and checked, changes neither)
+            try:
+                for shard, start, end in rows:
+                    first = check is not None and shard not in checked and shard not in new_checked
+                    f = opened.get(shard) or (None if first else files.get(shard))
+                    if f is None:
+                        if first and not getattr(check, "takes_open_file", False):
+                            return
+                        f = opened[shard] = self._open(shard, first)
+                        if first:
+                            new_checked.add(shard)
+                        if len(opened) > self.max_open_files:
+                            opened.popitem(last=False)[1].close()
+                    got[(shard, start, end)] = os.pread(f.fileno(), end - start, start)
+                    if stop:
+                        return
+            except Exception:  # noqa: BLE001 - read again one by one: the row raises there
+                pass
+            finally:
+                if stop:  # (abandoned at a stall: nobody takes these)
+                    for f in opened.values():
+                        f.close()
+
+        try:
+            call_with_timeout(run, self.read_timeout)
+        except Stalled:
+            stop.append(True)
+            return
+        checked.update(new_checked)
+        for shard, f in opened.items():
+            old = files.pop(shard, None)
+            if old is not None:
+                old.close()  # (opened before its check was set: the checked one replaces it)
+            files[shard] = f
+        while len(files) > self.max_open_files:
+            files.popitem(last=False)[1].close()
+        local["ahead"] = got
+
     def _bytes(self, shard: int, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` of a shard: a local ``seek`` + ``read`` (at most
         ``max_open_files`` files open per process, least recently used closed), a remote range read,
-        or a slice of a sequential shard read whole (kept for ``remote.stream_shards`` shards)."""
+        or a slice of a sequential shard read whole (kept for ``remote.stream_shards`` shards); or
+        what :meth:`read_ahead` read."""
         url = self.urls[shard]
         local = self._local()
+        ahead = local.get("ahead")
+        if ahead:
+            data = ahead.pop((shard, start, end), None)
+            if data is not None:
+                return data
         checking = self.shard_check is not None and shard not in local.setdefault("checked", set())
         plain_file = (
             self.__dict__.get("local_only") and not self.__dict__.get("_stream_only")

@@ -22,6 +22,7 @@ from prealign.loaders.cli.main import main
 from prealign.loaders.index.header_pass import write_sidecars
 from prealign.loaders.index.merged import NAME, merge_sidecars, merged_path
 from prealign.loaders.index.source_index import MergedIndexWarning
+from prealign.loaders.sources import deadline
 from prealign.schemas import ParallelLayout
 from prealign.schemas.schema import causal_lm_schema
 
@@ -118,8 +119,8 @@ class _Syscalls:
 
 def _work(run, monkeypatch) -> tuple[int, pstats.Stats, _Syscalls]:
     """Function calls (``cProfile``: Python and builtin, in this thread and every thread started
-    meanwhile, e.g. the threads sidecars are read on) of ``run()``, its profile, its stat / open
-    counts."""
+    meanwhile, e.g. the threads sidecars are read on and the read deadline's) of ``run()``, its
+    profile, its stat / open counts."""
     profiles = [cProfile.Profile()]
 
     def in_new_thread(*_):  # a thread's first event: a profiler of its own for the rest of it
@@ -128,6 +129,9 @@ def _work(run, monkeypatch) -> tuple[int, pstats.Stats, _Syscalls]:
 
     with monkeypatch.context() as m:
         calls = _Syscalls(m)
+        # the read deadline's thread (shard opens, first-read checks, a micro-batch's reads) made
+        # anew, so its calls are counted too
+        m.setattr(deadline, "_caller", None)
         threading.setprofile(in_new_thread)
         profiles[0].enable()
         try:
@@ -248,6 +252,8 @@ def test_a_start_from_a_merged_index_reads_one_file_and_no_shard(
     )
     _assert_linear(found, "start from a merged index")
     _assert_no_stat_per_shard(found[SIZES[1]][2])
+    # (the first reads' checks, in the read deadline's thread, are among the calls counted)
+    assert any(fn[2] == "_probe_of_file" for fn in found[SIZES[1]][1].stats)
 
 
 @pytest.mark.slow
