@@ -47,7 +47,7 @@ def token_fields(
     # sample key -> (plan, field gathered from its rows in one pass), for a next-token field of the
     # same key (labels of input_ids): a shifted copy of that field, see _next_of_gathered
     gathered: dict[str, tuple[GatherPlan, torch.Tensor]] = {}
-    labels_spec, id_max = _labels_and_id_max(schema)
+    labels_spec = _labels_and_id_max(schema)[0]
     labels_from_ids = (
         labels_spec is not None and resolve_key(labels_spec, flat.token.keys()) == "input_ids"
     )
@@ -64,11 +64,7 @@ def token_fields(
             # labels read from input_ids were checked as input_ids; a sample's own labels are
             # checked here
             own = spec.source is Source.SAMPLE or key != "input_ids"
-            checked = (
-                checked_spec(spec, schema.ignore_index, id_max)
-                if flat.check_values and own
-                else None
-            )
+            checked = _checked_specs(schema).get(spec.name) if flat.check_values and own else None
             check = (
                 (
                     lambda rows, first, c=checked, key=key: check_value_bounds(
@@ -96,7 +92,8 @@ def token_fields(
         for source in flat.token.values():
             source.release()
         if spec.source is Source.POSITIONS:
-            out[spec.name] = p.positions.to(spec.dtype)
+            pos = p.positions
+            out[spec.name] = pos if pos.dtype == spec.dtype else pos.to(spec.dtype)
         elif spec.source is Source.PADDING_MASK:
             out[spec.name] = p.is_pad if spec.dtype == torch.bool else p.is_pad.to(spec.dtype)
         elif spec.source is Source.LOSS_MASK:
@@ -158,6 +155,25 @@ def _labels_and_id_max(schema: BatchSchema) -> tuple[FieldSpec | None, float | N
     tokens = schema.of_role(Role.TOKEN)
     labels = next((f for f in tokens if f.source is Source.NEXT_TOKEN), None)
     return labels, next((f.max_value for f in tokens if f.name == "input_ids"), None)
+
+
+@functools.lru_cache(maxsize=64)
+def token_dims(schema: BatchSchema) -> dict[str, int]:
+    """TOKEN field name -> its token dim (looked up once per schema)."""
+    return {f.name: f.token_dim for f in schema.of_role(Role.TOKEN)}
+
+
+@functools.lru_cache(maxsize=64)
+def _checked_specs(schema: BatchSchema) -> dict[str, tuple]:
+    """field name -> :func:`checked_spec` of every TOKEN field with bounds to enforce (looked up
+    once per schema: a field spec's hash costs more than the lookup)."""
+    id_max = _labels_and_id_max(schema)[1]
+    out = {}
+    for spec in schema.of_role(Role.TOKEN):
+        checked = checked_spec(spec, schema.ignore_index, id_max)
+        if checked is not None:
+            out[spec.name] = checked
+    return out
 
 
 @functools.lru_cache(maxsize=64)

@@ -17,6 +17,7 @@ zigzag; range intersections under the contiguous CP layout). Worked example, tp=
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable, TypeVar
 
@@ -57,6 +58,28 @@ def lengths_to_cu_seqlens(lengths, dtype: torch.dtype = torch.int32) -> torch.Te
             )
         return torch.from_numpy(cu.astype(np.int32))  # (numpy's cast: cheaper than torch's)
     return torch.from_numpy(cu) if dtype == torch.int64 else torch.from_numpy(cu).to(dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def _seq_multiple(layout: ParallelLayout) -> int:
+    return layout.seq_multiple
+
+
+def padded_lengths(layout: ParallelLayout, lengths: np.ndarray) -> np.ndarray:
+    """int64 ``[N]``: :meth:`ParallelLayout.padded_lengths` of int64 ``lengths`` (all >= 1) in a
+    few in-place numpy ops: every length rounded up to ``layout.seq_multiple``, then the last one
+    grown to ``layout.total_length`` of their sum.
+
+    >>> padded_lengths(ParallelLayout(tp=2, cp=2), np.array([5, 3])).tolist()
+    [8, 8]
+    """
+    m = _seq_multiple(layout)
+    padded = lengths + (m - 1)
+    padded //= m
+    padded *= m
+    aligned = int(padded.sum())
+    padded[-1] += layout.total_length(aligned) - aligned
+    return padded
 
 
 def static_offsets(cu: torch.Tensor, max_seqs: int | None) -> torch.Tensor:
@@ -110,9 +133,8 @@ def cp_chunks(padded, layout: ParallelLayout, cp_rank: int | None) -> Chunks:
     """
     padded = as_numpy(padded)
     n = padded.size
-    seq = np.arange(n, dtype=np.int64)
     if cp_rank is None or layout.cp == 1:
-        return Chunks(seq, np.zeros(n, np.int64), padded)
+        return Chunks(_arange(n), np.zeros(n, np.int64), padded)
     cp = layout.cp
     if not 0 <= cp_rank < cp:
         raise ArgumentError(f"cp_rank: expected an int in [0, {cp}) (cp={cp}), got {cp_rank!r}")
@@ -120,8 +142,11 @@ def cp_chunks(padded, layout: ParallelLayout, cp_rank: int | None) -> Chunks:
         c = padded // (2 * cp)
         # chunk r then chunk 2cp-1-r of every sequence, sequence after sequence
         return Chunks(
-            np.repeat(seq, 2), _interleave(c * cp_rank, c * (2 * cp - 1 - cp_rank)), np.repeat(c, 2)
+            _arange(n).repeat(2),
+            _interleave(c * cp_rank, c * (2 * cp - 1 - cp_rank)),
+            c.repeat(2),
         )
+    seq = np.arange(n, dtype=np.int64)
     # contiguous: rank r owns global rows [r*T_local, (r+1)*T_local)
     cu = np.concatenate(([0], np.cumsum(padded)))
     local = int(cu[-1]) // cp
@@ -230,8 +255,10 @@ def _runs(first: np.ndarray, counts: np.ndarray) -> np.ndarray:
     >>> _runs(np.array([3, 10]), np.array([2, 1])).tolist()
     [3, 4, 10]
     """
-    ends = np.cumsum(counts)
-    return np.repeat(first - (ends - counts), counts) + _arange(int(ends[-1]) if ends.size else 0)
+    ends = counts.cumsum()
+    out = (first - (ends - counts)).repeat(counts)
+    out += _arange(out.size)
+    return out
 
 
 def _real_then_pad(num_chunks: int) -> np.ndarray:
@@ -256,43 +283,42 @@ def gather_plan(lengths, chunks: Chunks, cu_seqlens=None) -> GatherPlan:
     int32 when the rows fit (half the bytes to write; ``index_select`` takes either).
     """
     lengths = as_numpy(lengths)
-    cu = np.concatenate(([0], np.cumsum(lengths))) if cu_seqlens is None else as_numpy(cu_seqlens)
+    cu = np.concatenate(([0], lengths.cumsum())) if cu_seqlens is None else as_numpy(cu_seqlens)
     num_real = int(cu[-1])
     seq, start, length = chunks.seq, chunks.start, chunks.length
     if not length.all():  # contiguous CP layout: sequences this rank holds nothing of
         keep = length > 0
         seq, start, length = seq[keep], start[keep], length[keep]
-    ends = np.cumsum(length)
+    ends = length.cumsum()
     out_start = ends - length
     total = int(ends[-1]) if ends.size else 0
-    seq_len = lengths[seq]
-    n_real = np.minimum(np.maximum(seq_len - start, 0), length)  # (np.clip: ~5x the call cost)
+    rest = lengths[seq] - start  # real tokens from the chunk's first slot on (may be <= 0)
+    n_real = np.minimum(np.maximum(rest, 0), length)  # (np.clip: ~5x the call cost)
 
     delta = start - out_start  # position of a chunk's slot = slot + delta
-    positions = np.repeat(delta, length)
+    positions = delta.repeat(length)
     positions += _arange(total)
     n_pad = length - n_real
-    is_pad = np.repeat(_real_then_pad(seq.size), _interleave(n_real, n_pad))
+    is_pad = _real_then_pad(seq.size).repeat(_interleave(n_real, n_pad))
     index_dtype = np.int32 if num_real + 2 <= INT32_MAX else np.int64
-    src = np.repeat((cu[seq] + delta).astype(index_dtype), length)
+    src = (cu[seq] + delta).astype(index_dtype).repeat(length)
     src += _arange(total, index_dtype)
     real_end = out_start + n_real  # first pad slot of each chunk
     pad_slots = _runs(real_end, n_pad)
     src[pad_slots] = num_real
 
-    has_real = n_real > 0
     last_real = real_end - 1
-    # chunks holding their sequence's last token
-    last_slots = torch.from_numpy(last_real[(start + n_real == seq_len) & has_real])
+    # chunks holding their sequence's last token (0 < rest <= length)
+    last_slots = last_real[(rest > 0) & (rest <= length)]
     return GatherPlan(
         positions=torch.from_numpy(positions),
         is_pad=torch.from_numpy(is_pad),
         src=torch.from_numpy(src),
-        last_slots=last_slots,
+        last_slots=torch.from_numpy(last_slots),
         num_real=num_real,
         chunk_seq=seq,
         chunk_out_start=out_start,
-        run_ends=last_real[has_real],
+        run_ends=last_real[n_real > 0],
         pad_slots=pad_slots,
     )
 

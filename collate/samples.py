@@ -42,10 +42,11 @@ class TokenSource:
     """The value of ``pad``'s second row (a slot with no next token), as a number."""
     _all_rows: torch.Tensor | None = field(default=None, repr=False)
 
-    @property
-    def row_nbytes(self) -> int:
-        """Bytes of one token row (all dims but the token dim)."""
-        return self.pad.numel() // 2 * self.pad.element_size()
+    row_nbytes: int = field(init=False, repr=False)
+    """Bytes of one token row (all dims but the token dim)."""
+
+    def __post_init__(self):
+        self.row_nbytes = self.pad.numel() // 2 * self.pad.element_size()
 
     def release(self) -> None:
         """Drop the cached concatenation (the collator calls it once every field that reads it is
@@ -98,11 +99,11 @@ class FlatBatch:
     dims: dict[str, int] = field(default_factory=dict)  # named dense dims seen (e.g. K)
     dtypes: dict[str, str] = field(default_factory=dict)  # dtype of each sample field read
     check_values: bool = True
+    num_real: int = field(init=False)
+    """Rows of all samples together (``cu_seqlens[-1]``)."""
 
-    @functools.cached_property
-    def num_real(self) -> int:
-        """Rows of all samples together (``cu_seqlens[-1]``), read once."""
-        return int(self.cu_seqlens.numpy()[-1])
+    def __post_init__(self):
+        self.num_real = int(self.cu_seqlens.numpy()[-1])
 
 
 @functools.lru_cache(maxsize=64)
@@ -187,9 +188,11 @@ def resolve_key(spec: FieldSpec, present: Sequence[str]) -> str | None:
 # ------------------------------------------------------------------------------------------------
 def flatten(batch, schema: BatchSchema, *, check_values: bool = True) -> FlatBatch:
     """A list of sample dicts, or a dict of jagged nested tensors, -> :class:`FlatBatch`."""
-    if isinstance(batch, Mapping):
+    if type(batch) is not list and isinstance(batch, Mapping):  # (a list skips the ABC checks)
         return _flatten_nested(batch, schema, check_values)
-    if not isinstance(batch, Sequence) or isinstance(batch, (str, bytes)):
+    if type(batch) is not list and (
+        not isinstance(batch, Sequence) or isinstance(batch, (str, bytes))
+    ):
         raise SampleError(
             sample=None,
             field=None,

@@ -19,13 +19,14 @@ import torch
 from prealign.schemas.layout import ParallelLayout
 from prealign.schemas.schema import BatchSchema
 
-from .assemble import check_cp_rank, non_token_fields, token_fields
+from .assemble import check_cp_rank, non_token_fields, token_dims, token_fields
 from .indices import (
     cp_chunks,
     gather_plan,
     global_slots,
     lengths_to_cu_seqlens,
     once,
+    padded_lengths,
     static_offsets,
 )
 from .samples import flatten
@@ -69,15 +70,16 @@ class THDCollator:
     def __call__(self, batch) -> dict:
         flat = flatten(batch, self.schema, check_values=self.check_values)
         lengths, cu = flat.lengths.numpy(), flat.cu_seqlens.numpy()  # int64, no copy
-        padded = self.layout.padded_lengths(lengths).numpy()
+        padded = padded_lengths(self.layout, lengths)
         cu_padded = lengths_to_cu_seqlens(
             padded
         )  # int32; refuses T >= 2**31 before anything of size T exists
         shard_rank = None if self.defer_cp_shard else self.cp_rank
         plan = gather_plan(lengths, cp_chunks(padded, self.layout, shard_rank), cu)
         whole = once(lambda: gather_plan(lengths, cp_chunks(padded, self.layout, None), cu))
+        dims = token_dims(self.schema)
         out = {
-            name: v.unsqueeze(self.schema[name].token_dim)  # the batch dim, before the token dim
+            name: v.unsqueeze(dims[name])  # the batch dim, before the token dim
             for name, v in token_fields(self.schema, flat, plan, whole).items()
         }
         # (int32 casts and the one-element max_seqlen in numpy: each torch call costs µs)
