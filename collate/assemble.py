@@ -51,6 +51,7 @@ def token_fields(
     labels_from_ids = (
         labels_spec is not None and resolve_key(labels_spec, flat.token.keys()) == "input_ids"
     )
+    released = False
     for spec in _build_order(schema):
         p = plan if spec.cp_sharded or unsharded_plan is None else unsharded_plan()
         if spec.source in (Source.SAMPLE, Source.NEXT_TOKEN):
@@ -89,8 +90,10 @@ def token_fields(
             ):
                 gathered[key] = (p, out[spec.name])
             continue
-        for source in flat.token.values():
-            source.release()
+        if not released:  # the concatenated rows are no longer needed
+            for source in flat.token.values():
+                source.release()
+            released = True
         if spec.source is Source.POSITIONS:
             pos = p.positions
             out[spec.name] = pos if pos.dtype == spec.dtype else pos.to(spec.dtype)

@@ -33,6 +33,8 @@ T = TypeVar("T")
 
 def as_numpy(x) -> np.ndarray:
     """int64 numpy view of a CPU tensor / array / list (zero-copy for an int64 CPU tensor)."""
+    if type(x) is np.ndarray and x.dtype == np.int64:
+        return x
     if isinstance(x, torch.Tensor):
         if x.dtype == torch.int64 and x.device.type == "cpu" and not x.requires_grad:
             return x.numpy()
@@ -49,7 +51,7 @@ def lengths_to_cu_seqlens(lengths, dtype: torch.dtype = torch.int32) -> torch.Te
     lengths = as_numpy(lengths)
     cu = np.empty(lengths.size + 1, dtype=np.int64)
     cu[0] = 0
-    np.cumsum(lengths, out=cu[1:])
+    lengths.cumsum(out=cu[1:])
     if dtype == torch.int32:
         if cu[-1] > INT32_MAX:
             raise OffsetOverflowError(

@@ -209,10 +209,14 @@ def flatten(batch, schema: BatchSchema, *, check_values: bool = True) -> FlatBat
                 raise SampleError(
                     sample=i, field=None, expected="a dict of fields", actual=type(s).__name__
                 )
-    ids = _column(batch, "input_ids")
+    ids = _column(batch, "input_ids", convert=False)
     # element counts: the lengths of 1-D token tensors (cheaper to read than shapes); a tensor of
     # another rank fails the shape check of sample 0 or the concatenation, which names it
-    lengths = _numels(ids)
+    try:
+        lengths = _numels(ids)
+    except TypeError:  # a value that is not a tensor: converted (a list, an array) or named
+        ids = _as_tensors(ids, "input_ids")
+        lengths = _numels(ids)
     _check_lengths(lengths, ids)
     flat = FlatBatch(
         lengths=torch.from_numpy(lengths),
@@ -435,8 +439,10 @@ def _nested_other(value, spec: FieldSpec, flat: FlatBatch, check_values: bool) -
 
 
 # ------------------------------------------------------------------------------------------------
-def _column(batch: Sequence[Mapping], key: str) -> list[torch.Tensor]:
-    """``[sample[key] for sample in batch]`` as tensors; a missing or non-numeric value is named."""
+def _column(batch: Sequence[Mapping], key: str, convert: bool = True) -> list[torch.Tensor]:
+    """``[sample[key] for sample in batch]`` as tensors; a missing or non-numeric value is named.
+    ``convert=False``: the values as they are (the caller converts them with :func:`_as_tensors`
+    when reading one fails)."""
     try:
         col = [s[key] for s in batch]
     except KeyError:
@@ -447,8 +453,10 @@ def _column(batch: Sequence[Mapping], key: str) -> list[torch.Tensor]:
             expected="the field present (sample 0 has it)",
             actual=f"fields {sorted(batch[i].keys())}",
         ) from None
-    if set(map(type, col)) == _TENSOR:
-        return col
+    return col if not convert or set(map(type, col)) == _TENSOR else _as_tensors(col, key)
+
+
+def _as_tensors(col: list, key: str) -> list[torch.Tensor]:
     return [_as_tensor(v, i, key) for i, v in enumerate(col)]
 
 
