@@ -185,8 +185,12 @@ class GatherPlan:
         return self.positions.numel()
 
     def next_rows(self, gathered: torch.Tensor, dim: int, no_next) -> torch.Tensor:
-        """``gathered`` (rows ``src + 1`` along ``dim``, in place) with ``no_next`` in every slot
-        holding a sequence's last token: there row ``src + 1`` is the next sequence's first."""
+        """``gathered`` (rows ``src + 1`` along ``dim``, in place; a tensor, or a 1-D numpy array)
+        with ``no_next`` in every slot holding a sequence's last token: there row ``src + 1`` is the
+        next sequence's first."""
+        if isinstance(gathered, np.ndarray):  # 1-D, built in numpy (see assemble)
+            gathered[self.last_slots.numpy()] = no_next
+            return gathered
         return gathered.index_fill_(dim, self.last_slots, no_next)
 
     def blocks(self, cu_seqlens, rows_per_block: int) -> list[tuple[int, int, int, int]]:

@@ -22,8 +22,6 @@ import torch
 from prealign.schemas.errors import SampleError
 from prealign.schemas.schema import BatchSchema, FieldSpec, Role, Source, dtype_name
 
-from .indices import lengths_to_cu_seqlens
-
 
 @dataclass
 class TokenSource:
@@ -101,9 +99,12 @@ class FlatBatch:
     check_values: bool = True
     num_real: int = field(init=False)
     """Rows of all samples together (``cu_seqlens[-1]``)."""
+    np_lengths: np.ndarray = field(init=False, repr=False)  # ``lengths`` as numpy (same memory)
+    np_cu_seqlens: np.ndarray = field(init=False, repr=False)  # ``cu_seqlens`` as numpy
 
     def __post_init__(self):
-        self.num_real = int(self.cu_seqlens.numpy()[-1])
+        self.np_lengths, self.np_cu_seqlens = self.lengths.numpy(), self.cu_seqlens.numpy()
+        self.num_real = int(self.np_cu_seqlens[-1])
 
 
 @functools.lru_cache(maxsize=64)
@@ -218,9 +219,12 @@ def flatten(batch, schema: BatchSchema, *, check_values: bool = True) -> FlatBat
         ids = _as_tensors(ids, "input_ids")
         lengths = _numels(ids)
     _check_lengths(lengths, ids)
+    cu = np.empty(lengths.size + 1, dtype=np.int64)
+    cu[0] = 0
+    lengths.cumsum(out=cu[1:])
     flat = FlatBatch(
         lengths=torch.from_numpy(lengths),
-        cu_seqlens=lengths_to_cu_seqlens(lengths, torch.int64),
+        cu_seqlens=torch.from_numpy(cu),
         check_values=check_values,
     )
     next_pads = _next_pad_values(schema)
@@ -509,7 +513,7 @@ def _as_tensor(value, i: int, key: str) -> torch.Tensor:
 
 
 def _check_lengths(lengths: np.ndarray, ids: list | None) -> None:
-    if lengths.min() > 0:
+    if np.count_nonzero(lengths) == lengths.size:  # (element counts are >= 0)
         return
     i = int(np.argmin(lengths))
     shape = tuple(ids[i].shape) if ids is not None else (0,)
@@ -550,17 +554,17 @@ def _check_token_parts(
     checked here."""
     first = tensors[0]
     td = spec.token_dim
-    if first.ndim <= td or first.shape[td] != flat.lengths.numpy()[0]:
+    if first.ndim <= td or first.shape[td] != flat.np_lengths[0]:
         _diagnose_token(tensors, spec, key, flat)
     if key != "input_ids":
         # the token-dim sizes, as element counts: a part whose other dims differ from sample 0's
         # makes torch.cat fail, which names it, so equal counts mean equal token-dim sizes
         if not np.array_equal(
-            _numels(tensors), flat.lengths.numpy() * (first.numel() // first.shape[td])
+            _numels(tensors), flat.np_lengths * (first.numel() // first.shape[td])
         ):
             _diagnose_token(tensors, spec, key, flat)
     # one dtype (torch.cat would promote); other ranks, devices make torch.cat fail: diagnosed then
-    if len(dtypes) != 1 or first.device.type != "cpu":
+    if len(dtypes) != 1 or not first.is_cpu:
         for i, t in enumerate(tensors):
             _check_device(t, i, key)
         _diagnose_token(tensors, spec, key, flat)
@@ -658,7 +662,7 @@ def _in_unsigned_range(rows: torch.Tensor, lo, hi) -> bool:
         lo != 0
         or rows.dtype != torch.int64
         or not rows.is_contiguous()
-        or rows.device.type != "cpu"
+        or not rows.is_cpu
     ):
         return False
     top = int(rows.numpy().view(np.uint64).max())

@@ -69,7 +69,7 @@ class THDCollator:
 
     def __call__(self, batch) -> dict:
         flat = flatten(batch, self.schema, check_values=self.check_values)
-        lengths, cu = flat.lengths.numpy(), flat.cu_seqlens.numpy()  # int64, no copy
+        lengths, cu = flat.np_lengths, flat.np_cu_seqlens  # int64
         padded = padded_lengths(self.layout, lengths)
         cu_padded = lengths_to_cu_seqlens(
             padded
@@ -87,7 +87,7 @@ class THDCollator:
         out["cu_seqlens"] = static_offsets(cu32, self.layout.max_seqs)
         out["cu_seqlens_padded"] = static_offsets(cu_padded, self.layout.max_seqs)
         out["max_seqlen"] = torch.from_numpy(
-            np.array([self.layout.static_length or padded.max()], dtype=np.int32)
+            np.array([self.layout.static_length or np.maximum.reduce(padded)], dtype=np.int32)
         )
         if self.defer_cp_shard and self.cp_rank is not None:
             out["cp_gather_index"] = global_slots(
