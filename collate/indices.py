@@ -79,7 +79,7 @@ def padded_lengths(layout: ParallelLayout, lengths: np.ndarray) -> np.ndarray:
     padded = lengths + (m - 1)
     padded //= m
     padded *= m
-    aligned = int(padded.sum())
+    aligned = int(np.add.reduce(padded))
     padded[-1] += layout.total_length(aligned) - aligned
     return padded
 

@@ -665,7 +665,7 @@ def _in_unsigned_range(rows: torch.Tensor, lo, hi) -> bool:
         or not rows.is_cpu
     ):
         return False
-    top = int(rows.numpy().view(np.uint64).max())
+    top = int(np.maximum.reduce(rows.numpy().view(np.uint64), axis=None))  # (no .max() wrapper)
     return top <= (hi if hi is not None else _INT64_MAX)
 
 
