@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from prealign.schemas.errors import ArgumentError, BucketOverflowError, OffsetOverflowError
-from prealign.schemas.layout import MAX_PACKED_LENGTH, CPLayout, ParallelLayout
+from prealign.schemas.layout import MAX_PACKED_LENGTH, CPLayout, ParallelLayout, round_up
 
 INT32_MAX = MAX_PACKED_LENGTH
 T = TypeVar("T")
@@ -63,24 +63,35 @@ def lengths_to_cu_seqlens(lengths, dtype: torch.dtype = torch.int32) -> torch.Te
 
 
 @functools.lru_cache(maxsize=64)
-def _seq_multiple(layout: ParallelLayout) -> int:
-    return layout.seq_multiple
+def _multiples(layout: ParallelLayout) -> tuple[int, int, int] | None:
+    """``(seq_multiple, total_multiple, least total)`` of a layout without length buckets, whose
+    ``total_length(s)`` is then ``max(round_up(s, total_multiple), least total)``; None with
+    buckets (``total_length`` itself is called then)."""
+    if layout.length_buckets is not None:
+        return None
+    tm = layout.total_multiple
+    return layout.seq_multiple, tm, round_up(layout.cp * layout.min_local_rows, tm)
 
 
 def padded_lengths(layout: ParallelLayout, lengths: np.ndarray) -> np.ndarray:
     """int64 ``[N]``: :meth:`ParallelLayout.padded_lengths` of int64 ``lengths`` (all >= 1) in a
     few in-place numpy ops: every length rounded up to ``layout.seq_multiple``, then the last one
-    grown to ``layout.total_length`` of their sum.
+    grown to ``layout.total_length`` of their sum (the layout's multiples read once per layout).
 
     >>> padded_lengths(ParallelLayout(tp=2, cp=2), np.array([5, 3])).tolist()
     [8, 8]
     """
-    m = _seq_multiple(layout)
+    multiples = _multiples(layout)
+    m = layout.seq_multiple if multiples is None else multiples[0]
     padded = lengths + (m - 1)
     padded //= m
     padded *= m
     aligned = int(np.add.reduce(padded))
-    padded[-1] += layout.total_length(aligned) - aligned
+    if multiples is None:
+        total = layout.total_length(aligned)
+    else:
+        total = max(-(-aligned // multiples[1]) * multiples[1], multiples[2])
+    padded[-1] += total - aligned
     return padded
 
 
@@ -227,7 +238,7 @@ def once(build: Callable[[], T]) -> Callable[[], T]:
 
 
 def _interleave(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    out = np.empty(2 * a.size, dtype=np.result_type(a, b))
+    out = np.empty(2 * a.size, dtype=a.dtype if a.dtype == b.dtype else np.result_type(a, b))
     out[0::2], out[1::2] = a, b
     return out
 
@@ -292,7 +303,7 @@ def gather_plan(lengths, chunks: Chunks, cu_seqlens=None) -> GatherPlan:
     cu = np.concatenate(([0], lengths.cumsum())) if cu_seqlens is None else as_numpy(cu_seqlens)
     num_real = int(cu[-1])
     seq, start, length = chunks.seq, chunks.start, chunks.length
-    if not length.all():  # contiguous CP layout: sequences this rank holds nothing of
+    if np.count_nonzero(length) < length.size:  # contiguous CP: sequences this rank lacks
         keep = length > 0
         seq, start, length = seq[keep], start[keep], length[keep]
     ends = length.cumsum()
