@@ -378,7 +378,9 @@ def test_a_packed_length_past_int32_is_refused(monkeypatch):
         lengths_to_cu_seqlens(torch.tensor([2**30, 2**30]), torch.int64)[-1] == 2**31
     )  # int64 is fine
     # a collator whose layout pads past int32 refuses before building the gather plan
-    monkeypatch.setattr(ParallelLayout, "total_length", lambda self, aligned_sum: 2**31 + 8)
+    monkeypatch.setattr(
+        prealign.collate.thd, "padded_lengths", lambda layout, lengths: np.array([2**31, 8])
+    )
     _no_allocation(monkeypatch, prealign.collate.thd, "gather_plan")
     with pytest.raises(OffsetOverflowError):
         THDCollator(schema=SCHEMA, layout=ParallelLayout())(make_samples([5, 3]))
