@@ -47,10 +47,11 @@ def token_fields(
     # sample key -> (plan, field gathered from its rows in one pass), for a next-token field of the
     # same key (labels of input_ids): a shifted copy of that field, see _next_of_gathered
     gathered: dict[str, tuple[GatherPlan, torch.Tensor]] = {}
-    labels_spec, id_max = _labels_and_id_max(schema)
+    labels_spec = _labels_and_id_max(schema)[0]
     labels_from_ids = (
         labels_spec is not None and resolve_key(labels_spec, flat.token.keys()) == "input_ids"
     )
+    released, dtypes = False, token_dtypes(schema)
     for spec in _build_order(schema):
         p = plan if spec.cp_sharded or unsharded_plan is None else unsharded_plan()
         if spec.source in (Source.SAMPLE, Source.NEXT_TOKEN):
@@ -64,11 +65,7 @@ def token_fields(
             # labels read from input_ids were checked as input_ids; a sample's own labels are
             # checked here
             own = spec.source is Source.SAMPLE or key != "input_ids"
-            checked = (
-                checked_spec(spec, schema.ignore_index, id_max)
-                if flat.check_values and own
-                else None
-            )
+            checked = _checked_specs(schema).get(spec.name) if flat.check_values and own else None
             check = (
                 (
                     lambda rows, first, c=checked, key=key: check_value_bounds(
@@ -93,12 +90,16 @@ def token_fields(
             ):
                 gathered[key] = (p, out[spec.name])
             continue
-        for source in flat.token.values():
-            source.release()
+        if not released:  # the concatenated rows are no longer needed
+            for source in flat.token.values():
+                source.release()
+            released = True
         if spec.source is Source.POSITIONS:
-            out[spec.name] = p.positions.to(spec.dtype)
+            pos, dtype = p.positions, dtypes[spec.name]
+            out[spec.name] = pos if pos.dtype == dtype else pos.to(dtype)
         elif spec.source is Source.PADDING_MASK:
-            out[spec.name] = p.is_pad if spec.dtype == torch.bool else p.is_pad.to(spec.dtype)
+            dtype = dtypes[spec.name]
+            out[spec.name] = p.is_pad if dtype == torch.bool else p.is_pad.to(dtype)
         elif spec.source is Source.LOSS_MASK:
             labels = out.get(labels_spec.name) if labels_spec is not None else None
             out[spec.name] = _loss_mask(spec, schema, flat, p, labels, labels_from_ids)
@@ -158,6 +159,31 @@ def _labels_and_id_max(schema: BatchSchema) -> tuple[FieldSpec | None, float | N
     tokens = schema.of_role(Role.TOKEN)
     labels = next((f for f in tokens if f.source is Source.NEXT_TOKEN), None)
     return labels, next((f.max_value for f in tokens if f.name == "input_ids"), None)
+
+
+@functools.lru_cache(maxsize=64)
+def token_dims(schema: BatchSchema) -> dict[str, int]:
+    """TOKEN field name -> its token dim (looked up once per schema)."""
+    return {f.name: f.token_dim for f in schema.of_role(Role.TOKEN)}
+
+
+@functools.lru_cache(maxsize=64)
+def token_dtypes(schema: BatchSchema) -> dict[str, torch.dtype]:
+    """TOKEN field name -> its output dtype (``FieldSpec.dtype``, looked up once per schema)."""
+    return {f.name: f.dtype for f in schema.of_role(Role.TOKEN)}
+
+
+@functools.lru_cache(maxsize=64)
+def _checked_specs(schema: BatchSchema) -> dict[str, tuple]:
+    """field name -> :func:`checked_spec` of every TOKEN field with bounds to enforce (looked up
+    once per schema: a field spec's hash costs more than the lookup)."""
+    id_max = _labels_and_id_max(schema)[1]
+    out = {}
+    for spec in schema.of_role(Role.TOKEN):
+        checked = checked_spec(spec, schema.ignore_index, id_max)
+        if checked is not None:
+            out[spec.name] = checked
+    return out
 
 
 @functools.lru_cache(maxsize=64)
@@ -238,7 +264,7 @@ def _next_of_gathered(
     out[:-1] = g[1:]
     out[ends] = rows.numpy()[plan.src.numpy()[ends] + 1]
     out[plan.pad_slots] = no_next
-    return plan.next_rows(torch.from_numpy(out), 0, no_next)
+    return torch.from_numpy(plan.next_rows(out, 0, no_next))
 
 
 def _loss_mask(
@@ -257,7 +283,7 @@ def _loss_mask(
     if labels_from_ids and sample_mask is None:
         # labels are the next input_ids: trained on every real slot but each sequence's last (in
         # numpy: a torch element-wise op costs about 3x numpy's on a few 10k slots)
-        np_dtype = _NUMPY_FLOATS.get(spec.dtype)
+        np_dtype = _NUMPY_FLOATS.get(token_dtypes(schema)[spec.name])
         if np_dtype is not None:
             mask = np.logical_not(plan.is_pad.numpy(), out=np.empty(plan.num_slots, np_dtype))
             mask[plan.last_slots.numpy()] = 0

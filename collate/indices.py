@@ -17,6 +17,7 @@ zigzag; range intersections under the contiguous CP layout). Worked example, tp=
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable, TypeVar
 
@@ -24,7 +25,7 @@ import numpy as np
 import torch
 
 from prealign.schemas.errors import ArgumentError, BucketOverflowError, OffsetOverflowError
-from prealign.schemas.layout import MAX_PACKED_LENGTH, CPLayout, ParallelLayout
+from prealign.schemas.layout import MAX_PACKED_LENGTH, CPLayout, ParallelLayout, round_up
 
 INT32_MAX = MAX_PACKED_LENGTH
 T = TypeVar("T")
@@ -32,6 +33,8 @@ T = TypeVar("T")
 
 def as_numpy(x) -> np.ndarray:
     """int64 numpy view of a CPU tensor / array / list (zero-copy for an int64 CPU tensor)."""
+    if type(x) is np.ndarray and x.dtype == np.int64:
+        return x
     if isinstance(x, torch.Tensor):
         if x.dtype == torch.int64 and x.device.type == "cpu" and not x.requires_grad:
             return x.numpy()
@@ -48,7 +51,7 @@ def lengths_to_cu_seqlens(lengths, dtype: torch.dtype = torch.int32) -> torch.Te
     lengths = as_numpy(lengths)
     cu = np.empty(lengths.size + 1, dtype=np.int64)
     cu[0] = 0
-    np.cumsum(lengths, out=cu[1:])
+    lengths.cumsum(out=cu[1:])
     if dtype == torch.int32:
         if cu[-1] > INT32_MAX:
             raise OffsetOverflowError(
@@ -57,6 +60,39 @@ def lengths_to_cu_seqlens(lengths, dtype: torch.dtype = torch.int32) -> torch.Te
             )
         return torch.from_numpy(cu.astype(np.int32))  # (numpy's cast: cheaper than torch's)
     return torch.from_numpy(cu) if dtype == torch.int64 else torch.from_numpy(cu).to(dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def _multiples(layout: ParallelLayout) -> tuple[int, int, int] | None:
+    """``(seq_multiple, total_multiple, least total)`` of a layout without length buckets, whose
+    ``total_length(s)`` is then ``max(round_up(s, total_multiple), least total)``; None with
+    buckets (``total_length`` itself is called then)."""
+    if layout.length_buckets is not None:
+        return None
+    tm = layout.total_multiple
+    return layout.seq_multiple, tm, round_up(layout.cp * layout.min_local_rows, tm)
+
+
+def padded_lengths(layout: ParallelLayout, lengths: np.ndarray) -> np.ndarray:
+    """int64 ``[N]``: :meth:`ParallelLayout.padded_lengths` of int64 ``lengths`` (all >= 1) in a
+    few in-place numpy ops: every length rounded up to ``layout.seq_multiple``, then the last one
+    grown to ``layout.total_length`` of their sum (the layout's multiples read once per layout).
+
+    >>> padded_lengths(ParallelLayout(tp=2, cp=2), np.array([5, 3])).tolist()
+    [8, 8]
+    """
+    multiples = _multiples(layout)
+    m = layout.seq_multiple if multiples is None else multiples[0]
+    padded = lengths + (m - 1)
+    padded //= m
+    padded *= m
+    aligned = int(np.add.reduce(padded))
+    if multiples is None:
+        total = layout.total_length(aligned)
+    else:
+        total = max(-(-aligned // multiples[1]) * multiples[1], multiples[2])
+    padded[-1] += total - aligned
+    return padded
 
 
 def static_offsets(cu: torch.Tensor, max_seqs: int | None) -> torch.Tensor:
@@ -110,9 +146,8 @@ def cp_chunks(padded, layout: ParallelLayout, cp_rank: int | None) -> Chunks:
     """
     padded = as_numpy(padded)
     n = padded.size
-    seq = np.arange(n, dtype=np.int64)
     if cp_rank is None or layout.cp == 1:
-        return Chunks(seq, np.zeros(n, np.int64), padded)
+        return Chunks(_arange(n), np.zeros(n, np.int64), padded)
     cp = layout.cp
     if not 0 <= cp_rank < cp:
         raise ArgumentError(f"cp_rank: expected an int in [0, {cp}) (cp={cp}), got {cp_rank!r}")
@@ -120,8 +155,11 @@ def cp_chunks(padded, layout: ParallelLayout, cp_rank: int | None) -> Chunks:
         c = padded // (2 * cp)
         # chunk r then chunk 2cp-1-r of every sequence, sequence after sequence
         return Chunks(
-            np.repeat(seq, 2), _interleave(c * cp_rank, c * (2 * cp - 1 - cp_rank)), np.repeat(c, 2)
+            _arange(n).repeat(2),
+            _interleave(c * cp_rank, c * (2 * cp - 1 - cp_rank)),
+            c.repeat(2),
         )
+    seq = np.arange(n, dtype=np.int64)
     # contiguous: rank r owns global rows [r*T_local, (r+1)*T_local)
     cu = np.concatenate(([0], np.cumsum(padded)))
     local = int(cu[-1]) // cp
@@ -158,8 +196,12 @@ class GatherPlan:
         return self.positions.numel()
 
     def next_rows(self, gathered: torch.Tensor, dim: int, no_next) -> torch.Tensor:
-        """``gathered`` (rows ``src + 1`` along ``dim``, in place) with ``no_next`` in every slot
-        holding a sequence's last token: there row ``src + 1`` is the next sequence's first."""
+        """``gathered`` (rows ``src + 1`` along ``dim``, in place; a tensor, or a 1-D numpy array)
+        with ``no_next`` in every slot holding a sequence's last token: there row ``src + 1`` is the
+        next sequence's first."""
+        if isinstance(gathered, np.ndarray):  # 1-D, built in numpy (see assemble)
+            gathered[self.last_slots.numpy()] = no_next
+            return gathered
         return gathered.index_fill_(dim, self.last_slots, no_next)
 
     def blocks(self, cu_seqlens, rows_per_block: int) -> list[tuple[int, int, int, int]]:
@@ -196,7 +238,7 @@ def once(build: Callable[[], T]) -> Callable[[], T]:
 
 
 def _interleave(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    out = np.empty(2 * a.size, dtype=np.result_type(a, b))
+    out = np.empty(2 * a.size, dtype=a.dtype if a.dtype == b.dtype else np.result_type(a, b))
     out[0::2], out[1::2] = a, b
     return out
 
@@ -230,8 +272,10 @@ def _runs(first: np.ndarray, counts: np.ndarray) -> np.ndarray:
     >>> _runs(np.array([3, 10]), np.array([2, 1])).tolist()
     [3, 4, 10]
     """
-    ends = np.cumsum(counts)
-    return np.repeat(first - (ends - counts), counts) + _arange(int(ends[-1]) if ends.size else 0)
+    ends = counts.cumsum()
+    out = (first - (ends - counts)).repeat(counts)
+    out += _arange(out.size)
+    return out
 
 
 def _real_then_pad(num_chunks: int) -> np.ndarray:
@@ -256,43 +300,42 @@ def gather_plan(lengths, chunks: Chunks, cu_seqlens=None) -> GatherPlan:
     int32 when the rows fit (half the bytes to write; ``index_select`` takes either).
     """
     lengths = as_numpy(lengths)
-    cu = np.concatenate(([0], np.cumsum(lengths))) if cu_seqlens is None else as_numpy(cu_seqlens)
+    cu = np.concatenate(([0], lengths.cumsum())) if cu_seqlens is None else as_numpy(cu_seqlens)
     num_real = int(cu[-1])
     seq, start, length = chunks.seq, chunks.start, chunks.length
-    if not length.all():  # contiguous CP layout: sequences this rank holds nothing of
+    if np.count_nonzero(length) < length.size:  # contiguous CP: sequences this rank lacks
         keep = length > 0
         seq, start, length = seq[keep], start[keep], length[keep]
-    ends = np.cumsum(length)
+    ends = length.cumsum()
     out_start = ends - length
     total = int(ends[-1]) if ends.size else 0
-    seq_len = lengths[seq]
-    n_real = np.minimum(np.maximum(seq_len - start, 0), length)  # (np.clip: ~5x the call cost)
+    rest = lengths[seq] - start  # real tokens from the chunk's first slot on (may be <= 0)
+    n_real = np.minimum(np.maximum(rest, 0), length)  # (np.clip: ~5x the call cost)
 
     delta = start - out_start  # position of a chunk's slot = slot + delta
-    positions = np.repeat(delta, length)
+    positions = delta.repeat(length)
     positions += _arange(total)
     n_pad = length - n_real
-    is_pad = np.repeat(_real_then_pad(seq.size), _interleave(n_real, n_pad))
+    is_pad = _real_then_pad(seq.size).repeat(_interleave(n_real, n_pad))
     index_dtype = np.int32 if num_real + 2 <= INT32_MAX else np.int64
-    src = np.repeat((cu[seq] + delta).astype(index_dtype), length)
+    src = (cu[seq] + delta).astype(index_dtype).repeat(length)
     src += _arange(total, index_dtype)
     real_end = out_start + n_real  # first pad slot of each chunk
     pad_slots = _runs(real_end, n_pad)
     src[pad_slots] = num_real
 
-    has_real = n_real > 0
     last_real = real_end - 1
-    # chunks holding their sequence's last token
-    last_slots = torch.from_numpy(last_real[(start + n_real == seq_len) & has_real])
+    # chunks holding their sequence's last token (0 < rest <= length)
+    last_slots = last_real[(rest > 0) & (rest <= length)]
     return GatherPlan(
         positions=torch.from_numpy(positions),
         is_pad=torch.from_numpy(is_pad),
         src=torch.from_numpy(src),
-        last_slots=last_slots,
+        last_slots=torch.from_numpy(last_slots),
         num_real=num_real,
         chunk_seq=seq,
         chunk_out_start=out_start,
-        run_ends=last_real[has_real],
+        run_ends=last_real[n_real > 0],
         pad_slots=pad_slots,
     )
 

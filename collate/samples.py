@@ -22,8 +22,6 @@ import torch
 from prealign.schemas.errors import SampleError
 from prealign.schemas.schema import BatchSchema, FieldSpec, Role, Source, dtype_name
 
-from .indices import lengths_to_cu_seqlens
-
 
 @dataclass
 class TokenSource:
@@ -42,10 +40,11 @@ class TokenSource:
     """The value of ``pad``'s second row (a slot with no next token), as a number."""
     _all_rows: torch.Tensor | None = field(default=None, repr=False)
 
-    @property
-    def row_nbytes(self) -> int:
-        """Bytes of one token row (all dims but the token dim)."""
-        return self.pad.numel() // 2 * self.pad.element_size()
+    row_nbytes: int = field(init=False, repr=False)
+    """Bytes of one token row (all dims but the token dim)."""
+
+    def __post_init__(self):
+        self.row_nbytes = self.pad.numel() // 2 * self.pad.element_size()
 
     def release(self) -> None:
         """Drop the cached concatenation (the collator calls it once every field that reads it is
@@ -98,11 +97,14 @@ class FlatBatch:
     dims: dict[str, int] = field(default_factory=dict)  # named dense dims seen (e.g. K)
     dtypes: dict[str, str] = field(default_factory=dict)  # dtype of each sample field read
     check_values: bool = True
+    num_real: int = field(init=False)
+    """Rows of all samples together (``cu_seqlens[-1]``)."""
+    np_lengths: np.ndarray = field(init=False, repr=False)  # ``lengths`` as numpy (same memory)
+    np_cu_seqlens: np.ndarray = field(init=False, repr=False)  # ``cu_seqlens`` as numpy
 
-    @functools.cached_property
-    def num_real(self) -> int:
-        """Rows of all samples together (``cu_seqlens[-1]``), read once."""
-        return int(self.cu_seqlens.numpy()[-1])
+    def __post_init__(self):
+        self.np_lengths, self.np_cu_seqlens = self.lengths.numpy(), self.cu_seqlens.numpy()
+        self.num_real = int(self.np_cu_seqlens[-1])
 
 
 @functools.lru_cache(maxsize=64)
@@ -187,9 +189,11 @@ def resolve_key(spec: FieldSpec, present: Sequence[str]) -> str | None:
 # ------------------------------------------------------------------------------------------------
 def flatten(batch, schema: BatchSchema, *, check_values: bool = True) -> FlatBatch:
     """A list of sample dicts, or a dict of jagged nested tensors, -> :class:`FlatBatch`."""
-    if isinstance(batch, Mapping):
+    if type(batch) is not list and isinstance(batch, Mapping):  # (a list skips the ABC checks)
         return _flatten_nested(batch, schema, check_values)
-    if not isinstance(batch, Sequence) or isinstance(batch, (str, bytes)):
+    if type(batch) is not list and (
+        not isinstance(batch, Sequence) or isinstance(batch, (str, bytes))
+    ):
         raise SampleError(
             sample=None,
             field=None,
@@ -206,14 +210,21 @@ def flatten(batch, schema: BatchSchema, *, check_values: bool = True) -> FlatBat
                 raise SampleError(
                     sample=i, field=None, expected="a dict of fields", actual=type(s).__name__
                 )
-    ids = _column(batch, "input_ids")
+    ids = _column(batch, "input_ids", convert=False)
     # element counts: the lengths of 1-D token tensors (cheaper to read than shapes); a tensor of
     # another rank fails the shape check of sample 0 or the concatenation, which names it
-    lengths = _numels(ids)
+    try:
+        lengths = _numels(ids)
+    except TypeError:  # a value that is not a tensor: converted (a list, an array) or named
+        ids = _as_tensors(ids, "input_ids")
+        lengths = _numels(ids)
     _check_lengths(lengths, ids)
+    cu = np.empty(lengths.size + 1, dtype=np.int64)
+    cu[0] = 0
+    lengths.cumsum(out=cu[1:])
     flat = FlatBatch(
         lengths=torch.from_numpy(lengths),
-        cu_seqlens=lengths_to_cu_seqlens(lengths, torch.int64),
+        cu_seqlens=torch.from_numpy(cu),
         check_values=check_values,
     )
     next_pads = _next_pad_values(schema)
@@ -432,8 +443,10 @@ def _nested_other(value, spec: FieldSpec, flat: FlatBatch, check_values: bool) -
 
 
 # ------------------------------------------------------------------------------------------------
-def _column(batch: Sequence[Mapping], key: str) -> list[torch.Tensor]:
-    """``[sample[key] for sample in batch]`` as tensors; a missing or non-numeric value is named."""
+def _column(batch: Sequence[Mapping], key: str, convert: bool = True) -> list[torch.Tensor]:
+    """``[sample[key] for sample in batch]`` as tensors; a missing or non-numeric value is named.
+    ``convert=False``: the values as they are (the caller converts them with :func:`_as_tensors`
+    when reading one fails)."""
     try:
         col = [s[key] for s in batch]
     except KeyError:
@@ -444,8 +457,10 @@ def _column(batch: Sequence[Mapping], key: str) -> list[torch.Tensor]:
             expected="the field present (sample 0 has it)",
             actual=f"fields {sorted(batch[i].keys())}",
         ) from None
-    if set(map(type, col)) == _TENSOR:
-        return col
+    return col if not convert or set(map(type, col)) == _TENSOR else _as_tensors(col, key)
+
+
+def _as_tensors(col: list, key: str) -> list[torch.Tensor]:
     return [_as_tensor(v, i, key) for i, v in enumerate(col)]
 
 
@@ -498,7 +513,7 @@ def _as_tensor(value, i: int, key: str) -> torch.Tensor:
 
 
 def _check_lengths(lengths: np.ndarray, ids: list | None) -> None:
-    if lengths.min() > 0:
+    if np.count_nonzero(lengths) == lengths.size:  # (element counts are >= 0)
         return
     i = int(np.argmin(lengths))
     shape = tuple(ids[i].shape) if ids is not None else (0,)
@@ -539,17 +554,17 @@ def _check_token_parts(
     checked here."""
     first = tensors[0]
     td = spec.token_dim
-    if first.ndim <= td or first.shape[td] != flat.lengths.numpy()[0]:
+    if first.ndim <= td or first.shape[td] != flat.np_lengths[0]:
         _diagnose_token(tensors, spec, key, flat)
     if key != "input_ids":
         # the token-dim sizes, as element counts: a part whose other dims differ from sample 0's
         # makes torch.cat fail, which names it, so equal counts mean equal token-dim sizes
         if not np.array_equal(
-            _numels(tensors), flat.lengths.numpy() * (first.numel() // first.shape[td])
+            _numels(tensors), flat.np_lengths * (first.numel() // first.shape[td])
         ):
             _diagnose_token(tensors, spec, key, flat)
     # one dtype (torch.cat would promote); other ranks, devices make torch.cat fail: diagnosed then
-    if len(dtypes) != 1 or first.device.type != "cpu":
+    if len(dtypes) != 1 or not first.is_cpu:
         for i, t in enumerate(tensors):
             _check_device(t, i, key)
         _diagnose_token(tensors, spec, key, flat)
@@ -647,10 +662,10 @@ def _in_unsigned_range(rows: torch.Tensor, lo, hi) -> bool:
         lo != 0
         or rows.dtype != torch.int64
         or not rows.is_contiguous()
-        or rows.device.type != "cpu"
+        or not rows.is_cpu
     ):
         return False
-    top = int(rows.numpy().view(np.uint64).max())
+    top = int(np.maximum.reduce(rows.numpy().view(np.uint64), axis=None))  # (no .max() wrapper)
     return top <= (hi if hi is not None else _INT64_MAX)
 
 

@@ -19,13 +19,14 @@ import torch
 from prealign.schemas.layout import ParallelLayout
 from prealign.schemas.schema import BatchSchema
 
-from .assemble import check_cp_rank, non_token_fields, token_fields
+from .assemble import check_cp_rank, non_token_fields, token_dims, token_fields
 from .indices import (
     cp_chunks,
     gather_plan,
     global_slots,
     lengths_to_cu_seqlens,
     once,
+    padded_lengths,
     static_offsets,
 )
 from .samples import flatten
@@ -68,16 +69,17 @@ class THDCollator:
 
     def __call__(self, batch) -> dict:
         flat = flatten(batch, self.schema, check_values=self.check_values)
-        lengths, cu = flat.lengths.numpy(), flat.cu_seqlens.numpy()  # int64, no copy
-        padded = self.layout.padded_lengths(lengths).numpy()
+        lengths, cu = flat.np_lengths, flat.np_cu_seqlens  # int64
+        padded = padded_lengths(self.layout, lengths)
         cu_padded = lengths_to_cu_seqlens(
             padded
         )  # int32; refuses T >= 2**31 before anything of size T exists
         shard_rank = None if self.defer_cp_shard else self.cp_rank
         plan = gather_plan(lengths, cp_chunks(padded, self.layout, shard_rank), cu)
         whole = once(lambda: gather_plan(lengths, cp_chunks(padded, self.layout, None), cu))
+        dims = token_dims(self.schema)
         out = {
-            name: v.unsqueeze(self.schema[name].token_dim)  # the batch dim, before the token dim
+            name: v.unsqueeze(dims[name])  # the batch dim, before the token dim
             for name, v in token_fields(self.schema, flat, plan, whole).items()
         }
         # (int32 casts and the one-element max_seqlen in numpy: each torch call costs µs)
@@ -85,7 +87,7 @@ class THDCollator:
         out["cu_seqlens"] = static_offsets(cu32, self.layout.max_seqs)
         out["cu_seqlens_padded"] = static_offsets(cu_padded, self.layout.max_seqs)
         out["max_seqlen"] = torch.from_numpy(
-            np.array([self.layout.static_length or padded.max()], dtype=np.int32)
+            np.array([self.layout.static_length or np.maximum.reduce(padded)], dtype=np.int32)
         )
         if self.defer_cp_shard and self.cp_rank is not None:
             out["cp_gather_index"] = global_slots(

@@ -379,7 +379,7 @@ def test_a_packed_length_past_int32_is_refused(monkeypatch):
     )  # int64 is fine
     # a collator whose layout pads past int32 refuses before building the gather plan
     monkeypatch.setattr(
-        ParallelLayout, "padded_lengths", lambda self, lengths: torch.tensor([2**31, 8])
+        prealign.collate.thd, "padded_lengths", lambda layout, lengths: np.array([2**31, 8])
     )
     _no_allocation(monkeypatch, prealign.collate.thd, "gather_plan")
     with pytest.raises(OffsetOverflowError):
