@@ -79,7 +79,7 @@ def padded_lengths(layout: ParallelLayout, lengths: np.ndarray) -> np.ndarray:
     grown to ``layout.total_length`` of their sum (the layout's multiples read once per layout).
 
     >>> padded_lengths(ParallelLayout(tp=2, cp=2), np.array([5, 3])).tolist()
-    [8, 8]
+    [8, 4]
     """
     multiples = _multiples(layout)
     m = layout.seq_multiple if multiples is None else multiples[0]
