@@ -359,6 +359,7 @@ def unpack_cursor(cursor: dict | None, where: str) -> dict | None:
     if not (
         all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in (rows, width))
         and rows * width <= _PACK_LIMIT
+        and (width > 0 or rows == 0)  # (else rows empty records, bounded by nothing)
         and isinstance(split, list)
         and split
         and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in split)

@@ -21,6 +21,7 @@ import io
 import os
 import re
 import tempfile
+import threading
 from collections import OrderedDict
 from typing import Callable, Mapping, Sequence
 
@@ -577,6 +578,8 @@ class WebDatasetSource(Source):
         if all(s in files and (check is None or s in checked) for s, _, _ in rows):
             return  # (each read a seek and a read of an open file: no handoff to save)
         stop: list = []
+        ended: list = []  # (stop and ended under one lock: the side that comes second closes)
+        lock = threading.Lock()
         got: dict = {}
         opened: OrderedDict = OrderedDict()  # (shard -> file this call opened)
         new_checked: set = set()
@@ -600,14 +603,22 @@ class WebDatasetSource(Source):
             except Exception:  # noqa: BLE001 - read again one by one: the row raises there
                 pass
             finally:
-                if stop:  # (abandoned at a stall: nobody takes these)
+                with lock:
+                    ended.append(True)
+                    abandoned = bool(stop)
+                if abandoned:  # (abandoned at a stall: nobody takes these)
                     for f in opened.values():
                         f.close()
 
         try:
             call_with_timeout(run, self.read_timeout)
         except Stalled:
-            stop.append(True)
+            with lock:
+                stop.append(True)
+                late = bool(ended)
+            if late:  # (it ran to its end as the deadline passed: its files are ours to close)
+                for f in opened.values():
+                    f.close()
             return
         checked.update(new_checked)
         for shard, f in opened.items():
