@@ -348,14 +348,16 @@ def _pick(items: list, at: np.ndarray) -> list:
 class _Layout:
     """Where the ``length`` bytes of a template sidecar are: ``fixed`` uint64 ``[length / 8]``
     masks of the bytes every file of its layout has alike (zip records but their crc32 and time
-    fields, npy headers, the meta JSON but the values of :data:`_FIELDS`), ``crcs`` ``(start,
-    end, column of its recorded crc32, crc32 of the entry's bytes before start)`` of each entry
+    fields, npy headers, the meta JSON but the values of :data:`_FIELDS`), ``bytes`` the
+    template's (uint8), ``crcs`` ``(start, end, column of its recorded crc32, crc32 of the
+    entry's bytes before start, the template's crc32 of the entry)`` of each entry
     (:func:`_crc_from`), ``data`` ``{entry: (start, end, header)}`` of each array, ``fields``
     ``{name: (start, end)}`` of each value in the file, ``text`` and ``digits`` the offsets of
     the bytes of its string values and of its int values."""
 
     fixed: np.ndarray
     length: int
+    template_bytes: np.ndarray
     crcs: list
     data: dict
     fields: dict
@@ -394,6 +396,7 @@ class _Layout:
         return cls(
             fixed=_words(~varies),
             length=len(data),
+            template_bytes=np.frombuffer(data, np.uint8),
             crcs=crcs,
             data=regions,
             fields=fields,
@@ -415,18 +418,35 @@ class _Layout:
         """Each file's entries (``datas``, the bytes of ``rows``) of their recorded crc32: each
         entry's crc32 over all its bytes, its bytes from its first that may vary (those before are
         the template's, :meth:`same`: their crc32 is the template's, the ``zlib.crc32`` it starts
-        from). One ``zlib.crc32`` an entry, called from C: no Python step per file."""
-        entries = operator.itemgetter(*(slice(a, b) for a, b, _, _ in self.crcs))
-        found = np.fromiter(
-            map(
-                zlib.crc32,
-                itertools.chain.from_iterable(map(entries, datas)),
-                itertools.cycle([seed for _, _, _, seed in self.crcs]),
-            ),
-            np.uint32,
-            len(datas) * len(self.crcs),
-        ).reshape(len(datas), len(self.crcs))
-        cols = np.asarray([c for _, _, c, _ in self.crcs])[:, None] + np.arange(4)
+        from). An entry whose bytes are the template's (:attr:`template_bytes`) in every file
+        has the template's crc32 (checked when the template was read): no call (a data set's
+        constant arrays: ``media`` and ``dim_ids`` of text). One ``zlib.crc32`` for each other
+        entry of each file, called from C: no Python step per file."""
+        k = len(datas)
+        if not k:
+            return np.ones(0, bool)
+        found = np.empty((k, len(self.crcs)), np.uint32)
+        moving = []
+        for j, (a, b, _, _, whole) in enumerate(self.crcs):
+            mine = self.template_bytes[a:b]
+            if np.array_equal(rows[-1, a:b], mine) and (rows[:, a:b] == mine).all():
+                found[:, j] = whole
+            else:
+                moving.append(j)
+        if moving:
+            crcs = [self.crcs[j] for j in moving]
+            entries = operator.itemgetter(*(slice(a, b) for a, b, _, _, _ in crcs))
+            pieces = map(entries, datas)  # (a tuple a file when there are several)
+            found[:, moving] = np.fromiter(
+                map(
+                    zlib.crc32,
+                    itertools.chain.from_iterable(pieces) if len(crcs) > 1 else pieces,
+                    itertools.cycle([seed for _, _, _, seed, _ in crcs]),
+                ),
+                np.uint32,
+                k * len(crcs),
+            ).reshape(k, len(crcs))
+        cols = np.asarray([c for _, _, c, _, _ in self.crcs])[:, None] + np.arange(4)
         recorded = np.ascontiguousarray(rows[:, cols.reshape(-1)]).view("<u4")
         return (found == recorded).all(axis=1)
 
@@ -483,12 +503,14 @@ def _offsets(fields: dict, kind: type) -> np.ndarray:
 
 
 def _crc_from(data: bytes, varies: np.ndarray, start: int, end: int, column: int) -> tuple:
-    """``(first, end, column, seed)`` of the entry ``data[start:end]``: ``first`` its first byte
-    that ``varies`` (or ``end``), ``seed`` the crc32 of the bytes before it, the same in every file
-    of the layout (``zlib.crc32(entry[first:], seed)`` is the crc32 of the whole entry)."""
+    """``(first, end, column, seed, whole)`` of the entry ``data[start:end]``: ``first`` its first
+    byte that ``varies`` (or ``end``), ``seed`` the crc32 of the bytes before it, the same in every
+    file of the layout (``zlib.crc32(entry[first:], seed)`` is the crc32 of the whole entry),
+    ``whole`` the template's crc32 of the entry."""
     moving = np.flatnonzero(varies[start:end])
     first = start + int(moving[0]) if moving.size else end
-    return first, end, column, zlib.crc32(data[start:first])
+    seed = zlib.crc32(data[start:first])
+    return first, end, column, seed, zlib.crc32(data[first:end], seed)
 
 
 def _words(mask: np.ndarray) -> np.ndarray:

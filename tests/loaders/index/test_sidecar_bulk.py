@@ -342,3 +342,57 @@ def test_a_sidecar_zipfile_reads_among_many_reads_as_one_by_one(shards, tmp_path
         at = where(f.read())
     for crafted in (False, True):
         _assert_as_one_by_one(paths, index_dir, str(tmp_path), at, value, crafted)
+
+
+def _media_end(data: bytes) -> int:
+    """The offset of the last byte of a sidecar's ``media`` array."""
+    return next(e.end for e in plain_npz_entries(data, 1 << 30, None) if e.name == "media.npy") - 1
+
+
+def test_an_array_alike_in_every_sidecar_costs_no_crc32_call(shards, monkeypatch):
+    """``media`` and ``dim_ids`` of text samples are the template's bytes in every file of a
+    layout: their crc32 is the template's, not computed again (4 calls a file, not 6); a file
+    whose ``media`` differs has its crc32 computed."""
+    paths, index_dir = shards
+    source = WebDatasetSource(paths, index_dir=index_dir)
+    same = list(range(MUTATED - 1, MUTATED + 3))  # (shards of the common layout)
+    datas = [_read(index_dir, paths[s]) for s in same]
+    key = sidecar_bulk.config_key(source, SCHEMA)
+    meta, _ = sidecar_bulk._parse(source, same[0], datas[0], key)
+    layout = sidecar_bulk._Layout.of(datas[0], meta)
+    calls = []
+    real = zlib.crc32
+    counting = type("Z", (), {"crc32": staticmethod(lambda *a: calls.append(1) or real(*a))})
+    monkeypatch.setattr(sidecar_bulk, "zlib", counting)
+
+    def crc_ok(datas):
+        calls.clear()
+        rows = np.frombuffer(b"".join(datas), np.uint8).reshape(len(datas), -1)
+        return layout.crc_ok(rows, datas).tolist(), len(calls)
+
+    assert crc_ok(datas) == ([True] * len(same), 4 * len(same))
+    at = _media_end(datas[2])
+    changed = bytearray(datas[2])
+    changed[at] ^= 1
+    assert crc_ok([*datas[:2], bytes(changed), datas[3]]) == ([True, True, False, True], 5 * 4)
+
+
+def _read(index_dir: str, path: str) -> bytes:
+    """The bytes of the sidecar of the shard at ``path`` in ``index_dir``."""
+    with open(os.path.join(index_dir, os.path.basename(path) + SUFFIX), "rb") as f:
+        return f.read()
+
+
+@pytest.mark.parametrize("crafted", [False, True])
+def test_a_byte_of_an_array_alike_in_every_sidecar_changed_reads_as_one_by_one(
+    shards, tmp_path, crafted
+):
+    """One byte of one file's ``media`` (an array its crc32 is not computed for while every file
+    has the template's bytes) changed: refused (a crc32 mismatch) or read (crafted: crc32s made
+    right, a media kind refused by the values' checks) as the one-by-one reader does."""
+    paths, index_dir = shards
+    with open(os.path.join(index_dir, os.path.basename(paths[MUTATED]) + SUFFIX), "rb") as f:
+        original = f.read()
+    at = _media_end(original)
+    changed = bytes([original[at] ^ 1])
+    _assert_as_one_by_one(paths, index_dir, str(tmp_path), at, changed, crafted)
