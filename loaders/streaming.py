@@ -923,7 +923,8 @@ class StreamingPackedLoader(LoaderCore):
         """Every DP rank's :meth:`_entry` (``None`` for a rank not heard from): an
         ``all_gather_object`` over ``group`` (a collective: every rank of it calls it) when a
         process group is up, else this rank's alone. ``dst``: a ``gather_object`` to that global
-        rank instead (the others get ``None``: they receive nothing)."""
+        rank instead (the others get ``None``: they receive nothing; a rank whose group does not
+        hold ``dst`` takes part in no collective)."""
         import torch.distributed as dist
 
         ranks: list = [None] * self.dp_size
@@ -931,16 +932,12 @@ class StreamingPackedLoader(LoaderCore):
             ranks[self.dp_rank] = entry
             return ranks
         if dst is not None:
-            group = (
-                dist.get_process_group_ranks(self.group)
-                if self.group is not None
-                else list(range(dist.get_world_size()))
-            )
-            if dst not in group:
+            if dst >= dist.get_world_size():
                 raise PlanError(
-                    f"state_dict(dst={dst}): global rank {dst} is not in the loader's group "
-                    f"(ranks {group[:16]})"
+                    f"state_dict(dst={dst}): not a rank of the world (0..{dist.get_world_size() - 1})"
                 )
+            if self.group is not None and dst not in dist.get_process_group_ranks(self.group):
+                return None  # (dst's own DP group gathers: each DP group holds every DP rank)
         if self.dp_size == 1:
             ranks[self.dp_rank] = entry
             return ranks if dst is None or dist.get_rank() == dst else None
@@ -978,9 +975,12 @@ class StreamingPackedLoader(LoaderCore):
         ``dst`` (with ``cursors="all"``): the global rank that gathers the state (a
         ``gather_object``, as Energon's ``save_state_global(global_dst_rank)``): it returns the
         state, every other rank ``None`` (it receives nothing; at hundreds of ranks every rank
-        receiving every rank's cursors is the cost ``dst`` avoids). Save it from ``dst``; every
-        rank of the next run loads the same file. Without a process group the state is
-        returned."""
+        receiving every rank's cursors is the cost ``dst`` avoids). Call it on every rank: under
+        Megatron's TP / CP / PP the loader's ``group`` is one DP group of several, and each holds
+        every DP rank, so the group holding ``dst`` gathers and the ranks of the other groups
+        return ``None`` at once (a ``dst`` outside the world is a :class:`PlanError` on every
+        rank). Save it from ``dst``; every rank of the next run loads the same file. Without a
+        process group the state is returned."""
         if cursors not in (False, True, "all"):
             raise PlanError(f"state_dict: cursors expected False, True or 'all', got {cursors!r}")
         if dst is not None and (

@@ -59,7 +59,7 @@ def _gloo_rank(rank: int, world: int, port: int, results, paths: list[str], stop
 @pytest.mark.slow
 def test_state_gathered_to_one_rank_on_gloo(tmp_path):
     """Two real ranks: ``dst=1`` gives rank 1 the all-gathered state and rank 0 ``None``; a
-    ``dst`` outside the group is a PlanError (on every rank, before any collective); the state
+    ``dst`` outside the world is a PlanError (on every rank, before any collective); the state
     resumes every rank exactly, and under another topology every sample once."""
     from tests.conftest import spawn_ranks
 
@@ -67,7 +67,7 @@ def test_state_gathered_to_one_rank_on_gloo(tmp_path):
     got = spawn_ranks(_gloo_rank, 2, paths, 4)
     assert got[0]["one"] is None and got[1]["one"] == got[1]["every"] == got[0]["every"]
     assert None not in got[1]["one"]["stream"]["ranks"]
-    assert all("not in the loader's group" in got[r]["refused"] for r in range(2))
+    assert all("not a rank of the world" in got[r]["refused"] for r in range(2))
     for r in range(2):
         assert got[r]["again"] == got[r]["rest"]
     full = _ids(_make(paths))
@@ -138,3 +138,41 @@ def test_malformed_packed_cursor_is_refused(tmp_path):
             _make(paths).load_state_dict(bad)  # (another topology: every rank's cursors read)
     with pytest.raises(ResumeError, match="version 7"):
         _make(paths).load_state_dict({**state, "version": 7})
+
+
+def _tp_dp_rank(rank: int, world: int, port: int, results, paths: list[str], stop: int) -> None:
+    """One of 4 gloo ranks laid out as Megatron lays TP=2 x DP=2 (TP peers 0-1 and 2-3; DP groups
+    {0, 2} and {1, 3}), the loader over this rank's DP group; every rank asks for the state
+    gathered to global rank 0."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    a = _make(paths, dp_size=2, dp_rank=rank // 2, num_workers=1, group=groups[rank % 2])
+    list(islice(iter(a), stop))
+    got = {"one": a.state_dict(cursors="all", dst=0), "every": a.state_dict(cursors="all")}
+    try:
+        a.state_dict(cursors="all", dst=world)
+        got["refused"] = None
+    except PlanError as exc:
+        got["refused"] = str(exc)
+    results[rank] = got
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_dst_under_megatron_dp_groups(tmp_path):
+    """TP=2 x DP=2: every rank calls ``state_dict(cursors="all", dst=0)``; rank 0 gets the state
+    (both DP ranks' cursors, the one every rank of its DP group gathers), every other rank
+    ``None``, with no error on the ranks whose DP group does not hold rank 0 (their TP peers'
+    group gathers the same streams); a ``dst`` outside the world is refused on every rank."""
+    from tests.conftest import spawn_ranks
+
+    paths = write_shards(str(tmp_path), sample_lengths(200, seed=13), num_shards=5)
+    got = spawn_ranks(_tp_dp_rank, 4, paths, 3)
+    assert got[0]["one"] == got[0]["every"] and None not in got[0]["one"]["stream"]["ranks"]
+    assert [got[r]["one"] for r in (1, 2, 3)] == [None, None, None]
+    assert all("not a rank of the world" in got[r]["refused"] for r in range(4))
