@@ -407,6 +407,8 @@ def test_a_source_keeps_no_object_per_shard_for_the_collector(tmp_path):
         assert source.urls[n - 1] == urls[-1] and source.urls[-n] == urls[0]
         assert source.urls[np.int64(5)] == urls[5] and source.urls[2:4] == urls[2:4]
         assert pickle.loads(pickle.dumps(source)).urls == urls
+        again = WebDatasetSource(source.urls)  # (a source of another's shards: the same text)
+        assert again.urls == urls and again.folder == source.folder == f"{tmp_path}/"
         with pytest.raises(IndexError):
             source.urls[n]
         urls.append("changed")  # (the caller's list is not the source's)
