@@ -98,7 +98,29 @@ def url_text(urls: list[str]) -> str:
     return text
 
 
-class Lines(Sequence):
+class ListLike(Sequence):
+    """A read-only sequence that iterates, compares and prints as the list its ``_list()`` makes
+    (subclasses give ``__len__``, ``__getitem__`` and ``_list``): equal to any sequence of the
+    same items, unhashable like a list."""
+
+    def _list(self) -> list:
+        raise NotImplementedError
+
+    def __iter__(self):
+        return iter(self._list())
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, Sequence) or isinstance(other, (str, bytes)):
+            return NotImplemented
+        return len(other) == len(self) and self._list() == list(other)
+
+    __hash__ = None  # type: ignore[assignment] - (compared like a list)
+
+    def __repr__(self) -> str:
+        return repr(self._list())
+
+
+class Lines(ListLike):
     """The lines of ``text`` (:func:`url_text` of a shard list whose lines all have ``width``
     characters, their newline included, and no other newline: :func:`line_rows`) as a read-only
     sequence of str. An item is sliced from the text when asked for: a source over 100k shards
@@ -138,20 +160,12 @@ class Lines(Sequence):
             self._items = self._text.split("\n")[:-1]
         return self._items
 
-    def __iter__(self):
-        return iter(self._list())
-
     def __eq__(self, other) -> bool:
         if isinstance(other, Lines):
             return self._text == other._text
-        if not isinstance(other, Sequence) or isinstance(other, (str, bytes)):
-            return NotImplemented
-        return len(other) == self._count and self._list() == list(other)
+        return super().__eq__(other)
 
     __hash__ = None  # type: ignore[assignment] - (compared like a list)
-
-    def __repr__(self) -> str:
-        return repr(self._list())
 
     def __reduce__(self):
         return Lines, (self._text, self._width)
