@@ -6,7 +6,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Callable
 
@@ -14,9 +13,10 @@ import numpy as np
 
 from prealign.loaders.errors import IndexFileError, StaleIndexError
 from prealign.loaders.policy import BadDataReport
+from prealign.loaders.sources.shard_files import ListLike
 
 
-class LazyList(Sequence):
+class LazyList(ListLike):
     """A list made by ``make()`` when an item is first asked for; ``len`` without making it. What
     a merged index's start keeps per shard (``source_shards``' 100,000 names and sizes): made only
     by what reads them (a saved index, the check of a reused one), never at a start. Equal to any
@@ -36,19 +36,6 @@ class LazyList(Sequence):
 
     def __getitem__(self, i):
         return self._list()[i]
-
-    def __iter__(self):
-        return iter(self._list())
-
-    def __eq__(self, other) -> bool:
-        if not isinstance(other, Sequence) or isinstance(other, (str, bytes)):
-            return NotImplemented
-        return len(other) == self._length and self._list() == list(other)
-
-    __hash__ = None  # type: ignore[assignment] - (mutable like a list)
-
-    def __repr__(self) -> str:
-        return repr(self._list())
 
     def __reduce__(self):
         return list, (self._list(),)

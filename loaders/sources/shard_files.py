@@ -7,10 +7,11 @@ members recorded at indexing and checked at every read (:func:`sample_checksum`)
 
 from __future__ import annotations
 
+import operator
 import os
 import stat
 import zlib
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import numpy as np
 
@@ -95,6 +96,79 @@ def url_text(urls: list[str]) -> str:
     text = "\n".join(urls)
     text += "\n"  # (resized in place: no second copy of 100k names)
     return text
+
+
+class ListLike(Sequence):
+    """A read-only sequence that iterates, compares and prints as the list its ``_list()`` makes
+    (subclasses give ``__len__``, ``__getitem__`` and ``_list``): equal to any sequence of the
+    same items, unhashable like a list."""
+
+    def _list(self) -> list:
+        raise NotImplementedError
+
+    def __iter__(self):
+        return iter(self._list())
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, Sequence) or isinstance(other, (str, bytes)):
+            return NotImplemented
+        return len(other) == len(self) and self._list() == list(other)
+
+    __hash__ = None  # type: ignore[assignment] - (compared like a list)
+
+    def __repr__(self) -> str:
+        return repr(self._list())
+
+
+class Lines(ListLike):
+    """The lines of ``text`` (:func:`url_text` of a shard list whose lines all have ``width``
+    characters, their newline included, and no other newline: :func:`line_rows`) as a read-only
+    sequence of str. An item is sliced from the text when asked for: a source over 100k shards
+    keeps no list of 100k names, which the garbage collector would walk in each young collection
+    of the start. The list is made at the first walk over all of them (``iter``). Equal to any
+    sequence of the same items; pickled as the text.
+
+    >>> lines = Lines(url_text(["/d/a-1", "/d/a-2"]), 7)
+    >>> len(lines), lines[1], lines[-2], list(lines), lines == ["/d/a-1", "/d/a-2"]
+    (2, '/d/a-2', '/d/a-1', ['/d/a-1', '/d/a-2'], True)
+    """
+
+    def __init__(self, text: str, width: int):
+        self._text, self._width, self._count, self._items = text, width, len(text) // width, None
+
+    @property
+    def text(self) -> str:
+        """The :func:`url_text` the lines are read from."""
+        return self._text
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return self._list()[i]
+        i = operator.index(i)
+        if i < 0:
+            i += self._count
+        if not 0 <= i < self._count:
+            raise IndexError(f"shard {i} of {self._count}: out of range")
+        start = i * self._width
+        return self._text[start : start + self._width - 1]
+
+    def _list(self) -> list[str]:
+        if self._items is None:
+            self._items = self._text.split("\n")[:-1]
+        return self._items
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, Lines):
+            return self._text == other._text
+        return super().__eq__(other)
+
+    __hash__ = None  # type: ignore[assignment] - (compared like a list)
+
+    def __reduce__(self):
+        return Lines, (self._text, self._width)
 
 
 def line_rows(text: str, count: int) -> np.ndarray | None:

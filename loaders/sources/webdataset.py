@@ -40,6 +40,7 @@ from prealign.loaders.errors import (
 from prealign.loaders.sources import remote as _remote
 from prealign.loaders.sources.deadline import Stalled, TimedReader, call_with_timeout
 from prealign.loaders.sources.shard_files import (
+    Lines,
     NotRegular,
     all_distinct,
     any_line_ends,
@@ -88,7 +89,11 @@ def _expanded(urls: str | Sequence[str]) -> tuple[list[str], str, str | None, ob
     or not made)."""
     import braceexpand
 
-    items = [urls] if isinstance(urls, str) else list(urls)
+    if isinstance(urls, Lines):  # (another source's shards: read-only)
+        return (urls, urls.text, *_check_unique(urls, urls.text))
+    # (a list or tuple joined as given: copied only below, when the lines differ in length)
+    items = urls if isinstance(urls, (list, tuple)) else [urls] if isinstance(urls, str) else None
+    items = list(urls) if items is None else items
     try:
         text = url_text(items)
     except TypeError:  # (not all strings: each made one below)
@@ -104,7 +109,10 @@ def _expanded(urls: str | Sequence[str]) -> tuple[list[str], str, str | None, ob
         text = url_text(out)
     if not out:
         raise ConfigError(f"urls: no shard URLs given ({urls!r})")
-    return (out, text, *_check_unique(out, text))
+    folder, rows = _check_unique(out, text)
+    # (lines of one length: the names sliced from the text, no list of them kept)
+    out = Lines(text, rows.shape[1]) if rows is not None else list(out)
+    return out, text, folder, rows
 
 
 def shard_identity(url: str) -> str:
@@ -805,7 +813,7 @@ class WebDatasetSource(Source):
         ):
             return {
                 "kind": self.KIND,
-                "urls": self.urls,
+                "urls": list(self.urls),
                 "sizes": recorded.tolist(),
                 "required": list(self.required),
             }
@@ -824,7 +832,7 @@ class WebDatasetSource(Source):
             sizes.append(size)
         return {
             "kind": self.KIND,
-            "urls": self.urls,
+            "urls": list(self.urls),
             "sizes": sizes,
             "required": list(self.required),
         }
