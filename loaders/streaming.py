@@ -932,10 +932,9 @@ class StreamingPackedLoader(LoaderCore):
             ranks[self.dp_rank] = entry
             return ranks
         if dst is not None:
-            if dst >= dist.get_world_size():
-                raise PlanError(
-                    f"state_dict(dst={dst}): not a rank of the world (0..{dist.get_world_size() - 1})"
-                )
+            world = dist.get_world_size()
+            if dst >= world:
+                raise PlanError(f"state_dict(dst={dst}): not a rank of the world (0..{world - 1})")
             if self.group is not None and dst not in dist.get_process_group_ranks(self.group):
                 return None  # (dst's own DP group gathers: each DP group holds every DP rank)
         if self.dp_size == 1:
