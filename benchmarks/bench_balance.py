@@ -346,9 +346,7 @@ def part_b(n: int, flops: bool, rounds: int = 3) -> None:
             port = s.getsockname()[1]
         with mp.Manager() as manager:
             out = manager.dict()
-            mp.spawn(
-                _rank, args=(4, port, kind, steps, lengths, rounds, out), nprocs=4, join=True
-            )
+            mp.spawn(_rank, args=(4, port, kind, steps, lengths, rounds, out), nprocs=4, join=True)
             got = dict(out)
         print(
             f"    {kind}: cost {cost.linear:.0f}*L + {cost.quadratic:.2f}*L^2 "

@@ -157,8 +157,7 @@ def main(argv=None) -> int:
     print(f"\nplan time, median [min..max] over {args.rounds} interleaved rounds")
     for r in rows:
         print(
-            f"{r['data']:<12} {r['strategy']:<9} wall s {r['plan wall s']}  "
-            f"CPU s {r['plan CPU s']}"
+            f"{r['data']:<12} {r['strategy']:<9} wall s {r['plan wall s']}  CPU s {r['plan CPU s']}"
         )
     if args.json:
         with open(args.json, "w") as f:

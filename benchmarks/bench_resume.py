@@ -362,8 +362,11 @@ def state_size_main(args) -> int:
         it.close()
         for ranks in (8, 64, 512):
             per = [
-                {**own, "config": {**own["config"], "dp_size": ranks},
-                 "cursors": {**own["cursors"], "dp_rank": r, "dp_size": ranks}}
+                {
+                    **own,
+                    "config": {**own["config"], "dp_size": ranks},
+                    "cursors": {**own["cursors"], "dp_rank": r, "dp_size": ranks},
+                }
                 for r in range(ranks)
             ]
             merged = merge_rank_states(per)

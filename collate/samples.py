@@ -658,12 +658,7 @@ def _diagnose_token(tensors: list, spec: FieldSpec, key: str, flat: FlatBatch) -
 def _in_unsigned_range(rows: torch.Tensor, lo, hi) -> bool:
     """Fast path for ids bounded below by 0 (teacher top-k ids): viewed as unsigned, a negative id
     is huge, so one max reduction checks both ends (about 3x cheaper than min and max of int64)."""
-    if (
-        lo != 0
-        or rows.dtype != torch.int64
-        or not rows.is_contiguous()
-        or not rows.is_cpu
-    ):
+    if lo != 0 or rows.dtype != torch.int64 or not rows.is_contiguous() or not rows.is_cpu:
         return False
     top = int(np.maximum.reduce(rows.numpy().view(np.uint64), axis=None))  # (no .max() wrapper)
     return top <= (hi if hi is not None else _INT64_MAX)

@@ -169,9 +169,7 @@ def qwen2vl_grid(
         ) from None
 
 
-def tokens_of_grid(
-    grid: tuple[int, int, int], geometry: VisionGeometry | None = None
-) -> int:
+def tokens_of_grid(grid: tuple[int, int, int], geometry: VisionGeometry | None = None) -> int:
     """Image tokens the LLM sees for one ``(t, gh, gw)`` grid: ``t*gh*gw / merge_size**2``.
 
     >>> tokens_of_grid((1, 34, 46))

@@ -118,9 +118,7 @@ CASES = [  # (old dp, old workers, new dp, new workers, stop)
 
 
 @pytest.mark.parametrize("old_dp, old_w, new_dp, new_w, stop", CASES)
-def test_elastic_mixture_resume_serves_the_rest_once(
-    mix_paths, old_dp, old_w, new_dp, new_w, stop
-):
+def test_elastic_mixture_resume_serves_the_rest_once(mix_paths, old_dp, old_w, new_dp, new_w, stop):
     """Saved by every rank of one topology and resumed under another: each component's consumed
     shards skipped (its readers' cursors folded on their own), the buffered samples read back: the
     samples served before and after are the epoch's, each once, every micro-batch within the

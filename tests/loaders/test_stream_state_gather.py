@@ -91,9 +91,7 @@ def test_dst_needs_cursors_all(tmp_path):
 def _as_version_5(state: dict) -> dict:
     """``state`` (version 6) as a version-5 prealign wrote it: every reader's samples as lists."""
     ranks = [
-        None
-        if e is None
-        else {**e, "readers": [unpack_cursor(c, "r") for c in e["readers"]]}
+        None if e is None else {**e, "readers": [unpack_cursor(c, "r") for c in e["readers"]]}
         for e in state["stream"]["ranks"]
     ]
     return {**state, "version": STREAM_VERSION, "stream": {**state["stream"], "ranks": ranks}}

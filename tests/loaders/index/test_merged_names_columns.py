@@ -32,14 +32,21 @@ def _meta(names: list[str]) -> tuple[dict, np.ndarray]:
 
 
 @examples(300)
-@given(st.lists(st.sampled_from(["aa.tar", "ab.tar", "ba.tar", "a\n.tar", "a/.tar"]), min_size=1,
-                max_size=6, unique=True),
-       st.lists(_NAME, min_size=1, max_size=6))
+@given(
+    st.lists(
+        st.sampled_from(["aa.tar", "ab.tar", "ba.tar", "a\n.tar", "a/.tar"]),
+        min_size=1,
+        max_size=6,
+        unique=True,
+    ),
+    st.lists(_NAME, min_size=1, max_size=6),
+)
 def test_the_columns_answer_as_the_text_does(shards, names):
     """Fixed-width paths against any names (of other lengths, with newlines, slashes, non-ASCII)
     and against their own names: the column comparison and the text comparison agree."""
-    source = WebDatasetSource([f"/d/{s}" for s in shards if "\n" not in s and "/" not in s]
-                              or ["/d/aa.tar"])
+    source = WebDatasetSource(
+        [f"/d/{s}" for s in shards if "\n" not in s and "/" not in s] or ["/d/aa.tar"]
+    )
     for candidate in (names, [u.rsplit("/", 1)[1] for u in source.urls]):
         meta, encoded = _meta(candidate)
         by_columns = _same_names(meta, source, encoded)

@@ -57,9 +57,7 @@ def _in_thread(fn, timeout: float):
 
 @pytest.mark.parametrize("shards", [1, 40])
 @pytest.mark.parametrize("kind", ["dev_zero", "dev_null", "fifo"])
-def test_a_sidecar_that_is_not_a_regular_file_is_refused_without_reading_it(
-    tmp_path, kind, shards
-):
+def test_a_sidecar_that_is_not_a_regular_file_is_refused_without_reading_it(tmp_path, kind, shards):
     """(40 shards: the odd sidecar among many read at once, past the first files timed.)"""
     paths = write_shards(str(tmp_path), sample_lengths(4 * shards), num_shards=shards)
     if shards > 1:
