@@ -20,7 +20,13 @@ from prealign.loaders import Mixture, WebDatasetSource
 from prealign.loaders.errors import ResumeError
 from prealign.loaders.state import CURSOR_VERSION, PACKED_VERSION
 from tests.loader_helpers import sample_lengths, write_shards
-from tests.loaders.test_stream_cursors import CountingSource, _make, _same, _with_bad_data
+from tests.loaders.test_stream_cursors import (
+    CountingSource,
+    _make,
+    _resumed,
+    _same,
+    _with_bad_data,
+)
 from tests.loaders.test_stream_elastic import (
     _check_once,
     _ids,
@@ -54,18 +60,6 @@ def mix_paths(tmp_path_factory):
     )
 
 
-def _resumed(paths, stop: int, cursors, **kw) -> tuple[dict, list[dict]]:
-    """(the state after ``stop`` micro-batches, JSON round-tripped; the rest after loading it)."""
-    a = _make(paths, **kw)
-    it = iter(a)
-    list(islice(it, stop))
-    state = json.loads(json.dumps(a.state_dict(cursors=cursors)))
-    it.close()
-    b = _make(paths, **kw)
-    b.load_state_dict(state)
-    return state, list(b)
-
-
 @pytest.mark.parametrize("by, workers", [("tokens", 0), ("tokens", 2), ("samples", 0)])
 def test_mixture_cursor_resume_is_the_uninterrupted_run(mix_paths, by, workers):
     """Golden: a 0.7 / 0.3 mixture (bad data in one component); resumed at the start, mid-epoch,
@@ -75,7 +69,7 @@ def test_mixture_cursor_resume_is_the_uninterrupted_run(mix_paths, by, workers):
     full = list(_make(mix_paths, **kw))
     assert len(full) > 30
     for stop in (1, 9, len(full) // 2, len(full) - 1):
-        state, rest = _resumed(mix_paths, stop, True, **kw)
+        state, rest = _resumed(mix_paths, stop, cursors=True, **kw)
         assert state["version"] == CURSOR_VERSION
         mixes = [r["mix"] for r in state["cursors"]["readers"] if r is not None]
         assert mixes and all(len(m["streams"]) == 2 for m in mixes)
@@ -136,10 +130,10 @@ def test_malformed_mixture_cursors_are_refused(mix_paths):
     the key; a plain (version 2) state of a mixture stream still replays exactly."""
     kw = {"source": _source()}
     full = list(_make(mix_paths, **kw))
-    state, rest = _resumed(mix_paths, 4, False, **kw)
+    state, rest = _resumed(mix_paths, 4, cursors=False, **kw)
     assert state["version"] == 2
     _same(rest, full[4:])
-    state, _ = _resumed(mix_paths, 4, True, **kw)
+    state, _ = _resumed(mix_paths, 4, cursors=True, **kw)
     no_mix = json.loads(json.dumps(state))
     del no_mix["cursors"]["readers"][0]["mix"]
     with pytest.raises(ResumeError, match=r"cursors.readers\[0\].mix"):
