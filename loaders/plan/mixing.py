@@ -190,16 +190,17 @@ def interleave(units: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     return comp[perm], draw[perm]
 
 
-def _by_finish(units: Sequence[np.ndarray]) -> np.ndarray:
+def _by_finish(units: Sequence[np.ndarray], ones: bool = False) -> np.ndarray:
     """int64 ``[M]``: positions in the concatenation of ``units`` in :func:`interleave`'s order;
-    the finish times are written into one float64 ``[M]`` in place (no per-component arrays)."""
+    the finish times are written into one float64 ``[M]`` in place (no per-component arrays).
+    ``ones``: every unit is 1 (``by="samples"``), so each half unit is the scalar 0.5."""
     total = float(sum(int(u.sum()) for u in units))
     tags, at = np.empty(sum(u.size for u in units)), 0
     for u in units:
         if u.size:
             tag = tags[at : at + u.size]
             np.cumsum(u, dtype=np.float64, out=tag)  # exact: integer sums below 2**53
-            tag -= u / 2.0
+            tag -= 0.5 if ones else u / 2.0
             tag /= float(u.sum()) / total
             at += u.size
     return np.argsort(tags, kind="stable")  # timsort merges the C sorted runs; ties keep
@@ -295,7 +296,8 @@ def mixed_order(
         ids.append(offsets[c] + (stream[pos[:k]] if served[c].size else stream[:k]))
         units.append(u[:k])
         draws.append(pos[:k])
-    at = _by_finish(units)  # (positions in the concatenation of the components' draws)
+    # positions in the concatenation of the components' draws, in the interleave's order
+    at = _by_finish(units, ones=mix.by == "samples")
     comp = np.repeat(np.arange(C, dtype=np.int64), [u.size for u in units])
     return MixedOrder(
         ids=np.concatenate(ids)[at],
