@@ -270,12 +270,13 @@ class Mixture(Source):
                         f"{dims[key][1]!r} has {key}={dims[key][0]}; one batch cannot hold both"
                     )
         width = 2 + max(p.locations.shape[1] for p in parts)
-        locs, shards, report, shard0 = [], [], BadDataReport(), 0
+        locs = np.zeros((sum(len(p) for p in parts), width), np.int64)  # filled in place
+        shards, report, shard0, at = [], BadDataReport(), 0, 0
         for c, (name, part) in enumerate(zip(self.names, parts)):
             n, w = len(part), part.locations.shape[1]
-            loc = np.zeros((n, width), np.int64)
+            loc = locs[at : at + n]
             loc[:, 0], loc[:, 1], loc[:, 2 : 2 + w] = c, w, part.locations
-            locs.append(loc)
+            at += n
             shards.append(np.asarray(part.shards, np.int64) + shard0)
             shard0 += self._sources[c].num_shards
             for reason, count in part.report.counts.items():
@@ -290,8 +291,8 @@ class Mixture(Source):
         )
         self.parts = list(parts)
         return SampleIndex(
-            lengths=np.concatenate([p.lengths for p in parts]).astype(np.int64),
-            locations=np.concatenate(locs),
+            lengths=np.concatenate([p.lengths for p in parts]).astype(np.int64, copy=False),
+            locations=locs,
             shards=np.concatenate(shards),
             report=report,
             media=media,

@@ -183,17 +183,28 @@ def interleave(units: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     >>> interleave([np.array([1, 1, 1]), np.array([3])])[0].tolist()
     [0, 0, 1, 0]
     """
+    perm = _by_finish(units)
+    sizes = [u.size for u in units]
+    comp = np.repeat(np.arange(len(units), dtype=np.int64), sizes)
+    draw = np.concatenate([np.arange(n, dtype=np.int64) for n in sizes]) if units else comp
+    return comp[perm], draw[perm]
+
+
+def _by_finish(units: Sequence[np.ndarray], ones: bool = False) -> np.ndarray:
+    """int64 ``[M]``: positions in the concatenation of ``units`` in :func:`interleave`'s order;
+    the finish times are written into one float64 ``[M]`` in place (no per-component arrays).
+    ``ones``: every unit is 1 (``by="samples"``), so each half unit is the scalar 0.5."""
     total = float(sum(int(u.sum()) for u in units))
-    tags = [
-        (np.cumsum(u) - u / 2.0) / (float(u.sum()) / total) if u.size else np.zeros(0)
-        for u in units
-    ]
-    comp = np.repeat(np.arange(len(tags), dtype=np.int64), [t.size for t in tags])
-    draw = np.concatenate([np.arange(t.size, dtype=np.int64) for t in tags]) if tags else comp
-    perm = np.argsort(
-        np.concatenate(tags) if tags else np.zeros(0), kind="stable"
-    )  # timsort merges the C sorted
-    return comp[perm], draw[perm]  # runs; ties keep component order
+    tags, at = np.empty(sum(u.size for u in units)), 0
+    for u in units:
+        if u.size:
+            tag = tags[at : at + u.size]
+            np.cumsum(u, dtype=np.float64, out=tag)  # exact: integer sums below 2**53
+            tag -= 0.5 if ones else u / 2.0
+            tag /= float(u.sum()) / total
+            at += u.size
+    return np.argsort(tags, kind="stable")  # timsort merges the C sorted runs; ties keep
+    # component order
 
 
 def mixed_order(
@@ -213,7 +224,12 @@ def mixed_order(
     and their units out of the epoch's, so the rest
     of the epoch follows ``mix``'s weights."""
     C = len(lengths)
-    sizes = np.array([float(units_of(np.asarray(x), mix.by).sum()) for x in lengths])
+    sizes = np.array(
+        [
+            float(len(x)) if mix.by == "samples" else float(units_of(np.asarray(x), mix.by).sum())
+            for x in lengths
+        ]
+    )
     served = [
         np.zeros(0, np.int64) if served is None else np.asarray(served[c], np.int64)
         for c in range(C)
@@ -277,14 +293,18 @@ def mixed_order(
         else:
             u = units_of(L[stream[pos]], mix.by)
             k = _count_for(u, want, u.size)
-        ids.append(offsets[c] + stream[pos[:k]])
+        ids.append(offsets[c] + (stream[pos[:k]] if served[c].size else stream[:k]))
         units.append(u[:k])
         draws.append(pos[:k])
-    comp, j = interleave(units)
-    starts = np.concatenate([[0], np.cumsum([u.size for u in units])]).astype(np.int64)
-    flat_ids, flat_draws = np.concatenate(ids), np.concatenate(draws)
-    at = starts[comp] + j
-    return MixedOrder(ids=flat_ids[at], component=comp, draw=flat_draws[at], targets=targets)
+    # positions in the concatenation of the components' draws, in the interleave's order
+    at = _by_finish(units, ones=mix.by == "samples")
+    comp = np.repeat(np.arange(C, dtype=np.int64), [u.size for u in units])
+    return MixedOrder(
+        ids=np.concatenate(ids)[at],
+        component=comp[at],
+        draw=np.concatenate(draws)[at],
+        targets=targets,
+    )
 
 
 def window_shares(
