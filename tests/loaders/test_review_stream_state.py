@@ -25,6 +25,16 @@ def _state(tmp_path):
     return paths, json.loads(json.dumps(merge_rank_states(states)))
 
 
+def _skip_refused(tmp_path, skip: dict) -> None:
+    """A state whose ``stream.skip`` is ``skip`` is a ResumeError naming it when loaded and read."""
+    paths, state = _state(tmp_path)
+    state["stream"]["skip"] = skip
+    with pytest.raises(ResumeError, match="stream.skip"):
+        b = _make(paths, dp_size=1)
+        b.load_state_dict(state)
+        list(b)
+
+
 @pytest.mark.parametrize(
     "skip",
     [
@@ -35,12 +45,7 @@ def _state(tmp_path):
     ],
 )
 def test_a_stream_skip_past_int64_is_a_resume_error(tmp_path, skip):
-    paths, state = _state(tmp_path)
-    state["stream"]["skip"] = skip
-    with pytest.raises(ResumeError, match="stream.skip"):
-        b = _make(paths, dp_size=1)
-        b.load_state_dict(state)
-        list(b)
+    _skip_refused(tmp_path, skip)
 
 
 def test_a_reader_cursor_past_int64_is_a_resume_error(tmp_path):
@@ -63,9 +68,4 @@ def test_a_reader_cursor_past_int64_is_a_resume_error(tmp_path):
     ids=["partial-width", "partial-shard", "returns-width"],
 )
 def test_a_stream_skip_location_not_of_this_source_is_a_resume_error(tmp_path, skip):
-    paths, state = _state(tmp_path)
-    state["stream"]["skip"] = skip
-    with pytest.raises(ResumeError, match="stream.skip"):
-        b = _make(paths, dp_size=1)
-        b.load_state_dict(state)
-        list(b)
+    _skip_refused(tmp_path, skip)
