@@ -82,14 +82,15 @@ def sidecars_merged(source, schema) -> tuple[dict, dict[str, np.ndarray]] | None
     (a :class:`StaleIndexError` naming the first shard at fault). None when the source reads no
     sidecars, a shard or folder is not a plain local path, or a shard has no sidecar (then the
     sidecars are read one by one and the others' shards indexed)."""
-    paths = _paths(source)
+    names = _names(source)
+    paths = _paths(source, names)
     if paths is None:
         return None
     datas = _read_all(paths)
     if datas is None:
         return None
     key = config_key(source, schema)
-    expected = shard_names(source.urls)
+    expected = names()
     parts, alone = [], []
     lengths = np.fromiter(map(len, datas), np.int64, len(datas))
     order = np.argsort(lengths, kind="stable")
@@ -118,9 +119,25 @@ def sidecars_merged(source, schema) -> tuple[dict, dict[str, np.ndarray]] | None
     return found
 
 
-def _paths(source) -> list[str] | None:
+def _names(source):
+    """A call that gives the :func:`~prealign.loaders.sources.shard_files.shard_names` of the
+    source's shards, made once and from the source's own url text when it keeps one (no second
+    join of every path)."""
+    made: list = []
+
+    def names() -> list[str]:
+        if not made:
+            text = source.url_text() if hasattr(source, "url_text") else None
+            made.append(shard_names(source.urls, text))
+        return made[0]
+
+    return names
+
+
+def _paths(source, names) -> list[str] | None:
     """The sidecar path of each shard when every shard and the index folder are plain local paths
-    (:func:`~prealign.loaders.sources.shard_files.sidecar_path`, at a string operation each)."""
+    (:func:`~prealign.loaders.sources.shard_files.sidecar_path`, at a string operation each);
+    ``names``: :func:`_names` of the source."""
     urls = getattr(source, "urls", None)
     if not getattr(source, "sidecars", False) or not urls or not plain_local(urls):
         return None
@@ -130,7 +147,7 @@ def _paths(source) -> list[str] | None:
     if remote.scheme(index_dir):
         return None
     prefix = os.path.join(index_dir, "")
-    return [prefix + name + SUFFIX for name in shard_names(urls)]
+    return [prefix + name + SUFFIX for name in names()]
 
 
 _FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC
