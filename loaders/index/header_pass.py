@@ -250,12 +250,8 @@ class VLMRule:
                 else image_header_size(data, field=name, sample=key)
             )
         except HeaderError as exc:
-            raise MediaError(
-                MediaProblem.CORRUPT_IMAGE,
-                sample=key,
-                field=name,
-                expected=exc.expected,
-                actual=exc.actual,
+            raise MediaError.from_check(
+                MediaProblem.CORRUPT_IMAGE, exc, sample=key, field=name
             ) from None
 
 

@@ -26,14 +26,13 @@ import functools
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import torch
 
 from prealign.collate.vision import Gemma3, vision_family
 from prealign.loaders.media.chat_tokenizer import HFChatTokenizer, encode_segments
-from prealign.loaders.media.sized_images import SizedImagesTransform
+from prealign.loaders.media.sized_images import FamilyTransformSettings, SizedImagesTransform
 from prealign.loaders.media.teacher_topk import with_teacher_topk
 from prealign.loaders.media.vlm import (
     IMAGE_PLACEHOLDER,
@@ -45,7 +44,6 @@ from prealign.loaders.media.vlm import (
     image_members,
     sample_metadata,
 )
-from prealign.loaders.sources.tar_decode import DEFAULT_LIMITS, DecodeLimits
 from prealign.schemas.errors import ConfigError
 
 GEMMA3_TOKENS = {
@@ -72,23 +70,14 @@ def gemma3_image_processor(image_size: int):
 
 
 @dataclass(frozen=True, kw_only=True)
-class Gemma3SampleTransform:
+class Gemma3SampleTransform(FamilyTransformSettings):
     """Raw multimodal sample -> Gemma 3 fields (module docstring). ``model_config``: the
     ``Gemma3Config`` (or its dict); ``tokenizer``: the model's HF tokenizer (wrapped with
     :data:`GEMMA3_TOKENS`) or a :class:`~prealign.loaders.media.chat_tokenizer.ChatTokenizer` with
     those ids; ``processor``: the model's processor or image processor (default
-    :func:`gemma3_image_processor`). Picklable."""
+    :func:`gemma3_image_processor`). The other settings are
+    :class:`~prealign.loaders.media.sized_images.FamilyTransformSettings`'. Picklable."""
 
-    model_config: Any
-    tokenizer: Any
-    processor: Any = None
-    topk: int | None = None
-    """Expect teacher top-k members with this K (as
-    :class:`~prealign.loaders.media.vlm.VLMSampleTransform`)."""
-    log_prob_dtype: str = "float32"
-    pixel_dtype: str = "float32"
-    text_key: str = "json"
-    limits: DecodeLimits = DEFAULT_LIMITS
     family: Gemma3 = field(init=False, repr=False, compare=False, default=None)
 
     def __post_init__(self):

@@ -58,6 +58,7 @@ import torch
 
 from prealign.collate.vision import LlavaOneVision, vision_family
 from prealign.loaders.media.chat_tokenizer import encode_segments
+from prealign.loaders.media.sized_images import FamilyTransformSettings
 from prealign.loaders.media.teacher_topk import with_teacher_topk
 from prealign.loaders.media.video import fused_normalize_table
 from prealign.loaders.media.video_file import resize_frames
@@ -68,9 +69,11 @@ from prealign.loaders.media.vlm import (
     MediaError,
     MediaProblem,
     VideoEntry,
+    check_decode_threads,
     check_float_dtypes,
     check_turn,
     check_video_pixels,
+    decode_frame_list,
     decode_image,
     decode_kept,
     file_plan,
@@ -162,23 +165,15 @@ def onevision_image_processor(family: LlavaOneVision):
 
 
 @dataclass(frozen=True, kw_only=True)
-class LlavaOnevisionSampleTransform:
+class LlavaOnevisionSampleTransform(FamilyTransformSettings):
     """Raw multimodal sample -> LLaVA-OneVision fields (module docstring). ``model_config``: the
     ``LlavaOnevisionConfig`` (or its dict); ``tokenizer``: the model's HF tokenizer (wrapped by
     :class:`OnevisionChatTokenizer`) or an object with ``encode``, ``im_start_id``, ``im_end_id``,
     ``image_token_id``, ``vocab_size``; ``processor``: the model's processor or image processor
     (default :func:`onevision_image_processor`), whose tile size and pinpoints must be the config's.
-    Picklable."""
+    The other settings are :class:`~prealign.loaders.media.sized_images.FamilyTransformSettings`'
+    (``limits`` here also caps videos). Picklable."""
 
-    model_config: Any
-    tokenizer: Any
-    processor: Any = None
-    topk: int | None = None
-    """Expect teacher top-k members with this K (as
-    :class:`~prealign.loaders.media.vlm.VLMSampleTransform`)."""
-    log_prob_dtype: str = "float32"
-    pixel_dtype: str = "float32"
-    text_key: str = "json"
     limits: DecodeLimits = DEFAULT_LIMITS
     """Caps checked before decoding: an image's pixels; a video file's seconds, kept frames, their
     pixels and bytes (from its headers); a frame list's frames."""
@@ -220,15 +215,7 @@ class LlavaOnevisionSampleTransform:
                 f"{fam.tile_size} and image_grid_pinpoints {[list(p) for p in fam.pinpoints]}"
             )
         check_float_dtypes(self)
-        if (
-            isinstance(self.decode_threads, bool)
-            or not isinstance(self.decode_threads, int)
-            or self.decode_threads < 0
-        ):
-            raise ConfigError(
-                f"LlavaOnevisionSampleTransform.decode_threads: expected an int >= 0, got "
-                f"{self.decode_threads!r}"
-            )
+        check_decode_threads(self)
         self.frame_sampling  # noqa: B018 (the settings checked now, not at the first video)
 
     @property
@@ -363,16 +350,6 @@ class LlavaOnevisionSampleTransform:
             return len(video.frames)
         return len(file_plan(video, self.frame_sampling.indices, key, self.limits)[1])
 
-    def _list_frames(self, video: VideoEntry, key) -> list:
-        """A frame list's frames decoded (RGB PIL), their running pixel total checked against
-        ``limits.max_video_pixels`` frame by frame: never more than the limit in memory."""
-        frames, area = [], 0
-        for name, value in video.frames:
-            frames.append(decode_image(value, sample=key, name=name, limits=self.limits))
-            area += frames[-1].width * frames[-1].height
-            check_video_pixels(video.name, area, key, self.limits)
-        return frames
-
     @property
     def video_settings(self) -> tuple:
         """``(tile, mean, std, rescale_factor)`` of the frames: the processor's video processor
@@ -434,12 +411,8 @@ class LlavaOnevisionSampleTransform:
         try:
             w, h = image_header_size(value, field=name, sample=key)
         except HeaderError as exc:
-            raise MediaError(
-                MediaProblem.CORRUPT_IMAGE,
-                sample=key,
-                field=name,
-                expected=exc.expected,
-                actual=exc.actual,
+            raise MediaError.from_check(
+                MediaProblem.CORRUPT_IMAGE, exc, sample=key, field=name
             ) from None
         return h, w
 
@@ -481,7 +454,7 @@ class LlavaOnevisionSampleTransform:
         clips = [
             self.file_pixels(video, key)
             if video.frames is None
-            else self.video_pixels(self._list_frames(video, key))
+            else self.video_pixels(decode_frame_list(video, key, self.limits))
             for video in self.video_frames(raw, meta, key)
         ]
         sizes = [(im.height, im.width) for im in images]
@@ -492,12 +465,8 @@ class LlavaOnevisionSampleTransform:
         except SampleError as exc:
             if isinstance(exc, MediaError):
                 raise
-            raise MediaError(
-                MediaProblem.CORRUPT_IMAGE,
-                sample=key,
-                field=exc.field,
-                expected=exc.expected,
-                actual=exc.actual,
+            raise MediaError.from_check(
+                MediaProblem.CORRUPT_IMAGE, exc, sample=key, field=exc.field
             ) from None
         input_ids = torch.from_numpy(ids)
         types = (input_ids == self.family.image_token_id).to(torch.int64)

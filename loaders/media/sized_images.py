@@ -1,7 +1,8 @@
 """What the transforms of families whose sample length follows from its text and each image's size
-share (:class:`SizedImagesTransform`: Mistral3 / Pixtral, SmolVLM / Idefics3): the settings, the
-tokenizer wrapping and checks, the conversation's turns, header-only ids and the teacher top-k of
-the output. A family's transform adds its chat rendering (``segments``), its image grid
+share (:class:`SizedImagesTransform`: Mistral3 / Pixtral, SmolVLM / Idefics3, Gemma 4): the
+settings (:class:`FamilyTransformSettings`, which the Gemma 3 and LLaVA-OneVision transforms take
+too), the tokenizer wrapping and checks, the conversation's turns, header-only ids and the teacher
+top-k of the output. A family's transform adds its chat rendering (``segments``), its image grid
 (``image_grid``) and its pixels (``__call__``)."""
 
 from __future__ import annotations
@@ -32,12 +33,14 @@ SPLIT_IMAGES = re.compile("(" + re.escape(IMAGE_PLACEHOLDER) + ")")
 
 
 @dataclass(frozen=True, kw_only=True)
-class SizedImagesTransform:
-    """The settings every such transform takes: ``model_config`` (the model's transformers config,
-    its dict or its family), ``tokenizer`` (the model's HF tokenizer, wrapped with the family's
-    token names, or a :class:`~prealign.loaders.media.chat_tokenizer.ChatTokenizer`), ``processor``
-    (the model's processor or image processor; unset: the family's default), teacher ``topk``,
-    output dtypes, the JSON member and decode limits."""
+class FamilyTransformSettings:
+    """The settings every family's own sample transform takes (Gemma 3, LLaVA-OneVision and each
+    :class:`SizedImagesTransform`): ``model_config`` (the model's transformers config, its dict or
+    its family), ``tokenizer`` (the model's HF tokenizer, wrapped with the family's token names,
+    or a :class:`~prealign.loaders.media.chat_tokenizer.ChatTokenizer`), ``processor`` (the
+    model's processor or image processor; unset: the family's default), teacher ``topk``, output
+    dtypes, the JSON member and decode limits. A family's transform adds its own settings after
+    these."""
 
     model_config: Any
     tokenizer: Any
@@ -49,6 +52,12 @@ class SizedImagesTransform:
     pixel_dtype: str = "float32"
     text_key: str = "json"
     limits: DecodeLimits = DEFAULT_LIMITS
+
+
+@dataclass(frozen=True, kw_only=True)
+class SizedImagesTransform(FamilyTransformSettings):
+    """What the transforms of families whose sample length follows from the text and each image's
+    size share (the module docstring); the settings are :class:`FamilyTransformSettings`'."""
 
     def _setup(self, family, token_names: dict, image_token: str) -> None:
         """Keep ``family``, wrap a plain HF tokenizer with ``token_names`` and check its image token

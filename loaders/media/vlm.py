@@ -160,6 +160,16 @@ class MediaError(BadSampleError):
             reason=problem.value,
         )
 
+    @classmethod
+    def from_check(
+        cls, problem: MediaProblem, exc: SampleError, *, sample, field: str | None
+    ) -> "MediaError":
+        """The failed check ``exc`` (a :class:`~prealign.schemas.errors.SampleError`, e.g. a
+        :class:`~prealign.loaders.sources.header_lengths.HeaderError`) as a :class:`MediaError` of
+        ``problem`` naming ``sample`` and ``field``, with ``exc``'s expected and actual (raise it
+        ``from None``)."""
+        return cls(problem, sample=sample, field=field, expected=exc.expected, actual=exc.actual)
+
 
 def check_float_dtypes(transform) -> None:
     """``transform.log_prob_dtype`` / ``pixel_dtype`` each ``'float32'`` or ``'bfloat16'``, else a
@@ -170,6 +180,17 @@ def check_float_dtypes(transform) -> None:
                 f"{type(transform).__name__}.{name}: expected 'float32' or 'bfloat16', got "
                 f"{getattr(transform, name)!r}"
             )
+
+
+def check_decode_threads(transform) -> None:
+    """``transform.decode_threads`` an int >= 0 (decoder threads per video file; 0: ffmpeg's
+    choice), else a :class:`ConfigError` naming the transform's class."""
+    threads = transform.decode_threads
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
+        raise ConfigError(
+            f"{type(transform).__name__}.decode_threads: expected an int >= 0 (0: ffmpeg's "
+            f"choice), got {threads!r}"
+        )
 
 
 # ---- the image processor -------------------------------------------------------------------------
@@ -604,12 +625,8 @@ def vision_types_and_mrope(
     try:
         positions = rope_positions(types, np.array([0, ids.size]), grid, runs, steps, merge)
     except SampleError as exc:
-        raise MediaError(
-            MediaProblem.VISION_TOKEN_MISMATCH,
-            sample=sample,
-            field=exc.field,
-            expected=exc.expected,
-            actual=exc.actual,
+        raise MediaError.from_check(
+            MediaProblem.VISION_TOKEN_MISMATCH, exc, sample=sample, field=exc.field
         ) from None
     return torch.from_numpy(types), torch.from_numpy(positions)
 
@@ -735,15 +752,7 @@ class VLMSampleTransform:
                 else {}
             )
             object.__setattr__(self, "tokenizer", wrap(self.processor.tokenizer, **names))
-        if (
-            isinstance(self.decode_threads, bool)
-            or not isinstance(self.decode_threads, int)
-            or self.decode_threads < 0
-        ):
-            raise ConfigError(
-                f"VLMSampleTransform.decode_threads: expected an int >= 0 (0: ffmpeg's choice), "
-                f"got {self.decode_threads!r}"
-            )
+        check_decode_threads(self)
         if self.video_sampling is not None:
             self.frame_sampling  # noqa: B018 (checks the settings now, not at the first video)
         if self.frame is None and not hasattr(self.tokenizer, "im_start_id"):
@@ -875,12 +884,8 @@ class VLMSampleTransform:
                 height, width, VisionGeometry.of(self.image_processor), sample=sample, field=field
             )
         except SampleError as exc:
-            raise MediaError(
-                MediaProblem.CORRUPT_IMAGE,
-                sample=sample,
-                field=field,
-                expected=exc.expected,
-                actual=exc.actual,
+            raise MediaError.from_check(
+                MediaProblem.CORRUPT_IMAGE, exc, sample=sample, field=field
             ) from None
         return t * gh * gw // self.spatial_merge_size**2
 
@@ -1226,16 +1231,7 @@ class VLMSampleTransform:
                 )
                 grid, block, second = plan.grid, plan.ids, plan.seconds
             else:
-                decoded, area = [], 0
-                for (
-                    n,
-                    v,
-                ) in (
-                    video.frames
-                ):  # the running total is checked frame by frame: never more than the limit
-                    decoded.append(decode_image(v, sample=key, name=n, limits=self.limits))
-                    area += decoded[-1].width * decoded[-1].height
-                    check_video_pixels(video.name, area, key, self.limits)
+                decoded = decode_frame_list(video, key, self.limits)
                 grid = self._video_grid(video.name, [im.size for im in decoded], geometry, key)
                 frames = np.concatenate(
                     [
@@ -1334,12 +1330,8 @@ class VLMSampleTransform:
         try:
             return self.family.video_grid(len(sizes), h, w, geometry, sample=key, field=name)
         except SampleError as exc:
-            raise MediaError(
-                MediaProblem.BAD_VIDEO,
-                sample=key,
-                field=name,
-                expected=exc.expected,
-                actual=exc.actual,
+            raise MediaError.from_check(
+                MediaProblem.BAD_VIDEO, exc, sample=key, field=name
             ) from None
 
     def expand(self, sample: dict) -> dict:
@@ -1484,6 +1476,18 @@ def check_video_pixels(name: str, pixels: int, key, limits: DecodeLimits) -> Non
             expected=f"at most {limits.max_video_pixels} pixels over its frames "
             "(DecodeLimits.max_video_pixels)",
         )
+
+
+def decode_frame_list(video: VideoEntry, key, limits: DecodeLimits) -> list:
+    """A frame list's frames decoded (RGB PIL, each checked against ``limits``), their running
+    pixel total checked against ``limits.max_video_pixels`` frame by frame
+    (:func:`check_video_pixels`): never more than the limit in memory."""
+    frames, area = [], 0
+    for name, value in video.frames:
+        frames.append(decode_image(value, sample=key, name=name, limits=limits))
+        area += frames[-1].width * frames[-1].height
+        check_video_pixels(video.name, area, key, limits)
+    return frames
 
 
 def corrupt_video(video: VideoEntry, key, actual: str, expected: str) -> MediaError:
