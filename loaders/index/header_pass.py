@@ -255,13 +255,20 @@ class VLMRule:
             ) from None
 
 
-class ImageTokensRule(VLMRule):
-    """:class:`~prealign.loaders.media.gemma3.Gemma3SampleTransform` samples: a fixed block per
-    image, so the length is the chat's with the images counted (each image's header read, and its
-    pixels with ``verify_images``, so a corrupt one is found as in the full pass)."""
+class OwnTransformRule(VLMRule):
+    """A family's own transform (Gemma 3, LLaVA-OneVision, the
+    :class:`~prealign.loaders.media.sized_images.SizedImagesTransform` families): read and checked
+    as :class:`VLMRule` reads a sample, its ids from the subclass's ``_render``; no Qwen merge size
+    to check at the start."""
 
     def __init__(self, transform, schema: BatchSchema, *, verify_images: bool = True):
         self.t, self.verify_images = transform, verify_images
+
+
+class ImageTokensRule(OwnTransformRule):
+    """:class:`~prealign.loaders.media.gemma3.Gemma3SampleTransform` samples: a fixed block per
+    image, so the length is the chat's with the images counted (each image's header read, and its
+    pixels with ``verify_images``, so a corrupt one is found as in the full pass)."""
 
     def _render(
         self, raw: dict, meta: dict, key, *, pretokenized: bool
@@ -282,14 +289,11 @@ class ImageTokensRule(VLMRule):
         return ids, bool(images)
 
 
-class AnyResRule(VLMRule):
+class AnyResRule(OwnTransformRule):
     """:class:`~prealign.loaders.media.llava_onevision.LlavaOnevisionSampleTransform` samples: each
     image's header size and the number of images give its AnyRes token count, each video's frame
     count its tokens, then the chat (image pixels verified with ``verify_images``, as in the full
     pass)."""
-
-    def __init__(self, transform, schema: BatchSchema, *, verify_images: bool = True):
-        self.t, self.verify_images = transform, verify_images
 
     def _render(
         self, raw: dict, meta: dict, key, *, pretokenized: bool
@@ -300,15 +304,12 @@ class AnyResRule(VLMRule):
         return self.t.header_ids(raw, sizes)[0], bool(sizes or self.t.video_frames(raw, meta, key))
 
 
-class ImageSizesRule(VLMRule):
+class ImageSizesRule(OwnTransformRule):
     """Transforms whose lengths follow from the text and each image's size
     (:class:`~prealign.loaders.media. mistral3.Mistral3SampleTransform`,
     :class:`~prealign.loaders.media.idefics3.Idefics3SampleTransform`,
     :class:`~prealign.loaders.media.gemma4.Gemma4SampleTransform`): ``header_ids(raw, size_of)``
     with each image's header size (and its pixels decoded with ``verify_images``)."""
-
-    def __init__(self, transform, schema: BatchSchema, *, verify_images: bool = True):
-        self.t, self.verify_images = transform, verify_images
 
     def _render(
         self, raw: dict, meta: dict, key, *, pretokenized: bool

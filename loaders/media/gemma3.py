@@ -38,6 +38,7 @@ from prealign.loaders.media.vlm import (
     IMAGE_PLACEHOLDER,
     MediaError,
     MediaProblem,
+    chat_turns,
     check_float_dtypes,
     check_turn,
     decode_image,
@@ -118,17 +119,7 @@ class Gemma3SampleTransform(FamilyTransformSettings):
         """The rendered chat as :func:`encode_segments` parts, ``images`` images expected in the
         text."""
         tok, fam = self.tokenizer, self.family
-        turns = meta.get("messages")
-        if not isinstance(turns, list):
-            if not isinstance(meta.get("text"), str):
-                raise MediaError(
-                    MediaProblem.BAD_TEXT,
-                    sample=sample,
-                    field="json",
-                    expected="'messages' (a list) or 'text'",
-                    actual=f"keys {sorted(meta)}",
-                )
-            turns = None
+        turns = chat_turns(meta, sample)
         block = [
             fam.vision_start_token_id,
             *[fam.image_token_id] * fam.mm_tokens_per_image,

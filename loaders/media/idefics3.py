@@ -34,6 +34,7 @@ from prealign.loaders.media.vlm import (
     IMAGE_PLACEHOLDER,
     MediaError,
     MediaProblem,
+    refused_images,
 )
 from prealign.schemas.errors import ConfigError
 
@@ -207,12 +208,8 @@ class Idefics3SampleTransform(SizedImagesTransform):
                     images=[images], return_row_col_info=True, return_tensors="pt"
                 )
             except ValueError as exc:
-                raise MediaError(
-                    MediaProblem.CORRUPT_IMAGE,
-                    sample=key,
-                    field="images",
-                    actual=str(exc),
-                    expected="images the SmolVLM / Idefics3 image processor accepts",
+                raise refused_images(
+                    "the SmolVLM / Idefics3 image processor", str(exc), sample=key
                 ) from None
             pixels = out["pixel_values"][0].to(torch.float32)
             theirs = [[int(r), int(c)] for r, c in zip(out["rows"][0], out["cols"][0])]

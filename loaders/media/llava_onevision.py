@@ -69,6 +69,7 @@ from prealign.loaders.media.vlm import (
     MediaError,
     MediaProblem,
     VideoEntry,
+    chat_turns,
     check_decode_threads,
     check_float_dtypes,
     check_turn,
@@ -78,6 +79,7 @@ from prealign.loaders.media.vlm import (
     decode_kept,
     file_plan,
     image_members,
+    refused_images,
     sample_metadata,
     video_members,
 )
@@ -257,16 +259,8 @@ class LlavaOnevisionSampleTransform(FamilyTransformSettings):
             token = tok.image_token_id if kind == IMAGE_PLACEHOLDER else fam.video_token_id
             return ([token] * (0 if n is None else n), False)
 
-        turns = meta.get("messages")
-        if not isinstance(turns, list):
-            if not isinstance(meta.get("text"), str):
-                raise MediaError(
-                    MediaProblem.BAD_TEXT,
-                    sample=sample,
-                    field="json",
-                    expected="'messages' (a list) or 'text'",
-                    actual=f"keys {sorted(meta)}",
-                )
+        turns = chat_turns(meta, sample)
+        if turns is None:
             for part in _SPLIT.split(
                 meta["text"]
             ):  # plain text: the media where the text names them
@@ -425,12 +419,8 @@ class LlavaOnevisionSampleTransform(FamilyTransformSettings):
         try:
             out = self.image_processor([images], return_tensors="pt")
         except ValueError as exc:
-            raise MediaError(
-                MediaProblem.CORRUPT_IMAGE,
-                sample=sample,
-                field="images",
-                expected="images the LLaVA-OneVision image processor accepts",
-                actual=str(exc),
+            raise refused_images(
+                "the LLaVA-OneVision image processor", str(exc), sample=sample
             ) from None
         values = out["pixel_values"].to(torch.float32)  # [images, most tiles, 3, s, s]
         tiles = [fam.tiles(im.height, im.width, images_in_sample=len(images)) for im in images]

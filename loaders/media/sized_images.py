@@ -20,6 +20,7 @@ from prealign.loaders.media.vlm import (
     IMAGE_PLACEHOLDER,
     MediaError,
     MediaProblem,
+    chat_turns,
     check_float_dtypes,
     decode_image,
     image_members,
@@ -100,16 +101,8 @@ class SizedImagesTransform(FamilyTransformSettings):
     ) -> list[dict] | None:
         """The sample's messages, each checked to be ``{'role': str, 'content': str}`` (a role among
         ``roles`` when given); ``None`` for a plain ``text`` sample."""
-        turns = meta.get("messages")
-        if not isinstance(turns, list):
-            if not isinstance(meta.get("text"), str):
-                raise MediaError(
-                    MediaProblem.BAD_TEXT,
-                    sample=sample,
-                    field="json",
-                    expected="'messages' (a list) or 'text'",
-                    actual=f"keys {sorted(meta)}",
-                )
+        turns = chat_turns(meta, sample)
+        if turns is None:
             return None
         for i, turn in enumerate(turns):
             if (

@@ -171,6 +171,19 @@ class MediaError(BadSampleError):
         return cls(problem, sample=sample, field=field, expected=exc.expected, actual=exc.actual)
 
 
+def refused_images(processor: str, actual: str, *, sample) -> MediaError:
+    """A ``corrupt_image`` naming ``sample``'s ``images``: ``processor`` (as the message names it,
+    e.g. ``"the InternVL image processor"``) refused them, saying ``actual`` (raise it ``from
+    None``)."""
+    return MediaError(
+        MediaProblem.CORRUPT_IMAGE,
+        sample=sample,
+        field="images",
+        expected=f"images {processor} accepts",
+        actual=actual,
+    )
+
+
 def check_float_dtypes(transform) -> None:
     """``transform.log_prob_dtype`` / ``pixel_dtype`` each ``'float32'`` or ``'bfloat16'``, else a
     :class:`ConfigError` naming the transform's class and the field."""
@@ -234,13 +247,7 @@ def process_images(images: list, processor, *, sample=None) -> tuple[torch.Tenso
     try:
         out = processor(images=images, return_tensors="pt")
     except ValueError as exc:  # e.g. an aspect ratio over 200
-        raise MediaError(
-            MediaProblem.CORRUPT_IMAGE,
-            sample=sample,
-            field="images",
-            expected="images the Qwen2-VL processor accepts",
-            actual=str(exc),
-        ) from None
+        raise refused_images("the Qwen2-VL processor", str(exc), sample=sample) from None
     return out["pixel_values"].to(torch.float32), out["image_grid_thw"].to(torch.int64)
 
 
@@ -315,13 +322,7 @@ def _resized_patches(img, geometry, *, sample) -> tuple[np.ndarray, list[int]]:
     try:
         _, gh, gw = image_grid(img.height, img.width, geometry, sample=sample)
     except SampleError as exc:
-        raise MediaError(
-            MediaProblem.CORRUPT_IMAGE,
-            sample=sample,
-            field="images",
-            expected="images the Qwen2-VL processor accepts",
-            actual=exc.actual,
-        ) from None
+        raise refused_images("the Qwen2-VL processor", exc.actual, sample=sample) from None
     p, m = geometry.patch_size, geometry.merge_size
     resized = np.asarray(
         img.resize((gw * p, gh * p), resample=Image.Resampling.BICUBIC)
@@ -445,18 +446,7 @@ def render_chat(
     template's does. ``frame``: a family's own chat frame in place of ``<|im_start|>`` turns (GLM's:
     :class:`~prealign.loaders.media.glm4v.GlmChatFrame`; :meth:`VLMSampleTransform.chat_frame`).
     """
-    if isinstance(meta.get("messages"), list):
-        turns = meta["messages"]
-    elif isinstance(meta.get("text"), str):
-        turns = None
-    else:
-        raise MediaError(
-            MediaProblem.BAD_TEXT,
-            sample=sample,
-            field="json",
-            expected="'messages' (a list) or 'text'",
-            actual=f"keys {sorted(meta)}",
-        )
+    turns = chat_turns(meta, sample)
     split = (_PLACEHOLDERS if videos is not None else _IMAGE_ONLY).split
     videos = [] if videos is None else videos
     segments: list[
@@ -517,6 +507,24 @@ def render_chat(
     if next(images, None) is not None or next(clips, None) is not None:
         raise _placeholder_mismatch(meta, tokens_per_image, videos, sample)
     return encode_segments(tokenizer, segments)
+
+
+def chat_turns(meta: dict, sample) -> list | None:
+    """The sample's messages (``meta['messages']``, a list; each turn checked by its reader), or
+    ``None`` for a plain ``meta['text']`` sample; neither is a ``bad_text`` naming ``sample`` and
+    the keys it has."""
+    turns = meta.get("messages")
+    if isinstance(turns, list):
+        return turns
+    if not isinstance(meta.get("text"), str):
+        raise MediaError(
+            MediaProblem.BAD_TEXT,
+            sample=sample,
+            field="json",
+            expected="'messages' (a list) or 'text'",
+            actual=f"keys {sorted(meta)}",
+        )
+    return None
 
 
 def check_turn(turn, i: int, sample, roles=None) -> None:
@@ -1147,13 +1155,7 @@ class VLMSampleTransform:
         try:
             pixels, tiles = internvl.image_tiles(images, self.image_processor)
         except ValueError as exc:
-            raise MediaError(
-                MediaProblem.CORRUPT_IMAGE,
-                sample=key,
-                field="images",
-                expected="images the InternVL image processor accepts",
-                actual=str(exc),
-            ) from None
+            raise refused_images("the InternVL image processor", str(exc), sample=key) from None
         clips = [
             internvl.frame_tiles(
                 [
