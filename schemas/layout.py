@@ -420,7 +420,8 @@ class ThdPadding:
         """``T`` of a THD batch whose aligned lengths sum to ``aligned_sum``: rounded up to
         :attr:`total_multiple`, at least :attr:`least_total`, then its length bucket (if any)."""
         m = self.total_multiple
-        return self.layout._bucket(max(-(-aligned_sum // m) * m, self.least_total))
+        total = max(-(-aligned_sum // m) * m, self.least_total)
+        return total if self.layout.length_buckets is None else self.layout._bucket(total)
 
 
 @functools.lru_cache(maxsize=64)

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from prealign.collate.vision import Gemma3, vision_family
+from prealign.collate.vision import Gemma3
 from prealign.loaders.media.chat_tokenizer import HFChatTokenizer, encode_segments
 from prealign.loaders.media.sized_images import FamilyTransformSettings, SizedImagesTransform
 from prealign.loaders.media.teacher_topk import with_teacher_topk
@@ -41,7 +41,7 @@ from prealign.loaders.media.vlm import (
     chat_turns,
     check_float_dtypes,
     check_turn,
-    decode_image,
+    decode_images,
     image_members,
     sample_metadata,
 )
@@ -82,11 +82,7 @@ class Gemma3SampleTransform(FamilyTransformSettings):
     family: Gemma3 = field(init=False, repr=False, compare=False, default=None)
 
     def __post_init__(self):
-        fam = vision_family(self.model_config)
-        if not isinstance(fam, Gemma3):
-            raise ConfigError(
-                f"Gemma3SampleTransform: expected a gemma3 config, got {fam.model_type!r}"
-            )
+        fam = self.checked_family(Gemma3, "gemma3")
         object.__setattr__(self, "family", fam)
         if not hasattr(self.tokenizer, "encode"):
             raise ConfigError(
@@ -204,10 +200,7 @@ class Gemma3SampleTransform(FamilyTransformSettings):
     def __call__(self, raw: dict) -> dict:
         key = raw.get("__key__", "?")
         meta = sample_metadata(raw, self.text_key, key)
-        images = [
-            decode_image(v, sample=key, name=n, limits=self.limits)
-            for n, v in image_members(raw, meta, key)
-        ]
+        images = decode_images(raw, meta, key, self.limits)
         ids, mask = encode_segments(self.tokenizer, self.segments(meta, len(images), sample=key))
         size = self.family.image_size
         if images:

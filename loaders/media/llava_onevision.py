@@ -56,7 +56,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from prealign.collate.vision import LlavaOneVision, vision_family
+from prealign.collate.vision import LlavaOneVision
 from prealign.loaders.media.chat_tokenizer import encode_segments
 from prealign.loaders.media.sized_images import FamilyTransformSettings
 from prealign.loaders.media.teacher_topk import with_teacher_topk
@@ -75,10 +75,11 @@ from prealign.loaders.media.vlm import (
     check_turn,
     check_video_pixels,
     decode_frame_list,
-    decode_image,
+    decode_images,
     decode_kept,
     file_plan,
     image_members,
+    placeholder_mismatch,
     refused_images,
     sample_metadata,
     video_members,
@@ -192,12 +193,7 @@ class LlavaOnevisionSampleTransform(FamilyTransformSettings):
     family: LlavaOneVision = field(init=False, repr=False, compare=False, default=None)
 
     def __post_init__(self):
-        fam = vision_family(self.model_config)
-        if not isinstance(fam, LlavaOneVision):
-            raise ConfigError(
-                f"LlavaOnevisionSampleTransform: expected a llava_onevision config, got "
-                f"{fam.model_type!r}"
-            )
+        fam = self.checked_family(LlavaOneVision, "llava_onevision")
         object.__setattr__(self, "family", fam)
         if not hasattr(self.tokenizer, "im_start_id"):  # a plain HF tokenizer
             object.__setattr__(self, "tokenizer", OnevisionChatTokenizer(self.tokenizer))
@@ -279,15 +275,9 @@ class LlavaOnevisionSampleTransform(FamilyTransformSettings):
                 ]  # then videos, then text
                 segments += [("\n" + p, reply) for p in parts if p not in seen]
                 segments.append(([tok.im_end_id], reply))
-        if (seen[IMAGE_PLACEHOLDER], seen[VIDEO_PLACEHOLDER]) != (len(sizes), len(frames)):
-            raise MediaError(
-                MediaProblem.PLACEHOLDER_MISMATCH,
-                sample=sample,
-                field="json",
-                expected=f"{len(sizes)} '{IMAGE_PLACEHOLDER}' placeholders (one per image) and "
-                f"{len(frames)} '{VIDEO_PLACEHOLDER}' (one per video)",
-                actual=f"{seen[IMAGE_PLACEHOLDER]} and {seen[VIDEO_PLACEHOLDER]}",
-            )
+        named = (seen[IMAGE_PLACEHOLDER], seen[VIDEO_PLACEHOLDER])
+        if named != (len(sizes), len(frames)):
+            raise placeholder_mismatch(len(sizes), len(frames), named, sample=sample)
         return segments
 
     def index_key(self) -> str:
@@ -437,10 +427,7 @@ class LlavaOnevisionSampleTransform(FamilyTransformSettings):
     def __call__(self, raw: dict) -> dict:
         key = raw.get("__key__", "?")
         meta = sample_metadata(raw, self.text_key, key)
-        images = [
-            decode_image(v, sample=key, name=n, limits=self.limits)
-            for n, v in image_members(raw, meta, key)
-        ]
+        images = decode_images(raw, meta, key, self.limits)
         clips = [
             self.file_pixels(video, key)
             if video.frames is None

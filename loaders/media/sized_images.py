@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from prealign.collate.vision import vision_family
 from prealign.loaders.media.chat_tokenizer import HFChatTokenizer, encode_segments
 from prealign.loaders.media.teacher_topk import with_teacher_topk
 from prealign.loaders.media.vlm import (
@@ -22,7 +23,7 @@ from prealign.loaders.media.vlm import (
     MediaProblem,
     chat_turns,
     check_float_dtypes,
-    decode_image,
+    decode_images,
     image_members,
     sample_metadata,
 )
@@ -53,6 +54,17 @@ class FamilyTransformSettings:
     pixel_dtype: str = "float32"
     text_key: str = "json"
     limits: DecodeLimits = DEFAULT_LIMITS
+
+    def checked_family(self, kind: type, names: str):
+        """``model_config``'s family (:func:`~prealign.collate.vision.vision_family`) when it is a
+        ``kind``, else a :class:`~prealign.schemas.errors.ConfigError` naming this transform,
+        ``names`` (the configs it takes) and the config's model type."""
+        fam = vision_family(self.model_config)
+        if not isinstance(fam, kind):
+            raise ConfigError(
+                f"{type(self).__name__}: expected a {names} config, got {fam.model_type!r}"
+            )
+        return fam
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -154,10 +166,7 @@ class SizedImagesTransform(FamilyTransformSettings):
         grids, and the chat's ``input_ids`` / ``loss_mask``."""
         key = raw.get("__key__", "?")
         meta = sample_metadata(raw, self.text_key, key)
-        images = [
-            decode_image(v, sample=key, name=n, limits=self.limits)
-            for n, v in image_members(raw, meta, key)
-        ]
+        images = decode_images(raw, meta, key, self.limits)
         grids = [
             self.image_grid(im.width, im.height, sample=key, field=f"images[{i}]")
             for i, im in enumerate(images)

@@ -552,20 +552,27 @@ def check_turn(turn, i: int, sample, roles=None) -> None:
         )
 
 
+def placeholder_mismatch(images: int, videos: int, seen: tuple[int, int], *, sample) -> MediaError:
+    """A ``placeholder_mismatch`` naming ``sample``: it has ``images`` images and ``videos`` videos,
+    but its text names ``seen`` ``(<image>, <video>)`` placeholders."""
+    return MediaError(
+        MediaProblem.PLACEHOLDER_MISMATCH,
+        sample=sample,
+        field="json",
+        expected=f"{images} '{IMAGE_PLACEHOLDER}' placeholders (one per image) and "
+        f"{videos} '{VIDEO_PLACEHOLDER}' (one per video)",
+        actual=f"{seen[0]} and {seen[1]}",
+    )
+
+
 def _placeholder_mismatch(
     meta: dict, tokens_per_image: list[int], videos: list, sample
 ) -> MediaError:
     text = meta.get("text") or " ".join(
         str(t.get("content", "")) for t in meta.get("messages", []) if isinstance(t, dict)
     )
-    return MediaError(
-        MediaProblem.PLACEHOLDER_MISMATCH,
-        sample=sample,
-        field="json",
-        expected=f"{len(tokens_per_image)} '{IMAGE_PLACEHOLDER}' placeholders (one per image) and "
-        f"{len(videos)} '{VIDEO_PLACEHOLDER}' (one per video)",
-        actual=f"{text.count(IMAGE_PLACEHOLDER)} and {text.count(VIDEO_PLACEHOLDER)}",
-    )
+    seen = (text.count(IMAGE_PLACEHOLDER), text.count(VIDEO_PLACEHOLDER))
+    return placeholder_mismatch(len(tokens_per_image), len(videos), seen, sample=sample)
 
 
 def vision_types_and_mrope(
@@ -1074,10 +1081,7 @@ class VLMSampleTransform:
             return self._compact_tiled(raw)
         key = raw.get("__key__", "?")
         meta = sample_metadata(raw, self.text_key, key)
-        images = [
-            decode_image(v, sample=key, name=n, limits=self.limits)
-            for n, v in image_members(raw, meta, key)
-        ]
+        images = decode_images(raw, meta, key, self.limits)
         vision = self.vision
         codes, grid = image_codes(images, self.image_processor, sample=key)
         pixel_values = None
@@ -1148,10 +1152,7 @@ class VLMSampleTransform:
         key, fam, tok = raw.get("__key__", "?"), self.family, self.tokenizer
         internvl.check_tokenizer(tok, fam)
         meta = sample_metadata(raw, self.text_key, key)
-        images = [
-            decode_image(v, sample=key, name=n, limits=self.limits)
-            for n, v in image_members(raw, meta, key)
-        ]
+        images = decode_images(raw, meta, key, self.limits)
         try:
             pixels, tiles = internvl.image_tiles(images, self.image_processor)
         except ValueError as exc:
@@ -1478,6 +1479,15 @@ def check_video_pixels(name: str, pixels: int, key, limits: DecodeLimits) -> Non
             expected=f"at most {limits.max_video_pixels} pixels over its frames "
             "(DecodeLimits.max_video_pixels)",
         )
+
+
+def decode_images(raw: dict, meta: dict, key, limits: DecodeLimits) -> list:
+    """The sample's images (:func:`image_members`, in placeholder order) decoded: RGB PIL, each
+    checked against ``limits`` (:func:`decode_image`)."""
+    return [
+        decode_image(v, sample=key, name=n, limits=limits)
+        for n, v in image_members(raw, meta, key)
+    ]
 
 
 def decode_frame_list(video: VideoEntry, key, limits: DecodeLimits) -> list:
