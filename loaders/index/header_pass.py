@@ -322,6 +322,14 @@ class ImageSizesRule(OwnTransformRule):
         return ids, bool(images)
 
 
+def _as_bad_sample(exc: SampleError, where: str) -> BadSampleError:
+    """``exc`` as the :class:`BadSampleError` a record of sample ``where`` keeps: itself when it is
+    one, else its field, expected and actual naming ``where``."""
+    if isinstance(exc, BadSampleError):
+        return exc
+    return BadSampleError(sample=where, field=exc.field, expected=exc.expected, actual=exc.actual)
+
+
 def _verified_size(data: bytes, name: str, key) -> tuple[int, int]:
     """``(width, height)`` of an image whose pixel data decodes to the end (one open: the header,
     then the whole entropy-coded stream; a JPEG's inverse DCT at 1/8 scale, which finds the same
@@ -410,14 +418,7 @@ def transform_pass(source, shard: int) -> dict:
             sample = source.apply_transform(item, loc)
             n = transformed_length(sample, where)
         except SampleError as exc:
-            err = (
-                exc
-                if isinstance(exc, BadSampleError)
-                else BadSampleError(
-                    sample=where, field=exc.field, expected=exc.expected, actual=exc.actual
-                )
-            )
-            events.append(BadRecord.of_error(err, where))
+            events.append(BadRecord.of_error(_as_bad_sample(exc, where), where))
             continue
         except PrealignError as exc:  # e.g. a corrupt shard
             events.append(BadRecord.of_error(exc, where))
@@ -591,14 +592,7 @@ class ShardPass:
                 {**_bounded_members(exts), **({} if rendered is None else {"input_ids": rendered})}
             )
         except SampleError as exc:
-            err = (
-                exc
-                if isinstance(exc, BadSampleError)
-                else BadSampleError(
-                    sample=where, field=exc.field, expected=exc.expected, actual=exc.actual
-                )
-            )
-            events.append(BadRecord.of_error(err, where))
+            events.append(BadRecord.of_error(_as_bad_sample(exc, where), where))
             return
         except (ValueError, UnicodeDecodeError) as exc:  # e.g. JSON that is not text
             err = BadSampleError(

@@ -31,9 +31,8 @@ import numpy as np
 import torch
 
 from prealign.collate.vision import Gemma3
-from prealign.loaders.media.chat_tokenizer import HFChatTokenizer, encode_segments
-from prealign.loaders.media.sized_images import FamilyTransformSettings, SizedImagesTransform
-from prealign.loaders.media.teacher_topk import with_teacher_topk
+from prealign.loaders.media.chat_tokenizer import encode_segments
+from prealign.loaders.media.sized_images import FamilyTransform, SizedImagesTransform
 from prealign.loaders.media.vlm import (
     IMAGE_PLACEHOLDER,
     MediaError,
@@ -71,25 +70,19 @@ def gemma3_image_processor(image_size: int):
 
 
 @dataclass(frozen=True, kw_only=True)
-class Gemma3SampleTransform(FamilyTransformSettings):
+class Gemma3SampleTransform(FamilyTransform):
     """Raw multimodal sample -> Gemma 3 fields (module docstring). ``model_config``: the
     ``Gemma3Config`` (or its dict); ``tokenizer``: the model's HF tokenizer (wrapped with
     :data:`GEMMA3_TOKENS`) or a :class:`~prealign.loaders.media.chat_tokenizer.ChatTokenizer` with
     those ids; ``processor``: the model's processor or image processor (default
     :func:`gemma3_image_processor`). The other settings are
-    :class:`~prealign.loaders.media.sized_images.FamilyTransformSettings`'. Picklable."""
+    :class:`~prealign.loaders.media.sized_images.FamilyTransform`'. Picklable."""
 
     family: Gemma3 = field(init=False, repr=False, compare=False, default=None)
 
     def __post_init__(self):
         fam = self.checked_family(Gemma3, "gemma3")
-        object.__setattr__(self, "family", fam)
-        if not hasattr(self.tokenizer, "encode"):
-            raise ConfigError(
-                "Gemma3SampleTransform: tokenizer must be a ChatTokenizer or an HF tokenizer"
-            )
-        if not hasattr(self.tokenizer, "im_start_id"):  # a plain HF tokenizer
-            object.__setattr__(self, "tokenizer", HFChatTokenizer(self.tokenizer, **GEMMA3_TOKENS))
+        self.set_family(fam, GEMMA3_TOKENS)
         tok = self.tokenizer
         ours = (fam.image_token_id, fam.vision_start_token_id, fam.vision_end_token_id)
         theirs = (tok.image_token_id, tok.vision_start_token_id, tok.vision_end_token_id)
@@ -209,12 +202,4 @@ class Gemma3SampleTransform(FamilyTransformSettings):
             )
         else:
             pixels = torch.zeros(0, 3, size, size)
-        input_ids = torch.from_numpy(ids)
-        out = {
-            "__key__": key,
-            "input_ids": input_ids,
-            "loss_mask": torch.from_numpy(mask),
-            "mm_token_type_ids": (input_ids == self.family.image_token_id).to(torch.int64),
-            "pixel_values": pixels.to(getattr(torch, self.pixel_dtype)),
-        }
-        return with_teacher_topk(out, raw, self)
+        return self.output(raw, key, ids, mask, {"pixel_values": pixels})

@@ -58,7 +58,7 @@ import torch
 
 from prealign.collate.vision import LlavaOneVision
 from prealign.loaders.media.chat_tokenizer import encode_segments
-from prealign.loaders.media.sized_images import FamilyTransformSettings
+from prealign.loaders.media.sized_images import FamilyTransform
 from prealign.loaders.media.teacher_topk import with_teacher_topk
 from prealign.loaders.media.video import fused_normalize_table
 from prealign.loaders.media.video_file import resize_frames
@@ -168,13 +168,13 @@ def onevision_image_processor(family: LlavaOneVision):
 
 
 @dataclass(frozen=True, kw_only=True)
-class LlavaOnevisionSampleTransform(FamilyTransformSettings):
+class LlavaOnevisionSampleTransform(FamilyTransform):
     """Raw multimodal sample -> LLaVA-OneVision fields (module docstring). ``model_config``: the
     ``LlavaOnevisionConfig`` (or its dict); ``tokenizer``: the model's HF tokenizer (wrapped by
     :class:`OnevisionChatTokenizer`) or an object with ``encode``, ``im_start_id``, ``im_end_id``,
     ``image_token_id``, ``vocab_size``; ``processor``: the model's processor or image processor
     (default :func:`onevision_image_processor`), whose tile size and pinpoints must be the config's.
-    The other settings are :class:`~prealign.loaders.media.sized_images.FamilyTransformSettings`'
+    The other settings are :class:`~prealign.loaders.media.sized_images.FamilyTransform`'
     (``limits`` here also caps videos). Picklable."""
 
     limits: DecodeLimits = DEFAULT_LIMITS

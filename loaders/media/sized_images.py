@@ -1,9 +1,9 @@
-"""What the transforms of families whose sample length follows from its text and each image's size
-share (:class:`SizedImagesTransform`: Mistral3 / Pixtral, SmolVLM / Idefics3, Gemma 4): the
-settings (:class:`FamilyTransformSettings`, which the Gemma 3 and LLaVA-OneVision transforms take
-too), the tokenizer wrapping and checks, the conversation's turns, header-only ids and the teacher
-top-k of the output. A family's transform adds its chat rendering (``segments``), its image grid
-(``image_grid``) and its pixels (``__call__``)."""
+"""What the family transforms share. :class:`FamilyTransform`, under every family's own transform
+(Gemma 3, LLaVA-OneVision and the ones below): the settings, the family's check, the tokenizer's
+wrapping and the sample dict. :class:`SizedImagesTransform`, under the families whose sample length
+follows from its text and each image's size (Mistral3 / Pixtral, SmolVLM / Idefics3, Gemma 4): the
+image token's check, the conversation's turns, header-only ids. A family's transform adds its chat
+rendering (``segments``), its image grid (``image_grid``) and its pixels (``__call__``)."""
 
 from __future__ import annotations
 
@@ -35,14 +35,14 @@ SPLIT_IMAGES = re.compile("(" + re.escape(IMAGE_PLACEHOLDER) + ")")
 
 
 @dataclass(frozen=True, kw_only=True)
-class FamilyTransformSettings:
-    """The settings every family's own sample transform takes (Gemma 3, LLaVA-OneVision and each
-    :class:`SizedImagesTransform`): ``model_config`` (the model's transformers config, its dict or
-    its family), ``tokenizer`` (the model's HF tokenizer, wrapped with the family's token names,
-    or a :class:`~prealign.loaders.media.chat_tokenizer.ChatTokenizer`), ``processor`` (the
-    model's processor or image processor; unset: the family's default), teacher ``topk``, output
-    dtypes, the JSON member and decode limits. A family's transform adds its own settings after
-    these."""
+class FamilyTransform:
+    """What every family's own sample transform shares (Gemma 3, LLaVA-OneVision and each
+    :class:`SizedImagesTransform`): the settings, ``model_config`` (the model's transformers
+    config, its dict or its family), ``tokenizer`` (the model's HF tokenizer, wrapped with the
+    family's token names, or a :class:`~prealign.loaders.media.chat_tokenizer.ChatTokenizer`),
+    ``processor`` (the model's processor or image processor; unset: the family's default), teacher
+    ``topk``, output dtypes, the JSON member and decode limits (a family's transform adds its own
+    settings after these); the family's check, the tokenizer's wrapping and the sample dict."""
 
     model_config: Any
     tokenizer: Any
@@ -66,25 +66,49 @@ class FamilyTransformSettings:
             )
         return fam
 
-
-@dataclass(frozen=True, kw_only=True)
-class SizedImagesTransform(FamilyTransformSettings):
-    """What the transforms of families whose sample length follows from the text and each image's
-    size share (the module docstring); the settings are :class:`FamilyTransformSettings`'."""
-
-    def _setup(self, family, token_names: dict, image_token: str) -> None:
-        """Keep ``family``, wrap a plain HF tokenizer with ``token_names`` and check its image token
-        and the dtypes."""
-        name = type(self).__name__
+    def set_family(self, family, token_names: dict) -> None:
+        """Keep ``family``; the tokenizer must have ``encode`` (else a
+        :class:`~prealign.schemas.errors.ConfigError` naming this transform), a plain HF one is
+        wrapped with ``token_names``
+        (:class:`~prealign.loaders.media.chat_tokenizer.HFChatTokenizer`)."""
         object.__setattr__(self, "family", family)
         if not hasattr(self.tokenizer, "encode"):
-            raise ConfigError(f"{name}: tokenizer must be a ChatTokenizer or an HF tokenizer")
+            raise ConfigError(
+                f"{type(self).__name__}: tokenizer must be a ChatTokenizer or an HF tokenizer"
+            )
         if not hasattr(self.tokenizer, "im_start_id"):  # a plain HF tokenizer
             object.__setattr__(self, "tokenizer", HFChatTokenizer(self.tokenizer, **token_names))
+
+    def output(self, raw: dict, key, ids: np.ndarray, mask: np.ndarray, media: dict) -> dict:
+        """The sample dict: ids, loss mask, ``mm_token_type_ids`` (1 on the image token), ``media``
+        (pixels cast to ``pixel_dtype``) and teacher top-k when ``topk`` is set."""
+        input_ids = torch.from_numpy(ids)
+        out = {
+            "__key__": key,
+            "input_ids": input_ids,
+            "loss_mask": torch.from_numpy(mask),
+            "mm_token_type_ids": (input_ids == self.family.image_token_id).to(torch.int64),
+            **{
+                k: v.to(getattr(torch, self.pixel_dtype)) if k == "pixel_values" else v
+                for k, v in media.items()
+            },
+        }
+        return with_teacher_topk(out, raw, self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SizedImagesTransform(FamilyTransform):
+    """What the transforms of families whose sample length follows from the text and each image's
+    size share (the module docstring), over :class:`FamilyTransform`."""
+
+    def _setup(self, family, token_names: dict, image_token: str) -> None:
+        """Keep ``family``, wrap a plain HF tokenizer with ``token_names``
+        (:meth:`~FamilyTransform.set_family`) and check its image token and the dtypes."""
+        self.set_family(family, token_names)
         if self.tokenizer.image_token_id != family.image_token_id:
             raise ConfigError(
-                f"{name}: the config's image_token_id {family.image_token_id} is not the "
-                f"tokenizer's {image_token} {self.tokenizer.image_token_id}"
+                f"{type(self).__name__}: the config's image_token_id {family.image_token_id} is "
+                f"not the tokenizer's {image_token} {self.tokenizer.image_token_id}"
             )
         check_float_dtypes(self)
 
@@ -190,19 +214,3 @@ class SizedImagesTransform(FamilyTransformSettings):
             "topk": self.topk,
             "text_key": self.text_key,
         }
-
-    def output(self, raw: dict, key, ids: np.ndarray, mask: np.ndarray, media: dict) -> dict:
-        """The sample dict: ids, loss mask, ``mm_token_type_ids`` (1 on the image token), ``media``
-        (pixels cast to ``pixel_dtype``) and teacher top-k when ``topk`` is set."""
-        input_ids = torch.from_numpy(ids)
-        out = {
-            "__key__": key,
-            "input_ids": input_ids,
-            "loss_mask": torch.from_numpy(mask),
-            "mm_token_type_ids": (input_ids == self.family.image_token_id).to(torch.int64),
-            **{
-                k: v.to(getattr(torch, self.pixel_dtype)) if k == "pixel_values" else v
-                for k, v in media.items()
-            },
-        }
-        return with_teacher_topk(out, raw, self)
