@@ -17,7 +17,6 @@ zigzag; range intersections under the contiguous CP layout). Worked example, tp=
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Callable, TypeVar
 
@@ -25,7 +24,12 @@ import numpy as np
 import torch
 
 from prealign.schemas.errors import ArgumentError, BucketOverflowError, OffsetOverflowError
-from prealign.schemas.layout import MAX_PACKED_LENGTH, CPLayout, ParallelLayout, round_up
+from prealign.schemas.layout import (
+    MAX_PACKED_LENGTH,
+    CPLayout,
+    ParallelLayout,
+    thd_padding,
+)
 
 INT32_MAX = MAX_PACKED_LENGTH
 T = TypeVar("T")
@@ -62,36 +66,22 @@ def lengths_to_cu_seqlens(lengths, dtype: torch.dtype = torch.int32) -> torch.Te
     return torch.from_numpy(cu) if dtype == torch.int64 else torch.from_numpy(cu).to(dtype)
 
 
-@functools.lru_cache(maxsize=64)
-def _multiples(layout: ParallelLayout) -> tuple[int, int, int] | None:
-    """``(seq_multiple, total_multiple, least total)`` of a layout without length buckets, whose
-    ``total_length(s)`` is then ``max(round_up(s, total_multiple), least total)``; None with
-    buckets (``total_length`` itself is called then)."""
-    if layout.length_buckets is not None:
-        return None
-    tm = layout.total_multiple
-    return layout.seq_multiple, tm, round_up(layout.cp * layout.min_local_rows, tm)
-
-
 def padded_lengths(layout: ParallelLayout, lengths: np.ndarray) -> np.ndarray:
     """int64 ``[N]``: :meth:`ParallelLayout.padded_lengths` of int64 ``lengths`` (all >= 1) in a
     few in-place numpy ops: every length rounded up to ``layout.seq_multiple``, then the last one
-    grown to ``layout.total_length`` of their sum (the layout's multiples read once per layout).
+    grown to ``layout.total_length`` of their sum (the layout's :func:`thd_padding`, read once per
+    layout).
 
     >>> padded_lengths(ParallelLayout(tp=2, cp=2), np.array([5, 3])).tolist()
     [8, 4]
     """
-    multiples = _multiples(layout)
-    m = layout.seq_multiple if multiples is None else multiples[0]
+    pad = thd_padding(layout)
+    m = pad.seq_multiple
     padded = lengths + (m - 1)
     padded //= m
     padded *= m
     aligned = int(np.add.reduce(padded))
-    if multiples is None:
-        total = layout.total_length(aligned)
-    else:
-        total = max(-(-aligned // multiples[1]) * multiples[1], multiples[2])
-    padded[-1] += total - aligned
+    padded[-1] += pad.total(aligned) - aligned
     return padded
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -292,12 +293,8 @@ class ParallelLayout:
 
     def total_length(self, aligned_sum: int) -> int:
         """Global padded length ``T`` of a THD batch whose aligned lengths sum to
-        ``aligned_sum``."""
-        total = max(
-            round_up(aligned_sum, self.total_multiple),
-            round_up(self.cp * self.min_local_rows, self.total_multiple),
-        )
-        return self._bucket(total)
+        ``aligned_sum`` (:meth:`ThdPadding.total`)."""
+        return thd_padding(self).total(aligned_sum)
 
     def padded_lengths(self, lengths) -> torch.Tensor:
         """``[N]`` true lengths (tensor, array or list) -> int64 tensor ``[N]`` of padded lengths
@@ -404,3 +401,38 @@ class ParallelLayout:
         """
         sizes = megatron_parallel_sizes(pg_collection)
         return cls(**{"tp": sizes["tp"], "cp": sizes["cp"], **overrides})
+
+
+@dataclass(frozen=True)
+class ThdPadding:
+    """A layout's THD padding rule, its multiples computed once (:func:`thd_padding`): every
+    ``P_i`` is a multiple of :attr:`seq_multiple`, then ``T`` is :meth:`total` of their sum."""
+
+    layout: ParallelLayout
+    seq_multiple: int
+    """:attr:`ParallelLayout.seq_multiple`."""
+    total_multiple: int
+    """:attr:`ParallelLayout.total_multiple`."""
+    least_total: int
+    """The smallest ``T``: ``cp * min_local_rows`` rounded up to :attr:`total_multiple`."""
+
+    def total(self, aligned_sum: int) -> int:
+        """``T`` of a THD batch whose aligned lengths sum to ``aligned_sum``: rounded up to
+        :attr:`total_multiple`, at least :attr:`least_total`, then its length bucket (if any)."""
+        m = self.total_multiple
+        total = max(-(-aligned_sum // m) * m, self.least_total)
+        return total if self.layout.length_buckets is None else self.layout._bucket(total)
+
+
+@functools.lru_cache(maxsize=64)
+def thd_padding(layout: ParallelLayout) -> ThdPadding:
+    """``layout``'s :class:`ThdPadding`, cached per layout (what collating a batch reads, with no
+    ``lcm`` per batch).
+
+    >>> pad = thd_padding(ParallelLayout(tp=2, cp=2, min_local_rows=8))
+    >>> pad.seq_multiple, pad.total_multiple, pad.least_total, pad.total(9)
+    (4, 4, 16, 16)
+    """
+    m = layout.total_multiple
+    least = round_up(layout.cp * layout.min_local_rows, m)
+    return ThdPadding(layout, layout.seq_multiple, m, least)

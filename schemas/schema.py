@@ -304,6 +304,18 @@ def core_token_fields(
     )
 
 
+def token_type_field(max_type: int) -> FieldSpec:
+    """``mm_token_type_ids`` int64 or int32 ``[L]`` of a VLM batch: 0 on text (and pads) up to
+    ``max_type`` (1 image, 2 video: :mod:`prealign.schemas.vlm`'s ``*_TOKEN_TYPE``)."""
+    return FieldSpec(
+        name="mm_token_type_ids",
+        dtypes=("int64", "int32"),
+        pad_value=0,
+        min_value=0,
+        max_value=max_type,
+    )
+
+
 def topk_fields(topk: int | str = "K", vocab_size: int | None = None) -> tuple[FieldSpec, ...]:
     """Teacher top-k fields ``[L, K]``: log-probs (float32 or bf16, finite, <= 0, pad 0.0) and
     ids (int64 in ``[0, vocab_size)``, pad 0). They are aligned with the tokens (the teacher's

@@ -32,7 +32,15 @@ import torch
 
 from .errors import BatchValidationError, SchemaError
 from .layout import ParallelLayout
-from .schema import IGNORE_INDEX, BatchSchema, FieldSpec, Role, core_token_fields, topk_fields
+from .schema import (
+    IGNORE_INDEX,
+    BatchSchema,
+    FieldSpec,
+    Role,
+    core_token_fields,
+    token_type_field,
+    topk_fields,
+)
 from .validate import Violation, validate_batch
 
 TEXT_TOKEN_TYPE = 0
@@ -84,13 +92,7 @@ def vlm_fields(
     """The VLM-specific fields (see the module docstring): four always, the three video ones
     optional."""
     return (
-        FieldSpec(
-            name="mm_token_type_ids",
-            dtypes=("int64", "int32"),
-            pad_value=TEXT_TOKEN_TYPE,
-            min_value=TEXT_TOKEN_TYPE,
-            max_value=VIDEO_TOKEN_TYPE,
-        ),
+        token_type_field(VIDEO_TOKEN_TYPE),
         FieldSpec(
             name="mrope_position_ids",
             dtypes=("int64",),
@@ -246,13 +248,7 @@ def image_tokens_schema(
     """
     fields = (
         *core_token_fields(pad_token_id, ignore_index, vocab_size),
-        FieldSpec(
-            name="mm_token_type_ids",
-            dtypes=("int64", "int32"),
-            pad_value=TEXT_TOKEN_TYPE,
-            min_value=TEXT_TOKEN_TYPE,
-            max_value=IMAGE_TOKEN_TYPE,
-        ),
+        token_type_field(IMAGE_TOKEN_TYPE),
         FieldSpec(
             name="pixel_values",
             role=Role.MEDIA,

@@ -87,17 +87,16 @@ class OneDimFamily(VisionFamily):
         ``position_ids``, no ``mrope_position_ids``), ``mm_token_type_ids`` int ``[L]`` (0 text, 1
         image, 2 video up to :attr:`max_token_type`), :meth:`media_fields`, teacher top-k ``[L,
         topk]`` when ``topk`` is given."""
-        from prealign.schemas.schema import BatchSchema, FieldSpec, core_token_fields, topk_fields
+        from prealign.schemas.schema import (
+            BatchSchema,
+            core_token_fields,
+            token_type_field,
+            topk_fields,
+        )
 
         fields = (
             *core_token_fields(pad_token_id, -100, vocab_size),
-            FieldSpec(
-                name="mm_token_type_ids",
-                dtypes=("int64", "int32"),
-                pad_value=0,
-                min_value=0,
-                max_value=self.max_token_type,
-            ),
+            token_type_field(self.max_token_type),
             *self.media_fields(pixel_dtypes),
         )
         if topk is not None:

@@ -58,13 +58,7 @@ def add_parser(sub) -> None:
         action="store_true",
         help="pre-tokenized .npy members (causal-LM schema) instead of the VLM transform",
     )
-    p.add_argument(
-        "--topk",
-        type=int,
-        default=0,
-        help="expect teacher top-k with this K (0: none) [%(default)s]",
-    )
-    p.add_argument("--vocab-size", type=int, default=None, help="bound teacher ids (text mode)")
+    add_teacher_args(p)
     add_transform_args(p)
     p.add_argument(
         "--full",
@@ -94,6 +88,18 @@ def add_parser(sub) -> None:
         "(a corrupt image body is found when loaded)",
     )
     p.set_defaults(func=cmd_index)
+
+
+def add_teacher_args(p) -> None:
+    """``--topk K`` / ``--vocab-size V``: the teacher top-k members to expect, and the bound of
+    their ids (text mode)."""
+    p.add_argument(
+        "--topk",
+        type=int,
+        default=0,
+        help="expect teacher top-k with this K (0: none) [%(default)s]",
+    )
+    p.add_argument("--vocab-size", type=int, default=None, help="bound teacher ids (text mode)")
 
 
 def add_transform_args(p) -> None:
@@ -138,6 +144,21 @@ PROCESSOR_KEYS = (
 """Image processor settings ``--processor DIR`` takes from its ``preprocessor_config.json``."""
 
 
+def load_local(auto, option: str, folder: str, what: str):
+    """``auto.from_pretrained(folder)`` from local files only (a transformers ``Auto*`` class:
+    nothing downloaded), or a :class:`~prealign.schemas.errors.ConfigError` naming ``option
+    folder``, ``what`` went wrong and the cause's first line."""
+    from prealign.schemas.errors import ConfigError
+
+    try:
+        return auto.from_pretrained(folder, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(
+            f"{option} {folder}: {what} "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+        ) from None
+
+
 def vlm_transform(args, topk):
     """The VLM transform ``args`` name, and a description of its tokenizer for the report: the
     family's own transform where it has one (Gemma 3, LLaVA-OneVision: ``VisionFamily.transform``),
@@ -152,13 +173,12 @@ def vlm_transform(args, topk):
     if getattr(args, "tokenizer", None):
         from transformers import AutoTokenizer
 
-        try:
-            hf = AutoTokenizer.from_pretrained(args.tokenizer, local_files_only=True)
-        except (OSError, ValueError) as exc:
-            raise ConfigError(
-                f"--tokenizer {args.tokenizer}: not a local Hugging Face tokenizer folder "
-                f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
-            ) from None
+        hf = load_local(
+            AutoTokenizer,
+            "--tokenizer",
+            args.tokenizer,
+            "not a local Hugging Face tokenizer folder",
+        )
     options = {}
     if getattr(args, "processor", None):
         path = os.path.join(args.processor, "preprocessor_config.json")
@@ -177,13 +197,9 @@ def vlm_transform(args, topk):
 
         from prealign.collate.vision import vision_family
 
-        try:
-            model_config = AutoConfig.from_pretrained(args.model_config, local_files_only=True)
-        except (OSError, ValueError) as exc:
-            raise ConfigError(
-                f"--model-config {args.model_config}: no readable config.json of a model "
-                f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
-            ) from None
+        model_config = load_local(
+            AutoConfig, "--model-config", args.model_config, "no readable config.json of a model"
+        )
         family = vision_family(model_config)
         video_path = os.path.join(args.processor or "", "video_preprocessor_config.json")
         if args.processor and os.path.isfile(video_path):

@@ -179,13 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="text-only causal-LM data (webdataset .npy members / "
         "HF columns as given) instead of the VLM transform",
     )
-    insp.add_argument(
-        "--topk",
-        type=int,
-        default=0,
-        help="expect teacher top-k with this K (0: none) [%(default)s]",
-    )
-    insp.add_argument("--vocab-size", type=int, default=None, help="bound teacher ids (text mode)")
+    from prealign.loaders.cli.index_cmd import add_teacher_args, add_transform_args
+
+    add_teacher_args(insp)
     insp.add_argument("--limit", type=int, default=None, help="stop after this many micro-batches")
     insp.add_argument(
         "--oversize",
@@ -194,8 +190,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="a sample longer than a micro-batch holds: stop, cut it, or leave it out "
         "[%(default)s]",
     )
-    from prealign.loaders.cli.index_cmd import add_transform_args
-
     add_transform_args(insp)
     _add_common(insp, budget=8192)
     insp.set_defaults(func=cmd_inspect, out="prealign_inspect.png")

@@ -250,22 +250,25 @@ class VLMRule:
                 else image_header_size(data, field=name, sample=key)
             )
         except HeaderError as exc:
-            raise MediaError(
-                MediaProblem.CORRUPT_IMAGE,
-                sample=key,
-                field=name,
-                expected=exc.expected,
-                actual=exc.actual,
+            raise MediaError.from_check(
+                MediaProblem.CORRUPT_IMAGE, exc, sample=key, field=name
             ) from None
 
 
-class ImageTokensRule(VLMRule):
-    """:class:`~prealign.loaders.media.gemma3.Gemma3SampleTransform` samples: a fixed block per
-    image, so the length is the chat's with the images counted (each image's header read, and its
-    pixels with ``verify_images``, so a corrupt one is found as in the full pass)."""
+class OwnTransformRule(VLMRule):
+    """A family's own transform (Gemma 3, LLaVA-OneVision, the
+    :class:`~prealign.loaders.media.sized_images.SizedImagesTransform` families): read and checked
+    as :class:`VLMRule` reads a sample, its ids from the subclass's ``_render``; no Qwen merge size
+    to check at the start."""
 
     def __init__(self, transform, schema: BatchSchema, *, verify_images: bool = True):
         self.t, self.verify_images = transform, verify_images
+
+
+class ImageTokensRule(OwnTransformRule):
+    """:class:`~prealign.loaders.media.gemma3.Gemma3SampleTransform` samples: a fixed block per
+    image, so the length is the chat's with the images counted (each image's header read, and its
+    pixels with ``verify_images``, so a corrupt one is found as in the full pass)."""
 
     def _render(
         self, raw: dict, meta: dict, key, *, pretokenized: bool
@@ -286,14 +289,11 @@ class ImageTokensRule(VLMRule):
         return ids, bool(images)
 
 
-class AnyResRule(VLMRule):
+class AnyResRule(OwnTransformRule):
     """:class:`~prealign.loaders.media.llava_onevision.LlavaOnevisionSampleTransform` samples: each
     image's header size and the number of images give its AnyRes token count, each video's frame
     count its tokens, then the chat (image pixels verified with ``verify_images``, as in the full
     pass)."""
-
-    def __init__(self, transform, schema: BatchSchema, *, verify_images: bool = True):
-        self.t, self.verify_images = transform, verify_images
 
     def _render(
         self, raw: dict, meta: dict, key, *, pretokenized: bool
@@ -304,15 +304,12 @@ class AnyResRule(VLMRule):
         return self.t.header_ids(raw, sizes)[0], bool(sizes or self.t.video_frames(raw, meta, key))
 
 
-class ImageSizesRule(VLMRule):
+class ImageSizesRule(OwnTransformRule):
     """Transforms whose lengths follow from the text and each image's size
     (:class:`~prealign.loaders.media. mistral3.Mistral3SampleTransform`,
     :class:`~prealign.loaders.media.idefics3.Idefics3SampleTransform`,
     :class:`~prealign.loaders.media.gemma4.Gemma4SampleTransform`): ``header_ids(raw, size_of)``
     with each image's header size (and its pixels decoded with ``verify_images``)."""
-
-    def __init__(self, transform, schema: BatchSchema, *, verify_images: bool = True):
-        self.t, self.verify_images = transform, verify_images
 
     def _render(
         self, raw: dict, meta: dict, key, *, pretokenized: bool
@@ -323,6 +320,14 @@ class ImageSizesRule(VLMRule):
         sizes = {name: self._size(name, data, key) for name, data in images}
         ids = None if pretokenized else self.t.header_ids(raw, lambda name, _: sizes[name])[0]
         return ids, bool(images)
+
+
+def _as_bad_sample(exc: SampleError, where: str) -> BadSampleError:
+    """``exc`` as the :class:`BadSampleError` a record of sample ``where`` keeps: itself when it is
+    one, else its field, expected and actual naming ``where``."""
+    if isinstance(exc, BadSampleError):
+        return exc
+    return BadSampleError(sample=where, field=exc.field, expected=exc.expected, actual=exc.actual)
 
 
 def _verified_size(data: bytes, name: str, key) -> tuple[int, int]:
@@ -413,14 +418,7 @@ def transform_pass(source, shard: int) -> dict:
             sample = source.apply_transform(item, loc)
             n = transformed_length(sample, where)
         except SampleError as exc:
-            err = (
-                exc
-                if isinstance(exc, BadSampleError)
-                else BadSampleError(
-                    sample=where, field=exc.field, expected=exc.expected, actual=exc.actual
-                )
-            )
-            events.append(BadRecord.of_error(err, where))
+            events.append(BadRecord.of_error(_as_bad_sample(exc, where), where))
             continue
         except PrealignError as exc:  # e.g. a corrupt shard
             events.append(BadRecord.of_error(exc, where))
@@ -594,14 +592,7 @@ class ShardPass:
                 {**_bounded_members(exts), **({} if rendered is None else {"input_ids": rendered})}
             )
         except SampleError as exc:
-            err = (
-                exc
-                if isinstance(exc, BadSampleError)
-                else BadSampleError(
-                    sample=where, field=exc.field, expected=exc.expected, actual=exc.actual
-                )
-            )
-            events.append(BadRecord.of_error(err, where))
+            events.append(BadRecord.of_error(_as_bad_sample(exc, where), where))
             return
         except (ValueError, UnicodeDecodeError) as exc:  # e.g. JSON that is not text
             err = BadSampleError(

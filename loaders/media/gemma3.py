@@ -26,26 +26,24 @@ import functools
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import torch
 
-from prealign.collate.vision import Gemma3, vision_family
-from prealign.loaders.media.chat_tokenizer import HFChatTokenizer, encode_segments
-from prealign.loaders.media.sized_images import SizedImagesTransform
-from prealign.loaders.media.teacher_topk import with_teacher_topk
+from prealign.collate.vision import Gemma3
+from prealign.loaders.media.chat_tokenizer import encode_segments
+from prealign.loaders.media.sized_images import FamilyTransform, SizedImagesTransform
 from prealign.loaders.media.vlm import (
     IMAGE_PLACEHOLDER,
     MediaError,
     MediaProblem,
+    chat_turns,
     check_float_dtypes,
     check_turn,
-    decode_image,
+    decode_images,
     image_members,
     sample_metadata,
 )
-from prealign.loaders.sources.tar_decode import DEFAULT_LIMITS, DecodeLimits
 from prealign.schemas.errors import ConfigError
 
 GEMMA3_TOKENS = {
@@ -72,38 +70,19 @@ def gemma3_image_processor(image_size: int):
 
 
 @dataclass(frozen=True, kw_only=True)
-class Gemma3SampleTransform:
+class Gemma3SampleTransform(FamilyTransform):
     """Raw multimodal sample -> Gemma 3 fields (module docstring). ``model_config``: the
     ``Gemma3Config`` (or its dict); ``tokenizer``: the model's HF tokenizer (wrapped with
     :data:`GEMMA3_TOKENS`) or a :class:`~prealign.loaders.media.chat_tokenizer.ChatTokenizer` with
     those ids; ``processor``: the model's processor or image processor (default
-    :func:`gemma3_image_processor`). Picklable."""
+    :func:`gemma3_image_processor`). The other settings are
+    :class:`~prealign.loaders.media.sized_images.FamilyTransform`'. Picklable."""
 
-    model_config: Any
-    tokenizer: Any
-    processor: Any = None
-    topk: int | None = None
-    """Expect teacher top-k members with this K (as
-    :class:`~prealign.loaders.media.vlm.VLMSampleTransform`)."""
-    log_prob_dtype: str = "float32"
-    pixel_dtype: str = "float32"
-    text_key: str = "json"
-    limits: DecodeLimits = DEFAULT_LIMITS
     family: Gemma3 = field(init=False, repr=False, compare=False, default=None)
 
     def __post_init__(self):
-        fam = vision_family(self.model_config)
-        if not isinstance(fam, Gemma3):
-            raise ConfigError(
-                f"Gemma3SampleTransform: expected a gemma3 config, got {fam.model_type!r}"
-            )
-        object.__setattr__(self, "family", fam)
-        if not hasattr(self.tokenizer, "encode"):
-            raise ConfigError(
-                "Gemma3SampleTransform: tokenizer must be a ChatTokenizer or an HF tokenizer"
-            )
-        if not hasattr(self.tokenizer, "im_start_id"):  # a plain HF tokenizer
-            object.__setattr__(self, "tokenizer", HFChatTokenizer(self.tokenizer, **GEMMA3_TOKENS))
+        fam = self.checked_family(Gemma3, "gemma3")
+        self.set_family(fam, GEMMA3_TOKENS)
         tok = self.tokenizer
         ours = (fam.image_token_id, fam.vision_start_token_id, fam.vision_end_token_id)
         theirs = (tok.image_token_id, tok.vision_start_token_id, tok.vision_end_token_id)
@@ -129,17 +108,7 @@ class Gemma3SampleTransform:
         """The rendered chat as :func:`encode_segments` parts, ``images`` images expected in the
         text."""
         tok, fam = self.tokenizer, self.family
-        turns = meta.get("messages")
-        if not isinstance(turns, list):
-            if not isinstance(meta.get("text"), str):
-                raise MediaError(
-                    MediaProblem.BAD_TEXT,
-                    sample=sample,
-                    field="json",
-                    expected="'messages' (a list) or 'text'",
-                    actual=f"keys {sorted(meta)}",
-                )
-            turns = None
+        turns = chat_turns(meta, sample)
         block = [
             fam.vision_start_token_id,
             *[fam.image_token_id] * fam.mm_tokens_per_image,
@@ -224,10 +193,7 @@ class Gemma3SampleTransform:
     def __call__(self, raw: dict) -> dict:
         key = raw.get("__key__", "?")
         meta = sample_metadata(raw, self.text_key, key)
-        images = [
-            decode_image(v, sample=key, name=n, limits=self.limits)
-            for n, v in image_members(raw, meta, key)
-        ]
+        images = decode_images(raw, meta, key, self.limits)
         ids, mask = encode_segments(self.tokenizer, self.segments(meta, len(images), sample=key))
         size = self.family.image_size
         if images:
@@ -236,12 +202,4 @@ class Gemma3SampleTransform:
             )
         else:
             pixels = torch.zeros(0, 3, size, size)
-        input_ids = torch.from_numpy(ids)
-        out = {
-            "__key__": key,
-            "input_ids": input_ids,
-            "loss_mask": torch.from_numpy(mask),
-            "mm_token_type_ids": (input_ids == self.family.image_token_id).to(torch.int64),
-            "pixel_values": pixels.to(getattr(torch, self.pixel_dtype)),
-        }
-        return with_teacher_topk(out, raw, self)
+        return self.output(raw, key, ids, mask, {"pixel_values": pixels})

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from prealign.collate.vision import Gemma4, vision_family
+from prealign.collate.vision import Gemma4
 from prealign.loaders.media.sized_images import SPLIT_IMAGES, SizedImagesTransform
 from prealign.loaders.media.vlm import (
     IMAGE_PLACEHOLDER,
@@ -102,11 +102,7 @@ class Gemma4SampleTransform(SizedImagesTransform):
     family: Gemma4 = field(init=False, repr=False, compare=False, default=None)
 
     def __post_init__(self):
-        fam = vision_family(self.model_config)
-        if not isinstance(fam, Gemma4):
-            raise ConfigError(
-                f"Gemma4SampleTransform: expected a gemma4 config, got {fam.model_type!r}"
-            )
+        fam = self.checked_family(Gemma4, "gemma4")
         self._setup(fam, GEMMA4_TOKENS, "<|image|>")
         tok = self.tokenizer
         ours = (fam.vision_start_token_id, fam.vision_end_token_id)

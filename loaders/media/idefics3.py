@@ -28,12 +28,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from prealign.collate.vision import Idefics3, vision_family
+from prealign.collate.vision import Idefics3
 from prealign.loaders.media.sized_images import SPLIT_IMAGES, SizedImagesTransform
 from prealign.loaders.media.vlm import (
     IMAGE_PLACEHOLDER,
     MediaError,
     MediaProblem,
+    refused_images,
 )
 from prealign.schemas.errors import ConfigError
 
@@ -96,12 +97,7 @@ class Idefics3SampleTransform(SizedImagesTransform):
     family: Idefics3 = field(init=False, repr=False, compare=False, default=None)
 
     def __post_init__(self):
-        fam = vision_family(self.model_config)
-        if not isinstance(fam, Idefics3):
-            raise ConfigError(
-                f"Idefics3SampleTransform: expected a smolvlm or idefics3 config, got "
-                f"{fam.model_type!r}"
-            )
+        fam = self.checked_family(Idefics3, "smolvlm or idefics3")
         self._setup(fam, IDEFICS3_TOKENS, "<image>")
         ip = self.image_processor  # the splitting that runs decides the lengths
         tile, edge = _longest(ip.max_image_size), _longest(ip.size)
@@ -207,12 +203,8 @@ class Idefics3SampleTransform(SizedImagesTransform):
                     images=[images], return_row_col_info=True, return_tensors="pt"
                 )
             except ValueError as exc:
-                raise MediaError(
-                    MediaProblem.CORRUPT_IMAGE,
-                    sample=key,
-                    field="images",
-                    actual=str(exc),
-                    expected="images the SmolVLM / Idefics3 image processor accepts",
+                raise refused_images(
+                    "the SmolVLM / Idefics3 image processor", str(exc), sample=key
                 ) from None
             pixels = out["pixel_values"][0].to(torch.float32)
             theirs = [[int(r), int(c)] for r, c in zip(out["rows"][0], out["cols"][0])]

@@ -56,8 +56,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from prealign.collate.vision import LlavaOneVision, vision_family
+from prealign.collate.vision import LlavaOneVision
 from prealign.loaders.media.chat_tokenizer import encode_segments
+from prealign.loaders.media.sized_images import FamilyTransform
 from prealign.loaders.media.teacher_topk import with_teacher_topk
 from prealign.loaders.media.video import fused_normalize_table
 from prealign.loaders.media.video_file import resize_frames
@@ -68,13 +69,18 @@ from prealign.loaders.media.vlm import (
     MediaError,
     MediaProblem,
     VideoEntry,
+    chat_turns,
+    check_decode_threads,
     check_float_dtypes,
     check_turn,
     check_video_pixels,
-    decode_image,
+    decode_frame_list,
+    decode_images,
     decode_kept,
     file_plan,
     image_members,
+    placeholder_mismatch,
+    refused_images,
     sample_metadata,
     video_members,
 )
@@ -162,23 +168,15 @@ def onevision_image_processor(family: LlavaOneVision):
 
 
 @dataclass(frozen=True, kw_only=True)
-class LlavaOnevisionSampleTransform:
+class LlavaOnevisionSampleTransform(FamilyTransform):
     """Raw multimodal sample -> LLaVA-OneVision fields (module docstring). ``model_config``: the
     ``LlavaOnevisionConfig`` (or its dict); ``tokenizer``: the model's HF tokenizer (wrapped by
     :class:`OnevisionChatTokenizer`) or an object with ``encode``, ``im_start_id``, ``im_end_id``,
     ``image_token_id``, ``vocab_size``; ``processor``: the model's processor or image processor
     (default :func:`onevision_image_processor`), whose tile size and pinpoints must be the config's.
-    Picklable."""
+    The other settings are :class:`~prealign.loaders.media.sized_images.FamilyTransform`'
+    (``limits`` here also caps videos). Picklable."""
 
-    model_config: Any
-    tokenizer: Any
-    processor: Any = None
-    topk: int | None = None
-    """Expect teacher top-k members with this K (as
-    :class:`~prealign.loaders.media.vlm.VLMSampleTransform`)."""
-    log_prob_dtype: str = "float32"
-    pixel_dtype: str = "float32"
-    text_key: str = "json"
     limits: DecodeLimits = DEFAULT_LIMITS
     """Caps checked before decoding: an image's pixels; a video file's seconds, kept frames, their
     pixels and bytes (from its headers); a frame list's frames."""
@@ -195,12 +193,7 @@ class LlavaOnevisionSampleTransform:
     family: LlavaOneVision = field(init=False, repr=False, compare=False, default=None)
 
     def __post_init__(self):
-        fam = vision_family(self.model_config)
-        if not isinstance(fam, LlavaOneVision):
-            raise ConfigError(
-                f"LlavaOnevisionSampleTransform: expected a llava_onevision config, got "
-                f"{fam.model_type!r}"
-            )
+        fam = self.checked_family(LlavaOneVision, "llava_onevision")
         object.__setattr__(self, "family", fam)
         if not hasattr(self.tokenizer, "im_start_id"):  # a plain HF tokenizer
             object.__setattr__(self, "tokenizer", OnevisionChatTokenizer(self.tokenizer))
@@ -220,15 +213,7 @@ class LlavaOnevisionSampleTransform:
                 f"{fam.tile_size} and image_grid_pinpoints {[list(p) for p in fam.pinpoints]}"
             )
         check_float_dtypes(self)
-        if (
-            isinstance(self.decode_threads, bool)
-            or not isinstance(self.decode_threads, int)
-            or self.decode_threads < 0
-        ):
-            raise ConfigError(
-                f"LlavaOnevisionSampleTransform.decode_threads: expected an int >= 0, got "
-                f"{self.decode_threads!r}"
-            )
+        check_decode_threads(self)
         self.frame_sampling  # noqa: B018 (the settings checked now, not at the first video)
 
     @property
@@ -270,16 +255,8 @@ class LlavaOnevisionSampleTransform:
             token = tok.image_token_id if kind == IMAGE_PLACEHOLDER else fam.video_token_id
             return ([token] * (0 if n is None else n), False)
 
-        turns = meta.get("messages")
-        if not isinstance(turns, list):
-            if not isinstance(meta.get("text"), str):
-                raise MediaError(
-                    MediaProblem.BAD_TEXT,
-                    sample=sample,
-                    field="json",
-                    expected="'messages' (a list) or 'text'",
-                    actual=f"keys {sorted(meta)}",
-                )
+        turns = chat_turns(meta, sample)
+        if turns is None:
             for part in _SPLIT.split(
                 meta["text"]
             ):  # plain text: the media where the text names them
@@ -298,15 +275,9 @@ class LlavaOnevisionSampleTransform:
                 ]  # then videos, then text
                 segments += [("\n" + p, reply) for p in parts if p not in seen]
                 segments.append(([tok.im_end_id], reply))
-        if (seen[IMAGE_PLACEHOLDER], seen[VIDEO_PLACEHOLDER]) != (len(sizes), len(frames)):
-            raise MediaError(
-                MediaProblem.PLACEHOLDER_MISMATCH,
-                sample=sample,
-                field="json",
-                expected=f"{len(sizes)} '{IMAGE_PLACEHOLDER}' placeholders (one per image) and "
-                f"{len(frames)} '{VIDEO_PLACEHOLDER}' (one per video)",
-                actual=f"{seen[IMAGE_PLACEHOLDER]} and {seen[VIDEO_PLACEHOLDER]}",
-            )
+        named = (seen[IMAGE_PLACEHOLDER], seen[VIDEO_PLACEHOLDER])
+        if named != (len(sizes), len(frames)):
+            raise placeholder_mismatch(len(sizes), len(frames), named, sample=sample)
         return segments
 
     def index_key(self) -> str:
@@ -362,16 +333,6 @@ class LlavaOnevisionSampleTransform:
                 check_video_pixels(video.name, area, key, self.limits)
             return len(video.frames)
         return len(file_plan(video, self.frame_sampling.indices, key, self.limits)[1])
-
-    def _list_frames(self, video: VideoEntry, key) -> list:
-        """A frame list's frames decoded (RGB PIL), their running pixel total checked against
-        ``limits.max_video_pixels`` frame by frame: never more than the limit in memory."""
-        frames, area = [], 0
-        for name, value in video.frames:
-            frames.append(decode_image(value, sample=key, name=name, limits=self.limits))
-            area += frames[-1].width * frames[-1].height
-            check_video_pixels(video.name, area, key, self.limits)
-        return frames
 
     @property
     def video_settings(self) -> tuple:
@@ -434,12 +395,8 @@ class LlavaOnevisionSampleTransform:
         try:
             w, h = image_header_size(value, field=name, sample=key)
         except HeaderError as exc:
-            raise MediaError(
-                MediaProblem.CORRUPT_IMAGE,
-                sample=key,
-                field=name,
-                expected=exc.expected,
-                actual=exc.actual,
+            raise MediaError.from_check(
+                MediaProblem.CORRUPT_IMAGE, exc, sample=key, field=name
             ) from None
         return h, w
 
@@ -452,12 +409,8 @@ class LlavaOnevisionSampleTransform:
         try:
             out = self.image_processor([images], return_tensors="pt")
         except ValueError as exc:
-            raise MediaError(
-                MediaProblem.CORRUPT_IMAGE,
-                sample=sample,
-                field="images",
-                expected="images the LLaVA-OneVision image processor accepts",
-                actual=str(exc),
+            raise refused_images(
+                "the LLaVA-OneVision image processor", str(exc), sample=sample
             ) from None
         values = out["pixel_values"].to(torch.float32)  # [images, most tiles, 3, s, s]
         tiles = [fam.tiles(im.height, im.width, images_in_sample=len(images)) for im in images]
@@ -474,14 +427,11 @@ class LlavaOnevisionSampleTransform:
     def __call__(self, raw: dict) -> dict:
         key = raw.get("__key__", "?")
         meta = sample_metadata(raw, self.text_key, key)
-        images = [
-            decode_image(v, sample=key, name=n, limits=self.limits)
-            for n, v in image_members(raw, meta, key)
-        ]
+        images = decode_images(raw, meta, key, self.limits)
         clips = [
             self.file_pixels(video, key)
             if video.frames is None
-            else self.video_pixels(self._list_frames(video, key))
+            else self.video_pixels(decode_frame_list(video, key, self.limits))
             for video in self.video_frames(raw, meta, key)
         ]
         sizes = [(im.height, im.width) for im in images]
@@ -492,12 +442,8 @@ class LlavaOnevisionSampleTransform:
         except SampleError as exc:
             if isinstance(exc, MediaError):
                 raise
-            raise MediaError(
-                MediaProblem.CORRUPT_IMAGE,
-                sample=key,
-                field=exc.field,
-                expected=exc.expected,
-                actual=exc.actual,
+            raise MediaError.from_check(
+                MediaProblem.CORRUPT_IMAGE, exc, sample=key, field=exc.field
             ) from None
         input_ids = torch.from_numpy(ids)
         types = (input_ids == self.family.image_token_id).to(torch.int64)

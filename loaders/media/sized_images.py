@@ -1,8 +1,9 @@
-"""What the transforms of families whose sample length follows from its text and each image's size
-share (:class:`SizedImagesTransform`: Mistral3 / Pixtral, SmolVLM / Idefics3): the settings, the
-tokenizer wrapping and checks, the conversation's turns, header-only ids and the teacher top-k of
-the output. A family's transform adds its chat rendering (``segments``), its image grid
-(``image_grid``) and its pixels (``__call__``)."""
+"""What the family transforms share. :class:`FamilyTransform`, under every family's own transform
+(Gemma 3, LLaVA-OneVision and the ones below): the settings, the family's check, the tokenizer's
+wrapping and the sample dict. :class:`SizedImagesTransform`, under the families whose sample length
+follows from its text and each image's size (Mistral3 / Pixtral, SmolVLM / Idefics3, Gemma 4): the
+image token's check, the conversation's turns, header-only ids. A family's transform adds its chat
+rendering (``segments``), its image grid (``image_grid``) and its pixels (``__call__``)."""
 
 from __future__ import annotations
 
@@ -13,14 +14,16 @@ from typing import Any
 import numpy as np
 import torch
 
+from prealign.collate.vision import vision_family
 from prealign.loaders.media.chat_tokenizer import HFChatTokenizer, encode_segments
 from prealign.loaders.media.teacher_topk import with_teacher_topk
 from prealign.loaders.media.vlm import (
     IMAGE_PLACEHOLDER,
     MediaError,
     MediaProblem,
+    chat_turns,
     check_float_dtypes,
-    decode_image,
+    decode_images,
     image_members,
     sample_metadata,
 )
@@ -32,12 +35,14 @@ SPLIT_IMAGES = re.compile("(" + re.escape(IMAGE_PLACEHOLDER) + ")")
 
 
 @dataclass(frozen=True, kw_only=True)
-class SizedImagesTransform:
-    """The settings every such transform takes: ``model_config`` (the model's transformers config,
-    its dict or its family), ``tokenizer`` (the model's HF tokenizer, wrapped with the family's
-    token names, or a :class:`~prealign.loaders.media.chat_tokenizer.ChatTokenizer`), ``processor``
-    (the model's processor or image processor; unset: the family's default), teacher ``topk``,
-    output dtypes, the JSON member and decode limits."""
+class FamilyTransform:
+    """What every family's own sample transform shares (Gemma 3, LLaVA-OneVision and each
+    :class:`SizedImagesTransform`): the settings, ``model_config`` (the model's transformers
+    config, its dict or its family), ``tokenizer`` (the model's HF tokenizer, wrapped with the
+    family's token names, or a :class:`~prealign.loaders.media.chat_tokenizer.ChatTokenizer`),
+    ``processor`` (the model's processor or image processor; unset: the family's default), teacher
+    ``topk``, output dtypes, the JSON member and decode limits (a family's transform adds its own
+    settings after these); the family's check, the tokenizer's wrapping and the sample dict."""
 
     model_config: Any
     tokenizer: Any
@@ -50,19 +55,60 @@ class SizedImagesTransform:
     text_key: str = "json"
     limits: DecodeLimits = DEFAULT_LIMITS
 
-    def _setup(self, family, token_names: dict, image_token: str) -> None:
-        """Keep ``family``, wrap a plain HF tokenizer with ``token_names`` and check its image token
-        and the dtypes."""
-        name = type(self).__name__
+    def checked_family(self, kind: type, names: str):
+        """``model_config``'s family (:func:`~prealign.collate.vision.vision_family`) when it is a
+        ``kind``, else a :class:`~prealign.schemas.errors.ConfigError` naming this transform,
+        ``names`` (the configs it takes) and the config's model type."""
+        fam = vision_family(self.model_config)
+        if not isinstance(fam, kind):
+            raise ConfigError(
+                f"{type(self).__name__}: expected a {names} config, got {fam.model_type!r}"
+            )
+        return fam
+
+    def set_family(self, family, token_names: dict) -> None:
+        """Keep ``family``; the tokenizer must have ``encode`` (else a
+        :class:`~prealign.schemas.errors.ConfigError` naming this transform), a plain HF one is
+        wrapped with ``token_names``
+        (:class:`~prealign.loaders.media.chat_tokenizer.HFChatTokenizer`)."""
         object.__setattr__(self, "family", family)
         if not hasattr(self.tokenizer, "encode"):
-            raise ConfigError(f"{name}: tokenizer must be a ChatTokenizer or an HF tokenizer")
+            raise ConfigError(
+                f"{type(self).__name__}: tokenizer must be a ChatTokenizer or an HF tokenizer"
+            )
         if not hasattr(self.tokenizer, "im_start_id"):  # a plain HF tokenizer
             object.__setattr__(self, "tokenizer", HFChatTokenizer(self.tokenizer, **token_names))
+
+    def output(self, raw: dict, key, ids: np.ndarray, mask: np.ndarray, media: dict) -> dict:
+        """The sample dict: ids, loss mask, ``mm_token_type_ids`` (1 on the image token), ``media``
+        (pixels cast to ``pixel_dtype``) and teacher top-k when ``topk`` is set."""
+        input_ids = torch.from_numpy(ids)
+        out = {
+            "__key__": key,
+            "input_ids": input_ids,
+            "loss_mask": torch.from_numpy(mask),
+            "mm_token_type_ids": (input_ids == self.family.image_token_id).to(torch.int64),
+            **{
+                k: v.to(getattr(torch, self.pixel_dtype)) if k == "pixel_values" else v
+                for k, v in media.items()
+            },
+        }
+        return with_teacher_topk(out, raw, self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SizedImagesTransform(FamilyTransform):
+    """What the transforms of families whose sample length follows from the text and each image's
+    size share (the module docstring), over :class:`FamilyTransform`."""
+
+    def _setup(self, family, token_names: dict, image_token: str) -> None:
+        """Keep ``family``, wrap a plain HF tokenizer with ``token_names``
+        (:meth:`~FamilyTransform.set_family`) and check its image token and the dtypes."""
+        self.set_family(family, token_names)
         if self.tokenizer.image_token_id != family.image_token_id:
             raise ConfigError(
-                f"{name}: the config's image_token_id {family.image_token_id} is not the "
-                f"tokenizer's {image_token} {self.tokenizer.image_token_id}"
+                f"{type(self).__name__}: the config's image_token_id {family.image_token_id} is "
+                f"not the tokenizer's {image_token} {self.tokenizer.image_token_id}"
             )
         check_float_dtypes(self)
 
@@ -91,16 +137,8 @@ class SizedImagesTransform:
     ) -> list[dict] | None:
         """The sample's messages, each checked to be ``{'role': str, 'content': str}`` (a role among
         ``roles`` when given); ``None`` for a plain ``text`` sample."""
-        turns = meta.get("messages")
-        if not isinstance(turns, list):
-            if not isinstance(meta.get("text"), str):
-                raise MediaError(
-                    MediaProblem.BAD_TEXT,
-                    sample=sample,
-                    field="json",
-                    expected="'messages' (a list) or 'text'",
-                    actual=f"keys {sorted(meta)}",
-                )
+        turns = chat_turns(meta, sample)
+        if turns is None:
             return None
         for i, turn in enumerate(turns):
             if (
@@ -152,10 +190,7 @@ class SizedImagesTransform:
         grids, and the chat's ``input_ids`` / ``loss_mask``."""
         key = raw.get("__key__", "?")
         meta = sample_metadata(raw, self.text_key, key)
-        images = [
-            decode_image(v, sample=key, name=n, limits=self.limits)
-            for n, v in image_members(raw, meta, key)
-        ]
+        images = decode_images(raw, meta, key, self.limits)
         grids = [
             self.image_grid(im.width, im.height, sample=key, field=f"images[{i}]")
             for i, im in enumerate(images)
@@ -179,19 +214,3 @@ class SizedImagesTransform:
             "topk": self.topk,
             "text_key": self.text_key,
         }
-
-    def output(self, raw: dict, key, ids: np.ndarray, mask: np.ndarray, media: dict) -> dict:
-        """The sample dict: ids, loss mask, ``mm_token_type_ids`` (1 on the image token), ``media``
-        (pixels cast to ``pixel_dtype``) and teacher top-k when ``topk`` is set."""
-        input_ids = torch.from_numpy(ids)
-        out = {
-            "__key__": key,
-            "input_ids": input_ids,
-            "loss_mask": torch.from_numpy(mask),
-            "mm_token_type_ids": (input_ids == self.family.image_token_id).to(torch.int64),
-            **{
-                k: v.to(getattr(torch, self.pixel_dtype)) if k == "pixel_values" else v
-                for k, v in media.items()
-            },
-        }
-        return with_teacher_topk(out, raw, self)

@@ -160,6 +160,29 @@ class MediaError(BadSampleError):
             reason=problem.value,
         )
 
+    @classmethod
+    def from_check(
+        cls, problem: MediaProblem, exc: SampleError, *, sample, field: str | None
+    ) -> "MediaError":
+        """The failed check ``exc`` (a :class:`~prealign.schemas.errors.SampleError`, e.g. a
+        :class:`~prealign.loaders.sources.header_lengths.HeaderError`) as a :class:`MediaError` of
+        ``problem`` naming ``sample`` and ``field``, with ``exc``'s expected and actual (raise it
+        ``from None``)."""
+        return cls(problem, sample=sample, field=field, expected=exc.expected, actual=exc.actual)
+
+
+def refused_images(processor: str, actual: str, *, sample) -> MediaError:
+    """A ``corrupt_image`` naming ``sample``'s ``images``: ``processor`` (as the message names it,
+    e.g. ``"the InternVL image processor"``) refused them, saying ``actual`` (raise it ``from
+    None``)."""
+    return MediaError(
+        MediaProblem.CORRUPT_IMAGE,
+        sample=sample,
+        field="images",
+        expected=f"images {processor} accepts",
+        actual=actual,
+    )
+
 
 def check_float_dtypes(transform) -> None:
     """``transform.log_prob_dtype`` / ``pixel_dtype`` each ``'float32'`` or ``'bfloat16'``, else a
@@ -170,6 +193,17 @@ def check_float_dtypes(transform) -> None:
                 f"{type(transform).__name__}.{name}: expected 'float32' or 'bfloat16', got "
                 f"{getattr(transform, name)!r}"
             )
+
+
+def check_decode_threads(transform) -> None:
+    """``transform.decode_threads`` an int >= 0 (decoder threads per video file; 0: ffmpeg's
+    choice), else a :class:`ConfigError` naming the transform's class."""
+    threads = transform.decode_threads
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
+        raise ConfigError(
+            f"{type(transform).__name__}.decode_threads: expected an int >= 0 (0: ffmpeg's "
+            f"choice), got {threads!r}"
+        )
 
 
 # ---- the image processor -------------------------------------------------------------------------
@@ -213,13 +247,7 @@ def process_images(images: list, processor, *, sample=None) -> tuple[torch.Tenso
     try:
         out = processor(images=images, return_tensors="pt")
     except ValueError as exc:  # e.g. an aspect ratio over 200
-        raise MediaError(
-            MediaProblem.CORRUPT_IMAGE,
-            sample=sample,
-            field="images",
-            expected="images the Qwen2-VL processor accepts",
-            actual=str(exc),
-        ) from None
+        raise refused_images("the Qwen2-VL processor", str(exc), sample=sample) from None
     return out["pixel_values"].to(torch.float32), out["image_grid_thw"].to(torch.int64)
 
 
@@ -294,13 +322,7 @@ def _resized_patches(img, geometry, *, sample) -> tuple[np.ndarray, list[int]]:
     try:
         _, gh, gw = image_grid(img.height, img.width, geometry, sample=sample)
     except SampleError as exc:
-        raise MediaError(
-            MediaProblem.CORRUPT_IMAGE,
-            sample=sample,
-            field="images",
-            expected="images the Qwen2-VL processor accepts",
-            actual=exc.actual,
-        ) from None
+        raise refused_images("the Qwen2-VL processor", exc.actual, sample=sample) from None
     p, m = geometry.patch_size, geometry.merge_size
     resized = np.asarray(
         img.resize((gw * p, gh * p), resample=Image.Resampling.BICUBIC)
@@ -424,18 +446,7 @@ def render_chat(
     template's does. ``frame``: a family's own chat frame in place of ``<|im_start|>`` turns (GLM's:
     :class:`~prealign.loaders.media.glm4v.GlmChatFrame`; :meth:`VLMSampleTransform.chat_frame`).
     """
-    if isinstance(meta.get("messages"), list):
-        turns = meta["messages"]
-    elif isinstance(meta.get("text"), str):
-        turns = None
-    else:
-        raise MediaError(
-            MediaProblem.BAD_TEXT,
-            sample=sample,
-            field="json",
-            expected="'messages' (a list) or 'text'",
-            actual=f"keys {sorted(meta)}",
-        )
+    turns = chat_turns(meta, sample)
     split = (_PLACEHOLDERS if videos is not None else _IMAGE_ONLY).split
     videos = [] if videos is None else videos
     segments: list[
@@ -498,6 +509,24 @@ def render_chat(
     return encode_segments(tokenizer, segments)
 
 
+def chat_turns(meta: dict, sample) -> list | None:
+    """The sample's messages (``meta['messages']``, a list; each turn checked by its reader), or
+    ``None`` for a plain ``meta['text']`` sample; neither is a ``bad_text`` naming ``sample`` and
+    the keys it has."""
+    turns = meta.get("messages")
+    if isinstance(turns, list):
+        return turns
+    if not isinstance(meta.get("text"), str):
+        raise MediaError(
+            MediaProblem.BAD_TEXT,
+            sample=sample,
+            field="json",
+            expected="'messages' (a list) or 'text'",
+            actual=f"keys {sorted(meta)}",
+        )
+    return None
+
+
 def check_turn(turn, i: int, sample, roles=None) -> None:
     """A chat turn is ``{'role': str, 'content': str}`` (with ``roles``: one of them), else a
     ``bad_text``."""
@@ -523,20 +552,27 @@ def check_turn(turn, i: int, sample, roles=None) -> None:
         )
 
 
+def placeholder_mismatch(images: int, videos: int, seen: tuple[int, int], *, sample) -> MediaError:
+    """A ``placeholder_mismatch`` naming ``sample``: it has ``images`` images and ``videos`` videos,
+    but its text names ``seen`` ``(<image>, <video>)`` placeholders."""
+    return MediaError(
+        MediaProblem.PLACEHOLDER_MISMATCH,
+        sample=sample,
+        field="json",
+        expected=f"{images} '{IMAGE_PLACEHOLDER}' placeholders (one per image) and "
+        f"{videos} '{VIDEO_PLACEHOLDER}' (one per video)",
+        actual=f"{seen[0]} and {seen[1]}",
+    )
+
+
 def _placeholder_mismatch(
     meta: dict, tokens_per_image: list[int], videos: list, sample
 ) -> MediaError:
     text = meta.get("text") or " ".join(
         str(t.get("content", "")) for t in meta.get("messages", []) if isinstance(t, dict)
     )
-    return MediaError(
-        MediaProblem.PLACEHOLDER_MISMATCH,
-        sample=sample,
-        field="json",
-        expected=f"{len(tokens_per_image)} '{IMAGE_PLACEHOLDER}' placeholders (one per image) and "
-        f"{len(videos)} '{VIDEO_PLACEHOLDER}' (one per video)",
-        actual=f"{text.count(IMAGE_PLACEHOLDER)} and {text.count(VIDEO_PLACEHOLDER)}",
-    )
+    seen = (text.count(IMAGE_PLACEHOLDER), text.count(VIDEO_PLACEHOLDER))
+    return placeholder_mismatch(len(tokens_per_image), len(videos), seen, sample=sample)
 
 
 def vision_types_and_mrope(
@@ -604,12 +640,8 @@ def vision_types_and_mrope(
     try:
         positions = rope_positions(types, np.array([0, ids.size]), grid, runs, steps, merge)
     except SampleError as exc:
-        raise MediaError(
-            MediaProblem.VISION_TOKEN_MISMATCH,
-            sample=sample,
-            field=exc.field,
-            expected=exc.expected,
-            actual=exc.actual,
+        raise MediaError.from_check(
+            MediaProblem.VISION_TOKEN_MISMATCH, exc, sample=sample, field=exc.field
         ) from None
     return torch.from_numpy(types), torch.from_numpy(positions)
 
@@ -735,15 +767,7 @@ class VLMSampleTransform:
                 else {}
             )
             object.__setattr__(self, "tokenizer", wrap(self.processor.tokenizer, **names))
-        if (
-            isinstance(self.decode_threads, bool)
-            or not isinstance(self.decode_threads, int)
-            or self.decode_threads < 0
-        ):
-            raise ConfigError(
-                f"VLMSampleTransform.decode_threads: expected an int >= 0 (0: ffmpeg's choice), "
-                f"got {self.decode_threads!r}"
-            )
+        check_decode_threads(self)
         if self.video_sampling is not None:
             self.frame_sampling  # noqa: B018 (checks the settings now, not at the first video)
         if self.frame is None and not hasattr(self.tokenizer, "im_start_id"):
@@ -875,12 +899,8 @@ class VLMSampleTransform:
                 height, width, VisionGeometry.of(self.image_processor), sample=sample, field=field
             )
         except SampleError as exc:
-            raise MediaError(
-                MediaProblem.CORRUPT_IMAGE,
-                sample=sample,
-                field=field,
-                expected=exc.expected,
-                actual=exc.actual,
+            raise MediaError.from_check(
+                MediaProblem.CORRUPT_IMAGE, exc, sample=sample, field=field
             ) from None
         return t * gh * gw // self.spatial_merge_size**2
 
@@ -1061,10 +1081,7 @@ class VLMSampleTransform:
             return self._compact_tiled(raw)
         key = raw.get("__key__", "?")
         meta = sample_metadata(raw, self.text_key, key)
-        images = [
-            decode_image(v, sample=key, name=n, limits=self.limits)
-            for n, v in image_members(raw, meta, key)
-        ]
+        images = decode_images(raw, meta, key, self.limits)
         vision = self.vision
         codes, grid = image_codes(images, self.image_processor, sample=key)
         pixel_values = None
@@ -1135,20 +1152,11 @@ class VLMSampleTransform:
         key, fam, tok = raw.get("__key__", "?"), self.family, self.tokenizer
         internvl.check_tokenizer(tok, fam)
         meta = sample_metadata(raw, self.text_key, key)
-        images = [
-            decode_image(v, sample=key, name=n, limits=self.limits)
-            for n, v in image_members(raw, meta, key)
-        ]
+        images = decode_images(raw, meta, key, self.limits)
         try:
             pixels, tiles = internvl.image_tiles(images, self.image_processor)
         except ValueError as exc:
-            raise MediaError(
-                MediaProblem.CORRUPT_IMAGE,
-                sample=key,
-                field="images",
-                expected="images the InternVL image processor accepts",
-                actual=str(exc),
-            ) from None
+            raise refused_images("the InternVL image processor", str(exc), sample=key) from None
         clips = [
             internvl.frame_tiles(
                 [
@@ -1226,16 +1234,7 @@ class VLMSampleTransform:
                 )
                 grid, block, second = plan.grid, plan.ids, plan.seconds
             else:
-                decoded, area = [], 0
-                for (
-                    n,
-                    v,
-                ) in (
-                    video.frames
-                ):  # the running total is checked frame by frame: never more than the limit
-                    decoded.append(decode_image(v, sample=key, name=n, limits=self.limits))
-                    area += decoded[-1].width * decoded[-1].height
-                    check_video_pixels(video.name, area, key, self.limits)
+                decoded = decode_frame_list(video, key, self.limits)
                 grid = self._video_grid(video.name, [im.size for im in decoded], geometry, key)
                 frames = np.concatenate(
                     [
@@ -1334,12 +1333,8 @@ class VLMSampleTransform:
         try:
             return self.family.video_grid(len(sizes), h, w, geometry, sample=key, field=name)
         except SampleError as exc:
-            raise MediaError(
-                MediaProblem.BAD_VIDEO,
-                sample=key,
-                field=name,
-                expected=exc.expected,
-                actual=exc.actual,
+            raise MediaError.from_check(
+                MediaProblem.BAD_VIDEO, exc, sample=key, field=name
             ) from None
 
     def expand(self, sample: dict) -> dict:
@@ -1484,6 +1479,27 @@ def check_video_pixels(name: str, pixels: int, key, limits: DecodeLimits) -> Non
             expected=f"at most {limits.max_video_pixels} pixels over its frames "
             "(DecodeLimits.max_video_pixels)",
         )
+
+
+def decode_images(raw: dict, meta: dict, key, limits: DecodeLimits) -> list:
+    """The sample's images (:func:`image_members`, in placeholder order) decoded: RGB PIL, each
+    checked against ``limits`` (:func:`decode_image`)."""
+    return [
+        decode_image(v, sample=key, name=n, limits=limits)
+        for n, v in image_members(raw, meta, key)
+    ]
+
+
+def decode_frame_list(video: VideoEntry, key, limits: DecodeLimits) -> list:
+    """A frame list's frames decoded (RGB PIL, each checked against ``limits``), their running
+    pixel total checked against ``limits.max_video_pixels`` frame by frame
+    (:func:`check_video_pixels`): never more than the limit in memory."""
+    frames, area = [], 0
+    for name, value in video.frames:
+        frames.append(decode_image(value, sample=key, name=name, limits=limits))
+        area += frames[-1].width * frames[-1].height
+        check_video_pixels(video.name, area, key, limits)
+    return frames
 
 
 def corrupt_video(video: VideoEntry, key, actual: str, expected: str) -> MediaError:
