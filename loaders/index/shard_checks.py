@@ -89,14 +89,16 @@ class ShardChecks:
 
     def __call__(self, source, shard: int, opened=None) -> bytes | None:
         """Check ``shard`` of ``source``; ``opened``: the shard's local file, opened already (a
-        regular file: its size from ``fstat``, the probe read from it, one read for a shard of up to
-        twice :data:`PROBE` bytes), else it is looked up by its URL. A source whose shards are all
+        regular file: one read of its recorded size + 1 for a shard of up to twice :data:`PROBE`
+        bytes, which gives its size and its probe, else ``fstat`` and the probe's reads), else it is
+        looked up by its URL. A source whose shards are all
         plain local tars (:func:`plain_files`) asks no question of the shard's URL. Returns the
         shard's bytes when the check read all of them in one read (its first read's samples are
         sliced from them: a small shard is read once), else None."""
         recorded = int(self.sizes[shard])
         if recorded == self.UNCHECKED:
             return None
+        whole = None
         if opened is None:
             size, plain = shard_size_now(source, shard), False
             if size is None:
@@ -106,8 +108,12 @@ class ShardChecks:
                     f"check the path, or {self._rebuild(source)} on the data as it is now",
                 )
         else:
-            fd = opened.fileno()
-            size, plain = os.fstat(fd).st_size, plain_files(source)
+            fd, plain = opened.fileno(), plain_files(source)
+            if plain and 0 <= recorded <= 2 * PROBE and self.probed[shard]:
+                whole = os.pread(fd, recorded + 1, 0)  # (no fstat: the read says the size)
+                if len(whole) != recorded:
+                    whole = None  # (another size: fstat says which)
+            size = recorded if whole is not None else os.fstat(fd).st_size
         if not plain and remote.is_sequential(source.urls[shard]):  # (a .tar.gz: its sidecar
             return None  # holds the tar's bytes, not the file's; a changed sample: its crc32)
         if recorded >= 0 and size >= 0 and size != recorded:
@@ -121,7 +127,7 @@ class ShardChecks:
         if opened is None:
             (probe, first, last), whole = read_probe(source, shard, size), None
         else:
-            probe, first, last, whole = _probe_of_file(fd, size)
+            probe, first, last, whole = _probe_of_file(fd, size, whole)
         if self.probes[shard] != probe.encode():
             raise ChangedShardError(
                 source.urls[shard],
@@ -157,13 +163,16 @@ def plain_files(source) -> bool:
     return bool(getattr(source, "local_only", False)) and not getattr(source, "stream_only", True)
 
 
-def _probe_of_file(fd: int, size: int) -> tuple[str, bytes, bytes, bytes | None]:
+def _probe_of_file(
+    fd: int, size: int, whole: bytes | None = None
+) -> tuple[str, bytes, bytes, bytes | None]:
     """``read_probe`` of an open local shard of ``size`` bytes (file descriptor ``fd``: the same
     digest of the same spans), and the shard's bytes when they were read whole (else None): one
-    read when the first and last :data:`PROBE` bytes overlap or touch, else two."""
-    whole = None
+    read when the first and last :data:`PROBE` bytes overlap or touch, else two; none when
+    ``whole``, its ``size`` bytes, were read already."""
     if size <= 2 * PROBE:
-        whole = os.pread(fd, size, 0)  # (up to PROBE bytes: first and last are it, no copy)
+        if whole is None:
+            whole = os.pread(fd, size, 0)  # (up to PROBE bytes: first and last are it, no copy)
         first, last = whole[:PROBE], whole[max(size - PROBE, 0) :]
         if len(whole) != size:  # (changed under the fstat: the probe says so)
             whole = None

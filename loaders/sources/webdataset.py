@@ -201,14 +201,13 @@ def _normal_absolute(urls: Sequence[str], text: str, folder: str | None, rows=No
 _TORCH_KINDS = "biufc"  # bool, int, uint, float, complex: what torch.from_numpy takes
 
 
-def _read_at(f, at: int, size: int) -> bytes:
-    """``size`` bytes of the unbuffered file ``f`` from byte ``at`` (fewer at its end): read again
-    after a short read, as a buffered ``read(size)`` does."""
-    f.seek(at)
-    data = f.read(size)
+def _pread(fd: int, size: int, at: int) -> bytes:
+    """``size`` bytes of file ``fd`` from byte ``at`` (fewer at its end), one system call (a short
+    read is read on, as a buffered ``read(size)`` does)."""
+    data = os.pread(fd, size, at)
     if len(data) < size:
         parts = [data]
-        while (got := sum(map(len, parts))) < size and (part := f.read(size - got)):
+        while (got := sum(map(len, parts))) < size and (part := os.pread(fd, size - got, at + got)):
             parts.append(part)
         data = b"".join(parts)
     return data
@@ -723,7 +722,7 @@ class WebDatasetSource(Source):
                     files.popitem(last=False)[1].close()
             if whole is not None:  # (the check read the shard whole: no second read)
                 return whole[start:end]
-            return _read_at(f, start, end - start)
+            return _pread(f.fileno(), end - start, start)
 
         try:
             out = read()

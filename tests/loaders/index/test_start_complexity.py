@@ -431,8 +431,8 @@ def test_a_newly_touched_shard_costs_one_open_one_read_and_one_check(tmp_path_fa
     """The work a micro-batch's read-ahead adds per shard it reads first (open, check against the
     index, the first sample's bytes), counted at 20 and at 200 one-sample shards: the same at both
     sizes, and small. A shard of up to 128 KiB is opened once and read once (the check's whole
-    read also gives the sample's bytes), one ``fstat`` of the open plus one of the check, no
-    ``stat``; the check runs once per shard and hashes it once."""
+    read, of its recorded size + 1, also gives its size and the sample's bytes), one ``fstat`` (the
+    open's), no ``stat``; the check runs once per shard and hashes it once."""
     from prealign.loaders import build_index
     from prealign.loaders.sources import webdataset
 
@@ -477,5 +477,5 @@ def test_a_newly_touched_shard_costs_one_open_one_read_and_one_check(tmp_path_fa
         calls = {fn[2]: v[1] for fn, v in stats.stats.items()}
         assert calls["_probe_of_file"] == n and calls["_open"] == n, calls
         assert syscalls.opens == n and syscalls.stats == 0, (syscalls.opens, syscalls.stats)
-        # per shard: the check's one pread and two fstat (the open's, the check's)
-        assert syscalls.reads == 3 * n and fstat == 2 * n, (syscalls.reads, fstat, n)
+        # per shard: the check's one pread and the open's fstat
+        assert syscalls.reads == 2 * n and fstat == n, (syscalls.reads, fstat, n)
