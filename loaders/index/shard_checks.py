@@ -91,10 +91,10 @@ class ShardChecks:
         """Check ``shard`` of ``source``; ``opened``: the shard's local file, opened already (a
         regular file: one read of its recorded size + 1 for a shard of up to twice :data:`PROBE`
         bytes, which gives its size and its probe, else ``fstat`` and the probe's reads), else it is
-        looked up by its URL. A source whose shards are all
-        plain local tars (:func:`plain_files`) asks no question of the shard's URL. Returns the
-        shard's bytes when the check read all of them in one read (its first read's samples are
-        sliced from them: a small shard is read once), else None."""
+        looked up by its URL. A source whose shards are all plain local tars
+        (:func:`plain_files`) asks no question of the shard's URL. Returns the shard's bytes when
+        the check read all of them in one read (its first read's samples are sliced from them: a
+        small shard is read once), else None."""
         recorded = int(self.sizes[shard])
         if recorded == self.UNCHECKED:
             return None

@@ -740,11 +740,11 @@ class WebDatasetSource(Source):
 
     def _open(self, shard: int, check: bool):
         """``(file, whole)``: shard ``shard``'s local file, open (``open_regular``); ``check``:
-        first checked against its index on the open file (``shard_check(self, shard, file)``: an
-        ``fstat`` and one or two reads, no second open), ``whole`` the shard's bytes when the check
-        read all of them (a small shard: its samples are sliced from them), else None. A shard that
-        cannot be opened is checked by its path, which names what is wrong (a
-        :class:`MissingShardError`, ...), before the open's error is raised."""
+        first checked against its index on the open file (``shard_check(self, shard, file)``: one
+        read of a shard of up to 128 KiB, else an ``fstat`` and two; no second open), ``whole`` the
+        shard's bytes when the check read all of them (a small shard: its samples are sliced from
+        them), else None. A shard that cannot be opened is checked by its path, which names what is
+        wrong (a :class:`MissingShardError`, ...), before the open's error is raised."""
         url = self.urls[shard]
         try:
             f = open_regular(url if self.__dict__.get("local_only") else _remote.local_path(url))
