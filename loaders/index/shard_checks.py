@@ -87,47 +87,59 @@ class ShardChecks:
         :class:`MissingShardError`)."""
         return int(self.sizes[shard]) != self.UNCHECKED
 
-    def __call__(self, source, shard: int, opened=None) -> None:
+    def __call__(self, source, shard: int, opened=None) -> bytes | None:
         """Check ``shard`` of ``source``; ``opened``: the shard's local file, opened already (a
-        regular file: its size from ``fstat``, the probe read from it, one read for a shard of up to
-        twice :data:`PROBE` bytes), else it is looked up by its URL."""
+        regular file: one read of its recorded size + 1 for a shard of up to twice :data:`PROBE`
+        bytes, which gives its size and its probe, else ``fstat`` and the probe's reads), else it is
+        looked up by its URL. A source whose shards are all plain local tars
+        (:func:`plain_files`) asks no question of the shard's URL. Returns the shard's bytes when
+        the check read all of them in one read (its first read's samples are sliced from them: a
+        small shard is read once), else None."""
         recorded = int(self.sizes[shard])
         if recorded == self.UNCHECKED:
-            return
-        url = source.urls[shard]
+            return None
+        whole = None
         if opened is None:
-            size = shard_size_now(source, shard)
+            size, plain = shard_size_now(source, shard), False
+            if size is None:
+                raise MissingShardError(
+                    source.urls[shard],
+                    f"does not exist (it had {recorded} bytes when indexed)",
+                    f"check the path, or {self._rebuild(source)} on the data as it is now",
+                )
         else:
-            size = os.fstat(opened.fileno()).st_size
-        if size is None:
-            raise MissingShardError(
-                url,
-                f"does not exist (it had {recorded} bytes when indexed)",
-                f"check the path, or {self._rebuild(source)} on the data as it is now",
-            )
-        if remote.is_sequential(url):  # (a .tar.gz: its sidecar holds the tar's bytes, not the
-            return  # file's; a changed sample is caught by its crc32 when read)
+            fd, plain = opened.fileno(), plain_files(source)
+            if plain and 0 <= recorded <= 2 * PROBE and self.probed[shard]:
+                whole = os.pread(fd, recorded + 1, 0)  # (no fstat: the read says the size)
+                if len(whole) != recorded:
+                    whole = None  # (another size: fstat says which)
+            size = recorded if whole is not None else os.fstat(fd).st_size
+        if not plain and remote.is_sequential(source.urls[shard]):  # (a .tar.gz: its sidecar
+            return None  # holds the tar's bytes, not the file's; a changed sample: its crc32)
         if recorded >= 0 and size >= 0 and size != recorded:
             raise ChangedShardError(
-                url,
+                source.urls[shard],
                 f"{size} bytes now, {recorded} when indexed",
                 f"the shard changed since it was indexed: {self._rebuild(source)}",
             )
         if not self.probed[shard]:
-            return
-        probe, first, last = (
-            read_probe(source, shard, size) if opened is None else _probe_of_file(opened, size)
-        )
+            return None
+        if opened is None:
+            (probe, first, last), whole = read_probe(source, shard, size), None
+        else:
+            probe, first, last, whole = _probe_of_file(fd, size, whole)
         if self.probes[shard] != probe.encode():
             raise ChangedShardError(
-                url,
+                source.urls[shard],
                 "its first or last 64 KiB differ from when it was indexed",
                 f"the shard changed since it was indexed: {self._rebuild(source)}",
             )
-        _check_head(url, int(self.first[shard]), first)
+        _check_head(source, shard, int(self.first[shard]), first)
         _check_tail(source, shard, int(self.last[shard]), size, last)
-        for lo, hi, samples in self.regions.get(shard, ()):
-            _check_region(source, shard, lo, size if hi < 0 else hi, samples, size)
+        if self.regions:
+            for lo, hi, samples in self.regions.get(shard, ()):
+                _check_region(source, shard, lo, size if hi < 0 else hi, samples, size)
+        return whole
 
     def _rebuild(self, source) -> str:
         """What rebuilds the index (built only when an error is raised: the command names every
@@ -145,18 +157,30 @@ class ShardChecks:
     read."""
 
 
-def _probe_of_file(f, size: int) -> tuple[str, bytes, bytes]:
-    """``read_probe`` of an open local shard of ``size`` bytes (the same digest of the same spans):
-    one read when the first and last :data:`PROBE` bytes overlap or touch, else two."""
-    fd = f.fileno()
+def plain_files(source) -> bool:
+    """Every shard of ``source`` is a plain local tar, read at any byte (its ``local_only``, found
+    once when it was built, and no ``.tar.gz``): its first reads ask nothing of each shard's URL."""
+    return bool(getattr(source, "local_only", False)) and not getattr(source, "stream_only", True)
+
+
+def _probe_of_file(
+    fd: int, size: int, whole: bytes | None = None
+) -> tuple[str, bytes, bytes, bytes | None]:
+    """``read_probe`` of an open local shard of ``size`` bytes (file descriptor ``fd``: the same
+    digest of the same spans), and the shard's bytes when they were read whole (else None): one
+    read when the first and last :data:`PROBE` bytes overlap or touch, else two; none when
+    ``whole``, its ``size`` bytes, were read already."""
     if size <= 2 * PROBE:
-        data = os.pread(fd, size, 0)
-        first, last = data[:PROBE], data[max(size - PROBE, 0) :]
+        if whole is None:
+            whole = os.pread(fd, size, 0)  # (up to PROBE bytes: first and last are it, no copy)
+        first, last = whole[:PROBE], whole[max(size - PROBE, 0) :]
+        if len(whole) != size:  # (changed under the fstat: the probe says so)
+            whole = None
     else:
         first, last = os.pread(fd, PROBE, 0), os.pread(fd, PROBE, size - PROBE)
     h = hashlib.blake2b(first, digest_size=8)
     h.update(last)
-    return h.hexdigest(), first, last
+    return h.hexdigest(), first, last, whole
 
 
 def check_all_shards(source, shards=None) -> int:
@@ -177,6 +201,9 @@ _NO_SAMPLE = frozenset(b"5gxLK")
 link."""
 
 
+_ZERO_BLOCK = bytes(512)
+
+
 def _entries_without_samples(data: bytes, at: int, stop: int) -> int | None:
     """Walk the tar headers in ``data`` from ``at``: skip entries that hold no sample
     (:data:`_NO_SAMPLE`, their data included) and stop at ``stop``, at a zero block (the end of the
@@ -184,7 +211,7 @@ def _entries_without_samples(data: bytes, at: int, stop: int) -> int | None:
     that is a file (a sample's)."""
     while at < stop and at + 512 <= len(data):
         head = data[at : at + 512]
-        if head == bytes(512):
+        if head == _ZERO_BLOCK:
             return at
         if head[156] not in _NO_SAMPLE:
             return None
@@ -196,17 +223,16 @@ def _entries_without_samples(data: bytes, at: int, stop: int) -> int | None:
     return at
 
 
-def _check_head(url: str, start: int, first: bytes) -> None:
+def _check_head(source, shard: int, start: int, first: bytes) -> None:
     """When a sidecar's first record is a good sample starting at byte ``start`` (``-1``: it is
-    not), only entries that hold no sample (folders, pax and GNU name headers) may precede it: a
-    removed first row leaves a sample's member there. Read from ``first`` (the probe's first
-    ``PROBE`` bytes: no read of its own; past
-    them, not checked)."""
-    if start < 0 or start > len(first) or start % 512:
+    not; ``0``: nothing precedes it), only entries that hold no sample (folders, pax and GNU name
+    headers) may precede it: a removed first row leaves a sample's member there. Read from
+    ``first`` (the probe's first ``PROBE`` bytes: no read of its own; past them, not checked)."""
+    if start <= 0 or start > len(first) or start % 512:
         return
     if _entries_without_samples(first, 0, start) != start:
         raise StaleIndexError(
-            url,
+            source.urls[shard],
             f"sidecar index does not account for the shard: bytes 0..{start} before its first "
             f"sample hold a member, not only folder or header entries (a removed row?)",
             "re-run `prealign index` on it",
@@ -218,24 +244,26 @@ def _check_tail(source, shard: int, lo: int, size: int, last: bytes) -> None:
     entries that hold no sample, then the end of the archive (a zero block, or the file's end) may
     follow it: a removed last row leaves a sample's tar header there instead. Read from ``last``
     (the probe's last ``PROBE`` bytes: no read of its own), or for a local shard whose end lies
-    before them one small read (a remote one: not
-    checked; none for a shard read only front to back)."""
-    url = source.urls[shard]
-    if lo < 0 or size < 0 or remote.is_sequential(url):
+    before them one small read (a remote one: not checked). Not called for a shard read only front
+    to back (:class:`ShardChecks` returns before)."""
+    if lo < 0 or size < 0:
         return
-    if len(last) == min(PROBE, size) and lo >= size - len(last):
-        tail = last[lo - (size - len(last)) :]
-    elif remote.is_remote(url):
+    end = len(last)
+    if end == min(PROBE, size) and lo >= size - end:
+        tail, at = last, lo - (size - end)  # (walked where it lies: no copy)
+    elif remote.is_remote(source.urls[shard]):
         return
     else:
-        with open(remote.local_path(url), "rb") as f:
+        with open(remote.local_path(source.urls[shard]), "rb") as f:
             f.seek(lo)
-            tail = f.read(PROBE)
-    stopped = _entries_without_samples(tail, 0, len(tail))
-    ended = stopped is not None and (stopped + 512 <= len(tail) or lo + stopped >= size)
-    if stopped is None or not ended and len(tail) == size - lo:
+            tail, at = f.read(PROBE), 0
+            end = len(tail)
+    stopped = _entries_without_samples(tail, at, end)
+    stopped, held = None if stopped is None else stopped - at, end - at
+    ended = stopped is not None and (stopped + 512 <= held or lo + stopped >= size)
+    if stopped is None or not ended and held == size - lo:
         raise StaleIndexError(
-            url,
+            source.urls[shard],
             f"sidecar index does not account for the shard: the entries after its last "
             f"sample (byte {lo}) hold a member, not only folder entries and the end of the "
             f"archive (a removed row?)",

@@ -7,6 +7,7 @@ members recorded at indexing and checked at every read (:func:`sample_checksum`)
 
 from __future__ import annotations
 
+import io
 import operator
 import os
 import stat
@@ -370,18 +371,19 @@ def file_kind(mode: int) -> str:
     return f"mode {oct(mode)}"
 
 
-def open_regular(path: str):
-    """``open(path, "rb")`` of a regular file, opened without blocking (a FIFO nobody writes is
-    refused at once, never waited on) and checked after the open (``fstat``: no swap between a check
-    and the open); anything else is :class:`NotRegular`. A missing path raises
-    ``FileNotFoundError``."""
+def open_regular(path: str) -> io.FileIO:
+    """``open(path, "rb", buffering=0)`` of a regular file, opened without blocking (a FIFO nobody
+    writes is refused at once, never waited on) and checked after the open (``fstat``: no swap
+    between a check and the open); anything else is :class:`NotRegular`. A missing path raises
+    ``FileNotFoundError``. Unbuffered (its readers read whole spans, ``pread`` or ``read(n)`` in a
+    loop): a shard's first read makes no buffer it does not use."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     # (checked on the descriptor: fdopen of a folder raises a bare IsADirectoryError, issue #31)
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
             raise NotRegular(path, file_kind(mode))
-        return os.fdopen(fd, "rb")
+        return io.FileIO(fd, "rb")
     except BaseException:
         os.close(fd)
         raise

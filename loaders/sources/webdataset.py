@@ -201,6 +201,18 @@ def _normal_absolute(urls: Sequence[str], text: str, folder: str | None, rows=No
 _TORCH_KINDS = "biufc"  # bool, int, uint, float, complex: what torch.from_numpy takes
 
 
+def _pread(fd: int, size: int, at: int) -> bytes:
+    """``size`` bytes of file ``fd`` from byte ``at`` (fewer at its end), one system call (a short
+    read is read on, as a buffered ``read(size)`` does)."""
+    data = os.pread(fd, size, at)
+    if len(data) < size:
+        parts = [data]
+        while (got := sum(map(len, parts))) < size and (part := os.pread(fd, size - got, at + got)):
+            parts.append(part)
+        data = b"".join(parts)
+    return data
+
+
 def numpy_fields(sample: dict) -> dict:
     """Default transform: every ``<name>.npy`` member -> tensor ``<name>``; other keys kept as they
     are. A big-endian array is converted to native order; an array torch cannot hold (strings,
@@ -590,22 +602,39 @@ class WebDatasetSource(Source):
         lock = threading.Lock()
         got: dict = {}
         opened: OrderedDict = OrderedDict()  # (shard -> file this call opened)
+        wholes: dict = {}  # (shard -> its bytes, read whole by its check: of the files in opened)
         new_checked: set = set()
+
+        takes_file = getattr(check, "takes_open_file", False)
 
         def run() -> None:  # (in the deadline's thread: reads files and checked, changes neither)
             try:
                 for shard, start, end in rows:
-                    first = check is not None and shard not in checked and shard not in new_checked
-                    f = opened.get(shard) or (None if first else files.get(shard))
+                    f = opened.get(shard)
+                    whole = None if f is None else wholes.get(shard)
                     if f is None:
-                        if first and not getattr(check, "takes_open_file", False):
+                        first = (
+                            check is not None and shard not in checked and shard not in new_checked
+                        )
+                        f = None if first else files.get(shard)
+                    if f is None:
+                        if first and not takes_file:
                             return
-                        f = opened[shard] = self._open(shard, first)
+                        f, whole = self._open(shard, first)
+                        opened[shard] = f
                         if first:
                             new_checked.add(shard)
+                        if whole is not None:
+                            wholes[shard] = whole
                         if len(opened) > self.max_open_files:
-                            opened.popitem(last=False)[1].close()
-                    got[(shard, start, end)] = os.pread(f.fileno(), end - start, start)
+                            gone, old = opened.popitem(last=False)
+                            wholes.pop(gone, None)
+                            old.close()
+                    got[(shard, start, end)] = (
+                        os.pread(f.fileno(), end - start, start)
+                        if whole is None
+                        else whole[start:end]
+                    )
                     if stop:
                         return
             except Exception:  # noqa: BLE001 - read again one by one: the row raises there
@@ -679,18 +708,21 @@ class WebDatasetSource(Source):
             files.pop(shard).close()
 
         def read():
-            f = files.get(shard)
+            f, whole = files.get(shard), None
             if f is None:
                 # the open (and at the first read, the check against the index, on the open file)
                 # under the read deadline (a hung mount blocks in them), once per shard
-                f = call_with_timeout(lambda: self._open(shard, checking), self.read_timeout)
+                f, whole = call_with_timeout(
+                    lambda: self._open(shard, checking), self.read_timeout
+                )
                 if checking:
                     local["checked"].add(shard)
                 files[shard] = f
                 while len(files) > self.max_open_files:
                     files.popitem(last=False)[1].close()
-            f.seek(start)
-            return f.read(end - start)
+            if whole is not None:  # (the check read the shard whole: no second read)
+                return whole[start:end]
+            return _pread(f.fileno(), end - start, start)
 
         try:
             out = read()
@@ -707,23 +739,27 @@ class WebDatasetSource(Source):
         return out
 
     def _open(self, shard: int, check: bool):
-        """Shard ``shard``'s local file, open (``open_regular``); ``check``: first checked against
-        its index on the open file (``shard_check(self, shard, file)``: an ``fstat`` and one or two
-        reads, no second open). A shard that cannot be opened is checked by its path, which names
-        what is wrong (a :class:`MissingShardError`, ...), before the open's error is raised."""
+        """``(file, whole)``: shard ``shard``'s local file, open (``open_regular``); ``check``:
+        first checked against its index on the open file (``shard_check(self, shard, file)``: one
+        read of a shard of up to 128 KiB, else an ``fstat`` and two; no second open), ``whole`` the
+        shard's bytes when the check read all of them (a small shard: its samples are sliced from
+        them), else None. A shard that cannot be opened is checked by its path, which names what is
+        wrong (a :class:`MissingShardError`, ...), before the open's error is raised."""
+        url = self.urls[shard]
         try:
-            f = open_regular(_remote.local_path(self.urls[shard]))
+            f = open_regular(url if self.__dict__.get("local_only") else _remote.local_path(url))
         except OSError:
             if check:
                 self.shard_check(self, shard)
             raise
+        whole = None
         if check:
             try:
-                self.shard_check(self, shard, f)
+                whole = self.shard_check(self, shard, f)
             except BaseException:
                 f.close()
                 raise
-        return f
+        return f, whole if isinstance(whole, bytes) else None
 
     def close_files(self) -> None:
         """Close the shard files this process holds open and drop the streams it keeps (a loader
