@@ -29,6 +29,7 @@ read (:class:`~prealign.loaders.index.source_index.MergedIndexWarning`).
 
 from __future__ import annotations
 
+import collections
 import itertools
 import json
 import operator
@@ -86,30 +87,14 @@ def sidecars_merged(source, schema) -> tuple[dict, dict[str, np.ndarray]] | None
     paths = _paths(source, names)
     if paths is None:
         return None
-    datas = _read_all(paths)
-    if datas is None:
+    bulk = _Bulk(source, names, config_key(source, schema))
+    try:
+        _read_all(paths, bulk.take)
+    except _Missing:
         return None
-    key = config_key(source, schema)
-    expected = names()
-    parts, alone = [], []
-    lengths = np.fromiter(map(len, datas), np.int64, len(datas))
-    order = np.argsort(lengths, kind="stable")
-    cuts = np.flatnonzero(np.diff(lengths[order])) + 1
-    for group in np.split(order, cuts):
-        if lengths[group[0]] == 0:  # (none read: an empty file is no sidecar either)
-            alone.extend(group.tolist())
-            continue
-        left = group
-        for _ in range(TEMPLATES):
-            if not left.size:
-                break
-            mine, rest, bad = _group(source, datas, left, expected, key)
-            alone.extend(bad)
-            parts.extend(mine)
-            left = rest
-        alone.extend(left.tolist())
-    for shard in sorted(alone):  # read alone, every check: the first at fault raises
-        part = _Part.alone(source, shard, key)
+    parts = bulk.parts
+    for shard in sorted(bulk.alone):  # read alone, every check: the first at fault raises
+        part = _Part.alone(source, shard, bulk.key)
         if part is None:  # (removed since: that shard is indexed, the others read one by one)
             return None
         parts.append(part)
@@ -153,90 +138,152 @@ def _paths(source, names) -> list[str] | None:
 _FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC
 _AT_ONCE = 256
 """Files open at once while read (well below a process's usual limit of 1,024)."""
+_SLOT = 8 << 10
+"""Bytes a file may fill at first (a sidecar of up to ~100 samples). One that fills its slot is read
+again, with the files after it, in slots of the power of two that holds it."""
+_BLOCK = 8 << 20
+"""Most bytes of the buffer a block of files is read into (fewer files a block when they are
+large)."""
 _TIMED = 32
 """Files read first, timed: their wall time per file says whether the file system is slow."""
 _SLOW_FILE = 1e-3
-"""Wall seconds per file (open, seek, read, close) from which the rest are read on threads: a
-parallel or network file system's metadata round trips, not a local disk or the page cache
-(2 to 5 µs)."""
+"""Wall seconds per file (open, read, close) from which the rest are read on threads: a parallel or
+network file system's metadata round trips, not a local disk or the page cache (2 to 5 µs)."""
 _THREAD_FILES = 32
 """Files a thread reads per step once the file system is slow (so all threads have work)."""
 
 
-def _read_all(paths: list[str]) -> list[bytes] | None:
-    """The bytes of each file (opened without blocking, its size taken by a seek to its end, read
-    from 0: :func:`_read_chunk`); ``b""`` for one to read alone (over :func:`sidecar_limit` of an
-    empty shard, not seekable, changed while read, unreadable: that reader names why); None when
-    one does not exist. :data:`_AT_ONCE` files at a time, each step one ``map`` over them (no
-    Python step per file); a step that fails anywhere reads its files again one by one. The first
-    :data:`_TIMED` files are timed: on a slow file system (:data:`_SLOW_FILE` a file) the rest are
-    read on up to :data:`~prealign.loaders.index.sidecar.SIDECAR_THREADS` threads, the system calls
-    overlapping (they release the GIL)."""
-    t0 = time.perf_counter()
-    head = _read_steps(paths[:_TIMED])
-    if head is None or len(paths) <= _TIMED:
-        return head
-    rest = paths[_TIMED:]
-    if time.perf_counter() - t0 <= _SLOW_FILE * _TIMED:
-        tail = _read_steps(rest)
-        return None if tail is None else head + tail
-    steps = [rest[lo : lo + _THREAD_FILES] for lo in range(0, len(rest), _THREAD_FILES)]
+class _Missing(Exception):
+    """A sidecar does not exist."""
+
+
+@dataclass
+class _Block:
+    """Sidecars of shards ``first`` on, read: the ``lengths[i]`` bytes (int64) of shard
+    ``first + i``'s at ``buf[i * slot:]``; 0 for one to read alone (over :func:`sidecar_limit` of
+    an empty shard, not a regular file, empty, unreadable: that reader names why)."""
+
+    first: int
+    slot: int
+    buf: bytearray
+    lengths: np.ndarray
+
+
+def _read_all(paths: list[str], take) -> None:
+    """Every file read, :class:`_Block` after block handed to ``take`` in shard order (each one
+    before the next is read into the same buffer); :class:`_Missing` when one does not exist. The
+    first :data:`_TIMED` files are timed: on a slow file system (:data:`_SLOW_FILE` a file) the
+    rest are read on up to :data:`~prealign.loaders.index.sidecar.SIDECAR_THREADS` threads, a
+    buffer each step, the system calls overlapping (they release the GIL)."""
+    reader = _Reader()
+    for block in reader.blocks(paths[:_TIMED], 0):
+        take(block)
+    if len(paths) <= _TIMED:
+        return
+    if reader.seconds <= _SLOW_FILE * _TIMED:
+        for block in reader.blocks(paths[_TIMED:], _TIMED):
+            take(block)
+        return
+
+    def step(lo: int) -> list[_Block]:
+        return list(_Reader(reader.slot).blocks(paths[lo : lo + _THREAD_FILES], lo, keep=True))
+
+    steps = range(_TIMED, len(paths), _THREAD_FILES)
     with ThreadPoolExecutor(
         max_workers=min(SIDECAR_THREADS, len(steps)), thread_name_prefix="prealign-sidecars"
     ) as pool:
-        tails = list(pool.map(_read_steps, steps))
-    if any(t is None for t in tails):
-        return None
-    return head + list(itertools.chain.from_iterable(tails))
+        for blocks in pool.map(step, steps):
+            for block in blocks:
+                take(block)
 
 
-def _read_steps(paths: list[str]) -> list[bytes] | None:
-    """:func:`_read_all` of ``paths`` in this thread, :data:`_AT_ONCE` files a step."""
-    out: list[bytes] = []
-    for lo in range(0, len(paths), _AT_ONCE):
-        chunk = paths[lo : lo + _AT_ONCE]
+class _Reader:
+    """Files read into a buffer of ``slot`` bytes a file, :data:`_AT_ONCE` at a time, each step
+    one ``map`` of each system call over them (no Python step per file): open, ``readv`` into its
+    slot, close (no ``fstat`` or seek: a read that stops short of the slot read the whole file).
+    ``seconds``: the wall time spent reading."""
+
+    def __init__(self, slot: int = _SLOT):
+        self.slot = slot
+        self.seconds = 0.0
+        self._buf = bytearray()
+        self._slots: list = []
+
+    def blocks(self, paths: list[str], first: int, keep: bool = False):
+        """The :class:`_Block`\\ s of ``paths`` (shards ``first`` on), one after another; each
+        one's buffer is read into again for the next unless ``keep``."""
+        lo = 0
+        while lo < len(paths):
+            k = min(_AT_ONCE, max(1, _BLOCK // self.slot), len(paths) - lo)
+            t0 = time.perf_counter()
+            lengths, need = self._read(paths[lo : lo + k], keep)
+            self.seconds += time.perf_counter() - t0
+            if lengths.size:
+                yield _Block(first + lo, self.slot, self._buf, lengths)
+            lo += lengths.size
+            if need:
+                self.slot = 1 << (need - 1).bit_length()
+
+    def _read(self, paths: list[str], keep: bool) -> tuple[np.ndarray, int]:
+        """The lengths of the files of ``paths`` read into the buffer, up to the first that
+        outgrew its slot (when one does) and the bytes that one needs (else 0). A step that fails
+        anywhere (a FIFO without data, a folder: ``OSError``) is read again one by one."""
+        slot = self.slot
+        if keep or len(self._slots) < len(paths) or len(self._slots[0][0]) != slot:
+            self._buf = bytearray(len(paths) * slot)
+            view = memoryview(self._buf)
+            self._slots = [[view[lo : lo + slot]] for lo in range(0, len(self._buf), slot)]
         try:
-            out.extend(_read_chunk(chunk))
+            return _read_block(paths, self._slots)
         except (OSError, ValueError):
-            for path in chunk:
+            lengths = []
+            for path, (target,) in zip(paths, self._slots):
                 try:
-                    out.append(_read_one(path))
+                    data = _read_one(path)
                 except FileNotFoundError:
-                    return None
-    return out
+                    raise _Missing(path) from None
+                if len(data) >= slot:
+                    return np.asarray(lengths, np.int64), len(data) + 1
+                target[: len(data)] = data
+                lengths.append(len(data))
+            return np.asarray(lengths, np.int64), 0
 
 
-def _read_chunk(paths: list[str]) -> list[bytes]:
-    """Each file's bytes: four system calls a file (open, a seek to its end for its size, a read
-    of one byte more from 0, close), each step one ``map`` (called from C). A FIFO or socket
-    cannot seek (``OSError``: the step is read again one by one, and refused there); a character
-    device seeks to 0 and then reads more than that, a file that grew or shrank while read reads
-    another length, one over the limit is not read: each ``b""``, read alone. (No ``fstat``:
-    the seek and the read's length stand for it. A block device, the one other kind of file that
-    seeks to its size, is read like a file: bounded, never waited on; its bytes must still be a
-    valid sidecar of this shard, where the one-by-one reader refuses it unread.)"""
+def _read_block(paths: list[str], slots: list) -> tuple[np.ndarray, int]:
+    """:meth:`_Reader._read` of files that all open and read. A file that fills its slot
+    (``fstat``, that file only) is a regular one to read in a larger slot, or one to read alone
+    (length 0: a character device, over the limit, shrunk while read). A FIFO without a writer
+    reads empty (read alone, refused there). (A character or block device that reads a few bytes
+    and stops is taken as a file: its bytes must still be a valid sidecar of this shard.)"""
     fds: list[int] = []
     try:
         fds.extend(map(os.open, paths, itertools.repeat(_FLAGS)))
-        limit = sidecar_limit(0)
-        sizes = np.fromiter(
-            map(os.lseek, fds, itertools.repeat(0), itertools.repeat(os.SEEK_END)),
-            np.int64,
-            len(fds),
-        )
-        want = np.where(sizes <= limit, sizes + 1, 0)
-        datas = list(map(os.pread, fds, want.tolist(), itertools.repeat(0)))
+        got = np.fromiter(map(os.readv, fds, slots), np.int64, len(fds))
+        slot = len(slots[0][0])
+        for i in np.flatnonzero(got == slot).tolist():
+            st = os.fstat(fds[i])
+            if stat.S_ISREG(st.st_mode) and slot <= st.st_size <= sidecar_limit(0):
+                return got[:i], st.st_size + 1
+            got[i] = 0
+        return got, 0
     finally:
-        for fd in fds:
-            os.close(fd)
-    for i in np.flatnonzero(np.fromiter(map(len, datas), np.int64, len(datas)) + 1 != want):
-        datas[i] = b""
-    return datas
+        _close(fds)
+
+
+def _close(fds: list[int]) -> None:
+    """Every fd of ``fds`` closed (one ``map``; one that fails is closed all the same)."""
+    rest = iter(fds)
+    while True:
+        try:
+            collections.deque(map(os.close, rest), 0)
+            return
+        except OSError:
+            continue
 
 
 def _read_one(path: str) -> bytes:
-    """:func:`_read_all` of one file, whatever it is (``FileNotFoundError`` when it does not
-    exist)."""
+    """The bytes of one file, whatever it is (``FileNotFoundError`` when it does not exist;
+    ``b""`` for one to read alone)."""
     try:
         fd = os.open(path, _FLAGS)
     except FileNotFoundError:
@@ -313,47 +360,6 @@ def _parse(source, shard: int, data: bytes, key: str) -> tuple[dict, dict]:
     return meta, arrays
 
 
-def _group(source, datas, left: np.ndarray, expected, key):
-    """``(parts, rest, bad)``: the files of ``left`` (shards of one byte length, in order) that
-    equal the first of them (read alone: the template) but for their values, as :class:`_Part`\\ s
-    (one per :data:`_AT_ONCE` files: their bytes stay in the cache); ``rest`` those of another
-    layout; ``bad`` those of its layout with a value it refuses (a crc32, a name, a character: read
-    alone, to be named)."""
-    first = int(left[0])
-    try:
-        meta, arrays = _parse(source, first, datas[first], key)
-    except StaleIndexError:
-        return [], left[1:], [first]
-    layout = _Layout.of(datas[first], meta)
-    if layout is None or left.size == 1:
-        return [_Part.parsed(first, meta, arrays)], left[1:], []
-    _, probe, _, _ = expected_of(meta, arrays["spans"])
-    template = layout.fixed_words(datas[first])
-    parts, rest, bad = [], [], []
-    for lo in range(0, left.size, _AT_ONCE):
-        chunk = left[lo : lo + _AT_ONCE]
-        joined = b"".join([*_pick(datas, chunk), bytes(8)])  # (one copy)
-        rows = np.frombuffer(joined, np.uint8, len(joined) - 8).reshape(chunk.size, -1)
-        same = layout.same(joined, chunk.size, template)
-        mine = chunk[same]
-        if not same.all():
-            rest.append(chunk[~same])
-            rows = rows[same]
-        names = _pick(expected, mine)  # (what each must name: checked)
-        ok = layout.values_ok(rows) & layout.names_ok(rows, names, meta["shard"])
-        ok &= layout.crc_ok(rows, _pick(datas, mine))
-        if not ok.all():
-            bad.extend(mine[~ok].tolist())
-            mine, rows = mine[ok], rows[ok]
-            names = _pick(expected, mine)
-        if mine.size:
-            k, fields = mine.size, layout.fields
-            sizes = layout.sizes(rows) if "size" in fields else np.full(k, meta["size"])
-            probes = layout.strings(rows, "probe") if "probe" in fields else [probe] * k
-            parts.append(_Part.of(mine, meta, layout.arrays(rows), names, sizes, probes))
-    return parts, np.concatenate(rest) if rest else left[:0], bad
-
-
 def _pick(items: list, at: np.ndarray) -> list:
     """``[items[i] for i in at]``, taken from C."""
     if at.size < 2:
@@ -425,44 +431,41 @@ class _Layout:
         """The :attr:`fixed` bytes of one file (``length`` bytes), masked, as uint64 words."""
         return self.fixed & np.frombuffer(data + bytes(-len(data) % 8), "<u8")
 
-    def same(self, joined: bytes, k: int, template: np.ndarray) -> np.ndarray:
-        """Which of the ``k`` files in ``joined`` (their bytes one after the other, then 8 zero
-        bytes) have the ``template``'s :meth:`fixed_words`: compared 8 bytes at a time."""
-        words = np.ndarray((k, len(self.fixed)), "<u8", buffer=joined, strides=(self.length, 8))
+    def same(self, words: np.ndarray, template: np.ndarray) -> np.ndarray:
+        """Which files (``words``: uint64 ``[k, length / 8]``, each file's bytes) have the
+        ``template``'s :meth:`fixed_words`: compared 8 bytes at a time."""
         return ((words & self.fixed) == template).all(axis=1)
 
-    def crc_ok(self, rows: np.ndarray, datas: list[bytes]) -> np.ndarray:
-        """Each file's entries (``datas``, the bytes of ``rows``) of their recorded crc32: each
-        entry's crc32 over all its bytes, its bytes from its first that may vary (those before are
-        the template's, :meth:`same`: their crc32 is the template's, the ``zlib.crc32`` it starts
+    def crc_ok(self, rows: np.ndarray, view: memoryview, starts: np.ndarray) -> np.ndarray:
+        """Each file's entries of their recorded crc32 (``rows``: the files' bytes, ``[k, >=
+        length]``; ``view``: the same bytes, file ``i``'s from ``starts[i]``): each entry's crc32
+        over all its bytes, its bytes from its first that may vary (those before are the
+        template's, :meth:`same`: their crc32 is the template's, the ``zlib.crc32`` it starts
         from). An entry whose bytes are the template's (:attr:`template_bytes`) in every file
         has the template's crc32 (checked when the template was read): no call (a data set's
         constant arrays: ``media`` and ``dim_ids`` of text). One ``zlib.crc32`` for each other
-        entry of each file, called from C: no Python step per file."""
-        k = len(datas)
-        if not k:
-            return np.ones(0, bool)
+        entry of each file, on a slice of ``view``, called from C: no Python step per file."""
+        k = len(rows)
         found = np.empty((k, len(self.crcs)), np.uint32)
         moving = []
         for j, (a, b, _, _, whole) in enumerate(self.crcs):
             mine = self.template_bytes[a:b]
-            if np.array_equal(rows[-1, a:b], mine) and (rows[:, a:b] == mine).all():
+            if k and np.array_equal(rows[-1, a:b], mine) and (rows[:, a:b] == mine).all():
                 found[:, j] = whole
             else:
                 moving.append(j)
-        if moving:
-            crcs = [self.crcs[j] for j in moving]
-            entries = operator.itemgetter(*(slice(a, b) for a, b, _, _, _ in crcs))
-            pieces = map(entries, datas)  # (a tuple a file when there are several)
+        if k and moving:
+            spans = np.asarray([self.crcs[j][:2] for j in moving], np.int64)  # [m, 2]
+            at = (np.asarray(starts, np.int64)[:, None, None] + spans).reshape(-1, 2).T.tolist()
             found[:, moving] = np.fromiter(
                 map(
                     zlib.crc32,
-                    itertools.chain.from_iterable(pieces) if len(crcs) > 1 else pieces,
-                    itertools.cycle([seed for _, _, _, seed, _ in crcs]),
+                    map(view.__getitem__, map(slice, *at)),
+                    itertools.cycle([self.crcs[j][3] for j in moving]),
                 ),
                 np.uint32,
-                k * len(crcs),
-            ).reshape(k, len(crcs))
+                k * len(moving),
+            ).reshape(k, len(moving))
         cols = np.asarray([c for _, _, c, _, _ in self.crcs])[:, None] + np.arange(4)
         recorded = np.ascontiguousarray(rows[:, cols.reshape(-1)]).view("<u4")
         return (found == recorded).all(axis=1)
@@ -507,7 +510,7 @@ class _Layout:
         out = {}
         for name in _ARRAYS:
             a, b, header = self.data[name]
-            flat = np.ascontiguousarray(rows[:, a:b]).view(header.dtype)
+            flat = rows[:, a:b].copy().view(header.dtype)  # (a copy: the rows are reread)
             out[name] = flat.reshape((len(rows) * header.shape[0], *header.shape[1:]))
         return out
 
@@ -573,6 +576,102 @@ def _meta_fields(text: bytes, meta: dict) -> dict[str, tuple[int, int]] | None:
     except (ValueError, UnicodeDecodeError):
         return None
     return fields
+
+
+@dataclass
+class _Template:
+    """A sidecar read alone (``meta``, ``probe``: its probe) and its :class:`_Layout`; ``words``
+    its :meth:`_Layout.fixed_words`."""
+
+    layout: _Layout
+    words: np.ndarray
+    meta: dict
+    probe: str
+
+
+class _Bulk:
+    """The sidecars of a source taken block after block (:meth:`take`): ``parts`` read at once,
+    ``alone`` the shards to read alone (to be named when at fault), ``templates`` tried for each
+    byte length (up to :data:`TEMPLATES`, None for a try that gave none)."""
+
+    def __init__(self, source, names, key: str):
+        self.source, self.names, self.key = source, names, key
+        self.templates: dict[int, list[_Template | None]] = {}
+        self.parts: list[_Part] = []
+        self.alone: list[int] = []
+
+    def take(self, block: _Block) -> None:
+        """A block's files grouped by byte length, each group compared with the templates of its
+        length (a new one, read alone, where none matches); the files left read alone."""
+        lengths = block.lengths
+        order = np.argsort(lengths, kind="stable")
+        for group in np.split(order, np.flatnonzero(np.diff(lengths[order])) + 1):
+            length = int(lengths[group[0]])
+            left = group if length else group[:0]  # (an empty file is no sidecar either)
+            tried = self.templates.setdefault(length, [])
+            for i in range(TEMPLATES):
+                if not left.size:
+                    break
+                if i == len(tried):
+                    tried.append(self._template(block, int(left[0])))
+                    if tried[i] is None:
+                        left = left[1:]
+                        continue
+                if tried[i] is not None:
+                    left = self._match(tried[i], block, left)
+            self.alone.extend((block.first + (left if length else group)).tolist())
+
+    def _template(self, block: _Block, i: int) -> _Template | None:
+        """File ``i`` of ``block`` read alone as a template; None when it is none (to be read
+        alone: in ``alone``; not what :func:`_Layout.of` reads: in ``parts``)."""
+        shard, at = block.first + i, i * block.slot
+        data = bytes(memoryview(block.buf)[at : at + int(block.lengths[i])])
+        try:
+            meta, arrays = _parse(self.source, shard, data, self.key)
+        except StaleIndexError:
+            self.alone.append(shard)
+            return None
+        layout = _Layout.of(data, meta)
+        if layout is None:
+            self.parts.append(_Part.parsed(shard, meta, arrays))
+            return None
+        _, probe, _, _ = expected_of(meta, arrays["spans"])
+        return _Template(layout, layout.fixed_words(data), meta, probe)
+
+    def _match(self, template: _Template, block: _Block, left: np.ndarray) -> np.ndarray:
+        """The files ``left`` of ``block`` (of the template's length, in order) that equal the
+        template but for their values taken as a :class:`_Part`; those with a value it refuses
+        (a crc32, a name, a character) in ``alone``; those of another layout returned."""
+        layout, meta, slot = template.layout, template.meta, block.slot
+        width = len(layout.fixed) * 8
+        lo, hi = int(left[0]), int(left[-1]) + 1
+        if hi - lo == left.size:  # (in place)
+            words = np.ndarray(
+                (left.size, width // 8), "<u8", block.buf, lo * slot, (slot, 8)
+            )
+            rows = np.ndarray((left.size, width), np.uint8, block.buf, lo * slot, (slot, 1))
+        else:
+            whole = np.frombuffer(block.buf, np.uint8, block.lengths.size * slot)
+            rows = whole.reshape(-1, slot)[left, :width]
+            words = rows.view("<u8")
+        same = layout.same(words, template.words)
+        mine = left[same]
+        if mine.size < left.size:
+            rows = rows[same]
+        names = _pick(self.names(), block.first + mine)  # (what each must name: checked)
+        ok = layout.values_ok(rows) & layout.names_ok(rows, names, meta["shard"])
+        ok &= layout.crc_ok(rows, memoryview(block.buf), mine * slot)
+        if not ok.all():
+            self.alone.extend((block.first + mine[~ok]).tolist())
+            mine, rows = mine[ok], rows[ok]
+            names = _pick(self.names(), block.first + mine)
+        if mine.size:
+            k, fields = mine.size, layout.fields
+            sizes = layout.sizes(rows) if "size" in fields else np.full(k, meta["size"])
+            probes = layout.strings(rows, "probe") if "probe" in fields else [template.probe] * k
+            arrays = layout.arrays(rows)
+            self.parts.append(_Part.of(block.first + mine, meta, arrays, names, sizes, probes))
+        return left[~same]
 
 
 def _assemble(source, parts: list[_Part]):
