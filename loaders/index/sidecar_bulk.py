@@ -138,12 +138,13 @@ def _paths(source, names) -> list[str] | None:
 _FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC
 _AT_ONCE = 256
 """Files open at once while read (well below a process's usual limit of 1,024)."""
-_SLOT = 8 << 10
-"""Bytes a file may fill at first (a sidecar of up to ~100 samples). One that fills its slot is read
-again, with the files after it, in slots of the power of two that holds it."""
-_BLOCK = 8 << 20
-"""Most bytes of the buffer a block of files is read into (fewer files a block when they are
-large)."""
+_SLOT = 64 << 10
+"""Bytes each of the first files may fill (:data:`_TIMED` of them); the others' slot is
+:func:`_fit` to the largest of those. A file that fills its slot is read again, with the files
+after it, in slots that fit it."""
+_BLOCK = 2 << 20
+"""Most bytes of the buffer a block of files is read into (the buffer is reused block after
+block: fewer, larger blocks, fewer numpy calls)."""
 _TIMED = 32
 """Files read first, timed: their wall time per file says whether the file system is slow."""
 _SLOW_FILE = 1e-3
@@ -153,6 +154,11 @@ _THREAD_FILES = 32
 """Files a thread reads per step once the file system is slow (so all threads have work)."""
 
 
+def _fit(length: int) -> int:
+    """The slot of files of about ``length`` bytes: a quarter more, in KiB."""
+    return -(-(length + length // 4 + 1) // 1024) * 1024
+
+
 class _Missing(Exception):
     """A sidecar does not exist."""
 
@@ -160,12 +166,13 @@ class _Missing(Exception):
 @dataclass
 class _Block:
     """Sidecars of shards ``first`` on, read: the ``lengths[i]`` bytes (int64) of shard
-    ``first + i``'s at ``buf[i * slot:]``; 0 for one to read alone (over :func:`sidecar_limit` of
-    an empty shard, not a regular file, empty, unreadable: that reader names why)."""
+    ``first + i``'s at ``buf[i * slot:]`` (``buf``: uint8); 0 for one to read alone (over
+    :func:`sidecar_limit` of an empty shard, not a regular file, empty, unreadable: that reader
+    names why)."""
 
     first: int
     slot: int
-    buf: bytearray
+    buf: np.ndarray
     lengths: np.ndarray
 
 
@@ -180,6 +187,7 @@ def _read_all(paths: list[str], take) -> None:
         take(block)
     if len(paths) <= _TIMED:
         return
+    reader.slot = min(reader.slot, _fit(reader.longest))
     if reader.seconds <= _SLOW_FILE * _TIMED:
         for block in reader.blocks(paths[_TIMED:], _TIMED):
             take(block)
@@ -198,15 +206,17 @@ def _read_all(paths: list[str], take) -> None:
 
 
 class _Reader:
-    """Files read into a buffer of ``slot`` bytes a file, :data:`_AT_ONCE` at a time, each step
-    one ``map`` of each system call over them (no Python step per file): open, ``readv`` into its
-    slot, close (no ``fstat`` or seek: a read that stops short of the slot read the whole file).
-    ``seconds``: the wall time spent reading."""
+    """Files read into a buffer of ``slot`` bytes a file (uninitialised: only the bytes read are
+    looked at), :data:`_AT_ONCE` open at a time, each step one ``map`` of each system call over
+    them (no Python step per file): open, ``readv`` into its slot, close (no ``fstat`` or seek: a
+    read that stops short of its slot read the whole file). ``seconds``: the wall time spent
+    reading; ``longest``: the most bytes a file read."""
 
     def __init__(self, slot: int = _SLOT):
         self.slot = slot
         self.seconds = 0.0
-        self._buf = bytearray()
+        self.longest = 0
+        self._buf = np.empty(0, np.uint8)
         self._slots: list = []
 
     def blocks(self, paths: list[str], first: int, keep: bool = False):
@@ -214,39 +224,52 @@ class _Reader:
         one's buffer is read into again for the next unless ``keep``."""
         lo = 0
         while lo < len(paths):
-            k = min(_AT_ONCE, max(1, _BLOCK // self.slot), len(paths) - lo)
+            k = min(max(1, _BLOCK // self.slot), len(paths) - lo)
             t0 = time.perf_counter()
             lengths, need = self._read(paths[lo : lo + k], keep)
             self.seconds += time.perf_counter() - t0
             if lengths.size:
+                self.longest = max(self.longest, int(lengths.max()))
                 yield _Block(first + lo, self.slot, self._buf, lengths)
             lo += lengths.size
             if need:
-                self.slot = 1 << (need - 1).bit_length()
+                self.slot = max(_fit(need), 2 * self.slot)
 
     def _read(self, paths: list[str], keep: bool) -> tuple[np.ndarray, int]:
         """The lengths of the files of ``paths`` read into the buffer, up to the first that
         outgrew its slot (when one does) and the bytes that one needs (else 0). A step that fails
         anywhere (a FIFO without data, a folder: ``OSError``) is read again one by one."""
-        slot = self.slot
-        if keep or len(self._slots) < len(paths) or len(self._slots[0][0]) != slot:
-            self._buf = bytearray(len(paths) * slot)
+        slot, k = self.slot, len(paths)
+        if keep or len(self._slots) < k or len(self._slots[0][0]) != slot:
+            self._buf = np.empty(k * slot, np.uint8)
             view = memoryview(self._buf)
-            self._slots = [[view[lo : lo + slot]] for lo in range(0, len(self._buf), slot)]
+            self._slots = [[view[lo : lo + slot]] for lo in range(0, k * slot, slot)]
+        lengths = np.empty(k, np.int64)
+        for lo in range(0, k, _AT_ONCE):
+            step, slots = paths[lo : lo + _AT_ONCE], self._slots[lo : lo + _AT_ONCE]
+            try:
+                got, need = _read_block(step, slots)
+            except (OSError, ValueError):
+                got, need = _read_one_by_one(step, slots)
+            lengths[lo : lo + got.size] = got
+            if need:
+                return lengths[: lo + got.size], need
+        return lengths, 0
+
+
+def _read_one_by_one(paths: list[str], slots: list) -> tuple[np.ndarray, int]:
+    """:meth:`_Reader._read` of a step, file by file (:func:`_read_one`)."""
+    lengths: list[int] = []
+    for path, (target,) in zip(paths, slots):
         try:
-            return _read_block(paths, self._slots)
-        except (OSError, ValueError):
-            lengths = []
-            for path, (target,) in zip(paths, self._slots):
-                try:
-                    data = _read_one(path)
-                except FileNotFoundError:
-                    raise _Missing(path) from None
-                if len(data) >= slot:
-                    return np.asarray(lengths, np.int64), len(data) + 1
-                target[: len(data)] = data
-                lengths.append(len(data))
-            return np.asarray(lengths, np.int64), 0
+            data = _read_one(path)
+        except FileNotFoundError:
+            raise _Missing(path) from None
+        if len(data) >= len(target):
+            return np.asarray(lengths, np.int64), len(data) + 1
+        target[: len(data)] = data
+        lengths.append(len(data))
+    return np.asarray(lengths, np.int64), 0
 
 
 def _read_block(paths: list[str], slots: list) -> tuple[np.ndarray, int]:
@@ -436,36 +459,22 @@ class _Layout:
         ``template``'s :meth:`fixed_words`: compared 8 bytes at a time."""
         return ((words & self.fixed) == template).all(axis=1)
 
-    def crc_ok(self, rows: np.ndarray, view: memoryview, starts: np.ndarray) -> np.ndarray:
-        """Each file's entries of their recorded crc32 (``rows``: the files' bytes, ``[k, >=
-        length]``; ``view``: the same bytes, file ``i``'s from ``starts[i]``): each entry's crc32
-        over all its bytes, its bytes from its first that may vary (those before are the
-        template's, :meth:`same`: their crc32 is the template's, the ``zlib.crc32`` it starts
-        from). An entry whose bytes are the template's (:attr:`template_bytes`) in every file
-        has the template's crc32 (checked when the template was read): no call (a data set's
-        constant arrays: ``media`` and ``dim_ids`` of text). One ``zlib.crc32`` for each other
-        entry of each file, on a slice of ``view``, called from C: no Python step per file."""
-        k = len(rows)
-        found = np.empty((k, len(self.crcs)), np.uint32)
-        moving = []
-        for j, (a, b, _, _, whole) in enumerate(self.crcs):
+    def crc_ok(self, rows: np.ndarray) -> np.ndarray:
+        """Each file's entries (``rows``: the files' bytes, uint8 ``[k, >= length]``) of their
+        recorded crc32: each entry's crc32 over all its bytes, its bytes from its first that may
+        vary (those before are the template's, :meth:`same`: their crc32 is the template's, the
+        ``zlib.crc32`` it starts from). An entry whose bytes are the template's
+        (:attr:`template_bytes`) in every file has the template's crc32 (checked when the
+        template was read): no call (a data set's constant arrays: ``media`` and ``dim_ids`` of
+        text). One ``zlib.crc32`` for each other entry of each file, on the rows of its columns,
+        called from C: no Python step per file."""
+        found = np.empty((len(rows), len(self.crcs)), np.uint32)
+        for j, (a, b, _, seed, whole) in enumerate(self.crcs):
             mine = self.template_bytes[a:b]
-            if k and np.array_equal(rows[-1, a:b], mine) and (rows[:, a:b] == mine).all():
+            if len(rows) and (rows[-1, a:b] == mine).all() and (rows[:, a:b] == mine).all():
                 found[:, j] = whole
             else:
-                moving.append(j)
-        if k and moving:
-            spans = np.asarray([self.crcs[j][:2] for j in moving], np.int64)  # [m, 2]
-            at = (np.asarray(starts, np.int64)[:, None, None] + spans).reshape(-1, 2).T.tolist()
-            found[:, moving] = np.fromiter(
-                map(
-                    zlib.crc32,
-                    map(view.__getitem__, map(slice, *at)),
-                    itertools.cycle([self.crcs[j][3] for j in moving]),
-                ),
-                np.uint32,
-                k * len(moving),
-            ).reshape(k, len(moving))
+                found[:, j] = list(map(zlib.crc32, rows[:, a:b], itertools.repeat(seed)))
         cols = np.asarray([c for _, _, c, _, _ in self.crcs])[:, None] + np.arange(4)
         recorded = np.ascontiguousarray(rows[:, cols.reshape(-1)]).view("<u4")
         return (found == recorded).all(axis=1)
@@ -604,8 +613,12 @@ class _Bulk:
         """A block's files grouped by byte length, each group compared with the templates of its
         length (a new one, read alone, where none matches); the files left read alone."""
         lengths = block.lengths
-        order = np.argsort(lengths, kind="stable")
-        for group in np.split(order, np.flatnonzero(np.diff(lengths[order])) + 1):
+        if (lengths == lengths[0]).all():
+            groups = [np.arange(lengths.size)]
+        else:
+            order = np.argsort(lengths, kind="stable")
+            groups = np.split(order, np.flatnonzero(np.diff(lengths[order])) + 1)
+        for group in groups:
             length = int(lengths[group[0]])
             left = group if length else group[:0]  # (an empty file is no sidecar either)
             tried = self.templates.setdefault(length, [])
@@ -645,22 +658,16 @@ class _Bulk:
         layout, meta, slot = template.layout, template.meta, block.slot
         width = len(layout.fixed) * 8
         lo, hi = int(left[0]), int(left[-1]) + 1
-        if hi - lo == left.size:  # (in place)
-            words = np.ndarray(
-                (left.size, width // 8), "<u8", block.buf, lo * slot, (slot, 8)
-            )
-            rows = np.ndarray((left.size, width), np.uint8, block.buf, lo * slot, (slot, 1))
-        else:
-            whole = np.frombuffer(block.buf, np.uint8, block.lengths.size * slot)
-            rows = whole.reshape(-1, slot)[left, :width]
-            words = rows.view("<u8")
+        whole = block.buf[: block.lengths.size * slot].reshape(-1, slot)
+        rows = whole[lo:hi] if hi - lo == left.size else whole[left, :width]  # (in place or not)
+        words = rows.view("<u8")[:, : width // 8]
         same = layout.same(words, template.words)
         mine = left[same]
         if mine.size < left.size:
             rows = rows[same]
         names = _pick(self.names(), block.first + mine)  # (what each must name: checked)
         ok = layout.values_ok(rows) & layout.names_ok(rows, names, meta["shard"])
-        ok &= layout.crc_ok(rows, memoryview(block.buf), mine * slot)
+        ok &= layout.crc_ok(rows)
         if not ok.all():
             self.alone.extend((block.first + mine[~ok]).tolist())
             mine, rows = mine[ok], rows[ok]
