@@ -35,10 +35,11 @@ import json
 import operator
 import os
 import stat
+import struct
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -399,7 +400,8 @@ class _Layout:
     entry's bytes before start, the template's crc32 of the entry)`` of each entry
     (:func:`_crc_from`), ``data`` ``{entry: (start, end, header)}`` of each array, ``fields``
     ``{name: (start, end)}`` of each value in the file, ``text`` and ``digits`` the offsets of
-    the bytes of its string values and of its int values."""
+    the bytes of its string values and of its int values; ``runs`` the ``(start, end)`` of each
+    run of words of :attr:`fixed` with a byte alike."""
 
     fixed: np.ndarray
     length: int
@@ -409,6 +411,8 @@ class _Layout:
     fields: dict
     text: np.ndarray
     digits: np.ndarray
+    runs: list = field(default_factory=list)
+    _cuts: dict = field(default_factory=dict)
 
     @classmethod
     def of(cls, data: bytes, meta: dict) -> _Layout | None:
@@ -439,8 +443,11 @@ class _Layout:
             varies[lo + a : lo + b] = True
         crcs = [_crc_from(data, varies, *c) for c in crcs]
         fields = {name: (lo + a, lo + b) for name, (a, b) in fields.items()}
+        fixed = _words(~varies)
+        edges = np.flatnonzero(np.diff(np.concatenate([[0], fixed != 0, [0]]).astype(np.int8)))
         return cls(
-            fixed=_words(~varies),
+            fixed=fixed,
+            runs=edges.reshape(-1, 2).tolist(),
             length=len(data),
             template_bytes=np.frombuffer(data, np.uint8),
             crcs=crcs,
@@ -456,28 +463,51 @@ class _Layout:
 
     def same(self, words: np.ndarray, template: np.ndarray) -> np.ndarray:
         """Which files (``words``: uint64 ``[k, length / 8]``, each file's bytes) have the
-        ``template``'s :meth:`fixed_words`: compared 8 bytes at a time."""
-        return ((words & self.fixed) == template).all(axis=1)
+        ``template``'s :meth:`fixed_words`: compared 8 bytes at a time, run by run of
+        :attr:`runs` (the words of arrays, all bytes that may differ, are not read)."""
+        ok = np.ones(len(words), bool)
+        for a, b in self.runs:
+            ok &= ((words[:, a:b] & self.fixed[a:b]) == template[a:b]).all(axis=1)
+        return ok
 
     def crc_ok(self, rows: np.ndarray) -> np.ndarray:
-        """Each file's entries (``rows``: the files' bytes, uint8 ``[k, >= length]``) of their
-        recorded crc32: each entry's crc32 over all its bytes, its bytes from its first that may
-        vary (those before are the template's, :meth:`same`: their crc32 is the template's, the
-        ``zlib.crc32`` it starts from). An entry whose bytes are the template's
+        """Each file's entries (``rows``: the files' bytes, uint8 ``[k, >= length]``, C order) of
+        their recorded crc32: each entry's crc32 over all its bytes, its bytes from its first that
+        may vary (those before are the template's, :meth:`same`: their crc32 is the template's,
+        the ``zlib.crc32`` it starts from). An entry whose bytes are the template's
         (:attr:`template_bytes`) in every file has the template's crc32 (checked when the
         template was read): no call (a data set's constant arrays: ``media`` and ``dim_ids`` of
-        text). One ``zlib.crc32`` for each other entry of each file, on the rows of its columns,
-        called from C: no Python step per file."""
+        text). One ``zlib.crc32`` for each other entry of each file, its bytes cut from the rows
+        by one ``struct`` unpacking a file, all called from C: no Python step per file."""
         found = np.empty((len(rows), len(self.crcs)), np.uint32)
-        for j, (a, b, _, seed, whole) in enumerate(self.crcs):
+        moving = []
+        for j, (a, b, _, _, whole) in enumerate(self.crcs):
             mine = self.template_bytes[a:b]
             if len(rows) and (rows[-1, a:b] == mine).all() and (rows[:, a:b] == mine).all():
                 found[:, j] = whole
             else:
-                found[:, j] = list(map(zlib.crc32, rows[:, a:b], itertools.repeat(seed)))
+                moving.append(j)
+        if moving and len(rows):
+            rows = np.ascontiguousarray(rows)
+            cut = self._cut(tuple(moving), rows.shape[1])
+            pieces = itertools.chain.from_iterable(cut.iter_unpack(memoryview(rows).cast("B")))
+            seeds = itertools.cycle([self.crcs[j][3] for j in moving])
+            crcs = np.asarray(list(map(zlib.crc32, pieces, seeds)), np.uint32)
+            found[:, moving] = crcs.reshape(len(rows), len(moving))
         cols = np.asarray([c for _, _, c, _, _ in self.crcs])[:, None] + np.arange(4)
         recorded = np.ascontiguousarray(rows[:, cols.reshape(-1)]).view("<u4")
         return (found == recorded).all(axis=1)
+
+    def _cut(self, moving: tuple, width: int) -> struct.Struct:
+        """The ``struct`` that unpacks a row of ``width`` bytes into the bytes of the entries
+        ``moving`` from their first that may vary (made once)."""
+        if (moving, width) not in self._cuts:
+            spec, at = [], 0
+            for a, b, _, _, _ in (self.crcs[j] for j in moving):
+                spec.append(f"{a - at}x{b - a}s")
+                at = b
+            self._cuts[moving, width] = struct.Struct("".join(spec) + f"{width - at}x")
+        return self._cuts[moving, width]
 
     def values_ok(self, rows: np.ndarray) -> np.ndarray:
         """Each file's values are what parse_sidecar reads as the template's: a string's bytes
@@ -512,7 +542,8 @@ class _Layout:
         """The value ``name`` of each file (str; its bytes checked by :meth:`values_ok`)."""
         a, b = self.fields[name]
         text = np.ascontiguousarray(rows[:, a:b]).tobytes().decode("ascii")
-        return [text[i : i + b - a] for i in range(0, len(text), b - a)]
+        cuts = range(0, len(text) + 1, b - a)
+        return list(map(text.__getitem__, map(slice, cuts, cuts[1:])))
 
     def arrays(self, rows: np.ndarray) -> dict[str, np.ndarray]:
         """Each array of every file, file after file: one slice of the group's bytes each."""
