@@ -160,6 +160,11 @@ def _fit(length: int) -> int:
     return -(-(length + length // 4 + 1) // 1024) * 1024
 
 
+def _words_of(n: int) -> int:
+    """``n`` bytes rounded up to whole uint64 words (a slot holds a file's words)."""
+    return -(-n // 8) * 8
+
+
 class _Missing(Exception):
     """A sidecar does not exist."""
 
@@ -188,7 +193,7 @@ def _read_all(paths: list[str], take) -> None:
         take(block)
     if len(paths) <= _TIMED:
         return
-    reader.slot = min(reader.slot, _fit(reader.longest))
+    reader.slot = min(reader.slot, _words_of(_fit(reader.longest)))
     if reader.seconds <= _SLOW_FILE * _TIMED:
         for block in reader.blocks(paths[_TIMED:], _TIMED):
             take(block)
@@ -214,7 +219,7 @@ class _Reader:
     reading; ``longest``: the most bytes a file read."""
 
     def __init__(self, slot: int = _SLOT):
-        self.slot = slot
+        self.slot = _words_of(slot)
         self.seconds = 0.0
         self.longest = 0
         self._buf = np.empty(0, np.uint8)
@@ -234,7 +239,7 @@ class _Reader:
                 yield _Block(first + lo, self.slot, self._buf, lengths)
             lo += lengths.size
             if need:
-                self.slot = max(_fit(need), 2 * self.slot)
+                self.slot = _words_of(max(_fit(need), 2 * self.slot))
 
     def _read(self, paths: list[str], keep: bool) -> tuple[np.ndarray, int]:
         """The lengths of the files of ``paths`` read into the buffer, up to the first that
