@@ -1,14 +1,15 @@
 """Every sidecar of a source read and checked at once: a loader's start over many small shards at a
 cost per distinct sidecar layout, not a parse per sidecar (issue #28).
 
-    sidecar files ──open, seek to the end, read, close each (on threads where the file system
-                    is slow)──► grouped by byte length
-      a group's first file: read alone (parse_sidecar, check_meta: every check): its template
+    sidecar files ──open, preadv into the file's slot of one buffer, close (no seek, no stat: a
+                    read that stops short of its slot read the whole file), block after block of
+                    2 MiB (on threads where the file system is slow)──► a block grouped by length
+      a length's first file: read alone (parse_sidecar, check_meta: every check): its template
       every other file compared with it in a few numpy calls, byte for byte: the zip's records and
           the npy headers (but for the crc32 and time fields), the meta JSON (but for the values of
           ``shard``, ``size``, ``hash``, ``probe``: bytes that can neither end nor escape a JSON
           string, digits); then each entry's crc32 (from its first byte that may differ: the
-          template's crc32 of the bytes before), and its arrays are slices of the group's bytes
+          template's crc32 of the bytes before), and its arrays are copies of the block's columns
       any file that differs anywhere else: read alone, as a file that is its own template
     ──► the in-memory form of a merged index (``meta``, ``arrays``), its values checked at once
         (:func:`~prealign.loaders.index.sidecar.joint_values`); the loader builds its index from it
@@ -21,10 +22,11 @@ is read alone and named by that function, the first failure in shard order raise
 sidecars of plain paths take this path (URLs are read on threads, one by one:
 :func:`~prealign.loaders.index.source_index.sidecar_records`), and only when every shard has one.
 
-Its cost is about 10 µs of CPU per sidecar (2,000 sidecars of 10 samples: ~20 ms): 4 system calls
-(~2 µs to open and close, ~2 µs to seek and read), 6 ``zlib.crc32`` calls (~2.5 µs) and its share
-of the numpy calls of its group; from 1,000 sidecars a start says once that a merged index is one
-read (:class:`~prealign.loaders.index.source_index.MergedIndexWarning`).
+Its cost is about 9 µs of CPU per sidecar (2,000 sidecars of 10 samples: ~18-20 ms, this machine,
+warm): 3 system calls (~4 µs: ~2 to open and close, ~2 to copy its 3.5 KB in), 4 ``zlib.crc32``
+calls (~1.5 µs), its share of the numpy calls of its block (~1.5 µs: the byte comparison most) and
+of the meta's per-shard values (names, probes). From 1,000 sidecars a start says once that a merged
+index is one read (:class:`~prealign.loaders.index.source_index.MergedIndexWarning`).
 """
 
 from __future__ import annotations
@@ -214,7 +216,7 @@ def _read_all(paths: list[str], take) -> None:
 class _Reader:
     """Files read into a buffer of ``slot`` bytes a file (uninitialised: only the bytes read are
     looked at), :data:`_AT_ONCE` open at a time, each step one ``map`` of each system call over
-    them (no Python step per file): open, ``readv`` into its slot, close (no ``fstat`` or seek: a
+    them (no Python step per file): open, ``preadv`` into its slot, close (no ``fstat`` or seek: a
     read that stops short of its slot read the whole file). ``seconds``: the wall time spent
     reading; ``longest``: the most bytes a file read."""
 
@@ -279,15 +281,18 @@ def _read_one_by_one(paths: list[str], slots: list) -> tuple[np.ndarray, int]:
 
 
 def _read_block(paths: list[str], slots: list) -> tuple[np.ndarray, int]:
-    """:meth:`_Reader._read` of files that all open and read. A file that fills its slot
-    (``fstat``, that file only) is a regular one to read in a larger slot, or one to read alone
-    (length 0: a character device, over the limit, shrunk while read). A FIFO without a writer
-    reads empty (read alone, refused there). (A character or block device that reads a few bytes
-    and stops is taken as a file: its bytes must still be a valid sidecar of this shard.)"""
+    """:meth:`_Reader._read` of files that all open and read, each with ``preadv`` from 0: a
+    FIFO or socket cannot (``OSError``: the step is read again one by one, and refused there). A
+    file that fills its slot (``fstat``, that file only) is a regular one to read in a larger
+    slot, or one to read alone (length 0: a character device, over the limit, shrunk while read).
+    (A character or block device that reads a few bytes and stops is taken as a file: its bytes
+    must still be a valid sidecar of this shard; a platform without ``preadv`` reads one by
+    one.)"""
     fds: list[int] = []
     try:
         fds.extend(map(os.open, paths, itertools.repeat(_FLAGS)))
-        got = np.fromiter(map(os.readv, fds, slots), np.int64, len(fds))
+        preadv = getattr(os, "preadv", _no_preadv)
+        got = np.fromiter(map(preadv, fds, slots, itertools.repeat(0)), np.int64, len(fds))
         slot = len(slots[0][0])
         for i in np.flatnonzero(got == slot).tolist():
             st = os.fstat(fds[i])
@@ -297,6 +302,11 @@ def _read_block(paths: list[str], slots: list) -> tuple[np.ndarray, int]:
         return got, 0
     finally:
         _close(fds)
+
+
+def _no_preadv(fd: int, buffers: list, offset: int) -> int:
+    """A platform without ``os.preadv``: each step read one by one."""
+    raise OSError("no os.preadv here: read one by one")
 
 
 def _close(fds: list[int]) -> None:

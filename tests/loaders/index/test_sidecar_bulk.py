@@ -454,3 +454,26 @@ def test_a_file_that_fills_its_slot_is_read_again_in_a_larger_one(tmp_path):
     found = [(b.first, b.lengths.tolist()) for b in blocks]
     assert found == [(5, [slot - 1]), (6, [slot, 3 * slot])]
     assert blocks[1].slot > 3 * slot and reader.slot == blocks[1].slot
+
+
+def test_a_fifo_fed_a_valid_sidecar_is_refused_as_one_by_one(shards, tmp_path):
+    """A sidecar that is a FIFO is refused unread, even with a writer that has put the shard's
+    own valid sidecar in it (each file is read with ``preadv``, which a FIFO cannot: that step is
+    read one by one, and the FIFO refused there as the one-by-one reader refuses it)."""
+    paths, index_dir = shards
+    folder = str(tmp_path / "index")
+    shutil.copytree(index_dir, folder)
+    side = os.path.join(folder, os.path.basename(paths[MUTATED]) + SUFFIX)
+    with open(side, "rb") as f:
+        data = f.read()
+    os.remove(side)
+    os.mkfifo(side)
+    writer = os.open(side, os.O_RDWR | os.O_NONBLOCK)  # (holds the FIFO open, its data queued)
+    try:
+        os.write(writer, data)
+        found = _start(paths, folder, bulk=True)
+    finally:
+        os.close(writer)
+    assert found[:2] == ("error", "StaleIndexError") and "not a regular file" in found[2], found
+    assert paths[MUTATED] in found[2] or side in found[2]
+    assert found == _start(paths, folder, bulk=False)
