@@ -246,7 +246,7 @@ class _Reader:
     def _read(self, paths: list[str], keep: bool) -> tuple[np.ndarray, int]:
         """The lengths of the files of ``paths`` read into the buffer, up to the first that
         outgrew its slot (when one does) and the bytes that one needs (else 0). A step that fails
-        anywhere (a FIFO without data, a folder: ``OSError``) is read again one by one."""
+        anywhere (a FIFO, a folder, a file removed: ``OSError``) is read again one by one."""
         slot, k = self.slot, len(paths)
         if keep or len(self._slots) < k or len(self._slots[0][0]) != slot:
             self._buf = np.empty(k * slot, np.uint8)
