@@ -38,6 +38,7 @@ import operator
 import os
 import stat
 import struct
+import threading
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -174,14 +175,18 @@ class _Missing(Exception):
 @dataclass
 class _Block:
     """Sidecars of shards ``first`` on, read: the ``lengths[i]`` bytes (int64) of shard
-    ``first + i``'s at ``buf[i * slot:]`` (``buf``: uint8); 0 for one to read alone (over
-    :func:`sidecar_limit` of an empty shard, not a regular file, empty, unreadable: that reader
-    names why)."""
+    ``first + i``'s at ``buf[i * slot:]`` (``buf``: uint8, of ``buffer``); 0 for one to read
+    alone (over :func:`sidecar_limit` of an empty shard, not a regular file, empty, unreadable:
+    that reader names why)."""
 
     first: int
     slot: int
-    buf: np.ndarray
+    buffer: _Buffer
     lengths: np.ndarray
+
+    @property
+    def buf(self) -> np.ndarray:
+        return self.buffer.array
 
 
 def _read_all(paths: list[str], take) -> None:
@@ -191,15 +196,18 @@ def _read_all(paths: list[str], take) -> None:
     rest are read on up to :data:`~prealign.loaders.index.sidecar.SIDECAR_THREADS` threads, a
     buffer each step, the system calls overlapping (they release the GIL)."""
     reader = _Reader()
-    for block in reader.blocks(paths[:_TIMED], 0):
-        take(block)
-    if len(paths) <= _TIMED:
-        return
-    reader.slot = min(reader.slot, _words_of(_fit(reader.longest)))
-    if reader.seconds <= _SLOW_FILE * _TIMED:
-        for block in reader.blocks(paths[_TIMED:], _TIMED):
+    try:
+        for block in reader.blocks(paths[:_TIMED], 0):
             take(block)
-        return
+        if len(paths) <= _TIMED:
+            return
+        reader.slot = min(reader.slot, _words_of(_fit(reader.longest)))
+        if reader.seconds <= _SLOW_FILE * _TIMED:
+            for block in reader.blocks(paths[_TIMED:], _TIMED):
+                take(block)
+            return
+    finally:
+        _Buffer.give_back(reader.buffer)
 
     def step(lo: int) -> list[_Block]:
         return list(_Reader(reader.slot).blocks(paths[lo : lo + _THREAD_FILES], lo, keep=True))
@@ -213,19 +221,68 @@ def _read_all(paths: list[str], take) -> None:
                 take(block)
 
 
+class _Buffer:
+    """``array`` (uint8, uninitialised: only the bytes read are looked at) and the views of its
+    slots for ``preadv``, per slot size (made once). One of :data:`_BLOCK` bytes is kept for the
+    next start (:meth:`take`, :meth:`give_back`): its pages mapped and its views made already,
+    where a new one would take a page fault per slot (the allocator hands large blocks back)."""
+
+    _spare: list[_Buffer] = []
+    _lock = threading.Lock()
+
+    def __init__(self, size: int):
+        self.array = np.empty(size, np.uint8)
+        self._views: dict[int, list] = {}
+        self._scratch: tuple[np.ndarray, np.ndarray] | None = None
+
+    def scratch(self, k: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """uint64 and bool ``[k, n]`` to compute in (``k * n`` at most a word a byte of
+        ``array``: a block's files, their words), kept with the buffer."""
+        if self._scratch is None:
+            size = self.array.size // 8
+            self._scratch = (np.empty(size, "<u8"), np.empty(size, bool))
+        words, flags = self._scratch
+        return words[: k * n].reshape(k, n), flags[: k * n].reshape(k, n)
+
+    @classmethod
+    def take(cls, size: int) -> _Buffer:
+        """A buffer of at least ``size`` bytes (at least :data:`_BLOCK`): the spare one if it is
+        free and large enough."""
+        with cls._lock:
+            if cls._spare and cls._spare[-1].array.size >= size:
+                return cls._spare.pop()
+        return cls(max(size, _BLOCK))
+
+    @classmethod
+    def give_back(cls, buffer: _Buffer | None) -> None:
+        """``buffer`` kept as the spare (when of :data:`_BLOCK` bytes)."""
+        if buffer is not None and buffer.array.size == _BLOCK:
+            with cls._lock:
+                cls._spare[:] = [buffer]
+
+    def slots(self, slot: int) -> list:
+        """``[[view]]`` of each slot of ``slot`` bytes, in order."""
+        if slot not in self._views:
+            if len(self._views) >= 4:
+                self._views.clear()
+            view = memoryview(self.array)
+            ends = range(slot, self.array.size + 1, slot)
+            self._views[slot] = [[view[end - slot : end]] for end in ends]
+        return self._views[slot]
+
+
 class _Reader:
-    """Files read into a buffer of ``slot`` bytes a file (uninitialised: only the bytes read are
-    looked at), :data:`_AT_ONCE` open at a time, each step one ``map`` of each system call over
-    them (no Python step per file): open, ``preadv`` into its slot, close (no ``fstat`` or seek: a
-    read that stops short of its slot read the whole file). ``seconds``: the wall time spent
-    reading; ``longest``: the most bytes a file read."""
+    """Files read into a :class:`_Buffer` of ``slot`` bytes a file, :data:`_AT_ONCE` open at a
+    time, each step one ``map`` of each system call over them (no Python step per file): open,
+    ``preadv`` into its slot, close (no ``fstat`` or seek: a read that stops short of its slot
+    read the whole file). ``seconds``: the wall time spent reading; ``longest``: the most bytes a
+    file read; ``buffer``: the one read into last (None before the first read)."""
 
     def __init__(self, slot: int = _SLOT):
         self.slot = _words_of(slot)
         self.seconds = 0.0
         self.longest = 0
-        self._buf = np.empty(0, np.uint8)
-        self._slots: list = []
+        self.buffer: _Buffer | None = None
 
     def blocks(self, paths: list[str], first: int, keep: bool = False):
         """The :class:`_Block`\\ s of ``paths`` (shards ``first`` on), one after another; each
@@ -238,7 +295,7 @@ class _Reader:
             self.seconds += time.perf_counter() - t0
             if lengths.size:
                 self.longest = max(self.longest, int(lengths.max()))
-                yield _Block(first + lo, self.slot, self._buf, lengths)
+                yield _Block(first + lo, self.slot, self.buffer, lengths)
             lo += lengths.size
             if need:
                 self.slot = _words_of(max(_fit(need), 2 * self.slot))
@@ -248,13 +305,14 @@ class _Reader:
         outgrew its slot (when one does) and the bytes that one needs (else 0). A step that fails
         anywhere (a FIFO, a folder, a file removed: ``OSError``) is read again one by one."""
         slot, k = self.slot, len(paths)
-        if keep or len(self._slots) < k or len(self._slots[0][0]) != slot:
-            self._buf = np.empty(k * slot, np.uint8)
-            view = memoryview(self._buf)
-            self._slots = [[view[lo : lo + slot]] for lo in range(0, k * slot, slot)]
+        if keep:
+            self.buffer = _Buffer(k * slot)
+        elif self.buffer is None or self.buffer.array.size < k * slot:
+            _Buffer.give_back(self.buffer)
+            self.buffer = _Buffer.take(k * slot)
         lengths = np.empty(k, np.int64)
         for lo in range(0, k, _AT_ONCE):
-            step, slots = paths[lo : lo + _AT_ONCE], self._slots[lo : lo + _AT_ONCE]
+            step, slots = paths[lo : lo + _AT_ONCE], self.buffer.slots(slot)[lo : lo + _AT_ONCE]
             try:
                 got, need = _read_block(step, slots)
             except (OSError, ValueError):
@@ -471,11 +529,14 @@ class _Layout:
         """The :attr:`fixed` bytes of one file (``length`` bytes), masked, as uint64 words."""
         return self.fixed & np.frombuffer(data + bytes(-len(data) % 8), "<u8")
 
-    def same(self, words: np.ndarray, template: np.ndarray) -> np.ndarray:
+    def same(self, words: np.ndarray, template: np.ndarray, scratch=None) -> np.ndarray:
         """Which files (``words``: uint64 ``[k, length / 8]``, each file's bytes) have the
         ``template``'s :meth:`fixed_words`: compared 8 bytes at a time (in one pass: faster
-        than run by run of the words that hold such bytes)."""
-        return ((words & self.fixed) == template).all(axis=1)
+        than run by run of the words that hold such bytes); ``scratch``: uint64 and bool arrays
+        of ``words``' shape to compute in."""
+        masked, equal = scratch or (np.empty(words.shape, "<u8"), np.empty(words.shape, bool))
+        np.bitwise_and(words, self.fixed, out=masked)
+        return np.equal(masked, template, out=equal).all(axis=1)
 
     def crc_ok(self, rows: np.ndarray) -> np.ndarray:
         """Each file's entries (``rows``: the files' bytes, uint8 ``[k, >= length]``, C order) of
@@ -699,7 +760,7 @@ class _Bulk:
         whole = block.buf[: block.lengths.size * slot].reshape(-1, slot)
         rows = whole[lo:hi] if hi - lo == left.size else whole[left, :width]  # (in place or not)
         words = rows.view("<u8")[:, : width // 8]
-        same = layout.same(words, template.words)
+        same = layout.same(words, template.words, block.buffer.scratch(*words.shape))
         mine = left[same]
         if mine.size < left.size:
             rows = rows[same]
