@@ -186,6 +186,7 @@ class _Block:
 
     @property
     def buf(self) -> np.ndarray:
+        """The bytes read (uint8, :attr:`_Buffer.array`)."""
         return self.buffer.array
 
 
