@@ -22,11 +22,11 @@ is read alone and named by that function, the first failure in shard order raise
 sidecars of plain paths take this path (URLs are read on threads, one by one:
 :func:`~prealign.loaders.index.source_index.sidecar_records`), and only when every shard has one.
 
-Its cost is about 9 µs of CPU per sidecar (2,000 sidecars of 10 samples: ~18-20 ms, this machine,
+Its cost is about 9 µs of CPU per sidecar (2,000 sidecars of 10 samples: 17-19 ms, this machine,
 warm): 3 system calls (~4 µs: ~2 to open and close, ~2 to copy its 3.5 KB in), 4 ``zlib.crc32``
-calls (~1.5 µs), its share of the numpy calls of its block (~1.5 µs: the byte comparison most) and
-of the meta's per-shard values (names, probes). From 1,000 sidecars a start says once that a merged
-index is one read (:class:`~prealign.loaders.index.source_index.MergedIndexWarning`).
+calls and the cutting of their bytes (~2 µs), its share of the numpy calls of its block (~1.5 µs:
+the byte comparison most) and of the merged form (~1 µs). From 1,000 sidecars a start says once
+that a merged index is one read (:class:`~prealign.loaders.index.source_index.MergedIndexWarning`).
 """
 
 from __future__ import annotations
