@@ -1,14 +1,15 @@
 """Every sidecar of a source read and checked at once: a loader's start over many small shards at a
 cost per distinct sidecar layout, not a parse per sidecar (issue #28).
 
-    sidecar files ──open, seek to the end, read, close each (on threads where the file system
-                    is slow)──► grouped by byte length
-      a group's first file: read alone (parse_sidecar, check_meta: every check): its template
+    sidecar files ──open, preadv into the file's slot of one buffer, close (no seek, no stat: a
+                    read that stops short of its slot read the whole file), block after block of
+                    2 MiB (on threads where the file system is slow)──► a block grouped by length
+      a length's first file: read alone (parse_sidecar, check_meta: every check): its template
       every other file compared with it in a few numpy calls, byte for byte: the zip's records and
           the npy headers (but for the crc32 and time fields), the meta JSON (but for the values of
           ``shard``, ``size``, ``hash``, ``probe``: bytes that can neither end nor escape a JSON
           string, digits); then each entry's crc32 (from its first byte that may differ: the
-          template's crc32 of the bytes before), and its arrays are slices of the group's bytes
+          template's crc32 of the bytes before), and its arrays are copies of the block's columns
       any file that differs anywhere else: read alone, as a file that is its own template
     ──► the in-memory form of a merged index (``meta``, ``arrays``), its values checked at once
         (:func:`~prealign.loaders.index.sidecar.joint_values`); the loader builds its index from it
@@ -21,23 +22,27 @@ is read alone and named by that function, the first failure in shard order raise
 sidecars of plain paths take this path (URLs are read on threads, one by one:
 :func:`~prealign.loaders.index.source_index.sidecar_records`), and only when every shard has one.
 
-Its cost is about 10 µs of CPU per sidecar (2,000 sidecars of 10 samples: ~20 ms): 4 system calls
-(~2 µs to open and close, ~2 µs to seek and read), 6 ``zlib.crc32`` calls (~2.5 µs) and its share
-of the numpy calls of its group; from 1,000 sidecars a start says once that a merged index is one
-read (:class:`~prealign.loaders.index.source_index.MergedIndexWarning`).
+Its cost is about 9 µs of CPU per sidecar (2,000 sidecars of 10 samples: 17-19 ms, this machine,
+warm): 3 system calls (~4 µs: ~2 to open and close, ~2 to copy its 3.5 KB in), 4 ``zlib.crc32``
+calls and the cutting of their bytes (~2 µs), its share of the numpy calls of its block (~1.5 µs:
+the byte comparison most) and of the merged form (~1 µs). From 1,000 sidecars a start says once
+that a merged index is one read (:class:`~prealign.loaders.index.source_index.MergedIndexWarning`).
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
 import json
 import operator
 import os
 import stat
+import struct
+import threading
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -86,30 +91,14 @@ def sidecars_merged(source, schema) -> tuple[dict, dict[str, np.ndarray]] | None
     paths = _paths(source, names)
     if paths is None:
         return None
-    datas = _read_all(paths)
-    if datas is None:
+    bulk = _Bulk(source, names, config_key(source, schema))
+    try:
+        _read_all(paths, bulk.take)
+    except _Missing:
         return None
-    key = config_key(source, schema)
-    expected = names()
-    parts, alone = [], []
-    lengths = np.fromiter(map(len, datas), np.int64, len(datas))
-    order = np.argsort(lengths, kind="stable")
-    cuts = np.flatnonzero(np.diff(lengths[order])) + 1
-    for group in np.split(order, cuts):
-        if lengths[group[0]] == 0:  # (none read: an empty file is no sidecar either)
-            alone.extend(group.tolist())
-            continue
-        left = group
-        for _ in range(TEMPLATES):
-            if not left.size:
-                break
-            mine, rest, bad = _group(source, datas, left, expected, key)
-            alone.extend(bad)
-            parts.extend(mine)
-            left = rest
-        alone.extend(left.tolist())
-    for shard in sorted(alone):  # read alone, every check: the first at fault raises
-        part = _Part.alone(source, shard, key)
+    parts = bulk.parts
+    for shard in sorted(bulk.alone):  # read alone, every check: the first at fault raises
+        part = _Part.alone(source, shard, bulk.key)
         if part is None:  # (removed since: that shard is indexed, the others read one by one)
             return None
         parts.append(part)
@@ -153,90 +142,246 @@ def _paths(source, names) -> list[str] | None:
 _FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC
 _AT_ONCE = 256
 """Files open at once while read (well below a process's usual limit of 1,024)."""
+_SLOT = 64 << 10
+"""Bytes each of the first files may fill (:data:`_TIMED` of them); the others' slot is
+:func:`_fit` to the largest of those. A file that fills its slot is read again, with the files
+after it, in slots that fit it."""
+_BLOCK = 2 << 20
+"""Most bytes of the buffer a block of files is read into (the buffer is reused block after
+block: fewer, larger blocks, fewer numpy calls)."""
 _TIMED = 32
 """Files read first, timed: their wall time per file says whether the file system is slow."""
 _SLOW_FILE = 1e-3
-"""Wall seconds per file (open, seek, read, close) from which the rest are read on threads: a
-parallel or network file system's metadata round trips, not a local disk or the page cache
-(2 to 5 µs)."""
+"""Wall seconds per file (open, read, close) from which the rest are read on threads: a parallel or
+network file system's metadata round trips, not a local disk or the page cache (2 to 5 µs)."""
 _THREAD_FILES = 32
 """Files a thread reads per step once the file system is slow (so all threads have work)."""
 
 
-def _read_all(paths: list[str]) -> list[bytes] | None:
-    """The bytes of each file (opened without blocking, its size taken by a seek to its end, read
-    from 0: :func:`_read_chunk`); ``b""`` for one to read alone (over :func:`sidecar_limit` of an
-    empty shard, not seekable, changed while read, unreadable: that reader names why); None when
-    one does not exist. :data:`_AT_ONCE` files at a time, each step one ``map`` over them (no
-    Python step per file); a step that fails anywhere reads its files again one by one. The first
-    :data:`_TIMED` files are timed: on a slow file system (:data:`_SLOW_FILE` a file) the rest are
-    read on up to :data:`~prealign.loaders.index.sidecar.SIDECAR_THREADS` threads, the system calls
-    overlapping (they release the GIL)."""
-    t0 = time.perf_counter()
-    head = _read_steps(paths[:_TIMED])
-    if head is None or len(paths) <= _TIMED:
-        return head
-    rest = paths[_TIMED:]
-    if time.perf_counter() - t0 <= _SLOW_FILE * _TIMED:
-        tail = _read_steps(rest)
-        return None if tail is None else head + tail
-    steps = [rest[lo : lo + _THREAD_FILES] for lo in range(0, len(rest), _THREAD_FILES)]
+def _fit(length: int) -> int:
+    """The slot of files of about ``length`` bytes: a quarter more, in KiB."""
+    return -(-(length + length // 4 + 1) // 1024) * 1024
+
+
+def _words_of(n: int) -> int:
+    """``n`` bytes rounded up to whole uint64 words (a slot holds a file's words)."""
+    return -(-n // 8) * 8
+
+
+class _Missing(Exception):
+    """A sidecar does not exist."""
+
+
+@dataclass
+class _Block:
+    """Sidecars of shards ``first`` on, read: the ``lengths[i]`` bytes (int64) of shard
+    ``first + i``'s at ``buf[i * slot:]`` (``buf``: uint8, of ``buffer``); 0 for one to read
+    alone (over :func:`sidecar_limit` of an empty shard, not a regular file, empty, unreadable:
+    that reader names why)."""
+
+    first: int
+    slot: int
+    buffer: _Buffer
+    lengths: np.ndarray
+
+    @property
+    def buf(self) -> np.ndarray:
+        """The bytes read (uint8, :attr:`_Buffer.array`)."""
+        return self.buffer.array
+
+
+def _read_all(paths: list[str], take) -> None:
+    """Every file read, :class:`_Block` after block handed to ``take`` in shard order (each one
+    before the next is read into the same buffer); :class:`_Missing` when one does not exist. The
+    first :data:`_TIMED` files are timed: on a slow file system (:data:`_SLOW_FILE` a file) the
+    rest are read on up to :data:`~prealign.loaders.index.sidecar.SIDECAR_THREADS` threads, a
+    buffer each step, the system calls overlapping (they release the GIL)."""
+    reader = _Reader()
+    try:
+        for block in reader.blocks(paths[:_TIMED], 0):
+            take(block)
+        if len(paths) <= _TIMED:
+            return
+        reader.slot = min(reader.slot, _words_of(_fit(reader.longest)))
+        if reader.seconds <= _SLOW_FILE * _TIMED:
+            for block in reader.blocks(paths[_TIMED:], _TIMED):
+                take(block)
+            return
+    finally:
+        _Buffer.give_back(reader.buffer)
+
+    def step(lo: int) -> list[_Block]:
+        return list(_Reader(reader.slot).blocks(paths[lo : lo + _THREAD_FILES], lo, keep=True))
+
+    steps = range(_TIMED, len(paths), _THREAD_FILES)
     with ThreadPoolExecutor(
         max_workers=min(SIDECAR_THREADS, len(steps)), thread_name_prefix="prealign-sidecars"
     ) as pool:
-        tails = list(pool.map(_read_steps, steps))
-    if any(t is None for t in tails):
-        return None
-    return head + list(itertools.chain.from_iterable(tails))
+        for blocks in pool.map(step, steps):
+            for block in blocks:
+                take(block)
 
 
-def _read_steps(paths: list[str]) -> list[bytes] | None:
-    """:func:`_read_all` of ``paths`` in this thread, :data:`_AT_ONCE` files a step."""
-    out: list[bytes] = []
-    for lo in range(0, len(paths), _AT_ONCE):
-        chunk = paths[lo : lo + _AT_ONCE]
+class _Buffer:
+    """``array`` (uint8, uninitialised: only the bytes read are looked at) and the views of its
+    slots for ``preadv``, per slot size (made once). One of :data:`_BLOCK` bytes is kept for the
+    next start (:meth:`take`, :meth:`give_back`): its pages mapped and its views made already,
+    where a new one would take a page fault per slot (the allocator hands large blocks back)."""
+
+    _spare: list[_Buffer] = []
+    _lock = threading.Lock()
+
+    def __init__(self, size: int):
+        self.array = np.empty(size, np.uint8)
+        self._views: dict[int, list] = {}
+        self._scratch: tuple[np.ndarray, np.ndarray] | None = None
+
+    def scratch(self, k: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """uint64 and bool ``[k, n]`` to compute in (``k * n`` at most a word a byte of
+        ``array``: a block's files, their words), kept with the buffer."""
+        if self._scratch is None:
+            size = self.array.size // 8
+            self._scratch = (np.empty(size, "<u8"), np.empty(size, bool))
+        words, flags = self._scratch
+        return words[: k * n].reshape(k, n), flags[: k * n].reshape(k, n)
+
+    @classmethod
+    def take(cls, size: int) -> _Buffer:
+        """A buffer of at least ``size`` bytes (at least :data:`_BLOCK`): the spare one if it is
+        free and large enough."""
+        with cls._lock:
+            if cls._spare and cls._spare[-1].array.size >= size:
+                return cls._spare.pop()
+        return cls(max(size, _BLOCK))
+
+    @classmethod
+    def give_back(cls, buffer: _Buffer | None) -> None:
+        """``buffer`` kept as the spare (when of :data:`_BLOCK` bytes)."""
+        if buffer is not None and buffer.array.size == _BLOCK:
+            with cls._lock:
+                cls._spare[:] = [buffer]
+
+    def slots(self, slot: int) -> list:
+        """``[[view]]`` of each slot of ``slot`` bytes, in order."""
+        if slot not in self._views:
+            if len(self._views) >= 4:
+                self._views.clear()
+            view = memoryview(self.array)
+            ends = range(slot, self.array.size + 1, slot)
+            self._views[slot] = [[view[end - slot : end]] for end in ends]
+        return self._views[slot]
+
+
+class _Reader:
+    """Files read into a :class:`_Buffer` of ``slot`` bytes a file, :data:`_AT_ONCE` open at a
+    time, each step one ``map`` of each system call over them (no Python step per file): open,
+    ``preadv`` into its slot, close (no ``fstat`` or seek: a read that stops short of its slot
+    read the whole file). ``seconds``: the wall time spent reading; ``longest``: the most bytes a
+    file read; ``buffer``: the one read into last (None before the first read)."""
+
+    def __init__(self, slot: int = _SLOT):
+        self.slot = _words_of(slot)
+        self.seconds = 0.0
+        self.longest = 0
+        self.buffer: _Buffer | None = None
+
+    def blocks(self, paths: list[str], first: int, keep: bool = False):
+        """The :class:`_Block`\\ s of ``paths`` (shards ``first`` on), one after another; each
+        one's buffer is read into again for the next unless ``keep``."""
+        lo = 0
+        while lo < len(paths):
+            k = min(max(1, _BLOCK // self.slot), len(paths) - lo)
+            t0 = time.perf_counter()
+            lengths, need = self._read(paths[lo : lo + k], keep)
+            self.seconds += time.perf_counter() - t0
+            if lengths.size:
+                self.longest = max(self.longest, int(lengths.max()))
+                yield _Block(first + lo, self.slot, self.buffer, lengths)
+            lo += lengths.size
+            if need:
+                self.slot = _words_of(max(_fit(need), 2 * self.slot))
+
+    def _read(self, paths: list[str], keep: bool) -> tuple[np.ndarray, int]:
+        """The lengths of the files of ``paths`` read into the buffer, up to the first that
+        outgrew its slot (when one does) and the bytes that one needs (else 0). A step that fails
+        anywhere (a FIFO, a folder, a file removed: ``OSError``) is read again one by one."""
+        slot, k = self.slot, len(paths)
+        if keep:
+            self.buffer = _Buffer(k * slot)
+        elif self.buffer is None or self.buffer.array.size < k * slot:
+            _Buffer.give_back(self.buffer)
+            self.buffer = _Buffer.take(k * slot)
+        lengths = np.empty(k, np.int64)
+        for lo in range(0, k, _AT_ONCE):
+            step, slots = paths[lo : lo + _AT_ONCE], self.buffer.slots(slot)[lo : lo + _AT_ONCE]
+            try:
+                got, need = _read_block(step, slots)
+            except (OSError, ValueError):
+                got, need = _read_one_by_one(step, slots)
+            lengths[lo : lo + got.size] = got
+            if need:
+                return lengths[: lo + got.size], need
+        return lengths, 0
+
+
+def _read_one_by_one(paths: list[str], slots: list) -> tuple[np.ndarray, int]:
+    """:meth:`_Reader._read` of a step, file by file (:func:`_read_one`)."""
+    lengths: list[int] = []
+    for path, (target,) in zip(paths, slots):
         try:
-            out.extend(_read_chunk(chunk))
-        except (OSError, ValueError):
-            for path in chunk:
-                try:
-                    out.append(_read_one(path))
-                except FileNotFoundError:
-                    return None
-    return out
+            data = _read_one(path)
+        except FileNotFoundError:
+            raise _Missing(path) from None
+        if len(data) >= len(target):
+            return np.asarray(lengths, np.int64), len(data) + 1
+        target[: len(data)] = data
+        lengths.append(len(data))
+    return np.asarray(lengths, np.int64), 0
 
 
-def _read_chunk(paths: list[str]) -> list[bytes]:
-    """Each file's bytes: four system calls a file (open, a seek to its end for its size, a read
-    of one byte more from 0, close), each step one ``map`` (called from C). A FIFO or socket
-    cannot seek (``OSError``: the step is read again one by one, and refused there); a character
-    device seeks to 0 and then reads more than that, a file that grew or shrank while read reads
-    another length, one over the limit is not read: each ``b""``, read alone. (No ``fstat``:
-    the seek and the read's length stand for it. A block device, the one other kind of file that
-    seeks to its size, is read like a file: bounded, never waited on; its bytes must still be a
-    valid sidecar of this shard, where the one-by-one reader refuses it unread.)"""
+def _read_block(paths: list[str], slots: list) -> tuple[np.ndarray, int]:
+    """:meth:`_Reader._read` of files that all open and read, each with ``preadv`` from 0: a
+    FIFO or socket cannot (``OSError``: the step is read again one by one, and refused there). A
+    file that fills its slot (``fstat``, that file only) is a regular one to read in a larger
+    slot, or one to read alone (length 0: a character device, over the limit, shrunk while read).
+    (A character or block device that reads a few bytes and stops is taken as a file: its bytes
+    must still be a valid sidecar of this shard; a platform without ``preadv`` reads one by
+    one.)"""
     fds: list[int] = []
     try:
         fds.extend(map(os.open, paths, itertools.repeat(_FLAGS)))
-        limit = sidecar_limit(0)
-        sizes = np.fromiter(
-            map(os.lseek, fds, itertools.repeat(0), itertools.repeat(os.SEEK_END)),
-            np.int64,
-            len(fds),
-        )
-        want = np.where(sizes <= limit, sizes + 1, 0)
-        datas = list(map(os.pread, fds, want.tolist(), itertools.repeat(0)))
+        preadv = getattr(os, "preadv", _no_preadv)
+        got = np.fromiter(map(preadv, fds, slots, itertools.repeat(0)), np.int64, len(fds))
+        slot = len(slots[0][0])
+        for i in np.flatnonzero(got == slot).tolist():
+            st = os.fstat(fds[i])
+            if stat.S_ISREG(st.st_mode) and slot <= st.st_size <= sidecar_limit(0):
+                return got[:i], st.st_size + 1
+            got[i] = 0
+        return got, 0
     finally:
-        for fd in fds:
-            os.close(fd)
-    for i in np.flatnonzero(np.fromiter(map(len, datas), np.int64, len(datas)) + 1 != want):
-        datas[i] = b""
-    return datas
+        _close(fds)
+
+
+def _no_preadv(fd: int, buffers: list, offset: int) -> int:
+    """A platform without ``os.preadv``: each step read one by one."""
+    raise OSError("no os.preadv here: read one by one")
+
+
+def _close(fds: list[int]) -> None:
+    """Every fd of ``fds`` closed (one ``map``; one that fails is closed all the same)."""
+    rest = iter(fds)
+    while True:
+        try:
+            collections.deque(map(os.close, rest), 0)
+            return
+        except OSError:
+            continue
 
 
 def _read_one(path: str) -> bytes:
-    """:func:`_read_all` of one file, whatever it is (``FileNotFoundError`` when it does not
-    exist)."""
+    """The bytes of one file, whatever it is (``FileNotFoundError`` when it does not exist;
+    ``b""`` for one to read alone)."""
     try:
         fd = os.open(path, _FLAGS)
     except FileNotFoundError:
@@ -313,47 +458,6 @@ def _parse(source, shard: int, data: bytes, key: str) -> tuple[dict, dict]:
     return meta, arrays
 
 
-def _group(source, datas, left: np.ndarray, expected, key):
-    """``(parts, rest, bad)``: the files of ``left`` (shards of one byte length, in order) that
-    equal the first of them (read alone: the template) but for their values, as :class:`_Part`\\ s
-    (one per :data:`_AT_ONCE` files: their bytes stay in the cache); ``rest`` those of another
-    layout; ``bad`` those of its layout with a value it refuses (a crc32, a name, a character: read
-    alone, to be named)."""
-    first = int(left[0])
-    try:
-        meta, arrays = _parse(source, first, datas[first], key)
-    except StaleIndexError:
-        return [], left[1:], [first]
-    layout = _Layout.of(datas[first], meta)
-    if layout is None or left.size == 1:
-        return [_Part.parsed(first, meta, arrays)], left[1:], []
-    _, probe, _, _ = expected_of(meta, arrays["spans"])
-    template = layout.fixed_words(datas[first])
-    parts, rest, bad = [], [], []
-    for lo in range(0, left.size, _AT_ONCE):
-        chunk = left[lo : lo + _AT_ONCE]
-        joined = b"".join([*_pick(datas, chunk), bytes(8)])  # (one copy)
-        rows = np.frombuffer(joined, np.uint8, len(joined) - 8).reshape(chunk.size, -1)
-        same = layout.same(joined, chunk.size, template)
-        mine = chunk[same]
-        if not same.all():
-            rest.append(chunk[~same])
-            rows = rows[same]
-        names = _pick(expected, mine)  # (what each must name: checked)
-        ok = layout.values_ok(rows) & layout.names_ok(rows, names, meta["shard"])
-        ok &= layout.crc_ok(rows, _pick(datas, mine))
-        if not ok.all():
-            bad.extend(mine[~ok].tolist())
-            mine, rows = mine[ok], rows[ok]
-            names = _pick(expected, mine)
-        if mine.size:
-            k, fields = mine.size, layout.fields
-            sizes = layout.sizes(rows) if "size" in fields else np.full(k, meta["size"])
-            probes = layout.strings(rows, "probe") if "probe" in fields else [probe] * k
-            parts.append(_Part.of(mine, meta, layout.arrays(rows), names, sizes, probes))
-    return parts, np.concatenate(rest) if rest else left[:0], bad
-
-
 def _pick(items: list, at: np.ndarray) -> list:
     """``[items[i] for i in at]``, taken from C."""
     if at.size < 2:
@@ -380,6 +484,7 @@ class _Layout:
     fields: dict
     text: np.ndarray
     digits: np.ndarray
+    _cuts: dict = field(default_factory=dict)
 
     @classmethod
     def of(cls, data: bytes, meta: dict) -> _Layout | None:
@@ -425,47 +530,53 @@ class _Layout:
         """The :attr:`fixed` bytes of one file (``length`` bytes), masked, as uint64 words."""
         return self.fixed & np.frombuffer(data + bytes(-len(data) % 8), "<u8")
 
-    def same(self, joined: bytes, k: int, template: np.ndarray) -> np.ndarray:
-        """Which of the ``k`` files in ``joined`` (their bytes one after the other, then 8 zero
-        bytes) have the ``template``'s :meth:`fixed_words`: compared 8 bytes at a time."""
-        words = np.ndarray((k, len(self.fixed)), "<u8", buffer=joined, strides=(self.length, 8))
-        return ((words & self.fixed) == template).all(axis=1)
+    def same(self, words: np.ndarray, template: np.ndarray, scratch=None) -> np.ndarray:
+        """Which files (``words``: uint64 ``[k, length / 8]``, each file's bytes) have the
+        ``template``'s :meth:`fixed_words`: compared 8 bytes at a time (in one pass: faster
+        than run by run of the words that hold such bytes); ``scratch``: uint64 and bool arrays
+        of ``words``' shape to compute in."""
+        masked, equal = scratch or (np.empty(words.shape, "<u8"), np.empty(words.shape, bool))
+        np.bitwise_and(words, self.fixed, out=masked)
+        return np.equal(masked, template, out=equal).all(axis=1)
 
-    def crc_ok(self, rows: np.ndarray, datas: list[bytes]) -> np.ndarray:
-        """Each file's entries (``datas``, the bytes of ``rows``) of their recorded crc32: each
-        entry's crc32 over all its bytes, its bytes from its first that may vary (those before are
-        the template's, :meth:`same`: their crc32 is the template's, the ``zlib.crc32`` it starts
-        from). An entry whose bytes are the template's (:attr:`template_bytes`) in every file
-        has the template's crc32 (checked when the template was read): no call (a data set's
-        constant arrays: ``media`` and ``dim_ids`` of text). One ``zlib.crc32`` for each other
-        entry of each file, called from C: no Python step per file."""
-        k = len(datas)
-        if not k:
-            return np.ones(0, bool)
-        found = np.empty((k, len(self.crcs)), np.uint32)
+    def crc_ok(self, rows: np.ndarray) -> np.ndarray:
+        """Each file's entries (``rows``: the files' bytes, uint8 ``[k, >= length]``, C order) of
+        their recorded crc32: each entry's crc32 over all its bytes, its bytes from its first that
+        may vary (those before are the template's, :meth:`same`: their crc32 is the template's,
+        the ``zlib.crc32`` it starts from). An entry whose bytes are the template's
+        (:attr:`template_bytes`) in every file has the template's crc32 (checked when the
+        template was read): no call (a data set's constant arrays: ``media`` and ``dim_ids`` of
+        text). One ``zlib.crc32`` for each other entry of each file, its bytes cut from the rows
+        by one ``struct`` unpacking a file, all called from C: no Python step per file."""
+        found = np.empty((len(rows), len(self.crcs)), np.uint32)
         moving = []
         for j, (a, b, _, _, whole) in enumerate(self.crcs):
             mine = self.template_bytes[a:b]
-            if np.array_equal(rows[-1, a:b], mine) and (rows[:, a:b] == mine).all():
+            if len(rows) and (rows[-1, a:b] == mine).all() and (rows[:, a:b] == mine).all():
                 found[:, j] = whole
             else:
                 moving.append(j)
-        if moving:
-            crcs = [self.crcs[j] for j in moving]
-            entries = operator.itemgetter(*(slice(a, b) for a, b, _, _, _ in crcs))
-            pieces = map(entries, datas)  # (a tuple a file when there are several)
-            found[:, moving] = np.fromiter(
-                map(
-                    zlib.crc32,
-                    itertools.chain.from_iterable(pieces) if len(crcs) > 1 else pieces,
-                    itertools.cycle([seed for _, _, _, seed, _ in crcs]),
-                ),
-                np.uint32,
-                k * len(crcs),
-            ).reshape(k, len(crcs))
+        if moving and len(rows):
+            rows = np.ascontiguousarray(rows)
+            cut = self._cut(tuple(moving), rows.shape[1])
+            pieces = itertools.chain.from_iterable(cut.iter_unpack(memoryview(rows).cast("B")))
+            seeds = itertools.cycle([self.crcs[j][3] for j in moving])
+            crcs = np.asarray(list(map(zlib.crc32, pieces, seeds)), np.uint32)
+            found[:, moving] = crcs.reshape(len(rows), len(moving))
         cols = np.asarray([c for _, _, c, _, _ in self.crcs])[:, None] + np.arange(4)
         recorded = np.ascontiguousarray(rows[:, cols.reshape(-1)]).view("<u4")
         return (found == recorded).all(axis=1)
+
+    def _cut(self, moving: tuple, width: int) -> struct.Struct:
+        """The ``struct`` that unpacks a row of ``width`` bytes into the bytes of the entries
+        ``moving`` from their first that may vary (made once)."""
+        if (moving, width) not in self._cuts:
+            spec, at = [], 0
+            for a, b, _, _, _ in (self.crcs[j] for j in moving):
+                spec.append(f"{a - at}x{b - a}s")
+                at = b
+            self._cuts[moving, width] = struct.Struct("".join(spec) + f"{width - at}x")
+        return self._cuts[moving, width]
 
     def values_ok(self, rows: np.ndarray) -> np.ndarray:
         """Each file's values are what parse_sidecar reads as the template's: a string's bytes
@@ -500,14 +611,15 @@ class _Layout:
         """The value ``name`` of each file (str; its bytes checked by :meth:`values_ok`)."""
         a, b = self.fields[name]
         text = np.ascontiguousarray(rows[:, a:b]).tobytes().decode("ascii")
-        return [text[i : i + b - a] for i in range(0, len(text), b - a)]
+        cuts = range(0, len(text) + 1, b - a)
+        return list(map(text.__getitem__, map(slice, cuts, cuts[1:])))
 
     def arrays(self, rows: np.ndarray) -> dict[str, np.ndarray]:
         """Each array of every file, file after file: one slice of the group's bytes each."""
         out = {}
         for name in _ARRAYS:
             a, b, header = self.data[name]
-            flat = np.ascontiguousarray(rows[:, a:b]).view(header.dtype)
+            flat = rows[:, a:b].copy().view(header.dtype)  # (a copy: the rows are reread)
             out[name] = flat.reshape((len(rows) * header.shape[0], *header.shape[1:]))
         return out
 
@@ -573,6 +685,100 @@ def _meta_fields(text: bytes, meta: dict) -> dict[str, tuple[int, int]] | None:
     except (ValueError, UnicodeDecodeError):
         return None
     return fields
+
+
+@dataclass
+class _Template:
+    """A sidecar read alone (``meta``, ``probe``: its probe) and its :class:`_Layout`; ``words``
+    its :meth:`_Layout.fixed_words`."""
+
+    layout: _Layout
+    words: np.ndarray
+    meta: dict
+    probe: str
+
+
+class _Bulk:
+    """The sidecars of a source taken block after block (:meth:`take`): ``parts`` read at once,
+    ``alone`` the shards to read alone (to be named when at fault), ``templates`` tried for each
+    byte length (up to :data:`TEMPLATES`, None for a try that gave none)."""
+
+    def __init__(self, source, names, key: str):
+        self.source, self.names, self.key = source, names, key
+        self.templates: dict[int, list[_Template | None]] = {}
+        self.parts: list[_Part] = []
+        self.alone: list[int] = []
+
+    def take(self, block: _Block) -> None:
+        """A block's files grouped by byte length, each group compared with the templates of its
+        length (a new one, read alone, where none matches); the files left read alone."""
+        lengths = block.lengths
+        if (lengths == lengths[0]).all():
+            groups = [np.arange(lengths.size)]
+        else:
+            order = np.argsort(lengths, kind="stable")
+            groups = np.split(order, np.flatnonzero(np.diff(lengths[order])) + 1)
+        for group in groups:
+            length = int(lengths[group[0]])
+            left = group if length else group[:0]  # (an empty file is no sidecar either)
+            tried = self.templates.setdefault(length, [])
+            for i in range(TEMPLATES):
+                if not left.size:
+                    break
+                if i == len(tried):
+                    tried.append(self._template(block, int(left[0])))
+                    if tried[i] is None:
+                        left = left[1:]
+                        continue
+                if tried[i] is not None:
+                    left = self._match(tried[i], block, left)
+            self.alone.extend((block.first + (left if length else group)).tolist())
+
+    def _template(self, block: _Block, i: int) -> _Template | None:
+        """File ``i`` of ``block`` read alone as a template; None when it is none (to be read
+        alone: in ``alone``; not what :func:`_Layout.of` reads: in ``parts``)."""
+        shard, at = block.first + i, i * block.slot
+        data = bytes(memoryview(block.buf)[at : at + int(block.lengths[i])])
+        try:
+            meta, arrays = _parse(self.source, shard, data, self.key)
+        except StaleIndexError:
+            self.alone.append(shard)
+            return None
+        layout = _Layout.of(data, meta)
+        if layout is None:
+            self.parts.append(_Part.parsed(shard, meta, arrays))
+            return None
+        _, probe, _, _ = expected_of(meta, arrays["spans"])
+        return _Template(layout, layout.fixed_words(data), meta, probe)
+
+    def _match(self, template: _Template, block: _Block, left: np.ndarray) -> np.ndarray:
+        """The files ``left`` of ``block`` (of the template's length, in order) that equal the
+        template but for their values taken as a :class:`_Part`; those with a value it refuses
+        (a crc32, a name, a character) in ``alone``; those of another layout returned."""
+        layout, meta, slot = template.layout, template.meta, block.slot
+        width = len(layout.fixed) * 8
+        lo, hi = int(left[0]), int(left[-1]) + 1
+        whole = block.buf[: block.lengths.size * slot].reshape(-1, slot)
+        rows = whole[lo:hi] if hi - lo == left.size else whole[left, :width]  # (in place or not)
+        words = rows.view("<u8")[:, : width // 8]
+        same = layout.same(words, template.words, block.buffer.scratch(*words.shape))
+        mine = left[same]
+        if mine.size < left.size:
+            rows = rows[same]
+        names = _pick(self.names(), block.first + mine)  # (what each must name: checked)
+        ok = layout.values_ok(rows) & layout.names_ok(rows, names, meta["shard"])
+        ok &= layout.crc_ok(rows)
+        if not ok.all():
+            self.alone.extend((block.first + mine[~ok]).tolist())
+            mine, rows = mine[ok], rows[ok]
+            names = _pick(self.names(), block.first + mine)
+        if mine.size:
+            k, fields = mine.size, layout.fields
+            sizes = layout.sizes(rows) if "size" in fields else np.full(k, meta["size"])
+            probes = layout.strings(rows, "probe") if "probe" in fields else [template.probe] * k
+            arrays = layout.arrays(rows)
+            self.parts.append(_Part.of(block.first + mine, meta, arrays, names, sizes, probes))
+        return left[~same]
 
 
 def _assemble(source, parts: list[_Part]):

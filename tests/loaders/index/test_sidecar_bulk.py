@@ -368,7 +368,7 @@ def test_an_array_alike_in_every_sidecar_costs_no_crc32_call(shards, monkeypatch
     def crc_ok(datas):
         calls.clear()
         rows = np.frombuffer(b"".join(datas), np.uint8).reshape(len(datas), -1)
-        return layout.crc_ok(rows, datas).tolist(), len(calls)
+        return layout.crc_ok(rows).tolist(), len(calls)
 
     assert crc_ok(datas) == ([True] * len(same), 4 * len(same))
     at = _media_end(datas[2])
@@ -396,3 +396,86 @@ def test_a_byte_of_an_array_alike_in_every_sidecar_changed_reads_as_one_by_one(
     at = _media_end(original)
     changed = bytes([original[at] ^ 1])
     _assert_as_one_by_one(paths, index_dir, str(tmp_path), at, changed, crafted)
+
+
+@pytest.mark.parametrize("slot", [8, 1 << 16])
+def test_sidecars_of_any_length_read_in_slots_that_grow_give_the_index_read_one_by_one(
+    shards, monkeypatch, slot
+):
+    """Each file is read into a slot of a buffer: one that fills its slot (the first files' slot
+    too small) is read again, with the files after it, in a larger slot; a file longer than the
+    slot fitted to the first ones (a shard with more samples, later) likewise. The same index as
+    one by one, whatever the slots and blocks."""
+    paths, index_dir = shards
+    lengths = [len(_read(index_dir, p)) for p in paths]
+    assert max(lengths[2:]) > max(lengths[:2])  # (a longer one after the first two)
+    one_by_one = _start(paths, index_dir, bulk=False)
+    slots = []
+    real = sidecar_bulk._Reader._read
+
+    def read(self, *a, **k):
+        slots.append(self.slot)
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(sidecar_bulk._Reader, "_read", read)
+    monkeypatch.setattr(sidecar_bulk, "_SLOT", slot)
+    monkeypatch.setattr(sidecar_bulk, "_TIMED", 2)
+    monkeypatch.setattr(sidecar_bulk, "_BLOCK", 3 * max(lengths))  # (a few files a block)
+    monkeypatch.setattr(sidecar_bulk, "_fit", lambda n: n + 1)  # (no room: a longer one regrows)
+    assert _start(paths, index_dir, bulk=True) == one_by_one
+    grew = [b for a, b in zip(slots, slots[1:]) if b > a]
+    assert grew and slots[-1] > max(lengths), slots
+
+
+def test_a_file_that_fills_its_slot_is_read_again_in_a_larger_one(tmp_path):
+    """A read that fills its slot may not have read the whole file: a regular file (``fstat``)
+    is read again, with the files after it, in a slot that holds it; anything else (a character
+    device) is left to the reader of one file, which refuses it; a FIFO cannot be read from an
+    offset (the step is read one by one)."""
+    slot = 64
+    sizes = {"short": slot - 1, "full": slot, "long": 3 * slot}
+    for name, size in sizes.items():
+        (tmp_path / name).write_bytes(b"x" * size)
+    os.symlink("/dev/zero", tmp_path / "zero")
+    os.mkfifo(tmp_path / "fifo")
+    buf = bytearray(8 * slot)
+    view = memoryview(buf)
+    slots = [[view[i : i + slot]] for i in range(0, len(buf), slot)]
+
+    def read(*names):
+        got, need = sidecar_bulk._read_block([str(tmp_path / n) for n in names], slots)
+        return got.tolist(), need
+
+    assert read("short", "zero", "short") == ([slot - 1, 0, slot - 1], 0)
+    with pytest.raises(OSError):
+        read("short", "fifo")
+    assert read("short", "full", "short") == ([slot - 1], slot + 1)
+    assert read("long", "short") == ([], 3 * slot + 1)
+    reader = sidecar_bulk._Reader(slot)
+    blocks = list(reader.blocks([str(tmp_path / n) for n in ("short", "full", "long")], 5))
+    found = [(b.first, b.lengths.tolist()) for b in blocks]
+    assert found == [(5, [slot - 1]), (6, [slot, 3 * slot])]
+    assert blocks[1].slot > 3 * slot and reader.slot == blocks[1].slot
+
+
+def test_a_fifo_fed_a_valid_sidecar_is_refused_as_one_by_one(shards, tmp_path):
+    """A sidecar that is a FIFO is refused unread, even with a writer that has put the shard's
+    own valid sidecar in it (each file is read with ``preadv``, which a FIFO cannot: that step is
+    read one by one, and the FIFO refused there as the one-by-one reader refuses it)."""
+    paths, index_dir = shards
+    folder = str(tmp_path / "index")
+    shutil.copytree(index_dir, folder)
+    side = os.path.join(folder, os.path.basename(paths[MUTATED]) + SUFFIX)
+    with open(side, "rb") as f:
+        data = f.read()
+    os.remove(side)
+    os.mkfifo(side)
+    writer = os.open(side, os.O_RDWR | os.O_NONBLOCK)  # (holds the FIFO open, its data queued)
+    try:
+        os.write(writer, data)
+        found = _start(paths, folder, bulk=True)
+    finally:
+        os.close(writer)
+    assert found[:2] == ("error", "StaleIndexError") and "not a regular file" in found[2], found
+    assert paths[MUTATED] in found[2] or side in found[2]
+    assert found == _start(paths, folder, bulk=False)

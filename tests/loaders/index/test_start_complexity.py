@@ -92,9 +92,9 @@ def _loader(source, **kw) -> PackedLoader:
 
 class _Syscalls:
     """Counts ``os.stat`` and file opens (``open``, ``os.open``), and the reads of an open file
-    (``os.fstat``, ``os.lseek``, ``os.read``, ``os.pread``) while installed."""
+    (``os.fstat``, ``os.lseek``, ``os.read``, ``os.pread``, ``os.preadv``) while installed."""
 
-    READS = ("fstat", "lseek", "read", "pread")
+    READS = ("fstat", "lseek", "read", "pread", "preadv")
 
     def __init__(self, monkeypatch):
         self.stats = self.opens = self.reads = 0
