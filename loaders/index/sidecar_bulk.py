@@ -38,7 +38,6 @@ import operator
 import os
 import stat
 import struct
-import threading
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -197,18 +196,15 @@ def _read_all(paths: list[str], take) -> None:
     rest are read on up to :data:`~prealign.loaders.index.sidecar.SIDECAR_THREADS` threads, a
     buffer each step, the system calls overlapping (they release the GIL)."""
     reader = _Reader()
-    try:
-        for block in reader.blocks(paths[:_TIMED], 0):
+    for block in reader.blocks(paths[:_TIMED], 0):
+        take(block)
+    if len(paths) <= _TIMED:
+        return
+    reader.slot = min(reader.slot, _words_of(_fit(reader.longest)))
+    if reader.seconds <= _SLOW_FILE * _TIMED:
+        for block in reader.blocks(paths[_TIMED:], _TIMED):
             take(block)
-        if len(paths) <= _TIMED:
-            return
-        reader.slot = min(reader.slot, _words_of(_fit(reader.longest)))
-        if reader.seconds <= _SLOW_FILE * _TIMED:
-            for block in reader.blocks(paths[_TIMED:], _TIMED):
-                take(block)
-            return
-    finally:
-        _Buffer.give_back(reader.buffer)
+        return
 
     def step(lo: int) -> list[_Block]:
         return list(_Reader(reader.slot).blocks(paths[lo : lo + _THREAD_FILES], lo, keep=True))
@@ -224,15 +220,11 @@ def _read_all(paths: list[str], take) -> None:
 
 class _Buffer:
     """``array`` (uint8, uninitialised: only the bytes read are looked at) and the views of its
-    slots for ``preadv``, per slot size (made once). One of :data:`_BLOCK` bytes is kept for the
-    next start (:meth:`take`, :meth:`give_back`): its pages mapped and its views made already,
-    where a new one would take a page fault per slot (the allocator hands large blocks back)."""
-
-    _spare: list[_Buffer] = []
-    _lock = threading.Lock()
+    slots for ``preadv``, per slot size (made once), for one start's reads (none is kept for the
+    next start: a real restart is a new process)."""
 
     def __init__(self, size: int):
-        self.array = np.empty(size, np.uint8)
+        self.array = np.empty(max(size, _BLOCK), np.uint8)
         self._views: dict[int, list] = {}
         self._scratch: tuple[np.ndarray, np.ndarray] | None = None
 
@@ -244,22 +236,6 @@ class _Buffer:
             self._scratch = (np.empty(size, "<u8"), np.empty(size, bool))
         words, flags = self._scratch
         return words[: k * n].reshape(k, n), flags[: k * n].reshape(k, n)
-
-    @classmethod
-    def take(cls, size: int) -> _Buffer:
-        """A buffer of at least ``size`` bytes (at least :data:`_BLOCK`): the spare one if it is
-        free and large enough."""
-        with cls._lock:
-            if cls._spare and cls._spare[-1].array.size >= size:
-                return cls._spare.pop()
-        return cls(max(size, _BLOCK))
-
-    @classmethod
-    def give_back(cls, buffer: _Buffer | None) -> None:
-        """``buffer`` kept as the spare (when of :data:`_BLOCK` bytes)."""
-        if buffer is not None and buffer.array.size == _BLOCK:
-            with cls._lock:
-                cls._spare[:] = [buffer]
 
     def slots(self, slot: int) -> list:
         """``[[view]]`` of each slot of ``slot`` bytes, in order."""
@@ -306,11 +282,8 @@ class _Reader:
         outgrew its slot (when one does) and the bytes that one needs (else 0). A step that fails
         anywhere (a FIFO, a folder, a file removed: ``OSError``) is read again one by one."""
         slot, k = self.slot, len(paths)
-        if keep:
+        if keep or self.buffer is None or self.buffer.array.size < k * slot:
             self.buffer = _Buffer(k * slot)
-        elif self.buffer is None or self.buffer.array.size < k * slot:
-            _Buffer.give_back(self.buffer)
-            self.buffer = _Buffer.take(k * slot)
         lengths = np.empty(k, np.int64)
         for lo in range(0, k, _AT_ONCE):
             step, slots = paths[lo : lo + _AT_ONCE], self.buffer.slots(slot)[lo : lo + _AT_ONCE]
