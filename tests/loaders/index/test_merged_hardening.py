@@ -24,10 +24,12 @@ SCHEMA = causal_lm_schema()
 _ROWS = ("spans", "lengths", "media", "dim_ids", "bounds")
 
 
-def _merged(tmp_path, extra=None):
+def _merged(tmp_path, extra=None, version=3):
+    """A merged index of 3 shards of 10 samples, written as ``version`` (3: the per-shard table
+    these tests edit; version 4's own: tests/loaders/index/test_merged_v4.py)."""
     paths = write_shards(str(tmp_path), sample_lengths(30), num_shards=3, extra=extra)
     write_sidecars(WebDatasetSource(paths), SCHEMA)
-    path = merge_sidecars(WebDatasetSource(paths))["path"]
+    path = merge_sidecars(WebDatasetSource(paths), version=version)["path"]
     with np.load(path) as z:
         arrays = {k: z[k] for k in z.files}
     return paths, path, arrays, json.loads(arrays["meta"].tobytes())
