@@ -69,6 +69,7 @@ from prealign.loaders.sources.shard_files import (
     shard_name,
     shard_names,
     url_text,
+    word_columns,
     write_atomically,
 )
 from prealign.schemas.errors import PrealignError
@@ -413,8 +414,7 @@ def _same_names(meta: dict, source, encoded: np.ndarray | None = None) -> bool:
     joined = meta.get("names_text")
     rows = source.url_rows() if folder is not None and hasattr(source, "url_rows") else None
     if rows is not None and joined is not None and encoded is not None:
-        names_and_newlines = rows[:, len(folder) :].reshape(-1)  # (a copy: the names' bytes)
-        return bool(np.array_equal(names_and_newlines[:-1], encoded))
+        return _same_columns(rows, len(folder), encoded)
     text = source.url_text() if hasattr(source, "url_text") else url_text(urls)
     if folder is not None and joined is not None:  # (no name with a newline: no list of names)
         body = joined.replace("\n", "\n" + folder)  # text is folder + body + "\n"
@@ -423,6 +423,22 @@ def _same_names(meta: dict, source, encoded: np.ndarray | None = None) -> bool:
         body = ("\n" + folder).join(names)  # text is folder + body + "\n" (no copy of text)
         return len(text) == len(folder) + len(body) + 1 and text.startswith(body, len(folder))
     return names == shard_names(urls, text)
+
+
+def _same_columns(rows: np.ndarray, cut: int, encoded: np.ndarray) -> bool:
+    """The columns past ``cut`` of ``rows`` (uint8 ``[S, width]``: a path and its newline a row)
+    are ``encoded`` (the names, a newline between two: none inside one) and a newline: each row's
+    name compared with its place in ``encoded`` as 8-byte words (the newlines then fall where the
+    rows' do: ``encoded`` holds ``S - 1``), else the names' bytes copied out and compared."""
+    count, width = rows.shape
+    span = width - cut  # (a name and its newline)
+    if encoded.size + 1 != count * span:
+        return False
+    if span - 1 < 8:
+        return bool(np.array_equal(rows[:, cut:].reshape(-1)[:-1], encoded))
+    ours = word_columns(rows.reshape(-1), count, width, cut, width - 1)
+    stored = word_columns(encoded, count, span, 0, span - 1)
+    return all(bool(np.array_equal(a, b)) for a, b in zip(ours, stored))
 
 
 def merged_records(source, schema, *, found=_UNREAD) -> dict[int, dict] | None:

@@ -301,11 +301,23 @@ def _columns_equal(flat: np.ndarray, count: int, width: int, cut: int) -> bool:
     if cut < 8:
         rows = flat.reshape(count, width)
         return bool(np.all(rows[:, :cut] == rows[0, :cut]))
-    for at in [*range(0, cut - 7, 8), *([cut - 8] if cut % 8 else [])]:
-        words = np.ndarray((count,), "<u8", flat, at, (width,))
-        if not bool(np.all(words == words[0])):
-            return False
-    return True
+    return all(bool(np.all(w == w[0])) for w in word_columns(flat, count, width, 0, cut))
+
+
+def word_columns(flat: np.ndarray, count: int, stride: int, lo: int, hi: int) -> list[np.ndarray]:
+    """Bytes ``[lo, hi)`` (at least 8) of each of the ``count`` records of ``flat`` (uint8, a
+    record every ``stride`` bytes) as uint64 ``[count]`` views, a word at ``lo``, ``lo + 8``, ...,
+    the last one ending at ``hi`` (overlapping the one before it): two such lists of words are
+    equal exactly when the records' bytes there are.
+
+    >>> flat = np.frombuffer(b"0123456789\\n", np.uint8)
+    >>> [w.tobytes() for w in word_columns(flat, 1, 11, 0, 10)]
+    [b'01234567', b'23456789']
+    """
+    if hi - lo < 8:
+        raise ValueError(f"columns {lo}..{hi}: fewer than 8 bytes")
+    starts = [*range(lo, hi - 7, 8), *([hi - 8] if (hi - lo) % 8 else [])]
+    return [np.ndarray((count,), "<u8", flat, at, (stride,)) for at in starts]
 
 
 _CHUNK = 1 << 18

@@ -22,12 +22,14 @@ from prealign.loaders.index.merged import (
     VERSION,
     _encode_names_v4,
     _parse,
+    _same_names,
     merge_sidecars,
     merged_records,
     read_merged,
 )
 from tests.conftest import examples
 from tests.loaders.index.test_merged_hardening import SCHEMA, _load, _merged, _save
+from tests.loaders.index.test_merged_names_columns import _meta
 from tests.loaders.index.test_merged_v3 import _NAME
 
 _ROWS = ("spans", "lengths", "media", "dim_ids", "bounds")
@@ -192,3 +194,28 @@ def test_a_version_from_the_future_is_refused_with_the_command_that_rewrites_it(
         read_merged(WebDatasetSource(paths), SCHEMA)
     with pytest.raises(ValueError, match="writes versions 3 and 4"):
         merge_sidecars(WebDatasetSource(paths), version=2)
+
+
+@examples(300)
+@given(
+    st.integers(1, 6),
+    st.integers(8, 20),
+    st.lists(st.tuples(st.integers(0, 10**6), st.sampled_from("x\n/é")), max_size=3),
+)
+def test_long_names_compared_as_words_answer_as_the_text_does(count, width, edits):
+    """Names of 8 bytes or more (compared a word at a time, the last word overlapping): any byte
+    changed, inserted or removed anywhere (lengths that still add up included) is found."""
+    source = WebDatasetSource([f"/data/{i:0{width}d}" for i in range(count)])
+    names = [u[6:] for u in source.urls]
+    text = "\n".join(names)
+    for at, char in edits:  # (a change, or an insertion and a removal: the length kept or not)
+        at %= len(text)
+        text = text[:at] + char + text[at + (at % 2) :]
+        if len(text) > 1 and at % 3 == 0:
+            cut = (at * 7) % len(text)
+            text = text[:cut] + text[cut + 1 :]
+    for candidate in (names, text.split("\n")):
+        meta, encoded = _meta(candidate)
+        by_words = _same_names(meta, source, encoded)
+        by_text = _same_names(meta, source)  # (no stored names: the text comparison)
+        assert by_words == by_text == (candidate == names)
