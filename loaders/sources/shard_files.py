@@ -214,13 +214,30 @@ def all_distinct(urls: list[str], text: str, rows=None, folder: str = "") -> boo
     False
     """
     rows = _fixed(text, len(urls), rows)
-    if len(urls) > 1 and rows is not _SEARCH:
+    if len(urls) > 1 and rows is not _SEARCH and rows.shape[1] - 1 - len(folder) >= 8:
+        width, cut = rows.shape[1], len(folder)
+        if _rows_increase(word_columns(rows.reshape(-1), len(urls), width, cut, width, ">u8")):
+            return True  # (a sorted list: as below, a word of 8 bytes at a time)
+    elif len(urls) > 1 and rows is not _SEARCH:
         width, cut = rows.shape[1], len(folder)
         tail = {"names": ["r"], "formats": [f"S{width - cut}"], "offsets": [cut], "itemsize": width}
         lines = rows.reshape(-1).view(np.dtype(tail))["r"]  # (each line past cut)
         if bool(np.all(lines[1:] > lines[:-1])):  # each row one url: sorted, so distinct
             return True
     return len(set(urls)) == len(urls)
+
+
+def _rows_increase(words: list[np.ndarray]) -> bool:
+    """Each record is greater than the one before it, its bytes compared in order: ``words``
+    (:func:`word_columns`, big-endian) compared one column after another, a pair decided by its
+    first column that differs."""
+    greater = np.zeros(words[0].size - 1, bool)
+    undecided = np.ones(words[0].size - 1, bool)
+    for w in words:
+        later, earlier = w[1:], w[:-1]
+        greater |= undecided & (later > earlier)
+        undecided &= later == earlier
+    return bool(greater.all())
 
 
 def one_folder(text: str, count: int, rows=None) -> str | None:
@@ -304,11 +321,14 @@ def _columns_equal(flat: np.ndarray, count: int, width: int, cut: int) -> bool:
     return all(bool(np.all(w == w[0])) for w in word_columns(flat, count, width, 0, cut))
 
 
-def word_columns(flat: np.ndarray, count: int, stride: int, lo: int, hi: int) -> list[np.ndarray]:
+def word_columns(
+    flat: np.ndarray, count: int, stride: int, lo: int, hi: int, dtype: str = "<u8"
+) -> list[np.ndarray]:
     """Bytes ``[lo, hi)`` (at least 8) of each of the ``count`` records of ``flat`` (uint8, a
     record every ``stride`` bytes) as uint64 ``[count]`` views, a word at ``lo``, ``lo + 8``, ...,
     the last one ending at ``hi`` (overlapping the one before it): two such lists of words are
-    equal exactly when the records' bytes there are.
+    equal exactly when the records' bytes there are; ``dtype=">u8"`` (big-endian): they also
+    order as the bytes do, first column first (the overlap repeats bytes found equal before).
 
     >>> flat = np.frombuffer(b"0123456789\\n", np.uint8)
     >>> [w.tobytes() for w in word_columns(flat, 1, 11, 0, 10)]
@@ -317,7 +337,7 @@ def word_columns(flat: np.ndarray, count: int, stride: int, lo: int, hi: int) ->
     if hi - lo < 8:
         raise ValueError(f"columns {lo}..{hi}: fewer than 8 bytes")
     starts = [*range(lo, hi - 7, 8), *([hi - 8] if (hi - lo) % 8 else [])]
-    return [np.ndarray((count,), "<u8", flat, at, (stride,)) for at in starts]
+    return [np.ndarray((count,), dtype, flat, at, (stride,)) for at in starts]
 
 
 _CHUNK = 1 << 18

@@ -70,3 +70,26 @@ def test_byte_counts_are_those_of_the_whole_array(size, seed):
     flat = np.random.default_rng(seed).integers(0, 64, size, dtype=np.uint8)
     want = [int(np.count_nonzero(flat == v)) for v in (10, 47)]
     assert shard_files._byte_counts(flat, (10, 47)) == want
+
+
+@examples(500)
+@given(st.sampled_from([8, 9, 12, 15, 16, 17]), st.data())
+def test_all_distinct_of_long_names_agrees_with_a_set(width, data):
+    """Names of 8 bytes or more (compared as big-endian words, the last overlapping): in any order,
+    with repeats, differing in any word; the answer is a set's."""
+    name = st.text("ab", min_size=width, max_size=width)
+    urls = ["/d/" + n for n in data.draw(st.lists(name, min_size=2, max_size=6))]
+    text = url_text(urls)
+    rows, folder = folder_rows(text, len(urls))
+    assert folder == "/d/"
+    assert shard_files.all_distinct(urls, text, rows, folder) == (len(set(urls)) == len(urls))
+
+
+def test_a_sorted_list_of_long_names_is_found_distinct_by_its_words(monkeypatch):
+    urls = [f"/data/s-{i:09d}.tar" for i in range(500)]
+    text = url_text(urls)
+    rows, folder = folder_rows(text, len(urls))
+    answers = []
+    words = shard_files._rows_increase
+    monkeypatch.setattr(shard_files, "_rows_increase", lambda w: answers.append(words(w)) or True)
+    assert shard_files.all_distinct(urls, text, rows, folder) and answers == [True]
