@@ -66,6 +66,7 @@ from prealign.loaders.policy import BadDataPolicy
 from prealign.loaders.sources import remote
 from prealign.loaders.sources.npy import read_npz
 from prealign.loaders.sources.shard_files import (
+    byte_counts,
     shard_name,
     shard_names,
     url_text,
@@ -685,8 +686,7 @@ def _split_names(text: np.ndarray, count: int) -> str:
     (so none holds one), as one str; ``ValueError`` when it is not such a UTF-8 text."""
     if text.dtype != np.uint8 or text.ndim != 1:
         raise ValueError("names of the wrong dtype or shape")
-    raw = text.tobytes()
-    found = raw.count(b"\n") + 1
+    found = byte_counts(text, (ord("\n"),))[0] + 1
     if not count or found != count:
         raise ValueError(f"{found} names for {count} shards")
-    return raw.decode("utf-8", "surrogatepass")  # (UnicodeDecodeError is a ValueError)
+    return text.tobytes().decode("utf-8", "surrogatepass")  # (UnicodeDecodeError: a ValueError)

@@ -233,7 +233,7 @@ def _rows_increase(words: list[np.ndarray]) -> bool:
     first column that differs."""
     greater = np.zeros(words[0].size - 1, bool)
     undecided = np.ones(words[0].size - 1, bool)
-    for w in words:
+    for w in (w.astype(np.uint64) for w in words):  # (native, contiguous: faster to compare)
         later, earlier = w[1:], w[:-1]
         greater |= undecided & (later > earlier)
         undecided &= later == earlier
@@ -299,7 +299,7 @@ def folder_rows(text: str, count: int) -> tuple[np.ndarray | None, str | None]:
                 bool(np.all(rows[:, width - 1] == 10))
                 and _columns_equal(flat, count, width, cut)  # (no newline there: row 0 has none)
                 # (so a newline or "/" elsewhere is one in a name)
-                and _byte_counts(flat, (10, ord("/"))) == [count, count * first[:cut].count("/")]
+                and byte_counts(flat, (10, ord("/"))) == [count, count * first[:cut].count("/")]
             ):
                 return rows, first[:cut]
     rows = line_rows(text, count)
@@ -341,14 +341,14 @@ def word_columns(
 
 
 _CHUNK = 1 << 18
-"""Bytes compared at a time by :func:`_byte_counts` (the comparison's scratch stays in cache)."""
+"""Bytes compared at a time by :func:`byte_counts` (the comparison's scratch stays in cache)."""
 
 
-def _byte_counts(flat: np.ndarray, values: tuple[int, ...]) -> list[int]:
+def byte_counts(flat: np.ndarray, values: tuple[int, ...]) -> list[int]:
     """How many bytes of ``flat`` (uint8) equal each of ``values``, a slice of :data:`_CHUNK` bytes
     at a time (no scratch array as large as ``flat``).
 
-    >>> _byte_counts(np.frombuffer(b"/d/a\\n/d/b\\n", np.uint8), (10, ord("/")))
+    >>> byte_counts(np.frombuffer(b"/d/a\\n/d/b\\n", np.uint8), (10, ord("/")))
     [2, 4]
     """
     counts = [0] * len(values)

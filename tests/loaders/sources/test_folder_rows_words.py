@@ -69,7 +69,7 @@ def test_a_long_clean_list_takes_the_fast_path(monkeypatch):
 def test_byte_counts_are_those_of_the_whole_array(size, seed):
     flat = np.random.default_rng(seed).integers(0, 64, size, dtype=np.uint8)
     want = [int(np.count_nonzero(flat == v)) for v in (10, 47)]
-    assert shard_files._byte_counts(flat, (10, 47)) == want
+    assert shard_files.byte_counts(flat, (10, 47)) == want
 
 
 @examples(500)
