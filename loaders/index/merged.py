@@ -399,7 +399,10 @@ def _read(source, schema) -> tuple[dict, dict[str, np.ndarray]] | None:
 def _first_name(meta: dict) -> str:
     """The first shard name of a merged index (``meta``: :func:`_parse`'s), not splitting them."""
     joined = meta.get("names_text")
-    return meta["names"][0] if joined is None else joined.partition("\n")[0]
+    if joined is None:
+        return meta["names"][0]
+    end = joined.find("\n")  # (not partition: that copies the rest, 100k names)
+    return joined if end < 0 else joined[:end]
 
 
 def _same_names(meta: dict, source, encoded: np.ndarray | None = None) -> bool:
