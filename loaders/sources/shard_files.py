@@ -93,9 +93,7 @@ def shard_names(urls: list[str], text: str | None = None) -> list[str]:
 def url_text(urls: list[str]) -> str:
     """``urls`` as one text, each followed by a newline: what the checks of a whole shard list
     search (a few C calls over it instead of a step per shard)."""
-    text = "\n".join(urls)
-    text += "\n"  # (resized in place: no second copy of 100k names)
-    return text
+    return "\n".join([*urls, ""])  # (a resize of the joined text for its last newline copies it)
 
 
 class ListLike(Sequence):
