@@ -28,7 +28,13 @@ from prealign.loaders.index.merged import (
     read_merged,
 )
 from tests.conftest import examples
-from tests.loaders.index.test_merged_hardening import SCHEMA, _load, _merged, _save
+from tests.loaders.index.test_merged_hardening import (
+    SCHEMA,
+    _load,
+    _merged,
+    _save,
+    edited_rows,
+)
 from tests.loaders.index.test_merged_names_columns import _meta
 from tests.loaders.index.test_merged_v3 import _NAME
 
@@ -78,15 +84,7 @@ def test_version_4_and_version_3_of_the_same_shards_give_the_same_records_and_lo
 )
 def test_rows_edited_and_the_count_adjusted_are_refused(tmp_path, edit):
     paths, path, a, meta = _merged(tmp_path, version=4)
-    keep = list(range(30))
-    rows = {
-        "removed": keep[:15] + keep[16:],
-        "repeated": keep[:15] + [14] + keep[15:],
-        "swapped": keep[:14] + [15, 14] + keep[16:],
-        "first_removed": keep[:10] + keep[11:],
-        "last_removed": keep[:19] + keep[20:],
-        "past_the_end": keep,
-    }[edit]
+    rows = edited_rows(edit)
     for key in _ROWS:
         a[key] = a[key][rows]
     a["rows"][1] += len(rows) - 30

@@ -10,19 +10,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from prealign.loaders.sources import shard_files
-from prealign.loaders.sources.shard_files import folder_rows, line_rows, one_folder, url_text
+from prealign.loaders.sources.shard_files import folder_rows, url_text
 from tests.conftest import examples
-
-
-def _agrees(urls: list[str]) -> str | None:
-    text, n = url_text(urls), len(urls)
-    rows, folder = folder_rows(text, n)
-    expected = line_rows(text, n)
-    assert (rows is None) == (expected is None)
-    if rows is not None:
-        np.testing.assert_array_equal(rows, expected)
-    assert folder == one_folder(text, n, False if expected is None else expected)
-    return folder
+from tests.loaders.sources.test_folder_rows import agrees
 
 
 @examples(400)
@@ -35,23 +25,23 @@ def test_one_changed_byte_anywhere_is_found(depth, count, data):
     parts = data.draw(st.lists(st.sampled_from("ab/"), min_size=depth, max_size=depth))
     folder = "/" + "".join(parts).rstrip("/") + "/"
     urls = [f"{folder}s-{i}.tar" for i in range(count)]
-    found = _agrees(urls)
+    found = agrees(urls)
     assert found == folder or "//" in folder
     row = data.draw(st.integers(0, count - 1))
     col = data.draw(st.integers(0, len(urls[row]) - 1))
     byte = data.draw(st.sampled_from("c/\n?"))
     urls[row] = urls[row][:col] + byte + urls[row][col + 1 :]
-    _agrees(urls)
+    agrees(urls)
 
 
 def test_a_slash_or_newline_in_a_name_past_the_first_chunk_is_found():
     count = 2 * shard_files._CHUNK // 20 + 7  # (more than two chunks of text)
     urls = [f"/data/sets/s-{i:07d}.tar" for i in range(count)]
-    assert _agrees(urls) == "/data/sets/"
+    assert agrees(urls) == "/data/sets/"
     for byte in "/\n":
         bad = list(urls)
         bad[-3] = bad[-3][:-6] + byte + bad[-3][-5:]
-        assert _agrees(bad) is None
+        assert agrees(bad) is None
 
 
 def test_a_long_clean_list_takes_the_fast_path(monkeypatch):
