@@ -251,6 +251,23 @@ if __name__ == "__main__":
 """)
 
 
+def _merge(root: str, merged_dir: str, path: str) -> None:
+    """The merged index of ``root``'s sidecars in ``merged_dir``, written by the prealign at
+    ``path`` (``--before``: the format version it reads)."""
+    _phase(
+        f"""
+import glob, os
+from prealign.loaders import WebDatasetSource
+from prealign.loaders.index.merged import NAME, merge_sidecars
+os.makedirs({merged_dir!r}, exist_ok=True)
+merge_sidecars(WebDatasetSource(sorted(glob.glob({root!r} + "/*.tar"))),
+               os.path.join({merged_dir!r}, NAME))
+result = {{}}
+""",
+        path,
+    )
+
+
 def _stats(values: list[float]) -> dict:
     v = sorted(values)
     return {
@@ -365,8 +382,11 @@ def main() -> int:
             _index_and_merge(root, merged_dir)
         versions = [("", None)] + ([(" (before)", args.before)] if args.before else [])
         for tag, path in versions:
+            own = merged_dir + ("-before" if path else "")  # (each reads the format it writes)
+            if path and not os.path.exists(os.path.join(own, "prealign-index.merged.npz")):
+                _merge(root, own, path)
             contenders[((count, n), "merged index" + tag)] = (
-                _START.format(root=root, index_dir=merged_dir),
+                _START.format(root=root, index_dir=own),
                 path,
             )
             if count <= args.per_shard_max:

@@ -38,15 +38,19 @@ def check_tiling(
     num_events: np.ndarray,
     events: list[tuple[int, int]],
     bad: Callable[[str], Exception],
+    *,
+    rows: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Raise ``bad(what)`` unless the good samples tile their shards as the index pass found them.
 
     ``spans`` int64 ``[N, 3]`` (start, end, checksum) shard after shard; ``owner`` int64 ``[N]`` the
     shard of each; ``num_events`` int64 ``[S]`` records (good and bad) per shard; ``events``
     ``(shard, position)`` of each bad or skipped record, in order (positions checked in range by the
-    caller). Returns ``(first, last)`` int64 ``[S]``: per shard, the byte its first good sample
-    starts at when that is its first record, where its last good sample ends when that is its last
-    record (else ``-1``), as :func:`~prealign.loaders.index.sidecar.expected_of` records them."""
+    caller); ``rows`` int64 ``[S]``: the samples of each shard, when known (the count of
+    ``owner``'s values: not counted again). Returns ``(first, last)`` int64 ``[S]``: per shard, the
+    byte its first good sample starts at when that is its first record, where its last good sample
+    ends when that is its last record (else ``-1``), as
+    :func:`~prealign.loaders.index.sidecar.expected_of` records them."""
     if not events:  # every record a good sample (a healthy data set): no position looked up
         good = int(num_events.sum())
         is_event = good_at = None
@@ -77,11 +81,12 @@ def check_tiling(
             f"shard {int(owner[i])}: a gap of {int(spans[i + 1, 0] - spans[i, 1])} bytes between "
             f"two samples with no bad or skipped record between them (a removed row)"
         )
-    rows = (
-        np.bincount(owner, minlength=len(num_events))
-        if owner.size
-        else np.zeros(len(num_events), np.int64)
-    )
+    if rows is None:
+        rows = (
+            np.bincount(owner, minlength=len(num_events))
+            if owner.size
+            else np.zeros(len(num_events), np.int64)
+        )
     lo = np.concatenate([[0], np.cumsum(rows)])[:-1]
     has = rows > 0
     if is_event is None:  # (no bad record: a shard's first and last records are good samples)

@@ -76,13 +76,29 @@ def epoch_order(
     )
     counts = np.diff(np.r_[starts, n])
     perm = rng.permutation(starts.size)
-    first, count = starts[perm], counts[perm]
-    order = np.arange(n) + np.repeat(
-        first - (np.cumsum(count) - count), count
-    )  # shards in a seeded order
+    order = _shards_in_order(starts, counts, perm, n)  # shards in a seeded order
     if by_shard is not None:
         order = by_shard[order]
     return order[_window_shuffle(n, max(window, 1), rng)]
+
+
+def _shards_in_order(
+    starts: np.ndarray, counts: np.ndarray, perm: np.ndarray, n: int
+) -> np.ndarray:
+    """The ``n`` positions of shards whose samples start at ``starts`` (``counts`` of them each),
+    shard ``perm[0]`` first, then ``perm[1]``, ...; shards of one sample count (a webdataset's
+    usual layout; one sample each at 100k shards) in a few ops on ``perm``, else a repeat.
+
+    >>> _shards_in_order(np.array([0, 2, 4]), np.array([2, 2, 1]), np.array([2, 0, 1]), 5)
+    array([4, 0, 1, 2, 3])
+    >>> _shards_in_order(np.array([0, 2, 4]), np.array([2, 2, 2]), np.array([2, 0, 1]), 6)
+    array([4, 5, 0, 1, 2, 3])
+    """
+    if n and counts.min() == counts.max():  # (each shard c samples: shard s at s * c)
+        c = int(counts[0])
+        return perm if c == 1 else (perm[:, None] * c + np.arange(c)).reshape(-1)
+    first, count = starts[perm], counts[perm]
+    return np.arange(n) + np.repeat(first - (np.cumsum(count) - count), count)
 
 
 def _window_shuffle(n: int, window: int, rng: np.random.Generator) -> np.ndarray:

@@ -94,9 +94,7 @@ def shard_names(urls: list[str], text: str | None = None) -> list[str]:
 def url_text(urls: list[str]) -> str:
     """``urls`` as one text, each followed by a newline: what the checks of a whole shard list
     search (a few C calls over it instead of a step per shard)."""
-    text = "\n".join(urls)
-    text += "\n"  # (resized in place: no second copy of 100k names)
-    return text
+    return "\n".join([*urls, ""])  # (a resize of the joined text for its last newline copies it)
 
 
 class ListLike(Sequence):
@@ -215,13 +213,30 @@ def all_distinct(urls: list[str], text: str, rows=None, folder: str = "") -> boo
     False
     """
     rows = _fixed(text, len(urls), rows)
-    if len(urls) > 1 and rows is not _SEARCH:
+    if len(urls) > 1 and rows is not _SEARCH and rows.shape[1] - 1 - len(folder) >= 8:
+        width, cut = rows.shape[1], len(folder)
+        if _rows_increase(word_columns(rows.reshape(-1), len(urls), width, cut, width, ">u8")):
+            return True  # (a sorted list: as below, a word of 8 bytes at a time)
+    elif len(urls) > 1 and rows is not _SEARCH:
         width, cut = rows.shape[1], len(folder)
         tail = {"names": ["r"], "formats": [f"S{width - cut}"], "offsets": [cut], "itemsize": width}
         lines = rows.reshape(-1).view(np.dtype(tail))["r"]  # (each line past cut)
         if bool(np.all(lines[1:] > lines[:-1])):  # each row one url: sorted, so distinct
             return True
     return len(set(urls)) == len(urls)
+
+
+def _rows_increase(words: list[np.ndarray]) -> bool:
+    """Each record is greater than the one before it, its bytes compared in order: ``words``
+    (:func:`word_columns`, big-endian) compared one column after another, a pair decided by its
+    first column that differs."""
+    greater = np.zeros(words[0].size - 1, bool)
+    undecided = np.ones(words[0].size - 1, bool)
+    for w in (w.astype(np.uint64) for w in words):  # (native, contiguous: faster to compare)
+        later, earlier = w[1:], w[:-1]
+        greater |= undecided & (later > earlier)
+        undecided &= later == earlier
+    return bool(greater.all())
 
 
 def one_folder(text: str, count: int, rows=None) -> str | None:
@@ -277,15 +292,70 @@ def folder_rows(text: str, count: int) -> tuple[np.ndarray | None, str | None]:
     if count and cut and not len(text) % count and text.isascii() and "?" not in text:
         width = len(text) // count
         if cut < width - 1:
-            rows = np.frombuffer(text.encode("ascii"), np.uint8).reshape(count, width)
-            if bool(np.all(rows[:, width - 1] == 10)) and bool(
-                np.all(rows[:, :cut] == rows[0, :cut])  # (no newline there: row 0 has none)
+            flat = np.frombuffer(text.encode("ascii"), np.uint8)
+            rows = flat.reshape(count, width)
+            if (
+                bool(np.all(rows[:, width - 1] == 10))
+                and _columns_equal(flat, count, width, cut)  # (no newline there: row 0 has none)
+                # (so a newline or "/" elsewhere is one in a name)
+                and byte_counts(flat, (10, ord("/"))) == [count, count * first[:cut].count("/")]
             ):
-                names = rows[:, cut : width - 1]
-                if not bool(np.any((names == 10) | (names == ord("/")))):
-                    return rows, first[:cut]
+                return rows, first[:cut]
     rows = line_rows(text, count)
     return rows, one_folder(text, count, _SEARCH if rows is None else rows)
+
+
+def _columns_equal(flat: np.ndarray, count: int, width: int, cut: int) -> bool:
+    """The first ``cut`` columns of each of the ``count`` rows of ``flat`` (uint8, rows of
+    ``width``) are those of row 0: compared as 8-byte words (the last one overlapping the one before
+    it), a word per row at a time, not a column of bytes per row.
+
+    >>> flat = np.frombuffer(b"/data/a\\n/data/b\\n", np.uint8)
+    >>> _columns_equal(flat, 2, 8, 6), _columns_equal(flat, 2, 8, 7)
+    (True, False)
+    """
+    if cut < 8:
+        rows = flat.reshape(count, width)
+        return bool(np.all(rows[:, :cut] == rows[0, :cut]))
+    return all(bool(np.all(w == w[0])) for w in word_columns(flat, count, width, 0, cut))
+
+
+def word_columns(
+    flat: np.ndarray, count: int, stride: int, lo: int, hi: int, dtype: str = "<u8"
+) -> list[np.ndarray]:
+    """Bytes ``[lo, hi)`` (at least 8) of each of the ``count`` records of ``flat`` (uint8, a
+    record every ``stride`` bytes) as uint64 ``[count]`` views, a word at ``lo``, ``lo + 8``, ...,
+    the last one ending at ``hi`` (overlapping the one before it): two such lists of words are
+    equal exactly when the records' bytes there are; ``dtype=">u8"`` (big-endian): they also
+    order as the bytes do, first column first (the overlap repeats bytes found equal before).
+
+    >>> flat = np.frombuffer(b"0123456789\\n", np.uint8)
+    >>> [w.tobytes() for w in word_columns(flat, 1, 11, 0, 10)]
+    [b'01234567', b'23456789']
+    """
+    if hi - lo < 8:
+        raise ValueError(f"columns {lo}..{hi}: fewer than 8 bytes")
+    starts = [*range(lo, hi - 7, 8), *([hi - 8] if (hi - lo) % 8 else [])]
+    return [np.ndarray((count,), dtype, flat, at, (stride,)) for at in starts]
+
+
+_CHUNK = 1 << 18
+"""Bytes compared at a time by :func:`byte_counts` (the comparison's scratch stays in cache)."""
+
+
+def byte_counts(flat: np.ndarray, values: tuple[int, ...]) -> list[int]:
+    """How many bytes of ``flat`` (uint8) equal each of ``values``, a slice of :data:`_CHUNK` bytes
+    at a time (no scratch array as large as ``flat``).
+
+    >>> byte_counts(np.frombuffer(b"/d/a\\n/d/b\\n", np.uint8), (10, ord("/")))
+    [2, 4]
+    """
+    counts = [0] * len(values)
+    for lo in range(0, flat.size, _CHUNK):
+        part = flat[lo : lo + _CHUNK]
+        for i, v in enumerate(values):
+            counts[i] += int(np.count_nonzero(part == v))
+    return counts
 
 
 def any_line_ends(text: str, suffix: str, rows=_SEARCH) -> bool:

@@ -24,10 +24,12 @@ SCHEMA = causal_lm_schema()
 _ROWS = ("spans", "lengths", "media", "dim_ids", "bounds")
 
 
-def _merged(tmp_path, extra=None):
+def _merged(tmp_path, extra=None, version=3):
+    """A merged index of 3 shards of 10 samples, written as ``version`` (3: the per-shard table
+    these tests edit; version 4's own: tests/loaders/index/test_merged_v4.py)."""
     paths = write_shards(str(tmp_path), sample_lengths(30), num_shards=3, extra=extra)
     write_sidecars(WebDatasetSource(paths), SCHEMA)
-    path = merge_sidecars(WebDatasetSource(paths))["path"]
+    path = merge_sidecars(WebDatasetSource(paths), version=version)["path"]
     with np.load(path) as z:
         arrays = {k: z[k] for k in z.files}
     return paths, path, arrays, json.loads(arrays["meta"].tobytes())
@@ -62,15 +64,7 @@ def _load(paths):
 def test_a_merged_index_with_rows_edited_and_counts_adjusted_is_refused(tmp_path, edit):
     paths, path, a, meta = _merged(tmp_path)
     assert a["shards"][:, 1].tolist() == [10, 10, 10] and not meta["events"]
-    keep = list(range(30))
-    rows = {
-        "removed": keep[:15] + keep[16:],
-        "repeated": keep[:15] + [14] + keep[15:],
-        "swapped": keep[:14] + [15, 14] + keep[16:],
-        "first_removed": keep[:10] + keep[11:],
-        "last_removed": keep[:19] + keep[20:],
-        "past_the_end": keep,
-    }[edit]
+    rows = edited_rows(edit)
     for key in _ROWS:
         a[key] = a[key][rows]
     a["shards"][1, 1:3] += len(rows) - 30
@@ -81,6 +75,19 @@ def test_a_merged_index_with_rows_edited_and_counts_adjusted_is_refused(tmp_path
         _parse(data, path)
     with pytest.raises(StaleIndexError, match=NAME):
         _load(paths)
+
+
+def edited_rows(edit: str) -> list[int]:
+    """The rows kept of the 30 of :func:`_merged` (3 shards of 10) after ``edit``."""
+    keep = list(range(30))
+    return {
+        "removed": keep[:15] + keep[16:],
+        "repeated": keep[:15] + [14] + keep[15:],
+        "swapped": keep[:14] + [15, 14] + keep[16:],
+        "first_removed": keep[:10] + keep[11:],
+        "last_removed": keep[:19] + keep[20:],
+        "past_the_end": keep,
+    }[edit]
 
 
 def test_first_and_last_bytes_must_be_those_of_the_samples(tmp_path):

@@ -21,7 +21,11 @@ _NAMES = ["a.tar", "b.tar", "c/tar", "a?tar", "..", ".", "", "ar.gz", "a\nb", "Ã
     st.data(),
 )
 def test_folder_rows_is_line_rows_then_one_folder(folders, names, data):
-    urls = [data.draw(st.sampled_from(folders)) + n for n in names]
+    agrees([data.draw(st.sampled_from(folders)) + n for n in names])
+
+
+def agrees(urls: list[str]) -> str | None:
+    """``folder_rows`` of ``urls`` is ``line_rows`` then ``one_folder``; returns the folder."""
     text, n = url_text(urls), len(urls)
     rows, folder = folder_rows(text, n)
     expected = line_rows(text, n)
@@ -29,6 +33,7 @@ def test_folder_rows_is_line_rows_then_one_folder(folders, names, data):
     if rows is not None:
         np.testing.assert_array_equal(rows, expected)
     assert folder == one_folder(text, n, False if expected is None else expected)
+    return folder
 
 
 def test_a_zero_padded_list_takes_the_columns():
