@@ -90,13 +90,13 @@ class Skip:
                 raise ResumeError(
                     f"loader state: key 'stream.skip.{key}': not this source's ({exc})"
                 ) from None
-            if key == "partial" and getattr(source, "urls", None) is not None:
-                other = [s for s, loc in zip(shards, locs) if loc[0] != s]  # (shard, start, ...)
-                if other:
-                    raise ResumeError(
-                        f"loader state: key 'stream.skip.partial': shard {other[0]}'s location "
-                        f"is in another shard"
-                    )
+            owners = [location_shard(source, loc) for loc in locs]
+            other = [(s, o) for s, o in zip(shards, owners) if o not in (None, s)]
+            if other:
+                raise ResumeError(
+                    f"loader state: key 'stream.skip.{key}': shard {other[0][0]}'s location is in "
+                    f"shard {other[0][1]} (another shard, or another mixture component's)"
+                )
 
     @classmethod
     def from_dict(cls, d, num_shards: int) -> "Skip":
@@ -147,6 +147,15 @@ class Skip:
             np.unique(np.asarray(d["extra"], dtype=np.int64)),
             tuple(tuple(r) for r in sorted(returns)),
         )
+
+
+def location_shard(source, location) -> int | None:
+    """The shard a (checked) location of ``source`` lies in where its locations name it (a
+    mixture's ``shard_of``; a webdataset's ``(shard, start, ...)``), else None."""
+    shard_of = getattr(source, "shard_of", None)
+    if shard_of is not None:
+        return shard_of(location)
+    return None if getattr(source, "urls", None) is None else int(location[0])
 
 
 Records = Callable[[int, "tuple | None", "tuple | None"], Iterable]
