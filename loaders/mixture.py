@@ -528,8 +528,13 @@ class Mixture(Source):
 
     def phases_of(self, saved: dict) -> tuple:
         """The phases of a state's ``"mixture"`` entry (checked)."""
-        out = []
-        for i, ph in enumerate(saved.get("phases") or []):
+        out, phases = [], saved.get("phases", [])
+        if not isinstance(phases, list):
+            raise ResumeError(
+                f"loader state: key mixture.phases: expected a list of {{spec, segments}}, got "
+                f"{str(phases)[:200]} ({type(phases).__name__})"
+            )
+        for i, ph in enumerate(phases):
             if not isinstance(ph, dict) or not isinstance(ph.get("segments"), list):
                 raise ResumeError(
                     f"loader state: key mixture.phases[{i}]: expected {{spec, segments}}, got "

@@ -252,7 +252,7 @@ class LoaderState:
         streamed = version in (STREAM_VERSION, PACKED_VERSION)
         if (
             streamed != ("stream" in state)
-            or not isinstance(stream, (dict, type(None)))
+            or not isinstance(stream, dict if streamed else type(None))
             or (streamed and ("segments" in state or "cursors" in state))
         ):
             raise ResumeError(
@@ -426,9 +426,9 @@ def _at_problem(c) -> tuple[str, str] | None:
         and len(at) == 3
         and _ints(at[:1])
         and _ints(at[1:2], -1, 1 << 32)
-        and (at[2] is None or (_ints(at[2], -INT64) and at[2]))
+        and (at[2] is None or (_ints(at[2]) and at[2]))
     ):
-        return "at", f"expected [shard position, ordinal, location ints or null], {_got(at)}"
+        return "at", f"expected [shard position, ordinal, location (ints >= 0) or null], {_got(at)}"
     if at[1] == -1 and (at[0] or at[2] is not None):
         return "at", f"ordinal -1 (nothing read yet) is at position 0, no location, {_got(at)}"
     if not _ints([k]):
@@ -443,8 +443,8 @@ def _records_problem(records) -> str | None:
     if not isinstance(records, list):
         return f"expected a list of [id, aligned size, *location], {_got(records)}"
     for r in records:
-        if not (isinstance(r, list) and len(r) > 2 and _ints(r[:2]) and _ints(r[2:], -INT64)):
-            return f"expected [id, aligned size, *location] (int64, id and size >= 0), {_got(r)}"
+        if not (isinstance(r, list) and len(r) > 2 and _ints(r)):
+            return f"expected [id, aligned size, *location] (ints >= 0, int64), {_got(r)}"
     return None
 
 

@@ -46,8 +46,7 @@ def _paths(root: str):
 def _batches(batches) -> list:
     """What a loader served, comparable with ``==``."""
     return [
-        {k: v.tolist() if isinstance(v, torch.Tensor) else v for k, v in b.items()}
-        for b in batches
+        {k: v.tolist() if isinstance(v, torch.Tensor) else v for k, v in b.items()} for b in batches
     ]
 
 
@@ -301,28 +300,32 @@ def _set(path: tuple, value):
 R0 = ("cursors", "readers", 0)
 
 
+TYPES = [
+    ((*R0, "gate"), "0", r"readers\[0\].gate': expected an int >= 0, got 0 \(str\)"),
+    ((*R0, "k"), 1.5, r"readers\[0\].k': expected an int >= 0, got 1.5"),
+    ((*R0, "done"), 0, r"readers\[0\].done': expected a bool, got 0 \(int\)"),
+    ((*R0, "rule"), None, r"readers\[0\].rule': expected \["),
+    ((*R0, "buffer", 0, 1), "3", r"readers\[0\].buffer': expected \[id, aligned size"),
+    ((*R0, "buffer", 0, 0), -3, r"readers\[0\].buffer': expected \[id, aligned size"),
+    ((*R0, "bins"), {}, r"readers\[0\].bins': expected a list of micro-batches"),
+    ((*R0, "mix", "state", "used", 0), "x", r"mix.state.used': expected 2 finite numbers"),
+    ((*R0, "mix", "state", "recent", 1), 0.0, r"mix.state.recent': expected 2 finite"),
+    ((*R0, "mix", "state", "ended", 0), 0, r"mix.state.ended': expected 2 bools"),
+    ((*R0, "mix", "state", "ended"), [False], r"mix.state.ended': expected 2 bools"),
+    ((*R0, "mix", "streams", 0, "at", 1), "1", r"streams\[0\].at': expected \[shard pos"),
+    ((*R0, "mix", "streams", 0, "at", 0), -1, r"streams\[0\].at': expected \[shard pos"),
+    ((*R0, "mix", "streams", 1, "done"), True, r"streams\[1\].done': expected state.ended"),
+    ((*R0, "mix", "streams", 1, "k"), None, r"streams\[1\].k': expected an int >= 0"),
+    ((*R0, "mix", "streams", 1), None, r"streams\[1\]': expected an object with at, k"),
+    (("position",), 2**63, r"'position': expected an int >= 0, got 9223372036854775808"),
+    (("config", "dp_size"), 2**64, r"'config.dp_size': a non-finite number or an int past"),
+]
+
+
 @pytest.mark.parametrize(
     "path, value, says",
-    [
-        ((*R0, "gate"), "0", r"readers\[0\].gate': expected an int >= 0, got 0 \(str\)"),
-        ((*R0, "k"), 1.5, r"readers\[0\].k': expected an int >= 0, got 1.5"),
-        ((*R0, "done"), 0, r"readers\[0\].done': expected a bool, got 0 \(int\)"),
-        ((*R0, "rule"), None, r"readers\[0\].rule': expected \["),
-        ((*R0, "buffer", 0, 1), "3", r"readers\[0\].buffer': expected \[id, aligned size"),
-        ((*R0, "buffer", 0, 0), -3, r"readers\[0\].buffer': expected \[id, aligned size"),
-        ((*R0, "bins"), {}, r"readers\[0\].bins': expected a list of micro-batches"),
-        ((*R0, "mix", "state", "used", 0), "x", r"mix.state.used': expected 2 finite numbers"),
-        ((*R0, "mix", "state", "recent", 1), 0.0, r"mix.state.recent': expected 2 finite"),
-        ((*R0, "mix", "state", "ended", 0), 0, r"mix.state.ended': expected 2 bools"),
-        ((*R0, "mix", "state", "ended"), [False], r"mix.state.ended': expected 2 bools"),
-        ((*R0, "mix", "streams", 0, "at", 1), "1", r"streams\[0\].at': expected \[shard pos"),
-        ((*R0, "mix", "streams", 0, "at", 0), -1, r"streams\[0\].at': expected \[shard pos"),
-        ((*R0, "mix", "streams", 1, "done"), True, r"streams\[1\].done': expected state.ended"),
-        ((*R0, "mix", "streams", 1, "k"), None, r"streams\[1\].k': expected an int >= 0"),
-        ((*R0, "mix", "streams", 1), None, r"streams\[1\]': expected an object with at, k"),
-        (("position",), 2**63, r"'position': expected an int >= 0, got 9223372036854775808"),
-        (("config", "dp_size"), 2**64, r"'config.dp_size': a non-finite number or an int past"),
-    ],
+    TYPES,
+    ids=[".".join(map(str, p[1:] or p)) + f"={v!r}"[:12] for p, v, _ in TYPES],
 )
 def test_a_cursor_of_other_types_is_refused_naming_the_key(root, path, value, says):
     """Item 2, golden: each wrong type (a str, a float, a bool, a negative, None, a list of the
@@ -347,3 +350,19 @@ def test_a_packed_cursor_holds_at_most_what_its_reader_buffers(root):
     big = pack_cursor({"buffer": [[0] * 8] * 10**6, "bins": []})
     with pytest.raises(ResumeError, match=r"1000000 samples of 8 ints; expected at most 16"):
         unpack_cursor(big, "r", limit=16)
+
+
+def test_a_cursor_at_a_record_without_location_goes_on_after_it(root):
+    """A reader cursor whose last record has no location (an ignored tar member, the error that
+    ended a shard: a Mixture component's stream can stand there when a round is cut) goes on after
+    that record, by its ordinal: its shard is not read again from its start (that served its
+    samples twice)."""
+    state, make, rest = scenario(root, "stream-mix-v4")
+    streams = state["cursors"]["readers"][0]["mix"]["streams"]
+    assert all(s["at"][1] > 0 and s["at"][2] is not None for s in streams)
+    bare = copy.deepcopy(state)
+    for s in bare["cursors"]["readers"][0]["mix"]["streams"]:
+        s["at"][2] = None
+    loader = make()
+    loader.load_state_dict(bare)
+    assert _batches(loader) == rest
