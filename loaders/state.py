@@ -265,7 +265,7 @@ class LoaderState:
             version == CURSOR_VERSION and "segments" in state
         )
         if wants_segments != ("segments" in state) or (
-            segments is not None and not (isinstance(segments, list) and segments)
+            wants_segments and not (isinstance(segments, list) and segments)
         ):
             raise ResumeError(
                 f"loader state: key 'segments': a non-empty list in a version {ELASTIC_VERSION} "

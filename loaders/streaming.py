@@ -1046,6 +1046,12 @@ class StreamingPackedLoader(LoaderCore):
 
     def load_state_dict(self, state) -> None:
         st = LoaderState.from_dict(state, kind=self.state_kind)
+        workers = st.config.get("num_workers")
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
+            raise ResumeError(
+                f"loader state: key 'config.num_workers': expected an int >= 0 (a stream's "
+                f"readers depend on it), got {workers!r} ({type(workers).__name__})"
+            )
         if st.stream is not None:
             return self._load_stream(st)
         super().load_state_dict(state)

@@ -185,6 +185,8 @@ def mutated(state: dict, path: tuple, value) -> dict | None:
         return None
     if type(old) is type(value) and isinstance(value, (bool, float, str)) and value != float("inf"):
         return None  # (another bool, weight or name: a value of the same type, not this test's)
+    if (value == [] and isinstance(old, list)) or (value is None and path[-2:-1] == ("readers",)):
+        return None  # (an empty buffer, a reader that served nothing: values a state holds)
     parent[path[-1]] = value
     return out
 
@@ -319,7 +321,24 @@ TYPES = [
     ((*R0, "mix", "streams", 1), None, r"streams\[1\]': expected an object with at, k"),
     (("position",), 2**63, r"'position': expected an int >= 0, got 9223372036854775808"),
     (("config", "dp_size"), 2**64, r"'config.dp_size': a non-finite number or an int past"),
+    (("config", "num_workers"), None, r"'config.num_workers': expected an int >= 0"),
 ]
+
+
+@pytest.mark.parametrize(
+    "name, edit, says",
+    [
+        ("packed-mix-v3", _set(("segments",), None), r"'segments': a non-empty list"),
+        ("packed-mix", _set(("mixture", "phases"), 2.5), r"mixture.phases: expected a list"),
+        ("stream-mix-v6", _set(("stream",), None), r"'stream': an object in a version 5"),
+    ],
+    ids=["v3-segments-null", "mixture-phases-float", "v6-stream-null"],
+)
+def test_a_state_entry_of_another_type_is_refused(root, name, edit, says):
+    """Item 4 (``PackedLoader`` and ``Mixture`` states): ``null`` segments of a version-3 state
+    resumed as a version 2 one; ``phases`` of another type was a TypeError; a version-6 state with
+    a ``null`` stream replayed."""
+    _refused(root, name, edit, says)
 
 
 @pytest.mark.parametrize(
