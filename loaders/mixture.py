@@ -25,7 +25,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from prealign.loaders.errors import BadSampleError, ResumeError
+from prealign.loaders.errors import BadSampleError, IndexFileError, ResumeError
 from prealign.loaders.index.build import build_index
 from prealign.loaders.index.sample_index import SampleIndex
 from prealign.loaders.plan.elastic import Segment, rest_of_epoch
@@ -175,6 +175,44 @@ class Mixture(Source):
     def _split(self, location: Location) -> tuple[Source, Location]:
         c, width = int(location[0]), int(location[1])
         return self._sources[c], tuple(int(x) for x in location[2 : 2 + width])
+
+    def check_locations(self, locations) -> None:
+        """Rows ``(component, width, *its location, 0...)``: a component in range, each component's
+        rows of one width and its source's (its own ``check_locations``)."""
+        locs = np.asarray(locations)
+        if locs.ndim != 2 or locs.shape[1] < 3:
+            raise IndexFileError(
+                f"mixture locations: expected [N, 2 + a component's width], got {list(locs.shape)}"
+            )
+        comp, width = locs[:, 0], locs[:, 1]
+        if len(locs) and not (
+            0 <= comp.min()
+            and comp.max() < len(self._sources)
+            and 1 <= width.min()
+            and width.max() <= locs.shape[1] - 2
+        ):
+            raise IndexFileError(
+                f"mixture locations: components in [{comp.min()}, {comp.max()}] of widths in "
+                f"[{width.min()}, {width.max()}]; expected components in [0, "
+                f"{len(self._sources)}) of widths in [1, {locs.shape[1] - 2}]"
+            )
+        for c in np.unique(comp).tolist():
+            rows = locs[comp == c]
+            w = int(rows[0, 1])
+            try:
+                if (rows[:, 1] != w).any():
+                    raise IndexFileError(f"locations of widths {sorted(set(rows[:, 1].tolist()))}")
+                self._sources[c].check_locations(rows[:, 2 : 2 + w])
+            except IndexFileError as exc:
+                raise IndexFileError(f"mixture component {self.names[c]!r}: {exc}") from None
+
+    def shard_of(self, location: Location) -> int | None:
+        """The mixture shard a (checked) location lies in where its component's locations name
+        their shard (a webdataset's ``(shard, start, end, ...)``), else None."""
+        c = int(location[0])
+        if getattr(self._sources[c], "urls", None) is None:
+            return None
+        return sum(s.num_shards for s in self._sources[:c]) + int(location[2])
 
     def read(self, location: Location) -> dict:
         source, loc = self._split(location)
@@ -490,8 +528,13 @@ class Mixture(Source):
 
     def phases_of(self, saved: dict) -> tuple:
         """The phases of a state's ``"mixture"`` entry (checked)."""
-        out = []
-        for i, ph in enumerate(saved.get("phases") or []):
+        out, phases = [], saved.get("phases", [])
+        if not isinstance(phases, list):
+            raise ResumeError(
+                f"loader state: key mixture.phases: expected a list of {{spec, segments}}, got "
+                f"{str(phases)[:200]} ({type(phases).__name__})"
+            )
+        for i, ph in enumerate(phases):
             if not isinstance(ph, dict) or not isinstance(ph.get("segments"), list):
                 raise ResumeError(
                     f"loader state: key mixture.phases[{i}]: expected {{spec, segments}}, got "

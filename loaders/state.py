@@ -123,12 +123,20 @@ def _refuse_constant(name: str):
     raise ValueError(f"{name} is not a JSON number")
 
 
+INT64 = 1 << 63
+"""Ints of a state lie in ``[-INT64, INT64)``: they become int64 (numpy, torch, seeks)."""
+
+
 def _non_finite(value, path: str) -> str | None:
-    """Path of the first non-finite float inside ``value`` (nested dicts / lists), else None."""
+    """Path of the first non-finite float or int past int64 inside ``value`` (nested dicts /
+    lists), else None."""
     if isinstance(value, float):
         return None if math.isfinite(value) else path
+    if isinstance(value, int):
+        return None if -INT64 <= value < INT64 else path
     if isinstance(value, dict):
-        return next((p for k, v in value.items() if (p := _non_finite(v, f"{path}.{k}"))), None)
+        keys = ((v, f"{path}.{k}" if path else str(k)) for k, v in value.items())
+        return next((p for v, key in keys if (p := _non_finite(v, key))), None)
     if isinstance(value, list):
         return next((p for i, v in enumerate(value) if (p := _non_finite(v, f"{path}[{i}]"))), None)
     return None
@@ -215,10 +223,10 @@ class LoaderState:
             raise ResumeError(f"loader state: missing key(s) {missing}")
         for key in ("epoch", "position"):
             value = state[key]
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < INT64:
                 raise ResumeError(
                     f"loader state: key {key!r}: expected an int >= 0, got {value!r} "
-                    f"({type(value).__name__}); a state is never coerced"
+                    f"({type(value).__name__}; an int64); a state is never coerced"
                 )
         for key in ("config", "data"):
             if not isinstance(state[key], dict):
@@ -226,9 +234,11 @@ class LoaderState:
                     f"loader state: key {key!r}: expected an object, got "
                     f"{type(state[key]).__name__}"
                 )
-            bad = _non_finite(state[key], key)
-            if bad:
-                raise ResumeError(f"loader state: key {bad!r}: a non-finite number")
+        bad = _non_finite(state, "")  # (config, data, cursors, a mixture's entry...)
+        if bad:
+            raise ResumeError(
+                f"loader state: key {bad!r}: a non-finite number or an int past int64"
+            )
         cursors = state.get("cursors")
         if (version == CURSOR_VERSION) != ("cursors" in state) or (
             cursors is not None and not isinstance(cursors, dict)
@@ -242,7 +252,7 @@ class LoaderState:
         streamed = version in (STREAM_VERSION, PACKED_VERSION)
         if (
             streamed != ("stream" in state)
-            or not isinstance(stream, (dict, type(None)))
+            or not isinstance(stream, dict if streamed else type(None))
             or (streamed and ("segments" in state or "cursors" in state))
         ):
             raise ResumeError(
@@ -255,7 +265,7 @@ class LoaderState:
             version == CURSOR_VERSION and "segments" in state
         )
         if wants_segments != ("segments" in state) or (
-            segments is not None and not (isinstance(segments, list) and segments)
+            wants_segments and not (isinstance(segments, list) and segments)
         ):
             raise ResumeError(
                 f"loader state: key 'segments': a non-empty list in a version {ELASTIC_VERSION} "
@@ -303,7 +313,11 @@ class LoaderState:
 
 
 _PACK_LIMIT = 1 << 28
-"""Most ints a packed cursor may hold (2 GiB unpacked): a bigger one is not a state this writes."""
+"""Most ints a packed cursor may hold (2 GiB unpacked) where its reader's bound is not given: a
+bigger one is not a state this writes."""
+_PACK_WIDTH = 64
+"""Most ints a packed record may hold (``[id, aligned size, *location]``: a location is a few
+ints)."""
 
 
 def _has_packed(stream: dict | None) -> bool:
@@ -343,9 +357,11 @@ def pack_cursor(cursor: dict | None) -> dict | None:
     return out
 
 
-def unpack_cursor(cursor: dict | None, where: str) -> dict | None:
+def unpack_cursor(cursor: dict | None, where: str, limit: int | None = None) -> dict | None:
     """:func:`pack_cursor` undone (a cursor with ``buffer`` and ``bins`` is returned as it is); a
-    malformed ``packed`` is a :class:`ResumeError` naming ``where``."""
+    malformed ``packed``, or one of more than ``limit`` samples (what its reader can hold: the
+    loader's ``buffer_size`` and the samples read back first), is a :class:`ResumeError` naming
+    ``where`` before anything is inflated."""
     if not isinstance(cursor, dict) or "packed" not in cursor:
         return cursor
     p = cursor["packed"]
@@ -367,6 +383,11 @@ def unpack_cursor(cursor: dict | None, where: str) -> dict | None:
         and isinstance(p["ints"], str)
     ):
         bad(f"rows {rows!r} x width {width!r} split {str(split)[:100]}: not a packed cursor")
+    if width > _PACK_WIDTH or (limit is not None and rows > limit):
+        bad(
+            f"{rows} samples of {width} ints; expected at most {limit} samples (what the reader "
+            f"holds) of at most {_PACK_WIDTH} ints"
+        )
     try:
         inflate = zlib.decompressobj()
         raw = inflate.decompress(base64.b64decode(p["ints"], validate=True), rows * width * 8 + 1)
@@ -381,3 +402,134 @@ def unpack_cursor(cursor: dict | None, where: str) -> dict | None:
     out["buffer"] = records[: bounds[1]]
     out["bins"] = [records[lo:hi] for lo, hi in zip(bounds[1:-1], bounds[2:])]
     return out
+
+
+def _ints(value, low: int = 0, high: int = INT64) -> bool:
+    """``value`` is a list of ints (not bools) in ``[low, high)``."""
+    return isinstance(value, list) and all(
+        isinstance(x, int) and not isinstance(x, bool) and low <= x < high for x in value
+    )
+
+
+def _got(value) -> str:
+    return f"got {str(value)[:120]} ({type(value).__name__})"
+
+
+def _at_problem(c) -> tuple[str, str] | None:
+    """``(key, what is wrong)`` with the ``at`` / ``k`` / ``done`` of a (component) stream cursor,
+    else None."""
+    if not isinstance(c, dict) or not {"at", "k", "done"} <= set(c):
+        return "", f"expected an object with at, k and done, {_got(c)}"
+    at, k, done = c["at"], c["k"], c["done"]
+    if not (
+        isinstance(at, list)
+        and len(at) == 3
+        and _ints(at[:1])
+        and _ints(at[1:2], -1, 1 << 32)
+        and (at[2] is None or (_ints(at[2]) and at[2]))
+    ):
+        return "at", f"expected [shard position, ordinal, location (ints >= 0) or null], {_got(at)}"
+    if at[1] == -1 and (at[0] or at[2] is not None):
+        return "at", f"ordinal -1 (nothing read yet) is at position 0, no location, {_got(at)}"
+    if not _ints([k]):
+        return "k", f"expected an int >= 0, {_got(k)}"
+    if not isinstance(done, bool):
+        return "done", f"expected a bool, {_got(done)}"
+    return None
+
+
+def _records_problem(records) -> str | None:
+    """What is wrong with a cursor's list of ``[id, aligned size, *location]``, else None."""
+    if not isinstance(records, list):
+        return f"expected a list of [id, aligned size, *location], {_got(records)}"
+    for r in records:
+        if not (isinstance(r, list) and len(r) > 2 and _ints(r)):
+            return f"expected [id, aligned size, *location] (ints >= 0, int64), {_got(r)}"
+    return None
+
+
+def _rule_problem(rule) -> str | None:
+    """What is wrong with a cursor's ``rule`` (``[fixed dims, fixed by, fields or null]``)."""
+    fixed, by, fields = rule if isinstance(rule, list) and len(rule) == 3 else (None, None, 0)
+    if not (
+        isinstance(fixed, dict)
+        and all(isinstance(v, str) or _ints([v]) for v in fixed.values())
+        and isinstance(by, dict)
+        and set(by) == set(fixed)
+        and all(isinstance(v, str) for v in by.values())
+        and (
+            fields is None or (isinstance(fields, list) and all(isinstance(f, str) for f in fields))
+        )
+    ):
+        return f"expected [{{dim: int >= 0 or str}}, {{dim: sample}}, null or [str]], {_got(rule)}"
+    return None
+
+
+def _mix_problem(mix, n: int) -> tuple[str, str] | None:
+    """``(key, what is wrong)`` with a :class:`Mixture` reader's ``mix`` over ``n`` components,
+    else None."""
+    if not (isinstance(mix, dict) and set(mix) == {"state", "streams"}):
+        return "mix", f"expected the interleave's state and {n} component cursors, {_got(mix)}"
+    state, streams = mix["state"], mix["streams"]
+    if not (isinstance(state, dict) and set(state) == {"used", "recent", "ended"}):
+        return "mix.state", f"expected used, recent and ended of {n} streams, {_got(state)}"
+    for key in ("used", "recent", "ended"):
+        v = state[key]
+        if key == "ended":
+            ok = isinstance(v, list) and all(isinstance(x, bool) for x in v)
+        else:  # (units: >= 0 so far, > 0 the last item's)
+            ok = isinstance(v, list) and all(
+                isinstance(x, (int, float))
+                and not isinstance(x, bool)
+                and math.isfinite(x)
+                and (x >= 0 if key == "used" else x > 0)
+                for x in v
+            )
+        if not (ok and len(v) == n):
+            what = "bools" if key == "ended" else "finite numbers (units)"
+            return f"mix.state.{key}", f"expected {n} {what}, one per component, {_got(v)}"
+    if not (isinstance(streams, list) and len(streams) == n):
+        return "mix.streams", f"expected {n} component cursors, {_got(streams)}"
+    for i, sub in enumerate(streams):
+        if (bad := _at_problem(sub)) is not None:
+            return f"mix.streams[{i}]{'.' if bad[0] else ''}{bad[0]}", bad[1]
+        if sub["done"] != state["ended"][i]:
+            return f"mix.streams[{i}].done", f"expected state.ended[{i}], {_got(sub['done'])}"
+    return None
+
+
+def check_cursor(cursor, where: str, components: int | None = None) -> None:
+    """A reader cursor (unpacked, as :meth:`~prealign.loaders.streaming._Packer.cursor` writes it)
+    of the types and ranges it is written with, else a :class:`ResumeError` naming the key under
+    ``where``, what was expected and what came; ``components``: a :class:`Mixture`'s number of
+    components (its ``mix``). The loader checks that its positions and locations are its source's.
+    """
+    keys = {"at", "k", "done", "gate", "rule", "buffer", "bins"} | (
+        {"mix"} if components else set()
+    )
+    if not isinstance(cursor, dict):
+        raise ResumeError(f"loader state: key '{where}': expected a reader cursor, {_got(cursor)}")
+    for key in sorted(keys ^ set(cursor)):
+        raise ResumeError(
+            f"loader state: key '{where}.{key}': "
+            + ("missing" if key in keys else "not a key of a reader cursor")
+            + (" (a Mixture reader's cursor has it)" if key == "mix" else "")
+        )
+    bins = cursor["bins"]
+    gate = cursor["gate"]
+    checks = (
+        _at_problem(cursor) or ("at", None),
+        ("gate", None if _ints([gate]) else f"expected an int >= 0, {_got(gate)}"),
+        ("rule", _rule_problem(cursor["rule"])),
+        ("buffer", _records_problem(cursor["buffer"])),
+        (
+            "bins",
+            next(filter(None, map(_records_problem, bins)), None)
+            if isinstance(bins, list)
+            else f"expected a list of micro-batches, {_got(bins)}",
+        ),
+        (components and _mix_problem(cursor["mix"], components)) or ("mix", None),
+    )
+    for key, why in checks:
+        if why is not None:
+            raise ResumeError(f"loader state: key '{where}.{key}': {why}")

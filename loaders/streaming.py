@@ -84,6 +84,7 @@ from prealign.loaders.errors import (
     OversizeSampleError,
     PlanError,
     ResumeError,
+    SourceChangedError,
 )
 from prealign.loaders.handoff.transport import pack_batch
 from prealign.loaders.index.apply_policy import FixedDims
@@ -94,13 +95,19 @@ from prealign.loaders.plan.elastic import round_robin
 from prealign.loaders.plan.mixing import StreamMix
 from prealign.loaders.plan.packing import best_fit_decreasing
 from prealign.loaders.plan.planner import PlannerConfig
-from prealign.loaders.plan.stream_skip import Skip, fold, fold_parts, kept
+from prealign.loaders.plan.stream_skip import Skip, fold, fold_parts, kept, location_shard
 from prealign.loaders.policy import BadDataGate, BadDataPolicy, BadDataReport, BadRecord, Oversize
 from prealign.loaders.serve.workers import hand_over
 from prealign.loaders.shaping import filler_length, filler_sample, truncate_sample
 from prealign.loaders.sources.source import Source
 from prealign.loaders.sources.webdataset import WebDatasetSource
-from prealign.loaders.state import STREAM_STATE_KIND, LoaderState, pack_cursor, unpack_cursor
+from prealign.loaders.state import (
+    STREAM_STATE_KIND,
+    LoaderState,
+    check_cursor,
+    pack_cursor,
+    unpack_cursor,
+)
 from prealign.schemas.errors import PrealignError, SampleError
 from prealign.schemas.layout import ParallelLayout
 from prealign.schemas.schema import BatchSchema
@@ -526,7 +533,7 @@ class _Packer:
             sid, _, *loc = records[i]
             try:
                 samples[i] = r.source.apply_transform(r.source.read(tuple(loc)), tuple(loc))
-            except SampleError as exc:
+            except (SampleError, SourceChangedError) as exc:
                 raise ResumeError(
                     f"loader state: cursor sample {r.source.where(tuple(loc))} (id "
                     f"{sid}) is bad data now ({exc}); the data changed since the state was saved"
@@ -1039,6 +1046,12 @@ class StreamingPackedLoader(LoaderCore):
 
     def load_state_dict(self, state) -> None:
         st = LoaderState.from_dict(state, kind=self.state_kind)
+        workers = st.config.get("num_workers")
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
+            raise ResumeError(
+                f"loader state: key 'config.num_workers': expected an int >= 0 (a stream's "
+                f"readers depend on it), got {workers!r} ({type(workers).__name__})"
+            )
         if st.stream is not None:
             return self._load_stream(st)
         super().load_state_dict(state)
@@ -1059,31 +1072,105 @@ class StreamingPackedLoader(LoaderCore):
             return
         at, workers = (self._epoch, self._position), max(self.num_workers, 1)
         self._track = _Track.loaded(cursors, at, workers)
-        self._check_mix(self._track.cursors, "cursors.readers")
+        first, total = self.dp_rank * workers, self.dp_size * workers
+        self._check_cursors(
+            self._track.cursors,
+            "cursors.readers",
+            epoch=st.epoch,
+            skip=None,
+            first=first,
+            total=total,
+        )
 
-    def _check_mix(self, readers: list, key: str) -> None:
-        """A :class:`ResumeError` naming ``key`` when a reader cursor of a :class:`Mixture` stream
-        lacks its ``mix`` (:meth:`_MixCursor.saved`) over this mixture's components."""
-        if not isinstance(self.source, Mixture):
-            return
-        n = len(self.source.names)
-        for g, c in enumerate(readers):
-            mix = None if c is None else c.get("mix")
-            state = mix.get("state") if isinstance(mix, dict) else None
-            streams = mix.get("streams") if isinstance(mix, dict) else None
-            if c is None or (
-                isinstance(state, dict)
-                and all(len(state.get(k) or ()) == n for k in ("used", "recent", "ended"))
-                and isinstance(streams, list)
-                and len(streams) == n
-                and all(isinstance(x, dict) and {"at", "k", "done"} <= set(x) for x in streams)
-            ):
+    def _check_cursors(
+        self, readers: list, key: str, *, epoch: int, skip: Skip | None, first: int, total: int
+    ) -> None:
+        """A :class:`ResumeError` naming the key under ``key`` unless every reader cursor (of
+        readers ``first, first + 1, ...`` of ``total``, who read ``epoch`` under ``skip``) is of
+        the types it is written with (:func:`~prealign.loaders.state.check_cursor`), holds at most
+        what a reader buffers, and goes on in its own shards (a :class:`Mixture`'s: each
+        component's stream in that component's) from a location of this source."""
+        mixture = isinstance(self.source, Mixture)
+        n = self.source.num_shards
+        order = np.random.default_rng([self.seed, epoch]).permutation(n).tolist()
+        parts = self.source.shards_by_component(order) if mixture else [order]
+        limit = self._cursor_limit(skip)
+        for w, c in enumerate(readers):
+            if c is None:
                 continue
+            where = f"{key}[{w}]"
+            check_cursor(c, where, len(parts) if mixture else None)
+            records = [*c["buffer"], *(r for b in c["bins"] for r in b)]
+            if len(records) > limit:
+                raise ResumeError(
+                    f"loader state: key '{where}.buffer': {len(records)} samples; expected at "
+                    f"most {limit} (buffer_size {self.buffer_size} and the samples the state "
+                    f"returns)"
+                )
+            self._check_records(records, where)
+            subs = c["mix"]["streams"] if mixture else [c]
+            for i, (part, sub) in enumerate(zip(parts, subs)):
+                part = part if skip is None else skip.remaining(part)
+                mine = part[first + w :: total] if len(part) >= total else part
+                name = f"{where}.mix.streams[{i}]" if mixture else where
+                self._check_at(sub["at"], None if sub["done"] else mine, i, f"{name}.at")
+
+    def _cursor_limit(self, skip: Skip | None) -> int:
+        """The most samples a reader cursor holds: its buffer, or what it read back first (its
+        share of ``skip.returns``, read before anything else)."""
+        return self.buffer_size + (0 if skip is None else len(skip.returns))
+
+    def _check_at(self, at: list, shards: list | None, component: int, key: str) -> None:
+        """``at = [shard position, ordinal, location]`` of a stream that reads ``shards`` (None: it
+        ended) lies in them: the position among them, the location this source's, in that shard
+        (and of component ``component`` in a :class:`Mixture`)."""
+        pos, ordinal, loc = at
+        if shards is None or ordinal == -1:
+            return
+        mixture = isinstance(self.source, Mixture)
+        own = f" of component {self.source.names[component]!r}" if mixture else ""
+        if pos >= len(shards):
             raise ResumeError(
-                f"loader state: key '{key}[{g}].mix': expected the interleave's state and "
-                f"{n} component cursors (this mixture's {list(self.source.names)}), got "
-                f"{str(mix)[:200]}"
+                f"loader state: key '{key}': shard position {pos}; expected one of the "
+                f"{len(shards)} shards{own} this reader reads"
             )
+        if loc is None:
+            return
+        self._check_locations([loc], key)
+        if mixture and loc[0] != component:
+            raise ResumeError(
+                f"loader state: key '{key}': a location of component "
+                f"{self.source.names[loc[0]]!r}; expected one{own} (shard {shards[pos]})"
+            )
+        shard = location_shard(self.source, loc)
+        if shard not in (None, shards[pos]):
+            raise ResumeError(
+                f"loader state: key '{key}': a location in shard {shard}; expected one in shard "
+                f"{shards[pos]}, at position {pos} of the shards{own} this reader reads"
+            )
+
+    def _check_locations(self, locs: list, key: str) -> None:
+        try:
+            if len(set(map(len, locs))) != 1:
+                raise ValueError(f"locations of widths {sorted(set(map(len, locs)))}")
+            self.source.check_locations(np.asarray(locs, np.int64))
+        except (PrealignError, ValueError) as exc:
+            raise ResumeError(f"loader state: key '{key}': not this source's ({exc})") from None
+
+    def _check_records(self, records: list, key: str) -> None:
+        """Cursor records ``[stream id, aligned size, *location]``: locations of this source, of
+        one width, each in its id's shard where the location names its shard."""
+        if not records:
+            return
+        self._check_locations([r[2:] for r in records], key)
+        for sid, _, *loc in records:
+            shard = location_shard(self.source, loc)
+            if sid >> 32 >= self.source.num_shards or shard not in (None, sid >> 32):
+                raise ResumeError(
+                    f"loader state: key '{key}': location {loc} (shard {shard}) of sample id "
+                    f"{sid} (shard {sid >> 32}); expected a location in the id's shard, one of "
+                    f"the {self.source.num_shards} shards"
+                )
 
     def _load_stream(self, st: LoaderState) -> None:
         """A version-5 state: same ``dp_size`` / ``num_workers``: this rank's cursors (exact);
@@ -1118,7 +1205,8 @@ class StreamingPackedLoader(LoaderCore):
         old_workers = max(shape[1], 1)
         if shape == (self.dp_size, self.num_workers):
             self._skip = (st.epoch, skip, offset)
-            entry = _unpacked(ranks[self.dp_rank], f"stream.ranks[{self.dp_rank}]")
+            limit = self._cursor_limit(skip)
+            entry = _unpacked(ranks[self.dp_rank], f"stream.ranks[{self.dp_rank}]", limit)
             if not st.position:
                 return
             if entry is None:
@@ -1130,7 +1218,14 @@ class StreamingPackedLoader(LoaderCore):
                 )
                 return
             self._track = _Track.loaded(entry, (st.epoch, st.position), old_workers)
-            self._check_mix(self._track.cursors, f"stream.ranks[{self.dp_rank}].readers")
+            self._check_cursors(
+                self._track.cursors,
+                f"stream.ranks[{self.dp_rank}].readers",
+                epoch=st.epoch,
+                skip=skip,
+                first=self.dp_rank * old_workers,
+                total=shape[0] * old_workers,
+            )
             return
         missing = [r for r, e in enumerate(ranks) if e is None]
         if missing and st.position:
@@ -1143,7 +1238,7 @@ class StreamingPackedLoader(LoaderCore):
             )
         cursors = []
         for r, e in enumerate(ranks):
-            e = _unpacked(e, f"stream.ranks[{r}]")
+            e = _unpacked(e, f"stream.ranks[{r}]", self._cursor_limit(skip))
             readers = [None] * old_workers if e is None else e.get("readers")
             if not (
                 isinstance(readers, list)
@@ -1154,7 +1249,14 @@ class StreamingPackedLoader(LoaderCore):
                     f"loader state: key 'stream.ranks[{r}]': expected {old_workers} reader "
                     f"cursors, got {str(e)[:200]}"
                 )
-            self._check_mix(readers, f"stream.ranks[{r}].readers")
+            self._check_cursors(
+                readers,
+                f"stream.ranks[{r}].readers",
+                epoch=st.epoch,
+                skip=skip,
+                first=r * old_workers,
+                total=shape[0] * old_workers,
+            )
             cursors += readers
         order = np.random.default_rng([self.seed, st.epoch]).permutation(self.source.num_shards)
         try:
@@ -1244,14 +1346,17 @@ def _packed(entry: dict | None) -> dict | None:
     return {**entry, "readers": [pack_cursor(c) if isinstance(c, dict) else c for c in readers]}
 
 
-def _unpacked(entry: dict | None, where: str) -> dict | None:
-    """:func:`_packed` undone (an entry of a version-5 state is returned as it is)."""
+def _unpacked(entry: dict | None, where: str, limit: int) -> dict | None:
+    """:func:`_packed` undone (an entry of a version-5 state is returned as it is); a reader
+    cursor of more than ``limit`` samples is refused before it is inflated."""
     readers = entry.get("readers") if isinstance(entry, dict) else None
     if not isinstance(readers, list):
         return entry
     return {
         **entry,
-        "readers": [unpack_cursor(c, f"{where}.readers[{g}]") for g, c in enumerate(readers)],
+        "readers": [
+            unpack_cursor(c, f"{where}.readers[{g}]", limit) for g, c in enumerate(readers)
+        ],
     }
 
 

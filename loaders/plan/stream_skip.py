@@ -90,13 +90,13 @@ class Skip:
                 raise ResumeError(
                     f"loader state: key 'stream.skip.{key}': not this source's ({exc})"
                 ) from None
-            if key == "partial" and getattr(source, "urls", None) is not None:
-                other = [s for s, loc in zip(shards, locs) if loc[0] != s]  # (shard, start, ...)
-                if other:
-                    raise ResumeError(
-                        f"loader state: key 'stream.skip.partial': shard {other[0]}'s location "
-                        f"is in another shard"
-                    )
+            owners = [location_shard(source, loc) for loc in locs]
+            other = [(s, o) for s, o in zip(shards, owners) if o not in (None, s)]
+            if other:
+                raise ResumeError(
+                    f"loader state: key 'stream.skip.{key}': shard {other[0][0]}'s location is in "
+                    f"shard {other[0][1]} (another shard, or another mixture component's)"
+                )
 
     @classmethod
     def from_dict(cls, d, num_shards: int) -> "Skip":
@@ -108,12 +108,9 @@ class Skip:
         if not isinstance(d, dict) or set(d) != {"done", "partial", "extra", "returns"}:
             bad("", f"expected done, partial, extra and returns, got {str(d)[:200]}")
 
-        def ints(v, low: int | None = 0, high: int = 2**63) -> bool:
+        def ints(v, low: int = 0, high: int = 2**63) -> bool:  # (int64: numpy, seeks)
             return isinstance(v, list) and all(
-                isinstance(x, int)
-                and not isinstance(x, bool)
-                and (-(2**63) if low is None else low) <= x < high  # (int64: numpy, seeks)
-                for x in v
+                isinstance(x, int) and not isinstance(x, bool) and low <= x < high for x in v
             )
 
         ids = num_shards << 32  # (a stream id: shard << 32 | ordinal)
@@ -127,7 +124,8 @@ class Skip:
                 and len(p) == 3
                 and ints(p[:1])
                 and ints(p[1:2], 0, 2**32)
-                and ints(p[2], None)
+                and ints(p[2])
+                and p[2]
             ):
                 bad("partial", f"expected [shard, ordinal, location], got {str(p)[:100]}")
             if p[0] >= num_shards or p[0] in partial or p[0] in d["done"]:
@@ -138,7 +136,7 @@ class Skip:
         returns = d["returns"]
         if not (
             isinstance(returns, list)
-            and all(ints(r, None) and len(r) >= 2 and 0 <= r[0] < ids for r in returns)
+            and all(ints(r) and len(r) > 2 and r[0] < ids for r in returns)
         ):
             bad("returns", "expected [id, aligned size, *location] lists")
         return cls(
@@ -147,6 +145,15 @@ class Skip:
             np.unique(np.asarray(d["extra"], dtype=np.int64)),
             tuple(tuple(r) for r in sorted(returns)),
         )
+
+
+def location_shard(source, location) -> int | None:
+    """The shard a (checked) location of ``source`` lies in where its locations name it (a
+    mixture's ``shard_of``; a webdataset's ``(shard, start, ...)``), else None."""
+    shard_of = getattr(source, "shard_of", None)
+    if shard_of is not None:
+        return shard_of(location)
+    return None if getattr(source, "urls", None) is None else int(location[0])
 
 
 Records = Callable[[int, "tuple | None", "tuple | None"], Iterable]
@@ -164,9 +171,11 @@ def kept(
     first = 0 if start is None else start[0]
     for pos in range(first, len(order)):
         shard = order[pos]
-        after = None
+        after, upto = None, -1
         if start is not None and pos == first and start[2] is not None:
-            after = (start[1], start[2])  # (a cursor at a record without location: shard again)
+            after = (start[1], start[2])
+        elif start is not None and pos == first:
+            upto = start[1]  # (a record without location: the shard again, up to it dropped)
         extra, base = frozenset(), None
         if skip is not None:
             base = skip.partial.get(shard)
@@ -174,7 +183,7 @@ def kept(
                 after = base
             extra = skip.extra_in(shard)
         for ordinal, loc, item in records(shard, after, base):
-            if ordinal not in extra:
+            if ordinal > upto and ordinal not in extra:
                 yield pos, shard, ordinal, loc, item
 
 
