@@ -124,7 +124,11 @@ def _refuse_constant(name: str):
 
 
 INT64 = 1 << 63
-"""Ints of a state lie in ``[-INT64, INT64)``: they become int64 (numpy, torch, seeks)."""
+"""Ints of a state lie in ``[-INT64, INT64)``: they become int64 (numpy, torch, seeks); but for
+those of :data:`ANY_INT`."""
+ANY_INT = frozenset({"config.seed"})
+"""State keys whose int may lie past int64: a seed is any int >= 0 (``np.random.default_rng``
+takes any; ``SeedSequence().entropy`` is 128 bits), only compared with this run's."""
 
 
 def _non_finite(value, path: str) -> str | None:
@@ -133,7 +137,7 @@ def _non_finite(value, path: str) -> str | None:
     if isinstance(value, float):
         return None if math.isfinite(value) else path
     if isinstance(value, int):
-        return None if -INT64 <= value < INT64 else path
+        return None if -INT64 <= value < INT64 or path in ANY_INT else path
     if isinstance(value, dict):
         keys = ((v, f"{path}.{k}" if path else str(k)) for k, v in value.items())
         return next((p for v, key in keys if (p := _non_finite(v, key))), None)
