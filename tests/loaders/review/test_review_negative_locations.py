@@ -106,3 +106,26 @@ def test_another_topology_serves_the_rest_once_also_chained(paths, old_dp, new_d
         c.load_state_dict(again)
         rest += _ids(c)
     assert Counter(served + more + rest) == Counter(full)
+
+
+@pytest.mark.parametrize("where", ["at", "buffer"])
+def test_a_webdataset_location_before_byte_0_is_refused_naming_the_key(paths, where):
+    """A location's ints are its source's to check: a webdataset's byte range starts at byte 0 or
+    later (a crafted ``-512`` was an OSError at the read, or a silent resume from the cursor)."""
+    from prealign.loaders.errors import ResumeError
+
+    a = _make(paths)
+    it = iter(a)
+    list(islice(it, 3))
+    state = json.loads(json.dumps(a.state_dict(cursors=True)))
+    cursor = state["cursors"]["readers"][0]
+    loc = cursor["at"][2] if where == "at" else cursor["buffer"][0][2:]
+    assert len(loc) == 4 and loc[1] > 0  # (shard, start, end, checksum)
+    if where == "at":
+        cursor["at"][2][1] = -512
+    else:
+        cursor["buffer"][0][3] = -512
+    with pytest.raises(ResumeError, match=r"readers\[0\].*not this source's.*before byte 0"):
+        b = _make(paths)
+        b.load_state_dict(state)
+        list(b)
