@@ -129,3 +129,30 @@ def test_a_webdataset_location_before_byte_0_is_refused_naming_the_key(paths, wh
         b = _make(paths)
         b.load_state_dict(state)
         list(b)
+
+
+def test_a_streaming_hf_row_before_0_is_refused_naming_the_key():
+    """The same for a streaming HF source's ``(shard, row)``: a crafted row ``-3`` was a KeyError
+    at the read."""
+    import datasets
+
+    from prealign.loaders import HFSource
+    from prealign.loaders.errors import ResumeError
+    from tests.loader_helpers import hf_rows
+    from tests.loaders.test_stream_cursors import _ids_tensor
+
+    ds = datasets.Dataset.from_dict(hf_rows(sample_lengths(160))).to_iterable_dataset(num_shards=4)
+
+    def make():
+        return _make(ds, source=lambda d: HFSource(d, transform=_ids_tensor))
+
+    a = make()
+    list(islice(iter(a), 2))
+    state = json.loads(json.dumps(a.state_dict(cursors=True)))
+    cursor = state["cursors"]["readers"][0]
+    assert cursor["buffer"] and len(cursor["buffer"][0]) == 4  # [id, size, shard, row]
+    cursor["buffer"][0][3] = -3
+    with pytest.raises(ResumeError, match=r"readers\[0\].*not this source's"):
+        b = make()
+        b.load_state_dict(state)
+        list(b)
