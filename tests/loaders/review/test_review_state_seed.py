@@ -7,40 +7,13 @@ from __future__ import annotations
 import json
 from itertools import islice
 
-import datasets
 import pytest
-import torch
 
-from prealign.loaders import HFSource, Mixture, PackedLoader
-from prealign.loaders.plan.planner import PlannerConfig
-from prealign.schemas import ParallelLayout, causal_lm_schema
-from tests.loader_helpers import hf_rows, sample_lengths, write_shards
+from tests.loader_helpers import sample_lengths, write_shards
+from tests.loaders.test_state_hostile import _batches, _packed
 from tests.loaders.test_stream_cursors import _make
 
 BIG_SEEDS = [2**63, 2**64 + 7, 0x8F3A_61D2_0C55_B7E4_1D09_A6F3_22C8_7B15]
-
-
-def _batches(batches) -> list:
-    return [
-        {k: v.tolist() if isinstance(v, torch.Tensor) else v for k, v in b.items()} for b in batches
-    ]
-
-
-def _hf(n: int, seed: int) -> HFSource:
-    return HFSource(datasets.Dataset.from_dict(hf_rows(sample_lengths(n, seed, 4, 30))))
-
-
-def _packed(seed: int, mixture: bool = False) -> PackedLoader:
-    source = Mixture({"a": (_hf(60, 0), 0.6), "b": (_hf(30, 1), 0.4)}) if mixture else _hf(60, 0)
-    return PackedLoader(
-        source,
-        schema=causal_lm_schema(),
-        layout=ParallelLayout(),
-        token_budget=128,
-        cp_rank=None,
-        seed=seed,
-        planner=PlannerConfig(chunk_size=32),
-    )
 
 
 def _resumes(make, stop: int = 3, **state_kw) -> None:
@@ -57,7 +30,7 @@ def _resumes(make, stop: int = 3, **state_kw) -> None:
 @pytest.mark.parametrize("mixture", [False, True])
 @pytest.mark.parametrize("seed", BIG_SEEDS)
 def test_a_packed_loader_resumes_from_its_own_state_with_a_seed_past_int64(seed, mixture):
-    _resumes(lambda: _packed(seed, mixture))
+    _resumes(lambda: _packed("", mixture=mixture, seed=seed))
 
 
 @pytest.mark.parametrize("seed", BIG_SEEDS[1:])
