@@ -124,7 +124,11 @@ def _refuse_constant(name: str):
 
 
 INT64 = 1 << 63
-"""Ints of a state lie in ``[-INT64, INT64)``: they become int64 (numpy, torch, seeks)."""
+"""Ints of a state lie in ``[-INT64, INT64)``: they become int64 (numpy, torch, seeks); but for
+those of :data:`ANY_INT`."""
+ANY_INT = frozenset({"config.seed"})
+"""State keys whose int may lie past int64: a seed is any int >= 0 (``np.random.default_rng``
+takes any; ``SeedSequence().entropy`` is 128 bits), only compared with this run's."""
 
 
 def _non_finite(value, path: str) -> str | None:
@@ -133,7 +137,7 @@ def _non_finite(value, path: str) -> str | None:
     if isinstance(value, float):
         return None if math.isfinite(value) else path
     if isinstance(value, int):
-        return None if -INT64 <= value < INT64 else path
+        return None if -INT64 <= value < INT64 or path in ANY_INT else path
     if isinstance(value, dict):
         keys = ((v, f"{path}.{k}" if path else str(k)) for k, v in value.items())
         return next((p for v, key in keys if (p := _non_finite(v, key))), None)
@@ -426,9 +430,9 @@ def _at_problem(c) -> tuple[str, str] | None:
         and len(at) == 3
         and _ints(at[:1])
         and _ints(at[1:2], -1, 1 << 32)
-        and (at[2] is None or (_ints(at[2]) and at[2]))
+        and (at[2] is None or (_ints(at[2], -INT64) and at[2]))  # (a location: its source's)
     ):
-        return "at", f"expected [shard position, ordinal, location (ints >= 0) or null], {_got(at)}"
+        return "at", f"expected [shard position, ordinal, location (int64s) or null], {_got(at)}"
     if at[1] == -1 and (at[0] or at[2] is not None):
         return "at", f"ordinal -1 (nothing read yet) is at position 0, no location, {_got(at)}"
     if not _ints([k]):
@@ -443,8 +447,8 @@ def _records_problem(records) -> str | None:
     if not isinstance(records, list):
         return f"expected a list of [id, aligned size, *location], {_got(records)}"
     for r in records:
-        if not (isinstance(r, list) and len(r) > 2 and _ints(r)):
-            return f"expected [id, aligned size, *location] (ints >= 0, int64), {_got(r)}"
+        if not (isinstance(r, list) and len(r) > 2 and _ints(r[:2]) and _ints(r[2:], -INT64)):
+            return f"expected [id, aligned size, *location] (ints >= 0, int64s), {_got(r)}"
     return None
 
 

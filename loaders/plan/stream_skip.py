@@ -124,7 +124,7 @@ class Skip:
                 and len(p) == 3
                 and ints(p[:1])
                 and ints(p[1:2], 0, 2**32)
-                and ints(p[2])
+                and ints(p[2], -(2**63))  # (a location: its source's, Source.check_locations)
                 and p[2]
             ):
                 bad("partial", f"expected [shard, ordinal, location], got {str(p)[:100]}")
@@ -136,7 +136,14 @@ class Skip:
         returns = d["returns"]
         if not (
             isinstance(returns, list)
-            and all(ints(r) and len(r) > 2 and r[0] < ids for r in returns)
+            and all(
+                isinstance(r, list)
+                and len(r) > 2
+                and ints(r[:2])
+                and ints(r[2:], -(2**63))
+                and r[0] < ids
+                for r in returns
+            )
         ):
             bad("returns", "expected [id, aligned size, *location] lists")
         return cls(

@@ -327,8 +327,8 @@ class HFSource(Source):
         return recent[j]
 
     def check_locations(self, locations) -> None:
-        if self.streaming:
-            self._check_range(locations, 2, {0: self.num_shards})
+        if self.streaming:  # (shard, row in it): a row from 0 on
+            self._check_range(locations, 2, {0: self.num_shards, 1: 1 << 63})
         else:
             self._check_range(locations, 1, {0: len(self.dataset)})
 

@@ -819,20 +819,19 @@ class WebDatasetSource(Source):
         return ShardGoneError(url, f"{url}@{start}", problem)
 
     def check_locations(self, locations) -> None:
-        """Rows ``(shard, start, end[, checksum])``: shards in range, byte ranges that end after
-        they start."""
+        """Rows ``(shard, start, end[, checksum])``: shards in range, byte ranges from byte 0 on
+        that end after they start."""
         width = (
             np.asarray(locations).shape[1]
             if np.ndim(locations) == 2 and np.shape(locations)[1] in (3, 4)
             else 4
         )
         self._check_range(locations, width, {0: self.num_shards})
-        if len(locations) and not bool(
-            np.all(np.asarray(locations)[:, 1] < np.asarray(locations)[:, 2])
-        ):
+        locs = np.asarray(locations)
+        if len(locs) and not bool(np.all((0 <= locs[:, 1]) & (locs[:, 1] < locs[:, 2]))):
             raise IndexFileError(
-                "index locations: a byte range that ends before it starts; the index was not "
-                "built by WebDatasetSource"
+                "index locations: a byte range that starts before byte 0 or ends before it "
+                "starts; the index was not built by WebDatasetSource"
             )
 
     def where(self, location: Location) -> str:

@@ -66,7 +66,7 @@ def _hf_sources():
     return _hf(80, 4, 30, 0), _hf(30, 20, 60, 1)
 
 
-def _packed(root, *, mixture: bool, dp: int = 1, rank: int = 0, k: int = 1):
+def _packed(root, *, mixture: bool, dp: int = 1, rank: int = 0, k: int = 1, seed: int = 1):
     a, b = _hf_sources()
     source = Mixture({"a": (a, 0.6), "b": (b, 0.4)}) if mixture else a
     return PackedLoader(
@@ -77,7 +77,7 @@ def _packed(root, *, mixture: bool, dp: int = 1, rank: int = 0, k: int = 1):
         cp_rank=None,
         dp_size=dp,
         dp_rank=rank,
-        seed=1,
+        seed=seed,
         planner=PlannerConfig(microbatches_per_step=k, chunk_size=32),
     )
 
