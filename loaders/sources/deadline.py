@@ -256,11 +256,32 @@ class _Caller:
 
     def _run(self) -> None:
         while True:
-            fn, done = self.jobs.get()
+            job = self.jobs.get()
             try:
-                done.put((True, fn()))
+                out = (True, job.fn())
             except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
-                done.put((False, exc))
+                out = (False, exc)
+            with job.lock:
+                if not job.abandoned:
+                    job.done.put(out)
+                    continue
+            if out[0] and job.late is not None:  # (nobody takes it: e.g. a file to close)
+                try:
+                    job.late(out[1])
+                except Exception:  # noqa: BLE001 - nobody to tell; the call was given up
+                    pass
+
+
+class _Job:
+    """A call handed to the :class:`_Caller`: ``fn``, where its ``(ok, value)`` goes (``done``),
+    whether the caller gave up on it (``abandoned``, set under ``lock``) and what to do with a
+    value that came after that (``late``)."""
+
+    def __init__(self, fn: Callable[[], object], late: Callable[[object], None] | None):
+        self.fn, self.late = fn, late
+        self.done: queue.SimpleQueue = queue.SimpleQueue()
+        self.lock = threading.Lock()
+        self.abandoned = False
 
 
 _caller: _Caller | None = None
@@ -277,12 +298,17 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def call_with_timeout(fn: Callable[[], object], timeout: float | None):
+def call_with_timeout(
+    fn: Callable[[], object],
+    timeout: float | None,
+    late: Callable[[object], None] | None = None,
+):
     """``fn()``, raising :class:`Stalled` when it has not returned within ``timeout`` s (``None``:
     called directly). For short blocking calls (a local shard's ``open`` + ``seek`` + ``read``): a
     FIFO put in a shard's place, a hung mount. Calls run one at a time in one daemon thread per
     process; one that stalls is left blocked there and the next call gets a fresh thread. Its
-    exceptions are re-raised here.
+    exceptions are re-raised here. ``late``: called in that thread with what ``fn`` returns after
+    its deadline passed (nobody else takes it: a file it opened is closed there).
 
     >>> call_with_timeout(lambda: 6 * 7, 1.0)
     42
@@ -294,13 +320,18 @@ def call_with_timeout(fn: Callable[[], object], timeout: float | None):
         if _caller is None or _caller.pid != os.getpid():
             _caller = _Caller()
         caller = _caller
-        done: queue.SimpleQueue = queue.SimpleQueue()
-        caller.jobs.put((fn, done))
+        job = _Job(fn, late)
+        caller.jobs.put(job)
         try:
-            ok, value = done.get(timeout=timeout)
+            ok, value = job.done.get(timeout=timeout)
         except queue.Empty:
-            _caller = None  # that thread is stuck in the call: the next one starts another
-            raise Stalled(timeout, 0) from None
+            with job.lock:
+                job.abandoned = True
+                finished = not job.done.empty()  # (it ended as the deadline passed: taken)
+            if not finished:
+                _caller = None  # that thread is stuck in the call: the next one starts another
+                raise Stalled(timeout, 0) from None
+            ok, value = job.done.get()
     if not ok:
         raise value
     return value

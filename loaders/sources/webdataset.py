@@ -713,7 +713,9 @@ class WebDatasetSource(Source):
                 # the open (and at the first read, the check against the index, on the open file)
                 # under the read deadline (a hung mount blocks in them), once per shard
                 f, whole = call_with_timeout(
-                    lambda: self._open(shard, checking), self.read_timeout
+                    lambda: self._open(shard, checking),
+                    self.read_timeout,
+                    late=lambda opened: opened[0].close(),  # (opened after the deadline)
                 )
                 if checking:
                     local["checked"].add(shard)

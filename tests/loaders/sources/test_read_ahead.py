@@ -40,9 +40,9 @@ class _Handoffs:
         self.calls = 0
         real = webdataset.call_with_timeout
 
-        def counted(fn, timeout):
+        def counted(fn, timeout, **kwargs):
             self.calls += 1
-            return real(fn, timeout)
+            return real(fn, timeout, **kwargs)
 
         monkeypatch.setattr(webdataset, "call_with_timeout", counted)
 

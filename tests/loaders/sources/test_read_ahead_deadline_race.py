@@ -42,12 +42,12 @@ def test_files_of_a_read_ahead_that_ends_at_its_deadline_are_closed(tmp_path, mo
         records.close()
     real = deadline.call_with_timeout
 
-    def at_the_deadline(fn, timeout):  # (fn runs to its end; its result comes back too late)
+    def at_the_deadline(fn, timeout, **kwargs):  # (fn runs to its end; its result comes too late)
         def late():
             fn()
             time.sleep(timeout * 2)
 
-        return real(late, timeout)
+        return real(late, timeout, **kwargs)
 
     monkeypatch.setattr(webdataset, "call_with_timeout", at_the_deadline)
     gc.collect()
