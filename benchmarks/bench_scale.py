@@ -4,7 +4,8 @@ state_dict() against the sample count, index workers, import time.
 
     python benchmarks/bench_scale.py [--samples 20000] [--shards 20 2000 100000 20:20000]
                                      [--rounds 5] [--per-shard-max 2000] [--energon-max 2000]
-                                     [--no-energon] [--before DIR] [--index 10000 100000]
+                                     [--no-energon] [--before DIR] [--pattern]
+                                     [--index 10000 100000]
                                      [--state 10000 1000000] [--json out.json]
 
 * ``start``     the same ``--samples`` text samples (``<key>.input_ids.npy``, 8..128 tokens) cut
@@ -24,7 +25,9 @@ state_dict() against the sample count, index workers, import time.
                 count runs once per round, in turn. Each cell: median [min..max] of wall and CPU
                 seconds (no workers: the CPU time is the work); then the ratios the issue sets
                 targets for, of CPU seconds: per-round ratios median [min..max], and the ratio of
-                the medians.
+                the medians. ``--pattern``: prealign's sides (``--before``'s too) name the
+                shards by one brace pattern (``"<root>/text-{00000..00019}.tar"``, what the
+                bench writes) instead of a sorted glob's list: the start expands it.
 * ``state``     ``state_dict()`` of a prepared loader over ``--state`` samples (mean of 200 calls)
 * ``index``     ``write_sidecars`` (what ``prealign index`` runs) with 1 and 2 workers
 * ``import``    ``import prealign.loaders`` in a fresh process (and ``import torch`` alone, which it
@@ -75,7 +78,7 @@ from prealign.loaders import PackedLoader, WebDatasetSource
 from prealign.schemas import ParallelLayout, causal_lm_schema
 import warnings
 warnings.simplefilter("ignore")  # (the per-shard start's advice to merge)
-paths = sorted(glob.glob({root!r} + "/*.tar"))
+paths = {paths}
 def loader():
     return PackedLoader(WebDatasetSource(paths, index_dir={index_dir!r}), schema=causal_lm_schema(),
                         layout=ParallelLayout(tp=2, cp=2), token_budget=8192, seed=1)
@@ -131,6 +134,17 @@ t = time.perf_counter()
 import {module}
 result = {{"s": time.perf_counter() - t}}
 """
+
+
+def _shard_names(root: str, shards: int, pattern: bool) -> str:
+    """The code that names a start's shards: a sorted glob of ``root``, or (``pattern``) one brace
+    pattern of them (``write_text_shards`` names shard ``s`` ``text-{s:05d}.tar``)."""
+    if not pattern:
+        return f"sorted(glob.glob({root!r} + '/*.tar'))"
+    if shards > 100_000:
+        raise SystemExit(f"--pattern: {shards:,} shards have names of other widths")
+    return repr(f"{root}/text-{{00000..{shards - 1:05d}}}.tar")
+
 
 _ENERGON_START = (
     """
@@ -351,6 +365,11 @@ def main() -> int:
         "its starts run as more contenders of the same rounds (before / after a change)",
     )
     ap.add_argument(
+        "--pattern",
+        action="store_true",
+        help="prealign's starts name the shards by one brace pattern, not a sorted glob's list",
+    )
+    ap.add_argument(
         "--energon", default="", help="a folder holding megatron-energon, when not installed"
     )
     ap.add_argument("--index", type=int, nargs="*", default=[10_000, 100_000])
@@ -378,6 +397,7 @@ def main() -> int:
         root = os.path.join(args.dir, f"text-{n}-{count}")
         merged_dir = root + "-merged"
         sizes[(count, n)] = (len(write_text_shards(root, n, per_shard=-(-n // count))), n)
+        names = _shard_names(root, sizes[(count, n)][0], args.pattern)
         if not os.path.exists(os.path.join(merged_dir, "prealign-index.merged.npz")):
             _index_and_merge(root, merged_dir)
         versions = [("", None)] + ([(" (before)", args.before)] if args.before else [])
@@ -386,12 +406,12 @@ def main() -> int:
             if path and not os.path.exists(os.path.join(own, "prealign-index.merged.npz")):
                 _merge(root, own, path)
             contenders[((count, n), "merged index" + tag)] = (
-                _START.format(root=root, index_dir=own),
+                _START.format(paths=names, index_dir=own),
                 path,
             )
             if count <= args.per_shard_max:
                 contenders[((count, n), "sidecars" + tag)] = (
-                    _START.format(root=root, index_dir=None),
+                    _START.format(paths=names, index_dir=None),
                     path,
                 )
         if energon and count <= args.energon_max:

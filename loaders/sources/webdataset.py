@@ -38,6 +38,7 @@ from prealign.loaders.errors import (
     SourceChangedError,
 )
 from prealign.loaders.sources import remote as _remote
+from prealign.loaders.sources.brace_range import keeps_digits, one_range, range_text
 from prealign.loaders.sources.deadline import Stalled, TimedReader, call_with_timeout
 from prealign.loaders.sources.shard_files import (
     Lines,
@@ -86,11 +87,16 @@ def _expanded(urls: str | Sequence[str]) -> tuple[list[str], str, str | None, ob
     (made once: a start over 100k shards searches it instead of stepping through the names), the
     one folder of them all (:func:`~prealign.loaders.sources.shard_files.one_folder`) and the
     text's :func:`~prealign.loaders.sources.shard_files.line_rows` (None: lines of other lengths
-    or not made)."""
+    or not made). One numeric range (``"/d/s-{000000..099999}.tar"``,
+    :func:`~prealign.loaders.sources.brace_range.one_range`) is made by numpy in milliseconds
+    (:func:`_range_expanded`); braceexpand, ~3 us a name, expands any other pattern."""
     import braceexpand
 
     if isinstance(urls, Lines):  # (another source's shards: read-only)
         return (urls, urls.text, *_check_unique(urls, urls.text))
+    parts = one_range(urls) if isinstance(urls, str) else None
+    if parts is not None:  # (one range "/d/s-{000000..099999}.tar": its text made by numpy)
+        return _range_expanded(*parts)
     # (a list or tuple joined as given: copied only below, when the lines differ in length)
     items = urls if isinstance(urls, (list, tuple)) else [urls] if isinstance(urls, str) else None
     items = list(urls) if items is None else items
@@ -113,6 +119,22 @@ def _expanded(urls: str | Sequence[str]) -> tuple[list[str], str, str | None, ob
     # (lines of one length: the names sliced from the text, no list of them kept)
     out = Lines(text, rows.shape[1]) if rows is not None else list(out)
     return out, text, folder, rows
+
+
+def _range_expanded(prefix: str, lo: int, hi: int, digits: int, suffix: str):
+    """:func:`_expanded` of one range ``prefix{lo..hi}suffix`` (``brace_range.one_range``): the
+    same four answers as braceexpand's list would give, the names made by numpy. Their shards are
+    each their own when their :func:`shard_identity` keeps the digits (``keeps_digits``): then
+    :func:`_check_unique` could only answer :func:`~prealign.loaders.sources.shard_files.
+    folder_rows`, which is what is returned, without its step per shard for relative paths and
+    URLs. Else (``"/d/{0..1}/../x"``, ``"s3://b/x#{0..1}"``: one shard twice) it is asked."""
+    text, width = range_text(prefix, lo, hi, digits, suffix)
+    lines = Lines(text, width)
+    if keeps_digits(shard_identity, prefix, digits, suffix):
+        rows, folder = folder_rows(text, len(lines))
+    else:
+        folder, rows = _check_unique(lines, text)
+    return (lines if rows is not None else list(lines)), text, folder, rows
 
 
 def shard_identity(url: str) -> str:
