@@ -1485,8 +1485,7 @@ def decode_images(raw: dict, meta: dict, key, limits: DecodeLimits) -> list:
     """The sample's images (:func:`image_members`, in placeholder order) decoded: RGB PIL, each
     checked against ``limits`` (:func:`decode_image`)."""
     return [
-        decode_image(v, sample=key, name=n, limits=limits)
-        for n, v in image_members(raw, meta, key)
+        decode_image(v, sample=key, name=n, limits=limits) for n, v in image_members(raw, meta, key)
     ]
 
 

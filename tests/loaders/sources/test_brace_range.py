@@ -18,8 +18,20 @@ from prealign.loaders.sources.shard_files import Lines
 from prealign.schemas.errors import ConfigError
 
 PIECES = ["/", ".", "..", "#", "?", "=", "a", "B", "0", "7", "-", "_", " ", "//", "/../", "/./"]
-STARTS = ["", "/", "/data/", "s3://bkt/", "S3://Bkt/d/", "file:///d/", "file://", "http://h:8/",
-          "rel/", "./", "../", "pipe:cat "]
+STARTS = [
+    "",
+    "/",
+    "/data/",
+    "s3://bkt/",
+    "S3://Bkt/d/",
+    "file:///d/",
+    "file://",
+    "http://h:8/",
+    "rel/",
+    "./",
+    "../",
+    "pipe:cat ",
+]
 
 
 def _outcome(urls):
@@ -28,8 +40,14 @@ def _outcome(urls):
         out, text, folder, rows = webdataset._expanded(urls)
     except (ConfigError, ValueError) as e:
         return ("raised", type(e), str(e))
-    return (type(out), list(out), text, folder, None if rows is None else rows.tobytes(),
-            None if rows is None else rows.shape)
+    return (
+        type(out),
+        list(out),
+        text,
+        folder,
+        None if rows is None else rows.tobytes(),
+        None if rows is None else rows.shape,
+    )
 
 
 def _slow(urls):
@@ -40,8 +58,9 @@ def _slow(urls):
 
 @st.composite
 def patterns(draw):
-    prefix = draw(st.sampled_from(STARTS)) + "".join(draw(st.lists(st.sampled_from(PIECES),
-                                                                   max_size=5)))
+    prefix = draw(st.sampled_from(STARTS)) + "".join(
+        draw(st.lists(st.sampled_from(PIECES), max_size=5))
+    )
     suffix = "".join(draw(st.lists(st.sampled_from(PIECES + [".tar"]), max_size=4)))
     lo = draw(st.integers(0, 200) | st.integers(0, 10**8 - 301))  # (8 digits at most)
     hi = lo + draw(st.integers(0, 300))
