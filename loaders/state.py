@@ -61,6 +61,7 @@ import numpy as np
 
 from prealign.loaders.errors import ResumeError
 from prealign.loaders.plan.elastic import Segment
+from prealign.loaders.plan.stream_skip import INT64, int_list
 
 STATE_VERSION = 2
 """2: epochs planned a chunk at a time (``PlannerConfig.chunk_size``), which serves micro-batches in
@@ -123,12 +124,11 @@ def _refuse_constant(name: str):
     raise ValueError(f"{name} is not a JSON number")
 
 
-INT64 = 1 << 63
-"""Ints of a state lie in ``[-INT64, INT64)``: they become int64 (numpy, torch, seeks); but for
-those of :data:`ANY_INT`."""
 ANY_INT = frozenset({"config.seed"})
-"""State keys whose int may lie past int64: a seed is any int >= 0 (``np.random.default_rng``
-takes any; ``SeedSequence().entropy`` is 128 bits), only compared with this run's."""
+"""State keys whose int may lie past int64 (every other int of a state lies in
+``[-INT64, INT64)``: it becomes an int64 in numpy, torch, seeks): a seed is any int >= 0
+(``np.random.default_rng`` takes any; ``SeedSequence().entropy`` is 128 bits), only compared with
+this run's."""
 
 
 def _non_finite(value, path: str) -> str | None:
@@ -408,13 +408,6 @@ def unpack_cursor(cursor: dict | None, where: str, limit: int | None = None) -> 
     return out
 
 
-def _ints(value, low: int = 0, high: int = INT64) -> bool:
-    """``value`` is a list of ints (not bools) in ``[low, high)``."""
-    return isinstance(value, list) and all(
-        isinstance(x, int) and not isinstance(x, bool) and low <= x < high for x in value
-    )
-
-
 def _got(value) -> str:
     return f"got {str(value)[:120]} ({type(value).__name__})"
 
@@ -428,14 +421,14 @@ def _at_problem(c) -> tuple[str, str] | None:
     if not (
         isinstance(at, list)
         and len(at) == 3
-        and _ints(at[:1])
-        and _ints(at[1:2], -1, 1 << 32)
-        and (at[2] is None or (_ints(at[2], -INT64) and at[2]))  # (a location: its source's)
+        and int_list(at[:1])
+        and int_list(at[1:2], -1, 1 << 32)
+        and (at[2] is None or (int_list(at[2], -INT64) and at[2]))  # (a location: its source's)
     ):
         return "at", f"expected [shard position, ordinal, location (int64s) or null], {_got(at)}"
     if at[1] == -1 and (at[0] or at[2] is not None):
         return "at", f"ordinal -1 (nothing read yet) is at position 0, no location, {_got(at)}"
-    if not _ints([k]):
+    if not int_list([k]):
         return "k", f"expected an int >= 0, {_got(k)}"
     if not isinstance(done, bool):
         return "done", f"expected a bool, {_got(done)}"
@@ -447,7 +440,7 @@ def _records_problem(records) -> str | None:
     if not isinstance(records, list):
         return f"expected a list of [id, aligned size, *location], {_got(records)}"
     for r in records:
-        if not (isinstance(r, list) and len(r) > 2 and _ints(r[:2]) and _ints(r[2:], -INT64)):
+        if not (isinstance(r, list) and len(r) > 2 and int_list(r[:2]) and int_list(r[2:], -INT64)):
             return f"expected [id, aligned size, *location] (ints >= 0, int64s), {_got(r)}"
     return None
 
@@ -457,7 +450,7 @@ def _rule_problem(rule) -> str | None:
     fixed, by, fields = rule if isinstance(rule, list) and len(rule) == 3 else (None, None, 0)
     if not (
         isinstance(fixed, dict)
-        and all(isinstance(v, str) or _ints([v]) for v in fixed.values())
+        and all(isinstance(v, str) or int_list([v]) for v in fixed.values())
         and isinstance(by, dict)
         and set(by) == set(fixed)
         and all(isinstance(v, str) for v in by.values())
@@ -523,7 +516,7 @@ def check_cursor(cursor, where: str, components: int | None = None) -> None:
     gate = cursor["gate"]
     checks = (
         _at_problem(cursor) or ("at", None),
-        ("gate", None if _ints([gate]) else f"expected an int >= 0, {_got(gate)}"),
+        ("gate", None if int_list([gate]) else f"expected an int >= 0, {_got(gate)}"),
         ("rule", _rule_problem(cursor["rule"])),
         ("buffer", _records_problem(cursor["buffer"])),
         (

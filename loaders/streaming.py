@@ -1076,25 +1076,32 @@ class StreamingPackedLoader(LoaderCore):
         self._check_cursors(
             self._track.cursors,
             "cursors.readers",
-            epoch=st.epoch,
-            skip=None,
+            parts=self._epoch_parts(st.epoch, None),
+            limit=self._cursor_limit(None),
             first=first,
             total=total,
         )
 
+    def _epoch_parts(self, epoch: int, skip: Skip | None) -> list[list[int]]:
+        """The shards epoch ``epoch`` reads, in its seeded order, those ``skip`` finished left out:
+        one list, or one per component of a :class:`Mixture` (what the readers split,
+        :meth:`_mine`)."""
+        order = np.random.default_rng([self.seed, epoch]).permutation(self.source.num_shards)
+        order = order.tolist()
+        mixture = isinstance(self.source, Mixture)
+        parts = self.source.shards_by_component(order) if mixture else [order]
+        return parts if skip is None else [skip.remaining(part) for part in parts]
+
     def _check_cursors(
-        self, readers: list, key: str, *, epoch: int, skip: Skip | None, first: int, total: int
+        self, readers: list, key: str, *, parts: list, limit: int, first: int, total: int
     ) -> None:
         """A :class:`ResumeError` naming the key under ``key`` unless every reader cursor (of
-        readers ``first, first + 1, ...`` of ``total``, who read ``epoch`` under ``skip``) is of
-        the types it is written with (:func:`~prealign.loaders.state.check_cursor`), holds at most
-        what a reader buffers, and goes on in its own shards (a :class:`Mixture`'s: each
+        readers ``first, first + 1, ...`` of ``total``, who read the shards ``parts``:
+        :meth:`_epoch_parts`) is of the types it is written with
+        (:func:`~prealign.loaders.state.check_cursor`), holds at most ``limit`` samples
+        (:meth:`_cursor_limit`), and goes on in its own shards (a :class:`Mixture`'s: each
         component's stream in that component's) from a location of this source."""
         mixture = isinstance(self.source, Mixture)
-        n = self.source.num_shards
-        order = np.random.default_rng([self.seed, epoch]).permutation(n).tolist()
-        parts = self.source.shards_by_component(order) if mixture else [order]
-        limit = self._cursor_limit(skip)
         for w, c in enumerate(readers):
             if c is None:
                 continue
@@ -1110,7 +1117,6 @@ class StreamingPackedLoader(LoaderCore):
             self._check_records(records, where)
             subs = c["mix"]["streams"] if mixture else [c]
             for i, (part, sub) in enumerate(zip(parts, subs)):
-                part = part if skip is None else skip.remaining(part)
                 mine = part[first + w :: total] if len(part) >= total else part
                 name = f"{where}.mix.streams[{i}]" if mixture else where
                 self._check_at(sub["at"], None if sub["done"] else mine, i, f"{name}.at")
@@ -1221,8 +1227,8 @@ class StreamingPackedLoader(LoaderCore):
             self._check_cursors(
                 self._track.cursors,
                 f"stream.ranks[{self.dp_rank}].readers",
-                epoch=st.epoch,
-                skip=skip,
+                parts=self._epoch_parts(st.epoch, skip),
+                limit=limit,
                 first=self.dp_rank * old_workers,
                 total=shape[0] * old_workers,
             )
@@ -1237,8 +1243,9 @@ class StreamingPackedLoader(LoaderCore):
                 f"state_dict(cursors=True))"
             )
         cursors = []
+        parts, limit = self._epoch_parts(st.epoch, skip), self._cursor_limit(skip)
         for r, e in enumerate(ranks):
-            e = _unpacked(e, f"stream.ranks[{r}]", self._cursor_limit(skip))
+            e = _unpacked(e, f"stream.ranks[{r}]", limit)
             readers = [None] * old_workers if e is None else e.get("readers")
             if not (
                 isinstance(readers, list)
@@ -1252,8 +1259,8 @@ class StreamingPackedLoader(LoaderCore):
             self._check_cursors(
                 readers,
                 f"stream.ranks[{r}].readers",
-                epoch=st.epoch,
-                skip=skip,
+                parts=parts,
+                limit=limit,
                 first=r * old_workers,
                 total=shape[0] * old_workers,
             )

@@ -194,7 +194,7 @@ def _encode_names_v4(names: list[str]) -> dict[str, np.ndarray]:
     """Version 4's names: :func:`encode_names`' text, and its ``name_bytes`` (as int32) only when
     some name holds a newline (else the text splits into the names at its newlines)."""
     arrays = encode_names(names)
-    if int(np.count_nonzero(arrays["names"] == ord("\n"))) == len(names) - 1:
+    if byte_counts(arrays["names"], (ord("\n"),))[0] == len(names) - 1:
         return {"names": arrays["names"]}
     return {"names": arrays["names"], "name_bytes": arrays["name_bytes"].astype(np.int32)}
 

@@ -37,6 +37,21 @@ def _shard(sid: int) -> int:
     return int(sid) >> 32
 
 
+INT64 = 1 << 63
+"""Ints of a state lie in ``[-INT64, INT64)``: they become int64 (numpy, torch, seeks)."""
+
+
+def int_list(value, low: int = 0, high: int = INT64) -> bool:
+    """``value`` is a list of ints (not bools) in ``[low, high)`` (a state's ints: int64).
+
+    >>> int_list([0, 3]), int_list([True]), int_list([-1]), int_list(3)
+    (True, False, False, False)
+    """
+    return isinstance(value, list) and all(
+        isinstance(x, int) and not isinstance(x, bool) and low <= x < high for x in value
+    )
+
+
 @dataclass(frozen=True)
 class Skip:
     """What earlier segments of an epoch consumed (see the module docstring); JSON-friendly by
@@ -108,30 +123,25 @@ class Skip:
         if not isinstance(d, dict) or set(d) != {"done", "partial", "extra", "returns"}:
             bad("", f"expected done, partial, extra and returns, got {str(d)[:200]}")
 
-        def ints(v, low: int = 0, high: int = 2**63) -> bool:  # (int64: numpy, seeks)
-            return isinstance(v, list) and all(
-                isinstance(x, int) and not isinstance(x, bool) and low <= x < high for x in v
-            )
-
         ids = num_shards << 32  # (a stream id: shard << 32 | ordinal)
 
-        if not ints(d["done"]) or any(s >= num_shards for s in d["done"]):
+        if not int_list(d["done"]) or any(s >= num_shards for s in d["done"]):
             bad("done", f"expected shard numbers below {num_shards}")
         partial = {}
         for p in d["partial"] if isinstance(d["partial"], list) else [None]:
             if not (
                 isinstance(p, list)
                 and len(p) == 3
-                and ints(p[:1])
-                and ints(p[1:2], 0, 2**32)
-                and ints(p[2], -(2**63))  # (a location: its source's, Source.check_locations)
+                and int_list(p[:1])
+                and int_list(p[1:2], 0, 2**32)
+                and int_list(p[2], -INT64)  # (a location: its source's, Source.check_locations)
                 and p[2]
             ):
                 bad("partial", f"expected [shard, ordinal, location], got {str(p)[:100]}")
             if p[0] >= num_shards or p[0] in partial or p[0] in d["done"]:
                 bad("partial", f"shard {p[0]} out of range, repeated or done")
             partial[p[0]] = (p[1], tuple(p[2]))
-        if not ints(d["extra"], 0, ids):
+        if not int_list(d["extra"], 0, ids):
             bad("extra", "expected stream ids")
         returns = d["returns"]
         if not (
@@ -139,8 +149,8 @@ class Skip:
             and all(
                 isinstance(r, list)
                 and len(r) > 2
-                and ints(r[:2])
-                and ints(r[2:], -(2**63))
+                and int_list(r[:2])
+                and int_list(r[2:], -INT64)
                 and r[0] < ids
                 for r in returns
             )

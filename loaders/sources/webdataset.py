@@ -227,11 +227,8 @@ def _pread(fd: int, size: int, at: int) -> bytes:
     """``size`` bytes of file ``fd`` from byte ``at`` (fewer at its end), one system call (a short
     read is read on, as a buffered ``read(size)`` does)."""
     data = os.pread(fd, size, at)
-    if len(data) < size:
-        parts = [data]
-        while (got := sum(map(len, parts))) < size and (part := os.pread(fd, size - got, at + got)):
-            parts.append(part)
-        data = b"".join(parts)
+    while len(data) < size and (more := os.pread(fd, size - len(data), at + len(data))):
+        data += more
     return data
 
 
@@ -653,9 +650,9 @@ class WebDatasetSource(Source):
                             wholes.pop(gone, None)
                             old.close()
                     got[(shard, start, end)] = (
-                        os.pread(f.fileno(), end - start, start)
-                        if whole is None
-                        else whole[start:end]
+                        whole[start:end]
+                        if whole is not None
+                        else _pread(f.fileno(), end - start, start)
                     )
                     if stop:
                         return
