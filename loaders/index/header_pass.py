@@ -56,6 +56,7 @@ from prealign.loaders.index.sidecar import (
     indexed_transform,
     parse_sidecar,
     per_shard,
+    probe_version,
     read_sidecar_bytes,
     regular_stat,
     shard_probe,
@@ -770,7 +771,9 @@ def sidecar_key(source) -> tuple[str, dict[str, str]]:
 
 def _up_to_date(source, schema, shard: int, out_dir: str | None, key: tuple | None = None) -> bool:
     """True when shard ``shard`` has a readable sidecar of its current size and this configuration
-    (``key``: :func:`sidecar_key`, computed here when not given)."""
+    (``key``: :func:`sidecar_key`, computed here when not given) whose probe matches the shard's by
+    the sidecar's own version's definition (a version 3 sidecar is kept: the only difference is its
+    probe, rewriting it would read the whole shard again)."""
 
     src = source if out_dir is None else _with_index_dir(source, out_dir)
     size = shard_size(source, shard)
@@ -785,7 +788,8 @@ def _up_to_date(source, schema, shard: int, out_dir: str | None, key: tuple | No
     return (
         meta["size"] == size
         and meta["config"] == config
-        and meta.get("probe", "") == shard_probe(source, shard, size)
+        and meta.get("probe", "")
+        == shard_probe(source, shard, size, probe_version(meta["version"]))
     )
 
 

@@ -12,7 +12,7 @@ and checked as a whole:
 key          dtype /       meaning
              shape
 ===========  ============  =========================================================================
-``meta``     uint8         UTF-8 JSON: ``format``, ``version`` (4), ``common`` (the sidecar meta
+``meta``     uint8         UTF-8 JSON: ``format``, ``version`` (5), ``common`` (the sidecar meta
              ``[B]``       every shard shares: ``config``, ...), ``dims`` (distinct named-dim
                            dicts), ``events`` (``[shard, position, event]`` of each skip / bad
                            record)
@@ -20,8 +20,10 @@ key          dtype /       meaning
              ``[B]``       ``surrogatepass``), a newline between two (:func:`encode_names`)
 ``name_by``  int32         each name's length in bytes, only when a name holds a newline (what
 ``tes``      ``[S]``       then tells one inside a name from one between two)
-``probes``   uint8         each shard's probe digest (ASCII hex, NUL-padded: ``S16``)
-             ``[S,16]``
+``probes``   uint8         each shard's probe digest (ASCII hex, NUL-padded: ``S16``), by the
+             ``[S,16]``    definition of :data:`~prealign.loaders.index.sidecar.PROBE_VERSION`
+``probe_ver  uint8 ``[S]`` each probe's definition (1 or 2), only when some shard's is 1 (merged
+sions``                    from a version 3 sidecar of a shard under 128 KiB)
 ``sizes``    int64 ``[S]`` each shard's size in bytes (``-1``: not checked)
 ``rows``     int32 ``[S]`` each shard's good samples (int64 past 2**31 - 1)
 ``spans``    int64         ``start, end, checksum`` of each good sample, shard after shard
@@ -41,6 +43,14 @@ and events by :func:`~prealign.loaders.index.tiling.check_tiling`, as for a side
 gives are those the sidecars give, so the index is the same either way; each shard is still checked
 against it when first read (:class:`~prealign.loaders.index.shard_checks.ShardChecks`). Anything
 malformed is a :class:`~prealign.loaders.errors.StaleIndexError` naming the file.
+
+Version 5 is version 4 whose probes hash each byte once (a shard's first and last 64 KiB; the
+same digest as version 4's from 128 KiB on): ``probe_versions`` names the shards whose sidecar
+(version 3) recorded the older probe, so sidecars of both versions merge into one file and each
+shard is checked against the probe its sidecar recorded. Versions 2 to 4 hold the older probe, and
+``merge_sidecars(..., version=4 or 3)`` writes them (for an older prealign) from sidecars whose
+probes are the older one's: version 3 sidecars, and version 4 ones of shards of 128 KiB or more (or
+empty); any other is refused with the command that rewrites it.
 
 Version 4 keeps per shard only what cannot be found from the rest (at 100k shards, 4.3 MB of 18 in
 place of 7.9 of 21.6: less to read, checksum and check at every start). Version 3 (what
@@ -83,16 +93,20 @@ from prealign.loaders.sources.shard_files import (
 from prealign.schemas.errors import PrealignError
 
 FORMAT = "prealign-merged-index"
-VERSION = 4
+VERSION = 5
 NAME = "prealign-index.merged.npz"
-_READS = (2, 3, 4)
-_PER_SHARD = frozenset({"shard", "size", "hash", "probe", "dims", "events", "num_events"})
+_READS = (2, 3, 4, 5)
+_WRITES = (3, 4, 5)
+_PER_SHARD = frozenset(
+    {"version", "shard", "size", "hash", "probe", "dims", "events", "num_events"}
+)  # (a sidecar's version: its probe's definition, per shard from merged version 5 on)
 _SAMPLES = frozenset({"spans", "lengths", "media", "dim_ids", "bounds"})
 _KEYS_V2 = _SAMPLES | {"meta", "shards"}
 _KEYS_V3 = _KEYS_V2 | {"names", "name_bytes", "probes"}
 _KEYS_V4 = _SAMPLES | {"meta", "names", "probes", "sizes", "rows"}
-"""Version 4's members; ``name_bytes`` too when a name holds a newline."""
-_KEYS = _KEYS_V3 | _KEYS_V4
+"""Version 4's members (and 5's); ``name_bytes`` too when a name holds a newline, and in version
+5 ``probe_versions`` when a probe is of definition 1."""
+_KEYS = _KEYS_V3 | _KEYS_V4 | {"name_bytes", "probe_versions"}
 _MAX_FILE = 1 << 36
 """64 GiB: a merged index holds 137 bytes a sample (about 500M samples)."""
 _INFLATE = 2
@@ -115,12 +129,14 @@ def merge_sidecars(source, path: str | None = None, *, version: int = VERSION) -
     """Write the sidecars of every shard of ``source`` as one merged index at ``path`` (default
     :func:`merged_path`), atomically. Every shard needs its sidecar (else :class:`StaleIndexError`:
     run ``prealign index`` first), and all of them the same configuration. ``version``: the format
-    written, :data:`VERSION` or 3 (what an older prealign reads). Returns ``{"path", "shards",
-    "samples"}``."""
-    if version not in (3, VERSION):
-        raise ValueError(f"version: this prealign writes versions 3 and {VERSION}, not {version!r}")
+    written, :data:`VERSION`, or 4 or 3 (what an older prealign reads: only from sidecars whose
+    probes are of the older definition, :data:`~prealign.loaders.index.sidecar.PROBE_VERSION`; else
+    :class:`StaleIndexError`). Sidecars of versions 3 and 4 may be merged together. Returns
+    ``{"path", "shards", "samples"}``."""
+    if version not in _WRITES:
+        raise ValueError(f"version: this prealign writes versions {list(_WRITES)}, not {version!r}")
     path = path or merged_path(source)
-    names, probes, table, events, dims = [], [], [], [], []
+    names, probes, table, events, dims, versions = [], [], [], [], [], []
     parts: dict[str, list] = {"spans": [], "lengths": [], "media": [], "dim_ids": [], "bounds": []}
     common = None
     for shard, url in enumerate(source.urls):
@@ -147,9 +163,20 @@ def merge_sidecars(source, path: str | None = None, *, version: int = VERSION) -
             [dims.index(d) if d in dims else dims.append(d) or len(dims) - 1 for d in meta["dims"]],
             np.int64,
         )
-        size, probe, first, last = sidecar.expected_of(meta, arrays["spans"])
+        size, probe, first, last, probe_version = sidecar.expected_of(meta, arrays["spans"])
+        if not 0 < size < 2 * sidecar.PROBE:
+            probe_version = sidecar.PROBE_VERSION  # (the two definitions' digests are the same)
+        elif version < 5 and probe_version != 1:
+            raise StaleIndexError(
+                url,
+                f"its sidecar (version {meta['version']}) records a probe that merged format "
+                f"{version} cannot hold (each byte of a shard under 128 KiB hashed once)",
+                f"merge as version {VERSION} (what this prealign reads), or index the shards "
+                f"with the prealign that reads version {version}",
+            )
         names.append(meta["shard"])
         probes.append(probe)
+        versions.append(probe_version)
         table.append((size, len(arrays["lengths"]), meta["num_events"], first, last))
         events.extend([shard, pos, ev.to_json()] for pos, ev in meta["events"])
         for key in ("spans", "lengths", "media", "bounds"):
@@ -163,6 +190,8 @@ def merge_sidecars(source, path: str | None = None, *, version: int = VERSION) -
         shard_arrays = _encode_names_v4(names)
         shard_arrays["sizes"], rows = table[:, 0], table[:, 1]
         shard_arrays["rows"] = rows.astype(np.int32) if rows.max(initial=0) < 2**31 else rows
+        if version == 5 and min(versions, default=2) < 2:  # (else every probe of definition 2)
+            shard_arrays["probe_versions"] = np.asarray(versions, np.uint8)
     buf = io.BytesIO()
     np.savez(
         buf,
@@ -346,7 +375,9 @@ def _install_checks(source, meta: dict, a: dict) -> None:
 
 
 def _checks(meta: dict, a: dict) -> ShardChecks:
-    checks = ShardChecks.of_arrays(a["sizes"], meta["probes"], a["first"], a["last"])
+    checks = ShardChecks.of_arrays(
+        a["sizes"], meta["probes"], a["first"], a["last"], meta["probe_versions"]
+    )
     checks.regions = _regions(meta, a)
     return checks
 
@@ -469,8 +500,9 @@ def merged_records(source, schema, *, found=_UNREAD) -> dict[int, dict] | None:
         by_shard.setdefault(shard, []).append([pos, ev])
     regions = _regions(meta, a)
     out = {}
-    columns = (a[k].tolist() for k in ("sizes", "num_events", "first", "last"))
-    for s, (size, num_events, first, last) in enumerate(zip(*columns)):
+    columns = [a[k].tolist() for k in ("sizes", "num_events", "first", "last")]
+    columns.append(np.broadcast_to(meta["probe_versions"], len(columns[0])).tolist())
+    for s, (size, num_events, first, last, version) in enumerate(zip(*columns)):
         lo, hi = bounds[s], bounds[s + 1]
         arrays = {k: a[k][lo:hi] for k in ("spans", "lengths", "media", "dim_ids", "bounds")}
         record = sidecar.record_of(
@@ -485,7 +517,7 @@ def merged_records(source, schema, *, found=_UNREAD) -> dict[int, dict] | None:
         )
         out[s] = {
             **record,
-            "check": (size, meta["probes"][s].decode(), first, last),
+            "check": (size, meta["probes"][s].decode(), first, last, version),
             "regions": regions.get(s, []),
         }
     return out
@@ -543,10 +575,11 @@ def _parse(data: bytes, path: str) -> tuple[dict, dict[str, np.ndarray]]:
     version = meta.get("version")
     if version not in _READS:
         raise bad(f"format version {version!r}, this prealign reads versions {list(_READS)}")
-    members = {2: _KEYS_V2, 3: _KEYS_V3, 4: _KEYS_V4}[version]
-    if set(a) != members and (version != 4 or set(a) != members | {"name_bytes"}):
+    members = {2: _KEYS_V2, 3: _KEYS_V3, 4: _KEYS_V4, 5: _KEYS_V4}[version]
+    optional = {4: {"name_bytes"}, 5: {"name_bytes", "probe_versions"}}.get(version, set())
+    if not members <= set(a) <= members | optional:
         raise bad(f"members {sorted(set(a))}, version {version} has {sorted(members)}")
-    if version == 4:  # (the per-shard columns first: their length is the shard count)
+    if version >= 4:  # (the per-shard columns first: their length is the shard count)
         for key, dtypes in (("sizes", (np.int64,)), ("rows", (np.int32, np.int64))):
             if a[key].dtype not in dtypes or a[key].ndim != 1:
                 raise bad(
@@ -576,6 +609,7 @@ def _parse(data: bytes, path: str) -> tuple[dict, dict[str, np.ndarray]]:
             )
         probes = np.ascontiguousarray(probes).view("S16")[:, 0]
     meta["names"], meta["probes"] = names, probes
+    meta["probe_versions"] = _probe_versions(a, version, len(names), bad)
     dims, events = meta.get("dims"), meta.get("events")
     if not (isinstance(meta.get("common"), dict) and isinstance(events, list)):
         raise bad("meta common / events malformed")
@@ -590,7 +624,7 @@ def _parse(data: bytes, path: str) -> tuple[dict, dict[str, np.ndarray]]:
         "dim_ids": (np.int64, (n,)),
         "bounds": (np.int64, (n, 3, 4)),
     }
-    if version == 4:
+    if version >= 4:
         want.update(sizes=(np.int64, (s,)), rows=(a["rows"].dtype, (s,)))
     else:
         want["shards"] = (np.int64, (s, 5))
@@ -600,7 +634,7 @@ def _parse(data: bytes, path: str) -> tuple[dict, dict[str, np.ndarray]]:
                 f"{key} of dtype {a[key].dtype} shape {a[key].shape}, expected {np.dtype(dtype)} "
                 f"{shape}"
             )
-    if version == 4:  # (a shard's records: its samples and its events, counted below)
+    if version >= 4:  # (a shard's records: its samples and its events, counted below)
         sizes, rows, num_events = a["sizes"], a["rows"].astype(np.int64), None
     else:
         table = a["shards"]
@@ -657,6 +691,23 @@ def _parse(data: bytes, path: str) -> tuple[dict, dict[str, np.ndarray]]:
     return meta, a
 
 
+def _probe_versions(a: dict, version: int, count: int, bad) -> np.ndarray | int:
+    """The definition of each probe of a merged index of ``version``
+    (:data:`~prealign.loaders.index.sidecar.PROBE_VERSION`): version 5's ``probe_versions`` (uint8
+    ``[S]``, each 1 or 2) when it has one, else one for all (5: 2; up to 4: 1)."""
+    if version < 5:
+        return 1
+    found = a.get("probe_versions")
+    if found is None:
+        return 2
+    if found.dtype != np.uint8 or found.shape != (count,) or not np.isin(found, (1, 2)).all():
+        raise bad(
+            f"probe_versions of dtype {found.dtype} shape {found.shape}, expected uint8 "
+            f"{(count,)} of 1 and 2"
+        )
+    return found
+
+
 def _events_per_shard(events: list, s: int) -> np.ndarray:
     """int64 ``[S]``: the events of each shard (a version 4 file's records are a shard's samples
     and its events); an event that names no shard is counted nowhere (the check of each event
@@ -671,15 +722,15 @@ def _events_per_shard(events: list, s: int) -> np.ndarray:
 
 
 def _stored_names(a: dict, version: int, bad) -> tuple[LazyList, str | None]:
-    """The names of a version 3 or 4 file (``names`` uint8 ``[B]``, with ``name_bytes``; version 4
-    leaves that out when no name holds a newline, and stores it as int32), checked, and the names
+    """The names of a version 3, 4 or 5 file (``names`` uint8 ``[B]``, with ``name_bytes``; from
+    version 4 left out when no name holds a newline, and stored as int32), checked, and the names
     as one text when it splits into them (else None). No object per name."""
     text, lengths = a["names"], a.get("name_bytes")
     try:
         if lengths is None:  # version 4: one name between two newlines
             joined = _split_names(text, a["sizes"].shape[0])
             return LazyList(functools.partial(str.split, joined, "\n"), len(a["sizes"])), joined
-        if version == 4:
+        if version >= 4:
             if lengths.dtype != np.int32:
                 raise ValueError(f"name_bytes of dtype {lengths.dtype}, expected int32")
             lengths = lengths.astype(np.int64)

@@ -3,7 +3,9 @@ that reads it, local or remote, whatever the shard count: a loader's start makes
 ``stat`` per shard, on any rank. The whole data set at once on request (:func:`check_all_shards`).
 
 What is checked: the shard exists, has the recorded size (a ``stat``, or one ``HEAD`` for a URL) and
-the same first and last 64 KiB (two reads, the ``probe``), and its index accounts for the bytes
+the same first and last 64 KiB (the ``probe``: two reads, one for a shard of up to 128 KiB; by the
+definition its index recorded, :data:`~prealign.loaders.index.sidecar.PROBE_VERSION`), and its index
+accounts for the bytes
 before its first and after its last sample (a removed first or last row). Never bad data: raised
 under every bad-data policy.
 """
@@ -19,8 +21,10 @@ from prealign.loaders.errors import ChangedShardError, MissingShardError, StaleI
 from prealign.loaders.index.hints import index_hint
 from prealign.loaders.index.sidecar import (
     PROBE,
+    PROBE_VERSION,
     SIDECAR_THREADS,
     per_shard,
+    probe_digest,
     read_probe,
     shard_size_now,
 )
@@ -31,21 +35,26 @@ from prealign.loaders.sources import remote
 class ShardChecks:
     """A shard checked against its sidecar when it is first read, in the process that reads it (a
     DataLoader worker or the main process), before any of its samples is served: it exists (else
-    :class:`MissingShardError`), has the recorded size and the same first and last 64 KiB (else
+    :class:`MissingShardError`), has the recorded size and the same first and last 64 KiB (its
+    probe, by the definition its index recorded; else
     :class:`ChangedShardError`), and its sidecar accounts for the bytes before its first and after
     its last sample (else :class:`StaleIndexError`). Never bad data: raised under every bad-data
     policy. Set on a :class:`~prealign.loaders.sources.webdataset.WebDatasetSource` as
     ``shard_check`` by the index pass; the loader's start costs no read of any shard. ``sizes``
     int64 ``[S]`` (``-2``: shard not checked, e.g. indexed
     in process), ``probes`` ``S16 [S]`` (hex, ``b""``: none), ``first`` / ``last`` int64 ``[S]``
-    (see :func:`expected_of`)."""
+    (see :func:`expected_of`), ``probe_versions`` uint8 ``[S]``: the definition of each probe
+    (:data:`~prealign.loaders.index.sidecar.PROBE_VERSION`, 1 for sidecars of version 3 and merged
+    indexes up to 4)."""
 
     UNCHECKED = -2
     takes_open_file = True
     """Called as ``check(source, shard, file)`` with a local shard's file open already (the
     source's first read opens it once, for the check and its samples)."""
 
-    def __init__(self, num_shards: int, expected: dict[int, tuple[int, str, int, int]]):
+    def __init__(self, num_shards: int, expected: dict[int, tuple]):
+        """``expected``: ``{shard: (size, probe, first, last[, probe_version])}``
+        (:func:`~prealign.loaders.index.sidecar.expected_of`; no version: the current one)."""
         self.sizes = np.full(num_shards, self.UNCHECKED, np.int64)
         self.first = np.full(num_shards, -1, np.int64)
         self.last = np.full(num_shards, -1, np.int64)
@@ -53,22 +62,28 @@ class ShardChecks:
             num_shards, "S16"
         )  # (fixed-width: 1.6 MB at 100k shards, pickled to each worker)
         self.probed = np.ones(num_shards, bool)
-        for shard, (size, probe, first, last) in expected.items():
+        self.probe_versions = np.full(num_shards, PROBE_VERSION, np.uint8)
+        for shard, (size, probe, first, last, *version) in expected.items():
             self.sizes[shard], self.probes[shard], self.first[shard], self.last[shard] = (
                 size,
                 probe,
                 first,
                 last,
             )
+            if version:
+                self.probe_versions[shard] = version[0]
 
     @classmethod
-    def of_arrays(cls, sizes, probes, first, last) -> "ShardChecks":
+    def of_arrays(cls, sizes, probes, first, last, probe_versions=PROBE_VERSION) -> "ShardChecks":
         """Checks of every shard from the index's arrays as they are (no copy: a merged index's
-        columns): ``sizes``, ``first``, ``last`` int64 ``[S]``, ``probes`` ``S16 [S]``."""
+        columns): ``sizes``, ``first``, ``last`` int64 ``[S]``, ``probes`` ``S16 [S]``,
+        ``probe_versions`` uint8 ``[S]`` or one for all."""
         checks = cls.__new__(cls)
         checks.sizes, checks.first, checks.last = sizes, first, last
         checks.probes = np.asarray(probes, "S16")  # (hex text: a list of them, from sidecars)
         checks.probed = np.ones(len(sizes), bool)
+        versions = np.asarray(probe_versions, np.uint8)
+        checks.probe_versions = versions if versions.ndim else np.full(len(sizes), versions)
         return checks
 
     @classmethod
@@ -124,10 +139,11 @@ class ShardChecks:
             )
         if not self.probed[shard]:
             return None
+        version = int(self.probe_versions[shard])
         if opened is None:
-            (probe, first, last), whole = read_probe(source, shard, size), None
+            (probe, first, last), whole = read_probe(source, shard, size, version), None
         else:
-            probe, first, last, whole = _probe_of_file(fd, size, whole)
+            probe, first, last, whole = _probe_of_file(fd, size, whole, version)
         if self.probes[shard] != probe.encode():
             raise ChangedShardError(
                 source.urls[shard],
@@ -164,23 +180,25 @@ def plain_files(source) -> bool:
 
 
 def _probe_of_file(
-    fd: int, size: int, whole: bytes | None = None
+    fd: int, size: int, whole: bytes | None = None, version: int = PROBE_VERSION
 ) -> tuple[str, bytes, bytes, bytes | None]:
     """``read_probe`` of an open local shard of ``size`` bytes (file descriptor ``fd``: the same
-    digest of the same spans), and the shard's bytes when they were read whole (else None): one
-    read when the first and last :data:`PROBE` bytes overlap or touch, else two; none when
-    ``whole``, its ``size`` bytes, were read already."""
+    digest of the same spans, by probe definition ``version``), and the shard's bytes when they
+    were read whole (else None): one read when the first and last :data:`PROBE` bytes overlap or
+    touch, else two; none when ``whole``, its ``size`` bytes, were read already. Version 2 hashes
+    a shard read whole once (version 1: its first and last :data:`PROBE` bytes, overlapping)."""
     if size <= 2 * PROBE:
-        if whole is None:
-            whole = os.pread(fd, size, 0)  # (up to PROBE bytes: first and last are it, no copy)
-        first, last = whole[:PROBE], whole[max(size - PROBE, 0) :]
-        if len(whole) != size:  # (changed under the fstat: the probe says so)
-            whole = None
+        data = os.pread(fd, size, 0) if whole is None else whole
+        first, last = data[:PROBE], data[max(size - PROBE, 0) :]  # (up to PROBE bytes: no copy)
+        if version >= 2:  # (each byte once: the bytes read, as one)
+            probe = hashlib.blake2b(data, digest_size=8).hexdigest()
+        else:
+            probe = probe_digest(first, last, size, version)
+        whole = data if len(data) == size else None  # (changed under the fstat: the probe says so)
     else:
         first, last = os.pread(fd, PROBE, 0), os.pread(fd, PROBE, size - PROBE)
-    h = hashlib.blake2b(first, digest_size=8)
-    h.update(last)
-    return h.hexdigest(), first, last, whole
+        probe = probe_digest(first, last, size, version)
+    return probe, first, last, whole
 
 
 def check_all_shards(source, shards=None) -> int:

@@ -11,8 +11,10 @@ key          dtype /    meaning
 ===========  =========  ============================================================================
 ``meta``     uint8      UTF-8 JSON: ``format``, ``version``, ``shard`` (file name), ``size``
              ``[B]``    (bytes), ``hash`` (blake2b-128 of every byte read), ``probe`` (blake2b-64 of
-                        the first and last 64 KiB), ``config`` (key of the transform it was built
-                        for, never of a schema), ``transform`` (the fields of that key, named when
+                        the first and last 64 KiB, each byte once: :data:`PROBE_VERSION`;
+                        version 3's hashed twice the bytes the two share), ``config`` (key of
+                        the transform it was built for, never of a schema), ``transform`` (the
+                        fields of that key, named when
                         they differ), ``dims`` (the distinct data signatures: ``{member:
                         "dtype:shape"}``, ``L`` for the token dim when no other dim equals it),
                         ``events`` (``[position, record]`` of each data-level skip / bad record
@@ -42,8 +44,10 @@ sample's members into tokens is part of the key (``config``): a VLM's lengths de
 tokenizer and image processor. A loader with another transform gets a
 :class:`~prealign.loaders.errors.StaleIndexError` naming the field that differs and the ``prealign
 index`` command that rebuilds the sidecars for it. Sidecars of version 1 (keyed by the schema) and 2
-(whose shape patterns could collide: ``[4, 4]`` and ``[60, 60]`` were both ``LxL``) are refused by
-version, with that command.
+(whose shape patterns could collide: ``[4, 4]`` and ``[60, 60]`` were both ``LxL``), and of a
+version from the future, are refused by version, with that command. Version 3 is read as it is: it
+differs from version 4 only by its probe's definition (:data:`PROBE_VERSION`), and each shard is
+checked against the probe its own sidecar recorded.
 
 A sidecar turns back into exactly the per-shard record
 :func:`~prealign.loaders.index.build.index_shard` returns, so the index (and the plan) is the same
@@ -58,7 +62,8 @@ A shard itself
 is checked against its sidecar when it is first read, in the process that reads it, before any of
 its samples is served (:class:`ShardChecks`, local or remote, whatever the shard count): it must
 exist, have the recorded size (a ``stat``, or one ``HEAD`` for a URL) and the same first and last 64
-KiB (two reads, the ``probe``). So a loader starts without touching its local shards;
+KiB (the ``probe``: two reads, one for a shard of up to 128 KiB). So a loader starts without
+touching its local shards;
 :func:`check_all_shards` checks them all at once. A byte changed elsewhere in place (same size) is
 caught when the sample is read: the crc32 of its members recorded at indexing no longer matches
 (:class:`~prealign.loaders.errors.SourceChangedError`).
@@ -102,7 +107,10 @@ from prealign.loaders.sources.shard_files import (
 from prealign.schemas.lazy import is_instance  # (not importing torch: see indexed_transform)
 
 FORMAT = "prealign-sidecar"
-VERSION = 3
+VERSION = 4
+READS = (3, 4)
+"""The sidecar versions this prealign reads: 4 (what it writes) and 3, whose only difference is the
+probe's definition (:func:`probe_version`)."""
 _ARRAYS = {
     "spans": (np.int64, 2),
     "lengths": (np.int64, 1),
@@ -343,12 +351,12 @@ def parse_sidecar(
         raise bad(f"meta is not JSON ({exc})") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise bad("not a prealign sidecar")
-    if meta.get("version") != VERSION:
+    if meta.get("version") not in READS or isinstance(meta.get("version"), bool):
         raise StaleIndexError(
             shard,
             f"sidecar format version {meta.get('version')!r}, this prealign reads "
-            f"version {VERSION} (version 3 sidecars serve any schema; their shape patterns "
-            "never collide)",
+            f"versions {list(READS)} (sidecars from version 3 on serve any schema; their shape "
+            "patterns never collide)",
             hint(),
         )
     types = {
@@ -679,36 +687,65 @@ def shard_size_now(source, shard: int) -> int | None:
 
 
 PROBE = 1 << 16
+PROBE_VERSION = 2
+"""The probe :func:`read_probe` computes unless told otherwise (what sidecar version 4 and merged
+version 5 record): blake2b-64 of a shard's bytes ``[0, min(PROBE, size))`` then
+``[max(size - PROBE, min(PROBE, size)), size)``, the first :data:`PROBE` bytes then the last
+:data:`PROBE` bytes not hashed already (each byte once: a shard of up to ``2 * PROBE`` bytes is
+hashed whole, once). Version 1 (sidecar version 3, merged up to 4) hashes the first then the last
+:data:`PROBE` bytes, so a shard under ``2 * PROBE`` bytes has bytes hashed twice; from ``2 *
+PROBE`` bytes on (and at 0) the two are the same digest."""
 
 
-def shard_probe(source, shard: int, size: int) -> str:
-    """blake2b-64 of a shard's first and last ``PROBE`` bytes (two reads): with the size, what the
-    build-time check compares. A shard read only front to back (``pipe:``) has none (``""``)."""
-    return read_probe(source, shard, size)[0]
+def probe_version(sidecar_version: int) -> int:
+    """The probe definition a sidecar of ``sidecar_version`` (3 or 4) records: 1 or 2."""
+    return 1 if sidecar_version == 3 else 2
 
 
-def read_probe(source, shard: int, size: int) -> tuple[str, bytes, bytes]:
-    """``(shard_probe, the first PROBE bytes read, the last PROBE bytes read)``."""
+def probe_digest(first: bytes, last: bytes, size: int, version: int = PROBE_VERSION) -> str:
+    """The probe (16 hex digits) of a shard of ``size`` bytes from ``first``, its bytes ``[0,
+    min(PROBE, size))``, and ``last``, its bytes ``[max(size - PROBE, 0), size)`` (the two may
+    overlap: version 2 hashes the overlap once, from ``first``; :data:`PROBE_VERSION`)."""
+    h = hashlib.blake2b(first, digest_size=8)
+    skip = min(PROBE, size) - max(size - PROBE, 0) if version >= 2 else 0
+    h.update(memoryview(last)[skip:] if skip > 0 else last)  # (no copy)
+    return h.hexdigest()
+
+
+def shard_probe(source, shard: int, size: int, version: int = PROBE_VERSION) -> str:
+    """The probe of a shard (:data:`PROBE_VERSION`; ``version`` 1: the older one): with the size,
+    what the build-time check compares. One read of a shard of up to ``2 * PROBE`` bytes, else
+    two. A shard read only front to back (``pipe:``) has none (``""``)."""
+    return read_probe(source, shard, size, version)[0]
+
+
+def read_probe(
+    source, shard: int, size: int, version: int = PROBE_VERSION
+) -> tuple[str, bytes, bytes]:
+    """``(shard_probe, the first PROBE bytes read, the last PROBE bytes read)``: one read (one range
+    request of a remote object) of a shard of up to ``2 * PROBE`` bytes, both spans cut from it
+    (none for an empty one), else two."""
 
     url = source.urls[shard]
     if size < 0 or remote.scheme(url) == "pipe":
         return "", b"", b""
-    spans = [(0, min(PROBE, size)), (max(size - PROBE, 0), size)]
-    h = hashlib.blake2b(digest_size=8)
-    uncached = dataclasses.replace(source.remote, cache_dir=None) if remote.is_remote(url) else None
-    data, reads = b"", []
-    for lo, hi in spans:
-        if remote.is_remote(
-            url
-        ):  # never through the block cache: it may hold the object's old bytes
-            data = remote.read_range(url, lo, hi, uncached)
-        else:
-            with open(remote.local_path(url), "rb") as f:
-                f.seek(lo)
-                data = f.read(hi - lo)
-        h.update(data)
-        reads.append(data)
-    return h.hexdigest(), reads[0], reads[1]
+    far = remote.is_remote(url)
+    # (never through the block cache: it may hold the object's old bytes)
+    uncached = dataclasses.replace(source.remote, cache_dir=None) if far else None
+
+    def read(lo: int, hi: int) -> bytes:
+        if far:
+            return remote.read_range(url, lo, hi, uncached)
+        with open(remote.local_path(url), "rb") as f:
+            f.seek(lo)
+            return f.read(hi - lo)
+
+    if size <= 2 * PROBE:  # the spans overlap or touch: one read
+        whole = read(0, size) if size else b""
+        first, last = whole[:PROBE], whole[max(size - PROBE, 0) :]
+    else:
+        first, last = read(0, PROBE), read(size - PROBE, size)
+    return probe_digest(first, last, size, version), first, last
 
 
 def sidecar_limit(size: int | None) -> int:
@@ -749,10 +786,11 @@ def read_sidecar_bytes(source, shard: int, size: int | None = None) -> bytes | N
     return read_regular(remote.local_path(path), "sidecar", limit)
 
 
-def expected_of(meta: dict, spans: np.ndarray) -> tuple[int, str, int, int]:
-    """What a shard's first read checks (:class:`ShardChecks`): ``(size, probe, first, last)``;
-    ``first`` the byte where its first good sample starts when that is its first record (else -1),
-    ``last`` where its last good sample ends when that is its last record (else -1)."""
+def expected_of(meta: dict, spans: np.ndarray) -> tuple[int, str, int, int, int]:
+    """What a shard's first read checks (:class:`ShardChecks`): ``(size, probe, first, last,
+    probe_version)``; ``first`` the byte where its first good sample starts when that is its first
+    record (else -1), ``last`` where its last good sample ends when that is its last record (else
+    -1); ``probe_version`` the definition of ``probe`` (:func:`probe_version`)."""
     events = meta["events"]
     first = int(spans[0, 0]) if len(spans) and not (events and events[0][0] == 0) else -1
     last = (
@@ -760,7 +798,13 @@ def expected_of(meta: dict, spans: np.ndarray) -> tuple[int, str, int, int]:
         if len(spans) and not (events and events[-1][0] == meta["num_events"] - 1)
         else -1
     )
-    return int(meta["size"]), str(meta.get("probe", "")), first, last
+    return (
+        int(meta["size"]),
+        str(meta.get("probe", "")),
+        first,
+        last,
+        probe_version(meta["version"]),
+    )
 
 
 def per_shard(source, fn, shards=None, *, threads: int = 0) -> list:

@@ -54,6 +54,7 @@ from prealign.loaders.index.sidecar import (
     expected_of,
     joint_values,
     parse_sidecar,
+    probe_version,
     read_sidecar_bytes,
     sidecar_limit,
 )
@@ -79,7 +80,8 @@ _DIGIT[ord("0") : ord("9") + 1] = True
 
 
 def sidecars_merged(source, schema) -> tuple[dict, dict[str, np.ndarray]] | None:
-    """``(meta, arrays)`` as a merged index holds them (``meta``: ``names``, ``probes``, ``dims``,
+    """``(meta, arrays)`` as a merged index holds them (``meta``: ``names``, ``probes``,
+    ``probe_versions`` (uint8 ``[S]``: each probe's definition), ``dims``,
     ``events`` as ``[shard, position, BadRecord]``; ``arrays``: ``shards [S, 5]``, ``spans``,
     ``lengths``, ``media``, ``dim_ids`` (rows of ``meta["dims"]``), ``bounds``) from every shard's
     sidecar, each checked as :func:`~prealign.loaders.index.source_index.sidecar_records` checks it
@@ -378,7 +380,8 @@ class _Part:
     """Sidecars of some shards (``shards``, in the order their rows are), parsed: ``rows`` samples
     each, ``num_events`` records each, the per-shard ``names``, ``sizes``, ``probes``, the shared
     ``dims`` and ``events`` (``[position, BadRecord]``) and the arrays, shard after shard
-    (``dim_ids`` rows of ``dims``)."""
+    (``dim_ids`` rows of ``dims``); ``probe_version`` the definition of its probes (its sidecars'
+    version decides: one meta, one version)."""
 
     shards: np.ndarray
     rows: np.ndarray
@@ -389,6 +392,7 @@ class _Part:
     dims: list
     events: list
     arrays: dict
+    probe_version: int
 
     @classmethod
     def of(cls, shards, meta: dict, arrays: dict, names, sizes, probes) -> _Part:
@@ -404,6 +408,7 @@ class _Part:
             dims=meta["dims"],
             events=meta["events"],
             arrays=arrays,
+            probe_version=probe_version(meta["version"]),
         )
 
     @classmethod
@@ -417,7 +422,7 @@ class _Part:
     @classmethod
     def parsed(cls, shard: int, meta: dict, arrays: dict) -> _Part:
         """The part of one sidecar parsed already."""
-        size, probe, _, _ = expected_of(meta, arrays["spans"])
+        size, probe, *_ = expected_of(meta, arrays["spans"])
         return cls.of([shard], meta, arrays, [meta["shard"]], [size], [probe])
 
 
@@ -721,7 +726,7 @@ class _Bulk:
         if layout is None:
             self.parts.append(_Part.parsed(shard, meta, arrays))
             return None
-        _, probe, _, _ = expected_of(meta, arrays["spans"])
+        _, probe, *_ = expected_of(meta, arrays["spans"])
         return _Template(layout, layout.fixed_words(data), meta, probe)
 
     def _match(self, template: _Template, block: _Block, left: np.ndarray) -> np.ndarray:
@@ -781,9 +786,11 @@ def _assemble(source, parts: list[_Part]):
     base = np.concatenate([[0], np.cumsum([len(t) for t in tables])])[:-1]
     per_shard = {key: np.empty(n, np.int64) for key in ("sizes", "num_events", "ndims", "base")}
     names, probes = np.empty(n, object), np.empty(n, object)
+    versions = np.empty(n, np.uint8)
     events = []
     for p, t, b in zip(parts, tables, base.tolist()):
         names[p.shards], probes[p.shards] = p.names, p.probes
+        versions[p.shards] = p.probe_version
         per_shard["sizes"][p.shards], per_shard["num_events"][p.shards] = p.sizes, p.num_events
         per_shard["ndims"][p.shards], per_shard["base"][p.shards] = len(t), b
         if p.events:
@@ -802,7 +809,13 @@ def _assemble(source, parts: list[_Part]):
     table = np.concatenate(tables) if tables else np.zeros(0, np.int64)
     arrays["dim_ids"] = table[np.repeat(per_shard["base"], rows) + arrays["dim_ids"]]
     shards = np.stack([per_shard["sizes"], rows, per_shard["num_events"], *first_last], axis=1)
-    meta = {"names": names.tolist(), "probes": probes.tolist(), "dims": dims, "events": events}
+    meta = {
+        "names": names.tolist(),
+        "probes": probes.tolist(),
+        "probe_versions": versions,
+        "dims": dims,
+        "events": events,
+    }
     return meta, {"shards": shards, **arrays}
 
 

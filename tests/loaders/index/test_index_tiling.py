@@ -20,6 +20,7 @@ from prealign.loaders.sources.shard_files import SUFFIX
 from prealign.schemas import ParallelLayout
 from prealign.schemas.schema import causal_lm_schema
 from tests.loader_helpers import add_member, npz_meta, sample_lengths, save_npz_meta, write_shards
+from tests.loaders.index.old_sidecars import as_version_3
 
 SCHEMA = causal_lm_schema()
 SKIP = BadDataPolicy(on_error="skip", max_consecutive=50)
@@ -46,11 +47,13 @@ def _served(paths) -> int:
     return sum(len(b["sample_index"]) for b in loader)
 
 
-@pytest.mark.parametrize("version", [3, 4])
+@pytest.mark.parametrize("version", [3, 4, 5])
 @pytest.mark.parametrize("side", ["after", "before"])
 def test_a_row_removed_next_to_a_bad_sample_in_a_merged_index_is_refused(tmp_path, side, version):
     paths = write_shards(str(tmp_path), sample_lengths(30), num_shards=3, extra=_bad({14}))
     write_sidecars(WebDatasetSource(paths), SCHEMA)
+    if version < 5:  # (the older probe: version 3 sidecars)
+        as_version_3(WebDatasetSource(paths))
     path = merge_sidecars(WebDatasetSource(paths), version=version)["path"]
     for p in paths:  # the loader reads the merged file alone
         os.remove(p + SUFFIX)

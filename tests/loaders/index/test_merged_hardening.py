@@ -19,6 +19,7 @@ from prealign.loaders.index.merged import NAME, _parse, merge_sidecars
 from prealign.schemas import ParallelLayout
 from prealign.schemas.schema import causal_lm_schema
 from tests.loader_helpers import add_member, sample_lengths, write_shards
+from tests.loaders.index.old_sidecars import as_version_3
 
 SCHEMA = causal_lm_schema()
 _ROWS = ("spans", "lengths", "media", "dim_ids", "bounds")
@@ -29,6 +30,8 @@ def _merged(tmp_path, extra=None, version=3):
     these tests edit; version 4's own: tests/loaders/index/test_merged_v4.py)."""
     paths = write_shards(str(tmp_path), sample_lengths(30), num_shards=3, extra=extra)
     write_sidecars(WebDatasetSource(paths), SCHEMA)
+    if version < 5:  # (what an older prealign merged: sidecars of version 3, their older probe)
+        as_version_3(WebDatasetSource(paths))
     path = merge_sidecars(WebDatasetSource(paths), version=version)["path"]
     with np.load(path) as z:
         arrays = {k: z[k] for k in z.files}

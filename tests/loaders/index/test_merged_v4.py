@@ -41,9 +41,9 @@ from tests.loaders.index.test_merged_v3 import _NAME
 _ROWS = ("spans", "lengths", "media", "dim_ids", "bounds")
 
 
-def test_version_4_is_written_by_default_with_no_per_shard_table(tmp_path):
-    paths, path, a, meta = _merged(tmp_path, version=VERSION)
-    assert meta["version"] == VERSION == 4 and "names" not in meta and "probes" not in meta
+def test_version_4_has_no_per_shard_table(tmp_path):
+    paths, path, a, meta = _merged(tmp_path, version=4)
+    assert meta["version"] == 4 and VERSION == 5 and "names" not in meta and "probes" not in meta
     assert set(a) == {"meta", "names", "probes", "sizes", "rows", *_ROWS}
     assert a["rows"].dtype == np.int32 and a["rows"].tolist() == [10, 10, 10]
     assert a["sizes"].dtype == np.int64 and a["names"].tobytes().split(b"\n") == [
@@ -186,11 +186,11 @@ def test_any_names_round_trip_through_a_version_4_file(tmp_path_factory, names):
 
 def test_a_version_from_the_future_is_refused_with_the_command_that_rewrites_it(tmp_path):
     paths, path, a, meta = _merged(tmp_path, version=4)
-    with pytest.raises(StaleIndexError, match=r"version 5.*\[2, 3, 4\].*prealign index --merge"):
-        _parse(_save(path, a, {**meta, "version": 5}), path)
-    with pytest.raises(StaleIndexError, match="version 5"):
+    with pytest.raises(StaleIndexError, match=r"version 6.*\[2, 3, 4, 5\].*prealign index --merge"):
+        _parse(_save(path, a, {**meta, "version": 6}), path)
+    with pytest.raises(StaleIndexError, match="version 6"):
         read_merged(WebDatasetSource(paths), SCHEMA)
-    with pytest.raises(ValueError, match="writes versions 3 and 4"):
+    with pytest.raises(ValueError, match=r"writes versions \[3, 4, 5\]"):
         merge_sidecars(WebDatasetSource(paths), version=2)
 
 

@@ -13,12 +13,14 @@ import pytest
 from prealign.loaders import WebDatasetSource
 from prealign.loaders.errors import StaleIndexError
 from prealign.loaders.index.merged import merge_sidecars, merged_path
+from tests.loaders.index.old_sidecars import as_version_3
 from tests.loaders.index.test_merged_v3 import _as_version_2
 from tests.loaders.index.test_sidecar_lazy import _loader, _shards
 
 
 def test_probes_that_only_add_up_to_16_characters_a_shard_are_refused(tmp_path):
     paths = _shards(tmp_path, n=3)
+    as_version_3(WebDatasetSource(paths))  # (the older probe, as version 2 held)
     merge_sidecars(WebDatasetSource(paths), version=3)  # (made version 2 below)
     path = merged_path(WebDatasetSource(paths))
     with np.load(path) as z:

@@ -237,7 +237,7 @@ def test_crafted_sidecars_are_typed_config_errors(tmp_path, craft):
             arrays["spans"][0, 1] = 1 << 40
         elif craft == "version":
             arrays["meta"] = np.frombuffer(
-                bytes(arrays["meta"]).replace(b'"version": 3', b'"version": 9'), np.uint8
+                bytes(arrays["meta"]).replace(b'"version": 4', b'"version": 9'), np.uint8
             )
         elif (
             craft == "fortran_pickle"
