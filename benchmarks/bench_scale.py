@@ -21,13 +21,15 @@ state_dict() against the sample count, index workers, import time.
                 per-shard sidecars (up to ``--per-shard-max`` shards), from the merged index, and
                 Energon's loader over the same shards (``energon prepare`` run once; up to
                 ``--energon-max`` shards); with ``--before DIR`` also the prealign importable from
-                ``DIR`` (the code before a change), in the same rounds. Every cell of every shard
-                count runs once per round, in turn. Each cell: median [min..max] of wall and CPU
-                seconds (no workers: the CPU time is the work); then the ratios the issue sets
-                targets for, of CPU seconds: per-round ratios median [min..max], and the ratio of
-                the medians. ``--pattern``: prealign's sides (``--before``'s too) name the
-                shards by one brace pattern (``"<root>/text-{00000..00019}.tar"``, what the
-                bench writes) instead of a sorted glob's list: the start expands it.
+                ``DIR`` (the code before a change; its sidecars and merged index its own,
+                written by it beside hard links to the same shards), in the same rounds. Every
+                cell of every shard count runs once per round, in turn. Each cell: median
+                [min..max] of wall and CPU seconds (no workers: the CPU time is the work); then
+                the ratios the issue sets targets for, of CPU seconds: per-round ratios median
+                [min..max], and the ratio of the medians. ``--pattern``: prealign's sides
+                (``--before``'s too) name the shards by one brace pattern
+                (``"<root>/text-{00000..00019}.tar"``, what the bench writes) instead of a sorted
+                glob's list: the start expands it.
 * ``state``     ``state_dict()`` of a prepared loader over ``--state`` samples (mean of 200 calls)
 * ``index``     ``write_sidecars`` (what ``prealign index`` runs) with 1 and 2 workers
 * ``import``    ``import prealign.loaders`` in a fresh process (and ``import torch`` alone, which it
@@ -43,6 +45,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -245,11 +248,12 @@ def _phase(code: str, path: str | None = None) -> dict:
     return json.loads(run.stdout.rsplit("RESULT", 1)[1])
 
 
-def _index_and_merge(root: str, merged_dir: str) -> None:
+def _index_and_merge(root: str, merged_dir: str, path: str | None = None) -> None:
     """A sidecar beside each shard of ``root`` (``write_sidecars``, as ``prealign index``),
     and their merged index in ``merged_dir`` alone (a loader with ``index_dir=merged_dir`` reads one
-    file)."""
-    _phase(f"""
+    file); written by the prealign at ``path`` (``--before``: the formats it reads)."""
+    _phase(
+        f"""
 import glob, os
 from prealign.loaders import WebDatasetSource
 from prealign.loaders.index.header_pass import write_sidecars
@@ -262,24 +266,22 @@ if __name__ == "__main__":
     os.makedirs({merged_dir!r}, exist_ok=True)
     merge_sidecars(source, os.path.join({merged_dir!r}, NAME))
     result = {{}}
-""")
-
-
-def _merge(root: str, merged_dir: str, path: str) -> None:
-    """The merged index of ``root``'s sidecars in ``merged_dir``, written by the prealign at
-    ``path`` (``--before``: the format version it reads)."""
-    _phase(
-        f"""
-import glob, os
-from prealign.loaders import WebDatasetSource
-from prealign.loaders.index.merged import NAME, merge_sidecars
-os.makedirs({merged_dir!r}, exist_ok=True)
-merge_sidecars(WebDatasetSource(sorted(glob.glob({root!r} + "/*.tar"))),
-               os.path.join({merged_dir!r}, NAME))
-result = {{}}
 """,
         path,
     )
+
+
+def _linked(root: str, to: str) -> None:
+    """The shards of ``root`` hard-linked into ``to`` (copied where a link fails): the same bytes,
+    with sidecars of their own beside them."""
+    os.makedirs(to, exist_ok=True)
+    for name in sorted(os.listdir(root)):
+        there = os.path.join(to, name)
+        if name.endswith(".tar") and not os.path.exists(there):
+            try:
+                os.link(os.path.join(root, name), there)
+            except OSError:
+                shutil.copyfile(os.path.join(root, name), there)
 
 
 def _stats(values: list[float]) -> dict:
@@ -402,16 +404,19 @@ def main() -> int:
             _index_and_merge(root, merged_dir)
         versions = [("", None)] + ([(" (before)", args.before)] if args.before else [])
         for tag, path in versions:
-            own = merged_dir + ("-before" if path else "")  # (each reads the format it writes)
+            # each reads the formats it writes: --before's sidecars beside links to the same shards
+            data, own = (root + "-before", merged_dir + "-before") if path else (root, merged_dir)
             if path and not os.path.exists(os.path.join(own, "prealign-index.merged.npz")):
-                _merge(root, own, path)
+                _linked(root, data)
+                _index_and_merge(data, own, path)
+            mine = _shard_names(data, sizes[(count, n)][0], args.pattern) if path else names
             contenders[((count, n), "merged index" + tag)] = (
-                _START.format(paths=names, index_dir=own),
+                _START.format(paths=mine, index_dir=own),
                 path,
             )
             if count <= args.per_shard_max:
                 contenders[((count, n), "sidecars" + tag)] = (
-                    _START.format(paths=names, index_dir=None),
+                    _START.format(paths=mine, index_dir=None),
                     path,
                 )
         if energon and count <= args.energon_max:
