@@ -25,7 +25,7 @@ from prealign.loaders.index.merged import _parse, merge_sidecars, merged_index, 
 from prealign.loaders.index.shard_checks import ShardChecks, _probe_of_file, check_all_shards
 from prealign.loaders.index.sidecar import PROBE, read_probe
 from prealign.loaders.index.sidecar_bulk import sidecars_merged
-from prealign.loaders.index.source_index import check_source
+from prealign.loaders.index.source_index import MergedIndexWarning, check_source
 from prealign.loaders.sources.remote import RemoteOptions
 from prealign.loaders.sources.shard_files import SUFFIX, open_regular
 from prealign.schemas import ParallelLayout
@@ -298,3 +298,34 @@ def test_a_remote_small_shard_is_checked_with_one_request(server):
         size = os.path.getsize(path)
         mine = [(m, r) for m, n, r in srv.log if n.endswith(name)]
         assert mine == [("HEAD", None), ("GET", f"bytes=0-{size - 1}")], mine
+
+
+@pytest.mark.slow
+def test_a_start_over_sidecars_of_both_versions_grows_linearly(tmp_path_factory, monkeypatch):
+    """Sidecars of versions 3 and 4 mixed (every third shard version 3), read in bulk and from a
+    merged index of version 5 (with ``probe_versions``): the work counted at 200 and 2,000 shards
+    (:mod:`tests.loaders.index.test_start_complexity`) grows as it does with one version."""
+    from tests.loaders.index import test_start_complexity as counted
+
+    data, merged = {}, {}
+    for n in counted.SIZES:
+        paths = counted._shards(str(tmp_path_factory.mktemp(f"s{n}")), n)
+        write_sidecars(WebDatasetSource(paths), SCHEMA)
+        as_version_3(WebDatasetSource(paths), range(0, n, 3))
+        folder = str(tmp_path_factory.mktemp(f"m{n}"))
+        merge_sidecars(WebDatasetSource(paths), os.path.join(folder, "prealign-index.merged.npz"))
+        data[n], merged[n] = paths, (paths, folder)
+    with pytest.warns(MergedIndexWarning):  # (the advice to merge 2,000 sidecars)
+        found = counted._measure(
+            data, monkeypatch, lambda paths: counted._loader(WebDatasetSource(paths))
+        )
+    counted._assert_linear(found, "start from mixed sidecars", calls=counted.SIDECAR_CALLS)
+    found = counted._measure(
+        merged,
+        monkeypatch,
+        lambda where: counted._loader(WebDatasetSource(where[0], index_dir=where[1])),
+    )
+    counted._assert_linear(found, "start from a merged index of mixed probes")
+    source = WebDatasetSource(data[200], index_dir=merged[200][1])
+    counted._loader(source).prepare()
+    assert source.shard_check.probe_versions.tolist() == [2 - (s % 3 == 0) for s in range(200)]
