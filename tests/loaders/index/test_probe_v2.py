@@ -33,8 +33,8 @@ from prealign.schemas.schema import causal_lm_schema
 from tests.conftest import examples
 from tests.loader_helpers import sample_lengths, write_shards
 from tests.loaders.index.old_sidecars import as_version_3
-from tests.loaders.sources.test_remote import FAST, _serve
-from tests.loaders.sources.test_remote_start import _Logged
+from tests.loaders.sources.test_remote import FAST
+from tests.loaders.sources.test_remote_start import server  # noqa: F401 - a fixture
 
 SCHEMA = causal_lm_schema()
 _EDGES = sorted(
@@ -48,15 +48,6 @@ def definition(data: bytes, version: int) -> str:
     n, head = len(data), min(PROBE, len(data))
     tail = max(n - PROBE, head) if version == 2 else max(n - PROBE, 0)
     return hashlib.blake2b(data[:head] + data[tail:], digest_size=8).hexdigest()
-
-
-@pytest.fixture
-def server(tmp_path):
-    srv, base = _serve(tmp_path, _Logged)
-    srv.log = []
-    yield srv, base
-    srv.shutdown()
-    srv.server_close()
 
 
 @pytest.mark.slow
