@@ -5,9 +5,8 @@ that reads it, local or remote, whatever the shard count: a loader's start makes
 What is checked: the shard exists, has the recorded size (a ``stat``, or one ``HEAD`` for a URL) and
 the same first and last 64 KiB (the ``probe``: two reads, one for a shard of up to 128 KiB; by the
 definition its index recorded, :data:`~prealign.loaders.index.sidecar.PROBE_VERSION`), and its index
-accounts for the bytes
-before its first and after its last sample (a removed first or last row). Never bad data: raised
-under every bad-data policy.
+accounts for the bytes before its first and after its last sample (a removed first or last row).
+Never bad data: raised under every bad-data policy.
 """
 
 from __future__ import annotations
