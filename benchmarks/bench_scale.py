@@ -21,7 +21,9 @@ state_dict() against the sample count, index workers, import time.
                 per-shard sidecars (up to ``--per-shard-max`` shards), from the merged index, and
                 Energon's loader over the same shards (``energon prepare`` run once; up to
                 ``--energon-max`` shards); with ``--before DIR`` also the prealign importable from
-                ``DIR`` (the code before a change), in the same rounds. Every cell of every shard
+                ``DIR`` (the code before a change), in the same rounds, reading sidecars and a
+                merged index its own code wrote (in ``<root>-sidecars-before`` and
+                ``<root>-merged-before``: the formats may differ). Every cell of every shard
                 count runs once per round, in turn. Each cell: median [min..max] of wall and CPU
                 seconds (no workers: the CPU time is the work); then the ratios the issue sets
                 targets for, of CPU seconds: per-round ratios median [min..max], and the ratio of
@@ -265,18 +267,24 @@ if __name__ == "__main__":
 """)
 
 
-def _merge(root: str, merged_dir: str, path: str) -> None:
-    """The merged index of ``root``'s sidecars in ``merged_dir``, written by the prealign at
-    ``path`` (``--before``: the format version it reads)."""
+def _index_and_merge_before(root: str, sidecar_dir: str, merged_dir: str, path: str) -> None:
+    """``root``'s sidecars in ``sidecar_dir`` and their merged index in ``merged_dir``, both
+    written by the prealign at ``path`` (``--before``: each side reads the formats its own code
+    writes, whatever their versions)."""
     _phase(
         f"""
 import glob, os
 from prealign.loaders import WebDatasetSource
+from prealign.loaders.index.header_pass import write_sidecars
 from prealign.loaders.index.merged import NAME, merge_sidecars
-os.makedirs({merged_dir!r}, exist_ok=True)
-merge_sidecars(WebDatasetSource(sorted(glob.glob({root!r} + "/*.tar"))),
-               os.path.join({merged_dir!r}, NAME))
-result = {{}}
+from prealign.schemas import causal_lm_schema
+if __name__ == "__main__":
+    source = WebDatasetSource(sorted(glob.glob({root!r} + "/*.tar")), index_dir={sidecar_dir!r})
+    os.makedirs({sidecar_dir!r}, exist_ok=True)
+    write_sidecars(source, causal_lm_schema(), workers=1)
+    os.makedirs({merged_dir!r}, exist_ok=True)
+    merge_sidecars(source, os.path.join({merged_dir!r}, NAME))
+    result = {{}}
 """,
         path,
     )
@@ -402,16 +410,17 @@ def main() -> int:
             _index_and_merge(root, merged_dir)
         versions = [("", None)] + ([(" (before)", args.before)] if args.before else [])
         for tag, path in versions:
-            own = merged_dir + ("-before" if path else "")  # (each reads the format it writes)
+            own = merged_dir + ("-before" if path else "")  # (each reads the formats it writes)
+            sidecars = root + "-sidecars-before" if path else None  # (None: beside the shards)
             if path and not os.path.exists(os.path.join(own, "prealign-index.merged.npz")):
-                _merge(root, own, path)
+                _index_and_merge_before(root, sidecars, own, path)
             contenders[((count, n), "merged index" + tag)] = (
                 _START.format(paths=names, index_dir=own),
                 path,
             )
             if count <= args.per_shard_max:
                 contenders[((count, n), "sidecars" + tag)] = (
-                    _START.format(paths=names, index_dir=None),
+                    _START.format(paths=names, index_dir=sidecars),
                     path,
                 )
         if energon and count <= args.energon_max:

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from prealign.loaders import HFSource, Mixture, PackedLoader, WebDatasetSource
 from prealign.loaders.errors import ResumeError
 from prealign.loaders.plan.planner import PlannerConfig
-from prealign.loaders.state import pack_cursor, unpack_cursor
+from prealign.loaders.state import MAX_DEPTH, LoaderState, pack_cursor, unpack_cursor
 from prealign.loaders.streaming import merge_rank_states
 from prealign.schemas import ParallelLayout, causal_lm_schema
 from tests.loader_helpers import hf_rows, sample_lengths, write_shards
@@ -385,3 +385,35 @@ def test_a_cursor_at_a_record_without_location_goes_on_after_it(root):
     loader = make()
     loader.load_state_dict(bare)
     assert _batches(loader) == rest
+
+
+def _nested(depth: int, kind: type):
+    """A list (or dict) nested ``depth`` levels deep."""
+    value = kind()
+    for _ in range(depth):
+        value = [value] if kind is list else {"a": value}
+    return value
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+@pytest.mark.parametrize("kind", [list, dict])
+def test_a_state_nested_past_any_saved_one_is_refused_naming_the_key(root, name, kind):
+    """A value nested 100,000 levels deep anywhere in a state (Python's recursion limit is 1,000:
+    a RecursionError in the checks, the comparisons or an error's own message before): a
+    ResumeError naming the key that nests too deep."""
+    state, _, _ = scenario(root, name)
+    for path in [("config",), ("version",), paths_of(state)[-1]]:
+        _refused(root, name, _set(path, _nested(100_000, kind)), "nested more than 32 levels")
+
+
+@pytest.mark.parametrize("kind", [list, dict])
+def test_the_nesting_bound_is_exact(root, kind):
+    """A state whose deepest list or dict sits at level ``MAX_DEPTH`` parses; one level more is
+    refused, naming that key (``data.x`` at level 2, so ``MAX_DEPTH - 2`` levels inside it)."""
+    state, _, _ = scenario(root, "packed")
+    ok, deep = copy.deepcopy(state), copy.deepcopy(state)
+    ok["data"]["x"] = _nested(MAX_DEPTH - 2, kind)
+    deep["data"]["x"] = _nested(MAX_DEPTH - 1, kind)
+    LoaderState.from_dict(ok)
+    with pytest.raises(ResumeError, match=r"key 'data\.x(\.a|\[0\])*': nested more than 32"):
+        LoaderState.from_dict(deep)
