@@ -6,7 +6,7 @@ state_dict() against the sample count, index workers, import time.
                                      [--rounds 5] [--per-shard-max 2000] [--energon-max 2000]
                                      [--no-energon] [--before DIR] [--pattern]
                                      [--index 10000 100000]
-                                     [--state 10000 1000000] [--json out.json]
+                                     [--state 10000 1000000] [--floor] [--json out.json]
 
 * ``start``     the same ``--samples`` text samples (``<key>.input_ids.npy``, 8..128 tokens) cut
   into each of ``--shards`` shard counts (a shard count above ``--samples``: one sample per shard,
@@ -34,6 +34,9 @@ state_dict() against the sample count, index workers, import time.
 * ``index``     ``write_sidecars`` (what ``prealign index`` runs) with 1 and 2 workers
 * ``import``    ``import prealign.loaders`` in a fresh process (and ``import torch`` alone, which it
   needs)
+* ``floor``     (``--floor``) the CPU time of the system calls and crc32s reading every per-shard
+  sidecar takes (opening and closing each file, reading each, each zip entry's crc32): what no
+  reader of that format can go under
 * ``throughput`` both loaders' samples/s over the same text samples (2 workers each; ``--throughput
   0``: not run)
 
@@ -284,6 +287,52 @@ def _linked(root: str, to: str) -> None:
                 shutil.copyfile(os.path.join(root, name), there)
 
 
+_FLOOR = """
+import glob, itertools, os, time, zipfile, zlib
+paths = sorted(glob.glob({root!r} + "/*.prealign-index.npz"))
+flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC
+buf = bytearray(max(map(os.path.getsize, paths)) + 1)
+view = memoryview(buf)
+entries = []
+for p in paths:  # (each zip entry's stored bytes: what its crc32 covers)
+    with zipfile.ZipFile(p) as z:
+        data = open(p, "rb").read()
+        for info in z.infolist():
+            start = info.header_offset + 30 + len(info.filename.encode()) + len(info.extra)
+            entries.append(data[start : start + info.compress_size])
+
+
+def opened():
+    for fd in list(map(os.open, paths, itertools.repeat(flags))):
+        os.close(fd)
+
+
+def read():
+    for fd in list(map(os.open, paths, itertools.repeat(flags))):
+        os.preadv(fd, [view], 0)
+        os.close(fd)
+
+
+def crcs():
+    list(map(zlib.crc32, entries))
+
+
+result = {{}}
+for name, fn in (("open_close", opened), ("open_read_close", read), ("crc32", crcs)):
+    fn()
+    times = []
+    for _ in range(9):
+        c = time.process_time()
+        fn()
+        times.append(time.process_time() - c)
+    result[name] = sorted(times)[4]
+result["files"], result["entries"] = len(paths), len(entries)
+"""
+"""The floor under a start that reads every per-shard sidecar: CPU seconds (median of 9, warm page
+cache) to open and close every sidecar file, to open, read and close it (one ``preadv``), and to
+take the crc32 of each zip entry (the integrity check a sidecar's format asks for)."""
+
+
 def _stats(values: list[float]) -> dict:
     v = sorted(values)
     return {
@@ -380,6 +429,11 @@ def main() -> int:
     ap.add_argument(
         "--throughput", type=int, default=50_000, help="samples timed per loader (0: not run)"
     )
+    ap.add_argument(
+        "--floor",
+        action="store_true",
+        help="also time the system calls and crc32s that reading every sidecar takes",
+    )
     ap.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "prealign-bench-scale"))
     ap.add_argument("--json", help="also write the numbers here")
     args = ap.parse_args()
@@ -464,6 +518,22 @@ def main() -> int:
                     f"{_ratio(m, e, 'first_cpu_s')}, resume {_ratio(m, e, 'resume_cpu_s')}",
                     flush=True,
                 )
+
+    if args.floor:
+        print(
+            "\n| shards | open + close | open + read + close | crc32 of the entries |\n"
+            "|---|---|---|---|"
+        )
+    for count, n in args.shards if args.floor else ():
+        if count > args.per_shard_max:
+            continue
+        f = _phase(_FLOOR.format(root=os.path.join(args.dir, f"text-{n}-{count}")))
+        numbers[f"floor_{count}"] = f
+        print(
+            f"| {count:,} | {f['open_close'] * 1e3:.2f} ms | {f['open_read_close'] * 1e3:.2f} ms "
+            f"| {f['crc32'] * 1e3:.2f} ms ({f['entries']:,} entries) |",
+            flush=True,
+        )
 
     if energon and args.shards and args.throughput:
         root = os.path.join(args.dir, f"text-{args.shards[0][1]}-{args.shards[0][0]}")

@@ -144,11 +144,16 @@ class Mixture(Source):
     def num_shards(self) -> int:
         return sum(s.num_shards for s in self._sources)
 
-    def _shard(self, shard: int) -> tuple[int, int]:
+    def _starts(self) -> np.ndarray:
+        """int64 ``[C + 1]``: the mixture shard each component's first shard is (made once)."""
         if self._shard_starts is None:
             self._shard_starts = np.cumsum([0] + [s.num_shards for s in self._sources])
-        c = int(np.searchsorted(self._shard_starts, shard, side="right") - 1)
-        return c, shard - int(self._shard_starts[c])
+        return self._shard_starts
+
+    def _shard(self, shard: int) -> tuple[int, int]:
+        starts = self._starts()
+        c = int(np.searchsorted(starts, shard, side="right") - 1)
+        return c, shard - int(starts[c])
 
     def scan(self, shard: int):
         c, local = self._shard(shard)
@@ -208,11 +213,10 @@ class Mixture(Source):
 
     def shard_of(self, location: Location) -> int | None:
         """The mixture shard a (checked) location lies in where its component's locations name
-        their shard (a webdataset's ``(shard, start, end, ...)``), else None."""
-        c = int(location[0])
-        if getattr(self._sources[c], "urls", None) is None:
-            return None
-        return sum(s.num_shards for s in self._sources[:c]) + int(location[2])
+        their shard (:meth:`~prealign.loaders.sources.source.Source.shard_of`), else None."""
+        source, loc = self._split(location)
+        shard = source.shard_of(loc)
+        return None if shard is None else int(self._starts()[int(location[0])]) + shard
 
     def read(self, location: Location) -> dict:
         source, loc = self._split(location)

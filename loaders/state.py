@@ -131,18 +131,55 @@ ANY_INT = frozenset({"config.seed"})
 this run's."""
 
 
-def _non_finite(value, path: str) -> str | None:
+MAX_DEPTH = 32
+"""Most levels of objects and lists a state nests (a saved one: up to 11): anything deeper is
+refused before any of it is compared or printed (a hostile state nested 10^5 deep would otherwise
+exhaust Python's recursion limit)."""
+
+
+_DEEP = object()
+"""What :func:`_walk` yields in place of a dict or list nested past :data:`MAX_DEPTH`."""
+
+
+def _walk(value):
+    """``(parent path, key, value)`` of everything nested in ``value`` (dicts and lists), in
+    order (:func:`_path` joins the first two); iterative, so any depth is walked: a dict or list
+    past :data:`MAX_DEPTH` is yielded once as :data:`_DEEP` and the walk ends."""
+    stack = [("", None, value, 0)]
+    while stack:
+        parent, key, v, depth = stack.pop()
+        if isinstance(v, (dict, list)):
+            if depth > MAX_DEPTH:
+                yield parent, key, _DEEP
+                return
+            path = _path(parent, key)
+            items = v.items() if isinstance(v, dict) else enumerate(v)
+            stack.extend((path, k, x, depth + 1) for k, x in reversed(list(items)))
+        yield parent, key, v
+
+
+def _path(parent: str, key) -> str:
+    """A state key's path (``"stream.readers[0]"``) from its parent's and its own key."""
+    if key is None:
+        return parent
+    if isinstance(key, int):
+        return f"{parent}[{key}]"
+    return f"{parent}.{key}" if parent else str(key)
+
+
+def _too_deep(value) -> str | None:
+    """The path of a dict or list nested in ``value`` past :data:`MAX_DEPTH`, else None."""
+    return next((_path(p, k) for p, k, v in _walk(value) if v is _DEEP), None)
+
+
+def _non_finite(value) -> str | None:
     """Path of the first non-finite float or int past int64 inside ``value`` (nested dicts /
-    lists), else None."""
-    if isinstance(value, float):
-        return None if math.isfinite(value) else path
-    if isinstance(value, int):
-        return None if -INT64 <= value < INT64 or path in ANY_INT else path
-    if isinstance(value, dict):
-        keys = ((v, f"{path}.{k}" if path else str(k)) for k, v in value.items())
-        return next((p for v, key in keys if (p := _non_finite(v, key))), None)
-    if isinstance(value, list):
-        return next((p for i, v in enumerate(value) if (p := _non_finite(v, f"{path}[{i}]"))), None)
+    lists, at most :data:`MAX_DEPTH` deep: :func:`_too_deep` first), else None."""
+    for parent, key, v in _walk(value):
+        if isinstance(v, float) and not math.isfinite(v):
+            return _path(parent, key)
+        if isinstance(v, int) and not -INT64 <= v < INT64 and _path(parent, key) not in ANY_INT:
+            return _path(parent, key)
     return None
 
 
@@ -208,6 +245,12 @@ class LoaderState:
                 state = json.loads(state, parse_constant=_refuse_constant)
             except (ValueError, RecursionError) as exc:
                 raise ResumeError(f"loader state: not JSON text ({exc}): {state[:80]!r}") from None
+        deep = _too_deep(state)
+        if deep is not None:
+            raise ResumeError(
+                f"loader state: key {deep!r}: nested more than {MAX_DEPTH} levels deep (a saved "
+                f"state nests under 10)"
+            )
         if not isinstance(state, dict) or state.get("kind") != kind:
             raise ResumeError(f"loader state: key 'kind': not a {kind} state: {str(state)[:200]}")
         version = state.get("version")
@@ -238,7 +281,7 @@ class LoaderState:
                     f"loader state: key {key!r}: expected an object, got "
                     f"{type(state[key]).__name__}"
                 )
-        bad = _non_finite(state, "")  # (config, data, cursors, a mixture's entry...)
+        bad = _non_finite(state)  # (config, data, cursors, a mixture's entry...)
         if bad:
             raise ResumeError(
                 f"loader state: key {bad!r}: a non-finite number or an int past int64"

@@ -95,7 +95,14 @@ from prealign.loaders.plan.elastic import round_robin
 from prealign.loaders.plan.mixing import StreamMix
 from prealign.loaders.plan.packing import best_fit_decreasing
 from prealign.loaders.plan.planner import PlannerConfig
-from prealign.loaders.plan.stream_skip import Skip, fold, fold_parts, kept, location_shard
+from prealign.loaders.plan.stream_skip import (
+    Skip,
+    check_in_shards,
+    check_own,
+    fold,
+    fold_parts,
+    kept,
+)
 from prealign.loaders.policy import BadDataGate, BadDataPolicy, BadDataReport, BadRecord, Oversize
 from prealign.loaders.serve.workers import hand_over
 from prealign.loaders.shaping import filler_length, filler_sample, truncate_sample
@@ -1142,41 +1149,26 @@ class StreamingPackedLoader(LoaderCore):
             )
         if loc is None:
             return
-        self._check_locations([loc], key)
+        check_own(self.source, [loc], key)
         if mixture and loc[0] != component:
             raise ResumeError(
                 f"loader state: key '{key}': a location of component "
                 f"{self.source.names[loc[0]]!r}; expected one{own} (shard {shards[pos]})"
             )
-        shard = location_shard(self.source, loc)
-        if shard not in (None, shards[pos]):
-            raise ResumeError(
-                f"loader state: key '{key}': a location in shard {shard}; expected one in shard "
-                f"{shards[pos]}, at position {pos} of the shards{own} this reader reads"
-            )
-
-    def _check_locations(self, locs: list, key: str) -> None:
-        try:
-            if len(set(map(len, locs))) != 1:
-                raise ValueError(f"locations of widths {sorted(set(map(len, locs)))}")
-            self.source.check_locations(np.asarray(locs, np.int64))
-        except (PrealignError, ValueError) as exc:
-            raise ResumeError(f"loader state: key '{key}': not this source's ({exc})") from None
+        where = f", at position {pos} of the shards{own} this reader reads"
+        check_in_shards(self.source, [loc], [shards[pos]], key, where)
 
     def _check_records(self, records: list, key: str) -> None:
         """Cursor records ``[stream id, aligned size, *location]``: locations of this source, of
-        one width, each in its id's shard where the location names its shard."""
-        if not records:
-            return
-        self._check_locations([r[2:] for r in records], key)
-        for sid, _, *loc in records:
-            shard = location_shard(self.source, loc)
-            if sid >> 32 >= self.source.num_shards or shard not in (None, sid >> 32):
-                raise ResumeError(
-                    f"loader state: key '{key}': location {loc} (shard {shard}) of sample id "
-                    f"{sid} (shard {sid >> 32}); expected a location in the id's shard, one of "
-                    f"the {self.source.num_shards} shards"
-                )
+        one width, each in its id's shard (one of the source's) where the location names it."""
+        check_own(self.source, [r[2:] for r in records], key)
+        shards = [sid >> 32 for sid, *_ in records]
+        if shards and max(shards) >= self.source.num_shards:
+            raise ResumeError(
+                f"loader state: key '{key}': a sample id of shard {max(shards)}; expected one of "
+                f"the {self.source.num_shards} shards"
+            )
+        check_in_shards(self.source, [r[2:] for r in records], shards, key, " (its sample id's)")
 
     def _load_stream(self, st: LoaderState) -> None:
         """A version-5 state: same ``dp_size`` / ``num_workers``: this rank's cursors (exact);

@@ -89,29 +89,16 @@ class Skip:
 
     def check_locations(self, source) -> None:
         """A :class:`ResumeError` naming the key when a ``partial`` or ``returns`` location cannot
-        be one of ``source``'s (:meth:`~prealign.loaders.sources.source.Source.check_locations`: its
-        width, shards and rows in range; a ``partial`` location in another shard)."""
+        be one of ``source``'s (:func:`check_own`) or lies in another shard than the one it is
+        kept for (:func:`check_in_shards`)."""
         for key, locs, shards in (
             ("partial", [loc for _, loc in self.partial.values()], list(self.partial)),
             ("returns", [r[2:] for r in self.returns], [_shard(r[0]) for r in self.returns]),
         ):
-            if not locs:
-                continue
-            try:
-                if len(set(map(len, locs))) != 1:
-                    raise ValueError(f"locations of widths {sorted(set(map(len, locs)))}")
-                source.check_locations(np.asarray(locs, np.int64))
-            except (PrealignError, ValueError) as exc:
-                raise ResumeError(
-                    f"loader state: key 'stream.skip.{key}': not this source's ({exc})"
-                ) from None
-            owners = [location_shard(source, loc) for loc in locs]
-            other = [(s, o) for s, o in zip(shards, owners) if o not in (None, s)]
-            if other:
-                raise ResumeError(
-                    f"loader state: key 'stream.skip.{key}': shard {other[0][0]}'s location is in "
-                    f"shard {other[0][1]} (another shard, or another mixture component's)"
-                )
+            check_own(source, locs, f"stream.skip.{key}")
+            check_in_shards(
+                source, locs, shards, f"stream.skip.{key}", " (not another shard's or component's)"
+            )
 
     @classmethod
     def from_dict(cls, d, num_shards: int) -> "Skip":
@@ -164,13 +151,34 @@ class Skip:
         )
 
 
-def location_shard(source, location) -> int | None:
-    """The shard a (checked) location of ``source`` lies in where its locations name it (a
-    mixture's ``shard_of``; a webdataset's ``(shard, start, ...)``), else None."""
-    shard_of = getattr(source, "shard_of", None)
-    if shard_of is not None:
-        return shard_of(location)
-    return None if getattr(source, "urls", None) is None else int(location[0])
+def check_own(source, locs: list, key: str) -> None:
+    """A :class:`ResumeError` naming ``key`` unless the locations ``locs`` (a cursor's) are of
+    one width and ``source``'s
+    (:meth:`~prealign.loaders.sources.source.Source.check_locations`: shards, rows, byte ranges in
+    range)."""
+    if not locs:
+        return
+    try:
+        widths = set(map(len, locs))
+        if len(widths) != 1:
+            raise ValueError(f"locations of widths {sorted(widths)}")
+        source.check_locations(np.asarray(locs, np.int64))
+    except (PrealignError, ValueError) as exc:
+        raise ResumeError(f"loader state: key '{key}': not this source's ({exc})") from None
+
+
+def check_in_shards(source, locs: list, shards: list[int], key: str, where: str = "") -> None:
+    """A :class:`ResumeError` naming ``key`` when a location of ``locs`` (checked:
+    :func:`check_own`) lies in another shard than its own of ``shards``, where ``source``'s
+    locations name their shard (:meth:`~prealign.loaders.sources.source.Source.shard_of`);
+    ``where``: what the expected shard is, for the message."""
+    for loc, shard in zip(locs, shards):
+        found = source.shard_of(loc)
+        if found is not None and found != shard:
+            raise ResumeError(
+                f"loader state: key '{key}': a location in shard {found}; expected one in shard "
+                f"{shard}{where}"
+            )
 
 
 Records = Callable[[int, "tuple | None", "tuple | None"], Iterable]

@@ -95,6 +95,12 @@ class Source(abc.ABC):
         (an index's) cannot be this source's (another width, a shard or row out of range): an index
         of other data. The default checks nothing."""
 
+    def shard_of(self, location) -> int | None:
+        """The shard a location of this source (checked: :meth:`check_locations`) lies in, when
+        its locations name their shard; None when they do not (the default: an HF dataset's
+        rows)."""
+        return None
+
     def _check_range(self, locations, width: int, limits: dict[int, int]) -> None:
         """``locations`` has ``width`` columns and column ``c`` lies in ``[0, limits[c])``."""
         import numpy as np

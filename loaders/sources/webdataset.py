@@ -839,6 +839,10 @@ class WebDatasetSource(Source):
             )
         return ShardGoneError(url, f"{url}@{start}", problem)
 
+    def shard_of(self, location) -> int:
+        """A location ``(shard, start, end, ...)`` names its shard first."""
+        return int(location[0])
+
     def check_locations(self, locations) -> None:
         """Rows ``(shard, start, end[, checksum])``: shards in range, byte ranges from byte 0 on
         that end after they start."""

@@ -19,8 +19,9 @@ from hypothesis import strategies as st
 
 from prealign.loaders import HFSource, Mixture, PackedLoader, WebDatasetSource
 from prealign.loaders.errors import ResumeError
+from prealign.loaders.index.build import build_index
 from prealign.loaders.plan.planner import PlannerConfig
-from prealign.loaders.state import pack_cursor, unpack_cursor
+from prealign.loaders.state import MAX_DEPTH, LoaderState, pack_cursor, unpack_cursor
 from prealign.loaders.streaming import merge_rank_states
 from prealign.schemas import ParallelLayout, causal_lm_schema
 from tests.loader_helpers import hf_rows, sample_lengths, write_shards
@@ -385,3 +386,52 @@ def test_a_cursor_at_a_record_without_location_goes_on_after_it(root):
     loader = make()
     loader.load_state_dict(bare)
     assert _batches(loader) == rest
+
+
+def _nested(depth: int, kind: type):
+    """A list (or dict) nested ``depth`` levels deep."""
+    value = kind()
+    for _ in range(depth):
+        value = [value] if kind is list else {"a": value}
+    return value
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+@pytest.mark.parametrize("kind", [list, dict])
+def test_a_state_nested_past_any_saved_one_is_refused_naming_the_key(root, name, kind):
+    """A value nested 100,000 levels deep anywhere in a state (Python's recursion limit is 1,000:
+    a RecursionError in the checks, the comparisons or an error's own message before): a
+    ResumeError naming the key that nests too deep."""
+    state, _, _ = scenario(root, name)
+    for path in [("config",), ("version",), paths_of(state)[-1]]:
+        _refused(root, name, _set(path, _nested(100_000, kind)), "nested more than 32 levels")
+
+
+@pytest.mark.parametrize("kind", [list, dict])
+def test_the_nesting_bound_is_exact(root, kind):
+    """A state whose deepest list or dict sits at level ``MAX_DEPTH`` parses; one level more is
+    refused, naming that key (``data.x`` at level 2, so ``MAX_DEPTH - 2`` levels inside it)."""
+    state, _, _ = scenario(root, "packed")
+    ok, deep = copy.deepcopy(state), copy.deepcopy(state)
+    ok["data"]["x"] = _nested(MAX_DEPTH - 2, kind)
+    deep["data"]["x"] = _nested(MAX_DEPTH - 1, kind)
+    LoaderState.from_dict(ok)
+    with pytest.raises(ResumeError, match=r"key 'data\.x(\.a|\[0\])*': nested more than 32"):
+        LoaderState.from_dict(deep)
+
+
+def test_shard_of_names_the_shard_a_location_lies_in(root):
+    """The one place a cursor's location is told its shard: a webdataset location names its shard
+    first; an HF dataset's row names none; a mixture's is its component's shard after the shards of
+    the components before it (3 + 1 here), a component of rows none."""
+    short, long = _paths(root)
+    web = WebDatasetSource(short)
+    loc = build_index(web, causal_lm_schema()).locations[-1].tolist()
+    assert web.shard_of(loc) == loc[0] == 2
+    hf = _hf_sources()[0]
+    assert hf.shard_of((5,)) is None
+    mix = Mixture({"a": (WebDatasetSource(short), 0.5), "b": (WebDatasetSource(long), 0.5)})
+    assert mix.shard_of((1, len(loc), 1, *loc[1:])) == 3 + 1
+    mixed = Mixture({"a": (hf, 0.5), "b": (WebDatasetSource(long), 0.5)})
+    assert mixed.shard_of((0, 1, 5)) is None
+    assert mixed.shard_of((1, len(loc), 0, *loc[1:])) == hf.num_shards + 0
