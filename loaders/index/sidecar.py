@@ -347,7 +347,7 @@ def parse_sidecar(
         raise bad(f"meta of dtype {raw_meta.dtype} shape {raw_meta.shape}")
     try:
         meta = json.loads(raw_meta.tobytes().decode())
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise bad(f"meta is not JSON ({exc})") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise bad("not a prealign sidecar")

@@ -1363,7 +1363,7 @@ def sample_metadata(raw: dict, text_key: str, key) -> dict:
         return {}
     try:
         meta = json.loads(value) if isinstance(value, (bytes, bytearray, str)) else value
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise MediaError(
             MediaProblem.BAD_TEXT,
             sample=key,

@@ -218,6 +218,7 @@ def test_changed_extra_and_foreign_indexes_raise_before_any_batch(tmp_path):
         "flipped_byte",
         "short_data",
         "fortran_pickle",
+        "deep_meta",
     ],
 )
 def test_crafted_sidecars_are_typed_config_errors(tmp_path, craft):
@@ -238,6 +239,11 @@ def test_crafted_sidecars_are_typed_config_errors(tmp_path, craft):
         elif craft == "version":
             arrays["meta"] = np.frombuffer(
                 bytes(arrays["meta"]).replace(b'"version": 4', b'"version": 9'), np.uint8
+            )
+        elif craft == "deep_meta":  # JSON nested past Python's recursion limit (a RecursionError)
+            arrays["meta"] = np.frombuffer(
+                bytes(arrays["meta"]).replace(b'"version": 4', b'"version": ' + b"[" * 100_000),
+                np.uint8,
             )
         elif (
             craft == "fortran_pickle"

@@ -142,6 +142,7 @@ def test_text_only_and_hf_row_inputs():
             "json",
         ),
         ({"json": b"{not json"}, MediaProblem.BAD_TEXT, "json"),
+        ({"json": b"[" * 100_000}, MediaProblem.BAD_TEXT, "json"),  # (past the recursion limit)
     ],
 )
 def test_bad_media_raises_a_typed_error_naming_the_sample(raw, problem, field):
