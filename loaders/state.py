@@ -249,7 +249,7 @@ class LoaderState:
         if deep is not None:
             raise ResumeError(
                 f"loader state: key {deep!r}: nested more than {MAX_DEPTH} levels deep (a saved "
-                f"state nests under 10)"
+                f"state nests up to 11)"
             )
         if not isinstance(state, dict) or state.get("kind") != kind:
             raise ResumeError(f"loader state: key 'kind': not a {kind} state: {str(state)[:200]}")
