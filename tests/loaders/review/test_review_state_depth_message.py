@@ -1,7 +1,7 @@
 """The ResumeError of a state nested too deep says how deep a saved state nests: what it says holds
-for the states the loaders save (a streaming mixture's cursors nest 11 levels of objects and lists,
-the root one included, as :data:`~prealign.loaders.state.MAX_DEPTH`'s docstring says), and the
-bound refused is above them."""
+for the states the loaders save, counted as the bound is (the state itself at level 0, so that a
+list or object at level ``MAX_DEPTH`` is taken, one more refused): a streaming mixture's cursors
+reach level 10."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def root(tmp_path_factory):
 
 
 def test_what_the_message_says_of_saved_states_holds(root):
-    deepest = max(_levels(scenario(root, name)[0]) for name in SCENARIOS)
+    deepest = max(_levels(scenario(root, name)[0]) for name in SCENARIOS) - 1  # (its level)
     assert deepest < MAX_DEPTH
     state = copy.deepcopy(scenario(root, "packed")[0])
     node = state["data"]
@@ -39,7 +39,7 @@ def test_what_the_message_says_of_saved_states_holds(root):
         node = node["x"]
     with pytest.raises(ResumeError, match="nested more than 32 levels") as err:
         LoaderState.from_dict(state)
-    said = re.search(r"a saved state nests (under|up to) (\d+)", str(err.value))
+    said = re.search(r"a saved state nests (under|up to) (\d+) levels", str(err.value))
     assert said, str(err.value)
     bound = int(said.group(2))
     assert deepest < bound if said.group(1) == "under" else deepest <= bound, (deepest, said[0])
