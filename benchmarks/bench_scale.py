@@ -288,7 +288,7 @@ def _linked(root: str, to: str) -> None:
 
 
 _FLOOR = """
-import glob, itertools, os, time, zipfile, zlib
+import glob, itertools, os, struct, time, zipfile, zlib
 paths = sorted(glob.glob({root!r} + "/*.prealign-index.npz"))
 flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC
 buf = bytearray(max(map(os.path.getsize, paths)) + 1)
@@ -298,7 +298,9 @@ for p in paths:  # (each zip entry's stored bytes: what its crc32 covers)
     with zipfile.ZipFile(p) as z:
         data = open(p, "rb").read()
         for info in z.infolist():
-            start = info.header_offset + 30 + len(info.filename.encode()) + len(info.extra)
+            at = info.header_offset  # (the local header's own name and extra lengths: its
+            name, extra = struct.unpack("<HH", data[at + 26 : at + 30])  # zip64 extra field)
+            start = at + 30 + name + extra
             entries.append(data[start : start + info.compress_size])
 
 

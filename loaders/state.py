@@ -132,7 +132,7 @@ this run's."""
 
 
 MAX_DEPTH = 32
-"""Most levels of objects and lists a state nests (a saved one: up to 11): anything deeper is
+"""Most levels of objects and lists a state nests (a saved one: up to 10): anything deeper is
 refused before any of it is compared or printed (a hostile state nested 10^5 deep would otherwise
 exhaust Python's recursion limit)."""
 
@@ -249,7 +249,7 @@ class LoaderState:
         if deep is not None:
             raise ResumeError(
                 f"loader state: key {deep!r}: nested more than {MAX_DEPTH} levels deep (a saved "
-                f"state nests under 10)"
+                f"state nests up to 10 levels)"
             )
         if not isinstance(state, dict) or state.get("kind") != kind:
             raise ResumeError(f"loader state: key 'kind': not a {kind} state: {str(state)[:200]}")

@@ -611,7 +611,9 @@ def _parse(data: bytes, path: str) -> tuple[dict, dict[str, np.ndarray]]:
     meta["names"], meta["probes"] = names, probes
     meta["probe_versions"] = _probe_versions(a, version, len(names), bad)
     dims, events = meta.get("dims"), meta.get("events")
-    if not (isinstance(meta.get("common"), dict) and isinstance(events, list)):
+    common = meta.get("common")
+    config = common.get("config") if isinstance(common, dict) else None
+    if not (isinstance(config, str) and isinstance(events, list)):
         raise bad("meta common / events malformed")
     if not sidecar.dims_ok(dims):
         raise bad("meta dims is not a list of {name: size} dicts")

@@ -616,6 +616,8 @@ def transform_difference(meta: dict, source) -> str:
     """The first field of :func:`transform_fields` in which a sidecar's ``meta`` differs from
     ``source``'s."""
     then, now = meta.get("transform") or {}, transform_fields(source)
+    if not isinstance(then, dict):  # (a crafted sidecar: no field to name)
+        return f"the transform key differs (its recorded transform is a {type(then).__name__})"
     for field in sorted(set(then) | set(now)):
         if then.get(field) != now.get(field):
             return f"{field}: indexed with {then.get(field)!r}, this loader has {now.get(field)!r}"

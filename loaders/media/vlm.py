@@ -1410,7 +1410,7 @@ def image_members(raw: dict, meta: dict, key) -> list[tuple[str, Any]]:
                 actual="a video file under 'images'",
                 expected="images under json['images'], videos under json['videos']",
             )
-        missing = [n for n in declared if n not in raw]
+        missing = [n for n in declared if not isinstance(n, str) or n not in raw]
         if missing:
             raise MediaError(
                 MediaProblem.MISSING_IMAGE,
