@@ -137,50 +137,78 @@ refused before any of it is compared or printed (a hostile state nested 10^5 dee
 exhaust Python's recursion limit)."""
 
 
-_DEEP = object()
-"""What :func:`_walk` yields in place of a dict or list nested past :data:`MAX_DEPTH`."""
+_LEAVES = frozenset({int, float, str, bool, type(None)})
+"""The types of a state's values that hold nothing (JSON's)."""
+_SMALL = 16
+"""Values of a dict or list from which its numbers are checked by C loops (fewer: one by one)."""
 
 
-def _walk(value):
-    """``(parent path, key, value)`` of everything nested in ``value`` (dicts and lists), in
-    order (:func:`_path` joins the first two); iterative, so any depth is walked: a dict or list
-    past :data:`MAX_DEPTH` is yielded once as :data:`_DEEP` and the walk ends."""
-    stack = [("", None, value, 0)]
+def _scan(state) -> tuple[str | None, str | None]:
+    """``(deep, bad)`` of a state: the path of a dict or list nested in it past :data:`MAX_DEPTH`
+    (the walk stops there), and the path of a non-finite float or an int past int64 (but in
+    :data:`ANY_INT`) found in it; None for none. Iterative, a Python step per dict or list: the
+    values of one of more than :data:`_SMALL` are checked by C loops (their types; the least and
+    greatest of its ints, or each float's finiteness), one by one only when it fails them."""
+    if not isinstance(state, (dict, list)):
+        return None, None
+    bad, stack = None, [("", state, 0)]
     while stack:
-        parent, key, v, depth = stack.pop()
-        if isinstance(v, (dict, list)):
-            if depth > MAX_DEPTH:
-                yield parent, key, _DEEP
-                return
-            path = _path(parent, key)
-            items = v.items() if isinstance(v, dict) else enumerate(v)
-            stack.extend((path, k, x, depth + 1) for k, x in reversed(list(items)))
-        yield parent, key, v
+        path, v, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            return path, bad
+        if len(v) > _SMALL:
+            values = list(v.values()) if isinstance(v, dict) else v
+            kinds = set(map(type, values))
+            if bad is None and not _scalars_ok(values, kinds):
+                bad = _first_bad(path, _items(v))
+            if kinds <= _LEAVES:
+                continue
+        elif bad is None:
+            bad = _first_bad(path, _items(v))
+        for k, x in _items(v):
+            if isinstance(x, (dict, list)):
+                stack.append((_path(path, k), x, depth + 1))
+    return None, bad
+
+
+def _items(v):
+    """``(key, value)`` of each item of a dict or list."""
+    return v.items() if isinstance(v, dict) else enumerate(v)
+
+
+def _scalars_ok(values: list, kinds: set) -> bool:
+    """Every int of ``values`` (``kinds``: the types of them all) lies in int64 and every float is
+    finite, checked by C loops when they are all ints or all floats; False when both are there (then
+    each is looked at: :func:`_first_bad`)."""
+    ints = {k for k in kinds if issubclass(k, int)}
+    floats = {k for k in kinds if issubclass(k, float)}
+    if ints and floats:
+        return False
+    if ints:
+        numbers = values if kinds <= ints else [x for x in values if type(x) in ints]
+        return -INT64 <= min(numbers) and max(numbers) < INT64
+    if floats:
+        numbers = values if kinds <= floats else [x for x in values if type(x) in floats]
+        return all(map(math.isfinite, numbers))
+    return True
+
+
+def _first_bad(path: str, items) -> str | None:
+    """The path of the first non-finite float or int past int64 (but in :data:`ANY_INT`) among
+    ``items`` (``(key, value)``) of the dict or list at ``path``."""
+    for key, x in items:
+        if isinstance(x, float) and not math.isfinite(x):
+            return _path(path, key)
+        if isinstance(x, int) and not -INT64 <= x < INT64 and _path(path, key) not in ANY_INT:
+            return _path(path, key)
+    return None
 
 
 def _path(parent: str, key) -> str:
     """A state key's path (``"stream.readers[0]"``) from its parent's and its own key."""
-    if key is None:
-        return parent
     if isinstance(key, int):
         return f"{parent}[{key}]"
     return f"{parent}.{key}" if parent else str(key)
-
-
-def _too_deep(value) -> str | None:
-    """The path of a dict or list nested in ``value`` past :data:`MAX_DEPTH`, else None."""
-    return next((_path(p, k) for p, k, v in _walk(value) if v is _DEEP), None)
-
-
-def _non_finite(value) -> str | None:
-    """Path of the first non-finite float or int past int64 inside ``value`` (nested dicts /
-    lists, at most :data:`MAX_DEPTH` deep: :func:`_too_deep` first), else None."""
-    for parent, key, v in _walk(value):
-        if isinstance(v, float) and not math.isfinite(v):
-            return _path(parent, key)
-        if isinstance(v, int) and not -INT64 <= v < INT64 and _path(parent, key) not in ANY_INT:
-            return _path(parent, key)
-    return None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -245,7 +273,7 @@ class LoaderState:
                 state = json.loads(state, parse_constant=_refuse_constant)
             except (ValueError, RecursionError) as exc:
                 raise ResumeError(f"loader state: not JSON text ({exc}): {state[:80]!r}") from None
-        deep = _too_deep(state)
+        deep, bad = _scan(state)
         if deep is not None:
             raise ResumeError(
                 f"loader state: key {deep!r}: nested more than {MAX_DEPTH} levels deep (a saved "
@@ -281,8 +309,7 @@ class LoaderState:
                     f"loader state: key {key!r}: expected an object, got "
                     f"{type(state[key]).__name__}"
                 )
-        bad = _non_finite(state)  # (config, data, cursors, a mixture's entry...)
-        if bad:
+        if bad is not None:  # (config, data, cursors, a mixture's entry...: _scan)
             raise ResumeError(
                 f"loader state: key {bad!r}: a non-finite number or an int past int64"
             )

@@ -435,3 +435,45 @@ def test_shard_of_names_the_shard_a_location_lies_in(root):
     mixed = Mixture({"a": (hf, 0.5), "b": (WebDatasetSource(long), 0.5)})
     assert mixed.shard_of((0, 1, 5)) is None
     assert mixed.shard_of((1, len(loc), 0, *loc[1:])) == hf.num_shards + 0
+
+
+def _python_calls(fn) -> int:
+    """How many Python functions ``fn()`` calls (C calls not counted)."""
+    import sys
+
+    calls = [0]
+
+    def count(frame, event, arg):
+        if event == "call":
+            calls[0] += 1
+
+    sys.setprofile(count)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return calls[0]
+
+
+@pytest.mark.parametrize("kind", ["ints", "floats", "mixed"])
+def test_a_state_is_checked_at_a_python_step_per_list_not_per_value(root, kind):
+    """The depth and number checks of a state take a Python step per dict or list, and C loops over
+    their values: a state holding a list of 1,000 values and one of 100,000 cost the same count of
+    Python calls (a list of ints and floats both is looked at value by value, without a call
+    each); a bad value is still found, by its key."""
+    state, _, _ = scenario(root, "packed")
+
+    def calls(n: int, bad: bool = False) -> int:
+        values = {"ints": list(range(n)), "floats": [0.5] * n}.get(kind)
+        values = [*range(n // 2), *[0.5] * (n - n // 2)] if values is None else values
+        s = copy.deepcopy(state)
+        s["data"]["x"] = values
+        if bad:
+            values[n // 2] = 2**64 if kind == "ints" else float("nan")
+            with pytest.raises(ResumeError, match=rf"key 'data\.x\[{n // 2}\]': a non-finite"):
+                LoaderState.from_dict(s)
+            return 0
+        return _python_calls(lambda: LoaderState.from_dict(s))
+
+    assert calls(1_000) == calls(100_000)
+    calls(1_000, bad=True)
