@@ -1168,7 +1168,7 @@ class StreamingPackedLoader(LoaderCore):
                 f"loader state: key '{key}': a sample id of shard {max(shards)}; expected one of "
                 f"the {self.source.num_shards} shards"
             )
-        check_in_shards(self.source, [r[2:] for r in records], shards, key, " (its sample id's)")
+        check_in_shards(self.source, [r[2:] for r in records], shards, key, ", its sample id's")
 
     def _load_stream(self, st: LoaderState) -> None:
         """A version-5 state: same ``dp_size`` / ``num_workers``: this rank's cursors (exact);

@@ -172,12 +172,12 @@ def check_in_shards(source, locs: list, shards: list[int], key: str, where: str 
     :func:`check_own`) lies in another shard than its own of ``shards``, where ``source``'s
     locations name their shard (:meth:`~prealign.loaders.sources.source.Source.shard_of`);
     ``where``: what the expected shard is, for the message."""
-    for loc, shard in zip(locs, shards):
+    for i, (loc, shard) in enumerate(zip(locs, shards)):
         found = source.shard_of(loc)
         if found is not None and found != shard:
             raise ResumeError(
                 f"loader state: key '{key}': a location in shard {found}; expected one in shard "
-                f"{shard}{where}"
+                f"{shard}{where} (its location {i}: {list(loc)})"
             )
 
 

@@ -477,3 +477,25 @@ def test_a_state_is_checked_at_a_python_step_per_list_not_per_value(root, kind):
 
     assert calls(1_000) == calls(100_000)
     calls(1_000, bad=True)
+
+
+def test_a_buffered_sample_located_in_another_shard_than_its_id_is_refused_naming_it(root):
+    """A reader's buffered record whose location lies in another shard than its sample id names:
+    a ResumeError naming the key, both shards, and the record (its index and location)."""
+
+    def edit(s):
+        reader = s["stream"]["ranks"][0]["readers"][0]
+        cursor = unpack_cursor(reader, "reader")
+        record = cursor["buffer"][1]
+        other = ((record[0] >> 32) + 1) % 5
+        record[2] = other
+        reader.clear()
+        reader.update(pack_cursor(cursor))
+
+    state, _, _ = scenario(root, "stream-v6")
+    shard = unpack_cursor(state["stream"]["ranks"][0]["readers"][0], "r")["buffer"][1][0] >> 32
+    says = (
+        rf"key 'stream.ranks\[0\].readers\[0\]': a location in shard {(shard + 1) % 5}; expected "
+        rf"one in shard {shard}, its sample id's \(its location 1: \[{(shard + 1) % 5}, "
+    )
+    _refused(root, "stream-v6", edit, says)
