@@ -462,7 +462,10 @@ def main() -> int:
         for tag, path in versions:
             # each reads the formats it writes: --before's sidecars beside links to the same shards
             data, own = (root + "-before", merged_dir + "-before") if path else (root, merged_dir)
-            if path and not os.path.exists(os.path.join(own, "prealign-index.merged.npz")):
+            if path and not (
+                os.path.isdir(data)
+                and os.path.exists(os.path.join(own, "prealign-index.merged.npz"))
+            ):  # (a --dir of an older run may hold the merged file alone)
                 _linked(root, data)
                 _index_and_merge(data, own, path)
             mine = _shard_names(data, sizes[(count, n)][0], args.pattern) if path else names
