@@ -216,10 +216,11 @@ class HFSource(Source):
 
     Map-style: a sample's location is ``(row,)``; shards are ranges of ``rows_per_shard`` rows.
     Streaming: location ``(shard, ordinal)`` over the dataset's own shards (``num_shards``); a
-    worker reads each shard forward, keeping the last ``lookback`` raw rows, and re-opens the shard
-    only when asked for an older row. DP ranks are split by the planner, not by
-    ``split_dataset_by_node`` (see :mod:`prealign.loaders.index.build` for where the node split is
-    used).
+    worker reads each shard forward, keeping the last ``lookback`` raw rows, and opens the shard at
+    the row it is asked for (``IterableDataset.skip``: the rows before it are not made) the first
+    time and when asked for an older row; a resumed stream goes on likewise (:meth:`scan_after`).
+    DP ranks are split by the planner, not by ``split_dataset_by_node`` (see
+    :mod:`prealign.loaders.index.build` for where the node split is used).
 
     >>> import datasets
     >>> src = HFSource(datasets.Dataset.from_dict({"input_ids": [[1, 2], [3]]}))
@@ -271,12 +272,21 @@ class HFSource(Source):
         return max(1, -(-len(self.dataset) // self.rows_per_shard))
 
     def scan(self, shard: int):
+        return self._scan(shard, 0)
+
+    def scan_after(self, shard: int, ordinal: int, location: Location):
+        """:meth:`scan` from its record ``ordinal + 1`` on (a record a row), none before it read:
+        a map-style dataset's rows by index; a streaming one's shard through
+        ``IterableDataset.skip`` (its Arrow batches dropped whole: no row made of them)."""
+        return self._scan(shard, ordinal + 1)
+
+    def _scan(self, shard: int, start: int):
         if self.streaming:
-            for j, row in enumerate(self._shard(shard)):
+            for j, row in enumerate(self._shard(shard, start), start):
                 yield (shard, j), self._media((shard, j), row)
             return
         lo = shard * self.rows_per_shard
-        for row in range(lo, min(lo + self.rows_per_shard, len(self.dataset))):
+        for row in range(lo + start, min(lo + self.rows_per_shard, len(self.dataset))):
             yield (row,), self._media((row,), self.dataset[row])
 
     def _media(self, location: Location, row):
@@ -289,10 +299,13 @@ class HFSource(Source):
         except BadSampleError as exc:
             return exc
 
-    def _shard(self, shard: int):
-        """Rows of one streaming shard. ``IterableDataset.iter`` (unlike ``__iter__``) does not
+    def _shard(self, shard: int, start: int = 0):
+        """Rows of one streaming shard from its row ``start`` on (``IterableDataset.skip``: the
+        rows before it are not made). ``IterableDataset.iter`` (unlike ``__iter__``) does not
         split shards by DataLoader worker, so any worker can read any shard."""
         part = self.dataset.shard(num_shards=self.dataset.num_shards, index=shard, contiguous=True)
+        if start:
+            part = part.skip(start)
         for batch in part.iter(batch_size=256):
             n = len(next(iter(batch.values()))) if batch else 0
             for j in range(n):
@@ -313,8 +326,8 @@ class HFSource(Source):
         shard, j = int(location[0]), int(location[1])
         cursors = self._local()
         cur = cursors.get(shard)
-        if cur is None or (j < cur[1] and j not in cur[2]):
-            cur = cursors[shard] = [self._shard(shard), 0, OrderedDict()]
+        if cur is None or (j < cur[1] and j not in cur[2]):  # (opened at row j: none before made)
+            cur = cursors[shard] = [self._shard(shard, j), j, OrderedDict()]
         it, nxt, recent = cur
         while j >= nxt:
             try:
