@@ -414,9 +414,9 @@ def _ids_tensor(row: dict) -> dict:
 
 
 def test_cursor_resume_of_a_hugging_face_stream():
-    """An ``HFSource`` over a ``datasets.IterableDataset`` (no byte offsets: the default
-    ``scan_after`` reads the shard's rows again and drops those before the cursor; the buffered
-    rows come back by the source's forward read): the batches are the uninterrupted run's."""
+    """An ``HFSource`` over a ``datasets.IterableDataset`` (no byte offsets: ``scan_after`` goes on
+    at the row after the cursor's through ``IterableDataset.skip``; the buffered rows come back by
+    the source's forward read): the batches are the uninterrupted run's."""
     import datasets
 
     from prealign.loaders import HFSource
