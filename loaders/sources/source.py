@@ -337,7 +337,7 @@ class HFSource(Source):
                     sample=self.where(location),
                     field=None,
                     expected="the row the index recorded",
-                    actual=f"shard {shard} ends after {nxt} rows",
+                    actual=f"shard {shard} ends before its row {nxt}",
                 ) from None
             nxt += 1
             if len(recent) > self.lookback:

@@ -99,3 +99,16 @@ def test_a_resumed_hf_stream_drops_exactly_the_rows_it_served(parquet_stream):
     src = HFSource(parquet_stream)
     assert list(src.scan_after(0, 999, (0, 999))) == []
     assert list(islice(src.scan_after(0, 998, (0, 998)), 5))[0][0] == (0, 999)
+
+
+def test_a_row_past_a_streaming_shard_is_a_bad_sample_naming_where_it_ends(parquet_stream):
+    """A location past its shard's rows (an index of other data): a BadSampleError naming the
+    shard and a row it has not (the one asked for, or the first missing going forward)."""
+    from prealign.schemas.errors import BadSampleError
+
+    src = HFSource(parquet_stream)
+    with pytest.raises(BadSampleError, match="shard 1 ends before its row 5000"):
+        src.read((1, 5000))
+    src.read((2, 998))
+    with pytest.raises(BadSampleError, match="shard 2 ends before its row 1000"):
+        src.read((2, 1001))
