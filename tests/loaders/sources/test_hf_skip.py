@@ -104,7 +104,7 @@ def test_a_resumed_hf_stream_drops_exactly_the_rows_it_served(parquet_stream):
 def test_a_row_past_a_streaming_shard_is_a_bad_sample_naming_where_it_ends(parquet_stream):
     """A location past its shard's rows (an index of other data): a BadSampleError naming the
     shard and a row it has not (the one asked for, or the first missing going forward)."""
-    from prealign.schemas.errors import BadSampleError
+    from prealign.loaders.errors import BadSampleError
 
     src = HFSource(parquet_stream)
     with pytest.raises(BadSampleError, match="shard 1 ends before its row 5000"):
