@@ -14,6 +14,7 @@ loaded for a batch, so it must be deterministic.
 from __future__ import annotations
 
 import abc
+import itertools
 import os
 from collections import OrderedDict
 from typing import Callable, Iterator
@@ -304,12 +305,16 @@ class HFSource(Source):
         rows before it are not made). ``IterableDataset.iter`` (unlike ``__iter__``) does not
         split shards by DataLoader worker, so any worker can read any shard."""
         part = self.dataset.shard(num_shards=self.dataset.num_shards, index=shard, contiguous=True)
-        if start:
+        # (a node split (``split_dataset_by_node``) skips rows before its split: they are dropped)
+        drop = start if getattr(self.dataset, "_distributed", None) is not None else 0
+        if start and not drop:
             part = part.skip(start)
-        for batch in part.iter(batch_size=256):
-            n = len(next(iter(batch.values()))) if batch else 0
-            for j in range(n):
-                yield {k: v[j] for k, v in batch.items()}
+        rows = (
+            {k: v[j] for k, v in batch.items()}
+            for batch in part.iter(batch_size=256)
+            for j in range(len(next(iter(batch.values()))) if batch else 0)
+        )
+        yield from itertools.islice(rows, drop, None)
 
     def read(self, location: Location) -> dict:
         row = self._read_row(location)
