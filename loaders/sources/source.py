@@ -218,8 +218,9 @@ class HFSource(Source):
     Map-style: a sample's location is ``(row,)``; shards are ranges of ``rows_per_shard`` rows.
     Streaming: location ``(shard, ordinal)`` over the dataset's own shards (``num_shards``); a
     worker reads each shard forward, keeping the last ``lookback`` raw rows, and opens the shard at
-    the row it is asked for (``IterableDataset.skip``: the rows before it are not made) the first
-    time and when asked for an older row; a resumed stream goes on likewise (:meth:`scan_after`).
+    the row it is asked for (``IterableDataset.skip``: the rows before it are not made; a node
+    split's, ``split_dataset_by_node``, dropped) the first time and when asked for an older row; a
+    resumed stream goes on likewise (:meth:`scan_after`).
     DP ranks are split by the planner, not by ``split_dataset_by_node`` (see
     :mod:`prealign.loaders.index.build` for where the node split is used).
 
