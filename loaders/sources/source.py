@@ -339,6 +339,7 @@ class HFSource(Source):
             try:
                 recent[nxt] = next(it)
             except StopIteration:
+                cur[1] = nxt  # (the rows read on the way are kept)
                 raise BadSampleError(
                     sample=self.where(location),
                     field=None,
