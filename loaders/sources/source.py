@@ -14,6 +14,7 @@ loaded for a batch, so it must be deterministic.
 from __future__ import annotations
 
 import abc
+import itertools
 import os
 from collections import OrderedDict
 from typing import Callable, Iterator
@@ -217,8 +218,9 @@ class HFSource(Source):
     Map-style: a sample's location is ``(row,)``; shards are ranges of ``rows_per_shard`` rows.
     Streaming: location ``(shard, ordinal)`` over the dataset's own shards (``num_shards``); a
     worker reads each shard forward, keeping the last ``lookback`` raw rows, and opens the shard at
-    the row it is asked for (``IterableDataset.skip``: the rows before it are not made) the first
-    time and when asked for an older row; a resumed stream goes on likewise (:meth:`scan_after`).
+    the row it is asked for (``IterableDataset.skip``: the rows before it are not made; a node
+    split's, ``split_dataset_by_node``, dropped) the first time and when asked for an older row; a
+    resumed stream goes on likewise (:meth:`scan_after`).
     DP ranks are split by the planner, not by ``split_dataset_by_node`` (see
     :mod:`prealign.loaders.index.build` for where the node split is used).
 
@@ -304,12 +306,16 @@ class HFSource(Source):
         rows before it are not made). ``IterableDataset.iter`` (unlike ``__iter__``) does not
         split shards by DataLoader worker, so any worker can read any shard."""
         part = self.dataset.shard(num_shards=self.dataset.num_shards, index=shard, contiguous=True)
-        if start:
+        # (a node split (``split_dataset_by_node``) skips rows before its split: they are dropped)
+        drop = start if getattr(self.dataset, "_distributed", None) is not None else 0
+        if start and not drop:
             part = part.skip(start)
-        for batch in part.iter(batch_size=256):
-            n = len(next(iter(batch.values()))) if batch else 0
-            for j in range(n):
-                yield {k: v[j] for k, v in batch.items()}
+        rows = (
+            {k: v[j] for k, v in batch.items()}
+            for batch in part.iter(batch_size=256)
+            for j in range(len(next(iter(batch.values()))) if batch else 0)
+        )
+        yield from itertools.islice(rows, drop, None)
 
     def read(self, location: Location) -> dict:
         row = self._read_row(location)
@@ -333,6 +339,7 @@ class HFSource(Source):
             try:
                 recent[nxt] = next(it)
             except StopIteration:
+                cur[1] = nxt  # (the rows read on the way are kept)
                 raise BadSampleError(
                     sample=self.where(location),
                     field=None,
