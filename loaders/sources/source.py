@@ -217,10 +217,10 @@ class HFSource(Source):
 
     Map-style: a sample's location is ``(row,)``; shards are ranges of ``rows_per_shard`` rows.
     Streaming: location ``(shard, ordinal)`` over the dataset's own shards (``num_shards``); a
-    worker reads each shard forward, keeping the last ``lookback`` raw rows, and opens the shard at
-    the row it is asked for (``IterableDataset.skip``: the rows before it are not made; a node
-    split's, ``split_dataset_by_node``, dropped) the first time and when asked for an older row; a
-    resumed stream goes on likewise (:meth:`scan_after`).
+    worker reads each shard forward, keeping the last ``lookback`` raw rows, and opens the shard
+    ``lookback`` rows before the row it is asked for (``IterableDataset.skip``: the rows before are
+    not made; a node split's, ``split_dataset_by_node``, dropped) the first time and when asked for
+    an older row than it keeps; a resumed stream goes on at its row (:meth:`scan_after`).
     DP ranks are split by the planner, not by ``split_dataset_by_node`` (see
     :mod:`prealign.loaders.index.build` for where the node split is used).
 
@@ -332,8 +332,10 @@ class HFSource(Source):
         shard, j = int(location[0]), int(location[1])
         cursors = self._local()
         cur = cursors.get(shard)
-        if cur is None or (j < cur[1] and j not in cur[2]):  # (opened at row j: none before made)
-            cur = cursors[shard] = [self._shard(shard, j), j, OrderedDict()]
+        if cur is None or (j < cur[1] and j not in cur[2]):
+            # (opened ``lookback`` rows before j: rows read in a shuffled order near j are kept)
+            start = max(0, j - self.lookback)
+            cur = cursors[shard] = [self._shard(shard, start), start, OrderedDict()]
         it, nxt, recent = cur
         while j >= nxt:
             try:

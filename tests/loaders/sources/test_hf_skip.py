@@ -83,14 +83,16 @@ def test_a_parquet_stream_resumed_in_a_shard_makes_no_row_before_it(parquet_stre
 def test_a_row_of_a_streaming_shard_not_open_is_read_without_the_rows_before(
     parquet_stream, monkeypatch
 ):
-    """``read`` of row 900 of a shard this process has not opened makes that row alone; a later
-    row goes on forward; an older one than those kept opens the shard at it."""
+    """``read`` of row 900 of a shard this process has not opened makes that row and the
+    ``lookback`` rows before it (kept: a shuffled read near it opens nothing again), none before
+    them; a later row goes on forward; an older one than those kept opens the shard again."""
     src = HFSource(parquet_stream, lookback=4)
     made = _counted(src, monkeypatch)
-    assert src.read((2, 900))["k"] == 2900 and made[0] == 1
-    assert src.read((2, 903))["k"] == 2903 and made[0] == 4
-    assert src.read((2, 901))["k"] == 2901 and made[0] == 4  # (kept: the last 4 rows)
-    assert src.read((2, 10))["k"] == 2010 and made[0] == 5
+    assert src.read((2, 900))["k"] == 2900 and made[0] == 5
+    assert src.read((2, 897))["k"] == 2897 and made[0] == 5  # (kept: the last 4 rows)
+    assert src.read((2, 903))["k"] == 2903 and made[0] == 8
+    assert src.read((2, 901))["k"] == 2901 and made[0] == 8
+    assert src.read((2, 10))["k"] == 2010 and made[0] == 8 + 5
     assert [src.read((0, j))["k"] for j in (5, 3, 999)] == [5, 3, 999]
 
 
@@ -103,11 +105,11 @@ def test_a_resumed_hf_stream_drops_exactly_the_rows_it_served(parquet_stream):
 
 def test_a_row_past_a_streaming_shard_is_a_bad_sample_naming_where_it_ends(parquet_stream):
     """A location past its shard's rows (an index of other data): a BadSampleError naming the
-    shard and a row it has not (the one asked for, or the first missing going forward)."""
+    shard and a row it has not (the first missing going forward from where it opened)."""
     from prealign.loaders.errors import BadSampleError
 
     src = HFSource(parquet_stream)
-    with pytest.raises(BadSampleError, match="shard 1 ends before its row 5000"):
+    with pytest.raises(BadSampleError, match="shard 1 ends before its row 1000"):
         src.read((1, 5000))
     src.read((2, 998))
     with pytest.raises(BadSampleError, match="shard 2 ends before its row 1000"):
