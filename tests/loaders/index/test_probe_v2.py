@@ -65,9 +65,12 @@ def test_every_way_of_reading_a_shard_gives_the_probe_of_its_definition(server, 
             f.write(data)
         local = WebDatasetSource([path])
         far = WebDatasetSource([f"{base}/{name}"], remote=RemoteOptions(cache_dir=cache))
-        assert definition(data, 1) == hashlib.blake2b(
-            data[:PROBE] + data[max(size - PROBE, 0) :], digest_size=8
-        ).hexdigest()  # (version 1: today's formula, the spans as read)
+        assert (
+            definition(data, 1)
+            == hashlib.blake2b(
+                data[:PROBE] + data[max(size - PROBE, 0) :], digest_size=8
+            ).hexdigest()
+        )  # (version 1: today's formula, the spans as read)
         if size <= 2 * PROBE:
             assert definition(data, 2) == hashlib.blake2b(data, digest_size=8).hexdigest()
         if size >= 2 * PROBE or size == 0:
