@@ -98,8 +98,8 @@ class Source(abc.ABC):
 
     def shard_of(self, location) -> int | None:
         """The shard a location of this source (checked: :meth:`check_locations`) lies in, when
-        its locations name their shard; None when they do not (the default: an HF dataset's
-        rows)."""
+        its locations name their shard; None when they do not (the default: a source's own
+        locations may mean anything)."""
         return None
 
     def _check_range(self, locations, width: int, limits: dict[int, int]) -> None:
@@ -353,6 +353,13 @@ class HFSource(Source):
                 recent.popitem(last=False)
         cur[1] = nxt
         return recent[j]
+
+    def shard_of(self, location) -> int:
+        """A streaming location ``(shard, row)`` names its shard; a map-style ``(row,)`` lies in
+        the shard of ``rows_per_shard`` rows that holds it."""
+        if self.streaming:
+            return int(location[0])
+        return int(location[0]) // self.rows_per_shard
 
     def check_locations(self, locations) -> None:
         if self.streaming:  # (shard, row in it): a row from 0 on

@@ -21,6 +21,7 @@ from prealign.loaders import HFSource, Mixture, PackedLoader, WebDatasetSource
 from prealign.loaders.errors import ResumeError
 from prealign.loaders.index.build import build_index
 from prealign.loaders.plan.planner import PlannerConfig
+from prealign.loaders.sources.source import Source
 from prealign.loaders.state import MAX_DEPTH, LoaderState, pack_cursor, unpack_cursor
 from prealign.loaders.streaming import merge_rank_states
 from prealign.schemas import ParallelLayout, causal_lm_schema
@@ -422,19 +423,26 @@ def test_the_nesting_bound_is_exact(root, kind):
 
 def test_shard_of_names_the_shard_a_location_lies_in(root):
     """The one place a cursor's location is told its shard: a webdataset location names its shard
-    first; an HF dataset's row names none; a mixture's is its component's shard after the shards of
-    the components before it (3 + 1 here), a component of rows none."""
+    first; an HF dataset's row lies in the shard of ``rows_per_shard`` rows holding it; a
+    mixture's is its component's shard after the shards of the components before it (3 + 1 here);
+    a source whose locations name no shard: None."""
     short, long = _paths(root)
     web = WebDatasetSource(short)
     loc = build_index(web, causal_lm_schema()).locations[-1].tolist()
     assert web.shard_of(loc) == loc[0] == 2
-    hf = _hf_sources()[0]
-    assert hf.shard_of((5,)) is None
+    hf = HFSource(_hf_sources()[0].dataset, rows_per_shard=20)
+    assert [hf.shard_of((row,)) for row in (0, 19, 20, 79)] == [0, 0, 1, 3]
     mix = Mixture({"a": (WebDatasetSource(short), 0.5), "b": (WebDatasetSource(long), 0.5)})
     assert mix.shard_of((1, len(loc), 1, *loc[1:])) == 3 + 1
     mixed = Mixture({"a": (hf, 0.5), "b": (WebDatasetSource(long), 0.5)})
-    assert mixed.shard_of((0, 1, 5)) is None
+    assert mixed.shard_of((0, 1, 45)) == 2
     assert mixed.shard_of((1, len(loc), 0, *loc[1:])) == hf.num_shards + 0
+
+    class Rows(HFSource):  # (a source whose locations do not name their shard)
+        def shard_of(self, location):
+            return Source.shard_of(self, location)
+
+    assert Mixture({"a": (Rows(hf.dataset), 0.5), "b": (hf, 0.5)}).shard_of((0, 1, 45)) is None
 
 
 def _python_calls(fn) -> int:

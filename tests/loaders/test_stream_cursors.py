@@ -428,3 +428,35 @@ def test_cursor_resume_of_a_hugging_face_stream():
         state, rest = _resumed(ds, stop, source=lambda d: HFSource(d, transform=_ids_tensor))
         assert "cursors" in state
         _same(rest, full[stop:])
+
+
+@pytest.mark.parametrize("streaming", [True, False])
+def test_a_hugging_face_cursor_located_in_another_shard_is_refused(streaming):
+    """A reader's position whose location (a streaming ``(shard, row)``, a map-style ``(row,)``)
+    lies in another shard than the one its position names: a ResumeError naming the key and both
+    shards (``HFSource.shard_of``), never a resume from the other shard's rows."""
+    import datasets
+
+    from prealign.loaders import HFSource
+    from prealign.loaders.errors import ResumeError
+    from tests.loader_helpers import hf_rows
+
+    ds = datasets.Dataset.from_dict(hf_rows(sample_lengths(160)))
+    data = ds.to_iterable_dataset(num_shards=4) if streaming else ds
+
+    def source(d):
+        return HFSource(d, transform=_ids_tensor, rows_per_shard=40)
+
+    a = _make(data, source=source)
+    it = iter(a)
+    list(islice(it, 2))
+    state = json.loads(json.dumps(a.state_dict(cursors=True)))
+    it.close()
+    reader = state["cursors"]["readers"][0]
+    shard = reader["at"][2][0] if streaming else reader["at"][2][0] // 40
+    other = (shard + 1) % 4
+    reader["at"][2] = [other, reader["at"][2][1]] if streaming else [other * 40]
+    b = _make(data, source=source)
+    with pytest.raises(ResumeError, match=rf"readers\[0\].at': a location in shard {other}; "):
+        b.load_state_dict(state)
+        list(b)
