@@ -1257,14 +1257,13 @@ class StreamingPackedLoader(LoaderCore):
                 total=shape[0] * old_workers,
             )
             cursors += readers
-        order = np.random.default_rng([self.seed, st.epoch]).permutation(self.source.num_shards)
+        whole = self._epoch_parts(st.epoch, None)  # (the skip is folded in, not applied)
         try:
             records = records_of(self.source)
             if isinstance(self.source, Mixture):  # each component's stream folded on its own
-                parts = self.source.shards_by_component(order.tolist())
-                folded = fold_parts(skip, parts, cursors, records)
+                folded = fold_parts(skip, whole, cursors, records)
             else:
-                folded = fold(skip, order.tolist(), cursors, records)
+                folded = fold(skip, whole[0], cursors, records)
             folded = Skip.from_dict(folded.to_dict(), self.source.num_shards)  # (its bounds)
             folded.check_locations(self.source)
         except (KeyError, TypeError, ValueError, IndexError, OverflowError) as exc:

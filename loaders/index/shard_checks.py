@@ -11,7 +11,6 @@ Never bad data: raised under every bad-data policy.
 
 from __future__ import annotations
 
-import hashlib
 import os
 
 import numpy as np
@@ -189,15 +188,10 @@ def _probe_of_file(
     if size <= 2 * PROBE:
         data = os.pread(fd, size, 0) if whole is None else whole
         first, last = data[:PROBE], data[max(size - PROBE, 0) :]  # (up to PROBE bytes: no copy)
-        if version >= 2:  # (each byte once: the bytes read, as one)
-            probe = hashlib.blake2b(data, digest_size=8).hexdigest()
-        else:
-            probe = probe_digest(first, last, size, version)
         whole = data if len(data) == size else None  # (changed under the fstat: the probe says so)
     else:
         first, last = os.pread(fd, PROBE, 0), os.pread(fd, PROBE, size - PROBE)
-        probe = probe_digest(first, last, size, version)
-    return probe, first, last, whole
+    return probe_digest(first, last, size, version), first, last, whole
 
 
 def check_all_shards(source, shards=None) -> int:
