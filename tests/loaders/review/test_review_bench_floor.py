@@ -6,6 +6,8 @@ extra field."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import zipfile
 import zlib
 
@@ -28,3 +30,39 @@ def test_the_floor_hashes_each_entry_s_stored_bytes(tmp_path):
             recorded += [info.CRC for info in z.infolist()]
     assert found["result"]["entries"] == len(recorded) == 12
     assert [zlib.crc32(e) for e in found["entries"]] == recorded
+
+
+_START_EPOCH = """
+import sys
+from prealign.loaders import PackedLoader, WebDatasetSource
+from prealign.schemas import ParallelLayout, causal_lm_schema
+loader = PackedLoader(WebDatasetSource({paths!r}), schema=causal_lm_schema(),
+                      layout=ParallelLayout(tp=2, cp=2), token_budget=512, seed=1)
+print(sum(1 for _ in loader))
+"""
+
+
+def _start(prelude: str, paths: list[str]) -> subprocess.CompletedProcess:
+    code = prelude + _START_EPOCH.format(paths=paths)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+
+
+def test_the_counterfactual_start_skips_exactly_the_sidecar_crc32_and_the_probe(tmp_path):
+    """``--floor``'s "crc32 and probes unchecked" start switches off those two checks and nothing
+    else: a sidecar whose recorded probe was edited in place (its meta entry's crc32 now wrong, the
+    shard's probe no longer its own) is a StaleIndexError in a real start and reads in the
+    counterfactual one (so a renamed check would not leave the benchmark measuring the checks it
+    says it skips)."""
+    paths = write_shards(str(tmp_path), sample_lengths(40, seed=5), num_shards=4)
+    write_sidecars(WebDatasetSource(paths), causal_lm_schema())
+    side = paths[2] + ".prealign-index.npz"
+    data = bytearray(open(side, "rb").read())
+    at = data.index(b'"probe": "') + len(b'"probe": "')
+    data[at : at + 16] = b"0123456789abcdef" if data[at : at + 1] != b"0" else b"fedcba9876543210"
+    with open(side, "wb") as f:
+        f.write(bytes(data))
+    real = _start("", paths)
+    assert real.returncode != 0 and "StaleIndexError" in real.stderr, real.stderr[-2000:]
+    unchecked = _start(load("bench_scale")._UNCHECKED, paths)
+    assert unchecked.returncode == 0, unchecked.stderr[-2000:]
+    assert int(unchecked.stdout.split()[-1]) > 0
