@@ -6,6 +6,7 @@ it builds the same batches (:func:`prealign.schemas.check_startup`).
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import hashlib
 import json
@@ -178,6 +179,17 @@ class FieldSpec:
 
     @classmethod
     def from_dict(cls, d: dict) -> "FieldSpec":
+        """The inverse of :meth:`to_dict`; a non-dict or an unknown key is a
+        :class:`SchemaError`."""
+        if not isinstance(d, dict):
+            raise SchemaError(f"field: expected a dict of FieldSpec keys, got {type(d).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(map(repr, set(d) - known))
+        if unknown:
+            raise SchemaError(
+                f"field {d.get('name')!r}: unknown key(s) {', '.join(unknown)}; expected some of "
+                f"{sorted(known)}"
+            )
         d = dict(d)
         for k in ("dtypes", "dense_shape", "leading_shape", "sample_keys"):
             d[k] = tuple(d.get(k, ()))
@@ -248,21 +260,27 @@ class BatchSchema:
     def from_json(cls, text: str) -> "BatchSchema":
         """The inverse of :meth:`to_json`; anything else is a :class:`SchemaError` naming what is
         wrong."""
+        expected = "{'name', 'ignore_index', 'fields': [field dicts]}"
         try:
             d = json.loads(text)
+        except (ValueError, RecursionError) as exc:  # also too deep, an int too long, not UTF-8
+            raise SchemaError(f"schema JSON: not JSON ({type(exc).__name__}: {exc})") from None
+        except TypeError:
+            d = text  # not text at all: named below
+        if not isinstance(d, dict) or not isinstance(d.get("fields", []), list):
+            got = type(d.get("fields") if isinstance(d, dict) else d).__name__
+            raise SchemaError(f"schema JSON: expected {expected}, got {got}")
+        try:
             return cls(
                 name=d["name"],
                 ignore_index=d["ignore_index"],
                 fields=tuple(FieldSpec.from_dict(f) for f in d["fields"]),
             )
-        except json.JSONDecodeError as exc:
-            raise SchemaError(f"schema JSON: not JSON ({exc})") from None
         except KeyError as exc:
             raise SchemaError(f"schema JSON: missing key {exc}") from None
         except (TypeError, AttributeError) as exc:
             raise SchemaError(
-                f"schema JSON: expected {{'name', 'ignore_index', 'fields': [field dicts]}}, "
-                f"got {type(exc).__name__}: {exc}"
+                f"schema JSON: expected {expected}, got {type(exc).__name__}: {exc}"
             ) from None
 
     def fingerprint(self) -> str:
