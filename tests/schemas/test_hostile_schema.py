@@ -42,3 +42,65 @@ def test_from_json_with_fields_not_dicts_is_a_schema_error(fields):
 def test_field_spec_from_dict_of_a_non_dict_is_a_schema_error(d):
     with pytest.raises(SchemaError, match="field"):
         FieldSpec.from_dict(d)
+
+
+_INT64_OVER = 2**63
+
+
+@pytest.mark.parametrize(
+    "key, value, match",
+    [
+        ("pad_value", "x", "pad_value: expected a bool, int or float"),
+        ("pad_value", [0], "pad_value: expected a bool, int or float"),
+        ("pad_value", _INT64_OVER, "pad_value: expected .* int64"),
+        ("min_value", "x", "min_value: expected None, an int or a float"),
+        ("max_value", float("nan"), "max_value: expected None, an int or a float"),
+        ("required", "false", "required: expected a bool"),
+        ("cp_sharded", "no", "cp_sharded: expected a bool"),
+        ("finite", 1, "finite: expected a bool"),
+        ("sample_keys", "input_ids", "sample_keys must be a tuple of sample keys"),
+        ("sample_keys", [1], "sample_keys: expected non-empty str keys"),
+        ("dense_shape", "KL", "dense_shape must be a tuple of dims"),
+        ("leading_shape", "3", "leading_shape must be a tuple of dims"),
+    ],
+)
+def test_field_values_of_the_wrong_kind_are_schema_errors(key, value, match):
+    """Each was accepted (a str flag read as True, a str iterated into one key per character) or
+    failed later inside torch (``full()`` of a str, an int past int64) at the first batch."""
+    with pytest.raises(SchemaError, match=f"field 'input_ids': {match}"):
+        FieldSpec(name="input_ids", **{key: value})
+
+
+def test_an_empty_value_interval_is_a_schema_error():
+    """min_value > max_value rejected every sample as bad data (a skip policy dropped them all)."""
+    with pytest.raises(SchemaError, match=r"min_value 5 > max_value 1"):
+        FieldSpec(name="input_ids", min_value=5, max_value=1)
+
+
+@pytest.mark.parametrize(
+    "value", ["x", 1.5, True, None, _INT64_OVER, -_INT64_OVER - 1], ids=repr
+)
+def test_ignore_index_must_be_an_int64(value):
+    with pytest.raises(SchemaError, match="ignore_index: expected an int in int64"):
+        BatchSchema.from_json(_schema_json(ignore_index=value))
+
+
+def test_schema_name_must_be_a_str():
+    with pytest.raises(SchemaError, match="schema name: expected a str, got 5"):
+        BatchSchema.from_json(_schema_json(name=5))
+
+
+def test_valid_values_keep_working():
+    spec = FieldSpec(
+        name="input_ids",
+        pad_value=True,
+        min_value=0,
+        max_value=2.5,
+        sample_keys=["input_ids", "ids"],
+        dense_shape=["K"],
+        required=False,
+        finite=True,
+    )
+    assert spec.sample_keys == ("input_ids", "ids") and spec.dense_shape == ("K",)
+    schema = BatchSchema(name="s", fields=(spec,), ignore_index=-(2**63))
+    assert BatchSchema.from_json(schema.to_json()) == schema
