@@ -338,6 +338,15 @@ class BatchSchema:
 
 # ---- built-in schemas
 # -----------------------------------------------------------------------------
+def _largest_id(vocab_size: int | None) -> int | None:
+    """The largest token id of a vocabulary of ``vocab_size`` ids (None: unbounded)."""
+    if vocab_size is None:
+        return None
+    if isinstance(vocab_size, bool) or not _int64(vocab_size) or vocab_size < 1:
+        raise SchemaError(f"vocab_size: expected a positive int or None, got {vocab_size!r}")
+    return vocab_size - 1
+
+
 def core_token_fields(
     pad_token_id: int, ignore_index: int, vocab_size: int | None = None
 ) -> tuple[FieldSpec, ...]:
@@ -348,7 +357,7 @@ def core_token_fields(
             name="input_ids",
             pad_value=pad_token_id,
             min_value=0,
-            max_value=None if vocab_size is None else vocab_size - 1,
+            max_value=_largest_id(vocab_size),
         ),
         FieldSpec(
             name="labels",
@@ -402,7 +411,7 @@ def topk_fields(topk: int | str = "K", vocab_size: int | None = None) -> tuple[F
             dense_shape=(topk,),
             pad_value=0,
             min_value=0,
-            max_value=None if vocab_size is None else vocab_size - 1,
+            max_value=_largest_id(vocab_size),
         ),
     )
 

@@ -104,3 +104,11 @@ def test_valid_values_keep_working():
     assert spec.sample_keys == ("input_ids", "ids") and spec.dense_shape == ("K",)
     schema = BatchSchema(name="s", fields=(spec,), ignore_index=-(2**63))
     assert BatchSchema.from_json(schema.to_json()) == schema
+
+
+@pytest.mark.parametrize("vocab_size", [0, -5, "x", 1.5, True], ids=repr)
+def test_vocab_size_must_be_a_positive_int(vocab_size):
+    """A str was a TypeError, 1.5 bounded ids to 0.5 and True to 0, 0 named a min/max clash."""
+    with pytest.raises(SchemaError, match="vocab_size: expected a positive int or None, got"):
+        causal_lm_schema(vocab_size=vocab_size, topk=4)
+    assert causal_lm_schema(vocab_size=1)["input_ids"].max_value == 0
