@@ -1,0 +1,45 @@
+"""Hostile mixture files: a ConfigError naming the file, the component and the key, never a
+RecursionError or a TypeError, and never a component silently replaced by a second of its name."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from prealign.loaders.mixture import Mixture
+from prealign.schemas.errors import ConfigError
+
+
+def _file(tmp_path, text: str) -> str:
+    path = tmp_path / "mixture.json"
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.mark.parametrize("text", ["[" * 100_000, '{"components": ' * 100_000], ids=["array", "obj"])
+def test_nesting_past_the_recursion_limit_is_a_config_error(tmp_path, text):
+    with pytest.raises(ConfigError, match="mixture file .*: not JSON .*RecursionError"):
+        Mixture.from_file(_file(tmp_path, text))
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [("path", 5), ("path", ["a.tar", 5]), ("hf", 5), ("hf", None), ("split", 0)],
+    ids=repr,
+)
+def test_a_component_key_not_a_str_is_a_config_error(tmp_path, key, value):
+    entry = {"path": "x.tar", key: value} if key == "split" else {key: value}
+    text = json.dumps({"components": {"web": {**entry, "weight": 1}}})
+    with pytest.raises(ConfigError, match=f"component 'web': key {key}: expected a str, got"):
+        Mixture.from_file(_file(tmp_path, text))
+
+
+def test_a_duplicate_component_name_is_a_config_error(tmp_path):
+    """JSON keeps the last of two equal keys: the first component was silently dropped."""
+    text = (
+        '{"components": {"web": {"path": "a.tar", "weight": 1}, '
+        '"web": {"path": "b.tar", "weight": 2}}}'
+    )
+    with pytest.raises(ConfigError, match="duplicate key 'web'"):
+        Mixture.from_file(_file(tmp_path, text))
