@@ -105,8 +105,19 @@ def _vlm_transform(name: str, folder: str, tokenizer):
     ):
         path = os.path.join(folder, file)
         if os.path.isfile(path):
-            with open(path, encoding="utf-8") as f:
-                extra[key] = json.load(f)
+            try:
+                with open(path, encoding="utf-8") as f:
+                    extra[key] = json.load(f)
+            except (OSError, ValueError, RecursionError) as exc:
+                raise ConfigError(
+                    f"mixture file: component {name!r}: {path}: not readable JSON "
+                    f"({type(exc).__name__})"
+                ) from None
+            if not isinstance(extra[key], dict):
+                raise ConfigError(
+                    f"mixture file: component {name!r}: {path}: expected a JSON object, got "
+                    f"{type(extra[key]).__name__}"
+                )
     if (
         "processor_options" in extra
     ):  # the image processor's own keys (as `prealign index --processor`)

@@ -43,3 +43,22 @@ def test_a_duplicate_component_name_is_a_config_error(tmp_path):
     )
     with pytest.raises(ConfigError, match="duplicate key 'web'"):
         Mixture.from_file(_file(tmp_path, text))
+
+
+@pytest.mark.parametrize(
+    "text, words",
+    [("[" * 100_000, "RecursionError"), ("[1, 2]", "expected a JSON object, got list")],
+    ids=["deep", "list"],
+)
+def test_a_hostile_preprocessor_config_of_a_model_folder_is_a_config_error(tmp_path, text, words):
+    """A component's model folder whose preprocessor_config.json is nested past the recursion limit
+    (a RecursionError) or is not an object (an AttributeError on ``.items()``)."""
+    transformers = pytest.importorskip("transformers")
+    from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
+
+    folder = tmp_path / "model"
+    transformers.Qwen2VLConfig().save_pretrained(str(folder))
+    (folder / "preprocessor_config.json").write_text(text)
+    mix = json.dumps({"components": {"v": {"path": "x.tar", "transform": "model", "weight": 1}}})
+    with pytest.raises(ConfigError, match=f"preprocessor_config.json.*{words}"):
+        Mixture.from_file(_file(tmp_path, mix), tokenizer=ByteTokenizer())
