@@ -106,23 +106,6 @@ def token_fields(
     return out
 
 
-def check_schema_layout(schema, layout) -> None:
-    """A collator's ``schema`` is a :class:`BatchSchema` and ``layout`` a ``ParallelLayout``, or an
-    :class:`ArgumentError` naming the one that is not (a dict read from a config, None)."""
-    from prealign.schemas.layout import ParallelLayout
-
-    if not isinstance(schema, BatchSchema):
-        raise ArgumentError(
-            f"schema: expected a BatchSchema (BatchSchema.from_json for its JSON), got "
-            f"{type(schema).__name__}"
-        )
-    if not isinstance(layout, ParallelLayout):
-        raise ArgumentError(
-            f"layout: expected a ParallelLayout (ParallelLayout.from_dict for a dict), got "
-            f"{type(layout).__name__}"
-        )
-
-
 def check_cp_rank(cp_rank, layout) -> int | None:
     """A collator's ``cp_rank`` as a plain int: None (the whole batch) or a rank of the layout's CP
     group. Any integer type is accepted (``np.int64(1)``); a bool, a float or a str is not a rank.

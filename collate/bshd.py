@@ -17,8 +17,9 @@ import torch
 from prealign.schemas.errors import BucketOverflowError
 from prealign.schemas.layout import CPLayout, ParallelLayout
 from prealign.schemas.schema import BatchSchema
+from prealign.schemas.validate import check_schema_layout
 
-from .assemble import check_cp_rank, check_schema_layout, non_token_fields, token_fields
+from .assemble import check_cp_rank, non_token_fields, token_fields
 from .indices import Chunks, cp_chunks, gather_plan, once
 from .samples import flatten
 

@@ -18,8 +18,9 @@ import torch
 
 from prealign.schemas.layout import ParallelLayout
 from prealign.schemas.schema import BatchSchema
+from prealign.schemas.validate import check_schema_layout
 
-from .assemble import check_cp_rank, check_schema_layout, non_token_fields, token_dims, token_fields
+from .assemble import check_cp_rank, non_token_fields, token_dims, token_fields
 from .indices import (
     cp_chunks,
     gather_plan,

@@ -112,3 +112,29 @@ def test_vocab_size_must_be_a_positive_int(vocab_size):
     with pytest.raises(SchemaError, match="vocab_size: expected a positive int or None, got"):
         causal_lm_schema(vocab_size=vocab_size, topk=4)
     assert causal_lm_schema(vocab_size=1)["input_ids"].max_value == 0
+
+
+@pytest.mark.parametrize(
+    "schema, layout, match",
+    [
+        (None, "layout", "schema: expected a BatchSchema .*, got NoneType"),
+        ("causal_lm", "layout", "schema: expected a BatchSchema .*, got str"),
+        ("schema", {"cp": 1}, r"layout: expected a ParallelLayout \(ParallelLayout.from_dict"),
+    ],
+    ids=["schema-None", "schema-str", "layout-dict"],
+)
+def test_validate_and_check_startup_name_a_schema_or_layout_of_the_wrong_type(
+    schema, layout, match
+):
+    """Each was an AttributeError or a TypeError from inside the checker."""
+    from prealign.collate import THDCollator
+    from prealign.schemas import ParallelLayout, check_startup, validate_batch
+    from prealign.schemas.errors import ArgumentError
+
+    good_schema, good_layout = causal_lm_schema(), ParallelLayout()
+    batch = THDCollator(schema=good_schema, layout=good_layout)([{"input_ids": [1, 2]}])
+    schema = good_schema if schema == "schema" else schema
+    layout = good_layout if layout == "layout" else layout
+    for check in (validate_batch, check_startup):
+        with pytest.raises(ArgumentError, match=match):
+            check(batch, schema, layout)
