@@ -420,7 +420,11 @@ class ChunkedPlan:
         groups=None,
         **options,
     ):
-        cfg = self.config = dataclasses.replace(config or PlannerConfig(), **options)
+        cfg = self.config = dataclasses.replace(
+            config or PlannerConfig(), **_fields_of("options", options, PlannerConfig)
+        )
+        if seed is not None:
+            _int_at_least("seed", seed, 0)
         self.layout, self.token_budget = layout, token_budget
         self.dp = _int_at_least("dp_size", dp_size, 1)
         true_len = _as_lengths(lengths)
