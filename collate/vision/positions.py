@@ -177,24 +177,18 @@ def _run_grids(
     grid = np.empty((run_type.size, 3), dtype=np.int64)
     grid[is_image] = image_grid
     grid[~is_image] = video_grid
-    bad = (grid < 1).any(1)
-    if bad.any():
-        k = int(np.flatnonzero(bad)[0])
-        raise SampleError(
-            sample=_sample_of(cu, int(starts[k])),
-            field="image_grid_thw" if is_image[k] else "video_grid_thw",
-            actual=f"{grid[k].tolist()}",
-            expected="positive t, h and w",
-        )
-    bad = (grid[:, 1:] % merge != 0).any(1)
-    if bad.any():
-        k = int(np.flatnonzero(bad)[0])
-        raise SampleError(
-            sample=_sample_of(cu, int(starts[k])),
-            field="image_grid_thw" if is_image[k] else "video_grid_thw",
-            actual=f"{grid[k].tolist()}",
-            expected=f"h and w multiples of spatial_merge_size {merge}",
-        )
+    for bad, expected in (
+        ((grid < 1).any(1), "positive t, h and w"),
+        ((grid[:, 1:] % merge != 0).any(1), f"h and w multiples of spatial_merge_size {merge}"),
+    ):
+        if bad.any():
+            k = int(np.flatnonzero(bad)[0])
+            raise SampleError(
+                sample=_sample_of(cu, int(starts[k])),
+                field="image_grid_thw" if is_image[k] else "video_grid_thw",
+                actual=f"{grid[k].tolist()}",
+                expected=expected,
+            )
     return grid
 
 
