@@ -27,3 +27,18 @@ SCHEMA, LAYOUT = causal_lm_schema(), ParallelLayout(cp=2)
 def test_a_schema_or_layout_of_the_wrong_type_is_an_argument_error(collator, kw, match):
     with pytest.raises(ArgumentError, match=match):
         collator(**{"schema": SCHEMA, "layout": LAYOUT, **kw})([{"input_ids": [1, 2]}])
+
+
+@pytest.mark.parametrize("kw", [{"schema": None}, {"layout": {"cp": 2}}], ids=["schema", "layout"])
+def test_a_loader_with_its_own_collator_names_a_schema_or_layout_of_the_wrong_type(kw):
+    """With ``collator=`` given no THDCollator checked them: an AttributeError (``fingerprint``)."""
+    import datasets
+
+    from prealign.loaders import HFSource, PackedLoader
+
+    source = HFSource(datasets.Dataset.from_dict({"input_ids": [[1, 2, 3]]}))
+    collator = THDCollator(schema=SCHEMA, layout=LAYOUT)
+    with pytest.raises(ArgumentError, match=f"{next(iter(kw))}: expected a"):
+        PackedLoader(
+            source, **{"schema": SCHEMA, "layout": LAYOUT, **kw}, token_budget=64, collator=collator
+        )
