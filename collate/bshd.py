@@ -17,6 +17,7 @@ import torch
 from prealign.schemas.errors import BucketOverflowError
 from prealign.schemas.layout import CPLayout, ParallelLayout
 from prealign.schemas.schema import BatchSchema
+from prealign.schemas.validate import check_schema_layout
 
 from .assemble import check_cp_rank, non_token_fields, token_fields
 from .indices import Chunks, cp_chunks, gather_plan, once
@@ -58,6 +59,7 @@ class BSHDCollator:
     check_values: bool = True
 
     def __post_init__(self):
+        check_schema_layout(self.schema, self.layout)
         object.__setattr__(
             self, "cp_rank", check_cp_rank(self.cp_rank, self.layout)
         )  # np.int64(1) -> 1

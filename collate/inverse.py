@@ -20,6 +20,7 @@ dim of the packed tensor (1 for ``[1, T, ...]``, 2 for mRoPE-like ``[3, 1, T]``)
 
 from __future__ import annotations
 
+import numbers
 from typing import Sequence
 
 import torch
@@ -31,9 +32,18 @@ from .bshd import bshd_chunks
 from .indices import cp_chunks, global_slots, num_sequences, real_rows
 
 
+def _int(name: str, value, what: str) -> None:
+    """``value`` is an int (not a bool, a float or a str), or an :class:`ArgumentError`."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ArgumentError(f"{name}: expected an int {what}, got {value!r}")
+
+
 def _check_shards(shards: Sequence[torch.Tensor], dim: int, cp_size) -> int:
     """The CP size the shards describe (their count), checked against ``cp_size`` when given; the
     shards agree in shape, dtype and device."""
+    _int("dim", dim, "(the token dim)")
+    if cp_size is not None:
+        _int("cp_size", cp_size, "or None")
     if isinstance(shards, torch.Tensor) or not isinstance(shards, Sequence) or not shards:
         raise ArgumentError(
             f"shards: expected a list of one tensor per CP rank, got "
@@ -79,7 +89,13 @@ def _cp_layout(value) -> CPLayout:
 def _offsets(name: str, cu) -> torch.Tensor:
     """int64 ``[N+1]`` offsets from 0, non-decreasing, or an :class:`ArgumentError` naming
     ``name``."""
-    if not isinstance(cu, torch.Tensor) or cu.ndim != 1 or cu.numel() < 2 or cu.is_floating_point():
+    if (
+        not isinstance(cu, torch.Tensor)
+        or cu.ndim != 1
+        or cu.numel() < 2
+        or cu.is_floating_point()
+        or cu.dtype == torch.bool
+    ):
         raise ArgumentError(
             f"{name}: expected an integer tensor [N+1], got "
             f"{type(cu).__name__} {tuple(getattr(cu, 'shape', ()))}"
@@ -141,10 +157,16 @@ def unpack_thd(
 
     Every true length must fit its padded one, and ``cu_seqlens_padded[-1]`` must be ``T``: checked
     before anything is allocated."""
+    _int("dim", dim, "(the token dim)")
     if not isinstance(packed, torch.Tensor) or not 1 <= dim < packed.ndim:
         raise ArgumentError(
             f"packed: expected a tensor [.., 1, T, ...] with token dim {dim}, got "
             f"{type(packed).__name__} {tuple(getattr(packed, 'shape', ()))}"
+        )
+    if packed.shape[dim - 1] != 1:
+        raise ArgumentError(
+            f"packed: expected a batch dim of 1 before token dim {dim} (a THD batch [.., 1, T, "
+            f"...]), got shape {tuple(packed.shape)}"
         )
     cu, cup = _offsets("cu_seqlens", cu_seqlens), _offsets("cu_seqlens_padded", cu_seqlens_padded)
     if cu.numel() != cup.numel():
@@ -205,6 +227,7 @@ def unpack_bshd(
 ) -> list[torch.Tensor]:
     """Whole ``[B, S, ...]`` -> list of ``[L_i, ...]`` (true lengths from ``cu_seqlens``; each ``<=
     S``)."""
+    _int("dim", dim, "(the token dim)")
     if not isinstance(padded, torch.Tensor) or not 1 <= dim < padded.ndim:
         raise ArgumentError(
             f"padded: expected a tensor [B, S, ...] with token dim {dim}, got "

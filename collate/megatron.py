@@ -22,11 +22,12 @@ from __future__ import annotations
 import dataclasses
 import enum
 import inspect
+import operator
 from typing import Mapping
 
 import torch
 
-from prealign.schemas.errors import ArgumentError, BackendVersionError
+from prealign.schemas.errors import ArgumentError, BackendVersionError, OffsetOverflowError
 from prealign.schemas.layout import CPLayout
 from prealign.schemas.parallel_state import import_megatron
 
@@ -53,6 +54,21 @@ def _enum_arg(name: str, enum_cls, value):
         raise ArgumentError(
             f"{name}: expected one of {[e.value for e in enum_cls]}, got {value!r}"
         ) from None
+
+
+def _check_int32(*keys: str, batch: Mapping) -> None:
+    """``batch[key]`` are integer tensors whose values fit int32 (the cast would truncate a float
+    and wrap an int64), else an :class:`ArgumentError` / :class:`OffsetOverflowError`."""
+    for key in keys:
+        t = batch[key]
+        if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+            raise ArgumentError(f"batch: expected {key} an integer tensor, got {t.dtype}")
+        big = t.dtype == torch.int64 and t.numel() and int(t.abs().max()) > 2**31 - 1
+        if big:
+            raise OffsetOverflowError(
+                f"batch: {key}: values in [{int(t.min())}, {int(t.max())}] do not fit the int32 "
+                f"offsets megatron-core and TE take (expected 0 <= value < 2**31)"
+            )
 
 
 def to_packed_seq_params(
@@ -110,6 +126,7 @@ def to_packed_seq_params(
         CPLayout,
         cp_layout if cp_layout is not None else batch.get("cp_layout", CPLayout.ZIGZAG.value),
     )
+    _check_int32("cu_seqlens", "cu_seqlens_padded", "max_seqlen", batch=batch)
     padded = batch["cu_seqlens_padded"].to(
         dtype=torch.int32
     )  # checked where they are (the loader's CPU),
@@ -161,6 +178,12 @@ def to_packed_seq_params(
     total = int(batch["cu_seqlens_padded"][-1])
     local_cp = batch.get("local_cp_size")
     if local_cp is not None:
+        try:
+            local_cp = operator.index(local_cp)
+        except TypeError:
+            raise ArgumentError(
+                f"batch: local_cp_size: expected an int, got {local_cp!r}"
+            ) from None
         kwargs.update(
             local_cp_size=int(local_cp), cp_group=_hybrid_group(int(local_cp), cp_group, known)
         )

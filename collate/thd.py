@@ -18,6 +18,7 @@ import torch
 
 from prealign.schemas.layout import ParallelLayout
 from prealign.schemas.schema import BatchSchema
+from prealign.schemas.validate import check_schema_layout
 
 from .assemble import check_cp_rank, non_token_fields, token_dims, token_fields
 from .indices import (
@@ -63,6 +64,7 @@ class THDCollator:
     forward after the vision embeddings are merged into the sequence."""
 
     def __post_init__(self):
+        check_schema_layout(self.schema, self.layout)
         object.__setattr__(
             self, "cp_rank", check_cp_rank(self.cp_rank, self.layout)
         )  # np.int64(1) -> 1

@@ -35,6 +35,7 @@ from prealign.loaders.sources.source import Source
 from prealign.loaders.state import STATE_KIND, LoaderState
 from prealign.schemas.layout import ParallelLayout
 from prealign.schemas.schema import BatchSchema
+from prealign.schemas.validate import check_schema_layout
 
 _CONFIG_KEY = {
     "dp_size": "dp_size",
@@ -108,6 +109,7 @@ class LoaderCore:
             ("loading", loading, LoadingOptions),
         ):
             check_option(name, value, cls)
+        check_schema_layout(schema, layout)  # (a collator= given checks neither)
         self.source, self.schema, self.layout, self.token_budget = (
             source,
             schema,

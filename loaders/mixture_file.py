@@ -105,8 +105,19 @@ def _vlm_transform(name: str, folder: str, tokenizer):
     ):
         path = os.path.join(folder, file)
         if os.path.isfile(path):
-            with open(path, encoding="utf-8") as f:
-                extra[key] = json.load(f)
+            try:
+                with open(path, encoding="utf-8") as f:
+                    extra[key] = json.load(f)
+            except (OSError, ValueError, RecursionError) as exc:
+                raise ConfigError(
+                    f"mixture file: component {name!r}: {path}: not readable JSON "
+                    f"({type(exc).__name__})"
+                ) from None
+            if not isinstance(extra[key], dict):
+                raise ConfigError(
+                    f"mixture file: component {name!r}: {path}: expected a JSON object, got "
+                    f"{type(extra[key]).__name__}"
+                )
     if (
         "processor_options" in extra
     ):  # the image processor's own keys (as `prealign index --processor`)
@@ -193,7 +204,9 @@ def read_mixture_file(path: str) -> dict:
     them."""
     try:
         with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+            data = json.load(f, object_pairs_hook=_unique_keys)
+    except RecursionError as exc:  # nesting deeper than the interpreter's limit
+        raise ConfigError(f"mixture file {path}: not JSON (RecursionError: {exc})") from None
     except (OSError, ValueError) as exc:
         raise ConfigError(f"mixture file {path}: {exc}") from None
     if not isinstance(data, dict) or not isinstance(data.get("components"), dict):
@@ -216,7 +229,24 @@ def read_mixture_file(path: str) -> dict:
                 f"mixture file {path}: component {name!r}: unknown key(s) {sorted(bad)}; expected "
                 f"{sorted(_COMPONENT)}"
             )
+        for key in ("path", "hf", "split"):
+            if key in entry and not isinstance(entry[key], str):
+                raise ConfigError(
+                    f"mixture file {path}: component {name!r}: key {key}: expected a str, got "
+                    f"{entry[key]!r}"
+                )
     return data
+
+
+def _unique_keys(pairs: list) -> dict:
+    """A JSON object's dict; a key given twice is an error (``json`` would keep the last: a second
+    component of one name replaced the first), raised as a :class:`ConfigError` naming the file."""
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"duplicate key {key!r} in one object (expected each name once)")
+        out[key] = value
+    return out
 
 
 def load_mixture_file(mixture_cls, component_cls, path: str, *, tokenizer=None):

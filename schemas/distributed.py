@@ -17,7 +17,7 @@ from .contract import Consumer, ConsumerUnsupportedError, ModelContract, check_c
 from .errors import BatchValidationError, ConfigError, StartupMismatchError
 from .layout import ParallelLayout
 from .schema import BatchSchema
-from .validate import Violation, validate_batch
+from .validate import Violation, check_schema_layout, validate_batch
 
 
 def all_gather_objects(obj, group=None) -> list:
@@ -148,6 +148,7 @@ def check_startup(
             "check_startup: give contract= and consumer= together (the model's ModelContract and "
             "what runs it)"
         )
+    check_schema_layout(schema, layout)  # (as before, raised before any rendezvous)
     fingerprint = layout_fingerprint(schema, layout)
     collective = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
     refused = None

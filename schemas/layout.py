@@ -139,6 +139,11 @@ class CPLayout(enum.Enum):
     CONTIGUOUS = "contiguous"
 
 
+def _is_01(value) -> bool:
+    """An int 0 or 1 (not 0.0, not "1")."""
+    return isinstance(value, (int, np.integer)) and value in (0, 1)
+
+
 def _positive_int(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise LayoutError(f"{name}: expected a positive int, got {value!r}")
@@ -185,7 +190,14 @@ class ParallelLayout:
         _positive_int("token_multiple", self.token_multiple)
         if self.max_seqs is not None:
             _positive_int("max_seqs", self.max_seqs)
+            if self.max_seqs > MAX_PACKED_LENGTH:
+                raise LayoutError(
+                    f"max_seqs: expected at most {MAX_PACKED_LENGTH} sequences (int32 cu_seqlens), "
+                    f"got {self.max_seqs}"
+                )
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731  (frozen dataclass)
+        if not (self.sp is None or isinstance(self.sp, (bool, np.bool_)) or _is_01(self.sp)):
+            raise LayoutError(f"sp: expected a bool or None, got {self.sp!r}")
         set_("sp", self.tp > 1 if self.sp is None else bool(self.sp))
         set_("fp8", FP8Recipe.coerce(self.fp8))
         try:
@@ -203,6 +215,12 @@ class ParallelLayout:
             raise LayoutError(
                 f"min_local_rows: cp * min_local_rows = {self.cp * self.min_local_rows} rows "
                 f"would not fit int32 cu_seqlens (at most {MAX_PACKED_LENGTH})"
+            )
+        if self.total_multiple > MAX_PACKED_LENGTH:
+            raise LayoutError(
+                f"total multiple {self.total_multiple} (tp={self.tp}, cp={self.cp}, sp={self.sp}, "
+                f"fp8={self.fp8.name}, token_multiple={self.token_multiple}): the shortest batch "
+                f"would not fit int32 cu_seqlens (at most {MAX_PACKED_LENGTH} rows)"
             )
         if self.length_buckets is not None:
             if isinstance(self.length_buckets, (str, bytes)) or not hasattr(
@@ -387,7 +405,7 @@ class ParallelLayout:
                 f"layout: unknown key(s) {unknown}; expected some of {sorted(cls().to_dict())}"
             )
         data = dict(data)
-        if data.get("length_buckets") is not None:
+        if isinstance(data.get("length_buckets"), list):
             data["length_buckets"] = tuple(data["length_buckets"])
         return cls(**data)
 

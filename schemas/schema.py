@@ -6,9 +6,11 @@ it builds the same batches (:func:`prealign.schemas.check_startup`).
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import hashlib
 import json
+import numbers
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -76,6 +78,34 @@ Source = FieldSource
 source."""
 
 
+def _int64(value) -> bool:
+    return isinstance(value, numbers.Integral) and -(2**63) <= value < 2**63
+
+
+def _check_field_values(spec: "FieldSpec") -> None:
+    """The flags are bools, the pad value a number (an int in int64), the bounds numbers (not NaN)
+    with ``min_value <= max_value``: each a :class:`SchemaError` naming the field."""
+    where = f"field {spec.name!r}"
+    for key in ("required", "cp_sharded", "finite"):
+        if not isinstance(getattr(spec, key), bool):
+            raise SchemaError(f"{where}: {key}: expected a bool, got {getattr(spec, key)!r}")
+    pad = spec.pad_value
+    if not isinstance(pad, numbers.Real) or (isinstance(pad, numbers.Integral) and not _int64(pad)):
+        raise SchemaError(
+            f"{where}: pad_value: expected a bool, int or float (an int in int64), got {pad!r}"
+        )
+    for key in ("min_value", "max_value"):
+        value = getattr(spec, key)
+        if value is not None and (not isinstance(value, numbers.Real) or value != value):
+            raise SchemaError(f"{where}: {key}: expected None, an int or a float, got {value!r}")
+    if spec.min_value is not None and spec.max_value is not None:
+        if spec.min_value > spec.max_value:
+            raise SchemaError(
+                f"{where}: min_value {spec.min_value} > max_value {spec.max_value}: no value "
+                f"could pass (expected min_value <= max_value)"
+            )
+
+
 @dataclass(frozen=True, kw_only=True)
 class FieldSpec:
     """One field of a batch.
@@ -123,9 +153,24 @@ class FieldSpec:
             _check_dtype_name(d)
         if not self.dtypes:
             raise SchemaError(f"field {self.name!r}: dtypes must not be empty")
-        set_("dense_shape", tuple(self.dense_shape))
-        set_("leading_shape", tuple(self.leading_shape))
-        set_("sample_keys", tuple(self.sample_keys) or (self.name,))
+        for key, what in (
+            ("dense_shape", "dims"),
+            ("leading_shape", "dims"),
+            ("sample_keys", "sample keys"),
+        ):
+            value = getattr(self, key)
+            if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+                raise SchemaError(
+                    f"field {self.name!r}: {key} must be a tuple of {what}, got {value!r}"
+                )
+            set_(key, tuple(value))
+        set_("sample_keys", self.sample_keys or (self.name,))
+        if not all(isinstance(k, str) and k for k in self.sample_keys):
+            raise SchemaError(
+                f"field {self.name!r}: sample_keys: expected non-empty str keys, got "
+                f"{list(self.sample_keys)!r}"
+            )
+        _check_field_values(self)
         if self.dense_shape and self.leading_shape:
             raise SchemaError(
                 f"field {self.name!r}: declare leading_shape or dense_shape, not both"
@@ -178,9 +223,17 @@ class FieldSpec:
 
     @classmethod
     def from_dict(cls, d: dict) -> "FieldSpec":
-        d = dict(d)
-        for k in ("dtypes", "dense_shape", "leading_shape", "sample_keys"):
-            d[k] = tuple(d.get(k, ()))
+        """The inverse of :meth:`to_dict`; a non-dict or an unknown key is a
+        :class:`SchemaError`."""
+        if not isinstance(d, dict):
+            raise SchemaError(f"field: expected a dict of FieldSpec keys, got {type(d).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(map(repr, set(d) - known))
+        if unknown:
+            raise SchemaError(
+                f"field {d.get('name')!r}: unknown key(s) {', '.join(unknown)}; expected some of "
+                f"{sorted(known)}"
+            )
         return cls(**d)
 
 
@@ -194,6 +247,13 @@ class BatchSchema:
     by_name: dict = field(init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self):
+        if not isinstance(self.name, str):
+            raise SchemaError(f"schema name: expected a str, got {self.name!r}")
+        if isinstance(self.ignore_index, bool) or not _int64(self.ignore_index):
+            raise SchemaError(
+                f"schema {self.name!r}: ignore_index: expected an int in int64, got "
+                f"{self.ignore_index!r}"
+            )
         object.__setattr__(self, "fields", tuple(self.fields))
         bad = [f for f in self.fields if not isinstance(f, FieldSpec)]
         if bad:
@@ -248,21 +308,27 @@ class BatchSchema:
     def from_json(cls, text: str) -> "BatchSchema":
         """The inverse of :meth:`to_json`; anything else is a :class:`SchemaError` naming what is
         wrong."""
+        expected = "{'name', 'ignore_index', 'fields': [field dicts]}"
         try:
             d = json.loads(text)
+        except (ValueError, RecursionError) as exc:  # also too deep, an int too long, not UTF-8
+            raise SchemaError(f"schema JSON: not JSON ({type(exc).__name__}: {exc})") from None
+        except TypeError:
+            d = text  # not text at all: named below
+        if not isinstance(d, dict) or not isinstance(d.get("fields", []), list):
+            got = type(d.get("fields") if isinstance(d, dict) else d).__name__
+            raise SchemaError(f"schema JSON: expected {expected}, got {got}")
+        try:
             return cls(
                 name=d["name"],
                 ignore_index=d["ignore_index"],
                 fields=tuple(FieldSpec.from_dict(f) for f in d["fields"]),
             )
-        except json.JSONDecodeError as exc:
-            raise SchemaError(f"schema JSON: not JSON ({exc})") from None
         except KeyError as exc:
             raise SchemaError(f"schema JSON: missing key {exc}") from None
         except (TypeError, AttributeError) as exc:
             raise SchemaError(
-                f"schema JSON: expected {{'name', 'ignore_index', 'fields': [field dicts]}}, "
-                f"got {type(exc).__name__}: {exc}"
+                f"schema JSON: expected {expected}, got {type(exc).__name__}: {exc}"
             ) from None
 
     def fingerprint(self) -> str:
@@ -272,6 +338,15 @@ class BatchSchema:
 
 # ---- built-in schemas
 # -----------------------------------------------------------------------------
+def _largest_id(vocab_size: int | None) -> int | None:
+    """The largest token id of a vocabulary of ``vocab_size`` ids (None: unbounded)."""
+    if vocab_size is None:
+        return None
+    if isinstance(vocab_size, bool) or not _int64(vocab_size) or vocab_size < 1:
+        raise SchemaError(f"vocab_size: expected a positive int or None, got {vocab_size!r}")
+    return vocab_size - 1
+
+
 def core_token_fields(
     pad_token_id: int, ignore_index: int, vocab_size: int | None = None
 ) -> tuple[FieldSpec, ...]:
@@ -282,7 +357,7 @@ def core_token_fields(
             name="input_ids",
             pad_value=pad_token_id,
             min_value=0,
-            max_value=None if vocab_size is None else vocab_size - 1,
+            max_value=_largest_id(vocab_size),
         ),
         FieldSpec(
             name="labels",
@@ -336,7 +411,7 @@ def topk_fields(topk: int | str = "K", vocab_size: int | None = None) -> tuple[F
             dense_shape=(topk,),
             pad_value=0,
             min_value=0,
-            max_value=None if vocab_size is None else vocab_size - 1,
+            max_value=_largest_id(vocab_size),
         ),
     )
 

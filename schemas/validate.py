@@ -18,7 +18,7 @@ from typing import Mapping
 
 import torch
 
-from .errors import BatchValidationError
+from .errors import ArgumentError, BatchValidationError
 from .layout import CPLayout, ParallelLayout, is_power_of_two
 from .schema import BatchSchema, FieldSource, Role, dtype_name
 from .slots import expected_slots
@@ -34,12 +34,28 @@ class Violation:
         return f"{self.path}: expected {self.expected}, got {self.actual}"
 
 
+def check_schema_layout(schema, layout) -> None:
+    """A collator's ``schema`` is a :class:`BatchSchema` and ``layout`` a ``ParallelLayout``, or an
+    :class:`ArgumentError` naming the one that is not (a dict read from a config, None)."""
+    if not isinstance(schema, BatchSchema):
+        raise ArgumentError(
+            f"schema: expected a BatchSchema (BatchSchema.from_json for its JSON), got "
+            f"{type(schema).__name__}"
+        )
+    if not isinstance(layout, ParallelLayout):
+        raise ArgumentError(
+            f"layout: expected a ParallelLayout (ParallelLayout.from_dict for a dict), got "
+            f"{type(layout).__name__}"
+        )
+
+
 def validate_batch(
     batch: dict, schema: BatchSchema, layout: ParallelLayout, *, raise_on_error: bool = True
 ) -> list[Violation]:
     """All violations of ``batch`` (empty when valid); raises :class:`BatchValidationError` listing
     them when ``raise_on_error``. A hybrid-CP batch (one with ``local_cp_size``, a power of two
     dividing ``layout.cp``) is checked as the batch of a CP group of that size."""
+    check_schema_layout(schema, layout)
     local = batch.get("local_cp_size") if isinstance(batch, Mapping) else None
     if local is not None:
         n = as_int(local)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from prealign.schemas.errors import SampleError
+from prealign.schemas.errors import ArgumentError, SampleError
 
 TEXT, IMAGE, VIDEO = 0, 1, 2
 
@@ -58,6 +58,8 @@ def rope_positions(
     >>> rope_positions(t, np.array([0, 10]), grids, np.zeros((0, 3)), None, 2).tolist()
     [[0, 1, 2, 2, 2, 2, 2, 2, 5, 6], [0, 1, 2, 2, 2, 3, 3, 3, 5, 6], [0, 1, 2, 3, 4, 2, 3, 4, 5, 6]]
     """
+    if isinstance(merge, bool) or not isinstance(merge, (int, np.integer)) or merge < 1:
+        raise ArgumentError(f"spatial_merge_size: expected a positive int, got {merge!r}")
     types = np.asarray(types).reshape(-1)
     cu = np.asarray(cu_seqlens, dtype=np.int64).reshape(-1)
     total = types.size
@@ -91,8 +93,8 @@ def rope_positions(
         run_type,
         starts,
         cu,
-        np.asarray(image_grid, dtype=np.int64).reshape(-1, 3),
-        np.asarray(video_grid, dtype=np.int64).reshape(-1, 3),
+        _grid_rows(image_grid, "image_grid_thw"),
+        _grid_rows(video_grid, "video_grid_thw"),
         merge,
         grids_per_sample,
     )
@@ -175,16 +177,33 @@ def _run_grids(
     grid = np.empty((run_type.size, 3), dtype=np.int64)
     grid[is_image] = image_grid
     grid[~is_image] = video_grid
-    bad = (grid[:, 1:] % merge != 0).any(1)
-    if bad.any():
-        k = int(np.flatnonzero(bad)[0])
-        raise SampleError(
-            sample=_sample_of(cu, int(starts[k])),
-            field="image_grid_thw" if is_image[k] else "video_grid_thw",
-            actual=f"{grid[k].tolist()}",
-            expected=f"h and w multiples of spatial_merge_size {merge}",
-        )
+    for bad, expected in (
+        ((grid < 1).any(1), "positive t, h and w"),
+        ((grid[:, 1:] % merge != 0).any(1), f"h and w multiples of spatial_merge_size {merge}"),
+    ):
+        if bad.any():
+            k = int(np.flatnonzero(bad)[0])
+            raise SampleError(
+                sample=_sample_of(cu, int(starts[k])),
+                field="image_grid_thw" if is_image[k] else "video_grid_thw",
+                actual=f"{grid[k].tolist()}",
+                expected=expected,
+            )
     return grid
+
+
+def _grid_rows(grid, field: str) -> np.ndarray:
+    """int64 ``[num, 3]`` rows of ``grid``, or a :class:`SampleError` naming ``field`` when its
+    numbers do not make rows of three."""
+    grid = np.asarray(grid, dtype=np.int64)
+    if grid.size % 3 or (grid.ndim > 1 and grid.shape[-1] != 3):
+        raise SampleError(
+            sample=None,
+            field=field,
+            expected="rows of (t, h, w): [num, 3]",
+            actual=f"shape {tuple(grid.shape)}",
+        )
+    return grid.reshape(-1, 3)
 
 
 def _runs(images: int, videos: int) -> str:

@@ -159,15 +159,33 @@ def load_local(auto, option: str, folder: str, what: str):
         ) from None
 
 
+def _json_object(folder: str, name: str) -> dict:
+    """The JSON object in ``folder/name``; unreadable, not JSON (nested past the recursion limit
+    too) or not an object is a :class:`ConfigError` naming the file."""
+    import json
+
+    from prealign.schemas.errors import ConfigError
+
+    try:
+        with open(os.path.join(folder, name)) as f:
+            config = json.load(f)
+    except (OSError, ValueError, RecursionError) as exc:
+        raise ConfigError(
+            f"--processor {folder}: no readable {name} ({type(exc).__name__})"
+        ) from None
+    if not isinstance(config, dict):
+        raise ConfigError(
+            f"--processor {folder}: {name}: expected a JSON object, got {type(config).__name__}"
+        )
+    return config
+
+
 def vlm_transform(args, topk):
     """The VLM transform ``args`` name, and a description of its tokenizer for the report: the
     family's own transform where it has one (Gemma 3, LLaVA-OneVision: ``VisionFamily.transform``),
     else :class:`VLMSampleTransform` (the Qwen families, InternVL), the tokenizer wrapped with the
     family's token names."""
-    import json
-
     from prealign.loaders.media.vlm import VLMSampleTransform
-    from prealign.schemas.errors import ConfigError
 
     hf = None
     if getattr(args, "tokenizer", None):
@@ -181,15 +199,7 @@ def vlm_transform(args, topk):
         )
     options = {}
     if getattr(args, "processor", None):
-        path = os.path.join(args.processor, "preprocessor_config.json")
-        try:
-            with open(path) as f:
-                config = json.load(f)
-        except (OSError, ValueError) as exc:
-            raise ConfigError(
-                f"--processor {args.processor}: no readable preprocessor_config.json "
-                f"({type(exc).__name__})"
-            ) from None
+        config = _json_object(args.processor, "preprocessor_config.json")
         options = {k: config[k] for k in PROCESSOR_KEYS if k in config}
     model_config = video = family = None
     if getattr(args, "model_config", None):
@@ -203,8 +213,7 @@ def vlm_transform(args, topk):
         family = vision_family(model_config)
         video_path = os.path.join(args.processor or "", "video_preprocessor_config.json")
         if args.processor and os.path.isfile(video_path):
-            with open(video_path) as f:
-                video = json.load(f)
+            video = _json_object(args.processor, "video_preprocessor_config.json")
     if hf is None:
         from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
 

@@ -86,6 +86,9 @@ class MixSpec:
                 )
         if len(set(self.names)) != n or not n:
             raise PlanError(f"mixture: expected distinct component names, got {list(self.names)}")
+        total = sum(float(w) for w in self.weights if w is not None)
+        if total == float("inf"):  # every share would be NaN: an epoch of no draws
+            raise PlanError(f"mixture weights: expected a finite sum, got {list(self.weights)}")
 
     @property
     def shares(self) -> np.ndarray:
@@ -207,6 +210,32 @@ def _by_finish(units: Sequence[np.ndarray], ones: bool = False) -> np.ndarray:
     # component order
 
 
+MAX_EPOCH_DRAWS = 2**32
+"""The most draws one epoch of a mixture may hold (its order is int64 arrays of that many entries,
+built pass by pass): a weight, repeat or length that asks for more is a :class:`PlanError`."""
+
+
+def _check_draws(mix: MixSpec, targets: np.ndarray, sizes: np.ndarray, counts: list[int]) -> None:
+    """Each component's draws (whole passes of ``counts[c]`` samples towards ``targets[c]`` units of
+    ``sizes[c]`` per pass) sum to at most :data:`MAX_EPOCH_DRAWS`, before any pass is built."""
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        passes = np.where(np.asarray(counts) > 0, np.ceil(targets / sizes), 0.0)
+    draws = passes * np.asarray(counts, np.float64)
+    if not np.isfinite(draws).all() or draws.sum() > MAX_EPOCH_DRAWS:
+        c = int(np.argmax(np.where(np.isfinite(draws), draws, np.inf)))
+        asked = (
+            f"weight {mix.weights[c]} (shares {mix.shares.round(6).tolist()}, length "
+            f"{mix.length!r})"
+            if mix.repeats[c] is None
+            else f"repeat {mix.repeats[c]}"
+        )
+        raise PlanError(
+            f"mixture component {mix.names[c]!r}: {asked} asks for {draws[c]:.3g} draws of its "
+            f"{counts[c]} samples in one epoch; expected at most 2**32 draws per epoch (raise the "
+            f"smallest weight, lower the repeat or the length)"
+        )
+
+
 def mixed_order(
     mix: MixSpec,
     lengths: Sequence[np.ndarray],
@@ -251,17 +280,19 @@ def mixed_order(
             done[c] = float(units_of(np.asarray(lengths[c])[head[served[c]]], mix.by).sum())
     weighted = np.array([r is None for r in mix.repeats])
     rest = max(epoch_units(mix, sizes) - float(done[weighted].sum()), 0.0)
-    targets = np.zeros(C)
+    targets = np.array(
+        [
+            max(float(mix.repeats[c]) * sizes[c] - done[c], 0.0)
+            if mix.repeats[c] is not None
+            else float(shares[c]) * rest
+            for c in range(C)
+        ]
+    )
+    _check_draws(mix, targets, sizes, [len(x) for x in lengths])
     ids, units, draws = [], [], []
     for c in range(C):
         n, L = len(lengths[c]), np.asarray(lengths[c])
-        repeat = mix.repeats[c]
-        want = (
-            max(float(repeat) * sizes[c] - done[c], 0.0)
-            if repeat is not None
-            else float(shares[c]) * rest
-        )
-        targets[c] = want
+        want = targets[c]
         passes = (
             int(np.ceil(want / sizes[c])) if n else 0
         )  # (no draw of the next pass reaches the target)

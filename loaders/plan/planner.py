@@ -104,7 +104,7 @@ class PlannerConfig:
         _int_at_least("step_pool", self.step_pool, 1)
         _int_at_least("chunk_size", self.chunk_size, 1)
         if isinstance(self.cost, dict):
-            object.__setattr__(self, "cost", CostModel(**self.cost))
+            object.__setattr__(self, "cost", CostModel(**_fields_of("cost", self.cost, CostModel)))
         if self.cost is not None and not isinstance(self.cost, CostModel):
             raise PlanError(f"cost: expected a CostModel, its dict or None, got {self.cost!r}")
         if not isinstance(self.hybrid_cp, bool):
@@ -145,7 +145,22 @@ class PlannerConfig:
 
     @classmethod
     def from_dict(cls, data: dict) -> "PlannerConfig":
-        return cls(**data)
+        """The inverse of :meth:`to_dict`; a non-dict or an unknown key is a :class:`PlanError`."""
+        return cls(**_fields_of("planner", data, cls))
+
+
+def _fields_of(where: str, data, cls) -> dict:
+    """``data`` when it is a dict of some of ``cls``'s dataclass fields, else a :class:`PlanError`
+    naming ``where``, the unknown keys and the fields expected."""
+    if not isinstance(data, dict):
+        raise PlanError(
+            f"{where}: expected a dict of {cls.__name__} fields, got {type(data).__name__}"
+        )
+    known = {f.name for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(map(str, set(data) - known))
+    if unknown:
+        raise PlanError(f"{where}: unknown key(s) {unknown}; expected some of {sorted(known)}")
+    return data
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -405,7 +420,11 @@ class ChunkedPlan:
         groups=None,
         **options,
     ):
-        cfg = self.config = dataclasses.replace(config or PlannerConfig(), **options)
+        cfg = self.config = dataclasses.replace(
+            config or PlannerConfig(), **_fields_of("options", options, PlannerConfig)
+        )
+        if seed is not None:
+            _int_at_least("seed", seed, 0)
         self.layout, self.token_budget = layout, token_budget
         self.dp = _int_at_least("dp_size", dp_size, 1)
         true_len = _as_lengths(lengths)

@@ -71,7 +71,7 @@ from prealign.loaders.errors import (
 from prealign.loaders.sources import http_pool
 from prealign.loaders.sources.tar_decode import DEFAULT_LIMITS, DecodeLimits
 from prealign.loaders.sources.tar_reader import TarFormatError
-from prealign.schemas.errors import PrealignError
+from prealign.schemas.errors import ConfigError, PrealignError
 
 _SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*):")
 
@@ -107,6 +107,41 @@ class RemoteOptions:
     folder made by :func:`private_folder` in the process that built the source (its DataLoader
     workers share it) and removed when that process exits. ``None``: made on first need by the
     reading process."""
+
+    def __post_init__(self):
+        for key, least in (
+            ("cache_limit", 1),
+            ("block_size", 1),
+            ("retries", 0),
+            ("stream_shards", 1),
+        ):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                _bad_option(key, f"an int >= {least}", value)
+        for key, what, zero in (
+            ("backoff", "seconds >= 0", True),
+            ("timeout", "seconds > 0", False),
+            ("request_deadline", "seconds > 0", False),
+            ("min_rate", "bytes per second > 0", False),
+        ):
+            value = getattr(self, key)
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not value < float("inf")
+                or not (value >= 0 if zero else value > 0)
+            ):
+                _bad_option(key, what, value)
+        if self.storage_options is not None and not isinstance(self.storage_options, dict):
+            _bad_option("storage_options", "a dict or None", self.storage_options)
+        for key in ("cache_dir", "private_dir"):
+            value = getattr(self, key)
+            if value is not None and not isinstance(value, (str, os.PathLike)):
+                _bad_option(key, "a path or None", value)
+
+
+def _bad_option(key: str, expected: str, value) -> None:
+    raise ConfigError(f"RemoteOptions.{key}: expected {expected}, got {value!r}")
 
 
 DEFAULT = RemoteOptions()

@@ -299,6 +299,34 @@ def check_members(
         )
 
 
+def _check_arguments(max_open_files, cache_limit, required, decoders, sidecars) -> tuple:
+    """``required`` as a tuple; :class:`WebDatasetSource`'s arguments of a kind it cannot use are a
+    :class:`ConfigError` naming them (a str ``required`` would be iterated into one-letter members,
+    ``"no"`` read as True)."""
+
+    def is_int(v) -> bool:
+        return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+    if not is_int(max_open_files):
+        raise ConfigError(f"max_open_files: expected an int, got {max_open_files!r}")
+    if cache_limit is not None and not is_int(cache_limit):
+        raise ConfigError(f"cache_limit: expected an int (bytes) or None, got {cache_limit!r}")
+    iterable = not isinstance(required, (str, bytes)) and hasattr(required, "__iter__")
+    names = tuple(required) if iterable else ()
+    if not iterable or not all(isinstance(r, str) for r in names):
+        raise ConfigError(
+            f"required: expected a sequence of member names (e.g. ['input_ids.npy']), got "
+            f"{required!r}"
+        )
+    if decoders is not None and not isinstance(decoders, Mapping):
+        raise ConfigError(
+            f"decoders: expected a dict extension -> decoder or None, got {type(decoders).__name__}"
+        )
+    if not isinstance(sidecars, (bool, np.bool_)):
+        raise ConfigError(f"sidecars: expected a bool, got {sidecars!r}")
+    return names
+
+
 class WebDatasetSource(Source):
     """webdataset shards (local paths, ``file://`` or remote URLs).
 
@@ -358,6 +386,7 @@ class WebDatasetSource(Source):
             or not read_timeout > 0
         ):
             raise ConfigError(f"read_timeout: expected seconds > 0 or None, got {read_timeout!r}")
+        required = _check_arguments(max_open_files, cache_limit, required, decoders, sidecars)
         self.urls, text, self.folder, rows = _expanded(urls)
         """``folder``: the one folder that holds every shard
         (:func:`~prealign.loaders.sources.shard_files.one_folder`), None when there is none."""
