@@ -111,6 +111,11 @@ class Mixture(Source):
                 f"{components!r}"
             )
         self.components = {str(k): _component(str(k), v) for k, v in components.items()}
+        if len(self.components) != len(components):  # 1 and "1": one name, a component lost
+            raise ConfigError(
+                f"components: expected distinct names, got {list(components)!r:.200} (names "
+                f"are compared as str)"
+            )
         self.spec = MixSpec(
             names=tuple(self.components),
             weights=tuple(c.weight for c in self.components.values()),

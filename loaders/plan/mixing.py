@@ -86,6 +86,12 @@ class MixSpec:
                 )
         if len(set(self.names)) != n or not n:
             raise PlanError(f"mixture: expected distinct component names, got {list(self.names)}")
+        total = sum(float(w) for w in self.weights if w is not None)
+        if not total < float("inf"):  # each finite, their sum not: every share would be 0
+            raise PlanError(
+                f"mixture weights: expected a finite sum (they are normalised by it), got "
+                f"{total} from {list(self.weights)}; scale them down"
+            )
 
     @property
     def shares(self) -> np.ndarray:
