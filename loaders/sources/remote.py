@@ -71,7 +71,7 @@ from prealign.loaders.errors import (
 from prealign.loaders.sources import http_pool
 from prealign.loaders.sources.tar_decode import DEFAULT_LIMITS, DecodeLimits
 from prealign.loaders.sources.tar_reader import TarFormatError
-from prealign.schemas.errors import PrealignError
+from prealign.schemas.errors import ConfigError, PrealignError
 
 _SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*):")
 
@@ -107,6 +107,44 @@ class RemoteOptions:
     folder made by :func:`private_folder` in the process that built the source (its DataLoader
     workers share it) and removed when that process exits. ``None``: made on first need by the
     reading process."""
+
+    def __post_init__(self):
+        for name, low in (("cache_limit", 0), ("block_size", 1), ("retries", 0)):
+            _check_number(name, getattr(self, name), low, ints=True)
+        _check_number("stream_shards", self.stream_shards, 1, ints=True)
+        _check_number("backoff", self.backoff, 0, high=threading.TIMEOUT_MAX)
+        for name in ("timeout", "request_deadline"):  # (a socket timeout: at most TIMEOUT_MAX)
+            _check_number(name, getattr(self, name), 0, high=threading.TIMEOUT_MAX, above=True)
+        _check_number("min_rate", self.min_rate, 0)
+        for name in ("cache_dir", "private_dir"):
+            if not isinstance(getattr(self, name), (str, os.PathLike, type(None))):
+                raise ConfigError(
+                    f"RemoteOptions.{name}: expected a folder path or None, got "
+                    f"{type(getattr(self, name)).__name__}"
+                )
+        if not isinstance(self.storage_options, (dict, type(None))):
+            raise ConfigError(
+                f"RemoteOptions.storage_options: expected a dict or None, got "
+                f"{type(self.storage_options).__name__}"
+            )
+
+
+def _check_number(name, value, low, *, ints=False, high=float("inf"), above=False) -> None:
+    """``RemoteOptions.<name>``: an int (``ints``) or a real number, ``>= low`` (``> low`` when
+    ``above``) and ``<= high`` (NaN never), else :class:`ConfigError` naming it."""
+    kinds = (int,) if ints else (int, float)
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, kinds)
+        or not ((value > low) if above else (value >= low))
+        or not value <= high
+    ):
+        want = "an int" if ints else "a number of seconds" if high < float("inf") else "a number"
+        bound = f" and <= {high:g}" if high < float("inf") else ""
+        raise ConfigError(
+            f"RemoteOptions.{name}: expected {want} {'>' if above else '>='} {low}{bound}, got "
+            f"{value!r}"
+        )
 
 
 DEFAULT = RemoteOptions()

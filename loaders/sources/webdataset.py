@@ -54,7 +54,13 @@ from prealign.loaders.sources.shard_files import (
     sample_checksum,
     url_text,
 )
-from prealign.loaders.sources.source import Location, Skip, Source, Transform
+from prealign.loaders.sources.source import (
+    Location,
+    Skip,
+    Source,
+    Transform,
+    check_positive_int,
+)
 from prealign.loaders.sources.tar_decode import (
     DEFAULT_LIMITS,
     DecodeLimits,
@@ -82,6 +88,33 @@ def expand_urls(urls: str | Sequence[str]) -> list[str]:
     return _expanded(urls)[0]
 
 
+def _check_arguments(required, decoders, remote, cache_dir, index_dir) -> None:
+    """:class:`WebDatasetSource`'s arguments of a type it cannot use: a
+    :class:`~prealign.schemas.errors.ConfigError` naming the argument (``required="txt"`` is not
+    the members ``t``, ``x``, ``t``)."""
+    if isinstance(required, (str, bytes)) or not isinstance(required, (list, tuple)):
+        raise ConfigError(
+            f"required: expected a list or tuple of member extensions (('txt',)), got "
+            f"{type(required).__name__} {required!r:.80}"
+        )
+    for ext in required:
+        if not isinstance(ext, str) or not ext:
+            raise ConfigError(f"required: expected member extensions (str), got {ext!r:.80}")
+    if decoders is not None and not (
+        isinstance(decoders, Mapping)
+        and all(isinstance(k, str) and callable(v) for k, v in decoders.items())
+    ):
+        raise ConfigError(
+            f"decoders: expected a mapping extension (str) -> callable(bytes), got "
+            f"{decoders!r:.80}"
+        )
+    if remote is not None and not isinstance(remote, _remote.RemoteOptions):
+        raise ConfigError(f"remote: expected a RemoteOptions or None, got {type(remote).__name__}")
+    for name, value in (("cache_dir", cache_dir), ("index_dir", index_dir)):
+        if not isinstance(value, (str, os.PathLike, type(None))):
+            raise ConfigError(f"{name}: expected a folder path or None, got {type(value).__name__}")
+
+
 def _expanded(urls: str | Sequence[str]) -> tuple[list[str], str, str | None, object]:
     """:func:`expand_urls`, the :func:`~prealign.loaders.sources.shard_files.url_text` of the list
     (made once: a start over 100k shards searches it instead of stepping through the names), the
@@ -99,11 +132,21 @@ def _expanded(urls: str | Sequence[str]) -> tuple[list[str], str, str | None, ob
         return _range_expanded(*parts)
     # (a list or tuple joined as given: copied only below, when the lines differ in length)
     items = urls if isinstance(urls, (list, tuple)) else [urls] if isinstance(urls, str) else None
+    if items is None and (isinstance(urls, (Mapping, bytes)) or not hasattr(urls, "__iter__")):
+        raise ConfigError(
+            f"urls: expected a shard path or URL, or a list of them, got {type(urls).__name__}"
+        )
     items = list(urls) if items is None else items
     try:
         text = url_text(items)
-    except TypeError:  # (not all strings: each made one below)
+    except TypeError:  # (not all strings: each made one below; a path object is one)
         text = "{"
+        for i, item in enumerate(items):
+            if not isinstance(item, (str, os.PathLike)):
+                raise ConfigError(
+                    f"urls[{i}]: expected a shard path or URL (a str), got "
+                    f"{type(item).__name__} {item!r:.80}"
+                ) from None
     if "{" not in text and "}" not in text and "\\" not in text:  # (100k plain paths: 3 searches)
         out = items
     else:
@@ -358,25 +401,26 @@ class WebDatasetSource(Source):
             or not read_timeout > 0
         ):
             raise ConfigError(f"read_timeout: expected seconds > 0 or None, got {read_timeout!r}")
+        _check_arguments(required, decoders, remote, cache_dir, index_dir)
         self.urls, text, self.folder, rows = _expanded(urls)
         """``folder``: the one folder that holds every shard
         (:func:`~prealign.loaders.sources.shard_files.one_folder`), None when there is none."""
         self.transform = transform
-        self.required = tuple(required)
+        self.required = tuple(required)  # (a sequence of str: _check_arguments)
         self.image = image
         self.decoders = dict(decoders or {})
         self.cache_dir = cache_dir
         self.index_dir, self.sidecars, self.max_open_files = (
             index_dir,
             bool(sidecars),
-            max(int(max_open_files), 1),
+            check_positive_int("max_open_files", max_open_files),
         )
         """Sidecars: looked up beside each shard (or in ``index_dir``) when ``sidecars``."""
         if index_dir and self.folder is None:
             # (shards of one folder: distinct paths, as _expanded checked, have distinct names)
             check_index_dir_names(self.urls)
         if remote is None:
-            limit = {} if cache_limit is None else {"cache_limit": int(cache_limit)}
+            limit = {} if cache_limit is None else {"cache_limit": cache_limit}  # (checked there)
             remote = _remote.RemoteOptions(cache_dir=cache_dir, **limit)
         self.local_only = plain_local(self.urls, text)
         """Every shard a plain local path (one check at the start: no per-shard question of the URLs

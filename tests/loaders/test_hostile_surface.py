@@ -7,16 +7,18 @@ exception, a traceback or a silent coercion."""
 from __future__ import annotations
 
 import os
+import pathlib
 
 import datasets
+import numpy as np
 import pytest
 
-from prealign.loaders import HFSource, Mixture, PackedLoader
+from prealign.loaders import HFSource, Mixture, PackedLoader, RemoteOptions, WebDatasetSource
 from prealign.loaders.cli.main import main
 from prealign.loaders.errors import PlanError
 from prealign.schemas import ParallelLayout, causal_lm_schema
 from prealign.schemas.errors import ConfigError
-from tests.loader_helpers import hf_rows, sample_lengths
+from tests.loader_helpers import hf_rows, sample_lengths, write_shards
 
 SCHEMA, LAYOUT = causal_lm_schema(), ParallelLayout()
 
@@ -64,3 +66,97 @@ def test_mixture_weights_whose_sum_overflows_are_refused_not_an_empty_epoch():
     mix = Mixture({"a": (_hf(), 1e307), "b": (_hf(seed=1), 1e307)})  # (a finite sum: served)
     loader = PackedLoader(mix, schema=SCHEMA, layout=LAYOUT, token_budget=256)
     assert sum(len(b["sample_index"]) for b in loader) == 20
+
+
+# ---- sources: constructor arguments ------------------------------------------------------------
+@pytest.mark.parametrize("value", [0, -1, True, 2.5, "4", None, float("inf"), float("nan")])
+@pytest.mark.parametrize("name", ["rows_per_shard", "lookback"])
+def test_hf_source_counts_are_ints_at_least_one_not_coerced(name, value):
+    ds = datasets.Dataset.from_dict(hf_rows(sample_lengths(20)))
+    with pytest.raises(ConfigError, match=rf"HFSource.{name}: expected an int >= 1, got"):
+        HFSource(ds, **{name: value})
+    assert HFSource(ds, rows_per_shard=np.int64(7)).num_shards == 3  # (a numpy int is one)
+
+
+@pytest.mark.parametrize(
+    "kw,words",
+    [
+        ({"name": 3}, "name: expected a str or None, got int"),
+        ({"media_root": 3}, "media_root: expected a folder path or None, got int"),
+    ],
+)
+def test_hf_source_name_and_media_root_of_another_type(kw, words):
+    ds = datasets.Dataset.from_dict(hf_rows(sample_lengths(4)))
+    with pytest.raises(ConfigError, match=words):
+        HFSource(ds, **kw)
+
+
+@pytest.mark.parametrize(
+    "kw,words",
+    [
+        ({"required": "txt"}, r"required: expected a list or tuple of member extensions"),
+        ({"required": None}, r"required: expected a list or tuple .* got NoneType"),
+        ({"required": ["npy", 3]}, r"required: expected member extensions \(str\), got 3"),
+        ({"decoders": 3}, r"decoders: expected a mapping extension \(str\) -> callable"),
+        ({"decoders": "ab"}, r"decoders: expected a mapping"),
+        ({"decoders": {"x": 3}}, r"decoders: expected a mapping"),
+        ({"remote": {"timeout": 3}}, r"remote: expected a RemoteOptions or None, got dict"),
+        ({"cache_dir": 3}, r"cache_dir: expected a folder path or None, got int"),
+        ({"index_dir": [1]}, r"index_dir: expected a folder path or None, got list"),
+        ({"max_open_files": 0}, r"max_open_files: expected an int >= 1, got 0"),
+        ({"max_open_files": None}, r"max_open_files: expected an int >= 1, got None"),
+        ({"max_open_files": float("inf")}, r"max_open_files: expected an int >= 1, got inf"),
+        ({"cache_limit": -1}, r"RemoteOptions.cache_limit: expected an int >= 0, got -1"),
+        ({"cache_limit": float("nan")}, r"RemoteOptions.cache_limit: expected an int >= 0"),
+    ],
+)
+def test_webdataset_source_arguments_of_another_type(kw, words, tmp_path):
+    paths = write_shards(str(tmp_path), sample_lengths(6), num_shards=2)
+    with pytest.raises(ConfigError, match=words):
+        WebDatasetSource(paths, **kw)
+    assert WebDatasetSource(paths, required=("input_ids.npy",)).required == ("input_ids.npy",)
+
+
+@pytest.mark.parametrize(
+    "urls,words",
+    [
+        (3, r"urls: expected a shard path or URL, or a list of them, got int"),
+        ({"a.tar": 1}, r"urls: expected .* got dict"),
+        (b"a.tar", r"urls: expected .* got bytes"),
+        (["a.tar", 1], r"urls\[1\]: expected a shard path or URL \(a str\), got int 1"),
+        (["a.tar", None], r"urls\[1\]: expected .* got NoneType None"),
+    ],
+)
+def test_webdataset_urls_of_another_type_are_refused_not_made_str(urls, words):
+    with pytest.raises(ConfigError, match=words):
+        WebDatasetSource(urls)
+
+
+def test_webdataset_urls_may_be_path_objects(tmp_path):
+    paths = write_shards(str(tmp_path), sample_lengths(6), num_shards=2)
+    assert WebDatasetSource([pathlib.Path(p) for p in paths]).urls == paths
+
+
+@pytest.mark.parametrize(
+    "kw,words",
+    [
+        ({"block_size": 0}, r"block_size: expected an int >= 1, got 0"),  # (start // 0 at a read)
+        ({"retries": -1}, r"retries: expected an int >= 0, got -1"),  # (no attempt at all)
+        ({"retries": True}, r"retries: expected an int >= 0, got True"),
+        ({"cache_limit": 2.5}, r"cache_limit: expected an int >= 0, got 2.5"),
+        ({"stream_shards": 0}, r"stream_shards: expected an int >= 1, got 0"),
+        ({"timeout": 0}, r"timeout: expected a number of seconds > 0"),
+        ({"timeout": float("nan")}, r"timeout: expected a number of seconds > 0 .* got nan"),
+        ({"timeout": 1e300}, r"timeout: expected .* and <= 9\.2\d*e\+09, got 1e\+300"),
+        ({"timeout": "30"}, r"timeout: expected a number of seconds"),
+        ({"request_deadline": -1.0}, r"request_deadline: expected a number of seconds > 0"),
+        ({"backoff": float("inf")}, r"backoff: expected a number of seconds >= 0"),
+        ({"min_rate": float("nan")}, r"min_rate: expected a number >= 0, got nan"),
+        ({"cache_dir": 3}, r"cache_dir: expected a folder path or None, got int"),
+        ({"storage_options": "anon"}, r"storage_options: expected a dict or None, got str"),
+    ],
+)
+def test_remote_options_out_of_range_are_a_config_error(kw, words):
+    with pytest.raises(ConfigError, match=r"RemoteOptions\." + words):
+        RemoteOptions(**kw)
+    assert RemoteOptions(retries=0, min_rate=0, cache_limit=0).retries == 0  # (still valid)
