@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from prealign.loaders.errors import PlanError
 from prealign.loaders.handoff.slots import shm_cap
 from prealign.loaders.index.sample_index import SampleIndex
+from prealign.loaders.plan.planner import check_dp_size
 
 
 def _int(name: str, value, low: int, *, optional: bool = False) -> None:
@@ -44,6 +45,7 @@ def check_dp(dp_rank, dp_size) -> None:
     :class:`~prealign.loaders.errors.PlanError` naming the argument."""
     if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
         raise PlanError(f"dp_size: expected an int >= 1, got {dp_size!r}")
+    check_dp_size(dp_size)  # (and at most MAX_DP_SIZE)
     if isinstance(dp_rank, bool) or not isinstance(dp_rank, int) or not 0 <= dp_rank < dp_size:
         raise PlanError(f"dp_rank: expected an int in [0, {dp_size}), got {dp_rank!r}")
 

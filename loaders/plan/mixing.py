@@ -110,6 +110,11 @@ class MixSpec:
         }
 
 
+MAX_EPOCH_DRAWS = 1 << 31
+"""Draws one component may make in one epoch: its plan holds int64 ids, components and draws for
+each (48 GiB at the bound); a ``length`` or ``repeat`` asking for more is a :class:`PlanError`."""
+
+
 def units_of(lengths: np.ndarray, by: str) -> np.ndarray:
     """int64 units of each sample: its tokens, or 1 (``by="samples"``)."""
     return lengths.astype(np.int64) if by == "tokens" else np.ones(lengths.shape[0], np.int64)
@@ -272,6 +277,15 @@ def mixed_order(
             int(np.ceil(want / sizes[c])) if n else 0
         )  # (no draw of the next pass reaches the target)
         count = passes * n + (int(served[c].max()) + 1 if served[c].size else 0)
+        if count > MAX_EPOCH_DRAWS:  # (made below, a pass at a time: hours, then out of memory)
+            raise PlanError(
+                f"mixture component {mix.names[c]!r}: expected at most {MAX_EPOCH_DRAWS:,} draws "
+                f"in an epoch, got {count:,} ({passes:,} passes over its {n:,} samples, from "
+                + (f"repeat={repeat!r}" if repeat is not None else f"length={mix.length!r}")
+                + "); lower the mixture's length (its epoch's "
+                + ("samples" if mix.by == "samples" else "tokens")
+                + ") or the repeat"
+            )
         stream = (
             component_stream(
                 n,

@@ -13,7 +13,15 @@ import datasets
 import numpy as np
 import pytest
 
-from prealign.loaders import HFSource, Mixture, PackedLoader, RemoteOptions, WebDatasetSource
+from prealign.loaders import (
+    Component,
+    HFSource,
+    Mixture,
+    PackedLoader,
+    RemoteOptions,
+    WebDatasetSource,
+    plan_microbatches,
+)
 from prealign.loaders.cli.main import main
 from prealign.loaders.errors import PlanError
 from prealign.schemas import ParallelLayout, causal_lm_schema
@@ -160,3 +168,36 @@ def test_remote_options_out_of_range_are_a_config_error(kw, words):
     with pytest.raises(ConfigError, match=r"RemoteOptions\." + words):
         RemoteOptions(**kw)
     assert RemoteOptions(retries=0, min_rate=0, cache_limit=0).retries == 0  # (still valid)
+
+
+# ---- sizes that make the plan unbounded ---------------------------------------------------------
+@pytest.mark.parametrize("dp_size", [2**20 + 1, 2**40, 10**30])
+def test_a_dp_size_past_the_bound_is_a_plan_error_not_out_of_memory(dp_size):
+    with pytest.raises(PlanError, match=r"dp_size: expected an int <= 1,048,576 \(DP ranks\)"):
+        PackedLoader(_hf(), schema=SCHEMA, layout=LAYOUT, token_budget=256, dp_size=dp_size)
+    with pytest.raises(PlanError, match=r"dp_size: expected an int <= 1,048,576"):
+        plan_microbatches([5, 6, 7], layout=LAYOUT, token_budget=256, dp_size=dp_size)
+    assert plan_microbatches([5, 6], layout=LAYOUT, token_budget=256, dp_size=4).dp_size == 4
+
+
+@pytest.mark.parametrize(
+    "kw,words",
+    [
+        ({"length": 2**40}, r"'a': expected at most 2,147,483,648 draws .* length=1099511627776"),
+        ({"length": 10**30}, r"'a': expected at most 2,147,483,648 draws"),
+        ({"by": "samples", "length": 2**32}, r"'a': expected at most .* \(its epoch's samples\)"),
+    ],
+)
+def test_a_mixture_epoch_past_the_draw_bound_is_a_plan_error_not_a_hang(kw, words):
+    loader = PackedLoader(
+        Mixture({"a": (_hf(), 1.0)}, **kw), schema=SCHEMA, layout=LAYOUT, token_budget=256
+    )
+    with pytest.raises(PlanError, match=words):
+        loader.prepare()
+
+
+def test_a_mixture_repeat_past_the_draw_bound_is_a_plan_error_not_a_hang():
+    mix = Mixture({"a": Component(_hf(), repeat=1e9)})
+    loader = PackedLoader(mix, schema=SCHEMA, layout=LAYOUT, token_budget=256)
+    with pytest.raises(PlanError, match=r"'a': expected at most .* from repeat=1000000000.0"):
+        loader.prepare()
