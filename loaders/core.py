@@ -108,6 +108,18 @@ class LoaderCore:
             ("loading", loading, LoadingOptions),
         ):
             check_option(name, value, cls)
+        for name, value, cls in (
+            ("source", source, Source),
+            ("schema", schema, BatchSchema),
+            ("layout", layout, ParallelLayout),
+        ):  # (None too: each is required)
+            if not isinstance(value, cls):
+                raise PlanError(f"{name}: expected a {cls.__name__}, got {type(value).__name__}")
+        if collator is not None and not callable(collator):
+            raise PlanError(
+                f"collator: expected a callable (list of samples -> batch) or None, got "
+                f"{type(collator).__name__}"
+            )
         self.source, self.schema, self.layout, self.token_budget = (
             source,
             schema,

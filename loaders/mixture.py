@@ -74,6 +74,15 @@ def _component(name: str, value) -> Component:
         raise ConfigError(
             f"mixture component {name!r}: expected a Source, got {type(comp.source).__name__}"
         )
+    for field, value, kinds, want in (
+        ("policy", comp.policy, (BadDataPolicy,), "a BadDataPolicy"),
+        ("index", comp.index, (SampleIndex, str), "a SampleIndex, its path"),
+    ):
+        if value is not None and not isinstance(value, kinds):
+            raise ConfigError(
+                f"mixture component {name!r}: {field}: expected {want} or None, got "
+                f"{type(value).__name__}"
+            )
     if isinstance(comp.source, Mixture):
         raise ConfigError(
             f"mixture component {name!r}: a Mixture inside a Mixture; list its components instead"

@@ -19,6 +19,7 @@ from prealign.loaders import (
     Mixture,
     PackedLoader,
     RemoteOptions,
+    StreamingPackedLoader,
     WebDatasetSource,
     plan_microbatches,
 )
@@ -201,3 +202,35 @@ def test_a_mixture_repeat_past_the_draw_bound_is_a_plan_error_not_a_hang():
     loader = PackedLoader(mix, schema=SCHEMA, layout=LAYOUT, token_budget=256)
     with pytest.raises(PlanError, match=r"'a': expected at most .* from repeat=1000000000.0"):
         loader.prepare()
+
+
+# ---- the loaders' and a mixture component's arguments of another type -------------------------
+@pytest.mark.parametrize("loader_cls", [PackedLoader, StreamingPackedLoader])
+@pytest.mark.parametrize(
+    "kw,words",
+    [
+        ({"source": "data/*.tar"}, r"source: expected a Source, got str"),
+        ({"source": None}, r"source: expected a Source, got NoneType"),
+        ({"schema": "causal_lm"}, r"schema: expected a BatchSchema, got str"),
+        ({"schema": None}, r"schema: expected a BatchSchema, got NoneType"),
+        ({"layout": {"tp": 2}}, r"layout: expected a ParallelLayout, got dict"),
+        ({"collator": 3}, r"collator: expected a callable .* got int"),
+    ],
+)
+def test_a_loader_argument_of_another_type_is_named(loader_cls, kw, words, tmp_path):
+    paths = write_shards(str(tmp_path), sample_lengths(6), num_shards=2)
+    args = {"source": WebDatasetSource(paths), "schema": SCHEMA, "layout": LAYOUT, **kw}
+    with pytest.raises(PlanError, match=words):
+        loader_cls(args.pop("source"), token_budget=256, **args)
+
+
+@pytest.mark.parametrize(
+    "kw,words",
+    [
+        ({"policy": "skip"}, r"'a': policy: expected a BadDataPolicy or None, got str"),
+        ({"index": 3}, r"'a': index: expected a SampleIndex, its path or None, got int"),
+    ],
+)
+def test_a_mixture_component_policy_or_index_of_another_type_is_named(kw, words):
+    with pytest.raises(ConfigError, match=words):
+        Mixture({"a": Component(_hf(), weight=1.0, **kw)})
