@@ -16,6 +16,7 @@ batch schema (one family, tokenizer and vision settings), else a
 
 from __future__ import annotations
 
+import collections
 import glob
 import json
 import os
@@ -133,6 +134,7 @@ class _TokenizeText:
 
 
 def _source(name: str, entry: dict, base: str, tokenizer):
+    from prealign.loaders.sources.hf_files import load_data_file, one_split
     from prealign.loaders.sources.source import HFSource
     from prealign.loaders.sources.webdataset import WebDatasetSource, numpy_fields
 
@@ -159,6 +161,12 @@ def _source(name: str, entry: dict, base: str, tokenizer):
             f"mixture file: component {name!r}: give 'path' (webdataset shards) or 'hf' (a dataset "
             f"file or saved folder), not {'both' if 'path' in entry else 'neither'}"
         )
+    for key in ("path", "hf"):
+        if key in entry and (not isinstance(entry[key], str) or not entry[key]):
+            raise ConfigError(
+                f"mixture file: component {name!r}: key {key}: expected a path (a non-empty str), "
+                f"got {entry[key]!r:.80}"
+            )
     if "path" in entry:
         return WebDatasetSource(
             _shards(_resolve(base, entry["path"])), transform=transform or numpy_fields
@@ -182,10 +190,19 @@ def _source(name: str, entry: dict, base: str, tokenizer):
                 f"mixture file: component {name!r}: hf {where}: expected a saved folder or a "
                 f".jsonl/.json/.parquet/.arrow/.csv file"
             )
-        ds = datasets.load_dataset(builder, data_files=where, split=entry.get("split", "train"))
-    if isinstance(ds, datasets.DatasetDict):
-        ds = ds[entry.get("split", "train")]
+        ds = load_data_file(builder, where, what=f"mixture file: component {name!r}: hf {where}")
+    ds = one_split(ds, entry.get("split", "train"), what=f"mixture file: component {name!r}: split")
     return HFSource(ds, transform=transform, name=name)
+
+
+def _unique_keys(pairs: list) -> dict:
+    """A JSON object of the file; a key given twice (the second would silently replace the
+    first: a component lost) is a ``ValueError``."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        twice = [k for k, n in collections.Counter(k for k, _ in pairs).items() if n > 1]
+        raise ValueError(f"expected each key once in an object, got {twice[:8]} more than once")
+    return out
 
 
 def read_mixture_file(path: str) -> dict:
@@ -193,8 +210,8 @@ def read_mixture_file(path: str) -> dict:
     them."""
     try:
         with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, ValueError) as exc:
+            data = json.load(f, object_pairs_hook=_unique_keys)
+    except (OSError, ValueError, RecursionError) as exc:  # (RecursionError: nested too deep)
         raise ConfigError(f"mixture file {path}: {exc}") from None
     if not isinstance(data, dict) or not isinstance(data.get("components"), dict):
         raise ConfigError(

@@ -12,6 +12,8 @@ import os
 import stat
 
 from prealign.loaders.cli.errors import UsageError
+from prealign.loaders.sources.hf_files import load_data_file
+from prealign.schemas.errors import ConfigError
 
 # load_dataset's packaged builder for a local data file, by extension
 _BUILDERS = {
@@ -219,7 +221,13 @@ def load_hf(path: str, split: str, cache_dir: str | None):
                 f"--hf {path}: not a data file load_dataset reads",
                 hint=f"give a {'/'.join(sorted({e[1:] for e in _BUILDERS}))} file or a folder",
             )
-        return _split(_load_file(datasets, builder, path, kw), split, path)
+        try:
+            ds = load_data_file(builder, path, what=f"--hf {path}", **kw)
+        except ConfigError as exc:
+            raise UsageError(
+                str(exc), hint=f"check that {os.path.basename(path)} is {builder} data"
+            ) from exc
+        return _split(ds, split, path)
     if os.path.isdir(path):
         if os.path.exists(os.path.join(path, "dataset_info.json")) or os.path.exists(
             os.path.join(path, "dataset_dict.json")
@@ -232,23 +240,6 @@ def load_hf(path: str, split: str, cache_dir: str | None):
             hint="check the path; a Hub dataset is named like org/name",
         )
     return _split(datasets.load_dataset(path, **kw), split, path)
-
-
-def _load_file(datasets, builder: str, path: str, kw: dict):
-    """``load_dataset(builder, data_files=path)``; a file it cannot read (empty, binary, not of
-    its extension's format) is a :class:`UsageError` naming the file, the format and the cause."""
-    import pyarrow
-
-    try:
-        return datasets.load_dataset(builder, data_files=path, **kw)
-    except (datasets.exceptions.DatasetGenerationError, pyarrow.ArrowException, StopIteration) as e:
-        cause = e.__cause__ if isinstance(e, datasets.exceptions.DatasetGenerationError) else e
-        what = f"{type(cause).__name__}: {cause}" if cause is not None else type(e).__name__
-        raise UsageError(
-            f"--hf {path}: expected a {builder} file load_dataset reads, got "
-            f"{'an empty file' if os.path.getsize(path) == 0 else 'one it cannot'} ({what:.200})",
-            hint=f"check that {os.path.basename(path)} is {builder} data with at least one row",
-        ) from e
 
 
 def _split(ds, split: str, path: str):

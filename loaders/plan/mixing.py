@@ -35,6 +35,9 @@ is seen whole at least once (HF ``interleave_datasets(stopping_strategy="all_exh
 ``first_exhausted``: the largest in which none is repeated (HF's default)."""
 
 
+_FLOAT_MAX = float(np.finfo(np.float64).max)
+
+
 @dataclass(frozen=True)
 class MixSpec:
     """The mixture's semantics, pure data (JSON via :meth:`to_dict`).
@@ -80,9 +83,11 @@ class MixSpec:
                 isinstance(value, bool)
                 or not isinstance(value, (int, float))
                 or not 0 < value < float("inf")
+                or value > _FLOAT_MAX  # (an int past float64: no share can be made of it)
             ):
                 raise PlanError(
-                    f"mixture component {name!r}: {what} must be a finite number > 0, got {value!r}"
+                    f"mixture component {name!r}: {what} must be a finite number > 0, got "
+                    f"{value!r:.80}"
                 )
         if len(set(self.names)) != n or not n:
             raise PlanError(f"mixture: expected distinct component names, got {list(self.names)}")

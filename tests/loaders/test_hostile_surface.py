@@ -6,6 +6,7 @@ exception, a traceback or a silent coercion."""
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 
@@ -234,3 +235,46 @@ def test_a_loader_argument_of_another_type_is_named(loader_cls, kw, words, tmp_p
 def test_a_mixture_component_policy_or_index_of_another_type_is_named(kw, words):
     with pytest.raises(ConfigError, match=words):
         Mixture({"a": Component(_hf(), weight=1.0, **kw)})
+
+
+# ---- Mixture.from_file: a mixture file as a careless user writes it ---------------------------
+def _mixture_file(tmp_path, text: str) -> str:
+    write_shards(str(tmp_path / "w"), sample_lengths(6), num_shards=2)
+    datasets.Dataset.from_dict(hf_rows(sample_lengths(5))).to_json(str(tmp_path / "h.jsonl"))
+    (tmp_path / "empty.jsonl").write_bytes(b"")
+    (tmp_path / "m.json").write_text(text)
+    return str(tmp_path / "m.json")
+
+
+def _comp(**entry) -> str:
+    return json.dumps({"components": {"a": {"weight": 1, **entry}}})
+
+
+@pytest.mark.parametrize(
+    "text,words",
+    [
+        ("[" * 100_000 + "]" * 100_000, r"m.json: maximum recursion depth exceeded"),
+        (
+            '{"components": {"a": {"path": "w", "weight": 1}, "a": {"path": "w", "weight": 2}}}',
+            r"m.json: expected each key once in an object, got \['a'\] more than once",
+        ),
+        (_comp(path=3), r"component 'a': key path: expected a path \(a non-empty str\), got 3"),
+        (_comp(path=["w"]), r"component 'a': key path: expected a path .* got \['w'\]"),
+        (_comp(hf=None), r"component 'a': key hf: expected a path .* got None"),
+        (_comp(hf="empty.jsonl"), r"component 'a': hf .*empty.jsonl: expected a json file .* an "),
+        (_comp(hf="h.jsonl", split=3), r"component 'a': split: expected a split of \['train'\]"),
+        (_comp(hf="h.jsonl", split="test"), r"split: expected a split of \['train'\], got 'test'"),
+        (
+            '{"components": {"a": {"path": "w", "weight": 1' + "0" * 400 + "}}}",
+            r"component 'a': weight must be a finite number > 0, got 10{79}$",
+        ),
+    ],
+)
+def test_a_hostile_mixture_file_is_a_config_error_naming_what_is_wrong(text, words, tmp_path):
+    with pytest.raises(ConfigError, match=words):
+        Mixture.from_file(_mixture_file(tmp_path, text))
+
+
+def test_a_valid_mixture_file_still_loads(tmp_path):
+    mix = Mixture.from_file(_mixture_file(tmp_path, _comp(hf="h.jsonl")))
+    assert mix.names == ("a",) and mix.spec.weights == (1,)
