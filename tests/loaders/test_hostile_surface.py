@@ -17,6 +17,7 @@ import pytest
 from prealign.loaders import (
     Component,
     HFSource,
+    LoadingOptions,
     Mixture,
     PackedLoader,
     RemoteOptions,
@@ -278,3 +279,31 @@ def test_a_hostile_mixture_file_is_a_config_error_naming_what_is_wrong(text, wor
 def test_a_valid_mixture_file_still_loads(tmp_path):
     mix = Mixture.from_file(_mixture_file(tmp_path, _comp(hf="h.jsonl")))
     assert mix.names == ("a",) and mix.spec.weights == (1,)
+
+
+# ---- LoadingOptions: values torch cannot wait or prefetch with --------------------------------
+@pytest.mark.parametrize("timeout", [float("inf"), 2147484.0, 1e10, 1e300])
+def test_a_loading_timeout_past_timeout_max_is_a_plan_error_not_an_overflow(timeout):
+    with pytest.raises(PlanError, match=r"LoadingOptions.timeout: expected seconds >= 0 and <= "):
+        LoadingOptions(timeout=timeout)
+    assert LoadingOptions(timeout=2147483.647).timeout == 2147483.647
+
+
+@pytest.mark.parametrize("factor", [4097, 10**8])
+def test_a_prefetch_factor_past_the_bound_is_a_plan_error_not_minutes_of_cpu(factor):
+    with pytest.raises(PlanError, match=r"prefetch_factor: expected an int <= 4096 .* got"):
+        LoadingOptions(prefetch_factor=factor)
+    assert LoadingOptions(prefetch_factor=4096).prefetch_factor == 4096
+
+
+def test_a_loader_with_a_long_timeout_loads(tmp_path):
+    """(What the bound is for: inf and 2147484 were an OverflowError at the first batch.)"""
+    loader = PackedLoader(
+        _hf(),
+        schema=SCHEMA,
+        layout=LAYOUT,
+        token_budget=128,
+        num_workers=1,
+        loading=LoadingOptions(timeout=2147483.647),
+    )
+    assert sum(len(b["sample_index"]) for b in loader) == 10
