@@ -398,9 +398,12 @@ class WebDatasetSource(Source):
         if read_timeout is not None and (
             isinstance(read_timeout, bool)
             or not isinstance(read_timeout, (int, float))
-            or not read_timeout > 0
+            or not 0 < read_timeout <= threading.TIMEOUT_MAX  # (a thread's wait: no longer)
         ):
-            raise ConfigError(f"read_timeout: expected seconds > 0 or None, got {read_timeout!r}")
+            raise ConfigError(
+                f"read_timeout: expected seconds > 0 and <= {threading.TIMEOUT_MAX:g}, or None (no "
+                f"deadline), got {read_timeout!r}"
+            )
         _check_arguments(required, decoders, remote, cache_dir, index_dir)
         self.urls, text, self.folder, rows = _expanded(urls)
         """``folder``: the one folder that holds every shard

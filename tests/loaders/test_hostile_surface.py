@@ -119,6 +119,8 @@ def test_hf_source_name_and_media_root_of_another_type(kw, words):
         ({"max_open_files": float("inf")}, r"max_open_files: expected an int >= 1, got inf"),
         ({"cache_limit": -1}, r"RemoteOptions.cache_limit: expected an int >= 0, got -1"),
         ({"cache_limit": float("nan")}, r"RemoteOptions.cache_limit: expected an int >= 0"),
+        ({"read_timeout": float("inf")}, r"read_timeout: expected seconds > 0 and <= 9.2\d*e\+09"),
+        ({"read_timeout": 1e300}, r"read_timeout: .* or None \(no deadline\), got 1e\+300"),
     ],
 )
 def test_webdataset_source_arguments_of_another_type(kw, words, tmp_path):
