@@ -309,3 +309,17 @@ def test_a_loader_with_a_long_timeout_loads(tmp_path):
         loading=LoadingOptions(timeout=2147483.647),
     )
     assert sum(len(b["sample_index"]) for b in loader) == 10
+
+
+@pytest.mark.parametrize("value", [float("inf"), 1e300, float("nan"), 0])
+def test_a_collective_timeout_a_timedelta_cannot_hold_is_a_plan_error(value, tmp_path):
+    """(inf, 1e300: an OverflowError at the first all_reduce of a DP group, ``timedelta``'s.)"""
+    paths = write_shards(str(tmp_path), sample_lengths(6), num_shards=2)
+    with pytest.raises(PlanError, match=r"collective_timeout: expected seconds > 0 and <= 8.6"):
+        StreamingPackedLoader(
+            WebDatasetSource(paths),
+            schema=SCHEMA,
+            layout=LAYOUT,
+            token_budget=128,
+            collective_timeout=value,
+        )
