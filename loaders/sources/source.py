@@ -436,9 +436,11 @@ def attach_media_files(row: dict, root: str, where: str) -> dict:
     for name in media_paths(row):
         if name in row or name in files:
             continue
-        path = os.path.realpath(os.path.join(root, name))
+        path = None if "\x00" in name else os.path.realpath(os.path.join(root, name))
         problem = None
-        if os.path.isabs(name) or os.path.commonpath([root, path]) != root:
+        if path is None:  # (no file name holds a NUL byte: os.path raises a ValueError on one)
+            problem = "a path with a NUL byte"
+        elif os.path.isabs(name) or os.path.commonpath([root, path]) != root:
             problem = "a path outside the media root"
         elif not os.path.isfile(path):
             problem = "no such file"

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from prealign.loaders import (
+    BadDataPolicy,
     Component,
     HFSource,
     LoadingOptions,
@@ -26,7 +27,7 @@ from prealign.loaders import (
     plan_microbatches,
 )
 from prealign.loaders.cli.main import main
-from prealign.loaders.errors import PlanError
+from prealign.loaders.errors import BadSampleError, PlanError
 from prealign.schemas import ParallelLayout, causal_lm_schema
 from prealign.schemas.errors import ConfigError
 from tests.loader_helpers import hf_rows, sample_lengths, write_shards
@@ -323,3 +324,18 @@ def test_a_collective_timeout_a_timedelta_cannot_hold_is_a_plan_error(value, tmp
             token_budget=128,
             collective_timeout=value,
         )
+
+
+# ---- HF rows naming media files ---------------------------------------------------------------
+def test_a_media_path_with_a_nul_byte_is_a_bad_sample_not_a_value_error(tmp_path):
+    (tmp_path / "ok.png").write_bytes(b"x")
+    ds = datasets.Dataset.from_dict(
+        {"input_ids": [[1, 2, 3], [4, 5, 6]], "images": [["a\x00b.png"], []]}
+    )
+    source = HFSource(ds, media_root=str(tmp_path))
+    with pytest.raises(BadSampleError, match=r"missing_image: sample .* a path with a NUL byte"):
+        source.read((0,))
+    skip = BadDataPolicy(on_error="skip", warn=False)
+    loader = PackedLoader(source, schema=SCHEMA, layout=LAYOUT, token_budget=64, bad_data=skip)
+    assert sum(len(b["sample_index"]) for b in loader) == 1
+    assert loader.report.counts == {"missing_image": 1}
