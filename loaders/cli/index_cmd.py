@@ -152,11 +152,36 @@ def load_local(auto, option: str, folder: str, what: str):
 
     try:
         return auto.from_pretrained(folder, local_files_only=True)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError, TypeError, AttributeError, KeyError) as exc:
+        # (JSON nested too deep; a value of another type than transformers reads, e.g.
+        # tokenizer_class: 3, fails inside it as a TypeError / AttributeError / KeyError)
         raise ConfigError(
             f"{option} {folder}: {what} "
             f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
         ) from None
+
+
+def _json_object(folder: str, name: str) -> dict:
+    """The JSON object of ``--processor``'s file ``name``; a file that is missing, not JSON,
+    nested too deep or not an object is a :class:`~prealign.schemas.errors.ConfigError` naming
+    it."""
+    import json
+
+    from prealign.schemas.errors import ConfigError
+
+    try:
+        with open(os.path.join(folder, name)) as f:
+            config = json.load(f)
+    except (OSError, ValueError, RecursionError) as exc:
+        raise ConfigError(
+            f"--processor {folder}: no readable {name} ({type(exc).__name__})"
+        ) from None
+    if not isinstance(config, dict):
+        raise ConfigError(
+            f"--processor {folder}: {name}: expected a JSON object of settings, got "
+            f"{type(config).__name__}"
+        )
+    return config
 
 
 def vlm_transform(args, topk):
@@ -164,10 +189,8 @@ def vlm_transform(args, topk):
     family's own transform where it has one (Gemma 3, LLaVA-OneVision: ``VisionFamily.transform``),
     else :class:`VLMSampleTransform` (the Qwen families, InternVL), the tokenizer wrapped with the
     family's token names."""
-    import json
 
     from prealign.loaders.media.vlm import VLMSampleTransform
-    from prealign.schemas.errors import ConfigError
 
     hf = None
     if getattr(args, "tokenizer", None):
@@ -181,15 +204,7 @@ def vlm_transform(args, topk):
         )
     options = {}
     if getattr(args, "processor", None):
-        path = os.path.join(args.processor, "preprocessor_config.json")
-        try:
-            with open(path) as f:
-                config = json.load(f)
-        except (OSError, ValueError) as exc:
-            raise ConfigError(
-                f"--processor {args.processor}: no readable preprocessor_config.json "
-                f"({type(exc).__name__})"
-            ) from None
+        config = _json_object(args.processor, "preprocessor_config.json")
         options = {k: config[k] for k in PROCESSOR_KEYS if k in config}
     model_config = video = family = None
     if getattr(args, "model_config", None):
@@ -203,8 +218,7 @@ def vlm_transform(args, topk):
         family = vision_family(model_config)
         video_path = os.path.join(args.processor or "", "video_preprocessor_config.json")
         if args.processor and os.path.isfile(video_path):
-            with open(video_path) as f:
-                video = json.load(f)
+            video = _json_object(args.processor, "video_preprocessor_config.json")
     if hf is None:
         from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
 

@@ -6,12 +6,16 @@ exception, a traceback or a silent coercion."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import pathlib
+import re
+import tarfile
 
 import datasets
 import numpy as np
+import PIL.Image
 import pytest
 
 from prealign.loaders import (
@@ -339,3 +343,56 @@ def test_a_media_path_with_a_nul_byte_is_a_bad_sample_not_a_value_error(tmp_path
     loader = PackedLoader(source, schema=SCHEMA, layout=LAYOUT, token_budget=64, bad_data=skip)
     assert sum(len(b["sample_index"]) for b in loader) == 1
     assert loader.report.counts == {"missing_image": 1}
+
+
+# ---- prealign index --processor / --model-config / --tokenizer: hostile local config files -----
+def _vlm_shard(tmp_path) -> str:
+    image = io.BytesIO()
+    PIL.Image.new("RGB", (32, 32)).save(image, "PNG")
+    chat = {"messages": [{"role": "user", "content": "<image>hi"}]}
+    chat["messages"].append({"role": "assistant", "content": "yo"})
+    path = tmp_path / "v.tar"
+    with tarfile.open(path, "w") as tf:
+        for name, data in (("a.json", json.dumps(chat).encode()), ("a.png", image.getvalue())):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "option,files,words",
+    [
+        (
+            "--processor",
+            {"preprocessor_config.json": "[" * 100_000 + "]" * 100_000},
+            r"no readable preprocessor_config.json \(RecursionError\)",
+        ),
+        (
+            "--processor",
+            {"preprocessor_config.json": "[1, 2]"},
+            r"preprocessor_config.json: expected a JSON object of settings, got list",
+        ),
+        (
+            "--model-config",
+            {"config.json": "[" * 100_000 + "]" * 100_000},
+            r"no readable config.json of a model \(RecursionError",
+        ),
+        (
+            "--tokenizer",
+            {"tokenizer_config.json": '{"tokenizer_class": 3}'},
+            r"not a local Hugging Face tokenizer folder \(",
+        ),
+    ],
+)
+def test_a_hostile_local_config_folder_is_one_error_line(option, files, words, tmp_path, capsys):
+    folder = tmp_path / "cfg"
+    folder.mkdir()
+    for name, text in files.items():
+        (folder / name).write_text(text)
+    argv = ["index", option, str(folder), _vlm_shard(tmp_path), "--out", str(tmp_path / "idx")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("prealign: error: ")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert f"{option} {folder}" in lines[0] and re.search(words, lines[0]), lines[0]
