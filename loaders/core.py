@@ -35,7 +35,6 @@ from prealign.loaders.sources.source import Source
 from prealign.loaders.state import STATE_KIND, LoaderState
 from prealign.schemas.layout import ParallelLayout
 from prealign.schemas.schema import BatchSchema
-from prealign.schemas.validate import check_schema_layout
 
 _CONFIG_KEY = {
     "dp_size": "dp_size",
@@ -109,7 +108,18 @@ class LoaderCore:
             ("loading", loading, LoadingOptions),
         ):
             check_option(name, value, cls)
-        check_schema_layout(schema, layout)  # (a collator= given checks neither)
+        for name, value, cls in (
+            ("source", source, Source),
+            ("schema", schema, BatchSchema),
+            ("layout", layout, ParallelLayout),
+        ):  # (None too: each is required)
+            if not isinstance(value, cls):
+                raise PlanError(f"{name}: expected a {cls.__name__}, got {type(value).__name__}")
+        if collator is not None and not callable(collator):
+            raise PlanError(
+                f"collator: expected a callable (list of samples -> batch) or None, got "
+                f"{type(collator).__name__}"
+            )
         self.source, self.schema, self.layout, self.token_budget = (
             source,
             schema,

@@ -74,6 +74,15 @@ def _component(name: str, value) -> Component:
         raise ConfigError(
             f"mixture component {name!r}: expected a Source, got {type(comp.source).__name__}"
         )
+    for field, value, kinds, want in (
+        ("policy", comp.policy, (BadDataPolicy,), "a BadDataPolicy"),
+        ("index", comp.index, (SampleIndex, str), "a SampleIndex, its path"),
+    ):
+        if value is not None and not isinstance(value, kinds):
+            raise ConfigError(
+                f"mixture component {name!r}: {field}: expected {want} or None, got "
+                f"{type(value).__name__}"
+            )
     if isinstance(comp.source, Mixture):
         raise ConfigError(
             f"mixture component {name!r}: a Mixture inside a Mixture; list its components instead"
@@ -111,6 +120,11 @@ class Mixture(Source):
                 f"{components!r}"
             )
         self.components = {str(k): _component(str(k), v) for k, v in components.items()}
+        if len(self.components) != len(components):  # 1 and "1": one name, a component lost
+            raise ConfigError(
+                f"components: expected distinct names, got {list(components)!r:.200} (names "
+                f"are compared as str)"
+            )
         self.spec = MixSpec(
             names=tuple(self.components),
             weights=tuple(c.weight for c in self.components.values()),

@@ -16,6 +16,7 @@ batch schema (one family, tokenizer and vision settings), else a
 
 from __future__ import annotations
 
+import collections
 import glob
 import json
 import os
@@ -144,6 +145,7 @@ class _TokenizeText:
 
 
 def _source(name: str, entry: dict, base: str, tokenizer):
+    from prealign.loaders.sources.hf_files import load_data_file, one_split
     from prealign.loaders.sources.source import HFSource
     from prealign.loaders.sources.webdataset import WebDatasetSource, numpy_fields
 
@@ -170,6 +172,12 @@ def _source(name: str, entry: dict, base: str, tokenizer):
             f"mixture file: component {name!r}: give 'path' (webdataset shards) or 'hf' (a dataset "
             f"file or saved folder), not {'both' if 'path' in entry else 'neither'}"
         )
+    for key in ("path", "hf"):
+        if key in entry and (not isinstance(entry[key], str) or not entry[key]):
+            raise ConfigError(
+                f"mixture file: component {name!r}: key {key}: expected a path (a non-empty str), "
+                f"got {entry[key]!r:.80}"
+            )
     if "path" in entry:
         return WebDatasetSource(
             _shards(_resolve(base, entry["path"])), transform=transform or numpy_fields
@@ -193,10 +201,19 @@ def _source(name: str, entry: dict, base: str, tokenizer):
                 f"mixture file: component {name!r}: hf {where}: expected a saved folder or a "
                 f".jsonl/.json/.parquet/.arrow/.csv file"
             )
-        ds = datasets.load_dataset(builder, data_files=where, split=entry.get("split", "train"))
-    if isinstance(ds, datasets.DatasetDict):
-        ds = ds[entry.get("split", "train")]
+        ds = load_data_file(builder, where, what=f"mixture file: component {name!r}: hf {where}")
+    ds = one_split(ds, entry.get("split", "train"), what=f"mixture file: component {name!r}: split")
     return HFSource(ds, transform=transform, name=name)
+
+
+def _unique_keys(pairs: list) -> dict:
+    """A JSON object of the file; a key given twice (the second would silently replace the
+    first: a component lost) is a ``ValueError``."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        twice = [k for k, n in collections.Counter(k for k, _ in pairs).items() if n > 1]
+        raise ValueError(f"expected each key once in an object, got {twice[:8]} more than once")
+    return out
 
 
 def read_mixture_file(path: str) -> dict:
@@ -205,9 +222,7 @@ def read_mixture_file(path: str) -> dict:
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f, object_pairs_hook=_unique_keys)
-    except RecursionError as exc:  # nesting deeper than the interpreter's limit
-        raise ConfigError(f"mixture file {path}: not JSON (RecursionError: {exc})") from None
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:  # (RecursionError: nested too deep)
         raise ConfigError(f"mixture file {path}: {exc}") from None
     if not isinstance(data, dict) or not isinstance(data.get("components"), dict):
         raise ConfigError(
@@ -236,17 +251,6 @@ def read_mixture_file(path: str) -> dict:
                     f"{entry[key]!r}"
                 )
     return data
-
-
-def _unique_keys(pairs: list) -> dict:
-    """A JSON object's dict; a key given twice is an error (``json`` would keep the last: a second
-    component of one name replaced the first), raised as a :class:`ConfigError` naming the file."""
-    out = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"duplicate key {key!r} in one object (expected each name once)")
-        out[key] = value
-    return out
 
 
 def load_mixture_file(mixture_cls, component_cls, path: str, *, tokenizer=None):

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from prealign.loaders.errors import PlanError
 from prealign.loaders.handoff.slots import shm_cap
 from prealign.loaders.index.sample_index import SampleIndex
+from prealign.loaders.plan.planner import check_dp_size
 
 
 def _int(name: str, value, low: int, *, optional: bool = False) -> None:
@@ -44,6 +45,7 @@ def check_dp(dp_rank, dp_size) -> None:
     :class:`~prealign.loaders.errors.PlanError` naming the argument."""
     if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
         raise PlanError(f"dp_size: expected an int >= 1, got {dp_size!r}")
+    check_dp_size(dp_size)  # (and at most MAX_DP_SIZE)
     if isinstance(dp_rank, bool) or not isinstance(dp_rank, int) or not 0 <= dp_rank < dp_size:
         raise PlanError(f"dp_rank: expected an int in [0, {dp_size}), got {dp_rank!r}")
 
@@ -99,6 +101,16 @@ class IndexOptions:
         _bool("IndexOptions.distributed", self.distributed)
 
 
+MAX_TIMEOUT = (2**31 - 1) / 1000
+"""Largest ``LoadingOptions.timeout`` (about 24.8 days): torch waits for a batch with
+``select``/``poll``, whose timeout is an int32 of milliseconds (more: an ``OverflowError`` at the
+first batch)."""
+MAX_PREFETCH = 1 << 12
+"""Largest ``LoadingOptions.prefetch_factor``: torch's DataLoader steps ``prefetch_factor *
+num_workers`` times at every epoch's start whatever the data (1e8: 80 CPU seconds for 6 batches),
+and holds that many batches."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class LoadingOptions:
     """torch ``DataLoader`` settings of the batch workers (``num_workers`` is the loader's own
@@ -121,6 +133,11 @@ class LoadingOptions:
 
     def __post_init__(self):
         _int("LoadingOptions.prefetch_factor", self.prefetch_factor, 1, optional=True)
+        if self.prefetch_factor is not None and self.prefetch_factor > MAX_PREFETCH:
+            raise PlanError(
+                f"LoadingOptions.prefetch_factor: expected an int <= {MAX_PREFETCH} (batches each "
+                f"worker loads ahead), got {self.prefetch_factor:,}"
+            )
         _bool("LoadingOptions.pin_memory", self.pin_memory)
         _bool("LoadingOptions.persistent_workers", self.persistent_workers)
         _int("LoadingOptions.shm_cap", self.shm_cap, 0, optional=True)
@@ -134,9 +151,12 @@ class LoadingOptions:
         if (
             isinstance(self.timeout, bool)
             or not isinstance(self.timeout, (int, float))
-            or not self.timeout >= 0
+            or not 0 <= self.timeout <= MAX_TIMEOUT
         ):
-            raise PlanError(f"LoadingOptions.timeout: expected seconds >= 0, got {self.timeout!r}")
+            raise PlanError(
+                f"LoadingOptions.timeout: expected seconds >= 0 and <= {MAX_TIMEOUT} (0: forever), "
+                f"got {self.timeout!r}"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -119,6 +119,8 @@ from prealign.schemas.errors import PrealignError, SampleError
 from prealign.schemas.layout import ParallelLayout
 from prealign.schemas.schema import BatchSchema
 
+_MAX_WAIT = datetime.timedelta.max.total_seconds()
+"""Largest ``collective_timeout`` (about 8.6e13 s): it is waited as a ``datetime.timedelta``."""
 _CHUNK = 32
 STREAM_PLANNER = PlannerConfig(buffer_size=1024)
 """The streaming loader's default planner: readers hold 1,024 samples; oversize samples raise."""
@@ -616,10 +618,11 @@ class StreamingPackedLoader(LoaderCore):
         if collective_timeout is not None and (
             isinstance(collective_timeout, bool)
             or not isinstance(collective_timeout, (int, float))
-            or not collective_timeout > 0
+            or not 0 < collective_timeout <= _MAX_WAIT  # (waited as a timedelta)
         ):
             raise PlanError(
-                f"collective_timeout: expected seconds > 0 or None, got {collective_timeout!r}"
+                f"collective_timeout: expected seconds > 0 and <= {_MAX_WAIT:g}, or None (the "
+                f"process group's own), got {collective_timeout!r}"
             )
         workers = worker_config(
             workers,

@@ -152,7 +152,9 @@ def load_local(auto, option: str, folder: str, what: str):
 
     try:
         return auto.from_pretrained(folder, local_files_only=True)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError, TypeError, AttributeError, KeyError) as exc:
+        # (JSON nested too deep; a value of another type than transformers reads, e.g.
+        # tokenizer_class: 3, fails inside it as a TypeError / AttributeError / KeyError)
         raise ConfigError(
             f"{option} {folder}: {what} "
             f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
@@ -160,8 +162,9 @@ def load_local(auto, option: str, folder: str, what: str):
 
 
 def _json_object(folder: str, name: str) -> dict:
-    """The JSON object in ``folder/name``; unreadable, not JSON (nested past the recursion limit
-    too) or not an object is a :class:`ConfigError` naming the file."""
+    """The JSON object of ``--processor``'s file ``name``; a file that is missing, not JSON,
+    nested too deep or not an object is a :class:`~prealign.schemas.errors.ConfigError` naming
+    it."""
     import json
 
     from prealign.schemas.errors import ConfigError
@@ -175,7 +178,8 @@ def _json_object(folder: str, name: str) -> dict:
         ) from None
     if not isinstance(config, dict):
         raise ConfigError(
-            f"--processor {folder}: {name}: expected a JSON object, got {type(config).__name__}"
+            f"--processor {folder}: {name}: expected a JSON object of settings, got "
+            f"{type(config).__name__}"
         )
     return config
 
@@ -185,6 +189,7 @@ def vlm_transform(args, topk):
     family's own transform where it has one (Gemma 3, LLaVA-OneVision: ``VisionFamily.transform``),
     else :class:`VLMSampleTransform` (the Qwen families, InternVL), the tokenizer wrapped with the
     family's token names."""
+
     from prealign.loaders.media.vlm import VLMSampleTransform
 
     hf = None

@@ -12,6 +12,8 @@ import os
 import stat
 
 from prealign.loaders.cli.errors import UsageError
+from prealign.loaders.sources.hf_files import load_data_file
+from prealign.schemas.errors import ConfigError
 
 # load_dataset's packaged builder for a local data file, by extension
 _BUILDERS = {
@@ -219,7 +221,13 @@ def load_hf(path: str, split: str, cache_dir: str | None):
                 f"--hf {path}: not a data file load_dataset reads",
                 hint=f"give a {'/'.join(sorted({e[1:] for e in _BUILDERS}))} file or a folder",
             )
-        return _split(datasets.load_dataset(builder, data_files=path, **kw), split, path)
+        try:
+            ds = load_data_file(builder, path, what=f"--hf {path}", **kw)
+        except ConfigError as exc:
+            raise UsageError(
+                str(exc), hint=f"check that {os.path.basename(path)} is {builder} data"
+            ) from exc
+        return _split(ds, split, path)
     if os.path.isdir(path):
         if os.path.exists(os.path.join(path, "dataset_info.json")) or os.path.exists(
             os.path.join(path, "dataset_dict.json")

@@ -35,6 +35,9 @@ is seen whole at least once (HF ``interleave_datasets(stopping_strategy="all_exh
 ``first_exhausted``: the largest in which none is repeated (HF's default)."""
 
 
+_FLOAT_MAX = float(np.finfo(np.float64).max)
+
+
 @dataclass(frozen=True)
 class MixSpec:
     """The mixture's semantics, pure data (JSON via :meth:`to_dict`).
@@ -80,15 +83,20 @@ class MixSpec:
                 isinstance(value, bool)
                 or not isinstance(value, (int, float))
                 or not 0 < value < float("inf")
+                or value > _FLOAT_MAX  # (an int past float64: no share can be made of it)
             ):
                 raise PlanError(
-                    f"mixture component {name!r}: {what} must be a finite number > 0, got {value!r}"
+                    f"mixture component {name!r}: {what} must be a finite number > 0, got "
+                    f"{value!r:.80}"
                 )
         if len(set(self.names)) != n or not n:
             raise PlanError(f"mixture: expected distinct component names, got {list(self.names)}")
         total = sum(float(w) for w in self.weights if w is not None)
-        if total == float("inf"):  # every share would be NaN: an epoch of no draws
-            raise PlanError(f"mixture weights: expected a finite sum, got {list(self.weights)}")
+        if not total < float("inf"):  # each finite, their sum not: every share would be 0
+            raise PlanError(
+                f"mixture weights: expected a finite sum (they are normalised by it), got "
+                f"{total} from {list(self.weights)}; scale them down"
+            )
 
     @property
     def shares(self) -> np.ndarray:
@@ -105,6 +113,12 @@ class MixSpec:
             "by": self.by,
             "length": self.length,
         }
+
+
+MAX_EPOCH_DRAWS = 1 << 31
+"""Draws the components of a mixture may make in one epoch, together: its plan holds int64 ids,
+components and draws for each (48 GiB at the bound); a weight, ``length`` or ``repeat`` asking for
+more is a :class:`PlanError` before any pass is built."""
 
 
 def units_of(lengths: np.ndarray, by: str) -> np.ndarray:
@@ -210,11 +224,6 @@ def _by_finish(units: Sequence[np.ndarray], ones: bool = False) -> np.ndarray:
     # component order
 
 
-MAX_EPOCH_DRAWS = 2**32
-"""The most draws one epoch of a mixture may hold (its order is int64 arrays of that many entries,
-built pass by pass): a weight, repeat or length that asks for more is a :class:`PlanError`."""
-
-
 def _check_draws(mix: MixSpec, targets: np.ndarray, sizes: np.ndarray, counts: list[int]) -> None:
     """Each component's draws (whole passes of ``counts[c]`` samples towards ``targets[c]`` units of
     ``sizes[c]`` per pass) sum to at most :data:`MAX_EPOCH_DRAWS`, before any pass is built."""
@@ -231,8 +240,8 @@ def _check_draws(mix: MixSpec, targets: np.ndarray, sizes: np.ndarray, counts: l
         )
         raise PlanError(
             f"mixture component {mix.names[c]!r}: {asked} asks for {draws[c]:.3g} draws of its "
-            f"{counts[c]} samples in one epoch; expected at most 2**32 draws per epoch (raise the "
-            f"smallest weight, lower the repeat or the length)"
+            f"{counts[c]} samples in one epoch; expected at most {MAX_EPOCH_DRAWS:,} draws an "
+            f"epoch (raise the smallest weight, lower the repeat or the length)"
         )
 
 

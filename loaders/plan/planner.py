@@ -44,6 +44,20 @@ from prealign.loaders.policy import Oversize, PackStrategy, coerce_enum
 from prealign.schemas.errors import BucketOverflowError
 from prealign.schemas.layout import ParallelLayout, round_up, round_up_array
 
+MAX_DP_SIZE = 1 << 20
+"""DP ranks a plan is made for: each step holds a micro-batch per rank, so the plan's memory and
+work grow with ``dp_size`` whatever the data (a million ranks: seconds and a GiB for 20 samples);
+more is a :class:`PlanError`, not a ``MemoryError``."""
+
+
+def check_dp_size(dp_size) -> int:
+    """``dp_size`` as an ``int`` when it is an int in ``[1, MAX_DP_SIZE]``, else
+    :class:`PlanError`."""
+    size = _int_at_least("dp_size", dp_size, 1)
+    if size > MAX_DP_SIZE:
+        raise PlanError(f"dp_size: expected an int <= {MAX_DP_SIZE:,} (DP ranks), got {size:,}")
+    return size
+
 
 def _int_at_least(name: str, value, low: int) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
@@ -426,7 +440,7 @@ class ChunkedPlan:
         if seed is not None:
             _int_at_least("seed", seed, 0)
         self.layout, self.token_budget = layout, token_budget
-        self.dp = _int_at_least("dp_size", dp_size, 1)
+        self.dp = check_dp_size(dp_size)
         true_len = _as_lengths(lengths)
         media = _as_flags(has_media, true_len.size)
         self.cap = cap = microbatch_capacity(layout, token_budget)

@@ -109,39 +109,42 @@ class RemoteOptions:
     reading process."""
 
     def __post_init__(self):
-        for key, least in (
-            ("cache_limit", 1),
-            ("block_size", 1),
-            ("retries", 0),
-            ("stream_shards", 1),
-        ):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                _bad_option(key, f"an int >= {least}", value)
-        for key, what, zero in (
-            ("backoff", "seconds >= 0", True),
-            ("timeout", "seconds > 0", False),
-            ("request_deadline", "seconds > 0", False),
-            ("min_rate", "bytes per second > 0", False),
-        ):
-            value = getattr(self, key)
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, (int, float))
-                or not value < float("inf")
-                or not (value >= 0 if zero else value > 0)
-            ):
-                _bad_option(key, what, value)
-        if self.storage_options is not None and not isinstance(self.storage_options, dict):
-            _bad_option("storage_options", "a dict or None", self.storage_options)
-        for key in ("cache_dir", "private_dir"):
-            value = getattr(self, key)
-            if value is not None and not isinstance(value, (str, os.PathLike)):
-                _bad_option(key, "a path or None", value)
+        for name, low in (("cache_limit", 0), ("block_size", 1), ("retries", 0)):
+            _check_number(name, getattr(self, name), low, ints=True)
+        _check_number("stream_shards", self.stream_shards, 1, ints=True)
+        _check_number("backoff", self.backoff, 0, high=threading.TIMEOUT_MAX)
+        for name in ("timeout", "request_deadline"):  # (a socket timeout: at most TIMEOUT_MAX)
+            _check_number(name, getattr(self, name), 0, high=threading.TIMEOUT_MAX, above=True)
+        _check_number("min_rate", self.min_rate, 0)
+        for name in ("cache_dir", "private_dir"):
+            if not isinstance(getattr(self, name), (str, os.PathLike, type(None))):
+                raise ConfigError(
+                    f"RemoteOptions.{name}: expected a folder path or None, got "
+                    f"{type(getattr(self, name)).__name__}"
+                )
+        if not isinstance(self.storage_options, (dict, type(None))):
+            raise ConfigError(
+                f"RemoteOptions.storage_options: expected a dict or None, got "
+                f"{type(self.storage_options).__name__}"
+            )
 
 
-def _bad_option(key: str, expected: str, value) -> None:
-    raise ConfigError(f"RemoteOptions.{key}: expected {expected}, got {value!r}")
+def _check_number(name, value, low, *, ints=False, high=float("inf"), above=False) -> None:
+    """``RemoteOptions.<name>``: an int (``ints``) or a real number, ``>= low`` (``> low`` when
+    ``above``) and ``<= high`` (NaN never), else :class:`ConfigError` naming it."""
+    kinds = (int,) if ints else (int, float)
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, kinds)
+        or not ((value > low) if above else (value >= low))
+        or not value <= high
+    ):
+        want = "an int" if ints else "a number of seconds" if high < float("inf") else "a number"
+        bound = f" and <= {high:g}" if high < float("inf") else ""
+        raise ConfigError(
+            f"RemoteOptions.{name}: expected {want} {'>' if above else '>='} {low}{bound}, got "
+            f"{value!r}"
+        )
 
 
 DEFAULT = RemoteOptions()

@@ -33,6 +33,20 @@ missing key, an index past a list, an unparsable value): counted as ``bad_sample
 bad data) and an ``OSError`` always propagate."""
 
 
+def check_positive_int(name: str, value) -> int:
+    """``value`` as an ``int`` when it is an int >= 1 (numpy ints too; never a bool, float or str),
+    else :class:`~prealign.schemas.errors.ConfigError` naming ``name``.
+
+    >>> check_positive_int("rows_per_shard", 64)
+    64
+    """
+    import numpy as np
+
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ConfigError(f"{name}: expected an int >= 1, got {value!r} ({type(value).__name__})")
+    return int(value)
+
+
 Skip = BadRecord
 """A scan record that is not a sample (a tar member without extension): a
 :class:`~prealign.loaders.policy.BadRecord` without error, ``Skip(reason, where, message)``:
@@ -242,6 +256,12 @@ class HFSource(Source):
     ):
         import datasets
 
+        if not isinstance(media_root, (str, os.PathLike, type(None))):
+            raise ConfigError(
+                f"media_root: expected a folder path or None, got {type(media_root).__name__}"
+            )
+        if not isinstance(name, (str, type(None))):
+            raise ConfigError(f"name: expected a str or None, got {type(name).__name__}")
         self.media_root = None if media_root is None else os.path.realpath(media_root)
         """Where the files an ``images`` / ``videos`` column names by relative path are read from
         (the dataset's folder: :func:`attach_media_files`); ``None``: rows carry their media
@@ -257,8 +277,8 @@ class HFSource(Source):
                 f"{type(dataset).__name__}"
             )
         self.sequential = self.streaming
-        self.rows_per_shard = max(int(rows_per_shard), 1)
-        self.lookback = max(int(lookback), 1)
+        self.rows_per_shard = check_positive_int("HFSource.rows_per_shard", rows_per_shard)
+        self.lookback = check_positive_int("HFSource.lookback", lookback)
         self.name = name or (getattr(getattr(dataset, "info", None), "dataset_name", None) or "hf")
         columns = getattr(dataset, "column_names", None)
         if transform is None and columns and "input_ids" not in columns:
@@ -416,9 +436,11 @@ def attach_media_files(row: dict, root: str, where: str) -> dict:
     for name in media_paths(row):
         if name in row or name in files:
             continue
-        path = os.path.realpath(os.path.join(root, name))
+        path = None if "\x00" in name else os.path.realpath(os.path.join(root, name))
         problem = None
-        if os.path.isabs(name) or os.path.commonpath([root, path]) != root:
+        if path is None:  # (no file name holds a NUL byte: os.path raises a ValueError on one)
+            problem = "a path with a NUL byte"
+        elif os.path.isabs(name) or os.path.commonpath([root, path]) != root:
             problem = "a path outside the media root"
         elif not os.path.isfile(path):
             problem = "no such file"

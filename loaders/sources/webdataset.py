@@ -54,7 +54,13 @@ from prealign.loaders.sources.shard_files import (
     sample_checksum,
     url_text,
 )
-from prealign.loaders.sources.source import Location, Skip, Source, Transform
+from prealign.loaders.sources.source import (
+    Location,
+    Skip,
+    Source,
+    Transform,
+    check_positive_int,
+)
 from prealign.loaders.sources.tar_decode import (
     DEFAULT_LIMITS,
     DecodeLimits,
@@ -82,6 +88,47 @@ def expand_urls(urls: str | Sequence[str]) -> list[str]:
     return _expanded(urls)[0]
 
 
+def _check_arguments(
+    required, decoders, remote, cache_dir, index_dir, max_open_files, cache_limit, sidecars
+) -> tuple:
+    """``required`` as a tuple; :class:`WebDatasetSource`'s arguments of a type it cannot use are
+    a :class:`~prealign.schemas.errors.ConfigError` naming the argument (``required="txt"`` is not
+    the members ``t``, ``x``, ``t``; ``sidecars="no"`` is not True)."""
+
+    def is_int(v) -> bool:
+        return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+    if isinstance(required, (str, bytes)) or not hasattr(required, "__iter__"):
+        raise ConfigError(
+            f"required: expected a list or tuple of member extensions (('txt',)), got "
+            f"{type(required).__name__} {required!r:.80}"
+        )
+    names = tuple(required)
+    for ext in names:
+        if not isinstance(ext, str) or not ext:
+            raise ConfigError(f"required: expected member extensions (str), got {ext!r:.80}")
+    if decoders is not None and not (
+        isinstance(decoders, Mapping)
+        and all(isinstance(k, str) and callable(v) for k, v in decoders.items())
+    ):
+        raise ConfigError(
+            f"decoders: expected a mapping extension (str) -> callable(bytes), got "
+            f"{decoders!r:.80}"
+        )
+    if remote is not None and not isinstance(remote, _remote.RemoteOptions):
+        raise ConfigError(f"remote: expected a RemoteOptions or None, got {type(remote).__name__}")
+    for name, value in (("cache_dir", cache_dir), ("index_dir", index_dir)):
+        if not isinstance(value, (str, os.PathLike, type(None))):
+            raise ConfigError(f"{name}: expected a folder path or None, got {type(value).__name__}")
+    if not is_int(max_open_files):
+        raise ConfigError(f"max_open_files: expected an int, got {max_open_files!r}")
+    if cache_limit is not None and not is_int(cache_limit):
+        raise ConfigError(f"cache_limit: expected an int (bytes) or None, got {cache_limit!r}")
+    if not isinstance(sidecars, (bool, np.bool_)):
+        raise ConfigError(f"sidecars: expected a bool, got {sidecars!r}")
+    return names
+
+
 def _expanded(urls: str | Sequence[str]) -> tuple[list[str], str, str | None, object]:
     """:func:`expand_urls`, the :func:`~prealign.loaders.sources.shard_files.url_text` of the list
     (made once: a start over 100k shards searches it instead of stepping through the names), the
@@ -99,11 +146,21 @@ def _expanded(urls: str | Sequence[str]) -> tuple[list[str], str, str | None, ob
         return _range_expanded(*parts)
     # (a list or tuple joined as given: copied only below, when the lines differ in length)
     items = urls if isinstance(urls, (list, tuple)) else [urls] if isinstance(urls, str) else None
+    if items is None and (isinstance(urls, (Mapping, bytes)) or not hasattr(urls, "__iter__")):
+        raise ConfigError(
+            f"urls: expected a shard path or URL, or a list of them, got {type(urls).__name__}"
+        )
     items = list(urls) if items is None else items
     try:
         text = url_text(items)
-    except TypeError:  # (not all strings: each made one below)
+    except TypeError:  # (not all strings: each made one below; a path object is one)
         text = "{"
+        for i, item in enumerate(items):
+            if not isinstance(item, (str, os.PathLike)):
+                raise ConfigError(
+                    f"urls[{i}]: expected a shard path or URL (a str), got "
+                    f"{type(item).__name__} {item!r:.80}"
+                ) from None
     if "{" not in text and "}" not in text and "\\" not in text:  # (100k plain paths: 3 searches)
         out = items
     else:
@@ -299,34 +356,6 @@ def check_members(
         )
 
 
-def _check_arguments(max_open_files, cache_limit, required, decoders, sidecars) -> tuple:
-    """``required`` as a tuple; :class:`WebDatasetSource`'s arguments of a kind it cannot use are a
-    :class:`ConfigError` naming them (a str ``required`` would be iterated into one-letter members,
-    ``"no"`` read as True)."""
-
-    def is_int(v) -> bool:
-        return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
-
-    if not is_int(max_open_files):
-        raise ConfigError(f"max_open_files: expected an int, got {max_open_files!r}")
-    if cache_limit is not None and not is_int(cache_limit):
-        raise ConfigError(f"cache_limit: expected an int (bytes) or None, got {cache_limit!r}")
-    iterable = not isinstance(required, (str, bytes)) and hasattr(required, "__iter__")
-    names = tuple(required) if iterable else ()
-    if not iterable or not all(isinstance(r, str) for r in names):
-        raise ConfigError(
-            f"required: expected a sequence of member names (e.g. ['input_ids.npy']), got "
-            f"{required!r}"
-        )
-    if decoders is not None and not isinstance(decoders, Mapping):
-        raise ConfigError(
-            f"decoders: expected a dict extension -> decoder or None, got {type(decoders).__name__}"
-        )
-    if not isinstance(sidecars, (bool, np.bool_)):
-        raise ConfigError(f"sidecars: expected a bool, got {sidecars!r}")
-    return names
-
-
 class WebDatasetSource(Source):
     """webdataset shards (local paths, ``file://`` or remote URLs).
 
@@ -383,29 +412,34 @@ class WebDatasetSource(Source):
         if read_timeout is not None and (
             isinstance(read_timeout, bool)
             or not isinstance(read_timeout, (int, float))
-            or not read_timeout > 0
+            or not 0 < read_timeout <= threading.TIMEOUT_MAX  # (a thread's wait: no longer)
         ):
-            raise ConfigError(f"read_timeout: expected seconds > 0 or None, got {read_timeout!r}")
-        required = _check_arguments(max_open_files, cache_limit, required, decoders, sidecars)
+            raise ConfigError(
+                f"read_timeout: expected seconds > 0 and <= {threading.TIMEOUT_MAX:g}, or None (no "
+                f"deadline), got {read_timeout!r}"
+            )
+        required = _check_arguments(
+            required, decoders, remote, cache_dir, index_dir, max_open_files, cache_limit, sidecars
+        )
         self.urls, text, self.folder, rows = _expanded(urls)
         """``folder``: the one folder that holds every shard
         (:func:`~prealign.loaders.sources.shard_files.one_folder`), None when there is none."""
         self.transform = transform
-        self.required = tuple(required)
+        self.required = tuple(required)  # (a sequence of str: _check_arguments)
         self.image = image
         self.decoders = dict(decoders or {})
         self.cache_dir = cache_dir
         self.index_dir, self.sidecars, self.max_open_files = (
             index_dir,
             bool(sidecars),
-            max(int(max_open_files), 1),
+            check_positive_int("max_open_files", max_open_files),
         )
         """Sidecars: looked up beside each shard (or in ``index_dir``) when ``sidecars``."""
         if index_dir and self.folder is None:
             # (shards of one folder: distinct paths, as _expanded checked, have distinct names)
             check_index_dir_names(self.urls)
         if remote is None:
-            limit = {} if cache_limit is None else {"cache_limit": int(cache_limit)}
+            limit = {} if cache_limit is None else {"cache_limit": cache_limit}  # (checked there)
             remote = _remote.RemoteOptions(cache_dir=cache_dir, **limit)
         self.local_only = plain_local(self.urls, text)
         """Every shard a plain local path (one check at the start: no per-shard question of the URLs

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from prealign.collate import BSHDCollator, THDCollator
+from prealign.loaders.errors import PlanError
 from prealign.schemas import ParallelLayout, causal_lm_schema
 from prealign.schemas.errors import ArgumentError
 
@@ -38,7 +39,7 @@ def test_a_loader_with_its_own_collator_names_a_schema_or_layout_of_the_wrong_ty
 
     source = HFSource(datasets.Dataset.from_dict({"input_ids": [[1, 2, 3]]}))
     collator = THDCollator(schema=SCHEMA, layout=LAYOUT)
-    with pytest.raises(ArgumentError, match=f"{next(iter(kw))}: expected a"):
+    with pytest.raises(PlanError, match=f"{next(iter(kw))}: expected a"):
         PackedLoader(
             source, **{"schema": SCHEMA, "layout": LAYOUT, **kw}, token_budget=64, collator=collator
         )
