@@ -244,12 +244,11 @@ def read_mixture_file(path: str) -> dict:
                 f"mixture file {path}: component {name!r}: unknown key(s) {sorted(bad)}; expected "
                 f"{sorted(_COMPONENT)}"
             )
-        for key in ("path", "hf", "split"):
-            if key in entry and not isinstance(entry[key], str):
-                raise ConfigError(
-                    f"mixture file {path}: component {name!r}: key {key}: expected a str, got "
-                    f"{entry[key]!r}"
-                )
+        if "split" in entry and not isinstance(entry["split"], str):  # (path, hf: _source)
+            raise ConfigError(
+                f"mixture file {path}: component {name!r}: key split: expected a str, got "
+                f"{entry['split']!r:.80}"
+            )
     return data
 
 

@@ -88,15 +88,10 @@ def expand_urls(urls: str | Sequence[str]) -> list[str]:
     return _expanded(urls)[0]
 
 
-def _check_arguments(
-    required, decoders, remote, cache_dir, index_dir, max_open_files, cache_limit, sidecars
-) -> tuple:
+def _check_arguments(required, decoders, remote, cache_dir, index_dir, sidecars) -> tuple:
     """``required`` as a tuple; :class:`WebDatasetSource`'s arguments of a type it cannot use are
     a :class:`~prealign.schemas.errors.ConfigError` naming the argument (``required="txt"`` is not
     the members ``t``, ``x``, ``t``; ``sidecars="no"`` is not True)."""
-
-    def is_int(v) -> bool:
-        return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
 
     if isinstance(required, (str, bytes)) or not hasattr(required, "__iter__"):
         raise ConfigError(
@@ -112,18 +107,13 @@ def _check_arguments(
         and all(isinstance(k, str) and callable(v) for k, v in decoders.items())
     ):
         raise ConfigError(
-            f"decoders: expected a mapping extension (str) -> callable(bytes), got "
-            f"{decoders!r:.80}"
+            f"decoders: expected a mapping extension (str) -> callable(bytes), got {decoders!r:.80}"
         )
     if remote is not None and not isinstance(remote, _remote.RemoteOptions):
         raise ConfigError(f"remote: expected a RemoteOptions or None, got {type(remote).__name__}")
     for name, value in (("cache_dir", cache_dir), ("index_dir", index_dir)):
         if not isinstance(value, (str, os.PathLike, type(None))):
             raise ConfigError(f"{name}: expected a folder path or None, got {type(value).__name__}")
-    if not is_int(max_open_files):
-        raise ConfigError(f"max_open_files: expected an int, got {max_open_files!r}")
-    if cache_limit is not None and not is_int(cache_limit):
-        raise ConfigError(f"cache_limit: expected an int (bytes) or None, got {cache_limit!r}")
     if not isinstance(sidecars, (bool, np.bool_)):
         raise ConfigError(f"sidecars: expected a bool, got {sidecars!r}")
     return names
@@ -418,9 +408,7 @@ class WebDatasetSource(Source):
                 f"read_timeout: expected seconds > 0 and <= {threading.TIMEOUT_MAX:g}, or None (no "
                 f"deadline), got {read_timeout!r}"
             )
-        required = _check_arguments(
-            required, decoders, remote, cache_dir, index_dir, max_open_files, cache_limit, sidecars
-        )
+        required = _check_arguments(required, decoders, remote, cache_dir, index_dir, sidecars)
         self.urls, text, self.folder, rows = _expanded(urls)
         """``folder``: the one folder that holds every shard
         (:func:`~prealign.loaders.sources.shard_files.one_folder`), None when there is none."""

@@ -19,7 +19,7 @@ def _file(tmp_path, text: str) -> str:
 
 @pytest.mark.parametrize("text", ["[" * 100_000, '{"components": ' * 100_000], ids=["array", "obj"])
 def test_nesting_past_the_recursion_limit_is_a_config_error(tmp_path, text):
-    with pytest.raises(ConfigError, match="mixture file .*: not JSON .*RecursionError"):
+    with pytest.raises(ConfigError, match="mixture file .*recursion"):
         Mixture.from_file(_file(tmp_path, text))
 
 
@@ -31,7 +31,7 @@ def test_nesting_past_the_recursion_limit_is_a_config_error(tmp_path, text):
 def test_a_component_key_not_a_str_is_a_config_error(tmp_path, key, value):
     entry = {"path": "x.tar", key: value} if key == "split" else {key: value}
     text = json.dumps({"components": {"web": {**entry, "weight": 1}}})
-    with pytest.raises(ConfigError, match=f"component 'web': key {key}: expected a str, got"):
+    with pytest.raises(ConfigError, match=f"component 'web': key {key}: expected a (path .*)?str"):
         Mixture.from_file(_file(tmp_path, text))
 
 
@@ -41,7 +41,7 @@ def test_a_duplicate_component_name_is_a_config_error(tmp_path):
         '{"components": {"web": {"path": "a.tar", "weight": 1}, '
         '"web": {"path": "b.tar", "weight": 2}}}'
     )
-    with pytest.raises(ConfigError, match="duplicate key 'web'"):
+    with pytest.raises(ConfigError, match="'web'.* more than once"):
         Mixture.from_file(_file(tmp_path, text))
 
 

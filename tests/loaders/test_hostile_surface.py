@@ -193,9 +193,9 @@ def test_a_dp_size_past_the_bound_is_a_plan_error_not_out_of_memory(dp_size):
 @pytest.mark.parametrize(
     "kw,words",
     [
-        ({"length": 2**40}, r"'a': expected at most 2,147,483,648 draws .* length=1099511627776"),
-        ({"length": 10**30}, r"'a': expected at most 2,147,483,648 draws"),
-        ({"by": "samples", "length": 2**32}, r"'a': expected at most .* \(its epoch's samples\)"),
+        ({"length": 2**40}, r"'a': .*length 1099511627776.*expected at most 2,147,483,648 draws"),
+        ({"length": 10**30}, r"'a': .*expected at most 2,147,483,648 draws"),
+        ({"by": "samples", "length": 2**32}, r"'a': .*expected at most 2,147,483,648 draws"),
     ],
 )
 def test_a_mixture_epoch_past_the_draw_bound_is_a_plan_error_not_a_hang(kw, words):
@@ -209,7 +209,7 @@ def test_a_mixture_epoch_past_the_draw_bound_is_a_plan_error_not_a_hang(kw, word
 def test_a_mixture_repeat_past_the_draw_bound_is_a_plan_error_not_a_hang():
     mix = Mixture({"a": Component(_hf(), repeat=1e9)})
     loader = PackedLoader(mix, schema=SCHEMA, layout=LAYOUT, token_budget=256)
-    with pytest.raises(PlanError, match=r"'a': expected at most .* from repeat=1000000000.0"):
+    with pytest.raises(PlanError, match=r"'a': repeat 1000000000.0 asks for .*expected at most"):
         loader.prepare()
 
 
@@ -270,7 +270,7 @@ def _comp(**entry) -> str:
         (_comp(path=["w"]), r"component 'a': key path: expected a path .* got \['w'\]"),
         (_comp(hf=None), r"component 'a': key hf: expected a path .* got None"),
         (_comp(hf="empty.jsonl"), r"component 'a': hf .*empty.jsonl: expected a json file .* an "),
-        (_comp(hf="h.jsonl", split=3), r"component 'a': split: expected a split of \['train'\]"),
+        (_comp(hf="h.jsonl", split=3), r"component 'a': key split: expected a str, got 3"),
         (_comp(hf="h.jsonl", split="test"), r"split: expected a split of \['train'\], got 'test'"),
         (
             '{"components": {"a": {"path": "w", "weight": 1' + "0" * 400 + "}}}",

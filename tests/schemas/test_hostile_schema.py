@@ -77,9 +77,7 @@ def test_an_empty_value_interval_is_a_schema_error():
         FieldSpec(name="input_ids", min_value=5, max_value=1)
 
 
-@pytest.mark.parametrize(
-    "value", ["x", 1.5, True, None, _INT64_OVER, -_INT64_OVER - 1], ids=repr
-)
+@pytest.mark.parametrize("value", ["x", 1.5, True, None, _INT64_OVER, -_INT64_OVER - 1], ids=repr)
 def test_ignore_index_must_be_an_int64(value):
     with pytest.raises(SchemaError, match="ignore_index: expected an int in int64"):
         BatchSchema.from_json(_schema_json(ignore_index=value))

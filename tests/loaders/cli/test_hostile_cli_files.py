@@ -13,8 +13,8 @@ from prealign.loaders.cli.main import main
     "text, words",
     [
         ("[" * 100_000, "RecursionError"),
-        ("[1, 2]", "expected a JSON object, got list"),
-        ('"min_pixels"', "expected a JSON object, got str"),
+        ("[1, 2]", "got list"),
+        ('"min_pixels"', "got str"),
     ],
     ids=["deep", "list", "str"],
 )

@@ -32,7 +32,9 @@ def test_an_epoch_past_the_draw_limit_is_a_plan_error_before_any_work(kw, monkey
     monkeypatch.setattr(
         mixing, "component_stream", lambda n, count, **k: built.append(count) or real(n, count, **k)
     )
-    with pytest.raises(PlanError, match=r"mixture component '[ab]': .* draws .* at most 2\*\*32"):
+    with pytest.raises(
+        PlanError, match=r"mixture component '[ab]': .* draws .* at most 2,147,483,648 draws"
+    ):
         mixed_order(MixSpec(names=("a", "b"), **kw), LENGTHS, epoch=0, seed=0, shuffle=True)
     assert built == []
 
@@ -50,5 +52,5 @@ def test_an_epoch_below_the_limit_is_built():
 
 def test_weights_whose_sum_overflows_are_a_plan_error():
     """Two weights of 1e308 summed to inf: every share NaN, an epoch of zero draws."""
-    with pytest.raises(PlanError, match="weights: expected a finite sum, got"):
+    with pytest.raises(PlanError, match="weights: expected a finite sum"):
         MixSpec(names=("a", "b"), weights=(1e308, 1e308))
