@@ -33,6 +33,7 @@ skips under it (``corrupt_image``, ``missing_image``, ...), through the source's
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import enum
 import functools
@@ -195,6 +196,36 @@ def check_float_dtypes(transform) -> None:
             )
 
 
+_PROCESSOR_INTS = ("min_pixels", "max_pixels", "patch_size", "temporal_patch_size", "merge_size")
+
+
+def check_processor_options(transform) -> None:
+    """``transform.processor_options`` a dict of image processor settings whose known ones are of
+    their type (pixel counts and patch sizes ints >= 1, ``do_*`` bools, ``rescale_factor`` a
+    finite number, ``image_mean`` / ``image_std`` a number or a list of numbers), else a
+    :class:`ConfigError` naming the transform's class, the option and what came."""
+    options = transform.processor_options
+    where = f"{type(transform).__name__}.processor_options"
+    if not isinstance(options, dict):
+        raise ConfigError(f"{where}: expected a dict, got {type(options).__name__}")
+    for name, value in options.items():
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if name in _PROCESSOR_INTS:
+            ok, want = number and isinstance(value, int) and value >= 1, "an int >= 1"
+        elif name.startswith("do_"):
+            ok, want = isinstance(value, bool), "True or False"
+        elif name == "rescale_factor":
+            ok, want = number and 0 < value < float("inf"), "a finite number > 0"
+        elif name in ("image_mean", "image_std"):
+            items = value if isinstance(value, (list, tuple)) else [value]
+            ok = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in items)
+            ok, want = ok and bool(items), "a number or a list of numbers"
+        else:
+            continue
+        if not ok:
+            raise ConfigError(f"{where}[{name!r}]: expected {want}, got {value!r:.80}")
+
+
 def check_decode_threads(transform) -> None:
     """``transform.decode_threads`` an int >= 0 (decoder threads per video file; 0: ffmpeg's
     choice), else a :class:`ConfigError` naming the transform's class."""
@@ -214,7 +245,7 @@ def _processor(options: tuple):
         from transformers import Qwen2VLImageProcessorPil as cls
     except ImportError:  # older transformers
         from transformers import Qwen2VLImageProcessor as cls
-    kwargs = dict(options)
+    kwargs = {k: list(v) if isinstance(v, tuple) else v for k, v in options}  # (image_processor)
     if "size" not in kwargs:  # the pixel range as a size of its own: transformers 5.10 writes
         # min_pixels= / max_pixels= into the class's default size, which every processor built
         # after it then starts from (so a default built later would silently get that range)
@@ -232,7 +263,16 @@ QWEN2VL_MIN_PIXELS, QWEN2VL_MAX_PIXELS = 56 * 56, 28 * 28 * 1280
 def image_processor(**options):
     """transformers' Qwen2-VL image processor with its default configuration, overridden by
     ``options`` (e.g. ``max_pixels``). Built locally, no hub access; cached per process."""
-    return _processor(tuple(sorted(options.items())))
+    key = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in options.items()))
+    try:  # (a list, e.g. a preprocessor_config.json's image_mean, is a tuple in the cache's key)
+        hash(key)
+    except TypeError:
+        bad = [k for k, v in key if not isinstance(v, collections.abc.Hashable)]
+        raise ConfigError(
+            f"image processor options {bad}: expected numbers, bools, strings or lists of them, "
+            f"got {', '.join(type(options[k]).__name__ for k in bad)}"
+        ) from None
+    return _processor(key)
 
 
 def process_images(images: list, processor, *, sample=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -746,6 +786,7 @@ class VLMSampleTransform:
 
     def __post_init__(self):
         check_float_dtypes(self)
+        check_processor_options(self)
         if self.model_config is not None:
             object.__setattr__(self, "family", vision_family(self.model_config))
             if self.family.transform is not None:

@@ -27,11 +27,14 @@ from prealign.loaders import (
     PackedLoader,
     RemoteOptions,
     StreamingPackedLoader,
+    VLMSampleTransform,
     WebDatasetSource,
     plan_microbatches,
 )
+from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
 from prealign.loaders.cli.main import main
 from prealign.loaders.errors import BadSampleError, PlanError
+from prealign.loaders.media.vlm import image_processor
 from prealign.schemas import ParallelLayout, causal_lm_schema
 from prealign.schemas.errors import ConfigError
 from tests.loader_helpers import hf_rows, sample_lengths, write_shards
@@ -396,3 +399,38 @@ def test_a_hostile_local_config_folder_is_one_error_line(option, files, words, t
     lines = [line for line in err.splitlines() if line.startswith("prealign: error: ")]
     assert len(lines) == 1 and "Traceback" not in err, err
     assert f"{option} {folder}" in lines[0] and re.search(words, lines[0]), lines[0]
+
+
+def test_a_real_preprocessor_config_with_list_means_indexes(tmp_path, capsys):
+    """Qwen2-VL's own preprocessor_config.json writes image_mean / image_std as lists: they were
+    a TypeError (unhashable list) in the image processor's cache."""
+    folder = tmp_path / "proc"
+    folder.mkdir()
+    config = {"image_mean": [0.48145466, 0.4578275, 0.40821073], "min_pixels": 3136}
+    config["image_std"] = [0.26862954, 0.26130258, 0.27577711]
+    (folder / "preprocessor_config.json").write_text(json.dumps(config))
+    argv = ["index", "--processor", str(folder), _vlm_shard(tmp_path)]
+    assert main(argv + ["--out", str(tmp_path / "idx")]) == 0, capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "options,words",
+    [
+        ({"min_pixels": "abc"}, r"\['min_pixels'\]: expected an int >= 1, got 'abc'"),
+        ({"max_pixels": float("inf")}, r"\['max_pixels'\]: expected an int >= 1, got inf"),
+        ({"temporal_patch_size": [1]}, r"\['temporal_patch_size'\]: expected an int >= 1"),
+        ({"rescale_factor": None}, r"\['rescale_factor'\]: expected a finite number > 0"),
+        ({"image_mean": "x"}, r"\['image_mean'\]: expected a number or a list of numbers"),
+        ({"do_resize": 1}, r"\['do_resize'\]: expected True or False, got 1"),
+        ([("min_pixels", 1)], r": expected a dict, got list"),
+    ],
+)
+def test_vlm_processor_options_of_another_type_are_named(options, words):
+    with pytest.raises(ConfigError, match=r"VLMSampleTransform.processor_options" + words):
+        VLMSampleTransform(tokenizer=ByteTokenizer(), processor_options=options)
+
+
+def test_an_unhashable_image_processor_option_is_a_config_error():
+    with pytest.raises(ConfigError, match=r"image processor options \['size'\]: .* got dict"):
+        image_processor(size={"shortest_edge": 3136, "longest_edge": 1003520})
+    assert list(image_processor(image_mean=[0.5, 0.5, 0.5]).image_mean) == [0.5, 0.5, 0.5]
