@@ -114,7 +114,9 @@ def _check_arguments(required, decoders, remote, cache_dir, index_dir, sidecars)
     for name, value in (("cache_dir", cache_dir), ("index_dir", index_dir)):
         if not isinstance(value, (str, os.PathLike, type(None))):
             raise ConfigError(f"{name}: expected a folder path or None, got {type(value).__name__}")
-    if not isinstance(sidecars, (bool, np.bool_)):
+    if not isinstance(sidecars, (bool, np.bool_)) and not (
+        isinstance(sidecars, (int, np.integer)) and sidecars in (0, 1)  # (a flag written 0 / 1)
+    ):
         raise ConfigError(f"sidecars: expected a bool, got {sidecars!r}")
     return names
 
@@ -131,6 +133,8 @@ def _expanded(urls: str | Sequence[str]) -> tuple[list[str], str, str | None, ob
 
     if isinstance(urls, Lines):  # (another source's shards: read-only)
         return (urls, urls.text, *_check_unique(urls, urls.text))
+    if isinstance(urls, os.PathLike):  # (one shard's path: as its str)
+        urls = os.fspath(urls)
     parts = one_range(urls) if isinstance(urls, str) else None
     if parts is not None:  # (one range "/d/s-{000000..099999}.tar": its text made by numpy)
         return _range_expanded(*parts)
