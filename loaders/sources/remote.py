@@ -70,6 +70,7 @@ from prealign.loaders.errors import (
     RemoteStallError,
 )
 from prealign.loaders.sources import http_pool
+from prealign.loaders.sources.source import check_folder
 from prealign.loaders.sources.tar_decode import DEFAULT_LIMITS, DecodeLimits
 from prealign.loaders.sources.tar_reader import TarFormatError
 from prealign.schemas.errors import ConfigError, PrealignError
@@ -119,11 +120,7 @@ class RemoteOptions:
             _check_number(self, name, 0, high=threading.TIMEOUT_MAX, above=True)
         _check_number(self, "min_rate", 0)
         for name in ("cache_dir", "private_dir"):
-            if not isinstance(getattr(self, name), (str, os.PathLike, type(None))):
-                raise ConfigError(
-                    f"RemoteOptions.{name}: expected a folder path or None, got "
-                    f"{type(getattr(self, name)).__name__}"
-                )
+            check_folder(f"RemoteOptions.{name}", getattr(self, name))
         if not isinstance(self.storage_options, (dict, type(None))):
             raise ConfigError(
                 f"RemoteOptions.storage_options: expected a dict or None, got "

@@ -59,6 +59,7 @@ from prealign.loaders.sources.source import (
     Skip,
     Source,
     Transform,
+    check_folder,
     check_positive_int,
 )
 from prealign.loaders.sources.tar_decode import (
@@ -111,9 +112,8 @@ def _check_arguments(required, decoders, remote, cache_dir, index_dir, sidecars)
         )
     if remote is not None and not isinstance(remote, _remote.RemoteOptions):
         raise ConfigError(f"remote: expected a RemoteOptions or None, got {type(remote).__name__}")
-    for name, value in (("cache_dir", cache_dir), ("index_dir", index_dir)):
-        if not isinstance(value, (str, os.PathLike, type(None))):
-            raise ConfigError(f"{name}: expected a folder path or None, got {type(value).__name__}")
+    check_folder("cache_dir", cache_dir)
+    check_folder("index_dir", index_dir)
     if not isinstance(sidecars, (bool, np.bool_)) and not (
         isinstance(sidecars, (int, np.integer)) and sidecars in (0, 1)  # (a flag written 0 / 1)
     ):
