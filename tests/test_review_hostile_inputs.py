@@ -114,3 +114,18 @@ def test_web_dataset_source_keeps_what_it_read_before(tmp_path):
         with pytest.raises(ConfigError, match="sidecars"):
             WebDatasetSource(urls, sidecars=bad)
     assert list(WebDatasetSource(pathlib.Path(urls[0])).urls) == [urls[0]]
+
+
+def test_a_mixture_component_s_index_may_be_a_path_object(tmp_path):
+    """``Component(index=)`` is a SampleIndex or its path: a ``pathlib.Path`` is its path (the new
+    type check said "expected a SampleIndex, its path or None, got PosixPath")."""
+    from prealign.loaders import Mixture
+    from prealign.loaders.index.build import build_index
+    from prealign.loaders.mixture import Component
+
+    urls = write_shards(str(tmp_path), sample_lengths(9), num_shards=3)
+    schema = causal_lm_schema()
+    saved = tmp_path / "a.index"
+    build_index(WebDatasetSource(urls), schema).save(str(saved))
+    mix = Mixture({"a": Component(WebDatasetSource(urls), weight=1.0, index=saved)})
+    assert len(mix.build_index(schema).lengths) == 9
