@@ -70,6 +70,7 @@ from prealign.loaders.sources.tar_decode import (
 )
 from prealign.loaders.sources.tar_reader import TarFormatError, iter_members
 from prealign.schemas.errors import ConfigError, SampleError
+from prealign.schemas.layout import is_flag
 
 _SPILL_CHUNK = 4 << 20
 _AHEAD_BYTES = 64 << 20
@@ -114,9 +115,7 @@ def _check_arguments(required, decoders, remote, cache_dir, index_dir, sidecars)
         raise ConfigError(f"remote: expected a RemoteOptions or None, got {type(remote).__name__}")
     check_folder("cache_dir", cache_dir)
     check_folder("index_dir", index_dir)
-    if not isinstance(sidecars, (bool, np.bool_)) and not (
-        isinstance(sidecars, (int, np.integer)) and sidecars in (0, 1)  # (a flag written 0 / 1)
-    ):
+    if not is_flag(sidecars):  # (True, False, or 1 / 0)
         raise ConfigError(f"sidecars: expected a bool, got {sidecars!r}")
     return names
 
