@@ -27,7 +27,7 @@ import enum
 import functools
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Mapping
 
 import numpy as np
 
@@ -397,7 +397,7 @@ class ParallelLayout:
     @classmethod
     def from_dict(cls, data: dict) -> "ParallelLayout":
         """The inverse of :meth:`to_dict`; unknown keys are a :class:`LayoutError`."""
-        if not isinstance(data, dict):
+        if not isinstance(data, Mapping):  # (a dict, an OmegaConf DictConfig, ...)
             raise LayoutError(
                 f"layout: expected a dict of ParallelLayout fields, got {type(data).__name__}"
             )

@@ -12,7 +12,7 @@ import hashlib
 import json
 import numbers
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Mapping
 
 import numpy as np
 
@@ -236,8 +236,9 @@ class FieldSpec:
     def from_dict(cls, d: dict) -> "FieldSpec":
         """The inverse of :meth:`to_dict`; a non-dict or an unknown key is a
         :class:`SchemaError`."""
-        if not isinstance(d, dict):
+        if not isinstance(d, Mapping):  # (a dict, an OmegaConf DictConfig, ...)
             raise SchemaError(f"field: expected a dict of FieldSpec keys, got {type(d).__name__}")
+        d = dict(d)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(map(repr, set(d) - known))
         if unknown:

@@ -129,3 +129,23 @@ def test_a_mixture_component_s_index_may_be_a_path_object(tmp_path):
     build_index(WebDatasetSource(urls), schema).save(str(saved))
     mix = Mixture({"a": Component(WebDatasetSource(urls), weight=1.0, index=saved)})
     assert len(mix.build_index(schema).lengths) == 9
+
+
+def test_from_dict_takes_any_mapping():
+    """A config read through a mapping that is not a ``dict`` (an OmegaConf ``DictConfig`` of a
+    Hydra config, a ``MappingProxyType``) built a FieldSpec and a PlannerConfig before the new
+    ``isinstance(d, dict)`` checks; a list is still refused."""
+    import types
+
+    from prealign.loaders.errors import PlanError
+
+    spec = causal_lm_schema().fields[0]
+    assert FieldSpec.from_dict(types.MappingProxyType(spec.to_dict())) == spec
+    config = PlannerConfig()
+    assert PlannerConfig.from_dict(types.MappingProxyType(config.to_dict())) == config
+    layout = ParallelLayout(tp=2, length_buckets=(64, 128))
+    assert ParallelLayout.from_dict(types.MappingProxyType(layout.to_dict())) == layout
+    with pytest.raises(SchemaError, match="expected a dict"):
+        FieldSpec.from_dict([("name", "x")])
+    with pytest.raises(PlanError, match="expected a dict"):
+        PlannerConfig.from_dict([("seed", 1)])
