@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import pickle
 
 import numpy as np
 import pytest
@@ -97,6 +98,13 @@ def test_remote_options_take_numpy_numbers():
     assert numpy == RemoteOptions(block_size=1024, retries=2, timeout=5.0, backoff=1)
     with pytest.raises(ConfigError, match="block_size"):
         RemoteOptions(block_size=1024.5)
+    import types
+
+    options = types.MappingProxyType({"anon": True})  # (fsspec takes them as **kwargs)
+    remote = RemoteOptions(storage_options=options)
+    assert pickle.loads(pickle.dumps(remote)).storage_options == {"anon": True}
+    with pytest.raises(ConfigError, match="storage_options"):
+        RemoteOptions(storage_options=[("anon", True)])
 
 
 def test_web_dataset_source_keeps_what_it_read_before(tmp_path):

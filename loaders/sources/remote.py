@@ -61,6 +61,7 @@ import urllib.parse
 import warnings
 import zlib
 from dataclasses import dataclass
+from typing import Mapping
 
 from prealign.loaders.errors import (
     MissingShardError,
@@ -121,11 +122,13 @@ class RemoteOptions:
         _check_number(self, "min_rate", 0)
         for name in ("cache_dir", "private_dir"):
             check_folder(f"RemoteOptions.{name}", getattr(self, name))
-        if not isinstance(self.storage_options, (dict, type(None))):
+        if not isinstance(self.storage_options, (Mapping, type(None))):  # (a DictConfig too)
             raise ConfigError(
                 f"RemoteOptions.storage_options: expected a dict or None, got "
                 f"{type(self.storage_options).__name__}"
             )
+        if self.storage_options is not None:  # (a dict: picklable for the DataLoader workers)
+            object.__setattr__(self, "storage_options", dict(self.storage_options))
 
 
 def _check_number(
