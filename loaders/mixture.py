@@ -20,6 +20,7 @@ taking a source takes it; :class:`~prealign.loaders.loader.PackedLoader` plans i
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -55,7 +56,7 @@ class Component:
     weight: float | None = None
     repeat: float | None = None
     policy: BadDataPolicy | None = None
-    index: SampleIndex | str | None = None
+    index: SampleIndex | str | os.PathLike | None = None
 
 
 def _component(name: str, value) -> Component:
@@ -76,7 +77,7 @@ def _component(name: str, value) -> Component:
         )
     for field, value, kinds, want in (
         ("policy", comp.policy, (BadDataPolicy,), "a BadDataPolicy"),
-        ("index", comp.index, (SampleIndex, str), "a SampleIndex, its path"),
+        ("index", comp.index, (SampleIndex, str, os.PathLike), "a SampleIndex, its path"),
     ):
         if value is not None and not isinstance(value, kinds):
             raise ConfigError(
@@ -289,7 +290,9 @@ class Mixture(Source):
             try:
                 if comp.index is not None:
                     part = (
-                        SampleIndex.load(comp.index) if isinstance(comp.index, str) else comp.index
+                        comp.index
+                        if isinstance(comp.index, SampleIndex)
+                        else SampleIndex.load(os.fspath(comp.index))
                     )
                 else:
                     part = build_index(

@@ -27,7 +27,7 @@ import enum
 import functools
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Mapping
 
 import numpy as np
 
@@ -139,9 +139,11 @@ class CPLayout(enum.Enum):
     CONTIGUOUS = "contiguous"
 
 
-def _is_01(value) -> bool:
-    """An int 0 or 1 (not 0.0, not "1")."""
-    return isinstance(value, (int, np.integer)) and value in (0, 1)
+def is_flag(value) -> bool:
+    """A bool (numpy's too) or an int 0 or 1 (not 0.0, not "1", not "no")."""
+    return isinstance(value, (bool, np.bool_)) or (
+        isinstance(value, (int, np.integer)) and value in (0, 1)
+    )
 
 
 def _positive_int(name: str, value) -> int:
@@ -196,7 +198,7 @@ class ParallelLayout:
                     f"got {self.max_seqs}"
                 )
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731  (frozen dataclass)
-        if not (self.sp is None or isinstance(self.sp, (bool, np.bool_)) or _is_01(self.sp)):
+        if not (self.sp is None or is_flag(self.sp)):
             raise LayoutError(f"sp: expected a bool or None, got {self.sp!r}")
         set_("sp", self.tp > 1 if self.sp is None else bool(self.sp))
         set_("fp8", FP8Recipe.coerce(self.fp8))
@@ -395,7 +397,7 @@ class ParallelLayout:
     @classmethod
     def from_dict(cls, data: dict) -> "ParallelLayout":
         """The inverse of :meth:`to_dict`; unknown keys are a :class:`LayoutError`."""
-        if not isinstance(data, dict):
+        if not isinstance(data, Mapping):  # (a dict, an OmegaConf DictConfig, ...)
             raise LayoutError(
                 f"layout: expected a dict of ParallelLayout fields, got {type(data).__name__}"
             )

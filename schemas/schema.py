@@ -12,7 +12,9 @@ import hashlib
 import json
 import numbers
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Mapping
+
+import numpy as np
 
 from .errors import SchemaError
 
@@ -82,10 +84,19 @@ def _int64(value) -> bool:
     return isinstance(value, numbers.Integral) and -(2**63) <= value < 2**63
 
 
+def _python(value):
+    """A numpy scalar as its Python number (``np.int64(3)`` -> 3, ``np.bool_`` -> bool): what
+    ``to_json`` and the fingerprint can write; anything else as it is."""
+    return value.item() if isinstance(value, np.generic) else value
+
+
 def _check_field_values(spec: "FieldSpec") -> None:
     """The flags are bools, the pad value a number (an int in int64), the bounds numbers (not NaN)
-    with ``min_value <= max_value``: each a :class:`SchemaError` naming the field."""
+    with ``min_value <= max_value``: each a :class:`SchemaError` naming the field. numpy scalars
+    are stored as Python numbers."""
     where = f"field {spec.name!r}"
+    for key in ("required", "cp_sharded", "finite", "pad_value", "min_value", "max_value"):
+        object.__setattr__(spec, key, _python(getattr(spec, key)))
     for key in ("required", "cp_sharded", "finite"):
         if not isinstance(getattr(spec, key), bool):
             raise SchemaError(f"{where}: {key}: expected a bool, got {getattr(spec, key)!r}")
@@ -225,8 +236,9 @@ class FieldSpec:
     def from_dict(cls, d: dict) -> "FieldSpec":
         """The inverse of :meth:`to_dict`; a non-dict or an unknown key is a
         :class:`SchemaError`."""
-        if not isinstance(d, dict):
+        if not isinstance(d, Mapping):  # (a dict, an OmegaConf DictConfig, ...)
             raise SchemaError(f"field: expected a dict of FieldSpec keys, got {type(d).__name__}")
+        d = dict(d)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(map(repr, set(d) - known))
         if unknown:
@@ -249,6 +261,7 @@ class BatchSchema:
     def __post_init__(self):
         if not isinstance(self.name, str):
             raise SchemaError(f"schema name: expected a str, got {self.name!r}")
+        object.__setattr__(self, "ignore_index", _python(self.ignore_index))
         if isinstance(self.ignore_index, bool) or not _int64(self.ignore_index):
             raise SchemaError(
                 f"schema {self.name!r}: ignore_index: expected an int in int64, got "
@@ -344,7 +357,7 @@ def _largest_id(vocab_size: int | None) -> int | None:
         return None
     if isinstance(vocab_size, bool) or not _int64(vocab_size) or vocab_size < 1:
         raise SchemaError(f"vocab_size: expected a positive int or None, got {vocab_size!r}")
-    return vocab_size - 1
+    return int(vocab_size) - 1
 
 
 def core_token_fields(

@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from dataclasses import dataclass
+from typing import Mapping
 
 import numpy as np
 
@@ -117,7 +118,7 @@ class PlannerConfig:
         _int_at_least("max_age", self.max_age, 1)
         _int_at_least("step_pool", self.step_pool, 1)
         _int_at_least("chunk_size", self.chunk_size, 1)
-        if isinstance(self.cost, dict):
+        if isinstance(self.cost, Mapping):
             object.__setattr__(self, "cost", CostModel(**_fields_of("cost", self.cost, CostModel)))
         if self.cost is not None and not isinstance(self.cost, CostModel):
             raise PlanError(f"cost: expected a CostModel, its dict or None, got {self.cost!r}")
@@ -166,10 +167,11 @@ class PlannerConfig:
 def _fields_of(where: str, data, cls) -> dict:
     """``data`` when it is a dict of some of ``cls``'s dataclass fields, else a :class:`PlanError`
     naming ``where``, the unknown keys and the fields expected."""
-    if not isinstance(data, dict):
+    if not isinstance(data, Mapping):  # (a dict, an OmegaConf DictConfig, ...)
         raise PlanError(
             f"{where}: expected a dict of {cls.__name__} fields, got {type(data).__name__}"
         )
+    data = dict(data)
     known = {f.name for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(map(str, set(data) - known))
     if unknown:

@@ -48,6 +48,7 @@ import http.client
 import itertools
 import json
 import multiprocessing.util
+import numbers
 import os
 import re
 import shutil
@@ -60,6 +61,7 @@ import urllib.parse
 import warnings
 import zlib
 from dataclasses import dataclass
+from typing import Mapping
 
 from prealign.loaders.errors import (
     MissingShardError,
@@ -69,6 +71,7 @@ from prealign.loaders.errors import (
     RemoteStallError,
 )
 from prealign.loaders.sources import http_pool
+from prealign.loaders.sources.source import check_folder
 from prealign.loaders.sources.tar_decode import DEFAULT_LIMITS, DecodeLimits
 from prealign.loaders.sources.tar_reader import TarFormatError
 from prealign.schemas.errors import ConfigError, PrealignError
@@ -109,33 +112,38 @@ class RemoteOptions:
     reading process."""
 
     def __post_init__(self):
-        for name, low in (("cache_limit", 0), ("block_size", 1), ("retries", 0)):
-            _check_number(name, getattr(self, name), low, ints=True)
-        _check_number("stream_shards", self.stream_shards, 1, ints=True)
-        _check_number("backoff", self.backoff, 0, high=threading.TIMEOUT_MAX)
+        _check_number(self, "cache_limit", 0, ints=True, whole_floats=True)  # (8e9 bytes)
+        for name, low in (("block_size", 1), ("retries", 0)):
+            _check_number(self, name, low, ints=True)
+        _check_number(self, "stream_shards", 1, ints=True)
+        _check_number(self, "backoff", 0, high=threading.TIMEOUT_MAX)
         for name in ("timeout", "request_deadline"):  # (a socket timeout: at most TIMEOUT_MAX)
-            _check_number(name, getattr(self, name), 0, high=threading.TIMEOUT_MAX, above=True)
-        _check_number("min_rate", self.min_rate, 0)
+            _check_number(self, name, 0, high=threading.TIMEOUT_MAX, above=True)
+        _check_number(self, "min_rate", 0)
         for name in ("cache_dir", "private_dir"):
-            if not isinstance(getattr(self, name), (str, os.PathLike, type(None))):
-                raise ConfigError(
-                    f"RemoteOptions.{name}: expected a folder path or None, got "
-                    f"{type(getattr(self, name)).__name__}"
-                )
-        if not isinstance(self.storage_options, (dict, type(None))):
+            check_folder(f"RemoteOptions.{name}", getattr(self, name))
+        if not isinstance(self.storage_options, (Mapping, type(None))):  # (a DictConfig too)
             raise ConfigError(
                 f"RemoteOptions.storage_options: expected a dict or None, got "
                 f"{type(self.storage_options).__name__}"
             )
+        if self.storage_options is not None:  # (a dict: picklable for the DataLoader workers)
+            object.__setattr__(self, "storage_options", dict(self.storage_options))
 
 
-def _check_number(name, value, low, *, ints=False, high=float("inf"), above=False) -> None:
-    """``RemoteOptions.<name>``: an int (``ints``) or a real number, ``>= low`` (``> low`` when
-    ``above``) and ``<= high`` (NaN never), else :class:`ConfigError` naming it."""
-    kinds = (int,) if ints else (int, float)
+def _check_number(
+    options, name, low, *, ints=False, whole_floats=False, high=float("inf"), above=False
+) -> None:
+    """``RemoteOptions.<name>``: an int (``ints``: numpy's too; with ``whole_floats`` a float of an
+    integer value, ``1e9`` bytes) or a real number, ``>= low`` (``> low`` when ``above``) and
+    ``<= high`` (NaN never), a numpy one stored as a Python ``int`` / ``float``; else
+    :class:`ConfigError` naming it."""
+    value = getattr(options, name)
+    if whole_floats and isinstance(value, float) and value.is_integer():
+        value = int(value)
     if (
-        isinstance(value, bool)
-        or not isinstance(value, kinds)
+        isinstance(value, bool)  # (np.bool_ is no number either)
+        or not isinstance(value, numbers.Integral if ints else numbers.Real)
         or not ((value > low) if above else (value >= low))
         or not value <= high
     ):
@@ -145,6 +153,8 @@ def _check_number(name, value, low, *, ints=False, high=float("inf"), above=Fals
             f"RemoteOptions.{name}: expected {want} {'>' if above else '>='} {low}{bound}, got "
             f"{value!r}"
         )
+    if ints or not isinstance(value, (int, float)):  # (np.float32 -> float; an int stays one)
+        object.__setattr__(options, name, int(value) if ints else float(value))
 
 
 DEFAULT = RemoteOptions()

@@ -47,6 +47,13 @@ def check_positive_int(name: str, value) -> int:
     return int(value)
 
 
+def check_folder(name: str, value) -> None:
+    """``value`` is a folder path (a ``str`` or an ``os.PathLike``) or None, else
+    :class:`~prealign.schemas.errors.ConfigError` naming ``name``."""
+    if not isinstance(value, (str, os.PathLike, type(None))):
+        raise ConfigError(f"{name}: expected a folder path or None, got {type(value).__name__}")
+
+
 Skip = BadRecord
 """A scan record that is not a sample (a tar member without extension): a
 :class:`~prealign.loaders.policy.BadRecord` without error, ``Skip(reason, where, message)``:
@@ -256,10 +263,7 @@ class HFSource(Source):
     ):
         import datasets
 
-        if not isinstance(media_root, (str, os.PathLike, type(None))):
-            raise ConfigError(
-                f"media_root: expected a folder path or None, got {type(media_root).__name__}"
-            )
+        check_folder("media_root", media_root)
         if not isinstance(name, (str, type(None))):
             raise ConfigError(f"name: expected a str or None, got {type(name).__name__}")
         self.media_root = None if media_root is None else os.path.realpath(media_root)

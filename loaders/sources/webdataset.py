@@ -59,6 +59,7 @@ from prealign.loaders.sources.source import (
     Skip,
     Source,
     Transform,
+    check_folder,
     check_positive_int,
 )
 from prealign.loaders.sources.tar_decode import (
@@ -69,6 +70,7 @@ from prealign.loaders.sources.tar_decode import (
 )
 from prealign.loaders.sources.tar_reader import TarFormatError, iter_members
 from prealign.schemas.errors import ConfigError, SampleError
+from prealign.schemas.layout import is_flag
 
 _SPILL_CHUNK = 4 << 20
 _AHEAD_BYTES = 64 << 20
@@ -111,10 +113,9 @@ def _check_arguments(required, decoders, remote, cache_dir, index_dir, sidecars)
         )
     if remote is not None and not isinstance(remote, _remote.RemoteOptions):
         raise ConfigError(f"remote: expected a RemoteOptions or None, got {type(remote).__name__}")
-    for name, value in (("cache_dir", cache_dir), ("index_dir", index_dir)):
-        if not isinstance(value, (str, os.PathLike, type(None))):
-            raise ConfigError(f"{name}: expected a folder path or None, got {type(value).__name__}")
-    if not isinstance(sidecars, (bool, np.bool_)):
+    check_folder("cache_dir", cache_dir)
+    check_folder("index_dir", index_dir)
+    if not is_flag(sidecars):  # (True, False, or 1 / 0)
         raise ConfigError(f"sidecars: expected a bool, got {sidecars!r}")
     return names
 
@@ -131,6 +132,8 @@ def _expanded(urls: str | Sequence[str]) -> tuple[list[str], str, str | None, ob
 
     if isinstance(urls, Lines):  # (another source's shards: read-only)
         return (urls, urls.text, *_check_unique(urls, urls.text))
+    if isinstance(urls, os.PathLike):  # (one shard's path: as its str)
+        urls = os.fspath(urls)
     parts = one_range(urls) if isinstance(urls, str) else None
     if parts is not None:  # (one range "/d/s-{000000..099999}.tar": its text made by numpy)
         return _range_expanded(*parts)

@@ -66,3 +66,31 @@ def test_the_counterfactual_start_skips_exactly_the_sidecar_crc32_and_the_probe(
     unchecked = _start(load("bench_scale")._UNCHECKED, paths)
     assert unchecked.returncode == 0, unchecked.stderr[-2000:]
     assert int(unchecked.stdout.split()[-1]) > 0
+
+
+_COUNT_READS = """
+import collections, os
+calls = collections.Counter()
+def counted(name, real):
+    def call(*a, **k):
+        calls[name] += 1
+        return real(*a, **k)
+    return call
+os.pread, os.fstat = counted("pread", os.pread), counted("fstat", os.fstat)
+import atexit
+atexit.register(lambda: print("calls", calls["pread"], calls["fstat"]))
+"""
+
+
+def test_the_counterfactual_start_reads_the_shards_as_the_real_one(tmp_path):
+    """Switching the checks off must not change how the start reads the shards: the same preads
+    and fstats as the real start (a check that skipped the probe by marking the shard unprobed
+    also dropped the one read of a small shard that serves its samples, and the head and tail
+    checks: an fstat more a shard, its samples read again)."""
+    paths = write_shards(str(tmp_path), sample_lengths(40, seed=5), num_shards=4)
+    write_sidecars(WebDatasetSource(paths), causal_lm_schema())
+    real = _start(_COUNT_READS, paths)
+    unchecked = _start(_COUNT_READS + load("bench_scale")._UNCHECKED, paths)
+    assert real.returncode == 0 and unchecked.returncode == 0, real.stderr + unchecked.stderr
+    counts = [r.stdout.split("calls")[-1].split() for r in (real, unchecked)]
+    assert counts[0] == counts[1] and int(counts[0][0]) > 0, counts
