@@ -83,9 +83,12 @@ def test_numpy_scalars_in_a_schema_are_stored_as_python_numbers():
         pad_value=np.float32(0.5),
         max_value=np.float32(2),
     )
-    assert spec.to_dict() == FieldSpec(
-        name="x", dtypes=("float32",), required=False, finite=True, pad_value=0.5, max_value=2.0
-    ).to_dict()
+    assert (
+        spec.to_dict()
+        == FieldSpec(
+            name="x", dtypes=("float32",), required=False, finite=True, pad_value=0.5, max_value=2.0
+        ).to_dict()
+    )
     json.dumps(spec.to_dict())
     with pytest.raises(SchemaError, match="required: expected a bool"):
         FieldSpec(name="x", required="no")
