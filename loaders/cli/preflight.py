@@ -12,7 +12,7 @@ import os
 import stat
 
 from prealign.loaders.cli.errors import UsageError
-from prealign.loaders.sources.hf_files import load_data_file
+from prealign.loaders.sources.hf_files import load_data_file, one_split
 from prealign.schemas.errors import ConfigError
 
 # load_dataset's packaged builder for a local data file, by extension
@@ -243,15 +243,12 @@ def load_hf(path: str, split: str, cache_dir: str | None):
 
 
 def _split(ds, split: str, path: str):
-    """One split of a ``DatasetDict`` (a plain ``Dataset`` as it is)."""
-    if not hasattr(ds, "keys"):
-        return ds
-    if split not in ds:
-        raise UsageError(
-            f"--hf {path}: no split {split!r} (it has {sorted(ds.keys())})",
-            hint=f"pass --split {sorted(ds.keys())[0]}",
-        )
-    return ds[split]
+    """One split of a ``DatasetDict`` (a plain ``Dataset`` as it is):
+    :func:`~prealign.loaders.sources.hf_files.one_split`, a split it lacks a :class:`UsageError`."""
+    try:
+        return one_split(ds, split, what=f"--hf {path}: --split")
+    except ConfigError as exc:
+        raise UsageError(str(exc), hint=f"pass --split {sorted(ds.keys())[0]}") from exc
 
 
 def first_member_names(url: str, limit: int = 8) -> list[str]:

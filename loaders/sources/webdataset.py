@@ -416,7 +416,7 @@ class WebDatasetSource(Source):
         """``folder``: the one folder that holds every shard
         (:func:`~prealign.loaders.sources.shard_files.one_folder`), None when there is none."""
         self.transform = transform
-        self.required = tuple(required)  # (a sequence of str: _check_arguments)
+        self.required = required  # (a tuple of str: _check_arguments)
         self.image = image
         self.decoders = dict(decoders or {})
         self.cache_dir = cache_dir
