@@ -10,6 +10,7 @@ import dataclasses
 import enum
 import hashlib
 import json
+import math
 import numbers
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Mapping
@@ -90,6 +91,47 @@ def _python(value):
     return value.item() if isinstance(value, np.generic) else value
 
 
+_INT_RANGES = {"int64": (-(2**63), 2**63 - 1), "int32": (-(2**31), 2**31 - 1), "uint8": (0, 255)}
+_FLOAT_MAX = {
+    "float32": 3.4028234663852886e38,
+    "bfloat16": 3.3895313892515355e38,
+    "float16": 65504.0,
+}
+"""The largest finite value of each float dtype (``torch.finfo(dtype).max``)."""
+
+
+def _what_holds(dtype: str) -> str:
+    """The values a tensor of ``dtype`` holds exactly, in words."""
+    if dtype == "bool":
+        return "True, False, 0 or 1"
+    if dtype in _FLOAT_MAX:
+        return f"a float of magnitude <= {_FLOAT_MAX[dtype]:.6g}, inf or NaN"
+    return "an int in [{}, {}]".format(*_INT_RANGES[dtype])
+
+
+def _holds(dtype: str, value: numbers.Real) -> bool:
+    """Whether ``torch.full(..., value, dtype=dtype)`` writes ``value`` itself (a float dtype
+    rounds to its precision; it must not overflow to inf)."""
+    if dtype == "bool":
+        return value in (0, 1)
+    if dtype in _FLOAT_MAX:
+        return not math.isfinite(value) or abs(value) <= _FLOAT_MAX[dtype]
+    low, high = _INT_RANGES[dtype]
+    return math.isfinite(value) and value == int(value) and low <= value <= high
+
+
+def _check_pad_value(spec: "FieldSpec") -> None:
+    """Each of the field's dtypes holds its pad value exactly (a sample may come in any of them):
+    else a :class:`SchemaError` naming the field, the value and the dtypes that cannot hold it."""
+    bad = [d for d in spec.dtypes if not _holds(d, spec.pad_value)]
+    if bad:
+        raise SchemaError(
+            f"field {spec.name!r}: pad_value: expected a value each of its dtypes holds exactly "
+            f"({'; '.join(f'{d}: {_what_holds(d)}' for d in bad)}), got {spec.pad_value!r}: "
+            f"padding would write another value"
+        )
+
+
 def _check_field_values(spec: "FieldSpec") -> None:
     """The flags are bools, the pad value a number (an int in int64), the bounds numbers (not NaN)
     with ``min_value <= max_value``: each a :class:`SchemaError` naming the field. numpy scalars
@@ -105,6 +147,7 @@ def _check_field_values(spec: "FieldSpec") -> None:
         raise SchemaError(
             f"{where}: pad_value: expected a bool, int or float (an int in int64), got {pad!r}"
         )
+    _check_pad_value(spec)
     for key in ("min_value", "max_value"):
         value = getattr(spec, key)
         if value is not None and (not isinstance(value, numbers.Real) or value != value):
@@ -249,6 +292,27 @@ class FieldSpec:
         return cls(**d)
 
 
+def _check_next_token_pads(schema: "BatchSchema") -> None:
+    """A next-token field (labels) writes its pad value at each sequence's last token into the
+    tensor it reads (``input_ids``): each dtype of a sample field read under one of its keys must
+    hold it, else a :class:`SchemaError` naming both fields."""
+    for f in schema.of_role(Role.TOKEN):
+        if f.source is not FieldSource.NEXT_TOKEN:
+            continue
+        for g in schema.of_role(Role.TOKEN):
+            if g.source is not FieldSource.SAMPLE or set(g.sample_keys).isdisjoint(f.sample_keys):
+                continue
+            bad = "; ".join(
+                f"{d}: {_what_holds(d)}" for d in g.dtypes if not _holds(d, f.pad_value)
+            )
+            if bad:
+                raise SchemaError(
+                    f"schema {schema.name!r}: field {f.name!r}: pad_value: expected a value each "
+                    f"dtype of field {g.name!r} holds exactly (it is written into its tensor at "
+                    f"each sequence's last token; {bad}), got {f.pad_value!r}"
+                )
+
+
 @dataclass(frozen=True, kw_only=True)
 class BatchSchema:
     """An ordered set of :class:`FieldSpec` plus the batch-wide conventions."""
@@ -280,6 +344,7 @@ class BatchSchema:
         if "input_ids" not in names:
             raise SchemaError(f"schema {self.name!r}: a batch needs an 'input_ids' token field")
         object.__setattr__(self, "by_name", {f.name: f for f in self.fields})
+        _check_next_token_pads(self)
         object.__setattr__(self, "_hash", hash((self.name, self.fields, self.ignore_index)))
 
     def __hash__(self) -> int:  # cached: collators look schemas up in small caches on every batch
