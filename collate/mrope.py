@@ -40,6 +40,7 @@ from prealign.schemas.errors import ConfigError, SampleError
 from .vision import VisionFamily, rope_positions, vision_family
 from .vision.family import check_seconds
 from .vision.glm4v import check_media
+from .vision.positions import grid_rows
 
 
 def mrope_position_ids(
@@ -223,8 +224,8 @@ class MRoPECollator:
                 actual=type(batch).__name__ if batch else "an empty batch",
             )
         has = [self.field in s for s in batch]
-        grids = [_field(s, i, "image_grid_thw").reshape(-1, 3) for i, s in enumerate(batch)]
-        videos = [_optional(s, "video_grid_thw").reshape(-1, 3) for s in batch]
+        grids = [_grid(s, i, "image_grid_thw") for i, s in enumerate(batch)]
+        videos = [_grid(s, i, "video_grid_thw") for i, s in enumerate(batch)]
         if getattr(
             self.family, "one_media_kind", False
         ):  # GLM-4.1V: one forward takes images or video, not both
@@ -356,6 +357,17 @@ def _field(sample: dict, i: int, key: str) -> torch.Tensor:
     return torch.as_tensor(sample[key])
 
 
-def _optional(sample: dict, key: str) -> torch.Tensor:
-    value = sample.get(key)
-    return torch.zeros(0, 3, dtype=torch.int64) if value is None else torch.as_tensor(value)
+def _grid(sample: dict, i: int, key: str) -> torch.Tensor:
+    """int64 ``[num, 3]``: sample ``i``'s ``key`` grid rows (``video_grid_thw`` may be missing: no
+    rows), each of positive ints, or a :class:`SampleError` naming the sample and the field."""
+    if key == "video_grid_thw" and sample.get(key) is None:
+        return torch.zeros(0, 3, dtype=torch.int64)
+    if key not in sample:
+        _field(sample, i, key)  # (raises, naming it)
+    rows = grid_rows(sample[key], key, sample=i)
+    bad = np.flatnonzero((rows < 1).any(1))
+    if bad.size:
+        raise SampleError(
+            sample=i, field=key, expected="positive t, h and w", actual=f"{rows[bad[0]].tolist()}"
+        )
+    return torch.from_numpy(rows)

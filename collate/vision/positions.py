@@ -93,8 +93,8 @@ def rope_positions(
         run_type,
         starts,
         cu,
-        _grid_rows(image_grid, "image_grid_thw"),
-        _grid_rows(video_grid, "video_grid_thw"),
+        grid_rows(image_grid, "image_grid_thw"),
+        grid_rows(video_grid, "video_grid_thw"),
         merge,
         grids_per_sample,
     )
@@ -192,18 +192,34 @@ def _run_grids(
     return grid
 
 
-def _grid_rows(grid, field: str) -> np.ndarray:
-    """int64 ``[num, 3]`` rows of ``grid``, or a :class:`SampleError` naming ``field`` when its
-    numbers do not make rows of three."""
-    grid = np.asarray(grid, dtype=np.int64)
-    if grid.size % 3 or (grid.ndim > 1 and grid.shape[-1] != 3):
+def grid_rows(grid, field: str, sample: int | None = None) -> np.ndarray:
+    """int64 ``[num, 3]`` rows of ``grid`` (``[num, 3]``, or a 1-D run of whole rows), or a
+    :class:`SampleError` naming ``sample`` (None: the batch) and ``field`` when it is not numbers,
+    has a fraction (a float grid is truncated by the cast) or does not make rows of three."""
+    what = "rows of (t, h, w) ints"
+    try:
+        array = np.asarray(grid)
+        if array.dtype.kind == "f" and not np.array_equal(array, np.trunc(array)):
+            raise TypeError("a fraction")
+        if array.dtype.kind not in "iuf" and array.size:
+            raise TypeError(f"dtype {array.dtype}")
+        array = array.astype(np.int64)
+    except (TypeError, ValueError, OverflowError) as exc:
+        dtype = getattr(grid, "dtype", None)
         raise SampleError(
-            sample=None,
+            sample=sample,
+            field=field,
+            expected=f"{what}: [num, 3]",
+            actual=f"{type(grid).__name__ if dtype is None else dtype} ({exc})",
+        ) from None
+    if array.size % 3 or array.ndim > 2 or (array.ndim == 2 and array.shape[1] != 3):
+        raise SampleError(
+            sample=sample,
             field=field,
             expected="rows of (t, h, w): [num, 3]",
-            actual=f"shape {tuple(grid.shape)}",
+            actual=f"shape {tuple(array.shape)}",
         )
-    return grid.reshape(-1, 3)
+    return array.reshape(-1, 3)
 
 
 def _runs(images: int, videos: int) -> str:
