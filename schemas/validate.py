@@ -139,13 +139,14 @@ class _Checker:
         return cu.to(torch.int64) if ok else None
 
     def cp_rank(self) -> int | None | bool:
-        """The batch's CP rank (None: unsharded), or False after recording a violation."""
+        """The batch's CP rank (None: unsharded), or False after recording a violation. Its
+        ``cp_size`` is the layout's ``cp`` whether sharded or not (the collator writes it)."""
         cp_rank, cp_size = self.batch.get("cp_rank", -1), self.batch.get("cp_size", self.layout.cp)
-        if cp_rank is None or as_int(cp_rank) == -1:
-            return None
         if as_int(cp_size) != self.layout.cp:
             self.bad("cp_size", self.layout.cp, repr(cp_size))
             return False
+        if cp_rank is None or as_int(cp_rank) == -1:
+            return None
         rank = as_int(cp_rank)
         if rank is None or not 0 <= rank < self.layout.cp:
             self.bad("cp_rank", f"-1 (unsharded) or an int in [0, {self.layout.cp})", repr(cp_rank))
