@@ -297,11 +297,22 @@ def _smallest(layout: ParallelLayout) -> str:
         return f"none: {exc}"
 
 
+_INT64_MAX = 2**63 - 1
+
+
 def _as_lengths(lengths) -> np.ndarray:
     arr = np.asarray(lengths.numpy() if hasattr(lengths, "numpy") else lengths)
     if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
         raise PlanError(
             f"lengths: expected a 1-D sequence of ints, got shape {arr.shape} dtype {arr.dtype}"
+        )
+    if arr.size and arr.dtype.kind == "u" and int(arr.max()) > _INT64_MAX:  # (before the cast)
+        i = int(np.flatnonzero(arr > np.uint64(_INT64_MAX))[0])
+        raise OversizeSampleError(
+            sample=i,
+            field="input_ids",
+            expected=f"length <= {_INT64_MAX} (int64)",
+            actual=str(int(arr[i])),
         )
     arr = arr.astype(np.int64, copy=False)
     if arr.size and int(arr.min()) < 1:
