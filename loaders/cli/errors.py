@@ -128,7 +128,7 @@ def hint_for(exc: BaseException) -> str:
     if getattr(exc, "hint", ""):
         return exc.hint
     if isinstance(exc, LayoutError):
-        return "--tp and --cp take ints >= 1 (sp is on when tp > 1)"
+        return _layout_hint(str(exc))
     if isinstance(exc, SchemaError):
         return "check --topk and --vocab-size"
     if isinstance(exc, FileNotFoundError):
@@ -150,6 +150,19 @@ def hint_for(exc: BaseException) -> str:
             "left out instead"
         )
     return "run with --debug for the traceback"
+
+
+def _layout_hint(message: str) -> str:
+    """The hint of a :class:`LayoutError` (its message opens with what is wrong): ``--tp`` and
+    ``--cp`` are the command line's only layout flags."""
+    if message.startswith(("tp:", "cp:")):
+        return "--tp and --cp take ints >= 1 (sp is on when tp > 1)"
+    if message.startswith("total multiple"):  # valid ints, but the shortest batch is too long
+        return (
+            "give a smaller --tp or --cp: the shortest batch, a multiple of tp*cp and of 2*cp, "
+            "must fit int32 cu_seqlens"
+        )
+    return "check the arguments (prealign <command> --help)"
 
 
 _SYSTEM_HINTS = (  # most specific first
