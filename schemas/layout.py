@@ -22,18 +22,18 @@ and megatron-core read it under CP), so nothing TE is given varies between batch
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import functools
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 if TYPE_CHECKING:
     import torch
 
+from .checks import fields_of, int_at_least
 from .errors import BucketOverflowError, LayoutError
 from .parallel_state import megatron_parallel_sizes
 
@@ -147,9 +147,7 @@ def is_flag(value) -> bool:
 
 
 def _positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise LayoutError(f"{name}: expected a positive int, got {value!r}")
-    return value
+    return int_at_least(name, value, 1, LayoutError, expected="a positive int")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -187,17 +185,16 @@ class ParallelLayout:
     graphs)."""
 
     def __post_init__(self):
-        _positive_int("tp", self.tp)
-        _positive_int("cp", self.cp)
-        _positive_int("token_multiple", self.token_multiple)
+        set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731  (frozen dataclass)
+        for key in ("tp", "cp", "token_multiple"):  # (a numpy int kept as an int)
+            set_(key, _positive_int(key, getattr(self, key)))
         if self.max_seqs is not None:
-            _positive_int("max_seqs", self.max_seqs)
+            set_("max_seqs", _positive_int("max_seqs", self.max_seqs))
             if self.max_seqs > MAX_PACKED_LENGTH:
                 raise LayoutError(
                     f"max_seqs: expected at most {MAX_PACKED_LENGTH} sequences (int32 cu_seqlens), "
                     f"got {self.max_seqs}"
                 )
-        set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731  (frozen dataclass)
         if not (self.sp is None or is_flag(self.sp)):
             raise LayoutError(f"sp: expected a bool or None, got {self.sp!r}")
         set_("sp", self.tp > 1 if self.sp is None else bool(self.sp))
@@ -207,12 +204,7 @@ class ParallelLayout:
             set_("cp_layout", CPLayout(self.cp_layout))
         except ValueError as exc:
             raise LayoutError(str(exc)) from None
-        if (
-            isinstance(self.min_local_rows, bool)
-            or not isinstance(self.min_local_rows, int)
-            or self.min_local_rows < 0
-        ):
-            raise LayoutError(f"min_local_rows: expected an int >= 0, got {self.min_local_rows!r}")
+        set_("min_local_rows", int_at_least("min_local_rows", self.min_local_rows, 0, LayoutError))
         if self.cp * self.min_local_rows > MAX_PACKED_LENGTH:
             raise LayoutError(
                 f"min_local_rows: cp * min_local_rows = {self.cp * self.min_local_rows} rows "
@@ -397,16 +389,7 @@ class ParallelLayout:
     @classmethod
     def from_dict(cls, data: dict) -> "ParallelLayout":
         """The inverse of :meth:`to_dict`; unknown keys are a :class:`LayoutError`."""
-        if not isinstance(data, Mapping):  # (a dict, an OmegaConf DictConfig, ...)
-            raise LayoutError(
-                f"layout: expected a dict of ParallelLayout fields, got {type(data).__name__}"
-            )
-        unknown = sorted(set(map(str, data)) - {f.name for f in dataclasses.fields(cls)})
-        if unknown:
-            raise LayoutError(
-                f"layout: unknown key(s) {unknown}; expected some of {sorted(cls().to_dict())}"
-            )
-        data = dict(data)
+        data = fields_of("layout", data, cls, LayoutError)
         if isinstance(data.get("length_buckets"), list):
             data["length_buckets"] = tuple(data["length_buckets"])
         return cls(**data)

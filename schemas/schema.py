@@ -6,7 +6,6 @@ it builds the same batches (:func:`prealign.schemas.check_startup`).
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import hashlib
 import json
@@ -17,6 +16,7 @@ from typing import TYPE_CHECKING, Mapping
 
 import numpy as np
 
+from .checks import fields_of
 from .errors import SchemaError
 
 if TYPE_CHECKING:
@@ -279,17 +279,8 @@ class FieldSpec:
     def from_dict(cls, d: dict) -> "FieldSpec":
         """The inverse of :meth:`to_dict`; a non-dict or an unknown key is a
         :class:`SchemaError`."""
-        if not isinstance(d, Mapping):  # (a dict, an OmegaConf DictConfig, ...)
-            raise SchemaError(f"field: expected a dict of FieldSpec keys, got {type(d).__name__}")
-        d = dict(d)
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(map(repr, set(d) - known))
-        if unknown:
-            raise SchemaError(
-                f"field {d.get('name')!r}: unknown key(s) {', '.join(unknown)}; expected some of "
-                f"{sorted(known)}"
-            )
-        return cls(**d)
+        where = f"field {d.get('name')!r}" if isinstance(d, Mapping) else "field"
+        return cls(**fields_of(where, d, cls, SchemaError))
 
 
 def _check_next_token_pads(schema: "BatchSchema") -> None:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .checks import int_at_least
 from .errors import BatchValidationError, SchemaError
 from .layout import ParallelLayout
 from .schema import (
@@ -70,15 +71,8 @@ class VisionTokens:
             raise SchemaError(
                 f"VisionTokens: expected three distinct non-negative token ids, got {ids}"
             )
-        if (
-            isinstance(self.spatial_merge_size, bool)
-            or not isinstance(self.spatial_merge_size, int)
-            or self.spatial_merge_size < 1
-        ):
-            raise SchemaError(
-                f"VisionTokens.spatial_merge_size: expected a positive int, got "
-                f"{self.spatial_merge_size!r}"
-            )
+        name, merge = "VisionTokens.spatial_merge_size", self.spatial_merge_size
+        int_at_least(name, merge, 1, SchemaError, expected="a positive int")
 
     def tokens_per_image(self, image_grid_thw: torch.Tensor) -> torch.Tensor:
         """int64 ``[num_images, 3]`` grids -> int64 ``[num_images]`` image tokens (``t*h*w /

@@ -17,8 +17,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
 
-from prealign.schemas.errors import ConfigError
-
 from .family import VisionFamily, config_getter
 
 
@@ -27,21 +25,6 @@ def config_readers(config: Any) -> tuple[Callable, Callable]:
     over its ``vision_config`` (an empty one when absent)."""
     get = config_getter(config)
     return get, config_getter(get("vision_config", {}) or {})
-
-
-def check_positive_ints(family, names: tuple[str, ...]) -> None:
-    """Each of ``family``'s ``names`` an int >= 1 (``image_token_id``: >= 0), else a
-    :class:`~prealign.schemas.ConfigError` naming the class and the field."""
-    for name in names:
-        value = getattr(family, name)
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, int)
-            or value < 1 - (name == "image_token_id")
-        ):
-            raise ConfigError(
-                f"{type(family).__name__}.{name}: expected a positive int, got {value!r}"
-            )
 
 
 def tiles_field(name: str, pixel_dtypes: tuple[str, ...], side: int):

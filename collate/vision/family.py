@@ -26,7 +26,7 @@ import torch
 from prealign.schemas.contract import ModelContract
 from prealign.schemas.errors import ConfigError, SampleError
 
-from .grids import VisionGeometry, image_grid, video_grid
+from .grids import VisionGeometry, check_positive_ints, image_grid, video_grid
 from .positions import rope_positions
 
 MAX_SECONDS_PER_GRID = 3600.0
@@ -162,12 +162,7 @@ class VisionFamily:
                 f"{type(self).__name__}: expected four distinct non-negative token ids (image, "
                 f"video, vision start, vision end), got {ids}"
             )
-        for name in ("patch_size", "spatial_merge_size", "temporal_patch_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(
-                    f"{type(self).__name__}.{name}: expected a positive int, got {value!r}"
-                )
+        check_positive_ints(self, ("patch_size", "spatial_merge_size", "temporal_patch_size"))
 
     def contract(self, config: Any = None) -> ModelContract:
         """This family's :class:`~prealign.schemas.contract.ModelContract`: the class declarations,

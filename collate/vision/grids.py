@@ -21,7 +21,22 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from prealign.schemas.checks import int_at_least
 from prealign.schemas.errors import ConfigError, SampleError
+
+
+def check_positive_ints(obj, names: tuple[str, ...]) -> None:
+    """Each of ``obj``'s ``names`` an int >= 1 (``image_token_id``: >= 0), else a
+    :class:`~prealign.schemas.ConfigError` naming the class and the field."""
+    for name in names:
+        low = 0 if name == "image_token_id" else 1
+        int_at_least(
+            f"{type(obj).__name__}.{name}",
+            getattr(obj, name),
+            low,
+            ConfigError,
+            expected="a positive int" if low else None,
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,12 +51,9 @@ class VisionGeometry:
     max_pixels: int = 28 * 28 * 1280
 
     def __post_init__(self):
-        for name in ("patch_size", "merge_size", "temporal_patch_size", "min_pixels", "max_pixels"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(
-                    f"{type(self).__name__}.{name}: expected a positive int, got {value!r}"
-                )
+        check_positive_ints(
+            self, ("patch_size", "merge_size", "temporal_patch_size", "min_pixels", "max_pixels")
+        )
         if self.min_pixels > self.max_pixels:
             raise ConfigError(
                 f"{type(self).__name__}: expected min_pixels <= max_pixels, got {self.min_pixels} "

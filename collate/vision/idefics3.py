@@ -27,12 +27,11 @@ from prealign.schemas.errors import ConfigError
 
 from .common import (
     OneDimFamily,
-    check_positive_ints,
     config_readers,
     int64_field,
     tiles_field,
 )
-from .grids import check_pixels
+from .grids import check_pixels, check_positive_ints
 
 MAX_IMAGE_SIZE = 4096
 """transformers' cap on a resized side (Idefics3's ``MAX_IMAGE_SIZE``)."""

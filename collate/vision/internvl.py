@@ -19,12 +19,11 @@ from prealign.schemas.errors import ConfigError
 
 from .common import (
     OneDimFamily,
-    check_positive_ints,
     config_readers,
     int64_field,
     tiles_field,
 )
-from .grids import check_pixels
+from .grids import check_pixels, check_positive_ints
 
 
 @functools.lru_cache(maxsize=16)

@@ -30,13 +30,12 @@ from prealign.schemas.errors import ConfigError, SampleError
 
 from .common import (
     OneDimFamily,
-    check_positive_ints,
     config_readers,
     int64_field,
     tiles_field,
 )
 from .family import config_getter
-from .grids import check_pixels
+from .grids import check_pixels, check_positive_ints
 
 
 def resized_size(height: int, width: int, longest_edge: int, step: int) -> tuple[int, int]:

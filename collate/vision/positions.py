@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from prealign.schemas.checks import int_at_least
 from prealign.schemas.errors import ArgumentError, SampleError
 
 TEXT, IMAGE, VIDEO = 0, 1, 2
@@ -58,8 +59,7 @@ def rope_positions(
     >>> rope_positions(t, np.array([0, 10]), grids, np.zeros((0, 3)), None, 2).tolist()
     [[0, 1, 2, 2, 2, 2, 2, 2, 5, 6], [0, 1, 2, 2, 2, 3, 3, 3, 5, 6], [0, 1, 2, 3, 4, 2, 3, 4, 5, 6]]
     """
-    if isinstance(merge, bool) or not isinstance(merge, (int, np.integer)) or merge < 1:
-        raise ArgumentError(f"spatial_merge_size: expected a positive int, got {merge!r}")
+    merge = int_at_least("spatial_merge_size", merge, 1, ArgumentError, expected="a positive int")
     types = np.asarray(types).reshape(-1)
     cu = np.asarray(cu_seqlens, dtype=np.int64).reshape(-1)
     total = types.size

@@ -42,6 +42,7 @@ from prealign.loaders.plan.cost import CostModel, balanced_steps
 from prealign.loaders.plan.mixing import split_bins, step_fit
 from prealign.loaders.plan.packing import StreamFit, next_fit, spread
 from prealign.loaders.policy import Oversize, PackStrategy, coerce_enum
+from prealign.schemas.checks import fields_of, int_at_least
 from prealign.schemas.errors import BucketOverflowError
 from prealign.schemas.layout import ParallelLayout, round_up, round_up_array
 
@@ -61,9 +62,7 @@ def check_dp_size(dp_size) -> int:
 
 
 def _int_at_least(name: str, value, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-        raise PlanError(f"{name}: expected an int >= {low}, got {value!r}")
-    return int(value)
+    return int_at_least(name, value, low, PlanError)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -119,7 +118,8 @@ class PlannerConfig:
         _int_at_least("step_pool", self.step_pool, 1)
         _int_at_least("chunk_size", self.chunk_size, 1)
         if isinstance(self.cost, Mapping):
-            object.__setattr__(self, "cost", CostModel(**_fields_of("cost", self.cost, CostModel)))
+            cost = fields_of("cost", self.cost, CostModel, PlanError)
+            object.__setattr__(self, "cost", CostModel(**cost))
         if self.cost is not None and not isinstance(self.cost, CostModel):
             raise PlanError(f"cost: expected a CostModel, its dict or None, got {self.cost!r}")
         if not isinstance(self.hybrid_cp, bool):
@@ -161,22 +161,7 @@ class PlannerConfig:
     @classmethod
     def from_dict(cls, data: dict) -> "PlannerConfig":
         """The inverse of :meth:`to_dict`; a non-dict or an unknown key is a :class:`PlanError`."""
-        return cls(**_fields_of("planner", data, cls))
-
-
-def _fields_of(where: str, data, cls) -> dict:
-    """``data`` when it is a dict of some of ``cls``'s dataclass fields, else a :class:`PlanError`
-    naming ``where``, the unknown keys and the fields expected."""
-    if not isinstance(data, Mapping):  # (a dict, an OmegaConf DictConfig, ...)
-        raise PlanError(
-            f"{where}: expected a dict of {cls.__name__} fields, got {type(data).__name__}"
-        )
-    data = dict(data)
-    known = {f.name for f in dataclasses.fields(cls) if f.init}
-    unknown = sorted(map(str, set(data) - known))
-    if unknown:
-        raise PlanError(f"{where}: unknown key(s) {unknown}; expected some of {sorted(known)}")
-    return data
+        return cls(**fields_of("planner", data, cls, PlanError))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -448,7 +433,7 @@ class ChunkedPlan:
         **options,
     ):
         cfg = self.config = dataclasses.replace(
-            config or PlannerConfig(), **_fields_of("options", options, PlannerConfig)
+            config or PlannerConfig(), **fields_of("options", options, PlannerConfig, PlanError)
         )
         if seed is not None:
             _int_at_least("seed", seed, 0)

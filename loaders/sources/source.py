@@ -21,6 +21,7 @@ from typing import Callable, Iterator
 
 from prealign.loaders.errors import BadSampleError, IndexFileError, reason_of
 from prealign.loaders.policy import BadRecord
+from prealign.schemas.checks import int_at_least
 from prealign.schemas.errors import ConfigError, PrealignError, SampleError
 
 Location = tuple[int, ...]
@@ -40,11 +41,7 @@ def check_positive_int(name: str, value) -> int:
     >>> check_positive_int("rows_per_shard", 64)
     64
     """
-    import numpy as np
-
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ConfigError(f"{name}: expected an int >= 1, got {value!r} ({type(value).__name__})")
-    return int(value)
+    return int_at_least(name, value, 1, ConfigError)
 
 
 def check_folder(name: str, value) -> None:
