@@ -224,8 +224,8 @@ class MRoPECollator:
                 actual=type(batch).__name__ if batch else "an empty batch",
             )
         has = [self.field in s for s in batch]
-        grids = [_grid(s, i, "image_grid_thw") for i, s in enumerate(batch)]
-        videos = [_grid(s, i, "video_grid_thw") for i, s in enumerate(batch)]
+        grids = _grids(batch, "image_grid_thw")
+        videos = _grids(batch, "video_grid_thw")
         if getattr(
             self.family, "one_media_kind", False
         ):  # GLM-4.1V: one forward takes images or video, not both
@@ -357,17 +357,33 @@ def _field(sample: dict, i: int, key: str) -> torch.Tensor:
     return torch.as_tensor(sample[key])
 
 
-def _grid(sample: dict, i: int, key: str) -> torch.Tensor:
-    """int64 ``[num, 3]``: sample ``i``'s ``key`` grid rows (``video_grid_thw`` may be missing: no
-    rows), each of positive ints, or a :class:`SampleError` naming the sample and the field."""
-    if key == "video_grid_thw" and sample.get(key) is None:
-        return torch.zeros(0, 3, dtype=torch.int64)
-    if key not in sample:
-        _field(sample, i, key)  # (raises, naming it)
-    rows = grid_rows(sample[key], key, sample=i)
-    bad = np.flatnonzero((rows < 1).any(1))
-    if bad.size:
+_INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
+def _grids(batch: Sequence[dict], key: str) -> list[torch.Tensor]:
+    """Each sample's ``key`` grid as int ``[num, 3]`` rows of positive ints (``video_grid_thw`` may
+    be missing: no rows), else a :class:`SampleError` naming the sample and the field. An int
+    tensor ``[num, 3]`` is taken as it is; anything else is read by :func:`grid_rows`. The values
+    are checked once for the whole batch."""
+    out = []
+    for i, sample in enumerate(batch):
+        value = sample.get(key)
+        if isinstance(value, torch.Tensor) and value.ndim == 2 and value.shape[1] == 3:
+            if value.dtype in _INT_DTYPES:
+                out.append(value)
+                continue
+        elif value is None and key == "video_grid_thw":
+            out.append(torch.zeros(0, 3, dtype=torch.int64))
+            continue
+        elif key not in sample:
+            _field(sample, i, key)  # (raises, naming it)
+        out.append(torch.from_numpy(grid_rows(value, key, sample=i)))
+    rows = torch.cat(out) if out else torch.zeros(0, 3, dtype=torch.int64)
+    bad = torch.nonzero((rows < 1).any(1))
+    if bad.numel():
+        k = int(bad[0])
+        i = int(np.searchsorted(np.cumsum([g.shape[0] for g in out]), k, side="right"))
         raise SampleError(
-            sample=i, field=key, expected="positive t, h and w", actual=f"{rows[bad[0]].tolist()}"
+            sample=i, field=key, expected="positive t, h and w", actual=f"{rows[k].tolist()}"
         )
-    return torch.from_numpy(rows)
+    return out
