@@ -14,6 +14,8 @@ import re
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from prealign.collate import THDCollator
 from prealign.schemas import BatchSchema, FieldSpec, ParallelLayout, causal_lm_schema
@@ -116,3 +118,48 @@ def test_a_label_pad_the_input_ids_dtype_cannot_hold_is_a_schema_error():
         [{"input_ids": torch.tensor([1, 2, 3], dtype=torch.int32)}]
     )
     assert batch["labels"][0, :3].tolist() == [2, 3, -100]
+
+
+_EDGES = [255, 256, -1, 2**31 - 1, 2**31, -(2**31) - 1, 2**63 - 1, -(2**63), float(2**63), 65504.0]
+_EDGES += [65505.0, 3.4028234663852886e38, 3.4028235e38, 3.3895313892515355e38, 1.5, -0.0, 2]
+_DTYPES = ["int64", "int32", "uint8", "bool", "float32", "bfloat16", "float16"]
+
+
+def _accepted_exactly_when_torch_writes_it_unchanged(dtype: str, pad) -> None:
+    """Differential against torch: on an int or bool field, accepted iff ``torch.full`` writes the
+    value itself (no error, no truncation, no wrap); on a float field, iff it is NaN, inf or within
+    ``torch.finfo(dtype).max`` (a rounded float is a float; an overflow to inf is not)."""
+    torch_dtype = getattr(torch, dtype)
+    try:
+        FieldSpec(name="f", dtypes=(dtype,), pad_value=pad)
+        accepted = True
+    except SchemaError:
+        accepted = False
+    try:
+        written = torch.full((1,), pad, dtype=torch_dtype).item()
+    except (RuntimeError, OverflowError):
+        written = None
+    if torch_dtype.is_floating_point:
+        assert accepted == (not math.isfinite(pad) or abs(pad) <= torch.finfo(torch_dtype).max)
+        if accepted:  # what padding writes is the value, rounded to the dtype
+            assert written is not None and math.isfinite(written) == math.isfinite(pad)
+    else:
+        assert accepted == (written is not None and written == pad), (written, pad)
+
+
+@pytest.mark.parametrize("dtype", _DTYPES)
+@pytest.mark.parametrize("pad", _EDGES, ids=repr)
+def test_a_pad_value_at_a_dtype_edge_is_accepted_exactly_when_torch_writes_it(dtype, pad):
+    _accepted_exactly_when_torch_writes_it_unchanged(dtype, pad)
+
+
+@given(
+    dtype=st.sampled_from(_DTYPES),
+    pad=st.one_of(
+        st.booleans(),
+        st.integers(-(2**63), 2**63 - 1),
+        st.floats(allow_nan=True, allow_infinity=True),
+    ),
+)
+def test_any_pad_value_is_accepted_exactly_when_torch_writes_it(dtype, pad):
+    _accepted_exactly_when_torch_writes_it_unchanged(dtype, pad)
