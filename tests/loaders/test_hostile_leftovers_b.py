@@ -1,0 +1,217 @@
+"""The leftovers of the hostile pass (issue 28's review): image / video processor patch sizes that
+would resize every picture past its pixel range (unbounded memory), ``spread``'s work per item,
+a streaming mixture's component settings, the passes of a mixture's epoch draws."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import tarfile
+
+import PIL.Image
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prealign.loaders import VLMSampleTransform
+from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
+from prealign.loaders.cli.main import main
+from prealign.loaders.media.vlm import image_processor
+from prealign.schemas.errors import ConfigError
+from tests.vlm_families import tiny_config
+
+TOK = ByteTokenizer()
+
+
+# ---- 1. processor options: (patch_size * merge_size)**2 within max_pixels -----------------------
+@pytest.mark.parametrize(
+    "options,named,came",
+    [
+        ({"patch_size": 100_000}, r"\['patch_size'\]", r"\(100000 \* 2\)\*\*2 = 40000000000"),
+        ({"merge_size": 100_000}, r"\['merge_size'\]", r"\(14 \* 100000\)\*\*2"),
+        (
+            {"patch_size": 100, "merge_size": 3, "min_pixels": 100, "max_pixels": 89_999},
+            r"\['patch_size'\]\['merge_size'\]\['max_pixels'\]",
+            r"\(100 \* 3\)\*\*2 = 90000 > max_pixels 89999",
+        ),
+        ({"min_pixels": 100, "max_pixels": 783}, r"\['max_pixels'\]", r"= 784 > max_pixels 783"),
+    ],
+)
+def test_patch_sizes_past_max_pixels_are_refused(options, named, came):
+    with pytest.raises(ConfigError) as err:
+        VLMSampleTransform(tokenizer=TOK, processor_options=options)
+    message = str(err.value)
+    assert message.startswith("VLMSampleTransform.processor_options"), message
+    assert re.search(named + r": expected \(patch_size \* merge_size\)\*\*2 <= max_pixels", message)
+    assert re.search(came, message), message
+
+
+def test_the_bound_itself_is_accepted():
+    VLMSampleTransform(tokenizer=TOK, processor_options={"min_pixels": 100, "max_pixels": 784})
+
+
+def test_a_family_patch_size_past_the_options_max_pixels_names_max_pixels():
+    """Qwen3-VL's patch 16 * merge 2 = 32: 1024 pixels at least; the options' max_pixels below."""
+    with pytest.raises(ConfigError, match=r"processor_options\['max_pixels'\]: .* = 1024 > max_"):
+        VLMSampleTransform(
+            tokenizer=TOK,
+            model_config=tiny_config("qwen3_vl"),
+            processor_options={"min_pixels": 100, "max_pixels": 1000},
+        )
+
+
+def test_a_huge_temporal_patch_size_is_refused():
+    """An image is padded to temporal_patch_size frames (copies of it): at most a video's frames."""
+    with pytest.raises(ConfigError, match=r"\['temporal_patch_size'\]: expected temporal_patch_siz"
+                       r"e <= 2048 \(limits.max_video_frames: .*\), got 100000"):
+        VLMSampleTransform(tokenizer=TOK, processor_options={"temporal_patch_size": 100_000})
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_vl", "qwen3_vl"])
+def test_video_processor_config_patch_sizes_are_refused(model_type):
+    with pytest.raises(ConfigError) as err:
+        VLMSampleTransform(
+            tokenizer=TOK,
+            model_config=tiny_config(model_type),
+            video_processor_config={"patch_size": 100_000},
+        )
+    message = str(err.value)
+    assert message.startswith("VLMSampleTransform.video_processor_config['patch_size']: expected")
+    assert ("temporal_patch_size * (patch_size" in message) == (model_type == "qwen3_vl"), message
+
+
+def test_a_processor_object_past_its_range_is_refused():
+    """A processor given as an object (not options): its own settings, named as the processor."""
+    from transformers import Qwen2VLImageProcessorPil
+
+    processor = Qwen2VLImageProcessorPil(patch_size=1000)
+    with pytest.raises(ConfigError, match=r"^VLMSampleTransform.processor: expected \(patch_"):
+        VLMSampleTransform(tokenizer=TOK, processor=processor)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    patch=st.integers(1, 12),
+    merge=st.integers(1, 3),
+    most=st.integers(16, 2500),
+    height=st.integers(1, 60),
+    width=st.integers(1, 60),
+)
+def test_the_rule_is_the_processors_own_bound(patch, merge, most, height, width):
+    """Differential against transformers' Qwen2-VL processor: the check accepts exactly the options
+    whose square images all resize within max_pixels; any image under accepted options stays within
+    it up to the sqrt(200) a side clamped to one factor adds at the aspect-ratio cap (bounded);
+    under refused options every image resizes past it."""
+    if max(height, width) / min(height, width) > 200:
+        return
+    options = {"patch_size": patch, "merge_size": merge, "min_pixels": 1, "max_pixels": most}
+    try:
+        VLMSampleTransform(tokenizer=TOK, processor_options=options)
+        accepted = True
+    except ConfigError:
+        accepted = False
+    processor = image_processor(**options)
+    for h, w in ((height, width), (height, height)):
+        grid = processor(images=[PIL.Image.new("RGB", (w, h))], return_tensors="pt")
+        _, gh, gw = grid["image_grid_thw"][0].tolist()
+        pixels = gh * gw * patch * patch
+        if h == w:
+            assert accepted == (pixels <= most)
+        assert pixels <= 200**0.5 * most if accepted else pixels >= (patch * merge) ** 2 > most
+
+
+def _glm_transform(**options):
+    from prealign.loaders.media import glm4v
+    from prealign.loaders.media.chat_tokenizer import HFChatTokenizer
+    from tests.families import glm4v_reference as ref
+
+    tok = HFChatTokenizer(ref.hf_tokenizer(), **glm4v.TOKEN_NAMES)
+    return VLMSampleTransform(tokenizer=tok, model_config=ref.tiny_config(), **options)
+
+
+def test_glm_images_are_bound_by_their_volume():
+    """GLM-4.1V resizes an image as temporal_patch_size frames within max_pixels: (1500 * 2)**2 =
+    9,000,000 fits its 11,760,000 per frame but not twice over."""
+    assert _glm_transform().image_processor.size["longest_edge"] == 11_760_000
+    with pytest.raises(ConfigError) as err:
+        _glm_transform(processor_options={"patch_size": 1500})
+    assert str(err.value).startswith(
+        "VLMSampleTransform.processor_options['patch_size']: expected temporal_patch_size * "
+        "(patch_size * merge_size)**2 <= max_pixels"
+    ), err.value
+    assert "got 2 * (1500 * 2)**2 = 18000000 > max_pixels 11760000" in str(err.value)
+    _glm_transform(processor_options={"patch_size": 1200})  # 2 * 2400**2 = 11,520,000
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    patch=st.integers(1, 12),
+    merge=st.integers(1, 3),
+    temporal=st.integers(1, 4),
+    most=st.integers(16, 5000),
+    height=st.integers(1, 200),
+    width=st.integers(1, 200),
+)
+def test_the_volume_rule_is_glms_own_bound(patch, merge, temporal, most, height, width):
+    """Differential against transformers' GLM-4.1V ``smart_resize`` (an image is
+    ``temporal_patch_size`` frames): the check accepts exactly the settings whose square images
+    resize within max_pixels; what it accepts stays within it up to the aspect-ratio cap's
+    sqrt(200); what it refuses is past it for every image."""
+    try:  # transformers >= 5 without torchvision: the PIL backend's module
+        from transformers.models.glm4v.image_processing_pil_glm4v import smart_resize
+    except ImportError:  # older transformers
+        from transformers.models.glm4v.image_processing_glm4v import smart_resize
+    from prealign.loaders.media.vlm import check_resize_bound
+
+    if max(height, width) / min(height, width) > 200:
+        return
+    processor = image_processor(
+        patch_size=patch, merge_size=merge, temporal_patch_size=temporal, min_pixels=1,
+        max_pixels=most,
+    )
+    try:
+        check_resize_bound("glm", processor, {}, volume=True, limit=2048)
+        accepted = True
+    except ConfigError:
+        accepted = False
+    factor = patch * merge
+    for side in ((height, width), (height, height)):
+        h, w = smart_resize(temporal, *side, temporal, factor, 1, most)
+        if side[0] == side[1]:
+            assert accepted == (temporal * h * w <= most)
+        if accepted:
+            assert temporal * h * w <= 200**0.5 * most
+        else:
+            assert temporal * h * w >= temporal * factor**2 > most
+
+
+def _vlm_shard(tmp_path) -> str:
+    image = io.BytesIO()
+    PIL.Image.new("RGB", (32, 32)).save(image, "PNG")
+    chat = {"messages": [{"role": "user", "content": "<image>hi"}]}
+    chat["messages"].append({"role": "assistant", "content": "yo"})
+    path = tmp_path / "v.tar"
+    with tarfile.open(path, "w") as tf:
+        for name, data in (("a.json", json.dumps(chat).encode()), ("a.png", image.getvalue())):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    return str(path)
+
+
+def test_prealign_index_refuses_a_processor_folder_past_its_range(tmp_path, capsys):
+    """``--processor DIR`` whose patch size makes the smallest image 40,000 pixels with 30,000 at
+    most (a patch size of 100,000 made it 4e10: memory without bound): one error line."""
+    folder = tmp_path / "proc"
+    folder.mkdir()
+    config = {"patch_size": 100, "min_pixels": 3136, "max_pixels": 30_000}
+    (folder / "preprocessor_config.json").write_text(json.dumps(config))
+    argv = ["index", "--processor", str(folder), _vlm_shard(tmp_path), "--out", str(tmp_path / "x")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("prealign: error: ")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert "processor_options['patch_size']['max_pixels']: expected" in lines[0], lines[0]
+    assert "(100 * 2)**2 = 40000 > max_pixels 30000" in lines[0], lines[0]
+
