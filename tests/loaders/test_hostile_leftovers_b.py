@@ -9,6 +9,7 @@ import json
 import re
 import tarfile
 
+import numpy as np
 import PIL.Image
 import pytest
 from hypothesis import given, settings
@@ -214,4 +215,101 @@ def test_prealign_index_refuses_a_processor_folder_past_its_range(tmp_path, caps
     assert len(lines) == 1 and "Traceback" not in err, err
     assert "processor_options['patch_size']['max_pixels']: expected" in lines[0], lines[0]
     assert "(100 * 2)**2 = 40000 > max_pixels 30000" in lines[0], lines[0]
+
+
+# ---- 2. spread: O(items log n_bins), the same bins as before ---------------------------------
+def _reference_spread(bins, sizes, n_bins, cap, max_items=None):
+    """``spread`` and its fallback as they were (a scan of every bin per item): the reference."""
+    items = sorted((i for b in bins for i in b), key=lambda i: (-int(sizes[i]), i))
+    loads = [0] * n_bins
+    out = [[] for _ in range(n_bins)]
+    for i in items:
+        s = int(sizes[i])
+        b = min(
+            (c for c in range(n_bins) if loads[c] + s <= cap and len(out[c]) != max_items),
+            key=lambda c: (loads[c], c),
+            default=None,
+        )
+        if b is None:
+            out = [sorted(b) for b in bins] + [[] for _ in range(n_bins - len(bins))]
+            for target in range(len(bins), n_bins):
+                donors = [c for c in range(len(out)) if len(out[c]) > 1]
+                if not donors:
+                    break
+                c = max(donors, key=lambda c: (sum(int(sizes[j]) for j in out[c]), -c))
+                i = min(out[c], key=lambda j: (int(sizes[j]), j))
+                out[c].remove(i)
+                out[target].append(i)
+            return out
+        out[b].append(i)
+        loads[b] += s
+    return [sorted(b) for b in out]
+
+
+@st.composite
+def _bins_to_spread(draw):
+    """Bins of a permutation of ``n`` items (sizes with ties), ``n_bins >= len(bins)``, a cap some
+    bins may not fit under and a max_items (the greedy pass and its fallback both run)."""
+    n = draw(st.integers(0, 40))
+    sizes = np.array(draw(st.lists(st.integers(0, 12), min_size=n, max_size=n)), dtype=np.int64)
+    order = draw(st.permutations(range(n)))
+    cuts = sorted(draw(st.lists(st.integers(0, n), max_size=8)))
+    bins = [list(order[a:b]) for a, b in zip([0, *cuts], [*cuts, n])]
+    n_bins = len(bins) + draw(st.integers(0, 12))
+    cap = draw(st.integers(0, 60))
+    max_items = draw(st.one_of(st.none(), st.integers(0, 6)))
+    return bins, sizes, n_bins, cap, max_items
+
+
+@pytest.mark.slow
+@settings(max_examples=1500, deadline=None)
+@given(case=_bins_to_spread())
+def test_spread_equals_the_reference(case):
+    from prealign.loaders.plan.packing import spread
+
+    bins, sizes, n_bins, cap, max_items = case
+    want = _reference_spread([list(b) for b in bins], sizes, n_bins, cap, max_items)
+    got = spread([list(b) for b in bins], sizes, n_bins, cap, max_items)
+    assert got == want and [list(map(type, b)) for b in got] == [list(map(type, b)) for b in want]
+
+
+def _python_lines(fn, *args) -> int:
+    """Python lines ``fn(*args)`` runs (every frame, its callees included)."""
+    import sys
+
+    count = 0
+
+    def line(frame, event, arg):
+        nonlocal count
+        count += event == "line"
+        return line
+
+    sys.settrace(lambda frame, event, arg: line)
+    try:
+        fn(*args)
+    finally:
+        sys.settrace(None)
+    return count
+
+
+@pytest.mark.parametrize("fallback", [False, True])
+def test_spread_work_grows_with_items_not_bins(fallback):
+    """Python lines at 8 and 512 target bins (the same 1,000 items) and at 1,000 and 10,000 items:
+    the old scan of every bin per item ran ~items * n_bins lines (1,038,052 at 512 bins; now
+    9,027, as at 8 bins)."""
+    from prealign.loaders.plan.packing import spread
+
+    def case(items: int, n_bins: int):
+        sizes = np.random.default_rng(0).integers(1, 100, items)
+        bins = [list(range(a, min(a + 50, items))) for a in range(0, items, 50)]
+        cap = 60 if fallback else 1 << 40  # 60: the greedy pass fails, items move out one by one
+        return bins, sizes, max(n_bins, len(bins)), cap
+
+    few, many = _python_lines(spread, *case(1_000, 8)), _python_lines(spread, *case(1_000, 512))
+    small, large = _python_lines(spread, *case(1_000, 64)), _python_lines(spread, *case(10_000, 64))
+    if fallback:  # one item moved out per new bin: at most a few lines per item, whatever the bins
+        assert many <= 10 * 1_000 and few <= 10 * 1_000, (few, many)
+    else:  # the bins cost no Python step at all
+        assert many <= few + 10, (few, many)
+    assert large <= 10.5 * small, (small, large)
 
