@@ -313,3 +313,64 @@ def test_spread_work_grows_with_items_not_bins(fallback):
         assert many <= few + 10, (few, many)
     assert large <= 10.5 * small, (small, large)
 
+
+# ---- 3. a streamed Mixture: length / repeat it cannot honour are refused, not ignored ----------
+@pytest.fixture(scope="module")
+def stream_paths(tmp_path_factory):
+    from tests.loader_helpers import sample_lengths, write_shards
+
+    root = tmp_path_factory.mktemp("stream_mix")
+    return [
+        write_shards(str(root / name), sample_lengths(n, seed=n), num_shards=2)
+        for name, n in (("a", 30), ("b", 10))
+    ]
+
+
+def _stream(paths, *, length="total", repeat=None):
+    from prealign.loaders import Component, Mixture, StreamingPackedLoader, WebDatasetSource
+    from prealign.schemas import ParallelLayout, causal_lm_schema
+
+    mix = Mixture(
+        {
+            "a": Component(WebDatasetSource(paths[0]), weight=0.5),
+            "b": Component(WebDatasetSource(paths[1]), repeat=repeat)
+            if repeat is not None
+            else Component(WebDatasetSource(paths[1]), weight=0.5),
+        },
+        length=length,
+    )
+    return StreamingPackedLoader(
+        mix, schema=causal_lm_schema(), layout=ParallelLayout(), token_budget=256, dp_size=1
+    )
+
+
+@pytest.mark.parametrize("repeat", [2, 0.5, 1.5])
+def test_a_streamed_component_repeat_is_refused(stream_paths, repeat):
+    """Energon's blend_epochized repeats a component ``repeat`` times per epoch; a stream reads
+    every sample once: refused, naming the component and the setting (PackedLoader plans it)."""
+    with pytest.raises(ConfigError) as err:
+        _stream(stream_paths, repeat=repeat)
+    assert str(err.value).startswith(
+        f"StreamingPackedLoader: mixture component 'b': repeat: expected None or 1 (a stream "
+        f"reads every sample once), got {repeat!r}"
+    ), err.value
+    assert "PackedLoader" in str(err.value)
+
+
+@pytest.mark.parametrize("length", ["first_exhausted", "all_exhausted", 1000])
+def test_a_streamed_mixture_length_is_refused(stream_paths, length):
+    """HF's interleave_datasets stops at the first exhausted stream or oversamples to the last;
+    this stream does neither (every sample once): refused, naming the setting."""
+    with pytest.raises(ConfigError) as err:
+        _stream(stream_paths, length=length)
+    assert str(err.value).startswith(
+        f"StreamingPackedLoader: Mixture length: expected 'total' (a stream's epoch is every "
+        f"sample once), got {length!r}"
+    ), err.value
+
+
+def test_a_streamed_repeat_of_one_is_one_pass(stream_paths):
+    """repeat=1 (one pass) is what the stream does: accepted, every sample served once."""
+    ids = [i for b in _stream(stream_paths, repeat=1) for i in b["sample_index"].tolist()]
+    assert len(ids) == len(set(ids)) == 40
+
