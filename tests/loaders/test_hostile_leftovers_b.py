@@ -374,3 +374,30 @@ def test_a_streamed_repeat_of_one_is_one_pass(stream_paths):
     ids = [i for b in _stream(stream_paths, repeat=1) for i in b["sample_index"].tolist()]
     assert len(ids) == len(set(ids)) == 40
 
+
+# ---- 4. the epoch's passes: one computation, checked and drawn alike ---------------------------
+@pytest.mark.parametrize("repeat,by", [(2.5, "samples"), (1.2, "tokens"), (3.0, "tokens")])
+def test_the_draws_checked_are_the_draws_made(monkeypatch, repeat, by):
+    """The bound check passes exactly the draws the passes then make: at the bound accepted (and
+    drawn: every component stream asked for passes * samples), one under it refused."""
+    from prealign.loaders.plan import mixing
+
+    lengths = [np.arange(1, 8, dtype=np.int64), np.arange(3, 13, dtype=np.int64)]
+    mix = mixing.MixSpec(names=("a", "b"), weights=(1.0, None), repeats=(None, repeat), by=by)
+    asked = []
+    stream = mixing.component_stream
+
+    def spy(n, count, **kw):
+        asked.append(count)
+        return stream(n, count, **kw)
+
+    monkeypatch.setattr(mixing, "component_stream", spy)
+    mixing.mixed_order(mix, lengths, epoch=0, seed=0, shuffle=True)
+    drawn = sum(asked)
+    assert asked[1] == int(np.ceil(repeat)) * len(lengths[1])  # whole passes of b
+    monkeypatch.setattr(mixing, "MAX_EPOCH_DRAWS", drawn)
+    mixing.mixed_order(mix, lengths, epoch=0, seed=0, shuffle=True)
+    monkeypatch.setattr(mixing, "MAX_EPOCH_DRAWS", drawn - 1)
+    with pytest.raises(mixing.PlanError, match=r"expected at most .* draws an epoch"):
+        mixing.mixed_order(mix, lengths, epoch=0, seed=0, shuffle=True)
+
