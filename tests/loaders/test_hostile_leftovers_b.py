@@ -217,6 +217,25 @@ def test_prealign_index_refuses_a_processor_folder_past_its_range(tmp_path, caps
     assert "(100 * 2)**2 = 40000 > max_pixels 30000" in lines[0], lines[0]
 
 
+@pytest.mark.parametrize("edge,patch,merge", [(64, 40, 2), (64, 65, 1)])
+def test_mistral3_token_step_past_the_longest_edge_is_refused(edge, patch, merge):
+    """Pixtral rounds each side up to a patch * merge step after fitting longest_edge: a step past
+    the edge resizes every image past it (a config's patch of 100,000: 1e10 pixels)."""
+    from prealign.loaders.media.mistral3 import Mistral3SampleTransform
+    from tests.families import mistral3_reference as ref
+
+    config = ref.tiny_config(longest_edge=edge, patch=patch, merge=merge)
+    with pytest.raises(ConfigError) as err:
+        Mistral3SampleTransform(model_config=config, tokenizer=ref.hf_tokenizer())
+    assert str(err.value) == (
+        f"Mistral3SampleTransform: expected patch_size * spatial_merge_size <= the image "
+        f"processor's longest_edge (each side of a resized image is at least one token step), got "
+        f"{patch} * {merge} = {patch * merge} > longest_edge {edge}"
+    )
+    ok = ref.tiny_config(longest_edge=edge, patch=edge // merge, merge=merge)  # the step == edge
+    Mistral3SampleTransform(model_config=ok, tokenizer=ref.hf_tokenizer())
+
+
 # ---- 2. spread: O(items log n_bins), the same bins as before ---------------------------------
 def _reference_spread(bins, sizes, n_bins, cap, max_items=None):
     """``spread`` and its fallback as they were (a scan of every bin per item): the reference."""
