@@ -4,10 +4,8 @@ a streaming mixture's component settings, the passes of a mixture's epoch draws.
 
 from __future__ import annotations
 
-import io
 import json
 import re
-import tarfile
 
 import numpy as np
 import PIL.Image
@@ -20,6 +18,7 @@ from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
 from prealign.loaders.cli.main import main
 from prealign.loaders.media.vlm import image_processor
 from prealign.schemas.errors import ConfigError
+from tests.loaders.test_hostile_surface import _vlm_shard  # (the earlier pass's one-image shard)
 from tests.vlm_families import tiny_config
 
 TOK = ByteTokenizer()
@@ -104,8 +103,6 @@ def test_the_rule_is_the_processors_own_bound(patch, merge, most, height, width)
     whose square images all resize within max_pixels; any image under accepted options stays within
     it up to the sqrt(200) a side clamped to one factor adds at the aspect-ratio cap (bounded);
     under refused options every image resizes past it."""
-    if max(height, width) / min(height, width) > 200:
-        return
     options = {"patch_size": patch, "merge_size": merge, "min_pixels": 1, "max_pixels": most}
     try:
         VLMSampleTransform(tokenizer=TOK, processor_options=options)
@@ -165,8 +162,6 @@ def test_the_volume_rule_is_glms_own_bound(patch, merge, temporal, most, height,
         from transformers.models.glm4v.image_processing_glm4v import smart_resize
     from prealign.loaders.media.vlm import check_resize_bound
 
-    if max(height, width) / min(height, width) > 200:
-        return
     processor = image_processor(
         patch_size=patch, merge_size=merge, temporal_patch_size=temporal, min_pixels=1,
         max_pixels=most,
@@ -185,20 +180,6 @@ def test_the_volume_rule_is_glms_own_bound(patch, merge, temporal, most, height,
             assert temporal * h * w <= 200**0.5 * most
         else:
             assert temporal * h * w >= temporal * factor**2 > most
-
-
-def _vlm_shard(tmp_path) -> str:
-    image = io.BytesIO()
-    PIL.Image.new("RGB", (32, 32)).save(image, "PNG")
-    chat = {"messages": [{"role": "user", "content": "<image>hi"}]}
-    chat["messages"].append({"role": "assistant", "content": "yo"})
-    path = tmp_path / "v.tar"
-    with tarfile.open(path, "w") as tf:
-        for name, data in (("a.json", json.dumps(chat).encode()), ("a.png", image.getvalue())):
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tf.addfile(info, io.BytesIO(data))
-    return str(path)
 
 
 def test_prealign_index_refuses_a_processor_folder_past_its_range(tmp_path, capsys):
