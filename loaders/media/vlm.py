@@ -969,8 +969,9 @@ class VLMSampleTransform:
         )
         if self.family is None:
             return
-        own = getattr(self.processor, "video_processor", None) is None
-        video = self.video_settings
+        video = getattr(self.processor, "video_processor", None)  # (its own checks on first use)
+        own = video is None
+        video = self.video_settings if own else video
         check_resize_bound(
             f"{name}.video_processor_config" if own else f"{name}.processor.video_processor",
             video,
