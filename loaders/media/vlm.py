@@ -226,10 +226,13 @@ def check_processor_options(transform) -> None:
             raise ConfigError(f"{where}[{name!r}]: expected {want}, got {value!r:.80}")
 
 
-def check_resize_bound(where: str, processor, given: dict, *, volume: bool, limit: int) -> None:
+def check_resize_bound(
+    where: str, processor, given: dict | None, *, volume: bool, limit: int
+) -> None:
     """The smallest picture ``processor``'s resize makes within its ``max_pixels``, and its
     ``temporal_patch_size`` at most ``limit``, else a :class:`ConfigError` naming ``where`` and the
-    options of ``given`` (the user's settings) that decide it, what was expected and what came.
+    options of ``given`` (the user's settings; ``None``: ``processor`` is the user's object) that
+    decide it, what was expected and what came.
 
     Each side of a resized picture is a multiple of ``factor = patch_size * merge_size`` and at
     least one (Qwen2-VL's ``smart_resize`` and the processors built on it), so the smallest is
@@ -260,10 +263,14 @@ def check_resize_bound(where: str, processor, given: dict, *, volume: bool, limi
         )
 
 
-def _named(names: list[str], given: dict) -> str:
-    """``['a']['b']``: those of ``names`` the user set in ``given`` (``size`` sets max_pixels)."""
+def _named(names: list[str], given: dict | None) -> str:
+    """``['a']['b']``: those of ``names`` the user set in ``given`` (``size`` sets max_pixels);
+    none set: where the settings came from; ``given`` None (a processor object): nothing."""
+    if given is None:
+        return ""
     given = {*given, *(["max_pixels"] if "size" in given else [])}
-    return "".join(f"[{k!r}]" for k in names if k in given)
+    named = "".join(f"[{k!r}]" for k in names if k in given)
+    return named or " (not set there: the model config's or the processor's own sizes)"
 
 
 def check_decode_threads(transform) -> None:
@@ -963,7 +970,7 @@ class VLMSampleTransform:
         check_resize_bound(
             f"{name}.processor_options" if own else f"{name}.processor",
             self.image_processor,
-            self.processor_options if own else {},
+            self.processor_options if own else None,
             volume=getattr(self.family, "model_type", "").startswith("glm4v"),
             limit=self.limits.max_video_frames,
         )
@@ -975,7 +982,7 @@ class VLMSampleTransform:
         check_resize_bound(
             f"{name}.video_processor_config" if own else f"{name}.processor.video_processor",
             video,
-            (self.video_processor_config or {}) if own else {},
+            (self.video_processor_config or {}) if own else None,
             volume=self.family.volume_resize,
             limit=self.limits.max_video_frames,
         )

@@ -61,6 +61,17 @@ def test_a_family_patch_size_past_the_options_max_pixels_names_max_pixels():
         )
 
 
+def test_a_model_config_patch_size_past_max_pixels_says_where_it_came_from():
+    config = tiny_config("qwen2_vl")
+    config.vision_config.patch_size = 100_000
+    with pytest.raises(ConfigError) as err:
+        VLMSampleTransform(tokenizer=TOK, model_config=config)
+    assert str(err.value).startswith(
+        "VLMSampleTransform.processor_options (not set there: the model config's or the "
+        "processor's own sizes): expected (patch_size * merge_size)**2 <= max_pixels"
+    ), err.value
+
+
 def test_a_huge_temporal_patch_size_is_refused():
     """An image is padded to temporal_patch_size frames (copies of it): at most a video's frames."""
     with pytest.raises(ConfigError, match=r"\['temporal_patch_size'\]: expected temporal_patch_siz"
