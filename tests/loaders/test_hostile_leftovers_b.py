@@ -298,11 +298,12 @@ def _python_lines(fn, *args) -> int:
         count += event == "line"
         return line
 
+    before = sys.gettrace()  # (a coverage tracer, restored)
     sys.settrace(lambda frame, event, arg: line)
     try:
         fn(*args)
     finally:
-        sys.settrace(None)
+        sys.settrace(before)
     return count
 
 
