@@ -170,10 +170,12 @@ def test_the_volume_rule_is_glms_own_bound(patch, merge, temporal, most, height,
     ``temporal_patch_size`` frames): the check accepts exactly the settings whose square images
     resize within max_pixels; what it accepts stays within it up to the aspect-ratio cap's
     sqrt(200); what it refuses is past it for every image."""
-    try:  # transformers >= 5 without torchvision: the PIL backend's module
-        from transformers.models.glm4v.image_processing_pil_glm4v import smart_resize
-    except ImportError:  # older transformers
-        from transformers.models.glm4v.image_processing_glm4v import smart_resize
+    import sys
+
+    from prealign.loaders.media.glm4v import glm4v_image_processor
+
+    # the resize rule of the GLM processor class the transform runs (its module's smart_resize)
+    smart_resize = sys.modules[type(glm4v_image_processor()).__module__].smart_resize
     from prealign.loaders.media.vlm import check_resize_bound
 
     processor = image_processor(
