@@ -266,8 +266,9 @@ class Mixture(Source):
         """The interleave of the components' streams in a reader (:class:`~prealign.loaders.plan.
         mixing.StreamMix`): by weight (a ``repeat=`` component's repeat as its weight), in units of
         :attr:`spec` ``by``; from ``state`` (a cursor's) when given. Every item is read once (the
-        epoch is every sample once: ``length`` and ``repeat`` do not apply to streams, whose sizes
-        are not known)."""
+        epoch is every sample once: streams' sizes are not known, so a ``length`` other than
+        ``"total"`` or a ``repeat`` other than 1 is refused,
+        :func:`~prealign.loaders.streaming.check_streamed_mixture`)."""
         weights = [w if w is not None else r for w, r in zip(self.spec.weights, self.spec.repeats)]
         return StreamMix(weights, self.spec.by, state)
 

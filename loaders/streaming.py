@@ -115,7 +115,7 @@ from prealign.loaders.state import (
     pack_cursor,
     unpack_cursor,
 )
-from prealign.schemas.errors import PrealignError, SampleError
+from prealign.schemas.errors import ConfigError, PrealignError, SampleError
 from prealign.schemas.layout import ParallelLayout
 from prealign.schemas.schema import BatchSchema
 
@@ -562,6 +562,26 @@ class _Packer:
         return out
 
 
+def check_streamed_mixture(source: Source) -> None:
+    """A :class:`Mixture` stream reads every sample of every component once (its sizes are not
+    known before it is read): a ``length`` other than ``"total"`` or a component's ``repeat`` other
+    than 1 (settings of a planned epoch) is a :class:`ConfigError` naming it, never ignored."""
+    if not isinstance(source, Mixture):
+        return
+    if source.spec.length != "total":
+        raise ConfigError(
+            f"StreamingPackedLoader: Mixture length: expected 'total' (a stream's epoch is every "
+            f"sample once), got {source.spec.length!r}; PackedLoader plans an epoch of that length"
+        )
+    for name, component in source.components.items():
+        if component.repeat is not None and component.repeat != 1:
+            raise ConfigError(
+                f"StreamingPackedLoader: mixture component {name!r}: repeat: expected None or 1 (a "
+                f"stream reads every sample once), got {component.repeat!r}; give it a weight (its "
+                f"share of the interleave) or use PackedLoader, which plans repeats"
+            )
+
+
 class StreamingPackedLoader(LoaderCore):
     """Iterable of packed micro-batches from a stream (see the module docstring). ``source``: any
     :class:`~prealign.loaders.sources.source.Source` (``HFSource`` over an ``IterableDataset``, a
@@ -644,6 +664,7 @@ class StreamingPackedLoader(LoaderCore):
             loading=loading,
             collator=collator,
         )
+        check_streamed_mixture(source)
         self.collective_timeout = None if collective_timeout is None else float(collective_timeout)
         self._filler: dict | None = None
         self._served_cache: tuple = (None, None)

@@ -96,6 +96,13 @@ class Mistral3SampleTransform(SizedImagesTransform):
                 f"{fam.model_type!r}"
             )
         self._setup(fam, MISTRAL3_TOKENS, "[IMG]")
+        if fam.token_step > self.longest_edge:  # each side >= a step: past the edge, always
+            raise ConfigError(
+                f"Mistral3SampleTransform: expected patch_size * spatial_merge_size <= the image "
+                f"processor's longest_edge (each side of a resized image is at least one token "
+                f"step), got {fam.patch_size} * {fam.spatial_merge_size} = {fam.token_step} > "
+                f"longest_edge {self.longest_edge}"
+            )
 
     def default_image_processor(self):
         return mistral3_image_processor(self.family.longest_edge, self.family.patch_size)

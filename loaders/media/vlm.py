@@ -226,6 +226,53 @@ def check_processor_options(transform) -> None:
             raise ConfigError(f"{where}[{name!r}]: expected {want}, got {value!r:.80}")
 
 
+def check_resize_bound(
+    where: str, processor, given: dict | None, *, volume: bool, limit: int
+) -> None:
+    """The smallest picture ``processor``'s resize makes within its ``max_pixels``, and its
+    ``temporal_patch_size`` at most ``limit``, else a :class:`ConfigError` naming ``where`` and the
+    options of ``given`` (the user's settings; ``None``: ``processor`` is the user's object) that
+    decide it, what was expected and what came.
+
+    Each side of a resized picture is a multiple of ``factor = patch_size * merge_size`` and at
+    least one (Qwen2-VL's ``smart_resize`` and the processors built on it), so the smallest is
+    ``factor**2`` pixels where ``max_pixels`` bounds a frame's area, ``temporal_patch_size *
+    factor**2`` where it bounds the ``volume`` (GLM-4.1V images, Qwen3-VL videos). A factor
+    past that would have every picture resized past ``max_pixels`` (unbounded memory). An image (or
+    a short video) is padded to ``temporal_patch_size`` frames: at most ``limit`` (the decode
+    limits' frames of one video). A processor without a patch grid is not checked."""
+    if not all(hasattr(processor, k) for k in ("patch_size", "merge_size", "temporal_patch_size")):
+        return
+    geometry = VisionGeometry.of(processor)
+    p, m, t = geometry.patch_size, geometry.merge_size, geometry.temporal_patch_size
+    frames = t if volume else 1
+    smallest, most = frames * (p * m) ** 2, geometry.max_pixels
+    if smallest > most:
+        named = ["patch_size", "merge_size", *["temporal_patch_size"] * volume, "max_pixels"]
+        raise ConfigError(
+            f"{where}{_named(named, given)}: expected "
+            f"{'temporal_patch_size * ' * volume}(patch_size * merge_size)**2 <= max_pixels (each "
+            f"side of a resized picture is at least patch_size * merge_size pixels), got "
+            f"{f'{t} * ' * volume}({p} * {m})**2 = {smallest} > max_pixels {most}"
+        )
+    if t > limit:
+        raise ConfigError(
+            f"{where}{_named(['temporal_patch_size'], given)}: expected temporal_patch_size <= "
+            f"{limit} (limits.max_video_frames: a picture is padded to temporal_patch_size "
+            f"frames), got {t}"
+        )
+
+
+def _named(names: list[str], given: dict | None) -> str:
+    """``['a']['b']``: those of ``names`` the user set in ``given`` (``size`` sets max_pixels);
+    none set: where the settings came from; ``given`` None (a processor object): nothing."""
+    if given is None:
+        return ""
+    given = {*given, *(["max_pixels"] if "size" in given else [])}
+    named = "".join(f"[{k!r}]" for k in names if k in given)
+    return named or " (not set there: the model config's or the processor's own sizes)"
+
+
 def check_decode_threads(transform) -> None:
     """``transform.decode_threads`` an int >= 0 (decoder threads per video file; 0: ffmpeg's
     choice), else a :class:`ConfigError` naming the transform's class."""
@@ -809,6 +856,7 @@ class VLMSampleTransform:
             )
             object.__setattr__(self, "tokenizer", wrap(self.processor.tokenizer, **names))
         check_decode_threads(self)
+        self._check_resize_bounds()
         if self.video_sampling is not None:
             self.frame_sampling  # noqa: B018 (checks the settings now, not at the first video)
         if self.frame is None and not hasattr(self.tokenizer, "im_start_id"):
@@ -910,6 +958,34 @@ class VLMSampleTransform:
                 ),
                 stacklevel=3,
             )
+
+    def _check_resize_bounds(self) -> None:
+        """The image processor's (and, with a family, the video settings') patch sizes within their
+        pixel range (:func:`check_resize_bound`): checked now, not by the resize of the first
+        image."""
+        if self.tiled:
+            return
+        own = self.processor is None
+        name = type(self).__name__
+        check_resize_bound(
+            f"{name}.processor_options" if own else f"{name}.processor",
+            self.image_processor,
+            self.processor_options if own else None,
+            volume=getattr(self.family, "model_type", "").startswith("glm4v"),
+            limit=self.limits.max_video_frames,
+        )
+        if self.family is None:
+            return
+        video = getattr(self.processor, "video_processor", None)  # (its own checks on first use)
+        own = video is None
+        video = self.video_settings if own else video
+        check_resize_bound(
+            f"{name}.video_processor_config" if own else f"{name}.processor.video_processor",
+            video,
+            (self.video_processor_config or {}) if own else None,
+            volume=self.family.volume_resize,
+            limit=self.limits.max_video_frames,
+        )
 
     def _require_family(self, what: str) -> VisionFamily:
         if self.family is None:

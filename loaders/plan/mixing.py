@@ -224,11 +224,17 @@ def _by_finish(units: Sequence[np.ndarray], ones: bool = False) -> np.ndarray:
     # component order
 
 
-def _check_draws(mix: MixSpec, targets: np.ndarray, sizes: np.ndarray, counts: list[int]) -> None:
-    """Each component's draws (whole passes of ``counts[c]`` samples towards ``targets[c]`` units of
-    ``sizes[c]`` per pass) sum to at most :data:`MAX_EPOCH_DRAWS`, before any pass is built."""
+def _passes(targets: np.ndarray, sizes: np.ndarray, counts: list[int]) -> np.ndarray:
+    """float64 ``[C]``: the whole passes of ``counts[c]`` samples (``sizes[c]`` units per pass) that
+    reach ``targets[c]`` units (0 for an empty component; not finite where a pass holds no units,
+    which :func:`_check_draws` refuses)."""
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        passes = np.where(np.asarray(counts) > 0, np.ceil(targets / sizes), 0.0)
+        return np.where(np.asarray(counts) > 0, np.ceil(targets / sizes), 0.0)
+
+
+def _check_draws(mix: MixSpec, passes: np.ndarray, counts: list[int]) -> None:
+    """Each component's draws (``passes[c]`` whole passes of ``counts[c]`` samples,
+    :func:`_passes`) sum to at most :data:`MAX_EPOCH_DRAWS`, before any pass is built."""
     draws = passes * np.asarray(counts, np.float64)
     if not np.isfinite(draws).all() or draws.sum() > MAX_EPOCH_DRAWS:
         c = int(np.argmax(np.where(np.isfinite(draws), draws, np.inf)))
@@ -297,15 +303,14 @@ def mixed_order(
             for c in range(C)
         ]
     )
-    _check_draws(mix, targets, sizes, [len(x) for x in lengths])
+    counts = [len(x) for x in lengths]
+    passes = _passes(targets, sizes, counts)  # (no draw of the next pass reaches the target)
+    _check_draws(mix, passes, counts)
     ids, units, draws = [], [], []
     for c in range(C):
-        n, L = len(lengths[c]), np.asarray(lengths[c])
+        n, L = counts[c], np.asarray(lengths[c])
         want = targets[c]
-        passes = (
-            int(np.ceil(want / sizes[c])) if n else 0
-        )  # (no draw of the next pass reaches the target)
-        count = passes * n + (int(served[c].max()) + 1 if served[c].size else 0)
+        count = int(passes[c]) * n + (int(served[c].max()) + 1 if served[c].size else 0)
         stream = (
             component_stream(
                 n,

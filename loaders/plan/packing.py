@@ -20,7 +20,9 @@ A bin also closes when it cannot take the smallest sample, after ``max_age`` win
 
 from __future__ import annotations
 
+import heapq
 from bisect import bisect_left, insort
+from itertools import repeat
 
 import numpy as np
 
@@ -268,38 +270,52 @@ def spread(
     """Re-pack the items of ``bins`` into exactly ``n_bins >= len(bins)`` bins as evenly as possible
     (largest first, each into the least-loaded bin that fits). When that greedy pass fails, keep
     ``bins`` and move single items out to the new bins instead (always valid). A bin stays empty
-    only when there are fewer items than bins.
+    only when there are fewer items than bins. ``O(items log n_bins + n_bins)``: the bins that can
+    still take an item sit in a heap by ``(load, bin)``; the least-loaded one fits an item or none
+    does.
 
     >>> spread([[0, 1, 2, 3]], np.array([8, 4, 4, 4]), 2, 16)
     [[0, 3], [1, 2]]
     """
     items = sorted((i for b in bins for i in b), key=lambda i: (-int(sizes[i]), i))
-    loads = [0] * n_bins
-    out: list[list[int]] = [[] for _ in range(n_bins)]
+    out = _empty_bins(n_bins)
+    # (load, bin), a heap already: the bins in order (no Python step per bin)
+    open_bins = list(zip(repeat(0), range(n_bins))) if max_items != 0 else []
     for i in items:
         s = int(sizes[i])
-        b = min(
-            (c for c in range(n_bins) if loads[c] + s <= cap and len(out[c]) != max_items),
-            key=lambda c: (loads[c], c),
-            default=None,
-        )
-        if b is None:
+        if not open_bins or open_bins[0][0] + s > cap:
             return _split_out(bins, sizes, n_bins)
+        load, b = open_bins[0]
         out[b].append(i)
-        loads[b] += s
-    return [sorted(b) for b in out]
+        if len(out[b]) == max_items:  # full: never a candidate again
+            heapq.heappop(open_bins)
+        else:
+            heapq.heapreplace(open_bins, (load + s, b))
+    return list(map(sorted, out))
 
 
 def _split_out(bins: list[list[int]], sizes: np.ndarray, n_bins: int) -> list[list[int]]:
     """Valid fallback of :func:`spread`: move the smallest item of the fullest multi-item bin into a
-    new bin."""
-    out = [sorted(b) for b in bins] + [[] for _ in range(n_bins - len(bins))]
+    new bin. The donors sit in a heap by ``(-load, bin)``, each with its items largest first."""
+    out = list(map(sorted, bins)) + _empty_bins(n_bins - len(bins))
+    by_size = [sorted(b, key=lambda j: (-int(sizes[j]), -j)) for b in bins]  # smallest last
+    donors = [(-sum(int(sizes[j]) for j in b), c) for c, b in enumerate(bins) if len(b) > 1]
+    heapq.heapify(donors)
+    moved = set()
     for target in range(len(bins), n_bins):
-        donors = [c for c in range(len(out)) if len(out[c]) > 1]
         if not donors:
             break
-        c = max(donors, key=lambda c: (sum(int(sizes[j]) for j in out[c]), -c))
-        i = min(out[c], key=lambda j: (int(sizes[j]), j))
-        out[c].remove(i)
+        load, c = donors[0]
+        i = by_size[c].pop()
+        moved.add(i)
         out[target].append(i)
-    return out
+        if len(by_size[c]) > 1:
+            heapq.heapreplace(donors, (load + int(sizes[i]), c))
+        else:
+            heapq.heappop(donors)
+    return [[i for i in b if i not in moved] for b in out[: len(bins)]] + out[len(bins) :]
+
+
+def _empty_bins(n: int) -> list[list[int]]:
+    """``n`` distinct empty lists, made without a Python step per list."""
+    return list(map(list, repeat((), max(n, 0))))
