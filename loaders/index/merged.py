@@ -346,9 +346,8 @@ def _columns(a: dict) -> dict:
 def _sizes(source, recorded: np.ndarray) -> list[int]:
     """Each shard's recorded size (``-1`` for a ``pipe:`` command's output: no size to check)."""
     sizes = recorded.tolist()
-    if not getattr(source, "local_only", False) and any(
-        u[:5].lower() == "pipe:" for u in source.urls
-    ):
+    schemes = getattr(source, "schemes", None)
+    if "pipe" in (schemes if schemes is not None else map(remote.scheme, source.urls)):
         sizes = [-1 if remote.scheme(u) == "pipe" else n for u, n in zip(source.urls, sizes)]
     return sizes
 

@@ -238,6 +238,28 @@ def _check_unique(urls: Sequence[str], text: str | None) -> tuple[str | None, ob
     return folder, rows
 
 
+def url_schemes(urls: Sequence[str], text: str) -> frozenset[str]:
+    """The :func:`~prealign.loaders.sources.remote.scheme` of each of ``urls`` (``text``: their
+    :func:`~prealign.loaders.sources.shard_files.url_text`): the first's alone when every line
+    starts with its ``scheme:`` as written (two searches: a list of 100k URLs on one store), else
+    one a url.
+
+    >>> sorted(url_schemes(["s3://b/0", "S3://b/1"], url_text(["s3://b/0", "S3://b/1"])))
+    ['s3']
+    """
+    first = _remote.scheme(urls[0]) if len(urls) else ""
+    head = urls[0][: len(first) + 1] if first else ""
+    if first and text.startswith(head) and text.count("\n" + head) == len(urls) - 1:
+        return frozenset((first,))
+    return frozenset(map(_remote.scheme, urls))
+
+
+def any_sequential(urls: Sequence[str]) -> bool:
+    """Some shard of ``urls`` is only readable front to back
+    (:func:`~prealign.loaders.sources.remote.is_sequential`)."""
+    return any(map(_remote.is_sequential, urls))
+
+
 def _one_host(urls: Sequence[str], text: str) -> str | None:
     """The ``scheme://host/`` that every url starts with, when each is a URL whose
     :func:`shard_identity` is itself with that start in lower case (so two are one shard only when
@@ -466,11 +488,13 @@ class WebDatasetSource(Source):
         self.local_only = plain_local(self.urls, text)
         """Every shard a plain local path (one check at the start: no per-shard question of the URLs
         then)."""
+        self.schemes = frozenset({""}) if self.local_only else url_schemes(self.urls, text)
+        """The schemes of the shards' URLs (:func:`~prealign.loaders.sources.remote.scheme`, lower
+        case; ``""``: a local path), found once at the start."""
         if (
             remote.cache_dir is None
             and remote.private_dir is None
-            and not self.local_only
-            and any(_remote.scheme(u) in ("http", "https") for u in self.urls)
+            and self.schemes & {"http", "https"}
         ):  # made here: see RemoteOptions
             remote = dataclasses.replace(remote, private_dir=_remote.private_folder())
         self.remote = remote
@@ -480,7 +504,8 @@ class WebDatasetSource(Source):
         self._stream_only = (
             any(any_line_ends(text, end, rows) for end in (".tar.gz", ".tgz"))
             if self.local_only  # (only a gzip-compressed tar can be sequential)
-            else any(_remote.is_sequential(u) for u in self.urls)
+            else "pipe" in self.schemes
+            or (any(e in text for e in (".tar.gz", ".tgz")) and any_sequential(self.urls))
         )
 
     # ---- shards ---------------------------------------------------------------------------------
@@ -510,7 +535,7 @@ class WebDatasetSource(Source):
         """True when some shard can only be read front to back (``pipe:``, ``.tar.gz``): the loader
         then shuffles micro-batches within a bounded window of steps, not over the whole epoch."""
         found = self.__dict__.get("_stream_only")  # (found once, at __init__)
-        return any(_remote.is_sequential(u) for u in self.urls) if found is None else found
+        return any_sequential(self.urls) if found is None else found
 
     # ---- scanning -------------------------------------------------------------------------------
     def scan_after(self, shard: int, ordinal: int, location, *, seek=None):

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prealign.loaders.errors import ConfigError
-from prealign.loaders.sources import webdataset
+from prealign.loaders.sources import remote, webdataset
 from prealign.loaders.sources.webdataset import check_unique, shard_identity
 
 _STARTS = ["s3://b/", "S3://B/", "s3://b/k/", "http://h:8/", "HTTP://h:8/", "gs://b/p/", "s3://b?/"]
@@ -82,3 +82,28 @@ def test_work_does_not_grow_with_the_list(monkeypatch, start):
         calls.clear()
         out = webdataset._expanded(urls)[0]
         assert list(out) == urls and len(calls) <= 1, len(calls)
+
+
+_SCHEMES = ["s3://b/", "S3://b/", "http://h/", "pipe:cat ", "file:///d/", "/d/", "c:/d/", "s3:x/"]
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.sampled_from(_SCHEMES), min_size=1, max_size=5), st.data())
+def test_url_schemes_and_sequential_agree_with_each_url(starts, data):
+    ends = st.sampled_from(["a.tar", "b.tgz", "c.tar.gz?x", "d?e.tgz"])
+    urls = [f"{s}{i}{data.draw(ends)}" for i, s in enumerate(starts)]  # (each shard once)
+    text = "".join(u + "\n" for u in urls)
+    assert webdataset.url_schemes(urls, text) == {remote.scheme(u) for u in urls}
+    source = webdataset.WebDatasetSource(urls)
+    assert source.stream_only == any(remote.is_sequential(u) for u in urls)
+
+
+def test_a_start_over_urls_on_one_store_asks_no_question_of_each(monkeypatch):
+    calls = []
+    for name in ("scheme", "is_sequential"):
+        real = getattr(remote, name)
+        monkeypatch.setattr(remote, name, lambda u, real=real: calls.append(u) or real(u))
+    for n in (1_000, 100_000):
+        calls.clear()
+        source = webdataset.WebDatasetSource([f"s3://b/d/s-{i:06d}.tar" for i in range(n)])
+        assert source.schemes == {"s3"} and not source.stream_only and len(calls) <= 3, len(calls)
