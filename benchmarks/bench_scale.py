@@ -32,8 +32,8 @@ state_dict() against the sample count, index workers, import time.
                 glob's list: the start expands it. ``--remote``: also the merged index's start
                 with the shards read over HTTP (``http://127.0.0.1:PORT/...``, one URL a shard,
                 the list made before the clock starts; the merged index a local ``index_dir``),
-                from ``python -m http.server`` in a process of its own (its CPU not counted):
-                what a start over an object store's shards asks of their URLs.
+                from ``range_server.py`` (ranges, keep-alive) in a process of its own (its CPU not
+                counted): what a start over an object store's shards asks of their URLs.
 * ``state``     ``state_dict()`` of a prepared loader over ``--state`` samples (mean of 200 calls)
 * ``index``     ``write_sidecars`` (what ``prealign index`` runs) with 1 and 2 workers
 * ``import``    ``import prealign.loaders`` in a fresh process (and ``import torch`` alone, which it
@@ -157,14 +157,14 @@ def _shard_urls(root: str, base: str) -> str:
 
 
 def _serve(folder: str) -> tuple[subprocess.Popen, int]:
-    """``python -m http.server`` over ``folder`` on 127.0.0.1 (a process of its own: its CPU is not
-    the loader's), once it answers; ``(process, port)``."""
+    """``range_server.py`` over ``folder`` on 127.0.0.1 (ranges and keep-alive, as an object store;
+    a process of its own: its CPU is not the loader's), once it answers; ``(process, port)``."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
+    here = os.path.dirname(os.path.abspath(__file__))
     server = subprocess.Popen(
-        [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
-        cwd=folder,
+        [sys.executable, os.path.join(here, "range_server.py"), folder, str(port)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
