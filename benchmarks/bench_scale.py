@@ -4,7 +4,7 @@ state_dict() against the sample count, index workers, import time.
 
     python benchmarks/bench_scale.py [--samples 20000] [--shards 20 2000 100000 20:20000]
                                      [--rounds 5] [--per-shard-max 2000] [--energon-max 2000]
-                                     [--no-energon] [--before DIR] [--pattern]
+                                     [--no-energon] [--before DIR] [--pattern] [--remote]
                                      [--index 10000 100000]
                                      [--state 10000 1000000] [--floor] [--json out.json]
 
@@ -29,7 +29,11 @@ state_dict() against the sample count, index workers, import time.
                 [min..max], and the ratio of the medians. ``--pattern``: prealign's sides
                 (``--before``'s too) name the shards by one brace pattern
                 (``"<root>/text-{00000..00019}.tar"``, what the bench writes) instead of a sorted
-                glob's list: the start expands it.
+                glob's list: the start expands it. ``--remote``: also the merged index's start
+                with the shards read over HTTP (``http://127.0.0.1:PORT/...``, one URL a shard,
+                the list made before the clock starts; the merged index a local ``index_dir``),
+                from ``range_server.py`` (ranges, keep-alive) in a process of its own (its CPU not
+                counted): what a start over an object store's shards asks of their URLs.
 * ``state``     ``state_dict()`` of a prepared loader over ``--state`` samples (mean of 200 calls)
 * ``index``     ``write_sidecars`` (what ``prealign index`` runs) with 1 and 2 workers
 * ``import``    ``import prealign.loaders`` in a fresh process (and ``import torch`` alone, which it
@@ -51,9 +55,11 @@ import argparse
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_ttfb import write_text_shards  # noqa: E402 - the benchmarks folder is not a package
@@ -142,6 +148,34 @@ t = time.perf_counter()
 import {module}
 result = {{"s": time.perf_counter() - t}}
 """
+
+
+def _shard_urls(root: str, base: str) -> str:
+    """The code that names a start's shards as URLs: ``base`` (``http://host:port/folder/``) and
+    each file name of a sorted glob of ``root``."""
+    return f"[{base!r} + os.path.basename(p) for p in sorted(glob.glob({root!r} + '/*.tar'))]"
+
+
+def _serve(folder: str) -> tuple[subprocess.Popen, int]:
+    """``range_server.py`` over ``folder`` on 127.0.0.1 (ranges and keep-alive, as an object store;
+    a process of its own: its CPU is not the loader's), once it answers; ``(process, port)``."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    here = os.path.dirname(os.path.abspath(__file__))
+    server = subprocess.Popen(
+        [sys.executable, os.path.join(here, "range_server.py"), folder, str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    for _ in range(200):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return server, port
+        except OSError:
+            time.sleep(0.05)
+    server.kill()
+    raise RuntimeError("the HTTP server did not start")
 
 
 def _shard_names(root: str, shards: int, pattern: bool) -> str:
@@ -446,6 +480,11 @@ def main() -> int:
         help="prealign's starts name the shards by one brace pattern, not a sorted glob's list",
     )
     ap.add_argument(
+        "--remote",
+        action="store_true",
+        help="also start from the merged index with the shards read over HTTP (127.0.0.1)",
+    )
+    ap.add_argument(
         "--energon", default="", help="a folder holding megatron-energon, when not installed"
     )
     ap.add_argument("--index", type=int, nargs="*", default=[10_000, 100_000])
@@ -474,6 +513,8 @@ def main() -> int:
     )
     contenders: dict = {}
     sizes = {}
+    os.makedirs(args.dir, exist_ok=True)
+    server, port = _serve(args.dir) if args.remote else (None, 0)
     for count, n in args.shards:
         root = os.path.join(args.dir, f"text-{n}-{count}")
         merged_dir = root + "-merged"
@@ -496,6 +537,12 @@ def main() -> int:
                 _START.format(paths=mine, index_dir=own),
                 path,
             )
+            if args.remote:
+                base = f"http://127.0.0.1:{port}/{os.path.relpath(data, args.dir)}/"
+                contenders[((count, n), "merged index, over HTTP" + tag)] = (
+                    _START.format(paths=_shard_urls(data, base), index_dir=own),
+                    path,
+                )
             if count <= args.per_shard_max:
                 contenders[((count, n), "sidecars" + tag)] = (
                     _START.format(paths=mine, index_dir=None),
@@ -515,7 +562,12 @@ def main() -> int:
                 enc + _ENERGON_START.format(energon=args.energon, root=root),
                 None,
             )
-    got = _interleaved(contenders, args.rounds)
+    try:
+        got = _interleaved(contenders, args.rounds)
+    finally:
+        if server is not None:
+            server.kill()
+            server.wait()
     print("\n| shards (samples) | from | first batch | resume |\n|---|---|---|---|")
     for ((count, n), name), runs in got.items():
         numbers.setdefault(f"start_{count}" + (f"_{n}" if n != args.samples else ""), {})[name] = (
@@ -544,7 +596,8 @@ def main() -> int:
                 )
     for shards in args.shards:
         if (shards, "energon") in got:
-            for name in [n for (c, n) in got if c == shards and n.startswith("merged")]:
+            local = [n for (c, n) in got if c == shards and n.startswith("merged index")]
+            for name in [n for n in local if "HTTP" not in n]:
                 m, e = got[(shards, name)], got[(shards, "energon")]
                 print(
                     f"- {name} / Energon at {shards[0]:,} shards: first batch "

@@ -346,9 +346,8 @@ def _columns(a: dict) -> dict:
 def _sizes(source, recorded: np.ndarray) -> list[int]:
     """Each shard's recorded size (``-1`` for a ``pipe:`` command's output: no size to check)."""
     sizes = recorded.tolist()
-    if not getattr(source, "local_only", False) and any(
-        u[:5].lower() == "pipe:" for u in source.urls
-    ):
+    schemes = getattr(source, "schemes", None)
+    if "pipe" in (schemes if schemes is not None else map(remote.scheme, source.urls)):
         sizes = [-1 if remote.scheme(u) == "pipe" else n for u, n in zip(source.urls, sizes)]
     return sizes
 
@@ -659,8 +658,6 @@ def _parse(data: bytes, path: str) -> tuple[dict, dict[str, np.ndarray]]:
         or a["dim_ids"].max() >= len(dims)
     ):
         raise bad("byte ranges, lengths or dim ids out of bounds")
-    if num_events is None:
-        num_events = rows + _events_per_shard(events, s) if events else rows
     parsed = []
     for e in events:  # (checked one by one: few, bad records only; each a BadRecord from here on)
         try:
@@ -669,7 +666,7 @@ def _parse(data: bytes, path: str) -> tuple[dict, dict[str, np.ndarray]]:
                 and len(e) == 3
                 and all(isinstance(x, int) and not isinstance(x, bool) for x in e[:2])
                 and 0 <= e[0] < s
-                and 0 <= e[1] < num_events[e[0]]
+                and 0 <= e[1]
             ):
                 raise ValueError
             parsed.append([e[0], e[1], parse_event(e[2])])
@@ -677,9 +674,15 @@ def _parse(data: bytes, path: str) -> tuple[dict, dict[str, np.ndarray]]:
             raise bad(f"malformed event {str(e)[:80]}") from None
     meta["events"] = events = parsed
     at = [(e[0], e[1]) for e in events]
+    counts = np.bincount(np.asarray([e[0] for e in events], np.int64), minlength=s)
+    if num_events is None:  # (version 4: a shard's records are its samples and its events)
+        num_events = rows + counts
+    past = [e for e in at if e[1] >= num_events[e[0]]]
+    if past:
+        raise bad(f"malformed event {list(past[0])} (past its shard's records)")
     if (
         version < 4
-        and np.any(rows + np.bincount([e[0] for e in events], minlength=s) != num_events)
+        and np.any(rows + counts != num_events)
     ) or any(b <= a for a, b in zip(at, at[1:])):
         raise bad("per-shard event counts do not add up, or events out of order or given twice")
     first, last = check_tiling(spans, owner, num_events, at, bad, rows=rows)
@@ -708,19 +711,6 @@ def _probe_versions(a: dict, version: int, count: int, bad) -> np.ndarray | int:
             f"{(count,)} of 1 and 2"
         )
     return found
-
-
-def _events_per_shard(events: list, s: int) -> np.ndarray:
-    """int64 ``[S]``: the events of each shard (a version 4 file's records are a shard's samples
-    and its events); an event that names no shard is counted nowhere (the check of each event
-    refuses it)."""
-    at = [
-        e[0]
-        for e in events
-        if isinstance(e, list) and e and isinstance(e[0], int) and not isinstance(e[0], bool)
-        if 0 <= e[0] < s
-    ]
-    return np.bincount(np.asarray(at, np.int64), minlength=s)
 
 
 def _stored_names(a: dict, version: int, bad) -> tuple[LazyList, str | None]:

@@ -1,20 +1,26 @@
-"""One numeric brace range (``"/d/shard-{000000..099999}.tar"``) expanded with numpy.
+"""Numeric brace ranges (``"/d/shard-{000000..099999}.tar"``,
+``"s3://b/part-{00..99}/s-{0000..0999}.tar"``) expanded with numpy.
 
-The common way to name many webdataset shards: ``prefix{A..B}suffix``. :func:`range_text` makes
-the names' :func:`~prealign.loaders.sources.shard_files.url_text` directly (the digits as uint8
-columns, prefix, suffix and newline broadcast: a few numpy calls per digit, no Python string per
-name), the same text ``braceexpand`` gives, a name a line; any other pattern is left to it.
+The common way to name many webdataset shards: ``prefix{A..B}suffix``, or several such ranges, one
+per folder level. :func:`ranges_text` makes the names'
+:func:`~prealign.loaders.sources.shard_files.url_text` directly (the digits as uint8 columns, the
+text between the ranges and the newline broadcast: a few numpy calls per digit, no Python string per
+name), the same text ``braceexpand`` gives, a name a line, in its order (the first range varies
+slowest); any other pattern is left to it.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Callable
 
 import numpy as np
 
-_RANGE = re.compile(r"([^{}\\,\n]*)\{([0-9]+)\.\.([0-9]+)\}([^{}\\,\n]*)")
-"""``prefix{A..B}suffix``: decimal ends, and no brace, backslash, comma or newline around them."""
+_RANGE = re.compile(r"\{([0-9]+)\.\.([0-9]+)\}")
+"""``{A..B}``: decimal ends."""
+_LITERAL = re.compile(r"[^{}\\,\n]*")
+"""The text around the ranges: no brace, backslash, comma or newline."""
 _MAX_DIGITS = 18
 """Wider numbers are left to braceexpand (int64 holds 18 decimal digits)."""
 
@@ -35,63 +41,95 @@ def range_digits(a: str, b: str) -> int | None:
     return len(a) if len(a) == len(b) else None
 
 
-def one_range(pattern: str) -> tuple[str, int, int, int, str] | None:
-    """``(prefix, A, B, digits, suffix)`` when ``pattern`` is one ascending numeric range
-    ``prefix{A..B}suffix`` of names of one width (:func:`range_digits`; ASCII, at most 18 digits);
-    None for any other pattern (several groups, letters, steps, a descending range, escapes,
-    names of other widths): braceexpand expands those.
+Ranges = tuple[tuple[int, int, int], ...]
+"""Each range's ``(A, B, digits)``."""
 
-    >>> one_range("s3://b/s-{08..10}.tar"), one_range("s-{8..10}.tar")
-    (('s3://b/s-', 8, 10, 2, '.tar'), None)
-    >>> one_range("s-{0..4..2}.tar"), one_range("{2..1}"), one_range("{0..1}{0..1}")
+
+def numeric_ranges(pattern: str) -> tuple[tuple[str, ...], Ranges] | None:
+    """``(literals, ranges)`` when ``pattern`` is ``literals[0]{A..B}literals[1]{C..D}...`` with
+    each range ascending, decimal and of names of one width (:func:`range_digits`; at most 18
+    digits), ASCII, and no other brace, backslash, comma or newline: ``ranges`` holds each one's
+    ``(A, B, digits)``. None for any other pattern (letters, steps, a descending range, lists,
+    nesting, escapes, names of other widths): braceexpand expands those.
+
+    >>> numeric_ranges("s3://b/s-{08..10}.tar"), numeric_ranges("s-{8..10}.tar")
+    ((('s3://b/s-', '.tar'), ((8, 10, 2),)), None)
+    >>> numeric_ranges("p{0..1}/s-{00..09}"), numeric_ranges("s-{0..4..2}.tar")
+    ((('p', '/s-', ''), ((0, 1, 1), (0, 9, 2))), None)
+    >>> numeric_ranges("{2..1}"), numeric_ranges("s-{a..c}"), numeric_ranges("s.tar")
     (None, None, None)
     """
-    m = _RANGE.fullmatch(pattern)
-    if m is None or not pattern.isascii():
+    if not pattern.isascii():
         return None
-    prefix, a, b, suffix = m.groups()
-    lo, hi, digits = int(a), int(b), range_digits(a, b)
-    if lo > hi or digits is None or digits > _MAX_DIGITS:
+    pieces = _RANGE.split(pattern)  # literal, A, B, literal, A, B, ..., literal
+    literals = tuple(pieces[::3])
+    if len(pieces) < 4 or not all(_LITERAL.fullmatch(t) for t in literals):
         return None
-    return prefix, lo, hi, digits, suffix
+    ranges = []
+    for a, b in zip(pieces[1::3], pieces[2::3]):
+        lo, hi, digits = int(a), int(b), range_digits(a, b)
+        if lo > hi or digits is None or digits > _MAX_DIGITS:
+            return None
+        ranges.append((lo, hi, digits))
+    return literals, tuple(ranges)
 
 
-def range_text(prefix: str, lo: int, hi: int, digits: int, suffix: str) -> tuple[str, int]:
-    """``(text, width)``: the names ``prefix + f"{n:0{digits}d}" + suffix`` for ``n`` in
-    ``lo..hi`` (:func:`one_range`'s answer) as one text, each name followed by a newline
-    (``width`` characters a line, its newline included): what ``url_text(list(braceexpand(
-    pattern)))`` gives. ``uint8 [names, width]`` rows filled a column at a time: prefix and suffix
-    broadcast, a ``divmod`` per digit.
+def ranges_text(literals: tuple[str, ...], ranges: Ranges) -> tuple[str, int]:
+    """``(text, width)``: the names of :func:`numeric_ranges`' answer, the first range varying
+    slowest (braceexpand's order), as one text, each name followed by a newline (``width``
+    characters a line, its newline included): what ``url_text(list(braceexpand(pattern)))``
+    gives. ``uint8 [names, width]`` rows filled a column at a time: the literals broadcast, a
+    ``divmod`` per digit.
 
-    >>> range_text("s3://b/s-", 8, 10, 2, ".tar")
+    >>> ranges_text(("s3://b/s-", ".tar"), ((8, 10, 2),))
     ('s3://b/s-08.tar\\ns3://b/s-09.tar\\ns3://b/s-10.tar\\n', 16)
+    >>> ranges_text(("p", "/", ""), ((0, 1, 1), (8, 9, 1)))[0].split()
+    ['p0/8', 'p0/9', 'p1/8', 'p1/9']
     """
-    head, tail = prefix.encode(), suffix.encode() + b"\n"
-    width = len(head) + digits + len(tail)
-    rows = np.empty((hi - lo + 1, width), np.uint8)
-    rows[:, : len(head)] = np.frombuffer(head, np.uint8)
-    rows[:, len(head) + digits :] = np.frombuffer(tail, np.uint8)
-    numbers = np.arange(lo, hi + 1, dtype=np.int64)
-    for k in range(digits):  # (the last digit first: a column per digit)
-        numbers, digit = np.divmod(numbers, 10)
-        rows[:, len(head) + digits - 1 - k] = digit + ord("0")
+    counts = [hi - lo + 1 for lo, hi, _ in ranges]
+    total = math.prod(counts)
+    parts = [t.encode() for t in literals[:-1]] + [literals[-1].encode() + b"\n"]
+    width = sum(map(len, parts)) + sum(d for _, _, d in ranges)
+    rows = np.empty((total, width), np.uint8)
+    at, index, stride = 0, np.arange(total, dtype=np.int64), total
+    for part, (lo, _, digits), count in zip(parts, ranges + ((0, 0, 0),), counts + [1]):
+        rows[:, at : at + len(part)] = np.frombuffer(part, np.uint8)
+        at += len(part)
+        if not digits:
+            break
+        stride //= count
+        numbers = index // stride % count + lo
+        for k in range(digits):  # (the last digit first: a column per digit)
+            numbers, digit = np.divmod(numbers, 10)
+            rows[:, at + digits - 1 - k] = digit + ord("0")
+        at += digits
     return rows.tobytes().decode("ascii"), width
 
 
-def keeps_digits(name: Callable[[str], str], prefix: str, digits: int, suffix: str) -> bool:
-    """``name(prefix + D + suffix)`` holds the ``digits`` digits ``D`` in order at one place
-    whatever they are, so that names of distinct ``D`` are distinct: shown on ``"000..."`` and
-    ``"123..."``. Sound for a ``name`` that treats every decimal digit alike (none is a separator
-    it splits at, a character it drops, or one it changes: ``shard_identity``'s ``normpath``,
-    ``abspath``, ``urlsplit`` and ``lower``): its answer is then one template of copied digits,
-    and two digit strings that differ everywhere show where the template copies them.
+def keeps_digits(
+    name: Callable[[str], str], literals: tuple[str, ...], widths: tuple[int, ...]
+) -> bool:
+    """``name(literals[0] + D1 + literals[1] + D2 + ...)`` holds the digits ``D1``, ``D2``, ...
+    (``widths`` digits each) in order at fixed places whatever they are, so that names of distinct
+    digits are distinct: shown on all ``"0"`` and on ``"123..."``. Sound for a ``name`` that
+    treats every decimal digit alike (none is a separator it splits at, a character it drops, or
+    one it changes: ``shard_identity``'s ``normpath``, ``abspath``, ``urlsplit`` and ``lower``): its
+    answer is then one template of copied digits, and two digit strings that differ everywhere
+    show where the template copies them.
 
-    >>> keeps_digits(str.upper, "s3://b/s-", 3, ".tar"), keeps_digits(len, "s-", 3, "")
+    >>> keeps_digits(str.upper, ("s3://b/s-", ".tar"), (3,)), keeps_digits(len, ("s-", ""), (3,))
     (True, False)
+    >>> keeps_digits(str.upper, ("p", "/s", ""), (1, 2))
+    True
     """
-    zeros, other = "0" * digits, ("123456789" * (digits // 9 + 1))[:digits]
-    a, b = name(prefix + zeros + suffix), name(prefix + other + suffix)
+    ones = ("123456789" * (sum(widths) // 9 + 1))[: sum(widths)]
+    others = [ones[sum(widths[:i]) : sum(widths[: i + 1])] for i in range(len(widths))]
+
+    def filled(holes: list[str]) -> str:
+        return "".join(t + d for t, d in zip(literals, holes + [""]))
+
+    a, b = name(filled(["0" * w for w in widths])), name(filled(others))
     if not (isinstance(a, str) and isinstance(b, str)) or len(a) != len(b):
         return False
-    at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
-    return a[at : at + digits] == zeros and b == a[:at] + other + a[at + digits :]
+    moved = [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
+    return "".join(a[i] for i in moved) == "0" * len(ones) and "".join(b[i] for i in moved) == ones

@@ -414,12 +414,24 @@ class BlockCache:
     identity being the object's ETag, else its Last-Modified and size: a changed object never reads
     the old one's blocks), least recently used (by modification time, touched on each hit) out past
     ``limit`` bytes. Processes may share the directory: each eviction pass looks at what is really
-    there, and a block evicted under a reader is fetched
-    again. The folder is marked as a block cache (:data:`MARKER`); one removed under a run is made
-    again."""
+    there, and a block evicted under a reader is fetched again. A pass walks the whole folder, so
+    one is made only when this process's count of its bytes (the last pass's total and what it put
+    since) passes ``limit``, or it put :attr:`slack` bytes since its last pass; a pass evicts down
+    to ``limit - slack``. So a process keeps the folder within
+    ``limit`` after each put, at a number of passes that grows with the bytes put, not with the
+    blocks held times the blocks put; ``P`` processes sharing it between them may pass it by at most
+    ``P * slack`` between their passes. The folder is marked as a block cache (:data:`MARKER`); one
+    removed under a run is made again."""
+
+    SLACK_FRACTION = 64
+    """:attr:`slack` is ``limit`` over this (an 8 GiB cache: walked once per 128 MiB put)."""
 
     def __init__(self, directory: str, limit: int):
         self.dir, self.limit, self.lock = directory, int(limit), threading.Lock()
+        self.slack = self.limit // self.SLACK_FRACTION
+        """Bytes put between two passes at most; what a pass over ``limit`` evicts below it."""
+        self._held: int | None = None  # (bytes held as last counted, and put since; None: unknown)
+        self._since = 0  # (bytes put since the last pass)
         self._own()
 
     def _own(self) -> None:
@@ -469,6 +481,10 @@ class BlockCache:
                         "the block cache folder keeps vanishing while blocks are written to it",
                     ) from None
                 self._own()
+        with self.lock:
+            self._since += len(data)
+            if self._held is not None:
+                self._held += len(data)
         if evict:
             self.evict()
 
@@ -481,19 +497,23 @@ class BlockCache:
                 pass
 
     def evict(self) -> None:
-        """Least recently used blocks out until this cache's blocks take at most ``limit`` bytes.
-        Only files named as blocks are counted and removed: nothing else in the folder (the user's
-        ``cache_dir`` may hold other files) is ever deleted."""
+        """Least recently used blocks out until this cache's blocks take at most ``limit`` bytes
+        (a pass over the folder when due: see the class). Only files named as blocks are counted
+        and removed: nothing else in the folder (the user's ``cache_dir`` may hold other files) is
+        ever deleted."""
         with self.lock:
-            self._evict()
+            if self._held is None or self._held > self.limit or self._since >= max(self.slack, 1):
+                self._held, self._since = self._evict(), 0
 
-    def _evict(self) -> None:
+    def _evict(self) -> int:
+        """One pass: the blocks counted, the least recently used removed while they take more than
+        ``limit - slack`` (so the next pass is ``slack`` bytes of puts away); the bytes left."""
         entries = []
         try:
             found = list(os.scandir(self.dir))
         except FileNotFoundError:  # removed under the run: nothing to evict, the folder made again
             self._own()
-            return
+            return 0
         for e in found:
             if not _BLOCK_NAME.fullmatch(e.name) or not e.is_file(follow_symlinks=False):
                 continue
@@ -503,14 +523,17 @@ class BlockCache:
                 continue
             entries.append((st.st_mtime_ns, e.name, st.st_size))
         total = sum(n for _, _, n in entries)
+        if total <= self.limit - self.slack:
+            return total
         for _, name, n in sorted(entries):
-            if total <= self.limit:
+            if total <= self.limit - self.slack:
                 break
             try:
                 os.remove(os.path.join(self.dir, name))
             except OSError:
                 pass
             total -= n
+        return total
 
 
 _caches: dict[tuple, BlockCache] = {}

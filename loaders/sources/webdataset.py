@@ -38,7 +38,7 @@ from prealign.loaders.errors import (
     SourceChangedError,
 )
 from prealign.loaders.sources import remote as _remote
-from prealign.loaders.sources.brace_range import keeps_digits, one_range, range_text
+from prealign.loaders.sources.brace_range import keeps_digits, numeric_ranges, ranges_text
 from prealign.loaders.sources.deadline import Stalled, TimedReader, call_with_timeout
 from prealign.loaders.sources.shard_files import (
     Lines,
@@ -125,8 +125,8 @@ def _expanded(urls: str | Sequence[str]) -> tuple[list[str], str, str | None, ob
     (made once: a start over 100k shards searches it instead of stepping through the names), the
     one folder of them all (:func:`~prealign.loaders.sources.shard_files.one_folder`) and the
     text's :func:`~prealign.loaders.sources.shard_files.line_rows` (None: lines of other lengths
-    or not made). One numeric range (``"/d/s-{000000..099999}.tar"``,
-    :func:`~prealign.loaders.sources.brace_range.one_range`) is made by numpy in milliseconds
+    or not made). Numeric ranges (``"/d/s-{000000..099999}.tar"``, ``"/d/{00..99}/s-{000..999}"``:
+    :func:`~prealign.loaders.sources.brace_range.numeric_ranges`) are made by numpy in milliseconds
     (:func:`_range_expanded`); braceexpand, ~3 us a name, expands any other pattern."""
     import braceexpand
 
@@ -134,8 +134,8 @@ def _expanded(urls: str | Sequence[str]) -> tuple[list[str], str, str | None, ob
         return (urls, urls.text, *_check_unique(urls, urls.text))
     if isinstance(urls, os.PathLike):  # (one shard's path: as its str)
         urls = os.fspath(urls)
-    parts = one_range(urls) if isinstance(urls, str) else None
-    if parts is not None:  # (one range "/d/s-{000000..099999}.tar": its text made by numpy)
+    parts = numeric_ranges(urls) if isinstance(urls, str) else None
+    if parts is not None:  # (ranges "/d/s-{000000..099999}.tar": their text made by numpy)
         return _range_expanded(*parts)
     # (a list or tuple joined as given: copied only below, when the lines differ in length)
     items = urls if isinstance(urls, (list, tuple)) else [urls] if isinstance(urls, str) else None
@@ -171,16 +171,16 @@ def _expanded(urls: str | Sequence[str]) -> tuple[list[str], str, str | None, ob
     return out, text, folder, rows
 
 
-def _range_expanded(prefix: str, lo: int, hi: int, digits: int, suffix: str):
-    """:func:`_expanded` of one range ``prefix{lo..hi}suffix`` (``brace_range.one_range``): the
-    same four answers as braceexpand's list would give, the names made by numpy. Their shards are
-    each their own when their :func:`shard_identity` keeps the digits (``keeps_digits``): then
+def _range_expanded(literals: tuple[str, ...], ranges: tuple):
+    """:func:`_expanded` of numeric ranges (``brace_range.numeric_ranges``): the same four answers
+    as braceexpand's list would give, the names made by numpy. Their shards are each their own
+    when their :func:`shard_identity` keeps the digits (``keeps_digits``): then
     :func:`_check_unique` could only answer :func:`~prealign.loaders.sources.shard_files.
     folder_rows`, which is what is returned, without its step per shard for relative paths and
     URLs. Else (``"/d/{0..1}/../x"``, ``"s3://b/x#{0..1}"``: one shard twice) it is asked."""
-    text, width = range_text(prefix, lo, hi, digits, suffix)
+    text, width = ranges_text(literals, ranges)
     lines = Lines(text, width)
-    if keeps_digits(shard_identity, prefix, digits, suffix):
+    if keeps_digits(shard_identity, literals, tuple(d for _, _, d in ranges)):
         rows, folder = folder_rows(text, len(lines))
     else:
         folder, rows = _check_unique(lines, text)
@@ -224,10 +224,9 @@ def _check_unique(urls: Sequence[str], text: str | None) -> tuple[str | None, ob
         text = url_text(urls) if text is None else text
         rows, folder = folder_rows(text, len(urls))
         fixed = False if rows is None else rows  # (False: the text searched)
-        if _normal_absolute(urls, text, folder, rows) and all_distinct(
-            urls, text, fixed, folder or ""
-        ):
-            return folder, rows  # each its own identity: no call per shard
+        start = "" if _normal_absolute(urls, text, folder, rows) else _one_host(urls, text)
+        if start is not None and all_distinct(urls, text, fixed, folder or start):
+            return folder, rows  # each its own identity, or it with one start: no call per shard
     seen: dict[str, int] = {}
     for i, url in enumerate(urls):
         j = seen.setdefault(shard_identity(url), i)
@@ -237,6 +236,60 @@ def _check_unique(urls: Sequence[str], text: str | None) -> tuple[str | None, ob
                 f"list each shard once (its samples would be served twice per epoch)"
             )
     return folder, rows
+
+
+def url_schemes(urls: Sequence[str], text: str) -> frozenset[str]:
+    """The :func:`~prealign.loaders.sources.remote.scheme` of each of ``urls`` (``text``: their
+    :func:`~prealign.loaders.sources.shard_files.url_text`): the first's alone when every line
+    starts with its ``scheme:`` as written (two searches: a list of 100k URLs on one store), else
+    one a url.
+
+    >>> sorted(url_schemes(["s3://b/0", "S3://b/1"], url_text(["s3://b/0", "S3://b/1"])))
+    ['s3']
+    """
+    first = _remote.scheme(urls[0]) if len(urls) else ""
+    head = urls[0][: len(first) + 1] if first else ""
+    if first and text.startswith(head) and text.count("\n" + head) == len(urls) - 1:
+        return frozenset((first,))
+    return frozenset(map(_remote.scheme, urls))
+
+
+def any_sequential(urls: Sequence[str]) -> bool:
+    """Some shard of ``urls`` is only readable front to back
+    (:func:`~prealign.loaders.sources.remote.is_sequential`)."""
+    return any(map(_remote.is_sequential, urls))
+
+
+def _one_host(urls: Sequence[str], text: str) -> str | None:
+    """The ``scheme://host/`` that every url starts with, when each is a URL whose
+    :func:`shard_identity` is itself with that start in lower case (so two are one shard only when
+    they are equal): none holds what ``urlsplit`` drops or moves (a fragment ``#``, a tab or
+    carriage return, a ``?`` that ends it). A few searches over their ``url_text``, ``text``; None
+    otherwise (then each url's identity is made). A list of 100k object-store URLs at a start.
+
+    >>> urls = ["s3://b/d/0.tar", "s3://b/e/1.tar"]
+    >>> fragment = urls[:1] + ["s3://b/d/0.tar#x"]  # (one shard: a fragment is dropped)
+    >>> _one_host(urls, url_text(urls)), _one_host(fragment, url_text(fragment)) is None
+    ('s3://b/', True)
+    """
+    first = urls[0]
+    scheme, sep, rest = first.partition("://")
+    host = rest[: rest.find("/")] if "/" in rest else None
+    if not (sep and host and _remote.is_remote(first)) or "?" in host or "pipe:" in first[:5]:
+        return None
+    start = f"{scheme}://{host}/"
+    if not (
+        text.startswith(start)
+        and text.count("\n") == len(urls)
+        and text.count("\n" + start) == len(urls) - 1
+        and not any(c in text for c in ("#", "\t", "\r", "?\n"))
+    ):
+        return None
+    try:  # (the start itself: a host urlsplit refuses raises below, for the first url)
+        shard_identity(first)
+    except ValueError:
+        return None
+    return start
 
 
 _ABNORMAL = ("//", "/./", "/../", "/.\n", "/..\n", "/\n", "\x00")
@@ -435,11 +488,13 @@ class WebDatasetSource(Source):
         self.local_only = plain_local(self.urls, text)
         """Every shard a plain local path (one check at the start: no per-shard question of the URLs
         then)."""
+        self.schemes = frozenset({""}) if self.local_only else url_schemes(self.urls, text)
+        """The schemes of the shards' URLs (:func:`~prealign.loaders.sources.remote.scheme`, lower
+        case; ``""``: a local path), found once at the start."""
         if (
             remote.cache_dir is None
             and remote.private_dir is None
-            and not self.local_only
-            and any(_remote.scheme(u) in ("http", "https") for u in self.urls)
+            and self.schemes & {"http", "https"}
         ):  # made here: see RemoteOptions
             remote = dataclasses.replace(remote, private_dir=_remote.private_folder())
         self.remote = remote
@@ -449,7 +504,8 @@ class WebDatasetSource(Source):
         self._stream_only = (
             any(any_line_ends(text, end, rows) for end in (".tar.gz", ".tgz"))
             if self.local_only  # (only a gzip-compressed tar can be sequential)
-            else any(_remote.is_sequential(u) for u in self.urls)
+            else "pipe" in self.schemes
+            or (any(e in text for e in (".tar.gz", ".tgz")) and any_sequential(self.urls))
         )
 
     # ---- shards ---------------------------------------------------------------------------------
@@ -479,7 +535,7 @@ class WebDatasetSource(Source):
         """True when some shard can only be read front to back (``pipe:``, ``.tar.gz``): the loader
         then shuffles micro-batches within a bounded window of steps, not over the whole epoch."""
         found = self.__dict__.get("_stream_only")  # (found once, at __init__)
-        return any(_remote.is_sequential(u) for u in self.urls) if found is None else found
+        return any_sequential(self.urls) if found is None else found
 
     # ---- scanning -------------------------------------------------------------------------------
     def scan_after(self, shard: int, ordinal: int, location, *, seek=None):

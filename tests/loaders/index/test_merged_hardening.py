@@ -103,7 +103,9 @@ def test_first_and_last_bytes_must_be_those_of_the_samples(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "hostile", ["skip_short", "bad_no_record", "event_twice", "dims", "dims_bool", "size"]
+    "hostile",
+    ["skip_short", "bad_no_record", "event_twice", "event_past", "event_shard", "dims", "dims_bool"]
+    + ["size"],
 )
 def test_a_crafted_merged_index_is_a_typed_error_naming_the_field(tmp_path, hostile):
     paths, path, a, meta = _merged(tmp_path)
@@ -111,11 +113,16 @@ def test_a_crafted_merged_index_is_a_typed_error_naming_the_field(tmp_path, host
         "skip_short": "malformed event",
         "bad_no_record": "malformed event",
         "event_twice": "events",
+        "event_past": r"malformed event \[1, 12\] \(past its shard's records\)",
+        "event_shard": "malformed event",
         "dims": "dims",
         "dims_bool": "dims",
         "size": "shard sizes",
     }[hostile]
-    if hostile in ("skip_short", "bad_no_record", "event_twice"):
+    if hostile in ("event_past", "event_shard"):  # one more record than the counts hold
+        a["shards"][1, 2] += 1
+        meta["events"] += [[1 if hostile == "event_past" else -2, 12, ["skip", "r", "w", "m"]]]
+    elif hostile in ("skip_short", "bad_no_record", "event_twice"):
         ev = {
             "skip_short": ["skip"],
             "bad_no_record": ["bad", "x", {"type": "sample"}],

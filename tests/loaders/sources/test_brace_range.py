@@ -1,8 +1,10 @@
-"""One numeric brace range expanded by numpy (issue #28): the same names, text, lines, folder and
-rows as braceexpand and the path every other pattern takes, and no work per name in Python."""
+"""Numeric brace ranges expanded by numpy (issue #28): one range or several (a folder level each),
+the same names, text, lines, folder and rows as braceexpand and the path every other pattern takes,
+and no work per name in Python."""
 
 from __future__ import annotations
 
+import re
 import sys
 from unittest import mock
 
@@ -13,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prealign.loaders.sources import webdataset
-from prealign.loaders.sources.brace_range import one_range, range_digits
+from prealign.loaders.sources.brace_range import numeric_ranges, range_digits
 from prealign.loaders.sources.shard_files import Lines
 from prealign.schemas.errors import ConfigError
 
@@ -52,8 +54,19 @@ def _outcome(urls):
 
 def _slow(urls):
     """What ``_expanded`` answers without the range path (braceexpand for every pattern)."""
-    with mock.patch.object(webdataset, "one_range", lambda pattern: None):
+    with mock.patch.object(webdataset, "numeric_ranges", lambda pattern: None):
         return _outcome(urls)
+
+
+@st.composite
+def ranges(draw, most: int) -> str:
+    lo = draw(st.integers(0, 200) | st.integers(0, 10**8 - most - 1))  # (8 digits at most)
+    hi = lo + draw(st.integers(0, most))
+    a, b = (
+        s.zfill(draw(st.integers(len(s), 8)) if draw(st.booleans()) else len(s))
+        for s in (str(lo), str(hi))
+    )
+    return f"{{{a}..{b}}}"
 
 
 @st.composite
@@ -61,14 +74,12 @@ def patterns(draw):
     prefix = draw(st.sampled_from(STARTS)) + "".join(
         draw(st.lists(st.sampled_from(PIECES), max_size=5))
     )
-    suffix = "".join(draw(st.lists(st.sampled_from(PIECES + [".tar"]), max_size=4)))
-    lo = draw(st.integers(0, 200) | st.integers(0, 10**8 - 301))  # (8 digits at most)
-    hi = lo + draw(st.integers(0, 300))
-    a, b = (
-        s.zfill(draw(st.integers(len(s), 8)) if draw(st.booleans()) else len(s))
-        for s in (str(lo), str(hi))
-    )
-    return f"{prefix}{{{a}..{b}}}{suffix}"
+    groups = draw(st.integers(1, 3))
+    pieces = [prefix]
+    for _ in range(groups):  # (at most ~300 names in all)
+        pieces.append(draw(ranges(300 if groups == 1 else 16 if groups == 2 else 5)))
+        pieces.append("".join(draw(st.lists(st.sampled_from(PIECES + [".tar"]), max_size=4))))
+    return "".join(pieces)
 
 
 @pytest.mark.slow
@@ -76,8 +87,11 @@ def patterns(draw):
 @given(patterns())
 def test_range_is_braceexpand_and_the_slow_path(pattern):
     names = list(braceexpand.braceexpand(pattern))
-    one_width = len({len(n) for n in names}) == 1
-    assert (one_range(pattern) is not None) == one_width, (pattern, names[:3])
+    one_width = all(
+        range_digits(a, b) is not None
+        for a, b in re.findall(r"\{([0-9]+)\.\.([0-9]+)\}", pattern)
+    )
+    assert (numeric_ranges(pattern) is not None) == one_width, (pattern, names[:3])
     got = _outcome(pattern)
     assert got == _slow(pattern)
     if got[0] != "raised":
@@ -107,10 +121,14 @@ def test_width_rule_is_braceexpands(lo, span, wa, wb):
         ("{09..10}", ["09", "10"]),
         ("{007..9}", ["007", "008", "009"]),
         ("s3://b/p/{98..99}.tar", ["s3://b/p/98.tar", "s3://b/p/99.tar"]),
+        ("s-{0..1}-{0..1}.tar", ["s-0-0.tar", "s-0-1.tar", "s-1-0.tar", "s-1-1.tar"]),
+        ("s-{0..9}{0..1}", [f"s-{i}{j}" for i in range(10) for j in range(2)]),
+        ("/d/p{08..10}/s-{00..01}", [f"/d/p{i:02d}/s-{j:02d}" for i in (8, 9, 10) for j in (0, 1)]),
+        ("{1..2}{3..3}{4..5}", ["134", "135", "234", "235"]),
     ],
 )
 def test_golden(pattern, names):
-    assert one_range(pattern) is not None
+    assert numeric_ranges(pattern) is not None
     out, text, _, rows = webdataset._expanded(pattern)
     assert isinstance(out, Lines) and list(out) == names
     assert text == "".join(n + "\n" for n in names)
@@ -136,8 +154,8 @@ def _counting(monkeypatch) -> list:
         "s-{0..10..2}.tar",  # a step
         "s-{a..c}.tar",  # letters
         "s-{3..1}.tar",  # descending
-        "s-{0..1}-{0..1}.tar",  # two groups
-        "s-{0..9}{0..1}",
+        "s-{0..1}-{8..10}.tar",  # two groups, one of names of other widths
+        "s-{0..1}-{a..b}",
         "s-{1,2}.tar",  # a list
         "s-{x{0..2}}.tar",  # nested
         r"s\{-{0..2}.tar",  # an escape
@@ -156,7 +174,11 @@ def test_other_patterns_still_go_to_braceexpand(monkeypatch, urls):
     assert calls
 
 
-@pytest.mark.parametrize("pattern", ["/d/{0..1}/../x.tar", "s3://b/x.tar#{0..1}", "{0..1}/.."])
+@pytest.mark.parametrize(
+    "pattern",
+    ["/d/{0..1}/../x.tar", "s3://b/x.tar#{0..1}", "{0..1}/.."]
+    + ["/d/{0..1}/../{0..1}", "s3://b/{0..1}#{0..1}"],
+)
 def test_one_shard_twice_is_still_refused(pattern):
     with pytest.raises(ConfigError, match="are one shard"):
         webdataset._expanded(pattern)
@@ -197,3 +219,18 @@ def test_rows_are_the_texts_bytes():
     out, text, folder, rows = webdataset._expanded("/d/s-{0098..0101}.tar")
     assert folder == "/d/" and rows.tobytes() == text.encode()
     assert np.array_equal(rows[:, -1], np.full(4, 10, np.uint8))
+
+
+@pytest.mark.parametrize("start", ["/data/part-", "s3://bkt/d/part-", "rel/part-"])
+def test_work_does_not_grow_with_the_names_of_nested_ranges(monkeypatch, start):
+    calls = _counting(monkeypatch)
+    work = {}
+    for parts in (1, 100):  # 1,000 and 100,000 names, a folder of 1,000 each
+        pattern = f"{start}{{00..{parts - 1:02d}}}/shard-{{000..999}}.tar"
+        work[parts] = _python_calls(webdataset._expanded, pattern)
+        out, text, folder, rows = webdataset._expanded(pattern)
+        last = f"{start}{parts - 1:02d}/shard-999.tar"
+        assert len(out) == 1_000 * parts and out[-1] == last and rows.shape[0] == len(out)
+        assert folder == (f"{start}00/" if parts == 1 else None)
+    assert not calls  # (braceexpand never asked)
+    assert work[1] < 300 and work[100] - work[1] < 99_000 // 1_000, work
