@@ -124,7 +124,7 @@ def test_vlm_mixture_batches_equal_each_sample_collated_alone(mixture):
                 vids += v
         assert pix == b["pixel_values"].shape[0]
         seen_video = seen_video or vids > 0
-        validate_vlm_batch(b, SCHEMA, ParallelLayout())
+        validate_vlm_batch(b, SCHEMA, LAYOUT)  # (its cp_size: the layout's)
         for r, shard in enumerate(shards):  # each CP rank: the same samples, its zigzag shard
             assert torch.equal(shard["sample_index"], b["sample_index"])
             want = THDCollator(schema=SCHEMA, layout=LAYOUT, cp_rank=r)(samples)
