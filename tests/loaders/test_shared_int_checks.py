@@ -4,10 +4,13 @@ or a key written from it stays JSON) and refuses a bool."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
-from prealign.loaders.errors import PlanError
+from prealign.loaders.errors import PlanError, ResumeError
+from prealign.loaders.plan.elastic import Segment
 from prealign.loaders.plan.schedule import check_count
 
 
@@ -17,3 +20,15 @@ def test_check_count():
     for bad, got in [(-1, "got -1$"), (True, r"got True \(bool\)$"), (1.0, r"got 1.0 \(float\)")]:
         with pytest.raises(PlanError, match=rf"^epoch: expected an int >= 0, {got}"):
             check_count("epoch", bad)
+
+
+def test_segment_checked():
+    seg = Segment.checked(
+        dp_size=np.int64(2), microbatches_per_step=1, num_workers=np.int32(0), position=3
+    )
+    assert type(seg.dp_size) is int and type(seg.num_workers) is int
+    assert Segment.from_dict(json.loads(json.dumps(seg.to_dict()))) == seg
+    match = r"^loader state: key segments\.position: expected an int >= 1, got "
+    for bad, got in [(0, "0$"), (True, r"True \(bool\)$"), ("3", r"'3' \(str\)$")]:
+        with pytest.raises(ResumeError, match=match + got):
+            Segment.from_dict({**seg.to_dict(), "position": bad})
