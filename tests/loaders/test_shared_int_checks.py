@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from prealign.loaders.errors import PlanError, ResumeError
+from prealign.loaders.options import IndexOptions, LoadingOptions, ShuffleOptions, WorkerConfig
 from prealign.loaders.plan.elastic import Segment
 from prealign.loaders.plan.schedule import check_count
 
@@ -32,3 +33,31 @@ def test_segment_checked():
     for bad, got in [(0, "0$"), (True, r"True \(bool\)$"), ("3", r"'3' \(str\)$")]:
         with pytest.raises(ResumeError, match=match + got):
             Segment.from_dict({**seg.to_dict(), "position": bad})
+
+
+def test_loader_options():
+    options = [
+        ShuffleOptions(window=np.int64(8)),
+        IndexOptions(workers=np.int32(2)),
+        LoadingOptions(prefetch_factor=np.int64(2), shm_cap=np.int64(0)),
+        WorkerConfig(dp_rank=np.int64(1), dp_size=np.int32(2), cp_rank=np.int64(0),
+                     num_workers=np.int8(1)),
+    ]
+    for option in options:
+        assert all(type(v) in (int, bool, type(None)) for k, v in vars(option).items()
+                   if k not in ("prebuilt", "multiprocessing_context", "group", "timeout"))
+    cases = [
+        (lambda: ShuffleOptions(window=True), r"ShuffleOptions.window: expected an int >= 1, got "
+         r"True \(bool\)"),
+        (lambda: LoadingOptions(shm_cap=-1), r"LoadingOptions.shm_cap: expected an int >= 0 or "
+         r"None, got -1"),
+        (lambda: WorkerConfig(num_workers=np.bool_(True)), r"num_workers: expected an int >= 0, "
+         r"got .*\(bool"),
+        (lambda: WorkerConfig(dp_rank=2, dp_size=2), r"dp_rank: expected an int in \[0, 2\), "
+         r"got 2$"),
+        (lambda: WorkerConfig(dp_rank=False), r"dp_rank: expected an int in \[0, 1\), got False"),
+        (lambda: WorkerConfig(dp_size=0), r"dp_size: expected an int >= 1, got 0$"),
+    ]
+    for make, match in cases:
+        with pytest.raises(PlanError, match=f"^{match}"):
+            make()
