@@ -13,6 +13,7 @@ from prealign.loaders.errors import PlanError, ResumeError
 from prealign.loaders.options import IndexOptions, LoadingOptions, ShuffleOptions, WorkerConfig
 from prealign.loaders.plan.elastic import Segment
 from prealign.loaders.plan.schedule import check_count
+from prealign.loaders.policy import BadDataPolicy
 
 
 def test_check_count():
@@ -61,3 +62,11 @@ def test_loader_options():
     for make, match in cases:
         with pytest.raises(PlanError, match=f"^{match}"):
             make()
+
+
+def test_bad_data_policy():
+    policy = BadDataPolicy(on_error="skip", max_consecutive=np.int64(4))
+    assert type(policy.max_consecutive) is int and json.dumps(policy.to_dict())
+    for bad, got in [(0, "0$"), (True, r"True \(bool\)$")]:
+        with pytest.raises(PlanError, match=rf"^max_consecutive: expected an int >= 1, got {got}"):
+            BadDataPolicy(max_consecutive=bad)
