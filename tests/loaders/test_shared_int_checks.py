@@ -14,6 +14,8 @@ from prealign.loaders.options import IndexOptions, LoadingOptions, ShuffleOption
 from prealign.loaders.plan.elastic import Segment
 from prealign.loaders.plan.schedule import check_count
 from prealign.loaders.policy import BadDataPolicy
+from prealign.loaders.sources.tar_decode import DecodeLimits
+from prealign.schemas.errors import ConfigError
 
 
 def test_check_count():
@@ -70,3 +72,12 @@ def test_bad_data_policy():
     for bad, got in [(0, "0$"), (True, r"True \(bool\)$")]:
         with pytest.raises(PlanError, match=rf"^max_consecutive: expected an int >= 1, got {got}"):
             BadDataPolicy(max_consecutive=bad)
+
+
+def test_decode_limits():
+    limits = DecodeLimits(max_video_frames=np.int64(16))
+    assert type(limits.max_video_frames) is int
+    for bad, got in [(0, "0$"), (False, r"False \(bool\)$"), (2.0, r"2.0 \(float\)$")]:
+        match = rf"^DecodeLimits.max_ratio: expected an int >= 1, got {got}"
+        with pytest.raises(ConfigError, match=match):
+            DecodeLimits(max_ratio=bad)
