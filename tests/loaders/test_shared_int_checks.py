@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from prealign.loaders.errors import PlanError, ResumeError
+from prealign.loaders.handoff.media_share import SharedMediaTransform
 from prealign.loaders.options import IndexOptions, LoadingOptions, ShuffleOptions, WorkerConfig
 from prealign.loaders.plan.elastic import Segment
 from prealign.loaders.plan.schedule import check_count
@@ -81,3 +82,18 @@ def test_decode_limits():
         match = rf"^DecodeLimits.max_ratio: expected an int >= 1, got {got}"
         with pytest.raises(ConfigError, match=match):
             DecodeLimits(max_ratio=bad)
+
+
+def _same(sample: dict) -> dict:
+    return sample
+
+
+def test_shared_media_transform(tmp_path):
+    share = SharedMediaTransform(
+        transform=_same, run="r", cp_rank=np.int64(1), cp_size=np.int32(2), cache_dir=str(tmp_path)
+    )
+    assert (type(share.cp_rank), type(share.cp_size)) == (int, int)
+    for bad, got in [(-1, "-1$"), (True, r"True \(bool\)$"), ("0", r"'0' \(str\)$")]:
+        match = rf"^SharedMediaTransform.cp_rank: expected an int >= 0, got {got}"
+        with pytest.raises(ConfigError, match=match):
+            SharedMediaTransform(transform=_same, run="r", cp_rank=bad, cp_size=2)
