@@ -11,6 +11,7 @@ import pytest
 
 from prealign.loaders.errors import PlanError, ResumeError
 from prealign.loaders.handoff.media_share import SharedMediaTransform
+from prealign.loaders.index.shard_writer import ShardWriter
 from prealign.loaders.options import IndexOptions, LoadingOptions, ShuffleOptions, WorkerConfig
 from prealign.loaders.plan.elastic import Segment
 from prealign.loaders.plan.schedule import check_count
@@ -97,3 +98,18 @@ def test_shared_media_transform(tmp_path):
         match = rf"^SharedMediaTransform.cp_rank: expected an int >= 0, got {got}"
         with pytest.raises(ConfigError, match=match):
             SharedMediaTransform(transform=_same, run="r", cp_rank=bad, cp_size=2)
+
+
+def test_shard_writer(tmp_path):
+    pattern = str(tmp_path / "s-%03d.tar")
+    writer = ShardWriter(pattern, max_bytes=np.int64(4096), max_samples=np.int32(2))
+    assert (type(writer.max_bytes), type(writer.max_samples)) == (int, int)
+    cases = [
+        (dict(max_bytes=1023), r"max_bytes: expected an int >= 1024, got 1023$"),
+        (dict(max_bytes=4096.0), r"max_bytes: expected an int >= 1024, got 4096.0 \(float\)$"),
+        (dict(max_samples=True), r"max_samples: expected None or an int >= 1, got True \(bool\)$"),
+        (dict(max_samples=0), r"max_samples: expected None or an int >= 1, got 0$"),
+    ]
+    for kwargs, match in cases:
+        with pytest.raises(ConfigError, match=f"^{match}"):
+            ShardWriter(pattern, **kwargs)
