@@ -12,6 +12,7 @@ import pytest
 from prealign.loaders.errors import PlanError, ResumeError
 from prealign.loaders.handoff.media_share import SharedMediaTransform
 from prealign.loaders.index.shard_writer import ShardWriter
+from prealign.loaders.media.video_sampling import FrameSampling
 from prealign.loaders.options import IndexOptions, LoadingOptions, ShuffleOptions, WorkerConfig
 from prealign.loaders.plan.elastic import Segment
 from prealign.loaders.plan.schedule import check_count
@@ -113,3 +114,14 @@ def test_shard_writer(tmp_path):
     for kwargs, match in cases:
         with pytest.raises(ConfigError, match=f"^{match}"):
             ShardWriter(pattern, **kwargs)
+
+
+def test_frame_sampling():
+    sampling = FrameSampling.for_family(
+        volume=True, overrides={"num_frames": np.int64(8), "max_frames": np.int32(64)}
+    )
+    assert json.dumps(sampling.key()) and type(sampling.num_frames) is int
+    for bad, got in [(0, "0$"), (True, r"True \(bool\)$"), (4.0, r"4.0 \(float\)$")]:
+        match = rf"^video sampling min_frames: expected an int >= 1, got {got}"
+        with pytest.raises(ConfigError, match=match):
+            FrameSampling.for_family(volume=False, overrides={"min_frames": bad})
