@@ -125,3 +125,16 @@ def test_frame_sampling():
         match = rf"^video sampling min_frames: expected an int >= 1, got {got}"
         with pytest.raises(ConfigError, match=match):
             FrameSampling.for_family(volume=False, overrides={"min_frames": bad})
+
+
+def test_decode_threads():
+    pytest.importorskip("transformers")
+    from prealign.loaders.cli.demo_tokenizer import ByteTokenizer
+    from prealign.loaders.media.vlm import VLMSampleTransform
+
+    transform = VLMSampleTransform(tokenizer=ByteTokenizer(), decode_threads=np.int64(2))
+    assert type(transform.decode_threads) is int and transform.decode_threads == 2
+    for bad, got in [(-1, "-1$"), (True, r"True \(bool\)$"), (None, r"None \(NoneType\)$")]:
+        match = r"^VLMSampleTransform.decode_threads: expected an int >= 0 \(0: ffmpeg's choice\)"
+        with pytest.raises(ConfigError, match=f"{match}, got {got}"):
+            VLMSampleTransform(tokenizer=ByteTokenizer(), decode_threads=bad)
