@@ -29,25 +29,31 @@ from prealign.loaders.errors import PlanError
 from prealign.loaders.handoff.slots import shm_cap
 from prealign.loaders.index.sample_index import SampleIndex
 from prealign.loaders.plan.planner import check_dp_size
+from prealign.schemas.checks import int_at_least
 
 
-def _int(name: str, value, low: int, *, optional: bool = False) -> None:
+def _int(obj, field: str, low: int, *, name: str = "", optional: bool = False) -> None:
+    """``obj.<field>`` stored as an ``int`` when it is an int >= ``low`` (numpy ints too; None too
+    where ``optional``), else :class:`~prealign.loaders.errors.PlanError` naming ``name`` (default
+    ``<class>.<field>``)."""
+    value = getattr(obj, field)
     if optional and value is None:
         return
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise PlanError(
-            f"{name}: expected an int >= {low}{' or None' if optional else ''}, got {value!r}"
-        )
+    name = name or f"{type(obj).__name__}.{field}"
+    want = f"an int >= {low}{' or None' if optional else ''}"
+    object.__setattr__(obj, field, int_at_least(name, value, low, PlanError, expected=want))
 
 
-def check_dp(dp_rank, dp_size) -> None:
-    """``dp_size`` an int >= 1 and ``dp_rank`` an int in ``[0, dp_size)`` (never a bool), else
+def check_dp(dp_rank, dp_size) -> tuple[int, int]:
+    """``(dp_rank, dp_size)`` as ints when ``dp_size`` is an int in ``[1, MAX_DP_SIZE]`` and
+    ``dp_rank`` an int in ``[0, dp_size)`` (numpy ints too, never a bool), else
     :class:`~prealign.loaders.errors.PlanError` naming the argument."""
-    if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
-        raise PlanError(f"dp_size: expected an int >= 1, got {dp_size!r}")
-    check_dp_size(dp_size)  # (and at most MAX_DP_SIZE)
-    if isinstance(dp_rank, bool) or not isinstance(dp_rank, int) or not 0 <= dp_rank < dp_size:
-        raise PlanError(f"dp_rank: expected an int in [0, {dp_size}), got {dp_rank!r}")
+    size = check_dp_size(dp_size)
+    want = f"an int in [0, {size})"
+    rank = int_at_least("dp_rank", dp_rank, 0, PlanError, expected=want)
+    if rank >= size:
+        raise PlanError(f"dp_rank: expected {want}, got {dp_rank!r}")
+    return rank, size
 
 
 def check_option(name: str, value, cls: type):
@@ -74,7 +80,7 @@ class ShuffleOptions:
 
     def __post_init__(self):
         _bool("ShuffleOptions.enabled", self.enabled)
-        _int("ShuffleOptions.window", self.window, 1)
+        _int(self, "window", 1)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,7 +103,7 @@ class IndexOptions:
                 f"IndexOptions.prebuilt: expected a SampleIndex, a path or None, got "
                 f"{type(self.prebuilt).__name__}"
             )
-        _int("IndexOptions.workers", self.workers, 0, optional=True)
+        _int(self, "workers", 0, optional=True)
         _bool("IndexOptions.distributed", self.distributed)
 
 
@@ -132,7 +138,7 @@ class LoadingOptions:
     is 64 MB)."""
 
     def __post_init__(self):
-        _int("LoadingOptions.prefetch_factor", self.prefetch_factor, 1, optional=True)
+        _int(self, "prefetch_factor", 1, optional=True)
         if self.prefetch_factor is not None and self.prefetch_factor > MAX_PREFETCH:
             raise PlanError(
                 f"LoadingOptions.prefetch_factor: expected an int <= {MAX_PREFETCH} (batches each "
@@ -140,7 +146,7 @@ class LoadingOptions:
             )
         _bool("LoadingOptions.pin_memory", self.pin_memory)
         _bool("LoadingOptions.persistent_workers", self.persistent_workers)
-        _int("LoadingOptions.shm_cap", self.shm_cap, 0, optional=True)
+        _int(self, "shm_cap", 0, optional=True)
         if self.shm_cap is None:
             shm_cap()  # a malformed PREALIGN_SHM_CAP is a ConfigError here, not at the first batch
         if self.multiprocessing_context not in (None, "fork", "spawn", "forkserver"):
@@ -177,9 +183,11 @@ class WorkerConfig:
     group: object = None
 
     def __post_init__(self):
-        check_dp(self.dp_rank, self.dp_size)
-        _int("cp_rank", self.cp_rank, 0, optional=True)
-        _int("num_workers", self.num_workers, 0)
+        rank, size = check_dp(self.dp_rank, self.dp_size)
+        object.__setattr__(self, "dp_rank", rank)
+        object.__setattr__(self, "dp_size", size)
+        _int(self, "cp_rank", 0, name="cp_rank", optional=True)
+        _int(self, "num_workers", 0, name="num_workers")
 
 
 def worker_config(workers: WorkerConfig | None, **flat) -> WorkerConfig:

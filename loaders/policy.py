@@ -27,6 +27,7 @@ from prealign.loaders.errors import (
     error_from_record,
     error_record,
 )
+from prealign.schemas.checks import int_at_least
 from prealign.schemas.errors import PrealignError
 
 
@@ -96,12 +97,8 @@ class BadDataPolicy:
 
     def __post_init__(self):
         object.__setattr__(self, "on_error", coerce_enum(OnBadSample, self.on_error, "on_error"))
-        if (
-            isinstance(self.max_consecutive, bool)
-            or not isinstance(self.max_consecutive, int)
-            or self.max_consecutive < 1
-        ):
-            raise PlanError(f"max_consecutive: expected an int >= 1, got {self.max_consecutive!r}")
+        count = int_at_least("max_consecutive", self.max_consecutive, 1, PlanError)
+        object.__setattr__(self, "max_consecutive", count)
 
     def to_dict(self) -> dict:
         return {"on_error": self.on_error.value, "max_consecutive": self.max_consecutive}

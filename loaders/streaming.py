@@ -115,6 +115,7 @@ from prealign.loaders.state import (
     pack_cursor,
     unpack_cursor,
 )
+from prealign.schemas.checks import int_at_least
 from prealign.schemas.errors import ConfigError, PrealignError, SampleError
 from prealign.schemas.layout import ParallelLayout
 from prealign.schemas.schema import BatchSchema
@@ -1077,12 +1078,13 @@ class StreamingPackedLoader(LoaderCore):
 
     def load_state_dict(self, state) -> None:
         st = LoaderState.from_dict(state, kind=self.state_kind)
-        workers = st.config.get("num_workers")
-        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
-            raise ResumeError(
-                f"loader state: key 'config.num_workers': expected an int >= 0 (a stream's "
-                f"readers depend on it), got {workers!r} ({type(workers).__name__})"
-            )
+        int_at_least(
+            "loader state: key 'config.num_workers'",
+            st.config.get("num_workers"),
+            0,
+            ResumeError,
+            expected="an int >= 0 (a stream's readers depend on it)",
+        )
         if st.stream is not None:
             return self._load_stream(st)
         super().load_state_dict(state)

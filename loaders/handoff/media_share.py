@@ -60,6 +60,7 @@ from prealign.loaders.handoff.identity import identity_fields
 from prealign.loaders.handoff.share_folder import CLAIMED, HIT, SharedFolder, ShareStats
 from prealign.loaders.handoff.share_folder import decode_record as decode_sample
 from prealign.loaders.handoff.share_folder import encode_record as encode_sample
+from prealign.schemas.checks import int_at_least
 from prealign.schemas.errors import ConfigError
 
 __all__ = ["SharedMediaTransform", "ShareStats", "decode_sample", "encode_sample"]
@@ -99,10 +100,8 @@ class SharedMediaTransform:
     def __post_init__(self):
         for name in ("cp_rank", "cp_size"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ConfigError(
-                    f"SharedMediaTransform.{name}: expected an int >= 0, got {value!r}"
-                )
+            value = int_at_least(f"SharedMediaTransform.{name}", value, 0, ConfigError)
+            object.__setattr__(self, name, value)
         if self.cp_size < 1 or self.cp_rank >= self.cp_size:
             raise ConfigError(
                 f"SharedMediaTransform: expected 0 <= cp_rank < cp_size, got "

@@ -57,6 +57,7 @@ from prealign.loaders.media.video_file import encode_video
 from prealign.loaders.media.vlm import is_video_file
 from prealign.loaders.sources.shard_files import sidecar_path
 from prealign.loaders.sources.webdataset import WebDatasetSource, numpy_fields
+from prealign.schemas.checks import int_at_least
 from prealign.schemas.errors import ConfigError
 
 _KEY = re.compile(r"[A-Za-z0-9_-]{1,200}")
@@ -183,12 +184,10 @@ class ShardWriter:
                 f"pattern: expected a path with one %d-style field (shard-%06d.tar), got "
                 f"{pattern!r}"
             ) from None
-        if not isinstance(max_bytes, int) or max_bytes < 1024:
-            raise ConfigError(f"max_bytes: expected an int >= 1024, got {max_bytes!r}")
-        if max_samples is not None and (
-            not isinstance(max_samples, int) or isinstance(max_samples, bool) or max_samples < 1
-        ):
-            raise ConfigError(f"max_samples: expected None or an int >= 1, got {max_samples!r}")
+        max_bytes = int_at_least("max_bytes", max_bytes, 1024, ConfigError)
+        if max_samples is not None:
+            want = "None or an int >= 1"
+            max_samples = int_at_least("max_samples", max_samples, 1, ConfigError, expected=want)
         self.pattern, self.max_bytes, self.max_samples = pattern, max_bytes, max_samples
         self.transform, self.index_dir, self.sidecars = transform, index_dir, sidecars
         self.shards: list[str] = []

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from prealign.schemas.checks import int_at_least
 from prealign.schemas.errors import ConfigError
 
 SAMPLING_KEYS = ("do_sample_frames", "fps", "num_frames", "min_frames", "max_frames")
@@ -93,10 +94,9 @@ class FrameSampling:
             raise ConfigError(f"video sampling fps: expected a positive number, got {self.fps!r}")
         for name in ("num_frames", "min_frames", "max_frames"):
             value = getattr(self, name)
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, int) or value < 1
-            ):
-                raise ConfigError(f"video sampling {name}: expected an int >= 1, got {value!r}")
+            if value is not None:
+                value = int_at_least(f"video sampling {name}", value, 1, ConfigError)
+                object.__setattr__(self, name, value)
 
     def key(self) -> dict:
         """The settings as the index key records them."""

@@ -81,6 +81,7 @@ from prealign.loaders.sources.tar_decode import (
     image_errors,
     open_image,
 )
+from prealign.schemas.checks import int_at_least
 from prealign.schemas.errors import ConfigError, SampleError
 from prealign.schemas.vlm import IMAGE_TOKEN_TYPE, VIDEO_TOKEN_TYPE, VisionTokens
 
@@ -274,14 +275,17 @@ def _named(names: list[str], given: dict | None) -> str:
 
 
 def check_decode_threads(transform) -> None:
-    """``transform.decode_threads`` an int >= 0 (decoder threads per video file; 0: ffmpeg's
-    choice), else a :class:`ConfigError` naming the transform's class."""
-    threads = transform.decode_threads
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
-        raise ConfigError(
-            f"{type(transform).__name__}.decode_threads: expected an int >= 0 (0: ffmpeg's "
-            f"choice), got {threads!r}"
-        )
+    """``transform.decode_threads`` (a frozen dataclass's) stored as an ``int`` when it is an int
+    >= 0 (decoder threads per video file; 0: ffmpeg's choice; numpy ints too), else a
+    :class:`ConfigError` naming the transform's class."""
+    threads = int_at_least(
+        f"{type(transform).__name__}.decode_threads",
+        transform.decode_threads,
+        0,
+        ConfigError,
+        expected="an int >= 0 (0: ffmpeg's choice)",
+    )
+    object.__setattr__(transform, "decode_threads", threads)
 
 
 # ---- the image processor -------------------------------------------------------------------------

@@ -31,15 +31,11 @@ from typing import Callable, Iterable, Iterator, Sequence
 import numpy as np
 
 from prealign.loaders.errors import ResumeError
+from prealign.schemas.checks import int_at_least
 
 
 def _count(name: str, value, low: int, where: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ResumeError(
-            f"loader state: key {where}.{name}: expected an int >= {low}, got {value!r} "
-            f"({type(value).__name__})"
-        )
-    return value
+    return int_at_least(f"loader state: key {where}.{name}", value, low, ResumeError)
 
 
 @dataclass(frozen=True, kw_only=True)

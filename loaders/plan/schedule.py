@@ -19,19 +19,18 @@ from prealign.loaders.errors import OversizeSampleError, PlanError, ResumeError
 from prealign.loaders.index.sample_index import SampleIndex
 from prealign.loaders.plan.elastic import Segment, rest_of_epoch
 from prealign.loaders.plan.planner import ChunkedPlan, MicrobatchPlan, PlannerConfig, Screening
+from prealign.schemas.checks import int_at_least
 from prealign.schemas.layout import ParallelLayout
 
 
 def check_count(name: str, value) -> int:
-    """``value`` when it is an int >= 0 (numpy ints included; not a bool, float or str), else
-    :class:`~prealign.loaders.errors.PlanError` naming ``name``.
+    """``value`` as an ``int`` when it is an int >= 0 (numpy ints included; not a bool, float or
+    str), else :class:`~prealign.loaders.errors.PlanError` naming ``name``.
 
     >>> check_count("seed", 3)
     3
     """
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 0:
-        raise PlanError(f"{name}: expected an int >= 0, got {value!r} ({type(value).__name__})")
-    return int(value)
+    return int_at_least(name, value, 0, PlanError)
 
 
 @dataclass(frozen=True, slots=True)

@@ -42,6 +42,7 @@ import numpy as np
 
 from prealign.loaders.errors import BadSampleError, UnsafeMemberError
 from prealign.loaders.sources.npy import ArrayTooLarge, read_npy, read_npz
+from prealign.schemas.checks import int_at_least
 from prealign.schemas.errors import ConfigError
 
 UNSAFE = frozenset(
@@ -109,9 +110,8 @@ class DecodeLimits:
             "max_shard_bytes",
             "max_ratio",
         ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"DecodeLimits.{name}: expected an int >= 1, got {value!r}")
+            value = int_at_least(f"DecodeLimits.{name}", getattr(self, name), 1, ConfigError)
+            object.__setattr__(self, name, value)
 
 
 DEFAULT_LIMITS = DecodeLimits()
