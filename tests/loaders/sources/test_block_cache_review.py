@@ -59,3 +59,50 @@ def test_an_object_within_the_limit_is_downloaded_once(tmp_path, server, below):
                     start : start + 100
                 ]
     assert srv.gets == 1, srv.gets
+
+
+def _held(folder: str) -> int:
+    from prealign.loaders.sources import remote
+
+    total = 0
+    for e in os.scandir(folder):
+        if remote._BLOCK_NAME.fullmatch(e.name):
+            try:
+                total += e.stat().st_size
+            except OSError:  # (evicted by another process meanwhile)
+                pass
+    return total
+
+
+def _put_many(folder: str, limit: int, k: int, puts: int, out) -> None:
+    from prealign.loaders.sources.remote import BlockCache
+
+    cache, most = BlockCache(folder, limit), 0
+    for i in range(puts):
+        cache.put(f"{k:08x}{i:08x}-100-{i}", bytes(1 + (i * 37 + k) % 100))
+        most = max(most, _held(folder))
+    out.put(most)
+
+
+@pytest.mark.slow
+def test_processes_sharing_a_folder_stay_within_limit_and_their_slack(tmp_path):
+    """Real processes putting at once: the folder never holds more than ``limit + P * slack``
+    (each process puts less than ``slack`` between its passes, blocks of at most 100 bytes, a
+    pass trims to ``limit - slack``), and none of another's files is lost to an error."""
+    import multiprocessing
+
+    limit, procs = 64 * 1_000, 3  # (slack: 1,000 bytes)
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    workers = [
+        ctx.Process(target=_put_many, args=(str(tmp_path), limit, k, 1_500, out))
+        for k in range(procs)
+    ]
+    for w in workers:
+        w.start()
+    most = [out.get(timeout=300) for _ in workers]
+    for w in workers:
+        w.join(timeout=60)
+        assert w.exitcode == 0
+    assert max(most) <= limit + procs * (limit // 64), most
+    assert _held(str(tmp_path)) <= limit + (procs - 1) * (limit // 64)
