@@ -98,6 +98,9 @@ _FLOAT_MAX = {
     "float16": 65504.0,
 }
 """The largest finite value of each float dtype (``torch.finfo(dtype).max``)."""
+_BF16_ZERO = 2.0**-134
+"""Half bfloat16's smallest subnormal (2**-133): a float32 of at most this magnitude is written as
+0 (round to nearest even)."""
 
 
 def _what_holds(dtype: str) -> str:
@@ -105,17 +108,26 @@ def _what_holds(dtype: str) -> str:
     if dtype == "bool":
         return "True, False, 0 or 1"
     if dtype in _FLOAT_MAX:
-        return f"a float of magnitude <= {_FLOAT_MAX[dtype]:.6g}, inf or NaN"
+        top = _FLOAT_MAX[dtype]
+        return f"0, a float of magnitude <= {top:.6g} it does not write as 0, inf or NaN"
     return "an int in [{}, {}]".format(*_INT_RANGES[dtype])
 
 
 def _holds(dtype: str, value: numbers.Real) -> bool:
     """Whether ``torch.full(..., value, dtype=dtype)`` writes ``value`` itself (a float dtype
-    rounds to its precision; it must not overflow to inf)."""
+    rounds to its precision; it must not overflow to inf, nor a value other than 0 underflow to 0:
+    torch rounds to float32 first, then to the half dtype)."""
     if dtype == "bool":
         return value in (0, 1)
     if dtype in _FLOAT_MAX:
-        return not math.isfinite(value) or abs(value) <= _FLOAT_MAX[dtype]
+        if not math.isfinite(value) or value == 0:
+            return True
+        if abs(value) > _FLOAT_MAX[dtype]:
+            return False
+        single = abs(float(np.float32(value)))
+        if dtype == "bfloat16":
+            return single > _BF16_ZERO
+        return (float(np.float16(single)) if dtype == "float16" else single) != 0
     low, high = _INT_RANGES[dtype]
     return math.isfinite(value) and value == int(value) and low <= value <= high
 

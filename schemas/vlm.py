@@ -72,7 +72,8 @@ class VisionTokens:
                 f"VisionTokens: expected three distinct non-negative token ids, got {ids}"
             )
         name, merge = "VisionTokens.spatial_merge_size", self.spatial_merge_size
-        int_at_least(name, merge, 1, SchemaError, expected="a positive int")
+        merge = int_at_least(name, merge, 1, SchemaError, expected="a positive int")
+        object.__setattr__(self, "spatial_merge_size", merge)  # (a numpy int as an int: no wrap)
 
     def tokens_per_image(self, image_grid_thw: torch.Tensor) -> torch.Tensor:
         """int64 ``[num_images, 3]`` grids -> int64 ``[num_images]`` image tokens (``t*h*w /

@@ -27,16 +27,18 @@ from prealign.schemas.errors import ConfigError, SampleError
 
 def check_positive_ints(obj, names: tuple[str, ...]) -> None:
     """Each of ``obj``'s ``names`` an int >= 1 (``image_token_id``: >= 0), else a
-    :class:`~prealign.schemas.ConfigError` naming the class and the field."""
+    :class:`~prealign.schemas.ConfigError` naming the class and the field; a numpy int is kept as
+    an int (an ``int8`` kept as it is wraps in ``patch * merge``)."""
     for name in names:
         low = 0 if name == "image_token_id" else 1
-        int_at_least(
+        value = int_at_least(
             f"{type(obj).__name__}.{name}",
             getattr(obj, name),
             low,
             ConfigError,
             expected="a positive int" if low else None,
         )
+        object.__setattr__(obj, name, value)  # (obj: a frozen dataclass)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -420,7 +420,9 @@ class BlockCache:
     to ``limit - slack``. So a process keeps the folder within
     ``limit`` after each put, at a number of passes that grows with the bytes put, not with the
     blocks held times the blocks put; ``P`` processes sharing it between them may pass it by at most
-    ``P * slack`` between their passes. The folder is marked as a block cache (:data:`MARKER`); one
+    ``P * slack`` between their passes. An object kept whole (a server ignoring Range), at most
+    ``limit`` bytes, loses none of its blocks to the passes of its own download (``keep``): only
+    other blocks go below ``limit``. The folder is marked as a block cache (:data:`MARKER`); one
     removed under a run is made again."""
 
     SLACK_FRACTION = 64
@@ -463,8 +465,9 @@ class BlockCache:
         except OSError:
             return None
 
-    def put(self, name: str, data: bytes, *, evict: bool = True) -> None:
-        """Keep ``data`` as ``name`` (``evict=False``: the caller calls :meth:`evict` later)."""
+    def put(self, name: str, data: bytes, *, evict: bool = True, keep: str = "") -> None:
+        """Keep ``data`` as ``name`` (``evict=False``: the caller calls :meth:`evict` later;
+        ``keep``: see :meth:`evict`)."""
         if len(data) > self.limit:
             return
         tmp = os.path.join(self.dir, f"{name}.{os.getpid()}.{threading.get_ident()}.part")
@@ -486,7 +489,7 @@ class BlockCache:
             if self._held is not None:
                 self._held += len(data)
         if evict:
-            self.evict()
+            self.evict(keep)
 
     def drop(self, name: str) -> None:
         """Forget block ``name`` (a read found it wrong)."""
@@ -496,18 +499,21 @@ class BlockCache:
             except OSError:
                 pass
 
-    def evict(self) -> None:
+    def evict(self, keep: str = "") -> None:
         """Least recently used blocks out until this cache's blocks take at most ``limit`` bytes
         (a pass over the folder when due: see the class). Only files named as blocks are counted
         and removed: nothing else in the folder (the user's ``cache_dir`` may hold other files) is
-        ever deleted."""
+        ever deleted. ``keep``: blocks whose name starts with it (an object being kept whole,
+        at most ``limit`` bytes) go only while the blocks take more than ``limit``, not down to
+        ``limit - slack``: else an object within the limit lost its first blocks to its own pass."""
         with self.lock:
             if self._held is None or self._held > self.limit or self._since >= max(self.slack, 1):
-                self._held, self._since = self._evict(), 0
+                self._held, self._since = self._evict(keep), 0
 
-    def _evict(self) -> int:
+    def _evict(self, keep: str = "") -> int:
         """One pass: the blocks counted, the least recently used removed while they take more than
-        ``limit - slack`` (so the next pass is ``slack`` bytes of puts away); the bytes left."""
+        ``limit - slack`` (so the next pass is ``slack`` bytes of puts away; those named ``keep...``
+        only past ``limit``); the bytes left."""
         entries = []
         try:
             found = list(os.scandir(self.dir))
@@ -528,6 +534,8 @@ class BlockCache:
         for _, name, n in sorted(entries):
             if total <= self.limit - self.slack:
                 break
+            if keep and name.startswith(keep) and total <= self.limit:
+                continue
             try:
                 os.remove(os.path.join(self.dir, name))
             except OSError:
@@ -618,7 +626,9 @@ def _share_kept(url: str, kept: _Kept, opts: RemoteOptions) -> None:
             "validators": list(kept.validators),
             "ident": kept.ident,
         }
-        _block_cache(kept.directory, kept.limit).put(_kept_name(url), json.dumps(record).encode())
+        _block_cache(kept.directory, kept.limit).put(
+            _kept_name(url), json.dumps(record).encode(), evict=False
+        )  # (no pass: a record is no block, and one would trim the object just kept)
 
 
 def _kept_of(url: str, opts: RemoteOptions) -> _Kept | None:
@@ -712,8 +722,9 @@ def _keep_whole(
         total += len(data)
         if total > cache.limit:
             raise RemoteReadError(url, refused.format(f"more than {cache.limit} bytes"))
-        if data:
-            cache.put(_block_name(url, ident, bs, block), data, evict=block % 64 == 63)
+        name = _block_name(url, ident, bs, block)
+        if data:  # (this object's blocks, sharing its name's prefix, kept within the limit)
+            cache.put(name, data, evict=block % 64 == 63, keep=name[:17])
         lo = block * bs
         out.append(data[max(start - lo, 0) : max(end - lo, 0)])
         if len(data) < bs:
@@ -722,7 +733,7 @@ def _keep_whole(
         announced
     ):  # a body without Content-Length that stopped early
         raise RemoteReadError(url, f"the whole object announced {announced} bytes, {total} came")
-    cache.evict()
+    cache.evict(keep=_block_name(url, ident, bs, 0)[:17])
     _kept[url] = _Kept(cache.dir, cache.limit, bs, total, _validators(reply.headers), ident)
     _share_kept(url, _kept[url], opts)
     if server not in _warned:
@@ -778,7 +789,8 @@ def read_range(
             ):  # the object changed: its blocks under the new
                 ident = _identity[url]
                 name = _block_name(url, ident, bs, block)
-            cache.put(name, data)
+            if _kept.get(url) is kept:  # (else the fetch kept it whole: its blocks are put)
+                cache.put(name, data)
         out.append(data)
         names.append(name)
     buf = b"".join(out)

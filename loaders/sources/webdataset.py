@@ -241,15 +241,20 @@ def _check_unique(urls: Sequence[str], text: str | None) -> tuple[str | None, ob
 def url_schemes(urls: Sequence[str], text: str) -> frozenset[str]:
     """The :func:`~prealign.loaders.sources.remote.scheme` of each of ``urls`` (``text``: their
     :func:`~prealign.loaders.sources.shard_files.url_text`): the first's alone when every line
-    starts with its ``scheme:`` as written (two searches: a list of 100k URLs on one store), else
-    one a url.
+    starts with its ``scheme:`` as written and no url holds a newline (three searches: a list of
+    100k URLs on one store), else one a url.
 
     >>> sorted(url_schemes(["s3://b/0", "S3://b/1"], url_text(["s3://b/0", "S3://b/1"])))
     ['s3']
     """
     first = _remote.scheme(urls[0]) if len(urls) else ""
     head = urls[0][: len(first) + 1] if first else ""
-    if first and text.startswith(head) and text.count("\n" + head) == len(urls) - 1:
+    if (
+        first
+        and text.startswith(head)
+        and text.count("\n") == len(urls)  # (no url holds a newline: a line is a url)
+        and text.count("\n" + head) == len(urls) - 1
+    ):
         return frozenset((first,))
     return frozenset(map(_remote.scheme, urls))
 

@@ -128,7 +128,8 @@ _DTYPES = ["int64", "int32", "uint8", "bool", "float32", "bfloat16", "float16"]
 def _accepted_exactly_when_torch_writes_it_unchanged(dtype: str, pad) -> None:
     """Differential against torch: on an int or bool field, accepted iff ``torch.full`` writes the
     value itself (no error, no truncation, no wrap); on a float field, iff it is NaN, inf or within
-    ``torch.finfo(dtype).max`` (a rounded float is a float; an overflow to inf is not)."""
+    ``torch.finfo(dtype).max`` and not written as 0 unless it is 0 (a rounded float is a float;
+    an overflow to inf or an underflow to 0 is not)."""
     torch_dtype = getattr(torch, dtype)
     try:
         FieldSpec(name="f", dtypes=(dtype,), pad_value=pad)
@@ -140,7 +141,10 @@ def _accepted_exactly_when_torch_writes_it_unchanged(dtype: str, pad) -> None:
     except (RuntimeError, OverflowError):
         written = None
     if torch_dtype.is_floating_point:
-        assert accepted == (not math.isfinite(pad) or abs(pad) <= torch.finfo(torch_dtype).max)
+        underflow = pad != 0 and written == 0  # (review: written as 0, refused too)
+        assert accepted == (
+            not math.isfinite(pad) or abs(pad) <= torch.finfo(torch_dtype).max and not underflow
+        )
         if accepted:  # what padding writes is the value, rounded to the dtype
             assert written is not None and math.isfinite(written) == math.isfinite(pad)
     else:

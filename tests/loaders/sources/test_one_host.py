@@ -107,3 +107,19 @@ def test_a_start_over_urls_on_one_store_asks_no_question_of_each(monkeypatch):
         calls.clear()
         source = webdataset.WebDatasetSource([f"s3://b/d/s-{i:06d}.tar" for i in range(n)])
         assert source.schemes == {"s3"} and not source.stream_only and len(calls) <= 3, len(calls)
+
+
+@pytest.mark.parametrize(
+    "urls",
+    [
+        ["s3://b/a.tar", "pipe:cat x\ns3://b/c.tar"],  # (a pipe command of two lines)
+        ["http://h/a.tar", "x\nhttp://h/c.tar"],  # (a local path holding a newline)
+    ],
+)
+def test_a_url_holding_a_newline_is_asked_its_own_scheme(urls):
+    """Review: the fast path counted lines starting with the first's scheme, so a URL holding a
+    newline followed by that scheme passed as one of it: the pipe command was not stream-only."""
+    text = "".join(u + "\n" for u in urls)
+    assert webdataset.url_schemes(urls, text) == {remote.scheme(u) for u in urls}
+    source = webdataset.WebDatasetSource(urls)
+    assert source.stream_only == any(remote.is_sequential(u) for u in urls)
