@@ -31,11 +31,15 @@ class RangeHandler(http.server.BaseHTTPRequestHandler):
             return None
         return path, os.path.getsize(path)
 
-    def _head(self, status: int, size: int, length: int, lo: int) -> None:
+    def _etag(self, path: str) -> str:
+        st = os.stat(path)
+        return f'"{st.st_size:x}-{st.st_mtime_ns:x}"'  # (another object, another tag)
+
+    def _head(self, status: int, path: str, size: int, length: int, lo: int) -> None:
         self.send_response(status)
         self.send_header("Content-Length", str(length))
         self.send_header("Accept-Ranges", "bytes")
-        self.send_header("ETag", f'"{size:x}"')
+        self.send_header("ETag", self._etag(path))
         if status == 206:
             self.send_header("Content-Range", f"bytes {lo}-{lo + length - 1}/{size}")
         self.end_headers()
@@ -43,7 +47,7 @@ class RangeHandler(http.server.BaseHTTPRequestHandler):
     def do_HEAD(self) -> None:
         found = self._found()
         if found:
-            self._head(200, found[1], found[1], 0)
+            self._head(200, found[0], found[1], found[1], 0)
 
     def do_GET(self) -> None:
         found = self._found()
@@ -52,7 +56,13 @@ class RangeHandler(http.server.BaseHTTPRequestHandler):
         path, size = found
         m = _RANGE.match(self.headers.get("Range", ""))
         lo, hi = (int(m[1]), min(int(m[2]) + 1 if m[2] else size, size)) if m else (0, size)
-        self._head(206 if m else 200, size, hi - lo, lo)
+        if hi <= lo and size:  # (a range past the end, as S3 answers it)
+            self.send_response(416)
+            self.send_header("Content-Range", f"bytes */{size}")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        self._head(206 if m else 200, path, size, hi - lo, lo)
         with open(path, "rb") as f:
             f.seek(lo)
             self.wfile.write(f.read(hi - lo))
