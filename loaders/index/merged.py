@@ -680,10 +680,9 @@ def _parse(data: bytes, path: str) -> tuple[dict, dict[str, np.ndarray]]:
     past = [e for e in at if e[1] >= num_events[e[0]]]
     if past:
         raise bad(f"malformed event {list(past[0])} (past its shard's records)")
-    if (
-        version < 4
-        and np.any(rows + counts != num_events)
-    ) or any(b <= a for a, b in zip(at, at[1:])):
+    if (version < 4 and np.any(rows + counts != num_events)) or any(
+        b <= a for a, b in zip(at, at[1:])
+    ):
         raise bad("per-shard event counts do not add up, or events out of order or given twice")
     first, last = check_tiling(spans, owner, num_events, at, bad, rows=rows)
     if version < 4 and (np.any(table[:, 3] != first) or np.any(table[:, 4] != last)):

@@ -74,8 +74,11 @@ def test_a_model_config_patch_size_past_max_pixels_says_where_it_came_from():
 
 def test_a_huge_temporal_patch_size_is_refused():
     """An image is padded to temporal_patch_size frames (copies of it): at most a video's frames."""
-    with pytest.raises(ConfigError, match=r"\['temporal_patch_size'\]: expected temporal_patch_siz"
-                       r"e <= 2048 \(limits.max_video_frames: .*\), got 100000"):
+    with pytest.raises(
+        ConfigError,
+        match=r"\['temporal_patch_size'\]: expected temporal_patch_siz"
+        r"e <= 2048 \(limits.max_video_frames: .*\), got 100000",
+    ):
         VLMSampleTransform(tokenizer=TOK, processor_options={"temporal_patch_size": 100_000})
 
 
@@ -179,7 +182,10 @@ def test_the_volume_rule_is_glms_own_bound(patch, merge, temporal, most, height,
     from prealign.loaders.media.vlm import check_resize_bound
 
     processor = image_processor(
-        patch_size=patch, merge_size=merge, temporal_patch_size=temporal, min_pixels=1,
+        patch_size=patch,
+        merge_size=merge,
+        temporal_patch_size=temporal,
+        min_pixels=1,
         max_pixels=most,
     )
     try:
@@ -417,4 +423,3 @@ def test_the_draws_checked_are_the_draws_made(monkeypatch, repeat, by):
     monkeypatch.setattr(mixing, "MAX_EPOCH_DRAWS", drawn - 1)
     with pytest.raises(mixing.PlanError, match=r"expected at most .* draws an epoch"):
         mixing.mixed_order(mix, lengths, epoch=0, seed=0, shuffle=True)
-

@@ -46,21 +46,37 @@ def test_loader_options():
         ShuffleOptions(window=np.int64(8)),
         IndexOptions(workers=np.int32(2)),
         LoadingOptions(prefetch_factor=np.int64(2), shm_cap=np.int64(0)),
-        WorkerConfig(dp_rank=np.int64(1), dp_size=np.int32(2), cp_rank=np.int64(0),
-                     num_workers=np.int8(1)),
+        WorkerConfig(
+            dp_rank=np.int64(1), dp_size=np.int32(2), cp_rank=np.int64(0), num_workers=np.int8(1)
+        ),
     ]
     for option in options:
-        assert all(type(v) in (int, bool, type(None)) for k, v in vars(option).items()
-                   if k not in ("prebuilt", "multiprocessing_context", "group", "timeout"))
+        assert all(
+            type(v) in (int, bool, type(None))
+            for k, v in vars(option).items()
+            if k not in ("prebuilt", "multiprocessing_context", "group", "timeout")
+        )
     cases = [
-        (lambda: ShuffleOptions(window=True), r"ShuffleOptions.window: expected an int >= 1, got "
-         r"True \(bool\)"),
-        (lambda: LoadingOptions(shm_cap=-1), r"LoadingOptions.shm_cap: expected an int >= 0 or "
-         r"None, got -1"),
-        (lambda: WorkerConfig(num_workers=np.bool_(True)), r"num_workers: expected an int >= 0, "
-         r"got .*\(bool"),
-        (lambda: WorkerConfig(dp_rank=2, dp_size=2), r"dp_rank: expected an int in \[0, 2\), "
-         r"got 2$"),
+        (
+            lambda: ShuffleOptions(window=True),
+            r"ShuffleOptions.window: expected an int >= 1, got "
+            r"True \(bool\)",
+        ),
+        (
+            lambda: LoadingOptions(shm_cap=-1),
+            r"LoadingOptions.shm_cap: expected an int >= 0 or "
+            r"None, got -1",
+        ),
+        (
+            lambda: WorkerConfig(num_workers=np.bool_(True)),
+            r"num_workers: expected an int >= 0, "
+            r"got .*\(bool",
+        ),
+        (
+            lambda: WorkerConfig(dp_rank=2, dp_size=2),
+            r"dp_rank: expected an int in \[0, 2\), "
+            r"got 2$",
+        ),
         (lambda: WorkerConfig(dp_rank=False), r"dp_rank: expected an int in \[0, 1\), got False"),
         (lambda: WorkerConfig(dp_size=0), r"dp_size: expected an int >= 1, got 0$"),
     ]

@@ -18,8 +18,14 @@ from prealign.schemas.errors import ArgumentError, ConfigError, LayoutError, Sch
 
 @pytest.mark.parametrize(
     "value, got",
-    [(0, "got 0"), (True, "got True (bool)"), (2.0, "got 2.0 (float)"), ("3", "got '3' (str)"),
-     (None, "got None (NoneType)"), (np.bool_(True), "(bool")],
+    [
+        (0, "got 0"),
+        (True, "got True (bool)"),
+        (2.0, "got 2.0 (float)"),
+        ("3", "got '3' (str)"),
+        (None, "got None (NoneType)"),
+        (np.bool_(True), "(bool"),
+    ],
     ids=repr,
 )
 def test_int_at_least_names_what_came(value, got):

@@ -15,9 +15,7 @@ from prealign.loaders.sources.remote import BlockCache
 
 
 def _held(folder) -> int:
-    return sum(
-        p.stat().st_size for p in folder.iterdir() if remote._BLOCK_NAME.fullmatch(p.name)
-    )
+    return sum(p.stat().st_size for p in folder.iterdir() if remote._BLOCK_NAME.fullmatch(p.name))
 
 
 def _name(i: int) -> str:

@@ -55,9 +55,10 @@ def test_an_object_within_the_limit_is_downloaded_once(tmp_path, server, below):
         warnings.simplefilter("ignore", RangeIgnoredWarning)
         for _ in range(2):
             for start in range(0, size - 100, block):  # (every block read)
-                assert read_range(f"{base}/obj.bin", start, start + 100, opts) == data[
-                    start : start + 100
-                ]
+                assert (
+                    read_range(f"{base}/obj.bin", start, start + 100, opts)
+                    == data[start : start + 100]
+                )
     assert srv.gets == 1, srv.gets
 
 

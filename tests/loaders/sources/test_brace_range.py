@@ -88,8 +88,7 @@ def patterns(draw):
 def test_range_is_braceexpand_and_the_slow_path(pattern):
     names = list(braceexpand.braceexpand(pattern))
     one_width = all(
-        range_digits(a, b) is not None
-        for a, b in re.findall(r"\{([0-9]+)\.\.([0-9]+)\}", pattern)
+        range_digits(a, b) is not None for a, b in re.findall(r"\{([0-9]+)\.\.([0-9]+)\}", pattern)
     )
     assert (numeric_ranges(pattern) is not None) == one_width, (pattern, names[:3])
     got = _outcome(pattern)
