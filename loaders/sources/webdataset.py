@@ -248,13 +248,7 @@ def url_schemes(urls: Sequence[str], text: str) -> frozenset[str]:
     ['s3']
     """
     first = _remote.scheme(urls[0]) if len(urls) else ""
-    head = urls[0][: len(first) + 1] if first else ""
-    if (
-        first
-        and text.startswith(head)
-        and text.count("\n") == len(urls)  # (no url holds a newline: a line is a url)
-        and text.count("\n" + head) == len(urls) - 1
-    ):
+    if first and _every_line_starts(text, len(urls), urls[0][: len(first) + 1]):
         return frozenset((first,))
     return frozenset(map(_remote.scheme, urls))
 
@@ -283,11 +277,8 @@ def _one_host(urls: Sequence[str], text: str) -> str | None:
     if not (sep and host and _remote.is_remote(first)) or "?" in host or "pipe:" in first[:5]:
         return None
     start = f"{scheme}://{host}/"
-    if not (
-        text.startswith(start)
-        and text.count("\n") == len(urls)
-        and text.count("\n" + start) == len(urls) - 1
-        and not any(c in text for c in ("#", "\t", "\r", "?\n"))
+    if not _every_line_starts(text, len(urls), start) or any(
+        c in text for c in ("#", "\t", "\r", "?\n")
     ):
         return None
     try:  # (the start itself: a host urlsplit refuses raises below, for the first url)
@@ -320,11 +311,14 @@ def _normal_absolute(urls: Sequence[str], text: str, folder: str | None, rows=No
                 for line in (folder + ".", folder + "..")
             )
         )
+    return _every_line_starts(text, lines, "/") and not any(bad in text for bad in _ABNORMAL)
+
+
+def _every_line_starts(text: str, count: int, head: str) -> bool:
+    """Each of the ``count`` urls of ``text`` (their ``url_text``) starts with ``head`` and none
+    holds a newline (so a line is a url): three searches of the text, no step per url."""
     return (
-        text.startswith("/")
-        and text.count("\n") == lines
-        and text.count("\n/") == lines - 1
-        and not any(bad in text for bad in _ABNORMAL)
+        text.startswith(head) and text.count("\n") == count and text.count("\n" + head) == count - 1
     )
 
 
